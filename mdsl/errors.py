@@ -1,0 +1,97 @@
+"""mdsl's exceptions. Every error a user can cause is an `MdslError`: it says what is wrong,
+where in the user's code (file, line, a caret under the column when known) and how to fix it."""
+from __future__ import annotations
+
+import linecache
+from typing import Optional
+
+import attrs
+
+
+@attrs.frozen
+class SourceLoc:
+    """A place in the user's source: 1-based line, 0-based column span (end exclusive)."""
+
+    file: str
+    line: int
+    col: Optional[int] = None
+    end_col: Optional[int] = None
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}" if self.col is None else f"{self.file}:{self.line}:{self.col + 1}"
+
+    def source_line(self) -> Optional[str]:
+        text = linecache.getline(self.file, self.line)
+        return text.rstrip("\n") if text else None
+
+    def render(self) -> str:
+        """The source line with a caret under the failing span, or '' when the file is unreadable."""
+        text = self.source_line()
+        if text is None:
+            return ""
+        indent = len(text) - len(text.lstrip())
+        shown = text.strip()
+        out = f"    {shown}"
+        if self.col is not None and self.col >= indent:
+            end = self.end_col if self.end_col is not None and self.end_col > self.col else self.col + 1
+            end = min(end, len(text))
+            out += "\n    " + " " * (self.col - indent) + "^" * max(1, end - self.col)
+        return out
+
+
+class MdslError(Exception):
+    """Base class of every error mdsl raises on bad input."""
+
+    def __init__(self, message: str, *, loc: Optional[SourceLoc] = None, hint: Optional[str] = None):
+        self.message = message
+        self.loc = loc
+        self.hint = hint
+        super().__init__(message)
+
+    def with_loc(self, loc: Optional[SourceLoc]) -> "MdslError":
+        """Attach a source location if none is known yet (errors raised deep inside a rule)."""
+        if self.loc is None and loc is not None:
+            self.loc = loc
+        return self
+
+    def __str__(self) -> str:
+        head = f"{self.loc}: {self.message}" if self.loc is not None else self.message
+        parts = [head]
+        if self.loc is not None:
+            shown = self.loc.render()
+            if shown:
+                parts.append(shown)
+        if self.hint:
+            parts.append(f"hint: {self.hint}")
+        return "\n".join(parts)
+
+    def __reduce__(self):  # picklable across search worker processes
+        return (_rebuild, (type(self), self.message, self.loc, self.hint))
+
+
+def _rebuild(cls, message, loc, hint):
+    return cls(message, loc=loc, hint=hint)
+
+
+class ShapeError(MdslError):
+    """Operand shapes do not fit the operator (e.g. the inner dims of a matmul differ)."""
+
+
+class DTypeError(MdslError):
+    """An unsupported dtype, or operands whose dtypes do not agree."""
+
+
+class TraceError(MdslError):
+    """The traced function does something tracing cannot capture (data-dependent control flow, ...)."""
+
+
+class ValidationError(MdslError):
+    """A mugraph breaks a structural rule (maps, accumulators, shared-memory limit, ...)."""
+
+
+class ParseError(MdslError):
+    """The textual or JSON form of a mugraph could not be read."""
+
+
+class UnsupportedError(MdslError):
+    """A feature mdsl does not provide (yet), named with what to use instead."""

@@ -1,0 +1,264 @@
+"""Structural validation of mugraphs. Each check raises `ValidationError` (or the shape/dtype error of
+the failing rule) pointing at the node's source line and saying how to fix the graph."""
+from __future__ import annotations
+
+from typing import Optional
+
+from mdsl.errors import MdslError, ShapeError, ValidationError
+from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph
+from mdsl.ir.ops import BLOCK, KERNEL, THREAD, get_op
+from mdsl.ir.types import TensorType
+
+#: Shared memory a Hopper thread block may use (227 KB on sm_90).
+SMEM_LIMIT_BYTES = 227 * 1024
+MAX_THREADS = 1024
+_AXES = "xyz"
+
+
+def _describe(node: Node) -> str:
+    outs = ", ".join(str(v) for v in node.outputs)
+    return f"{outs} = {node.op}(...)" if outs else node.op
+
+
+def check_node(node: Node, level: str, input_types: tuple, *, smem_limit: int = SMEM_LIMIT_BYTES) -> tuple:
+    """Check one node's operator, level, attributes and types; return its output types."""
+    try:
+        op = get_op(node.op)
+        if level not in op.levels:
+            where = " and ".join(sorted(op.levels))
+            raise ValidationError(f"{node.op} cannot appear in a {level} graph (allowed at the {where} level)")
+        if op.normalize_attrs(node.attr_dict) != tuple(node.attrs):
+            raise ValidationError(f"{node.op}: attributes {dict(node.attrs)} are not in normal form "
+                                  f"(expected {dict(op.normalize_attrs(node.attr_dict))})")
+        if op.is_graph_defined:
+            if op.body_level == BLOCK and isinstance(node.body, BlockGraph):
+                return validate_block_graph(node.body, input_types, smem_limit=smem_limit)
+            if op.body_level == THREAD and isinstance(node.body, ThreadGraph):
+                return validate_thread_graph(node.body, input_types)
+            raise ValidationError(f"{node.op} needs a {op.body_level} graph as its body")
+        if node.body is not None:
+            raise ValidationError(f"{node.op} is not graph-defined and cannot have a body")
+        return op.infer_types(input_types, node.attrs)
+    except MdslError as e:
+        raise e.with_loc(node.loc)
+
+
+def _check_outputs(node: Node, types: tuple) -> None:
+    if len(types) != len(node.outputs):
+        raise ValidationError(f"{node.op} produces {len(types)} value(s) but the node names {len(node.outputs)}",
+                              loc=node.loc)
+    for v, t in zip(node.outputs, types):
+        if v.type != t:
+            raise ShapeError(f"{node.op}: %{v.name} is declared {v.type} but the operator gives {t}", loc=node.loc)
+
+
+class _Scope:
+    """Values defined so far in one graph, with the error for a use before definition."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.types: dict = {}
+
+    def define(self, var, loc=None) -> None:
+        if var.name in self.types:
+            raise ValidationError(f"%{var.name} is defined twice in the {self.what}", loc=loc)
+        self.types[var.name] = var.type
+
+    def use(self, var, loc=None) -> TensorType:
+        if var.name not in self.types:
+            raise ValidationError(f"%{var.name} is used before it is defined in the {self.what}", loc=loc)
+        if self.types[var.name] != var.type:
+            raise ShapeError(f"%{var.name} is used as {var.type} but defined as {self.types[var.name]}", loc=loc)
+        return var.type
+
+
+def validate_kernel_graph(graph: KernelGraph, *, smem_limit: int = SMEM_LIMIT_BYTES) -> None:
+    scope = _Scope(f"kernel graph {graph.name}")
+    for v in graph.inputs:
+        scope.define(v)
+    for node in graph.nodes:
+        types = tuple(scope.use(v, node.loc) for v in node.inputs)
+        _check_outputs(node, check_node(node, KERNEL, types, smem_limit=smem_limit))
+        for v in node.outputs:
+            scope.define(v, node.loc)
+    if not graph.outputs:
+        raise ValidationError(f"kernel graph {graph.name} has no outputs", hint="return at least one tensor")
+    for v in graph.outputs:
+        scope.use(v)
+
+
+def validate_thread_graph(graph: ThreadGraph, input_types: tuple) -> tuple:
+    if len(graph.inputs) != len(input_types):
+        raise ValidationError(f"thread graph takes {len(graph.inputs)} inputs but is given {len(input_types)}")
+    scope = _Scope("thread graph")
+    for v, t in zip(graph.inputs, input_types):
+        if v.type != t:
+            raise ShapeError(f"thread graph input %{v.name} is {v.type} but is given {t}")
+        scope.define(v)
+    for node in graph.nodes:
+        if not get_op(node.op).is_elementwise:
+            raise ValidationError(f"{node.op} is not element-wise and cannot run in a thread graph", loc=node.loc)
+        types = tuple(scope.use(v, node.loc) for v in node.inputs)
+        _check_outputs(node, check_node(node, THREAD, types))
+        for v in node.outputs:
+            scope.define(v, node.loc)
+    return tuple(scope.use(v) for v in graph.outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# block graphs
+
+def input_tile_type(tensor: TensorType, grid: tuple, forloop: int, imap: tuple, fmap: Optional[int],
+                    what: str = "input") -> TensorType:
+    """The tile of `tensor` one block sees in one loop iteration, or a ValidationError."""
+    shape = list(tensor.shape)
+    seen: dict = {}
+    for g, (size, d) in enumerate(zip(grid, imap)):
+        if d is None:
+            continue
+        axis = _AXES[g]
+        if size == 1:
+            raise ValidationError(f"{what}: imap maps grid dim {axis} (size 1) to tensor dim {d}",
+                                  hint="a grid dim of size 1 splits nothing; map it to None")
+        if not 0 <= d < tensor.rank:
+            raise ValidationError(f"{what}: imap maps grid dim {axis} to dim {d}, but {tensor} has rank {tensor.rank}")
+        if d in seen:
+            raise ValidationError(f"{what}: grid dims {seen[d]} and {axis} both split tensor dim {d}",
+                                  hint="map each tensor dim from at most one grid dim")
+        seen[d] = axis
+        if shape[d] % size:
+            raise ValidationError(f"{what}: grid dim {axis}={size} does not divide dim {d} of {tensor} ({tensor.shape[d]})",
+                                  hint=f"choose a grid size that divides {tensor.shape[d]}")
+        shape[d] //= size
+    if fmap is not None:
+        if not 0 <= fmap < tensor.rank:
+            raise ValidationError(f"{what}: fmap {fmap} is out of range for {tensor}")
+        if shape[fmap] % forloop:
+            raise ValidationError(f"{what}: the for-loop range {forloop} does not divide dim {fmap} of the block's tile "
+                                  f"({shape[fmap]})", hint=f"choose a for-loop range that divides {shape[fmap]}")
+        shape[fmap] //= forloop
+    return tensor.with_shape(shape)
+
+
+def output_tensor_type(tile: TensorType, grid: tuple, omap: tuple, what: str = "output") -> TensorType:
+    """The device tensor the blocks' output tiles are concatenated into, or a ValidationError."""
+    shape = list(tile.shape)
+    seen: dict = {}
+    for g, (size, d) in enumerate(zip(grid, omap)):
+        axis = _AXES[g]
+        if d is None:
+            if size > 1:
+                raise ValidationError(f"{what}: omap maps grid dim {axis} (size {size}) to nothing, "
+                                      f"so the {size} blocks along {axis} would overwrite each other's output",
+                                      hint=f"map grid dim {axis} to the tensor dim that its blocks concatenate into")
+            continue
+        if size == 1:
+            raise ValidationError(f"{what}: omap maps grid dim {axis} (size 1) to tensor dim {d}",
+                                  hint="a grid dim of size 1 concatenates nothing; map it to None")
+        if not 0 <= d < tile.rank:
+            raise ValidationError(f"{what}: omap maps grid dim {axis} to dim {d}, but the tile {tile} has rank {tile.rank}")
+        if d in seen:
+            raise ValidationError(f"{what}: grid dims {seen[d]} and {axis} both concatenate into tensor dim {d}")
+        seen[d] = axis
+        shape[d] *= size
+    return tile.with_shape(shape)
+
+
+def _storage_bytes(t: TensorType, accumulator: bool) -> int:
+    # accumulators are kept in f32 whatever their nominal dtype
+    return t.numel * (max(4, t.dtype.itemsize) if accumulator else t.dtype.itemsize)
+
+
+def shared_memory_peak(graph: BlockGraph) -> int:
+    """Peak bytes of live tiles, walking the nodes in order (loop body, then after the loop).
+
+    Accumulators are live for the whole loop; other tiles from definition to last use. Memory
+    planning (a later pass) may do better by reordering; this is the bound validation enforces.
+    """
+    post = graph.post_loop_vars()
+    acc_outputs = {v.name for n in graph.nodes if n.opdef.is_accumulator for v in n.outputs}
+    last_use: dict = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.inputs:
+            last_use[v.name] = i
+    for o in graph.outputs:
+        last_use[o.var.name] = len(graph.nodes)
+    sizes = {i.var.name: _storage_bytes(i.var.type, False) for i in graph.inputs}
+    for n in graph.nodes:
+        for v in n.outputs:
+            sizes[v.name] = _storage_bytes(v.type, v.name in acc_outputs)
+
+    def walk(order, live: set, pinned: int) -> int:
+        peak = sum(sizes[v] for v in live) + pinned
+        for i, n in order:
+            live = live | {v.name for v in n.outputs}
+            peak = max(peak, sum(sizes[v] for v in live) + pinned)
+            live = {v for v in live if last_use.get(v, -1) > i}
+        return peak
+
+    body = [(i, n) for i, n in enumerate(graph.nodes) if not n.opdef.is_accumulator]
+    loop = [(i, n) for i, n in body if not any(v.name in post for v in n.outputs)]
+    after = [(i, n) for i, n in body if any(v.name in post for v in n.outputs)]
+    acc_bytes = sum(sizes[a] for a in acc_outputs)
+    return max(walk(loop, {i.var.name for i in graph.inputs}, acc_bytes), walk(after, set(acc_outputs), 0))
+
+
+def validate_block_graph(graph: BlockGraph, input_types: tuple, *, smem_limit: int = SMEM_LIMIT_BYTES) -> tuple:
+    """Check a block graph against the device tensors it reads; return the tensors it writes."""
+    if any(d < 1 for d in graph.grid):
+        raise ValidationError(f"grid {list(graph.grid)} has a dim smaller than 1")
+    if graph.forloop < 1:
+        raise ValidationError(f"the for-loop range must be >= 1, got {graph.forloop}")
+    if not (32 <= graph.threads <= MAX_THREADS and graph.threads % 32 == 0):
+        raise ValidationError(f"a block of {graph.threads} threads: use a multiple of 32 between 32 and {MAX_THREADS}")
+    if len(graph.inputs) != len(input_types):
+        raise ValidationError(f"the block graph reads {len(graph.inputs)} inputs but the custom op passes {len(input_types)}")
+
+    scope = _Scope("block graph")
+    for k, (inp, tensor) in enumerate(zip(graph.inputs, input_types)):
+        what = f"block input %{inp.var.name} (operand {k}, {tensor})"
+        tile = input_tile_type(tensor, graph.grid, graph.forloop, inp.imap, inp.fmap, what)
+        if inp.var.type != tile:
+            raise ShapeError(f"{what}: its tile is {tile} under imap {list(inp.imap)} and fmap {inp.fmap}, "
+                             f"but it is declared {inp.var.type}")
+        scope.define(inp.var)
+
+    post: set = set()
+    for node in graph.nodes:
+        types = tuple(scope.use(v, node.loc) for v in node.inputs)
+        _check_outputs(node, check_node(node, BLOCK, types, smem_limit=smem_limit))
+        after = [v for v in node.inputs if v.name in post]
+        inside = [v for v in node.inputs if v.name not in post]
+        if node.opdef.is_accumulator:
+            if after:
+                raise ValidationError(f"{node.op} accumulates %{after[0].name}, which is already accumulated",
+                                      loc=node.loc, hint="every input-to-output path passes exactly one accumulator")
+            post.update(v.name for v in node.outputs)
+        elif after and inside:
+            raise ValidationError(f"{_describe(node)} mixes %{inside[0].name} from inside the for-loop with "
+                                  f"%{after[0].name} from after it", loc=node.loc,
+                                  hint=f"accumulate %{inside[0].name} (e.g. accum) before using it after the loop")
+        elif after:
+            post.update(v.name for v in node.outputs)
+        for v in node.outputs:
+            scope.define(v, node.loc)
+
+    if not graph.outputs:
+        raise ValidationError("a block graph needs at least one output")
+    out_types = []
+    for k, out in enumerate(graph.outputs):
+        scope.use(out.var)
+        if out.var.name not in post:
+            raise ValidationError(f"block output %{out.var.name} does not pass through an accumulator",
+                                  hint="every input-to-output path needs exactly one accumulator; "
+                                       "close the for-loop with accum (or accum_sum, accum_max, ...) first")
+        out_types.append(output_tensor_type(out.var.type, graph.grid, out.omap, f"block output %{out.var.name}"))
+
+    peak = shared_memory_peak(graph)
+    if peak > smem_limit:
+        largest = sorted(((v.type.nbytes, v) for n in graph.nodes for v in n.outputs), key=lambda p: -p[0])[:3]
+        shown = ", ".join(f"%{v.name} {v.type} ({b // 1024} KB)" for b, v in largest)
+        raise ValidationError(f"the block's tiles need {peak / 1024:.1f} KB of shared memory, over the "
+                              f"{smem_limit // 1024} KB limit (largest: {shown})",
+                              hint="split the work across more blocks (a larger grid) or more for-loop iterations")
+    return tuple(out_types)
