@@ -1,0 +1,30 @@
+"""mdsl: a Python DSL that superoptimizes tensor programs into fast GPU kernels.
+
+    import mdsl
+    from mdsl import Tensor, f16
+
+    @mdsl.kernel
+    def rms_norm_linear(x: Tensor[16, 4096, f16], w: Tensor[4096, 6144, f16]):
+        return mdsl.rms_norm(x) @ w
+
+    print(rms_norm_linear.graph)     # the traced kernel graph
+"""
+from mdsl.errors import (DTypeError, MdslError, ParseError, ShapeError, TraceError, UnsupportedError,
+                         ValidationError)
+from mdsl.frontend.functions import (add, cast, chunk, clamp, concat, div, exp, gelu, matmul, max, mean, mul, neg,
+                                     permute, power, reciprocal, relu, reshape, rms_norm, rsqrt, sigmoid, silu,
+                                     softmax, split, sqrt, square, sub, sum, transpose)
+from mdsl.frontend.kernel import KernelFunction, kernel
+from mdsl.frontend.tensor import Tensor, TensorSpec
+from mdsl.frontend.tracer import BlockBuilder, block_graph
+from mdsl.ir.dtypes import bf16, f16, f32, i32
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MdslError", "DTypeError", "ParseError", "ShapeError", "TraceError", "UnsupportedError", "ValidationError",
+    "add", "cast", "chunk", "clamp", "concat", "div", "exp", "gelu", "matmul", "max", "mean", "mul", "neg",
+    "permute", "power", "reciprocal", "relu", "reshape", "rms_norm", "rsqrt", "sigmoid", "silu", "softmax",
+    "split", "sqrt", "square", "sub", "sum", "transpose", "KernelFunction", "kernel", "Tensor", "TensorSpec",
+    "BlockBuilder", "block_graph", "bf16", "f16", "f32", "i32",
+]

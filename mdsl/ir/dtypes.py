@@ -50,6 +50,9 @@ def dtype_of_array(arr) -> DType:
     return d
 
 
+_BF16_MAX = (2 - 2.0**-7) * 2.0**127
+
+
 def round_to_dtype(x: np.ndarray, dtype: DType) -> np.ndarray:
     """Round float values to what `dtype` can hold (round-to-nearest-even), keeping x's numpy type."""
     if dtype is f32:
@@ -58,10 +61,11 @@ def round_to_dtype(x: np.ndarray, dtype: DType) -> np.ndarray:
         with np.errstate(over="ignore"):
             return x.astype(np.float16).astype(x.dtype)
     if dtype is bf16:
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        nan = np.isnan(x)
-        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
-        out = rounded.view(np.float32).astype(x.dtype)
-        out[nan] = np.nan
-        return out
+        # round-to-nearest-even to 8 significant bits directly from x (no double rounding via f32)
+        mant, exp = np.frexp(x.astype(np.float64))
+        exp = np.maximum(exp, -125)  # below 2**-126 bf16 is subnormal: a fixed ulp of 2**-133
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.ldexp(np.round(np.ldexp(x.astype(np.float64), 8 - exp)), exp - 8)
+            r = np.where(np.abs(r) > _BF16_MAX, np.copysign(np.inf, r), r)
+        return np.asarray(r, dtype=x.dtype).reshape(np.shape(x))
     return x

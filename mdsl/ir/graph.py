@@ -41,7 +41,8 @@ def _dim3(value: Iterable) -> tuple:
 
 @attrs.frozen(cache_hash=True)
 class Node:
-    """One operator application. `attrs` is a sorted tuple of (name, value) pairs; `body` holds the
+    """One operator application. `attrs` is a tuple of (name, value) pairs in the operator's declared
+    attribute order (see `OpDef.normalize_attrs`); `body` holds the
     block or thread graph of a graph-defined op; `loc` (not part of equality) is the user's line."""
 
     op: str
@@ -156,6 +157,11 @@ class ThreadGraph:
     @property
     def key(self) -> str:
         return structural_key(self)
+
+    def __str__(self) -> str:
+        from mdsl.ir.text import print_thread_graph
+
+        return print_thread_graph(self)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,12 +43,16 @@ class AttrSpec:
                     raise TypeError
                 return int(value)
             if self.kind == "float":
+                if isinstance(value, (bool, np.bool_, str, bytes)):
+                    raise TypeError
                 return float(value)
             if self.kind == "bool":
                 if not isinstance(value, (bool, np.bool_)):
                     raise TypeError
                 return bool(value)
             if self.kind == "ints":
+                if any(isinstance(v, (bool, np.bool_)) for v in value):
+                    raise TypeError
                 out = tuple(int(v) for v in value)
                 if any(o != v for o, v in zip(out, value)):
                     raise TypeError
@@ -86,7 +90,7 @@ class OpDef:
         return self.body_level is not None
 
     def normalize_attrs(self, given: dict) -> tuple:
-        """Fill defaults, check kinds, reject unknown names; a sorted, hashable tuple of pairs."""
+        """Fill defaults, check kinds, reject unknown names; a hashable tuple of pairs in declared order."""
         known = {s.name: s for s in self.attr_specs}
         unknown = set(given) - set(known)
         if unknown:
@@ -171,9 +175,11 @@ def norm_dim(op: str, dim: int, rank: int) -> int:
     return dim % rank
 
 
-def _same_type(types, attrs_):
-    _require_float("elementwise op", types[:1])
-    return (types[0],)
+def _same_type(name):
+    def infer(types, attrs_):
+        _require_float(name, types[:1])
+        return (types[0],)
+    return infer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +207,7 @@ _UNARY: dict[str, tuple[Callable, str]] = {
 }
 
 for _name, (_fn, _doc) in _UNARY.items():
-    register(OpDef(_name, "elementwise", ALL_LEVELS, 1, (), _same_type,
+    register(OpDef(_name, "elementwise", ALL_LEVELS, 1, (), _same_type(_name),
                    (lambda fn: lambda xs, a: [fn(xs[0])])(_fn), doc=_doc))
 
 _SCALAR_UNARY = {
@@ -210,14 +216,14 @@ _SCALAR_UNARY = {
     "pow_scalar": (("exponent", "float"), lambda x, a: np.power(x, x.dtype.type(a["exponent"])), "x ** exponent"),
 }
 for _name, ((_an, _ak), _fn, _doc) in _SCALAR_UNARY.items():
-    register(OpDef(_name, "elementwise", ALL_LEVELS, 1, (AttrSpec(_an, _ak),), _same_type,
+    register(OpDef(_name, "elementwise", ALL_LEVELS, 1, (AttrSpec(_an, _ak),), _same_type(_name),
                    (lambda fn: lambda xs, a: [fn(xs[0], a)])(_fn), doc=_doc))
 
 
 def _clamp_infer(types, a):
     if a["min"] > a["max"]:
         raise ValidationError(f"clamp: min {a['min']} is greater than max {a['max']}")
-    return _same_type(types, a)
+    return _same_type("clamp")(types, a)
 
 
 register(OpDef("clamp", "elementwise", ALL_LEVELS, 1, (AttrSpec("min", "float"), AttrSpec("max", "float")),
@@ -383,9 +389,14 @@ register(OpDef("transpose", "layout", frozenset({KERNEL}), 1, (AttrSpec("perm", 
 # ---------------------------------------------------------------------------------------------
 # graph-defined operators: the body is interpreted, so there is no infer/reference of their own
 
-register(OpDef("custom", "graph", frozenset({KERNEL}), None, (), body_level=BLOCK,
+def _typed_by_body(types, a):
+    raise ValidationError("the output types of a graph-defined op come from its body",
+                          hint="validate the node (mdsl.ir.validate.check_node) instead of calling infer_types")
+
+
+register(OpDef("custom", "graph", frozenset({KERNEL}), None, (), _typed_by_body, body_level=BLOCK,
                doc="a custom kernel whose body is a block graph"))
-register(OpDef("fused", "graph", frozenset({BLOCK}), None, (), body_level=THREAD,
+register(OpDef("fused", "graph", frozenset({BLOCK}), None, (), _typed_by_body, body_level=THREAD,
                doc="an element-wise chain kept in registers; its body is a thread graph"))
 
 
@@ -406,6 +417,7 @@ def _acc_infer(reduce_last: bool, rescaled: bool):
         out = _last_to_one(x) if reduce_last else x
         if rescaled:
             scale = types[1]
+            _require_same_dtype("rescaling accumulator", types)
             if scale.rank != out.rank or broadcast_shapes("rescaling accumulator", scale.shape, out.shape) != out.shape:
                 raise ShapeError(f"rescaling accumulator: the scale {scale} must have the rank of {out} and broadcast to it",
                                  hint="keep the reduced dim of the row maximum: mdsl.max(s, dim=-1, keepdim=True)")

@@ -2,6 +2,7 @@
 the failing rule) pointing at the node's source line and saying how to fix the graph."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from mdsl.errors import MdslError, ShapeError, ValidationError
@@ -52,6 +53,9 @@ def _check_outputs(node: Node, types: tuple) -> None:
             raise ShapeError(f"{node.op}: %{v.name} is declared {v.type} but the operator gives {t}", loc=node.loc)
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
+
+
 class _Scope:
     """Values defined so far in one graph, with the error for a use before definition."""
 
@@ -60,6 +64,9 @@ class _Scope:
         self.types: dict = {}
 
     def define(self, var, loc=None) -> None:
+        if not _IDENTIFIER.match(var.name):
+            raise ValidationError(f"{var.name!r} is not a valid value name in the {self.what}", loc=loc,
+                                  hint="names are identifiers: letters, digits, '_' and '.', not starting with a digit")
         if var.name in self.types:
             raise ValidationError(f"%{var.name} is defined twice in the {self.what}", loc=loc)
         self.types[var.name] = var.type
@@ -102,6 +109,8 @@ def validate_thread_graph(graph: ThreadGraph, input_types: tuple) -> tuple:
         _check_outputs(node, check_node(node, THREAD, types))
         for v in node.outputs:
             scope.define(v, node.loc)
+    if not graph.outputs:
+        raise ValidationError("a thread graph needs at least one output")
     return tuple(scope.use(v) for v in graph.outputs)
 
 

@@ -1,0 +1,144 @@
+"""The `mdsl` command line.
+
+    mdsl optimize examples/rms_norm_linear.py                  # every @mdsl.kernel in the file
+    mdsl optimize examples/rms_norm_linear.py:rms_norm_linear  # one of them
+    mdsl optimize FILE --format json|dot
+    mdsl version
+
+Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
+printed without a Python traceback, with their file, line and hint, and exit with status 2. Other
+exceptions raised by the user's file propagate with their traceback, as `python FILE` would show.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Sequence
+
+from mdsl import __version__
+from mdsl.errors import MdslError
+from mdsl.frontend.kernel import KernelFunction
+from mdsl.ir import dot, serialize
+from mdsl.ir.graph import KernelGraph
+
+EXIT_OK, EXIT_USER_ERROR = 0, 2
+
+# the name the loaded file runs under: not "__main__", so that its demo block does not run
+_MODULE_NAME = "__mdsl_user_file__"
+
+
+class CliError(Exception):
+    """A bad command line: a missing file, an unknown function name."""
+
+
+# ---------------------------------------------------------------------------------------------
+# loading a user's file
+
+def split_target(target: str) -> tuple[Path, Optional[str]]:
+    """FILE[:FUNCTION] -> (path, function or None)."""
+    path, sep, function = target.rpartition(":")
+    if sep and function.isidentifier():
+        return Path(path), function
+    return Path(target), None
+
+
+def load_module(path: Path) -> ModuleType:
+    """Execute `path` as a module, with its directory on sys.path so that it can import its siblings."""
+    if not path.is_file():
+        raise CliError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise CliError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_MODULE_NAME] = module  # some libraries (dataclasses, pickle) look the module up
+    directory = str(path.resolve().parent)
+    sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(directory)
+    return module
+
+
+def find_kernels(module: ModuleType, path: Path, function: Optional[str]) -> list[KernelFunction]:
+    """The module's kernels in definition order (or the one named), each once."""
+    kernels = {}
+    for name, value in vars(module).items():
+        if isinstance(value, KernelFunction) and value not in kernels.values():
+            kernels[name] = value
+    if function is None:
+        if not kernels:
+            raise CliError(f"{path} defines no @mdsl.kernel functions")
+        return list(kernels.values())
+    if function not in kernels:
+        available = ", ".join(kernels) or "none"
+        raise CliError(f"{path} has no @mdsl.kernel function named {function!r} (its kernels: {available})")
+    return [kernels[function]]
+
+
+# ---------------------------------------------------------------------------------------------
+# output formats
+
+def _text(graphs: list[KernelGraph]) -> str:
+    return "\n\n".join(str(g) for g in graphs)
+
+
+def _json(graphs: list[KernelGraph]) -> str:
+    # JSON Lines: one graph per line, so that the output of several kernels stays machine-readable
+    return "\n".join(json.dumps(serialize.to_json(g), sort_keys=True, allow_nan=False) for g in graphs)
+
+
+def _dot(graphs: list[KernelGraph]) -> str:
+    return "\n".join(dot.to_dot(g) for g in graphs)
+
+
+FORMATS = {"text": _text, "json": _json, "dot": _dot}
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+def optimize(args: argparse.Namespace) -> int:
+    path, function = split_target(args.target)
+    kernels = find_kernels(load_module(path), path, function)
+    print(FORMATS[args.format]([k.graph for k in kernels]))
+    return EXIT_OK
+
+
+def version(args: argparse.Namespace) -> int:
+    print(f"mdsl {__version__}")
+    return EXIT_OK
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mdsl", description="mdsl: a tensor-program superoptimizer.")
+    parser.add_argument("--version", action="version", version=f"mdsl {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    opt = commands.add_parser(
+        "optimize", help="trace a file's kernels and print their graphs",
+        description="Trace the @mdsl.kernel functions of FILE (or only FUNCTION), using their Tensor[...] "
+                    "annotations, and print their kernel graphs. The search, verification and compilation "
+                    "come in later versions of mdsl; for now this traces and prints.")
+    opt.add_argument("target", metavar="FILE[:FUNCTION]", help="a Python file, optionally with a kernel's name")
+    opt.add_argument("-f", "--format", choices=sorted(FORMATS), default="text",
+                     help="text (the textual IR, default), json (the cache form, one graph per line) "
+                          "or dot (Graphviz)")
+    opt.set_defaults(run=optimize)
+
+    ver = commands.add_parser("version", help="print mdsl's version")
+    ver.set_defaults(run=version)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (MdslError, CliError) as e:
+        print(f"mdsl: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR

@@ -1,0 +1,1 @@
+"""The user-facing DSL: `@mdsl.kernel`, `Tensor[...]` annotations, tracing, the `mdsl.*` functions."""

@@ -1,0 +1,322 @@
+"""The `mdsl.*` operator functions and the Python operators of symbolic tensors.
+
+Each function checks its operands and binds one registry operator (or a short composition, e.g.
+softmax). Python scalars become the scalar forms of the operators (`x * 2` is `mul_scalar`).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from mdsl.errors import MdslError, ShapeError, TraceError, UnsupportedError
+from mdsl.frontend.source import caller_loc
+from mdsl.frontend.tracer import SymbolicTensor, as_symbolic, common_tracer
+from mdsl.ir.dtypes import DType
+from mdsl.ir.ops import norm_dim
+
+
+def _bind(op: str, tensors: Sequence, **attrs):
+    tensors = [as_symbolic(t, f"operand {i} of {op}") for i, t in enumerate(tensors)]
+    return common_tracer(tensors, op).bind(op, tensors, attrs)
+
+
+def _one(op: str, tensors: Sequence, **attrs) -> SymbolicTensor:
+    return _bind(op, tensors, **attrs)[0]
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    return isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.ndim == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise unary
+
+def exp(x):
+    """e**x, element-wise."""
+    return _one("exp", [x])
+
+
+def silu(x):
+    """x * sigmoid(x)."""
+    return _one("silu", [x])
+
+
+def gelu(x):
+    """Exact GELU: 0.5 x (1 + erf(x / sqrt 2))."""
+    return _one("gelu", [x])
+
+
+def relu(x):
+    return _one("relu", [x])
+
+
+def sigmoid(x):
+    return _one("sigmoid", [x])
+
+
+def sqrt(x):
+    return _one("sqrt", [x])
+
+
+def rsqrt(x):
+    """1 / sqrt(x)."""
+    return _one("rsqrt", [x])
+
+
+def square(x):
+    return _one("square", [x])
+
+
+def neg(x):
+    return _one("neg", [x])
+
+
+def reciprocal(x):
+    return _one("reciprocal", [x])
+
+
+def clamp(x, min: float, max: float):
+    """Limit x to [min, max]."""
+    return _one("clamp", [x], min=min, max=max)
+
+
+def cast(x, dtype: Union[DType, str]):
+    """Convert to another dtype."""
+    return _one("cast", [x], dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise binary, with Python scalars on either side
+
+def _scalar(value, op: str) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise TraceError(f"{op} with the non-finite scalar {value}", loc=caller_loc())
+    return value
+
+
+def add(x, y):
+    """x + y with numpy broadcasting; either side may be a Python scalar."""
+    if _is_scalar(y):
+        return _one("add_scalar", [x], value=_scalar(y, "add"))
+    if _is_scalar(x):
+        return _one("add_scalar", [y], value=_scalar(x, "add"))
+    return _one("add", [x, y])
+
+
+def sub(x, y):
+    if _is_scalar(y):
+        return _one("add_scalar", [x], value=-_scalar(y, "sub"))
+    if _is_scalar(x):
+        return _one("add_scalar", [neg(y)], value=_scalar(x, "sub"))
+    return _one("sub", [x, y])
+
+
+def mul(x, y):
+    if _is_scalar(y):
+        return _one("mul_scalar", [x], value=_scalar(y, "mul"))
+    if _is_scalar(x):
+        return _one("mul_scalar", [y], value=_scalar(x, "mul"))
+    return _one("mul", [x, y])
+
+
+def div(x, y):
+    if _is_scalar(y):
+        c = _scalar(y, "div")
+        if c == 0:
+            raise TraceError("division of a tensor by the scalar 0", loc=caller_loc())
+        return _one("mul_scalar", [x], value=1.0 / c)
+    if _is_scalar(x):
+        c = _scalar(x, "div")
+        r = reciprocal(y)
+        return r if c == 1.0 else _one("mul_scalar", [r], value=c)
+    return _one("div", [x, y])
+
+
+_POWER_SHORTCUTS = {2.0: "square", 0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
+
+
+def power(x, exponent):
+    """x ** exponent for a scalar exponent (common exponents map to square, sqrt, rsqrt, reciprocal)."""
+    if not _is_scalar(exponent):
+        raise UnsupportedError("a tensor exponent is not supported", loc=caller_loc(),
+                               hint="use a Python number as the exponent, or mdsl.exp(y * log(x)) by hand")
+    e = _scalar(exponent, "power")
+    if e == 1.0:
+        return as_symbolic(x, "the base of **")
+    if e in _POWER_SHORTCUTS:
+        return _one(_POWER_SHORTCUTS[e], [x])
+    return _one("pow_scalar", [x], exponent=e)
+
+
+def matmul(x, w):
+    """Batched matrix product over the last two dims (batch dims broadcast)."""
+    return _one("matmul", [x, w])
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions and norms
+
+def _reduce(op: str, x, dim, keepdim: bool):
+    x = as_symbolic(x, f"the operand of {op}")
+    if dim is None:
+        raise ShapeError(f"{op} needs a dim", loc=caller_loc(), hint=f"write mdsl.{op}(x, dim=-1)")
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    try:
+        dims = sorted({norm_dim(op, d, x.ndim) for d in dims}, reverse=True)
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    for d in dims:  # highest first, so the remaining dims keep their numbers
+        x = _one(op, [x], dim=d, keepdim=keepdim)
+    return x
+
+
+def sum(x, dim=None, keepdim: bool = False):  # noqa: A001 - the mdsl.sum name is the point
+    """Sum over `dim` (an int or a tuple of ints)."""
+    return _reduce("sum", x, dim, keepdim)
+
+
+def mean(x, dim=None, keepdim: bool = False):
+    return _reduce("mean", x, dim, keepdim)
+
+
+def max(x, dim=None, keepdim: bool = False):  # noqa: A001
+    """Maximum over `dim`."""
+    return _reduce("max", x, dim, keepdim)
+
+
+def rms_norm(x, dim: int = -1, eps: float = 1e-6):
+    """x / sqrt(mean(x**2 over dim) + eps); multiply by a weight afterwards if the model has one."""
+    x = as_symbolic(x, "the operand of rms_norm")
+    try:
+        d = norm_dim("rms_norm", dim, x.ndim)
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    return _one("rms_norm", [x], dim=d, eps=eps)
+
+
+def softmax(x, dim: int = -1):
+    """exp(x - max) / sum(exp(x - max)) over `dim` (max-subtracted, as numerically safe kernels do)."""
+    m = max(x, dim, keepdim=True)
+    e = exp(sub(x, m))
+    return div(e, sum(e, dim, keepdim=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+def concat(tensors: Sequence, dim: int = 0):
+    tensors = [as_symbolic(t, f"concat operand {i}") for i, t in enumerate(tensors)]
+    if not tensors:
+        raise ShapeError("concat of no tensors", loc=caller_loc())
+    try:
+        d = norm_dim("concat", dim, tensors[0].ndim)
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    return _one("concat", tensors, dim=d)
+
+
+def split(x, split_size_or_sizes, dim: int = 0) -> tuple:
+    """torch semantics: an int gives pieces of that size (the last may be smaller); a list gives the sizes."""
+    x = as_symbolic(x, "the operand of split")
+    try:
+        d = norm_dim("split", dim, x.ndim)
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    n = x.shape[d]
+    if isinstance(split_size_or_sizes, numbers.Integral):
+        step = int(split_size_or_sizes)
+        if step <= 0:
+            raise ShapeError(f"split size must be positive, got {step}", loc=caller_loc())
+        sizes = [min(step, n - i) for i in range(0, n, step)]
+    else:
+        sizes = [int(s) for s in split_size_or_sizes]
+    return _bind("split", [x], sizes=sizes, dim=d)
+
+
+def chunk(x, chunks: int, dim: int = 0) -> tuple:
+    """torch semantics: `chunks` pieces of ceil(n / chunks) (fewer if that already covers n)."""
+    x = as_symbolic(x, "the operand of chunk")
+    if chunks <= 0:
+        raise ShapeError(f"chunk count must be positive, got {chunks}", loc=caller_loc())
+    try:
+        n = x.shape[norm_dim("chunk", dim, x.ndim)]
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    return split(x, -(-n // chunks), dim)
+
+
+def reshape(x, *shape):
+    """New shape with the same elements in row-major order; one dim may be -1."""
+    x = as_symbolic(x, "the operand of reshape")
+    if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+        shape = tuple(shape[0])
+    shape = [int(s) for s in shape]
+    if shape.count(-1) > 1:
+        raise ShapeError("reshape: at most one dim may be -1", loc=caller_loc())
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        total = int(np.prod(x.shape))
+        if known <= 0 or total % known:
+            raise ShapeError(f"reshape: cannot view {x.var.type} as {shape}", loc=caller_loc())
+        shape[shape.index(-1)] = total // known
+    return _one("reshape", [x], shape=shape)
+
+
+def permute(x, perm: Sequence[int]):
+    """Reorder the dims: output dim i is input dim perm[i]."""
+    x = as_symbolic(x, "the operand of permute")
+    return _one("transpose", [x], perm=[p % x.ndim if -x.ndim <= p < x.ndim else p for p in perm])
+
+
+def transpose(x, dim0: int = -2, dim1: int = -1):
+    """Swap two dims (by default the last two)."""
+    x = as_symbolic(x, "the operand of transpose")
+    try:
+        a, b = norm_dim("transpose", dim0, x.ndim), norm_dim("transpose", dim1, x.ndim)
+    except MdslError as e:
+        raise e.with_loc(caller_loc())
+    perm = list(range(x.ndim))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _one("transpose", [x], perm=perm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python operators of symbolic tensors
+
+def _scalar_to_tensor_power(self, base):
+    raise UnsupportedError("a scalar raised to a tensor power is not supported", loc=caller_loc(),
+                           hint="for c ** x use mdsl.exp(x * math.log(c))")
+
+
+def _install_operators() -> None:
+    T = SymbolicTensor
+    T.__add__ = add
+    T.__radd__ = lambda self, other: add(other, self)
+    T.__sub__ = sub
+    T.__rsub__ = lambda self, other: sub(other, self)
+    T.__mul__ = mul
+    T.__rmul__ = lambda self, other: mul(other, self)
+    T.__truediv__ = div
+    T.__rtruediv__ = lambda self, other: div(other, self)
+    T.__matmul__ = matmul
+    T.__rmatmul__ = lambda self, other: matmul(other, self)
+    T.__neg__ = neg
+    T.__pos__ = lambda self: self
+    T.__pow__ = power
+    T.__rpow__ = _scalar_to_tensor_power
+    T.T = property(lambda self: transpose(self))
+    T.sum = sum
+    T.mean = mean
+    T.max = max
+    T.reshape = reshape
+    T.transpose = transpose
+    T.permute = permute
+
+
+_install_operators()

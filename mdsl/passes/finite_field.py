@@ -1,0 +1,534 @@
+"""The finite-field semantics of the mugraph: the exact half of the verifier (design.md, "Verification").
+
+One test draws primes q and p = 2q + 1 (q < 2^24, so p < 2^25), an element ω of order q in Z_p and a
+secret that keys the test's random oracles. A value is an int64 array of shape tensor shape + (2,):
+`[..., 0]` holds the residue mod p (the value itself), `[..., 1]` the residue mod q (what an exp
+reads). Each operator has a rule, registered with `extend_op(name, finite_field=FieldRule(...))`:
+
+* add, sub, mul, neg, sums and matmuls are exact in both residues; div and reciprocal multiply by the
+  modular inverse, with inverse(0) := 0 (Fermat's x^(m-2); deterministic, so both programs see the same
+  value: a zero divisor, which has probability about 1/p per element, can only cost a false rejection
+  of a rewrite that relies on b/b = 1);
+* exp(t) = ω^(t mod q) mod p, so exp(a + b) = exp(a)·exp(b) and a subtracted maximum cancels; its
+  q-residue is a random-oracle function of its p-residue, so exp(exp(x)) is still a function of x;
+* scalars (eps, mul_scalar values, 1/n of a mean) enter as rationals: the simplest rational that the
+  float represents (1/6 for 1.0/6, 1/10^6 for 1e-6), which maps distinct floats to distinct rationals;
+* every operator without a field meaning is a random oracle of the test: a keyed hash (splitmix64 mixing
+  with a salt derived from the test's secret and the operator's key) of the p-residue of its argument,
+  applied identically in both programs. Where the real operator is built from another one the rule
+  is built the same way, so that programs written either way agree: silu(x) = x·σ(x) with σ the sigmoid
+  oracle, gelu(x) = x·Φ(x), rsqrt = 1/sqrt, rms_norm = x / sqrt(mean(x²) + eps), accum_rms =
+  sqrt(mean of squares + eps) with the same sqrt oracle, x^(k/2) = sqrt(x)^k;
+* max is the maximum under a random total order of the field (the order of a keyed hash of the
+  p-residue): like the real max it returns one of its arguments, is idempotent, commutative and
+  associative, so a max of tile maxima (accum_max over max) equals the max of the whole row; the
+  rescaling accumulators use the same order for their running maximum M, which cancels in online
+  softmax whatever element it picks.
+
+Oracles read only the p-residue: the q-residue of a value computed through an exp depends on how it was
+computed (exp(a)·exp(b) and exp(a + b) agree mod p, not mod q), so reading it would reject correct
+rewrites. For the same reason outputs are compared by their p-residues, and the theory (Mirage's) covers
+programs with at most one exp on any input-to-output path.
+
+Each rule also bounds the degree of its outputs as rational functions of the inputs, counting oracle and
+exp values as fresh variables (`degrees`): the verifier's false-pass probability comes from it.
+"""
+from __future__ import annotations
+
+import hashlib
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from mdsl.errors import ShapeError, UnsupportedError
+from mdsl.ir import evaluate
+from mdsl.ir.graph import BlockGraph, KernelGraph, Node
+from mdsl.ir.ops import OpDef, extend_op
+from mdsl.ir.types import TensorType, Var
+
+#: q is drawn from [2^23, 2^24), so p = 2q + 1 < 2^25 and a product of two residues fits 50 bits.
+Q_RANGE = (2 ** 23, 2 ** 24)
+_EXP_SPLIT = 12          # exp tables: ω^t = LOW[t mod 2^12] · HIGH[t >> 12], two tables of 2^12 entries
+_HALF = 13               # matmul: residues split into a 13-bit low half and a high half below 2^12
+MATMUL_CHUNK = 2 ** 26   # K per float64 product: 2^26 terms below 2^26 sum below 2^52, exact in float64
+
+Deg = tuple  # (numerator degree, denominator degree) of a rational function
+
+
+# ---------------------------------------------------------------------------------------------
+# primes, hashing, rationals
+
+def is_prime(n: int) -> bool:
+    """Miller-Rabin with the bases 2, 3, 5, 7: deterministic below 3.2·10^9."""
+    if n < 2:
+        return False
+    for small in (2, 3, 5, 7):
+        if n % small == 0:
+            return n == small
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in (2, 3, 5, 7):
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def draw_primes(rng: np.random.Generator) -> tuple:
+    """Random primes (p, q) with p = 2q + 1 and q in Q_RANGE."""
+    while True:
+        q = int(rng.integers(*Q_RANGE)) | 1
+        if is_prime(q) and is_prime(2 * q + 1):
+            return 2 * q + 1, q
+
+
+_GOLDEN, _M1, _M2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def mix(x: np.ndarray, salt: int) -> np.ndarray:
+    """A keyed 64-bit hash of each element (splitmix64's finaliser after an odd multiply and the salt:
+    a bijection of 64-bit words for each salt, so distinct residues never collide)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(x).astype(np.uint64) * _GOLDEN + np.uint64(salt)
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def simplest_rational(value: float) -> Fraction:
+    """The rational with the smallest denominator (among powers-of-ten bounds) that rounds to `value`:
+    what the programmer meant by 1.0 / 6 or 1e-6. Distinct floats never share it."""
+    try:
+        exact = Fraction(value)
+    except (OverflowError, ValueError):
+        raise UnsupportedError(f"the scalar {value} has no finite-field meaning",
+                               hint="scalars must be finite") from None
+    for digits in range(1, 18):
+        r = exact.limit_denominator(10 ** digits)
+        if float(r) == value:
+            return r
+    return exact
+
+
+# ---------------------------------------------------------------------------------------------
+# one test's field
+
+def _power_table(base: int, step: int, p: int) -> np.ndarray:
+    table, x, mult = [], 1, pow(base, step, p)
+    for _ in range(1 << _EXP_SPLIT):
+        table.append(x)
+        x = x * mult % p
+    return np.array(table, dtype=np.int64)
+
+
+def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
+    """a @ b mod m for residues below 2^25 and K <= MATMUL_CHUNK, with float64 BLAS: each half-by-half
+    product is exact (the sums stay below 2^53), recombined in int64."""
+    a_hi, a_lo = np.divmod(a, 1 << _HALF)
+    b_hi, b_lo = np.divmod(b, 1 << _HALF)
+
+    def part(x, y):
+        return np.matmul(x.astype(np.float64), y.astype(np.float64)).astype(np.int64) % m
+
+    high, cross, low = part(a_hi, b_hi), (part(a_hi, b_lo) + part(a_lo, b_hi)) % m, part(a_lo, b_lo)
+    return (high * ((1 << 2 * _HALF) % m) + cross * ((1 << _HALF) % m) + low) % m
+
+
+def matmul_mod(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
+    """Batched a @ b mod m, exact for residues below 2^25 and any K (chunks of MATMUL_CHUNK)."""
+    k = a.shape[-1]
+    total = _exact_matmul(a[..., :MATMUL_CHUNK], b[..., :MATMUL_CHUNK, :], m)
+    for start in range(MATMUL_CHUNK, k, MATMUL_CHUNK):
+        stop = start + MATMUL_CHUNK
+        total = (total + _exact_matmul(a[..., start:stop], b[..., start:stop, :], m)) % m
+    return total
+
+
+@attrs.frozen(eq=False)
+class Field:
+    """The field of one test: Z_p (values) and Z_q (exponents), ω of order q, the oracles' secret."""
+
+    p: int
+    q: int
+    omega: int
+    secret: bytes
+    modulus: np.ndarray = attrs.field(init=False)
+    _exp_low: np.ndarray = attrs.field(init=False)
+    _exp_high: np.ndarray = attrs.field(init=False)
+
+    @modulus.default
+    def _modulus(self):
+        return np.array([self.p, self.q], dtype=np.int64)
+
+    @_exp_low.default
+    def _low(self):
+        return _power_table(self.omega, 1, self.p)
+
+    @_exp_high.default
+    def _high(self):
+        return _power_table(self.omega, 1 << _EXP_SPLIT, self.p)
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator) -> "Field":
+        """Fresh primes, a random ω of order q (g² for a random g: (p − 1)/q = 2) and oracle secret."""
+        p, q = draw_primes(rng)
+        while True:
+            omega = pow(int(rng.integers(2, p - 1)), 2, p)
+            if omega != 1:
+                return cls(p, q, omega, rng.bytes(16))
+
+    def random(self, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+        """Uniformly random residues: u in Z_p outside exponents, v in Z_q inside them."""
+        return np.stack([rng.integers(0, self.p, shape), rng.integers(0, self.q, shape)], axis=-1)
+
+    # -- arithmetic ------------------------------------------------------------------------------
+
+    def rational(self, r: Fraction) -> np.ndarray:
+        return np.array([r.numerator * pow(r.denominator, -1, m) % m if r.denominator % m else 0
+                         for m in (self.p, self.q)], dtype=np.int64)
+
+    def scalar(self, value: float) -> np.ndarray:
+        return self.rational(simplest_rational(value))
+
+    def add(self, a, b):
+        return (a + b) % self.modulus
+
+    def sub(self, a, b):
+        return (a - b) % self.modulus
+
+    def mul(self, a, b):
+        return a * b % self.modulus
+
+    def neg(self, a):
+        return -a % self.modulus
+
+    def _pow(self, x: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+        """x^e per residue (square and multiply; exponents holds e for mod p and e for mod q)."""
+        result, base, e = np.ones_like(x), x % self.modulus, np.array(exponents, dtype=np.int64)
+        while np.any(e > 0):
+            result = np.where(e & 1, result * base % self.modulus, result)
+            base, e = base * base % self.modulus, e >> 1
+        return result
+
+    def inverse(self, x):
+        """x^(m − 2) per residue: the inverse, and 0 for 0."""
+        return self._pow(x, self.modulus - 2)
+
+    def div(self, a, b):
+        return self.mul(a, self.inverse(b))
+
+    def power(self, x, n: int):
+        y = self._pow(x, np.array([abs(n)] * 2))
+        return y if n >= 0 else self.inverse(y)
+
+    def sum(self, x, axis: int, keepdims: bool = False):
+        return np.sum(x, axis=axis, keepdims=keepdims) % self.modulus
+
+    def mean(self, x, axis: int, keepdims: bool = False):
+        return self.mul(self.sum(x, axis, keepdims), self.rational(Fraction(1, x.shape[axis])))
+
+    def matmul(self, a, b):
+        return np.stack([matmul_mod(a[..., k], b[..., k], m) for k, m in enumerate((self.p, self.q))], axis=-1)
+
+    # -- exp and the random oracles ------------------------------------------------------------
+
+    def salt(self, key: str) -> int:
+        """The salt of oracle `key` in this test: a keyed hash of the key with the test's secret."""
+        return int.from_bytes(hashlib.blake2b(key.encode(), key=self.secret, digest_size=8).digest(), "little")
+
+    def _hash(self, key: str, residues: np.ndarray, m: int) -> np.ndarray:
+        return (mix(residues, self.salt(key)) % np.uint64(m)).astype(np.int64)
+
+    def exp(self, x):
+        t = x[..., 1]
+        value = self._exp_low[t & ((1 << _EXP_SPLIT) - 1)] * self._exp_high[t >> _EXP_SPLIT] % self.p
+        return np.stack([value, self._hash("exp", value, self.q)], axis=-1)
+
+    def oracle(self, key: str, x):
+        """A random function of x's p-residue, fresh in every test and for every key."""
+        return np.stack([self._hash(key, x[..., 0], self.p), self._hash(key + "/q", x[..., 0], self.q)], axis=-1)
+
+    def sqrt(self, x):
+        return self.oracle("sqrt", x)
+
+    def max(self, x, axis: int, keepdims: bool = False):
+        """The maximum along `axis` under the test's random total order of the field."""
+        index = np.expand_dims(np.argmax(mix(x[..., 0], self.salt("max")), axis=axis), axis)
+        out = np.take_along_axis(x, index[..., None], axis=axis)
+        return out if keepdims else np.squeeze(out, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+
+@attrs.frozen
+class FieldRule:
+    """An operator's finite-field meaning and the degree bound of its outputs.
+
+    `apply(field, values, attrs)` returns the output values; accumulators get, instead of values, the
+    list of their inputs at each loop iteration. `degree(degrees, types, attrs, loop)` returns the
+    output degrees from the input degrees and types (`loop`: the for-loop range, for accumulators).
+    """
+
+    apply: Callable
+    degree: Callable
+
+
+FRESH: Deg = (1, 0)  # an oracle or exp value: a fresh variable in the bound's model
+
+
+def _plus(a: Deg, b: Deg) -> Deg:
+    return (max(a[0] + b[1], b[0] + a[1]), a[1] + b[1])
+
+
+def _times(a: Deg, b: Deg) -> Deg:
+    return (a[0] + b[0], a[1] + b[1])
+
+
+def _over(a: Deg, b: Deg) -> Deg:
+    return (a[0] + b[1], a[1] + b[0])
+
+
+def _sum_of(a: Deg, n: int) -> Deg:
+    """A sum of n terms of degree a, each with its own denominator."""
+    return (a[0] + (n - 1) * a[1], n * a[1])
+
+
+def _power_degree(a: Deg, n: int) -> Deg:
+    return (n * a[0], n * a[1]) if n >= 0 else (-n * a[1], -n * a[0])
+
+
+def _axis(x: np.ndarray, dim: int) -> int:
+    """A tensor dim as an axis of a field value (whose last axis holds the two residues)."""
+    return dim % (x.ndim - 1)
+
+
+def _dim_size(t: TensorType, dim: int) -> int:
+    return t.shape[dim % t.rank]
+
+
+def _elementwise(fn: Callable, degree: Callable) -> FieldRule:
+    """A rule whose output is fn(field, *inputs, attrs); degree(input degrees, attrs)."""
+    return FieldRule(lambda f, xs, a: [fn(f, *xs, a)], lambda ds, ts, a, loop: [degree(*ds, a)])
+
+
+def _oracle(key: Callable) -> FieldRule:
+    return _elementwise(lambda f, x, a: f.oracle(key(a), x), lambda d, a: FRESH)
+
+
+def _times_oracle(key: str) -> FieldRule:
+    """x · g(x) with g an oracle (silu = x·σ(x), gelu = x·Φ(x))."""
+    return _elementwise(lambda f, x, a: f.mul(x, f.oracle(key, x)), lambda d, a: _times(d, FRESH))
+
+
+def _pow_scalar(f: Field, x, a):
+    e = Fraction(a["exponent"])
+    if e.denominator == 1:
+        return f.power(x, int(e))
+    if e.denominator == 2:  # x^(k/2) = sqrt(x)^k
+        return f.power(f.sqrt(x), e.numerator)
+    return f.oracle(f"pow {a['exponent']!r}", x)
+
+
+def _pow_scalar_degree(d: Deg, a) -> Deg:
+    e = Fraction(a["exponent"])
+    if e.denominator == 1:
+        return _power_degree(d, int(e))
+    return _power_degree(FRESH, e.numerator) if e.denominator == 2 else FRESH
+
+
+def _reduction(fn: Callable, degree: Callable) -> FieldRule:
+    """sum / mean / max over attrs['dim']: fn(field, x, axis, keepdim); degree(d, size of the dim)."""
+    return FieldRule(lambda f, xs, a: [fn(f, xs[0], _axis(xs[0], a["dim"]), a["keepdim"])],
+                     lambda ds, ts, a, loop: [degree(ds[0], _dim_size(ts[0], a["dim"]))])
+
+
+def _rms_norm(f: Field, x, a):
+    mean_square = f.mean(f.mul(x, x), _axis(x, a["dim"]), keepdims=True)
+    return f.div(x, f.sqrt(f.add(mean_square, f.scalar(a["eps"]))))
+
+
+def _split(f: Field, xs, a):
+    return np.split(xs[0], np.cumsum(a["sizes"])[:-1], axis=_axis(xs[0], a["dim"]))
+
+
+# accumulators: `its` is the list, per loop iteration, of the accumulator's inputs
+
+def _stack(its, k: int = 0) -> np.ndarray:
+    return np.stack([it[k] for it in its])
+
+
+def _row_sums(f: Field, its) -> np.ndarray:
+    """Sum over the iterations and the tile's last dim (kept)."""
+    return f.sum(f.sum(_stack(its), axis=0), axis=-2, keepdims=True)
+
+
+def _row_mean(f: Field, its) -> np.ndarray:
+    return f.mul(_row_sums(f, its), f.rational(Fraction(1, len(its) * its[0][0].shape[-2])))
+
+
+def _rescaled_sum(f: Field, its, x: np.ndarray) -> np.ndarray:
+    """Σ_i exp(m_i − M)·x_i with M the maximum of the m_i under the field's order (it cancels)."""
+    m = _stack(its, 1)
+    return f.sum(f.mul(f.exp(f.sub(m, f.max(m, axis=0, keepdims=True))), x), axis=0)
+
+
+def _accum_rms(f: Field, its, a):
+    """sqrt(mean of squares + eps), the same field value (so the same oracle value) as rms_norm's."""
+    squares = [[f.mul(it[0], it[0])] for it in its]
+    return f.sqrt(f.add(_row_mean(f, squares), f.scalar(a["eps"])))
+
+
+def _accumulator(fn: Callable, degree: Callable) -> FieldRule:
+    """fn(field, iterations, attrs); degree(input degrees, loop range, tile's last dim)."""
+    return FieldRule(lambda f, its, a: [fn(f, its, a)],
+                     lambda ds, ts, a, loop: [degree(ds, loop, ts[0].shape[-1])])
+
+
+def _same(d: Deg, a) -> Deg:
+    return d
+
+
+_RULES: dict[str, FieldRule] = {
+    "exp": _elementwise(lambda f, x, a: f.exp(x), lambda d, a: FRESH),
+    "silu": _times_oracle("sigmoid"),
+    "gelu": _times_oracle("gelu"),
+    "relu": _oracle(lambda a: "relu"),
+    "sigmoid": _oracle(lambda a: "sigmoid"),
+    "sqrt": _oracle(lambda a: "sqrt"),
+    "rsqrt": _elementwise(lambda f, x, a: f.inverse(f.sqrt(x)), lambda d, a: _over((0, 0), FRESH)),
+    "square": _elementwise(lambda f, x, a: f.mul(x, x), lambda d, a: _power_degree(d, 2)),
+    "neg": _elementwise(lambda f, x, a: f.neg(x), _same),
+    "reciprocal": _elementwise(lambda f, x, a: f.inverse(x), lambda d, a: _power_degree(d, -1)),
+    "mul_scalar": _elementwise(lambda f, x, a: f.mul(x, f.scalar(a["value"])), _same),
+    "add_scalar": _elementwise(lambda f, x, a: f.add(x, f.scalar(a["value"])), lambda d, a: _plus(d, (0, 0))),
+    "pow_scalar": _elementwise(_pow_scalar, _pow_scalar_degree),
+    "clamp": _oracle(lambda a: f"clamp {a['min']!r} {a['max']!r}"),
+    # float -> int truncation is taken as exact: mdsl's integers are indices, whose casts are exact
+    "cast": _elementwise(lambda f, x, a: x, _same),
+    "add": _elementwise(lambda f, x, y, a: f.add(x, y), lambda d, e, a: _plus(d, e)),
+    "sub": _elementwise(lambda f, x, y, a: f.sub(x, y), lambda d, e, a: _plus(d, e)),
+    "mul": _elementwise(lambda f, x, y, a: f.mul(x, y), lambda d, e, a: _times(d, e)),
+    "div": _elementwise(lambda f, x, y, a: f.div(x, y), lambda d, e, a: _over(d, e)),
+    "matmul": FieldRule(lambda f, xs, a: [f.matmul(*xs)],
+                        lambda ds, ts, a, loop: [_sum_of(_times(*ds), ts[0].shape[-1])]),
+    "sum": _reduction(Field.sum, _sum_of),
+    "mean": _reduction(Field.mean, _sum_of),
+    "max": _reduction(Field.max, lambda d, n: d),
+    "rms_norm": _elementwise(_rms_norm, lambda d, a: _over(d, FRESH)),
+    "concat": FieldRule(lambda f, xs, a: [np.concatenate(xs, axis=_axis(xs[0], a["dim"]))],
+                        lambda ds, ts, a, loop: [tuple(map(max, zip(*ds)))]),
+    "split": FieldRule(_split, lambda ds, ts, a, loop: [ds[0]] * len(a["sizes"])),
+    "reshape": _elementwise(lambda f, x, a: x.reshape(tuple(a["shape"]) + (2,)), _same),
+    "transpose": _elementwise(lambda f, x, a: np.transpose(x, tuple(a["perm"]) + (x.ndim - 1,)), _same),
+    "accum": _accumulator(lambda f, its, a: f.sum(_stack(its), axis=0), lambda ds, r, n: _sum_of(ds[0], r)),
+    "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, n: _sum_of(ds[0], r * n)),
+    "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, n: _sum_of(ds[0], r * n)),
+    "accum_rms": _accumulator(_accum_rms, lambda ds, r, n: FRESH),
+    "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, n: ds[0]),
+    "accum_rescale": _accumulator(lambda f, its, a: _rescaled_sum(f, its, _stack(its)),
+                                  lambda ds, r, n: _sum_of(_times(ds[0], FRESH), r)),
+    "accum_sum_rescale": _accumulator(
+        lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),
+        lambda ds, r, n: _sum_of(_times(_sum_of(ds[0], n), FRESH), r)),
+}
+
+for _name, _rule in _RULES.items():
+    extend_op(_name, finite_field=_rule)
+
+
+def field_rule(opdef: OpDef) -> FieldRule:
+    rule = opdef.rules.get("finite_field")
+    if rule is None:
+        raise UnsupportedError(f"{opdef.name} has no finite-field rule, so the verifier cannot evaluate it",
+                               hint="register one with extend_op(name, finite_field=FieldRule(...))")
+    return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+@attrs.frozen
+class FieldSemantics:
+    """`mdsl.ir.evaluate`'s walk over values in one test's field."""
+
+    field: Field
+
+    def take_input(self, var: Var, array) -> np.ndarray:
+        array = np.array(array, dtype=np.int64)
+        if array.shape != var.shape + (2,):
+            raise ShapeError(f"the field value of input %{var.name} must have shape "
+                                   f"{list(var.shape + (2,))}, got {list(array.shape)}")
+        return array
+
+    def store(self, var: Var, value: np.ndarray) -> np.ndarray:
+        return value
+
+    def convert(self, value) -> np.ndarray:
+        return np.asarray(value, dtype=np.int64)
+
+    def shape(self, value: np.ndarray) -> tuple:
+        return value.shape[:-1]
+
+    def apply(self, node: Node, args: list) -> list:
+        return field_rule(node.opdef).apply(self.field, args, node.attr_dict)
+
+    def accumulate(self, node: Node, iterations: list) -> list:
+        return field_rule(node.opdef).apply(self.field, iterations, node.attr_dict)
+
+    def empty(self, type_: TensorType) -> np.ndarray:
+        return np.full(type_.shape + (2,), -1, dtype=np.int64)  # no residue is negative
+
+
+def run_in_field(graph: KernelGraph, inputs: Sequence[np.ndarray], field: Field) -> list:
+    """Evaluate a kernel graph on field values (arrays of shape tensor shape + (2,))."""
+    return evaluate.run_kernel_graph(graph, inputs, FieldSemantics(field))
+
+
+# ---------------------------------------------------------------------------------------------
+# degrees
+
+class _Degrees:
+    """Walks a graph with the rules' degree bounds; remembers the largest (numerator + denominator)
+    degree of any value, which bounds what an oracle or an exp may read."""
+
+    def __init__(self):
+        self.largest = 0
+
+    def nodes(self, nodes: Sequence[Node], env: dict, loop: int) -> None:
+        for node in nodes:
+            ins = [env[v.name] for v in node.inputs]
+            if node.opdef.is_graph_defined:
+                outs = self.body(node.body, ins)
+            else:
+                outs = field_rule(node.opdef).degree(ins, [v.type for v in node.inputs], node.attr_dict, loop)
+            for var, deg in zip(node.outputs, outs):
+                env[var.name] = deg
+                self.largest = max(self.largest, sum(deg))
+
+    def body(self, body, ins: list) -> list:
+        if isinstance(body, BlockGraph):
+            inputs, outputs, loop = [i.var for i in body.inputs], [o.var for o in body.outputs], body.forloop
+        else:
+            inputs, outputs, loop = body.inputs, body.outputs, 1
+        env = {v.name: d for v, d in zip(inputs, ins)}
+        self.nodes(body.nodes, env, loop)
+        return [env[v.name] for v in outputs]
+
+
+def degrees(graph: KernelGraph) -> tuple:
+    """Degree bounds (numerator, denominator) of the graph's outputs as rational functions of its
+    inputs, with oracle and exp values as fresh variables; and the largest degree of any value."""
+    walk = _Degrees()
+    env = {v.name: (1, 0) for v in graph.inputs}
+    walk.nodes(graph.nodes, env, 1)
+    return [env[v.name] for v in graph.outputs], max([walk.largest] + [sum(env[v.name]) for v in graph.outputs])

@@ -1,0 +1,1 @@
+"""Search: candidate mugraphs, pruning, the cost model, the result cache."""

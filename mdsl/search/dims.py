@@ -1,0 +1,147 @@
+"""Dimension labels: which tensor dims of a kernel graph are "the same index".
+
+Each operator's entry gains a `dims` rule that relates its operands' dims to its results' dims and
+names the dims it contracts. Joining these facts over a graph (union-find) labels every (tensor, dim)
+pair; a label is an index of the program (rows, columns, the k of a matmul, the KV length of
+attention). The guided search splits free labels across the grid and loops over a contracted one.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from mdsl.ir.graph import KernelGraph, Node
+from mdsl.ir.ops import OPS, extend_op
+
+
+@attrs.frozen
+class DimFacts:
+    """`same`: ((operand, dim), (result, dim)) pairs with one label; `joint`: operand dims with one
+    label (a matmul's k); `contracted`: (operand, dim, kind) dims that the op reduces away or over."""
+
+    same: tuple = ()
+    joint: tuple = ()
+    contracted: tuple = ()
+
+
+def _aligned(node: Node) -> DimFacts:
+    """Element-wise: numpy broadcasting aligns dims from the right; broadcast (size-1) dims are not tied."""
+    out = node.outputs[0]
+    same = []
+    for i, v in enumerate(node.inputs):
+        offset = out.type.rank - v.type.rank
+        for d, size in enumerate(v.shape):
+            if size == out.shape[d + offset]:
+                same.append(((i, d), (0, d + offset)))
+    return DimFacts(tuple(same))
+
+
+def _matmul(node: Node) -> DimFacts:
+    a, b = node.inputs
+    out = node.outputs[0]
+    r = out.type.rank
+    same = [((0, a.type.rank - 2), (0, r - 2)), ((1, b.type.rank - 1), (0, r - 1))]
+    for i, v in enumerate((a, b)):
+        offset = r - v.type.rank
+        for d in range(v.type.rank - 2):
+            if v.shape[d] == out.shape[d + offset]:
+                same.append(((i, d), (0, d + offset)))
+    joint = (((0, a.type.rank - 1), (1, b.type.rank - 2)),)
+    return DimFacts(tuple(same), joint, ((0, a.type.rank - 1, "matmul"),))
+
+
+def _reduction(node: Node) -> DimFacts:
+    d, keep = node.attr("dim"), node.attr("keepdim")
+    rank = node.inputs[0].type.rank
+    d %= rank
+    same = [((0, i), (0, i if keep or i < d else i - 1)) for i in range(rank) if i != d]
+    return DimFacts(tuple(same), (), ((0, d, node.op),))
+
+
+def _rms_norm(node: Node) -> DimFacts:
+    rank = node.inputs[0].type.rank
+    d = node.attr("dim") % rank
+    return DimFacts(tuple(((0, i), (0, i)) for i in range(rank)), (), ((0, d, "rms_norm"),))
+
+
+def _transpose(node: Node) -> DimFacts:
+    return DimFacts(tuple(((0, p), (0, i)) for i, p in enumerate(node.attr("perm"))))
+
+
+def _concat(node: Node) -> DimFacts:
+    d = node.attr("dim")
+    return DimFacts(tuple(((i, k), (0, k)) for i, v in enumerate(node.inputs) for k in range(v.type.rank) if k != d))
+
+
+def _split(node: Node) -> DimFacts:
+    d = node.attr("dim")
+    rank = node.inputs[0].type.rank
+    return DimFacts(tuple(((0, k), (j, k)) for j in range(len(node.outputs)) for k in range(rank) if k != d))
+
+
+def _opaque(node: Node) -> DimFacts:
+    return DimFacts()
+
+
+_RULES = {"matmul": _matmul, "sum": _reduction, "mean": _reduction, "max": _reduction, "rms_norm": _rms_norm,
+          "transpose": _transpose, "concat": _concat, "split": _split, "reshape": _opaque}
+for _name, _op in OPS.items():
+    extend_op(_name, dims=_RULES.get(_name, _aligned if _op.is_elementwise else _opaque))
+
+
+class Labels:
+    """Union-find over (value name, dim) pairs of one kernel graph."""
+
+    def __init__(self, graph: KernelGraph):
+        self.parent: dict = {}
+        self.sizes: dict = {}
+        self.contractions: list = []  # (node, label, kind)
+        for v in graph.inputs:
+            self._add(v)
+        for node in graph.nodes:
+            for v in node.outputs:
+                self._add(v)
+            facts = node.opdef.rules["dims"](node)
+            for (i, d), (j, e) in facts.same:
+                self._union((node.inputs[i].name, d), (node.outputs[j].name, e))
+            for (i, d), (j, e) in facts.joint:
+                self._union((node.inputs[i].name, d), (node.inputs[j].name, e))
+            for i, d, kind in facts.contracted:
+                self.contractions.append((node, (node.inputs[i].name, d), kind))
+
+    def _add(self, var) -> None:
+        for d, size in enumerate(var.shape):
+            self.parent[(var.name, d)] = (var.name, d)
+            self.sizes[(var.name, d)] = size
+
+    def _find(self, key):
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def _union(self, a, b) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def label(self, var_name: str, dim: int):
+        return self._find((var_name, dim))
+
+    def size(self, label) -> int:
+        return self.sizes[label]
+
+    def dim_of(self, var, label) -> Optional[int]:
+        """The dim of `var` that carries `label` (None if none; the first if several)."""
+        for d in range(var.type.rank):
+            if self.label(var.name, d) == label and var.shape[d] > 1:
+                return d
+        return None
+
+    def contracted_labels(self) -> dict:
+        """label -> the kinds of contraction over it."""
+        out: dict = {}
+        for _, key, kind in self.contractions:
+            out.setdefault(self._find(key), set()).add(kind)
+        return out

@@ -1,0 +1,409 @@
+"""The search engine: candidate mugraphs streamed from generators, deduplicated, validated, ranked by
+the cost model and verified in parallel worker processes; the best verified ones are kept.
+
+* The original program is always a plan (ranked with the others), so a search never comes back empty.
+* Candidates wait in a heap ordered by (cost, key) and go to the workers cheapest first. One that
+  cannot beat the k-th best already verified is not verified at all: it could not be kept.
+* Each candidate's verification seed derives from (config.seed, its structural key), so outcomes do
+  not depend on scheduling, and a search that finishes within its budget returns the same candidates
+  in the same order for any number of workers. (Counters of skipped work may differ.)
+* When the budget runs out, pending work is cancelled, the workers are stopped, and the best verified
+  result so far is returned. Generators are only asked for their next candidate before the deadline,
+  so they must yield (or poll `stats.out_of_time()`) now and then.
+"""
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import hashlib
+import heapq
+import importlib
+import inspect
+import json
+import math
+import multiprocessing
+import time
+import warnings
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import attrs
+
+from mdsl.errors import MdslError
+from mdsl.ir.graph import KernelGraph
+from mdsl.ir.validate import validate_kernel_graph
+from mdsl.search import worker
+from mdsl.search.cache import PlanCache
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate, roofline_floor
+from mdsl.search.plan import Candidate, Evidence, Plan, mdsl_version
+from mdsl.search.progress import StatusLine
+from mdsl.search.stats import (DUPLICATE, ERRORS, GENERATED, INVALID, REJECTED, SKIPPED, VERIFIED,
+                               SearchStats)
+
+Generator = Callable[..., Iterable[KernelGraph]]   # generate(graph, config[, stats=...])
+Progress = Union[None, bool, Callable[[SearchStats], None]]
+
+#: (config flag, module): the default generators, in order, each module's `generate`
+DEFAULT_GENERATORS = (("guided", "mdsl.search.guided"), ("exhaustive", "mdsl.search.enumerate"))
+
+_MAX_PENDING = 10_000   # candidates waiting for a worker; beyond it generation waits for verification
+_POLL_S = 0.1           # the longest a wait blocks, so that budget and progress are seen to promptly
+_STOP_GRACE_S = 2.0     # idle workers get this long to exit before they are terminated
+
+
+@attrs.frozen
+class SearchResult:
+    original: KernelGraph
+    candidates: tuple        # verified Candidates, best first; never empty (the original is one)
+    stats: SearchStats
+    config: SearchConfig
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def plan(self) -> Plan:
+        best, *others = self.candidates
+        return Plan(self.original, best.graph, best.cost, roofline_floor(self.original), best.evidence, self.stats,
+                    tuple(others), self.config, mdsl_version())
+
+
+def default_generators(config: SearchConfig) -> list:
+    """The generators that exist, of those the config enables (guided first)."""
+    out = []
+    for flag, module in DEFAULT_GENERATORS:
+        if not getattr(config, flag):
+            continue
+        try:
+            out.append(importlib.import_module(module).generate)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # the module exists but something it imports does not
+                raise
+    return out
+
+
+def default_verifier() -> Callable:
+    from mdsl.passes.verify import verify
+
+    return verify
+
+
+def candidate_seed(seed: int, key: str) -> int:
+    """The verification seed of one candidate: the same whichever worker verifies it, whenever."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "big")
+
+
+def search(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, generators: Optional[Sequence[Generator]] = None,
+           verifier: Optional[Callable] = None, progress: Progress = None,
+           log_path: Union[str, Path, None] = None) -> SearchResult:
+    """Search for verified mugraphs equivalent to `graph`, best first.
+
+    `generators`: functions `generate(graph, config) -> Iterator[KernelGraph]` (those that take a
+    `stats` keyword are handed the search's SearchStats); default: `default_generators(config)`.
+    `verifier`: `verify(original, candidate, *, tests, seed)` as mdsl.passes.verify.verify (the
+    default); it runs in worker processes, so it must be picklable (a module-level function).
+    `progress`: None (silent), True (a status line on stderr) or a callable given the SearchStats.
+    `log_path`: a file the search appends its events to, as JSON lines.
+    """
+    validate_kernel_graph(graph)
+    generators = default_generators(config) if generators is None else list(generators)
+    verifier = default_verifier() if verifier is None else verifier
+    with _EventLog(log_path, graph.name) as log:
+        return _Search(graph, config, verifier, _display(progress), log).run(generators)
+
+
+def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache: Union[bool, PlanCache] = True,
+             generators: Optional[Sequence[Generator]] = None, verifier: Optional[Callable] = None,
+             progress: Progress = None, log_path: Union[str, Path, None] = None) -> Plan:
+    """The plan for `graph`: from the plan cache (`cache`: True for the default location, False for
+    none, or a PlanCache), else from a `search`, then stored in the cache."""
+    store = PlanCache() if cache is True else cache or None
+    if store is None:
+        return search(graph, config, generators=generators, verifier=verifier, progress=progress,
+                      log_path=log_path).plan()
+    key = store.key(graph, config, searcher=_searcher_identity(generators, verifier))
+    plan = store.load(key, graph)
+    if plan is not None:
+        with _EventLog(log_path, graph.name) as log:
+            log.write("cache_hit", path=plan.cache_path)
+        return plan
+    plan = search(graph, config, generators=generators, verifier=verifier, progress=progress,
+                  log_path=log_path).plan()
+    store.store(key, plan)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# the search itself
+
+class _Search:
+    def __init__(self, original: KernelGraph, config: SearchConfig, verifier: Callable,
+                 progress: Optional[Callable], log: "_EventLog"):
+        self.original, self.config, self.verifier, self.progress, self.log = original, config, verifier, progress, log
+        self.stats = SearchStats()
+        self.start = log.start
+        self.stats.deadline = self.start + config.budget_s
+        self.signature = _signature(original)
+        self.seen = {original.key}
+        self.pending: list = []        # heap of (rank, graph); rank = (cost, 0 for the original else 1, key)
+        self.in_flight: dict = {}      # future -> (rank, graph)
+        self.kept: list = []           # sorted ranks of the best verified candidates, at most top_k
+        self.verified: dict = {}       # key -> Candidate, for the kept ranks
+        self.broken = False            # a worker died: no more verification
+        self.executor: Optional[cf.ProcessPoolExecutor] = None
+        self._last_progress = self.start
+
+    def run(self, generators: list) -> SearchResult:
+        self.log.write("start", key=self.original.key, cost_s=estimate(self.original).seconds,
+                       floor_s=roofline_floor(self.original).seconds, generators=[_name(g) for g in generators],
+                       config={**self.config.cache_fields(), "workers": self.config.workers})
+        self.executor = _start_workers(self.config.workers, self.verifier, self.original)
+        stream = self._stream(generators)
+        try:
+            self._start_with_original()
+            self._loop(stream)
+        finally:
+            stream.close()
+            _stop_workers(self.executor, _STOP_GRACE_S if not (self.in_flight or self.stats.timed_out) else 0.0)
+        return self._finish()
+
+    def _loop(self, stream: Iterator) -> None:
+        generating = True
+        while not self.stats.out_of_time():
+            self._collect([f for f in self.in_flight if f.done()])
+            self._fill()
+            if generating and not self.broken and len(self.pending) < _MAX_PENDING:
+                generating = self._pull(stream)
+            elif self.in_flight:
+                self._collect(self._wait())
+            else:  # nothing more to generate and nothing pending (_fill submits pending work)
+                break
+            self._report()
+        else:
+            self.stats.timed_out = True
+            self.stats.count(SKIPPED, "budget", len(self.pending) + len(self.in_flight))
+
+    def _wait(self) -> set:
+        timeout = max(0.0, min(_POLL_S, self.stats.deadline - time.monotonic()))
+        done, _ = cf.wait(self.in_flight, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        return done
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        self.stats.elapsed_s = now - self.start
+        if self.progress is not None and (force or now - self._last_progress >= _POLL_S):
+            self._last_progress = now
+            self.progress(self.stats)
+
+    def _finish(self) -> SearchResult:
+        self.stats.done = True
+        self._report(force=True)
+        candidates = tuple(self.verified[rank[2]] for rank in self.kept)
+        self.log.write("done", timed_out=self.stats.timed_out, best=candidates[0].graph.key,
+                       best_cost_s=candidates[0].cost.seconds, kept=[c.graph.key for c in candidates],
+                       stats=self.stats.to_json())
+        return SearchResult(self.original, candidates, self.stats, self.config)
+
+    # -- candidates in ---------------------------------------------------------------------------
+
+    def _stream(self, generators: list) -> Iterator[tuple]:
+        """(generator name, candidate) from each generator in turn; one that raises is reported and skipped."""
+        for gen in generators:
+            name = _name(gen)
+            candidates: Iterator = iter(())
+            try:
+                candidates = iter(_call(gen, self.original, self.config, self.stats))
+                for candidate in candidates:
+                    self.stats.count(GENERATED, name)
+                    yield name, candidate
+            except Exception as e:  # a generator's bug costs its candidates, not the search
+                self.stats.count(ERRORS, name)
+                self.log.write("generator_error", generator=name, error=f"{type(e).__name__}: {e}")
+                warnings.warn(f"mdsl search: generator {name} raised {type(e).__name__}: {e}", stacklevel=2)
+            finally:
+                getattr(candidates, "close", lambda: None)()  # a stopped search closes its generator
+
+    def _pull(self, stream: Iterator) -> bool:
+        item = next(stream, None)
+        if item is None:
+            return False
+        self._admit(*item)
+        return True
+
+    def _admit(self, name: str, candidate) -> None:
+        if not isinstance(candidate, KernelGraph):
+            return self._invalid(name, None, "not a kernel graph", type(candidate).__name__)
+        key = candidate.key
+        if key in self.seen:
+            return self.stats.count(DUPLICATE, name)
+        self.seen.add(key)
+        try:
+            validate_kernel_graph(candidate)
+        except MdslError as e:
+            return self._invalid(name, key, type(e).__name__, str(e))
+        if _signature(candidate) != self.signature:
+            return self._invalid(name, key, "signature", "its inputs or outputs differ from the original's")
+        cost = estimate(candidate)
+        heapq.heappush(self.pending, ((cost, 1, key), attrs.evolve(candidate, name=self.original.name)))
+        self.log.write("candidate", generator=name, key=key, cost_s=cost.seconds, launches=cost.launches)
+
+    def _invalid(self, name: str, key: Optional[str], reason: str, detail: str) -> None:
+        self.stats.count(INVALID, reason)
+        self.log.write("invalid", generator=name, key=key, reason=reason, detail=detail)
+
+    # -- verification ----------------------------------------------------------------------------
+
+    def _start_with_original(self) -> None:
+        """The original is kept from the start; its self-check only supplies evidence."""
+        key, cost = self.original.key, estimate(self.original)
+        unchecked = Evidence(True, "the original program; the search ended before its self-check", 0, 1.0,
+                             math.nan, math.nan, candidate_seed(self.config.seed, key))
+        self._keep((cost, 0, key), Candidate(self.original, cost, unchecked))
+        self._submit((cost, 0, key), self.original)
+
+    def _fill(self) -> None:
+        while self.pending and len(self.in_flight) < self.config.workers and not self.broken:
+            rank, graph = heapq.heappop(self.pending)
+            if len(self.kept) >= self.config.top_k and rank > self.kept[-1]:
+                # the cheapest waiting candidate cannot be kept, so none of them can
+                self.stats.count(SKIPPED, "cannot reach the top k", 1 + len(self.pending))
+                self.pending.clear()
+                return
+            self._submit(rank, graph)
+
+    def _submit(self, rank: tuple, graph: KernelGraph) -> None:
+        seed = candidate_seed(self.config.seed, rank[2])
+        future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests, seed)
+        self.in_flight[future] = (rank, graph)
+
+    def _collect(self, done: Iterable) -> None:
+        for future in done:
+            rank, graph = self.in_flight.pop(future)
+            try:
+                evidence, pid = future.result()
+            except BrokenProcessPool as e:
+                self._worker_died(rank, e)
+                continue
+            self._verified(rank, graph, evidence, pid)
+
+    def _worker_died(self, rank: tuple, error: Exception) -> None:
+        if not self.broken:
+            warnings.warn(f"mdsl search: a worker process died ({error}); returning the best plan so far",
+                          stacklevel=3)
+        self.broken = True
+        if rank[1]:  # the original keeps its place whatever happens
+            self.stats.count(REJECTED, "worker died")
+        self.log.write("rejected", key=rank[2], cost_s=rank[0].seconds, reason="worker died")
+
+    def _verified(self, rank: tuple, graph: KernelGraph, evidence: Evidence, pid: int) -> None:
+        cost, is_candidate, key = rank
+        event = dict(key=key, cost_s=cost.seconds, verify_s=evidence.seconds, worker=pid, evidence=evidence.to_json())
+        if not is_candidate:
+            if key in self.verified:  # else it has fallen out of the top k
+                self.verified[key] = attrs.evolve(self.verified[key], evidence=evidence)
+            self.log.write("verified", original=True, **event)
+        elif evidence.equivalent:
+            self.stats.count(VERIFIED)
+            self.log.write("verified", original=False, **event)
+            self._keep(rank, Candidate(graph, cost, evidence))
+        else:
+            self.stats.count(REJECTED, evidence.reason)
+            self.log.write("rejected", reason=evidence.reason, **event)
+
+    def _keep(self, rank: tuple, candidate: Candidate) -> None:
+        bisect.insort(self.kept, rank)
+        self.verified[rank[2]] = candidate
+        for dropped in self.kept[self.config.top_k:]:
+            del self.verified[dropped[2]]
+        del self.kept[self.config.top_k:]
+        if self.kept[0] == rank:
+            self.stats.best_seconds = rank[0].seconds
+            self.log.write("new_best", key=rank[2], cost_s=rank[0].seconds, launches=rank[0].launches)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def _signature(graph: KernelGraph) -> tuple:
+    return tuple(v.type for v in graph.inputs), tuple(v.type for v in graph.outputs)
+
+
+def _name(gen: Generator) -> str:
+    """A generator's short name: its module's for a module-level `generate` (guided, enumerate)."""
+    name = getattr(gen, "__name__", type(gen).__name__)
+    module = getattr(gen, "__module__", None)
+    return module.rpartition(".")[2] if name == "generate" and module else name
+
+
+def _qualified_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _searcher_identity(generators: Optional[Sequence[Generator]], verifier: Optional[Callable]) -> dict:
+    """What, besides the config, decides a search's result: part of the plan cache's key."""
+    return {"generators": "default" if generators is None else [_qualified_name(g) for g in generators],
+            "verifier": "default" if verifier is None else _qualified_name(verifier)}
+
+
+def _call(gen: Generator, graph: KernelGraph, config: SearchConfig, stats: SearchStats) -> Iterable:
+    try:
+        params = inspect.signature(gen).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: call it plainly
+        params = ()
+    takes_stats = any(p.name == "stats" or p.kind is p.VAR_KEYWORD for p in params)
+    return gen(graph, config, stats=stats) if takes_stats else gen(graph, config)
+
+
+def _display(progress: Progress) -> Optional[Callable]:
+    if progress is True:
+        return StatusLine()
+    return progress or None
+
+
+def _start_workers(n: int, verifier: Callable, original: KernelGraph) -> cf.ProcessPoolExecutor:
+    # forkserver: workers fork from a clean server with mdsl preloaded (fast, and the user's main
+    # module is not re-run in them as it is under spawn); spawn where forkserver does not exist
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["mdsl.search.worker"])
+    else:
+        context = multiprocessing.get_context("spawn")
+    return cf.ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=worker.init,
+                                  initargs=(verifier, worker.graph_text(original)))
+
+
+def _stop_workers(executor: cf.ProcessPoolExecutor, grace_s: float) -> None:
+    """Cancel pending work and end the workers: idle ones exit within `grace_s`, the rest are
+    terminated (a verification cannot be interrupted otherwise). Every wait is bounded."""
+    processes = list((executor._processes or {}).values())  # no public handle before Python 3.14
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+
+
+class _EventLog:
+    """JSON lines, one event each, appended to a file (nothing without a path)."""
+
+    def __init__(self, path: Union[str, Path, None], kernel: str):
+        self.start = time.monotonic()
+        self.kernel = kernel
+        self.file = open(path, "a", encoding="utf-8") if path is not None else None
+
+    def write(self, event: str, **fields) -> None:
+        if self.file is not None:
+            record = {"event": event, "t": round(time.monotonic() - self.start, 6), "kernel": self.kernel, **fields}
+            self.file.write(json.dumps(record, allow_nan=False) + "\n")
+
+    def __enter__(self) -> "_EventLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,461 @@
+"""Guided candidate generation: block graphs derived top-down from the program's structure.
+
+The program's dimension labels (`dims.Labels`) say which indices are free (they can be split across
+the grid) and which are contracted (matmul k, reductions, norms, softmax). A *choice* picks up to
+three free labels for the grid, optionally one contracted label L for the for-loop (and a split of L
+across blocks, flash-decoding style), and the block and loop sizes. `lift` then rewrites the whole
+kernel graph into one block graph (or two when L is split: partial results, then a combine that
+re-accumulates them) by per-operator lifting rules:
+
+* a contraction over L becomes loop-body work plus an accumulator (matmul -> accum, sum -> accum,
+  max -> accum_max);
+* rms_norm over L feeding a contraction over L is deferred: (x / r) @ W = (x @ W) / r with
+  r = accum_rms(x), divided after the loop;
+* softmax over L feeding a contraction over L becomes online softmax: exp(s - max) is computed
+  against each chunk's own maximum and the accumulators rescale (accum_rescale, accum_sum_rescale);
+* everything else runs per tile, in the loop or after it.
+
+Each choice that lifts yields a candidate; candidates come out cheapest first by the cost model, and
+the verifier decides which are equivalent.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterator, Optional
+
+import attrs
+
+from mdsl.errors import MdslError
+from mdsl.ir.dtypes import f32
+from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
+from mdsl.ir.ops import OPS, extend_op, get_op
+from mdsl.ir.types import TensorType, Var
+from mdsl.ir.validate import input_tile_type, validate_kernel_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate
+from mdsl.search.dims import Labels
+
+LOOP, POST = "loop", "post"
+_LOOPABLE = frozenset({"matmul", "sum", "mean", "max", "rms_norm"})
+_SPLITTABLE_ACCUMULATORS = frozenset({"accum", "accum_max", "accum_rescale"})
+
+
+class CannotLift(Exception):
+    """This choice of grid and loop does not fit the program (a normal outcome, not an error)."""
+
+
+@attrs.frozen
+class Choice:
+    grid: tuple            # ((label, parts), ...) split across grid dims x, y, ...
+    loop: Optional[tuple]  # the contracted label the for-loop walks, or None
+    forloop: int = 1
+    split: int = 1         # blocks along the loop label (partial results combined afterwards)
+    threads: int = 128
+
+
+@attrs.frozen
+class Lifted:
+    """A kernel-graph value inside the block graph. A loop value may carry modifiers: its true value
+    is var + (shift - M), var * exp(scale - M) (M the overall maximum of shift/scale over the loop) or
+    var / divisor (a post-loop value constant along the loop label)."""
+
+    var: Var
+    phase: str
+    shift: Optional[Var] = None
+    scale: Optional[Var] = None
+    divisor: Optional[Var] = None
+    max_partial: Optional[Var] = None  # post: this is accum_max(max_partial), a max over the loop label
+
+    @property
+    def plain(self) -> bool:
+        return self.shift is None and self.scale is None and self.divisor is None
+
+
+@attrs.frozen
+class Accumulation:
+    node: Node                         # the accumulator node in the block graph
+    max_of_scale: Optional[str] = None  # rescaling accumulators: the accum_max output of their scale
+
+
+class _Builder:
+    """Lifts one kernel graph under one choice into block-graph nodes."""
+
+    def __init__(self, graph: KernelGraph, labels: Labels, choice: Choice):
+        self.graph, self.labels, self.choice = graph, labels, choice
+        self.nodes: list = []
+        self.inputs: list = []
+        self.operands: list = []
+        self.env: dict = {}
+        self.accumulations: list = []
+        self.max_accumulator: dict = {}  # partial max var name -> its accum_max output var
+        self.names: set = set()
+        self.origin: dict = {}  # block value name -> the kernel value whose dims (and labels) it has
+        self.current: Optional[Node] = None
+        self.grid_sizes = tuple(p for _, p in choice.grid) + ((choice.split,) if choice.split > 1 else ())
+        self.grid3 = self.grid_sizes + (1,) * (3 - len(self.grid_sizes))
+
+    # -- values ----------------------------------------------------------------------------------
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.names:
+            k += 1
+            name = f"{base}_{k}"
+        self.names.add(name)
+        return name
+
+    def emit(self, op: str, inputs: list, phase_hint: str, **attrs) -> Var:
+        opdef = get_op(op)
+        try:
+            pairs = opdef.normalize_attrs(attrs)
+            (out_type,) = opdef.infer_types(tuple(v.type for v in inputs), pairs)
+        except MdslError as e:
+            raise CannotLift(str(e))
+        out = Var(self.fresh(op), out_type)
+        self.nodes.append(Node(op, inputs, [out], pairs))
+        if self.current is not None and self.current.outputs[0].type.rank == out_type.rank:
+            self.origin[out.name] = self.current.outputs[0]
+        return out
+
+    def along_loop(self, kernel_var: Var, dim: int) -> bool:
+        loop = self.choice.loop
+        return loop is not None and self.labels.label(kernel_var.name, dim) == loop
+
+    def has_loop_label(self, kernel_var: Var) -> bool:
+        return self.choice.loop is not None and self.labels.dim_of(kernel_var, self.choice.loop) is not None
+
+    def value(self, kernel_var: Var) -> Lifted:
+        if kernel_var.name not in self.env:  # a graph input, loaded on first use
+            self.env[kernel_var.name] = Lifted(self.load(kernel_var), LOOP)
+        return self.env[kernel_var.name]
+
+    def load(self, kernel_var: Var) -> Var:
+        imap = [self.labels.dim_of(kernel_var, label) for label, _ in self.choice.grid]
+        fmap = self.labels.dim_of(kernel_var, self.choice.loop) if self.choice.loop is not None else None
+        if self.choice.split > 1:
+            imap.append(fmap)
+        imap = [d if size > 1 else None for d, size in zip(imap, self.grid_sizes)]
+        try:
+            tile = input_tile_type(kernel_var.type, self.grid3, self.choice.forloop, tuple(imap) + (None,) * (3 - len(imap)),
+                                   fmap)
+        except MdslError as e:
+            raise CannotLift(str(e))
+        var = Var(self.fresh(kernel_var.name), tile)
+        self.origin[var.name] = kernel_var
+        self.inputs.append(BlockInput(var, imap, fmap))
+        self.operands.append(kernel_var)
+        return var
+
+    def accumulate(self, op: str, inputs: list, **attrs) -> Var:
+        out = self.emit(op, inputs, POST, **attrs)
+        node = self.nodes[-1]
+        max_of_scale = self.max_accumulator.get(inputs[1].name) if op in ("accum_rescale", "accum_sum_rescale") else None
+        self.accumulations.append(Accumulation(node, max_of_scale))
+        return out
+
+    # -- the walk --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            rule = node.opdef.rules.get("lift")
+            if rule is None:
+                raise CannotLift(f"{node.op} does not lift into a block graph")
+            self.current = node
+            self.env[node.outputs[0].name] = rule(self, node)
+        self.current = None
+
+    def finish_outputs(self) -> list:
+        """The block-graph value of each graph output, accumulated when the loop has no label."""
+        outs = []
+        for v in self.graph.outputs:
+            lv = self.value(v)
+            if not lv.plain:
+                raise CannotLift(f"output %{v.name} still carries a pending rescale or division")
+            if lv.phase == LOOP:
+                if self.choice.loop is not None:
+                    raise CannotLift(f"output %{v.name} does not pass through the loop's contraction")
+                lv = Lifted(self.accumulate("accum", [lv.var]), POST)
+            outs.append(lv.var)
+        return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# lifting rules, one per operator category
+
+def _same_phase(lvs) -> str:
+    phases = {lv.phase for lv in lvs}
+    if len(phases) != 1:
+        raise CannotLift("mixes values from inside and after the loop")
+    return phases.pop()
+
+
+def _lift_elementwise(b: _Builder, node: Node) -> Lifted:
+    lvs = [b.value(v) for v in node.inputs]
+    attrs = node.attr_dict
+    if all(lv.plain for lv in lvs) and len({lv.phase for lv in lvs}) == 1:
+        return Lifted(b.emit(node.op, [lv.var for lv in lvs], lvs[0].phase, **attrs), lvs[0].phase)
+    if node.op == "sub" and lvs[0].phase == LOOP and lvs[0].plain and lvs[1].max_partial is not None:
+        # x - max over the loop label: subtract the chunk's own maximum and remember the shift
+        m = lvs[1].max_partial
+        return Lifted(b.emit("sub", [lvs[0].var, m], LOOP), LOOP, shift=m)
+    if node.op == "exp" and lvs[0].shift is not None and lvs[0].scale is None and lvs[0].divisor is None:
+        return Lifted(b.emit("exp", [lvs[0].var], LOOP), LOOP, scale=lvs[0].shift)
+    if node.op == "div" and lvs[0].phase == LOOP and lvs[0].shift is None and lvs[0].divisor is None \
+            and lvs[1].phase == POST and lvs[1].plain and not b.has_loop_label(node.inputs[1]):
+        # dividing by something constant along the loop label commutes with the contraction
+        return attrs_evolve(lvs[0], divisor=lvs[1].var)
+    if node.op in ("mul_scalar", "neg", "cast") and lvs[0].phase == LOOP and lvs[0].shift is None:
+        return attrs_evolve(lvs[0], var=b.emit(node.op, [lvs[0].var], LOOP, **attrs))
+    if node.op == "mul" and all(lv.phase == LOOP and lv.shift is None for lv in lvs) \
+            and sum(not lv.plain for lv in lvs) == 1:
+        carrier = lvs[0] if not lvs[0].plain else lvs[1]
+        return attrs_evolve(carrier, var=b.emit("mul", [lv.var for lv in lvs], LOOP))
+    raise CannotLift(f"{node.op} on a value with a pending rescale or division")
+
+
+def attrs_evolve(lv: Lifted, **changes) -> Lifted:
+    return attrs.evolve(lv, **changes)
+
+
+def _contract(b: _Builder, partial: Var, lv: Lifted) -> Lifted:
+    """Accumulate a loop partial over the loop; apply a deferred division afterwards."""
+    acc = b.accumulate("accum_rescale", [partial, lv.scale]) if lv.scale is not None else b.accumulate("accum", [partial])
+    if lv.divisor is not None:
+        acc = b.emit("div", [acc, lv.divisor], POST)
+    return Lifted(acc, POST)
+
+
+def _lift_matmul(b: _Builder, node: Node) -> Lifted:
+    a, w = (b.value(v) for v in node.inputs)
+    if b.along_loop(node.inputs[0], node.inputs[0].type.rank - 1):
+        if a.phase != LOOP or w.phase != LOOP or a.shift or w.shift or (not a.plain and not w.plain):
+            raise CannotLift("matmul over the loop needs both operands inside the loop, one plain")
+        modified = a if not a.plain else w
+        return _contract(b, b.emit("matmul", [a.var, w.var], LOOP), modified)
+    if not (a.plain and w.plain):
+        raise CannotLift("matmul of a value with a pending rescale or division")
+    phase = _same_phase((a, w))
+    return Lifted(b.emit("matmul", [a.var, w.var], phase), phase)
+
+
+def _lift_reduction(b: _Builder, node: Node) -> Lifted:
+    (x,) = (b.value(v) for v in node.inputs)
+    dim, keepdim = node.attr("dim"), node.attr("keepdim")
+    if not b.along_loop(node.inputs[0], dim):
+        if not x.plain:
+            raise CannotLift(f"{node.op} across rows with a pending rescale or division")
+        return Lifted(b.emit(node.op, [x.var], x.phase, dim=dim, keepdim=keepdim), x.phase)
+    if x.phase != LOOP or x.shift is not None:
+        raise CannotLift(f"{node.op} over the loop label of a value outside the loop")
+    if node.op == "max":
+        if not x.plain:
+            raise CannotLift("max of a rescaled value")
+        partial = b.emit("max", [x.var], LOOP, dim=dim, keepdim=keepdim)
+        total = b.accumulate("accum_max", [partial])
+        b.max_accumulator[partial.name] = total.name
+        return Lifted(total, POST, max_partial=partial)
+    if (x.scale is not None or x.divisor is not None) and not keepdim:
+        raise CannotLift("a rescaled sum must keep its reduced dim")
+    out = _contract(b, b.emit("sum", [x.var], LOOP, dim=dim, keepdim=keepdim), x)
+    if node.op == "mean":
+        out = Lifted(b.emit("mul_scalar", [out.var], POST, value=1.0 / node.inputs[0].shape[dim]), POST)
+    return out
+
+
+def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
+    (x,) = (b.value(v) for v in node.inputs)
+    dim, eps = node.attr("dim"), node.attr("eps")
+    if not x.plain:
+        raise CannotLift("rms_norm of a value with a pending rescale or division")
+    if not b.along_loop(node.inputs[0], dim):
+        return Lifted(b.emit("rms_norm", [x.var], x.phase, dim=dim, eps=eps), x.phase)
+    if x.phase != LOOP or dim != x.var.type.rank - 1:
+        raise CannotLift("rms_norm over the loop label needs it to be the last dim")
+    # x / rms(x): the rms accumulates over the loop; the division waits for the contraction
+    return Lifted(x.var, LOOP, divisor=b.accumulate("accum_rms", [x.var], eps=eps))
+
+
+_CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
+                   "norm": _lift_rms_norm}
+for _name, _op in OPS.items():
+    if _op.category in _CATEGORY_RULES:
+        extend_op(_name, lift=_CATEGORY_RULES[_op.category])
+
+
+# ---------------------------------------------------------------------------------------------
+# from a lifted program to kernel graphs
+
+def _omap(labels: Labels, var: Var, choice: Choice, kernel_var: Var) -> list:
+    omap = []
+    for label, parts in choice.grid:
+        d = labels.dim_of(kernel_var, label)
+        if parts > 1 and d is None:
+            raise CannotLift(f"output %{kernel_var.name} has no dim for a grid label")
+        omap.append(d if parts > 1 else None)
+    return omap
+
+
+def _single_kernel(b: _Builder, outs: list) -> KernelGraph:
+    choice, graph = b.choice, b.graph
+    outputs = [BlockOutput(v, _omap(b.labels, v, choice, kv)) for v, kv in zip(outs, graph.outputs)]
+    body = BlockGraph(b.grid3, choice.threads, choice.forloop, b.inputs, b.nodes, outputs)
+    node = Node("custom", b.operands, list(graph.outputs), body=body)
+    return KernelGraph(graph.name, graph.inputs, [node], graph.outputs)
+
+
+def _retyped(node: Node, inputs: list) -> Node:
+    """`node` on new inputs, with output types inferred again (partial results are f32)."""
+    (out_type,) = node.opdef.infer_types(tuple(v.type for v in inputs), node.attrs)
+    return attrs.evolve(node, inputs=inputs, outputs=[Var(node.outputs[0].name, out_type)])
+
+
+def _cast_node(v: Var, dtype, name: str) -> Node:
+    return Node("cast", [v], [Var(name, v.type.with_dtype(dtype))], get_op("cast").normalize_attrs({"dtype": dtype}))
+
+
+def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
+    """Phase 1 accumulates each split of the loop label and stores the partial results in f32;
+    phase 2 loops over the splits, re-accumulates them and runs the post-loop nodes."""
+    choice, graph = b.choice, b.graph
+    accs = b.accumulations
+    if any(a.node.op not in _SPLITTABLE_ACCUMULATORS for a in accs):
+        raise CannotLift("an accumulator whose partial results cannot be combined")
+    post = BlockGraph(b.grid3, choice.threads, choice.forloop, b.inputs, b.nodes, ()).post_loop_vars()
+    phase1_nodes = [n for n in b.nodes if not any(v.name in post for v in n.outputs) or n.opdef.is_accumulator]
+    post_nodes = [n for n in b.nodes if n not in phase1_nodes]
+
+    grid_parts = [p for _, p in choice.grid]
+    partial_outputs, partial_vars, tiles2 = [], [], []
+    for a in accs:
+        v = a.node.outputs[0]
+        omap = []
+        for label, parts in choice.grid:
+            d = _tile_dim_for(b, v, label) if parts > 1 else None
+            if parts > 1 and d is None:
+                raise CannotLift("a partial result has no dim for a grid label")
+            omap.append(d)
+        free = [d for d in range(v.type.rank) if d not in omap]
+        if not free:
+            raise CannotLift("no dim to concatenate a partial result's splits along")
+        omap.append(free[-1])
+        stored = v
+        if v.type.dtype != f32:
+            phase1_nodes.append(_cast_node(v, f32, f"{v.name}_f32"))
+            stored = phase1_nodes[-1].outputs[0]
+        partial_outputs.append(BlockOutput(stored, omap))
+        shape = [n * parts if d in omap else n for d, n in enumerate(v.shape)
+                 for parts in [math.prod(p for dd, p in zip(omap, grid_parts + [choice.split]) if dd == d)]]
+        partial_vars.append(Var(f"{v.name}_splits", TensorType(shape, f32)))
+        tiles2.append((Var(f"{v.name}_split", stored.type), omap[:-1], omap[-1]))
+    phase1 = BlockGraph(b.grid3, choice.threads, choice.forloop, b.inputs, phase1_nodes, partial_outputs)
+    n1 = Node("custom", b.operands, partial_vars, body=phase1)
+
+    # phase 2: the same grid without the split, looping over the splits
+    tile_of = {a.node.outputs[0].name: t for a, (t, _, _) in zip(accs, tiles2)}
+    totals: dict = {}
+    nodes2 = []
+    for a in accs:
+        v = a.node.outputs[0]
+        ins = [tile_of[v.name]]
+        if a.node.op == "accum_rescale":
+            if a.max_of_scale is None:
+                raise CannotLift("a rescaling accumulator without the maximum of its scale")
+            ins.append(tile_of[a.max_of_scale])
+        nodes2.append(_retyped(Node(a.node.op, ins, [Var(f"{v.name}_total", v.type)], a.node.attrs), ins))
+        totals[v.name] = nodes2[-1].outputs[0]
+    for n in post_nodes:
+        nodes2.append(_retyped(n, [totals.get(v.name, v) for v in n.inputs]))
+        totals[n.outputs[0].name] = nodes2[-1].outputs[0]
+    outputs2 = []
+    for v, kv in zip(outs, graph.outputs):
+        result = totals.get(v.name, v)
+        if result.type.dtype != kv.type.dtype:
+            nodes2.append(_cast_node(result, kv.type.dtype, f"{v.name}_out"))
+            result = nodes2[-1].outputs[0]
+        outputs2.append(BlockOutput(result, _omap(b.labels, v, choice, kv)[:len(grid_parts)]))
+    grid2 = tuple(grid_parts) + (1,) * (3 - len(grid_parts))
+    inputs2 = [BlockInput(t, imap, fmap) for t, imap, fmap in tiles2]
+    phase2 = BlockGraph(grid2, choice.threads, choice.split, inputs2, nodes2, outputs2)
+    n2 = Node("custom", partial_vars, list(graph.outputs), body=phase2)
+    return KernelGraph(graph.name, graph.inputs, [n1, n2], graph.outputs)
+
+
+def _tile_dim_for(b: _Builder, tile: Var, label) -> Optional[int]:
+    """The dim of a block value that a grid label splits, read off the kernel value it stands for."""
+    origin = b.origin.get(tile.name)
+    return b.labels.dim_of(origin, label) if origin is not None else None
+
+
+def lift(graph: KernelGraph, choice: Choice, labels: Optional[Labels] = None) -> KernelGraph:
+    """The kernel graph rewritten under `choice`, or CannotLift."""
+    b = _Builder(graph, labels or Labels(graph), choice)
+    b.run()
+    outs = b.finish_outputs()
+    candidate = _split_kernels(b, outs) if choice.split > 1 else _single_kernel(b, outs)
+    try:
+        validate_kernel_graph(candidate)
+    except MdslError as e:
+        raise CannotLift(str(e))
+    return candidate
+
+
+# ---------------------------------------------------------------------------------------------
+# choices
+
+def _powers_of_two_dividing(n: int, limit: int) -> list:
+    return [p for p in (2 ** k for k in range(0, 13)) if p <= min(n, limit) and n % p == 0]
+
+
+def _grid_factors(n: int, limit: int) -> list:
+    """Ways to split a dim of size n over blocks: powers of two, or whatever leaves power-of-two tiles."""
+    return sorted({p for p in _powers_of_two_dividing(n, limit) if p > 1}
+                  | {n // t for t in _powers_of_two_dividing(n, n) if 1 < n // t <= limit})
+
+
+def choices(graph: KernelGraph, labels: Labels, config: SearchConfig) -> Iterator[Choice]:
+    out_labels = None
+    for v in graph.outputs:
+        ls = {labels.label(v.name, d) for d in range(v.type.rank) if v.shape[d] > 1}
+        out_labels = ls if out_labels is None else out_labels & ls
+    contracted = labels.contracted_labels()
+    free = sorted(l for l in (out_labels or ()) if l not in contracted)
+    loops = [None] + sorted(l for l, kinds in contracted.items() if kinds <= _LOOPABLE)
+    for loop in loops:
+        n_loop = labels.size(loop) if loop is not None else 1
+        splits = _powers_of_two_dividing(n_loop, 64) if loop is not None else [1]
+        max_grid_labels = 3 if loop is None else 2
+        for k in range(0, min(max_grid_labels, len(free)) + 1):
+            for grid_labels in itertools.combinations(free, k):
+                factor_lists = [_grid_factors(labels.size(l), config.max_blocks) for l in grid_labels]
+                for factors in itertools.product(*factor_lists):
+                    for split in splits:
+                        blocks = math.prod(factors) * split
+                        if blocks > config.max_blocks or (split > 1 and len(factors) >= 3):
+                            continue
+                        for forloop in _forloop_ranges(n_loop // split, loop is not None, config):
+                            for threads in config.thread_counts[:1]:
+                                yield Choice(tuple(zip(grid_labels, factors)), loop, forloop, split, threads)
+
+
+def _forloop_ranges(n: int, looping: bool, config: SearchConfig) -> list:
+    if not looping:
+        return [1]
+    # chunks of 8 to 512 elements along the loop label keep tiles sensible
+    return [r for r in config.forloop_ranges if r > 1 and n % r == 0 and 8 <= n // r <= 512]
+
+
+def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
+    """Candidates derived from the program's structure, cheapest first by the cost model."""
+    labels = Labels(graph)
+    found: dict = {}
+    for choice in choices(graph, labels, config):
+        try:
+            candidate = lift(graph, choice, labels)
+        except CannotLift as e:
+            if stats is not None:
+                stats.count("pruned", "guided: does not lift")
+            continue
+        found.setdefault(candidate.key, candidate)
+    ranked = sorted(found.values(), key=estimate)
+    yield from ranked[:limit]

@@ -1,0 +1,179 @@
+"""A plan: the mugraph a search chose for a program, with the evidence a person needs to trust it.
+
+`str(plan)` is a header of `#` comments (cost, roofline floor, verification, search) followed by the
+chosen mugraph in the textual IR, so the text parses back as that graph. `to_json`/`from_json` is
+the form the plan cache stores.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import attrs
+
+from mdsl.ir import serialize
+from mdsl.ir.graph import KernelGraph
+from mdsl.ir.text import print_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import Cost, Floor, KernelCost, estimate
+from mdsl.search.stats import GENERATED, SearchStats
+
+SCHEMA = 1
+_FLOAT_EVIDENCE = ("false_pass_probability", "float_rel_error", "float_bound", "seconds")
+
+
+@attrs.frozen
+class Evidence:
+    """What the verifier found for one candidate (see mdsl.passes.verify.Verification)."""
+
+    equivalent: bool
+    reason: str
+    finite_field_tests: int
+    false_pass_probability: float
+    float_rel_error: float
+    float_bound: float
+    seed: int
+    seconds: float = attrs.field(default=0.0, eq=False)   # verification time, which varies run to run
+
+    @classmethod
+    def of(cls, verification: Any, seed: int, seconds: float) -> "Evidence":
+        v = verification
+        return cls(bool(v.equivalent), str(v.reason), int(v.finite_field_tests), float(v.false_pass_probability),
+                   float(v.float_rel_error), float(v.float_bound), seed, seconds)
+
+    @classmethod
+    def failure(cls, reason: str, seed: int, seconds: float = 0.0) -> "Evidence":
+        return cls(False, reason, 0, 1.0, math.nan, math.nan, seed, seconds)
+
+    def to_json(self) -> dict:
+        # strict JSON: a non-finite float is written as its repr, which float() reads back
+        return {k: v if not isinstance(v, float) or math.isfinite(v) else repr(v)
+                for k, v in attrs.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Evidence":
+        return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
+
+    def describe(self) -> str:
+        if not self.finite_field_tests:
+            return f"not verified ({self.reason})"
+        if not self.equivalent:
+            return f"not equivalent ({self.reason})"
+        return (f"{self.finite_field_tests} finite-field tests (false-pass probability <= "
+                f"{self.false_pass_probability:.1e}), float relative error {self.float_rel_error:.2e} "
+                f"(bound {self.float_bound:.1e})")
+
+
+@attrs.frozen
+class Candidate:
+    """A verified mugraph (or the original program) and its estimated cost."""
+
+    graph: KernelGraph
+    cost: Cost
+    evidence: Evidence
+
+
+@attrs.frozen
+class Plan:
+    original: KernelGraph
+    graph: KernelGraph                 # the chosen mugraph
+    cost: Cost
+    floor: Floor
+    evidence: Evidence
+    stats: SearchStats
+    alternatives: tuple                # the other verified candidates kept, best first
+    config: SearchConfig
+    mdsl_version: str
+    cache_path: Optional[str] = attrs.field(default=None, eq=False)  # set when read from the plan cache
+
+    @property
+    def is_original(self) -> bool:
+        return self.graph.key == self.original.key
+
+    @property
+    def chosen(self) -> Candidate:
+        return Candidate(self.graph, self.cost, self.evidence)
+
+    @property
+    def original_cost(self) -> Cost:
+        return estimate(self.original)
+
+    def __str__(self) -> str:
+        return "\n".join([*(f"# {line}" for line in self.header()), print_graph(self.graph)])
+
+    def header(self) -> list:
+        floor, cost, original = self.floor, self.cost, self.original_cost
+        what = ("the original program (no faster equivalent mugraph was found)" if self.is_original
+                else f"{original.seconds / cost.seconds:.2f}x faster than the original ({original.seconds * 1e6:.2f} us)")
+        lines = [f"mdsl {self.mdsl_version} plan for kernel {self.original.name}, {self.config.arch}: {what}",
+                 f"cost:     {cost}",
+                 f"floor:    {floor.seconds * 1e6:.2f} us, {floor.bound}-bound; the estimate reaches "
+                 f"{floor.seconds / cost.seconds:.0%} of it",
+                 f"verified: {self.evidence.describe()}",
+                 f"search:   {self._search_line()}",
+                 f"          {self.stats.summary()}"]
+        if self.alternatives:
+            costs = ", ".join(f"{c.cost.seconds * 1e6:.2f} us ({c.cost.launches} launch(es))" for c in self.alternatives)
+            lines.append(f"also:     {costs}")
+        if self.cache_path is not None:
+            lines.append(f"cached:   {self.cache_path}")
+        return lines
+
+    def _search_line(self) -> str:
+        s = self.stats
+        ending = f"stopped by the {self.config.budget_s:g} s budget" if s.timed_out else "finished"
+        return (f"{s.elapsed_s:.1f} s, {ending}; {s.total(GENERATED)} candidates, "
+                f"{len(self.alternatives) + 1} verified kept (top_k={self.config.top_k}), seed {self.config.seed}")
+
+    # -- JSON ------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"mdsl_plan": SCHEMA, "mdsl_version": self.mdsl_version, "config": _config_json(self.config),
+                "original": serialize.to_json(self.original), "chosen": _candidate_json(self.chosen),
+                "floor": attrs.asdict(self.floor), "stats": self.stats.to_json(),
+                "alternatives": [_candidate_json(c) for c in self.alternatives]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        """Raises ValueError, KeyError, TypeError or an MdslError on malformed data."""
+        if data.get("mdsl_plan") != SCHEMA:
+            raise ValueError(f"unsupported plan schema {data.get('mdsl_plan')!r} (this mdsl reads {SCHEMA})")
+        original = _kernel_graph(data["original"])
+        chosen = _candidate(data["chosen"])
+        return cls(original, chosen.graph, chosen.cost, Floor(**data["floor"]), chosen.evidence,
+                   SearchStats.from_json(data["stats"]), tuple(_candidate(c) for c in data["alternatives"]),
+                   _config(data["config"]), str(data["mdsl_version"]))
+
+
+def mdsl_version() -> str:
+    import mdsl  # the package's __init__ imports the frontend, which imports search lazily
+
+    return mdsl.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON of the parts
+
+def _config_json(config: SearchConfig) -> dict:
+    return attrs.asdict(config)
+
+
+def _config(data: dict) -> SearchConfig:
+    return SearchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def _candidate_json(c: Candidate) -> dict:
+    return {"graph": serialize.to_json(c.graph), "cost": attrs.asdict(c.cost), "evidence": c.evidence.to_json()}
+
+
+def _candidate(data: dict) -> Candidate:
+    cost = dict(data["cost"])
+    cost["kernels"] = tuple(KernelCost(**k) for k in cost["kernels"])
+    return Candidate(_kernel_graph(data["graph"]), Cost(**cost), Evidence.from_json(data["evidence"]))
+
+
+def _kernel_graph(data: dict) -> KernelGraph:
+    graph = serialize.from_json(data)  # validates kernel graphs
+    if not isinstance(graph, KernelGraph):
+        raise ValueError(f"expected a kernel graph, got a {type(graph).__name__}")
+    return graph

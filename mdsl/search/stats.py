@@ -1,0 +1,74 @@
+"""Search statistics: counters by category and reason, shared by the engine and the generators.
+
+A generator that accepts a `stats` keyword is handed the search's `SearchStats` and reports its
+pruning there, e.g. `stats.count("pruned", "abstract-expression")`. A generator that does long
+stretches of work without yielding may poll `stats.out_of_time()` and return early.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import attrs
+
+# the categories the engine counts (generators may add their own, "pruned" first of all)
+GENERATED = "generated"      # by generator
+DUPLICATE = "duplicate"      # by generator
+INVALID = "invalid"          # by reason
+PRUNED = "pruned"            # by reason, reported by generators
+VERIFIED = "verified"        # accepted by the verifier
+REJECTED = "rejected"        # by the verifier's reason
+SKIPPED = "skipped"          # not verified: cannot reach the top k, or the budget ran out
+ERRORS = "errors"            # generators that raised, by generator
+
+
+@attrs.define
+class SearchStats:
+    counts: dict = attrs.field(factory=dict)      # category -> {reason: n}
+    best_seconds: Optional[float] = None          # the best verified candidate's estimated time
+    elapsed_s: float = 0.0
+    timed_out: bool = False                       # the budget ran out before the search finished
+    done: bool = False
+    deadline: Optional[float] = attrs.field(default=None, eq=False, repr=False)  # time.monotonic()
+
+    def count(self, category: str, reason: str = "", n: int = 1) -> None:
+        reasons = self.counts.setdefault(category, {})
+        reasons[reason] = reasons.get(reason, 0) + n
+
+    def by_reason(self, category: str) -> dict:
+        return dict(self.counts.get(category, {}))
+
+    def total(self, category: str) -> int:
+        return sum(self.counts.get(category, {}).values())
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def summary(self) -> str:
+        """One line: states explored, pruned by reason, verified, best cost so far."""
+        parts = [f"{self.elapsed_s:.1f}s", f"{self.total(GENERATED)} candidates{_reasons(self.by_reason(GENERATED))}"]
+        if self.total(DUPLICATE):
+            parts.append(f"{self.total(DUPLICATE)} duplicates")
+        for category in (INVALID, PRUNED, VERIFIED, REJECTED, SKIPPED, ERRORS):
+            if self.total(category):
+                parts.append(f"{category} {self.total(category)}{_reasons(self.by_reason(category))}")
+        if self.best_seconds is not None:
+            parts.append(f"best {self.best_seconds * 1e6:.2f} us")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"counts": self.counts, "best_seconds": self.best_seconds, "elapsed_s": self.elapsed_s,
+                "timed_out": self.timed_out, "done": self.done}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SearchStats":
+        counts = {str(c): {str(r): int(n) for r, n in reasons.items()} for c, reasons in data["counts"].items()}
+        best = data["best_seconds"]
+        return cls(counts, None if best is None else float(best), float(data["elapsed_s"]), bool(data["timed_out"]),
+                   bool(data["done"]))
+
+
+def _reasons(reasons: dict) -> str:
+    """` (a 3, b 1)`, most frequent first; nothing when the only reason is unnamed."""
+    named = sorted(((n, r) for r, n in reasons.items() if r), key=lambda nr: (-nr[0], nr[1]))
+    return f" ({', '.join(f'{r} {n}' for n, r in named)})" if named else ""
