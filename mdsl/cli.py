@@ -1,8 +1,10 @@
 """The `mdsl` command line.
 
-    mdsl optimize examples/rms_norm_linear.py                  # every @mdsl.kernel in the file
+    mdsl optimize examples/rms_norm_linear.py                  # search every @mdsl.kernel in the file
     mdsl optimize examples/rms_norm_linear.py:rms_norm_linear  # one of them
-    mdsl optimize FILE --format json|dot
+    mdsl optimize FILE --budget 30 --seed 1 --workers 4 --no-cache --log search.jsonl
+    mdsl optimize FILE --format json|dot                       # the chosen mugraphs
+    mdsl optimize FILE --trace-only                            # the traced graphs, no search
     mdsl version
 
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
@@ -24,8 +26,9 @@ from mdsl.errors import MdslError
 from mdsl.frontend.kernel import KernelFunction
 from mdsl.ir import dot, serialize
 from mdsl.ir.graph import KernelGraph
+from mdsl.search.config import SearchConfig
 
-EXIT_OK, EXIT_USER_ERROR = 0, 2
+EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 
 # the name the loaded file runs under: not "__main__", so that its demo block does not run
 _MODULE_NAME = "__mdsl_user_file__"
@@ -105,8 +108,28 @@ FORMATS = {"text": _text, "json": _json, "dot": _dot}
 def optimize(args: argparse.Namespace) -> int:
     path, function = split_target(args.target)
     kernels = find_kernels(load_module(path), path, function)
-    print(FORMATS[args.format]([k.graph for k in kernels]))
+    if args.trace_only:
+        print(FORMATS[args.format]([k.graph for k in kernels]))
+        return EXIT_OK
+    config = SearchConfig(**{name: value for name, value in (("budget_s", args.budget), ("seed", args.seed),
+                                                             ("workers", args.workers)) if value is not None})
+    plans = [k.optimize(config=config, cache=not args.no_cache, progress=True, log_path=args.log) for k in kernels]
+    if args.format == "text":
+        print("\n\n".join(str(p) for p in plans))  # each plan: its header comments, then its mugraph
+    else:
+        print(FORMATS[args.format]([p.graph for p in plans]))
     return EXIT_OK
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
 
 
 def version(args: argparse.Namespace) -> int:
@@ -120,14 +143,23 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     opt = commands.add_parser(
-        "optimize", help="trace a file's kernels and print their graphs",
+        "optimize", help="search a file's kernels for faster verified mugraphs and print the plans",
         description="Trace the @mdsl.kernel functions of FILE (or only FUNCTION), using their Tensor[...] "
-                    "annotations, and print their kernel graphs. The search, verification and compilation "
-                    "come in later versions of mdsl; for now this traces and prints.")
+                    "annotations, search each for the fastest equivalent mugraph (verified, ranked by the "
+                    "cost model; no GPU needed) and print its plan. Progress goes to stderr. Plans are "
+                    "cached on disk ($MDSL_CACHE_DIR, default ~/.cache/mdsl): the same program and search "
+                    "settings are answered from the cache.")
     opt.add_argument("target", metavar="FILE[:FUNCTION]", help="a Python file, optionally with a kernel's name")
     opt.add_argument("-f", "--format", choices=sorted(FORMATS), default="text",
-                     help="text (the textual IR, default), json (the cache form, one graph per line) "
-                          "or dot (Graphviz)")
+                     help="text (default: each plan's header as # comments, then its mugraph in the textual IR), "
+                          "json (the chosen mugraphs, one per line) or dot (Graphviz)")
+    opt.add_argument("--budget", type=_positive(float), metavar="SECONDS",
+                     help="wall-clock budget of each search; the best plan found by then is returned (default 120)")
+    opt.add_argument("--seed", type=int, help="the seed all of the search's randomness derives from (default 0)")
+    opt.add_argument("--workers", type=_positive(int), help="processes that verify candidates (default: one per core)")
+    opt.add_argument("--no-cache", action="store_true", help="search even if a cached plan exists (and do not store it)")
+    opt.add_argument("--log", metavar="FILE.jsonl", help="append the search's events to FILE.jsonl, one JSON object a line")
+    opt.add_argument("--trace-only", action="store_true", help="print the traced kernel graphs, without searching")
     opt.set_defaults(run=optimize)
 
     ver = commands.add_parser("version", help="print mdsl's version")
@@ -142,3 +174,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (MdslError, CliError) as e:
         print(f"mdsl: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # the search has stopped its workers on the way out
+        print("\nmdsl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,6 +1,7 @@
 """The `mdsl` command line, called in-process through `mdsl.cli.main`."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,18 @@ from mdsl.ir import serialize, text
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RMS_NORM_LINEAR = str(EXAMPLES / "rms_norm_linear.py")
+QUICK = ("--budget", "1", "--workers", "1")  # a short search: these tests are about the command line
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("plans")
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(module_cache, monkeypatch):
+    """One plan cache for the module: a search of the examples runs once, later tests hit the cache."""
+    monkeypatch.setenv("MDSL_CACHE_DIR", str(module_cache))
 
 
 def run(capsys, *argv: str) -> tuple:
@@ -29,40 +42,93 @@ def write(tmp_path: Path, source: str) -> str:
     return str(path)
 
 
+@pytest.mark.timeout(60)
+def test_optimize_prints_the_plan_of_a_kernel(capsys):
+    status, out, err = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear", "--budget", "5",
+                           "--workers", "1")
+    assert status == 0
+    header = [line for line in out.splitlines() if line.startswith("#")]
+    assert header[0].startswith(f"# mdsl {mdsl.__version__} plan for kernel rms_norm_linear_bs1, sm_90a: ")
+    assert [line[:12] for line in header[1:5]] == ["# cost:     ", "# floor:    ", "# verified: ", "# search:   "]
+    graph = text.parse_graph(out)  # the header is comments: what follows is the chosen mugraph
+    assert graph.name == "rms_norm_linear_bs1"
+    assert err.startswith("mdsl search: ") and err.endswith("\n")  # progress, its final state on its own line
+
+
+@pytest.mark.timeout(60)
 def test_optimize_prints_every_kernel_of_a_file(capsys):
-    status, out, err = run(capsys, "optimize", RMS_NORM_LINEAR)
+    status, out, _ = run(capsys, "optimize", RMS_NORM_LINEAR, *QUICK)
+    assert status == 0
+    plans = out.split("\n\n")
+    assert [text.parse_graph(p).name for p in plans] == ["rms_norm_linear_bs1", "rms_norm_linear_bs8",
+                                                          "rms_norm_linear_fused"]
+    assert all(p.startswith("# mdsl ") for p in plans)
+
+
+@pytest.mark.timeout(60)
+def test_optimize_one_function(capsys):
+    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear_fused", *QUICK)
+    assert status == 0
+    assert text.parse_graph(out).name == "rms_norm_linear_fused"
+    assert out.count("# mdsl ") == 1
+
+
+def test_trace_only_prints_the_traced_graphs(capsys):
+    status, out, err = run(capsys, "optimize", RMS_NORM_LINEAR, "--trace-only")
     assert (status, err) == (0, "")
     headers = [line for line in out.splitlines() if line.startswith("kernel ")]
     assert [h.split("(")[0] for h in headers] == ["kernel rms_norm_linear_bs1", "kernel rms_norm_linear_bs8",
                                                    "kernel rms_norm_linear_fused"]
-    first = out.split("\n\n")[0]
-    assert text.parse_graph(first).name == "rms_norm_linear_bs1"
-
-
-def test_optimize_one_function(capsys):
-    status, out, err = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear_fused")
-    assert (status, err) == (0, "")
-    graph = text.parse_graph(out)
-    assert graph.name == "rms_norm_linear_fused"
-    assert [n.op for n in graph.nodes] == ["custom"]
+    assert "#" not in out.split("\n")[0]
+    fused = text.parse_graph(out.split("\n\n")[2])
+    assert [n.op for n in fused.nodes] == ["custom"]
 
 
 def test_the_demo_block_of_the_file_does_not_run(capsys):
-    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear")
+    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear", "--trace-only")
     assert status == 0 and "max |diff|" not in out
 
 
-def test_json_format_is_one_graph_per_line(capsys):
-    status, out, _ = run(capsys, "optimize", RMS_NORM_LINEAR, "--format", "json")
+@pytest.mark.timeout(60)
+def test_json_format_is_one_chosen_graph_per_line(capsys):
+    status, out, _ = run(capsys, "optimize", RMS_NORM_LINEAR, "--format", "json", *QUICK)
     assert status == 0
     graphs = [serialize.loads(line) for line in out.splitlines()]
     assert [g.name for g in graphs] == ["rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_fused"]
 
 
+@pytest.mark.timeout(60)
 def test_dot_format(capsys):
-    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear", "-f", "dot")
+    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear", "-f", "dot", *QUICK)
     assert status == 0
     assert out.startswith("digraph ") and 'label="kernel rms_norm_linear_bs1"' in out
+
+
+@pytest.mark.timeout(60)
+def test_search_options_reach_the_search(capsys, tmp_path):
+    log = tmp_path / "search.jsonl"
+    status, out, _ = run(capsys, "optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear", "--budget", "1", "--seed", "5",
+                         "--workers", "2", "--no-cache", "--log", str(log))
+    assert status == 0 and "(seed 5)" in out and "# cached:" not in out
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[-1]["event"] == "done"
+    assert records[0]["config"]["budget_s"] == 1.0 and records[0]["config"]["workers"] == 2
+
+
+def test_a_second_run_is_answered_from_the_cache(capsys):
+    args = ("optimize", f"{RMS_NORM_LINEAR}:rms_norm_linear_fused", *QUICK)
+    run(capsys, *args)
+    status, out, err = run(capsys, *args)
+    assert status == 0 and "# cached:   " in out and err == ""
+
+
+@pytest.mark.parametrize("option, value", [("--budget", "0"), ("--budget", "inf"), ("--workers", "0"),
+                                           ("--workers", "two")])
+def test_bad_search_options_are_usage_errors(capsys, option, value):
+    with pytest.raises(SystemExit) as info:
+        main(["optimize", RMS_NORM_LINEAR, option, value])
+    assert info.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
 
 
 def test_unknown_function_lists_the_kernels(capsys):
@@ -127,7 +193,7 @@ def test_the_file_can_import_its_siblings(capsys, tmp_path):
         def double(x: Tensor[N, f32]):
             return x * 2
         """)
-    status, out, _ = run(capsys, "optimize", path)
+    status, out, _ = run(capsys, "optimize", path, "--trace-only")
     assert status == 0 and "%x: f32[8]" in out
 
 
@@ -141,10 +207,13 @@ def test_usage_errors_exit_2(capsys):
     assert info.value.code == 2
 
 
-def test_optimize_help_says_what_it_does_for_now(capsys):
+def test_optimize_help_says_what_it_does(capsys):
     with pytest.raises(SystemExit):
         main(["optimize", "--help"])
-    assert "for now this traces and prints" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "search each for the fastest equivalent mugraph" in help_text
+    for option in ("--budget SECONDS", "--seed", "--workers", "--no-cache", "--log FILE.jsonl", "--trace-only"):
+        assert option in help_text
 
 
 def test_python_dash_m_mdsl():

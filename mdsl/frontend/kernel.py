@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from mdsl.errors import DTypeError, MdslError, ShapeError, TraceError, UnsupportedError
+from mdsl.errors import DTypeError, MdslError, ShapeError, TraceError
 from mdsl.frontend.source import caller_frame, caller_loc
 from mdsl.frontend.tensor import TensorSpec
 from mdsl.frontend.tracer import _ACTIVE_KERNEL_TRACERS, KernelTracer, SymbolicTensor
@@ -15,10 +16,19 @@ from mdsl.ir.dtypes import dtype_of_array
 from mdsl.ir.graph import KernelGraph
 
 
+_DLPACK_CUDA_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
+
+
 def _is_device_array(value) -> bool:
+    """Whether an argument lives on the GPU: torch CUDA tensors and mdsl DeviceArrays (`is_cuda`),
+    `__cuda_array_interface__` exporters, and DLPack exporters on a CUDA device."""
+    is_cuda = getattr(value, "is_cuda", None)
+    if isinstance(is_cuda, bool):
+        return is_cuda
     if hasattr(value, "__cuda_array_interface__"):
         return True
-    return bool(getattr(value, "is_cuda", False))
+    dlpack_device = getattr(value, "__dlpack_device__", None)
+    return dlpack_device is not None and dlpack_device()[0] in _DLPACK_CUDA_DEVICES
 
 
 def _to_host(value) -> np.ndarray:
@@ -49,6 +59,7 @@ class KernelFunction:
                                  loc=frame_loc_of(fn), hint="*args, **kwargs and keyword-only parameters are not traced")
         self.annotations = self._read_annotations(scope)
         self._graphs: dict = {}
+        self._executables: dict = {}   # (shape, dtype name, device) per argument -> runtime.Executable
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
         # string annotations (from __future__ import annotations) may name the defining scope's locals
@@ -77,14 +88,20 @@ class KernelFunction:
 
     # -- tracing ---------------------------------------------------------------------------------
 
-    def _specs(self, args: Sequence) -> tuple:
+    def _check_arity(self, args: Sequence) -> None:
         if len(args) != len(self.params):
             raise TraceError(f"kernel {self.name} takes {len(self.params)} tensor(s), got {len(args)}",
                              loc=caller_loc(), hint=f"call it as {self.name}({', '.join(p.name for p in self.params)})")
+
+    def _specs(self, args: Sequence) -> tuple:
+        self._check_arity(args)
         specs = []
         for p, a in zip(self.params, args):
             spec = a if isinstance(a, TensorSpec) else self._spec_of(p.name, a)
             want = self.annotations.get(p.name)
+            if want is not None and want.shape == spec.shape and want.dtype != spec.dtype:
+                raise DTypeError(f"kernel {self.name}: argument {p.name} is {spec} but is annotated {want}",
+                                 loc=caller_loc(), hint=f"convert it to {want.dtype.long_name} first")
             if want is not None and want != spec:
                 raise ShapeError(f"kernel {self.name}: argument {p.name} is {spec} but is annotated {want}",
                                  loc=caller_loc(), hint=f"pass a {want.dtype.long_name} array of shape {list(want.shape)}")
@@ -143,20 +160,76 @@ class KernelFunction:
         dump_ir("trace", graph)
         return graph
 
+    # -- optimizing ------------------------------------------------------------------------------
+
+    def optimize(self, *args, config=None, cache=True, progress=None, log_path=None):
+        """The best verified plan for these arguments' shapes (as in `.trace`; none: the annotated
+        signature), from the plan cache or a search (`mdsl.search.engine.optimize`). No GPU needed."""
+        # imported here: the frontend must not pull in the search (and its processes) at import time
+        from mdsl.search.config import SearchConfig
+        from mdsl.search.engine import optimize
+
+        return optimize(self.trace(*args), config if config is not None else SearchConfig(), cache=cache,
+                        progress=progress, log_path=log_path)
+
     # -- running ---------------------------------------------------------------------------------
 
-    def __call__(self, *args):
-        """Run the kernel. Host (numpy / CPU torch) arrays run through the numpy reference interpreter."""
+    def __call__(self, *args, out=None, stream=None):
+        """Run the kernel. GPU arrays (torch CUDA tensors, mdsl DeviceArrays, anything with
+        `__cuda_array_interface__` or a CUDA `__dlpack__`) run the optimized program on the GPU: `out`
+        (one array, or a tuple with one per output) receives the results, `stream` orders the launches
+        (default: torch's current stream for torch tensors, else the legacy default stream). Host arrays
+        (numpy, CPU torch) run through the numpy reference interpreter."""
+        if out is not None or stream is not None or any(_is_device_array(a) for a in args):
+            try:
+                return self._run_on_gpu(args, out, stream)
+            except MdslError as e:
+                raise e.with_loc(caller_loc())
         graph = self.trace(*args)
-        if any(_is_device_array(a) for a in args):
-            raise UnsupportedError(f"kernel {self.name}: GPU arrays were passed, but this version of mdsl has no "
-                                   "GPU backend yet", loc=caller_loc(),
-                                   hint="pass numpy arrays to run the reference interpreter")
         from mdsl.backend.reference import run_kernel_graph
 
         outs = run_kernel_graph(graph, [_to_host(a) for a in args], precision="float32", round_storage=True)
         results = tuple(np.asarray(o).astype(_STORAGE[v.type.dtype.name]) for o, v in zip(outs, graph.outputs))
         return results[0] if len(results) == 1 else results
+
+    def _run_on_gpu(self, args: Sequence, out, stream):
+        # imported here: `import mdsl` must not load cuda.bindings (nor torch)
+        from mdsl.backend.cuda import runtime
+
+        runtime.require_gpu()
+        self._check_arity(args)
+        handle = runtime.launch_stream(args, stream)
+        views = [runtime.device_view(a, f"kernel {self.name}: argument {p.name}", handle)
+                 for p, a in zip(self.params, args)]
+        key = tuple((v.shape, v.dtype.name, v.device) for v in views)
+        executable = self._executables.get(key)
+        if executable is None:
+            executable = self._executables[key] = self._compile(views)
+        outputs = None if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        results = executable.launch_views(views, outputs, handle,
+                                          torch_outputs=any(runtime.is_torch_tensor(a) for a in args))
+        return results[0] if len(results) == 1 else results
+
+    def _compile(self, views: Sequence):
+        """The executable for these arguments' shapes, dtypes and device: plan, emit, compile, load."""
+        from mdsl.backend.cuda import runtime
+
+        specs = tuple(TensorSpec(v.shape, v.dtype) for v in views)
+        device = views[0].device if views else 0
+        arch = runtime.target_arch(device)
+        return runtime.compile_graph(self._gpu_graph(specs, arch), arch=arch, device=device)
+
+    def _gpu_graph(self, specs: tuple, arch: str) -> KernelGraph:
+        """The optimized plan's graph, or the traced graph where the search cannot run (a module it
+        needs, such as z3, is not installed)."""
+        try:
+            from mdsl.search.config import SearchConfig
+
+            return self.optimize(*specs, config=SearchConfig(arch=arch)).graph
+        except ModuleNotFoundError as e:
+            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: the search needs "
+                          f"{e.name}, which is not installed", stacklevel=4)
+            return self.trace(*specs)
 
 
 def frame_loc_of(fn: Callable):

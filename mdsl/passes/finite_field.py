@@ -36,8 +36,9 @@ exp values as fresh variables (`degrees`): the verifier's false-pass probability
 from __future__ import annotations
 
 import hashlib
+import math
 from fractions import Fraction
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -105,13 +106,9 @@ def mix(x: np.ndarray, salt: int) -> np.ndarray:
 
 
 def simplest_rational(value: float) -> Fraction:
-    """The rational with the smallest denominator (among powers-of-ten bounds) that rounds to `value`:
-    what the programmer meant by 1.0 / 6 or 1e-6. Distinct floats never share it."""
-    try:
-        exact = Fraction(value)
-    except (OverflowError, ValueError):
-        raise UnsupportedError(f"the scalar {value} has no finite-field meaning",
-                               hint="scalars must be finite") from None
+    """The rational with the smallest denominator (among powers-of-ten bounds) that rounds to the finite
+    float `value`: what the programmer meant by 1.0 / 6 or 1e-6. Distinct floats never share it."""
+    exact = Fraction(value)
     for digits in range(1, 18):
         r = exact.limit_denominator(10 ** digits)
         if float(r) == value:
@@ -160,10 +157,10 @@ class Field:
     p: int
     q: int
     omega: int
-    secret: bytes
-    modulus: np.ndarray = attrs.field(init=False)
-    _exp_low: np.ndarray = attrs.field(init=False)
-    _exp_high: np.ndarray = attrs.field(init=False)
+    secret: bytes = attrs.field(repr=False)
+    modulus: np.ndarray = attrs.field(init=False, repr=False)   # [p, q], broadcast over the residue axis
+    _exp_low: np.ndarray = attrs.field(init=False, repr=False)
+    _exp_high: np.ndarray = attrs.field(init=False, repr=False)
 
     @modulus.default
     def _modulus(self):
@@ -193,10 +190,14 @@ class Field:
     # -- arithmetic ------------------------------------------------------------------------------
 
     def rational(self, r: Fraction) -> np.ndarray:
+        """r in both fields (0 in the rare field whose prime divides r's denominator)."""
         return np.array([r.numerator * pow(r.denominator, -1, m) % m if r.denominator % m else 0
                          for m in (self.p, self.q)], dtype=np.int64)
 
     def scalar(self, value: float) -> np.ndarray:
+        """A float attribute: its simplest rational; ±inf (valid in a graph) a random constant of the test."""
+        if not math.isfinite(value):
+            return self.oracle(f"scalar {value!r}", np.zeros(2, dtype=np.int64))
         return self.rational(simplest_rational(value))
 
     def add(self, a, b):
@@ -227,7 +228,9 @@ class Field:
         return self.mul(a, self.inverse(b))
 
     def power(self, x, n: int):
-        y = self._pow(x, np.array([abs(n)] * 2))
+        """x^n for any integer n (the exponent reduced by Fermat: x^(m − 1) = 1 unless x = 0)."""
+        e = abs(n)
+        y = self._pow(x, np.array([(e - 1) % (m - 1) + 1 if e else 0 for m in (self.p, self.q)]))
         return y if n >= 0 else self.inverse(y)
 
     def sum(self, x, axis: int, keepdims: bool = False):
@@ -330,20 +333,24 @@ def _times_oracle(key: str) -> FieldRule:
     return _elementwise(lambda f, x, a: f.mul(x, f.oracle(key, x)), lambda d, a: _times(d, FRESH))
 
 
+def _halves(exponent: float) -> Optional[int]:
+    """k when the exponent is k/2 for an integer k, else None."""
+    k = 2 * exponent
+    return int(k) if math.isfinite(k) and k.is_integer() else None
+
+
 def _pow_scalar(f: Field, x, a):
-    e = Fraction(a["exponent"])
-    if e.denominator == 1:
-        return f.power(x, int(e))
-    if e.denominator == 2:  # x^(k/2) = sqrt(x)^k
-        return f.power(f.sqrt(x), e.numerator)
-    return f.oracle(f"pow {a['exponent']!r}", x)
+    k = _halves(a["exponent"])
+    if k is None:
+        return f.oracle(f"pow {a['exponent']!r}", x)
+    return f.power(x, k // 2) if k % 2 == 0 else f.power(f.sqrt(x), k)  # x^(k/2) = sqrt(x)^k
 
 
 def _pow_scalar_degree(d: Deg, a) -> Deg:
-    e = Fraction(a["exponent"])
-    if e.denominator == 1:
-        return _power_degree(d, int(e))
-    return _power_degree(FRESH, e.numerator) if e.denominator == 2 else FRESH
+    k = _halves(a["exponent"])
+    if k is None:
+        return FRESH
+    return _power_degree(d, k // 2) if k % 2 == 0 else _power_degree(FRESH, k)
 
 
 def _reduction(fn: Callable, degree: Callable) -> FieldRule:
@@ -389,9 +396,8 @@ def _accum_rms(f: Field, its, a):
 
 
 def _accumulator(fn: Callable, degree: Callable) -> FieldRule:
-    """fn(field, iterations, attrs); degree(input degrees, loop range, tile's last dim)."""
-    return FieldRule(lambda f, its, a: [fn(f, its, a)],
-                     lambda ds, ts, a, loop: [degree(ds, loop, ts[0].shape[-1])])
+    """fn(field, iterations, attrs); degree(input degrees, loop range, the tile's type)."""
+    return FieldRule(lambda f, its, a: [fn(f, its, a)], lambda ds, ts, a, loop: [degree(ds, loop, ts[0])])
 
 
 def _same(d: Deg, a) -> Deg:
@@ -404,7 +410,7 @@ _RULES: dict[str, FieldRule] = {
     "gelu": _times_oracle("gelu"),
     "relu": _oracle(lambda a: "relu"),
     "sigmoid": _oracle(lambda a: "sigmoid"),
-    "sqrt": _oracle(lambda a: "sqrt"),
+    "sqrt": _elementwise(lambda f, x, a: f.sqrt(x), lambda d, a: FRESH),
     "rsqrt": _elementwise(lambda f, x, a: f.inverse(f.sqrt(x)), lambda d, a: _over((0, 0), FRESH)),
     "square": _elementwise(lambda f, x, a: f.mul(x, x), lambda d, a: _power_degree(d, 2)),
     "neg": _elementwise(lambda f, x, a: f.neg(x), _same),
@@ -423,23 +429,23 @@ _RULES: dict[str, FieldRule] = {
                         lambda ds, ts, a, loop: [_sum_of(_times(*ds), ts[0].shape[-1])]),
     "sum": _reduction(Field.sum, _sum_of),
     "mean": _reduction(Field.mean, _sum_of),
-    "max": _reduction(Field.max, lambda d, n: d),
+    "max": _reduction(Field.max, lambda d, n: d),  # it picks one of its arguments
     "rms_norm": _elementwise(_rms_norm, lambda d, a: _over(d, FRESH)),
     "concat": FieldRule(lambda f, xs, a: [np.concatenate(xs, axis=_axis(xs[0], a["dim"]))],
                         lambda ds, ts, a, loop: [tuple(map(max, zip(*ds)))]),
     "split": FieldRule(_split, lambda ds, ts, a, loop: [ds[0]] * len(a["sizes"])),
     "reshape": _elementwise(lambda f, x, a: x.reshape(tuple(a["shape"]) + (2,)), _same),
     "transpose": _elementwise(lambda f, x, a: np.transpose(x, tuple(a["perm"]) + (x.ndim - 1,)), _same),
-    "accum": _accumulator(lambda f, its, a: f.sum(_stack(its), axis=0), lambda ds, r, n: _sum_of(ds[0], r)),
-    "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, n: _sum_of(ds[0], r * n)),
-    "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, n: _sum_of(ds[0], r * n)),
-    "accum_rms": _accumulator(_accum_rms, lambda ds, r, n: FRESH),
-    "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, n: ds[0]),
+    "accum": _accumulator(lambda f, its, a: f.sum(_stack(its), axis=0), lambda ds, r, t: _sum_of(ds[0], r)),
+    "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
+    "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
+    "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH),
+    "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, t: ds[0]),
     "accum_rescale": _accumulator(lambda f, its, a: _rescaled_sum(f, its, _stack(its)),
-                                  lambda ds, r, n: _sum_of(_times(ds[0], FRESH), r)),
+                                  lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r)),
     "accum_sum_rescale": _accumulator(
         lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),
-        lambda ds, r, n: _sum_of(_times(_sum_of(ds[0], n), FRESH), r)),
+        lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r)),
 }
 
 for _name, _rule in _RULES.items():

@@ -21,7 +21,6 @@ import importlib
 import inspect
 import json
 import math
-import multiprocessing
 import time
 import warnings
 from concurrent.futures.process import BrokenProcessPool
@@ -36,7 +35,7 @@ from mdsl.ir.validate import validate_kernel_graph
 from mdsl.search import worker
 from mdsl.search.cache import PlanCache
 from mdsl.search.config import SearchConfig
-from mdsl.search.cost import estimate, roofline_floor
+from mdsl.search.cost import Cost, estimate, roofline_floor
 from mdsl.search.plan import Candidate, Evidence, Plan, mdsl_version
 from mdsl.search.progress import StatusLine
 from mdsl.search.stats import (DUPLICATE, ERRORS, GENERATED, INVALID, REJECTED, SKIPPED, VERIFIED,
@@ -49,7 +48,7 @@ Progress = Union[None, bool, Callable[[SearchStats], None]]
 DEFAULT_GENERATORS = (("guided", "mdsl.search.guided"), ("exhaustive", "mdsl.search.enumerate"))
 
 _MAX_PENDING = 10_000   # candidates waiting for a worker; beyond it generation waits for verification
-_POLL_S = 0.1           # the longest a wait blocks, so that budget and progress are seen to promptly
+_POLL_S = 0.1           # the longest a wait blocks, so that the deadline and progress are noticed promptly
 _STOP_GRACE_S = 2.0     # idle workers get this long to exit before they are terminated
 
 
@@ -142,13 +141,14 @@ class _Search:
     def __init__(self, original: KernelGraph, config: SearchConfig, verifier: Callable,
                  progress: Optional[Callable], log: "_EventLog"):
         self.original, self.config, self.verifier, self.progress, self.log = original, config, verifier, progress, log
-        self.stats = SearchStats()
         self.start = log.start
-        self.stats.deadline = self.start + config.budget_s
+        # every count refreshes the progress display (at most every _POLL_S), so that it moves
+        # while a generator works between two candidates
+        self.stats = SearchStats(deadline=self.start + config.budget_s, listener=self._report)
         self.signature = _signature(original)
         self.seen = {original.key}
-        self.pending: list = []        # heap of (rank, graph); rank = (cost, 0 for the original else 1, key)
-        self.in_flight: dict = {}      # future -> (rank, graph)
+        self.pending: list = []        # heap of (rank, cost, graph), see _rank
+        self.in_flight: dict = {}      # future -> (rank, cost, graph)
         self.kept: list = []           # sorted ranks of the best verified candidates, at most top_k
         self.verified: dict = {}       # key -> Candidate, for the kept ranks
         self.broken = False            # a worker died: no more verification
@@ -178,12 +178,13 @@ class _Search:
                 generating = self._pull(stream)
             elif self.in_flight:
                 self._collect(self._wait())
-            else:  # nothing more to generate and nothing pending (_fill submits pending work)
-                break
+            else:  # nothing to generate or wait for; work is left pending only when a worker died
+                self.stats.count(SKIPPED, "worker died", len(self.pending))
+                return
             self._report()
-        else:
-            self.stats.timed_out = True
-            self.stats.count(SKIPPED, "budget", len(self.pending) + len(self.in_flight))
+        self.stats.timed_out = True
+        unfinished = [rank for rank, _, _ in self.in_flight.values() if not _is_original(rank)]
+        self.stats.count(SKIPPED, "budget", len(self.pending) + len(unfinished))
 
     def _wait(self) -> set:
         timeout = max(0.0, min(_POLL_S, self.stats.deadline - time.monotonic()))
@@ -200,7 +201,7 @@ class _Search:
     def _finish(self) -> SearchResult:
         self.stats.done = True
         self._report(force=True)
-        candidates = tuple(self.verified[rank[2]] for rank in self.kept)
+        candidates = tuple(self.verified[_key(rank)] for rank in self.kept)
         self.log.write("done", timed_out=self.stats.timed_out, best=candidates[0].graph.key,
                        best_cost_s=candidates[0].cost.seconds, kept=[c.graph.key for c in candidates],
                        stats=self.stats.to_json())
@@ -234,19 +235,25 @@ class _Search:
 
     def _admit(self, name: str, candidate) -> None:
         if not isinstance(candidate, KernelGraph):
-            return self._invalid(name, None, "not a kernel graph", type(candidate).__name__)
+            self._invalid(name, None, "not a kernel graph", type(candidate).__name__)
+        elif candidate.key in self.seen:
+            self.stats.count(DUPLICATE, name)
+        else:
+            self.seen.add(candidate.key)
+            self._rank_valid(name, candidate)
+
+    def _rank_valid(self, name: str, candidate: KernelGraph) -> None:
         key = candidate.key
-        if key in self.seen:
-            return self.stats.count(DUPLICATE, name)
-        self.seen.add(key)
         try:
             validate_kernel_graph(candidate)
         except MdslError as e:
-            return self._invalid(name, key, type(e).__name__, str(e))
+            self._invalid(name, key, type(e).__name__, str(e))
+            return
         if _signature(candidate) != self.signature:
-            return self._invalid(name, key, "signature", "its inputs or outputs differ from the original's")
+            self._invalid(name, key, "signature", "its inputs or outputs differ from the original's")
+            return
         cost = estimate(candidate)
-        heapq.heappush(self.pending, ((cost, 1, key), attrs.evolve(candidate, name=self.original.name)))
+        heapq.heappush(self.pending, (_rank(cost, key), cost, attrs.evolve(candidate, name=self.original.name)))
         self.log.write("candidate", generator=name, key=key, cost_s=cost.seconds, launches=cost.launches)
 
     def _invalid(self, name: str, key: Optional[str], reason: str, detail: str) -> None:
@@ -258,73 +265,89 @@ class _Search:
     def _start_with_original(self) -> None:
         """The original is kept from the start; its self-check only supplies evidence."""
         key, cost = self.original.key, estimate(self.original)
+        rank = _rank(cost, key, original=True)
         unchecked = Evidence(True, "the original program; the search ended before its self-check", 0, 1.0,
                              math.nan, math.nan, candidate_seed(self.config.seed, key))
-        self._keep((cost, 0, key), Candidate(self.original, cost, unchecked))
-        self._submit((cost, 0, key), self.original)
+        self._keep(rank, Candidate(self.original, cost, unchecked))
+        self._submit(rank, cost, self.original)
 
     def _fill(self) -> None:
         while self.pending and len(self.in_flight) < self.config.workers and not self.broken:
-            rank, graph = heapq.heappop(self.pending)
+            rank, cost, graph = heapq.heappop(self.pending)
             if len(self.kept) >= self.config.top_k and rank > self.kept[-1]:
                 # the cheapest waiting candidate cannot be kept, so none of them can
                 self.stats.count(SKIPPED, "cannot reach the top k", 1 + len(self.pending))
                 self.pending.clear()
                 return
-            self._submit(rank, graph)
+            self._submit(rank, cost, graph)
 
-    def _submit(self, rank: tuple, graph: KernelGraph) -> None:
-        seed = candidate_seed(self.config.seed, rank[2])
+    def _submit(self, rank: tuple, cost: Cost, graph: KernelGraph) -> None:
+        seed = candidate_seed(self.config.seed, _key(rank))
         future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests, seed)
-        self.in_flight[future] = (rank, graph)
+        self.in_flight[future] = (rank, cost, graph)
 
     def _collect(self, done: Iterable) -> None:
         for future in done:
-            rank, graph = self.in_flight.pop(future)
+            rank, cost, graph = self.in_flight.pop(future)
             try:
                 evidence, pid = future.result()
             except BrokenProcessPool as e:
-                self._worker_died(rank, e)
+                self._worker_died(rank, cost, e)
                 continue
-            self._verified(rank, graph, evidence, pid)
+            self._verified(rank, Candidate(graph, cost, evidence), pid)
 
-    def _worker_died(self, rank: tuple, error: Exception) -> None:
+    def _worker_died(self, rank: tuple, cost: Cost, error: Exception) -> None:
         if not self.broken:
             warnings.warn(f"mdsl search: a worker process died ({error}); returning the best plan so far",
                           stacklevel=3)
         self.broken = True
-        if rank[1]:  # the original keeps its place whatever happens
+        if not _is_original(rank):  # the original keeps its place whatever happens
             self.stats.count(REJECTED, "worker died")
-        self.log.write("rejected", key=rank[2], cost_s=rank[0].seconds, reason="worker died")
+        self.log.write("rejected", key=_key(rank), cost_s=cost.seconds, reason="worker died")
 
-    def _verified(self, rank: tuple, graph: KernelGraph, evidence: Evidence, pid: int) -> None:
-        cost, is_candidate, key = rank
-        event = dict(key=key, cost_s=cost.seconds, verify_s=evidence.seconds, worker=pid, evidence=evidence.to_json())
-        if not is_candidate:
+    def _verified(self, rank: tuple, candidate: Candidate, pid: int) -> None:
+        key, evidence = _key(rank), candidate.evidence
+        event = dict(key=key, cost_s=candidate.cost.seconds, verify_s=evidence.seconds, worker=pid,
+                     evidence=evidence.to_json())
+        if _is_original(rank):
             if key in self.verified:  # else it has fallen out of the top k
                 self.verified[key] = attrs.evolve(self.verified[key], evidence=evidence)
             self.log.write("verified", original=True, **event)
         elif evidence.equivalent:
             self.stats.count(VERIFIED)
             self.log.write("verified", original=False, **event)
-            self._keep(rank, Candidate(graph, cost, evidence))
+            self._keep(rank, candidate)
         else:
             self.stats.count(REJECTED, evidence.reason)
             self.log.write("rejected", reason=evidence.reason, **event)
 
     def _keep(self, rank: tuple, candidate: Candidate) -> None:
         bisect.insort(self.kept, rank)
-        self.verified[rank[2]] = candidate
+        self.verified[_key(rank)] = candidate
         for dropped in self.kept[self.config.top_k:]:
-            del self.verified[dropped[2]]
+            del self.verified[_key(dropped)]
         del self.kept[self.config.top_k:]
         if self.kept[0] == rank:
-            self.stats.best_seconds = rank[0].seconds
-            self.log.write("new_best", key=rank[2], cost_s=rank[0].seconds, launches=rank[0].launches)
+            self.stats.best_seconds = candidate.cost.seconds
+            self.log.write("new_best", key=_key(rank), cost_s=candidate.cost.seconds, launches=candidate.cost.launches)
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+def _rank(cost: Cost, key: str, original: bool = False) -> tuple:
+    """The order of candidates: Cost's own order, then the original before an equal-cost candidate,
+    then the structural key, so that no two ranks are equal (plain values: ties are total)."""
+    return cost.seconds, cost.dram_bytes, cost.launches, cost.smem_bytes, not original, key
+
+
+def _key(rank: tuple) -> str:
+    return rank[-1]
+
+
+def _is_original(rank: tuple) -> bool:
+    return not rank[-2]
+
 
 def _signature(graph: KernelGraph) -> tuple:
     return tuple(v.type for v in graph.inputs), tuple(v.type for v in graph.outputs)
@@ -363,14 +386,7 @@ def _display(progress: Progress) -> Optional[Callable]:
 
 
 def _start_workers(n: int, verifier: Callable, original: KernelGraph) -> cf.ProcessPoolExecutor:
-    # forkserver: workers fork from a clean server with mdsl preloaded (fast, and the user's main
-    # module is not re-run in them as it is under spawn); spawn where forkserver does not exist
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["mdsl.search.worker"])
-    else:
-        context = multiprocessing.get_context("spawn")
-    return cf.ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=worker.init,
+    return cf.ProcessPoolExecutor(max_workers=n, mp_context=worker.context(), initializer=worker.init,
                                   initargs=(verifier, worker.graph_text(original)))
 
 
@@ -394,7 +410,8 @@ class _EventLog:
     def __init__(self, path: Union[str, Path, None], kernel: str):
         self.start = time.monotonic()
         self.kernel = kernel
-        self.file = open(path, "a", encoding="utf-8") if path is not None else None
+        # line-buffered, so that `tail -f` shows each event as it happens
+        self.file = open(path, "a", encoding="utf-8", buffering=1) if path is not None else None
 
     def write(self, event: str, **fields) -> None:
         if self.file is not None:

@@ -16,10 +16,15 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import Cost, Floor, KernelCost, estimate
-from mdsl.search.stats import GENERATED, SearchStats
+from mdsl.search.stats import SearchStats
 
 SCHEMA = 1
 _FLOAT_EVIDENCE = ("false_pass_probability", "float_rel_error", "float_bound", "seconds")
+
+
+def _nan_equal(x: float) -> object:
+    """Equality key of a float that may be NaN ("not measured"): NaN equals NaN."""
+    return "nan" if math.isnan(x) else x
 
 
 @attrs.frozen
@@ -30,8 +35,8 @@ class Evidence:
     reason: str
     finite_field_tests: int
     false_pass_probability: float
-    float_rel_error: float
-    float_bound: float
+    float_rel_error: float = attrs.field(eq=_nan_equal)   # NaN: not measured
+    float_bound: float = attrs.field(eq=_nan_equal)
     seed: int
     seconds: float = attrs.field(default=0.0, eq=False)   # verification time, which varies run to run
 
@@ -104,31 +109,30 @@ class Plan:
     def header(self) -> list:
         floor, cost, original = self.floor, self.cost, self.original_cost
         what = ("the original program (no faster equivalent mugraph was found)" if self.is_original
-                else f"{original.seconds / cost.seconds:.2f}x faster than the original ({original.seconds * 1e6:.2f} us)")
+                else f"{original.seconds / cost.seconds:.3g}x faster than the original ({_us(original.seconds)})")
         lines = [f"mdsl {self.mdsl_version} plan for kernel {self.original.name}, {self.config.arch}: {what}",
                  f"cost:     {cost}",
-                 f"floor:    {floor.seconds * 1e6:.2f} us, {floor.bound}-bound; the estimate reaches "
-                 f"{floor.seconds / cost.seconds:.0%} of it",
+                 f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; the estimate reaches "
+                 f"{100 * floor.seconds / cost.seconds:.3g}% of it",
                  f"verified: {self.evidence.describe()}",
                  f"search:   {self._search_line()}",
-                 f"          {self.stats.summary()}"]
+                 f"          {self.stats.counts_summary()}"]
         if self.alternatives:
-            costs = ", ".join(f"{c.cost.seconds * 1e6:.2f} us ({c.cost.launches} launch(es))" for c in self.alternatives)
+            costs = ", ".join(f"{_us(c.cost.seconds)} ({c.cost.launches} launch(es))" for c in self.alternatives)
             lines.append(f"also:     {costs}")
         if self.cache_path is not None:
             lines.append(f"cached:   {self.cache_path}")
         return lines
 
     def _search_line(self) -> str:
-        s = self.stats
-        ending = f"stopped by the {self.config.budget_s:g} s budget" if s.timed_out else "finished"
-        return (f"{s.elapsed_s:.1f} s, {ending}; {s.total(GENERATED)} candidates, "
-                f"{len(self.alternatives) + 1} verified kept (top_k={self.config.top_k}), seed {self.config.seed}")
+        ending = f"stopped by its {self.config.budget_s:g} s budget" if self.stats.timed_out else "finished"
+        return (f"{ending} after {self.stats.elapsed_s:.1f} s (seed {self.config.seed}); kept "
+                f"{len(self.alternatives) + 1} verified (top_k {self.config.top_k})")
 
     # -- JSON ------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        return {"mdsl_plan": SCHEMA, "mdsl_version": self.mdsl_version, "config": _config_json(self.config),
+        return {"mdsl_plan": SCHEMA, "mdsl_version": self.mdsl_version, "config": attrs.asdict(self.config),
                 "original": serialize.to_json(self.original), "chosen": _candidate_json(self.chosen),
                 "floor": attrs.asdict(self.floor), "stats": self.stats.to_json(),
                 "alternatives": [_candidate_json(c) for c in self.alternatives]}
@@ -145,6 +149,10 @@ class Plan:
                    _config(data["config"]), str(data["mdsl_version"]))
 
 
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us"
+
+
 def mdsl_version() -> str:
     import mdsl  # the package's __init__ imports the frontend, which imports search lazily
 
@@ -153,10 +161,6 @@ def mdsl_version() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # JSON of the parts
-
-def _config_json(config: SearchConfig) -> dict:
-    return attrs.asdict(config)
-
 
 def _config(data: dict) -> SearchConfig:
     return SearchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -7,7 +7,7 @@ stretches of work without yielding may poll `stats.out_of_time()` and return ear
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 
@@ -18,22 +18,28 @@ INVALID = "invalid"          # by reason
 PRUNED = "pruned"            # by reason, reported by generators
 VERIFIED = "verified"        # accepted by the verifier
 REJECTED = "rejected"        # by the verifier's reason
-SKIPPED = "skipped"          # not verified: cannot reach the top k, or the budget ran out
+SKIPPED = "skipped"          # not verified: cannot reach the top k, the budget ran out, a worker died
 ERRORS = "errors"            # generators that raised, by generator
+_ORDER = (GENERATED, DUPLICATE, INVALID, PRUNED, VERIFIED, REJECTED, SKIPPED, ERRORS)
 
 
 @attrs.define
 class SearchStats:
     counts: dict = attrs.field(factory=dict)      # category -> {reason: n}
     best_seconds: Optional[float] = None          # the best verified candidate's estimated time
-    elapsed_s: float = 0.0
+    elapsed_s: float = attrs.field(default=0.0, eq=False)   # varies run to run
     timed_out: bool = False                       # the budget ran out before the search finished
     done: bool = False
     deadline: Optional[float] = attrs.field(default=None, eq=False, repr=False)  # time.monotonic()
+    listener: Optional[Callable[[], None]] = attrs.field(default=None, eq=False, repr=False)  # called on each count
 
     def count(self, category: str, reason: str = "", n: int = 1) -> None:
+        if not n:
+            return
         reasons = self.counts.setdefault(category, {})
         reasons[reason] = reasons.get(reason, 0) + n
+        if self.listener is not None:
+            self.listener()
 
     def by_reason(self, category: str) -> dict:
         return dict(self.counts.get(category, {}))
@@ -45,15 +51,17 @@ class SearchStats:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def summary(self) -> str:
-        """One line: states explored, pruned by reason, verified, best cost so far."""
-        parts = [f"{self.elapsed_s:.1f}s", f"{self.total(GENERATED)} candidates{_reasons(self.by_reason(GENERATED))}"]
-        if self.total(DUPLICATE):
-            parts.append(f"{self.total(DUPLICATE)} duplicates")
-        for category in (INVALID, PRUNED, VERIFIED, REJECTED, SKIPPED, ERRORS):
+        """One line: time, states explored, pruned by reason, verified, best cost so far."""
+        best = f", best {self.best_seconds * 1e6:.3g} us" if self.best_seconds is not None else ""
+        return f"{self.elapsed_s:.1f}s, {self.counts_summary()}{best}"
+
+    def counts_summary(self) -> str:
+        parts = [f"{self.total(GENERATED)} candidates{_reasons(self.by_reason(GENERATED))}"]
+        others = sorted(set(self.counts) - set(_ORDER))  # what generators add, such as "states"
+        for category in (*_ORDER[1:], *others):
             if self.total(category):
-                parts.append(f"{category} {self.total(category)}{_reasons(self.by_reason(category))}")
-        if self.best_seconds is not None:
-            parts.append(f"best {self.best_seconds * 1e6:.2f} us")
+                reasons = _reasons(self.by_reason(category)) if category != DUPLICATE else ""
+                parts.append(f"{category} {self.total(category)}{reasons}")
         return ", ".join(parts)
 
     def to_json(self) -> dict:

@@ -5,10 +5,15 @@ original are handed over once per worker, by the pool's initializer.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
+import signal
+import sys
 import time
-from typing import Callable
+import types
+from typing import Callable, Iterator
 
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
@@ -22,6 +27,8 @@ def graph_text(graph: KernelGraph) -> str:
 
 
 def init(verifier: Callable, original_text: str) -> None:
+    # Ctrl-C reaches the whole process group: the search handles it and stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _state["verifier"] = verifier
     _state["original"] = serialize.loads(original_text)
 
@@ -36,3 +43,41 @@ def verify(candidate_text: str, tests: int, seed: int) -> tuple:
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
         evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
     return evidence, os.getpid()
+
+
+# ---------------------------------------------------------------------------------------------
+# starting workers: forkserver (workers fork from a server with mdsl preloaded), spawn where
+# forkserver does not exist. Either would import the user's main module in every worker, and a
+# script that calls optimize() at its top level, with no `if __name__ == "__main__":` guard,
+# would then fail in each of them. The workers need nothing from that module, so they start
+# without it.
+
+_BASE = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                    else "spawn")
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # what multiprocessing tells a new process to import
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+class _WorkerProcess(_BASE.Process):
+    @staticmethod
+    def _Popen(process_obj):
+        with _main_module_hidden():
+            return _BASE.Process._Popen(process_obj)
+
+
+class _WorkerContext(type(_BASE)):
+    Process = _WorkerProcess
+
+
+def context() -> multiprocessing.context.BaseContext:
+    if _BASE.get_start_method() == "forkserver":
+        _BASE.set_forkserver_preload([__name__])  # takes effect when the server first starts
+    return _WorkerContext()

@@ -1,0 +1,26 @@
+"""The ten benchmark cases of the design (Mirage's kernel set, fp16): name -> kernel specification."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+_EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"mdsl_bench_{name}", _EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases() -> dict:
+    """Case name -> KernelFunction, in the design's order."""
+    gqa, qknorm, rnl = _example("gqa"), _example("qknorm"), _example("rms_norm_linear")
+    lora, gated, ntrans = _example("lora"), _example("gated_mlp"), _example("ntrans")
+    batched = {"gqa": gqa.make_gqa, "qknorm": qknorm.make_qknorm,
+               "rms_norm_linear": rnl.make_rms_norm_linear, "ntrans": ntrans.make_ntrans}
+    out = {f"{name}_bs{bs}": make(bs) for name, make in batched.items() for bs in (1, 8)}
+    out["lora"] = lora.lora
+    out["gated_mlp"] = gated.gated_mlp
+    return out

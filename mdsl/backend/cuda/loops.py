@@ -1,0 +1,155 @@
+"""The loops that op rules are made of, at both levels: over the elements of an array (element-wise
+chains in registers, copies), and over the rows of a reduction (a group of lanes per row, combined
+with warp shuffles).
+
+The same loop runs on the threads of one block (block-graph ops, on shared-memory tiles) or on all
+the threads of the grid (kernel-level ops, on device tensors); `Threads` says which. Loop variables
+have short plain names (`i`, `o`, `lane`, `v`, ...); values of the mugraph always carry a prefix
+(`g_`, `s_`, `r_`), so the two never clash.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator
+
+import attrs
+
+from mdsl.backend.cuda.source import CodeWriter, Namer, Operand, contiguous_strides, offset
+from mdsl.ir.graph import ThreadGraph
+from mdsl.ir.ops import broadcast_shapes
+
+
+@attrs.frozen
+class Threads:
+    """The threads a loop is spread over: one block of `block` threads, or the whole grid of them."""
+
+    block: int
+    grid: bool = False
+
+    @property
+    def first(self) -> str:
+        return f"blockIdx.x * {self.block} + threadIdx.x" if self.grid else "threadIdx.x"
+
+    @property
+    def count(self) -> str:
+        return f"gridDim.x * {self.block}" if self.grid else str(self.block)
+
+    @contextlib.contextmanager
+    def each(self, w: CodeWriter, n: int, var: str = "i") -> Iterator[None]:
+        """A loop giving each index below n to one thread."""
+        with w.block(f"for (int {var} = {self.first}; {var} < {n}; {var} += {self.count})"):
+            yield
+
+    @contextlib.contextmanager
+    def each_group(self, w: CodeWriter, n: int, lanes: int) -> Iterator[None]:
+        """A loop giving each index `o` below n to a group of `lanes` consecutive threads (lane `lane`).
+        Its trip count is the same on every thread of a block, so shuffles inside it are safe."""
+        per_block = self.block // lanes
+        start, step = (f"blockIdx.x * {per_block}", f"gridDim.x * {per_block}") if self.grid else ("0", str(per_block))
+        group = "0" if per_block == 1 else "threadIdx.x" if lanes == 1 else f"threadIdx.x / {lanes}"
+        with w.block(f"for (int o0 = {start}; o0 < {n}; o0 += {step})"):
+            w(f"const int o = o0 + {group};", f"const int lane = {'0' if lanes == 1 else f'threadIdx.x % {lanes}'};")
+            yield
+
+
+def blocks_for(n: int, per_block: int) -> int:
+    """Blocks for a grid-wide loop over n items (the loops stride, so the grid may be smaller)."""
+    return max(1, min(math.ceil(n / per_block), 65535))
+
+
+def load_float(op: Operand, off: str) -> str:
+    return f"mdsl::to_float({op.at(off)})"
+
+
+def store_float(op: Operand, off: str, value: str) -> str:
+    return f"{op.at(off)} = mdsl::from_float<{op.ctype}>({value});"
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise chains
+
+
+def emit_thread_graph(w: CodeWriter, threads: Threads, namer: Namer, tg: ThreadGraph, ins: list, outs: list) -> None:
+    """Each element of the chain's iteration space (the broadcast of its inputs and outputs) computed
+    by one thread in f32 registers, from the input operands to the output operands. An output of a
+    smaller shape (broadcast in the chain) is written by the threads at coordinate 0 of the dims it
+    lacks, so that each of its elements is written once."""
+    space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
+    n = math.prod(space)
+    with threads.each(w, n):
+        local = Namer(namer.taken)
+        reg: dict = {}
+        for var, op in zip(tg.inputs, ins):
+            reg[var.name] = local(f"r_{var.name}")
+            w(f"const float {reg[var.name]} = {load_float(op, offset('i', space, op))};")
+        for node in tg.nodes:
+            expr = node.opdef.rules["cuda"].expr(node, [reg[v.name] for v in node.inputs])
+            reg[node.output.name] = local(f"r_{node.output.name}")
+            w(f"const float {reg[node.output.name]} = {expr};")
+        for var, op in zip(tg.outputs, outs):
+            store = store_float(op, offset("i", space, op), reg[var.name])
+            lacking = _lacking_dims(space, op.shape)
+            w(f"if ({lacking} == 0) {store}" if lacking != "0" else store)
+
+
+def _lacking_dims(space: tuple, shape: tuple) -> str:
+    """A C expression that is 0 exactly where index i's coordinates are 0 along the dims of `space`
+    that an array of `shape` is broadcast along."""
+    pad = len(space) - len(shape)
+    strides = [s if (d < pad or shape[d - pad] == 1) else 0 for d, s in enumerate(contiguous_strides(space))]
+    return offset("i", space, Operand("", "", space, tuple(strides)))
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions over one dim
+
+
+@attrs.frozen
+class Fold:
+    """How a reduction folds a row: the start value, one step (a C expression of `v` and the element
+    `x`) and the combination of partial results across lanes (a functor in the prelude)."""
+
+    identity: str
+    step: str
+    combine: str
+
+
+SUM = Fold("0.0f", "v + x", "mdsl::Sum()")
+MAX = Fold("mdsl::neg_inf()", "fmaxf(v, x)", "mdsl::Max()")
+SUM_OF_SQUARES = Fold("0.0f", "fmaf(x, x, v)", "mdsl::Sum()")
+
+
+def without(seq: tuple, dim: int) -> tuple:
+    return tuple(s for d, s in enumerate(seq) if d != dim)
+
+
+def row_view(op: Operand, dim: int) -> Operand:
+    """The operand seen as rows: one element per row, `dim` removed (its first element)."""
+    return op.viewed(without(op.shape, dim), without(op.strides, dim))
+
+
+def group_lanes(length: int, spare: int) -> int:
+    """Lanes per row: a power of two, at most 32, at most the row's length and at most `spare` (the
+    threads available per row)."""
+    want = max(1, min(32, length, spare))
+    return 1 << (want.bit_length() - 1)
+
+
+def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fold: Fold, lanes: int,
+                    finish: Callable) -> None:
+    """For each row of `src` along `dim`, fold its elements into `v` across a group of lanes; then
+    finish(w) writes what the row gives, with `o` (the row), `v` (the folded value, on every lane of
+    the group), `lane` and `row` (a pointer to the row's first element) in scope."""
+    rows = without(src.shape, dim)
+    n_rows, length, stride = math.prod(rows), src.shape[dim], src.strides[dim]
+    with threads.each_group(w, n_rows, lanes):
+        w(f"float v = {fold.identity};",
+          f"const {src.ctype}* const row = {src.ptr} + ({offset('o', rows, row_view(src, dim))});")
+        step = "j" if stride == 1 else f"j * {stride}"
+        with w.block(f"if (o < {n_rows})"):
+            with w.block(f"for (int j = lane; j < {length}; j += {lanes})"):
+                w(f"const float x = mdsl::to_float(row[{step}]);", f"v = {fold.step};")
+        if lanes > 1:
+            w(f"v = mdsl::group_reduce<{lanes}>(v, {fold.combine});")
+        finish(w)

@@ -1,0 +1,228 @@
+"""CUDA C++ to cubin with NVRTC (through `cuda.bindings.nvrtc`, no driver needed), with a disk cache.
+
+The compile asks ptxas for its resource report (`--ptxas-options=-v`), parsed into `Resources` per
+kernel: what the tests check (no spills, no stack) and what the runtime needs (registers, static
+shared memory). Cubins are cached under `$MDSL_CACHE_DIR/cubin` (default `~/.cache/mdsl/cubin`), keyed
+by the source, target, options and NVRTC version; entries are written atomically and checked when
+read (a corrupt one is compiled again, with a warning).
+
+`cuda.bindings` is imported by the first compile, not by importing this module.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import attrs
+
+from mdsl.backend.cuda.source import OP_MARKER
+from mdsl.errors import MdslError, UnsupportedError
+
+DEFAULT_ARCH = "sm_90a"
+PROGRAM_NAME = "mdsl.cu"
+CONTEXT_LINES = 5
+_ELF_MAGIC = b"\x7fELF"
+
+
+class CompileError(MdslError):
+    """NVRTC rejected generated CUDA C++ (a bug in mdsl: please report it with the message)."""
+
+    def __init__(self, message: str, *, log: str = "", source: str = "", line: Optional[int] = None, **kw):
+        super().__init__(message, **kw)
+        self.log, self.source, self.line = log, source, line
+
+
+@attrs.frozen
+class Resources:
+    registers: int
+    smem_bytes: int          # static shared memory (the dynamic part is the launch's)
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@attrs.frozen
+class CompiledModule:
+    cubin: bytes
+    log: str
+    resources: dict          # kernel name -> Resources
+    arch: str
+
+
+def target_arch(arch: Optional[str] = None) -> str:
+    """The architecture to compile for: the one given (the runtime passes its device's), else
+    `$MDSL_CUDA_ARCH`, else sm_90a (Hopper with its arch-specific features)."""
+    return arch or os.environ.get("MDSL_CUDA_ARCH") or DEFAULT_ARCH
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdsl")
+    return Path(root) / "cubin"
+
+
+def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> CompiledModule:
+    """Compile one translation unit to a cubin for `arch` (default: `target_arch()`)."""
+    arch = target_arch(arch)
+    nvrtc = _nvrtc()
+    options = tuple(options)
+    key = _cache_key(source, arch, options, nvrtc)
+    cached = _read_cache(key)
+    if cached is not None:
+        cubin, log = cached
+    else:
+        cubin, log = _compile(nvrtc, source, arch, options)
+        _write_cache(key, cubin, log)
+    return CompiledModule(cubin, log, parse_resources(log), arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:
+        raise UnsupportedError(f"NVRTC is not available: {e}",
+                               hint="pip install cuda-bindings nvidia-cuda-nvrtc nvidia-cuda-runtime") from None
+    return nvrtc
+
+
+def _include_dir() -> str:
+    import cuda.pathfinder
+
+    found = cuda.pathfinder.locate_nvidia_header_directory("cudart")
+    if found is None:
+        raise UnsupportedError("the CUDA runtime headers (cuda_fp16.h, cuda_bf16.h) were not found",
+                               hint="pip install nvidia-cuda-runtime (or install the CUDA toolkit)")
+    return found.abs_path
+
+
+def _check(nvrtc, result, what: str) -> None:
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, text = nvrtc.nvrtcGetErrorString(result)
+        raise MdslError(f"NVRTC failed to {what}: {text.decode()}")
+
+
+def _compile(nvrtc, source: str, arch: str, options: tuple) -> tuple:
+    opts = [f"-arch={arch}", "-std=c++17", f"-I{_include_dir()}", "--ptxas-options=-v", "-lineinfo", *options]
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), PROGRAM_NAME.encode(), 0, [], [])
+    _check(nvrtc, err, "create a program")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.rstrip(b"\0").decode(errors="replace")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise compile_error(source, log)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(nvrtc, err, f"produce a cubin for {arch}")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check(nvrtc, err, f"produce a cubin for {arch}")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiler log
+
+
+_ERROR = re.compile(rf"{re.escape(PROGRAM_NAME)}\((\d+)\): (?:catastrophic )?error: (.*)")
+
+
+def compile_error(source: str, log: str) -> CompileError:
+    """The error for a failed compile: the first error, the mugraph op whose code holds it (the op
+    comment above it) and the source around it, numbered."""
+    errors = list(_ERROR.finditer(log))
+    if not errors:
+        return CompileError(f"NVRTC could not compile the generated CUDA C++:\n{log.strip()}", log=log, source=source)
+    line, text = int(errors[0].group(1)), errors[0].group(2).strip()
+    lines = source.splitlines()
+    ops = [l.strip()[len(OP_MARKER):] for l in lines[:line] if l.strip().startswith(OP_MARKER)]
+    where = f"\n  in the code of the mugraph op: {ops[-1]}" if ops else ""
+    lo, hi = max(1, line - CONTEXT_LINES), min(len(lines), line + CONTEXT_LINES)
+    shown = "\n".join(f"  {'>' if n == line else ' '} {n:5d} | {lines[n - 1]}" for n in range(lo, hi + 1))
+    more = f" ({len(errors)} errors; all of them are in the compiler log, CompileError.log)" if len(errors) > 1 else ""
+    return CompileError(f"NVRTC could not compile the generated CUDA C++: {text}{where}\n"
+                        f"  {PROGRAM_NAME}:{line}{more}\n{shown}", log=log, source=source, line=line)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_resources(log: str) -> dict:
+    """Kernel name -> Resources, from ptxas's verbose report in the NVRTC log."""
+    found: dict = {}
+    name, frame = None, (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            name, frame = m.group(1), (0, 0, 0)
+        elif (m := _FRAME.search(line)) and name:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _USED.search(line)) and name:
+            found[name] = Resources(int(m.group(1)), int(m.group(2) or 0), *frame)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# the disk cache
+
+
+def _cache_key(source: str, arch: str, options: tuple, nvrtc) -> str:
+    _, major, minor = nvrtc.nvrtcVersion()
+    blob = json.dumps([source, arch, list(options), f"{major}.{minor}"])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _paths(key: str) -> tuple:
+    d = cache_dir()
+    return d / f"{key}.cubin", d / f"{key}.log"
+
+
+def _read_cache(key: str) -> Optional[tuple]:
+    cubin_path, log_path = _paths(key)
+    try:
+        cubin = cubin_path.read_bytes()
+        log = log_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        warnings.warn(f"mdsl: unreadable cubin cache entry {cubin_path} ({e}); compiling again", stacklevel=3)
+        return None
+    if len(cubin) < 64 or not cubin.startswith(_ELF_MAGIC):
+        warnings.warn(f"mdsl: corrupt cubin cache entry {cubin_path} ({len(cubin)} bytes, not an ELF file); "
+                      "compiling again", stacklevel=3)
+        return None
+    return cubin, log
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _write_cache(key: str, cubin: bytes, log: str) -> None:
+    cubin_path, log_path = _paths(key)
+    try:
+        cubin_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(log_path, log.encode())   # the log first: a cubin is only ever read with its log
+        _write_atomic(cubin_path, cubin)
+    except OSError as e:
+        warnings.warn(f"mdsl: could not write the cubin cache ({e}); continuing without it", stacklevel=3)

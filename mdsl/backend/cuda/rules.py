@@ -1,0 +1,455 @@
+"""The CUDA rule of every operator, attached to its registry entry as `cuda=`.
+
+A rule is an object with the methods its operator's levels call for:
+
+* `kernel(program, index, node)` writes the `__global__` function of a kernel-level node (or records
+  an alias for a view);
+* `block(b, node)` writes a block-level node's code on shared-memory tiles (b: `block.BlockKernel`);
+* accumulators have `init(b, node)`, `update(b, node)` (once per loop iteration) and `finalize`
+  (a method, or None when the running value is already the result);
+* `expr(node, args)` gives an element-wise op's value as a C expression of its operands' f32
+  registers, for thread graphs (and every element-wise loop).
+
+All arithmetic is f32; values are rounded to their dtype where they are stored.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import attrs
+
+from mdsl.backend.cuda.block import emit_custom
+from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, blocks_for, emit_row_reduce,
+                                     emit_thread_graph, group_lanes, load_float, row_view, store_float, without)
+from mdsl.backend.cuda.source import Operand, float_literal, offset
+from mdsl.errors import UnsupportedError
+from mdsl.ir.graph import Node, ThreadGraph
+from mdsl.ir.ops import extend_op
+
+KERNEL_THREADS = 256  # threads per block of the standard kernels
+
+
+def _grid(n: int) -> tuple:
+    return (blocks_for(n, KERNEL_THREADS), 1, 1)
+
+
+def _grid_threads() -> Threads:
+    return Threads(KERNEL_THREADS, grid=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise operators
+
+
+@attrs.frozen
+class Elementwise:
+    expr: Callable  # (node, operand registers) -> C expression
+
+    def block(self, b, node: Node) -> None:
+        ins = list(dict.fromkeys(node.inputs))  # mul(x, x) loads x once
+        emit_thread_graph(b.w, b.threads, b.namer, ThreadGraph(ins, [node], node.outputs),
+                          [b.tile(v) for v in ins], [b.tile(v) for v in node.outputs])
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            first = {v: k.inputs[node.inputs.index(v)] for v in node.inputs}
+            ins = list(first)
+            emit_thread_graph(k.w, _grid_threads(), k.namer, ThreadGraph(ins, [node], node.outputs),
+                              [first[v] for v in ins], k.outputs)
+
+
+def _unary(template: str) -> Elementwise:
+    return Elementwise(lambda node, a: template.format(x=a[0]))
+
+
+def _with_attrs(template: str, *names: str) -> Elementwise:
+    return Elementwise(lambda node, a: template.format(x=a[0], **{n: float_literal(node.attr(n)) for n in names}))
+
+
+def _binary(symbol: str) -> Elementwise:
+    return Elementwise(lambda node, a: f"{a[0]} {symbol} {a[1]}")
+
+
+def _cast(node: Node, a: list) -> str:
+    # a float value is rounded where it is stored; an integer one is truncated now
+    return a[0] if node.attr("dtype").is_float else f"truncf({a[0]})"
+
+
+_ELEMENTWISE = {
+    "exp": _unary("expf({x})"),
+    "silu": _unary("{x} / (1.0f + expf(-{x}))"),
+    "gelu": _unary("0.5f * {x} * (1.0f + erff({x} * 0.70710678118654752f))"),
+    "relu": _unary("fmaxf({x}, 0.0f)"),
+    "sigmoid": _unary("1.0f / (1.0f + expf(-{x}))"),
+    "sqrt": _unary("sqrtf({x})"),
+    "rsqrt": _unary("rsqrtf({x})"),
+    "square": _unary("{x} * {x}"),
+    "neg": _unary("-{x}"),
+    "reciprocal": _unary("1.0f / {x}"),
+    "mul_scalar": _with_attrs("{x} * {value}", "value"),
+    "add_scalar": _with_attrs("{x} + {value}", "value"),
+    "pow_scalar": _with_attrs("powf({x}, {exponent})", "exponent"),
+    "clamp": _with_attrs("fminf(fmaxf({x}, {min}), {max})", "min", "max"),
+    "cast": Elementwise(_cast),
+    "add": _binary("+"),
+    "sub": _binary("-"),
+    "mul": _binary("*"),
+    "div": _binary("/"),
+}
+
+
+class Fused:
+    """A block-level thread graph: the whole chain per element, in registers."""
+
+    def block(self, b, node: Node) -> None:
+        emit_thread_graph(b.w, b.threads, b.namer, node.body, [b.tile(v) for v in node.inputs],
+                          [b.tile(v) for v in node.outputs])
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul
+
+
+class Matmul:
+    def block(self, b, node: Node) -> None:
+        """One thread per output element, its dot product over K read from the two tiles."""
+        a, w, out = b.tile(node.inputs[0]), b.tile(node.inputs[1]), b.tile(node.output)
+        k_len, n = a.shape[-1], out.shape[-1]
+        rows = a.viewed(a.shape[:-1] + (1,), a.strides)           # row m of a, the same for every n
+        cols = w.viewed(w.shape[:-2] + (1, n), w.strides)          # column n of w, the same for every m
+        with b.threads.each(b.w, math.prod(out.shape)):
+            b.w(f"const {a.ctype}* const a = {a.ptr} + ({offset('i', out.shape, rows)});",
+                f"const {w.ctype}* const b = {w.ptr} + ({offset('i', out.shape, cols)});",
+                "float acc = 0.0f;")
+            b.w(f"for (int k = 0; k < {k_len}; ++k) "
+                f"acc = fmaf(mdsl::to_float(a[k]), mdsl::to_float(b[k * {w.strides[-2]}]), acc);")
+            b.w(store_float(out, offset("i", out.shape, out), "acc"))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        """A 64x64 tile of the product per block (`mdsl::gemm_tile`), one batch per grid z."""
+        (m, k_len), n = node.inputs[0].shape[-2:], node.output.shape[-1]
+        batch = node.output.shape[:-2]
+        batches = math.prod(batch)
+        if batches > 65535:
+            raise UnsupportedError(f"matmul over {batches} batches: at most 65535 (the grid's z dim)",
+                                   hint="reshape the batch dims into the rows of the left operand")
+        grid = (-(-n // 64), -(-m // 64), batches)
+        with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
+            a, w, out = k.inputs[0], k.inputs[1], k.outputs[0]
+            ptrs = []
+            for op in (a, w, out):
+                batch_view = op.viewed(op.shape[:-2], op.strides[:-2])
+                start = offset("batch", batch, batch_view) if batch else "0"
+                ptrs.append(op.ptr if start == "0" else f"{op.ptr} + {start}")
+            if batch:
+                k.w("const int batch = blockIdx.z;")
+            k.w(f"mdsl::gemm_tile<{m}, {n}, {k_len}>({', '.join(ptrs)});")
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions and norms over one dim
+
+
+def _dim(node: Node) -> int:
+    return node.attr("dim") % node.inputs[0].type.rank
+
+
+def _block_lanes(b, src: Operand, dim: int) -> int:
+    rows = math.prod(without(src.shape, dim))
+    return group_lanes(src.shape[dim], -(-b.threads.block // rows))
+
+
+def _kernel_lanes(node: Node) -> int:
+    # a row of contiguous elements is read by a group of lanes side by side; when the rows are the
+    # contiguous ones (a reduction over a leading dim), one thread per row keeps neighbours together
+    shape, dim = node.inputs[0].shape, _dim(node)
+    return group_lanes(shape[dim], 32) if math.prod(shape[dim + 1:]) == 1 else 1
+
+
+def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
+    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
+    lanes = _kernel_lanes(node)
+    rows = node.inputs[0].type.numel // node.inputs[0].shape[_dim(node)]
+    grid = (blocks_for(rows, KERNEL_THREADS // lanes), 1, 1)
+    with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
+        emit(k.w, _grid_threads(), node, k.inputs[0], k.outputs[0], lanes)
+
+
+@attrs.frozen
+class Reduction:
+    fold: Fold
+    mean: bool = False
+
+    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
+        dim = _dim(node)
+        rows = without(src.shape, dim)
+        out_rows = row_view(out, dim) if node.attr("keepdim") else out
+        value = f"v / {float_literal(src.shape[dim])}" if self.mean else "v"
+        finish = store_float(out_rows, offset("o", rows, out_rows), value)
+        emit_row_reduce(w, threads, src, dim, self.fold, lanes,
+                        lambda w: w(f"if (o < {math.prod(rows)} && lane == 0) {finish}"))
+
+    def block(self, b, node: Node) -> None:
+        src = b.tile(node.inputs[0])
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, _dim(node)))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        _row_kernel(program, index, node, self._emit)
+
+
+class RmsNorm:
+    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
+
+    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
+        dim = _dim(node)
+        rows = without(src.shape, dim)
+        length = src.shape[dim]
+
+        def finish(w) -> None:
+            w(f"const float inv = 1.0f / sqrtf(v / {float_literal(length)} + {float_literal(node.attr('eps'))});")
+            with w.block(f"if (o < {math.prod(rows)})"):
+                out_rows = row_view(out, dim)
+                w(f"{out.ctype}* const out_row = {out.ptr} + ({offset('o', rows, out_rows)});")
+                with w.block(f"for (int j = lane; j < {length}; j += {lanes})"):
+                    w(f"out_row[j * {out.strides[dim]}] = "
+                      f"mdsl::from_float<{out.ctype}>(mdsl::to_float(row[j * {src.strides[dim]}]) * inv);")
+
+        emit_row_reduce(w, threads, src, dim, SUM_OF_SQUARES, lanes, finish)
+
+    def block(self, b, node: Node) -> None:
+        src = b.tile(node.inputs[0])
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, _dim(node)))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        _row_kernel(program, index, node, self._emit)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout operators
+
+
+def _coordinate(space: tuple, dim: int) -> str:
+    """The coordinate along `dim` of element i of a loop over `space`."""
+    strides = tuple(1 if d == dim else 0 for d in range(len(space)))
+    return offset("i", space, Operand("", "", space, strides))
+
+
+def _pieces(w, pieces: list, dim: int, write: Callable) -> None:
+    """An if-chain on the coordinate c along `dim`: piece k (an Operand) covers c in [start, end)."""
+    start = 0
+    for k, piece in enumerate(pieces):
+        end = start + piece.shape[dim]
+        keyword = "if" if k == 0 else "else if" if k < len(pieces) - 1 else "else"
+        cond = f" (c < {end})" if keyword != "else" else ""
+        w(f"{keyword}{cond} {write(piece, start)}")
+        start = end
+
+
+def _shifted(space: tuple, piece: Operand, dim: int, start: int) -> str:
+    """Offset in `piece` of element i of `space`, whose coordinate along `dim` is `start` too far."""
+    at = offset("i", space, piece.viewed(space, piece.strides))
+    return at if start == 0 else f"{at} - {start * piece.strides[dim]}"
+
+
+class Concat:
+    def _emit(self, w, threads: Threads, node: Node, ins: list, out: Operand) -> None:
+        dim = node.attr("dim") % node.output.type.rank
+        space = out.shape
+        with threads.each(w, math.prod(space)):
+            w(f"const int c = {_coordinate(space, dim)};")
+            _pieces(w, ins, dim, lambda piece, start: f"{out.at(offset('i', space, out))} = "
+                    f"mdsl::convert<{out.ctype}>({piece.at(_shifted(space, piece, dim, start))});")
+
+    def block(self, b, node: Node) -> None:
+        self._emit(b.w, b.threads, node, [b.tile(v) for v in node.inputs], b.tile(node.output))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            self._emit(k.w, _grid_threads(), node, k.inputs, k.outputs[0])
+
+
+class Split:
+    def kernel(self, program, index: int, node: Node) -> None:
+        src = node.inputs[0]
+        dim = node.attr("dim") % src.type.rank
+        with program.kernel(index, node, grid=_grid(src.type.numel), threads=KERNEL_THREADS) as k:
+            x = k.inputs[0]
+            with _grid_threads().each(k.w, src.type.numel):
+                k.w(f"const int c = {_coordinate(x.shape, dim)};")
+                _pieces(k.w, k.outputs, dim, lambda piece, start:
+                        f"{piece.at(_shifted(x.shape, piece, dim, start))} = {x.at('i')};")
+
+
+class Transpose:
+    def kernel(self, program, index: int, node: Node) -> None:
+        perm = node.attr("perm")
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            x, out = k.inputs[0], k.outputs[0]
+            permuted = x.viewed(out.shape, tuple(x.strides[p] for p in perm))
+            with _grid_threads().each(k.w, node.output.type.numel):
+                k.w(f"{out.at('i')} = {x.at(offset('i', out.shape, permuted))};")
+
+
+class Reshape:
+    """A view of the same row-major elements: no kernel, an alias."""
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        program.alias(node.output.name, node.inputs[0].name)
+
+
+class Custom:
+    def kernel(self, program, index: int, node: Node) -> None:
+        emit_custom(program, index, node)
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulators: the running value lives in an f32 tile for the whole loop
+
+
+def _fill(b, tile: Operand, value: str) -> None:
+    with b.threads.each(b.w, math.prod(tile.shape)):
+        b.w(f"{tile.at(offset('i', tile.shape, tile))} = {value};")
+
+
+@attrs.frozen
+class Accumulate:
+    """Element-wise: the running value and the tile have one shape."""
+
+    identity: str
+    step: str                          # C expression of `acc` (running value) and `x` (this iteration's)
+    finalize: Optional[Callable] = None
+
+    def init(self, b, node: Node) -> None:
+        _fill(b, b.tile(node.output), self.identity)
+
+    def update(self, b, node: Node) -> None:
+        acc, x = b.tile(node.output), b.tile(node.inputs[0])
+        with b.threads.each(b.w, math.prod(acc.shape)):
+            at = acc.at(offset("i", acc.shape, acc))
+            b.w(f"{at} = {self.step.format(acc=at, x=load_float(x, offset('i', acc.shape, x)))};")
+
+
+def _row_finalize(template: str) -> Callable:
+    """A last step on each running row value `acc`, knowing `count` (elements folded per row)."""
+
+    def finalize(b, node: Node) -> None:
+        acc, x = b.tile(node.output), node.inputs[0]
+        count = float_literal(b.bg.forloop * x.shape[-1])
+        eps = float_literal(node.attr("eps", 0.0))
+        with b.threads.each(b.w, math.prod(acc.shape)):
+            at = acc.at(offset("i", acc.shape, acc))
+            b.w(f"{at} = {template.format(acc=at, count=count, eps=eps)};")
+
+    return finalize
+
+
+@attrs.frozen
+class AccumulateRows:
+    """Over the iterations and the tile's last dim: a group of lanes folds each row of the tile."""
+
+    fold: Fold
+    finalize: Optional[Callable] = None
+
+    def init(self, b, node: Node) -> None:
+        _fill(b, b.tile(node.output), self.fold.identity)
+
+    def update(self, b, node: Node) -> None:
+        acc, x = b.tile(node.output), b.tile(node.inputs[0])
+        last = len(x.shape) - 1
+        at = acc.at(offset("o", acc.shape, acc))  # the running value's shape is the rows' with a last dim of 1
+        emit_row_reduce(b.w, b.threads, x, last, self.fold, _block_lanes(b, x, last),
+                        lambda w: w(f"if (o < {math.prod(acc.shape)} && lane == 0) {at} += v;"))
+
+
+class _Rescaling:
+    """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
+    running maximum of m (per element of m's shape). Each iteration, with M' = max(M, m):
+    acc <- acc * exp(M - M') + x * exp(m - M'). That equals the definition, sum_i exp(m_i - max m) x_i,
+    once the loop is over. M is double-buffered in the scratch tile (iteration `it` reads buffer
+    it % 2, writes the other), so updating it needs no barrier of its own."""
+
+    finalize = None
+
+    def init(self, b, node: Node) -> None:
+        _fill(b, b.tile(node.output), "0.0f")
+        m = node.inputs[1]
+        with b.threads.each(b.w, m.type.numel):
+            b.w(f"{b.scratch(node).at('i')} = mdsl::neg_inf();")  # buffer 0: iteration 0's M
+
+    def _maxima(self, b, node: Node) -> tuple:
+        """Pointers to this iteration's M and the next one's, as Operands of m's shape."""
+        m = node.inputs[1].type
+        scratch = b.scratch(node)
+        now, nxt = b.namer(f"{scratch.ptr}_now"), b.namer(f"{scratch.ptr}_next")
+        it = b.loop_counter
+        b.w(f"const float* const {now} = {scratch.ptr} + ({it} & 1) * {m.numel};",
+            f"float* const {nxt} = {scratch.ptr} + (({it} + 1) & 1) * {m.numel};")
+        return Operand.contiguous(now, "float", m.shape), Operand.contiguous(nxt, "float", m.shape)
+
+    def _update_maximum(self, b, node: Node, now: Operand, nxt: Operand) -> None:
+        m = b.tile(node.inputs[1])
+        with b.threads.each(b.w, math.prod(m.shape)):
+            b.w(f"{nxt.at('i')} = fmaxf({now.at('i')}, {load_float(m, offset('i', m.shape, m))});")
+
+    def _rescaled(self, b, node: Node, now: Operand, at: str, index: str, shape: tuple, value: str) -> list:
+        """Lines that fold `value` into the running value `at`, whose element of m is at `index` of `shape`."""
+        m = b.tile(node.inputs[1])
+        return [f"const float m = {load_float(m, offset(index, shape, m))};",
+                f"const float top = {now.at(offset(index, shape, now))};",
+                "const float top_next = fmaxf(top, m);",
+                f"{at} = {at} * mdsl::rescale(top, top_next) + {value} * mdsl::rescale(m, top_next);"]
+
+
+class AccumulateRescaled(_Rescaling):
+    def update(self, b, node: Node) -> None:
+        acc, x = b.tile(node.output), b.tile(node.inputs[0])
+        now, nxt = self._maxima(b, node)
+        with b.threads.each(b.w, math.prod(acc.shape)):
+            b.w(*self._rescaled(b, node, now, acc.at(offset("i", acc.shape, acc)), "i", acc.shape,
+                                load_float(x, offset("i", acc.shape, x))))
+        self._update_maximum(b, node, now, nxt)
+
+
+class AccumulateRowsRescaled(_Rescaling):
+    def update(self, b, node: Node) -> None:
+        acc, x = b.tile(node.output), b.tile(node.inputs[0])
+        now, nxt = self._maxima(b, node)
+        last = len(x.shape) - 1
+        at = acc.at(offset("o", acc.shape, acc))  # the running value's shape is the rows' with a last dim of 1
+
+        def finish(w) -> None:
+            with w.block(f"if (o < {math.prod(acc.shape)} && lane == 0)"):
+                w(*self._rescaled(b, node, now, at, "o", acc.shape, "v"))
+
+        emit_row_reduce(b.w, b.threads, x, last, SUM, _block_lanes(b, x, last), finish)
+        self._update_maximum(b, node, now, nxt)
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+_RULES = {
+    **_ELEMENTWISE,
+    "matmul": Matmul(),
+    "sum": Reduction(SUM),
+    "mean": Reduction(SUM, mean=True),
+    "max": Reduction(MAX),
+    "rms_norm": RmsNorm(),
+    "concat": Concat(),
+    "split": Split(),
+    "reshape": Reshape(),
+    "transpose": Transpose(),
+    "custom": Custom(),
+    "fused": Fused(),
+    "accum": Accumulate("0.0f", "{acc} + {x}"),
+    "accum_max": Accumulate("mdsl::neg_inf()", "fmaxf({acc}, {x})"),
+    "accum_sum": AccumulateRows(SUM),
+    "accum_mean": AccumulateRows(SUM, _row_finalize("{acc} / {count}")),
+    "accum_rms": AccumulateRows(SUM_OF_SQUARES, _row_finalize("sqrtf({acc} / {count} + {eps})")),
+    "accum_rescale": AccumulateRescaled(),
+    "accum_sum_rescale": AccumulateRowsRescaled(),
+}
+
+for _name, _rule in _RULES.items():
+    extend_op(_name, cuda=_rule)

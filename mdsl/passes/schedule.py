@@ -1,0 +1,94 @@
+"""Operator scheduling: the order in which a block graph's nodes run, and where the block must wait.
+
+Nodes of a block run one after another on all the block's threads, each writing a shared-memory
+tile; a node that reads a tile written by another thread needs a barrier (`__syncthreads()`) between
+the two. As in Mirage, nodes are grouped into *stages* by depth (the longest chain of tile producers
+leading to them, ASAP): the nodes of one stage are independent, so they run back to back with no
+barrier between them, and a barrier follows each stage (each stage reads a tile of the one before,
+by the definition of depth). The number of barriers is then the depth of the graph, the fewest any
+order can have.
+
+The block's timeline, in *epochs* (the stretches between barriers), is fixed around the stages:
+
+    epoch 0                 input tiles loaded (loop-invariant ones once, before the first iteration)
+    ---- barrier
+    loop stages             the loop body and the accumulator updates, every iteration
+    ---- barrier            (closes the iteration: the next one's loads overwrite its tiles)
+    finalize                accumulators that need a last step (mean, rms) take it
+    ---- barrier
+    post stages             the nodes after the loop
+    ---- barrier
+    store                   output tiles written to device memory
+"""
+from __future__ import annotations
+
+import attrs
+
+from mdsl.ir.dump import dump_ir
+from mdsl.ir.graph import BlockGraph
+
+LOAD_EPOCH = 0
+
+
+@attrs.frozen
+class Stage:
+    nodes: tuple     # indices into the block graph's nodes, independent of each other
+    epoch: int       # the stretch between barriers the stage runs in; a barrier follows it
+
+
+@attrs.frozen
+class Schedule:
+    loop: tuple      # Stages of the for-loop body (accumulator updates included)
+    post: tuple      # Stages after the loop
+
+    @property
+    def loop_end_epoch(self) -> int:
+        return self.loop[-1].epoch if self.loop else LOAD_EPOCH
+
+    @property
+    def finalize_epoch(self) -> int:
+        return self.loop_end_epoch + 1
+
+    @property
+    def store_epoch(self) -> int:
+        return (self.post[-1].epoch if self.post else self.finalize_epoch) + 1
+
+    @property
+    def order(self) -> list:
+        return [i for stage in (*self.loop, *self.post) for i in stage.nodes]
+
+    def epoch_of(self) -> dict:
+        """Node index -> the epoch it runs in."""
+        return {i: stage.epoch for stage in (*self.loop, *self.post) for i in stage.nodes}
+
+    @property
+    def barriers_per_iteration(self) -> int:
+        return 1 + len(self.loop)  # the one after the loads, then one per stage
+
+    def __str__(self) -> str:
+        def show(stages):
+            return "".join(f"    epoch {s.epoch}: nodes {list(s.nodes)}\n" for s in stages)
+        return (f"schedule: {self.barriers_per_iteration} barrier(s) per iteration\n  loop (after the loads, "
+                f"epoch {LOAD_EPOCH}):\n{show(self.loop)}  after the loop (finalize: epoch {self.finalize_epoch}):\n"
+                f"{show(self.post)}  store: epoch {self.store_epoch}")
+
+
+def schedule_block_graph(bg: BlockGraph) -> Schedule:
+    post_vars = bg.post_loop_vars()
+    in_post = [any(v.name in post_vars for v in n.outputs) and not n.opdef.is_accumulator for n in bg.nodes]
+    loop = _stages([i for i, p in enumerate(in_post) if not p], bg, first_epoch=LOAD_EPOCH + 1)
+    loop_end = loop[-1].epoch if loop else LOAD_EPOCH
+    post = _stages([i for i, p in enumerate(in_post) if p], bg, first_epoch=loop_end + 2)
+    schedule = Schedule(tuple(loop), tuple(post))
+    dump_ir("schedule", attrs.evolve(bg, nodes=[bg.nodes[i] for i in schedule.order]))
+    return schedule
+
+
+def _stages(indices: list, bg: BlockGraph, first_epoch: int) -> list:
+    """ASAP stages of the given nodes; values they did not produce are ready when the phase starts."""
+    producer = {v.name: i for i in indices for v in bg.nodes[i].outputs}
+    depth: dict = {}
+    for i in indices:  # the nodes are in a topological order
+        depth[i] = 1 + max((depth[producer[v.name]] for v in bg.nodes[i].inputs if v.name in producer), default=-1)
+    levels = range(max(depth.values(), default=-1) + 1)
+    return [Stage(tuple(i for i in indices if depth[i] == d), first_epoch + d) for d in levels]

@@ -1,0 +1,763 @@
+"""Exhaustive generation: one custom kernel for the whole program, its block graph enumerated
+bottom-up in canonical order and pruned by abstract expressions (Mirage §3.1-3.3).
+
+It fills in behind the guided generator: it knows no lifting rules, only the registry's block
+operators, their shape rules (`infer`), their dimension facts (`dims`) and their abstract expressions
+(`abstract`), so it can find block graphs that no rule describes.
+
+**Outer choices** come from the program's dimension labels (`dims.Labels`), so that they are
+consistent by construction. A *grid* splits up to three *free* labels (indices of every output that no
+operator contracts) into parts; every input and output that has such a label is split along it (its
+imap/omap), the others are replicated. A *frame* is a loop choice: a *contracted* label that no output
+has, walked by the for-loop in every input that has it (its fmap), and a loop range R; or no loop.
+
+**Inner search**, once per frame: a depth-first search adds operators to a block graph whose tiles
+are cut from the *unsplit* tensors (only the loop divides them). The grid never splits a dim that a
+block operator may reduce (see `dims` below), so shapes, labels and abstract terms are the same
+under every grid, and each closed block graph (a *program*) is instantiated afterwards for every grid
+and thread count. Each value carries its tile type, the label of each dim (None: a size-1 dim), its
+abstract term and its phase (in the loop, or after it). An operator is tried in this order of checks,
+each counted under its reason when it fails:
+
+* ``order``: its rank, (newest operand, operands, operator, attributes), must exceed the previous
+  operator's. Every DAG of operators has exactly one such order (the greedy topological order), so
+  no program is produced twice and none is missed; commutative operators take sorted operands.
+* ``phase``: accumulators take loop values; other operators do not mix loop and post-loop values.
+* ``shape``: the registry's shape rule accepts the tiles.
+* ``dead-end``: the loop values nobody reads can still be accumulated within ``max_block_ops``.
+* ``dims``: dims that an operator aligns carry one label, and dims it reduces carry a label that
+  the program contracts (never a free label, which the grid may split).
+* ``redundant``: it computes a value already there (same type, labels, phase and term).
+* ``abstract-expression``: its term is a subexpression of an output's term (`SubexprChecker`).
+* ``shared-memory``: the tiles, cut by the finest grid, fit in shared memory.
+
+A block graph *closes* when no loop value is left unread and every unread post-loop value is an
+output: each output of the original is matched by a post-loop value with its type, its labels and
+an equivalent term (subexpressions of each other). The search ends when every frame is done, or
+after ``max_states`` states or ``budget_s / 2`` seconds of its own work (not counting the time the
+consumer spends between candidates), or when the search's deadline passes.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from typing import Any, Iterator, Optional
+
+import attrs
+import numpy as np
+
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.errors import MdslError
+from mdsl.ir.dtypes import f32
+from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
+from mdsl.ir.ops import BLOCK, OPS, OpDef
+from mdsl.ir.types import TensorType, Var
+from mdsl.ir.validate import SMEM_LIMIT_BYTES, input_tile_type, shared_memory_peak, validate_kernel_graph
+from mdsl.passes.abstract import Term, abstract_terms, node_terms, subterms, var
+from mdsl.passes.subexpr import SubexprChecker
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate
+from mdsl.search.dims import DimFacts, Labels
+from mdsl.search.stats import SearchStats
+
+#: The smallest chunk of the loop label one iteration works on (smaller dims allow two iterations).
+MIN_LOOP_CHUNK = 8
+#: States explored per second of budget: the deterministic bound on the search.
+STATES_PER_SECOND = 2_000
+PRUNED = "pruned"
+
+
+class _OutOfBudget(Exception):
+    """The state or time budget ran out."""
+
+
+# ---------------------------------------------------------------------------------------------
+# labels
+
+@attrs.frozen
+class Joined:
+    """The label of a dim that joins dims of other labels (a concat along it)."""
+
+    parts: tuple
+
+
+@attrs.frozen
+class Folded:
+    """The label of a loop-label dim after a plain accumulator: each element sums one position of
+    every chunk. A reduction of the tile finishes the sum; a matmul over it would multiply sums."""
+
+    label: Any
+
+
+def _var_labels(labels: Labels, v: Var) -> tuple:
+    return tuple(labels.label(v.name, d) if n > 1 else None for d, n in enumerate(v.shape))
+
+
+def _accumulator_facts(node: Node) -> DimFacts:
+    """Accumulators keep every dim but a last dim they reduce to 1; a rescale operand broadcasts."""
+    out = node.outputs[0].shape
+    same, contracted = [], []
+    for i, v in enumerate(node.inputs):
+        for d, n in enumerate(v.shape):
+            if n == out[d]:
+                same.append(((i, d), (0, d)))
+            elif i == 0:
+                contracted.append((0, d, node.op))
+    return DimFacts(tuple(same), (), tuple(contracted))
+
+
+def _result_labels(node: Node, operands: list, contracted: frozenset, loop) -> Optional[tuple]:
+    """The labels of `node`'s result, or None when its dims do not line up. `loop` is the label the
+    for-loop walks (None without a loop)."""
+    opdef = node.opdef
+    facts = _accumulator_facts(node) if opdef.is_accumulator else opdef.rules["dims"](node)
+    out = node.outputs[0].shape
+    result: list = [None] * len(out)
+    for (i, d), (_, e) in facts.same:
+        label = operands[i][d]
+        if label is not None and result[e] not in (None, label):
+            return None
+        result[e] = label if label is not None else result[e]
+    for (i, d), (j, e) in facts.joint:
+        if operands[i][d] != operands[j][e] or isinstance(operands[i][d], Folded):
+            return None
+    if not all(_reducible(operands[i][d], contracted) for i, d, _ in facts.contracted):
+        return None
+    for e, n in enumerate(out):
+        if n > 1 and result[e] is None:  # a dim no fact relates, such as the one a concat joins
+            parts = tuple(labels[e] for labels in operands if len(labels) == len(out))
+            if len(set(parts)) < len(parts):  # pieces of one index side by side: a copy, not a join
+                return None
+            result[e] = Joined(parts)
+    if opdef.is_accumulator and loop is not None:
+        result = [Folded(l) if l == loop else l for l in result]
+    return tuple(result)
+
+
+def _reducible(label, contracted: frozenset) -> bool:
+    if isinstance(label, Joined):
+        return all(_reducible(p, contracted) for p in label.parts)
+    if isinstance(label, Folded):
+        return _reducible(label.label, contracted)
+    return label in contracted
+
+
+# ---------------------------------------------------------------------------------------------
+# a cheap refutation
+
+_LINEAR_HEADS = frozenset({"add", "neg", "sum", "max", "concat"})
+
+
+def _degree(term: Term) -> float:
+    """The polynomial degree of a term in the inputs, infinite where a head is not a polynomial one.
+    The axioms keep the degree of a polynomial, and its subexpressions have no larger degree, so a
+    term of a larger degree than every target's is no subexpression of one (no z3 needed)."""
+    if term.head in ("var", "const"):
+        return int(term.head == "var")
+    degrees = [_degree(a) for a in term.args]
+    if term.head == "mul":
+        return sum(degrees)
+    return max(degrees) if term.head in _LINEAR_HEADS else math.inf
+
+
+@attrs.frozen
+class Frame:
+    loop: Any = None       # the label the for-loop walks, or None
+    forloop: int = 1
+
+
+@attrs.frozen
+class Grid:
+    splits: tuple = ()     # ((label, parts), ...) for grid dims x, y, z
+
+    @property
+    def dims(self) -> tuple:
+        sizes = tuple(p for _, p in self.splits)
+        return sizes + (1,) * (3 - len(sizes))
+
+    @property
+    def blocks(self) -> int:
+        return math.prod(self.dims)
+
+    def map_of(self, labels: tuple) -> tuple:
+        """The imap/omap of a tile with these dim labels: the dim each grid dim splits, or None."""
+        out = tuple(labels.index(l) if l in labels else None for l, _ in self.splits)
+        return out + (None,) * (3 - len(out))
+
+
+def _powers_of_two(n: int) -> list:
+    return [p for p in (2 ** k for k in range(n.bit_length())) if n % p == 0]
+
+
+def _splits(n: int, limit: int) -> list:
+    """Ways to split a dim of size n over blocks: powers of two, or whatever leaves power-of-two tiles."""
+    return sorted({p for p in _powers_of_two(n) if 1 < p <= limit} | {n // t for t in _powers_of_two(n) if 1 < n // t <= limit})
+
+
+def _grids(free: list, labels: Labels, config: SearchConfig) -> list:
+    """Grids over up to three free labels with at most max_blocks blocks, and at least min_blocks (or as
+    many as the program has, when fewer)."""
+    grids = []
+    for k in range(min(3, len(free)) + 1):
+        for chosen in itertools.combinations(free, k):
+            for parts in itertools.product(*(_splits(labels.size(l), config.max_blocks) for l in chosen)):
+                if math.prod(parts) <= config.max_blocks:
+                    grids.append(Grid(tuple(zip(chosen, parts))))
+    floor = min(config.min_blocks, max(g.blocks for g in grids))
+    return [g for g in grids if g.blocks >= floor]
+
+
+def _loop_ranges(n: int, config: SearchConfig) -> list:
+    chunk = max(2, min(MIN_LOOP_CHUNK, n // 2))
+    return [r for r in sorted(config.forloop_ranges) if r > 1 and n % r == 0 and n // r >= chunk]
+
+
+# ---------------------------------------------------------------------------------------------
+# the operators the search tries
+
+@attrs.frozen
+class _Operator:
+    opdef: OpDef
+    arity: int
+    commutative: bool
+    idempotent: bool     # an accumulator that gives back a tile accumulated several times unchanged
+
+
+def _commutative(op: OpDef) -> bool:
+    """A binary element-wise operator whose abstract expression ignores the operands' order."""
+    if not (op.is_elementwise and op.arity == 2):
+        return False
+    t = TensorType((2,), f32)
+    node = Node(op.name, [Var("a", t), Var("b", t)], [Var("c", t)], op.normalize_attrs({}))
+    return node_terms(node, [var(0), var(1)]) == node_terms(node, [var(1), var(0)])
+
+
+def _operators() -> list:
+    """Every block-level operator of the registry (n-ary ones with two operands), by name."""
+    ops = sorted((op for op in OPS.values() if BLOCK in op.levels and not op.is_graph_defined), key=lambda o: o.name)
+    return [_Operator(op, op.arity or 2, _commutative(op), _idempotent(op)) for op in ops]
+
+
+def _idempotent(op: OpDef) -> bool:
+    """An accumulator (of one operand) whose reference gives back a tile accumulated twice (a max)."""
+    if not (op.is_accumulator and op.arity == 1):
+        return False
+    tile = np.arange(1.0, 5.0).reshape(2, 2)
+    (out,) = op.reference([[tile], [tile]], dict(op.normalize_attrs({})))
+    return out.shape == tile.shape and np.array_equal(out, tile)
+
+
+def _seen_attributes(graph) -> dict:
+    """(attribute name, kind) -> the values the program uses (scalars, eps, clamp bounds, dtypes)."""
+    seen: dict = {}
+    for node in graph.nodes:
+        specs = {s.name: s for s in node.opdef.attr_specs}
+        for name, value in node.attrs:
+            seen.setdefault((name, specs[name].kind), {})[value] = None
+        if node.body is not None:
+            for key, values in _seen_attributes(node.body).items():
+                seen.setdefault(key, {}).update(values)
+    return seen
+
+
+class _Attributes:
+    """The attribute choices of an operator on operands of a given rank: every dim for `dim`, both
+    values of a flag, and for the rest the values the program itself uses (or the default)."""
+
+    def __init__(self, graph: KernelGraph):
+        self.seen = {key: tuple(values) for key, values in _seen_attributes(graph).items()}
+        self.cache: dict = {}
+
+    def choices(self, op: OpDef, rank: int) -> list:
+        """(normalised attribute pairs, their text for ranking) for each choice."""
+        key = (op.name, rank)
+        if key not in self.cache:
+            options = [[(spec.name, v) for v in self._values(spec, rank)] for spec in op.attr_specs]
+            normal = [op.normalize_attrs(dict(combo)) for combo in itertools.product(*options)]
+            self.cache[key] = [(pairs, repr(pairs)) for pairs in normal]
+        return self.cache[key]
+
+    def _values(self, spec, rank: int) -> tuple:
+        if spec.name == "dim":
+            return tuple(range(rank))
+        if spec.kind == "bool":
+            return (False, True)
+        return self.seen.get((spec.name, spec.kind)) or (() if spec.required else (spec.default,))
+
+
+# ---------------------------------------------------------------------------------------------
+# the problem: what does not change between frames
+
+@attrs.frozen
+class _Target:
+    type: TensorType
+    labels: tuple
+    term: Term
+
+
+class _Problem:
+    def __init__(self, graph: KernelGraph, config: SearchConfig):
+        self.graph, self.config = graph, config
+        self.labels = Labels(graph)
+        terms = abstract_terms(graph)
+        self.targets = [_Target(v.type, _var_labels(self.labels, v), terms[v.name]) for v in graph.outputs]
+        self.degree = max(_degree(t.term) for t in self.targets)
+        self.computes_max = any(t.head == "max" for term in terms.values() for t in subterms(term))
+        read = {t.param for target in self.targets for t in subterms(target.term) if t.head == "var"}
+        self.used = [i for i in range(len(graph.inputs)) if i in read]  # the inputs the outputs depend on
+        self.input_labels = [_var_labels(self.labels, graph.inputs[i]) for i in self.used]
+        self.contracted = frozenset(self.labels.contracted_labels())
+        out_labels = [set(t.labels) - {None} for t in self.targets]
+        self.free = sorted(set.intersection(*out_labels) - self.contracted) if out_labels else []
+        self.grids = _grids(self.free, self.labels, config)
+        self.finest = {l: max(dict(g.splits).get(l, 1) for g in self.grids) for l in self.free}
+        self.frames = self._frames(set().union(*out_labels))
+        self.operators = _operators()
+        self.attributes = _Attributes(graph)
+
+    def _frames(self, output_labels: set) -> list:
+        read = {l for labels in self.input_labels for l in labels} - {None}
+        loops = sorted(self.contracted & read - output_labels)
+        return [Frame(l, r) for l in loops for r in _loop_ranges(self.labels.size(l), self.config)] + [Frame()]
+
+    def supported(self) -> bool:
+        """One custom op can stand for the program: its outputs are distinct computed tensors."""
+        names = [v.name for v in self.graph.outputs]
+        computed = {v.name for n in self.graph.nodes for v in n.outputs}
+        return len(set(names)) == len(names) and set(names) <= computed and bool(self.used)
+
+    def smallest(self, t: TensorType, labels: tuple) -> TensorType:
+        """A tile's size under the finest split of each free label: a lower bound on every grid."""
+        return t.with_shape([-(-n // self.finest.get(l, 1)) for n, l in zip(t.shape, labels)])
+
+
+# ---------------------------------------------------------------------------------------------
+# the inner search
+
+@attrs.frozen
+class Value:
+    var: Var             # one loop iteration's tile of the unsplit tensors
+    small: Var           # the same under the finest grid (for the shared-memory bound)
+    labels: tuple
+    term: Term
+    post: bool           # computed after the loop
+    looped: bool         # depends on what the loop walks (constant over the loop otherwise)
+    ancestors: frozenset = frozenset()  # the indices of the values it is computed from
+
+
+@attrs.frozen
+class Step:
+    op: str
+    operands: tuple
+    attrs: tuple
+
+
+@attrs.frozen
+class Program:
+    """A closed block graph: its frame, its operators and the value each output takes."""
+
+    frame: Frame
+    steps: tuple
+    outputs: tuple
+    labels: tuple        # the labels of every value, inputs first
+
+
+class _Budget:
+    """States and seconds of the generator's own work; the search's deadline."""
+
+    def __init__(self, max_states: int, seconds: float, stats: SearchStats):
+        self.max_states, self.seconds, self.stats = max_states, seconds, stats
+        self.states = 0
+        self.used_s = 0.0
+        self.resumed = time.perf_counter()
+
+    def tick(self) -> None:
+        self.states += 1
+        if self.states > self.max_states:
+            raise _OutOfBudget("states")
+        if self.states % 64 == 0 and (self.elapsed() > self.seconds or self.stats.out_of_time()):
+            raise _OutOfBudget("time")
+
+    def elapsed(self) -> float:
+        return self.used_s + time.perf_counter() - self.resumed
+
+    def pause(self) -> None:
+        self.used_s += time.perf_counter() - self.resumed
+
+    def resume(self) -> None:
+        self.resumed = time.perf_counter()
+
+
+class _Matcher:
+    """Does a value's term compute an output's: is each a subexpression of the other?"""
+
+    def __init__(self, targets: list):
+        self.targets = [t.term for t in targets]
+        self.forward = [SubexprChecker([t]) for t in self.targets]
+        self.backward: dict = {}
+
+    def matches(self, term: Term, k: int) -> bool:
+        target = self.targets[k]
+        if term is target:
+            return True
+        if term not in self.backward:
+            self.backward[term] = SubexprChecker([term])
+        return self.forward[k].is_subexpression(term) and self.backward[term].is_subexpression(target)
+
+
+class _Search:
+    """The depth-first search of one frame; `checker` and `matcher` are shared between frames."""
+
+    def __init__(self, problem: _Problem, frame: Frame, checker: Optional[SubexprChecker], matcher: _Matcher,
+                 budget: _Budget, stats: SearchStats):
+        self.problem, self.frame, self.checker, self.matcher = problem, frame, checker, matcher
+        self.budget, self.stats = budget, stats
+        self.max_ops = problem.config.max_block_ops
+        self.values: list = [self._input(slot) for slot in range(len(problem.used))]
+        self.n_inputs = len(self.values)
+        self.steps: list = []
+        self.ranks: list = []
+        self.uses: list = [0] * self.n_inputs
+        self.seen: set = {self._identity(v) for v in self.values}
+        self.outcomes: dict = {}   # (operator, attributes, operand identities) -> Value fields, or a reason
+        self.pruned: Counter = Counter()
+
+    def _input(self, slot: int) -> Value:
+        labels = self.problem.input_labels[slot]
+        tensor = self.problem.graph.inputs[self.problem.used[slot]]
+        fmap = labels.index(self.frame.loop) if self.frame.loop in labels else None
+        tile = input_tile_type(tensor.type, (1, 1, 1), self.frame.forloop, (None,) * 3, fmap)
+        v = Var(f"v{slot}", tile)
+        return Value(v, Var(v.name, self.problem.smallest(tile, labels)), labels, var(self.problem.used[slot]), False,
+                     fmap is not None)
+
+    @staticmethod
+    def _identity(v: Value) -> tuple:
+        return v.var.type, v.labels, v.post, v.term
+
+    def run(self) -> Iterator[Program]:
+        try:
+            yield from self._walk()
+        finally:
+            for reason, n in sorted(self.pruned.items()):
+                self.stats.count(PRUNED, reason, n)
+
+    # -- the walk --------------------------------------------------------------------------------
+
+    def _walk(self) -> Iterator[Program]:
+        self.budget.tick()
+        outputs = self._closing()
+        if outputs is not None:
+            yield Program(self.frame, tuple(self.steps), outputs, tuple(v.labels for v in self.values))
+        if len(self.steps) == self.max_ops:
+            return
+        children: set = set()  # siblings that compute the same value lead to the same programs
+        for rank, op, operands, attr_pairs in self._candidates():
+            value = self._try(op, operands, attr_pairs)
+            if value is None:
+                continue
+            if self._identity(value) in children:
+                self.pruned["redundant"] += 1
+                continue
+            children.add(self._identity(value))
+            self._push(rank, Step(op.name, operands, attr_pairs), value)
+            yield from self._walk()
+            self._pop()
+
+    def _push(self, rank: tuple, step: Step, value: Value) -> None:
+        for i in set(step.operands):
+            self.uses[i] += 1
+        self.steps.append(step)
+        self.ranks.append(rank)
+        self.values.append(value)
+        self.uses.append(0)
+        self.seen.add(self._identity(value))
+
+    def _pop(self) -> None:
+        step = self.steps.pop()
+        self.ranks.pop()
+        self.seen.discard(self._identity(self.values.pop()))
+        self.uses.pop()
+        for i in set(step.operands):
+            self.uses[i] -= 1
+
+    # -- candidates in canonical order -----------------------------------------------------------
+
+    def _candidates(self) -> list:
+        """(rank, operator, operands, attributes) of the operators that may come next, by rank.
+        Operands are drawn from one phase (loop values only, for accumulators); the others are
+        counted as pruned by phase without being built."""
+        last = self.ranks[-1] if self.ranks else None
+        newest = last[0] if last else 0
+        ends = _Ends(self)
+        pools = ([i for i, v in enumerate(self.values) if not v.post], [i for i, v in enumerate(self.values) if v.post])
+        out = []
+        for op in self.problem.operators:
+            opdef = op.opdef
+            built = 0
+            for post, pool in enumerate(pools[:1] if opdef.is_accumulator else pools):
+                for operands in _operand_tuples(pool, op, newest):
+                    built += 1
+                    reason = self._misfit(op, operands, bool(post) or opdef.is_accumulator, ends)
+                    if reason is not None:
+                        self.pruned[reason] += 1
+                        continue
+                    for pairs, text in self.problem.attributes.choices(opdef, self.values[operands[0]].var.type.rank):
+                        rank = (max(operands), operands, opdef.name, text)
+                        if last is not None and rank <= last:
+                            self.pruned["order"] += 1
+                        else:
+                            out.append((rank, opdef, operands, pairs))
+            self.pruned["phase"] += _count_operand_tuples(len(self.values), op, newest) - built
+        out.sort(key=lambda c: c[0])
+        return out
+
+    def _misfit(self, op: _Operator, operands: tuple, post: bool, ends: "_Ends") -> Optional[str]:
+        """Why `op` cannot take these operands whatever its attributes, or None."""
+        if ends.needed(operands, post) > ends.room:
+            return "dead-end"
+        if not op.opdef.is_accumulator:
+            return None
+        if len(operands) == 2 and not self._rescales(operands):
+            return "rescale"
+        if self.frame.forloop > 1 and not self.values[operands[0]].looped and not op.idempotent:
+            return "loop-invariant"  # the same tile R times over: only a maximum gives it back
+        return None
+
+    def _rescales(self, operands: tuple) -> bool:
+        """A rescaling accumulator's abstract expression drops its scale, which is only right in online
+        softmax: the scale is a maximum that the accumulated value was shifted by, in a program that
+        computes a maximum."""
+        x, m = (self.values[i] for i in operands)
+        return self.problem.computes_max and m.term.head == "max" and operands[1] in x.ancestors
+
+    # -- one operator ----------------------------------------------------------------------------
+
+    def _try(self, op: OpDef, operands: tuple, attr_pairs: tuple) -> Optional[Value]:
+        """The value `op` computes, or None (counted by reason) when it is pruned."""
+        args = [self.values[i] for i in operands]
+        key = (op.name, attr_pairs, tuple(self._identity(a) for a in args))
+        if key not in self.outcomes:
+            self.outcomes[key] = self._outcome(op, args, attr_pairs)
+        outcome = self.outcomes[key]
+        if isinstance(outcome, str):
+            self.pruned[outcome] += 1
+            return None
+        out_type, labels, term = outcome
+        v = Var(f"v{len(self.values)}", out_type)
+        ancestors = frozenset(operands).union(*(a.ancestors for a in args))
+        value = Value(v, Var(v.name, self.problem.smallest(out_type, labels)), labels, term,
+                      op.is_accumulator or args[0].post, any(a.looped for a in args), ancestors)
+        if self._identity(value) in self.seen:
+            self.pruned["redundant"] += 1
+            return None
+        if self._shared_memory(Step(op.name, operands, attr_pairs), value) > SMEM_LIMIT_BYTES:
+            self.pruned["shared-memory"] += 1
+            return None
+        return value
+
+    def _outcome(self, op: OpDef, args: list, attr_pairs: tuple):
+        """(type, labels, term) of `op` on these operands, or the reason it is pruned: what does not
+        depend on the rest of the block graph."""
+        try:
+            (out_type,) = op.infer_types(tuple(a.var.type for a in args), attr_pairs)
+        except (MdslError, ValueError):
+            return "shape"
+        node = Node(op.name, [a.var for a in args], [Var("out", out_type)], attr_pairs)
+        labels = _result_labels(node, [a.labels for a in args], self.problem.contracted, self.frame.loop)
+        if labels is None:
+            return "dims"
+        (term,) = node_terms(node, [a.term for a in args], self.frame.forloop)
+        if not self.problem.computes_max and any(t.head == "max" for t in subterms(term)):
+            return "stabiliser"  # the checker takes a max an exponent subtracts for softmax's: see _rescales
+        if self.checker is not None and not (_degree(term) <= self.problem.degree and self.checker.is_subexpression(term)):
+            return "abstract-expression"
+        return out_type, labels, term
+
+    def _shared_memory(self, step: Step, value: Value) -> int:
+        """The peak shared memory of the block graph so far under the finest grid (a lower bound)."""
+        values = self.values + [value]
+        if sum(max(4, v.small.type.dtype.itemsize) * v.small.type.numel for v in values) <= SMEM_LIMIT_BYTES:
+            return 0  # everything at once fits: no need to walk the lifetimes
+        steps = self.steps + [step]
+        nodes = [Node(s.op, [values[i].small for i in s.operands], [values[self.n_inputs + k].small], s.attrs)
+                 for k, s in enumerate(steps)]
+        inputs = [BlockInput(v.small, (None,) * 3, None) for v in values[:self.n_inputs]]
+        return shared_memory_peak(BlockGraph((1, 1, 1), 32, self.frame.forloop, inputs, nodes, ()))
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def _closing(self) -> Optional[tuple]:
+        """For each output, the value it takes, when the block graph can close here."""
+        if not self.steps or not self.values[-1].post:
+            return None
+        unread = {i for i in range(self.n_inputs, len(self.values)) if self.uses[i] == 0}
+        if any(not self.values[i].post for i in unread):
+            return None
+        options = [[i for i in range(self.n_inputs, len(self.values)) if self._matches(self.values[i], k)]
+                   for k in range(len(self.problem.targets))]
+        for outputs in itertools.product(*options):
+            if unread <= set(outputs):
+                return outputs
+        return None
+
+    def _matches(self, value: Value, k: int) -> bool:
+        target = self.problem.targets[k]
+        return (value.post and value.var.type == target.type and value.labels == target.labels
+                and self.matcher.matches(value.term, k))
+
+
+class _Ends:
+    """The values nobody reads yet, at one state: every one of them (inputs included) must be read or
+    be an output, and an operator reads at most two and adds one; loop values among them must reach an
+    accumulator, which takes at most two."""
+
+    def __init__(self, search: _Search):
+        values = search.values
+        self.unread = frozenset(i for i, n in enumerate(search.uses) if n == 0)
+        self.loops = frozenset(i for i in self.unread if i >= search.n_inputs and not values[i].post)
+        self.outputs = len(search.problem.targets)
+        self.room = search.max_ops - len(search.steps) - 1   # operators after the next one
+
+    def needed(self, operands: tuple, post: bool) -> int:
+        """The fewest operators that can close the block graph after one on `operands`."""
+        read = self.unread.intersection(operands)
+        left = len(self.unread) - len(read) + 1
+        loops = len(self.loops) - len(self.loops.intersection(operands)) + (not post)
+        return max(left - self.outputs, -(-loops // 2))
+
+
+def _operand_tuples(pool: list, op: _Operator, newest: int) -> Iterator[tuple]:
+    """Operand tuples from `pool` (ascending indices) whose newest operand is at least `newest`: no
+    operator with a smaller one can follow the last."""
+    if op.arity == 1:
+        yield from ((i,) for i in pool if i >= newest)
+        return
+    for hi in pool:
+        if hi < newest:
+            continue
+        for lo in pool:
+            if lo > hi:
+                break
+            yield (lo, hi)
+            if lo != hi and not op.commutative:
+                yield (hi, lo)
+
+
+def _count_operand_tuples(n: int, op: _Operator, newest: int) -> int:
+    """How many operand tuples over n values `_operand_tuples` would give from all of them."""
+    if op.arity == 1:
+        return n - newest
+    return sum(hi + 1 if op.commutative else 2 * hi + 1 for hi in range(newest, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# from programs to kernel graphs
+
+def _fresh(base: str, taken: set) -> str:
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
+def kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int) -> KernelGraph:
+    """The kernel graph of one program under one grid (not validated)."""
+    graph, frame = problem.graph, program.frame
+    taken: set = set()
+    inputs, values = [], []
+    for slot, i in enumerate(problem.used):
+        tensor, labels = graph.inputs[i], problem.input_labels[slot]
+        fmap = labels.index(frame.loop) if frame.loop in labels else None
+        imap = grid.map_of(labels)
+        tile = Var(_fresh(tensor.name, taken), input_tile_type(tensor.type, grid.dims, frame.forloop, imap, fmap))
+        inputs.append(BlockInput(tile, imap, fmap))
+        values.append(tile)
+    nodes = []
+    for step in program.steps:
+        args = [values[i] for i in step.operands]
+        (out_type,) = OPS[step.op].infer_types(tuple(a.type for a in args), step.attrs)
+        values.append(Var(_fresh(step.op, taken), out_type))
+        nodes.append(Node(step.op, args, [values[-1]], step.attrs))
+    outputs = [BlockOutput(values[i], grid.map_of(program.labels[i])) for i in program.outputs]
+    body = BlockGraph(grid.dims, threads, frame.forloop, inputs, nodes, outputs)
+    node = Node("custom", [graph.inputs[i] for i in problem.used], graph.outputs, body=body)
+    return KernelGraph(graph.name, graph.inputs, [node], graph.outputs)
+
+
+class _Screen:
+    """The program and a closed block graph (as one block) on the same random inputs, in float64.
+    Abstract expressions forget indices, and some axioms hold only for them (a sum of a product with
+    a factor constant along the sum), so a block graph whose term matches can still compute
+    something else; one cheap evaluation catches it before its every grid goes to the verifier."""
+
+    def __init__(self, graph: KernelGraph, seed: int):
+        rng = np.random.default_rng(seed)
+        self.inputs = [rng.standard_normal(v.shape) if v.dtype.is_float else rng.integers(0, 4, v.shape).astype(float)
+                       for v in graph.inputs]
+        self.expected = run_kernel_graph(graph, self.inputs)
+
+    def passes(self, candidate: KernelGraph) -> bool:
+        try:
+            got = run_kernel_graph(candidate, self.inputs)
+        except (MdslError, FloatingPointError):
+            return False
+        return all(_close(a, b) for a, b in zip(got, self.expected))
+
+
+def _close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-6) -> bool:
+    finite = np.isfinite(want)
+    if not np.array_equal(finite, np.isfinite(got)):
+        return False
+    scale = max(float(np.linalg.norm(want[finite])), np.finfo(float).tiny)
+    return float(np.linalg.norm(got[finite] - want[finite])) <= rtol * scale
+
+
+def _instances(problem: _Problem, program: Program, stats: SearchStats) -> list:
+    """The program under every grid and thread count that fits, cheapest first by the cost model."""
+    out = []
+    for grid in problem.grids:
+        for threads in problem.config.thread_counts:
+            try:
+                candidate = kernel_graph(problem, program, grid, threads)
+                validate_kernel_graph(candidate)
+                out.append(candidate)
+            except MdslError as e:
+                stats.count(PRUNED, "shared-memory" if "shared memory" in str(e) else "shape")
+    return sorted(out, key=estimate)
+
+
+# ---------------------------------------------------------------------------------------------
+# the generator
+
+def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None, *,
+             max_states: Optional[int] = None, prune: bool = True) -> Iterator[KernelGraph]:
+    """Candidates of one custom kernel for the whole program, in canonical order (see the module
+    docstring). `max_states` bounds the states explored (default: STATES_PER_SECOND per second of
+    budget); `prune=False` turns the abstract-expression check off (to measure what it prunes)."""
+    stats = stats if stats is not None else SearchStats()
+    problem = _Problem(graph, config)
+    if not problem.supported():
+        return
+    checker = SubexprChecker([t.term for t in problem.targets]) if prune else None
+    matcher = _Matcher(problem.targets)
+    budget = _Budget(max_states or int(STATES_PER_SECOND * config.budget_s), config.budget_s / 2, stats)
+    screen = _Screen(graph, config.seed)
+    try:
+        for frame in problem.frames:
+            for program in _Search(problem, frame, checker, matcher, budget, stats).run():
+                if not screen.passes(kernel_graph(problem, program, Grid(), config.thread_counts[0])):
+                    stats.count(PRUNED, "numerics")
+                    continue
+                for candidate in _instances(problem, program, stats):
+                    budget.pause()
+                    yield candidate
+                    budget.resume()
+    except _OutOfBudget as e:
+        stats.count("stopped", f"enumerate: {e}")
+    finally:
+        stats.count("states", "enumerate", budget.states)

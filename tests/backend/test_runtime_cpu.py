@@ -1,0 +1,310 @@
+"""The GPU runtime's parts that need no GPU: the GPU check, the no-GPU error, lazy imports, argument
+checks made before any driver call, DLPack capsules, buffer planning and stream handles.
+
+Tests that assume there is no GPU skip themselves on a machine with one (tests/gpu covers it there).
+"""
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16, f32
+from mdsl.backend.cuda import dlpack, runtime
+from mdsl.backend.cuda.runtime import ArgumentError, NoGPUError
+from mdsl.ir.graph import KernelGraph, Node, make_var
+from mdsl.ir.ops import get_op
+
+no_gpu = pytest.mark.skipif(runtime.has_gpu(), reason="this machine has a GPU (tests/gpu covers it)")
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+class FakeCudaArray:
+    """Says it is a GPU array through __cuda_array_interface__; its pointer is never dereferenced."""
+
+    def __init__(self, shape=(4, 8), typestr="<f2", ptr=0x7F0000000000, strides=None):
+        self.shape = shape
+        self.dtype = {"<f2": "float16", "<f4": "float32"}.get(typestr, typestr)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
+                                         "strides": strides}
+
+
+@mdsl.kernel
+def double(x: Tensor[4, 8, f16]):
+    return x + x
+
+
+# ---------------------------------------------------------------------------------------------
+# without a GPU
+
+@no_gpu
+def test_has_gpu_is_false_and_fast_in_a_fresh_process():
+    out = run_python("""
+        import time
+        start = time.perf_counter()
+        from mdsl.backend.cuda.runtime import has_gpu
+        first = has_gpu()
+        elapsed = time.perf_counter() - start
+        print(first, has_gpu(), elapsed)
+    """)
+    first, second, elapsed = out.split()
+    assert (first, second) == ("False", "False")
+    assert float(elapsed) < 5.0, f"has_gpu() took {elapsed} s"
+
+
+@no_gpu
+def test_a_gpu_array_without_a_gpu_raises_no_gpu_error_with_the_promised_hint():
+    with pytest.raises(NoGPUError) as info:
+        double(FakeCudaArray())
+    text = str(info.value)
+    assert isinstance(info.value, mdsl.MdslError)
+    assert "needs an NVIDIA GPU" in text
+    assert "optimize()" in text and "compiling CUDA source" in text and "numpy arrays" in text
+    assert "test_runtime_cpu.py" in text   # it points at the call
+
+
+@no_gpu
+def test_out_or_stream_asks_for_the_gpu():
+    x = np.ones((4, 8), np.float16)
+    with pytest.raises(NoGPUError):
+        double(x, out=np.empty_like(x))
+    with pytest.raises(NoGPUError):
+        double(x, stream=0)
+
+
+@no_gpu
+def test_device_arrays_and_compiled_executables_need_a_gpu():
+    with pytest.raises(NoGPUError):
+        runtime.DeviceArray((4,), f32)
+    with pytest.raises(NoGPUError):
+        runtime.compile_graph(double.graph)
+
+
+@no_gpu
+def test_target_arch_without_a_gpu_is_the_h200s():
+    assert runtime.target_arch() == "sm_90a"
+
+
+def test_host_arrays_still_run_on_the_reference_interpreter():
+    x = np.arange(32, dtype=np.float16).reshape(4, 8)
+    np.testing.assert_array_equal(double(x), x + x)
+
+
+def test_import_mdsl_loads_neither_cuda_bindings_nor_torch():
+    out = run_python("""
+        import sys
+        import numpy as np
+        import mdsl
+        from mdsl import Tensor, f32
+
+        @mdsl.kernel
+        def k(x: Tensor[4, f32]):
+            return mdsl.exp(x)
+
+        k(np.zeros(4, np.float32))   # a host call does not load them either
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cuda")))
+    """)
+    assert out == "[]"
+
+
+def test_a_dtype_that_differs_from_the_annotation_is_a_dtype_error():
+    with pytest.raises(mdsl.DTypeError, match="argument x is Tensor\\[4, 8, f32\\] but is annotated"):
+        double(np.ones((4, 8), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks that come before any driver call
+
+def test_host_memory_is_refused_with_a_hint():
+    with pytest.raises(ArgumentError, match="in host memory") as info:
+        runtime.device_view(np.ones(4, np.float32), "argument x")
+    assert "DeviceArray.from_numpy" in str(info.value)
+
+
+def test_something_that_is_no_array_is_refused():
+    with pytest.raises(ArgumentError, match="is a list, not a GPU array"):
+        runtime.device_view([1.0, 2.0], "argument x")
+
+
+def test_misaligned_cuda_array_interface_pointer():
+    with pytest.raises(ArgumentError, match="not 16-byte aligned"):
+        runtime.device_view(FakeCudaArray(ptr=0x7F0000000002), "argument x")
+
+
+def test_non_compact_cuda_array_interface_strides():
+    with pytest.raises(ArgumentError, match="not compact row-major"):
+        runtime.device_view(FakeCudaArray(shape=(4, 8), strides=(2, 8)), "argument x")   # a transposed view
+
+
+def test_unsupported_cuda_array_interface_dtype():
+    with pytest.raises(mdsl.DTypeError, match="'<f8'"):
+        runtime.device_view(FakeCudaArray(typestr="<f8"), "argument x")
+
+
+class FakeDLPackCuda:
+    """A DLPack exporter on CUDA device 0 describing memory at a fake address."""
+
+    def __init__(self, ptr=0x7F0000000000, dtype=(dlpack.FLOAT, 16, 1)):
+        self.ptr, self.dtype = ptr, dtype
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return (dlpack.KDL_CUDA, 0)
+
+    def __dlpack__(self, stream=None):
+        self.streams.append(stream)
+        return dlpack.export(self.ptr, (4, 8), self.dtype, (dlpack.KDL_CUDA, 0), self)
+
+
+def test_dlpack_cuda_arguments_are_read_without_the_driver():
+    fake = FakeDLPackCuda()
+    view = runtime.device_view(fake, "argument x", stream=0)
+    assert view == runtime.View(0x7F0000000000, (4, 8), f16, 0)
+    assert fake.streams == [1]   # DLPack spells the legacy default stream 1
+    with pytest.raises(ArgumentError, match="not 16-byte aligned"):
+        runtime.device_view(FakeDLPackCuda(ptr=0x7F0000000008), "argument x")
+    with pytest.raises(mdsl.DTypeError, match="code 2, 64 bits"):
+        runtime.device_view(FakeDLPackCuda(dtype=(dlpack.FLOAT, 64, 1)), "argument x")
+    gc.collect()
+    assert dlpack.exported_count() == 0
+
+
+def test_device_arrays_are_recognised_by_the_frontend_without_the_driver():
+    from mdsl.frontend.kernel import _is_device_array
+
+    assert _is_device_array(FakeCudaArray()) and _is_device_array(FakeDLPackCuda())
+    assert not _is_device_array(np.ones(3)) and not _is_device_array([1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# DLPack capsules, checked against numpy's own implementation
+
+class Exporter:
+    """Exports a numpy array's memory through mdsl's dlpack.export, for numpy to consume."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return (dlpack.KDL_CPU, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        versioned = max_version is not None and max_version >= (1, 0)
+        return dlpack.export(self.array.ctypes.data, self.array.shape, (dlpack.FLOAT, 32, 1), (dlpack.KDL_CPU, 0),
+                             self.array, versioned=versioned)
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_exported_capsules_are_consumed_by_numpy(versioned):
+    source = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    capsule = Exporter(source).__dlpack__(max_version=(1, 0) if versioned else None)
+    assert dlpack.read(capsule).shape == (2, 3, 4)
+    del capsule   # an unconsumed capsule releases its tensor
+    gc.collect()
+    assert dlpack.exported_count() == 0
+
+    exporter = Exporter(source)
+    view = np.from_dlpack(exporter)
+    del exporter
+    assert dlpack.exported_count() == 1   # numpy holds it now
+    np.testing.assert_array_equal(view, source)
+    assert view.ctypes.data == source.ctypes.data   # shared, not copied
+    del view
+    gc.collect()
+    assert dlpack.exported_count() == 0   # numpy called the deleter
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_numpy_capsules_are_read(max_version):
+    a = np.arange(12, dtype=np.float16).reshape(3, 4)
+    got = dlpack.read(a.__dlpack__(max_version=max_version))
+    assert got.data == a.ctypes.data and got.shape == (3, 4)
+    assert got.dtype == (dlpack.FLOAT, 16, 1) and got.device == (dlpack.KDL_CPU, 0)
+    assert got.strides is None or dlpack.is_compact(got.shape, got.strides)
+    t = dlpack.read(a.T.__dlpack__())
+    assert t.shape == (4, 3) and not dlpack.is_compact(t.shape, t.strides)
+
+
+def test_compactness_ignores_dims_of_size_one():
+    assert dlpack.is_compact((4, 1, 8), (8, 123, 1))
+    assert not dlpack.is_compact((4, 8), (1, 4))
+    assert dlpack.compact_strides((2, 3, 4)) == (12, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# buffer planning
+
+class Launch:
+    def __init__(self, name, *args):
+        self.name, self.args = name, args
+
+
+def node(op, inputs, out, **attrs):
+    opdef = get_op(op)
+    pairs = opdef.normalize_attrs(attrs)
+    (t,) = opdef.infer_types(tuple(v.type for v in inputs), pairs)
+    var = make_var(out, t.shape, t.dtype)
+    return Node(op, inputs, (var,), pairs), var
+
+
+def test_intermediates_get_scratch_and_arguments_get_bindings():
+    x, w = make_var("x", (4, 8), f32), make_var("w", (8, 2), f32)
+    n1, e = node("exp", [x], "e")
+    n2, y = node("matmul", [e, w], "y")
+    graph = KernelGraph("g", [x, w], [n1, n2], [y])
+    plan = runtime.plan_buffers(graph, [Launch("k1", "x", "e"), Launch("k2", "e", "w", "y")], ())
+    assert plan.launch_slots == ((0, 1), (1, 2, 3))
+    assert plan.bindings == ((0, 0), (2, 1), (3, 2))   # x: input 0, w: input 1, y: output 0
+    assert plan.scratch == ((1, 4 * 8 * 4),) and plan.copies == ()
+
+
+def test_views_share_buffers_and_outputs_living_elsewhere_are_copied():
+    x = make_var("x", (4, 8), f32)
+    n1, r = node("reshape", [x], "r", shape=(8, 4))       # a view of an input, returned: a copy
+    n2, e = node("exp", [x], "e")
+    n3, v = node("reshape", [e], "v", shape=(32,))        # the kernel writes e straight into output v
+    graph = KernelGraph("g", [x], [n1, n2, n3], [r, v, v])
+    plan = runtime.plan_buffers(graph, [Launch("k", "x", "e")], [("r", "x"), ("v", "e")])
+    assert plan.launch_slots == ((0, 1),)
+    assert plan.bindings == ((0, 0), (1, 2))              # e lives in output 1 (argument 2)
+    assert plan.scratch == ()
+    assert plan.copies == ((1, 0, 128), (3, 2, 128))      # r <- x, the second v <- the first
+
+
+def test_a_program_naming_an_unknown_value_is_refused():
+    x = make_var("x", (4,), f32)
+    n1, e = node("exp", [x], "e")
+    graph = KernelGraph("g", [x], [n1], [e])
+    with pytest.raises(ValueError, match="names %nope"):
+        runtime.plan_buffers(graph, [Launch("k", "x", "nope")], ())
+
+
+# ---------------------------------------------------------------------------------------------
+# streams
+
+def test_stream_handles():
+    class CoreStream:
+        def __cuda_stream__(self):
+            return (0, 1234)
+
+    class TorchStream:
+        cuda_stream = 99
+
+    assert runtime.stream_handle(None) == 0
+    assert runtime.stream_handle(7) == 7
+    assert runtime.stream_handle(CoreStream()) == 1234
+    assert runtime.stream_handle(TorchStream()) == 99
+    with pytest.raises(ArgumentError, match="cannot use a str as a CUDA stream"):
+        runtime.stream_handle("default")
+    assert runtime.launch_stream([np.ones(2)]) == 0

@@ -1,0 +1,258 @@
+"""The search engine with fake generators and verifiers (tests/search/fakes.py)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16
+from mdsl.search.config import SearchConfig
+from mdsl.search.engine import candidate_seed, search
+from mdsl.search.progress import StatusLine
+from mdsl.search.stats import SearchStats
+from tests.search import fakes
+
+QUICK = SearchConfig(budget_s=30, workers=1)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def keys(result) -> list:
+    return [c.graph.key for c in result.candidates]
+
+
+def events(path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(30)
+def test_candidates_are_deduplicated_validated_verified_and_ranked_by_cost():
+    result = search(fakes.ORIGINAL, QUICK, generators=[fakes.mixed], verifier=fakes.verify)
+    assert keys(result) == [fakes.FAST.key, fakes.MIDDLE.key, fakes.ORIGINAL.key]
+    costs = [c.cost for c in result.candidates]
+    assert costs == sorted(costs)
+    stats = result.stats
+    assert stats.by_reason("generated") == {"mixed": 8}
+    assert stats.total("duplicate") == 2
+    assert stats.by_reason("invalid") == {"ShapeError": 1, "signature": 1, "not a kernel graph": 1}
+    assert stats.total("verified") == 2
+    assert stats.by_reason("rejected") == {"exp changes the values": 1}
+    assert stats.best_seconds == result.best.cost.seconds
+    assert stats.done and not stats.timed_out
+
+
+@pytest.mark.timeout(30)
+def test_rejected_candidates_are_never_returned():
+    result = search(fakes.ORIGINAL, QUICK, generators=[fakes.many], verifier=fakes.verify)
+    assert len(result.candidates) == 7  # six without exp, and the original
+    assert all(c.evidence.equivalent for c in result.candidates)
+    assert not any(n.op == "exp" for c in result.candidates for n in c.graph.nodes)
+
+
+@pytest.mark.timeout(30)
+def test_top_k_keeps_the_best_and_may_drop_the_original():
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=1, top_k=2), generators=[fakes.mixed],
+                    verifier=fakes.verify)
+    assert keys(result) == [fakes.FAST.key, fakes.MIDDLE.key]
+    plan = result.plan()
+    assert plan.graph == fakes.FAST and [a.graph for a in plan.alternatives] == [fakes.MIDDLE]
+
+
+@pytest.mark.timeout(30)
+def test_without_candidates_the_original_is_the_plan_and_is_checked_against_itself():
+    result = search(fakes.ORIGINAL, QUICK, generators=[], verifier=fakes.verify)
+    (only,) = result.candidates
+    assert only.graph == fakes.ORIGINAL
+    assert only.evidence.equivalent and only.evidence.finite_field_tests == QUICK.verify_tests
+    assert only.evidence.seed == candidate_seed(QUICK.seed, fakes.ORIGINAL.key)
+    assert result.plan().is_original
+
+
+@pytest.mark.timeout(30)
+def test_a_verifier_that_raises_rejects_the_candidate_but_not_the_original():
+    result = search(fakes.ORIGINAL, QUICK, generators=[fakes.mixed], verifier=fakes.verify_broken)
+    assert keys(result) == [fakes.ORIGINAL.key]
+    assert result.stats.by_reason("rejected") == {"the verifier raised ValueError: verifier bug": 3}
+    assert "verifier bug" in result.best.evidence.reason
+
+
+@pytest.mark.timeout(30)
+def test_a_generator_that_raises_is_reported_and_the_next_one_runs():
+    with pytest.warns(UserWarning, match="generator failing raised RuntimeError: generator bug"):
+        result = search(fakes.ORIGINAL, QUICK, generators=[fakes.failing, fakes.many], verifier=fakes.verify)
+    assert result.stats.by_reason("errors") == {"failing": 1}
+    assert result.stats.by_reason("generated") == {"failing": 1, "many": 12}
+    assert result.best.graph == fakes.FAST
+
+
+@pytest.mark.timeout(30)
+def test_generators_report_pruning_through_the_stats_hook():
+    result = search(fakes.ORIGINAL, QUICK, generators=[fakes.pruning], verifier=fakes.verify)
+    assert result.stats.by_reason("pruned") == {"abstract-expression": 5, "shape": 1}
+    assert result.stats.by_reason("states") == {"pruning": 40}
+    summary = result.stats.summary()
+    assert "pruned 6 (abstract-expression 5, shape 1)" in summary and "verified 1, states 40 (pruning 40)" in summary
+
+
+@pytest.mark.timeout(30)
+def test_the_budget_stops_an_endless_generator_and_returns_the_best_so_far():
+    fakes.CLOSED.clear()
+    budget = 1.5
+    start = time.perf_counter()
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=budget, workers=1, top_k=3), generators=[fakes.forever],
+                    verifier=fakes.verify)
+    assert time.perf_counter() - start < budget + 1.0
+    assert result.stats.timed_out and result.stats.done
+    assert fakes.CLOSED == [True]                  # the engine closed the generator
+    assert result.best.graph.key == fakes.FAST.key  # the first candidate, x * 2.0
+    assert result.stats.total("skipped") > 0       # most candidates could not reach the top 3
+
+
+@pytest.mark.timeout(30)
+def test_the_budget_stops_a_verification_that_never_ends():
+    start = time.perf_counter()
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=1.0, workers=2), generators=[fakes.mixed],
+                    verifier=fakes.verify_never)
+    assert time.perf_counter() - start < 2.0
+    assert keys(result) == [fakes.ORIGINAL.key]
+    assert not result.best.evidence.finite_field_tests  # its self-check never finished
+    assert result.stats.by_reason("skipped") == {"budget": 3}
+    assert "not verified" in str(result.plan())
+
+
+@pytest.mark.timeout(60)
+def test_results_are_deterministic_across_runs_and_worker_counts():
+    slow = fakes.chain(*[1.0] * 9, 2.0)  # every candidate of `many` is cheaper
+
+    def run(workers: int):
+        config = SearchConfig(budget_s=30, workers=workers, top_k=4, seed=7)
+        return search(slow, config, generators=[fakes.many], verifier=fakes.verify_by_seed)
+
+    first, again, parallel = run(1), run(1), run(2)
+    summary = [(c.graph.key, c.cost, c.evidence) for c in first.candidates]
+    assert summary == [(c.graph.key, c.cost, c.evidence) for c in again.candidates]
+    assert summary == [(c.graph.key, c.cost, c.evidence) for c in parallel.candidates]
+    # the seeds make some candidates fail: the outcome depends on them, and they did not change
+    assert first.stats.total("rejected") > 0 and len(first.candidates) == 4
+
+
+@pytest.mark.timeout(30)
+def test_workers_are_processes_and_run_in_parallel(tmp_path):
+    log = tmp_path / "search.jsonl"
+    search(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=2), generators=[fakes.many],
+           verifier=fakes.verify_slowly, log_path=log)
+    # each verification takes long enough that the second candidate goes to the second worker
+    workers = {e["worker"] for e in events(log) if e["event"] in ("verified", "rejected")}
+    assert len(workers) == 2 and os.getpid() not in workers
+
+
+@pytest.mark.timeout(30)
+def test_the_log_has_one_json_event_per_line(tmp_path):
+    log = tmp_path / "search.jsonl"
+    result = search(fakes.ORIGINAL, QUICK, generators=[fakes.mixed], verifier=fakes.verify, log_path=log)
+    records = events(log)
+    kinds = [r["event"] for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "done"
+    assert {"candidate", "invalid", "verified", "rejected", "new_best"} <= set(kinds)
+    assert all(r["kernel"] == "double" and r["t"] >= 0 for r in records)
+    bests = [r["key"] for r in records if r["event"] == "new_best"]
+    assert bests[0] == fakes.ORIGINAL.key and bests[-1] == fakes.FAST.key
+    done = records[-1]
+    assert done["kept"] == keys(result) and done["stats"] == result.stats.to_json()
+    rejected = next(r for r in records if r["event"] == "rejected")
+    assert rejected["key"] == fakes.REJECTED.key and rejected["reason"] == "exp changes the values"
+    assert rejected["verify_s"] >= 0 and rejected["cost_s"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_progress_is_reported_until_done():
+    seen = []
+    search(fakes.ORIGINAL, QUICK, generators=[fakes.mixed], verifier=fakes.verify,
+           progress=lambda stats: seen.append((stats.done, stats.total("generated"))))
+    assert seen[-1] == (True, 8)
+    assert [done for done, _ in seen].count(True) == 1
+
+
+def test_status_line_prints_a_line_now_and_then_when_not_a_terminal():
+    stream = io.StringIO()
+    line = StatusLine(stream)
+    stats = SearchStats()
+    stats.count("generated", "guided", 3)
+    line(stats)               # within the interval: nothing
+    stats.done = True
+    line(stats)               # the final state always
+    assert stream.getvalue() == "mdsl search: 0.0s, 3 candidates (guided 3)\n"
+
+
+def test_status_line_rewrites_itself_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    line = StatusLine(stream, interval_s=0.0)
+    stats = SearchStats()
+    stats.count("generated", "guided", 12)
+    line(stats)
+    stats.done = True
+    line(stats)
+    first, final = stream.getvalue().split("\r")[1:]
+    assert first.startswith("mdsl search: 0.0s, 12 candidates") and final.endswith("\n")
+    assert "\n" not in first
+
+
+@pytest.mark.timeout(30)
+def test_with_the_real_verifier_a_search_without_generators_verifies_the_original():
+    pytest.importorskip("mdsl.passes.verify")
+
+    @mdsl.kernel
+    def small(x: Tensor[4, 64, f16], w: Tensor[64, 32, f16]):
+        return mdsl.rms_norm(x) @ w
+
+    result = search(small.graph, QUICK, generators=[])
+    (only,) = result.candidates
+    assert only.graph == small.graph
+    assert only.evidence.equivalent and only.evidence.finite_field_tests == QUICK.verify_tests
+    assert 0 < only.evidence.false_pass_probability < 1e-6
+    assert only.evidence.float_rel_error <= only.evidence.float_bound
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_searches_at_its_top_level_works_without_a_main_guard(tmp_path):
+    # multiprocessing would import the script again in each worker, which would search again there
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""\
+        from mdsl.search.config import SearchConfig
+        from mdsl.search.engine import search
+        from tests.search import fakes
+
+        result = search(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=2), generators=[fakes.mixed],
+                        verifier=fakes.verify)
+        print(result.best.graph == fakes.FAST, result.stats.counts_summary())
+        """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True 8 candidates") and "worker died" not in done.stdout
+    assert done.stderr == ""
+
+
+@pytest.mark.timeout(30)
+def test_progress_moves_while_a_generator_works_between_candidates():
+    def thorough(graph, config, stats):
+        for _ in range(30):
+            time.sleep(0.01)
+            stats.count("pruned", "slowly")
+        yield fakes.FAST
+
+    pruned = []
+    search(fakes.ORIGINAL, QUICK, generators=[thorough], verifier=fakes.verify,
+           progress=lambda stats: pruned.append(stats.total("pruned")))
+    assert any(0 < n < 30 for n in pruned) and pruned[-1] == 30

@@ -1,0 +1,162 @@
+"""The structure-guided generator: labels, lifting rules, and the fused kernels it must find."""
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.dims import Labels
+from mdsl.search.guided import CannotLift, Choice, generate, lift
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ops_of(block_graph):
+    return [n.op for n in block_graph.nodes]
+
+
+def bodies(graph):
+    return [n.body for n in graph.nodes if n.body is not None]
+
+
+# ---- labels ----------------------------------------------------------------------------------
+
+def test_matmul_ties_k_and_keeps_rows_and_columns():
+    g = example("rms_norm_linear").make_rms_norm_linear(1, k=64, n=96).graph
+    labels = Labels(g)
+    x, w = g.inputs
+    out = g.outputs[0]
+    assert labels.label(x.name, 1) == labels.label(w.name, 0)            # k
+    assert labels.label(x.name, 0) == labels.label(out.name, 0)          # rows
+    assert labels.label(w.name, 1) == labels.label(out.name, 1)          # columns
+    contracted = labels.contracted_labels()
+    assert contracted[labels.label(x.name, 1)] == {"rms_norm", "matmul"}
+    assert labels.label(out.name, 1) not in contracted
+
+
+def test_softmax_contracts_the_kv_length_three_ways():
+    g = example("gqa").make_gqa(1, kv_len=64, queries=8, head_dim=16).graph
+    labels = Labels(g)
+    q, k, v = g.inputs
+    kv = labels.label(k.name, 2)
+    assert kv == labels.label(v.name, 1)
+    assert labels.contracted_labels()[kv] == {"max", "sum", "matmul"}
+    assert labels.label(q.name, 2) == labels.label(k.name, 1)  # the head dim, contracted by Q·K
+
+
+# ---- every candidate computes the program ------------------------------------------------------
+
+SMALL = {
+    "gqa": lambda m: m.make_gqa(1, kv_len=128, queries=16, head_dim=16),
+    "qknorm": lambda m: m.make_qknorm(1, kv_len=128, queries=16, head_dim=16),
+    "rms_norm_linear": lambda m: m.make_rms_norm_linear(1, k=128, n=192),
+    "gated_mlp": lambda m: m.make_gated_mlp(8, 128, 128),
+    "ntrans": lambda m: m.make_ntrans(1, 256),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_candidate_equals_the_program_in_float64(name):
+    graph = SMALL[name](example(name)).graph
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    want = run_kernel_graph(graph, inputs)
+    candidates = list(generate(graph, SearchConfig(min_blocks=1), limit=40))
+    assert candidates
+    for c in candidates:
+        got = run_kernel_graph(c, inputs)
+        for a, b in zip(got, want):
+            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-10, str(c)
+
+
+# ---- the best candidates at the benchmark shapes are the fused kernels ------------------------
+
+def best(graph):
+    return next(generate(graph, SearchConfig()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bs", [1, 8])
+def test_rms_norm_linear_fuses_the_norm_into_the_matmul_loop(bs):
+    plan = best(example("rms_norm_linear").make_rms_norm_linear(bs).graph)
+    (body,) = bodies(plan)
+    assert body.forloop > 1
+    assert {"matmul", "accum", "accum_rms", "div"} <= set(ops_of(body))
+    assert "rms_norm" not in ops_of(body)
+
+
+@pytest.mark.timeout(60)
+def test_gated_mlp_puts_both_matmuls_and_the_gate_in_one_block_graph():
+    plan = best(example("gated_mlp").gated_mlp.graph)
+    assert any(ops_of(b).count("matmul") == 2 and {"silu", "mul"} <= set(ops_of(b)) for b in bodies(plan))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module,factory", [("gqa", "make_gqa"), ("qknorm", "make_qknorm")])
+@pytest.mark.parametrize("bs", [1, 8])
+def test_attention_becomes_split_kv_flash_decoding(module, factory, bs):
+    plan = best(getattr(example(module), factory)(bs).graph)
+    first, combine = bodies(plan)
+    assert {"accum_rescale", "accum_max", "exp", "max"} <= set(ops_of(first))
+    assert "accum_rescale" in ops_of(combine) and combine.forloop > 1
+    if module == "qknorm":
+        assert ops_of(first).count("rms_norm") == 2  # both norms inside the attention kernel
+
+
+@pytest.mark.timeout(60)
+def test_lora_is_one_block_graph():
+    plan = best(example("lora").lora.graph)
+    (body,) = bodies(plan)
+    assert ops_of(body).count("matmul") == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bs", [1, 8])
+def test_ntrans_is_one_kernel(bs):
+    plan = best(example("ntrans").make_ntrans(bs).graph)
+    assert len(plan.nodes) == 1 and plan.nodes[0].op == "custom"
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+def test_a_grid_over_a_contracted_label_is_not_offered():
+    g = example("rms_norm_linear").make_rms_norm_linear(1, k=64, n=96).graph
+    labels = Labels(g)
+    k = labels.label(g.inputs[0].name, 1)
+    from mdsl.search.guided import choices
+
+    assert all(label != k for c in choices(g, labels, SearchConfig()) for label, _ in c.grid)
+
+
+def test_rms_norm_over_the_loop_cannot_split_the_loop():
+    # accum_rms cannot be combined from partial results, so split-K is refused for this program
+    g = example("rms_norm_linear").make_rms_norm_linear(1, k=64, n=96).graph
+    labels = Labels(g)
+    k = labels.label(g.inputs[0].name, 1)
+    with pytest.raises(CannotLift, match="cannot be combined"):
+        lift(g, Choice((), k, forloop=4, split=2), labels)
+
+
+def test_an_output_that_skips_the_loop_contraction_is_refused():
+    import mdsl
+    from mdsl import Tensor, f32
+
+    @mdsl.kernel
+    def two(x: Tensor[4, 16, f32], w: Tensor[16, 8, f32]):
+        return x @ w, mdsl.exp(x)
+
+    g = two.graph
+    labels = Labels(g)
+    k = labels.label(g.inputs[0].name, 1)
+    with pytest.raises(CannotLift):
+        lift(g, Choice((), k, forloop=2), labels)

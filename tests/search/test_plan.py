@@ -1,0 +1,75 @@
+"""Plans: the printed form a person reads first, and the JSON round trip the cache relies on."""
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+import pytest
+
+import mdsl
+from mdsl.ir.text import parse_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.engine import search
+from mdsl.search.plan import Plan
+from tests.search import fakes
+
+CONFIG = SearchConfig(budget_s=30, workers=1, seed=3, top_k=3)
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return search(fakes.ORIGINAL, CONFIG, generators=[fakes.mixed], verifier=fakes.verify).plan()
+
+
+@pytest.mark.timeout(30)
+def test_plan_fields(plan):
+    assert plan.original == fakes.ORIGINAL and plan.graph == fakes.FAST and not plan.is_original
+    assert plan.cost < plan.original_cost
+    assert 0 < plan.floor.seconds < plan.cost.seconds
+    assert plan.evidence.equivalent and plan.evidence.finite_field_tests == CONFIG.verify_tests
+    assert [a.graph for a in plan.alternatives] == [fakes.MIDDLE, fakes.ORIGINAL]
+    assert plan.config == CONFIG and plan.mdsl_version == mdsl.__version__
+    assert plan.stats.total("generated") == 8
+
+
+@pytest.mark.timeout(30)
+def test_printed_plan_is_a_commented_header_then_the_mugraph(plan):
+    text = str(plan)
+    header = text.split("\nkernel ")[0].splitlines()
+    assert all(line.startswith("# ") for line in header)
+    assert header[0] == f"# mdsl {mdsl.__version__} plan for kernel double, sm_90a: 3x faster than the original (6 us)"
+    assert any(line.startswith("# cost:     2.00 us est.") and "1 launch(es)" in line for line in header)
+    assert any(line.startswith("# floor:") and "memory-bound" in line and "% of it" in line for line in header)
+    assert any(line.startswith("# verified: 3 finite-field tests") for line in header)
+    assert any(line.startswith("# search:   finished after") and "seed 3" in line for line in header)
+    assert any("8 candidates (mixed 8), duplicate 2" in line for line in header)
+    assert any(line.startswith("# also:     4 us (2 launch(es)), 6 us (3 launch(es))") for line in header)
+    assert parse_graph(text) == plan.graph  # the header is comments: the text parses as the chosen graph
+
+
+@pytest.mark.timeout(30)
+def test_json_round_trip(plan):
+    data = plan.to_json()
+    text = json.dumps(data, allow_nan=False)  # strict JSON
+    again = Plan.from_json(json.loads(text))
+    assert again == plan
+    assert str(again) == str(plan)
+
+
+@pytest.mark.timeout(30)
+def test_json_round_trip_of_an_unverified_original():
+    plan = search(fakes.ORIGINAL, SearchConfig(budget_s=0.5, workers=1), generators=[],
+                  verifier=fakes.verify_never).plan()
+    assert math.isnan(plan.evidence.float_rel_error)
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json(), allow_nan=False)))
+    assert math.isnan(again.evidence.float_rel_error)
+    assert attrs.evolve(again, evidence=plan.evidence) == plan
+    assert "# verified: not verified (the original program; the search ended before its self-check)" in str(plan)
+    assert "stopped by its 0.5 s budget" in str(plan)
+
+
+def test_an_unknown_schema_is_refused(plan):
+    data = {**plan.to_json(), "mdsl_plan": 99}
+    with pytest.raises(ValueError, match="unsupported plan schema 99"):
+        Plan.from_json(data)
