@@ -11,6 +11,7 @@ PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MDSL_CACHE_DIR="$(mktemp -d)"            # no plan from an earlier run is reused
 export MDSL_GPU_ARTIFACTS="$OUT/failures"       # the CUDA source of every failing program
+export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"   # fresh inputs, reproducible
 
 echo "== machine"
 nvidia-smi || echo "nvidia-smi failed (rc $?)"
@@ -38,8 +39,11 @@ PYEOF
 preflight=$?
 [ $preflight -eq 0 ] || echo "!! the preflight above failed (rc $preflight): the tests below will fail the same way"
 
-echo "== GPU tests"
-$PY -m pytest tests/gpu -q -m gpu -x --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+echo "== GPU tests (seed $MDSL_GPU_SEED)"
+# the tests compile some 700 programs (NVRTC, ~0.3 s each) and compute float64 references: spread them
+# over processes where pytest-xdist is installed (each has its own CUDA context on the one GPU)
+workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+$PY -m pytest tests/gpu -q -m gpu -x --timeout=300 -p no:cacheprovider $workers 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== launch overhead"

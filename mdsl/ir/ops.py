@@ -383,7 +383,7 @@ def _transpose_infer(types, a):
 
 
 register(OpDef("transpose", "layout", frozenset({KERNEL}), 1, (AttrSpec("perm", "ints"),), _transpose_infer,
-               lambda xs, a: [np.ascontiguousarray(np.transpose(xs[0], a["perm"]))], doc="permute dims"))
+               lambda xs, a: [np.transpose(xs[0], a["perm"]).copy()], doc="permute dims"))
 
 
 # ---------------------------------------------------------------------------------------------

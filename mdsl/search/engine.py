@@ -263,13 +263,12 @@ class _Search:
     # -- verification ----------------------------------------------------------------------------
 
     def _start_with_original(self) -> None:
-        """The original is kept from the start; its self-check only supplies evidence."""
+        """The original is a plan from the start; it needs no verification (it is the program)."""
         key, cost = self.original.key, estimate(self.original)
         rank = _rank(cost, key, original=True)
-        unchecked = Evidence(True, "the original program; the search ended before its self-check", 0, 1.0,
-                             math.nan, math.nan, candidate_seed(self.config.seed, key))
-        self._keep(rank, Candidate(self.original, cost, unchecked))
-        self._submit(rank, cost, self.original)
+        itself = Evidence(True, "the original program itself", 0, 0.0, math.nan, math.nan,
+                          candidate_seed(self.config.seed, key))
+        self._keep(rank, Candidate(self.original, cost, itself))
 
     def _fill(self) -> None:
         while self.pending and len(self.in_flight) < self.config.workers and not self.broken:

@@ -59,7 +59,14 @@ class Evidence:
     def from_json(cls, data: dict) -> "Evidence":
         return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
 
+    @property
+    def is_identity(self) -> bool:
+        """The evidence of the original program, which needs no verification."""
+        return self.equivalent and not self.finite_field_tests and self.false_pass_probability == 0.0
+
     def describe(self) -> str:
+        if self.is_identity:
+            return "the original program itself: nothing to verify"
         if not self.finite_field_tests:
             return f"not verified ({self.reason})"
         if not self.equivalent:

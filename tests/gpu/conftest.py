@@ -2,11 +2,19 @@
 where there is none), run cheapest and most basic first so that `-x` stops at the root cause."""
 from __future__ import annotations
 
+import os
+import secrets
+
 import pytest
 
 from mdsl.backend.cuda.runtime import has_gpu
 
 _ORDER = ("test_gpu_runtime", "test_gpu_ops", "test_gpu_coverage", "test_gpu_examples")
+
+
+def pytest_configure(config):
+    # one seed for the whole run, pytest-xdist's workers included (they inherit the environment)
+    os.environ.setdefault("MDSL_GPU_SEED", str(secrets.randbits(31)))
 
 
 def pytest_report_header(config):

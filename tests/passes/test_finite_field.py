@@ -281,7 +281,8 @@ def test_every_valid_graph_runs_in_the_field_deterministically(graph, seed):
         assert np.all((a >= 0) & (a < field.modulus))
         np.testing.assert_array_equal(a, b)
     outs, largest = degrees(graph)
-    assert len(outs) == len(graph.outputs) and largest >= 1
+    assert len(outs) == len(graph.outputs) and all(n >= 0 and d >= 0 for n, d in outs)
+    assert largest >= max(n + d for n, d in outs)
 
 
 # ---------------------------------------------------------------------------------------------

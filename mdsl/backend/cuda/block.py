@@ -143,7 +143,7 @@ def _copy_loop(b: BlockKernel, dst: Operand, src: Operand, shape: tuple, vector:
         strides = op.strides or (1,)
         return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
 
-    with b.threads.each(b.w, math.prod(space)):
+    with b.threads.each(b.w, math.prod(space), unrolled=True):  # loads in flight together
         b.w(f"mdsl::copy<{vector}>({dst.ptr} + {offset('i', space, vectors(dst))}, "
             f"{src.ptr}{src_step} + {offset('i', space, vectors(src))});")
 

@@ -36,8 +36,12 @@ class Threads:
         return f"gridDim.x * {self.block}" if self.grid else str(self.block)
 
     @contextlib.contextmanager
-    def each(self, w: CodeWriter, n: int, var: str = "i") -> Iterator[None]:
-        """A loop giving each index below n to one thread."""
+    def each(self, w: CodeWriter, n: int, var: str = "i", unrolled: bool = False) -> Iterator[None]:
+        """A loop giving each index below n to one thread. It is kept rolled unless asked: the
+        compiler would unroll a known trip count fully, and many small loops unrolled cost seconds
+        of compile time and many registers for little gain on shared memory."""
+        if not unrolled:
+            w("#pragma unroll 1")
         with w.block(f"for (int {var} = {self.first}; {var} < {n}; {var} += {self.count})"):
             yield
 
@@ -48,6 +52,7 @@ class Threads:
         per_block = self.block // lanes
         start, step = (f"blockIdx.x * {per_block}", f"gridDim.x * {per_block}") if self.grid else ("0", str(per_block))
         group = "0" if per_block == 1 else "threadIdx.x" if lanes == 1 else f"threadIdx.x / {lanes}"
+        w("#pragma unroll 1")
         with w.block(f"for (int o0 = {start}; o0 < {n}; o0 += {step})"):
             w(f"const int o = o0 + {group};", f"const int lane = {'0' if lanes == 1 else f'threadIdx.x % {lanes}'};")
             yield
@@ -148,6 +153,7 @@ def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fol
           f"const {src.ctype}* const row = {src.ptr} + ({offset('o', rows, row_view(src, dim))});")
         step = "j" if stride == 1 else f"j * {stride}"
         with w.block(f"if (o < {n_rows})"):
+            w("#pragma unroll 4")
             with w.block(f"for (int j = lane; j < {length}; j += {lanes})"):
                 w(f"const float x = mdsl::to_float(row[{step}]);", f"v = {fold.step};")
         if lanes > 1:

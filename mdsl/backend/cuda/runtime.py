@@ -316,6 +316,8 @@ def device_view(value, what: str, stream: int = 0) -> View:
     is the stream the value will be used on (producers that say where their data is ready are
     ordered before it)."""
     if type(value) is DeviceArray:
+        if value.stream != stream:   # its data is ready on its own stream
+            _device(value.device).order(stream, value.stream)
         return View(value.ptr, value.shape, value.dtype, value.device)
     if is_torch_tensor(value):
         return _torch_view(value, what)

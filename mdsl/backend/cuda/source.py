@@ -35,12 +35,13 @@ def ctype(dtype: DType) -> str:
 
 def float_literal(value: float) -> str:
     """A C float literal of the value rounded to f32 (the precision the kernels compute in)."""
-    v = np.float32(value)
+    with np.errstate(over="ignore"):
+        v = np.float32(value)
     if np.isnan(v):
         return "__int_as_float(0x7fc00000)"
     if np.isinf(v):
         return "mdsl::neg_inf()" if v < 0 else "(-mdsl::neg_inf())"
-    text = repr(float(v))
+    text = str(v)  # numpy's shortest text that reads back to the same f32
     return f"{text}f" if ("." in text or "e" in text) else f"{text}.0f"
 
 

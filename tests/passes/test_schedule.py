@@ -1,0 +1,86 @@
+"""Operator scheduling: stages by depth, a barrier after each, the block's timeline in epochs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mdsl.backend.reference import run_block_graph
+from mdsl.ir.text import parse_graph
+from mdsl.passes.fusion import fuse_block_graph
+from mdsl.passes.schedule import LOAD_EPOCH, schedule_block_graph
+from tests.backend.cuda.programs import block_graphs, example_kernels
+from tests.passes.test_fusion import ATTENTION
+
+
+def _ops(bg, stages) -> list:
+    return [[bg.nodes[i].op for i in s.nodes] for s in stages]
+
+
+@pytest.mark.timeout(30)
+def test_stages_of_online_softmax():
+    bg = fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)
+    schedule = schedule_block_graph(bg)
+    assert _ops(bg, schedule.loop) == [["matmul"], ["mul_scalar"], ["max"], ["fused"], ["matmul", "accum_sum_rescale"],
+                                       ["accum_rescale"]]
+    assert _ops(bg, schedule.post) == [["reciprocal"], ["fused"]]
+    assert [s.epoch for s in schedule.loop] == [1, 2, 3, 4, 5, 6]
+    assert (schedule.loop_end_epoch, schedule.finalize_epoch) == (6, 7)
+    assert [s.epoch for s in schedule.post] == [8, 9]
+    assert schedule.store_epoch == 10
+    assert schedule.barriers_per_iteration == 7
+    assert "7 barrier(s) per iteration" in str(schedule)
+
+
+@pytest.mark.timeout(30)
+def test_independent_nodes_share_a_stage():
+    bg = example_kernels()["gated_mlp.gated_mlp_fused"].nodes[0].body
+    schedule = schedule_block_graph(fuse_block_graph(bg))
+    assert _ops(bg, schedule.loop) == [["matmul", "matmul"], ["accum", "accum"]]
+    assert [len(s.nodes) for s in schedule.post] == [1]  # silu * up, fused
+
+
+def _depth(bg, i, phase: set, memo: dict) -> int:
+    if i not in memo:
+        producers = {v.name: k for k, n in enumerate(bg.nodes) if k in phase for v in n.outputs}
+        memo[i] = 1 + max((_depth(bg, producers[v.name], phase, memo) for v in bg.nodes[i].inputs
+                           if v.name in producers), default=-1)
+    return memo[i]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(block_graphs()))
+def test_schedule_is_a_minimal_topological_order(name):
+    bg = fuse_block_graph(block_graphs()[name])
+    schedule = schedule_block_graph(bg)
+    assert sorted(schedule.order) == list(range(len(bg.nodes)))
+    post_vars = bg.post_loop_vars()
+    stage_of = {i: k for k, s in enumerate((*schedule.loop, *schedule.post)) for i in s.nodes}
+    for i in schedule.order:  # a node runs in a later stage than every producer of its phase
+        node = bg.nodes[i]
+        for k, producer in enumerate(bg.nodes):
+            if any(v in producer.outputs for v in node.inputs) and not producer.opdef.is_accumulator:
+                assert stage_of[k] < stage_of[i], (producer.op, node.op)
+    in_loop = {i for s in schedule.loop for i in s.nodes}
+    assert all(bg.nodes[i].opdef.is_accumulator or not any(v.name in post_vars for v in bg.nodes[i].outputs)
+               for i in in_loop)
+    # as few stages (barriers) as the longest dependence chain allows
+    memo: dict = {}
+    assert len(schedule.loop) == 1 + max(_depth(bg, i, in_loop, memo) for i in in_loop)
+    assert schedule.loop[0].epoch == LOAD_EPOCH + 1
+    if schedule.post:
+        assert schedule.post[0].epoch == schedule.finalize_epoch + 1
+
+
+@pytest.mark.timeout(30)
+def test_the_scheduled_order_computes_the_same(monkeypatch, capsys):
+    bg = parse_graph(ATTENTION).nodes[0].body
+    monkeypatch.setenv("MDSL_DUMP_IR", "1")
+    schedule = schedule_block_graph(bg)
+    dumped = capsys.readouterr().err
+    assert dumped.startswith("// ----- IR after schedule -----\nblock(")
+    reordered = bg.__class__(bg.grid, bg.threads, bg.forloop, bg.inputs, [bg.nodes[i] for i in schedule.order],
+                             bg.outputs)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(s) for s in [(2, 16, 64), (2, 64, 128), (2, 128, 64)]]
+    for x, y in zip(run_block_graph(bg, inputs), run_block_graph(reordered, inputs)):
+        np.testing.assert_allclose(x, y, rtol=1e-12)

@@ -1,0 +1,249 @@
+"""The exhaustive generator: what it finds on small programs, canonical order, label-consistent maps,
+pruning and its bounds."""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16, f32
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.ir.validate import validate_kernel_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.dims import Labels
+from mdsl.search.enumerate import generate
+from mdsl.search.stats import SearchStats
+
+
+# ---- the programs -------------------------------------------------------------------------------
+
+def rms_norm_linear():
+    @mdsl.kernel
+    def rms_norm_linear(x: Tensor[2, 64, f16], w: Tensor[64, 96, f16]):
+        return mdsl.rms_norm(x) @ w
+    return rms_norm_linear.graph
+
+
+def gated_mlp():
+    @mdsl.kernel
+    def gated_mlp(x: Tensor[2, 64, f16], w1: Tensor[64, 32, f16], w2: Tensor[64, 32, f16]):
+        return mdsl.silu(x @ w1) * (x @ w2)
+    return gated_mlp.graph
+
+
+def row_wise():
+    @mdsl.kernel
+    def row_wise(x: Tensor[8, 16, f32], y: Tensor[8, 16, f32]):
+        return mdsl.exp(x) * y
+    return row_wise.graph
+
+
+def row_sum():
+    @mdsl.kernel
+    def row_sum(x: Tensor[8, 64, f32]):
+        return mdsl.sum(x, dim=1)
+    return row_sum.graph
+
+
+def lora():
+    @mdsl.kernel
+    def lora(x: Tensor[4, 32, f16], w: Tensor[32, 64, f16], a: Tensor[32, 4, f16], b: Tensor[4, 64, f16]):
+        return x @ w + (x @ a) @ b
+    return lora.graph
+
+
+#: program -> the largest block graph it may take
+PROGRAMS = {"rms_norm_linear": (rms_norm_linear, 5), "gated_mlp": (gated_mlp, 6), "row_wise": (row_wise, 4),
+            "row_sum": (row_sum, 3)}
+
+
+@functools.cache
+def run(name: str, **options):
+    """(graph, candidates, stats, seconds) of one enumeration, shared by the tests."""
+    make, max_ops = PROGRAMS[name]
+    graph = make()
+    stats = SearchStats()
+    start = time.perf_counter()
+    candidates = list(generate(graph, SearchConfig(max_block_ops=max_ops, workers=1), stats, **options))
+    return graph, candidates, stats, time.perf_counter() - start
+
+
+def body(candidate):
+    (node,) = candidate.nodes
+    return node.body
+
+
+def ops(candidate) -> list:
+    return sorted(n.op for n in body(candidate).nodes)
+
+
+def dag_key(candidate) -> tuple:
+    """The block graph as a DAG: equal for the same operators applied in another order."""
+    b = body(candidate)
+    expr = {inp.var.name: ("in", k, inp.imap, inp.fmap) for k, inp in enumerate(b.inputs)}
+    for n in b.nodes:
+        expr[n.output.name] = (n.op, n.attrs, tuple(expr[v.name] for v in n.inputs))
+    return (b.grid, b.threads, b.forloop, frozenset(expr[n.output.name] for n in b.nodes),
+            tuple((expr[o.var.name], o.omap) for o in b.outputs))
+
+
+# ---- what it finds ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_rms_norm_linear_fused_within_five_ops():
+    graph, candidates, stats, seconds = run("rms_norm_linear")
+    fused = [c for c in candidates if ops(c) == ["accum", "accum_rms", "div", "matmul"] and body(c).forloop > 1]
+    assert fused, "the fused RMSNorm + Linear block graph"
+    x, w = body(fused[0]).inputs
+    assert (x.imap, x.fmap) == ((None, None, None), 1)       # every block reads X, a chunk of K per iteration
+    assert w.fmap == 0 and w.imap[0] == 1                     # W's columns across the grid, rows along the loop
+    mm, = [n for n in body(fused[0]).nodes if n.op == "matmul"]
+    assert [v.name for v in mm.inputs] == [x.var.name, w.var.name]
+    assert seconds < 30
+
+
+@pytest.mark.timeout(60)
+def test_gated_mlp_with_both_matmuls_in_one_loop_within_six_ops():
+    graph, candidates, stats, seconds = run("gated_mlp")
+    fused = [c for c in candidates if ops(c) == ["accum", "accum", "matmul", "matmul", "mul", "silu"]
+             and body(c).forloop > 1]
+    assert fused
+    post = body(fused[0]).post_loop_vars()
+    assert {n.op for n in body(fused[0]).nodes if n.output.name in post} == {"accum", "silu", "mul"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_every_candidate_validates_and_computes_the_program(name):
+    graph, candidates, stats, seconds = run(name)
+    assert candidates
+    rng = np.random.default_rng(12345)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    want = run_kernel_graph(graph, inputs)
+    for c in candidates:
+        validate_kernel_graph(c)
+        assert c.inputs == graph.inputs and c.outputs == graph.outputs
+        for got, expected in zip(run_kernel_graph(c, inputs), want):
+            np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12, err_msg=str(c))
+
+
+# ---- canonical order and consistent maps -------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_no_candidate_twice_not_even_in_another_operator_order(name):
+    graph, candidates, stats, seconds = run(name)
+    assert len({c.key for c in candidates}) == len(candidates)
+    assert len({dag_key(c) for c in candidates}) == len(candidates)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_a_grid_dim_splits_one_label_everywhere_and_the_loop_walks_one(name):
+    graph, candidates, stats, seconds = run(name)
+    labels = Labels(graph)
+    contracted = labels.contracted_labels()
+    for c in candidates:
+        (node,) = c.nodes
+        b = node.body
+        for g, size in enumerate(b.grid):
+            split = {labels.label(t.name, i.imap[g]) for t, i in zip(node.inputs, b.inputs) if i.imap[g] is not None}
+            split |= {labels.label(t.name, o.omap[g]) for t, o in zip(node.outputs, b.outputs) if o.omap[g] is not None}
+            assert len(split) == (size > 1), str(c)
+            assert not split & set(contracted)
+        looped = {labels.label(t.name, i.fmap) for t, i in zip(node.inputs, b.inputs) if i.fmap is not None}
+        assert len(looped) == (b.forloop > 1) and looped <= set(contracted)
+
+
+@pytest.mark.timeout(60)
+def test_blocks_stay_within_the_configured_range():
+    graph, candidates, stats, seconds = run("rms_norm_linear")
+    config = SearchConfig()
+    assert all(config.min_blocks <= body(c).num_blocks <= config.max_blocks for c in candidates)
+    assert {body(c).threads for c in candidates} == set(config.thread_counts)
+
+
+@pytest.mark.timeout(30)
+def test_scalars_come_from_the_program():
+    @mdsl.kernel
+    def scaled(x: Tensor[8, 16, f32], y: Tensor[8, 16, f32]):
+        return (x * 0.5) + y
+
+    graph = scaled.graph
+    candidates = list(generate(graph, SearchConfig(max_block_ops=4)))
+    assert candidates
+    scalars = {v for c in candidates for n in body(c).nodes for k, v in n.attrs if k == "value"}
+    assert scalars == {0.5}
+
+
+# ---- pruning and bounds -------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_pruning_is_counted_by_reason():
+    graph, candidates, stats, seconds = run("rms_norm_linear")
+    pruned = stats.by_reason("pruned")
+    for reason in ("abstract-expression", "order", "shape", "dims", "phase", "dead-end"):
+        assert pruned.get(reason, 0) > 0, reason
+    assert stats.by_reason("states")["enumerate"] > 0
+    assert "stopped" not in stats.counts   # small programs are enumerated to the end
+
+
+@pytest.mark.timeout(60)
+def test_the_abstract_expression_check_removes_states_but_no_candidate():
+    graph, pruned_candidates, pruned, _ = run("row_sum")
+    _, candidates, unpruned, _ = run("row_sum", prune=False)
+    assert unpruned.total("pruned") and "abstract-expression" not in unpruned.by_reason("pruned")
+    assert pruned.by_reason("pruned")["abstract-expression"] > 0
+    assert pruned.by_reason("states")["enumerate"] < unpruned.by_reason("states")["enumerate"]
+    assert {c.key for c in pruned_candidates} <= {c.key for c in candidates}
+
+
+@pytest.mark.timeout(30)
+def test_the_state_budget_ends_a_large_space():
+    stats = SearchStats()
+    start = time.perf_counter()
+    candidates = list(generate(lora(), SearchConfig(max_block_ops=7), stats, max_states=50))
+    assert stats.by_reason("stopped") == {"enumerate: states": 1}
+    assert stats.by_reason("states")["enumerate"] == 51
+    assert time.perf_counter() - start < 20
+    assert all(c.key for c in candidates)
+
+
+@pytest.mark.timeout(30)
+def test_the_time_budget_is_half_the_search_budget():
+    stats = SearchStats()
+    start = time.perf_counter()
+    list(generate(lora(), SearchConfig(max_block_ops=7, budget_s=2.0), stats))
+    assert stats.by_reason("stopped") == {"enumerate: time": 1}
+    assert time.perf_counter() - start < 8   # 1 s of work, then the z3 query in flight ends
+
+
+@pytest.mark.timeout(30)
+def test_the_search_deadline_stops_it():
+    stats = SearchStats(deadline=time.monotonic())
+    list(generate(lora(), SearchConfig(max_block_ops=7), stats))
+    assert stats.by_reason("stopped") == {"enumerate: time": 1}
+
+
+@pytest.mark.timeout(30)
+def test_time_the_consumer_spends_does_not_count():
+    graph = row_wise()
+    config = SearchConfig(max_block_ops=4, budget_s=0.4)
+    everything = list(generate(graph, SearchConfig(max_block_ops=4)))
+    slow = []
+    for c in generate(graph, config):
+        slow.append(c)
+        time.sleep(0.005)
+    assert len(everything) * 0.005 > config.budget_s
+    assert [c.key for c in slow] == [c.key for c in everything]
+
+
+def test_programs_one_kernel_cannot_stand_for_yield_nothing():
+    @mdsl.kernel
+    def identity(x: Tensor[8, 16, f32]):
+        return x
+
+    assert list(generate(identity.graph)) == []
