@@ -23,7 +23,7 @@ for name in ("numpy", "torch", "cuda.bindings", "cuda.core", "cuda.pathfinder", 
         module = importlib.import_module(name)
         print(f"{name:16} {getattr(module, '__version__', '?')}")
     except ImportError as e:
-        note = " (the search's exhaustive generator needs it; kernels called on GPU arrays run unoptimized)" if name == "z3" else ""
+        note = " (the search needs it: kernels called on GPU arrays run unoptimized)" if name == "z3" else ""
         print(f"{name:16} absent{note}")
 try:
     from cuda.bindings import driver, nvrtc
@@ -43,7 +43,8 @@ echo "== GPU tests (seed $MDSL_GPU_SEED)"
 # the tests compile some 700 programs (NVRTC, ~0.3 s each) and compute float64 references: spread them
 # over processes where pytest-xdist is installed (each has its own CUDA context on the one GPU)
 workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-$PY -m pytest tests/gpu -q -m gpu -x --timeout=300 -p no:cacheprovider $workers 2>&1 | tee "$OUT/gpu_tests.log"
+$PY -m pytest tests/gpu -q -m gpu -x --timeout=300 -p no:cacheprovider -p no:benchmark $workers 2>&1 \
+    | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== launch overhead"

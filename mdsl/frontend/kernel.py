@@ -60,6 +60,7 @@ class KernelFunction:
         self.annotations = self._read_annotations(scope)
         self._graphs: dict = {}
         self._executables: dict = {}   # (shape, dtype name, device) per argument -> runtime.Executable
+        self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
         # string annotations (from __future__ import annotations) may name the defining scope's locals
@@ -199,15 +200,17 @@ class KernelFunction:
         runtime.require_gpu()
         self._check_arity(args)
         handle = runtime.launch_stream(args, stream)
-        views = [runtime.device_view(a, f"kernel {self.name}: argument {p.name}", handle)
-                 for p, a in zip(self.params, args)]
+        views = [runtime.device_view(a, label, handle) for a, label in zip(args, self._arg_labels)]
         key = tuple((v.shape, v.dtype.name, v.device) for v in views)
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self._compile(views)
-        outputs = None if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        results = executable.launch_views(views, outputs, handle,
-                                          torch_outputs=any(runtime.is_torch_tensor(a) for a in args))
+        if out is None:
+            results = executable.launch_views(views, None, handle, inputs_checked=True,
+                                              torch_outputs=any(runtime.is_torch_tensor(a) for a in args))
+        else:
+            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            results = executable.launch_views(views, outputs, handle, inputs_checked=True)
         return results[0] if len(results) == 1 else results
 
     def _compile(self, views: Sequence):

@@ -1,20 +1,28 @@
 """Evaluation of mugraphs at every level, generic over a *semantics*.
 
 The walk is the same whatever a value means: kernel graph nodes in order; a graph-defined operator runs
-its body; a block graph runs block by block and loop iteration by loop iteration on copies of the tiles
-each block would load (imap/fmap slicing), closes the loop with its accumulators, runs the nodes after
-the loop and writes each block's output tiles where its omap says, each element exactly once. What an
-operator or an accumulator computes, and how values are made and checked, is the `Semantics`' business:
-floats in the reference interpreter, residues in the finite-field verifier.
+its body; a block graph runs all its blocks at once, loop iteration by loop iteration, on copies of the
+tiles each block would load (imap/fmap slicing), closes the loop with its accumulators, runs the nodes
+after the loop and writes each block's output tiles where its omap says, each element exactly once.
+What an operator or an accumulator computes, and how values are made and checked, is the `Semantics`'
+business: floats in the reference interpreter, residues in the finite-field verifier.
 
 Values are numpy arrays whose leading dims are the tensor's dims; a semantics may add trailing axes
-(a finite-field value carries two residues per element), since the walk only ever slices leading dims.
+(a finite-field value carries two residues per element), since the walk only ever indexes leading dims.
+Inside a block graph every value has one more leading axis, the *block axis* (one entry per block), so
+that an operator runs once per iteration for all blocks rather than once per block. Rules need not
+know: the walk hands them nodes whose non-negative `dim` attributes count past the block axis, and
+operands of one rank (size-1 axes inserted after the block axis, where numpy's broadcasting would put
+them before it). Accumulators get, for each iteration, their inputs with the block axis; they stack
+the iterations on a new axis 0 and reduce it and axes counted from the end, which the block axis does
+not move.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
+import attrs
 import numpy as np
 
 from mdsl.errors import MdslError, ShapeError, ValidationError
@@ -24,6 +32,10 @@ from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import input_tile_type, output_tensor_type
 
 Env = dict  # value name -> value
+
+#: Blocks run together hold at most about this many elements (tiles of one iteration, and every
+#: iteration's accumulator inputs): 256 MiB of finite-field values (two int64 residues each).
+CHUNK_ELEMENTS = 2 ** 24
 
 
 class Semantics(Protocol):
@@ -52,7 +64,8 @@ class Semantics(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------
-# nodes
+# nodes; `lead` is the shape of the leading axes that values carry besides the tensor's: () at
+# kernel level, (number of blocks,) inside a block graph
 
 def _args(env: Env, node: Node) -> list:
     missing = [v.name for v in node.inputs if v.name not in env]
@@ -61,32 +74,52 @@ def _args(env: Env, node: Node) -> list:
     return [env[v.name] for v in node.inputs]
 
 
-def _bind(sem: Semantics, env: Env, variables: Sequence[Var], values: Sequence) -> None:
+def _aligned(node: Node, args: list) -> list:
+    """Batched operands of one rank: size-1 axes after the block axis, so that broadcasting pairs tensor
+    dims as it would without the block axis (numpy would pad before it)."""
+    rank = max(v.type.rank for v in node.inputs)
+    return [np.expand_dims(a, tuple(range(1, 1 + rank - v.type.rank))) for v, a in zip(node.inputs, args)]
+
+
+def _bind(sem: Semantics, env: Env, variables: Sequence[Var], values: Sequence, lead: tuple = ()) -> None:
     """Store values under their names, checking that they have the declared shapes."""
     if len(values) != len(variables):
         raise ValidationError(f"{len(values)} value(s) computed for {len(variables)} name(s)")
     for var, value in zip(variables, values):
         value = sem.convert(value)
-        if sem.shape(value) != var.shape:
-            raise ShapeError(f"%{var.name} is declared {var.type} but evaluates to shape {list(sem.shape(value))}")
+        if sem.shape(value) != lead + var.shape:
+            raise ShapeError(f"%{var.name} is declared {var.type} but evaluates to shape "
+                             f"{list(sem.shape(value)[len(lead):])}")
         env[var.name] = value
 
 
-def _run_node(sem: Semantics, node: Node, args: list) -> list:
+def _run_node(sem: Semantics, node: Node, args: list, lead: tuple) -> list:
     opdef = node.opdef
-    if opdef.is_graph_defined:
-        return _BODY_RUNNERS[opdef.body_level](node.body, args, sem)
+    if opdef.body_level == BLOCK:  # a kernel-level node: lead is ()
+        return run_block_graph(node.body, args, sem)
+    if opdef.body_level == THREAD:
+        return run_thread_graph(node.body, args, sem, lead)
     if opdef.is_accumulator:
         raise ValidationError(f"{node.op} closes a block graph's for-loop and cannot run here")
-    return sem.apply(node, args)
+    return sem.apply(node, _aligned(node, args) if lead else args)
 
 
-def _eval_nodes(sem: Semantics, nodes: Sequence[Node], env: Env) -> None:
+def _eval_nodes(sem: Semantics, nodes: Sequence[Node], env: Env, lead: tuple = ()) -> None:
     for node in nodes:
         try:
-            _bind(sem, env, node.outputs, _run_node(sem, node, _args(env, node)))
+            _bind(sem, env, node.outputs, _run_node(sem, node, _args(env, node), lead), lead)
         except MdslError as e:
             raise e.with_loc(node.loc)
+
+
+def _per_block(node: Node) -> Node:
+    """`node` as it runs on values with a block axis: a non-negative `dim` attribute (the one attribute
+    operators use to name a tensor dim) counts past that axis; a thread-graph body's nodes likewise."""
+    shifted = tuple((name, value + 1 if name == "dim" and value >= 0 else value) for name, value in node.attrs)
+    body = node.body
+    if isinstance(body, ThreadGraph):
+        body = attrs.evolve(body, nodes=tuple(_per_block(n) for n in body.nodes))
+    return attrs.evolve(node, attrs=shifted, body=body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,14 +140,33 @@ def run_kernel_graph(graph: KernelGraph, inputs: Sequence, sem: Semantics) -> li
 # ---------------------------------------------------------------------------------------------
 # block graphs
 
-def _block_slices(part_shape: tuple, dim_map: tuple, block: tuple) -> tuple:
-    """The slices selecting `block`'s part of a tensor split along `dim_map` (an imap or an omap)
-    into parts of `part_shape`."""
-    out = [slice(None)] * len(part_shape)
-    for d, b in zip(dim_map, block):
-        if d is not None:
-            out[d] = slice(b * part_shape[d], (b + 1) * part_shape[d])
-    return tuple(out)
+def _grid_view(array: np.ndarray, shape: tuple, dim_map: tuple, grid: tuple) -> np.ndarray:
+    """A view of `array`, a tensor of `shape` (and the semantics' trailing axes), with three leading block
+    axes: the part of block (x, y, z) under `dim_map` (an imap or an omap) at [x, y, z], where a grid dim
+    that the map replicates has an axis of size 1 (index 0)."""
+    split = {d: g for g, d in enumerate(dim_map) if d is not None}
+    dims: list = []
+    block_axes: list = [None, None, None]
+    part_axes = []
+    for d, n in enumerate(shape):
+        if d in split:
+            block_axes[split[d]] = len(dims)
+            dims.append(grid[split[d]])
+            n //= grid[split[d]]
+        part_axes.append(len(dims))
+        dims.append(n)
+    for g, axis in enumerate(block_axes):
+        if axis is None:
+            block_axes[g] = len(dims)
+            dims.append(1)
+    trailing = list(range(len(dims), len(dims) + array.ndim - len(shape)))
+    return array.reshape(tuple(dims) + array.shape[len(shape):]).transpose(block_axes + part_axes + trailing)
+
+
+def _block_index(dim_map: tuple, blocks: np.ndarray) -> tuple:
+    """Index arrays selecting `blocks` (rows of x, y, z) in a `_grid_view` under `dim_map`."""
+    return tuple(blocks[:, g] if d is not None else np.zeros(len(blocks), dtype=np.intp)
+                 for g, d in enumerate(dim_map))
 
 
 def _iteration_slices(tile_shape: tuple, fmap: Optional[int], forloop: int) -> list:
@@ -128,21 +180,27 @@ def _iteration_slices(tile_shape: tuple, fmap: Optional[int], forloop: int) -> l
     return out
 
 
+def _elements_per_block(bg: BlockGraph) -> int:
+    """What one block holds at once: its tiles of one iteration and every iteration's accumulator inputs."""
+    tiles = sum(i.var.type.numel for i in bg.inputs) + sum(v.type.numel for n in bg.nodes for v in n.outputs)
+    kept = sum(v.type.numel for n in bg.nodes if n.opdef.is_accumulator for v in n.inputs)
+    return tiles + bg.forloop * kept
+
+
 class BlockPlan:
     """What does not change from block to block, computed once from the shapes of the tensors read:
-    the loop/post-loop split of the nodes and, per block, the slices it reads and writes."""
+    the loop/post-loop split of the nodes (as they run on values with a block axis), the slices of each
+    loop iteration's tiles, and the blocks, run `chunk` at a time."""
 
     def __init__(self, bg: BlockGraph, input_shapes: Sequence[tuple]):
         if len(input_shapes) != len(bg.inputs):
             raise ShapeError(f"the block graph reads {len(bg.inputs)} input(s), got {len(input_shapes)}")
-        part_shapes, self.iteration_slices = [], []
+        self.iteration_slices = []
         for k, (inp, shape) in enumerate(zip(bg.inputs, input_shapes)):
             what = f"block input %{inp.var.name} (operand {k})"
-            tensor = TensorType(shape, inp.var.dtype)
-            tile = input_tile_type(tensor, bg.grid, bg.forloop, inp.imap, inp.fmap, what)
+            tile = input_tile_type(TensorType(shape, inp.var.dtype), bg.grid, bg.forloop, inp.imap, inp.fmap, what)
             if tile.shape != inp.var.shape:
                 raise ShapeError(f"{what}: its tile is {tile} but it is declared {inp.var.type}")
-            part_shapes.append(input_tile_type(tensor, bg.grid, 1, inp.imap, None, what).shape)
             self.iteration_slices.append(_iteration_slices(tile.shape, inp.fmap, bg.forloop))
         self.out_types = [output_tensor_type(o.var.type, bg.grid, o.omap, f"block output %{o.var.name}")
                           for o in bg.outputs]
@@ -151,38 +209,49 @@ class BlockPlan:
         for o in bg.outputs:
             if o.var.name not in post:
                 raise ValidationError(f"block output %{o.var.name} does not pass through an accumulator")
-        self.accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]
-        body = [n for n in bg.nodes if not n.opdef.is_accumulator]
+        self.accumulators = [_per_block(n) for n in bg.nodes if n.opdef.is_accumulator]
+        body = [_per_block(n) for n in bg.nodes if not n.opdef.is_accumulator]
         self.loop_nodes = [n for n in body if not any(v.name in post for v in n.outputs)]
         self.post_nodes = [n for n in body if any(v.name in post for v in n.outputs)]
 
-        # x varies fastest; blocks write disjoint parts, so the order cannot change the result
+        # (x, y, z), x varying fastest; blocks write disjoint parts, so the order cannot change the result
         x, y, z = bg.grid
-        self.blocks = []
-        for bz, by, bx in itertools.product(range(z), range(y), range(x)):
-            block = (bx, by, bz)
-            reads = [_block_slices(s, inp.imap, block) for s, inp in zip(part_shapes, bg.inputs)]
-            writes = [_block_slices(o.var.shape, o.omap, block) for o in bg.outputs]
-            self.blocks.append((reads, writes))
+        self.blocks = [(bx, by, bz) for bz, by, bx in itertools.product(range(z), range(y), range(x))]
+        self.chunk = max(1, CHUNK_ELEMENTS // max(1, _elements_per_block(bg)))
+
+    def check_writes(self, bg: BlockGraph) -> None:
+        """Every output element is written exactly once. Valid omaps (`output_tensor_type`) give each
+        block of the grid output tiles of its own, so it is so when the blocks cover the grid once each:
+        a property of the plan, checked once rather than element by element."""
+        counts = np.zeros(bg.grid, dtype=np.int64)
+        np.add.at(counts, tuple(np.array(self.blocks, dtype=np.intp).reshape(-1, 3).T), 1)
+        never, more = int(np.sum(counts == 0)), int(np.sum(counts > 1))
+        if (never or more) and bg.outputs:
+            o = bg.outputs[0]
+            raise ValidationError(f"block output %{o.var.name}: {never * o.var.type.numel} element(s) never written "
+                                  f"and {more * o.var.type.numel} written more than once under omap {list(o.omap)}")
 
 
-def _run_block(sem: Semantics, bg: BlockGraph, plan: BlockPlan, parts: list) -> list:
-    """One block: the for-loop over its input parts, the accumulators, then the nodes after the loop."""
+def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, blocks: np.ndarray) -> list:
+    """`blocks` (rows of x, y, z) side by side along the block axis: the for-loop over their input tiles,
+    the accumulators, then the nodes after the loop. `reads` are the inputs' grid views."""
+    lead = (len(blocks),)
+    index = [_block_index(inp.imap, blocks) for inp in bg.inputs]
     collected: list = [[] for _ in plan.accumulators]
     for i in range(bg.forloop):
         env: Env = {}
-        for inp, part, slices in zip(bg.inputs, parts, plan.iteration_slices):
-            env[inp.var.name] = part[slices[i]].copy()  # the block's own copy, as in shared memory
-        _eval_nodes(sem, plan.loop_nodes, env)
+        for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices):
+            env[inp.var.name] = view[where + slices[i]]  # indexing copies: each block's own tile, as in shared memory
+        _eval_nodes(sem, plan.loop_nodes, env, lead)
         for node, per_iteration in zip(plan.accumulators, collected):
-            per_iteration.append(_args(env, node))
+            per_iteration.append(_aligned(node, _args(env, node)))
     env = {}  # only accumulated values survive the loop
     for node, per_iteration in zip(plan.accumulators, collected):
         try:
-            _bind(sem, env, node.outputs, sem.accumulate(node, per_iteration))
+            _bind(sem, env, node.outputs, sem.accumulate(node, per_iteration), lead)
         except MdslError as e:
             raise e.with_loc(node.loc)
-    _eval_nodes(sem, plan.post_nodes, env)
+    _eval_nodes(sem, plan.post_nodes, env, lead)
     return [env[o.var.name] for o in bg.outputs]
 
 
@@ -190,33 +259,29 @@ def run_block_graph(bg: BlockGraph, inputs: Sequence, sem: Semantics) -> list:
     """Evaluate a custom kernel on the whole tensors it reads; returns the tensors it writes."""
     inputs = [sem.convert(a) for a in inputs]
     plan = BlockPlan(bg, [sem.shape(a) for a in inputs])
+    plan.check_writes(bg)
     outputs = [sem.empty(t) for t in plan.out_types]
-    # counts catch elements that no block writes and elements written twice
-    counts = [np.zeros(t.shape, dtype=np.int32) for t in plan.out_types]
-    for reads, writes in plan.blocks:
-        tiles = _run_block(sem, bg, plan, [a[r] for a, r in zip(inputs, reads)])
-        for out, count, where, tile in zip(outputs, counts, writes, tiles):
-            out[where] = tile
-            count[where] += 1
-    for o, count in zip(bg.outputs, counts):
-        if not np.all(count == 1):
-            raise ValidationError(f"block output %{o.var.name}: {int(np.sum(count == 0))} element(s) never written "
-                                  f"and {int(np.sum(count > 1))} written more than once under omap {list(o.omap)}")
+    reads = [_grid_view(a, sem.shape(a), inp.imap, bg.grid) for a, inp in zip(inputs, bg.inputs)]
+    # views of the fresh (contiguous) outputs: writing through them writes the outputs
+    writes = [_grid_view(out, t.shape, o.omap, bg.grid) for out, t, o in zip(outputs, plan.out_types, bg.outputs)]
+    blocks = np.array(plan.blocks, dtype=np.intp).reshape(-1, 3)
+    for start in range(0, len(blocks), plan.chunk):
+        chunk = blocks[start:start + plan.chunk]
+        tiles = _run_blocks(sem, bg, plan, reads, chunk)
+        for view, o, tile in zip(writes, bg.outputs, tiles):
+            view[_block_index(o.omap, chunk)] = tile
     return outputs
 
 
 # ---------------------------------------------------------------------------------------------
 # thread graphs
 
-def run_thread_graph(tg: ThreadGraph, inputs: Sequence, sem: Semantics) -> list:
-    """Evaluate an element-wise chain (numpy broadcasting applies between operands)."""
+def run_thread_graph(tg: ThreadGraph, inputs: Sequence, sem: Semantics, lead: tuple = ()) -> list:
+    """Evaluate an element-wise chain (numpy broadcasting applies between operands); `lead`: the shape
+    of the axes its values carry before the tensor's (a block axis, inside a block graph)."""
     if len(inputs) != len(tg.inputs):
         raise ShapeError(f"the thread graph reads {len(tg.inputs)} input(s), got {len(inputs)}")
     env: Env = {}
-    _bind(sem, env, tg.inputs, inputs)
-    _eval_nodes(sem, tg.nodes, env)
+    _bind(sem, env, tg.inputs, inputs, lead)
+    _eval_nodes(sem, tg.nodes, env, lead)
     return [env[v.name] for v in tg.outputs]
-
-
-#: How a graph-defined operator runs its body, by the body's level.
-_BODY_RUNNERS: dict[str, Callable] = {BLOCK: run_block_graph, THREAD: run_thread_graph}

@@ -52,8 +52,8 @@ from mdsl.ir.types import TensorType, Var
 #: q is drawn from [2^23, 2^24), so p = 2q + 1 < 2^25 and a product of two residues fits 50 bits.
 Q_RANGE = (2 ** 23, 2 ** 24)
 _EXP_SPLIT = 12          # exp tables: ω^t = LOW[t mod 2^12] · HIGH[t >> 12], two tables of 2^12 entries
-_HALF = 13               # matmul: residues split into a 13-bit low half and a high half below 2^12
-MATMUL_CHUNK = 2 ** 26   # K per float64 product: 2^26 terms below 2^26 sum below 2^52, exact in float64
+_HALF = 13               # matmul: one operand's residues split into a 13-bit low half and a high half below 2^12
+MATMUL_CHUNK = 2 ** 15   # K per float64 product: 2^15 terms below 2^13 · 2^25 = 2^38 sum below 2^53, exact in float64
 
 Deg = tuple  # (numerator degree, denominator degree) of a rational function
 
@@ -128,16 +128,18 @@ def _power_table(base: int, step: int, p: int) -> np.ndarray:
 
 
 def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
-    """a @ b mod m for residues below 2^25 and K <= MATMUL_CHUNK, with float64 BLAS: each half-by-half
-    product is exact (the sums stay below 2^53), recombined in int64."""
-    a_hi, a_lo = np.divmod(a, 1 << _HALF)
-    b_hi, b_lo = np.divmod(b, 1 << _HALF)
+    """a @ b mod m for residues below 2^25 and K <= MATMUL_CHUNK, with float64 BLAS: the smaller operand is
+    split in halves, whose products with the other operand are exact (the sums stay below 2^53), and
+    recombined in int64. (The larger operand, a weight matrix, is converted to float64 once, unsplit.)"""
+    split_a = a.size <= b.size
+    high, low = np.divmod(a if split_a else b, 1 << _HALF)
+    whole = (b if split_a else a).astype(np.float64)
 
-    def part(x, y):
-        return np.matmul(x.astype(np.float64), y.astype(np.float64)).astype(np.int64) % m
+    def part(half):
+        half = half.astype(np.float64)
+        return np.matmul(half, whole) if split_a else np.matmul(whole, half)
 
-    high, cross, low = part(a_hi, b_hi), (part(a_hi, b_lo) + part(a_lo, b_hi)) % m, part(a_lo, b_lo)
-    return (high * ((1 << 2 * _HALF) % m) + cross * ((1 << _HALF) % m) + low) % m
+    return (part(high).astype(np.int64) % m * ((1 << _HALF) % m) + part(low).astype(np.int64)) % m
 
 
 def matmul_mod(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:

@@ -7,13 +7,20 @@ when a row is a multiple of 128 bytes every row starts in bank 0, and threads wa
 (a matmul's left operand, a reduction over a leading dim) all hit one bank. One 16-byte pad (8 halves,
 4 floats) shifts each row by 4 banks and keeps rows 16-byte aligned for vector copies.
 
-Accumulators are stored in f32 whatever their nominal dtype; a rescaling accumulator also keeps its
-running maximum, double-buffered, in a scratch tile (see `scratch_tiles`).
+Tiles computed in the block are stored in f32 (`wide`), as the reference semantics computes them:
+a 16-bit tile would round what the reference does not (in attention, the scores rounded to bf16
+before exp(s - max) are off by percents). Where that does not fit in shared memory, the caller asks
+again with `wide=False`, and they keep their own dtypes. Input tiles keep the dtype of the tensor they
+come from. Accumulators are f32 either way; a rescaling accumulator also keeps its running maximum,
+double-buffered, in a scratch tile (see `scratch_tiles`).
 
 A block input or output is copied between device and shared memory a row at a time in vectors of up
-to 16 bytes: as wide as the tile's rows, the tensor's rows and the padded tile rows allow.
+to 16 bytes: as wide as the tile's rows and the tensor's rows allow (and the padded rows, where the
+tile is copied without conversion).
 """
 from __future__ import annotations
+
+import math
 
 import attrs
 
@@ -42,14 +49,7 @@ class TileLayout:
 
     @property
     def rows(self) -> int:
-        n = 1
-        for d in self.shape[:-1]:
-            n *= d
-        return n
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.row_length
+        return math.prod(self.shape[:-1])
 
     @property
     def nbytes(self) -> int:
@@ -115,22 +115,32 @@ def padded_row_stride(shape: tuple, dtype: DType) -> int:
 
 
 def vector_width(tile: TileLayout, tensor: TensorType) -> int:
-    """The widest power-of-two vector (at most 16 bytes) that divides the tile's rows, its padded
-    rows and the tensor's rows, so that every vector is aligned in both memories."""
+    """The widest power-of-two vector (at most 16 bytes of the tensor) that divides the tile's rows
+    and the tensor's rows, and the padded rows when the tile is copied as is (a tile stored in another
+    dtype is converted element by element on the shared-memory side), so that every vector access
+    is aligned."""
     size = tensor.dtype.itemsize
     tensor_row = tensor.shape[-1] if tensor.shape else 1
+    same = tile.dtype == tensor.dtype
     width = VECTOR_BYTES // size
-    while width > 1 and (tile.row_length % width or tile.row_stride % width or tensor_row % width):
+    while width > 1 and (tile.row_length % width or tensor_row % width or (same and tile.row_stride % width)):
         width //= 2
     return width
 
 
-def select_layout(bg: BlockGraph, tensor_types: tuple) -> LayoutPlan:
+def storage_dtype(var, node: Node, wide: bool) -> DType:
+    """How a tile computed by `node` is stored."""
+    if node.opdef.is_accumulator or (wide and var.dtype.is_float):
+        return f32
+    return var.dtype
+
+
+def select_layout(bg: BlockGraph, tensor_types: tuple, *, wide: bool = True) -> LayoutPlan:
     """Layouts for the tiles of `bg`, whose inputs are tiles of device tensors of `tensor_types`."""
-    accumulated = {v.name for n in bg.nodes if n.opdef.is_accumulator for v in n.outputs}
     tiles: dict = {}
-    for var in [i.var for i in bg.inputs] + [v for n in bg.nodes for v in n.outputs]:
-        dtype = f32 if var.name in accumulated else var.dtype
+    stored = [(i.var, i.var.dtype) for i in bg.inputs] + [(v, storage_dtype(v, n, wide)) for n in bg.nodes
+                                                          for v in n.outputs]
+    for var, dtype in stored:
         tiles[var.name] = TileLayout(var.shape, dtype, padded_row_stride(var.shape, dtype))
     for name, (_, ttype) in scratch_tiles(bg).items():
         tiles[name] = TileLayout(ttype.shape, ttype.dtype, ttype.shape[-1])  # read by flat index: no padding

@@ -26,6 +26,7 @@ import attrs
 
 from mdsl.ir.dump import dump_ir
 from mdsl.ir.graph import BlockGraph
+from mdsl.passes.plan_dump import dump_plan
 
 LOAD_EPOCH = 0
 
@@ -81,6 +82,7 @@ def schedule_block_graph(bg: BlockGraph) -> Schedule:
     post = _stages([i for i, p in enumerate(in_post) if p], bg, first_epoch=loop_end + 2)
     schedule = Schedule(tuple(loop), tuple(post))
     dump_ir("schedule", attrs.evolve(bg, nodes=[bg.nodes[i] for i in schedule.order]))
+    dump_plan("schedule", schedule)
     return schedule
 
 

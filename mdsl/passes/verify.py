@@ -28,11 +28,18 @@ them; Mirage's rigorous form adds 8dk⁴/q + q^(−1/k²) for k-term exp sums; a
 non-algebraic operators themselves are not seen (relu(x) rewritten as a max with 0 is rejected).
 Degrees are bounded loosely (a sum of K terms with denominators counts K denominators even when they
 are one), so ε is pessimistic: about 2·10⁻⁵ per test at the examples' small shapes, 10⁻³ at K = 4096.
+
+Randomness. Test t's primes, ω, oracle secret and inputs come from child t of the seed's
+`SeedSequence` (the float test's inputs from child `tests`), never from the candidate. So the bound
+holds for any candidate that is fixed independently of those draws, even when many candidates share
+one seed (a search gives all of them its own seed), and the original's side of every test (inputs,
+outputs, the float test's reference and bounds) is computed once per process per (original, seed, test)
+and reused (`ORIGINAL_RUNS`): a candidate costs only its own evaluations.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import numpy as np
@@ -99,22 +106,49 @@ def _describe(k: int, var: Var) -> str:
     return f"output {k} (%{var.name})"
 
 
-def _field_test(original: KernelGraph, candidate: KernelGraph, rng: np.random.Generator) -> tuple:
-    """One finite-field test: (its field, None) when every output agrees, else (field, why not)."""
-    field = Field.draw(rng)
-    inputs = [field.random(v.shape, rng) for v in original.inputs]
-    expected, got = run_in_field(original, inputs, field), run_in_field(candidate, inputs, field)
-    for k, (a, b, var) in enumerate(zip(expected, got, candidate.outputs)):
-        differ = int(np.sum(a[..., 0] != b[..., 0]))
-        if differ:
-            return field, f"{_describe(k, var)} differs in {differ} of {a[..., 0].size} element(s)"
-    return field, None
+def _rng(seed: int, test: int) -> np.random.Generator:
+    """Test `test`'s randomness: the seed's child number `test` (the float test's is number `tests`),
+    drawn from the seed alone, never from a candidate."""
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(test,)))
+
+
+def _read_only(arrays: list) -> list:
+    """Cached runs serve every later verification: nothing may write into them."""
+    arrays = [np.asarray(a) for a in arrays]  # (an evaluation may give a numpy scalar)
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
+@attrs.frozen(eq=False)
+class _FieldRun:
+    """One finite-field test's field and inputs, and the original's outputs on them."""
+
+    field: Field
+    inputs: list    # residues as int32 (p < 2^25): half the memory of int64, which evaluation copies them to
+    expected: list
+
+    @classmethod
+    def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FieldRun":
+        field = Field.draw(rng)
+        inputs = [field.random(v.shape, rng).astype(np.int32) for v in original.inputs]
+        return cls(field, _read_only(inputs), _read_only(run_in_field(original, inputs, field)))
+
+    def failure(self, candidate: KernelGraph) -> Optional[str]:
+        """Why the candidate's outputs differ from the original's (p-residues), or None."""
+        got = run_in_field(candidate, self.inputs, self.field)
+        for k, (a, b, var) in enumerate(zip(self.expected, got, candidate.outputs)):
+            differ = int(np.sum(a[..., 0] != b[..., 0]))
+            if differ:
+                return f"{_describe(k, var)} differs in {differ} of {a[..., 0].size} element(s)"
+        return None
 
 
 def _float_input(var: Var, rng: np.random.Generator) -> np.ndarray:
     if not var.dtype.is_float:
         return rng.integers(-8, 8, var.shape).astype(np.int32)
-    return round_to_dtype(rng.standard_normal(var.shape), var.dtype).reshape(var.shape)
+    # float32 holds every float dtype's values exactly, in half the memory of float64
+    return round_to_dtype(rng.standard_normal(var.shape), var.dtype).reshape(var.shape).astype(np.float32)
 
 
 def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> float:
@@ -127,30 +161,72 @@ def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> f
     return diff / scale if scale > 0 else diff
 
 
-def _float_test(original: KernelGraph, candidate: KernelGraph, rng: np.random.Generator) -> tuple:
-    """(worst relative error, its bound, None) or (error, bound, why the candidate fails).
+@attrs.frozen(eq=False)
+class _FloatRun:
+    """The float test's inputs, the original's float64 outputs (the reference), which of their elements
+    are judged and the relative error each output is allowed.
 
     Elements where the original itself is not finite, in float64 or at the target precision, are not
     judged: a candidate must never overflow where the original does not, and cannot be blamed where
     the original does too."""
-    inputs = [_float_input(v, rng) for v in original.inputs]
-    with np.errstate(all="ignore"):  # overflow is what this test looks for: it is reported, not warned
-        reference = run_kernel_graph(original, inputs, precision="float64")
-        own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
-        got = run_kernel_graph(candidate, inputs, precision="float32", round_storage=True)
-    worst = (-1.0, 0.0, 0.0)
-    for k, (ref, mine, cand, var) in enumerate(zip(reference, own, got, candidate.outputs)):
-        judged = np.isfinite(ref) & np.isfinite(mine)
-        bound = max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * _rel_error(mine, ref, judged))
-        error = _rel_error(cand, ref, judged)
-        if math.isinf(error):
-            return error, bound, (f"float test: {_describe(k, var)} is inf or NaN where the original's is finite "
-                                  f"(it overflows in {var.dtype.long_name})")
-        if error > bound:
-            return error, bound, (f"float test: {_describe(k, var)} has relative error {error:.2e}, over the "
-                                  f"{bound:.2e} allowed for {var.dtype.long_name}")
-        worst = max(worst, (error / bound, error, bound))
-    return worst[1], worst[2], None
+
+    inputs: list
+    reference: list
+    judged: list
+    bounds: list
+
+    @classmethod
+    def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FloatRun":
+        inputs = [_float_input(v, rng) for v in original.inputs]
+        with np.errstate(all="ignore"):  # overflow is what this test looks for: it is reported, not warned
+            reference = run_kernel_graph(original, inputs, precision="float64")
+            own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
+        judged = [np.isfinite(ref) & np.isfinite(mine) for ref, mine in zip(reference, own)]
+        bounds = [max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * _rel_error(mine, ref, where))
+                  for var, ref, mine, where in zip(original.outputs, reference, own, judged)]
+        return cls(_read_only(inputs), _read_only(reference), _read_only(judged), bounds)
+
+    def test(self, candidate: KernelGraph) -> tuple:
+        """(worst relative error, its bound, None) or (error, bound, why the candidate fails)."""
+        with np.errstate(all="ignore"):
+            got = run_kernel_graph(candidate, self.inputs, precision="float32", round_storage=True)
+        worst = (-1.0, 0.0, 0.0)
+        for k, (ref, cand, judged, bound, var) in enumerate(zip(self.reference, got, self.judged, self.bounds,
+                                                                candidate.outputs)):
+            error = _rel_error(cand, ref, judged)
+            if math.isinf(error):
+                return error, bound, (f"float test: {_describe(k, var)} is inf or NaN where the original's is "
+                                      f"finite (it overflows in {var.dtype.long_name})")
+            if error > bound:
+                return error, bound, (f"float test: {_describe(k, var)} has relative error {error:.2e}, over "
+                                      f"the {bound:.2e} allowed for {var.dtype.long_name}")
+            worst = max(worst, (error / bound, error, bound))
+        return worst[1], worst[2], None
+
+
+class _OriginalRuns:
+    """The original's runs, made once per process for each (original, seed, test): a search verifies
+    every candidate against one original with one seed, so a candidate costs only its own evaluations.
+    Only one (original, seed) is kept: at benchmark shapes its inputs take a gigabyte or more."""
+
+    def __init__(self):
+        self.key: Optional[tuple] = None
+        self.runs: dict = {}
+        self.hits = self.misses = 0
+
+    def get(self, kind: type, original: KernelGraph, seed: int, test: int) -> Any:
+        """`kind.of(original, rng)` (a _FieldRun or the _FloatRun) with the randomness of test number `test`."""
+        if self.key != (original.key, seed):
+            self.key, self.runs = (original.key, seed), {}
+        if (kind, test) in self.runs:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.runs[kind, test] = kind.of(original, _rng(seed, test))
+        return self.runs[kind, test]
+
+
+ORIGINAL_RUNS = _OriginalRuns()
 
 
 def verify(original: KernelGraph, candidate: KernelGraph, *, tests: int = 3, seed: int = 0,
@@ -165,16 +241,16 @@ def verify(original: KernelGraph, candidate: KernelGraph, *, tests: int = 3, see
     if mismatch:
         return Verification(False, mismatch, 0, 0.0)
 
-    *field_rngs, float_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(tests + 1))
     degree, probability = degree_bound(original, candidate), 1.0
-    for t, rng in enumerate(field_rngs, 1):
-        field, failure = _field_test(original, candidate, rng)
+    for t in range(tests):
+        run = ORIGINAL_RUNS.get(_FieldRun, original, seed, t)
+        failure = run.failure(candidate)
         if failure:
-            return Verification(False, f"finite-field test {t} of {tests} (p = {field.p}, q = {field.q}): {failure}",
-                                t, 0.0)
-        probability *= min(1.0, degree / field.q)
+            return Verification(False, f"finite-field test {t + 1} of {tests} (p = {run.field.p}, q = {run.field.q}): "
+                                       f"{failure}", t + 1, 0.0)
+        probability *= min(1.0, degree / run.field.q)
 
-    error, bound, failure = _float_test(original, candidate, float_rng)
+    error, bound, failure = ORIGINAL_RUNS.get(_FloatRun, original, seed, tests).test(candidate)
     if failure:
         return Verification(False, failure, tests, 0.0, error, bound)
     return Verification(True, f"{tests} finite-field tests passed (false pass <= {probability:.1e}, degree bound "

@@ -4,9 +4,14 @@ the cost model and verified in parallel worker processes; the best verified ones
 * The original program is always a plan (ranked with the others), so a search never comes back empty.
 * Candidates wait in a heap ordered by (cost, key) and go to the workers cheapest first. One that
   cannot beat the k-th best already verified is not verified at all: it could not be kept.
-* Each candidate's verification seed derives from (config.seed, its structural key), so outcomes do
-  not depend on scheduling, and a search that finishes within its budget returns the same candidates
-  in the same order for any number of workers. (Counters of skipped work may differ.)
+* Every candidate is verified with one seed, config.seed, so outcomes do not depend on scheduling,
+  and a search that finishes within its budget returns the same candidates in the same order for any
+  number of workers. (Counters of skipped work may differ.) Sharing the seed is sound: the verifier
+  draws its randomness (primes, ω, oracles, inputs) from the seed alone, and candidates are produced
+  without regard to those draws (generators never see verification results), so each wrong candidate
+  still passes with probability at most its stated bound; only independence between candidates is
+  lost, which a union bound over them does not need. It also lets each worker compute the original's
+  side of the tests once (`mdsl.passes.verify.ORIGINAL_RUNS`).
 * When the budget runs out, pending work is cancelled, the workers are stopped, and the best verified
   result so far is returned. Generators are only asked for their next candidate before the deadline,
   so they must yield (or poll `stats.out_of_time()`) now and then.
@@ -15,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
-import hashlib
 import heapq
 import importlib
 import inspect
@@ -78,7 +82,10 @@ def default_generators(config: SearchConfig) -> list:
         try:
             out.append(importlib.import_module(module).generate)
         except ModuleNotFoundError as e:
-            if e.name != module:  # the module exists but something it imports does not
+            if e.name == "z3":  # e.g. a GPU machine without z3-solver: search with the other generators
+                warnings.warn(f"mdsl search: {module} needs z3-solver, which is not installed; skipping it",
+                              stacklevel=2)
+            elif e.name != module:  # the module exists but something it imports does not
                 raise
     return out
 
@@ -87,11 +94,6 @@ def default_verifier() -> Callable:
     from mdsl.passes.verify import verify
 
     return verify
-
-
-def candidate_seed(seed: int, key: str) -> int:
-    """The verification seed of one candidate: the same whichever worker verifies it, whenever."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "big")
 
 
 def search(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, generators: Optional[Sequence[Generator]] = None,
@@ -266,8 +268,7 @@ class _Search:
         """The original is a plan from the start; it needs no verification (it is the program)."""
         key, cost = self.original.key, estimate(self.original)
         rank = _rank(cost, key, original=True)
-        itself = Evidence(True, "the original program itself", 0, 0.0, math.nan, math.nan,
-                          candidate_seed(self.config.seed, key))
+        itself = Evidence(True, "the original program itself", 0, 0.0, math.nan, math.nan, self.config.seed)
         self._keep(rank, Candidate(self.original, cost, itself))
 
     def _fill(self) -> None:
@@ -281,8 +282,8 @@ class _Search:
             self._submit(rank, cost, graph)
 
     def _submit(self, rank: tuple, cost: Cost, graph: KernelGraph) -> None:
-        seed = candidate_seed(self.config.seed, _key(rank))
-        future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests, seed)
+        future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests,
+                                      self.config.seed)
         self.in_flight[future] = (rank, cost, graph)
 
     def _collect(self, done: Iterable) -> None:

@@ -2,40 +2,48 @@
 bottom-up in canonical order and pruned by abstract expressions (Mirage §3.1-3.3).
 
 It fills in behind the guided generator: it knows no lifting rules, only the registry's block
-operators, their shape rules (`infer`), their dimension facts (`dims`) and their abstract expressions
-(`abstract`), so it can find block graphs that no rule describes.
+operators with their shape rules (`infer`), dimension facts (`dims`) and abstract expressions
+(`abstract`), so it finds block graphs that no rule describes.
 
 **Outer choices** come from the program's dimension labels (`dims.Labels`), so that they are
 consistent by construction. A *grid* splits up to three *free* labels (indices of every output that no
-operator contracts) into parts; every input and output that has such a label is split along it (its
-imap/omap), the others are replicated. A *frame* is a loop choice: a *contracted* label that no output
-has, walked by the for-loop in every input that has it (its fmap), and a loop range R; or no loop.
+operator contracts); each input and output with such a label is split along it (its imap/omap), the
+others are replicated. A *frame* is a loop choice: a contracted label that no output has, walked by
+the for-loop in every input that has it (its fmap), and a range R from the config; or no loop.
 
-**Inner search**, once per frame: a depth-first search adds operators to a block graph whose tiles
-are cut from the *unsplit* tensors (only the loop divides them). The grid never splits a dim that a
-block operator may reduce (see `dims` below), so shapes, labels and abstract terms are the same
-under every grid, and each closed block graph (a *program*) is instantiated afterwards for every grid
-and thread count. Each value carries its tile type, the label of each dim (None: a size-1 dim), its
-abstract term and its phase (in the loop, or after it). An operator is tried in this order of checks,
-each counted under its reason when it fails:
+**Inner search**, once per frame: a depth-first search adds block operators one at a time, on tiles of
+the *unsplit* tensors (only the loop cuts them). No block operator may reduce a free label, so shapes,
+labels and abstract terms do not depend on the grid, and each closed block graph (a *program*) is
+instantiated afterwards for every grid and thread count, cheapest first by the cost model. A value
+carries its tile type, a label per dim (None for size 1), its abstract term and its phase (in the loop
+or after it). Candidate operators are pruned, each counted under its reason in `stats`:
 
-* ``order``: its rank, (newest operand, operands, operator, attributes), must exceed the previous
-  operator's. Every DAG of operators has exactly one such order (the greedy topological order), so
-  no program is produced twice and none is missed; commutative operators take sorted operands.
-* ``phase``: accumulators take loop values; other operators do not mix loop and post-loop values.
-* ``shape``: the registry's shape rule accepts the tiles.
-* ``dead-end``: the loop values nobody reads can still be accumulated within ``max_block_ops``.
-* ``dims``: dims that an operator aligns carry one label, and dims it reduces carry a label that
-  the program contracts (never a free label, which the grid may split).
-* ``redundant``: it computes a value already there (same type, labels, phase and term).
-* ``abstract-expression``: its term is a subexpression of an output's term (`SubexprChecker`).
-* ``shared-memory``: the tiles, cut by the finest grid, fit in shared memory.
+* ``order``: an operator's rank, (newest operand, operands, operator, attributes), must exceed the
+  previous operator's. Every DAG of operators has exactly one such order (the greedy topological
+  one), so no program comes twice and none is missed; commutative operators take sorted operands.
+* ``phase``: accumulators take loop values; other operators do not mix the loop and after it.
+* ``dead-end``: what nobody reads yet (inputs included) can still be read or be an output within
+  ``max_block_ops``, and unread loop values can still reach an accumulator.
+* ``shape``: the registry's shape rule rejects the tiles.
+* ``dims``: aligned dims carry one label; reduced dims carry a label the program contracts; a loop
+  dim summed chunk-wise by an accumulator (`Folded`) may be reduced but not contracted by a matmul.
+* ``abstract-expression``: the term is not a subexpression of an output's (`SubexprChecker`, after
+  a polynomial-degree bound that needs no z3).
+* ``stabiliser``, ``rescale``: the abstract rules drop a max subtracted inside exp and a rescaling
+  accumulator's scale, which is right only in softmax; so a max is computed only by programs that
+  compute one, and a rescaling accumulator's scale is a max the accumulated value was shifted by.
+* ``loop-invariant``: a value that does not depend on the loop is accumulated only by a max (any
+  other accumulator would add R copies).
+* ``redundant``: the value is already there, or a sibling computes it (same type, labels, term).
+* ``shared-memory``: the tiles do not fit even under the finest grid (and, per grid, at the end).
 
-A block graph *closes* when no loop value is left unread and every unread post-loop value is an
-output: each output of the original is matched by a post-loop value with its type, its labels and
-an equivalent term (subexpressions of each other). The search ends when every frame is done, or
-after ``max_states`` states or ``budget_s / 2`` seconds of its own work (not counting the time the
-consumer spends between candidates), or when the search's deadline passes.
+A block graph *closes* when no loop value is left unread and every unread value is an output: each
+output is matched by a post-loop value with its type, its labels and an equivalent term (each a
+subexpression of the other). Terms forget indices and some axioms hold only with them (a sum of a
+product with a factor constant along the sum), so a closed program is also run once, as one block,
+in float64 against the program (``numerics``). The search ends when every frame is done, after
+``max_states`` states or ``budget_s / 2`` seconds of its own work (the consumer's time between
+candidates does not count), or at the search's deadline; the reason is counted under ``stopped``.
 """
 from __future__ import annotations
 
@@ -60,13 +68,13 @@ from mdsl.passes.subexpr import SubexprChecker
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.dims import DimFacts, Labels
-from mdsl.search.stats import SearchStats
+from mdsl.search.stats import PRUNED, SearchStats
 
 #: The smallest chunk of the loop label one iteration works on (smaller dims allow two iterations).
 MIN_LOOP_CHUNK = 8
-#: States explored per second of budget: the deterministic bound on the search.
-STATES_PER_SECOND = 2_000
-PRUNED = "pruned"
+#: States explored per second of budget (about what a core manages on small programs): the
+#: deterministic bound on the search, which ends sooner on time if z3 is slow.
+STATES_PER_SECOND = 250
 
 
 class _OutOfBudget(Exception):
@@ -117,9 +125,11 @@ def _result_labels(node: Node, operands: list, contracted: frozenset, loop) -> O
     result: list = [None] * len(out)
     for (i, d), (_, e) in facts.same:
         label = operands[i][d]
-        if label is not None and result[e] not in (None, label):
+        if label is None:
+            continue
+        if result[e] not in (None, label):
             return None
-        result[e] = label if label is not None else result[e]
+        result[e] = label
     for (i, d), (j, e) in facts.joint:
         if operands[i][d] != operands[j][e] or isinstance(operands[i][d], Folded):
             return None
@@ -137,6 +147,7 @@ def _result_labels(node: Node, operands: list, contracted: frozenset, loop) -> O
 
 
 def _reducible(label, contracted: frozenset) -> bool:
+    """May a block operator reduce a dim of this label? Only one the program contracts."""
     if isinstance(label, Joined):
         return all(_reducible(p, contracted) for p in label.parts)
     if isinstance(label, Folded):
@@ -155,12 +166,15 @@ def _degree(term: Term) -> float:
     The axioms keep the degree of a polynomial, and its subexpressions have no larger degree, so a
     term of a larger degree than every target's is no subexpression of one (no z3 needed)."""
     if term.head in ("var", "const"):
-        return int(term.head == "var")
+        return 1 if term.head == "var" else 0
     degrees = [_degree(a) for a in term.args]
     if term.head == "mul":
         return sum(degrees)
     return max(degrees) if term.head in _LINEAR_HEADS else math.inf
 
+
+# ---------------------------------------------------------------------------------------------
+# outer choices
 
 @attrs.frozen
 class Frame:
@@ -193,7 +207,8 @@ def _powers_of_two(n: int) -> list:
 
 def _splits(n: int, limit: int) -> list:
     """Ways to split a dim of size n over blocks: powers of two, or whatever leaves power-of-two tiles."""
-    return sorted({p for p in _powers_of_two(n) if 1 < p <= limit} | {n // t for t in _powers_of_two(n) if 1 < n // t <= limit})
+    powers = _powers_of_two(n)
+    return sorted({p for p in powers if 1 < p <= limit} | {n // t for t in powers if 1 < n // t <= limit})
 
 
 def _grids(free: list, labels: Labels, config: SearchConfig) -> list:
@@ -374,10 +389,14 @@ class _Budget:
         self.resumed = time.perf_counter()
 
     def tick(self) -> None:
+        """One more state."""
         self.states += 1
         if self.states > self.max_states:
             raise _OutOfBudget("states")
-        if self.states % 64 == 0 and (self.elapsed() > self.seconds or self.stats.out_of_time()):
+        self.check_time()
+
+    def check_time(self) -> None:
+        if self.elapsed() > self.seconds or self.stats.out_of_time():
             raise _OutOfBudget("time")
 
     def elapsed(self) -> float:
@@ -572,7 +591,9 @@ class _Search:
         (term,) = node_terms(node, [a.term for a in args], self.frame.forloop)
         if not self.problem.computes_max and any(t.head == "max" for t in subterms(term)):
             return "stabiliser"  # the checker takes a max an exponent subtracts for softmax's: see _rescales
-        if self.checker is not None and not (_degree(term) <= self.problem.degree and self.checker.is_subexpression(term)):
+        checker = self.checker
+        self.budget.check_time()  # a z3 query may take a while: stop first if the time is up
+        if checker is not None and (_degree(term) > self.problem.degree or not checker.is_subexpression(term)):
             return "abstract-expression"
         return out_type, labels, term
 
@@ -665,7 +686,7 @@ def _fresh(base: str, taken: set) -> str:
     return name
 
 
-def kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int) -> KernelGraph:
+def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int) -> KernelGraph:
     """The kernel graph of one program under one grid (not validated)."""
     graph, frame = problem.graph, program.frame
     taken: set = set()
@@ -699,12 +720,14 @@ class _Screen:
         rng = np.random.default_rng(seed)
         self.inputs = [rng.standard_normal(v.shape) if v.dtype.is_float else rng.integers(0, 4, v.shape).astype(float)
                        for v in graph.inputs]
-        self.expected = run_kernel_graph(graph, self.inputs)
+        with np.errstate(all="ignore"):
+            self.expected = run_kernel_graph(graph, self.inputs)
 
     def passes(self, candidate: KernelGraph) -> bool:
         try:
-            got = run_kernel_graph(candidate, self.inputs)
-        except (MdslError, FloatingPointError):
+            with np.errstate(all="ignore"):  # non-finite values are compared, not warned about
+                got = run_kernel_graph(candidate, self.inputs)
+        except MdslError:
             return False
         return all(_close(a, b) for a, b in zip(got, self.expected))
 
@@ -723,11 +746,15 @@ def _instances(problem: _Problem, program: Program, stats: SearchStats) -> list:
     for grid in problem.grids:
         for threads in problem.config.thread_counts:
             try:
-                candidate = kernel_graph(problem, program, grid, threads)
+                candidate = _kernel_graph(problem, program, grid, threads)
+                if shared_memory_peak(candidate.nodes[0].body) > SMEM_LIMIT_BYTES:
+                    stats.count(PRUNED, "shared-memory")
+                    continue
                 validate_kernel_graph(candidate)
-                out.append(candidate)
-            except MdslError as e:
-                stats.count(PRUNED, "shared-memory" if "shared memory" in str(e) else "shape")
+            except MdslError:
+                stats.count(PRUNED, "shape")
+                continue
+            out.append(candidate)
     return sorted(out, key=estimate)
 
 
@@ -750,7 +777,7 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
     try:
         for frame in problem.frames:
             for program in _Search(problem, frame, checker, matcher, budget, stats).run():
-                if not screen.passes(kernel_graph(problem, program, Grid(), config.thread_counts[0])):
+                if not screen.passes(_kernel_graph(problem, program, Grid(), config.thread_counts[0])):
                     stats.count(PRUNED, "numerics")
                     continue
                 for candidate in _instances(problem, program, stats):

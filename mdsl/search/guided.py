@@ -120,7 +120,7 @@ class _Builder:
 
     def along_loop(self, kernel_var: Var, dim: int) -> bool:
         loop = self.choice.loop
-        return loop is not None and self.labels.label(kernel_var.name, dim) == loop
+        return loop is not None and self.labels.label(kernel_var.name, dim % kernel_var.type.rank) == loop
 
     def has_loop_label(self, kernel_var: Var) -> bool:
         return self.choice.loop is not None and self.labels.dim_of(kernel_var, self.choice.loop) is not None
@@ -270,7 +270,7 @@ def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
         raise CannotLift("rms_norm of a value with a pending rescale or division")
     if not b.along_loop(node.inputs[0], dim):
         return Lifted(b.emit("rms_norm", [x.var], x.phase, dim=dim, eps=eps), x.phase)
-    if x.phase != LOOP or dim != x.var.type.rank - 1:
+    if x.phase != LOOP or dim % x.var.type.rank != x.var.type.rank - 1:
         raise CannotLift("rms_norm over the loop label needs it to be the last dim")
     # x / rms(x): the rms accumulates over the loop; the division waits for the contraction
     return Lifted(x.var, LOOP, divisor=b.accumulate("accum_rms", [x.var], eps=eps))

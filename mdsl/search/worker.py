@@ -1,7 +1,9 @@
 """What a search's worker processes run: verification of one candidate against the original.
 
 Graphs cross the process boundary as JSON text (the IR's own portable form); the verifier and the
-original are handed over once per worker, by the pool's initializer.
+original are handed over once per worker, by the pool's initializer. A worker lives for the whole
+search, so what the verifier keeps between calls (the default one: the original's runs) serves every
+candidate it verifies.
 """
 from __future__ import annotations
 

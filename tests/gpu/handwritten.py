@@ -45,7 +45,8 @@ def reverse_through_shared_memory(blocks: int) -> CudaProgram:
     reading it back reversed twice (so a wrong smem size or a missing barrier shows)."""
     n = blocks * SMEM_FLOATS
     source = f"""
-extern "C" __global__ void __launch_bounds__({THREADS}) negate_via_smem(const float* __restrict__ x, float* __restrict__ z) {{
+extern "C" __global__ void __launch_bounds__({THREADS})
+negate_via_smem(const float* __restrict__ x, float* __restrict__ z) {{
   extern __shared__ float stage[];
   const float* src = x + blockIdx.x * {SMEM_FLOATS};
   float* dst = z + blockIdx.x * {SMEM_FLOATS};

@@ -179,7 +179,8 @@ def compare(executable: runtime.Executable, got: Sequence, want: Sequence, tol: 
         if nan.any() or not err <= tol:
             scale = max(float(np.sqrt(np.mean(w * w))), 1e-30)
             bad = nan | (np.abs(g - w) > tol * scale * 10)
-            summary = (f"relative error ‖gpu − ref‖/‖ref‖ = {err:.3e} (tolerance {tol:.0e} for this graph's dtypes)"
+            summary = (f"relative error ‖gpu − ref‖/‖ref‖ = {err:.3e} "
+                       f"(tolerance {tol:.0e} for this graph's dtypes)"
                        + (f"; {int(nan.sum())} of {g.size} elements are NaN: never written (outputs are poisoned "
                           "with NaN before the run) or computed as NaN" if nan.any() else ""))
             problems.append(_describe(k, var, g, w, bad, summary))

@@ -219,8 +219,12 @@ def expected(kernel, *arrays) -> np.ndarray:
     return want
 
 
+def half_tensors(torch, *shapes):
+    return [torch.randn(*shape, device="cuda", dtype=torch.float16) for shape in shapes]
+
+
 def test_kernel_on_torch_tensors(torch):
-    x, w = torch.randn(8, 64, device="cuda", dtype=torch.float16), torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    x, w = half_tensors(torch, (8, 64), (64, 32))
     y = norm_linear(x, w)
     assert isinstance(y, torch.Tensor) and y.dtype == torch.float16 and tuple(y.shape) == (8, 32)
     want = expected(norm_linear, x.cpu().float().numpy(), w.cpu().float().numpy())
@@ -241,7 +245,7 @@ def test_kernel_on_device_arrays():
 
 
 def test_kernel_errors_name_the_argument(torch):
-    x, w = torch.randn(8, 64, device="cuda", dtype=torch.float16), torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    x, w = half_tensors(torch, (8, 64), (64, 32))
     with pytest.raises(ArgumentError, match="argument w is a ndarray in host memory"):
         norm_linear(x, w.cpu().numpy())
     with pytest.raises(ShapeError, match="argument x is Tensor\\[8, 32, f16\\] but is annotated"):

@@ -112,6 +112,16 @@ def test_matmul_is_exact(field, rng, monkeypatch):
     np.testing.assert_array_equal(field.matmul(a, b), got)
 
 
+@pytest.mark.parametrize("rows", [1, 3])  # the left operand smaller, then larger, than the right: either is split
+@pytest.mark.parametrize("k", [ff.MATMUL_CHUNK, 2 * ff.MATMUL_CHUNK + 3])
+def test_matmul_is_exact_at_the_largest_residues_and_k(field, rng, rows, k):
+    # residues just below the moduli: every float64 partial sum is as large as it can get
+    largest = np.array([field.p, field.q])
+    a, b = largest - rng.integers(1, 100, (rows, k, 2)), largest - rng.integers(1, 100, (k, 2, 2))
+    want = [(a[..., c].astype(object) @ b[..., c].astype(object)) % m for c, m in enumerate(largest.tolist())]
+    np.testing.assert_array_equal(field.matmul(a, b), np.stack(want, axis=-1).astype(np.int64))
+
+
 def test_sums_are_exact(field):
     x = np.broadcast_to(np.array([field.p - 1, field.q - 1]), (5000, 2))
     want = [(m - 1) * 5000 % m for m in (field.p, field.q)]

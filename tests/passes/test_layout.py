@@ -26,7 +26,7 @@ def test_rows_are_padded_where_columns_would_conflict(shape, dtype, stride):
 
 def test_tile_layout_geometry():
     tile = TileLayout((2, 16, 64), f16, 72)
-    assert (tile.rows, tile.row_length, tile.numel) == (32, 64, 2048)
+    assert (tile.rows, tile.row_length) == (32, 64)
     assert tile.strides == (16 * 72, 72, 1)
     assert tile.nbytes == 32 * 72 * 2
     assert str(tile) == "f16[2, 16, 64], rows padded to 72"
@@ -35,7 +35,8 @@ def test_tile_layout_geometry():
 
 @pytest.mark.parametrize("tile, tensor, width", [
     (TileLayout((16, 64), f16, 72), TensorType((16, 4096), f16), 8),    # 16 bytes
-    (TileLayout((16, 64), f32, 68), TensorType((16, 4096), f16), 4),    # an f32 accumulator stored as f16
+    (TileLayout((16, 64), f32, 68), TensorType((16, 4096), f16), 8),    # an f32 tile stored as f16: converted
+    (TileLayout((16, 64), f16, 68), TensorType((16, 4096), f16), 4),    # rows of 68 halves
     (TileLayout((16, 64), f32, 68), TensorType((16, 4096), f32), 4),
     (TileLayout((8, 6), f16, 6), TensorType((8, 12), f16), 2),          # rows of 6 halves
     (TileLayout((8, 4), f16, 4), TensorType((8, 6), f16), 2),           # the tensor's rows of 6
@@ -58,6 +59,9 @@ def test_plan_of_online_softmax(monkeypatch, capsys):
     assert plan.tiles["num"] == TileLayout((1, 16, 64), f32, 68)     # accumulators are f32
     assert plan.tiles["den"] == TileLayout((1, 16, 1), f32, 1)
     assert plan.tiles["num#scratch"] == TileLayout((2, 1, 16, 1), f32, 1)  # the running maximum, twice
+    assert plan.tiles["s"] == TileLayout((1, 16, 32), f32, 36)        # computed tiles are f32 ...
+    assert select_layout(node.body, tuple(v.type for v in node.inputs), wide=False).tiles["s"] == \
+        TileLayout((1, 16, 32), f16, 32)                              # ... unless asked otherwise
     assert plan.vectors == {"bq": 8, "bk": 8, "bv": 8, "y": 8}
     assert set(plan.tiles) == {"bq", "bk", "bv", "s", "t", "m", "d", "e", "pv", "num", "den", "r", "o", "y",
                                "num#scratch", "den#scratch"}
@@ -69,4 +73,5 @@ def test_plan_of_rms_norm_linear():
     plan = select_layout(node.body, tuple(v.type for v in node.inputs))
     assert plan.tiles["x"] == TileLayout((2, 64), f16, 72)
     assert plan.tiles["w"] == TileLayout((64, 128), f16, 136)
+    assert plan.tiles["matmul"] == TileLayout((2, 128), f32, 132)
     assert plan.vectors == {"x": 8, "w": 8, "div": 8}

@@ -16,6 +16,7 @@ from mdsl import Tensor, f16
 from mdsl.backend.reference import run_kernel_graph
 from mdsl.errors import ValidationError
 from mdsl.ir import KernelGraph, Node, Var, get_op, validate_kernel_graph
+from mdsl.passes import verify as verifier
 from mdsl.passes.verify import degree_bound, verify
 from tests.strategies import kernel_graphs
 from tests.test_examples import example
@@ -349,6 +350,29 @@ def test_every_valid_graph_is_equivalent_to_itself(graph, seed):
     assume(not any(n.op == "transpose" and not n.attr("perm") for n in graph.nodes))
     result = verify(graph, graph, tests=1, seed=seed)
     assert result.equivalent, result.reason
+
+
+def test_the_originals_side_is_computed_once_per_original_seed_and_test(monkeypatch):
+    runs = verifier._OriginalRuns()
+    monkeypatch.setattr(verifier, "ORIGINAL_RUNS", runs)
+    evaluated = []  # for every evaluation: was it the original's?
+    for name in ("run_in_field", "run_kernel_graph"):
+        run = getattr(verifier, name)
+        monkeypatch.setattr(verifier, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
+    original, candidate = graphs(rms_norm_linear)
+    first = verify(original, candidate, seed=4)
+    assert (runs.misses, runs.hits) == (TESTS + 1, 0)
+    assert evaluated.count(True) == TESTS + 2   # a field run per test; float64 and float32 in the float test
+
+    evaluated.clear()
+    assert verify(original, candidate, seed=4) == first
+    _, bad = mutant("eps_changed")
+    assert not verify(original, bad, seed=4).equivalent   # rejected in the first test, from its cached run
+    assert (runs.misses, runs.hits) == (TESTS + 1, TESTS + 2)
+    assert evaluated == [False] * (TESTS + 2)    # only the candidates ran: each test, then the float test
+
+    assert verify(original, candidate, seed=5) != first   # another seed draws afresh
+    assert runs.misses == 2 * (TESTS + 1) and runs.key == (original.key, 5)
 
 
 def overflowing_exp(n=8):

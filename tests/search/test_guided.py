@@ -160,3 +160,21 @@ def test_an_output_that_skips_the_loop_contraction_is_refused():
     k = labels.label(g.inputs[0].name, 1)
     with pytest.raises(CannotLift):
         lift(g, Choice((), k, forloop=2), labels)
+
+
+def test_negative_dims_in_a_hand_built_graph_lift_like_positive_ones():
+    from mdsl.ir import KernelGraph, Node, f32, get_op
+    from mdsl.ir.graph import make_var
+
+    x, w = make_var("x", (4, 32), f32), make_var("w", (32, 16), f32)
+    n, y = make_var("n", (4, 32), f32), make_var("y", (4, 16), f32)
+    graph = KernelGraph("neg_dims", [x, w], [
+        Node("rms_norm", [x], [n], get_op("rms_norm").normalize_attrs({"dim": -1})),
+        Node("matmul", [n, w], [y])], [y])
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    want = run_kernel_graph(graph, inputs)[0]
+    candidates = list(generate(graph, SearchConfig(min_blocks=1), limit=10))
+    assert any(c.nodes[0].op == "custom" and "accum_rms" in ops_of(c.nodes[0].body) for c in candidates)
+    for c in candidates:
+        assert np.allclose(run_kernel_graph(c, inputs)[0], want, rtol=1e-10)

@@ -24,7 +24,7 @@ from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
 from mdsl.passes.layout import scratch_name, select_layout
-from mdsl.passes.memory import plan_memory
+from mdsl.passes.memory import SharedMemoryError, plan_memory
 from mdsl.passes.schedule import schedule_block_graph
 
 _AXES = "xyz"
@@ -55,35 +55,45 @@ class BlockKernel:
         self.w("extern __shared__ __align__(16) unsigned char smem[];")
         for t in memory.lifetimes:
             layout = self.layout.tiles[t.name]
-            name = self.namer(f"s_{t.name.replace('#', '_')}")
+            name = self.namer(f"s_{t.name}")
             c = ctype(layout.dtype)
             self.w(f"{c}* const {name} = reinterpret_cast<{c}*>(smem + {memory.offsets[t.name]});"
                    f"  // {layout}, epochs {t.start}..{t.end}")
             self.tiles[t.name] = Operand(name, c, layout.shape, layout.strides)
 
 
+def lower(bg: BlockGraph, tensor_types: tuple) -> tuple:
+    """The schedule, layout and memory plan of a block graph: the tiles it computes in f32 where they
+    fit in shared memory, else in their own dtypes."""
+    schedule = schedule_block_graph(bg)
+    try:
+        layout = select_layout(bg, tensor_types, wide=True)
+        return schedule, layout, plan_memory(bg, schedule, layout)
+    except SharedMemoryError:
+        layout = select_layout(bg, tensor_types, wide=False)
+        return schedule, layout, plan_memory(bg, schedule, layout)
+
+
 def emit_custom(program, index: int, node: Node) -> None:
     bg = node.body
-    schedule = schedule_block_graph(bg)
-    layout = select_layout(bg, tuple(v.type for v in node.inputs))
-    memory = plan_memory(bg, schedule, layout)
+    schedule, layout, memory = lower(bg, tuple(v.type for v in node.inputs))
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total, comment=header) as scope:
         b = BlockKernel(scope, bg, layout, memory)
         w = b.w
-        ins = [(inp, tensor) for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles]
-        parts = {inp.var.name: _input_part(b, inp, tensor) for inp, tensor in ins}
+        parts = {inp.var.name: _input_part(b, inp, tensor)
+                 for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles}  # the inputs read
+        loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]
-        if accumulators:
-            w("// the accumulators start empty")
+        w("// the accumulators start empty")
         for acc in accumulators:
             _rule(acc).init(b, acc)
-        for inp, tensor in ins:
+        for inp in loaded:
             if inp.fmap is None:
                 _load(b, inp, parts[inp.var.name])
         w("#pragma unroll 1")
         with w.block(f"for (int {LOOP_COUNTER} = 0; {LOOP_COUNTER} < {bg.forloop}; ++{LOOP_COUNTER})"):
-            for inp, tensor in ins:
+            for inp in loaded:
                 if inp.fmap is not None:
                     _load(b, inp, parts[inp.var.name])
             w("__syncthreads();")

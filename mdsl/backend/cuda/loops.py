@@ -36,13 +36,13 @@ class Threads:
         return f"gridDim.x * {self.block}" if self.grid else str(self.block)
 
     @contextlib.contextmanager
-    def each(self, w: CodeWriter, n: int, var: str = "i", unrolled: bool = False) -> Iterator[None]:
-        """A loop giving each index below n to one thread. It is kept rolled unless asked: the
+    def each(self, w: CodeWriter, n: int, unrolled: bool = False) -> Iterator[None]:
+        """A loop giving each index `i` below n to one thread. It is kept rolled unless asked: the
         compiler would unroll a known trip count fully, and many small loops unrolled cost seconds
         of compile time and many registers for little gain on shared memory."""
         if not unrolled:
             w("#pragma unroll 1")
-        with w.block(f"for (int {var} = {self.first}; {var} < {n}; {var} += {self.count})"):
+        with w.block(f"for (int i = {self.first}; i < {n}; i += {self.count})"):
             yield
 
     @contextlib.contextmanager

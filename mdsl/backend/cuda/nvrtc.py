@@ -117,17 +117,19 @@ def _compile(nvrtc, source: str, arch: str, options: tuple) -> tuple:
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        # bytearray, never b" " * size: a 1-byte bytes object is CPython's shared b" ", which NVRTC
+        # would overwrite for the whole process
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\0").decode(errors="replace")
+        log = bytes(log).rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise compile_error(source, log)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(nvrtc, err, f"produce a cubin for {arch}")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(nvrtc, err, f"produce a cubin for {arch}")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -28,6 +28,7 @@ from mdsl.ir.graph import Node, ThreadGraph
 from mdsl.ir.ops import extend_op
 
 KERNEL_THREADS = 256  # threads per block of the standard kernels
+GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
 
 
 def _grid(n: int) -> tuple:
@@ -42,21 +43,25 @@ def _grid_threads() -> Threads:
 # element-wise operators
 
 
+def _alone(node: Node) -> ThreadGraph:
+    """The one-node thread graph of an element-wise node (mul(x, x) reads x once)."""
+    return ThreadGraph(list(dict.fromkeys(node.inputs)), [node], node.outputs)
+
+
 @attrs.frozen
 class Elementwise:
     expr: Callable  # (node, operand registers) -> C expression
 
     def block(self, b, node: Node) -> None:
-        ins = list(dict.fromkeys(node.inputs))  # mul(x, x) loads x once
-        emit_thread_graph(b.w, b.threads, b.namer, ThreadGraph(ins, [node], node.outputs),
-                          [b.tile(v) for v in ins], [b.tile(v) for v in node.outputs])
+        tg = _alone(node)
+        emit_thread_graph(b.w, b.threads, b.namer, tg, [b.tile(v) for v in tg.inputs],
+                          [b.tile(v) for v in node.outputs])
 
     def kernel(self, program, index: int, node: Node) -> None:
+        tg = _alone(node)
         with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
-            first = {v: k.inputs[node.inputs.index(v)] for v in node.inputs}
-            ins = list(first)
-            emit_thread_graph(k.w, _grid_threads(), k.namer, ThreadGraph(ins, [node], node.outputs),
-                              [first[v] for v in ins], k.outputs)
+            emit_thread_graph(k.w, _grid_threads(), k.namer, tg, [k.inputs[node.inputs.index(v)] for v in tg.inputs],
+                              k.outputs)
 
 
 def _unary(template: str) -> Elementwise:
@@ -127,14 +132,14 @@ class Matmul:
             b.w(store_float(out, offset("i", out.shape, out), "acc"))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        """A 64x64 tile of the product per block (`mdsl::gemm_tile`), one batch per grid z."""
+        """A GEMM_TILE x GEMM_TILE tile of the product per block (`mdsl::gemm_tile`), a batch per grid z."""
         (m, k_len), n = node.inputs[0].shape[-2:], node.output.shape[-1]
         batch = node.output.shape[:-2]
         batches = math.prod(batch)
         if batches > 65535:
             raise UnsupportedError(f"matmul over {batches} batches: at most 65535 (the grid's z dim)",
                                    hint="reshape the batch dims into the rows of the left operand")
-        grid = (-(-n // 64), -(-m // 64), batches)
+        grid = (-(-n // GEMM_TILE), -(-m // GEMM_TILE), batches)
         with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
             a, w, out = k.inputs[0], k.inputs[1], k.outputs[0]
             ptrs = []
@@ -318,7 +323,7 @@ class Accumulate:
 
     identity: str
     step: str                          # C expression of `acc` (running value) and `x` (this iteration's)
-    finalize: Optional[Callable] = None
+    finalize = None                    # the running value is the result
 
     def init(self, b, node: Node) -> None:
         _fill(b, b.tile(node.output), self.identity)

@@ -563,6 +563,9 @@ class Executable:
         self.input_types = tuple(v.type for v in self.graph.inputs)
         self.output_types = tuple(v.type for v in self.graph.outputs)
         self._input_names = tuple(v.name for v in self.graph.inputs)
+        # what errors call each argument, made once: a call formats nothing unless it fails
+        self._input_labels = tuple(f"argument {n} of {self.name}" for n in self._input_names)
+        self._output_labels = tuple(f"output {k} of {self.name}" for k in range(len(self.output_types)))
         self._lock = threading.Lock()
         self._torch_device = None
         plan = plan_buffers(self.graph, program.launches, program.aliases)
@@ -609,14 +612,16 @@ class Executable:
             raise ArgumentError(f"{self.name} takes {len(self.input_types)} input(s), got {len(inputs)}",
                                 hint=f"call it with ({', '.join(self._input_names)})")
         handle = launch_stream(inputs, stream)
-        views = [device_view(x, f"argument {n} of {self.name}", handle) for x, n in zip(inputs, self._input_names)]
+        views = [device_view(x, label, handle) for x, label in zip(inputs, self._input_labels)]
         return self.launch_views(views, outputs, handle, torch_outputs=any(is_torch_tensor(x) for x in inputs))
 
     def launch_views(self, views: Sequence[View], outputs: Optional[Sequence], stream: int, *,
-                     torch_outputs: bool = False) -> tuple:
-        """Launch on arguments already adapted by `device_view` (the frontend's path)."""
-        for view, want, name in zip(views, self.input_types, self._input_names):
-            self._check_view(view, want, f"argument {name}")
+                     torch_outputs: bool = False, inputs_checked: bool = False) -> tuple:
+        """Launch on arguments already adapted by `device_view` (the frontend's path, which looks the
+        executable up by its inputs' shapes, dtypes and device, so that they are `inputs_checked`)."""
+        if not inputs_checked:
+            for view, want, label in zip(views, self.input_types, self._input_labels):
+                self._check_view(view, want, label)
         if outputs is None:
             outputs = self._new_outputs(stream, torch_outputs)
             out_views = [device_view(o, "output", stream) for o in outputs]
@@ -624,9 +629,9 @@ class Executable:
             if len(outputs) != len(self.output_types):
                 raise ArgumentError(f"{self.name} has {len(self.output_types)} output(s), got {len(outputs)} to "
                                     "write into", hint="pass one array per output, or none to have them allocated")
-            out_views = [device_view(o, f"output {k} of {self.name}", stream) for k, o in enumerate(outputs)]
-            for k, (view, want) in enumerate(zip(out_views, self.output_types)):
-                self._check_view(view, want, f"output {k}")
+            out_views = [device_view(o, label, stream) for o, label in zip(outputs, self._output_labels)]
+            for view, want, label in zip(out_views, self.output_types, self._output_labels):
+                self._check_view(view, want, label)
         self.run_pointers([v.ptr for v in views], [v.ptr for v in out_views], stream)
         for o in outputs:
             if type(o) is DeviceArray:
@@ -635,15 +640,15 @@ class Executable:
 
     def _check_view(self, view: View, want: TensorType, what: str) -> None:
         if view.shape != want.shape:
-            raise ShapeError(f"{self.name}: {what} has shape {list(view.shape)}, but this executable was compiled "
+            raise ShapeError(f"{what} has shape {list(view.shape)}, but this executable was compiled "
                              f"for {list(want.shape)}",
                              hint="an mdsl.kernel compiles a new executable for new shapes; call it rather than "
                                   "an Executable built for other shapes")
         if view.dtype is not want.dtype:
-            raise DTypeError(f"{self.name}: {what} is {view.dtype.long_name}, but this executable was compiled for "
+            raise DTypeError(f"{what} is {view.dtype.long_name}, but this executable was compiled for "
                              f"{want.dtype.long_name}", hint=f"convert it to {want.dtype.long_name} first")
         if view.device != self.device:
-            raise ArgumentError(f"{self.name}: {what} is on GPU {view.device}, but this executable is loaded on "
+            raise ArgumentError(f"{what} is on GPU {view.device}, but this executable is loaded on "
                                 f"GPU {self.device}", hint="move every argument to the same GPU")
 
     def _new_outputs(self, stream: int, torch_outputs: bool) -> list:

@@ -1,0 +1,146 @@
+"""CUDA C++ emission: one rule per operator, the program's launches and aliases, readable source."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mdsl.backend.cuda import emit_cuda
+from mdsl.backend.cuda.source import OP_MARKER, Namer, Operand, c_identifier, float_literal, offset
+from mdsl.errors import UnsupportedError
+from mdsl.ir import OPS, BLOCK, KERNEL, THREAD, f16
+from mdsl.ir.text import parse_graph
+from mdsl.backend.cuda.block import lower
+from mdsl.passes.fusion import fuse_kernel_graph
+from tests.backend.cuda.builder import Graph
+from tests.backend.cuda.programs import example_kernels
+from tests.strategies import EXAMPLES, example_graphs
+
+_METHODS = {KERNEL: ("kernel",), BLOCK: ("block",), THREAD: ("expr",)}
+_ACCUMULATOR_METHODS = ("init", "update", "finalize")
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_operator_has_a_cuda_rule_for_each_of_its_levels(name):
+    op = OPS[name]
+    rule = op.rules.get("cuda")
+    assert rule is not None, f"{name} has no cuda rule (extend_op({name!r}, cuda=...))"
+    if op.is_accumulator:
+        assert all(hasattr(rule, m) for m in _ACCUMULATOR_METHODS)
+        return
+    for level in op.levels:
+        for method in _METHODS[level]:
+            assert callable(getattr(rule, method, None)), f"{name}'s cuda rule cannot emit it at the {level} level"
+
+
+@pytest.mark.timeout(60)
+def test_launches_follow_the_graph():
+    graph = example_kernels()["gqa.gqa_flash"]
+    program = emit_cuda(graph)
+    assert program.graph == fuse_kernel_graph(graph)
+    assert [l.node_index for l in program.launches] == [0, 1]
+    assert program.aliases == ()
+    for launch, node in zip(program.launches, program.graph.nodes):
+        body = node.body
+        assert launch.grid == body.grid and launch.block == (body.threads, 1, 1)
+        assert launch.args == tuple(v.name for v in (*node.inputs, *node.outputs))
+        _, _, memory = lower(body, tuple(v.type for v in node.inputs))
+        assert launch.smem_bytes == memory.total
+        assert f'extern "C" __global__ void __launch_bounds__({body.threads}, 1)\n{launch.name}(' in program.source
+    assert [l.name for l in program.launches] == ["gqa_flash_bs1_accum_rescale", "gqa_flash_bs1_div"]
+
+
+@pytest.mark.timeout(60)
+def test_standard_kernels_and_views():
+    graph = example_graphs()["layout"]
+    program = emit_cuda(graph)
+    ops = [graph.nodes[l.node_index].op for l in program.launches]
+    assert ops == ["split", "concat", "transpose", "cast", "clamp", "mean", "rms_norm", "sub", "cast"]
+    assert program.aliases == (("d", "c"),)           # reshape: a view, no kernel
+    transpose = program.launches[2]
+    assert transpose.args == ("d", "e")               # the view's own name; the runtime resolves it
+    split = program.launches[0]
+    assert split.args == ("x", "a", "b") and split.block == (256, 1, 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_view_of_a_view_aliases_the_original():
+    g = Graph("views")
+    x = g.input("x", (4, 6), f16)
+    y = g.op("reshape", g.op("reshape", x, shape=(24,)), shape=(6, 4))
+    program = emit_cuda(g.build([g.op("neg", y)]))
+    assert program.aliases == (("reshape", "x"), ("reshape_1", "x"))
+
+
+@pytest.mark.timeout(60)
+def test_source_is_one_readable_translation_unit():
+    graph = example_graphs()["attention"]
+    source = emit_cuda(graph).source
+    assert re.findall(r"#include <([^>]+)>", source) == ["cuda_fp16.h", "cuda_bf16.h"]
+    # each op's code is preceded by a comment naming the mugraph op
+    for line in ["%qs: f16[2, 16, 64] = mul_scalar(%q) {value=0.125}",
+                 "%s: f16[1, 16, 32] = matmul(%bq, %bk)",
+                 "%num: f16[1, 16, 64] = accum_rescale(%pv, %m)",
+                 "%o: f16[1, 16, 64] = div(%num, %den)"]:
+        assert OP_MARKER + line in source
+    # kernels and variables are named after the user's tensors ('row.max' is not a C identifier)
+    assert "attention_out(const __half* __restrict__ g_qs, const __half* __restrict__ g_k," in source
+    assert "__half* __restrict__ g_row_max)" in source
+    assert "s_bq = reinterpret_cast<__half*>" in source and "float* const s_num =" in source
+    assert "switch" not in source
+
+
+@pytest.mark.timeout(60)
+def test_names_from_any_value_name_are_valid_and_distinct():
+    graph = parse_graph(EXAMPLES["rms_norm_linear"].replace("%bx", "%int").replace("%bw", "%_w.1"))
+    source = emit_cuda(graph).source
+    assert "s_int" in source and "s_w_1" in source
+    namer = Namer()
+    assert [namer(n) for n in ("a.b", "a_b", "a__b", "1x", "int", "", "__x")] == \
+        ["a_b", "a_b_1", "a_b_2", "v_1x", "v_int", "v", "x"]
+    assert c_identifier("row.max") == "row_max"
+
+
+def test_float_literals():
+    assert [float_literal(v) for v in (0.5, 3, 1e-6, float("inf"), float("-inf"), 1e40)] == \
+        ["0.5f", "3.0f", "1e-06f", "(-mdsl::neg_inf())", "mdsl::neg_inf()", "(-mdsl::neg_inf())"]
+    assert float_literal(float("nan")).startswith("__int_as_float(")
+
+
+def test_index_arithmetic():
+    padded = Operand("s", "float", (2, 16, 64), (16 * 72, 72, 1))
+    assert offset("i", (2, 16, 64), padded) == "i / 64 * 72 + i % 64"   # rows merge, padding stays
+    assert offset("i", (2, 16, 64), Operand.contiguous("g", "float", (2, 16, 64))) == "i"
+    assert offset("i", (16, 128), Operand.contiguous("g", "float", (16, 1))) == "i / 128"   # broadcast
+    assert offset("i", (4, 6, 8), Operand.contiguous("g", "float", (4, 1, 8))) == "i / 48 * 8 + i % 8"
+    assert offset("i", (8,), Operand.contiguous("g", "float", ())) == "0"
+
+
+@pytest.mark.timeout(60)
+def test_tensors_beyond_32_bit_indices_are_refused():
+    g = Graph("huge")
+    x = g.input("x", (2**16, 2**16), f16)
+    with pytest.raises(UnsupportedError, match="more than 2\\^31 - 1 elements"):
+        emit_cuda(g.build([g.op("neg", x)]))
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_backend_loads_no_cuda_library():
+    code = ("import sys, mdsl, mdsl.backend.cuda, mdsl.backend.cuda.codegen; "
+            "assert not [m for m in sys.modules if m.startswith('cuda')], sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.timeout(60)
+def test_computed_tiles_fall_back_to_their_dtype_when_f32_does_not_fit():
+    g = Graph("wide")
+    x = g.input("x", (96, 512), f16)
+    b = g.block()
+    b.output(b.op("accum_sum", b.op("exp", b.input(x))))
+    b.done()
+    program = emit_cuda(g.build())
+    # in f32 the exp tile would take 194 KB beside the 98 KB input tile; in f16 both fit
+    assert 200_000 < program.launches[0].smem_bytes <= 227 * 1024
+    assert "__half* const s_exp =" in program.source

@@ -1,0 +1,94 @@
+"""The vectorised block-graph walk (all blocks at once, along a block axis) against the per-block walk it
+replaces (tests/ir/per_block_walk.py), on random valid graphs, in float and in the finite field: the
+results must be identical, whatever the number of blocks run together."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mdsl.backend.reference.interpreter import FloatSemantics
+from mdsl.ir import evaluate
+from mdsl.ir.text import parse_graph
+from mdsl.passes.finite_field import Field, FieldSemantics
+from tests.ir import per_block_walk
+from tests.strategies import EXAMPLES, kernel_graphs
+
+#: operands of different ranks (numpy alone would pair the block axis with a tensor dim), a rank-0
+#: tile, and reductions and a concat along dims counted from the front and from the back
+RANKS = """\
+kernel ranks(%a: f32[4, 6, 8], %w: f32[8, 6], %b: f32[8]) {
+  %y: f32[4, 6, 12] = custom(%a, %w, %b) block(grid=[2, 2, 1], threads=128, forloop=2) {
+    in %ta: f32[2, 6, 4] imap=[0, -, -] fmap=2
+    in %tw: f32[4, 3] imap=[-, 1, -] fmap=0
+    in %tb: f32[4] imap=[-, -, -] fmap=0
+    %e: f32[2, 6, 4] = add(%ta, %tb)
+    %m: f32[2, 6, 3] = matmul(%e, %tw)
+    %s0: f32[2, 6] = sum(%m) {dim=2, keepdim=false}
+    %s1: f32[2] = max(%s0) {dim=-1, keepdim=false}
+    %s2: f32[] = mean(%s1) {dim=0, keepdim=false}
+    %mx: f32[] = accum_max(%s2)
+    %acc: f32[2, 6, 3] = accum(%m)
+    %z: f32[2, 6, 3] = mul(%acc, %mx)
+    %c: f32[2, 6, 6] = concat(%z, %acc) {dim=2}
+    out %c omap=[0, 2, -]
+  }
+  return %y
+}"""
+
+#: blocks run together: all of them (the default budget), one at a time, a few
+CHUNKS = st.sampled_from([evaluate.CHUNK_ELEMENTS, 1, 5000])
+
+
+def _float_inputs(graph, rng) -> list:
+    return [rng.standard_normal(v.shape) if v.dtype.is_float else rng.integers(-8, 8, v.shape) for v in graph.inputs]
+
+
+def _same(graph, inputs, sem, chunk: int) -> None:
+    with pytest.MonkeyPatch.context() as patch, np.errstate(all="ignore"):
+        patch.setattr(evaluate, "CHUNK_ELEMENTS", chunk)
+        got = evaluate.run_kernel_graph(graph, inputs, sem)
+        want = per_block_walk.run_kernel_graph(graph, inputs, sem)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@given(graph=kernel_graphs(), seed=st.integers(0, 2 ** 32 - 1), chunk=CHUNKS,
+       precision=st.sampled_from([(np.float64, False), (np.float32, True)]))
+@settings(max_examples=80, deadline=None)
+def test_the_vectorised_walk_equals_the_per_block_walk_in_float(graph, seed, chunk, precision):
+    _same(graph, _float_inputs(graph, np.random.default_rng(seed)), FloatSemantics(*precision), chunk)
+
+
+@given(graph=kernel_graphs(), seed=st.integers(0, 2 ** 32 - 1), chunk=CHUNKS)
+@settings(max_examples=80, deadline=None)
+def test_the_vectorised_walk_equals_the_per_block_walk_in_the_field(graph, seed, chunk):
+    rng = np.random.default_rng(seed)
+    field = Field.draw(rng)
+    _same(graph, [field.random(v.shape, rng) for v in graph.inputs], FieldSemantics(field), chunk)
+
+
+@pytest.mark.parametrize("name", [*EXAMPLES, "ranks"])
+@pytest.mark.parametrize("chunk", [evaluate.CHUNK_ELEMENTS, 1])
+def test_hand_written_graphs_agree(name, chunk):
+    graph = parse_graph({**EXAMPLES, "ranks": RANKS}[name])
+    rng = np.random.default_rng(5)
+    _same(graph, _float_inputs(graph, rng), FloatSemantics(np.float64), chunk)
+    field = Field.draw(rng)
+    _same(graph, [field.random(v.shape, rng) for v in graph.inputs], FieldSemantics(field), chunk)
+
+
+def test_blocks_run_in_chunks_of_bounded_size(monkeypatch):
+    graph = parse_graph(EXAMPLES["rms_norm_linear"])  # 48 blocks
+    chunks = []
+    run = evaluate._run_blocks
+
+    def counted(sem, bg, plan, reads, blocks):
+        chunks.append(len(blocks))
+        return run(sem, bg, plan, reads, blocks)
+
+    monkeypatch.setattr(evaluate, "_run_blocks", counted)
+    monkeypatch.setattr(evaluate, "CHUNK_ELEMENTS", 20 * evaluate._elements_per_block(graph.nodes[0].body))
+    evaluate.run_kernel_graph(graph, _float_inputs(graph, np.random.default_rng(0)), FloatSemantics(np.float64))
+    assert chunks == [20, 20, 8]
