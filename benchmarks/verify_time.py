@@ -8,11 +8,12 @@ For each case: the candidate's custom kernels as blocks × loop iterations, the 
 this process (the original's side of the tests included) and the next one (what a search pays for every
 later candidate: each worker keeps the original's runs), and whether both trees give the same answer.
 A revision's times come from a copy of it (git archive) that verifies the same graphs, handed over as
-JSON, once each, in a subprocess.
+JSON, once each, in a subprocess that runs just before this tree's verifications of the same case.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,13 +34,12 @@ def _measure(graphs: dict, tests: int, seed: int, repeats: int) -> dict:
     out = {}
     for name, texts in graphs.items():
         original, candidate = serialize.loads(texts["original"]), serialize.loads(texts["candidate"])
-        seconds, answers = [], []
+        seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            answers.append(repr(verify(original, candidate, tests=tests, seed=seed)))
+            answer = repr(verify(original, candidate, tests=tests, seed=seed))
             seconds.append(time.perf_counter() - start)
-        out[name] = {"seconds": seconds, "answer": answers[0]}
-        print(f"  {name}: {', '.join(f'{s:.2f} s' for s in seconds)}", file=sys.stderr, flush=True)
+        out[name] = {"seconds": seconds, "answer": answer}
     return out
 
 
@@ -58,17 +59,26 @@ def _candidates(names: list) -> dict:
     return out
 
 
-def _at_revision(revision: str, graphs: dict, tests: int, seed: int) -> dict:
-    """_measure, once per case, by the code of a git revision."""
+@contextlib.contextmanager
+def _revision(revision: Optional[str]) -> Iterator[Optional[str]]:
+    """A copy of a git revision's files (None without a revision)."""
+    if revision is None:
+        yield None
+        return
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        graphs_path = pathlib.Path(tmp) / "graphs.json"
-        graphs_path.write_text(json.dumps(graphs))
-        env = {**os.environ, "PYTHONPATH": tmp}
-        done = subprocess.run([sys.executable, __file__, "--measure", str(graphs_path), "--tests", str(tests),
-                               "--seed", str(seed)], env=env, cwd=tmp, check=True, stdout=subprocess.PIPE)
-        return json.loads(done.stdout)
+        yield tmp
+
+
+def _measure_in(tree: str, graphs: dict, tests: int, seed: int) -> dict:
+    """_measure, once per case, by the code in `tree`, in a subprocess."""
+    graphs_path = pathlib.Path(tree) / "graphs.json"
+    graphs_path.write_text(json.dumps(graphs))
+    done = subprocess.run([sys.executable, __file__, "--measure", str(graphs_path), "--tests", str(tests),
+                           "--seed", str(seed)], env={**os.environ, "PYTHONPATH": tree}, cwd=tree, check=True,
+                          stdout=subprocess.PIPE)
+    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -87,22 +97,19 @@ def main() -> None:
         return
 
     graphs = _candidates([c for c in args.cases.split(",") if c])
-    before = {}
-    if args.before:
-        print(f"verifying at {args.before} ...", file=sys.stderr)
-        before = _at_revision(args.before, graphs, args.tests, args.seed)
-    print("verifying with this tree ...", file=sys.stderr)
-    after = _measure(graphs, args.tests, args.seed, 2)
-
     print(f"{'case':<22}{'blocks × iterations':<22}{'before':>9}    {'first':>7}{'next':>8}{'speedup':>9}  same answer")
-    for name, graph in graphs.items():
-        first, following = after[name]["seconds"]
-        old = before.get(name)
-        columns = [f"{old['seconds'][0]:8.2f}s" if old else f"{'':9}", "→",
-                   f"{first:6.2f}s", f"{following:7.2f}s",
-                   f"{old['seconds'][0] / following:8.1f}×" if old else f"{'':9}",
-                   ("yes" if old["answer"] == after[name]["answer"] else "NO") if old else ""]
-        print(f"{name:<22}{graph['shape']:<22}{' '.join(columns)}")
+    with _revision(args.before) as tree:
+        # case by case, each tree right after the other, so that both see much the same machine load
+        for name, graph in graphs.items():
+            texts = {name: {"original": graph["original"], "candidate": graph["candidate"]}}
+            old = _measure_in(tree, texts, args.tests, args.seed)[name] if tree else None
+            new = _measure(texts, args.tests, args.seed, 2)[name]
+            first, following = new["seconds"]
+            columns = [f"{old['seconds'][0]:8.2f}s" if old else f"{'':9}", "→" if old else " ",
+                       f"{first:6.2f}s", f"{following:7.2f}s",
+                       f"{old['seconds'][0] / following:8.1f}×" if old else f"{'':9}",
+                       ("yes" if old["answer"] == new["answer"] else "NO") if old else ""]
+            print(f"{name:<22}{graph['shape']:<22}{' '.join(columns)}", flush=True)
 
 
 if __name__ == "__main__":

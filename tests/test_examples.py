@@ -4,10 +4,7 @@ JSON forms, every demo runs, and every hand-written block graph computes what it
 accumulator semantics end to end."""
 from __future__ import annotations
 
-import functools
-import importlib.util
 import runpy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,21 +12,10 @@ import pytest
 import mdsl
 from mdsl.backend.reference import run_kernel_graph
 from mdsl.ir import serialize, text, validate_kernel_graph
+from tests.examples_util import EXAMPLES, NAMES, example_kernels, load_example
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-
-
-@functools.cache
-def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"mdsl_examples.{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def kernels(name: str) -> dict:
-    return {k: v for k, v in vars(example(name)).items() if isinstance(v, mdsl.KernelFunction)}
+example = load_example
+kernels = example_kernels
 
 
 def test_the_benchmark_examples_are_all_there():

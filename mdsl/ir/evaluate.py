@@ -13,7 +13,8 @@ Inside a block graph every value has one more leading axis, the *block axis* (on
 that an operator runs once per iteration for all blocks rather than once per block. Rules need not
 know: the walk hands them nodes whose non-negative `dim` attributes count past the block axis, and
 operands of one rank (size-1 axes inserted after the block axis, where numpy's broadcasting would put
-them before it). Accumulators get, for each iteration, their inputs with the block axis; they stack
+them before it). A tile that every block reads whole is read once, with a block axis of size 1 that
+broadcasts, so that what derives from it alone is computed once, not once per block. Accumulators get, for each iteration, their inputs with the block axis; they stack
 the iterations on a new axis 0 and reduce it and axes counted from the end, which the block axis does
 not move.
 """
@@ -57,7 +58,7 @@ class Semantics(Protocol):
         """An operator that is neither graph-defined nor an accumulator."""
 
     def accumulate(self, node: Node, iterations: list) -> list:
-        """An accumulator, given for each loop iteration the list of its inputs."""
+        """An accumulator, given for each loop iteration the list of its inputs (with the block axis)."""
 
     def empty(self, type_: TensorType) -> np.ndarray:
         """A block graph's output tensor before the blocks write it (poisoned, where possible)."""
@@ -87,9 +88,10 @@ def _bind(sem: Semantics, env: Env, variables: Sequence[Var], values: Sequence, 
         raise ValidationError(f"{len(values)} value(s) computed for {len(variables)} name(s)")
     for var, value in zip(variables, values):
         value = sem.convert(value)
-        if sem.shape(value) != lead + var.shape:
-            raise ShapeError(f"%{var.name} is declared {var.type} but evaluates to shape "
-                             f"{list(sem.shape(value)[len(lead):])}")
+        shape = sem.shape(value)
+        # a value equal in every block may have a block axis of size 1 (see _block_index)
+        if shape[len(lead):] != var.shape or shape[:len(lead)] not in (lead, (1,) * len(lead)):
+            raise ShapeError(f"%{var.name} is declared {var.type} but evaluates to shape {list(shape[len(lead):])}")
         env[var.name] = value
 
 
@@ -164,7 +166,11 @@ def _grid_view(array: np.ndarray, shape: tuple, dim_map: tuple, grid: tuple) -> 
 
 
 def _block_index(dim_map: tuple, blocks: np.ndarray) -> tuple:
-    """Index arrays selecting `blocks` (rows of x, y, z) in a `_grid_view` under `dim_map`."""
+    """Index arrays selecting `blocks` (rows of x, y, z) in a `_grid_view` under `dim_map`. A tensor that
+    every block reads whole is selected once: its tiles are the same in every block, so they (and what
+    derives from them alone) are computed once and broadcast along the block axis."""
+    if all(d is None for d in dim_map):
+        return (np.zeros(1, dtype=np.intp),) * 3
     return tuple(blocks[:, g] if d is not None else np.zeros(len(blocks), dtype=np.intp)
                  for g, d in enumerate(dim_map))
 

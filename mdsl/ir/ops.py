@@ -402,7 +402,9 @@ register(OpDef("fused", "graph", frozenset({BLOCK}), None, (), _typed_by_body, b
 
 # ---------------------------------------------------------------------------------------------
 # accumulators: close a block graph's for-loop. The reference receives, for each of the R
-# iterations, the list of the accumulator's inputs at that iteration.
+# iterations, the list of the accumulator's inputs at that iteration, each with a leading block axis
+# (mdsl.ir.evaluate runs the blocks side by side): the rules stack the iterations on a new axis 0 and
+# reduce only it and axes counted from the end.
 
 def _last_to_one(t: TensorType) -> TensorType:
     if t.rank == 0:

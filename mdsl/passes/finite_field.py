@@ -129,17 +129,17 @@ def _power_table(base: int, step: int, p: int) -> np.ndarray:
 
 def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
     """a @ b mod m for residues below 2^25 and K <= MATMUL_CHUNK, with float64 BLAS: the smaller operand is
-    split in halves, whose products with the other operand are exact (the sums stay below 2^53), and
-    recombined in int64. (The larger operand, a weight matrix, is converted to float64 once, unsplit.)"""
+    split in halves, whose products with the other one are exact (the sums stay below 2^53), and
+    recombined in int64. Both halves go through one product (a's stacked as rows, b's as columns), so
+    the larger operand (a weight matrix, say) is converted and read once."""
     split_a = a.size <= b.size
+    axis = -2 if split_a else -1
     high, low = np.divmod(a if split_a else b, 1 << _HALF)
+    halves = np.concatenate([high, low], axis=axis).astype(np.float64)
     whole = (b if split_a else a).astype(np.float64)
-
-    def part(half):
-        half = half.astype(np.float64)
-        return np.matmul(half, whole) if split_a else np.matmul(whole, half)
-
-    return (part(high).astype(np.int64) % m * ((1 << _HALF) % m) + part(low).astype(np.int64)) % m
+    both = np.matmul(halves, whole) if split_a else np.matmul(whole, halves)
+    high, low = (part.astype(np.int64) for part in np.split(both, 2, axis=axis))
+    return (high % m * ((1 << _HALF) % m) + low) % m
 
 
 def matmul_mod(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
@@ -370,7 +370,8 @@ def _split(f: Field, xs, a):
     return np.split(xs[0], np.cumsum(a["sizes"])[:-1], axis=_axis(xs[0], a["dim"]))
 
 
-# accumulators: `its` is the list, per loop iteration, of the accumulator's inputs
+# accumulators: `its` is the list, per loop iteration, of the accumulator's inputs (with a leading
+# block axis: the rules reduce the stacked iterations' axis 0 and axes counted from the end only)
 
 def _stack(its, k: int = 0) -> np.ndarray:
     return np.stack([it[k] for it in its])

@@ -136,6 +136,17 @@ def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache
     return plan
 
 
+def cached_plan(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache: Union[bool, PlanCache] = True,
+                generators: Optional[Sequence[Generator]] = None,
+                verifier: Optional[Callable] = None) -> Optional[Plan]:
+    """The plan `optimize` would answer from the plan cache (same arguments), or None where it would
+    search. Searches nothing."""
+    store = PlanCache() if cache is True else cache or None
+    if store is None:
+        return None
+    return store.load(store.key(graph, config, searcher=_searcher_identity(generators, verifier)), graph)
+
+
 # ---------------------------------------------------------------------------------------------
 # the search itself
 

@@ -452,7 +452,7 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
     for choice in choices(graph, labels, config):
         try:
             candidate = lift(graph, choice, labels)
-        except CannotLift as e:
+        except CannotLift:
             if stats is not None:
                 stats.count("pruned", "guided: does not lift")
             continue

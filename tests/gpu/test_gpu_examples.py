@@ -3,9 +3,6 @@ or the hand-written fused kernels) and, for a specification, the best candidate 
 generator, in f16 (as written), bf16 and f32. The batch-8 variants run in f16 only (time)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import mdsl
@@ -13,16 +10,10 @@ from mdsl.errors import ValidationError
 from mdsl.ir.dtypes import bf16, f16, f32
 from mdsl.ir.validate import validate_kernel_graph
 from mdsl.search.guided import generate
+from tests.examples_util import EXAMPLES, load_example
 from tests.gpu.harness import check_graph, with_dtype
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"mdsl_gpu_examples.{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_load = load_example
 
 
 def _cases() -> list:

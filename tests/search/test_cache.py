@@ -178,3 +178,16 @@ def test_kernel_function_optimize_searches_then_hits_the_cache():
     again = small.optimize(config=config)
     assert again == plan and again.cache_path is not None
     assert small.optimize(mdsl.Tensor[4, 64, f16], mdsl.Tensor[64, 32, f16], config=config).cache_path is not None
+
+
+@pytest.mark.timeout(30)
+def test_cached_plan_answers_what_optimize_stored_and_never_searches(tmp_path):
+    from mdsl.search.engine import cached_plan
+
+    store = PlanCache(tmp_path)
+    lookup = dict(cache=store, generators=[fakes.mixed], verifier=fakes.verify)
+    assert cached_plan(fakes.ORIGINAL, CONFIG, **lookup) is None and not store.plans.exists()
+    plan = run(store)
+    assert cached_plan(fakes.ORIGINAL, CONFIG, **lookup) == plan
+    assert cached_plan(fakes.ORIGINAL, attrs.evolve(CONFIG, seed=1), **lookup) is None   # another key
+    assert cached_plan(fakes.ORIGINAL, CONFIG, cache=False) is None

@@ -1,20 +1,11 @@
 """The cost model: roofline floors and the terms that rank candidates."""
-import importlib.util
-import pathlib
-
 import attrs
 import pytest
 
 from mdsl.search.cost import H200, estimate, roofline_floor
+from tests.examples_util import load_example
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-
-
-def example(name):
-    spec = importlib.util.spec_from_file_location(f"cost_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+example = load_example
 
 
 def test_floor_of_rms_norm_linear_counts_each_input_and_output_once():

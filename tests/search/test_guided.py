@@ -1,7 +1,4 @@
 """The structure-guided generator: labels, lifting rules, and the fused kernels it must find."""
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -9,15 +6,10 @@ from mdsl.backend.reference import run_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.dims import Labels
 from mdsl.search.guided import CannotLift, Choice, generate, lift
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-
+from tests.examples_util import load_example
 
 def example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name)
 
 
 def ops_of(block_graph):

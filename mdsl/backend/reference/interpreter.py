@@ -1,9 +1,9 @@
 """A numpy interpreter for every level of the mugraph: the oracle that other backends and the
 verifier are tested against.
 
-The walk over the graphs (block by block and loop iteration by loop iteration, on copies of the tiles
-each block would load) is `mdsl.ir.evaluate`'s; this module gives it the float semantics: operators
-are evaluated through the registry (`OpDef.reference`) in float64 or float32.
+The walk over the graphs (all blocks side by side, loop iteration by loop iteration, on copies of the
+tiles each block would load) is `mdsl.ir.evaluate`'s; this module gives it the float semantics:
+operators are evaluated through the registry (`OpDef.reference`) in float64 or float32.
 """
 from __future__ import annotations
 

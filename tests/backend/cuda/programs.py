@@ -4,29 +4,22 @@ hand-written graphs of tests/strategies.py and the generated coverage set."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-from pathlib import Path
 
-import mdsl
 from mdsl.ir.graph import KernelGraph
 from mdsl.search import guided
 from tests.backend.cuda.coverage import coverage_graphs
+from tests.examples_util import NAMES
+from tests.examples_util import example_kernels as kernels_of
 from tests.strategies import example_graphs
-
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 @functools.cache
 def example_kernels() -> dict:
     """'<example>.<kernel>' -> the kernel's traced graph, for every kernel every example defines."""
     out = {}
-    for path in sorted(EXAMPLES.glob("*.py")):
-        spec = importlib.util.spec_from_file_location(f"mdsl_examples.{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for name, value in vars(module).items():
-            if isinstance(value, mdsl.KernelFunction):
-                out[f"{path.stem}.{name}"] = value.graph
+    for stem in NAMES:
+        for name, kernel in kernels_of(stem).items():
+            out[f"{stem}.{name}"] = kernel.graph
     return out
 
 
