@@ -105,10 +105,10 @@ class _Builder:
         self.names.add(name)
         return name
 
-    def emit(self, op: str, inputs: list, phase_hint: str, **attrs) -> Var:
+    def emit(self, op: str, inputs: list, **attributes) -> Var:
         opdef = get_op(op)
         try:
-            pairs = opdef.normalize_attrs(attrs)
+            pairs = opdef.normalize_attrs(attributes)
             (out_type,) = opdef.infer_types(tuple(v.type for v in inputs), pairs)
         except MdslError as e:
             raise CannotLift(str(e))
@@ -147,8 +147,8 @@ class _Builder:
         self.operands.append(kernel_var)
         return var
 
-    def accumulate(self, op: str, inputs: list, **attrs) -> Var:
-        out = self.emit(op, inputs, POST, **attrs)
+    def accumulate(self, op: str, inputs: list, **attributes) -> Var:
+        out = self.emit(op, inputs, **attributes)
         node = self.nodes[-1]
         max_of_scale = self.max_accumulator.get(inputs[1].name) if op in ("accum_rescale", "accum_sum_rescale") else None
         self.accumulations.append(Accumulation(node, max_of_scale))
@@ -192,37 +192,33 @@ def _same_phase(lvs) -> str:
 
 def _lift_elementwise(b: _Builder, node: Node) -> Lifted:
     lvs = [b.value(v) for v in node.inputs]
-    attrs = node.attr_dict
+    attributes = node.attr_dict
     if all(lv.plain for lv in lvs) and len({lv.phase for lv in lvs}) == 1:
-        return Lifted(b.emit(node.op, [lv.var for lv in lvs], lvs[0].phase, **attrs), lvs[0].phase)
+        return Lifted(b.emit(node.op, [lv.var for lv in lvs], **attributes), lvs[0].phase)
     if node.op == "sub" and lvs[0].phase == LOOP and lvs[0].plain and lvs[1].max_partial is not None:
         # x - max over the loop label: subtract the chunk's own maximum and remember the shift
         m = lvs[1].max_partial
-        return Lifted(b.emit("sub", [lvs[0].var, m], LOOP), LOOP, shift=m)
+        return Lifted(b.emit("sub", [lvs[0].var, m]), LOOP, shift=m)
     if node.op == "exp" and lvs[0].shift is not None and lvs[0].scale is None and lvs[0].divisor is None:
-        return Lifted(b.emit("exp", [lvs[0].var], LOOP), LOOP, scale=lvs[0].shift)
+        return Lifted(b.emit("exp", [lvs[0].var]), LOOP, scale=lvs[0].shift)
     if node.op == "div" and lvs[0].phase == LOOP and lvs[0].shift is None and lvs[0].divisor is None \
             and lvs[1].phase == POST and lvs[1].plain and not b.has_loop_label(node.inputs[1]):
         # dividing by something constant along the loop label commutes with the contraction
-        return attrs_evolve(lvs[0], divisor=lvs[1].var)
+        return attrs.evolve(lvs[0], divisor=lvs[1].var)
     if node.op in ("mul_scalar", "neg", "cast") and lvs[0].phase == LOOP and lvs[0].shift is None:
-        return attrs_evolve(lvs[0], var=b.emit(node.op, [lvs[0].var], LOOP, **attrs))
+        return attrs.evolve(lvs[0], var=b.emit(node.op, [lvs[0].var], **attributes))
     if node.op == "mul" and all(lv.phase == LOOP and lv.shift is None for lv in lvs) \
             and sum(not lv.plain for lv in lvs) == 1:
         carrier = lvs[0] if not lvs[0].plain else lvs[1]
-        return attrs_evolve(carrier, var=b.emit("mul", [lv.var for lv in lvs], LOOP))
+        return attrs.evolve(carrier, var=b.emit("mul", [lv.var for lv in lvs]))
     raise CannotLift(f"{node.op} on a value with a pending rescale or division")
-
-
-def attrs_evolve(lv: Lifted, **changes) -> Lifted:
-    return attrs.evolve(lv, **changes)
 
 
 def _contract(b: _Builder, partial: Var, lv: Lifted) -> Lifted:
     """Accumulate a loop partial over the loop; apply a deferred division afterwards."""
     acc = b.accumulate("accum_rescale", [partial, lv.scale]) if lv.scale is not None else b.accumulate("accum", [partial])
     if lv.divisor is not None:
-        acc = b.emit("div", [acc, lv.divisor], POST)
+        acc = b.emit("div", [acc, lv.divisor])
     return Lifted(acc, POST)
 
 
@@ -232,11 +228,11 @@ def _lift_matmul(b: _Builder, node: Node) -> Lifted:
         if a.phase != LOOP or w.phase != LOOP or a.shift or w.shift or (not a.plain and not w.plain):
             raise CannotLift("matmul over the loop needs both operands inside the loop, one plain")
         modified = a if not a.plain else w
-        return _contract(b, b.emit("matmul", [a.var, w.var], LOOP), modified)
+        return _contract(b, b.emit("matmul", [a.var, w.var]), modified)
     if not (a.plain and w.plain):
         raise CannotLift("matmul of a value with a pending rescale or division")
     phase = _same_phase((a, w))
-    return Lifted(b.emit("matmul", [a.var, w.var], phase), phase)
+    return Lifted(b.emit("matmul", [a.var, w.var]), phase)
 
 
 def _lift_reduction(b: _Builder, node: Node) -> Lifted:
@@ -245,21 +241,21 @@ def _lift_reduction(b: _Builder, node: Node) -> Lifted:
     if not b.along_loop(node.inputs[0], dim):
         if not x.plain:
             raise CannotLift(f"{node.op} across rows with a pending rescale or division")
-        return Lifted(b.emit(node.op, [x.var], x.phase, dim=dim, keepdim=keepdim), x.phase)
+        return Lifted(b.emit(node.op, [x.var], dim=dim, keepdim=keepdim), x.phase)
     if x.phase != LOOP or x.shift is not None:
         raise CannotLift(f"{node.op} over the loop label of a value outside the loop")
     if node.op == "max":
         if not x.plain:
             raise CannotLift("max of a rescaled value")
-        partial = b.emit("max", [x.var], LOOP, dim=dim, keepdim=keepdim)
+        partial = b.emit("max", [x.var], dim=dim, keepdim=keepdim)
         total = b.accumulate("accum_max", [partial])
         b.max_accumulator[partial.name] = total.name
         return Lifted(total, POST, max_partial=partial)
     if (x.scale is not None or x.divisor is not None) and not keepdim:
         raise CannotLift("a rescaled sum must keep its reduced dim")
-    out = _contract(b, b.emit("sum", [x.var], LOOP, dim=dim, keepdim=keepdim), x)
+    out = _contract(b, b.emit("sum", [x.var], dim=dim, keepdim=keepdim), x)
     if node.op == "mean":
-        out = Lifted(b.emit("mul_scalar", [out.var], POST, value=1.0 / node.inputs[0].shape[dim]), POST)
+        out = Lifted(b.emit("mul_scalar", [out.var], value=1.0 / node.inputs[0].shape[dim]), POST)
     return out
 
 
@@ -269,7 +265,7 @@ def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
     if not x.plain:
         raise CannotLift("rms_norm of a value with a pending rescale or division")
     if not b.along_loop(node.inputs[0], dim):
-        return Lifted(b.emit("rms_norm", [x.var], x.phase, dim=dim, eps=eps), x.phase)
+        return Lifted(b.emit("rms_norm", [x.var], dim=dim, eps=eps), x.phase)
     if x.phase != LOOP or dim % x.var.type.rank != x.var.type.rank - 1:
         raise CannotLift("rms_norm over the loop label needs it to be the last dim")
     # x / rms(x): the rms accumulates over the loop; the division waits for the contraction

@@ -49,18 +49,12 @@ def double(x: Tensor[4, 8, f16]):
 # without a GPU
 
 @no_gpu
-def test_has_gpu_is_false_and_fast_in_a_fresh_process():
+def test_has_gpu_is_false_in_a_fresh_process_and_can_be_asked_again():
     out = run_python("""
-        import time
-        start = time.perf_counter()
         from mdsl.backend.cuda.runtime import has_gpu
-        first = has_gpu()
-        elapsed = time.perf_counter() - start
-        print(first, has_gpu(), elapsed)
+        print(has_gpu(), has_gpu())
     """)
-    first, second, elapsed = out.split()
-    assert (first, second) == ("False", "False")
-    assert float(elapsed) < 5.0, f"has_gpu() took {elapsed} s"
+    assert out.split() == ["False", "False"]
 
 
 @no_gpu

@@ -102,6 +102,7 @@ def test_rms_norm_linear_fused_within_five_ops():
     graph, candidates, stats, seconds = run("rms_norm_linear")
     fused = [c for c in candidates if ops(c) == ["accum", "accum_rms", "div", "matmul"] and body(c).forloop > 1]
     assert fused, "the fused RMSNorm + Linear block graph"
+    assert not stats.by_reason("stopped"), "found by exhausting the bounded space, not cut short"
     for c in fused:
         x, w = body(c).inputs
         assert (x.fmap, w.fmap) == (1, 0)          # the loop walks K in both
@@ -110,7 +111,6 @@ def test_rms_norm_linear_fused_within_five_ops():
     # Mirage's graph: every block reads all of X and its own columns of W
     assert any(body(c).inputs[0].imap == (None, None, None) and body(c).inputs[1].imap == (1, None, None)
                for c in fused)
-    assert seconds < 30
 
 
 @pytest.mark.timeout(60)
@@ -231,21 +231,17 @@ def test_the_abstract_expression_check_removes_states_but_no_candidate():
 @pytest.mark.timeout(30)
 def test_the_state_budget_ends_a_large_space():
     stats = SearchStats()
-    start = time.perf_counter()
     candidates = list(generate(lora(), SearchConfig(max_block_ops=7), stats, max_states=50))
     assert stats.by_reason("stopped") == {"enumerate: states": 1}
     assert stats.by_reason("states")["enumerate"] == 51
-    assert time.perf_counter() - start < 20
     assert all(c.key for c in candidates)
 
 
 @pytest.mark.timeout(30)
 def test_the_time_budget_is_half_the_search_budget():
     stats = SearchStats()
-    start = time.perf_counter()
     list(generate(lora(), SearchConfig(max_block_ops=7, budget_s=2.0), stats))
-    assert stats.by_reason("stopped") == {"enumerate: time": 1}
-    assert time.perf_counter() - start < 8   # 1 s of work, then the z3 query in flight ends
+    assert stats.by_reason("stopped") == {"enumerate: time": 1}   # ended by its time bound (pytest-timeout: a hang fails)
 
 
 @pytest.mark.timeout(30)

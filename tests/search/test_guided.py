@@ -170,3 +170,23 @@ def test_negative_dims_in_a_hand_built_graph_lift_like_positive_ones():
     assert any(c.nodes[0].op == "custom" and "accum_rms" in ops_of(c.nodes[0].body) for c in candidates)
     for c in candidates:
         assert np.allclose(run_kernel_graph(c, inputs)[0], want, rtol=1e-10)
+
+
+def test_a_weighted_norm_before_the_matmul_still_fuses_into_the_loop():
+    # (x / rms(x)) * g @ W = ((x * g) @ W) / rms(x): the division waits through the multiply
+    import mdsl
+    from mdsl import Tensor, f32
+
+    @mdsl.kernel
+    def weighted(x: Tensor[4, 64, f32], g: Tensor[64, f32], w: Tensor[64, 32, f32]):
+        return (mdsl.rms_norm(x) * g * 0.5) @ w
+
+    graph = weighted.graph
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    want = run_kernel_graph(graph, inputs)[0]
+    candidates = list(generate(graph, SearchConfig(min_blocks=1), limit=20))
+    assert any(c.nodes[0].body is not None and c.nodes[0].body.forloop > 1
+               and "accum_rms" in ops_of(c.nodes[0].body) for c in candidates)
+    for c in candidates:
+        assert np.allclose(run_kernel_graph(c, inputs)[0], want, rtol=1e-10)
