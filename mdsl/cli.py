@@ -28,7 +28,7 @@ from mdsl.ir import dot, serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.config import SearchConfig
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130  # 1: the plan failed its GPU check
 
 # the name the loaded file runs under: not "__main__", so that its demo block does not run
 _MODULE_NAME = "__mdsl_user_file__"
@@ -114,11 +114,28 @@ def optimize(args: argparse.Namespace) -> int:
     config = SearchConfig(**{name: value for name, value in (("budget_s", args.budget), ("seed", args.seed),
                                                              ("workers", args.workers)) if value is not None})
     plans = [k.optimize(config=config, cache=not args.no_cache, progress=True, log_path=args.log) for k in kernels]
-    if args.format == "text":
-        print("\n\n".join(str(p) for p in plans))  # each plan: its header comments, then its mugraph
-    else:
+    if args.format != "text":
         print(FORMATS[args.format]([p.graph for p in plans]))
-    return EXIT_OK
+        return EXIT_OK
+    status = EXIT_OK
+    for i, plan in enumerate(plans):
+        print(("\n" if i else "") + str(plan))  # each plan: its header comments, then its mugraph
+        report = _run_on_gpu(plan)
+        if report is not None:
+            print("\n".join(report.lines()))
+            status = status if report.ok else EXIT_FAILED
+    return status
+
+
+def _run_on_gpu(plan):
+    """On a machine with a GPU: run the plan, check it against the reference, time it next to PyTorch."""
+    from mdsl.backend.cuda import runtime
+
+    if not runtime.has_gpu():
+        return None
+    from mdsl.backend.cuda.check import run_plan
+
+    return run_plan(plan)
 
 
 def _positive(kind: type):
