@@ -306,9 +306,9 @@ def test_stream_handles():
 
 def test_every_kernel_level_op_has_a_pytorch_eager_rule():
     # mdsl optimize times plans next to PyTorch eager through these rules (torch itself is optional)
-    from mdsl.backend import torch_eager
+    import mdsl.backend.torch_eager  # noqa: F401 - attaches the rules
     from mdsl.ir.ops import KERNEL, OPS
 
     missing = [name for name, op in OPS.items()
                if KERNEL in op.levels and not op.is_graph_defined and "torch" not in op.rules]
-    assert not missing and torch_eager.supports  # noqa: the import registers the rules
+    assert not missing
