@@ -59,12 +59,24 @@ def supports(graph: KernelGraph) -> bool:
     return all("torch" in OPS[n.op].rules for n in graph.nodes)
 
 
-def run_torch(graph: KernelGraph, inputs: Sequence) -> list:
-    """Evaluate the graph on torch tensors, one PyTorch call per operator."""
+def torch_program(graph: KernelGraph):
+    """A function of torch tensors that evaluates the graph, one PyTorch call per operator; the per-node
+    work (rule lookup, attributes) is done once, here."""
     import torch
 
-    env = {v.name: x for v, x in zip(graph.inputs, inputs)}
-    for node in graph.nodes:
-        outs = OPS[node.op].rules["torch"](torch, [env[v.name] for v in node.inputs], node.attr_dict)
-        env.update({v.name: o for v, o in zip(node.outputs, outs)})
-    return [env[v.name] for v in graph.outputs]
+    steps = [(OPS[n.op].rules["torch"], [v.name for v in n.inputs], [v.name for v in n.outputs], n.attr_dict)
+             for n in graph.nodes]
+    in_names, out_names = [v.name for v in graph.inputs], [v.name for v in graph.outputs]
+
+    def run(*tensors):
+        env = dict(zip(in_names, tensors))
+        for rule, ins, outs, attrs in steps:
+            env.update(zip(outs, rule(torch, [env[name] for name in ins], attrs)))
+        return [env[name] for name in out_names]
+
+    return run
+
+
+def run_torch(graph: KernelGraph, inputs: Sequence) -> list:
+    """Evaluate the graph on torch tensors, one PyTorch call per operator."""
+    return torch_program(graph)(*inputs)
