@@ -24,3 +24,17 @@ def cases() -> dict:
     out["lora"] = lora.lora
     out["gated_mlp"] = gated.gated_mlp
     return out
+
+
+def describe_plan(graph) -> str:
+    """One line: each kernel of a plan (custom kernels with their grid, loop and key ops)."""
+    parts = []
+    for node in graph.nodes:
+        if node.body is None:
+            parts.append(node.op)
+            continue
+        ops = [n.op for n in node.body.nodes]
+        key_ops = sorted({op for op in ops if op in ("matmul", "rms_norm", "exp", "silu") or op.startswith("accum")})
+        grid = "x".join(str(g) for g in node.body.grid if g > 1) or "1"
+        parts.append(f"custom[grid {grid}, loop {node.body.forloop}: {ops.count('matmul')} matmul, {' '.join(key_ops)}]")
+    return " ; ".join(parts)

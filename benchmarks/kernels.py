@@ -59,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.cases import describe_plan  # noqa: E402 - needs ROOT on sys.path
+
 SCHEMA = 1
 EPS = 1e-6                  # every rms_norm of the cases (mdsl.rms_norm's default, rms_norm_linear.EPS)
 L2_BYTES = 60 * 1024**2     # the H200's L2, when torch cannot say
@@ -205,20 +207,6 @@ def get_plan(kernel, config, on_miss: str, progress: bool = False) -> tuple:
                           "--budget first, or --on-miss search")
     print(f"   {kernel.name}: not in the plan cache: searching for up to {config.budget_s:g} s", flush=True)
     return kernel.optimize(config=config, progress=progress or None), False
-
-
-def describe_plan(graph) -> str:
-    """One line: each kernel of the plan (custom kernels with their grid, loop and key ops)."""
-    parts = []
-    for node in graph.nodes:
-        if node.body is None:
-            parts.append(node.op)
-            continue
-        ops = [n.op for n in node.body.nodes]
-        key_ops = sorted({op for op in ops if op in ("matmul", "rms_norm", "exp", "silu") or op.startswith("accum")})
-        grid = "x".join(str(g) for g in node.body.grid if g > 1) or "1"
-        parts.append(f"custom[grid {grid}, loop {node.body.forloop}: {' '.join(key_ops)}]")
-    return " ; ".join(parts)
 
 
 def plan_record(plan, hit: bool) -> dict:

@@ -14,23 +14,9 @@ import sys
 import tempfile
 import time
 
-from cases import cases
+from cases import cases, describe_plan
 
 from mdsl.search.config import SearchConfig
-
-
-def describe(graph) -> str:
-    """A one-line summary of a plan's kernels: custom kernels with their grid, loop and key ops."""
-    parts = []
-    for node in graph.nodes:
-        if node.body is None:
-            parts.append(node.op)
-            continue
-        ops = [n.op for n in node.body.nodes]
-        key_ops = sorted({op for op in ops if op in ("matmul", "rms_norm", "exp", "silu") or op.startswith("accum")})
-        grid = "x".join(str(g) for g in node.body.grid if g > 1) or "1"
-        parts.append(f"custom[grid {grid}, loop {node.body.forloop}: {ops.count('matmul')} matmul, {' '.join(key_ops)}]")
-    return " ; ".join(parts)
 
 
 def run(name: str, kernel, config: SearchConfig) -> dict:
@@ -47,7 +33,7 @@ def run(name: str, kernel, config: SearchConfig) -> dict:
         "verified": stats.total("verified"), "rejected": stats.total("rejected"),
         "launches": plan.cost.launches, "estimate_us": round(plan.cost.seconds * 1e6, 2),
         "floor_us": round(plan.floor.seconds * 1e6, 2), "original": plan.is_original,
-        "false_pass": plan.evidence.false_pass_probability, "plan": describe(plan.graph),
+        "false_pass": plan.evidence.false_pass_probability, "plan": describe_plan(plan.graph),
     }
 
 
