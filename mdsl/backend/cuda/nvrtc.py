@@ -55,7 +55,7 @@ class CompiledModule:
     arch: str
 
 
-def target_arch(arch: Optional[str] = None) -> str:
+def compile_arch(arch: Optional[str] = None) -> str:
     """The architecture to compile for: the one given (the runtime passes its device's), else
     `$MDSL_CUDA_ARCH`, else sm_90a (Hopper with its arch-specific features)."""
     return arch or os.environ.get("MDSL_CUDA_ARCH") or DEFAULT_ARCH
@@ -67,8 +67,8 @@ def cache_dir() -> Path:
 
 
 def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> CompiledModule:
-    """Compile one translation unit to a cubin for `arch` (default: `target_arch()`)."""
-    arch = target_arch(arch)
+    """Compile one translation unit to a cubin for `arch` (default: `compile_arch()`)."""
+    arch = compile_arch(arch)
     nvrtc = _nvrtc()
     options = tuple(options)
     key = _cache_key(source, arch, options, nvrtc)

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from mdsl.backend.cuda import CompileError, compile_cuda, emit_cuda, target_arch
+from mdsl.backend.cuda import CompileError, compile_cuda, emit_cuda, compile_arch
 from mdsl.backend.cuda import nvrtc
 from mdsl.backend.cuda.nvrtc import Resources, cache_dir, parse_resources
 from mdsl.backend.cuda.source import OP_MARKER
@@ -47,10 +47,10 @@ def test_parse_resources():
 
 def test_target_arch(monkeypatch):
     monkeypatch.delenv("MDSL_CUDA_ARCH", raising=False)
-    assert target_arch() == "sm_90a"
-    assert target_arch("sm_80") == "sm_80"
+    assert compile_arch() == "sm_90a"
+    assert compile_arch("sm_80") == "sm_80"
     monkeypatch.setenv("MDSL_CUDA_ARCH", "sm_90")
-    assert target_arch() == "sm_90"
+    assert compile_arch() == "sm_90"
 
 
 @pytest.mark.timeout(60)
