@@ -503,3 +503,17 @@ kernel layout(%x: bf16[4, 6], %y: bf16[4, 2]) {
 def example_graphs() -> dict:
     """The hand-written EXAMPLES, parsed (and so validated)."""
     return {name: parse_graph(text) for name, text in EXAMPLES.items()}
+
+
+def block_input_tensors(bg: BlockGraph) -> list:
+    """The device tensors whose tiles a block graph's inputs are (the inverse of input_tile_type)."""
+    out = []
+    for i in bg.inputs:
+        shape = list(i.var.shape)
+        for size, d in zip(bg.grid, i.imap):
+            if d is not None:
+                shape[d] *= size
+        if i.fmap is not None:
+            shape[i.fmap] *= bg.forloop
+        out.append(i.var.type.with_shape(shape))
+    return out

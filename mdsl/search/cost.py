@@ -88,12 +88,12 @@ def _block_flops(graph: BlockGraph, matmul_only: bool = False) -> int:
     return total * graph.num_blocks
 
 
-def _kernel_time(device: Device, dram: int, flops: int, blocks: int, l2: int = 0) -> float:
+def _kernel_time(device: Device, dram: int, flops: int, blocks: int) -> float:
     # A grid with fewer blocks than SMs cannot draw full bandwidth or issue on every SM.
     share = min(1.0, blocks / device.sms)
     memory = dram / (device.dram_bytes_per_s * share)
     compute = flops / (device.matmul_flops_per_s * share)
-    return max(memory, compute, l2 / device.l2_bytes_per_s) + device.launch_s
+    return max(memory, compute) + device.launch_s
 
 
 def _contiguous_bytes(tile: TensorType, tensor: TensorType) -> int:

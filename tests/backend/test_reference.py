@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mdsl.backend.reference import interpreter, run_block_graph, run_kernel_graph, run_thread_graph
+from mdsl.backend.reference import run_block_graph, run_kernel_graph, run_thread_graph
 from mdsl.errors import DTypeError, ShapeError, SourceLoc, ValidationError
 from mdsl.ir import (BLOCK, KERNEL, OPS, THREAD, BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, OpDef,
                      ThreadGraph, Var, bf16, f16, f32, get_op, i32)
+from mdsl.ir import evaluate
 from mdsl.ir.dtypes import round_to_dtype
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import check_node, input_tile_type, validate_kernel_graph
@@ -473,13 +474,13 @@ def test_tiles_are_copies(rng, monkeypatch):
 
 
 def _reorder_blocks(monkeypatch, change):
-    build = interpreter._BlockPlan.__init__
+    build = evaluate.BlockPlan.__init__
 
     def patched(self, *args):
         build(self, *args)
         change(self.blocks)
 
-    monkeypatch.setattr(interpreter._BlockPlan, "__init__", patched)
+    monkeypatch.setattr(evaluate.BlockPlan, "__init__", patched)
 
 
 def test_block_order_does_not_matter(rng, monkeypatch):

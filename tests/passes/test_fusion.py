@@ -11,7 +11,7 @@ from mdsl.ir.dtypes import round_to_dtype
 from mdsl.ir.text import parse_graph, print_graph
 from mdsl.passes.fusion import fuse_block_graph, fuse_kernel_graph
 from tests.backend.cuda.programs import block_graphs, example_kernels
-from tests.strategies import kernel_graphs
+from tests.strategies import block_input_tensors, kernel_graphs
 
 ATTENTION = """\
 kernel attention(%q: f16[2, 16, 64], %k: f16[2, 64, 128], %v: f16[2, 128, 64]) {
@@ -129,15 +129,7 @@ def test_fusion_preserves_every_block_graph_of_the_coverage_set():
             continue  # the large examples: the test above
         fused = fuse_block_graph(bg)
         assert len(fused.nodes) <= len(bg.nodes)
-        shapes = []
-        for i in bg.inputs:  # the device tensors whose tiles the inputs are
-            shape = list(i.var.shape)
-            for size, d in zip(bg.grid, i.imap):
-                if d is not None:
-                    shape[d] *= size
-            if i.fmap is not None:
-                shape[i.fmap] *= bg.forloop
-            shapes.append(shape)
+        shapes = [t.shape for t in block_input_tensors(bg)]
         rng = np.random.default_rng(1)
         inputs = [rng.uniform(0.25, 1.0, s) for s in shapes]
         for x, y in zip(run_block_graph(bg, inputs), run_block_graph(fused, inputs)):

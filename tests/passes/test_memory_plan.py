@@ -10,21 +10,13 @@ from mdsl.passes.memory import ALIGN, Lifetime, SharedMemoryError, _place, plan_
 from mdsl.passes.schedule import schedule_block_graph
 from tests.backend.cuda.programs import block_graphs
 from tests.passes.test_fusion import ATTENTION
+from tests.strategies import block_input_tensors
 
 
 def _lower(bg, limit=None):
     bg = fuse_block_graph(bg)
     schedule = schedule_block_graph(bg)
-    shapes = []
-    for i in bg.inputs:  # the device tensors whose tiles the inputs are
-        shape = list(i.var.shape)
-        for size, d in zip(bg.grid, i.imap):
-            if d is not None:
-                shape[d] *= size
-        if i.fmap is not None:
-            shape[i.fmap] *= bg.forloop
-        shapes.append(i.var.type.with_shape(shape))
-    layout = select_layout(bg, tuple(shapes))
+    layout = select_layout(bg, tuple(block_input_tensors(bg)))
     memory = plan_memory(bg, schedule, layout, **({} if limit is None else {"limit": limit}))
     return bg, schedule, layout, memory
 

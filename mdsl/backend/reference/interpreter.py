@@ -15,7 +15,6 @@ import numpy as np
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.ir import evaluate
 from mdsl.ir.dtypes import i32, round_to_dtype
-from mdsl.ir.evaluate import BlockPlan as _BlockPlan  # noqa: F401 - tests reorder blocks through it
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph
 from mdsl.ir.types import TensorType, Var
 
