@@ -1,0 +1,68 @@
+"""Built-in step functions: Llama-3 (LlamaForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step
+each, with the weights named as in their Hugging Face checkpoints."""
+from __future__ import annotations
+
+from mdsl.errors import UnsupportedError
+from mdsl.megakernel.config import ModelConfig
+from mdsl.megakernel.model import ModelFunction, model
+
+
+def _decoder(m, cfg: ModelConfig):
+    """The decoder shared by Llama-3 and Qwen3; Qwen3 adds an rms_norm of each query and key head."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
+    embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
+    x = m.embedding(embed)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        normed = m.rms_norm(x, m.weight(p + "input_layernorm.weight", [h]), cfg.rms_norm_eps)
+        qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
+                       m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
+                       m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
+        if cfg.qk_norm:
+            qkv = m.head_rms_norm(qkv, m.weight(p + "self_attn.q_norm.weight", [d]),
+                                  m.weight(p + "self_attn.k_norm.weight", [d]), eps=cfg.rms_norm_eps, **heads)
+        qkv = m.rope(qkv, **heads, **cfg.rope.attrs())
+        k_cache, v_cache = m.kv_cache(i, cfg.num_kv_heads, d)
+        attn = m.attention(qkv, k_cache, v_cache, **heads)
+        x = m.add(x, m.linear(attn, m.weight(p + "self_attn.o_proj.weight", [h, cfg.num_heads * d])))
+        normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
+        gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
+                           m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
+        x = m.add(x, m.linear(m.silu_mul(gate_up), m.weight(p + "mlp.down_proj.weight", [h, cfg.intermediate_size])))
+    x = m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps)
+    head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
+    logits = m.linear(x, head)
+    return logits
+
+
+@model(name="llama3")
+def llama3_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="qwen3")
+def qwen3_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0, seed: int = 0) -> ModelFunction:
+    """The built-in model of an architecture with seeded temperature/top-p sampling instead of argmax."""
+    def step(m, cfg: ModelConfig):
+        logits = _decoder(m, cfg)
+        return logits, m.sample(logits, temperature=temperature, top_p=top_p, seed=seed)
+
+    return ModelFunction(step, f"{architecture}_sampling")
+
+
+STEP_FUNCTIONS = {"llama3": llama3_decode, "qwen3": qwen3_decode}
+
+
+def step_function(cfg: ModelConfig) -> ModelFunction:
+    fn = STEP_FUNCTIONS.get(cfg.architecture)
+    if fn is None:
+        raise UnsupportedError(f"no built-in model for architecture {cfg.architecture!r}",
+                               hint=f"built in: {', '.join(STEP_FUNCTIONS)}")
+    return fn

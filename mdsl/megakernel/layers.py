@@ -1,0 +1,395 @@
+"""The layer-op registry of model graphs: one entry per layer op, holding its attributes, its shape
+rule and its numpy reference semantics. Later layers attach their rules to the same entry with
+`extend_layer_op` (the task graph's `tasks` rule, the simulator's `task_body`, the runtime's emitters),
+the same pattern as `mdsl.ir.ops`.
+
+A decode step works on one token: activations are rows `f32[1, N]`, computed in float32 whatever the
+weights' dtype. The current position is not a tensor but the step's `StepContext`. Ops may update
+model state in place (`state_inputs`): attention appends to the KV cache, argmax/sample write the next
+token into the token history that the next step's embedding reads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import attrs
+import numpy as np
+
+from mdsl.errors import DTypeError, ShapeError, UnsupportedError
+from mdsl.ir.dtypes import f32, i32
+from mdsl.ir.ops import AttrSpec, OpDef
+from mdsl.ir.types import TensorType
+
+
+@attrs.frozen
+class StepContext:
+    """What a step knows besides tensors: the position of its token, and the prompt's length (the
+    token after a prompt position is the prompt's own, never the sampled one)."""
+
+    position: int
+    prompt_length: int = 1
+
+
+@attrs.frozen(eq=False)
+class LayerOpDef(OpDef):
+    """An `OpDef` at the model level; `reference` takes (arrays, attrs dict, StepContext)."""
+
+    category: str = "layer"
+    levels: frozenset = frozenset({"model"})
+    state_inputs: tuple = ()    # indices of inputs that the op updates in place
+
+
+LAYER_OPS: dict[str, LayerOpDef] = {}
+
+
+def register_layer_op(op: LayerOpDef) -> LayerOpDef:
+    if op.name in LAYER_OPS:
+        raise ValueError(f"layer op {op.name} registered twice")
+    LAYER_OPS[op.name] = op
+    return op
+
+
+def get_layer_op(name: str) -> LayerOpDef:
+    op = LAYER_OPS.get(name)
+    if op is None:
+        raise UnsupportedError(f"unknown layer op {name!r}", hint=f"known layer ops: {', '.join(sorted(LAYER_OPS))}")
+    return op
+
+
+def extend_layer_op(name: str, **rules: Any) -> None:
+    """Attach later layers' rules (tasks=..., task_body=..., cuda=...) to a layer op's entry."""
+    get_layer_op(name).rules.update(rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# shape helpers
+
+def _row(n: int) -> TensorType:
+    return TensorType((1, n), f32)
+
+
+def _require_row(op: str, t: TensorType, what: str, width: Optional[int] = None) -> int:
+    if t.rank != 2 or t.shape[0] != 1:
+        raise ShapeError(f"{op}: {what} must be one row [1, N], got {t}")
+    if width is not None and t.shape[1] != width:
+        raise ShapeError(f"{op}: {what} must be [1, {width}], got {t}")
+    return t.shape[1]
+
+
+def _require_shape(op: str, t: TensorType, what: str, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ShapeError(f"{op}: {what} must have shape {list(shape)}, got {t}")
+
+
+def _require_float(op: str, t: TensorType, what: str) -> None:
+    if not t.dtype.is_float:
+        raise DTypeError(f"{op}: {what} must be a floating-point tensor, got {t}")
+
+
+def qkv_width(a: dict) -> int:
+    return (a["q_heads"] + 2 * a["kv_heads"]) * a["head_dim"]
+
+
+def _check_heads(op: str, a: dict) -> None:
+    if a["q_heads"] % a["kv_heads"]:
+        raise ShapeError(f"{op}: {a['q_heads']} query heads do not split into groups over {a['kv_heads']} KV heads")
+
+
+_HEADS = (AttrSpec("q_heads", "int"), AttrSpec("kv_heads", "int"), AttrSpec("head_dim", "int"))
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding: the row of the table for the token at the current position
+
+def _embedding_infer(types, a):
+    tokens, table = types
+    if tokens.dtype is not i32 or tokens.rank != 1:
+        raise DTypeError(f"embedding: the token history must be i32[max_positions], got {tokens}")
+    if table.rank != 2:
+        raise ShapeError(f"embedding: the table must be [vocab, hidden], got {table}")
+    return (_row(table.shape[1]),)
+
+
+def _embedding_ref(xs, a, ctx):
+    tokens, table = xs
+    return [np.asarray(table[int(tokens[ctx.position])], np.float32)[None, :]]
+
+
+# rms_norm over the row, scaled by a weight
+
+def _rms_norm_infer(types, a):
+    x, w = types
+    n = _require_row("rms_norm", x, "the input")
+    _require_shape("rms_norm", w, "the weight", (n,))
+    return (_row(n),)
+
+
+def rms_normalize(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32)
+    inv = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return (x * inv * w.astype(np.float32)).astype(np.float32)
+
+
+def _rms_norm_ref(xs, a, ctx):
+    return [rms_normalize(xs[0], xs[1], a["eps"])]
+
+
+# linear: y = x @ concat(weights).T with weights [out, in] (Hugging Face layout); several weights make a
+# fused projection (q|k|v, gate|up)
+
+def _linear_infer(types, a):
+    x, *ws = types
+    if not ws:
+        raise ShapeError("linear takes an input and at least one weight")
+    k = _require_row("linear", x, "the input")
+    for i, w in enumerate(ws):
+        _require_float("linear", w, f"weight {i}")
+        if w.rank != 2 or w.shape[1] != k:
+            raise ShapeError(f"linear: weight {i} must be [out, {k}] for an input of width {k}, got {w}")
+    return (_row(sum(w.shape[0] for w in ws)),)
+
+
+def _linear_ref(xs, a, ctx):
+    x, *ws = xs
+    return [np.concatenate([x.astype(np.float32) @ w.astype(np.float32).T for w in ws], axis=1)]
+
+
+# head_rms_norm: Qwen3's q/k norm, an rms_norm over each query and key head of the fused q|k|v row
+# (value heads pass through)
+
+def _head_rms_norm_infer(types, a):
+    qkv, wq, wk = types
+    _check_heads("head_rms_norm", a)
+    _require_row("head_rms_norm", qkv, "the q|k|v row", qkv_width(a))
+    _require_shape("head_rms_norm", wq, "the query norm weight", (a["head_dim"],))
+    _require_shape("head_rms_norm", wk, "the key norm weight", (a["head_dim"],))
+    return (qkv,)
+
+
+def split_heads(row: np.ndarray, a: dict):
+    """The fused q|k|v row as (q [Hq, D], k [Hkv, D], v [Hkv, D]) views."""
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    flat = row.reshape(-1)
+    return (flat[:hq * d].reshape(hq, d), flat[hq * d:(hq + hkv) * d].reshape(hkv, d),
+            flat[(hq + hkv) * d:].reshape(hkv, d))
+
+
+def _head_rms_norm_ref(xs, a, ctx):
+    out = xs[0].astype(np.float32).copy()
+    q, k, _ = split_heads(out, a)
+    q[:] = rms_normalize(q, xs[1], a["eps"])
+    k[:] = rms_normalize(k, xs[2], a["eps"])
+    return [out]
+
+
+# rope: rotary position embedding of the query and key heads (rotate-half form), plain theta or
+# Llama-3's frequency scaling (scaling_factor != 1 with low/high frequency factors)
+
+_ROPE_ATTRS = (AttrSpec("theta", "float"), AttrSpec("scaling_factor", "float", 1.0),
+               AttrSpec("low_freq_factor", "float", 1.0), AttrSpec("high_freq_factor", "float", 4.0),
+               AttrSpec("original_max_position", "int", 0))
+
+
+def _rope_infer(types, a):
+    _check_heads("rope", a)
+    if a["head_dim"] % 2:
+        raise ShapeError(f"rope: head_dim must be even, got {a['head_dim']}")
+    _require_row("rope", types[0], "the q|k|v row", qkv_width(a))
+    return (types[0],)
+
+
+def rope_inv_freq(a: dict) -> np.ndarray:
+    """Inverse frequencies in float32, as transformers computes them (rope_type default or llama3)."""
+    d = a["head_dim"]
+    inv = (1.0 / (a["theta"] ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    if a["original_max_position"] <= 0:
+        return inv
+    factor, low, high = a["scaling_factor"], a["low_freq_factor"], a["high_freq_factor"]
+    old_len = a["original_max_position"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(a: dict, position: int):
+    freqs = rope_inv_freq(a) * np.float32(position)
+    emb = np.concatenate([freqs, freqs]).astype(np.float32)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def rotate_heads(heads: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = heads.shape[-1] // 2
+    rotated = np.concatenate([-heads[..., half:], heads[..., :half]], axis=-1)
+    return (heads * cos + rotated * sin).astype(np.float32)
+
+
+def _rope_ref(xs, a, ctx):
+    out = xs[0].astype(np.float32).copy()
+    q, k, _ = split_heads(out, a)
+    cos, sin = rope_cos_sin(a, ctx.position)
+    q[:] = rotate_heads(q, cos, sin)
+    k[:] = rotate_heads(k, cos, sin)
+    return [out]
+
+
+# attention over the KV cache: append this position's key and value, then causal softmax attention of
+# every query head over positions 0..position of its KV head (grouped query heads)
+
+def _attention_infer(types, a):
+    qkv, k_cache, v_cache = types
+    _check_heads("attention", a)
+    _require_row("attention", qkv, "the q|k|v row", qkv_width(a))
+    for what, c in (("key cache", k_cache), ("value cache", v_cache)):
+        if c.rank != 3 or c.shape[1:] != (a["kv_heads"], a["head_dim"]):
+            raise ShapeError(f"attention: the {what} must be [max_positions, {a['kv_heads']}, {a['head_dim']}], got {c}")
+    return (_row(a["q_heads"] * a["head_dim"]),)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray):
+    """Softmax attention of q [G, D] over keys/values [T, D]: (output [G, D], log-sum-exp [G]); an empty
+    range gives zeros and -inf (a weight of zero in the combine)."""
+    g, d = q.shape
+    if keys.shape[0] == 0:
+        return np.zeros((g, d), np.float32), np.full(g, -np.inf, np.float32)
+    scores = (q.astype(np.float32) @ keys.astype(np.float32).T) * np.float32(1.0 / math.sqrt(d))
+    top = scores.max(axis=1, keepdims=True)
+    p = np.exp(scores - top)
+    total = p.sum(axis=1, keepdims=True)
+    out = (p @ values.astype(np.float32)) / total
+    return out.astype(np.float32), (top + np.log(total)).reshape(g).astype(np.float32)
+
+
+def _attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache = xs
+    q, k, v = split_heads(qkv.astype(np.float32), a)
+    pos = ctx.position
+    k_cache[pos], v_cache[pos] = k, v
+    group = a["q_heads"] // a["kv_heads"]
+    out = np.empty_like(q)
+    for h in range(a["kv_heads"]):
+        rows = slice(h * group, (h + 1) * group)
+        out[rows], _ = attend(q[rows], k_cache[:pos + 1, h], v_cache[:pos + 1, h])
+    return [out.reshape(1, -1)]
+
+
+# silu_mul: SwiGLU's silu(gate) * up over the fused gate|up row
+
+def _silu_mul_infer(types, a):
+    n = _require_row("silu_mul", types[0], "the gate|up row")
+    if n % 2:
+        raise ShapeError(f"silu_mul: the gate|up row must have an even width, got {types[0]}")
+    return (_row(n // 2),)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+
+
+def _silu_mul_ref(xs, a, ctx):
+    gu = xs[0].astype(np.float32)
+    half = gu.shape[1] // 2
+    return [silu(gu[:, :half]) * gu[:, half:]]
+
+
+# add: the residual connection
+
+def _add_infer(types, a):
+    x, y = types
+    n = _require_row("add", x, "the first operand")
+    _require_row("add", y, "the second operand", n)
+    return (_row(n),)
+
+
+def _add_ref(xs, a, ctx):
+    return [(xs[0].astype(np.float32) + xs[1].astype(np.float32)).astype(np.float32)]
+
+
+# argmax and sample: the next token, also written into the token history after the current position
+# (unless that position still holds a prompt token)
+
+def _token_infer(name: str):
+    def infer(types, a):
+        logits, tokens = types
+        _require_row(name, logits, "the logits")
+        if tokens.dtype is not i32 or tokens.rank != 1:
+            raise DTypeError(f"{name}: the token history must be i32[max_positions], got {tokens}")
+        if name == "sample" and not (a["temperature"] > 0 and 0 < a["top_p"] <= 1):
+            raise ShapeError(f"sample: temperature must be > 0 and top_p in (0, 1], got {a['temperature']}, "
+                             f"{a['top_p']}")
+        return (TensorType((1,), i32),)
+
+    return infer
+
+
+def store_next_token(tokens: np.ndarray, token: int, ctx: StepContext) -> None:
+    nxt = ctx.position + 1
+    if nxt >= ctx.prompt_length and nxt < tokens.shape[0]:
+        tokens[nxt] = token
+
+
+def _argmax_ref(xs, a, ctx):
+    token = int(np.argmax(xs[0].reshape(-1)))
+    store_next_token(xs[1], token, ctx)
+    return [np.array([token], np.int32)]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_uniform(seed: int, position: int) -> float:
+    """A reproducible uniform in [0, 1) for (seed, position): splitmix64, as a GPU would compute it."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0 ** -53
+
+
+def sample_token(logits: np.ndarray, temperature: float, top_p: float, u: float) -> int:
+    """Top-p (nucleus) sampling: softmax(logits / temperature), the most likely tokens whose mass first
+    reaches top_p (ties by lower index), one picked by inverse CDF at u."""
+    z = logits.reshape(-1).astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    mass = np.cumsum(p[order])
+    keep = int(np.searchsorted(mass, top_p, side="left")) + 1
+    kept = mass[:min(keep, mass.size)]
+    pick = int(np.searchsorted(kept, u * kept[-1], side="right"))
+    return int(order[min(pick, kept.size - 1)])
+
+
+def _sample_ref(xs, a, ctx):
+    token = sample_token(xs[0], a["temperature"], a["top_p"], sample_uniform(a["seed"], ctx.position))
+    store_next_token(xs[1], token, ctx)
+    return [np.array([token], np.int32)]
+
+
+def _layer(name: str, arity, infer, reference, attr_specs: tuple = (), state_inputs: tuple = (), doc: str = ""):
+    register_layer_op(LayerOpDef(name=name, arity=arity, attr_specs=attr_specs, infer=infer, reference=reference,
+                                 state_inputs=state_inputs, doc=doc))
+
+
+_layer("embedding", 2, _embedding_infer, _embedding_ref, doc="the table row of the token at the current position")
+_layer("rms_norm", 2, _rms_norm_infer, _rms_norm_ref, (AttrSpec("eps", "float"),),
+       doc="x * rsqrt(mean(x^2) + eps) * w over the row")
+_layer("linear", None, _linear_infer, _linear_ref, doc="x @ concat(weights).T; weights are [out, in]")
+_layer("head_rms_norm", 3, _head_rms_norm_infer, _head_rms_norm_ref, (*_HEADS, AttrSpec("eps", "float")),
+       doc="rms_norm of each query and key head (Qwen3 q/k norm)")
+_layer("rope", 1, _rope_infer, _rope_ref, (*_HEADS, *_ROPE_ATTRS),
+       doc="rotary embedding of query and key heads at the current position")
+_layer("attention", 3, _attention_infer, _attention_ref, _HEADS, state_inputs=(1, 2),
+       doc="append k, v to the cache; causal grouped-query attention over 0..position")
+_layer("silu_mul", 1, _silu_mul_infer, _silu_mul_ref, doc="silu(gate) * up over the gate|up row")
+_layer("add", 2, _add_infer, _add_ref, doc="element-wise sum (residual)")
+_layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
+       doc="the most likely token (lowest index on ties), stored after the position")
+_layer("sample", 2, _token_infer("sample"), _sample_ref,
+       (AttrSpec("temperature", "float"), AttrSpec("top_p", "float", 1.0), AttrSpec("seed", "int", 0)),
+       state_inputs=(1,), doc="seeded temperature/top-p sampling, stored after the position")

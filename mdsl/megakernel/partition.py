@@ -1,0 +1,216 @@
+"""Partitioning a model graph into a task graph: each layer op's `tasks` rule (attached to its registry
+entry) cuts the op into tiles; `build_task_graph` collects them and links them by events.
+
+Tiles per op (the `tile` entries a task body reads):
+* column ops (embedding, linear, silu_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
+  output columns; widths chosen so that a wide op has at least `num_sms` tiles.
+* rms_norm: `row` (decode has one row: one task).
+* head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
+  heads, which are copied through).
+* attention.partial: `kv_head`, `split`, `splits`: one KV head's queries over one of `splits` ranges of
+  positions 0..position, anchored at the position (the last split holds it and appends this step's key
+  and value to the cache); writes per-split outputs and log-sum-exps to scratch.
+  attention.combine: `kv_head`: merges the splits of one KV head's queries.
+* argmax.reduce, sample: no tile entries (one task over the partial results / all logits).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import attrs
+
+from mdsl.ir.dtypes import f32, i32
+from mdsl.ir.types import TensorType, Var
+from mdsl.megakernel.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.model import TOKENS, ModelGraph
+from mdsl.megakernel.taskgraph import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
+                                       TaskGraph, build_events)
+
+
+@attrs.frozen
+class TaskSpec:
+    kind: str
+    tile: tuple
+    reads: tuple
+    writes: tuple
+
+
+def full(var: Var) -> Region:
+    return Region(var.name, tuple((0, n) for n in var.shape))
+
+
+def columns(var: Var, start: int, stop: int) -> Region:
+    return Region(var.name, ((0, 1), (start, stop)))
+
+
+def column_tiles(n: int, config: PartitionConfig) -> list:
+    """(start, stop) ranges covering 0..n: at least num_sms of them when n allows, widths a multiple of
+    column_align (or a power of two below it)."""
+    width = max(1, n // config.num_sms)
+    if width >= config.column_align:
+        width -= width % config.column_align
+    else:
+        width = 1 << (width.bit_length() - 1)
+    return [(a, min(a + width, n)) for a in range(0, n, width)]
+
+
+def _col_tile(a: int, b: int) -> tuple:
+    return (("col_start", a), ("col_stop", b))
+
+
+def _embedding_tasks(node, config):
+    tokens, table = node.inputs
+    out = node.output
+    return [TaskSpec("embedding", _col_tile(a, b), (full(tokens), Region(table.name, ((0, table.shape[0]), (a, b)))),
+                     (columns(out, a, b),)) for a, b in column_tiles(out.shape[1], config)], []
+
+
+def _row_tasks(node, config):
+    return [TaskSpec(node.op, (("row", 0),), tuple(map(full, node.inputs)), (full(node.output),))], []
+
+
+def weight_rows(weights, start: int, stop: int) -> list:
+    """(weight index, first row, end row, first output column) of each weight that output columns
+    start..stop of a fused linear fall in."""
+    out, base = [], 0
+    for i, w in enumerate(weights):
+        n = w.shape[0]
+        lo, hi = max(start, base), min(stop, base + n)
+        if lo < hi:
+            out.append((i, lo - base, hi - base, lo))
+        base += n
+    return out
+
+
+def _linear_tasks(node, config):
+    x, *ws = node.inputs
+    specs = []
+    for a, b in column_tiles(node.output.shape[1], config):
+        reads = [full(x)] + [Region(ws[i].name, ((r0, r1), (0, ws[i].shape[1])))
+                             for i, r0, r1, _ in weight_rows(ws, a, b)]
+        specs.append(TaskSpec("linear", _col_tile(a, b), tuple(reads), (columns(node.output, a, b),)))
+    return specs, []
+
+
+def _per_head_tasks(node, config):
+    a = node.attr_dict
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    qkv, *norm_weights = node.inputs
+    specs = []
+    for h in range(hq + 2 * hkv):
+        reads = [columns(qkv, h * d, (h + 1) * d)]
+        if norm_weights and h < hq + hkv:
+            reads.append(full(norm_weights[0] if h < hq else norm_weights[1]))
+        specs.append(TaskSpec(node.op, (("head", h),), tuple(reads), (columns(node.output, h * d, (h + 1) * d),)))
+    return specs, []
+
+
+def kv_split_count(kv_heads: int, config: PartitionConfig) -> int:
+    return config.kv_splits or max(1, math.ceil(config.num_sms / kv_heads))
+
+
+def split_range(position: int, split: int, splits: int) -> tuple:
+    """Positions [start, stop) of one split of 0..position: equal chunks anchored at the position, so
+    the last split always holds it (early splits may be empty)."""
+    chunk = math.ceil((position + 1) / splits)
+    stop = max(0, position + 1 - (splits - 1 - split) * chunk)
+    return max(0, stop - chunk), stop
+
+
+def attention_scratch(node) -> tuple:
+    """The scratch buffers of an attention node: per-split outputs [splits, Hq, D] and log-sum-exps."""
+    out = node.output
+    return f"{out.name}.partial_out", f"{out.name}.partial_lse"
+
+
+def _attention_tasks(node, config):
+    a = node.attr_dict
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    group = hq // hkv
+    qkv, k_cache, v_cache = node.inputs
+    splits = kv_split_count(hkv, config)
+    part_out, part_lse = attention_scratch(node)
+    positions = k_cache.shape[0]
+    scratch = [Buffer(part_out, TensorType((splits, hq, d), f32), SCRATCH),
+               Buffer(part_lse, TensorType((splits, hq), f32), SCRATCH)]
+    specs = []
+    for h in range(hkv):
+        q_cols = columns(qkv, h * group * d, (h + 1) * group * d)
+        k_cols = columns(qkv, (hq + h) * d, (hq + h + 1) * d)
+        v_cols = columns(qkv, (hq + hkv + h) * d, (hq + hkv + h + 1) * d)
+        caches = [Region(c.name, ((0, positions), (h, h + 1), (0, d))) for c in (k_cache, v_cache)]
+        heads = (h * group, (h + 1) * group)
+        for s in range(splits):
+            writes = [Region(part_out, ((s, s + 1), heads, (0, d))), Region(part_lse, ((s, s + 1), heads))]
+            if s == splits - 1:
+                writes += caches
+            specs.append(TaskSpec("attention.partial", (("kv_head", h), ("split", s), ("splits", splits)),
+                                  (q_cols, k_cols, v_cols, *caches), tuple(writes)))
+    for h in range(hkv):
+        heads = (h * group, (h + 1) * group)
+        specs.append(TaskSpec("attention.combine", (("kv_head", h),),
+                              (Region(part_out, ((0, splits), heads, (0, d))), Region(part_lse, ((0, splits), heads))),
+                              (columns(node.output, h * group * d, (h + 1) * group * d),)))
+    return specs, scratch
+
+
+def _silu_mul_tasks(node, config):
+    gu, out = node.inputs[0], node.output
+    half = out.shape[1]
+    return [TaskSpec("silu_mul", _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
+                     (columns(out, a, b),)) for a, b in column_tiles(half, config)], []
+
+
+def _add_tasks(node, config):
+    x, y = node.inputs
+    return [TaskSpec("add", _col_tile(a, b), (columns(x, a, b), columns(y, a, b)), (columns(node.output, a, b),))
+            for a, b in column_tiles(node.output.shape[1], config)], []
+
+
+def argmax_scratch(node) -> tuple:
+    return f"{node.output.name}.partial_value", f"{node.output.name}.partial_index"
+
+
+def _argmax_tasks(node, config):
+    logits, tokens = node.inputs
+    tiles = column_tiles(logits.shape[1], config)
+    values, indices = argmax_scratch(node)
+    scratch = [Buffer(values, TensorType((len(tiles),), f32), SCRATCH),
+               Buffer(indices, TensorType((len(tiles),), i32), SCRATCH)]
+    specs = [TaskSpec("argmax.partial", (*_col_tile(a, b), ("slot", j)), (columns(logits, a, b),),
+                      (Region(values, ((j, j + 1),)), Region(indices, ((j, j + 1),))))
+             for j, (a, b) in enumerate(tiles)]
+    specs.append(TaskSpec("argmax.reduce", (("slots", len(tiles)),),
+                          (Region(values, ((0, len(tiles)),)), Region(indices, ((0, len(tiles)),))),
+                          (full(node.output), full(tokens))))
+    return specs, scratch
+
+
+def _sample_tasks(node, config):
+    logits, tokens = node.inputs
+    return [TaskSpec("sample", (), (full(logits),), (full(node.output), full(tokens)))], []
+
+
+_TASK_RULES: dict[str, Callable] = {
+    "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
+    "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
+    "silu_mul": _silu_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
+}
+for _name, _rule in _TASK_RULES.items():
+    extend_layer_op(_name, tasks=_rule)
+
+
+def build_task_graph(graph: ModelGraph, config: PartitionConfig = PartitionConfig()) -> TaskGraph:
+    """The model graph's tasks in node order (a topological order), linked by events; validated."""
+    buffers = [Buffer(w.name, w.type, WEIGHT) for w in graph.weights]
+    buffers += [Buffer(s.name, s.type, STATE) for s in graph.states]
+    specs = []
+    for index, node in enumerate(graph.nodes):
+        buffers += [Buffer(v.name, v.type, ACTIVATION) for v in node.outputs]
+        node_specs, scratch = get_layer_op(node.op).rules["tasks"](node, config)
+        buffers += scratch
+        specs += [(s.kind, index, node.op, s.tile, s.reads, s.writes) for s in node_specs]
+    assert buffers[len(graph.weights)].name == TOKENS
+    tasks, events = build_events(tuple(buffers), specs)
+    return TaskGraph(graph, config, tuple(buffers), tasks, events).validate()

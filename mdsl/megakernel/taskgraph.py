@@ -1,0 +1,331 @@
+"""The task graph: every layer op of a model graph split into tasks (one tile of work for one SM),
+linked by events (per-tile dependency counters). This module holds the data structures, the
+event construction, validation, the textual and DOT forms and statistics; `partition.py` makes the
+tasks from each op's `tasks` rule.
+
+Interface for runtimes (the CPU simulator here, the GPU persistent kernel in `runtime/`):
+
+* `TaskGraph.buffers`: every tensor a task touches. `kind` is `weight` (read-only, from the
+  checkpoint), `state` (kept across steps: the token history `tokens` and the KV caches), `activation`
+  (a model-graph value, rewritten every step) or `scratch` (a task-private intermediate, e.g.
+  attention's per-split partial results). Names are the model graph's Var names.
+* `TaskGraph.tasks`: in a topological order of one step (a task comes after every task it waits on in
+  the same step), ids 0..n-1 equal to positions. A task names its op (`node`, an index into
+  `model.nodes`; `op` the op's name), its body (`kind`, e.g. `linear` or `attention.partial`) and its
+  tile (`tile`: (name, int) pairs, e.g. `(("col_start", 0), ("col_stop", 16))`; the body's
+  meaning of each is documented with the op's rule in partition.py).
+* Events are counters that never reset. A task of step s (s = 0, 1, ...) first waits, for each
+  `Wait(event, step_offset)`, until `counter[event] >= event.threshold(s, step_offset)` (=
+  `len(event.producers) * max(0, s + 1 + step_offset)`: offset 0 waits for this step's producers, -1 for
+  the previous step's), then runs its body, then makes its writes visible and increments every event
+  in `signals` by one (release). Every producer of an event signals it exactly once per step.
+* The only cross-step wait is on the next token (`tokens`): every task descends from the tasks that
+  wait on it, and every task is an ancestor of the tasks that write it (checked by `validate`), so a
+  step's state and activations are never touched by the next step before the step is done with them.
+* The position of step s is s (prefill is successive steps over the prompt's tokens).
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Optional
+
+import attrs
+from attrs import field
+
+from mdsl.errors import ValidationError
+from mdsl.ir.types import TensorType
+
+WEIGHT, STATE, ACTIVATION, SCRATCH = "weight", "state", "activation", "scratch"
+BUFFER_KINDS = (WEIGHT, STATE, ACTIVATION, SCRATCH)
+
+
+@attrs.frozen(cache_hash=True)
+class Buffer:
+    name: str
+    type: TensorType
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} %{self.name}: {self.type}"
+
+
+def _box(value) -> tuple:
+    return tuple((int(a), int(b)) for a, b in value)
+
+
+@attrs.frozen(cache_hash=True)
+class Region:
+    """A box of a buffer, one (start, stop) pair per dim. For state the box bounds what a task may touch
+    at any step (attention reads a growing prefix of its cache)."""
+
+    buffer: str
+    box: tuple = field(converter=_box)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in self.box:
+            n *= max(0, b - a)
+        return n
+
+    def intersects(self, other: "Region") -> bool:
+        return self.buffer == other.buffer and all(a < d and c < b for (a, b), (c, d) in zip(self.box, other.box))
+
+    def __str__(self) -> str:
+        return f"%{self.buffer}[{', '.join(f'{a}:{b}' for a, b in self.box)}]"
+
+
+@attrs.frozen(cache_hash=True)
+class Wait:
+    event: int
+    step_offset: int = 0   # 0: this step's producers; -1: the previous step's
+
+    def __str__(self) -> str:
+        return f"e{self.event}" + ("" if self.step_offset == 0 else f"@{self.step_offset:+d}")
+
+
+@attrs.frozen(cache_hash=True)
+class Task:
+    id: int
+    kind: str
+    node: int
+    op: str
+    tile: tuple = field(converter=tuple)
+    reads: tuple = field(converter=tuple)
+    writes: tuple = field(converter=tuple)
+    waits: tuple = field(default=(), converter=tuple)
+    signals: tuple = field(default=(), converter=tuple)
+
+    @property
+    def tile_dict(self) -> dict:
+        return dict(self.tile)
+
+    def tile_value(self, name: str) -> int:
+        for k, v in self.tile:
+            if k == name:
+                return v
+        raise KeyError(f"task {self.id} ({self.kind}) has no tile entry {name!r}")
+
+    def __str__(self) -> str:
+        tile = ", ".join(f"{k}={v}" for k, v in self.tile)
+        waits = " ".join(map(str, self.waits)) or "-"
+        signals = " ".join(f"e{e}" for e in self.signals) or "-"
+        return (f"task {self.id} {self.kind} {{{tile}}} node={self.node} wait {waits} signal {signals}\n"
+                f"    reads {' '.join(map(str, self.reads)) or '-'}\n"
+                f"    writes {' '.join(map(str, self.writes)) or '-'}")
+
+
+@attrs.frozen(cache_hash=True)
+class Event:
+    id: int
+    producers: tuple = field(converter=tuple)   # task ids; each signals once per step
+    consumers: tuple = field(converter=tuple)   # task ids that wait on it
+
+    @property
+    def count(self) -> int:
+        return len(self.producers)
+
+    def threshold(self, step: int, step_offset: int = 0) -> int:
+        return self.count * max(0, step + 1 + step_offset)
+
+    def __str__(self) -> str:
+        return (f"event e{self.id} count={self.count} producers={list(self.producers)} "
+                f"consumers={list(self.consumers)}")
+
+
+@attrs.frozen
+class PartitionConfig:
+    """How ops are cut into tasks. `num_sms`: the work of a wide op is split into at least this many
+    tiles where it is that wide; `column_align`: tile widths are multiples of it where they can be;
+    `kv_splits`: the splits of each KV head's positions in attention (None: enough to fill num_sms)."""
+
+    num_sms: int = 132
+    column_align: int = 16
+    kv_splits: Optional[int] = None
+
+
+@attrs.frozen(eq=False)
+class TaskGraph:
+    model: object          # the ModelGraph
+    config: PartitionConfig
+    buffers: tuple = field(converter=tuple)
+    tasks: tuple = field(converter=tuple)
+    events: tuple = field(converter=tuple)
+
+    def buffer(self, name: str) -> Buffer:
+        return self._buffers_by_name[name]
+
+    @property
+    def _buffers_by_name(self) -> dict:
+        return {b.name: b for b in self.buffers}
+
+    def region_bytes(self, region: Region) -> int:
+        return region.numel * self.buffer(region.buffer).type.dtype.itemsize
+
+    def terminal_tasks(self) -> tuple:
+        """The tasks that write the next token: the end of a step."""
+        from mdsl.megakernel.model import TOKENS
+
+        return tuple(t.id for t in self.tasks if any(r.buffer == TOKENS for r in t.writes))
+
+    def stats(self) -> dict:
+        per_task = [{"id": t.id, "kind": t.kind, "bytes_read": sum(map(self.region_bytes, t.reads)),
+                     "bytes_written": sum(map(self.region_bytes, t.writes))} for t in self.tasks]
+        kinds = Counter(t.kind for t in self.tasks)
+        return {
+            "tasks": len(self.tasks),
+            "events": len(self.events),
+            "waits": sum(len(t.waits) for t in self.tasks),
+            "tasks_per_kind": dict(sorted(kinds.items())),
+            "bytes_read_per_step": sum(p["bytes_read"] for p in per_task),
+            "bytes_written_per_step": sum(p["bytes_written"] for p in per_task),
+            "weight_bytes": sum(b.type.nbytes for b in self.buffers if b.kind == WEIGHT),
+            "per_task": per_task,
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        kinds = ", ".join(f"{k}: {n}" for k, n in s["tasks_per_kind"].items())
+        return (f"{s['tasks']} tasks ({kinds}), {s['events']} events, {s['waits']} waits; per step "
+                f"{s['bytes_read_per_step']} bytes read (state reads at their largest), "
+                f"{s['bytes_written_per_step']} written; weights {s['weight_bytes']} bytes")
+
+    def __str__(self) -> str:
+        lines = [f"taskgraph {getattr(self.model, 'name', '?')} {{  # {self.summary()}"]
+        lines += [f"  buffer {b}" for b in self.buffers]
+        lines += [f"  {e}" for e in self.events]
+        for t in self.tasks:
+            lines += ["  " + line for line in str(t).split("\n")]
+        lines.append("}")
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """Tasks are boxes clustered by model-graph node; an edge per (producer, consumer) of an event,
+        labelled with the event (dashed when it crosses to the next step)."""
+        lines = ["digraph taskgraph {", '  node [fontname="monospace", shape=box]; edge [fontname="monospace"];']
+        by_node = defaultdict(list)
+        for t in self.tasks:
+            by_node[t.node].append(t)
+        for node, tasks in sorted(by_node.items()):
+            lines.append(f'  subgraph cluster_{node} {{ label="{node}: {tasks[0].op}";')
+            for t in tasks:
+                tile = " ".join(f"{k}={v}" for k, v in t.tile)
+                lines.append(f'    t{t.id} [label="{t.id} {t.kind}\\n{tile}"];')
+            lines.append("  }")
+        events = {e.id: e for e in self.events}
+        for t in self.tasks:
+            for w in t.waits:
+                style = "" if w.step_offset == 0 else ", style=dashed"
+                for p in events[w.event].producers:
+                    lines.append(f'  t{p} -> t{t.id} [label="e{w.event}"{style}];')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def validate(self) -> "TaskGraph":
+        """Structural checks: ids, regions inside their buffers, events consistent with waits and
+        signals, same-step waits only on earlier tasks, and every task between the token wait and the
+        token write of its step."""
+        buffers = self._buffers_by_name
+        events = {e.id: e for e in self.events}
+        signalled = defaultdict(list)
+        for t in self.tasks:
+            for e in t.signals:
+                signalled[e].append(t.id)
+        for i, t in enumerate(self.tasks):
+            if t.id != i:
+                raise ValidationError(f"task at position {i} has id {t.id}")
+            for r in (*t.reads, *t.writes):
+                b = buffers.get(r.buffer)
+                if b is None or len(r.box) != b.type.rank or any(
+                        not 0 <= a <= c <= n for (a, c), n in zip(r.box, b.type.shape)):
+                    raise ValidationError(f"task {t.id} ({t.kind}) touches {r} outside its buffer")
+            for r in t.writes:
+                if buffers[r.buffer].kind == WEIGHT:
+                    raise ValidationError(f"task {t.id} ({t.kind}) writes the weight {r.buffer}")
+            for w in t.waits:
+                if w.event not in events or t.id not in events[w.event].consumers:
+                    raise ValidationError(f"task {t.id} waits on e{w.event}, which does not list it")
+                if w.step_offset == 0 and any(p >= t.id for p in events[w.event].producers):
+                    raise ValidationError(f"task {t.id} waits in its step on e{w.event}, produced by a later task")
+        for e in self.events:
+            if sorted(signalled[e.id]) != sorted(e.producers):
+                raise ValidationError(f"e{e.id} counts producers {list(e.producers)} but is signalled by "
+                                      f"{signalled[e.id]}")
+        self._check_step_closure(events)
+        return self
+
+    def _check_step_closure(self, events: dict) -> None:
+        preds = defaultdict(set)
+        entry = set()
+        for t in self.tasks:
+            for w in t.waits:
+                if w.step_offset == 0:
+                    preds[t.id].update(events[w.event].producers)
+                else:
+                    entry.add(t.id)
+        terminal = set(self.terminal_tasks())
+        if not terminal:
+            raise ValidationError("no task writes the next token")
+        reaches_end = set(terminal)
+        for t in reversed(self.tasks):
+            if t.id in reaches_end:
+                reaches_end.update(preds[t.id])
+        from_start = set()
+        for t in self.tasks:
+            reads_only_weights = all(self.buffer(r.buffer).kind == WEIGHT for r in t.reads)
+            if t.id in entry or reads_only_weights or preds[t.id] & from_start:
+                from_start.add(t.id)
+        for t in self.tasks:
+            if t.id not in reaches_end:
+                raise ValidationError(f"task {t.id} ({t.kind}) is not an ancestor of the token write; the next "
+                                      "step could overwrite what it reads")
+            if t.id not in from_start:
+                raise ValidationError(f"task {t.id} ({t.kind}) does not descend from the wait on the previous "
+                                      "token; it could run a step early")
+
+
+def build_events(buffers: tuple, specs: list) -> tuple:
+    """Tasks and events from task specs `(kind, node, op, tile, reads, writes)` in a topological order.
+
+    A task's read of an activation or scratch region waits for exactly the tasks of this step that
+    write an intersecting region; one event per distinct set of producer tasks, shared by every
+    consumer waiting for that set. A task with no same-step producers that reads state waits for the
+    previous step's writers of that state (the token), the one cross-step edge."""
+    kinds = {b.name: b.kind for b in buffers}
+    writers = defaultdict(list)   # buffer -> [(task id, region)]
+    for tid, (_, _, _, _, _, writes) in enumerate(specs):
+        for r in writes:
+            writers[r.buffer].append((tid, r))
+    event_ids: dict = {}           # (producers, step_offset) -> event id
+    consumers = defaultdict(list)
+    task_waits = []
+    for tid, (kind, node, op, tile, reads, writes) in enumerate(specs):
+        same_step: dict = defaultdict(set)   # producing node -> producer task ids
+        for r in reads:
+            if kinds[r.buffer] in (ACTIVATION, SCRATCH):
+                for pid, w in writers[r.buffer]:
+                    if w.intersects(r) and pid < tid:
+                        same_step[specs[pid][1]].add(pid)
+                    elif w.intersects(r):
+                        raise ValidationError(f"task {tid} ({kind}) reads {r}, written by the later task {pid}")
+        keys = [(tuple(sorted(p)), 0) for _, p in sorted(same_step.items())]
+        if not keys:
+            previous = {pid for r in reads if kinds[r.buffer] == STATE
+                        for pid, w in writers[r.buffer] if w.intersects(r)}
+            if previous:
+                keys.append((tuple(sorted(previous)), -1))
+        waits = []
+        for key in keys:
+            eid = event_ids.setdefault(key, len(event_ids))
+            consumers[eid].append(tid)
+            waits.append(Wait(eid, key[1]))
+        task_waits.append(tuple(waits))
+    signals = defaultdict(list)
+    events = []
+    for (producers, _), eid in sorted(event_ids.items(), key=lambda kv: kv[1]):
+        events.append(Event(eid, producers, tuple(consumers[eid])))
+        for p in producers:
+            signals[p].append(eid)
+    tasks = tuple(Task(tid, kind, node, op, tile, reads, writes, task_waits[tid], tuple(signals[tid]))
+                  for tid, (kind, node, op, tile, reads, writes) in enumerate(specs))
+    return tasks, tuple(events)
