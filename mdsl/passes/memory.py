@@ -48,19 +48,32 @@ class MemoryPlan:
     total: int           # bytes the block needs
     strategy: str        # the packing that won
     lifetimes: tuple     # Lifetime of each tile
+    stages: int = 1      # copies of each pipelined input tile (see `plan_memory`)
+    slot_bytes: dict = attrs.field(factory=dict)  # pipelined input tile name -> bytes from one copy to the next
 
     def __str__(self) -> str:
         lines = [f"  %{t.name}: [{self.offsets[t.name]}, {self.offsets[t.name] + t.size}) live in epochs "
                  f"{t.start}..{t.end}" for t in self.lifetimes]
-        return f"memory: {self.total} bytes ({self.strategy})\n" + "\n".join(lines)
+        pipeline = f", inputs {self.stages} deep" if self.slot_bytes else ""
+        return f"memory: {self.total} bytes ({self.strategy}{pipeline})\n" + "\n".join(lines)
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan) -> list:
-    """Each tile's live epochs; tiles nothing reads (unused inputs) get none."""
+def pipelined_inputs(bg: BlockGraph, stages: int) -> list:
+    """Names of the inputs whose tiles a pipeline `stages` deep keeps several copies of: those loaded
+    anew each iteration (an fmap), when the loop has more than one iteration."""
+    if stages <= 1 or bg.forloop <= 1:
+        return []
+    return [inp.var.name for inp in bg.inputs if inp.fmap is not None]
+
+
+def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, stages: int = 1) -> list:
+    """Each tile's live epochs; tiles nothing reads (unused inputs) get none. With `stages` > 1, each
+    per-iteration input tile is `stages` copies, live over the whole loop (the copies for the next
+    iterations are written while this one computes)."""
     epoch = schedule.epoch_of()
     start = {inp.var.name: LOAD_EPOCH for inp in bg.inputs}
     end: dict = {}
@@ -81,7 +94,11 @@ def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan) -> list:
         end[o.var.name] = schedule.store_epoch
     for name in scratch_tiles(bg):
         start[name], end[name] = LOAD_EPOCH, schedule.loop_end_epoch
-    return [Lifetime(name, _aligned(layout.tiles[name].nbytes), start[name], end[name])
+    copies = dict.fromkeys(pipelined_inputs(bg, stages), stages)
+    for name in copies:
+        if name in end:
+            end[name] = max(end[name], schedule.loop_end_epoch)
+    return [Lifetime(name, copies.get(name, 1) * _aligned(layout.tiles[name].nbytes), start[name], end[name])
             for name in layout.tiles if name in end]
 
 
@@ -110,14 +127,17 @@ _STRATEGIES = {
 
 
 def plan_memory(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, *,
-                limit: int = SMEM_LIMIT_BYTES) -> MemoryPlan:
-    tiles = lifetimes(bg, schedule, layout)
+                limit: int = SMEM_LIMIT_BYTES, stages: int = 1) -> MemoryPlan:
+    """Offsets for the tiles; `stages` > 1 plans a pipeline of that depth (`pipelined_inputs`)."""
+    tiles = lifetimes(bg, schedule, layout, stages)
+    slot_bytes = {name: _aligned(layout.tiles[name].nbytes) for name in pipelined_inputs(bg, stages)
+                  if any(t.name == name for t in tiles)}
     best = None
     for strategy, (key, best_fit) in _STRATEGIES.items():
         offsets = _place(sorted(tiles, key=key), best_fit)
         total = max((offsets[t.name] + t.size for t in tiles), default=0)
         if best is None or total < best.total:
-            best = MemoryPlan(offsets, total, strategy, tuple(tiles))
+            best = MemoryPlan(offsets, total, strategy, tuple(tiles), stages if slot_bytes else 1, slot_bytes)
     if best.total > limit:
         largest = sorted(tiles, key=lambda t: -t.size)[:3]
         shown = ", ".join(f"%{t.name} {layout.tiles[t.name]} ({t.size / 1024:.1f} KB)" for t in largest)

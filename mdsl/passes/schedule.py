@@ -22,6 +22,8 @@ The block's timeline, in *epochs* (the stretches between barriers), is fixed aro
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import attrs
 
 from mdsl.ir.dump import dump_ir
@@ -74,10 +76,34 @@ class Schedule:
                 f"{show(self.post)}  store: epoch {self.store_epoch}")
 
 
-def schedule_block_graph(bg: BlockGraph) -> Schedule:
+def matmul_accumulators(bg: BlockGraph) -> dict:
+    """accum node index -> index of the matmul it sums, where the matmul's product is read by nothing
+    else and is no block output: a backend may keep such a sum where the matmul computes it (the
+    tensor cores' registers) and never store the product as a tile."""
+    users: dict = {}
+    for i, node in enumerate(bg.nodes):
+        for v in node.inputs:
+            users.setdefault(v.name, []).append(i)
+    producer = {v.name: i for i, node in enumerate(bg.nodes) for v in node.outputs}
+    kept = {o.var.name for o in bg.outputs}
+    out = {}
+    for i, node in enumerate(bg.nodes):
+        if node.op != "accum":
+            continue
+        source = node.inputs[0].name
+        j = producer.get(source)
+        if j is not None and bg.nodes[j].op == "matmul" and users[source] == [i] and source not in kept:
+            out[i] = j
+    return out
+
+
+def schedule_block_graph(bg: BlockGraph, *, fused_accumulators: tuple = ()) -> Schedule:
+    """`fused_accumulators`: indices of accumulators (from `matmul_accumulators`) whose update their
+    matmul does as it computes; they run in the matmul's stage, so they cost no stage of their own."""
     post_vars = bg.post_loop_vars()
     in_post = [any(v.name in post_vars for v in n.outputs) and not n.opdef.is_accumulator for n in bg.nodes]
-    loop = _stages([i for i, p in enumerate(in_post) if not p], bg, first_epoch=LOAD_EPOCH + 1)
+    fused = {i: j for i, j in matmul_accumulators(bg).items() if i in set(fused_accumulators)}
+    loop = _stages([i for i, p in enumerate(in_post) if not p], bg, first_epoch=LOAD_EPOCH + 1, same_stage=fused)
     loop_end = loop[-1].epoch if loop else LOAD_EPOCH
     post = _stages([i for i, p in enumerate(in_post) if p], bg, first_epoch=loop_end + 2)
     schedule = Schedule(tuple(loop), tuple(post))
@@ -86,11 +112,16 @@ def schedule_block_graph(bg: BlockGraph) -> Schedule:
     return schedule
 
 
-def _stages(indices: list, bg: BlockGraph, first_epoch: int) -> list:
-    """ASAP stages of the given nodes; values they did not produce are ready when the phase starts."""
+def _stages(indices: list, bg: BlockGraph, first_epoch: int, same_stage: Optional[dict] = None) -> list:
+    """ASAP stages of the given nodes; values they did not produce are ready when the phase starts.
+    A node in `same_stage` (index -> index of another node) runs in that node's stage."""
+    same_stage = same_stage or {}
     producer = {v.name: i for i in indices for v in bg.nodes[i].outputs}
     depth: dict = {}
     for i in indices:  # the nodes are in a topological order
+        if i in same_stage:
+            depth[i] = depth[same_stage[i]]
+            continue
         depth[i] = 1 + max((depth[producer[v.name]] for v in bg.nodes[i].inputs if v.name in producer), default=-1)
     levels = range(max(depth.values(), default=-1) + 1)
     return [Stage(tuple(i for i in indices if depth[i] == d), first_epoch + d) for d in levels]

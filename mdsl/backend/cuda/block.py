@@ -18,14 +18,24 @@ iteration's tile from the loop counter (fmap).
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+import attrs
 
 from mdsl.backend.cuda.loops import Threads
+from mdsl.backend.cuda.mma import MmaShape, mma_shape, mma_store
+from mdsl.backend.cuda.options import CudaOptions, arch_number
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
-from mdsl.passes.layout import scratch_name, select_layout
-from mdsl.passes.memory import SharedMemoryError, plan_memory
-from mdsl.passes.schedule import schedule_block_graph
+from mdsl.passes.layout import LayoutPlan, scratch_name, select_layout
+from mdsl.passes.memory import MemoryPlan, SharedMemoryError, plan_memory
+from mdsl.passes.schedule import Schedule, matmul_accumulators, schedule_block_graph
+
+ASYNC_COPY_MIN_ARCH = 80
+ASYNC_COPY_BYTES = (4, 8, 16)
+DEFAULT_ARCH_NUMBER = 90
+_CTYPE_BYTES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "int": 4}
 
 _AXES = "xyz"
 LOOP_COUNTER = "it"
@@ -33,17 +43,21 @@ LOOP_COUNTER = "it"
 
 class BlockKernel:
     """What an op rule sees while writing block-level code: the writer, the names in scope, the
-    block's threads and the shared-memory tile of every value."""
+    block's threads, the shared-memory tile of every value and the lowering's choices (which matmuls
+    run on tensor cores, which accumulators live in their registers)."""
 
-    def __init__(self, scope, bg: BlockGraph, layout, memory):
+    def __init__(self, scope, bg: BlockGraph, lowered: "Lowered", arch: int):
         self.w: CodeWriter = scope.w
         self.namer = scope.namer
         self.bg = bg
         self.threads = Threads(bg.threads)
         self.loop_counter = LOOP_COUNTER
-        self.layout = layout
+        self.layout = lowered.layout
+        self.lowered = lowered
+        self.arch = arch
         self.tiles: dict = {}
-        self._declare_tiles(memory)
+        self.register_fragments: dict = {}   # matmul output name -> the C array of its accumulator's fragments
+        self._declare_tiles(lowered.memory)
 
     def tile(self, var) -> Operand:
         return self.tiles[var.name]
@@ -51,64 +65,174 @@ class BlockKernel:
     def scratch(self, node: Node) -> Operand:
         return self.tiles[scratch_name(node)]
 
+    def mma_shape(self, node: Node) -> Optional[MmaShape]:
+        return self.lowered.mma.get(node.output.name)
+
     def _declare_tiles(self, memory) -> None:
         self.w("extern __shared__ __align__(16) unsigned char smem[];")
         for t in memory.lifetimes:
             layout = self.layout.tiles[t.name]
-            name = self.namer(f"s_{t.name}")
             c = ctype(layout.dtype)
+            copies = f"{memory.stages} copies of " if t.name in memory.slot_bytes else ""
+            name = self.namer(f"s_{t.name}" + ("_ring" if copies else ""))
             self.w(f"{c}* const {name} = reinterpret_cast<{c}*>(smem + {memory.offsets[t.name]});"
-                   f"  // {layout}, epochs {t.start}..{t.end}")
+                   f"  // {copies}{layout}, epochs {t.start}..{t.end}")
             self.tiles[t.name] = Operand(name, c, layout.shape, layout.strides)
 
 
-def lower(bg: BlockGraph, tensor_types: tuple) -> tuple:
+@attrs.frozen
+class Lowered:
+    """A block graph's lowering: the passes' plans and the backend's choices made on them."""
+
+    schedule: Schedule
+    layout: LayoutPlan
+    memory: MemoryPlan
+    mma: dict                 # matmul output name -> MmaShape, for the matmuls on tensor cores
+    register_accumulated: dict  # accum node index -> index of the matmul that sums into its registers
+
+
+def _tile_operand(layout: LayoutPlan, name: str) -> Operand:
+    tile = layout.tiles[name]
+    return Operand(f"s_{name}", ctype(tile.dtype), tile.shape, tile.strides)
+
+
+def _mma_shapes(bg: BlockGraph, layout: LayoutPlan, options: CudaOptions, arch: int) -> dict:
+    if not options.mma:
+        return {}
+    out = {}
+    for node in bg.nodes:
+        if node.op == "matmul":
+            a, w, o = (_tile_operand(layout, v.name) for v in (*node.inputs, node.output))
+            shape = mma_shape(node, a, w, o, bg.threads, arch)
+            if shape is not None:
+                out[node.output.name] = shape
+    return out
+
+
+def _asynchronous(bg: BlockGraph, tensor_types: tuple, layout: LayoutPlan, arch: int) -> bool:
+    """Whether the per-iteration input tiles can be copied with cp.async: sm_80+, and every such copy
+    4, 8 or 16 bytes wide (the tile has the tensor's dtype: inputs keep theirs)."""
+    if arch < ASYNC_COPY_MIN_ARCH:
+        return False
+    return all(layout.vectors[i.var.name] * t.dtype.itemsize in ASYNC_COPY_BYTES
+               for i, t in zip(bg.inputs, tensor_types) if i.fmap is not None)
+
+
+def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = None,
+          arch: int = DEFAULT_ARCH_NUMBER) -> Lowered:
     """The schedule, layout and memory plan of a block graph: the tiles it computes in f32 where they
-    fit in shared memory, else in their own dtypes."""
-    schedule = schedule_block_graph(bg)
-    try:
-        layout = select_layout(bg, tensor_types, wide=True)
-        return schedule, layout, plan_memory(bg, schedule, layout)
-    except SharedMemoryError:
-        layout = select_layout(bg, tensor_types, wide=False)
-        return schedule, layout, plan_memory(bg, schedule, layout)
+    fit in shared memory (with the deepest input pipeline that fits, down to none), else in their own
+    dtypes."""
+    options = options or CudaOptions()
+    error = None
+    for wide in (True, False):
+        layout = select_layout(bg, tensor_types, wide=wide)
+        mma = _mma_shapes(bg, layout, options, arch)
+        fused = {}
+        if options.register_accumulators:
+            fused = {i: j for i, j in matmul_accumulators(bg).items() if bg.nodes[j].output.name in mma}
+        schedule = schedule_block_graph(bg, fused_accumulators=tuple(fused))
+        deepest = options.stages if _asynchronous(bg, tensor_types, layout, arch) and schedule.loop else 1
+        for stages in range(deepest, 0, -1):
+            try:
+                memory = plan_memory(bg, schedule, layout, stages=stages)
+            except SharedMemoryError as e:
+                error = error or e
+                continue
+            return Lowered(schedule, layout, memory, mma, fused)
+    raise error
 
 
 def emit_custom(program, index: int, node: Node) -> None:
-    bg = node.body
-    schedule, layout, memory = lower(bg, tuple(v.type for v in node.inputs))
+    options = program.options
+    bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
+    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch))
+    schedule, memory = lowered.schedule, lowered.memory
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total, comment=header) as scope:
-        b = BlockKernel(scope, bg, layout, memory)
+        b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
         w = b.w
         parts = {inp.var.name: _input_part(b, inp, tensor)
                  for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles}  # the inputs read
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
-        accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]
+        per_iteration = [inp for inp in loaded if inp.fmap is not None]
+        accumulators = [n for i, n in enumerate(bg.nodes) if n.opdef.is_accumulator and i not in lowered.register_accumulated]
         w("// the accumulators start empty")
         for acc in accumulators:
             _rule(acc).init(b, acc)
+        in_registers = _declare_register_accumulators(b)
         for inp in loaded:
             if inp.fmap is None:
-                _load(b, inp, parts[inp.var.name])
+                _load(b, inp, parts[inp.var.name], b.tile(inp.var), LOOP_COUNTER)
+        stages = memory.stages
+        rings = {inp.var.name: b.tile(inp.var) for inp in per_iteration if inp.var.name in memory.slot_bytes}
+        if rings:
+            w(f"// a pipeline {stages} deep: iteration it + {stages - 1}'s tiles are copied (cp.async) while "
+              f"iteration it computes")
+            with w.block(f"for (int ahead = 0; ahead < {stages - 1}; ++ahead)"):
+                _issue(b, per_iteration, parts, rings, "ahead")
         w("#pragma unroll 1")
         with w.block(f"for (int {LOOP_COUNTER} = 0; {LOOP_COUNTER} < {bg.forloop}; ++{LOOP_COUNTER})"):
-            for inp in loaded:
-                if inp.fmap is not None:
-                    _load(b, inp, parts[inp.var.name])
+            if rings:
+                _issue(b, per_iteration, parts, rings, f"{LOOP_COUNTER} + {stages - 1}")
+                w(f"mdsl::copy_async_wait<{stages - 1}>();  // this iteration's copies are done (this thread's)")
+            else:
+                for inp in per_iteration:
+                    _load(b, inp, parts[inp.var.name], b.tile(inp.var), LOOP_COUNTER)
             w("__syncthreads();")
+            for name, ring in rings.items():
+                slot = b.namer(ring.ptr[:-len("_ring")])
+                w(f"{ring.ctype}* const {slot} = {ring.ptr} + ({LOOP_COUNTER} % {stages}) * "
+                  f"{memory.slot_bytes[name] // _itemsize(ring)};")
+                b.tiles[name] = attrs.evolve(ring, ptr=slot)
             for stage in schedule.loop:
                 _stage(b, stage)
+        if rings:
+            w("mdsl::copy_async_wait<0>();")
         finishing = [acc for acc in accumulators if _rule(acc).finalize is not None]
         for acc in finishing:
             w.op(acc)
             _rule(acc).finalize(b, acc)
-        if finishing:
+        for acc_index, matmul_index in lowered.register_accumulated.items():
+            acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
+            w.op(acc)
+            w(mma_store(b.mma_shape(matmul), in_registers[matmul.output.name], b.tile(acc.output)))
+        if finishing or lowered.register_accumulated:
             w("__syncthreads();")
         for stage in schedule.post:
             _stage(b, stage)
         for out, tensor in zip(bg.outputs, scope.outputs):
             _store(b, out, tensor)
+
+
+def _itemsize(op: Operand) -> int:
+    return _CTYPE_BYTES[op.ctype]
+
+
+def _declare_register_accumulators(b: BlockKernel) -> dict:
+    """The fragments of each accumulator kept in registers, zeroed; matmul output name -> C name."""
+    for acc_index, matmul_index in b.lowered.register_accumulated.items():
+        matmul = b.bg.nodes[matmul_index]
+        shape = b.mma_shape(matmul)
+        name = b.namer(f"r_{b.bg.nodes[acc_index].output.name}")
+        b.w(f"// %{b.bg.nodes[acc_index].output.name}: in the registers of the mma fragments "
+            f"({shape.fragments_per_warp * 4} floats a thread)",
+            f"{shape.cls}::Fragments {name};", f"{shape.cls}::zero({name});")
+        b.register_fragments[matmul.output.name] = name
+    return dict(b.register_fragments)
+
+
+def _issue(b: BlockKernel, inputs: list, parts: dict, rings: dict, iteration: str) -> None:
+    """cp.async copies of iteration `iteration`'s input tiles into their slot, as one group (an empty
+    one past the last iteration, so that every iteration waits for the same count)."""
+    stages = b.lowered.memory.stages
+    with b.w.block(f"if ({iteration} < {b.bg.forloop})"):
+        for inp in inputs:
+            ring = rings[inp.var.name]
+            slot_elems = b.lowered.memory.slot_bytes[inp.var.name] // _itemsize(ring)
+            slot = attrs.evolve(ring, ptr=f"({ring.ptr} + (({iteration}) % {stages}) * {slot_elems})")
+            _load(b, inp, parts[inp.var.name], slot, f"({iteration})", asynchronous=True)
+    b.w("mdsl::copy_async_commit();")
 
 
 def _rule(node: Node):
@@ -119,6 +243,9 @@ def _stage(b: BlockKernel, stage) -> None:
     for i in stage.nodes:
         node = b.bg.nodes[i]
         b.w.op(node)
+        if i in b.lowered.register_accumulated:
+            b.w("// (summed by the matmul above, in its registers)")
+            continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(b, node)
     b.w("__syncthreads();")
@@ -144,8 +271,10 @@ def _maps(entries) -> str:
     return f"[{', '.join('-' if d is None else str(d) for d in entries)}]"
 
 
-def _copy_loop(b: BlockKernel, dst: Operand, src: Operand, shape: tuple, vector: int, src_step: str = "") -> None:
-    """Copy an array of `shape` a row at a time, in vectors of `vector` elements."""
+def _copy_loop(b: BlockKernel, dst: Operand, src: Operand, shape: tuple, vector: int, src_step: str = "",
+               asynchronous: bool = False) -> None:
+    """Copy an array of `shape` a row at a time, in vectors of `vector` elements (with cp.async when
+    `asynchronous`: same types, 4 to 16 bytes)."""
     shape = shape or (1,)
     space = shape[:-1] + (shape[-1] // vector,)
 
@@ -153,19 +282,20 @@ def _copy_loop(b: BlockKernel, dst: Operand, src: Operand, shape: tuple, vector:
         strides = op.strides or (1,)
         return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
 
+    copy = f"mdsl::copy_async<{vector * _itemsize(src)}>" if asynchronous else f"mdsl::copy<{vector}>"
     with b.threads.each(b.w, math.prod(space), unrolled=True):  # loads in flight together
-        b.w(f"mdsl::copy<{vector}>({dst.ptr} + {offset('i', space, vectors(dst))}, "
+        b.w(f"{copy}({dst.ptr} + {offset('i', space, vectors(dst))}, "
             f"{src.ptr}{src_step} + {offset('i', space, vectors(src))});")
 
 
-def _load(b: BlockKernel, inp, part: Operand) -> None:
-    when = "this iteration's tile" if inp.fmap is not None else "its tile, loaded once"
+def _load(b: BlockKernel, inp, part: Operand, tile: Operand, iteration: str, asynchronous: bool = False) -> None:
+    when = "iteration " + iteration + "'s tile" if inp.fmap is not None else "its tile, loaded once"
     b.w(f"// %{inp.var.name}: {when} {inp.var.type} (imap={_maps(inp.imap)}, "
         f"fmap={'-' if inp.fmap is None else inp.fmap})")
     step = ""
     if inp.fmap is not None and b.bg.forloop > 1:
-        step = f" + {LOOP_COUNTER} * {inp.var.shape[inp.fmap] * part.strides[inp.fmap]}"
-    _copy_loop(b, b.tile(inp.var), part, inp.var.shape, b.layout.vectors[inp.var.name], step)
+        step = f" + {iteration} * {inp.var.shape[inp.fmap] * part.strides[inp.fmap]}"
+    _copy_loop(b, tile, part, inp.var.shape, b.layout.vectors[inp.var.name], step, asynchronous)
 
 
 def _store(b: BlockKernel, out, tensor: Operand) -> None:

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import attrs
 
 import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules to the registry
+from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.backend.cuda.source import OP_MARKER, CodeWriter, Namer, Operand, ctype, describe
 from mdsl.errors import UnsupportedError
@@ -59,9 +60,10 @@ class KernelScope:
 
 
 class ProgramBuilder:
-    def __init__(self, graph: KernelGraph, arch: str):
+    def __init__(self, graph: KernelGraph, arch: str, options: Optional[CudaOptions] = None):
         self.graph = graph
         self.arch = arch
+        self.options = options or CudaOptions()
         self.w = CodeWriter()
         self.kernel_names = Namer()
         self.launches: list = []
@@ -105,11 +107,12 @@ def _check_sizes(graph: KernelGraph) -> None:
                                    hint="the CUDA backend indexes tensors with 32-bit integers; split the tensor")
 
 
-def emit_cuda(graph: KernelGraph, *, arch: str = "sm_90a") -> CudaProgram:
-    """One CUDA C++ translation unit implementing `graph` for `arch`, and how to launch it."""
+def emit_cuda(graph: KernelGraph, *, arch: str = "sm_90a", options: Optional[CudaOptions] = None) -> CudaProgram:
+    """One CUDA C++ translation unit implementing `graph` for `arch`, and how to launch it, with the
+    fast paths `options` allows (none given: `CudaOptions.from_env()`)."""
     _check_sizes(graph)
     lowered = fuse_kernel_graph(graph)
-    program = ProgramBuilder(lowered, arch)
+    program = ProgramBuilder(lowered, arch, options if options is not None else CudaOptions.from_env())
     for index, node in enumerate(lowered.nodes):
         rule = node.opdef.rules.get("cuda")
         if rule is None:

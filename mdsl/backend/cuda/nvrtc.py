@@ -228,3 +228,40 @@ def _write_cache(key: str, cubin: bytes, log: str) -> None:
         _write_atomic(cubin_path, cubin)
     except OSError as e:
         warnings.warn(f"mdsl: could not write the cubin cache ({e}); continuing without it", stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# SASS
+
+
+def nvdisasm_path() -> Optional[str]:
+    """nvdisasm from the toolkit or the `nvidia-cuda-nvdisasm` wheel, or None when neither is installed."""
+    try:
+        import cuda.pathfinder
+    except ImportError:
+        return None
+    return cuda.pathfinder.find_nvidia_binary_utility("nvdisasm")
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin, as nvdisasm prints it (`-c`: code sections only)."""
+    import subprocess
+
+    tool = nvdisasm_path()
+    if tool is None:
+        raise UnsupportedError("nvdisasm is not installed", hint="pip install nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise MdslError(f"nvdisasm failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def sass_opcodes(sass: str) -> dict:
+    """Opcode (its first dotted part: HMMA, LDGSTS, BAR, ...) -> how many instructions use it."""
+    counts: dict = {}
+    for match in re.finditer(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts

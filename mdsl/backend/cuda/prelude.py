@@ -70,6 +70,129 @@ __device__ __forceinline__ float group_reduce(float v, Op op) {
   return v;
 }
 
+// ---- asynchronous copies (sm_80+): global -> shared without registers, waited for by group
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(s), "l"(src), "n"(BYTES) : "memory");
+  }
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// wait until at most N of this thread's groups are still in flight
+template <int N> __device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// ---- tensor cores (sm_80+): mma.sync m16n8k16, 16-bit operands E (__half or __nv_bfloat16), f32 accumulators
+template <typename E> __device__ __forceinline__ unsigned pack(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+template <typename E> struct Mma;
+// D += A B for one 16x8x16 step; PTX names the 16-bit type (one instruction per type, so a macro)
+#define MDSL_MMA_M16N8K16(E, PTX)                                                                          \
+  template <> struct Mma<E> {                                                                              \
+    static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, "             \
+                   "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                               \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                         \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                    \
+    }                                                                                                      \
+  };
+MDSL_MMA_M16N8K16(__half, "f16")
+MDSL_MMA_M16N8K16(__nv_bfloat16, "bf16")
+#undef MDSL_MMA_M16N8K16
+
+// C = A B for BATCH matrices by the block's WARPS warps on tensor cores. A is BATCH x M x K (rows LDA
+// apart, matrices SA apart; SA = 0 repeats one), B is BATCH x K x N (LDB, SB), C is BATCH x M x N (LDC,
+// SC); elements outside M, N or K read as zero, so any size works (the bs1 cases have M = 2..16).
+// C's 16x8 tiles are dealt to the warps in turn: fragment j of a warp accumulates tile warp + j WARPS.
+// Operands stored in another type than E (f32 tiles) are rounded to E, as the program's dtype says.
+template <typename E, int BATCH, int M, int N, int K, int WARPS>
+struct BlockMma {
+  static constexpr int TM = (M + 15) / 16, TN = (N + 7) / 8, TILES = BATCH * TM * TN;
+  static constexpr int PER_WARP = (TILES + WARPS - 1) / WARPS;
+  using Fragments = float[PER_WARP][4];
+
+  // elements (r, c) and (r, c + 1) of a ROWS x COLS array (rows LD apart) as a pair of E
+  template <int ROWS, int COLS, int LD, typename S>
+  static __device__ __forceinline__ unsigned along_row(const S* p, int r, int c) {
+    if constexpr (Same<S, E>::value && LD % 2 == 0 && COLS % 2 == 0) {  // c is even: one aligned 4-byte load
+      return (r < ROWS && c < COLS) ? *reinterpret_cast<const unsigned*>(p + r * LD + c) : 0u;
+    } else {
+      const float lo = (r < ROWS && c < COLS) ? to_float(p[r * LD + c]) : 0.0f;
+      const float hi = (r < ROWS && c + 1 < COLS) ? to_float(p[r * LD + c + 1]) : 0.0f;
+      return pack<E>(lo, hi);
+    }
+  }
+  // elements (r, c) and (r + 1, c)
+  template <int ROWS, int COLS, int LD, typename S>
+  static __device__ __forceinline__ unsigned along_column(const S* p, int r, int c) {
+    const float lo = (r < ROWS && c < COLS) ? to_float(p[r * LD + c]) : 0.0f;
+    const float hi = (r + 1 < ROWS && c < COLS) ? to_float(p[(r + 1) * LD + c]) : 0.0f;
+    return pack<E>(lo, hi);
+  }
+
+  static __device__ __forceinline__ void zero(Fragments& acc) {
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+  }
+
+  // acc += A B (each warp its tiles)
+  template <int LDA, int SA, int LDB, int SB, typename TA, typename TB>
+  static __device__ __forceinline__ void multiply(Fragments& acc, const TA* __restrict__ A, const TB* __restrict__ B) {
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j) {
+      const int tile = warp + j * WARPS;
+      if (tile < TILES) {  // the same on the whole warp, as mma.sync needs
+        const int b = tile / (TM * TN), m0 = (tile / TN) % TM * 16, n0 = tile % TN * 8;
+        const TA* const a = A + b * SA;
+        const TB* const w = B + b * SB;
+#pragma unroll 4
+        for (int k0 = 0; k0 < K; k0 += 16) {
+          const unsigned fa[4] = {along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t), along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t),
+                                  along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t + 8),
+                                  along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t + 8)};
+          const unsigned fb[2] = {along_column<K, N, LDB>(w, k0 + 2 * t, n0 + g),
+                                  along_column<K, N, LDB>(w, k0 + 2 * t + 8, n0 + g)};
+          Mma<E>::run(acc[j], fa, fb);
+        }
+      }
+    }
+  }
+
+  // C = acc, rounded to C's type
+  template <int LDC, int SC, typename TC>
+  static __device__ __forceinline__ void store(const Fragments& acc, TC* __restrict__ C) {
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j) {
+      const int tile = warp + j * WARPS;
+      if (tile < TILES) {
+        const int b = tile / (TM * TN), m0 = (tile / TN) % TM * 16, n0 = tile % TN * 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = m0 + g + (e / 2) * 8, n = n0 + 2 * t + e % 2;
+          if (m < M && n < N) C[b * SC + m * LDC + n] = from_float<TC>(acc[j][e]);
+        }
+      }
+    }
+  }
+};
+
 // ---- one 64x64 tile of C = A B (row-major; A is M x K, B is K x N) for a block of 256 threads:
 // K is walked in steps of 16 through shared memory, each thread keeps a 4x4 piece of C in registers
 template <int M, int N, int K, typename TA, typename TB, typename TC>

@@ -22,6 +22,7 @@ import attrs
 from mdsl.backend.cuda.block import emit_custom
 from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, blocks_for, emit_row_reduce,
                                      emit_thread_graph, group_lanes, load_float, row_view, store_float, without)
+from mdsl.backend.cuda.mma import mma_multiply, mma_store
 from mdsl.backend.cuda.source import Operand, float_literal, offset
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node, ThreadGraph
@@ -118,8 +119,23 @@ class Fused:
 
 class Matmul:
     def block(self, b, node: Node) -> None:
-        """One thread per output element, its dot product over K read from the two tiles."""
+        """On tensor cores where the operands allow (`mdsl.backend.cuda.mma`), else one thread per
+        output element, its dot product over K read from the two tiles. A matmul whose sum the loop
+        keeps in registers (`b.register_accumulated`) adds into its accumulator's fragments instead."""
         a, w, out = b.tile(node.inputs[0]), b.tile(node.inputs[1]), b.tile(node.output)
+        shape = b.mma_shape(node)
+        if shape is not None:
+            fragments = b.register_fragments.get(node.output.name)
+            if fragments is not None:
+                b.w(mma_multiply(shape, fragments, a, w, out.shape[:-2]))
+                return
+            with b.w.block(""):
+                b.w(f"{shape.cls}::Fragments acc;", f"{shape.cls}::zero(acc);",
+                    mma_multiply(shape, "acc", a, w, out.shape[:-2]), mma_store(shape, "acc", out))
+            return
+        self._scalar(b, a, w, out)
+
+    def _scalar(self, b, a: Operand, w: Operand, out: Operand) -> None:
         k_len, n = a.shape[-1], out.shape[-1]
         rows = a.viewed(a.shape[:-1] + (1,), a.strides)           # row m of a, the same for every n
         cols = w.viewed(w.shape[:-2] + (1, n), w.strides)          # column n of w, the same for every m

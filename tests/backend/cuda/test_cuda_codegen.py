@@ -13,6 +13,7 @@ from mdsl.errors import UnsupportedError
 from mdsl.ir import OPS, BLOCK, KERNEL, THREAD, f16
 from mdsl.ir.text import parse_graph
 from mdsl.backend.cuda.block import lower
+from mdsl.backend.cuda.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.programs import example_kernels
@@ -46,7 +47,7 @@ def test_launches_follow_the_graph():
         body = node.body
         assert launch.grid == body.grid and launch.block == (body.threads, 1, 1)
         assert launch.args == tuple(v.name for v in (*node.inputs, *node.outputs))
-        _, _, memory = lower(body, tuple(v.type for v in node.inputs))
+        memory = lower(body, tuple(v.type for v in node.inputs), CudaOptions.from_env()).memory
         assert launch.smem_bytes == memory.total
         assert f'extern "C" __global__ void __launch_bounds__({body.threads}, 1)\n{launch.name}(' in program.source
     assert [l.name for l in program.launches] == ["gqa_flash_bs1_accum_rescale", "gqa_flash_bs1_div"]

@@ -1,0 +1,80 @@
+"""The lowering options of the CUDA backend: which fast paths the emitted code takes.
+
+Every fast path can be switched off, by the caller (`CudaOptions(...)` given to `emit_cuda`) or, where
+the caller gives none, by the environment, so that a run on a GPU can compare a new path with the old
+one without changing code:
+
+    MDSL_CUDA_MMA=0         block-level matmuls as scalar FMA loops instead of tensor-core mma.sync
+    MDSL_CUDA_REGACC=0      accum(matmul(..)) kept in shared memory instead of the mma's registers
+    MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
+    MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+import attrs
+
+from mdsl.errors import UnsupportedError
+
+MAX_STAGES = 4
+DEFAULT_STAGES = 3
+MAX_THREADS = 1024
+
+
+def _check_stages(instance, attribute, value: int) -> None:
+    if not 1 <= value <= MAX_STAGES:
+        raise UnsupportedError(f"{value} pipeline stages: the CUDA backend pipelines 1 to {MAX_STAGES} deep",
+                               hint=f"set MDSL_CUDA_STAGES (or CudaOptions.stages) between 1 and {MAX_STAGES}")
+
+
+def _check_threads(instance, attribute, value: Optional[int]) -> None:
+    if value is not None and not (32 <= value <= MAX_THREADS and value % 32 == 0):
+        raise UnsupportedError(f"{value} threads per block: use a multiple of 32 between 32 and {MAX_THREADS}",
+                               hint="set MDSL_CUDA_THREADS (or CudaOptions.threads) to 64, 128, 256, ...")
+
+
+@attrs.frozen
+class CudaOptions:
+    mma: bool = True                       # tensor-core (mma.sync) block matmuls on 16-bit operands
+    register_accumulators: bool = True     # accum(matmul) in the mma's f32 registers across the loop
+    stages: int = attrs.field(default=DEFAULT_STAGES, validator=_check_stages)  # cp.async pipeline depth
+    threads: Optional[int] = attrs.field(default=None, validator=_check_threads)  # custom kernels' block size
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
+        env = os.environ if env is None else env
+        default = cls()
+        threads = env.get("MDSL_CUDA_THREADS")
+        return cls(mma=_flag(env, "MDSL_CUDA_MMA", default.mma),
+                   register_accumulators=_flag(env, "MDSL_CUDA_REGACC", default.register_accumulators),
+                   stages=_integer(env, "MDSL_CUDA_STAGES", default.stages),
+                   threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None)
+
+
+def _flag(env: Mapping, name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes"):
+        return True
+    raise UnsupportedError(f"{name}={env[name]!r} is not a switch", hint=f"set {name}=0 or {name}=1")
+
+
+def _integer(env: Mapping, name: str, default: Optional[int]) -> Optional[int]:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise UnsupportedError(f"{name}={text!r} is not an integer", hint=f"set {name} to a whole number") from None
+
+
+def arch_number(arch: str) -> int:
+    """sm_90a -> 90."""
+    digits = "".join(ch for ch in arch.split("_", 1)[-1] if ch.isdigit())
+    return int(digits) if digits else 0
