@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from typing import Optional
 
 import attrs
+import numpy as np
 from attrs import field
 
 from mdsl.errors import ValidationError
@@ -271,8 +272,9 @@ class TaskGraph:
             if t.id in reaches_end:
                 reaches_end.update(preds[t.id])
         from_start = set()
+        kinds = {b.name: b.kind for b in self.buffers}
         for t in self.tasks:
-            reads_only_weights = all(self.buffer(r.buffer).kind == WEIGHT for r in t.reads)
+            reads_only_weights = all(kinds[r.buffer] == WEIGHT for r in t.reads)
             if t.id in entry or reads_only_weights or preds[t.id] & from_start:
                 from_start.add(t.id)
         for t in self.tasks:
@@ -284,6 +286,27 @@ class TaskGraph:
                                       "token; it could run a step early")
 
 
+class RegionIndex:
+    """The (task id, region) pairs of many tasks, by buffer, answering which overlap a region
+    (vectorised: large task graphs have thousands of tiles per buffer)."""
+
+    def __init__(self, entries):
+        by_buffer = defaultdict(list)
+        for tid, region in entries:
+            by_buffer[region.buffer].append((tid, region))
+        self._ids = {b: np.array([t for t, _ in es], np.int64) for b, es in by_buffer.items()}
+        self._boxes = {b: np.array([r.box for _, r in es], np.int64).reshape(len(es), -1, 2)
+                       for b, es in by_buffer.items()}
+
+    def overlapping(self, region: Region) -> list:
+        boxes = self._boxes.get(region.buffer)
+        if boxes is None:
+            return []
+        box = np.array(region.box, np.int64).reshape(1, -1, 2)
+        hit = np.all((boxes[:, :, 0] < box[:, :, 1]) & (box[:, :, 0] < boxes[:, :, 1]), axis=1)
+        return self._ids[region.buffer][hit].tolist()
+
+
 def build_events(buffers: tuple, specs: list) -> tuple:
     """Tasks and events from task specs `(kind, node, op, tile, reads, writes)` in a topological order.
 
@@ -292,10 +315,7 @@ def build_events(buffers: tuple, specs: list) -> tuple:
     consumer waiting for that set. A task with no same-step producers that reads state waits for the
     previous step's writers of that state (the token), the one cross-step edge."""
     kinds = {b.name: b.kind for b in buffers}
-    writers = defaultdict(list)   # buffer -> [(task id, region)]
-    for tid, (_, _, _, _, _, writes) in enumerate(specs):
-        for r in writes:
-            writers[r.buffer].append((tid, r))
+    writers = RegionIndex((tid, r) for tid, spec in enumerate(specs) for r in spec[5])
     event_ids: dict = {}           # (producers, step_offset) -> event id
     consumers = defaultdict(list)
     task_waits = []
@@ -303,15 +323,13 @@ def build_events(buffers: tuple, specs: list) -> tuple:
         same_step: dict = defaultdict(set)   # producing node -> producer task ids
         for r in reads:
             if kinds[r.buffer] in (ACTIVATION, SCRATCH):
-                for pid, w in writers[r.buffer]:
-                    if w.intersects(r) and pid < tid:
-                        same_step[specs[pid][1]].add(pid)
-                    elif w.intersects(r):
+                for pid in writers.overlapping(r):
+                    if pid >= tid:
                         raise ValidationError(f"task {tid} ({kind}) reads {r}, written by the later task {pid}")
+                    same_step[specs[pid][1]].add(pid)
         keys = [(tuple(sorted(p)), 0) for _, p in sorted(same_step.items())]
         if not keys:
-            previous = {pid for r in reads if kinds[r.buffer] == STATE
-                        for pid, w in writers[r.buffer] if w.intersects(r)}
+            previous = {pid for r in reads if kinds[r.buffer] == STATE for pid in writers.overlapping(r)}
             if previous:
                 keys.append((tuple(sorted(previous)), -1))
         waits = []

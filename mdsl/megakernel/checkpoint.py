@@ -1,0 +1,63 @@
+"""Hugging Face checkpoints: a folder with config.json and *.safetensors, checked against the model
+graph's weights (names, shapes, dtypes) and read as float32 host arrays."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from mdsl.errors import DTypeError, ParseError, ShapeError
+from mdsl.ir.dtypes import round_to_dtype
+from mdsl.megakernel.model import ModelGraph
+from mdsl.megakernel.safetensors import open_checkpoint, write_checkpoint_files
+
+
+def load_weights(graph: ModelGraph, folder: str) -> dict:
+    """Every weight of `graph` from the checkpoint in `folder`, as float32 arrays (bf16 upcast exactly)."""
+    located = open_checkpoint(folder)
+    weights = {}
+    for w in graph.weights:
+        sf = located.get(w.name)
+        if sf is None:
+            close = [n for n in located if n.rsplit(".", 2)[-2:] == w.name.rsplit(".", 2)[-2:]][:3]
+            raise ParseError(f"checkpoint {folder} has no tensor {w.name} (expected {w.type})",
+                             hint=f"tensors with a similar name: {close}" if close else
+                             "the checkpoint does not match the config's architecture or layer count")
+        shape, dtype = sf.shape(w.name), sf.dtype_name(w.name)
+        if shape != w.shape:
+            raise ShapeError(f"checkpoint tensor {w.name} in {os.path.basename(sf.path)} has shape {list(shape)}, "
+                             f"expected {list(w.shape)} from the config",
+                             hint="the config.json does not describe these weights")
+        if dtype != w.dtype.name:
+            raise DTypeError(f"checkpoint tensor {w.name} in {os.path.basename(sf.path)} is {dtype}, expected "
+                             f"{w.dtype.name} (the config's torch_dtype)",
+                             hint="save the checkpoint in the config's dtype, or fix torch_dtype in config.json")
+        weights[w.name] = np.asarray(sf.read(w.name), np.float32)
+    return weights
+
+
+def random_weights(graph: ModelGraph, seed: int = 0, scale: float = 0.08) -> dict:
+    """Random weights for tests: norm weights near 1, matrices N(0, scale^2), rounded to the dtype."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for w in graph.weights:
+        if w.type.rank == 1:
+            values = 1.0 + 0.1 * rng.standard_normal(w.shape)
+        else:
+            values = scale * rng.standard_normal(w.shape)
+        out[w.name] = round_to_dtype(values.astype(np.float32), w.dtype)
+    return out
+
+
+def save_checkpoint(folder: str, config: dict, weights: dict, *, dtype_name: Optional[str] = None,
+                    shards: int = 1) -> None:
+    """Write config.json and the weights (in the config's torch_dtype) the way save_pretrained does."""
+    dtype_name = dtype_name or {"bfloat16": "bf16", "float16": "f16"}.get(config.get("torch_dtype"), "f32")
+    write_checkpoint_files(folder, weights, {n: dtype_name for n in weights}, shards)
+    tmp = os.path.join(folder, f"config.json.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(folder, "config.json"))
+

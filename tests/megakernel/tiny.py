@@ -1,0 +1,25 @@
+"""Tiny Llama-3 and Qwen3 configurations and random weights for the megakernel tests."""
+from mdsl.megakernel.architectures import step_function
+from mdsl.megakernel.checkpoint import random_weights
+from mdsl.megakernel.config import config_from_dict
+
+ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
+    raw = {"architectures": [ARCHITECTURES[arch]], "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": arch == "qwen3",
+           "max_position_embeddings": 24, "torch_dtype": "float32"}
+    if arch == "llama3":
+        raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    raw.update(overrides)
+    return raw
+
+
+def tiny_model(arch: str = "llama3", seed: int = 0, **overrides):
+    """(config, model graph, weights) of a tiny random model."""
+    config = config_from_dict(tiny_config_dict(arch, **overrides))
+    graph = step_function(config).trace(config)
+    return config, graph, random_weights(graph, seed, scale=0.3)
