@@ -64,11 +64,11 @@ def _get(raw: dict, key: str, source: str, default: Any = attrs.NOTHING) -> Any:
 
 
 def _rope(raw: dict, source: str) -> RopeConfig:
-    theta = float(_get(raw, "rope_theta", source, 10000.0))
-    scaling = raw.get("rope_scaling")
-    if not scaling:
-        return RopeConfig(theta)
-    kind = scaling.get("rope_type", scaling.get("type"))
+    # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters dict
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta") or _get(raw, "rope_theta", source, 10000.0))
+    scaling = raw.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return RopeConfig(theta)
     if kind != "llama3":
@@ -97,6 +97,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         if raw.get(flag):
             raise UnsupportedError(f"{source}: {flag}=true is not supported", hint="mdsl's built-in models have no "
                                                                                   "biases and full attention")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported",
+                               hint="Llama-3 and Qwen3 MLPs use silu")
     hidden = int(_get(raw, "hidden_size", source))
     heads = int(_get(raw, "num_attention_heads", source))
     return ModelConfig(
