@@ -1,0 +1,131 @@
+"""Compile time per kernel: the PTX backend (LLVM IR by llvmlite.ir, PTX by llvmlite's NVPTX target)
+against the CUDA backend (CUDA C++, cubin by NVRTC), on the plans of the ten benchmark cases. No GPU.
+
+    python benchmarks/compile_time.py [--reps 3] [--cases gqa_bs1,lora] [--assemble] [--json out.json]
+
+Plans: each case's plan from the plan cache (SearchConfig(budget_s=--budget, seed 0, sm_90a)), else its
+best guided plan (mdsl.search.guided, seconds, no z3). Each backend compiles each plan from scratch
+(no disk cache) --reps times; the median is reported, per program and per kernel (program time /
+launches):
+
+* cuda: emit_cuda + NVRTC to a cubin (NVRTC runs ptxas inside; what a GPU run needs);
+* ptx: emit_llvm + parse, optimise and emit PTX (what the driver loads; it JIT-assembles it there);
+* ptx+ptxas (--assemble): the PTX assembled to a cubin as well (ptxas or nvJitLink), for a like-for-like
+  comparison with NVRTC's cubin.
+
+The speed-up is NVRTC's time over PTX generation's. The first compile of each backend in the process
+(library loading, target set-up) is made before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.cases import cases  # noqa: E402 - needs ROOT on sys.path
+
+ARCH = "sm_90a"
+
+
+def plan_graph(kernel, budget: float):
+    """The case's plan: the cached one when there is one, else the best guided plan."""
+    from mdsl.search import guided
+
+    try:
+        from mdsl.search.config import SearchConfig
+        from mdsl.search.engine import cached_plan
+
+        plan = cached_plan(kernel.graph, SearchConfig(budget_s=budget, seed=0, arch=ARCH))
+        if plan is not None:
+            return plan.graph, "cached plan"
+    except ModuleNotFoundError:   # the search's modules (z3) are not installed
+        pass
+    return next(guided.generate(kernel.graph)), "guided plan"
+
+
+def time_cuda(graph) -> float:
+    from mdsl.backend.cuda import emit_cuda
+    from mdsl.backend.cuda.nvrtc import _compile, _nvrtc
+
+    start = time.perf_counter()
+    program = emit_cuda(graph, arch=ARCH)
+    _compile(_nvrtc(), program.source, ARCH, ())
+    return time.perf_counter() - start
+
+
+def time_ptx(graph, assemble: bool) -> float:
+    from mdsl.backend.ptx import assemble as assemble_ptx
+    from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
+
+    start = time.perf_counter()
+    program = emit_llvm(graph, arch=ARCH)
+    ptx = llvm_to_ptx(program.llvm_ir, ARCH)
+    if assemble:
+        assemble_ptx(ptx, ARCH)
+    return time.perf_counter() - start
+
+
+def median_of(reps: int, measure) -> float:
+    return statistics.median(measure() for _ in range(reps))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=3, help="compiles per backend and case; the median is reported")
+    p.add_argument("--cases", help="comma-separated case names (default: all ten)")
+    p.add_argument("--budget", type=float, default=120.0, help="the plan cache's search budget (part of its key)")
+    p.add_argument("--assemble", action="store_true", help="also time PTX generation followed by ptxas")
+    p.add_argument("--json", type=Path, help="write every number here")
+    args = p.parse_args(argv)
+    kernels = cases()
+    names = args.cases.split(",") if args.cases else list(kernels)
+    from mdsl.backend.ptx import emit_llvm
+
+    rows = []
+    warmed = False
+    for name in names:
+        graph, source = plan_graph(kernels[name], args.budget)
+        launches = len(emit_llvm(graph, arch=ARCH).launches)
+        if not warmed:
+            time_cuda(graph), time_ptx(graph, args.assemble)
+            warmed = True
+        row = {"case": name, "plan": source, "kernels": launches,
+               "nvrtc_s": median_of(args.reps, lambda: time_cuda(graph)),
+               "ptx_s": median_of(args.reps, lambda: time_ptx(graph, False))}
+        if args.assemble:
+            row["ptx_ptxas_s"] = median_of(args.reps, lambda: time_ptx(graph, True))
+        row["speedup"] = row["nvrtc_s"] / row["ptx_s"]
+        rows.append(row)
+        print(f"{name}: {launches} kernel(s), NVRTC {1e3 * row['nvrtc_s'] / launches:.1f} ms/kernel, "
+              f"PTX {1e3 * row['ptx_s'] / launches:.1f} ms/kernel ({row['speedup']:.1f}x)", flush=True)
+    head = "| case | plan | kernels | NVRTC ms/kernel | PTX ms/kernel | speed-up |" + \
+           (" PTX+ptxas ms/kernel |" if args.assemble else "")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        k = r["kernels"]
+        line = (f"| {r['case']} | {r['plan']} | {k} | {1e3 * r['nvrtc_s'] / k:.1f} | {1e3 * r['ptx_s'] / k:.1f} | "
+                f"{r['speedup']:.1f}x |")
+        if args.assemble:
+            line += f" {1e3 * r['ptx_ptxas_s'] / k:.1f} |"
+        lines.append(line)
+    total_nvrtc = sum(r["nvrtc_s"] for r in rows)
+    total_ptx = sum(r["ptx_s"] for r in rows)
+    kernels_total = sum(r["kernels"] for r in rows)
+    lines.append(f"\nall cases: NVRTC {1e3 * total_nvrtc / kernels_total:.1f} ms/kernel, PTX "
+                 f"{1e3 * total_ptx / kernels_total:.1f} ms/kernel: {total_nvrtc / total_ptx:.1f}x; "
+                 f"smallest per-case speed-up {min(r['speedup'] for r in rows):.1f}x")
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"arch": ARCH, "reps": args.reps, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

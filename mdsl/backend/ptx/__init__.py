@@ -1,0 +1,10 @@
+"""The PTX backend: the CUDA backend's lowered kernels emitted as LLVM IR with llvmlite.ir
+(`emit_llvm`), turned into PTX by llvmlite's NVPTX target (`compile_ptx`, cached), assembled by
+ptxas or nvJitLink for the resource report (`assemble`) and loaded by the driver on a GPU
+(`PtxModule.load`). Importing it loads neither llvmlite.binding nor the CUDA libraries."""
+from mdsl.backend.ptx.codegen import PtxProgram, emit_llvm
+from mdsl.backend.ptx.compile import (AssembledModule, PtxCompileError, PtxModule, assemble, assembler, compile_ptx,
+                                      llvm_to_ptx, ptx_target)
+
+__all__ = ["PtxProgram", "emit_llvm", "AssembledModule", "PtxCompileError", "PtxModule", "assemble", "assembler",
+           "compile_ptx", "llvm_to_ptx", "ptx_target"]

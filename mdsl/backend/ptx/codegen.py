@@ -1,0 +1,83 @@
+"""LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as
+reshape gets an alias instead), launched in the graph's order: the CUDA backend's kernels
+(mdsl/backend/cuda/codegen.py), the same launches and interface with the runtime, written with
+llvmlite.ir. Each kernel's code starts with the op marker naming the mugraph op it runs (and each
+block-level op inside a custom kernel with its own), kept as a comment in the PTX, which compile
+errors point back through.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import attrs
+
+import mdsl.backend.ptx.rules  # noqa: F401 - attaches the ptx rules to the registry
+from mdsl.backend.cuda.codegen import KernelLaunch, _check_sizes
+from mdsl.backend.cuda.source import Namer
+from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
+from mdsl.errors import UnsupportedError
+from mdsl.ir.graph import KernelGraph, Node
+from mdsl.passes.fusion import fuse_kernel_graph
+
+
+@attrs.frozen
+class PtxProgram:
+    llvm_ir: str             # ONE LLVM module for the whole kernel graph
+    launches: tuple          # KernelLaunch, in execution order
+    aliases: tuple           # (value name, aliased value name): views that need no kernel (reshape)
+    graph: KernelGraph       # the graph the module implements (custom nodes' bodies fused)
+    arch: str
+
+    @property
+    def source(self) -> str:
+        """What this backend compiles (the runtime's failure reports show it)."""
+        return self.llvm_ir
+
+
+@attrs.define
+class KernelScope:
+    """A kernel being written: its function and its parameters as Arrays (contiguous device tensors)."""
+
+    fn: KernelFunction
+    inputs: list
+    outputs: list
+
+
+class ProgramBuilder:
+    def __init__(self, graph: KernelGraph, arch: str):
+        self.graph = graph
+        self.arch = arch
+        self.mb = ModuleBuilder(graph.name)
+        self.kernel_names = Namer()
+        self.launches: list = []
+        self.aliases: dict = {}
+
+    @contextlib.contextmanager
+    def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0) -> Iterator[KernelScope]:
+        """Write the kernel implementing `node`; the body is the caller's."""
+        name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
+        values = list(node.inputs) + list(node.outputs)
+        fn = KernelFunction(self.mb, name, len(values), threads)
+        arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
+        scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
+        fn.marker_for(node)
+        yield scope
+        fn.finish()
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, tuple(v.name for v in values), index))
+
+    def alias(self, name: str, of: str) -> None:
+        self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
+
+
+def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90") -> PtxProgram:
+    """One LLVM module implementing `graph` for `arch`, and how to launch its kernels."""
+    _check_sizes(graph)
+    lowered = fuse_kernel_graph(graph)
+    program = ProgramBuilder(lowered, arch)
+    for index, node in enumerate(lowered.nodes):
+        rule = node.opdef.rules.get("ptx")
+        if rule is None:
+            raise UnsupportedError(f"the PTX backend has no rule for {node.op}", loc=node.loc)
+        rule.kernel(program, index, node)
+    return PtxProgram(str(program.mb.module), tuple(program.launches), tuple(program.aliases.items()), lowered, arch)

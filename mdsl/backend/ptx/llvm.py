@@ -1,0 +1,354 @@
+"""Helpers for writing LLVM IR with llvmlite.ir for the NVPTX target: element types (bf16 included),
+a kernel function under construction (`KernelFunction`: structured loops and branches, mutable
+variables, NVVM special registers, barriers, warp shuffles, the op markers), arrays in global or
+shared memory with f32 loads and stores, and index arithmetic over row-major (padded, broadcast)
+arrays.
+
+Mutable values (a reduction's running value) live in `alloca`s of the entry block; the optimisation
+pipeline run before code generation (SROA / mem2reg) turns them into registers, so the PTX has no
+local memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from typing import Iterator, Optional, Sequence
+
+import attrs
+from llvmlite import ir
+
+from mdsl.backend.cuda.source import OP_MARKER, describe
+from mdsl.ir.graph import Node
+
+TRIPLE = "nvptx64-nvidia-cuda"
+#: NVPTX's data layout (LLVM 22); the target machine's own is checked against it when compiling
+DATA_LAYOUT = "e-p6:32:32-i64:64-i128:128-i256:256-v16:16-v32:32-n16:32:64"
+GLOBAL = 1   # address spaces
+SHARED = 3
+
+
+class BFloatType(ir.types._BaseFloatType):
+    """LLVM's `bfloat`, which llvmlite.ir lacks."""
+
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self) -> str:
+        return "bfloat"
+
+    def format_constant(self, value: float) -> str:
+        return "0xR%04X" % (struct.unpack("<I", struct.pack("<f", value))[0] >> 16)
+
+
+BFloatType._create_instance()
+
+F32 = ir.FloatType()
+F16 = ir.HalfType()
+BF16 = BFloatType()
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+I8 = ir.IntType(8)
+I1 = ir.IntType(1)
+VOID = ir.VoidType()
+ELEMENT_TYPES = {"f16": F16, "bf16": BF16, "f32": F32, "i32": I32}
+#: integer words of a vector copy, by its size in bytes
+WORDS = {2: ir.IntType(16), 4: I32, 8: I64, 16: ir.VectorType(I32, 4)}
+
+
+def f32(value: float) -> ir.Constant:
+    """An f32 constant of the value rounded to f32 (the precision the kernels compute in)."""
+    return ir.Constant(F32, float(struct.unpack("<f", struct.pack("<f", value))[0]) if math.isfinite(value) else value)
+
+
+def i32(value: int) -> ir.Constant:
+    return ir.Constant(I32, int(value))
+
+
+def marker_text(description: str) -> str:
+    """An op marker as a PTX comment; characters that inline asm gives a meaning are replaced."""
+    clean = description.translate(str.maketrans({"$": "S", "{": "(", "}": ")", "|": "/", "\n": " ", "\\": "/"}))
+    return OP_MARKER + clean
+
+
+@attrs.frozen
+class Array:
+    """An array in memory as the emitted IR sees it: a pointer value, the dtype name it is stored
+    as, its shape and its strides (in elements)."""
+
+    ptr: ir.Value
+    dtype: str
+    shape: tuple
+    strides: tuple
+
+    @classmethod
+    def contiguous(cls, ptr: ir.Value, dtype: str, shape: tuple) -> "Array":
+        return cls(ptr, dtype, tuple(shape), contiguous_strides(tuple(shape)))
+
+    def viewed(self, shape: tuple, strides: tuple) -> "Array":
+        return attrs.evolve(self, shape=tuple(shape), strides=tuple(strides))
+
+    @property
+    def etype(self) -> ir.Type:
+        return ELEMENT_TYPES[self.dtype]
+
+
+def contiguous_strides(shape: tuple) -> tuple:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def merged_dims(shape: tuple, operand_shape: tuple, operand_strides: tuple) -> list:
+    """(loop size, operand stride) per dim of a loop over `shape`, outermost first: the operand is
+    aligned to the right of the loop and broadcast along its dims of size 1; dims of size 1 are
+    dropped and neighbours that are contiguous with each other merged."""
+    pad = len(shape) - len(operand_shape)
+    dims: list = []
+    for d, size in enumerate(shape):
+        if size == 1:
+            continue
+        k = d - pad
+        stride = operand_strides[k] if k >= 0 and operand_shape[k] != 1 else 0
+        if dims and dims[-1][1] == stride * size:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    return dims
+
+
+class ModuleBuilder:
+    """One LLVM module: kernels, intrinsic declarations and shared-memory globals."""
+
+    def __init__(self, name: str):
+        self.module = ir.Module(name=name)
+        self.module.triple = TRIPLE
+        self.module.data_layout = DATA_LAYOUT
+        self._dynamic_smem: Optional[ir.GlobalVariable] = None
+        self.annotations = self.module.add_named_metadata("nvvm.annotations")
+
+    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
+        found = self.module.globals.get(name)
+        return found if found is not None else ir.Function(self.module, ir.FunctionType(ret, list(args)), name)
+
+    def annotate(self, fn: ir.Function, key: str, value: int) -> None:
+        self.annotations.add(self.module.add_metadata([fn, key, i32(value)]))
+
+    def dynamic_smem(self) -> ir.GlobalVariable:
+        """A pointer to the block's dynamic shared memory (`extern __shared__`), sized at launch."""
+        if self._dynamic_smem is None:
+            g = ir.GlobalVariable(self.module, ir.ArrayType(I8, 0), "mdsl_smem", addrspace=SHARED)
+            g.linkage = "external"
+            g.align = 16
+            self._dynamic_smem = g
+        return self._dynamic_smem
+
+    def static_smem(self, name: str, etype: ir.Type, count: int) -> ir.GlobalVariable:
+        """A pointer to a shared array of its own (`__shared__ T name[count]`)."""
+        g = ir.GlobalVariable(self.module, ir.ArrayType(etype, count), name, addrspace=SHARED)
+        g.linkage = "internal"
+        g.initializer = ir.Constant(g.value_type, ir.Undefined)
+        g.align = 16
+        return g
+
+
+class Var:
+    """A mutable f32 (or i32) value: an alloca that the optimiser promotes to a register."""
+
+    def __init__(self, fn: "KernelFunction", slot: ir.Value, ty: ir.Type):
+        self.fn, self.slot, self.ty = fn, slot, ty
+
+    def get(self) -> ir.Value:
+        return self.fn.b.load(self.slot, typ=self.ty)
+
+    def set(self, value: ir.Value) -> None:
+        self.fn.b.store(value, self.slot)
+
+
+class KernelFunction:
+    """A kernel (`.entry`) under construction: its parameters are 16-byte aligned, non-aliasing
+    global pointers. `b` is the IRBuilder positioned where the next code goes."""
+
+    def __init__(self, mb: ModuleBuilder, name: str, n_params: int, threads: int):
+        self.mb = mb
+        ptr = ir.PointerType(addrspace=GLOBAL)
+        self.fn = ir.Function(mb.module, ir.FunctionType(VOID, [ptr] * n_params), name)
+        self.fn.calling_convention = "ptx_kernel"
+        self.fn.attributes.add("nounwind")
+        for arg in self.fn.args:
+            arg.add_attribute("noalias")
+            arg.attributes.align = 16
+        self.threads = threads
+        # the kernel mark and its launch bounds, as __launch_bounds__(threads, 1)
+        for key, value in (("kernel", 1), ("maxntidx", threads), ("minctasm", 1)):
+            mb.annotate(self.fn, key, value)
+        self._allocas = ir.IRBuilder(self.fn.append_basic_block("allocas"))
+        self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
+        self._sregs: dict = {}
+
+    @property
+    def params(self) -> list:
+        return list(self.fn.args)
+
+    def finish(self) -> None:
+        self.b.ret_void()
+        self._allocas.branch(self.fn.blocks[1])
+
+    # -- values ----------------------------------------------------------------------------------
+
+    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Value]) -> ir.Value:
+        return self.b.call(self.mb.intrinsic(name, ret, [a.type for a in args]), list(args))
+
+    def sreg(self, name: str) -> ir.Value:
+        """A special register (`tid.x`, `ntid.x`, `ctaid.y`, `nctaid.x`...), read once per kernel."""
+        if name not in self._sregs:
+            with self.b.goto_block(self.fn.blocks[1]):
+                first = self.fn.blocks[1].instructions
+                if first:
+                    self.b.position_before(first[0])
+                self._sregs[name] = self.intrinsic(f"llvm.nvvm.read.ptx.sreg.{name}", I32, [])
+        return self._sregs[name]
+
+    def shared_pointer(self, g: ir.GlobalVariable) -> ir.Value:
+        """A shared-memory global as an opaque pointer (llvmlite types globals' pointers)."""
+        cast = ir.instructions.CastInstr(self.b.block, "bitcast", g, ir.PointerType(addrspace=SHARED))
+        self.b._insert(cast)   # IRBuilder.bitcast skips a cast between "equal" pointer types
+        return cast
+
+    def var(self, init: ir.Value) -> Var:
+        slot = self._allocas.alloca(init.type)
+        self.b.store(init, slot)
+        return Var(self, slot, init.type)
+
+    def call_math(self, name: str, *args: ir.Value) -> ir.Value:
+        """An LLVM intrinsic on f32 (`fma`, `sqrt`, `maxnum`, `exp2`...)."""
+        return self.intrinsic(f"llvm.{name}.f32", F32, args)
+
+    # -- control flow ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def loop(self, start: ir.Value, stop, step) -> Iterator[ir.Value]:
+        """`for (i = start; i < stop; i += step)` (unsigned): yields i; the body is the caller's."""
+        b = self.b
+        stop, step = _as_i32(stop), _as_i32(step)
+        head, body, done = (self.fn.append_basic_block(n) for n in ("loop", "body", "after"))
+        before = b.block
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I32, name="i")
+        i.add_incoming(start, before)
+        b.cbranch(b.icmp_unsigned("<", i, stop), body, done)
+        b.position_at_end(body)
+        yield i
+        nxt = b.add(i, step)
+        i.add_incoming(nxt, b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    @contextlib.contextmanager
+    def when(self, cond: ir.Value) -> Iterator[None]:
+        with self.b.if_then(cond):
+            yield
+
+    def chain(self, conditions: Sequence[ir.Value]) -> Iterator[int]:
+        """An if / else-if chain with a last `else`: yields the index of each case in turn, with the
+        builder inside it (conditions[k] guards case k; the last case has none)."""
+        b = self.b
+        merge = self.fn.append_basic_block("chain_end")
+        for k in range(len(conditions) + 1):
+            if k < len(conditions):
+                case, rest = self.fn.append_basic_block("case"), self.fn.append_basic_block("else")
+                b.cbranch(conditions[k], case, rest)
+                b.position_at_end(case)
+            yield k
+            b.branch(merge)
+            if k < len(conditions):
+                b.position_at_end(rest)
+        b.position_at_end(merge)
+
+    # -- synchronisation and the warp -----------------------------------------------------------
+
+    def barrier(self) -> None:
+        self.intrinsic("llvm.nvvm.barrier0", VOID, [])
+
+    def shuffle_xor(self, value: ir.Value, lane_mask: int) -> ir.Value:
+        return self.intrinsic("llvm.nvvm.shfl.sync.bfly.f32", F32, [i32(-1), value, i32(lane_mask), i32(31)])
+
+    def marker(self, text: str) -> None:
+        """The op marker as a comment in the PTX (an empty inline asm holding it)."""
+        asm = ir.InlineAsm(ir.FunctionType(VOID, []), marker_text(text), "", side_effect=True)
+        self.b.call(asm, [])
+
+    def marker_for(self, node: Node) -> None:
+        self.marker(describe(node))
+
+    # -- index arithmetic and memory --------------------------------------------------------------
+
+    def offset(self, index: ir.Value, shape: tuple, operand: Array) -> ir.Value:
+        """The offset in `operand` of element `index` of a row-major loop over `shape` (see merged_dims)."""
+        dims = merged_dims(shape, operand.shape, operand.strides)
+        b, total, inner = self.b, None, 1
+        for k in reversed(range(len(dims))):
+            size, stride = dims[k]
+            if stride:
+                coord = index if inner == 1 else b.udiv(index, i32(inner))
+                if k > 0:
+                    coord = b.urem(coord, i32(size))
+                term = coord if stride == 1 else b.mul(coord, i32(stride))
+                total = term if total is None else b.add(term, total)
+            inner *= size
+        return total if total is not None else i32(0)
+
+    def address(self, array: Array, offset: ir.Value) -> ir.Value:
+        return self.b.gep(array.ptr, [offset], inbounds=True, source_etype=array.etype)
+
+    def load(self, array: Array, offset: ir.Value) -> ir.Value:
+        return self.b.load(self.address(array, offset), typ=array.etype)
+
+    def load_float(self, array: Array, offset: ir.Value) -> ir.Value:
+        return self.to_float(self.load(array, offset), array.dtype)
+
+    def store_float(self, array: Array, offset: ir.Value, value: ir.Value) -> None:
+        self.b.store(self.from_float(value, array.dtype), self.address(array, offset))
+
+    def to_float(self, value: ir.Value, dtype: str) -> ir.Value:
+        if dtype == "f32":
+            return value
+        if dtype == "i32":
+            return self.b.sitofp(value, F32)
+        return self.b.fpext(value, F32)
+
+    def from_float(self, value: ir.Value, dtype: str) -> ir.Value:
+        """Rounded to nearest even (f16, bf16); truncated toward zero (i32)."""
+        if dtype == "f32":
+            return value
+        if dtype == "i32":
+            return self.b.fptosi(value, I32)
+        return self.b.fptrunc(value, ELEMENT_TYPES[dtype])
+
+    def convert(self, value: ir.Value, src: str, dst: str) -> ir.Value:
+        """A copy between two dtypes through f32; exact between equal ones (i32 included)."""
+        return value if src == dst else self.from_float(self.to_float(value, src), dst)
+
+    def copy(self, dst: Array, dst_offset: ir.Value, src: Array, src_offset: ir.Value, vector: int) -> None:
+        """`vector` consecutive elements: one access when the dtypes agree (both sides aligned to
+        it), else converted one by one."""
+        if dst.dtype == src.dtype:
+            nbytes = vector * ITEMSIZE[src.dtype]
+            word = WORDS[nbytes]
+            value = self.b.load(self.address(src, src_offset), typ=word, align=nbytes)
+            self.b.store(value, self.address(dst, dst_offset), align=nbytes)
+            return
+        for j in range(vector):
+            s = src_offset if j == 0 else self.b.add(src_offset, i32(j))
+            d = dst_offset if j == 0 else self.b.add(dst_offset, i32(j))
+            self.b.store(self.convert(self.load(src, s), src.dtype, dst.dtype), self.address(dst, d))
+
+
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4}
+
+
+def _as_i32(value) -> ir.Value:
+    return i32(value) if isinstance(value, int) else value

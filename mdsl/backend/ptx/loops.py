@@ -1,0 +1,140 @@
+"""The loops that the PTX rules are made of, as LLVM IR, at both levels (the CUDA backend's
+mdsl/backend/cuda/loops.py, same structure): over the elements of an array (element-wise chains in
+registers, copies) and over the rows of a reduction (a group of lanes per row, combined with warp
+shuffles). `Threads` says whether a loop runs on one block's threads (block-graph ops, on
+shared-memory tiles) or on every thread of the grid (kernel-level ops, on device tensors)."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator
+
+import attrs
+
+from mdsl.backend.cuda.loops import without
+from mdsl.backend.ptx.llvm import Array, KernelFunction, contiguous_strides, f32, i32
+from mdsl.ir.graph import ThreadGraph
+from mdsl.ir.ops import broadcast_shapes
+
+
+@attrs.frozen
+class Threads:
+    """The threads a loop is spread over: one block of `block` threads, or the whole grid of them."""
+
+    block: int
+    grid: bool = False
+
+    def first(self, fn: KernelFunction):
+        tid = fn.sreg("tid.x")
+        return fn.b.add(fn.b.mul(fn.sreg("ctaid.x"), i32(self.block)), tid) if self.grid else tid
+
+    def count(self, fn: KernelFunction):
+        return fn.b.mul(fn.sreg("nctaid.x"), i32(self.block)) if self.grid else i32(self.block)
+
+    @contextlib.contextmanager
+    def each(self, fn: KernelFunction, n: int) -> Iterator:
+        """A loop giving each index i below n to one thread; yields i."""
+        with fn.loop(self.first(fn), n, self.count(fn)) as i:
+            yield i
+
+    @contextlib.contextmanager
+    def each_group(self, fn: KernelFunction, n: int, lanes: int) -> Iterator[tuple]:
+        """A loop giving each index o below n to a group of `lanes` consecutive threads; yields
+        (o, lane). Its trip count is the same on every thread of a block, so shuffles in it are safe."""
+        b, tid = fn.b, fn.sreg("tid.x")
+        per_block = self.block // lanes
+        if self.grid:
+            start, step = b.mul(fn.sreg("ctaid.x"), i32(per_block)), b.mul(fn.sreg("nctaid.x"), i32(per_block))
+        else:
+            start, step = i32(0), i32(per_block)
+        group = i32(0) if per_block == 1 else tid if lanes == 1 else b.udiv(tid, i32(lanes))
+        lane = i32(0) if lanes == 1 else b.urem(tid, i32(lanes))
+        with fn.loop(start, n, step) as o0:
+            yield b.add(o0, group), lane
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise chains
+
+
+def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins: list, outs: list) -> None:
+    """Each element of the chain's iteration space (the broadcast of its inputs and outputs) computed
+    by one thread in f32 registers; an output of a smaller shape is written by the threads at
+    coordinate 0 of the dims it lacks (each of its elements once)."""
+    space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
+    with threads.each(fn, math.prod(space)) as i:
+        reg = {var.name: fn.load_float(op, fn.offset(i, space, op)) for var, op in zip(tg.inputs, ins)}
+        for node in tg.nodes:
+            reg[node.output.name] = node.opdef.rules["ptx"].value(fn, node, [reg[v.name] for v in node.inputs])
+        for var, op in zip(tg.outputs, outs):
+            at = fn.offset(i, space, op)
+            lacking = _lacking_dims(fn, i, space, op.shape)
+            if lacking is None:
+                fn.store_float(op, at, reg[var.name])
+            else:
+                with fn.when(fn.b.icmp_unsigned("==", lacking, i32(0))):
+                    fn.store_float(op, at, reg[var.name])
+
+
+def _lacking_dims(fn: KernelFunction, i, space: tuple, shape: tuple):
+    """A value that is 0 exactly where i's coordinates are 0 along the dims of `space` that an array
+    of `shape` is broadcast along; None when there are none."""
+    pad = len(space) - len(shape)
+    strides = [s if (d < pad or shape[d - pad] == 1) else 0 for d, s in enumerate(contiguous_strides(space))]
+    if not any(s for d, s in enumerate(strides) if space[d] != 1):
+        return None
+    return fn.offset(i, space, Array(None, "f32", space, tuple(strides)))
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions over one dim
+
+
+@attrs.frozen
+class Fold:
+    """How a reduction folds a row: the start value, one step (of the running value v and the
+    element x) and the combination of partial results across lanes."""
+
+    identity: float
+    step: Callable      # (fn, v, x) -> value
+    combine: Callable   # (fn, a, b) -> value
+
+
+SUM = Fold(0.0, lambda fn, v, x: fn.b.fadd(v, x), lambda fn, a, b: fn.b.fadd(a, b))
+MAX = Fold(float("-inf"), lambda fn, v, x: fn.call_math("maxnum", v, x), lambda fn, a, b: fn.call_math("maxnum", a, b))
+SUM_OF_SQUARES = Fold(0.0, lambda fn, v, x: fn.call_math("fma", x, x, v), lambda fn, a, b: fn.b.fadd(a, b))
+
+
+def row_view(op: Array, dim: int) -> Array:
+    """The array seen as rows: one element per row, `dim` removed (its first element)."""
+    return op.viewed(without(op.shape, dim), without(op.strides, dim))
+
+
+def group_reduce(fn: KernelFunction, value, lanes: int, combine: Callable):
+    """Combine across the `lanes` consecutive lanes of a group; every lane ends with the result."""
+    step = lanes // 2
+    while step:
+        value = combine(fn, value, fn.shuffle_xor(value, step))
+        step //= 2
+    return value
+
+
+def emit_row_reduce(fn: KernelFunction, threads: Threads, src: Array, dim: int, fold: Fold, lanes: int,
+                    finish: Callable) -> None:
+    """For each row of `src` along `dim`, fold its elements across a group of lanes; then
+    finish(o, v, lane, row) writes what the row gives (v: the folded value on every lane of the
+    group; row: the row as a 1-D Array)."""
+    rows = without(src.shape, dim)
+    n_rows, length, stride = math.prod(rows), src.shape[dim], src.strides[dim]
+    b = fn.b
+    with threads.each_group(fn, n_rows, lanes) as (o, lane):
+        v = fn.var(f32(fold.identity))
+        in_range = b.icmp_unsigned("<", o, i32(n_rows))
+        start = fn.address(src, b.select(in_range, fn.offset(o, rows, row_view(src, dim)), i32(0)))
+        row = Array(start, src.dtype, (length,), (stride,))
+        with fn.when(in_range):
+            with fn.loop(lane, length, lanes) as j:
+                x = fn.load_float(row, j if stride == 1 else b.mul(j, i32(stride)))
+                v.set(fold.step(fn, v.get(), x))
+        value = group_reduce(fn, v.get(), lanes, fold.combine) if lanes > 1 else v.get()
+        finish(o, value, lane, row, in_range)

@@ -1,0 +1,570 @@
+"""The PTX rule of every operator, attached to its registry entry as `ptx=` (the CUDA backend's
+rules, mdsl/backend/cuda/rules.py, written as LLVM IR instead of C++; the same kernels).
+
+A rule has the methods its operator's levels call for:
+
+* `kernel(program, index, node)` writes the kernel of a kernel-level node (or records an alias);
+* `block(bk, node)` writes a block-level node's code on shared-memory tiles (bk: `block.BlockKernel`);
+* accumulators have `init(bk, node)`, `update(bk, node)` (once per loop iteration) and `finalize`
+  (a method, or None when the running value is already the result);
+* `value(fn, node, args)` gives an element-wise op's f32 value from its operands' f32 values.
+
+All arithmetic is f32; values are rounded to their dtype where they are stored.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import attrs
+
+from mdsl.backend.cuda.loops import blocks_for, group_lanes, without
+from mdsl.backend.cuda.rules import GEMM_TILE, KERNEL_THREADS
+from mdsl.backend.ptx import mathlib
+from mdsl.backend.ptx.block import emit_custom
+from mdsl.backend.ptx.llvm import F32, Array, KernelFunction, f32, i32
+from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
+                                    row_view)
+from mdsl.errors import UnsupportedError
+from mdsl.ir.graph import Node, ThreadGraph
+from mdsl.ir.ops import extend_op
+
+GEMM_K_STEP = 16          # K per shared-memory stage of the standard matmul kernel
+GEMM_PER_THREAD = 4       # each thread keeps a 4 x 4 piece of the 64 x 64 tile
+_GEMM_SIDE = GEMM_TILE // GEMM_PER_THREAD   # 16 x 16 threads
+_A_PAD = 4                # A's tile is stored transposed, its rows padded against bank conflicts
+
+
+def _grid(n: int) -> tuple:
+    return (blocks_for(n, KERNEL_THREADS), 1, 1)
+
+
+def _grid_threads() -> Threads:
+    return Threads(KERNEL_THREADS, grid=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise operators
+
+
+def _alone(node: Node) -> ThreadGraph:
+    """The one-node thread graph of an element-wise node (mul(x, x) reads x once)."""
+    return ThreadGraph(list(dict.fromkeys(node.inputs)), [node], node.outputs)
+
+
+@attrs.frozen
+class Elementwise:
+    compute: Callable  # (fn, node, f32 operand values) -> f32 value
+
+    def value(self, fn: KernelFunction, node: Node, args: list):
+        return self.compute(fn, node, args)
+
+    def block(self, bk, node: Node) -> None:
+        tg = _alone(node)
+        emit_thread_graph(bk.fn, bk.threads, tg, [bk.tile(v) for v in tg.inputs], [bk.tile(v) for v in node.outputs])
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        tg = _alone(node)
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            emit_thread_graph(k.fn, _grid_threads(), tg, [k.inputs[node.inputs.index(v)] for v in tg.inputs],
+                              k.outputs)
+
+
+def _reciprocal(fn, x):
+    return fn.b.fdiv(f32(1.0), x)
+
+
+def _one_plus_exp_neg(fn, x):
+    return fn.b.fadd(f32(1.0), mathlib.exp(fn, fn.b.fneg(x)))
+
+
+def _gelu(fn, x):
+    b = fn.b
+    erf = mathlib.erf(fn, b.fmul(x, f32(0.70710678118654752)))
+    return b.fmul(b.fmul(f32(0.5), x), b.fadd(f32(1.0), erf))
+
+
+def _cast(fn, node, a):
+    # a float value is rounded where it is stored; an integer one is truncated now
+    return a[0] if node.attr("dtype").is_float else fn.call_math("trunc", a[0])
+
+
+def _unary(compute: Callable) -> Elementwise:
+    return Elementwise(lambda fn, node, a: compute(fn, a[0]))
+
+
+def _binary(method: str) -> Elementwise:
+    return Elementwise(lambda fn, node, a: getattr(fn.b, method)(a[0], a[1]))
+
+
+def _attr(node: Node, name: str):
+    return f32(node.attr(name))
+
+
+_ELEMENTWISE = {
+    "exp": _unary(mathlib.exp),
+    "silu": _unary(lambda fn, x: fn.b.fdiv(x, _one_plus_exp_neg(fn, x))),
+    "gelu": _unary(_gelu),
+    "relu": _unary(lambda fn, x: fn.call_math("maxnum", x, f32(0.0))),
+    "sigmoid": _unary(lambda fn, x: fn.b.fdiv(f32(1.0), _one_plus_exp_neg(fn, x))),
+    "sqrt": _unary(lambda fn, x: fn.call_math("sqrt", x)),
+    "rsqrt": _unary(lambda fn, x: _reciprocal(fn, fn.call_math("sqrt", x))),
+    "square": _unary(lambda fn, x: fn.b.fmul(x, x)),
+    "neg": _unary(lambda fn, x: fn.b.fneg(x)),
+    "reciprocal": _unary(_reciprocal),
+    "mul_scalar": Elementwise(lambda fn, node, a: fn.b.fmul(a[0], _attr(node, "value"))),
+    "add_scalar": Elementwise(lambda fn, node, a: fn.b.fadd(a[0], _attr(node, "value"))),
+    "pow_scalar": Elementwise(lambda fn, node, a: mathlib.power(fn, a[0], _attr(node, "exponent").constant)),
+    "clamp": Elementwise(lambda fn, node, a: fn.call_math("minnum", fn.call_math("maxnum", a[0], _attr(node, "min")),
+                                                          _attr(node, "max"))),
+    "cast": Elementwise(_cast),
+    "add": _binary("fadd"),
+    "sub": _binary("fsub"),
+    "mul": _binary("fmul"),
+    "div": _binary("fdiv"),
+}
+
+
+class Fused:
+    """A block-level thread graph: the whole chain per element, in registers."""
+
+    def block(self, bk, node: Node) -> None:
+        emit_thread_graph(bk.fn, bk.threads, node.body, [bk.tile(v) for v in node.inputs],
+                          [bk.tile(v) for v in node.outputs])
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul
+
+
+def _batch_start(fn: KernelFunction, op: Array, batch: tuple, index) -> Array:
+    """The operand's matrix for the batch `index` of a loop over `batch` (broadcast where it has none)."""
+    if not batch:
+        return op
+    view = op.viewed(op.shape[:-2], op.strides[:-2])
+    start = fn.offset(index, batch, view)
+    return Array(fn.address(op, start), op.dtype, op.shape[-2:], op.strides[-2:])
+
+
+class Matmul:
+    def block(self, bk, node: Node) -> None:
+        """One thread per output element, its dot product over K read from the two tiles."""
+        fn, b = bk.fn, bk.fn.b
+        a, w, out = bk.tile(node.inputs[0]), bk.tile(node.inputs[1]), bk.tile(node.output)
+        k_len, n = a.shape[-1], out.shape[-1]
+        rows = a.viewed(a.shape[:-1] + (1,), a.strides)           # row m of a, the same for every n
+        cols = w.viewed(w.shape[:-2] + (1, n), w.strides)          # column n of w, the same for every m
+        with bk.threads.each(fn, math.prod(out.shape)) as i:
+            a_row = Array(fn.address(a, fn.offset(i, out.shape, rows)), a.dtype, (k_len,), (1,))
+            w_col = Array(fn.address(w, fn.offset(i, out.shape, cols)), w.dtype, (k_len,), (w.strides[-2],))
+            acc = fn.var(f32(0.0))
+            with fn.loop(i32(0), k_len, 1) as k:
+                x = fn.load_float(a_row, k)
+                y = fn.load_float(w_col, b.mul(k, i32(w.strides[-2])))
+                acc.set(fn.call_math("fma", x, y, acc.get()))
+            fn.store_float(out, fn.offset(i, out.shape, out), acc.get())
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        """A GEMM_TILE x GEMM_TILE tile of the product per block, a batch per grid z."""
+        (m, k_len), n = node.inputs[0].shape[-2:], node.output.shape[-1]
+        batch = node.output.shape[:-2]
+        batches = math.prod(batch)
+        if batches > 65535:
+            raise UnsupportedError(f"matmul over {batches} batches: at most 65535 (the grid's z dim)",
+                                   hint="reshape the batch dims into the rows of the left operand")
+        grid = (-(-n // GEMM_TILE), -(-m // GEMM_TILE), batches)
+        with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
+            fn = k.fn
+            z = fn.sreg("ctaid.z") if batch else None
+            a, w, out = (_batch_start(fn, op, batch, z) for op in (k.inputs[0], k.inputs[1], k.outputs[0]))
+            _gemm_tile(fn, program, m, n, k_len, a, w, out)
+
+
+def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array, w: Array, out: Array) -> None:
+    """One 64 x 64 tile of C = A B (row-major; A is M x K, B is K x N) for a block of 256 threads: K is
+    walked in steps of 16 through shared memory (A transposed, so that a thread reads its 4 rows'
+    values at once), each thread keeps a 4 x 4 piece of C in registers."""
+    b = fn.b
+    tile, step, per = GEMM_TILE, GEMM_K_STEP, GEMM_PER_THREAD
+    a_row = tile + _A_PAD
+    a_smem = fn.shared_pointer(program.mb.static_smem(f"{fn.fn.name}_a", F32, step * a_row))
+    b_smem = fn.shared_pointer(program.mb.static_smem(f"{fn.fn.name}_b", F32, step * tile))
+    a_tile = Array(a_smem, "f32", (step, a_row), (a_row, 1))
+    b_tile = Array(b_smem, "f32", (step, tile), (tile, 1))
+    tid = fn.sreg("tid.x")
+    tx, ty = b.urem(tid, i32(_GEMM_SIDE)), b.udiv(tid, i32(_GEMM_SIDE))
+    m0, n0 = b.mul(fn.sreg("ctaid.y"), i32(tile)), b.mul(fn.sreg("ctaid.x"), i32(tile))
+    acc = [[fn.var(f32(0.0)) for _ in range(per)] for _ in range(per)]
+
+    def stage(src: Array, rows: int, cols: int, rows_limit, row0, col0, cols_limit, ld: int, store) -> None:
+        """Copy a rows x cols piece of `src` at (row0, col0) to shared memory, zero outside it."""
+        for e0 in range(0, rows * cols, KERNEL_THREADS):
+            e = b.add(tid, i32(e0))
+            r, c = b.udiv(e, i32(cols)), b.urem(e, i32(cols))
+            gr, gc = b.add(row0, r), b.add(col0, c)
+            inside = b.and_(b.icmp_unsigned("<", gr, i32(rows_limit)), b.icmp_unsigned("<", gc, i32(cols_limit)))
+            at = b.select(inside, b.add(b.mul(gr, i32(ld)), gc), i32(0))
+            store(r, c, b.select(inside, fn.load_float(src, at), f32(0.0)))
+
+    with fn.loop(i32(0), k_len, step) as k0:
+        stage(a, tile, step, m, m0, k0, k_len, k_len,
+              lambda r, c, v: fn.store_float(a_tile, b.add(b.mul(c, i32(a_row)), r), v))
+        stage(w, step, tile, k_len, k0, n0, n, n,
+              lambda r, c, v: fn.store_float(b_tile, b.add(b.mul(r, i32(tile)), c), v))
+        fn.barrier()
+        a_base, b_base = b.mul(ty, i32(per)), tx
+        for kk in range(step):
+            xs = [fn.load_float(a_tile, b.add(a_base, i32(kk * a_row + i))) for i in range(per)]
+            ys = [fn.load_float(b_tile, b.add(b_base, i32(kk * tile + _GEMM_SIDE * j))) for j in range(per)]
+            for i in range(per):
+                for j in range(per):
+                    acc[i][j].set(fn.call_math("fma", xs[i], ys[j], acc[i][j].get()))
+        fn.barrier()
+    for i in range(per):
+        row = b.add(m0, b.add(b.mul(ty, i32(per)), i32(i)))
+        for j in range(per):
+            col = b.add(n0, b.add(tx, i32(_GEMM_SIDE * j)))
+            inside = b.and_(b.icmp_unsigned("<", row, i32(m)), b.icmp_unsigned("<", col, i32(n)))
+            with fn.when(inside):
+                fn.store_float(out, b.add(b.mul(row, i32(n)), col), acc[i][j].get())
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions and norms over one dim
+
+
+def _dim(node: Node) -> int:
+    return node.attr("dim") % node.inputs[0].type.rank
+
+
+def _block_lanes(bk, src: Array, dim: int) -> int:
+    rows = math.prod(without(src.shape, dim))
+    return group_lanes(src.shape[dim], -(-bk.threads.block // rows))
+
+
+def _kernel_lanes(node: Node) -> int:
+    # a row of contiguous elements is read by a group of lanes side by side; when the rows are the
+    # contiguous ones (a reduction over a leading dim), one thread per row keeps neighbours together
+    shape, dim = node.inputs[0].shape, _dim(node)
+    return group_lanes(shape[dim], 32) if math.prod(shape[dim + 1:]) == 1 else 1
+
+
+def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
+    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
+    lanes = _kernel_lanes(node)
+    rows = node.inputs[0].type.numel // node.inputs[0].shape[_dim(node)]
+    grid = (blocks_for(rows, KERNEL_THREADS // lanes), 1, 1)
+    with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
+        emit(k.fn, _grid_threads(), node, k.inputs[0], k.outputs[0], lanes)
+
+
+def _first_lane(fn: KernelFunction, in_range, lane):
+    return fn.b.and_(in_range, fn.b.icmp_unsigned("==", lane, i32(0)))
+
+
+@attrs.frozen
+class Reduction:
+    fold: Fold
+    mean: bool = False
+
+    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
+        dim = _dim(node)
+        rows = without(src.shape, dim)
+        out_rows = row_view(out, dim) if node.attr("keepdim") else out
+
+        def finish(o, v, lane, row, in_range) -> None:
+            value = fn.b.fdiv(v, f32(src.shape[dim])) if self.mean else v
+            with fn.when(_first_lane(fn, in_range, lane)):
+                fn.store_float(out_rows, fn.offset(o, rows, out_rows), value)
+
+        emit_row_reduce(fn, threads, src, dim, self.fold, lanes, finish)
+
+    def block(self, bk, node: Node) -> None:
+        src = bk.tile(node.inputs[0])
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, _dim(node)))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        _row_kernel(program, index, node, self._emit)
+
+
+class RmsNorm:
+    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
+
+    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
+        dim = _dim(node)
+        rows = without(src.shape, dim)
+        length = src.shape[dim]
+        b = fn.b
+
+        def finish(o, v, lane, row, in_range) -> None:
+            mean = b.fadd(b.fdiv(v, f32(length)), f32(node.attr("eps")))
+            inv = b.fdiv(f32(1.0), fn.call_math("sqrt", mean))
+            with fn.when(in_range):
+                out_rows = row_view(out, dim)
+                out_row = Array(fn.address(out, fn.offset(o, rows, out_rows)), out.dtype, (length,), (out.strides[dim],))
+                with fn.loop(lane, length, lanes) as j:
+                    x = fn.load_float(row, b.mul(j, i32(src.strides[dim])))
+                    fn.store_float(out_row, b.mul(j, i32(out.strides[dim])), b.fmul(x, inv))
+
+        emit_row_reduce(fn, threads, src, dim, SUM_OF_SQUARES, lanes, finish)
+
+    def block(self, bk, node: Node) -> None:
+        src = bk.tile(node.inputs[0])
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, _dim(node)))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        _row_kernel(program, index, node, self._emit)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout operators
+
+
+def _coordinate(fn: KernelFunction, i, space: tuple, dim: int):
+    """The coordinate along `dim` of element i of a loop over `space`."""
+    strides = tuple(1 if d == dim else 0 for d in range(len(space)))
+    return fn.offset(i, space, Array(None, "f32", space, strides))
+
+
+def _pieces(fn: KernelFunction, c, pieces: list, dim: int, write: Callable) -> None:
+    """An if-chain on the coordinate c along `dim`: piece k covers c in [start, end)."""
+    starts, start = [], 0
+    for piece in pieces:
+        starts.append(start)
+        start += piece.shape[dim]
+    conditions = [fn.b.icmp_unsigned("<", c, i32(s + p.shape[dim])) for s, p in zip(starts[:-1], pieces[:-1])]
+    for k in fn.chain(conditions):
+        write(pieces[k], starts[k])
+
+
+def _shifted(fn: KernelFunction, i, space: tuple, piece: Array, dim: int, start: int):
+    """Offset in `piece` of element i of `space`, whose coordinate along `dim` is `start` too far."""
+    at = fn.offset(i, space, piece.viewed(space, piece.strides))
+    return at if start == 0 else fn.b.sub(at, i32(start * piece.strides[dim]))
+
+
+class Concat:
+    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, ins: list, out: Array) -> None:
+        dim = node.attr("dim") % node.output.type.rank
+        space = out.shape
+        with threads.each(fn, math.prod(space)) as i:
+            c = _coordinate(fn, i, space, dim)
+            at = fn.offset(i, space, out)
+
+            def write(piece: Array, start: int) -> None:
+                value = fn.load(piece, _shifted(fn, i, space, piece, dim, start))
+                fn.b.store(fn.convert(value, piece.dtype, out.dtype), fn.address(out, at))
+
+            _pieces(fn, c, ins, dim, write)
+
+    def block(self, bk, node: Node) -> None:
+        self._emit(bk.fn, bk.threads, node, [bk.tile(v) for v in node.inputs], bk.tile(node.output))
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            self._emit(k.fn, _grid_threads(), node, k.inputs, k.outputs[0])
+
+
+class Split:
+    def kernel(self, program, index: int, node: Node) -> None:
+        src = node.inputs[0]
+        dim = node.attr("dim") % src.type.rank
+        with program.kernel(index, node, grid=_grid(src.type.numel), threads=KERNEL_THREADS) as k:
+            fn, x = k.fn, k.inputs[0]
+            with _grid_threads().each(fn, src.type.numel) as i:
+                c = _coordinate(fn, i, x.shape, dim)
+                value = fn.load(x, i)
+                _pieces(fn, c, k.outputs, dim, lambda piece, start: fn.b.store(
+                    value, fn.address(piece, _shifted(fn, i, x.shape, piece, dim, start))))
+
+
+class Transpose:
+    def kernel(self, program, index: int, node: Node) -> None:
+        perm = node.attr("perm")
+        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+            fn, x, out = k.fn, k.inputs[0], k.outputs[0]
+            permuted = x.viewed(out.shape, tuple(x.strides[p] for p in perm))
+            with _grid_threads().each(fn, node.output.type.numel) as i:
+                fn.b.store(fn.load(x, fn.offset(i, out.shape, permuted)), fn.address(out, i))
+
+
+class Reshape:
+    """A view of the same row-major elements: no kernel, an alias."""
+
+    def kernel(self, program, index: int, node: Node) -> None:
+        program.alias(node.output.name, node.inputs[0].name)
+
+
+class Custom:
+    def kernel(self, program, index: int, node: Node) -> None:
+        emit_custom(program, index, node)
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulators: the running value lives in an f32 tile for the whole loop
+
+
+def _fill(bk, tile: Array, value) -> None:
+    with bk.threads.each(bk.fn, math.prod(tile.shape)) as i:
+        bk.fn.store_float(tile, bk.fn.offset(i, tile.shape, tile), value)
+
+
+@attrs.frozen
+class Accumulate:
+    """Element-wise: the running value and the tile have one shape."""
+
+    identity: float
+    step: Callable                     # (fn, running value, this iteration's value) -> value
+    finalize = None                    # the running value is the result
+
+    def init(self, bk, node: Node) -> None:
+        _fill(bk, bk.tile(node.output), f32(self.identity))
+
+    def update(self, bk, node: Node) -> None:
+        fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
+        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+            at = fn.offset(i, acc.shape, acc)
+            fn.store_float(acc, at, self.step(fn, fn.load_float(acc, at), fn.load_float(x, fn.offset(i, acc.shape, x))))
+
+
+def _row_finalize(last_step: Callable) -> Callable:
+    """A last step on each running row value (fn, node, value, count: elements folded per row)."""
+
+    def finalize(bk, node: Node) -> None:
+        fn, acc = bk.fn, bk.tile(node.output)
+        count = f32(bk.bg.forloop * node.inputs[0].shape[-1])
+        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+            at = fn.offset(i, acc.shape, acc)
+            fn.store_float(acc, at, last_step(fn, node, fn.load_float(acc, at), count))
+
+    return finalize
+
+
+def _mean(fn, node, value, count):
+    return fn.b.fdiv(value, count)
+
+
+def _rms(fn, node, value, count):
+    return fn.call_math("sqrt", fn.b.fadd(fn.b.fdiv(value, count), f32(node.attr("eps", 0.0))))
+
+
+@attrs.frozen
+class AccumulateRows:
+    """Over the iterations and the tile's last dim: a group of lanes folds each row of the tile."""
+
+    fold: Fold
+    finalize: Optional[Callable] = None
+
+    def init(self, bk, node: Node) -> None:
+        _fill(bk, bk.tile(node.output), f32(self.fold.identity))
+
+    def update(self, bk, node: Node) -> None:
+        fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
+        last = len(x.shape) - 1
+
+        def finish(o, v, lane, row, in_range) -> None:
+            with fn.when(_first_lane(fn, in_range, lane)):
+                at = fn.offset(o, acc.shape, acc)  # the running value's shape is the rows' with a last dim of 1
+                fn.store_float(acc, at, fn.b.fadd(fn.load_float(acc, at), v))
+
+        emit_row_reduce(fn, bk.threads, x, last, self.fold, _block_lanes(bk, x, last), finish)
+
+
+def _rescale(fn: KernelFunction, m, top):
+    """exp(m - top) for online softmax; an empty running maximum (-inf) weighs nothing."""
+    empty = fn.b.fcmp_ordered("==", m, f32(float("-inf")))
+    return fn.b.select(empty, f32(0.0), mathlib.exp(fn, fn.b.fsub(m, top)))
+
+
+class _Rescaling:
+    """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
+    running maximum of m. Each iteration, with M' = max(M, m): acc <- acc exp(M - M') + x exp(m - M').
+    M is double-buffered in the scratch tile (iteration `it` reads buffer it % 2, writes the other),
+    so updating it needs no barrier of its own."""
+
+    finalize = None
+
+    def init(self, bk, node: Node) -> None:
+        _fill(bk, bk.tile(node.output), f32(0.0))
+        m = node.inputs[1]
+        scratch = bk.scratch(node)
+        with bk.threads.each(bk.fn, m.type.numel) as i:
+            bk.fn.store_float(scratch, i, f32(float("-inf")))  # buffer 0: iteration 0's M
+
+    def _maxima(self, bk, node: Node) -> tuple:
+        """This iteration's M and the next one's, as Arrays of m's shape."""
+        fn, b = bk.fn, bk.fn.b
+        m = node.inputs[1].type
+        scratch = bk.scratch(node)
+        it = bk.loop_counter
+        parity = b.and_(it, i32(1))
+        now = fn.address(scratch, b.mul(parity, i32(m.numel)))
+        nxt = fn.address(scratch, b.mul(b.sub(i32(1), parity), i32(m.numel)))
+        return Array.contiguous(now, "f32", m.shape), Array.contiguous(nxt, "f32", m.shape)
+
+    def _update_maximum(self, bk, node: Node, now: Array, nxt: Array) -> None:
+        fn, m = bk.fn, bk.tile(node.inputs[1])
+        with bk.threads.each(fn, math.prod(m.shape)) as i:
+            fn.store_float(nxt, i, fn.call_math("maxnum", fn.load_float(now, i), fn.load_float(m, fn.offset(i, m.shape, m))))
+
+    def _fold_rescaled(self, bk, node: Node, now: Array, acc: Array, at, index, shape: tuple, value) -> None:
+        """Fold `value` into the running value at `at`, whose element of m is at `index` of `shape`."""
+        fn, m = bk.fn, bk.tile(node.inputs[1])
+        mv = fn.load_float(m, fn.offset(index, shape, m))
+        top = fn.load_float(now, fn.offset(index, shape, now))
+        top_next = fn.call_math("maxnum", top, mv)
+        running = fn.b.fmul(fn.load_float(acc, at), _rescale(fn, top, top_next))
+        fn.store_float(acc, at, fn.b.fadd(running, fn.b.fmul(value, _rescale(fn, mv, top_next))))
+
+
+class AccumulateRescaled(_Rescaling):
+    def update(self, bk, node: Node) -> None:
+        fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
+        now, nxt = self._maxima(bk, node)
+        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+            value = fn.load_float(x, fn.offset(i, acc.shape, x))
+            self._fold_rescaled(bk, node, now, acc, fn.offset(i, acc.shape, acc), i, acc.shape, value)
+        self._update_maximum(bk, node, now, nxt)
+
+
+class AccumulateRowsRescaled(_Rescaling):
+    def update(self, bk, node: Node) -> None:
+        fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
+        now, nxt = self._maxima(bk, node)
+        last = len(x.shape) - 1
+
+        def finish(o, v, lane, row, in_range) -> None:
+            with fn.when(_first_lane(fn, in_range, lane)):
+                self._fold_rescaled(bk, node, now, acc, fn.offset(o, acc.shape, acc), o, acc.shape, v)
+
+        emit_row_reduce(fn, bk.threads, x, last, SUM, _block_lanes(bk, x, last), finish)
+        self._update_maximum(bk, node, now, nxt)
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+_RULES = {
+    **_ELEMENTWISE,
+    "matmul": Matmul(),
+    "sum": Reduction(SUM),
+    "mean": Reduction(SUM, mean=True),
+    "max": Reduction(MAX),
+    "rms_norm": RmsNorm(),
+    "concat": Concat(),
+    "split": Split(),
+    "reshape": Reshape(),
+    "transpose": Transpose(),
+    "custom": Custom(),
+    "fused": Fused(),
+    "accum": Accumulate(0.0, lambda fn, acc, x: fn.b.fadd(acc, x)),
+    "accum_max": Accumulate(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),
+    "accum_sum": AccumulateRows(SUM),
+    "accum_mean": AccumulateRows(SUM, _row_finalize(_mean)),
+    "accum_rms": AccumulateRows(SUM_OF_SQUARES, _row_finalize(_rms)),
+    "accum_rescale": AccumulateRescaled(),
+    "accum_sum_rescale": AccumulateRowsRescaled(),
+}
+
+for _name, _rule in _RULES.items():
+    extend_op(_name, ptx=_rule)
