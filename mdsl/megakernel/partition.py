@@ -36,8 +36,8 @@ class TaskSpec:
     writes: tuple
 
 
-def full(var: Var) -> Region:
-    return Region(var.name, tuple((0, n) for n in var.shape))
+def full(var: Var, dynamic: bool = False) -> Region:
+    return Region(var.name, tuple((0, n) for n in var.shape), dynamic)
 
 
 def columns(var: Var, start: int, stop: int) -> Region:
@@ -62,7 +62,8 @@ def _col_tile(a: int, b: int) -> tuple:
 def _embedding_tasks(node, config):
     tokens, table = node.inputs
     out = node.output
-    return [TaskSpec("embedding", _col_tile(a, b), (full(tokens), Region(table.name, ((0, table.shape[0]), (a, b)))),
+    return [TaskSpec("embedding", _col_tile(a, b),
+                     (full(tokens, dynamic=True), Region(table.name, ((0, table.shape[0]), (a, b)), dynamic=True)),
                      (columns(out, a, b),)) for a, b in column_tiles(out.shape[1], config)], []
 
 
@@ -139,7 +140,7 @@ def _attention_tasks(node, config):
         q_cols = columns(qkv, h * group * d, (h + 1) * group * d)
         k_cols = columns(qkv, (hq + h) * d, (hq + h + 1) * d)
         v_cols = columns(qkv, (hq + hkv + h) * d, (hq + hkv + h + 1) * d)
-        caches = [Region(c.name, ((0, positions), (h, h + 1), (0, d))) for c in (k_cache, v_cache)]
+        caches = [Region(c.name, ((0, positions), (h, h + 1), (0, d)), dynamic=True) for c in (k_cache, v_cache)]
         heads = (h * group, (h + 1) * group)
         for s in range(splits):
             writes = [Region(part_out, ((s, s + 1), heads, (0, d))), Region(part_lse, ((s, s + 1), heads))]
@@ -183,13 +184,13 @@ def _argmax_tasks(node, config):
              for j, (a, b) in enumerate(tiles)]
     specs.append(TaskSpec("argmax.reduce", (("slots", len(tiles)),),
                           (Region(values, ((0, len(tiles)),)), Region(indices, ((0, len(tiles)),))),
-                          (full(node.output), full(tokens))))
+                          (full(node.output), full(tokens, dynamic=True))))
     return specs, scratch
 
 
 def _sample_tasks(node, config):
     logits, tokens = node.inputs
-    return [TaskSpec("sample", (), (full(logits),), (full(node.output), full(tokens)))], []
+    return [TaskSpec("sample", (), (full(logits),), (full(node.output), full(tokens, dynamic=True)))], []
 
 
 _TASK_RULES: dict[str, Callable] = {

@@ -56,11 +56,13 @@ def _box(value) -> tuple:
 
 @attrs.frozen(cache_hash=True)
 class Region:
-    """A box of a buffer, one (start, stop) pair per dim. For state the box bounds what a task may touch
-    at any step (attention reads a growing prefix of its cache)."""
+    """A box of a buffer, one (start, stop) pair per dim. `dynamic`: the task touches a part of the box
+    that depends on the step (the embedding's token row, attention's prefix of the cache); the box is
+    the bound, and statistics count it apart."""
 
     buffer: str
     box: tuple = field(converter=_box)
+    dynamic: bool = False
 
     @property
     def numel(self) -> int:
@@ -73,7 +75,7 @@ class Region:
         return self.buffer == other.buffer and all(a < d and c < b for (a, b), (c, d) in zip(self.box, other.box))
 
     def __str__(self) -> str:
-        return f"%{self.buffer}[{', '.join(f'{a}:{b}' for a, b in self.box)}]"
+        return f"%{self.buffer}[{', '.join(f'{a}:{b}' for a, b in self.box)}]" + ("?" if self.dynamic else "")
 
 
 @attrs.frozen(cache_hash=True)
@@ -170,8 +172,13 @@ class TaskGraph:
         return tuple(t.id for t in self.tasks if any(r.buffer == TOKENS for r in t.writes))
 
     def stats(self) -> dict:
-        per_task = [{"id": t.id, "kind": t.kind, "bytes_read": sum(map(self.region_bytes, t.reads)),
-                     "bytes_written": sum(map(self.region_bytes, t.writes))} for t in self.tasks]
+        """Bytes per task and per step; regions marked dynamic are counted apart, as upper bounds."""
+        def total(regions, dynamic: bool) -> int:
+            return sum(self.region_bytes(r) for r in regions if r.dynamic == dynamic)
+
+        per_task = [{"id": t.id, "kind": t.kind, "bytes_read": total(t.reads, False),
+                     "bytes_written": total(t.writes, False), "dynamic_bytes_read_at_most": total(t.reads, True),
+                     "dynamic_bytes_written_at_most": total(t.writes, True)} for t in self.tasks]
         kinds = Counter(t.kind for t in self.tasks)
         return {
             "tasks": len(self.tasks),
@@ -180,6 +187,8 @@ class TaskGraph:
             "tasks_per_kind": dict(sorted(kinds.items())),
             "bytes_read_per_step": sum(p["bytes_read"] for p in per_task),
             "bytes_written_per_step": sum(p["bytes_written"] for p in per_task),
+            "dynamic_bytes_read_at_most": sum(p["dynamic_bytes_read_at_most"] for p in per_task),
+            "dynamic_bytes_written_at_most": sum(p["dynamic_bytes_written_at_most"] for p in per_task),
             "weight_bytes": sum(b.type.nbytes for b in self.buffers if b.kind == WEIGHT),
             "per_task": per_task,
         }
@@ -188,8 +197,9 @@ class TaskGraph:
         s = self.stats()
         kinds = ", ".join(f"{k}: {n}" for k, n in s["tasks_per_kind"].items())
         return (f"{s['tasks']} tasks ({kinds}), {s['events']} events, {s['waits']} waits; per step "
-                f"{s['bytes_read_per_step']} bytes read (state reads at their largest), "
-                f"{s['bytes_written_per_step']} written; weights {s['weight_bytes']} bytes")
+                f"{s['bytes_read_per_step']} bytes read and {s['bytes_written_per_step']} written, plus at most "
+                f"{s['dynamic_bytes_read_at_most']} read and {s['dynamic_bytes_written_at_most']} written where the "
+                f"position decides (token row, KV cache); weights {s['weight_bytes']} bytes")
 
     def __str__(self) -> str:
         lines = [f"taskgraph {getattr(self.model, 'name', '?')} {{  # {self.summary()}"]

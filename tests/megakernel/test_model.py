@@ -1,0 +1,112 @@
+"""@mdsl.model tracing: the model graph, its textual and DOT forms, structural keys, errors with
+the user's line, and the layer-op registry's completeness."""
+import re
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl.errors import ShapeError, TraceError
+from mdsl.ir.dtypes import f32
+from mdsl.megakernel.layers import LAYER_OPS, StepContext
+from mdsl.megakernel.partition import build_task_graph  # noqa: F401  (attaches the `tasks` rules)
+from mdsl.megakernel.reference import ReferenceModel
+from mdsl.megakernel import simulator  # noqa: F401  (attaches the `task_bodies` rules)
+from tests.megakernel.tiny import tiny_model
+
+
+class Cfg:
+    vocab, hidden, max_positions = 16, 8, 6
+
+
+@mdsl.model
+def two_layer_mlp(m, cfg):
+    table = m.weight("embed", [cfg.vocab, cfg.hidden])
+    x = m.embedding(table)
+    h = m.rms_norm(x, m.weight("norm", [cfg.hidden]), 1e-6)
+    up = m.linear(h, m.weight("gate", [12, cfg.hidden]), m.weight("up", [12, cfg.hidden]))
+    x = m.add(x, m.linear(m.silu_mul(up), m.weight("down", [cfg.hidden, 12])))
+    logits = m.linear(x, table)   # tied head
+    return logits, m.argmax(logits)
+
+
+def test_user_model_traces_prints_and_runs():
+    g = two_layer_mlp.trace(Cfg())
+    assert [n.op for n in g.nodes] == ["embedding", "rms_norm", "linear", "silu_mul", "linear", "add", "linear",
+                                       "argmax"]
+    assert [w.name for w in g.weights] == ["embed", "norm", "gate", "up", "down"]
+    text = str(g)
+    assert "weight %embed: f32[16, 8]" in text and "state %tokens: i32[6]" in text
+    assert re.search(r"%t2: f32\[1, 24\] = linear\(%t1, %gate, %up\)  # @ .*test_model.py:\d+", text)
+    assert text.rstrip().endswith("return %t6, %t7\n}")
+    dot = g.to_dot()
+    assert dot.startswith("digraph model {") and "shape=cylinder" in dot and 'label="update"' in dot
+    rng = np.random.default_rng(0)
+    weights = {w.name: rng.standard_normal(w.shape).astype(np.float32) for w in g.weights}
+    out = ReferenceModel(g, weights).generate([3, 4], 3)
+    assert len(out.tokens) == 3 and out.logits.shape == (4, 16)
+
+
+def test_structural_key_ignores_activation_names_not_weights():
+    a = two_layer_mlp.trace(Cfg())
+    assert a is two_layer_mlp.trace(Cfg()) or a.key == two_layer_mlp.trace(Cfg()).key
+    _, llama, _ = tiny_model("llama3")
+    _, qwen, _ = tiny_model("qwen3")
+    assert len({a.key, llama.key, qwen.key}) == 3
+
+
+def test_shape_error_points_at_the_users_line():
+    @mdsl.model
+    def bad(m, cfg):
+        x = m.embedding(m.weight("embed", [16, 8]))
+        y = m.linear(x, m.weight("w", [4, 5]))   # the line the error names
+        return y, m.argmax(y)
+
+    with pytest.raises(ShapeError) as info:
+        bad.trace(Cfg())
+    err = info.value
+    assert "weight 0 must be [out, 8]" in err.message
+    assert err.loc.file.endswith("test_model.py") and "m.weight(\"w\", [4, 5])" in err.loc.source_line()
+
+
+def test_tracing_errors():
+    @mdsl.model
+    def returns_one(m, cfg):
+        return m.embedding(m.weight("embed", [16, 8]))
+
+    with pytest.raises(TraceError, match="must return \\(logits, token\\)"):
+        returns_one.trace(Cfg())
+
+    @mdsl.model
+    def retyped(m, cfg):
+        m.weight("w", [2, 2])
+        m.weight("w", [2, 3])
+
+    with pytest.raises(ShapeError, match="declared as f32\\[2, 2\\] and again as f32\\[2, 3\\]"):
+        retyped.trace(Cfg())
+
+    @mdsl.model
+    def not_a_value(m, cfg):
+        return m.rms_norm(np.zeros((1, 8)), m.weight("n", [8]), 1e-6)
+
+    with pytest.raises(TraceError, match="operand 0 is a ndarray"):
+        not_a_value.trace(Cfg())
+
+
+def test_every_layer_op_has_every_rule():
+    for name, op in LAYER_OPS.items():
+        assert op.infer is not None and op.reference is not None, name
+        assert callable(op.rules["tasks"]) and op.rules["task_bodies"], name
+
+
+def test_builtin_graphs_have_the_architecture_ops():
+    _, llama, _ = tiny_model("llama3")
+    _, qwen, _ = tiny_model("qwen3")
+    assert "head_rms_norm" not in {n.op for n in llama.nodes}
+    assert sum(n.op == "head_rms_norm" for n in qwen.nodes) == 2
+    assert "lm_head.weight" in {w.name for w in llama.weights}
+    assert "lm_head.weight" not in {w.name for w in qwen.weights}    # tied
+    assert qwen.nodes[-2].inputs[1].name == "model.embed_tokens.weight"
+    rope = next(n for n in llama.nodes if n.op == "rope").attr_dict
+    assert (rope["scaling_factor"], rope["original_max_position"]) == (8.0, 8)
+    assert llama.logits.type.dtype is f32 and llama.token.shape == (1,)
