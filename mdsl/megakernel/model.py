@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from typing import Any, Callable, Optional
 
 import attrs
 from attrs import field
 
 from mdsl.errors import MdslError, ShapeError, SourceLoc, TraceError
-from mdsl.frontend.source import caller_loc
+from mdsl.frontend.source import caller_loc, frame_loc
 from mdsl.ir.dtypes import DType, f32, i32
 from mdsl.ir.text import format_attrs
 from mdsl.ir.types import TensorType, Var
@@ -164,6 +165,14 @@ def model_graph_to_dot(g: ModelGraph) -> str:
 # ---------------------------------------------------------------------------------------------
 # tracing
 
+def _step_function_loc() -> Optional[SourceLoc]:
+    """The line of the step function (a user's or a built-in one) that applied the op."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame_loc(frame) if frame is not None else None
+
+
 class ModelBuilder:
     """The `m` a step function receives: declares weights and state, and applies layer ops."""
 
@@ -203,7 +212,7 @@ class ModelBuilder:
     # layer ops ------------------------------------------------------------------------------
 
     def apply(self, op: str, *inputs: Var, **attrs_given: Any) -> tuple:
-        loc = caller_loc()
+        loc = _step_function_loc()
         for i, v in enumerate(inputs):
             if not isinstance(v, Var):
                 raise TraceError(f"{op}: operand {i} is a {type(v).__name__}, not a traced value", loc=loc,
