@@ -210,6 +210,25 @@ class TaskGraph:
         lines.append("}")
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        """A plain-data form (for tools and viewers): buffers, events and tasks with their tiles, regions,
+        waits and signals. `json.dumps(task_graph.to_json())` writes it."""
+        def region(r: Region) -> dict:
+            return {"buffer": r.buffer, "box": [list(b) for b in r.box], "dynamic": r.dynamic}
+
+        return {
+            "model": getattr(self.model, "name", None),
+            "config": attrs.asdict(self.config),
+            "buffers": [{"name": b.name, "shape": list(b.type.shape), "dtype": b.type.dtype.name, "kind": b.kind}
+                        for b in self.buffers],
+            "events": [{"id": e.id, "producers": list(e.producers), "consumers": list(e.consumers)}
+                       for e in self.events],
+            "tasks": [{"id": t.id, "kind": t.kind, "node": t.node, "op": t.op, "tile": dict(t.tile),
+                       "reads": [region(r) for r in t.reads], "writes": [region(r) for r in t.writes],
+                       "waits": [{"event": w.event, "step_offset": w.step_offset} for w in t.waits],
+                       "signals": list(t.signals)} for t in self.tasks],
+        }
+
     def to_dot(self) -> str:
         """Tasks are boxes clustered by model-graph node; an edge per (producer, consumer) of an event,
         labelled with the event (dashed when it crosses to the next step)."""

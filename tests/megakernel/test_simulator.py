@@ -50,14 +50,16 @@ def _without_wait(task_graph: TaskGraph, task_id: int) -> TaskGraph:
     return TaskGraph(task_graph.model, task_graph.config, task_graph.buffers, tasks, task_graph.events)
 
 
-def test_a_missing_wait_is_caught_before_the_task_runs():
+@pytest.mark.parametrize("kind,when", [("linear", "this step"), ("attention.combine", "this step"),
+                                       ("embedding", "the previous step")])
+def test_a_missing_wait_is_caught_before_the_task_runs(kind, when):
     _, graph, weights = tiny_model("llama3")
     task_graph = build_task_graph(graph, PartitionConfig(num_sms=4, column_align=4))
-    linear = next(t.id for t in task_graph.tasks if t.kind == "linear")
-    sim = Simulator(_without_wait(task_graph, linear), weights)
-    with pytest.raises(SimulationError, match=f"task {linear} .*started before"):
-        for seed in range(20):   # some interleaving runs the linear before its producer
-            sim.generate(PROMPT, 2, workers=4, seed=seed)
+    victim = [t.id for t in task_graph.tasks if t.kind == kind][-1]
+    sim = Simulator(_without_wait(task_graph, victim), weights)
+    with pytest.raises(SimulationError, match=f"task {victim} .*started before .* finished {when}"):
+        for seed in range(40):   # some interleaving runs the task before its producer
+            sim.generate(PROMPT, 3, workers=6, seed=seed)
 
 
 def test_a_deadlock_is_reported():

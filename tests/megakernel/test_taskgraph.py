@@ -1,5 +1,6 @@
 """The task graph: tiles that fill the SMs, events that wait for exactly the producer tiles a task
 reads, thresholds that grow with the step, validation, and the textual/DOT forms and statistics."""
+import json
 from collections import Counter
 
 import attrs
@@ -109,3 +110,8 @@ def test_text_dot_and_stats(wide_qwen):
     assert dot.count(" -> ") == sum(len(wide_qwen.events[w.event].producers) for t in wide_qwen.tasks
                                     for w in t.waits)
     assert "style=dashed" in dot
+    data = json.loads(json.dumps(wide_qwen.to_json()))
+    assert len(data["tasks"]) == s["tasks"] and data["config"]["num_sms"] == 132
+    first = data["tasks"][0]
+    assert first["kind"] == "embedding" and first["waits"][0]["step_offset"] == -1
+    assert first["reads"][0] == {"buffer": "tokens", "box": [[0, 64]], "dynamic": True}
