@@ -1,0 +1,328 @@
+"""The megakernel's host side: weights and KV cache on the GPU, the task tables, and `generate`, which
+prefills the prompt and decodes inside ONE launch of the persistent kernel (the prompt's tokens are
+steps whose next token is the prompt's; the host sees only the finished tokens).
+
+    engine = MegakernelEngine.from_pretrained("path/to/checkpoint", max_seq=2048)
+    tokens = engine.generate([1, 2, 3], max_new_tokens=32)              # greedy
+    tokens = engine.generate(ids, 32, temperature=0.7, top_p=0.9, seed=1)
+
+Nothing here touches the CUDA driver before `has_gpu()` says there is a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from typing import Mapping, Optional, Sequence
+
+import attrs
+import numpy as np
+
+from mdsl.backend.cuda import runtime
+from mdsl.backend.cuda.runtime import CudaError, DeviceArray, _check, _cu_stream, driver
+from mdsl.errors import MdslError, ShapeError
+from mdsl.ir.dtypes import f32, i32
+from mdsl.megakernel.config import ModelConfig, load_config
+from mdsl.megakernel.runtime.plan import TaskPlan, build_plan
+from mdsl.megakernel.runtime.profile import TaskRecord
+from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
+from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, THREADS, generate_source
+
+_STATE_WORDS = 8                 # device.cu: queue (2 words), stop step, generated, next token, spare
+_STATE_STOP, _STATE_GENERATED = 2, 3
+_NO_STOP = 2**31 - 1
+_STATIC_SMEM_LIMIT = 48 * 1024
+DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
+_LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+
+
+def layer_weight_name(layer: int, short: str) -> str:
+    """The Hugging Face name of a layer's weight (the built-in model definitions use the same)."""
+    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    middle = f"{where[short]}." if short in where else ""
+    return f"model.layers.{layer}.{middle}{short}.weight"
+
+
+def weight_names(config: ModelConfig) -> list:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for layer in range(config.num_layers):
+        names += [layer_weight_name(layer, w) for w in _LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+    return names
+
+
+def _ctype(c_type: str):
+    return {"long long": ctypes.c_int64, "double": ctypes.c_double}.get(c_type, ctypes.c_uint64)
+
+
+class Params(ctypes.Structure):
+    """device.cu's `Params` (source.PARAMS): pointers as integers, counts, sampling settings."""
+
+    _fields_ = [(name, _ctype(c_type)) for c_type, name in PARAMS]
+
+
+@attrs.frozen
+class Run:
+    """What one launch did: the new tokens, the steps it ran, its device time, the profile if asked."""
+
+    tokens: tuple
+    steps: int
+    seconds: float
+    profile: Optional[tuple] = None    # TaskRecord
+
+
+class MegakernelEngine:
+    """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
+    values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
+    DeviceArrays: used in place)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
+                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None):
+        runtime.require_gpu("running the megakernel")
+        self.config = config
+        self.shape: DecoderShape = decoder_shape(config)
+        self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
+        self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        self.device = device
+        dev = runtime._device(device)
+        self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
+        self.plan: TaskPlan = build_plan(self.shape, workers=self.workers, max_seq=self.max_seq)
+        source = generate_source(self.plan)
+        self.source = source.text
+        self.smem_bytes = source.smem_bytes
+        self.module = runtime.compile_source(source.text, runtime.target_arch(device))
+        resources = self.module.resources[KERNEL_NAME]
+        if resources.spill_store_bytes or resources.spill_load_bytes:
+            raise CudaError(f"the megakernel spills registers ({resources}); it would run far below bandwidth")
+        if self.smem_bytes > dev.max_smem:
+            raise CudaError(f"the megakernel needs {self.smem_bytes} bytes of shared memory per block; the device "
+                            f"allows {dev.max_smem}", hint="a smaller max_seq shortens attention's score rows")
+        self._arrays: list = []       # every DeviceArray the kernel points into, kept alive
+        self._keep: list = []         # foreign GPU arrays used in place
+        self._module_handle = _check(driver.cuModuleLoadData(self.module.cubin), "loading the megakernel")
+        self._function = _check(driver.cuModuleGetFunction(self._module_handle, KERNEL_NAME.encode()),
+                                "cuModuleGetFunction")
+        if self.smem_bytes > _STATIC_SMEM_LIMIT:
+            _check(driver.cuFuncSetAttribute(
+                self._function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                self.smem_bytes), "allowing the megakernel its shared memory")
+        per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, THREADS, self.smem_bytes),
+                        "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        if per_sm < 1:
+            raise CudaError(f"a megakernel worker block does not fit on an SM ({resources}, {self.smem_bytes} bytes "
+                            "of shared memory)")
+        self.params = Params()
+        self._upload_weights(weights)
+        self._allocate()
+
+    @classmethod
+    def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0) -> "MegakernelEngine":
+        """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
+        every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
+        from mdsl.megakernel.architectures import step_function
+        from mdsl.megakernel.checkpoint import load_weights
+
+        runtime.require_gpu("running the megakernel")
+        config = load_config(folder)
+        if max_seq:
+            config = config.with_max_positions(max_seq)
+        graph = step_function(config).trace(config)
+        return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
+                   eos_token_ids=eos_token_ids(folder))
+
+    # -- device memory ---------------------------------------------------------------------------
+
+    def _array(self, values: np.ndarray, dtype) -> int:
+        array = DeviceArray.from_numpy(values, dtype, device=self.device)
+        self._arrays.append(array)
+        return array.ptr
+
+    def _zeros(self, count: int, dtype) -> int:
+        array = DeviceArray((max(1, count),), dtype, device=self.device)
+        _check(driver.cuMemsetD8Async(array.ptr, 0, array.nbytes, _cu_stream(array.stream)), "cuMemsetD8Async")
+        self._arrays.append(array)
+        return array.ptr
+
+    def _weight(self, weights: Mapping, name: str, shape: tuple) -> int:
+        if name not in weights:
+            raise ShapeError(f"the weights have no tensor {name} (expected {list(shape)})",
+                             hint="pass every weight of the model, named as in its Hugging Face checkpoint")
+        value = weights[name]
+        if isinstance(value, np.ndarray):
+            if tuple(value.shape) != shape:
+                raise ShapeError(f"weight {name} has shape {list(value.shape)}, expected {list(shape)}")
+            return self._array(value, self.shape.dtype)
+        view = runtime.device_view(value, f"weight {name}")
+        if tuple(view.shape) != shape or view.dtype is not self.shape.dtype:
+            raise ShapeError(f"weight {name} is {view.dtype}{list(view.shape)}, expected "
+                             f"{self.shape.dtype}{list(shape)}")
+        self._keep.append(value)
+        return view.ptr
+
+    def _upload_weights(self, weights: Mapping) -> None:
+        s, p = self.shape, self.params
+        h, d = s.hidden, s.head_dim
+        p.embed = self._weight(weights, "model.embed_tokens.weight", (s.vocab, h))
+        p.final_norm = self._weight(weights, "model.norm.weight", (h,))
+        p.lm_head = p.embed if s.config.tie_word_embeddings else self._weight(weights, "lm_head.weight", (s.vocab, h))
+        shapes = {"q_proj": (s.attention_width, h), "k_proj": (s.kv_heads * d, h), "v_proj": (s.kv_heads * d, h),
+                  "o_proj": (h, s.attention_width), "gate_proj": (s.intermediate, h), "up_proj": (s.intermediate, h),
+                  "down_proj": (h, s.intermediate), "input_layernorm": (h,), "post_attention_layernorm": (h,),
+                  "q_norm": (d,), "k_norm": (d,)}
+        cache = self.max_seq * s.kv_heads * d
+        k_cache, v_cache = (self._zeros(s.layers * cache, s.dtype) for _ in range(2))
+        rows = []
+        for layer in range(s.layers):
+            ptrs = [self._weight(weights, layer_weight_name(layer, w), shapes[w])
+                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in _LAYER_WEIGHTS]
+            offset = layer * cache * s.dtype.itemsize
+            rows.append(ptrs + [k_cache + offset, v_cache + offset])
+        p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
+
+    def _allocate(self) -> None:
+        s, plan, p = self.shape, self.plan, self.params
+        tasks, waits, signals = plan.tables()
+        p.tasks, p.waits, p.signals = (self._array(t.reshape(-1), i32) for t in (tasks, waits, signals))
+        self._initial_events = plan.initial_events()
+        p.events = self._zeros(len(self._initial_events), i32)
+        p.state = self._zeros(_STATE_WORDS, i32)
+        cos, sin = rope_tables(s, self.max_seq)
+        p.rope_cos, p.rope_sin = self._array(cos.reshape(-1), f32), self._array(sin.reshape(-1), f32)
+        p.hs = self._zeros((s.layers + 1) * s.hidden, s.dtype)
+        p.mids = self._zeros(s.layers * s.hidden, s.dtype)
+        p.qkvs = self._zeros(s.layers * s.qkv_rows, s.dtype)
+        p.attns = self._zeros(s.layers * s.attention_width, s.dtype)
+        p.acts = self._zeros(s.layers * s.intermediate, s.dtype)
+        p.parts = self._zeros(s.layers * s.heads * plan.splits * (s.head_dim + 2), f32)
+        self._logits = self._zeros(s.vocab, f32)
+        p.logits = self._logits
+        p.best_value = self._zeros(plan.lm_tiles, f32)
+        p.best_index = self._zeros(plan.lm_tiles, i32)
+        p.prompt = self._zeros(self.max_seq, i32)
+        p.out_tokens = self._zeros(self.max_seq, i32)
+        p.eos = self._zeros(max(1, len(self.eos_token_ids)), i32)
+        self._stream = _cu_stream(0)
+        self._events = (_check(driver.cuEventCreate(0), "cuEventCreate"), _check(driver.cuEventCreate(0), "cuEventCreate"))
+
+    def _copy_in(self, ptr: int, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        _check(driver.cuMemcpyHtoDAsync(ptr, values.ctypes.data, values.nbytes, self._stream), "cuMemcpyHtoDAsync")
+        _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")   # values may be freed after
+
+    def _copy_out(self, ptr: int, count: int, dtype) -> np.ndarray:
+        out = np.empty(count, dtype=dtype)
+        if count:
+            _check(driver.cuMemcpyDtoHAsync(out.ctypes.data, ptr, out.nbytes, self._stream), "cuMemcpyDtoHAsync")
+            _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        return out
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None) -> list:
+        """Prefill the prompt and generate up to `max_new_tokens` tokens (fewer when an EOS token comes:
+        it is the last one returned), all in one launch. Greedy at temperature 0, else temperature and
+        nucleus (top_p) sampling with a counter-based RNG seeded by `seed`."""
+        return list(self.run(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             eos_token_ids=eos_token_ids).tokens)
+
+    def run(self, tokens: Sequence[int], max_new_tokens: int, *, start: int = 0, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
+            profile: bool = False) -> Run:
+        """One launch: positions `start` .. len(tokens) - 1 of `tokens` (the KV cache already holds the
+        positions before `start`), then up to `max_new_tokens` new ones. `profile`: record every task's
+        SM and times (a Run.profile of TaskRecords)."""
+        tokens = [int(t) for t in tokens]
+        self._check_request(tokens, max_new_tokens, start, temperature, top_p)
+        eos = self.eos_token_ids if eos_token_ids is None else tuple(int(e) for e in eos_token_ids)
+        if len(eos) > max(1, len(self.eos_token_ids)):
+            raise ShapeError(f"at most {max(1, len(self.eos_token_ids))} EOS tokens per engine, got {len(eos)}")
+        steps = len(tokens) - start - 1 + max_new_tokens
+        p = self.params
+        p.prompt_len, p.start_pos, p.num_steps, p.max_new, p.num_eos = len(tokens), start, steps, max_new_tokens, len(eos)
+        p.temperature, p.top_p, p.seed = float(temperature), float(top_p), int(seed) & (2**64 - 1)
+        record = None
+        if profile:
+            record = DeviceArray((steps * self.plan_tasks * 8,), i32, device=self.device)
+            _check(driver.cuMemsetD8Async(record.ptr, 0, record.nbytes, self._stream), "cuMemsetD8Async")
+        p.profile = record.ptr if record is not None else 0
+        self._copy_in(p.prompt, np.array(tokens, dtype=np.int32))
+        if eos:
+            self._copy_in(p.eos, np.array(eos, dtype=np.int32))
+        self._copy_in(p.events, self._initial_events)
+        self._copy_in(p.state, np.array([0, 0, _NO_STOP, 0, 0, 0, 0, 0], dtype=np.int32))
+        row = self.shape.hidden * self.shape.dtype.itemsize
+        _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + tokens[start] * row, row, self._stream), "cuMemcpyDtoDAsync")
+        arguments = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+        _check(driver.cuEventRecord(self._events[0], self._stream), "cuEventRecord")
+        _check(driver.cuLaunchCooperativeKernel(self._function, self.workers, 1, 1, THREADS, 1, 1, self.smem_bytes,
+                                                self._stream, ctypes.addressof(arguments)), "launching the megakernel")
+        _check(driver.cuEventRecord(self._events[1], self._stream), "cuEventRecord")
+        _check(driver.cuStreamSynchronize(self._stream), "running the megakernel")
+        milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
+        state = self._copy_out(p.state, _STATE_WORDS, np.int32)
+        made = int(state[_STATE_GENERATED])
+        new = tuple(int(t) for t in self._copy_out(p.out_tokens, made, np.int32))
+        stop = int(state[_STATE_STOP])
+        ran = steps if stop == _NO_STOP else stop + 1
+        records = None
+        if record is not None:
+            raw = self._copy_out(record.ptr, record.shape[0], np.int32).view(np.uint64).reshape(-1, 4)
+            records = tuple(TaskRecord(index, *map(int, r)) for index, r in enumerate(raw) if r[3])
+        return Run(new, ran, milliseconds / 1e3, records)
+
+    @property
+    def plan_tasks(self) -> int:
+        return len(self.plan.tasks)
+
+    def _check_request(self, tokens, max_new_tokens, start, temperature, top_p) -> None:
+        s = self.shape
+        if not tokens:
+            raise ShapeError("the prompt is empty", hint="give at least one token id")
+        bad = [t for t in tokens if not 0 <= t < s.vocab]
+        if bad:
+            raise ShapeError(f"token ids {bad[:5]} are outside the vocabulary (0..{s.vocab - 1})")
+        if max_new_tokens < 1:
+            raise ShapeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if not 0 <= start < len(tokens):
+            raise ShapeError(f"start {start} is not a position of the {len(tokens)} tokens given")
+        if len(tokens) + max_new_tokens > self.max_seq:
+            raise ShapeError(f"{len(tokens)} prompt tokens and {max_new_tokens} new ones need "
+                             f"{len(tokens) + max_new_tokens} positions; the engine's KV cache has {self.max_seq}",
+                             hint="generate fewer tokens, or build the engine with a larger max_seq")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise MdslError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature} and {top_p}")
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last step run (float32 [vocab], rounded to the model's dtype as transformers
+        rounds them)."""
+        return self._copy_out(self._logits, self.shape.vocab, np.float32)
+
+    def close(self) -> None:
+        """Free the device memory and unload the kernel (also done when the engine is collected)."""
+        self._arrays, self._keep = [], []
+        if getattr(self, "_module_handle", None) is not None and driver is not None:
+            driver.cuModuleUnload(self._module_handle)
+            self._module_handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:   # the interpreter is shutting down
+            pass
+
+
+def eos_token_ids(folder: str) -> tuple:
+    """EOS token ids from generation_config.json, else config.json (an int or a list; none: ())."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            if value is not None:
+                return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+    return ()

@@ -1,0 +1,85 @@
+"""What the megakernel's generated code needs to know of a decoder model (a `ModelConfig` of the
+built-in Llama-3 / Qwen3 definitions): its dimensions, dtype and normalisation, plus RoPE's tables."""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import DType, bf16, f32
+from mdsl.megakernel.config import ModelConfig
+from mdsl.megakernel.layers import rope_inv_freq
+
+SUPPORTED_DTYPES = (bf16, f32)
+
+
+@attrs.frozen
+class DecoderShape:
+    """A Llama-3 / Qwen3 decoder. `dtype` is the weights' and the activations' (every op computes in
+    f32 and rounds to it where the Hugging Face model does)."""
+
+    config: ModelConfig
+
+    hidden = property(lambda self: self.config.hidden_size)
+    intermediate = property(lambda self: self.config.intermediate_size)
+    layers = property(lambda self: self.config.num_layers)
+    heads = property(lambda self: self.config.num_heads)
+    kv_heads = property(lambda self: self.config.num_kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
+    vocab = property(lambda self: self.config.vocab_size)
+    eps = property(lambda self: self.config.rms_norm_eps)
+    qk_norm = property(lambda self: self.config.qk_norm)
+
+    @property
+    def dtype(self) -> DType:
+        return self.config.dtype
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: every matrix and norm once, one embedding row."""
+        per_layer = (self.qkv_rows * self.hidden + self.hidden * self.attention_width
+                     + 3 * self.hidden * self.intermediate + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0))
+        return (self.layers * per_layer + self.vocab * self.hidden + 3 * self.hidden) * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        c = self.config
+        return (f"{c.architecture} {c.dtype}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate "
+                f"{c.intermediate_size}, heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}")
+
+
+def decoder_shape(config: ModelConfig) -> DecoderShape:
+    """The shape of a model the megakernel runs, or an UnsupportedError saying why it cannot."""
+    vec = 16 // config.dtype.itemsize
+    problems = []
+    if config.dtype not in SUPPORTED_DTYPES:
+        problems.append(f"its dtype is {config.dtype.long_name} (bfloat16 and float32 are supported)")
+    if config.num_heads % config.num_kv_heads:
+        problems.append(f"num_attention_heads ({config.num_heads}) is not a multiple of num_key_value_heads "
+                        f"({config.num_kv_heads})")
+    for name, value in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size),
+                        ("num_attention_heads * head_dim", config.num_heads * config.head_dim)):
+        if value % vec:
+            problems.append(f"{name} ({value}) is not a multiple of {vec} (16-byte weight loads)")
+    if problems:
+        raise UnsupportedError("the megakernel cannot run this model: " + "; ".join(problems),
+                               hint="the reference forward (mdsl.megakernel.reference) runs any built-in model")
+    return DecoderShape(config)
+
+
+def rope_tables(shape: DecoderShape, positions: int) -> tuple:
+    """cos and sin, float32 [positions, head_dim / 2], of position * inverse frequency (float32, as
+    transformers computes the angle)."""
+    inv = rope_inv_freq({"head_dim": shape.head_dim, **shape.config.rope.attrs()})
+    angles = (np.arange(positions, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
