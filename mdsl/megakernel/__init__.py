@@ -2,6 +2,7 @@
 (tasks and events), its CPU simulator and the numpy reference forward. The GPU runtime lives in
 `mdsl.megakernel.runtime`."""
 from mdsl.megakernel.architectures import llama3_decode, qwen3_decode, sampling_decode, step_function
+from mdsl.megakernel.checkpoint import LoadedModel, load_model, load_weights
 from mdsl.megakernel.config import ModelConfig, RopeConfig, config_from_dict, load_config
 from mdsl.megakernel.layers import LAYER_OPS, StepContext, extend_layer_op, get_layer_op
 from mdsl.megakernel.model import LayerNode, ModelBuilder, ModelFunction, ModelGraph, model
@@ -9,7 +10,7 @@ from mdsl.megakernel.partition import build_task_graph
 from mdsl.megakernel.taskgraph import Buffer, Event, PartitionConfig, Region, Task, TaskGraph, Wait
 
 __all__ = [
-    "llama3_decode", "qwen3_decode", "sampling_decode", "step_function", "ModelConfig", "RopeConfig",
+    "LoadedModel", "load_model", "load_weights", "llama3_decode", "qwen3_decode", "sampling_decode", "step_function", "ModelConfig", "RopeConfig",
     "config_from_dict", "load_config", "LAYER_OPS", "StepContext", "extend_layer_op", "get_layer_op", "LayerNode",
     "ModelBuilder", "ModelFunction", "ModelGraph", "model", "build_task_graph", "Buffer", "Event",
     "PartitionConfig", "Region", "Task", "TaskGraph", "Wait",

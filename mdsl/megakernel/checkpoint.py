@@ -6,11 +6,14 @@ import json
 import os
 from typing import Optional
 
+import attrs
 import numpy as np
 
 from mdsl.errors import DTypeError, ParseError, ShapeError
 from mdsl.ir.dtypes import round_to_dtype
-from mdsl.megakernel.model import ModelGraph
+from mdsl.megakernel.architectures import step_function
+from mdsl.megakernel.config import ModelConfig, load_config
+from mdsl.megakernel.model import ModelFunction, ModelGraph
 from mdsl.megakernel.safetensors import open_checkpoint, write_checkpoint_files
 
 
@@ -61,3 +64,18 @@ def save_checkpoint(folder: str, config: dict, weights: dict, *, dtype_name: Opt
         json.dump(config, f, indent=2)
     os.replace(tmp, os.path.join(folder, "config.json"))
 
+
+
+@attrs.frozen(eq=False)
+class LoadedModel:
+    config: ModelConfig
+    graph: ModelGraph
+    weights: dict    # name -> float32 array
+
+
+def load_model(folder: str, max_positions: Optional[int] = None, step: Optional[ModelFunction] = None) -> LoadedModel:
+    """A Hugging Face checkpoint folder's config, the model graph of its architecture's built-in step
+    function (or `step`), and its weights, checked against the graph."""
+    config = load_config(folder, max_positions)
+    graph = (step or step_function(config)).trace(config)
+    return LoadedModel(config, graph, load_weights(graph, folder))

@@ -11,12 +11,12 @@ token into the token history that the next step's embedding reads.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import attrs
 import numpy as np
 
-from mdsl.errors import DTypeError, ShapeError, UnsupportedError
+from mdsl.errors import DTypeError, ShapeError, UnsupportedError, ValidationError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.ops import AttrSpec, OpDef
 from mdsl.ir.types import TensorType
@@ -320,7 +320,7 @@ def _token_infer(name: str):
         if tokens.dtype is not i32 or tokens.rank != 1:
             raise DTypeError(f"{name}: the token history must be i32[max_positions], got {tokens}")
         if name == "sample" and not (a["temperature"] > 0 and 0 < a["top_p"] <= 1):
-            raise ShapeError(f"sample: temperature must be > 0 and top_p in (0, 1], got {a['temperature']}, "
+            raise ValidationError(f"sample: temperature must be > 0 and top_p in (0, 1], got {a['temperature']}, "
                              f"{a['top_p']}")
         return (TensorType((1,), i32),)
 

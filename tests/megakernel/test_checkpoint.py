@@ -8,7 +8,7 @@ import pytest
 from mdsl.errors import DTypeError, ParseError, ShapeError
 from mdsl.ir.dtypes import bf16, round_to_dtype
 from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import load_weights, save_checkpoint
+from mdsl.megakernel.checkpoint import load_model, load_weights, save_checkpoint
 from mdsl.megakernel.config import load_config
 from mdsl.megakernel.safetensors import (INDEX_FILE, SafetensorsFile, bf16_bits_to_f32, f32_to_bf16_bits,
                                          open_checkpoint, write_safetensors)
@@ -74,6 +74,11 @@ def test_sharded_checkpoint_loads_every_weight(tmp_path, arch, dtype):
     for name, w in weights.items():
         expected = round_to_dtype(w, bf16) if dtype == "bfloat16" else w
         np.testing.assert_array_equal(loaded[name], expected)
+    model = load_model(str(tmp_path), max_positions=12)
+    assert model.config.max_positions == 12 and model.graph.max_positions == 12
+    assert [(w.name, w.shape) for w in model.graph.weights] == [(w.name, w.shape) for w in graph.weights]
+    assert [n.op for n in model.graph.nodes] == [n.op for n in graph.nodes]
+    assert model.weights.keys() == loaded.keys()
 
 
 def _checkpoint_with(tmp_path, arch, edit):

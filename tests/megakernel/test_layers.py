@@ -50,6 +50,7 @@ def test_attention_appends_and_attends_causally_with_grouped_heads():
     out = get_layer_op("attention").reference([qkv, k_cache, v_cache], HEADS, StepContext(3))[0]
     q, k, v = qkv[0, :32].reshape(4, 8), qkv[0, 32:48].reshape(2, 8), qkv[0, 48:].reshape(2, 8)
     np.testing.assert_array_equal(k_cache[3], k)
+    np.testing.assert_array_equal(v_cache[3], v)
     np.testing.assert_array_equal(k_cache[4:], old_k[4:])      # later positions untouched
     for head in range(4):
         kv = head // 2

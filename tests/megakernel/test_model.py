@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import mdsl
-from mdsl.errors import ShapeError, TraceError
+from mdsl.errors import ShapeError, TraceError, ValidationError
 from mdsl.ir.dtypes import f32
-from mdsl.megakernel.layers import LAYER_OPS, StepContext
-from mdsl.megakernel.partition import build_task_graph  # noqa: F401  (attaches the `tasks` rules)
+from mdsl.megakernel.layers import LAYER_OPS
+import mdsl.megakernel.partition  # noqa: F401  (attaches the `tasks` rules)
 from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel import simulator  # noqa: F401  (attaches the `task_bodies` rules)
+import mdsl.megakernel.task_bodies  # noqa: F401  (attaches the `task_bodies` rules)
 from tests.megakernel.tiny import tiny_model
 
 
@@ -48,8 +48,8 @@ def test_user_model_traces_prints_and_runs():
 
 
 def test_structural_key_ignores_activation_names_not_weights():
-    a = two_layer_mlp.trace(Cfg())
-    assert a is two_layer_mlp.trace(Cfg()) or a.key == two_layer_mlp.trace(Cfg()).key
+    a, b = two_layer_mlp.trace(Cfg()), two_layer_mlp.trace(Cfg())   # traced twice (Cfg() is a new key)
+    assert a is not b and a == b and a.key == b.key
     _, llama, _ = tiny_model("llama3")
     _, qwen, _ = tiny_model("qwen3")
     assert len({a.key, llama.key, qwen.key}) == 3
@@ -91,6 +91,14 @@ def test_tracing_errors():
 
     with pytest.raises(TraceError, match="operand 0 is a ndarray"):
         not_a_value.trace(Cfg())
+
+    @mdsl.model
+    def cold(m, cfg):
+        logits = m.linear(m.embedding(m.weight("embed", [16, 8])), m.weight("embed", [16, 8]))
+        return logits, m.sample(logits, temperature=0.0)
+
+    with pytest.raises(ValidationError, match="temperature must be > 0"):
+        cold.trace(Cfg())
 
 
 def test_every_layer_op_has_every_rule():
