@@ -1,0 +1,162 @@
+"""The megakernel's device task tables: tiles, events that wait only for the producer tiles a task
+reads (less those already implied), the rules check_plan enforces, and the tables the device reads."""
+import attrs
+import numpy as np
+import pytest
+
+from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import bf16, f16
+from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.runtime.models import MODELS
+from mdsl.megakernel.runtime.plan import (EMBEDDING, MIN_ROWS_PER_TILE, Event, Kind, PlanError, build_plan,
+                                          check_plan, tiles)
+from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from tests.megakernel.tiny import tiny_model
+
+
+def tiny_plan(arch="qwen3", workers=132, **overrides):
+    config, _, _ = tiny_model(arch, **overrides)
+    return build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+
+
+@pytest.mark.parametrize("n,count", [(96, 132), (3072, 132), (128256, 132), (7, 4), (1000, 3)])
+def test_tiles_cover_the_rows_once(n, count):
+    ranges = tiles(n, count)
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len(ranges) <= count
+    assert all(hi - lo >= min(n, MIN_ROWS_PER_TILE) for lo, hi in ranges)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("workers", [1, 7, 132])
+def test_tiny_plans_follow_the_rules(arch, workers):
+    plan = tiny_plan(arch, workers)
+    check_plan(plan)
+    kinds = [t.kind for t in plan.tasks]
+    assert kinds[-1] is Kind.SAMPLE and kinds.count(Kind.SAMPLE) == 1
+    # a layer's ops come in dependency order
+    first = {k: kinds.index(k) for k in Kind}
+    assert first[Kind.QKV] < first[Kind.ATTN] < first[Kind.COMBINE] < first[Kind.OPROJ] < first[Kind.GATEUP] \
+        < first[Kind.DOWN] < first[Kind.LMHEAD] < first[Kind.SAMPLE]
+
+
+def test_consumers_wait_only_for_the_tiles_they_read():
+    plan = tiny_plan("qwen3", 132, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=32)
+    s = plan.shape
+    qkv_tiles = [k for k, t in enumerate(plan.tasks) if t.kind is Kind.QKV and t.layer == 0]
+    for k, task in enumerate(plan.tasks):
+        if task.kind is Kind.ATTN and task.layer == 0:
+            (event,) = plan.waits[k]
+            producers = plan.events[event].producers
+            rows = set()
+            for p in producers:
+                rows.update(range(plan.tasks[p].begin, plan.tasks[p].end))
+            g = task.begin
+            needed = set(range(g * s.group * s.head_dim, (g + 1) * s.group * s.head_dim))
+            for base in (s.attention_width, s.attention_width + s.kv_heads * s.head_dim):   # k, v
+                needed |= set(range(base + g * s.head_dim, base + (g + 1) * s.head_dim))
+            assert needed <= rows
+            assert len(producers) < len(qkv_tiles), "an attention task waits for every qkv tile"
+            # and no producer it waits for is one it does not read
+            for p in producers:
+                assert needed & set(range(plan.tasks[p].begin, plan.tasks[p].end)), (k, p)
+
+
+def test_the_residual_read_is_implied_not_waited_for():
+    plan = tiny_plan("llama3")
+    for k, task in enumerate(plan.tasks):
+        if task.kind in (Kind.OPROJ, Kind.DOWN):
+            (event,) = plan.waits[k]
+            producer_kinds = {plan.tasks[p].kind for p in plan.events[event].producers}
+            assert producer_kinds == {Kind.COMBINE if task.kind is Kind.OPROJ else Kind.GATEUP}
+
+
+def test_the_embedding_is_the_only_cross_step_event():
+    plan = tiny_plan("llama3")
+    embedding = [e for e, ev in enumerate(plan.events) if not ev.producers]
+    assert embedding == [0] and plan.events[0].initial == 1
+    waiters = [plan.tasks[k] for k, w in enumerate(plan.waits) if 0 in w]
+    assert {t.kind for t in waiters} == {Kind.QKV} and {t.layer for t in waiters} == {0}
+    assert plan.signals[-1] == (0,)
+    assert all(any(r.buffer == EMBEDDING for r in t.reads) for t in waiters)
+
+
+def test_tables_encode_the_plan():
+    plan = tiny_plan("qwen3", 16)
+    tasks, waits, signals = plan.tables()
+    assert tasks.dtype == np.int32 and tasks.shape == (len(plan.tasks), 8)
+    for k, (kind, layer, begin, end, wb, wc, sb, sc) in enumerate(tasks):
+        t = plan.tasks[k]
+        assert (kind, layer, begin, end) == (int(t.kind), t.layer, t.begin, t.end)
+        assert [tuple(w) for w in waits[wb:wb + wc]] == [(e, plan.events[e].per_step) for e in plan.waits[k]]
+        assert list(signals[sb:sb + sc]) == list(plan.signals[k])
+    assert list(plan.initial_events()) == [e.initial for e in plan.events]
+
+
+def _broken(plan, **changes):
+    return attrs.evolve(plan, **changes)
+
+
+def test_check_plan_finds_a_missing_wait():
+    plan = tiny_plan("llama3")
+    k = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.COMBINE)
+    waits = list(plan.waits)
+    waits[k] = ()
+    with pytest.raises(PlanError, match="without waiting"):
+        check_plan(_broken(plan, waits=tuple(waits)))
+
+
+def test_check_plan_finds_a_forward_wait_and_a_miscounted_event():
+    plan = tiny_plan("llama3")
+    events = list(plan.events)
+    last = len(events) - 1
+    events[last] = Event(events[last].producers[:-1])
+    with pytest.raises(PlanError, match="signalled by"):
+        check_plan(_broken(plan, events=tuple(events)))
+    waits = list(plan.waits)
+    waits[0] = (last,)   # the first task waits for the LM head tiles
+    with pytest.raises(PlanError, match="later task"):
+        check_plan(_broken(plan, waits=tuple(waits)))
+
+
+def test_check_plan_finds_a_task_that_does_not_lead_to_the_sampler():
+    plan = tiny_plan("llama3")
+    k = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
+    events = [Event(tuple(p for p in e.producers if p != k), e.initial) if e.producers else e for e in plan.events]
+    signals = [s if i != k else () for i, s in enumerate(plan.signals)]
+    with pytest.raises(PlanError, match="do not lead to the sampler|without waiting"):
+        check_plan(_broken(plan, events=tuple(events), signals=tuple(signals)))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_full_size_plans_follow_the_rules(name):
+    shape = decoder_shape(config_from_dict(MODELS[name]))
+    plan = build_plan(shape, workers=132, max_seq=2048)
+    check_plan(plan)
+    stats = plan.statistics()
+    assert stats["tasks_by_kind"]["QKV"] == shape.layers * 132
+    assert stats["events"] < 30 * shape.layers, "events are per consumer group, not per task"
+    assert max(map(len, plan.waits)) <= 2
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    config, _, _ = tiny_model("llama3")
+    with pytest.raises(UnsupportedError, match="float16"):
+        decoder_shape(attrs.evolve(config, dtype=f16))
+    with pytest.raises(UnsupportedError, match="multiple of 8"):
+        decoder_shape(attrs.evolve(config, dtype=bf16, hidden_size=36))
+
+
+def test_rope_tables_match_the_reference_rotation():
+    from mdsl.megakernel.layers import rope_cos_sin
+
+    config, _, _ = tiny_model("llama3")
+    shape = decoder_shape(config)
+    cos, sin = rope_tables(shape, 20)
+    for position in (0, 3, 19):
+        want_cos, want_sin = rope_cos_sin({"head_dim": shape.head_dim, **config.rope.attrs()}, position)
+        half = shape.head_dim // 2
+        np.testing.assert_allclose(cos[position], want_cos[:half], rtol=0, atol=2e-7)
+        np.testing.assert_allclose(sin[position], want_sin[:half], rtol=0, atol=2e-7)

@@ -1,0 +1,71 @@
+"""The megakernel's CUDA C++ compiles with NVRTC to an sm_90a cubin without spills, for tiny Llama-3 and
+Qwen3 models (f32 and bf16) and the Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes; the host's view of
+the kernel's parameter block agrees with the device's."""
+import ctypes
+import re
+
+import attrs
+import pytest
+
+from mdsl.backend.cuda.nvrtc import compile_cuda
+from mdsl.ir.dtypes import bf16, f32
+from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.runtime.models import MODELS
+from mdsl.megakernel.runtime.plan import build_plan
+from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, generate_source
+from tests.megakernel.tiny import tiny_model
+
+H200_SMS = 132
+SMEM_LIMIT = 227 * 1024   # Hopper's opt-in shared memory per block
+
+
+def compile_plan(plan):
+    source = generate_source(plan)
+    module = compile_cuda(source.text, arch="sm_90a")
+    return source, module, module.resources[KERNEL_NAME]
+
+
+def assert_fits(source, resources):
+    assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0, resources
+    assert resources.stack_bytes == 0, resources
+    assert resources.registers <= 255
+    assert source.smem_bytes + resources.smem_bytes <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=str)
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_tiny_models_compile_without_spills(arch, dtype):
+    config, _, _ = tiny_model(arch)
+    shape = decoder_shape(attrs.evolve(config, dtype=dtype))
+    source, module, resources = compile_plan(build_plan(shape, workers=H200_SMS, max_seq=config.max_positions))
+    assert module.arch == "sm_90a" and module.cubin.startswith(b"\x7fELF")
+    assert_fits(source, resources)
+    assert f"using T = {'__nv_bfloat16' if dtype is bf16 else 'float'};" in source.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_full_size_models_compile_without_spills(name):
+    shape = decoder_shape(config_from_dict(MODELS[name]))
+    source, _, resources = compile_plan(build_plan(shape, workers=H200_SMS, max_seq=4096))
+    assert_fits(source, resources)
+
+
+def test_the_runtime_uses_acquire_release_events_and_no_grid_barrier():
+    config, _, _ = tiny_model("llama3")
+    text = generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24)).text
+    assert "ld.acquire.gpu" in text and "red.release.gpu" in text
+    assert "grid.sync" not in text and "cooperative_groups" not in text
+    assert "cp.async.bulk.prefetch.L2" in text   # weights stream into L2 while a task waits
+
+
+def test_the_parameter_block_layout_is_shared():
+    from mdsl.megakernel.runtime.engine import Params
+
+    config, _, _ = tiny_model("qwen3")
+    text = generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24)).text
+    struct = re.search(r"struct Params \{(.*?)\};", text, re.S).group(1)
+    names = [line.split()[-1].rstrip(";") for line in struct.strip().splitlines()]
+    assert names == [name for _, name in PARAMS] == [name for name, _ in Params._fields_]
+    assert f"sizeof(Params) == {ctypes.sizeof(Params)}" in text
