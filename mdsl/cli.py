@@ -5,6 +5,7 @@
     mdsl optimize FILE --budget 30 --seed 1 --workers 4 --no-cache --log search.jsonl
     mdsl optimize FILE --format json|dot                       # the chosen mugraphs
     mdsl optimize FILE --trace-only                            # the traced graphs, no search
+    mdsl optimize FILE --backend ptx                           # the GPU check compiles through llvmlite's PTX
     mdsl version
 
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
@@ -120,14 +121,14 @@ def optimize(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for i, plan in enumerate(plans):
         print(("\n" if i else "") + str(plan))  # each plan: its header comments, then its mugraph
-        report = _run_on_gpu(plan)
+        report = _run_on_gpu(plan, args.backend)
         if report is not None:
             print("\n".join(report.lines()))
             status = status if report.ok else EXIT_FAILED
     return status
 
 
-def _run_on_gpu(plan):
+def _run_on_gpu(plan, backend: str = "cuda"):
     """On a machine with a GPU: run the plan, check it against the reference, time it next to PyTorch."""
     from mdsl.backend.cuda import runtime
 
@@ -135,7 +136,7 @@ def _run_on_gpu(plan):
         return None
     from mdsl.backend.cuda.check import run_plan
 
-    return run_plan(plan)
+    return run_plan(plan, backend=backend)
 
 
 def _positive(kind: type):
@@ -177,6 +178,9 @@ def make_parser() -> argparse.ArgumentParser:
     opt.add_argument("--no-cache", action="store_true", help="search even if a cached plan exists (and do not store it)")
     opt.add_argument("--log", metavar="FILE.jsonl", help="append the search's events to FILE.jsonl, one JSON object a line")
     opt.add_argument("--trace-only", action="store_true", help="print the traced kernel graphs, without searching")
+    opt.add_argument("--backend", choices=("cuda", "ptx"), default="cuda",
+                     help="the code generator of the GPU check on a machine with a GPU: cuda (CUDA C++ by NVRTC, "
+                          "the default) or ptx (PTX by llvmlite)")
     opt.set_defaults(run=optimize)
 
     ver = commands.add_parser("version", help="print mdsl's version")

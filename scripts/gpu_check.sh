@@ -18,7 +18,7 @@ nvidia-smi || echo "nvidia-smi failed (rc $?)"
 $PY - <<'PYEOF'
 import importlib, platform
 print("python", platform.python_version())
-for name in ("numpy", "torch", "cuda.bindings", "cuda.core", "cuda.pathfinder", "pytest", "z3"):
+for name in ("numpy", "torch", "cuda.bindings", "cuda.core", "cuda.pathfinder", "pytest", "z3", "llvmlite"):
     try:
         module = importlib.import_module(name)
         print(f"{name:16} {getattr(module, '__version__', '?')}")
@@ -34,12 +34,18 @@ except Exception as e:
     print("CUDA versions: could not read them:", type(e).__name__, e)
 from mdsl.backend.cuda import runtime
 print("mdsl has_gpu()  ", runtime.has_gpu(), "target", runtime.target_arch())
+try:   # the PTX backend's code generator (the GPU tests run each program through both backends)
+    import llvmlite.binding
+    from mdsl.backend.ptx.compile import ptx_features
+    print("LLVM            ", llvmlite.binding.llvm_version_info, "PTX features", ptx_features())
+except Exception as e:
+    print("PTX backend: llvmlite unusable:", type(e).__name__, e)
 import tests.gpu.harness  # noqa: F401  (a site-packages `tests` package would shadow ours: fail here, clearly)
 PYEOF
 preflight=$?
 [ $preflight -eq 0 ] || echo "!! the preflight above failed (rc $preflight): the tests below will fail the same way"
 
-echo "== GPU tests (seed $MDSL_GPU_SEED)"
+echo "== GPU tests (seed $MDSL_GPU_SEED, backends ${MDSL_GPU_BACKENDS:-cuda,ptx})"
 # the tests compile some 700 programs (NVRTC, ~0.3 s each) and compute float64 references: spread them
 # over processes where pytest-xdist is installed (each has its own CUDA context on the one GPU)
 workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")

@@ -59,7 +59,7 @@ class KernelFunction:
                                  loc=frame_loc_of(fn), hint="*args, **kwargs and keyword-only parameters are not traced")
         self.annotations = self._read_annotations(scope)
         self._graphs: dict = {}
-        self._executables: dict = {}   # (shape, dtype name, device) per argument -> runtime.Executable
+        self._executables: dict = {}   # ((shape, dtype name, device) per argument, backend) -> runtime.Executable
         self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
@@ -175,15 +175,16 @@ class KernelFunction:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def __call__(self, *args, out=None, stream=None):
+    def __call__(self, *args, out=None, stream=None, backend: str = "cuda"):
         """Run the kernel. GPU arrays (torch CUDA tensors, mdsl DeviceArrays, anything with
         `__cuda_array_interface__` or a CUDA `__dlpack__`) run the optimized program on the GPU: `out`
         (one array, or a tuple with one per output) receives the results, `stream` orders the launches
-        (default: torch's current stream for torch tensors, else the legacy default stream). Host arrays
+        (default: torch's current stream for torch tensors, else the legacy default stream), `backend`
+        picks the code generator ("cuda": CUDA C++ by NVRTC; "ptx": PTX by llvmlite). Host arrays
         (numpy, CPU torch) run through the numpy reference interpreter."""
         if out is not None or stream is not None or any(_is_device_array(a) for a in args):
             try:
-                return self._run_on_gpu(args, out, stream)
+                return self._run_on_gpu(args, out, stream, backend)
             except MdslError as e:
                 raise e.with_loc(caller_loc())
         graph = self.trace(*args)
@@ -193,18 +194,19 @@ class KernelFunction:
         results = tuple(np.asarray(o).astype(_STORAGE[v.type.dtype.name]) for o, v in zip(outs, graph.outputs))
         return results[0] if len(results) == 1 else results
 
-    def _run_on_gpu(self, args: Sequence, out, stream):
+    def _run_on_gpu(self, args: Sequence, out, stream, backend: str = "cuda"):
         # imported here: `import mdsl` must not load cuda.bindings (nor torch)
         from mdsl.backend.cuda import runtime
 
+        runtime.check_backend(backend)
         runtime.require_gpu()
         self._check_arity(args)
         handle = runtime.launch_stream(args, stream)
         views = [runtime.device_view(a, label, handle) for a, label in zip(args, self._arg_labels)]
-        key = tuple((v.shape, v.dtype.name, v.device) for v in views)
+        key = (tuple((v.shape, v.dtype.name, v.device) for v in views), backend)
         executable = self._executables.get(key)
         if executable is None:
-            executable = self._executables[key] = self._compile(views)
+            executable = self._executables[key] = self._compile(views, backend)
         if out is None:
             results = executable.launch_views(views, None, handle, inputs_checked=True,
                                               torch_outputs=any(runtime.is_torch_tensor(a) for a in args))
@@ -213,14 +215,14 @@ class KernelFunction:
             results = executable.launch_views(views, outputs, handle, inputs_checked=True)
         return results[0] if len(results) == 1 else results
 
-    def _compile(self, views: Sequence):
+    def _compile(self, views: Sequence, backend: str = "cuda"):
         """The executable for these arguments' shapes, dtypes and device: plan, emit, compile, load."""
         from mdsl.backend.cuda import runtime
 
         specs = tuple(TensorSpec(v.shape, v.dtype) for v in views)
         device = views[0].device if views else 0
         arch = runtime.target_arch(device)
-        return runtime.compile_graph(self._gpu_graph(specs, arch), arch=arch, device=device)
+        return runtime.compile_graph(self._gpu_graph(specs, arch), arch=arch, device=device, backend=backend)
 
     def _gpu_graph(self, specs: tuple, arch: str) -> KernelGraph:
         """The optimized plan's graph, or the traced graph where the search cannot run (a module it

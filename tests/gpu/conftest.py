@@ -7,9 +7,12 @@ import secrets
 
 import pytest
 
-from mdsl.backend.cuda.runtime import has_gpu
+from mdsl.backend.cuda.runtime import BACKENDS, has_gpu
 
 _ORDER = ("test_gpu_runtime", "test_gpu_ops", "test_gpu_coverage", "test_gpu_examples")
+#: The modules whose programs are built by harness.build: each of their tests runs once per backend
+#: (MDSL_GPU_BACKENDS=cuda or =ptx runs one of them).
+_PER_BACKEND = ("test_gpu_ops", "test_gpu_coverage", "test_gpu_examples")
 
 
 def pytest_configure(config):
@@ -21,6 +24,30 @@ def pytest_report_header(config):
     from tests.gpu.harness import SEED
 
     return f"mdsl GPU tests: {'a GPU is present' if has_gpu() else 'no GPU, skipped'}; seed {SEED} (MDSL_GPU_SEED)"
+
+
+def _backends() -> list:
+    chosen = [b for b in os.environ.get("MDSL_GPU_BACKENDS", ",".join(BACKENDS)).split(",") if b]
+    unknown = sorted(set(chosen) - set(BACKENDS))
+    if unknown:
+        raise pytest.UsageError(f"MDSL_GPU_BACKENDS names unknown backends {unknown}; known: {list(BACKENDS)}")
+    return chosen
+
+
+def pytest_generate_tests(metafunc):
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    if "gpu_backend" in metafunc.fixturenames and module in _PER_BACKEND:
+        metafunc.parametrize("gpu_backend", _backends(), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def gpu_backend(request, monkeypatch):
+    """The backend harness.build compiles with: each backend in turn where the test is parametrized."""
+    from tests.gpu import harness
+
+    backend = getattr(request, "param", "cuda")
+    monkeypatch.setattr(harness, "BACKEND", backend)
+    return backend
 
 
 def pytest_collection_modifyitems(config, items):

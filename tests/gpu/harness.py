@@ -32,6 +32,8 @@ TF32_TOLERANCE = 1e-3   # f32 matrix products may run on tensor cores in tf32
 SEED = int(os.environ.get("MDSL_GPU_SEED") or secrets.randbits(31))
 #: Where failing programs are written (scripts/gpu_check.sh sets it); none: not written.
 ARTIFACTS = os.environ.get("MDSL_GPU_ARTIFACTS")
+#: The code generator `build` compiles with (conftest's `gpu_backend` fixture sets it per test).
+BACKEND = "cuda"
 _I32_POISON = -(2**31) + 7
 
 
@@ -129,9 +131,9 @@ def poisoned(graph: KernelGraph) -> list:
 def build(graph: KernelGraph, what: str) -> runtime.Executable:
     """Emit, compile and load; a failure names the stage and shows the program."""
     try:
-        return runtime.compile_graph(graph)
+        return runtime.compile_graph(graph, backend=BACKEND)
     except Exception as e:
-        pytest.fail(f"{what}: could not build the GPU program ({type(e).__name__}):\n{e}\n\n"
+        pytest.fail(f"{what}: could not build the GPU program with the {BACKEND} backend ({type(e).__name__}):\n{e}\n\n"
                     f"the mugraph:\n{print_graph(graph)}", pytrace=False)
 
 
@@ -208,8 +210,8 @@ def _report(executable: runtime.Executable, what: str, problems: list) -> str:
                          f"args {', '.join(l.args)}" for l in program.launches)
     saved = _save(executable, what)
     return "\n".join([
-        f"{what}: the GPU result differs from the reference interpreter (float64 on the same rounded inputs, "
-        f"tensors stored rounded to their dtypes)",
+        f"{what}: the GPU result ({BACKEND} backend) differs from the reference interpreter (float64 on the same "
+        f"rounded inputs, tensors stored rounded to their dtypes)",
         *problems,
         f"seed {SEED}: rerun this test with MDSL_GPU_SEED={SEED} to get the same inputs",
         f"launches:\n{launches}",
@@ -225,6 +227,8 @@ def _save(executable: runtime.Executable, what: str) -> Optional[str]:
     folder = Path(ARTIFACTS)
     folder.mkdir(parents=True, exist_ok=True)
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in what)[:120]
-    path = folder / f"{stem}.cu"
+    path = folder / f"{stem}.{'ll' if BACKEND == 'ptx' else 'cu'}"   # the PTX backend's source is LLVM IR
     path.write_text(f"// {what}\n/* the mugraph:\n{print_graph(executable.graph)}\n*/\n{executable.program.source}")
+    if BACKEND == "ptx":
+        path.with_suffix(".ptx").write_text(executable.module.ptx)
     return str(path)

@@ -256,6 +256,18 @@ def test_kernel_errors_name_the_argument(torch):
         norm_linear(x)
 
 
+def test_kernel_through_the_ptx_backend():
+    x, w = random_inputs(norm_linear.graph, rng_for("kernel-through-ptx"))
+    try:
+        y = norm_linear(DeviceArray.from_numpy(x, f16), DeviceArray.from_numpy(w, f16), backend="ptx")
+        assert any(backend == "ptx" for _, backend in norm_linear._executables)
+        err = relative_error(y.to_numpy().astype(np.float64), expected(norm_linear, x, w))
+        assert err < 3e-3, f"rms_norm(x) @ w through the PTX backend: relative error {err:.2e} (seed {SEED})"
+    finally:   # the other tests count the executables compiled with the default backend
+        for key in [k for k in norm_linear._executables if k[1] == "ptx"]:
+            del norm_linear._executables[key]
+
+
 # ---------------------------------------------------------------------------------------------
 # launch overhead: printed, never asserted
 

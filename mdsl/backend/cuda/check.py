@@ -82,14 +82,15 @@ def _torch_us(graph, host: list, reps: int) -> float:
         return _time_us(lambda: program(*tensors), reps)
 
 
-def run_plan(plan, *, seed: int = 0, reps: int = 200) -> GpuReport:
-    """Compile and run `plan.graph` on GPU 0 (callers check `runtime.has_gpu()` first)."""
+def run_plan(plan, *, seed: int = 0, reps: int = 200, backend: str = "cuda") -> GpuReport:
+    """Compile (with `backend`: "cuda" or "ptx") and run `plan.graph` on GPU 0 (callers check
+    `runtime.has_gpu()` first)."""
     from mdsl.backend.cuda import runtime
 
     graph = plan.graph
     rng = np.random.default_rng(seed)
     host = [round_to_dtype(rng.standard_normal(v.shape), v.dtype) for v in graph.inputs]
-    executable = runtime.compile_graph(graph)
+    executable = runtime.compile_graph(graph, backend=backend)
     inputs = [runtime.DeviceArray.from_numpy(x, v.dtype) for x, v in zip(host, graph.inputs)]
     outputs = executable(inputs)
     got = [np.asarray(o.to_numpy(), dtype=np.float64) for o in outputs]

@@ -572,7 +572,9 @@ class Executable:
         self._bindings = plan.bindings
         self._copies = plan.copies
         self._ptrs = (ctypes.c_uint64 * max(1, plan.slots))()
-        self._module_handle = _check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
+        load = getattr(module, "load", None)   # a PTX module is JIT-compiled by the driver as it loads
+        self._module_handle = load() if load is not None else \
+            _check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
         self._param_blocks = []
         self._launches = tuple(self._prepare(launch, slots) for launch, slots in zip(program.launches,
                                                                                      plan.launch_slots))
@@ -718,11 +720,29 @@ def compile_source(source: str, arch: str):
     return compile_cuda(source, arch=arch)
 
 
-def compile_graph(graph: KernelGraph, *, arch: Optional[str] = None, device: int = 0) -> Executable:
-    """Emit CUDA for a kernel graph, compile it (cached) and load it on `device`."""
+BACKENDS = ("cuda", "ptx")   # code generators: CUDA C++ by NVRTC, PTX by llvmlite's NVPTX target
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise MdslError(f"unknown backend {backend!r}",
+                        hint=f"use one of {', '.join(map(repr, BACKENDS))} (the default is 'cuda')")
+    return backend
+
+
+def compile_graph(graph: KernelGraph, *, arch: Optional[str] = None, device: int = 0,
+                  backend: str = "cuda") -> Executable:
+    """Emit CUDA (or, with backend="ptx", LLVM IR turned into PTX) for a kernel graph, compile it
+    (cached) and load it on `device`."""
+    check_backend(backend)
     require_gpu("loading a compiled kernel")
     from mdsl.backend.cuda.codegen import emit_cuda
 
     arch = arch or target_arch(device)
+    if backend == "ptx":
+        from mdsl.backend.ptx import compile_ptx, emit_llvm
+
+        program = emit_llvm(graph, arch=arch)
+        return Executable(program, compile_ptx(program.llvm_ir, arch), device=device)
     program = emit_cuda(graph, arch=arch)
     return Executable(program, compile_source(program.source, arch), device=device)

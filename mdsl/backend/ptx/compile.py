@@ -8,7 +8,7 @@ resource report the tests check), and loading on the GPU.
 * `compile_ptx`: the same, cached under `$MDSL_CACHE_DIR/ptx` (default ~/.cache/mdsl/ptx) by the IR,
   target, features and LLVM version; each entry carries the SHA-256 of its text and is written
   atomically, and one that fails the check is compiled again with a warning.
-* `assemble`: PTX to a cubin by the ptxas binary (or the nvJitLink library where ptxas is absent),
+* `assemble`: PTX to a cubin by the nvJitLink library (or the ptxas binary where it is absent),
   with ptxas's `-v` report parsed into `Resources` per kernel; needs no GPU.
 * `PtxModule.load`: the driver's JIT (cuModuleLoadData) on a machine with a GPU; a rejected module is
   assembled once more for the error log.
@@ -35,9 +35,11 @@ import attrs
 from mdsl.backend.cuda.nvrtc import Resources, _write_atomic, parse_resources
 from mdsl.backend.cuda.nvrtc import cache_dir as cubin_cache_dir
 from mdsl.backend.cuda.source import OP_MARKER
+from mdsl.backend.ptx.llvm import TRIPLE
 from mdsl.errors import MdslError, UnsupportedError
 
-PTX_FEATURES = "+ptx80"
+PTX_FEATURES = "+ptx80"          # PTX ISA 8.0: LLVM 17 and later
+OLD_LLVM_PTX_FEATURES = "+ptx78"  # LLVM 16 (the first with sm_90)
 DEFAULT_ARCH = "sm_90"
 CONTEXT_LINES = 5
 _CACHE_HEADER = "// mdsl ptx cache, sha256 "
@@ -99,13 +101,20 @@ def _llvm():
     return llvm
 
 
+def ptx_features() -> str:
+    return PTX_FEATURES if _llvm().llvm_version_info >= (17,) else OLD_LLVM_PTX_FEATURES
+
+
 @functools.lru_cache(maxsize=8)
 def _target_machine(cpu: str):
     llvm = _llvm()
-    llvm.initialize_all_targets()       # llvm.initialize() is deprecated and raises
+    try:
+        llvm.initialize()               # needed before llvmlite 0.45; deprecated (it raises) since
+    except RuntimeError:
+        pass
+    llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
-    return llvm.Target.from_triple("nvptx64-nvidia-cuda").create_target_machine(cpu=cpu, features=PTX_FEATURES,
-                                                                                 opt=3)
+    return llvm.Target.from_triple(TRIPLE).create_target_machine(cpu=cpu, features=ptx_features(), opt=3)
 
 
 def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
@@ -115,6 +124,7 @@ def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
     tm = _target_machine(cpu)
     try:
         module = llvm.parse_assembly(llvm_ir)
+        module.data_layout = str(tm.target_data)
         module.verify()
     except RuntimeError as e:
         raise error_from_log("llvmlite rejected the generated LLVM IR", str(e), llvm_ir, "LLVM IR") from None
@@ -137,6 +147,9 @@ def optimization() -> str:
 
 
 def _optimize(llvm, module, tm, level: str) -> None:
+    if not hasattr(llvm, "create_new_module_pass_manager"):   # llvmlite before 0.44: the legacy manager
+        _optimize_legacy(llvm, module, level)
+        return
     tuning = llvm.create_pipeline_tuning_options(speed_level=3 if level == "O3" else 1)
     builder = llvm.create_pass_builder(tm, tuning)
     if level == "O3":
@@ -147,6 +160,19 @@ def _optimize(llvm, module, tm, level: str) -> None:
     passes.add_instruction_combine_pass()
     passes.add_simplify_cfg_pass()
     passes.run(module, builder)
+
+
+def _optimize_legacy(llvm, module, level: str) -> None:
+    passes = llvm.create_module_pass_manager()
+    if level == "O3":
+        builder = llvm.create_pass_manager_builder()
+        builder.opt_level = 3
+        builder.populate(passes)
+    else:
+        passes.add_sroa_pass()
+        passes.add_instruction_combining_pass()
+        passes.add_cfg_simplification_pass()
+    passes.run(module)
 
 
 def compile_ptx(llvm_ir: str, arch: Optional[str] = None) -> PtxModule:
@@ -188,23 +214,25 @@ def _nvjitlink():
 
 
 def assembler() -> Optional[str]:
-    """What `assemble` will use: 'ptxas', 'nvJitLink', or None when neither is here."""
-    return "ptxas" if ptxas_path() else "nvJitLink" if _nvjitlink() else None
+    """What `assemble` uses by default: 'nvJitLink' (in process), else 'ptxas', else None."""
+    return "nvJitLink" if _nvjitlink() else "ptxas" if ptxas_path() else None
 
 
-def assemble(ptx: str, arch: Optional[str] = None) -> AssembledModule:
-    """The PTX assembled for `arch` with ptxas's resource report, or PtxCompileError."""
+def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None) -> AssembledModule:
+    """The PTX assembled for `arch` with ptxas's resource report (by `tool`, default `assembler()`),
+    or PtxCompileError."""
     cpu = ptx_target(arch)
-    tool = ptxas_path()
-    if tool is not None:
-        ok, cubin, log = _run_ptxas(tool, ptx, cpu)
-    elif (nvjitlink := _nvjitlink()) is not None:
-        ok, cubin, log = _run_nvjitlink(nvjitlink, ptx, cpu)
+    tool = tool or assembler()
+    if tool == "nvJitLink" and _nvjitlink() is not None:
+        ok, cubin, log = _run_nvjitlink(_nvjitlink(), ptx, cpu)
+    elif tool == "ptxas" and ptxas_path() is not None:
+        ok, cubin, log = _run_ptxas(ptxas_path(), ptx, cpu)
     else:
-        raise UnsupportedError("neither ptxas nor nvJitLink is available to assemble PTX",
-                               hint="pip install nvidia-nvjitlink (or nvidia-cuda-nvcc), or install the CUDA toolkit")
+        raise UnsupportedError(f"no PTX assembler{f' ({tool})' if tool else ''} is available",
+                               hint="pip install nvidia-nvjitlink (or nvidia-cuda-nvcc for ptxas), or install the "
+                                    "CUDA toolkit")
     if not ok:
-        raise error_from_log("ptxas rejected the generated PTX", log, ptx, "PTX")
+        raise error_from_log(f"{tool} rejected the generated PTX", log, ptx, "PTX")
     return AssembledModule(cubin, log, parse_resources(log), cpu)
 
 
@@ -299,7 +327,7 @@ def cache_dir() -> Path:
 
 def _cache_key(llvm_ir: str, cpu: str) -> str:
     llvm = _llvm()
-    blob = json.dumps([llvm_ir, cpu, PTX_FEATURES, optimization(), list(llvm.llvm_version_info)])
+    blob = json.dumps([llvm_ir, cpu, ptx_features(), optimization(), list(llvm.llvm_version_info)])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

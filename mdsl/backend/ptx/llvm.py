@@ -11,19 +11,17 @@ local memory.
 from __future__ import annotations
 
 import contextlib
-import math
 import struct
 from typing import Iterator, Optional, Sequence
 
 import attrs
+import numpy as np
 from llvmlite import ir
 
-from mdsl.backend.cuda.source import OP_MARKER, describe
+from mdsl.backend.cuda.source import OP_MARKER, contiguous_strides, describe
 from mdsl.ir.graph import Node
 
-TRIPLE = "nvptx64-nvidia-cuda"
-#: NVPTX's data layout (LLVM 22); the target machine's own is checked against it when compiling
-DATA_LAYOUT = "e-p6:32:32-i64:64-i128:128-i256:256-v16:16-v32:32-n16:32:64"
+TRIPLE = "nvptx64-nvidia-cuda"   # the data layout is the target machine's, set when compiling
 GLOBAL = 1   # address spaces
 SHARED = 3
 
@@ -57,8 +55,10 @@ WORDS = {2: ir.IntType(16), 4: I32, 8: I64, 16: ir.VectorType(I32, 4)}
 
 
 def f32(value: float) -> ir.Constant:
-    """An f32 constant of the value rounded to f32 (the precision the kernels compute in)."""
-    return ir.Constant(F32, float(struct.unpack("<f", struct.pack("<f", value))[0]) if math.isfinite(value) else value)
+    """An f32 constant of the value rounded to f32 (the precision the kernels compute in; beyond its
+    range, infinite)."""
+    with np.errstate(over="ignore"):
+        return ir.Constant(F32, float(np.float32(value)))
 
 
 def i32(value: int) -> ir.Constant:
@@ -93,14 +93,6 @@ class Array:
         return ELEMENT_TYPES[self.dtype]
 
 
-def contiguous_strides(shape: tuple) -> tuple:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= d
-    return tuple(reversed(out))
-
-
 def merged_dims(shape: tuple, operand_shape: tuple, operand_strides: tuple) -> list:
     """(loop size, operand stride) per dim of a loop over `shape`, outermost first: the operand is
     aligned to the right of the loop and broadcast along its dims of size 1; dims of size 1 are
@@ -125,7 +117,6 @@ class ModuleBuilder:
     def __init__(self, name: str):
         self.module = ir.Module(name=name)
         self.module.triple = TRIPLE
-        self.module.data_layout = DATA_LAYOUT
         self._dynamic_smem: Optional[ir.GlobalVariable] = None
         self.annotations = self.module.add_named_metadata("nvvm.annotations")
 

@@ -18,15 +18,16 @@ from typing import Callable, Optional
 
 import attrs
 
-from mdsl.backend.cuda.loops import blocks_for, group_lanes, without
-from mdsl.backend.cuda.rules import GEMM_TILE, KERNEL_THREADS
+from mdsl.backend.cuda.loops import blocks_for, without
+# the CUDA backend's choices, shared so that both backends launch the same kernels
+from mdsl.backend.cuda.rules import GEMM_TILE, KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import F32, Array, KernelFunction, f32, i32
 from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
                                     row_view)
 from mdsl.errors import UnsupportedError
-from mdsl.ir.graph import Node, ThreadGraph
+from mdsl.ir.graph import Node
 from mdsl.ir.ops import extend_op
 
 GEMM_K_STEP = 16          # K per shared-memory stage of the standard matmul kernel
@@ -35,21 +36,12 @@ _GEMM_SIDE = GEMM_TILE // GEMM_PER_THREAD   # 16 x 16 threads
 _A_PAD = 4                # A's tile is stored transposed, its rows padded against bank conflicts
 
 
-def _grid(n: int) -> tuple:
-    return (blocks_for(n, KERNEL_THREADS), 1, 1)
-
-
 def _grid_threads() -> Threads:
     return Threads(KERNEL_THREADS, grid=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # element-wise operators
-
-
-def _alone(node: Node) -> ThreadGraph:
-    """The one-node thread graph of an element-wise node (mul(x, x) reads x once)."""
-    return ThreadGraph(list(dict.fromkeys(node.inputs)), [node], node.outputs)
 
 
 @attrs.frozen
@@ -231,22 +223,6 @@ def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array
 
 # ---------------------------------------------------------------------------------------------
 # reductions and norms over one dim
-
-
-def _dim(node: Node) -> int:
-    return node.attr("dim") % node.inputs[0].type.rank
-
-
-def _block_lanes(bk, src: Array, dim: int) -> int:
-    rows = math.prod(without(src.shape, dim))
-    return group_lanes(src.shape[dim], -(-bk.threads.block // rows))
-
-
-def _kernel_lanes(node: Node) -> int:
-    # a row of contiguous elements is read by a group of lanes side by side; when the rows are the
-    # contiguous ones (a reduction over a leading dim), one thread per row keeps neighbours together
-    shape, dim = node.inputs[0].shape, _dim(node)
-    return group_lanes(shape[dim], 32) if math.prod(shape[dim + 1:]) == 1 else 1
 
 
 def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:

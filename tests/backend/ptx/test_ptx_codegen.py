@@ -1,0 +1,148 @@
+"""LLVM IR emission of the PTX backend: one rule per operator, the CUDA backend's launches and aliases,
+the NVVM features the kernels are made of (address spaces, special registers, barriers, warp
+shuffles, 16-bit conversions, 16-byte vector accesses) and the op markers."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mdsl.backend.cuda import emit_cuda
+from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
+from mdsl.backend.ptx.block import lower
+from mdsl.backend.ptx.llvm import OP_MARKER, merged_dims
+from mdsl.errors import UnsupportedError
+from mdsl.ir import BLOCK, KERNEL, OPS, THREAD, bf16, f16, f32
+from mdsl.ir.ops import get_op
+from mdsl.passes.fusion import fuse_kernel_graph
+from tests.backend.cuda.builder import Graph
+from tests.backend.cuda.coverage import coverage_graphs
+from tests.backend.cuda.programs import example_kernels
+from tests.strategies import example_graphs
+
+_METHODS = {KERNEL: ("kernel",), BLOCK: ("block",), THREAD: ("value",)}
+_ACCUMULATOR_METHODS = ("init", "update", "finalize")
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_operator_has_a_ptx_rule_for_each_of_its_levels(name):
+    op = OPS[name]
+    rule = op.rules.get("ptx")
+    assert rule is not None, f"{name} has no ptx rule (extend_op({name!r}, ptx=...))"
+    if op.is_accumulator:
+        assert all(hasattr(rule, m) for m in _ACCUMULATOR_METHODS)
+        return
+    for level in op.levels:
+        for method in _METHODS[level]:
+            assert callable(getattr(rule, method, None)), f"{name}'s ptx rule cannot emit it at the {level} level"
+
+
+def test_merged_dims_drop_unit_dims_merge_contiguous_ones_and_broadcast():
+    # a contiguous operand of the loop's shape: one dim of stride 1
+    assert merged_dims((4, 8, 16), (4, 8, 16), (128, 16, 1)) == [(512, 1)]
+    # broadcast along the rows (an operand of one row) and along a leading dim it lacks
+    assert merged_dims((4, 8, 16), (1, 16), (16, 1)) == [(32, 0), (16, 1)]
+    assert merged_dims((4, 8, 16), (8, 16), (16, 1)) == [(4, 0), (128, 1)]
+    # a padded tile: rows of 16 elements, 20 apart; unit dims vanish
+    assert merged_dims((1, 8, 16), (1, 8, 16), (160, 20, 1)) == [(8, 20), (16, 1)]
+    assert merged_dims((), (), ()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["gqa.gqa_flash", "rms_norm_linear.rms_norm_linear_fused"])
+def test_the_same_launches_as_the_cuda_backend(name):
+    graph = example_kernels()[name]
+    program, cuda = emit_llvm(graph), emit_cuda(graph)
+    assert program.graph == fuse_kernel_graph(graph) == cuda.graph
+    assert program.aliases == cuda.aliases
+    assert [(l.name, l.grid, l.block, l.args, l.node_index) for l in program.launches] == \
+           [(l.name, l.grid, l.block, l.args, l.node_index) for l in cuda.launches]
+    for launch, node in zip(program.launches, program.graph.nodes):
+        assert launch.smem_bytes == lower(node.body, tuple(v.type for v in node.inputs))[2].total
+
+
+@pytest.mark.timeout(60)
+def test_standard_kernels_views_and_their_launches():
+    graph = example_graphs()["layout"]
+    program, cuda = emit_llvm(graph), emit_cuda(graph)
+    assert program.aliases == cuda.aliases
+    assert [(l.grid, l.block, l.args) for l in program.launches] == [(l.grid, l.block, l.args) for l in cuda.launches]
+
+
+def _ptx(graph) -> str:
+    return llvm_to_ptx(emit_llvm(graph).llvm_ir)
+
+
+@pytest.mark.timeout(60)
+def test_kernels_are_entries_marked_with_their_ops_and_launch_bounds():
+    graph = coverage_graphs()["accumulators_f16"]
+    program = emit_llvm(graph)
+    ptx = llvm_to_ptx(program.llvm_ir)
+    for launch, node in zip(program.launches, program.graph.nodes):
+        entry = ptx.index(f".visible .entry {launch.name}(")
+        body = ptx[entry:ptx.index("\n}", entry)]
+        assert f".maxntid {launch.block[0]}" in body
+        markers = [line.split(OP_MARKER, 1)[1] for line in body.splitlines() if OP_MARKER in line]
+        assert markers[0].startswith(f"%{node.outputs[0].name}") and f"= {node.op}(" in markers[0]
+        # every block-level op of the custom kernel has its marker, in the schedule's order
+        assert {m.split(" = ")[1].split("(")[0] for m in markers[1:]} >= {n.op for n in node.body.nodes}
+
+
+@pytest.mark.timeout(60)
+def test_block_kernels_use_shared_memory_barriers_and_warp_shuffles():
+    ptx = _ptx(coverage_graphs()["accumulators_f16"])
+    assert ".extern .shared .align 16 .b8 mdsl_smem[]" in ptx
+    assert re.search(r"ld\.shared\.", ptx) and re.search(r"st\.shared\.", ptx)
+    assert re.search(r"bar\.sync\s+0;", ptx)
+    assert re.search(r"shfl\.sync\.bfly\.b32", ptx)                 # row reductions across lanes
+    assert re.search(r"mov\.u32\s+%r\d+, %tid\.x", ptx) and "%ctaid.x" in ptx
+
+
+@pytest.mark.timeout(60)
+def test_16_byte_copies_between_global_and_shared_memory():
+    g = Graph("wide_copies")
+    x = g.input("x", (64, 128), f16)
+    b = g.block(grid=(4,), forloop=2)
+    b.output(b.op("accum", b.input(x, imap=(0,), fmap=1)), omap=(0,))
+    b.done()
+    ptx = _ptx(g.build())
+    assert re.search(r"ld\.global\.v4\.(b|u)32", ptx), "f16 rows of 64 are read 8 elements (16 bytes) at a time"
+    assert re.search(r"st\.shared\.v4\.(b|u)32", ptx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype, load, store", [(f16, r"cvt\.f32\.f16", r"cvt\.rn\.f16\.f32"),
+                                                (bf16, r"cvt\.f32\.bf16", r"cvt\.rn\.bf16\.f32")])
+def test_16_bit_values_are_computed_in_f32(dtype, load, store):
+    g = Graph(f"convert_{dtype.name}")
+    x = g.input("x", (8, 96), dtype)
+    g.op("gelu", x)
+    ptx = _ptx(g.build())
+    assert re.search(load, ptx) and re.search(store, ptx)
+    assert re.search(r"fma\.rn\.f32", ptx)        # the polynomial of erf, in f32
+
+
+@pytest.mark.timeout(60)
+def test_kernel_level_matmul_tiles_through_static_shared_memory():
+    g = Graph("gemm")
+    g.op("matmul", g.input("a", (3, 40, 96), f32), g.input("b", (96, 72), f32))
+    program = emit_llvm(g.build())
+    (launch,) = program.launches
+    assert launch.grid == (2, 1, 3) and launch.block == (256, 1, 1) and launch.smem_bytes == 0
+    ptx = llvm_to_ptx(program.llvm_ir)
+    assert re.search(r"\.shared \.align 16 \.b8 gemm_matmul_a\[\d+\]", ptx) and "%ctaid.z" in ptx
+
+
+def test_an_operator_without_a_ptx_rule_is_refused(monkeypatch):
+    g = Graph("no_rule")
+    g.op("exp", g.input("x", (8,), f32))
+    monkeypatch.delitem(get_op("exp").rules, "ptx")
+    with pytest.raises(UnsupportedError, match="the PTX backend has no rule for exp"):
+        emit_llvm(g.build())
+
+
+def test_tensors_over_2_31_elements_are_refused():
+    g = Graph("huge")
+    g.op("neg", g.input("x", (2**16, 2**15 + 1), f16))
+    with pytest.raises(UnsupportedError, match="more than 2\\^31 - 1 elements"):
+        emit_llvm(g.build())
