@@ -6,6 +6,7 @@
     mdsl optimize FILE --format json|dot                       # the chosen mugraphs
     mdsl optimize FILE --trace-only                            # the traced graphs, no search
     mdsl optimize FILE --backend ptx                           # the GPU check compiles through llvmlite's PTX
+    mdsl generate --model DIR --prompt-ids 1,2,3 --max-new-tokens 32   # the megakernel (GPU)
     mdsl version
 
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
@@ -27,6 +28,7 @@ from mdsl.errors import MdslError
 from mdsl.frontend.kernel import KernelFunction
 from mdsl.ir import dot, serialize
 from mdsl.ir.graph import KernelGraph
+from mdsl.megakernel.runtime.cli import add_generate_command
 from mdsl.search.config import SearchConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130  # 1: the plan failed its GPU check
@@ -182,6 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
                      help="the code generator of the GPU check on a machine with a GPU: cuda (CUDA C++ by NVRTC, "
                           "the default) or ptx (PTX by llvmlite)")
     opt.set_defaults(run=optimize)
+
+    add_generate_command(commands)
 
     ver = commands.add_parser("version", help="print mdsl's version")
     ver.set_defaults(run=version)

@@ -13,7 +13,7 @@ constexpr int NW = NT / 32;
 constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
 constexpr int G = HQ / HKV;
-constexpr int STATE_QUEUE = 0, STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_TOKEN = 4;
+constexpr int STATE_QUEUE = 0, STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_TOKEN = 4, STATE_BAD_TOKEN = 5;
 
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
 
@@ -426,6 +426,10 @@ __device__ void sample_task(const Params& p, const Task& t, long long step, long
     token = i;
   }
   if (threadIdx.x == 0) {
+    if (token < 0 || token >= V) {   // no logit compared as a number (NaN): stop, and let the host say so
+      p.state[STATE_BAD_TOKEN] = 1;
+      token = 0;
+    }
     const long long next_pos = pos + 1;
     bool stop = step + 1 >= p.num_steps || next_pos >= MAX_SEQ;
     int next = token;
@@ -438,6 +442,7 @@ __device__ void sample_task(const Params& p, const Task& t, long long step, long
       stop = stop || made + 1 >= p.max_new;
       for (long long e = 0; e < p.num_eos; ++e) stop = stop || token == p.eos[e];
     }
+    stop = stop || p.state[STATE_BAD_TOKEN] != 0;
     p.state[STATE_NEXT_TOKEN] = next;
     if (stop) atomicExch(p.state + STATE_STOP, int(step));
     next_token = next;
@@ -504,6 +509,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid
         __nanosleep(32);
       }
     }
+    __syncthreads();
+    // a stop decided by an earlier step's sampler is visible here: it was written before the release
+    // that the waits above acquired (or before one they were ordered after)
     if (threadIdx.x == 0 && ld_relaxed(p.state + STATE_STOP) < step) aborted = 1;
     __syncthreads();
     if (aborted) break;

@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from mdsl.backend.cuda import runtime
-from mdsl.backend.cuda.runtime import CudaError, DeviceArray, _check, _cu_stream, driver
+from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check, _cu_stream, driver
 from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.config import ModelConfig, load_config
@@ -29,10 +29,12 @@ from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tabl
 from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, THREADS, generate_source
 
 _STATE_WORDS = 8                 # device.cu: queue (2 words), stop step, generated, next token, spare
-_STATE_STOP, _STATE_GENERATED = 2, 3
+_STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5
 _NO_STOP = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
 DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
+_NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
+                "generate_source), or run the model on the CPU (mdsl.megakernel.reference, .simulator)")
 _LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 
@@ -81,7 +83,7 @@ class MegakernelEngine:
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None):
-        runtime.require_gpu("running the megakernel")
+        _require_gpu()
         self.config = config
         self.shape: DecoderShape = decoder_shape(config)
         self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
@@ -126,7 +128,7 @@ class MegakernelEngine:
         from mdsl.megakernel.architectures import step_function
         from mdsl.megakernel.checkpoint import load_weights
 
-        runtime.require_gpu("running the megakernel")
+        _require_gpu()
         config = load_config(folder)
         if max_seq:
             config = config.with_max_positions(max_seq)
@@ -265,6 +267,9 @@ class MegakernelEngine:
         _check(driver.cuStreamSynchronize(self._stream), "running the megakernel")
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
+        if state[_STATE_BAD_TOKEN]:
+            raise MdslError(f"the megakernel's logits had no maximum (NaN) at step {int(state[_STATE_STOP])}",
+                            hint="check the weights for NaN or inf values")
         made = int(state[_STATE_GENERATED])
         new = tuple(int(t) for t in self._copy_out(p.out_tokens, made, np.int32))
         stop = int(state[_STATE_STOP])
@@ -314,6 +319,12 @@ class MegakernelEngine:
             self.close()
         except Exception:   # the interpreter is shutting down
             pass
+
+
+def _require_gpu() -> None:
+    if not runtime.has_gpu():
+        raise NoGPUError("running the megakernel needs an NVIDIA GPU and its driver; none was found on this machine",
+                         hint=_NO_GPU_HINT)
 
 
 def eos_token_ids(folder: str) -> tuple:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import attrs
+
+from mdsl.backend.cuda.nvrtc import _write_atomic as write_atomic
 
 
 @attrs.frozen
@@ -45,15 +47,7 @@ def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Se
 def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str]) -> None:
     """The trace as JSON at `path`, written atomically."""
     data = json.dumps({"traceEvents": trace_events(records, labels, kinds), "displayTimeUnit": "ns"})
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(Path(os.path.abspath(path)), data.encode())
 
 
 def summary(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:

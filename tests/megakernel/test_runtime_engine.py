@@ -1,0 +1,61 @@
+"""The megakernel's host side on a machine without a GPU: the engine and `mdsl generate` refuse with
+a clear error before touching the driver; what needs no GPU (names, EOS ids, arguments) works."""
+import json
+
+import pytest
+
+from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
+from mdsl.cli import main
+from mdsl.megakernel.checkpoint import save_checkpoint
+from mdsl.megakernel.runtime.engine import MegakernelEngine, eos_token_ids, weight_names
+from tests.megakernel.tiny import tiny_config_dict, tiny_model
+
+no_gpu = pytest.mark.skipif(has_gpu(), reason="checks the behaviour without a GPU")
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    _, _, weights = tiny_model("qwen3")
+    save_checkpoint(str(tmp_path), {**tiny_config_dict("qwen3"), "eos_token_id": [5, 7]}, weights)
+    return tmp_path
+
+
+def test_weight_names_are_the_model_graphs():
+    for arch in ("llama3", "qwen3"):
+        config, graph, _ = tiny_model(arch)
+        assert sorted(weight_names(config)) == sorted(w.name for w in graph.weights)
+
+
+def test_eos_ids_come_from_the_generation_config_first(checkpoint):
+    assert eos_token_ids(str(checkpoint)) == (5, 7)
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert eos_token_ids(str(checkpoint)) == (3,)
+    assert eos_token_ids(str(checkpoint / "missing")) == ()
+
+
+@no_gpu
+def test_the_engine_needs_a_gpu(checkpoint):
+    config, _, weights = tiny_model("qwen3")
+    with pytest.raises(NoGPUError, match="needs an NVIDIA GPU") as info:
+        MegakernelEngine(config, weights)
+    assert "build_plan" in info.value.hint
+    with pytest.raises(NoGPUError):
+        MegakernelEngine.from_pretrained(str(checkpoint))
+
+
+@no_gpu
+def test_mdsl_generate_without_a_gpu_says_so(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_mdsl_generate_text_needs_a_tokenizer(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "hello"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,x"])
+    assert info.value.code == 2
+    assert "comma-separated token ids" in capsys.readouterr().err
