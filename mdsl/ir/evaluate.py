@@ -2,7 +2,8 @@
 
 The walk is the same whatever a value means: kernel graph nodes in order; a graph-defined operator runs
 its body; a block graph runs all its blocks at once, loop iteration by loop iteration, on copies of the
-tiles each block would load (imap/fmap slicing), closes the loop with its accumulators, runs the nodes
+tiles each block would load (imap/fmap slicing; nodes that read only tiles loaded alike in every
+iteration run once, before the loop), closes the loop with its accumulators, runs the nodes
 after the loop and writes each block's output tiles where its omap says, each element exactly once.
 What an operator or an accumulator computes, and how values are made and checked, is the `Semantics`'
 business: floats in the reference interpreter, residues in the finite-field verifier.
@@ -195,8 +196,9 @@ def _elements_per_block(bg: BlockGraph) -> int:
 
 class BlockPlan:
     """What does not change from block to block, computed once from the shapes of the tensors read:
-    the loop/post-loop split of the nodes (as they run on values with a block axis), the slices of each
-    loop iteration's tiles, and the blocks, run `chunk` at a time."""
+    the split of the nodes (as they run on values with a block axis) into those that run once before
+    the loop (loop-invariant), in each iteration and after the loop, the slices of each loop
+    iteration's tiles, and the blocks, run `chunk` at a time."""
 
     def __init__(self, bg: BlockGraph, input_shapes: Sequence[tuple]):
         if len(input_shapes) != len(bg.inputs):
@@ -217,8 +219,18 @@ class BlockPlan:
                 raise ValidationError(f"block output %{o.var.name} does not pass through an accumulator")
         self.accumulators = [_per_block(n) for n in bg.nodes if n.opdef.is_accumulator]
         body = [_per_block(n) for n in bg.nodes if not n.opdef.is_accumulator]
-        self.loop_nodes = [n for n in body if not any(v.name in post for v in n.outputs)]
+        loop_nodes = [n for n in body if not any(v.name in post for v in n.outputs)]
         self.post_nodes = [n for n in body if any(v.name in post for v in n.outputs)]
+        # loop nodes that read only tiles which every iteration loads alike (no fmap), directly or
+        # through other such nodes, give the same values in every iteration: they run once, before it
+        invariant = {i.var.name for i in bg.inputs if i.fmap is None}
+        self.invariant_nodes, self.iteration_nodes = [], []
+        for n in loop_nodes:
+            if all(v.name in invariant for v in n.inputs):
+                invariant.update(v.name for v in n.outputs)
+                self.invariant_nodes.append(n)
+            else:
+                self.iteration_nodes.append(n)
 
         # (x, y, z), x varying fastest; blocks write disjoint parts, so the order cannot change the result
         x, y, z = bg.grid
@@ -244,11 +256,17 @@ def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, bl
     lead = (len(blocks),)
     index = [_block_index(inp.imap, blocks) for inp in bg.inputs]
     collected: list = [[] for _ in plan.accumulators]
+    # indexing copies: each block's own tile, as in shared memory
+    invariant: Env = {inp.var.name: view[where + slices[0]]
+                      for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices)
+                      if inp.fmap is None}
+    _eval_nodes(sem, plan.invariant_nodes, invariant, lead)
     for i in range(bg.forloop):
-        env: Env = {}
+        env: Env = dict(invariant)  # rules never write into their operands, so sharing these is safe
         for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices):
-            env[inp.var.name] = view[where + slices[i]]  # indexing copies: each block's own tile, as in shared memory
-        _eval_nodes(sem, plan.loop_nodes, env, lead)
+            if inp.fmap is not None:
+                env[inp.var.name] = view[where + slices[i]]
+        _eval_nodes(sem, plan.iteration_nodes, env, lead)
         for node, per_iteration in zip(plan.accumulators, collected):
             per_iteration.append(_aligned(node, _args(env, node)))
     env = {}  # only accumulated values survive the loop

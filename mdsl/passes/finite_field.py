@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 from fractions import Fraction
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -134,11 +134,12 @@ def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
     the larger operand (a weight matrix, say) is converted and read once."""
     split_a = a.size <= b.size
     axis = -2 if split_a else -1
-    high, low = np.divmod(a if split_a else b, 1 << _HALF)
-    halves = np.concatenate([high, low], axis=axis).astype(np.float64)
+    part = a if split_a else b
+    # shifts and masks rather than divmod: integer division is what numpy does slowly
+    halves = np.concatenate([part >> _HALF, part & ((1 << _HALF) - 1)], axis=axis).astype(np.float64)
     whole = (b if split_a else a).astype(np.float64)
     both = np.matmul(halves, whole) if split_a else np.matmul(whole, halves)
-    high, low = (part.astype(np.int64) for part in np.split(both, 2, axis=axis))
+    high, low = (half.astype(np.int64) for half in np.split(both, 2, axis=axis))
     return (high % m * ((1 << _HALF) % m) + low) % m
 
 
@@ -202,14 +203,34 @@ class Field:
             return self.oracle(f"scalar {value!r}", np.zeros(2, dtype=np.int64))
         return self.rational(simplest_rational(value))
 
+    def _per_residue(self, op: Callable, a, b) -> np.ndarray:
+        """op(a, b) mod p in the p-residues and mod q in the q-residues. Each residue on its own, with a
+        scalar modulus: numpy's inner loops then run along the tensor rather than along the pair."""
+        a, b = np.asarray(a), np.asarray(b)
+        out = np.empty(np.broadcast_shapes(a.shape, b.shape), dtype=np.int64)
+        for k, m in enumerate((self.p, self.q)):
+            np.remainder(op(a[..., k], b[..., k]), m, out=out[..., k])
+        return out
+
     def add(self, a, b):
-        return (a + b) % self.modulus
+        return self._per_residue(np.add, a, b)
 
     def sub(self, a, b):
-        return (a - b) % self.modulus
+        return self._per_residue(np.subtract, a, b)
 
     def mul(self, a, b):
-        return a * b % self.modulus
+        return self._per_residue(np.multiply, a, b)
+
+    def sum_of_products(self, pairs: Iterable[tuple]) -> np.ndarray:
+        """Σ a·b over the pairs (a, b), reduced every 2^13 terms: products of residues are below 2^50,
+        so that many add up in int64 without overflow, and no product is reduced on its own."""
+        total = None
+        for n, (a, b) in enumerate(pairs, 1):
+            term = np.multiply(a, b)
+            total = term if total is None else np.add(total, term, out=total if total.shape == term.shape else None)
+            if n % (1 << 13) == 0:
+                total %= self.modulus
+        return total % self.modulus
 
     def neg(self, a):
         return -a % self.modulus
@@ -386,10 +407,10 @@ def _row_mean(f: Field, its) -> np.ndarray:
     return f.mul(_row_sums(f, its), f.rational(Fraction(1, len(its) * its[0][0].shape[-2])))
 
 
-def _rescaled_sum(f: Field, its, x: np.ndarray) -> np.ndarray:
+def _rescaled_sum(f: Field, its, x: Sequence) -> np.ndarray:
     """Σ_i exp(m_i − M)·x_i with M the maximum of the m_i under the field's order (it cancels)."""
     m = _stack(its, 1)
-    return f.sum(f.mul(f.exp(f.sub(m, f.max(m, axis=0, keepdims=True))), x), axis=0)
+    return f.sum_of_products(zip(f.exp(f.sub(m, f.max(m, axis=0, keepdims=True))), x))
 
 
 def _accum_rms(f: Field, its, a):
@@ -444,7 +465,7 @@ _RULES: dict[str, FieldRule] = {
     "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
     "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH),
     "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, t: ds[0]),
-    "accum_rescale": _accumulator(lambda f, its, a: _rescaled_sum(f, its, _stack(its)),
+    "accum_rescale": _accumulator(lambda f, its, a: _rescaled_sum(f, its, [it[0] for it in its]),
                                   lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r)),
     "accum_sum_rescale": _accumulator(
         lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),

@@ -12,6 +12,12 @@ Two tests, both required:
   is larger; NaN or inf where the original is finite (in float64 and at the target precision) never
   passes. This rejects candidates that are equivalent in exact arithmetic but overflow or lose
   precision in f16.
+* **Large-input float test**: the same on normal inputs scaled up by the largest of `LARGE_SCALES`
+  under which the original stays finite at the target precision with `LARGE_HEADROOM` to spare in its
+  outputs (none, and no such test, where no scale does). Standard-normal inputs keep attention logits
+  far below exp's float32 range, so a softmax without its maximum subtracted passes the first float
+  test; with Q and K scaled by 16 its logits reach the hundreds and it overflows, while the original
+  (max-subtracted) and online softmax (which subtracts running maxima) stay finite.
 
 The stated false-pass probability. Every output element of a program is a rational function of its
 inputs once oracle and exp values are taken as fresh variables (the random-oracle model, and the
@@ -30,16 +36,16 @@ Degrees are bounded loosely (a sum of K terms with denominators counts K denomin
 are one), so ε is pessimistic: about 2·10⁻⁵ per test at the examples' small shapes, 10⁻³ at K = 4096.
 
 Randomness. Test t's primes, ω, oracle secret and inputs come from child t of the seed's
-`SeedSequence` (the float test's inputs from child `tests`), never from the candidate. So the bound
-holds for any candidate that is fixed independently of those draws, even when many candidates share
-one seed (a search gives all of them its own seed), and the original's side of every test (inputs,
-outputs, the float test's reference and bounds) is computed once per process per (original, seed, test)
-and reused (`ORIGINAL_RUNS`): a candidate costs only its own evaluations.
+`SeedSequence` (the float test's inputs from child `tests`, the large-input test's from `tests` + 1),
+never from the candidate. So the bound holds for any candidate that is fixed independently of those
+draws, even when many candidates share one seed (a search gives all of them its own seed), and the
+original's side of every test (inputs, outputs, the float tests' references, bounds and scale) is
+computed once per process per (original, seed, test) and reused (`ORIGINAL_RUNS`): a candidate costs only its own evaluations.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 import numpy as np
@@ -59,6 +65,14 @@ from mdsl.passes.finite_field import Field, degrees, run_in_field
 FLOAT_BOUNDS = {"f32": 1e-5, "f16": 1e-2, "bf16": 4e-2, "i32": 1e-5}
 #: A candidate may also be as inaccurate as the original is at the same precision, times this.
 ORIGINAL_SLACK = 4.0
+#: The large-input float test's input scales, largest first (products of two inputs grow by the square).
+LARGE_SCALES = (16.0, 8.0, 4.0, 2.0)
+#: Its scale must keep the original's float64 outputs this many times below the output dtype's largest
+#: finite value, so that a correct candidate rounding differently does not overflow where it does not.
+LARGE_HEADROOM = 64.0
+#: The largest finite value of each dtype (bf16's: (2 − 2^-7)·2^127).
+_LARGEST = {"f16": 65504.0, "bf16": (2 - 2.0 ** -7) * 2.0 ** 127, "f32": float(np.finfo(np.float32).max),
+            "i32": 2.0 ** 31 - 1}
 
 
 @attrs.frozen
@@ -144,11 +158,16 @@ class _FieldRun:
         return None
 
 
-def _float_input(var: Var, rng: np.random.Generator) -> np.ndarray:
+def _float_draw(var: Var, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(var.shape) if var.dtype.is_float else rng.integers(-8, 8, var.shape)
+
+
+def _float_input(var: Var, draw: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """A float test's input: the draw times `scale` (floats only), as the input's dtype holds it."""
     if not var.dtype.is_float:
-        return rng.integers(-8, 8, var.shape).astype(np.int32)
+        return draw.astype(np.int32)
     # float32 holds every float dtype's values exactly, in half the memory of float64
-    return round_to_dtype(rng.standard_normal(var.shape), var.dtype).reshape(var.shape).astype(np.float32)
+    return round_to_dtype(draw * scale, var.dtype).reshape(var.shape).astype(np.float32)
 
 
 def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> float:
@@ -174,31 +193,51 @@ class _FloatRun:
     reference: list
     judged: list
     bounds: list
+    scale: float = 1.0   # the inputs' scale: 1 in the float test, one of LARGE_SCALES in the large one
 
     @classmethod
     def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FloatRun":
-        inputs = [_float_input(v, rng) for v in original.inputs]
+        """The float test: standard normal inputs."""
+        return cls._at(original, [_float_draw(v, rng) for v in original.inputs], 1.0)
+
+    @classmethod
+    def large(cls, original: KernelGraph, rng: np.random.Generator) -> Optional["_FloatRun"]:
+        """The large-input float test: at the largest of LARGE_SCALES under which the original's outputs
+        are finite at the target precision and LARGE_HEADROOM below their dtype's largest value (None
+        where no scale is)."""
+        draws = [_float_draw(v, rng) for v in original.inputs]
+        for scale in LARGE_SCALES:
+            run = cls._at(original, draws, scale)
+            if all(np.all(where) and np.max(np.abs(ref), initial=0.0) * LARGE_HEADROOM <= _LARGEST[var.dtype.name]
+                   for var, ref, where in zip(original.outputs, run.reference, run.judged)):
+                return run
+        return None
+
+    @classmethod
+    def _at(cls, original: KernelGraph, draws: list, scale: float) -> "_FloatRun":
+        inputs = [_float_input(v, d, scale) for v, d in zip(original.inputs, draws)]
         with np.errstate(all="ignore"):  # overflow is what this test looks for: it is reported, not warned
             reference = run_kernel_graph(original, inputs, precision="float64")
             own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
         judged = [np.isfinite(ref) & np.isfinite(mine) for ref, mine in zip(reference, own)]
         bounds = [max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * _rel_error(mine, ref, where))
                   for var, ref, mine, where in zip(original.outputs, reference, own, judged)]
-        return cls(_read_only(inputs), _read_only(reference), _read_only(judged), bounds)
+        return cls(_read_only(inputs), _read_only(reference), _read_only(judged), bounds, scale)
 
     def test(self, candidate: KernelGraph) -> tuple:
         """(worst relative error, its bound, None) or (error, bound, why the candidate fails)."""
         with np.errstate(all="ignore"):
             got = run_kernel_graph(candidate, self.inputs, precision="float32", round_storage=True)
+        name = "float test" if self.scale == 1.0 else f"float test on inputs scaled by {self.scale:g}"
         worst = (-1.0, 0.0, 0.0)
         for k, (ref, cand, judged, bound, var) in enumerate(zip(self.reference, got, self.judged, self.bounds,
                                                                 candidate.outputs)):
             error = _rel_error(cand, ref, judged)
             if math.isinf(error):
-                return error, bound, (f"float test: {_describe(k, var)} is inf or NaN where the original's is "
-                                      f"finite (it overflows in {var.dtype.long_name})")
+                return error, bound, (f"{name}: {_describe(k, var)} is inf or NaN where the original's is "
+                                      f"finite (it overflows in {var.dtype.long_name} or on the way there)")
             if error > bound:
-                return error, bound, (f"float test: {_describe(k, var)} has relative error {error:.2e}, over "
+                return error, bound, (f"{name}: {_describe(k, var)} has relative error {error:.2e}, over "
                                       f"the {bound:.2e} allowed for {var.dtype.long_name}")
             worst = max(worst, (error / bound, error, bound))
         return worst[1], worst[2], None
@@ -214,16 +253,17 @@ class _OriginalRuns:
         self.runs: dict = {}
         self.hits = self.misses = 0
 
-    def get(self, kind: type, original: KernelGraph, seed: int, test: int) -> Any:
-        """`kind.of(original, rng)` (a _FieldRun or the _FloatRun) with the randomness of test number `test`."""
+    def get(self, make: Callable, original: KernelGraph, seed: int, test: int) -> Any:
+        """`make(original, rng)` (_FieldRun.of, _FloatRun.of or _FloatRun.large) with the randomness of
+        test number `test`."""
         if self.key != (original.key, seed):
             self.key, self.runs = (original.key, seed), {}
-        if (kind, test) in self.runs:
+        if (make, test) in self.runs:
             self.hits += 1
         else:
             self.misses += 1
-            self.runs[kind, test] = kind.of(original, _rng(seed, test))
-        return self.runs[kind, test]
+            self.runs[make, test] = make(original, _rng(seed, test))
+        return self.runs[make, test]
 
 
 ORIGINAL_RUNS = _OriginalRuns()
@@ -243,16 +283,24 @@ def verify(original: KernelGraph, candidate: KernelGraph, *, tests: int = 3, see
 
     degree, probability = degree_bound(original, candidate), 1.0
     for t in range(tests):
-        run = ORIGINAL_RUNS.get(_FieldRun, original, seed, t)
+        run = ORIGINAL_RUNS.get(_FieldRun.of, original, seed, t)
         failure = run.failure(candidate)
         if failure:
             return Verification(False, f"finite-field test {t + 1} of {tests} (p = {run.field.p}, q = {run.field.q}): "
                                        f"{failure}", t + 1, 0.0)
         probability *= min(1.0, degree / run.field.q)
 
-    error, bound, failure = ORIGINAL_RUNS.get(_FloatRun, original, seed, tests).test(candidate)
+    error, bound, failure = ORIGINAL_RUNS.get(_FloatRun.of, original, seed, tests).test(candidate)
     if failure:
         return Verification(False, failure, tests, 0.0, error, bound)
+    large = ORIGINAL_RUNS.get(_FloatRun.large, original, seed, tests + 1)
+    if large is None:
+        large_note = "no input scale keeps the original finite, so no large-input test"
+    else:
+        large_error, large_bound, failure = large.test(candidate)
+        if failure:
+            return Verification(False, failure, tests, 0.0, error, bound)
+        large_note = f"on inputs scaled by {large.scale:g} {large_error:.1e} <= {large_bound:.1e}"
     return Verification(True, f"{tests} finite-field tests passed (false pass <= {probability:.1e}, degree bound "
-                              f"{degree}); float relative error {error:.1e} <= {bound:.1e}",
+                              f"{degree}); float relative error {error:.1e} <= {bound:.1e}; {large_note}",
                         tests, probability, error, bound)

@@ -2,8 +2,13 @@
 the cost model and verified in parallel worker processes; the best verified ones are kept.
 
 * The original program is always a plan (ranked with the others), so a search never comes back empty.
-* Candidates wait in a heap ordered by (cost, key) and go to the workers cheapest first. One that
-  cannot beat the k-th best already verified is not verified at all: it could not be kept.
+* Candidates wait in a heap ordered by (generator, cost, key) and go to the workers in that order:
+  the guided generator's proposals (the fused kernels the target's structure suggests) before any
+  enumerated one, and the cheapest first within each generator's. One that cannot beat the k-th best
+  already verified is not verified at all: it could not be kept.
+* Generation yields the CPU to verification: while every worker is busy and `config.workers`
+  candidates already wait, the engine waits for a worker instead of asking for more (on a machine
+  with as many cores as workers, an enumerator running beside them would slow every verification).
 * Every candidate is verified with one seed, config.seed, so outcomes do not depend on scheduling,
   and a search that finishes within its budget returns the same candidates in the same order for any
   number of workers. (Counters of skipped work may differ.) Sharing the seed is sound: the verifier
@@ -160,7 +165,7 @@ class _Search:
         self.stats = SearchStats(deadline=self.start + config.budget_s, listener=self._report)
         self.signature = _signature(original)
         self.seen = {original.key}
-        self.pending: list = []        # heap of (rank, cost, graph), see _rank
+        self.pending: list = []        # heap of (generator number, rank, cost, graph), see _rank
         self.in_flight: dict = {}      # future -> (rank, cost, graph)
         self.kept: list = []           # sorted ranks of the best verified candidates, at most top_k
         self.verified: dict = {}       # key -> Candidate, for the kept ranks
@@ -187,7 +192,7 @@ class _Search:
         while not self.stats.out_of_time():
             self._collect([f for f in self.in_flight if f.done()])
             self._fill()
-            if generating and not self.broken and len(self.pending) < _MAX_PENDING:
+            if generating and not self.broken and len(self.pending) < self._pending_limit():
                 generating = self._pull(stream)
             elif self.in_flight:
                 self._collect(self._wait())
@@ -198,6 +203,10 @@ class _Search:
         self.stats.timed_out = True
         unfinished = [rank for rank, _, _ in self.in_flight.values() if not _is_original(rank)]
         self.stats.count(SKIPPED, "budget", len(self.pending) + len(unfinished))
+
+    def _pending_limit(self) -> int:
+        """How many candidates may wait before generation pauses: a worker's worth each once all are busy."""
+        return self.config.workers if len(self.in_flight) >= self.config.workers else _MAX_PENDING
 
     def _wait(self) -> set:
         timeout = max(0.0, min(_POLL_S, self.stats.deadline - time.monotonic()))
@@ -223,15 +232,16 @@ class _Search:
     # -- candidates in ---------------------------------------------------------------------------
 
     def _stream(self, generators: list) -> Iterator[tuple]:
-        """(generator name, candidate) from each generator in turn; one that raises is reported and skipped."""
-        for gen in generators:
+        """(generator number, generator name, candidate) from each generator in turn; one that raises is
+        reported and skipped."""
+        for number, gen in enumerate(generators):
             name = _name(gen)
             candidates: Iterator = iter(())
             try:
                 candidates = iter(_call(gen, self.original, self.config, self.stats))
                 for candidate in candidates:
                     self.stats.count(GENERATED, name)
-                    yield name, candidate
+                    yield number, name, candidate
             except Exception as e:  # a generator's bug costs its candidates, not the search
                 self.stats.count(ERRORS, name)
                 self.log.write("generator_error", generator=name, error=f"{type(e).__name__}: {e}")
@@ -246,16 +256,16 @@ class _Search:
         self._admit(*item)
         return True
 
-    def _admit(self, name: str, candidate) -> None:
+    def _admit(self, number: int, name: str, candidate) -> None:
         if not isinstance(candidate, KernelGraph):
             self._invalid(name, None, "not a kernel graph", type(candidate).__name__)
         elif candidate.key in self.seen:
             self.stats.count(DUPLICATE, name)
         else:
             self.seen.add(candidate.key)
-            self._rank_valid(name, candidate)
+            self._rank_valid(number, name, candidate)
 
-    def _rank_valid(self, name: str, candidate: KernelGraph) -> None:
+    def _rank_valid(self, number: int, name: str, candidate: KernelGraph) -> None:
         key = candidate.key
         try:
             validate_kernel_graph(candidate)
@@ -266,7 +276,7 @@ class _Search:
             self._invalid(name, key, "signature", "its inputs or outputs differ from the original's")
             return
         cost = estimate(candidate)
-        heapq.heappush(self.pending, (_rank(cost, key), cost, attrs.evolve(candidate, name=self.original.name)))
+        heapq.heappush(self.pending, (number, _rank(cost, key), cost, attrs.evolve(candidate, name=self.original.name)))
         self.log.write("candidate", generator=name, key=key, cost_s=cost.seconds, launches=cost.launches)
 
     def _invalid(self, name: str, key: Optional[str], reason: str, detail: str) -> None:
@@ -284,12 +294,10 @@ class _Search:
 
     def _fill(self) -> None:
         while self.pending and len(self.in_flight) < self.config.workers and not self.broken:
-            rank, cost, graph = heapq.heappop(self.pending)
+            _, rank, cost, graph = heapq.heappop(self.pending)
             if len(self.kept) >= self.config.top_k and rank > self.kept[-1]:
-                # the cheapest waiting candidate cannot be kept, so none of them can
-                self.stats.count(SKIPPED, "cannot reach the top k", 1 + len(self.pending))
-                self.pending.clear()
-                return
+                self.stats.count(SKIPPED, "cannot reach the top k")
+                continue
             self._submit(rank, cost, graph)
 
     def _submit(self, rank: tuple, cost: Cost, graph: KernelGraph) -> None:

@@ -102,3 +102,38 @@ def test_blocks_run_in_chunks_of_bounded_size(monkeypatch):
     monkeypatch.setattr(evaluate, "CHUNK_ELEMENTS", 20 * evaluate._elements_per_block(graph.nodes[0].body))
     evaluate.run_kernel_graph(graph, _float_inputs(graph, np.random.default_rng(0)), FloatSemantics(np.float64))
     assert chunks == [20, 20, 8]
+
+
+#: rms_norm reads only Q's tile, which every iteration loads alike (no fmap); the matmul reads K's
+HOISTED = """\
+kernel hoisted(%q: f32[4, 8], %k: f32[8, 16]) {
+  %y: f32[4, 1] = custom(%q, %k) block(grid=[2, 1, 1], threads=128, forloop=4) {
+    in %tq: f32[2, 8] imap=[0, -, -] fmap=-
+    in %tk: f32[8, 4] imap=[-, -, -] fmap=1
+    %n: f32[2, 8] = rms_norm(%tq) {dim=1, eps=1e-06}
+    %s: f32[2, 4] = matmul(%n, %tk)
+    %r: f32[2, 1] = sum(%s) {dim=1, keepdim=true}
+    %acc: f32[2, 1] = accum(%r)
+    out %acc omap=[0, -, -]
+  }
+  return %y
+}"""
+
+
+def test_loop_invariant_nodes_run_once_before_the_loop():
+    graph = parse_graph(HOISTED)
+    applied = []
+
+    class Counting(FloatSemantics):
+        def apply(self, node, args):
+            applied.append(node.op)
+            return super().apply(node, args)
+
+    plan = evaluate.BlockPlan(graph.nodes[0].body, [v.shape for v in graph.inputs])
+    assert [n.op for n in plan.invariant_nodes] == ["rms_norm"]
+    assert [n.op for n in plan.iteration_nodes] == ["matmul", "sum"]
+    inputs = _float_inputs(graph, np.random.default_rng(3))
+    _same(graph, inputs, Counting(np.float64), evaluate.CHUNK_ELEMENTS)
+    applied.clear()
+    evaluate.run_kernel_graph(graph, inputs, Counting(np.float64))
+    assert sorted(applied) == ["matmul"] * 4 + ["rms_norm"] + ["sum"] * 4

@@ -122,6 +122,17 @@ def test_matmul_is_exact_at_the_largest_residues_and_k(field, rng, rows, k):
     np.testing.assert_array_equal(field.matmul(a, b), np.stack(want, axis=-1).astype(np.int64))
 
 
+@pytest.mark.parametrize("terms", [3, (1 << 13) + 5])  # one reduction at the end; then one on the way too
+def test_sums_of_products_are_exact_at_the_largest_residues(field, rng, terms):
+    largest = np.array([field.p, field.q])
+    a, b = largest - rng.integers(1, 100, (terms, 4, 2)), largest - rng.integers(1, 100, (terms, 1, 2))
+    want = [(a[..., c].astype(object) * b[..., c].astype(object)).sum(axis=0) % m
+            for c, m in enumerate(largest.tolist())]
+    got = field.sum_of_products(zip(a, b))   # b broadcasts along a's rows
+    np.testing.assert_array_equal(got, np.stack(want, axis=-1).astype(np.int64))
+    np.testing.assert_array_equal(got, field.sum(field.mul(a, b), axis=0))
+
+
 def test_sums_are_exact(field):
     x = np.broadcast_to(np.array([field.p - 1, field.q - 1]), (5000, 2))
     want = [(m - 1) * 5000 % m for m in (field.p, field.q)]

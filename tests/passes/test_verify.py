@@ -71,15 +71,34 @@ def gqa_kernel_combine(splits=4, forloop=2, kv_len=64, queries=8, head_dim=4):
     return example("gqa").make_gqa(1, **SHAPES), flash
 
 
+def head_tiles(b, q, k, v) -> tuple:
+    """An attention block graph's inputs, one block per head: Q whole, K and V walked along the sequence."""
+    return b.input(q, imap=(0,)), b.input(k, imap=(0,), fmap=2), b.input(v, imap=(0,), fmap=1)
+
+
+def gqa_without_max(forloop=4, kv_len=64, queries=8, head_dim=4):
+    """Attention in one kernel that sums exp(Q·K)·V and exp(Q·K) with no maximum subtracted: equal in
+    exact arithmetic, and its float32 tiles keep standard-normal logits in range, but exp overflows
+    once Q and K are scaled up (the plan the exhaustive enumerator once found for GQA)."""
+    @mdsl.kernel(name="gqa_without_max")
+    def unsafe(q: Tensor[HEADS, queries, head_dim, f16], k: Tensor[HEADS, head_dim, kv_len, f16],
+               v: Tensor[HEADS, kv_len, head_dim, f16]):
+        with mdsl.block_graph(grid=(HEADS,), forloop=forloop) as b:
+            qt, kt, vt = head_tiles(b, q, k, v)
+            e = mdsl.exp(qt @ kt)
+            b.output(b.accum(e @ vt) / b.accum_sum(e), omap=(0,))
+        return b.results[0]
+
+    return example("gqa").make_gqa(1, **SHAPES), unsafe
+
+
 def qknorm_fused(forloop=4, kv_len=64, queries=8, head_dim=4):
     """QKNorm + attention in one kernel: both norms on the tiles, online softmax over KV chunks."""
     @mdsl.kernel(name="qknorm_fused")
     def fused(q: Tensor[HEADS, queries, head_dim, f16], k: Tensor[HEADS, head_dim, kv_len, f16],
               v: Tensor[HEADS, kv_len, head_dim, f16]):
         with mdsl.block_graph(grid=(HEADS,), forloop=forloop) as b:
-            qt = b.input(q, imap=(0,))
-            kt = b.input(k, imap=(0,), fmap=2)
-            vt = b.input(v, imap=(0,), fmap=1)
+            qt, kt, vt = head_tiles(b, q, k, v)
             s = mdsl.rms_norm(qt, -1, eps=EPS) @ mdsl.rms_norm(kt, dim=1, eps=EPS)
             m = mdsl.max(s, -1, keepdim=True)
             e = mdsl.exp(s - m)
@@ -134,8 +153,9 @@ def lora(m=4, k=32, n=64, r=4):
 
 
 def softmax(n=8, scale=1.0):
-    """Max-subtracted softmax against plain exp / sum (equal in exact arithmetic; the plain one
-    overflows in f16 once the inputs are scaled up)."""
+    """Max-subtracted softmax against plain exp / sum: equal in exact arithmetic, but the plain one
+    overflows in f16 once the inputs are scaled up (by `scale` in the program, or by the large-input
+    float test), so it is a mutant, not a correct rewrite."""
     @mdsl.kernel(name="softmax")
     def spec(x: Tensor[n, n, f16]):
         return mdsl.softmax(x * scale)
@@ -296,7 +316,6 @@ CORRECT: dict[str, Callable] = {
     "qknorm_written_out": qknorm_written_out,
     "ntrans_fused": ntrans_fused,
     "lora": lora,
-    "softmax_plain": softmax,
     "distributivity": distributivity,
     "concat_matmul": concat_matmul,
     "sum_splitting": sum_splitting,
@@ -361,18 +380,21 @@ def test_the_originals_side_is_computed_once_per_original_seed_and_test(monkeypa
         monkeypatch.setattr(verifier, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
     original, candidate = graphs(rms_norm_linear)
     first = verify(original, candidate, seed=4)
-    assert (runs.misses, runs.hits) == (TESTS + 1, 0)
-    assert evaluated.count(True) == TESTS + 2   # a field run per test; float64 and float32 in the float test
+    assert (runs.misses, runs.hits) == (TESTS + 2, 0)
+    large = runs.runs[verifier._FloatRun.large, TESTS + 1]
+    assert large.scale == verifier.LARGE_SCALES[0]
+    # a field run per test; float64 and float32 in the float test and at the large test's scale
+    assert evaluated.count(True) == TESTS + 4
 
     evaluated.clear()
     assert verify(original, candidate, seed=4) == first
     _, bad = mutant("eps_changed")
     assert not verify(original, bad, seed=4).equivalent   # rejected in the first test, from its cached run
-    assert (runs.misses, runs.hits) == (TESTS + 1, TESTS + 2)
-    assert evaluated == [False] * (TESTS + 2)    # only the candidates ran: each test, then the float test
+    assert (runs.misses, runs.hits) == (TESTS + 2, TESTS + 3)
+    assert evaluated == [False] * (TESTS + 3)    # only the candidates ran: each test, then the float tests
 
     assert verify(original, candidate, seed=5) != first   # another seed draws afresh
-    assert runs.misses == 2 * (TESTS + 1) and runs.key == (original.key, 5)
+    assert runs.misses == 2 * (TESTS + 2) and runs.key == (original.key, 5)
 
 
 def overflowing_exp(n=8):
@@ -385,6 +407,33 @@ def overflowing_exp(n=8):
         return mdsl.square(mdsl.exp(x * 8.0))   # overflows where the spec does, and only there
 
     return spec, squared
+
+
+def test_a_softmax_without_its_maximum_is_caught_by_the_large_input_test_alone():
+    original, unsafe = mutant("attention_without_max")
+    normal = verifier._FloatRun.of(original, np.random.default_rng(0))
+    assert normal.test(unsafe)[2] is None   # standard-normal logits stay in float32's range
+    result = verify(original, unsafe, tests=TESTS)
+    assert result.reason.startswith(f"float test on inputs scaled by {verifier.LARGE_SCALES[0]:g}"), result.reason
+
+
+@pytest.mark.parametrize("name", ["gqa_flash_block_combine", "gqa_flash_kernel_combine", "qknorm_fused"])
+def test_online_softmax_passes_the_large_input_test(name):
+    original, candidate = graphs(CORRECT[name])
+    large = verifier._FloatRun.large(original, np.random.default_rng(0))
+    assert large is not None and large.scale == verifier.LARGE_SCALES[0]
+    error, bound, failure = large.test(candidate)
+    assert failure is None and error <= bound
+
+
+def test_no_large_input_test_where_every_scale_overflows_the_original():
+    @mdsl.kernel(name="high_power")
+    def high_power(x: Tensor[8, 8, f16]):
+        return mdsl.square(mdsl.square(mdsl.square(x)) * x) * 1000.0   # 1000·x^18: inf in f16 at x = 2
+
+    assert verifier._FloatRun.large(high_power.graph, np.random.default_rng(0)) is None
+    result = verify(high_power.graph, high_power.graph)
+    assert result.equivalent and "no large-input test" in result.reason
 
 
 def test_a_candidate_may_overflow_only_where_the_original_does():
@@ -555,9 +604,9 @@ def correct(name: str) -> Callable:
     return lambda: graphs(CORRECT[name])
 
 
-def spec_of(name: str) -> Callable:
+def spec_of(make: Callable) -> Callable:
     """The specification as its own correct candidate."""
-    return lambda: (graphs(CORRECT[name])[0],) * 2
+    return lambda: (graphs(make)[0],) * 2
 
 
 def drop_rescale(nth: int) -> Callable:
@@ -572,11 +621,11 @@ def rms_norm_linear_square_tiles():
 
 #: kind -> (the correct (original, candidate) pair, the edit that breaks the candidate)
 MUTANTS: dict[str, tuple] = {
-    "sub_operands_swapped": (spec_of("softmax_plain"), lambda g: edit(g, "sub", swapped)),
+    "sub_operands_swapped": (spec_of(softmax), lambda g: edit(g, "sub", swapped)),
     "div_operands_swapped": (correct("rms_norm_linear"), lambda g: edit(g, "div", swapped)),
     "matmul_operands_swapped": (correct("distributivity"), lambda g: edit(g, "matmul", swapped)),
     "matmul_operand_transposed": (correct("distributivity"), lambda g: transpose_operand(g, 1)),
-    "wrong_reduction_dim": (spec_of("softmax_plain"), sum_over_columns),
+    "wrong_reduction_dim": (spec_of(softmax), sum_over_columns),
     "split_off_by_one": (correct("weighted_sum_splitting"), off_by_one_split),
     "missing_rescale": (correct("gqa_flash_block_combine"), drop_rescale(0)),
     "missing_rescale_in_combine": (correct("gqa_flash_block_combine"), drop_rescale(1)),
@@ -585,7 +634,7 @@ MUTANTS: dict[str, tuple] = {
     "omaps_swapped": (correct("lora"), lambda g: edit_block(g, omaps_swapped)),
     "wrong_imap": (correct("lora"), lambda g: edit_block(g, imap_on_the_other_grid_dim)),
     "wrong_fmap": (rms_norm_linear_square_tiles, lambda g: edit_block(g, loop_over_columns)),
-    "exp_to_sigmoid": (spec_of("softmax_plain"), lambda g: edit(g, "exp", as_op("sigmoid"))),
+    "exp_to_sigmoid": (spec_of(softmax), lambda g: edit(g, "exp", as_op("sigmoid"))),
     "silu_to_gelu": (correct("gated_mlp"), lambda g: edit(g, "silu", as_op("gelu"))),
     "missing_normalisation": (correct("gqa_flash_block_combine"),
                               lambda g: edit_block(g, block_output_before_division, nth=1)),
@@ -593,14 +642,17 @@ MUTANTS: dict[str, tuple] = {
     "concat_operands_swapped": (correct("concat_matmul"), lambda g: edit(g, "concat", swapped)),
     "max_to_sum": (correct("row_max"), lambda g: edit(g, "max", as_op("sum"))),
     "accum_max_to_accum": (correct("row_max"), lambda g: edit(g, "accum_max", as_op("accum"))),
-    "rms_norm_wrong_dim": (spec_of("qknorm_fused"), lambda g: edit(g, "rms_norm", with_attrs(dim=2), nth=1)),
+    "rms_norm_wrong_dim": (spec_of(qknorm_fused), lambda g: edit(g, "rms_norm", with_attrs(dim=2), nth=1)),
     "outputs_swapped": (correct("two_outputs"), lambda g: attrs.evolve(g, outputs=g.outputs[::-1])),
     "lora_term_dropped": (correct("lora"), lambda g: edit_block(g, without_adapter)),
     "gate_dropped": (correct("gated_mlp"), lambda g: edit_block(g, without_silu)),
     "f16_overflow": (lambda: graphs(f16_overflow), None),
     "softmax_overflow": (lambda: graphs(lambda: softmax(scale=16.0)), None),
+    "softmax_without_max": (lambda: graphs(softmax), None),
+    "attention_without_max": (lambda: graphs(gqa_without_max), None),
 }
-FLOAT_ONLY = {"f16_overflow", "softmax_overflow"}  # equal in exact arithmetic: only the float test sees them
+# equal in exact arithmetic: only the float tests see them
+FLOAT_ONLY = {"f16_overflow", "softmax_overflow", "softmax_without_max", "attention_without_max"}
 
 
 def mutant(kind: str) -> tuple:

@@ -85,6 +85,17 @@ def forever(graph, config):
         CLOSED.append(True)
 
 
+def costly(graph, config):
+    """Three valid candidates, each dearer than FAST (stands for the guided generator's proposals)."""
+    for n in range(2, 5):
+        yield chain(*([1.0] * n), 2.0)
+
+
+def cheap(graph, config):
+    """FAST (stands for an enumerated candidate that the cost model prefers)."""
+    yield FAST
+
+
 def _result(equivalent: bool, reason: str, tests: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(equivalent=equivalent, reason=reason, finite_field_tests=tests,
                                  false_pass_probability=2.0 ** -40, float_rel_error=1e-4, float_bound=1e-2)

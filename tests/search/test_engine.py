@@ -125,6 +125,23 @@ def test_the_budget_stops_a_verification_that_never_ends():
     assert result.stats.by_reason("skipped")["budget"] >= 2
 
 
+@pytest.mark.timeout(30)
+def test_earlier_generators_are_verified_first_and_generation_waits_for_busy_workers(tmp_path):
+    log = tmp_path / "search.jsonl"
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=1), generators=[fakes.costly, fakes.cheap],
+                    verifier=fakes.verify_slowly, log_path=log)
+    records = events(log)
+    verified = [r["key"] for r in records if r["event"] == "verified"]
+    costly = [g.key for g in fakes.costly(None, None)]
+    assert verified == [*costly, fakes.FAST.key]   # FAST is cheapest, but the first generator's go first
+    assert result.best.graph == fakes.FAST
+    # while the worker verified, at most one candidate waited: the next one was asked for only after
+    # the worker had taken the one before
+    order = [r["event"] for r in records if r["event"] in ("candidate", "verified")]
+    assert order == ["candidate", "candidate", "verified", "candidate", "verified", "candidate", "verified",
+                     "verified"]
+
+
 @pytest.mark.timeout(60)
 def test_results_are_deterministic_across_runs_and_worker_counts():
     slow = fakes.chain(*[1.0] * 9, 2.0)  # every candidate of `many` is cheaper
