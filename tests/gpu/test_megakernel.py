@@ -1,0 +1,201 @@
+"""The megakernel on the GPU against Hugging Face transformers (torch and transformers are on the GPU
+machine; nothing is downloaded: the checkpoints are tiny random models made with save_pretrained).
+
+* greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
+  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch;
+* a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
+* EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
+* the profile shows every task once, on real SMs, and never a task before the producers it waited for.
+
+Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
+"""
+from __future__ import annotations
+
+import json
+
+import attrs
+import numpy as np
+import pytest
+
+from mdsl.ir.dtypes import bf16
+from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.runtime.models import LLAMA_3_2_1B
+from tests.gpu.harness import SEED
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [1, 45, 201, 7, 99]
+NEW_TOKENS = 32
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
+            initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    assert torch.cuda.is_available(), "torch cannot see the GPU that the CUDA driver reports"
+    return torch
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def hf_model(torch, transformers, arch: str, dtype, seed: int):
+    """A tiny random transformers model (norm weights away from 1, so a misplaced one shows), on the GPU."""
+    torch.manual_seed(seed)
+    if arch == "llama3":
+        config = transformers.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=False,
+                                          architectures=["LlamaForCausalLM"],
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True,
+                                          architectures=["Qwen3ForCausalLM"])
+        model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model.to(device="cuda", dtype=dtype).eval()
+
+
+def hf_greedy(torch, model, prompt, steps):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        logits = model(out[:, :-1]).logits[0].float().cpu().numpy()   # every position's, for the report
+    return out[0, len(prompt):].tolist(), logits
+
+
+def divergence_report(ours, theirs, logits, prompt) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None:
+        return f"lengths differ: {len(ours)} vs {len(theirs)}"
+    row = logits[len(prompt) - 1 + first]
+    top2 = np.sort(row)[-2:]
+    return (f"first difference at new token {first}: mdsl {ours[first]}, transformers {theirs[first]} "
+            f"(transformers' logits there: {row[theirs[first]]:.6g} vs {row[ours[first]]:.6g}; its top-2 margin "
+            f"{top2[1] - top2[0]:.3g})\n  mdsl:         {ours}\n  transformers: {theirs}")
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(torch, transformers, tmp_path_factory):
+    """(engine, transformers model) per (arch, dtype), built once."""
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+
+    built = {}
+
+    def get(arch, dtype_name):
+        if (arch, dtype_name) not in built:
+            dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
+            folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
+            model.save_pretrained(str(folder), safe_serialization=True)
+            built[arch, dtype_name] = (MegakernelEngine.from_pretrained(str(folder), max_seq=64), model)
+        return built[arch, dtype_name]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_greedy_generation_is_token_identical_to_transformers(torch, tiny_engines, arch, dtype_name):
+    engine, model = tiny_engines(arch, dtype_name)
+    theirs, logits = hf_greedy(torch, model, PROMPT, NEW_TOKENS)
+    ours = engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
+    assert ours == theirs, f"seed {SEED}: {divergence_report(ours, theirs, logits, PROMPT)}"
+    assert len(set(theirs)) > 3, f"transformers repeats itself ({theirs}): the check is too weak with seed {SEED}"
+    # a second launch starts from fresh events and state
+    assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+def test_stops_are_decided_on_the_gpu(tiny_engines):
+    engine, _ = tiny_engines("qwen3", "f32")
+    tokens = engine.generate(PROMPT, 12, eos_token_ids=())
+    assert len(tokens) == 12
+    eos = tokens[5]
+    first = tokens.index(eos)
+    run = engine.run(PROMPT, 12, eos_token_ids=(eos,))
+    assert list(run.tokens) == tokens[:first + 1], "generation must end with the first EOS token"
+    assert run.steps == len(PROMPT) - 1 + first + 1
+    assert engine.generate(PROMPT, 3, eos_token_ids=()) == tokens[:3]
+
+
+def test_sampling_is_seeded_and_nucleus_of_one_is_greedy(tiny_engines):
+    engine, _ = tiny_engines("llama3", "f32")
+    greedy = engine.generate(PROMPT, 16, eos_token_ids=())
+    assert engine.generate(PROMPT, 16, temperature=1.0, top_p=1e-6, seed=3, eos_token_ids=()) == greedy
+    a = engine.generate(PROMPT, 16, temperature=1.0, top_p=0.9, seed=11, eos_token_ids=())
+    b = engine.generate(PROMPT, 16, temperature=1.0, top_p=0.9, seed=11, eos_token_ids=())
+    c = engine.generate(PROMPT, 16, temperature=1.5, seed=12, eos_token_ids=())
+    d = engine.generate(PROMPT, 16, temperature=1.5, seed=13, eos_token_ids=())
+    assert a == b, "the same seed must give the same tokens"
+    assert c != d, "different seeds gave the same 16 sampled tokens at temperature 1.5"
+    assert all(0 <= t < engine.shape.vocab for t in a + c + d)
+
+
+def test_requests_that_do_not_fit_are_refused(tiny_engines):
+    from mdsl.errors import ShapeError
+
+    engine, _ = tiny_engines("qwen3", "f32")
+    with pytest.raises(ShapeError, match="KV cache has 64"):
+        engine.generate(list(range(1, 40)), 30)
+    with pytest.raises(ShapeError, match="outside the vocabulary"):
+        engine.generate([1, 10**6], 2)
+
+
+def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path):
+    from mdsl.megakernel.runtime.profile import write_trace
+
+    engine, _ = tiny_engines("llama3", "bf16")
+    run = engine.run(PROMPT[:2], 2, eos_token_ids=(), profile=True)
+    plan = engine.plan
+    per_step = len(plan.tasks)
+    assert run.steps == 3
+    assert sorted(r.index for r in run.profile) == list(range(3 * per_step)), "a task ran twice or never"
+    done = {r.index: r.done_ns for r in run.profile}
+    for r in run.profile:
+        assert r.taken_ns <= r.ready_ns <= r.done_ns
+        step, k = divmod(r.index, per_step)
+        for e in plan.waits[k]:
+            producers = plan.events[e].producers
+            earlier = [step * per_step + p for p in producers] if producers else \
+                ([(step - 1) * per_step + per_step - 1] if step else [])
+            late = [p for p in earlier if done[p] > r.ready_ns]
+            assert not late, f"task {r.index} ({plan.tasks[k].label()}) started before its producers {late} finished"
+    assert len({r.sm for r in run.profile}) <= engine.workers
+    path = tmp_path / "trace.json"
+    write_trace(str(path), run.profile, [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks])
+    tracks = {e["tid"] for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"}
+    assert len(tracks) > 1, "every task ran on one SM"
+
+
+def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
+    """Random bf16 weights of Llama-3.2-1B's shapes, used in place from the transformers model."""
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+
+    raw = {k: v for k, v in LLAMA_3_2_1B.items() if k not in ("torch_dtype",)}
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**raw)).to(torch.bfloat16).eval()
+    weights = {name: p.detach() for name, p in model.state_dict().items()}
+    config = attrs.evolve(config_from_dict(LLAMA_3_2_1B), dtype=bf16)
+    engine = MegakernelEngine(config, weights, max_seq=64)
+    prompt = [128000, 791, 6460, 315, 9822, 374, 12366, 13]
+    run = engine.run(prompt, 1, eos_token_ids=())
+    ours = engine.last_logits()
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
+    scale = float(np.abs(theirs).max())
+    error = float(np.abs(ours - theirs).max()) / scale
+    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
+    print(f"Llama-3.2-1B shapes, bf16: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}, "
+          f"one launch of {run.steps} steps: {run.seconds * 1e3:.2f} ms")
+    assert np.isfinite(ours).all()
+    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
+    assert run.tokens[0] == int(np.argmax(ours))
