@@ -1,0 +1,267 @@
+"""Decode latency of the megakernel next to a PyTorch kernel-per-op decode step under a CUDA graph, for
+Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GPU, batch 1, context
+1024), with the fraction of the bandwidth floor (weight bytes / 4.25 TB/s) and one profiler trace.
+
+    python3 benchmarks/decode.py --quick --out $OUT          # about 2-3 minutes on the H200
+    python3 benchmarks/decode.py --models llama-3.2-1b --steps 128 --repeats 5
+
+The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE launch (timed with CUDA
+events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
+per-token latency is that time / steps. PyTorch runs one decode step at position 1023 (SDPA over 1024
+cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times between two events.
+Each model is independent: a failure is printed with its traceback and the others still run; the exit
+status is 1 when any failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (design.md)
+CONTEXT = 1024
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from mdsl.megakernel.runtime.models import MODELS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps per timed launch / graph replays")
+    ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
+    ap.add_argument("--quick", action="store_true", help="32 steps, 2 repeats")
+    ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 32, 2
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    return args
+
+
+def random_weights(torch, config, device: str = "cuda") -> dict:
+    """bf16 weights named as in the checkpoints: matrices N(0, 0.02^2), norms near 1; on the GPU."""
+    from mdsl.megakernel.runtime.engine import weight_names
+
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes = {"q_proj": (config.num_heads * d, h), "k_proj": (config.num_kv_heads * d, h),
+              "v_proj": (config.num_kv_heads * d, h), "o_proj": (h, config.num_heads * d), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i), "input_layernorm": (h,), "post_attention_layernorm": (h,),
+              "q_norm": (d,), "k_norm": (d,), "embed_tokens": (config.vocab_size, h), "norm": (h,),
+              "lm_head": (config.vocab_size, h)}
+    generator = torch.Generator(device=device).manual_seed(0)
+    weights = {}
+    for name in weight_names(config):
+        shape = shapes[name.rsplit(".", 2)[-2]]
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * torch.randn(shape, device=device, generator=generator)
+        else:
+            w = 0.02 * torch.randn(shape, device=device, generator=generator)
+        weights[name] = w.to(torch.bfloat16)
+    return weights
+
+
+def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):
+    """A plain kernel-per-op decode step (the PyTorch baseline) at `position`, with its KV caches;
+    returns (step(token) -> next token, static input token tensor)."""
+    import torch.nn.functional as F
+
+    c = config
+    hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+
+    cos, sin = rope_tables(decoder_shape(c), position + 1)
+    cos = torch.tensor(cos[position], device=device).repeat(2).to(torch.bfloat16)
+    sin = torch.tensor(sin[position], device=device).repeat(2).to(torch.bfloat16)
+    caches = [(torch.randn(1, hkv, position + 1, d, device=device, dtype=torch.bfloat16),
+               torch.randn(1, hkv, position + 1, d, device=device, dtype=torch.bfloat16)) for _ in range(c.num_layers)]
+    w = weights
+    head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+
+    def norm(x, weight):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rope(x):
+        half = d // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def step(token):
+        x = w["model.embed_tokens.weight"][token]                       # [1, H]
+        for layer in range(c.num_layers):
+            p = f"model.layers.{layer}."
+            n = norm(x, w[p + "input_layernorm.weight"])
+            q = F.linear(n, w[p + "self_attn.q_proj.weight"]).view(1, hq, 1, d)
+            k = F.linear(n, w[p + "self_attn.k_proj.weight"]).view(1, hkv, 1, d)
+            v = F.linear(n, w[p + "self_attn.v_proj.weight"]).view(1, hkv, 1, d)
+            if c.qk_norm:
+                q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
+            q, k = rope(q), rope(k)
+            k_cache, v_cache = caches[layer]
+            k_cache[:, :, position:position + 1] = k
+            v_cache[:, :, position:position + 1] = v
+            a = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True).reshape(1, hq * d)
+            x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
+            n = norm(x, w[p + "post_attention_layernorm.weight"])
+            g = F.linear(n, w[p + "mlp.gate_proj.weight"])
+            u = F.linear(n, w[p + "mlp.up_proj.weight"])
+            x = x + F.linear(F.silu(g) * u, w[p + "mlp.down_proj.weight"])
+        logits = F.linear(norm(x, w["model.norm.weight"]), head)
+        return logits.argmax(-1)
+
+    return step
+
+
+def time_torch_graph(torch, step, steps: int, repeats: int) -> list:
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step(token)                     # warm-up (cuBLAS handles, SDPA kernel choice)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(token)
+    del out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / steps)
+    return samples
+
+
+def time_megakernel(engine, steps: int, repeats: int) -> list:
+    tokens = [1] * CONTEXT        # positions 0..1022 are "in the cache"; the launch starts at 1023
+    engine.run(tokens, steps, start=CONTEXT - 1, eos_token_ids=())   # warm-up
+    samples = []
+    for _ in range(repeats):
+        run = engine.run(tokens, steps, start=CONTEXT - 1, eos_token_ids=())
+        if run.steps != steps:
+            raise RuntimeError(f"the megakernel ran {run.steps} steps, asked for {steps}")
+        samples.append(run.seconds / steps)
+    return samples
+
+
+def profile_step(engine, out: Path, name: str) -> dict:
+    from mdsl.megakernel.runtime.profile import summary, write_trace
+
+    run = engine.run([1] * CONTEXT, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
+    plan = engine.plan
+    labels, kinds = [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks]
+    path = out / f"trace_{name}.json"
+    write_trace(str(path), run.profile, labels, kinds)
+    return {"trace": str(path), "tasks": len(run.profile), "by_kind": summary(run.profile, kinds)}
+
+
+def median(values: list) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def bench_model(torch, name: str, args, out: Path) -> dict:
+    import attrs
+
+    from mdsl.ir.dtypes import bf16
+    from mdsl.megakernel.config import config_from_dict
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.models import MODELS
+    from mdsl.megakernel.runtime.shape import decoder_shape
+
+    config = attrs.evolve(config_from_dict(MODELS[name]), dtype=bf16)
+    shape = decoder_shape(config)
+    floor = shape.weight_bytes() / COPY_BANDWIDTH
+    t0 = time.perf_counter()
+    weights = random_weights(torch, config)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    engine = MegakernelEngine(config, weights, max_seq=CONTEXT + args.steps + 8)
+    t2 = time.perf_counter()
+    print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {t1 - t0:.1f} s; engine (plan "
+          f"{len(engine.plan.tasks)} tasks/step, {engine.workers} workers, compile, upload) in {t2 - t1:.1f} s",
+          flush=True)
+    mk = time_megakernel(engine, args.steps, args.repeats)
+    print(f"[{name}] megakernel: {median(mk) * 1e3:.3f} ms/token ({[round(s * 1e3, 3) for s in mk]})", flush=True)
+    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3,
+              "megakernel_ms": median(mk) * 1e3, "megakernel_samples_ms": [s * 1e3 for s in mk],
+              "megakernel_fraction_of_floor": floor / median(mk), "tasks_per_step": len(engine.plan.tasks),
+              "workers": engine.workers, "registers": engine.module.resources["mdsl_megakernel"].registers,
+              "smem_bytes": engine.smem_bytes}
+    if name == args.trace_model:
+        result["profile"] = profile_step(engine, out, name)
+        print(f"[{name}] profile: {result['profile']['trace']}", flush=True)
+    engine.close()
+    del engine
+    try:
+        step = torch_decode_step(torch, config, weights, CONTEXT - 1)
+        pt = time_torch_graph(torch, step, args.steps, args.repeats)
+        result.update(torch_graph_ms=median(pt) * 1e3, torch_graph_samples_ms=[s * 1e3 for s in pt],
+                      torch_fraction_of_floor=floor / median(pt), speedup_vs_torch_graph=median(pt) / median(mk))
+        print(f"[{name}] PyTorch + CUDA graph: {median(pt) * 1e3:.3f} ms/token", flush=True)
+    finally:
+        del weights
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: list) -> str:
+    lines = ["| model (bf16, batch 1, context 1024) | weights | floor | megakernel | % of floor | PyTorch + CUDA graph "
+             "| % of floor | speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            continue
+        torch_ms = r.get("torch_graph_ms")
+        lines.append(f"| {r['model']} | {r['weight_bytes'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | "
+                     f"{r['megakernel_ms']:.3f} ms | {100 * r['megakernel_fraction_of_floor']:.0f}% | "
+                     + (f"{torch_ms:.3f} ms | {100 * r['torch_fraction_of_floor']:.0f}% | "
+                        f"{r['speedup_vs_torch_graph']:.2f}x |" if torch_ms else "- | - | - |"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from mdsl.backend.cuda.runtime import has_gpu
+
+    if not has_gpu() or not torch.cuda.is_available():
+        print("benchmarks/decode.py needs an NVIDIA GPU (none found)", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, steps {args.steps}, repeats {args.repeats}",
+          flush=True)
+    results, failed = [], False
+    for name in args.models:
+        try:
+            results.append(bench_model(torch, name, args, out))
+        except Exception as e:   # one model's failure must not hide the others' numbers
+            failed = True
+            traceback.print_exc()
+            results.append({"model": name, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+        torch.cuda.empty_cache()
+    (out / "decode_results.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
