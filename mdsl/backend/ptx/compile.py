@@ -106,7 +106,7 @@ def ptx_features() -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _target_machine(cpu: str):
+def _target_machine(cpu: str, level: str):
     llvm = _llvm()
     try:
         llvm.initialize()               # needed before llvmlite 0.45; deprecated (it raises) since
@@ -114,21 +114,23 @@ def _target_machine(cpu: str):
         pass
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
-    return llvm.Target.from_triple(TRIPLE).create_target_machine(cpu=cpu, features=ptx_features(), opt=3)
+    return llvm.Target.from_triple(TRIPLE).create_target_machine(cpu=cpu, features=ptx_features(),
+                                                                 opt=3 if level == "O3" else 0)
 
 
 def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
     """PTX for the module (not cached: see `compile_ptx`)."""
     llvm = _llvm()
     cpu = ptx_target(arch)
-    tm = _target_machine(cpu)
+    level = optimization()
+    tm = _target_machine(cpu, level)
     try:
         module = llvm.parse_assembly(llvm_ir)
         module.data_layout = str(tm.target_data)
         module.verify()
     except RuntimeError as e:
         raise error_from_log("llvmlite rejected the generated LLVM IR", str(e), llvm_ir, "LLVM IR") from None
-    _optimize(llvm, module, tm, optimization())
+    _optimize(llvm, module, tm, level)
     try:
         return tm.emit_assembly(module)
     except RuntimeError as e:
@@ -136,9 +138,11 @@ def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
 
 
 def optimization() -> str:
-    """The IR-level optimisation: 'fast' (default; SROA, InstCombine, SimplifyCFG: the allocas become
-    registers and the address arithmetic is folded; ptxas, or the driver's JIT, optimises the rest),
-    or 'O3' (LLVM's whole O3 pipeline, 3-5x the compile time), from $MDSL_PTX_OPT."""
+    """How much LLVM optimises, from $MDSL_PTX_OPT: 'fast' (the default: the math functions
+    inlined, SROA, InstCombine and SimplifyCFG at the IR level, so that the allocas become
+    registers and the address arithmetic is folded, then code generation without LLVM's own
+    optimisations: ptxas, or the driver's JIT, optimises the PTX in any case; 5-10x less compile
+    time) or 'O3' (LLVM's O3 pipeline and O3 code generation)."""
     level = os.environ.get("MDSL_PTX_OPT", "fast")
     if level not in ("fast", "O3"):
         raise UnsupportedError(f"MDSL_PTX_OPT={level!r} is not an optimisation level of the PTX backend",
@@ -156,6 +160,8 @@ def _optimize(llvm, module, tm, level: str) -> None:
         builder.getModulePassManager().run(module, builder)
         return
     passes = llvm.create_new_module_pass_manager()
+    passes.add_always_inliner_pass()
+    passes.add_global_dead_code_eliminate_pass()
     passes.add_sroa_pass()
     passes.add_instruction_combine_pass()
     passes.add_simplify_cfg_pass()
@@ -169,6 +175,8 @@ def _optimize_legacy(llvm, module, level: str) -> None:
         builder.opt_level = 3
         builder.populate(passes)
     else:
+        passes.add_always_inliner_pass()
+        passes.add_global_dce_pass()
         passes.add_sroa_pass()
         passes.add_instruction_combining_pass()
         passes.add_cfg_simplification_pass()

@@ -11,6 +11,7 @@ local memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 from typing import Iterator, Optional, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 from llvmlite import ir
 
 from mdsl.backend.cuda.source import OP_MARKER, contiguous_strides, describe
+from mdsl.backend.ptx import mathlib
 from mdsl.ir.graph import Node
 
 TRIPLE = "nvptx64-nvidia-cuda"   # the data layout is the target machine's, set when compiling
@@ -54,6 +56,7 @@ ELEMENT_TYPES = {"f16": F16, "bf16": BF16, "f32": F32, "i32": I32}
 WORDS = {2: ir.IntType(16), 4: I32, 8: I64, 16: ir.VectorType(I32, 4)}
 
 
+@functools.lru_cache(maxsize=4096)
 def f32(value: float) -> ir.Constant:
     """An f32 constant of the value rounded to f32 (the precision the kernels compute in; beyond its
     range, infinite)."""
@@ -61,6 +64,7 @@ def f32(value: float) -> ir.Constant:
         return ir.Constant(F32, float(np.float32(value)))
 
 
+@functools.lru_cache(maxsize=4096)
 def i32(value: int) -> ir.Constant:
     return ir.Constant(I32, int(value))
 
@@ -124,6 +128,21 @@ class ModuleBuilder:
         found = self.module.globals.get(name)
         return found if found is not None else ir.Function(self.module, ir.FunctionType(ret, list(args)), name)
 
+    def math_function(self, name: str) -> ir.Function:
+        """`float mdsl_<name>(float)` of mathlib, defined once per module, always inlined (the
+        kernels call exp many times: written once, the module is smaller to build and to parse)."""
+        full = f"mdsl_{name}"
+        found = self.module.globals.get(full)
+        if found is not None:
+            return found
+        fn = ir.Function(self.module, ir.FunctionType(F32, [F32]), full)
+        fn.linkage = "internal"
+        fn.attributes.add("alwaysinline")
+        fn.attributes.add("nounwind")
+        body = _MathBody(self, ir.IRBuilder(fn.append_basic_block("entry")))
+        body.b.ret(getattr(mathlib, name)(body, fn.args[0]))
+        return fn
+
     def annotate(self, fn: ir.Function, key: str, value: int) -> None:
         self.annotations.add(self.module.add_metadata([fn, key, i32(value)]))
 
@@ -143,6 +162,16 @@ class ModuleBuilder:
         g.initializer = ir.Constant(g.value_type, ir.Undefined)
         g.align = 16
         return g
+
+
+class _MathBody:
+    """What mathlib needs (`b`, `call_math`) inside a module's math function."""
+
+    def __init__(self, mb: ModuleBuilder, b: ir.IRBuilder):
+        self.mb, self.b = mb, b
+
+    def call_math(self, name: str, *args: ir.Value) -> ir.Value:
+        return self.b.call(self.mb.intrinsic(f"llvm.{name}.f32", F32, [a.type for a in args]), list(args))
 
 
 class Var:
@@ -214,8 +243,12 @@ class KernelFunction:
         return Var(self, slot, init.type)
 
     def call_math(self, name: str, *args: ir.Value) -> ir.Value:
-        """An LLVM intrinsic on f32 (`fma`, `sqrt`, `maxnum`, `exp2`...)."""
+        """An LLVM intrinsic on f32 (`fma`, `sqrt`, `maxnum`, `trunc`...)."""
         return self.intrinsic(f"llvm.{name}.f32", F32, args)
+
+    def math(self, name: str, x: ir.Value) -> ir.Value:
+        """A mathlib function (`exp`, `erf`) of x."""
+        return self.b.call(self.mb.math_function(name), [x])
 
     # -- control flow ----------------------------------------------------------------------------
 

@@ -67,12 +67,12 @@ def _reciprocal(fn, x):
 
 
 def _one_plus_exp_neg(fn, x):
-    return fn.b.fadd(f32(1.0), mathlib.exp(fn, fn.b.fneg(x)))
+    return fn.b.fadd(f32(1.0), fn.math("exp", fn.b.fneg(x)))
 
 
 def _gelu(fn, x):
     b = fn.b
-    erf = mathlib.erf(fn, b.fmul(x, f32(0.70710678118654752)))
+    erf = fn.math("erf", b.fmul(x, f32(0.70710678118654752)))
     return b.fmul(b.fmul(f32(0.5), x), b.fadd(f32(1.0), erf))
 
 
@@ -94,7 +94,7 @@ def _attr(node: Node, name: str):
 
 
 _ELEMENTWISE = {
-    "exp": _unary(mathlib.exp),
+    "exp": _unary(lambda fn, x: fn.math("exp", x)),
     "silu": _unary(lambda fn, x: fn.b.fdiv(x, _one_plus_exp_neg(fn, x))),
     "gelu": _unary(_gelu),
     "relu": _unary(lambda fn, x: fn.call_math("maxnum", x, f32(0.0))),
@@ -449,7 +449,7 @@ class AccumulateRows:
 def _rescale(fn: KernelFunction, m, top):
     """exp(m - top) for online softmax; an empty running maximum (-inf) weighs nothing."""
     empty = fn.b.fcmp_ordered("==", m, f32(float("-inf")))
-    return fn.b.select(empty, f32(0.0), mathlib.exp(fn, fn.b.fsub(m, top)))
+    return fn.b.select(empty, f32(0.0), fn.math("exp", fn.b.fsub(m, top)))
 
 
 class _Rescaling:
