@@ -22,6 +22,7 @@ from mdsl.passes.memory import SharedMemoryError, plan_memory
 from mdsl.passes.schedule import schedule_block_graph
 
 _AXES = "xyz"
+COPY_BATCH = 8   # vectors a thread copies at once (CUDA's copy loop is unrolled to the same effect)
 
 
 class BlockKernel:
@@ -130,20 +131,40 @@ def _input_part(bk: BlockKernel, inp, tensor: Array) -> Array:
 
 
 def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: int, src_step=None) -> None:
-    """Copy an array of `shape` a row at a time, in vectors of `vector` elements."""
-    fn = bk.fn
+    """Copy an array of `shape` a row at a time, in vectors of `vector` elements: each thread reads
+    up to COPY_BATCH vectors before it writes them, so that its loads are in flight together."""
+    fn, b = bk.fn, bk.fn.b
     shape = shape or (1,)
     space = shape[:-1] + (shape[-1] // vector,)
+    n, threads = math.prod(space), bk.threads.block
 
     def vectors(op: Array) -> Array:
         strides = op.strides or (1,)
         return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
 
-    with bk.threads.each(fn, math.prod(space)) as i:
-        src_at = fn.offset(i, space, vectors(src))
-        if src_step is not None:
-            src_at = fn.b.add(src_at, src_step)
-        fn.copy(dst, fn.offset(i, space, vectors(dst)), src, src_at, vector)
+    def batch(first, count: int, always_inside: bool) -> None:
+        reads = []
+        for u in range(count):
+            i = first if u == 0 else b.add(first, i32(u * threads))
+            inside = None if always_inside and (u + 1) * threads <= n else b.icmp_unsigned("<", i, i32(n))
+            safe = i if inside is None else b.select(inside, i, i32(0))   # read an element that exists
+            at = fn.offset(safe, space, vectors(src))
+            if src_step is not None:
+                at = b.add(at, src_step)
+            reads.append((inside, safe, fn.read_vector(src, at, vector, dst.dtype)))
+        for inside, i, values in reads:
+            if inside is None:
+                fn.write_vector(dst, fn.offset(i, space, vectors(dst)), values)
+            else:
+                with fn.when(inside):
+                    fn.write_vector(dst, fn.offset(i, space, vectors(dst)), values)
+
+    per_thread = -(-n // threads)
+    if per_thread <= COPY_BATCH:
+        batch(fn.sreg("tid.x"), per_thread, always_inside=True)
+    else:
+        with fn.loop(fn.sreg("tid.x"), n, threads * COPY_BATCH) as first:
+            batch(first, COPY_BATCH, always_inside=False)
 
 
 def _load(bk: BlockKernel, inp, part: Array) -> None:

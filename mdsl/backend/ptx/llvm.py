@@ -356,22 +356,26 @@ class KernelFunction:
         """A copy between two dtypes through f32; exact between equal ones (i32 included)."""
         return value if src == dst else self.from_float(self.to_float(value, src), dst)
 
-    def copy(self, dst: Array, dst_offset: ir.Value, src: Array, src_offset: ir.Value, vector: int) -> None:
-        """`vector` consecutive elements: one access when the dtypes agree (both sides aligned to
-        it), else converted one by one."""
-        if dst.dtype == src.dtype:
+    def read_vector(self, src: Array, offset: ir.Value, vector: int, dst_dtype: str) -> list:
+        """`vector` consecutive elements, to be written as `dst_dtype`: one access when the dtypes
+        agree (the caller guarantees the alignment), else each element converted."""
+        if src.dtype == dst_dtype:
             nbytes = vector * ITEMSIZE[src.dtype]
-            word = WORDS[nbytes]
-            value = self.b.load(self.address(src, src_offset), typ=word, align=nbytes)
-            self.b.store(value, self.address(dst, dst_offset), align=nbytes)
+            return [self.b.load(self.address(src, offset), typ=WORDS[nbytes], align=nbytes)]
+        return [self.convert(self.load(src, offset if j == 0 else self.b.add(offset, i32(j))), src.dtype, dst_dtype)
+                for j in range(vector)]
+
+    def write_vector(self, dst: Array, offset: ir.Value, values: list) -> None:
+        """What `read_vector` read, at `offset` of `dst`."""
+        if len(values) == 1 and values[0].type != dst.etype:   # a word holding the elements unconverted
+            self.b.store(values[0], self.address(dst, offset), align=_WORD_BYTES[str(values[0].type)])
             return
-        for j in range(vector):
-            s = src_offset if j == 0 else self.b.add(src_offset, i32(j))
-            d = dst_offset if j == 0 else self.b.add(dst_offset, i32(j))
-            self.b.store(self.convert(self.load(src, s), src.dtype, dst.dtype), self.address(dst, d))
+        for j, value in enumerate(values):
+            self.b.store(value, self.address(dst, offset if j == 0 else self.b.add(offset, i32(j))))
 
 
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4}
+_WORD_BYTES = {str(word): nbytes for nbytes, word in WORDS.items()}
 
 
 def _as_i32(value) -> ir.Value:
