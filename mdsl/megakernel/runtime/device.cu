@@ -56,11 +56,15 @@ __device__ __forceinline__ uint4 ld_weights(const T* p) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-// start pulling a task's weights into L2 before waiting for its inputs (16-byte multiples)
+// Start pulling the head of a task's weights into L2 before waiting for its inputs (16-byte
+// multiples). Capped: 132 SMs each prefetching whole multi-MB tiles would overflow the 50 MB L2 and
+// evict lines before they are read, so only what the first microseconds of the body read comes early.
+constexpr long long PREFETCH_BYTES = 96 * 1024;
 __device__ __forceinline__ void prefetch_l2(const T* p, long long elements) {
-  constexpr long long PIECE = 32768;   // bytes per bulk prefetch
+  constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
-  const long long total = elements * (long long)sizeof(T);
+  long long total = elements * (long long)sizeof(T);
+  total = total < PREFETCH_BYTES ? total : PREFETCH_BYTES;
   for (long long off = (long long)threadIdx.x * PIECE; off < total; off += (long long)NT * PIECE) {
     const long long size = total - off < PIECE ? total - off : PIECE;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
@@ -112,37 +116,49 @@ __device__ void load_input(float* xs, const T* x, const T* norm, float* red) {
   __syncthreads();
 }
 
-// Dot products of weight rows with xs: each warp takes items begin + warp, + NW, ...; an item is RPW
-// rows (row(item, j) points at row j of it), with U 16-byte loads per row in flight per lane before the
-// first is used. emit(item, acc) runs on lane 0.
-template <int K, int RPW, int U, typename Row, typename Emit>
+// Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
+// warp takes ITEMS consecutive items at a time and keeps LOADS 16-byte loads per lane in flight before
+// the first is used (bandwidth at batch 1 needs about 32 KB in flight per SM). emit(item, acc[ROWS])
+// runs on lane 0.
+constexpr int LOADS = 16;
+template <int K, int ROWS, typename Row, typename Emit>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit) {
-  constexpr int CH = K / VEC;
+  constexpr int CH = K / VEC;                              // 16-byte chunks per row
+  constexpr int U = CH >= 32 * 8 ? 8 : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
+  constexpr int ITEMS = LOADS / (ROWS * U) > 0 ? LOADS / (ROWS * U) : 1;
+  constexpr int R = ITEMS * ROWS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int item = begin + warp; item < end; item += NW) {
-    const T* w[RPW];
+  for (int first = begin + warp * ITEMS; first < end; first += NW * ITEMS) {
+    const T* w[R];
 #pragma unroll
-    for (int j = 0; j < RPW; ++j) w[j] = row(item, j);
-    float acc[RPW];
+    for (int i = 0; i < ITEMS; ++i)
 #pragma unroll
-    for (int j = 0; j < RPW; ++j) acc[j] = 0.0f;
+      for (int j = 0; j < ROWS; ++j) w[i * ROWS + j] = first + i < end ? row(first + i, j) : nullptr;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int c0 = lane; c0 < CH; c0 += 32 * U) {
-      uint4 v[RPW][U];
+      uint4 v[R][U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int j = 0; j < RPW; ++j)
-          v[j][u] = c0 + 32 * u < CH ? ld_weights(w[j] + (c0 + 32 * u) * VEC) : make_uint4(0, 0, 0, 0);
+        for (int r = 0; r < R; ++r)
+          v[r][u] = w[r] != nullptr && c0 + 32 * u < CH ? ld_weights(w[r] + (c0 + 32 * u) * VEC)
+                                                        : make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (c0 + 32 * u < CH) {
 #pragma unroll
-          for (int j = 0; j < RPW; ++j) acc[j] += dot_vec(v[j][u], xs + (c0 + 32 * u) * VEC);
+          for (int r = 0; r < R; ++r) acc[r] += dot_vec(v[r][u], xs + (c0 + 32 * u) * VEC);
         }
     }
 #pragma unroll
-    for (int j = 0; j < RPW; ++j) acc[j] = mdsl::group_reduce<32>(acc[j], mdsl::Sum());
-    if (lane == 0) emit(item, acc);
+    for (int r = 0; r < R; ++r) acc[r] = mdsl::group_reduce<32>(acc[r], mdsl::Sum());
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i)
+        if (first + i < end) emit(first + i, acc + i * ROWS);
+    }
   }
 }
 
@@ -157,7 +173,7 @@ __device__ void qkv_task(const Params& p, const Task& t, float* xs, float* red) 
   const LayerWeights& w = p.layers[t.layer];
   load_input<H>(xs, p.hs + (long long)t.layer * H, w.ln1, red);
   T* out = p.qkvs + (long long)t.layer * QKV;
-  gemv<H, 1, 8>(t.begin, t.end, xs, [&](int r, int) { return qkv_row(w, r); },
+  gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return qkv_row(w, r); },
                 [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
 }
 
@@ -287,7 +303,7 @@ __device__ void oproj_task(const Params& p, const Task& t, float* xs, float* red
   load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D, nullptr, red);
   const T* h = p.hs + (long long)t.layer * H;
   T* out = p.mids + (long long)t.layer * H;
-  gemv<HQ * D, 1, 8>(t.begin, t.end, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
+  gemv<HQ * D, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
                      [&](int r, const float* acc) {
                        out[r] = mdsl::from_float<T>(mdsl::to_float(h[r]) + round_t(acc[0]));
                      });
@@ -299,7 +315,7 @@ __device__ void gateup_task(const Params& p, const Task& t, float* xs, float* re
   const LayerWeights& w = p.layers[t.layer];
   load_input<H>(xs, p.mids + (long long)t.layer * H, w.ln2, red);
   T* out = p.acts + (long long)t.layer * I;
-  gemv<H, 2, 4>(t.begin, t.end, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
+  gemv<H, 2>(t.begin, t.end, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
                 [&](int r, const float* acc) {
                   out[r] = mdsl::from_float<T>(round_t(silu(round_t(acc[0]))) * round_t(acc[1]));
                 });
@@ -310,7 +326,7 @@ __device__ void down_task(const Params& p, const Task& t, float* xs, float* red)
   load_input<I>(xs, p.acts + (long long)t.layer * I, nullptr, red);
   const T* mid = p.mids + (long long)t.layer * H;
   T* out = p.hs + (long long)(t.layer + 1) * H;
-  gemv<I, 1, 8>(t.begin, t.end, xs, [&](int r, int) { return w.wd + (long long)r * I; },
+  gemv<I, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wd + (long long)r * I; },
                 [&](int r, const float* acc) {
                   out[r] = mdsl::from_float<T>(mdsl::to_float(mid[r]) + round_t(acc[0]));
                 });
@@ -363,7 +379,7 @@ __device__ void lmhead_task(const Params& p, const Task& t, long long pos, int t
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
-  gemv<H, 1, 8>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
+  gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
                 [&](int r, const float* acc) {
                   const float logit = round_t(acc[0]);
                   p.logits[r] = logit;
@@ -528,6 +544,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid
     }
     __syncthreads();                   // every thread's writes happen before the release below
     if (threadIdx.x == 0) {
+      const unsigned long long t_done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       __threadfence();
       for (int k = 0; k < t.signal_count; ++k) red_release(p.events + p.signals[t.signal_begin + k]);
       if (p.profile != nullptr) {
@@ -535,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid
         rec[0] = sm_id();
         rec[1] = t_wait;
         rec[2] = t_run;
-        rec[3] = globaltimer();
+        rec[3] = t_done;
       }
       current = next;
     }
