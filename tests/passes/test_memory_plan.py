@@ -100,3 +100,25 @@ kernel unused(%x: f32[8, 64], %y: f32[8, 64]) {
 def test_unused_inputs_get_no_tile():
     _, _, _, memory = _lower(parse_graph(UNUSED).nodes[0].body)
     assert set(memory.offsets) == {"bx", "s"}
+
+
+@pytest.mark.timeout(30)
+def test_a_pipeline_keeps_copies_of_the_per_iteration_tiles_for_the_whole_loop():
+    bg = fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)
+    schedule = schedule_block_graph(bg)
+    layout = select_layout(bg, tuple(block_input_tensors(bg)))
+    one, three = plan_memory(bg, schedule, layout), plan_memory(bg, schedule, layout, stages=3)
+    assert (one.stages, one.slot_bytes) == (1, {})
+    per_iteration = {i.var.name for i in bg.inputs if i.fmap is not None}
+    assert three.stages == 3 and set(three.slot_bytes) == per_iteration
+    size = {t.name: t.size for t in one.lifetimes}
+    for t in three.lifetimes:
+        if t.name in per_iteration:
+            assert t.size == 3 * size[t.name] == 3 * three.slot_bytes[t.name]
+            assert (t.start, t.end) == (0, schedule.loop_end_epoch)   # copies in flight while any stage runs
+    for a in three.lifetimes:   # still no two live tiles share bytes
+        for b in three.lifetimes:
+            if a.name < b.name and a.overlaps(b):
+                lo, hi = three.offsets[a.name], three.offsets[b.name]
+                assert lo + a.size <= hi or hi + b.size <= lo
+    assert "inputs 3 deep" in str(three)

@@ -84,3 +84,46 @@ def test_the_scheduled_order_computes_the_same(monkeypatch, capsys):
     inputs = [rng.standard_normal(s) for s in [(2, 16, 64), (2, 64, 128), (2, 128, 64)]]
     for x, y in zip(run_block_graph(bg, inputs), run_block_graph(reordered, inputs)):
         np.testing.assert_allclose(x, y, rtol=1e-12)
+
+
+@pytest.mark.timeout(30)
+def test_matmul_accumulators_are_the_sums_of_products_read_by_nothing_else():
+    from mdsl.passes.schedule import matmul_accumulators
+
+    bg = fuse_block_graph(example_kernels()["gated_mlp.gated_mlp_fused"].nodes[0].body)
+    pairs = matmul_accumulators(bg)
+    assert [(bg.nodes[i].op, bg.nodes[j].op) for i, j in pairs.items()] == [("accum", "matmul")] * 2
+    assert all(bg.nodes[i].inputs[0] == bg.nodes[j].output for i, j in pairs.items())
+    # online softmax sums its products with rescaling accumulators: nothing to fuse
+    assert matmul_accumulators(fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)) == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_product_read_twice_is_not_summed_in_place():
+    from mdsl.passes.schedule import matmul_accumulators
+
+    text = """kernel k(%x: f16[16, 64], %w: f16[64, 32]) {
+  %s: f16[16, 32], %t: f16[16, 32] = custom(%x, %w) block(grid=[1, 1, 1], threads=128, forloop=2) {
+    in %xt: f16[16, 32] imap=[-, -, -] fmap=1
+    in %wt: f16[32, 32] imap=[-, -, -] fmap=0
+    %p: f16[16, 32] = matmul(%xt, %wt)
+    %s: f16[16, 32] = accum(%p)
+    %e: f16[16, 32] = exp(%p)
+    %t: f16[16, 32] = accum(%e)
+    out %s omap=[-, -, -]
+    out %t omap=[-, -, -]
+  }
+  return %s, %t
+}"""
+    assert matmul_accumulators(parse_graph(text).nodes[0].body) == {}
+
+
+@pytest.mark.timeout(30)
+def test_fused_accumulators_run_in_their_matmuls_stage():
+    bg = fuse_block_graph(example_kernels()["gated_mlp.gated_mlp_fused"].nodes[0].body)
+    from mdsl.passes.schedule import matmul_accumulators
+
+    fused = schedule_block_graph(bg, fused_accumulators=tuple(matmul_accumulators(bg)))
+    assert _ops(bg, fused.loop) == [["matmul", "accum", "matmul", "accum"]]
+    assert fused.barriers_per_iteration == schedule_block_graph(bg).barriers_per_iteration - 1
+    assert sorted(fused.order) == list(range(len(bg.nodes)))

@@ -2,18 +2,26 @@
 
 The passes decide everything but the text: `schedule` orders the nodes and places the barriers,
 `layout` lays out the shared-memory tiles and sizes the device-memory accesses, `memory` gives each
-tile its offset. The kernel then follows the schedule's timeline:
+tile its offset (and copies of the per-iteration input tiles for a pipeline). The backend's own
+choices, switchable through `CudaOptions` (mdsl.backend.cuda.options): which matmuls run on tensor
+cores (`mdsl.backend.cuda.mma`), which `accum(matmul)` sums stay in the mma's registers for the whole
+loop, and how deep the cp.async pipeline is. The kernel then follows the schedule's timeline:
 
-    accumulators start empty; loop-invariant input tiles are loaded
+    accumulators start empty (those in registers: zeroed fragments); loop-invariant tiles are loaded
+    pipelined: iterations 0 .. stages-2's tiles are issued (cp.async), one commit group each
     for each of the `forloop` iterations:
-        the iteration's input tiles are loaded; barrier
+        pipelined: iteration it+stages-1's tiles are issued; wait for iteration it's group
+        else: the iteration's input tiles are loaded
+        barrier
         each loop stage (accumulator updates included); barrier
-    accumulators that need it are finalized; barrier
+    accumulators that need it are finalized, sums in registers stored to their tiles; barrier
     each post-loop stage; barrier
     the output tiles are stored where their omap puts them
 
-Each block finds its slices of the device tensors from its grid coordinates (imap and omap) and the
-iteration's tile from the loop counter (fmap).
+The copy into a slot is issued one iteration after the slot was last read, behind that iteration's
+closing barrier, so a slot is never overwritten while read. Each block finds its slices of the
+device tensors from its grid coordinates (imap and omap) and the iteration's tile from the loop
+counter (fmap).
 """
 from __future__ import annotations
 

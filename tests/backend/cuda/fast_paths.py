@@ -1,0 +1,84 @@
+"""Programs that take the CUDA backend's fast paths at their edges, and the option sets that switch
+those paths: block matmuls on tensor cores with ragged M / N / K (guarded fragments), batched and
+broadcast tiles, f32-stored operands, sums kept in registers across the loop next to sums that are
+not, and per-iteration inputs too narrow for cp.async (synchronous loads)."""
+from __future__ import annotations
+
+import functools
+
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.ir.dtypes import bf16, f16
+from tests.backend.cuda.builder import Graph
+
+#: name -> options: the default fast paths and each of them switched off (or set otherwise)
+OPTION_SETS = {
+    "default": CudaOptions(),
+    "no-mma": CudaOptions(mma=False),
+    "no-register-accumulators": CudaOptions(register_accumulators=False),
+    "synchronous-loads": CudaOptions(stages=1),
+    "pipeline-2": CudaOptions(stages=2),
+    "pipeline-4": CudaOptions(stages=4),
+    "threads-64": CudaOptions(threads=64),
+}
+
+#: the option sets that each switch one fast path off (what a GPU run falls back to)
+FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads")
+
+
+def options_env(options: CudaOptions) -> dict:
+    """The environment variables that select `options` (for code that reads them: emit_cuda)."""
+    env = {"MDSL_CUDA_MMA": str(int(options.mma)), "MDSL_CUDA_REGACC": str(int(options.register_accumulators)),
+           "MDSL_CUDA_STAGES": str(options.stages)}
+    if options.threads is not None:
+        env["MDSL_CUDA_THREADS"] = str(options.threads)
+    return env
+
+
+def ragged_matmuls(dtype) -> Graph:
+    """M = 3, N = 20, K = 40 per tile (none a multiple of the mma's 16 x 8 x 16), summed over a loop of
+    4 in registers, plus an epilogue; and a product of an f32-stored tile (silu) read again after it."""
+    g = Graph(f"ragged_matmuls_{dtype.name}")
+    x, w = g.input("x", (6, 160), dtype), g.input("w", (160, 40), dtype)
+    b = g.block(grid=(2, 2), forloop=4, threads=128)
+    xt, wt = b.input(x, imap=(0,), fmap=1), b.input(w, imap=(None, 1), fmap=0)   # [3, 40], [40, 20]
+    acc = b.op("accum", b.op("matmul", xt, wt))
+    b.output(b.op("silu", acc), omap=(0, 1))
+    b.done()
+    b = g.block(grid=(2,), forloop=2, threads=64)
+    xt, wt = b.input(x, fmap=1), b.input(w, imap=(1,), fmap=0)  # [6, 80], [80, 20] ...
+    product = b.op("matmul", b.op("silu", xt), wt)   # ... a computed (f32-stored) operand; the product read twice
+    b.output(b.op("accum", b.op("add", product, product)), omap=(1,))
+    b.done()
+    return g
+
+
+def batched_matmuls(dtype) -> Graph:
+    """Batched tiles against a batch and against one matrix (broadcast), and a loop of 1."""
+    g = Graph(f"batched_matmuls_{dtype.name}")
+    a, w, m = g.input("a", (4, 24, 48), dtype), g.input("w", (4, 48, 16), dtype), g.input("m", (48, 24), dtype)
+    b = g.block(grid=(2,), forloop=3, threads=96)
+    at, wt = b.input(a, imap=(0,), fmap=2), b.input(w, imap=(0,), fmap=1)       # [2, 24, 16], [2, 16, 16]
+    b.output(b.op("accum", b.op("matmul", at, wt)), omap=(0,))
+    b.output(b.op("accum", b.op("matmul", at, b.input(m, fmap=0))), omap=(0,))  # [2, 24, 16] @ [16, 24]
+    b.done()
+    b = g.block(grid=(4,), threads=32)
+    at, wt = b.input(a, imap=(0,)), b.input(w, imap=(0,))
+    b.output(b.op("accum", b.op("matmul", at, wt)), omap=(0,))
+    b.done()
+    return g
+
+
+def narrow_rows(dtype) -> Graph:
+    """Rows of 7 elements (14 bytes): no 4-byte vector divides them, so the loads stay synchronous."""
+    g = Graph(f"narrow_rows_{dtype.name}")
+    x, w = g.input("x", (8, 21), dtype), g.input("w", (21, 7), dtype)
+    b = g.block(grid=(1,), forloop=3, threads=64)
+    b.output(b.op("accum", b.op("matmul", b.input(x, fmap=1), b.input(w, fmap=0))))
+    b.done()
+    return g
+
+
+@functools.cache
+def fast_path_graphs() -> dict:
+    return {graph.name: graph for dtype in (f16, bf16)
+            for graph in (make(dtype).build() for make in (ragged_matmuls, batched_matmuls, narrow_rows))}

@@ -1,0 +1,47 @@
+"""The CUDA backend's fast paths on the GPU against the reference, each switched on and off: the
+fast-path programs (ragged and batched tensor-core matmuls, sums in registers, pipelines of every
+depth, other block sizes) under every option set, and every example program (as written, and the
+guided plan of each specification) with each fast path off, so that a run shows both settings of
+every switch correct (the default settings run in test_gpu_examples and test_gpu_coverage)."""
+from __future__ import annotations
+
+import pytest
+
+import mdsl
+from mdsl.search.guided import generate
+from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
+from tests.examples_util import EXAMPLES, load_example
+from tests.gpu.harness import check_graph
+
+
+def _use(monkeypatch, options_name: str) -> None:
+    for key, value in options_env(OPTION_SETS[options_name]).items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", sorted(OPTION_SETS))
+@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
+def test_fast_path_program_on_the_gpu(name, options, monkeypatch):
+    _use(monkeypatch, options)
+    check_graph(fast_path_graphs()[name], f"fast-path:{name}:{options}", what=f"{name} with options {options}")
+
+
+def _examples() -> list:
+    out = []
+    for path in sorted(EXAMPLES.glob("*.py")):
+        for name, kernel in vars(load_example(path.stem)).items():
+            if isinstance(kernel, mdsl.KernelFunction) and not name.endswith("_bs8"):
+                for variant in ("as-written", "guided") if not kernel.graph.custom_nodes() else ("as-written",):
+                    out.append(pytest.param(kernel, variant, id=f"{path.stem}.{name}-{variant}"))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", FALLBACKS)
+@pytest.mark.parametrize("kernel, variant", _examples())
+def test_example_with_a_fast_path_off_on_the_gpu(kernel, variant, options, monkeypatch):
+    _use(monkeypatch, options)
+    graph = kernel.graph if variant == "as-written" else next(generate(kernel.graph))
+    check_graph(graph, f"example:{kernel.name}:{variant}:{options}",
+                what=f"example {kernel.name} ({variant}) with options {options}")
