@@ -67,9 +67,10 @@ L2_BYTES = 60 * 1024**2     # the H200's L2, when torch cannot say
 MAX_SETS = 1024             # input sets at most (graph contenders capture one graph per set)
 
 BASELINES = ("eager", "sdpa", "cuda_graph", "compile", "compile_max")
-MDSL = ("mdsl", "mdsl_graph")
+MDSL = ("mdsl", "mdsl_graph", "mdsl_ptx")   # mdsl_ptx: the plan through the PTX backend
 LABELS = {"eager": "eager", "sdpa": "SDPA", "cuda_graph": "CUDA graph", "compile": "compile",
-          "compile_max": "compile-max", "mdsl": "mdsl", "mdsl_graph": "mdsl graph"}
+          "compile_max": "compile-max", "mdsl": "mdsl", "mdsl_graph": "mdsl graph",
+          "mdsl_ptx": "mdsl PTX"}
 COMPILE_MODES = {"compile": None, "compile_max": "max-autotune-no-cudagraphs"}
 METHOD_OPTIONS = ("reps", "batch", "passes", "warmup", "tolerance", "seed", "l2_multiple", "max_input_mb", "budget")
 
@@ -112,6 +113,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="include torch.compile(mode='max-autotune-no-cudagraphs') (default: yes)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph contenders (PyTorch's and mdsl's)")
+    p.add_argument("--no-ptx", dest="ptx", action="store_false",
+                   help="skip mdsl's PTX-backend contender (the same plan through llvmlite's NVPTX target)")
     p.add_argument("--tolerance", type=float, default=3e-3, help="relative error bound, ||out - ref|| / ||ref||")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--l2-multiple", type=float, default=2.0,
@@ -313,7 +316,9 @@ def derive(case: dict) -> dict:
     best_mdsl = min(mdsl, key=mdsl.get) if mdsl else None
     out = {"best_baseline": best_baseline, "best_baseline_s": baselines.get(best_baseline),
            "mdsl_best": best_mdsl, "mdsl_s": mdsl.get(best_mdsl), "speedup": None,
-           "speedups": {}, "floor_fraction": None, "achieved_bytes_per_s": None}
+           "speedups": {}, "floor_fraction": None, "achieved_bytes_per_s": None, "ptx_over_cuda": None}
+    if mdsl.get("mdsl") and mdsl.get("mdsl_ptx"):   # issue 6: the PTX backend within 10% of the CUDA one
+        out["ptx_over_cuda"] = mdsl["mdsl_ptx"] / mdsl["mdsl"]
     if best_baseline:
         out["speedups"] = {n: baselines[best_baseline] / t for n, t in mdsl.items()}
         if best_mdsl:
@@ -380,7 +385,7 @@ def render_markdown(results: dict) -> str:
                   f"reference first (relative error <= {method.get('tolerance')}). **Bold**: the best baseline. "
                   "Speed-up: best baseline / best mdsl mode; % of floor, achieved GB/s: of that mdsl time.", ""]
     header = ["case", "floor µs", *(LABELS[n] for n in BASELINES), *(LABELS[n] for n in MDSL),
-              "speed-up vs best baseline", "% of floor", "bytes", "achieved GB/s"]
+              "speed-up vs best baseline", "% of floor", "bytes", "achieved GB/s", "PTX / CUDA time"]
     lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     notes = []
     for name, case in (results.get("cases") or {}).items():
@@ -391,7 +396,8 @@ def render_markdown(results: dict) -> str:
         row += [f"{d['speedup']:.2f}×" if d["speedup"] else "-",
                 f"{_num(100 * d['floor_fraction'])}%" if d["floor_fraction"] else "-",
                 f"{floor['bytes'] / 1e6:.2f} MB" if floor.get("bytes") else "-",
-                _num(d["achieved_bytes_per_s"] / 1e9) if d["achieved_bytes_per_s"] else "-"]
+                _num(d["achieved_bytes_per_s"] / 1e9) if d["achieved_bytes_per_s"] else "-",
+                f"{d['ptx_over_cuda']:.2f}" if d["ptx_over_cuda"] else "-"]
         if case.get("status") in ("failed", "skipped"):
             row[2 + len(BASELINES) + len(MDSL)] = case["status"]
             notes.append(f"- {name}: {case['status']}: {case.get('error') or case.get('reason', '')}")
@@ -691,6 +697,7 @@ class Bench:
         eager = programs["eager"]
         makers = [("mdsl", self.mdsl, (plan, sets, out_shape, out_dtype, False)),
                   ("mdsl_graph", self.mdsl, (plan, sets, out_shape, out_dtype, True)),
+                  ("mdsl_ptx", self.mdsl, (plan, sets, out_shape, out_dtype, False, "ptx")),
                   *((n, self.eager, (f, sets)) for n, f in programs.items()),
                   ("cuda_graph", self.graph_of, (eager, sets)),
                   *((n, self.compiled, (eager, mode, sets)) for n, mode in COMPILE_MODES.items())]
@@ -759,6 +766,8 @@ class Bench:
         args = self.args
         if name in ("cuda_graph", "mdsl_graph") and not args.graphs:
             return "--no-graphs"
+        if name == "mdsl_ptx" and not args.ptx:
+            return "--no-ptx"
         if name in COMPILE_MODES:
             if not args.compile:
                 return "--no-compile"
@@ -805,9 +814,9 @@ class Bench:
         graphs, outs = self.capture([lambda s=s: fn(*s) for s in sets])
         return self.replayer("cuda graph", graphs, outs)
 
-    def mdsl(self, plan, sets: list, out_shape: tuple, out_dtype, graphs: bool) -> Contender:
+    def mdsl(self, plan, sets: list, out_shape: tuple, out_dtype, graphs: bool, backend: str = "cuda") -> Contender:
         torch = self.torch
-        exe = self.runtime.compile_graph(plan.graph, arch=self.arch, device=self.device)
+        exe = self.runtime.compile_graph(plan.graph, arch=self.arch, device=self.device, backend=backend)
         outs = [torch.empty(out_shape, dtype=out_dtype, device=self.dev) for _ in sets]
         exe(list(sets[0]), [outs[0]])   # the checked path once: shapes, dtypes, devices, alignment
         torch.cuda.synchronize()
@@ -836,7 +845,7 @@ class Bench:
                 exe.run_pointers(ins[i], out_ptrs[i], stream)
                 return outs[i]
 
-            contender = Contender("mdsl", lambda i: exe.run_pointers(ins[i], out_ptrs[i], stream), check,
+            contender = Contender(f"mdsl ({backend})", lambda i: exe.run_pointers(ins[i], out_ptrs[i], stream), check,
                                   release=exe.close)
         contender.info.update(info)
         return contender

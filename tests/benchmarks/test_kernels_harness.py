@@ -133,6 +133,14 @@ def test_a_slow_down_is_a_speed_up_below_one():
     assert d["floor_fraction"] == pytest.approx(1 / 16)
 
 
+def test_ptx_over_cuda_compares_the_two_backends_of_the_same_plan():
+    d = K.derive(fake_case(mdsl=contender(4.0), mdsl_ptx=contender(4.2), eager=contender(8.0)))
+    assert d["ptx_over_cuda"] == pytest.approx(1.05)
+    assert d["mdsl_best"] == "mdsl" and d["speedups"] == pytest.approx({"mdsl": 2.0, "mdsl_ptx": 8 / 4.2})
+    assert K.derive(fake_case(mdsl=contender(4.0), mdsl_ptx=contender(1.0, "failed")))["ptx_over_cuda"] is None
+    assert "| 1.05 |" in K.render_markdown({"cases": {"x": fake_case(mdsl=contender(4.0), mdsl_ptx=contender(4.2))}})
+
+
 def test_no_speed_up_without_both_sides():
     assert K.derive(fake_case(eager=contender(3.0)))["speedup"] is None
     no_baseline = K.derive(fake_case(mdsl=contender(3.0), eager=contender(1.0, "failed")))
