@@ -731,9 +731,10 @@ def check_backend(backend: str) -> str:
 
 
 def compile_graph(graph: KernelGraph, *, arch: Optional[str] = None, device: int = 0,
-                  backend: str = "cuda") -> Executable:
+                  backend: str = "cuda", options=None) -> Executable:
     """Emit CUDA (or, with backend="ptx", LLVM IR turned into PTX) for a kernel graph, compile it
-    (cached) and load it on `device`."""
+    (cached) and load it on `device`. `options`: the CUDA backend's `CudaOptions` (none: from the
+    environment)."""
     check_backend(backend)
     require_gpu("loading a compiled kernel")
     from mdsl.backend.cuda.codegen import emit_cuda
@@ -744,5 +745,5 @@ def compile_graph(graph: KernelGraph, *, arch: Optional[str] = None, device: int
 
         program = emit_llvm(graph, arch=arch)
         return Executable(program, compile_ptx(program.llvm_ir, arch), device=device)
-    program = emit_cuda(graph, arch=arch)
+    program = emit_cuda(graph, arch=arch, options=options)
     return Executable(program, compile_source(program.source, arch), device=device)

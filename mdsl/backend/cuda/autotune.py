@@ -1,0 +1,270 @@
+"""GPU autotuning: a plan's verified candidates (the chosen mugraph and `Plan.alternatives`), each
+lowered with a few settings of the CUDA backend (`CudaOptions`: pipeline depth, threads per block),
+compiled, checked against the float64 reference and timed on the GPU; the fastest correct one is
+cached per device.
+
+    plan = kernel.optimize()
+    best = autotune(plan_candidates(plan), plan.original)      # needs a GPU
+    executable = runtime.compile_graph(best.graph, options=best.options)
+
+Timing: CUDA events around `calls` back-to-back launches, after warm-up; the median over `samples`.
+A variant whose output is off (relative L2 error over the dtype's bound) or that fails to compile or
+run is never chosen; the report says why. The cache lives under `$MDSL_CACHE_DIR/autotune` (default
+`~/.cache/mdsl/autotune`), one JSON entry per (programs, device, arch, parameter space, mdsl version),
+written atomically and validated when read (an entry that does not fit is ignored with a warning and
+tuned again). Only `autotune` itself touches the GPU; the parameter space, the variants and the
+cache are plain Python (tested without a GPU).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import attrs
+import numpy as np
+
+from mdsl.backend.cuda.codegen import emit_cuda
+from mdsl.backend.cuda.nvrtc import _write_atomic
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.errors import MdslError
+from mdsl.ir.graph import KernelGraph
+from mdsl.ir.text import print_graph
+
+SCHEMA = 1
+STAGES = (2, 3, 4)
+THREADS = (None, 128, 256)          # None: each block graph's own
+_TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
+
+
+@attrs.frozen
+class Variant:
+    candidate: int                 # index into the candidates (0: the plan's chosen mugraph)
+    options: CudaOptions
+
+    def describe(self) -> str:
+        o = self.options
+        threads = "own threads" if o.threads is None else f"{o.threads} threads"
+        return f"candidate {self.candidate}, {o.stages}-stage pipeline, {threads}"
+
+
+@attrs.frozen
+class Timing:
+    variant: Variant
+    us: Optional[float]            # median time per call; None: not timed (see `problem`)
+    problem: str = ""              # why it was not timed: compile or run failure, wrong output
+
+
+@attrs.frozen
+class TuneResult:
+    graph: KernelGraph             # the fastest correct candidate
+    variant: Variant
+    us: float
+    timings: tuple = ()            # every variant's Timing (empty when read from the cache)
+    cached: bool = False
+
+    @property
+    def options(self) -> CudaOptions:
+        return self.variant.options
+
+    def lines(self) -> list:
+        out = [f"autotune: {self.variant.describe()}: {self.us:.2f} us per call" + (" (cached)" if self.cached else "")]
+        for t in sorted(self.timings, key=lambda t: (t.us is None, t.us or 0.0)):
+            out.append(f"  {t.variant.describe()}: " + (f"{t.us:.2f} us" if t.us is not None else t.problem))
+        return out
+
+
+def plan_candidates(plan) -> list:
+    """The plan's chosen mugraph, then its verified alternatives, best first."""
+    return [plan.graph] + [alt.graph for alt in plan.alternatives]
+
+
+def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS) -> list:
+    """The lowering options tried for every candidate: each pipeline depth with each block size,
+    tensor cores and register accumulators on (their correctness is what the GPU tests check)."""
+    return [CudaOptions(stages=s, threads=t) for t in threads for s in stages]
+
+
+def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a") -> list:
+    """Every (candidate, options) pair, without those whose emitted source repeats an earlier one
+    (a graph that cannot pipeline deeper, a block already of that size), in order."""
+    out, seen = [], set()
+    for k, graph in enumerate(candidates):
+        for options in space:
+            source = emit_cuda(graph, arch=arch, options=options).source
+            if source not in seen:
+                seen.add(source)
+                out.append(Variant(k, options))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdsl")
+    return Path(root) / "autotune"
+
+
+def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions]) -> str:
+    from mdsl.search.plan import mdsl_version
+
+    material = {"schema": SCHEMA, "programs": [print_graph(g) for g in candidates], "device": device, "arch": arch,
+                "space": [attrs.asdict(o) for o in space], "mdsl_version": mdsl_version()}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def store(key: str, result: TuneResult, device: str) -> Optional[Path]:
+    path = cache_dir() / f"{key}.json"
+    entry = {"mdsl_autotune": SCHEMA, "key": key, "device": device, "candidate": result.variant.candidate,
+             "options": attrs.asdict(result.variant.options), "us": result.us}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1).encode())
+    except OSError as e:
+        warnings.warn(f"mdsl: could not write the autotune cache entry {path}: {e}", stacklevel=2)
+        return None
+    return path
+
+
+def load(key: str, candidates: Sequence[KernelGraph], device: str) -> Optional[TuneResult]:
+    """The cached result under `key`, or None (an entry that does not fit warns and is ignored)."""
+    path = cache_dir() / f"{key}.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        entry = json.loads(text)
+        if not isinstance(entry, dict) or entry.get("mdsl_autotune") != SCHEMA:
+            raise ValueError(f"not an autotune entry of schema {SCHEMA}")
+        if entry.get("key") != key or entry.get("device") != device:
+            raise ValueError("it belongs to another key or device")
+        candidate = entry["candidate"]
+        if not (isinstance(candidate, int) and 0 <= candidate < len(candidates)):
+            raise ValueError(f"candidate {candidate!r} is not one of the {len(candidates)} candidates")
+        options = CudaOptions(**entry["options"])
+        us = float(entry["us"])
+        if not (us > 0 and np.isfinite(us)):
+            raise ValueError(f"its time {us!r} is not a positive number")
+    except Exception as e:  # untrusted data: whatever is wrong with it, tune again
+        warnings.warn(f"mdsl: ignoring the autotune cache entry {path}: {type(e).__name__}: {e}", stacklevel=2)
+        return None
+    return TuneResult(candidates[candidate], Variant(candidate, options), us, cached=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU
+
+
+def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space: Optional[Sequence] = None,
+             device: int = 0, samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True) -> TuneResult:
+    """The fastest correct (candidate, options) on GPU `device` (callers check `runtime.has_gpu()`)."""
+    from mdsl.backend.cuda import runtime
+
+    runtime.require_gpu("autotuning on the GPU")
+    space = list(space if space is not None else parameter_space())
+    arch = runtime.target_arch(device)
+    name = _device_name(device)
+    key = cache_key(candidates, name, arch, space)
+    if cache:
+        cached = load(key, candidates, name)
+        if cached is not None:
+            return cached
+    host = _inputs(original, seed)
+    want = _reference(original, host)
+    timings = [_measure(candidates[v.candidate], v, host, want, arch, device, samples, calls)
+               for v in variants(candidates, space, arch=arch)]
+    timed = [t for t in timings if t.us is not None]
+    if not timed:
+        raise MdslError("autotune: no variant ran correctly on the GPU:\n" + "\n".join(
+            f"  {t.variant.describe()}: {t.problem}" for t in timings))
+    best = min(timed, key=lambda t: t.us)
+    result = TuneResult(candidates[best.variant.candidate], best.variant, best.us, tuple(timings))
+    if cache:
+        store(key, result, name)
+    return result
+
+
+def _inputs(graph: KernelGraph, seed: int) -> list:
+    from mdsl.ir.dtypes import round_to_dtype
+
+    rng = np.random.default_rng(seed)
+    return [round_to_dtype(rng.standard_normal(v.shape), v.dtype) for v in graph.inputs]
+
+
+def _reference(graph: KernelGraph, host: list) -> list:
+    from mdsl.backend.reference import run_kernel_graph
+
+    return [np.asarray(w, dtype=np.float64) for w in run_kernel_graph(graph, host, precision="float64",
+                                                                      round_storage=True)]
+
+
+def relative_error(got: Sequence, want: Sequence) -> float:
+    """The largest ||got - want|| / ||want|| over the outputs (inf where anything is not finite)."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        g = np.asarray(g, dtype=np.float64)
+        if not np.all(np.isfinite(g)):
+            return float("inf")
+        worst = max(worst, float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300)))
+    return worst
+
+
+def tolerance(graph: KernelGraph) -> float:
+    dtypes = {v.dtype.name for v in (*graph.inputs, *graph.outputs)}
+    return max((_TOLERANCE.get(d, _TOLERANCE["f32"]) for d in dtypes), default=_TOLERANCE["f32"])
+
+
+def _measure(graph, variant: Variant, host, want, arch: str, device: int, samples: int, calls: int) -> Timing:
+    from mdsl.backend.cuda import runtime
+
+    try:
+        executable = runtime.compile_graph(graph, arch=arch, device=device, options=variant.options)
+        inputs = [runtime.DeviceArray.from_numpy(x, v.dtype, device=device) for x, v in zip(host, graph.inputs)]
+        outputs = executable(inputs)
+        error = relative_error([o.to_numpy() for o in outputs], want)
+        if not error <= tolerance(graph):
+            return Timing(variant, None, f"wrong output: relative error {error:.2e} over {tolerance(graph):.0e}")
+        return Timing(variant, _median_us(lambda: executable(inputs, outputs), samples, calls))
+    except MdslError as e:
+        return Timing(variant, None, f"failed: {e}")
+
+
+def _median_us(call, samples: int, calls: int) -> float:
+    """Median over `samples` of the time per call of `calls` back-to-back calls (CUDA events on the
+    legacy default stream, where the calls launch), after warm-up."""
+    from cuda.bindings import driver
+
+    from mdsl.backend.cuda.check import _ok
+
+    for _ in range(max(3, calls)):
+        call()
+    start, end = _ok(driver.cuEventCreate(0)), _ok(driver.cuEventCreate(0))
+    try:
+        times = []
+        for _ in range(samples):
+            _ok(driver.cuEventRecord(start, 0))
+            for _ in range(calls):
+                call()
+            _ok(driver.cuEventRecord(end, 0))
+            _ok(driver.cuEventSynchronize(end))
+            times.append(_ok(driver.cuEventElapsedTime(start, end)) * 1e3 / calls)
+        return statistics.median(times)
+    finally:
+        driver.cuEventDestroy(start)
+        driver.cuEventDestroy(end)
+
+
+def _device_name(device: int) -> str:
+    from cuda.bindings import driver
+
+    from mdsl.backend.cuda.check import _ok
+
+    raw = _ok(driver.cuDeviceGetName(64, _ok(driver.cuDeviceGet(device))))
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
