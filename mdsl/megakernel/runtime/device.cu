@@ -14,6 +14,10 @@ constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
 constexpr int G = HQ / HKV;
 constexpr int STATE_QUEUE = 0, STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_TOKEN = 4, STATE_BAD_TOKEN = 5;
+// the watchdog's report: task + 1 (0: none), step, event, its count, the count needed
+constexpr int STATE_STUCK_TASK = 6, STATE_STUCK_STEP = 7, STATE_STUCK_EVENT = 8, STATE_STUCK_COUNT = 9,
+              STATE_STUCK_NEED = 10;
+constexpr unsigned long long WATCHDOG_NS = 5000000000ull;   // a wait this long is a deadlock: stop, report
 
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
 
@@ -520,9 +524,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid
     if (threadIdx.x < t.wait_count) {
       const int2 wt = p.waits[t.wait_begin + threadIdx.x];
       const unsigned need = unsigned(wt.y) * unsigned(step + 1);
-      while (ld_acquire(p.events + wt.x) < need) {
+      unsigned long long since = 0;
+      unsigned spins = 0, seen;
+      while ((seen = ld_acquire(p.events + wt.x)) < need) {
         if (ld_relaxed(p.state + STATE_STOP) < step) { aborted = 1; break; }
-        __nanosleep(32);
+        if (++spins % 1024 == 0) {
+          const unsigned long long now = globaltimer();
+          if (since == 0) {
+            since = now;
+          } else if (now - since > WATCHDOG_NS) {
+            if (atomicCAS(p.state + STATE_STUCK_TASK, 0, int(index % TASKS) + 1) == 0) {
+              p.state[STATE_STUCK_STEP] = int(step);
+              p.state[STATE_STUCK_EVENT] = wt.x;
+              p.state[STATE_STUCK_COUNT] = int(seen);
+              p.state[STATE_STUCK_NEED] = int(need);
+            }
+            atomicExch(p.state + STATE_STOP, -1);   // every worker leaves
+            aborted = 1;
+            break;
+          }
+        }
+        __nanosleep(64);
       }
     }
     __syncthreads();

@@ -28,8 +28,9 @@ from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, THREADS, generate_source
 
-_STATE_WORDS = 8                 # device.cu: queue (2 words), stop step, generated, next token, spare
-_STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5
+_STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
+_STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
+_STATE_STUCK = slice(6, 11)
 _NO_STOP = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
 DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
@@ -256,7 +257,9 @@ class MegakernelEngine:
         if eos:
             self._copy_in(p.eos, np.array(eos, dtype=np.int32))
         self._copy_in(p.events, self._initial_events)
-        self._copy_in(p.state, np.array([0, 0, _NO_STOP, 0, 0, 0, 0, 0], dtype=np.int32))
+        initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
+        initial_state[_STATE_STOP] = _NO_STOP
+        self._copy_in(p.state, initial_state)
         row = self.shape.hidden * self.shape.dtype.itemsize
         _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + tokens[start] * row, row, self._stream), "cuMemcpyDtoDAsync")
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(p))
@@ -267,6 +270,13 @@ class MegakernelEngine:
         _check(driver.cuStreamSynchronize(self._stream), "running the megakernel")
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
+        task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
+        if task:
+            waited = self.plan.events[event].producers
+            raise CudaError(f"the megakernel deadlocked: task {task - 1} ({self.plan.tasks[task - 1].label()}) of step "
+                            f"{step} waited over 5 s for event {event} (count {count}, needed {need}; producers "
+                            f"{list(waited[:8])}{' ...' if len(waited) > 8 else ''}); every worker stopped",
+                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
         if state[_STATE_BAD_TOKEN]:
             raise MdslError(f"the megakernel's logits had no maximum (NaN) at step {int(state[_STATE_STOP])}",
                             hint="check the weights for NaN or inf values")
