@@ -1,0 +1,199 @@
+"""The megakernel's task tables executed on the CPU by a numpy mirror of device.cu's task bodies and
+worker loop: W workers take task indices from one queue, a task runs only once its events reach
+producers * (step + 1), and the next worker to run is picked at random among those whose task is
+ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.reference) of
+the same tiny Llama-3 and Qwen3 models, with the prompt prefilled as steps of the same launch; a
+deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
+arithmetic (tiles, attention splits and the split that appends to the KV cache, the combine, the
+fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests check the CUDA."""
+import math
+
+import attrs
+import numpy as np
+import pytest
+
+from mdsl.ir.dtypes import bf16, round_to_dtype
+from mdsl.megakernel.reference import ReferenceModel
+from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan
+from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from tests.megakernel.tiny import tiny_model
+
+
+class Emulator:
+    """device.cu's Params and bodies in numpy (f32 math, values rounded to the model's dtype where the
+    kernel rounds them)."""
+
+    def __init__(self, plan, config, weights, workers: int, rng):
+        self.plan, self.s, self.rng, self.workers = plan, plan.shape, rng, workers
+        self.w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+        s = self.s
+        self.round = lambda x: round_to_dtype(np.asarray(x, np.float32), s.dtype)
+        self.cos, self.sin = rope_tables(s, plan.max_seq)
+        self.k_cache = np.zeros((s.layers, plan.max_seq, s.kv_heads, s.head_dim), np.float32)
+        self.v_cache = np.zeros_like(self.k_cache)
+        self.head = self.w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+
+    def layer(self, layer, name):
+        from mdsl.megakernel.runtime.engine import layer_weight_name
+
+        return self.w[layer_weight_name(layer, name)]
+
+    def norm(self, x, weight, eps):
+        r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
+        return self.round(weight * self.round(x * np.float32(r)))
+
+    def prepare_head(self, x, norm_weight, pos):
+        if norm_weight is not None:
+            x = self.norm(x, norm_weight, self.s.eps)
+        half = self.s.head_dim // 2
+        c, sn = self.round(np.tile(self.cos[pos], 2)), self.round(np.tile(self.sin[pos], 2))
+        rotated = np.concatenate([-x[half:], x[:half]])
+        return self.round(self.round(x * c) + self.round(rotated * sn))
+
+    def run(self, tokens, max_new):
+        """One launch from position 0; returns (new tokens, logits of the last step)."""
+        s, plan = self.s, self.plan
+        n_tasks = len(plan.tasks)
+        steps = len(tokens) - 1 + max_new
+        self.buf = {"h": np.zeros((s.layers + 1, s.hidden), np.float32), "mid": np.zeros((s.layers, s.hidden), np.float32),
+                    "qkv": np.zeros((s.layers, s.qkv_rows), np.float32),
+                    "attn": np.zeros((s.layers, s.attention_width), np.float32),
+                    "act": np.zeros((s.layers, s.intermediate), np.float32),
+                    "parts": np.zeros((s.layers, s.heads, plan.splits, s.head_dim + 2), np.float32),
+                    "logits": np.zeros(s.vocab, np.float32), "best": [None] * plan.lm_tiles}
+        self.buf["h"][0] = self.w["model.embed_tokens.weight"][tokens[0]]
+        self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
+        events = plan.initial_events().astype(np.int64)
+        queue = 0
+        held = []
+        for _ in range(self.workers):
+            held.append(queue)
+            queue += 1
+        while True:
+            ready = []
+            for w, index in enumerate(held):
+                if index is None:
+                    continue
+                step, k = divmod(index, n_tasks)
+                if index >= steps * n_tasks or (self.stop is not None and step > self.stop):
+                    held[w] = None       # the worker leaves, as on the device
+                    continue
+                if all(events[e] >= plan.events[e].per_step * (step + 1) for e in plan.waits[k]):
+                    ready.append(w)
+            if not ready:
+                assert all(h is None for h in held), f"deadlock: every worker waits ({held})"
+                return self.out, self.buf["logits"].copy()
+            w = ready[self.rng.integers(len(ready))]
+            step, k = divmod(held[w], n_tasks)
+            self.execute(plan.tasks[k], step, k)
+            for e in plan.signals[k]:
+                events[e] += 1
+            held[w] = queue
+            queue += 1
+
+    def execute(self, t, step, k):
+        s, b, pos = self.s, self.buf, step
+        if t.kind is Kind.QKV:
+            x = self.norm(b["h"][t.layer], self.layer(t.layer, "input_layernorm"), s.eps)
+            w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
+            b["qkv"][t.layer, t.begin:t.end] = self.round(w[t.begin:t.end] @ x)
+        elif t.kind is Kind.ATTN:
+            self.attention(t.layer, t.begin, t.end, pos)
+        elif t.kind is Kind.COMBINE:
+            part = b["parts"][t.layer, t.begin]
+            top = part[:, 0].max()
+            scale = np.where(part[:, 0] == -np.inf, 0.0, np.exp(part[:, 0] - top))
+            out = (scale[:, None] * part[:, 2:]).sum(0) / (scale * part[:, 1]).sum()
+            b["attn"][t.layer, t.begin * s.head_dim:(t.begin + 1) * s.head_dim] = self.round(out)
+        elif t.kind is Kind.OPROJ:
+            o = self.layer(t.layer, "o_proj")[t.begin:t.end] @ b["attn"][t.layer]
+            b["mid"][t.layer, t.begin:t.end] = self.round(b["h"][t.layer, t.begin:t.end] + self.round(o))
+        elif t.kind is Kind.GATEUP:
+            x = self.norm(b["mid"][t.layer], self.layer(t.layer, "post_attention_layernorm"), s.eps)
+            g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
+            u = self.round(self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
+            b["act"][t.layer, t.begin:t.end] = self.round(self.round(g / (1 + np.exp(-g))) * u)
+        elif t.kind is Kind.DOWN:
+            d = self.layer(t.layer, "down_proj")[t.begin:t.end] @ b["act"][t.layer]
+            b["h"][t.layer + 1, t.begin:t.end] = self.round(b["mid"][t.layer, t.begin:t.end] + self.round(d))
+        elif t.kind is Kind.LMHEAD:
+            x = self.norm(b["h"][s.layers], self.w["model.norm.weight"], s.eps)
+            logits = self.round(self.head[t.begin:t.end] @ x)
+            b["logits"][t.begin:t.end] = logits
+            b["best"][k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)] = \
+                (float(logits.max()), t.begin + int(np.argmax(logits)))
+        else:
+            self.sample(step, pos)
+
+    def attention(self, layer, g, split, pos):
+        s, b = self.s, self.buf
+        d, group = s.head_dim, s.group
+        qkv = b["qkv"][layer]
+        n = pos + 1
+        chunk = -(-n // self.plan.splits)
+        lo, hi = split * chunk, min(n, split * chunk + chunk)
+        qn = self.layer(layer, "q_norm") if s.qk_norm else None
+        kn = self.layer(layer, "k_norm") if s.qk_norm else None
+        q = np.stack([self.prepare_head(qkv[h * d:(h + 1) * d], qn, pos) for h in range(g * group, (g + 1) * group)])
+        if lo <= pos < hi:   # the split holding the newest position appends it to the cache
+            k_row = s.attention_width + g * d
+            v_row = s.attention_width + s.kv_heads * d + g * d
+            self.k_cache[layer, pos, g] = self.prepare_head(qkv[k_row:k_row + d], kn, pos)
+            self.v_cache[layer, pos, g] = qkv[v_row:v_row + d]
+        for h in range(group):
+            part = b["parts"][layer, g * group + h, split]
+            if hi <= lo:
+                part[:] = 0.0
+                part[0] = -np.inf
+                continue
+            scores = self.k_cache[layer, lo:hi, g] @ q[h] * np.float32(s.head_dim ** -0.5)
+            m = scores.max()
+            e = np.exp(scores - m)
+            part[0], part[1], part[2:] = m, e.sum(), e @ self.v_cache[layer, lo:hi, g]
+
+    def sample(self, step, pos):
+        value, token = max(self.buf["best"], key=lambda vi: (vi[0], -vi[1]))
+        next_pos = pos + 1
+        stop = next_pos >= self.plan.max_seq
+        if next_pos < len(self.tokens):
+            token = self.tokens[next_pos]
+        else:
+            self.out.append(token)
+            stop = stop or len(self.out) >= self.max_new
+        if stop:
+            self.stop = step
+        else:
+            self.buf["h"][0] = self.w["model.embed_tokens.weight"][token]
+
+
+@pytest.mark.parametrize("workers", [1, 3, 17])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_the_tables_compute_the_reference_forward(arch, workers):
+    config, graph, weights = tiny_model(arch, seed=3)
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+    check_plan(plan)
+    prompt, new = [3, 17, 42, 5], 8
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, workers, np.random.default_rng(workers)).run(prompt, new)
+    assert tuple(got) == want.tokens
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
+def test_attention_splits_cover_the_positions_once():
+    config, graph, weights = tiny_model("qwen3", seed=1)
+    plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions)
+    assert plan.splits > 4    # more splits than positions early on: empty splits must weigh nothing
+    prompt = [1, 2]
+    want = ReferenceModel(graph, weights).generate(prompt, 12)
+    got, _ = Emulator(plan, config, weights, 5, np.random.default_rng(0)).run(prompt, 12)
+    assert tuple(got) == want.tokens
+
+
+def test_bf16_rounding_follows_the_tables_without_nan():
+    config, graph, weights = tiny_model("llama3", seed=2)
+    config = attrs.evolve(config, dtype=bf16)
+    rounded = {k: round_to_dtype(np.asarray(v, np.float32), config.dtype) for k, v in weights.items()}
+    plan = build_plan(decoder_shape(config), workers=9, max_seq=config.max_positions)
+    got, logits = Emulator(plan, config, rounded, 9, np.random.default_rng(1)).run([4, 8], 6)
+    assert len(got) == 6 and np.isfinite(logits).all()
+    assert np.array_equal(logits, round_to_dtype(logits, config.dtype))
