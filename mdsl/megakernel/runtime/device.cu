@@ -237,25 +237,36 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
       w.k_cache[cache_row + d] = mdsl::from_float<T>(knew[d]);
       w.v_cache[cache_row + d] = mdsl::from_float<T>(vnew[d]);
     }
-  // scores: one warp per position
-  for (long long q = lo + warp; q < hi; q += NW) {
-    const T* kc = w.k_cache + (q * HKV + g) * D;
+  // scores: one thread per position, its key row read as 16-byte vectors (all in flight at once)
+  const int count = int(hi > lo ? hi - lo : 0);
+  for (int i = threadIdx.x; i < count; i += NT) {
+    const long long q = lo + i;
     float acc[G];
 #pragma unroll
     for (int h = 0; h < G; ++h) acc[h] = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const float k = q == pos ? knew[d] : mdsl::to_float(kc[d]);
+    if (q == pos) {
+      for (int d = 0; d < D; ++d)
 #pragma unroll
-      for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], k, acc[h]);
+        for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
+    } else {
+      const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D);
+      constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
+#pragma unroll 4
+      for (int c = 0; c < KV_VECTORS; ++c) {
+        const uint4 raw = kc[c];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+          const float k = mdsl::to_float(e[j]);
+#pragma unroll
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + c * PER + j], k, acc[h]);
+        }
+      }
     }
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      const float s = mdsl::group_reduce<32>(acc[h], mdsl::Sum());
-      if (lane == 0) scores[h * MAX_CHUNK + (q - lo)] = s * SCALE;
-    }
+    for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
   }
   __syncthreads();
-  const int count = int(hi > lo ? hi - lo : 0);
   for (int h = warp; h < G; h += NW) {
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
@@ -270,17 +281,46 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
     if (lane == 0) { stats[2 * h] = m; stats[2 * h + 1] = l; }
   }
   __syncthreads();
+  // weighted values: warp w takes positions w, w + NW, ...; lane takes dims lane, lane + 32, ... of
+  // every head; the warps' sums meet in shared memory
+  constexpr int DJ = (D + 31) / 32;
+  float acc[G][DJ];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
+#pragma unroll 2
+  for (int i = warp; i < count; i += NW) {
+    const long long q = lo + i;
+    const T* vc = w.v_cache + (q * HKV + g) * D;
+    float v[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      const int d = lane + 32 * j;
+      v[j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float weight = scores[h * MAX_CHUNK + i];
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
+    }
+  }
+  float* sums = stats + 2 * G;          // [NW][G][D]
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < DJ; ++j)
+      if (lane + 32 * j < D) sums[(warp * G + h) * D + lane + 32 * j] = acc[h][j];
+  __syncthreads();
   float* part = p.parts + (long long)t.layer * HQ * SPLITS * PART;
   for (int e = threadIdx.x; e < G * D; e += NT) {
     const int h = e / D, d = e % D;
-    float acc = 0.0f;
-    for (int i = 0; i < count; ++i) {
-      const long long q = lo + i;
-      const float v = q == pos ? vnew[d] : mdsl::to_float(w.v_cache[(q * HKV + g) * D + d]);
-      acc = fmaf(scores[h * MAX_CHUNK + i], v, acc);
-    }
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NW; ++k) total += sums[k * G * D + e];
     float* out = part + ((long long)(g * G + h) * SPLITS + split) * PART;
-    out[2 + d] = acc;
+    out[2 + d] = total;
     if (d == 0) { out[0] = stats[2 * h]; out[1] = stats[2 * h + 1]; }
   }
 }

@@ -71,6 +71,8 @@ def decoder_shape(config: ModelConfig) -> DecoderShape:
                         ("num_attention_heads * head_dim", config.num_heads * config.head_dim)):
         if value % vec:
             problems.append(f"{name} ({value}) is not a multiple of {vec} (16-byte weight loads)")
+    if config.head_dim * config.dtype.itemsize % 16:
+        problems.append(f"head_dim ({config.head_dim}) rows of the KV cache are not a multiple of 16 bytes")
     if problems:
         raise UnsupportedError("the megakernel cannot run this model: " + "; ".join(problems),
                                hint="the reference forward (mdsl.megakernel.reference) runs any built-in model")

@@ -53,10 +53,11 @@ class MegakernelSource:
 
 def shared_memory_bytes(plan: TaskPlan) -> int:
     """The largest task's shared memory: a linear's input row, or an attention task's q heads, new k
-    and v, per-warp scratch, scores and statistics; plus the block reductions' scratch."""
+    and v, per-warp scratch, scores, statistics and per-warp sums; plus the block reductions' scratch."""
     s = plan.shape
     linear = max(s.hidden, s.intermediate, s.attention_width)
-    attention = s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
+    attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
+                 + WARPS * s.group * s.head_dim)
     return 4 * (2 * WARPS + max(linear, attention))
 
 
