@@ -37,7 +37,7 @@ from mdsl.ir.text import print_graph
 
 SCHEMA = 1
 STAGES = (2, 3, 4)
-THREADS = (None, 128, 256)          # None: each block graph's own
+THREADS = (None, 256)               # None: each block graph's own
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
 
@@ -78,9 +78,9 @@ class TuneResult:
         return out
 
 
-def plan_candidates(plan) -> list:
-    """The plan's chosen mugraph, then its verified alternatives, best first."""
-    return [plan.graph] + [alt.graph for alt in plan.alternatives]
+def plan_candidates(plan, limit: Optional[int] = None) -> list:
+    """The plan's chosen mugraph, then its verified alternatives, best first (at most `limit` in all)."""
+    return ([plan.graph] + [alt.graph for alt in plan.alternatives])[:limit]
 
 
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS) -> list:
@@ -268,3 +268,32 @@ def _device_name(device: int) -> str:
 
     raw = _ok(driver.cuDeviceGetName(64, _ok(driver.cuDeviceGet(device))))
     return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m mdsl.backend.cuda.autotune [PLAN.json ...]`: tune the given plan cache entries (default:
+    every entry under $MDSL_CACHE_DIR/plans) on GPU 0 and print each one's variants, fastest first."""
+    import argparse
+
+    from mdsl.backend.cuda import runtime
+    from mdsl.search.cache import default_dir
+    from mdsl.search.plan import Plan
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("entries", nargs="*", type=Path)
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--candidates", type=int, default=3, help="the plan's best candidates tuned")
+    parser.add_argument("--no-cache", dest="cache", action="store_false")
+    args = parser.parse_args(argv)
+    if not runtime.has_gpu():
+        print("autotune: no GPU on this machine")
+        return 2
+    for path in args.entries or sorted((default_dir() / "plans").glob("*.json")):
+        plan = Plan.from_json(json.loads(path.read_text(encoding="utf-8"))["plan"])
+        result = autotune(plan_candidates(plan, args.candidates), plan.original, samples=args.samples, cache=args.cache)
+        print(f"== {plan.original.name} ({path.name})", *result.lines(), sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

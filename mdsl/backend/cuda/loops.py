@@ -20,6 +20,9 @@ from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
 
 
+BLOCK_UNROLL = 4
+
+
 @attrs.frozen
 class Threads:
     """The threads a loop is spread over: one block of `block` threads, or the whole grid of them."""
@@ -37,11 +40,14 @@ class Threads:
 
     @contextlib.contextmanager
     def each(self, w: CodeWriter, n: int, unrolled: bool = False) -> Iterator[None]:
-        """A loop giving each index `i` below n to one thread. It is kept rolled unless asked: the
-        compiler would unroll a known trip count fully, and many small loops unrolled cost seconds
-        of compile time and many registers for little gain on shared memory."""
+        """A loop giving each index `i` below n to one thread. Unless asked to unroll fully, a block's
+        loop is unrolled BLOCK_UNROLL times (several shared-memory round trips in flight per thread,
+        where a rolled loop waits for each in turn) and a grid's is kept rolled: the compiler would
+        unroll a known trip count fully, and many small loops unrolled fully cost seconds of compile
+        time and many registers for little gain."""
         if not unrolled:
-            w("#pragma unroll 1")
+            trips = -(-n // self.block)
+            w(f"#pragma unroll {BLOCK_UNROLL if not self.grid and trips > 1 else 1}")
         with w.block(f"for (int i = {self.first}; i < {n}; i += {self.count})"):
             yield
 

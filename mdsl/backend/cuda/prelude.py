@@ -47,6 +47,12 @@ __device__ __forceinline__ void copy(D* __restrict__ dst, const S* __restrict__ 
   if constexpr (Same<D, S>::value) {
     using W = typename Word<sizeof(S) * V>::type;
     *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+  } else if constexpr (sizeof(D) * V <= 16 && sizeof(D) * V >= 2) {  // converted in registers, one store
+    using W = typename Word<sizeof(D) * V>::type;
+    union { W word; D lanes[V]; } out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.lanes[j] = convert<D>(src[j]);
+    *reinterpret_cast<W*>(dst) = out.word;
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) dst[j] = convert<D>(src[j]);

@@ -86,3 +86,12 @@ def test_relative_error_and_tolerance():
     assert autotune.relative_error([np.ones((4, 4)) * 1.01], want) == pytest.approx(0.01)
     assert autotune.tolerance(fast_path_graphs()["ragged_matmuls_bf16"]) == 1e-2
     assert autotune.tolerance(fast_path_graphs()["ragged_matmuls_f16"]) == 3e-3
+
+
+def test_the_command_needs_a_gpu(capsys):
+    from mdsl.backend.cuda import runtime
+
+    if runtime.has_gpu():
+        pytest.skip("this machine has a GPU: tests/gpu/test_gpu_autotune.py runs the command's work")
+    assert autotune.main([]) == 2
+    assert "no GPU" in capsys.readouterr().out
