@@ -72,7 +72,8 @@ LABELS = {"eager": "eager", "sdpa": "SDPA", "cuda_graph": "CUDA graph", "compile
           "compile_max": "compile-max", "mdsl": "mdsl", "mdsl_graph": "mdsl graph",
           "mdsl_ptx": "mdsl PTX"}
 COMPILE_MODES = {"compile": None, "compile_max": "max-autotune-no-cudagraphs"}
-METHOD_OPTIONS = ("reps", "batch", "passes", "warmup", "tolerance", "seed", "l2_multiple", "max_input_mb", "budget")
+METHOD_OPTIONS = ("reps", "batch", "passes", "warmup", "tolerance", "seed", "l2_multiple", "max_input_mb", "budget",
+                  "autotune")
 
 # the inputs of each case family: ("normal", std) or ("uniform", low, high), by parameter name
 INPUTS = {
@@ -113,6 +114,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="include torch.compile(mode='max-autotune-no-cudagraphs') (default: yes)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph contenders (PyTorch's and mdsl's)")
+    p.add_argument("--autotune", type=int, default=3, metavar="N",
+                   help="before timing, autotune the plan's best N verified candidates over the CUDA "
+                        "backend's lowering options on the GPU and time the fastest correct one (0: the plan "
+                        "as chosen, default options)")
     p.add_argument("--no-ptx", dest="ptx", action="store_false",
                    help="skip mdsl's PTX-backend contender (the same plan through llvmlite's NVPTX target)")
     p.add_argument("--tolerance", type=float, default=3e-3, help="relative error bound, ||out - ref|| / ||ref||")
@@ -406,6 +411,11 @@ def render_markdown(results: dict) -> str:
             if c.get("status") == "failed" or (c.get("status") == "skipped"
                                                and not str(c.get("reason", "")).startswith("--")):
                 notes.append(f"- {name} / {LABELS.get(cname, cname)}: {c['status']}: {c.get('reason', '')}")
+        tuned = case.get("autotune") or {}
+        if tuned.get("error"):
+            notes.append(f"- {name}: autotuning failed ({tuned['error']}): the plan's choice was timed")
+        elif tuned.get("choice"):
+            notes.append(f"- {name}: autotuned: {tuned['choice']} ({tuned['us']:.1f} µs in the tuner)")
         if (case.get("plan") or {}).get("error"):
             notes.append(f"- {name}: no plan: {case['plan']['error']}")
         check = case.get("reference_check")
@@ -695,9 +705,10 @@ class Bench:
         if args.compile:
             torch._dynamo.reset()   # nothing compiled for an earlier case stays (or is reused with its shapes)
         eager = programs["eager"]
-        makers = [("mdsl", self.mdsl, (plan, sets, out_shape, out_dtype, False)),
-                  ("mdsl_graph", self.mdsl, (plan, sets, out_shape, out_dtype, True)),
-                  ("mdsl_ptx", self.mdsl, (plan, sets, out_shape, out_dtype, False, "ptx")),
+        chosen, options = self.tuned(plan, rec) if plan is not None else (None, None)
+        makers = [("mdsl", self.mdsl, (chosen, sets, out_shape, out_dtype, False, "cuda", options)),
+                  ("mdsl_graph", self.mdsl, (chosen, sets, out_shape, out_dtype, True, "cuda", options)),
+                  ("mdsl_ptx", self.mdsl, (chosen, sets, out_shape, out_dtype, False, "ptx")),
                   *((n, self.eager, (f, sets)) for n, f in programs.items()),
                   ("cuda_graph", self.graph_of, (eager, sets)),
                   *((n, self.compiled, (eager, mode, sets)) for n, mode in COMPILE_MODES.items())]
@@ -814,9 +825,29 @@ class Bench:
         graphs, outs = self.capture([lambda s=s: fn(*s) for s in sets])
         return self.replayer("cuda graph", graphs, outs)
 
-    def mdsl(self, plan, sets: list, out_shape: tuple, out_dtype, graphs: bool, backend: str = "cuda") -> Contender:
+    def tuned(self, plan, rec: dict) -> tuple:
+        """The mugraph and CUDA options mdsl's contenders run: the autotuner's pick among the plan's best
+        --autotune candidates (recorded in rec["autotune"]), else the plan's choice with default options."""
+        if not self.args.autotune:
+            return plan.graph, None
+        from mdsl.backend.cuda.autotune import autotune, plan_candidates
+
+        t0 = time.perf_counter()
+        try:
+            best = autotune(plan_candidates(plan, limit=self.args.autotune), plan.original, device=self.device)
+        except Exception as e:   # the plan as chosen is still worth timing; say why it was not tuned
+            rec["autotune"] = {"error": _one_line(e), "seconds": time.perf_counter() - t0}
+            _say(f"autotune failed, timing the plan as chosen: {_one_line(e)}")
+            return plan.graph, None
+        rec["autotune"] = {"choice": best.variant.describe(), "candidate": best.variant.candidate,
+                           "us": best.us, "report": best.lines(), "seconds": time.perf_counter() - t0}
+        _say("\n   ".join(best.lines()))
+        return best.graph, best.options
+
+    def mdsl(self, graph, sets: list, out_shape: tuple, out_dtype, graphs: bool, backend: str = "cuda",
+             options=None) -> Contender:
         torch = self.torch
-        exe = self.runtime.compile_graph(plan.graph, arch=self.arch, device=self.device, backend=backend)
+        exe = self.runtime.compile_graph(graph, arch=self.arch, device=self.device, backend=backend, options=options)
         outs = [torch.empty(out_shape, dtype=out_dtype, device=self.dev) for _ in sets]
         exe(list(sets[0]), [outs[0]])   # the checked path once: shapes, dtypes, devices, alignment
         torch.cuda.synchronize()

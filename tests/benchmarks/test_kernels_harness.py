@@ -141,6 +141,15 @@ def test_ptx_over_cuda_compares_the_two_backends_of_the_same_plan():
     assert "| 1.05 |" in K.render_markdown({"cases": {"x": fake_case(mdsl=contender(4.0), mdsl_ptx=contender(4.2))}})
 
 
+def test_the_autotuner_s_choice_or_failure_is_noted_under_the_table():
+    tuned = {**fake_case(mdsl=contender(4.0)), "autotune": {"choice": "candidate 1, 2-stage pipeline", "us": 3.9}}
+    failed = {**fake_case(mdsl=contender(4.0)), "autotune": {"error": "no variant ran correctly"}}
+    text = K.render_markdown({"cases": {"a": tuned, "b": failed}})
+    assert "- a: autotuned: candidate 1, 2-stage pipeline (3.9 µs in the tuner)" in text
+    assert "- b: autotuning failed (no variant ran correctly): the plan's choice was timed" in text
+    assert K.parse_args([]).autotune == 3 and K.parse_args(["--autotune", "0"]).autotune == 0
+
+
 def test_no_speed_up_without_both_sides():
     assert K.derive(fake_case(eager=contender(3.0)))["speedup"] is None
     no_baseline = K.derive(fake_case(mdsl=contender(3.0), eager=contender(1.0, "failed")))
