@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything a session checks on the GPU machine, in ONE call that installs nothing (device time is
+# scarce and a fresh machine takes a minute to start):
+#   1. the GPU tests (every program through the CUDA and PTX backends, the CUDA fast paths on and off,
+#      the megakernel against transformers), without -x so that one failure does not hide the others;
+#   2. the kernel benchmark of the ten cases (plans from the carried plan cache .plans/);
+#   3. the megakernel decode benchmark (quick mode) and one profiler trace.
+# Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only.
+# Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, session.tar.gz (everything).
+#
+#   device run: bash scripts/gpu_session.sh          (carry: [".plans"])
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT/all"
+PY=python3
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
+export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
+TESTS_LIMIT="${TESTS_LIMIT:-170}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-150}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc and seconds
+    local name=$1 limit=$2 log=$3; shift 3
+    local t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1
+    local rc=$?
+    local took=$(( $(date +%s) - t0 ))
+    tail -n 30 "$log"
+    printf '%-10s rc=%-4s %4ss  %s\n' "$name" "$rc" "$took" "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)" \
+        | tee -a "$SUMMARY"
+    [ "$rc" -eq 124 ] && echo "           (killed at its ${limit}s limit)" | tee -a "$SUMMARY"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  git log -1 --format='commit %h %s' 2>/dev/null || true; } 2>&1 | tee -a "$SUMMARY"
+
+# a throwaway plan cache for the tests (no plan from an earlier run is reused); the benchmark reads .plans
+stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" \
+    $PY -m pytest tests/gpu -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -n 14 -rfE
+grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
+
+stage kernels "$KERNELS_LIMIT" "$OUT/all/kernels.log" env MDSL_CACHE_DIR="$PWD/.plans" \
+    $PY benchmarks/kernels.py --no-compile --time-limit $(( KERNELS_LIMIT - 40 )) --out "$OUT/all/kernels"
+cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
+
+stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick --out "$OUT/all/decode"
+tail -n 40 "$OUT/all/decode.log" > "$OUT/decode.txt"
+
+tar -czf "$OUT/session.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
+echo "== summary"; cat "$SUMMARY"
