@@ -209,7 +209,8 @@ class MegakernelEngine:
         p.out_tokens = self._zeros(self.max_seq, i32)
         p.eos = self._zeros(max(1, len(self.eos_token_ids)), i32)
         self._stream = _cu_stream(0)
-        self._events = (_check(driver.cuEventCreate(0), "cuEventCreate"), _check(driver.cuEventCreate(0), "cuEventCreate"))
+        self._events = tuple(_check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+                             for _ in range(2))
 
     def _copy_in(self, ptr: int, values: np.ndarray) -> None:
         values = np.ascontiguousarray(values)
