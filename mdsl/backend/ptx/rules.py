@@ -20,7 +20,7 @@ import attrs
 
 from mdsl.backend.cuda.loops import blocks_for, without
 # the CUDA backend's choices, shared so that both backends launch the same kernels
-from mdsl.backend.cuda.rules import GEMM_TILE, KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes
+from mdsl.backend.cuda.rules import KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import F32, Array, KernelFunction, f32, i32
@@ -30,9 +30,11 @@ from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node
 from mdsl.ir.ops import extend_op
 
-GEMM_K_STEP = 16          # K per shared-memory stage of the standard matmul kernel
-GEMM_PER_THREAD = 4       # each thread keeps a 4 x 4 piece of the 64 x 64 tile
+GEMM_TILE = 64            # the standard matmul kernel: a 64 x 64 tile of the product per block,
+GEMM_K_STEP = 16          # K walked 16 at a time through shared memory,
+GEMM_PER_THREAD = 4       # each thread keeping a 4 x 4 piece of the tile:
 _GEMM_SIDE = GEMM_TILE // GEMM_PER_THREAD   # 16 x 16 threads
+GEMM_THREADS = _GEMM_SIDE * _GEMM_SIDE
 _A_PAD = 4                # A's tile is stored transposed, its rows padded against bank conflicts
 
 
@@ -165,7 +167,7 @@ class Matmul:
             raise UnsupportedError(f"matmul over {batches} batches: at most 65535 (the grid's z dim)",
                                    hint="reshape the batch dims into the rows of the left operand")
         grid = (-(-n // GEMM_TILE), -(-m // GEMM_TILE), batches)
-        with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=grid, threads=GEMM_THREADS) as k:
             fn = k.fn
             z = fn.sreg("ctaid.z") if batch else None
             a, w, out = (_batch_start(fn, op, batch, z) for op in (k.inputs[0], k.inputs[1], k.outputs[0]))
@@ -190,7 +192,7 @@ def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array
 
     def stage(src: Array, rows: int, cols: int, rows_limit, row0, col0, cols_limit, ld: int, store) -> None:
         """Copy a rows x cols piece of `src` at (row0, col0) to shared memory, zero outside it."""
-        for e0 in range(0, rows * cols, KERNEL_THREADS):
+        for e0 in range(0, rows * cols, GEMM_THREADS):
             e = b.add(tid, i32(e0))
             r, c = b.udiv(e, i32(cols)), b.urem(e, i32(cols))
             gr, gc = b.add(row0, r), b.add(col0, c)
