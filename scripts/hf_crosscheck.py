@@ -11,10 +11,15 @@ has them plus attrs and numpy, with the repository on the path:
     /work/hfenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
     /work/hfenv/bin/pip install transformers safetensors numpy attrs
     PYTHONPATH=. /work/hfenv/bin/python scripts/hf_crosscheck.py [--steps 32] [--dtype float32|bfloat16]
+
+`--write-golden tests/megakernel/hf_golden.json` records transformers' tokens and logits for tiny
+checkpoints written by mdsl's own writer from `pattern_weights` (integer-hash weights, identical on
+every machine), so that CI, which has no torch, checks the reference forward against them.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 
@@ -23,8 +28,8 @@ import torch
 import transformers
 
 from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import load_weights
-from mdsl.megakernel.config import load_config
+from mdsl.megakernel.checkpoint import load_weights, pattern_weights, save_checkpoint
+from mdsl.megakernel.config import config_from_dict, load_config
 from mdsl.megakernel.reference import ReferenceModel
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
@@ -73,12 +78,53 @@ def check(arch: str, dtype_name: str, steps: int, seed: int) -> dict:
             "max_rel_logit_diff": float(diff.max() / scale), "distinct_tokens": len(set(theirs_tokens))}
 
 
+GOLDEN_COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
+                 "max_position_embeddings": 64, "torch_dtype": "float32", "hidden_act": "silu"}
+GOLDEN_CONFIGS = {
+    "llama3": {**GOLDEN_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "rope_theta": 500000.0, "tie_word_embeddings": False,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+    "qwen3": {**GOLDEN_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              "rope_theta": 1000000.0, "tie_word_embeddings": True},
+}
+GOLDEN_PROMPT = [3, 41, 7, 22]
+GOLDEN_SCALE = 0.5   # large enough weights that greedy decoding wanders over many tokens
+
+
+def golden(steps: int) -> dict:
+    """transformers' greedy tokens and per-position logits on checkpoints written by mdsl."""
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "prompt": GOLDEN_PROMPT,
+           "steps": steps, "weight_scale": GOLDEN_SCALE, "models": {}}
+    for arch, raw in GOLDEN_CONFIGS.items():
+        config = config_from_dict(raw)
+        graph = step_function(config).trace(config)
+        with tempfile.TemporaryDirectory() as folder:
+            save_checkpoint(folder, raw, pattern_weights(graph, GOLDEN_SCALE))
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([GOLDEN_PROMPT]), max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            logits = model(seq[:, :-1]).logits[0].float().numpy()
+        out["models"][arch] = {"config": raw, "tokens": seq[0, len(GOLDEN_PROMPT):].tolist(),
+                               "logits": [[float(f"{v:.7g}") for v in row] for row in logits]}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-golden", metavar="PATH", help="record the CI golden file and stop")
     args = ap.parse_args(argv)
+    if args.write_golden:
+        with open(args.write_golden, "w") as f:
+            json.dump(golden(24), f, separators=(",", ":"))
+            f.write("\n")
+        print(f"wrote {args.write_golden}")
+        return 0
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     ok = True
     for arch in ("llama3", "qwen3"):

@@ -54,6 +54,22 @@ def random_weights(graph: ModelGraph, seed: int = 0, scale: float = 0.08) -> dic
     return out
 
 
+def pattern_weights(graph: ModelGraph, scale: float = 0.3) -> dict:
+    """Pseudo-random weights from integer arithmetic alone, the same on every machine and numpy version
+    (golden values recorded with another framework stay valid): norm weights in [0.8, 1.2), matrices
+    uniform in [-scale, scale), rounded to the dtype."""
+    out = {}
+    for k, w in enumerate(graph.weights):
+        z = (np.arange(1, w.type.numel + 1, dtype=np.uint64) + np.uint64(k << 40)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)     # splitmix64's finaliser
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        u = (z >> np.uint64(40)).astype(np.float64) / float(1 << 24)       # [0, 1), 24 exact bits
+        values = 0.8 + 0.4 * u if w.type.rank == 1 else scale * (2 * u - 1)
+        out[w.name] = round_to_dtype(values.reshape(w.shape).astype(np.float32), w.dtype)
+    return out
+
+
 def save_checkpoint(folder: str, config: dict, weights: dict, *, dtype_name: Optional[str] = None,
                     shards: int = 1) -> None:
     """Write config.json and the weights (in the config's torch_dtype) the way save_pretrained does."""
