@@ -2,7 +2,8 @@
 runtime's event semantics, with random interleavings of a random number of workers.
 
 Like the persistent kernel, a scheduler hands out the tasks of step 0, then of step 1, ... in the task
-graph's order, one at a time to whichever worker asks; a worker waits until every event it waits on has
+graph's order, one at a time to whichever worker asks (`dispatch="queue"`), or deals them round-robin
+into per-worker queues up front, as MPK does (`dispatch="round_robin"`); a worker waits until every event it waits on has
 reached its threshold for the task's step, runs the body, and later (any number of other workers' moves
 may come between) increments the events it signals. Which worker moves next is random.
 
@@ -80,26 +81,31 @@ class Simulator:
         return buf
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, workers: int = 4, seed: int = 0,
-                 max_moves: Optional[int] = None) -> Generation:
+                 dispatch: str = "queue", max_moves: Optional[int] = None) -> Generation:
         """Prefill and decode like `ReferenceModel.generate`, under one random interleaving."""
+        if dispatch not in ("queue", "round_robin"):
+            raise ValueError(f"dispatch must be 'queue' or 'round_robin', not {dispatch!r}")
         steps = check_steps(self.model, prompt_ids, max_new_tokens)
         rng = random.Random(seed)
         buf = self._buffers(prompt_ids)
         counters = defaultdict(int)
         done = [0] * len(self.graph.tasks)        # steps each task has finished (signalled)
-        queue = deque((s, t.id) for s in range(steps) for t in self.graph.tasks)
+        order = [(s, t.id) for s in range(steps) for t in self.graph.tasks]
+        # one shared queue, or worker w's own queue of every workers-th task
+        queues = [deque(order)] if dispatch == "queue" else [deque(order[w::workers]) for w in range(workers)]
+        queue_of = (lambda w: queues[0]) if dispatch == "queue" else (lambda w: queues[w])
         current = [None] * workers                # (step, task id, phase) per worker; phase: wait | signal
         logits = [None] * steps
-        moves, limit = 0, max_moves or 20 * len(queue) + 1000
-        while queue or any(c is not None for c in current):
-            movable = [w for w in range(workers) if self._can_move(current[w], queue, counters)]
+        moves, limit = 0, max_moves or 20 * len(order) + 1000
+        while any(queues) or any(c is not None for c in current):
+            movable = [w for w in range(workers) if self._can_move(current[w], queue_of(w), counters)]
             if not movable:
                 raise SimulationError(f"deadlock: {self._describe(current, counters)}",
                                       hint="an event waits on a task that never signals it")
             w = rng.choice(movable)
             job = current[w]
             if job is None:
-                step, tid = queue.popleft()
+                step, tid = queue_of(w).popleft()
                 current[w] = (step, tid, "wait")
             elif job[2] == "wait":
                 step, tid, _ = job

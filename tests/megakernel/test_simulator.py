@@ -24,8 +24,8 @@ def test_simulator_matches_reference_under_random_interleavings(arch, num_sms, k
     task_graph = build_task_graph(graph, PartitionConfig(num_sms=num_sms, column_align=4, kv_splits=kv_splits))
     sim = Simulator(task_graph, weights)
     rng = random.Random(num_sms)
-    for trial in range(3):
-        got = sim.generate(PROMPT, 6, workers=rng.randint(1, 12), seed=rng.randrange(1 << 30))
+    for dispatch in ("queue", "round_robin", "queue"):
+        got = sim.generate(PROMPT, 6, workers=rng.randint(1, 12), seed=rng.randrange(1 << 30), dispatch=dispatch)
         assert got.tokens == expected.tokens
         assert got.logits.shape == (len(PROMPT) - 1 + 6, config.vocab_size)
         np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
