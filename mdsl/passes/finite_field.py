@@ -265,6 +265,11 @@ class Field:
     def matmul(self, a, b):
         return np.stack([matmul_mod(a[..., k], b[..., k], m) for k, m in enumerate((self.p, self.q))], axis=-1)
 
+    def matmul_p_only(self, a, b):
+        """matmul's p-residues, with q-residues 0: for a product whose q-residues nothing reads."""
+        p = matmul_mod(a[..., 0], b[..., 0], self.p)
+        return np.stack([p, np.zeros_like(p)], axis=-1)
+
     # -- exp and the random oracles ------------------------------------------------------------
 
     def salt(self, key: str) -> int:
@@ -307,6 +312,9 @@ class FieldRule:
 
     apply: Callable
     degree: Callable
+    reads_q: tuple = ()                        # inputs whose q-residues it reads, whatever its outputs feed
+    apply_p_only: Optional[Callable] = None    # as apply, for outputs whose q-residues nothing reads: it
+    # computes their p-residues only (q-residues 0), where that saves real work
 
 
 FRESH: Deg = (1, 0)  # an oracle or exp value: a fresh variable in the bound's model
@@ -429,7 +437,7 @@ def _same(d: Deg, a) -> Deg:
 
 
 _RULES: dict[str, FieldRule] = {
-    "exp": _elementwise(lambda f, x, a: f.exp(x), lambda d, a: FRESH),
+    "exp": attrs.evolve(_elementwise(lambda f, x, a: f.exp(x), lambda d, a: FRESH), reads_q=(0,)),
     "silu": _times_oracle("sigmoid"),
     "gelu": _times_oracle("gelu"),
     "relu": _oracle(lambda a: "relu"),
@@ -450,7 +458,8 @@ _RULES: dict[str, FieldRule] = {
     "mul": _elementwise(lambda f, x, y, a: f.mul(x, y), lambda d, e, a: _times(d, e)),
     "div": _elementwise(lambda f, x, y, a: f.div(x, y), lambda d, e, a: _over(d, e)),
     "matmul": FieldRule(lambda f, xs, a: [f.matmul(*xs)],
-                        lambda ds, ts, a, loop: [_sum_of(_times(*ds), ts[0].shape[-1])]),
+                        lambda ds, ts, a, loop: [_sum_of(_times(*ds), ts[0].shape[-1])],
+                        apply_p_only=lambda f, xs, a: [f.matmul_p_only(*xs)]),
     "sum": _reduction(Field.sum, _sum_of),
     "mean": _reduction(Field.mean, _sum_of),
     "max": _reduction(Field.max, lambda d, n: d),  # it picks one of its arguments
@@ -465,11 +474,12 @@ _RULES: dict[str, FieldRule] = {
     "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
     "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH),
     "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, t: ds[0]),
-    "accum_rescale": _accumulator(lambda f, its, a: _rescaled_sum(f, its, [it[0] for it in its]),
-                                  lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r)),
-    "accum_sum_rescale": _accumulator(
+    # (the rescaling accumulators exponentiate their maxima, input 1)
+    "accum_rescale": attrs.evolve(_accumulator(lambda f, its, a: _rescaled_sum(f, its, [it[0] for it in its]),
+                                               lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r)), reads_q=(1,)),
+    "accum_sum_rescale": attrs.evolve(_accumulator(
         lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),
-        lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r)),
+        lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r)), reads_q=(1,)),
 }
 
 for _name, _rule in _RULES.items():
@@ -487,11 +497,44 @@ def field_rule(opdef: OpDef) -> FieldRule:
 # ---------------------------------------------------------------------------------------------
 # evaluation
 
+def q_residues_read(graph: KernelGraph) -> frozenset:
+    """The names of the values whose q-residues may be read: those an exp or a rescaling accumulator
+    reads (`FieldRule.reads_q`), and, going backwards, every input of an operator with such an output
+    (whatever the operator, so the set can only be too large). Outputs are compared by p-residue, so
+    nothing else reads a q-residue. Names are not unique across the levels of a mugraph (a block
+    graph may reuse a kernel-level name): one read at any level counts at every level."""
+    read: set = set()
+
+    def walk(nodes: Sequence[Node], live: set) -> None:
+        for node in reversed(nodes):
+            outputs_read = [v.name in live for v in node.outputs]
+            if node.opdef.is_graph_defined:
+                body = node.body
+                if isinstance(body, BlockGraph):
+                    inputs, outputs = [i.var for i in body.inputs], [o.var for o in body.outputs]
+                else:
+                    inputs, outputs = body.inputs, body.outputs
+                inner = {v.name for v, r in zip(outputs, outputs_read) if r}
+                walk(body.nodes, inner)
+                needed = [v.name in inner for v in inputs]
+            else:
+                reads_q = field_rule(node.opdef).reads_q
+                needed = [any(outputs_read) or k in reads_q for k in range(len(node.inputs))]
+            live.update(v.name for v, n in zip(node.inputs, needed) if n)
+        read.update(live)
+
+    walk(graph.nodes, set())
+    return frozenset(read)
+
+
 @attrs.frozen
 class FieldSemantics:
-    """`mdsl.ir.evaluate`'s walk over values in one test's field."""
+    """`mdsl.ir.evaluate`'s walk over values in one test's field. With `q_read` (the names from
+    `q_residues_read`), an operator none of whose outputs is in it skips its q-residues where its rule
+    can (`FieldRule.apply_p_only`); without it every residue is computed."""
 
     field: Field
+    q_read: Optional[frozenset] = None
 
     def take_input(self, var: Var, array) -> np.ndarray:
         array = np.array(array, dtype=np.int64)
@@ -510,7 +553,11 @@ class FieldSemantics:
         return value.shape[:-1]
 
     def apply(self, node: Node, args: list) -> list:
-        return field_rule(node.opdef).apply(self.field, args, node.attr_dict)
+        rule = field_rule(node.opdef)
+        if (rule.apply_p_only is not None and self.q_read is not None
+                and not any(v.name in self.q_read for v in node.outputs)):
+            return rule.apply_p_only(self.field, args, node.attr_dict)
+        return rule.apply(self.field, args, node.attr_dict)
 
     def accumulate(self, node: Node, iterations: list) -> list:
         return field_rule(node.opdef).apply(self.field, iterations, node.attr_dict)
@@ -520,8 +567,9 @@ class FieldSemantics:
 
 
 def run_in_field(graph: KernelGraph, inputs: Sequence[np.ndarray], field: Field) -> list:
-    """Evaluate a kernel graph on field values (arrays of shape tensor shape + (2,))."""
-    return evaluate.run_kernel_graph(graph, inputs, FieldSemantics(field))
+    """Evaluate a kernel graph on field values (arrays of shape tensor shape + (2,)). The outputs'
+    p-residues are exact; q-residues that nothing reads may be left 0 (see `q_residues_read`)."""
+    return evaluate.run_kernel_graph(graph, inputs, FieldSemantics(field, q_residues_read(graph)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,8 +44,13 @@ computed once per process per (original, seed, test) and reused (`ORIGINAL_RUNS`
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Any, Callable, Optional
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import attrs
 import numpy as np
@@ -243,30 +248,93 @@ class _FloatRun:
         return worst[1], worst[2], None
 
 
+_ELSEWHERE = object()   # a shared run that another process has claimed and not yet written
+#: How long a process waits for a run that another one claimed before it makes the run itself.
+SHARED_WAIT_S = 900.0
+
+
 class _OriginalRuns:
     """The original's runs, made once per process for each (original, seed, test): a search verifies
     every candidate against one original with one seed, so a candidate costs only its own evaluations.
-    Only one (original, seed) is kept: at benchmark shapes its inputs take a gigabyte or more."""
+    Only one (original, seed) is kept: at benchmark shapes its inputs take a gigabyte or more.
+
+    Processes that `share` a directory (a search's workers) make each run once between them: the
+    first to claim a run (a file created exclusively) makes it and writes it there (atomically), the
+    others read it. Runs are deterministic for (original, seed, test), so whoever makes one makes the
+    same run."""
 
     def __init__(self):
         self.key: Optional[tuple] = None
         self.runs: dict = {}
         self.hits = self.misses = 0
+        self.shared: Optional[Path] = None
 
-    def get(self, make: Callable, original: KernelGraph, seed: int, test: int) -> Any:
+    def share(self, directory: Union[str, Path, None]) -> None:
+        self.shared = None if directory is None else Path(directory)
+
+    def get(self, make: Callable, original: KernelGraph, seed: int, test: int, wait: bool = True) -> Any:
         """`make(original, rng)` (_FieldRun.of, _FloatRun.of or _FloatRun.large) with the randomness of
-        test number `test`."""
+        test number `test`. Without `wait`, a run that another process is making is `_ELSEWHERE`."""
         if self.key != (original.key, seed):
             self.key, self.runs = (original.key, seed), {}
         if (make, test) in self.runs:
             self.hits += 1
-        else:
+            return self.runs[make, test]
+        run = self._make(make, original, seed, test) if self.shared is None else \
+            self._shared(make, original, seed, test, wait)
+        if run is not _ELSEWHERE:
             self.misses += 1
-            self.runs[make, test] = make(original, _rng(seed, test))
-        return self.runs[make, test]
+            self.runs[make, test] = run
+        return run
+
+    @staticmethod
+    def _make(make: Callable, original: KernelGraph, seed: int, test: int) -> Any:
+        return make(original, _rng(seed, test))
+
+    def _shared(self, make: Callable, original: KernelGraph, seed: int, test: int, wait: bool) -> Any:
+        digest = hashlib.sha256(original.key.encode()).hexdigest()[:16]
+        path = self.shared / f"{digest}-{seed}-{make.__qualname__}-{test}.pickle"
+        try:
+            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another process makes it
+            if not wait:
+                return _ELSEWHERE
+            deadline = time.monotonic() + SHARED_WAIT_S
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if path.exists():
+                with open(path, "rb") as f:
+                    return _frozen(pickle.load(f))
+            return self._make(make, original, seed, test)  # it never came: make it here
+        run = self._make(make, original, seed, test)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        with open(partial, "wb") as f:
+            pickle.dump(run, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(partial, path)
+        return run
+
+
+def _frozen(run: Any) -> Any:
+    """A run read back from a file, with its arrays read-only again (pickling does not keep the flag)."""
+    if run is not None:
+        for value in attrs.astuple(run, recurse=False):
+            if isinstance(value, list):
+                _read_only(value)
+    return run
 
 
 ORIGINAL_RUNS = _OriginalRuns()
+
+
+def prepare(original: KernelGraph, *, tests: int = 3, seed: int = 0) -> None:
+    """Make the original's side of `verify(original, ..., tests=tests, seed=seed)` now (a search's
+    worker does, while the first candidates are generated): first the runs no other process sharing
+    ORIGINAL_RUNS' directory has claimed, then those the others make."""
+    runs = [(_FieldRun.of, t) for t in range(tests)] + [(_FloatRun.of, tests), (_FloatRun.large, tests + 1)]
+    for make, test in runs:
+        ORIGINAL_RUNS.get(make, original, seed, test, wait=False)
+    for make, test in runs:
+        ORIGINAL_RUNS.get(make, original, seed, test)
 
 
 def verify(original: KernelGraph, candidate: KernelGraph, *, tests: int = 3, seed: int = 0,

@@ -30,6 +30,7 @@ import importlib
 import inspect
 import json
 import math
+import tempfile
 import time
 import warnings
 from concurrent.futures.process import BrokenProcessPool
@@ -177,7 +178,8 @@ class _Search:
         self.log.write("start", key=self.original.key, cost_s=estimate(self.original).seconds,
                        floor_s=roofline_floor(self.original).seconds, generators=[_name(g) for g in generators],
                        config={**self.config.cache_fields(), "workers": self.config.workers})
-        self.executor = _start_workers(self.config.workers, self.verifier, self.original)
+        shared = tempfile.TemporaryDirectory(prefix="mdsl-original-runs-")  # the workers' runs of the original
+        self.executor = _start_workers(self.config, self.verifier, self.original, shared.name)
         stream = self._stream(generators)
         try:
             self._start_with_original()
@@ -185,6 +187,7 @@ class _Search:
         finally:
             stream.close()
             _stop_workers(self.executor, _STOP_GRACE_S if not (self.in_flight or self.stats.timed_out) else 0.0)
+            shared.cleanup()
         return self._finish()
 
     def _loop(self, stream: Iterator) -> None:
@@ -404,9 +407,14 @@ def _display(progress: Progress) -> Optional[Callable]:
     return progress or None
 
 
-def _start_workers(n: int, verifier: Callable, original: KernelGraph) -> cf.ProcessPoolExecutor:
-    return cf.ProcessPoolExecutor(max_workers=n, mp_context=worker.context(), initializer=worker.init,
-                                  initargs=(verifier, worker.graph_text(original)))
+def _start_workers(config: SearchConfig, verifier: Callable, original: KernelGraph,
+                   shared_dir: str) -> cf.ProcessPoolExecutor:
+    executor = cf.ProcessPoolExecutor(max_workers=config.workers, mp_context=worker.context(),
+                                      initializer=worker.init,
+                                      initargs=(verifier, worker.graph_text(original), shared_dir,
+                                                config.verify_tests, config.seed))
+    executor.submit(worker.ready)  # the workers start now, and prepare while the generators work
+    return executor
 
 
 def _stop_workers(executor: cf.ProcessPoolExecutor, grace_s: float) -> None:

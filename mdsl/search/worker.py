@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import types
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
@@ -28,11 +28,28 @@ def graph_text(graph: KernelGraph) -> str:
     return json.dumps(serialize.to_json(graph), separators=(",", ":"), allow_nan=False)
 
 
-def init(verifier: Callable, original_text: str) -> None:
+def init(verifier: Callable, original_text: str, shared_dir: Optional[str] = None, tests: int = 3,
+         seed: int = 0) -> None:
+    """A worker's start. With the default verifier and `shared_dir`, the workers of a search make the
+    original's side of the tests together, each run once (`mdsl.passes.verify.prepare`), before the
+    first candidate comes, rather than each all of it when its first candidate does."""
     # Ctrl-C reaches the whole process group: the search handles it and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _state["verifier"] = verifier
     _state["original"] = serialize.loads(original_text)
+    from mdsl.passes import verify as default  # (imported here: a custom verifier may not need it)
+
+    if shared_dir is not None and verifier is default.verify:
+        default.ORIGINAL_RUNS.share(shared_dir)
+        try:
+            default.prepare(_state["original"], tests=tests, seed=seed)
+        except Exception:  # noqa: BLE001 - the verification that needs the run reports what is wrong
+            pass
+
+
+def ready() -> int:
+    """Nothing: submitted first, so that the pool starts its workers (and they their `init`) at once."""
+    return os.getpid()
 
 
 def verify(candidate_text: str, tests: int, seed: int) -> tuple:

@@ -15,7 +15,8 @@ from mdsl.backend.reference import run_kernel_graph
 from mdsl.errors import ValidationError
 from mdsl.ir import OPS, evaluate, validate_kernel_graph
 from mdsl.passes import finite_field as ff
-from mdsl.passes.finite_field import Field, FieldRule, FieldSemantics, degrees, run_in_field, simplest_rational
+from mdsl.passes.finite_field import (Field, FieldRule, FieldSemantics, degrees, q_residues_read, run_in_field,
+                                      simplest_rational)
 from tests.strategies import kernel_graphs
 from tests.test_examples import example
 
@@ -340,3 +341,27 @@ def test_half_integer_powers_use_the_sqrt_oracle(field, rng):
 def test_infinite_scalars_are_constants_of_the_test(field):
     np.testing.assert_array_equal(field.scalar(np.inf), field.scalar(float("inf")))
     assert not np.array_equal(field.scalar(np.inf), field.scalar(-np.inf))
+
+
+@given(graph=kernel_graphs(), seed=st.integers(0, 2 ** 32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_skipping_unread_q_residues_leaves_every_p_residue_as_it_was(graph, seed):
+    rng = np.random.default_rng(seed)
+    field = Field.draw(rng)
+    inputs = [field.random(v.shape, rng) for v in graph.inputs]
+    every = evaluate.run_kernel_graph(graph, inputs, FieldSemantics(field))
+    for want, got in zip(every, run_in_field(graph, inputs, field)):
+        np.testing.assert_array_equal(got[..., 0], want[..., 0])
+
+
+def test_q_residues_are_read_only_on_the_way_to_an_exp():
+    gqa = example("gqa").make_gqa(1, kv_len=64, queries=8, head_dim=4).graph
+    read = q_residues_read(gqa)
+    first: dict = {}
+    for n in gqa.nodes:
+        first.setdefault(n.op, n.outputs[0].name)
+    # Q·K (the first matmul), its row maximum and their difference feed exp; exp's result, the row
+    # sums, the normalised weights and their product with V (the output) feed no exp
+    assert {first[op] for op in ("matmul", "max", "sub")} <= read
+    assert not {first[op] for op in ("exp", "sum", "div")} & read
+    assert gqa.outputs[0].name not in read and gqa.nodes[-1].op == "matmul"

@@ -397,6 +397,30 @@ def test_the_originals_side_is_computed_once_per_original_seed_and_test(monkeypa
     assert runs.misses == 2 * (TESTS + 2) and runs.key == (original.key, 5)
 
 
+def test_processes_sharing_a_directory_make_each_original_run_once(tmp_path, monkeypatch):
+    original, candidate = graphs(rms_norm_linear)
+    alone = verify(original, candidate, seed=4)
+    evaluated = []  # for every evaluation: was it the original's?
+    for name in ("run_in_field", "run_kernel_graph"):
+        run = getattr(verifier, name)
+        monkeypatch.setattr(verifier, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
+    first, second, late = verifier._OriginalRuns(), verifier._OriginalRuns(), verifier._OriginalRuns()
+    for runs in (first, second, late):
+        runs.share(tmp_path)
+    monkeypatch.setattr(verifier, "ORIGINAL_RUNS", first)
+    verifier.prepare(original, tests=TESTS, seed=4)
+    assert evaluated == [True] * (TESTS + 4)   # made here, and written to the directory
+    evaluated.clear()
+    monkeypatch.setattr(verifier, "ORIGINAL_RUNS", second)
+    assert verify(original, candidate, seed=4) == alone
+    assert evaluated == [False] * (TESTS + 2)  # read from the directory: only the candidate ran
+    # a run claimed by another process and not written yet is left to it, or waited for
+    (tmp_path / "other").mkdir()
+    late.share(tmp_path / "other")
+    (tmp_path / "other" / next(tmp_path.glob("*FieldRun.of-0.claim")).name).touch()
+    assert late.get(verifier._FieldRun.of, original, 4, 0, wait=False) is verifier._ELSEWHERE
+
+
 def overflowing_exp(n=8):
     @mdsl.kernel(name="exp16")
     def spec(x: Tensor[n, n, f16]):
