@@ -6,7 +6,8 @@
 
 For each case: the candidate's custom kernels as blocks × loop iterations, the first verification in
 this process (the original's side of the tests included) and the next one (what a search pays for every
-later candidate: each worker keeps the original's runs), and whether both trees give the same answer.
+later candidate: each worker keeps the original's runs), in wall-clock and in processor seconds (the
+latter hardly depends on what else the machine runs), and whether both trees give the same answer.
 A revision's times come from a copy of it (git archive) that verifies the same graphs, handed over as
 JSON, once each, in a subprocess that runs just before this tree's verifications of the same case.
 """
@@ -27,19 +28,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _measure(graphs: dict, tests: int, seed: int, repeats: int) -> dict:
-    """case -> {"seconds": [each verification's], "answer": repr of the first Verification}."""
+    """case -> {"seconds": [each verification's], "cpu_seconds": [its processor time], "answer": repr of
+    the first Verification}. Processor time is what a verification costs whatever else the machine runs."""
     from mdsl.ir import serialize
     from mdsl.passes.verify import verify
 
     out = {}
     for name, texts in graphs.items():
         original, candidate = serialize.loads(texts["original"]), serialize.loads(texts["candidate"])
-        seconds = []
+        seconds, cpu_seconds = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             answer = repr(verify(original, candidate, tests=tests, seed=seed))
             seconds.append(time.perf_counter() - start)
-        out[name] = {"seconds": seconds, "answer": answer}
+            cpu_seconds.append(time.process_time() - cpu_start)
+        out[name] = {"seconds": seconds, "cpu_seconds": cpu_seconds, "answer": answer}
     return out
 
 
@@ -97,7 +100,8 @@ def main() -> None:
         return
 
     graphs = _candidates([c for c in args.cases.split(",") if c])
-    print(f"{'case':<22}{'blocks × iterations':<22}{'before':>9}    {'first':>7}{'next':>8}{'speedup':>9}  same answer")
+    print(f"{'case':<22}{'blocks × iterations':<22}{'before':>9}    {'first':>7}{'next':>8}{'speedup':>9}"
+          f"{'cpu first':>11}{'cpu next':>10}  same answer")
     with _revision(args.before) as tree:
         # case by case, each tree right after the other, so that both see much the same machine load
         for name, graph in graphs.items():
@@ -105,9 +109,11 @@ def main() -> None:
             old = _measure_in(tree, texts, args.tests, args.seed)[name] if tree else None
             new = _measure(texts, args.tests, args.seed, 2)[name]
             first, following = new["seconds"]
+            cpu_first, cpu_following = new["cpu_seconds"]
             columns = [f"{old['seconds'][0]:8.2f}s" if old else f"{'':9}", "→" if old else " ",
                        f"{first:6.2f}s", f"{following:7.2f}s",
                        f"{old['seconds'][0] / following:8.1f}×" if old else f"{'':9}",
+                       f"{cpu_first:10.2f}s", f"{cpu_following:9.2f}s",
                        ("yes" if old["answer"] == new["answer"] else "NO") if old else ""]
             print(f"{name:<22}{graph['shape']:<22}{' '.join(columns)}", flush=True)
 
