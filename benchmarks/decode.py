@@ -238,12 +238,18 @@ def table(results: list) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from mdsl.backend.cuda.runtime import has_gpu
 
-    if not has_gpu() or not torch.cuda.is_available():
+    if not has_gpu():
         print("benchmarks/decode.py needs an NVIDIA GPU (none found)", file=sys.stderr)
+        return 1
+    try:
+        import torch
+    except ImportError:
+        print("benchmarks/decode.py needs torch (the PyTorch baseline and the random weights)", file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print("benchmarks/decode.py: torch cannot see the GPU that the CUDA driver reports", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -59,3 +59,26 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
         main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,x"])
     assert info.value.code == 2
     assert "comma-separated token ids" in capsys.readouterr().err
+
+
+def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
+    from benchmarks import decode
+
+    args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
+    assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--models", "gpt-2"])
+    row = {"model": "qwen3-0.6b", "weight_bytes": 1.19e9, "floor_ms": 0.28, "megakernel_ms": 0.35,
+           "megakernel_fraction_of_floor": 0.8, "torch_graph_ms": 3.5, "torch_fraction_of_floor": 0.08,
+           "speedup_vs_torch_graph": 10.0}
+    text = decode.table([row, {"model": "qwen3-8b", "error": "CudaError: boom"}])
+    assert "| qwen3-0.6b | 1.19 GB | 0.280 ms | 0.350 ms | 80% | 3.500 ms | 8% | 10.00x |" in text
+    assert "| qwen3-8b | failed: CudaError: boom |" in text
+
+
+@no_gpu
+def test_decode_benchmark_says_it_needs_a_gpu(tmp_path, capsys):
+    from benchmarks import decode
+
+    assert decode.main(["--quick", "--out", str(tmp_path)]) == 1
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
