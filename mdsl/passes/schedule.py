@@ -43,6 +43,7 @@ class Stage:
 class Schedule:
     loop: tuple      # Stages of the for-loop body (accumulator updates included)
     post: tuple      # Stages after the loop
+    fused: tuple = ()  # accumulators updated by their matmul in its stage (see `schedule_block_graph`)
 
     @property
     def loop_end_epoch(self) -> int:
@@ -76,10 +77,15 @@ class Schedule:
                 f"{show(self.post)}  store: epoch {self.store_epoch}")
 
 
+#: accumulators whose running value a backend can keep where a matmul computes its product
+REGISTER_ACCUMULATORS = ("accum", "accum_rescale")
+
+
 def matmul_accumulators(bg: BlockGraph) -> dict:
-    """accum node index -> index of the matmul it sums, where the matmul's product is read by nothing
-    else and is no block output: a backend may keep such a sum where the matmul computes it (the
-    tensor cores' registers) and never store the product as a tile."""
+    """Accumulator node index -> index of the matmul whose product it folds (a plain sum, or online
+    softmax's rescaled sum), where the product is read by nothing else and is no block output: a
+    backend may keep such a running value where the matmul computes it (the tensor cores' registers)
+    and never store the product as a tile."""
     users: dict = {}
     for i, node in enumerate(bg.nodes):
         for v in node.inputs:
@@ -88,7 +94,7 @@ def matmul_accumulators(bg: BlockGraph) -> dict:
     kept = {o.var.name for o in bg.outputs}
     out = {}
     for i, node in enumerate(bg.nodes):
-        if node.op != "accum":
+        if node.op not in REGISTER_ACCUMULATORS:
             continue
         source = node.inputs[0].name
         j = producer.get(source)
@@ -99,14 +105,17 @@ def matmul_accumulators(bg: BlockGraph) -> dict:
 
 def schedule_block_graph(bg: BlockGraph, *, fused_accumulators: tuple = ()) -> Schedule:
     """`fused_accumulators`: indices of accumulators (from `matmul_accumulators`) whose update their
-    matmul does as it computes; they run in the matmul's stage, so they cost no stage of their own."""
+    matmul does as it computes; they run in the matmul's stage, so they cost no stage of their own.
+    One whose other operands (a rescale's maximum) are not ready by then is not fused; the schedule's
+    `fused` says which are."""
     post_vars = bg.post_loop_vars()
     in_post = [any(v.name in post_vars for v in n.outputs) and not n.opdef.is_accumulator for n in bg.nodes]
     fused = {i: j for i, j in matmul_accumulators(bg).items() if i in set(fused_accumulators)}
     loop = _stages([i for i, p in enumerate(in_post) if not p], bg, first_epoch=LOAD_EPOCH + 1, same_stage=fused)
     loop_end = loop[-1].epoch if loop else LOAD_EPOCH
     post = _stages([i for i, p in enumerate(in_post) if p], bg, first_epoch=loop_end + 2)
-    schedule = Schedule(tuple(loop), tuple(post))
+    stage_of = {i: s.epoch for s in loop for i in s.nodes}
+    schedule = Schedule(tuple(loop), tuple(post), tuple(i for i, j in fused.items() if stage_of[i] == stage_of[j]))
     dump_ir("schedule", attrs.evolve(bg, nodes=[bg.nodes[i] for i in schedule.order]))
     dump_plan("schedule", schedule)
     return schedule
@@ -119,9 +128,11 @@ def _stages(indices: list, bg: BlockGraph, first_epoch: int, same_stage: Optiona
     producer = {v.name: i for i in indices for v in bg.nodes[i].outputs}
     depth: dict = {}
     for i in indices:  # the nodes are in a topological order
-        if i in same_stage:
-            depth[i] = depth[same_stage[i]]
-            continue
-        depth[i] = 1 + max((depth[producer[v.name]] for v in bg.nodes[i].inputs if v.name in producer), default=-1)
+        ready = 1 + max((depth[producer[v.name]] for v in bg.nodes[i].inputs if v.name in producer), default=-1)
+        partner = same_stage.get(i)
+        others = [v for v in bg.nodes[i].inputs if partner is not None and v not in bg.nodes[partner].outputs]
+        if partner is not None and all(depth[producer[v.name]] < depth[partner] for v in others if v.name in producer):
+            ready = depth[partner]   # its other operands are ready before the partner's stage
+        depth[i] = ready
     levels = range(max(depth.values(), default=-1) + 1)
     return [Stage(tuple(i for i in indices if depth[i] == d), first_epoch + d) for d in levels]

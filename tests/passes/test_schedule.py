@@ -94,8 +94,26 @@ def test_matmul_accumulators_are_the_sums_of_products_read_by_nothing_else():
     pairs = matmul_accumulators(bg)
     assert [(bg.nodes[i].op, bg.nodes[j].op) for i, j in pairs.items()] == [("accum", "matmul")] * 2
     assert all(bg.nodes[i].inputs[0] == bg.nodes[j].output for i, j in pairs.items())
-    # online softmax sums its products with rescaling accumulators: nothing to fuse
-    assert matmul_accumulators(fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)) == {}
+    # online softmax: the rescaled sum of the product with V can live in registers; the rescaled
+    # row sum (accum_sum_rescale) reduces over the product's rows and cannot
+    attention = fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)
+    pairs = matmul_accumulators(attention)
+    assert [(attention.nodes[i].op, attention.nodes[j].op) for i, j in pairs.items()] == [("accum_rescale", "matmul")]
+
+
+@pytest.mark.timeout(30)
+def test_a_fused_rescale_waits_for_its_maximum():
+    """A rescaled sum folded by its matmul runs in the matmul's stage only when its maximum is ready
+    before that stage; the schedule's `fused` lists the ones that are."""
+    from mdsl.passes.schedule import matmul_accumulators
+
+    bg = fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)
+    (acc, matmul), = matmul_accumulators(bg).items()
+    plain, fused = schedule_block_graph(bg), schedule_block_graph(bg, fused_accumulators=(acc,))
+    assert fused.fused == (acc,) and plain.fused == ()
+    stage = {i: s.epoch for s in fused.loop for i in s.nodes}
+    assert stage[acc] == stage[matmul]
+    assert all(stage[k] < stage[matmul] for k, n in enumerate(bg.nodes) if n.outputs[0] in bg.nodes[acc].inputs[1:])
 
 
 @pytest.mark.timeout(30)
@@ -125,5 +143,32 @@ def test_fused_accumulators_run_in_their_matmuls_stage():
 
     fused = schedule_block_graph(bg, fused_accumulators=tuple(matmul_accumulators(bg)))
     assert _ops(bg, fused.loop) == [["matmul", "accum", "matmul", "accum"]]
+    assert fused.fused == tuple(matmul_accumulators(bg))
     assert fused.barriers_per_iteration == schedule_block_graph(bg).barriers_per_iteration - 1
     assert sorted(fused.order) == list(range(len(bg.nodes)))
+
+
+@pytest.mark.timeout(30)
+def test_a_rescale_whose_maximum_comes_later_is_not_fused():
+    from mdsl.passes.schedule import matmul_accumulators
+
+    text = """kernel k(%q: f16[16, 64], %k: f16[64, 16], %x: f16[16, 32]) {
+  %acc: f16[16, 16] = custom(%q, %k, %x) block(grid=[1, 1, 1], threads=128, forloop=2) {
+    in %qt: f16[16, 32] imap=[-, -, -] fmap=1
+    in %kt: f16[32, 16] imap=[-, -, -] fmap=0
+    in %xt: f16[16, 16] imap=[-, -, -] fmap=1
+    %p: f16[16, 16] = matmul(%qt, %kt)
+    %e: f16[16, 16] = exp(%xt)
+    %e2: f16[16, 16] = exp(%e)
+    %m: f16[16, 1] = max(%e2) {dim=1, keepdim=true}
+    %acc: f16[16, 16] = accum_rescale(%p, %m)
+    out %acc omap=[-, -, -]
+  }
+  return %acc
+}"""
+    bg = parse_graph(text).nodes[0].body
+    (acc, matmul), = matmul_accumulators(bg).items()
+    schedule = schedule_block_graph(bg, fused_accumulators=(acc,))
+    assert schedule.fused == ()
+    stage = {i: s.epoch for s in schedule.loop for i in s.nodes}
+    assert stage[acc] > stage[3] > stage[matmul]   # after the maximum, as without fusion

@@ -64,7 +64,7 @@ class BlockKernel:
         self.lowered = lowered
         self.arch = arch
         self.tiles: dict = {}
-        self.register_fragments: dict = {}   # matmul output name -> the C array of its accumulator's fragments
+        self.register_accumulators: dict = {}  # matmul output name -> (its accumulator, the C array of its fragments)
         self._declare_tiles(lowered.memory)
 
     def tile(self, var) -> Operand:
@@ -140,6 +140,7 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
         if options.register_accumulators:
             fused = {i: j for i, j in matmul_accumulators(bg).items() if bg.nodes[j].output.name in mma}
         schedule = schedule_block_graph(bg, fused_accumulators=tuple(fused))
+        fused = {i: fused[i] for i in schedule.fused}
         deepest = options.stages if _asynchronous(bg, tensor_types, layout, arch) and schedule.loop else 1
         for stages in range(deepest, 0, -1):
             try:
@@ -164,7 +165,7 @@ def emit_custom(program, index: int, node: Node) -> None:
                  for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles}  # the inputs read
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         per_iteration = [inp for inp in loaded if inp.fmap is not None]
-        accumulators = [n for i, n in enumerate(bg.nodes) if n.opdef.is_accumulator and i not in lowered.register_accumulated]
+        accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
         w("// the accumulators start empty")
         for acc in accumulators:
             _rule(acc).init(b, acc)
@@ -197,7 +198,8 @@ def emit_custom(program, index: int, node: Node) -> None:
                 _stage(b, stage)
         if rings:
             w("mdsl::copy_async_wait<0>();")
-        finishing = [acc for acc in accumulators if _rule(acc).finalize is not None]
+        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator
+                     and i not in lowered.register_accumulated and _rule(acc).finalize is not None]
         for acc in finishing:
             w.op(acc)
             _rule(acc).finalize(b, acc)
@@ -226,8 +228,8 @@ def _declare_register_accumulators(b: BlockKernel) -> dict:
         b.w(f"// %{b.bg.nodes[acc_index].output.name}: in the registers of the mma fragments "
             f"({shape.fragments_per_warp * 4} floats a thread)",
             f"{shape.cls}::Fragments {name};", f"{shape.cls}::zero({name});")
-        b.register_fragments[matmul.output.name] = name
-    return dict(b.register_fragments)
+        b.register_accumulators[matmul.output.name] = (b.bg.nodes[acc_index], name)
+    return {matmul: name for matmul, (_, name) in b.register_accumulators.items()}
 
 
 def _issue(b: BlockKernel, inputs: list, parts: dict, rings: dict, iteration: str) -> None:
@@ -252,7 +254,7 @@ def _stage(b: BlockKernel, stage) -> None:
         node = b.bg.nodes[i]
         b.w.op(node)
         if i in b.lowered.register_accumulated:
-            b.w("// (summed by the matmul above, in its registers)")
+            b.w("// (folded by the matmul above, in its registers)")
             continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(b, node)

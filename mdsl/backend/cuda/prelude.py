@@ -144,9 +144,17 @@ struct BlockMma {
   // elements (r, c) and (r + 1, c)
   template <int ROWS, int COLS, int LD, typename S>
   static __device__ __forceinline__ unsigned along_column(const S* p, int r, int c) {
-    const float lo = (r < ROWS && c < COLS) ? to_float(p[r * LD + c]) : 0.0f;
-    const float hi = (r + 1 < ROWS && c < COLS) ? to_float(p[(r + 1) * LD + c]) : 0.0f;
-    return pack<E>(lo, hi);
+    if constexpr (Same<S, E>::value) {  // the two 16-bit values side by side, no conversion
+      union { unsigned word; unsigned short half[2]; } pair;
+      const unsigned short* const bits = reinterpret_cast<const unsigned short*>(p);
+      pair.half[0] = (r < ROWS && c < COLS) ? bits[r * LD + c] : 0;
+      pair.half[1] = (r + 1 < ROWS && c < COLS) ? bits[(r + 1) * LD + c] : 0;
+      return pair.word;
+    } else {
+      const float lo = (r < ROWS && c < COLS) ? to_float(p[r * LD + c]) : 0.0f;
+      const float hi = (r + 1 < ROWS && c < COLS) ? to_float(p[(r + 1) * LD + c]) : 0.0f;
+      return pack<E>(lo, hi);
+    }
   }
 
   static __device__ __forceinline__ void zero(Fragments& acc) {
@@ -180,9 +188,9 @@ struct BlockMma {
     }
   }
 
-  // C = acc, rounded to C's type
-  template <int LDC, int SC, typename TC>
-  static __device__ __forceinline__ void store(const Fragments& acc, TC* __restrict__ C) {
+  // f(running element, product element, matrix, row, column) on every element of C the warp holds
+  template <typename R, typename F>
+  static __device__ __forceinline__ void each(R& running, const Fragments& product, F f) {
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
@@ -192,12 +200,69 @@ struct BlockMma {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int m = m0 + g + (e / 2) * 8, n = n0 + 2 * t + e % 2;
-          if (m < M && n < N) C[b * SC + m * LDC + n] = from_float<TC>(acc[j][e]);
+          if (m < M && n < N) f(running[j][e], product[j][e], b, m, n);
         }
       }
     }
   }
+
+  // C = acc, rounded to C's type
+  template <int LDC, int SC, typename TC>
+  static __device__ __forceinline__ void store(const Fragments& acc, TC* __restrict__ C) {
+    each(acc, acc, [&](float value, float, int b, int m, int n) { C[b * SC + m * LDC + n] = from_float<TC>(value); });
+  }
 };
+
+// ---- one 64x64 tile of C = A B on tensor cores (A, B of the 16-bit type E; row-major, A is M x K, B is
+// K x N) for a block of 256 threads: K in steps of 32 through two shared-memory buffers, the next step's
+// tiles copied (cp.async, 16 bytes where the rows allow, else element by element) while this one multiplies
+template <typename E, int M, int N, int K, typename TC>
+__device__ __forceinline__ void gemm_tile_mma(const E* __restrict__ A, const E* __restrict__ B, TC* __restrict__ C) {
+  constexpr int BM = 64, BN = 64, BK = 32, LDA = BK + 8, LDB = BN + 8, THREADS = 256;
+  using Tile = BlockMma<E, 1, BM, BN, BK, THREADS / 32>;
+  __shared__ __align__(16) E As[2][BM * LDA];
+  __shared__ __align__(16) E Bs[2][BK * LDB];
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const E zero = from_float<E>(0.0f);
+  auto load = [&](int buf, int k0) {
+    for (int v = threadIdx.x; v < BM * BK / 8; v += THREADS) {
+      const int r = v / (BK / 8), c = v % (BK / 8) * 8;
+      E* const dst = &As[buf][r * LDA + c];
+      if (K % 8 == 0 && m0 + r < M && k0 + c + 8 <= K) {
+        copy_async<16>(dst, A + (m0 + r) * K + k0 + c);
+      } else {
+        for (int j = 0; j < 8; ++j) dst[j] = (m0 + r < M && k0 + c + j < K) ? A[(m0 + r) * K + k0 + c + j] : zero;
+      }
+    }
+    for (int v = threadIdx.x; v < BK * BN / 8; v += THREADS) {
+      const int r = v / (BN / 8), c = v % (BN / 8) * 8;
+      E* const dst = &Bs[buf][r * LDB + c];
+      if (N % 8 == 0 && k0 + r < K && n0 + c + 8 <= N) {
+        copy_async<16>(dst, B + (k0 + r) * N + n0 + c);
+      } else {
+        for (int j = 0; j < 8; ++j) dst[j] = (k0 + r < K && n0 + c + j < N) ? B[(k0 + r) * N + n0 + c + j] : zero;
+      }
+    }
+    copy_async_commit();
+  };
+  typename Tile::Fragments acc;
+  Tile::zero(acc);
+  load(0, 0);
+  for (int k0 = 0, buf = 0; k0 < K; k0 += BK, buf ^= 1) {
+    if (k0 + BK < K) {
+      load(buf ^ 1, k0 + BK);  // the buffer the last step read: free since that step's closing barrier
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();
+    Tile::template multiply<LDA, 0, LDB, 0>(acc, As[buf], Bs[buf]);
+    __syncthreads();
+  }
+  Tile::each(acc, acc, [&](float value, float, int, int m, int n) {
+    if (m0 + m < M && n0 + n < N) C[(m0 + m) * N + n0 + n] = from_float<TC>(value);
+  });
+}
 
 // ---- one 64x64 tile of C = A B (row-major; A is M x K, B is K x N) for a block of 256 threads:
 // K is walked in steps of 16 through shared memory, each thread keeps a 4x4 piece of C in registers

@@ -22,8 +22,9 @@ import attrs
 from mdsl.backend.cuda.block import emit_custom
 from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, blocks_for, emit_row_reduce,
                                      emit_thread_graph, group_lanes, load_float, row_view, store_float, without)
-from mdsl.backend.cuda.mma import mma_multiply, mma_store
-from mdsl.backend.cuda.source import Operand, float_literal, offset
+from mdsl.backend.cuda.mma import MMA_MIN_ARCH, mma_multiply, mma_store
+from mdsl.backend.cuda.options import arch_number
+from mdsl.backend.cuda.source import Operand, ctype, float_literal, offset
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node, ThreadGraph
 from mdsl.ir.ops import extend_op
@@ -125,9 +126,12 @@ class Matmul:
         a, w, out = b.tile(node.inputs[0]), b.tile(node.inputs[1]), b.tile(node.output)
         shape = b.mma_shape(node)
         if shape is not None:
-            fragments = b.register_fragments.get(node.output.name)
-            if fragments is not None:
-                b.w(mma_multiply(shape, fragments, a, w, out.shape[:-2]))
+            entry = b.register_accumulators.get(node.output.name)
+            if entry is not None:
+                acc, running = entry
+                # the accumulator's rule folds this iteration's product into its running fragments
+                acc.opdef.rules["cuda"].fold_product(b, acc, shape, running,
+                                                     lambda frags: mma_multiply(shape, frags, a, w, out.shape[:-2]))
                 return
             with b.w.block(""):
                 b.w(f"{shape.cls}::Fragments acc;", f"{shape.cls}::zero(acc);",
@@ -165,7 +169,20 @@ class Matmul:
                 ptrs.append(op.ptr if start == "0" else f"{op.ptr} + {start}")
             if batch:
                 k.w("const int batch = blockIdx.z;")
-            k.w(f"mdsl::gemm_tile<{m}, {n}, {k_len}>({', '.join(ptrs)});")
+            element = _mma_element(program, node)
+            if element is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile below)
+                k.w(f"mdsl::gemm_tile_mma<{element}, {m}, {n}, {k_len}>({', '.join(ptrs)});")
+            else:
+                k.w(f"mdsl::gemm_tile<{m}, {n}, {k_len}>({', '.join(ptrs)});")
+
+
+def _mma_element(program, node: Node) -> Optional[str]:
+    """The C type of the fragments when a kernel-level matmul runs on tensor cores: both operands of
+    one 16-bit dtype, a target with mma.sync, and the option on."""
+    dtypes = {v.dtype.name for v in node.inputs}
+    if not program.options.mma or arch_number(program.arch) < MMA_MIN_ARCH or dtypes not in ({"f16"}, {"bf16"}):
+        return None
+    return ctype(node.inputs[0].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +361,11 @@ class Accumulate:
     def init(self, b, node: Node) -> None:
         _fill(b, b.tile(node.output), self.identity)
 
+    def fold_product(self, b, node: Node, shape, running: str, multiply: Callable) -> None:
+        """A sum kept in mma fragments (accum only: `schedule.REGISTER_ACCUMULATORS`): the product
+        is accumulated straight into them."""
+        b.w(multiply(running))
+
     def update(self, b, node: Node) -> None:
         acc, x = b.tile(node.output), b.tile(node.inputs[0])
         with b.threads.each(b.w, math.prod(acc.shape)):
@@ -423,6 +445,20 @@ class _Rescaling:
 
 
 class AccumulateRescaled(_Rescaling):
+    def fold_product(self, b, node: Node, shape, running: str, multiply: Callable) -> None:
+        """The running value kept in mma fragments: this iteration's product into fresh fragments,
+        each element then folded into its running one as `update` does on the tile."""
+        acc = b.tile(node.output)
+        now, nxt = self._maxima(b, node)
+        rows, cols = acc.shape[-2:] if len(acc.shape) >= 2 else (1, acc.shape[-1])
+        with b.w.block(""):
+            b.w(f"{shape.cls}::Fragments product;", f"{shape.cls}::zero(product);", multiply("product"))
+            with b.w.block(f"{shape.cls}::each({running}, product, [&](float& acc, float x, int batch, int row, int col)"):
+                b.w(f"const int flat = (batch * {rows} + row) * {cols} + col;  // element of {list(acc.shape)}")
+                b.w(*self._rescaled(b, node, now, "acc", "flat", acc.shape, "x"))
+            b.w(");")
+        self._update_maximum(b, node, now, nxt)
+
     def update(self, b, node: Node) -> None:
         acc, x = b.tile(node.output), b.tile(node.inputs[0])
         now, nxt = self._maxima(b, node)

@@ -68,6 +68,33 @@ def batched_matmuls(dtype) -> Graph:
     return g
 
 
+def ragged_attention(dtype) -> Graph:
+    """Online softmax with the rescaled sum of the product with V in registers, on ragged tiles
+    (24 queries, 40 dims, 3 iterations of 32 keys), its scores scaled first."""
+    g = Graph(f"ragged_attention_{dtype.name}")
+    q, k, v = g.input("q", (48, 40), dtype), g.input("k", (40, 96), dtype), g.input("v", (96, 40), dtype)
+    b = g.block(grid=(2,), forloop=3, threads=128)
+    qt, kt, vt = b.input(q, imap=(0,)), b.input(k, fmap=1), b.input(v, fmap=0)   # [24, 40], [40, 32], [32, 40]
+    s = b.op("mul_scalar", b.op("matmul", qt, kt), value=0.15)
+    m = b.op("max", s, dim=1, keepdim=True)
+    e = b.op("exp", b.op("sub", s, m))
+    num = b.op("accum_rescale", b.op("matmul", e, vt), m)
+    den = b.op("accum_sum_rescale", e, m)
+    b.output(b.op("div", num, den), omap=(0,))
+    b.done()
+    return g
+
+
+def kernel_matmuls(dtype) -> Graph:
+    """Kernel-level matmuls (mdsl::gemm_tile_mma): a batch against a matrix, rows too ragged for
+    16-byte copies (N = 70), and a long K that is no multiple of the 32-step."""
+    g = Graph(f"kernel_matmuls_{dtype.name}")
+    g.op("matmul", g.input("a", (3, 40, 96), dtype), g.input("b", (96, 72), dtype))
+    g.op("matmul", g.input("c", (130, 20), dtype), g.input("d", (20, 70), dtype))
+    g.op("matmul", g.input("e", (64, 1000), dtype), g.input("f", (1000, 64), dtype))
+    return g
+
+
 def narrow_rows(dtype) -> Graph:
     """Rows of 7 elements (14 bytes): no 4-byte vector divides them, so the loads stay synchronous."""
     g = Graph(f"narrow_rows_{dtype.name}")
@@ -81,4 +108,4 @@ def narrow_rows(dtype) -> Graph:
 @functools.cache
 def fast_path_graphs() -> dict:
     return {graph.name: graph for dtype in (f16, bf16)
-            for graph in (make(dtype).build() for make in (ragged_matmuls, batched_matmuls, narrow_rows))}
+            for graph in (make(dtype).build() for make in (ragged_matmuls, batched_matmuls, ragged_attention, kernel_matmuls, narrow_rows))}

@@ -11,7 +11,7 @@ from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_opcodes
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
-from mdsl.ir.dtypes import f16, f32
+from mdsl.ir.dtypes import bf16, f16, f32
 from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
 from tests.backend.cuda.test_cuda_acceptance import assert_compiles_clean
@@ -47,8 +47,8 @@ def test_emit_cuda_reads_the_environment_when_given_no_options(monkeypatch):
 
 
 def _matmul_programs() -> dict:
-    """Programs with block-level matmuls on 16-bit operands: the fast-path set, the hand-written
-    fused examples and the guided plans of the benchmarks whose plan has one."""
+    """Programs with matmuls on 16-bit operands: the fast-path set, the hand-written fused examples
+    and the guided plans of the benchmarks whose plan has a block-level one."""
     out = dict(fast_path_graphs())
     for name, graph in example_kernels().items():
         if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes):
@@ -86,6 +86,14 @@ def test_inputs_are_copied_asynchronously_when_pipelined(stages, copies):
     graph = fast_path_graphs()["ragged_matmuls_f16"]
     sass = sass_opcodes(disassemble(compile_cuda(emit_cuda(graph, options=CudaOptions(stages=stages)).source).cubin))
     assert (sass.get("LDGSTS", 0) > 0) == copies
+
+
+def test_kernel_level_matmuls_take_the_tensor_core_tile_only_when_asked():
+    graph = fast_path_graphs()["kernel_matmuls_bf16"]
+    fast, slow = (emit_cuda(graph, options=CudaOptions(mma=mma)).source.split("}  // namespace mdsl")[1]
+                  for mma in (True, False))
+    assert fast.count("mdsl::gemm_tile_mma<__nv_bfloat16,") == 3 and "gemm_tile_mma" not in slow
+    assert "gemm_tile_mma" not in emit_cuda(with_dtype(graph, bf16, f32)).source.split("}  // namespace mdsl")[1]
 
 
 def test_rows_too_narrow_for_cp_async_are_loaded_synchronously():
