@@ -82,3 +82,31 @@ def test_decode_benchmark_says_it_needs_a_gpu(tmp_path, capsys):
 
     assert decode.main(["--quick", "--out", str(tmp_path)]) == 1
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_compile_model_runs_only_the_builtin_decoders():
+    from mdsl.errors import UnsupportedError
+    from mdsl.megakernel.architectures import sampling_decode, step_function
+    from mdsl.megakernel.model import model
+    from mdsl.megakernel.runtime.engine import compile_model
+
+    config, _, weights = tiny_model("qwen3")
+
+    @model
+    def no_mlp(m, cfg):   # a user's model: attention only
+        h = cfg.hidden_size
+        x = m.embedding(m.weight("model.embed_tokens.weight", [cfg.vocab_size, h]))
+        logits = m.linear(m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps),
+                          m.weight("model.embed_tokens.weight", [cfg.vocab_size, h]))
+        return logits, m.argmax(logits)
+
+    with pytest.raises(UnsupportedError, match="not the built-in qwen3 decoder"):
+        compile_model(no_mlp, config, weights)
+    cases = [(step_function(config), {"temperature": 0.0, "top_p": 1.0, "seed": 0}),
+             (sampling_decode("qwen3", temperature=0.7, top_p=0.9, seed=4), {"temperature": 0.7, "top_p": 0.9, "seed": 4})]
+    for fn, sampling in cases:   # the built-in graphs, argmax or sample at the end, are accepted
+        if has_gpu():
+            assert compile_model(fn, config, weights, max_seq=16).sampling == sampling
+        else:
+            with pytest.raises(NoGPUError):
+                compile_model(fn, config, weights)

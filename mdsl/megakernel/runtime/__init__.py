@@ -5,12 +5,12 @@ from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape
 from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
 
 __all__ = ["Kind", "TaskPlan", "build_plan", "check_plan", "DecoderShape", "decoder_shape", "KERNEL_NAME",
-           "generate_source", "MegakernelEngine"]
+           "generate_source", "MegakernelEngine", "compile_model"]
 
 
 def __getattr__(name):
-    if name == "MegakernelEngine":   # the engine imports the driver bindings: only when asked for
-        from mdsl.megakernel.runtime.engine import MegakernelEngine
+    if name in ("MegakernelEngine", "compile_model"):   # the engine imports the driver bindings: when asked for
+        from mdsl.megakernel.runtime import engine
 
-        return MegakernelEngine
+        return getattr(engine, name)
     raise AttributeError(name)

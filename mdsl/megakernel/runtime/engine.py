@@ -89,6 +89,7 @@ class MegakernelEngine:
         self.shape: DecoderShape = decoder_shape(config)
         self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        self.sampling = {"temperature": 0.0, "top_p": 1.0, "seed": 0}   # generate's defaults
         self.device = device
         dev = runtime._device(device)
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
@@ -226,13 +227,16 @@ class MegakernelEngine:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None) -> list:
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: Optional[float] = None,
+                 top_p: Optional[float] = None, seed: Optional[int] = None,
+                 eos_token_ids: Optional[Sequence[int]] = None) -> list:
         """Prefill the prompt and generate up to `max_new_tokens` tokens (fewer when an EOS token comes:
         it is the last one returned), all in one launch. Greedy at temperature 0, else temperature and
-        nucleus (top_p) sampling with a counter-based RNG seeded by `seed`."""
-        return list(self.run(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             eos_token_ids=eos_token_ids).tokens)
+        nucleus (top_p) sampling with a counter-based RNG seeded by `seed`; what is not given comes from
+        `self.sampling` (greedy, or the model's sample op when built by `compile_model`)."""
+        given = {"temperature": temperature, "top_p": top_p, "seed": seed}
+        settings = {k: self.sampling[k] if v is None else v for k, v in given.items()}
+        return list(self.run(prompt_ids, max_new_tokens, eos_token_ids=eos_token_ids, **settings).tokens)
 
     def run(self, tokens: Sequence[int], max_new_tokens: int, *, start: int = 0, temperature: float = 0.0,
             top_p: float = 1.0, seed: int = 0, eos_token_ids: Optional[Sequence[int]] = None,
@@ -330,6 +334,38 @@ class MegakernelEngine:
             self.close()
         except Exception:   # the interpreter is shutting down
             pass
+
+
+def _structure(graph) -> str:
+    """The model graph's key without its last op (argmax or sample: the engine's sampler does both)."""
+    return attrs.evolve(graph, nodes=graph.nodes[:-1], outputs=(graph.logits, graph.logits)).key
+
+
+def compile_model(model_fn, config: ModelConfig, weights, *, max_seq: Optional[int] = None, device: int = 0,
+                  eos_token_ids: Sequence[int] = ()) -> MegakernelEngine:
+    """An engine for an `@mdsl.model` step function: `weights` a checkpoint folder or name -> array.
+    The megakernel's task tables are those of the built-in Llama-3 / Qwen3 decoders, so the traced
+    graph must be one of them (up to its last op: argmax, or sample, whose settings become
+    generate's defaults)."""
+    from mdsl.errors import UnsupportedError
+    from mdsl.megakernel.architectures import step_function
+    from mdsl.megakernel.checkpoint import load_weights
+
+    graph = model_fn.trace(config)
+    builtin = step_function(config).trace(config, max_positions=graph.max_positions)
+    if _structure(graph) != _structure(builtin):
+        raise UnsupportedError(f"model {graph.name} is not the built-in {config.architecture} decoder that the "
+                               "megakernel runs (same ops, weights and shapes up to the final argmax/sample)",
+                               hint="run it with the reference forward or the CPU simulator, or use "
+                                    "mdsl.megakernel.step_function(config)")
+    _require_gpu()
+    if isinstance(weights, (str, os.PathLike)):
+        weights = load_weights(graph, os.fspath(weights))
+    engine = MegakernelEngine(config, weights, max_seq=max_seq, device=device, eos_token_ids=eos_token_ids)
+    last = graph.nodes[-1]
+    if last.op == "sample":
+        engine.sampling = {k: last.attr_dict[k] for k in ("temperature", "top_p", "seed")}
+    return engine
 
 
 def _require_gpu() -> None:
