@@ -213,6 +213,22 @@ struct BlockMma {
   }
 };
 
+// ROWS x COLS elements of a row-major R x C matrix from (r0, c0) into dst (rows LD apart): 16-byte
+// cp.async copies where a row's 8 elements are inside the matrix and aligned, else one by one (zeros outside)
+template <int ROWS, int COLS, int LD, int R, int C, int THREADS, typename E>
+__device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restrict__ src, int r0, int c0) {
+  const E zero = from_float<E>(0.0f);
+  for (int v = threadIdx.x; v < ROWS * COLS / 8; v += THREADS) {
+    const int r = v / (COLS / 8), c = v % (COLS / 8) * 8;
+    E* const to = dst + r * LD + c;
+    if (C % 8 == 0 && r0 + r < R && c0 + c + 8 <= C) {
+      copy_async<16>(to, src + (r0 + r) * C + c0 + c);
+    } else {
+      for (int j = 0; j < 8; ++j) to[j] = (r0 + r < R && c0 + c + j < C) ? src[(r0 + r) * C + c0 + c + j] : zero;
+    }
+  }
+}
+
 // ---- one 64x64 tile of C = A B on tensor cores (A, B of the 16-bit type E; row-major, A is M x K, B is
 // K x N) for a block of 256 threads: K in steps of 32 through two shared-memory buffers, the next step's
 // tiles copied (cp.async, 16 bytes where the rows allow, else element by element) while this one multiplies
@@ -223,26 +239,9 @@ __device__ __forceinline__ void gemm_tile_mma(const E* __restrict__ A, const E* 
   __shared__ __align__(16) E As[2][BM * LDA];
   __shared__ __align__(16) E Bs[2][BK * LDB];
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const E zero = from_float<E>(0.0f);
   auto load = [&](int buf, int k0) {
-    for (int v = threadIdx.x; v < BM * BK / 8; v += THREADS) {
-      const int r = v / (BK / 8), c = v % (BK / 8) * 8;
-      E* const dst = &As[buf][r * LDA + c];
-      if (K % 8 == 0 && m0 + r < M && k0 + c + 8 <= K) {
-        copy_async<16>(dst, A + (m0 + r) * K + k0 + c);
-      } else {
-        for (int j = 0; j < 8; ++j) dst[j] = (m0 + r < M && k0 + c + j < K) ? A[(m0 + r) * K + k0 + c + j] : zero;
-      }
-    }
-    for (int v = threadIdx.x; v < BK * BN / 8; v += THREADS) {
-      const int r = v / (BN / 8), c = v % (BN / 8) * 8;
-      E* const dst = &Bs[buf][r * LDB + c];
-      if (N % 8 == 0 && k0 + r < K && n0 + c + 8 <= N) {
-        copy_async<16>(dst, B + (k0 + r) * N + n0 + c);
-      } else {
-        for (int j = 0; j < 8; ++j) dst[j] = (k0 + r < K && n0 + c + j < N) ? B[(k0 + r) * N + n0 + c + j] : zero;
-      }
-    }
+    stage_tile<BM, BK, LDA, M, K, THREADS>(As[buf], A, m0, k0);
+    stage_tile<BK, BN, LDB, K, N, THREADS>(Bs[buf], B, k0, n0);
     copy_async_commit();
   };
   typename Tile::Fragments acc;
