@@ -1,0 +1,107 @@
+"""The PTX backend's kernels computed on the CPU (tests/backend/ptx/simulator.py: the same LLVM IR
+compiled for the host, one host thread per GPU thread) against the reference interpreter, on fresh
+random inputs, with the GPU tests' tolerances: every element-wise op and reduction in three dtypes,
+every accumulator, matmuls split every way, maps on 3-D grids, and the standard kernels."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from mdsl.backend.ptx import emit_llvm
+from mdsl.ir import bf16, f16, f32, i32
+from tests.backend.cuda.builder import Graph
+from tests.backend.cuda.coverage import coverage_graphs
+from tests.backend.ptx import simulator
+from tests.gpu.coverage import coverage_graphs as combination_graphs
+from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
+
+
+def _host_converts_f16() -> bool:
+    try:
+        import llvmlite.binding as llvm
+
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # not an x86 host, or features unknown
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _host_converts_f16(), reason="the simulator needs a host CPU with F16C "
+                                "(f16 conversions as instructions)")
+
+
+def check_simulated(graph, seed: int = 0, positive=()) -> None:
+    inputs = random_inputs(graph, np.random.default_rng(seed), positive)
+    want = reference(graph, inputs)
+    got = simulator.run(emit_llvm(graph), inputs)
+    tol = tolerance(graph)
+    for k, (g, w, var) in enumerate(zip(got, want, graph.outputs)):
+        what = f"output {k} %{var.name} {var.type} of {graph.name}"
+        if var.dtype is i32:
+            assert np.array_equal(g, w), f"{what}: {int((g != w).sum())} integers differ"
+            continue
+        assert not np.isnan(g).any(), f"{what}: {int(np.isnan(g).sum())} NaN (never written, or computed as NaN)"
+        err = relative_error(g, np.asarray(w, dtype=np.float64))
+        assert err <= tol, f"{what}: relative error {err:.2e} over {tol:.0e}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [f"{family}_{d}" for family in ("elementwise", "reductions")
+                                  for d in ("f16", "bf16", "f32")])
+def test_elementwise_and_reductions(name):
+    graph = coverage_graphs()[name]
+    check_simulated(graph, positive=range(len(graph.inputs)))   # sqrt, rsqrt and reciprocal of inputs
+
+
+@functools.cache
+def _combinations() -> dict:
+    """Each accumulator with the rows split and a loop over the columns, every matmul split, and a
+    few 3-D grids and permuted omaps."""
+    every = combination_graphs(f16)
+    chosen = [cid for cid in every if cid.endswith("rows-split-loop-over-cols") or cid.startswith("matmul")]
+    chosen += ["accum_sum_rescale-one-block-long-loop", "accum_rescale-loop-over-rows",
+               "grid3-imap120-fmap2-omap210", "grid3-imap021-fmap--omap021", "maps-grid2x4-imap10-fmap0-omap01"]
+    return {cid: every[cid] for cid in chosen}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case_id", sorted(_combinations()))
+def test_custom_kernels(case_id):
+    check_simulated(_combinations()[case_id], seed=1)
+
+
+def _standard_kernels(dtype):
+    """One of each kernel-level op on small shapes (ragged against the tiles and the blocks)."""
+    g = Graph(f"standard_{dtype.name}")
+    a = g.input("a", (2, 40, 24), dtype)
+    g.op("matmul", a, g.input("b", (24, 72), dtype))          # a batch against a matrix, ragged tiles
+    g.op("matmul", g.input("c", (2, 1, 8, 16), dtype), g.input("d", (3, 16, 8), dtype))   # broadcast batch
+    for op, dim in (("sum", 0), ("mean", 2), ("max", 1)):
+        g.op(op, a, dim=dim, keepdim=dim == 1)
+    g.op("rms_norm", a, dim=1, eps=1e-6)
+    g.op("concat", a, g.op("neg", a), dim=2)
+    g.ops("split", a, sizes=(10, 30), dim=1)
+    as_int = g.op("cast", g.op("mul_scalar", a, value=8.0), dtype=i32)
+    g.op("transpose", as_int, perm=(2, 0, 1))
+    g.op("sum", g.op("reshape", a, shape=(48, 40)), dim=0)
+    return g.build()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", (f16, bf16), ids=lambda d: d.name)   # f32: the custom kernels' outputs
+def test_standard_kernels(dtype):
+    check_simulated(_standard_kernels(dtype), seed=2)
+
+
+def test_a_kernel_that_writes_nothing_is_caught():
+    """The simulator starts every buffer as NaN: an output no kernel writes cannot pass."""
+    g = Graph("two_kernels")
+    x = g.input("x", (8, 32), f32)
+    g.op("neg", x)
+    g.op("exp", x)
+    graph = g.build()
+    program = emit_llvm(graph)
+    skipped = type(program)(program.llvm_ir, program.launches[1:], program.aliases, program.graph, program.arch)
+    got = simulator.run(skipped, random_inputs(graph, np.random.default_rng(0)))
+    assert np.isnan(got[0]).all() and not np.isnan(got[1]).any()
