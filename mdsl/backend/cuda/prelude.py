@@ -230,32 +230,30 @@ __device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restr
 }
 
 // ---- one 64x64 tile of C = A B on tensor cores (A, B of the 16-bit type E; row-major, A is M x K, B is
-// K x N) for a block of 256 threads: K in steps of 32 through two shared-memory buffers, the next step's
-// tiles copied (cp.async, 16 bytes where the rows allow, else element by element) while this one multiplies
+// K x N) for a block of 256 threads: K in steps of 32 through a ring of STAGES shared-memory buffers, the
+// tiles of the next STAGES - 1 steps in flight (cp.async) while one step multiplies
 template <typename E, int M, int N, int K, typename TC>
 __device__ __forceinline__ void gemm_tile_mma(const E* __restrict__ A, const E* __restrict__ B, TC* __restrict__ C) {
-  constexpr int BM = 64, BN = 64, BK = 32, LDA = BK + 8, LDB = BN + 8, THREADS = 256;
+  constexpr int BM = 64, BN = 64, BK = 32, LDA = BK + 8, LDB = BN + 8, THREADS = 256, STAGES = 4;
   using Tile = BlockMma<E, 1, BM, BN, BK, THREADS / 32>;
-  __shared__ __align__(16) E As[2][BM * LDA];
-  __shared__ __align__(16) E Bs[2][BK * LDB];
+  __shared__ __align__(16) E As[STAGES][BM * LDA];
+  __shared__ __align__(16) E Bs[STAGES][BK * LDB];
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  auto load = [&](int buf, int k0) {
-    stage_tile<BM, BK, LDA, M, K, THREADS>(As[buf], A, m0, k0);
-    stage_tile<BK, BN, LDB, K, N, THREADS>(Bs[buf], B, k0, n0);
+  auto load = [&](int step) {  // one commit group per step, empty past the end (every wait counts the same)
+    if (step * BK < K) {
+      stage_tile<BM, BK, LDA, M, K, THREADS>(As[step % STAGES], A, m0, step * BK);
+      stage_tile<BK, BN, LDB, K, N, THREADS>(Bs[step % STAGES], B, step * BK, n0);
+    }
     copy_async_commit();
   };
   typename Tile::Fragments acc;
   Tile::zero(acc);
-  load(0, 0);
-  for (int k0 = 0, buf = 0; k0 < K; k0 += BK, buf ^= 1) {
-    if (k0 + BK < K) {
-      load(buf ^ 1, k0 + BK);  // the buffer the last step read: free since that step's closing barrier
-      copy_async_wait<1>();
-    } else {
-      copy_async_wait<0>();
-    }
+  for (int step = 0; step < STAGES - 1; ++step) load(step);
+  for (int step = 0; step * BK < K; ++step) {
+    load(step + STAGES - 1);  // into the buffer the last step read: free since that step's closing barrier
+    copy_async_wait<STAGES - 1>();
     __syncthreads();
-    Tile::template multiply<LDA, 0, LDB, 0>(acc, As[buf], Bs[buf]);
+    Tile::template multiply<LDA, 0, LDB, 0>(acc, As[step % STAGES], Bs[step % STAGES]);
     __syncthreads();
   }
   Tile::each(acc, acc, [&](float value, float, int, int m, int n) {
