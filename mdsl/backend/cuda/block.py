@@ -58,7 +58,7 @@ class BlockKernel:
         self.w: CodeWriter = scope.w
         self.namer = scope.namer
         self.bg = bg
-        self.threads = Threads(bg.threads)
+        self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
         self.loop_counter = LOOP_COUNTER
         self.layout = lowered.layout
         self.lowered = lowered
@@ -97,6 +97,7 @@ class Lowered:
     memory: MemoryPlan
     mma: dict                 # matmul output name -> MmaShape, for the matmuls on tensor cores
     register_accumulated: dict  # accum node index -> index of the matmul that sums into its registers
+    options: CudaOptions = CudaOptions()
 
 
 def _tile_operand(layout: LayoutPlan, name: str) -> Operand:
@@ -148,7 +149,7 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
             except SharedMemoryError as e:
                 error = error or e
                 continue
-            return Lowered(schedule, layout, memory, mma, fused)
+            return Lowered(schedule, layout, memory, mma, fused, options)
     raise error
 
 

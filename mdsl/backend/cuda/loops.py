@@ -29,6 +29,7 @@ class Threads:
 
     block: int
     grid: bool = False
+    unroll: int = BLOCK_UNROLL   # a block's loops (CudaOptions.unroll)
 
     @property
     def first(self) -> str:
@@ -41,13 +42,13 @@ class Threads:
     @contextlib.contextmanager
     def each(self, w: CodeWriter, n: int, unrolled: bool = False) -> Iterator[None]:
         """A loop giving each index `i` below n to one thread. Unless asked to unroll fully, a block's
-        loop is unrolled BLOCK_UNROLL times (several shared-memory round trips in flight per thread,
+        loop is unrolled `unroll` times (several shared-memory round trips in flight per thread,
         where a rolled loop waits for each in turn) and a grid's is kept rolled: the compiler would
         unroll a known trip count fully, and many small loops unrolled fully cost seconds of compile
         time and many registers for little gain."""
         if not unrolled:
             trips = -(-n // self.block)
-            w(f"#pragma unroll {BLOCK_UNROLL if not self.grid and trips > 1 else 1}")
+            w(f"#pragma unroll {self.unroll if not self.grid and trips > 1 else 1}")
         with w.block(f"for (int i = {self.first}; i < {n}; i += {self.count})"):
             yield
 

@@ -8,6 +8,7 @@ one without changing code:
     MDSL_CUDA_REGACC=0      accum(matmul(..)) kept in shared memory instead of the mma's registers
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
+    MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from mdsl.errors import UnsupportedError
 MAX_STAGES = 4
 DEFAULT_STAGES = 3
 MAX_THREADS = 1024
+DEFAULT_UNROLL = 4
+UNROLLS = (1, 2, 4, 8)
 
 
 def _check_stages(instance, attribute, value: int) -> None:
@@ -35,12 +38,19 @@ def _check_threads(instance, attribute, value: Optional[int]) -> None:
                                hint="set MDSL_CUDA_THREADS (or CudaOptions.threads) to 64, 128, 256, ...")
 
 
+def _check_unroll(instance, attribute, value: int) -> None:
+    if value not in UNROLLS:
+        raise UnsupportedError(f"unrolling {value} times: use one of {', '.join(map(str, UNROLLS))}",
+                               hint="set MDSL_CUDA_UNROLL (or CudaOptions.unroll) to 1, 2, 4 or 8")
+
+
 @attrs.frozen
 class CudaOptions:
     mma: bool = True                       # tensor-core (mma.sync) block matmuls on 16-bit operands
     register_accumulators: bool = True     # accum(matmul) in the mma's f32 registers across the loop
     stages: int = attrs.field(default=DEFAULT_STAGES, validator=_check_stages)  # cp.async pipeline depth
     threads: Optional[int] = attrs.field(default=None, validator=_check_threads)  # custom kernels' block size
+    unroll: int = attrs.field(default=DEFAULT_UNROLL, validator=_check_unroll)  # block-level element loops
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -50,7 +60,8 @@ class CudaOptions:
         return cls(mma=_flag(env, "MDSL_CUDA_MMA", default.mma),
                    register_accumulators=_flag(env, "MDSL_CUDA_REGACC", default.register_accumulators),
                    stages=_integer(env, "MDSL_CUDA_STAGES", default.stages),
-                   threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None)
+                   threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None,
+                   unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -19,16 +19,17 @@ OPTION_SETS = {
     "pipeline-2": CudaOptions(stages=2),
     "pipeline-4": CudaOptions(stages=4),
     "threads-64": CudaOptions(threads=64),
+    "rolled-loops": CudaOptions(unroll=1),
 }
 
 #: the option sets that each switch one fast path off (what a GPU run falls back to)
-FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads")
+FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads", "rolled-loops")
 
 
 def options_env(options: CudaOptions) -> dict:
     """The environment variables that select `options` (for code that reads them: emit_cuda)."""
     env = {"MDSL_CUDA_MMA": str(int(options.mma)), "MDSL_CUDA_REGACC": str(int(options.register_accumulators)),
-           "MDSL_CUDA_STAGES": str(options.stages)}
+           "MDSL_CUDA_STAGES": str(options.stages), "MDSL_CUDA_UNROLL": str(options.unroll)}
     if options.threads is not None:
         env["MDSL_CUDA_THREADS"] = str(options.threads)
     return env

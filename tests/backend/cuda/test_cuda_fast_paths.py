@@ -4,6 +4,8 @@ where inputs are pipelined, and every program compiling clean (no spills, no sta
 option set. The GPU tests run the same programs against the reference (tests/gpu/test_gpu_fast_paths.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
@@ -23,15 +25,18 @@ needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is
 
 def test_options_from_the_environment():
     assert CudaOptions.from_env({}) == CudaOptions()
-    env = {"MDSL_CUDA_MMA": "0", "MDSL_CUDA_REGACC": "off", "MDSL_CUDA_STAGES": "2", "MDSL_CUDA_THREADS": "256"}
-    assert CudaOptions.from_env(env) == CudaOptions(mma=False, register_accumulators=False, stages=2, threads=256)
+    env = {"MDSL_CUDA_MMA": "0", "MDSL_CUDA_REGACC": "off", "MDSL_CUDA_STAGES": "2", "MDSL_CUDA_THREADS": "256",
+           "MDSL_CUDA_UNROLL": "1"}
+    assert CudaOptions.from_env(env) == CudaOptions(mma=False, register_accumulators=False, stages=2, threads=256,
+                                                    unroll=1)
     assert CudaOptions.from_env({"MDSL_CUDA_MMA": "1", "MDSL_CUDA_STAGES": " "}).mma
 
 
 @pytest.mark.parametrize("env, words", [({"MDSL_CUDA_MMA": "maybe"}, "not a switch"),
                                         ({"MDSL_CUDA_STAGES": "9"}, "1 to 4"),
                                         ({"MDSL_CUDA_STAGES": "two"}, "not an integer"),
-                                        ({"MDSL_CUDA_THREADS": "100"}, "multiple of 32")])
+                                        ({"MDSL_CUDA_THREADS": "100"}, "multiple of 32"),
+                                        ({"MDSL_CUDA_UNROLL": "3"}, "1, 2, 4, 8")])
 def test_bad_option_values_say_what_to_set(env, words):
     with pytest.raises(UnsupportedError, match=words) as info:
         CudaOptions.from_env(env)
@@ -155,3 +160,10 @@ def _check_clean(program) -> None:
 def test_the_option_sets_round_trip_through_the_environment():
     for options in OPTION_SETS.values():
         assert CudaOptions.from_env(options_env(options)) == options
+
+
+def test_block_loops_unroll_as_asked():
+    graph = fast_path_graphs()["ragged_matmuls_f16"]
+    thread_loop = re.compile(r"#pragma unroll (\d+)\n\s*for \(int i = threadIdx\.x;")
+    rolled, unrolled = (thread_loop.findall(emit_cuda(graph, options=CudaOptions(unroll=u)).source) for u in (1, 4))
+    assert rolled and set(rolled) == {"1"} and "4" in unrolled
