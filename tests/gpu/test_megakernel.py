@@ -28,7 +28,7 @@ PROMPT = [1, 45, 201, 7, 99]
 NEW_TOKENS = 32
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
-            initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+            initializer_range=0.15, bos_token_id=1)   # no EOS: both sides generate every token
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,9 @@ def hf_model(torch, transformers, arch: str, dtype, seed: int):
 
 def hf_greedy(torch, model, prompt, steps):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert out.shape[1] == len(prompt) + steps, f"transformers stopped after {out.shape[1] - len(prompt)} tokens"
         logits = model(out[:, :-1]).logits[0].float().cpu().numpy()   # every position's, for the report
     return out[0, len(prompt):].tolist(), logits
 

@@ -129,9 +129,7 @@ class Emulator:
         s, b = self.s, self.buf
         d, group = s.head_dim, s.group
         qkv = b["qkv"][layer]
-        n = pos + 1
-        chunk = -(-n // self.plan.splits)
-        lo, hi = split * chunk, min(n, split * chunk + chunk)
+        lo, hi = self.plan.attention_range(pos, split)
         qn = self.layer(layer, "q_norm") if s.qk_norm else None
         kn = self.layer(layer, "k_norm") if s.qk_norm else None
         q = np.stack([self.prepare_head(qkv[h * d:(h + 1) * d], qn, pos) for h in range(g * group, (g + 1) * group)])
@@ -149,7 +147,7 @@ class Emulator:
             scores = self.k_cache[layer, lo:hi, g] @ q[h] * np.float32(s.head_dim ** -0.5)
             m = scores.max()
             e = np.exp(scores - m)
-            part[0], part[1], part[2:] = m, e.sum(), e @ self.v_cache[layer, lo:hi, g]
+            part[0], part[1], part[2:] = m, e.sum(), self.round(e) @ self.v_cache[layer, lo:hi, g]
 
     def sample(self, step, pos):
         value, token = max(self.buf["best"], key=lambda vi: (vi[0], -vi[1]))
@@ -179,10 +177,20 @@ def test_the_tables_compute_the_reference_forward(arch, workers):
     np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
 
 
-def test_attention_splits_cover_the_positions_once():
+@pytest.mark.parametrize("min_chunk", [1, 4, 64])
+def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk):
+    from mdsl.megakernel.runtime import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)   # several splits at these short contexts
     config, graph, weights = tiny_model("qwen3", seed=1)
     plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions)
     assert plan.splits > 4    # more splits than positions early on: empty splits must weigh nothing
+    for position in range(config.max_positions):
+        ranges = [plan.attention_range(position, k) for k in range(plan.splits)]
+        assert ranges[0][0] == 0 and max(hi for _, hi in ranges) == position + 1
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert sum(lo <= position < hi for lo, hi in ranges) == 1
+        assert all(hi - lo <= plan.max_chunk for lo, hi in ranges)
     prompt = [1, 2]
     want = ReferenceModel(graph, weights).generate(prompt, 12)
     got, _ = Emulator(plan, config, weights, 5, np.random.default_rng(0)).run(prompt, 12)

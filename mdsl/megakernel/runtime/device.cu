@@ -215,7 +215,9 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
   const T* qkv = p.qkvs + (long long)t.layer * QKV;
-  const long long n = pos + 1, chunk = (n + SPLITS - 1) / SPLITS;
+  // at least MIN_CHUNK positions a split: a short context is one split, whose softmax weights are
+  // relative to the true maximum as in transformers' fused attention
+  const long long n = pos + 1, even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
   const long long lo = split * chunk, hi = lo + chunk < n ? lo + chunk : n;
   const bool owner = lo <= pos && pos < hi;
   float* qs = sm;                      // [G][D]
@@ -272,9 +274,9 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
     m = mdsl::group_reduce<32>(m, mdsl::Max());
     float l = 0.0f;
-    for (int i = lane; i < count; i += 32) {
-      const float e = expf(scores[h * MAX_CHUNK + i] - m);
-      scores[h * MAX_CHUNK + i] = e;
+    for (int i = lane; i < count; i += 32) {   // the sum in f32, the weights of the values rounded to T
+      const float e = expf(scores[h * MAX_CHUNK + i] - m);   // (as flash / memory-efficient attention do)
+      scores[h * MAX_CHUNK + i] = round_t(e);
       l += e;
     }
     l = mdsl::group_reduce<32>(l, mdsl::Sum());

@@ -96,7 +96,15 @@ class TaskPlan:
 
     @property
     def max_chunk(self) -> int:
-        return -(-self.max_seq // self.splits)
+        """The most positions one attention split covers (device.cu's chunk rule)."""
+        return max(MIN_CHUNK, -(-self.max_seq // self.splits))
+
+    def attention_range(self, position: int, split: int) -> tuple:
+        """Positions [lo, hi) of a split at `position`: equal chunks of at least MIN_CHUNK from 0, so
+        that the split holding `position` (the one that appends it to the KV cache) is the last
+        non-empty one."""
+        chunk = max(MIN_CHUNK, -(-(position + 1) // self.splits))
+        return min(split * chunk, position + 1), min(split * chunk + chunk, position + 1)
 
     def tables(self) -> tuple:
         """(tasks int32 [n, 8], waits int32 [m, 2], signals int32 [k]): what the device reads.
@@ -124,6 +132,7 @@ class TaskPlan:
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save
+MIN_CHUNK = 64          # attention positions per split at least (device.cu's MIN_CHUNK)
 
 
 def tiles(n: int, count: int) -> list:

@@ -10,7 +10,7 @@ import attrs
 
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f32
-from mdsl.megakernel.runtime.plan import Kind, TaskPlan
+from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
 
 KERNEL_NAME = "mdsl_megakernel"
 THREADS = 256                    # device.cu's NT
@@ -73,7 +73,7 @@ def generate_source(plan: TaskPlan) -> MegakernelSource:
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
         "L": s.layers, "QKV": s.qkv_rows, "SPLITS": plan.splits, "MAX_SEQ": plan.max_seq,
-        "MAX_CHUNK": plan.max_chunk, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
+        "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": MIN_CHUNK, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
         **{f"KIND_{kind.name}": int(kind) for kind in Kind},
     }
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
