@@ -68,8 +68,8 @@ def hf_greedy(torch, model, prompt, steps):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=steps, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-    assert out.shape[1] == len(prompt) + steps, f"transformers stopped after {out.shape[1] - len(prompt)} tokens"
         logits = model(out[:, :-1]).logits[0].float().cpu().numpy()   # every position's, for the report
+    assert out.shape[1] == len(prompt) + steps, f"transformers stopped after {out.shape[1] - len(prompt)} tokens"
     return out[0, len(prompt):].tolist(), logits
 
 
