@@ -264,7 +264,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             results.append({"model": name, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
         torch.cuda.empty_cache()
-    (out / "decode_results.json").write_text(json.dumps(results, indent=2))
+        (out / "decode_results.json").write_text(json.dumps(results, indent=2))   # after each: a run cut short keeps these
+        print(table(results[-1:]), flush=True)
     print(table(results))
     return 1 if failed else 0
 

@@ -17,7 +17,7 @@ PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
-TESTS_LIMIT="${TESTS_LIMIT:-170}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-150}"
+TESTS_LIMIT="${TESTS_LIMIT:-160}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-140}"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
@@ -44,7 +44,7 @@ stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" \
 grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
 
 stage kernels "$KERNELS_LIMIT" "$OUT/all/kernels.log" env MDSL_CACHE_DIR="$PWD/.plans" \
-    $PY benchmarks/kernels.py --no-compile --time-limit $(( KERNELS_LIMIT - 40 )) --out "$OUT/all/kernels"
+    $PY benchmarks/kernels.py --no-compile --reps 100 --time-limit $(( KERNELS_LIMIT - 45 )) --out "$OUT/all/kernels"
 cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
 
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick --out "$OUT/all/decode"
