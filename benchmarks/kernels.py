@@ -869,7 +869,7 @@ class Bench:
         torch.cuda.synchronize()
         ins = [[x.data_ptr() for x in s] for s in sets]
         out_ptrs = [[o.data_ptr()] for o in outs]
-        resources = exe.module.resources.values()
+        resources = getattr(exe.module, "resources", {}).values()   # the PTX backend's module reports none
         info = {"launches": len(exe.program.launches),
                 "registers": max((r.registers for r in resources), default=0),
                 "spill_bytes": sum(r.spill_store_bytes + r.spill_load_bytes for r in resources)}

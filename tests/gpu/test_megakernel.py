@@ -12,6 +12,7 @@ Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 from __future__ import annotations
 
 import json
+import warnings
 
 import attrs
 import numpy as np
@@ -73,8 +74,25 @@ def hf_greedy(torch, model, prompt, steps):
     return out[0, len(prompt):].tolist(), logits
 
 
+def first_difference(ours, theirs):
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def bf16_tie(ours, theirs, logits, prompt) -> bool:
+    """Whether the first differing tokens are tied within bf16's resolution in transformers' own logits
+    (at most 2 units in the last place of the larger): transformers rounds every activation to bf16,
+    mdsl computes in f32 and rounds where transformers stores, so such a tie can break either way."""
+    first = first_difference(ours, theirs)
+    if first is None:
+        return False
+    row = logits[len(prompt) - 1 + first]
+    a, b = float(row[ours[first]]), float(row[theirs[first]])
+    ulp = 2.0 ** (np.floor(np.log2(max(abs(a), abs(b), 1e-30))) - 7)   # bf16: 8 significant bits
+    return abs(a - b) <= 2 * ulp
+
+
 def divergence_report(ours, theirs, logits, prompt) -> str:
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    first = first_difference(ours, theirs)
     if first is None:
         return f"lengths differ: {len(ours)} vs {len(theirs)}"
     row = logits[len(prompt) - 1 + first]
@@ -109,7 +127,13 @@ def test_greedy_generation_is_token_identical_to_transformers(torch, tiny_engine
     engine, model = tiny_engines(arch, dtype_name)
     theirs, logits = hf_greedy(torch, model, PROMPT, NEW_TOKENS)
     ours = engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
-    assert ours == theirs, f"seed {SEED}: {divergence_report(ours, theirs, logits, PROMPT)}"
+    compared = len(ours)
+    if dtype_name == "bf16" and ours != theirs and bf16_tie(ours, theirs, logits, PROMPT):
+        # identical up to a bf16 tie in transformers' own logits; after it the two continue different texts
+        compared = first_difference(ours, theirs)
+        warnings.warn(f"seed {SEED}: {arch} bf16 identical for {compared} tokens, then a bf16 tie: "
+                      f"{divergence_report(ours, theirs, logits, PROMPT)}")
+    assert ours[:compared] == theirs[:compared], f"seed {SEED}: {divergence_report(ours, theirs, logits, PROMPT)}"
     assert len(set(theirs)) > 3, f"transformers repeats itself ({theirs}): the check is too weak with seed {SEED}"
     # a second launch starts from fresh events and state
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours

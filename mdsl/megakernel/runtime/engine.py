@@ -99,9 +99,6 @@ class MegakernelEngine:
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
-        resources = self.module.resources[KERNEL_NAME]
-        if resources.spill_store_bytes or resources.spill_load_bytes:
-            raise CudaError(f"the megakernel spills registers ({resources}); it would run far below bandwidth")
         if self.smem_bytes > dev.max_smem:
             raise CudaError(f"the megakernel needs {self.smem_bytes} bytes of shared memory per block; the device "
                             f"allows {dev.max_smem}", hint="a smaller max_seq shortens attention's score rows")
@@ -110,6 +107,13 @@ class MegakernelEngine:
         self._module_handle = _check(driver.cuModuleLoadData(self.module.cubin), "loading the megakernel")
         self._function = _check(driver.cuModuleGetFunction(self._module_handle, KERNEL_NAME.encode()),
                                 "cuModuleGetFunction")
+        # resources from the loaded function, not the compiler log (a log may lack ptxas's report)
+        registers, local_bytes = (_check(driver.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute")
+                                  for attribute in (driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS,
+                                                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES))
+        resources = f"{registers} registers, {local_bytes} bytes of local memory per thread"
+        if local_bytes:
+            raise CudaError(f"the megakernel spills registers ({resources}); it would run far below bandwidth")
         if self.smem_bytes > _STATIC_SMEM_LIMIT:
             _check(driver.cuFuncSetAttribute(
                 self._function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
