@@ -17,8 +17,8 @@ the cost model and verified in parallel worker processes; the best verified ones
   still passes with probability at most its stated bound; only independence between candidates is
   lost, which a union bound over them does not need. It also lets each worker compute the original's
   side of the tests once (`mdsl.passes.verify.ORIGINAL_RUNS`).
-* When the budget runs out, pending work is cancelled, the workers are stopped, and the best verified
-  result so far is returned. Generators are only asked for their next candidate before the deadline,
+* When the budget runs out (less a short wind-down, so that the whole call fits in it), pending work is
+  cancelled, the workers are stopped, and the best verified result so far is returned. Generators are only asked for their next candidate before the deadline,
   so they must yield (or poll `stats.out_of_time()`) now and then.
 """
 from __future__ import annotations
@@ -60,6 +60,8 @@ DEFAULT_GENERATORS = (("guided", "mdsl.search.guided"), ("exhaustive", "mdsl.sea
 _MAX_PENDING = 10_000   # candidates waiting for a worker; beyond it generation waits for verification
 _POLL_S = 0.1           # the longest a wait blocks, so that the deadline and progress are noticed promptly
 _STOP_GRACE_S = 2.0     # idle workers get this long to exit before they are terminated
+_WIND_DOWN_S = 2.0      # kept from the budget for stopping the workers and assembling the plan, so that
+                        # search() returns within budget_s of wall clock, not a second or two after
 
 
 @attrs.frozen
@@ -163,7 +165,8 @@ class _Search:
         self.start = log.start
         # every count refreshes the progress display (at most every _POLL_S), so that it moves
         # while a generator works between two candidates
-        self.stats = SearchStats(deadline=self.start + config.budget_s, listener=self._report)
+        wind_down = min(_WIND_DOWN_S, 0.1 * config.budget_s)
+        self.stats = SearchStats(deadline=self.start + config.budget_s - wind_down, listener=self._report)
         self.signature = _signature(original)
         self.seen = {original.key}
         self.pending: list = []        # heap of (generator number, rank, cost, graph), see _rank
