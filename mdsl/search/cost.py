@@ -28,6 +28,14 @@ class Device:
     memory_latency_s: float      # one global-memory round trip
     sm_bytes_per_s: float        # what one SM can pull from L2 (about 64 B per clock)
     pipeline_stages: int = 2     # loads in flight per block (double buffering)
+    # occupancy and loop latency, for `gpu_estimate` (the ranking of tuning variants)
+    smem_per_sm: int = 228 * 1024
+    threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 8   # what registers usually allow a block of tensor-core tiles
+    step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (measured on the H200: a
+                                 # 9-step attention iteration ~2.2 us, a 3-step GEMV iteration ~0.5 us)
+    sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
+    sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
 
 
 #: Measured on the H200 test machine (design.md): 4.25 TB/s copy, ~750 TFLOP/s bf16.
@@ -106,11 +114,21 @@ def _contiguous_bytes(tile: TensorType, tensor: TensorType) -> int:
     return run
 
 
-def _custom_cost(node: Node, device: Device) -> KernelCost:
+@attrs.frozen
+class _Traffic:
+    dram: int            # unique bytes read and written
+    l2: int              # bytes requested by all blocks
+    useful: float        # bytes read, weighted by how badly their accesses coalesce
+    out_bytes: int
+    per_iteration: int   # bytes one block loads per loop iteration
+    loop_input_bytes: int  # of those, the tiles that change along the loop (they are pipelined)
+
+
+def _traffic(node: Node, device: Device) -> _Traffic:
     graph: BlockGraph = node.body
     dram = l2 = 0
-    useful = 0.0      # dram bytes weighted by how well their accesses coalesce
-    per_iteration = 0  # bytes one block loads per loop iteration
+    useful = 0.0
+    per_iteration = loop_inputs = 0
     for inp, tensor in zip(graph.inputs, node.inputs):
         split = math.prod(g for g, d in zip(graph.grid, inp.imap) if d is not None)
         replicated = tensor.type.nbytes * graph.num_blocks // split
@@ -121,9 +139,15 @@ def _custom_cost(node: Node, device: Device) -> KernelCost:
         # contiguous runs shorter than two 32-byte sectors waste DRAM bursts
         useful += read / min(1.0, _contiguous_bytes(inp.var.type, tensor.type) / 64)
         per_iteration += inp.var.type.nbytes
+        loop_inputs += inp.var.type.nbytes if inp.fmap is not None else 0
     out_bytes = sum(v.type.nbytes for v in node.outputs)
-    dram += out_bytes
-    l2 += out_bytes
+    return _Traffic(dram + out_bytes, l2 + out_bytes, useful, out_bytes, per_iteration, loop_inputs)
+
+
+def _custom_cost(node: Node, device: Device) -> KernelCost:
+    graph: BlockGraph = node.body
+    t = _traffic(node, device)
+    dram, l2, useful, out_bytes, per_iteration = t.dram, t.l2, t.useful, t.out_bytes, t.per_iteration
     flops = _block_flops(graph)
     smem = shared_memory_peak(graph)
     # Little's law: a block keeps `pipeline_stages` iterations of loads in flight per memory latency
@@ -158,6 +182,108 @@ def estimate(graph: KernelGraph, device: Device = H200) -> Cost:
     ks = kernel_costs(graph, device)
     return Cost(sum(k.seconds for k in ks), sum(k.dram_bytes for k in ks), len(ks),
                 max((k.smem_bytes for k in ks), default=0), sum(k.flops for k in ks), tuple(ks))
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU-aware estimate: occupancy, waves and serial loop latency, for ranking tuning variants
+
+
+@attrs.frozen
+class KernelFit:
+    """How one custom kernel's grid sits on the GPU."""
+
+    blocks: int
+    resident: int          # blocks one SM holds at once (shared memory, threads)
+    per_sm: int            # blocks the busiest SM runs
+    rounds: int            # of those, how many run one after another
+    fill: float            # blocks / (per_sm x SMs): 1.0 when every SM has the same work
+    iterations: int        # serial loop iterations per block
+    steps: int             # barrier-separated steps of one iteration
+    in_flight_per_sm: int  # bytes of loads in flight on the busiest SM
+    smem_bytes: int        # per block, with the pipeline's copies
+    memory_s: float
+    compute_s: float
+    latency_s: float       # the serial chain: rounds x iterations x steps
+    seconds: float
+
+
+@attrs.frozen
+class GpuEstimate:
+    seconds: float
+    kernels: tuple         # KernelFit of each custom kernel
+
+    def describe(self) -> str:
+        return " ; ".join(f"{k.blocks} blocks ({k.fill:.0%} fill, {k.rounds} round(s) of {k.iterations} "
+                          f"iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM)" for k in self.kernels)
+
+
+def _pipelined_smem(graph: BlockGraph, loop_input_bytes: int, stages: int) -> tuple:
+    """(stages, shared memory per block): the deepest pipeline up to `stages` that fits, as the CUDA
+    backend chooses it (a loop of one iteration has nothing to prefetch)."""
+    peak = shared_memory_peak(graph)
+    stages = max(1, min(stages, graph.forloop))
+    while stages > 1 and peak + (stages - 1) * loop_input_bytes > SMEM_LIMIT_BYTES:
+        stages -= 1
+    return stages, peak + (stages - 1) * loop_input_bytes
+
+
+def _block_work(graph: BlockGraph, device: Device) -> tuple:
+    """(seconds of one loop iteration's work, of the post-loop work, steps per iteration, post-loop
+    steps) of one block on one SM: matmuls at the SM's tensor-core rate, other ops per element."""
+    post = graph.post_loop_vars()
+    sm_flops = device.matmul_flops_per_s / device.sms
+    loop_s = post_s = 0.0
+    loop_steps = post_steps = 0
+    for n in graph.nodes:
+        seconds = _matmul_flops(n) / sm_flops if n.op == "matmul" else _node_flops(n) / device.sm_elements_per_s
+        if n.opdef.is_accumulator or not any(v.name in post for v in n.outputs):
+            loop_s, loop_steps = loop_s + seconds, loop_steps + 1   # an accumulator updates every iteration
+        else:
+            post_s, post_steps = post_s + seconds, post_steps + 1
+    return loop_s, post_s, loop_steps, post_steps
+
+
+def _kernel_fit(node: Node, device: Device, stages: int) -> KernelFit:
+    graph: BlockGraph = node.body
+    t = _traffic(node, device)
+    blocks = graph.num_blocks
+    stages, smem = _pipelined_smem(graph, t.loop_input_bytes, stages)
+    resident = max(1, min(device.smem_per_sm // max(smem, 1), device.threads_per_sm // graph.threads,
+                          device.max_blocks_per_sm))
+    per_sm = -(-blocks // device.sms)
+    rounds = -(-per_sm // resident)
+    fill = blocks / (per_sm * device.sms)
+    in_flight = min(per_sm, resident) * stages * (t.loop_input_bytes or t.per_iteration)
+    # the busiest SM's share of the traffic, at the rate one SM draws: its share of DRAM bandwidth, what
+    # one SM's loads sustain, and what its loads in flight cover of the latency (Little's law)
+    active = min(blocks, device.sms)
+    dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s)
+    memory = max(per_sm * (t.useful + t.out_bytes) / blocks / dram_rate,
+                 per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
+    loop_s, post_s, loop_steps, post_steps = _block_work(graph, device)
+    compute = per_sm * (graph.forloop * loop_s + post_s)
+    latency = rounds * (graph.forloop * loop_steps + post_steps) * device.step_s
+    seconds = max(memory, compute) + latency + device.launch_s
+    return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop_steps, in_flight, smem, memory,
+                     compute, latency, seconds)
+
+
+def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3) -> GpuEstimate:
+    """A finer estimate than `estimate` of one mugraph's time on `device`, for choosing among mugraphs of
+    one structure with other grids and loops: it counts waves (the busiest SM's blocks), blocks resident
+    per SM (shared memory with `stages` pipelined copies of the loop's tiles, threads), the bytes in
+    flight that cover the memory latency and the serial chain of loop iterations. Library kernels and
+    views count as `estimate` counts them."""
+    fits, seconds = [], 0.0
+    for node in graph.nodes:
+        if node.op in _VIEWS:
+            continue
+        if node.body is None or not isinstance(node.body, BlockGraph):
+            seconds += _library_cost(node, device).seconds
+            continue
+        fits.append(_kernel_fit(node, device, stages))
+        seconds += fits[-1].seconds
+    return GpuEstimate(seconds, tuple(fits))
 
 
 @attrs.frozen

@@ -409,7 +409,13 @@ def _grid_factors(n: int, limit: int) -> list:
                   | {n // t for t in _powers_of_two_dividing(n, n) if 1 < n // t <= limit})
 
 
-def choices(graph: KernelGraph, labels: Labels, config: SearchConfig) -> Iterator[Choice]:
+def choices(graph: KernelGraph, labels: Labels, config: SearchConfig, *, max_split: int = 64,
+            min_forloop: int = 2, thread_counts: Optional[tuple] = None) -> Iterator[Choice]:
+    """The grid/loop choices for `graph`. The keyword arguments widen the space beyond what the search
+    enumerates (`mdsl.search.variants` uses them for GPU tuning): splits of the loop label across up to
+    `max_split` blocks, loops of at least `min_forloop` iterations (1: a block takes its whole split in
+    one tile), every thread count in `thread_counts` (default: the config's first)."""
+    thread_counts = config.thread_counts[:1] if thread_counts is None else thread_counts
     out_labels = None
     for v in graph.outputs:
         ls = {labels.label(v.name, d) for d in range(v.type.rank) if v.shape[d] > 1}
@@ -419,7 +425,7 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig) -> Iterato
     loops = [None] + sorted(l for l, kinds in contracted.items() if kinds <= _LOOPABLE)
     for loop in loops:
         n_loop = labels.size(loop) if loop is not None else 1
-        splits = _powers_of_two_dividing(n_loop, 64) if loop is not None else [1]
+        splits = _powers_of_two_dividing(n_loop, max_split) if loop is not None else [1]
         max_grid_labels = 3 if loop is None else 2
         for k in range(0, min(max_grid_labels, len(free)) + 1):
             for grid_labels in itertools.combinations(free, k):
@@ -429,16 +435,16 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig) -> Iterato
                         blocks = math.prod(factors) * split
                         if blocks > config.max_blocks or (split > 1 and len(factors) >= 3):
                             continue
-                        for forloop in _forloop_ranges(n_loop // split, loop is not None, config):
-                            for threads in config.thread_counts[:1]:
+                        for forloop in _forloop_ranges(n_loop // split, loop is not None, config, min_forloop):
+                            for threads in thread_counts:
                                 yield Choice(tuple(zip(grid_labels, factors)), loop, forloop, split, threads)
 
 
-def _forloop_ranges(n: int, looping: bool, config: SearchConfig) -> list:
+def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: int = 2) -> list:
     if not looping:
         return [1]
     # chunks of 8 to 512 elements along the loop label keep tiles sensible
-    return [r for r in config.forloop_ranges if r > 1 and n % r == 0 and 8 <= n // r <= 512]
+    return [r for r in config.forloop_ranges if r >= min_forloop and n % r == 0 and 8 <= n // r <= 512]
 
 
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:

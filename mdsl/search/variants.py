@@ -1,0 +1,288 @@
+"""Tuning variants of a plan: the plan's fused mugraph derived again under other split factors, verified,
+for the GPU autotuner to time.
+
+A search keeps the few candidates its cost model ranks first, and those share nearly one grid. On a GPU
+the grid decides much: blocks against 132 SMs (waves), serial loop iterations per block, bytes in
+flight per SM, blocks resident per SM. So, from a plan:
+
+1. find the guided *choice* (`mdsl.search.guided.Choice`) that lifts the original program to the plan's
+   chosen mugraph (else to its best alternative that has one);
+2. lift the original under every choice of a widened space (more splits of the loop label, loops of
+   one iteration) with the same loop label, keeping the mugraphs of the same structure: the same
+   block-graph ops per kernel (split variants add a combine kernel that re-accumulates);
+3. rank them with `mdsl.search.cost.gpu_estimate` and pick up to K diverse ones (round robin over
+   (blocks, split) groups);
+4. verify them through the search engine (`engine.search` with these as its only generator: the same
+   workers, seed, finite-field and float tests as every searched candidate), keeping the verified ones
+   with their evidence.
+
+The result is stored beside the plan in the plan cache, `<root>/variants/<plan key>.json`, written
+atomically and validated when read (an entry that does not fit warns and is ignored), so plan files
+are untouched. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a GPU
+machine without z3 only reads what a CPU machine computed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import attrs
+
+from mdsl.ir.graph import KernelGraph
+from mdsl.search.cache import PlanCache, _write_atomic
+from mdsl.search.cost import estimate, gpu_estimate
+from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json
+
+SCHEMA = 1
+DEFAULT_LIMIT = 8
+
+
+@attrs.frozen
+class VariantSpace:
+    """The widened choice space (`guided.choices`' keyword arguments) and what is verified of it."""
+
+    max_split: int = 256          # splits of the loop label across blocks
+    min_forloop: int = 1          # 1: a block may take its whole split as one tile
+    budget_s: float = 1200.0      # verification wall clock for all of a plan's variants
+
+
+@attrs.frozen
+class TuningVariant:
+    candidate: Candidate          # the verified mugraph, its cost and evidence
+    describe: str                 # the choice it was derived under
+    gpu_seconds: float            # gpu_estimate's time, the rank among variants
+
+
+@attrs.frozen
+class Proposal:
+    graph: KernelGraph
+    describe: str
+    group: tuple                  # (blocks per kernel, split): variants of one group differ only in loop
+    gpu_seconds: float
+
+
+# ---------------------------------------------------------------------------------------------
+# structure
+
+def structure(graph: KernelGraph) -> tuple:
+    """What variants share: the kernels' block-graph ops, casts and accumulators aside (a split moves
+    the post-loop ops into the combine kernel), the library ops, and the first kernel's accumulators (a
+    split variant's combine re-accumulates those); as sorted counts."""
+    bodies = [n.body for n in graph.nodes if n.body is not None]
+    work = sorted(n.op for b in bodies for n in b.nodes if n.op != "cast" and not n.opdef.is_accumulator)
+    library = sorted(n.op for n in graph.nodes if n.body is None)
+    accumulators = sorted(n.op for n in bodies[0].nodes if n.opdef.is_accumulator) if bodies else []
+    return tuple(work), tuple(library), tuple(accumulators)
+
+
+def describe_choice(choice, labels) -> str:
+    grid = " x ".join(f"{parts}" for _, parts in choice.grid) or "1"
+    if choice.loop is None:
+        return f"grid {grid}, no loop"
+    n = labels.size(choice.loop) // choice.split
+    split = f", split {choice.split}" if choice.split > 1 else ""
+    return f"grid {grid}{split}, {choice.forloop} iteration(s) of {n // choice.forloop}"
+
+
+def _main_blocks(graph: KernelGraph) -> tuple:
+    return tuple(n.body.num_blocks for n in graph.nodes if n.body is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# proposing
+
+def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = VariantSpace()) -> list:
+    """Up to `limit` unverified Proposals for `plan`, best first by gpu_estimate, diverse; [] when no
+    plan candidate is a guided mugraph (the original program, say)."""
+    from mdsl.search.dims import Labels
+    from mdsl.search.guided import CannotLift, choices, lift
+
+    original = plan.original
+    labels = Labels(original)
+    lifted: dict = {}  # key -> (choice, graph), first choice of each mugraph
+    for choice in choices(original, labels, plan.config, max_split=space.max_split,
+                          min_forloop=space.min_forloop):
+        try:
+            graph = lift(original, choice, labels)
+        except CannotLift:
+            continue
+        lifted.setdefault(graph.key, (choice, graph))
+    known = [plan.graph] + [c.graph for c in plan.alternatives]
+    base = next((lifted[g.key] for g in known if g.key in lifted), None)
+    if base is None:
+        return []
+    base_choice, base_graph = base
+    shape = structure(base_graph)
+    taken = {g.key for g in known}
+    proposals = []
+    for key, (choice, graph) in lifted.items():
+        if key in taken or choice.loop != base_choice.loop or structure(graph) != shape:
+            continue
+        proposals.append(Proposal(graph, describe_choice(choice, labels), (_main_blocks(graph), choice.split),
+                                  gpu_estimate(graph).seconds))
+    proposals.sort(key=lambda p: (p.gpu_seconds, p.graph.key))
+    return diverse(proposals, limit)
+
+
+def diverse(ranked: Sequence[Proposal], limit: int, per_group: int = 2) -> list:
+    """`limit` of the ranked proposals, spread over grids: up to `per_group` (the best loop lengths) from
+    each of the best ceil(limit / per_group) (blocks, split) groups, then the best of the rest; in rank
+    order."""
+    groups: dict = {}
+    for p in ranked:
+        groups.setdefault(p.group, []).append(p)
+    best_groups = list(groups.values())[:-(-limit // per_group)]
+    picked = [p for g in best_groups for p in g[:per_group]][:limit]
+    chosen = {id(p) for p in picked}
+    picked += [p for p in ranked if id(p) not in chosen][:limit - len(picked)]
+    order = {id(p): i for i, p in enumerate(ranked)}
+    return sorted(picked, key=lambda p: order[id(p)])
+
+
+# ---------------------------------------------------------------------------------------------
+# verifying (through the search engine)
+
+class _Proposed:
+    """A generator for `engine.search` that yields the given mugraphs."""
+
+    __name__ = "variants"
+
+    def __init__(self, graphs: Sequence[KernelGraph]):
+        self.graphs = list(graphs)
+
+    def __call__(self, graph: KernelGraph, config) -> Iterator[KernelGraph]:
+        yield from self.graphs
+
+
+def verify(plan: Plan, proposals: Sequence[Proposal], *, budget_s: float = VariantSpace().budget_s,
+           workers: Optional[int] = None, progress=None) -> list:
+    """The proposals the search's verifier accepts, as TuningVariants in the proposals' order. Each is
+    verified as a searched candidate is: `engine.search` with the plan's seed and number of tests."""
+    from mdsl.search.engine import search
+
+    if not proposals:
+        return []
+    extra = {"workers": workers} if workers else {}
+    config = attrs.evolve(plan.config, budget_s=budget_s, top_k=len(proposals) + 1, **extra)
+    result = search(plan.original, config, generators=[_Proposed([p.graph for p in proposals])], progress=progress)
+    verified = {c.graph.key: c for c in result.candidates if c.evidence.equivalent and c.evidence.finite_field_tests}
+    return [TuningVariant(verified[p.graph.key], p.describe, p.gpu_seconds)
+            for p in proposals if p.graph.key in verified]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache entry
+
+def plan_key(plan: Plan) -> Optional[str]:
+    """The plan cache key of a plan read from the plan cache (None for one that was not)."""
+    return Path(plan.cache_path).stem if plan.cache_path else None
+
+
+def entry_path(cache: PlanCache, key: str) -> Path:
+    return cache.root / "variants" / f"{key}.json"
+
+
+def store(cache: PlanCache, plan: Plan, found: Sequence[TuningVariant], limit: int) -> Optional[Path]:
+    """Write the plan's variants entry atomically; a cache that cannot be written only warns."""
+    key = plan_key(plan)
+    if key is None:
+        return None
+    path = entry_path(cache, key)
+    entry = {"mdsl_plan_variants": SCHEMA, "plan_key": key, "plan_graph_key": plan.graph.key,
+             "original_key": plan.original.key, "limit": limit,
+             "variants": [{"describe": v.describe, "gpu_seconds": v.gpu_seconds, **_candidate_json(v.candidate)}
+                          for v in found]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1, allow_nan=False))
+    except OSError as e:
+        warnings.warn(f"mdsl: could not write the variants entry {path}: {e}", stacklevel=2)
+        return None
+    return path
+
+
+class CorruptVariants(Exception):
+    """A variants entry that does not belong to the plan or does not hold verified mugraphs."""
+
+
+def load(cache: PlanCache, plan: Plan) -> Optional[tuple]:
+    """(variants, the limit they were picked under) stored for `plan`, or None (no entry, or one that does
+    not fit: that warns)."""
+    key = plan_key(plan)
+    if key is None:
+        return None
+    path = entry_path(cache, key)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        return _read_entry(text, key, plan)
+    except Exception as e:  # untrusted data: whatever is wrong with it, it is not used
+        warnings.warn(f"mdsl: ignoring the variants entry {path}: {type(e).__name__}: {e}", stacklevel=2)
+        return None
+
+
+def _read_entry(text: str, key: str, plan: Plan) -> tuple:
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("mdsl_plan_variants") != SCHEMA:
+        raise CorruptVariants(f"not a variants entry of schema {SCHEMA}")
+    if data.get("plan_key") != key or data.get("plan_graph_key") != plan.graph.key \
+            or data.get("original_key") != plan.original.key:
+        raise CorruptVariants("it belongs to another plan")
+    limit = data["limit"]
+    if not (isinstance(limit, int) and limit >= 0):
+        raise CorruptVariants(f"its limit {limit!r} is not a count")
+    signature = _signature(plan.original)
+    found = []
+    for item in data["variants"]:
+        c = _candidate(item)  # parses and validates the mugraph
+        if _signature(c.graph) != signature:
+            raise CorruptVariants("a variant's inputs or outputs differ from the program's")
+        e = c.evidence
+        if not (e.equivalent and e.finite_field_tests >= plan.config.verify_tests and e.seed == plan.config.seed):
+            raise CorruptVariants(f"a variant lacks the verification a plan candidate has ({e.describe()})")
+        if estimate(c.graph) != c.cost:
+            raise CorruptVariants("a variant's cost differs from the cost model's estimate")
+        seconds = float(item["gpu_seconds"])
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise CorruptVariants(f"a variant's estimate {seconds!r} is not a positive time")
+        found.append(TuningVariant(c, str(item["describe"]), seconds))
+    if len(found) > limit:
+        raise CorruptVariants(f"{len(found)} variants under a limit of {limit}")
+    return found, limit
+
+
+def _signature(graph: KernelGraph) -> tuple:
+    return tuple(v.type for v in graph.inputs), tuple(v.type for v in graph.outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the two entry points
+
+def ensure_variants(plan: Plan, limit: int = DEFAULT_LIMIT, *, cache: Optional[PlanCache] = None,
+                    space: VariantSpace = VariantSpace(), workers: Optional[int] = None, progress=None) -> list:
+    """The plan's verified tuning variants: from the cache when an entry picked under at least `limit`
+    is there, else proposed, verified and stored (CPU work: minutes for attention)."""
+    cache = cache or PlanCache()
+    stored = load(cache, plan)
+    if stored is not None and stored[1] >= limit:
+        return stored[0][:limit]
+    found = verify(plan, propose(plan, limit, space), budget_s=space.budget_s, workers=workers, progress=progress)
+    store(cache, plan, found, limit)
+    return found
+
+
+def tuning_candidates(plan: Plan, limit: int = DEFAULT_LIMIT, *, variants: Optional[int] = None,
+                      cache: Optional[PlanCache] = None) -> list:
+    """What the GPU autotuner times: the plan's verified candidates (the chosen mugraph, then its
+    alternatives; at most `limit`), then up to `variants` (default `limit`) stored tuning variants, as
+    Candidates. Only reads the cache: nothing is searched or verified here."""
+    own = [c for c in [plan.chosen, *plan.alternatives] if c.evidence.equivalent][:limit]
+    stored = load(cache or PlanCache(), plan)
+    extra = [v.candidate for v in (stored[0] if stored else [])]
+    keys = {c.graph.key for c in own}
+    return own + [c for c in extra if c.graph.key not in keys][:limit if variants is None else variants]
