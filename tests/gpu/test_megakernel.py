@@ -5,7 +5,10 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
   Qwen3, f32 and bf16, with the prompt prefilled inside the same launch;
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
-* the profile shows every task once, on real SMs, and never a task before the producers it waited for.
+* the profile shows every task once, on real SMs, and never a task before the producers it waited for;
+  per SM the bodies never overlap and each starts after its inputs were ready (the scheduler warp's wait);
+  under the static schedule every worker runs exactly its share of the task indices;
+* the global-queue schedule generates the same tokens as the static one.
 
 Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 """
@@ -104,19 +107,23 @@ def divergence_report(ours, theirs, logits, prompt) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_engines(torch, transformers, tmp_path_factory):
-    """(engine, transformers model) per (arch, dtype), built once."""
+    """(engine, transformers model) per (arch, dtype, schedule), built once."""
     from mdsl.megakernel.runtime.engine import MegakernelEngine
 
-    built = {}
+    built, folders = {}, {}
 
-    def get(arch, dtype_name):
-        if (arch, dtype_name) not in built:
+    def get(arch, dtype_name, schedule="static"):
+        if (arch, dtype_name) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
             folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
             model.save_pretrained(str(folder), safe_serialization=True)
-            built[arch, dtype_name] = (MegakernelEngine.from_pretrained(str(folder), max_seq=64), model)
-        return built[arch, dtype_name]
+            folders[arch, dtype_name] = (str(folder), model)
+        if (arch, dtype_name, schedule) not in built:
+            folder, model = folders[arch, dtype_name]
+            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule)
+            built[arch, dtype_name, schedule] = (engine, model)
+        return built[arch, dtype_name, schedule]
 
     return get
 
@@ -174,10 +181,17 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
         engine.generate([1, 10**6], 2)
 
 
-def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path):
-    from mdsl.megakernel.runtime.profile import write_trace
+def test_the_queue_schedule_generates_the_same_tokens(tiny_engines):
+    static, _ = tiny_engines("llama3", "f32")
+    queue, _ = tiny_engines("llama3", "f32", "queue")
+    assert queue.generate(PROMPT, 16, eos_token_ids=()) == static.generate(PROMPT, 16, eos_token_ids=())
 
-    engine, _ = tiny_engines("llama3", "bf16")
+
+@pytest.mark.parametrize("schedule", ["static", "queue"])
+def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, schedule):
+    from mdsl.megakernel.runtime.profile import compute_track, scheduler_track, summary, write_trace
+
+    engine, _ = tiny_engines("llama3", "bf16", schedule)
     run = engine.run(PROMPT[:2], 2, eos_token_ids=(), profile=True)
     plan = engine.plan
     per_step = len(plan.tasks)
@@ -185,7 +199,7 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path):
     assert sorted(r.index for r in run.profile) == list(range(3 * per_step)), "a task ran twice or never"
     done = {r.index: r.done_ns for r in run.profile}
     for r in run.profile:
-        assert r.taken_ns <= r.ready_ns <= r.done_ns
+        assert r.taken_ns <= r.ready_ns <= r.started_ns <= r.done_ns, r
         step, k = divmod(r.index, per_step)
         for e in plan.waits[k]:
             producers = plan.events[e].producers
@@ -194,10 +208,25 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path):
             late = [p for p in earlier if done[p] > r.ready_ns]
             assert not late, f"task {r.index} ({plan.tasks[k].label()}) started before its producers {late} finished"
     assert len({r.sm for r in run.profile}) <= engine.workers
+    by_sm: dict = {}
+    for r in run.profile:
+        by_sm.setdefault(r.sm, []).append(r)
+    for sm, records in by_sm.items():   # one compute warp group per SM: its bodies never overlap
+        records.sort(key=lambda r: r.started_ns)
+        assert all(a.done_ns <= b.started_ns for a, b in zip(records, records[1:])), f"bodies overlap on SM {sm}"
+        if schedule == "static":
+            assert len({r.index % engine.workers for r in records}) == 1, f"SM {sm} ran another worker's share"
+    kinds = [t.kind.name.lower() for t in plan.tasks]
     path = tmp_path / "trace.json"
-    write_trace(str(path), run.profile, [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks])
-    tracks = {e["tid"] for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"}
+    write_trace(str(path), run.profile, [t.label() for t in plan.tasks], kinds)
+    slices = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    tracks = {e["tid"] for e in slices if e["cat"] != "wait"}
     assert len(tracks) > 1, "every task ran on one SM"
+    assert tracks <= {compute_track(sm) for sm in by_sm}
+    assert {e["tid"] for e in slices if e["cat"] == "wait"} <= {scheduler_track(sm) for sm in by_sm}
+    totals = summary(run.profile, kinds)
+    assert sum(k["tasks"] for k in totals.values()) == len(run.profile)
+    print(f"{schedule}: {totals}")
 
 
 def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):

@@ -13,32 +13,42 @@ from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.plan import build_plan
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, generate_source
+from mdsl.megakernel.runtime.source import BLOCK_THREADS, KERNEL_NAME, PARAMS, SCHEDULES, THREADS, generate_source
 from tests.megakernel.tiny import tiny_model
 
 H200_SMS = 132
 SMEM_LIMIT = 227 * 1024   # Hopper's opt-in shared memory per block
+SM_REGISTERS = 64 * 1024  # Hopper's register file per SM (32-bit registers)
+REGISTER_UNIT = 8         # registers are allocated per thread in multiples of 8
 
 
-def compile_plan(plan):
-    source = generate_source(plan)
+def compile_plan(plan, schedule="static"):
+    source = generate_source(plan, schedule)
     module = compile_cuda(source.text, arch="sm_90a")
     return source, module, module.resources[KERNEL_NAME]
 
 
 def assert_fits(source, resources):
+    """No spills, and one worker block (compute warps + scheduler warp) fits on an SM: its registers and
+    its shared memory (the dynamic part the engine asks for plus the static slots)."""
     assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0, resources
     assert resources.stack_bytes == 0, resources
     assert resources.registers <= 255
+    per_thread = -(-resources.registers // REGISTER_UNIT) * REGISTER_UNIT
+    assert per_thread * BLOCK_THREADS <= SM_REGISTERS, resources
     assert source.smem_bytes + resources.smem_bytes <= SMEM_LIMIT
+    assert resources.smem_bytes >= 2 * 64, "the two task slots live in static shared memory"
 
 
-@pytest.mark.parametrize("dtype", [f32, bf16], ids=str)
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_tiny_models_compile_without_spills(arch, dtype):
+@pytest.mark.parametrize(("arch", "dtype", "schedule"), [
+    ("llama3", f32, "static"), ("llama3", bf16, "static"), ("qwen3", f32, "static"), ("qwen3", bf16, "static"),
+    ("llama3", bf16, "queue")], ids=str)
+def test_tiny_models_compile_without_spills(arch, dtype, schedule):
+    assert set(SCHEDULES) == {"static", "queue"}
     config, _, _ = tiny_model(arch)
     shape = decoder_shape(attrs.evolve(config, dtype=dtype))
-    source, module, resources = compile_plan(build_plan(shape, workers=H200_SMS, max_seq=config.max_positions))
+    plan = build_plan(shape, workers=H200_SMS, max_seq=config.max_positions)
+    source, module, resources = compile_plan(plan, schedule)
     assert module.arch == "sm_90a" and module.cubin.startswith(b"\x7fELF")
     assert_fits(source, resources)
     assert f"using T = {'__nv_bfloat16' if dtype is bf16 else 'float'};" in source.text
@@ -58,6 +68,24 @@ def test_the_runtime_uses_acquire_release_events_and_no_grid_barrier():
     assert "ld.acquire.gpu" in text and "red.release.gpu" in text
     assert "grid.sync" not in text and "cooperative_groups" not in text
     assert "cp.async.bulk.prefetch.L2" in text   # weights stream into L2 while a task waits
+
+
+def test_a_scheduler_warp_feeds_the_compute_warps_through_named_barriers():
+    config, _, _ = tiny_model("llama3")
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24)
+    text = generate_source(plan).text
+    runtime = text[text.index("constexpr int NT = "):]
+    assert "__syncthreads()" not in runtime, "the compute warps' barriers must leave the scheduler warp out"
+    assert "bar.sync %0, %1;" in runtime and "bar.arrive %0, %1;" in runtime
+    assert f"constexpr int NT = {THREADS};" in runtime and "constexpr int BLOCK = NT + 32;" in runtime
+    assert BLOCK_THREADS == THREADS + 32
+    # the compute warps never spin on an event: the acquire loads are the scheduler's alone
+    compute = runtime[runtime.index("__device__ void compute("):runtime.index("extern \"C\"")]
+    assert "ld_acquire" not in compute and "wait_for_inputs" not in compute
+    assert "constexpr bool STATIC_SCHEDULE = true;" in text
+    assert "constexpr bool STATIC_SCHEDULE = false;" in generate_source(plan, "queue").text
+    with pytest.raises(ValueError, match="schedules are static, queue"):
+        generate_source(plan, "round-robin")
 
 
 def test_the_parameter_block_layout_is_shared():

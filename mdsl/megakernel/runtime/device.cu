@@ -2,14 +2,21 @@
 // mdsl/megakernel/runtime/source.py prepends the model's constants (namespace mk: T, H, I, ...) and
 // the CUDA backend's prelude (namespace mdsl: to_float, from_float, group_reduce).
 //
-// One worker block per SM takes task indices from one queue (step * TASKS + k, in dependency order),
-// waits with acquire loads until the events it reads reach producers * (step + 1), runs the task and
-// signals its events with release increments. No grid-wide barrier, no host round trip between steps.
+// One worker block per SM: 8 compute warps and 1 scheduler warp. The scheduler takes task indices
+// (step * TASKS + k, in dependency order: this worker's share in order, or from one global queue), starts
+// pulling the task's weights into L2, waits with acquire loads until the events it reads reach
+// producers * (step + 1), and hands the task to the compute warps through two shared-memory slots; the
+// compute warps run it and signal its events with release increments, while the scheduler already waits
+// for the next one. No grid-wide barrier, no host round trip between steps.
 
 namespace mk {
 
-constexpr int NT = 256;              // threads per worker block
+constexpr int NT = 256;              // compute threads per worker block (the task bodies' threads)
 constexpr int NW = NT / 32;
+constexpr int BLOCK = NT + 32;       // + the scheduler warp (threads NT .. BLOCK)
+// named barriers (0 is __syncthreads, unused): the compute warps among themselves, and per task slot
+// "full" (the scheduler filled it) and "empty" (the compute warps are done with it)
+constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2;
 constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
 constexpr int G = HQ / HKV;
@@ -20,6 +27,10 @@ constexpr int STATE_STUCK_TASK = 6, STATE_STUCK_STEP = 7, STATE_STUCK_EVENT = 8,
 constexpr unsigned long long WATCHDOG_NS = 5000000000ull;   // a wait this long is a deadlock: stop, report
 
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
+
+// a task handed from the scheduler warp to the compute warps; index < 0: the worker is done
+struct Slot { Task task; long long index; unsigned long long taken_ns, ready_ns; };
+constexpr int PROFILE_WORDS = 5;     // per task index: SM, taken, inputs ready, body start, done
 
 struct LayerWeights {
   const T* wq; const T* wk; const T* wv; const T* wo; const T* wg; const T* wu; const T* wd;
@@ -47,6 +58,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// bar.sync / bar.arrive on a named barrier of `count` threads: the scheduler warp is not part of the
+// compute warps' barriers, and a producer (arrive) does not wait for its consumers
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void compute_sync() { named_sync(BAR_COMPUTE, NT); }
+
 __device__ __forceinline__ unsigned sm_id() {
   unsigned s;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
@@ -64,12 +85,12 @@ __device__ __forceinline__ uint4 ld_weights(const T* p) {
 // multiples). Capped: 132 SMs each prefetching whole multi-MB tiles would overflow the 50 MB L2 and
 // evict lines before they are read, so only what the first microseconds of the body read comes early.
 constexpr long long PREFETCH_BYTES = 96 * 1024;
-__device__ __forceinline__ void prefetch_l2(const T* p, long long elements) {
+__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane) {
   constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
   long long total = elements * (long long)sizeof(T);
   total = total < PREFETCH_BYTES ? total : PREFETCH_BYTES;
-  for (long long off = (long long)threadIdx.x * PIECE; off < total; off += (long long)NT * PIECE) {
+  for (long long off = (long long)lane * PIECE; off < total; off += 32 * PIECE) {
     const long long size = total - off < PIECE ? total - off : PIECE;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
   }
@@ -95,9 +116,9 @@ __device__ __forceinline__ float dot_vec(uint4 w, const float* xs) {
 
 __device__ __forceinline__ float block_sum(float v, float* red) {
   v = mdsl::group_reduce<32>(v, mdsl::Sum());
-  __syncthreads();                              // red may still be read by a previous reduction
+  compute_sync();                              // red may still be read by a previous reduction
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
+  compute_sync();
   float total = 0.0f;
 #pragma unroll
   for (int w = 0; w < NW; ++w) total += red[w];
@@ -117,7 +138,7 @@ __device__ void load_input(float* xs, const T* x, const T* norm, float* red) {
     const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
     for (int i = threadIdx.x; i < K; i += NT) xs[i] = round_t(mdsl::to_float(norm[i]) * round_t(xs[i] * r));
   }
-  __syncthreads();
+  compute_sync();
 }
 
 // Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
@@ -233,7 +254,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
   const long long cache_row = (pos * HKV + g) * D;
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) vnew[d] = mdsl::to_float(qkv[HQ * D + HKV * D + g * D + d]);
-  __syncthreads();
+  compute_sync();
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) {
       w.k_cache[cache_row + d] = mdsl::from_float<T>(knew[d]);
@@ -268,7 +289,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
 #pragma unroll
     for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
   }
-  __syncthreads();
+  compute_sync();
   for (int h = warp; h < G; h += NW) {
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
@@ -282,7 +303,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
     l = mdsl::group_reduce<32>(l, mdsl::Sum());
     if (lane == 0) { stats[2 * h] = m; stats[2 * h + 1] = l; }
   }
-  __syncthreads();
+  compute_sync();
   // weighted values: warp w takes positions w, w + NW, ...; lane takes dims lane, lane + 32, ... of
   // every head; the warps' sums meet in shared memory
   constexpr int DJ = (D + 31) / 32;
@@ -314,7 +335,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
 #pragma unroll
     for (int j = 0; j < DJ; ++j)
       if (lane + 32 * j < D) sums[(warp * G + h) * D + lane + 32 * j] = acc[h][j];
-  __syncthreads();
+  compute_sync();
   float* part = p.parts + (long long)t.layer * HQ * SPLITS * PART;
   for (int e = threadIdx.x; e < G * D; e += NT) {
     const int h = e / D, d = e % D;
@@ -411,9 +432,9 @@ __device__ void best_of_block(float& v, int& i, float* red) {
     const int oi = __shfl_xor_sync(0xffffffffu, i, o);
     if (better(ov, oi, v, i)) { v = ov; i = oi; }
   }
-  __syncthreads();
+  compute_sync();
   if (threadIdx.x % 32 == 0) { red[threadIdx.x / 32] = v; redi[threadIdx.x / 32] = i; }
-  __syncthreads();
+  compute_sync();
   v = red[0];
   i = redi[0];
   for (int w = 1; w < NW; ++w)
@@ -445,9 +466,9 @@ __device__ int nucleus_sample(const Params& p, long long pos, float* red) {
   for (int i = threadIdx.x; i < V; i += NT) { top = fmaxf(top, p.logits[i]); low = fminf(low, p.logits[i]); }
   top = mdsl::group_reduce<32>(top, mdsl::Max());
   low = -mdsl::group_reduce<32>(-low, mdsl::Max());
-  __syncthreads();
+  compute_sync();
   if (threadIdx.x % 32 == 0) { red[threadIdx.x / 32] = top; red[NW + threadIdx.x / 32] = low; }
-  __syncthreads();
+  compute_sync();
   for (int w = 0; w < NW; ++w) { top = fmaxf(top, red[w]); low = fminf(low, red[NW + w]); }
   float mass_all = 0.0f;
   for (int i = threadIdx.x; i < V; i += NT) mass_all += expf((p.logits[i] - top) * inv_t);
@@ -510,7 +531,7 @@ __device__ void sample_task(const Params& p, const Task& t, long long step, long
     next_token = next;
     go_on = !stop;
   }
-  __syncthreads();
+  compute_sync();
   if (go_on) {
     const T* row = p.embed + (long long)next_token * H;
     for (int i = threadIdx.x; i < H; i += NT) p.hs[i] = row[i];
@@ -519,83 +540,119 @@ __device__ void sample_task(const Params& p, const Task& t, long long step, long
 
 // ---- the worker loop
 
-__device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t) {
-  if (t.kind == KIND_LMHEAD) { prefetch_l2(p.lm_head + (long long)t.begin * H, (long long)(t.end - t.begin) * H); return; }
+// by the scheduler warp's lanes (each bulk prefetch by one lane)
+__device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t, int lane) {
+  if (t.kind == KIND_LMHEAD) {
+    prefetch_l2(p.lm_head + (long long)t.begin * H, (long long)(t.end - t.begin) * H, lane);
+    return;
+  }
   if (t.kind == KIND_ATTN || t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
   const LayerWeights& w = p.layers[t.layer];
   const long long n = t.end - t.begin;
   switch (t.kind) {
-    case KIND_OPROJ: prefetch_l2(w.wo + (long long)t.begin * HQ * D, n * HQ * D); break;
+    case KIND_OPROJ: prefetch_l2(w.wo + (long long)t.begin * HQ * D, n * HQ * D, lane); break;
     case KIND_GATEUP:
-      prefetch_l2(w.wg + (long long)t.begin * H, n * H);
-      prefetch_l2(w.wu + (long long)t.begin * H, n * H);
+      prefetch_l2(w.wg + (long long)t.begin * H, n * H, lane);
+      prefetch_l2(w.wu + (long long)t.begin * H, n * H, lane);
       break;
-    case KIND_DOWN: prefetch_l2(w.wd + (long long)t.begin * I, n * I); break;
+    case KIND_DOWN: prefetch_l2(w.wd + (long long)t.begin * I, n * I, lane); break;
     default: {   // KIND_QKV: the tile may span q, k and v; one prefetch per matrix
       constexpr int KR = HQ * D, VR = KR + HKV * D;
       const int cuts[4] = {t.begin, min(max(KR, t.begin), t.end), min(max(VR, t.begin), t.end), t.end};
       for (int k = 0; k < 3; ++k)
-        if (cuts[k + 1] > cuts[k]) prefetch_l2(qkv_row(w, cuts[k]), (long long)(cuts[k + 1] - cuts[k]) * H);
+        if (cuts[k + 1] > cuts[k]) prefetch_l2(qkv_row(w, cuts[k]), (long long)(cuts[k + 1] - cuts[k]) * H, lane);
     }
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid_constant__ Params p) {
-  extern __shared__ __align__(16) float smem[];
-  float* red = smem;                   // [2 NW]: block reductions
-  float* work = smem + 2 * NW;         // the task's inputs (16-byte aligned: 2 NW floats = 64 bytes)
-  __shared__ long long current, next;
-  __shared__ int aborted;
-  unsigned long long* queue = reinterpret_cast<unsigned long long*>(p.state + STATE_QUEUE);
-  const long long total = p.num_steps * TASKS;
-  if (threadIdx.x == 0) {
-    current = (long long)atomicAdd(queue, 1ull);
-    aborted = 0;
-  }
-  __syncthreads();
-  while (current < total) {
-    const long long index = current, step = index / TASKS;
-    const Task t = p.tasks[index % TASKS];
-    const long long pos = p.start_pos + step;
-    unsigned long long t_wait = 0, t_run = 0;
-    if (threadIdx.x == 0) {
-      next = (long long)atomicAdd(queue, 1ull);   // the next task's index arrives while this one runs
-      if (p.profile != nullptr) t_wait = globaltimer();
-    }
-    prefetch_task_weights(p, t);
-    if (threadIdx.x < t.wait_count) {
-      const int2 wt = p.waits[t.wait_begin + threadIdx.x];
-      const unsigned need = unsigned(wt.y) * unsigned(step + 1);
-      unsigned long long since = 0;
-      unsigned spins = 0, seen;
-      while ((seen = ld_acquire(p.events + wt.x)) < need) {
-        if (ld_relaxed(p.state + STATE_STOP) < step) { aborted = 1; break; }
-        if (++spins % 1024 == 0) {
-          const unsigned long long now = globaltimer();
-          if (since == 0) {
-            since = now;
-          } else if (now - since > WATCHDOG_NS) {
-            if (atomicCAS(p.state + STATE_STUCK_TASK, 0, int(index % TASKS) + 1) == 0) {
-              p.state[STATE_STUCK_STEP] = int(step);
-              p.state[STATE_STUCK_EVENT] = wt.x;
-              p.state[STATE_STUCK_COUNT] = int(seen);
-              p.state[STATE_STUCK_NEED] = int(need);
-            }
-            atomicExch(p.state + STATE_STOP, -1);   // every worker leaves
-            aborted = 1;
-            break;
+// The scheduler's k-th task index: this worker's share of the indices in order (blockIdx.x + k * workers:
+// any `workers` consecutive tasks, such as a linear's tiles, go one to each worker), or the global queue's
+// next. Either way a worker takes its indices in increasing order, so the smallest unfinished task has
+// finished inputs and its worker reaches it: no deadlock while every worker is resident.
+__device__ __forceinline__ long long next_index(const Params& p, long long k, int lane) {
+  if (STATIC_SCHEDULE) return (long long)blockIdx.x + k * (long long)gridDim.x;
+  unsigned long long index = 0;
+  if (lane == 0) index = atomicAdd(reinterpret_cast<unsigned long long*>(p.state + STATE_QUEUE), 1ull);
+  return (long long)__shfl_sync(0xffffffffu, index, 0);
+}
+
+// The scheduler warp waits (lane i for waits i, i + 32, ...) until the task's events reach their count
+// for `step`. false: the launch stops (an earlier step's sampler said so, or the watchdog fired).
+__device__ bool wait_for_inputs(const Params& p, const Task& t, long long index, long long step, int lane) {
+  bool go = true;
+  for (int k = lane; k < t.wait_count && go; k += 32) {
+    const int2 wt = p.waits[t.wait_begin + k];
+    const unsigned need = unsigned(wt.y) * unsigned(step + 1);
+    unsigned long long since = 0;
+    unsigned spins = 0, seen;
+    while ((seen = ld_acquire(p.events + wt.x)) < need) {
+      if (ld_relaxed(p.state + STATE_STOP) < step) { go = false; break; }
+      if (++spins % 1024 == 0) {
+        const unsigned long long now = globaltimer();
+        if (since == 0) {
+          since = now;
+        } else if (now - since > WATCHDOG_NS) {   // a deadlock: report it, and every worker leaves
+          if (atomicCAS(p.state + STATE_STUCK_TASK, 0, int(index % TASKS) + 1) == 0) {
+            p.state[STATE_STUCK_STEP] = int(step);
+            p.state[STATE_STUCK_EVENT] = wt.x;
+            p.state[STATE_STUCK_COUNT] = int(seen);
+            p.state[STATE_STUCK_NEED] = int(need);
           }
+          atomicExch(p.state + STATE_STOP, -1);
+          go = false;
+          break;
         }
-        __nanosleep(64);
       }
+      __nanosleep(32);
     }
-    __syncthreads();
-    // a stop decided by an earlier step's sampler is visible here: it was written before the release
-    // that the waits above acquired (or before one they were ordered after)
-    if (threadIdx.x == 0 && ld_relaxed(p.state + STATE_STOP) < step) aborted = 1;
-    __syncthreads();
-    if (aborted) break;
-    if (threadIdx.x == 0 && p.profile != nullptr) t_run = globaltimer();
+  }
+  __syncwarp();   // orders every lane's acquire before what the warp does next
+  // a stop decided by an earlier step's sampler is visible here: it was written before the release
+  // that the waits above acquired (or before one they were ordered after)
+  return __all_sync(0xffffffffu, go) && ld_relaxed(p.state + STATE_STOP) >= step;
+}
+
+// The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
+// slot once the compute warps have emptied it (they run the previous task meanwhile).
+__device__ void schedule(const Params& p, Slot* slots) {
+  const int lane = threadIdx.x % 32;
+  const long long total = p.num_steps * TASKS;
+  for (long long k = 0;; ++k) {
+    const int s = int(k % SLOTS);
+    long long index = next_index(p, k, lane);
+    Task t = {};
+    unsigned long long taken = 0, ready = 0;
+    if (index < total) {
+      const long long step = index / TASKS;
+      t = p.tasks[index % TASKS];
+      if (p.profile != nullptr) taken = globaltimer();
+      prefetch_task_weights(p, t, lane);
+      if (!wait_for_inputs(p, t, index, step, lane)) index = -1;
+      if (p.profile != nullptr) ready = globaltimer();
+    } else {
+      index = -1;
+    }
+    if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
+    if (lane == 0) slots[s] = Slot{t, index, taken, ready};
+    named_arrive(BAR_FULL + s, BLOCK);
+    if (index < 0) {
+      // the compute warps' last arrival on the other slot, so that no barrier is left half-arrived
+      if (k >= 1) named_sync(BAR_EMPTY + (s ^ 1), BLOCK);
+      return;
+    }
+  }
+}
+
+// The compute warps: run the tasks of the slots in turn; never wait on another block.
+__device__ void compute(const Params& p, const Slot* slots, float* red, float* work) {
+  for (long long k = 0;; ++k) {
+    const int s = int(k % SLOTS);
+    named_sync(BAR_FULL + s, BLOCK);
+    const Slot slot = slots[s];
+    if (slot.index < 0) return;
+    const Task& t = slot.task;
+    const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
+    const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
     switch (t.kind) {
       case KIND_QKV: qkv_task(p, t, work, red); break;
       case KIND_ATTN: attention_task(p, t, pos, work); break;
@@ -606,22 +663,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) mdsl_megakernel(const __grid
       case KIND_LMHEAD: lmhead_task(p, t, pos, int(index % TASKS) - LM_FIRST, work, red); break;
       default: sample_task(p, t, step, pos, red); break;
     }
-    __syncthreads();                   // every thread's writes happen before the release below
+    compute_sync();                    // every thread's writes happen before the release below
     if (threadIdx.x == 0) {
-      const unsigned long long t_done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
+      const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       __threadfence();
-      for (int k = 0; k < t.signal_count; ++k) red_release(p.events + p.signals[t.signal_begin + k]);
+      for (int e = 0; e < t.signal_count; ++e) red_release(p.events + p.signals[t.signal_begin + e]);
       if (p.profile != nullptr) {
-        unsigned long long* rec = p.profile + index * 4;
+        unsigned long long* rec = p.profile + index * PROFILE_WORDS;
         rec[0] = sm_id();
-        rec[1] = t_wait;
-        rec[2] = t_run;
-        rec[3] = t_done;
+        rec[1] = slot.taken_ns;
+        rec[2] = slot.ready_ns;
+        rec[3] = started;
+        rec[4] = done;
       }
-      current = next;
     }
-    __syncthreads();   // (aborted stays 0: a task that ran was not aborted)
+    named_arrive(BAR_EMPTY + s, BLOCK);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK, 1) mdsl_megakernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(16) float smem[];
+  float* red = smem;                   // [2 NW]: block reductions
+  float* work = smem + 2 * NW;         // the task's inputs (16-byte aligned: 2 NW floats = 64 bytes)
+  __shared__ Slot slots[SLOTS];
+  if (threadIdx.x >= NT) schedule(p, slots);
+  else compute(p, slots, red, work);
 }
 
 }  // namespace mk

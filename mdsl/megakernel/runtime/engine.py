@@ -26,7 +26,7 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import KERNEL_NAME, PARAMS, THREADS, generate_source
+from mdsl.megakernel.runtime.source import BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, SCHEDULES, generate_source
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -80,11 +80,15 @@ class Run:
 class MegakernelEngine:
     """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
-    DeviceArrays: used in place)."""
+    DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
+    worker its share in order; "queue", one global atomic queue)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
-                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None):
+                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static"):
+        if schedule not in SCHEDULES:
+            raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         _require_gpu()
+        self.schedule = schedule
         self.config = config
         self.shape: DecoderShape = decoder_shape(config)
         self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
@@ -95,7 +99,7 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = build_plan(self.shape, workers=self.workers, max_seq=self.max_seq)
-        source = generate_source(self.plan)
+        source = generate_source(self.plan, schedule)
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -118,7 +122,8 @@ class MegakernelEngine:
             _check(driver.cuFuncSetAttribute(
                 self._function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 self.smem_bytes), "allowing the megakernel its shared memory")
-        per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, THREADS, self.smem_bytes),
+        per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._function, BLOCK_THREADS,
+                                                                        self.smem_bytes),
                         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         if per_sm < 1:
             raise CudaError(f"a megakernel worker block does not fit on an SM ({resources}, {self.smem_bytes} bytes "
@@ -128,7 +133,8 @@ class MegakernelEngine:
         self._allocate()
 
     @classmethod
-    def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0) -> "MegakernelEngine":
+    def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
+                        schedule: str = "static") -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -140,7 +146,7 @@ class MegakernelEngine:
             config = config.with_max_positions(max_seq)
         graph = step_function(config).trace(config)
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder))
+                   eos_token_ids=eos_token_ids(folder), schedule=schedule)
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -259,7 +265,7 @@ class MegakernelEngine:
         p.temperature, p.top_p, p.seed = float(temperature), float(top_p), int(seed) & (2**64 - 1)
         record = None
         if profile:
-            record = DeviceArray((steps * self.plan_tasks * 8,), i32, device=self.device)
+            record = DeviceArray((steps * self.plan_tasks * PROFILE_WORDS * 2,), i32, device=self.device)
             _check(driver.cuMemsetD8Async(record.ptr, 0, record.nbytes, self._stream), "cuMemsetD8Async")
         p.profile = record.ptr if record is not None else 0
         self._copy_in(p.prompt, np.array(tokens, dtype=np.int32))
@@ -273,7 +279,7 @@ class MegakernelEngine:
         _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + tokens[start] * row, row, self._stream), "cuMemcpyDtoDAsync")
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(p))
         _check(driver.cuEventRecord(self._events[0], self._stream), "cuEventRecord")
-        _check(driver.cuLaunchCooperativeKernel(self._function, self.workers, 1, 1, THREADS, 1, 1, self.smem_bytes,
+        _check(driver.cuLaunchCooperativeKernel(self._function, self.workers, 1, 1, BLOCK_THREADS, 1, 1, self.smem_bytes,
                                                 self._stream, ctypes.addressof(arguments)), "launching the megakernel")
         _check(driver.cuEventRecord(self._events[1], self._stream), "cuEventRecord")
         _check(driver.cuStreamSynchronize(self._stream), "running the megakernel")
@@ -295,8 +301,8 @@ class MegakernelEngine:
         ran = steps if stop == _NO_STOP else stop + 1
         records = None
         if record is not None:
-            raw = self._copy_out(record.ptr, record.shape[0], np.int32).view(np.uint64).reshape(-1, 4)
-            records = tuple(TaskRecord(index, *map(int, r)) for index, r in enumerate(raw) if r[3])
+            raw = self._copy_out(record.ptr, record.shape[0], np.int32).view(np.uint64).reshape(-1, PROFILE_WORDS)
+            records = tuple(TaskRecord(index, *map(int, r)) for index, r in enumerate(raw) if r[-1])
         return Run(new, ran, milliseconds / 1e3, records)
 
     @property

@@ -1,6 +1,8 @@
-"""The megakernel's profile: per executed task, the SM it ran on and three %globaltimer readings (taken
-from the queue, inputs ready, done), exported as a Chrome / Perfetto trace JSON with one track per SM
-(open it at ui.perfetto.dev or chrome://tracing)."""
+"""The megakernel's profile: per executed task, the SM it ran on and four %globaltimer readings: the
+scheduler warp took it and began waiting for its inputs, its inputs were ready, the compute warps started
+its body, the body was done. Exported as a Chrome / Perfetto trace JSON (open it at ui.perfetto.dev or
+chrome://tracing) with two tracks per SM, so that what overlaps shows: the scheduler's ('SM n wait':
+one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body)."""
 from __future__ import annotations
 
 import json
@@ -17,30 +19,48 @@ from mdsl.backend.cuda.nvrtc import _write_atomic as write_atomic
 class TaskRecord:
     index: int         # step * tasks_per_step + task
     sm: int
-    taken_ns: int      # the worker took the task and began waiting for its inputs
-    ready_ns: int      # its inputs were ready: the body started
+    taken_ns: int      # the scheduler warp took the task and began waiting for its inputs
+    ready_ns: int      # its inputs were ready
+    started_ns: int    # the compute warps started its body (after the previous task's)
     done_ns: int
 
 
+def compute_track(sm: int) -> int:
+    """The trace's thread id of an SM's compute warps (its scheduler warp's is the next one)."""
+    return 2 * sm
+
+
+def scheduler_track(sm: int) -> int:
+    return 2 * sm + 1
+
+
+def _slice(name: str, category: str, track: int, start_ns: int, end_ns: int, origin: int, args: dict) -> dict:
+    return {"name": name, "cat": category, "ph": "X", "pid": 0, "tid": track, "ts": (start_ns - origin) / 1e3,
+            "dur": max(0, end_ns - start_ns) / 1e3, "args": args}
+
+
 def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str]) -> list:
-    """Chrome trace events: per task a 'wait' slice (taken -> ready, when it waited) and its body's
-    slice (ready -> done) on its SM's track; `labels`/`kinds` name the tasks of one step."""
+    """Chrome trace events: per task a 'wait' slice (taken -> ready, when it waited) on its SM's scheduler
+    track and its body's slice (started -> done) on its SM's compute track; `labels`/`kinds` name the
+    tasks of one step. Times in microseconds from the first record."""
     if not records:
         return []
     per_step = len(labels)
     origin = min(r.taken_ns for r in records)
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "mdsl megakernel"}}]
     for sm in sorted({r.sm for r in records}):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": sm, "args": {"name": f"SM {sm}"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": sm, "args": {"sort_index": sm}})
+        for track, name in ((compute_track(sm), f"SM {sm}"), (scheduler_track(sm), f"SM {sm} wait")):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": track, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": track,
+                           "args": {"sort_index": track}})
     for r in sorted(records, key=lambda r: (r.sm, r.taken_ns)):
         step, task = divmod(r.index, per_step)
         args = {"step": step, "task": task}
         if r.ready_ns > r.taken_ns:
-            events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": r.sm,
-                           "ts": (r.taken_ns - origin) / 1e3, "dur": (r.ready_ns - r.taken_ns) / 1e3, "args": args})
-        events.append({"name": labels[task], "cat": kinds[task], "ph": "X", "pid": 0, "tid": r.sm,
-                       "ts": (r.ready_ns - origin) / 1e3, "dur": max(0, r.done_ns - r.ready_ns) / 1e3, "args": args})
+            events.append(_slice("wait", "wait", scheduler_track(r.sm), r.taken_ns, r.ready_ns, origin,
+                                 {**args, "for": labels[task]}))
+        events.append(_slice(labels[task], kinds[task], compute_track(r.sm), r.started_ns, r.done_ns, origin,
+                             {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}))
     return events
 
 
@@ -51,13 +71,32 @@ def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str],
 
 
 def summary(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
-    """Per task kind: count, total body time and total wait time (ns), over all records."""
+    """Per task kind, over all records (ns): count; body time; time waiting for inputs (scheduler);
+    time the compute warps sat idle before the body, inputs not yet ready (the wait not hidden behind
+    the previous task's body); time ready but queued behind the previous body."""
     out: dict = {}
     per_step = len(kinds)
     for r in records:
         kind = kinds[r.index % per_step]
-        entry = out.setdefault(kind, {"tasks": 0, "body_ns": 0, "wait_ns": 0})
+        entry = out.setdefault(kind, {"tasks": 0, "body_ns": 0, "wait_ns": 0, "exposed_wait_ns": 0, "queued_ns": 0})
         entry["tasks"] += 1
-        entry["body_ns"] += max(0, r.done_ns - r.ready_ns)
+        entry["body_ns"] += max(0, r.done_ns - r.started_ns)
         entry["wait_ns"] += max(0, r.ready_ns - r.taken_ns)
+        entry["queued_ns"] += max(0, r.started_ns - r.ready_ns)
+    for kind, exposed in _exposed_waits(records, kinds).items():
+        out[kind]["exposed_wait_ns"] = exposed
     return out
+
+
+def _exposed_waits(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
+    """Per kind: the time between the previous body's end on the same SM (or the task's taking) and the
+    body's start, when the compute warps had nothing to run."""
+    per_step = len(kinds)
+    exposed: dict = {}
+    previous_done: dict = {}
+    for r in sorted(records, key=lambda r: (r.sm, r.started_ns)):
+        idle_from = max(previous_done.get(r.sm, r.taken_ns), r.taken_ns)
+        kind = kinds[r.index % per_step]
+        exposed[kind] = exposed.get(kind, 0) + max(0, r.started_ns - idle_from)
+        previous_done[r.sm] = r.done_ns
+    return exposed

@@ -13,8 +13,14 @@ from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
 
 KERNEL_NAME = "mdsl_megakernel"
-THREADS = 256                    # device.cu's NT
+THREADS = 256                    # device.cu's NT: the compute warps' threads
 WARPS = THREADS // 32
+BLOCK_THREADS = THREADS + 32     # device.cu's BLOCK: + the scheduler warp
+PROFILE_WORDS = 5                # device.cu's PROFILE_WORDS: 64-bit words per task index in the profile
+# How a worker's scheduler warp takes task indices: "static", this worker's share in order (index
+# worker + k * workers, so the `workers` tiles of a linear go one to each worker); "queue", the next
+# index of one global atomic counter (whichever worker asks first).
+SCHEDULES = ("static", "queue")
 _CUDA_TYPES = {bf16: "__nv_bfloat16", f32: "float"}
 
 
@@ -65,10 +71,12 @@ def _float_literal(x: float) -> str:
     return f"{float(x)!r}f"
 
 
-def generate_source(plan: TaskPlan) -> MegakernelSource:
+def generate_source(plan: TaskPlan, schedule: str = "static") -> MegakernelSource:
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"the megakernel's schedules are {', '.join(SCHEDULES)}, not {schedule!r}")
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
@@ -78,7 +86,8 @@ def generate_source(plan: TaskPlan) -> MegakernelSource:
     }
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
     lines += [f"constexpr int {name} = {value};" for name, value in constants.items()]
-    lines += [f"constexpr float EPS = {_float_literal(s.eps)};",
+    lines += [f"constexpr bool STATIC_SCHEDULE = {'true' if schedule == 'static' else 'false'};",
+              f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     text = "\n".join([INCLUDES, PRELUDE, *lines, _runtime_source()])
     return MegakernelSource(text, shared_memory_bytes(plan))
