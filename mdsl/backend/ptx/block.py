@@ -1,25 +1,38 @@
-"""The kernel of a graph-defined (`custom`) op as LLVM IR: its block graph after the same passes as
-the CUDA backend's (mdsl/backend/cuda/block.py: `lower` runs schedule, layout and memory planning),
-following the same timeline:
+"""The kernel of a graph-defined (`custom`) op as LLVM IR: its block graph lowered exactly as the CUDA
+backend lowers it (`mdsl.backend.cuda.block.lower`: schedule, layout, memory plan, and the choices the
+`CudaOptions` allow: block matmuls on tensor cores, `accum(matmul)` sums kept in the mma's registers,
+the cp.async pipeline's depth), following the same timeline:
 
-    accumulators start empty; loop-invariant input tiles are loaded
+    accumulators start empty (those in registers: zeroed fragments); loop-invariant tiles are loaded
+    pipelined: iterations 0 .. stages-2's tiles are issued (cp.async), one commit group each
     for each of the `forloop` iterations:
-        the iteration's input tiles are loaded; barrier
+        pipelined: iteration it+stages-1's tiles are issued; wait for iteration it's group
+        else: the iteration's input tiles are loaded
+        barrier
         each loop stage (accumulator updates included); barrier
-    accumulators that need it are finalized; barrier
+    accumulators that need it are finalized, sums in registers stored to their tiles; barrier
     each post-loop stage; barrier
     the output tiles are stored where their omap puts them
+
+The copy into a ring slot is issued one iteration after the slot was last read, behind that
+iteration's closing barrier, so a slot is never overwritten while read.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Optional
 
-from mdsl.backend.ptx.llvm import I8, Array, KernelFunction, i32
+import attrs
+
+from mdsl.backend.cuda.block import Lowered, lower
+from mdsl.backend.cuda.mma import MmaShape
+from mdsl.backend.cuda.options import arch_number
+from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
+from mdsl.backend.ptx.mma import BlockMma
 from mdsl.ir.graph import BlockGraph, Node
-from mdsl.passes.layout import scratch_name, select_layout
-from mdsl.passes.memory import SharedMemoryError, plan_memory
-from mdsl.passes.schedule import schedule_block_graph
+from mdsl.passes.layout import scratch_name
 
 _AXES = "xyz"
 COPY_BATCH = 8   # vectors a thread copies at once (CUDA's copy loop is unrolled to the same effect)
@@ -27,17 +40,21 @@ COPY_BATCH = 8   # vectors a thread copies at once (CUDA's copy loop is unrolled
 
 class BlockKernel:
     """What an op rule sees while writing block-level code: the kernel function, the block's
-    threads, the loop counter (inside the loop) and the shared-memory tile of every value."""
+    threads, the loop counter (inside the loop), the shared-memory tile of every value and the
+    lowering's choices (which matmuls run on tensor cores, which sums live in their registers)."""
 
-    def __init__(self, fn: KernelFunction, smem, bg: BlockGraph, layout, memory):
+    def __init__(self, fn: KernelFunction, smem, bg: BlockGraph, lowered: Lowered):
         self.fn = fn
         self.bg = bg
-        self.threads = Threads(bg.threads)
+        self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
         self.loop_counter = None
-        self.layout = layout
+        self.layout = lowered.layout
+        self.lowered = lowered
         self.tiles: dict = {}
+        self.register_accumulators: dict = {}  # matmul output name -> (its accumulator, its fragments)
+        memory = lowered.memory
         for t in memory.lifetimes:
-            tile = layout.tiles[t.name]
+            tile = self.layout.tiles[t.name]
             ptr = fn.b.gep(smem, [i32(memory.offsets[t.name])], inbounds=True, source_etype=I8)
             self.tiles[t.name] = Array(ptr, tile.dtype.name, tile.shape, tile.strides)
 
@@ -47,57 +64,119 @@ class BlockKernel:
     def scratch(self, node: Node) -> Array:
         return self.tiles[scratch_name(node)]
 
+    def mma_shape(self, node: Node) -> Optional[MmaShape]:
+        return self.lowered.mma.get(node.output.name)
 
-def lower(bg: BlockGraph, tensor_types: tuple) -> tuple:
-    """The schedule, layout and memory plan of a block graph (the passes' plain plan: no pipelined
-    inputs, every tile in shared memory): its tiles computed in f32 where they fit, else in their own
-    dtypes."""
-    schedule = schedule_block_graph(bg)
-    for wide in (True, False):
-        layout = select_layout(bg, tensor_types, wide=wide)
-        try:
-            return schedule, layout, plan_memory(bg, schedule, layout)
-        except SharedMemoryError:
-            if not wide:
-                raise
-    raise AssertionError("unreachable")
+    def block_mma(self, node: Node) -> Optional[BlockMma]:
+        """The tensor-core matmul of a matmul node, or None where it keeps the scalar loop."""
+        shape = self.mma_shape(node)
+        return None if shape is None else BlockMma(self.fn, shape, node.inputs[0].dtype.name)
+
+
+#: switches of `CudaOptions` for CUDA-backend lowerings this backend has not ported: lowered with them off
+NOT_PORTED = ("rows",)
+
+
+def ported(options):
+    """The options as this backend can honour them (`NOT_PORTED` switched off)."""
+    fields = attrs.fields_dict(type(options))
+    return attrs.evolve(options, **{name: False for name in NOT_PORTED if name in fields})
 
 
 def emit_custom(program, index: int, node: Node) -> None:
-    bg = node.body
-    schedule, layout, memory = lower(bg, tuple(v.type for v in node.inputs))
+    options = ported(program.options)
+    bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
+    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch))
+    schedule, memory = lowered.schedule, lowered.memory
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total) as scope:
         fn = scope.fn
-        bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, layout, memory)
+        bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, lowered)
         parts = {inp.var.name: _input_part(bk, inp, tensor)
                  for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in bk.tiles}  # the inputs read
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
-        accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]
+        per_iteration = [inp for inp in loaded if inp.fmap is not None]
+        accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
         for acc in accumulators:
             _rule(acc).init(bk, acc)
+        in_registers = _register_accumulators(bk)
         for inp in loaded:
             if inp.fmap is None:
-                _load(bk, inp, parts[inp.var.name])
+                _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
+        stages = memory.stages
+        rings = {inp.var.name: bk.tile(inp.var) for inp in per_iteration if inp.var.name in memory.slot_bytes}
+        for ahead in range(stages - 1 if rings else 0):
+            _issue(bk, per_iteration, parts, rings, ahead)
         with fn.loop(i32(0), bg.forloop, 1) as it:
             bk.loop_counter = it
-            for inp in loaded:
-                if inp.fmap is not None:
-                    _load(bk, inp, parts[inp.var.name])
+            if rings:
+                _issue(bk, per_iteration, parts, rings, fn.b.add(it, i32(stages - 1)))
+                fn.copy_async_wait(stages - 1)   # this iteration's copies are done (this thread's)
+            else:
+                for inp in per_iteration:
+                    _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
             fn.barrier()
+            for name, ring in rings.items():
+                bk.tiles[name] = _slot(bk, name, ring, it)
             for stage in schedule.loop:
                 _stage(bk, stage)
         bk.loop_counter = None
-        finishing = [acc for acc in accumulators if _rule(acc).finalize is not None]
+        bk.tiles.update(rings)
+        if rings:
+            fn.copy_async_wait(0)
+        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator
+                     and i not in lowered.register_accumulated and _rule(acc).finalize is not None]
         for acc in finishing:
             fn.marker_for(acc)
             _rule(acc).finalize(bk, acc)
-        if finishing:
+        for acc_index, matmul_index in lowered.register_accumulated.items():
+            acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
+            fn.marker_for(acc)
+            bk.block_mma(matmul).store(in_registers[matmul.output.name], bk.tile(acc.output))
+        if finishing or lowered.register_accumulated:
             fn.barrier()
         for stage in schedule.post:
             _stage(bk, stage)
         for out, tensor in zip(bg.outputs, scope.outputs):
             _copy_loop(bk, _part(bk, tensor, out.omap, list(out.var.shape)), bk.tile(out.var), out.var.shape,
-                       layout.vectors[out.var.name])
+                       bk.layout.vectors[out.var.name])
+
+
+def _register_accumulators(bk: BlockKernel) -> dict:
+    """The zeroed fragments of each sum kept in registers; matmul output name -> fragments."""
+    for acc_index, matmul_index in bk.lowered.register_accumulated.items():
+        matmul = bk.bg.nodes[matmul_index]
+        bk.register_accumulators[matmul.output.name] = (bk.bg.nodes[acc_index], bk.block_mma(matmul).zeroed())
+    return {name: frags for name, (_, frags) in bk.register_accumulators.items()}
+
+
+def _slot(bk: BlockKernel, name: str, ring: Array, iteration) -> Array:
+    """The ring's slot of an iteration (the ring holds `stages` copies of the tile)."""
+    b, memory = bk.fn.b, bk.lowered.memory
+    if isinstance(iteration, int):
+        first = i32((iteration % memory.stages) * memory.slot_bytes[name])
+    else:
+        first = b.mul(b.urem(iteration, i32(memory.stages)), i32(memory.slot_bytes[name]))
+    ptr = b.gep(ring.ptr, [first], inbounds=True, source_etype=I8)
+    return attrs.evolve(ring, ptr=ptr)
+
+
+def _issue(bk: BlockKernel, inputs: list, parts: dict, rings: dict, iteration) -> None:
+    """cp.async copies of iteration `iteration`'s input tiles into their slot, as one group (an empty
+    one past the last iteration, so that every iteration waits for the same count)."""
+    fn = bk.fn
+
+    def copies() -> None:
+        for inp in inputs:
+            slot = _slot(bk, inp.var.name, rings[inp.var.name], iteration)
+            _load(bk, inp, parts[inp.var.name], slot, iteration, asynchronous=True)
+
+    if isinstance(iteration, int):
+        if iteration < bk.bg.forloop:
+            copies()
+    else:
+        with fn.when(fn.b.icmp_unsigned("<", iteration, i32(bk.bg.forloop))):
+            copies()
+    fn.copy_async_commit()
 
 
 def _rule(node: Node):
@@ -108,6 +187,8 @@ def _stage(bk: BlockKernel, stage) -> None:
     for i in stage.nodes:
         node = bk.bg.nodes[i]
         bk.fn.marker_for(node)
+        if i in bk.lowered.register_accumulated:
+            continue   # folded by its matmul, in the fragments' registers
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(bk, node)
     bk.fn.barrier()
@@ -130,9 +211,11 @@ def _input_part(bk: BlockKernel, inp, tensor: Array) -> Array:
     return _part(bk, tensor, inp.imap, extent)
 
 
-def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: int, src_step=None) -> None:
+def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: int, src_step=None,
+               asynchronous: bool = False) -> None:
     """Copy an array of `shape` a row at a time, in vectors of `vector` elements: each thread reads
-    up to COPY_BATCH vectors before it writes them, so that its loads are in flight together."""
+    up to COPY_BATCH vectors before it writes them, so that its loads are in flight together (with
+    cp.async when `asynchronous`: same dtypes, 4 to 16 bytes, nothing passes through registers)."""
     fn, b = bk.fn, bk.fn.b
     shape = shape or (1,)
     space = shape[:-1] + (shape[-1] // vector,)
@@ -142,21 +225,26 @@ def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: in
         strides = op.strides or (1,)
         return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
 
+    def source(i):
+        at = fn.offset(i, space, vectors(src))
+        return at if src_step is None else b.add(at, src_step)
+
     def batch(first, count: int, always_inside: bool) -> None:
         reads = []
         for u in range(count):
             i = first if u == 0 else b.add(first, i32(u * threads))
             inside = None if always_inside and (u + 1) * threads <= n else b.icmp_unsigned("<", i, i32(n))
+            if asynchronous:
+                reads.append((inside, i, None))
+                continue
             safe = i if inside is None else b.select(inside, i, i32(0))   # read an element that exists
-            at = fn.offset(safe, space, vectors(src))
-            if src_step is not None:
-                at = b.add(at, src_step)
-            reads.append((inside, safe, fn.read_vector(src, at, vector, dst.dtype)))
+            reads.append((inside, safe, fn.read_vector(src, source(safe), vector, dst.dtype)))
         for inside, i, values in reads:
-            if inside is None:
-                fn.write_vector(dst, fn.offset(i, space, vectors(dst)), values)
-            else:
-                with fn.when(inside):
+            with fn.when(inside) if inside is not None else contextlib.nullcontext():
+                if asynchronous:
+                    fn.copy_async(fn.address(dst, fn.offset(i, space, vectors(dst))), fn.address(src, source(i)),
+                                  vector * ITEMSIZE[src.dtype])
+                else:
                     fn.write_vector(dst, fn.offset(i, space, vectors(dst)), values)
 
     per_thread = -(-n // threads)
@@ -167,9 +255,11 @@ def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: in
             batch(first, COPY_BATCH, always_inside=False)
 
 
-def _load(bk: BlockKernel, inp, part: Array) -> None:
+def _load(bk: BlockKernel, inp, part: Array, tile: Array, iteration=None, asynchronous: bool = False) -> None:
+    """An input's tile (an iteration's: `iteration`, default the loop counter, picks it along the fmap)."""
     step = None
     if inp.fmap is not None and bk.bg.forloop > 1:
-        step = bk.fn.b.mul(bk.loop_counter, i32(inp.var.shape[inp.fmap] * part.strides[inp.fmap]))
-    _copy_loop(bk, bk.tile(inp.var), part, inp.var.shape, bk.layout.vectors[inp.var.name], step)
-
+        iteration = bk.loop_counter if iteration is None else iteration
+        stride = i32(inp.var.shape[inp.fmap] * part.strides[inp.fmap])
+        step = i32(iteration * stride.constant) if isinstance(iteration, int) else bk.fn.b.mul(iteration, stride)
+    _copy_loop(bk, tile, part, inp.var.shape, bk.layout.vectors[inp.var.name], step, asynchronous)

@@ -8,12 +8,13 @@ errors point back through.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import attrs
 
 import mdsl.backend.ptx.rules  # noqa: F401 - attaches the ptx rules to the registry
 from mdsl.backend.cuda.codegen import KernelLaunch, _check_sizes
+from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.source import Namer
 from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
 from mdsl.errors import UnsupportedError
@@ -28,6 +29,7 @@ class PtxProgram:
     aliases: tuple           # (value name, aliased value name): views that need no kernel (reshape)
     graph: KernelGraph       # the graph the module implements (custom nodes' bodies fused)
     arch: str
+    options: CudaOptions = CudaOptions()   # the fast paths the kernels take
 
     @property
     def source(self) -> str:
@@ -45,9 +47,10 @@ class KernelScope:
 
 
 class ProgramBuilder:
-    def __init__(self, graph: KernelGraph, arch: str):
+    def __init__(self, graph: KernelGraph, arch: str, options: Optional[CudaOptions] = None):
         self.graph = graph
         self.arch = arch
+        self.options = options or CudaOptions()
         self.mb = ModuleBuilder(graph.name)
         self.kernel_names = Namer()
         self.launches: list = []
@@ -70,14 +73,17 @@ class ProgramBuilder:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
 
 
-def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90") -> PtxProgram:
-    """One LLVM module implementing `graph` for `arch`, and how to launch its kernels."""
+def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[CudaOptions] = None) -> PtxProgram:
+    """One LLVM module implementing `graph` for `arch`, and how to launch its kernels, with the fast
+    paths `options` allows (the CUDA backend's switches; none given: `CudaOptions.from_env()`)."""
     _check_sizes(graph)
     lowered = fuse_kernel_graph(graph)
-    program = ProgramBuilder(lowered, arch)
+    options = options if options is not None else CudaOptions.from_env()
+    program = ProgramBuilder(lowered, arch, options)
     for index, node in enumerate(lowered.nodes):
         rule = node.opdef.rules.get("ptx")
         if rule is None:
             raise UnsupportedError(f"the PTX backend has no rule for {node.op}", loc=node.loc)
         rule.kernel(program, index, node)
-    return PtxProgram(str(program.mb.module), tuple(program.launches), tuple(program.aliases.items()), lowered, arch)
+    return PtxProgram(str(program.mb.module), tuple(program.launches), tuple(program.aliases.items()), lowered, arch,
+                      options)

@@ -49,9 +49,11 @@ BF16 = BFloatType()
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 I8 = ir.IntType(8)
+I16 = ir.IntType(16)
 I1 = ir.IntType(1)
 VOID = ir.VoidType()
 ELEMENT_TYPES = {"f16": F16, "bf16": BF16, "f32": F32, "i32": I32}
+MMA_PTX_TYPES = {"f16": "f16", "bf16": "bf16"}   # the tensor cores' 16-bit operand types
 #: integer words of a vector copy, by its size in bytes
 WORDS = {2: ir.IntType(16), 4: I32, 8: I64, 16: ir.VectorType(I32, 4)}
 
@@ -299,6 +301,43 @@ class KernelFunction:
 
     def shuffle_xor(self, value: ir.Value, lane_mask: int) -> ir.Value:
         return self.intrinsic("llvm.nvvm.shfl.sync.bfly.f32", F32, [i32(-1), value, i32(lane_mask), i32(31)])
+
+    # -- asynchronous copies and tensor cores (sm_80+) -------------------------------------------
+
+    def copy_async(self, dst: ir.Value, src: ir.Value, nbytes: int) -> None:
+        """cp.async of `nbytes` (4, 8 or 16) from global `src` to shared `dst`, both aligned to it:
+        .cg (L2 only) for 16 bytes, as the CUDA backend's copy_async, .ca for less."""
+        level = "cg" if nbytes == 16 else "ca"
+        self.intrinsic(f"llvm.nvvm.cp.async.{level}.shared.global.{nbytes}", VOID, [dst, src])
+
+    def copy_async_commit(self) -> None:
+        """Close this thread's group of cp.async copies issued since the last commit."""
+        self.intrinsic("llvm.nvvm.cp.async.commit.group", VOID, [])
+
+    def copy_async_wait(self, pending: int) -> None:
+        """Wait until at most `pending` of this thread's committed groups are still in flight."""
+        self.intrinsic("llvm.nvvm.cp.async.wait.group", VOID, [i32(pending)])
+
+    def mma_m16n8k16(self, dtype: str, a: Sequence[ir.Value], b: Sequence[ir.Value], c: Sequence[ir.Value]) -> list:
+        """D = A B + C on the tensor cores for one warp (mma.sync.aligned.m16n8k16.row.col, f32
+        accumulators): a, b are the lane's 4 and 2 registers of 16-bit pairs (i32), c its 4 floats;
+        the lane's 4 floats of D. Every lane of the warp must execute it."""
+        ptx = MMA_PTX_TYPES[dtype]
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
+                "{$8,$9}, {$10,$11,$12,$13};")
+        quad = ir.LiteralStructType([F32] * 4)
+        asm = ir.InlineAsm(ir.FunctionType(quad, [I32] * 6 + [F32] * 4), text,
+                           "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", side_effect=True)
+        d = self.b.call(asm, [*a, *b, *c])
+        return [self.b.extract_value(d, e) for e in range(4)]
+
+    def bits16(self, value: ir.Value, dtype: str) -> ir.Value:
+        """The 16 bits of an f32 value rounded to `dtype` (f16 or bf16), as an i32 (high half zero)."""
+        return self.b.zext(self.b.bitcast(self.from_float(value, dtype), I16), I32)
+
+    def pair(self, lo: ir.Value, hi: ir.Value) -> ir.Value:
+        """Two 16-bit values (i32, high halves zero) as one register: `lo` in the low half."""
+        return self.b.or_(lo, self.b.shl(hi, i32(16)))
 
     def marker(self, text: str) -> None:
         """The op marker as a comment in the PTX (an empty inline asm holding it)."""

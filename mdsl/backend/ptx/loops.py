@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import attrs
 
-from mdsl.backend.cuda.loops import without
+from mdsl.backend.cuda.loops import BLOCK_UNROLL, without
 from mdsl.backend.ptx.llvm import Array, KernelFunction, contiguous_strides, f32, i32
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
@@ -23,6 +23,7 @@ class Threads:
 
     block: int
     grid: bool = False
+    unroll: int = BLOCK_UNROLL   # a block's element loops (CudaOptions.unroll)
 
     def first(self, fn: KernelFunction):
         tid = fn.sreg("tid.x")
@@ -36,6 +37,33 @@ class Threads:
         """A loop giving each index i below n to one thread; yields i."""
         with fn.loop(self.first(fn), n, self.count(fn)) as i:
             yield i
+
+    def for_each(self, fn: KernelFunction, n: int, body: Callable) -> None:
+        """body(i) for each index i below n, given to one thread. A block's loop is unrolled `unroll`
+        times, as the CUDA backend's `#pragma unroll` (several shared-memory round trips in flight per
+        thread): trips that every thread makes are written out unguarded, a loop of `unroll` bodies
+        covers the rest and a rolled loop the remainder. A grid's loop stays rolled."""
+        if self.grid or self.unroll == 1:
+            with self.each(fn, n) as i:
+                body(i)
+            return
+        b, tid, block = fn.b, fn.sreg("tid.x"), self.block
+        trips = -(-n // block)
+        if trips <= self.unroll:                       # written out: the trip count is known
+            for u in range(trips):
+                i = tid if u == 0 else b.add(tid, i32(u * block))
+                if (u + 1) * block <= n:
+                    body(i)
+                else:
+                    with fn.when(b.icmp_unsigned("<", i, i32(n))):
+                        body(i)
+            return
+        unrolled = n - (self.unroll - 1) * block       # i below it: i + (unroll - 1) block is below n
+        with fn.loop(tid, unrolled, self.unroll * block) as i:
+            for u in range(self.unroll):
+                body(i if u == 0 else b.add(i, i32(u * block)))
+        with fn.loop(i, n, block) as rest:
+            body(rest)
 
     @contextlib.contextmanager
     def each_group(self, fn: KernelFunction, n: int, lanes: int) -> Iterator[tuple]:
@@ -62,7 +90,8 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
     by one thread in f32 registers; an output of a smaller shape is written by the threads at
     coordinate 0 of the dims it lacks (each of its elements once)."""
     space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
-    with threads.each(fn, math.prod(space)) as i:
+
+    def element(i) -> None:
         reg = {var.name: fn.load_float(op, fn.offset(i, space, op)) for var, op in zip(tg.inputs, ins)}
         for node in tg.nodes:
             reg[node.output.name] = node.opdef.rules["ptx"].value(fn, node, [reg[v.name] for v in node.inputs])
@@ -74,6 +103,8 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
             else:
                 with fn.when(fn.b.icmp_unsigned("==", lacking, i32(0))):
                     fn.store_float(op, at, reg[var.name])
+
+    threads.for_each(fn, math.prod(space), element)
 
 
 def _lacking_dims(fn: KernelFunction, i, space: tuple, shape: tuple):

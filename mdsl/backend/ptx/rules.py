@@ -17,13 +17,16 @@ import math
 from typing import Callable, Optional
 
 import attrs
+from llvmlite import ir
 
 from mdsl.backend.cuda.loops import blocks_for, without
 # the CUDA backend's choices, shared so that both backends launch the same kernels
-from mdsl.backend.cuda.rules import KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes
+from mdsl.backend.cuda.mma import MmaShape
+from mdsl.backend.cuda.rules import KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes, _mma_element
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
-from mdsl.backend.ptx.llvm import F32, Array, KernelFunction, f32, i32
+from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
+from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
                                     row_view)
 from mdsl.errors import UnsupportedError
@@ -36,6 +39,11 @@ GEMM_PER_THREAD = 4       # each thread keeping a 4 x 4 piece of the tile:
 _GEMM_SIDE = GEMM_TILE // GEMM_PER_THREAD   # 16 x 16 threads
 GEMM_THREADS = _GEMM_SIDE * _GEMM_SIDE
 _A_PAD = 4                # A's tile is stored transposed, its rows padded against bank conflicts
+# the tensor-core matmul kernel (16-bit operands): the same 64 x 64 tile and 256 threads,
+MMA_K_STEP = 32           # K walked 32 at a time
+MMA_STAGES = 4            # through a ring of 4 buffers (three steps in flight),
+MMA_PAD = 8               # rows padded by 8 elements (16 bytes: aligned, fewer bank conflicts),
+MMA_VECTOR = 8            # copied 8 elements (16 bytes) at a time
 
 
 def _grid_threads() -> Threads:
@@ -142,13 +150,32 @@ def _batch_start(fn: KernelFunction, op: Array, batch: tuple, index) -> Array:
 
 class Matmul:
     def block(self, bk, node: Node) -> None:
-        """One thread per output element, its dot product over K read from the two tiles."""
-        fn, b = bk.fn, bk.fn.b
+        """On tensor cores where the operands allow (`mdsl.backend.ptx.mma`, the CUDA backend's
+        choice), else one thread per output element, its dot product over K read from the two
+        tiles. A matmul whose sum the loop keeps in registers adds into its accumulator's fragments."""
         a, w, out = bk.tile(node.inputs[0]), bk.tile(node.inputs[1]), bk.tile(node.output)
+        mma = bk.block_mma(node)
+        if mma is None:
+            self._scalar(bk, a, w, out)
+            return
+        entry = bk.register_accumulators.get(node.output.name)
+        if entry is not None:
+            acc, running = entry
+            # the accumulator's rule folds this iteration's product into its running fragments
+            acc.opdef.rules["ptx"].fold_product(bk, acc, mma, running,
+                                                lambda frags: mma.multiply(frags, a, w, out.shape[:-2]))
+            return
+        frags = mma.zeroed()
+        mma.multiply(frags, a, w, out.shape[:-2])
+        mma.store(frags, out)
+
+    def _scalar(self, bk, a: Array, w: Array, out: Array) -> None:
+        fn, b = bk.fn, bk.fn.b
         k_len, n = a.shape[-1], out.shape[-1]
         rows = a.viewed(a.shape[:-1] + (1,), a.strides)           # row m of a, the same for every n
         cols = w.viewed(w.shape[:-2] + (1, n), w.strides)          # column n of w, the same for every m
-        with bk.threads.each(fn, math.prod(out.shape)) as i:
+
+        def element(i) -> None:
             a_row = Array(fn.address(a, fn.offset(i, out.shape, rows)), a.dtype, (k_len,), (1,))
             w_col = Array(fn.address(w, fn.offset(i, out.shape, cols)), w.dtype, (k_len,), (w.strides[-2],))
             acc = fn.var(f32(0.0))
@@ -157,6 +184,8 @@ class Matmul:
                 y = fn.load_float(w_col, b.mul(k, i32(w.strides[-2])))
                 acc.set(fn.call_math("fma", x, y, acc.get()))
             fn.store_float(out, fn.offset(i, out.shape, out), acc.get())
+
+        bk.threads.for_each(fn, math.prod(out.shape), element)
 
     def kernel(self, program, index: int, node: Node) -> None:
         """A GEMM_TILE x GEMM_TILE tile of the product per block, a batch per grid z."""
@@ -171,7 +200,106 @@ class Matmul:
             fn = k.fn
             z = fn.sreg("ctaid.z") if batch else None
             a, w, out = (_batch_start(fn, op, batch, z) for op in (k.inputs[0], k.inputs[1], k.outputs[0]))
-            _gemm_tile(fn, program, m, n, k_len, a, w, out)
+            if _mma_element(program, node) is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile)
+                _gemm_tile_mma(fn, program, m, n, k_len, a, w, out)
+            else:
+                _gemm_tile(fn, program, m, n, k_len, a, w, out)
+
+
+def _stage_tile(fn: KernelFunction, dst: Array, src: Array, r0, c0) -> None:
+    """dst (ROWS x COLS, rows padded) = src[r0:, c0:] (a row-major R x C matrix): 16-byte cp.async
+    copies where a row's 8 elements are inside the matrix and aligned, else one element at a time,
+    zeros outside (the CUDA backend's `mdsl::stage_tile`)."""
+    b = fn.b
+    (rows, cols), (big_rows, big_cols) = dst.shape, src.shape
+    per_row = cols // MMA_VECTOR
+    tid = fn.sreg("tid.x")
+
+    def vector(v) -> None:
+        r, c = b.udiv(v, i32(per_row)), b.mul(b.urem(v, i32(per_row)), i32(MMA_VECTOR))
+        gr, gc = b.add(r0, r), b.add(c0, c)
+        to = b.add(b.mul(r, i32(dst.strides[0])), c)
+        row_inside = b.icmp_unsigned("<", gr, i32(big_rows))
+        whole = b.and_(row_inside, b.icmp_unsigned("<=", b.add(gc, i32(MMA_VECTOR)), i32(big_cols)))
+        cases = [whole] if big_cols % MMA_VECTOR == 0 else []
+        for case in fn.chain(cases):
+            if cases and case == 0:
+                fn.copy_async(fn.address(dst, to), fn.address(src, b.add(b.mul(gr, i32(big_cols)), gc)),
+                              MMA_VECTOR * ITEMSIZE[src.dtype])
+                continue
+            for j in range(MMA_VECTOR):
+                col = b.add(gc, i32(j))
+                inside = b.and_(row_inside, b.icmp_unsigned("<", col, i32(big_cols)))
+                at = b.select(inside, b.add(b.mul(gr, i32(big_cols)), col), i32(0))   # an element that exists
+                value = b.select(inside, fn.load(src, at), ir.Constant(src.etype, 0))
+                fn.b.store(value, fn.address(dst, b.add(to, i32(j))))
+
+    vectors = rows * per_row
+    for first in range(0, vectors, GEMM_THREADS):
+        v = b.add(tid, i32(first)) if first else tid
+        if first + GEMM_THREADS <= vectors:
+            vector(v)
+        else:
+            with fn.when(b.icmp_unsigned("<", v, i32(vectors))):
+                vector(v)
+
+
+def _gemm_tile_mma(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array, w: Array, out: Array) -> None:
+    """One 64 x 64 tile of C = A B on tensor cores (A, B of one 16-bit dtype, row-major) for a block of
+    256 threads: K in steps of 32 through a ring of MMA_STAGES shared-memory buffers, the tiles of the
+    next MMA_STAGES - 1 steps in flight (cp.async) while one step multiplies (`mdsl::gemm_tile_mma`)."""
+    b, dtype = fn.b, a.dtype
+    tile, step, stages = GEMM_TILE, MMA_K_STEP, MMA_STAGES
+    lda, ldb = step + MMA_PAD, tile + MMA_PAD
+    etype = ELEMENT_TYPES[dtype]
+    a_ring = fn.shared_pointer(program.mb.static_smem(f"{fn.fn.name}_a", etype, stages * tile * lda))
+    b_ring = fn.shared_pointer(program.mb.static_smem(f"{fn.fn.name}_b", etype, stages * step * ldb))
+    m0, n0 = b.mul(fn.sreg("ctaid.y"), i32(tile)), b.mul(fn.sreg("ctaid.x"), i32(tile))
+    a_matrix, w_matrix = a.viewed((m, k_len), (k_len, 1)), w.viewed((k_len, n), (n, 1))
+    steps = -(-k_len // step)
+
+    def slots(s):
+        """Step s's buffers of A (tile x step) and B (step x tile)."""
+        ring = i32(s % stages) if isinstance(s, int) else b.urem(s, i32(stages))
+        a_at = b.gep(a_ring, [b.mul(ring, i32(tile * lda))], inbounds=True, source_etype=etype)
+        b_at = b.gep(b_ring, [b.mul(ring, i32(step * ldb))], inbounds=True, source_etype=etype)
+        return Array(a_at, dtype, (tile, step), (lda, 1)), Array(b_at, dtype, (step, tile), (ldb, 1))
+
+    def load(s) -> None:
+        """Step s's tiles, one commit group (empty past the end: every wait counts the same)."""
+        def copies() -> None:
+            a_slot, b_slot = slots(s)
+            k0 = i32(s * step) if isinstance(s, int) else b.mul(s, i32(step))
+            _stage_tile(fn, a_slot, a_matrix, m0, k0)
+            _stage_tile(fn, b_slot, w_matrix, k0, n0)
+
+        if isinstance(s, int):
+            if s < steps:
+                copies()
+        else:
+            with fn.when(b.icmp_unsigned("<", s, i32(steps))):
+                copies()
+        fn.copy_async_commit()
+
+    shape = MmaShape(dtype, 1, tile, tile, step, GEMM_THREADS // 32)
+    mma = BlockMma(fn, shape, dtype)
+    acc = mma.zeroed()
+    for s in range(stages - 1):
+        load(s)
+    with fn.loop(i32(0), steps, 1) as s:
+        load(b.add(s, i32(stages - 1)))   # into the buffer the last step read: free since its closing barrier
+        fn.copy_async_wait(stages - 1)
+        fn.barrier()
+        mma.multiply(acc, *slots(s), ())
+        fn.barrier()
+
+    def put(var, value, batch, row, col) -> None:
+        r, c = b.add(m0, row), b.add(n0, col)
+        inside = b.and_(b.icmp_unsigned("<", r, i32(m)), b.icmp_unsigned("<", c, i32(n)))
+        with fn.when(inside):
+            fn.store_float(out, b.add(b.mul(r, i32(n)), c), value)
+
+    mma.each(acc, acc, put)
 
 
 def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array, w: Array, out: Array) -> None:
@@ -325,7 +453,8 @@ class Concat:
     def _emit(self, fn: KernelFunction, threads: Threads, node: Node, ins: list, out: Array) -> None:
         dim = node.attr("dim") % node.output.type.rank
         space = out.shape
-        with threads.each(fn, math.prod(space)) as i:
+
+        def element(i) -> None:
             c = _coordinate(fn, i, space, dim)
             at = fn.offset(i, space, out)
 
@@ -334,6 +463,8 @@ class Concat:
                 fn.b.store(fn.convert(value, piece.dtype, out.dtype), fn.address(out, at))
 
             _pieces(fn, c, ins, dim, write)
+
+        threads.for_each(fn, math.prod(space), element)
 
     def block(self, bk, node: Node) -> None:
         self._emit(bk.fn, bk.threads, node, [bk.tile(v) for v in node.inputs], bk.tile(node.output))
@@ -383,8 +514,8 @@ class Custom:
 
 
 def _fill(bk, tile: Array, value) -> None:
-    with bk.threads.each(bk.fn, math.prod(tile.shape)) as i:
-        bk.fn.store_float(tile, bk.fn.offset(i, tile.shape, tile), value)
+    bk.threads.for_each(bk.fn, math.prod(tile.shape),
+                        lambda i: bk.fn.store_float(tile, bk.fn.offset(i, tile.shape, tile), value))
 
 
 @attrs.frozen
@@ -398,11 +529,19 @@ class Accumulate:
     def init(self, bk, node: Node) -> None:
         _fill(bk, bk.tile(node.output), f32(self.identity))
 
+    def fold_product(self, bk, node: Node, mma, running: list, multiply: Callable) -> None:
+        """A sum kept in mma fragments (accum only: `schedule.REGISTER_ACCUMULATORS`): the product
+        is accumulated straight into them."""
+        multiply(running)
+
     def update(self, bk, node: Node) -> None:
         fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
-        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+
+        def element(i) -> None:
             at = fn.offset(i, acc.shape, acc)
             fn.store_float(acc, at, self.step(fn, fn.load_float(acc, at), fn.load_float(x, fn.offset(i, acc.shape, x))))
+
+        bk.threads.for_each(fn, math.prod(acc.shape), element)
 
 
 def _row_finalize(last_step: Callable) -> Callable:
@@ -411,9 +550,12 @@ def _row_finalize(last_step: Callable) -> Callable:
     def finalize(bk, node: Node) -> None:
         fn, acc = bk.fn, bk.tile(node.output)
         count = f32(bk.bg.forloop * node.inputs[0].shape[-1])
-        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+
+        def element(i) -> None:
             at = fn.offset(i, acc.shape, acc)
             fn.store_float(acc, at, last_step(fn, node, fn.load_float(acc, at), count))
+
+        bk.threads.for_each(fn, math.prod(acc.shape), element)
 
     return finalize
 
@@ -466,8 +608,8 @@ class _Rescaling:
         _fill(bk, bk.tile(node.output), f32(0.0))
         m = node.inputs[1]
         scratch = bk.scratch(node)
-        with bk.threads.each(bk.fn, m.type.numel) as i:
-            bk.fn.store_float(scratch, i, f32(float("-inf")))  # buffer 0: iteration 0's M
+        bk.threads.for_each(bk.fn, m.type.numel,   # buffer 0: iteration 0's M
+                            lambda i: bk.fn.store_float(scratch, i, f32(float("-inf"))))
 
     def _maxima(self, bk, node: Node) -> tuple:
         """This iteration's M and the next one's, as Arrays of m's shape."""
@@ -482,26 +624,49 @@ class _Rescaling:
 
     def _update_maximum(self, bk, node: Node, now: Array, nxt: Array) -> None:
         fn, m = bk.fn, bk.tile(node.inputs[1])
-        with bk.threads.each(fn, math.prod(m.shape)) as i:
-            fn.store_float(nxt, i, fn.call_math("maxnum", fn.load_float(now, i), fn.load_float(m, fn.offset(i, m.shape, m))))
+        bk.threads.for_each(fn, math.prod(m.shape), lambda i: fn.store_float(
+            nxt, i, fn.call_math("maxnum", fn.load_float(now, i), fn.load_float(m, fn.offset(i, m.shape, m)))))
 
-    def _fold_rescaled(self, bk, node: Node, now: Array, acc: Array, at, index, shape: tuple, value) -> None:
-        """Fold `value` into the running value at `at`, whose element of m is at `index` of `shape`."""
+    def _rescaled(self, bk, node: Node, now: Array, running, index, shape: tuple, value):
+        """The running value with `value` folded in, where its element of m is at `index` of `shape`."""
         fn, m = bk.fn, bk.tile(node.inputs[1])
         mv = fn.load_float(m, fn.offset(index, shape, m))
         top = fn.load_float(now, fn.offset(index, shape, now))
         top_next = fn.call_math("maxnum", top, mv)
-        running = fn.b.fmul(fn.load_float(acc, at), _rescale(fn, top, top_next))
-        fn.store_float(acc, at, fn.b.fadd(running, fn.b.fmul(value, _rescale(fn, mv, top_next))))
+        return fn.b.fadd(fn.b.fmul(running, _rescale(fn, top, top_next)), fn.b.fmul(value, _rescale(fn, mv, top_next)))
+
+    def _fold_rescaled(self, bk, node: Node, now: Array, acc: Array, at, index, shape: tuple, value) -> None:
+        """Fold `value` into the running value at `at` of the tile."""
+        fn = bk.fn
+        fn.store_float(acc, at, self._rescaled(bk, node, now, fn.load_float(acc, at), index, shape, value))
 
 
 class AccumulateRescaled(_Rescaling):
+    def fold_product(self, bk, node: Node, mma, running: list, multiply: Callable) -> None:
+        """The running value kept in mma fragments: this iteration's product into fresh fragments,
+        each element then folded into its running one as `update` does on the tile."""
+        fn, acc = bk.fn, bk.tile(node.output)
+        now, nxt = self._maxima(bk, node)
+        rows, cols = acc.shape[-2:] if len(acc.shape) >= 2 else (1, acc.shape[-1])
+        product = mma.zeroed()
+        multiply(product)
+
+        def fold(var, x, batch, row, col) -> None:
+            flat = fn.b.add(fn.b.mul(fn.b.add(fn.b.mul(batch, i32(rows)), row), i32(cols)), col)   # element of acc
+            var.set(self._rescaled(bk, node, now, var.get(), flat, acc.shape, x))
+
+        mma.each(running, product, fold)
+        self._update_maximum(bk, node, now, nxt)
+
     def update(self, bk, node: Node) -> None:
         fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
         now, nxt = self._maxima(bk, node)
-        with bk.threads.each(fn, math.prod(acc.shape)) as i:
+
+        def element(i) -> None:
             value = fn.load_float(x, fn.offset(i, acc.shape, x))
             self._fold_rescaled(bk, node, now, acc, fn.offset(i, acc.shape, acc), i, acc.shape, value)
+
+        bk.threads.for_each(fn, math.prod(acc.shape), element)
         self._update_maximum(bk, node, now, nxt)
 
 

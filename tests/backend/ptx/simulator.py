@@ -9,8 +9,24 @@ back into Python: a special register reads the calling thread's coordinates, the
 between two waits on the warp's barrier. A barrier that some thread never reaches times out
 (a kernel whose barriers are not uniform fails instead of hanging).
 
+The tensor cores and asynchronous copies are simulated from their PTX ISA semantics, independently
+of how the backend builds their operands:
+* `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}` (inline asm) becomes a call that hands the lane's
+  registers to Python; when the warp's 32 lanes have arrived, the 16 x 16 A, 16 x 8 B and 16 x 8 C are
+  assembled from the fragments as the ISA lays them out ("Matrix Fragments for mma.m16n8k16": lane
+  l = 4 g + t holds A's rows g and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9, B's rows 2t, 2t + 1
+  and 2t + 8, 2t + 9 at column g, C's rows g and g + 8 at columns 2t, 2t + 1; the lower column or row
+  in the lower 16 bits), D = A B + C is computed in float64 and rounded to f32, and each lane gets its
+  four elements of D.
+* `cp.async` copies (the NVVM intrinsics) are queued per thread, `commit_group` closes a group and
+  `wait_group N` performs every group but the newest N: a copy lands as late as the ISA allows, so a
+  kernel that reads a tile before waiting for it reads what was there before (NaN at first). With
+  `copies="issue"` they land when issued instead (a slot overwritten while another thread still reads
+  it shows then). A copy never waited for by the end of the kernel is an error.
+
 What it checks is the IR's semantics: index arithmetic, loops, tiles, barriers, shuffles, dtype
-conversions. Not NVPTX's code generation or ptxas (the acceptance tests assemble every program).
+conversions, fragments. Not NVPTX's code generation or ptxas (the acceptance tests assemble every
+program).
 """
 from __future__ import annotations
 
@@ -55,6 +71,38 @@ define internal float @sim_from_bf16(i16 %x) {
 }
 """
 
+# the tensor cores and cp.async, through callbacks (see the module docstring)
+_MMA_HELPERS = """
+declare void @sim_mma(i32, i32, i32, i32, i32, i32, i32, float, float, float, float, ptr)
+""" + "".join(f"""
+define internal {{float, float, float, float}} @sim_mma_{name}(i32 %a0, i32 %a1, i32 %a2, i32 %a3, i32 %b0, i32 %b1,
+                                                            float %c0, float %c1, float %c2, float %c3) {{
+  %d = alloca [4 x float], align 16
+  call void @sim_mma(i32 {kind}, i32 %a0, i32 %a1, i32 %a2, i32 %a3, i32 %b0, i32 %b1,
+                     float %c0, float %c1, float %c2, float %c3, ptr %d)
+  %p1 = getelementptr float, ptr %d, i32 1
+  %p2 = getelementptr float, ptr %d, i32 2
+  %p3 = getelementptr float, ptr %d, i32 3
+  %d0 = load float, ptr %d
+  %d1 = load float, ptr %p1
+  %d2 = load float, ptr %p2
+  %d3 = load float, ptr %p3
+  %r0 = insertvalue {{float, float, float, float}} undef, float %d0, 0
+  %r1 = insertvalue {{float, float, float, float}} %r0, float %d1, 1
+  %r2 = insertvalue {{float, float, float, float}} %r1, float %d2, 2
+  %r3 = insertvalue {{float, float, float, float}} %r2, float %d3, 3
+  ret {{float, float, float, float}} %r3
+}}
+""" for kind, name in enumerate(("f16", "bf16")))
+_MMA_KINDS = ("f16", "bf16")
+_MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
+_CP_ASYNC = re.compile(r'"llvm\.nvvm\.cp\.async\.c[ag]\.shared\.global\.(4|8|16)"')
+
+
+def _bf16_constant(found: re.Match) -> str:
+    bits = int(found.group(1), 16)
+    return str(bits - (1 << 16) if bits >= 1 << 15 else bits)
+
 
 def host_ir(llvm_ir: str) -> str:
     """The module retargeted for the host (see the module docstring)."""
@@ -69,20 +117,54 @@ def host_ir(llvm_ir: str) -> str:
         line = line.replace("define ptx_kernel ", "define ")
         line = re.sub(r'llvm\.nvvm\.read\.ptx\.sreg\.(\w+)\.(\w)', r"sim_sreg_\1_\2", line)
         line = line.replace('"llvm.nvvm.barrier0"', '"sim_barrier"').replace('"llvm.nvvm.shfl.sync.bfly.f32"', '"sim_shfl"')
+        line = _MMA_ASM.sub(r"@sim_mma_\1", line)
+        line = _CP_ASYNC.sub(r'"sim_cp_async_\1"', line)
+        line = line.replace('"llvm.nvvm.cp.async.commit.group"', '"sim_cp_async_commit"')
+        line = line.replace('"llvm.nvvm.cp.async.wait.group"', '"sim_cp_async_wait"')
         line = re.sub(r"(%\S+) = fpext bfloat (%\S+) to float", r"\1 = call float @sim_from_bf16(i16 \2)", line)
         line = re.sub(r"(%\S+) = fptrunc float (%\S+) to bfloat", r"\1 = call i16 @sim_to_bf16(float \2)", line)
+        line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
-    return "\n".join(out) + "\n" + _BF16_HELPERS
+    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS
 
 
 class _Block:
     """The state the threads of one running block share."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, copies: str):
         self.barrier = threading.Barrier(threads, timeout=BARRIER_TIMEOUT_S)
         self.warps = [threading.Barrier(min(32, threads - w), timeout=BARRIER_TIMEOUT_S) for w in range(0, threads, 32)]
         self.slots = np.zeros(threads, dtype=np.float32)
         self.errors: list = []
+        self.copies = copies
+        # per warp: each lane's mma registers (a0..a3, b0, b1 as 32-bit words; c0..c3) and the product
+        self.mma_words = np.zeros((len(self.warps), 32, 6), dtype=np.uint32)
+        self.mma_c = np.zeros((len(self.warps), 32, 4), dtype=np.float32)
+        self.mma_kind = [0] * len(self.warps)
+        self.mma_d = np.zeros((len(self.warps), 32, 4), dtype=np.float32)
+        self.mma_barriers = [threading.Barrier(32, action=functools.partial(self._mma, w), timeout=BARRIER_TIMEOUT_S)
+                             for w in range(len(self.warps))] if threads % 32 == 0 else []
+
+    def _mma(self, warp: int) -> None:
+        """D = A B + C for the warp, from its lanes' fragments (run by one lane, all 32 waiting)."""
+        words, c = self.mma_words[warp], self.mma_c[warp]
+        halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16)   # [lane, register, half]
+        if _MMA_KINDS[self.mma_kind[warp]] == "f16":
+            values = halves.view(np.float16).astype(np.float64)
+        else:
+            values = (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        a, bm, cm = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                a[row, col:col + 2] = values[lane, reg]
+            for reg, row in enumerate((2 * t, 2 * t + 8)):
+                bm[row:row + 2, g] = values[lane, 4 + reg]
+            cm[g, 2 * t:2 * t + 2], cm[g + 8, 2 * t:2 * t + 2] = c[lane, :2], c[lane, 2:]
+        d = (a @ bm + cm).astype(np.float32)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            self.mma_d[warp, lane] = (d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
 
 
 _LOCAL = threading.local()   # .coords: this thread's special registers; .block: its _Block
@@ -117,6 +199,42 @@ def _shuffle(mask: int, value: float, lane_mask: int, clamp: int) -> float:
     return other
 
 
+def _mma(kind: int, a0: int, a1: int, a2: int, a3: int, b0: int, b1: int, c0: float, c1: float, c2: float,
+         c3: float, out: int) -> None:
+    block, tid = _LOCAL.block, _LOCAL.coords["tid.x"]
+    if not block.mma_barriers:
+        raise AssertionError("mma.sync in a block that is not whole warps")
+    warp, lane = tid // 32, tid % 32
+    block.mma_words[warp, lane] = [w & 0xFFFFFFFF for w in (a0, a1, a2, a3, b0, b1)]
+    block.mma_c[warp, lane] = (c0, c1, c2, c3)
+    block.mma_kind[warp] = kind
+    block.mma_barriers[warp].wait()
+    ctypes.memmove(out, block.mma_d[warp, lane].ctypes.data, 16)
+
+
+def _cp_async(nbytes: int):
+    def copy(dst: int, src: int) -> None:
+        if _LOCAL.block.copies == "issue":
+            ctypes.memmove(dst, src, nbytes)
+        else:
+            _LOCAL.open_group.append((dst, src, nbytes))
+
+    return copy
+
+
+def _cp_async_commit() -> None:
+    _LOCAL.groups.append(_LOCAL.open_group)
+    _LOCAL.open_group = []
+
+
+def _cp_async_wait(pending: int) -> None:
+    groups = _LOCAL.groups
+    done, _LOCAL.groups = (groups[:-pending], groups[-pending:]) if pending else (groups, [])
+    for group in done:
+        for dst, src, nbytes in group:
+            ctypes.memmove(dst, src, nbytes)
+
+
 @functools.cache
 def _callbacks() -> dict:
     """Name -> (ctypes callback, kept alive here)."""
@@ -124,6 +242,13 @@ def _callbacks() -> dict:
     made["sim_barrier"] = ctypes.CFUNCTYPE(None)(_guarded(_barrier))
     made["sim_shfl"] = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int32, ctypes.c_float, ctypes.c_int32,
                                         ctypes.c_int32)(_guarded(_shuffle))
+    made["sim_mma"] = ctypes.CFUNCTYPE(None, *[ctypes.c_int32] * 7, *[ctypes.c_float] * 4, ctypes.c_void_p)(
+        _guarded(_mma))
+    for nbytes in (4, 8, 16):
+        made[f"sim_cp_async_{nbytes}"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(
+            _guarded(_cp_async(nbytes)))
+    made["sim_cp_async_commit"] = ctypes.CFUNCTYPE(None)(_guarded(_cp_async_commit))
+    made["sim_cp_async_wait"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(_guarded(_cp_async_wait))
     return made
 
 
@@ -159,10 +284,13 @@ def _to_host(x: np.ndarray, dtype: DType) -> np.ndarray:
     return out
 
 
-def run(program: PtxProgram, inputs: Sequence[np.ndarray]) -> list:
+def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait") -> list:
     """Run the program's kernels in order on host buffers; the graph's outputs as float64 arrays.
     Intermediate buffers and the shared memory start filled with 0xFF bytes (NaN in every float
-    dtype), so that what no kernel wrote shows."""
+    dtype), so that what no kernel wrote shows. `copies`: when cp.async copies land ("wait": at the
+    wait_group that covers them, the latest the ISA allows; "issue": at once)."""
+    if copies not in ("wait", "issue"):
+        raise ValueError(f"copies={copies!r}: 'wait' or 'issue'")
     graph: KernelGraph = program.graph
     engine = _engine(program.llvm_ir)
     aliases = dict(program.aliases)
@@ -184,14 +312,14 @@ def run(program: PtxProgram, inputs: Sequence[np.ndarray]) -> list:
     for launch in program.launches:
         args = [buffer(a) for a in launch.args]
         kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
-        _run_launch(kernel, [a.ctypes.data for a in args], launch, smem_address)
+        _run_launch(kernel, [a.ctypes.data for a in args], launch, smem_address, copies)
     return [_from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
 
 
-def _run_launch(kernel, pointers: list, launch, smem_address: int) -> None:
+def _run_launch(kernel, pointers: list, launch, smem_address: int, copies: str) -> None:
     """The launch's blocks one after another, on one set of host threads (one per GPU thread)."""
     threads = launch.block[0]
-    block = _Block(threads)
+    block = _Block(threads, copies)
     grid = launch.grid
     order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
 
@@ -204,11 +332,16 @@ def _run_launch(kernel, pointers: list, launch, smem_address: int) -> None:
                 block.barrier.wait()       # shared memory reset before the block starts
                 _LOCAL.coords = {"tid.x": tid, "ntid.x": threads, "ctaid.x": x, "ctaid.y": y, "ctaid.z": z,
                                  "nctaid.x": grid[0], "nctaid.y": grid[1], "nctaid.z": grid[2]}
+                _LOCAL.groups, _LOCAL.open_group = [], []
                 kernel(*pointers)
+                if any(_LOCAL.groups) or _LOCAL.open_group:
+                    raise AssertionError(f"thread {tid} of block {(x, y, z)} ended with cp.async copies it never "
+                                         "waited for")
                 block.barrier.wait()       # every thread done with it before the next one
         except BaseException as e:
             block.errors.append(e)
-            block.barrier.abort()
+            for barrier in (block.barrier, *block.warps, *block.mma_barriers):
+                barrier.abort()
 
     previous = threading.stack_size(4 * 1024 * 1024)
     try:

@@ -9,7 +9,9 @@ import pytest
 
 from mdsl.backend.cuda import emit_cuda
 from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
-from mdsl.backend.ptx.block import lower
+from mdsl.backend.cuda.block import lower
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.backend.ptx.block import ported
 from mdsl.backend.ptx.llvm import OP_MARKER, merged_dims
 from mdsl.errors import UnsupportedError
 from mdsl.ir import BLOCK, KERNEL, OPS, THREAD, bf16, f16, f32
@@ -52,13 +54,14 @@ def test_merged_dims_drop_unit_dims_merge_contiguous_ones_and_broadcast():
 @pytest.mark.parametrize("name", ["gqa.gqa_flash", "rms_norm_linear.rms_norm_linear_fused"])
 def test_the_same_launches_as_the_cuda_backend(name):
     graph = example_kernels()[name]
-    program, cuda = emit_llvm(graph), emit_cuda(graph)
+    options = ported(CudaOptions())   # the lowerings both backends have
+    program, cuda = emit_llvm(graph, options=options), emit_cuda(graph, options=options)
     assert program.graph == fuse_kernel_graph(graph) == cuda.graph
     assert program.aliases == cuda.aliases
-    assert [(l.name, l.grid, l.block, l.args, l.node_index) for l in program.launches] == \
-           [(l.name, l.grid, l.block, l.args, l.node_index) for l in cuda.launches]
+    assert [(l.name, l.grid, l.block, l.args, l.node_index, l.smem_bytes) for l in program.launches] == \
+           [(l.name, l.grid, l.block, l.args, l.node_index, l.smem_bytes) for l in cuda.launches]
     for launch, node in zip(program.launches, program.graph.nodes):
-        assert launch.smem_bytes == lower(node.body, tuple(v.type for v in node.inputs))[2].total
+        assert launch.smem_bytes == lower(node.body, tuple(v.type for v in node.inputs), options).memory.total
 
 
 @pytest.mark.timeout(60)
@@ -105,9 +108,14 @@ def test_16_byte_copies_between_global_and_shared_memory():
     b = g.block(grid=(4,), forloop=2)
     b.output(b.op("accum", b.input(x, imap=(0,), fmap=1)), omap=(0,))
     b.done()
-    ptx = _ptx(g.build())
-    assert re.search(r"ld\.global\.v4\.(b|u)32", ptx), "f16 rows of 64 are read 8 elements (16 bytes) at a time"
-    assert re.search(r"st\.shared\.v4\.(b|u)32", ptx)
+    graph = g.build()
+    synchronous = llvm_to_ptx(emit_llvm(graph, options=CudaOptions(stages=1)).llvm_ir)
+    assert re.search(r"ld\.global\.v4\.(b|u)32", synchronous), "f16 rows of 64 are read 8 elements (16 bytes) at a time"
+    assert re.search(r"st\.shared\.v4\.(b|u)32", synchronous) and "cp.async" not in synchronous
+    pipelined = llvm_to_ptx(emit_llvm(graph, options=CudaOptions(stages=2)).llvm_ir)   # no register in between
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%rd?\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\], 16;", pipelined)
+    assert "cp.async.commit_group;" in pipelined and re.search(r"cp\.async\.wait_group\s+1;", pipelined)
+    assert not re.search(r"ld\.global\.v4", pipelined)
 
 
 @pytest.mark.timeout(60)

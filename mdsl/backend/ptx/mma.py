@@ -1,0 +1,180 @@
+"""Block-level matmuls on tensor cores as LLVM IR: the CUDA backend's `mdsl::BlockMma` (prelude; which
+matmuls qualify: mdsl/backend/cuda/mma.py) with the same warp and fragment decomposition, so that both
+backends sum the same products in the same order per mma.sync.
+
+C = A B for BATCH matrices (A: BATCH x M x K, B: BATCH x K x N, C: BATCH x M x N) by the block's warps:
+C's 16 x 8 tiles are dealt to the warps in turn (fragment j of warp w accumulates tile w + j WARPS), each
+tile summed over K in steps of 16 by mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}. Lane l of a warp
+(g = l / 4, t = l % 4) holds A's elements (g | g + 8, 2t | 2t + 8 and the next column), B's (2t | 2t + 8
+and the next row, g) and C's (g | g + 8, 2t and 2t + 1) of its tile (PTX ISA, "Matrix Fragments for
+mma.m16n8k16"). Elements outside M, N or K read as zero; an operand stored in another type than the
+mma's (an f32 tile) is rounded to it, as the program's dtype says.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from llvmlite import ir
+
+from mdsl.backend.cuda.mma import MmaShape, _batch_stride
+from mdsl.backend.ptx.llvm import I16, I32, Array, KernelFunction, Var, f32, i32
+
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+UNROLLED_K_STEPS = 8      # K steps written out in full; a longer K is a loop of 4-step bodies (CUDA: unroll 4)
+
+
+class BlockMma:
+    """The IR of one `MmaShape` in a kernel: fragments (Vars, 4 floats per 16 x 8 tile a warp holds),
+    products into them, and the elements they hold."""
+
+    def __init__(self, fn: KernelFunction, shape: MmaShape, dtype: str):
+        self.fn, self.shape, self.dtype = fn, shape, dtype
+        b, tid = fn.b, fn.sreg("tid.x")
+        self.tm, self.tn = -(-shape.m // MMA_M), -(-shape.n // MMA_N)
+        self.tiles = shape.batch * self.tm * self.tn
+        lane = b.urem(tid, i32(32))
+        self.warp, self.g, self.t = b.udiv(tid, i32(32)), b.udiv(lane, i32(4)), b.urem(lane, i32(4))
+
+    @property
+    def per_warp(self) -> int:
+        return self.shape.fragments_per_warp
+
+    def zeroed(self) -> list:
+        """PER_WARP fragments of 4 f32 Vars, zero."""
+        return [[self.fn.var(f32(0.0)) for _ in range(4)] for _ in range(self.per_warp)]
+
+    def _tiles(self, body: Callable) -> None:
+        """body(j, batch, m0, n0) for each tile j of the warp's (a branch uniform over the warp)."""
+        fn, b, warps = self.fn, self.fn.b, self.shape.warps
+        for j in range(self.per_warp):
+            tile = b.add(self.warp, i32(j * warps)) if j else self.warp
+            batch = b.udiv(tile, i32(self.tm * self.tn)) if self.shape.batch > 1 else i32(0)
+            m0 = b.mul(b.urem(b.udiv(tile, i32(self.tn)), i32(self.tm)), i32(MMA_M)) if self.tm > 1 else i32(0)
+            n0 = b.mul(b.urem(tile, i32(self.tn)), i32(MMA_N)) if self.tn > 1 else i32(0)
+            if (j + 1) * warps <= self.tiles:   # every warp has a tile j
+                body(j, batch, m0, n0)
+            else:
+                with fn.when(b.icmp_unsigned("<", tile, i32(self.tiles))):
+                    body(j, batch, m0, n0)
+
+    def multiply(self, frags: list, a: Array, w: Array, out_batch: tuple) -> None:
+        """frags += A B (each warp its tiles); a, w: the operands' tiles, batched as the output."""
+        fn, b = self.fn, self.fn.b
+        m, n, k = self.shape.m, self.shape.n, self.shape.k
+        sa, sw = _batch_stride(a, out_batch), _batch_stride(w, out_batch)
+        lda, ldw = a.strides[-2], w.strides[-2]
+        a_mat = a.viewed((m, k), (lda, 1))
+        w_mat = w.viewed((k, n), (ldw, 1))
+
+        def tile(j: int, batch, m0, n0) -> None:
+            a_at = Array(fn.address(a, b.mul(batch, i32(sa))), a.dtype, a_mat.shape, a_mat.strides) if sa else a_mat
+            w_at = Array(fn.address(w, b.mul(batch, i32(sw))), w.dtype, w_mat.shape, w_mat.strides) if sw else w_mat
+            rows = (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8))))
+            col = b.add(n0, self.g)
+
+            def step(k0, guard_k: bool) -> None:
+                c0 = b.add(k0, b.mul(self.t, i32(2)))
+                c8 = b.add(c0, i32(8))
+                fa = [self._along_row(a_at, r, c, sa, guard_k) for c in (c0, c8) for r in rows]
+                fb = [self._along_column(w_at, r, col, guard_k) for r in (c0, c8)]
+                d = fn.mma_m16n8k16(self.dtype, fa, fb, [v.get() for v in frags[j]])
+                for var, value in zip(frags[j], d):
+                    var.set(value)
+
+            self._k_steps(step)
+
+        self._tiles(tile)
+
+    def _k_steps(self, step: Callable) -> None:
+        """step(k0, guard) for k0 = 0, 16, ... below K; guard: the step reaches past K."""
+        k = self.shape.k
+        whole, ragged = divmod(k, MMA_K)
+        if whole + bool(ragged) <= UNROLLED_K_STEPS:
+            for s in range(whole):
+                step(i32(s * MMA_K), False)
+        else:
+            unroll = next(u for u in (4, 2, 1) if whole % u == 0)
+            with self.fn.loop(i32(0), whole * MMA_K, unroll * MMA_K) as k0:
+                for u in range(unroll):
+                    step(k0 if u == 0 else self.fn.b.add(k0, i32(u * MMA_K)), False)
+        if ragged:
+            step(i32(whole * MMA_K), True)
+
+    def _guarded_load(self, p: Array, r, c, inside, etype: Optional[ir.Type]):
+        """p[r, c] (the raw element, or `etype` read there), zero where `inside` is false (None: always
+        inside)."""
+        fn, b = self.fn, self.fn.b
+        at = b.add(b.mul(r, i32(p.strides[0])), c)
+        if inside is not None:
+            at = b.select(inside, at, i32(0))   # read an element that exists
+        value = b.load(fn.address(p, at), typ=etype) if etype is not None else fn.load_float(p, at)
+        if inside is None:
+            return value
+        return b.select(inside, value, ir.Constant(value.type, 0))
+
+    def _inside(self, r, rows: int, guard_rows: bool, c, cols: int, guard_cols: bool):
+        b, terms = self.fn.b, []
+        if guard_rows:
+            terms.append(b.icmp_unsigned("<", r, i32(rows)))
+        if guard_cols:
+            terms.append(b.icmp_unsigned("<", c, i32(cols)))
+        if not terms:
+            return None
+        return terms[0] if len(terms) == 1 else b.and_(terms[0], terms[1])
+
+    def _along_row(self, p: Array, r, c, batch_stride: int, guard_k: bool):
+        """Elements (r, c) and (r, c + 1) of A as a pair of the mma's type (c is even)."""
+        fn, b = self.fn, self.fn.b
+        rows, cols = p.shape
+        guard_rows = rows % MMA_M != 0
+        if p.dtype == self.dtype and p.strides[0] % 2 == 0 and cols % 2 == 0 and batch_stride % 2 == 0:
+            # both in one aligned 4-byte word
+            return self._guarded_load(p, r, c, self._inside(r, rows, guard_rows, c, cols, guard_k), I32)
+        c1 = b.add(c, i32(1))
+        lo = self._guarded_load(p, r, c, self._inside(r, rows, guard_rows, c, cols, guard_k), None)
+        hi = self._guarded_load(p, r, c1, self._inside(r, rows, guard_rows, c1, cols, guard_k or cols % 2 != 0), None)
+        return fn.pair(fn.bits16(lo, self.dtype), fn.bits16(hi, self.dtype))
+
+    def _along_column(self, p: Array, r, c, guard_k: bool):
+        """Elements (r, c) and (r + 1, c) of B as a pair of the mma's type (r is even)."""
+        fn, b = self.fn, self.fn.b
+        rows, cols = p.shape
+        guard_cols = cols % MMA_N != 0
+        r1 = b.add(r, i32(1))
+        halves = []
+        for row, guard_rows in ((r, guard_k), (r1, guard_k or rows % 2 != 0)):
+            inside = self._inside(row, rows, guard_rows, c, cols, guard_cols)
+            if p.dtype == self.dtype:   # the 16 bits as they are
+                halves.append(b.zext(self._guarded_load(p, row, c, inside, I16), I32))
+            else:
+                halves.append(fn.bits16(self._guarded_load(p, row, c, inside, None), self.dtype))
+        return fn.pair(*halves)
+
+    def each(self, running: list, product: list, f: Callable) -> None:
+        """f(running Var, product value, batch, row, column) on every element of C the warp holds."""
+        fn, b = self.fn, self.fn.b
+        m, n = self.shape.m, self.shape.n
+
+        def tile(j: int, batch, m0, n0) -> None:
+            for e in range(4):
+                row = b.add(m0, b.add(self.g, i32((e // 2) * 8)))
+                col = b.add(n0, b.add(b.mul(self.t, i32(2)), i32(e % 2)))
+                inside = self._inside(row, m, m % MMA_M != 0, col, n, n % MMA_N != 0)
+                if inside is None:
+                    f(running[j][e], product[j][e].get(), batch, row, col)
+                else:
+                    with fn.when(inside):
+                        f(running[j][e], product[j][e].get(), batch, row, col)
+
+        self._tiles(tile)
+
+    def store(self, frags: list, out: Array) -> None:
+        """C = frags, rounded to C's type."""
+        fn, b = self.fn, self.fn.b
+        sc, ldc = _batch_stride(out, out.shape[:-2]), out.strides[-2]
+
+        def put(var: Var, value, batch, row, col) -> None:
+            at = b.add(b.mul(row, i32(ldc)), col)
+            fn.store_float(out, b.add(b.mul(batch, i32(sc)), at) if sc else at, value)
+
+        self.each(frags, frags, put)
