@@ -73,7 +73,7 @@ LABELS = {"eager": "eager", "sdpa": "SDPA", "cuda_graph": "CUDA graph", "compile
           "mdsl_ptx": "mdsl PTX"}
 COMPILE_MODES = {"compile": None, "compile_max": "max-autotune-no-cudagraphs"}
 METHOD_OPTIONS = ("reps", "batch", "passes", "warmup", "tolerance", "seed", "l2_multiple", "max_input_mb", "budget",
-                  "autotune")
+                  "autotune", "variants")
 
 # the inputs of each case family: ("normal", std) or ("uniform", low, high), by parameter name
 INPUTS = {
@@ -118,6 +118,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="before timing, autotune the plan's best N verified candidates over the CUDA "
                         "backend's lowering options on the GPU and time the fastest correct one (0: the plan "
                         "as chosen, default options)")
+    p.add_argument("--variants", type=int, default=8, metavar="K",
+                   help="with --autotune: also tune up to K verified tuning variants of each plan (the same fused "
+                        "kernels under other grids, splits and loop lengths; mdsl.search.variants), read from the "
+                        "plan cache; --plans-only computes and verifies them (0: none)")
     p.add_argument("--no-ptx", dest="ptx", action="store_false",
                    help="skip mdsl's PTX-backend contender (the same plan through llvmlite's NVPTX target)")
     p.add_argument("--tolerance", type=float, default=3e-3, help="relative error bound, ||out - ref|| / ||ref||")
@@ -237,18 +241,38 @@ def compile_record(graph, arch: str) -> dict:
             "smem_bytes": max((launch.smem_bytes for launch in program.launches), default=0)}
 
 
-def precompile_variants(plan, limit: int, arch: str) -> int:
-    """Compile (into the cubin cache under $MDSL_CACHE_DIR) every variant the GPU run's autotuner will
-    time for this plan, so that the GPU's time goes to timing, not to NVRTC; the number compiled."""
-    from mdsl.backend.cuda.autotune import parameter_space, plan_candidates, variants
+def tuning_variants(plan, args: argparse.Namespace) -> dict:
+    """Propose, verify and store the plan's tuning variants (mdsl.search.variants; CPU minutes for the
+    attention cases), unless the plan cache has them: what was found."""
+    from mdsl.search.variants import ensure_variants
+
+    start = time.perf_counter()
+    found = ensure_variants(plan, args.variants, workers=args.workers)
+    return {"verified": len(found), "seconds": time.perf_counter() - start,
+            "variants": [f"{v.describe}: est. {v.gpu_seconds * 1e6:.1f} us" for v in found]}
+
+
+def precompile_variants(plan, limit: int, variants: int, arch: str) -> dict:
+    """Compile (into the cubin cache under $MDSL_CACHE_DIR) every (candidate, options) pair the GPU run's
+    autotuner will time for this plan (`autotune.tuning_set`), so that the GPU's time goes to timing, not
+    to NVRTC: how many compiled, and the pairs that failed (the GPU run reports them again)."""
+    from mdsl.backend.cuda.autotune import emitted_variants, parameter_space, tuning_set
     from mdsl.backend.cuda.codegen import emit_cuda
     from mdsl.backend.cuda.nvrtc import compile_cuda
+    from mdsl.errors import MdslError
 
-    candidates = plan_candidates(plan, limit=limit)
-    found = variants(candidates, parameter_space(), arch=arch)
-    for v in found:
-        compile_cuda(emit_cuda(candidates[v.candidate], arch=arch, options=v.options).source, arch=arch)
-    return len(found)
+    todo = tuning_set(plan, limit, variants)
+    compiled, failed = 0, []
+    for v, problem in emitted_variants(todo.graphs, parameter_space(), arch, todo.spaces, todo.names):
+        if not problem:
+            try:
+                compile_cuda(emit_cuda(todo.graphs[v.candidate], arch=arch, options=v.options).source, arch=arch)
+                compiled += 1
+                continue
+            except MdslError as e:
+                problem = _one_line(e)
+        failed.append(f"{v.describe()}: {problem}")
+    return {"compiled": compiled, "failed": failed}
 
 
 def plans_only(args: argparse.Namespace, names: list) -> int:
@@ -268,12 +292,24 @@ def plans_only(args: argparse.Namespace, names: list) -> int:
         try:
             start = time.perf_counter()
             plan, hit = get_plan(kernels[name], config, args.on_miss, progress=True)
+            if not hit:   # as stored: the variants entry is keyed by the plan's cache key
+                plan = get_plan(kernels[name], config, "fail")[0]
             row.update(plan_record(plan, hit), seconds=time.perf_counter() - start,
                        floor_s=roofline_floor(kernels[name].graph).seconds)
             try:
                 row["cuda"] = compile_record(plan.graph, arch)
                 if args.autotune:
-                    row["cuda"]["autotune_variants_compiled"] = precompile_variants(plan, args.autotune, arch)
+                    if args.variants:
+                        try:
+                            row["variants"] = tuning_variants(plan, args)
+                            print(f"   {name}: {row['variants']['verified']} verified tuning variant(s) in "
+                                  f"{row['variants']['seconds']:.0f} s", flush=True)
+                        except Exception as e:   # the plan and its own candidates are still tuned
+                            row["variants"] = {"error": _one_line(e), "traceback": _traceback()}
+                            print(f"   {name}: no tuning variants: {row['variants']['error']}", flush=True)
+                    precompiled = precompile_variants(plan, args.autotune, args.variants, arch)
+                    row["cuda"]["autotune_variants_compiled"] = precompiled["compiled"]
+                    row["cuda"]["autotune_variants_failed"] = precompiled["failed"]
             except ModuleNotFoundError as e:   # no cuda.bindings: the plan is still good
                 row["cuda"] = {"skipped": f"not compiled: {e}"}
         except Exception as e:
@@ -846,11 +882,12 @@ class Bench:
         --autotune candidates (recorded in rec["autotune"]), else the plan's choice with default options."""
         if not self.args.autotune:
             return plan.graph, None
-        from mdsl.backend.cuda.autotune import autotune, plan_candidates
+        from mdsl.backend.cuda.autotune import autotune, tuning_set
 
         t0 = time.perf_counter()
         try:
-            best = autotune(plan_candidates(plan, limit=self.args.autotune), plan.original, device=self.device)
+            todo = tuning_set(plan, self.args.autotune, self.args.variants)
+            best = autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, device=self.device)
         except Exception as e:   # the plan as chosen is still worth timing; say why it was not tuned
             rec["autotune"] = {"error": _one_line(e), "seconds": time.perf_counter() - t0}
             _say(f"autotune failed, timing the plan as chosen: {_one_line(e)}")

@@ -1,10 +1,12 @@
-"""GPU autotuning: a plan's verified candidates (the chosen mugraph and `Plan.alternatives`), each
-lowered with a few settings of the CUDA backend (`CudaOptions`: pipeline depth, threads per block),
-compiled, checked against the float64 reference and timed on the GPU; the fastest correct one is
-cached per device.
+"""GPU autotuning: a plan's verified candidates (the chosen mugraph and `Plan.alternatives`) and its
+verified tuning variants (`mdsl.search.variants`: the same fused structure under other grids, splits
+and loop lengths), each lowered with a few settings of the CUDA backend (`CudaOptions`: pipeline depth,
+threads per block), compiled, checked against the float64 reference and timed on the GPU; the fastest
+correct one is cached per device.
 
     plan = kernel.optimize()
-    best = autotune(plan_candidates(plan), plan.original)      # needs a GPU
+    todo = tuning_set(plan)                                    # reads the variants; verifies nothing
+    best = autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names)   # needs a GPU
     executable = runtime.compile_graph(best.graph, options=best.options)
 
 Timing: CUDA events around `calls` back-to-back launches, after warm-up; the median over `samples`.
@@ -38,6 +40,7 @@ from mdsl.ir.text import print_graph
 SCHEMA = 1
 STAGES = (2, 3, 4)
 THREADS = (None, 256)               # None: each block graph's own
+VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
 
@@ -45,11 +48,13 @@ _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref|
 class Variant:
     candidate: int                 # index into the candidates (0: the plan's chosen mugraph)
     options: CudaOptions
+    name: str = attrs.field(default="", eq=False)   # what the candidate is, for reports
 
     def describe(self) -> str:
         o = self.options
         threads = "own threads" if o.threads is None else f"{o.threads} threads"
-        return f"candidate {self.candidate}, {o.stages}-stage pipeline, {threads}"
+        name = f" ({self.name})" if self.name else ""
+        return f"candidate {self.candidate}{name}, {o.stages}-stage pipeline, {threads}"
 
 
 @attrs.frozen
@@ -83,22 +88,66 @@ def plan_candidates(plan, limit: Optional[int] = None) -> list:
     return ([plan.graph] + [alt.graph for alt in plan.alternatives])[:limit]
 
 
+@attrs.frozen
+class TuningSet:
+    """What `autotune` times for one plan: the mugraphs, each one's lowering options, each one's name."""
+
+    graphs: tuple
+    spaces: tuple
+    names: tuple
+
+
+def tuning_set(plan, limit: int = 3, variants: int = 8, cache=None) -> TuningSet:
+    """The plan's best `limit` verified candidates, each under the full parameter space, then up to
+    `variants` of its stored tuning variants (`mdsl.search.variants`), each under the trimmed space
+    (VARIANT_STAGES x THREADS), so that compile counts stay in bounds. Reads the plan cache's variants
+    entry only: no search, no verification (and no z3) here."""
+    from mdsl.search.variants import tuning_candidates
+
+    own = plan_candidates(plan, limit)
+    found = tuning_candidates(plan, limit, variants=variants, cache=cache) if variants else []
+    keys = {g.key for g in own}
+    extra = [c.graph for c in found if c.graph.key not in keys]
+    full, trimmed = parameter_space(), parameter_space(stages=VARIANT_STAGES)
+    names = ["the plan's choice"] + [f"alternative {k}" for k in range(1, len(own))] + \
+            [f"variant {k + 1}: {describe_grid(g)}" for k, g in enumerate(extra)]
+    return TuningSet(tuple(own + extra), tuple([full] * len(own) + [trimmed] * len(extra)), tuple(names))
+
+
+def describe_grid(graph: KernelGraph) -> str:
+    """Each custom kernel's grid and loop: "64x2 blocks x 4 iterations ; 64 blocks x 2 iterations"."""
+    return " ; ".join("x".join(str(g) for g in n.body.grid if g > 1) + f" blocks x {n.body.forloop} iteration(s)"
+                      for n in graph.nodes if n.body is not None)
+
+
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size,
     tensor cores and register accumulators on (their correctness is what the GPU tests check)."""
     return [CudaOptions(stages=s, threads=t) for t in threads for s in stages]
 
 
-def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a") -> list:
+def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",
+             spaces: Optional[Sequence] = None, names: Optional[Sequence[str]] = None) -> list:
     """Every (candidate, options) pair, without those whose emitted source repeats an earlier one
-    (a graph that cannot pipeline deeper, a block already of that size), in order."""
+    (a graph that cannot pipeline deeper, a block already of that size) or that do not emit, in order.
+    `spaces`: each candidate's own options (default: `space` for all)."""
+    return [v for v, problem in emitted_variants(candidates, space, arch, spaces, names) if not problem]
+
+
+def emitted_variants(candidates, space, arch: str, spaces=None, names=None) -> list:
+    """(Variant, "" or why it does not emit) for every distinct (candidate, options) pair."""
     out, seen = [], set()
     for k, graph in enumerate(candidates):
-        for options in space:
-            source = emit_cuda(graph, arch=arch, options=options).source
+        for options in (spaces[k] if spaces is not None else space):
+            variant = Variant(k, options, names[k] if names else "")
+            try:
+                source = emit_cuda(graph, arch=arch, options=options).source
+            except MdslError as e:  # a lowering the backend refuses: reported, never timed
+                out.append((variant, f"does not emit: {e}"))
+                continue
             if source not in seen:
                 seen.add(source)
-                out.append(Variant(k, options))
+                out.append((variant, ""))
     return out
 
 
@@ -111,11 +160,14 @@ def cache_dir() -> Path:
     return Path(root) / "autotune"
 
 
-def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions]) -> str:
+def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions],
+              spaces: Optional[Sequence] = None) -> str:
     from mdsl.search.plan import mdsl_version
 
     material = {"schema": SCHEMA, "programs": [print_graph(g) for g in candidates], "device": device, "arch": arch,
                 "space": [attrs.asdict(o) for o in space], "mdsl_version": mdsl_version()}
+    if spaces is not None:
+        material["spaces"] = [[attrs.asdict(o) for o in s] for s in spaces]
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
@@ -132,7 +184,8 @@ def store(key: str, result: TuneResult, device: str) -> Optional[Path]:
     return path
 
 
-def load(key: str, candidates: Sequence[KernelGraph], device: str) -> Optional[TuneResult]:
+def load(key: str, candidates: Sequence[KernelGraph], device: str,
+         names: Optional[Sequence[str]] = None) -> Optional[TuneResult]:
     """The cached result under `key`, or None (an entry that does not fit warns and is ignored)."""
     path = cache_dir() / f"{key}.json"
     try:
@@ -155,7 +208,8 @@ def load(key: str, candidates: Sequence[KernelGraph], device: str) -> Optional[T
     except Exception as e:  # untrusted data: whatever is wrong with it, tune again
         warnings.warn(f"mdsl: ignoring the autotune cache entry {path}: {type(e).__name__}: {e}", stacklevel=2)
         return None
-    return TuneResult(candidates[candidate], Variant(candidate, options), us, cached=True)
+    return TuneResult(candidates[candidate], Variant(candidate, options, names[candidate] if names else ""), us,
+                      cached=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,23 +217,26 @@ def load(key: str, candidates: Sequence[KernelGraph], device: str) -> Optional[T
 
 
 def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space: Optional[Sequence] = None,
-             device: int = 0, samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True) -> TuneResult:
-    """The fastest correct (candidate, options) on GPU `device` (callers check `runtime.has_gpu()`)."""
+             spaces: Optional[Sequence] = None, names: Optional[Sequence[str]] = None, device: int = 0,
+             samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True) -> TuneResult:
+    """The fastest correct (candidate, options) on GPU `device` (callers check `runtime.has_gpu()`).
+    `spaces`: each candidate's own options (see `tuning_set`), else `space` for all."""
     from mdsl.backend.cuda import runtime
 
     runtime.require_gpu("autotuning on the GPU")
     space = list(space if space is not None else parameter_space())
+    spaces = None if spaces is None else [list(s) for s in spaces]
     arch = runtime.target_arch(device)
     name = _device_name(device)
-    key = cache_key(candidates, name, arch, space)
+    key = cache_key(candidates, name, arch, space, spaces)
     if cache:
-        cached = load(key, candidates, name)
+        cached = load(key, candidates, name, names)
         if cached is not None:
             return cached
     host = _inputs(original, seed)
     want = _reference(original, host)
-    timings = [_measure(candidates[v.candidate], v, host, want, arch, device, samples, calls)
-               for v in variants(candidates, space, arch=arch)]
+    timings = [_measure(candidates[v.candidate], v, host, want, arch, device, samples, calls) if not problem
+               else Timing(v, None, problem) for v, problem in emitted_variants(candidates, space, arch, spaces, names)]
     timed = [t for t in timings if t.us is not None]
     if not timed:
         raise MdslError("autotune: no variant ran correctly on the GPU:\n" + "\n".join(
@@ -276,21 +333,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     from mdsl.backend.cuda import runtime
-    from mdsl.search.cache import default_dir
+    from mdsl.search.cache import PlanCache, default_dir
     from mdsl.search.plan import Plan
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("entries", nargs="*", type=Path)
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--candidates", type=int, default=3, help="the plan's best candidates tuned")
+    parser.add_argument("--variants", type=int, default=8, help="stored tuning variants tuned besides them")
     parser.add_argument("--no-cache", dest="cache", action="store_false")
     args = parser.parse_args(argv)
     if not runtime.has_gpu():
         print("autotune: no GPU on this machine")
         return 2
     for path in args.entries or sorted((default_dir() / "plans").glob("*.json")):
-        plan = Plan.from_json(json.loads(path.read_text(encoding="utf-8"))["plan"])
-        result = autotune(plan_candidates(plan, args.candidates), plan.original, samples=args.samples, cache=args.cache)
+        plan = attrs.evolve(Plan.from_json(json.loads(path.read_text(encoding="utf-8"))["plan"]), cache_path=str(path))
+        todo = tuning_set(plan, args.candidates, args.variants, PlanCache(path.parent.parent))
+        result = autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, samples=args.samples,
+                          cache=args.cache)
         print(f"== {plan.original.name} ({path.name})", *result.lines(), sep="\n")
     return 0
 

@@ -1,0 +1,200 @@
+"""Tuning variants of a plan (mdsl.search.variants): proposed from the widened guided space, ranked by
+the GPU-aware estimate, verified through the engine, stored beside the plan and validated when read."""
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+import numpy as np
+import pytest
+
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.search import variants as V
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import H200, gpu_estimate
+from mdsl.search.dims import Labels
+from mdsl.search.guided import Choice, choices, lift
+from tests.examples_util import load_example
+from tests.search.small_plans import small_plan
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """A small attention plan with its verified variants stored (one search, one verification run)."""
+    plan, cache = small_plan("gqa", tmp_path_factory.mktemp("plans"))
+    found = V.ensure_variants(plan, 4, cache=cache, workers=1)
+    return plan, cache, found
+
+
+# ---- proposing and verifying -----------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_variants_are_verified_and_compute_the_program(gqa):
+    plan, _, found = gqa
+    assert 1 <= len(found) <= 4
+    plan_keys = {plan.graph.key} | {c.graph.key for c in plan.alternatives}
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(v.shape) for v in plan.original.inputs]
+    want = run_kernel_graph(plan.original, inputs, precision="float64")
+    for v in found:
+        e = v.candidate.evidence
+        assert e.equivalent and e.finite_field_tests == plan.config.verify_tests and e.seed == plan.config.seed
+        assert not math.isnan(e.float_rel_error) and e.float_rel_error <= e.float_bound
+        assert v.candidate.graph.key not in plan_keys
+        assert V.structure(v.candidate.graph) == V.structure(plan.graph)
+        got = run_kernel_graph(v.candidate.graph, inputs, precision="float64")
+        for a, b in zip(got, want):
+            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-10, v.describe
+    assert len({v.candidate.graph.key for v in found}) == len(found)
+    assert [v.gpu_seconds for v in found] == sorted(v.gpu_seconds for v in found)
+
+
+def test_a_variant_the_verifier_rejects_is_not_kept(gqa):
+    plan = gqa[0]
+    proposals = V.propose(plan, 2)
+    wrong = attrs.evolve(proposals[0], graph=_with_output_scaled(proposals[0].graph))
+    kept = V.verify(plan, [wrong, proposals[1]], workers=1)
+    assert [v.candidate.graph.key for v in kept] == [proposals[1].graph.key]
+
+
+def _with_output_scaled(graph):
+    """The graph with its last kernel's output cast replaced by a mul_scalar: another function."""
+    from mdsl.ir.graph import Node
+    from mdsl.ir.ops import get_op
+
+    last = graph.nodes[-1]
+    body = last.body
+    out = body.outputs[0]
+    scaled = attrs.evolve(out.var, name=out.var.name + "_x2")
+    node = Node("mul_scalar", [out.var], [scaled], get_op("mul_scalar").normalize_attrs({"value": 2.0}))
+    body = attrs.evolve(body, nodes=tuple(body.nodes) + (node,),
+                        outputs=(attrs.evolve(out, var=scaled),) + tuple(body.outputs[1:]))
+    return attrs.evolve(graph, nodes=tuple(graph.nodes[:-1]) + (attrs.evolve(last, body=body),))
+
+
+# ---- the cache entry ---------------------------------------------------------------------------
+
+def test_the_entry_round_trips_and_is_not_verified_again(gqa, monkeypatch):
+    plan, cache, found = gqa
+    assert V.load(cache, plan) == (found, 4)
+    monkeypatch.setattr(V, "verify", _must_not_run)
+    assert V.ensure_variants(plan, 4, cache=cache) == found
+    assert V.ensure_variants(plan, 2, cache=cache) == found[:2]
+    own = [plan.chosen, *plan.alternatives]
+    got = V.tuning_candidates(plan, 8, cache=cache)
+    assert got == own + [v.candidate for v in found]
+    assert V.tuning_candidates(plan, 1, variants=1, cache=cache) == [plan.chosen, found[0].candidate]
+    assert [p.name for p in V.entry_path(cache, V.plan_key(plan)).parent.iterdir()] == \
+        [f"{V.plan_key(plan)}.json"]  # no temp file left
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("verified again although the cache holds the variants")
+
+
+DAMAGES = {
+    "not json": lambda e: "{truncated",
+    "schema": lambda e: {**e, "mdsl_plan_variants": 99},
+    "another plan": lambda e: {**e, "plan_key": "0" * 64},
+    "another chosen graph": lambda e: {**e, "plan_graph_key": "x"},
+    "limit": lambda e: {**e, "limit": -1},
+    "too many": lambda e: {**e, "limit": 0},
+    "not verified": lambda e: _each_variant(e, lambda v: {**v, "evidence": {**v["evidence"], "equivalent": False}}),
+    "other seed": lambda e: _each_variant(e, lambda v: {**v, "evidence": {**v["evidence"], "seed": 1}}),
+    "cost": lambda e: _each_variant(e, lambda v: {**v, "cost": {**v["cost"], "seconds": 1.0}}),
+    "estimate": lambda e: _each_variant(e, lambda v: {**v, "gpu_seconds": -1.0}),
+    "graph": lambda e: _each_variant(e, lambda v: {**v, "graph": {"kind": "nonsense"}}),
+}
+
+
+def _each_variant(entry, change):
+    return {**entry, "variants": [change(v) for v in entry["variants"]]}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_entry_is_ignored_with_a_warning(gqa, damage, tmp_path):
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    try:
+        damaged = DAMAGES[damage](json.loads(good))
+        path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+        with pytest.warns(UserWarning, match="ignoring the variants entry"):
+            assert V.load(cache, plan) is None
+        with pytest.warns(UserWarning, match="ignoring the variants entry"):
+            assert V.tuning_candidates(plan, 8, cache=cache) == [plan.chosen, *plan.alternatives]
+    finally:
+        path.write_text(good)
+    assert V.load(cache, plan) == (found, 4)
+
+
+def test_a_plan_not_read_from_the_cache_has_no_entry(gqa):
+    plan, cache, _ = gqa
+    fresh = attrs.evolve(plan, cache_path=None)
+    assert V.load(cache, fresh) is None and V.store(cache, fresh, [], 4) is None
+    assert V.tuning_candidates(fresh, 8, cache=cache) == [plan.chosen, *plan.alternatives]
+
+
+# ---- the widened space and the ranking ---------------------------------------------------------
+
+def test_the_default_choice_space_is_unchanged_and_the_widened_one_contains_it():
+    graph = load_example("gqa").make_gqa(1).graph
+    labels, config = Labels(graph), SearchConfig()
+    default = list(choices(graph, labels, config))
+    widened = set(choices(graph, labels, config, max_split=256, min_forloop=1))
+    assert set(default) <= widened
+    assert max(c.split for c in default) == 64 and min(c.forloop for c in default if c.loop) >= 2
+    assert max(c.split for c in widened) == 256 and any(c.loop and c.forloop == 1 for c in widened)
+    assert {c.threads for c in default} == {128}
+
+
+def _gqa_bs1(row_parts: int, split: int, forloop: int):
+    graph = load_example("gqa").make_gqa(1).graph
+    labels = Labels(graph)
+    q = graph.inputs[0]
+    batch, rows = labels.label(q.name, 0), labels.label(q.name, 1)
+    kv = labels.label(graph.inputs[1].name, 2)
+    return lift(graph, Choice(((batch, 2), (rows, row_parts)), kv, forloop, split), labels)
+
+
+def test_the_ranking_prefers_attention_grids_that_fill_the_sms_with_few_iterations():
+    searched = gpu_estimate(_gqa_bs1(8, 4, 32))   # the search's plan: 64 blocks x 32 iterations
+    wide = gpu_estimate(_gqa_bs1(8, 8, 4))         # 128 blocks x 4 iterations
+    (main, _) = searched.kernels
+    assert (main.blocks, main.iterations, main.per_sm, main.rounds) == (64, 32, 1, 1)
+    assert main.fill == pytest.approx(64 / H200.sms)
+    assert wide.kernels[0].blocks == 128 and wide.kernels[0].fill > 0.95
+    assert wide.seconds < searched.seconds / 2
+
+
+def test_the_ranking_prefers_a_memory_bound_grid_that_fills_the_sms():
+    graph = load_example("rms_norm_linear").make_rms_norm_linear(1).graph
+    labels = Labels(graph)
+    w = graph.inputs[1]
+    columns, k = labels.label(w.name, 1), labels.label(w.name, 0)
+    thin, full = (gpu_estimate(lift(graph, Choice(((columns, parts),), k, 8), labels)) for parts in (32, 128))
+    assert thin.kernels[0].fill < 0.25 < 0.95 < full.kernels[0].fill
+    assert full.seconds < thin.seconds
+    # a second wave of a few blocks: 192 blocks run as 2 per SM on 60 SMs
+    uneven = gpu_estimate(lift(graph, Choice(((columns, 192),), k, 8), labels)).kernels[0]
+    assert uneven.per_sm == 2 and uneven.fill == pytest.approx(192 / 264)
+
+
+def test_shared_memory_limits_the_blocks_resident_per_sm():
+    large = gpu_estimate(_gqa_bs1(8, 4, 2)).kernels[0]   # 512-long K and V tiles: one block per SM
+    small = gpu_estimate(_gqa_bs1(8, 4, 32)).kernels[0]
+    assert large.smem_bytes > H200.smem_per_sm // 2 and large.resident == 1
+    assert small.resident > 1
+
+
+def test_diverse_spreads_the_picks_over_grids():
+    def p(blocks, split, seconds):
+        return V.Proposal(None, f"{blocks}/{split}/{seconds}", ((blocks,), split), seconds)
+
+    ranked = sorted([p(128, 4, 1.0), p(128, 4, 1.1), p(128, 4, 1.2), p(128, 4, 1.3), p(256, 8, 2.0),
+                     p(256, 8, 2.1), p(64, 1, 3.0), p(32, 1, 4.0)], key=lambda x: x.gpu_seconds)
+    got = [x.gpu_seconds for x in V.diverse(ranked, 4)]
+    assert got == [1.0, 1.1, 2.0, 2.1]
+    assert [x.gpu_seconds for x in V.diverse(ranked, 7)] == [1.0, 1.1, 1.2, 2.0, 2.1, 3.0, 4.0]
+    assert len(V.diverse(ranked, 20)) == len(ranked)
