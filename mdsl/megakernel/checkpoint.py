@@ -17,9 +17,20 @@ from mdsl.megakernel.model import ModelFunction, ModelGraph
 from mdsl.megakernel.safetensors import open_checkpoint, write_checkpoint_files
 
 
-def load_weights(graph: ModelGraph, folder: str) -> dict:
-    """Every weight of `graph` from the checkpoint in `folder`, as float32 arrays (bf16 upcast exactly)."""
-    located = open_checkpoint(folder)
+def load_weights(graph: ModelGraph, folder: str, slices: Optional[dict] = None) -> dict:
+    """Every weight of `graph` from the checkpoint in `folder`, as float32 arrays (bf16 upcast exactly).
+    `slices` (name -> (axis, start, stop)) reads only that slice of the tensors it names (a rank's
+    shard), the whole tensor of the others; the names and shapes are still checked against `graph`."""
+    return read_weights(graph, open_checkpoint(folder), folder, slices)
+
+
+def read_weights(graph: ModelGraph, located: dict, folder: str, slices: Optional[dict] = None) -> dict:
+    """`load_weights` from an opened checkpoint (`open_checkpoint`: name -> SafetensorsFile, whose
+    `bytes_read` then says how much of each file was read)."""
+    slices = slices or {}
+    unknown = sorted(set(slices) - {w.name for w in graph.weights})
+    if unknown:
+        raise ParseError(f"slices of {unknown[0]}, which is not a weight of {graph.name}")
     weights = {}
     for w in graph.weights:
         sf = located.get(w.name)
@@ -37,7 +48,8 @@ def load_weights(graph: ModelGraph, folder: str) -> dict:
             raise DTypeError(f"checkpoint tensor {w.name} in {os.path.basename(sf.path)} is {dtype}, expected "
                              f"{w.dtype.name} (the config's torch_dtype)",
                              hint="save the checkpoint in the config's dtype, or fix torch_dtype in config.json")
-        weights[w.name] = np.asarray(sf.read(w.name), np.float32)
+        weights[w.name] = np.asarray(sf.read_slice(w.name, *slices[w.name]) if w.name in slices else sf.read(w.name),
+                                     np.float32)
     return weights
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from mdsl.errors import DTypeError, ParseError
+from mdsl.errors import DTypeError, ParseError, ShapeError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +33,13 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def _decoded(values: np.ndarray, stored: str) -> np.ndarray:
+    """Stored little-endian values as a fresh native array: float32 for bf16 (upcast), else as stored."""
+    if stored == "BF16":
+        return bf16_bits_to_f32(values)
+    return values.astype(values.dtype.newbyteorder("="), copy=True)
 
 
 class SafetensorsFile:
@@ -58,6 +65,7 @@ class SafetensorsFile:
         self.data_start = 8 + n
         self.data_size = size - self.data_start
         self.entries = header
+        self.bytes_read = 0    # tensor data bytes read so far (the header not counted)
         for name, entry in header.items():
             self._check_entry(name, entry)
 
@@ -90,10 +98,31 @@ class SafetensorsFile:
         stored = _STORED[entry["dtype"]]
         raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start + begin, shape=(end - begin,)) \
             if end > begin else np.zeros(0, np.uint8)
-        values = np.frombuffer(raw, dtype=stored).reshape(entry["shape"])
-        if entry["dtype"] == "BF16":
-            return bf16_bits_to_f32(values)
-        return values.astype(values.dtype.newbyteorder("="), copy=True)
+        self.bytes_read += end - begin
+        return _decoded(np.frombuffer(raw, dtype=stored).reshape(entry["shape"]), entry["dtype"])
+
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """Indices start..stop of one axis of the tensor (all of the others), reading from the file only
+        the bytes of that slice: one contiguous run per index of the axes before `axis`."""
+        entry = self.entries[name]
+        shape = tuple(entry["shape"])
+        if not (0 <= axis < len(shape) and 0 <= start <= stop <= shape[axis]):
+            raise ShapeError(f"{self.path}: cannot slice {start}:{stop} of axis {axis} of tensor {name} "
+                             f"(shape {list(shape)})")
+        stored = _STORED[entry["dtype"]]
+        inner = int(np.prod(shape[axis + 1:], dtype=np.int64)) * stored.itemsize
+        outer = int(np.prod(shape[:axis], dtype=np.int64))
+        run = (stop - start) * inner
+        out = np.empty(outer * run, np.uint8)
+        base = self.data_start + entry["data_offsets"][0] + start * inner
+        with open(self.path, "rb", buffering=0) as f:
+            for i in range(outer if run else 0):
+                got = os.preadv(f.fileno(), [memoryview(out)[i * run:(i + 1) * run]], base + i * shape[axis] * inner)
+                if got != run:
+                    raise ParseError(f"{self.path}: tensor {name} ends early (read {got} of {run} bytes of its slice)")
+                self.bytes_read += got
+        sliced = (*shape[:axis], stop - start, *shape[axis + 1:])
+        return _decoded(out.view(stored).reshape(sliced), entry["dtype"])
 
 
 def write_safetensors(path: str, tensors: dict, dtypes: Optional[dict] = None,
