@@ -495,7 +495,9 @@ __device__ int nucleus_sample(const Params& p, long long pos, float* red) {
 
 // The step's token; then either the next prompt token or the generated one goes to the next step, whose
 // embedding row this task writes unless a stop condition (EOS, max tokens, the launch's steps) holds.
-__device__ void sample_task(const Params& p, const Task& t, long long step, long long pos, float* red) {
+// Returns whether the launch goes on: on a stop the task does not signal the embedding's event, so no
+// task of a later step ever has its inputs (their waits see the stop and leave).
+__device__ bool sample_task(const Params& p, const Task& t, long long step, long long pos, float* red) {
   __shared__ int next_token, go_on;
   int token;
   if (p.temperature > 0.0 && p.top_p < 1.0) {
@@ -532,10 +534,12 @@ __device__ void sample_task(const Params& p, const Task& t, long long step, long
     go_on = !stop;
   }
   compute_sync();
-  if (go_on) {
+  const bool going = go_on;
+  if (going) {
     const T* row = p.embed + (long long)next_token * H;
     for (int i = threadIdx.x; i < H; i += NT) p.hs[i] = row[i];
   }
+  return going;
 }
 
 // ---- the worker loop
@@ -577,7 +581,9 @@ __device__ __forceinline__ long long next_index(const Params& p, long long k, in
 }
 
 // The scheduler warp waits (lane i for waits i, i + 32, ...) until the task's events reach their count
-// for `step`. false: the launch stops (an earlier step's sampler said so, or the watchdog fired).
+// for `step`. false: the launch stops (an earlier step's sampler said so, or the watchdog fired). A
+// stopping sampler does not signal, so a task whose waits all end belongs to a step that runs: no
+// further check of the stop (a global round trip on every dependency hop) is needed.
 __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index, long long step, int lane) {
   bool go = true;
   for (int k = lane; k < t.wait_count && go; k += 32) {
@@ -585,8 +591,12 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
     const unsigned need = unsigned(wt.y) * unsigned(step + 1);
     unsigned long long since = 0;
     unsigned spins = 0, seen;
-    while ((seen = ld_acquire(p.events + wt.x)) < need) {
-      if (ld_relaxed(p.state + STATE_STOP) < step) { go = false; break; }
+    for (;;) {
+      // both loads in flight at once (the acquire orders only what follows it): one round trip a poll
+      const int stopped_at = ld_relaxed(p.state + STATE_STOP);
+      seen = ld_acquire(p.events + wt.x);
+      if (seen >= need) break;
+      if (stopped_at < step) { go = false; break; }
       if (++spins % 1024 == 0) {
         const unsigned long long now = globaltimer();
         if (since == 0) {
@@ -607,9 +617,7 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
     }
   }
   __syncwarp();   // orders every lane's acquire before what the warp does next
-  // a stop decided by an earlier step's sampler is visible here: it was written before the release
-  // that the waits above acquired (or before one they were ordered after)
-  return __all_sync(0xffffffffu, go) && ld_relaxed(p.state + STATE_STOP) >= step;
+  return __all_sync(0xffffffffu, go);
 }
 
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
@@ -653,6 +661,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const Task& t = slot.task;
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
+    bool signal = true;
     switch (t.kind) {
       case KIND_QKV: qkv_task(p, t, work, red); break;
       case KIND_ATTN: attention_task(p, t, pos, work); break;
@@ -661,13 +670,13 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
       case KIND_GATEUP: gateup_task(p, t, work, red); break;
       case KIND_DOWN: down_task(p, t, work, red); break;
       case KIND_LMHEAD: lmhead_task(p, t, pos, int(index % TASKS) - LM_FIRST, work, red); break;
-      default: sample_task(p, t, step, pos, red); break;
+      default: signal = sample_task(p, t, step, pos, red); break;
     }
     compute_sync();                    // every thread's writes happen before the release below
     if (threadIdx.x == 0) {
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       __threadfence();
-      for (int e = 0; e < t.signal_count; ++e) red_release(p.events + p.signals[t.signal_begin + e]);
+      for (int e = 0; signal && e < t.signal_count; ++e) red_release(p.events + p.signals[t.signal_begin + e]);
       if (p.profile != nullptr) {
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;
         rec[0] = sm_id();
