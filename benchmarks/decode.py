@@ -7,7 +7,10 @@ Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GP
 
 The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE launch (timed with CUDA
 events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
-per-token latency is that time / steps. PyTorch runs one decode step at position 1023 (SDPA over 1024
+per-token latency is that time / steps. It is measured once per worker schedule (`--schedules`, the
+first one is the table's): "static" (each worker its share of the tasks in order) and "queue" (one
+global atomic queue); the profiled model's step is profiled under each (trace of the first, and per
+task kind the body time, the scheduler's wait and the part of it the compute warps sat idle). PyTorch runs one decode step at position 1023 (SDPA over 1024
 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times between two events.
 Each model is independent: a failure is printed with its traceback and the others still run; the exit
 status is 1 when any failed.
@@ -30,6 +33,7 @@ CONTEXT = 1024
 
 def parse_args(argv=None) -> argparse.Namespace:
     from mdsl.megakernel.runtime.models import MODELS
+    from mdsl.megakernel.runtime.source import SCHEDULES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
@@ -37,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
     ap.add_argument("--quick", action="store_true", help="32 steps, 2 repeats")
     ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
+    ap.add_argument("--schedules", default="static,queue",
+                    help="comma-separated worker schedules of the megakernel (the first one is the table's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
     if args.quick:
@@ -45,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    if not args.schedules or any(s not in SCHEDULES for s in args.schedules):
+        ap.error(f"--schedules takes some of {', '.join(SCHEDULES)}, got {args.schedules}")
     return args
 
 
@@ -160,20 +169,67 @@ def time_megakernel(engine, steps: int, repeats: int) -> list:
     return samples
 
 
-def profile_step(engine, out: Path, name: str) -> dict:
+def profile_step(engine, out: Path, name: str, trace: bool) -> dict:
+    """Two profiled steps: per task kind the body, wait and exposed-wait times (µs summed over SMs),
+    and the trace file when `trace`."""
     from mdsl.megakernel.runtime.profile import summary, write_trace
 
     run = engine.run([1] * CONTEXT, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
     plan = engine.plan
     labels, kinds = [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks]
-    path = out / f"trace_{name}.json"
-    write_trace(str(path), run.profile, labels, kinds)
-    return {"trace": str(path), "tasks": len(run.profile), "by_kind": summary(run.profile, kinds)}
+    result = {"tasks": len(run.profile), "step_us": profile_step_us(run.profile, len(plan.tasks)),
+              "by_kind": summary(run.profile, kinds)}
+    if trace:
+        path = out / f"trace_{name}_{engine.schedule}.json"
+        write_trace(str(path), run.profile, labels, kinds)
+        result["trace"] = str(path)
+    return result
+
+
+def profile_step_us(records, per_step: int) -> list:
+    """Per step of a profile: first task taken to last body done, in µs."""
+    steps: dict = {}
+    for r in records:
+        lo, hi = steps.get(r.index // per_step, (r.taken_ns, r.done_ns))
+        steps[r.index // per_step] = (min(lo, r.taken_ns), max(hi, r.done_ns))
+    return [round((hi - lo) / 1e3, 1) for _, (lo, hi) in sorted(steps.items())]
+
+
+def phase_table(by_kind: dict) -> str:
+    """The profile's per-kind times (ms summed over all SMs): body, wait, exposed wait (compute idle)."""
+    lines = ["| kind | tasks | body ms | wait ms | exposed wait ms | ready, queued ms |", "|---|---|---|---|---|---|"]
+    for kind, k in by_kind.items():
+        lines.append(f"| {kind} | {k['tasks']} | {k['body_ns'] / 1e6:.2f} | {k['wait_ns'] / 1e6:.2f} | "
+                     f"{k['exposed_wait_ns'] / 1e6:.2f} | {k['queued_ns'] / 1e6:.2f} |")
+    return "\n".join(lines)
 
 
 def median(values: list) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+def bench_schedule(engine_class, config, weights, schedule: str, name: str, args, out: Path, floor: float) -> dict:
+    """One schedule's engine: its per-token latency and, for the profiled model, its profile."""
+    t0 = time.perf_counter()
+    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, schedule=schedule)
+    print(f"[{name}] engine ({schedule}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
+          f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        mk = time_megakernel(engine, args.steps, args.repeats)
+        print(f"[{name}] megakernel ({schedule}): {median(mk) * 1e3:.3f} ms/token "
+              f"({[round(s * 1e3, 3) for s in mk]})", flush=True)
+        measured = {"megakernel_ms": median(mk) * 1e3, "megakernel_samples_ms": [s * 1e3 for s in mk],
+                    "megakernel_fraction_of_floor": floor / median(mk), "tasks_per_step": len(engine.plan.tasks),
+                    "workers": engine.workers, "registers": engine.module.resources["mdsl_megakernel"].registers,
+                    "smem_bytes": engine.smem_bytes}
+        if name == args.trace_model:
+            measured["profile"] = profile_step(engine, out, name, trace=schedule == args.schedules[0])
+            print(f"[{name}] profile ({schedule}): steps {measured['profile']['step_us']} µs\n"
+                  f"{phase_table(measured['profile']['by_kind'])}", flush=True)
+        return measured
+    finally:
+        engine.close()
 
 
 def bench_model(torch, name: str, args, out: Path) -> dict:
@@ -191,29 +247,25 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     t0 = time.perf_counter()
     weights = random_weights(torch, config)
     torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    engine = MegakernelEngine(config, weights, max_seq=CONTEXT + args.steps + 8)
-    t2 = time.perf_counter()
-    print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {t1 - t0:.1f} s; engine (plan "
-          f"{len(engine.plan.tasks)} tasks/step, {engine.workers} workers, compile, upload) in {t2 - t1:.1f} s",
-          flush=True)
-    mk = time_megakernel(engine, args.steps, args.repeats)
-    print(f"[{name}] megakernel: {median(mk) * 1e3:.3f} ms/token ({[round(s * 1e3, 3) for s in mk]})", flush=True)
-    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3,
-              "megakernel_ms": median(mk) * 1e3, "megakernel_samples_ms": [s * 1e3 for s in mk],
-              "megakernel_fraction_of_floor": floor / median(mk), "tasks_per_step": len(engine.plan.tasks),
-              "workers": engine.workers, "registers": engine.module.resources["mdsl_megakernel"].registers,
-              "smem_bytes": engine.smem_bytes}
-    if name == args.trace_model:
-        result["profile"] = profile_step(engine, out, name)
-        print(f"[{name}] profile: {result['profile']['trace']}", flush=True)
-    engine.close()
-    del engine
+    print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f} s", flush=True)
+    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "schedules": {}}
+    for schedule in args.schedules:
+        try:
+            measured = bench_schedule(MegakernelEngine, config, weights, schedule, name, args, out, floor)
+        except Exception as e:   # a later schedule's failure keeps the first one's numbers
+            if schedule == args.schedules[0]:
+                raise
+            traceback.print_exc()
+            measured = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+        result["schedules"][schedule] = measured
+        if schedule == args.schedules[0]:
+            result.update({k: v for k, v in measured.items() if k != "profile"}, schedule=schedule)
+    mk_ms = result["megakernel_ms"]
     try:
         step = torch_decode_step(torch, config, weights, CONTEXT - 1)
         pt = time_torch_graph(torch, step, args.steps, args.repeats)
         result.update(torch_graph_ms=median(pt) * 1e3, torch_graph_samples_ms=[s * 1e3 for s in pt],
-                      torch_fraction_of_floor=floor / median(pt), speedup_vs_torch_graph=median(pt) / median(mk))
+                      torch_fraction_of_floor=floor / median(pt), speedup_vs_torch_graph=median(pt) * 1e3 / mk_ms)
         print(f"[{name}] PyTorch + CUDA graph: {median(pt) * 1e3:.3f} ms/token", flush=True)
     finally:
         del weights
@@ -233,6 +285,20 @@ def table(results: list) -> str:
                      f"{r['megakernel_ms']:.3f} ms | {100 * r['megakernel_fraction_of_floor']:.0f}% | "
                      + (f"{torch_ms:.3f} ms | {100 * r['torch_fraction_of_floor']:.0f}% | "
                         f"{r['speedup_vs_torch_graph']:.2f}x |" if torch_ms else "- | - | - |"))
+    return "\n".join(lines)
+
+
+def schedule_table(results: list) -> str:
+    """Per model, the megakernel's ms/token and fraction of the floor under each schedule measured."""
+    names = sorted({s for r in results for s in r.get("schedules", {})})
+    lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in results:
+        cells = []
+        for name in names:
+            m = r.get("schedules", {}).get(name)
+            cells.append("-" if m is None else f"failed: {m['error']}" if "error" in m else
+                         f"{m['megakernel_ms']:.3f} ms ({100 * m['megakernel_fraction_of_floor']:.0f}%)")
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -267,6 +333,7 @@ def main(argv=None) -> int:
         (out / "decode_results.json").write_text(json.dumps(results, indent=2))   # after each: a run cut short keeps these
         print(table(results[-1:]), flush=True)
     print(table(results))
+    print(schedule_table(results))
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
 from mdsl.megakernel.checkpoint import save_checkpoint
 from mdsl.megakernel.runtime.engine import MegakernelEngine, eos_token_ids, weight_names
+from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
 no_gpu = pytest.mark.skipif(has_gpu(), reason="checks the behaviour without a GPU")
@@ -66,14 +67,27 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
 
     args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
-    with pytest.raises(SystemExit):
-        decode.parse_args(["--models", "gpt-2"])
+    assert args.schedules == ["static", "queue"]
+    assert decode.parse_args(["--schedules", "queue"]).schedules == ["queue"]
+    for bad in (["--models", "gpt-2"], ["--schedules", "random"], ["--schedules", ""]):
+        with pytest.raises(SystemExit):
+            decode.parse_args(bad)
     row = {"model": "qwen3-0.6b", "weight_bytes": 1.19e9, "floor_ms": 0.28, "megakernel_ms": 0.35,
            "megakernel_fraction_of_floor": 0.8, "torch_graph_ms": 3.5, "torch_fraction_of_floor": 0.08,
            "speedup_vs_torch_graph": 10.0}
     text = decode.table([row, {"model": "qwen3-8b", "error": "CudaError: boom"}])
     assert "| qwen3-0.6b | 1.19 GB | 0.280 ms | 0.350 ms | 80% | 3.500 ms | 8% | 10.00x |" in text
     assert "| qwen3-8b | failed: CudaError: boom |" in text
+    row["schedules"] = {"static": {"megakernel_ms": 0.35, "megakernel_fraction_of_floor": 0.8},
+                        "queue": {"error": "CudaError: boom"}}
+    schedules = decode.schedule_table([row, {"model": "qwen3-8b", "error": "x"}])
+    assert "| qwen3-0.6b | failed: CudaError: boom | 0.350 ms (80%) |" in schedules   # columns sorted: queue, static
+    assert "| qwen3-8b | - | - |" in schedules
+    assert decode.profile_step_us([TaskRecord(0, 1, 1000, 1000, 1000, 3000), TaskRecord(1, 2, 500, 900, 900, 2000),
+                                   TaskRecord(2, 1, 3000, 3500, 3500, 9000)], 2) == [2.5, 6.0]
+    phases = decode.phase_table({"qkv": {"tasks": 2, "body_ns": 2_000_000, "wait_ns": 500_000,
+                                         "exposed_wait_ns": 250_000, "queued_ns": 0}})
+    assert "| qkv | 2 | 2.00 | 0.50 | 0.25 | 0.00 |" in phases
 
 
 @no_gpu
@@ -110,3 +124,12 @@ def test_compile_model_runs_only_the_builtin_decoders():
         else:
             with pytest.raises(NoGPUError):
                 compile_model(fn, config, weights)
+
+
+def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
+    from mdsl.errors import MdslError
+
+    config, _, weights = tiny_model("qwen3")
+    with pytest.raises(MdslError, match="unknown megakernel schedule 'random'") as info:
+        MegakernelEngine(config, weights, schedule="random")
+    assert "static, queue" in info.value.hint
