@@ -70,10 +70,12 @@ def pipelined_inputs(bg: BlockGraph, stages: int) -> list:
     return [inp.var.name for inp in bg.inputs if inp.fmap is not None]
 
 
-def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, stages: int = 1) -> list:
-    """Each tile's live epochs; tiles nothing reads (unused inputs) get none. With `stages` > 1, each
-    per-iteration input tile is `stages` copies, live over the whole loop (the copies for the next
-    iterations are written while this one computes)."""
+def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, stages: int = 1,
+              in_registers: frozenset = frozenset()) -> list:
+    """Each tile's live epochs; tiles nothing reads (unused inputs) get none, nor do the tiles a backend
+    keeps in registers instead (`in_registers`). With `stages` > 1, each per-iteration input tile is
+    `stages` copies, live over the whole loop (the copies for the next iterations are written while
+    this one computes)."""
     epoch = schedule.epoch_of()
     start = {inp.var.name: LOAD_EPOCH for inp in bg.inputs}
     end: dict = {}
@@ -99,7 +101,7 @@ def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, stages: in
         if name in end:
             end[name] = max(end[name], schedule.loop_end_epoch)
     return [Lifetime(name, copies.get(name, 1) * _aligned(layout.tiles[name].nbytes), start[name], end[name])
-            for name in layout.tiles if name in end]
+            for name in layout.tiles if name in end and name not in in_registers]
 
 
 def _place(order: list, best_fit: bool) -> dict:
@@ -127,9 +129,10 @@ _STRATEGIES = {
 
 
 def plan_memory(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, *,
-                limit: int = SMEM_LIMIT_BYTES, stages: int = 1) -> MemoryPlan:
-    """Offsets for the tiles; `stages` > 1 plans a pipeline of that depth (`pipelined_inputs`)."""
-    tiles = lifetimes(bg, schedule, layout, stages)
+                limit: int = SMEM_LIMIT_BYTES, stages: int = 1, in_registers: frozenset = frozenset()) -> MemoryPlan:
+    """Offsets for the tiles; `stages` > 1 plans a pipeline of that depth (`pipelined_inputs`); the
+    tiles named in `in_registers` get no memory (the backend keeps those values in registers)."""
+    tiles = lifetimes(bg, schedule, layout, stages, in_registers)
     slot_bytes = {name: _aligned(layout.tiles[name].nbytes) for name in pipelined_inputs(bg, stages)
                   if any(t.name == name for t in tiles)}
     best = None

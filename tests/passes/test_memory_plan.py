@@ -35,6 +35,17 @@ def test_lifetimes_of_online_softmax():
     assert "d" not in live                      # fused away: a register
 
 
+@pytest.mark.timeout(30)
+def test_tiles_a_backend_keeps_in_registers_get_no_memory():
+    bg = fuse_block_graph(parse_graph(ATTENTION).nodes[0].body)
+    schedule = schedule_block_graph(bg)
+    layout = select_layout(bg, tuple(block_input_tensors(bg)))
+    whole = plan_memory(bg, schedule, layout)
+    lean = plan_memory(bg, schedule, layout, in_registers=frozenset({"s", "num#scratch"}))
+    assert {t.name for t in whole.lifetimes} - {t.name for t in lean.lifetimes} == {"s", "num#scratch"}
+    assert lean.total < whole.total
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(block_graphs()))
 def test_tiles_live_at_once_never_share_bytes(name):

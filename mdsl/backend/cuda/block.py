@@ -33,6 +33,7 @@ import attrs
 from mdsl.backend.cuda.loops import Threads
 from mdsl.backend.cuda.mma import MmaShape, mma_shape, mma_store
 from mdsl.backend.cuda.options import CudaOptions, arch_number
+from mdsl.backend.cuda.rows import RowKernel, RowPlan, plan_rows, trailing_stages
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
@@ -98,6 +99,7 @@ class Lowered:
     mma: dict                 # matmul output name -> MmaShape, for the matmuls on tensor cores
     register_accumulated: dict  # accum node index -> index of the matmul that sums into its registers
     options: CudaOptions = CudaOptions()
+    rows: Optional[RowPlan] = None  # loop chains kept in the registers of the warps owning their rows
 
 
 def _tile_operand(layout: LayoutPlan, name: str) -> Operand:
@@ -141,15 +143,17 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
         if options.register_accumulators:
             fused = {i: j for i, j in matmul_accumulators(bg).items() if bg.nodes[j].output.name in mma}
         schedule = schedule_block_graph(bg, fused_accumulators=tuple(fused))
-        fused = {i: fused[i] for i in schedule.fused}
+        rows = plan_rows(bg, schedule, layout.tiles, mma) if options.rows and options.mma else None
+        fused = {i: fused[i] for i in schedule.fused if rows is None or i not in rows.nodes}
+        in_registers = rows.without_tiles(bg) if rows is not None else frozenset()
         deepest = options.stages if _asynchronous(bg, tensor_types, layout, arch) and schedule.loop else 1
         for stages in range(deepest, 0, -1):
             try:
-                memory = plan_memory(bg, schedule, layout, stages=stages)
+                memory = plan_memory(bg, schedule, layout, stages=stages, in_registers=in_registers)
             except SharedMemoryError as e:
                 error = error or e
                 continue
-            return Lowered(schedule, layout, memory, mma, fused, options)
+            return Lowered(schedule, layout, memory, mma, fused, options, rows)
     raise error
 
 
@@ -162,6 +166,8 @@ def emit_custom(program, index: int, node: Node) -> None:
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total, comment=header) as scope:
         b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
         w = b.w
+        rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None
+        in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
         parts = {inp.var.name: _input_part(b, inp, tensor)
                  for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles}  # the inputs read
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
@@ -169,7 +175,11 @@ def emit_custom(program, index: int, node: Node) -> None:
         accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
         w("// the accumulators start empty")
         for acc in accumulators:
-            _rule(acc).init(b, acc)
+            if bg.nodes.index(acc) in in_rows:
+                w(f"// %{acc.output.name}: in the registers of the warps owning its rows")
+                acc.opdef.rules["cuda_rows"].init(rk, acc)
+            else:
+                _rule(acc).init(b, acc)
         in_registers = _declare_register_accumulators(b)
         for inp in loaded:
             if inp.fmap is None:
@@ -181,25 +191,37 @@ def emit_custom(program, index: int, node: Node) -> None:
               f"iteration it computes")
             with w.block(f"for (int ahead = 0; ahead < {stages - 1}; ++ahead)"):
                 _issue(b, per_iteration, parts, rings, "ahead")
+        # the loop's last stages in registers need no barrier after them; then, pipelined, the next
+        # copies are issued behind the barrier that opens an iteration, into the slot the last one read
+        # (every thread is past it), so that one barrier an iteration is enough
+        free = trailing_stages(schedule, lowered.rows)
+        issue_late = bool(rings) and free > 0 and len(rings) == len(per_iteration)
+        barrier_free = set(range(len(schedule.loop) - free, len(schedule.loop)))
+        if not issue_late:
+            barrier_free.discard(len(schedule.loop) - 1)   # the last stage's barrier closes the iteration
         w("#pragma unroll 1")
         with w.block(f"for (int {LOOP_COUNTER} = 0; {LOOP_COUNTER} < {bg.forloop}; ++{LOOP_COUNTER})"):
-            if rings:
+            if issue_late:
+                w(f"mdsl::copy_async_wait<{stages - 2}>();  // this iteration's copies are done (this thread's)")
+            elif rings:
                 _issue(b, per_iteration, parts, rings, f"{LOOP_COUNTER} + {stages - 1}")
                 w(f"mdsl::copy_async_wait<{stages - 1}>();  // this iteration's copies are done (this thread's)")
             else:
                 for inp in per_iteration:
                     _load(b, inp, parts[inp.var.name], b.tile(inp.var), LOOP_COUNTER)
             w("__syncthreads();")
+            if issue_late:
+                _issue(b, per_iteration, parts, rings, f"{LOOP_COUNTER} + {stages - 1}")
             for name, ring in rings.items():
                 slot = b.namer(ring.ptr[:-len("_ring")])
                 w(f"{ring.ctype}* const {slot} = {ring.ptr} + ({LOOP_COUNTER} % {stages}) * "
                   f"{memory.slot_bytes[name] // _itemsize(ring)};")
                 b.tiles[name] = attrs.evolve(ring, ptr=slot)
-            for stage in schedule.loop:
-                _stage(b, stage)
+            for k, stage in enumerate(schedule.loop):
+                _stage(b, stage, rk, barrier=k not in barrier_free)
         if rings:
             w("mdsl::copy_async_wait<0>();")
-        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator
+        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator and i not in in_rows
                      and i not in lowered.register_accumulated and _rule(acc).finalize is not None]
         for acc in finishing:
             w.op(acc)
@@ -208,7 +230,12 @@ def emit_custom(program, index: int, node: Node) -> None:
             acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
             w.op(acc)
             w(mma_store(b.mma_shape(matmul), in_registers[matmul.output.name], b.tile(acc.output)))
-        if finishing or lowered.register_accumulated:
+        row_accumulators = lowered.rows.accumulators(bg) if lowered.rows is not None else []
+        for i in row_accumulators:
+            w.op(bg.nodes[i])
+            w("// its registers to its tile")
+            rk.store(bg.nodes[i].output, b.tile(bg.nodes[i].output))
+        if finishing or lowered.register_accumulated or row_accumulators:
             w("__syncthreads();")
         for stage in schedule.post:
             _stage(b, stage)
@@ -250,16 +277,21 @@ def _rule(node: Node):
     return node.opdef.rules["cuda"]
 
 
-def _stage(b: BlockKernel, stage) -> None:
+def _stage(b: BlockKernel, stage, rk: Optional[RowKernel] = None, barrier: bool = True) -> None:
     for i in stage.nodes:
         node = b.bg.nodes[i]
         b.w.op(node)
         if i in b.lowered.register_accumulated:
             b.w("// (folded by the matmul above, in its registers)")
             continue
+        if rk is not None and i in rk.plan.nodes:
+            b.w("// (in the registers of the warps owning its rows)")
+            node.opdef.rules["cuda_rows"].emit(rk, node)
+            continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(b, node)
-    b.w("__syncthreads();")
+    if barrier:
+        b.w("__syncthreads();")
 
 
 def _part(b: BlockKernel, tensor: Operand, dim_map: tuple, extent: list, writable: bool) -> Operand:

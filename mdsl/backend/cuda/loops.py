@@ -90,19 +90,25 @@ def emit_thread_graph(w: CodeWriter, threads: Threads, namer: Namer, tg: ThreadG
     space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
     n = math.prod(space)
     with threads.each(w, n):
-        local = Namer(namer.taken)
-        reg: dict = {}
-        for var, op in zip(tg.inputs, ins):
-            reg[var.name] = local(f"r_{var.name}")
-            w(f"const float {reg[var.name]} = {load_float(op, offset('i', space, op))};")
-        for node in tg.nodes:
-            expr = node.opdef.rules["cuda"].expr(node, [reg[v.name] for v in node.inputs])
-            reg[node.output.name] = local(f"r_{node.output.name}")
-            w(f"const float {reg[node.output.name]} = {expr};")
+        reg = emit_chain(w, Namer(namer.taken), tg, [load_float(op, offset("i", space, op)) for op in ins])
         for var, op in zip(tg.outputs, outs):
             store = store_float(op, offset("i", space, op), reg[var.name])
             lacking = _lacking_dims(space, op.shape)
             w(f"if ({lacking} == 0) {store}" if lacking != "0" else store)
+
+
+def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list) -> dict:
+    """One element of a thread graph in f32 registers, from the C expressions of its inputs: value name
+    -> the register holding it."""
+    reg: dict = {}
+    for var, expr in zip(tg.inputs, inputs):
+        reg[var.name] = local(f"r_{var.name}")
+        w(f"const float {reg[var.name]} = {expr};")
+    for node in tg.nodes:
+        expr = node.opdef.rules["cuda"].expr(node, [reg[v.name] for v in node.inputs])
+        reg[node.output.name] = local(f"r_{node.output.name}")
+        w(f"const float {reg[node.output.name]} = {expr};")
+    return reg
 
 
 def _lacking_dims(space: tuple, shape: tuple) -> str:

@@ -9,6 +9,8 @@ one without changing code:
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
     MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
+    MDSL_CUDA_ROWS=0        loop chains on the same rows (online softmax) through shared memory, op by op,
+                            instead of in the mma registers of the warp owning the rows (`rows.py`)
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class CudaOptions:
     stages: int = attrs.field(default=DEFAULT_STAGES, validator=_check_stages)  # cp.async pipeline depth
     threads: Optional[int] = attrs.field(default=None, validator=_check_threads)  # custom kernels' block size
     unroll: int = attrs.field(default=DEFAULT_UNROLL, validator=_check_unroll)  # block-level element loops
+    rows: bool = True                      # row-resident chains in the mma registers (rows.py)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -61,7 +64,8 @@ class CudaOptions:
                    register_accumulators=_flag(env, "MDSL_CUDA_REGACC", default.register_accumulators),
                    stages=_integer(env, "MDSL_CUDA_STAGES", default.stages),
                    threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None,
-                   unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll))
+                   unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll),
+                   rows=_flag(env, "MDSL_CUDA_ROWS", default.rows))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -213,6 +213,122 @@ struct BlockMma {
   }
 };
 
+// ---- row-resident tensor-core values: warp w owns the 16-row tiles w, w + WARPS, ... of BATCH x M rows
+// and every column of them, in mma C-fragment layout (thread g = lane / 4, t = lane % 4 holds rows g and
+// g + 8 of a tile, columns 2t and 2t + 1 of each 8-column group). Row reductions need only the 4 lanes of
+// a quad, and a product can feed the next mma as its A operand straight from registers (no shared memory).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
+template <typename E, int BATCH, int M, int N, int K, int WARPS>
+struct RowMma : BlockMma<E, BATCH, M, N, K, WARPS> {
+  using Base = BlockMma<E, BATCH, M, N, K, WARPS>;
+  static constexpr int TM = (M + 15) / 16, TN = (N + 7) / 8, TK = (K + 7) / 8, ROW_TILES = BATCH * TM;
+  static constexpr int RT = (ROW_TILES + WARPS - 1) / WARPS;
+  using Matrix = float[RT][TN][4];
+
+  // the row tile this warp's j-th is (over BATCH x TM), or -1: the same on the whole warp
+  static __device__ __forceinline__ int tile(int j) {
+    const int t = threadIdx.x / 32 + j * WARPS;
+    return t < ROW_TILES ? t : -1;
+  }
+
+  // B's fragments (k0..k0+15, n0..n0+7) of a K x N row-major matrix: ldmatrix.trans where the rows are
+  // 16-byte aligned whole 8-element groups, else element by element (zeros outside)
+  template <int LDB, typename TB>
+  static __device__ __forceinline__ void b_fragment(unsigned (&fb)[2], const TB* w, int k0, int n0) {
+    if constexpr (Same<TB, E>::value && LDB % 8 == 0 && N % 8 == 0 && K % 16 == 0) {
+      const int lane = threadIdx.x % 32;
+      ldmatrix_x2_trans(fb, w + (k0 + lane % 16) * LDB + n0);
+    } else {
+      const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+      fb[0] = Base::template along_column<K, N, LDB>(w, k0 + 2 * t, n0 + g);
+      fb[1] = Base::template along_column<K, N, LDB>(w, k0 + 2 * t + 8, n0 + g);
+    }
+  }
+
+  // c += A B, A (BATCH x M x K, rows LDA apart, matrices SA apart) read from shared memory
+  template <int LDA, int SA, int LDB, int SB, typename TA, typename TB>
+  static __device__ __forceinline__ void multiply(Matrix& c, const TA* __restrict__ A, const TB* __restrict__ B) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      const int rt = tile(j);
+      if (rt < 0) continue;
+      const int b = rt / TM, m0 = rt % TM * 16;
+      const TA* const a = A + b * SA;
+      const TB* const w = B + b * SB;
+#pragma unroll
+      for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned fa[4];
+        if constexpr (Same<TA, E>::value && LDA % 8 == 0 && M % 16 == 0 && K % 16 == 0) {
+          ldmatrix_x4(fa, a + (m0 + lane % 16) * LDA + k0 + lane / 16 * 8);
+        } else {
+          fa[0] = Base::template along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t);
+          fa[1] = Base::template along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t);
+          fa[2] = Base::template along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t + 8);
+          fa[3] = Base::template along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t + 8);
+        }
+#pragma unroll
+        for (int n = 0; n < TN; ++n) {
+          unsigned fb[2];
+          b_fragment<LDB>(fb, w, k0, n * 8);
+          Mma<E>::run(c[j][n], fa, fb);
+        }
+      }
+    }
+  }
+
+  // c += P B, P (BATCH x M x K) a row-resident value of this warp (K / 8 column groups, columns past K zero)
+  template <int LDB, int SB, typename TB>
+  static __device__ __forceinline__ void multiply_rows(Matrix& c, const float (&p)[RT][TK][4], const TB* __restrict__ B) {
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      const int rt = tile(j);
+      if (rt < 0) continue;
+      const TB* const w = B + rt / TM * SB;
+#pragma unroll
+      for (int kk = 0; kk < TK; kk += 2) {
+        const unsigned fa[4] = {pack<E>(p[j][kk][0], p[j][kk][1]), pack<E>(p[j][kk][2], p[j][kk][3]),
+                                kk + 1 < TK ? pack<E>(p[j][kk + 1][0], p[j][kk + 1][1]) : 0u,
+                                kk + 1 < TK ? pack<E>(p[j][kk + 1][2], p[j][kk + 1][3]) : 0u};
+#pragma unroll
+        for (int n = 0; n < TN; ++n) {
+          unsigned fb[2];
+          b_fragment<LDB>(fb, w, kk * 8, n * 8);
+          Mma<E>::run(c[j][n], fa, fb);
+        }
+      }
+    }
+  }
+};
+
+// every element of a row-resident matrix or row vector set to `value`
+template <int RT, int TN> __device__ __forceinline__ void fill_rows(float (&x)[RT][TN][4], float value) {
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int n = 0; n < TN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[j][n][e] = value;
+}
+template <int RT> __device__ __forceinline__ void fill_rows(float (&x)[RT][2], float value) {
+#pragma unroll
+  for (int j = 0; j < RT; ++j) x[j][0] = x[j][1] = value;
+}
+// the fold of a row's values over the 4 lanes of its quad
+template <typename F> __device__ __forceinline__ float quad_reduce(float v, F f) {
+  v = f(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return f(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
 // ROWS x COLS elements of a row-major R x C matrix from (r0, c0) into dst (rows LD apart): 16-byte
 // cp.async copies where a row's 8 elements are inside the matrix and aligned, else one by one (zeros outside)
 template <int ROWS, int COLS, int LD, int R, int C, int THREADS, typename E>

@@ -20,16 +20,18 @@ OPTION_SETS = {
     "pipeline-4": CudaOptions(stages=4),
     "threads-64": CudaOptions(threads=64),
     "rolled-loops": CudaOptions(unroll=1),
+    "no-rows": CudaOptions(rows=False),
 }
 
 #: the option sets that each switch one fast path off (what a GPU run falls back to)
-FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads", "rolled-loops")
+FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads", "rolled-loops", "no-rows")
 
 
 def options_env(options: CudaOptions) -> dict:
     """The environment variables that select `options` (for code that reads them: emit_cuda)."""
     env = {"MDSL_CUDA_MMA": str(int(options.mma)), "MDSL_CUDA_REGACC": str(int(options.register_accumulators)),
-           "MDSL_CUDA_STAGES": str(options.stages), "MDSL_CUDA_UNROLL": str(options.unroll)}
+           "MDSL_CUDA_STAGES": str(options.stages), "MDSL_CUDA_UNROLL": str(options.unroll),
+           "MDSL_CUDA_ROWS": str(int(options.rows))}
     if options.threads is not None:
         env["MDSL_CUDA_THREADS"] = str(options.threads)
     return env
@@ -86,6 +88,44 @@ def ragged_attention(dtype) -> Graph:
     return g
 
 
+def row_attention(dtype) -> Graph:
+    """Online softmax whose whole loop body stays in the registers of the warps owning the rows
+    (mdsl.backend.cuda.rows): batched tiles of 40 rows (ragged: the last 16-row tile is half padding)
+    on 2 warps, 24 keys an iteration (the P.V product's K an odd number of 8-column groups), its
+    denominator by accum_sum_rescale, the running maximum an output too."""
+    g = Graph(f"row_attention_{dtype.name}")
+    q, k, v = g.input("q", (4, 40, 32), dtype), g.input("k", (4, 32, 48), dtype), g.input("v", (4, 48, 32), dtype)
+    b = g.block(grid=(2,), forloop=2, threads=128)
+    qt, kt, vt = b.input(q, imap=(0,)), b.input(k, imap=(0,), fmap=2), b.input(v, imap=(0,), fmap=1)
+    s = b.op("matmul", qt, kt)                                    # [2, 40, 24]
+    m = b.op("max", s, dim=2, keepdim=True)
+    e = b.op("exp", b.op("sub", s, m))
+    num = b.op("accum_rescale", b.op("matmul", e, vt), m)       # [2, 40, 32]
+    den = b.op("accum_sum_rescale", e, m)
+    b.output(b.op("div", num, den), omap=(0,))
+    b.output(b.op("accum_max", m), omap=(0,))
+    b.done()
+    return g
+
+
+def flash_decoding(dtype) -> Graph:
+    """The benchmark's split-KV attention shape on whole 16-row tiles (ldmatrix operands): 64 query
+    rows on 4 warps, 32 keys an iteration, the partial results stored for a combine."""
+    g = Graph(f"flash_decoding_{dtype.name}")
+    q, k, v = g.input("q", (2, 64, 64), dtype), g.input("k", (2, 64, 256), dtype), g.input("v", (2, 256, 64), dtype)
+    b = g.block(grid=(2, 2), forloop=4, threads=128)
+    qt = b.input(q, imap=(0,))
+    kt, vt = b.input(k, imap=(0, 2), fmap=2), b.input(v, imap=(0, 1), fmap=1)   # [1, 64, 32], [1, 32, 64]
+    s = b.op("matmul", qt, kt)
+    m = b.op("max", s, dim=2, keepdim=True)
+    e = b.op("exp", b.op("sub", s, m))
+    b.output(b.op("accum_rescale", b.op("matmul", e, vt), m), omap=(0, 2))
+    b.output(b.op("accum_rescale", b.op("sum", e, dim=2, keepdim=True), m), omap=(0, 2))
+    b.output(b.op("accum_max", m), omap=(0, 2))
+    b.done()
+    return g
+
+
 def kernel_matmuls(dtype) -> Graph:
     """Kernel-level matmuls (mdsl::gemm_tile_mma): a batch against a matrix, rows too ragged for
     16-byte copies (N = 70), and a long K that is no multiple of the 32-step."""
@@ -108,5 +148,7 @@ def narrow_rows(dtype) -> Graph:
 
 @functools.cache
 def fast_path_graphs() -> dict:
-    return {graph.name: graph for dtype in (f16, bf16)
-            for graph in (make(dtype).build() for make in (ragged_matmuls, batched_matmuls, ragged_attention, kernel_matmuls, narrow_rows))}
+    both = [make(dtype) for dtype in (f16, bf16)
+            for make in (ragged_matmuls, batched_matmuls, ragged_attention, kernel_matmuls, narrow_rows)]
+    one = [row_attention(bf16), flash_decoding(f16)]   # each compiled under every option set: one dtype each
+    return {graph.name: graph for graph in (g.build() for g in both + one)}

@@ -1,0 +1,127 @@
+"""Row-resident lowering (mdsl.backend.cuda.rows), without a GPU: which loop nodes stay in the warps'
+registers, what leaves the chain and why, the tiles that then need no shared memory, and the code:
+tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests run
+these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mdsl.backend.cuda import compile_cuda, emit_cuda
+from mdsl.backend.cuda.block import lower
+from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.backend.cuda.rows import VECTOR, plan_rows
+from mdsl.ir.dtypes import f16
+from tests.backend.cuda.builder import Graph
+from tests.backend.cuda.fast_paths import fast_path_graphs
+from tests.backend.cuda.programs import guided_plan
+
+needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
+                                    "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
+
+
+def _custom(graph, k: int = 0):
+    node = graph.custom_nodes()[k]
+    return node.body, tuple(v.type for v in node.inputs)
+
+
+def _ops(bg, indices) -> list:
+    return sorted(bg.nodes[i].op for i in indices)
+
+
+def test_online_softmax_stays_in_registers_from_scores_to_accumulators():
+    bg, types = _custom(fast_path_graphs()["flash_decoding_f16"])
+    lowered = lower(bg, types)
+    rows = lowered.rows
+    assert rows is not None
+    assert _ops(bg, rows.nodes) == sorted(["matmul", "max", "sub", "exp", "matmul", "sum", "accum_rescale",
+                                           "accum_rescale", "accum_max"])
+    assert (rows.geometry.batch, rows.geometry.rows, rows.geometry.warps) == (1, 64, 4)
+    by_op = {bg.nodes[i].op: bg.nodes[i].output.name for i in rows.nodes}
+    assert rows.values[by_op["max"]] is VECTOR and rows.values[by_op["exp"]] == 32
+    # the chain's values get no tile; the accumulators keep theirs (read after the loop), not their scratch
+    placed = {t.name for t in lowered.memory.lifetimes}
+    assert not placed & {by_op["matmul"], by_op["max"], by_op["exp"], by_op["sum"]}
+    assert by_op["accum_max"] in placed
+    assert not lowered.register_accumulated   # the tile lowering's mma registers are not used beside it
+
+
+def test_a_value_read_outside_the_chain_takes_its_producers_out():
+    g = Graph("leaving")
+    q, k, v = g.input("q", (64, 32), f16), g.input("k", (32, 128), f16), g.input("v", (128, 32), f16)
+    b = g.block(grid=(1,), forloop=4, threads=128)
+    s = b.op("matmul", b.input(q), b.input(k, fmap=1))
+    m = b.op("max", s, dim=1, keepdim=True)
+    e = b.op("exp", b.op("sub", s, m))
+    b.output(b.op("accum_rescale", b.op("matmul", e, b.input(v, fmap=0)), m))
+    b.output(b.op("accum", b.op("sum", e, dim=0, keepdim=True)))   # a column sum reads exp: exp keeps its tile
+    b.done()
+    bg, types = _custom(g.build())
+    lowered = lower(bg, types)
+    rows = lowered.rows
+    assert rows is not None
+    # exp keeps its tile, so does what it reads (sub, then the scores and their max): only the
+    # product with V, whose A operand is now exp's tile, and its accumulator stay in registers
+    assert _ops(bg, rows.nodes) == ["accum_rescale", "matmul"]
+    exp_name = next(n.output.name for n in bg.nodes if n.op == "exp")
+    matmul = next(bg.nodes[i] for i in rows.nodes if bg.nodes[i].op == "matmul")
+    assert matmul.inputs[0].name == exp_name
+    assert exp_name in {t.name for t in lowered.memory.lifetimes}
+
+
+def test_gemv_like_loops_keep_the_tile_lowering():
+    """A 2-row matmul would leave 3 of 4 warps idle with rows per warp; nothing is reduced along its rows."""
+    bg, types = _custom(guided_plan("rms_norm_linear.rms_norm_linear"))
+    assert lower(bg, types).rows is None
+
+
+def test_switched_off_by_the_option_and_the_environment(monkeypatch):
+    graph = fast_path_graphs()["flash_decoding_f16"]
+    bg, types = _custom(graph)
+    assert lower(bg, types, CudaOptions(rows=False)).rows is None
+    assert lower(bg, types, CudaOptions(mma=False)).rows is None   # the chain is made of mma fragments
+    monkeypatch.setenv("MDSL_CUDA_ROWS", "0")
+    assert emit_cuda(graph).source == emit_cuda(graph, options=CudaOptions(rows=False)).source
+    assert "mdsl::RowMma<" not in emit_cuda(graph).source and "mdsl::RowMma<" in emit_cuda(graph, options=CudaOptions()).source
+    assert CudaOptions.from_env({"MDSL_CUDA_ROWS": "off"}) == CudaOptions(rows=False)
+
+
+def _loop_body(source: str, kernel: str) -> str:
+    body = source[source.index(kernel + "("):]
+    start = body.index("for (int it = 0;")
+    return body[start:body.index("copy_async_wait<0>", start)]
+
+
+@pytest.mark.parametrize("name", ["flash_decoding_f16", "row_attention_bf16"])
+def test_one_barrier_an_iteration_and_copies_behind_it(name):
+    program = emit_cuda(fast_path_graphs()[name])
+    body = _loop_body(program.source, program.launches[0].name)
+    assert body.count("__syncthreads()") == 1
+    # the next tiles are issued after the barrier that opens the iteration
+    assert body.index("__syncthreads()") < body.index("copy_async<16>")
+    assert re.search(r"copy_async_wait<1>", body)   # 3 stages: the copies of the next iteration stay in flight
+
+
+@needs_nvdisasm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["flash_decoding_f16", "row_attention_bf16"])
+def test_tensor_cores_fed_by_ldmatrix_and_no_spills(name):
+    module = compile_cuda(emit_cuda(fast_path_graphs()[name]).source)
+    ops = sass_opcodes(disassemble(module.cubin))
+    assert ops.get("HMMA", 0) > 0
+    assert ops.get("LDSM", 0) > 0, "no ldmatrix in the SASS"
+    for resources in module.resources.values():
+        assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0 and resources.stack_bytes == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["gqa.gqa", "gqa.gqa_bs8", "qknorm.qknorm", "qknorm.qknorm_bs8"])
+def test_the_attention_plans_take_it_and_compile_clean(name):
+    graph = guided_plan(name)
+    bg, types = _custom(graph)
+    assert lower(bg, types).rows is not None
+    module = compile_cuda(emit_cuda(graph).source)
+    for resources in module.resources.values():
+        assert resources.spill_store_bytes == 0 and resources.stack_bytes == 0
