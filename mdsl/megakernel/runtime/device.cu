@@ -125,18 +125,34 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
-// xs[0 .. K) = x as f32; with a norm weight, rms_norm(x) * w rounded as transformers rounds it
+// xs[0 .. K) = x as f32
 template <int K>
-__device__ void load_input(float* xs, const T* x, const T* norm, float* red) {
+__device__ void load_input(float* xs, const T* x) {
+#pragma unroll 4
+  for (int i = threadIdx.x; i < K; i += NT) xs[i] = mdsl::to_float(x[i]);
+  compute_sync();
+}
+
+// xs[0 .. K) = rms_norm(x) * norm, rounded as transformers rounds it. The norm weights are loaded with x
+// (kept in registers over the sum of squares), so the two reads cost one memory round trip, not two.
+template <int K>
+__device__ void load_normed_input(float* xs, const T* x, const T* norm, float* red) {
+  constexpr int PER = (K + NT - 1) / NT;
+  float weight[PER];
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < K; i += NT) {
-    const float v = mdsl::to_float(x[i]);
-    xs[i] = v;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * NT;
+    const float v = i < K ? mdsl::to_float(x[i]) : 0.0f;
+    weight[j] = i < K ? mdsl::to_float(norm[i]) : 0.0f;
+    if (i < K) xs[i] = v;
     ss = fmaf(v, v, ss);
   }
-  if (norm != nullptr) {
-    const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
-    for (int i = threadIdx.x; i < K; i += NT) xs[i] = round_t(mdsl::to_float(norm[i]) * round_t(xs[i] * r));
+  const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * NT;
+    if (i < K) xs[i] = round_t(weight[j] * round_t(xs[i] * r));
   }
   compute_sync();
 }
@@ -196,7 +212,7 @@ __device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
 
 __device__ void qkv_task(const Params& p, const Task& t, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_input<H>(xs, p.hs + (long long)t.layer * H, w.ln1, red);
+  load_normed_input<H>(xs, p.hs + (long long)t.layer * H, w.ln1, red);
   T* out = p.qkvs + (long long)t.layer * QKV;
   gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return qkv_row(w, r); },
                 [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
@@ -229,6 +245,15 @@ __device__ void prepare_head(const T* x, const T* norm, const Params& p, long lo
   __syncwarp();
 }
 
+// Positions [lo, hi) of split `split` at position `pos` (plan.attention_range): at least MIN_CHUNK
+// positions a split, so a short context is one split, whose softmax weights are relative to the true
+// maximum as in transformers' fused attention. lo > hi for a split past the end (it has no positions).
+__device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
+  const long long n = pos + 1, even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
+  lo = split * chunk;
+  hi = lo + chunk < n ? lo + chunk : n;
+}
+
 // Attention of the G query heads of kv head g over split `split` of positions [0, pos]: q (and, in the
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out.
 __device__ void attention_task(const Params& p, const Task& t, long long pos, float* sm) {
@@ -236,10 +261,8 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
   const T* qkv = p.qkvs + (long long)t.layer * QKV;
-  // at least MIN_CHUNK positions a split: a short context is one split, whose softmax weights are
-  // relative to the true maximum as in transformers' fused attention
-  const long long n = pos + 1, even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
-  const long long lo = split * chunk, hi = lo + chunk < n ? lo + chunk : n;
+  long long lo, hi;
+  split_positions(pos, split, lo, hi);
   const bool owner = lo <= pos && pos < hi;
   float* qs = sm;                      // [G][D]
   float* knew = qs + G * D;            // [D]
@@ -365,9 +388,9 @@ __device__ void combine_task(const Params& p, const Task& t) {
   }
 }
 
-__device__ void oproj_task(const Params& p, const Task& t, float* xs, float* red) {
+__device__ void oproj_task(const Params& p, const Task& t, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
-  load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D, nullptr, red);
+  load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D);
   const T* h = p.hs + (long long)t.layer * H;
   T* out = p.mids + (long long)t.layer * H;
   gemv<HQ * D, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
@@ -380,7 +403,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ void gateup_task(const Params& p, const Task& t, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_input<H>(xs, p.mids + (long long)t.layer * H, w.ln2, red);
+  load_normed_input<H>(xs, p.mids + (long long)t.layer * H, w.ln2, red);
   T* out = p.acts + (long long)t.layer * I;
   gemv<H, 2>(t.begin, t.end, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
                 [&](int r, const float* acc) {
@@ -388,9 +411,9 @@ __device__ void gateup_task(const Params& p, const Task& t, float* xs, float* re
                 });
 }
 
-__device__ void down_task(const Params& p, const Task& t, float* xs, float* red) {
+__device__ void down_task(const Params& p, const Task& t, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
-  load_input<I>(xs, p.acts + (long long)t.layer * I, nullptr, red);
+  load_input<I>(xs, p.acts + (long long)t.layer * I);
   const T* mid = p.mids + (long long)t.layer * H;
   T* out = p.hs + (long long)(t.layer + 1) * H;
   gemv<I, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wd + (long long)r * I; },
@@ -442,7 +465,7 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 }
 
 __device__ void lmhead_task(const Params& p, const Task& t, long long pos, int tile, float* xs, float* red) {
-  load_input<H>(xs, p.hs + (long long)L * H, p.final_norm, red);
+  load_normed_input<H>(xs, p.hs + (long long)L * H, p.final_norm, red);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -544,14 +567,34 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
 
 // ---- the worker loop
 
-// by the scheduler warp's lanes (each bulk prefetch by one lane)
-__device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t, int lane) {
+// An attention split's cached keys and values (the positions before `pos`: the newest one this task
+// writes), one bulk prefetch per row, by the scheduler warp's lanes.
+__device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, int split, long long pos, int lane) {
+  long long lo, hi;
+  split_positions(pos, split, lo, hi);
+  hi = hi < pos ? hi : pos;
+  constexpr unsigned ROW_BYTES = D * unsigned(sizeof(T));
+  static_assert(ROW_BYTES % 16 == 0, "bulk prefetches move 16-byte multiples");
+  for (long long q = lo + lane; q < hi; q += 32) {
+    const long long row = (q * HKV + g) * D;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(w.k_cache + row), "r"(ROW_BYTES) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(w.v_cache + row), "r"(ROW_BYTES) : "memory");
+  }
+}
+
+// What a task will read first and can be read before its inputs are ready: the head of its weight
+// tiles, or an attention split's KV rows; by the scheduler warp's lanes (each bulk prefetch by one lane).
+__device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t, long long pos, int lane) {
   if (t.kind == KIND_LMHEAD) {
     prefetch_l2(p.lm_head + (long long)t.begin * H, (long long)(t.end - t.begin) * H, lane);
     return;
   }
-  if (t.kind == KIND_ATTN || t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
+  if (t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
   const LayerWeights& w = p.layers[t.layer];
+  if (t.kind == KIND_ATTN) {
+    prefetch_kv_rows(w, t.begin, t.end, pos, lane);
+    return;
+  }
   const long long n = t.end - t.begin;
   switch (t.kind) {
     case KIND_OPROJ: prefetch_l2(w.wo + (long long)t.begin * HQ * D, n * HQ * D, lane); break;
@@ -634,7 +677,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
       const long long step = index / TASKS;
       t = p.tasks[index % TASKS];
       if (p.profile != nullptr) taken = globaltimer();
-      prefetch_task_weights(p, t, lane);
+      prefetch_task_weights(p, t, p.start_pos + step, lane);
       if (!wait_for_inputs(p, t, index, step, lane)) index = -1;
       if (p.profile != nullptr) ready = globaltimer();
     } else {
@@ -666,16 +709,17 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
       case KIND_QKV: qkv_task(p, t, work, red); break;
       case KIND_ATTN: attention_task(p, t, pos, work); break;
       case KIND_COMBINE: combine_task(p, t); break;
-      case KIND_OPROJ: oproj_task(p, t, work, red); break;
+      case KIND_OPROJ: oproj_task(p, t, work); break;
       case KIND_GATEUP: gateup_task(p, t, work, red); break;
-      case KIND_DOWN: down_task(p, t, work, red); break;
+      case KIND_DOWN: down_task(p, t, work); break;
       case KIND_LMHEAD: lmhead_task(p, t, pos, int(index % TASKS) - LM_FIRST, work, red); break;
       default: signal = sample_task(p, t, step, pos, red); break;
     }
     compute_sync();                    // every thread's writes happen before the release below
     if (threadIdx.x == 0) {
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
-      __threadfence();
+      // no separate fence: red.release is cumulative over the compute barrier above (every compute
+      // thread's writes are ordered before it), as in CUTLASS's GenericBarrier::arrive_inc
       for (int e = 0; signal && e < t.signal_count; ++e) red_release(p.events + p.signals[t.signal_begin + e]);
       if (p.profile != nullptr) {
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;
