@@ -371,6 +371,9 @@ def _sample_ref(xs, a, ctx):
     return [np.array([token], np.int32)]
 
 
+_SAMPLING = (AttrSpec("temperature", "float"), AttrSpec("top_p", "float", 1.0), AttrSpec("seed", "int", 0))
+
+
 def _layer(name: str, arity, infer, reference, attr_specs: tuple = (), state_inputs: tuple = (), doc: str = ""):
     register_layer_op(LayerOpDef(name=name, arity=arity, attr_specs=attr_specs, infer=infer, reference=reference,
                                  state_inputs=state_inputs, doc=doc))
@@ -391,5 +394,94 @@ _layer("add", 2, _add_infer, _add_ref, doc="element-wise sum (residual)")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
 _layer("sample", 2, _token_infer("sample"), _sample_ref,
-       (AttrSpec("temperature", "float"), AttrSpec("top_p", "float", 1.0), AttrSpec("seed", "int", 0)),
-       state_inputs=(1,), doc="seeded temperature/top-p sampling, stored after the position")
+       _SAMPLING, state_inputs=(1,), doc="seeded temperature/top-p sampling, stored after the position")
+
+
+# ---------------------------------------------------------------------------------------------
+# fused ops (made by mdsl.megakernel.fusion): each is the composition of the ops above it folds, so
+# its reference is theirs applied in turn; the task graph then has one hop per fused op, not per op.
+
+def _norm_linear_infer(types, a):
+    x, norm, *ws = types
+    (row,) = _rms_norm_infer((x, norm), a)
+    return _linear_infer((row, *ws), a)
+
+
+def _norm_linear_ref(xs, a, ctx):
+    x, norm, *ws = xs
+    return _linear_ref([rms_normalize(x, norm, a["eps"]), *ws], a, ctx)
+
+
+def _norm_gate_up_infer(types, a):
+    x, norm, gate, up = types
+    if gate.shape != up.shape:
+        raise ShapeError(f"norm_gate_up: the gate and up weights must have one shape, got {gate} and {up}")
+    return _silu_mul_infer(_norm_linear_infer(types, a), a)
+
+
+def _norm_gate_up_ref(xs, a, ctx):
+    return _silu_mul_ref(_norm_linear_ref(xs, a, ctx), a, ctx)
+
+
+def _linear_residual_infer(types, a):
+    x, residual, *ws = types
+    (out,) = _linear_infer((x, *ws), a)
+    return _add_infer((residual, out), a)
+
+
+def _linear_residual_ref(xs, a, ctx):
+    x, residual, *ws = xs
+    return _add_ref([residual, _linear_ref([x, *ws], a, ctx)[0]], a, ctx)
+
+
+def _rope_attention_infer(types, a):
+    qkv, k_cache, v_cache, *norms = types
+    if len(norms) not in (0, 2):
+        raise ShapeError(f"rope_attention takes q|k|v, the two caches and optionally the q and k norm weights "
+                         f"(3 or 5 operands), got {len(types)}")
+    if norms:
+        _head_rms_norm_infer((qkv, *norms), a)
+    (qkv,) = _rope_infer((qkv,), a)
+    return _attention_infer((qkv, k_cache, v_cache), a)
+
+
+def _rope_attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache, *norms = xs
+    if norms:
+        (qkv,) = _head_rms_norm_ref([qkv, *norms], a, ctx)
+    (qkv,) = _rope_ref([qkv], a, ctx)
+    return _attention_ref([qkv, k_cache, v_cache], a, ctx)
+
+
+def _lm_head_infer(name: str):
+    def infer(types, a):
+        x, norm, head, tokens = types
+        (logits,) = _norm_linear_infer((x, norm, head), a)
+        return (logits, *_token_infer(name)((logits, tokens), a))
+
+    return infer
+
+
+def _lm_head_ref(token_ref):
+    def reference(xs, a, ctx):
+        x, norm, head, tokens = xs
+        (logits,) = _norm_linear_ref([x, norm, head], a, ctx)
+        return [logits, *token_ref([logits, tokens], a, ctx)]
+
+    return reference
+
+
+_EPS = AttrSpec("eps", "float")
+_layer("norm_linear", None, _norm_linear_infer, _norm_linear_ref, (_EPS,),
+       doc="rms_norm(x, norm) @ concat(weights).T: a linear reading the normalised row (q|k|v)")
+_layer("norm_gate_up", 4, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS,),
+       doc="silu(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): SwiGLU's first half")
+_layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
+       doc="residual + x @ concat(weights).T: a linear with the residual add in its epilogue")
+_layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,
+       (*_HEADS, *_ROPE_ATTRS, AttrSpec("eps", "float", 0.0)), state_inputs=(1, 2),
+       doc="optional q/k head rms_norm (weights as operands 4 and 5, eps), RoPE, the KV-cache append and attention")
+_layer("lm_head_argmax", 4, _lm_head_infer("argmax"), _lm_head_ref(_argmax_ref), (_EPS,), state_inputs=(3,),
+       doc="(logits, token): rms_norm, the LM head and argmax, the token stored after the position")
+_layer("lm_head_sample", 4, _lm_head_infer("sample"), _lm_head_ref(_sample_ref), (_EPS, *_SAMPLING),
+       state_inputs=(3,), doc="(logits, token): rms_norm, the LM head and seeded temperature/top-p sampling")

@@ -44,9 +44,18 @@ def columns(var: Var, start: int, stop: int) -> Region:
     return Region(var.name, ((0, 1), (start, stop)))
 
 
+def balanced_tiles(n: int, count: int, min_width: int) -> list:
+    """[start, stop) ranges splitting n columns into `count` near-equal tiles of at least min_width (fewer
+    tiles where n is narrower): the GPU runtime's rows per linear task."""
+    count = max(1, min(count, n // min_width))
+    return [(n * k // count, n * (k + 1) // count) for k in range(count)]
+
+
 def column_tiles(n: int, config: PartitionConfig) -> list:
     """(start, stop) ranges covering 0..n: at least num_sms of them when n allows, widths a multiple of
-    column_align (or a power of two below it)."""
+    column_align (or a power of two below it); with config.min_columns, `balanced_tiles` instead."""
+    if config.min_columns is not None:
+        return balanced_tiles(n, config.num_sms, config.min_columns)
     width = max(1, n // config.num_sms)
     if width >= config.column_align:
         width -= width % config.column_align
@@ -84,14 +93,19 @@ def weight_rows(weights, start: int, stop: int) -> list:
     return out
 
 
+def weight_row_tasks(kind: str, shared_reads: tuple, ws, output: Var, config) -> list:
+    """(start, stop, TaskSpec) per column tile of `output`: the task reads `shared_reads` and the rows of the
+    weights ws (fused along their rows) that produce its columns, and writes its columns."""
+    specs = []
+    for a, b in column_tiles(output.shape[1], config):
+        rows = [Region(ws[i].name, ((r0, r1), (0, ws[i].shape[1]))) for i, r0, r1, _ in weight_rows(ws, a, b)]
+        specs.append((a, b, TaskSpec(kind, _col_tile(a, b), (*shared_reads, *rows), (columns(output, a, b),))))
+    return specs
+
+
 def _linear_tasks(node, config):
     x, *ws = node.inputs
-    specs = []
-    for a, b in column_tiles(node.output.shape[1], config):
-        reads = [full(x)] + [Region(ws[i].name, ((r0, r1), (0, ws[i].shape[1])))
-                             for i, r0, r1, _ in weight_rows(ws, a, b)]
-        specs.append(TaskSpec("linear", _col_tile(a, b), tuple(reads), (columns(node.output, a, b),)))
-    return specs, []
+    return [spec for _, _, spec in weight_row_tasks("linear", (full(x),), ws, node.output, config)], []
 
 
 def _per_head_tasks(node, config):
@@ -117,6 +131,14 @@ def split_range(position: int, split: int, splits: int) -> tuple:
     chunk = math.ceil((position + 1) / splits)
     stop = max(0, position + 1 - (splits - 1 - split) * chunk)
     return max(0, stop - chunk), stop
+
+
+def chunked_split_range(position: int, split: int, splits: int, min_chunk: int) -> tuple:
+    """Positions [start, stop) of one split of 0..position: chunks of max(min_chunk, ceil((position + 1) /
+    splits)) from position 0, so the split holding the position (the one that appends it to the KV cache)
+    is the last non-empty one; later splits are empty. The GPU runtime's rule (fused rope_attention)."""
+    chunk = max(min_chunk, -(-(position + 1) // splits))
+    return min(split * chunk, position + 1), min(split * chunk + chunk, position + 1)
 
 
 def attention_scratch(node) -> tuple:
@@ -193,10 +215,86 @@ def _sample_tasks(node, config):
     return [TaskSpec("sample", (), (full(logits),), (full(node.output), full(tokens, dynamic=True)))], []
 
 
+# fused ops (mdsl.megakernel.fusion); tile entries as above, plus:
+# * rope_attention.partial: `kv_head`, `split`, `splits`, `min_chunk` (positions by chunked_split_range;
+#   the split holding the position appends it to the cache, so every split declares the cache write);
+#   rope_attention.combine: `head`, one query head.
+# * lm_head: `col_start`, `col_stop`, `slot`: logits columns and the tile's best (value, index) in slot;
+#   lm_head.argmax / lm_head.sample: no tile entries.
+
+def _norm_linear_tasks(node, config):
+    x, norm, *ws = node.inputs
+    return [spec for _, _, spec in weight_row_tasks("norm_linear", (full(x), full(norm)), ws, node.output, config)], []
+
+
+def _norm_gate_up_tasks(node, config):
+    x, norm, gate, up = node.inputs
+    return [TaskSpec("norm_gate_up", _col_tile(a, b),
+                     (full(x), full(norm), *(Region(w.name, ((a, b), (0, w.shape[1]))) for w in (gate, up))),
+                     (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
+
+
+def _linear_residual_tasks(node, config):
+    x, residual, *ws = node.inputs
+    specs = []
+    for a, b, spec in weight_row_tasks("linear_residual", (full(x),), ws, node.output, config):
+        specs.append(attrs.evolve(spec, reads=(columns(residual, a, b), *spec.reads)))
+    return specs, []
+
+
+def _rope_attention_tasks(node, config):
+    a = node.attr_dict
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    group = hq // hkv
+    qkv, k_cache, v_cache, *norms = node.inputs
+    splits = kv_split_count(hkv, config)
+    part_out, part_lse = attention_scratch(node)
+    scratch = [Buffer(part_out, TensorType((splits, hq, d), f32), SCRATCH),
+               Buffer(part_lse, TensorType((splits, hq), f32), SCRATCH)]
+    specs = []
+    for h in range(hkv):
+        heads = (h * group, (h + 1) * group)
+        qkv_reads = [columns(qkv, h * group * d, (h + 1) * group * d), columns(qkv, (hq + h) * d, (hq + h + 1) * d),
+                     columns(qkv, (hq + hkv + h) * d, (hq + hkv + h + 1) * d)]
+        caches = [Region(c.name, ((0, k_cache.shape[0]), (h, h + 1), (0, d)), dynamic=True) for c in (k_cache, v_cache)]
+        for s in range(splits):
+            tile = (("kv_head", h), ("split", s), ("splits", splits), ("min_chunk", config.attention_min_chunk))
+            writes = (Region(part_out, ((s, s + 1), heads, (0, d))), Region(part_lse, ((s, s + 1), heads)), *caches)
+            specs.append(TaskSpec("rope_attention.partial", tile, (*qkv_reads, *caches, *map(full, norms)), writes))
+    for head in range(hq):
+        specs.append(TaskSpec("rope_attention.combine", (("head", head),),
+                              (Region(part_out, ((0, splits), (head, head + 1), (0, d))),
+                               Region(part_lse, ((0, splits), (head, head + 1)))),
+                              (columns(node.output, head * d, (head + 1) * d),)))
+    return specs, scratch
+
+
+def _lm_head_tasks(final_kind: str, reads_logits: bool):
+    def rule(node, config):
+        x, norm, head, tokens = node.inputs
+        logits, token = node.outputs
+        tiles = weight_row_tasks("lm_head", (full(x), full(norm)), (head,), logits, config)
+        values, indices = argmax_scratch(node)
+        scratch = [Buffer(values, TensorType((len(tiles),), f32), SCRATCH),
+                   Buffer(indices, TensorType((len(tiles),), i32), SCRATCH)]
+        specs = [attrs.evolve(spec, tile=(*spec.tile, ("slot", j)),
+                              writes=(*spec.writes, Region(values, ((j, j + 1),)), Region(indices, ((j, j + 1),))))
+                 for j, (_, _, spec) in enumerate(tiles)]
+        slots = (Region(values, ((0, len(tiles)),)), Region(indices, ((0, len(tiles)),)))
+        specs.append(TaskSpec(final_kind, (), (full(logits),) if reads_logits else slots,
+                              (full(token), full(tokens, dynamic=True))))
+        return specs, scratch
+
+    return rule
+
+
 _TASK_RULES: dict[str, Callable] = {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "silu_mul": _silu_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
+    "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
+    "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
+    "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
 }
 for _name, _rule in _TASK_RULES.items():
     extend_layer_op(_name, tasks=_rule)

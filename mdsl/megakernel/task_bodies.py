@@ -116,20 +116,21 @@ def _argmax_partial(task, node, buf, ctx):
     buf[values][j], buf[indices][j] = tile[best], a + best
 
 
-def _emit_token(node, buf, ctx, token: int) -> None:
-    buf[node.output.name][0] = token
-    store_next_token(buf[node.inputs[1].name], token, ctx)
+def emit_token(node, buf, ctx, token: int) -> None:
+    """The token into the node's last output and the token history (its state operand)."""
+    buf[node.outputs[-1].name][0] = token
+    store_next_token(buf[node.inputs[node.opdef.state_inputs[0]].name], token, ctx)
 
 
-def _argmax_reduce(task, node, buf, ctx):
+def argmax_reduce(task, node, buf, ctx):
     values, indices = argmax_scratch(node)
-    _emit_token(node, buf, ctx, int(buf[indices][int(np.argmax(buf[values]))]))
+    emit_token(node, buf, ctx, int(buf[indices][int(np.argmax(buf[values]))]))
 
 
 def _sample(task, node, buf, ctx):
     a = node.attr_dict
     token = sample_token(buf[node.inputs[0].name], a["temperature"], a["top_p"], sample_uniform(a["seed"], ctx.position))
-    _emit_token(node, buf, ctx, token)
+    emit_token(node, buf, ctx, token)
 
 
 _BODIES = {
@@ -137,7 +138,9 @@ _BODIES = {
     "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
     "silu_mul": {"silu_mul": _silu_mul}, "add": {"add": _add},
-    "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": _argmax_reduce}, "sample": {"sample": _sample},
+    "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
 }
 for _op, _bodies in _BODIES.items():
     extend_layer_op(_op, task_bodies=_bodies)
+
+import mdsl.megakernel.fused_bodies  # noqa: E402,F401  (the fused ops' bodies, attached the same way)

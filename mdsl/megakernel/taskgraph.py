@@ -140,11 +140,16 @@ class Event:
 class PartitionConfig:
     """How ops are cut into tasks. `num_sms`: the work of a wide op is split into at least this many
     tiles where it is that wide; `column_align`: tile widths are multiples of it where they can be;
-    `kv_splits`: the splits of each KV head's positions in attention (None: enough to fill num_sms)."""
+    `kv_splits`: the splits of each KV head's positions in attention (None: enough to fill num_sms).
+    `min_columns`: when set, column ops are cut as the GPU runtime cuts them instead: num_sms near-equal
+    tiles of at least this many columns (fewer tiles where the op is narrower). `attention_min_chunk`: the
+    fewest positions a split of the fused `rope_attention` covers (its splits are chunks from position 0)."""
 
     num_sms: int = 132
     column_align: int = 16
     kv_splits: Optional[int] = None
+    min_columns: Optional[int] = None
+    attention_min_chunk: int = 1
 
 
 @attrs.frozen(eq=False)
@@ -257,25 +262,31 @@ class TaskGraph:
         token write of its step."""
         buffers = self._buffers_by_name
         events = {e.id: e for e in self.events}
+        consumers = {e.id: set(e.consumers) for e in self.events}
+        last_producer = {e.id: max(e.producers, default=-1) for e in self.events}
         signalled = defaultdict(list)
         for t in self.tasks:
             for e in t.signals:
                 signalled[e].append(t.id)
+        inside: set = set()    # regions already found inside their buffers
         for i, t in enumerate(self.tasks):
             if t.id != i:
                 raise ValidationError(f"task at position {i} has id {t.id}")
             for r in (*t.reads, *t.writes):
+                if r in inside:
+                    continue
                 b = buffers.get(r.buffer)
                 if b is None or len(r.box) != b.type.rank or any(
                         not 0 <= a <= c <= n for (a, c), n in zip(r.box, b.type.shape)):
                     raise ValidationError(f"task {t.id} ({t.kind}) touches {r} outside its buffer")
+                inside.add(r)
             for r in t.writes:
                 if buffers[r.buffer].kind == WEIGHT:
                     raise ValidationError(f"task {t.id} ({t.kind}) writes the weight {r.buffer}")
             for w in t.waits:
-                if w.event not in events or t.id not in events[w.event].consumers:
+                if w.event not in events or t.id not in consumers[w.event]:
                     raise ValidationError(f"task {t.id} waits on e{w.event}, which does not list it")
-                if w.step_offset == 0 and any(p >= t.id for p in events[w.event].producers):
+                if w.step_offset == 0 and last_producer[w.event] >= t.id:
                     raise ValidationError(f"task {t.id} waits in its step on e{w.event}, produced by a later task")
         for e in self.events:
             if sorted(signalled[e.id]) != sorted(e.producers):
@@ -285,26 +296,27 @@ class TaskGraph:
         return self
 
     def _check_step_closure(self, events: dict) -> None:
-        preds = defaultdict(set)
-        entry = set()
-        for t in self.tasks:
-            for w in t.waits:
-                if w.step_offset == 0:
-                    preds[t.id].update(events[w.event].producers)
-                else:
-                    entry.add(t.id)
+        # per event, not per task: thousands of consumers share an event
         terminal = set(self.terminal_tasks())
         if not terminal:
             raise ValidationError("no task writes the next token")
         reaches_end = set(terminal)
+        followed: set = set()     # events whose producers are already in reaches_end
         for t in reversed(self.tasks):
             if t.id in reaches_end:
-                reaches_end.update(preds[t.id])
+                for w in t.waits:
+                    if w.step_offset == 0 and w.event not in followed:
+                        followed.add(w.event)
+                        reaches_end.update(events[w.event].producers)
         from_start = set()
+        started: dict = {}        # event -> whether a producer descends from the token wait
         kinds = {b.name: b.kind for b in self.buffers}
         for t in self.tasks:
-            reads_only_weights = all(kinds[r.buffer] == WEIGHT for r in t.reads)
-            if t.id in entry or reads_only_weights or preds[t.id] & from_start:
+            for w in t.waits:
+                if w.step_offset == 0 and w.event not in started:
+                    started[w.event] = any(p in from_start for p in events[w.event].producers)
+            if any(w.step_offset != 0 or started[w.event] for w in t.waits) or \
+                    all(kinds[r.buffer] == WEIGHT for r in t.reads):
                 from_start.add(t.id)
         for t in self.tasks:
             if t.id not in reaches_end:
@@ -348,15 +360,26 @@ def build_events(buffers: tuple, specs: list) -> tuple:
     event_ids: dict = {}           # (producers, step_offset) -> event id
     consumers = defaultdict(list)
     task_waits = []
+    writers_by_node: dict = {}     # region -> {producing node: sorted writer ids} (many tasks read one region)
+
+    def producing_nodes(region: Region) -> dict:
+        found = writers_by_node.get(region)
+        if found is None:
+            grouped = defaultdict(list)
+            for pid in writers.overlapping(region):
+                grouped[specs[pid][1]].append(pid)
+            found = writers_by_node[region] = {n: tuple(sorted(p)) for n, p in grouped.items()}
+        return found
+
     for tid, (kind, node, op, tile, reads, writes) in enumerate(specs):
-        same_step: dict = defaultdict(set)   # producing node -> producer task ids
+        same_step: dict = {}   # producing node -> producer task ids
         for r in reads:
             if kinds[r.buffer] in (ACTIVATION, SCRATCH):
-                for pid in writers.overlapping(r):
-                    if pid >= tid:
-                        raise ValidationError(f"task {tid} ({kind}) reads {r}, written by the later task {pid}")
-                    same_step[specs[pid][1]].add(pid)
-        keys = [(tuple(sorted(p)), 0) for _, p in sorted(same_step.items())]
+                for n, pids in producing_nodes(r).items():
+                    if pids[-1] >= tid:
+                        raise ValidationError(f"task {tid} ({kind}) reads {r}, written by the later task {pids[-1]}")
+                    same_step[n] = tuple(sorted({*same_step[n], *pids})) if n in same_step else pids
+        keys = [(p, 0) for _, p in sorted(same_step.items())]
         if not keys:
             previous = {pid for r in reads if kinds[r.buffer] == STATE for pid in writers.overlapping(r)}
             if previous:
@@ -376,3 +399,53 @@ def build_events(buffers: tuple, specs: list) -> tuple:
     tasks = tuple(Task(tid, kind, node, op, tile, reads, writes, task_waits[tid], tuple(signals[tid]))
                   for tid, (kind, node, op, tile, reads, writes) in enumerate(specs))
     return tasks, tuple(events)
+
+
+def without_implied_waits(graph: TaskGraph) -> TaskGraph:
+    """The task graph less every same-step wait whose producers are all ancestors of another wait of the
+    same task (the residual row an o-proj re-reads, written before the attention it waits for): one
+    dependency hop per consumer where the data allows it. Events nobody waits on any more are dropped,
+    the others renumbered in their order; producers signal only those kept."""
+    events = {e.id: e for e in graph.events}
+    members = {e.id: sum(1 << p for p in e.producers) for e in graph.events}
+    through: dict = {}          # event id -> its producers and their same-step ancestors
+    ancestors: list = []
+    waits: list = []
+    for t in graph.tasks:
+        same = [w for w in t.waits if w.step_offset == 0]
+        for w in same:
+            if w.event not in through:
+                bits = members[w.event]
+                for p in events[w.event].producers:
+                    bits |= ancestors[p]
+                through[w.event] = bits
+        kept = []
+        for w in t.waits:
+            others = 0
+            for o in same:
+                if o is not w:
+                    others |= through[o.event]
+            if w.step_offset != 0 or members[w.event] & others != members[w.event]:
+                kept.append(w)
+        if len(same) == 1:
+            ancestors.append(through[same[0].event])
+        else:
+            bits = 0
+            for w in same:
+                bits |= through[w.event]
+            ancestors.append(bits)
+        waits.append(kept)
+    used = sorted({w.event for ws in waits for w in ws})
+    renumber = {old: new for new, old in enumerate(used)}
+    consumers = defaultdict(list)
+    for t, ws in zip(graph.tasks, waits):
+        for w in ws:
+            consumers[w.event].append(t.id)
+    signals = defaultdict(list)
+    for old in used:
+        for p in events[old].producers:
+            signals[p].append(renumber[old])
+    new_events = tuple(Event(renumber[old], events[old].producers, tuple(consumers[old])) for old in used)
+    tasks = tuple(attrs.evolve(t, waits=tuple(Wait(renumber[w.event], w.step_offset) for w in ws),
+                               signals=tuple(signals[t.id])) for t, ws in zip(graph.tasks, waits))
+    return TaskGraph(graph.model, graph.config, graph.buffers, tasks, new_events).validate()

@@ -1,15 +1,21 @@
-"""The megakernel's device task tables: tiles, events that wait only for the producer tiles a task
-reads (less those already implied), the rules check_plan enforces, and the tables the device reads."""
+"""The megakernel's device task tables, lowered from the fused TaskGraph: tiles, events that wait only for
+the producer tiles a task reads (less those already implied), the rules check_plan enforces, the tables
+the device reads (the same as those of the runtime's former hand-built decomposition), and the graphs the
+device cannot run."""
+import hashlib
+
 import attrs
 import numpy as np
 import pytest
 
+import mdsl
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16
 from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
+from mdsl.megakernel.architectures import sampling_decode
 from mdsl.megakernel.runtime.plan import (EMBEDDING, MIN_ROWS_PER_TILE, Event, Kind, PlanError, build_plan,
-                                          check_plan, tiles)
+                                          check_plan, plan_model, tiles)
 from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
 from tests.megakernel.tiny import tiny_model
 
@@ -130,11 +136,36 @@ def test_check_plan_finds_a_task_that_does_not_lead_to_the_sampler():
         check_plan(_broken(plan, events=tuple(events), signals=tuple(signals)))
 
 
+# sha256 (first 16 digits) of tables() and initial_events() of the tables plan.py built by its own
+# decomposition before it lowered the TaskGraph (commit f3067a0): the lowering gives the same rows, events,
+# waits and signals
+FORMER_TABLES = {
+    "llama-3.2-1b": "211808e7d3d26adc", "qwen3-0.6b": "eaceda4264a4711d", "qwen3-8b": "43ba890f851ab92c",
+    ("tiny", 1): "93dbeb87ba1717ff", ("tiny", 7): "7fb49757f308b10c", ("tiny", 17): "9868b8e9f9e42176",
+    ("tiny", 132): "7c9dcdbf04710e50",
+}
+
+
+def tables_digest(plan) -> str:
+    h = hashlib.sha256()
+    for table in (*plan.tables(), plan.initial_events()):
+        h.update(table.tobytes())
+        h.update(str(table.shape).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("workers", [1, 7, 17, 132])
+def test_tiny_tables_are_the_former_ones(arch, workers):
+    assert tables_digest(tiny_plan(arch, workers)) == FORMER_TABLES[("tiny", workers)]
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_full_size_plans_follow_the_rules(name):
     shape = decoder_shape(config_from_dict(MODELS[name]))
     plan = build_plan(shape, workers=132, max_seq=2048)
     check_plan(plan)
+    assert tables_digest(plan) == FORMER_TABLES[name]
     stats = plan.statistics()
     assert stats["tasks_by_kind"]["QKV"] == shape.layers * 132
     assert stats["events"] < 30 * shape.layers, "events are per consumer group, not per task"
@@ -160,3 +191,61 @@ def test_rope_tables_match_the_reference_rotation():
         half = shape.head_dim // 2
         np.testing.assert_allclose(cos[position], want_cos[:half], rtol=0, atol=2e-7)
         np.testing.assert_allclose(sin[position], want_sin[:half], rtol=0, atol=2e-7)
+
+
+def test_a_sampling_graph_lowers_to_the_same_tables():
+    config, graph, _ = tiny_model("qwen3")
+    shape = decoder_shape(config)
+    sampling = sampling_decode("qwen3", temperature=0.5, seed=2).trace(config)
+    plans = [plan_model(g, shape, workers=7, max_seq=config.max_positions) for g in (graph, sampling)]
+    assert tables_digest(plans[0]) == tables_digest(plans[1]) == FORMER_TABLES[("tiny", 7)]
+
+
+class Cfg:
+    max_positions = 24
+
+
+def _tiny_decoder_with(change):
+    """The tiny Llama-3 step function with one line changed by `change(m, x, h)` -> (x, logits)."""
+    config, _, _ = tiny_model("llama3", num_hidden_layers=1)
+
+    @mdsl.model
+    def changed(m, cfg):
+        from mdsl.megakernel.architectures import _decoder
+
+        logits = _decoder(m, config)
+        return change(m, logits)
+
+    return config, changed.trace(Cfg())
+
+
+@mdsl.model
+def doubled_embedding(m, cfg):
+    table = m.weight("model.embed_tokens.weight", [96, 32])
+    x = m.embedding(table)
+    x = m.add(x, x)
+    logits = m.linear(m.rms_norm(x, m.weight("model.norm.weight", [32]), 1e-5), table)
+    return logits, m.argmax(logits)
+
+
+def test_an_op_without_a_device_lowering_is_refused_with_its_line():
+    config, _, _ = tiny_model("qwen3")
+    with pytest.raises(UnsupportedError, match=r"cannot run add %t\d+: it has no device lowering") as e:
+        plan_model(doubled_embedding.trace(Cfg()), decoder_shape(config), workers=4, max_seq=24)
+    assert e.value.loc is not None and e.value.loc.file.endswith("test_runtime_plan.py")
+    assert "x = m.add(x, x)" in str(e.value)
+
+
+def test_a_graph_that_differs_from_the_decoder_is_refused_naming_the_difference():
+    config, graph = _tiny_decoder_with(lambda m, logits: (logits, m.argmax(logits)))
+    shape = decoder_shape(config)
+    plan_model(graph, shape, workers=4, max_seq=24)   # the decoder itself lowers
+    with pytest.raises(UnsupportedError, match="the model's 0.5"):
+        plan_model(graph, decoder_shape(attrs.evolve(config, rms_norm_eps=0.5)), workers=4, max_seq=24)
+    def rename(v):
+        return attrs.evolve(v, name="my.o_proj") if v.name.endswith("o_proj.weight") else v
+
+    renamed = attrs.evolve(graph, weights=tuple(map(rename, graph.weights)), nodes=tuple(
+        attrs.evolve(n, inputs=tuple(map(rename, n.inputs))) for n in graph.nodes))
+    with pytest.raises(UnsupportedError, match=r"linear_residual .*my\.o_proj"):
+        plan_model(renamed, shape, workers=4, max_seq=24)

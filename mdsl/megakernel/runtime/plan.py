@@ -26,12 +26,22 @@ Task kinds (the device code's switch):
 from __future__ import annotations
 
 import enum
+import functools
+import re
 from typing import Optional
 
 import attrs
 import numpy as np
 
+from mdsl.errors import UnsupportedError
+from mdsl.ir.types import TensorType
+from mdsl.megakernel.architectures import step_function
+from mdsl.megakernel.fusion import fuse
+from mdsl.megakernel.layers import extend_layer_op
+from mdsl.megakernel.model import TOKENS, ModelGraph
+from mdsl.megakernel.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.runtime.shape import DecoderShape
+from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
 
 
 class Kind(enum.IntEnum):
@@ -137,54 +147,301 @@ MIN_CHUNK = 64          # attention positions per split at least (device.cu's MI
 
 def tiles(n: int, count: int) -> list:
     """[lo, hi) ranges splitting n items into `count` near-equal tiles of at least MIN_ROWS_PER_TILE."""
-    count = max(1, min(count, n // MIN_ROWS_PER_TILE))
-    return [(n * k // count, n * (k + 1) // count) for k in range(count)]
+    return balanced_tiles(n, count, MIN_ROWS_PER_TILE)
 
 
 def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
     return max(1, min(workers // shape.kv_heads, max_seq))
 
 
+def device_partition(workers: int, splits: int) -> PartitionConfig:
+    """The task graph's tiling as the device runs it: `tiles` per linear, `splits` chunked attention splits."""
+    return PartitionConfig(num_sms=workers, kv_splits=splits, min_columns=MIN_ROWS_PER_TILE,
+                           attention_min_chunk=MIN_CHUNK)
+
+
 def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None) -> TaskPlan:
-    """The task tables of one decode step for `workers` worker blocks (one per SM)."""
+    """The task tables of one decode step of the built-in decoder of `shape.config`, for `workers` worker
+    blocks (one per SM)."""
+    graph = step_function(shape.config).trace(shape.config, max_positions=max_seq)
+    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits)
+
+
+def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq: int,
+               splits: Optional[int] = None) -> TaskPlan:
+    """The device tables of a model graph: fused (mdsl.megakernel.fusion), cut into the device's tiles,
+    waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
+    an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
+    splits = splits or attention_splits(shape, workers, max_seq)
+    task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits)))
+    return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits)
+
+
+def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int, max_seq: int,
+                     splits: int) -> TaskPlan:
+    """Table rows from the task graph's tasks, by each op's `device` rule (below), in the task graph's
+    order; events from its events. A task a rule absorbs (the embedding: the previous step's sampler
+    writes the row) hands its waits to the tasks waiting for it. The one cross-step event, a wait on the
+    previous step's token (step offset -1), becomes event 0, which starts at count * 1 so that
+    `producers * (step + 1)` is the task graph's `count * (step + 1 - 1)`."""
+    graph = task_graph.model
+    binding = _Binding(shape, max_seq, splits)
+    by_node: dict = {}
+    for t in task_graph.tasks:
+        by_node.setdefault(t.node, []).append(t)
+    rows: list = []
+    row_of: dict = {}     # task id -> row index; absent: absorbed
+    for index, node in enumerate(graph.nodes):
+        rule = node.opdef.rules.get("device")
+        if rule is None:
+            raise binding.refuse(node, "it has no device lowering")
+        for task, row in zip(by_node.get(index, []), rule(node, by_node.get(index, []), binding)):
+            if row is not None:
+                row_of[task.id] = len(rows)
+                rows.append(row)
+    binding.finish(graph, rows)
+    return _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits)
+
+
+_CROSS = "previous step's token"
+
+
+def _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits) -> TaskPlan:
+    events = {e.id: e for e in task_graph.events}
+    tasks = task_graph.tasks
+    sampler = len(rows) - 1
+
+    memo: dict = {}
+
+    def keys(wait) -> list:
+        if wait not in memo:
+            memo[wait] = device_keys(wait)
+        return memo[wait]
+
+    def device_keys(wait) -> list:
+        producers = events[wait.event].producers
+        if wait.step_offset == -1 and [row_of.get(p) for p in producers] == [sampler]:
+            return [_CROSS]
+        if wait.step_offset != 0:
+            raise binding.refuse(task_graph.model.nodes[tasks[producers[0]].node],
+                                 "the device carries only the next token from one step to the next")
+        kept = tuple(sorted(row_of[p] for p in producers if p in row_of))
+        found = [kept] if kept else []
+        for p in producers:
+            if p not in row_of:   # absorbed: wait for what it waited for
+                found += [k for w in tasks[p].waits for k in keys(w)]
+        return found
+
+    device_events = [Event((), initial=1)]   # the cross-step event: initial = count * -(step offset -1)
+    event_of = {_CROSS: 0}
+    waits = []
+    for t in tasks:
+        if t.id not in row_of:
+            continue
+        mine = []
+        for w in t.waits:
+            for key in keys(w):
+                if key not in event_of:
+                    event_of[key] = len(device_events)
+                    device_events.append(Event(key))
+                if event_of[key] not in mine:
+                    mine.append(event_of[key])
+        waits.append(tuple(mine))
+    signals = [[] for _ in rows]
+    for e, event in enumerate(device_events):
+        for p in event.producers or (sampler,):
+            signals[p].append(e)
+    lm_tiles = sum(row.kind is Kind.LMHEAD for row in rows)
+    return TaskPlan(binding.shape, workers, splits, max_seq, tuple(rows), tuple(device_events), tuple(waits),
+                    tuple(map(tuple, signals)), lm_tiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# device rules: rule(node, its tasks, binding) -> a PlannedTask per task (None: absorbed). The device
+# hard-wires the decoder: its buffers per layer (h, qkv, part, attn, mid, act), its weights by their
+# Hugging Face names, its constants from the DecoderShape. `_Binding` names each graph value's device
+# buffer and refuses a graph that differs.
+
+class _Binding:
+    def __init__(self, shape: DecoderShape, max_seq: int, splits: int):
+        self.shape, self.max_seq, self.splits = shape, max_seq, splits
+        self.buffer_of: dict = {}    # graph value -> device buffer
+        self.weight_types = _weight_types(shape)
+
+    def refuse(self, node, why: str) -> UnsupportedError:
+        return UnsupportedError(
+            f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
+            hint="it runs the Llama-3 / Qwen3 decoder, fused by mdsl.megakernel.fusion.fuse into embedding, "
+                 "norm_linear (q|k|v), rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and "
+                 "lm_head_argmax / lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
+                 "(mdsl.megakernel.simulator) runs any model graph")
+
+    def layer(self, node, var) -> int:
+        """The layer index in a weight's or a cache's name (model.layers.<i>. / k_cache.<i>)."""
+        match = re.match(r"(?:model\.layers\.|[kv]_cache\.)(\d+)(?:\.|$)", var.name)
+        if match is None or int(match.group(1)) >= self.shape.layers:
+            raise self.refuse(node, f"{var.name} is no weight or cache of one of its {self.shape.layers} layers")
+        return int(match.group(1))
+
+    def weights(self, node, given, names) -> None:
+        from mdsl.megakernel.runtime.engine import layer_weight_name  # engine imports this module
+
+        want = [name if isinstance(name, str) else layer_weight_name(*name) for name in names]
+        got = [v.name for v in given]
+        if got != want:
+            raise self.refuse(node, f"it reads the weights {got}; the device reads {want} here")
+        for v in given:
+            if v.type != self.weight_types[v.name]:
+                raise self.refuse(node, f"{v.name} is {v.type}, the model's is {self.weight_types[v.name]}")
+
+    def attrs(self, node, want: dict) -> None:
+        got = node.attr_dict
+        for name, value in want.items():
+            if got[name] != value:
+                raise self.refuse(node, f"its {name} is {got[name]}, the model's {value}")
+
+    def read(self, node, var, buffer: str) -> str:
+        if self.buffer_of.get(var.name) != buffer:
+            where = self.buffer_of.get(var.name, "a value the device does not keep")
+            raise self.refuse(node, f"it reads {var.name} ({where}) where the device reads {buffer}")
+        return buffer
+
+    def define(self, node, var, buffer: str) -> str:
+        if buffer in self.buffer_of.values():
+            raise self.refuse(node, f"the device's {buffer} is written twice")
+        self.buffer_of[var.name] = buffer
+        return buffer
+
+    def state(self, node, var, name: str, shape: tuple) -> None:
+        if var.name != name or var.shape != shape:
+            raise self.refuse(node, f"it updates {var.name}: {var.type}; the device keeps {name} of shape {list(shape)}")
+
+    def finish(self, graph, rows) -> None:
+        if not rows or rows[-1].kind is not Kind.SAMPLE:
+            raise self.refuse(graph.nodes[-1], "the step does not end with the LM head and its token")
+
+
+def _outputs(node) -> str:
+    return ", ".join(map(str, node.outputs))
+
+
+def _weight_types(shape: DecoderShape) -> dict:
+    from mdsl.megakernel.runtime.engine import layer_weight_name
+
     s = shape
-    splits = splits or attention_splits(s, workers, max_seq)
-    part_width = s.head_dim + 2
-    tasks: list = []
+    per_layer = {"input_layernorm": (s.hidden,), "post_attention_layernorm": (s.hidden,),
+                 "q_proj": (s.attention_width, s.hidden), "k_proj": (s.kv_heads * s.head_dim, s.hidden),
+                 "v_proj": (s.kv_heads * s.head_dim, s.hidden), "o_proj": (s.hidden, s.attention_width),
+                 "gate_proj": (s.intermediate, s.hidden), "up_proj": (s.intermediate, s.hidden),
+                 "down_proj": (s.hidden, s.intermediate), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
+    shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,),
+              "lm_head.weight": (s.vocab, s.hidden)}
+    shapes.update({layer_weight_name(layer, w): dims for layer in range(s.layers) for w, dims in per_layer.items()})
+    return {name: TensorType(dims, s.dtype) for name, dims in shapes.items()}
 
-    def add(kind, layer, begin, end, reads, writes):
-        tasks.append(PlannedTask(kind, layer, begin, end, tuple(reads), tuple(writes)))
 
-    def linear(kind, layer, rows, inputs, output, extra_reads=()):
-        for lo, hi in tiles(rows, workers):
-            add(kind, layer, lo, hi, [*inputs, *(Access(b, lo, hi) for b in extra_reads)], [Access(output, lo, hi)])
+def _columns(task) -> tuple:
+    return task.tile_value("col_start"), task.tile_value("col_stop")
 
-    for layer in range(s.layers):
-        h, mid, qkv = f"h{layer}", f"mid{layer}", f"qkv{layer}"
-        linear(Kind.QKV, layer, s.qkv_rows, [Access(h, 0, s.hidden)], qkv)
-        k_base, v_base = s.attention_width, s.attention_width + s.kv_heads * s.head_dim
-        for g in range(s.kv_heads):
-            q = Access(qkv, g * s.group * s.head_dim, (g + 1) * s.group * s.head_dim)
-            k = Access(qkv, k_base + g * s.head_dim, k_base + (g + 1) * s.head_dim)
-            v = Access(qkv, v_base + g * s.head_dim, v_base + (g + 1) * s.head_dim)
-            for split in range(splits):
-                rows = [(head * splits + split) * part_width for head in range(g * s.group, (g + 1) * s.group)]
-                add(Kind.ATTN, layer, g, split, [q, k, v], [Access(f"part{layer}", r, r + part_width) for r in rows])
-        for head in range(s.heads):
-            add(Kind.COMBINE, layer, head, head + 1,
-                [Access(f"part{layer}", head * splits * part_width, (head + 1) * splits * part_width)],
-                [Access(f"attn{layer}", head * s.head_dim, (head + 1) * s.head_dim)])
-        linear(Kind.OPROJ, layer, s.hidden, [Access(f"attn{layer}", 0, s.attention_width)], mid, extra_reads=[h])
-        linear(Kind.GATEUP, layer, s.intermediate, [Access(mid, 0, s.hidden)], f"act{layer}")
-        linear(Kind.DOWN, layer, s.hidden, [Access(f"act{layer}", 0, s.intermediate)], f"h{layer + 1}",
-               extra_reads=[mid])
-    lm = tiles(s.vocab, workers)
-    for k, (lo, hi) in enumerate(lm):
-        add(Kind.LMHEAD, s.layers, lo, hi, [Access(f"h{s.layers}", 0, s.hidden)],
-            [Access("logits", lo, hi), Access("best", k, k + 1)])
-    add(Kind.SAMPLE, s.layers, 0, len(lm), [Access("logits", 0, s.vocab), Access("best", 0, len(lm))],
-        [Access(EMBEDDING, 0, s.hidden)])
-    return _link(s, workers, splits, max_seq, tasks, len(lm))
+
+def _embedding_rows(node, tasks, bind):
+    tokens, table = node.inputs
+    bind.weights(node, (table,), ["model.embed_tokens.weight"])
+    bind.state(node, tokens, TOKENS, (bind.max_seq,))
+    bind.define(node, node.output, EMBEDDING)
+    return [None] * len(tasks)   # the previous step's SAMPLE writes the row (the host, step 0's)
+
+
+def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, output: str):
+    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers)."""
+    x, norm = node.inputs[:2]
+    layer = bind.layer(node, norm)
+    bind.weights(node, node.inputs[1:], [(layer, w) for w in weights])
+    bind.attrs(node, {"eps": bind.shape.eps})
+    src = bind.read(node, x, f"{source}{layer}")
+    out = bind.define(node, node.output, f"{output}{layer}")
+    return [PlannedTask(kind, layer, a, b, (Access(src, 0, bind.shape.hidden),), (Access(out, a, b),))
+            for a, b in map(_columns, tasks)]
+
+
+_norm_linear_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
+                                      weights=("input_layernorm", "q_proj", "k_proj", "v_proj"))
+_norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, source="mid", output="act",
+                                       weights=("post_attention_layernorm", "gate_proj", "up_proj"))
+
+
+def _rope_attention_rows(node, tasks, bind):
+    s = bind.shape
+    qkv_var, k_cache, v_cache, *norms = node.inputs
+    layer = bind.layer(node, k_cache)
+    bind.attrs(node, {"q_heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, **s.config.rope.attrs(),
+                      **({"eps": s.eps} if s.qk_norm else {})})
+    bind.weights(node, norms, [(layer, w) for w in ("q_norm", "k_norm") if s.qk_norm])
+    for var, name in ((k_cache, f"k_cache.{layer}"), (v_cache, f"v_cache.{layer}")):
+        bind.state(node, var, name, (bind.max_seq, s.kv_heads, s.head_dim))
+    qkv = bind.read(node, qkv_var, f"qkv{layer}")
+    attn = bind.define(node, node.output, f"attn{layer}")
+    part, width, d = f"part{layer}", s.head_dim + 2, s.head_dim
+    k_base, v_base = s.attention_width, s.attention_width + s.kv_heads * d
+    rows = []
+    for t in tasks:
+        if t.kind == "rope_attention.combine":
+            head = t.tile_value("head")
+            rows.append(PlannedTask(Kind.COMBINE, layer, head, head + 1,
+                                    (Access(part, head * bind.splits * width, (head + 1) * bind.splits * width),),
+                                    (Access(attn, head * d, (head + 1) * d),)))
+            continue
+        g, split = t.tile_value("kv_head"), t.tile_value("split")
+        assert (t.tile_value("splits"), t.tile_value("min_chunk")) == (bind.splits, MIN_CHUNK), t
+        reads = (Access(qkv, g * s.group * d, (g + 1) * s.group * d), Access(qkv, k_base + g * d, k_base + (g + 1) * d),
+                 Access(qkv, v_base + g * d, v_base + (g + 1) * d))
+        parts = [(head * bind.splits + split) * width for head in range(g * s.group, (g + 1) * s.group)]
+        rows.append(PlannedTask(Kind.ATTN, layer, g, split, reads, tuple(Access(part, r, r + width) for r in parts)))
+    return rows
+
+
+def _linear_residual_rows(node, tasks, bind):
+    s = bind.shape
+    x, residual, *ws = node.inputs
+    layer = bind.layer(node, ws[0])
+    if ws[0].name.endswith(".o_proj.weight"):
+        kind, weight, src, res, out, width = Kind.OPROJ, "o_proj", f"attn{layer}", f"h{layer}", f"mid{layer}", \
+            s.attention_width
+    else:
+        kind, weight, src, res, out, width = Kind.DOWN, "down_proj", f"act{layer}", f"mid{layer}", f"h{layer + 1}", \
+            s.intermediate
+    bind.weights(node, ws, [(layer, weight)])
+    bind.read(node, x, src)
+    bind.read(node, residual, res)
+    bind.define(node, node.output, out)
+    return [PlannedTask(kind, layer, a, b, (Access(src, 0, width), Access(res, a, b)), (Access(out, a, b),))
+            for a, b in map(_columns, tasks)]
+
+
+def _lm_head_rows(node, tasks, bind):
+    s = bind.shape
+    x, norm, head, tokens = node.inputs
+    bind.weights(node, (norm, head), ["model.norm.weight",
+                                      "model.embed_tokens.weight" if s.config.tie_word_embeddings else "lm_head.weight"])
+    bind.attrs(node, {"eps": s.eps})
+    bind.state(node, tokens, TOKENS, (bind.max_seq,))
+    h = bind.read(node, x, f"h{s.layers}")
+    bind.define(node, node.outputs[0], "logits")
+    tiles_ = [t for t in tasks if t.kind == "lm_head"]
+    rows = [PlannedTask(Kind.LMHEAD, s.layers, a, b, (Access(h, 0, s.hidden),),
+                        (Access("logits", a, b), Access("best", t.tile_value("slot"), t.tile_value("slot") + 1)))
+            for t, (a, b) in zip(tiles_, map(_columns, tiles_))]
+    rows.append(PlannedTask(Kind.SAMPLE, s.layers, 0, len(tiles_),
+                            (Access("logits", 0, s.vocab), Access("best", 0, len(tiles_))),
+                            (Access(EMBEDDING, 0, s.hidden),)))
+    return rows
+
+
+for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
+                   "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
+                   "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
+                   "lm_head_sample": _lm_head_rows}.items():
+    extend_layer_op(_op, device=_rule)
 
 
 def _writers(tasks) -> dict:
@@ -221,12 +478,6 @@ class _Ancestry:
         self.of_event: list = []
         self.of_task: list = []
 
-    def add_event(self, producers: tuple) -> None:
-        bits = 0
-        for p in producers or (self.n,):
-            bits |= (1 << p) | (self.of_task[p] if p < self.n else 0)
-        self.of_event.append(bits)
-
     def add_task(self, waits) -> int:
         bits = 0
         for e in waits:
@@ -241,44 +492,6 @@ def _has_bit(bits: bytes, k: int) -> bool:
 
 def _as_bytes(bits: int) -> bytes:
     return bits.to_bytes((bits.bit_length() + 7) // 8 or 1, "little")
-
-
-def _link(shape, workers, splits, max_seq, tasks, lm_tiles) -> TaskPlan:
-    """Events from the tasks' accesses. A task waits for the producers it reads from, less those
-    another of them already depends on (the residual stream a linear re-reads, for example), as one
-    event per distinct set of producers."""
-    n = len(tasks)
-    writers = _writers(tasks)
-    events: list = [Event((), initial=1)]   # event 0: the embedding row, written by the previous step
-    ancestry = _Ancestry(n)
-    ancestry.add_event(())
-    event_of: dict = {}
-    covered_by_others: dict = {}   # direct producers -> bytes of the union of their ancestors
-    waits: list = []
-    for k in range(n):
-        direct = tuple(sorted(_direct_producers(tasks, writers, k)))
-        if direct not in covered_by_others:
-            union = 0
-            for q in direct:
-                union |= ancestry.of_task[q] if q < n else 0
-            covered_by_others[direct] = _as_bytes(union)
-        covered = covered_by_others[direct]
-        needed = [0] if n in direct and not _has_bit(covered, n) else []
-        kept = tuple(p for p in direct if p < n and not _has_bit(covered, p))
-        if kept:
-            if kept not in event_of:
-                event_of[kept] = len(events)
-                events.append(Event(kept))
-                ancestry.add_event(kept)
-            needed.append(event_of[kept])
-        waits.append(tuple(needed))
-        ancestry.add_task(needed)
-    signals = [[] for _ in tasks]
-    for e, event in enumerate(events):
-        for p in event.producers or (n - 1,):
-            signals[p].append(e)
-    return TaskPlan(shape, workers, splits, max_seq, tuple(tasks), tuple(events), tuple(waits),
-                    tuple(tuple(sig) for sig in signals), lm_tiles)
 
 
 class PlanError(AssertionError):

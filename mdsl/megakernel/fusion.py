@@ -1,0 +1,162 @@
+"""The task-graph fusion pass: a model graph in, the same computation with fewer, fused layer ops out.
+
+Unfused, every op of a model graph is a hop of the task graph: a single-task rms_norm that every tile of
+the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse` folds
+
+* rms_norm into the linear(s) that read it: `norm_linear` (q|k|v), `norm_gate_up` (with silu(gate) * up),
+  `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token);
+* a residual add into the linear it adds: `linear_residual` (o-proj, down-proj);
+* the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`.
+
+Each fused op is a layer op of its own (layers.py: shape rule and reference; partition.py: tasks;
+fused_bodies.py: task bodies). Rules are attached to the op that anchors a pattern (`fuse=` on linear and
+rope, the registry pattern); a rule returns the fused node and the nodes it replaces. A chain is fused
+only where its intermediate values have no other reader; a norm is folded into each linear that reads it
+and dropped once nothing reads it any more. The fused node keeps the last replaced node's place (every
+operand is defined before it) and the anchor's source location.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import attrs
+
+from mdsl.errors import MdslError, ValidationError
+from mdsl.megakernel.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.model import LayerNode, ModelGraph
+
+
+@attrs.frozen
+class Fusion:
+    node: LayerNode
+    replaces: tuple      # indices of the nodes the fused node stands for (the anchor among them)
+
+
+class _Uses:
+    """Who reads each value of a graph: nodes (by index) and the graph's outputs."""
+
+    def __init__(self, graph: ModelGraph):
+        self.graph = graph
+        self.producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+        self.readers: dict = {}
+        for i, n in enumerate(graph.nodes):
+            for v in n.inputs:
+                self.readers.setdefault(v.name, []).append(i)
+        self.outputs = Counter(v.name for v in graph.outputs)
+
+    def producing(self, var, op: str) -> Optional[tuple]:
+        """(index, node) of the node of kind `op` that makes var, or None."""
+        i = self.producer.get(var.name)
+        if i is None or self.graph.nodes[i].op != op:
+            return None
+        return i, self.graph.nodes[i]
+
+    def only_reader(self, var, ops: tuple, *, as_output_too: bool = False) -> Optional[tuple]:
+        """(index, node) of the one node reading var if its op is one of `ops` (and var is no graph output
+        unless as_output_too), else None."""
+        readers = self.readers.get(var.name, [])
+        if len(readers) != 1 or (self.outputs[var.name] and not as_output_too):
+            return None
+        node = self.graph.nodes[readers[0]]
+        return (readers[0], node) if node.op in ops else None
+
+
+def _fused(op: str, inputs: tuple, outputs: tuple, attr_pairs: tuple, anchor: LayerNode) -> LayerNode:
+    """A fused node with its attributes in the op's declared order (defaults filled), at the anchor's line."""
+    return LayerNode(op, inputs, outputs, get_layer_op(op).normalize_attrs(dict(attr_pairs)), anchor.loc)
+
+
+def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
+    x, *ws = node.inputs
+    norm = uses.producing(x, "rms_norm")
+    if norm is not None:
+        _, norm_node = norm
+        raw, norm_weight = norm_node.inputs
+        eps = norm_node.attrs
+        token = uses.only_reader(node.output, ("argmax", "sample"), as_output_too=True)
+        if token is not None and len(ws) == 1 and token[1].inputs[0] == node.output:
+            j, t = token
+            fused = _fused(f"lm_head_{t.op}", (raw, norm_weight, ws[0], t.inputs[1]), (node.output, t.output),
+                           eps + t.attrs, node)
+            return Fusion(fused, (index, j))
+        silu = uses.only_reader(node.output, ("silu_mul",))
+        if silu is not None and len(ws) == 2 and ws[0].shape == ws[1].shape:
+            j, s = silu
+            return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), s.outputs, eps, node), (index, j))
+        return Fusion(_fused("norm_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
+    add = uses.only_reader(node.output, ("add",))
+    if add is not None:
+        j, a = add
+        residual = a.inputs[1] if a.inputs[0] == node.output else a.inputs[0]
+        if residual != node.output:
+            return Fusion(_fused("linear_residual", (x, residual, *ws), a.outputs, (), node), (index, j))
+    return None
+
+
+def _fuse_rope(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
+    attention = uses.only_reader(node.output, ("attention",))
+    if attention is None or attention[1].inputs[0] != node.output or \
+            any(pair not in node.attrs for pair in attention[1].attrs):   # heads as rope's
+        return None
+    j, att = attention
+    qkv, replaces, norms, eps = node.inputs[0], [index, j], (), ()
+    head_norm = uses.producing(qkv, "head_rms_norm")
+    if head_norm is not None and uses.only_reader(qkv, ("rope",)) is not None:
+        i, hn = head_norm
+        qkv, norms, eps = hn.inputs[0], hn.inputs[1:], (("eps", hn.attr_dict["eps"]),)
+        replaces.append(i)
+    fused = _fused("rope_attention", (qkv, *att.inputs[1:], *norms), att.outputs, node.attrs + eps, att)
+    return Fusion(fused, tuple(sorted(replaces)))
+
+
+extend_layer_op("linear", fuse=_fuse_linear)
+extend_layer_op("rope", fuse=_fuse_rope)
+
+
+def fuse(graph: ModelGraph) -> ModelGraph:
+    """The graph with every pattern above fused, nodes no longer read dropped; the weights, states and
+    outputs (logits, token) unchanged. Fusing a fused graph changes nothing."""
+    uses = _Uses(graph)
+    placed: dict = {}     # index of a fusion's last replaced node -> the fused node
+    gone: set = set()
+    for index, node in enumerate(graph.nodes):
+        rule = node.opdef.rules.get("fuse")
+        if rule is None or index in gone:
+            continue
+        fusion = rule(index, node, uses)
+        if fusion is None or gone.intersection(fusion.replaces):
+            continue
+        gone.update(fusion.replaces)
+        placed[max(fusion.replaces)] = fusion.node
+    nodes = [placed.get(i, n) for i, n in enumerate(graph.nodes) if i not in gone or i in placed]
+    return _checked(attrs.evolve(graph, nodes=_without_unread(nodes, graph)))
+
+
+def _without_unread(nodes: list, graph: ModelGraph) -> tuple:
+    """Drop nodes whose outputs nobody reads and which update no state (a norm folded into its linears)."""
+    read = {v.name for v in graph.outputs}
+    kept = []
+    for n in reversed(nodes):
+        if n.opdef.state_inputs or any(v.name in read for v in n.outputs):
+            kept.append(n)
+            read.update(v.name for v in n.inputs)
+    return tuple(reversed(kept))
+
+
+def _checked(graph: ModelGraph) -> ModelGraph:
+    """Every node's operands defined before it and its output types those its op's rule infers."""
+    defined = {v.name for v in (*graph.weights, *graph.states)}
+    for n in graph.nodes:
+        missing = [v.name for v in n.inputs if v.name not in defined]
+        if missing:
+            raise ValidationError(f"fusion placed {n.op} before its operand {missing[0]}", loc=n.loc)
+        try:
+            types = n.opdef.infer_types(tuple(v.type for v in n.inputs), n.attrs)
+        except MdslError as e:
+            raise e.with_loc(n.loc)
+        if types != tuple(v.type for v in n.outputs):
+            raise ValidationError(f"fused {n.op} infers {types}, not its outputs' {[str(v.type) for v in n.outputs]}",
+                                  loc=n.loc)
+        defined.update(v.name for v in n.outputs)
+    return graph
