@@ -141,6 +141,13 @@ def chunked_split_range(position: int, split: int, splits: int, min_chunk: int) 
     return min(split * chunk, position + 1), min(split * chunk + chunk, position + 1)
 
 
+def split_positions_bound(positions: int, split: int, splits: int, min_chunk: int) -> tuple:
+    """The positions one split of chunked_split_range may cover at any position below `positions`: its
+    chunk grows from min_chunk to max(min_chunk, ceil(positions / splits))."""
+    widest = max(min_chunk, -(-positions // splits))
+    return min(positions, split * min_chunk), min(positions, (split + 1) * widest)
+
+
 def attention_scratch(node) -> tuple:
     """The scratch buffers of an attention node: per-split outputs [splits, Hq, D] and log-sum-exps."""
     out = node.output
@@ -256,8 +263,9 @@ def _rope_attention_tasks(node, config):
         heads = (h * group, (h + 1) * group)
         qkv_reads = [columns(qkv, h * group * d, (h + 1) * group * d), columns(qkv, (hq + h) * d, (hq + h + 1) * d),
                      columns(qkv, (hq + hkv + h) * d, (hq + hkv + h + 1) * d)]
-        caches = [Region(c.name, ((0, k_cache.shape[0]), (h, h + 1), (0, d)), dynamic=True) for c in (k_cache, v_cache)]
         for s in range(splits):
+            caches = [Region(c.name, (split_positions_bound(k_cache.shape[0], s, splits, config.attention_min_chunk),
+                                      (h, h + 1), (0, d)), dynamic=True) for c in (k_cache, v_cache)]
             tile = (("kv_head", h), ("split", s), ("splits", splits), ("min_chunk", config.attention_min_chunk))
             writes = (Region(part_out, ((s, s + 1), heads, (0, d))), Region(part_lse, ((s, s + 1), heads)), *caches)
             specs.append(TaskSpec("rope_attention.partial", tile, (*qkv_reads, *caches, *map(full, norms)), writes))

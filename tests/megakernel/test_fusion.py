@@ -11,7 +11,7 @@ from mdsl.errors import ShapeError
 from mdsl.megakernel.architectures import sampling_decode
 from mdsl.megakernel.fusion import fuse
 from mdsl.megakernel.layers import get_layer_op
-from mdsl.megakernel.partition import build_task_graph
+from mdsl.megakernel.partition import build_task_graph, chunked_split_range, split_positions_bound
 from mdsl.megakernel.reference import ReferenceModel
 from mdsl.megakernel.simulator import Simulator
 from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
@@ -160,3 +160,17 @@ def test_implied_waits_are_dropped_and_nothing_else(fused):
         o_proj = next(t for t in after.tasks if t.kind == "linear_residual")
         (wait,) = o_proj.waits
         assert {after.tasks[p].kind for p in new_events[wait.event].producers} == {"rope_attention.combine"}
+
+
+@pytest.mark.parametrize("positions,splits,min_chunk", [(24, 3, 2), (24, 7, 1), (2048, 16, 64), (100, 16, 64),
+                                                        (5, 4, 1)])
+def test_chunked_splits_cover_each_position_once_within_their_declared_box(positions, splits, min_chunk):
+    for position in range(positions):
+        ranges = [chunked_split_range(position, s, splits, min_chunk) for s in range(splits)]
+        covered = [p for lo, hi in ranges for p in range(lo, hi)]
+        assert covered == list(range(position + 1))
+        holder = [s for s, (lo, hi) in enumerate(ranges) if lo <= position < hi]
+        assert len(holder) == 1 and all(lo == hi for lo, hi in ranges[holder[0] + 1:])   # the last non-empty
+        for s, (lo, hi) in enumerate(ranges):
+            box = split_positions_bound(positions, s, splits, min_chunk)
+            assert lo == hi or box[0] <= lo < hi <= box[1]

@@ -1,12 +1,22 @@
-"""The megakernel's device task tables for one decode step of a decoder, and the events linking them.
+"""The megakernel's device task tables for one decode step of a decoder, and the events linking them,
+lowered from the model's TaskGraph.
+
+`build_plan` traces the built-in decoder (`plan_model` takes any model graph), fuses it
+(mdsl.megakernel.fusion: one op per device task kind), cuts it into the device's tiles
+(`device_partition`), drops waits that others imply (taskgraph.without_implied_waits) and lowers it
+(`lower_task_graph`): each op's `device` rule (attached to its layer-op registry entry, below) turns its
+tasks into table rows (Kind, layer, begin, end, and the device buffer ranges the row reads and writes);
+the TaskGraph's events become the device's (one per distinct set of producer rows). The embedding's tasks
+are absorbed: the device's sampling task writes the next step's embedding row, so the tasks that waited
+for the embedding wait for the previous step's token instead, the one cross-step event.
 
 A step is a list of tasks in dependency order; the persistent kernel hands out task indices
 `step * tasks_per_step + k` from one queue, so a task only ever waits on tasks handed out before it
-(no deadlock while every worker block is resident). Each task says which buffer ranges it reads and
-writes; a consumer's event is the set of producer tiles whose writes overlap its reads, so it waits
-only for the tiles it reads. An event counts its producers' completions: it is complete for step s at
-`producers * (s + 1)`, so counters are never reset within a launch. The embedding row of step s + 1 is
-written by step s's sampling task, so the event it signals starts at 1 (the host writes step 0's).
+(no deadlock while every worker block is resident). A consumer waits only for the producer tiles it
+reads. An event counts its producers' completions: it is complete for step s at `producers * (s + 1)`,
+so counters are never reset within a launch. The embedding row of step s + 1 is written by step s's
+sampling task, so the event it signals starts at 1 (the host writes step 0's): the TaskGraph's
+threshold `count * (s + 1 - 1)` for a wait on the previous step.
 
 Every task of a step is an ancestor of the step's sampling task, and every task of step s + 1 waits
 (through the embedding) for that sampling task: a buffer is never rewritten while a task of the
