@@ -13,11 +13,11 @@ there; the consumer on that rank waits until its counter has heard from every ot
 relative: slot k of rank r holds what rank (r - k) mod N sent (slot 0 is the rank's own copy), so
 the task graph is the same on every rank.
 
-* `all_reduce(x)` (world_size): the sum over ranks of x, in rank order (so that every rank gets the
-  same bits). Tasks per column tile: `all_reduce.send` copies the tile into slot 0 and puts it into
+* `all_reduce(x)` (world_size, tile_columns): the sum over ranks of x, in rank order (so that every rank gets the
+  same bits). Tasks per column tile (`tile_columns` wide, or the partition's column tiles): `all_reduce.send` copies the tile into slot 0 and puts it into
   slot k of rank r + k; `all_reduce.sum` adds the N slots of its tile. A consumer of the sum waits
   only for the summed tiles it reads.
-* `all_gather(x)` (world_size): the ranks' rows side by side in rank order, [1, N * n]; tasks
+* `all_gather(x)` (world_size, tile_columns): the ranks' rows side by side in rank order, [1, N * n]; tasks
   `all_gather.send` (as above) and `all_gather.assemble` (a tile of every rank's part).
 * `tp_argmax(logits_shard, tokens)` (world_size): the index of the largest logit over every rank's
   vocabulary shard (rank r holds columns r * n .. (r + 1) * n; ties go to the lower index), written
@@ -106,6 +106,9 @@ def _require_row(op: str, t: TensorType) -> int:
 def _check_world(op: str, a: dict) -> None:
     if a["world_size"] < 1:
         raise ShapeError(f"{op}: world_size must be at least 1, got {a['world_size']}")
+    if a.get("tile_columns", 0) < 0:
+        raise ShapeError(f"{op}: tile_columns must be 0 (the partition's column tiles) or positive, got "
+                         f"{a['tile_columns']}")
 
 
 def _single_rank_reference(op: str, over_ranks):
@@ -120,10 +123,15 @@ def _single_rank_reference(op: str, over_ranks):
     return reference
 
 
-def _register(name: str, arity: int, infer, over_ranks, doc: str, state_inputs: tuple = (), **rules) -> None:
-    """A collective's registry entry: attribute world_size, shape rule, semantics over ranks, and the
-    rules of later layers (tasks, puts, task_bodies)."""
-    register_layer_op(LayerOpDef(name=name, arity=arity, attr_specs=(AttrSpec("world_size", "int"),), infer=infer,
+_WORLD = (AttrSpec("world_size", "int"),)
+_TILED = (*_WORLD, AttrSpec("tile_columns", "int", 0))   # columns per sent tile; 0: the partition's column tiles
+
+
+def _register(name: str, arity: int, infer, over_ranks, doc: str, state_inputs: tuple = (), attr_specs=_TILED,
+              **rules) -> None:
+    """A collective's registry entry: attributes, shape rule, semantics over ranks, and the rules of
+    later layers (tasks, puts, task_bodies)."""
+    register_layer_op(LayerOpDef(name=name, arity=arity, attr_specs=attr_specs, infer=infer,
                                  reference=_single_rank_reference(name, over_ranks), state_inputs=state_inputs,
                                  doc=doc))
     extend_layer_op(name, over_ranks=over_ranks, **rules)
@@ -155,7 +163,8 @@ def _send_tasks(node, config, kind: str):
     n = x.shape[1]
     inbox = inbox_name(node)
     scratch = [Buffer(inbox, TensorType((world, n), f32), SCRATCH)]
-    tiles = column_tiles(n, config)
+    width = node.attr_dict["tile_columns"]
+    tiles = column_tiles(n, config) if width <= 0 else [(a, min(a + width, n)) for a in range(0, n, width)]
     specs = [TaskSpec(kind, _col_tile(a, b), (columns(x, a, b),), (Region(inbox, ((0, 1), (a, b))),))
              for a, b in tiles]
     return specs, scratch, tiles
@@ -287,14 +296,14 @@ def _tp_argmax_send(task, node, buf, ctx):
 def _tp_argmax_reduce(task, node, buf, ctx):
     pair_value, pair_index = pair_scratch(node)
     values, indices = buf[pair_value], buf[pair_index]
-    top = values.max()
-    token = int(indices[values == top].min())   # ties: the lowest global index, as np.argmax
+    nan = np.isnan(values)     # as np.argmax: a NaN wins, then the largest value; ties: the lowest index
+    token = int(indices[nan].min() if nan.any() else indices[values == values.max()].min())
     buf[node.output.name][0] = token
     store_next_token(buf[node.inputs[1].name], token, ctx)
 
 
 _register("tp_argmax", 2, _tp_argmax_infer, _tp_argmax_over_ranks, "the most likely token over every rank's "
-          "vocabulary shard, stored after the position", state_inputs=(1,), tasks=_tp_argmax_tasks,
+          "vocabulary shard, stored after the position", state_inputs=(1,), attr_specs=_WORLD, tasks=_tp_argmax_tasks,
           puts={"tp_argmax.send": _tp_argmax_puts},
           task_bodies={"argmax.partial": get_layer_op("argmax").rules["task_bodies"]["argmax.partial"],
                        "tp_argmax.send": _tp_argmax_send, "tp_argmax.reduce": _tp_argmax_reduce})

@@ -24,6 +24,7 @@ which world sizes a model allows. The communication ops and their task rules are
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Optional, Sequence
 
 import attrs
@@ -79,9 +80,10 @@ class _Indivisible(Exception):
 class _Sharder:
     """Builds the per-rank graph while the shard rules walk the source graph's nodes."""
 
-    def __init__(self, graph: ModelGraph, world_size: int):
+    def __init__(self, graph: ModelGraph, world_size: int, tile_columns: int = 0):
         self.graph = graph
         self.world = world_size
+        self.tile_columns = tile_columns
         self.values: dict = {}           # source Var name -> (local Var, layout)
         self.weight_axes: dict = {}      # weight name -> the split axis, None when replicated
         self.local_weights: dict = {}
@@ -147,7 +149,7 @@ class _Sharder:
         return self.emit(self.node.op, *inputs, **{**self.node.attr_dict, **overrides})
 
     def all_reduce(self, partial: Var) -> tuple:
-        return self.emit("all_reduce", partial, world_size=self.world), REPLICATED
+        return self.emit("all_reduce", partial, world_size=self.world, tile_columns=self.tile_columns), REPLICATED
 
     def run(self) -> "_Sharder":
         for node in self.graph.nodes:
@@ -245,7 +247,8 @@ def _shard_argmax(node, s):
 def _shard_sample(node, s):
     tokens = s.replicated(node.inputs[1])
     shard = _vocabulary_logits(node, s)
-    logits = s.replicated(node.inputs[0]) if shard is None else s.emit("all_gather", shard, world_size=s.world)
+    logits = s.replicated(node.inputs[0]) if shard is None else \
+        s.emit("all_gather", shard, world_size=s.world, tile_columns=s.tile_columns)
     return [(s.same(logits, tokens), REPLICATED)]
 
 
@@ -339,11 +342,15 @@ def _indivisible_error(graph: ModelGraph, world_size: int) -> ShapeError:
                       hint=f"world sizes this model allows: {', '.join(map(str, allowed))}")
 
 
-def tensor_parallel(graph: ModelGraph, world_size: int) -> TensorParallelPlan:
-    """Split a model graph over `world_size` ranks (see the module's docstring)."""
+def tensor_parallel(graph: ModelGraph, world_size: int, *, tile_columns: int = 0) -> TensorParallelPlan:
+    """Split a model graph over `world_size` ranks (see the module's docstring). `tile_columns`: the
+    width of the tiles that all_reduce and all_gather send (one put per tile and peer), 0 for the
+    partition's column tiles (the finest overlap; a GPU wants fewer, larger puts)."""
     world_size = _check_world_size(world_size)
+    if isinstance(tile_columns, bool) or not isinstance(tile_columns, (int, np.integer)) or tile_columns < 0:
+        raise ValidationError(f"tile_columns must be 0 or a positive number of columns, got {tile_columns!r}")
     try:
-        s = _Sharder(graph, world_size).run()
+        s = _Sharder(graph, world_size, int(tile_columns)).run()
     except _Indivisible:
         raise _indivisible_error(graph, world_size) from None
     logits, logits_layout = s.values[graph.logits.name]
@@ -475,6 +482,74 @@ class TensorParallelTaskGraph:
         lines.append("}")
         return "\n".join(lines)
 
+    def landings(self) -> list:
+        """(sender task id, peer, destination Region) of every put."""
+        return [(t.id, put.peer, dst) for t in self.local.tasks for put in self.puts[t.id] for _, dst in put.regions]
+
+    def remote_inputs(self) -> list:
+        """Per task: the sorted (sender task, peer) pairs whose puts land in what it reads."""
+        landings = self.landings()
+        index = RegionIndex((i, dst) for i, (_, _, dst) in enumerate(landings))
+        return [sorted({landings[i][:2] for r in t.reads for i in index.overlapping(r)}) for t in self.local.tasks]
+
+    def validate(self) -> "TensorParallelTaskGraph":
+        """Across ranks, what `TaskGraph.validate` checks within one: every put a task reads is one of
+        its remote events' producers, from an earlier task (in-order dispatch cannot deadlock); and no
+        put of step s + 1 can land before the task reading it in step s has run (the task comes before
+        the sender's end of step s, or the sender's put comes after the reader's rank starts step s + 1)."""
+        events = {e.id: e for e in self.remote_events}
+        inputs = self.remote_inputs()
+        for t in self.local.tasks:
+            covered = {p for e in self.remote_waits[t.id] for p in events[e].producers}
+            for sender, peer in inputs[t.id]:
+                if (sender, peer) not in covered:
+                    raise ValidationError(f"task {t.id} ({t.kind}) reads what task {sender} of rank -{peer} puts "
+                                          "without waiting for it")
+                if sender >= t.id:
+                    raise ValidationError(f"task {t.id} ({t.kind}) waits for a put of the later task {sender}; "
+                                          "tasks handed out in order could deadlock")
+        ends, starts = self._step_reach()
+        n = self.world_size
+        for t in self.local.tasks:
+            for sender, peer in inputs[t.id]:
+                offset = -peer % n
+                if not (ends[t.id] >> offset) & 1 and (sender, offset) not in starts:
+                    raise ValidationError(f"the put of task {sender} ({self.local.tasks[sender].kind}) from rank "
+                                          f"-{peer} in step s + 1 may land before task {t.id} ({t.kind}) has read "
+                                          "step s's", hint="the reader must lead to the sender's next token")
+        return self
+
+    def _step_reach(self) -> tuple:
+        """Dependencies within a step, ranks as offsets from one rank: per task, the bit mask of offsets
+        whose end of step (token write) it leads to; and the (task, offset) pairs that follow one rank's
+        start of a step."""
+        n, tasks = self.world_size, self.local.tasks
+        local_events = {e.id: e for e in self.local.events}
+        same_step = {w.event for t in tasks for w in t.waits if w.step_offset == 0}
+        remote = {e.id: e for e in self.remote_events}
+        successors = [[(u, 0) for e in t.signals if e in same_step for u in local_events[e].consumers] +
+                      [(u, put.peer) for put in self.puts[t.id] for e in put.events for u in remote[e].consumers]
+                      for t in tasks]
+        terminal = set(self.local.terminal_tasks())
+        full = (1 << n) - 1
+        ends = [0] * len(tasks)
+        for t in reversed(tasks):
+            mask = 1 if t.id in terminal else 0
+            for u, shift in successors[t.id]:
+                if u > t.id:
+                    mask |= ((ends[u] << shift) | (ends[u] >> (n - shift))) & full
+            ends[t.id] = mask
+        starts = {(t.id, 0) for t in tasks if any(w.step_offset != 0 for w in t.waits)}
+        frontier = list(starts)
+        while frontier:
+            t, offset = frontier.pop()
+            for u, shift in successors[t]:
+                nxt = (u, (offset + shift) % n)
+                if nxt not in starts:
+                    starts.add(nxt)
+                    frontier.append(nxt)
+        return ends, starts
+
 
 def _inside(inner, outer) -> bool:
     return inner.buffer == outer.buffer and all(c <= a and b <= d for (a, b), (c, d) in zip(inner.box, outer.box))
@@ -502,13 +577,17 @@ def build_tensor_parallel_task_graph(plan: TensorParallelPlan,
             consumers.setdefault(eid, []).append(t.id)
         waits.append((event_ids[producers],) if producers else ())
     events = tuple(RemoteEvent(eid, producers, consumers[eid]) for producers, eid in event_ids.items())
-    puts = tuple(tuple(attrs.evolve(put, events=tuple(e.id for e in events if (t.id, put.peer) in e.producers))
-                       for put in task_puts) for t, task_puts in zip(local.tasks, raw))
+    signalled = defaultdict(list)          # (task, peer) -> the remote events its put counts in
+    for e in events:
+        for producer in e.producers:
+            signalled[producer].append(e.id)
+    puts = tuple(tuple(attrs.evolve(put, events=signalled[(t.id, put.peer)]) for put in task_puts)
+                 for t, task_puts in zip(local.tasks, raw))
     for t, task_puts in zip(local.tasks, puts):
         for put in task_puts:
             if not put.events:
                 raise ValidationError(f"task {t.id} ({t.kind}) puts into rank+{put.peer} what no task there reads")
-    return TensorParallelTaskGraph(plan, local, puts, events, waits)
+    return TensorParallelTaskGraph(plan, local, puts, events, waits).validate()
 
 
 def _check_puts(local: TaskGraph, raw: list, entries: list) -> None:

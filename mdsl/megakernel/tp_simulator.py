@@ -80,13 +80,10 @@ class TensorParallelSimulator:
         self.graph = graph
         self.sims = [Simulator(graph.local, w) for w in rank_weights]
         tasks = graph.local.tasks
-        landing = [(t.id, put.peer, dst) for t in tasks for put in graph.puts[t.id] for _, dst in put.regions]
-        index = RegionIndex((i, dst) for i, (_, _, dst) in enumerate(landing))
-        # per task: the (sender task, peer) puts that land in what it reads
-        self.remote_inputs = [sorted({landing[i][:2] for r in t.reads for i in index.overlapping(r)}) for t in tasks]
+        self.remote_inputs = graph.remote_inputs()  # per task: the (sender task, peer) puts landing in its reads
         readers = RegionIndex((t.id, r) for t in tasks for r in t.reads)
         self.landing_readers = defaultdict(set)    # (sender task, peer) -> the receiver's tasks reading it
-        for tid, peer, dst in landing:
+        for tid, peer, dst in graph.landings():
             self.landing_readers[(tid, peer)].update(readers.overlapping(dst))
         self.remote_events = {e.id: e for e in graph.remote_events}
         self.terminal = set(graph.local.terminal_tasks())
@@ -95,11 +92,13 @@ class TensorParallelSimulator:
         self.bytes_sent = 0
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                 workers: Union[None, int, Sequence[int]] = None, seed: int = 0, dispatch: str = "queue",
-                 max_moves: Optional[int] = None) -> Generation:
+                 workers: Union[None, int, Sequence[int]] = None, speeds: Optional[Sequence[float]] = None,
+                 seed: int = 0, dispatch: str = "queue", max_moves: Optional[int] = None) -> Generation:
         """Prefill and decode on every rank under one random interleaving; `workers`: per rank (a number
-        for all, or None: 1 to 6 at random per rank). The tokens (the ranks must agree) and the logits
-        gathered from the ranks' vocabulary shards."""
+        for all, or None: 1 to 6 at random per rank); `speeds`: per rank, the relative odds that one of its
+        workers moves next (None: 1, 0.1 or 0.01 at random per rank, so that ranks drift apart as a
+        straggling GPU would; a put's delivery has odds 1). The tokens (the ranks must agree) and the
+        logits gathered from the ranks' vocabulary shards."""
         if dispatch not in ("queue", "round_robin"):
             raise ValueError(f"dispatch must be 'queue' or 'round_robin', not {dispatch!r}")
         world = self.graph.world_size
@@ -110,6 +109,9 @@ class TensorParallelSimulator:
             workers = [workers] * world
         if len(workers) != world or min(workers) < 1:
             raise ValueError(f"workers must give each of the {world} ranks at least one worker, got {workers}")
+        speeds = [rng.choice((1.0, 0.1, 0.01)) for _ in range(world)] if speeds is None else list(speeds)
+        if len(speeds) != world or min(speeds) <= 0:
+            raise ValueError(f"speeds must give each of the {world} ranks positive odds, got {speeds}")
         steps = check_steps(self.graph.plan.graph, prompt_ids, max_new_tokens)
         order = [(s, t.id) for s in range(steps) for t in self.graph.local.tasks]
         ranks = [_Rank(sim, r, workers[r], order, dispatch, prompt_ids) for r, sim in enumerate(self.sims)]
@@ -117,11 +119,11 @@ class TensorParallelSimulator:
         moves, limit = 0, max_moves or 30 * world * len(order) + 1000
         while in_flight or any(rank.busy() for rank in ranks):
             movable = [(rank, w) for rank in ranks for w in range(rank.workers) if self._can_move(rank, w)]
-            choices = len(movable) + len(in_flight)
-            if not choices:
+            if not movable and not in_flight:
                 raise SimulationError(f"deadlock: {self._describe(ranks)}",
                                       hint="an event waits on a task or a put that never signals it")
-            pick = rng.randrange(choices)
+            odds = [speeds[rank.rank] for rank, _ in movable] + [1.0] * len(in_flight)
+            pick = rng.choices(range(len(odds)), weights=odds)[0]
             if pick < len(movable):
                 self._move(*movable[pick], ranks, in_flight, len(prompt_ids))
             else:

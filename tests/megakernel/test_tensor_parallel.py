@@ -136,6 +136,27 @@ def test_consumers_wait_only_for_the_reduced_tiles_they_read():
     assert "remote event" in str(tp) and tp.put_bytes(sums[0].id - len(sums)) > 0
 
 
+def test_wider_communication_tiles_keep_the_results_and_the_per_tile_waits():
+    graph, weights, _, _ = _tp("llama3", 2)
+    plan = tensor_parallel(graph, 2, tile_columns=12)       # hidden 32: tiles 0:12, 12:24, 24:32
+    tp = build_tensor_parallel_task_graph(plan, PARTITION)
+    tasks, events = tp.local.tasks, {e.id: e for e in tp.local.events}
+    o_proj = [i for i, n in enumerate(plan.graph.nodes) if n.op == "all_reduce"][1]
+    sums = _sum_tasks(tp, o_proj)
+    assert [(t.tile_value("col_start"), t.tile_value("col_stop")) for t in sums] == [(0, 12), (12, 24), (24, 32)]
+    for add in (t for t in tasks if t.kind == "add" and t.node == o_proj + 1):
+        a, b = add.tile_value("col_start"), add.tile_value("col_stop")
+        waited = {p for w in add.waits for p in events[w.event].producers if tasks[p].node == o_proj}
+        assert waited == {s.id for s in sums if s.tile_value("col_start") < b and a < s.tile_value("col_stop")}
+    rank_weights = [plan.shard_weights(weights, r) for r in range(2)]
+    expected = ReferenceModel(graph, weights).generate(PROMPT, 3)
+    got = TensorParallelSimulator(tp, rank_weights).generate(PROMPT, 3, seed=2)
+    assert got.tokens == expected.tokens
+    np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValidationError, match="tile_columns must be 0 or a positive"):
+        tensor_parallel(graph, 2, tile_columns=-1)
+
+
 @pytest.mark.parametrize("world_size,heads,allowed", [
     (3, "the 4 query heads and the 2 KV heads of rope", "1, 2"),
     (4, "the 2 KV heads of rope", "1, 2"),
@@ -205,6 +226,43 @@ def test_a_lost_put_is_a_deadlock():
     puts[sender] = ()
     with pytest.raises(SimulationError, match=r"deadlock: .*tp_argmax\.reduce.*r\d+: 0/1"):
         TensorParallelSimulator(attrs.evolve(tp, puts=puts), rank_weights).generate(PROMPT, 2, seed=0)
+
+
+def _ranks_exchanging_only_tokens(tp: TensorParallelTaskGraph) -> TensorParallelTaskGraph:
+    """The task graph with its all_reduces made local (sums read only the rank's own slot, sends put
+    nothing): the ranks meet only where they exchange their best tokens."""
+    tasks, puts, waits = list(tp.local.tasks), list(tp.puts), list(tp.remote_waits)
+    for t in tp.local.tasks:
+        if t.kind == "all_reduce.sum":
+            tasks[t.id] = attrs.evolve(t, reads=tuple(attrs.evolve(r, box=((0, 1), *r.box[1:])) for r in t.reads))
+            waits[t.id] = ()
+        if t.kind == "all_reduce.send":
+            puts[t.id] = ()
+    return attrs.evolve(tp, local=attrs.evolve(tp.local, tasks=tasks), puts=puts, remote_waits=waits)
+
+
+def test_validate_refuses_remote_reads_without_a_wait_and_puts_that_can_overtake_a_reader():
+    tp, _ = _tp_sim()
+    victim = next(t.id for t in tp.local.tasks if t.kind == "all_reduce.sum")
+    waits = list(tp.remote_waits)
+    waits[victim] = ()
+    with pytest.raises(ValidationError, match=f"task {victim} \\(all_reduce.sum\\) reads what task .* puts without "
+                                              "waiting for it"):
+        attrs.evolve(tp, remote_waits=waits).validate()
+    # a rank that does not wait for the others in a step may put its next step's best token before they
+    # read this step's
+    with pytest.raises(ValidationError, match=r"tp_argmax\.send\) from rank -1 in step s \+ 1 may land before task "
+                                              r"\d+ \(tp_argmax\.reduce\) has read step s's"):
+        _ranks_exchanging_only_tokens(tp).validate()
+
+
+def test_a_rank_running_a_step_ahead_is_caught_when_its_put_lands():
+    tp, rank_weights = _tp_sim()
+    sim = TensorParallelSimulator(_ranks_exchanging_only_tokens(tp), rank_weights)
+    with pytest.raises(SimulationError, match=r"tp_argmax\.send\) of step \d+ from rank \d overwrote rank \d's data "
+                                              r"before its task \d+ \(tp_argmax\.reduce"):
+        for seed in range(40):
+            sim.generate(PROMPT, 4, seed=seed, workers=[1, 6], speeds=[0.01, 1.0])
 
 
 def test_a_put_landing_early_or_out_of_order_is_caught():
