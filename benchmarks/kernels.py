@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py [--no-compile] [--cases gqa_bs1,lora] [--time-limit 540] [--out DIR]
     python benchmarks/kernels.py --plans-only       # no GPU: fill the plan cache, compile each plan's CUDA
+    python benchmarks/kernels.py --plans-only --autotune 3 --variants 8   # and verify + precompile tuning variants
     python benchmarks/kernels.py --render a/results.json b/results.json   # no GPU: merge runs, redraw
 
 For each case (benchmarks/cases.py) the contenders are mdsl's plan (its kernels launched through the
@@ -136,6 +137,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     search = p.add_argument_group("plans")
     search.add_argument("--plans-only", action="store_true",
                         help="only load (or search) the plans and compile their CUDA; no GPU or torch needed")
+    search.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --plans-only and --autotune: compile every (candidate, options) pair the GPU run "
+                             "will time into the cubin cache (default: yes; --no-precompile verifies the tuning "
+                             "variants only, e.g. while the code generator still changes)")
     search.add_argument("--budget", type=float, default=120.0,
                         help="the search budget of the plans' SearchConfig (part of the plan cache's key)")
     search.add_argument("--workers", type=_positive_int, default=None, help="search worker processes")
@@ -307,9 +312,10 @@ def plans_only(args: argparse.Namespace, names: list) -> int:
                         except Exception as e:   # the plan and its own candidates are still tuned
                             row["variants"] = {"error": _one_line(e), "traceback": _traceback()}
                             print(f"   {name}: no tuning variants: {row['variants']['error']}", flush=True)
-                    precompiled = precompile_variants(plan, args.autotune, args.variants, arch)
-                    row["cuda"]["autotune_variants_compiled"] = precompiled["compiled"]
-                    row["cuda"]["autotune_variants_failed"] = precompiled["failed"]
+                    if args.precompile:
+                        precompiled = precompile_variants(plan, args.autotune, args.variants, arch)
+                        row["cuda"]["autotune_variants_compiled"] = precompiled["compiled"]
+                        row["cuda"]["autotune_variants_failed"] = precompiled["failed"]
             except ModuleNotFoundError as e:   # no cuda.bindings: the plan is still good
                 row["cuda"] = {"skipped": f"not compiled: {e}"}
         except Exception as e:
