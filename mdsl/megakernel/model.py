@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 import attrs
 from attrs import field
 
-from mdsl.errors import MdslError, ShapeError, SourceLoc, TraceError
+from mdsl.errors import MdslError, ParseError, ShapeError, SourceLoc, TraceError
 from mdsl.frontend.source import caller_loc, frame_loc
 from mdsl.ir.dtypes import DType, f32, i32
-from mdsl.ir.text import format_attrs
+from mdsl.ir.text import _comment_loc, _loc_comment, _Parser, format_attrs
 from mdsl.ir.types import TensorType, Var
 from mdsl.megakernel.layers import get_layer_op
 
@@ -123,12 +123,78 @@ def print_model_graph(g: ModelGraph) -> str:
     for n in g.nodes:
         outs = ", ".join(map(_decl, n.outputs))
         line = f"  {outs} = {n.op}({', '.join(map(str, n.inputs))}) {format_attrs(n.attrs)}".rstrip()
-        if n.loc is not None:
-            line += f"  # @ {n.loc}"
-        lines.append(line)
+        lines.append(line + _loc_comment(n.loc))
     lines.append(f"  return {', '.join(map(str, g.outputs))}")
     lines.append("}")
     return "\n".join(lines)
+
+
+def parse_model_graph(text: str) -> ModelGraph:
+    """Read a model graph's textual form (`print_model_graph`; print -> parse -> print gives the same
+    text). Each node's output types are checked against its op's rule; an error points at the line."""
+    return _ModelParser(text).model_graph()
+
+
+class _ModelParser(_Parser):
+    """The kernel-graph text's tokens and pieces (mdsl.ir.text), with the model graph's statements."""
+
+    def model_graph(self) -> ModelGraph:
+        self.expect("model")
+        name = self.expect_kind("ident", "a model name").text
+        self.expect("{")
+        self.end_line()
+        scope: dict = {}
+        weights, states = self.declarations("weight", scope), self.declarations("state", scope)
+        if not states or states[0].name != TOKENS or states[0].dtype is not i32 or states[0].type.rank != 1:
+            raise self.error(f"the token history 'state %{TOKENS}: i32[max_positions]' first")
+        nodes = []
+        while not self.at("return"):
+            if self.peek().kind != "var":
+                raise self.error("a node (%name: type = op(...)) or 'return'")
+            nodes.append(self.layer_node(scope))
+        return_tok = self.expect("return")
+        outputs = [self.use(scope)]
+        while self.accept(","):
+            outputs.append(self.use(scope))
+        if len(outputs) != 2:
+            raise ParseError(f"a model returns (logits, token), got {len(outputs)} value(s)", loc=self.loc(return_tok))
+        self.end_line()
+        self.expect("}")
+        self.end_line()
+        if self.peek().kind != "eof":
+            raise self.error("end of text")
+        return ModelGraph(name, weights, states, nodes, outputs)
+
+    def declarations(self, word: str, scope: dict) -> list:
+        found = []
+        while self.accept(word):
+            found.append(self.define(scope, self.declaration()))
+            self.end_line()
+        return found
+
+    def layer_node(self, scope: dict) -> LayerNode:
+        start = self.peek()
+        outputs = [self.declaration()]
+        while self.accept(","):
+            outputs.append(self.declaration())
+        self.expect("=", "',' or '='")
+        op_tok = self.expect_kind("ident", "a layer op name")
+        try:
+            op = get_layer_op(op_tok.text)
+        except MdslError as e:
+            raise ParseError(e.message, loc=self.loc(op_tok), hint=e.hint) from None
+        inputs = self.seq(lambda: self.use(scope), ")", opened="(")
+        pairs = self.attributes(op, op_tok)
+        loc = _comment_loc(self.end_line())
+        try:
+            types = op.infer_types(tuple(v.type for v in inputs), pairs)
+        except MdslError as e:
+            raise ParseError(e.message, loc=self.loc(op_tok), hint=e.hint) from None
+        declared = tuple(v.type for _, v in outputs)
+        if types != declared:
+            raise ParseError(f"{op.name} gives {', '.join(map(str, types))}, declared {', '.join(map(str, declared))}",
+                             loc=self.loc(start))
+        return LayerNode(op.name, inputs, [self.define(scope, out) for out in outputs], pairs, loc)
 
 
 def _quote(text: str) -> str:

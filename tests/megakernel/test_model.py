@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 import mdsl
-from mdsl.errors import ShapeError, TraceError, ValidationError
+from mdsl.errors import ParseError, ShapeError, TraceError, ValidationError
 from mdsl.ir.dtypes import f32
+from mdsl.megakernel.architectures import sampling_decode
+from mdsl.megakernel.fusion import fuse
 from mdsl.megakernel.layers import LAYER_OPS
+from mdsl.megakernel.model import parse_model_graph, print_model_graph
 import mdsl.megakernel.partition  # noqa: F401  (attaches the `tasks` rules)
 from mdsl.megakernel.reference import ReferenceModel
 import mdsl.megakernel.task_bodies  # noqa: F401  (attaches the `task_bodies` rules)
@@ -118,3 +121,53 @@ def test_builtin_graphs_have_the_architecture_ops():
     rope = next(n for n in llama.nodes if n.op == "rope").attr_dict
     assert (rope["scaling_factor"], rope["original_max_position"]) == (8.0, 8)
     assert llama.logits.type.dtype is f32 and llama.token.shape == (1,)
+
+
+def _round_trips(graph):
+    text = print_model_graph(graph)
+    back = parse_model_graph(text)
+    assert back == graph and back.key == graph.key
+    assert print_model_graph(back) == text
+    assert [n.loc for n in back.nodes] == [n.loc for n in graph.nodes]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_the_text_form_round_trips(arch):
+    config, graph, _ = tiny_model(arch)
+    _round_trips(graph)
+    _round_trips(fuse(graph))
+    _round_trips(sampling_decode(arch, temperature=0.7, top_p=0.9, seed=3).trace(config))
+    _round_trips(two_layer_mlp.trace(Cfg()))
+
+
+def test_a_parsed_graph_runs_like_the_traced_one():
+    _, graph, weights = tiny_model("qwen3")
+    parsed = parse_model_graph(str(graph))
+    assert ReferenceModel(parsed, weights).generate([1, 2], 3).tokens == ReferenceModel(graph, weights).generate(
+        [1, 2], 3).tokens
+
+
+_TEXT = """model tiny {
+  weight %embed: f32[16, 8]
+  state %tokens: i32[6]
+  %t0: f32[1, 8] = embedding(%tokens, %embed)
+  %t1: f32[1, 16] = linear(%t0, %embed)
+  %t2: i32[1] = argmax(%t1, %tokens)
+  return %t1, %t2
+}"""
+
+
+@pytest.mark.parametrize("change,message,line", [
+    (("embedding(", "embeding("), "unknown layer op 'embeding'", 4),
+    (("linear(%t0", "linear(%t9"), "undefined value %t9", 5),
+    (("%t1: f32[1, 16] =", "%t1: f32[1, 15] ="), r"linear gives f32\[1, 16\], declared f32\[1, 15\]", 5),
+    (("linear(%t0, %embed)", "linear(%t0, %tokens)"), "weight 0 must be", 5),
+    (("return %t1, %t2", "return %t2"), r"returns \(logits, token\), got 1", 7),
+    (("state %tokens: i32[6]", "state %tokens: f32[6]"), "token history", 4),
+    (("%t0: f32[1, 8] = embedding", "%t0: f32[1, 8] = embedding {eps=1.0}"), r"expected '\('", 4),
+])
+def test_parse_errors_point_at_the_line(change, message, line):
+    parse_model_graph(_TEXT)
+    with pytest.raises(ParseError, match=message) as e:
+        parse_model_graph(_TEXT.replace(*change))
+    assert e.value.loc.line == line
