@@ -1,7 +1,10 @@
 """The task-graph fusion pass (model graph -> model graph) and the implied-wait pass (task graph -> task
 graph): which ops fold where, what is left alone, and that the fused graph, cut into tasks and run by the
 simulator under random interleavings, computes the reference forward of the unfused graph."""
+import importlib.util
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +177,33 @@ def test_chunked_splits_cover_each_position_once_within_their_declared_box(posit
         for s, (lo, hi) in enumerate(ranges):
             box = split_positions_bound(positions, s, splits, min_chunk)
             assert lo == hi or box[0] <= lo < hi <= box[1]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_the_task_graph_the_gpu_tables_are_lowered_from_computes_the_reference(arch, monkeypatch):
+    from mdsl.megakernel.runtime import plan as plan_module
+    from mdsl.megakernel.runtime.shape import decoder_shape
+
+    monkeypatch.setattr(plan_module, "MIN_CHUNK", 2)   # several non-empty splits at these short contexts
+    config, graph, weights = tiny_model(arch, seed=5)
+    splits = plan_module.attention_splits(decoder_shape(config), 9, config.max_positions)
+    task_graph = without_implied_waits(build_task_graph(fuse(graph), plan_module.device_partition(9, splits)))
+    assert splits == 4 and {t.tile_value("min_chunk") for t in task_graph.tasks if t.kind.endswith(".partial")} == {2}
+    want = ReferenceModel(graph, weights).generate(PROMPT, 12)
+    got = Simulator(task_graph, weights).generate(PROMPT, 12, workers=6, seed=8)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_statistics_script_prints_the_fused_graph(capsys):
+    path = Path(__file__).resolve().parents[2] / "scripts" / "megakernel_taskgraph_stats.py"
+    spec = importlib.util.spec_from_file_location("megakernel_taskgraph_stats", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--models", "qwen3-0.6b", "--sms", "4", "--positions", "256", "--unfused"])
+    out = capsys.readouterr().out
+    fused = re.search(r"## qwen3-0.6b, fused: (\d+) tasks, (\d+) events", out)
+    unfused = re.search(r"## qwen3-0.6b, unfused: (\d+) tasks, (\d+) events", out)
+    assert fused and unfused and int(fused.group(1)) < int(unfused.group(1))
+    # 28 layers x (4 q|k|v tiles, 4 x 2 attention splits, 16 combines, 4 + 4 + 4 linear tiles), the LM head
+    assert "| norm_linear | 112 |" in out and "| rope_attention.partial | 224 |" in out and "| lm_head | 4 |" in out
