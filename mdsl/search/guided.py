@@ -52,6 +52,7 @@ class Choice:
     forloop: int = 1
     split: int = 1         # blocks along the loop label (partial results combined afterwards)
     threads: int = 128
+    combine_parts: int = 1  # the combining kernel's blocks: its grid's widest label split this many times more
 
 
 @attrs.frozen
@@ -372,9 +373,50 @@ def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
         outputs2.append(BlockOutput(result, _omap(b.labels, v, choice, kv)[:len(grid_parts)]))
     grid2 = tuple(grid_parts) + (1,) * (3 - len(grid_parts))
     inputs2 = [BlockInput(t, imap, fmap) for t, imap, fmap in tiles2]
+    if choice.combine_parts > 1:
+        grid2, inputs2 = _refined(grid2, inputs2, choice.combine_parts)
+        nodes2 = _retyped_graph(nodes2, {i.var.name: i.var for i in inputs2})
+        outputs2 = [BlockOutput(_renamed(nodes2, o.var), o.omap) for o in outputs2]
     phase2 = BlockGraph(grid2, choice.threads, choice.split, inputs2, nodes2, outputs2)
     n2 = Node("custom", partial_vars, list(graph.outputs), body=phase2)
     return KernelGraph(graph.name, graph.inputs, [n1, n2], graph.outputs)
+
+
+def _refined(grid: tuple, inputs: list, factor: int) -> tuple:
+    """The combining kernel with `factor` times more blocks along the grid dim whose tiles are widest
+    (every partial result has its rows along it; each block then combines fewer rows, the same splits)."""
+    best = None
+    for g, parts in enumerate(grid):
+        dims = [i.imap[g] if g < len(i.imap) else None for i in inputs]
+        if parts == 1 or any(d is None for d in dims):
+            continue
+        extents = [i.var.shape[d] for i, d in zip(inputs, dims)]
+        if all(e % factor == 0 for e in extents) and (best is None or min(extents) > best[1]):
+            best = (g, min(extents))
+    if best is None:
+        raise CannotLift(f"no grid dim of the combining kernel divides {factor} ways")
+    g = best[0]
+    new_inputs = []
+    for i in inputs:
+        shape = list(i.var.shape)
+        shape[i.imap[g]] //= factor
+        new_inputs.append(BlockInput(Var(i.var.name, TensorType(shape, i.var.type.dtype)), i.imap, i.fmap))
+    return tuple(p * factor if k == g else p for k, p in enumerate(grid)), new_inputs
+
+
+def _retyped_graph(nodes: list, values: dict) -> list:
+    """The nodes on the (re-shaped) values, their output types inferred again."""
+    out = []
+    for n in nodes:
+        node = _retyped(n, [values.get(v.name, v) for v in n.inputs])
+        values[node.outputs[0].name] = node.outputs[0]
+        out.append(node)
+    return out
+
+
+def _renamed(nodes: list, var: Var) -> Var:
+    """The var of that name among the nodes' outputs (its type after re-shaping)."""
+    return next((n.outputs[0] for n in nodes if n.outputs[0].name == var.name), var)
 
 
 def _tile_dim_for(b: _Builder, tile: Var, label) -> Optional[int]:
