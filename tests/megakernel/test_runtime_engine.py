@@ -133,3 +133,14 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="unknown megakernel schedule 'random'") as info:
         MegakernelEngine(config, weights, schedule="random")
     assert "static, queue" in info.value.hint
+
+
+@no_gpu
+def test_mdsl_generate_takes_a_schedule(checkpoint, capsys):
+    args = ["generate", "--model", str(checkpoint), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    assert main([*args, "--schedule", "queue"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--schedule", "random"])
+    assert info.value.code == 2
+    assert "invalid choice: 'random'" in capsys.readouterr().err

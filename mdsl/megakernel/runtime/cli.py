@@ -14,6 +14,7 @@ import os
 import sys
 
 from mdsl.errors import UnsupportedError
+from mdsl.megakernel.runtime.source import SCHEDULES
 
 EXIT_OK = 0
 
@@ -52,7 +53,7 @@ def generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = args.prompt_ids
-    engine = MegakernelEngine.from_pretrained(args.model, max_seq=args.max_seq)
+    engine = MegakernelEngine.from_pretrained(args.model, max_seq=args.max_seq, schedule=args.schedule)
     run = engine.run(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                      seed=args.seed, profile=args.profile is not None)
     print(",".join(map(str, run.tokens)))
@@ -84,5 +85,8 @@ def add_generate_command(commands) -> None:
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.add_argument("--max-seq", type=int, metavar="N", help="KV cache positions (default: the model's, at most 4096)")
     gen.add_argument("--profile", metavar="TRACE.json", help="write a Perfetto trace of every task of the run")
+    gen.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
+                     help="how worker blocks take tasks: static (default: each its share in order) or queue "
+                          "(one global queue)")
     gen.set_defaults(run=generate)
 
