@@ -35,7 +35,7 @@ def _tp(arch, world_size, seed=1, **overrides):
     return graph, weights, plan, [plan.shard_weights(weights, r) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_n_rank_simulation_equals_the_single_rank_model(arch, world_size):
     graph, weights, plan, rank_weights = _tp(arch, world_size)
@@ -51,7 +51,7 @@ def test_n_rank_simulation_equals_the_single_rank_model(arch, world_size):
         assert got.logits.shape == reference.logits.shape == (len(PROMPT) - 1 + NEW_TOKENS, graph.logits.shape[1])
         for expected in (reference.logits, single.logits, over_ranks.logits):
             np.testing.assert_allclose(got.logits, expected, rtol=1e-5, atol=1e-5)
-    assert sim.puts_delivered > 0 and sim.bytes_sent > 0
+    assert (sim.puts_delivered > 0 and sim.bytes_sent > 0) == (world_size > 1)   # a group of one sends nothing
     assert len(set(reference.tokens)) > 1    # the tokens fed back change from step to step
 
 
