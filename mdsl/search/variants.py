@@ -47,6 +47,8 @@ class VariantSpace:
     max_split: int = 256          # splits of the loop label across blocks
     min_forloop: int = 1          # 1: a block may take its whole split as one tile
     budget_s: float = 1200.0      # verification wall clock for all of a plan's variants
+    combine_blocks: int = 128     # a split variant's combine kernel is also tried with at least this many blocks
+    max_loop_tile: int = 128      # elements of the loop label an iteration takes, at most (see `_fits`)
 
 
 @attrs.frozen
@@ -84,7 +86,8 @@ def describe_choice(choice, labels) -> str:
         return f"grid {grid}, no loop"
     n = labels.size(choice.loop) // choice.split
     split = f", split {choice.split}" if choice.split > 1 else ""
-    return f"grid {grid}{split}, {choice.forloop} iteration(s) of {n // choice.forloop}"
+    combine = f", combine x{choice.combine_parts}" if choice.combine_parts > 1 else ""
+    return f"grid {grid}{split}{combine}, {choice.forloop} iteration(s) of {n // choice.forloop}"
 
 
 def _main_blocks(graph: KernelGraph) -> tuple:
@@ -105,11 +108,14 @@ def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = Varian
     lifted: dict = {}  # key -> (choice, graph), first choice of each mugraph
     for choice in choices(original, labels, plan.config, max_split=space.max_split,
                           min_forloop=space.min_forloop):
-        try:
-            graph = lift(original, choice, labels)
-        except CannotLift:
+        if not _fits(choice, labels, space):
             continue
-        lifted.setdefault(graph.key, (choice, graph))
+        for wider in _combine_widths(choice, space):
+            try:
+                graph = lift(original, attrs.evolve(choice, combine_parts=wider), labels)
+            except CannotLift:
+                continue
+            lifted.setdefault(graph.key, (attrs.evolve(choice, combine_parts=wider), graph))
     known = [plan.graph] + [c.graph for c in plan.alternatives]
     base = next((lifted[g.key] for g in known if g.key in lifted), None)
     if base is None:
@@ -125,6 +131,28 @@ def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = Varian
                                   gpu_estimate(graph).seconds))
     proposals.sort(key=lambda p: (p.gpu_seconds, p.graph.key))
     return diverse(proposals, limit)
+
+
+def _fits(choice, labels, space: "VariantSpace") -> bool:
+    """Whether an iteration's tile along the loop label is at most `space.max_loop_tile` long. Measured
+    on the H200 (attention, rows kept in the mma registers): 64 keys an iteration was best, 256 or 512
+    keys a thread's row of scores no longer fits its registers, which the estimate does not model."""
+    if choice.loop is None:
+        return True
+    return labels.size(choice.loop) // (choice.split * choice.forloop) <= space.max_loop_tile
+
+
+def _combine_widths(choice, space: "VariantSpace") -> list:
+    """The combine kernel's extra split factors to try for a split choice: none, and the powers of two
+    that give it at least `space.combine_blocks` blocks (measured on the H200: a combine of 8 blocks
+    looping over 16-32 splits cost more than the attention before it)."""
+    if choice.split <= 1:
+        return [1]
+    blocks = math.prod(parts for _, parts in choice.grid)
+    wider = 1
+    while blocks * wider < space.combine_blocks:
+        wider *= 2
+    return sorted({1, wider, wider * 2})
 
 
 def diverse(ranked: Sequence[Proposal], limit: int, per_group: int = 2) -> list:
