@@ -59,11 +59,15 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 // bar.sync / bar.arrive on a named barrier of `count` threads: the scheduler warp is not part of the
-// compute warps' barriers, and a producer (arrive) does not wait for its consumers
+// compute warps' barriers, and a producer (arrive) does not wait for its consumers. Both are .aligned
+// (every lane of a warp executes them together): the __syncwarp reconverges a warp after a lane-0
+// branch, which the compiler does not know it must do before inline assembly.
 __device__ __forceinline__ void named_sync(int id, int count) {
+  __syncwarp();
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id, int count) {
+  __syncwarp();
   asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void compute_sync() { named_sync(BAR_COMPUTE, NT); }
@@ -568,17 +572,20 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
 // ---- the worker loop
 
 // An attention split's cached keys and values (the positions before `pos`: the newest one this task
-// writes), one bulk prefetch per row, by the scheduler warp's lanes.
+// writes) into L2, by the scheduler warp's lanes: one prefetch.global.L2 per 128-byte line (per lane,
+// unlike the bulk prefetch, whose address must sit in a uniform register: a loop over the lanes).
 __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, int split, long long pos, int lane) {
   long long lo, hi;
   split_positions(pos, split, lo, hi);
   hi = hi < pos ? hi : pos;
-  constexpr unsigned ROW_BYTES = D * unsigned(sizeof(T));
-  static_assert(ROW_BYTES % 16 == 0, "bulk prefetches move 16-byte multiples");
-  for (long long q = lo + lane; q < hi; q += 32) {
-    const long long row = (q * HKV + g) * D;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(w.k_cache + row), "r"(ROW_BYTES) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(w.v_cache + row), "r"(ROW_BYTES) : "memory");
+  constexpr int ROW_BYTES = D * int(sizeof(T)), LINE = 128, LINES = (ROW_BYTES + LINE - 1) / LINE;
+  for (long long i = lane; i < (hi - lo) * LINES; i += 32) {
+    const long long q = lo + i / LINES;
+    const long long offset = (q * HKV + g) * (long long)ROW_BYTES + (i % LINES) * LINE;
+    const char* k = reinterpret_cast<const char*>(w.k_cache) + offset;
+    const char* v = reinterpret_cast<const char*>(w.v_cache) + offset;
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(k) : "memory");
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(v) : "memory");
   }
 }
 
