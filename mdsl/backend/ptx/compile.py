@@ -9,7 +9,8 @@ resource report the tests check), and loading on the GPU.
   target, features and LLVM version; each entry carries the SHA-256 of its text and is written
   atomically, and one that fails the check is compiled again with a warning.
 * `assemble`: PTX to a cubin by the nvJitLink library (or the ptxas binary where it is absent),
-  with ptxas's `-v` report parsed into `Resources` per kernel; needs no GPU.
+  with ptxas's `-v` report parsed into `Resources` per kernel; needs no GPU. `PtxModule.resources`
+  is that report for a compiled module (assembled when first asked for).
 * `PtxModule.load`: the driver's JIT (cuModuleLoadData) on a machine with a GPU; a rejected module is
   assembled once more for the error log.
 
@@ -58,6 +59,13 @@ class PtxCompileError(MdslError):
 class PtxModule:
     ptx: str
     arch: str                # the target in the PTX (sm_90 for an sm_90a device)
+
+    @property
+    def resources(self) -> dict:
+        """Kernel name -> `Resources` (registers, spills, stack, shared memory), as ptxas reports them
+        for this PTX: what a CUDA-backend module carries from NVRTC's log. Assembled on first use (no
+        GPU needed; once per process and module), by nvJitLink or ptxas (`assemble`)."""
+        return _resources(self.ptx, self.arch)
 
     def load(self):
         """The module loaded by the driver (JIT-compiled for the current device); needs a GPU."""
@@ -242,6 +250,11 @@ def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None
     if not ok:
         raise error_from_log(f"{tool} rejected the generated PTX", log, ptx, "PTX")
     return AssembledModule(cubin, log, parse_resources(log), cpu)
+
+
+@functools.lru_cache(maxsize=64)
+def _resources(ptx: str, arch: str) -> dict:
+    return assemble(ptx, arch).resources
 
 
 def _assembly_log(ptx: str, cpu: str) -> Optional[str]:

@@ -24,11 +24,18 @@ pytestmark = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink n
                                 "pip install nvidia-nvjitlink, or put the CUDA toolkit's ptxas on PATH")
 
 
-def assert_assembles_clean(graph):
-    program = emit_llvm(graph)
-    module = compile_ptx(program.llvm_ir)
+@functools.lru_cache(maxsize=256)
+def assembled_module(llvm_ir: str):
+    """The module's PTX and its assembly (option sets that emit the same IR share them)."""
+    module = compile_ptx(llvm_ir)
+    return module, assemble(module.ptx)
+
+
+def assert_assembles_clean(graph, options=None):
+    """`options`: the CudaOptions to emit with (None: from the environment, as emit_llvm does)."""
+    program = emit_llvm(graph, options=options)
+    module, assembled = assembled_module(program.llvm_ir)
     assert ".version 8.0" in module.ptx and ".target sm_90" in module.ptx and module.arch == "sm_90"
-    assembled = assemble(module.ptx)
     assert assembled.cubin.startswith(b"\x7fELF")
     assert set(assembled.resources) == {launch.name for launch in program.launches}
     for launch in program.launches:

@@ -1,7 +1,9 @@
 """The PTX backend's kernels computed on the CPU (tests/backend/ptx/simulator.py: the same LLVM IR
 compiled for the host, one host thread per GPU thread) against the reference interpreter, on fresh
 random inputs, with the GPU tests' tolerances: every element-wise op and reduction in three dtypes,
-every accumulator, matmuls split every way, maps on 3-D grids, and the standard kernels."""
+every accumulator, matmuls split every way, maps on 3-D grids, and the standard kernels; and the fast
+paths (tensor cores, sums in their registers, cp.async pipelines, unrolled loops) under each option
+set, with the simulator executing mma.sync and cp.async as the PTX ISA defines them."""
 from __future__ import annotations
 
 import functools
@@ -9,10 +11,13 @@ import functools
 import numpy as np
 import pytest
 
+from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import emit_llvm
+from mdsl.backend.ptx.llvm import KernelFunction
 from mdsl.ir import bf16, f16, f32, i32
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
+from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
 from tests.backend.ptx import simulator
 from tests.gpu.coverage import coverage_graphs as combination_graphs
 from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
@@ -31,10 +36,10 @@ pytestmark = pytest.mark.skipif(not _host_converts_f16(), reason="the simulator 
                                 "(f16 conversions as instructions)")
 
 
-def check_simulated(graph, seed: int = 0, positive=()) -> None:
+def check_simulated(graph, seed: int = 0, positive=(), options=None, copies: str = "wait") -> None:
     inputs = random_inputs(graph, np.random.default_rng(seed), positive)
     want = reference(graph, inputs)
-    got = simulator.run(emit_llvm(graph), inputs)
+    got = simulator.run(emit_llvm(graph, options=options), inputs, copies=copies)
     tol = tolerance(graph)
     for k, (g, w, var) in enumerate(zip(got, want, graph.outputs)):
         what = f"output {k} %{var.name} {var.type} of {graph.name}"
@@ -105,3 +110,59 @@ def test_a_kernel_that_writes_nothing_is_caught():
     skipped = type(program)(program.llvm_ir, program.launches[1:], program.aliases, program.graph, program.arch)
     got = simulator.run(skipped, random_inputs(graph, np.random.default_rng(0)))
     assert np.isnan(got[0]).all() and not np.isnan(got[1]).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# the fast paths
+
+_FAST_OPTIONS = ("default", "no-mma", "no-register-accumulators", "synchronous-loads", "pipeline-2", "pipeline-4",
+                 "threads-64", "rolled-loops")
+_FAST_PROGRAMS = ("ragged_matmuls_f16", "batched_matmuls_f16", "ragged_attention_f16", "narrow_rows_f16")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", _FAST_OPTIONS)
+@pytest.mark.parametrize("name", _FAST_PROGRAMS)
+def test_fast_path_programs_under_each_option_set(name, options):
+    check_simulated(fast_path_graphs()[name], seed=3, options=OPTION_SETS[options])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(n for n in fast_path_graphs() if n not in _FAST_PROGRAMS
+                                        and not n.startswith("kernel_matmuls")))
+def test_the_other_fast_path_programs(name):
+    check_simulated(fast_path_graphs()[name], seed=4, options=CudaOptions())
+
+
+def _kernel_matmuls(dtype):
+    """Kernel-level matmuls on tensor cores: K of 7 steps of 32 (the ring of 4 buffers wraps), rows of
+    A and B 16-byte copies can take, and a ragged one (K = 20, N = 70) copied element by element."""
+    g = Graph(f"kernel_mma_{dtype.name}")
+    g.op("matmul", g.input("a", (20, 200), dtype), g.input("b", (200, 24), dtype))
+    g.op("matmul", g.input("c", (18, 20), dtype), g.input("d", (20, 70), dtype))
+    return g.build()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", (f16, bf16), ids=lambda d: d.name)
+def test_kernel_level_matmuls_on_tensor_cores(dtype):
+    graph = _kernel_matmuls(dtype)
+    assert "mma.sync" in emit_llvm(graph, options=CudaOptions()).llvm_ir
+    check_simulated(graph, seed=5, options=CudaOptions())
+
+
+@pytest.mark.timeout(120)
+def test_copies_that_land_as_soon_as_issued():
+    """cp.async copies landing early (at issue) overwrite nothing another thread still reads."""
+    check_simulated(fast_path_graphs()["ragged_attention_f16"], seed=6, options=CudaOptions(stages=4), copies="issue")
+
+
+@pytest.mark.timeout(120)
+def test_reading_a_tile_before_its_copies_are_waited_for_is_caught(monkeypatch):
+    """Waiting for one group too few leaves the iteration's tile unwritten when it is read: the
+    simulator's late copies make that show (NaN or wrong values), so the tests above can fail."""
+    wait = KernelFunction.copy_async_wait
+    monkeypatch.setattr(KernelFunction, "copy_async_wait", lambda fn, pending: wait(fn, pending + 1 if pending else 0))
+    graph = fast_path_graphs()["ragged_matmuls_f16"]
+    with pytest.raises(AssertionError, match="NaN|relative error"):
+        check_simulated(graph, seed=3, options=CudaOptions(stages=3))

@@ -1,0 +1,231 @@
+"""The PTX backend's fast paths, without a GPU, against the CUDA backend's: the same `CudaOptions`
+switch them (given to emit_llvm, or from the environment), tensor cores (HMMA in the SASS of the
+assembled cubin) in exactly the kernels where the CUDA backend's SASS has them and never with
+mma off, cp.async (LDGSTS) exactly in the kernels whose inputs are pipelined, and every fast-path
+program and every benchmark case's searched plan (.plans) assembling clean (no spills, no stack)
+under every option set. The simulator checks the numbers (test_ptx_simulated.py); the GPU test
+(test_ptx_gpu.py) runs the same programs on the device."""
+from __future__ import annotations
+
+import functools
+import re
+
+import attrs
+import pytest
+
+from mdsl.backend.cuda import compile_cuda, emit_cuda
+from mdsl.backend.cuda.block import lower
+from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.backend.ptx import assembler, emit_llvm
+from mdsl.backend.ptx.block import NOT_PORTED, ported
+from mdsl.ir.dtypes import bf16, f16, f32
+from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
+from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
+from tests.backend.ptx.plans import benchmark_plans
+from tests.backend.ptx.test_ptx_acceptance import assembled_module, assert_assembles_clean
+from tests.gpu.harness import with_dtype
+
+pytestmark = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed")
+needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
+                                    "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
+
+#: what both backends implement (the CUDA backend's newer lowerings off: `ptx.block.NOT_PORTED`)
+BOTH = ported(CudaOptions())
+
+
+def kernel_opcodes(cubin: bytes) -> dict:
+    """Kernel name -> {opcode (its first dotted part) -> instructions}, from the cubin's SASS."""
+    out: dict = {}
+    counts = None
+    for line in disassemble(cubin).splitlines():
+        section = re.match(r"^\.text\.(\S+):", line)
+        if section:
+            counts = out.setdefault(section.group(1), {})
+            continue
+        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if found and counts is not None:
+            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _opcodes_of(llvm_ir: str) -> dict:
+    return kernel_opcodes(assembled_module(llvm_ir)[1].cubin)
+
+
+def _ptx_opcodes(graph, options: CudaOptions) -> tuple:
+    program = emit_llvm(graph, options=options)
+    return program, _opcodes_of(program.llvm_ir)
+
+
+def _cuda_opcodes(graph, options: CudaOptions) -> dict:
+    return kernel_opcodes(compile_cuda(emit_cuda(graph, options=options).source).cubin)
+
+
+def test_emit_llvm_reads_the_environment_when_given_no_options(monkeypatch):
+    graph = fast_path_graphs()["ragged_matmuls_f16"]
+    for key, value in options_env(CudaOptions(mma=False, stages=2)).items():
+        monkeypatch.setenv(key, value)
+    assert emit_llvm(graph).llvm_ir == emit_llvm(graph, options=CudaOptions(mma=False, stages=2)).llvm_ir
+    assert emit_llvm(graph).options == CudaOptions(mma=False, stages=2)
+    for key in options_env(CudaOptions()):
+        monkeypatch.delenv(key)
+    assert "mma.sync.aligned.m16n8k16" in emit_llvm(graph).llvm_ir
+
+
+def test_lowerings_not_ported_are_switched_off_and_nothing_else():
+    options = CudaOptions(stages=2, threads=64, unroll=2)
+    assert all(getattr(ported(options), name, False) is False for name in NOT_PORTED)
+    assert {k: v for k, v in attrs.asdict(ported(options)).items() if k not in NOT_PORTED} == \
+           {k: v for k, v in attrs.asdict(options).items() if k not in NOT_PORTED}
+
+
+def _matmul_programs() -> dict:
+    """Programs with 16-bit matmuls: the fast-path set and the benchmark cases' searched plans with a
+    block-level one (the examples and guided plans: test_ptx_acceptance assembles them)."""
+    out = dict(fast_path_graphs())
+    for name, plan in benchmark_plans().items():
+        if any(n.op == "matmul" for c in plan.custom_nodes() for n in c.body.nodes):
+            out[f"searched plan of {name}"] = plan
+    return out
+
+
+def _tensor_core_kernels(program) -> set:
+    """The kernels the CUDA backend's lowering puts on tensor cores, for the program's options: custom
+    kernels with a block matmul it chose for mma.sync, kernel-level matmuls of 16-bit operands."""
+    out, options = set(), ported(program.options)
+    for launch, node in zip(program.launches, program.graph.nodes):
+        if node.op == "custom":
+            body = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
+            if lower(body, tuple(v.type for v in node.inputs), options).mma:
+                out.add(launch.name)
+        elif node.op == "matmul" and options.mma and {v.dtype for v in node.inputs} in ({f16}, {bf16}):
+            out.add(launch.name)
+    return out
+
+
+@needs_nvdisasm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(_matmul_programs()))
+def test_tensor_cores_in_exactly_the_kernels_the_cuda_lowering_chose(name):
+    graph = _matmul_programs()[name]
+    program, fast = _ptx_opcodes(graph, BOTH)
+    with_hmma = {k for k, ops in fast.items() if ops.get("HMMA", 0)}
+    assert with_hmma, f"no HMMA in the SASS of {name}"
+    assert with_hmma == _tensor_core_kernels(program)
+    slow = emit_llvm(graph, options=attrs.evolve(BOTH, mma=False))
+    assert "mma.sync" not in slow.llvm_ir and not _tensor_core_kernels(slow)   # nothing else makes HMMA
+
+
+@needs_nvdisasm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["ragged_matmuls_bf16", "kernel_matmuls_f16", "searched plan of lora"])
+def test_tensor_cores_where_the_cuda_backends_sass_has_them(name):
+    graph = _matmul_programs()[name]
+    _, ptx = _ptx_opcodes(graph, BOTH)
+    cuda = _cuda_opcodes(graph, BOTH)
+    assert {k for k, ops in ptx.items() if ops.get("HMMA", 0)} == {k for k, ops in cuda.items() if ops.get("HMMA", 0)}
+
+
+@needs_nvdisasm
+def test_f32_matmuls_keep_their_precision():
+    """An f32 program is not rounded to 16 bits for the tensor cores: its matmuls stay scalar."""
+    graph = with_dtype(fast_path_graphs()["ragged_matmuls_f16"], f16, f32)
+    program, opcodes = _ptx_opcodes(graph, BOTH)
+    assert "mma.sync" not in program.llvm_ir and not any(ops.get("HMMA", 0) for ops in opcodes.values())
+
+
+def _pipelined_kernels(program) -> set:
+    """The kernels that copy asynchronously by the lowering's plan: custom kernels whose inputs have
+    a ring of copies, and kernel-level matmuls on tensor cores (a ring of four) with rows of A or B
+    that 16-byte copies can take."""
+    out, options = set(), ported(program.options)
+    for launch, node in zip(program.launches, program.graph.nodes):
+        if node.op == "custom":
+            body = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
+            if lower(body, tuple(v.type for v in node.inputs), options).memory.slot_bytes:
+                out.add(launch.name)
+        elif launch.name in _tensor_core_kernels(program):
+            (m, k), n = node.inputs[0].shape[-2:], node.output.shape[-1]
+            if k % 8 == 0 or n % 8 == 0:   # rows of 16 bytes in A or in B
+                out.add(launch.name)
+    return out
+
+
+@needs_nvdisasm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
+def test_cp_async_exactly_in_the_pipelined_kernels(name):
+    for options in ("default", "synchronous-loads", "no-mma"):
+        program, opcodes = _ptx_opcodes(fast_path_graphs()[name], OPTION_SETS[options])
+        with_ldgsts = {k for k, ops in opcodes.items() if ops.get("LDGSTS", 0)}
+        assert with_ldgsts == _pipelined_kernels(program), options
+        if OPTION_SETS[options].stages == 1:
+            assert not any(node.op == "custom" and launch.name in with_ldgsts
+                           for launch, node in zip(program.launches, program.graph.nodes)), options
+
+
+def test_the_fast_path_set_pipelines_and_skips_what_it_should():
+    """The cases above are not vacuous: some kernels are pipelined, the narrow rows are not."""
+    program = emit_llvm(fast_path_graphs()["ragged_matmuls_f16"], options=BOTH)
+    assert len(_pipelined_kernels(program)) == len(program.launches) == 2
+    assert not _pipelined_kernels(emit_llvm(fast_path_graphs()["narrow_rows_f16"], options=BOTH))
+    assert len(_pipelined_kernels(emit_llvm(fast_path_graphs()["kernel_matmuls_bf16"], options=BOTH))) == 2
+
+
+def test_a_sum_in_registers_saves_its_stage_and_its_barrier():
+    """accum(matmul) kept in the fragments runs in its matmul's stage (the CUDA lowering's schedule):
+    an iteration has one barrier fewer; the kernel's barriers are the schedule's (after the loads,
+    after each loop stage, after the finalization and the fragments' store, after each post stage)."""
+    graph = fast_path_graphs()["ragged_matmuls_f16"]
+    node = graph.custom_nodes()[0]
+    kernel = f"{graph.name}_{node.outputs[0].name}"
+    types = tuple(v.type for v in node.inputs)
+    for options, per_iteration in ((BOTH, 2), (attrs.evolve(BOTH, register_accumulators=False), 3)):
+        lowered = lower(node.body, types, options)
+        assert 1 + len(lowered.schedule.loop) == per_iteration
+        after_loop = 1 if lowered.register_accumulated else 0   # accum has no finalize of its own
+        llvm_ir = emit_llvm(graph, options=options).llvm_ir
+        start = llvm_ir.index(f'define ptx_kernel void @"{kernel}"')
+        body = llvm_ir[start:llvm_ir.index("\n}\n", start)]
+        assert body.count('call void @"llvm.nvvm.barrier0"()') == per_iteration + after_loop + len(lowered.schedule.post)
+
+
+def test_block_loops_unroll_as_asked():
+    """silu over the second kernel's [6, 80] tile by 64 threads (8 trips each): rolled, one body; four
+    times unrolled, a loop of four bodies and the rolled remainder."""
+    graph = fast_path_graphs()["ragged_matmuls_f16"]
+    exp_calls = {u: emit_llvm(graph, options=attrs.evolve(BOTH, unroll=u)).llvm_ir.count('call float @"mdsl_exp"')
+                 for u in (1, 2, 4)}
+    assert exp_calls[2] == exp_calls[1] + 2 and exp_calls[4] == exp_calls[1] + 4
+
+
+def _assembles_clean_under_every_option_set(graph) -> None:
+    """Each option set's program assembled once (sets that emit the same IR, such as a switch the
+    program has no use for, share one assembly)."""
+    seen = set()
+    for name, options in sorted(OPTION_SETS.items()):
+        llvm_ir = emit_llvm(graph, options=options).llvm_ir
+        if llvm_ir not in seen:
+            seen.add(llvm_ir)
+            assert_assembles_clean(graph, options)
+    assert len(seen) > 1 or not graph.custom_nodes()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
+def test_fast_path_programs_assemble_clean_under_every_option_set(name):
+    _assembles_clean_under_every_option_set(fast_path_graphs()[name])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+def test_benchmark_plans_assemble_clean_under_every_option_set(name):
+    _assembles_clean_under_every_option_set(benchmark_plans()[name])
+
+
+def test_every_benchmark_case_has_a_plan_here():
+    from benchmarks.kernels import case_names
+
+    assert sorted(benchmark_plans()) == sorted(case_names())

@@ -1,0 +1,53 @@
+"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs
+under every option set and the benchmark cases' searched plans with the default fast paths and each
+switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
+environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
+tests' harness; the loaded modules report no spills.
+
+    MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
+"""
+from __future__ import annotations
+
+import pytest
+
+from mdsl.backend.cuda.runtime import has_gpu
+from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
+from tests.backend.ptx.plans import benchmark_plans
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
+
+
+@pytest.fixture
+def ptx_backend(monkeypatch):
+    from tests.gpu import harness
+
+    monkeypatch.setattr(harness, "BACKEND", "ptx")
+    return harness
+
+
+def _use(monkeypatch, options_name: str) -> None:
+    for key, value in options_env(OPTION_SETS[options_name]).items():
+        monkeypatch.setenv(key, value)
+
+
+def _check(harness, graph, test_id: str, what: str) -> None:
+    harness.check_graph(graph, test_id, what=what)
+    executable = harness.build(graph, what)   # the same program again: the runtime caches nothing here
+    for name, r in executable.module.resources.items():
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{what}: {name}: {r}"
+
+
+@pytest.mark.parametrize("options", sorted(OPTION_SETS))
+@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
+def test_fast_path_program_through_ptx(name, options, monkeypatch, ptx_backend):
+    _use(monkeypatch, options)
+    _check(ptx_backend, fast_path_graphs()[name], f"ptx-fast-path:{name}:{options}",
+           f"{name} through the PTX backend with options {options}")
+
+
+@pytest.mark.parametrize("options", ("default",) + FALLBACKS)
+@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
+    _use(monkeypatch, options)
+    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+           f"the searched plan of {name} through the PTX backend with options {options}")
