@@ -88,6 +88,9 @@ def lifetimes(bg: BlockGraph, schedule: Schedule, layout: LayoutPlan, stages: in
     for inp in bg.inputs:
         if inp.fmap is None and inp.var.name in end:
             end[inp.var.name] = schedule.loop_end_epoch  # loaded once, read by every iteration
+    for i in schedule.hoisted:
+        for v in bg.nodes[i].outputs:   # computed once before the loop, read by every iteration
+            end[v.name] = max(end[v.name], schedule.loop_end_epoch)
     for node in bg.nodes:
         if node.opdef.is_accumulator:  # starts empty before the loop, finalized after it
             start[node.output.name] = LOAD_EPOCH

@@ -12,6 +12,7 @@ The block's timeline, in *epochs* (the stretches between barriers), is fixed aro
 
     epoch 0                 input tiles loaded (loop-invariant ones once, before the first iteration)
     ---- barrier
+    pre stages              (hoisted) loop-invariant nodes, once: each followed by a barrier
     loop stages             the loop body and the accumulator updates, every iteration
     ---- barrier            (closes the iteration: the next one's loads overwrite its tiles)
     finalize                accumulators that need a last step (mean, rms) take it
@@ -44,10 +45,11 @@ class Schedule:
     loop: tuple      # Stages of the for-loop body (accumulator updates included)
     post: tuple      # Stages after the loop
     fused: tuple = ()  # accumulators updated by their matmul in its stage (see `schedule_block_graph`)
+    pre: tuple = ()  # Stages of loop-invariant nodes hoisted before the loop (`hoist=True`)
 
     @property
     def loop_end_epoch(self) -> int:
-        return self.loop[-1].epoch if self.loop else LOAD_EPOCH
+        return self.loop[-1].epoch if self.loop else self.pre[-1].epoch if self.pre else LOAD_EPOCH
 
     @property
     def finalize_epoch(self) -> int:
@@ -59,11 +61,15 @@ class Schedule:
 
     @property
     def order(self) -> list:
-        return [i for stage in (*self.loop, *self.post) for i in stage.nodes]
+        return [i for stage in (*self.pre, *self.loop, *self.post) for i in stage.nodes]
 
     def epoch_of(self) -> dict:
         """Node index -> the epoch it runs in."""
-        return {i: stage.epoch for stage in (*self.loop, *self.post) for i in stage.nodes}
+        return {i: stage.epoch for stage in (*self.pre, *self.loop, *self.post) for i in stage.nodes}
+
+    @property
+    def hoisted(self) -> frozenset:
+        return frozenset(i for stage in self.pre for i in stage.nodes)
 
     @property
     def barriers_per_iteration(self) -> int:
@@ -72,7 +78,8 @@ class Schedule:
     def __str__(self) -> str:
         def show(stages):
             return "".join(f"    epoch {s.epoch}: nodes {list(s.nodes)}\n" for s in stages)
-        return (f"schedule: {self.barriers_per_iteration} barrier(s) per iteration\n  loop (after the loads, "
+        hoisted = f"  hoisted before the loop:\n{show(self.pre)}" if self.pre else ""
+        return (f"schedule: {self.barriers_per_iteration} barrier(s) per iteration\n{hoisted}  loop (after the loads, "
                 f"epoch {LOAD_EPOCH}):\n{show(self.loop)}  after the loop (finalize: epoch {self.finalize_epoch}):\n"
                 f"{show(self.post)}  store: epoch {self.store_epoch}")
 
@@ -103,19 +110,43 @@ def matmul_accumulators(bg: BlockGraph) -> dict:
     return out
 
 
-def schedule_block_graph(bg: BlockGraph, *, fused_accumulators: tuple = ()) -> Schedule:
+def loop_invariant_nodes(bg: BlockGraph) -> list:
+    """Indices of the loop body's nodes whose value is the same every iteration: no accumulator, and
+    every input a tile loaded once (no fmap) or such a node's value. With a loop of one iteration
+    there is nothing to gain."""
+    if bg.forloop <= 1:
+        return []
+    post_vars = bg.post_loop_vars()
+    invariant = {i.var.name for i in bg.inputs if i.fmap is None}
+    out = []
+    for i, node in enumerate(bg.nodes):
+        if node.opdef.is_accumulator or any(v.name in post_vars for v in node.outputs):
+            continue
+        if all(v.name in invariant for v in node.inputs):
+            invariant.update(v.name for v in node.outputs)
+            out.append(i)
+    return out
+
+
+def schedule_block_graph(bg: BlockGraph, *, fused_accumulators: tuple = (), hoist: bool = False) -> Schedule:
     """`fused_accumulators`: indices of accumulators (from `matmul_accumulators`) whose update their
     matmul does as it computes; they run in the matmul's stage, so they cost no stage of their own.
     One whose other operands (a rescale's maximum) are not ready by then is not fused; the schedule's
-    `fused` says which are."""
+    `fused` says which are. `hoist`: the loop-invariant nodes (`loop_invariant_nodes`) run once, in
+    stages before the loop, instead of every iteration."""
     post_vars = bg.post_loop_vars()
     in_post = [any(v.name in post_vars for v in n.outputs) and not n.opdef.is_accumulator for n in bg.nodes]
     fused = {i: j for i, j in matmul_accumulators(bg).items() if i in set(fused_accumulators)}
-    loop = _stages([i for i, p in enumerate(in_post) if not p], bg, first_epoch=LOAD_EPOCH + 1, same_stage=fused)
+    hoisted = set(loop_invariant_nodes(bg)) if hoist else set()
+    pre = _stages(sorted(hoisted), bg, first_epoch=LOAD_EPOCH + 1)
+    loop_start = (pre[-1].epoch if pre else LOAD_EPOCH) + 1
+    loop = _stages([i for i, p in enumerate(in_post) if not p and i not in hoisted], bg, first_epoch=loop_start,
+                   same_stage=fused)
     loop_end = loop[-1].epoch if loop else LOAD_EPOCH
     post = _stages([i for i, p in enumerate(in_post) if p], bg, first_epoch=loop_end + 2)
     stage_of = {i: s.epoch for s in loop for i in s.nodes}
-    schedule = Schedule(tuple(loop), tuple(post), tuple(i for i, j in fused.items() if stage_of[i] == stage_of[j]))
+    schedule = Schedule(tuple(loop), tuple(post), tuple(i for i, j in fused.items() if stage_of[i] == stage_of[j]),
+                        tuple(pre))
     dump_ir("schedule", attrs.evolve(bg, nodes=[bg.nodes[i] for i in schedule.order]))
     dump_plan("schedule", schedule)
     return schedule

@@ -172,3 +172,52 @@ def test_a_rescale_whose_maximum_comes_later_is_not_fused():
     assert schedule.fused == ()
     stage = {i: s.epoch for s in schedule.loop for i in s.nodes}
     assert stage[acc] > stage[3] > stage[matmul]   # after the maximum, as without fusion
+
+
+QKNORM_BLOCK = """kernel qk(%q: f16[64, 32], %k: f16[32, 128], %v: f16[128, 32]) {
+  %acc: f16[64, 32] = custom(%q, %k, %v) block(grid=[1], threads=128, forloop=4) {
+    in %bq: f16[64, 32] imap=[] fmap=-
+    in %bk: f16[32, 32] imap=[] fmap=1
+    in %bv: f16[32, 32] imap=[] fmap=0
+    %nq: f16[64, 32] = rms_norm(%bq) {dim=1, eps=1e-06}
+    %sq: f16[64, 32] = mul_scalar(%nq) {value=0.5}
+    %nk: f16[32, 32] = rms_norm(%bk) {dim=0, eps=1e-06}
+    %s: f16[64, 32] = matmul(%sq, %nk)
+    %p: f16[64, 32] = matmul(%s, %bv)
+    %a: f16[64, 32] = accum(%p)
+    out %a omap=[]
+  }
+  return %acc
+}
+"""
+
+
+@pytest.mark.timeout(30)
+def test_loop_invariant_nodes_are_hoisted_before_the_loop():
+    bg = parse_graph(QKNORM_BLOCK).nodes[0].body
+    schedule = schedule_block_graph(bg, hoist=True)
+    assert _ops(bg, schedule.pre) == [["rms_norm"], ["mul_scalar"]]     # the queries' norm and scale: once
+    assert _ops(bg, schedule.loop) == [["rms_norm"], ["matmul"], ["matmul"], ["accum"]]   # the keys' norm: per tile
+    assert [s.epoch for s in schedule.pre] == [1, 2]
+    assert schedule.loop[0].epoch == 3 and schedule.barriers_per_iteration == 5
+    assert {bg.nodes[i].op for i in schedule.hoisted} == {"rms_norm", "mul_scalar"}
+    # off by default, and nothing to hoist out of a loop of one iteration
+    assert schedule_block_graph(bg).pre == ()
+    single = parse_graph(QKNORM_BLOCK.replace("forloop=4", "forloop=1").replace("f16[32, 32] imap=[] fmap=1",
+                         "f16[32, 128] imap=[] fmap=1").replace("f16[32, 32] imap=[] fmap=0", "f16[128, 32] imap=[] fmap=0")
+                         .replace("%nk: f16[32, 32]", "%nk: f16[32, 128]").replace("%s: f16[64, 32]", "%s: f16[64, 128]"))
+    assert schedule_block_graph(single.nodes[0].body, hoist=True).pre == ()
+
+
+@pytest.mark.timeout(30)
+def test_hoisted_values_stay_live_for_the_whole_loop():
+    from mdsl.passes.layout import select_layout
+    from mdsl.passes.memory import plan_memory
+    from tests.strategies import block_input_tensors
+
+    bg = parse_graph(QKNORM_BLOCK).nodes[0].body
+    schedule = schedule_block_graph(bg, hoist=True)
+    memory = plan_memory(bg, schedule, select_layout(bg, tuple(block_input_tensors(bg))))
+    live = {t.name: (t.start, t.end) for t in memory.lifetimes}
+    assert live["sq"] == (2, schedule.loop_end_epoch)
+    assert live["nq"][1] == schedule.loop_end_epoch   # (conservatively) until the loop ends

@@ -142,7 +142,7 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
         fused = {}
         if options.register_accumulators:
             fused = {i: j for i, j in matmul_accumulators(bg).items() if bg.nodes[j].output.name in mma}
-        schedule = schedule_block_graph(bg, fused_accumulators=tuple(fused))
+        schedule = schedule_block_graph(bg, fused_accumulators=tuple(fused), hoist=options.hoist)
         rows = plan_rows(bg, schedule, layout.tiles, mma) if options.rows and options.mma else None
         fused = {i: fused[i] for i in schedule.fused if rows is None or i not in rows.nodes}
         in_registers = rows.without_tiles(bg) if rows is not None else frozenset()
@@ -184,6 +184,11 @@ def emit_custom(program, index: int, node: Node) -> None:
         for inp in loaded:
             if inp.fmap is None:
                 _load(b, inp, parts[inp.var.name], b.tile(inp.var), LOOP_COUNTER)
+        if schedule.pre:
+            w("// loop-invariant nodes, once before the loop")
+            w("__syncthreads();")
+            for stage in schedule.pre:
+                _stage(b, stage)
         stages = memory.stages
         rings = {inp.var.name: b.tile(inp.var) for inp in per_iteration if inp.var.name in memory.slot_bytes}
         if rings:

@@ -9,6 +9,7 @@ one without changing code:
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
     MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
+    MDSL_CUDA_HOIST=0       loop-invariant block nodes computed every iteration instead of once before the loop
     MDSL_CUDA_ROWS=0        loop chains on the same rows (online softmax) through shared memory, op by op,
                             instead of in the mma registers of the warp owning the rows (`rows.py`)
 """
@@ -54,6 +55,7 @@ class CudaOptions:
     threads: Optional[int] = attrs.field(default=None, validator=_check_threads)  # custom kernels' block size
     unroll: int = attrs.field(default=DEFAULT_UNROLL, validator=_check_unroll)  # block-level element loops
     rows: bool = True                      # row-resident chains in the mma registers (rows.py)
+    hoist: bool = True                     # loop-invariant block nodes once, before the loop
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -65,7 +67,8 @@ class CudaOptions:
                    stages=_integer(env, "MDSL_CUDA_STAGES", default.stages),
                    threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None,
                    unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll),
-                   rows=_flag(env, "MDSL_CUDA_ROWS", default.rows))
+                   rows=_flag(env, "MDSL_CUDA_ROWS", default.rows),
+                   hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

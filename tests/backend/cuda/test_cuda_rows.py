@@ -125,3 +125,16 @@ def test_the_attention_plans_take_it_and_compile_clean(name):
     module = compile_cuda(emit_cuda(graph).source)
     for resources in module.resources.values():
         assert resources.spill_store_bytes == 0 and resources.stack_bytes == 0
+
+
+def test_loop_invariant_nodes_run_once_before_the_loop(monkeypatch):
+    graph = fast_path_graphs()["flash_decoding_f16"]
+    program = emit_cuda(graph)
+    kernel = program.source[program.source.index(program.launches[0].name + "("):]
+    scale = kernel.index("mul_scalar(")
+    assert scale < kernel.index("for (int it = 0;")   # the queries' scaling: hoisted
+    assert CudaOptions.from_env({"MDSL_CUDA_HOIST": "0"}) == CudaOptions(hoist=False)
+    monkeypatch.setenv("MDSL_CUDA_HOIST", "0")
+    kernel = emit_cuda(graph).source
+    kernel = kernel[kernel.index(program.launches[0].name + "("):]
+    assert kernel.index("mul_scalar(") > kernel.index("for (int it = 0;")
