@@ -102,7 +102,8 @@ def _fuse_rope(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
     j, att = attention
     qkv, replaces, norms, eps = node.inputs[0], [index, j], (), ()
     head_norm = uses.producing(qkv, "head_rms_norm")
-    if head_norm is not None and uses.only_reader(qkv, ("rope",)) is not None:
+    if head_norm is not None and uses.only_reader(qkv, ("rope",)) is not None and \
+            all(pair in node.attrs for pair in head_norm[1].attrs if pair[0] != "eps"):
         i, hn = head_norm
         qkv, norms, eps = hn.inputs[0], hn.inputs[1:], (("eps", hn.attr_dict["eps"]),)
         replaces.append(i)

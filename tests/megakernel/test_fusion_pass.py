@@ -1,5 +1,5 @@
-"""The task-graph fusion pass (model graph -> model graph) and the implied-wait pass (task graph -> task
-graph): which ops fold where, what is left alone, and that the fused graph, cut into tasks and run by the
+"""The megakernel's fusion pass (mdsl.megakernel.fusion: model graph -> model graph) and the implied-wait
+pass (task graph -> task graph): which ops fold where, what is left alone, and that the fused graph, cut into tasks and run by the
 simulator under random interleavings, computes the reference forward of the unfused graph."""
 import importlib.util
 import random
