@@ -1,9 +1,12 @@
 """The profiler's export: a Chrome/Perfetto trace with two tracks per SM (the scheduler warp's waits and
-the compute warps' bodies, so that what overlaps shows), named after the tasks; and its per-kind summary."""
+the compute warps' bodies, so that what overlaps shows), named after the tasks, which reads back as its
+records; and its per-kind summary."""
 import json
 
-from mdsl.megakernel.runtime.profile import (TaskRecord, compute_track, scheduler_track, summary, trace_events,
-                                             write_trace)
+import attrs
+
+from mdsl.megakernel.runtime.profile import (TaskRecord, compute_track, read_trace, scheduler_track, summary,
+                                             trace_events, write_trace)
 
 LABELS = ["qkv L0 [0,8)", "attn L0 [0,1)", "sample [0,1)"]
 KINDS = ["qkv", "attn", "sample"]
@@ -48,3 +51,12 @@ def test_summary_per_kind():
 
 def test_no_records_no_events():
     assert trace_events([], LABELS, KINDS) == []
+
+
+def test_a_trace_reads_back_as_its_records(tmp_path):
+    path = tmp_path / "trace.json"
+    write_trace(str(path), RECORDS, LABELS, KINDS)
+    origin = min(r.taken_ns for r in RECORDS)
+    shifted = [attrs.evolve(r, taken_ns=r.taken_ns - origin, ready_ns=r.ready_ns - origin,
+                            started_ns=r.started_ns - origin, done_ns=r.done_ns - origin) for r in RECORDS]
+    assert read_trace(str(path), len(LABELS)) == shifted

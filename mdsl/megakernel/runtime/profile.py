@@ -70,6 +70,28 @@ def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str],
     write_atomic(Path(os.path.abspath(path)), data.encode())
 
 
+def read_trace(path: str, per_step: int) -> list:
+    """The TaskRecords of a trace written by `write_trace` (times in ns from the trace's origin, to the
+    nearest ns; a task with no wait slice was ready when taken), for a plan of `per_step` tasks a step."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    bodies, waits = {}, {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        key = (e["args"]["step"], e["args"]["task"])
+        start, end = round(e["ts"] * 1e3), round((e["ts"] + e["dur"]) * 1e3)
+        if e["cat"] == "wait":
+            waits[key] = (start, end)
+        else:
+            bodies[key] = (e["tid"] // 2, start, end, round(e["args"]["ready_to_start_us"] * 1e3))
+    records = []
+    for (step, task), (sm, started, done, queued) in bodies.items():
+        taken, ready = waits.get((step, task), (started - queued, started - queued))
+        records.append(TaskRecord(step * per_step + task, sm, taken, ready, started, done))
+    return sorted(records, key=lambda r: r.index)
+
+
 def summary(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
     """Per task kind, over all records (ns): count; body time; time waiting for inputs (scheduler);
     time the compute warps sat idle before the body, inputs not yet ready (the wait not hidden behind
