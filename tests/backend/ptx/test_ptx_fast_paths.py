@@ -91,18 +91,27 @@ def _matmul_programs() -> dict:
     return out
 
 
+def _kernel_plans(program) -> list:
+    """(launch, node, the CUDA lowering of a custom node's body or None) for each kernel of the program,
+    with the program's options as the PTX backend honours them."""
+    options = ported(program.options)
+    out = []
+    for launch, node in zip(program.launches, program.graph.nodes):
+        lowered = None
+        if node.op == "custom":
+            body = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
+            lowered = lower(body, tuple(v.type for v in node.inputs), options)
+        out.append((launch, node, lowered))
+    return out
+
+
 def _tensor_core_kernels(program) -> set:
     """The kernels the CUDA backend's lowering puts on tensor cores, for the program's options: custom
     kernels with a block matmul it chose for mma.sync, kernel-level matmuls of 16-bit operands."""
-    out, options = set(), ported(program.options)
-    for launch, node in zip(program.launches, program.graph.nodes):
-        if node.op == "custom":
-            body = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-            if lower(body, tuple(v.type for v in node.inputs), options).mma:
-                out.add(launch.name)
-        elif node.op == "matmul" and options.mma and {v.dtype for v in node.inputs} in ({f16}, {bf16}):
-            out.add(launch.name)
-    return out
+    mma = ported(program.options).mma
+    return {launch.name for launch, node, lowered in _kernel_plans(program)
+            if (lowered.mma if lowered is not None else
+                node.op == "matmul" and mma and {v.dtype for v in node.inputs} in ({f16}, {bf16}))}
 
 
 @needs_nvdisasm
@@ -140,16 +149,14 @@ def _pipelined_kernels(program) -> set:
     """The kernels that copy asynchronously by the lowering's plan: custom kernels whose inputs have
     a ring of copies, and kernel-level matmuls on tensor cores (a ring of four) with rows of A or B
     that 16-byte copies can take."""
-    out, options = set(), ported(program.options)
-    for launch, node in zip(program.launches, program.graph.nodes):
-        if node.op == "custom":
-            body = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-            if lower(body, tuple(v.type for v in node.inputs), options).memory.slot_bytes:
+    on_tensor_cores = _tensor_core_kernels(program)
+    out = set()
+    for launch, node, lowered in _kernel_plans(program):
+        if lowered is not None:
+            if lowered.memory.slot_bytes:
                 out.add(launch.name)
-        elif launch.name in _tensor_core_kernels(program):
-            (m, k), n = node.inputs[0].shape[-2:], node.output.shape[-1]
-            if k % 8 == 0 or n % 8 == 0:   # rows of 16 bytes in A or in B
-                out.add(launch.name)
+        elif launch.name in on_tensor_cores and (node.inputs[0].shape[-1] % 8 == 0 or node.output.shape[-1] % 8 == 0):
+            out.add(launch.name)   # rows of 16 bytes in A or in B
     return out
 
 
