@@ -34,6 +34,7 @@ from mdsl.backend.cuda.loops import Threads
 from mdsl.backend.cuda.mma import MmaShape, mma_shape, mma_store
 from mdsl.backend.cuda.options import CudaOptions, arch_number
 from mdsl.backend.cuda.rows import RowKernel, RowPlan, plan_rows, trailing_stages
+from mdsl.backend.cuda.streamed import emit_streamed, streamed_accumulators
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
@@ -100,6 +101,7 @@ class Lowered:
     register_accumulated: dict  # accum node index -> index of the matmul that sums into its registers
     options: CudaOptions = CudaOptions()
     rows: Optional[RowPlan] = None  # loop chains kept in the registers of the warps owning their rows
+    streamed: Optional[tuple] = None  # a loop of element-wise accumulators folded from device memory
 
 
 def _tile_operand(layout: LayoutPlan, name: str) -> Operand:
@@ -146,14 +148,21 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
         rows = plan_rows(bg, schedule, layout.tiles, mma) if options.rows and options.mma else None
         fused = {i: fused[i] for i in schedule.fused if rows is None or i not in rows.nodes}
         in_registers = rows.without_tiles(bg) if rows is not None else frozenset()
+        streamed = streamed_accumulators(bg, schedule) if options.stream else None
+        if streamed is not None:   # per-iteration tiles are read from device memory, not copied
+            in_registers = frozenset(i.var.name for i in bg.inputs if i.fmap is not None) | \
+                frozenset(scratch_name(bg.nodes[i]) for i in streamed)
         deepest = options.stages if _asynchronous(bg, tensor_types, layout, arch) and schedule.loop else 1
+        if streamed is not None:
+            deepest = 1
         for stages in range(deepest, 0, -1):
             try:
                 memory = plan_memory(bg, schedule, layout, stages=stages, in_registers=in_registers)
             except SharedMemoryError as e:
                 error = error or e
                 continue
-            return Lowered(schedule, layout, memory, mma, fused, options, rows)
+            return Lowered(schedule, layout, memory, mma, fused, options, rows,
+                           tuple(streamed) if streamed is not None else None)
     raise error
 
 
@@ -168,11 +177,21 @@ def emit_custom(program, index: int, node: Node) -> None:
         w = b.w
         rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None
         in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
+        streamed = lowered.streamed or ()
+        read = {v.name for i in streamed for v in bg.nodes[i].inputs}
         parts = {inp.var.name: _input_part(b, inp, tensor)
-                 for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles}  # the inputs read
+                 for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles or inp.var.name in read}
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         per_iteration = [inp for inp in loaded if inp.fmap is not None]
         accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
+        if streamed:
+            emit_streamed(b, bg, list(streamed), parts)
+            w("__syncthreads();")
+            for stage in schedule.post:
+                _stage(b, stage)
+            for out, tensor in zip(bg.outputs, scope.outputs):
+                _store(b, out, tensor)
+            return
         w("// the accumulators start empty")
         for acc in accumulators:
             if bg.nodes.index(acc) in in_rows:

@@ -9,6 +9,8 @@ one without changing code:
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
     MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
+    MDSL_CUDA_STREAM=0      loops that only fold input tiles element-wise (split combines) through shared
+                            memory instead of each thread folding its elements from device memory (`streamed.py`)
     MDSL_CUDA_HOIST=0       loop-invariant block nodes computed every iteration instead of once before the loop
     MDSL_CUDA_ROWS=0        loop chains on the same rows (online softmax) through shared memory, op by op,
                             instead of in the mma registers of the warp owning the rows (`rows.py`)
@@ -56,6 +58,7 @@ class CudaOptions:
     unroll: int = attrs.field(default=DEFAULT_UNROLL, validator=_check_unroll)  # block-level element loops
     rows: bool = True                      # row-resident chains in the mma registers (rows.py)
     hoist: bool = True                     # loop-invariant block nodes once, before the loop
+    stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -68,7 +71,8 @@ class CudaOptions:
                    threads=_integer(env, "MDSL_CUDA_THREADS", None) if threads else None,
                    unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll),
                    rows=_flag(env, "MDSL_CUDA_ROWS", default.rows),
-                   hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist))
+                   hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist),
+                   stream=_flag(env, "MDSL_CUDA_STREAM", default.stream))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -74,7 +74,7 @@ class BlockKernel:
 
 
 #: switches of `CudaOptions` for CUDA-backend lowerings this backend has not ported: lowered with them off
-NOT_PORTED = ("rows", "hoist")
+NOT_PORTED = ("rows", "hoist", "stream")
 
 
 def ported(options):

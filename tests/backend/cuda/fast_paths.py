@@ -127,6 +127,20 @@ def flash_decoding(dtype) -> Graph:
     return g
 
 
+def split_combine(dtype) -> Graph:
+    """A combine of 5 splits (mdsl.backend.cuda.streamed): per-split maxima, rescaled partial sums of
+    ragged rows (3 x 24 per block), a plain sum, folded straight from device memory; then an epilogue."""
+    g = Graph(f"split_combine_{dtype.name}")
+    m, x, y = g.input("m", (6, 5), dtype), g.input("x", (6, 120), dtype), g.input("y", (6, 120), dtype)
+    b = g.block(grid=(2,), forloop=5, threads=64)
+    mt, xt, yt = b.input(m, imap=(0,), fmap=1), b.input(x, imap=(0,), fmap=1), b.input(y, imap=(0,), fmap=1)
+    top = b.op("accum_max", mt)                          # [3, 1]
+    num = b.op("accum_rescale", xt, mt)                  # [3, 24]
+    b.output(b.op("add", b.op("div", num, b.op("exp", top)), b.op("accum", yt)), omap=(0,))
+    b.done()
+    return g
+
+
 def kernel_matmuls(dtype) -> Graph:
     """Kernel-level matmuls (mdsl::gemm_tile_mma): a batch against a matrix, rows too ragged for
     16-byte copies (N = 70), and a long K that is no multiple of the 32-step."""
@@ -151,5 +165,5 @@ def narrow_rows(dtype) -> Graph:
 def fast_path_graphs() -> dict:
     both = [make(dtype) for dtype in (f16, bf16)
             for make in (ragged_matmuls, batched_matmuls, ragged_attention, kernel_matmuls, narrow_rows)]
-    one = [row_attention(bf16), flash_decoding(f16)]   # each compiled under every option set: one dtype each
+    one = [row_attention(bf16), flash_decoding(f16), split_combine(f16)]   # each compiled under every option set: one dtype each
     return {graph.name: graph for graph in (g.build() for g in both + one)}
