@@ -119,6 +119,17 @@ MDSL_MMA_M16N8K16(__half, "f16")
 MDSL_MMA_M16N8K16(__nv_bfloat16, "bf16")
 #undef MDSL_MMA_M16N8K16
 
+// ldmatrix: 8x8 16-bit matrices from shared memory into mma fragments, one row address a lane
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
 // C = A B for BATCH matrices by the block's WARPS warps on tensor cores. A is BATCH x M x K (rows LDA
 // apart, matrices SA apart; SA = 0 repeats one), B is BATCH x K x N (LDB, SB), C is BATCH x M x N (LDC,
 // SC); elements outside M, N or K read as zero, so any size works (the bs1 cases have M = 2..16).
@@ -157,6 +168,19 @@ struct BlockMma {
     }
   }
 
+  // B's fragments (k0..k0+15, n0..n0+7) of a K x N row-major matrix: ldmatrix.trans where the rows are
+  // 16-byte aligned whole 8-element groups, else element by element (zeros outside)
+  template <int LDB, typename TB>
+  static __device__ __forceinline__ void b_fragment(unsigned (&fb)[2], const TB* w, int k0, int n0) {
+    if constexpr (Same<TB, E>::value && LDB % 8 == 0 && N % 8 == 0 && K % 16 == 0) {
+      ldmatrix_x2_trans(fb, w + (k0 + threadIdx.x % 16) * LDB + n0);
+    } else {
+      const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+      fb[0] = along_column<K, N, LDB>(w, k0 + 2 * t, n0 + g);
+      fb[1] = along_column<K, N, LDB>(w, k0 + 2 * t + 8, n0 + g);
+    }
+  }
+
   static __device__ __forceinline__ void zero(Fragments& acc) {
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j)
@@ -180,8 +204,8 @@ struct BlockMma {
           const unsigned fa[4] = {along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t), along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t),
                                   along_row<M, K, LDA>(a, m0 + g, k0 + 2 * t + 8),
                                   along_row<M, K, LDA>(a, m0 + g + 8, k0 + 2 * t + 8)};
-          const unsigned fb[2] = {along_column<K, N, LDB>(w, k0 + 2 * t, n0 + g),
-                                  along_column<K, N, LDB>(w, k0 + 2 * t + 8, n0 + g)};
+          unsigned fb[2];
+          b_fragment<LDB>(fb, w, k0, n0);
           Mma<E>::run(acc[j], fa, fb);
         }
       }
@@ -217,16 +241,6 @@ struct BlockMma {
 // and every column of them, in mma C-fragment layout (thread g = lane / 4, t = lane % 4 holds rows g and
 // g + 8 of a tile, columns 2t and 2t + 1 of each 8-column group). Row reductions need only the 4 lanes of
 // a quad, and a product can feed the next mma as its A operand straight from registers (no shared memory).
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
-}
-
 template <typename E, int BATCH, int M, int N, int K, int WARPS>
 struct RowMma : BlockMma<E, BATCH, M, N, K, WARPS> {
   using Base = BlockMma<E, BATCH, M, N, K, WARPS>;
@@ -238,20 +252,6 @@ struct RowMma : BlockMma<E, BATCH, M, N, K, WARPS> {
   static __device__ __forceinline__ int tile(int j) {
     const int t = threadIdx.x / 32 + j * WARPS;
     return t < ROW_TILES ? t : -1;
-  }
-
-  // B's fragments (k0..k0+15, n0..n0+7) of a K x N row-major matrix: ldmatrix.trans where the rows are
-  // 16-byte aligned whole 8-element groups, else element by element (zeros outside)
-  template <int LDB, typename TB>
-  static __device__ __forceinline__ void b_fragment(unsigned (&fb)[2], const TB* w, int k0, int n0) {
-    if constexpr (Same<TB, E>::value && LDB % 8 == 0 && N % 8 == 0 && K % 16 == 0) {
-      const int lane = threadIdx.x % 32;
-      ldmatrix_x2_trans(fb, w + (k0 + lane % 16) * LDB + n0);
-    } else {
-      const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-      fb[0] = Base::template along_column<K, N, LDB>(w, k0 + 2 * t, n0 + g);
-      fb[1] = Base::template along_column<K, N, LDB>(w, k0 + 2 * t + 8, n0 + g);
-    }
   }
 
   // c += A B, A (BATCH x M x K, rows LDA apart, matrices SA apart) read from shared memory
@@ -279,7 +279,7 @@ struct RowMma : BlockMma<E, BATCH, M, N, K, WARPS> {
 #pragma unroll
         for (int n = 0; n < TN; ++n) {
           unsigned fb[2];
-          b_fragment<LDB>(fb, w, k0, n * 8);
+          Base::template b_fragment<LDB>(fb, w, k0, n * 8);
           Mma<E>::run(c[j][n], fa, fb);
         }
       }
@@ -302,7 +302,7 @@ struct RowMma : BlockMma<E, BATCH, M, N, K, WARPS> {
 #pragma unroll
         for (int n = 0; n < TN; ++n) {
           unsigned fb[2];
-          b_fragment<LDB>(fb, w, kk * 8, n * 8);
+          Base::template b_fragment<LDB>(fb, w, kk * 8, n * 8);
           Mma<E>::run(c[j][n], fa, fb);
         }
       }

@@ -138,3 +138,11 @@ def test_loop_invariant_nodes_run_once_before_the_loop(monkeypatch):
     kernel = emit_cuda(graph).source
     kernel = kernel[kernel.index(program.launches[0].name + "("):]
     assert kernel.index("mul_scalar(") > kernel.index("for (int it = 0;")
+
+
+@needs_nvdisasm
+@pytest.mark.timeout(120)
+def test_tile_matmuls_load_whole_b_fragments_with_ldmatrix():
+    """The GEMV-like plans' B tiles (weights, 16-byte rows) go to the mma by ldmatrix.trans, not 16-bit loads."""
+    module = compile_cuda(emit_cuda(guided_plan("rms_norm_linear.rms_norm_linear")).source)
+    assert sass_opcodes(disassemble(module.cubin)).get("LDSM", 0) > 0
