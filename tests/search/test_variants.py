@@ -198,3 +198,21 @@ def test_diverse_spreads_the_picks_over_grids():
     assert got == [1.0, 1.1, 2.0, 2.1]
     assert [x.gpu_seconds for x in V.diverse(ranked, 7)] == [1.0, 1.1, 1.2, 2.0, 2.1, 3.0, 4.0]
     assert len(V.diverse(ranked, 20)) == len(ranked)
+
+
+def test_long_loop_tiles_are_refused_only_where_they_live_in_registers():
+    space = V.VariantSpace()
+    attention = load_example("gqa").make_gqa(1).graph
+    labels = Labels(attention)
+    keys = labels.label(attention.inputs[1].name, 2)
+    resident = V._register_resident_labels(attention, labels)
+    assert keys in resident   # the scores Q·K are laid out along the keys
+    long_tile, short_tile = (Choice((), keys, forloop, 4) for forloop in (2, 8))   # 512 and 128 keys
+    assert not V._fits(long_tile, labels, space, resident) and V._fits(short_tile, labels, space, resident)
+
+    gemv = load_example("rms_norm_linear").make_rms_norm_linear(1).graph
+    labels = Labels(gemv)
+    k = labels.label(gemv.inputs[1].name, 0)
+    resident = V._register_resident_labels(gemv, labels)
+    assert k not in resident   # k is only contracted
+    assert V._fits(Choice((), k, 8), labels, space, resident)   # 512-long k tiles
