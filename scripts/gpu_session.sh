@@ -3,9 +3,11 @@
 # scarce and a fresh machine takes a minute to start):
 #   1. the GPU tests (every program through the CUDA and PTX backends, the CUDA fast paths on and off,
 #      the megakernel against transformers), without -x so that one failure does not hide the others;
-#   2. the kernel benchmark of the ten cases (plans from the carried plan cache .plans/);
-#   3. the megakernel decode benchmark (quick mode) and one profiler trace.
-# Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only.
+#   2. the autotuner's kernels compiled in parallel (plans and tuning variants from the carried .plans/);
+#   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
+#   4. the megakernel decode benchmark (quick mode) and one profiler trace.
+# Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
+# STAGES="precompile kernels" runs a subset (device calls are limited to 10 minutes each).
 # Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, session.tar.gz (everything).
 #
 #   device run: bash scripts/gpu_session.sh          (carry: [".plans"])
@@ -18,11 +20,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
 TESTS_LIMIT="${TESTS_LIMIT:-160}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-140}"
+PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
+KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
+STAGES="${STAGES:-tests precompile kernels decode}"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
 stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc and seconds
     local name=$1 limit=$2 log=$3; shift 3
+    case " $STAGES " in *" $name "*) ;; *) echo "== $name: skipped (STAGES=$STAGES)"; return;; esac
     local t0=$(date +%s)
     echo "== $name (limit ${limit}s): $*"
     timeout -k 10 "$limit" "$@" > "$log" 2>&1
@@ -43,8 +49,12 @@ stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" \
     $PY -m pytest tests/gpu -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -n 14 -rfE
 grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
 
+# the autotuner's kernels compiled in parallel first (16 cores here), so that the benchmark's time goes to timing
+stage precompile "$PRECOMPILE_LIMIT" "$OUT/all/precompile.log" env MDSL_CACHE_DIR="$PWD/.plans" \
+    $PY scripts/precompile_parallel.py --jobs 15 --autotune 3 --variants 8
 stage kernels "$KERNELS_LIMIT" "$OUT/all/kernels.log" env MDSL_CACHE_DIR="$PWD/.plans" \
-    $PY benchmarks/kernels.py --no-compile --reps 100 --time-limit $(( KERNELS_LIMIT - 45 )) --out "$OUT/all/kernels"
+    $PY benchmarks/kernels.py $KERNEL_ARGS --reps 100 --autotune 3 --variants 8 \
+    --time-limit $(( KERNELS_LIMIT - 60 )) --out "$OUT/all/kernels"
 cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
 
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick --out "$OUT/all/decode"
