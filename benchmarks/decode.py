@@ -7,10 +7,11 @@ Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GP
 
 The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE launch (timed with CUDA
 events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
-per-token latency is that time / steps. It is measured once per worker schedule (`--schedules`, the
-first one is the table's): "static" (each worker its share of the tasks in order) and "queue" (one
-global atomic queue); the profiled model's step is profiled under each (trace of the first, and per
-task kind the body time, the scheduler's wait and the part of it the compute warps sat idle). PyTorch runs one decode step at position 1023 (SDPA over 1024
+per-token latency is that time / steps. It is measured once per runtime variant (`--variants`, the
+first one is the table's): "static" (each worker its share of the tasks in order), "static-ahead2"
+(its scheduler also prefetches the weights of its task after next) and "queue" (one global atomic
+queue); the profiled model's step is profiled under each (trace of the first, and per task kind the
+body time, the scheduler's wait and the part of it the compute warps sat idle). PyTorch runs one decode step at position 1023 (SDPA over 1024
 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times between two events.
 Each model is independent: a failure is printed with its traceback and the others still run; the exit
 status is 1 when any failed.
@@ -29,11 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (design.md)
 CONTEXT = 1024
+VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arguments
+    "static": {"schedule": "static"},
+    "static-ahead2": {"schedule": "static", "prefetch_ahead": 2},
+    "queue": {"schedule": "queue"},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from mdsl.megakernel.runtime.models import MODELS
-    from mdsl.megakernel.runtime.source import SCHEDULES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
@@ -41,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
     ap.add_argument("--quick", action="store_true", help="32 steps, 2 repeats")
     ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
-    ap.add_argument("--schedules", default="static,queue",
-                    help="comma-separated worker schedules of the megakernel (the first one is the table's)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated runtime variants, of {', '.join(VARIANTS)} (the first one is the table's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
     if args.quick:
@@ -51,9 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
-    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    if not args.schedules or any(s not in SCHEDULES for s in args.schedules):
-        ap.error(f"--schedules takes some of {', '.join(SCHEDULES)}, got {args.schedules}")
+    args.variants = [s.strip() for s in args.variants.split(",") if s.strip()]
+    if not args.variants or any(s not in VARIANTS for s in args.variants):
+        ap.error(f"--variants takes some of {', '.join(VARIANTS)}, got {args.variants}")
     return args
 
 
@@ -169,7 +174,7 @@ def time_megakernel(engine, steps: int, repeats: int) -> list:
     return samples
 
 
-def profile_step(engine, out: Path, name: str, trace: bool) -> dict:
+def profile_step(engine, out: Path, name: str, variant: str, trace: bool) -> dict:
     """Two profiled steps: per task kind the body, wait and exposed-wait times (µs summed over SMs),
     and the trace file when `trace`."""
     from mdsl.megakernel.runtime.profile import summary, write_trace
@@ -180,7 +185,7 @@ def profile_step(engine, out: Path, name: str, trace: bool) -> dict:
     result = {"tasks": len(run.profile), "step_us": profile_step_us(run.profile, len(plan.tasks)),
               "by_kind": summary(run.profile, kinds)}
     if trace:
-        path = out / f"trace_{name}_{engine.schedule}.json"
+        path = out / f"trace_{name}_{variant}.json"
         write_trace(str(path), run.profile, labels, kinds)
         result["trace"] = str(path)
     return result
@@ -209,23 +214,23 @@ def median(values: list) -> float:
     return ordered[len(ordered) // 2]
 
 
-def bench_schedule(engine_class, config, weights, schedule: str, name: str, args, out: Path, floor: float) -> dict:
-    """One schedule's engine: its per-token latency and, for the profiled model, its profile."""
+def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, floor: float) -> dict:
+    """One variant's engine: its per-token latency and, for the profiled model, its profile."""
     t0 = time.perf_counter()
-    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, schedule=schedule)
-    print(f"[{name}] engine ({schedule}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
+    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, **VARIANTS[variant])
+    print(f"[{name}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
           f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         mk = time_megakernel(engine, args.steps, args.repeats)
-        print(f"[{name}] megakernel ({schedule}): {median(mk) * 1e3:.3f} ms/token "
+        print(f"[{name}] megakernel ({variant}): {median(mk) * 1e3:.3f} ms/token "
               f"({[round(s * 1e3, 3) for s in mk]})", flush=True)
         measured = {"megakernel_ms": median(mk) * 1e3, "megakernel_samples_ms": [s * 1e3 for s in mk],
                     "megakernel_fraction_of_floor": floor / median(mk), "tasks_per_step": len(engine.plan.tasks),
                     "workers": engine.workers, "registers": engine.module.resources["mdsl_megakernel"].registers,
                     "smem_bytes": engine.smem_bytes}
         if name == args.trace_model:
-            measured["profile"] = profile_step(engine, out, name, trace=schedule == args.schedules[0])
-            print(f"[{name}] profile ({schedule}): steps {measured['profile']['step_us']} µs\n"
+            measured["profile"] = profile_step(engine, out, name, variant, trace=variant == args.variants[0])
+            print(f"[{name}] profile ({variant}): steps {measured['profile']['step_us']} µs\n"
                   f"{phase_table(measured['profile']['by_kind'])}", flush=True)
         return measured
     finally:
@@ -248,18 +253,18 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     weights = random_weights(torch, config)
     torch.cuda.synchronize()
     print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f} s", flush=True)
-    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "schedules": {}}
-    for schedule in args.schedules:
+    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "variants": {}}
+    for variant in args.variants:
         try:
-            measured = bench_schedule(MegakernelEngine, config, weights, schedule, name, args, out, floor)
-        except Exception as e:   # a later schedule's failure keeps the first one's numbers
-            if schedule == args.schedules[0]:
+            measured = bench_variant(MegakernelEngine, config, weights, variant, name, args, out, floor)
+        except Exception as e:   # a later variant's failure keeps the first one's numbers
+            if variant == args.variants[0]:
                 raise
             traceback.print_exc()
             measured = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-        result["schedules"][schedule] = measured
-        if schedule == args.schedules[0]:
-            result.update({k: v for k, v in measured.items() if k != "profile"}, schedule=schedule)
+        result["variants"][variant] = measured
+        if variant == args.variants[0]:
+            result.update({k: v for k, v in measured.items() if k != "profile"}, variant=variant)
     mk_ms = result["megakernel_ms"]
     try:
         step = torch_decode_step(torch, config, weights, CONTEXT - 1)
@@ -288,14 +293,14 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
-def schedule_table(results: list) -> str:
-    """Per model, the megakernel's ms/token and fraction of the floor under each schedule measured."""
-    names = sorted({s for r in results for s in r.get("schedules", {})})
+def variant_table(results: list) -> str:
+    """Per model, the megakernel's ms/token and fraction of the floor under each runtime variant measured."""
+    names = [v for v in VARIANTS if any(v in r.get("variants", {}) for r in results)]
     lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in results:
         cells = []
         for name in names:
-            m = r.get("schedules", {}).get(name)
+            m = r.get("variants", {}).get(name)
             cells.append("-" if m is None else f"failed: {m['error']}" if "error" in m else
                          f"{m['megakernel_ms']:.3f} ms ({100 * m['megakernel_fraction_of_floor']:.0f}%)")
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
@@ -333,7 +338,7 @@ def main(argv=None) -> int:
         (out / "decode_results.json").write_text(json.dumps(results, indent=2))   # after each: a run cut short keeps these
         print(table(results[-1:]), flush=True)
     print(table(results))
-    print(schedule_table(results))
+    print(variant_table(results))
     return 1 if failed else 0
 
 

@@ -8,7 +8,7 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
   per SM the bodies never overlap and each starts after its inputs were ready (the scheduler warp's wait);
   under the static schedule every worker runs exactly its share of the task indices;
-* the global-queue schedule generates the same tokens as the static one.
+* the global-queue schedule and a longer L2-prefetch lookahead generate the same tokens as the default.
 
 Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 """
@@ -112,18 +112,19 @@ def tiny_engines(torch, transformers, tmp_path_factory):
 
     built, folders = {}, {}
 
-    def get(arch, dtype_name, schedule="static"):
+    def get(arch, dtype_name, schedule="static", prefetch_ahead=1):
         if (arch, dtype_name) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
             folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
             model.save_pretrained(str(folder), safe_serialization=True)
             folders[arch, dtype_name] = (str(folder), model)
-        if (arch, dtype_name, schedule) not in built:
+        if (arch, dtype_name, schedule, prefetch_ahead) not in built:
             folder, model = folders[arch, dtype_name]
-            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule)
-            built[arch, dtype_name, schedule] = (engine, model)
-        return built[arch, dtype_name, schedule]
+            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule,
+                                                      prefetch_ahead=prefetch_ahead)
+            built[arch, dtype_name, schedule, prefetch_ahead] = (engine, model)
+        return built[arch, dtype_name, schedule, prefetch_ahead]
 
     return get
 
@@ -181,10 +182,12 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
         engine.generate([1, 10**6], 2)
 
 
-def test_the_queue_schedule_generates_the_same_tokens(tiny_engines):
+def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
     static, _ = tiny_engines("llama3", "f32")
-    queue, _ = tiny_engines("llama3", "f32", "queue")
-    assert queue.generate(PROMPT, 16, eos_token_ids=()) == static.generate(PROMPT, 16, eos_token_ids=())
+    tokens = static.generate(PROMPT, 16, eos_token_ids=())
+    for variant in (("queue",), ("static", 2), ("static", 4)):
+        engine, _ = tiny_engines("llama3", "f32", *variant)
+        assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, variant
 
 
 @pytest.mark.parametrize("schedule", ["static", "queue"])

@@ -62,14 +62,23 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
     assert "comma-separated token ids" in capsys.readouterr().err
 
 
+def generate_source_for(engine_kwargs):
+    from mdsl.megakernel.runtime.plan import build_plan
+    from mdsl.megakernel.runtime.shape import decoder_shape
+    from mdsl.megakernel.runtime.source import generate_source
+
+    config, _, _ = tiny_model("llama3")
+    return generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24), **engine_kwargs).text
+
+
 def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     from benchmarks import decode
 
     args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
-    assert args.schedules == ["static", "queue"]
-    assert decode.parse_args(["--schedules", "queue"]).schedules == ["queue"]
-    for bad in (["--models", "gpt-2"], ["--schedules", "random"], ["--schedules", ""]):
+    assert args.variants == ["static", "static-ahead2", "queue"]
+    assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]
+    for bad in (["--models", "gpt-2"], ["--variants", "random"], ["--variants", ""]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
     row = {"model": "qwen3-0.6b", "weight_bytes": 1.19e9, "floor_ms": 0.28, "megakernel_ms": 0.35,
@@ -78,11 +87,14 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     text = decode.table([row, {"model": "qwen3-8b", "error": "CudaError: boom"}])
     assert "| qwen3-0.6b | 1.19 GB | 0.280 ms | 0.350 ms | 80% | 3.500 ms | 8% | 10.00x |" in text
     assert "| qwen3-8b | failed: CudaError: boom |" in text
-    row["schedules"] = {"static": {"megakernel_ms": 0.35, "megakernel_fraction_of_floor": 0.8},
-                        "queue": {"error": "CudaError: boom"}}
-    schedules = decode.schedule_table([row, {"model": "qwen3-8b", "error": "x"}])
-    assert "| qwen3-0.6b | failed: CudaError: boom | 0.350 ms (80%) |" in schedules   # columns sorted: queue, static
-    assert "| qwen3-8b | - | - |" in schedules
+    row["variants"] = {"static": {"megakernel_ms": 0.35, "megakernel_fraction_of_floor": 0.8},
+                       "queue": {"error": "CudaError: boom"}}
+    variants = decode.variant_table([row, {"model": "qwen3-8b", "error": "x"}])
+    assert "| model | static | queue |" in variants      # the variants measured, in VARIANTS' order
+    assert "| qwen3-0.6b | 0.350 ms (80%) | failed: CudaError: boom |" in variants
+    assert "| qwen3-8b | - | - |" in variants
+    for kwargs in decode.VARIANTS.values():   # every variant is one the engine takes
+        assert generate_source_for(kwargs)
     assert decode.profile_step_us([TaskRecord(0, 1, 1000, 1000, 1000, 3000), TaskRecord(1, 2, 500, 900, 900, 2000),
                                    TaskRecord(2, 1, 3000, 3500, 3500, 9000)], 2) == [2.5, 6.0]
     phases = decode.phase_table({"qkv": {"tasks": 2, "body_ns": 2_000_000, "wait_ns": 500_000,
@@ -133,6 +145,8 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="unknown megakernel schedule 'random'") as info:
         MegakernelEngine(config, weights, schedule="random")
     assert "static, queue" in info.value.hint
+    with pytest.raises(MdslError, match="prefetch_ahead 2 with the queue schedule"):
+        MegakernelEngine(config, weights, schedule="queue", prefetch_ahead=2)
 
 
 @no_gpu

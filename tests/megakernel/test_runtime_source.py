@@ -22,8 +22,8 @@ SM_REGISTERS = 64 * 1024  # Hopper's register file per SM (32-bit registers)
 REGISTER_UNIT = 8         # registers are allocated per thread in multiples of 8
 
 
-def compile_plan(plan, schedule="static"):
-    source = generate_source(plan, schedule)
+def compile_plan(plan, schedule="static", prefetch_ahead=1):
+    source = generate_source(plan, schedule, prefetch_ahead)
     module = compile_cuda(source.text, arch="sm_90a")
     return source, module, module.resources[KERNEL_NAME]
 
@@ -42,13 +42,15 @@ def assert_fits(source, resources):
 
 @pytest.mark.parametrize(("arch", "dtype", "schedule"), [
     ("llama3", f32, "static"), ("llama3", bf16, "static"), ("qwen3", f32, "static"), ("qwen3", bf16, "static"),
-    ("llama3", bf16, "queue")], ids=str)
+    ("llama3", bf16, "queue"), ("qwen3", bf16, "static-ahead2")], ids=str)
 def test_tiny_models_compile_without_spills(arch, dtype, schedule):
     assert set(SCHEDULES) == {"static", "queue"}
     config, _, _ = tiny_model(arch)
     shape = decoder_shape(attrs.evolve(config, dtype=dtype))
     plan = build_plan(shape, workers=H200_SMS, max_seq=config.max_positions)
-    source, module, resources = compile_plan(plan, schedule)
+    ahead = 2 if schedule.endswith("-ahead2") else 1
+    source, module, resources = compile_plan(plan, schedule.removesuffix("-ahead2"), ahead)
+    assert f"constexpr int PREFETCH_AHEAD = {ahead};" in source.text
     assert module.arch == "sm_90a" and module.cubin.startswith(b"\x7fELF")
     assert_fits(source, resources)
     assert f"using T = {'__nv_bfloat16' if dtype is bf16 else 'float'};" in source.text
@@ -86,6 +88,9 @@ def test_a_scheduler_warp_feeds_the_compute_warps_through_named_barriers():
     assert "constexpr bool STATIC_SCHEDULE = false;" in generate_source(plan, "queue").text
     with pytest.raises(ValueError, match="schedules are static, queue"):
         generate_source(plan, "round-robin")
+    for schedule, ahead in (("static", 0), ("static", 5), ("queue", 2)):
+        with pytest.raises(ValueError, match="prefetch_ahead is 1 to 4"):
+            generate_source(plan, schedule, ahead)
 
 
 def test_the_parameter_block_layout_is_shared():

@@ -610,11 +610,12 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
       prefetch_l2(w.wu + (long long)t.begin * H, n * H, lane);
       break;
     case KIND_DOWN: prefetch_l2(w.wd + (long long)t.begin * I, n * I, lane); break;
-    default: {   // KIND_QKV: the tile may span q, k and v; one prefetch per matrix
+    default: {   // KIND_QKV: the tile may span q, k and v; one prefetch per matrix (no array: no stack)
       constexpr int KR = HQ * D, VR = KR + HKV * D;
-      const int cuts[4] = {t.begin, min(max(KR, t.begin), t.end), min(max(VR, t.begin), t.end), t.end};
-      for (int k = 0; k < 3; ++k)
-        if (cuts[k + 1] > cuts[k]) prefetch_l2(qkv_row(w, cuts[k]), (long long)(cuts[k + 1] - cuts[k]) * H, lane);
+      const int q_end = min(max(KR, t.begin), t.end), k_end = min(max(VR, t.begin), t.end);
+      if (q_end > t.begin) prefetch_l2(qkv_row(w, t.begin), (long long)(q_end - t.begin) * H, lane);
+      if (k_end > q_end) prefetch_l2(qkv_row(w, q_end), (long long)(k_end - q_end) * H, lane);
+      if (t.end > k_end) prefetch_l2(qkv_row(w, k_end), (long long)(t.end - k_end) * H, lane);
     }
   }
 }
@@ -684,7 +685,18 @@ __device__ void schedule(const Params& p, Slot* slots) {
       const long long step = index / TASKS;
       t = p.tasks[index % TASKS];
       if (p.profile != nullptr) taken = globaltimer();
-      prefetch_task_weights(p, t, p.start_pos + step, lane);
+      // the weights of this worker's task PREFETCH_AHEAD - 1 tasks on (static: known in advance), so that
+      // they stream while the memory system waits on dependencies; the first take also prefetches the
+      // ones before it (later takes found theirs prefetched by an earlier take)
+      if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
+#pragma unroll
+      for (int a = 1; a < PREFETCH_AHEAD; ++a) {
+        const long long ahead = index + a * (long long)gridDim.x;
+        if ((k == 0 || a == PREFETCH_AHEAD - 1) && ahead < total) {
+          const Task later = p.tasks[ahead % TASKS];
+          prefetch_task_weights(p, later, p.start_pos + ahead / TASKS, lane);
+        }
+      }
       if (!wait_for_inputs(p, t, index, step, lane)) index = -1;
       if (p.profile != nullptr) ready = globaltimer();
     } else {

@@ -26,7 +26,8 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, SCHEDULES, generate_source
+from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS,
+                                            SCHEDULES, generate_source)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -81,14 +82,20 @@ class MegakernelEngine:
     """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
     DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
-    worker its share in order; "queue", one global atomic queue)."""
+    worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
+    worker's scheduler prefetches weights into L2 (source.generate_source)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
-                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static"):
+                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
+                 prefetch_ahead: int = 1):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
+        if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
+            raise MdslError(f"prefetch_ahead {prefetch_ahead} with the {schedule} schedule",
+                            hint=f"1 to {MAX_PREFETCH_AHEAD} with the static schedule, 1 with the queue")
         _require_gpu()
         self.schedule = schedule
+        self.prefetch_ahead = prefetch_ahead
         self.config = config
         self.shape: DecoderShape = decoder_shape(config)
         self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
@@ -99,7 +106,7 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = build_plan(self.shape, workers=self.workers, max_seq=self.max_seq)
-        source = generate_source(self.plan, schedule)
+        source = generate_source(self.plan, schedule, prefetch_ahead)
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -134,7 +141,7 @@ class MegakernelEngine:
 
     @classmethod
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
-                        schedule: str = "static") -> "MegakernelEngine":
+                        schedule: str = "static", prefetch_ahead: int = 1) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -146,7 +153,7 @@ class MegakernelEngine:
             config = config.with_max_positions(max_seq)
         graph = step_function(config).trace(config)
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder), schedule=schedule)
+                   eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead)
 
     # -- device memory ---------------------------------------------------------------------------
 

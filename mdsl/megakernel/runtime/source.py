@@ -21,6 +21,7 @@ PROFILE_WORDS = 5                # device.cu's PROFILE_WORDS: 64-bit words per t
 # worker + k * workers, so the `workers` tiles of a linear go one to each worker); "queue", the next
 # index of one global atomic counter (whichever worker asks first).
 SCHEDULES = ("static", "queue")
+MAX_PREFETCH_AHEAD = 4   # the scheduler prefetches the weights of its task this many tasks on, at most
 _CUDA_TYPES = {bf16: "__nv_bfloat16", f32: "float"}
 
 
@@ -71,12 +72,18 @@ def _float_literal(x: float) -> str:
     return f"{float(x)!r}f"
 
 
-def generate_source(plan: TaskPlan, schedule: str = "static") -> MegakernelSource:
+def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1) -> MegakernelSource:
+    """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
+    its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
+    the static schedule, where a worker's later tasks are known)."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
     if schedule not in SCHEDULES:
         raise ValueError(f"the megakernel's schedules are {', '.join(SCHEDULES)}, not {schedule!r}")
+    if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
+        raise ValueError(f"prefetch_ahead is 1 to {MAX_PREFETCH_AHEAD} (above 1 only with the static schedule), "
+                         f"not {prefetch_ahead} with the {schedule} schedule")
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
@@ -87,6 +94,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static") -> MegakernelSourc
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
     lines += [f"constexpr int {name} = {value};" for name, value in constants.items()]
     lines += [f"constexpr bool STATIC_SCHEDULE = {'true' if schedule == 'static' else 'false'};",
+              f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     text = "\n".join([INCLUDES, PRELUDE, *lines, _runtime_source()])
