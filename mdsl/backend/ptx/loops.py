@@ -41,8 +41,8 @@ class Threads:
     def for_each(self, fn: KernelFunction, n: int, body: Callable) -> None:
         """body(i) for each index i below n, given to one thread. A block's loop is unrolled `unroll`
         times, as the CUDA backend's `#pragma unroll` (several shared-memory round trips in flight per
-        thread): trips that every thread makes are written out unguarded, a loop of `unroll` bodies
-        covers the rest and a rolled loop the remainder. A grid's loop stays rolled."""
+        thread): a known trip count of at most `unroll` is written out, a longer one is a loop of
+        `unroll` bodies (those past the end guarded). A grid's loop stays rolled."""
         if self.grid or self.unroll == 1:
             with self.each(fn, n) as i:
                 body(i)
@@ -58,12 +58,13 @@ class Threads:
                     with fn.when(b.icmp_unsigned("<", i, i32(n))):
                         body(i)
             return
-        unrolled = n - (self.unroll - 1) * block       # i below it: i + (unroll - 1) block is below n
-        with fn.loop(tid, unrolled, self.unroll * block) as i:
-            for u in range(self.unroll):
-                body(i if u == 0 else b.add(i, i32(u * block)))
-        with fn.loop(i, n, block) as rest:
-            body(rest)
+        whole_groups = n % (self.unroll * block) == 0   # else the last group's later bodies are guarded
+        with fn.loop(tid, n, self.unroll * block) as i:
+            body(i)
+            for u in range(1, self.unroll):
+                at = b.add(i, i32(u * block))
+                with fn.when(b.icmp_unsigned("<", at, i32(n))) if not whole_groups else contextlib.nullcontext():
+                    body(at)
 
     @contextlib.contextmanager
     def each_group(self, fn: KernelFunction, n: int, lanes: int) -> Iterator[tuple]:

@@ -12,6 +12,7 @@ mma's (an f32 tile) is rounded to it, as the program's dtype says.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 from llvmlite import ir
@@ -20,7 +21,7 @@ from mdsl.backend.cuda.mma import MmaShape, _batch_stride
 from mdsl.backend.ptx.llvm import I16, I32, Array, KernelFunction, Var, f32, i32
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
-UNROLLED_K_STEPS = 8      # K steps written out in full; a longer K is a loop of 4-step bodies (CUDA: unroll 4)
+MMA_IN_FLIGHT = 4         # independent mma.sync a K step's code issues at least (CUDA: K unrolled 4 times)
 
 
 class BlockMma:
@@ -43,57 +44,71 @@ class BlockMma:
         """PER_WARP fragments of 4 f32 Vars, zero."""
         return [[self.fn.var(f32(0.0)) for _ in range(4)] for _ in range(self.per_warp)]
 
-    def _tiles(self, body: Callable) -> None:
-        """body(j, batch, m0, n0) for each tile j of the warp's (a branch uniform over the warp)."""
-        fn, b, warps = self.fn, self.fn.b, self.shape.warps
+    def _tile_coordinates(self) -> list:
+        """(j, batch, m0, n0, guard) for each tile j of the warp's: `guard` is whether the warp has a
+        tile j (uniform over the warp), None where every warp has one."""
+        b, warps = self.fn.b, self.shape.warps
+        out = []
         for j in range(self.per_warp):
             tile = b.add(self.warp, i32(j * warps)) if j else self.warp
             batch = b.udiv(tile, i32(self.tm * self.tn)) if self.shape.batch > 1 else i32(0)
             m0 = b.mul(b.urem(b.udiv(tile, i32(self.tn)), i32(self.tm)), i32(MMA_M)) if self.tm > 1 else i32(0)
             n0 = b.mul(b.urem(tile, i32(self.tn)), i32(MMA_N)) if self.tn > 1 else i32(0)
-            if (j + 1) * warps <= self.tiles:   # every warp has a tile j
-                body(j, batch, m0, n0)
-            else:
-                with fn.when(b.icmp_unsigned("<", tile, i32(self.tiles))):
-                    body(j, batch, m0, n0)
+            guard = None if (j + 1) * warps <= self.tiles else b.icmp_unsigned("<", tile, i32(self.tiles))
+            out.append((j, batch, m0, n0, guard))
+        return out
+
+    def _guarded(self, guard, body: Callable) -> None:
+        if guard is None:
+            body()
+        else:
+            with self.fn.when(guard):
+                body()
 
     def multiply(self, frags: list, a: Array, w: Array, out_batch: tuple) -> None:
-        """frags += A B (each warp its tiles); a, w: the operands' tiles, batched as the output."""
+        """frags += A B (each warp its tiles); a, w: the operands' tiles, batched as the output. K is
+        the outer loop and the warp's tiles the inner one (each tile still sums its products in K's
+        order, as the CUDA backend's): a K step issues an mma per tile, independent of each other."""
         fn, b = self.fn, self.fn.b
         m, n, k = self.shape.m, self.shape.n, self.shape.k
         sa, sw = _batch_stride(a, out_batch), _batch_stride(w, out_batch)
         lda, ldw = a.strides[-2], w.strides[-2]
-        a_mat = a.viewed((m, k), (lda, 1))
-        w_mat = w.viewed((k, n), (ldw, 1))
+        tiles = []
+        for j, batch, m0, n0, guard in self._tile_coordinates():
+            a_at = Array(fn.address(a, b.mul(batch, i32(sa))), a.dtype, (m, k), (lda, 1)) if sa else \
+                a.viewed((m, k), (lda, 1))
+            w_at = Array(fn.address(w, b.mul(batch, i32(sw))), w.dtype, (k, n), (ldw, 1)) if sw else \
+                w.viewed((k, n), (ldw, 1))
+            tiles.append((j, guard, a_at, w_at, (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8)))),
+                          b.add(n0, self.g)))
+        two_t = b.mul(self.t, i32(2))
 
-        def tile(j: int, batch, m0, n0) -> None:
-            a_at = Array(fn.address(a, b.mul(batch, i32(sa))), a.dtype, a_mat.shape, a_mat.strides) if sa else a_mat
-            w_at = Array(fn.address(w, b.mul(batch, i32(sw))), w.dtype, w_mat.shape, w_mat.strides) if sw else w_mat
-            rows = (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8))))
-            col = b.add(n0, self.g)
+        def step(k0, guard_k: bool) -> None:
+            c0 = b.add(k0, two_t)
+            c8 = b.add(c0, i32(8))
+            for j, guard, a_at, w_at, rows, col in tiles:
+                def product(j=j, a_at=a_at, w_at=w_at, rows=rows, col=col) -> None:
+                    fa = [self._along_row(a_at, r, c, sa, guard_k) for c in (c0, c8) for r in rows]
+                    fb = [self._along_column(w_at, r, col, guard_k) for r in (c0, c8)]
+                    d = fn.mma_m16n8k16(self.dtype, fa, fb, [v.get() for v in frags[j]])
+                    for var, value in zip(frags[j], d):
+                        var.set(value)
 
-            def step(k0, guard_k: bool) -> None:
-                c0 = b.add(k0, b.mul(self.t, i32(2)))
-                c8 = b.add(c0, i32(8))
-                fa = [self._along_row(a_at, r, c, sa, guard_k) for c in (c0, c8) for r in rows]
-                fb = [self._along_column(w_at, r, col, guard_k) for r in (c0, c8)]
-                d = fn.mma_m16n8k16(self.dtype, fa, fb, [v.get() for v in frags[j]])
-                for var, value in zip(frags[j], d):
-                    var.set(value)
+                self._guarded(guard, product)
 
-            self._k_steps(step)
-
-        self._tiles(tile)
+        self._k_steps(step)
 
     def _k_steps(self, step: Callable) -> None:
-        """step(k0, guard) for k0 = 0, 16, ... below K; guard: the step reaches past K."""
-        k = self.shape.k
-        whole, ragged = divmod(k, MMA_K)
-        if whole + bool(ragged) <= UNROLLED_K_STEPS:
+        """step(k0, guard) for k0 = 0, 16, ... below K; guard: the step reaches past K. A group of steps
+        issues at least MMA_IN_FLIGHT mma (the warp's tiles times the steps): written out in full where
+        K is that short, else a loop over such groups."""
+        whole, ragged = divmod(self.shape.k, MMA_K)
+        group = max(1, -(-MMA_IN_FLIGHT // self.per_warp))
+        if whole <= group:
             for s in range(whole):
                 step(i32(s * MMA_K), False)
         else:
-            unroll = next(u for u in (4, 2, 1) if whole % u == 0)
+            unroll = max(u for u in range(1, group + 1) if whole % u == 0)
             with self.fn.loop(i32(0), whole * MMA_K, unroll * MMA_K) as k0:
                 for u in range(unroll):
                     step(k0 if u == 0 else self.fn.b.add(k0, i32(u * MMA_K)), False)
@@ -150,23 +165,37 @@ class BlockMma:
                 halves.append(fn.bits16(self._guarded_load(p, row, c, inside, None), self.dtype))
         return fn.pair(*halves)
 
-    def each(self, running: list, product: list, f: Callable) -> None:
-        """f(running Var, product value, batch, row, column) on every element of C the warp holds."""
+    def each(self, running: list, product: list, f: Callable, per_row: Optional[Callable] = None) -> None:
+        """f(running Var, product value, batch, row, column[, row value]) on every element of C the
+        warp holds; `per_row(batch, row)`, when given, is computed once per row of a tile the lane
+        holds (rows g and g + 8) and handed to f with each element of that row."""
         fn, b = self.fn, self.fn.b
-        m, n = self.shape.m, self.shape.n
+        m, n, warps = self.shape.m, self.shape.n, self.shape.warps
+        two_t = b.mul(self.t, i32(2))
+        # where the warps divide a row of tiles, tiles j and j' of a warp have the same rows when
+        # j // (TN / WARPS) agree: their row values are computed once (by the first, unguarded)
+        same_rows = self.tn // warps if self.tn % warps == 0 else None
+        known: dict = {}
+        for j, batch, m0, n0, guard in self._tile_coordinates():
+            def tile(j=j, batch=batch, m0=m0, n0=n0, guard=guard) -> None:
+                for half in range(2):
+                    row = b.add(m0, b.add(self.g, i32(8))) if half else b.add(m0, self.g)
+                    extra = ()
+                    key = None if same_rows is None else (j // same_rows, half)
+                    if per_row is not None and key in known:
+                        extra = known[key]
+                    elif per_row is not None:
+                        inside_rows = b.icmp_unsigned("<", row, i32(m)) if m % MMA_M else None
+                        extra = (per_row(batch, row if inside_rows is None else b.select(inside_rows, row, i32(0))),)
+                        if key is not None and guard is None:
+                            known[key] = extra
+                    for e in (2 * half, 2 * half + 1):
+                        col = b.add(n0, b.add(two_t, i32(e % 2)))
+                        inside = self._inside(row, m, m % MMA_M != 0, col, n, n % MMA_N != 0)
+                        with fn.when(inside) if inside is not None else contextlib.nullcontext():
+                            f(running[j][e], product[j][e].get(), batch, row, col, *extra)
 
-        def tile(j: int, batch, m0, n0) -> None:
-            for e in range(4):
-                row = b.add(m0, b.add(self.g, i32((e // 2) * 8)))
-                col = b.add(n0, b.add(b.mul(self.t, i32(2)), i32(e % 2)))
-                inside = self._inside(row, m, m % MMA_M != 0, col, n, n % MMA_N != 0)
-                if inside is None:
-                    f(running[j][e], product[j][e].get(), batch, row, col)
-                else:
-                    with fn.when(inside):
-                        f(running[j][e], product[j][e].get(), batch, row, col)
-
-        self._tiles(tile)
+            self._guarded(guard, tile)
 
     def store(self, frags: list, out: Array) -> None:
         """C = frags, rounded to C's type."""

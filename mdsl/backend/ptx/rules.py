@@ -6,7 +6,10 @@ A rule has the methods its operator's levels call for:
 * `kernel(program, index, node)` writes the kernel of a kernel-level node (or records an alias);
 * `block(bk, node)` writes a block-level node's code on shared-memory tiles (bk: `block.BlockKernel`);
 * accumulators have `init(bk, node)`, `update(bk, node)` (once per loop iteration) and `finalize`
-  (a method, or None when the running value is already the result);
+  (a method, or None when the running value is already the result); those the lowering may keep in
+  a matmul's mma fragments (accum, accum_rescale) have `fold_product(bk, node, mma, running, multiply)`;
+* a block matmul runs on tensor cores where the CUDA lowering chose mma.sync (`mdsl.backend.ptx.mma`),
+  a kernel-level one of 16-bit operands as a tensor-core tile with a cp.async ring (`_gemm_tile_mma`);
 * `value(fn, node, args)` gives an element-wise op's f32 value from its operands' f32 values.
 
 All arithmetic is f32; values are rounded to their dtype where they are stored.
@@ -20,16 +23,18 @@ import attrs
 from llvmlite import ir
 
 from mdsl.backend.cuda.loops import blocks_for, without
-# the CUDA backend's choices, shared so that both backends launch the same kernels
 from mdsl.backend.cuda.mma import MmaShape
+# the CUDA backend's choices, shared so that both backends launch the same kernels
 from mdsl.backend.cuda.rules import KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes, _mma_element
+from mdsl.backend.cuda.source import ctype
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
-from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
                                     row_view)
+from mdsl.backend.ptx.mma import BlockMma
 from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import dtype_from_name
 from mdsl.ir.graph import Node
 from mdsl.ir.ops import extend_op
 
@@ -281,7 +286,7 @@ def _gemm_tile_mma(fn: KernelFunction, program, m: int, n: int, k_len: int, a: A
                 copies()
         fn.copy_async_commit()
 
-    shape = MmaShape(dtype, 1, tile, tile, step, GEMM_THREADS // 32)
+    shape = MmaShape(ctype(dtype_from_name(dtype)), 1, tile, tile, step, GEMM_THREADS // 32)
     mma = BlockMma(fn, shape, dtype)
     acc = mma.zeroed()
     for s in range(stages - 1):
@@ -596,6 +601,11 @@ def _rescale(fn: KernelFunction, m, top):
     return fn.b.select(empty, f32(0.0), fn.math("exp", fn.b.fsub(m, top)))
 
 
+def _weighted_sum(fn: KernelFunction, a, wa, x, wx):
+    """a wa + x wx."""
+    return fn.b.fadd(fn.b.fmul(a, wa), fn.b.fmul(x, wx))
+
+
 class _Rescaling:
     """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
     running maximum of m. Each iteration, with M' = max(M, m): acc <- acc exp(M - M') + x exp(m - M').
@@ -627,13 +637,19 @@ class _Rescaling:
         bk.threads.for_each(fn, math.prod(m.shape), lambda i: fn.store_float(
             nxt, i, fn.call_math("maxnum", fn.load_float(now, i), fn.load_float(m, fn.offset(i, m.shape, m)))))
 
-    def _rescaled(self, bk, node: Node, now: Array, running, index, shape: tuple, value):
-        """The running value with `value` folded in, where its element of m is at `index` of `shape`."""
+    def _weights(self, bk, node: Node, now: Array, index, shape: tuple) -> tuple:
+        """(exp(M - M'), exp(m - M')): the weights of the running value and of this iteration's, where
+        the element's m is at `index` of `shape`."""
         fn, m = bk.fn, bk.tile(node.inputs[1])
         mv = fn.load_float(m, fn.offset(index, shape, m))
         top = fn.load_float(now, fn.offset(index, shape, now))
         top_next = fn.call_math("maxnum", top, mv)
-        return fn.b.fadd(fn.b.fmul(running, _rescale(fn, top, top_next)), fn.b.fmul(value, _rescale(fn, mv, top_next)))
+        return _rescale(fn, top, top_next), _rescale(fn, mv, top_next)
+
+    def _rescaled(self, bk, node: Node, now: Array, running, index, shape: tuple, value):
+        """The running value with `value` folded in, where its element of m is at `index` of `shape`."""
+        old, new = self._weights(bk, node, now, index, shape)
+        return _weighted_sum(bk.fn, running, old, value, new)
 
     def _fold_rescaled(self, bk, node: Node, now: Array, acc: Array, at, index, shape: tuple, value) -> None:
         """Fold `value` into the running value at `at` of the tile."""
@@ -651,11 +667,19 @@ class AccumulateRescaled(_Rescaling):
         product = mma.zeroed()
         multiply(product)
 
-        def fold(var, x, batch, row, col) -> None:
-            flat = fn.b.add(fn.b.mul(fn.b.add(fn.b.mul(batch, i32(rows)), row), i32(cols)), col)   # element of acc
-            var.set(self._rescaled(bk, node, now, var.get(), flat, acc.shape, x))
+        def element(batch, row, col):
+            return fn.b.add(fn.b.mul(fn.b.add(fn.b.mul(batch, i32(rows)), row), i32(cols)), col)   # of acc
 
-        mma.each(running, product, fold)
+        def factors(batch, row) -> tuple:
+            """The row's weights of the running value and of the product."""
+            return self._weights(bk, node, now, element(batch, row, i32(0)), acc.shape)
+
+        def fold(var, x, batch, row, col, weights=None) -> None:
+            old, new = weights or self._weights(bk, node, now, element(batch, row, col), acc.shape)
+            var.set(_weighted_sum(fn, var.get(), old, x, new))
+
+        one_a_row = node.inputs[1].shape[-1:] == (1,)   # m's maximum (online softmax's): once a row
+        mma.each(running, product, fold, per_row=factors if one_a_row else None)
         self._update_maximum(bk, node, now, nxt)
 
     def update(self, bk, node: Node) -> None:
