@@ -331,6 +331,12 @@ class KernelFunction:
         d = self.b.call(asm, [*a, *b, *c])
         return [self.b.extract_value(d, e) for e in range(4)]
 
+    def pack_floats(self, lo: ir.Value, hi: ir.Value, dtype: str) -> ir.Value:
+        """Two f32 values rounded to `dtype` (f16 or bf16, to nearest even) as one register, `lo` in the
+        low half: cvt.rn.{f16x2,bf16x2}.f32, one instruction (its first source goes high)."""
+        asm = ir.InlineAsm(ir.FunctionType(I32, [F32, F32]), f"cvt.rn.{MMA_PTX_TYPES[dtype]}x2.f32 $0, $1, $2;", "=r,f,f")
+        return self.b.call(asm, [hi, lo])
+
     def bits16(self, value: ir.Value, dtype: str) -> ir.Value:
         """The 16 bits of an f32 value rounded to `dtype` (f16 or bf16), as an i32 (high half zero)."""
         return self.b.zext(self.b.bitcast(self.from_float(value, dtype), I16), I32)

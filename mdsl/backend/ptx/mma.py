@@ -18,9 +18,10 @@ from typing import Callable, Optional
 from llvmlite import ir
 
 from mdsl.backend.cuda.mma import MmaShape, _batch_stride
-from mdsl.backend.ptx.llvm import I16, I32, Array, KernelFunction, Var, f32, i32
+from mdsl.backend.ptx.llvm import F32, I16, I32, Array, KernelFunction, Var, f32, i32
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
+FLOAT_PAIR = ir.VectorType(F32, 2)
 MMA_IN_FLIGHT = 4         # independent mma.sync a K step's code issues at least (CUDA: K unrolled 4 times)
 
 
@@ -74,22 +75,29 @@ class BlockMma:
         sa, sw = _batch_stride(a, out_batch), _batch_stride(w, out_batch)
         lda, ldw = a.strides[-2], w.strides[-2]
         tiles = []
+        two_t = b.mul(self.t, i32(2))
         for j, batch, m0, n0, guard in self._tile_coordinates():
             a_at = Array(fn.address(a, b.mul(batch, i32(sa))), a.dtype, (m, k), (lda, 1)) if sa else \
                 a.viewed((m, k), (lda, 1))
             w_at = Array(fn.address(w, b.mul(batch, i32(sw))), w.dtype, (k, n), (ldw, 1)) if sw else \
                 w.viewed((k, n), (ldw, 1))
-            tiles.append((j, guard, a_at, w_at, (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8)))),
-                          b.add(n0, self.g)))
-        two_t = b.mul(self.t, i32(2))
+            rows = (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8))))
+            col = b.add(n0, self.g)
+            # where the lane's rows of A and its column of B start (B's at row 2t), once for every step
+            starts = tuple(b.mul(r, i32(lda)) for r in rows)
+            tiles.append((j, guard, a_at, w_at, rows, starts, col, b.add(b.mul(two_t, i32(ldw)), col)))
 
         def step(k0, guard_k: bool) -> None:
             c0 = b.add(k0, two_t)
             c8 = b.add(c0, i32(8))
-            for j, guard, a_at, w_at, rows, col in tiles:
-                def product(j=j, a_at=a_at, w_at=w_at, rows=rows, col=col) -> None:
-                    fa = [self._along_row(a_at, r, c, sa, guard_k) for c in (c0, c8) for r in rows]
-                    fb = [self._along_column(w_at, r, col, guard_k) for r in (c0, c8)]
+            w_step = b.mul(k0, i32(ldw)) if not isinstance(k0, ir.Constant) else i32(k0.constant * ldw)
+            for j, guard, a_at, w_at, rows, starts, col, w_start in tiles:
+                def product(j=j, a_at=a_at, w_at=w_at, rows=rows, starts=starts, col=col, w_start=w_start) -> None:
+                    fa = [self._along_row(a_at, r, start, c, sa, guard_k) for c in (c0, c8)
+                          for r, start in zip(rows, starts)]
+                    at = b.add(w_start, w_step)
+                    fb = [self._along_column(w_at, c0, col, at, guard_k),
+                          self._along_column(w_at, c8, col, b.add(at, i32(8 * ldw)), guard_k)]
                     d = fn.mma_m16n8k16(self.dtype, fa, fb, [v.get() for v in frags[j]])
                     for var, value in zip(frags[j], d):
                         var.set(value)
@@ -115,17 +123,14 @@ class BlockMma:
         if ragged:
             step(i32(whole * MMA_K), True)
 
-    def _guarded_load(self, p: Array, r, c, inside, etype: Optional[ir.Type]):
-        """p[r, c] (the raw element, or `etype` read there), zero where `inside` is false (None: always
-        inside)."""
+    def _load_at(self, p: Array, at, inside, etype: Optional[ir.Type]):
+        """The element of p at offset `at` (its raw bits, or `etype` read there: a word of several, or
+        None: the element as f32), zero where `inside` is false (None: always inside)."""
         fn, b = self.fn, self.fn.b
-        at = b.add(b.mul(r, i32(p.strides[0])), c)
         if inside is not None:
             at = b.select(inside, at, i32(0))   # read an element that exists
         value = b.load(fn.address(p, at), typ=etype) if etype is not None else fn.load_float(p, at)
-        if inside is None:
-            return value
-        return b.select(inside, value, ir.Constant(value.type, 0))
+        return value if inside is None else b.select(inside, value, ir.Constant(value.type, None))
 
     def _inside(self, r, rows: int, guard_rows: bool, c, cols: int, guard_cols: bool):
         b, terms = self.fn.b, []
@@ -137,33 +142,41 @@ class BlockMma:
             return None
         return terms[0] if len(terms) == 1 else b.and_(terms[0], terms[1])
 
-    def _along_row(self, p: Array, r, c, batch_stride: int, guard_k: bool):
-        """Elements (r, c) and (r, c + 1) of A as a pair of the mma's type (c is even)."""
+    def _along_row(self, p: Array, r, row_start, c, batch_stride: int, guard_k: bool):
+        """Elements (r, c) and (r, c + 1) of A (row r starts at offset `row_start`) as a pair of the
+        mma's type (c is even)."""
         fn, b = self.fn, self.fn.b
         rows, cols = p.shape
         guard_rows = rows % MMA_M != 0
-        if p.dtype == self.dtype and p.strides[0] % 2 == 0 and cols % 2 == 0 and batch_stride % 2 == 0:
-            # both in one aligned 4-byte word
-            return self._guarded_load(p, r, c, self._inside(r, rows, guard_rows, c, cols, guard_k), I32)
+        at = b.add(row_start, c)
+        inside = self._inside(r, rows, guard_rows, c, cols, guard_k)
+        paired = p.strides[0] % 2 == 0 and cols % 2 == 0 and batch_stride % 2 == 0   # (r, c) starts an aligned pair
+        if paired and p.dtype == self.dtype:   # one 4-byte word
+            return self._load_at(p, at, inside, I32)
+        if paired and p.dtype == "f32":        # one 8-byte word, rounded to the pair in one instruction
+            two = self._load_at(p, at, inside, FLOAT_PAIR)
+            return fn.pack_floats(b.extract_element(two, i32(0)), b.extract_element(two, i32(1)), self.dtype)
         c1 = b.add(c, i32(1))
-        lo = self._guarded_load(p, r, c, self._inside(r, rows, guard_rows, c, cols, guard_k), None)
-        hi = self._guarded_load(p, r, c1, self._inside(r, rows, guard_rows, c1, cols, guard_k or cols % 2 != 0), None)
-        return fn.pair(fn.bits16(lo, self.dtype), fn.bits16(hi, self.dtype))
+        lo = self._load_at(p, at, inside, None)
+        hi = self._load_at(p, b.add(at, i32(1)), self._inside(r, rows, guard_rows, c1, cols, guard_k or cols % 2 != 0),
+                           None)
+        return fn.pack_floats(lo, hi, self.dtype)
 
-    def _along_column(self, p: Array, r, c, guard_k: bool):
-        """Elements (r, c) and (r + 1, c) of B as a pair of the mma's type (r is even)."""
+    def _along_column(self, p: Array, r, c, at, guard_k: bool):
+        """Elements (r, c) and (r + 1, c) of B (the first at offset `at`) as a pair of the mma's type (r
+        is even)."""
         fn, b = self.fn, self.fn.b
         rows, cols = p.shape
         guard_cols = cols % MMA_N != 0
-        r1 = b.add(r, i32(1))
-        halves = []
-        for row, guard_rows in ((r, guard_k), (r1, guard_k or rows % 2 != 0)):
+        values = []
+        for row, offset, guard_rows in ((r, at, guard_k), (b.add(r, i32(1)), b.add(at, i32(p.strides[0])),
+                                                           guard_k or rows % 2 != 0)):
             inside = self._inside(row, rows, guard_rows, c, cols, guard_cols)
             if p.dtype == self.dtype:   # the 16 bits as they are
-                halves.append(b.zext(self._guarded_load(p, row, c, inside, I16), I32))
+                values.append(b.zext(self._load_at(p, offset, inside, I16), I32))
             else:
-                halves.append(fn.bits16(self._guarded_load(p, row, c, inside, None), self.dtype))
-        return fn.pair(*halves)
+                values.append(self._load_at(p, offset, inside, None))
+        return fn.pair(*values) if p.dtype == self.dtype else fn.pack_floats(*values, self.dtype)
 
     def each(self, running: list, product: list, f: Callable, per_row: Optional[Callable] = None) -> None:
         """f(running Var, product value, batch, row, column[, row value]) on every element of C the

@@ -18,6 +18,8 @@ of how the backend builds their operands:
   and 2t + 8, 2t + 9 at column g, C's rows g and g + 8 at columns 2t, 2t + 1; the lower column or row
   in the lower 16 bits), D = A B + C is computed in float64 and rounded to f32, and each lane gets its
   four elements of D.
+* `cvt.rn.{f16x2,bf16x2}.f32` (inline asm) rounds two floats into one register (the first source in
+  the upper half).
 * `cp.async` copies (the NVVM intrinsics) are queued per thread, `commit_group` closes a group and
   `wait_group N` performs every group but the newest N: a copy lands as late as the ISA allows, so a
   kernel that reads a tile before waiting for it reads what was there before (NaN at first). With
@@ -95,6 +97,30 @@ define internal {{float, float, float, float}} @sim_mma_{name}(i32 %a0, i32 %a1,
 }}
 """ for kind, name in enumerate(("f16", "bf16")))
 _MMA_KINDS = ("f16", "bf16")
+# cvt.rn.{f16x2,bf16x2}.f32 d, hi, lo (inline asm): both rounded, hi in the upper 16 bits
+_PACK_HELPERS = """
+define internal i32 @sim_pack_f16(float %hi, float %lo) {
+  %h = fptrunc float %hi to half
+  %l = fptrunc float %lo to half
+  %hb = bitcast half %h to i16
+  %lb = bitcast half %l to i16
+  %hw = zext i16 %hb to i32
+  %lw = zext i16 %lb to i32
+  %up = shl i32 %hw, 16
+  %out = or i32 %up, %lw
+  ret i32 %out
+}
+define internal i32 @sim_pack_bf16(float %hi, float %lo) {
+  %hb = call i16 @sim_to_bf16(float %hi)
+  %lb = call i16 @sim_to_bf16(float %lo)
+  %hw = zext i16 %hb to i32
+  %lw = zext i16 %lb to i32
+  %up = shl i32 %hw, 16
+  %out = or i32 %up, %lw
+  ret i32 %out
+}
+"""
+_PACK_ASM = re.compile(r'asm\s+(?:sideeffect\s+)?"cvt\.rn\.(f16|bf16)x2\.f32 \$0, \$1, \$2;", "=r,f,f"')
 _MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
 _CP_ASYNC = re.compile(r'"llvm\.nvvm\.cp\.async\.c[ag]\.shared\.global\.(4|8|16)"')
 
@@ -118,6 +144,7 @@ def host_ir(llvm_ir: str) -> str:
         line = re.sub(r'llvm\.nvvm\.read\.ptx\.sreg\.(\w+)\.(\w)', r"sim_sreg_\1_\2", line)
         line = line.replace('"llvm.nvvm.barrier0"', '"sim_barrier"').replace('"llvm.nvvm.shfl.sync.bfly.f32"', '"sim_shfl"')
         line = _MMA_ASM.sub(r"@sim_mma_\1", line)
+        line = _PACK_ASM.sub(r"@sim_pack_\1", line)
         line = _CP_ASYNC.sub(r'"sim_cp_async_\1"', line)
         line = line.replace('"llvm.nvvm.cp.async.commit.group"', '"sim_cp_async_commit"')
         line = line.replace('"llvm.nvvm.cp.async.wait.group"', '"sim_cp_async_wait"')
@@ -125,7 +152,7 @@ def host_ir(llvm_ir: str) -> str:
         line = re.sub(r"(%\S+) = fptrunc float (%\S+) to bfloat", r"\1 = call i16 @sim_to_bf16(float \2)", line)
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
-    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS
+    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS
 
 
 class _Block:
