@@ -141,6 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="with --plans-only and --autotune: compile every (candidate, options) pair the GPU run "
                              "will time into the cubin cache (default: yes; --no-precompile verifies the tuning "
                              "variants only, e.g. while the code generator still changes)")
+    search.add_argument("--variants-budget", type=float, default=1200.0, metavar="SECONDS",
+                        help="with --plans-only: wall clock for verifying one plan's tuning variants (an entry "
+                             "cut short by it is stored and verified again by the next --plans-only)")
     search.add_argument("--budget", type=float, default=120.0,
                         help="the search budget of the plans' SearchConfig (part of the plan cache's key)")
     search.add_argument("--workers", type=_positive_int, default=None, help="search worker processes")
@@ -249,10 +252,11 @@ def compile_record(graph, arch: str) -> dict:
 def tuning_variants(plan, args: argparse.Namespace) -> dict:
     """Propose, verify and store the plan's tuning variants (mdsl.search.variants; CPU minutes for the
     attention cases), unless the plan cache has them: what was found."""
-    from mdsl.search.variants import ensure_variants
+    from mdsl.search.variants import VariantSpace, ensure_variants
 
     start = time.perf_counter()
-    found = ensure_variants(plan, args.variants, workers=args.workers)
+    found = ensure_variants(plan, args.variants, workers=args.workers,
+                            space=VariantSpace(budget_s=args.variants_budget))
     return {"verified": len(found), "seconds": time.perf_counter() - start,
             "variants": [f"{v.describe}: est. {v.gpu_seconds * 1e6:.1f} us" for v in found]}
 

@@ -202,14 +202,23 @@ def verify(plan: Plan, proposals: Sequence[Proposal], *, budget_s: float = Varia
     verified as a searched candidate is: `engine.search` with the plan's seed and number of tests."""
     from mdsl.search.engine import search
 
+    return verify_all(plan, proposals, budget_s=budget_s, workers=workers, progress=progress)[0]
+
+
+def verify_all(plan: Plan, proposals: Sequence[Proposal], *, budget_s: float = VariantSpace().budget_s,
+               workers: Optional[int] = None, progress=None) -> tuple:
+    """(verify's result, whether every proposal got its verdict within `budget_s`)."""
+    from mdsl.search.engine import search
+
     if not proposals:
-        return []
+        return [], True
     extra = {"workers": workers} if workers else {}
     config = attrs.evolve(plan.config, budget_s=budget_s, top_k=len(proposals) + 1, **extra)
     result = search(plan.original, config, generators=[_Proposed([p.graph for p in proposals])], progress=progress)
     verified = {c.graph.key: c for c in result.candidates if c.evidence.equivalent and c.evidence.finite_field_tests}
-    return [TuningVariant(verified[p.graph.key], p.describe, p.gpu_seconds)
-            for p in proposals if p.graph.key in verified]
+    found = [TuningVariant(verified[p.graph.key], p.describe, p.gpu_seconds) for p in proposals
+             if p.graph.key in verified]
+    return found, not result.stats.timed_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,14 +233,17 @@ def entry_path(cache: PlanCache, key: str) -> Path:
     return cache.root / "variants" / f"{key}.json"
 
 
-def store(cache: PlanCache, plan: Plan, found: Sequence[TuningVariant], limit: int) -> Optional[Path]:
-    """Write the plan's variants entry atomically; a cache that cannot be written only warns."""
+def store(cache: PlanCache, plan: Plan, found: Sequence[TuningVariant], limit: int,
+          complete: bool = True) -> Optional[Path]:
+    """Write the plan's variants entry atomically; a cache that cannot be written only warns.
+    `complete`: every proposal got its verdict (else the budget ran out, and `ensure_variants` tries
+    again)."""
     key = plan_key(plan)
     if key is None:
         return None
     path = entry_path(cache, key)
     entry = {"mdsl_plan_variants": SCHEMA, "plan_key": key, "plan_graph_key": plan.graph.key,
-             "original_key": plan.original.key, "limit": limit,
+             "original_key": plan.original.key, "limit": limit, "complete": complete,
              "variants": [{"describe": v.describe, "gpu_seconds": v.gpu_seconds, **_candidate_json(v.candidate)}
                           for v in found]}
     try:
@@ -248,8 +260,8 @@ class CorruptVariants(Exception):
 
 
 def load(cache: PlanCache, plan: Plan) -> Optional[tuple]:
-    """(variants, the limit they were picked under) stored for `plan`, or None (no entry, or one that does
-    not fit: that warns)."""
+    """(variants, the limit they were picked under, whether their verification completed) stored for
+    `plan`, or None (no entry, or one that does not fit: that warns)."""
     key = plan_key(plan)
     if key is None:
         return None
@@ -292,7 +304,10 @@ def _read_entry(text: str, key: str, plan: Plan) -> tuple:
         found.append(TuningVariant(c, str(item["describe"]), seconds))
     if len(found) > limit:
         raise CorruptVariants(f"{len(found)} variants under a limit of {limit}")
-    return found, limit
+    complete = data.get("complete", False)
+    if not isinstance(complete, bool):
+        raise CorruptVariants(f"its completeness {complete!r} is not a boolean")
+    return found, limit, complete
 
 
 def _signature(graph: KernelGraph) -> tuple:
@@ -304,14 +319,16 @@ def _signature(graph: KernelGraph) -> tuple:
 
 def ensure_variants(plan: Plan, limit: int = DEFAULT_LIMIT, *, cache: Optional[PlanCache] = None,
                     space: VariantSpace = VariantSpace(), workers: Optional[int] = None, progress=None) -> list:
-    """The plan's verified tuning variants: from the cache when an entry picked under at least `limit`
-    is there, else proposed, verified and stored (CPU work: minutes for attention)."""
+    """The plan's verified tuning variants: from the cache when a complete entry picked under at least
+    `limit` is there, else proposed, verified and stored (CPU work: minutes for attention; an entry whose
+    verification ran out of `space.budget_s` is stored but tried again next time)."""
     cache = cache or PlanCache()
     stored = load(cache, plan)
-    if stored is not None and stored[1] >= limit:
+    if stored is not None and stored[1] >= limit and stored[2]:
         return stored[0][:limit]
-    found = verify(plan, propose(plan, limit, space), budget_s=space.budget_s, workers=workers, progress=progress)
-    store(cache, plan, found, limit)
+    found, complete = verify_all(plan, propose(plan, limit, space), budget_s=space.budget_s, workers=workers,
+                                 progress=progress)
+    store(cache, plan, found, limit, complete)
     return found
 
 

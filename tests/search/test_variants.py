@@ -77,8 +77,8 @@ def _with_output_scaled(graph):
 
 def test_the_entry_round_trips_and_is_not_verified_again(gqa, monkeypatch):
     plan, cache, found = gqa
-    assert V.load(cache, plan) == (found, 4)
-    monkeypatch.setattr(V, "verify", _must_not_run)
+    assert V.load(cache, plan) == (found, 4, True)
+    monkeypatch.setattr(V, "verify_all", _must_not_run)
     assert V.ensure_variants(plan, 4, cache=cache) == found
     assert V.ensure_variants(plan, 2, cache=cache) == found[:2]
     own = [plan.chosen, *plan.alternatives]
@@ -87,6 +87,27 @@ def test_the_entry_round_trips_and_is_not_verified_again(gqa, monkeypatch):
     assert V.tuning_candidates(plan, 1, variants=1, cache=cache) == [plan.chosen, found[0].candidate]
     assert [p.name for p in V.entry_path(cache, V.plan_key(plan)).parent.iterdir()] == \
         [f"{V.plan_key(plan)}.json"]  # no temp file left
+
+
+def test_an_entry_whose_verification_ran_out_of_time_is_read_but_verified_again(gqa, monkeypatch):
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    calls = []
+
+    def verify_all(*args, **kwargs):
+        calls.append(args)
+        return found[:1], True
+
+    try:
+        V.store(cache, plan, found[:2], 4, complete=False)
+        assert V.load(cache, plan) == (found[:2], 4, False)
+        assert V.tuning_candidates(plan, 8, cache=cache)[-2:] == [v.candidate for v in found[:2]]
+        monkeypatch.setattr(V, "verify_all", verify_all)
+        assert V.ensure_variants(plan, 4, cache=cache) == found[:1] and len(calls) == 1
+        assert V.load(cache, plan) == (found[:1], 4, True)
+    finally:
+        path.write_text(good)
 
 
 def _must_not_run(*args, **kwargs):
@@ -99,6 +120,7 @@ DAMAGES = {
     "another plan": lambda e: {**e, "plan_key": "0" * 64},
     "another chosen graph": lambda e: {**e, "plan_graph_key": "x"},
     "limit": lambda e: {**e, "limit": -1},
+    "complete": lambda e: {**e, "complete": "yes"},
     "too many": lambda e: {**e, "limit": 0},
     "not verified": lambda e: _each_variant(e, lambda v: {**v, "evidence": {**v["evidence"], "equivalent": False}}),
     "other seed": lambda e: _each_variant(e, lambda v: {**v, "evidence": {**v["evidence"], "seed": 1}}),
@@ -126,7 +148,7 @@ def test_a_damaged_entry_is_ignored_with_a_warning(gqa, damage, tmp_path):
             assert V.tuning_candidates(plan, 8, cache=cache) == [plan.chosen, *plan.alternatives]
     finally:
         path.write_text(good)
-    assert V.load(cache, plan) == (found, 4)
+    assert V.load(cache, plan) == (found, 4, True)
 
 
 def test_a_plan_not_read_from_the_cache_has_no_entry(gqa):
