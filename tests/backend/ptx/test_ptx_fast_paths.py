@@ -84,11 +84,10 @@ def test_lowerings_not_ported_are_switched_off_and_nothing_else():
 def _matmul_programs() -> dict:
     """Programs with 16-bit matmuls: the fast-path set and the benchmark cases' searched plans with a
     block-level one (the examples and guided plans: test_ptx_acceptance assembles them)."""
-    out = dict(fast_path_graphs())
-    for name, plan in benchmark_plans().items():
-        if any(n.op == "matmul" for c in plan.custom_nodes() for n in c.body.nodes):
-            out[f"searched plan of {name}"] = plan
-    return out
+    programs = {**fast_path_graphs(), **{f"searched plan of {name}": plan for name, plan in benchmark_plans().items()}}
+    return {name: graph for name, graph in programs.items()
+            if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes)
+            or any(n.op == "matmul" for n in graph.nodes)}
 
 
 def _kernel_plans(program) -> list:
@@ -217,7 +216,6 @@ def _assembles_clean_under_every_option_set(graph) -> None:
         if llvm_ir not in seen:
             seen.add(llvm_ir)
             assert_assembles_clean(graph, options)
-    assert len(seen) > 1 or not graph.custom_nodes()
 
 
 @pytest.mark.timeout(120)
