@@ -11,8 +11,10 @@ per-token latency is that time / steps. It is measured once per runtime variant 
 first one is the table's): "static" (each worker its share of the tasks in order), "static-ahead2"
 (its scheduler also prefetches the weights of its task after next) and "queue" (one global atomic
 queue); the profiled model's step is profiled under each (trace of the first, and per task kind the
-body time, the scheduler's wait and the part of it the compute warps sat idle). PyTorch runs one decode step at position 1023 (SDPA over 1024
-cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times between two events.
+body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick the
+variants after the first run for the profiled model only. PyTorch runs one decode step at position
+1023 (SDPA over 1024 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times
+between two events.
 Each model is independent: a failure is printed with its traceback and the others still run; the exit
 status is 1 when any failed.
 """
@@ -44,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--steps", type=int, default=128, help="decode steps per timed launch / graph replays")
     ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
-    ap.add_argument("--quick", action="store_true", help="32 steps, 2 repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help="32 steps, 2 repeats, the variants after the first only for the profiled model")
     ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated runtime variants, of {', '.join(VARIANTS)} (the first one is the table's)")
@@ -237,6 +240,12 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
         engine.close()
 
 
+def variants_of(name: str, args) -> list:
+    """The runtime variants measured for a model: all of them, or under --quick the first one only, but
+    for the profiled model (so that the extra variants cost two engine builds of the smallest model)."""
+    return args.variants if not args.quick or name == args.trace_model else args.variants[:1]
+
+
 def bench_model(torch, name: str, args, out: Path) -> dict:
     import attrs
 
@@ -254,7 +263,7 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     torch.cuda.synchronize()
     print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "variants": {}}
-    for variant in args.variants:
+    for variant in variants_of(name, args):
         try:
             measured = bench_variant(MegakernelEngine, config, weights, variant, name, args, out, floor)
         except Exception as e:   # a later variant's failure keeps the first one's numbers

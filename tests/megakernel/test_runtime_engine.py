@@ -78,6 +78,9 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
     assert args.variants == ["static", "static-ahead2", "queue"]
     assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]
+    assert decode.variants_of("qwen3-0.6b", args) == ["static"]         # --quick: the extra variants ...
+    assert decode.variants_of(args.trace_model, args) == args.variants   # ... for the profiled model only
+    assert decode.variants_of("qwen3-0.6b", decode.parse_args([])) == args.variants
     for bad in (["--models", "gpt-2"], ["--variants", "random"], ["--variants", ""]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
