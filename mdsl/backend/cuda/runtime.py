@@ -743,7 +743,7 @@ def compile_graph(graph: KernelGraph, *, arch: Optional[str] = None, device: int
     if backend == "ptx":
         from mdsl.backend.ptx import compile_ptx, emit_llvm
 
-        program = emit_llvm(graph, arch=arch)
+        program = emit_llvm(graph, arch=arch, options=options)
         return Executable(program, compile_ptx(program.llvm_ir, arch), device=device)
     program = emit_cuda(graph, arch=arch, options=options)
     return Executable(program, compile_source(program.source, arch), device=device)
