@@ -5,6 +5,7 @@ and gives each program its roofline floor.
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import attrs
 
@@ -36,6 +37,15 @@ class Device:
                                  # 9-step attention iteration ~2.2 us, a 3-step GEMV iteration ~0.5 us)
     sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
     sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
+    # Fitted to the H200's autotuning of rms_norm_linear_bs8 (2026-11-29, docs/kernel_bench_2026-11-29c.json):
+    # one block of 8 warps drew 17-21 GB/s whatever its tile (19 GB/s with 192-byte rows, 21 with 128),
+    # 4 warps 13.5 GB/s; tiles with rows of 48/64/96 bytes drew proportionally less (11/11/17 GB/s per SM).
+    # `estimate` keeps its own 64 bytes, a part of the stored plans' costs.
+    warp_dram_bytes_per_s: float = 3e9
+    dram_run_bytes: int = 128
+    registers_per_sm: int = 65536
+    max_registers_per_thread: int = 255  # beyond it ptxas spills to local memory
+    local_bytes_per_s: float = 500e9     # one SM's spill traffic (local memory, mostly in L1)
 
 
 #: Measured on the H200 test machine (design.md): 4.25 TB/s copy, ~750 TFLOP/s bf16.
@@ -124,7 +134,8 @@ class _Traffic:
     loop_input_bytes: int  # of those, the tiles that change along the loop (they are pipelined)
 
 
-def _traffic(node: Node, device: Device) -> _Traffic:
+def _traffic(node: Node, device: Device, run_bytes: int = 64) -> _Traffic:
+    """`run_bytes`: the contiguous run below which reads are weighted as wasting DRAM bursts."""
     graph: BlockGraph = node.body
     dram = l2 = 0
     useful = 0.0
@@ -136,8 +147,8 @@ def _traffic(node: Node, device: Device) -> _Traffic:
         # replicated reads come from L2 when the tensor fits there
         read = tensor.type.nbytes if tensor.type.nbytes <= device.l2_bytes // 2 else replicated
         dram += read
-        # contiguous runs shorter than two 32-byte sectors waste DRAM bursts
-        useful += read / min(1.0, _contiguous_bytes(inp.var.type, tensor.type) / 64)
+        # contiguous runs shorter than `run_bytes` (two 32-byte sectors for `estimate`) waste DRAM bursts
+        useful += read / min(1.0, _contiguous_bytes(inp.var.type, tensor.type) / run_bytes)
         per_iteration += inp.var.type.nbytes
         loop_inputs += inp.var.type.nbytes if inp.fmap is not None else 0
     out_bytes = sum(v.type.nbytes for v in node.outputs)
@@ -201,6 +212,7 @@ class KernelFit:
     steps: int             # barrier-separated steps of one iteration
     in_flight_per_sm: int  # bytes of loads in flight on the busiest SM
     smem_bytes: int        # per block, with the pipeline's copies
+    registers: int         # per thread, spilled ones included (compiled or estimated)
     memory_s: float
     compute_s: float
     latency_s: float       # the serial chain: rounds x iterations x steps
@@ -214,7 +226,8 @@ class GpuEstimate:
 
     def describe(self) -> str:
         return " ; ".join(f"{k.blocks} blocks ({k.fill:.0%} fill, {k.rounds} round(s) of {k.iterations} "
-                          f"iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM)" for k in self.kernels)
+                          f"iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM, {k.registers} registers)"
+                          for k in self.kernels)
 
 
 def _pipelined_smem(graph: BlockGraph, loop_input_bytes: int, stages: int) -> tuple:
@@ -243,45 +256,94 @@ def _block_work(graph: BlockGraph, device: Device) -> tuple:
     return loop_s, post_s, loop_steps, post_steps
 
 
-def _kernel_fit(node: Node, device: Device, stages: int) -> KernelFit:
+#: `estimate_registers`' model, fitted to ptxas's reports for sm_90a (NVRTC, 2026-11-29): row-resident
+#: attention tiles of 16x64 + 16x64 per warp took 185 registers, 16x128 + 16x64 took 253, larger ones
+#: spilled 700-3200 bytes; the block-tiled GEMVs (rms_norm_linear, gated_mlp) 64-110.
+_BASE_REGISTERS = 64
+_REGISTERS_PER_FLOAT = 2    # a product's element, its transformed copy and the next mma's operand
+
+
+def _row_resident(graph: BlockGraph) -> bool:
+    """Whether a loop matmul's product feeds more loop work than its accumulator (online softmax's
+    chain): the CUDA backend then keeps whole 16-row tiles of it in each warp's registers."""
+    post = graph.post_loop_vars()
+    products = {n.outputs[0].name for n in graph.nodes if n.op == "matmul" and n.outputs[0].name not in post}
+    return any(v.name in products for n in graph.nodes if not n.opdef.is_accumulator for v in n.inputs
+               if n.outputs[0].name not in post)
+
+
+def estimate_registers(graph: BlockGraph) -> int:
+    """Registers per thread a block graph's kernel needs (spilled ones included), without compiling it:
+    the loop matmuls' products, kept in mma fragments. Row-resident (see `_row_resident`): each warp
+    holds ceil(row tiles / warps) whole 16-row tiles, cols / 2 floats each per thread; otherwise the
+    product is spread over the block's threads."""
+    post = graph.post_loop_vars()
+    warps = max(1, graph.threads // 32)
+    resident = _row_resident(graph)
+    floats = 0
+    for n in graph.nodes:
+        if n.op != "matmul" or n.outputs[0].name in post:
+            continue
+        shape = n.outputs[0].shape
+        if resident:
+            row_tiles = math.prod(shape[:-2]) * -(-shape[-2] // 16)
+            floats += -(-row_tiles // warps) * shape[-1] // 2
+        else:
+            floats += -(-math.prod(shape) // graph.threads)
+    return _BASE_REGISTERS + _REGISTERS_PER_FLOAT * floats
+
+
+def _kernel_fit(node: Node, device: Device, stages: int, registers: Optional[int] = None) -> KernelFit:
     graph: BlockGraph = node.body
-    t = _traffic(node, device)
+    t = _traffic(node, device, device.dram_run_bytes)
     blocks = graph.num_blocks
     stages, smem = _pipelined_smem(graph, t.loop_input_bytes, stages)
+    registers = estimate_registers(graph) if registers is None else registers
+    allocated = -(-min(registers, device.max_registers_per_thread) // 8) * 8   # ptxas allocates by 8
     resident = max(1, min(device.smem_per_sm // max(smem, 1), device.threads_per_sm // graph.threads,
-                          device.max_blocks_per_sm))
+                          device.registers_per_sm // (allocated * graph.threads), device.max_blocks_per_sm))
     per_sm = -(-blocks // device.sms)
     rounds = -(-per_sm // resident)
     fill = blocks / (per_sm * device.sms)
     in_flight = min(per_sm, resident) * stages * (t.loop_input_bytes or t.per_iteration)
     # the busiest SM's share of the traffic, at the rate one SM draws: its share of DRAM bandwidth, what
-    # one SM's loads sustain, and what its loads in flight cover of the latency (Little's law)
+    # one SM's loads sustain, what its loads in flight cover of the latency (Little's law) and what its
+    # resident warps draw
     active = min(blocks, device.sms)
-    dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s)
+    warps = min(per_sm, resident) * graph.threads // 32
+    dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s,
+                    warps * device.warp_dram_bytes_per_s)
     memory = max(per_sm * (t.useful + t.out_bytes) / blocks / dram_rate,
                  per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
     loop_s, post_s, loop_steps, post_steps = _block_work(graph, device)
-    compute = per_sm * (graph.forloop * loop_s + post_s)
+    # registers beyond the limit are stored and loaded again every iteration, by every thread
+    spill_s = max(0, registers - device.max_registers_per_thread) * 4 * 2 * graph.threads / device.local_bytes_per_s
+    compute = per_sm * (graph.forloop * (loop_s + spill_s) + post_s)
     latency = rounds * (graph.forloop * loop_steps + post_steps) * device.step_s
     seconds = max(memory, compute) + latency + device.launch_s
-    return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop_steps, in_flight, smem, memory,
-                     compute, latency, seconds)
+    return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop_steps, in_flight, smem, registers,
+                     memory, compute, latency, seconds)
 
 
-def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3) -> GpuEstimate:
+def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
+                 registers: Optional[Callable[[int], Optional[int]]] = None) -> GpuEstimate:
     """A finer estimate than `estimate` of one mugraph's time on `device`, for choosing among mugraphs of
     one structure with other grids and loops: it counts waves (the busiest SM's blocks), blocks resident
-    per SM (shared memory with `stages` pipelined copies of the loop's tiles, threads), the bytes in
-    flight that cover the memory latency and the serial chain of loop iterations. Library kernels and
-    views count as `estimate` counts them."""
+    per SM (shared memory with `stages` pipelined copies of the loop's tiles, threads, registers), the
+    bytes in flight that cover the memory latency, how contiguous the tiles' rows are, the serial chain
+    of loop iterations and the spills of a kernel that needs more registers than a thread has. Library
+    kernels and views count as `estimate` counts them.
+
+    `registers(node_index)`: the registers per thread (spilled ones included) of the compiled kernel of
+    the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`)."""
     fits, seconds = [], 0.0
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         if node.op in _VIEWS:
             continue
         if node.body is None or not isinstance(node.body, BlockGraph):
             seconds += _library_cost(node, device).seconds
             continue
-        fits.append(_kernel_fit(node, device, stages))
+        fits.append(_kernel_fit(node, device, stages, registers(index) if registers is not None else None))
         seconds += fits[-1].seconds
     return GpuEstimate(seconds, tuple(fits))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import attrs
 
@@ -38,7 +38,6 @@ from mdsl.search.dims import Labels
 
 LOOP, POST = "loop", "post"
 _LOOPABLE = frozenset({"matmul", "sum", "mean", "max", "rms_norm"})
-_SPLITTABLE_ACCUMULATORS = frozenset({"accum", "accum_max", "accum_rescale"})
 
 
 class CannotLift(Exception):
@@ -106,15 +105,20 @@ class _Builder:
         self.names.add(name)
         return name
 
-    def emit(self, op: str, inputs: list, **attributes) -> Var:
+    def make(self, op: str, inputs: list, base: Optional[str] = None, **attributes) -> Node:
+        """A node of `op` on `inputs` with a fresh output name (from `base`, else the op) and its inferred
+        type; not yet in the block graph."""
         opdef = get_op(op)
         try:
             pairs = opdef.normalize_attrs(attributes)
             (out_type,) = opdef.infer_types(tuple(v.type for v in inputs), pairs)
         except MdslError as e:
             raise CannotLift(str(e))
-        out = Var(self.fresh(op), out_type)
-        self.nodes.append(Node(op, inputs, [out], pairs))
+        return Node(op, inputs, [Var(self.fresh(base or op), out_type)], pairs)
+
+    def emit(self, op: str, inputs: list, **attributes) -> Var:
+        self.nodes.append(self.make(op, inputs, **attributes))
+        out, out_type = self.nodes[-1].outputs[0], self.nodes[-1].outputs[0].type
         if self.current is not None and self.current.outputs[0].type.rank == out_type.rank:
             self.origin[out.name] = self.current.outputs[0]
         return out
@@ -311,26 +315,93 @@ def _cast_node(v: Var, dtype, name: str) -> Node:
     return Node("cast", [v], [Var(name, v.type.with_dtype(dtype))], get_op("cast").normalize_attrs({"dtype": dtype}))
 
 
+# ---------------------------------------------------------------------------------------------
+# split-K: how each accumulator's work divides across the blocks of a split loop label
+
+
+@attrs.frozen
+class SplitRule:
+    """An accumulator's `split` rule. `partial(b, accumulation)`: the phase-1 nodes that replace the
+    accumulator, the last one's output being the partial result each split stores; `combine(b,
+    accumulation, tile_of, name)`: the phase-2 nodes that fold the splits' partial tiles (`tile_of`:
+    accumulator output name -> the split tile of its partial) into the accumulator's value, the last
+    one's output named `name`. An accumulator without the rule cannot be split."""
+
+    partial: Callable
+    combine: Callable
+
+
+def _keep_accumulator(b: _Builder, a: Accumulation) -> list:
+    return [a.node]
+
+
+def _same_accumulator(b: _Builder, a: Accumulation, tile_of: dict, name: str) -> list:
+    """Sums and maxima of partial sums and maxima: the accumulator itself over the split tiles."""
+    ins = [tile_of[a.node.outputs[0].name]]
+    if a.node.op == "accum_rescale":
+        if a.max_of_scale is None:
+            raise CannotLift("a rescaling accumulator without the maximum of its scale")
+        ins.append(tile_of[a.max_of_scale])
+    return [_retyped(Node(a.node.op, ins, [Var(name, a.node.outputs[0].type)], a.node.attrs), ins)]
+
+
+def _mean_square_partial(b: _Builder, a: Accumulation) -> list:
+    """accum_rms's split: each split's mean of squares (in f32: a square of f16 can overflow)."""
+    (x,) = a.node.inputs
+    wide = b.make("cast", [x], f"{x.name}_f32", dtype=f32)
+    square = b.make("square", [wide.outputs[0]], f"{x.name}_square")
+    mean = b.make("accum_mean", [square.outputs[0]], f"{a.node.outputs[0].name}_mean_square")
+    if a.node.outputs[0].name in b.origin:
+        b.origin[mean.outputs[0].name] = b.origin[a.node.outputs[0].name]
+    return [wide, square, mean]
+
+
+def _rms_of_mean_squares(b: _Builder, a: Accumulation, tile_of: dict, name: str) -> list:
+    """The mean of the splits' means of squares (equal splits: the mean over the whole loop label), then
+    sqrt(mean + eps) as accum_rms computes it."""
+    mean = b.make("accum_mean", [tile_of[a.node.outputs[0].name]], f"{name}_mean_square")
+    shifted = b.make("add_scalar", [mean.outputs[0]], f"{name}_eps", value=a.node.attr("eps"))
+    root = b.make("sqrt", [shifted.outputs[0]])
+    return [mean, shifted, attrs.evolve(root, outputs=[Var(name, root.outputs[0].type)])]
+
+
+_SPLIT_RULES = {"accum": SplitRule(_keep_accumulator, _same_accumulator),
+                "accum_max": SplitRule(_keep_accumulator, _same_accumulator),
+                "accum_rescale": SplitRule(_keep_accumulator, _same_accumulator),
+                "accum_rms": SplitRule(_mean_square_partial, _rms_of_mean_squares)}
+for _name, _rule in _SPLIT_RULES.items():
+    extend_op(_name, split=_rule)
+
+
+def _split_rule(a: Accumulation) -> SplitRule:
+    rule = a.node.opdef.rules.get("split")
+    if rule is None:
+        raise CannotLift(f"{a.node.op}'s partial results cannot be combined")
+    return rule
+
+
 def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
-    """Phase 1 accumulates each split of the loop label and stores the partial results in f32;
-    phase 2 loops over the splits, re-accumulates them and runs the post-loop nodes."""
+    """Phase 1 accumulates each split of the loop label and stores the partial results in f32 (each
+    accumulator's `split` rule says which); phase 2 loops over the splits, combines them (the rule
+    again) and runs the post-loop nodes."""
     choice, graph = b.choice, b.graph
     accs = b.accumulations
-    if any(a.node.op not in _SPLITTABLE_ACCUMULATORS for a in accs):
-        raise CannotLift("an accumulator whose partial results cannot be combined")
+    rules = [_split_rule(a) for a in accs]
     post = BlockGraph(b.grid3, choice.threads, choice.forloop, b.inputs, b.nodes, ()).post_loop_vars()
-    phase1_nodes = [n for n in b.nodes if not any(v.name in post for v in n.outputs) or n.opdef.is_accumulator]
-    post_nodes = [n for n in b.nodes if n not in phase1_nodes]
+    partial_nodes = {id(a.node): rule.partial(b, a) for a, rule in zip(accs, rules)}
+    phase1_nodes = [m for n in b.nodes if not any(v.name in post for v in n.outputs) or n.opdef.is_accumulator
+                    for m in partial_nodes.get(id(n), [n])]
+    post_nodes = [n for n in b.nodes if any(v.name in post for v in n.outputs) and not n.opdef.is_accumulator]
 
     grid_parts = [p for _, p in choice.grid]
     partial_outputs, partial_vars, tiles2 = [], [], []
     for a in accs:
-        v = a.node.outputs[0]
+        v = partial_nodes[id(a.node)][-1].outputs[0]
         omap = []
         for label, parts in choice.grid:
             d = _tile_dim_for(b, v, label) if parts > 1 else None
             if parts > 1 and d is None:
-                raise CannotLift("a partial result has no dim for a grid label")
+                d = _replica_dim(v, omap)
             omap.append(d)
         free = [d for d in range(v.type.rank) if d not in omap]
         if not free:
@@ -352,14 +423,9 @@ def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
     tile_of = {a.node.outputs[0].name: t for a, (t, _, _) in zip(accs, tiles2)}
     totals: dict = {}
     nodes2 = []
-    for a in accs:
+    for a, rule in zip(accs, rules):
         v = a.node.outputs[0]
-        ins = [tile_of[v.name]]
-        if a.node.op == "accum_rescale":
-            if a.max_of_scale is None:
-                raise CannotLift("a rescaling accumulator without the maximum of its scale")
-            ins.append(tile_of[a.max_of_scale])
-        nodes2.append(_retyped(Node(a.node.op, ins, [Var(f"{v.name}_total", v.type)], a.node.attrs), ins))
+        nodes2.extend(rule.combine(b, a, tile_of, f"{v.name}_total"))
         totals[v.name] = nodes2[-1].outputs[0]
     for n in post_nodes:
         nodes2.append(_retyped(n, [totals.get(v.name, v) for v in n.inputs]))
@@ -380,6 +446,15 @@ def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
     phase2 = BlockGraph(grid2, choice.threads, choice.split, inputs2, nodes2, outputs2)
     n2 = Node("custom", partial_vars, list(graph.outputs), body=phase2)
     return KernelGraph(graph.name, graph.inputs, [n1, n2], graph.outputs)
+
+
+def _replica_dim(partial: Var, omap: list) -> int:
+    """A dim of size 1 to concatenate a partial result along for a grid label it does not have (accum_rms's
+    per-row partial under a grid over columns: each block stores its own copy, the combine reads its own)."""
+    ones = [d for d in range(partial.type.rank) if partial.shape[d] == 1 and d not in omap]
+    if not ones:
+        raise CannotLift("a partial result has no dim for a grid label")
+    return ones[0]
 
 
 def _refined(grid: tuple, inputs: list, factor: int) -> tuple:

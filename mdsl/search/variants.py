@@ -33,7 +33,7 @@ import attrs
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.cache import PlanCache, _write_atomic
-from mdsl.search.cost import estimate, gpu_estimate
+from mdsl.search.cost import H200, estimate, gpu_estimate
 from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json
 
 SCHEMA = 1
@@ -49,6 +49,12 @@ class VariantSpace:
     budget_s: float = 1200.0      # verification wall clock for all of a plan's variants
     combine_blocks: int = 128     # a split variant's combine kernel is also tried with at least this many blocks
     max_loop_tile: int = 128      # elements of the loop label an iteration takes, at most (see `_fits`)
+    # split variants preferred (`_preferred`): their first kernel fills the SMs about 1-4 times over and copies
+    # at most this many bytes an iteration (measured on the H200, gated_mlp split 2/4: 64 KB an
+    # iteration 27 us, 128 KB 40-42 us; rms_norm_linear: 64-80 KB the best of its variants)
+    split_waves: tuple = (0.9, 4)
+    max_iteration_bytes: int = 80 * 1024
+    min_split_loop_tile: int = 64  # and take at least this much of the loop label an iteration (4 mma k-steps)
 
 
 @attrs.frozen
@@ -62,8 +68,9 @@ class TuningVariant:
 class Proposal:
     graph: KernelGraph
     describe: str
-    group: tuple                  # (blocks per kernel, split): variants of one group differ only in loop
-    gpu_seconds: float
+    group: tuple                  # (blocks of the first kernel, split): variants of one group differ in loop
+    gpu_seconds: float            # and combine
+    preferred: bool = True        # a shape measured to pay (`_preferred`): picked before the others
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +85,21 @@ def structure(graph: KernelGraph) -> tuple:
     library = sorted(n.op for n in graph.nodes if n.body is None)
     accumulators = sorted(n.op for n in bodies[0].nodes if n.opdef.is_accumulator) if bodies else []
     return tuple(work), tuple(library), tuple(accumulators)
+
+
+def _unsplit_structure(original: KernelGraph, choice, graph: KernelGraph, labels) -> Optional[tuple]:
+    """The structure of `graph`, or for a split choice that of the same choice unsplit (a split changes
+    an accumulator into its partial and combine: accum_rms into a mean of squares, then the root), so
+    that split and unsplit mugraphs of one lifting compare equal; None where the unsplit one does not lift."""
+    from mdsl.search.guided import CannotLift, lift
+
+    if choice.split <= 1:
+        return structure(graph)
+    try:
+        return structure(lift(original, attrs.evolve(choice, split=1, combine_parts=1,
+                                                  forloop=choice.forloop * choice.split), labels))
+    except CannotLift:
+        return None
 
 
 def describe_choice(choice, labels) -> str:
@@ -122,16 +144,32 @@ def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = Varian
     if base is None:
         return []
     base_choice, base_graph = base
-    shape = structure(base_graph)
+    shape = _unsplit_structure(original, base_choice, base_graph, labels)
     taken = {g.key for g in known}
     proposals = []
     for key, (choice, graph) in lifted.items():
-        if key in taken or choice.loop != base_choice.loop or structure(graph) != shape:
+        # a split plan (flash decoding) keeps its split; an unsplit one may gain one (split-K)
+        if key in taken or choice.loop != base_choice.loop or (base_choice.split > 1 and choice.split <= 1) \
+                or _unsplit_structure(original, choice, graph, labels) != shape:
             continue
-        proposals.append(Proposal(graph, describe_choice(choice, labels), (_main_blocks(graph), choice.split),
-                                  gpu_estimate(graph).seconds))
+        proposals.append(Proposal(graph, describe_choice(choice, labels), (_main_blocks(graph)[:1], choice.split),
+                                  gpu_estimate(graph).seconds, _preferred(graph, choice, labels, space)))
     proposals.sort(key=lambda p: (p.gpu_seconds, p.graph.key))
     return diverse(proposals, limit)
+
+
+def _preferred(graph: KernelGraph, choice, labels, space: "VariantSpace", sms: int = H200.sms) -> bool:
+    """Unsplit variants always; split ones whose first kernel has `space.split_waves` waves of blocks,
+    loads at most `space.max_iteration_bytes` an iteration and takes at least `space.min_split_loop_tile`
+    of the loop label an iteration."""
+    if choice.split <= 1:
+        return True
+    first = next(n.body for n in graph.nodes if n.body is not None)
+    low, high = space.split_waves
+    per_iteration = sum(i.var.type.nbytes for i in first.inputs if i.fmap is not None)
+    tile = labels.size(choice.loop) // (choice.split * choice.forloop)
+    return (low * sms <= first.num_blocks <= high * sms and per_iteration <= space.max_iteration_bytes
+            and tile >= space.min_split_loop_tile)
 
 
 def _fits(choice, labels, space: "VariantSpace", resident: frozenset = frozenset()) -> bool:
@@ -167,9 +205,28 @@ def _combine_widths(choice, space: "VariantSpace") -> list:
 
 
 def diverse(ranked: Sequence[Proposal], limit: int, per_group: int = 2) -> list:
+    """`limit` of the ranked proposals, spread over grids (`_spread`). Where split and unsplit ones both
+    exist (a GEMV's split-K), half of each kind (the estimate cannot be trusted to choose between one
+    kernel and a split-K pair: the GPU decides), the preferred shapes first and one split variant per
+    grid; in rank order."""
+    kinds = [[p for p in ranked if (p.group[1] > 1) == split] for split in (True, False)]
+    if not all(kinds):
+        return _spread(ranked, limit, per_group)
+    split, unsplit = (sorted(k, key=lambda p: not p.preferred) for k in kinds)  # stable: rank order kept
+    picked = _spread(split, -(-limit // 2), 1)
+    picked += _spread(unsplit, limit - len(picked), per_group)
+    taken = {id(p) for p in picked}
+    picked += [p for p in split if id(p) not in taken][:limit - len(picked)]
+    order = {id(p): i for i, p in enumerate(ranked)}
+    return sorted(picked, key=lambda p: order[id(p)])
+
+
+def _spread(ranked: Sequence[Proposal], limit: int, per_group: int) -> list:
     """`limit` of the ranked proposals, spread over grids: up to `per_group` (the best loop lengths) from
     each of the best ceil(limit / per_group) (blocks, split) groups, then the best of the rest; in rank
     order."""
+    if limit <= 0:
+        return []
     groups: dict = {}
     for p in ranked:
         groups.setdefault(p.group, []).append(p)

@@ -130,13 +130,17 @@ def test_a_grid_over_a_contracted_label_is_not_offered():
     assert all(label != k for c in choices(g, labels, SearchConfig()) for label, _ in c.grid)
 
 
-def test_rms_norm_over_the_loop_cannot_split_the_loop():
-    # accum_rms cannot be combined from partial results, so split-K is refused for this program
-    g = example("rms_norm_linear").make_rms_norm_linear(1, k=64, n=96).graph
-    labels = Labels(g)
-    k = labels.label(g.inputs[0].name, 1)
+def test_an_accumulator_without_a_split_rule_refuses_a_split_loop():
+    # accum_sum's partial results have no combine rule (no lifting emits it today): a split is refused
+    from mdsl.ir.dtypes import f32
+    from mdsl.ir.graph import Node
+    from mdsl.ir.types import TensorType, Var
+    from mdsl.search.guided import Accumulation, _split_rule
+
+    x = Var("x", TensorType((4, 8), f32))
+    node = Node("accum_sum", [x], [Var("s", x.type.with_shape((4, 1)))])
     with pytest.raises(CannotLift, match="cannot be combined"):
-        lift(g, Choice((), k, forloop=4, split=2), labels)
+        _split_rule(Accumulation(node))
 
 
 def test_an_output_that_skips_the_loop_contraction_is_refused():
