@@ -1,21 +1,28 @@
 """The kernel of a graph-defined (`custom`) op as LLVM IR: its block graph lowered exactly as the CUDA
 backend lowers it (`mdsl.backend.cuda.block.lower`: schedule, layout, memory plan, and the choices the
 `CudaOptions` allow: block matmuls on tensor cores, `accum(matmul)` sums kept in the mma's registers,
-the cp.async pipeline's depth), following the same timeline:
+the cp.async pipeline's depth, loop chains kept in the registers of the warps owning their rows
+(`rows.py`), element-wise folding loops streamed from device memory (`streamed.py`) and loop-invariant
+nodes hoisted), following the same timeline (mdsl/backend/cuda/block.py):
 
-    accumulators start empty (those in registers: zeroed fragments); loop-invariant tiles are loaded
+    streamed: each thread folds its accumulator elements over the loop from device memory; barrier;
+        each post-loop stage; the outputs stored
+    else:
+    accumulators start empty (in registers: zeroed fragments or row registers); loop-invariant tiles
+    are loaded; hoisted stages (barrier first)
     pipelined: iterations 0 .. stages-2's tiles are issued (cp.async), one commit group each
     for each of the `forloop` iterations:
-        pipelined: iteration it+stages-1's tiles are issued; wait for iteration it's group
+        pipelined: iteration it+stages-1's tiles are issued (after the barrier below where the loop
+        ends in row registers); wait for iteration it's group
         else: the iteration's input tiles are loaded
         barrier
-        each loop stage (accumulator updates included); barrier
+        each loop stage (accumulator updates included); barrier, but after trailing stages in registers
     accumulators that need it are finalized, sums in registers stored to their tiles; barrier
     each post-loop stage; barrier
     the output tiles are stored where their omap puts them
 
-The copy into a ring slot is issued one iteration after the slot was last read, behind that
-iteration's closing barrier, so a slot is never overwritten while read.
+The copy into a ring slot is issued one iteration after the slot was last read, behind a barrier
+every thread passed after reading it, so a slot is never overwritten while read.
 """
 from __future__ import annotations
 
@@ -28,9 +35,12 @@ import attrs
 from mdsl.backend.cuda.block import Lowered, lower
 from mdsl.backend.cuda.mma import MmaShape
 from mdsl.backend.cuda.options import arch_number
+from mdsl.backend.cuda.rows import trailing_stages
 from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
 from mdsl.backend.ptx.mma import BlockMma
+from mdsl.backend.ptx.rows import RowKernel
+from mdsl.backend.ptx.streamed import emit_streamed
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.passes.layout import scratch_name
 
@@ -73,57 +83,77 @@ class BlockKernel:
         return None if shape is None else BlockMma(self.fn, shape, node.inputs[0].dtype.name)
 
 
-#: switches of `CudaOptions` for CUDA-backend lowerings this backend has not ported: lowered with them off
-NOT_PORTED = ("rows", "hoist", "stream")
-
-
-def ported(options):
-    """The options as this backend can honour them (`NOT_PORTED` switched off)."""
-    fields = attrs.fields_dict(type(options))
-    return attrs.evolve(options, **{name: False for name in NOT_PORTED if name in fields})
-
-
 def emit_custom(program, index: int, node: Node) -> None:
-    options = ported(program.options)
+    options = program.options
     bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
     lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch))
     schedule, memory = lowered.schedule, lowered.memory
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total) as scope:
         fn = scope.fn
         bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, lowered)
-        parts = {inp.var.name: _input_part(bk, inp, tensor)
-                 for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in bk.tiles}  # the inputs read
+        rk = RowKernel(bk, lowered.rows) if lowered.rows is not None else None
+        in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
+        streamed = lowered.streamed or ()
+        read = {v.name for i in streamed for v in bg.nodes[i].inputs}   # from device memory
+        parts = {inp.var.name: _input_part(bk, inp, tensor) for inp, tensor in zip(bg.inputs, scope.inputs)
+                 if inp.var.name in bk.tiles or inp.var.name in read}
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         per_iteration = [inp for inp in loaded if inp.fmap is not None]
+        if streamed:
+            emit_streamed(bk, bg, list(streamed), parts)
+            fn.barrier()
+            for stage in schedule.post:
+                _stage(bk, stage)
+            _store_outputs(bk, scope)
+            return
         accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
         for acc in accumulators:
-            _rule(acc).init(bk, acc)
+            if bg.nodes.index(acc) in in_rows:
+                acc.opdef.rules["ptx_rows"].init(rk, acc)
+            else:
+                _rule(acc).init(bk, acc)
         in_registers = _register_accumulators(bk)
         for inp in loaded:
             if inp.fmap is None:
                 _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
+        if schedule.pre:   # loop-invariant nodes, once before the loop
+            fn.barrier()
+            for stage in schedule.pre:
+                _stage(bk, stage)
         stages = memory.stages
         rings = {inp.var.name: bk.tile(inp.var) for inp in per_iteration if inp.var.name in memory.slot_bytes}
         for ahead in range(stages - 1 if rings else 0):
             _issue(bk, per_iteration, parts, rings, ahead)
+        # the loop's last stages in registers need no barrier after them; then, pipelined, the next
+        # copies are issued behind the barrier that opens an iteration, into the slot the last one read
+        # (every thread is past it), so that one barrier an iteration is enough (as the CUDA backend)
+        free = trailing_stages(schedule, lowered.rows)
+        issue_late = bool(rings) and free > 0 and len(rings) == len(per_iteration)
+        barrier_free = set(range(len(schedule.loop) - free, len(schedule.loop)))
+        if not issue_late:
+            barrier_free.discard(len(schedule.loop) - 1)   # the last stage's barrier closes the iteration
         with fn.loop(i32(0), bg.forloop, 1) as it:
             bk.loop_counter = it
-            if rings:
+            if issue_late:
+                fn.copy_async_wait(stages - 2)   # this iteration's copies are done (this thread's)
+            elif rings:
                 _issue(bk, per_iteration, parts, rings, fn.b.add(it, i32(stages - 1)))
-                fn.copy_async_wait(stages - 1)   # this iteration's copies are done (this thread's)
+                fn.copy_async_wait(stages - 1)
             else:
                 for inp in per_iteration:
                     _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
             fn.barrier()
+            if issue_late:
+                _issue(bk, per_iteration, parts, rings, fn.b.add(it, i32(stages - 1)))
             for name, ring in rings.items():
                 bk.tiles[name] = _slot(bk, name, ring, it)
-            for stage in schedule.loop:
-                _stage(bk, stage)
+            for k, stage in enumerate(schedule.loop):
+                _stage(bk, stage, rk, barrier=k not in barrier_free)
         bk.loop_counter = None
         bk.tiles.update(rings)
         if rings:
             fn.copy_async_wait(0)
-        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator
+        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator and i not in in_rows
                      and i not in lowered.register_accumulated and _rule(acc).finalize is not None]
         for acc in finishing:
             fn.marker_for(acc)
@@ -132,13 +162,21 @@ def emit_custom(program, index: int, node: Node) -> None:
             acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
             fn.marker_for(acc)
             bk.block_mma(matmul).store(in_registers[matmul.output.name], bk.tile(acc.output))
-        if finishing or lowered.register_accumulated:
+        row_accumulators = lowered.rows.accumulators(bg) if lowered.rows is not None else []
+        for i in row_accumulators:
+            fn.marker_for(bg.nodes[i])
+            rk.store(bg.nodes[i].output, bk.tile(bg.nodes[i].output))
+        if finishing or lowered.register_accumulated or row_accumulators:
             fn.barrier()
         for stage in schedule.post:
             _stage(bk, stage)
-        for out, tensor in zip(bg.outputs, scope.outputs):
-            _copy_loop(bk, _part(bk, tensor, out.omap, list(out.var.shape)), bk.tile(out.var), out.var.shape,
-                       bk.layout.vectors[out.var.name])
+        _store_outputs(bk, scope)
+
+
+def _store_outputs(bk: BlockKernel, scope) -> None:
+    for out, tensor in zip(bk.bg.outputs, scope.outputs):
+        _copy_loop(bk, _part(bk, tensor, out.omap, list(out.var.shape)), bk.tile(out.var), out.var.shape,
+                   bk.layout.vectors[out.var.name])
 
 
 def _register_accumulators(bk: BlockKernel) -> dict:
@@ -183,15 +221,19 @@ def _rule(node: Node):
     return node.opdef.rules["ptx"]
 
 
-def _stage(bk: BlockKernel, stage) -> None:
+def _stage(bk: BlockKernel, stage, rk: Optional[RowKernel] = None, barrier: bool = True) -> None:
     for i in stage.nodes:
         node = bk.bg.nodes[i]
         bk.fn.marker_for(node)
         if i in bk.lowered.register_accumulated:
             continue   # folded by its matmul, in the fragments' registers
+        if rk is not None and i in rk.plan.nodes:
+            node.opdef.rules["ptx_rows"].emit(rk, node)   # in the registers of the warps owning its rows
+            continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(bk, node)
-    bk.fn.barrier()
+    if barrier:
+        bk.fn.barrier()
 
 
 def _part(bk: BlockKernel, tensor: Array, dim_map: tuple, extent: list) -> Array:

@@ -278,6 +278,28 @@ class KernelFunction:
         with self.b.if_then(cond):
             yield
 
+    def if_values(self, cond: Optional[ir.Value], body) -> list:
+        """body() (a list of values) computed where `cond` holds, else zeros (same types): the values
+        are usable after the branch (phis at its end). `cond` None: body() unguarded."""
+        if cond is None:
+            return body()
+        b = self.b
+        before = b.block
+        then, merge = self.fn.append_basic_block("then"), self.fn.append_basic_block("endif")
+        b.cbranch(cond, then, merge)
+        b.position_at_end(then)
+        values = body()
+        end = b.block
+        b.branch(merge)
+        b.position_at_end(merge)
+        out = []
+        for value in values:
+            phi = b.phi(value.type)
+            phi.add_incoming(value, end)
+            phi.add_incoming(ir.Constant(value.type, None), before)
+            out.append(phi)
+        return out
+
     def chain(self, conditions: Sequence[ir.Value]) -> Iterator[int]:
         """An if / else-if chain with a last `else`: yields the index of each case in turn, with the
         builder inside it (conditions[k] guards case k; the last case has none)."""
@@ -330,6 +352,22 @@ class KernelFunction:
                            "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", side_effect=True)
         d = self.b.call(asm, [*a, *b, *c])
         return [self.b.extract_value(d, e) for e in range(4)]
+
+    def ldmatrix_x4(self, row: ir.Value) -> list:
+        """ldmatrix.sync.aligned.m8n8.x4 (shared memory, 16-bit elements): lanes 8m .. 8m + 7 give the
+        16-byte aligned row addresses of 8 x 8 matrix m; each lane gets its 4 registers (register m:
+        row lane / 4, columns 2 (lane % 4) and the next of matrix m). Every lane of the warp must
+        execute it."""
+        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4.b16", ir.LiteralStructType([I32] * 4), [row])
+        return [self.b.extract_value(words, e) for e in range(4)]
+
+    def ldmatrix_x2_trans(self, row: ir.Value) -> list:
+        """ldmatrix.sync.aligned.m8n8.x2.trans: lanes 0 .. 15 give the row addresses of two 8 x 8
+        matrices, each lane gets register m = rows 2 (lane % 4) and the next, column lane / 4 of matrix m
+        (an mma B fragment of a row-major K x N tile)."""
+        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x2.trans.b16", ir.LiteralStructType([I32] * 2),
+                               [row])
+        return [self.b.extract_value(words, e) for e in range(2)]
 
     def pack_floats(self, lo: ir.Value, hi: ir.Value, dtype: str) -> ir.Value:
         """Two f32 values rounded to `dtype` (f16 or bf16, to nearest even) as one register, `lo` in the

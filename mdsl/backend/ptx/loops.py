@@ -93,9 +93,7 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
     space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
 
     def element(i) -> None:
-        reg = {var.name: fn.load_float(op, fn.offset(i, space, op)) for var, op in zip(tg.inputs, ins)}
-        for node in tg.nodes:
-            reg[node.output.name] = node.opdef.rules["ptx"].value(fn, node, [reg[v.name] for v in node.inputs])
+        reg = chain_values(fn, tg, [fn.load_float(op, fn.offset(i, space, op)) for op in ins])
         for var, op in zip(tg.outputs, outs):
             at = fn.offset(i, space, op)
             lacking = _lacking_dims(fn, i, space, op.shape)
@@ -106,6 +104,25 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
                     fn.store_float(op, at, reg[var.name])
 
     threads.for_each(fn, math.prod(space), element)
+
+
+def chain_values(fn: KernelFunction, tg: ThreadGraph, inputs: list) -> dict:
+    """One element of a thread graph in f32 registers, from its inputs' values: value name -> value."""
+    reg = {var.name: value for var, value in zip(tg.inputs, inputs)}
+    for node in tg.nodes:
+        reg[node.output.name] = node.opdef.rules["ptx"].value(fn, node, [reg[v.name] for v in node.inputs])
+    return reg
+
+
+def rescale(fn: KernelFunction, m, top):
+    """exp(m - top) for online softmax; an empty running maximum (-inf) weighs nothing."""
+    empty = fn.b.fcmp_ordered("==", m, f32(float("-inf")))
+    return fn.b.select(empty, f32(0.0), fn.math("exp", fn.b.fsub(m, top)))
+
+
+def weighted_sum(fn: KernelFunction, a, wa, x, wx):
+    """a wa + x wx."""
+    return fn.b.fadd(fn.b.fmul(a, wa), fn.b.fmul(x, wx))
 
 
 def _lacking_dims(fn: KernelFunction, i, space: tuple, shape: tuple):

@@ -36,6 +36,23 @@ class BlockMma:
         self.tiles = shape.batch * self.tm * self.tn
         lane = b.urem(tid, i32(32))
         self.warp, self.g, self.t = b.udiv(tid, i32(32)), b.udiv(lane, i32(4)), b.urem(lane, i32(4))
+        self.lane16 = b.urem(tid, i32(16))   # the row of an ldmatrix a lane addresses
+
+    def ldmatrix_b(self, w: Array) -> bool:
+        """Whether B's fragments come by ldmatrix.trans (the CUDA prelude's `b_fragment`): B of the mma's
+        type, rows a multiple of 16 bytes apart, whole 8-column groups and 16-row K steps."""
+        return w.dtype == self.dtype and w.strides[-2] % 8 == 0 and self.shape.n % 8 == 0 and self.shape.k % 16 == 0
+
+    def b_fragment(self, w: Array, k0, n0, guard_k: bool) -> list:
+        """B's two registers for the K step at k0 and the 8 columns at n0 (w: a K x N tile)."""
+        fn, b = self.fn, self.fn.b
+        ldw = w.strides[-2]
+        if self.ldmatrix_b(w):
+            return fn.ldmatrix_x2_trans(fn.address(w, b.add(b.mul(b.add(k0, self.lane16), i32(ldw)), n0)))
+        r, col = b.add(k0, b.mul(self.t, i32(2))), b.add(n0, self.g)
+        at = b.add(b.mul(r, i32(ldw)), col)
+        return [self._along_column(w, r, col, at, guard_k),
+                self._along_column(w, b.add(r, i32(8)), col, b.add(at, i32(8 * ldw)), guard_k)]
 
     @property
     def per_warp(self) -> int:
@@ -76,6 +93,7 @@ class BlockMma:
         lda, ldw = a.strides[-2], w.strides[-2]
         tiles = []
         two_t = b.mul(self.t, i32(2))
+        ldmatrix = self.ldmatrix_b(w)
         for j, batch, m0, n0, guard in self._tile_coordinates():
             a_at = Array(fn.address(a, b.mul(batch, i32(sa))), a.dtype, (m, k), (lda, 1)) if sa else \
                 a.viewed((m, k), (lda, 1))
@@ -83,9 +101,11 @@ class BlockMma:
                 w.viewed((k, n), (ldw, 1))
             rows = (b.add(m0, self.g), b.add(m0, b.add(self.g, i32(8))))
             col = b.add(n0, self.g)
-            # where the lane's rows of A and its column of B start (B's at row 2t), once for every step
+            # where the lane's rows of A and its column of B start (B's at row 2t, or ldmatrix's row), once
+            # for every step
             starts = tuple(b.mul(r, i32(lda)) for r in rows)
-            tiles.append((j, guard, a_at, w_at, rows, starts, col, b.add(b.mul(two_t, i32(ldw)), col)))
+            w_start = b.add(b.mul(self.lane16, i32(ldw)), n0) if ldmatrix else b.add(b.mul(two_t, i32(ldw)), col)
+            tiles.append((j, guard, a_at, w_at, rows, starts, col, w_start))
 
         def step(k0, guard_k: bool) -> None:
             c0 = b.add(k0, two_t)
@@ -96,8 +116,11 @@ class BlockMma:
                     fa = [self._along_row(a_at, r, start, c, sa, guard_k) for c in (c0, c8)
                           for r, start in zip(rows, starts)]
                     at = b.add(w_start, w_step)
-                    fb = [self._along_column(w_at, c0, col, at, guard_k),
-                          self._along_column(w_at, c8, col, b.add(at, i32(8 * ldw)), guard_k)]
+                    if ldmatrix:
+                        fb = fn.ldmatrix_x2_trans(fn.address(w_at, at))
+                    else:
+                        fb = [self._along_column(w_at, c0, col, at, guard_k),
+                              self._along_column(w_at, c8, col, b.add(at, i32(8 * ldw)), guard_k)]
                     d = fn.mma_m16n8k16(self.dtype, fa, fb, [v.get() for v in frags[j]])
                     for var, value in zip(frags[j], d):
                         var.set(value)

@@ -31,7 +31,7 @@ from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
 from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
-                                    row_view)
+                                    rescale, row_view, weighted_sum)
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import dtype_from_name
@@ -595,17 +595,6 @@ class AccumulateRows:
         emit_row_reduce(fn, bk.threads, x, last, self.fold, _block_lanes(bk, x, last), finish)
 
 
-def _rescale(fn: KernelFunction, m, top):
-    """exp(m - top) for online softmax; an empty running maximum (-inf) weighs nothing."""
-    empty = fn.b.fcmp_ordered("==", m, f32(float("-inf")))
-    return fn.b.select(empty, f32(0.0), fn.math("exp", fn.b.fsub(m, top)))
-
-
-def _weighted_sum(fn: KernelFunction, a, wa, x, wx):
-    """a wa + x wx."""
-    return fn.b.fadd(fn.b.fmul(a, wa), fn.b.fmul(x, wx))
-
-
 class _Rescaling:
     """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
     running maximum of m. Each iteration, with M' = max(M, m): acc <- acc exp(M - M') + x exp(m - M').
@@ -644,12 +633,12 @@ class _Rescaling:
         mv = fn.load_float(m, fn.offset(index, shape, m))
         top = fn.load_float(now, fn.offset(index, shape, now))
         top_next = fn.call_math("maxnum", top, mv)
-        return _rescale(fn, top, top_next), _rescale(fn, mv, top_next)
+        return rescale(fn, top, top_next), rescale(fn, mv, top_next)
 
     def _rescaled(self, bk, node: Node, now: Array, running, index, shape: tuple, value):
         """The running value with `value` folded in, where its element of m is at `index` of `shape`."""
         old, new = self._weights(bk, node, now, index, shape)
-        return _weighted_sum(bk.fn, running, old, value, new)
+        return weighted_sum(bk.fn, running, old, value, new)
 
     def _fold_rescaled(self, bk, node: Node, now: Array, acc: Array, at, index, shape: tuple, value) -> None:
         """Fold `value` into the running value at `at` of the tile."""
@@ -676,7 +665,7 @@ class AccumulateRescaled(_Rescaling):
 
         def fold(var, x, batch, row, col, weights=None) -> None:
             old, new = weights or self._weights(bk, node, now, element(batch, row, col), acc.shape)
-            var.set(_weighted_sum(fn, var.get(), old, x, new))
+            var.set(weighted_sum(fn, var.get(), old, x, new))
 
         one_a_row = node.inputs[1].shape[-1:] == (1,)   # m's maximum (online softmax's): once a row
         mma.each(running, product, fold, per_row=factors if one_a_row else None)

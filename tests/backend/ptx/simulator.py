@@ -97,6 +97,21 @@ define internal {{float, float, float, float}} @sim_mma_{name}(i32 %a0, i32 %a1,
 }}
 """ for kind, name in enumerate(("f16", "bf16")))
 _MMA_KINDS = ("f16", "bf16")
+# ldmatrix (the NVVM intrinsics), through a callback with the lane's row address
+_LDMATRIX_HELPERS = """
+declare void @sim_ldmatrix(i32, ptr, ptr)
+""" + "".join(f"""
+define internal {{{', '.join(['i32'] * count)}}} @sim_ldmatrix_{name}(ptr %row) {{
+  %d = alloca [4 x i32], align 16
+  call void @sim_ldmatrix(i32 {kind}, ptr %row, ptr %d)
+""" + "".join(f"""  %p{e} = getelementptr i32, ptr %d, i32 {e}
+  %w{e} = load i32, ptr %p{e}
+  %r{e} = insertvalue {{{', '.join(['i32'] * count)}}} {'undef' if e == 0 else f'%r{e - 1}'}, i32 %w{e}, {e}
+""" for e in range(count)) + f"""  ret {{{', '.join(['i32'] * count)}}} %r{count - 1}
+}}
+""" for kind, (name, count) in enumerate((("x4", 4), ("x2_trans", 2))))
+_LDMATRIX_KINDS = (("x4", 4, False), ("x2_trans", 2, True))   # name, matrices, transposed
+_LDMATRIX = re.compile(r'@"llvm\.nvvm\.ldmatrix\.sync\.aligned\.m8n8\.(x4|x2\.trans)\.b16"')
 # cvt.rn.{f16x2,bf16x2}.f32 d, hi, lo (inline asm): both rounded, hi in the upper 16 bits
 _PACK_HELPERS = """
 define internal i32 @sim_pack_f16(float %hi, float %lo) {
@@ -146,13 +161,16 @@ def host_ir(llvm_ir: str) -> str:
         line = _MMA_ASM.sub(r"@sim_mma_\1", line)
         line = _PACK_ASM.sub(r"@sim_pack_\1", line)
         line = _CP_ASYNC.sub(r'"sim_cp_async_\1"', line)
+        if line.lstrip().startswith("declare") and _LDMATRIX.search(line):
+            continue   # defined by _LDMATRIX_HELPERS
+        line = _LDMATRIX.sub(lambda found: f"@sim_ldmatrix_{found.group(1).replace('.', '_')}", line)
         line = line.replace('"llvm.nvvm.cp.async.commit.group"', '"sim_cp_async_commit"')
         line = line.replace('"llvm.nvvm.cp.async.wait.group"', '"sim_cp_async_wait"')
         line = re.sub(r"(%\S+) = fpext bfloat (%\S+) to float", r"\1 = call float @sim_from_bf16(i16 \2)", line)
         line = re.sub(r"(%\S+) = fptrunc float (%\S+) to bfloat", r"\1 = call i16 @sim_to_bf16(float \2)", line)
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
-    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS
+    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS
 
 
 class _Block:
@@ -171,6 +189,30 @@ class _Block:
         self.mma_d = np.zeros((len(self.warps), 32, 4), dtype=np.float32)
         self.mma_barriers = [threading.Barrier(32, action=functools.partial(self._mma, w), timeout=BARRIER_TIMEOUT_S)
                              for w in range(len(self.warps))] if threads % 32 == 0 else []
+        self.ldmatrix_rows = np.zeros((len(self.warps), 32), dtype=np.uint64)
+        self.ldmatrix_kind = [0] * len(self.warps)
+        self.ldmatrix_out = np.zeros((len(self.warps), 32, 4), dtype=np.uint32)
+        self.ldmatrix_barriers = [threading.Barrier(32, action=functools.partial(self._ldmatrix, w),
+                                                    timeout=BARRIER_TIMEOUT_S)
+                                  for w in range(len(self.warps))] if threads % 32 == 0 else []
+
+    def _ldmatrix(self, warp: int) -> None:
+        """The warp's ldmatrix (run by one lane, all 32 waiting): matrix m's 8 rows of 8 16-bit elements
+        from the addresses of lanes 8m .. 8m + 7 (each 16-byte aligned, as the ISA requires); lane l
+        gets register m = row l / 4, columns 2 (l % 4) and the next of matrix m (of its transpose with
+        .trans), the lower column in the lower half."""
+        name, count, transposed = _LDMATRIX_KINDS[self.ldmatrix_kind[warp]]
+        for lane in range(8 * count):
+            address = int(self.ldmatrix_rows[warp, lane])
+            if address % 16:
+                raise AssertionError(f"ldmatrix.{name}: lane {lane}'s row address {address:#x} is not 16-byte aligned")
+        for m in range(count):
+            rows = np.stack([np.frombuffer(ctypes.string_at(int(self.ldmatrix_rows[warp, 8 * m + r]), 16), np.uint16)
+                             for r in range(8)])
+            matrix = rows.T if transposed else rows
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                self.ldmatrix_out[warp, lane, m] = int(matrix[g, 2 * t]) | (int(matrix[g, 2 * t + 1]) << 16)
 
     def _mma(self, warp: int) -> None:
         """D = A B + C for the warp, from its lanes' fragments (run by one lane, all 32 waiting)."""
@@ -239,6 +281,17 @@ def _mma(kind: int, a0: int, a1: int, a2: int, a3: int, b0: int, b1: int, c0: fl
     ctypes.memmove(out, block.mma_d[warp, lane].ctypes.data, 16)
 
 
+def _ldmatrix(kind: int, row: int, out: int) -> None:
+    block, tid = _LOCAL.block, _LOCAL.coords["tid.x"]
+    if not block.ldmatrix_barriers:
+        raise AssertionError("ldmatrix in a block that is not whole warps")
+    warp, lane = tid // 32, tid % 32
+    block.ldmatrix_rows[warp, lane] = row
+    block.ldmatrix_kind[warp] = kind
+    block.ldmatrix_barriers[warp].wait()
+    ctypes.memmove(out, block.ldmatrix_out[warp, lane].ctypes.data, 16)   # the next action needs this lane too
+
+
 def _cp_async(nbytes: int):
     def copy(dst: int, src: int) -> None:
         if _LOCAL.block.copies == "issue":
@@ -271,6 +324,7 @@ def _callbacks() -> dict:
                                         ctypes.c_int32)(_guarded(_shuffle))
     made["sim_mma"] = ctypes.CFUNCTYPE(None, *[ctypes.c_int32] * 7, *[ctypes.c_float] * 4, ctypes.c_void_p)(
         _guarded(_mma))
+    made["sim_ldmatrix"] = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p)(_guarded(_ldmatrix))
     for nbytes in (4, 8, 16):
         made[f"sim_cp_async_{nbytes}"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(
             _guarded(_cp_async(nbytes)))
@@ -367,7 +421,7 @@ def _run_launch(kernel, pointers: list, launch, smem_address: int, copies: str) 
                 block.barrier.wait()       # every thread done with it before the next one
         except BaseException as e:
             block.errors.append(e)
-            for barrier in (block.barrier, *block.warps, *block.mma_barriers):
+            for barrier in (block.barrier, *block.warps, *block.mma_barriers, *block.ldmatrix_barriers):
                 barrier.abort()
 
     previous = threading.stack_size(4 * 1024 * 1024)

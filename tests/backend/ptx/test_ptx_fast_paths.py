@@ -18,7 +18,7 @@ from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
-from mdsl.backend.ptx.block import NOT_PORTED, ported
+from mdsl.ir import OPS
 from mdsl.ir.dtypes import bf16, f16, f32
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink n
 needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
                                     "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
 
-#: what both backends implement (the CUDA backend's newer lowerings off: `ptx.block.NOT_PORTED`)
-BOTH = ported(CudaOptions())
+#: the default fast paths, every one of which both backends implement
+BOTH = CudaOptions()
 
 
 def kernel_opcodes(cubin: bytes) -> dict:
@@ -74,11 +74,12 @@ def test_emit_llvm_reads_the_environment_when_given_no_options(monkeypatch):
     assert "mma.sync.aligned.m16n8k16" in emit_llvm(graph).llvm_ir
 
 
-def test_lowerings_not_ported_are_switched_off_and_nothing_else():
-    options = CudaOptions(stages=2, threads=64, unroll=2)
-    assert all(getattr(ported(options), name, False) is False for name in NOT_PORTED)
-    assert {k: v for k, v in attrs.asdict(ported(options)).items() if k not in NOT_PORTED} == \
-           {k: v for k, v in attrs.asdict(options).items() if k not in NOT_PORTED}
+def test_every_lowering_of_the_cuda_backend_has_its_ptx_rules():
+    """The CUDA lowering decides which nodes are row-resident or streamed (by its `cuda_rows` and
+    `cuda_streamed` rules); the PTX backend must be able to write each of them."""
+    for opdef in OPS.values():
+        for cuda, ptx in (("cuda_rows", "ptx_rows"), ("cuda_streamed", "ptx_streamed")):
+            assert (cuda in opdef.rules) == (ptx in opdef.rules), f"{opdef.name}: {cuda} without {ptx} or back"
 
 
 def _matmul_programs() -> dict:
@@ -93,7 +94,7 @@ def _matmul_programs() -> dict:
 def _kernel_plans(program) -> list:
     """(launch, node, the CUDA lowering of a custom node's body or None) for each kernel of the program,
     with the program's options as the PTX backend honours them."""
-    options = ported(program.options)
+    options = program.options
     out = []
     for launch, node in zip(program.launches, program.graph.nodes):
         lowered = None
@@ -107,7 +108,7 @@ def _kernel_plans(program) -> list:
 def _tensor_core_kernels(program) -> set:
     """The kernels the CUDA backend's lowering puts on tensor cores, for the program's options: custom
     kernels with a block matmul it chose for mma.sync, kernel-level matmuls of 16-bit operands."""
-    mma = ported(program.options).mma
+    mma = program.options.mma
     return {launch.name for launch, node, lowered in _kernel_plans(program)
             if (lowered.mma if lowered is not None else
                 node.op == "matmul" and mma and {v.dtype for v in node.inputs} in ({f16}, {bf16}))}

@@ -1,0 +1,98 @@
+"""Streamed accumulation as LLVM IR: a loop whose body only folds input tiles element by element (a
+split's combine) run by each thread over its elements straight from device memory, in registers, as
+the CUDA backend's mdsl/backend/cuda/streamed.py (whose `streamed_accumulators` decides when: both
+backends stream the same loops). Each accumulator op's `ptx_streamed` rule gives its running state and
+its step; every iteration's loads are independent, so they are in flight together."""
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from mdsl.backend.cuda.streamed import FULL_UNROLL
+from mdsl.backend.ptx.llvm import Array, f32, i32
+from mdsl.backend.ptx.loops import rescale, weighted_sum
+from mdsl.ir.graph import BlockGraph
+from mdsl.ir.ops import extend_op
+
+ROLLED_UNROLL = 8   # a longer loop: this many iterations a trip (CUDA: #pragma unroll 8)
+
+
+def emit_streamed(bk, bg: BlockGraph, nodes: list, parts: dict) -> None:
+    """Each accumulator folded over the loop by the threads owning its elements, into its tile."""
+    fn, b = bk.fn, bk.fn.b
+    inputs = {i.var.name: i for i in bg.inputs}
+    for index in nodes:
+        node = bg.nodes[index]
+        rule = node.opdef.rules["ptx_streamed"]
+        tile = bk.tile(node.output)
+        shape = tuple(tile.shape)
+        fn.marker_for(node)
+
+        def element(i, node=node, rule=rule, tile=tile, shape=shape) -> None:
+            sources = []
+            for v in node.inputs:
+                inp, part = inputs[v.name], parts[v.name]
+                view = Array(part.ptr, part.dtype, tuple(v.shape), part.strides)
+                step = 0 if inp.fmap is None else v.shape[inp.fmap] * part.strides[inp.fmap]
+                sources.append((view, fn.offset(i, shape, view), step))
+
+            def values(it) -> list:
+                return [fn.load_float(view, at if not step else b.add(at, i32(it * step) if isinstance(it, int)
+                                                                       else b.mul(it, i32(step))))
+                        for view, at, step in sources]
+
+            state = rule.start()
+            if bg.forloop <= FULL_UNROLL:
+                for it in range(bg.forloop):
+                    state = rule.step(fn, state, values(it))
+            else:
+                unroll = max(u for u in (ROLLED_UNROLL, 4, 2, 1) if bg.forloop % u == 0)
+                running = [fn.var(s) for s in state]
+                with fn.loop(i32(0), bg.forloop, unroll) as it:
+                    state = [v.get() for v in running]
+                    for u in range(unroll):
+                        state = rule.step(fn, state, values(it if u == 0 else b.add(it, i32(u))))
+                    for var, s in zip(running, state):
+                        var.set(s)
+                state = [v.get() for v in running]
+            fn.store_float(tile, fn.offset(i, shape, tile), state[0])
+
+        bk.threads.for_each(fn, math.prod(shape), element)
+
+
+@attrs.frozen
+class Folding:
+    """accum / accum_max: the running value folds x."""
+
+    identity: float
+    fold: object      # (fn, acc, x) -> value
+
+    def start(self) -> list:
+        return [f32(self.identity)]
+
+    def step(self, fn, state: list, values: list) -> list:
+        return [self.fold(fn, state[0], values[0])]
+
+
+class Rescaling:
+    """accum_rescale(x, m): the running value relative to the running maximum of m (state: value, maximum)."""
+
+    def start(self) -> list:
+        return [f32(0.0), f32(float("-inf"))]
+
+    def step(self, fn, state: list, values: list) -> list:
+        acc, top = state
+        x, m = values
+        nxt = fn.call_math("maxnum", top, m)
+        return [weighted_sum(fn, acc, rescale(fn, top, nxt), x, rescale(fn, m, nxt)), nxt]
+
+
+_RULES = {
+    "accum": Folding(0.0, lambda fn, acc, x: fn.b.fadd(acc, x)),
+    "accum_max": Folding(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),
+    "accum_rescale": Rescaling(),
+}
+
+for _name, _rule in _RULES.items():
+    extend_op(_name, ptx_streamed=_rule)
