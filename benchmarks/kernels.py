@@ -144,6 +144,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     search.add_argument("--variants-budget", type=float, default=1200.0, metavar="SECONDS",
                         help="with --plans-only: wall clock for verifying one plan's tuning variants (an entry "
                              "cut short by it is stored and verified again by the next --plans-only)")
+    search.add_argument("--refresh-variants", action="store_true",
+                        help="with --plans-only: propose and verify the named cases' tuning variants again even where "
+                             "the plan cache has a complete entry (after a change of mdsl.search.variants); other "
+                             "cases' entries are untouched")
     search.add_argument("--budget", type=float, default=120.0,
                         help="the search budget of the plans' SearchConfig (part of the plan cache's key)")
     search.add_argument("--workers", type=_positive_int, default=None, help="search worker processes")
@@ -249,14 +253,17 @@ def compile_record(graph, arch: str) -> dict:
             "smem_bytes": max((launch.smem_bytes for launch in program.launches), default=0)}
 
 
-def tuning_variants(plan, args: argparse.Namespace) -> dict:
+def tuning_variants(plan, args: argparse.Namespace, arch: str) -> dict:
     """Propose, verify and store the plan's tuning variants (mdsl.search.variants; CPU minutes for the
-    attention cases), unless the plan cache has them: what was found."""
+    attention cases), unless the plan cache has them: what was found. The best proposals are ranked again
+    with the register counts of kernels the cubin cache already holds."""
+    from mdsl.backend.cuda.autotune import compiled_registers
     from mdsl.search.variants import VariantSpace, ensure_variants
 
     start = time.perf_counter()
     found = ensure_variants(plan, args.variants, workers=args.workers,
-                            space=VariantSpace(budget_s=args.variants_budget))
+                            space=VariantSpace(budget_s=args.variants_budget), refresh=args.refresh_variants,
+                            registers=lambda graph: compiled_registers(graph, arch))
     return {"verified": len(found), "seconds": time.perf_counter() - start,
             "variants": [f"{v.describe}: est. {v.gpu_seconds * 1e6:.1f} us" for v in found]}
 
@@ -310,7 +317,7 @@ def plans_only(args: argparse.Namespace, names: list) -> int:
                 if args.autotune:
                     if args.variants:
                         try:
-                            row["variants"] = tuning_variants(plan, args)
+                            row["variants"] = tuning_variants(plan, args, arch)
                             print(f"   {name}: {row['variants']['verified']} verified tuning variant(s) in "
                                   f"{row['variants']['seconds']:.0f} s", flush=True)
                         except Exception as e:   # the plan and its own candidates are still tuned

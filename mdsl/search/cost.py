@@ -44,8 +44,8 @@ class Device:
     warp_dram_bytes_per_s: float = 3e9
     dram_run_bytes: int = 128
     registers_per_sm: int = 65536
-    max_registers_per_thread: int = 255  # beyond it ptxas spills to local memory
-    local_bytes_per_s: float = 500e9     # one SM's spill traffic (local memory, mostly in L1)
+    max_registers_per_thread: int = 255  # beyond it ptxas spills to local memory (which the SM draws
+                                         # through L2 at `sm_bytes_per_s`: tens of KB a block overflow L1)
 
 
 #: Measured on the H200 test machine (design.md): 4.25 TB/s copy, ~750 TFLOP/s bf16.
@@ -259,7 +259,7 @@ def _block_work(graph: BlockGraph, device: Device) -> tuple:
 #: `estimate_registers`' model, fitted to ptxas's reports for sm_90a (NVRTC, 2026-11-29): row-resident
 #: attention tiles of 16x64 + 16x64 per warp took 185 registers, 16x128 + 16x64 took 253, larger ones
 #: spilled 700-3200 bytes; the block-tiled GEMVs (rms_norm_linear, gated_mlp) 64-110.
-_BASE_REGISTERS = 64
+_BASE_REGISTERS = 60
 _REGISTERS_PER_FLOAT = 2    # a product's element, its transformed copy and the next mma's operand
 
 
@@ -317,7 +317,7 @@ def _kernel_fit(node: Node, device: Device, stages: int, registers: Optional[int
                  per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
     loop_s, post_s, loop_steps, post_steps = _block_work(graph, device)
     # registers beyond the limit are stored and loaded again every iteration, by every thread
-    spill_s = max(0, registers - device.max_registers_per_thread) * 4 * 2 * graph.threads / device.local_bytes_per_s
+    spill_s = max(0, registers - device.max_registers_per_thread) * 4 * 2 * graph.threads / device.sm_bytes_per_s
     compute = per_sm * (graph.forloop * (loop_s + spill_s) + post_s)
     latency = rounds * (graph.forloop * loop_steps + post_steps) * device.step_s
     seconds = max(memory, compute) + latency + device.launch_s

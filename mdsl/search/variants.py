@@ -27,7 +27,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import attrs
 
@@ -119,9 +119,12 @@ def _main_blocks(graph: KernelGraph) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # proposing
 
-def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = VariantSpace()) -> list:
+def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = VariantSpace(),
+            registers: Optional[Callable] = None) -> list:
     """Up to `limit` unverified Proposals for `plan`, best first by gpu_estimate, diverse; [] when no
-    plan candidate is a guided mugraph (the original program, say)."""
+    plan candidate is a guided mugraph (the original program, say). `registers(graph)`: where given, the
+    `gpu_estimate(registers=...)` lookup of a mugraph's compiled kernels (e.g.
+    `mdsl.backend.cuda.autotune.compiled_registers`), used to rank again the best `4 * limit`."""
     from mdsl.search.dims import Labels
     from mdsl.search.guided import CannotLift, choices, lift
 
@@ -147,14 +150,21 @@ def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = Varian
     shape = _unsplit_structure(original, base_choice, base_graph, labels)
     taken = {g.key for g in known}
     proposals = []
+    # split and unsplit variants mix where the loop label is only contracted (a GEMV's k: split-K or not);
+    # a loop over a register-resident label keeps the plan's kind (flash decoding stays split)
+    mixing = base_choice.loop not in resident
     for key, (choice, graph) in lifted.items():
-        # a split plan (flash decoding) keeps its split; an unsplit one may gain one (split-K)
-        if key in taken or choice.loop != base_choice.loop or (base_choice.split > 1 and choice.split <= 1) \
+        if key in taken or choice.loop != base_choice.loop \
+                or (not mixing and (choice.split > 1) != (base_choice.split > 1)) \
                 or _unsplit_structure(original, choice, graph, labels) != shape:
             continue
         proposals.append(Proposal(graph, describe_choice(choice, labels), (_main_blocks(graph)[:1], choice.split),
                                   gpu_estimate(graph).seconds, _preferred(graph, choice, labels, space)))
     proposals.sort(key=lambda p: (p.gpu_seconds, p.graph.key))
+    if registers is not None:
+        best = [attrs.evolve(p, gpu_seconds=gpu_estimate(p.graph, registers=registers(p.graph)).seconds)
+                for p in proposals[:4 * limit]]
+        proposals = sorted(best, key=lambda p: (p.gpu_seconds, p.graph.key)) + proposals[4 * limit:]
     return diverse(proposals, limit)
 
 
@@ -375,16 +385,18 @@ def _signature(graph: KernelGraph) -> tuple:
 # the two entry points
 
 def ensure_variants(plan: Plan, limit: int = DEFAULT_LIMIT, *, cache: Optional[PlanCache] = None,
-                    space: VariantSpace = VariantSpace(), workers: Optional[int] = None, progress=None) -> list:
+                    space: VariantSpace = VariantSpace(), workers: Optional[int] = None, progress=None,
+                    refresh: bool = False, registers: Optional[Callable] = None) -> list:
     """The plan's verified tuning variants: from the cache when a complete entry picked under at least
-    `limit` is there, else proposed, verified and stored (CPU work: minutes for attention; an entry whose
-    verification ran out of `space.budget_s` is stored but tried again next time)."""
+    `limit` is there (unless `refresh`: proposed again, as after a change of the proposer), else proposed,
+    verified and stored (CPU work: minutes for attention; an entry whose verification ran out of
+    `space.budget_s` is stored but tried again next time). `registers`: as `propose` takes it."""
     cache = cache or PlanCache()
-    stored = load(cache, plan)
+    stored = None if refresh else load(cache, plan)
     if stored is not None and stored[1] >= limit and stored[2]:
         return stored[0][:limit]
-    found, complete = verify_all(plan, propose(plan, limit, space), budget_s=space.budget_s, workers=workers,
-                                 progress=progress)
+    found, complete = verify_all(plan, propose(plan, limit, space, registers), budget_s=space.budget_s,
+                                 workers=workers, progress=progress)
     store(cache, plan, found, limit, complete)
     return found
 

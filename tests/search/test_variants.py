@@ -215,7 +215,7 @@ def test_diverse_spreads_the_picks_over_grids():
         return V.Proposal(None, f"{blocks}/{split}/{seconds}", ((blocks,), split), seconds)
 
     ranked = sorted([p(128, 4, 1.0), p(128, 4, 1.1), p(128, 4, 1.2), p(128, 4, 1.3), p(256, 8, 2.0),
-                     p(256, 8, 2.1), p(64, 1, 3.0), p(32, 1, 4.0)], key=lambda x: x.gpu_seconds)
+                     p(256, 8, 2.1), p(64, 2, 3.0), p(32, 2, 4.0)], key=lambda x: x.gpu_seconds)
     got = [x.gpu_seconds for x in V.diverse(ranked, 4)]
     assert got == [1.0, 1.1, 2.0, 2.1]
     assert [x.gpu_seconds for x in V.diverse(ranked, 7)] == [1.0, 1.1, 1.2, 2.0, 2.1, 3.0, 4.0]
@@ -238,3 +238,86 @@ def test_long_loop_tiles_are_refused_only_where_they_live_in_registers():
     resident = V._register_resident_labels(gemv, labels)
     assert k not in resident   # k is only contracted
     assert V._fits(Choice((), k, 8), labels, space, resident)   # 512-long k tiles
+
+
+# ---- split-K for RMSNorm+Linear and the register term --------------------------------------------
+
+@pytest.fixture(scope="module")
+def rnl(tmp_path_factory):
+    """An RMSNorm+Linear plan whose kernel loops over k, as the benchmark's (k 1024, 768 columns)."""
+    from mdsl.search.cache import PlanCache
+    from mdsl.search.engine import cached_plan, optimize
+    from tests.search.small_plans import CONFIG
+
+    graph = load_example("rms_norm_linear").make_rms_norm_linear(1, k=1024, n=768).graph
+    labels = Labels(graph)
+    columns, k = labels.label(graph.outputs[0].name, 1), labels.label(graph.inputs[0].name, 1)
+    looped = lift(graph, Choice(((columns, 24),), k, 8), labels)
+    cache = PlanCache(tmp_path_factory.mktemp("plans"))
+
+    def generate(g, config):
+        yield looped
+
+    optimize(graph, CONFIG, cache=cache, generators=[generate])
+    return cached_plan(graph, CONFIG, cache=cache, generators=[generate]), cache
+
+
+@pytest.mark.timeout(240)
+def test_rms_norm_linear_variants_include_verified_split_k_ones(rnl):
+    plan, cache = rnl
+    proposals = V.propose(plan, 8)
+    split = [p for p in proposals if p.group[1] > 1]
+    unsplit = [p for p in proposals if p.group[1] == 1]
+    assert len(split) == 4 and len(unsplit) == 4, [p.describe for p in proposals]
+    assert all(len(bodies(p.graph)) == 2 and "sqrt" in {n.op for n in bodies(p.graph)[1].nodes} for p in split)
+    kept = V.verify(plan, split[:2] + unsplit[:1], workers=1)
+    assert [v.candidate.graph.key for v in kept] == [p.graph.key for p in split[:2] + unsplit[:1]]
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(v.shape) for v in plan.original.inputs]
+    (want,) = run_kernel_graph(plan.original, inputs, precision="float64")
+    for v in kept:
+        (got,) = run_kernel_graph(v.candidate.graph, inputs, precision="float64")
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-10, v.describe
+
+
+def bodies(graph):
+    return [n.body for n in graph.nodes if n.body is not None]
+
+
+def test_split_proposals_of_the_preferred_shapes_come_first_one_per_grid():
+    def proposal(blocks, split, seconds, preferred=True):
+        return V.Proposal(None, f"{blocks}/{split}/{seconds}", ((blocks,), split), seconds, preferred)
+
+    ranked = [proposal(64, 1, 1.0), proposal(512, 8, 1.5, preferred=False), proposal(256, 4, 2.0),
+              proposal(256, 4, 2.1), proposal(384, 8, 2.2), proposal(128, 1, 2.3), proposal(128, 1, 2.4),
+              proposal(96, 1, 2.5), proposal(264, 2, 3.0)]
+    picked = [p.describe for p in V.diverse(ranked, 6)]
+    assert picked == ["64/1/1.0", "256/4/2.0", "384/8/2.2", "128/1/2.3", "128/1/2.4", "264/2/3.0"]
+    only_split = [p for p in ranked if p.group[1] > 1]
+    assert [p.describe for p in V.diverse(only_split, 2)] == ["512/8/1.5", "256/4/2.0"]  # as before: by rank
+
+
+def test_the_register_term_counts_row_resident_tiles_and_ranks_spills_last():
+    from mdsl.search.cost import estimate_registers
+
+    narrow, wide = _gqa_bs1(16, 4, 16), _gqa_bs1(16, 4, 8)      # 64 and 128 keys an iteration
+    tall = _gqa_bs1(2, 4, 16)                                   # 128 rows a block: 2 row tiles a warp
+    regs = [estimate_registers(bodies(g)[0]) for g in (narrow, wide, tall)]
+    assert regs[0] < regs[1] <= H200.max_registers_per_thread < regs[2]
+    assert estimate_registers(bodies(narrow)[1]) < 100         # the combine keeps nothing in registers
+    fit = gpu_estimate(tall).kernels[0]
+    assert fit.registers == regs[2]
+    compiled_fit = gpu_estimate(tall, registers=lambda index: 128).kernels[0]   # as if ptxas had fitted it
+    assert compiled_fit.registers == 128
+    assert compiled_fit.compute_s < fit.compute_s and compiled_fit.seconds < fit.seconds   # no spill traffic
+
+
+def test_a_compiled_register_count_limits_the_blocks_resident_per_sm():
+    graph = load_example("rms_norm_linear").make_rms_norm_linear(1).graph
+    labels = Labels(graph)
+    w = graph.inputs[1]
+    columns, k = labels.label(w.name, 1), labels.label(w.name, 0)
+    candidate = lift(graph, Choice(((columns, 512),), k, 32), labels)   # small tiles: several blocks an SM
+    few, many = (gpu_estimate(candidate, registers=lambda index, r=r: r).kernels[0] for r in (64, 255))
+    assert few.resident == 8 and many.resident == H200.registers_per_sm // (256 * 128) == 2
+    assert gpu_estimate(candidate, registers=lambda index: 255).seconds > gpu_estimate(candidate).seconds

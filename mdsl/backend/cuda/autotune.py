@@ -25,7 +25,7 @@ import os
 import statistics
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -112,6 +112,25 @@ def tuning_set(plan, limit: int = 3, variants: int = 8, cache=None) -> TuningSet
     names = ["the plan's choice"] + [f"alternative {k}" for k in range(1, len(own))] + \
             [f"variant {k + 1}: {describe_grid(g)}" for k, g in enumerate(extra)]
     return TuningSet(tuple(own + extra), tuple([full] * len(own) + [trimmed] * len(extra)), tuple(names))
+
+
+def compiled_registers(graph: KernelGraph, arch: str = "sm_90a") -> Callable[[int], Optional[int]]:
+    """For `mdsl.search.cost.gpu_estimate(registers=...)`: node index -> registers per thread (spilled ones
+    included) of that node's kernel as ptxas reported it for a cubin the cache already holds (the graph's
+    own block size, the tuning variants' pipeline depths), else None. Never compiles."""
+    from mdsl.backend.cuda.nvrtc import cached_resources
+
+    for options in parameter_space(stages=VARIANT_STAGES, threads=(None,)):
+        try:
+            program = emit_cuda(graph, arch=arch, options=options)
+            found = cached_resources(program.source, arch=arch)
+        except MdslError:   # a lowering the backend refuses, or no NVRTC to key the cache with
+            continue
+        if found is not None:
+            needed = {launch.node_index: found[launch.name].registers + -(-found[launch.name].spill_store_bytes // 4)
+                      for launch in program.launches if launch.name in found}
+            return needed.get
+    return lambda index: None
 
 
 def describe_grid(graph: KernelGraph) -> str:

@@ -81,6 +81,13 @@ def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()
     return CompiledModule(cubin, log, parse_resources(log), arch)
 
 
+def cached_resources(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> Optional[dict]:
+    """Kernel name -> Resources of the cubin the cache holds for this source, or None where it holds none
+    (never compiles: for ranking with what earlier compiles measured)."""
+    cached = _read_cache(_cache_key(source, compile_arch(arch), tuple(options), _nvrtc()))
+    return parse_resources(cached[1]) if cached is not None else None
+
+
 # ---------------------------------------------------------------------------------------------
 # NVRTC
 
