@@ -31,3 +31,39 @@ def benchmark_plans() -> dict:
 
 def plan_graph(name: str) -> KernelGraph:
     return benchmark_plans()[name]
+
+
+def split_attention(qknorm: bool, heads: int = 1, queries: int = 32, kv_len: int = 256, splits: int = 4,
+                    forloop: int = 2, head_dim: int = 64) -> KernelGraph:
+    """The searched plans of GQA and QKNorm attention (gqa_bs1, qknorm_bs1: a split-KV attention kernel
+    of 32 query rows on 4 warps writing f32 partial results, then their combine), op for op, at sizes
+    the CPU simulator runs in seconds: its attention chain is row-resident, QKNorm's rms_norm of Q is
+    hoisted before the loop and the combine is streamed, under the default options."""
+    from mdsl.ir.dtypes import f16, f32
+    from tests.backend.cuda.builder import Graph
+
+    g = Graph(f"{'qknorm' if qknorm else 'gqa'}_split_plan")
+    q = g.input("q", (heads, queries, head_dim), f16)
+    k = g.input("k", (heads, head_dim, kv_len), f16)
+    v = g.input("v", (heads, kv_len, head_dim), f16)
+    h, r = (0 if heads > 1 else None), (1 if queries > 32 else None)   # a grid dim of 1 maps nothing
+    b = g.block(grid=(heads, queries // 32, splits), forloop=forloop, threads=128)
+    qt, kt, vt = b.input(q, imap=(h, r, None)), b.input(k, imap=(h, None, 2), fmap=2), b.input(v, imap=(h, None, 1), fmap=1)
+    if qknorm:
+        qt, kt = b.op("rms_norm", qt, dim=2, eps=1e-6), b.op("rms_norm", kt, dim=1, eps=1e-6)
+    s = b.op("matmul", qt, kt)
+    m = b.op("max", s, dim=2, keepdim=True)
+    top = b.op("accum_max", m)
+    e = b.op("exp", b.op("sub", s, m))
+    total = b.op("accum_rescale", b.op("sum", e, dim=2, keepdim=True), m)
+    weighted = b.op("accum_rescale", b.op("matmul", e, vt), m)
+    for value in (top, total, weighted):
+        b.output(b.op("cast", value, dtype=f32), omap=(h, r, 2))
+    tops, totals, sums = b.done()
+    c = g.block(grid=(heads, queries // 32), forloop=splits, threads=128)
+    mt, lt, ot = (c.input(x, imap=(h, r), fmap=2) for x in (tops, totals, sums))
+    c.op("accum_max", mt)
+    out = c.op("div", c.op("accum_rescale", ot, mt), c.op("accum_rescale", lt, mt))
+    c.output(c.op("cast", out, dtype=f16), omap=(h, r))
+    c.done()
+    return g.build(outputs=[g.nodes[-1].outputs[0]])

@@ -208,15 +208,35 @@ def test_block_loops_unroll_as_asked():
     assert exp_calls[2] == exp_calls[1] + 1 and exp_calls[4] == exp_calls[1] + 3
 
 
+#: every switch of the lowerings, one at a time (the CUDA tests' sets and the two only the lowering of
+#: split plans takes)
+EVERY_OPTION_SET = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
+
+
+def _kernel_ir(llvm_ir: str, name: str) -> str:
+    start = llvm_ir.index(f'define ptx_kernel void @"{name}"')
+    return llvm_ir[start:llvm_ir.index("\n}\n", start)]
+
+
 def _assembles_clean_under_every_option_set(graph) -> None:
     """Each option set's program assembled once (sets that emit the same IR, such as a switch the
-    program has no use for, share one assembly)."""
+    program has no use for, share one assembly), clean, with tensor-core instructions (HMMA) and
+    ldmatrix (LDSM) in the SASS of exactly the kernels whose IR has mma.sync and ldmatrix."""
     seen = set()
-    for name, options in sorted(OPTION_SETS.items()):
+    for name, options in sorted(EVERY_OPTION_SET.items()):
         llvm_ir = emit_llvm(graph, options=options).llvm_ir
-        if llvm_ir not in seen:
-            seen.add(llvm_ir)
-            assert_assembles_clean(graph, options)
+        if llvm_ir in seen:
+            continue
+        seen.add(llvm_ir)
+        program, _ = assert_assembles_clean(graph, options)
+        if nvdisasm_path() is None:
+            continue   # the SASS cannot be read here
+        opcodes = _opcodes_of(llvm_ir)
+        for launch in program.launches:
+            kernel = _kernel_ir(llvm_ir, launch.name)
+            ops = opcodes[launch.name]
+            assert ("mma.sync" in kernel) == (ops.get("HMMA", 0) > 0), f"{launch.name} under {name}: {ops}"
+            assert ("ldmatrix" in kernel) == (ops.get("LDSM", 0) > 0), f"{launch.name} under {name}: {ops}"
 
 
 @pytest.mark.timeout(120)

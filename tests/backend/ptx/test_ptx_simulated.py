@@ -19,6 +19,7 @@ from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
 from tests.backend.ptx import simulator
+from tests.backend.ptx.plans import split_attention
 from tests.gpu.coverage import coverage_graphs as combination_graphs
 from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
 
@@ -166,3 +167,29 @@ def test_reading_a_tile_before_its_copies_are_waited_for_is_caught(monkeypatch):
     graph = fast_path_graphs()["ragged_matmuls_f16"]
     with pytest.raises(AssertionError, match="NaN|relative error"):
         check_simulated(graph, seed=3, options=CudaOptions(stages=3))
+
+
+# ---------------------------------------------------------------------------------------------
+# the lowerings of the benchmark plans: row-resident attention, streamed combines, hoisting
+
+#: the option sets that switch those lowerings (beside tests/backend/cuda/fast_paths.py's)
+_LOWERING_OPTIONS = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("qknorm, options", [(False, o) for o in ("default", "no-rows", "no-hoist", "no-stream",
+                                                                  "pipeline-2")] +   # QKNorm's: GQA's and 2 rms_norms
+                         [(True, o) for o in ("default", "no-rows", "no-hoist", "no-stream", "no-mma", "pipeline-2",
+                                              "synchronous-loads")])
+def test_split_attention_plans(qknorm, options):
+    """The searched GQA / QKNorm plans' structure (tests/backend/ptx/plans.py) under each switch of
+    their lowerings: the row-resident chain with ldmatrix operands and the next iteration's copies
+    issued behind the opening barrier, Q's rms_norm hoisted, the combine folded from device memory."""
+    check_simulated(split_attention(qknorm), seed=7, options=_LOWERING_OPTIONS[options])
+
+
+@pytest.mark.timeout(120)
+def test_split_attention_copies_that_land_as_soon_as_issued():
+    """Copies issued behind the barrier that opens an iteration (the loop ends in registers) land in
+    the slot the last iteration read: landing at once must overwrite nothing a thread still reads."""
+    check_simulated(split_attention(True), seed=8, options=CudaOptions(stages=2), copies="issue")
