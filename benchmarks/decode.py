@@ -51,11 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated runtime variants, of {', '.join(VARIANTS)} (the first one is the table's)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="also run the --tp-models over this many GPUs (tensor parallelism, one process per GPU) and "
+                         "report the latency next to one GPU's, with a trace of every rank")
+    ap.add_argument("--tp-models", default="qwen3-8b", help="comma-separated models run tensor-parallel under --tp")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 32, 2
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.tp_models = [m.strip() for m in args.tp_models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
@@ -85,6 +90,57 @@ def random_weights(torch, config, device: str = "cuda") -> dict:
             w = 0.02 * torch.randn(shape, device=device, generator=generator)
         weights[name] = w.to(torch.bfloat16)
     return weights
+
+
+def random_rank_weights(config, rank: int) -> dict:
+    """A tensor-parallel rank's random shard (`config` is the shard's), made on its GPU."""
+    import torch
+
+    torch.cuda.set_device(rank)
+    weights = random_weights(torch, config, device=f"cuda:{rank}")
+    torch.cuda.synchronize()
+    return weights
+
+
+def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> dict:
+    """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
+    per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
+    bytes), and a trace of two steps on every rank."""
+    from mdsl.megakernel.runtime.profile import summary, write_rank_traces
+    from mdsl.megakernel.runtime.shape import decoder_shape
+    from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
+
+    shard = decoder_shape(shard_config(config, args.tp))
+    floor = shard.weight_bytes() / COPY_BANDWIDTH
+    spec = RankSpec(config, args.tp, make_weights=random_rank_weights, max_seq=CONTEXT + args.steps + 8,
+                    engine_options=tuple(VARIANTS[variant].items()))
+    t0 = time.perf_counter()
+    with TensorParallelGroup(spec) as group:
+        print(f"[{name}] {args.tp} ranks ready in {time.perf_counter() - t0:.1f} s: {group.info[0]['tasks_per_step']} "
+              f"tasks/step per rank, {shard.weight_bytes() / 1e9:.2f} GB of weights per rank", flush=True)
+        tokens = [1] * CONTEXT
+        group.run(tokens, args.steps, start=CONTEXT - 1, eos_token_ids=())   # warm-up
+        samples = []
+        for _ in range(args.repeats):
+            runs = group.run(tokens, args.steps, start=CONTEXT - 1, eos_token_ids=())
+            if any(run.steps != args.steps for run in runs):
+                raise RuntimeError(f"the ranks ran {[run.steps for run in runs]} steps, asked for {args.steps}")
+            samples.append(max(run.seconds for run in runs) / args.steps)
+        runs = group.run(tokens, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
+        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz"
+        info = group.info[0]
+        write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"])
+        steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
+        by_kind = [summary(run.profile, info["kinds"]) for run in runs]
+        for rank, kinds in enumerate(by_kind):
+            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}", flush=True)
+    ms = median(samples) * 1e3
+    print(f"[{name}] megakernel over {args.tp} GPUs ({variant}): {ms:.3f} ms/token ({[round(s * 1e3, 3) for s in samples]}); "
+          f"profiled steps per rank {steps_us} µs; trace {trace}", flush=True)
+    return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
+            "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
+            "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace),
+            "profile_by_kind": by_kind}
 
 
 def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):
@@ -284,6 +340,14 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     finally:
         del weights
         torch.cuda.empty_cache()
+    if args.tp > 1 and name in args.tp_models:
+        result["tensor_parallel"] = {}
+        for variant in args.variants:   # the single GPU's number is its first variant's
+            tp = bench_tensor_parallel(config, name, args, out, variant)
+            tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / mk_ms
+            result["tensor_parallel"][variant] = tp
+            print(f"[{name}] {args.tp} GPUs ({variant}) / 1 GPU ({args.variants[0]}): {tp['megakernel_ms']:.3f} / "
+                  f"{mk_ms:.3f} ms = {tp['ratio_to_one_gpu']:.3f}", flush=True)
     return result
 
 

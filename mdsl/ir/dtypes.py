@@ -21,6 +21,10 @@ class DType:
     def __repr__(self) -> str:
         return f"mdsl.{self.name}"
 
+    def __reduce__(self):
+        # one object per dtype, also across processes (code compares dtypes with `is`)
+        return dtype_from_name, (self.name,)
+
 
 f16 = DType("f16", 2, True, "float16", "float16")
 bf16 = DType("bf16", 2, True, "float32", "bfloat16")

@@ -3,6 +3,7 @@
     mdsl generate --model DIR --prompt-ids 1,2,3 --max-new-tokens 32
     mdsl generate --model DIR --prompt "Once upon a time" --max-new-tokens 64 --temperature 0.7 --top-p 0.9
     mdsl generate --model DIR --prompt-ids 1,2,3 --max-new-tokens 8 --profile trace.json
+    mdsl generate --model DIR --prompt-ids 1,2,3 --tp 2      # tensor parallel: one process per GPU
 
 Text prompts need the folder's tokenizer.json and the `tokenizers` package. Prints the new token ids
 (and their text when there is a tokenizer) and the device time per token.
@@ -53,9 +54,11 @@ def generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = args.prompt_ids
+    options = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, profile=args.profile is not None)
+    if args.tp > 1:
+        return _generate_tensor_parallel(args, prompt_ids, tokenizer, options)
     engine = MegakernelEngine.from_pretrained(args.model, max_seq=args.max_seq, schedule=args.schedule)
-    run = engine.run(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, profile=args.profile is not None)
+    run = engine.run(prompt_ids, args.max_new_tokens, **options)
     print(",".join(map(str, run.tokens)))
     if tokenizer is not None:
         print(tokenizer.decode(list(run.tokens)))
@@ -66,6 +69,27 @@ def generate(args: argparse.Namespace) -> int:
         write_trace(args.profile, run.profile, [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks])
         print(f"profile of {len(run.profile)} tasks written to {args.profile} (open it at ui.perfetto.dev)",
               file=sys.stderr)
+    return EXIT_OK
+
+
+def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
+    from mdsl.megakernel.runtime.profile import write_rank_traces
+    from mdsl.megakernel.runtime.tp import TensorParallelGroup
+
+    with TensorParallelGroup.from_pretrained(args.model, args.tp, max_seq=args.max_seq,
+                                             schedule=args.schedule) as group:
+        runs = group.run(prompt_ids, args.max_new_tokens, **options)
+        info = group.info[0]
+    run = runs[0]
+    print(",".join(map(str, run.tokens)))
+    if tokenizer is not None:
+        print(tokenizer.decode(list(run.tokens)))
+    slowest = max(r.seconds for r in runs)
+    print(f"{len(run.tokens)} new token(s), {run.steps} step(s) in one launch per GPU on {args.tp} GPUs: "
+          f"{slowest * 1e3:.3f} ms, {slowest / max(1, run.steps) * 1e6:.1f} us per step", file=sys.stderr)
+    if args.profile is not None:
+        write_rank_traces(args.profile, [r.profile for r in runs], info["labels"], info["kinds"])
+        print(f"profile of {args.tp} ranks written to {args.profile} (open it at ui.perfetto.dev)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -88,5 +112,7 @@ def add_generate_command(commands) -> None:
     gen.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
                      help="how worker blocks take tasks: static (default: each its share in order) or queue "
                           "(one global queue)")
+    gen.add_argument("--tp", type=int, default=1, metavar="N",
+                     help="tensor parallelism over N GPUs of this host (one process each, NVSHMEM between them)")
     gen.set_defaults(run=generate)
 

@@ -8,6 +8,15 @@
 // producers * (step + 1), and hands the task to the compute warps through two shared-memory slots; the
 // compute warps run it and signal its events with release increments, while the scheduler already waits
 // for the next one. No grid-wide barrier, no host round trip between steps.
+//
+// Tensor parallelism (WORLD > 1 ranks, one GPU each, this kernel on every one with its shard of the
+// heads, the MLP columns and the vocabulary): the residual stream (h, mid) is all-reduced at tile
+// granularity. Each rank keeps all WORLD ranks' f32 partials of those buffers, slot k holding rank k's;
+// a producer tile stores its partial into its own slot here and on every peer (NVSHMEM's symmetric heap,
+// reached by NVLink stores), then signals its events here and on the peers (release adds at system
+// scope after a system fence: put-with-signal); a reader sums the WORLD slots in rank order, so every
+// rank computes the same bits. The LM head's tile bests are gathered the same way, so every rank's
+// sampler picks the same token, and the rank holding its embedding row puts it as the next h partial.
 
 namespace mk {
 
@@ -25,6 +34,8 @@ constexpr int STATE_QUEUE = 0, STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_T
 constexpr int STATE_STUCK_TASK = 6, STATE_STUCK_STEP = 7, STATE_STUCK_EVENT = 8, STATE_STUCK_COUNT = 9,
               STATE_STUCK_NEED = 10;
 constexpr unsigned long long WATCHDOG_NS = 5000000000ull;   // a wait this long is a deadlock: stop, report
+constexpr int REMOTE = 1 << 30;      // a signal table entry's flag: the event is signalled on every rank
+constexpr int VOCAB = V * WORLD;     // the whole vocabulary (V: this rank's shard)
 
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
 
@@ -45,6 +56,12 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// an event that peers signal (from another GPU) is read at system scope
+__device__ __forceinline__ unsigned ld_acquire_system(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
   asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -52,6 +69,9 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
 }
 __device__ __forceinline__ void red_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+__device__ __forceinline__ void red_release_system(unsigned* p) {
+  asm volatile("red.release.sys.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
 }
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
@@ -102,6 +122,43 @@ __device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int 
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
 
+// ---- the residual stream: h (layers 0..L) and mid (0..L-1), as T on one GPU, as WORLD f32 partials
+// per element under tensor parallelism (see the top of this file)
+
+// `local` (a symmetric buffer) as peer rank `peer` maps it into this rank's address space
+template <typename P>
+__device__ __forceinline__ P* on_peer(const Params& p, P* local, int peer) {
+  return reinterpret_cast<P*>(reinterpret_cast<char*>(local) + p.peer_delta[peer]);
+}
+// a value of this rank's into its slot of a gathered buffer, here and on every peer
+template <typename P>
+__device__ __forceinline__ void put_everywhere(const Params& p, P* gathered, long long slot, P value) {
+  gathered[slot] = value;
+#pragma unroll
+  for (int k = 1; k < WORLD; ++k) *on_peer(p, gathered + slot, (int(p.rank) + k) % WORLD) = value;
+}
+__device__ __forceinline__ float stream_at(const T* single, const float* parts, int i) {
+  if constexpr (WORLD == 1) {
+    return mdsl::to_float(single[i]);
+  } else {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WORLD; ++k) sum += parts[k * H + i];
+    return round_t(sum);
+  }
+}
+__device__ __forceinline__ float h_at(const Params& p, int layer, int i) {
+  return stream_at(p.hs + (long long)layer * H, p.h_parts + (long long)layer * WORLD * H, i);
+}
+__device__ __forceinline__ float mid_at(const Params& p, int layer, int i) {
+  return stream_at(p.mids + (long long)layer * H, p.mid_parts + (long long)layer * WORLD * H, i);
+}
+// element i of a residual-stream buffer: `value` on one GPU; this rank's partial `value` otherwise
+__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int i, float value) {
+  if constexpr (WORLD == 1) single[i] = mdsl::from_float<T>(value);
+  else put_everywhere(p, parts, (long long)p.rank * H + i, value);
+}
+
 // sum of the 16-byte vector w (VEC elements of T) times xs[0 .. VEC)
 __device__ __forceinline__ float dot_vec(uint4 w, const float* xs) {
   const T* e = reinterpret_cast<const T*>(&w);
@@ -139,15 +196,15 @@ __device__ void load_input(float* xs, const T* x) {
 
 // xs[0 .. K) = rms_norm(x) * norm, rounded as transformers rounds it. The norm weights are loaded with x
 // (kept in registers over the sum of squares), so the two reads cost one memory round trip, not two.
-template <int K>
-__device__ void load_normed_input(float* xs, const T* x, const T* norm, float* red) {
+template <int K, typename Value>
+__device__ void load_normed_input(float* xs, Value x, const T* norm, float* red) {
   constexpr int PER = (K + NT - 1) / NT;
   float weight[PER];
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int i = threadIdx.x + j * NT;
-    const float v = i < K ? mdsl::to_float(x[i]) : 0.0f;
+    const float v = i < K ? x(i) : 0.0f;
     weight[j] = i < K ? mdsl::to_float(norm[i]) : 0.0f;
     if (i < K) xs[i] = v;
     ss = fmaf(v, v, ss);
@@ -216,7 +273,7 @@ __device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
 
 __device__ void qkv_task(const Params& p, const Task& t, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_normed_input<H>(xs, p.hs + (long long)t.layer * H, w.ln1, red);
+  load_normed_input<H>(xs, [&](int i) { return h_at(p, t.layer, i); }, w.ln1, red);
   T* out = p.qkvs + (long long)t.layer * QKV;
   gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return qkv_row(w, r); },
                 [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
@@ -395,11 +452,14 @@ __device__ void combine_task(const Params& p, const Task& t) {
 __device__ void oproj_task(const Params& p, const Task& t, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D);
-  const T* h = p.hs + (long long)t.layer * H;
   T* out = p.mids + (long long)t.layer * H;
+  float* parts = p.mid_parts + (long long)t.layer * WORLD * H;
+  // one GPU: h + the product rounded to T, as transformers adds them; a rank: its partial product, plus
+  // h on rank 0
   gemv<HQ * D, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
                      [&](int r, const float* acc) {
-                       out[r] = mdsl::from_float<T>(mdsl::to_float(h[r]) + round_t(acc[0]));
+                       const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
+                       stream_put(p, out, parts, r, (p.rank == 0 ? h_at(p, t.layer, r) : 0.0f) + product);
                      });
 }
 
@@ -407,7 +467,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ void gateup_task(const Params& p, const Task& t, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_normed_input<H>(xs, p.mids + (long long)t.layer * H, w.ln2, red);
+  load_normed_input<H>(xs, [&](int i) { return mid_at(p, t.layer, i); }, w.ln2, red);
   T* out = p.acts + (long long)t.layer * I;
   gemv<H, 2>(t.begin, t.end, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
                 [&](int r, const float* acc) {
@@ -418,11 +478,12 @@ __device__ void gateup_task(const Params& p, const Task& t, float* xs, float* re
 __device__ void down_task(const Params& p, const Task& t, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<I>(xs, p.acts + (long long)t.layer * I);
-  const T* mid = p.mids + (long long)t.layer * H;
   T* out = p.hs + (long long)(t.layer + 1) * H;
+  float* parts = p.h_parts + (long long)(t.layer + 1) * WORLD * H;
   gemv<I, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wd + (long long)r * I; },
                 [&](int r, const float* acc) {
-                  out[r] = mdsl::from_float<T>(mdsl::to_float(mid[r]) + round_t(acc[0]));
+                  const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
+                  stream_put(p, out, parts, r, (p.rank == 0 ? mid_at(p, t.layer, r) : 0.0f) + product);
                 });
 }
 
@@ -469,7 +530,7 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 }
 
 __device__ void lmhead_task(const Params& p, const Task& t, long long pos, int tile, float* xs, float* red) {
-  load_normed_input<H>(xs, p.hs + (long long)L * H, p.final_norm, red);
+  load_normed_input<H>(xs, [&](int i) { return h_at(p, L, i); }, p.final_norm, red);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -477,12 +538,16 @@ __device__ void lmhead_task(const Params& p, const Task& t, long long pos, int t
                 [&](int r, const float* acc) {
                   const float logit = round_t(acc[0]);
                   p.logits[r] = logit;
-                  const float key = nucleus ? logit : sample_key(p, pos, r, logit);
-                  if (better(key, r, best_v, best_i)) { best_v = key; best_i = r; }
+                  const int token = int(p.rank) * V + r;   // the global token id
+                  const float key = nucleus ? logit : sample_key(p, pos, token, logit);
+                  if (better(key, token, best_v, best_i)) { best_v = key; best_i = token; }
                 });
   // lane 0 of each warp holds its warp's best; the others hold the empty pair
   best_of_block(best_v, best_i, red);
-  if (threadIdx.x == 0) { p.best_value[tile] = best_v; p.best_index[tile] = best_i; }
+  if (threadIdx.x == 0) {   // every rank's sampler compares every rank's tile bests
+    put_everywhere(p, p.best_value, (long long)p.rank * LM_TILES + tile, best_v);
+    put_everywhere(p, p.best_index, (long long)p.rank * LM_TILES + tile, best_i);
+  }
 }
 
 // Nucleus sampling: the largest logit threshold whose tokens hold top_p of the probability (found by
@@ -532,13 +597,13 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
   } else {
     float v = mdsl::neg_inf();
     int i = 0x7fffffff;
-    for (int k = threadIdx.x; k < t.end; k += NT)
+    for (int k = threadIdx.x; k < WORLD * t.end; k += NT)
       if (better(p.best_value[k], p.best_index[k], v, i)) { v = p.best_value[k]; i = p.best_index[k]; }
     best_of_block(v, i, red);
     token = i;
   }
   if (threadIdx.x == 0) {
-    if (token < 0 || token >= V) {   // no logit compared as a number (NaN): stop, and let the host say so
+    if (token < 0 || token >= VOCAB) {   // no logit compared as a number (NaN): stop, and let the host say so
       p.state[STATE_BAD_TOKEN] = 1;
       token = 0;
     }
@@ -562,9 +627,11 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
   }
   compute_sync();
   const bool going = go_on;
-  if (going) {
-    const T* row = p.embed + (long long)next_token * H;
-    for (int i = threadIdx.x; i < H; i += NT) p.hs[i] = row[i];
+  if (going) {   // the next step's h: the token's embedding row (under TP, the rank holding it puts it)
+    const int local = next_token - int(p.rank) * V;
+    const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
+    for (int i = threadIdx.x; i < H; i += NT)
+      stream_put(p, p.hs, p.h_parts, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f);
   }
   return going;
 }
@@ -638,14 +705,16 @@ __device__ __forceinline__ long long next_index(const Params& p, long long k, in
 __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index, long long step, int lane) {
   bool go = true;
   for (int k = lane; k < t.wait_count && go; k += 32) {
-    const int2 wt = p.waits[t.wait_begin + k];
+    int2 wt = p.waits[t.wait_begin + k];
+    const bool remote = WORLD > 1 && (wt.x & REMOTE);
+    wt.x &= ~REMOTE;
     const unsigned need = unsigned(wt.y) * unsigned(step + 1);
     unsigned long long since = 0;
     unsigned spins = 0, seen;
     for (;;) {
       // both loads in flight at once (the acquire orders only what follows it): one round trip a poll
       const int stopped_at = ld_relaxed(p.state + STATE_STOP);
-      seen = ld_acquire(p.events + wt.x);
+      seen = remote ? ld_acquire_system(p.events + wt.x) : ld_acquire(p.events + wt.x);
       if (seen >= need) break;
       if (stopped_at < step) { go = false; break; }
       if (++spins % 1024 == 0) {
@@ -739,7 +808,13 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       // no separate fence: red.release is cumulative over the compute barrier above (every compute
       // thread's writes are ordered before it), as in CUTLASS's GenericBarrier::arrive_inc
-      for (int e = 0; signal && e < t.signal_count; ++e) red_release(p.events + p.signals[t.signal_begin + e]);
+      // a remote signal is a release at system scope: cumulative over the block's puts to the peers too
+      for (int k = 0; signal && k < t.signal_count; ++k) {
+        const int entry = p.signals[t.signal_begin + k], e = entry & ~REMOTE;
+        red_release(p.events + e);
+        if (WORLD > 1 && (entry & REMOTE))
+          for (int r = 1; r < WORLD; ++r) red_release_system(on_peer(p, p.events, (int(p.rank) + r) % WORLD) + e);
+      }
       if (p.profile != nullptr) {
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;
         rec[0] = sm_id();

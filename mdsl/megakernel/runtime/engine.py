@@ -23,7 +23,7 @@ from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check
 from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.config import ModelConfig, load_config
-from mdsl.megakernel.runtime.plan import TaskPlan, build_plan
+from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS,
@@ -78,16 +78,27 @@ class Run:
     profile: Optional[tuple] = None    # TaskRecord
 
 
+@attrs.frozen
+class RankGroup:
+    """This process's place in a tensor-parallel job: rank of world, and its NVSHMEM PE (nvshmem.init)."""
+
+    rank: int
+    world: int
+    pe: object
+
+
 class MegakernelEngine:
     """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
     DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
     worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
-    worker's scheduler prefetches weights into L2 (source.generate_source)."""
+    worker's scheduler prefetches weights into L2 (source.generate_source). `ranks`: one rank of a
+    tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
+    rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1):
+                 prefetch_ahead: int = 1, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -98,6 +109,9 @@ class MegakernelEngine:
         self.prefetch_ahead = prefetch_ahead
         self.config = config
         self.shape: DecoderShape = decoder_shape(config)
+        self.ranks = ranks
+        self.world = ranks.world if ranks is not None else 1
+        self.vocab_size = self.shape.vocab * self.world     # token ids: the whole vocabulary's
         self.max_seq = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self.sampling = {"temperature": 0.0, "top_p": 1.0, "seed": 0}   # generate's defaults
@@ -105,7 +119,7 @@ class MegakernelEngine:
         dev = runtime._device(device)
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
-        self.plan: TaskPlan = build_plan(self.shape, workers=self.workers, max_seq=self.max_seq)
+        self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq), self.world)
         source = generate_source(self.plan, schedule, prefetch_ahead)
         self.source = source.text
         self.smem_bytes = source.smem_bytes
@@ -168,6 +182,22 @@ class MegakernelEngine:
         self._arrays.append(array)
         return array.ptr
 
+    def _shared_zeros(self, count: int, dtype) -> int:
+        """A buffer every rank's kernel writes into (NVSHMEM's symmetric heap; the same calls in the same
+        order on every rank), or an ordinary one on one GPU."""
+        if self.ranks is None:
+            return self._zeros(count, dtype)
+        nbytes = max(1, count) * dtype.itemsize
+        ptr = self.ranks.pe.malloc(nbytes)
+        _check(driver.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
+        deltas = [self.ranks.pe.peer_address(ptr, k) - ptr if k != self.ranks.rank else 0 for k in range(self.world)]
+        if self._peer_deltas is None:
+            self._peer_deltas = deltas
+        elif deltas != self._peer_deltas:   # the device adds one offset per peer to any symmetric address
+            raise CudaError(f"NVSHMEM mapped the peers' symmetric buffers at different offsets ({deltas} and "
+                            f"{self._peer_deltas})")
+        return ptr
+
     def _weight(self, weights: Mapping, name: str, shape: tuple) -> int:
         if name not in weights:
             raise ShapeError(f"the weights have no tensor {name} (expected {list(shape)})",
@@ -209,7 +239,8 @@ class MegakernelEngine:
         tasks, waits, signals = plan.tables()
         p.tasks, p.waits, p.signals = (self._array(t.reshape(-1), i32) for t in (tasks, waits, signals))
         self._initial_events = plan.initial_events()
-        p.events = self._zeros(len(self._initial_events), i32)
+        self._peer_deltas = None
+        p.events = self._shared_zeros(len(self._initial_events), i32)
         p.state = self._zeros(_STATE_WORDS, i32)
         cos, sin = rope_tables(s, self.max_seq)
         p.rope_cos, p.rope_sin = self._array(cos.reshape(-1), f32), self._array(sin.reshape(-1), f32)
@@ -221,8 +252,13 @@ class MegakernelEngine:
         p.parts = self._zeros(s.layers * s.heads * plan.splits * (s.head_dim + 2), f32)
         self._logits = self._zeros(s.vocab, f32)
         p.logits = self._logits
-        p.best_value = self._zeros(plan.lm_tiles, f32)
-        p.best_index = self._zeros(plan.lm_tiles, i32)
+        p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
+        p.best_index = self._shared_zeros(self.world * plan.lm_tiles, i32)
+        if self.ranks is not None:
+            p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden, f32)
+            p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden, f32)
+            p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
+            p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
         p.out_tokens = self._zeros(self.max_seq, i32)
         p.eos = self._zeros(max(1, len(self.eos_token_ids)), i32)
@@ -282,14 +318,17 @@ class MegakernelEngine:
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)
-        row = self.shape.hidden * self.shape.dtype.itemsize
-        _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + tokens[start] * row, row, self._stream), "cuMemcpyDtoDAsync")
+        self._write_first_row(tokens[start])
+        if self.ranks is not None:   # every rank's tables and first row are in place before any kernel runs
+            self.ranks.pe.barrier()
         arguments = (ctypes.c_void_p * 1)(ctypes.addressof(p))
         _check(driver.cuEventRecord(self._events[0], self._stream), "cuEventRecord")
         _check(driver.cuLaunchCooperativeKernel(self._function, self.workers, 1, 1, BLOCK_THREADS, 1, 1, self.smem_bytes,
                                                 self._stream, ctypes.addressof(arguments)), "launching the megakernel")
         _check(driver.cuEventRecord(self._events[1], self._stream), "cuEventRecord")
         _check(driver.cuStreamSynchronize(self._stream), "running the megakernel")
+        if self.ranks is not None:   # no rank resets its events while a peer's kernel may still signal them
+            self.ranks.pe.barrier()
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
@@ -312,17 +351,35 @@ class MegakernelEngine:
             records = tuple(TaskRecord(index, *map(int, r)) for index, r in enumerate(raw) if r[-1])
         return Run(new, ran, milliseconds / 1e3, records)
 
+    def _write_first_row(self, token: int) -> None:
+        """Step 0's h: the token's embedding row (later steps' rows the device's sampler writes). Under
+        tensor parallelism each rank puts its partial into its slot on every rank: the row if its vocabulary
+        shard holds the token, else zeros."""
+        s, p = self.shape, self.params
+        row_bytes = s.hidden * s.dtype.itemsize
+        if self.ranks is None:
+            _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + token * row_bytes, row_bytes, self._stream),
+                   "cuMemcpyDtoDAsync")
+            return
+        local = token - self.ranks.rank * s.vocab
+        row = np.zeros(s.hidden, dtype=np.float32)
+        if 0 <= local < s.vocab:
+            raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)
+            row = (raw.astype(np.uint32) << 16).view(np.float32) if s.dtype.itemsize == 2 else raw.view(np.float32)
+        slot = p.h_parts + self.ranks.rank * s.hidden * 4
+        for k in range(self.world):
+            self._copy_in(slot + (self._peer_deltas[k] if k != self.ranks.rank else 0), row)
+
     @property
     def plan_tasks(self) -> int:
         return len(self.plan.tasks)
 
     def _check_request(self, tokens, max_new_tokens, start, temperature, top_p) -> None:
-        s = self.shape
         if not tokens:
             raise ShapeError("the prompt is empty", hint="give at least one token id")
-        bad = [t for t in tokens if not 0 <= t < s.vocab]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise ShapeError(f"token ids {bad[:5]} are outside the vocabulary (0..{s.vocab - 1})")
+            raise ShapeError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
         if max_new_tokens < 1:
             raise ShapeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if not 0 <= start < len(tokens):
@@ -333,6 +390,10 @@ class MegakernelEngine:
                              hint="generate fewer tokens, or build the engine with a larger max_seq")
         if temperature < 0 or not 0 < top_p <= 1:
             raise MdslError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature} and {top_p}")
+        if self.world > 1 and temperature > 0 and top_p < 1:
+            raise MdslError(f"nucleus sampling (top_p {top_p}) is not implemented for tensor parallelism: each "
+                            f"rank holds 1/{self.world} of the logits",
+                            hint="use greedy decoding or temperature sampling (top_p=1) with --tp, or one GPU")
 
     def last_logits(self) -> np.ndarray:
         """The logits of the last step run (float32 [vocab], rounded to the model's dtype as transformers

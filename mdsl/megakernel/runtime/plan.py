@@ -96,10 +96,11 @@ class PlannedTask:
 class Event:
     producers: tuple     # task indices within a step (empty: the previous step's sampling task)
     initial: int = 0     # the count the host sets before a launch
+    ranks: int = 1       # tensor parallelism: how many ranks' producers signal it (every rank's, or its own)
 
     @property
     def per_step(self) -> int:
-        return max(1, len(self.producers))
+        return max(1, len(self.producers)) * self.ranks
 
 
 @attrs.frozen
@@ -113,6 +114,7 @@ class TaskPlan:
     waits: tuple         # per task: event indices
     signals: tuple       # per task: event indices
     lm_tiles: int
+    world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
 
     @property
     def max_chunk(self) -> int:
@@ -129,13 +131,14 @@ class TaskPlan:
     def tables(self) -> tuple:
         """(tasks int32 [n, 8], waits int32 [m, 2], signals int32 [k]): what the device reads.
         A task row: kind, layer, begin, end, first wait, wait count, first signal, signal count;
-        a wait row: event, producers per step."""
+        a wait row: event, producers per step. An event every rank signals has REMOTE set in its wait and
+        signal rows (read at system scope; signalled on the peers too)."""
         rows, wait_rows, signal_rows = [], [], []
         for task, waits, signals in zip(self.tasks, self.waits, self.signals):
             rows.append((int(task.kind), task.layer, task.begin, task.end,
                          len(wait_rows), len(waits), len(signal_rows), len(signals)))
-            wait_rows += [(e, self.events[e].per_step) for e in waits]
-            signal_rows += list(signals)
+            wait_rows += [(e | REMOTE if self.events[e].ranks > 1 else e, self.events[e].per_step) for e in waits]
+            signal_rows += [e | REMOTE if self.events[e].ranks > 1 else e for e in signals]
         return (np.array(rows, dtype=np.int32).reshape(-1, 8), np.array(wait_rows, dtype=np.int32).reshape(-1, 2),
                 np.array(signal_rows or [0], dtype=np.int32))
 
@@ -149,6 +152,34 @@ class TaskPlan:
         return {"tasks_per_step": len(self.tasks), "events": len(self.events), "workers": self.workers,
                 "attention_splits": self.splits, "tasks_by_kind": kinds,
                 "waits": sum(map(len, self.waits)), "signals": sum(map(len, self.signals))}
+
+
+REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every rank (device.cu's REMOTE)
+# Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
+# (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
+CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
+
+
+def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
+    """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
+    model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
+    same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
+    producers of every rank, and the embedding's (the samplers') starts at `world`: the host puts each
+    rank's part of step 0's row."""
+    if plan.world != 1:
+        raise ValueError(f"the plan is already one of {plan.world} ranks")
+    if world == 1:
+        return plan
+    events = []
+    for event in plan.events:
+        kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
+        if kinds <= set(CROSS_RANK_KINDS):
+            events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
+        elif kinds & set(CROSS_RANK_KINDS):
+            raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
+        else:
+            events.append(event)
+    return attrs.evolve(plan, events=tuple(events), world=world)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save
@@ -528,8 +559,9 @@ def check_plan(plan: TaskPlan) -> None:
         want = list(event.producers) if event.producers else [sampler]
         if sorted(signalled_by.get(e, [])) != want:
             raise PlanError(f"event {e} is signalled by {signalled_by.get(e)} but counts {want}")
-        if not event.producers and event.initial != 1:
-            raise PlanError(f"event {e} (the embedding) must start at 1, not {event.initial}")
+        if not event.producers and event.initial != event.ranks:
+            raise PlanError(f"event {e} (the embedding) must start at {event.ranks} (one row per rank), "
+                            f"not {event.initial}")
     writers = _writers(tasks)
     ancestry = _Ancestry(n)
     for event in plan.events:

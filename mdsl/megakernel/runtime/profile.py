@@ -5,10 +5,11 @@ chrome://tracing) with two tracks per SM, so that what overlaps shows: the sched
 one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body)."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import attrs
 
@@ -34,33 +35,36 @@ def scheduler_track(sm: int) -> int:
     return 2 * sm + 1
 
 
-def _slice(name: str, category: str, track: int, start_ns: int, end_ns: int, origin: int, args: dict) -> dict:
-    return {"name": name, "cat": category, "ph": "X", "pid": 0, "tid": track, "ts": (start_ns - origin) / 1e3,
+def _slice(name: str, category: str, track: int, start_ns: int, end_ns: int, origin: int, args: dict,
+           pid: int = 0) -> dict:
+    return {"name": name, "cat": category, "ph": "X", "pid": pid, "tid": track, "ts": (start_ns - origin) / 1e3,
             "dur": max(0, end_ns - start_ns) / 1e3, "args": args}
 
 
-def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str]) -> list:
+def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str], *, pid: int = 0,
+                 process: str = "mdsl megakernel", origin: Optional[int] = None) -> list:
     """Chrome trace events: per task a 'wait' slice (taken -> ready, when it waited) on its SM's scheduler
     track and its body's slice (started -> done) on its SM's compute track; `labels`/`kinds` name the
-    tasks of one step. Times in microseconds from the first record."""
+    tasks of one step. Times in microseconds from `origin` (default: the first record). `pid`/`process`:
+    the trace process the tracks belong to (one per GPU of a tensor-parallel job)."""
     if not records:
         return []
     per_step = len(labels)
-    origin = min(r.taken_ns for r in records)
-    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "mdsl megakernel"}}]
+    origin = min(r.taken_ns for r in records) if origin is None else origin
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}}]
     for sm in sorted({r.sm for r in records}):
         for track, name in ((compute_track(sm), f"SM {sm}"), (scheduler_track(sm), f"SM {sm} wait")):
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": track, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": track,
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": track, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": track,
                            "args": {"sort_index": track}})
     for r in sorted(records, key=lambda r: (r.sm, r.taken_ns)):
         step, task = divmod(r.index, per_step)
         args = {"step": step, "task": task}
         if r.ready_ns > r.taken_ns:
             events.append(_slice("wait", "wait", scheduler_track(r.sm), r.taken_ns, r.ready_ns, origin,
-                                 {**args, "for": labels[task]}))
+                                 {**args, "for": labels[task]}, pid))
         events.append(_slice(labels[task], kinds[task], compute_track(r.sm), r.started_ns, r.done_ns, origin,
-                             {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}))
+                             {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}, pid))
     return events
 
 
@@ -68,6 +72,18 @@ def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str],
     """The trace as JSON at `path`, written atomically."""
     data = json.dumps({"traceEvents": trace_events(records, labels, kinds), "displayTimeUnit": "ns"})
     write_atomic(Path(os.path.abspath(path)), data.encode())
+
+
+def write_rank_traces(path: str, per_rank: Sequence[Sequence[TaskRecord]], labels: Sequence[str],
+                      kinds: Sequence[str]) -> None:
+    """A tensor-parallel job's profile: one trace process per rank (GPU), on one time axis (every GPU's
+    %globaltimer counts the host's nanoseconds). A path ending in .gz is written gzip-compressed."""
+    origin = min((r.taken_ns for records in per_rank for r in records), default=0)
+    events = [e for rank, records in enumerate(per_rank)
+              for e in trace_events(records, labels, kinds, pid=rank, process=f"rank {rank} (GPU {rank})",
+                                    origin=origin)]
+    data = json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}).encode()
+    write_atomic(Path(os.path.abspath(path)), gzip.compress(data) if path.endswith(".gz") else data)
 
 
 def read_trace(path: str, per_step: int) -> list:

@@ -37,6 +37,9 @@ PARAMS = (
     ("float*", "parts"), ("float*", "logits"), ("float*", "best_value"), ("int*", "best_index"),
     ("const int*", "prompt"), ("int*", "out_tokens"), ("const int*", "eos"),
     ("unsigned long long*", "profile"),  # 4 words per task index, or null
+    # tensor parallelism (plan.world > 1; null / 0 on one GPU): this rank, the byte offset from a symmetric
+    # buffer to each peer's copy of it, and the residual stream's per-rank f32 partials ([layer][rank][H])
+    ("long long", "rank"), ("const long long*", "peer_delta"), ("float*", "h_parts"), ("float*", "mid_parts"),
     ("long long", "prompt_len"), ("long long", "start_pos"), ("long long", "num_steps"), ("long long", "max_new"),
     ("long long", "num_eos"), ("double", "temperature"), ("double", "top_p"), ("unsigned long long", "seed"),
 )
@@ -89,6 +92,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
         "L": s.layers, "QKV": s.qkv_rows, "SPLITS": plan.splits, "MAX_SEQ": plan.max_seq,
         "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": MIN_CHUNK, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
+        "LM_TILES": plan.lm_tiles, "WORLD": plan.world,
         **{f"KIND_{kind.name}": int(kind) for kind in Kind},
     }
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]

@@ -1,0 +1,120 @@
+"""The tensor-parallel megakernel's host side without a GPU: a rank's shard config, its task tables (the
+events every rank signals, the remote-signal flags), the kernel source compiled for 2 ranks without
+spills, and the NVSHMEM binding's structures. The GPU runs are in tests/gpu/test_tensor_parallel_gpu.py."""
+import attrs
+import pytest
+
+from mdsl.backend.cuda.nvrtc import compile_cuda
+from mdsl.errors import ShapeError
+from mdsl.ir.dtypes import bf16
+from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.runtime import nvshmem
+from mdsl.megakernel.runtime.models import MODELS
+from mdsl.megakernel.runtime.plan import CROSS_RANK_KINDS, REMOTE, Kind, build_plan, check_plan, for_ranks
+from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
+from mdsl.megakernel.runtime.tp import shard_config
+from tests.megakernel.test_runtime_source import assert_fits
+from tests.megakernel.tiny import tiny_model
+
+
+def test_a_shard_holds_its_part_of_the_heads_columns_and_vocabulary():
+    config, _, _ = tiny_model("qwen3")
+    shard = shard_config(config, 2)
+    assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size, shard.vocab_size) == (2, 1, 24, 48)
+    assert (shard.hidden_size, shard.head_dim, shard.num_layers) == (config.hidden_size, config.head_dim, 2)
+
+
+def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused_naming_it():
+    config, _, _ = tiny_model("llama3")
+    with pytest.raises(ShapeError, match="KV heads") as info:
+        shard_config(config, 4)
+    assert "world sizes this model allows: 1, 2" in str(info.value)
+
+
+def _rank_plan(arch="qwen3", world=2, dtype=None):
+    config, _, _ = tiny_model(arch)
+    shard = shard_config(config if dtype is None else attrs.evolve(config, dtype=dtype), world)
+    single = build_plan(decoder_shape(shard), workers=132, max_seq=config.max_positions)
+    return single, for_ranks(single, world)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_events_of_what_every_rank_reads_count_every_ranks_producers(arch):
+    single, plan = _rank_plan(arch)
+    check_plan(plan)
+    assert plan.world == 2 and plan.tasks == single.tasks and plan.waits == single.waits
+    crossing = 0
+    for before, after in zip(single.events, plan.events):
+        kinds = {plan.tasks[k].kind for k in before.producers} or {Kind.SAMPLE}
+        if kinds <= set(CROSS_RANK_KINDS):
+            crossing += 1
+            assert (after.ranks, after.per_step, after.initial) == (2, 2 * before.per_step, 2 * before.initial)
+        else:
+            assert after == before
+    # o-proj and down-proj feed every layer's next ops, the LM head the sampler, the sampler the next step
+    assert crossing >= 2 * config_layers(plan) + 2
+    tasks, waits, signals = plan.tables()
+    for row, task in zip(tasks, plan.tasks):
+        flags = {bool(e & REMOTE) for e in signals[row[6]:row[6] + row[7]]}
+        assert flags <= {task.kind in CROSS_RANK_KINDS}
+    for event, count in waits:
+        remote = bool(event & REMOTE)
+        event &= ~REMOTE
+        assert count == plan.events[event].per_step and remote == (plan.events[event].ranks == 2)
+
+
+def config_layers(plan) -> int:
+    return plan.shape.layers
+
+
+def test_one_gpu_tables_have_no_remote_signals():
+    single, _ = _rank_plan()
+    _, _, signals = single.tables()
+    assert not any(e & REMOTE for e in signals) and for_ranks(single, 1) is single
+
+
+@pytest.mark.parametrize("dtype", [None, bf16], ids=["f32", "bf16"])
+def test_the_two_rank_kernel_compiles_without_spills(dtype):
+    _, plan = _rank_plan("qwen3", dtype=dtype)
+    source = generate_source(plan)
+    assert "constexpr int WORLD = 2;" in source.text
+    module = compile_cuda(source.text, arch="sm_90a")
+    assert_fits(source, module.resources[KERNEL_NAME])
+
+
+@pytest.mark.slow
+def test_qwen3_8b_over_two_ranks_compiles_without_spills():
+    config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
+    shard = shard_config(config, 2)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=132, max_seq=1200), 2)
+    check_plan(plan)
+    source = generate_source(plan)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+def test_a_rank_spec_reaches_the_rank_processes_intact():
+    import pickle
+
+    from mdsl.megakernel.runtime.tp import RankSpec
+
+    config, _, _ = tiny_model("qwen3")
+    spec = RankSpec(attrs.evolve(config, dtype=bf16), 2, folder="/checkpoint")
+    back = pickle.loads(pickle.dumps(spec))
+    assert back == spec and back.config.dtype is bf16   # the code compares dtypes by identity
+
+
+def test_the_nvshmem_structures_match_the_headers():
+    sizes = [nvshmem.ctypes.sizeof(s) for s in (nvshmem._UniqueId, nvshmem._UniqueIdArgs, nvshmem._InitArgs,
+                                                  nvshmem._InitAttr)]
+    assert sizes == [128, 24, 128, 144]
+    assert nvshmem.SAFE_ENVIRONMENT["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+def test_without_nvshmem_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("MDSL_NVSHMEM_LIB", "")
+    monkeypatch.setattr(nvshmem, "_lib", None)
+    monkeypatch.setattr(nvshmem.importlib.util, "find_spec", lambda name: None)
+    assert not nvshmem.available()
+    with pytest.raises(nvshmem.NvshmemError, match="nvidia-nvshmem-cu13"):
+        nvshmem.unique_id()
