@@ -10,7 +10,8 @@ re-accumulates them) by per-operator lifting rules:
 * a contraction over L becomes loop-body work plus an accumulator (matmul -> accum, sum -> accum,
   max -> accum_max);
 * rms_norm over L feeding a contraction over L is deferred: (x / r) @ W = (x @ W) / r with
-  r = accum_rms(x), divided after the loop;
+  r = accum_rms(x), divided after the loop (split across blocks, each split keeps its mean of
+  squares, and the combine takes r = sqrt(mean of the means + eps): accum_rms's `split` rule);
 * softmax over L feeding a contraction over L becomes online softmax: exp(s - max) is computed
   against each chunk's own maximum and the accumulators rescale (accum_rescale, accum_sum_rescale);
 * everything else runs per tile, in the loop or after it.
@@ -348,12 +349,12 @@ def _same_accumulator(b: _Builder, a: Accumulation, tile_of: dict, name: str) ->
 def _mean_square_partial(b: _Builder, a: Accumulation) -> list:
     """accum_rms's split: each split's mean of squares (in f32: a square of f16 can overflow)."""
     (x,) = a.node.inputs
-    wide = b.make("cast", [x], f"{x.name}_f32", dtype=f32)
-    square = b.make("square", [wide.outputs[0]], f"{x.name}_square")
+    wide = [b.make("cast", [x], f"{x.name}_f32", dtype=f32)] if x.type.dtype != f32 else []
+    square = b.make("square", [wide[0].outputs[0] if wide else x], f"{x.name}_square")
     mean = b.make("accum_mean", [square.outputs[0]], f"{a.node.outputs[0].name}_mean_square")
     if a.node.outputs[0].name in b.origin:
         b.origin[mean.outputs[0].name] = b.origin[a.node.outputs[0].name]
-    return [wide, square, mean]
+    return [*wide, square, mean]
 
 
 def _rms_of_mean_squares(b: _Builder, a: Accumulation, tile_of: dict, name: str) -> list:

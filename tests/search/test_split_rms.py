@@ -94,3 +94,21 @@ def test_a_grid_over_rows_and_columns_with_a_split_is_refused_not_mislowered():
     rows, columns = (labels.label(graph.outputs[0].name, d) for d in (0, 1))
     with pytest.raises(CannotLift, match="partial result"):
         lift(graph, Choice(((columns, 4), (rows, 2)), k, forloop=2, split=2), labels)
+
+
+def test_an_f32_program_squares_without_a_cast():
+    import mdsl
+    from mdsl import Tensor, f32
+
+    @mdsl.kernel
+    def rnl32(x: Tensor[4, 256, f32], w: Tensor[256, 64, f32]):
+        return mdsl.rms_norm(x) @ w
+
+    candidate = _split(rnl32.graph, 2, 4, 2)
+    first = candidate.nodes[0].body
+    assert "cast" not in ops(first) and ops(first).count("square") == 1
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(v.shape) for v in rnl32.graph.inputs]
+    (want,) = run_kernel_graph(rnl32.graph, inputs, precision="float64")
+    (got,) = run_kernel_graph(candidate, inputs, precision="float64")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12
