@@ -3,6 +3,8 @@
     python benchmarks/kernels.py [--no-compile] [--cases gqa_bs1,lora] [--time-limit 540] [--out DIR]
     python benchmarks/kernels.py --plans-only       # no GPU: fill the plan cache, compile each plan's CUDA
     python benchmarks/kernels.py --plans-only --autotune 3 --variants 8   # and verify + precompile tuning variants
+    python benchmarks/kernels.py --plans-only --variants 8 --refresh-variants --cases rms_norm_linear_bs8
+                                                    # propose and verify one case's tuning variants again
     python benchmarks/kernels.py --render a/results.json b/results.json   # no GPU: merge runs, redraw
 
 For each case (benchmarks/cases.py) the contenders are mdsl's plan (its kernels launched through the

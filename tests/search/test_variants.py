@@ -110,6 +110,24 @@ def test_an_entry_whose_verification_ran_out_of_time_is_read_but_verified_again(
         path.write_text(good)
 
 
+def test_refresh_proposes_and_verifies_again_despite_a_complete_entry(gqa, monkeypatch):
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    calls = []
+
+    def verify_all(*args, **kwargs):
+        calls.append(args)
+        return found[:1], True
+
+    try:
+        monkeypatch.setattr(V, "verify_all", verify_all)
+        assert V.ensure_variants(plan, 4, cache=cache, refresh=True) == found[:1] and len(calls) == 1
+        assert V.load(cache, plan) == (found[:1], 4, True)
+    finally:
+        path.write_text(good)
+
+
 def _must_not_run(*args, **kwargs):
     raise AssertionError("verified again although the cache holds the variants")
 
