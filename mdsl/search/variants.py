@@ -9,9 +9,11 @@ flight per SM, blocks resident per SM. So, from a plan:
    chosen mugraph (else to its best alternative that has one);
 2. lift the original under every choice of a widened space (more splits of the loop label, loops of
    one iteration) with the same loop label, keeping the mugraphs of the same structure: the same
-   block-graph ops per kernel (split variants add a combine kernel that re-accumulates);
+   block-graph ops per kernel as the choice unsplit (a split variant adds a combine kernel, and an
+   accumulator's `split` rule may change its ops: accum_rms becomes means of squares and a root);
+   where the loop label is only contracted (a GEMV's k) split-K and unsplit variants both qualify;
 3. rank them with `mdsl.search.cost.gpu_estimate` and pick up to K diverse ones (round robin over
-   (blocks, split) groups);
+   (blocks, split) groups; split-K and unsplit half each, the shapes measured to pay first);
 4. verify them through the search engine (`engine.search` with these as its only generator: the same
    workers, seed, finite-field and float tests as every searched candidate), keeping the verified ones
    with their evidence.
