@@ -9,8 +9,8 @@ The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE lau
 events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
 per-token latency is that time / steps. It is measured once per runtime variant (`--variants`, the
 first one is the table's): "static" (each worker its share of the tasks in order), "static-ahead2"
-(its scheduler also prefetches the weights of its task after next) and "queue" (one global atomic
-queue); the profiled model's step is profiled under each (trace of the first, and per task kind the
+(its scheduler also prefetches the weights of its task after next), "queue" (one global atomic
+queue), and the "-lanes4" ones (4 lanes share each cached position in attention's scores); the profiled model's step is profiled under each (trace of the first, and per task kind the
 body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick the
 variants after the first run for the profiled model only. PyTorch runs one decode step at position
 1023 (SDPA over 1024 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times
@@ -36,6 +36,8 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "static": {"schedule": "static"},
     "static-ahead2": {"schedule": "static", "prefetch_ahead": 2},
     "queue": {"schedule": "queue"},
+    "static-lanes4": {"schedule": "static", "attention_lanes": 4},
+    "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4},
 }
 
 
@@ -127,19 +129,20 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
                 raise RuntimeError(f"the ranks ran {[run.steps for run in runs]} steps, asked for {args.steps}")
             samples.append(max(run.seconds for run in runs) / args.steps)
         runs = group.run(tokens, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
-        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz"
         info = group.info[0]
-        write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"])
+        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if variant == args.variants[0] else None
+        if trace is not None:   # one trace (3-4 MB compressed for Qwen3-8B)
+            write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
         for rank, kinds in enumerate(by_kind):
             print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}", flush=True)
     ms = median(samples) * 1e3
     print(f"[{name}] megakernel over {args.tp} GPUs ({variant}): {ms:.3f} ms/token ({[round(s * 1e3, 3) for s in samples]}); "
-          f"profiled steps per rank {steps_us} µs; trace {trace}", flush=True)
+          f"profiled steps per rank {steps_us} µs; trace {trace or '-'}", flush=True)
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
             "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
-            "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace),
+            "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
             "profile_by_kind": by_kind}
 
 

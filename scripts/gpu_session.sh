@@ -5,7 +5,8 @@
 #      the megakernel against transformers), without -x so that one failure does not hide the others;
 #   2. the autotuner's kernels compiled in parallel (plans and tuning variants from the carried .plans/);
 #   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
-#   4. the megakernel decode benchmark (quick mode) and one profiler trace.
+#   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
+#      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset (device calls are limited to 10 minutes each).
 # Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, session.tar.gz (everything).
@@ -19,7 +20,7 @@ PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
-TESTS_LIMIT="${TESTS_LIMIT:-160}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-140}"
+TESTS_LIMIT="${TESTS_LIMIT:-200}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
 KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
 STAGES="${STAGES:-tests precompile kernels decode}"
@@ -57,8 +58,11 @@ stage kernels "$KERNELS_LIMIT" "$OUT/all/kernels.log" env MDSL_CACHE_DIR="$PWD/.
     --time-limit $(( KERNELS_LIMIT - 60 )) --out "$OUT/all/kernels"
 cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
 
-stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick --out "$OUT/all/decode"
-tail -n 40 "$OUT/all/decode.log" > "$OUT/decode.txt"
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+DECODE_ARGS="${DECODE_ARGS:---variants static,static-ahead2,static-lanes4,static-ahead2-lanes4}"
+[ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2"
+stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
+grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
 
 tar -czf "$OUT/session.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"

@@ -91,3 +91,22 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
         write_rank_traces(str(tmp_path / "trace.json"), [run.profile for run in profiled],
                           [f"task {k}" for k in range(per_step)], ["task"] * per_step)
     assert len(set(one_gpu)) > 3, f"the model repeats itself ({one_gpu}): the check is too weak with seed {SEED}"
+
+
+@pytest.mark.timeout(300)
+def test_mdsl_generate_with_tp_prints_the_single_gpu_tokens(checkpoints, capsys, tmp_path):
+    from mdsl.cli import main
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+
+    folder, _, _ = checkpoints("qwen3", "f32")
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64)
+    try:
+        want = single.generate(PROMPT, 8)   # the checkpoint's EOS tokens, as the command uses them
+    finally:
+        single.close()
+    trace = tmp_path / "tp.json"
+    assert main(["generate", "--model", folder, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8",
+                 "--max-seq", "64", "--tp", "2", "--profile", str(trace)]) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert [int(t) for t in printed.split(",")] == want
+    assert trace.stat().st_size > 0

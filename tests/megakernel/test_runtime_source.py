@@ -56,6 +56,19 @@ def test_tiny_models_compile_without_spills(arch, dtype, schedule):
     assert f"using T = {'__nv_bfloat16' if dtype is bf16 else 'float'};" in source.text
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_attention_lanes_share_key_rows_without_spills(arch):
+    config, _, _ = tiny_model(arch, head_dim=16)
+    plan = build_plan(decoder_shape(config), workers=H200_SMS, max_seq=config.max_positions)
+    source = generate_source(plan, attention_lanes=4)
+    assert "constexpr int ATTN_LANES = 4;" in source.text   # 16 f32 values: 4 vectors of 16 bytes
+    assert "constexpr int ATTN_LANES = 2;" in generate_source(attrs.evolve(plan, shape=decoder_shape(
+        attrs.evolve(config, dtype=bf16))), attention_lanes=4).text   # 2 vectors: 2 lanes
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    with pytest.raises(ValueError, match="attention_lanes"):
+        generate_source(plan, attention_lanes=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_full_size_models_compile_without_spills(name):

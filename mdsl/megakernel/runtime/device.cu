@@ -344,34 +344,45 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
       w.k_cache[cache_row + d] = mdsl::from_float<T>(knew[d]);
       w.v_cache[cache_row + d] = mdsl::from_float<T>(vnew[d]);
     }
-  // scores: one thread per position, its key row read as 16-byte vectors (all in flight at once)
+  // scores: ATTN_LANES lanes per position, each its share of the key row as 16-byte vectors (all in flight
+  // at once), the lanes' sums met by shuffles; rounds of NT / ATTN_LANES positions
   const int count = int(hi > lo ? hi - lo : 0);
-  for (int i = threadIdx.x; i < count; i += NT) {
+  constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
+  constexpr int LANE_VECTORS = KV_VECTORS / ATTN_LANES;
+  static_assert(KV_VECTORS % ATTN_LANES == 0 && 32 % ATTN_LANES == 0, "ATTN_LANES splits a key row evenly");
+  const int sub = threadIdx.x % ATTN_LANES;
+  for (int base = 0; base < count; base += NT / ATTN_LANES) {   // uniform over the block: shuffles are safe
+    const int i = base + threadIdx.x / ATTN_LANES;
     const long long q = lo + i;
     float acc[G];
 #pragma unroll
     for (int h = 0; h < G; ++h) acc[h] = 0.0f;
-    if (q == pos) {
-      for (int d = 0; d < D; ++d)
+    if (i < count && q == pos) {
+      for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
 #pragma unroll
         for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
-    } else {
-      const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D);
-      constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
-#pragma unroll 4
-      for (int c = 0; c < KV_VECTORS; ++c) {
+    } else if (i < count) {
+      const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D) + sub * LANE_VECTORS;
+#pragma unroll(ATTN_LANES > 1 ? LANE_VECTORS : 4)
+      for (int c = 0; c < LANE_VECTORS; ++c) {
         const uint4 raw = kc[c];
         const T* e = reinterpret_cast<const T*>(&raw);
+        const int d0 = (sub * LANE_VECTORS + c) * PER;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
           const float k = mdsl::to_float(e[j]);
 #pragma unroll
-          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + c * PER + j], k, acc[h]);
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d0 + j], k, acc[h]);
         }
       }
     }
 #pragma unroll
-    for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int o = ATTN_LANES / 2; o > 0; o /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+    if (i < count && sub == 0)
+#pragma unroll
+      for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
   }
   compute_sync();
   for (int h = warp; h < G; h += NW) {
@@ -396,7 +407,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
-#pragma unroll 2
+#pragma unroll(ATTN_LANES > 1 ? 8 : 2)
   for (int i = warp; i < count; i += NW) {
     const long long q = lo + i;
     const T* vc = w.v_cache + (q * HKV + g) * D;

@@ -26,8 +26,8 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS,
-                                            SCHEDULES, generate_source)
+from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS,
+                                            PROFILE_WORDS, SCHEDULES, generate_source)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -92,18 +92,21 @@ class MegakernelEngine:
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
     DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
     worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
-    worker's scheduler prefetches weights into L2 (source.generate_source). `ranks`: one rank of a
+    worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
+    lanes share a cached position in attention's scores (source.ATTENTION_LANES). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1, ranks: Optional[RankGroup] = None):
+                 prefetch_ahead: int = 1, attention_lanes: int = 1, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
             raise MdslError(f"prefetch_ahead {prefetch_ahead} with the {schedule} schedule",
                             hint=f"1 to {MAX_PREFETCH_AHEAD} with the static schedule, 1 with the queue")
+        if attention_lanes not in ATTENTION_LANES:
+            raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         _require_gpu()
         self.schedule = schedule
         self.prefetch_ahead = prefetch_ahead
@@ -120,7 +123,7 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq), self.world)
-        source = generate_source(self.plan, schedule, prefetch_ahead)
+        source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes)
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -155,7 +158,8 @@ class MegakernelEngine:
 
     @classmethod
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
-                        schedule: str = "static", prefetch_ahead: int = 1) -> "MegakernelEngine":
+                        schedule: str = "static", prefetch_ahead: int = 1,
+                        attention_lanes: int = 1) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -167,7 +171,8 @@ class MegakernelEngine:
             config = config.with_max_positions(max_seq)
         graph = step_function(config).trace(config)
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead)
+                   eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
+                   attention_lanes=attention_lanes)
 
     # -- device memory ---------------------------------------------------------------------------
 

@@ -75,10 +75,26 @@ def _float_literal(x: float) -> str:
     return f"{float(x)!r}f"
 
 
-def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1) -> MegakernelSource:
+ATTENTION_LANES = (1, 2, 4, 8)
+
+
+def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
+    """The lanes per cached position in attention's scores: `wanted`, or fewer where a key row has fewer
+    16-byte vectors than that (each lane takes an equal share)."""
+    vectors = plan.shape.head_dim * plan.shape.dtype.itemsize // 16
+    lanes = wanted
+    while vectors % lanes:
+        lanes //= 2
+    return lanes
+
+
+def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
+                    attention_lanes: int = 1) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
-    the static schedule, where a worker's later tasks are known)."""
+    the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
+    cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
+    loads per thread, the sums met by shuffles)."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -87,6 +103,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
         raise ValueError(f"prefetch_ahead is 1 to {MAX_PREFETCH_AHEAD} (above 1 only with the static schedule), "
                          f"not {prefetch_ahead} with the {schedule} schedule")
+    if attention_lanes not in ATTENTION_LANES:
+        raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
@@ -99,6 +117,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     lines += [f"constexpr int {name} = {value};" for name, value in constants.items()]
     lines += [f"constexpr bool STATIC_SCHEDULE = {'true' if schedule == 'static' else 'false'};",
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
+              f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     text = "\n".join([INCLUDES, PRELUDE, *lines, _runtime_source()])
