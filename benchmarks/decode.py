@@ -132,7 +132,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
         info = group.info[0]
         trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if variant == args.variants[0] else None
         if trace is not None:   # one trace (3-4 MB compressed for Qwen3-8B)
-            write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"])
+            write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"], info["peers"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
         for rank, kinds in enumerate(by_kind):

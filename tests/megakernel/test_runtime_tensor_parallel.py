@@ -118,3 +118,31 @@ def test_without_nvshmem_the_error_says_what_to_install(monkeypatch):
     assert not nvshmem.available()
     with pytest.raises(nvshmem.NvshmemError, match="nvidia-nvshmem-cu13"):
         nvshmem.unique_id()
+
+
+def test_the_ranks_trace_names_waits_for_peers_and_puts(tmp_path):
+    import gzip
+    import json
+
+    from mdsl.megakernel.runtime.profile import TaskRecord, write_rank_traces
+    from mdsl.megakernel.runtime.tp import peer_traffic
+
+    _, plan = _rank_plan("llama3")
+    peers = peer_traffic(plan)
+    kinds = [t.kind for t in plan.tasks]
+    assert all(puts == (kind in CROSS_RANK_KINDS) for (_, puts), kind in zip(peers, kinds))
+    assert peers[0][0] and any(kind is Kind.GATEUP and remote for (remote, _), kind in zip(peers, kinds))
+    assert not any(remote for (remote, _), kind in zip(peers, kinds) if kind is Kind.COMBINE)
+    n = len(plan.tasks)
+    gateup = kinds.index(Kind.GATEUP)
+    oproj = kinds.index(Kind.OPROJ)
+    per_rank = [[TaskRecord(gateup, 3, 1000, 1500, 1600, 2000), TaskRecord(n + oproj, 4, 2100, 2200, 2200, 2600)],
+                [TaskRecord(gateup, 3, 1100, 1400, 1400, 1900)]]
+    path = tmp_path / "tp.json.gz"
+    write_rank_traces(str(path), per_rank, [t.label() for t in plan.tasks], [k.name.lower() for k in kinds], peers)
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == {0, 1}
+    assert {e["name"] for e in slices if e["cat"] == "wait-remote"} == {"wait for peers"}
+    assert any(e["cat"] == "oproj+put" and e["args"]["step"] == 1 for e in slices)
+    assert min(e["ts"] for e in slices) == 0.0   # one time axis from the first record of any rank

@@ -88,7 +88,7 @@ def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
     print(f"{len(run.tokens)} new token(s), {run.steps} step(s) in one launch per GPU on {args.tp} GPUs: "
           f"{slowest * 1e3:.3f} ms, {slowest / max(1, run.steps) * 1e6:.1f} us per step", file=sys.stderr)
     if args.profile is not None:
-        write_rank_traces(args.profile, [r.profile for r in runs], info["labels"], info["kinds"])
+        write_rank_traces(args.profile, [r.profile for r in runs], info["labels"], info["kinds"], info["peers"])
         print(f"profile of {args.tp} ranks written to {args.profile} (open it at ui.perfetto.dev)", file=sys.stderr)
     return EXIT_OK
 

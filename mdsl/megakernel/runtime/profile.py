@@ -42,11 +42,14 @@ def _slice(name: str, category: str, track: int, start_ns: int, end_ns: int, ori
 
 
 def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str], *, pid: int = 0,
-                 process: str = "mdsl megakernel", origin: Optional[int] = None) -> list:
+                 process: str = "mdsl megakernel", origin: Optional[int] = None,
+                 peers: Optional[Sequence[tuple]] = None) -> list:
     """Chrome trace events: per task a 'wait' slice (taken -> ready, when it waited) on its SM's scheduler
     track and its body's slice (started -> done) on its SM's compute track; `labels`/`kinds` name the
     tasks of one step. Times in microseconds from `origin` (default: the first record). `pid`/`process`:
-    the trace process the tracks belong to (one per GPU of a tensor-parallel job)."""
+    the trace process the tracks belong to (one per GPU of a tensor-parallel job); `peers`, per task of a
+    step, whether it waits for other ranks' tiles and whether it puts its own to them: such waits are
+    named 'wait for peers' and such bodies get the category '<kind>+put'."""
     if not records:
         return []
     per_step = len(labels)
@@ -60,10 +63,13 @@ def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Se
     for r in sorted(records, key=lambda r: (r.sm, r.taken_ns)):
         step, task = divmod(r.index, per_step)
         args = {"step": step, "task": task}
+        remote_wait, puts = peers[task] if peers is not None else (False, False)
         if r.ready_ns > r.taken_ns:
-            events.append(_slice("wait", "wait", scheduler_track(r.sm), r.taken_ns, r.ready_ns, origin,
-                                 {**args, "for": labels[task]}, pid))
-        events.append(_slice(labels[task], kinds[task], compute_track(r.sm), r.started_ns, r.done_ns, origin,
+            events.append(_slice("wait for peers" if remote_wait else "wait", "wait-remote" if remote_wait else "wait",
+                                 scheduler_track(r.sm), r.taken_ns, r.ready_ns, origin, {**args, "for": labels[task]},
+                                 pid))
+        events.append(_slice(labels[task], f"{kinds[task]}+put" if puts else kinds[task], compute_track(r.sm),
+                             r.started_ns, r.done_ns, origin,
                              {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}, pid))
     return events
 
@@ -75,13 +81,13 @@ def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str],
 
 
 def write_rank_traces(path: str, per_rank: Sequence[Sequence[TaskRecord]], labels: Sequence[str],
-                      kinds: Sequence[str]) -> None:
+                      kinds: Sequence[str], peers: Optional[Sequence[tuple]] = None) -> None:
     """A tensor-parallel job's profile: one trace process per rank (GPU), on one time axis (every GPU's
     %globaltimer counts the host's nanoseconds). A path ending in .gz is written gzip-compressed."""
     origin = min((r.taken_ns for records in per_rank for r in records), default=0)
     events = [e for rank, records in enumerate(per_rank)
               for e in trace_events(records, labels, kinds, pid=rank, process=f"rank {rank} (GPU {rank})",
-                                    origin=origin)]
+                                    origin=origin, peers=peers)]
     data = json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}).encode()
     write_atomic(Path(os.path.abspath(path)), gzip.compress(data) if path.endswith(".gz") else data)
 

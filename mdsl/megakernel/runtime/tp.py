@@ -63,6 +63,12 @@ class RankSpec:
     engine_options: tuple = ()       # (name, value) pairs for MegakernelEngine
 
 
+def peer_traffic(plan) -> list:
+    """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace."""
+    return [(any(plan.events[e].ranks > 1 for e in waits), any(plan.events[e].ranks > 1 for e in signals))
+            for waits, signals in zip(plan.waits, plan.signals)]
+
+
 def _rank_main(rank: int, spec: RankSpec, conn) -> None:
     """A rank's process: join NVSHMEM (rank 0 makes the id, the parent hands it on), build the engine on
     GPU `rank`, then serve ("run", kwargs) until ("close",)."""
@@ -87,7 +93,8 @@ def _rank_main(rank: int, spec: RankSpec, conn) -> None:
         del weights
         conn.send(("ready", {"tasks_per_step": len(engine.plan.tasks), "workers": engine.workers,
                              "labels": [t.label() for t in engine.plan.tasks],
-                             "kinds": [t.kind.name.lower() for t in engine.plan.tasks]}))
+                             "kinds": [t.kind.name.lower() for t in engine.plan.tasks],
+                             "peers": peer_traffic(engine.plan)}))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
