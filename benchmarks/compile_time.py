@@ -13,6 +13,10 @@ launches):
 * ptx+ptxas (--assemble): the PTX assembled to a cubin as well (ptxas or nvJitLink), for a like-for-like
   comparison with NVRTC's cubin.
 
+--sass: instead of timing, each kernel's ptxas registers and SASS instructions (nvdisasm) from the PTX of
+the lean pass pipeline (`mdsl.backend.ptx.compile.LEAN_PIPELINE`, the default) against the same with
+InstCombine after SROA (the pipeline before it), so that compile time is not bought with slower kernels.
+
 The speed-up is NVRTC's time over PTX generation's. The first compile of each backend in the process
 (library loading, target set-up) is made before timing.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -72,6 +77,31 @@ def time_ptx(graph, assemble: bool) -> float:
     return time.perf_counter() - start
 
 
+def sass_rows(name: str, graph) -> list:
+    """Per kernel: registers and SASS instructions with the lean pipeline and with InstCombine."""
+    from mdsl.backend.cuda.nvrtc import disassemble
+    from mdsl.backend.ptx import assemble as assemble_ptx
+    from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
+    from mdsl.backend.ptx.compile import LEAN_PIPELINE
+
+    with_instcombine = LEAN_PIPELINE[:LEAN_PIPELINE.index("sroa") + 1] + ("instruction_combine",) + \
+        LEAN_PIPELINE[LEAN_PIPELINE.index("sroa") + 1:]
+    program = emit_llvm(graph, arch=ARCH)
+    found = {}
+    for label, passes in (("lean", LEAN_PIPELINE), ("instcombine", with_instcombine)):
+        assembled = assemble_ptx(llvm_to_ptx(program.llvm_ir, ARCH, passes=passes), ARCH)
+        counts, kernel = {}, None
+        for line in disassemble(assembled.cubin).splitlines():
+            section = re.match(r"^\.text\.(\S+):", line)
+            if section:
+                kernel = section.group(1)
+            elif kernel and re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", line):
+                counts[kernel] = counts.get(kernel, 0) + 1
+        found[label] = {k: (r.registers, counts.get(k, 0)) for k, r in assembled.resources.items()}
+    return [{"case": name, "kernel": k, "lean": found["lean"][k], "instcombine": found["instcombine"][k]}
+            for k in found["lean"]]
+
+
 def median_of(reps: int, measure) -> float:
     return statistics.median(measure() for _ in range(reps))
 
@@ -83,10 +113,20 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=120.0, help="the plan cache's search budget (part of its key)")
     p.add_argument("--assemble", action="store_true", help="also time PTX generation followed by ptxas")
     p.add_argument("--json", type=Path, help="write every number here")
+    p.add_argument("--sass", action="store_true", help="compare registers and SASS instructions of the pass "
+                   "pipelines instead of timing")
     args = p.parse_args(argv)
     kernels = cases()
     names = args.cases.split(",") if args.cases else list(kernels)
     from mdsl.backend.ptx import emit_llvm
+
+    if args.sass:
+        print("| case | kernel | registers lean / InstCombine | SASS instructions lean / InstCombine |\n|---|---|---|---|")
+        for name in names:
+            for row in sass_rows(name, plan_graph(kernels[name], args.budget)[0]):
+                print(f"| {row['case']} | {row['kernel']} | {row['lean'][0]} / {row['instcombine'][0]} | "
+                      f"{row['lean'][1]} / {row['instcombine'][1]} |", flush=True)
+        return 0
 
     rows = []
     warmed = False

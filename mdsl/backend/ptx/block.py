@@ -272,22 +272,20 @@ def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: in
         return at if src_step is None else b.add(at, src_step)
 
     def batch(first, count: int, always_inside: bool) -> None:
-        reads = []
+        reads = []   # (inside, where to write, what: the source offset, or the values read)
         for u in range(count):
             i = first if u == 0 else b.add(first, i32(u * threads))
             inside = None if always_inside and (u + 1) * threads <= n else b.icmp_unsigned("<", i, i32(n))
-            if asynchronous:
-                reads.append((inside, i, None))
-                continue
-            safe = i if inside is None else b.select(inside, i, i32(0))   # read an element that exists
-            reads.append((inside, safe, fn.read_vector(src, source(safe), vector, dst.dtype)))
-        for inside, i, values in reads:
+            safe = i if inside is None else b.select(inside, i, i32(0))   # an element that exists
+            to = fn.offset(safe, space, vectors(dst))   # before any branch: shared by the batch's offsets
+            reads.append((inside, to, source(safe) if asynchronous else
+                          fn.read_vector(src, source(safe), vector, dst.dtype)))
+        for inside, to, what in reads:
             with fn.when(inside) if inside is not None else contextlib.nullcontext():
                 if asynchronous:
-                    fn.copy_async(fn.address(dst, fn.offset(i, space, vectors(dst))), fn.address(src, source(i)),
-                                  vector * ITEMSIZE[src.dtype])
+                    fn.copy_async(fn.address(dst, to), fn.address(src, what), vector * ITEMSIZE[src.dtype])
                 else:
-                    fn.write_vector(dst, fn.offset(i, space, vectors(dst)), values)
+                    fn.write_vector(dst, to, what)
 
     per_thread = -(-n // threads)
     if per_thread <= COPY_BATCH:

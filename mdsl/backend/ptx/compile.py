@@ -126,8 +126,9 @@ def _target_machine(cpu: str, level: str):
                                                                  opt=3 if level == "O3" else 0)
 
 
-def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
-    """PTX for the module (not cached: see `compile_ptx`)."""
+def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None, passes: Optional[tuple] = None) -> str:
+    """PTX for the module (not cached: see `compile_ptx`); `passes`: the IR passes of the 'fast' level
+    instead of `LEAN_PIPELINE` (benchmarks/compile_time.py --sass compares pipelines)."""
     llvm = _llvm()
     cpu = ptx_target(arch)
     level = optimization()
@@ -138,7 +139,7 @@ def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
         module.verify()
     except RuntimeError as e:
         raise error_from_log("llvmlite rejected the generated LLVM IR", str(e), llvm_ir, "LLVM IR") from None
-    _optimize(llvm, module, tm, level)
+    _optimize(llvm, module, tm, level, passes or LEAN_PIPELINE)
     try:
         return tm.emit_assembly(module)
     except RuntimeError as e:
@@ -146,11 +147,10 @@ def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None) -> str:
 
 
 def optimization() -> str:
-    """How much LLVM optimises, from $MDSL_PTX_OPT: 'fast' (the default: the math functions
-    inlined, SROA, InstCombine and SimplifyCFG at the IR level, so that the allocas become
-    registers and the address arithmetic is folded, then code generation without LLVM's own
-    optimisations: ptxas, or the driver's JIT, optimises the PTX in any case; 5-10x less compile
-    time) or 'O3' (LLVM's O3 pipeline and O3 code generation)."""
+    """How much LLVM optimises, from $MDSL_PTX_OPT: 'fast' (the default: `LEAN_PIPELINE` at the IR
+    level, so that the math functions are inlined and the allocas become registers, then code
+    generation without LLVM's own optimisations: ptxas, or the driver's JIT, optimises the PTX in
+    any case; 5-10x less compile time) or 'O3' (LLVM's O3 pipeline and O3 code generation)."""
     level = os.environ.get("MDSL_PTX_OPT", "fast")
     if level not in ("fast", "O3"):
         raise UnsupportedError(f"MDSL_PTX_OPT={level!r} is not an optimisation level of the PTX backend",
@@ -158,7 +158,19 @@ def optimization() -> str:
     return level
 
 
-def _optimize(llvm, module, tm, level: str) -> None:
+#: the 'fast' level's passes (llvmlite's new pass manager), and why each: the kernels call the math
+#: functions (always_inliner), which are dead once inlined (global_dead_code_eliminate); their mutable
+#: values are allocas, promoted to registers (sroa: without it every running value is local memory);
+#: branches on constants and values computed once the IR is built are folded (sccp), what that leaves
+#: unused goes (dead_code_elimination), and the small blocks of guards become selects (simplify_cfg).
+#: Not InstCombine: it took 40-80% of PTX generation for 2-4% fewer SASS instructions, most of it
+#: integer arithmetic on constants, which the builder now folds as it writes (llvm.FoldingBuilder);
+#: ptxas optimises the rest (benchmarks/compile_time.py --sass compares the two).
+LEAN_PIPELINE = ("always_inliner", "global_dead_code_eliminate", "sroa", "sccp", "dead_code_elimination",
+                 "simplify_cfg")
+
+
+def _optimize(llvm, module, tm, level: str, pipeline: tuple = LEAN_PIPELINE) -> None:
     if not hasattr(llvm, "create_new_module_pass_manager"):   # llvmlite before 0.44: the legacy manager
         _optimize_legacy(llvm, module, level)
         return
@@ -168,11 +180,8 @@ def _optimize(llvm, module, tm, level: str) -> None:
         builder.getModulePassManager().run(module, builder)
         return
     passes = llvm.create_new_module_pass_manager()
-    passes.add_always_inliner_pass()
-    passes.add_global_dead_code_eliminate_pass()
-    passes.add_sroa_pass()
-    passes.add_instruction_combine_pass()
-    passes.add_simplify_cfg_pass()
+    for name in pipeline:
+        getattr(passes, f"add_{name}_pass")()
     passes.run(module, builder)
 
 
@@ -348,7 +357,9 @@ def cache_dir() -> Path:
 
 def _cache_key(llvm_ir: str, cpu: str) -> str:
     llvm = _llvm()
-    blob = json.dumps([llvm_ir, cpu, ptx_features(), optimization(), list(llvm.llvm_version_info)])
+    level = optimization()
+    blob = json.dumps([llvm_ir, cpu, ptx_features(), level, list(LEAN_PIPELINE) if level == "fast" else [],
+                       list(llvm.llvm_version_info)])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import struct
 from typing import Iterator, Optional, Sequence
 
@@ -117,6 +118,82 @@ def merged_dims(shape: tuple, operand_shape: tuple, operand_strides: tuple) -> l
     return dims
 
 
+_INTEGER_FOLDS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+                  "udiv": lambda a, b: a // b, "urem": lambda a, b: a % b, "shl": lambda a, b: a << b,
+                  "and_": lambda a, b: a & b, "or_": lambda a, b: a | b}
+_UNSIGNED_COMPARISONS = {"<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+                         ">=": lambda a, b: a >= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+
+
+def _known(value) -> Optional[int]:
+    """The value of an integer constant (non-negative i32 or i1), else None."""
+    if isinstance(value, ir.Constant) and isinstance(value.type, ir.IntType) and isinstance(value.constant, int) \
+            and value.constant >= 0:
+        return value.constant
+    return None
+
+
+class FoldingBuilder(ir.IRBuilder):
+    """An IRBuilder that folds integer arithmetic on constants (and x + 0, x * 1, x * 0, x / 1, x & true,
+    select on a known condition) as it writes: the index arithmetic of unrolled code is mostly
+    constants, and what is not written costs neither Python, nor LLVM's parser, nor its code
+    generator (this is what InstCombine did for these kernels, at a fraction of the cost)."""
+
+    def _fold(self, name: str, a, b, write):
+        x, y = _known(a), _known(b)
+        if x is not None and y is not None and a.type == b.type and a.type.width in (1, 32):
+            if name in ("udiv", "urem") and y == 0:
+                return write()
+            result = _INTEGER_FOLDS[name](x, y)
+            if 0 <= result < (1 << (a.type.width - (1 if a.type.width == 32 else 0))):
+                return ir.Constant(a.type, result)
+        if name in ("add", "or_") and y == 0 or name == "sub" and y == 0 or name == "shl" and y == 0:
+            return a
+        if name in ("add", "or_") and x == 0:
+            return b
+        if name == "mul" and (y == 1 or x == 1):
+            return a if y == 1 else b
+        if name == "mul" and (y == 0 or x == 0):
+            return ir.Constant(a.type, 0)
+        if name == "udiv" and y == 1:
+            return a
+        if name == "and_" and a.type.width == 1 and (x == 1 or y == 1):
+            return b if x == 1 else a
+        return write()
+
+    def fdiv(self, lhs, rhs, name=""):
+        """x / 2^k as x * 2^-k (exact: the same value, a multiply instead of a division sequence)."""
+        if isinstance(rhs, ir.Constant) and rhs.type == F32 and isinstance(rhs.constant, float):
+            mantissa, exponent = math.frexp(rhs.constant)
+            if mantissa == 0.5 and -125 <= exponent <= 126:
+                return self.fmul(lhs, ir.Constant(F32, math.ldexp(1.0, 1 - exponent)), name)
+        return super().fdiv(lhs, rhs, name)
+
+    def icmp_unsigned(self, cmpop, lhs, rhs, name=""):
+        x, y = _known(lhs), _known(rhs)
+        if x is not None and y is not None:
+            return ir.Constant(I1, int(_UNSIGNED_COMPARISONS[cmpop](x, y)))
+        return super().icmp_unsigned(cmpop, lhs, rhs, name)
+
+    def select(self, cond, lhs, rhs, name="", flags=()):
+        known = _known(cond) if cond.type == I1 else None
+        if known is not None:
+            return lhs if known else rhs
+        return super().select(cond, lhs, rhs, name, flags)
+
+
+def _folding(name: str):
+    def method(self, lhs, rhs, label=""):
+        return self._fold(name, lhs, rhs, lambda: getattr(ir.IRBuilder, name)(self, lhs, rhs, label))
+
+    method.__name__ = name
+    return method
+
+
+for _name in _INTEGER_FOLDS:
+    setattr(FoldingBuilder, _name, _folding(_name))
+
+
 class ModuleBuilder:
     """One LLVM module: kernels, intrinsic declarations and shared-memory globals."""
 
@@ -207,8 +284,9 @@ class KernelFunction:
         for key, value in (("kernel", 1), ("maxntidx", threads), ("minctasm", 1)):
             mb.annotate(self.fn, key, value)
         self._allocas = ir.IRBuilder(self.fn.append_basic_block("allocas"))
-        self.b = ir.IRBuilder(self.fn.append_basic_block("start"))
+        self.b = FoldingBuilder(self.fn.append_basic_block("start"))
         self._sregs: dict = {}
+        self._offsets: dict = {}   # (basic block, index, dims) -> the offset computed there
 
     @property
     def params(self) -> list:
@@ -275,13 +353,16 @@ class KernelFunction:
 
     @contextlib.contextmanager
     def when(self, cond: ir.Value) -> Iterator[None]:
+        if _known(cond) == 1:   # always: no branch
+            yield
+            return
         with self.b.if_then(cond):
             yield
 
     def if_values(self, cond: Optional[ir.Value], body) -> list:
         """body() (a list of values) computed where `cond` holds, else zeros (same types): the values
         are usable after the branch (phis at its end). `cond` None: body() unguarded."""
-        if cond is None:
+        if cond is None or _known(cond) == 1:
             return body()
         b = self.b
         before = b.block
@@ -394,8 +475,22 @@ class KernelFunction:
     # -- index arithmetic and memory --------------------------------------------------------------
 
     def offset(self, index: ir.Value, shape: tuple, operand: Array) -> ir.Value:
-        """The offset in `operand` of element `index` of a row-major loop over `shape` (see merged_dims)."""
-        dims = merged_dims(shape, operand.shape, operand.strides)
+        """The offset in `operand` of element `index` of a row-major loop over `shape` (see merged_dims).
+        For index x + c with c a multiple of the inner dims' size (an unrolled loop's later bodies),
+        that is x's offset (computed once in a basic block) plus a constant."""
+        dims = tuple(merged_dims(shape, operand.shape, operand.strides))
+        base, constant = _constant_part(index)
+        inner = math.prod(size for size, _ in dims[1:])
+        if constant and dims and constant % inner == 0:
+            delta = constant // inner * dims[0][1]
+            return self.b.add(self._offset(base, dims), i32(delta))
+        return self._offset(index, dims)
+
+    def _offset(self, index: ir.Value, dims: tuple) -> ir.Value:
+        key = (id(self.b.block), id(index), dims)
+        found = self._offsets.get(key)
+        if found is not None and found[0] is index and found[1] is self.b.block:
+            return found[2]
         b, total, inner = self.b, None, 1
         for k in reversed(range(len(dims))):
             size, stride = dims[k]
@@ -406,10 +501,19 @@ class KernelFunction:
                 term = coord if stride == 1 else b.mul(coord, i32(stride))
                 total = term if total is None else b.add(term, total)
             inner *= size
-        return total if total is not None else i32(0)
+        total = total if total is not None else i32(0)
+        self._offsets[key] = (index, self.b.block, total)   # the objects kept: their ids stay theirs
+        return total
 
     def address(self, array: Array, offset: ir.Value) -> ir.Value:
-        return self.b.gep(array.ptr, [offset], inbounds=True, source_etype=array.etype)
+        """The element at `offset`. An offset x + c (c a constant) is addressed as (array + x) + c, so that
+        the code generator puts c in the instruction's immediate and shares array + x between the
+        accesses of an unrolled loop (an i32 index would be sign-extended: sext(x + c) is not sext(x) + c)."""
+        base, constant = _constant_part(offset)
+        if _known(base) is None:   # every index is below 2^31: zero-extended (one instruction less than a sign)
+            base = self.b.zext(base, I64)
+        start = self.b.gep(array.ptr, [base], inbounds=True, source_etype=array.etype)
+        return self.b.gep(start, [i32(constant)], inbounds=True, source_etype=array.etype) if constant else start
 
     def load(self, array: Array, offset: ir.Value) -> ir.Value:
         return self.b.load(self.address(array, offset), typ=array.etype)
@@ -459,6 +563,18 @@ class KernelFunction:
 
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4}
 _WORD_BYTES = {str(word): nbytes for nbytes, word in WORDS.items()}
+
+
+def _constant_part(offset: ir.Value) -> tuple:
+    """(x, c) where `offset` is the sum x + c of a value and a positive constant (x + c1 + c2 too), else
+    (offset, 0)."""
+    constant = 0
+    while isinstance(offset, ir.Instruction) and offset.opname == "add":
+        c = _known(offset.operands[1])
+        if not c:
+            break
+        constant, offset = constant + c, offset.operands[0]
+    return offset, constant
 
 
 def _as_i32(value) -> ir.Value:

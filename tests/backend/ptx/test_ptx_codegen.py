@@ -154,3 +154,44 @@ def test_tensors_over_2_31_elements_are_refused():
     g.op("neg", g.input("x", (2**16, 2**15 + 1), f16))
     with pytest.raises(UnsupportedError, match="more than 2\\^31 - 1 elements"):
         emit_llvm(g.build())
+
+
+def _kernel_function(params: int = 1):
+    from mdsl.backend.ptx.llvm import KernelFunction, ModuleBuilder
+
+    return KernelFunction(ModuleBuilder("folding"), "k", params, 64)
+
+
+def test_the_builder_folds_constants_and_identities_as_it_writes():
+    from mdsl.backend.ptx.llvm import f32, i32
+
+    fn = _kernel_function()
+    b, tid = fn.b, fn.sreg("tid.x")
+    assert b.add(i32(2), i32(3)).constant == 5 and b.mul(i32(4), i32(8)).constant == 32
+    assert b.udiv(i32(17), i32(4)).constant == 4 and b.urem(i32(17), i32(4)).constant == 1
+    assert b.add(tid, i32(0)) is tid and b.mul(tid, i32(1)) is tid and b.mul(tid, i32(0)).constant == 0
+    assert b.icmp_unsigned("<", i32(3), i32(4)).constant == 1
+    assert b.select(b.icmp_unsigned("<", i32(5), i32(4)), tid, i32(7)).constant == 7
+    assert b.sub(i32(1), i32(2)).opname == "sub"          # a negative result stays an instruction
+    x = fn.var(f32(1.5)).get()
+    quarter = b.fdiv(x, f32(4.0))                        # exact: a multiply by 2^-2
+    assert quarter.opname == "fmul" and quarter.operands[1].constant == 0.25
+    assert b.fdiv(x, f32(3.0)).opname == "fdiv"          # not a power of two: a true division
+
+
+def test_a_constant_part_of_an_offset_becomes_an_address_immediate_and_unrolled_offsets_share_one_base():
+    from mdsl.backend.ptx.llvm import Array, i32
+
+    fn = _kernel_function()
+    b, tid = fn.b, fn.sreg("tid.x")
+    tile = Array(fn.params[0], "f16", (16, 64), (72, 1))   # rows padded to 72 elements
+    at = fn.address(tile, b.add(b.add(tid, i32(8)), i32(4)))
+    assert at.opname == "getelementptr" and at.operands[1].constant == 12          # (tile + tid) + 12
+    assert at.operands[0].operands[1].opname == "zext"
+    # elements tid and tid + 128 of a loop over 16 x 64 (128 = 2 rows): one offset computed, plus 2 rows
+    first = fn.offset(tid, (16, 64), tile)
+    assert first.opname == "add"    # (tid / 64) * 72 + tid % 64
+    later = fn.offset(b.add(tid, i32(128)), (16, 64), tile)
+    assert later.opname == "add" and later.operands[0] is first and later.operands[1].constant == 2 * 72
+    ragged = fn.offset(b.add(tid, i32(100)), (16, 64), tile)   # not whole rows: computed in full
+    assert first not in ragged.operands and ragged.opname == "add"
