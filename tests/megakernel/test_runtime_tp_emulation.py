@@ -1,0 +1,166 @@
+"""The tensor-parallel megakernel's tables (`for_ranks`) executed on the CPU by N numpy mirrors of
+device.cu with WORLD = N, one per rank, each over its shard of a tiny model: the residual stream kept
+as every rank's f32 partials (slot k: rank k's), producers putting their partial into their slot on
+every rank, readers summing the slots in rank order, the LM head's bests gathered by global token id,
+the rank holding the token putting its embedding row, and every signal flagged REMOTE counted on every
+rank. Workers of all ranks interleave at random. The tokens must equal the single-rank numpy reference
+forward, and a deadlock fails the test. (The GPU test is tests/gpu/test_tensor_parallel_gpu.py.)"""
+import numpy as np
+import pytest
+
+from mdsl.megakernel.architectures import step_function
+from mdsl.megakernel.reference import ReferenceModel
+from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan, for_ranks
+from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.tp import shard_config
+from mdsl.megakernel.tensor_parallel import tensor_parallel
+from tests.megakernel.test_runtime_emulation import Emulator
+from tests.megakernel.tiny import tiny_model
+
+
+class RankEmulator(Emulator):
+    """One rank: its shard's weights, its own buffers, and its copies of the gathered buffers, which
+    the other ranks' puts write into."""
+
+    def __init__(self, plan, config, weights, workers, rng, rank, world):
+        super().__init__(plan, config, weights, workers, rng)
+        self.rank, self.world = rank, world
+        s = self.s
+        self.h_parts = np.zeros((s.layers + 1, world, s.hidden), np.float32)
+        self.mid_parts = np.zeros((s.layers, world, s.hidden), np.float32)
+        self.best = [None] * (world * plan.lm_tiles)
+        self.events = plan.initial_events().astype(np.int64)
+        self.peers = []   # every rank, this one included, in rank order
+
+    def stream(self, parts, layer):
+        return self.round(parts[layer].sum(axis=0, dtype=np.float32))
+
+    def put(self, name, index, value):
+        for peer in self.peers:
+            getattr(peer, name)[index] = value
+
+    def begin(self, tokens, max_new):
+        s = self.s
+        self.buf = {"qkv": np.zeros((s.layers, s.qkv_rows), np.float32),
+                    "attn": np.zeros((s.layers, s.attention_width), np.float32),
+                    "act": np.zeros((s.layers, s.intermediate), np.float32),
+                    "parts": np.zeros((s.layers, s.heads, self.plan.splits, s.head_dim + 2), np.float32),
+                    "logits": np.zeros(s.vocab, np.float32)}
+        self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
+        self.put_embedding(tokens[0])
+
+    def put_embedding(self, token):
+        local = token - self.rank * self.s.vocab
+        row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
+        self.put("h_parts", (0, self.rank), row)
+
+    def execute(self, t, step, k):
+        s, b = self.s, self.buf
+        if t.kind is Kind.QKV:
+            x = self.norm(self.stream(self.h_parts, t.layer), self.layer(t.layer, "input_layernorm"), s.eps)
+            w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
+            b["qkv"][t.layer, t.begin:t.end] = self.round(w[t.begin:t.end] @ x)
+        elif t.kind in (Kind.OPROJ, Kind.DOWN):
+            weight, source, residual, out, layer = (
+                ("o_proj", "attn", self.h_parts, "mid_parts", t.layer) if t.kind is Kind.OPROJ else
+                ("down_proj", "act", self.mid_parts, "h_parts", t.layer + 1))
+            partial = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
+            if self.rank == 0:
+                partial = self.stream(residual, t.layer)[t.begin:t.end] + partial
+            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial)
+        elif t.kind is Kind.GATEUP:
+            x = self.norm(self.stream(self.mid_parts, t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
+            g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
+            u = self.round(self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
+            b["act"][t.layer, t.begin:t.end] = self.round(self.round(g / (1 + np.exp(-g))) * u)
+        elif t.kind is Kind.LMHEAD:
+            x = self.norm(self.stream(self.h_parts, s.layers), self.w["model.norm.weight"], s.eps)
+            logits = self.round(self.head[t.begin:t.end] @ x)
+            b["logits"][t.begin:t.end] = logits
+            tile = k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)
+            best = (float(logits.max()), self.rank * s.vocab + t.begin + int(np.argmax(logits)))
+            self.put("best", self.rank * self.plan.lm_tiles + tile, best)
+        elif t.kind is Kind.SAMPLE:
+            _, token = max(self.best, key=lambda vi: (vi[0], -vi[1]))
+            next_pos = step + 1
+            stop = next_pos >= self.plan.max_seq
+            if next_pos < len(self.tokens):
+                token = self.tokens[next_pos]
+            else:
+                self.out.append(token)
+                stop = stop or len(self.out) >= self.max_new
+            if stop:
+                self.stop = step
+            else:
+                self.put_embedding(token)
+        else:
+            super().execute(t, step, k)
+
+    def signal(self, k):
+        for e in self.plan.signals[k]:
+            for peer in (self.peers if self.plan.events[e].ranks > 1 else [self]):
+                peer.events[e] += 1
+
+
+def run_ranks(ranks, tokens, max_new, rng):
+    """Every rank's workers interleaved at random, each taking its rank's task indices in order."""
+    n_tasks = len(ranks[0].plan.tasks)
+    steps = len(tokens) - 1 + max_new
+    for r in ranks:
+        r.peers = ranks
+    for r in ranks:
+        r.begin(tokens, max_new)
+    held = [[w for w in range(r.workers)] for r in ranks]
+    queue = [r.workers for r in ranks]
+    while True:
+        ready = []
+        for ri, r in enumerate(ranks):
+            for w, index in enumerate(held[ri]):
+                if index is None:
+                    continue
+                step, k = divmod(index, n_tasks)
+                if index >= steps * n_tasks or (r.stop is not None and step > r.stop):
+                    held[ri][w] = None
+                    continue
+                if all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k]):
+                    ready.append((ri, w))
+        if not ready:
+            assert all(h is None for hs in held for h in hs), f"deadlock: every worker waits ({held})"
+            return [r.out for r in ranks]
+        ri, w = ready[rng.integers(len(ready))]
+        r = ranks[ri]
+        step, k = divmod(held[ri][w], n_tasks)
+        r.execute(r.plan.tasks[k], step, k)
+        r.signal(k)
+        held[ri][w] = queue[ri]
+        queue[ri] += 1
+
+
+@pytest.mark.parametrize(("arch", "world", "workers"), [("llama3", 2, 3), ("qwen3", 2, 5), ("qwen3", 2, 1),
+                                                         ("llama3", 2, 8)])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers):
+    config, graph, weights = tiny_model(arch, seed=3)
+    split = tensor_parallel(step_function(config).trace(config), world)
+    shard = shard_config(config, world)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions), world)
+    check_plan(plan)
+    rng = np.random.default_rng(workers)
+    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]
+    prompt, new = [3, 17, 42, 5], 8
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    outs = run_ranks(ranks, prompt, new, rng)
+    assert all(tuple(out) == want.tokens for out in outs), (outs, want.tokens)
+    logits = np.concatenate([r.buf["logits"] for r in ranks])
+    np.testing.assert_allclose(logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
+def test_a_remote_signal_dropped_is_a_deadlock():
+    config, graph, weights = tiny_model("llama3", seed=3)
+    split = tensor_parallel(step_function(config).trace(config), 2)
+    shard = shard_config(config, 2)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2)
+    rng = np.random.default_rng(0)
+    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
+    ranks[1].signal = lambda k, r=ranks[1]: [r.events.__setitem__(e, r.events[e] + 1) for e in r.plan.signals[k]]
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_ranks(ranks, [3, 17], 2, rng)
