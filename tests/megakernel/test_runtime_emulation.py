@@ -149,8 +149,14 @@ class Emulator:
             e = np.exp(scores - m)
             part[0], part[1], part[2:] = m, e.sum(), self.round(e) @ self.v_cache[layer, lo:hi, g]
 
+    def bests(self) -> list:
+        return self.buf["best"]
+
+    def next_embedding(self, token) -> None:
+        self.buf["h"][0] = self.w["model.embed_tokens.weight"][token]
+
     def sample(self, step, pos):
-        value, token = max(self.buf["best"], key=lambda vi: (vi[0], -vi[1]))
+        value, token = max(self.bests(), key=lambda vi: (vi[0], -vi[1]))
         next_pos = pos + 1
         stop = next_pos >= self.plan.max_seq
         if next_pos < len(self.tokens):
@@ -161,7 +167,7 @@ class Emulator:
         if stop:
             self.stop = step
         else:
-            self.buf["h"][0] = self.w["model.embed_tokens.weight"][token]
+            self.next_embedding(token)
 
 
 @pytest.mark.parametrize("workers", [1, 3, 17])

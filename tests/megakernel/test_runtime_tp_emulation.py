@@ -47,9 +47,12 @@ class RankEmulator(Emulator):
                     "parts": np.zeros((s.layers, s.heads, self.plan.splits, s.head_dim + 2), np.float32),
                     "logits": np.zeros(s.vocab, np.float32)}
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
-        self.put_embedding(tokens[0])
+        self.next_embedding(tokens[0])
 
-    def put_embedding(self, token):
+    def bests(self) -> list:
+        return self.best
+
+    def next_embedding(self, token):
         local = token - self.rank * self.s.vocab
         row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
         self.put("h_parts", (0, self.rank), row)
@@ -80,19 +83,6 @@ class RankEmulator(Emulator):
             tile = k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)
             best = (float(logits.max()), self.rank * s.vocab + t.begin + int(np.argmax(logits)))
             self.put("best", self.rank * self.plan.lm_tiles + tile, best)
-        elif t.kind is Kind.SAMPLE:
-            _, token = max(self.best, key=lambda vi: (vi[0], -vi[1]))
-            next_pos = step + 1
-            stop = next_pos >= self.plan.max_seq
-            if next_pos < len(self.tokens):
-                token = self.tokens[next_pos]
-            else:
-                self.out.append(token)
-                stop = stop or len(self.out) >= self.max_new
-            if stop:
-                self.stop = step
-            else:
-                self.put_embedding(token)
         else:
             super().execute(t, step, k)
 
