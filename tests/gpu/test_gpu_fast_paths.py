@@ -1,4 +1,5 @@
-"""The CUDA backend's fast paths on the GPU against the reference, each switched on and off: the
+"""The fast paths of both backends (conftest runs each test once per backend) on the GPU against the
+reference, each switched on and off: the
 fast-path programs (ragged and batched tensor-core matmuls, sums in registers, pipelines of every
 depth, other block sizes) under every option set, and every example program (as written, and the
 guided plan of each specification) with each fast path off, so that a run shows both settings of

@@ -31,7 +31,8 @@ def options_env(options: CudaOptions) -> dict:
     """The environment variables that select `options` (for code that reads them: emit_cuda)."""
     env = {"MDSL_CUDA_MMA": str(int(options.mma)), "MDSL_CUDA_REGACC": str(int(options.register_accumulators)),
            "MDSL_CUDA_STAGES": str(options.stages), "MDSL_CUDA_UNROLL": str(options.unroll),
-           "MDSL_CUDA_ROWS": str(int(options.rows))}
+           "MDSL_CUDA_ROWS": str(int(options.rows)), "MDSL_CUDA_HOIST": str(int(options.hoist)),
+           "MDSL_CUDA_STREAM": str(int(options.stream))}
     if options.threads is not None:
         env["MDSL_CUDA_THREADS"] = str(options.threads)
     return env

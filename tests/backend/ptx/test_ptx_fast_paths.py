@@ -22,7 +22,7 @@ from mdsl.ir import OPS
 from mdsl.ir.dtypes import bf16, f16, f32
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
-from tests.backend.ptx.plans import benchmark_plans
+from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans
 from tests.backend.ptx.test_ptx_acceptance import assembled_module, assert_assembles_clean
 from tests.gpu.harness import with_dtype
 
@@ -206,11 +206,6 @@ def test_block_loops_unroll_as_asked():
     exp_calls = {u: emit_llvm(graph, options=attrs.evolve(BOTH, unroll=u)).llvm_ir.count('call float @"mdsl_exp"')
                  for u in (1, 2, 4)}
     assert exp_calls[2] == exp_calls[1] + 1 and exp_calls[4] == exp_calls[1] + 3
-
-
-#: every switch of the lowerings, one at a time (the CUDA tests' sets and the two only the lowering of
-#: split plans takes)
-EVERY_OPTION_SET = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
 
 
 def _kernel_ir(llvm_ir: str, name: str) -> str:

@@ -1,5 +1,6 @@
 """The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs
-under every option set and the benchmark cases' searched plans with the default fast paths and each
+under every option set (hoisting and streamed combines off among them), the benchmark cases' searched
+plans and the split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each
 switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
 environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
 tests' harness; the loaded modules report no spills.
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from mdsl.backend.cuda.runtime import has_gpu
-from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import benchmark_plans
+from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
+from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
 
@@ -26,7 +27,7 @@ def ptx_backend(monkeypatch):
 
 
 def _use(monkeypatch, options_name: str) -> None:
-    for key, value in options_env(OPTION_SETS[options_name]).items():
+    for key, value in options_env(EVERY_OPTION_SET[options_name]).items():
         monkeypatch.setenv(key, value)
 
 
@@ -37,7 +38,7 @@ def _check(harness, graph, test_id: str, what: str) -> None:
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{what}: {name}: {r}"
 
 
-@pytest.mark.parametrize("options", sorted(OPTION_SETS))
+@pytest.mark.parametrize("options", sorted(EVERY_OPTION_SET))
 @pytest.mark.parametrize("name", sorted(fast_path_graphs()))
 def test_fast_path_program_through_ptx(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options)
@@ -45,9 +46,23 @@ def test_fast_path_program_through_ptx(name, options, monkeypatch, ptx_backend):
            f"{name} through the PTX backend with options {options}")
 
 
-@pytest.mark.parametrize("options", ("default",) + FALLBACKS)
+_PLAN_OPTIONS = ("default",) + FALLBACKS + ("no-hoist", "no-stream")
+
+
+@pytest.mark.parametrize("options", _PLAN_OPTIONS)
 @pytest.mark.parametrize("name", sorted(benchmark_plans()))
 def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options)
     _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
+
+
+@pytest.mark.parametrize("options", _PLAN_OPTIONS)
+@pytest.mark.parametrize("qknorm", [False, True], ids=["gqa", "qknorm"])
+def test_split_attention_through_ptx(qknorm, options, monkeypatch, ptx_backend):
+    """The split plans' structure at the simulator's sizes (tests/backend/ptx/plans.py), as the CPU
+    tests run it, on the device: the row-resident chain, hoisting and the streamed combine."""
+    _use(monkeypatch, options)
+    graph = split_attention(qknorm)
+    _check(ptx_backend, graph, f"ptx-split:{graph.name}:{options}", f"{graph.name} through the PTX backend with "
+           f"options {options}")

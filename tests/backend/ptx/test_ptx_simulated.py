@@ -19,7 +19,7 @@ from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
 from tests.backend.ptx import simulator
-from tests.backend.ptx.plans import split_attention
+from tests.backend.ptx.plans import EVERY_OPTION_SET, split_attention
 from tests.gpu.coverage import coverage_graphs as combination_graphs
 from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
 
@@ -172,10 +172,6 @@ def test_reading_a_tile_before_its_copies_are_waited_for_is_caught(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # the lowerings of the benchmark plans: row-resident attention, streamed combines, hoisting
 
-#: the option sets that switch those lowerings (beside tests/backend/cuda/fast_paths.py's)
-_LOWERING_OPTIONS = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("qknorm, options", [(False, o) for o in ("default", "no-rows", "no-hoist", "no-stream",
                                                                   "pipeline-2")] +   # QKNorm's: GQA's and 2 rms_norms
@@ -185,7 +181,7 @@ def test_split_attention_plans(qknorm, options):
     """The searched GQA / QKNorm plans' structure (tests/backend/ptx/plans.py) under each switch of
     their lowerings: the row-resident chain with ldmatrix operands and the next iteration's copies
     issued behind the opening barrier, Q's rms_norm hoisted, the combine folded from device memory."""
-    check_simulated(split_attention(qknorm), seed=7, options=_LOWERING_OPTIONS[options])
+    check_simulated(split_attention(qknorm), seed=7, options=EVERY_OPTION_SET[options])
 
 
 @pytest.mark.timeout(120)
