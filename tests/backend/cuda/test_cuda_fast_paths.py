@@ -134,17 +134,27 @@ def test_a_sum_in_registers_saves_its_stage():
     assert "in the registers of the mma fragments" in source
 
 
+#: programs that between them take every fast path (tests/backend/ptx/test_ptx_fast_paths.py checks
+#: that they do): every option set is compiled for these, every other program under the default options
+REPRESENTATIVES = ("flash_decoding_f16", "ragged_matmuls_f16", "split_combine_f16")
+#: the examples compiled with each fast path off (every example compiles under the defaults in
+#: test_cuda_acceptance): the hand-written fused kernels (tensor cores, sums in registers, pipelines,
+#: row-resident attention, streamed combine) and a specification of standard kernels (the GEMM tile)
+REPRESENTATIVE_EXAMPLES = ("gqa.gqa_flash", "rms_norm_linear.rms_norm_linear_fused", "gated_mlp.gated_mlp_fused",
+                           "lora.lora")
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", sorted(OPTION_SETS))
-@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
-def test_fast_path_programs_compile_clean_under_every_option_set(name, options):
+@pytest.mark.parametrize("name, options", [(name, o) for name in sorted(fast_path_graphs())
+                                           for o in (sorted(OPTION_SETS) if name in REPRESENTATIVES else ["default"])])
+def test_fast_path_programs_compile_clean(name, options):
     program = emit_cuda(fast_path_graphs()[name], options=OPTION_SETS[options])
     _check_clean(program)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", FALLBACKS)
-@pytest.mark.parametrize("name", sorted(example_kernels()))
+@pytest.mark.parametrize("name", REPRESENTATIVE_EXAMPLES)
 def test_examples_compile_clean_with_each_fast_path_off(name, options, monkeypatch):
     for key, value in options_env(OPTION_SETS[options]).items():
         monkeypatch.setenv(key, value)

@@ -213,12 +213,12 @@ def _kernel_ir(llvm_ir: str, name: str) -> str:
     return llvm_ir[start:llvm_ir.index("\n}\n", start)]
 
 
-def _assembles_clean_under_every_option_set(graph) -> None:
+def _assembles_clean_under(graph, option_sets: dict) -> None:
     """Each option set's program assembled once (sets that emit the same IR, such as a switch the
     program has no use for, share one assembly), clean, with tensor-core instructions (HMMA) and
     ldmatrix (LDSM) in the SASS of exactly the kernels whose IR has mma.sync and ldmatrix."""
     seen = set()
-    for name, options in sorted(EVERY_OPTION_SET.items()):
+    for name, options in sorted(option_sets.items()):
         llvm_ir = emit_llvm(graph, options=options).llvm_ir
         if llvm_ir in seen:
             continue
@@ -234,16 +234,38 @@ def _assembles_clean_under_every_option_set(graph) -> None:
             assert ("ldmatrix" in kernel) == (ops.get("LDSM", 0) > 0), f"{launch.name} under {name}: {ops}"
 
 
+#: programs that between them take every switch's path: row-resident attention with hoisting and
+#: ldmatrix (flash_decoding), sums in registers on ragged tiles (ragged_matmuls), a streamed combine
+#: (split_combine) and QKNorm's searched plan (all three lowerings, the benchmark's shapes); every
+#: option set is assembled for these, every other program under the default options
+REPRESENTATIVES = ("flash_decoding_f16", "ragged_matmuls_f16", "split_combine_f16")
+REPRESENTATIVE_PLAN = "qknorm_bs1"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", sorted(fast_path_graphs()))
-def test_fast_path_programs_assemble_clean_under_every_option_set(name):
-    _assembles_clean_under_every_option_set(fast_path_graphs()[name])
+def test_fast_path_programs_assemble_clean(name):
+    options = EVERY_OPTION_SET if name in REPRESENTATIVES else {"default": BOTH}
+    _assembles_clean_under(fast_path_graphs()[name], options)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", sorted(benchmark_plans()))
-def test_benchmark_plans_assemble_clean_under_every_option_set(name):
-    _assembles_clean_under_every_option_set(benchmark_plans()[name])
+def test_benchmark_plans_assemble_clean(name):
+    options = EVERY_OPTION_SET if name == REPRESENTATIVE_PLAN else {"default": BOTH}
+    _assembles_clean_under(benchmark_plans()[name], options)
+
+
+def test_the_representatives_take_every_lowering():
+    """What makes them representative: between them, every lowering the options switch is taken."""
+    taken = set()
+    for graph in [fast_path_graphs()[name] for name in REPRESENTATIVES] + [benchmark_plans()[REPRESENTATIVE_PLAN]]:
+        for node in graph.custom_nodes():
+            lowered = lower(node.body, tuple(v.type for v in node.inputs), BOTH)
+            taken |= {name for name, on in (("mma", lowered.mma), ("register_accumulators", lowered.register_accumulated),
+                                             ("stages", lowered.memory.slot_bytes), ("rows", lowered.rows),
+                                             ("stream", lowered.streamed), ("hoist", lowered.schedule.pre)) if on}
+    assert taken == {"mma", "register_accumulators", "stages", "rows", "stream", "hoist"}
 
 
 def test_every_benchmark_case_has_a_plan_here():

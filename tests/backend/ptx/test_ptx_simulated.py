@@ -121,10 +121,17 @@ _FAST_OPTIONS = ("default", "no-mma", "no-register-accumulators", "synchronous-l
 _FAST_PROGRAMS = ("ragged_matmuls_f16", "batched_matmuls_f16", "ragged_attention_f16", "narrow_rows_f16")
 
 
+#: the programs each option set runs on: ragged tensor-core tiles with a sum in registers beside one
+#: that is not, and online softmax on tiles; the others run under the default options and a few sets
+#: that change their kernels most
+_EVERY_SET_ON = ("ragged_matmuls_f16", "ragged_attention_f16")
+_SOME_SETS = ("default", "no-mma", "threads-64")
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", _FAST_OPTIONS)
-@pytest.mark.parametrize("name", _FAST_PROGRAMS)
-def test_fast_path_programs_under_each_option_set(name, options):
+@pytest.mark.parametrize("name, options", [(name, o) for name in _FAST_PROGRAMS
+                                           for o in (_FAST_OPTIONS if name in _EVERY_SET_ON else _SOME_SETS)])
+def test_fast_path_programs_under_option_sets(name, options):
     check_simulated(fast_path_graphs()[name], seed=3, options=OPTION_SETS[options])
 
 
@@ -189,3 +196,21 @@ def test_split_attention_copies_that_land_as_soon_as_issued():
     """Copies issued behind the barrier that opens an iteration (the loop ends in registers) land in
     the slot the last iteration read: landing at once must overwrite nothing a thread still reads."""
     check_simulated(split_attention(True), seed=8, options=CudaOptions(stages=2), copies="issue")
+
+
+@pytest.mark.timeout(120)
+def test_a_long_streamed_combine_is_a_loop():
+    """A combine of 36 splits (over FULL_UNROLL: a loop, 4 iterations a trip) folded from device memory."""
+    from mdsl.backend.cuda.streamed import FULL_UNROLL
+
+    g = Graph("long_combine")
+    m, x = g.input("m", (4, 36), f32), g.input("x", (4, 36 * 8), f32)
+    b = g.block(grid=(2,), forloop=36, threads=64)
+    mt, xt = b.input(m, imap=(0,), fmap=1), b.input(x, imap=(0,), fmap=1)   # [2, 1], [2, 8]
+    b.output(b.op("add", b.op("accum_rescale", xt, mt), b.op("accum_max", mt)), omap=(0,))
+    b.done()
+    graph = g.build()
+    assert graph.custom_nodes()[0].body.forloop > FULL_UNROLL
+    program = emit_llvm(graph, options=CudaOptions())
+    assert program.llvm_ir.count('call float @"mdsl_exp"') == 4 * 2   # 4 iterations a trip, 2 weights each
+    check_simulated(graph, seed=9, options=CudaOptions())
