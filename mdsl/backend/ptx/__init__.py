@@ -2,8 +2,10 @@
 (`emit_llvm`), turned into PTX by llvmlite's NVPTX target (`compile_ptx`, cached), assembled by
 ptxas or nvJitLink for the resource report (`assemble`) and loaded by the driver on a GPU
 (`PtxModule.load`). The CUDA backend's fast paths, switched by the same `CudaOptions` (emit_llvm's
-`options`, else the MDSL_CUDA_* environment): block matmuls on tensor cores (mma.sync), sums kept in
-the mma's registers, cp.async input pipelines, unrolled block loops, the tensor-core GEMM kernel.
+`options`, else the MDSL_CUDA_* environment): block matmuls on tensor cores (mma.sync, ldmatrix
+fragments), sums kept in the mma's registers, cp.async input pipelines, unrolled block loops, the
+tensor-core GEMM kernel, row-resident loop chains (online softmax in the registers of the warps owning
+the rows: `rows.py`), streamed combines (`streamed.py`) and hoisted loop-invariant nodes.
 Importing it loads neither llvmlite.binding nor the CUDA libraries."""
 from mdsl.backend.ptx.codegen import PtxProgram, emit_llvm
 from mdsl.backend.ptx.compile import (AssembledModule, PtxCompileError, PtxModule, assemble, assembler, compile_ptx,
