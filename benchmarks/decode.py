@@ -104,11 +104,54 @@ def random_rank_weights(config, rank: int) -> dict:
     return weights
 
 
+KIND_COLOURS = {"qkv": "#4c72b0", "attn": "#dd8452", "combine": "#937860", "oproj": "#55a868", "gateup": "#8172b3",
+                "down": "#c44e52", "lmhead": "#da8bc3", "sample": "#8c8c8c"}
+
+
+def plot_rank_timeline(path: Path, per_rank: list, info: dict, layer: int, step: int = 1) -> None:
+    """Every SM of every rank over one layer of one step (on rank 0's clock: profile.align_ranks): bodies
+    coloured by kind (hatched: the tile puts to the peers when done), the scheduler's waits for peers'
+    tiles as thin grey bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mdsl.megakernel.runtime.profile import align_ranks
+
+    n, labels, kinds, peers = info["tasks_per_step"], info["labels"], info["kinds"], info["peers"]
+    per_rank = align_ranks(per_rank, n)
+    mine = {k for k, label in enumerate(labels) if f" L{layer} " in label}
+    chosen = [[r for r in records if r.index // n == step and r.index % n in mine] for records in per_rank]
+    origin = min(r.taken_ns for records in chosen for r in records)
+    fig, axes = plt.subplots(len(per_rank), 1, figsize=(12, 3 + 1.5 * len(per_rank)), sharex=True)
+    for rank, (ax, records) in enumerate(zip(axes, chosen)):
+        for r in records:
+            task = r.index % n
+            if peers[task][0] and r.ready_ns > r.taken_ns:
+                ax.barh(r.sm, (r.ready_ns - r.taken_ns) / 1e3, left=(r.taken_ns - origin) / 1e3, height=0.25,
+                        color="#bbbbbb")
+            ax.barh(r.sm, (r.done_ns - r.started_ns) / 1e3, left=(r.started_ns - origin) / 1e3, height=0.8,
+                    color=KIND_COLOURS.get(kinds[task], "k"), hatch="///" if peers[task][1] else None,
+                    edgecolor="white" if peers[task][1] else None, linewidth=0)
+        ax.set_ylabel(f"rank {rank}: SM")
+        ax.invert_yaxis()
+    axes[-1].set_xlabel(f"µs (layer {layer} of step {step})")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
+    handles += [plt.Rectangle((0, 0), 1, 1, facecolor="#999999", hatch="///", edgecolor="white"),
+                plt.Rectangle((0, 0), 1, 1, color="#bbbbbb")]
+    axes[0].legend(handles, [*KIND_COLOURS, "puts to peers when done", "waits for peers' tiles"], ncol=5,
+                   fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> dict:
     """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
     per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
     bytes), and a trace of two steps on every rank."""
-    from mdsl.megakernel.runtime.profile import summary, write_rank_traces
+    from mdsl.megakernel.runtime.profile import peer_overlap, summary, write_rank_traces
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
 
@@ -135,15 +178,23 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
             write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"], info["peers"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
+        overlap = [peer_overlap(run.profile, info["tasks_per_step"], info["peers"]) for run in runs]
         for rank, kinds in enumerate(by_kind):
-            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}", flush=True)
+            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n[{name}] rank {rank} "
+                  f"communication: {overlap[rank]}", flush=True)
+        if trace is not None:
+            try:
+                plot_rank_timeline(out / f"tp_timeline_{name}.png", [run.profile for run in runs], info,
+                                   layer=config.num_layers // 2)
+            except ImportError:
+                print("(no matplotlib: no timeline plot)", flush=True)
     ms = median(samples) * 1e3
     print(f"[{name}] megakernel over {args.tp} GPUs ({variant}): {ms:.3f} ms/token ({[round(s * 1e3, 3) for s in samples]}); "
           f"profiled steps per rank {steps_us} µs; trace {trace or '-'}", flush=True)
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
             "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
             "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
-            "profile_by_kind": by_kind}
+            "profile_by_kind": by_kind, "communication": overlap}
 
 
 def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):

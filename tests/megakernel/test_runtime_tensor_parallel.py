@@ -145,3 +145,23 @@ def test_the_ranks_trace_names_waits_for_peers_and_puts(tmp_path):
     assert {e["name"] for e in slices if e["cat"] == "wait-remote"} == {"wait for peers"}
     assert any(e["cat"] == "oproj+put" and e["args"]["step"] == 1 for e in slices)
     assert min(e["ts"] for e in slices) == 0.0   # one time axis from the first record of any rank
+
+
+def test_ranks_are_aligned_on_their_samplers_and_overlap_is_measured():
+    from mdsl.megakernel.runtime.profile import TaskRecord, align_ranks, peer_overlap
+
+    per_step = 3   # task 1 puts to the peers and task 2 is the sampler; task 0 waits for the peers
+    peers = [(True, False), (False, True), (False, True)]
+    rank0 = [TaskRecord(0, 0, 0, 50, 50, 200), TaskRecord(1, 1, 0, 0, 100, 150), TaskRecord(2, 2, 150, 160, 160, 170),
+             TaskRecord(5, 2, 300, 310, 310, 330), TaskRecord(8, 2, 500, 510, 510, 530)]
+    skew = 400_000   # rank 1's clock runs 400 µs ahead
+    rank1 = [attrs.evolve(r, taken_ns=r.taken_ns + skew, ready_ns=r.ready_ns + skew, started_ns=r.started_ns + skew,
+                          done_ns=r.done_ns + skew + (5 if r.index == 5 else 0)) for r in rank0]
+    aligned = align_ranks([rank0, rank1], per_step)
+    assert aligned[0] == rank0
+    assert [r.started_ns for r in aligned[1]] == [r.started_ns for r in rank0]   # median shift: exactly 400 µs
+    measured = peer_overlap(rank0, per_step, peers)
+    # task 1 (done at 150) and the first sampler (170) finish while task 0 runs on SM 0 until 200
+    assert measured["put_tasks"] == 4 and measured["mean_busy_sms_at_put"] == 0.5
+    assert measured["overlapped_fraction"] == 0.5
+    assert measured["exposed_peer_wait_ns"] == 50

@@ -5,6 +5,7 @@ chrome://tracing) with two tracks per SM, so that what overlaps shows: the sched
 one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body)."""
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
@@ -80,10 +81,30 @@ def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str],
     write_atomic(Path(os.path.abspath(path)), data.encode())
 
 
+def align_ranks(per_rank: Sequence[Sequence[TaskRecord]], per_step: int) -> list:
+    """The ranks' records on rank 0's clock. Each GPU's %globaltimer has its own offset (hundreds of µs
+    apart on the H200 pair), so the ranks are aligned on their samplers: every rank's sampler of a step
+    finishes once the last LM-head tile of any rank has landed, at the same moment up to a put's latency
+    (the median over the steps is the offset taken)."""
+    def sampler_done(records) -> dict:
+        return {r.index // per_step: r.done_ns for r in records if r.index % per_step == per_step - 1}
+
+    base = sampler_done(per_rank[0]) if per_rank else {}
+    aligned = []
+    for records in per_rank:
+        mine = sampler_done(records)
+        shifts = sorted(mine[s] - base[s] for s in mine.keys() & base.keys())
+        shift = shifts[len(shifts) // 2] if shifts else 0
+        aligned.append([attrs.evolve(r, taken_ns=r.taken_ns - shift, ready_ns=r.ready_ns - shift,
+                                     started_ns=r.started_ns - shift, done_ns=r.done_ns - shift) for r in records])
+    return aligned
+
+
 def write_rank_traces(path: str, per_rank: Sequence[Sequence[TaskRecord]], labels: Sequence[str],
                       kinds: Sequence[str], peers: Optional[Sequence[tuple]] = None) -> None:
-    """A tensor-parallel job's profile: one trace process per rank (GPU), on one time axis (every GPU's
-    %globaltimer counts the host's nanoseconds). A path ending in .gz is written gzip-compressed."""
+    """A tensor-parallel job's profile: one trace process per rank (GPU), on rank 0's clock
+    (`align_ranks`). A path ending in .gz is written gzip-compressed."""
+    per_rank = align_ranks(per_rank, len(labels))
     origin = min((r.taken_ns for records in per_rank for r in records), default=0)
     events = [e for rank, records in enumerate(per_rank)
               for e in trace_events(records, labels, kinds, pid=rank, process=f"rank {rank} (GPU {rank})",
@@ -144,3 +165,23 @@ def _exposed_waits(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
         exposed[kind] = exposed.get(kind, 0) + max(0, r.started_ns - idle_from)
         previous_done[r.sm] = r.done_ns
     return exposed
+
+
+def peer_overlap(records: Sequence[TaskRecord], per_step: int, peers: Sequence[tuple]) -> dict:
+    """How one rank's communication overlapped compute. A task that puts to the peers issues its puts as
+    its tile is done, while the other SMs still run their tiles: per such task, how many other SMs were
+    running a body at that moment (the tile's transfer and signal overlap that compute); and the compute
+    warps' idle time waiting for tasks whose inputs come from the peers (exposed, ns, summed over SMs)."""
+    starts = sorted(r.started_ns for r in records)
+    ends = sorted(r.done_ns for r in records)
+    busy = [bisect.bisect_left(starts, r.done_ns) - bisect.bisect_right(ends, r.done_ns)
+            for r in records if peers[r.index % per_step][1]]   # bodies started before, done after
+    exposed = 0
+    previous_done: dict = {}
+    for r in sorted(records, key=lambda r: (r.sm, r.started_ns)):
+        idle_from = max(previous_done.get(r.sm, r.taken_ns), r.taken_ns)
+        if peers[r.index % per_step][0]:
+            exposed += max(0, r.started_ns - idle_from)
+        previous_done[r.sm] = r.done_ns
+    return {"put_tasks": len(busy), "overlapped_fraction": sum(b > 0 for b in busy) / len(busy) if busy else 0.0,
+            "mean_busy_sms_at_put": sum(busy) / len(busy) if busy else 0.0, "exposed_peer_wait_ns": exposed}
