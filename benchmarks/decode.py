@@ -10,7 +10,8 @@ events around the launch; the KV cache before position 1023 holds zeros: the wor
 per-token latency is that time / steps. It is measured once per runtime variant (`--variants`, the
 first one is the table's): "static" (each worker its share of the tasks in order), "static-ahead2"
 (its scheduler also prefetches the weights of its task after next), "queue" (one global atomic
-queue), and the "-lanes4" ones (4 lanes share each cached position in attention's scores); the profiled model's step is profiled under each (trace of the first, and per task kind the
+queue), the "-lanes4" ones (4 lanes share each cached position in attention's scores) and the "-fused"
+ones (the last attention split of a kv head merges the splits: no combine tasks); the profiled model's step is profiled under each (trace of the first, and per task kind the
 body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick the
 variants after the first run for the profiled model only. PyTorch runs one decode step at position
 1023 (SDPA over 1024 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times
@@ -38,6 +39,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "queue": {"schedule": "queue"},
     "static-lanes4": {"schedule": "static", "attention_lanes": 4},
     "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4},
+    "static-lanes4-fused": {"schedule": "static", "attention_lanes": 4, "fused_combine": True},
+    "static-ahead2-lanes4-fused": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4,
+                                   "fused_combine": True},
 }
 
 

@@ -112,18 +112,19 @@ def tiny_engines(torch, transformers, tmp_path_factory):
 
     built, folders = {}, {}
 
-    def get(arch, dtype_name, schedule="static", prefetch_ahead=1, attention_lanes=1):
+    def get(arch, dtype_name, schedule="static", prefetch_ahead=1, attention_lanes=1, fused_combine=False):
         if (arch, dtype_name) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
             folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
             model.save_pretrained(str(folder), safe_serialization=True)
             folders[arch, dtype_name] = (str(folder), model)
-        key = (arch, dtype_name, schedule, prefetch_ahead, attention_lanes)
+        key = (arch, dtype_name, schedule, prefetch_ahead, attention_lanes, fused_combine)
         if key not in built:
             folder, model = folders[arch, dtype_name]
             engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule,
-                                                      prefetch_ahead=prefetch_ahead, attention_lanes=attention_lanes)
+                                                      prefetch_ahead=prefetch_ahead, attention_lanes=attention_lanes,
+                                                      fused_combine=fused_combine)
             built[key] = (engine, model)
         return built[key]
 
@@ -186,7 +187,8 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
 def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
     static, _ = tiny_engines("llama3", "f32")
     tokens = static.generate(PROMPT, 16, eos_token_ids=())
-    for variant in (("queue",), ("static", 2), ("static", 4), ("static", 1, 4), ("static", 2, 4)):
+    for variant in (("queue",), ("static", 2), ("static", 4), ("static", 1, 4), ("static", 2, 4),
+                    ("static", 1, 1, True), ("static", 2, 4, True), ("queue", 1, 4, True)):
         engine, _ = tiny_engines("llama3", "f32", *variant)
         assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, variant
 

@@ -63,6 +63,7 @@ class Emulator:
                     "logits": np.zeros(s.vocab, np.float32), "best": [None] * plan.lm_tiles}
         self.buf["h"][0] = self.w["model.embed_tokens.weight"][tokens[0]]
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
+        self.split_counts = {}
         events = plan.initial_events().astype(np.int64)
         queue = 0
         held = []
@@ -99,12 +100,14 @@ class Emulator:
             b["qkv"][t.layer, t.begin:t.end] = self.round(w[t.begin:t.end] @ x)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
+            if self.plan.fused_combine:   # the kv head's last split of this step merges its heads
+                done = self.split_counts.get((t.layer, t.begin), 0) + 1
+                self.split_counts[t.layer, t.begin] = done
+                if done == self.plan.splits * (step + 1):
+                    for head in range(t.begin * s.group, (t.begin + 1) * s.group):
+                        self.combine(t.layer, head)
         elif t.kind is Kind.COMBINE:
-            part = b["parts"][t.layer, t.begin]
-            top = part[:, 0].max()
-            scale = np.where(part[:, 0] == -np.inf, 0.0, np.exp(part[:, 0] - top))
-            out = (scale[:, None] * part[:, 2:]).sum(0) / (scale * part[:, 1]).sum()
-            b["attn"][t.layer, t.begin * s.head_dim:(t.begin + 1) * s.head_dim] = self.round(out)
+            self.combine(t.layer, t.begin)
         elif t.kind is Kind.OPROJ:
             o = self.layer(t.layer, "o_proj")[t.begin:t.end] @ b["attn"][t.layer]
             b["mid"][t.layer, t.begin:t.end] = self.round(b["h"][t.layer, t.begin:t.end] + self.round(o))
@@ -124,6 +127,14 @@ class Emulator:
                 (float(logits.max()), t.begin + int(np.argmax(logits)))
         else:
             self.sample(step, pos)
+
+    def combine(self, layer, head):
+        s, b = self.s, self.buf
+        part = b["parts"][layer, head]
+        top = part[:, 0].max()
+        scale = np.where(part[:, 0] == -np.inf, 0.0, np.exp(part[:, 0] - top))
+        out = (scale[:, None] * part[:, 2:]).sum(0) / (scale * part[:, 1]).sum()
+        b["attn"][layer, head * s.head_dim:(head + 1) * s.head_dim] = self.round(out)
 
     def attention(self, layer, g, split, pos):
         s, b = self.s, self.buf
@@ -170,11 +181,14 @@ class Emulator:
             self.next_embedding(token)
 
 
+@pytest.mark.parametrize("fused_combine", [False, True], ids=["combine-tasks", "fused-combine"])
 @pytest.mark.parametrize("workers", [1, 3, 17])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_the_tables_compute_the_reference_forward(arch, workers):
+def test_the_tables_compute_the_reference_forward(arch, workers, fused_combine):
     config, graph, weights = tiny_model(arch, seed=3)
-    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions,
+                      fused_combine=fused_combine)
+    assert (Kind.COMBINE in {t.kind for t in plan.tasks}) != fused_combine
     check_plan(plan)
     prompt, new = [3, 17, 42, 5], 8
     want = ReferenceModel(graph, weights).generate(prompt, new)

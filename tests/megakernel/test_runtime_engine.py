@@ -68,7 +68,9 @@ def generate_source_for(engine_kwargs):
     from mdsl.megakernel.runtime.source import generate_source
 
     config, _, _ = tiny_model("llama3")
-    return generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24), **engine_kwargs).text
+    options = dict(engine_kwargs)
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False))
+    return generate_source(plan, **options).text
 
 
 def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
@@ -76,7 +78,10 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
 
     args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
-    assert args.variants == ["static", "static-ahead2", "queue"]
+    assert args.variants == list(decode.VARIANTS) and args.variants[:3] == ["static", "static-ahead2", "queue"]
+    assert (args.tp, args.tp_models) == (1, ["qwen3-8b"])
+    assert decode.parse_args(["--tp", "2", "--tp-models", "qwen3-8b,llama-3.2-1b"]).tp_models == ["qwen3-8b",
+                                                                                                 "llama-3.2-1b"]
     assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]
     assert decode.variants_of("qwen3-0.6b", args) == ["static"]         # --quick: the extra variants ...
     assert decode.variants_of(args.trace_model, args) == args.variants   # ... for the profiled model only

@@ -32,10 +32,10 @@ def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused_naming_it():
     assert "world sizes this model allows: 1, 2" in str(info.value)
 
 
-def _rank_plan(arch="qwen3", world=2, dtype=None, **overrides):
+def _rank_plan(arch="qwen3", world=2, dtype=None, fused_combine=False, **overrides):
     config, _, _ = tiny_model(arch, **overrides)
     shard = shard_config(config if dtype is None else attrs.evolve(config, dtype=dtype), world)
-    single = build_plan(decoder_shape(shard), workers=132, max_seq=config.max_positions)
+    single = build_plan(decoder_shape(shard), workers=132, max_seq=config.max_positions, fused_combine=fused_combine)
     return single, for_ranks(single, world)
 
 
@@ -75,7 +75,7 @@ def test_one_gpu_tables_have_no_remote_signals():
 
 
 def test_the_two_rank_kernel_compiles_without_spills():
-    _, plan = _rank_plan("qwen3", dtype=bf16, head_dim=32)
+    _, plan = _rank_plan("qwen3", dtype=bf16, fused_combine=True, head_dim=32)   # the split counter's code too
     source = generate_source(plan, attention_lanes=4)
     assert "constexpr int WORLD = 2;" in source.text and "constexpr int ATTN_LANES = 4;" in source.text
     module = compile_cuda(source.text, arch="sm_90a")
@@ -86,7 +86,7 @@ def test_the_two_rank_kernel_compiles_without_spills():
 def test_qwen3_8b_over_two_ranks_compiles_without_spills():
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
     shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=132, max_seq=1200), 2)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=132, max_seq=1200, fused_combine=True), 2)
     check_plan(plan)
     source = generate_source(plan, attention_lanes=4)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

@@ -47,6 +47,7 @@ class RankEmulator(Emulator):
                     "parts": np.zeros((s.layers, s.heads, self.plan.splits, s.head_dim + 2), np.float32),
                     "logits": np.zeros(s.vocab, np.float32)}
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
+        self.split_counts = {}
         self.next_embedding(tokens[0])
 
     def bests(self) -> list:
@@ -126,13 +127,15 @@ def run_ranks(ranks, tokens, max_new, rng):
         queue[ri] += 1
 
 
-@pytest.mark.parametrize(("arch", "world", "workers"), [("llama3", 2, 3), ("qwen3", 2, 5), ("qwen3", 2, 1),
-                                                         ("llama3", 2, 8)])
-def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers):
+@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine"), [
+    ("llama3", 2, 3, False), ("qwen3", 2, 5, False), ("qwen3", 2, 1, False), ("llama3", 2, 8, True),
+    ("qwen3", 2, 4, True)])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine):
     config, graph, weights = tiny_model(arch, seed=3)
     split = tensor_parallel(step_function(config).trace(config), world)
     shard = shard_config(config, world)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions), world)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions,
+                                fused_combine=fused_combine), world)
     check_plan(plan)
     rng = np.random.default_rng(workers)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]

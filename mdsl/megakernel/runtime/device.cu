@@ -315,9 +315,29 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
   hi = lo + chunk < n ? lo + chunk : n;
 }
 
+// Merges the SPLITS partial results of query heads first .. first + count - 1 of a layer (a thread per
+// output value; the same arithmetic, in the same order, as combine_task). The partials were written by
+// other blocks and are read from L2 (ld.cg): this SM's L1 may hold an earlier step's.
+__device__ void combine_heads(const Params& p, int layer, int first, int count) {
+  for (int e = threadIdx.x; e < count * D; e += NT) {
+    const int head = first + e / D, d = e % D;
+    const float* part = p.parts + ((long long)layer * HQ + head) * SPLITS * PART;
+    float top = mdsl::neg_inf();
+    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, __ldcg(part + s * PART));
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < SPLITS; ++s) {
+      const float scale = mdsl::rescale(__ldcg(part + s * PART), top);
+      num = fmaf(scale, __ldcg(part + s * PART + 2 + d), num);
+      den = fmaf(scale, __ldcg(part + s * PART + 1), den);
+    }
+    p.attns[(long long)layer * HQ * D + (long long)head * D + d] = mdsl::from_float<T>(num / den);
+  }
+}
+
 // Attention of the G query heads of kv head g over split `split` of positions [0, pos]: q (and, in the
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out.
-__device__ void attention_task(const Params& p, const Task& t, long long pos, float* sm) {
+// With FUSED_COMBINE the kv head's split that finishes last in this step also merges its heads.
+__device__ void attention_task(const Params& p, const Task& t, long long step, long long pos, float* sm) {
   const int g = t.begin, split = t.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
@@ -440,6 +460,18 @@ __device__ void attention_task(const Params& p, const Task& t, long long pos, fl
     float* out = part + ((long long)(g * G + h) * SPLITS + split) * PART;
     out[2 + d] = total;
     if (d == 0) { out[0] = stats[2 * h]; out[1] = stats[2 * h + 1]; }
+  }
+  if constexpr (FUSED_COMBINE) {
+    __shared__ int last_split;
+    compute_sync();                    // every thread's partials are written
+    if (threadIdx.x == 0) {            // the threadFenceReduction pattern: publish, count, and the last one reads
+      __threadfence();
+      const unsigned done = atomicAdd(p.attn_done + t.layer * HKV + g, 1u) + 1u;
+      last_split = done == unsigned(SPLITS) * unsigned(step + 1);
+      __threadfence();
+    }
+    compute_sync();
+    if (last_split) combine_heads(p, t.layer, g * G, G);
   }
 }
 
@@ -806,7 +838,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     bool signal = true;
     switch (t.kind) {
       case KIND_QKV: qkv_task(p, t, work, red); break;
-      case KIND_ATTN: attention_task(p, t, pos, work); break;
+      case KIND_ATTN: attention_task(p, t, step, pos, work); break;
       case KIND_COMBINE: combine_task(p, t); break;
       case KIND_OPROJ: oproj_task(p, t, work); break;
       case KIND_GATEUP: gateup_task(p, t, work, red); break;

@@ -93,13 +93,15 @@ class MegakernelEngine:
     DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
     worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
     worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
-    lanes share a cached position in attention's scores (source.ATTENTION_LANES). `ranks`: one rank of a
+    lanes share a cached position in attention's scores (source.ATTENTION_LANES); `fused_combine`, whether
+    the last attention split of a kv head merges the splits (plan.build_plan). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1, attention_lanes: int = 1, ranks: Optional[RankGroup] = None):
+                 prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -122,7 +124,8 @@ class MegakernelEngine:
         dev = runtime._device(device)
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
-        self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq), self.world)
+        self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
+                                                   fused_combine=fused_combine), self.world)
         source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes)
         self.source = source.text
         self.smem_bytes = source.smem_bytes
@@ -158,8 +161,8 @@ class MegakernelEngine:
 
     @classmethod
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
-                        schedule: str = "static", prefetch_ahead: int = 1,
-                        attention_lanes: int = 1) -> "MegakernelEngine":
+                        schedule: str = "static", prefetch_ahead: int = 1, attention_lanes: int = 1,
+                        fused_combine: bool = False) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -172,7 +175,7 @@ class MegakernelEngine:
         graph = step_function(config).trace(config)
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
                    eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
-                   attention_lanes=attention_lanes)
+                   attention_lanes=attention_lanes, fused_combine=fused_combine)
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -255,6 +258,8 @@ class MegakernelEngine:
         p.attns = self._zeros(s.layers * s.attention_width, s.dtype)
         p.acts = self._zeros(s.layers * s.intermediate, s.dtype)
         p.parts = self._zeros(s.layers * s.heads * plan.splits * (s.head_dim + 2), f32)
+        if plan.fused_combine:
+            p.attn_done = self._zeros(s.layers * s.kv_heads, i32)
         self._logits = self._zeros(s.vocab, f32)
         p.logits = self._logits
         p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
@@ -320,6 +325,8 @@ class MegakernelEngine:
         if eos:
             self._copy_in(p.eos, np.array(eos, dtype=np.int32))
         self._copy_in(p.events, self._initial_events)
+        if self.plan.fused_combine:   # the split counters count from 0 in every launch
+            self._copy_in(p.attn_done, np.zeros(self.shape.layers * self.shape.kv_heads, dtype=np.int32))
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)

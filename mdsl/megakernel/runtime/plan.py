@@ -26,7 +26,8 @@ Task kinds (the device code's switch):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions
-  COMBINE  q head `begin`: merges the splits' partial sums into the attention output
+  COMBINE  q head `begin`: merges the splits' partial sums into the attention output (with
+           `fused_combine`, no such task: the last split of a kv head to finish merges its heads)
   OPROJ    rows of mid_l = h_l + W_o attn
   GATEUP   rows of act_l = silu(W_gate x) * (W_up x), x = rms_norm(mid_l)
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
@@ -115,6 +116,7 @@ class TaskPlan:
     signals: tuple       # per task: event indices
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
+    fused_combine: bool = False   # the last attention split of a kv head merges its heads' partials
 
     @property
     def max_chunk(self) -> int:
@@ -201,32 +203,35 @@ def device_partition(workers: int, splits: int) -> PartitionConfig:
                            attention_min_chunk=MIN_CHUNK)
 
 
-def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None) -> TaskPlan:
+def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None,
+               fused_combine: bool = False) -> TaskPlan:
     """The task tables of one decode step of the built-in decoder of `shape.config`, for `workers` worker
-    blocks (one per SM)."""
+    blocks (one per SM). `fused_combine`: no combine tasks; the attention split of a kv head that finishes
+    last merges the splits' partials of its query heads (one dependency hop less per layer)."""
     graph = step_function(shape.config).trace(shape.config, max_positions=max_seq)
-    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits)
+    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, fused_combine=fused_combine)
 
 
 def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-               splits: Optional[int] = None) -> TaskPlan:
+               splits: Optional[int] = None, fused_combine: bool = False) -> TaskPlan:
     """The device tables of a model graph: fused (mdsl.megakernel.fusion), cut into the device's tiles,
     waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
     an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
     splits = splits or attention_splits(shape, workers, max_seq)
     task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits)))
-    return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits)
+    return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits,
+                            fused_combine=fused_combine)
 
 
 def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-                     splits: int) -> TaskPlan:
+                     splits: int, fused_combine: bool = False) -> TaskPlan:
     """Table rows from the task graph's tasks, by each op's `device` rule (below), in the task graph's
     order; events from its events. A task a rule absorbs (the embedding: the previous step's sampler
     writes the row) hands its waits to the tasks waiting for it. The one cross-step event, a wait on the
     previous step's token (step offset -1), becomes event 0, which starts at count * 1 so that
     `producers * (step + 1)` is the task graph's `count * (step + 1 - 1)`."""
     graph = task_graph.model
-    binding = _Binding(shape, max_seq, splits)
+    binding = _Binding(shape, max_seq, splits, fused_combine)
     by_node: dict = {}
     for t in task_graph.tasks:
         by_node.setdefault(t.node, []).append(t)
@@ -241,7 +246,8 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
                 row_of[task.id] = len(rows)
                 rows.append(row)
     binding.finish(graph, rows)
-    return _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits)
+    return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
+                        fused_combine=fused_combine)
 
 
 _CROSS = "previous step's token"
@@ -304,8 +310,8 @@ def _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits) -> T
 # buffer and refuses a graph that differs.
 
 class _Binding:
-    def __init__(self, shape: DecoderShape, max_seq: int, splits: int):
-        self.shape, self.max_seq, self.splits = shape, max_seq, splits
+    def __init__(self, shape: DecoderShape, max_seq: int, splits: int, fused_combine: bool = False):
+        self.shape, self.max_seq, self.splits, self.fused_combine = shape, max_seq, splits, fused_combine
         self.buffer_of: dict = {}    # graph value -> device buffer
         self.weight_types = _weight_types(shape)
 
@@ -426,6 +432,9 @@ def _rope_attention_rows(node, tasks, bind):
     k_base, v_base = s.attention_width, s.attention_width + s.kv_heads * d
     rows = []
     for t in tasks:
+        if t.kind == "rope_attention.combine" and bind.fused_combine:
+            rows.append(None)    # absorbed: the kv head's last split merges (its readers wait for the splits)
+            continue
         if t.kind == "rope_attention.combine":
             head = t.tile_value("head")
             rows.append(PlannedTask(Kind.COMBINE, layer, head, head + 1,
@@ -437,7 +446,12 @@ def _rope_attention_rows(node, tasks, bind):
         reads = (Access(qkv, g * s.group * d, (g + 1) * s.group * d), Access(qkv, k_base + g * d, k_base + (g + 1) * d),
                  Access(qkv, v_base + g * d, v_base + (g + 1) * d))
         parts = [(head * bind.splits + split) * width for head in range(g * s.group, (g + 1) * s.group)]
-        rows.append(PlannedTask(Kind.ATTN, layer, g, split, reads, tuple(Access(part, r, r + width) for r in parts)))
+        writes = tuple(Access(part, r, r + width) for r in parts)
+        if bind.fused_combine:
+            # any split may be the last, which merges its siblings' partials (ordered by device.cu's split
+            # counter, not by events) and writes its heads' outputs
+            writes += (Access(attn, g * s.group * d, (g + 1) * s.group * d),)
+        rows.append(PlannedTask(Kind.ATTN, layer, g, split, reads, writes))
     return rows
 
 

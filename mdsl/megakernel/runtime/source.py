@@ -40,6 +40,7 @@ PARAMS = (
     # tensor parallelism (plan.world > 1; null / 0 on one GPU): this rank, the byte offset from a symmetric
     # buffer to each peer's copy of it, and the residual stream's per-rank f32 partials ([layer][rank][H])
     ("long long", "rank"), ("const long long*", "peer_delta"), ("float*", "h_parts"), ("float*", "mid_parts"),
+    ("unsigned*", "attn_done"),          # plan.fused_combine: attention splits finished per (layer, kv head)
     ("long long", "prompt_len"), ("long long", "start_pos"), ("long long", "num_steps"), ("long long", "max_new"),
     ("long long", "num_eos"), ("double", "temperature"), ("double", "top_p"), ("unsigned long long", "seed"),
 )
@@ -118,6 +119,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     lines += [f"constexpr bool STATIC_SCHEDULE = {'true' if schedule == 'static' else 'false'};",
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
+              f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     text = "\n".join([INCLUDES, PRELUDE, *lines, _runtime_source()])
