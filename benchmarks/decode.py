@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also run the --tp-models over this many GPUs (tensor parallelism, one process per GPU) and "
                          "report the latency next to one GPU's, with a trace of every rank")
     ap.add_argument("--tp-models", default="qwen3-8b", help="comma-separated models run tensor-parallel under --tp")
+    ap.add_argument("--tp-variants", default="", help="comma-separated runtime variants of the --tp runs (default: the "
+                                                     "first of --variants); each also runs on one GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
     if args.quick:
@@ -73,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.variants = [s.strip() for s in args.variants.split(",") if s.strip()]
     if not args.variants or any(s not in VARIANTS for s in args.variants):
         ap.error(f"--variants takes some of {', '.join(VARIANTS)}, got {args.variants}")
+    args.tp_variants = [s.strip() for s in args.tp_variants.split(",") if s.strip()] or args.variants[:1]
+    if any(v not in VARIANTS for v in args.tp_variants):
+        ap.error(f"--tp-variants takes some of {', '.join(VARIANTS)}, got {args.tp_variants}")
     return args
 
 
@@ -177,7 +182,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
             samples.append(max(run.seconds for run in runs) / args.steps)
         runs = group.run(tokens, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
         info = group.info[0]
-        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if variant == args.variants[0] else None
+        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if variant == args.tp_variants[0] else None
         if trace is not None:   # one trace (3-4 MB compressed for Qwen3-8B)
             write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"], info["peers"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
@@ -356,8 +361,12 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
 
 def variants_of(name: str, args) -> list:
     """The runtime variants measured for a model: all of them, or under --quick the first one only, but
-    for the profiled model (so that the extra variants cost two engine builds of the smallest model)."""
-    return args.variants if not args.quick or name == args.trace_model else args.variants[:1]
+    for the profiled model (so that the extra variants cost two engine builds of the smallest model);
+    a model run tensor-parallel also under each of its --tp-variants (one GPU against N in the same one)."""
+    chosen = args.variants if not args.quick or name == args.trace_model else args.variants[:1]
+    if args.tp > 1 and name in args.tp_models:
+        chosen = chosen + [v for v in args.tp_variants if v not in chosen]
+    return chosen
 
 
 def bench_model(torch, name: str, args, out: Path) -> dict:
@@ -400,12 +409,14 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
         torch.cuda.empty_cache()
     if args.tp > 1 and name in args.tp_models:
         result["tensor_parallel"] = {}
-        for variant in args.variants:   # the single GPU's number is its first variant's
+        for variant in args.tp_variants:   # against one GPU under the same variant
             tp = bench_tensor_parallel(config, name, args, out, variant)
-            tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / mk_ms
+            one = result["variants"][variant].get("megakernel_ms")
+            tp["one_gpu_ms"] = one
+            tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / one if one else None
             result["tensor_parallel"][variant] = tp
-            print(f"[{name}] {args.tp} GPUs ({variant}) / 1 GPU ({args.variants[0]}): {tp['megakernel_ms']:.3f} / "
-                  f"{mk_ms:.3f} ms = {tp['ratio_to_one_gpu']:.3f}", flush=True)
+            print(f"[{name}] {args.tp} GPUs / 1 GPU ({variant}): {tp['megakernel_ms']:.3f} / {one:.3f} ms = "
+                  f"{tp['ratio_to_one_gpu']:.3f}" if one else f"[{name}] one GPU failed under {variant}", flush=True)
     return result
 
 

@@ -79,7 +79,9 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
     assert args.variants == list(decode.VARIANTS) and args.variants[:3] == ["static", "static-ahead2", "queue"]
-    assert (args.tp, args.tp_models) == (1, ["qwen3-8b"])
+    assert (args.tp, args.tp_models, args.tp_variants) == (1, ["qwen3-8b"], ["static"])
+    tp = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "static-lanes4-fused"])
+    assert decode.variants_of("qwen3-8b", tp) == ["static", "static-lanes4-fused"]   # one GPU under the same
     assert decode.parse_args(["--tp", "2", "--tp-models", "qwen3-8b,llama-3.2-1b"]).tp_models == ["qwen3-8b",
                                                                                                  "llama-3.2-1b"]
     assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]
