@@ -110,3 +110,28 @@ def test_mdsl_generate_with_tp_prints_the_single_gpu_tokens(checkpoints, capsys,
     printed = capsys.readouterr().out.splitlines()[0]
     assert [int(t) for t in printed.split(",")] == want
     assert trace.stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_starts_the_ranks_and_rank_0_prints_the_tokens(checkpoints, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+
+    folder, _, _ = checkpoints("llama3", "bf16")
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64)
+    try:
+        want = single.generate(PROMPT, 8)
+    finally:
+        single.close()
+    env = {**os.environ, "MDSL_TP_RENDEZVOUS": str(tmp_path / "uid"),
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mdsl",
+                           "generate", "--model", folder, "--prompt-ids", ",".join(map(str, PROMPT)),
+                           "--max-new-tokens", "8", "--max-seq", "64", "--tp", "2"],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line and line[0].isdigit()]
+    assert [int(t) for t in lines[0].split(",")] == want, done.stdout

@@ -165,3 +165,39 @@ def test_ranks_are_aligned_on_their_samplers_and_overlap_is_measured():
     assert measured["put_tasks"] == 4 and measured["mean_busy_sms_at_put"] == 0.5
     assert measured["overlapped_fraction"] == 0.5
     assert measured["exposed_peer_wait_ns"] == 50
+
+
+def test_the_launchers_variables_name_this_processs_rank():
+    from mdsl.megakernel.runtime.tp import launched_rank
+
+    assert launched_rank({}) is None
+    assert launched_rank({"RANK": "0", "WORLD_SIZE": "1"}) is None          # one process: nothing to join
+    assert launched_rank({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1)   # torchrun
+    assert launched_rank({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                          "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == (3, 4, 1)   # mpirun (Open MPI)
+    assert launched_rank({"PMI_RANK": "1", "PMI_SIZE": "2"}) == (1, 2, 1)
+
+
+def test_the_file_rendezvous_hands_rank_0s_id_over_and_ignores_an_old_file(tmp_path):
+    import os
+    import threading
+    import time
+
+    from mdsl.megakernel.runtime.tp import FileRendezvous, TensorParallelError
+
+    path = tmp_path / "job.uid"
+    path.write_bytes(b"o" * 128)
+    os.utime(path, (time.time() - 3600, time.time() - 3600))   # left by a job an hour ago
+    env = {"TORCHELASTIC_RUN_ID": "job/1"}
+    assert FileRendezvous(environ=env).path.endswith("mdsl-tp-job-1.uid")
+    reader = FileRendezvous(str(path), timeout_s=10)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(reader(None)))
+    thread.start()
+    time.sleep(0.3)
+    assert not got                                  # the old file is not taken
+    assert FileRendezvous(str(path))(b"n" * 128) == b"n" * 128
+    thread.join(10)
+    assert got == [b"n" * 128]
+    with pytest.raises(TensorParallelError, match="did not appear"):
+        FileRendezvous(str(tmp_path / "never.uid"), timeout_s=0.2)(None)

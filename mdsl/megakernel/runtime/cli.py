@@ -73,9 +73,26 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
-    from mdsl.megakernel.runtime.profile import write_rank_traces
-    from mdsl.megakernel.runtime.tp import TensorParallelGroup
+    from mdsl.megakernel.runtime.profile import write_rank_traces, write_trace
+    from mdsl.megakernel.runtime.tp import TensorParallelGroup, engine_info, join_launched, launched_rank
 
+    if launched_rank() is not None:   # torchrun / mpirun started this process as one rank: run it, rank 0 prints
+        group = TensorParallelGroup.spec_from_pretrained(args.model, args.tp, max_seq=args.max_seq,
+                                                         schedule=args.schedule)
+        engine = join_launched(group)
+        run = engine.run(prompt_ids, args.max_new_tokens, **options)
+        info, rank = engine_info(engine), engine.ranks.rank
+        if args.profile is not None:   # one trace per rank: NAME.rankR.json
+            stem, dot, ext = args.profile.rpartition(".")
+            write_trace(f"{stem}.rank{rank}.{ext}" if dot else f"{args.profile}.rank{rank}", run.profile,
+                        info["labels"], info["kinds"])
+        engine.close()
+        engine.ranks.pe.close()
+        if rank == 0:
+            print(",".join(map(str, run.tokens)))
+            if tokenizer is not None:
+                print(tokenizer.decode(list(run.tokens)))
+        return EXIT_OK
     with TensorParallelGroup.from_pretrained(args.model, args.tp, max_seq=args.max_seq,
                                              schedule=args.schedule) as group:
         runs = group.run(prompt_ids, args.max_new_tokens, **options)

@@ -8,12 +8,19 @@ the kernels through NVSHMEM (device.cu's top comment; runtime/nvshmem.py).
     group.close()
 
 `TensorParallelGroup` starts the rank processes itself (spawn; rank r on GPU r) and drives them through
-pipes; each rank reads only its slices of the checkpoint. `mdsl generate --tp N` uses it.
+pipes; each rank reads only its slices of the checkpoint. `mdsl generate --tp N` uses it. Under a
+launcher that starts the processes itself (torchrun, mpirun: RANK / WORLD_SIZE / LOCAL_RANK or Open MPI's
+and PMI's equivalents), `launched_rank()` says which rank this process is and `join_launched` builds its
+engine; rank 0's NVSHMEM id reaches the others through a file (`FileRendezvous`).
+
+    torchrun --nproc-per-node 2 -m mdsl generate --model DIR --prompt-ids 1,2,3 --tp 2
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import tempfile
+import time
 import traceback
 from typing import Callable, Optional, Sequence
 
@@ -69,32 +76,43 @@ def peer_traffic(plan) -> list:
             for waits, signals in zip(plan.waits, plan.signals)]
 
 
-def _rank_main(rank: int, spec: RankSpec, conn) -> None:
-    """A rank's process: join NVSHMEM (rank 0 makes the id, the parent hands it on), build the engine on
-    GPU `rank`, then serve ("run", kwargs) until ("close",)."""
+def build_rank_engine(rank: int, device: int, spec: RankSpec, exchange: Callable):
+    """Join NVSHMEM as `rank` on GPU `device` and build the rank's engine. `exchange(uid)`: rank 0 passes
+    its NVSHMEM id (bytes) and every rank gets rank 0's back."""
+    from mdsl.backend.cuda import runtime
     from mdsl.megakernel.runtime import nvshmem
+    from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup
 
     for name, value in nvshmem.SAFE_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
-    try:
-        from mdsl.backend.cuda import runtime
-        from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup
+    runtime._device(device)   # the primary context current before NVSHMEM (it uses the CUDA runtime)
+    uid = exchange(nvshmem.unique_id() if rank == 0 else None)
+    pe = nvshmem.init(rank, spec.world, uid)
+    config = shard_config(spec.config, spec.world)
+    weights = (rank_weights(spec.config, spec.folder, rank, spec.world) if spec.folder is not None
+               else spec.make_weights(config, device))
+    return MegakernelEngine(config, weights, max_seq=spec.max_seq, device=device, eos_token_ids=spec.eos_token_ids,
+                            ranks=RankGroup(rank, spec.world, pe), **dict(spec.engine_options))
 
-        runtime._device(rank)   # the primary context current before NVSHMEM (it uses the CUDA runtime)
-        if rank == 0:
-            conn.send(("uid", nvshmem.unique_id()))
-        kind, uid = conn.recv()
-        pe = nvshmem.init(rank, spec.world, uid)
-        config = shard_config(spec.config, spec.world)
-        weights = (rank_weights(spec.config, spec.folder, rank, spec.world) if spec.folder is not None
-                   else spec.make_weights(config, rank))
-        engine = MegakernelEngine(config, weights, max_seq=spec.max_seq, device=rank, eos_token_ids=spec.eos_token_ids,
-                                  ranks=RankGroup(rank, spec.world, pe), **dict(spec.engine_options))
-        del weights
-        conn.send(("ready", {"tasks_per_step": len(engine.plan.tasks), "workers": engine.workers,
-                             "labels": [t.label() for t in engine.plan.tasks],
-                             "kinds": [t.kind.name.lower() for t in engine.plan.tasks],
-                             "peers": peer_traffic(engine.plan)}))
+
+def engine_info(engine) -> dict:
+    """What the driving process needs of a rank's plan: sizes, task labels and kinds, peer traffic."""
+    return {"tasks_per_step": len(engine.plan.tasks), "workers": engine.workers,
+            "labels": [t.label() for t in engine.plan.tasks], "kinds": [t.kind.name.lower() for t in engine.plan.tasks],
+            "peers": peer_traffic(engine.plan)}
+
+
+def _rank_main(rank: int, spec: RankSpec, conn) -> None:
+    """A rank's process: join NVSHMEM (rank 0 makes the id, the parent hands it on), build the engine on
+    GPU `rank`, then serve ("run", kwargs) until ("close",)."""
+    def exchange(uid):
+        if uid is not None:
+            conn.send(("uid", uid))
+        return conn.recv()[1]
+
+    try:
+        engine = build_rank_engine(rank, rank, spec, exchange)
+        conn.send(("ready", engine_info(engine)))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -108,8 +126,76 @@ def _rank_main(rank: int, spec: RankSpec, conn) -> None:
         except Exception:
             conn.send(("error", traceback.format_exc()))
     engine.close()
-    pe.close()
+    engine.ranks.pe.close()
     conn.send(("closed", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# processes started by an external launcher
+
+_LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),                                    # torchrun
+                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
+                       ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))                               # MPICH / Hydra
+_RENDEZVOUS_TIMEOUT_S = 300
+
+
+def launched_rank(environ=os.environ) -> Optional[tuple]:
+    """(rank, world, local rank) when a launcher started this process as one of several, else None."""
+    for rank, world, local in _LAUNCHER_VARIABLES:
+        if rank in environ and world in environ:
+            size = int(environ[world])
+            if size > 1:
+                return int(environ[rank]), size, int(environ.get(local, environ[rank]))
+    return None
+
+
+class FileRendezvous:
+    """Rank 0's NVSHMEM id handed to the other ranks through a file: written atomically by rank 0, read by
+    the others once it is newer than their own start (so a file left by an earlier job is not taken).
+    The path: MDSL_TP_RENDEZVOUS, else one in the temporary folder named after the launcher's job."""
+
+    def __init__(self, path: Optional[str] = None, environ=os.environ, timeout_s: float = _RENDEZVOUS_TIMEOUT_S):
+        job = (environ.get("TORCHELASTIC_RUN_ID") or environ.get("OMPI_MCA_ess_base_jobid")
+               or environ.get("PMI_ID") or f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}")
+        self.path = path or environ.get("MDSL_TP_RENDEZVOUS") or os.path.join(
+            tempfile.gettempdir(), f"mdsl-tp-{''.join(c if c.isalnum() else '-' for c in job)}.uid")
+        self.timeout_s = timeout_s
+        self.started = time.time()
+
+    def __call__(self, uid: Optional[bytes]) -> bytes:
+        if uid is not None:
+            temporary = f"{self.path}.{os.getpid()}.tmp"
+            with open(temporary, "wb") as f:
+                f.write(uid)
+            os.replace(temporary, self.path)
+            return uid
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if os.stat(self.path).st_mtime >= self.started - 10:
+                    with open(self.path, "rb") as f:
+                        data = f.read()
+                    if len(data) == 128:
+                        return data
+            except FileNotFoundError:
+                pass
+            time.sleep(0.05)
+        raise TensorParallelError(f"rank 0's NVSHMEM id did not appear in {self.path} within {self.timeout_s:.0f} s",
+                                  hint="every rank must see the same temporary folder (or set MDSL_TP_RENDEZVOUS to a "
+                                       "shared path); rank 0 may have failed: see its output")
+
+
+def join_launched(spec: RankSpec):
+    """This launcher-started process's engine (its rank and GPU from the launcher's variables)."""
+    found = launched_rank()
+    if found is None:
+        raise TensorParallelError("no launcher started this process as one of several ranks (RANK / WORLD_SIZE "
+                                  "are not set)", hint="use TensorParallelGroup (mdsl generate --tp N) to start them")
+    rank, world, local = found
+    if world != spec.world:
+        raise TensorParallelError(f"the launcher started {world} processes for a {spec.world}-way split",
+                                  hint=f"start {spec.world} processes (torchrun --nproc-per-node {spec.world})")
+    return build_rank_engine(rank, local, spec, FileRendezvous())
 
 
 class TensorParallelGroup:
@@ -142,16 +228,20 @@ class TensorParallelGroup:
             self.close()
             raise
 
-    @classmethod
-    def from_pretrained(cls, folder: str, world: int, *, max_seq: Optional[int] = None, **engine_options):
+    @staticmethod
+    def spec_from_pretrained(folder: str, world: int, *, max_seq: Optional[int] = None, **engine_options) -> RankSpec:
         from mdsl.megakernel.config import load_config
         from mdsl.megakernel.runtime.engine import eos_token_ids
 
         config = load_config(folder)
         if max_seq:
             config = config.with_max_positions(max_seq)
-        return cls(RankSpec(config, world, folder=folder, max_seq=max_seq, eos_token_ids=eos_token_ids(folder),
-                            engine_options=tuple(engine_options.items())))
+        return RankSpec(config, world, folder=folder, max_seq=max_seq, eos_token_ids=eos_token_ids(folder),
+                        engine_options=tuple(engine_options.items()))
+
+    @classmethod
+    def from_pretrained(cls, folder: str, world: int, *, max_seq: Optional[int] = None, **engine_options):
+        return cls(cls.spec_from_pretrained(folder, world, max_seq=max_seq, **engine_options))
 
     def _receive(self, rank: int, timeout: float, doing: str, want: Optional[str] = None):
         conn = self._conns[rank]
