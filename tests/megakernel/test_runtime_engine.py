@@ -136,8 +136,9 @@ def test_compile_model_runs_only_the_builtin_decoders():
                           m.weight("model.embed_tokens.weight", [cfg.vocab_size, h]))
         return logits, m.argmax(logits)
 
-    with pytest.raises(UnsupportedError, match="not the built-in qwen3 decoder"):
+    with pytest.raises(UnsupportedError, match="cannot run lm_head_argmax .* where the device reads h2") as info:
         compile_model(no_mlp, config, weights)
+    assert "test_runtime_engine.py" in str(info.value)   # the line of the user's step function
     cases = [(step_function(config), {"temperature": 0.0, "top_p": 1.0, "seed": 0}),
              (sampling_decode("qwen3", temperature=0.7, top_p=0.9, seed=4), {"temperature": 0.7, "top_p": 0.9, "seed": 4})]
     for fn, sampling in cases:   # the built-in graphs, argmax or sample at the end, are accepted

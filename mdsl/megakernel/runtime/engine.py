@@ -23,7 +23,7 @@ from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check
 from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.config import ModelConfig, load_config
-from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks
+from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS,
@@ -442,6 +442,8 @@ def compile_model(model_fn, config: ModelConfig, weights, *, max_seq: Optional[i
     from mdsl.megakernel.checkpoint import load_weights
 
     graph = model_fn.trace(config)
+    # the device's lowering rules refuse the first op they cannot run, with its line in the step function
+    plan_model(graph, decoder_shape(config), workers=1, max_seq=graph.max_positions)
     builtin = step_function(config).trace(config, max_positions=graph.max_positions)
     if _structure(graph) != _structure(builtin):
         raise UnsupportedError(f"model {graph.name} is not the built-in {config.architecture} decoder that the "
