@@ -220,12 +220,14 @@ def diverse(ranked: Sequence[Proposal], limit: int, per_group: int = 2) -> list:
     """`limit` of the ranked proposals, spread over grids (`_spread`). Where split and unsplit ones both
     exist (a GEMV's split-K), half of each kind (the estimate cannot be trusted to choose between one
     kernel and a split-K pair: the GPU decides), the preferred shapes first and one split variant per
-    grid; in rank order."""
+    split factor; in rank order."""
     kinds = [[p for p in ranked if (p.group[1] > 1) == split] for split in (True, False)]
     if not all(kinds):
         return _spread(ranked, limit, per_group)
     split, unsplit = (sorted(k, key=lambda p: not p.preferred) for k in kinds)  # stable: rank order kept
-    picked = _spread(split, -(-limit // 2), 1)
+    # one split variant per split factor, the factors of the best ones first (a hedge across factors:
+    # the estimate ranks them less surely than grids of one factor)
+    picked = _spread(split, -(-limit // 2), 1, group=lambda p: p.group[1])
     picked += _spread(unsplit, limit - len(picked), per_group)
     taken = {id(p) for p in picked}
     picked += [p for p in split if id(p) not in taken][:limit - len(picked)]
@@ -233,15 +235,15 @@ def diverse(ranked: Sequence[Proposal], limit: int, per_group: int = 2) -> list:
     return sorted(picked, key=lambda p: order[id(p)])
 
 
-def _spread(ranked: Sequence[Proposal], limit: int, per_group: int) -> list:
+def _spread(ranked: Sequence[Proposal], limit: int, per_group: int, group: Callable = lambda p: p.group) -> list:
     """`limit` of the ranked proposals, spread over grids: up to `per_group` (the best loop lengths) from
-    each of the best ceil(limit / per_group) (blocks, split) groups, then the best of the rest; in rank
-    order."""
+    each of the best ceil(limit / per_group) groups (by default (blocks, split)), then the best of the
+    rest; in rank order."""
     if limit <= 0:
         return []
     groups: dict = {}
     for p in ranked:
-        groups.setdefault(p.group, []).append(p)
+        groups.setdefault(group(p), []).append(p)
     best_groups = list(groups.values())[:-(-limit // per_group)]
     picked = [p for g in best_groups for p in g[:per_group]][:limit]
     chosen = {id(p) for p in picked}

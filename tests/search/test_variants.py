@@ -302,13 +302,13 @@ def bodies(graph):
     return [n.body for n in graph.nodes if n.body is not None]
 
 
-def test_split_proposals_of_the_preferred_shapes_come_first_one_per_grid():
+def test_split_proposals_of_the_preferred_shapes_come_first_one_per_split_factor():
     def proposal(blocks, split, seconds, preferred=True):
         return V.Proposal(None, f"{blocks}/{split}/{seconds}", ((blocks,), split), seconds, preferred)
 
     ranked = [proposal(64, 1, 1.0), proposal(512, 8, 1.5, preferred=False), proposal(256, 4, 2.0),
-              proposal(256, 4, 2.1), proposal(384, 8, 2.2), proposal(128, 1, 2.3), proposal(128, 1, 2.4),
-              proposal(96, 1, 2.5), proposal(264, 2, 3.0)]
+              proposal(128, 4, 2.05), proposal(256, 4, 2.1), proposal(384, 8, 2.2), proposal(128, 1, 2.3),
+              proposal(128, 1, 2.4), proposal(96, 1, 2.5), proposal(264, 2, 3.0)]
     picked = [p.describe for p in V.diverse(ranked, 6)]
     assert picked == ["64/1/1.0", "256/4/2.0", "384/8/2.2", "128/1/2.3", "128/1/2.4", "264/2/3.0"]
     only_split = [p for p in ranked if p.group[1] > 1]
