@@ -4,6 +4,9 @@ the generated coverage set and of random graphs compiles with NVRTC to an sm_90a
 kernel, by the compiler's own report, spills nothing, uses no stack and fits in shared memory."""
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -16,9 +19,21 @@ from tests.strategies import example_graphs, kernel_graphs
 REGISTERS_PER_SM = 65536
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str, arch_env):
+    return compile_cuda(source)
+
+
+def compiled(source: str):
+    """NVRTC's module for the source, once per session (the same source recurs across these tests:
+    a program under the default options, an option set that changes nothing in it; each test's
+    cache directory is its own)."""
+    return _compiled(source, os.environ.get("MDSL_CUDA_ARCH"))
+
+
 def assert_compiles_clean(graph):
     program = emit_cuda(graph)
-    module = compile_cuda(program.source)
+    module = compiled(program.source)
     assert module.cubin.startswith(b"\x7fELF") and module.arch == "sm_90a"
     assert set(module.resources) == {launch.name for launch in program.launches}
     for launch in program.launches:

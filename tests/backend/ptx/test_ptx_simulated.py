@@ -180,10 +180,8 @@ def test_reading_a_tile_before_its_copies_are_waited_for_is_caught(monkeypatch):
 # the lowerings of the benchmark plans: row-resident attention, streamed combines, hoisting
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("qknorm, options", [(False, o) for o in ("default", "no-rows", "no-hoist", "no-stream",
-                                                                  "pipeline-2")] +   # QKNorm's: GQA's and 2 rms_norms
-                         [(True, o) for o in ("default", "no-rows", "no-hoist", "no-stream", "no-mma", "pipeline-2",
-                                              "synchronous-loads")])
+@pytest.mark.parametrize("qknorm, options", [(False, o) for o in ("default", "no-rows", "pipeline-2")] +
+                         [(True, o) for o in ("default", "no-hoist", "no-stream", "no-mma", "synchronous-loads")])
 def test_split_attention_plans(qknorm, options):
     """The searched GQA / QKNorm plans' structure (tests/backend/ptx/plans.py) under each switch of
     their lowerings: the row-resident chain with ldmatrix operands and the next iteration's copies
