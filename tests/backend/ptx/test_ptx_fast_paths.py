@@ -7,6 +7,7 @@ under every option set. The simulator checks the numbers (test_ptx_simulated.py)
 (test_ptx_gpu.py) runs the same programs on the device."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -277,3 +278,48 @@ def test_every_benchmark_case_has_a_plan_here():
     from benchmarks.kernels import case_names
 
     assert sorted(benchmark_plans()) == sorted(case_names())
+
+
+def _main_loop_events(graph, monkeypatch) -> list:
+    """What the custom kernel's `forloop` loop body emits, in order: 'barrier', 'wait N', 'copy'."""
+    from mdsl.backend.ptx.llvm import KernelFunction
+
+    events, depth, forloop = [], [0], graph.custom_nodes()[0].body.forloop
+    inside = []
+    loop = KernelFunction.loop
+
+    @contextlib.contextmanager
+    def recording_loop(fn, start, stop, step):
+        main = depth[0] == 0 and stop == forloop and step == 1 and not inside
+        depth[0] += 1
+        if main:
+            inside.append(True)
+        with loop(fn, start, stop, step) as i:
+            yield i
+        depth[0] -= 1
+        if main:
+            inside.pop()
+
+    def record(what):
+        def method(fn, *args):
+            if inside:
+                events.append(what if what != "wait" else f"wait {args[0]}")
+            return original[what](fn, *args)
+        return method
+
+    original = {"barrier": KernelFunction.barrier, "wait": KernelFunction.copy_async_wait,
+                "copy": KernelFunction.copy_async}
+    monkeypatch.setattr(KernelFunction, "loop", recording_loop)
+    for what, name in (("barrier", "barrier"), ("wait", "copy_async_wait"), ("copy", "copy_async")):
+        monkeypatch.setattr(KernelFunction, name, record(what))
+    emit_llvm(graph, options=BOTH)
+    return events
+
+
+@pytest.mark.parametrize("name", ["flash_decoding_f16", "row_attention_bf16"])
+def test_row_resident_loops_have_one_barrier_an_iteration_and_copies_behind_it(name, monkeypatch):
+    """As the CUDA backend's (test_cuda_rows): the chain needs no barrier of its own, and the next
+    iteration's copies are issued behind the one barrier that opens an iteration."""
+    events = _main_loop_events(fast_path_graphs()[name], monkeypatch)
+    assert events.count("barrier") == 1 and "copy" in events
+    assert events[0] == "wait 1" and events[1] == "barrier" and set(events[2:]) == {"copy"}   # 3 stages
