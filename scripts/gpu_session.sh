@@ -47,7 +47,7 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
 
 # a throwaway plan cache for the tests (no plan from an earlier run is reused); the benchmark reads .plans
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" \
-    $PY -m pytest tests/gpu tests/backend/ptx/test_ptx_gpu.py -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -n 14 -rfE
+    $PY -m pytest tests/gpu tests/backend/ptx/test_ptx_gpu.py -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -n "${TEST_WORKERS:-14}" -rfE
 grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
 
 # the autotuner's kernels compiled in parallel first (16 cores here), so that the benchmark's time goes to timing
