@@ -409,7 +409,7 @@ class MegakernelEngine:
 
     def last_logits(self) -> np.ndarray:
         """The logits of the last step run (float32 [vocab], rounded to the model's dtype as transformers
-        rounds them)."""
+        rounds them; under tensor parallelism this rank's vocabulary shard, ids rank * vocab onwards)."""
         return self._copy_out(self._logits, self.shape.vocab, np.float32)
 
     def close(self) -> None:
