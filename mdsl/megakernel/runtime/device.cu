@@ -14,9 +14,10 @@
 // granularity. Each rank keeps all WORLD ranks' f32 partials of those buffers, slot k holding rank k's;
 // a producer tile stores its partial into its own slot here and on every peer (NVSHMEM's symmetric heap,
 // reached by NVLink stores), then signals its events here and on the peers (release adds at system
-// scope after a system fence: put-with-signal); a reader sums the WORLD slots in rank order, so every
-// rank computes the same bits. The LM head's tile bests are gathered the same way, so every rank's
-// sampler picks the same token, and the rank holding its embedding row puts it as the next h partial.
+// scope, cumulative over the block's puts after its barrier: put-with-signal); a reader sums the WORLD
+// slots in rank order, so every rank computes the same bits. The LM head's tile bests are gathered the
+// same way, so every rank's sampler picks the same token, and the rank holding its embedding row puts
+// it as the next h partial.
 
 namespace mk {
 
