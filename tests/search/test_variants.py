@@ -89,7 +89,10 @@ def test_the_entry_round_trips_and_is_not_verified_again(gqa, monkeypatch):
         [f"{V.plan_key(plan)}.json"]  # no temp file left
 
 
-def test_an_entry_whose_verification_ran_out_of_time_is_read_but_verified_again(gqa, monkeypatch):
+@pytest.fixture
+def stubbed_verification(gqa, monkeypatch):
+    """verify_all replaced by one that records its calls and keeps the first variant; the cached entry
+    restored afterwards."""
     plan, cache, found = gqa
     path = V.entry_path(cache, V.plan_key(plan))
     good = path.read_text()
@@ -99,33 +102,25 @@ def test_an_entry_whose_verification_ran_out_of_time_is_read_but_verified_again(
         calls.append(args)
         return found[:1], True
 
-    try:
-        V.store(cache, plan, found[:2], 4, complete=False)
-        assert V.load(cache, plan) == (found[:2], 4, False)
-        assert V.tuning_candidates(plan, 8, cache=cache)[-2:] == [v.candidate for v in found[:2]]
-        monkeypatch.setattr(V, "verify_all", verify_all)
-        assert V.ensure_variants(plan, 4, cache=cache) == found[:1] and len(calls) == 1
-        assert V.load(cache, plan) == (found[:1], 4, True)
-    finally:
-        path.write_text(good)
+    monkeypatch.setattr(V, "verify_all", verify_all)
+    yield calls
+    path.write_text(good)
 
 
-def test_refresh_proposes_and_verifies_again_despite_a_complete_entry(gqa, monkeypatch):
+def test_an_entry_whose_verification_ran_out_of_time_is_read_but_verified_again(gqa, stubbed_verification):
     plan, cache, found = gqa
-    path = V.entry_path(cache, V.plan_key(plan))
-    good = path.read_text()
-    calls = []
+    V.store(cache, plan, found[:2], 4, complete=False)
+    assert V.load(cache, plan) == (found[:2], 4, False)
+    assert V.tuning_candidates(plan, 8, cache=cache)[-2:] == [v.candidate for v in found[:2]]
+    assert not stubbed_verification   # reading the entry verifies nothing
+    assert V.ensure_variants(plan, 4, cache=cache) == found[:1] and len(stubbed_verification) == 1
+    assert V.load(cache, plan) == (found[:1], 4, True)
 
-    def verify_all(*args, **kwargs):
-        calls.append(args)
-        return found[:1], True
 
-    try:
-        monkeypatch.setattr(V, "verify_all", verify_all)
-        assert V.ensure_variants(plan, 4, cache=cache, refresh=True) == found[:1] and len(calls) == 1
-        assert V.load(cache, plan) == (found[:1], 4, True)
-    finally:
-        path.write_text(good)
+def test_refresh_proposes_and_verifies_again_despite_a_complete_entry(gqa, stubbed_verification):
+    plan, cache, found = gqa
+    assert V.ensure_variants(plan, 4, cache=cache, refresh=True) == found[:1] and len(stubbed_verification) == 1
+    assert V.load(cache, plan) == (found[:1], 4, True)
 
 
 def _must_not_run(*args, **kwargs):

@@ -80,11 +80,7 @@ _lib = None
 def _library():
     global _lib
     if _lib is None:
-        path = library_path()
-        if path is None:
-            raise NvshmemError("tensor parallelism needs NVSHMEM's host library, which is not installed",
-                               hint="pip install nvidia-nvshmem-cu13 (or mdsl[tp]), or set MDSL_NVSHMEM_LIB to "
-                                    "libnvshmem_host.so.3")
+        path = require()
         for name, value in SAFE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
         if os.environ["NVSHMEM_DISABLE_NVLS"] != "1":
@@ -110,6 +106,16 @@ def _library():
 
 def available() -> bool:
     return library_path() is not None
+
+
+def require() -> str:
+    """The host library's path, or an NvshmemError saying what to install (nothing is loaded)."""
+    path = library_path()
+    if path is None:
+        raise NvshmemError("tensor parallelism needs NVSHMEM's host library, which is not installed",
+                           hint="pip install nvidia-nvshmem-cu13 (or mdsl[tp]), or set MDSL_NVSHMEM_LIB to "
+                                "libnvshmem_host.so.3")
+    return path
 
 
 def unique_id() -> bytes:

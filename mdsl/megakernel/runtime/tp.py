@@ -206,8 +206,7 @@ class TensorParallelGroup:
 
         if spec.world < 2:
             raise TensorParallelError(f"tensor parallelism needs at least 2 ranks, got {spec.world}")
-        if not nvshmem.available():
-            nvshmem._library()   # raises the error saying what to install
+        nvshmem.require()   # before spawning anything: says what to install
         self.spec = spec
         self.world = spec.world
         context = mp.get_context("spawn")   # CUDA contexts do not survive fork
