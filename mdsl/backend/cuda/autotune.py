@@ -40,6 +40,7 @@ from mdsl.ir.text import print_graph
 SCHEMA = 1
 STAGES = (2, 3, 4)
 THREADS = (None, 256)               # None: each block graph's own
+SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, skinny.py) where it qualifies
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -54,7 +55,8 @@ class Variant:
         o = self.options
         threads = "own threads" if o.threads is None else f"{o.threads} threads"
         name = f" ({self.name})" if self.name else ""
-        return f"candidate {self.candidate}{name}, {o.stages}-stage pipeline, {threads}"
+        loop = "skinny loop where it qualifies" if o.skinny else f"{o.stages}-stage pipeline"
+        return f"candidate {self.candidate}{name}, {loop}, {threads}"
 
 
 @attrs.frozen
@@ -120,7 +122,7 @@ def compiled_registers(graph: KernelGraph, arch: str = "sm_90a") -> Callable[[in
     own block size, the tuning variants' pipeline depths), else None. Never compiles."""
     from mdsl.backend.cuda.nvrtc import cached_resources
 
-    for options in parameter_space(stages=VARIANT_STAGES, threads=(None,)):
+    for options in parameter_space(stages=VARIANT_STAGES, threads=(None,), skinny=(False,)):
         try:
             program = emit_cuda(graph, arch=arch, options=options)
             found = cached_resources(program.source, arch=arch)
@@ -139,10 +141,12 @@ def describe_grid(graph: KernelGraph) -> str:
                       for n in graph.nodes if n.body is not None)
 
 
-def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS) -> list:
-    """The lowering options tried for every candidate: each pipeline depth with each block size,
-    tensor cores and register accumulators on (their correctness is what the GPU tests check)."""
-    return [CudaOptions(stages=s, threads=t) for t in threads for s in stages]
+def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS, skinny: Sequence[bool] = SKINNY) -> list:
+    """The lowering options tried for every candidate: each pipeline depth with each block size, with and
+    without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
+    tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
+    `variants` drops the repeated sources, so it adds one compile per block size where it applies."""
+    return [CudaOptions(stages=s, threads=t, skinny=k) for k in skinny for t in threads for s in stages]
 
 
 def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",

@@ -34,12 +34,14 @@ from mdsl.backend.cuda.loops import Threads
 from mdsl.backend.cuda.mma import MmaShape, mma_shape, mma_store
 from mdsl.backend.cuda.options import CudaOptions, arch_number
 from mdsl.backend.cuda.rows import RowKernel, RowPlan, plan_rows, trailing_stages
+from mdsl.backend.cuda.skinny import SkinnyPlan, emit_skinny, scratch_bytes, skinny_plan
+from mdsl.backend.cuda.skinny import in_registers as skinny_in_registers
 from mdsl.backend.cuda.streamed import emit_streamed, streamed_accumulators
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
 from mdsl.passes.layout import LayoutPlan, scratch_name, select_layout
-from mdsl.passes.memory import MemoryPlan, SharedMemoryError, plan_memory
+from mdsl.passes.memory import SMEM_LIMIT_BYTES, MemoryPlan, SharedMemoryError, plan_memory
 from mdsl.passes.schedule import Schedule, matmul_accumulators, schedule_block_graph
 
 ASYNC_COPY_MIN_ARCH = 80
@@ -102,6 +104,19 @@ class Lowered:
     options: CudaOptions = CudaOptions()
     rows: Optional[RowPlan] = None  # loop chains kept in the registers of the warps owning their rows
     streamed: Optional[tuple] = None  # a loop of element-wise accumulators folded from device memory
+    skinny: Optional[SkinnyPlan] = None  # a loop of matmuls of <= 16 rows, weights streamed (skinny.py)
+    warps: int = 0                   # the block's warps (the skinny loop's partial sums are per warp)
+
+    @property
+    def scratch_offset(self) -> int:
+        """Where the skinny loop's partial sums start in shared memory: after the memory plan's tiles."""
+        return -(-self.memory.total // 16) * 16
+
+    @property
+    def smem_bytes(self) -> int:
+        if self.skinny is None:
+            return self.memory.total
+        return self.scratch_offset + scratch_bytes(self.skinny, self.warps)
 
 
 def _tile_operand(layout: LayoutPlan, name: str) -> Operand:
@@ -132,12 +147,17 @@ def _asynchronous(bg: BlockGraph, tensor_types: tuple, layout: LayoutPlan, arch:
 
 
 def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = None,
-          arch: int = DEFAULT_ARCH_NUMBER) -> Lowered:
+          arch: int = DEFAULT_ARCH_NUMBER, skinny: bool = False) -> Lowered:
     """The schedule, layout and memory plan of a block graph: the tiles it computes in f32 where they
     fit in shared memory (with the deepest input pipeline that fits, down to none), else in their own
-    dtypes."""
+    dtypes. `skinny` (the CUDA backend passes `options.skinny`; a backend without the skinny loop leaves
+    it off): a loop of matmuls of at most 16 rows streams its weights (`skinny.py`) where it qualifies."""
     options = options or CudaOptions()
     error = None
+    if skinny:
+        found = _lower_skinny(bg, tensor_types, arch, options)
+        if found is not None:
+            return found
     for wide in (True, False):
         layout = select_layout(bg, tensor_types, wide=wide)
         mma = _mma_shapes(bg, layout, options, arch)
@@ -166,21 +186,47 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
     raise error
 
 
+def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaOptions) -> Optional[Lowered]:
+    """The skinny lowering (f32 tiles, no input tiles, no pipeline), or None where the block graph does not
+    qualify or its tiles and partial sums do not fit."""
+    schedule = schedule_block_graph(bg, hoist=options.hoist)
+    plan = skinny_plan(bg, schedule, tensor_types, arch)
+    if plan is None:
+        return None
+    layout = select_layout(bg, tensor_types, wide=True)
+    try:
+        memory = plan_memory(bg, schedule, layout, stages=1, in_registers=skinny_in_registers(bg, plan))
+    except SharedMemoryError:
+        return None
+    lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=plan, warps=bg.threads // 32)
+    return lowered if lowered.smem_bytes <= SMEM_LIMIT_BYTES else None
+
+
 def emit_custom(program, index: int, node: Node) -> None:
     options = program.options
     bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch))
+    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch), skinny=options.skinny)
     schedule, memory = lowered.schedule, lowered.memory
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
-    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total, comment=header) as scope:
+    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
+                        comment=header) as scope:
         b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
         w = b.w
         rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None
         in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
         streamed = lowered.streamed or ()
         read = {v.name for i in streamed for v in bg.nodes[i].inputs}
+        if lowered.skinny is not None:   # every input streamed from device memory
+            read = {inp.var.name for inp in bg.inputs}
         parts = {inp.var.name: _input_part(b, inp, tensor)
                  for inp, tensor in zip(bg.inputs, scope.inputs) if inp.var.name in b.tiles or inp.var.name in read}
+        if lowered.skinny is not None:
+            emit_skinny(b, bg, lowered.skinny, parts, lowered.scratch_offset)
+            for stage in schedule.post:
+                _stage(b, stage)
+            for out, tensor in zip(bg.outputs, scope.outputs):
+                _store(b, out, tensor)
+            return
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         per_iteration = [inp for inp in loaded if inp.fmap is not None]
         accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch

@@ -59,6 +59,7 @@ class CudaOptions:
     rows: bool = True                      # row-resident chains in the mma registers (rows.py)
     hoist: bool = True                     # loop-invariant block nodes once, before the loop
     stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
+    skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -72,7 +73,8 @@ class CudaOptions:
                    unroll=_integer(env, "MDSL_CUDA_UNROLL", default.unroll),
                    rows=_flag(env, "MDSL_CUDA_ROWS", default.rows),
                    hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist),
-                   stream=_flag(env, "MDSL_CUDA_STREAM", default.stream))
+                   stream=_flag(env, "MDSL_CUDA_STREAM", default.stream),
+                   skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -345,6 +345,161 @@ __device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restr
   }
 }
 
+// ---- skinny matmuls (X of M <= 16 rows): C = X W over a K x N slice of each of MATS weights W, streamed
+// from device memory in 16-byte loads that skip L1 (no shared memory), on tensor cores with W as the mma's A
+// operand: the mma's 16 rows are 16 columns of W, its 8 columns 8 rows of X (M <= 8: one mma, else two).
+// A warp's step is a slab of 16 rows of K: lane (g = lane / 4, t = lane % 4) loads the 8 columns of chunk
+// `chunk()` in rows 4t .. 4t + 3 (four 16-byte loads; a warp's load is 4 rows x 128 contiguous bytes), and
+// byte permutes pair rows (4t, 4t + 1) and (4t + 2, 4t + 3) into the A fragments of four mmas (mma j: W's
+// columns 2j, 2j + 1 of the chunk). Any order of K does if X's fragments take the same one: one 8-byte
+// load of X's row g at 4t. Warp w takes the 64-column group w % GROUPS and the slabs w / GROUPS + i KW;
+// the next step's loads are issued before this step's mmas (registers double-buffered), so about
+// 2 x STEP x MATS x 64 bytes a thread are in flight. Chunks fewer than 8: lanes g >= CHUNKS load a
+// duplicate chunk (addresses the same instruction loads anyway: no extra traffic) and store nothing.
+__device__ __forceinline__ uint4 load_streamed(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ unsigned word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+template <typename E> __device__ __forceinline__ float2 unpack(unsigned bits);
+template <> __device__ __forceinline__ float2 unpack<__half>(unsigned bits) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+template <> __device__ __forceinline__ float2 unpack<__nv_bfloat16>(unsigned bits) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+
+template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS>
+struct Skinny {
+  static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
+  static constexpr int CHUNKS = N / 8;              // 8-column chunks of W
+  static constexpr int GROUP = CHUNKS < 8 ? CHUNKS : 8;
+  static constexpr int GROUPS = CHUNKS / GROUP;     // 64-column groups, one per warp
+  static constexpr int KW = WARPS / GROUPS;         // warps along K
+  static constexpr int SLABS = K / 16;
+  static constexpr int STEP = MATS == 1 ? 2 : 1;    // slabs a warp loads at once
+  static_assert(M >= 1 && M <= 16 && N % 8 == 0 && K % 16 == 0, "skinny: M <= 16, N % 8 == 0, K % 16 == 0");
+  static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: 64-column groups and warps do not divide");
+  static_assert(LDW % 8 == 0 && LDX % 4 == 0, "skinny: rows of W are 16-byte aligned, of X 8-byte aligned");
+  using Acc = float[MATS][MT][4][4];   // [weight][X tile][mma j][fragment element]
+
+  struct Slab {
+    uint4 w[MATS][4];
+    uint2 x[MT];
+  };
+
+  static __device__ __forceinline__ int chunk() {
+    return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
+  }
+
+  // a slab's loads from this thread's pointers (w: row 4t of its chunk; x: its rows of X at 4t); a slab
+  // past the end loads the last one again (its values unused): no predicates, no zeroing
+  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
+    const int k = (slab < SLABS ? slab : SLABS - 1) * 16;
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat) {
+      const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s.w[mat][i] = load_streamed(row + i * LDW);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+  }
+
+  static __device__ __forceinline__ void multiply(Acc& acc, const Slab& s) {
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned a[4] = {__byte_perm(word(s.w[mat][0], j), word(s.w[mat][1], j), 0x5410),
+                               __byte_perm(word(s.w[mat][0], j), word(s.w[mat][1], j), 0x7632),
+                               __byte_perm(word(s.w[mat][2], j), word(s.w[mat][3], j), 0x5410),
+                               __byte_perm(word(s.w[mat][2], j), word(s.w[mat][3], j), 0x7632)};
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const unsigned b[2] = {s.x[mt].x, s.x[mt].y};   // rows past M: a copy of row M - 1, never stored
+          Mma<E>::run(acc[mat][mt][j], a, b);
+        }
+      }
+  }
+
+  // the slabs first, first + KW, ... that exist: multiplied, X's elements folded (rows below M, first column group)
+  template <typename F>
+  static __device__ __forceinline__ void step(Acc& acc, const Slab (&s)[STEP], int first, bool folds, F& fold) {
+    const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int q = 0; q < STEP; ++q) {
+      if (first + q * KW < SLABS) {   // the same on the whole warp
+        multiply(acc, s[q]);
+        if (folds) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            if (mt * 8 + g < M) {
+              const float2 lo = unpack<E>(s[q].x[mt].x), hi = unpack<E>(s[q].x[mt].y);
+              fold(mt, lo.x); fold(mt, lo.y); fold(mt, hi.x); fold(mt, hi.y);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // acc = this warp's part of X W for each weight; fold(mt, x) sees every element x of X's rows mt * 8 + g
+  // (g = lane / 4) in the block's K exactly once over the block (warps of the first column group only)
+  template <typename F>
+  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold) {
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mat][mt][j][e] = 0.0f;
+    const int warp = threadIdx.x / 32, kw = warp / GROUPS, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const bool folds = warp % GROUPS == 0;
+    const E* xs[MT];
+    const E* ws[MATS];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xs[mt] = X + (mt * 8 + g < M ? mt * 8 + g : M - 1) * LDX + 4 * t;
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * 8;
+    // two register buffers in turn: one's loads in flight while the other's mmas run
+    Slab a[STEP], b[STEP];
+#pragma unroll
+    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
+#pragma unroll 1
+    for (int slab = kw; slab < SLABS; slab += 2 * STEP * KW) {
+#pragma unroll
+      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
+      step(acc, a, slab, folds, fold);
+#pragma unroll
+      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
+      step(acc, b, slab + STEP * KW, folds, fold);
+    }
+  }
+
+  // this warp's sums into part (f32, MATS x KW x M x N: weight, warp along K, row of X, column of W)
+  static __device__ __forceinline__ void store_part(const Acc& acc, float* __restrict__ part) {
+    const int warp = threadIdx.x / 32, kw = warp / GROUPS, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    if (g >= GROUP) return;   // a duplicate chunk
+    const int c = chunk();
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int m = mt * 8 + 2 * t + (e & 1), n = c * 8 + 2 * j + (e >> 1);
+            if (m < M) part[((mat * KW + kw) * M + m) * N + n] = acc[mat][mt][j][e];
+          }
+  }
+};
+
 // ---- one 64x64 tile of C = A B on tensor cores (A, B of the 16-bit type E; row-major, A is M x K, B is
 // K x N) for a block of 256 threads: K in steps of 32 through a ring of STAGES shared-memory buffers, the
 // tiles of the next STAGES - 1 steps in flight (cp.async) while one step multiplies

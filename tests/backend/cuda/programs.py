@@ -40,3 +40,29 @@ def block_graphs() -> dict:
     programs = {**example_kernels(), **example_graphs(), **coverage_graphs()}
     return {f"{name}/{i}": node.body for name, graph in programs.items()
             for i, node in enumerate(graph.nodes) if node.op == "custom"}
+
+
+def _guided_with(name: str, accepts) -> KernelGraph:
+    """The first guided mugraph of a benchmark whose first custom node's block graph `accepts`."""
+    return next(g for g in guided.generate(example_kernels()[name]) if accepts(g.custom_nodes()[0].body))
+
+
+@functools.cache
+def skinny_programs() -> dict:
+    """Programs whose first kernel takes the skinny loop (mdsl.backend.cuda.skinny): the benchmark plans of
+    RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
+    (one whole 64-column group; 3 chunks, lanes duplicating), a split Gated MLP (a combine kernel after)."""
+    from mdsl.ir.dtypes import bf16, f16
+    from tests.gpu.harness import with_dtype
+
+    rnl8 = "rms_norm_linear.rms_norm_linear_bs8"
+    columns = lambda n: lambda bg: bg.nodes[-1].output.shape[-1] == n and len(bg.inputs) == 2  # noqa: E731
+    return {
+        "rms_norm_linear_bs1": guided_plan("rms_norm_linear.rms_norm_linear"),
+        "rms_norm_linear_bs8": guided_plan(rnl8),
+        "gated_mlp": guided_plan("gated_mlp.gated_mlp"),
+        "rms_norm_linear_bs8_bf16": with_dtype(guided_plan(rnl8), f16, bf16),
+        "rms_norm_linear_bs8_64_columns": _guided_with(rnl8, lambda bg: columns(64)(bg) and bg.grid[1] == 1),
+        "rms_norm_linear_bs8_24_columns": _guided_with(rnl8, lambda bg: columns(24)(bg) and bg.grid[1] == 1),
+        "gated_mlp_split": _guided_with("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
+    }

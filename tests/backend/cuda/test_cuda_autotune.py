@@ -15,16 +15,16 @@ DEVICE = "NVIDIA H200"
 
 
 def test_the_parameter_space_crosses_depths_and_block_sizes():
-    space = parameter_space(stages=(2, 3), threads=(None, 128))
+    space = parameter_space(stages=(2, 3), threads=(None, 128), skinny=(False,))
     assert space == [CudaOptions(stages=2), CudaOptions(stages=3), CudaOptions(stages=2, threads=128),
                      CudaOptions(stages=3, threads=128)]
     assert all(o.mma and o.register_accumulators for o in parameter_space())
-    assert len(parameter_space()) == len(autotune.STAGES) * len(autotune.THREADS)
+    assert len(parameter_space()) == len(autotune.STAGES) * len(autotune.THREADS) * len(autotune.SKINNY)
 
 
 def test_variants_that_emit_the_same_source_are_timed_once():
     pipelined, narrow = fast_path_graphs()["ragged_matmuls_f16"], fast_path_graphs()["narrow_rows_f16"]
-    space = parameter_space(stages=(2, 3), threads=(None,))
+    space = parameter_space(stages=(2, 3), threads=(None,), skinny=(False,))
     # the narrow rows cannot be copied with cp.async: every depth lowers to the same synchronous kernel
     assert variants([pipelined, narrow], space) == [Variant(0, space[0]), Variant(0, space[1]), Variant(1, space[0])]
 

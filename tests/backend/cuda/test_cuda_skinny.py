@@ -1,0 +1,112 @@
+"""The skinny loop (mdsl.backend.cuda.skinny), without a GPU: which block graphs qualify, the code it
+writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for sm_90a with
+no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch, the
+autotuner's space, and the PTX backend ignoring the option. tests/gpu/test_gpu_skinny.py runs every
+program here against the float64 reference."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mdsl.backend.cuda import autotune, emit_cuda
+from mdsl.backend.cuda.block import lower
+from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble, nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.search import guided
+from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
+
+SKINNY = CudaOptions(skinny=True)
+needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
+                                    "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
+
+
+def _lowered(graph, options=SKINNY, k: int = 0):
+    node = graph.custom_nodes()[k]
+    return node.body, lower(node.body, tuple(v.type for v in node.inputs), options, skinny=options.skinny)
+
+
+@pytest.mark.parametrize("name", sorted(skinny_programs()))
+def test_the_first_kernel_qualifies_and_keeps_no_input_tile(name):
+    bg, lowered = _lowered(skinny_programs()[name])
+    assert lowered.skinny is not None
+    placed = {t.name for t in lowered.memory.lifetimes}
+    assert not placed & {i.var.name for i in bg.inputs}     # X and the weights come from device memory
+    assert lowered.smem_bytes > lowered.memory.total          # the warps' partial sums after the tiles
+
+
+def test_what_does_not_qualify_keeps_the_tile_loop():
+    # RMSNorm+Linear split along K folds squares of X in the loop (a mul node), LoRA has no loop over K,
+    # attention's scores are not a weight stream; and the switch off or a PTX-style call never takes it
+    split = next(g for g in _guided("rms_norm_linear.rms_norm_linear_bs8") if len(g.custom_nodes()) == 2)
+    for graph in (split, guided_plan("lora.lora"), guided_plan("gqa.gqa")):
+        assert _lowered(graph)[1].skinny is None
+    graph = skinny_programs()["rms_norm_linear_bs8"]
+    assert _lowered(graph, CudaOptions())[1].skinny is None
+    node = graph.custom_nodes()[0]
+    assert lower(node.body, tuple(v.type for v in node.inputs), SKINNY).skinny is None   # not asked: not taken
+    assert _lowered(graph, CudaOptions(skinny=True, threads=96))[1].skinny is not None  # any whole warps
+
+
+def _guided(name):
+    return itertools.islice(guided.generate(example_kernels()[name]), 12)
+
+
+def test_the_code_streams_without_a_barrier_in_the_loop_and_reduces_over_the_warps():
+    source = emit_cuda(skinny_programs()["rms_norm_linear_bs8"], options=SKINNY).source
+    kernel = source[source.index("extern \"C\" __global__"):]
+    assert "mdsl::Skinny<__half, 16, 32, 4096, 4096, 6144, 4, 1>::run(" in kernel
+    loop = kernel[kernel.index("::run("):kernel.index("::store_part(")]
+    assert "__syncthreads" not in loop and "copy_async" not in kernel
+    assert "fmaf(x, x, v)" in loop                              # accum_rms folded from X's fragments
+    assert "sqrtf(s_accum_rms[i] / 4096.0f + 1e-06f)" in kernel  # then finalized by its own rule
+    gated = emit_cuda(skinny_programs()["gated_mlp"], options=SKINNY).source
+    assert "mdsl::Skinny<__half, 8, 32, 4096, 4096, 4096, 4, 2>::run(" in gated
+
+
+def test_off_by_default_and_switched_by_the_environment(monkeypatch):
+    graph = skinny_programs()["rms_norm_linear_bs8"]
+    assert "Skinny<" not in emit_cuda(graph, options=CudaOptions()).source
+    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1"}) == SKINNY
+    monkeypatch.setenv("MDSL_CUDA_SKINNY", "1")
+    assert emit_cuda(graph).source == emit_cuda(graph, options=SKINNY).source
+
+
+@pytest.mark.parametrize("threads", [None, 256])
+@pytest.mark.parametrize("name", sorted(skinny_programs()))
+def test_it_compiles_for_sm_90a_without_spills(name, threads):
+    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=CudaOptions(skinny=True, threads=threads))
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.spill_load_bytes == 0 and first.stack_bytes == 0, module.log
+    assert first.registers <= 255
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8", "gated_mlp"])
+def test_the_sass_loads_the_weights_128_bits_at_a_time_past_l1(name):
+    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=SKINNY)
+    sass = disassemble(compile_cuda(program.source, arch="sm_90a").cubin)
+    wide = sass.count("LDG.E.NA.128.CONSTANT")
+    mats = 2 if name.startswith("gated") else 1
+    assert wide >= 2 * 4 * mats                    # both register buffers: 4 rows of each weight a slab
+    assert "HMMA.16816.F32" in sass and "LDGSTS" not in sass
+    ops = sass_opcodes(sass)
+    assert ops.get("LDG", 0) - wide < wide         # the rest: X's 8-byte fragments, fewer than the weights'
+
+
+def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
+    space = autotune.parameter_space()
+    assert {o.skinny for o in space} == {False, True}
+    assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * len(autotune.SKINNY)
+    rnl, gqa = skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa")
+    tried = autotune.variants([rnl, gqa], space)
+    assert sorted(v.options.threads or 0 for v in tried if v.candidate == 0 and v.options.skinny) == [0, 256]
+    assert not [v for v in tried if v.candidate == 1 and v.options.skinny]   # gqa: the same source, dropped
+
+
+def test_the_ptx_backend_ignores_the_option():
+    from mdsl.backend.ptx import emit_llvm
+
+    graph = skinny_programs()["rms_norm_linear_bs8"]
+    assert emit_llvm(graph, options=SKINNY).llvm_ir == emit_llvm(graph, options=CudaOptions()).llvm_ir
