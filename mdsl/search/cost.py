@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import attrs
 
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node
+from mdsl.ir.skinny import MAX_ROWS, skinny_shape
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
 
@@ -217,6 +218,7 @@ class KernelFit:
     compute_s: float
     latency_s: float       # the serial chain: rounds x iterations x steps
     seconds: float
+    lowering: str = "tile"  # or "skinny": the weights streamed into registers (mdsl.ir.skinny)
 
 
 @attrs.frozen
@@ -225,9 +227,9 @@ class GpuEstimate:
     kernels: tuple         # KernelFit of each custom kernel
 
     def describe(self) -> str:
-        return " ; ".join(f"{k.blocks} blocks ({k.fill:.0%} fill, {k.rounds} round(s) of {k.iterations} "
-                          f"iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM, {k.registers} registers)"
-                          for k in self.kernels)
+        return " ; ".join(f"{k.blocks} blocks ({k.lowering} loop, {k.fill:.0%} fill, {k.rounds} round(s) of "
+                          f"{k.iterations} iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM, "
+                          f"{k.registers} registers)" for k in self.kernels)
 
 
 def _pipelined_smem(graph: BlockGraph, loop_input_bytes: int, stages: int) -> tuple:
@@ -326,7 +328,7 @@ def _kernel_fit(node: Node, device: Device, stages: int, registers: Optional[int
 
 
 def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
-                 registers: Optional[Callable[[int], Optional[int]]] = None) -> GpuEstimate:
+                 registers: Optional[Callable[[int], Optional[int]]] = None, skinny: bool = False) -> GpuEstimate:
     """A finer estimate than `estimate` of one mugraph's time on `device`, for choosing among mugraphs of
     one structure with other grids and loops: it counts waves (the busiest SM's blocks), blocks resident
     per SM (shared memory with `stages` pipelined copies of the loop's tiles, threads, registers), the
@@ -335,7 +337,9 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     kernels and views count as `estimate` counts them.
 
     `registers(node_index)`: the registers per thread (spilled ones included) of the compiled kernel of
-    the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`)."""
+    the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
+    `skinny`: a kernel with a skinny loop (`mdsl.ir.skinny`) counts as the faster of its two lowerings
+    (the autotuner times both: `CudaOptions.skinny`)."""
     fits, seconds = [], 0.0
     for index, node in enumerate(graph.nodes):
         if node.op in _VIEWS:
@@ -343,9 +347,54 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
         if node.body is None or not isinstance(node.body, BlockGraph):
             seconds += _library_cost(node, device).seconds
             continue
-        fits.append(_kernel_fit(node, device, stages, registers(index) if registers is not None else None))
+        fit = _kernel_fit(node, device, stages, registers(index) if registers is not None else None)
+        streamed = _skinny_fit(node, device) if skinny else None
+        fits.append(streamed if streamed is not None and streamed.seconds < fit.seconds else fit)
         seconds += fits[-1].seconds
     return GpuEstimate(seconds, tuple(fits))
+
+
+#: registers a thread of the skinny loop takes besides its accumulators: two register buffers of 16-byte
+#: loads (64) and addresses, X's fragments, the fold (ptxas for sm_90a, 2026-11-30: 118 at 2 rows and 138
+#: at 16 rows with one weight, 122 at 8 rows with two)
+_SKINNY_BASE_REGISTERS = 104
+_SKINNY_REGISTERS_PER_TILE = 16   # the fragments of one weight's 16 columns by one 8-row tile of X
+
+
+def _skinny_fit(node: Node, device: Device) -> Optional[KernelFit]:
+    """How a kernel with a skinny loop (mdsl.ir.skinny) sits on the GPU, or None where it has none: no
+    pipeline, no barrier in the loop; each warp keeps `SkinnyShape.loads_in_flight` of the weights in
+    flight (Little's law sets what an SM draws); the loop's latency is one memory round trip, then the
+    partial sums meet and the epilogue runs."""
+    graph: BlockGraph = node.body
+    warps = graph.threads // 32
+    shape = skinny_shape(graph)
+    if shape is None or graph.threads % 32 or not shape.fits(warps):
+        return None
+    t = _traffic(node, device, device.dram_run_bytes)
+    blocks = graph.num_blocks
+    tiles = -(-shape.m // 8)
+    registers = _SKINNY_BASE_REGISTERS + _SKINNY_REGISTERS_PER_TILE * tiles * len(shape.weights)
+    allocated = -(-registers // 8) * 8
+    smem = 4 * (len(shape.weights) * (warps // shape.groups()) * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS)
+    smem += shared_memory_peak(graph) - sum(i.var.type.nbytes for i in graph.inputs)   # no input tiles
+    resident = max(1, min(device.smem_per_sm // max(smem, 1), device.threads_per_sm // graph.threads,
+                          device.registers_per_sm // (allocated * graph.threads), device.max_blocks_per_sm))
+    per_sm = -(-blocks // device.sms)
+    rounds = -(-per_sm // resident)
+    fill = blocks / (per_sm * device.sms)
+    in_flight = min(per_sm, resident) * shape.loads_in_flight(warps)
+    active = min(blocks, device.sms)
+    dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s)
+    memory = max(per_sm * (t.useful + t.out_bytes) / blocks / dram_rate,
+                 per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
+    _, post_s, _, post_steps = _block_work(graph, device)
+    padded_flops = 2 * 8 * tiles * shape.n * shape.k * len(shape.weights)   # X's rows padded to 8-row tiles
+    compute = per_sm * (padded_flops / (device.matmul_flops_per_s / device.sms) + post_s)
+    latency = rounds * (device.memory_latency_s + (post_steps + 2) * device.step_s)
+    seconds = max(memory, compute) + latency + device.launch_s
+    return KernelFit(blocks, resident, per_sm, rounds, fill, 1, 0, in_flight, smem, registers, memory, compute,
+                     latency, seconds, "skinny")
 
 
 @attrs.frozen

@@ -161,10 +161,10 @@ def propose(plan: Plan, limit: int = DEFAULT_LIMIT, space: VariantSpace = Varian
                 or _unsplit_structure(original, choice, graph, labels) != shape:
             continue
         proposals.append(Proposal(graph, describe_choice(choice, labels), (_main_blocks(graph)[:1], choice.split),
-                                  gpu_estimate(graph).seconds, _preferred(graph, choice, labels, space)))
+                                  gpu_estimate(graph, skinny=True).seconds, _preferred(graph, choice, labels, space)))
     proposals.sort(key=lambda p: (p.gpu_seconds, p.graph.key))
     if registers is not None:
-        best = [attrs.evolve(p, gpu_seconds=gpu_estimate(p.graph, registers=registers(p.graph)).seconds)
+        best = [attrs.evolve(p, gpu_seconds=gpu_estimate(p.graph, registers=registers(p.graph), skinny=True).seconds)
                 for p in proposals[:4 * limit]]
         proposals = sorted(best, key=lambda p: (p.gpu_seconds, p.graph.key)) + proposals[4 * limit:]
     return diverse(proposals, limit)

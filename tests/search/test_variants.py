@@ -334,3 +334,25 @@ def test_a_compiled_register_count_limits_the_blocks_resident_per_sm():
     few, many = (gpu_estimate(candidate, registers=lambda index, r=r: r).kernels[0] for r in (64, 255))
     assert few.resident == 8 and many.resident == H200.registers_per_sm // (256 * 128) == 2
     assert gpu_estimate(candidate, registers=lambda index: 255).seconds > gpu_estimate(candidate).seconds
+
+
+def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight():
+    from mdsl.ir.skinny import skinny_shape
+
+    graph = load_example("rms_norm_linear").make_rms_norm_linear(8).graph
+    labels = Labels(graph)
+    w = graph.inputs[1]
+    columns, k = labels.label(w.name, 1), labels.label(w.name, 0)
+    narrow, wide = (lift(graph, Choice(((columns, parts),), k, 32), labels) for parts in (192, 96))  # 32, 64 columns
+    tile = gpu_estimate(narrow).kernels[0]
+    assert tile.lowering == "tile"
+    fits = [gpu_estimate(g, skinny=True).kernels[0] for g in (narrow, wide)]
+    assert [f.lowering for f in fits] == ["skinny", "skinny"]
+    for g, fit in zip((narrow, wide), fits):
+        body = g.custom_nodes()[0].body
+        assert fit.in_flight_per_sm == min(fit.per_sm, fit.resident) * skinny_shape(body).loads_in_flight(body.threads // 32)
+        assert fit.iterations == 1 and fit.latency_s < tile.latency_s   # no barrier chain in the loop
+    # lanes past 4 chunks of 32 columns duplicate: a 64-column block keeps twice the distinct bytes in flight
+    assert fits[1].in_flight_per_sm == 2 * fits[0].in_flight_per_sm // fits[0].per_sm
+    attention = gpu_estimate(_gqa_bs1(8, 4, 32), skinny=True)
+    assert {f.lowering for f in attention.kernels} == {"tile"}    # not a weight stream

@@ -19,118 +19,69 @@ loop (epilogues: the division by the rms, silu, the gate's product) is the block
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import attrs
 
 from mdsl.backend.cuda.loops import SUM, SUM_OF_SQUARES, Fold
 from mdsl.backend.cuda.source import offset
-from mdsl.ir.graph import BlockGraph, Node
+from mdsl.ir.graph import BlockGraph
 from mdsl.ir.ops import extend_op
+from mdsl.ir.skinny import MAX_ROWS, SkinnyShape, skinny_shape
 
-MAX_ROWS = 16          # X's rows: two 8-column mma tiles
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
-_ALIGN = 16
 
 
 @attrs.frozen
 class SkinnyPlan:
-    x: str              # the input every matmul multiplies from the left
-    weights: tuple      # the right operands' input names, one per matmul
-    sums: tuple         # node index of each matmul's accum, in the weights' order
-    rows: tuple         # node indices of the row accumulators folded from X
+    shape: SkinnyShape  # the loop's structure (mdsl.ir.skinny)
     element: str        # the 16-bit C type of X and the weights
-    m: int              # X's rows
-    n: int              # the weights' columns (the block's)
-    k: int              # the block's whole K (forloop x the tile's)
 
 
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int) -> Optional[SkinnyPlan]:
-    """The skinny plan of a block graph, or None where it does not qualify (see the module's text)."""
-    if arch < SKINNY_MIN_ARCH or not schedule.loop or schedule.pre or bg.threads % 32:
+    """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
+    shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
+    their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
+    weights' 64-column groups divide among the warps."""
+    if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
-    inputs = {i.var.name: i for i in bg.inputs}
+    shape = skinny_shape(bg)
+    if shape is None or not shape.fits(bg.threads // 32):
+        return None
     types = {i.var.name: t for i, t in zip(bg.inputs, tensor_types)}
-    readers: dict = {}
-    for i, node in enumerate(bg.nodes):
-        for v in node.inputs:
-            readers.setdefault(v.name, []).append(i)
-    loop = sorted(i for stage in schedule.loop for i in stage.nodes)
-    matmuls = [i for i in loop if bg.nodes[i].op == "matmul"]
-    if not matmuls:
+    dtypes = {types[name].dtype.name for name in (shape.x, *shape.weights)}
+    if len(dtypes) != 1 or not dtypes <= set(_ELEMENTS):
         return None
-    x = bg.nodes[matmuls[0]].inputs[0]
-    weights, sums, rows, covered = [], [], [], set()
-    for i in matmuls:
-        a, w = bg.nodes[i].inputs
-        sum_of = readers.get(bg.nodes[i].output.name, [])
-        if a.name != x.name or not _streamable(inputs.get(w.name), fmap=0) or len(sum_of) != 1 \
-                or bg.nodes[sum_of[0]].op != "accum" or sum_of[0] not in loop:
-            return None
-        weights.append(w.name)
-        sums.append(sum_of[0])
-        covered |= {i, sum_of[0]}
-    for i in loop:
-        if i in covered:
-            continue
-        rule = bg.nodes[i].opdef.rules.get("cuda_skinny")
-        if rule is None or bg.nodes[i].inputs[0].name != x.name or not rule.accepts(bg.nodes[i]):
-            return None
-        rows.append(i)
-    if not _streamable(inputs.get(x.name), fmap=1) or set(inputs) != {x.name, *weights}:
+    if types[shape.x].shape[-1] % 4 or any(types[w].shape[-1] % 8 for w in shape.weights):
+        return None   # rows of X 8-byte aligned, of the weights 16-byte aligned
+    if any("cuda_skinny" not in bg.nodes[i].opdef.rules for i in shape.rows):
         return None
-    m, kt = x.shape
-    n = bg.nodes[matmuls[0]].output.shape[-1]
-    dtypes = {types[name].dtype.name for name in (x.name, *weights)}
-    if len(dtypes) != 1 or not dtypes <= set(_ELEMENTS) or m > MAX_ROWS or (kt * bg.forloop) % 16:
-        return None
-    if any(tuple(inputs[w].var.shape) != (kt, n) for w in weights) or not _chunks_fit(n, bg.threads // 32):
-        return None
-    if types[x.name].shape[-1] % 4 or any(types[w].shape[-1] % 8 for w in weights):
-        return None   # rows of X 8-byte aligned, of W 16-byte aligned
-    return SkinnyPlan(x.name, tuple(weights), tuple(sums), tuple(rows), _ELEMENTS[dtypes.pop()], m, n,
-                      kt * bg.forloop)
-
-
-def _streamable(inp, fmap: int) -> bool:
-    return inp is not None and inp.var.type.rank == 2 and inp.fmap == fmap
-
-
-def _chunks_fit(n: int, warps: int) -> bool:
-    """The weights' columns in 8-column chunks: fewer than 8 (one group, lanes past them duplicate), or
-    whole 64-column groups that the warps divide among themselves."""
-    if n % 8:
-        return False
-    chunks = n // 8
-    return chunks < 8 or (chunks % 8 == 0 and warps % (chunks // 8) == 0)
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()])
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
     """The tiles the skinny loop does not need: its inputs' and the matmuls' products."""
-    products = {bg.nodes[i].inputs[0].name for i in plan.sums}
-    return frozenset({plan.x, *plan.weights} | products)
+    shape = plan.shape
+    products = {bg.nodes[i].inputs[0].name for i in shape.sums}
+    return frozenset({shape.x, *shape.weights} | products)
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:
     """Shared memory after the memory plan's: each warp's partial sums, each row accumulator's per warp."""
-    kw = warps // _groups(plan.n)
-    return 4 * (len(plan.weights) * kw * plan.m * plan.n + len(plan.rows) * warps * MAX_ROWS)
+    shape = plan.shape
+    kw = warps // shape.groups()
+    return 4 * (len(shape.weights) * kw * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS)
 
 
-def _groups(n: int) -> int:
-    chunks = n // 8
-    return 1 if chunks < 8 else chunks // 8
-
-
-def emit_skinny(b, bg: BlockGraph, plan: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
+def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory into the accumulators'
     tiles (and the row accumulators' folds into theirs, then finalized by their own rules)."""
+    plan = skinny.shape
     w, warps = b.w, bg.threads // 32
-    mats, kw = len(plan.weights), warps // _groups(plan.n)
+    mats, kw = len(plan.weights), warps // plan.groups()
     x_part = parts[plan.x]
-    cls = (f"mdsl::Skinny<{plan.element}, {plan.m}, {plan.n}, {plan.k}, {x_part.strides[0]}, "
+    cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {plan.k}, {x_part.strides[0]}, "
            f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {plan.k} split over {kw} warp(s) along K")
@@ -139,7 +90,7 @@ def emit_skinny(b, bg: BlockGraph, plan: SkinnyPlan, parts: dict, scratch_offset
     part = b.namer("s_skinny_part")
     w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
     weights = ", ".join(parts[name].ptr for name in plan.weights)
-    w(f"const {plan.element}* const skinny_w[{mats}] = {{{weights}}};",
+    w(f"const {skinny.element}* const skinny_w[{mats}] = {{{weights}}};",
       f"{cls}::Acc skinny_acc;")
     folds = [b.namer(f"p_{bg.nodes[i].output.name}") for i in plan.rows]
     mt = -(-plan.m // 8)
@@ -163,7 +114,7 @@ def emit_skinny(b, bg: BlockGraph, plan: SkinnyPlan, parts: dict, scratch_offset
     for mat, i in enumerate(plan.sums):
         tile = b.tile(bg.nodes[i].output)
         w.op(bg.nodes[i])
-        w(f"// the warps' partial sums, in a fixed order")
+        w("// the warps' partial sums, in a fixed order")
         shape = (plan.m, plan.n)
         with b.threads.each(w, plan.m * plan.n):
             w("float sum = 0.0f;", "#pragma unroll")
@@ -196,10 +147,6 @@ class SkinnyRows:
     (the warps' and lanes' folds meet in any grouping)."""
 
     fold: Fold
-
-    def accepts(self, node: Node) -> bool:
-        x, out = node.inputs[0], node.output
-        return x.type.rank == 2 and tuple(out.shape) == (x.shape[0], 1)
 
 
 _RULES = {

@@ -1,0 +1,103 @@
+"""The shape of a skinny loop: a block graph whose loop multiplies one X of at most 16 rows by weights
+that each block streams once (a GEMV-like matmul at batch 1-8: RMSNorm+Linear, Gated MLP).
+
+This is structure only, shared by the CUDA backend (mdsl.backend.cuda.skinny, which adds what its code
+needs: dtypes, alignment, a `cuda_skinny` rule for each row accumulator) and the cost model
+(mdsl.search.cost.gpu_estimate, which models the skinny loop's bytes in flight); neither imports the
+other. `loads_in_flight` states the backend's load schedule (`mdsl::Skinny` in the CUDA prelude) for the
+cost model.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from mdsl.ir.graph import BlockGraph
+
+MAX_ROWS = 16             # X's rows: two 8-column mma tiles
+SLAB = 16                 # rows of K a warp takes a step
+LOAD_BYTES = 16           # one load of a weight row's 8-column chunk
+CHUNK = 8                 # columns a load covers
+GROUP_CHUNKS = 8          # chunks a warp covers (64 columns; fewer: its other lanes duplicate them)
+
+
+@attrs.frozen
+class SkinnyShape:
+    x: str              # the input every loop matmul multiplies from the left
+    weights: tuple      # the right operands' input names, one per matmul, in node order
+    sums: tuple         # node index of each matmul's accum, in the weights' order
+    rows: tuple         # node indices of the other loop accumulators (of X, one value per row)
+    m: int              # X's rows
+    n: int              # the weights' columns (the block's)
+    k: int              # the block's whole K (forloop x the tile's)
+
+    def chunks(self) -> int:
+        return self.n // CHUNK
+
+    def groups(self) -> int:
+        """64-column groups: one per warp along N."""
+        return max(1, self.chunks() // GROUP_CHUNKS)
+
+    def fits(self, warps: int) -> bool:
+        """The weights' columns in whole 8-column chunks: fewer than 8 (one group, lanes past them
+        duplicate), or whole 64-column groups that the warps divide among themselves."""
+        chunks = self.chunks()
+        if self.n % CHUNK or warps < 1:
+            return False
+        return chunks < GROUP_CHUNKS or (chunks % GROUP_CHUNKS == 0 and warps % self.groups() == 0)
+
+    def loads_in_flight(self, warps: int) -> int:
+        """Distinct weight bytes a block has in flight at most: each thread's two register buffers of
+        STEP slabs (2 with one weight, 1 with more) x 4 rows x 16 bytes per weight; of a warp's lanes,
+        those past the chunks load duplicates."""
+        step = 2 if len(self.weights) == 1 else 1
+        distinct = min(self.chunks(), GROUP_CHUNKS) / GROUP_CHUNKS
+        return int(warps * 32 * 2 * step * len(self.weights) * 4 * LOAD_BYTES * distinct)
+
+
+def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
+    """The block graph's skinny loop, or None: every loop node (before the accumulators close it) is a
+    2-D matmul of one input X (at most 16 rows, fmap along K, its last dim) by a 2-D input weight (fmap
+    along K, its first dim) read by nothing but one `accum`; that accum; or an accumulator of X giving one
+    value per row. Every input is X or a weight; the block's K is whole 16-row slabs; the weights' columns
+    whole 8-column chunks."""
+    post = bg.post_loop_vars()
+    inputs = {i.var.name: i for i in bg.inputs}
+    readers: dict = {}
+    for i, node in enumerate(bg.nodes):
+        for v in node.inputs:
+            readers.setdefault(v.name, []).append(i)
+    loop = [i for i, n in enumerate(bg.nodes) if n.opdef.is_accumulator or not any(v.name in post for v in n.outputs)]
+    matmuls = [i for i in loop if bg.nodes[i].op == "matmul"]
+    if not matmuls:
+        return None
+    x = bg.nodes[matmuls[0]].inputs[0]
+    weights, sums, covered = [], [], set()
+    for i in matmuls:
+        a, w = bg.nodes[i].inputs
+        sum_of = readers.get(bg.nodes[i].output.name, [])
+        if a.name != x.name or not _streamed(inputs.get(w.name), 0) or len(sum_of) != 1 \
+                or bg.nodes[sum_of[0]].op != "accum":
+            return None
+        weights.append(w.name)
+        sums.append(sum_of[0])
+        covered |= {i, sum_of[0]}
+    rows = [i for i in loop if i not in covered]
+    for i in rows:
+        node = bg.nodes[i]
+        if not node.opdef.is_accumulator or [v.name for v in node.inputs] != [x.name] \
+                or tuple(node.output.shape) != (x.shape[0], 1):
+            return None
+    if not _streamed(inputs.get(x.name), 1) or set(inputs) != {x.name, *weights}:
+        return None
+    m, kt = x.shape
+    n = bg.nodes[matmuls[0]].output.shape[-1]
+    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or n % CHUNK \
+            or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
+        return None
+    return SkinnyShape(x.name, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop)
+
+
+def _streamed(inp, fmap: int) -> bool:
+    return inp is not None and inp.var.type.rank == 2 and inp.fmap == fmap

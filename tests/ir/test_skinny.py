@@ -1,0 +1,94 @@
+"""The skinny-loop analysis (mdsl.ir.skinny): which block graphs multiply one X of at most 16 rows by
+streamed weights, what it reports of them, and its model of the loads in flight. Block graphs in, shapes
+out; the CUDA lowering that uses it is tested in tests/backend/cuda/test_cuda_skinny.py."""
+from __future__ import annotations
+
+import pytest
+
+from mdsl.ir.skinny import SkinnyShape, skinny_shape
+from mdsl.ir.text import parse_graph
+
+RNL = """kernel rnl(%x: f16[{m}, 4096], %w: f16[4096, {cols}]) {{
+  %matmul: f16[{m}, {cols}] = custom(%x, %w) block(grid=[{blocks}, 1, 1], threads=128, forloop=32) {{
+    in %x: f16[{m}, 128] imap=[-, -, -] fmap=1
+    in %w: f16[128, {n}] imap=[1, -, -] fmap=0
+    %accum_rms: f16[{m}, 1] = accum_rms(%x) {{eps=1e-06}}
+    %matmul: f16[{m}, {n}] = matmul(%x, %w)
+    %accum: f16[{m}, {n}] = accum(%matmul)
+    %div: f16[{m}, {n}] = div(%accum, %accum_rms)
+    out %div omap=[1, -, -]
+  }}
+  return %matmul
+}}"""
+
+GATED = """kernel gated(%x: f16[8, 4096], %w1: f16[4096, 4096], %w2: f16[4096, 4096]) {
+  %mul: f16[8, 4096] = custom(%x, %w1, %w2) block(grid=[128, 1, 1], threads=128, forloop=32) {
+    in %x: f16[8, 128] imap=[-, -, -] fmap=1
+    in %w1: f16[128, 32] imap=[1, -, -] fmap=0
+    in %w2: f16[128, 32] imap=[1, -, -] fmap=0
+    %matmul: f16[8, 32] = matmul(%x, %w1)
+    %accum: f16[8, 32] = accum(%matmul)
+    %silu: f16[8, 32] = silu(%accum)
+    %matmul_1: f16[8, 32] = matmul(%x, %w2)
+    %accum_1: f16[8, 32] = accum(%matmul_1)
+    %mul: f16[8, 32] = mul(%silu, %accum_1)
+    out %mul omap=[1, -, -]
+  }
+  return %mul
+}"""
+
+# X's squares folded in the loop by an element-wise node: not a skinny loop
+SQUARED = """kernel squared(%x: f16[16, 4096], %w: f16[4096, 6144]) {
+  %matmul: f16[16, 6144] = custom(%x, %w) block(grid=[192, 1, 1], threads=128, forloop=32) {
+    in %x: f16[16, 128] imap=[-, -, -] fmap=1
+    in %w: f16[128, 32] imap=[1, -, -] fmap=0
+    %mul: f16[16, 128] = mul(%x, %x)
+    %accum_sum: f16[16, 1] = accum_sum(%mul)
+    %matmul: f16[16, 32] = matmul(%x, %w)
+    %accum: f16[16, 32] = accum(%matmul)
+    %div: f16[16, 32] = div(%accum, %accum_sum)
+    out %div omap=[1, -, -]
+  }
+  return %matmul
+}"""
+
+
+def _body(text: str):
+    return parse_graph(text).custom_nodes()[0].body
+
+
+def _rnl(m: int, n: int, blocks: int = 96) -> str:
+    return RNL.format(m=m, n=n, blocks=blocks, cols=n * blocks)
+
+
+def test_rms_norm_linear_is_a_skinny_loop_with_its_rms_folded_from_x():
+    bg = _body(_rnl(16, 32))
+    shape = skinny_shape(bg)
+    names = [n.output.name for n in bg.nodes]
+    assert shape == SkinnyShape("x", ("w",), (names.index("accum"),), (names.index("accum_rms"),), 16, 32, 4096)
+
+
+def test_gated_mlp_streams_two_weights_and_no_row_accumulator():
+    shape = skinny_shape(_body(GATED))
+    assert (shape.x, shape.weights, shape.rows, shape.m, shape.n, shape.k) == ("x", ("w1", "w2"), (), 8, 32, 4096)
+
+
+@pytest.mark.parametrize("text", [_rnl(17, 32), _rnl(16, 20), SQUARED])
+def test_more_than_16_rows_partial_chunks_or_other_loop_work_are_not(text):
+    assert skinny_shape(_body(text)) is None
+
+
+def test_column_groups_must_divide_among_the_warps():
+    narrow, wide = (skinny_shape(_body(_rnl(16, n))) for n in (24, 128))
+    assert narrow.groups() == 1 and narrow.fits(1) and narrow.fits(3)
+    assert wide.groups() == 2 and wide.fits(4) and not wide.fits(3)
+
+
+def test_loads_in_flight_count_distinct_weight_bytes():
+    full = skinny_shape(_body(_rnl(16, 64)))
+    half = skinny_shape(_body(_rnl(16, 32)))
+    two = skinny_shape(_body(GATED))
+    # 4 warps x 32 lanes x 2 buffers x 2 slabs x 4 rows x 16 bytes; lanes past 4 chunks duplicate
+    assert full.loads_in_flight(4) == 4 * 32 * 2 * 2 * 4 * 16
+    assert half.loads_in_flight(4) == full.loads_in_flight(4) // 2
+    assert two.loads_in_flight(4) == half.loads_in_flight(4)   # one slab a step, of two weights
