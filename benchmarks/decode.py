@@ -42,6 +42,12 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "static-lanes4-fused": {"schedule": "static", "attention_lanes": 4, "fused_combine": True},
     "static-ahead2-lanes4-fused": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4,
                                    "fused_combine": True},
+    "stage": {"schedule": "static", "stage_weights": True},
+    "stage-lanes4-fused": {"schedule": "static", "stage_weights": True, "attention_lanes": 4, "fused_combine": True},
+    "stage-ahead2-lanes4-fused": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
+                                  "attention_lanes": 4, "fused_combine": True},
+    "stage-ahead2-lanes4-fused-l2x4": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
+                                       "attention_lanes": 4, "fused_combine": True, "prefetch_kib": 384},
 }
 
 

@@ -107,24 +107,22 @@ def divergence_report(ours, theirs, logits, prompt) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_engines(torch, transformers, tmp_path_factory):
-    """(engine, transformers model) per (arch, dtype, schedule), built once."""
+    """(engine, transformers model) per (arch, dtype, schedule, engine options), built once."""
     from mdsl.megakernel.runtime.engine import MegakernelEngine
 
     built, folders = {}, {}
 
-    def get(arch, dtype_name, schedule="static", prefetch_ahead=1, attention_lanes=1, fused_combine=False):
+    def get(arch, dtype_name, schedule="static", **options):
         if (arch, dtype_name) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
             folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
             model.save_pretrained(str(folder), safe_serialization=True)
             folders[arch, dtype_name] = (str(folder), model)
-        key = (arch, dtype_name, schedule, prefetch_ahead, attention_lanes, fused_combine)
+        key = (arch, dtype_name, schedule, tuple(sorted(options.items())))
         if key not in built:
             folder, model = folders[arch, dtype_name]
-            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule,
-                                                      prefetch_ahead=prefetch_ahead, attention_lanes=attention_lanes,
-                                                      fused_combine=fused_combine)
+            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule, **options)
             built[key] = (engine, model)
         return built[key]
 
@@ -187,10 +185,18 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
 def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
     static, _ = tiny_engines("llama3", "f32")
     tokens = static.generate(PROMPT, 16, eos_token_ids=())
-    for variant in (("queue",), ("static", 2), ("static", 4), ("static", 1, 4), ("static", 2, 4),
-                    ("static", 1, 1, True), ("static", 2, 4, True), ("queue", 1, 4, True)):
-        engine, _ = tiny_engines("llama3", "f32", *variant)
-        assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, variant
+    staged = {"stage_weights": True}
+    for schedule, options in (("queue", {}), ("static", {"prefetch_ahead": 2}), ("static", {"prefetch_ahead": 4}),
+                              ("static", {"attention_lanes": 4}), ("static", {"prefetch_ahead": 2, "attention_lanes": 4}),
+                              ("static", {"fused_combine": True}),
+                              ("static", {"prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
+                              ("queue", {"attention_lanes": 4, "fused_combine": True}),
+                              ("static", {"prefetch_kib": 256}), ("static", staged), ("queue", staged),
+                              ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True})):
+        engine, _ = tiny_engines("llama3", "f32", schedule, **options)
+        if options.get("stage_weights"):   # the tiny model's tiles all fit: every linear is staged
+            assert len(engine.staging.kinds) == 4 and engine.staging.buffers == 2, engine.staging
+        assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
 
 
 @pytest.mark.parametrize("schedule", ["static", "queue"])

@@ -48,17 +48,21 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+STAGED = (("stage_weights", True), ("fused_combine", True), ("attention_lanes", 4), ("prefetch_ahead", 2))
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, tmp_path):
+@pytest.mark.parametrize(("arch", "dtype_name", "options"), [
+    ("llama3", "f32", ()), ("llama3", "bf16", ()), ("qwen3", "f32", ()), ("qwen3", "bf16", ()),
+    ("qwen3", "bf16", STAGED)], ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged"])
+def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces
     from mdsl.megakernel.runtime.tp import TensorParallelGroup
 
     folder, model, torch = checkpoints(arch, dtype_name)
-    single = MegakernelEngine.from_pretrained(folder, max_seq=64)
-    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64) as group:
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64, **dict(options))
+    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, **dict(options)) as group:
         try:
             one_gpu = single.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
             runs = group.run(PROMPT, NEW_TOKENS, eos_token_ids=())

@@ -25,8 +25,9 @@ constexpr int NT = 256;              // compute threads per worker block (the ta
 constexpr int NW = NT / 32;
 constexpr int BLOCK = NT + 32;       // + the scheduler warp (threads NT .. BLOCK)
 // named barriers (0 is __syncthreads, unused): the compute warps among themselves, and per task slot
-// "full" (the scheduler filled it) and "empty" (the compute warps are done with it)
-constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2;
+// "full" (the scheduler filled it) and "empty" (the compute warps are done with it); the whole block once
+// at the start (the staging barriers are initialised)
+constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2, BAR_START = 6;
 constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
 constexpr int G = HQ / HKV;
@@ -107,9 +108,8 @@ __device__ __forceinline__ uint4 ld_weights(const T* p) {
   return v;
 }
 // Start pulling the head of a task's weights into L2 before waiting for its inputs (16-byte
-// multiples). Capped: 132 SMs each prefetching whole multi-MB tiles would overflow the 50 MB L2 and
-// evict lines before they are read, so only what the first microseconds of the body read comes early.
-constexpr long long PREFETCH_BYTES = 96 * 1024;
+// multiples). Capped (PREFETCH_BYTES, from source.py): 132 SMs each prefetching whole multi-MB tiles
+// would overflow the 50 MB L2 and evict lines before they are read.
 __device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane) {
   constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
@@ -120,6 +120,48 @@ __device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int 
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
   }
 }
+
+// ---- weight staging (source.py's Staging): a task's whole weight tile copied into shared memory by the
+// copy engine. Buffer b's "full" mbarrier completes a phase when a tile has landed in it (the scheduler
+// arrives with the tile's bytes as its transaction count), its "empty" one when the compute warps are
+// done with the tile; a worker's n-th staged task uses buffer n % STAGE_BUFFERS, phase n / STAGE_BUFFERS.
+__device__ __forceinline__ constexpr bool staged_kind(int kind) {
+  return STAGE_BUFFERS > 0 && ((STAGE_KINDS >> kind) & 1) != 0;
+}
+__device__ __forceinline__ unsigned shared_address(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(shared_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+// until the phase of parity `parity` has completed (acquire: the tile's bytes are visible after it)
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16) from global memory into shared memory, counted on bar's transactions
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
+}
+__device__ __forceinline__ uint4 ld_staged(const T* p) {
+  uint4 v;   // volatile: not hoisted above the wait for the tile
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(shared_address(p)));
+  return v;
+}
+constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no division by zero when nothing is staged)
+struct StageBarriers { unsigned long long full[STAGE_RING], empty[STAGE_RING]; };
+// a compute task's staged tile: null weights where the task's kind is not staged
+struct Staged { const T* weights; unsigned long long* full; unsigned parity; };
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
 
@@ -224,7 +266,7 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
 // the first is used (bandwidth at batch 1 needs about 32 KB in flight per SM). emit(item, acc[ROWS])
 // runs on lane 0.
 constexpr int LOADS = 16;
-template <int K, int ROWS, typename Row, typename Emit>
+template <int K, int ROWS, bool STAGED, typename Row, typename Emit>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
   constexpr int U = CH >= 32 * 8 ? 8 : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
@@ -246,8 +288,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r)
-          v[r][u] = w[r] != nullptr && c0 + 32 * u < CH ? ld_weights(w[r] + (c0 + 32 * u) * VEC)
-                                                        : make_uint4(0, 0, 0, 0);
+          v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
+                    : STAGED ? ld_staged(w[r] + (c0 + 32 * u) * VEC) : ld_weights(w[r] + (c0 + 32 * u) * VEC);
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (c0 + 32 * u < CH) {
@@ -265,6 +307,22 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
   }
 }
 
+// A task's dot products (gemv): the weight rows from its staged tile once the tile has landed (the rows
+// of each matrix after the previous matrix's, as weight_pieces lists them), else from global memory.
+template <int K, int ROWS, typename Row, typename Emit>
+__device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit) {
+  if constexpr (STAGE_BUFFERS > 0) {
+    if (staged.weights != nullptr) {
+      mbarrier_wait(staged.full, staged.parity);
+      const long long n = t.end - t.begin;
+      gemv<K, ROWS, true>(t.begin, t.end, xs, [&](int r, int j) { return staged.weights + (j * n + (r - t.begin)) * K; },
+                          emit);
+      return;
+    }
+  }
+  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit);
+}
+
 // ---- task bodies
 
 __device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
@@ -272,11 +330,11 @@ __device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
   return r < KR ? w.wq + (long long)r * H : r < VR ? w.wk + (long long)(r - KR) * H : w.wv + (long long)(r - VR) * H;
 }
 
-__device__ void qkv_task(const Params& p, const Task& t, float* xs, float* red) {
+__device__ void qkv_task(const Params& p, const Task& t, const Staged& staged, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
   load_normed_input<H>(xs, [&](int i) { return h_at(p, t.layer, i); }, w.ln1, red);
   T* out = p.qkvs + (long long)t.layer * QKV;
-  gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return qkv_row(w, r); },
+  task_gemv<H, 1>(t, staged, xs, [&](int r, int) { return qkv_row(w, r); },
                 [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
 }
 
@@ -493,14 +551,14 @@ __device__ void combine_task(const Params& p, const Task& t) {
   }
 }
 
-__device__ void oproj_task(const Params& p, const Task& t, float* xs) {
+__device__ void oproj_task(const Params& p, const Task& t, const Staged& staged, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D);
   T* out = p.mids + (long long)t.layer * H;
   float* parts = p.mid_parts + (long long)t.layer * WORLD * H;
   // one GPU: h + the product rounded to T, as transformers adds them; a rank: its partial product, plus
   // h on rank 0
-  gemv<HQ * D, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
+  task_gemv<HQ * D, 1>(t, staged, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
                      [&](int r, const float* acc) {
                        const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
                        stream_put(p, out, parts, r, (p.rank == 0 ? h_at(p, t.layer, r) : 0.0f) + product);
@@ -509,22 +567,22 @@ __device__ void oproj_task(const Params& p, const Task& t, float* xs) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-__device__ void gateup_task(const Params& p, const Task& t, float* xs, float* red) {
+__device__ void gateup_task(const Params& p, const Task& t, const Staged& staged, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
   load_normed_input<H>(xs, [&](int i) { return mid_at(p, t.layer, i); }, w.ln2, red);
   T* out = p.acts + (long long)t.layer * I;
-  gemv<H, 2>(t.begin, t.end, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
+  task_gemv<H, 2>(t, staged, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
                 [&](int r, const float* acc) {
                   out[r] = mdsl::from_float<T>(round_t(silu(round_t(acc[0]))) * round_t(acc[1]));
                 });
 }
 
-__device__ void down_task(const Params& p, const Task& t, float* xs) {
+__device__ void down_task(const Params& p, const Task& t, const Staged& staged, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<I>(xs, p.acts + (long long)t.layer * I);
   T* out = p.hs + (long long)(t.layer + 1) * H;
   float* parts = p.h_parts + (long long)(t.layer + 1) * WORLD * H;
-  gemv<I, 1>(t.begin, t.end, xs, [&](int r, int) { return w.wd + (long long)r * I; },
+  task_gemv<I, 1>(t, staged, xs, [&](int r, int) { return w.wd + (long long)r * I; },
                 [&](int r, const float* acc) {
                   const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
                   stream_put(p, out, parts, r, (p.rank == 0 ? mid_at(p, t.layer, r) : 0.0f) + product);
@@ -578,7 +636,7 @@ __device__ void lmhead_task(const Params& p, const Task& t, long long pos, int t
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
-  gemv<H, 1>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
+  gemv<H, 1, false>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
                 [&](int r, const float* acc) {
                   const float logit = round_t(acc[0]);
                   p.logits[r] = logit;
@@ -700,35 +758,64 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   }
 }
 
+// The weight rows a linear task multiplies, as contiguous pieces in the order its body reads them:
+// visit(first element, elements) per piece (a QKV tile may span q, k and v; gate/up has two matrices).
+template <typename Visit>
+__device__ __forceinline__ void weight_pieces(const Params& p, const Task& t, Visit visit) {
+  const long long n = t.end - t.begin;
+  if (t.kind == KIND_LMHEAD) {
+    visit(p.lm_head + (long long)t.begin * H, n * H);
+    return;
+  }
+  const LayerWeights& w = p.layers[t.layer];
+  switch (t.kind) {
+    case KIND_QKV: {
+      constexpr int KR = HQ * D, VR = KR + HKV * D;
+      const int q_end = min(max(KR, t.begin), t.end), k_end = min(max(VR, t.begin), t.end);
+      if (q_end > t.begin) visit(qkv_row(w, t.begin), (long long)(q_end - t.begin) * H);
+      if (k_end > q_end) visit(qkv_row(w, q_end), (long long)(k_end - q_end) * H);
+      if (t.end > k_end) visit(qkv_row(w, k_end), (long long)(t.end - k_end) * H);
+      break;
+    }
+    case KIND_OPROJ: visit(w.wo + (long long)t.begin * HQ * D, n * HQ * D); break;
+    case KIND_GATEUP:
+      visit(w.wg + (long long)t.begin * H, n * H);
+      visit(w.wu + (long long)t.begin * H, n * H);
+      break;
+    case KIND_DOWN: visit(w.wd + (long long)t.begin * I, n * I); break;
+    default: break;
+  }
+}
+
 // What a task will read first and can be read before its inputs are ready: the head of its weight
 // tiles, or an attention split's KV rows; by the scheduler warp's lanes (each bulk prefetch by one lane).
 __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t, long long pos, int lane) {
-  if (t.kind == KIND_LMHEAD) {
-    prefetch_l2(p.lm_head + (long long)t.begin * H, (long long)(t.end - t.begin) * H, lane);
-    return;
-  }
-  if (t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
-  const LayerWeights& w = p.layers[t.layer];
   if (t.kind == KIND_ATTN) {
-    prefetch_kv_rows(w, t.begin, t.end, pos, lane);
+    prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
     return;
   }
-  const long long n = t.end - t.begin;
-  switch (t.kind) {
-    case KIND_OPROJ: prefetch_l2(w.wo + (long long)t.begin * HQ * D, n * HQ * D, lane); break;
-    case KIND_GATEUP:
-      prefetch_l2(w.wg + (long long)t.begin * H, n * H, lane);
-      prefetch_l2(w.wu + (long long)t.begin * H, n * H, lane);
-      break;
-    case KIND_DOWN: prefetch_l2(w.wd + (long long)t.begin * I, n * I, lane); break;
-    default: {   // KIND_QKV: the tile may span q, k and v; one prefetch per matrix (no array: no stack)
-      constexpr int KR = HQ * D, VR = KR + HKV * D;
-      const int q_end = min(max(KR, t.begin), t.end), k_end = min(max(VR, t.begin), t.end);
-      if (q_end > t.begin) prefetch_l2(qkv_row(w, t.begin), (long long)(q_end - t.begin) * H, lane);
-      if (k_end > q_end) prefetch_l2(qkv_row(w, q_end), (long long)(k_end - q_end) * H, lane);
-      if (t.end > k_end) prefetch_l2(qkv_row(w, k_end), (long long)(t.end - k_end) * H, lane);
-    }
-  }
+  weight_pieces(p, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+}
+
+// The scheduler warp's copy of a staged task's weight tile into buffer `stage` (the worker's `n`-th staged
+// task), once the compute warps are done with the buffer's previous tile; pieces of 16 KB spread over
+// the lanes.
+__device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int n, int lane) {
+  const int b = n % STAGE_RING, use = n / STAGE_RING;
+  if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
+  long long bytes = 0;
+  weight_pieces(p, t, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
+  if (lane == 0) mbarrier_arrive_expect(&bars.full[b], unsigned(bytes));
+  __syncwarp();
+  char* dst = reinterpret_cast<char*>(stage) + (long long)b * STAGE_BYTES;
+  weight_pieces(p, t, [&](const T* first, long long elements) {
+    constexpr long long PIECE = 16384;
+    const char* src = reinterpret_cast<const char*>(first);
+    const long long size = elements * (long long)sizeof(T);
+    for (long long off = (long long)lane * PIECE; off < size; off += 32 * PIECE)
+      bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), &bars.full[b]);
+    dst += size;
+  });
 }
 
 // The scheduler's k-th task index: this worker's share of the indices in order (blockIdx.x + k * workers:
@@ -786,9 +873,10 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
 
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
 // slot once the compute warps have emptied it (they run the previous task meanwhile).
-__device__ void schedule(const Params& p, Slot* slots) {
+__device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars) {
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
+  int staged = 0;    // staged tasks handed to the compute warps so far
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
     long long index = next_index(p, k, lane);
@@ -801,7 +889,9 @@ __device__ void schedule(const Params& p, Slot* slots) {
       // the weights of this worker's task PREFETCH_AHEAD - 1 tasks on (static: known in advance), so that
       // they stream while the memory system waits on dependencies; the first take also prefetches the
       // ones before it (later takes found theirs prefetched by an earlier take)
-      if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
+      const bool stage_it = staged_kind(t.kind);
+      if (stage_it) stage_task_weights(p, t, stage, bars, staged, lane);
+      else if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
 #pragma unroll
       for (int a = 1; a < PREFETCH_AHEAD; ++a) {
         const long long ahead = index + a * (long long)gridDim.x;
@@ -810,7 +900,13 @@ __device__ void schedule(const Params& p, Slot* slots) {
           prefetch_task_weights(p, later, p.start_pos + ahead / TASKS, lane);
         }
       }
-      if (!wait_for_inputs(p, t, index, step, lane)) index = -1;
+      if (!wait_for_inputs(p, t, index, step, lane)) {
+        index = -1;
+        // the block leaves: its copy must land first
+        if (stage_it) mbarrier_wait(&bars.full[staged % STAGE_RING], unsigned(staged / STAGE_RING) & 1u);
+      } else if (stage_it) {
+        ++staged;
+      }
       if (p.profile != nullptr) ready = globaltimer();
     } else {
       index = -1;
@@ -827,7 +923,9 @@ __device__ void schedule(const Params& p, Slot* slots) {
 }
 
 // The compute warps: run the tasks of the slots in turn; never wait on another block.
-__device__ void compute(const Params& p, const Slot* slots, float* red, float* work) {
+__device__ void compute(const Params& p, const Slot* slots, float* red, float* work, const T* stage,
+                        StageBarriers& bars) {
+  int staged_done = 0;   // staged tasks run so far: the scheduler's order, so the same buffers and phases
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
     named_sync(BAR_FULL + s, BLOCK);
@@ -837,17 +935,25 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
     bool signal = true;
+    const bool staged_task = staged_kind(t.kind);
+    const int b = staged_done % STAGE_RING;
+    const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
+                           unsigned(staged_done / STAGE_RING) & 1u};
     switch (t.kind) {
-      case KIND_QKV: qkv_task(p, t, work, red); break;
+      case KIND_QKV: qkv_task(p, t, staged, work, red); break;
       case KIND_ATTN: attention_task(p, t, step, pos, work); break;
       case KIND_COMBINE: combine_task(p, t); break;
-      case KIND_OPROJ: oproj_task(p, t, work); break;
-      case KIND_GATEUP: gateup_task(p, t, work, red); break;
-      case KIND_DOWN: down_task(p, t, work); break;
+      case KIND_OPROJ: oproj_task(p, t, staged, work); break;
+      case KIND_GATEUP: gateup_task(p, t, staged, work, red); break;
+      case KIND_DOWN: down_task(p, t, staged, work); break;
       case KIND_LMHEAD: lmhead_task(p, t, pos, int(index % TASKS) - LM_FIRST, work, red); break;
       default: signal = sample_task(p, t, step, pos, red); break;
     }
     compute_sync();                    // every thread's writes happen before the release below
+    if (staged_task) {                 // every compute thread has read the tile: its buffer is free
+      if (threadIdx.x == 0) mbarrier_arrive(&bars.empty[b]);
+      ++staged_done;
+    }
     if (threadIdx.x == 0) {
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       // no separate fence: red.release is cumulative over the compute barrier above (every compute
@@ -877,8 +983,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK, 1) mdsl_megakernel(const __g
   float* red = smem;                   // [2 NW]: block reductions
   float* work = smem + 2 * NW;         // the task's inputs (16-byte aligned: 2 NW floats = 64 bytes)
   __shared__ Slot slots[SLOTS];
-  if (threadIdx.x >= NT) schedule(p, slots);
-  else compute(p, slots, red, work);
+  __shared__ StageBarriers stage_barriers;
+  T* stage = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STAGE_OFFSET);   // STAGE_BUFFERS tiles
+  if (STAGE_BUFFERS > 0) {
+    if (threadIdx.x == 0)
+      for (int b = 0; b < STAGE_BUFFERS; ++b) {
+        mbarrier_init(&stage_barriers.full[b], 1);
+        mbarrier_init(&stage_barriers.empty[b], 1);
+      }
+    named_sync(BAR_START, BLOCK);      // the barriers are initialised before either side uses them
+  }
+  if (threadIdx.x >= NT) schedule(p, slots, stage, stage_barriers);
+  else compute(p, slots, red, work, stage, stage_barriers);
 }
 
 }  // namespace mk

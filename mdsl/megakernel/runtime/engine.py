@@ -26,7 +26,7 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS,
+from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS,
                                             PROFILE_WORDS, SCHEDULES, generate_source)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
@@ -94,13 +94,16 @@ class MegakernelEngine:
     worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
     worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
     lanes share a cached position in attention's scores (source.ATTENTION_LANES); `fused_combine`, whether
-    the last attention split of a kv head merges the splits (plan.build_plan). `ranks`: one rank of a
+    the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
+    weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging);
+    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it. `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
                  prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
+                 stage_weights: bool = False, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -109,6 +112,8 @@ class MegakernelEngine:
                             hint=f"1 to {MAX_PREFETCH_AHEAD} with the static schedule, 1 with the queue")
         if attention_lanes not in ATTENTION_LANES:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
+        if not 16 <= prefetch_kib <= 1024:
+            raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
         _require_gpu()
         self.schedule = schedule
         self.prefetch_ahead = prefetch_ahead
@@ -126,7 +131,8 @@ class MegakernelEngine:
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
                                                    fused_combine=fused_combine), self.world)
-        source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes)
+        source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib)
+        self.staging = source.staging
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -162,7 +168,8 @@ class MegakernelEngine:
     @classmethod
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
                         schedule: str = "static", prefetch_ahead: int = 1, attention_lanes: int = 1,
-                        fused_combine: bool = False) -> "MegakernelEngine":
+                        fused_combine: bool = False, stage_weights: bool = False,
+                        prefetch_kib: int = DEFAULT_PREFETCH_KIB) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -175,7 +182,8 @@ class MegakernelEngine:
         graph = step_function(config).trace(config)
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
                    eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
-                   attention_lanes=attention_lanes, fused_combine=fused_combine)
+                   attention_lanes=attention_lanes, fused_combine=fused_combine, stage_weights=stage_weights,
+                   prefetch_kib=prefetch_kib)
 
     # -- device memory ---------------------------------------------------------------------------
 

@@ -56,12 +56,6 @@ def _runtime_source() -> str:
     return text.replace(marker, struct)
 
 
-@attrs.frozen
-class MegakernelSource:
-    text: str
-    smem_bytes: int      # dynamic shared memory per worker block
-
-
 def shared_memory_bytes(plan: TaskPlan) -> int:
     """The largest task's shared memory: a linear's input row, or an attention task's q heads, new k
     and v, per-warp scratch, scores, statistics and per-warp sums; plus the block reductions' scratch."""
@@ -70,6 +64,72 @@ def shared_memory_bytes(plan: TaskPlan) -> int:
     attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
                  + WARPS * s.group * s.head_dim)
     return 4 * (2 * WARPS + max(linear, attention))
+
+
+# Hopper's shared memory per block (opt-in); the kernel's static shared memory (task slots, staging
+# barriers) is kept out of what staging may use
+SMEM_PER_BLOCK = 232448
+STATIC_SMEM_RESERVE = 512
+_STAGE_ALIGN = 128
+STAGED_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN)
+DEFAULT_PREFETCH_KIB = 96
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def tile_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
+    """The most weight bytes one task of `kind` reads (its rows of each matrix it multiplies)."""
+    s = plan.shape
+    row = {Kind.QKV: s.hidden, Kind.OPROJ: s.attention_width, Kind.GATEUP: 2 * s.hidden,
+           Kind.DOWN: s.intermediate}[kind] * s.dtype.itemsize
+    return max((t.end - t.begin) * row for t in plan.tasks if t.kind is kind)
+
+
+@attrs.frozen
+class Staging:
+    """Weight staging: a worker's scheduler warp copies the whole weight tile of a task of one of `kinds`
+    into one of `buffers` shared-memory buffers (bulk copies completing on an mbarrier) as soon as it
+    takes the task, before waiting for the task's inputs; the compute warps then read the tile from
+    shared memory. A tile so loads while its inputs are still being produced (the attention chain before
+    the o-proj, the cross-GPU wait before the QKV), and the copy engine keeps a whole tile in flight
+    where the compute warps' loads keep 32 KB. A kind is staged where its largest tile fits next to the
+    task inputs' shared memory."""
+    kinds: tuple = ()
+    buffer_bytes: int = 0
+    buffers: int = 0
+    offset: int = 0      # bytes from the start of dynamic shared memory to the first buffer
+
+    @property
+    def kind_mask(self) -> int:
+        return sum(1 << int(kind) for kind in self.kinds)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.offset + self.buffers * self.buffer_bytes
+
+
+def plan_staging(plan: TaskPlan, enabled: bool = True, max_buffers: int = 2) -> Staging:
+    base = shared_memory_bytes(plan)
+    if not enabled:
+        return Staging(offset=base)
+    offset = _round_up(base, _STAGE_ALIGN)
+    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
+    tiles = {kind: tile_weight_bytes(plan, kind) for kind in STAGED_KINDS
+             if any(t.kind is kind for t in plan.tasks)}
+    tiles = {kind: size for kind, size in tiles.items() if 0 < size <= room and size % 16 == 0}
+    if not tiles:
+        return Staging(offset=base)
+    size = _round_up(max(tiles.values()), _STAGE_ALIGN)
+    return Staging(tuple(sorted(tiles)), size, min(max_buffers, room // size), offset)
+
+
+@attrs.frozen
+class MegakernelSource:
+    text: str
+    smem_bytes: int      # dynamic shared memory per worker block
+    staging: Staging = Staging()
 
 
 def _float_literal(x: float) -> str:
@@ -90,12 +150,15 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 
 
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
-                    attention_lanes: int = 1) -> MegakernelSource:
+                    attention_lanes: int = 1, stage_weights: bool = False,
+                    prefetch_kib: int = DEFAULT_PREFETCH_KIB) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
     cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
-    loads per thread, the sums met by shuffles)."""
+    loads per thread, the sums met by shuffles). `stage_weights`: tiles that fit are copied whole into
+    shared memory ahead of their task (`Staging`). `prefetch_kib`: how much of a task's weights (KiB per
+    task) the scheduler prefetches into L2 ahead of it."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -106,6 +169,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                          f"not {prefetch_ahead} with the {schedule} schedule")
     if attention_lanes not in ATTENTION_LANES:
         raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
+    if not 16 <= prefetch_kib <= 1024:
+        raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
+    staging = plan_staging(plan, stage_weights)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
@@ -120,7 +186,12 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
+              f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
+              f"constexpr int STAGE_KINDS = {staging.kind_mask};",
+              f"constexpr int STAGE_BUFFERS = {staging.buffers};",
+              f"constexpr int STAGE_BYTES = {staging.buffer_bytes};",
+              f"constexpr int STAGE_OFFSET = {staging.offset};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     text = "\n".join([INCLUDES, PRELUDE, *lines, _runtime_source()])
-    return MegakernelSource(text, shared_memory_bytes(plan))
+    return MegakernelSource(text, staging.smem_bytes, staging)
