@@ -17,9 +17,9 @@ from mdsl.ir.graph import BlockGraph
 
 MAX_ROWS = 16             # X's rows: two 8-column mma tiles
 SLAB = 16                 # rows of K a warp takes a step
-LOAD_BYTES = 16           # one load of a weight row's 8-column chunk
-CHUNK = 8                 # columns a load covers
-GROUP_CHUNKS = 8          # chunks a warp covers (64 columns; fewer: its other lanes duplicate them)
+LOADS = (8, 4)            # columns one load of a weight row covers: 16 bytes, else 8
+GROUP_CHUNKS = 8          # chunks a warp covers (fewer: its other lanes duplicate them)
+REGISTER_BUFFER = 16      # 16-bit elements a thread's register buffer holds per row of a slab
 
 
 @attrs.frozen
@@ -32,28 +32,39 @@ class SkinnyShape:
     n: int              # the weights' columns (the block's)
     k: int              # the block's whole K (forloop x the tile's)
 
+    def columns_per_load(self) -> int:
+        """8 (16-byte loads) unless 4 (8-byte loads) leave fewer of a warp's lanes duplicating others:
+        a block of 32 columns is 8 chunks of 4 (every lane distinct), not 4 of 8 (half the lanes copies)."""
+        fitting = [v for v in LOADS if _chunks_fit(self.n // v)]
+        return max(fitting, key=lambda v: (min(self.n // v, GROUP_CHUNKS), v)) if fitting else LOADS[0]
+
     def chunks(self) -> int:
-        return self.n // CHUNK
+        return self.n // self.columns_per_load()
 
     def groups(self) -> int:
-        """64-column groups: one per warp along N."""
+        """Column groups (8 chunks each, fewer where there are fewer): one per warp along N."""
         return max(1, self.chunks() // GROUP_CHUNKS)
 
     def fits(self, warps: int) -> bool:
-        """The weights' columns in whole 8-column chunks: fewer than 8 (one group, lanes past them
-        duplicate), or whole 64-column groups that the warps divide among themselves."""
-        chunks = self.chunks()
-        if self.n % CHUNK or warps < 1:
-            return False
-        return chunks < GROUP_CHUNKS or (chunks % GROUP_CHUNKS == 0 and warps % self.groups() == 0)
+        """The weights' columns in whole chunks: fewer than 8 (one group, lanes past them duplicate),
+        or whole groups of 8 that the warps divide among themselves."""
+        return warps >= 1 and _chunks_fit(self.chunks()) and warps % self.groups() == 0
+
+    def slabs_per_step(self) -> int:
+        """Slabs a warp loads at once into one register buffer: 16 elements a row of each, 4 rows."""
+        return max(1, REGISTER_BUFFER // (self.columns_per_load() * len(self.weights)))
 
     def loads_in_flight(self, warps: int) -> int:
         """Distinct weight bytes a block has in flight at most: each thread's two register buffers of
-        STEP slabs (2 with one weight, 1 with more) x 4 rows x 16 bytes per weight; of a warp's lanes,
-        those past the chunks load duplicates."""
-        step = 2 if len(self.weights) == 1 else 1
+        `slabs_per_step` slabs x 4 rows x one load per weight; of a warp's lanes, those past the chunks
+        load duplicates."""
+        load_bytes = 2 * self.columns_per_load()
         distinct = min(self.chunks(), GROUP_CHUNKS) / GROUP_CHUNKS
-        return int(warps * 32 * 2 * step * len(self.weights) * 4 * LOAD_BYTES * distinct)
+        return int(warps * 32 * 2 * self.slabs_per_step() * len(self.weights) * 4 * load_bytes * distinct)
+
+
+def _chunks_fit(chunks: int) -> bool:
+    return 1 <= chunks < GROUP_CHUNKS or chunks % GROUP_CHUNKS == 0
 
 
 def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
@@ -93,7 +104,7 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
         return None
     m, kt = x.shape
     n = bg.nodes[matmuls[0]].output.shape[-1]
-    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or n % CHUNK \
+    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or n % min(LOADS) \
             or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
         return None
     return SkinnyShape(x.name, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop)

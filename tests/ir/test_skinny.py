@@ -73,22 +73,31 @@ def test_gated_mlp_streams_two_weights_and_no_row_accumulator():
     assert (shape.x, shape.weights, shape.rows, shape.m, shape.n, shape.k) == ("x", ("w1", "w2"), (), 8, 32, 4096)
 
 
-@pytest.mark.parametrize("text", [_rnl(17, 32), _rnl(16, 20), SQUARED])
-def test_more_than_16_rows_partial_chunks_or_other_loop_work_are_not(text):
+@pytest.mark.parametrize("text", [_rnl(17, 32), _rnl(16, 18), SQUARED])
+def test_more_than_16_rows_columns_no_load_covers_or_other_loop_work_are_not(text):
     assert skinny_shape(_body(text)) is None
+
+
+def test_loads_cover_as_many_distinct_columns_as_the_lanes_allow():
+    # columns -> (columns a load covers, chunks, groups of 8 chunks)
+    expected = {64: (8, 8, 1), 128: (8, 16, 2), 32: (4, 8, 1), 96: (4, 24, 3), 24: (4, 6, 1), 48: (8, 6, 1)}
+    for n, (load, chunks, groups) in expected.items():
+        shape = skinny_shape(_body(_rnl(16, n)))
+        assert (shape.columns_per_load(), shape.chunks(), shape.groups()) == (load, chunks, groups), n
 
 
 def test_column_groups_must_divide_among_the_warps():
     narrow, wide = (skinny_shape(_body(_rnl(16, n))) for n in (24, 128))
-    assert narrow.groups() == 1 and narrow.fits(1) and narrow.fits(3)
-    assert wide.groups() == 2 and wide.fits(4) and not wide.fits(3)
+    assert narrow.fits(1) and narrow.fits(3)
+    assert wide.fits(4) and not wide.fits(3)
 
 
 def test_loads_in_flight_count_distinct_weight_bytes():
-    full = skinny_shape(_body(_rnl(16, 64)))
-    half = skinny_shape(_body(_rnl(16, 32)))
-    two = skinny_shape(_body(GATED))
-    # 4 warps x 32 lanes x 2 buffers x 2 slabs x 4 rows x 16 bytes; lanes past 4 chunks duplicate
+    full = skinny_shape(_body(_rnl(16, 64)))        # 16-byte loads, 2 slabs a buffer
+    narrow = skinny_shape(_body(_rnl(16, 32)))      # 8-byte loads, 4 slabs a buffer: as many bytes
+    partial = skinny_shape(_body(_rnl(16, 24)))     # 6 chunks of 4: two lanes of 8 duplicate
+    two = skinny_shape(_body(GATED))                # two weights, 2 slabs a buffer of 8-byte loads
+    # 4 warps x 32 lanes x 2 buffers x 2 slabs x 4 rows x 16 bytes
     assert full.loads_in_flight(4) == 4 * 32 * 2 * 2 * 4 * 16
-    assert half.loads_in_flight(4) == full.loads_in_flight(4) // 2
-    assert two.loads_in_flight(4) == half.loads_in_flight(4)   # one slab a step, of two weights
+    assert narrow.loads_in_flight(4) == two.loads_in_flight(4) == full.loads_in_flight(4)
+    assert partial.loads_in_flight(4) == full.loads_in_flight(4) * 6 // 8

@@ -346,23 +346,29 @@ __device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restr
 }
 
 // ---- skinny matmuls (X of M <= 16 rows): C = X W over a K x N slice of each of MATS weights W, streamed
-// from device memory in 16-byte loads that skip L1 (no shared memory), on tensor cores with W as the mma's A
+// from device memory in loads that skip L1 (no shared memory), on tensor cores with W as the mma's A
 // operand: the mma's 16 rows are 16 columns of W, its 8 columns 8 rows of X (M <= 8: one mma, else two).
-// A warp's step is a slab of 16 rows of K: lane (g = lane / 4, t = lane % 4) loads the 8 columns of chunk
-// `chunk()` in rows 4t .. 4t + 3 (four 16-byte loads; a warp's load is 4 rows x 128 contiguous bytes), and
-// byte permutes pair rows (4t, 4t + 1) and (4t + 2, 4t + 3) into the A fragments of four mmas (mma j: W's
-// columns 2j, 2j + 1 of the chunk). Any order of K does if X's fragments take the same one: one 8-byte
-// load of X's row g at 4t. Warp w takes the 64-column group w % GROUPS and the slabs w / GROUPS + i KW;
-// the next step's loads are issued before this step's mmas (registers double-buffered), so about
-// 2 x STEP x MATS x 64 bytes a thread are in flight. Chunks fewer than 8: lanes g >= CHUNKS load a
-// duplicate chunk (addresses the same instruction loads anyway: no extra traffic) and store nothing.
-__device__ __forceinline__ uint4 load_streamed(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ unsigned word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+// A warp's step is a slab of 16 rows of K: lane (g = lane / 4, t = lane % 4) loads the VEC columns of
+// chunk `chunk()` (VEC = 8: 16-byte loads; 4: 8-byte loads, where 8-column chunks would leave lanes idle)
+// in rows 4t .. 4t + 3 -- a warp's load is 4 rows x 8 VEC contiguous elements -- and byte permutes pair
+// rows (4t, 4t + 1) and (4t + 2, 4t + 3) into the A fragments of VEC / 2 mmas (mma j: the chunk's columns
+// 2j, 2j + 1). Any order of K does if X's fragments take the same one: one 8-byte load of X's row g at 4t.
+// Warp w takes the (8 VEC)-column group w % GROUPS and the slabs w / GROUPS + i KW; the next step's loads
+// are issued before this step's mmas (registers double-buffered: 2 x STEP x MATS x 8 VEC bytes a thread
+// in flight). Chunks fewer than 8: lanes g >= CHUNKS load a duplicate chunk (addresses the same
+// instruction loads anyway: no extra traffic) and store nothing.
+template <int VEC> struct Streamed;
+template <> struct Streamed<8> {   // 16 bytes
+  static __device__ __forceinline__ void load(unsigned (&r)[4], const void* p) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+  }
+};
+template <> struct Streamed<4> {   // 8 bytes
+  static __device__ __forceinline__ void load(unsigned (&r)[2], const void* p) {
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "l"(p));
+  }
+};
 template <typename E> __device__ __forceinline__ float2 unpack(unsigned bits);
 template <> __device__ __forceinline__ float2 unpack<__half>(unsigned bits) {
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
@@ -371,22 +377,24 @@ template <> __device__ __forceinline__ float2 unpack<__nv_bfloat16>(unsigned bit
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
-template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS>
+template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
-  static constexpr int CHUNKS = N / 8;              // 8-column chunks of W
+  static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
   static constexpr int GROUP = CHUNKS < 8 ? CHUNKS : 8;
-  static constexpr int GROUPS = CHUNKS / GROUP;     // 64-column groups, one per warp
+  static constexpr int GROUPS = CHUNKS / GROUP;     // column groups, one per warp
   static constexpr int KW = WARPS / GROUPS;         // warps along K
   static constexpr int SLABS = K / 16;
-  static constexpr int STEP = MATS == 1 ? 2 : 1;    // slabs a warp loads at once
-  static_assert(M >= 1 && M <= 16 && N % 8 == 0 && K % 16 == 0, "skinny: M <= 16, N % 8 == 0, K % 16 == 0");
-  static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: 64-column groups and warps do not divide");
-  static_assert(LDW % 8 == 0 && LDX % 4 == 0, "skinny: rows of W are 16-byte aligned, of X 8-byte aligned");
-  using Acc = float[MATS][MT][4][4];   // [weight][X tile][mma j][fragment element]
+  static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
+  static constexpr int STEP = 16 / (VEC * MATS) > 0 ? 16 / (VEC * MATS) : 1;   // slabs a warp loads at once
+  static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
+  static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % 16 == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
+  static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
+  static_assert(LDW % VEC == 0 && LDX % 4 == 0, "skinny: rows of W aligned to a load, of X to 8 bytes");
+  using Acc = float[MATS][MT][WORDS][4];   // [weight][X tile][mma j][fragment element]
 
   struct Slab {
-    uint4 w[MATS][4];
+    unsigned w[MATS][4][WORDS];
     uint2 x[MT];
   };
 
@@ -402,7 +410,7 @@ struct Skinny {
     for (int mat = 0; mat < MATS; ++mat) {
       const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s.w[mat][i] = load_streamed(row + i * LDW);
+      for (int i = 0; i < 4; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
@@ -412,11 +420,11 @@ struct Skinny {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const unsigned a[4] = {__byte_perm(word(s.w[mat][0], j), word(s.w[mat][1], j), 0x5410),
-                               __byte_perm(word(s.w[mat][0], j), word(s.w[mat][1], j), 0x7632),
-                               __byte_perm(word(s.w[mat][2], j), word(s.w[mat][3], j), 0x5410),
-                               __byte_perm(word(s.w[mat][2], j), word(s.w[mat][3], j), 0x7632)};
+      for (int j = 0; j < WORDS; ++j) {
+        const unsigned a[4] = {__byte_perm(s.w[mat][0][j], s.w[mat][1][j], 0x5410),
+                               __byte_perm(s.w[mat][0][j], s.w[mat][1][j], 0x7632),
+                               __byte_perm(s.w[mat][2][j], s.w[mat][3][j], 0x5410),
+                               __byte_perm(s.w[mat][2][j], s.w[mat][3][j], 0x7632)};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const unsigned b[2] = {s.x[mt].x, s.x[mt].y};   // rows past M: a copy of row M - 1, never stored
@@ -455,7 +463,7 @@ struct Skinny {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < WORDS; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mat][mt][j][e] = 0.0f;
     const int warp = threadIdx.x / 32, kw = warp / GROUPS, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -465,7 +473,7 @@ struct Skinny {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) xs[mt] = X + (mt * 8 + g < M ? mt * 8 + g : M - 1) * LDX + 4 * t;
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * 8;
+    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
     // two register buffers in turn: one's loads in flight while the other's mmas run
     Slab a[STEP], b[STEP];
 #pragma unroll
@@ -491,10 +499,10 @@ struct Skinny {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < WORDS; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int m = mt * 8 + 2 * t + (e & 1), n = c * 8 + 2 * j + (e >> 1);
+            const int m = mt * 8 + 2 * t + (e & 1), n = c * VEC + 2 * j + (e >> 1);
             if (m < M) part[((mat * KW + kw) * M + m) * N + n] = acc[mat][mt][j][e];
           }
   }

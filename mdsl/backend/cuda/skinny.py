@@ -53,8 +53,8 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int) -> Opt
     dtypes = {types[name].dtype.name for name in (shape.x, *shape.weights)}
     if len(dtypes) != 1 or not dtypes <= set(_ELEMENTS):
         return None
-    if types[shape.x].shape[-1] % 4 or any(types[w].shape[-1] % 8 for w in shape.weights):
-        return None   # rows of X 8-byte aligned, of the weights 16-byte aligned
+    if types[shape.x].shape[-1] % 4 or any(types[w].shape[-1] % shape.columns_per_load() for w in shape.weights):
+        return None   # rows of X 8-byte aligned, of the weights aligned to a load
     if any("cuda_skinny" not in bg.nodes[i].opdef.rules for i in shape.rows):
         return None
     return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()])
@@ -82,7 +82,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     mats, kw = len(plan.weights), warps // plan.groups()
     x_part = parts[plan.x]
     cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {plan.k}, {x_part.strides[0]}, "
-           f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}>")
+           f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {plan.k} split over {kw} warp(s) along K")
     for i in plan.rows:
