@@ -1,7 +1,7 @@
 """LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as
 reshape gets an alias instead), launched in the graph's order: the CUDA backend's kernels
 (mdsl/backend/cuda/codegen.py), the same launches and interface with the runtime, written with
-llvmlite.ir. Each kernel's code starts with the op marker naming the mugraph op it runs (and each
+llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op it runs (and each
 block-level op inside a custom kernel with its own), kept as a comment in the PTX, which compile
 errors point back through.
 """
@@ -61,7 +61,7 @@ class ProgramBuilder:
         """Write the kernel implementing `node`; the body is the caller's."""
         name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
         values = list(node.inputs) + list(node.outputs)
-        fn = KernelFunction(self.mb, name, len(values), threads)
+        fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
         scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
         fn.marker_for(node)
@@ -85,5 +85,5 @@ def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[Cuda
         if rule is None:
             raise UnsupportedError(f"the PTX backend has no rule for {node.op}", loc=node.loc)
         rule.kernel(program, index, node)
-    return PtxProgram(str(program.mb.module), tuple(program.launches), tuple(program.aliases.items()), lowered, arch,
+    return PtxProgram(program.mb.text(), tuple(program.launches), tuple(program.aliases.items()), lowered, arch,
                       options)

@@ -1,4 +1,5 @@
-"""Helpers for writing LLVM IR with llvmlite.ir for the NVPTX target: element types (bf16 included),
+"""Helpers for writing LLVM IR (as text, `irtext`; llvmlite.ir's types and constants) for the NVPTX
+target: element types (bf16 included),
 a kernel function under construction (`KernelFunction`: structured loops and branches, mutable
 variables, NVVM special registers, barriers, warp shuffles, the op markers), arrays in global or
 shared memory with f32 loads and stores, and index arithmetic over row-major (padded, broadcast)
@@ -22,6 +23,7 @@ from llvmlite import ir
 
 from mdsl.backend.cuda.source import OP_MARKER, contiguous_strides, describe
 from mdsl.backend.ptx import mathlib
+from mdsl.backend.ptx.irtext import Builder, Function, Module, Value, ref
 from mdsl.ir.graph import Node
 
 TRIPLE = "nvptx64-nvidia-cuda"   # the data layout is the target machine's, set when compiling
@@ -57,6 +59,11 @@ ELEMENT_TYPES = {"f16": F16, "bf16": BF16, "f32": F32, "i32": I32}
 MMA_PTX_TYPES = {"f16": "f16", "bf16": "bf16"}   # the tensor cores' 16-bit operand types
 #: integer words of a vector copy, by its size in bytes
 WORDS = {2: ir.IntType(16), 4: I32, 8: I64, 16: ir.VectorType(I32, 4)}
+_QUAD = ir.LiteralStructType([F32] * 4)
+_FOUR_WORDS = ir.LiteralStructType([I32] * 4)
+_TWO_WORDS = ir.LiteralStructType([I32] * 2)
+_PACK_TYPE = ir.FunctionType(I32, [F32, F32])
+_MARKER_TYPE = ir.FunctionType(VOID, [])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -133,7 +140,7 @@ def _known(value) -> Optional[int]:
     return None
 
 
-class FoldingBuilder(ir.IRBuilder):
+class FoldingBuilder(Builder):
     """An IRBuilder that folds integer arithmetic on constants (and x + 0, x * 1, x * 0, x / 1, x & true,
     select on a known condition) as it writes: the index arithmetic of unrolled code is mostly
     constants, and what is not written costs neither Python, nor LLVM's parser, nor its code
@@ -176,7 +183,7 @@ class FoldingBuilder(ir.IRBuilder):
         return super().icmp_unsigned(cmpop, lhs, rhs, name)
 
     def select(self, cond, lhs, rhs, name="", flags=()):
-        known = _known(cond) if cond.type == I1 else None
+        known = _known(cond) if cond.type is I1 else None
         if known is not None:
             return lhs if known else rhs
         return super().select(cond, lhs, rhs, name, flags)
@@ -184,7 +191,7 @@ class FoldingBuilder(ir.IRBuilder):
 
 def _folding(name: str):
     def method(self, lhs, rhs, label=""):
-        return self._fold(name, lhs, rhs, lambda: getattr(ir.IRBuilder, name)(self, lhs, rhs, label))
+        return self._fold(name, lhs, rhs, lambda: getattr(Builder, name)(self, lhs, rhs, label))
 
     method.__name__ = name
     return method
@@ -198,95 +205,96 @@ class ModuleBuilder:
     """One LLVM module: kernels, intrinsic declarations and shared-memory globals."""
 
     def __init__(self, name: str):
-        self.module = ir.Module(name=name)
-        self.module.triple = TRIPLE
-        self._dynamic_smem: Optional[ir.GlobalVariable] = None
-        self.annotations = self.module.add_named_metadata("nvvm.annotations")
+        self.module = Module(name, TRIPLE)
+        self._dynamic_smem: Optional[Value] = None
+        self._invariant: Optional[str] = None
 
-    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
-        found = self.module.globals.get(name)
-        return found if found is not None else ir.Function(self.module, ir.FunctionType(ret, list(args)), name)
+    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Type]):
+        return self.module.declare(name, ret, args)
 
-    def math_function(self, name: str) -> ir.Function:
+    def math_function(self, name: str) -> Function:
         """`float mdsl_<name>(float)` of mathlib, defined once per module, always inlined (the
         kernels call exp many times: written once, the module is smaller to build and to parse)."""
         full = f"mdsl_{name}"
         found = self.module.globals.get(full)
         if found is not None:
             return found
-        fn = ir.Function(self.module, ir.FunctionType(F32, [F32]), full)
-        fn.linkage = "internal"
-        fn.attributes.add("alwaysinline")
-        fn.attributes.add("nounwind")
-        body = _MathBody(self, ir.IRBuilder(fn.append_basic_block("entry")))
+        fn = Function(self.module, full, F32, [(F32, "")], prefix="internal ", attributes="alwaysinline nounwind")
+        body = _MathBody(self, Builder(fn, fn.append_basic_block("entry")))
         body.b.ret(getattr(mathlib, name)(body, fn.args[0]))
         return fn
 
-    def annotate(self, fn: ir.Function, key: str, value: int) -> None:
-        self.annotations.add(self.module.add_metadata([fn, key, i32(value)]))
+    def annotate(self, fn: Function, key: str, value: int) -> None:
+        self.module.add_named_metadata("nvvm.annotations", self.module.metadata(f'ptr {fn.ref}, !"{key}", i32 {value}'))
 
-    def dynamic_smem(self) -> ir.GlobalVariable:
+    def invariant(self) -> str:
+        """The empty node `!invariant.load` refers to."""
+        if self._invariant is None:
+            self._invariant = self.module.metadata("")
+        return self._invariant
+
+    def dynamic_smem(self) -> Value:
         """A pointer to the block's dynamic shared memory (`extern __shared__`), sized at launch."""
         if self._dynamic_smem is None:
-            g = ir.GlobalVariable(self.module, ir.ArrayType(I8, 0), "mdsl_smem", addrspace=SHARED)
-            g.linkage = "external"
-            g.align = 16
-            self._dynamic_smem = g
+            self._dynamic_smem = self.module.global_variable("mdsl_smem", ir.ArrayType(I8, 0), SHARED,
+                                                             "external addrspace(3) global [0 x i8], align 16")
         return self._dynamic_smem
 
-    def static_smem(self, name: str, etype: ir.Type, count: int) -> ir.GlobalVariable:
+    def static_smem(self, name: str, etype: ir.Type, count: int) -> Value:
         """A pointer to a shared array of its own (`__shared__ T name[count]`)."""
-        g = ir.GlobalVariable(self.module, ir.ArrayType(etype, count), name, addrspace=SHARED)
-        g.linkage = "internal"
-        g.initializer = ir.Constant(g.value_type, ir.Undefined)
-        g.align = 16
-        return g
+        array = ir.ArrayType(etype, count)
+        return self.module.global_variable(name, array, SHARED, f"internal addrspace(3) global {array} undef, align 16")
+
+    def text(self) -> str:
+        return self.module.text()
 
 
 class _MathBody:
     """What mathlib needs (`b`, `call_math`) inside a module's math function."""
 
-    def __init__(self, mb: ModuleBuilder, b: ir.IRBuilder):
+    def __init__(self, mb: ModuleBuilder, b: Builder):
         self.mb, self.b = mb, b
 
-    def call_math(self, name: str, *args: ir.Value) -> ir.Value:
+    def call_math(self, name: str, *args) -> Value:
         return self.b.call(self.mb.intrinsic(f"llvm.{name}.f32", F32, [a.type for a in args]), list(args))
 
 
 class Var:
     """A mutable f32 (or i32) value: an alloca that the optimiser promotes to a register."""
 
-    def __init__(self, fn: "KernelFunction", slot: ir.Value, ty: ir.Type):
+    def __init__(self, fn: "KernelFunction", slot: Value, ty: ir.Type):
         self.fn, self.slot, self.ty = fn, slot, ty
 
-    def get(self) -> ir.Value:
+    def get(self) -> Value:
         return self.fn.b.load(self.slot, typ=self.ty)
 
-    def set(self, value: ir.Value) -> None:
+    def set(self, value) -> None:
         self.fn.b.store(value, self.slot)
 
 
 class KernelFunction:
     """A kernel (`.entry`) under construction: its parameters are 16-byte aligned, non-aliasing
-    global pointers. `b` is the IRBuilder positioned where the next code goes."""
+    global pointers, the first `read_only` of them never written (their loads are marked
+    `!invariant.load`: ld.global.nc, the read-only data path, as the CUDA backend's `const __restrict__`).
+    `b` is the builder positioned where the next code goes."""
 
-    def __init__(self, mb: ModuleBuilder, name: str, n_params: int, threads: int):
+    def __init__(self, mb: ModuleBuilder, name: str, n_params: int, threads: int, read_only: int = 0):
         self.mb = mb
         ptr = ir.PointerType(addrspace=GLOBAL)
-        self.fn = ir.Function(mb.module, ir.FunctionType(VOID, [ptr] * n_params), name)
-        self.fn.calling_convention = "ptx_kernel"
-        self.fn.attributes.add("nounwind")
-        for arg in self.fn.args:
-            arg.add_attribute("noalias")
-            arg.attributes.align = 16
+        params = [(ptr, "noalias readonly align 16" if k < read_only else "noalias align 16") for k in range(n_params)]
+        self.fn = Function(mb.module, name, VOID, params, prefix="ptx_kernel ")
         self.threads = threads
         # the kernel mark and its launch bounds, as __launch_bounds__(threads, 1)
         for key, value in (("kernel", 1), ("maxntidx", threads), ("minctasm", 1)):
             mb.annotate(self.fn, key, value)
-        self._allocas = ir.IRBuilder(self.fn.append_basic_block("allocas"))
-        self.b = FoldingBuilder(self.fn.append_basic_block("start"))
+        self._entry = self.fn.append_basic_block("allocas")   # allocas and special registers
+        self._allocas = Builder(self.fn, self._entry)
+        self.b = FoldingBuilder(self.fn, self.fn.append_basic_block("start"))
+        if read_only:
+            self.b.read_only = frozenset(self.fn.args[:read_only])
+            self.b.invariant = mb.invariant()
         self._sregs: dict = {}
-        self._offsets: dict = {}   # (basic block, index, dims) -> the offset computed there
+        self._memo: dict = {}   # (what, basic block, operands) -> what was computed there (`in_block`)
 
     @property
     def params(self) -> list:
@@ -298,26 +306,21 @@ class KernelFunction:
 
     # -- values ----------------------------------------------------------------------------------
 
-    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Value]) -> ir.Value:
+    def intrinsic(self, name: str, ret: ir.Type, args: Sequence) -> Value:
         return self.b.call(self.mb.intrinsic(name, ret, [a.type for a in args]), list(args))
 
-    def sreg(self, name: str) -> ir.Value:
-        """A special register (`tid.x`, `ntid.x`, `ctaid.y`, `nctaid.x`...), read once per kernel."""
+    def sreg(self, name: str) -> Value:
+        """A special register (`tid.x`, `ntid.x`, `ctaid.y`, `nctaid.x`...), read once per kernel, in the
+        entry block (which dominates every use)."""
         if name not in self._sregs:
-            with self.b.goto_block(self.fn.blocks[1]):
-                first = self.fn.blocks[1].instructions
-                if first:
-                    self.b.position_before(first[0])
-                self._sregs[name] = self.intrinsic(f"llvm.nvvm.read.ptx.sreg.{name}", I32, [])
+            self._sregs[name] = self._allocas.call(self.mb.intrinsic(f"llvm.nvvm.read.ptx.sreg.{name}", I32, []), [])
         return self._sregs[name]
 
-    def shared_pointer(self, g: ir.GlobalVariable) -> ir.Value:
-        """A shared-memory global as an opaque pointer (llvmlite types globals' pointers)."""
-        cast = ir.instructions.CastInstr(self.b.block, "bitcast", g, ir.PointerType(addrspace=SHARED))
-        self.b._insert(cast)   # IRBuilder.bitcast skips a cast between "equal" pointer types
-        return cast
+    def shared_pointer(self, g: Value) -> Value:
+        """A shared-memory global as a pointer (the global's reference is one)."""
+        return g
 
-    def var(self, init: ir.Value) -> Var:
+    def var(self, init) -> Var:
         slot = self._allocas.alloca(init.type)
         self.b.store(init, slot)
         return Var(self, slot, init.type)
@@ -428,10 +431,8 @@ class KernelFunction:
         ptx = MMA_PTX_TYPES[dtype]
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, "
                 "{$8,$9}, {$10,$11,$12,$13};")
-        quad = ir.LiteralStructType([F32] * 4)
-        asm = ir.InlineAsm(ir.FunctionType(quad, [I32] * 6 + [F32] * 4), text,
-                           "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", side_effect=True)
-        d = self.b.call(asm, [*a, *b, *c])
+        d = self.b.asm(ir.FunctionType(_QUAD, [I32] * 6 + [F32] * 4), text, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3",
+                       [*a, *b, *c], True)
         return [self.b.extract_value(d, e) for e in range(4)]
 
     def ldmatrix_x4(self, row: ir.Value) -> list:
@@ -439,22 +440,20 @@ class KernelFunction:
         16-byte aligned row addresses of 8 x 8 matrix m; each lane gets its 4 registers (register m:
         row lane / 4, columns 2 (lane % 4) and the next of matrix m). Every lane of the warp must
         execute it."""
-        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4.b16", ir.LiteralStructType([I32] * 4), [row])
+        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x4.b16", _FOUR_WORDS, [row])
         return [self.b.extract_value(words, e) for e in range(4)]
 
     def ldmatrix_x2_trans(self, row: ir.Value) -> list:
         """ldmatrix.sync.aligned.m8n8.x2.trans: lanes 0 .. 15 give the row addresses of two 8 x 8
         matrices, each lane gets register m = rows 2 (lane % 4) and the next, column lane / 4 of matrix m
         (an mma B fragment of a row-major K x N tile)."""
-        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x2.trans.b16", ir.LiteralStructType([I32] * 2),
-                               [row])
+        words = self.intrinsic("llvm.nvvm.ldmatrix.sync.aligned.m8n8.x2.trans.b16", _TWO_WORDS, [row])
         return [self.b.extract_value(words, e) for e in range(2)]
 
     def pack_floats(self, lo: ir.Value, hi: ir.Value, dtype: str) -> ir.Value:
         """Two f32 values rounded to `dtype` (f16 or bf16, to nearest even) as one register, `lo` in the
         low half: cvt.rn.{f16x2,bf16x2}.f32, one instruction (its first source goes high)."""
-        asm = ir.InlineAsm(ir.FunctionType(I32, [F32, F32]), f"cvt.rn.{MMA_PTX_TYPES[dtype]}x2.f32 $0, $1, $2;", "=r,f,f")
-        return self.b.call(asm, [hi, lo])
+        return self.b.asm(_PACK_TYPE, f"cvt.rn.{MMA_PTX_TYPES[dtype]}x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], False)
 
     def bits16(self, value: ir.Value, dtype: str) -> ir.Value:
         """The 16 bits of an f32 value rounded to `dtype` (f16 or bf16), as an i32 (high half zero)."""
@@ -466,8 +465,7 @@ class KernelFunction:
 
     def marker(self, text: str) -> None:
         """The op marker as a comment in the PTX (an empty inline asm holding it)."""
-        asm = ir.InlineAsm(ir.FunctionType(VOID, []), marker_text(text), "", side_effect=True)
-        self.b.call(asm, [])
+        self.b.asm(_MARKER_TYPE, marker_text(text), "", [], True)
 
     def marker_for(self, node: Node) -> None:
         self.marker(describe(node))
@@ -486,11 +484,19 @@ class KernelFunction:
             return self.b.add(self._offset(base, dims), i32(delta))
         return self._offset(index, dims)
 
+    def in_block(self, what, operands: tuple, make):
+        """make()'s value, computed once per basic block for these operands (values, by identity; kept
+        alive with the result, so that their ids stay theirs): later uses in the block reuse it."""
+        key = (what, id(self.b.block), *map(id, operands))
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = (self.b.block, operands, make())
+        return found[2]
+
     def _offset(self, index: ir.Value, dims: tuple) -> ir.Value:
-        key = (id(self.b.block), id(index), dims)
-        found = self._offsets.get(key)
-        if found is not None and found[0] is index and found[1] is self.b.block:
-            return found[2]
+        return self.in_block(dims, (index,), lambda: self._computed_offset(index, dims))
+
+    def _computed_offset(self, index: ir.Value, dims: tuple) -> ir.Value:
         b, total, inner = self.b, None, 1
         for k in reversed(range(len(dims))):
             size, stride = dims[k]
@@ -501,19 +507,20 @@ class KernelFunction:
                 term = coord if stride == 1 else b.mul(coord, i32(stride))
                 total = term if total is None else b.add(term, total)
             inner *= size
-        total = total if total is not None else i32(0)
-        self._offsets[key] = (index, self.b.block, total)   # the objects kept: their ids stay theirs
-        return total
+        return total if total is not None else i32(0)
 
     def address(self, array: Array, offset: ir.Value) -> ir.Value:
         """The element at `offset`. An offset x + c (c a constant) is addressed as (array + x) + c, so that
         the code generator puts c in the instruction's immediate and shares array + x between the
         accesses of an unrolled loop (an i32 index would be sign-extended: sext(x + c) is not sext(x) + c)."""
         base, constant = _constant_part(offset)
-        if _known(base) is None:   # every index is below 2^31: zero-extended (one instruction less than a sign)
-            base = self.b.zext(base, I64)
-        start = self.b.gep(array.ptr, [base], inbounds=True, source_etype=array.etype)
+        start = self.in_block(("start", array.etype), (array.ptr, base), lambda: self._start(array, base))
         return self.b.gep(start, [i32(constant)], inbounds=True, source_etype=array.etype) if constant else start
+
+    def _start(self, array: Array, base) -> Value:
+        if _known(base) is None:   # every index is below 2^31: zero-extended (one instruction less than a sign)
+            base = self.in_block("zext", (base,), lambda: self.b.zext(base, I64))
+        return self.b.gep(array.ptr, [base], inbounds=True, source_etype=array.etype)
 
     def load(self, array: Array, offset: ir.Value) -> ir.Value:
         return self.b.load(self.address(array, offset), typ=array.etype)
@@ -569,7 +576,7 @@ def _constant_part(offset: ir.Value) -> tuple:
     """(x, c) where `offset` is the sum x + c of a value and a positive constant (x + c1 + c2 too), else
     (offset, 0)."""
     constant = 0
-    while isinstance(offset, ir.Instruction) and offset.opname == "add":
+    while isinstance(offset, Value) and offset.opname == "add":
         c = _known(offset.operands[1])
         if not c:
             break

@@ -1,13 +1,18 @@
-"""f32 math functions in portable LLVM IR (no libdevice): only fma, rint, trunc, sqrt, fabs,
+"""f32 math functions in portable LLVM IR (no libdevice): only fma, rint, trunc, sqrt, fabs, exp2,
 minnum / maxnum, bit casts and integer arithmetic, which NVPTX lowers to single instructions
-(fma.rn, cvt.rni, cvt.rzi, sqrt.rn, abs, min, max). Being portable, the same IR is JIT-compiled
-for the host CPU in the tests and compared with numpy in float64.
+(fma.rn, cvt.rni, cvt.rzi, sqrt.rn, abs, ex2.approx, min, max). Being portable, the same IR is
+JIT-compiled for the host CPU in the tests and compared with numpy in float64.
 
 `m` is anything with `b` (an llvmlite IRBuilder) and `call_math(name, *args)` (an f32 intrinsic).
 
 Measured errors over the f32 range that matters (tests/backend/ptx/test_ptx_mathlib.py checks them):
-* exp: Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial), within 1 ulp
-  (relative error 8.3e-8) for normal results; subnormal results within 1.1e-45 absolute.
+* exp (what the kernels call): CUDA's expf (without --use_fast_math) as its SASS shows it: x log2(e)
+  split into an integer j and a fraction f in extended precision, 2^f by exp2 (NVPTX: ex2.approx,
+  one MUFU.EX2, relative error 2^-22), 2^j from its bits: 10 instructions instead of the polynomial's
+  ~25. On the host (exact exp2) within 1.5 ulp; on the GPU ex2.approx adds its 2 ulp, as CUDA's.
+* exp_polynomial (for pow_scalar): Cephes' expf (range reduction by ln 2 in two parts, a degree-6
+  polynomial), within 1 ulp (relative error 8.3e-8) for normal results; subnormal results within
+  1.1e-45 absolute.
 * log (for pow_scalar with a non-integer exponent): Cephes' logf, within 1 ulp.
 * erf (for gelu): a rational x P(x^2) / Q(x^2) on [-4, 4] (Eigen's), within 4e-7 absolute,
   ±1 outside.
@@ -23,6 +28,10 @@ I32 = ir.IntType(32)
 LN2_HI = 0.693359375
 LN2_LO = -2.12194440e-4
 LOG2E = 1.44269504088896341
+LOG2E_HI = 1.44269502162933349609375     # log2(e) rounded to f32,
+LOG2E_LO = 1.925963033500011079e-08      # and the rest
+ROUNDING_MAGIC = 12582912.0              # 1.5 * 2^23: t + it rounds t to an integer, held in the low mantissa bits
+EXP2_SCALE_LIMIT = 126                   # 2^j a normal f32 for |j| <= 126
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 _LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
              -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)
@@ -54,6 +63,22 @@ def _power_of_two(m, n):
 
 
 def exp(m, x):
+    """e^x = 2^f 2^j with x log2(e) = j + f: j = rint(x log2(e)) clamped to [-126, 126] (so that 2^j is a
+    normal f32; beyond, f carries the rest and exp2 over- or underflows, subnormals included), f in
+    two fmas (log2(e) in two parts, so that f is exact to its last place)."""
+    b = m.b
+    rounded = m.call_math("fma", x, c(LOG2E), c(ROUNDING_MAGIC))
+    rounded = m.call_math("minnum", m.call_math("maxnum", rounded, c(ROUNDING_MAGIC - EXP2_SCALE_LIMIT)),
+                          c(ROUNDING_MAGIC + EXP2_SCALE_LIMIT))   # NaN: any j (f stays NaN)
+    minus_j = b.fsub(c(ROUNDING_MAGIC), rounded)   # exact
+    f = m.call_math("fma", x, c(LOG2E_HI), minus_j)
+    f = m.call_math("fma", x, c(LOG2E_LO), f)
+    # the mantissa's low bits hold j (two's complement): shifted into the exponent field, plus the bias
+    bits = b.add(b.shl(b.bitcast(rounded, I32), ir.Constant(I32, 23)), ir.Constant(I32, 127 << 23))
+    return b.fmul(m.call_math("exp2", f), b.bitcast(bits, F32))
+
+
+def exp_polynomial(m, x):
     b = m.b
     clamped = m.call_math("minnum", m.call_math("maxnum", x, c(-104.0)), c(89.0))
     n = m.call_math("rint", b.fmul(clamped, c(LOG2E)))
@@ -116,7 +141,7 @@ def power(m, x, exponent: float):
     if exponent == 0.5:
         return m.call_math("sqrt", x)
     b = m.b
-    magnitude = exp(m, b.fmul(c(exponent), log(m, m.call_math("fabs", x))))
+    magnitude = exp_polynomial(m, b.fmul(c(exponent), log(m, m.call_math("fabs", x))))
     negative = b.fcmp_ordered("<", x, c(0.0))
     if exponent != int(exponent):
         return b.select(negative, c(float("nan")), magnitude)

@@ -155,6 +155,7 @@ def host_ir(llvm_ir: str) -> str:
         if stripped.startswith('@"mdsl_smem"'):
             line = f'@"mdsl_smem" = global [{SMEM_BYTES} x i8] zeroinitializer, align 16'
         line = re.sub(r" addrspace\([13]\)", "", line)
+        line = re.sub(r", !invariant\.load !\d+", "", line)   # the metadata is dropped
         line = line.replace("define ptx_kernel ", "define ")
         line = re.sub(r'llvm\.nvvm\.read\.ptx\.sreg\.(\w+)\.(\w)', r"sim_sreg_\1_\2", line)
         line = line.replace('"llvm.nvvm.barrier0"', '"sim_barrier"').replace('"llvm.nvvm.shfl.sync.bfly.f32"', '"sim_shfl"')

@@ -32,6 +32,7 @@ class _Host:
 
 FUNCTIONS = {
     "exp": mathlib.exp,
+    "exp_polynomial": mathlib.exp_polynomial,
     "log": mathlib.log,
     "erf": mathlib.erf,
     "pow3": lambda m, x: mathlib.power(m, x, 3.0),
@@ -92,16 +93,19 @@ def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.abs(got.astype(np.float64) - want) / spacing
 
 
-def test_exp_within_one_ulp_and_its_special_values():
+@pytest.mark.parametrize("name, bound", [("exp", 2.0), ("exp_polynomial", 1.5)])
+def test_exp_within_its_ulps_and_its_special_values(name, bound):
+    """exp: the kernels' (2^f by exp2, exact on the host, then rounded once more by the scaling; on the
+    GPU ex2.approx adds its 2 ulp, as in CUDA's expf); exp_polynomial: pow_scalar's."""
     x = np.linspace(-104, 89, 1_000_001, dtype=np.float32)
     with np.errstate(over="ignore"):
         want = np.exp(x.astype(np.float64))
-    got = run("exp", x)
+    got = run(name, x)
     normal = (want >= TINY) & (want < np.finfo(np.float32).max)
-    assert ulps(got[normal], want[normal]).max() <= 1.5
+    assert ulps(got[normal], want[normal]).max() <= bound
     assert np.abs(got[want < TINY] - want[want < TINY]).max() <= 2e-45          # subnormal results
     assert np.isinf(got[want > np.finfo(np.float32).max]).all()
-    specials = run("exp", [np.inf, -np.inf, np.nan, 0.0, -0.0, -200.0, 200.0])
+    specials = run(name, [np.inf, -np.inf, np.nan, 0.0, -0.0, -200.0, 200.0])
     assert specials[0] == np.inf and specials[1] == 0.0 and np.isnan(specials[2])
     assert specials[3] == specials[4] == 1.0 and specials[5] == 0.0 and specials[6] == np.inf
 
