@@ -102,12 +102,18 @@ def test_the_sass_streams_the_weights_past_l1_in_wide_loads(name, load):
 
 
 def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
+    """What `autotune` times and scripts/precompile_parallel.py compiles: `emitted_variants` over each
+    candidate's space (`tuning_set`: the full one for the plan's own, the trimmed one for its variants)."""
     space = autotune.parameter_space()
-    assert {o.skinny for o in space} == {False, True}
+    trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
+    assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * len(autotune.SKINNY)
-    rnl, gqa = skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa")
-    tried = autotune.variants([rnl, gqa], space)
-    assert sorted(v.options.threads or 0 for v in tried if v.candidate == 0 and v.options.skinny) == [0, 256]
+    rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
+                      skinny_programs()["rms_norm_linear_bs8_64_columns"])
+    emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
+    tried = [v for v, problem in emitted if not problem]
+    for k in (0, 2):
+        assert sorted(v.options.threads or 0 for v in tried if v.candidate == k and v.options.skinny) == [0, 256]
     assert not [v for v in tried if v.candidate == 1 and v.options.skinny]   # gqa: the same source, dropped
 
 
