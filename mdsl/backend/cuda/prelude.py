@@ -357,18 +357,21 @@ __device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restr
 // are issued before this step's mmas (registers double-buffered: 2 x STEP x MATS x 8 VEC bytes a thread
 // in flight). Chunks fewer than 8: lanes g >= CHUNKS load a duplicate chunk (addresses the same
 // instruction loads anyway: no extra traffic) and store nothing.
+// (volatile: issued where written, before the other buffer's mmas, which are volatile too: the compiler
+// would otherwise sink them next to their use and leave nothing in flight while a warp multiplies)
 template <int VEC> struct Streamed;
 template <> struct Streamed<8> {   // 16 bytes
   static __device__ __forceinline__ void load(unsigned (&r)[4], const void* p) {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
   }
 };
 template <> struct Streamed<4> {   // 8 bytes
   static __device__ __forceinline__ void load(unsigned (&r)[2], const void* p) {
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "l"(p));
   }
 };
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" :: "l"(p)); }
 template <typename E> __device__ __forceinline__ float2 unpack(unsigned bits);
 template <> __device__ __forceinline__ float2 unpack<__half>(unsigned bits) {
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
@@ -404,8 +407,9 @@ struct Skinny {
 
   // a slab's loads from this thread's pointers (w: row 4t of its chunk; x: its rows of X at 4t); a slab
   // past the end loads the last one again (its values unused): no predicates, no zeroing
+  template <bool CLAMP = true>
   static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
-    const int k = (slab < SLABS ? slab : SLABS - 1) * 16;
+    const int k = (CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
       const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
@@ -414,6 +418,19 @@ struct Skinny {
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+  }
+
+  // the weight rows of the 2 STEP slabs first, first + KW, ... sent to L2 ahead of their loads (no registers
+  // held: DRAM's bytes in flight do not depend on where ptxas schedules the loads, which then find the rows
+  // in L2). Lane (g, t) takes rows 4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column
+  // (p: row 4t there): a group's row is at most 128 bytes, a line
+  static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
+    const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
+    const int k = (slab < SLABS ? slab : SLABS - 1) * 16;
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) prefetch_l2(p[mat] + (k + i) * LDW);
   }
 
   static __device__ __forceinline__ void multiply(Acc& acc, const Slab& s) {
@@ -433,24 +450,28 @@ struct Skinny {
       }
   }
 
-  // the slabs first, first + KW, ... that exist: multiplied, X's elements folded (rows below M, first column group)
+  // one slab multiplied, X's elements folded (rows below M, warps of the first column group)
   template <typename F>
-  static __device__ __forceinline__ void step(Acc& acc, const Slab (&s)[STEP], int first, bool folds, F& fold) {
+  static __device__ __forceinline__ void slab_step(Acc& acc, const Slab& s, bool folds, F& fold) {
     const int g = threadIdx.x % 32 / 4;
+    multiply(acc, s);
+    if (folds) {
 #pragma unroll
-    for (int q = 0; q < STEP; ++q) {
-      if (first + q * KW < SLABS) {   // the same on the whole warp
-        multiply(acc, s[q]);
-        if (folds) {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            if (mt * 8 + g < M) {
-              const float2 lo = unpack<E>(s[q].x[mt].x), hi = unpack<E>(s[q].x[mt].y);
-              fold(mt, lo.x); fold(mt, lo.y); fold(mt, hi.x); fold(mt, hi.y);
-            }
-          }
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt * 8 + g < M) {
+          const float2 lo = unpack<E>(s.x[mt].x), hi = unpack<E>(s.x[mt].y);
+          fold(mt, lo.x); fold(mt, lo.y); fold(mt, hi.x); fold(mt, hi.y);
         }
       }
+    }
+  }
+
+  // the slabs first, first + KW, ... of a buffer: all of them (`whole`), else those that exist
+  template <bool WHOLE, typename F>
+  static __device__ __forceinline__ void step(Acc& acc, const Slab (&s)[STEP], int first, bool folds, F& fold) {
+#pragma unroll
+    for (int q = 0; q < STEP; ++q) {
+      if (WHOLE || first + q * KW < SLABS) slab_step(acc, s[q], folds, fold);   // the same on the whole warp
     }
   }
 
@@ -472,20 +493,36 @@ struct Skinny {
     const E* ws[MATS];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) xs[mt] = X + (mt * 8 + g < M ? mt * 8 + g : M - 1) * LDX + 4 * t;
+    const E* lines[MATS];
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
-    // two register buffers in turn: one's loads in flight while the other's mmas run
+    for (int mat = 0; mat < MATS; ++mat) {
+      ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
+      lines[mat] = W[mat] + 4 * t * LDW + warp % GROUPS * GROUP * VEC;
+    }
+    // two register buffers in turn: one's loads in flight while the other's mmas run. The steady state
+    // has no branch (every slab of both buffers exists), so that the loads stay where they are written
+    // (ptxas sank them below branchy mma blocks, next to their use); the last slabs follow, each checked
+    // Each iteration also sends the slabs of the one after next to L2 (the next one's went last time).
     Slab a[STEP], b[STEP];
 #pragma unroll
     for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
+    prefetch(lines, kw + 2 * STEP * KW);
+    int slab = kw;
 #pragma unroll 1
-    for (int slab = kw; slab < SLABS; slab += 2 * STEP * KW) {
+    for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
+      prefetch(lines, slab + 4 * STEP * KW);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
-      step(acc, a, slab, folds, fold);
+      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
+      step<true>(acc, a, slab, folds, fold);
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
-      step(acc, b, slab + STEP * KW, folds, fold);
+      step<true>(acc, b, slab + STEP * KW, folds, fold);
+    }
+    if (slab < SLABS) {   // fewer than 2 STEP slabs left: a holds the first STEP of them
+#pragma unroll
+      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
+      step<false>(acc, a, slab, folds, fold);
+      step<false>(acc, b, slab + STEP * KW, folds, fold);
     }
   }
 
