@@ -354,11 +354,12 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     return GpuEstimate(seconds, tuple(fits))
 
 
-#: registers a thread of the skinny loop takes besides its accumulators: two register buffers of 16-byte
-#: loads (64) and addresses, X's fragments, the fold (ptxas for sm_90a, 2026-11-30: 118 at 2 rows and 138
-#: at 16 rows with one weight, 122 at 8 rows with two)
-_SKINNY_BASE_REGISTERS = 104
-_SKINNY_REGISTERS_PER_TILE = 16   # the fragments of one weight's 16 columns by one 8-row tile of X
+#: registers a thread of the skinny loop takes: two register buffers of loads (64), addresses, X's fragments,
+#: the accumulators, the fold; more with a second 8-row tile of X (its fragments and accumulators in every
+#: buffer). ptxas for sm_90a, 2026-11-30: 135 at 2 rows and 167 at 16 rows with one weight, 124 at 8 rows
+#: with two, 158-168 at 16 rows under 128 or 256 threads
+_SKINNY_BASE_REGISTERS = 128
+_SKINNY_REGISTERS_PER_TILE = 32   # each 8-row tile of X past the first
 
 
 def _skinny_fit(node: Node, device: Device) -> Optional[KernelFit]:
@@ -374,7 +375,7 @@ def _skinny_fit(node: Node, device: Device) -> Optional[KernelFit]:
     t = _traffic(node, device, device.dram_run_bytes)
     blocks = graph.num_blocks
     tiles = -(-shape.m // 8)
-    registers = _SKINNY_BASE_REGISTERS + _SKINNY_REGISTERS_PER_TILE * tiles * len(shape.weights)
+    registers = _SKINNY_BASE_REGISTERS + _SKINNY_REGISTERS_PER_TILE * (tiles - 1)
     allocated = -(-registers // 8) * 8
     smem = 4 * (len(shape.weights) * (warps // shape.groups()) * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS)
     smem += shared_memory_peak(graph) - sum(i.var.type.nbytes for i in graph.inputs)   # no input tiles
