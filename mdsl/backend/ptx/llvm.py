@@ -560,15 +560,31 @@ class KernelFunction:
                 for j in range(vector)]
 
     def write_vector(self, dst: Array, offset: ir.Value, values: list) -> None:
-        """What `read_vector` read, at `offset` of `dst`."""
+        """What `read_vector` read, at `offset` of `dst`: converted elements of up to 16 bytes in all are
+        stored as one vector (one access, as the CUDA backend's `mdsl::copy`: `dst` is aligned to it)."""
         if len(values) == 1 and values[0].type != dst.etype:   # a word holding the elements unconverted
             self.b.store(values[0], self.address(dst, offset), align=_WORD_BYTES[str(values[0].type)])
+            return
+        nbytes = len(values) * ITEMSIZE[dst.dtype]
+        if len(values) > 1 and nbytes in WORDS:
+            vector = _vector_type(dst.etype, len(values))
+            packed = ir.Constant(vector, ir.Undefined)
+            for j, value in enumerate(values):
+                packed = self.b.insert_element(packed, value, i32(j))
+            self.b.store(packed, self.address(dst, offset), align=nbytes)
             return
         for j, value in enumerate(values):
             self.b.store(value, self.address(dst, offset if j == 0 else self.b.add(offset, i32(j))))
 
 
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_type(etype: ir.Type, count: int) -> ir.VectorType:
+    return ir.VectorType(etype, count)
+
+
 _WORD_BYTES = {str(word): nbytes for nbytes, word in WORDS.items()}
 
 

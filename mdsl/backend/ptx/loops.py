@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 import attrs
 
 from mdsl.backend.cuda.loops import BLOCK_UNROLL, without
+
+ROW_UNROLL = 4   # a row's loops: the CUDA backend's `#pragma unroll 4` (and nvcc's own unrolling)
 from mdsl.backend.ptx.llvm import Array, KernelFunction, contiguous_strides, f32, i32
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
@@ -47,24 +49,7 @@ class Threads:
             with self.each(fn, n) as i:
                 body(i)
             return
-        b, tid, block = fn.b, fn.sreg("tid.x"), self.block
-        trips = -(-n // block)
-        if trips <= self.unroll:                       # written out: the trip count is known
-            for u in range(trips):
-                i = tid if u == 0 else b.add(tid, i32(u * block))
-                if (u + 1) * block <= n:
-                    body(i)
-                else:
-                    with fn.when(b.icmp_unsigned("<", i, i32(n))):
-                        body(i)
-            return
-        whole_groups = n % (self.unroll * block) == 0   # else the last group's later bodies are guarded
-        with fn.loop(tid, n, self.unroll * block) as i:
-            body(i)
-            for u in range(1, self.unroll):
-                at = b.add(i, i32(u * block))
-                with fn.when(b.icmp_unsigned("<", at, i32(n))) if not whole_groups else contextlib.nullcontext():
-                    body(at)
+        unrolled_loop(fn, fn.sreg("tid.x"), n, self.block, self.unroll, body)
 
     @contextlib.contextmanager
     def each_group(self, fn: KernelFunction, n: int, lanes: int) -> Iterator[tuple]:
@@ -80,6 +65,31 @@ class Threads:
         lane = i32(0) if lanes == 1 else b.urem(tid, i32(lanes))
         with fn.loop(start, n, step) as o0:
             yield b.add(o0, group), lane
+
+
+def unrolled_loop(fn: KernelFunction, start, stop: int, step: int, unroll: int, body: Callable) -> None:
+    """body(i) for i = start, start + step, ... below `stop`, where start < step, `unroll` bodies a trip
+    (the CUDA backend's `#pragma unroll`: several loads in flight per thread): a known trip count of
+    at most `unroll` is written out, a longer one is a loop of `unroll` bodies; a body that may pass
+    the end is guarded."""
+    b = fn.b
+    trips = -(-stop // step)
+    if trips <= unroll:                       # written out: the trip count is known
+        for u in range(trips):
+            i = start if u == 0 else b.add(start, i32(u * step))
+            if (u + 1) * step <= stop:
+                body(i)
+            else:
+                with fn.when(b.icmp_unsigned("<", i, i32(stop))):
+                    body(i)
+        return
+    whole_groups = stop % (unroll * step) == 0   # else the last group's later bodies are guarded
+    with fn.loop(start, stop, unroll * step) as i:
+        body(i)
+        for u in range(1, unroll):
+            at = b.add(i, i32(u * step))
+            with fn.when(b.icmp_unsigned("<", at, i32(stop))) if not whole_groups else contextlib.nullcontext():
+                body(at)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,8 +192,7 @@ def emit_row_reduce(fn: KernelFunction, threads: Threads, src: Array, dim: int, 
         start = fn.address(src, b.select(in_range, fn.offset(o, rows, row_view(src, dim)), i32(0)))
         row = Array(start, src.dtype, (length,), (stride,))
         with fn.when(in_range):
-            with fn.loop(lane, length, lanes) as j:
-                x = fn.load_float(row, j if stride == 1 else b.mul(j, i32(stride)))
-                v.set(fold.step(fn, v.get(), x))
+            unrolled_loop(fn, lane, length, lanes, ROW_UNROLL, lambda j: v.set(fold.step(
+                fn, v.get(), fn.load_float(row, j if stride == 1 else b.mul(j, i32(stride))))))
         value = group_reduce(fn, v.get(), lanes, fold.combine) if lanes > 1 else v.get()
         finish(o, value, lane, row, in_range)

@@ -30,8 +30,8 @@ from mdsl.backend.cuda.source import ctype
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
-from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
-                                    rescale, row_view, weighted_sum)
+from mdsl.backend.ptx.loops import (MAX, ROW_UNROLL, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce,
+                                    emit_thread_graph, rescale, row_view, unrolled_loop, weighted_sum)
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import dtype_from_name
@@ -413,9 +413,9 @@ class RmsNorm:
             with fn.when(in_range):
                 out_rows = row_view(out, dim)
                 out_row = Array(fn.address(out, fn.offset(o, rows, out_rows)), out.dtype, (length,), (out.strides[dim],))
-                with fn.loop(lane, length, lanes) as j:
-                    x = fn.load_float(row, b.mul(j, i32(src.strides[dim])))
-                    fn.store_float(out_row, b.mul(j, i32(out.strides[dim])), b.fmul(x, inv))
+                unrolled_loop(fn, lane, length, lanes, ROW_UNROLL, lambda j: fn.store_float(
+                    out_row, b.mul(j, i32(out.strides[dim])),
+                    b.fmul(fn.load_float(row, b.mul(j, i32(src.strides[dim]))), inv)))
 
         emit_row_reduce(fn, threads, src, dim, SUM_OF_SQUARES, lanes, finish)
 

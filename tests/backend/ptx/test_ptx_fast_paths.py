@@ -35,18 +35,29 @@ needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is
 BOTH = CudaOptions()
 
 
-def kernel_opcodes(cubin: bytes) -> dict:
-    """Kernel name -> {opcode (its first dotted part) -> instructions}, from the cubin's SASS."""
+def kernel_instructions(cubin: bytes) -> dict:
+    """Kernel name (or subroutine) -> its SASS instructions in order (opcodes with their modifiers:
+    LDG.E.128.CONSTANT, HMMA.16816.F32...; predicates dropped)."""
     out: dict = {}
-    counts = None
+    current = None
     for line in disassemble(cubin).splitlines():
         section = re.match(r"^\.text\.(\S+):", line)
         if section:
-            counts = out.setdefault(section.group(1), {})
+            current = out.setdefault(section.group(1), [])
             continue
-        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if found and counts is not None:
-            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if found and current is not None:
+            current.append(found.group(1))
+    return out
+
+
+def kernel_opcodes(cubin: bytes) -> dict:
+    """Kernel name -> {opcode (its first dotted part) -> instructions}, from the cubin's SASS."""
+    out: dict = {}
+    for kernel, instructions in kernel_instructions(cubin).items():
+        counts = out[kernel] = {}
+        for op in instructions:
+            counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
     return out
 
 

@@ -1,0 +1,109 @@
+"""The PTX backend's kernels against the CUDA backend's, instruction by instruction, without a GPU: for
+every benchmark case's plan (.plans, else its guided plan), under the default options and under the
+256-thread blocks the autotuner picks for most cases, both backends' cubins for sm_90a are disassembled
+and each PTX kernel must take the CUDA kernel's paths: global loads of inputs through the read-only
+data path (LDG...CONSTANT, from `!invariant.load`), exp as one MUFU.EX2 (CUDA's expf, not a
+polynomial: no FRND / F2I), converted stores of whole vectors (no 16-bit global stores where CUDA has
+none), and at most 10% more SASS instructions than the CUDA kernel. Plus IR-level checks of the
+row loops' unrolling and of the vector stores."""
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from mdsl import f16, f32
+from mdsl.backend.cuda import compile_cuda, emit_cuda
+from mdsl.backend.cuda.nvrtc import nvdisasm_path
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.backend.ptx import assembler, emit_llvm
+from tests.backend.cuda.builder import Graph
+from tests.backend.ptx.plans import benchmark_plans
+from tests.backend.ptx.test_ptx_acceptance import assembled_module
+from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
+
+ARCH = "sm_90a"
+OPTIONS = {"default": CudaOptions(), "256 threads": CudaOptions(threads=256)}
+MORE_INSTRUCTIONS = 1.10   # the PTX kernel's SASS instructions over the CUDA kernel's, at most
+
+needs_tools = pytest.mark.skipif(assembler() is None or nvdisasm_path() is None,
+                                 reason="no PTX assembler or no nvdisasm here: the SASS cannot be read")
+
+
+@functools.lru_cache(maxsize=64)
+def both_backends(case: str, option_name: str) -> tuple:
+    graph, options = benchmark_plans()[case], OPTIONS[option_name]
+    cuda = kernel_instructions(compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH).cubin)
+    ptx = kernel_instructions(assembled_module(emit_llvm(graph, arch=ARCH, options=options).llvm_ir)[1].cubin)
+    # (the PTX cubin may hold subroutines beside the kernels: the division's slow path)
+    assert set(cuda) <= set(ptx), "both backends launch the same kernels"
+    return cuda, ptx
+
+
+def _count(instructions: list, pattern: str) -> int:
+    return sum(1 for op in instructions if re.fullmatch(pattern, op))
+
+
+@needs_tools
+@pytest.mark.parametrize("option_name", list(OPTIONS))
+@pytest.mark.parametrize("case", sorted(benchmark_plans()))
+def test_ptx_kernels_take_the_cuda_kernels_paths(case, option_name):
+    cuda, ptx = both_backends(case, option_name)
+    for kernel, theirs in cuda.items():
+        ours = ptx[kernel]
+        where = f"{case} ({option_name}) {kernel}"
+        assert not [op for op in ours if op.startswith("LDG.") and "CONSTANT" not in op], \
+            f"{where}: a global load outside the read-only data path"
+        if _count(theirs, r"MUFU\.EX2"):
+            assert _count(ours, r"MUFU\.EX2") and not _count(ours, r"FRND.*|F2I.*"), \
+                f"{where}: exp is not CUDA's expf (one MUFU.EX2)"
+        if not _count(theirs, r"STG\.E\.U16"):
+            assert not _count(ours, r"STG\.E\.U16"), f"{where}: 16-bit global stores where CUDA stores vectors"
+        assert len(ours) <= MORE_INSTRUCTIONS * len(theirs), \
+            f"{where}: {len(ours)} SASS instructions, the CUDA kernel {len(theirs)}"
+
+
+def _rms_norm_block(length: int) -> object:
+    g = Graph("row_loops")
+    x = g.input("x", (4, length), f32)
+    b = g.block(grid=(4,), forloop=1, threads=32)
+    b.output(b.op("accum", b.op("rms_norm", b.input(x, imap=(0,)), dim=1, eps=1e-6)), omap=(0,))
+    b.done()
+    return g.build()
+
+
+def _kernel_ir(llvm_ir: str) -> str:
+    start = llvm_ir.index("define ptx_kernel")
+    return llvm_ir[start:llvm_ir.index("\n}\n", start)]
+
+
+def _loop_bodies(kernel_ir: str) -> list:
+    """The text of each `body` block of the kernel (a loop's body, up to the next block)."""
+    return re.findall(r"^body\.\d+:\n(.*?)(?=^\S)", kernel_ir + "\nend:", re.MULTILINE | re.DOTALL)
+
+
+def test_row_loops_are_unrolled_four_times_as_the_cuda_backends():
+    """rms_norm's fold (the sum of squares) and its scaling loop: 4 rows' elements a trip (CUDA: #pragma
+    unroll 4), whole groups unguarded (1024 elements over 32 lanes: 32 trips, a multiple of 4)."""
+    kernel = _kernel_ir(emit_llvm(_rms_norm_block(1024), options=CudaOptions(stages=1)).llvm_ir)
+    bodies = _loop_bodies(kernel)
+    folds = [body for body in bodies if 'call float @"llvm.fma.f32"' in body]
+    scales = [body for body in bodies if "fmul float" in body and "store float" in body]
+    assert folds and all(body.count('@"llvm.fma.f32"') == 4 for body in folds)
+    assert scales and all(body.count("store float") == 4 for body in scales)
+    assert all("then." not in body for body in folds + scales), "whole groups need no guard"
+
+
+def test_converted_copies_store_whole_vectors():
+    """An f32 tile stored to an f16 output 8 elements at a time: converted in registers, one 16-byte
+    store (the CUDA backend's mdsl::copy), not 8 stores of 2 bytes."""
+    g = Graph("converted_store")
+    x = g.input("x", (8, 64), f16)
+    b = g.block(grid=(1,), forloop=1, threads=64)
+    b.output(b.op("accum", b.op("exp", b.input(x, imap=(None,)))), omap=(None,))   # an f32 tile
+    b.done()
+    graph = g.build()
+    kernel = _kernel_ir(emit_llvm(graph, options=CudaOptions(stages=1)).llvm_ir)
+    assert re.search(r"store <8 x half> %t\d+, ptr addrspace\(1\) %t\d+, align 16", kernel)
+    assert not re.search(r"store half .*addrspace\(1\)", kernel)
