@@ -779,7 +779,8 @@ class Bench:
         chosen, options = self.tuned(plan, rec) if plan is not None else (None, None)
         makers = [("mdsl", self.mdsl, (chosen, sets, out_shape, out_dtype, False, "cuda", options)),
                   ("mdsl_graph", self.mdsl, (chosen, sets, out_shape, out_dtype, True, "cuda", options)),
-                  ("mdsl_ptx", self.mdsl, (chosen, sets, out_shape, out_dtype, False, "ptx")),
+                  # the same graph under the same tuned options, so that PTX / CUDA compares code generators
+                  ("mdsl_ptx", self.mdsl, (chosen, sets, out_shape, out_dtype, False, "ptx", options)),
                   *((n, self.eager, (f, sets)) for n, f in programs.items()),
                   ("cuda_graph", self.graph_of, (eager, sets)),
                   *((n, self.compiled, (eager, mode, sets)) for n, mode in COMPILE_MODES.items())]
