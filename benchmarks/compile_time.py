@@ -3,10 +3,10 @@ against the CUDA backend (CUDA C++, cubin by NVRTC), on the plans of the ten ben
 
     python benchmarks/compile_time.py [--reps 3] [--cases gqa_bs1,lora] [--assemble] [--json out.json]
 
-Plans: each case's plan from the plan cache (SearchConfig(budget_s=--budget, seed 0, sm_90a)), else its
-best guided plan (mdsl.search.guided, seconds, no z3). Each backend compiles each plan from scratch
-(no disk cache) --reps times; the median is reported, per program and per kernel (program time /
-launches):
+Plans: each case's plan from the plan cache (SearchConfig(budget_s=--budget, seed 0, sm_90a); the
+kernel benchmark's plans: MDSL_CACHE_DIR=.plans), else its best guided plan (mdsl.search.guided,
+seconds, no z3). Each backend compiles each plan from scratch (no disk cache) --reps times, the
+backends taking turns; the median is reported, per program and per kernel (program time / launches):
 
 * cuda: emit_cuda + NVRTC to a cubin (NVRTC runs ptxas inside; what a GPU run needs);
 * ptx: emit_llvm + parse, optimise and emit PTX (what the driver loads; it JIT-assembles it there);
@@ -102,8 +102,14 @@ def sass_rows(name: str, graph) -> list:
             for k in found["lean"]]
 
 
-def median_of(reps: int, measure) -> float:
-    return statistics.median(measure() for _ in range(reps))
+def interleaved_medians(reps: int, measures: dict) -> dict:
+    """name -> the median of `reps` runs of measures[name](), the measures taking turns (so that a
+    machine whose load changes during the run weighs on each alike)."""
+    samples: dict = {name: [] for name in measures}
+    for _ in range(reps):
+        for name, measure in measures.items():
+            samples[name].append(measure())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -136,11 +142,10 @@ def main(argv=None) -> int:
         if not warmed:
             time_cuda(graph), time_ptx(graph, args.assemble)
             warmed = True
-        row = {"case": name, "plan": source, "kernels": launches,
-               "nvrtc_s": median_of(args.reps, lambda: time_cuda(graph)),
-               "ptx_s": median_of(args.reps, lambda: time_ptx(graph, False))}
+        measures = {"nvrtc_s": lambda: time_cuda(graph), "ptx_s": lambda: time_ptx(graph, False)}
         if args.assemble:
-            row["ptx_ptxas_s"] = median_of(args.reps, lambda: time_ptx(graph, True))
+            measures["ptx_ptxas_s"] = lambda: time_ptx(graph, True)
+        row = {"case": name, "plan": source, "kernels": launches, **interleaved_medians(args.reps, measures)}
         row["speedup"] = row["nvrtc_s"] / row["ptx_s"]
         rows.append(row)
         print(f"{name}: {launches} kernel(s), NVRTC {1e3 * row['nvrtc_s'] / launches:.1f} ms/kernel, "
