@@ -194,8 +194,8 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"prefetch_kib": 256}), ("static", staged), ("queue", staged),
                               ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
-        if options.get("stage_weights"):   # the tiny model's tiles all fit: every linear is staged
-            assert len(engine.staging.kinds) == 4 and engine.staging.buffers == 2, engine.staging
+        if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
+            assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
         assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
 
 
