@@ -354,11 +354,11 @@ __device__ __forceinline__ void stage_tile(E* __restrict__ dst, const E* __restr
 // rows (4t, 4t + 1) and (4t + 2, 4t + 3) into the A fragments of VEC / 2 mmas (mma j: the chunk's columns
 // 2j, 2j + 1). Any order of K does if X's fragments take the same one: one 8-byte load of X's row g at 4t.
 // Warp w takes the (8 VEC)-column group w % GROUPS and the slabs w / GROUPS + i KW; the next step's loads
-// are issued before this step's mmas (registers double-buffered: 2 x STEP x MATS x 8 VEC bytes a thread
-// in flight). Chunks fewer than 8: lanes g >= CHUNKS load a duplicate chunk (addresses the same
+// are written before this step's mmas (registers double-buffered: 2 x STEP x MATS x 8 VEC bytes a thread).
+// ptxas may still sink a buffer's loads below the other buffer's mmas (it did, on sm_90a), so the slabs
+// of the iteration after next are also sent to L2 (`prefetch`): DRAM's bytes in flight do not hang on
+// that schedule. Chunks fewer than 8: lanes g >= CHUNKS load a duplicate chunk (addresses the same
 // instruction loads anyway: no extra traffic) and store nothing.
-// (volatile: issued where written, before the other buffer's mmas, which are volatile too: the compiler
-// would otherwise sink them next to their use and leave nothing in flight while a warp multiplies)
 template <int VEC> struct Streamed;
 template <> struct Streamed<8> {   // 16 bytes
   static __device__ __forceinline__ void load(unsigned (&r)[4], const void* p) {
