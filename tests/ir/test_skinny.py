@@ -7,19 +7,7 @@ import pytest
 
 from mdsl.ir.skinny import SkinnyShape, skinny_shape
 from mdsl.ir.text import parse_graph
-
-RNL = """kernel rnl(%x: f16[{m}, 4096], %w: f16[4096, {cols}]) {{
-  %matmul: f16[{m}, {cols}] = custom(%x, %w) block(grid=[{blocks}, 1, 1], threads=128, forloop=32) {{
-    in %x: f16[{m}, 128] imap=[-, -, -] fmap=1
-    in %w: f16[128, {n}] imap=[1, -, -] fmap=0
-    %accum_rms: f16[{m}, 1] = accum_rms(%x) {{eps=1e-06}}
-    %matmul: f16[{m}, {n}] = matmul(%x, %w)
-    %accum: f16[{m}, {n}] = accum(%matmul)
-    %div: f16[{m}, {n}] = div(%accum, %accum_rms)
-    out %div omap=[1, -, -]
-  }}
-  return %matmul
-}}"""
+from tests.ir.skinny_texts import rms_norm_linear
 
 GATED = """kernel gated(%x: f16[8, 4096], %w1: f16[4096, 4096], %w2: f16[4096, 4096]) {
   %mul: f16[8, 4096] = custom(%x, %w1, %w2) block(grid=[128, 1, 1], threads=128, forloop=32) {
@@ -57,12 +45,8 @@ def _body(text: str):
     return parse_graph(text).custom_nodes()[0].body
 
 
-def _rnl(m: int, n: int, blocks: int = 96) -> str:
-    return RNL.format(m=m, n=n, blocks=blocks, cols=n * blocks)
-
-
 def test_rms_norm_linear_is_a_skinny_loop_with_its_rms_folded_from_x():
-    bg = _body(_rnl(16, 32))
+    bg = _body(rms_norm_linear(16, 32))
     shape = skinny_shape(bg)
     names = [n.output.name for n in bg.nodes]
     assert shape == SkinnyShape("x", ("w",), (names.index("accum"),), (names.index("accum_rms"),), 16, 32, 4096)
@@ -73,7 +57,7 @@ def test_gated_mlp_streams_two_weights_and_no_row_accumulator():
     assert (shape.x, shape.weights, shape.rows, shape.m, shape.n, shape.k) == ("x", ("w1", "w2"), (), 8, 32, 4096)
 
 
-@pytest.mark.parametrize("text", [_rnl(17, 32), _rnl(16, 18), SQUARED])
+@pytest.mark.parametrize("text", [rms_norm_linear(17, 32), rms_norm_linear(16, 18), SQUARED])
 def test_more_than_16_rows_columns_no_load_covers_or_other_loop_work_are_not(text):
     assert skinny_shape(_body(text)) is None
 
@@ -82,20 +66,20 @@ def test_loads_cover_as_many_distinct_columns_as_the_lanes_allow():
     # columns -> (columns a load covers, chunks, groups of 8 chunks)
     expected = {64: (8, 8, 1), 128: (8, 16, 2), 32: (4, 8, 1), 96: (4, 24, 3), 24: (4, 6, 1), 48: (8, 6, 1)}
     for n, (load, chunks, groups) in expected.items():
-        shape = skinny_shape(_body(_rnl(16, n)))
+        shape = skinny_shape(_body(rms_norm_linear(16, n)))
         assert (shape.columns_per_load(), shape.chunks(), shape.groups()) == (load, chunks, groups), n
 
 
 def test_column_groups_must_divide_among_the_warps():
-    narrow, wide = (skinny_shape(_body(_rnl(16, n))) for n in (24, 128))
+    narrow, wide = (skinny_shape(_body(rms_norm_linear(16, n))) for n in (24, 128))
     assert narrow.fits(1) and narrow.fits(3)
     assert wide.fits(4) and not wide.fits(3)
 
 
 def test_loads_in_flight_count_distinct_weight_bytes():
-    full = skinny_shape(_body(_rnl(16, 64)))        # 16-byte loads, 2 slabs a buffer
-    narrow = skinny_shape(_body(_rnl(16, 32)))      # 8-byte loads, 4 slabs a buffer: as many bytes
-    partial = skinny_shape(_body(_rnl(16, 24)))     # 6 chunks of 4: two lanes of 8 duplicate
+    full = skinny_shape(_body(rms_norm_linear(16, 64)))        # 16-byte loads, 2 slabs a buffer
+    narrow = skinny_shape(_body(rms_norm_linear(16, 32)))      # 8-byte loads, 4 slabs a buffer: as many bytes
+    partial = skinny_shape(_body(rms_norm_linear(16, 24)))     # 6 chunks of 4: two lanes of 8 duplicate
     two = skinny_shape(_body(GATED))                # two weights, 2 slabs a buffer of 8-byte loads
     # 4 warps x 32 lanes x 2 buffers x 2 slabs x 4 rows x 16 bytes
     assert full.loads_in_flight(4) == 4 * 32 * 2 * 2 * 4 * 16

@@ -54,9 +54,9 @@ def skinny_programs() -> dict:
     (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel
     after), 5 rows of X over 65 slabs (the last slabs past the steady loop)."""
     from mdsl.ir.dtypes import bf16, f16
-    from tests.gpu.harness import with_dtype
-
     from mdsl.ir.text import parse_graph
+    from tests.gpu.harness import with_dtype
+    from tests.ir.skinny_texts import rms_norm_linear
 
     rnl8 = "rms_norm_linear.rms_norm_linear_bs8"
     columns = lambda n: lambda bg: bg.nodes[-1].output.shape[-1] == n and len(bg.inputs) == 2  # noqa: E731
@@ -68,20 +68,7 @@ def skinny_programs() -> dict:
         "rms_norm_linear_bs8_64_columns": _guided_with(rnl8, lambda bg: columns(64)(bg) and bg.grid[1] == 1),
         "rms_norm_linear_bs8_24_columns": _guided_with(rnl8, lambda bg: columns(24)(bg) and bg.grid[1] == 1),
         "gated_mlp_split": _guided_with("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
-        "rms_norm_linear_5_rows_65_slabs": parse_graph(_FIVE_ROWS),
+        # 5 rows of X (a partial 8-row tile), K = 1040: 65 slabs of 16, not a whole number of a warp's steps
+        "rms_norm_linear_5_rows_65_slabs": parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5)),
     }
 
-
-#: 5 rows of X (a partial 8-row tile), K = 1040: 65 slabs of 16, not a whole number of a warp's steps
-_FIVE_ROWS = """kernel rnl_5_rows(%x: f16[5, 1040], %w: f16[1040, 2048]) {
-  %matmul: f16[5, 2048] = custom(%x, %w) block(grid=[64, 1, 1], threads=128, forloop=5) {
-    in %x: f16[5, 208] imap=[-, -, -] fmap=1
-    in %w: f16[208, 32] imap=[1, -, -] fmap=0
-    %accum_rms: f16[5, 1] = accum_rms(%x) {eps=1e-06}
-    %matmul: f16[5, 32] = matmul(%x, %w)
-    %accum: f16[5, 32] = accum(%matmul)
-    %div: f16[5, 32] = div(%accum, %accum_rms)
-    out %div omap=[1, -, -]
-  }
-  return %matmul
-}"""
