@@ -178,13 +178,14 @@ _FCMP_UNORDERED = {"<": "ult", "<=": "ule", ">": "ugt", ">=": "uge", "==": "ueq"
 
 class Builder:
     """Writes instructions at the end of a block (IRBuilder's methods; `name` arguments are ignored:
-    every value is `%tN`). `invariant`: the metadata reference marking loads through read-only kernel
+    every value is `%tN`). `contract`: float adds and multiplies carry the `contract` flag. `invariant`: the metadata reference marking loads through read-only kernel
     parameters (`ld.global.nc`), None for none; `read_only`: those parameters."""
 
-    def __init__(self, fn: Function, block: Block):
+    def __init__(self, fn: Function, block: Block, contract: bool = False):
         self.fn, self.block = fn, block
         self.read_only: frozenset = frozenset()
         self.invariant: Optional[str] = None
+        self.contract = contract   # fadd / fsub / fmul may fuse into fma (nvcc's default, --fmad=true)
 
     def position_at_end(self, block: Block) -> None:
         self.block = block
@@ -309,8 +310,12 @@ class Builder:
 
 
 def _binary_method(opcode: str):
-    def method(self, lhs, rhs, name="", flags=()):
-        return self._binary(opcode, lhs, rhs, opcode)
+    if opcode in _CONTRACTIBLE:
+        def method(self, lhs, rhs, name="", flags=()):
+            return self._binary(f"{opcode} contract" if self.contract else opcode, lhs, rhs, opcode)
+    else:
+        def method(self, lhs, rhs, name="", flags=()):
+            return self._binary(opcode, lhs, rhs, opcode)
 
     return method
 
@@ -322,6 +327,7 @@ def _cast_method(opcode: str):
     return method
 
 
+_CONTRACTIBLE = ("fadd", "fsub", "fmul")
 # IRBuilder's method name -> the instruction
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "udiv": "udiv", "urem": "urem", "shl": "shl", "lshr": "lshr",
            "ashr": "ashr", "and_": "and", "or_": "or", "fadd": "fadd", "fsub": "fsub", "fmul": "fmul", "fdiv": "fdiv"}

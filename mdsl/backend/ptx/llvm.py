@@ -289,7 +289,9 @@ class KernelFunction:
             mb.annotate(self.fn, key, value)
         self._entry = self.fn.append_basic_block("allocas")   # allocas and special registers
         self._allocas = Builder(self.fn, self._entry)
-        self.b = FoldingBuilder(self.fn, self.fn.append_basic_block("start"))
+        # a * b + c fused into one fma where the code generator sees it, as nvcc does by default (the
+        # CUDA backend's kernels); mathlib's functions are written without it, their rounding exact
+        self.b = FoldingBuilder(self.fn, self.fn.append_basic_block("start"), contract=True)
         if read_only:
             self.b.read_only = frozenset(self.fn.args[:read_only])
             self.b.invariant = mb.invariant()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.runtime import has_gpu
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention
@@ -26,8 +27,8 @@ def ptx_backend(monkeypatch):
     return harness
 
 
-def _use(monkeypatch, options_name: str) -> None:
-    for key, value in options_env(EVERY_OPTION_SET[options_name]).items():
+def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
+    for key, value in options_env(sets[options_name]).items():
         monkeypatch.setenv(key, value)
 
 
@@ -53,6 +54,19 @@ _PLAN_OPTIONS = ("default",) + FALLBACKS + ("no-hoist", "no-stream")
 @pytest.mark.parametrize("name", sorted(benchmark_plans()))
 def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options)
+    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+           f"the searched plan of {name} through the PTX backend with options {options}")
+
+
+#: what the autotuner picks for most benchmark cases (and the kernel benchmark's PTX contender then runs)
+_TUNED_OPTIONS = {"threads-256-pipeline-2": CudaOptions(threads=256, stages=2),
+                  "threads-256-pipeline-3": CudaOptions(threads=256, stages=3)}
+
+
+@pytest.mark.parametrize("options", sorted(_TUNED_OPTIONS))
+@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monkeypatch, ptx_backend):
+    _use(monkeypatch, options, _TUNED_OPTIONS)
     _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
 
