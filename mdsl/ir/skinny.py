@@ -32,11 +32,12 @@ class SkinnyShape:
     n: int              # the weights' columns (the block's)
     k: int              # the block's whole K (forloop x the tile's)
 
-    def columns_per_load(self) -> int:
+    def columns_per_load(self) -> Optional[int]:
         """8 (16-byte loads) unless 4 (8-byte loads) leave fewer of a warp's lanes duplicating others:
-        a block of 32 columns is 8 chunks of 4 (every lane distinct), not 4 of 8 (half the lanes copies)."""
-        fitting = [v for v in LOADS if _chunks_fit(self.n // v)]
-        return max(fitting, key=lambda v: (min(self.n // v, GROUP_CHUNKS), v)) if fitting else LOADS[0]
+        a block of 32 columns is 8 chunks of 4 (every lane distinct), not 4 of 8 (half the lanes copies).
+        None where neither cuts the columns into chunks that fit (36: 9 chunks of 4, 4.5 of 8)."""
+        fitting = [v for v in LOADS if self.n % v == 0 and _chunks_fit(self.n // v)]
+        return max(fitting, key=lambda v: (min(self.n // v, GROUP_CHUNKS), v)) if fitting else None
 
     def chunks(self) -> int:
         return self.n // self.columns_per_load()
@@ -48,7 +49,7 @@ class SkinnyShape:
     def fits(self, warps: int) -> bool:
         """The weights' columns in whole chunks: fewer than 8 (one group, lanes past them duplicate),
         or whole groups of 8 that the warps divide among themselves."""
-        return warps >= 1 and _chunks_fit(self.chunks()) and warps % self.groups() == 0
+        return warps >= 1 and self.columns_per_load() is not None and warps % self.groups() == 0
 
     def slabs_per_step(self) -> int:
         """Slabs a warp loads at once into one register buffer: 16 elements a row of each, 4 rows."""
@@ -104,10 +105,10 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
         return None
     m, kt = x.shape
     n = bg.nodes[matmuls[0]].output.shape[-1]
-    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or n % min(LOADS) \
-            or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
+    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
         return None
-    return SkinnyShape(x.name, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop)
+    shape = SkinnyShape(x.name, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop)
+    return shape if shape.columns_per_load() is not None else None
 
 
 def _streamed(inp, fmap: int) -> bool:

@@ -57,7 +57,7 @@ def test_gated_mlp_streams_two_weights_and_no_row_accumulator():
     assert (shape.x, shape.weights, shape.rows, shape.m, shape.n, shape.k) == ("x", ("w1", "w2"), (), 8, 32, 4096)
 
 
-@pytest.mark.parametrize("text", [rms_norm_linear(17, 32), rms_norm_linear(16, 18), SQUARED])
+@pytest.mark.parametrize("text", [rms_norm_linear(17, 32), rms_norm_linear(16, 18), rms_norm_linear(16, 36), SQUARED])
 def test_more_than_16_rows_columns_no_load_covers_or_other_loop_work_are_not(text):
     assert skinny_shape(_body(text)) is None
 
