@@ -141,11 +141,16 @@ def describe_grid(graph: KernelGraph) -> str:
                       for n in graph.nodes if n.body is not None)
 
 
-def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS, skinny: Sequence[bool] = SKINNY) -> list:
+def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
+                    skinny: Optional[Sequence[bool]] = None) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
-    `variants` drops the repeated sources, so it adds one compile per block size where it applies."""
+    `variants` drops the repeated sources, so it adds one compile per block size where it applies.
+    `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
+    if skinny is None:
+        switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
+        skinny = (False,) if switched_off else SKINNY
     return [CudaOptions(stages=s, threads=t, skinny=k) for k in skinny for t in threads for s in stages]
 
 

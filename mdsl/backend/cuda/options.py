@@ -14,6 +14,9 @@ one without changing code:
     MDSL_CUDA_HOIST=0       loop-invariant block nodes computed every iteration instead of once before the loop
     MDSL_CUDA_ROWS=0        loop chains on the same rows (online softmax) through shared memory, op by op,
                             instead of in the mma registers of the warp owning the rows (`rows.py`)
+    MDSL_CUDA_SKINNY=1      loops of matmuls of at most 16 rows stream their weights from device memory into
+                            registers (`skinny.py`) instead of through shared-memory tiles (off by default: the
+                            autotuner tries both; MDSL_CUDA_SKINNY=0 keeps it from trying the skinny loop)
 """
 from __future__ import annotations
 

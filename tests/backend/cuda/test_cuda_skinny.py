@@ -117,6 +117,12 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     assert not [v for v in tried if v.candidate == 1 and v.options.skinny]   # gqa: the same source, dropped
 
 
+def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
+    monkeypatch.setenv("MDSL_CUDA_SKINNY", "0")
+    assert {o.skinny for o in autotune.parameter_space()} == {False}
+    assert {o.skinny for o in autotune.parameter_space(skinny=(True,))} == {True}   # asked for: given
+
+
 def test_the_ptx_backend_ignores_the_option():
     from mdsl.backend.ptx import emit_llvm
 
