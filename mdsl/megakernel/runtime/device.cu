@@ -180,26 +180,95 @@ __device__ __forceinline__ void put_everywhere(const Params& p, P* gathered, lon
 #pragma unroll
   for (int k = 1; k < WORLD; ++k) *on_peer(p, gathered + slot, (int(p.rank) + k) % WORLD) = value;
 }
-__device__ __forceinline__ float stream_at(const T* single, const float* parts, int i) {
+// With FLAGGED_STREAM (plan.flagged_stream) the partials are 8-byte words: the value's bits, and in the
+// high half the flag of the step that reads them (step + 1), put with one relaxed system-scope store per
+// rank and read by polling until they carry the reader's flag. No event or system-scope release orders
+// them: a word is its own signal, so a tile's partials reach the peers after one NVLink store, not
+// after its last store's acknowledgement and a remote atomic. The host zeroes them before a launch.
+using Word = unsigned long long;
+__device__ __forceinline__ Word* words(float* parts) { return reinterpret_cast<Word*>(parts); }
+__device__ __forceinline__ Word flagged(float value, unsigned flag) {
+  return (Word(flag) << 32) | Word(__float_as_uint(value));
+}
+__device__ __forceinline__ unsigned flag_of(Word w) { return unsigned(w >> 32); }
+__device__ __forceinline__ float value_of(Word w) { return __uint_as_float(unsigned(w)); }
+__device__ __forceinline__ Word ld_word(const Word* at) {
+  Word w;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
+  return w;
+}
+__device__ __forceinline__ void st_word(Word* at, Word w) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(at), "l"(w) : "memory");
+}
+// the word at `at` once it carries `flag`; past the watchdog the launch stops (reported as task TASKS + 1)
+__device__ __noinline__ Word wait_word(const Params& p, const Word* at, unsigned flag) {
+  unsigned long long since = 0;
+  for (unsigned spins = 1;; ++spins) {
+    const Word w = ld_word(at);
+    if (flag_of(w) == flag) return w;
+    if (spins % 1024 == 0) {
+      const unsigned long long now = globaltimer();
+      if (since == 0) {
+        since = now;
+      } else if (now - since > WATCHDOG_NS || ld_relaxed(p.state + STATE_STOP) < 0) {
+        if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
+          p.state[STATE_STUCK_STEP] = int(flag) - 1;
+          p.state[STATE_STUCK_EVENT] = -1;
+          p.state[STATE_STUCK_COUNT] = int(flag_of(w));
+          p.state[STATE_STUCK_NEED] = int(flag);
+        }
+        atomicExch(p.state + STATE_STOP, -1);
+        return w;
+      }
+    }
+    __nanosleep(32);
+  }
+}
+
+// element i of layer `layer` of a residual-stream buffer (h or mid): from `single` on one GPU, else the
+// WORLD partials summed in rank order (flagged: once they carry `flag`)
+__device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i,
+                                           unsigned flag) {
   if constexpr (WORLD == 1) {
-    return mdsl::to_float(single[i]);
-  } else {
+    return mdsl::to_float(single[(long long)layer * H + i]);
+  } else if constexpr (FLAGGED_STREAM) {
+    const Word* at = words(parts) + (long long)layer * WORLD * H + i;
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < WORLD; ++k) sum += parts[k * H + i];
+    for (int k = 0; k < WORLD; ++k) {
+      Word w = ld_word(at + k * H);
+      if (flag_of(w) != flag) w = wait_word(p, at + k * H, flag);
+      sum += value_of(w);
+    }
+    return round_t(sum);
+  } else {
+    const float* at = parts + (long long)layer * WORLD * H + i;
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WORLD; ++k) sum += at[k * H];
     return round_t(sum);
   }
 }
-__device__ __forceinline__ float h_at(const Params& p, int layer, int i) {
-  return stream_at(p.hs + (long long)layer * H, p.h_parts + (long long)layer * WORLD * H, i);
+__device__ __forceinline__ float h_at(const Params& p, int layer, int i, unsigned flag) {
+  return stream_at(p, p.hs, p.h_parts, layer, i, flag);
 }
-__device__ __forceinline__ float mid_at(const Params& p, int layer, int i) {
-  return stream_at(p.mids + (long long)layer * H, p.mid_parts + (long long)layer * WORLD * H, i);
+__device__ __forceinline__ float mid_at(const Params& p, int layer, int i, unsigned flag) {
+  return stream_at(p, p.mids, p.mid_parts, layer, i, flag);
 }
-// element i of a residual-stream buffer: `value` on one GPU; this rank's partial `value` otherwise
-__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int i, float value) {
-  if constexpr (WORLD == 1) single[i] = mdsl::from_float<T>(value);
-  else put_everywhere(p, parts, (long long)p.rank * H + i, value);
+// element i of layer `layer` of a residual-stream buffer: `value` on one GPU; this rank's partial `value`
+// otherwise, into its slot here and on every peer
+__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value,
+                                           unsigned flag) {
+  if constexpr (WORLD == 1) {
+    single[(long long)layer * H + i] = mdsl::from_float<T>(value);
+  } else if constexpr (FLAGGED_STREAM) {
+    Word* at = words(parts) + ((long long)layer * WORLD + p.rank) * H + i;
+    const Word w = flagged(value, flag);
+#pragma unroll
+    for (int k = 0; k < WORLD; ++k) st_word(k == 0 ? at : on_peer(p, at, (int(p.rank) + k) % WORLD), w);
+  } else {
+    put_everywhere(p, parts + (long long)layer * WORLD * H, (long long)p.rank * H + i, value);
+  }
 }
 
 // sum of the 16-byte vector w (VEC elements of T) times xs[0 .. VEC)
@@ -259,6 +328,39 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
     if (i < K) xs[i] = round_t(weight[j] * round_t(xs[i] * r));
   }
   compute_sync();
+}
+
+// xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer) * norm. Flagged partials are all
+// loaded before any is checked (a poll per element would be one round trip after another), then the
+// few that did not carry the flag yet are waited for.
+__device__ void load_normed_stream(const Params& p, float* xs, const T* single, float* parts, int layer, unsigned flag,
+                                   const T* norm, float* red) {
+  if constexpr (WORLD > 1 && FLAGGED_STREAM) {
+    constexpr int PER = (H + NT - 1) / NT;
+    const Word* base = words(parts) + (long long)layer * WORLD * H;
+    Word w[PER][WORLD];
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+#pragma unroll
+      for (int k = 0; k < WORLD; ++k) {
+        const int i = threadIdx.x + j * NT;
+        w[j][k] = i < H ? ld_word(base + k * H + i) : flagged(0.0f, flag);
+      }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = threadIdx.x + j * NT;
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < WORLD; ++k) {
+        if (flag_of(w[j][k]) != flag) w[j][k] = wait_word(p, base + k * H + i, flag);
+        sum += value_of(w[j][k]);
+      }
+      if (i < H) xs[i] = round_t(sum);
+    }
+    load_normed_input<H>(xs, [&](int i) { return xs[i]; }, norm, red);   // each thread its own elements
+  } else {
+    load_normed_input<H>(xs, [&](int i) { return stream_at(p, single, parts, layer, i, flag); }, norm, red);
+  }
 }
 
 // Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
@@ -330,9 +432,9 @@ __device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
   return r < KR ? w.wq + (long long)r * H : r < VR ? w.wk + (long long)(r - KR) * H : w.wv + (long long)(r - VR) * H;
 }
 
-__device__ void qkv_task(const Params& p, const Task& t, const Staged& staged, float* xs, float* red) {
+__device__ void qkv_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs, float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_normed_input<H>(xs, [&](int i) { return h_at(p, t.layer, i); }, w.ln1, red);
+  load_normed_stream(p, xs, p.hs, p.h_parts, t.layer, flag, w.ln1, red);
   T* out = p.qkvs + (long long)t.layer * QKV;
   task_gemv<H, 1>(t, staged, xs, [&](int r, int) { return qkv_row(w, r); },
                 [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
@@ -557,25 +659,25 @@ __device__ void combine_task(const Params& p, const Task& t) {
   }
 }
 
-__device__ void oproj_task(const Params& p, const Task& t, const Staged& staged, float* xs) {
+__device__ void oproj_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D);
-  T* out = p.mids + (long long)t.layer * H;
-  float* parts = p.mid_parts + (long long)t.layer * WORLD * H;
   // one GPU: h + the product rounded to T, as transformers adds them; a rank: its partial product, plus
   // h on rank 0
   task_gemv<HQ * D, 1>(t, staged, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
                      [&](int r, const float* acc) {
                        const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
-                       stream_put(p, out, parts, r, (p.rank == 0 ? h_at(p, t.layer, r) : 0.0f) + product);
+                       stream_put(p, p.mids, p.mid_parts, t.layer, r,
+                                  (p.rank == 0 ? h_at(p, t.layer, r, flag) : 0.0f) + product, flag);
                      });
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-__device__ void gateup_task(const Params& p, const Task& t, const Staged& staged, float* xs, float* red) {
+__device__ void gateup_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs,
+                            float* red) {
   const LayerWeights& w = p.layers[t.layer];
-  load_normed_input<H>(xs, [&](int i) { return mid_at(p, t.layer, i); }, w.ln2, red);
+  load_normed_stream(p, xs, p.mids, p.mid_parts, t.layer, flag, w.ln2, red);
   T* out = p.acts + (long long)t.layer * I;
   task_gemv<H, 2>(t, staged, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
                 [&](int r, const float* acc) {
@@ -583,15 +685,14 @@ __device__ void gateup_task(const Params& p, const Task& t, const Staged& staged
                 });
 }
 
-__device__ void down_task(const Params& p, const Task& t, const Staged& staged, float* xs) {
+__device__ void down_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs) {
   const LayerWeights& w = p.layers[t.layer];
   load_input<I>(xs, p.acts + (long long)t.layer * I);
-  T* out = p.hs + (long long)(t.layer + 1) * H;
-  float* parts = p.h_parts + (long long)(t.layer + 1) * WORLD * H;
   task_gemv<I, 1>(t, staged, xs, [&](int r, int) { return w.wd + (long long)r * I; },
                 [&](int r, const float* acc) {
                   const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
-                  stream_put(p, out, parts, r, (p.rank == 0 ? mid_at(p, t.layer, r) : 0.0f) + product);
+                  stream_put(p, p.hs, p.h_parts, t.layer + 1, r,
+                             (p.rank == 0 ? mid_at(p, t.layer, r, flag) : 0.0f) + product, flag);
                 });
 }
 
@@ -637,8 +738,9 @@ __device__ void best_of_block(float& v, int& i, float* red) {
     if (better(red[w], redi[w], v, i)) { v = red[w]; i = redi[w]; }
 }
 
-__device__ void lmhead_task(const Params& p, const Task& t, long long pos, int tile, float* xs, float* red) {
-  load_normed_input<H>(xs, [&](int i) { return h_at(p, L, i); }, p.final_norm, red);
+__device__ void lmhead_task(const Params& p, const Task& t, long long step, long long pos, int tile, float* xs,
+                            float* red) {
+  load_normed_stream(p, xs, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm, red);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -739,7 +841,7 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
     const int local = next_token - int(p.rank) * V;
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
     for (int i = threadIdx.x; i < H; i += NT)
-      stream_put(p, p.hs, p.h_parts, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f);
+      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f, unsigned(step + 2));
   }
   return going;
 }
@@ -941,18 +1043,19 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
     bool signal = true;
+    const unsigned flag = unsigned(step + 1);   // the flagged residual stream's words this step reads and writes
     const bool staged_task = staged_kind(t.kind);
     const int b = staged_done % STAGE_RING;
     const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
                            unsigned(staged_done / STAGE_RING) & 1u};
     switch (t.kind) {
-      case KIND_QKV: qkv_task(p, t, staged, work, red); break;
+      case KIND_QKV: qkv_task(p, t, staged, flag, work, red); break;
       case KIND_ATTN: attention_task(p, t, step, pos, work); break;
       case KIND_COMBINE: combine_task(p, t); break;
-      case KIND_OPROJ: oproj_task(p, t, staged, work); break;
-      case KIND_GATEUP: gateup_task(p, t, staged, work, red); break;
-      case KIND_DOWN: down_task(p, t, staged, work); break;
-      case KIND_LMHEAD: lmhead_task(p, t, pos, int(index % TASKS) - LM_FIRST, work, red); break;
+      case KIND_OPROJ: oproj_task(p, t, staged, flag, work); break;
+      case KIND_GATEUP: gateup_task(p, t, staged, flag, work, red); break;
+      case KIND_DOWN: down_task(p, t, staged, flag, work); break;
+      case KIND_LMHEAD: lmhead_task(p, t, step, pos, int(index % TASKS) - LM_FIRST, work, red); break;
       default: signal = sample_task(p, t, step, pos, red); break;
     }
     compute_sync();                    // every thread's writes happen before the release below

@@ -96,7 +96,9 @@ class MegakernelEngine:
     lanes share a cached position in attention's scores (source.ATTENTION_LANES); `fused_combine`, whether
     the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging);
-    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it. `ranks`: one rank of a
+    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`,
+    under tensor parallelism, whether the residual stream's partials travel as flagged words that their
+    readers poll instead of being signalled (plan.for_ranks). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -104,7 +106,7 @@ class MegakernelEngine:
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
                  prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
                  stage_weights: bool = False, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
-                 ranks: Optional[RankGroup] = None):
+                 flagged_stream: bool = False, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -130,7 +132,8 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
-                                                   fused_combine=fused_combine), self.world)
+                                                   fused_combine=fused_combine), self.world,
+                                         flagged_stream=flagged_stream and self.world > 1)
         source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib)
         self.staging = source.staging
         self.source = source.text
@@ -169,7 +172,7 @@ class MegakernelEngine:
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
                         schedule: str = "static", prefetch_ahead: int = 1, attention_lanes: int = 1,
                         fused_combine: bool = False, stage_weights: bool = False,
-                        prefetch_kib: int = DEFAULT_PREFETCH_KIB) -> "MegakernelEngine":
+                        prefetch_kib: int = DEFAULT_PREFETCH_KIB, flagged_stream: bool = False) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -183,7 +186,7 @@ class MegakernelEngine:
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
                    eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
                    attention_lanes=attention_lanes, fused_combine=fused_combine, stage_weights=stage_weights,
-                   prefetch_kib=prefetch_kib)
+                   prefetch_kib=prefetch_kib, flagged_stream=flagged_stream)
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -273,8 +276,11 @@ class MegakernelEngine:
         p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
         p.best_index = self._shared_zeros(self.world * plan.lm_tiles, i32)
         if self.ranks is not None:
-            p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden, f32)
-            p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden, f32)
+            words = 2 if self.plan.flagged_stream else 1   # flagged: (value, flag) words of 8 bytes
+            self._stream_bytes = [((s.layers + 1) * self.world * s.hidden * words * 4),
+                                  (s.layers * self.world * s.hidden * words * 4)]
+            p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden * words, f32)
+            p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden * words, f32)
             p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
             p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
@@ -338,6 +344,11 @@ class MegakernelEngine:
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)
+        if self.plan.flagged_stream:   # no word of an earlier launch carries a flag this one reads
+            for ptr, nbytes in zip((p.h_parts, p.mid_parts), self._stream_bytes):
+                _check(driver.cuMemsetD8Async(ptr, 0, nbytes, self._stream), "cuMemsetD8Async")
+            _check(driver.cuStreamSynchronize(self._stream), "zeroing the residual stream's partials")
+            self.ranks.pe.barrier()    # ... before a peer puts step 0's row into them
         self._write_first_row(tokens[start])
         if self.ranks is not None:   # every rank's tables and first row are in place before any kernel runs
             self.ranks.pe.barrier()
@@ -352,6 +363,10 @@ class MegakernelEngine:
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
+        if task == len(self.plan.tasks) + 1:   # device.cu's wait_word
+            raise CudaError(f"the megakernel deadlocked: a residual-stream partial of step {step} still carried flag "
+                            f"{count} after 5 s (needed {need}); every worker stopped",
+                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
         if task:
             waited = self.plan.events[event].producers
             raise CudaError(f"the megakernel deadlocked: task {task - 1} ({self.plan.tasks[task - 1].label()}) of step "
@@ -386,7 +401,9 @@ class MegakernelEngine:
         if 0 <= local < s.vocab:
             raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)
             row = (raw.astype(np.uint32) << 16).view(np.float32) if s.dtype.itemsize == 2 else raw.view(np.float32)
-        slot = p.h_parts + self.ranks.rank * s.hidden * 4
+        if self.plan.flagged_stream:   # (value, flag 1: step 0's) words
+            row = (np.uint64(1) << np.uint64(32)) | row.view(np.uint32).astype(np.uint64)
+        slot = p.h_parts + self.ranks.rank * s.hidden * row.itemsize
         for k in range(self.world):
             self._copy_in(slot + (self._peer_deltas[k] if k != self.ranks.rank else 0), row)
 

@@ -117,6 +117,9 @@ class TaskPlan:
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
     fused_combine: bool = False   # the last attention split of a kv head merges its heads' partials
+    # under tensor parallelism: the residual stream's partials travel as (value, step flag) words that their
+    # readers poll, so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
+    flagged_stream: bool = False
 
     @property
     def max_chunk(self) -> int:
@@ -160,14 +163,18 @@ REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every r
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
+# ... of which the o-proj and down-proj tiles' partials may travel as flagged words instead (flagged_stream)
+FLAGGED_KINDS = (Kind.OPROJ, Kind.DOWN)
 
 
-def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
+def for_ranks(plan: TaskPlan, world: int, flagged_stream: bool = False) -> TaskPlan:
     """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
     model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
     same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
     producers of every rank, and the embedding's (the samplers') starts at `world`: the host puts each
-    rank's part of step 0's row."""
+    rank's part of step 0's row. `flagged_stream`: the o-proj and down-proj tiles put each partial with
+    its step's flag in one 8-byte word, which readers poll; their events then count this rank's tiles
+    only, and nothing is signalled across GPUs for them (no system-scope release per tile)."""
     if plan.world != 1:
         raise ValueError(f"the plan is already one of {plan.world} ranks")
     if world == 1:
@@ -175,13 +182,15 @@ def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
     events = []
     for event in plan.events:
         kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
-        if kinds <= set(CROSS_RANK_KINDS):
+        if flagged_stream and kinds <= set(FLAGGED_KINDS):
+            events.append(event)
+        elif kinds <= set(CROSS_RANK_KINDS):
             events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
         elif kinds & set(CROSS_RANK_KINDS):
             raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
         else:
             events.append(event)
-    return attrs.evolve(plan, events=tuple(events), world=world)
+    return attrs.evolve(plan, events=tuple(events), world=world, flagged_stream=flagged_stream)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save

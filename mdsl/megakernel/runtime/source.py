@@ -190,6 +190,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
+              f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
