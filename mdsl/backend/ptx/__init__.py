@@ -1,5 +1,5 @@
-"""The PTX backend: the CUDA backend's lowered kernels emitted as LLVM IR with llvmlite.ir
-(`emit_llvm`), turned into PTX by llvmlite's NVPTX target (`compile_ptx`, cached), assembled by
+"""The PTX backend: the CUDA backend's lowered kernels emitted as LLVM IR, written as text while it is
+built (`emit_llvm`, `irtext`), turned into PTX by llvmlite's NVPTX target (`compile_ptx`, cached), assembled by
 ptxas or nvJitLink for the resource report (`assemble`) and loaded by the driver on a GPU
 (`PtxModule.load`). The CUDA backend's fast paths, switched by the same `CudaOptions` (emit_llvm's
 `options`, else the MDSL_CUDA_* environment): block matmuls on tensor cores (mma.sync, ldmatrix
