@@ -63,13 +63,15 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 
 
 def generate_source_for(engine_kwargs):
-    from mdsl.megakernel.runtime.plan import build_plan
+    from mdsl.megakernel.runtime.plan import build_plan, for_ranks
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.source import generate_source
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False))
+    if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
+        plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
 
 
