@@ -258,6 +258,10 @@ class _MathBody:
     def call_math(self, name: str, *args) -> Value:
         return self.b.call(self.mb.intrinsic(f"llvm.{name}.f32", F32, [a.type for a in args]), list(args))
 
+    def saturate(self, x) -> Value:
+        """x clamped to [0, 1] (NaN: 0), cvt.sat.f32.f32."""
+        return self.b.call(self.mb.intrinsic("llvm.nvvm.saturate.f", F32, [F32]), [x])
+
 
 class Var:
     """A mutable f32 (or i32) value: an alloca that the optimiser promotes to a register."""

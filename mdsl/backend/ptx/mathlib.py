@@ -3,13 +3,14 @@ minnum / maxnum, bit casts and integer arithmetic, which NVPTX lowers to single 
 (fma.rn, cvt.rni, cvt.rzi, sqrt.rn, abs, ex2.approx, min, max). Being portable, the same IR is
 JIT-compiled for the host CPU in the tests and compared with numpy in float64.
 
-`m` is anything with `b` (an llvmlite IRBuilder) and `call_math(name, *args)` (an f32 intrinsic).
+`m` is anything with `b` (an llvmlite IRBuilder), `call_math(name, *args)` (an f32 intrinsic) and
+`saturate(x)` (x clamped to [0, 1], NaN to 0: NVPTX's cvt.sat, which ptxas folds into the FFMA before it).
 
 Measured errors over the f32 range that matters (tests/backend/ptx/test_ptx_mathlib.py checks them):
 * exp (what the kernels call): CUDA's expf (without --use_fast_math) as its SASS shows it: x log2(e)
   split into an integer j and a fraction f in extended precision, 2^f by exp2 (NVPTX: ex2.approx,
-  one MUFU.EX2, relative error 2^-22), 2^j from its bits: 10 instructions instead of the polynomial's
-  ~25. On the host (exact exp2) within 1.5 ulp; on the GPU ex2.approx adds its 2 ulp, as CUDA's.
+  one MUFU.EX2, relative error 2^-22), 2^j from its bits: 9 instructions (FFMA.SAT, FFMA, FADD, 2 FFMA,
+  SHF, IADD, MUFU, FMUL: CUDA's 8 and an add) instead of the polynomial's ~25. On the host (exact exp2) within 1.5 ulp; on the GPU ex2.approx adds its 2 ulp, as CUDA's.
 * exp_polynomial (for pow_scalar): Cephes' expf (range reduction by ln 2 in two parts, a degree-6
   polynomial), within 1 ulp (relative error 8.3e-8) for normal results; subnormal results within
   1.1e-45 absolute.
@@ -67,9 +68,11 @@ def exp(m, x):
     normal f32; beyond, f carries the rest and exp2 over- or underflows, subnormals included), f in
     two fmas (log2(e) in two parts, so that f is exact to its last place)."""
     b = m.b
-    rounded = m.call_math("fma", x, c(LOG2E), c(ROUNDING_MAGIC))
-    rounded = m.call_math("minnum", m.call_math("maxnum", rounded, c(ROUNDING_MAGIC - EXP2_SCALE_LIMIT)),
-                          c(ROUNDING_MAGIC + EXP2_SCALE_LIMIT))   # NaN: any j (f stays NaN)
+    # x log2(e) / 252 + 1/2 clamped to [0, 1] (FFMA.SAT: NaN gives 0, any j; f stays NaN), then
+    # 252 u - 126 rounded to an integer j in [-126, 126] (not always the nearest to x log2(e): f is
+    # exact whichever it is, and within 1/2 + 2^-16 of 0 unless clamped)
+    u = m.saturate(m.call_math("fma", x, c(LOG2E / (2 * EXP2_SCALE_LIMIT)), c(0.5)))
+    rounded = m.call_math("fma", u, c(2.0 * EXP2_SCALE_LIMIT), c(ROUNDING_MAGIC - EXP2_SCALE_LIMIT))
     minus_j = b.fsub(c(ROUNDING_MAGIC), rounded)   # exact
     f = m.call_math("fma", x, c(LOG2E_HI), minus_j)
     f = m.call_math("fma", x, c(LOG2E_LO), f)

@@ -135,6 +135,16 @@ define internal i32 @sim_pack_bf16(float %hi, float %lo) {
   ret i32 %out
 }
 """
+# cvt.sat.f32.f32 (llvm.nvvm.saturate.f): clamped to [0, 1], NaN to 0
+_SATURATE_HELPER = """
+define internal float @sim_saturate(float %x) {
+  %below = fcmp ult float %x, 0.0
+  %low = select i1 %below, float 0.0, float %x
+  %above = fcmp ogt float %low, 1.0
+  %out = select i1 %above, float 1.0, float %low
+  ret float %out
+}
+"""
 _PACK_ASM = re.compile(r'asm\s+(?:sideeffect\s+)?"cvt\.rn\.(f16|bf16)x2\.f32 \$0, \$1, \$2;", "=r,f,f"')
 _MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
 _CP_ASYNC = re.compile(r'"llvm\.nvvm\.cp\.async\.c[ag]\.shared\.global\.(4|8|16)"')
@@ -165,13 +175,16 @@ def host_ir(llvm_ir: str) -> str:
         if line.lstrip().startswith("declare") and _LDMATRIX.search(line):
             continue   # defined by _LDMATRIX_HELPERS
         line = _LDMATRIX.sub(lambda found: f"@sim_ldmatrix_{found.group(1).replace('.', '_')}", line)
+        if line.lstrip().startswith("declare") and '@"llvm.nvvm.saturate.f"' in line:
+            continue   # defined by _SATURATE_HELPER
+        line = line.replace('@"llvm.nvvm.saturate.f"', "@sim_saturate")
         line = line.replace('"llvm.nvvm.cp.async.commit.group"', '"sim_cp_async_commit"')
         line = line.replace('"llvm.nvvm.cp.async.wait.group"', '"sim_cp_async_wait"')
         line = re.sub(r"(%\S+) = fpext bfloat (%\S+) to float", r"\1 = call float @sim_from_bf16(i16 \2)", line)
         line = re.sub(r"(%\S+) = fptrunc float (%\S+) to bfloat", r"\1 = call i16 @sim_to_bf16(float \2)", line)
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
-    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS
+    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS + _SATURATE_HELPER
 
 
 class _Block:

@@ -29,6 +29,10 @@ class _Host:
         fn = self.module.globals.get(full) or ir.Function(self.module, ir.FunctionType(F32, [F32] * len(args)), full)
         return self.b.call(fn, list(args))
 
+    def saturate(self, x):
+        """NVPTX's cvt.sat on the host: [0, 1], NaN to 0 (maxnum(NaN, 0) is 0)."""
+        return self.call_math("minnum", self.call_math("maxnum", x, ir.Constant(F32, 0.0)), ir.Constant(F32, 1.0))
+
 
 FUNCTIONS = {
     "exp": mathlib.exp,
