@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.gpu.harness import SEED
-from tests.gpu.test_megakernel import NEW_TOKENS, PROMPT, first_difference, hf_greedy, hf_model
+from tests.gpu.test_megakernel import NEW_TOKENS, PROMPT, first_difference, hf_greedy, varied_hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
     def get(arch, dtype_name):
         if (arch, dtype_name) not in made:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-            model = hf_model(torch, transformers, arch, dtype, SEED % 1000)
+            model = varied_hf_model(torch, transformers, arch, dtype, SEED % 1000)
             folder = tmp_path_factory.mktemp(f"tp-{arch}-{dtype_name}")
             model.save_pretrained(str(folder), safe_serialization=True)
             made[arch, dtype_name] = (str(folder), model, torch)
