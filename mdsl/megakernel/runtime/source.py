@@ -97,7 +97,7 @@ class Staging:
     into one of `buffers` shared-memory buffers (bulk copies completing on an mbarrier) as soon as it
     takes the task, before waiting for the task's inputs; the compute warps then read the tile from
     shared memory. A tile so loads while its inputs are still being produced (the attention chain before
-    the o-proj, the cross-GPU wait before the QKV), and the copy engine keeps a whole tile in flight
+    the o-proj; the o-proj and its all-reduce before the gate/up), and the copy engine keeps a whole tile in flight
     where the compute warps' loads keep 32 KB. A kind is staged where its largest tile fits next to the
     task inputs' shared memory."""
     kinds: tuple = ()
