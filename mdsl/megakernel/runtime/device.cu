@@ -875,6 +875,8 @@ __device__ __forceinline__ void weight_pieces(const Params& p, const Task& t, Vi
     visit(p.lm_head + (long long)t.begin * H, n * H);
     return;
   }
+  // no weights (and the sampler's layer is L, past the layer table)
+  if (t.kind == KIND_ATTN || t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
   const LayerWeights& w = p.layers[t.layer];
   switch (t.kind) {
     case KIND_QKV: {
