@@ -5,7 +5,9 @@ ptxas or nvJitLink for the resource report (`assemble`) and loaded by the driver
 `options`, else the MDSL_CUDA_* environment): block matmuls on tensor cores (mma.sync, ldmatrix
 fragments), sums kept in the mma's registers, cp.async input pipelines, unrolled block loops, the
 tensor-core GEMM kernel, row-resident loop chains (online softmax in the registers of the warps owning
-the rows: `rows.py`), streamed combines (`streamed.py`) and hoisted loop-invariant nodes.
+the rows: `rows.py`), streamed combines (`streamed.py`), hoisted loop-invariant nodes and, with
+`CudaOptions.skinny`, the skinny loop of matmuls of at most 16 rows (weights streamed into registers:
+`skinny.py`).
 Importing it loads neither llvmlite.binding nor the CUDA libraries."""
 from mdsl.backend.ptx.codegen import PtxProgram, emit_llvm
 from mdsl.backend.ptx.compile import (AssembledModule, PtxCompileError, PtxModule, assemble, assembler, compile_ptx,

@@ -40,6 +40,7 @@ from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.rows import RowKernel
+from mdsl.backend.ptx.skinny import emit_skinny, has_rules
 from mdsl.backend.ptx.streamed import emit_streamed
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.passes.layout import scratch_name
@@ -86,17 +87,30 @@ class BlockKernel:
 def emit_custom(program, index: int, node: Node) -> None:
     options = program.options
     bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch))
+    types = tuple(v.type for v in node.inputs)
+    lowered = lower(bg, types, options, arch_number(program.arch), skinny=options.skinny)
+    if lowered.skinny is not None and not has_rules(bg, lowered.skinny):
+        lowered = lower(bg, types, options, arch_number(program.arch))
     schedule, memory = lowered.schedule, lowered.memory
-    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=memory.total) as scope:
+    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes) as scope:
         fn = scope.fn
-        bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, lowered)
+        smem = fn.shared_pointer(program.mb.dynamic_smem())
+        bk = BlockKernel(fn, smem, bg, lowered)
         rk = RowKernel(bk, lowered.rows) if lowered.rows is not None else None
         in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
         streamed = lowered.streamed or ()
         read = {v.name for i in streamed for v in bg.nodes[i].inputs}   # from device memory
+        if lowered.skinny is not None:   # every input streamed from device memory
+            read = {inp.var.name for inp in bg.inputs}
         parts = {inp.var.name: _input_part(bk, inp, tensor) for inp, tensor in zip(bg.inputs, scope.inputs)
                  if inp.var.name in bk.tiles or inp.var.name in read}
+        if lowered.skinny is not None:
+            scratch = fn.b.gep(smem, [i32(lowered.scratch_offset)], inbounds=True, source_etype=I8)
+            emit_skinny(bk, bg, lowered.skinny, parts, scratch)
+            for stage in schedule.post:
+                _stage(bk, stage)
+            _store_outputs(bk, scope)
+            return
         loaded = [inp for inp in bg.inputs if inp.var.name in parts]
         per_iteration = [inp for inp in loaded if inp.fmap is not None]
         if streamed:

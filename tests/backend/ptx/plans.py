@@ -73,3 +73,59 @@ def split_attention(qknorm: bool, heads: int = 1, queries: int = 32, kv_len: int
     c.output(c.op("cast", out, dtype=f16), omap=(h, r))
     c.done()
     return g.build(outputs=[g.nodes[-1].outputs[0]])
+
+
+def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks: int = 96, k: int = 4096,
+                           dtype=None) -> KernelGraph:
+    """RMSNorm + Linear as one kernel of `blocks` blocks, each a slice of the weight's columns over a loop of
+    `forloop` K tiles: the tuning variants the autotuner ran the skinny loop on in the fifth session's
+    kernel benchmark (rms_norm_linear_bs1: 2 rows, 96 blocks x 8 iterations; bs8: 16 rows, 96 x 64), op
+    for op; smaller shapes for the CPU simulator."""
+    from mdsl.ir.dtypes import f16
+    from tests.backend.cuda.builder import Graph
+
+    dtype = dtype or f16
+    g = Graph(f"rms_norm_linear_skinny_{rows}x{k}x{columns}_{dtype.name}")
+    x, w = g.input("x", (rows, k), dtype), g.input("w", (k, columns), dtype)
+    b = g.block(grid=(blocks,), forloop=forloop, threads=128)
+    xt, wt = b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)
+    norm = b.op("accum_rms", xt, eps=1e-6)
+    b.output(b.op("div", b.op("accum", b.op("matmul", xt, wt)), norm), omap=(1,))
+    b.done()
+    return g.build()
+
+
+def gated_mlp_skinny(rows: int = 8, k: int = 4096, columns: int = 4096, blocks: int = 64, splits: int = 2,
+                     forloop: int = 32, dtype=None) -> KernelGraph:
+    """Gated MLP as the fifth session's tuned variant (64 x 2 blocks x 32 iterations, then 128 blocks
+    combining the 2 K splits with silu and the gate's product), op for op: the first kernel is a skinny
+    loop of two weights."""
+    from mdsl.ir.dtypes import f16, f32
+    from tests.backend.cuda.builder import Graph
+
+    dtype = dtype or f16
+    g = Graph(f"gated_mlp_skinny_{rows}x{k}x{columns}_{dtype.name}")
+    x = g.input("x", (rows, k), dtype)
+    w1, w2 = g.input("w1", (k, columns), dtype), g.input("w2", (k, columns), dtype)
+    b = g.block(grid=(blocks, splits), forloop=forloop, threads=128)
+    xt = b.input(x, imap=(None, 1), fmap=1)
+    sums = [b.op("accum", b.op("matmul", xt, b.input(w, imap=(1, 0), fmap=0))) for w in (w1, w2)]
+    for s in sums:
+        b.output(b.op("cast", s, dtype=f32), omap=(1, 0))
+    gate, up = b.done()
+    combine_blocks = 128
+    c = g.block(grid=(combine_blocks,), forloop=splits, threads=128)
+    gt, ut = (c.input(v, imap=(1,), fmap=0) for v in (gate, up))
+    gate_total, up_total = c.op("accum", gt), c.op("accum", ut)
+    out = c.op("mul", c.op("silu", gate_total), up_total)
+    c.output(c.op("cast", out, dtype=dtype), omap=(1,))
+    c.done()
+    return g.build(outputs=[g.nodes[-1].outputs[0]])
+
+
+#: the fifth session's skinny-loop picks of the autotuner (name -> graph, options), as the kernel
+#: benchmark ran them on the CUDA backend and, since, on the PTX backend
+def tuned_skinny_plans() -> dict:
+    return {"rms_norm_linear_bs1": (rms_norm_linear_skinny(2, 8), CudaOptions(skinny=True)),
+            "rms_norm_linear_bs8": (rms_norm_linear_skinny(16, 64), CudaOptions(skinny=True, threads=256)),
+            "gated_mlp": (gated_mlp_skinny(), CudaOptions(skinny=True))}

@@ -20,6 +20,9 @@ of how the backend builds their operands:
   four elements of D.
 * `cvt.rn.{f16x2,bf16x2}.f32` (inline asm) rounds two floats into one register (the first source in
   the upper half).
+* `prmt.b32` (inline asm, the default mode) picks each byte of the result from the 8 bytes of its two
+  sources by the selector's nibbles; `ld.global.nc.L1::no_allocate.v{2,4}.u32` (inline asm) loads the
+  words, failing on an address not aligned to the vector; `prefetch.global.L2` does nothing.
 * `cp.async` copies (the NVVM intrinsics) are queued per thread, `commit_group` closes a group and
   `wait_group N` performs every group but the newest N: a copy lands as late as the ISA allows, so a
   kernel that reads a tile before waiting for it reads what was there before (NaN at first). With
@@ -145,6 +148,56 @@ define internal float @sim_saturate(float %x) {
   ret float %out
 }
 """
+# prmt.b32 d, a, b, selector (default mode: byte i of d is byte (selector >> 4i) & 7 of the 8 bytes b:a,
+# replicating that byte's sign bit where (selector >> 4i) & 8)
+_PERMUTE_HELPER = """
+define internal i32 @sim_prmt(i32 %a, i32 %b, i32 %sel) {
+  %lo = zext i32 %a to i64
+  %hi0 = zext i32 %b to i64
+  %hi = shl i64 %hi0, 32
+  %v = or i64 %hi, %lo
+""" + "".join(f"""  %s{i}a = lshr i32 %sel, {4 * i}
+  %n{i} = and i32 %s{i}a, 7
+  %m{i} = and i32 %s{i}a, 8
+  %n{i}w = zext i32 %n{i} to i64
+  %sh{i} = mul i64 %n{i}w, 8
+  %x{i}w = lshr i64 %v, %sh{i}
+  %x{i}a = trunc i64 %x{i}w to i32
+  %x{i} = and i32 %x{i}a, 255
+  %neg{i}a = and i32 %x{i}, 128
+  %neg{i} = icmp ne i32 %neg{i}a, 0
+  %sign{i} = select i1 %neg{i}, i32 255, i32 0
+  %rep{i} = icmp ne i32 %m{i}, 0
+  %y{i} = select i1 %rep{i}, i32 %sign{i}, i32 %x{i}
+  %z{i} = shl i32 %y{i}, {8 * i}
+""" for i in range(4)) + """  %d01 = or i32 %z0, %z1
+  %d23 = or i32 %z2, %z3
+  %d = or i32 %d01, %d23
+  ret i32 %d
+}
+"""
+_PERMUTE_ASM = re.compile(r'call i32 asm\s+(?:sideeffect\s+)?"prmt\.b32 \$0, \$1, \$2, (0x[0-9a-fA-F]+);", "=r,r,r"\((i32 \S+), (i32 \S+)\)')
+# ld.global.nc.L1::no_allocate.v{2,4}.u32 (inline asm): host loads of the words, the address checked
+# for the vector's alignment (`sim_misaligned` reports it)
+_STREAMED_HELPERS = """
+declare void @sim_misaligned(ptr, i32)
+""" + "".join(f"""
+define internal {{{', '.join(['i32'] * n)}}} @sim_ld_nc_v{n}(ptr %p) {{
+  %address = ptrtoint ptr %p to i64
+  %off = and i64 %address, {4 * n - 1}
+  %bad = icmp ne i64 %off, 0
+  br i1 %bad, label %misaligned, label %load
+misaligned:
+  call void @sim_misaligned(ptr %p, i32 {4 * n})
+  br label %load
+load:
+""" + "".join(f"""  %p{e} = getelementptr i32, ptr %p, i32 {e}
+  %w{e} = load i32, ptr %p{e}
+  %r{e} = insertvalue {{{', '.join(['i32'] * n)}}} {'undef' if e == 0 else f'%r{e - 1}'}, i32 %w{e}, {e}
+""" for e in range(n)) + f"""  ret {{{', '.join(['i32'] * n)}}} %r{n - 1}
+}}
+""" for n in (2, 4))
+_STREAMED_ASM = re.compile(r'asm sideeffect "ld\.global\.nc\.L1::no_allocate\.v(2|4)\.u32 [^"]*", "[^"]*"')
 _PACK_ASM = re.compile(r'asm\s+(?:sideeffect\s+)?"cvt\.rn\.(f16|bf16)x2\.f32 \$0, \$1, \$2;", "=r,f,f"')
 _MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
 _CP_ASYNC = re.compile(r'"llvm\.nvvm\.cp\.async\.c[ag]\.shared\.global\.(4|8|16)"')
@@ -160,7 +213,8 @@ def host_ir(llvm_ir: str) -> str:
     out = []
     for line in llvm_ir.splitlines():
         stripped = line.strip()
-        if stripped.startswith(("target triple", "target datalayout", "!")) or 'asm sideeffect "//' in line:
+        if stripped.startswith(("target triple", "target datalayout", "!")) or 'asm sideeffect "//' in line \
+                or 'asm sideeffect "prefetch.global.L2 ' in line:   # op markers; L2 prefetches change no value
             continue
         if stripped.startswith('@"mdsl_smem"'):
             line = f'@"mdsl_smem" = global [{SMEM_BYTES} x i8] zeroinitializer, align 16'
@@ -171,6 +225,9 @@ def host_ir(llvm_ir: str) -> str:
         line = line.replace('"llvm.nvvm.barrier0"', '"sim_barrier"').replace('"llvm.nvvm.shfl.sync.bfly.f32"', '"sim_shfl"')
         line = _MMA_ASM.sub(r"@sim_mma_\1", line)
         line = _PACK_ASM.sub(r"@sim_pack_\1", line)
+        line = _STREAMED_ASM.sub(r"@sim_ld_nc_v\1", line)
+        line = _PERMUTE_ASM.sub(lambda found: f"call i32 @sim_prmt({found.group(2)}, {found.group(3)}, "
+                                              f"i32 {int(found.group(1), 16)})", line)
         line = _CP_ASYNC.sub(r'"sim_cp_async_\1"', line)
         if line.lstrip().startswith("declare") and _LDMATRIX.search(line):
             continue   # defined by _LDMATRIX_HELPERS
@@ -184,7 +241,8 @@ def host_ir(llvm_ir: str) -> str:
         line = re.sub(r"(%\S+) = fptrunc float (%\S+) to bfloat", r"\1 = call i16 @sim_to_bf16(float \2)", line)
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
-    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS + _SATURATE_HELPER
+    return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS + _SATURATE_HELPER + \
+        _PERMUTE_HELPER + _STREAMED_HELPERS
 
 
 class _Block:
@@ -329,6 +387,10 @@ def _cp_async_wait(pending: int) -> None:
             ctypes.memmove(dst, src, nbytes)
 
 
+def _misaligned(address: int, nbytes: int) -> None:
+    raise AssertionError(f"a {nbytes}-byte vector load from {address:#x}, not {nbytes}-byte aligned")
+
+
 @functools.cache
 def _callbacks() -> dict:
     """Name -> (ctypes callback, kept alive here)."""
@@ -342,6 +404,7 @@ def _callbacks() -> dict:
     for nbytes in (4, 8, 16):
         made[f"sim_cp_async_{nbytes}"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(
             _guarded(_cp_async(nbytes)))
+    made["sim_misaligned"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(_guarded(_misaligned))
     made["sim_cp_async_commit"] = ctypes.CFUNCTYPE(None)(_guarded(_cp_async_commit))
     made["sim_cp_async_wait"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(_guarded(_cp_async_wait))
     return made

@@ -3,7 +3,9 @@ under every option set (hoisting and streamed combines off among them), the benc
 plans and the split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each
 switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
 environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
-tests' harness; the loaded modules report no spills.
+tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
+fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP) and on every benchmark
+plan (those it does not qualify keep the tile loop).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -14,7 +16,7 @@ import pytest
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.runtime import has_gpu
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention
+from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
 
@@ -28,7 +30,11 @@ def ptx_backend(monkeypatch):
 
 
 def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
-    for key, value in options_env(sets[options_name]).items():
+    _use_options(monkeypatch, sets[options_name])
+
+
+def _use_options(monkeypatch, options: CudaOptions) -> None:
+    for key, value in {**options_env(options), "MDSL_CUDA_SKINNY": str(int(options.skinny))}.items():
         monkeypatch.setenv(key, value)
 
 
@@ -60,7 +66,8 @@ def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
 
 #: what the autotuner picks for most benchmark cases (and the kernel benchmark's PTX contender then runs)
 _TUNED_OPTIONS = {"threads-256-pipeline-2": CudaOptions(threads=256, stages=2),
-                  "threads-256-pipeline-3": CudaOptions(threads=256, stages=3)}
+                  "threads-256-pipeline-3": CudaOptions(threads=256, stages=3),
+                  "skinny": CudaOptions(skinny=True), "skinny-threads-256": CudaOptions(skinny=True, threads=256)}
 
 
 @pytest.mark.parametrize("options", sorted(_TUNED_OPTIONS))
@@ -69,6 +76,16 @@ def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monke
     _use(monkeypatch, options, _TUNED_OPTIONS)
     _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
+
+
+@pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
+def test_tuned_skinny_plan_through_ptx(name, monkeypatch, ptx_backend):
+    """The skinny loop (weights streamed into registers, mma.sync with W as the A operand) at the
+    benchmark's sizes, as the autotuner picked it for the CUDA backend, against float64."""
+    graph, options = tuned_skinny_plans()[name]
+    _use_options(monkeypatch, options)
+    _check(ptx_backend, graph, f"ptx-skinny:{name}", f"the tuned skinny plan of {name} through the PTX backend "
+           f"with options {options}")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)

@@ -1,0 +1,318 @@
+"""The skinny loop as LLVM IR: the CUDA backend's `mdsl::Skinny` (its prelude) for the block graphs that
+`mdsl.backend.cuda.skinny.skinny_plan` qualifies (the loop's shape: mdsl.ir.skinny), with the same load
+schedule, fragment layout and partial-sum meeting, so that both backends sum the same products in the
+same order:
+
+* lane (g, t) of a warp holds chunk g (VEC columns) of rows 4t .. 4t + 3 of each 16-row slab of a weight,
+  loaded with 16-byte (8-byte) `ld.global.nc.L1::no_allocate`, and X's 4 elements at 4t of rows g and
+  g + 8 (8-byte read-only loads); slabs are dealt to the warps along K (KW of them), STEP slabs a warp
+  loads into one register buffer, two buffers in turn (one's loads in flight while the other's mmas run);
+  the rows of the slabs after the next are sent to L2 ahead (`prefetch.global.L2`);
+* the products on tensor cores with W as the A operand (m16n8k16, four byte permutes per 16 bytes of W),
+  X's rows the mma's 8 columns (MT tiles of 8);
+* each warp's sums into shared memory (f32), met in a fixed order after one barrier; the row
+  accumulators of X (accum_rms's sum of squares) folded from the X fragments the mmas read, by the warps
+  of the first column group, each row's folds met over the quad, then over the warps.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from llvmlite import ir
+
+from mdsl.backend.cuda.skinny import SkinnyPlan, scratch_bytes
+from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
+from mdsl.backend.ptx.loops import SUM, SUM_OF_SQUARES
+from mdsl.ir.graph import BlockGraph
+from mdsl.ir.ops import extend_op
+from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SLAB
+
+_WORD_STRUCTS = {4: ir.LiteralStructType([I32] * 4), 2: ir.LiteralStructType([I32] * 2)}
+_WORD_PAIR = ir.VectorType(I32, 2)
+LOW_HALVES, HIGH_HALVES = 0x5410, 0x7632   # __byte_perm selectors: (a.lo, b.lo), (a.hi, b.hi)
+
+
+class SkinnyLoop:
+    """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC>` with the same
+    constants, each thread's pointers, and the code of its members."""
+
+    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int):
+        fn, b = bk.fn, bk.fn.b
+        shape = skinny.shape
+        self.bk, self.fn, self.shape, self.warps = bk, fn, shape, warps
+        self.vec = shape.columns_per_load()
+        self.mats, self.mt = len(shape.weights), -(-shape.m // 8)
+        self.group = min(shape.chunks(), GROUP_CHUNKS)
+        self.groups = shape.groups()
+        self.kw_warps = warps // self.groups
+        self.slabs, self.words, self.step = shape.k // SLAB, self.vec // 2, shape.slabs_per_step()
+        x = parts[shape.x]
+        self.dtype = x.dtype
+        self.etype = ELEMENT_TYPES[x.dtype]
+        ldx, self.ldw = x.strides[0], parts[shape.weights[0]].strides[0]
+        tid = fn.sreg("tid.x")
+        lane = b.urem(tid, i32(32))
+        self.warp, self.g, self.t = b.udiv(tid, i32(32)), b.udiv(lane, i32(4)), b.urem(lane, i32(4))
+        self.kw = b.udiv(self.warp, i32(self.groups))
+        group_of_warp = b.urem(self.warp, i32(self.groups))
+        # the warps of the first column group fold X (None: every warp, one group)
+        self.folds = None if self.groups == 1 else b.icmp_unsigned("==", group_of_warp, i32(0))
+        chunk_in_group = self.g if self.group == GROUP_CHUNKS else b.urem(self.g, i32(self.group))
+        self.chunk = b.add(b.mul(group_of_warp, i32(self.group)), chunk_in_group)
+        four_t = b.mul(self.t, i32(4))
+        self.xs = []
+        for mt in range(self.mt):
+            row = b.add(self.g, i32(mt * 8))
+            if (mt + 1) * 8 > shape.m:   # rows past M read row M - 1 (never stored)
+                row = b.select(b.icmp_unsigned("<", row, i32(shape.m)), row, i32(shape.m - 1))
+            self.xs.append(fn.address(x, b.add(b.mul(row, i32(ldx)), four_t)))
+        row4t = b.mul(four_t, i32(self.ldw))
+        self.ws, self.lines = [], []
+        for name in shape.weights:
+            w = parts[name]
+            self.ws.append(fn.address(w, b.add(row4t, b.mul(self.chunk, i32(self.vec)))))
+            self.lines.append(fn.address(w, b.add(row4t, b.mul(group_of_warp, i32(self.group * self.vec)))))
+
+    # -- memory
+
+    def _at(self, ptr, offset):
+        """ptr + offset elements (offset: an i32 value, zero-extended, or an int)."""
+        b = self.fn.b
+        if isinstance(offset, int):
+            return ptr if offset == 0 else b.gep(ptr, [i32(offset)], inbounds=True, source_etype=self.etype)
+        return b.gep(ptr, [b.zext(offset, I64)], inbounds=True, source_etype=self.etype)
+
+    def _streamed(self, ptr) -> list:
+        """A weight row's VEC columns: `ld.global.nc.L1::no_allocate` (the prelude's Streamed<VEC>)."""
+        n = self.words
+        regs = ",".join(f"${k}" for k in range(n))
+        words = self.fn.b.asm(ir.FunctionType(_WORD_STRUCTS[n], [ptr.type]),
+                              f"ld.global.nc.L1::no_allocate.v{n}.u32 {{{regs}}}, [${n}];",
+                              ",".join(["=r"] * n + ["l"]), [ptr], True)
+        return [self.fn.b.extract_value(words, k) for k in range(n)]
+
+    def load(self, slab, clamp: bool = True) -> tuple:
+        """A slab's registers: (w[mat][row 0..3][word], x[mt] as (low, high) words); a slab past the end
+        loads the last one again (its values unused) when `clamp`."""
+        fn, b = self.fn, self.fn.b
+        if clamp:
+            slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
+        k = b.mul(slab, i32(SLAB))
+        w = []
+        for ws in self.ws:
+            row = self._at(ws, b.mul(k, i32(self.ldw)))   # the next rows at constant offsets (immediates)
+            w.append([self._streamed(self._at(row, i * self.ldw)) for i in range(4)])
+        x = []
+        for xs in self.xs:
+            pair = b.load(self._at(xs, k), typ=_WORD_PAIR, align=8)   # read-only: ld.global.nc.v2
+            x.append((b.extract_element(pair, i32(0)), b.extract_element(pair, i32(1))))
+        return w, x
+
+    def prefetch(self, first) -> None:
+        """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
+        4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column (a line)."""
+        fn, b = self.fn, self.fn.b
+        slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
+        slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
+        k = b.mul(slab, i32(SLAB))
+        for line in self.lines:
+            row = self._at(line, b.mul(k, i32(self.ldw)))
+            for i in range(4):
+                b.asm(ir.FunctionType(ir.VoidType(), [row.type]), "prefetch.global.L2 [$0];", "l",
+                      [self._at(row, i * self.ldw)], True)
+
+    # -- arithmetic
+
+    def _permute(self, a, c, selector: int):
+        return self.fn.b.asm(ir.FunctionType(I32, [I32, I32]), f"prmt.b32 $0, $1, $2, {hex(selector)};",
+                             "=r,r,r", [a, c], False)
+
+    def multiply(self, acc: list, slab: tuple) -> None:
+        w, x = slab
+        for mat in range(self.mats):
+            for j in range(self.words):
+                rows = [w[mat][i][j] for i in range(4)]
+                a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
+                     self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
+                for mt in range(self.mt):
+                    d = acc[mat][mt][j]
+                    out = self.fn.mma_m16n8k16(self.dtype, a, list(x[mt]), [v.get() for v in d])
+                    for var, value in zip(d, out):
+                        var.set(value)
+
+    def _unpack(self, word) -> list:
+        b = self.fn.b
+        pair = b.bitcast(word, ir.VectorType(self.etype, 2))
+        return [b.fpext(b.extract_element(pair, i32(e)), ir.FloatType()) for e in range(2)]
+
+    def slab_step(self, acc: list, slab: tuple, folds: list) -> None:
+        """One slab multiplied; X's elements folded (rows below M, warps of the first column group)."""
+        fn, b = self.fn, self.fn.b
+        self.multiply(acc, slab)
+        if not folds:
+            return
+        with _when(fn, self.folds):
+            for mt in range(self.mt):
+                row_inside = None if (mt + 1) * 8 <= self.shape.m else \
+                    b.icmp_unsigned("<", b.add(self.g, i32(mt * 8)), i32(self.shape.m))
+                with _when(fn, row_inside):
+                    values = [v for word in slab[1][mt] for v in self._unpack(word)]
+                    for fold, var in folds:
+                        for value in values:
+                            var[mt].set(fold.step(fn, var[mt].get(), value))
+
+    def steps(self, acc: list, slabs: list, first, whole: bool, folds: list) -> None:
+        """The slabs first, first + KW, ... of a buffer: all of them (`whole`), else those that exist."""
+        fn, b = self.fn, self.fn.b
+        for q, slab in enumerate(slabs):
+            if whole:
+                self.slab_step(acc, slab, folds)
+                continue
+            with fn.when(b.icmp_unsigned("<", b.add(first, i32(q * self.kw_warps)), i32(self.slabs))):
+                self.slab_step(acc, slab, folds)
+
+    def run(self, acc: list, folds: list) -> None:
+        """acc += this warp's part of X W for each weight; each fold sees every element of X's rows g,
+        g + 8 in the block's K exactly once over the block. Two register buffers in turn; the steady
+        state has no branch, the last slabs follow, each checked."""
+        fn, b = self.fn, self.fn.b
+        kw, stride = self.kw_warps, 2 * self.step * self.kw_warps
+        buffered = self._buffer([self.load(b.add(self.kw, i32(q * kw))) for q in range(self.step)])
+        self.prefetch(b.add(self.kw, i32(2 * self.step * kw)))
+        stop = max(0, self.slabs - (2 * self.step - 1) * kw)
+        with fn.loop(self.kw, stop, stride) as slab:
+            self.prefetch(b.add(slab, i32(4 * self.step * kw)))
+            a = self._read(buffered)
+            later = [self.load(b.add(slab, i32((self.step + q) * kw)), clamp=False) for q in range(self.step)]
+            self.steps(acc, a, slab, True, folds)
+            self._write(buffered, [self.load(b.add(slab, i32((2 * self.step + q) * kw))) for q in range(self.step)])
+            self.steps(acc, later, b.add(slab, i32(self.step * kw)), True, folds)
+        with fn.when(b.icmp_unsigned("<", slab, i32(self.slabs))):   # fewer than 2 STEP slabs left
+            a = self._read(buffered)
+            later = [self.load(b.add(slab, i32((self.step + q) * kw))) for q in range(self.step)]
+            self.steps(acc, a, slab, False, folds)
+            self.steps(acc, later, b.add(slab, i32(self.step * kw)), False, folds)
+
+    def _buffer(self, slabs: list) -> list:
+        """A register buffer carried across the loop (Vars), holding `slabs`."""
+        return [([[[self.fn.var(v) for v in row] for row in w] for w in ws], [[self.fn.var(v) for v in pair]
+                                                                             for pair in xs]) for ws, xs in slabs]
+
+    @staticmethod
+    def _read(buffered: list) -> list:
+        return [([[[v.get() for v in row] for row in w] for w in ws], [tuple(v.get() for v in pair) for pair in xs])
+                for ws, xs in buffered]
+
+    @staticmethod
+    def _write(buffered: list, slabs: list) -> None:
+        for (ws, xs), (w_values, x_values) in zip(buffered, slabs):
+            for w, w_now in zip(ws, w_values):
+                for row, row_now in zip(w, w_now):
+                    for var, value in zip(row, row_now):
+                        var.set(value)
+            for pair, pair_now in zip(xs, x_values):
+                for var, value in zip(pair, pair_now):
+                    var.set(value)
+
+    def store_part(self, acc: list, part: Array) -> None:
+        """This warp's sums into part (f32, MATS x KW x M x N: weight, warp along K, row of X, column)."""
+        fn, b = self.fn, self.fn.b
+        m_rows, n = self.shape.m, self.shape.n
+        distinct = None if self.group == GROUP_CHUNKS else b.icmp_unsigned("<", self.g, i32(self.group))
+        with _when(fn, distinct):
+            column = b.mul(self.chunk, i32(self.vec))
+            two_t = b.mul(self.t, i32(2))
+            for mat in range(self.mats):
+                base = b.mul(b.add(self.kw, i32(mat * self.kw_warps)), i32(m_rows * n))
+                for mt in range(self.mt):
+                    for e in range(4):
+                        m = b.add(two_t, i32(mt * 8 + (e & 1)))
+                        inside = None if mt * 8 + 8 <= m_rows else b.icmp_unsigned("<", m, i32(m_rows))
+                        with _when(fn, inside):
+                            at = b.add(b.add(base, b.mul(m, i32(n))), column)
+                            for j in range(self.words):
+                                fn.store_float(part, b.add(at, i32(2 * j + (e >> 1))), acc[mat][mt][j][e].get())
+
+
+def _when(fn, cond):
+    """The code written inside runs where `cond` holds (None: always, no branch)."""
+    return contextlib.nullcontext() if cond is None else fn.when(cond)
+
+
+def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -> None:
+    """The loop: each warp's streamed part, its partial sums met in shared memory (at `part_ptr`) into the
+    accumulators' tiles, and the row accumulators' folds into theirs, then finalized by their own rules
+    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement)."""
+    fn, b = bk.fn, bk.fn.b
+    shape, warps = skinny.shape, bg.threads // 32
+    loop = SkinnyLoop(bk, skinny, parts, warps)
+    mats, kw, mt_tiles = loop.mats, loop.kw_warps, loop.mt
+    for i in shape.rows:
+        bg.nodes[i].opdef.rules["ptx"].init(bk, bg.nodes[i])
+    part = Array(part_ptr, "f32", (scratch_bytes(skinny, warps) // 4,), (1,))
+    acc = [[[[fn.var(f32(0.0)) for _ in range(4)] for _ in range(loop.words)] for _ in range(mt_tiles)]
+           for _ in range(mats)]
+    row_folds = [bg.nodes[i].opdef.rules["ptx_skinny"] for i in shape.rows]
+    folds = [(fold, [fn.var(f32(fold.identity)) for _ in range(mt_tiles)]) for fold in row_folds]
+    loop.run(acc, folds)
+    loop.store_part(acc, part)
+    rows_base = mats * kw * shape.m * shape.n
+    tid = fn.sreg("tid.x")
+    for k, (fold, running) in enumerate(folds):
+        fn.marker_for(bg.nodes[shape.rows[k]])
+        for mt in range(mt_tiles):
+            v = running[mt].get()
+            for lanes in (1, 2):   # the quad, as mdsl::quad_reduce
+                v = fold.combine(fn, v, fn.shuffle_xor(v, lanes))
+            row = b.add(loop.g, i32(mt * 8))
+            first_lane = b.icmp_unsigned("==", loop.t, i32(0))
+            inside = first_lane if (mt + 1) * 8 <= shape.m else \
+                b.and_(first_lane, b.icmp_unsigned("<", row, i32(shape.m)))
+            with fn.when(inside):
+                at = b.add(b.mul(loop.warp, i32(MAX_ROWS)), row)
+                fn.store_float(part, b.add(at, i32(rows_base + k * warps * MAX_ROWS)), v)
+    fn.barrier()
+    for mat, i in enumerate(shape.sums):
+        node = bg.nodes[i]
+        tile = bk.tile(node.output)
+        fn.marker_for(node)
+        sums = (shape.m, shape.n)
+
+        def element(e, mat=mat, tile=tile, sums=sums) -> None:
+            total = f32(0.0)
+            for w in range(kw):   # the warps' partial sums, in a fixed order
+                total = b.fadd(total, fn.load_float(part, b.add(e, i32((mat * kw + w) * shape.m * shape.n))))
+            fn.store_float(tile, fn.offset(e, sums, tile), total)
+
+        bk.threads.for_each(fn, shape.m * shape.n, element)
+    for k, i in enumerate(shape.rows):
+        node = bg.nodes[i]
+        tile, fold = bk.tile(node.output), bg.nodes[i].opdef.rules["ptx_skinny"]
+        fn.marker_for(node)
+        with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
+            first = rows_base + k * warps * MAX_ROWS
+            v = fn.load_float(part, b.add(tid, i32(first)))
+            for w in range(1, warps):
+                v = fold.combine(fn, v, fn.load_float(part, b.add(tid, i32(first + w * MAX_ROWS))))
+            at = fn.offset(tid, tuple(tile.shape), tile)
+            fn.store_float(tile, at, fold.combine(fn, fn.load_float(tile, at), v))
+    fn.barrier()
+    finishing = [i for i in shape.rows if bg.nodes[i].opdef.rules["ptx"].finalize is not None]
+    for i in finishing:
+        fn.marker_for(bg.nodes[i])
+        bg.nodes[i].opdef.rules["ptx"].finalize(bk, bg.nodes[i])
+    if finishing:
+        fn.barrier()
+
+
+def has_rules(bg: BlockGraph, skinny: SkinnyPlan) -> bool:
+    """Whether this backend has the rules the plan needs: a `ptx_skinny` fold for each row accumulator."""
+    return all("ptx_skinny" in bg.nodes[i].opdef.rules for i in skinny.shape.rows)
+
+
+#: a row accumulator of X folded from the fragments the mmas read (the CUDA backend's `cuda_skinny`):
+#: its fold, which combines by sum (the warps' and lanes' folds meet in any grouping)
+_RULES = {"accum_sum": SUM, "accum_mean": SUM, "accum_rms": SUM_OF_SQUARES}
+
+for _name, _fold in _RULES.items():
+    extend_op(_name, ptx_skinny=_fold)

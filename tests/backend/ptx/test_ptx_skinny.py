@@ -1,0 +1,152 @@
+"""The PTX backend's skinny loop (mdsl/backend/ptx/skinny.py, the CUDA backend's `mdsl::Skinny`):
+
+* which kernels take it: those `skinny_plan` qualifies, under `CudaOptions(skinny=True)` only;
+* its numbers on the CPU simulator (tests/backend/ptx/simulator.py executes the streamed loads, the byte
+  permutes and mma.sync as the PTX ISA defines them) against the reference, over the shapes that change
+  its code: X of 2, 3 and 16 rows (one or two 8-row tiles, rows past M), one or two column groups, 16-
+  and 8-byte loads, a warp's lanes duplicating chunks, two weights, the steady loop with and without
+  the last slabs after it, row accumulators (accum_rms, accum_sum) and none, f16 and bf16;
+* its SASS against the CUDA backend's on the fifth session's tuned skinny plans (RMSNorm + Linear at
+  batch 1 and 8, Gated MLP, at the benchmark's sizes): the same 16-byte no-allocate weight loads, mmas,
+  L2 prefetches, barriers and shuffles, no spills or local memory, no more registers or instructions
+  than the stated margins.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from mdsl import bf16, f16
+from mdsl.backend.cuda import compile_cuda, emit_cuda
+from mdsl.backend.cuda.options import CudaOptions
+from mdsl.backend.ptx import emit_llvm
+from tests.backend.cuda.builder import Graph
+from tests.backend.ptx.plans import benchmark_plans, gated_mlp_skinny, rms_norm_linear_skinny, tuned_skinny_plans
+from tests.backend.ptx.test_ptx_acceptance import assembled_module
+from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
+from tests.backend.ptx.test_ptx_parity import needs_tools
+from tests.backend.ptx.test_ptx_simulated import check_simulated
+from tests.backend.ptx.test_ptx_simulated import pytestmark as needs_simulator
+
+SKINNY = CudaOptions(skinny=True)
+ARCH = "sm_90a"
+STREAMED = "ld.global.nc.L1::no_allocate"
+
+
+def _row_sums(rows: int, k: int, columns: int, blocks: int, forloop: int, threads: int = 128) -> object:
+    """rms_norm_linear's loop with an accum_sum of X beside the accum_rms: two row folds."""
+    g = Graph(f"skinny_row_sums_{rows}x{k}x{columns}")
+    x, w = g.input("x", (rows, k), f16), g.input("w", (k, columns), f16)
+    b = g.block(grid=(blocks,), forloop=forloop, threads=threads)
+    xt, wt = b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)
+    total, norm = b.op("accum_sum", xt), b.op("accum_rms", xt, eps=1e-6)
+    s = b.op("accum", b.op("matmul", xt, wt))
+    b.output(b.op("add", b.op("div", s, norm), total), omap=(1,))
+    b.done()
+    return g.build()
+
+
+#: small skinny programs, each changing the loop's code: (graph, threads)
+SIMULATED = {
+    # 2 rows, 64 columns a block (8 chunks of 16 bytes, one group), 4 warps along K; K = 640 a block:
+    # 40 slabs, the steady loop twice, then the last slabs
+    "rows-2-tail": (rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640), None),
+    # 16 rows (two 8-row tiles of X), bf16, 8 warps along K, K = 512 (no slab after the steady loop)
+    "rows-16-bf16-threads-256": (rms_norm_linear_skinny(16, 4, columns=128, blocks=2, k=512, dtype=bf16), 256),
+    # 3 rows (rows past M in the tile), 128 columns a block: two column groups, 2 warps along K each
+    "rows-3-two-groups": (rms_norm_linear_skinny(3, 4, columns=256, blocks=2, k=256), None),
+    # 32 columns a block: 8-byte loads (8 chunks of 4 columns); 16 columns: 4 chunks, lanes duplicating
+    "8-byte-loads": (rms_norm_linear_skinny(4, 2, columns=64, blocks=2, k=384), None),
+    "duplicated-chunks": (rms_norm_linear_skinny(5, 2, columns=32, blocks=2, k=256), None),
+    # two weights (one slab a step), no row accumulator, then a second kernel
+    "two-weights": (gated_mlp_skinny(rows=8, k=512, columns=128, blocks=2, splits=2, forloop=4), None),
+    "row-sums": (_row_sums(6, 512, 128, 2, 4), None),
+}
+
+
+def _options(threads) -> CudaOptions:
+    return CudaOptions(skinny=True, threads=threads)
+
+
+def test_only_the_skinny_option_takes_the_skinny_loop():
+    graph = rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640)
+    assert STREAMED in emit_llvm(graph, options=SKINNY).llvm_ir
+    assert STREAMED not in emit_llvm(graph, options=CudaOptions()).llvm_ir
+
+
+def test_a_block_graph_that_does_not_qualify_keeps_the_tile_loop():
+    """X of 17 rows (over MAX_ROWS): the tile loop, as the CUDA backend's."""
+    graph = rms_norm_linear_skinny(17, 2, columns=128, blocks=2, k=256)
+    assert STREAMED not in emit_llvm(graph, options=SKINNY).llvm_ir
+    assert "Skinny<" not in emit_cuda(graph, options=SKINNY).source
+
+
+@needs_simulator
+@pytest.mark.parametrize("name", sorted(SIMULATED))
+def test_skinny_loop_numbers_on_the_simulator(name):
+    graph, threads = SIMULATED[name]
+    options = _options(threads)
+    assert STREAMED in emit_llvm(graph, options=options).llvm_ir, f"{name}: not lowered as a skinny loop"
+    check_simulated(graph, seed=11, options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# SASS against the CUDA backend's
+
+MORE_INSTRUCTIONS = 1.10     # the PTX kernel's SASS instructions over the CUDA kernel's, at most
+MORE_REGISTERS = 1.10        # and its registers
+#: mmas and weight loads of the PTX kernel against the CUDA kernel's: LLVM drops the last slabs' code
+#: where the steady loop's exit proves them past K (rms_norm_linear: 1 slab of 8 in the tail), nvcc keeps it
+FEWER_SLABS = 0.85
+
+
+#: what the SASS comparison runs: the tuned skinny plans, and the benchmark plans (.plans, else guided) of
+#: the skinny cases under the skinny option (where their kernels qualify)
+SKINNY_CASES = ("gated_mlp", "rms_norm_linear_bs1", "rms_norm_linear_bs8")
+COMPARED = [("tuned", name) for name in sorted(tuned_skinny_plans())] + \
+    [("plan", name) for name in SKINNY_CASES if name in benchmark_plans()]
+
+
+@functools.lru_cache(maxsize=8)
+def _both(source: str, name: str) -> tuple:
+    graph, options = tuned_skinny_plans()[name] if source == "tuned" else (benchmark_plans()[name], SKINNY)
+    cuda = compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH)
+    program = emit_llvm(graph, arch=ARCH, options=options)
+    ptx = assembled_module(program.llvm_ir)[1]
+    return cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx.cubin)
+
+
+def _count(instructions: list, pattern: str) -> int:
+    return sum(1 for op in instructions if re.fullmatch(pattern, op))
+
+
+@needs_tools
+@pytest.mark.parametrize("source, name", COMPARED)
+def test_skinny_kernels_match_the_cuda_kernels_sass(source, name):
+    cuda, ptx, theirs_by_kernel, ours_by_kernel = _both(source, name)
+    skinny_kernels = [k for k, ins in theirs_by_kernel.items() if _count(ins, r"LDG\.E\.NA\.(64|128)\.CONSTANT")]
+    if source == "tuned":
+        assert skinny_kernels, f"{name}: the CUDA backend ran no skinny loop"
+    for kernel in theirs_by_kernel:
+        theirs, ours = theirs_by_kernel[kernel], ours_by_kernel[kernel]
+        where = f"{source} {name} {kernel}"
+        r = ptx.resources[kernel]
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
+        assert not _count(ours, r"(LDL|STL).*"), f"{where}: local memory"
+        assert len(ours) <= MORE_INSTRUCTIONS * len(theirs), f"{where}: {len(ours)} instructions, CUDA {len(theirs)}"
+        assert r.registers <= MORE_REGISTERS * cuda.resources[kernel].registers, \
+            f"{where}: {r.registers} registers, CUDA {cuda.resources[kernel].registers}"
+        assert not [op for op in ours if op.startswith("LDG.") and "CONSTANT" not in op], \
+            f"{where}: a global load outside the read-only data path"
+        if kernel not in skinny_kernels:
+            continue
+        # weight loads (16 or 8 bytes, no L1 allocation), mmas, X's fragments, the weights' byte permutes
+        for pattern in (r"LDG\.E\.NA\.128\.CONSTANT", r"LDG\.E\.NA\.64\.CONSTANT", r"HMMA\.16816\.F32",
+                        r"LDG\.E\.64\.CONSTANT", r"PRMT"):
+            mine, cudas = _count(ours, pattern), _count(theirs, pattern)
+            assert FEWER_SLABS * cudas <= mine <= cudas, f"{where}: {mine} {pattern}, CUDA {cudas}"
+        for pattern in (r"CCTL\.E\.PF2", r"BAR\.SYNC.*", r"SHFL\.BFLY.*"):   # L2 prefetches, barriers, quads
+            assert _count(ours, pattern) == _count(theirs, pattern), \
+                f"{where}: {_count(ours, pattern)} {pattern}, CUDA {_count(theirs, pattern)}"
