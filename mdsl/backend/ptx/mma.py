@@ -107,11 +107,11 @@ class BlockMma:
             w_start = b.add(b.mul(self.lane16, i32(ldw)), n0) if ldmatrix else b.add(b.mul(two_t, i32(ldw)), col)
             tiles.append((j, guard, a_at, w_at, rows, starts, col, w_start))
 
-        def step(k0, guard_k: bool) -> None:
+        def step(k0, guard_k: bool, active: list) -> None:
             c0 = b.add(k0, two_t)
             c8 = b.add(c0, i32(8))
             w_step = b.mul(k0, i32(ldw)) if not isinstance(k0, ir.Constant) else i32(k0.constant * ldw)
-            for j, guard, a_at, w_at, rows, starts, col, w_start in tiles:
+            for j, guard, a_at, w_at, rows, starts, col, w_start in active:
                 def product(j=j, a_at=a_at, w_at=w_at, rows=rows, starts=starts, col=col, w_start=w_start) -> None:
                     fa = [self._along_row(a_at, r, start, c, sa, guard_k) for c in (c0, c8)
                           for r, start in zip(rows, starts)]
@@ -125,9 +125,22 @@ class BlockMma:
                     for var, value in zip(frags[j], d):
                         var.set(value)
 
-                self._guarded(guard, product)
+                product()
 
-        self._k_steps(step)
+        # only a warp's last tile can be missing (PER_WARP is the tiles over the warps, rounded up): the K
+        # loop is written for the warps that have it and again for those that do not, as the CUDA
+        # backend's loop over K inside the tile's check, so that no branch separates a K step's operand
+        # loads from its mma (ptxas then issues the loads of several steps before their mmas)
+        last = tiles[-1][1]
+        if last is None:
+            self._k_steps(lambda k0, guard_k: step(k0, guard_k, tiles))
+        elif len(tiles) == 1:
+            with fn.when(last):
+                self._k_steps(lambda k0, guard_k: step(k0, guard_k, tiles))
+        else:
+            for case in fn.chain([last]):
+                active = tiles if case == 0 else tiles[:-1]
+                self._k_steps(lambda k0, guard_k, active=active: step(k0, guard_k, active))
 
     def _k_steps(self, step: Callable) -> None:
         """step(k0, guard) for k0 = 0, 16, ... below K; guard: the step reaches past K. A group of steps

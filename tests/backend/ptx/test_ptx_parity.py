@@ -4,8 +4,10 @@ every benchmark case's plan (.plans, else its guided plan), under the default op
 and each PTX kernel must take the CUDA kernel's paths: global loads of inputs through the read-only
 data path (LDG...CONSTANT, from `!invariant.load`), exp as one MUFU.EX2 (CUDA's expf, not a
 polynomial: no FRND / F2I), converted stores of whole vectors (no 16-bit global stores where CUDA has
-none), and at most 10% more SASS instructions than the CUDA kernel. Plus IR-level checks of the
-row loops' unrolling and of the vector stores."""
+none), and at most 10% more SASS instructions than the CUDA kernel; the same for the fifth session's
+tuned picks the PTX backend ran slower (tests/backend/ptx/plans.py: skinny loops, LoRA), with no spills
+and at most 10% more registers. Plus IR-level checks of the row loops' unrolling, of the vector stores
+and of the mma K loops of warps that lack their last tile."""
 from __future__ import annotations
 
 import functools
@@ -19,13 +21,14 @@ from mdsl.backend.cuda.nvrtc import nvdisasm_path
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
 from tests.backend.cuda.builder import Graph
-from tests.backend.ptx.plans import benchmark_plans
+from tests.backend.ptx.plans import benchmark_plans, lora_tuned, tuned_plans
 from tests.backend.ptx.test_ptx_acceptance import assembled_module
 from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 
 ARCH = "sm_90a"
 OPTIONS = {"default": CudaOptions(), "256 threads": CudaOptions(threads=256)}
 MORE_INSTRUCTIONS = 1.10   # the PTX kernel's SASS instructions over the CUDA kernel's, at most
+MORE_REGISTERS = 1.10      # its registers over the CUDA kernel's (the tuned plans), at most
 
 needs_tools = pytest.mark.skipif(assembler() is None or nvdisasm_path() is None,
                                  reason="no PTX assembler or no nvdisasm here: the SASS cannot be read")
@@ -41,8 +44,24 @@ def both_backends(case: str, option_name: str) -> tuple:
     return cuda, ptx
 
 
-def _count(instructions: list, pattern: str) -> int:
+def count_matching(instructions: list, pattern: str) -> int:
+    """How many of the instructions match the pattern (whole opcodes with their modifiers)."""
     return sum(1 for op in instructions if re.fullmatch(pattern, op))
+
+
+def assert_same_paths(where: str, theirs: list, ours: list) -> None:
+    """A PTX kernel's SASS instructions against the CUDA kernel's: the same data paths, no more than
+    MORE_INSTRUCTIONS times as many instructions."""
+    assert not [op for op in ours if op.startswith("LDG.") and "CONSTANT" not in op], \
+        f"{where}: a global load outside the read-only data path"
+    if count_matching(theirs, r"MUFU\.EX2"):
+        assert count_matching(ours, r"MUFU\.EX2") and not count_matching(ours, r"FRND.*|F2I.*"), \
+            f"{where}: exp is not CUDA's expf (one MUFU.EX2)"
+    if not count_matching(theirs, r"STG\.E\.U16"):
+        assert not count_matching(ours, r"STG\.E\.U16"), f"{where}: 16-bit global stores where CUDA stores vectors"
+    assert not count_matching(ours, r"(LDL|STL).*"), f"{where}: local memory"
+    assert len(ours) <= MORE_INSTRUCTIONS * len(theirs), \
+        f"{where}: {len(ours)} SASS instructions, the CUDA kernel {len(theirs)}"
 
 
 @needs_tools
@@ -51,17 +70,41 @@ def _count(instructions: list, pattern: str) -> int:
 def test_ptx_kernels_take_the_cuda_kernels_paths(case, option_name):
     cuda, ptx = both_backends(case, option_name)
     for kernel, theirs in cuda.items():
-        ours = ptx[kernel]
-        where = f"{case} ({option_name}) {kernel}"
-        assert not [op for op in ours if op.startswith("LDG.") and "CONSTANT" not in op], \
-            f"{where}: a global load outside the read-only data path"
-        if _count(theirs, r"MUFU\.EX2"):
-            assert _count(ours, r"MUFU\.EX2") and not _count(ours, r"FRND.*|F2I.*"), \
-                f"{where}: exp is not CUDA's expf (one MUFU.EX2)"
-        if not _count(theirs, r"STG\.E\.U16"):
-            assert not _count(ours, r"STG\.E\.U16"), f"{where}: 16-bit global stores where CUDA stores vectors"
-        assert len(ours) <= MORE_INSTRUCTIONS * len(theirs), \
-            f"{where}: {len(ours)} SASS instructions, the CUDA kernel {len(theirs)}"
+        assert_same_paths(f"{case} ({option_name}) {kernel}", theirs, ptx[kernel])
+
+
+@functools.lru_cache(maxsize=8)
+def tuned_modules(name: str) -> tuple:
+    """The CUDA and PTX modules (with their resources) of a tuned plan, and their kernels' SASS."""
+    graph, options = tuned_plans()[name]
+    cuda = compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH)
+    ptx = assembled_module(emit_llvm(graph, arch=ARCH, options=options).llvm_ir)[1]
+    return cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx.cubin)
+
+
+@needs_tools
+@pytest.mark.parametrize("name", sorted(tuned_plans()))
+def test_tuned_plans_take_the_cuda_kernels_paths(name):
+    """The picks of the fifth session's tuner that the PTX backend ran slower than the CUDA backend
+    (skinny loops, LoRA): the same paths, no spills, at most MORE_REGISTERS times the registers."""
+    cuda, ptx, theirs, ours = tuned_modules(name)
+    for kernel in theirs:
+        where = f"tuned {name} {kernel}"
+        assert_same_paths(where, theirs[kernel], ours[kernel])
+        r, cr = ptx.resources[kernel], cuda.resources[kernel]
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
+        assert r.registers <= MORE_REGISTERS * cr.registers, f"{where}: {r.registers} registers, CUDA {cr.registers}"
+
+
+def test_a_warp_without_its_last_mma_tile_runs_a_k_loop_of_its_own():
+    """LoRA's tuned blocks: 2 mma tiles a matmul on 4 warps. The check that a warp has its tile wraps the
+    whole K loop (as the CUDA backend's), not each K step: a loop body holds MMA_IN_FLIGHT steps' operand
+    loads and mmas with no branch between them (ptxas issues the loads of several steps ahead)."""
+    from mdsl.backend.ptx.mma import MMA_IN_FLIGHT
+
+    kernel = _kernel_ir(emit_llvm(lora_tuned(k=256, columns=32), options=CudaOptions(stages=1)).llvm_ir)
+    bodies = [body for body in _loop_bodies(kernel) if "mma.sync" in body]
+    assert bodies and all(body.count("mma.sync") == MMA_IN_FLIGHT for body in bodies)
 
 
 def _rms_norm_block(length: int) -> object:
