@@ -26,7 +26,8 @@ _REQUIRED = object()
 
 @attrs.frozen
 class AttrSpec:
-    """One attribute of an operator. `kind` is int | float | bool | ints | dtype."""
+    """One attribute of an operator. `kind` is int | float | bool | ints | dtype | op (the name of a
+    registered element-wise operator of one operand and no attributes, such as an activation)."""
 
     name: str
     kind: str
@@ -59,6 +60,13 @@ class AttrSpec:
                 return out
             if self.kind == "dtype":
                 return value if isinstance(value, DType) else dtype_from_name(str(value))
+            if self.kind == "op":
+                known = OPS.get(value) if isinstance(value, str) else None
+                if known is None or known.category != "elementwise" or known.arity != 1 or known.attr_specs:
+                    raise ValidationError(f"attribute {self.name}={value!r} of {op} must name an element-wise operator "
+                                          "of one operand and no attributes",
+                                          hint=f"one of {', '.join(unary_operator_names())}")
+                return value
         except (TypeError, ValueError):
             pass
         raise ValidationError(f"attribute {self.name}={value!r} of {op} must be of kind {self.kind}")
@@ -129,6 +137,12 @@ def get_op(name: str) -> OpDef:
     if op is None:
         raise UnsupportedError(f"unknown operator {name!r}", hint=f"known operators: {', '.join(sorted(OPS))}")
     return op
+
+
+def unary_operator_names() -> list:
+    """The element-wise operators of one operand and no attributes (what an `op` attribute may name)."""
+    return sorted(name for name, op in OPS.items()
+                  if op.category == "elementwise" and op.arity == 1 and not op.attr_specs)
 
 
 def extend_op(name: str, **rules: Any) -> None:

@@ -133,6 +133,8 @@ def _attr_value(v) -> str:
         return str(v)
     if isinstance(v, DType):
         return v.name
+    if isinstance(v, str) and v.isidentifier():   # an operator's name (an `op` attribute)
+        return v
     if isinstance(v, (tuple, list)):
         return "[" + ", ".join(map(_attr_value, v)) + "]"
     raise TypeError(f"cannot print attribute value {v!r}")

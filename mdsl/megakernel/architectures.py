@@ -29,7 +29,7 @@ def _decoder(m, cfg: ModelConfig):
         normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
         gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
                            m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
-        x = m.add(x, m.linear(m.silu_mul(gate_up), m.weight(p + "mlp.down_proj.weight", [h, cfg.intermediate_size])))
+        x = m.add(x, m.linear(m.act_mul(gate_up, cfg.hidden_act), m.weight(p + "mlp.down_proj.weight", [h, cfg.intermediate_size])))
     x = m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps)
     head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
     logits = m.linear(x, head)

@@ -12,6 +12,8 @@ from mdsl.ir.dtypes import DType, bf16, f16, f32
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
+# transformers' ACT2FN names -> the mdsl operator computing the same function
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
 
 
 @attrs.frozen
@@ -44,6 +46,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_positions: int
     dtype: DType = f32
+    hidden_act: str = "silu"   # the gated MLP's activation: an element-wise operator of mdsl.ir.ops
 
     @property
     def qk_norm(self) -> bool:
@@ -97,9 +100,10 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         if raw.get(flag):
             raise UnsupportedError(f"{source}: {flag}=true is not supported", hint="mdsl's built-in models have no "
                                                                                   "biases and full attention")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported",
-                               hint="Llama-3 and Qwen3 MLPs use silu")
+    act = raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported",
+                               hint=f"mdsl computes {', '.join(sorted(ACTIVATIONS))} (transformers' names)")
     hidden = int(_get(raw, "hidden_size", source))
     heads = int(_get(raw, "num_attention_heads", source))
     return ModelConfig(
@@ -110,7 +114,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         head_dim=int(_get(raw, "head_dim", source, hidden // heads)),
         rms_norm_eps=float(_get(raw, "rms_norm_eps", source, 1e-6)), rope=_rope(raw, source),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_positions=int(_get(raw, "max_position_embeddings", source)), dtype=_dtype(raw, source))
+        max_positions=int(_get(raw, "max_position_embeddings", source)), dtype=_dtype(raw, source),
+        hidden_act=ACTIVATIONS[act])
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mdsl.megakernel.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.layers import (attend, extend_layer_op, rms_normalize, rope_cos_sin, rotate_heads, sample_token,
-                                    sample_uniform, silu)
+                                    sample_uniform)
 from mdsl.megakernel.partition import argmax_scratch, attention_scratch, chunked_split_range, weight_rows
 from mdsl.megakernel.task_bodies import argmax_reduce, emit_token
 
@@ -36,14 +37,18 @@ def _norm_linear(task, node, buf, ctx):
 def _norm_gate_up(task, node, buf, ctx):
     a, b = _cols(task)
     row = _normed_input(node, buf)
-    gate, up = (linear_columns(row, (w,), buf, a, b) for w in node.inputs[2:])
-    buf[node.output.name][0, a:b] = silu(gate) * up
+    graph = epilogue_of(node.op, node.attr_dict)
+    columns = {name: linear_columns(row, (w,), buf, a, b) for name, w in zip(products(graph), node.inputs[2:])}
+    buf[node.output.name][0, a:b] = evaluate(graph, columns)
 
 
 def _linear_residual(task, node, buf, ctx):
     a, b = _cols(task)
     x, residual, *ws = node.inputs
-    buf[node.output.name][0, a:b] = buf[residual.name][0, a:b] + linear_columns(buf[x.name], ws, buf, a, b)
+    graph = epilogue_of(node.op, node.attr_dict)
+    (product,) = products(graph)
+    buf[node.output.name][0, a:b] = evaluate(graph, {
+        product: linear_columns(buf[x.name], ws, buf, a, b), "residual": buf[residual.name][0, a:b]})
 
 
 def _rope_attention_partial(task, node, buf, ctx):

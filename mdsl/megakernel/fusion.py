@@ -3,7 +3,7 @@
 Unfused, every op of a model graph is a hop of the task graph: a single-task rms_norm that every tile of
 the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse` folds
 
-* rms_norm into the linear(s) that read it: `norm_linear` (q|k|v), `norm_gate_up` (with silu(gate) * up),
+* rms_norm into the linear(s) that read it: `norm_linear` (q|k|v), `norm_gate_up` (with act(gate) * up),
   `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token);
 * a residual add into the linear it adds: `linear_residual` (o-proj, down-proj);
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`.
@@ -80,10 +80,10 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
             fused = _fused(f"lm_head_{t.op}", (raw, norm_weight, ws[0], t.inputs[1]), (node.output, t.output),
                            eps + t.attrs, node)
             return Fusion(fused, (index, j))
-        silu = uses.only_reader(node.output, ("silu_mul",))
-        if silu is not None and len(ws) == 2 and ws[0].shape == ws[1].shape:
-            j, s = silu
-            return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), s.outputs, eps, node), (index, j))
+        gated = uses.only_reader(node.output, ("act_mul",))
+        if gated is not None and len(ws) == 2 and ws[0].shape == ws[1].shape:
+            j, g = gated
+            return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), g.outputs, eps + g.attrs, node), (index, j))
         return Fusion(_fused("norm_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
     add = uses.only_reader(node.output, ("add",))
     if add is not None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from mdsl.errors import DTypeError, ShapeError, UnsupportedError, ValidationError
 from mdsl.ir.dtypes import f32, i32
-from mdsl.ir.ops import AttrSpec, OpDef
+from mdsl.ir.ops import AttrSpec, OpDef, get_op
 from mdsl.ir.types import TensorType
 
 
@@ -277,24 +277,26 @@ def _attention_ref(xs, a, ctx):
     return [out.reshape(1, -1)]
 
 
-# silu_mul: SwiGLU's silu(gate) * up over the fused gate|up row
+# act_mul: a gated MLP's act(gate) * up over the fused gate|up row (SwiGLU: act = silu); `act` names an
+# element-wise operator of mdsl.ir.ops, whose reference computes it here
 
-def _silu_mul_infer(types, a):
-    n = _require_row("silu_mul", types[0], "the gate|up row")
+def _act_mul_infer(types, a):
+    n = _require_row("act_mul", types[0], "the gate|up row")
     if n % 2:
-        raise ShapeError(f"silu_mul: the gate|up row must have an even width, got {types[0]}")
+        raise ShapeError(f"act_mul: the gate|up row must have an even width, got {types[0]}")
     return (_row(n // 2),)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float32)
-    return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+def activation(name: str, x: np.ndarray) -> np.ndarray:
+    """The element-wise operator `name` (mdsl.ir.ops) on x, in float32."""
+    (y,) = get_op(name).reference([np.asarray(x, np.float32)], {})
+    return np.asarray(y, np.float32)
 
 
-def _silu_mul_ref(xs, a, ctx):
+def _act_mul_ref(xs, a, ctx):
     gu = xs[0].astype(np.float32)
     half = gu.shape[1] // 2
-    return [silu(gu[:, :half]) * gu[:, half:]]
+    return [activation(a["act"], gu[:, :half]) * gu[:, half:]]
 
 
 # add: the residual connection
@@ -389,7 +391,9 @@ _layer("rope", 1, _rope_infer, _rope_ref, (*_HEADS, *_ROPE_ATTRS),
        doc="rotary embedding of query and key heads at the current position")
 _layer("attention", 3, _attention_infer, _attention_ref, _HEADS, state_inputs=(1, 2),
        doc="append k, v to the cache; causal grouped-query attention over 0..position")
-_layer("silu_mul", 1, _silu_mul_infer, _silu_mul_ref, doc="silu(gate) * up over the gate|up row")
+_ACT = AttrSpec("act", "op", "silu")
+_layer("act_mul", 1, _act_mul_infer, _act_mul_ref, (_ACT,),
+       doc="act(gate) * up over the gate|up row (a gated MLP; act: an element-wise operator, silu for SwiGLU)")
 _layer("add", 2, _add_infer, _add_ref, doc="element-wise sum (residual)")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
@@ -416,11 +420,11 @@ def _norm_gate_up_infer(types, a):
     x, norm, gate, up = types
     if gate.shape != up.shape:
         raise ShapeError(f"norm_gate_up: the gate and up weights must have one shape, got {gate} and {up}")
-    return _silu_mul_infer(_norm_linear_infer(types, a), a)
+    return _act_mul_infer(_norm_linear_infer(types, a), a)
 
 
 def _norm_gate_up_ref(xs, a, ctx):
-    return _silu_mul_ref(_norm_linear_ref(xs, a, ctx), a, ctx)
+    return _act_mul_ref(_norm_linear_ref(xs, a, ctx), a, ctx)
 
 
 def _linear_residual_infer(types, a):
@@ -474,8 +478,8 @@ def _lm_head_ref(token_ref):
 _EPS = AttrSpec("eps", "float")
 _layer("norm_linear", None, _norm_linear_infer, _norm_linear_ref, (_EPS,),
        doc="rms_norm(x, norm) @ concat(weights).T: a linear reading the normalised row (q|k|v)")
-_layer("norm_gate_up", 4, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS,),
-       doc="silu(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): SwiGLU's first half")
+_layer("norm_gate_up", 4, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS, _ACT),
+       doc="act(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): a gated MLP's first half (SwiGLU: act = silu)")
 _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
        doc="residual + x @ concat(weights).T: a linear with the residual add in its epilogue")
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,

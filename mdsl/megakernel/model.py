@@ -314,8 +314,9 @@ class ModelBuilder:
     def attention(self, qkv: Var, k_cache: Var, v_cache: Var, **heads: int) -> Var:
         return self.apply("attention", qkv, k_cache, v_cache, **heads)[0]
 
-    def silu_mul(self, gate_up: Var) -> Var:
-        return self.apply("silu_mul", gate_up)[0]
+    def act_mul(self, gate_up: Var, act: str = "silu") -> Var:
+        """act(gate) * up over the gate|up row; `act` names an element-wise operator (mdsl.ir.ops)."""
+        return self.apply("act_mul", gate_up, act=act)[0]
 
     def add(self, x: Var, y: Var) -> Var:
         return self.apply("add", x, y)[0]

@@ -2,7 +2,7 @@
 entry) cuts the op into tiles; `build_task_graph` collects them and links them by events.
 
 Tiles per op (the `tile` entries a task body reads):
-* column ops (embedding, linear, silu_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
+* column ops (embedding, linear, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
   output columns; widths chosen so that a wide op has at least `num_sms` tiles.
 * rms_norm: `row` (decode has one row: one task).
 * head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
@@ -185,10 +185,10 @@ def _attention_tasks(node, config):
     return specs, scratch
 
 
-def _silu_mul_tasks(node, config):
+def _act_mul_tasks(node, config):
     gu, out = node.inputs[0], node.output
     half = out.shape[1]
-    return [TaskSpec("silu_mul", _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
+    return [TaskSpec("act_mul", _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
                      (columns(out, a, b),)) for a, b in column_tiles(half, config)], []
 
 
@@ -299,7 +299,7 @@ def _lm_head_tasks(final_kind: str, reads_logits: bool):
 _TASK_RULES: dict[str, Callable] = {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
-    "silu_mul": _silu_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
+    "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mdsl.megakernel.layers import (attend, extend_layer_op, rms_normalize, rope_cos_sin, rotate_heads, sample_token,
-                                    sample_uniform, silu, store_next_token)
+from mdsl.megakernel.layers import (activation, attend, extend_layer_op, rms_normalize, rope_cos_sin, rotate_heads,
+                                    sample_token, sample_uniform, store_next_token)
 from mdsl.megakernel.partition import argmax_scratch, attention_scratch, split_range, weight_rows
 
 
@@ -94,11 +94,11 @@ def _attention_combine(task, node, buf, ctx):
     buf[node.output.name][0, h * group * d:(h + 1) * group * d] = merged.reshape(-1)
 
 
-def _silu_mul(task, node, buf, ctx):
+def _act_mul(task, node, buf, ctx):
     a, b = _cols(task)
     gu = buf[node.inputs[0].name]
     half = node.output.shape[1]
-    buf[node.output.name][0, a:b] = silu(gu[0, a:b]) * gu[0, half + a:half + b]
+    buf[node.output.name][0, a:b] = activation(node.attr_dict["act"], gu[0, a:b]) * gu[0, half + a:half + b]
 
 
 def _add(task, node, buf, ctx):
@@ -137,7 +137,7 @@ _BODIES = {
     "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
     "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
-    "silu_mul": {"silu_mul": _silu_mul}, "add": {"add": _add},
+    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
 }
 for _op, _bodies in _BODIES.items():

@@ -208,13 +208,13 @@ def _shard_heads(node, s):
     return [(s.same(row, *(s.weight(w, None) for w in rest), **heads), layout)]
 
 
-def _shard_silu_mul(node, s):
+def _shard_act_mul(node, s):
     row, layout = s.local(node.inputs[0])
     if layout == REPLICATED:
         return [(s.same(row), REPLICATED)]
     if isinstance(layout, Split) and len(layout.parts) == 2 and layout.parts[0] == layout.parts[1]:
         return [(s.same(row), Split(layout.parts[:1]))]
-    raise UnsupportedError(f"silu_mul reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
+    raise UnsupportedError(f"act_mul reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
                            loc=node.loc)
 
 
@@ -254,7 +254,7 @@ def _shard_sample(node, s):
 
 _SHARD_RULES = {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
                 "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
-                "silu_mul": _shard_silu_mul, "add": _shard_add, "argmax": _shard_argmax, "sample": _shard_sample}
+                "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax, "sample": _shard_sample}
 for _op, _rule in _SHARD_RULES.items():
     extend_layer_op(_op, shard=_rule)
 

@@ -2,7 +2,8 @@
 machine; nothing is downloaded: the checkpoints are tiny random models made with save_pretrained).
 
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
-  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch;
+  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; and for Llama-3 MLPs whose
+  hidden_act is gelu or relu (the generated gate/up bodies' epilogue);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -23,6 +24,7 @@ import pytest
 
 from mdsl.ir.dtypes import bf16
 from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.runtime.plan import Kind
 from mdsl.megakernel.runtime.models import LLAMA_3_2_1B
 from tests.gpu.harness import SEED
 
@@ -47,18 +49,18 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
-def hf_model(torch, transformers, arch: str, dtype, seed: int):
+def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str = "silu"):
     """A tiny random transformers model (norm weights away from 1, so a misplaced one shows), on the GPU."""
     torch.manual_seed(seed)
     if arch == "llama3":
-        config = transformers.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=False,
+        config = transformers.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=False, hidden_act=hidden_act,
                                           architectures=["LlamaForCausalLM"],
                                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                         "high_freq_factor": 4.0,
                                                         "original_max_position_embeddings": 32})
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.Qwen3Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True,
+        config = transformers.Qwen3Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act=hidden_act,
                                           architectures=["Qwen3ForCausalLM"])
         model = transformers.Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -68,12 +70,12 @@ def hf_model(torch, transformers, arch: str, dtype, seed: int):
     return model.to(device="cuda", dtype=dtype).eval()
 
 
-def varied_hf_model(torch, transformers, arch: str, dtype, seed: int, tries: int = 8):
+def varied_hf_model(torch, transformers, arch: str, dtype, seed: int, tries: int = 8, hidden_act: str = "silu"):
     """hf_model with the first seed from `seed` on whose greedy continuation of PROMPT has more than 3
     distinct tokens: a random model that repeats one token would make the token comparison weak (some
     seeds give one; the test must not fail on a model, only on mdsl)."""
     for s in range(seed, seed + tries):
-        model = hf_model(torch, transformers, arch, dtype, s)
+        model = hf_model(torch, transformers, arch, dtype, s, hidden_act)
         if len(set(hf_greedy(torch, model, PROMPT, NEW_TOKENS)[0])) > 3:
             return model
     return model   # the tests' own checks then say the comparison is too weak
@@ -123,16 +125,16 @@ def tiny_engines(torch, transformers, tmp_path_factory):
 
     built, folders = {}, {}
 
-    def get(arch, dtype_name, schedule="static", **options):
-        if (arch, dtype_name) not in folders:
+    def get(arch, dtype_name, schedule="static", hidden_act="silu", **options):
+        if (arch, dtype_name, hidden_act) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-            model = varied_hf_model(torch, transformers, arch, dtype, SEED % 1000)
-            folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}")
+            model = varied_hf_model(torch, transformers, arch, dtype, SEED % 1000, hidden_act=hidden_act)
+            folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}-{hidden_act}")
             model.save_pretrained(str(folder), safe_serialization=True)
-            folders[arch, dtype_name] = (str(folder), model)
-        key = (arch, dtype_name, schedule, tuple(sorted(options.items())))
+            folders[arch, dtype_name, hidden_act] = (str(folder), model)
+        key = (arch, dtype_name, schedule, hidden_act, tuple(sorted(options.items())))
         if key not in built:
-            folder, model = folders[arch, dtype_name]
+            folder, model = folders[arch, dtype_name, hidden_act]
             engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule, **options)
             built[key] = (engine, model)
         return built[key]
@@ -140,22 +142,36 @@ def tiny_engines(torch, transformers, tmp_path_factory):
     return get
 
 
+def assert_token_identical(torch, engine, model, label: str, bf16: bool) -> list:
+    theirs, logits = hf_greedy(torch, model, PROMPT, NEW_TOKENS)
+    ours = engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
+    compared = len(ours)
+    if bf16 and ours != theirs and bf16_tie(ours, theirs, logits, PROMPT):
+        # identical up to a bf16 tie in transformers' own logits; after it the two continue different texts
+        compared = first_difference(ours, theirs)
+        warnings.warn(f"seed {SEED}: {label} identical for {compared} tokens, then a bf16 tie: "
+                      f"{divergence_report(ours, theirs, logits, PROMPT)}")
+    assert ours[:compared] == theirs[:compared], f"seed {SEED}: {divergence_report(ours, theirs, logits, PROMPT)}"
+    assert len(set(theirs)) > 3, f"transformers repeats itself ({theirs}): the check is too weak with seed {SEED}"
+    return ours
+
+
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_greedy_generation_is_token_identical_to_transformers(torch, tiny_engines, arch, dtype_name):
     engine, model = tiny_engines(arch, dtype_name)
-    theirs, logits = hf_greedy(torch, model, PROMPT, NEW_TOKENS)
-    ours = engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
-    compared = len(ours)
-    if dtype_name == "bf16" and ours != theirs and bf16_tie(ours, theirs, logits, PROMPT):
-        # identical up to a bf16 tie in transformers' own logits; after it the two continue different texts
-        compared = first_difference(ours, theirs)
-        warnings.warn(f"seed {SEED}: {arch} bf16 identical for {compared} tokens, then a bf16 tie: "
-                      f"{divergence_report(ours, theirs, logits, PROMPT)}")
-    assert ours[:compared] == theirs[:compared], f"seed {SEED}: {divergence_report(ours, theirs, logits, PROMPT)}"
-    assert len(set(theirs)) > 3, f"transformers repeats itself ({theirs}): the check is too weak with seed {SEED}"
+    ours = assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
     # a second launch starts from fresh events and state
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("hidden_act", ["gelu", "relu"])
+def test_other_mlp_activations_are_token_identical_to_transformers(torch, tiny_engines, hidden_act, dtype_name):
+    """config.json's hidden_act reaches the generated gate/up bodies (their epilogue's operator)."""
+    engine, model = tiny_engines("llama3", dtype_name, hidden_act=hidden_act)
+    assert engine.plan.op_of(Kind.GATEUP).attr_dict["act"] == hidden_act
+    assert_token_identical(torch, engine, model, f"llama3 {dtype_name} {hidden_act}", dtype_name == "bf16")
 
 
 def test_stops_are_decided_on_the_gpu(tiny_engines):

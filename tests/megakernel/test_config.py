@@ -35,11 +35,17 @@ def test_llama3_scaling_in_rope_parameters():
     assert (c.rope.theta, c.rope.factor, c.rope.high_freq_factor) == (5e5, 8.0, 4.0)
 
 
+@pytest.mark.parametrize(("hidden_act", "op"), [("silu", "silu"), ("swish", "silu"), ("gelu", "gelu"),
+                                                  ("relu", "relu"), ("sigmoid", "sigmoid")])
+def test_hidden_act_names_an_operator(hidden_act, op):
+    assert config_from_dict(tiny_config_dict("llama3", hidden_act=hidden_act)).hidden_act == op
+
+
 @pytest.mark.parametrize("change,error,words", [
     ({"architectures": ["MistralForCausalLM"]}, UnsupportedError, "MistralForCausalLM"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedError, "yarn"),
     ({"attention_bias": True}, UnsupportedError, "attention_bias"),
-    ({"hidden_act": "gelu"}, UnsupportedError, "gelu"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, UnsupportedError, "gelu_pytorch_tanh"),
     ({"torch_dtype": "float8_e4m3fn"}, DTypeError, "float8"),
     ({"hidden_size": None}, ParseError, "hidden_size"),
 ])

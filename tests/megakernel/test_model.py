@@ -28,14 +28,14 @@ def two_layer_mlp(m, cfg):
     x = m.embedding(table)
     h = m.rms_norm(x, m.weight("norm", [cfg.hidden]), 1e-6)
     up = m.linear(h, m.weight("gate", [12, cfg.hidden]), m.weight("up", [12, cfg.hidden]))
-    x = m.add(x, m.linear(m.silu_mul(up), m.weight("down", [cfg.hidden, 12])))
+    x = m.add(x, m.linear(m.act_mul(up), m.weight("down", [cfg.hidden, 12])))
     logits = m.linear(x, table)   # tied head
     return logits, m.argmax(logits)
 
 
 def test_user_model_traces_prints_and_runs():
     g = two_layer_mlp.trace(Cfg())
-    assert [n.op for n in g.nodes] == ["embedding", "rms_norm", "linear", "silu_mul", "linear", "add", "linear",
+    assert [n.op for n in g.nodes] == ["embedding", "rms_norm", "linear", "act_mul", "linear", "add", "linear",
                                        "argmax"]
     assert [w.name for w in g.weights] == ["embed", "norm", "gate", "up", "down"]
     text = str(g)
@@ -140,6 +140,16 @@ def test_the_text_form_round_trips(arch):
     _round_trips(two_layer_mlp.trace(Cfg()))
 
 
+def test_the_mlp_activation_is_an_attribute_that_round_trips():
+    _, graph, _ = tiny_model("llama3", hidden_act="gelu")
+    assert {n.attr_dict["act"] for n in graph.nodes if n.op == "act_mul"} == {"gelu"}
+    assert "act_mul(%" in str(graph) and "{act=gelu}" in str(graph)
+    _round_trips(graph)
+    fused = fuse(graph)
+    assert {n.attr_dict["act"] for n in fused.nodes if n.op == "norm_gate_up"} == {"gelu"}
+    _round_trips(fused)
+
+
 def test_a_parsed_graph_runs_like_the_traced_one():
     _, graph, weights = tiny_model("qwen3")
     parsed = parse_model_graph(str(graph))
@@ -165,6 +175,8 @@ _TEXT = """model tiny {
     (("return %t1, %t2", "return %t2"), r"returns \(logits, token\), got 1", 7),
     (("state %tokens: i32[6]", "state %tokens: f32[6]"), "token history", 4),
     (("%t0: f32[1, 8] = embedding", "%t0: f32[1, 8] = embedding {eps=1.0}"), r"expected '\('", 4),
+    (("%t1: f32[1, 16] = linear(%t0, %embed)", "%t1: f32[1, 4] = act_mul(%t0) {act=softmax}"),
+     "act='softmax' of act_mul must name an element-wise operator of one operand", 5),
 ])
 def test_parse_errors_point_at_the_line(change, message, line):
     parse_model_graph(_TEXT)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
+from mdsl.megakernel.epilogues import epilogue_of, evaluate
 from mdsl.megakernel.reference import ReferenceModel
 from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan
 from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
@@ -92,12 +93,17 @@ class Emulator:
             held[w] = queue
             queue += 1
 
+    def epilogue(self, kind, **inputs):
+        """The kind's layer-op epilogue, each value rounded to the model's dtype (as the generated bodies)."""
+        k = self.plan.op_of(kind)
+        return evaluate(epilogue_of(k.op, k.attr_dict), inputs, self.s.dtype)
+
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step
         if t.kind is Kind.QKV:
             x = self.norm(b["h"][t.layer], self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
-            b["qkv"][t.layer, t.begin:t.end] = self.round(w[t.begin:t.end] @ x)
+            b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
             if self.plan.fused_combine:   # the kv head's last split of this step merges its heads
@@ -110,18 +116,19 @@ class Emulator:
             self.combine(t.layer, t.begin)
         elif t.kind is Kind.OPROJ:
             o = self.layer(t.layer, "o_proj")[t.begin:t.end] @ b["attn"][t.layer]
-            b["mid"][t.layer, t.begin:t.end] = self.round(b["h"][t.layer, t.begin:t.end] + self.round(o))
+            b["mid"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=o, residual=b["h"][t.layer, t.begin:t.end])
         elif t.kind is Kind.GATEUP:
             x = self.norm(b["mid"][t.layer], self.layer(t.layer, "post_attention_layernorm"), s.eps)
-            g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
-            u = self.round(self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
-            b["act"][t.layer, t.begin:t.end] = self.round(self.round(g / (1 + np.exp(-g))) * u)
+            b["act"][t.layer, t.begin:t.end] = self.epilogue(
+                t.kind, gate=self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x,
+                up=self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
         elif t.kind is Kind.DOWN:
             d = self.layer(t.layer, "down_proj")[t.begin:t.end] @ b["act"][t.layer]
-            b["h"][t.layer + 1, t.begin:t.end] = self.round(b["mid"][t.layer, t.begin:t.end] + self.round(d))
+            b["h"][t.layer + 1, t.begin:t.end] = self.epilogue(t.kind, product=d,
+                                                               residual=b["mid"][t.layer, t.begin:t.end])
         elif t.kind is Kind.LMHEAD:
             x = self.norm(b["h"][s.layers], self.w["model.norm.weight"], s.eps)
-            logits = self.round(self.head[t.begin:t.end] @ x)
+            logits = self.epilogue(t.kind, product=self.head[t.begin:t.end] @ x)
             b["logits"][t.begin:t.end] = logits
             b["best"][k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)] = \
                 (float(logits.max()), t.begin + int(np.argmax(logits)))
@@ -195,6 +202,21 @@ def test_the_tables_compute_the_reference_forward(arch, workers, fused_combine):
     got, last_logits = Emulator(plan, config, weights, workers, np.random.default_rng(workers)).run(prompt, new)
     assert tuple(got) == want.tokens
     np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "relu", "sigmoid"])
+def test_the_mlp_activation_follows_the_config(hidden_act):
+    """config.json's hidden_act becomes the gate/up tasks' epilogue (the bodies the device generates)."""
+    config, graph, weights = tiny_model("llama3", seed=4, hidden_act=hidden_act)
+    plan = build_plan(decoder_shape(config), workers=7, max_seq=config.max_positions)
+    assert plan.op_of(Kind.GATEUP).attr_dict["act"] == hidden_act
+    prompt, new = [9, 2, 31], 6
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, 7, np.random.default_rng(4)).run(prompt, new)
+    assert tuple(got) == want.tokens
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+    silu = ReferenceModel(*tiny_model("llama3", seed=4)[1:]).generate(prompt, new)
+    assert not np.allclose(silu.logits[-1], want.logits[-1])   # the activation mattered
 
 
 @pytest.mark.parametrize("min_chunk", [1, 4, 64])

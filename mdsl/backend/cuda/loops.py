@@ -97,17 +97,18 @@ def emit_thread_graph(w: CodeWriter, threads: Threads, namer: Namer, tg: ThreadG
             w(f"if ({lacking} == 0) {store}" if lacking != "0" else store)
 
 
-def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list) -> dict:
+def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list,
+               wrap: Callable[[str], str] = lambda expr: expr) -> dict:
     """One element of a thread graph in f32 registers, from the C expressions of its inputs: value name
-    -> the register holding it."""
+    -> the register holding it. `wrap`: applied to every value's expression (e.g. a rounding)."""
     reg: dict = {}
     for var, expr in zip(tg.inputs, inputs):
         reg[var.name] = local(f"r_{var.name}")
-        w(f"const float {reg[var.name]} = {expr};")
+        w(f"const float {reg[var.name]} = {wrap(expr)};")
     for node in tg.nodes:
         expr = node.opdef.rules["cuda"].expr(node, [reg[v.name] for v in node.inputs])
         reg[node.output.name] = local(f"r_{node.output.name}")
-        w(f"const float {reg[node.output.name]} = {expr};")
+        w(f"const float {reg[node.output.name]} = {wrap(expr)};")
     return reg
 
 

@@ -425,19 +425,14 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
   gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit);
 }
 
-// ---- task bodies
+// ---- the runtime's task bodies (the linear ops' are generated: bodies.py)
 
-__device__ __forceinline__ const T* qkv_row(const LayerWeights& w, int r) {
-  constexpr int KR = HQ * D, VR = KR + HKV * D;
-  return r < KR ? w.wq + (long long)r * H : r < VR ? w.wk + (long long)(r - KR) * H : w.wv + (long long)(r - VR) * H;
-}
-
-__device__ void qkv_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs, float* red) {
-  const LayerWeights& w = p.layers[t.layer];
-  load_normed_stream(p, xs, p.hs, p.h_parts, t.layer, flag, w.ln1, red);
-  T* out = p.qkvs + (long long)t.layer * QKV;
-  task_gemv<H, 1>(t, staged, xs, [&](int r, int) { return qkv_row(w, r); },
-                [&](int r, const float* acc) { out[r] = mdsl::from_float<T>(acc[0]); });
+// the rows [lo, lo + rows) of a matrix (row width K) that a concatenated tile [t.begin, t.end) covers, as
+// one piece (a QKV tile may span q, k and v)
+template <int K, typename Visit>
+__device__ __forceinline__ void visit_rows(Visit visit, const T* matrix, int lo, int rows, const Task& t) {
+  const int first = max(lo, t.begin), last = min(lo + rows, t.end);
+  if (last > first) visit(matrix + (long long)(first - lo) * K, (long long)(last - first) * K);
 }
 
 // one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32)
@@ -659,43 +654,6 @@ __device__ void combine_task(const Params& p, const Task& t) {
   }
 }
 
-__device__ void oproj_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs) {
-  const LayerWeights& w = p.layers[t.layer];
-  load_input<HQ * D>(xs, p.attns + (long long)t.layer * HQ * D);
-  // one GPU: h + the product rounded to T, as transformers adds them; a rank: its partial product, plus
-  // h on rank 0
-  task_gemv<HQ * D, 1>(t, staged, xs, [&](int r, int) { return w.wo + (long long)r * (HQ * D); },
-                     [&](int r, const float* acc) {
-                       const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
-                       stream_put(p, p.mids, p.mid_parts, t.layer, r,
-                                  (p.rank == 0 ? h_at(p, t.layer, r, flag) : 0.0f) + product, flag);
-                     });
-}
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-__device__ void gateup_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs,
-                            float* red) {
-  const LayerWeights& w = p.layers[t.layer];
-  load_normed_stream(p, xs, p.mids, p.mid_parts, t.layer, flag, w.ln2, red);
-  T* out = p.acts + (long long)t.layer * I;
-  task_gemv<H, 2>(t, staged, xs, [&](int r, int j) { return (j == 0 ? w.wg : w.wu) + (long long)r * H; },
-                [&](int r, const float* acc) {
-                  out[r] = mdsl::from_float<T>(round_t(silu(round_t(acc[0]))) * round_t(acc[1]));
-                });
-}
-
-__device__ void down_task(const Params& p, const Task& t, const Staged& staged, unsigned flag, float* xs) {
-  const LayerWeights& w = p.layers[t.layer];
-  load_input<I>(xs, p.acts + (long long)t.layer * I);
-  task_gemv<I, 1>(t, staged, xs, [&](int r, int) { return w.wd + (long long)r * I; },
-                [&](int r, const float* acc) {
-                  const float product = WORLD == 1 ? round_t(acc[0]) : acc[0];
-                  stream_put(p, p.hs, p.h_parts, t.layer + 1, r,
-                             (p.rank == 0 ? mid_at(p, t.layer, r, flag) : 0.0f) + product, flag);
-                });
-}
-
 // ---- sampling: Philox4x32-10 counter-based noise, one draw per (seed, position, token)
 __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
 #pragma unroll
@@ -738,15 +696,18 @@ __device__ void best_of_block(float& v, int& i, float* red) {
     if (better(red[w], redi[w], v, i)) { v = red[w]; i = redi[w]; }
 }
 
+// rows of the logits and the tile's best token; logit(acc): a row's logit from its dot product (the LM head
+// op's epilogue, generated)
+template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, long long step, long long pos, int tile, float* xs,
-                            float* red) {
+                            float* red, Logit logit_of) {
   load_normed_stream(p, xs, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm, red);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
   gemv<H, 1, false>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
                 [&](int r, const float* acc) {
-                  const float logit = round_t(acc[0]);
+                  const float logit = logit_of(acc);
                   p.logits[r] = logit;
                   const int token = int(p.rank) * V + r;   // the global token id
                   const float key = nucleus ? logit : sample_key(p, pos, token, logit);
@@ -846,6 +807,8 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
   return going;
 }
 
+// task bodies: generated by source.py (bodies.py)
+
 // ---- the worker loop
 
 // An attention split's cached keys and values (the positions before `pos`: the newest one this task
@@ -863,37 +826,6 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
     const char* v = reinterpret_cast<const char*>(w.v_cache) + offset;
     asm volatile("prefetch.global.L2 [%0];" :: "l"(k) : "memory");
     asm volatile("prefetch.global.L2 [%0];" :: "l"(v) : "memory");
-  }
-}
-
-// The weight rows a linear task multiplies, as contiguous pieces in the order its body reads them:
-// visit(first element, elements) per piece (a QKV tile may span q, k and v; gate/up has two matrices).
-template <typename Visit>
-__device__ __forceinline__ void weight_pieces(const Params& p, const Task& t, Visit visit) {
-  const long long n = t.end - t.begin;
-  if (t.kind == KIND_LMHEAD) {
-    visit(p.lm_head + (long long)t.begin * H, n * H);
-    return;
-  }
-  // no weights (and the sampler's layer is L, past the layer table)
-  if (t.kind == KIND_ATTN || t.kind == KIND_COMBINE || t.kind == KIND_SAMPLE) return;
-  const LayerWeights& w = p.layers[t.layer];
-  switch (t.kind) {
-    case KIND_QKV: {
-      constexpr int KR = HQ * D, VR = KR + HKV * D;
-      const int q_end = min(max(KR, t.begin), t.end), k_end = min(max(VR, t.begin), t.end);
-      if (q_end > t.begin) visit(qkv_row(w, t.begin), (long long)(q_end - t.begin) * H);
-      if (k_end > q_end) visit(qkv_row(w, q_end), (long long)(k_end - q_end) * H);
-      if (t.end > k_end) visit(qkv_row(w, k_end), (long long)(t.end - k_end) * H);
-      break;
-    }
-    case KIND_OPROJ: visit(w.wo + (long long)t.begin * HQ * D, n * HQ * D); break;
-    case KIND_GATEUP:
-      visit(w.wg + (long long)t.begin * H, n * H);
-      visit(w.wu + (long long)t.begin * H, n * H);
-      break;
-    case KIND_DOWN: visit(w.wd + (long long)t.begin * I, n * I); break;
-    default: break;
   }
 }
 
@@ -1044,22 +976,12 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const Task& t = slot.task;
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
-    bool signal = true;
     const unsigned flag = unsigned(step + 1);   // the flagged residual stream's words this step reads and writes
     const bool staged_task = staged_kind(t.kind);
     const int b = staged_done % STAGE_RING;
     const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
                            unsigned(staged_done / STAGE_RING) & 1u};
-    switch (t.kind) {
-      case KIND_QKV: qkv_task(p, t, staged, flag, work, red); break;
-      case KIND_ATTN: attention_task(p, t, step, pos, work); break;
-      case KIND_COMBINE: combine_task(p, t); break;
-      case KIND_OPROJ: oproj_task(p, t, staged, flag, work); break;
-      case KIND_GATEUP: gateup_task(p, t, staged, flag, work, red); break;
-      case KIND_DOWN: down_task(p, t, staged, flag, work); break;
-      case KIND_LMHEAD: lmhead_task(p, t, step, pos, int(index % TASKS) - LM_FIRST, work, red); break;
-      default: signal = sample_task(p, t, step, pos, red); break;
-    }
+    const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) {                 // every compute thread has read the tile: its buffer is free
       if (threadIdx.x == 0) mbarrier_arrive(&bars.empty[b]);

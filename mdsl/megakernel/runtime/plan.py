@@ -22,14 +22,14 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 (through the embedding) for that sampling task: a buffer is never rewritten while a task of the
 previous step still reads it. `check_plan` verifies these rules.
 
-Task kinds (the device code's switch):
+Task kinds (each one's device body: runtime/bodies.py, generated from the op's `cuda_task` rule):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions
   COMBINE  q head `begin`: merges the splits' partial sums into the attention output (with
            `fused_combine`, no such task: the last split of a kv head to finish merges its heads)
   OPROJ    rows of mid_l = h_l + W_o attn
-  GATEUP   rows of act_l = silu(W_gate x) * (W_up x), x = rms_norm(mid_l)
+  GATEUP   rows of act_l = act(W_gate x) * (W_up x), x = rms_norm(mid_l) (SwiGLU: act = silu)
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
@@ -105,6 +105,17 @@ class Event:
 
 
 @attrs.frozen
+class KindOp:
+    kind: Kind
+    op: str          # the layer op
+    attrs: tuple     # its attributes, (name, value) pairs
+
+    @property
+    def attr_dict(self) -> dict:
+        return dict(self.attrs)
+
+
+@attrs.frozen
 class TaskPlan:
     shape: DecoderShape
     workers: int
@@ -120,6 +131,15 @@ class TaskPlan:
     # under tensor parallelism: the residual stream's partials travel as (value, step flag) words that their
     # readers poll, so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
     flagged_stream: bool = False
+    # KindOp per task kind present: the (fused) layer op whose tasks it runs, the source of its generated
+    # body (runtime/bodies.py); every layer's op of a kind is the same, with the same attributes
+    kind_ops: tuple = ()
+
+    def op_of(self, kind: "Kind") -> "KindOp":
+        for k in self.kind_ops:
+            if k.kind is kind:
+                return k
+        raise KeyError(f"the plan has no {kind.name} tasks")
 
     @property
     def max_chunk(self) -> int:
@@ -246,6 +266,7 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
         by_node.setdefault(t.node, []).append(t)
     rows: list = []
     row_of: dict = {}     # task id -> row index; absent: absorbed
+    kind_ops: dict = {}   # Kind -> the KindOp its rows come from
     for index, node in enumerate(graph.nodes):
         rule = node.opdef.rules.get("device")
         if rule is None:
@@ -254,9 +275,13 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
             if row is not None:
                 row_of[task.id] = len(rows)
                 rows.append(row)
+                kind_op = kind_ops.setdefault(row.kind, KindOp(row.kind, node.op, node.attrs))
+                if kind_op != KindOp(row.kind, node.op, node.attrs):
+                    raise binding.refuse(node, f"its {row.kind.name} tasks would share one device body with "
+                                               f"{kind_op.op} {dict(kind_op.attrs)}'s")
     binding.finish(graph, rows)
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
-                        fused_combine=fused_combine)
+                        fused_combine=fused_combine, kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)))
 
 
 _CROSS = "previous step's token"

@@ -1,0 +1,114 @@
+"""The element-wise epilogues of the fused linear layer ops: what a task computes, column by column,
+from its dot products, written as thread graphs of the superoptimizer's operators (mdsl.ir.ops).
+
+One definition for every executor: the CPU simulator's task bodies evaluate it (`evaluate`), the
+megakernel's CUDA task bodies are generated from it through the CUDA backend's rule table
+(runtime/bodies.py), and the tests hold both to the unfused layer ops' references. An epilogue's inputs
+are named by what they hold: one product per weight matrix a column multiplies (`product`, or `gate` and
+`up`) and, for the residual ops, `residual`; its one output is the column's value. Evaluated `eagerly`
+for a dtype, every node's result is rounded to it, as PyTorch's eager ops round each result: how the
+megakernel matches transformers token for token in bf16.
+
+Attached to the layer ops as `epilogue` rules (extend_layer_op), so a fused op and its epilogue are one
+registry entry.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Mapping, Optional
+
+import numpy as np
+
+from mdsl.errors import ValidationError
+from mdsl.ir.dtypes import DType, round_to_dtype
+from mdsl.ir.graph import ThreadGraph
+from mdsl.ir.text import parse
+from mdsl.megakernel.layers import extend_layer_op, get_layer_op
+
+
+def _thread_graph(text: str) -> ThreadGraph:
+    graph = parse(text)
+    assert isinstance(graph, ThreadGraph) and len(graph.outputs) == 1, text
+    return graph
+
+
+PRODUCT = _thread_graph("""thread {
+  in %product: f32[1]
+  out %product
+}""")
+
+RESIDUAL_ADD = _thread_graph("""thread {
+  in %product: f32[1]
+  in %residual: f32[1]
+  %out: f32[1] = add(%residual, %product)
+  out %out
+}""")
+
+
+@functools.cache
+def gated(act: str) -> ThreadGraph:
+    """A gated MLP's act(gate) * up (SwiGLU: act = silu); `act` names an element-wise operator."""
+    return _thread_graph(f"""thread {{
+  in %gate: f32[1]
+  in %up: f32[1]
+  %act: f32[1] = {act}(%gate)
+  %out: f32[1] = mul(%act, %up)
+  out %out
+}}""")
+
+
+# per layer op: its attributes -> its epilogue
+EPILOGUES = {"norm_linear": lambda a: PRODUCT, "norm_gate_up": lambda a: gated(a["act"]),
+             "linear_residual": lambda a: RESIDUAL_ADD, "lm_head_argmax": lambda a: PRODUCT,
+             "lm_head_sample": lambda a: PRODUCT}
+for _op, _rule in EPILOGUES.items():
+    extend_layer_op(_op, epilogue=_rule)
+
+
+def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:
+    """The epilogue of a layer op applied with `attrs` (its attribute dict)."""
+    rule = get_layer_op(op).rules.get("epilogue")
+    if rule is None:
+        raise ValidationError(f"the layer op {op} has no epilogue")
+    return rule(attrs)
+
+
+def products(graph: ThreadGraph) -> tuple:
+    """The names of the epilogue's product inputs, in order: one per weight matrix a column multiplies."""
+    return tuple(v.name for v in graph.inputs if v.name != "residual")
+
+
+def has_residual(graph: ThreadGraph) -> bool:
+    return any(v.name == "residual" for v in graph.inputs)
+
+
+def evaluate(graph: ThreadGraph, inputs: Mapping[str, np.ndarray], dtype: Optional[DType] = None) -> np.ndarray:
+    """The epilogue over arrays of columns (float32 math). With `dtype`, the inputs and every node's
+    result are rounded to it (eager PyTorch); without, nothing is rounded."""
+    def rounded(x):
+        x = np.asarray(x, np.float32)
+        return round_to_dtype(x, dtype).astype(np.float32).reshape(x.shape) if dtype is not None else x
+
+    env = {v.name: rounded(inputs[v.name]) for v in graph.inputs}
+    for node in graph.nodes:
+        (value,) = node.opdef.reference([env[v.name] for v in node.inputs], node.attr_dict)
+        env[node.output.name] = rounded(value)
+    return env[graph.outputs[0].name]
+
+
+def is_additive(graph: ThreadGraph, samples: int = 16, seed: int = 0) -> bool:
+    """Whether f(a + b) = f(a) + f(b) over all inputs jointly (checked in float64 on random values):
+    what lets tensor-parallel ranks apply the epilogue to their partial products, the residual given to
+    one rank only, and sum the results."""
+    rng = np.random.default_rng(seed)
+
+    def f(values: dict) -> np.ndarray:
+        env = dict(values)
+        for node in graph.nodes:
+            (env[node.output.name],) = node.opdef.reference([env[v.name] for v in node.inputs], node.attr_dict)
+        return env[graph.outputs[0].name]
+
+    a = {v.name: rng.standard_normal(samples) for v in graph.inputs}
+    b = {v.name: rng.standard_normal(samples) for v in graph.inputs}
+    both = {name: a[name] + b[name] for name in a}
+    return bool(np.allclose(f(both), f(a) + f(b), rtol=1e-12, atol=1e-12))

@@ -1,0 +1,299 @@
+"""The megakernel's task bodies, generated: one `cuda_task` rule per (fused) layer op, attached to its
+layer-op registry entry, writes the CUDA of the device task kinds the op's tasks lower to (plan.py's
+`device` rule of the same entry), and `generate_bodies` assembles them for a plan: the body functions,
+`weight_pieces` (the weight rows a task reads, for the scheduler's L2 prefetch and shared-memory staging)
+and `run_task` (the compute warps' dispatch on the task's kind).
+
+A linear op's body (`LinearBody`) is generated whole: the input row it loads (the residual stream
+rms-normalised by the op's norm weight, or an activation buffer), the weight matrices a column multiplies
+(rows concatenated, as q|k|v, or paired, as gate and up), the dot products (device.cu's `task_gemv`) and
+the op's element-wise epilogue (mdsl.megakernel.epilogues: a thread graph of mdsl's operators), written by
+the CUDA backend's rule table (each operator's `expr`, as in every superoptimized kernel) with each
+result rounded to the model's dtype where PyTorch's eager ops round it; then the store (a buffer, or the
+residual stream). Under tensor parallelism a residual op's partial products leave unrounded, and the
+residual goes to rank 0's partial only: valid for epilogues additive in their inputs, which is checked.
+Attention, its combine and the sampler call the runtime's own device functions (device.cu).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules (each operator's `expr`) to the registry
+from mdsl.backend.cuda.loops import emit_chain
+from mdsl.backend.cuda.source import CodeWriter, Namer
+from mdsl.errors import UnsupportedError
+from mdsl.ir.graph import ThreadGraph
+from mdsl.megakernel.epilogues import has_residual, is_additive, products
+from mdsl.megakernel.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.runtime.plan import Kind, TaskPlan
+
+@attrs.frozen
+class Matrix:
+    pointer: str    # C++: the matrix's first element (`w` is the task's layer's LayerWeights)
+    rows: str       # C++ constant: its rows (output columns)
+
+
+@attrs.frozen
+class NormedStream:
+    """The input row: a residual-stream layer (h or mid; on a rank, the ranks' partials summed) through
+    rms_norm with `norm`'s weights."""
+    single: str     # the one-GPU buffer (p.hs / p.mids)
+    parts: str      # the ranks' partials (p.h_parts / p.mid_parts)
+    layer: str
+    norm: str
+
+    def load(self) -> str:
+        return f"load_normed_stream(p, work, {self.single}, {self.parts}, {self.layer}, flag, {self.norm}, red);"
+
+
+@attrs.frozen
+class Activations:
+    """The input row: `width` values of a layer's activation buffer."""
+    row: str
+    width: str
+
+    def load(self) -> str:
+        return f"load_input<{self.width}>(work, {self.row});"
+
+
+@attrs.frozen
+class ToBuffer:
+    row: str        # C++: the output row (element r is column r)
+
+    def store(self, value: str) -> str:
+        return f"{self.row}[r] = mdsl::from_float<T>({value});"
+
+
+@attrs.frozen
+class ToStream:
+    """Column r of a residual-stream layer; the epilogue's residual is the layer it adds to."""
+    single: str
+    parts: str
+    layer: str
+    residual: str   # C++: column r of the residual (h_at / mid_at)
+
+    def store(self, value: str) -> str:
+        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value}, flag);"
+
+
+@attrs.frozen
+class LinearBody:
+    kind: Kind
+    function: str
+    k: str                  # C++ constant: the input row's width (the weights' columns)
+    matrices: tuple         # Matrix
+    paired: bool            # every column multiplies a row of each matrix (else: the rows are concatenated)
+    source: object          # NormedStream | Activations
+    sink: object            # ToBuffer | ToStream
+    epilogue: ThreadGraph
+    layered: bool = True    # the weights are the task's layer's (else: the kernel's own, as the LM head)
+
+    @property
+    def products(self) -> int:
+        return len(self.matrices) if self.paired else 1
+
+
+def _layer_matrices(*fields_rows: tuple) -> tuple:
+    return tuple(Matrix(f"w.{field}", rows) for field, rows in fields_rows)
+
+
+def _norm_linear(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
+    return LinearBody(kind, "qkv_task", "H", _layer_matrices(("wq", "HQ * D"), ("wk", "HKV * D"), ("wv", "HKV * D")),
+                      False, NormedStream("p.hs", "p.h_parts", "t.layer", "w.ln1"),
+                      ToBuffer("(p.qkvs + (long long)t.layer * QKV)"), epilogue)
+
+
+def _norm_gate_up(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
+    return LinearBody(kind, "gateup_task", "H", _layer_matrices(("wg", "I"), ("wu", "I")), True,
+                      NormedStream("p.mids", "p.mid_parts", "t.layer", "w.ln2"),
+                      ToBuffer("(p.acts + (long long)t.layer * I)"), epilogue)
+
+
+def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
+    if kind is Kind.OPROJ:
+        return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
+                          Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
+                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r, flag)"), epilogue)
+    return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
+                      Activations("(p.acts + (long long)t.layer * I)", "I"),
+                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r, flag)"), epilogue)
+
+
+def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
+    if kind is Kind.SAMPLE:
+        return None
+    return LinearBody(kind, "lmhead_logits", "H", (Matrix("p.lm_head", "V"),), False,
+                      NormedStream("p.hs", "p.h_parts", "L", "p.final_norm"), None, epilogue, layered=False)
+
+
+# the kinds whose bodies are the runtime's own device functions: the call, by kind
+_RUNTIME_CALLS = {
+    Kind.ATTN: "attention_task(p, t, step, pos, work);",
+    Kind.COMBINE: "combine_task(p, t);",
+    Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
+}
+
+for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "linear_residual": _linear_residual,
+                   "rope_attention": lambda kind, epilogue: None, "lm_head_argmax": _lm_head,
+                   "lm_head_sample": _lm_head}.items():
+    extend_layer_op(_op, cuda_task=_rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing the code
+
+
+def emit_epilogue(w: CodeWriter, graph: ThreadGraph, inputs: dict, *, rounded: bool) -> str:
+    """The epilogue's statements, each value in an f32 register (rounded to T where `rounded`), from the C
+    expressions of its inputs; returns the register holding its output. The operators' code is the CUDA
+    backend's (`emit_chain`: each operator's `expr`, as in every superoptimized kernel)."""
+    wrap = (lambda e: f"round_t({e})") if rounded else (lambda e: e)
+    reg = emit_chain(w, Namer(), graph, [inputs[v.name] for v in graph.inputs], wrap)
+    return reg[graph.outputs[0].name]
+
+
+def _starts(body: LinearBody) -> list:
+    """C++: the first output column of each matrix whose rows are concatenated."""
+    starts, first = [], "0"
+    for m in body.matrices:
+        starts.append(first)
+        first = m.rows if first == "0" else f"{first} + {m.rows}"
+    return starts
+
+
+def _row_expression(body: LinearBody) -> str:
+    """C++: row j of output column r's weights (a pointer), as a nested choice over the matrices."""
+    if body.paired:
+        pointer = body.matrices[-1].pointer
+        for j in reversed(range(len(body.matrices) - 1)):
+            pointer = f"(j == {j} ? {body.matrices[j].pointer} : {pointer})"
+        return f"{pointer} + (long long)r * ({body.k})"
+    choice = None
+    for start, m in reversed(list(zip(_starts(body), body.matrices))):
+        row = f"{m.pointer} + (long long)(r - ({start})) * ({body.k})" if start != "0" else \
+            f"{m.pointer} + (long long)r * ({body.k})"
+        end = m.rows if start == "0" else f"{start} + {m.rows}"
+        choice = row if choice is None else f"r < ({end}) ? {row} : {choice}"
+    return choice
+
+
+def _epilogue_inputs(body: LinearBody, world: int) -> dict:
+    names = products(body.epilogue)
+    if len(names) != body.products:
+        raise UnsupportedError(f"the {body.kind.name} epilogue reads {len(names)} product(s), its body makes "
+                               f"{body.products}", hint="one product per matrix a column multiplies")
+    inputs = {name: f"acc[{j}]" for j, name in enumerate(names)}
+    if has_residual(body.epilogue):
+        if not isinstance(body.sink, ToStream):
+            raise UnsupportedError(f"the {body.kind.name} epilogue reads a residual its output is not added to")
+        inputs["residual"] = body.sink.residual if world == 1 else f"(p.rank == 0 ? {body.sink.residual} : 0.0f)"
+    return inputs
+
+
+def _partial(body: LinearBody, world: int) -> bool:
+    """Whether the body's results are this rank's partial sums (the residual stream under tensor
+    parallelism), which its readers add up and round."""
+    return world > 1 and isinstance(body.sink, ToStream)
+
+
+def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
+    partial = _partial(body, world)
+    if partial and not is_additive(body.epilogue):
+        raise UnsupportedError(f"the {body.kind.name} epilogue is not additive in its inputs, so tensor-parallel "
+                               "ranks cannot apply it to their partial products",
+                               hint="run the model on one GPU, or give the op an epilogue of sums")
+    w("", f"// {body.kind.name}: generated from the epilogue", *(f"//   {line}" for line in str(body.epilogue).splitlines()))
+    if body.sink is None:   # the LM head: its logit functor, for the runtime's lmhead_task
+        with w.block("struct LmHeadLogit"):
+            with w.block("__device__ __forceinline__ float operator()(const float* acc) const"):
+                value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=True)
+                w(f"return {value};")
+        w.lines[-1] += ";"
+        return
+    with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, const Staged& staged, "
+                 "unsigned flag, float* work, float* red)"):
+        if body.layered:
+            w("const LayerWeights& w = p.layers[t.layer];")
+        w(body.source.load())
+        w(f"task_gemv<{body.k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
+        w.depth += 4
+        with w.block("[&](int r, const float* acc)"):
+            value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=not partial)
+            w(body.sink.store(value))
+        w.lines[-1] += ");"
+        w.depth -= 4
+
+
+def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
+    """The weight rows a task multiplies, as contiguous pieces in the order its body reads them (a
+    concatenated tile may span several matrices; a paired one reads each matrix's rows in turn)."""
+    w("", "// The weight rows a linear task multiplies, as contiguous pieces in the order its body reads them:",
+      "// visit(first element, elements) per piece.")
+    w("template <typename Visit>")
+    with w.block("__device__ __forceinline__ void weight_pieces(const Params& p, const Task& t, Visit visit)"):
+        w("const long long n = t.end - t.begin;")
+        with w.block("switch (t.kind)"):
+            for body in bodies:
+                with w.block(f"case KIND_{body.kind.name}:"):
+                    if body.layered:
+                        w("const LayerWeights& w = p.layers[t.layer];")
+                    if body.paired:
+                        for m in body.matrices:
+                            w(f"visit({m.pointer} + (long long)t.begin * ({body.k}), n * ({body.k}));")
+                    else:
+                        for start, m in zip(_starts(body), body.matrices):
+                            w(f"visit_rows<{body.k}>(visit, {m.pointer}, {start}, {m.rows}, t);")
+                    w("break;")
+            w("default: break;   // no weights")
+
+
+def write_dispatch(w: CodeWriter, calls: list) -> None:
+    """run_task: the task's body by its kind; false where the body says its events are not to be
+    signalled (the sampler, after the last step)."""
+    w("", "// the compute warps' task: its body by kind")
+    with w.block("__device__ __forceinline__ bool run_task(const Params& p, const Task& t, const Staged& staged, "
+                 "unsigned flag, float* work, float* red, long long step, long long pos, int k)"):
+        with w.block("switch (t.kind)"):
+            for kind, call in calls:
+                w(f"case KIND_{kind.name}: {call}" + ("" if call.startswith("return") else " return true;"))
+            w("default: __trap();   // a task table the generated bodies do not know")
+        w("return false;")
+
+
+def linear_bodies(plan: TaskPlan) -> list:
+    """The plan's linear kinds' bodies, by the `cuda_task` rule of each kind's layer op."""
+    bodies = []
+    for k in plan.kind_ops:
+        rule = get_layer_op(k.op).rules.get("cuda_task")
+        if rule is None:
+            raise UnsupportedError(f"the layer op {k.op} has no CUDA task body rule (its {k.kind.name} tasks)")
+        epilogue = get_layer_op(k.op).rules.get("epilogue")
+        body = rule(k.kind, epilogue(k.attr_dict) if epilogue is not None else None)
+        if body is not None:
+            bodies.append(body)
+    return bodies
+
+
+def generate_bodies(plan: TaskPlan) -> str:
+    """The CUDA of the plan's task bodies, weight_pieces and run_task (inserted into device.cu)."""
+    w = CodeWriter()
+    w("// ---- task bodies, generated by mdsl/megakernel/runtime/bodies.py from the plan's layer ops")
+    bodies = linear_bodies(plan)
+    for body in bodies:
+        write_linear_body(w, body, plan.world)
+    write_weight_pieces(w, bodies)
+    calls = []
+    linear = {body.kind: body for body in bodies}
+    for kind in (k.kind for k in plan.kind_ops):
+        if kind in linear:
+            body = linear[kind]
+            calls.append((kind, f"{body.function}(p, t, staged, flag, work, red);" if body.sink is not None else
+                          "lmhead_task(p, t, step, pos, k - LM_FIRST, work, red, LmHeadLogit{});"))
+        elif kind in _RUNTIME_CALLS:
+            calls.append((kind, _RUNTIME_CALLS[kind]))
+        else:
+            raise UnsupportedError(f"no task body for the {kind.name} tasks of {plan.op_of(kind).op}")
+    write_dispatch(w, calls)
+    return w.text()

@@ -1,0 +1,96 @@
+"""The megakernel's generated task bodies (runtime/bodies.py): each plan kind's body written from its layer
+op's rule and epilogue, the operators' code from the CUDA backend's rule table, eager rounding on one GPU,
+partial sums under tensor parallelism, and the dispatch and weight pieces covering the plan's kinds."""
+import re
+
+import attrs
+import pytest
+
+from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import bf16
+from mdsl.ir.text import parse
+from mdsl.megakernel.layers import get_layer_op
+from mdsl.megakernel.runtime.bodies import generate_bodies, linear_bodies
+from mdsl.megakernel.runtime.plan import Kind, build_plan, for_ranks
+from mdsl.megakernel.runtime.shape import decoder_shape
+from tests.megakernel.test_runtime_source import assert_fits, compile_plan
+from tests.megakernel.tiny import tiny_model
+
+
+def tiny_plan(arch="llama3", **overrides):
+    config, _, _ = tiny_model(arch, **overrides)
+    return build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=16, max_seq=config.max_positions)
+
+
+def function(text: str, name: str) -> str:
+    """The text of one generated function (up to the closing brace at column 0)."""
+    start = text.index(f" {name}(")
+    return text[start:text.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize(("act", "code"), [("silu", "r_gate / (1.0f + expf(-r_gate))"),
+                                           ("gelu", "0.5f * r_gate * (1.0f + erff(r_gate * 0.70710678118654752f))"),
+                                           ("relu", "fmaxf(r_gate, 0.0f)")])
+def test_the_gate_up_body_computes_the_models_activation(act, code):
+    body = function(generate_bodies(tiny_plan(hidden_act=act)), "gateup_task")
+    assert f"const float r_act = round_t({code});" in body
+    assert "const float r_out = round_t(r_act * r_up);" in body
+    assert "task_gemv<H, 2>" in body and "(j == 0 ? w.wg : w.wu)" in body
+
+
+def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
+    plan = tiny_plan()
+    one = function(generate_bodies(plan), "oproj_task")
+    assert "const float r_product = round_t(acc[0]);" in one
+    assert "const float r_out = round_t(r_residual + r_product);" in one
+    assert "stream_put(p, p.mids, p.mid_parts, t.layer, r, r_out, flag);" in one
+    ranks = generate_bodies(for_ranks(plan, 2))
+    rank = function(ranks, "oproj_task")
+    assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r, flag) : 0.0f)" in rank
+    assert "round_t(r_act * r_up)" in function(ranks, "gateup_task")   # a buffer, not the residual stream
+
+
+NOT_ADDITIVE = parse("""thread {
+  in %product: f32[1]
+  in %residual: f32[1]
+  %out: f32[1] = mul(%residual, %product)
+  out %out
+}""")
+
+
+def test_tensor_parallel_refuses_an_epilogue_its_ranks_cannot_split(monkeypatch):
+    monkeypatch.setitem(get_layer_op("linear_residual").rules, "epilogue", lambda a: NOT_ADDITIVE)
+    plan = tiny_plan()
+    assert "const float r_out = round_t(r_residual * r_product);" in function(generate_bodies(plan), "down_task")
+    with pytest.raises(UnsupportedError, match="DOWN epilogue is not additive|OPROJ epilogue is not additive"):
+        generate_bodies(for_ranks(plan, 2))
+
+
+def test_an_epilogue_must_read_what_the_body_computes(monkeypatch):
+    monkeypatch.setitem(get_layer_op("norm_linear").rules, "epilogue",
+                        lambda a: get_layer_op("norm_gate_up").rules["epilogue"]({"act": "silu"}))
+    with pytest.raises(UnsupportedError, match="QKV epilogue reads 2 product"):
+        generate_bodies(tiny_plan())
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_dispatch_and_weight_pieces_cover_the_plans_kinds(arch):
+    plan = tiny_plan(arch)
+    text = generate_bodies(plan)
+    dispatch = function(text, "run_task")
+    kinds = {k.kind for k in plan.kind_ops}
+    assert kinds == {t.kind for t in plan.tasks}
+    assert set(re.findall(r"case KIND_(\w+):", dispatch)) == {k.name for k in kinds}
+    pieces = function(text, "weight_pieces")
+    linear = {b.kind.name for b in linear_bodies(plan)}
+    assert linear == {"QKV", "OPROJ", "GATEUP", "DOWN", "LMHEAD"}
+    assert set(re.findall(r"case KIND_(\w+):", pieces)) == linear
+    # q|k|v rows are concatenated: a tile may span all three matrices
+    assert re.search(r"visit_rows<H>\(visit, w\.wq, 0, HQ \* D, t\);\s+visit_rows<H>\(visit, w\.wk, HQ \* D, "
+                     r"HKV \* D, t\);\s+visit_rows<H>\(visit, w\.wv, HQ \* D \+ HKV \* D, HKV \* D, t\);", pieces)
+
+
+def test_a_gelu_model_compiles_without_spills():
+    source, _, resources = compile_plan(tiny_plan(hidden_act="gelu"))
+    assert "erff(r_gate" in source.text
+    assert_fits(source, resources)
