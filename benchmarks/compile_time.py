@@ -17,6 +17,13 @@ backends taking turns; the median is reported, per program and per kernel (progr
 the lean pass pipeline (`mdsl.backend.ptx.compile.LEAN_PIPELINE`, the default) against the same with
 InstCombine after SROA (the pipeline before it), so that compile time is not bought with slower kernels.
 
+--mix: instead of timing, each kernel's SASS instruction mix from the CUDA backend against the PTX
+backend (registers, spills, instructions, and the counts of the instruction kinds that tell the code
+paths apart: global loads by width and cache form, mmas, byte permutes, barriers, shuffles, local
+memory), under the lowering options --skinny and --threads give both (the autotuner's picks):
+
+    python benchmarks/compile_time.py --mix --skinny --cases rms_norm_linear_bs1,gated_mlp
+
 The speed-up is NVRTC's time over PTX generation's. The first compile of each backend in the process
 (library loading, target set-up) is made before timing.
 """
@@ -102,6 +109,48 @@ def sass_rows(name: str, graph) -> list:
             for k in found["lean"]]
 
 
+#: instruction kinds the --mix table counts (a regular expression over opcodes with their modifiers)
+MIX = {"instructions": r".*", "LDG.128 NA": r"LDG\.E\.NA\.128\.CONSTANT", "LDG.64 NA": r"LDG\.E\.NA\.64\.CONSTANT",
+       "LDG const": r"LDG\.E(\.64|\.128)?\.CONSTANT", "LDG other": r"LDG\.(?!.*CONSTANT).*",
+       "LDGSTS": r"LDGSTS.*", "HMMA": r"HMMA.*", "LDSM": r"LDSM.*", "PRMT": r"PRMT", "CCTL": r"CCTL.*",
+       "BAR": r"BAR.*", "SHFL": r"SHFL.*", "BRA": r"BRA.*", "LDL/STL": r"(LDL|STL).*"}
+
+
+def mix_rows(name: str, graph, options) -> list:
+    """Per kernel: (kind, CUDA count, PTX count) for the registers, spills and MIX's instruction kinds."""
+    from mdsl.backend.cuda import compile_cuda, emit_cuda
+    from mdsl.backend.cuda.nvrtc import disassemble
+    from mdsl.backend.ptx import assemble as assemble_ptx
+    from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
+
+    cuda = compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH)
+    ptx = assemble_ptx(llvm_to_ptx(emit_llvm(graph, arch=ARCH, options=options).llvm_ir, ARCH), ARCH)
+    mine, theirs = _opcodes(disassemble(ptx.cubin)), _opcodes(disassemble(cuda.cubin))
+    rows = []
+    for kernel, resources in cuda.resources.items():
+        ours = ptx.resources[kernel]
+        counts = [("registers", resources.registers, ours.registers),
+                  ("spilled bytes", resources.spill_store_bytes, ours.spill_store_bytes)]
+        counts += [(kind, sum(1 for op in theirs[kernel] if re.fullmatch(pattern, op)),
+                    sum(1 for op in mine[kernel] if re.fullmatch(pattern, op))) for kind, pattern in MIX.items()]
+        rows.append({"case": name, "kernel": kernel, "counts": counts})
+    return rows
+
+
+def _opcodes(sass: str) -> dict:
+    """Kernel name -> its SASS opcodes with their modifiers, in order."""
+    out, kernel = {}, None
+    for line in sass.splitlines():
+        section = re.match(r"^\.text\.(\S+):", line)
+        if section:
+            kernel = out.setdefault(section.group(1), [])
+            continue
+        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if found and kernel is not None:
+            kernel.append(found.group(1))
+    return out
+
+
 def interleaved_medians(reps: int, measures: dict) -> dict:
     """name -> the median of `reps` runs of measures[name](), the measures taking turns (so that a
     machine whose load changes during the run weighs on each alike)."""
@@ -121,10 +170,25 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--sass", action="store_true", help="compare registers and SASS instructions of the pass "
                    "pipelines instead of timing")
+    p.add_argument("--mix", action="store_true", help="compare the CUDA and PTX kernels' SASS instruction mixes "
+                   "instead of timing")
+    p.add_argument("--skinny", action="store_true", help="with --mix: the skinny loop where it qualifies")
+    p.add_argument("--threads", type=int, help="with --mix: threads per block of the custom kernels")
     args = p.parse_args(argv)
     kernels = cases()
     names = args.cases.split(",") if args.cases else list(kernels)
     from mdsl.backend.ptx import emit_llvm
+
+    if args.mix:
+        from mdsl.backend.cuda.options import CudaOptions
+
+        options = CudaOptions(skinny=args.skinny, threads=args.threads)
+        print(f"CUDA / PTX, {options}")
+        for name in names:
+            for row in mix_rows(name, plan_graph(kernels[name], args.budget)[0], options):
+                print(f"{row['case']} {row['kernel']}: " + ", ".join(f"{kind} {c} / {x}" for kind, c, x in row["counts"]),
+                      flush=True)
+        return 0
 
     if args.sass:
         print("| case | kernel | registers lean / InstCombine | SASS instructions lean / InstCombine |\n|---|---|---|---|")
