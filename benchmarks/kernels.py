@@ -29,7 +29,9 @@ Method (.library/device/METHOD.md):
   median (their spread is the noise).
 * Reported: time per call; speed-up = best baseline / best mdsl mode; % of the roofline floor
   max(bytes / 4.25 TB/s, flops / 750 TFLOP/s) (mdsl.search.cost.roofline_floor); bytes moved (each
-  input read once, each output written once); achieved bandwidth = those bytes / mdsl's time.
+  input read once, each output written once); achieved bandwidth = those bytes / mdsl's time; and, once
+  per run, the time of an empty kernel launched as mdsl launches its kernels (meta.empty_launch), the
+  context for floors below one launch.
 
 Plans come from the plan cache ($MDSL_CACHE_DIR) for SearchConfig(budget_s=--budget, seed 0, the target
 arch): `--plans-only` on a CPU machine fills it; carry the directory to the GPU machine. There a missing
@@ -460,6 +462,10 @@ def render_markdown(results: dict) -> str:
                   f"{method.get('l2_multiple')}× L2; each contender's output checked against a float64 "
                   f"reference first (relative error <= {method.get('tolerance')}). **Bold**: the best baseline. "
                   "Speed-up: best baseline / best mdsl mode; % of floor, achieved GB/s: of that mdsl time.", ""]
+    empty = (meta.get("empty_launch") or {}).get("median_s")
+    if empty:
+        lines += [f"An empty kernel launched as mdsl launches its kernels, timed the same way: **{_us(empty)} µs** "
+                  "per call (a floor below it is out of reach of any kernel launched from the host).", ""]
     header = ["case", "floor µs", *(LABELS[n] for n in BASELINES), *(LABELS[n] for n in MDSL),
               "speed-up vs best baseline", "% of floor", "bytes", "achieved GB/s", "PTX / CUDA time"]
     lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
@@ -1023,6 +1029,17 @@ class Bench:
         torch.cuda.synchronize()
         return [a.elapsed_time(b) * 1e-3 / batch for a, b in zip(starts, ends)], k
 
+    def empty_launch(self) -> dict:
+        """An empty kernel launched through mdsl's launch path (`runtime.EmptyKernel`: the cuLaunchKernel call
+        of mdsl's contenders, on the same stream), timed as every contender is: what one launch costs."""
+        kernel = self.runtime.EmptyKernel(self.device)
+        stream = self.torch.cuda.current_stream().cuda_stream
+        out = {"empty launch": {}}
+        self.time_all([Contender("empty launch", lambda i: kernel(stream), lambda i: None, release=kernel.close)],
+                      out, 1)
+        kernel.close()
+        return out["empty launch"]
+
     def cuda_usable(self) -> bool:
         torch = self.torch
         try:
@@ -1063,6 +1080,11 @@ def gpu_run(args: argparse.Namespace, names: list) -> int:
           f"L2 {bench.l2_bytes / 2**20:.0f} MiB; {args.reps} samples x {args.batch} calls per contender; "
           f"out {args.out}", flush=True)
     try:
+        try:
+            results["meta"]["empty_launch"] = bench.empty_launch()
+        except Exception as e:   # the cases are still worth measuring
+            results["meta"]["empty_launch"] = {"error": _one_line(e)}
+            _say(f"the empty kernel launch was not timed: {_one_line(e)}")
         hits = [n for n in names if cached_plan(bench.kernels[n].graph, bench.config) is not None]
         missing = [n for n in names if n not in hits]
         print(f"plan cache {os.environ.get('MDSL_CACHE_DIR') or '(default)'}: {len(hits)}/{len(names)} hit(s)"

@@ -20,6 +20,7 @@ SLAB = 16                 # rows of K a warp takes a step
 LOADS = (8, 4)            # columns one load of a weight row covers: 16 bytes, else 8
 GROUP_CHUNKS = 8          # chunks a warp covers (fewer: its other lanes duplicate them)
 REGISTER_BUFFER = 16      # 16-bit elements a thread's register buffer holds per row of a slab
+CLUSTERS = (1, 2, 4)      # blocks of a thread-block cluster that may split one block's K (sm_90+)
 
 
 @attrs.frozen
@@ -50,6 +51,10 @@ class SkinnyShape:
         """The weights' columns in whole chunks: fewer than 8 (one group, lanes past them duplicate),
         or whole groups of 8 that the warps divide among themselves."""
         return warps >= 1 and self.columns_per_load() is not None and warps % self.groups() == 0
+
+    def splits_over(self, cluster: int) -> bool:
+        """Whether `cluster` blocks can split the block's K into whole slabs, one contiguous run each."""
+        return cluster >= 1 and (self.k // SLAB) % cluster == 0
 
     def slabs_per_step(self) -> int:
         """Slabs a warp loads at once into one register buffer: 16 elements a row of each, 4 rows."""

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import attrs
 
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node
-from mdsl.ir.skinny import MAX_ROWS, skinny_shape
+from mdsl.ir.skinny import CLUSTERS, MAX_ROWS, skinny_shape
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
 
@@ -37,6 +37,10 @@ class Device:
     step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (measured on the H200: a
                                  # 9-step attention iteration ~2.2 us, a 3-step GEMV iteration ~0.5 us)
     sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
+    # what one SM draws through the skinny loop (weights and X together), whatever its warps: the fifth
+    # session's tuner (2026-11-30) timed 96-block rms_norm_linear at 15.9 us with 128 and with 256 threads,
+    # 64-block gated_mlp at 28.6 us: ~40 GB/s a block, so a grid of fewer blocks than SMs leaves DRAM idle
+    skinny_sm_bytes_per_s: float = 40e9
     sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
     # Fitted to the H200's autotuning of rms_norm_linear_bs8 (2026-11-29, docs/kernel_bench_2026-11-29c.json):
     # one block of 8 warps drew 17-21 GB/s whatever its tile (19 GB/s with 192-byte rows, 21 with 128),
@@ -219,6 +223,7 @@ class KernelFit:
     latency_s: float       # the serial chain: rounds x iterations x steps
     seconds: float
     lowering: str = "tile"  # or "skinny": the weights streamed into registers (mdsl.ir.skinny)
+    cluster: int = 1        # blocks of a thread-block cluster each block's K is split over (skinny only)
 
 
 @attrs.frozen
@@ -227,9 +232,13 @@ class GpuEstimate:
     kernels: tuple         # KernelFit of each custom kernel
 
     def describe(self) -> str:
-        return " ; ".join(f"{k.blocks} blocks ({k.lowering} loop, {k.fill:.0%} fill, {k.rounds} round(s) of "
+        return " ; ".join(f"{k.blocks} blocks ({k.lowering} loop{_clustered(k)}, {k.fill:.0%} fill, {k.rounds} round(s) of "
                           f"{k.iterations} iteration(s), {k.in_flight_per_sm // 1024} KB in flight/SM, "
                           f"{k.registers} registers)" for k in self.kernels)
+
+
+def _clustered(fit: "KernelFit") -> str:
+    return f" in clusters of {fit.cluster}" if fit.cluster > 1 else ""
 
 
 def _pipelined_smem(graph: BlockGraph, loop_input_bytes: int, stages: int) -> tuple:
@@ -363,21 +372,33 @@ _SKINNY_REGISTERS_PER_TILE = 32   # each 8-row tile of X past the first
 
 
 def _skinny_fit(node: Node, device: Device) -> Optional[KernelFit]:
-    """How a kernel with a skinny loop (mdsl.ir.skinny) sits on the GPU, or None where it has none: no
-    pipeline, no barrier in the loop; each warp keeps `SkinnyShape.loads_in_flight` of the weights in
-    flight (Little's law sets what an SM draws); the loop's latency is one memory round trip, then the
-    partial sums meet and the epilogue runs."""
+    """How a kernel with a skinny loop (mdsl.ir.skinny) sits on the GPU, or None where it has none: the
+    fastest of its K split over clusters of each of `CLUSTERS` blocks that split it (the CUDA backend's
+    `CudaOptions.cluster`; the autotuner times each)."""
+    graph: BlockGraph = node.body
+    shape = skinny_shape(graph)
+    if shape is None or graph.threads % 32 or not shape.fits(graph.threads // 32):
+        return None
+    fits = [_skinny_cluster_fit(node, shape, cluster, device) for cluster in CLUSTERS if shape.splits_over(cluster)]
+    return min(fits, key=lambda f: f.seconds)
+
+
+def _skinny_cluster_fit(node: Node, shape, cluster: int, device: Device) -> KernelFit:
+    """The skinny loop with its K split over clusters of `cluster` blocks: no pipeline, no barrier in the
+    loop; each warp keeps `SkinnyShape.loads_in_flight` of the weights in flight (Little's law sets what
+    an SM draws) and an SM draws at most `skinny_sm_bytes_per_s` of weights and X together; the loop's
+    latency is one memory round trip, then the partial sums meet (in a cluster: once more, across its
+    blocks) and the epilogue runs."""
     graph: BlockGraph = node.body
     warps = graph.threads // 32
-    shape = skinny_shape(graph)
-    if shape is None or graph.threads % 32 or not shape.fits(warps):
-        return None
     t = _traffic(node, device, device.dram_run_bytes)
-    blocks = graph.num_blocks
+    blocks = graph.num_blocks * cluster
     tiles = -(-shape.m // 8)
     registers = _SKINNY_BASE_REGISTERS + _SKINNY_REGISTERS_PER_TILE * (tiles - 1)
     allocated = -(-registers // 8) * 8
-    smem = 4 * (len(shape.weights) * (warps // shape.groups()) * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS)
+    meeting = cluster * (len(shape.weights) * shape.m * shape.n + len(shape.rows) * MAX_ROWS) if cluster > 1 else 0
+    smem = 4 * (len(shape.weights) * (warps // shape.groups()) * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS
+                + meeting)
     smem += shared_memory_peak(graph) - sum(i.var.type.nbytes for i in graph.inputs)   # no input tiles
     resident = max(1, min(device.smem_per_sm // max(smem, 1), device.threads_per_sm // graph.threads,
                           device.registers_per_sm // (allocated * graph.threads), device.max_blocks_per_sm))
@@ -387,15 +408,18 @@ def _skinny_fit(node: Node, device: Device) -> Optional[KernelFit]:
     in_flight = min(per_sm, resident) * shape.loads_in_flight(warps)
     active = min(blocks, device.sms)
     dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s)
-    memory = max(per_sm * (t.useful + t.out_bytes) / blocks / dram_rate,
+    x_bytes = shape.m * shape.k * 2 / cluster   # a block's X, from L2
+    dram = per_sm * (t.useful + t.out_bytes) / blocks
+    memory = max(dram / dram_rate, (dram + per_sm * x_bytes) / device.skinny_sm_bytes_per_s,
                  per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
     _, post_s, _, post_steps = _block_work(graph, device)
-    padded_flops = 2 * 8 * tiles * shape.n * shape.k * len(shape.weights)   # X's rows padded to 8-row tiles
+    padded_flops = 2 * 8 * tiles * shape.n * shape.k * len(shape.weights) / cluster   # X's rows padded to 8-row tiles
     compute = per_sm * (padded_flops / (device.matmul_flops_per_s / device.sms) + post_s)
-    latency = rounds * (device.memory_latency_s + (post_steps + 2) * device.step_s)
+    meetings = 2 if cluster == 1 else 3
+    latency = rounds * (device.memory_latency_s + (post_steps + meetings) * device.step_s)
     seconds = max(memory, compute) + latency + device.launch_s
     return KernelFit(blocks, resident, per_sm, rounds, fill, 1, 0, in_flight, smem, registers, memory, compute,
-                     latency, seconds, "skinny")
+                     latency, seconds, "skinny", cluster)
 
 
 @attrs.frozen

@@ -194,6 +194,18 @@ def test_markdown_table():
     assert "--no-compile" not in notes and "--no-graphs" not in notes   # skipped as asked: not news
 
 
+def test_the_empty_launch_is_reported_above_the_table_and_the_floors_stay():
+    results = fake_results()
+    plain = K.render_markdown(results)
+    results["meta"]["empty_launch"] = {"median_s": 2.1e-6, "samples": 100, "batch": 10}
+    text = K.render_markdown(results)
+    line = next(line for line in text.splitlines() if line.startswith("An empty kernel"))
+    assert "**2.10 µs** per call" in line and text.index(line) < text.index("| case |")
+    assert text.replace(line + "\n\n", "") == plain   # the table and its % of floor are untouched
+    results["meta"]["empty_launch"] = {"error": "CudaError: no"}
+    assert K.render_markdown(results) == plain
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "results.png"

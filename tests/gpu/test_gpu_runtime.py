@@ -282,3 +282,17 @@ def test_launch_overhead_is_measured(torch, capsys):
         for label, micros in rows:
             print(f"  {micros:8.2f}  {label}")
     assert rows
+
+
+def test_the_empty_kernel_launches_on_a_stream_and_closes():
+    """runtime.EmptyKernel, what the kernel benchmark times as one launch's cost: it launches as mdsl's
+    executables do, the stream completes, and closing unloads it once."""
+    from cuda.bindings import driver
+
+    kernel = runtime.EmptyKernel()
+    for _ in range(3):
+        kernel(0)
+    (err,) = driver.cuCtxSynchronize()
+    assert not err, f"the empty kernel's launches failed: {err}"
+    kernel.close()
+    kernel.close()

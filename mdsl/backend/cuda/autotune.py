@@ -35,12 +35,14 @@ from mdsl.backend.cuda.nvrtc import _write_atomic
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import MdslError
 from mdsl.ir.graph import KernelGraph
+from mdsl.ir.skinny import CLUSTERS as SKINNY_CLUSTERS
 from mdsl.ir.text import print_graph
 
 SCHEMA = 1
 STAGES = (2, 3, 4)
 THREADS = (None, 256)               # None: each block graph's own
 SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, skinny.py) where it qualifies
+CLUSTERS = SKINNY_CLUSTERS         # the skinny loop's K split over a thread-block cluster (sm_90+), where it fits
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -56,6 +58,8 @@ class Variant:
         threads = "own threads" if o.threads is None else f"{o.threads} threads"
         name = f" ({self.name})" if self.name else ""
         loop = "skinny loop where it qualifies" if o.skinny else f"{o.stages}-stage pipeline"
+        if o.skinny and o.cluster > 1:
+            loop += f" (K split over clusters of {o.cluster})"
         return f"candidate {self.candidate}{name}, {loop}, {threads}"
 
 
@@ -142,16 +146,19 @@ def describe_grid(graph: KernelGraph) -> str:
 
 
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
-                    skinny: Optional[Sequence[bool]] = None) -> list:
+                    skinny: Optional[Sequence[bool]] = None, clusters: Sequence[int] = CLUSTERS) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
-    `variants` drops the repeated sources, so it adds one compile per block size where it applies.
+    `variants` drops the repeated sources, so it adds one compile per block size where it applies; it is
+    tried with each of `clusters` (its K split over a cluster's blocks; where that does not fit, the
+    source repeats the unsplit one and is dropped too).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
         skinny = (False,) if switched_off else SKINNY
-    return [CudaOptions(stages=s, threads=t, skinny=k) for k in skinny for t in threads for s in stages]
+    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c) for k in skinny
+            for c in (clusters if k else (1,)) for t in threads for s in stages]
 
 
 def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",

@@ -74,6 +74,12 @@ class BlockKernel:
     def tile(self, var) -> Operand:
         return self.tiles[var.name]
 
+    def block_index(self, axis: int) -> str:
+        """The block's coordinate along a grid axis of the block graph (a cluster's blocks, consecutive
+        along x, share one)."""
+        cluster = self.lowered.cluster
+        return f"(blockIdx.x / {cluster})" if axis == 0 and cluster > 1 else f"blockIdx.{_AXES[axis]}"
+
     def scratch(self, node: Node) -> Operand:
         return self.tiles[scratch_name(node)]
 
@@ -111,6 +117,11 @@ class Lowered:
     def scratch_offset(self) -> int:
         """Where the skinny loop's partial sums start in shared memory: after the memory plan's tiles."""
         return -(-self.memory.total // 16) * 16
+
+    @property
+    def cluster(self) -> int:
+        """Blocks of a thread-block cluster that each block of the grid becomes (the skinny loop's K split)."""
+        return self.skinny.cluster if self.skinny is not None else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -190,7 +201,7 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
     """The skinny lowering (f32 tiles, no input tiles, no pipeline), or None where the block graph does not
     qualify or its tiles and partial sums do not fit."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
-    plan = skinny_plan(bg, schedule, tensor_types, arch)
+    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)
@@ -209,7 +220,7 @@ def emit_custom(program, index: int, node: Node) -> None:
     schedule, memory = lowered.schedule, lowered.memory
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        comment=header) as scope:
+                        comment=header, cluster=lowered.cluster) as scope:
         b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
         w = b.w
         rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None
@@ -367,7 +378,7 @@ def _stage(b: BlockKernel, stage, rk: Optional[RowKernel] = None, barrier: bool 
 def _part(b: BlockKernel, tensor: Operand, dim_map: tuple, extent: list, writable: bool) -> Operand:
     """The block's part of a device tensor (slices of `extent` along the mapped dims, picked by the
     grid coordinates), as a pointer named after the tensor."""
-    terms = [f"blockIdx.{_AXES[g]} * {extent[d] * tensor.strides[d]}" for g, d in enumerate(dim_map) if d is not None]
+    terms = [f"{b.block_index(g)} * {extent[d] * tensor.strides[d]}" for g, d in enumerate(dim_map) if d is not None]
     if not terms:
         return tensor
     name = b.namer(f"{tensor.ptr}_part")

@@ -17,6 +17,9 @@ one without changing code:
     MDSL_CUDA_SKINNY=1      loops of matmuls of at most 16 rows stream their weights from device memory into
                             registers (`skinny.py`) instead of through shared-memory tiles (off by default: the
                             autotuner tries both; MDSL_CUDA_SKINNY=0 keeps it from trying the skinny loop)
+    MDSL_CUDA_CLUSTER=n     a skinny loop's K split over the n blocks of a thread-block cluster (sm_90+; 1, 2,
+                            4 or 8; the partial sums meet in the first block's shared memory): n times the
+                            blocks, each streaming 1/n of the weights, so that the grid covers every SM
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ DEFAULT_STAGES = 3
 MAX_THREADS = 1024
 DEFAULT_UNROLL = 4
 UNROLLS = (1, 2, 4, 8)
+CLUSTER_SIZES = (1, 2, 4, 8)   # portable thread-block cluster sizes
 
 
 def _check_stages(instance, attribute, value: int) -> None:
@@ -52,6 +56,12 @@ def _check_unroll(instance, attribute, value: int) -> None:
                                hint="set MDSL_CUDA_UNROLL (or CudaOptions.unroll) to 1, 2, 4 or 8")
 
 
+def _check_cluster(instance, attribute, value: int) -> None:
+    if value not in CLUSTER_SIZES:
+        raise UnsupportedError(f"clusters of {value} blocks: use one of {', '.join(map(str, CLUSTER_SIZES))}",
+                               hint="set MDSL_CUDA_CLUSTER (or CudaOptions.cluster) to 1, 2, 4 or 8")
+
+
 @attrs.frozen
 class CudaOptions:
     mma: bool = True                       # tensor-core (mma.sync) block matmuls on 16-bit operands
@@ -63,6 +73,7 @@ class CudaOptions:
     hoist: bool = True                     # loop-invariant block nodes once, before the loop
     stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
     skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
+    cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -77,7 +88,8 @@ class CudaOptions:
                    rows=_flag(env, "MDSL_CUDA_ROWS", default.rows),
                    hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist),
                    stream=_flag(env, "MDSL_CUDA_STREAM", default.stream),
-                   skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny))
+                   skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny),
+                   cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -380,6 +380,24 @@ template <> __device__ __forceinline__ float2 unpack<__nv_bfloat16>(unsigned bit
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
+// ---- thread-block clusters (sm_90+): a barrier over the cluster's blocks (arrive and wait apart, so that
+// work runs in between), and stores into another block's shared memory (distributed shared memory)
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// the address of `p` (this block's shared memory) in block `rank`'s shared memory
+__device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank) {
+  unsigned out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(out) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ void cluster_store(unsigned address, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(address), "f"(v) : "memory");
+}
+#endif
+
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment

@@ -709,6 +709,32 @@ class Executable:
                 f"{len(self.input_types)} input(s), {len(self.output_types)} output(s)>")
 
 
+EMPTY_KERNEL = 'extern "C" __global__ void mdsl_empty() {}\n'
+
+
+class EmptyKernel:
+    """An empty kernel (one block of 32 threads, no parameters) launched by the same cuLaunchKernel call
+    as `Executable.run_pointers`: what a launch costs by itself, for benchmarks. `launcher(stream)`."""
+
+    def __init__(self, device: int = 0):
+        require_gpu("launching an empty kernel")
+        self._dev = _device(device)
+        self._dev.activate()
+        cubin = compile_source(EMPTY_KERNEL, target_arch(device)).cubin
+        self._module = _check(driver.cuModuleLoadData(cubin), "loading the empty kernel")
+        self._function = _check(driver.cuModuleGetFunction(self._module, b"mdsl_empty"), "cuModuleGetFunction(mdsl_empty)")
+
+    def __call__(self, stream: int = 0) -> None:
+        (err,) = driver.cuLaunchKernel(self._function, 1, 1, 1, 32, 1, 1, 0, _cu_stream(stream), None, 0)
+        if err:
+            raise CudaError(f"launching the empty kernel failed: {_error_text(err)}")
+
+    def close(self) -> None:
+        if self._module is not None and driver is not None:
+            driver.cuModuleUnload(self._module)
+            self._module = None
+
+
 # ---------------------------------------------------------------------------------------------
 # from a mugraph to an Executable
 

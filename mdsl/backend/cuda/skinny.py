@@ -16,6 +16,15 @@ cores would take 8 conversions and 8 M FMAs (128 at M = 16, the SM's whole issue
 accum, or a row accumulator of X with a `cuda_skinny` rule (accum_rms of RMSNorm+Linear: folded from
 the X fragments the mmas read). Nothing is hoisted, every input is X or a weight. The code after the
 loop (epilogues: the division by the rms, silu, the gate's product) is the block graph's own.
+
+Clusters (`CudaOptions.cluster` = C > 1, sm_90+): the grid's blocks along x become clusters of C blocks,
+block r of a cluster streaming the r-th contiguous run of the block's K (K / C, whole slabs). Each block
+sums its warps' partials, stores them into slot r of the first block's shared memory (distributed shared
+memory, `st.shared::cluster`), and all but the first block leave; the first sums the C slots in rank order
+and runs the epilogue. Why: the fifth session's tuner times on the H200 fit one SM drawing ~40 GB/s of
+this loop whatever its warps (96-block rms_norm_linear at 128 or 256 threads alike, 64-block gated_mlp),
+so a grid of fewer blocks than SMs leaves bandwidth unused; C = 4 gives 384 blocks, about 3 a SM, with
+no second kernel and no round trip of partial sums through device memory.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from mdsl.ir.ops import extend_op
 from mdsl.ir.skinny import MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
+CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
@@ -37,13 +47,20 @@ _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 class SkinnyPlan:
     shape: SkinnyShape  # the loop's structure (mdsl.ir.skinny)
     element: str        # the 16-bit C type of X and the weights
+    cluster: int = 1    # blocks of a thread-block cluster splitting the block's K (1: none)
+
+    def slot_floats(self) -> int:
+        """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
+        shape = self.shape
+        return len(shape.weights) * shape.m * shape.n + len(shape.rows) * MAX_ROWS
 
 
-def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int) -> Optional[SkinnyPlan]:
+def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
-    weights' 64-column groups divide among the warps."""
+    weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
+    clusters and K is whole slabs for each (else the plan has none)."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -57,7 +74,9 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int) -> Opt
         return None   # rows of X 8-byte aligned, of the weights aligned to a load
     if any("cuda_skinny" not in bg.nodes[i].opdef.rules for i in shape.rows):
         return None
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()])
+    if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
+        cluster = 1
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -68,70 +87,65 @@ def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:
-    """Shared memory after the memory plan's: each warp's partial sums, each row accumulator's per warp."""
+    """Shared memory after the memory plan's: each warp's partial sums, each row accumulator's per warp;
+    in a cluster, then the meeting area (one slot of `slot_floats` per block of the cluster)."""
     shape = plan.shape
     kw = warps // shape.groups()
-    return 4 * (len(shape.weights) * kw * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS)
+    meeting = plan.cluster * plan.slot_floats() if plan.cluster > 1 else 0
+    return 4 * (len(shape.weights) * kw * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS + meeting)
 
 
 def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory into the accumulators'
-    tiles (and the row accumulators' folds into theirs, then finalized by their own rules)."""
+    tiles (and the row accumulators' folds into theirs, then finalized by their own rules). In a
+    cluster, each block streams its run of K and the blocks' sums meet in the first block."""
     plan = skinny.shape
-    w, warps = b.w, bg.threads // 32
-    mats, kw = len(plan.weights), warps // plan.groups()
+    w, warps, cluster = b.w, bg.threads // 32, skinny.cluster
+    mats, kw, k = len(plan.weights), warps // plan.groups(), plan.k // cluster
     x_part = parts[plan.x]
-    cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {plan.k}, {x_part.strides[0]}, "
+    x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
+    cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
            f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
-      f"K = {plan.k} split over {kw} warp(s) along K")
+      f"K = {k} split over {kw} warp(s) along K")
+    rank = None
+    if cluster > 1:
+        rank = b.namer("skinny_rank")
+        w(f"// a cluster of {cluster} blocks splits the block's K = {plan.k}: this block streams run {rank}",
+          "mdsl::cluster_arrive_relaxed();   // waited for before the first store into another block",
+          f"const int {rank} = blockIdx.x % {cluster};")
+        x_ptr = f"{x_ptr} + {rank} * {k * x_part.strides[-1]}"
+        w_ptrs = [f"{p} + {rank} * {k * parts[name].strides[0]}" for p, name in zip(w_ptrs, plan.weights)]
     for i in plan.rows:
         bg.nodes[i].opdef.rules["cuda"].init(b, bg.nodes[i])
     part = b.namer("s_skinny_part")
     w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
-    weights = ", ".join(parts[name].ptr for name in plan.weights)
-    w(f"const {skinny.element}* const skinny_w[{mats}] = {{{weights}}};",
+    w(f"const {skinny.element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
       f"{cls}::Acc skinny_acc;")
     folds = [b.namer(f"p_{bg.nodes[i].output.name}") for i in plan.rows]
     mt = -(-plan.m // 8)
     for name, i in zip(folds, plan.rows):
         identity = bg.nodes[i].opdef.rules["cuda_skinny"].fold.identity
         w(f"float {name}[{mt}] = {{{', '.join([identity] * mt)}}};")
-    with w.block(f"{cls}::run(skinny_acc, {x_part.ptr}, skinny_w, [&](int mt, float x)"):
+    with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, [&](int mt, float x)"):
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {bg.nodes[i].opdef.rules['cuda_skinny'].fold.step}; }}")
     w(");", f"{cls}::store_part(skinny_acc, {part});")
     rows_base = mats * kw * plan.m * plan.n
-    for k, (name, i) in enumerate(zip(folds, plan.rows)):
+    for r, (name, i) in enumerate(zip(folds, plan.rows)):
         combine = bg.nodes[i].opdef.rules["cuda_skinny"].fold.combine
         w(f"// %{bg.nodes[i].output.name}: each warp's fold of its rows, over the quad's lanes")
         with w.block(f"for (int mt = 0; mt < {mt}; ++mt)"):
             w(f"const float v = mdsl::quad_reduce({name}[mt], {combine});",
               "const int row = mt * 8 + (threadIdx.x % 32) / 4;")
             w(f"if (threadIdx.x % 4 == 0 && row < {plan.m}) "
-              f"{part}[{rows_base + k * warps * MAX_ROWS} + threadIdx.x / 32 * {MAX_ROWS} + row] = v;")
+              f"{part}[{rows_base + r * warps * MAX_ROWS} + threadIdx.x / 32 * {MAX_ROWS} + row] = v;")
     w("__syncthreads();")
-    for mat, i in enumerate(plan.sums):
-        tile = b.tile(bg.nodes[i].output)
-        w.op(bg.nodes[i])
-        w("// the warps' partial sums, in a fixed order")
-        shape = (plan.m, plan.n)
-        with b.threads.each(w, plan.m * plan.n):
-            w("float sum = 0.0f;", "#pragma unroll")
-            with w.block(f"for (int kw = 0; kw < {kw}; ++kw)"):
-                w(f"sum += {part}[({mat} * {kw} + kw) * {plan.m * plan.n} + i];")
-            w(f"{tile.at(offset('i', shape, tile))} = mdsl::from_float<{tile.ctype}>(sum);")
-    for k, i in enumerate(plan.rows):
-        node = bg.nodes[i]
-        tile = b.tile(node.output)
-        w.op(node)
-        combine = node.opdef.rules["cuda_skinny"].fold.combine
-        with w.block(f"if (threadIdx.x < {plan.m})"):
-            w(f"float v = {part}[{rows_base + k * warps * MAX_ROWS} + threadIdx.x];", "#pragma unroll")
-            with w.block(f"for (int warp = 1; warp < {warps}; ++warp)"):
-                w(f"v = {combine}(v, {part}[{rows_base + k * warps * MAX_ROWS} + warp * {MAX_ROWS} + threadIdx.x]);")
-            at = tile.at(offset("threadIdx.x", tuple(tile.shape), tile))
-            w(f"{at} = {combine}({at}, v);")
+    warp_sum = _WarpSums(b, bg, plan, part, kw, warps, rows_base)
+    if cluster == 1:
+        warp_sum.into_tiles()
+    else:
+        _meet_in_cluster(b, bg, skinny, warp_sum, part, rank, rows_base + len(plan.rows) * warps * MAX_ROWS)
     w("__syncthreads();")
     finishing = [i for i in plan.rows if bg.nodes[i].opdef.rules["cuda"].finalize is not None]
     for i in finishing:
@@ -139,6 +153,87 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
         bg.nodes[i].opdef.rules["cuda"].finalize(b, bg.nodes[i])
     if finishing:
         w("__syncthreads();")
+
+
+class _WarpSums:
+    """The block's sums over its warps' partials (a fixed order), written by `emit` wherever they go:
+    the accumulators' tiles, or a slot of the cluster's meeting area."""
+
+    def __init__(self, b, bg: BlockGraph, plan: SkinnyShape, part: str, kw: int, warps: int, rows_base: int):
+        self.b, self.bg, self.plan, self.part, self.kw, self.warps, self.rows_base = b, bg, plan, part, kw, warps, rows_base
+
+    def emit(self, sum_to, fold_to) -> None:
+        """sum_to(mat, value expression) and fold_to(row accumulator's position, its node, value expression):
+        the statements that put each sum where it goes (`i`: the element of M x N; threadIdx.x: the row)."""
+        b, plan, part = self.b, self.plan, self.part
+        w = b.w
+        for mat, i in enumerate(plan.sums):
+            w.op(self.bg.nodes[i])
+            w("// the warps' partial sums, in a fixed order")
+            with b.threads.each(w, plan.m * plan.n):
+                w("float sum = 0.0f;", "#pragma unroll")
+                with w.block(f"for (int kw = 0; kw < {self.kw}; ++kw)"):
+                    w(f"sum += {part}[({mat} * {self.kw} + kw) * {plan.m * plan.n} + i];")
+                w(sum_to(mat, "sum"))
+        for r, i in enumerate(plan.rows):
+            node = self.bg.nodes[i]
+            w.op(node)
+            combine = node.opdef.rules["cuda_skinny"].fold.combine
+            base = self.rows_base + r * self.warps * MAX_ROWS
+            with w.block(f"if (threadIdx.x < {plan.m})"):
+                w(f"float v = {part}[{base} + threadIdx.x];", "#pragma unroll")
+                with w.block(f"for (int warp = 1; warp < {self.warps}; ++warp)"):
+                    w(f"v = {combine}(v, {part}[{base} + warp * {MAX_ROWS} + threadIdx.x]);")
+                w(fold_to(r, node, "v"))
+
+    def into_tiles(self) -> None:
+        b, plan = self.b, self.plan
+
+        def sum_to(mat: int, value: str) -> str:
+            tile = b.tile(self.bg.nodes[plan.sums[mat]].output)
+            return f"{tile.at(offset('i', (plan.m, plan.n), tile))} = mdsl::from_float<{tile.ctype}>({value});"
+
+        def fold_to(r: int, node, value: str) -> str:
+            tile = b.tile(node.output)
+            at = tile.at(offset("threadIdx.x", tuple(tile.shape), tile))
+            return f"{at} = {node.opdef.rules['cuda_skinny'].fold.combine}({at}, {value});"
+
+        self.emit(sum_to, fold_to)
+
+
+def _meet_in_cluster(b, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, part: str, rank: str,
+                     meeting_offset: int) -> None:
+    """Each block's sums over its warps into its slot of the first block's meeting area; the other blocks
+    leave, the first adds the slots in rank order into the accumulators' tiles."""
+    plan, w = skinny.shape, b.w
+    slot, rows_at = skinny.slot_floats(), len(plan.weights) * plan.m * plan.n
+    meeting, to = b.namer("s_skinny_meeting"), b.namer("meeting_slot")
+    w(f"float* const {meeting} = {part} + {meeting_offset};  // the cluster's sums meet in block 0's")
+    w("mdsl::cluster_wait();   // every block of the cluster has started: block 0's shared memory is there",
+      f"const unsigned {to} = mdsl::cluster_address({meeting} + {rank} * {slot}, 0);")
+    sums.emit(lambda mat, value: f"mdsl::cluster_store({to} + 4 * ({mat * plan.m * plan.n} + i), {value});",
+              lambda r, node, value: f"mdsl::cluster_store({to} + 4 * ({rows_at + r * MAX_ROWS} + threadIdx.x), {value});")
+    w("mdsl::cluster_arrive();   // release: this block's stores, seen by block 0 after its wait",
+      f"if ({rank} != 0) return;   // block 0 alone runs the epilogue",
+      "mdsl::cluster_wait();")
+    cluster = skinny.cluster
+    for mat, i in enumerate(plan.sums):
+        tile = b.tile(bg.nodes[i].output)
+        w(f"// %{bg.nodes[i].output.name}: the cluster's blocks' sums, in rank order")
+        with b.threads.each(w, plan.m * plan.n):
+            terms = " + ".join(f"{meeting}[{r * slot + mat * plan.m * plan.n} + i]" for r in range(cluster))
+            w(f"{tile.at(offset('i', (plan.m, plan.n), tile))} = mdsl::from_float<{tile.ctype}>({terms});")
+    for r, i in enumerate(plan.rows):
+        node = bg.nodes[i]
+        tile = b.tile(node.output)
+        combine = node.opdef.rules["cuda_skinny"].fold.combine
+        at = tile.at(offset("threadIdx.x", tuple(tile.shape), tile))
+        w(f"// %{node.output.name}: the cluster's blocks' folds, in rank order")
+        with w.block(f"if (threadIdx.x < {plan.m})"):
+            w(f"float v = {meeting}[{rows_at + r * MAX_ROWS} + threadIdx.x];")
+            for q in range(1, cluster):
+                w(f"v = {combine}(v, {meeting}[{q * slot + rows_at + r * MAX_ROWS} + threadIdx.x]);")
+            w(f"{at} = {combine}({at}, v);")
 
 
 @attrs.frozen

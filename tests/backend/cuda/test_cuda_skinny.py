@@ -13,6 +13,7 @@ from mdsl.backend.cuda import autotune, emit_cuda
 from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble, nvdisasm_path, sass_opcodes
 from mdsl.backend.cuda.options import CudaOptions
+from mdsl.errors import UnsupportedError
 from mdsl.search import guided
 from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
 
@@ -107,13 +108,17 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * len(autotune.SKINNY)
+    per_stage_and_threads = 1 + len(autotune.CLUSTERS)   # the tile loop; the skinny loop under each cluster size
+    assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
                       skinny_programs()["rms_norm_linear_bs8_64_columns"])
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        assert sorted(v.options.threads or 0 for v in tried if v.candidate == k and v.options.skinny) == [0, 256]
+        unsplit = [v for v in tried if v.candidate == k and v.options.skinny and v.options.cluster == 1]
+        assert sorted(v.options.threads or 0 for v in unsplit) == [0, 256]
+        clustered = {(v.options.threads, v.options.cluster) for v in tried if v.candidate == k and v.options.cluster > 1}
+        assert clustered == {(t, c) for t in autotune.THREADS for c in autotune.CLUSTERS if c > 1}
     assert not [v for v in tried if v.candidate == 1 and v.options.skinny]   # gqa: the same source, dropped
 
 
@@ -128,3 +133,55 @@ def test_the_ptx_backend_ignores_the_option():
 
     graph = skinny_programs()["rms_norm_linear_bs8"]
     assert emit_llvm(graph, options=SKINNY).llvm_ir == emit_llvm(graph, options=CudaOptions()).llvm_ir
+
+
+# ---- the K split over a thread-block cluster (CudaOptions.cluster)
+
+def test_a_cluster_splits_the_k_and_its_sums_meet_in_the_first_block():
+    graph = skinny_programs()["rms_norm_linear_bs8_64_columns"]   # 96 blocks of 64 columns
+    alone = emit_cuda(graph, arch="sm_90a", options=SKINNY)
+    split = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, cluster=4))
+    (one,), (four,) = alone.launches, split.launches
+    assert four.grid == (4 * one.grid[0], *one.grid[1:]) and four.block == one.block
+    kernel = split.source[split.source.index("extern \"C\" __global__"):]
+    assert kernel.startswith("extern \"C\" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128, 1)")
+    assert "__cluster_dims__" not in alone.source
+    assert "mdsl::Skinny<__half, 16, 64, 1024, 4096, 6144, 4, 1, 8>::run(" in kernel   # a quarter of K a block
+    assert "g_w + (blockIdx.x / 4) * 64" in kernel and "g_matmul + (blockIdx.x / 4) * 64" in kernel
+    assert "g_x + skinny_rank * 1024" in kernel and "g_w_part + skinny_rank * 6291456" in kernel
+    meeting = kernel[kernel.index("mdsl::cluster_wait()"):]
+    assert meeting.index("cluster_store(") < meeting.index("mdsl::cluster_arrive();") \
+        < meeting.index("if (skinny_rank != 0) return;") < meeting.index("sqrtf(")
+    # the first block's meeting area: a slot of 16 x 64 sums and 16 row folds for each of the 4 blocks
+    assert four.smem_bytes - one.smem_bytes == 4 * 4 * (16 * 64 + 16)
+
+
+@pytest.mark.parametrize("graph, arch", [("rms_norm_linear_5_rows_65_slabs", "sm_90a"),   # 65 slabs: no even split
+                                         ("rms_norm_linear_bs8_64_columns", "sm_80")])   # no clusters before sm_90
+def test_where_a_cluster_cannot_split_the_k_the_loop_is_not_split(graph, arch):
+    graph = skinny_programs()[graph]
+    split = emit_cuda(graph, arch=arch, options=CudaOptions(skinny=True, cluster=4)).source
+    assert split == emit_cuda(graph, arch=arch, options=SKINNY).source and "::run(skinny_acc" in split
+
+
+def test_the_cluster_size_is_an_option_and_an_environment_switch():
+    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1", "MDSL_CUDA_CLUSTER": "4"}) == CudaOptions(skinny=True, cluster=4)
+    with pytest.raises(UnsupportedError, match="clusters of 3 blocks"):
+        CudaOptions(cluster=3)
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns",
+                                  "gated_mlp", "gated_mlp_split"])
+def test_a_clustered_loop_compiles_without_spills_three_blocks_an_sm(name, cluster):
+    """The cluster barrier and the stores into the first block's shared memory in the SASS; at most 168
+    registers at 128 threads, so that three blocks fit an SM (65536 registers): 96 blocks in clusters of
+    4 are 384, one wave on 132 SMs."""
+    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=CudaOptions(skinny=True, cluster=cluster))
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.spill_load_bytes == 0 and first.stack_bytes == 0, module.log
+    assert first.registers <= 168 and program.launches[0].block == (128, 1, 1)
+    sass = disassemble(module.cubin)
+    assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass and "HMMA.16816.F32" in sass
