@@ -109,6 +109,7 @@ class _Device:
         self.capability = (self._attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
                            self._attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
         self.max_smem = self._attribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.l2_bytes = self._attribute(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         # the stream-ordered pool keeps freed memory for reuse instead of returning it at every sync
         pool = _check(driver.cuDeviceGetDefaultMemPool(self.handle), "cuDeviceGetDefaultMemPool")
         _check(driver.cuMemPoolSetAttribute(pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -144,6 +145,12 @@ def _device(ordinal: int = 0) -> _Device:
 
 
 @functools.cache
+def l2_bytes(device: int = 0) -> int:
+    """The GPU's L2 cache size in bytes."""
+    require_gpu("reading the L2 cache size")
+    return _device(device).l2_bytes
+
+
 def target_arch(device: int = 0) -> str:
     """The arch to compile for: sm_90a on compute capability 9.0 (Hopper features), sm_XY on others,
     and sm_90a (the H200) where there is no GPU."""

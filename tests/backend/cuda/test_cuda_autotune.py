@@ -95,3 +95,14 @@ def test_the_command_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU: tests/gpu/test_gpu_autotune.py runs the command's work")
     assert autotune.main([]) == 2
     assert "no GPU" in capsys.readouterr().out
+
+
+def test_the_timing_rotates_over_input_copies_that_exceed_twice_the_l2():
+    from mdsl.backend.cuda.autotune import rotation_sets
+
+    l2 = 60 * 2**20
+    assert rotation_sets(50 * 2**20, l2) == 3            # rms_norm_linear's 50 MB weight: 150 MB > 120 MB
+    assert rotation_sets(64 * 2**20, l2) == 2            # gated_mlp's two weights
+    assert rotation_sets(2**20, l2) == 64                # small inputs: at most 64 copies
+    assert rotation_sets(2**20, l2, cap_bytes=10 * 2**20) == 10   # within the memory cap
+    assert rotation_sets(2**31, l2) == 1 and rotation_sets(0, l2) == 64
