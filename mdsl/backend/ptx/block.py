@@ -72,6 +72,13 @@ class BlockKernel:
     def tile(self, var) -> Array:
         return self.tiles[var.name]
 
+    def block_index(self, axis: int):
+        """The block's coordinate along a grid axis of the block graph (a cluster's blocks, consecutive
+        along x, share one)."""
+        index = self.fn.sreg(f"ctaid.{_AXES[axis]}")
+        cluster = self.lowered.cluster
+        return self.fn.b.udiv(index, i32(cluster)) if axis == 0 and cluster > 1 else index
+
     def scratch(self, node: Node) -> Array:
         return self.tiles[scratch_name(node)]
 
@@ -92,7 +99,8 @@ def emit_custom(program, index: int, node: Node) -> None:
     if lowered.skinny is not None and not has_rules(bg, lowered.skinny):
         lowered = lower(bg, types, options, arch_number(program.arch))
     schedule, memory = lowered.schedule, lowered.memory
-    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes) as scope:
+    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
+                        cluster=lowered.cluster) as scope:
         fn = scope.fn
         smem = fn.shared_pointer(program.mb.dynamic_smem())
         bk = BlockKernel(fn, smem, bg, lowered)
@@ -257,7 +265,7 @@ def _part(bk: BlockKernel, tensor: Array, dim_map: tuple, extent: list) -> Array
     start = None
     for g, d in enumerate(dim_map):
         if d is not None:
-            term = fn.b.mul(fn.sreg(f"ctaid.{_AXES[g]}"), i32(extent[d] * tensor.strides[d]))
+            term = fn.b.mul(bk.block_index(g), i32(extent[d] * tensor.strides[d]))
             start = term if start is None else fn.b.add(start, term)
     return tensor if start is None else Array(fn.address(tensor, start), tensor.dtype, tensor.shape, tensor.strides)
 

@@ -57,17 +57,25 @@ class ProgramBuilder:
         self.aliases: dict = {}
 
     @contextlib.contextmanager
-    def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0) -> Iterator[KernelScope]:
-        """Write the kernel implementing `node`; the body is the caller's."""
+    def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0,
+               cluster: int = 1) -> Iterator[KernelScope]:
+        """Write the kernel implementing `node`; the body is the caller's. `cluster` > 1: each block of
+        `grid` becomes that many consecutive blocks along x, one thread-block cluster (its size in the
+        PTX, `.reqnctapercluster`, as the CUDA backend's __cluster_dims__: a plain launch makes them)."""
         name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
         values = list(node.inputs) + list(node.outputs)
         fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
+        if cluster > 1:
+            for axis, size in zip("xyz", (cluster, 1, 1)):
+                self.mb.annotate(fn.fn, f"cluster_dim_{axis}", size)
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
         scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
         fn.marker_for(node)
         yield scope
         fn.finish()
-        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, tuple(v.name for v in values), index))
+        launched = (grid[0] * cluster, *grid[1:])
+        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(v.name for v in values),
+                                          index))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original

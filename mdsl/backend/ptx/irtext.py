@@ -333,5 +333,5 @@ _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "udiv": "udiv", "urem": "ur
            "ashr": "ashr", "and_": "and", "or_": "or", "fadd": "fadd", "fsub": "fsub", "fmul": "fmul", "fdiv": "fdiv"}
 for _method, _opcode in _BINARY.items():
     setattr(Builder, _method, _binary_method(_opcode))
-for _opcode in ("zext", "bitcast", "fpext", "fptrunc", "sitofp", "fptosi"):
+for _opcode in ("zext", "bitcast", "fpext", "fptrunc", "sitofp", "fptosi", "ptrtoint"):
     setattr(Builder, _opcode, _cast_method(_opcode))

@@ -12,7 +12,11 @@ same order:
   X's rows the mma's 8 columns (MT tiles of 8);
 * each warp's sums into shared memory (f32), met in a fixed order after one barrier; the row
   accumulators of X (accum_rms's sum of squares) folded from the X fragments the mmas read, by the warps
-  of the first column group, each row's folds met over the quad, then over the warps.
+  of the first column group, each row's folds met over the quad, then over the warps;
+* with `CudaOptions.cluster` = C > 1 (the plan's `cluster`): each block of the grid is C consecutive
+  blocks along x, one thread-block cluster (`.reqnctapercluster`), block r streaming the r-th run of K;
+  each block's sums go into slot r of the first block's shared memory (`mapa`, `st.shared::cluster`,
+  between cluster barriers), the others leave, and the first adds the slots in rank order.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ class SkinnyLoop:
     """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC>` with the same
     constants, each thread's pointers, and the code of its members."""
 
-    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int):
+    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int, k: int):
+        """`k`: the K this block streams (the block graph's, or a cluster's block's run of it)."""
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
         self.bk, self.fn, self.shape, self.warps = bk, fn, shape, warps
@@ -45,7 +50,7 @@ class SkinnyLoop:
         self.group = min(shape.chunks(), GROUP_CHUNKS)
         self.groups = shape.groups()
         self.kw_warps = warps // self.groups
-        self.slabs, self.words, self.step = shape.k // SLAB, self.vec // 2, shape.slabs_per_step()
+        self.slabs, self.words, self.step = k // SLAB, self.vec // 2, shape.slabs_per_step()
         x = parts[shape.x]
         self.dtype = x.dtype
         self.etype = ELEMENT_TYPES[x.dtype]
@@ -242,10 +247,18 @@ def _when(fn, cond):
 def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory (at `part_ptr`) into the
     accumulators' tiles, and the row accumulators' folds into theirs, then finalized by their own rules
-    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement)."""
+    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement). In a cluster, each block
+    streams its run of K and the blocks' sums meet in the first block."""
     fn, b = bk.fn, bk.fn.b
-    shape, warps = skinny.shape, bg.threads // 32
-    loop = SkinnyLoop(bk, skinny, parts, warps)
+    shape, warps, cluster = skinny.shape, bg.threads // 32, skinny.cluster
+    k, rank = shape.k // cluster, None
+    if cluster > 1:
+        _cluster_barrier(fn, "arrive.relaxed")   # waited for before the first store into another block
+        rank = b.urem(fn.sreg("ctaid.x"), i32(cluster))
+        parts = {**parts, **{name: _from(fn, parts[name], b.mul(rank, i32(k * stride)))
+                             for name, stride in ((shape.x, parts[shape.x].strides[-1]),
+                                                  *((w, parts[w].strides[0]) for w in shape.weights))}}
+    loop = SkinnyLoop(bk, skinny, parts, warps, k)
     mats, kw, mt_tiles = loop.mats, loop.kw_warps, loop.mt
     for i in shape.rows:
         bg.nodes[i].opdef.rules["ptx"].init(bk, bg.nodes[i])
@@ -257,9 +270,8 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     loop.run(acc, folds)
     loop.store_part(acc, part)
     rows_base = mats * kw * shape.m * shape.n
-    tid = fn.sreg("tid.x")
-    for k, (fold, running) in enumerate(folds):
-        fn.marker_for(bg.nodes[shape.rows[k]])
+    for r, (fold, running) in enumerate(folds):
+        fn.marker_for(bg.nodes[shape.rows[r]])
         for mt in range(mt_tiles):
             v = running[mt].get()
             for lanes in (1, 2):   # the quad, as mdsl::quad_reduce
@@ -270,32 +282,13 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
                 b.and_(first_lane, b.icmp_unsigned("<", row, i32(shape.m)))
             with fn.when(inside):
                 at = b.add(b.mul(loop.warp, i32(MAX_ROWS)), row)
-                fn.store_float(part, b.add(at, i32(rows_base + k * warps * MAX_ROWS)), v)
+                fn.store_float(part, b.add(at, i32(rows_base + r * warps * MAX_ROWS)), v)
     fn.barrier()
-    for mat, i in enumerate(shape.sums):
-        node = bg.nodes[i]
-        tile = bk.tile(node.output)
-        fn.marker_for(node)
-        sums = (shape.m, shape.n)
-
-        def element(e, mat=mat, tile=tile, sums=sums) -> None:
-            total = f32(0.0)
-            for w in range(kw):   # the warps' partial sums, in a fixed order
-                total = b.fadd(total, fn.load_float(part, b.add(e, i32((mat * kw + w) * shape.m * shape.n))))
-            fn.store_float(tile, fn.offset(e, sums, tile), total)
-
-        bk.threads.for_each(fn, shape.m * shape.n, element)
-    for k, i in enumerate(shape.rows):
-        node = bg.nodes[i]
-        tile, fold = bk.tile(node.output), bg.nodes[i].opdef.rules["ptx_skinny"]
-        fn.marker_for(node)
-        with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
-            first = rows_base + k * warps * MAX_ROWS
-            v = fn.load_float(part, b.add(tid, i32(first)))
-            for w in range(1, warps):
-                v = fold.combine(fn, v, fn.load_float(part, b.add(tid, i32(first + w * MAX_ROWS))))
-            at = fn.offset(tid, tuple(tile.shape), tile)
-            fn.store_float(tile, at, fold.combine(fn, fn.load_float(tile, at), v))
+    sums = _WarpSums(bk, bg, shape, part, kw, warps, rows_base)
+    if cluster == 1:
+        sums.into_tiles()
+    else:
+        _meet_in_cluster(bk, bg, skinny, sums, part, rank, rows_base + len(shape.rows) * warps * MAX_ROWS)
     fn.barrier()
     finishing = [i for i in shape.rows if bg.nodes[i].opdef.rules["ptx"].finalize is not None]
     for i in finishing:
@@ -303,6 +296,118 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         bg.nodes[i].opdef.rules["ptx"].finalize(bk, bg.nodes[i])
     if finishing:
         fn.barrier()
+
+
+def _from(fn, array: Array, offset) -> Array:
+    """The array from element `offset` on (a cluster's block's run of K)."""
+    return Array(fn.address(array, offset), array.dtype, array.shape, array.strides)
+
+
+class _WarpSums:
+    """The block's sums over its warps' partials (a fixed order), put by `emit` wherever they go: the
+    accumulators' tiles, or a slot of the cluster's meeting area."""
+
+    def __init__(self, bk, bg: BlockGraph, shape, part: Array, kw: int, warps: int, rows_base: int):
+        self.bk, self.bg, self.shape, self.part = bk, bg, shape, part
+        self.kw, self.warps, self.rows_base = kw, warps, rows_base
+
+    def emit(self, sum_to, fold_to) -> None:
+        """sum_to(mat, element of M x N, value) and fold_to(row accumulator's position, its node, value)
+        put each sum where it goes (fold_to runs on the thread of the row, threadIdx.x < M)."""
+        bk, shape, part = self.bk, self.shape, self.part
+        fn, b = bk.fn, bk.fn.b
+        size = shape.m * shape.n
+        for mat, i in enumerate(shape.sums):
+            fn.marker_for(self.bg.nodes[i])
+
+            def element(e, mat=mat) -> None:
+                total = f32(0.0)
+                for w in range(self.kw):   # the warps' partial sums, in a fixed order
+                    total = b.fadd(total, fn.load_float(part, b.add(e, i32((mat * self.kw + w) * size))))
+                sum_to(mat, e, total)
+
+            bk.threads.for_each(fn, size, element)
+        tid = fn.sreg("tid.x")
+        for r, i in enumerate(shape.rows):
+            node = self.bg.nodes[i]
+            fold = node.opdef.rules["ptx_skinny"]
+            fn.marker_for(node)
+            first = self.rows_base + r * self.warps * MAX_ROWS
+            with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
+                v = fn.load_float(part, b.add(tid, i32(first)))
+                for w in range(1, self.warps):
+                    v = fold.combine(fn, v, fn.load_float(part, b.add(tid, i32(first + w * MAX_ROWS))))
+                fold_to(r, node, v)
+
+    def into_tiles(self) -> None:
+        bk, shape = self.bk, self.shape
+
+        def sum_to(mat: int, e, value) -> None:
+            tile = bk.tile(self.bg.nodes[shape.sums[mat]].output)
+            bk.fn.store_float(tile, bk.fn.offset(e, (shape.m, shape.n), tile), value)
+
+        self.emit(sum_to, lambda r, node, value: _fold_into_tile(bk, node, value))
+
+
+def _fold_into_tile(bk, node, value) -> None:
+    """A row accumulator's value (on the thread of its row) combined into its tile."""
+    fn, tid = bk.fn, bk.fn.sreg("tid.x")
+    tile = bk.tile(node.output)
+    at = fn.offset(tid, tuple(tile.shape), tile)
+    fn.store_float(tile, at, node.opdef.rules["ptx_skinny"].combine(fn, fn.load_float(tile, at), value))
+
+
+def _meet_in_cluster(bk, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, part: Array, rank,
+                     meeting_offset: int) -> None:
+    """Each block's sums over its warps into its slot of the first block's meeting area (distributed
+    shared memory); the other blocks leave, the first adds the slots in rank order into the tiles."""
+    fn, b = bk.fn, bk.fn.b
+    shape, cluster = skinny.shape, skinny.cluster
+    slot, rows_at, size = skinny.slot_floats(), len(shape.weights) * shape.m * shape.n, shape.m * shape.n
+    tid = fn.sreg("tid.x")
+    _cluster_barrier(fn, "wait.acquire")   # every block of the cluster has started: block 0's memory is there
+    mine = fn.address(part, b.add(b.mul(rank, i32(slot)), i32(meeting_offset)))
+    to = b.asm(ir.FunctionType(I32, [I32, I32]), "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r",
+               [b.ptrtoint(mine, I32), i32(0)], True)   # this block's slot in block 0's shared memory
+    sums.emit(lambda mat, e, value: _cluster_store(fn, b.add(to, b.mul(b.add(e, i32(mat * size)), i32(4))), value),
+              lambda r, node, value: _cluster_store(fn, b.add(to, b.mul(b.add(tid, i32(rows_at + r * MAX_ROWS)),
+                                                                          i32(4))), value))
+    _cluster_barrier(fn, "arrive.release")   # this block's stores, seen by block 0 after its wait
+    with fn.when(b.icmp_unsigned("!=", rank, i32(0))):   # block 0 alone runs the epilogue
+        b.ret_void()
+    _cluster_barrier(fn, "wait.acquire")
+    meeting = _from(fn, part, i32(meeting_offset))
+    for mat, i in enumerate(shape.sums):
+        tile = bk.tile(bg.nodes[i].output)
+        fn.marker_for(bg.nodes[i])
+
+        def element(e, mat=mat, tile=tile) -> None:
+            total = fn.load_float(meeting, b.add(e, i32(mat * size)))
+            for q in range(1, cluster):   # the blocks' sums in rank order
+                total = b.fadd(total, fn.load_float(meeting, b.add(e, i32(q * slot + mat * size))))
+            fn.store_float(tile, fn.offset(e, (shape.m, shape.n), tile), total)
+
+        bk.threads.for_each(fn, size, element)
+    for r, i in enumerate(shape.rows):
+        node = bg.nodes[i]
+        fold = node.opdef.rules["ptx_skinny"]
+        fn.marker_for(node)
+        with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
+            v = fn.load_float(meeting, b.add(tid, i32(rows_at + r * MAX_ROWS)))
+            for q in range(1, cluster):
+                v = fold.combine(fn, v, fn.load_float(meeting, b.add(tid, i32(q * slot + rows_at + r * MAX_ROWS))))
+            _fold_into_tile(bk, node, v)
+
+
+def _cluster_barrier(fn, what: str) -> None:
+    """barrier.cluster.<what>.aligned (arrive.relaxed, arrive.release, wait.acquire): every thread."""
+    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what}.aligned;", "~{memory}", [], True)
+
+
+def _cluster_store(fn, address, value) -> None:
+    """st.shared::cluster.f32 at a distributed shared memory address (from mapa)."""
+    fn.b.asm(ir.FunctionType(ir.VoidType(), [I32, value.type]), "st.shared::cluster.f32 [$0], $1;",
+             "r,f,~{memory}", [address, value], True)
 
 
 def has_rules(bg: BlockGraph, skinny: SkinnyPlan) -> bool:

@@ -4,13 +4,15 @@ plans and the split plans' structure (tests/backend/ptx/plans.py) with the defau
 switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
 environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
 tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
-fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP) and on every benchmark
-plan (those it does not qualify keep the tile loop).
+fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone and with its K
+split over thread-block clusters of 2 and 4 blocks, and on every benchmark plan (those it does not
+qualify keep the tile loop).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from mdsl.backend.cuda.options import CudaOptions
@@ -34,7 +36,8 @@ def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
 
 
 def _use_options(monkeypatch, options: CudaOptions) -> None:
-    for key, value in {**options_env(options), "MDSL_CUDA_SKINNY": str(int(options.skinny))}.items():
+    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_CLUSTER": str(options.cluster)}
+    for key, value in {**options_env(options), **skinny}.items():
         monkeypatch.setenv(key, value)
 
 
@@ -78,14 +81,17 @@ def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monke
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
+@pytest.mark.parametrize("cluster", [1, 2, 4])
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_tuned_skinny_plan_through_ptx(name, monkeypatch, ptx_backend):
+def test_tuned_skinny_plan_through_ptx(name, cluster, monkeypatch, ptx_backend):
     """The skinny loop (weights streamed into registers, mma.sync with W as the A operand) at the
-    benchmark's sizes, as the autotuner picked it for the CUDA backend, against float64."""
+    benchmark's sizes, as the autotuner picked it for the CUDA backend, and its K split over clusters of
+    2 and 4 blocks (the sums met in the first block's shared memory), against float64."""
     graph, options = tuned_skinny_plans()[name]
+    options = attrs.evolve(options, cluster=cluster)
     _use_options(monkeypatch, options)
-    _check(ptx_backend, graph, f"ptx-skinny:{name}", f"the tuned skinny plan of {name} through the PTX backend "
-           f"with options {options}")
+    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}", f"the tuned skinny plan of {name} through "
+           f"the PTX backend with options {options}")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)

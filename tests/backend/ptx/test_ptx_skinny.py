@@ -9,19 +9,26 @@
 * its SASS against the CUDA backend's on the fifth session's tuned skinny plans (RMSNorm + Linear at
   batch 1 and 8, Gated MLP, at the benchmark's sizes): the same 16-byte no-allocate weight loads, mmas,
   X's 8-byte loads, byte permutes, L2 prefetches, barriers and shuffles (test_ptx_parity.py checks the
-  data paths, spills, registers and instruction counts of the same kernels).
+  data paths, spills, registers and instruction counts of the same kernels);
+* its K split over thread-block clusters of 2 and 4 blocks: the same launches and, in the SASS, the same
+  cluster barriers, fences and remote stores as the CUDA kernels (not simulated: on the GPU only).
 """
 from __future__ import annotations
 
+import functools
+
+import attrs
 import pytest
 
 from mdsl import bf16, f16
-from mdsl.backend.cuda import emit_cuda
+from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import emit_llvm
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny, tuned_skinny_plans
-from tests.backend.ptx.test_ptx_parity import count_matching, needs_tools, tuned_modules
+from tests.backend.ptx.test_ptx_acceptance import assembled_module
+from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
+from tests.backend.ptx.test_ptx_parity import ARCH, assert_same_paths, count_matching, needs_tools, tuned_modules
 from tests.backend.ptx.test_ptx_simulated import check_simulated
 from tests.backend.ptx.test_ptx_simulated import pytestmark as needs_simulator
 
@@ -111,3 +118,40 @@ def test_skinny_kernels_match_the_cuda_kernels_sass(name):
         for pattern in (r"CCTL\.E\.PF2", r"BAR\.SYNC.*", r"SHFL\.BFLY.*"):   # L2 prefetches, barriers, quads
             assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
                 f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the K split over a thread-block cluster (CudaOptions.cluster): not simulated (the simulator runs a
+# grid's blocks one after another, with one shared memory); its SASS and launches against the CUDA
+# backend's here, its numbers in tests/backend/ptx/test_ptx_gpu.py
+
+
+@functools.lru_cache(maxsize=8)
+def _clustered(name: str, cluster: int) -> tuple:
+    graph, options = tuned_skinny_plans()[name]
+    options = attrs.evolve(options, cluster=cluster)
+    cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
+    cuda = compile_cuda(cuda_program.source, arch=ARCH)
+    ptx = assembled_module(program.llvm_ir)
+    return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
+
+
+@needs_tools
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
+def test_cluster_split_matches_the_cuda_kernels(name, cluster):
+    """The same launches (the grid's x times the cluster, the shared memory with the meeting area), the
+    cluster's size in the PTX, and the same cluster barriers, remote stores and fences in the SASS."""
+    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _clustered(name, cluster)
+    launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes) for launch in program.launches]
+    assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes) for launch in cuda_program.launches]
+    assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == 1
+    for kernel, theirs in theirs_by_kernel.items():
+        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}) {kernel}"
+        assert_same_paths(where, theirs, ours)
+        r = assembled.resources[kernel]
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
+        for pattern in (r"UCGABAR_ARV", r"UCGABAR_WAIT", r"CGAERRBAR", r"MEMBAR\.ALL\.GPU", r"CCTL\.IVALL"):
+            assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
+                f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
+        assert count_matching(ours, r"ST\.E") <= count_matching(theirs, r"ST\.E"), f"{where}: remote stores"
