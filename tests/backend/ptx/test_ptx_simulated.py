@@ -212,3 +212,27 @@ def test_a_long_streamed_combine_is_a_loop():
     program = emit_llvm(graph, options=CudaOptions())
     assert program.llvm_ir.count('call float @"mdsl_exp"') == 4 * 2   # 4 iterations a trip, 2 weights each
     check_simulated(graph, seed=9, options=CudaOptions())
+
+
+def _some_warps_lack_a_tile():
+    """6 mma tiles (16 x 48) on 4 warps: warps 0 and 1 hold 2, warps 2 and 3 one (their K loop of one
+    tile, in the else branch of the check for the last), over K of 80 a block (a loop of 5 steps)."""
+    g = Graph("warps_lacking_a_tile")
+    x, w = g.input("x", (16, 160), f16), g.input("w", (160, 96), f16)
+    b = g.block(grid=(2,), forloop=2, threads=128)
+    acc = b.op("accum", b.op("matmul", b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)))
+    b.output(acc, omap=(1,))
+    b.done()
+    return g.build()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["lora_tuned", "warps_lacking_a_tile"])
+def test_warps_that_lack_their_last_mma_tile(name):
+    """The K loops written inside the check that a warp has its last tile (mdsl/backend/ptx/mma.py):
+    LoRA's tuned blocks (2 tiles a matmul on 4 warps: half the warps have none), and warps holding 2 or 1."""
+    from tests.backend.ptx.plans import lora_tuned
+
+    graph = lora_tuned(k=64, columns=32) if name == "lora_tuned" else _some_warps_lack_a_tile()
+    for options in (CudaOptions(), CudaOptions(register_accumulators=False)):
+        check_simulated(graph, seed=10, options=options)
