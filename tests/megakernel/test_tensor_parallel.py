@@ -36,9 +36,10 @@ def _tp(arch, world_size, seed=1, **overrides):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_n_rank_simulation_equals_the_single_rank_model(arch, world_size):
-    graph, weights, plan, rank_weights = _tp(arch, world_size)
+@pytest.mark.parametrize(("arch", "act"), [("llama3", "silu"), ("qwen3", "silu"), ("llama3", "gelu")])
+def test_n_rank_simulation_equals_the_single_rank_model(arch, act, world_size):
+    graph, weights, plan, rank_weights = _tp(arch, world_size, hidden_act=act)
+    assert {n.attr_dict["act"] for n in graph.nodes if n.op == "act_mul"} == {act}
     reference = ReferenceModel(graph, weights).generate(PROMPT, NEW_TOKENS)
     single = Simulator(build_task_graph(graph, PARTITION), weights).generate(PROMPT, NEW_TOKENS, workers=3, seed=1)
     over_ranks = TensorParallelReference(plan, rank_weights).generate(PROMPT, NEW_TOKENS)
