@@ -20,7 +20,7 @@ SLAB = 16                 # rows of K a warp takes a step
 LOADS = (8, 4)            # columns one load of a weight row covers: 16 bytes, else 8
 GROUP_CHUNKS = 8          # chunks a warp covers (fewer: its other lanes duplicate them)
 REGISTER_BUFFER = 16      # 16-bit elements a thread's register buffer holds per row of a slab
-CLUSTERS = (1, 2, 4)      # blocks of a thread-block cluster that may split one block's K (sm_90+)
+CLUSTERS = (1, 4)         # blocks of a thread-block cluster that may split one block's K (sm_90+): 96 blocks -> 384
 
 
 @attrs.frozen

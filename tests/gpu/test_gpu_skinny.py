@@ -8,28 +8,62 @@ autotuner times the skinny loop beside the tile loop, all correct.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mdsl.backend.cuda import autotune, runtime
 from mdsl.backend.cuda.options import CudaOptions, arch_number
+from mdsl.ir.text import parse_graph
 from tests.backend.cuda.programs import skinny_programs
-from tests.gpu.harness import compare, random_inputs, reference, rng_for, run, tolerance
+from tests.gpu.harness import compare, poisoned, random_inputs, reference, rng_for, run, tolerance, upload
+from tests.ir.skinny_texts import rms_norm_linear
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, cluster", [(None, 1), (256, 1), (None, 2), (None, 4)])
+@pytest.mark.parametrize("threads, cluster, overlap", [(None, 1, False), (256, 1, False), (None, 2, False),
+                                                       (None, 4, False), (None, 1, True), (None, 4, True)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
-def test_the_skinny_loop_computes_the_program(name, threads, cluster):
+def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap):
     graph = skinny_programs()[name]
-    what = f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}"
-    inputs = random_inputs(graph, rng_for(f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "")))
+    what = f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}"
+    test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + (":overlap" if overlap else "")
+    inputs = random_inputs(graph, rng_for(test_id))
     want = reference(graph, inputs)
-    executable = runtime.compile_graph(graph, options=CudaOptions(skinny=True, threads=threads, cluster=cluster))
+    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap)
+    executable = runtime.compile_graph(graph, options=options)
     source = executable.program.source
     assert "::run(skinny_acc" in source, f"{what}: the skinny loop was not taken"
     if cluster > 1 and arch_number(runtime.target_arch()) >= 90 and "65_slabs" not in name:   # 65 slabs: no split
         assert f"__cluster_dims__({cluster}, 1, 1)" in source, f"{what}: not split over a cluster"
     compare(executable, run(executable, inputs), want, tolerance(graph), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_overlapping_kernels_wait_for_their_predecessor_s_writes_and_reads(cluster):
+    """Two skinny kernels launched to overlap their predecessors (programmatic dependent launch), the
+    second reading what the first writes, three rounds on one stream with no synchronization: each
+    second kernel must see its first's output (read after write), and each first kernel must not
+    overwrite that output before the previous second kernel has read it (write after read)."""
+    first = parse_graph(rms_norm_linear(16, 64, blocks=96, k=4096))              # X W1 -> Y: f16[16, 6144]
+    second = parse_graph(rms_norm_linear(16, 64, blocks=32, k=6144, forloop=32))  # Y W2 -> Z: f16[16, 2048]
+    options = CudaOptions(skinny=True, cluster=cluster, overlap=True)
+    a, b = (runtime.compile_graph(g, options=options) for g in (first, second))
+    assert all(launch.overlap for launch in a.program.launches + b.program.launches)
+    rng = rng_for(f"skinny:overlap chain:{cluster}")
+    xs = [random_inputs(first, rng)[0] for _ in range(3)]
+    w1, w2 = random_inputs(first, rng)[1], random_inputs(second, rng)[1]
+    w1_gpu = runtime.DeviceArray.from_numpy(w1, first.inputs[1].dtype)
+    w2_gpu = runtime.DeviceArray.from_numpy(w2, second.inputs[1].dtype)
+    xs_gpu = [upload([x], first)[0] for x in xs]
+    y = runtime.DeviceArray((16, 6144), first.outputs[0].dtype)
+    zs = [poisoned(second)[0] for _ in xs]
+    for x, z in zip(xs_gpu, zs):
+        a([x, w1_gpu], [y])
+        b([y, w2_gpu], [z])
+    for k, (x, z) in enumerate(zip(xs, zs)):
+        want = reference(second, [reference(first, [x, w1])[0], w2])
+        compare(b, [z.to_numpy().astype(np.float64)], want, tolerance(second), f"round {k} of the overlapping pair")
 
 
 @pytest.mark.gpu

@@ -369,9 +369,9 @@ def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight(
         body = g.custom_nodes()[0].body
         assert fit.in_flight_per_sm == min(fit.per_sm, fit.resident) * skinny_shape(body).loads_in_flight(body.threads // 32)
         assert fit.iterations == 1 and fit.latency_s < tile.latency_s   # no barrier chain in the loop
-    # each K split over a cluster's blocks (CudaOptions.cluster): 192 blocks of 32 columns in clusters of 2,
-    # 96 of 64 in clusters of 4, 384 blocks either way, three on most SMs
-    assert [(f.cluster, f.blocks, f.per_sm) for f in fits] == [(2, 384, 3), (4, 384, 3)]
-    assert fits[0].in_flight_per_sm == fits[1].in_flight_per_sm
+    # each K split over clusters of 4 blocks (CudaOptions.cluster): 192 blocks of 32 columns become 768, six
+    # an SM at most (three resident: two rounds), 96 of 64 columns 384, three on most SMs
+    assert [(f.cluster, f.blocks, f.per_sm, f.rounds) for f in fits] == [(4, 768, 6, 2), (4, 384, 3, 1)]
+    assert fits[1].seconds < fits[0].seconds
     attention = gpu_estimate(_gqa_bs1(8, 4, 32), skinny=True)
     assert {f.lowering for f in attention.kernels} == {"tile"}    # not a weight stream

@@ -199,9 +199,9 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
 
 def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaOptions) -> Optional[Lowered]:
     """The skinny lowering (f32 tiles, no input tiles, no pipeline), or None where the block graph does not
-    qualify or its tiles and partial sums do not fit."""
+    qualify or its tiles and partial sums do not fit (a cluster's meeting area that does not fit: unsplit)."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
-    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster)
+    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)
@@ -209,8 +209,11 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
         memory = plan_memory(bg, schedule, layout, stages=1, in_registers=skinny_in_registers(bg, plan))
     except SharedMemoryError:
         return None
-    lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=plan, warps=bg.threads // 32)
-    return lowered if lowered.smem_bytes <= SMEM_LIMIT_BYTES else None
+    for fitting in dict.fromkeys((plan, attrs.evolve(plan, cluster=1))):
+        lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=fitting, warps=bg.threads // 32)
+        if lowered.smem_bytes <= SMEM_LIMIT_BYTES:
+            return lowered
+    return None
 
 
 def emit_custom(program, index: int, node: Node) -> None:
@@ -220,7 +223,8 @@ def emit_custom(program, index: int, node: Node) -> None:
     schedule, memory = lowered.schedule, lowered.memory
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        comment=header, cluster=lowered.cluster) as scope:
+                        comment=header, cluster=lowered.cluster,
+                        overlap=lowered.skinny is not None and lowered.skinny.overlap) as scope:
         b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
         w = b.w
         rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None

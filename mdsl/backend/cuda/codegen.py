@@ -38,6 +38,8 @@ class KernelLaunch:
     smem_bytes: int          # dynamic shared memory
     args: tuple              # kernel-graph value names passed as pointers, in parameter order
     node_index: int          # the kernel-graph node it implements
+    overlap: bool = False    # launched with programmatic stream serialization: it waits for its predecessor
+                             # (griddepcontrol.wait) before touching memory, so it may start before that ends
 
 
 @attrs.frozen
@@ -71,10 +73,12 @@ class ProgramBuilder:
 
     @contextlib.contextmanager
     def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0,
-               comment: Optional[list] = None, cluster: int = 1) -> Iterator[KernelScope]:
+               comment: Optional[list] = None, cluster: int = 1, overlap: bool = False) -> Iterator[KernelScope]:
         """Write the `__global__` function implementing `node`; the body is the caller's. `cluster` > 1:
         each block of `grid` becomes that many consecutive blocks along x, one thread-block cluster
-        (compiled in with __cluster_dims__, so that a plain launch makes the clusters)."""
+        (compiled in with __cluster_dims__, so that a plain launch makes the clusters). `overlap`: the body
+        waits for the previous kernel (griddepcontrol.wait) before it touches memory, and the launch lets it
+        start before that kernel ends (`KernelLaunch.overlap`)."""
         name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
         namer = Namer()
         scope = KernelScope(self.w, namer, [], [])
@@ -92,7 +96,7 @@ class ProgramBuilder:
         with w.block(f"{name}({', '.join(params)})"):
             yield scope
         launched = (grid[0] * cluster, *grid[1:])
-        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(args), index))
+        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(args), index, overlap))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original

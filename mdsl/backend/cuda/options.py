@@ -20,6 +20,10 @@ one without changing code:
     MDSL_CUDA_CLUSTER=n     a skinny loop's K split over the n blocks of a thread-block cluster (sm_90+; 1, 2,
                             4 or 8; the partial sums meet in the first block's shared memory): n times the
                             blocks, each streaming 1/n of the weights, so that the grid covers every SM
+    MDSL_CUDA_OVERLAP=1     a skinny kernel (sm_90+) lets the next kernel launch while it runs and waits for the
+                            previous one before touching memory (programmatic dependent launch, griddepcontrol),
+                            its first weight slabs sent to L2 before that wait: launch and ramp-up overlap the
+                            previous kernel's tail (off by default; the autotuner tries both)
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ class CudaOptions:
     stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
     skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
     cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
+    overlap: bool = False                  # skinny kernels launched to overlap their predecessor (griddepcontrol)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -89,7 +94,8 @@ class CudaOptions:
                    hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist),
                    stream=_flag(env, "MDSL_CUDA_STREAM", default.stream),
                    skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny),
-                   cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster))
+                   cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster),
+                   overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

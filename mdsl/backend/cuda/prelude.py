@@ -396,6 +396,10 @@ __device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank
 __device__ __forceinline__ void cluster_store(unsigned address, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(address), "f"(v) : "memory");
 }
+// programmatic dependent launch: the previous kernel of the stream has finished and its writes are visible
+// (returns at once for a kernel launched without the programmatic attribute); the next kernel may launch
+__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 #endif
 
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC>
@@ -436,6 +440,20 @@ struct Skinny {
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+  }
+
+  // lane (g, t)'s row 4t of its column group's first column in each weight (see `prefetch`)
+  static __device__ __forceinline__ void group_rows(const E* (&lines)[MATS], const E* const (&W)[MATS]) {
+#pragma unroll
+    for (int mat = 0; mat < MATS; ++mat) lines[mat] = W[mat] + 4 * (threadIdx.x % 4) * LDW + (threadIdx.x / 32) % GROUPS * GROUP * VEC;
+  }
+
+  // the slabs of this warp's first two register buffers sent to L2: a prefetch changes no value, so it may
+  // run before the previous kernel has finished (programmatic dependent launch), and `run` then finds them there
+  static __device__ __forceinline__ void prefetch_start(const E* const (&W)[MATS]) {
+    const E* lines[MATS];
+    group_rows(lines, W);
+    prefetch(lines, threadIdx.x / 32 / GROUPS);
   }
 
   // the weight rows of the 2 STEP slabs first, first + KW, ... sent to L2 ahead of their loads (no registers
@@ -512,11 +530,9 @@ struct Skinny {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) xs[mt] = X + (mt * 8 + g < M ? mt * 8 + g : M - 1) * LDX + 4 * t;
     const E* lines[MATS];
+    group_rows(lines, W);
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) {
-      ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
-      lines[mat] = W[mat] + 4 * t * LDW + warp % GROUPS * GROUP * VEC;
-    }
+    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
     // two register buffers in turn: one's loads in flight while the other's mmas run. The steady state
     // has no branch (every slab of both buffers exists), so that the loads stay where they are written
     // (ptxas sank them below branchy mma blocks, next to their use); the last slabs follow, each checked

@@ -603,7 +603,8 @@ class Executable:
         base, width = ctypes.addressof(self._ptrs), ctypes.sizeof(ctypes.c_uint64)
         block_of_params = (ctypes.c_void_p * max(1, len(slots)))(*[base + width * s for s in slots])
         self._param_blocks.append(block_of_params)   # cuLaunchKernel reads it at each launch
-        return (function, *grid, *block, smem, ctypes.addressof(block_of_params) if slots else None)
+        config = overlapping_launch(grid, block, smem) if getattr(launch, "overlap", False) else None
+        return (function, *grid, *block, smem, ctypes.addressof(block_of_params) if slots else None, config)
 
     def _allocate_scratch(self, size: int) -> int:
         if not size:
@@ -679,8 +680,12 @@ class Executable:
             ptrs = self._ptrs
             for slot, k in self._bindings:
                 ptrs[slot] = arguments[k]
-            for function, gx, gy, gz, bx, by, bz, smem, params in self._launches:
-                (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, cu_stream, params, 0)
+            for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches:
+                if config is None:
+                    (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, cu_stream, params, 0)
+                else:   # programmatic dependent launch: may start while the stream's previous kernel runs
+                    config.hStream = cu_stream
+                    (err,) = driver.cuLaunchKernelEx(config, function, params, 0)
                 if err:
                     raise CudaError(f"launching a kernel of {self.name} failed: {_error_text(err)}")
         for dst, src, size in self._copies:
@@ -714,6 +719,22 @@ class Executable:
     def __repr__(self) -> str:
         return (f"<mdsl Executable {self.name}: {len(self._launches)} launch(es) on GPU {self.device}, "
                 f"{len(self.input_types)} input(s), {len(self.output_types)} output(s)>")
+
+
+def overlapping_launch(grid: tuple, block: tuple, smem: int):
+    """The cuLaunchKernelEx configuration of a kernel that waits for its predecessor itself
+    (`KernelLaunch.overlap`): programmatic stream serialization lets it start before the stream's previous
+    kernel ends, once that one lets it (griddepcontrol.launch_dependents). The stream is set per launch."""
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
 
 
 EMPTY_KERNEL = 'extern "C" __global__ void mdsl_empty() {}\n'

@@ -25,6 +25,12 @@ and runs the epilogue. Why: the fifth session's tuner times on the H200 fit one 
 this loop whatever its warps (96-block rms_norm_linear at 128 or 256 threads alike, 64-block gated_mlp),
 so a grid of fewer blocks than SMs leaves bandwidth unused; C = 4 gives 384 blocks, about 3 a SM, with
 no second kernel and no round trip of partial sums through device memory.
+
+Overlap (`CudaOptions.overlap`, sm_90+): the kernel is launched with programmatic stream serialization
+(`KernelLaunch.overlap`), so that it may start while the previous kernel of the stream still runs: it
+sends its first weight slabs to L2, waits for that kernel (griddepcontrol.wait: nothing in global memory
+is read or written before), then lets the next kernel launch. Its launch and the first loads' latency
+overlap the previous kernel's tail.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from mdsl.ir.ops import extend_op
 from mdsl.ir.skinny import MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
-CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
+CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory, griddepcontrol
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
@@ -48,6 +54,7 @@ class SkinnyPlan:
     shape: SkinnyShape  # the loop's structure (mdsl.ir.skinny)
     element: str        # the 16-bit C type of X and the weights
     cluster: int = 1    # blocks of a thread-block cluster splitting the block's K (1: none)
+    overlap: bool = False  # launched to overlap the previous kernel (programmatic dependent launch)
 
     def slot_floats(self) -> int:
         """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
@@ -55,12 +62,14 @@ class SkinnyPlan:
         return len(shape.weights) * shape.m * shape.n + len(shape.rows) * MAX_ROWS
 
 
-def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1) -> Optional[SkinnyPlan]:
+def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
+                overlap: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
     weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
-    clusters and K is whole slabs for each (else the plan has none)."""
+    clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
+    programmatic dependent launch (sm_90+)."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -76,7 +85,7 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster)
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= CLUSTER_MIN_ARCH)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -122,6 +131,10 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
     w(f"const {skinny.element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
       f"{cls}::Acc skinny_acc;")
+    if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
+        w(f"{cls}::prefetch_start(skinny_w);   // changes no value: may run before the previous kernel ends",
+          "mdsl::wait_for_previous_kernel();   // its writes are visible from here on",
+          "mdsl::let_next_kernel_launch();")
     folds = [b.namer(f"p_{bg.nodes[i].output.name}") for i in plan.rows]
     mt = -(-plan.m // 8)
     for name, i in zip(folds, plan.rows):

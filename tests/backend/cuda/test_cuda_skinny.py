@@ -6,6 +6,7 @@ program here against the float64 reference."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -108,17 +109,16 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    per_stage_and_threads = 1 + len(autotune.CLUSTERS)   # the tile loop; the skinny loop under each cluster size
+    per_stage_and_threads = 1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP)   # the tile loop; each skinny one
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
                       skinny_programs()["rms_norm_linear_bs8_64_columns"])
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        unsplit = [v for v in tried if v.candidate == k and v.options.skinny and v.options.cluster == 1]
-        assert sorted(v.options.threads or 0 for v in unsplit) == [0, 256]
-        clustered = {(v.options.threads, v.options.cluster) for v in tried if v.candidate == k and v.options.cluster > 1}
-        assert clustered == {(t, c) for t in autotune.THREADS for c in autotune.CLUSTERS if c > 1}
+        skinny = {(v.options.threads, v.options.cluster, v.options.overlap) for v in tried
+                  if v.candidate == k and v.options.skinny}
+        assert skinny == {(t, c, o) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP}
     assert not [v for v in tried if v.candidate == 1 and v.options.skinny]   # gqa: the same source, dropped
 
 
@@ -185,3 +185,49 @@ def test_a_clustered_loop_compiles_without_spills_three_blocks_an_sm(name, clust
     assert first.registers <= 168 and program.launches[0].block == (128, 1, 1)
     sass = disassemble(module.cubin)
     assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass and "HMMA.16816.F32" in sass
+
+
+# ---- overlapping the previous kernel (CudaOptions.overlap: programmatic dependent launch)
+
+def test_an_overlapping_kernel_prefetches_then_waits_before_touching_memory():
+    graph = skinny_programs()["rms_norm_linear_bs8_64_columns"]
+    program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, overlap=True))
+    assert [launch.overlap for launch in program.launches] == [True]
+    kernel = program.source[program.source.index("extern \"C\" __global__"):]
+    order = [kernel.index(s) for s in ("::prefetch_start(skinny_w);", "mdsl::wait_for_previous_kernel();",
+                                       "mdsl::let_next_kernel_launch();", "::run(skinny_acc")]
+    assert order == sorted(order)
+    assert not any(launch.overlap for launch in emit_cuda(graph, arch="sm_90a", options=SKINNY).launches)
+    # before sm_90 there is no programmatic dependent launch: the kernel is the plain one
+    old = emit_cuda(graph, arch="sm_80", options=CudaOptions(skinny=True, overlap=True))
+    assert old.source == emit_cuda(graph, arch="sm_80", options=SKINNY).source and not old.launches[0].overlap
+    assert CudaOptions.from_env({"MDSL_CUDA_OVERLAP": "1"}) == CudaOptions(overlap=True)
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("cluster", [1, 4])
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8_64_columns", "gated_mlp"])
+def test_in_the_sass_no_global_access_comes_before_the_wait(name, cluster):
+    """griddepcontrol.wait is ACQBULK, launch_dependents PREEXIT: the L2 prefetches (CCTL.E.PF2) of the first
+    slabs come before the wait, every global load and store after it."""
+    program = emit_cuda(skinny_programs()[name], arch="sm_90a",
+                        options=CudaOptions(skinny=True, cluster=cluster, overlap=True))
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.registers <= 168, module.log
+    lines = [line for line in disassemble(module.cubin).splitlines() if re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s", line)]
+    wait = next(k for k, line in enumerate(lines) if "ACQBULK" in line)
+    assert any("PREEXIT" in line for line in lines[wait:])
+    assert any("CCTL.E.PF2" in line for line in lines[:wait])
+    assert not [line for line in lines[:wait] if re.search(r"\b(LDG|STG|LD|ST|ATOM|RED)\b", line)]
+
+
+def test_the_runtime_launches_an_overlapping_kernel_with_programmatic_serialization():
+    pytest.importorskip("cuda.bindings")
+    from mdsl.backend.cuda import runtime
+
+    config = runtime.overlapping_launch((384, 1, 1), (128, 1, 1), 42048)   # builds a structure: no driver call
+    assert (config.gridDimX, config.blockDimX, config.sharedMemBytes, config.numAttrs) == (384, 128, 42048, 1)
+    attribute = config.attrs[0]
+    assert attribute.id.name == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+    assert attribute.value.programmaticStreamSerializationAllowed == 1
