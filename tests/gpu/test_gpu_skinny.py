@@ -74,5 +74,5 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     space = autotune.parameter_space(stages=(3,), threads=(None,))
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())
-    assert len(result.timings) == 1 + len(autotune.CLUSTERS), report   # the tile loop, the skinny loop per cluster
+    assert len(result.timings) == 1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP), report   # tile; each skinny
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed
