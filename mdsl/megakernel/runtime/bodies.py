@@ -85,8 +85,8 @@ class LinearBody:
     k: str                  # C++ constant: the input row's width (the weights' columns)
     matrices: tuple         # Matrix
     paired: bool            # every column multiplies a row of each matrix (else: the rows are concatenated)
-    source: object          # NormedStream | Activations
-    sink: object            # ToBuffer | ToStream
+    source: object          # NormedStream | Activations; None: the runtime's function loads the row
+    sink: object            # ToBuffer | ToStream; None: only the epilogue, a functor `function` the runtime calls
     epilogue: ThreadGraph
     layered: bool = True    # the weights are the task's layer's (else: the kernel's own, as the LM head)
 
@@ -124,8 +124,10 @@ def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
 def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
     if kind is Kind.SAMPLE:
         return None
-    return LinearBody(kind, "lmhead_logits", "H", (Matrix("p.lm_head", "V"),), False,
-                      NormedStream("p.hs", "p.h_parts", "L", "p.final_norm"), None, epilogue, layered=False)
+    # device.cu's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
+    # epilogue's (a functor), the weight pieces this body's
+    return LinearBody(kind, "LmHeadLogit", "H", (Matrix("p.lm_head", "V"),), False, None, None, epilogue,
+                      layered=False)
 
 
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
@@ -206,7 +208,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
                                hint="run the model on one GPU, or give the op an epilogue of sums")
     w("", f"// {body.kind.name}: generated from the epilogue", *(f"//   {line}" for line in str(body.epilogue).splitlines()))
     if body.sink is None:   # the LM head: its logit functor, for the runtime's lmhead_task
-        with w.block("struct LmHeadLogit"):
+        with w.block(f"struct {body.function}"):
             with w.block("__device__ __forceinline__ float operator()(const float* acc) const"):
                 value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=True)
                 w(f"return {value};")
@@ -290,7 +292,7 @@ def generate_bodies(plan: TaskPlan) -> str:
         if kind in linear:
             body = linear[kind]
             calls.append((kind, f"{body.function}(p, t, staged, flag, work, red);" if body.sink is not None else
-                          "lmhead_task(p, t, step, pos, k - LM_FIRST, work, red, LmHeadLogit{});"))
+                          f"lmhead_task(p, t, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))
         else:
