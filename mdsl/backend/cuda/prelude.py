@@ -383,9 +383,9 @@ template <> __device__ __forceinline__ float2 unpack<__nv_bfloat16>(unsigned bit
 // ---- thread-block clusters (sm_90+): a barrier over the cluster's blocks (arrive and wait apart, so that
 // work runs in between), and stores into another block's shared memory (distributed shared memory)
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 // the address of `p` (this block's shared memory) in block `rank`'s shared memory
 __device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank) {
   unsigned out;
