@@ -1,8 +1,9 @@
 """The skinny loop (mdsl.backend.cuda.skinny), without a GPU: which block graphs qualify, the code it
 writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for sm_90a with
 no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch, the
-autotuner's space, and the PTX backend ignoring the option. tests/gpu/test_gpu_skinny.py runs every
-program here against the float64 reference."""
+autotuner's space, the K split over a thread-block cluster and the launch overlapping the previous
+kernel. tests/gpu/test_gpu_skinny.py runs every program here against the float64 reference (the PTX
+backend's port of the loop has its own tests under tests/backend/ptx)."""
 from __future__ import annotations
 
 import itertools
@@ -126,13 +127,6 @@ def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypat
     monkeypatch.setenv("MDSL_CUDA_SKINNY", "0")
     assert {o.skinny for o in autotune.parameter_space()} == {False}
     assert {o.skinny for o in autotune.parameter_space(skinny=(True,))} == {True}   # asked for: given
-
-
-def test_the_ptx_backend_ignores_the_option():
-    from mdsl.backend.ptx import emit_llvm
-
-    graph = skinny_programs()["rms_norm_linear_bs8"]
-    assert emit_llvm(graph, options=SKINNY).llvm_ir == emit_llvm(graph, options=CudaOptions()).llvm_ir
 
 
 # ---- the K split over a thread-block cluster (CudaOptions.cluster)
