@@ -100,7 +100,7 @@ def emit_custom(program, index: int, node: Node) -> None:
         lowered = lower(bg, types, options, arch_number(program.arch))
     schedule, memory = lowered.schedule, lowered.memory
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        cluster=lowered.cluster) as scope:
+                        cluster=lowered.cluster, overlap=lowered.skinny is not None and lowered.skinny.overlap) as scope:
         fn = scope.fn
         smem = fn.shared_pointer(program.mb.dynamic_smem())
         bk = BlockKernel(fn, smem, bg, lowered)

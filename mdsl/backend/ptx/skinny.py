@@ -16,7 +16,10 @@ same order:
 * with `CudaOptions.cluster` = C > 1 (the plan's `cluster`): each block of the grid is C consecutive
   blocks along x, one thread-block cluster (`.reqnctapercluster`), block r streaming the r-th run of K;
   each block's sums go into slot r of the first block's shared memory (`mapa`, `st.shared::cluster`,
-  between cluster barriers), the others leave, and the first adds the slots in rank order.
+  between cluster barriers), the others leave, and the first adds the slots in rank order;
+* with `CudaOptions.overlap` (the plan's `overlap`, programmatic dependent launch): the kernel sends its
+  first slabs to L2, then waits for the previous kernel (`griddepcontrol.wait`) before it touches global
+  memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap.
 """
 from __future__ import annotations
 
@@ -267,6 +270,10 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
            for _ in range(mats)]
     row_folds = [bg.nodes[i].opdef.rules["ptx_skinny"] for i in shape.rows]
     folds = [(fold, [fn.var(f32(fold.identity)) for _ in range(mt_tiles)]) for fold in row_folds]
+    if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
+        loop.prefetch(loop.kw)   # the warp's first two register buffers' slabs: changes no value
+        _grid_dependency(fn, "wait")   # the previous kernel's writes are visible from here on
+        _grid_dependency(fn, "launch_dependents")
     loop.run(acc, folds)
     loop.store_part(acc, part)
     rows_base = mats * kw * shape.m * shape.n
@@ -402,6 +409,13 @@ def _meet_in_cluster(bk, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, pa
 def _cluster_barrier(fn, what: str) -> None:
     """barrier.cluster.<what>.aligned (arrive.relaxed, arrive.release, wait.acquire): every thread."""
     fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what}.aligned;", "~{memory}", [], True)
+
+
+def _grid_dependency(fn, what: str) -> None:
+    """griddepcontrol.<what> (programmatic dependent launch): `wait` for the previous kernel of the stream
+    (at once for a kernel launched without the programmatic attribute), `launch_dependents`: the next may
+    launch."""
+    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{what};", "~{memory}", [], True)
 
 
 def _cluster_store(fn, address, value) -> None:

@@ -22,12 +22,20 @@ of how the backend builds their operands:
   the upper half).
 * `prmt.b32` (inline asm, the default mode) picks each byte of the result from the 8 bytes of its two
   sources by the selector's nibbles; `ld.global.nc.L1::no_allocate.v{2,4}.u32` (inline asm) loads the
-  words, failing on an address not aligned to the vector; `prefetch.global.L2` does nothing.
+  words, failing on an address not aligned to the vector; `prefetch.global.L2` does nothing, and so do
+  `griddepcontrol.wait` / `launch_dependents` (the kernels run one after another).
 * `cp.async` copies (the NVVM intrinsics) are queued per thread, `commit_group` closes a group and
   `wait_group N` performs every group but the newest N: a copy lands as late as the ISA allows, so a
   kernel that reads a tile before waiting for it reads what was there before (NaN at first). With
   `copies="issue"` they land when issued instead (a slot overwritten while another thread still reads
   it shows then). A copy never waited for by the end of the kernel is an error.
+
+Each block has its own shared memory (the module's `mdsl_smem` becomes a callback's pointer). A kernel
+with a thread-block cluster (its `cluster_dim_x` annotation) runs a cluster's blocks together, on
+host threads of their own: `barrier.cluster.arrive` / `wait` are the ISA's phases (a thread's wait
+returns once every thread of the cluster has arrived in that phase; a thread may leave without
+arriving again), `mapa.shared::cluster` gives an address in a block's shared memory (its rank in the
+high bits) and `st.shared::cluster` stores there; shared-memory addresses as 32-bit values are offsets.
 
 What it checks is the IR's semantics: index arithmetic, loops, tiles, barriers, shuffles, dtype
 conversions, fragments. Not NVPTX's code generation or ptxas (the acceptance tests assemble every
@@ -197,6 +205,20 @@ load:
 """ for e in range(n)) + f"""  ret {{{', '.join(['i32'] * n)}}} %r{n - 1}
 }}
 """ for n in (2, 4))
+# thread-block clusters: the barriers (arrive / wait apart), mapa and stores into another block's shared
+# memory (inline asm), and shared-memory addresses as 32-bit values (ptrtoint): callbacks
+_CLUSTER_HELPERS = """
+declare ptr @sim_smem()
+declare i32 @sim_shared_offset(ptr)
+declare void @sim_cluster_arrive()
+declare void @sim_cluster_wait()
+declare i32 @sim_mapa(i32, i32)
+declare void @sim_cluster_store(i32, float)
+"""
+_CLUSTER_BARRIER = re.compile(r'call void asm sideeffect "barrier\.cluster\.(arrive|wait)(?:\.\w+)*;", "[^"]*"\(\)')
+_MAPA = re.compile(r'call i32 asm (?:sideeffect )?"mapa\.shared::cluster\.u32 [^"]*", "=r,r,r"')
+_CLUSTER_STORE = re.compile(r'call void asm sideeffect "st\.shared::cluster\.f32 [^"]*", "[^"]*"')
+_SHARED_TO_INT = re.compile(r"(%\S+) = ptrtoint ptr (%\S+) to i32")
 _STREAMED_ASM = re.compile(r'asm sideeffect "ld\.global\.nc\.L1::no_allocate\.v(2|4)\.u32 [^"]*", "[^"]*"')
 _PACK_ASM = re.compile(r'asm\s+(?:sideeffect\s+)?"cvt\.rn\.(f16|bf16)x2\.f32 \$0, \$1, \$2;", "=r,f,f"')
 _MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
@@ -211,10 +233,21 @@ def _bf16_constant(found: re.Match) -> str:
 def host_ir(llvm_ir: str) -> str:
     """The module retargeted for the host (see the module docstring)."""
     out = []
+    kernel_start = False
     for line in llvm_ir.splitlines():
         stripped = line.strip()
+        if stripped.startswith("define ptx_kernel "):
+            kernel_start = True
+        elif kernel_start and stripped.endswith(":"):   # a kernel's first block: its block's shared memory
+            out.append(line)
+            out.append('  %sim.smem = call ptr @sim_smem()')
+            kernel_start = False
+            continue
+        if not stripped.startswith('@"mdsl_smem"'):
+            line = line.replace('@"mdsl_smem"', "%sim.smem")
         if stripped.startswith(("target triple", "target datalayout", "!")) or 'asm sideeffect "//' in line \
-                or 'asm sideeffect "prefetch.global.L2 ' in line:   # op markers; L2 prefetches change no value
+                or 'asm sideeffect "prefetch.global.L2 ' in line or 'asm sideeffect "griddepcontrol.' in line:
+            # op markers; L2 prefetches change no value; the kernels run one after another (griddepcontrol)
             continue
         if stripped.startswith('@"mdsl_smem"'):
             line = f'@"mdsl_smem" = global [{SMEM_BYTES} x i8] zeroinitializer, align 16'
@@ -229,6 +262,10 @@ def host_ir(llvm_ir: str) -> str:
         line = _PERMUTE_ASM.sub(lambda found: f"call i32 @sim_prmt({found.group(2)}, {found.group(3)}, "
                                               f"i32 {int(found.group(1), 16)})", line)
         line = _CP_ASYNC.sub(r'"sim_cp_async_\1"', line)
+        line = _CLUSTER_BARRIER.sub(r"call void @sim_cluster_\1()", line)
+        line = _MAPA.sub("call i32 @sim_mapa", line)
+        line = _CLUSTER_STORE.sub("call void @sim_cluster_store", line)
+        line = _SHARED_TO_INT.sub(r"\1 = call i32 @sim_shared_offset(ptr \2)", line)
         if line.lstrip().startswith("declare") and _LDMATRIX.search(line):
             continue   # defined by _LDMATRIX_HELPERS
         line = _LDMATRIX.sub(lambda found: f"@sim_ldmatrix_{found.group(1).replace('.', '_')}", line)
@@ -242,7 +279,7 @@ def host_ir(llvm_ir: str) -> str:
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
     return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS + _SATURATE_HELPER + \
-        _PERMUTE_HELPER + _STREAMED_HELPERS
+        _PERMUTE_HELPER + _STREAMED_HELPERS + _CLUSTER_HELPERS
 
 
 class _Block:
@@ -387,6 +424,62 @@ def _cp_async_wait(pending: int) -> None:
             ctypes.memmove(dst, src, nbytes)
 
 
+class _Cluster:
+    """The blocks of one thread-block cluster running together: each one's shared memory, and the
+    cluster barrier's phases (a thread's arrive counts towards its next phase; its wait returns once every
+    thread of the cluster has arrived in that phase)."""
+
+    def __init__(self, blocks: int, threads: int):
+        self.smem = [_aligned(SMEM_BYTES, np.uint8) for _ in range(blocks)]
+        self.threads = blocks * threads
+        self.arrived: dict = {}
+        self.condition = threading.Condition()
+
+    def arrive(self) -> None:
+        with self.condition:
+            phase = _LOCAL.arrive_phase
+            self.arrived[phase] = self.arrived.get(phase, 0) + 1
+            _LOCAL.arrive_phase += 1
+            self.condition.notify_all()
+
+    def wait(self) -> None:
+        phase = _LOCAL.wait_phase
+        if phase >= _LOCAL.arrive_phase:
+            raise AssertionError("barrier.cluster.wait before this thread's arrive")
+        with self.condition:
+            if not self.condition.wait_for(lambda: self.arrived.get(phase, 0) == self.threads, BARRIER_TIMEOUT_S):
+                raise AssertionError(f"barrier.cluster.wait: {self.arrived.get(phase, 0)} of the cluster's "
+                                     f"{self.threads} threads arrived")
+        _LOCAL.wait_phase += 1
+
+
+_CLUSTER_RANK_SHIFT = 24   # a mapa address: (the block's rank + 1) << 24 | the offset in its shared memory
+
+
+def _smem() -> int:
+    return _LOCAL.cluster.smem[_LOCAL.rank].ctypes.data
+
+
+def _shared_offset(address: int) -> int:
+    offset = address - _smem()
+    if not 0 <= offset < SMEM_BYTES:
+        raise AssertionError(f"a shared-memory address {address:#x} outside the block's shared memory")
+    return offset
+
+
+def _mapa(offset: int, rank: int) -> int:
+    if not 0 <= rank < len(_LOCAL.cluster.smem):
+        raise AssertionError(f"mapa to block {rank} of a cluster of {len(_LOCAL.cluster.smem)}")
+    return (rank + 1) << _CLUSTER_RANK_SHIFT | _shared_offset(_smem() + offset)
+
+
+def _cluster_store(address: int, value: float) -> None:
+    rank, offset = (address >> _CLUSTER_RANK_SHIFT) - 1, address & ((1 << _CLUSTER_RANK_SHIFT) - 1)
+    if not 0 <= rank < len(_LOCAL.cluster.smem) or offset % 4:
+        raise AssertionError(f"st.shared::cluster to {address:#x}: not an aligned address that mapa gave")
+    _LOCAL.cluster.smem[rank][offset:offset + 4].view(np.float32)[0] = value
+
+
 def _misaligned(address: int, nbytes: int) -> None:
     raise AssertionError(f"a {nbytes}-byte vector load from {address:#x}, not {nbytes}-byte aligned")
 
@@ -404,6 +497,12 @@ def _callbacks() -> dict:
     for nbytes in (4, 8, 16):
         made[f"sim_cp_async_{nbytes}"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(
             _guarded(_cp_async(nbytes)))
+    made["sim_smem"] = ctypes.CFUNCTYPE(ctypes.c_void_p)(_guarded(_smem))
+    made["sim_shared_offset"] = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)(_guarded(_shared_offset))
+    made["sim_cluster_arrive"] = ctypes.CFUNCTYPE(None)(_guarded(lambda: _LOCAL.cluster.arrive()))
+    made["sim_cluster_wait"] = ctypes.CFUNCTYPE(None)(_guarded(lambda: _LOCAL.cluster.wait()))
+    made["sim_mapa"] = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, ctypes.c_int32)(_guarded(_mapa))
+    made["sim_cluster_store"] = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_float)(_guarded(_cluster_store))
     made["sim_misaligned"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(_guarded(_misaligned))
     made["sim_cp_async_commit"] = ctypes.CFUNCTYPE(None)(_guarded(_cp_async_commit))
     made["sim_cp_async_wait"] = ctypes.CFUNCTYPE(None, ctypes.c_int32)(_guarded(_cp_async_wait))
@@ -466,50 +565,65 @@ def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait")
             buffers[root] = _aligned(t.nbytes, _HOST_DTYPES[t.dtype.name])
         return buffers[root]
 
-    smem_address = engine.get_global_value_address("mdsl_smem") if '@"mdsl_smem"' in program.llvm_ir else 0
     for launch in program.launches:
         args = [buffer(a) for a in launch.args]
         kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
-        _run_launch(kernel, [a.ctypes.data for a in args], launch, smem_address, copies)
+        _run_launch(kernel, [a.ctypes.data for a in args], launch, cluster_size(program.llvm_ir, launch.name), copies)
     return [_from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
 
 
-def _run_launch(kernel, pointers: list, launch, smem_address: int, copies: str) -> None:
-    """The launch's blocks one after another, on one set of host threads (one per GPU thread)."""
-    threads = launch.block[0]
-    block = _Block(threads, copies)
-    grid = launch.grid
-    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+def cluster_size(llvm_ir: str, kernel: str) -> int:
+    """The kernel's thread-block cluster size along x (its `cluster_dim_x` annotation), 1 without one."""
+    node = re.search(r'^(!\d+) = !\{ptr @"' + re.escape(kernel) + r'", !"cluster_dim_x", i32 (\d+)\}', llvm_ir, re.M)
+    return int(node.group(2)) if node else 1
 
-    def thread(tid: int) -> None:
-        _LOCAL.block = block
+
+def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str) -> None:
+    """The launch's clusters of `cluster` blocks (consecutive along x) one after another, the blocks of a
+    cluster together, on one set of host threads (one per GPU thread of each block of a cluster); each
+    block with its own shared memory, filled with 0xFF bytes before it starts."""
+    threads = launch.block[0]
+    grid = launch.grid
+    if grid[0] % cluster:
+        raise AssertionError(f"{launch.name}: a grid of {grid[0]} blocks along x is not whole clusters of {cluster}")
+    blocks = [_Block(threads, copies) for _ in range(cluster)]
+    together = threading.Barrier(cluster * threads, timeout=BARRIER_TIMEOUT_S)
+    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(0, grid[0], cluster)]
+    errors: list = []
+
+    def thread(rank: int, tid: int) -> None:
+        block = _LOCAL.block = blocks[rank]
+        _LOCAL.rank = rank
         try:
             for x, y, z in order:
-                if tid == 0 and smem_address:
-                    ctypes.memset(smem_address, 0xFF, SMEM_BYTES)
-                block.barrier.wait()       # shared memory reset before the block starts
-                _LOCAL.coords = {"tid.x": tid, "ntid.x": threads, "ctaid.x": x, "ctaid.y": y, "ctaid.z": z,
+                if rank == 0 and tid == 0:
+                    clusters[0] = _Cluster(cluster, threads)   # fresh shared memory, 0xFF bytes
+                together.wait()            # before the cluster's blocks start
+                _LOCAL.cluster, _LOCAL.arrive_phase, _LOCAL.wait_phase = clusters[0], 0, 0
+                _LOCAL.coords = {"tid.x": tid, "ntid.x": threads, "ctaid.x": x + rank, "ctaid.y": y, "ctaid.z": z,
                                  "nctaid.x": grid[0], "nctaid.y": grid[1], "nctaid.z": grid[2]}
                 _LOCAL.groups, _LOCAL.open_group = [], []
                 kernel(*pointers)
                 if any(_LOCAL.groups) or _LOCAL.open_group:
-                    raise AssertionError(f"thread {tid} of block {(x, y, z)} ended with cp.async copies it never "
-                                         "waited for")
-                block.barrier.wait()       # every thread done with it before the next one
+                    raise AssertionError(f"thread {tid} of block {(x + rank, y, z)} ended with cp.async copies it "
+                                         "never waited for")
+                together.wait()            # every thread done with it before the next one
         except BaseException as e:
-            block.errors.append(e)
-            for barrier in (block.barrier, *block.warps, *block.mma_barriers, *block.ldmatrix_barriers):
+            errors.append(e)
+            for barrier in (together, *(b for block in blocks for b in (block.barrier, *block.warps, *block.mma_barriers,
+                                                                         *block.ldmatrix_barriers))):
                 barrier.abort()
 
+    clusters: list = [None]
     previous = threading.stack_size(4 * 1024 * 1024)
     try:
-        workers = [threading.Thread(target=thread, args=(t,)) for t in range(threads)]
+        workers = [threading.Thread(target=thread, args=(r, t)) for r in range(cluster) for t in range(threads)]
     finally:
         threading.stack_size(previous)
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    if block.errors:
-        raise AssertionError(f"{launch.name}: {block.errors[0]!r} ({len(block.errors)} error(s) in the simulated "
-                             "threads)")
+    errors += [e for block in blocks for e in block.errors]
+    if errors:
+        raise AssertionError(f"{launch.name}: {errors[0]!r} ({len(errors)} error(s) in the simulated threads)")

@@ -4,9 +4,9 @@ plans and the split plans' structure (tests/backend/ptx/plans.py) with the defau
 switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
 environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
 tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
-fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone and with its K
-split over thread-block clusters of 2 and 4 blocks, and on every benchmark plan (those it does not
-qualify keep the tile loop).
+fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone, with its K
+split over thread-block clusters of 2 and 4 blocks and overlapping the previous kernel, and on every
+benchmark plan (those it does not qualify keep the tile loop).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -36,7 +36,8 @@ def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
 
 
 def _use_options(monkeypatch, options: CudaOptions) -> None:
-    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_CLUSTER": str(options.cluster)}
+    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_CLUSTER": str(options.cluster),
+              "MDSL_CUDA_OVERLAP": str(int(options.overlap))}
     for key, value in {**options_env(options), **skinny}.items():
         monkeypatch.setenv(key, value)
 
@@ -81,17 +82,18 @@ def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monke
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
-@pytest.mark.parametrize("cluster", [1, 2, 4])
+@pytest.mark.parametrize("cluster, overlap", [(1, False), (2, False), (4, False), (1, True), (4, True)])
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_tuned_skinny_plan_through_ptx(name, cluster, monkeypatch, ptx_backend):
+def test_tuned_skinny_plan_through_ptx(name, cluster, overlap, monkeypatch, ptx_backend):
     """The skinny loop (weights streamed into registers, mma.sync with W as the A operand) at the
-    benchmark's sizes, as the autotuner picked it for the CUDA backend, and its K split over clusters of
-    2 and 4 blocks (the sums met in the first block's shared memory), against float64."""
+    benchmark's sizes, as the autotuner picked it for the CUDA backend, its K split over clusters of
+    2 and 4 blocks (the sums met in the first block's shared memory), and launched to overlap the
+    previous kernel (programmatic dependent launch), against float64."""
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap)
     _use_options(monkeypatch, options)
-    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}", f"the tuned skinny plan of {name} through "
-           f"the PTX backend with options {options}")
+    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}" + (":overlap" if overlap else ""),
+           f"the tuned skinny plan of {name} through the PTX backend with options {options}")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)

@@ -10,8 +10,10 @@
   batch 1 and 8, Gated MLP, at the benchmark's sizes): the same 16-byte no-allocate weight loads, mmas,
   X's 8-byte loads, byte permutes, L2 prefetches, barriers and shuffles (test_ptx_parity.py checks the
   data paths, spills, registers and instruction counts of the same kernels);
-* its K split over thread-block clusters of 2 and 4 blocks: the same launches and, in the SASS, the same
-  cluster barriers, fences and remote stores as the CUDA kernels (not simulated: on the GPU only).
+* its K split over thread-block clusters of 2 and 4 blocks, and the kernel overlapping its predecessor
+  (programmatic dependent launch): its numbers on the simulator (a cluster's blocks run together), and
+  the same launches and, in the SASS, the same cluster barriers, fences, remote stores and wait for the
+  previous kernel (nothing but L2 prefetches and shared-memory stores before it) as the CUDA kernels.
 """
 from __future__ import annotations
 
@@ -121,37 +123,71 @@ def test_skinny_kernels_match_the_cuda_kernels_sass(name):
 
 
 # ---------------------------------------------------------------------------------------------
-# the K split over a thread-block cluster (CudaOptions.cluster): not simulated (the simulator runs a
-# grid's blocks one after another, with one shared memory); its SASS and launches against the CUDA
-# backend's here, its numbers in tests/backend/ptx/test_ptx_gpu.py
+# the K split over a thread-block cluster (CudaOptions.cluster): simulated (the simulator runs a
+# cluster's blocks together, each with its shared memory, with the cluster barrier's phases, mapa and
+# st.shared::cluster), and its SASS and launches against the CUDA backend's
+
+CLUSTERED = [("rows-2-tail", 2, False), ("rows-3-two-groups", 4, False), ("rows-16-bf16-threads-256", 4, True),
+             ("two-weights", 4, False), ("row-sums", 2, True)]
 
 
-@functools.lru_cache(maxsize=8)
-def _clustered(name: str, cluster: int) -> tuple:
+@needs_simulator
+@pytest.mark.parametrize("name, cluster, overlap", CLUSTERED)
+def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
+    """(With overlap too: the simulator runs the kernels one after another, griddepcontrol does nothing;
+    what it checks is that the L2 prefetch before the wait changes no value.)"""
+    graph, threads = SIMULATED[name]
+    options = attrs.evolve(_options(threads), cluster=cluster, overlap=overlap)
+    program = emit_llvm(graph, options=options)
+    skinny = [launch for launch in program.launches if STREAMED in program.llvm_ir and
+              f'@"{launch.name}", !"cluster_dim_x", i32 {cluster}' in program.llvm_ir]
+    assert skinny, f"{name}: its K is not split over clusters of {cluster}"
+    check_simulated(graph, seed=12, options=options)
+
+
+@functools.lru_cache(maxsize=16)
+def _split(name: str, cluster: int, overlap: bool) -> tuple:
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap)
     cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
     cuda = compile_cuda(cuda_program.source, arch=ARCH)
     ptx = assembled_module(program.llvm_ir)
     return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
 
 
+#: (cluster, overlap): the K split over clusters of 2 and 4 blocks, and the kernel overlapping its
+#: predecessor (programmatic dependent launch, CudaOptions.overlap), alone and in clusters of 4
+SPLITS = [(2, False), (4, False), (1, True), (4, True)]
+_GLOBAL_ACCESS = r"(LDG|STG|LD|ST|ATOM|RED)\..*|LDGSTS.*"
+
+
 @needs_tools
-@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("cluster, overlap", SPLITS)
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_cluster_split_matches_the_cuda_kernels(name, cluster):
-    """The same launches (the grid's x times the cluster, the shared memory with the meeting area), the
-    cluster's size in the PTX, and the same cluster barriers, remote stores and fences in the SASS."""
-    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _clustered(name, cluster)
-    launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes) for launch in program.launches]
-    assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes) for launch in cuda_program.launches]
-    assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == 1
+def test_cluster_split_and_overlap_match_the_cuda_kernels(name, cluster, overlap):
+    """The same launches (the grid's x times the cluster, the shared memory with the meeting area, the
+    overlapping launch), the cluster's size in the PTX, and in the SASS the same cluster barriers, fences
+    and remote stores; with overlap the same wait for the previous kernel (ACQBULK) with nothing but L2
+    prefetches and shared-memory stores before it, and the same PREEXIT."""
+    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap)
+    launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
+                for launch in program.launches]
+    assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
+                        for launch in cuda_program.launches]
+    assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == (cluster > 1)
+    assert any(launch.overlap for launch in program.launches) == overlap
     for kernel, theirs in theirs_by_kernel.items():
-        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}) {kernel}"
+        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}) {kernel}"
         assert_same_paths(where, theirs, ours)
         r = assembled.resources[kernel]
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
-        for pattern in (r"UCGABAR_ARV", r"UCGABAR_WAIT", r"CGAERRBAR", r"MEMBAR\.ALL\.GPU", r"CCTL\.IVALL"):
+        for pattern in (r"UCGABAR_ARV", r"UCGABAR_WAIT", r"CGAERRBAR", r"MEMBAR\.ALL\.GPU", r"CCTL\.IVALL", r"ACQBULK",
+                        r"PREEXIT"):
             assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
                 f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
         assert count_matching(ours, r"ST\.E") <= count_matching(theirs, r"ST\.E"), f"{where}: remote stores"
+        if "ACQBULK" in theirs:
+            before, cudas = ours[:ours.index("ACQBULK")], theirs[:theirs.index("ACQBULK")]
+            assert not count_matching(before, _GLOBAL_ACCESS), f"{where}: global memory touched before the wait"
+            assert count_matching(before, r"CCTL\.E\.PF2") == count_matching(cudas, r"CCTL\.E\.PF2"), \
+                f"{where}: not the CUDA kernel's L2 prefetches before the wait"
