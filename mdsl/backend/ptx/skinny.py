@@ -407,8 +407,9 @@ def _meet_in_cluster(bk, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, pa
 
 
 def _cluster_barrier(fn, what: str) -> None:
-    """barrier.cluster.<what>.aligned (arrive.relaxed, arrive.release, wait.acquire): every thread."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what}.aligned;", "~{memory}", [], True)
+    """barrier.cluster.<what> (arrive.relaxed, arrive.release, wait.acquire): every thread. Not `.aligned`:
+    the second arrive follows branches on the thread (as the CUDA backend's, the same SASS)."""
+    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what};", "~{memory}", [], True)
 
 
 def _grid_dependency(fn, what: str) -> None:
