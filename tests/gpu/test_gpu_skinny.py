@@ -1,8 +1,10 @@
 """The skinny loop on the GPU (mdsl.backend.cuda.skinny): the benchmark plans of RMSNorm+Linear at batch 1
 and 8 and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
 (tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and with the K
-split over clusters of 2 and 4 blocks (sm_90+), against the float64 reference on fresh inputs; and the
-autotuner times the skinny loop beside the tile loop, all correct.
+split over clusters of 2 and 4 blocks (sm_90+), and launched to overlap the previous kernel, against the
+float64 reference on fresh inputs; kernels overlapping their predecessors in chains (skinny ones, and
+the tile kernels of the other benchmark plans); and the autotuner times the skinny loop beside the
+tile loop, all correct.
 
     pytest tests/gpu/test_gpu_skinny.py -m gpu
 """
@@ -14,7 +16,7 @@ import pytest
 from mdsl.backend.cuda import autotune, runtime
 from mdsl.backend.cuda.options import CudaOptions, arch_number
 from mdsl.ir.text import parse_graph
-from tests.backend.cuda.programs import skinny_programs
+from tests.backend.cuda.programs import guided_plan, skinny_programs
 from tests.gpu.harness import compare, poisoned, random_inputs, reference, rng_for, run, tolerance, upload
 from tests.ir.skinny_texts import rms_norm_linear
 
@@ -64,6 +66,27 @@ def test_overlapping_kernels_wait_for_their_predecessor_s_writes_and_reads(clust
     for k, (x, z) in enumerate(zip(xs, zs)):
         want = reference(second, [reference(first, [x, w1])[0], w2])
         compare(b, [z.to_numpy().astype(np.float64)], want, tolerance(second), f"round {k} of the overlapping pair")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gqa.gqa", "qknorm.qknorm", "lora.lora", "ntrans.ntrans", "gated_mlp.gated_mlp"])
+def test_tile_kernels_overlapping_their_predecessors_compute_the_program(name):
+    """Every custom kernel launched to overlap its predecessor (CudaOptions.overlap, the tile loop): the
+    second kernel of a plan reads what the first writes; three calls back to back on one stream, each
+    into its own output, each checked."""
+    graph = guided_plan(name)
+    executable = runtime.compile_graph(graph, options=CudaOptions(overlap=True))
+    if arch_number(runtime.target_arch()) >= 90:
+        program = executable.program
+        assert all(launch.overlap == (program.graph.nodes[launch.node_index].op == "custom") for launch in program.launches)
+    rng = rng_for(f"overlap:{name}")
+    rounds = [random_inputs(graph, rng) for _ in range(3)]
+    outputs = [poisoned(graph) for _ in rounds]
+    for inputs, out in zip(rounds, outputs):
+        executable(upload(inputs, graph), out)
+    for k, (inputs, out) in enumerate(zip(rounds, outputs)):
+        got = [o.to_numpy().astype(np.float64) for o in out]
+        compare(executable, got, reference(graph, inputs), tolerance(graph), f"{name}, overlapping, call {k}")
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ STAGES = (2, 3, 4)
 THREADS = (None, 256)               # None: each block graph's own
 SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, skinny.py) where it qualifies
 CLUSTERS = SKINNY_CLUSTERS         # the skinny loop's K split over a thread-block cluster (sm_90+), where it fits
-OVERLAP = (False, True)             # the skinny kernel launched to overlap its predecessor (sm_90+)
+OVERLAP = (False, True)             # custom kernels launched to overlap their predecessors (sm_90+), with the skinny options
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -65,7 +65,7 @@ class Variant:
         loop = "skinny loop where it qualifies" if o.skinny else f"{o.stages}-stage pipeline"
         if o.skinny and o.cluster > 1:
             loop += f" (K split over clusters of {o.cluster})"
-        if o.skinny and o.overlap:
+        if o.overlap:
             loop += ", overlapping its predecessor"
         return f"candidate {self.candidate}{name}, {loop}, {threads}"
 
@@ -160,8 +160,9 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
     `variants` drops the repeated sources, so it adds one compile per block size where it applies; it is
     tried with each of `clusters` (its K split over a cluster's blocks; where that does not fit, the
-    source repeats the unsplit one and is dropped too) and each of `overlap` (launched to overlap its
-    predecessor: programmatic dependent launch, sm_90+).
+    source repeats the unsplit one and is dropped too) and each of `overlap` (every custom kernel launched
+    to overlap its predecessor: programmatic dependent launch, sm_90+; so a graph without a skinny loop
+    gets its tile loop timed overlapping too, and no more).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")

@@ -32,7 +32,7 @@ import attrs
 
 from mdsl.backend.cuda.loops import Threads
 from mdsl.backend.cuda.mma import MmaShape, mma_shape, mma_store
-from mdsl.backend.cuda.options import CudaOptions, arch_number
+from mdsl.backend.cuda.options import OVERLAP_MIN_ARCH, CudaOptions, arch_number
 from mdsl.backend.cuda.rows import RowKernel, RowPlan, plan_rows, trailing_stages
 from mdsl.backend.cuda.skinny import SkinnyPlan, emit_skinny, scratch_bytes, skinny_plan
 from mdsl.backend.cuda.skinny import in_registers as skinny_in_registers
@@ -218,15 +218,19 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
 
 def emit_custom(program, index: int, node: Node) -> None:
     options = program.options
+    arch = arch_number(program.arch)
     bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch_number(program.arch), skinny=options.skinny)
+    lowered = lower(bg, tuple(v.type for v in node.inputs), options, arch, skinny=options.skinny)
     schedule, memory = lowered.schedule, lowered.memory
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
+    overlap = options.overlap and arch >= OVERLAP_MIN_ARCH
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        comment=header, cluster=lowered.cluster,
-                        overlap=lowered.skinny is not None and lowered.skinny.overlap) as scope:
-        b = BlockKernel(scope, bg, lowered, arch_number(program.arch))
+                        comment=header, cluster=lowered.cluster, overlap=overlap) as scope:
+        b = BlockKernel(scope, bg, lowered, arch)
         w = b.w
+        if overlap and lowered.skinny is None:   # (the skinny loop prefetches its first slabs before waiting)
+            w("mdsl::wait_for_previous_kernel();   // launched to overlap it: no global memory touched before",
+              "mdsl::let_next_kernel_launch();")
         rk = RowKernel(b, lowered.rows) if lowered.rows is not None else None
         in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
         streamed = lowered.streamed or ()

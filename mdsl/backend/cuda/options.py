@@ -20,10 +20,10 @@ one without changing code:
     MDSL_CUDA_CLUSTER=n     a skinny loop's K split over the n blocks of a thread-block cluster (sm_90+; 1, 2,
                             4 or 8; the partial sums meet in the first block's shared memory): n times the
                             blocks, each streaming 1/n of the weights, so that the grid covers every SM
-    MDSL_CUDA_OVERLAP=1     a skinny kernel (sm_90+) lets the next kernel launch while it runs and waits for the
-                            previous one before touching memory (programmatic dependent launch, griddepcontrol),
-                            its first weight slabs sent to L2 before that wait: launch and ramp-up overlap the
-                            previous kernel's tail (off by default; the autotuner tries both)
+    MDSL_CUDA_OVERLAP=1     custom kernels (sm_90+) let the next kernel launch while they run and wait for the
+                            previous one before touching memory (programmatic dependent launch, griddepcontrol);
+                            a skinny kernel sends its first weight slabs to L2 before that wait: launch and
+                            ramp-up overlap the previous kernel's tail (off by default; the autotuner tries both)
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ MAX_THREADS = 1024
 DEFAULT_UNROLL = 4
 UNROLLS = (1, 2, 4, 8)
 CLUSTER_SIZES = (1, 2, 4, 8)   # portable thread-block cluster sizes
+OVERLAP_MIN_ARCH = 90          # programmatic dependent launch (griddepcontrol)
 
 
 def _check_stages(instance, attribute, value: int) -> None:
@@ -78,7 +79,7 @@ class CudaOptions:
     stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
     skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
     cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
-    overlap: bool = False                  # skinny kernels launched to overlap their predecessor (griddepcontrol)
+    overlap: bool = False                  # custom kernels launched to overlap their predecessor (griddepcontrol)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":

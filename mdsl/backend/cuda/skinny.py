@@ -39,13 +39,14 @@ from typing import Optional
 import attrs
 
 from mdsl.backend.cuda.loops import SUM, SUM_OF_SQUARES, Fold
+from mdsl.backend.cuda.options import OVERLAP_MIN_ARCH
 from mdsl.backend.cuda.source import offset
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.ops import extend_op
 from mdsl.ir.skinny import MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
-CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory, griddepcontrol
+CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
@@ -85,7 +86,7 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= CLUSTER_MIN_ARCH)
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
