@@ -34,7 +34,7 @@ import attrs
 
 from mdsl.backend.cuda.block import Lowered, lower
 from mdsl.backend.cuda.mma import MmaShape
-from mdsl.backend.cuda.options import arch_number
+from mdsl.backend.cuda.options import OVERLAP_MIN_ARCH, arch_number
 from mdsl.backend.cuda.rows import trailing_stages
 from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
@@ -94,16 +94,20 @@ class BlockKernel:
 def emit_custom(program, index: int, node: Node) -> None:
     options = program.options
     bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-    types = tuple(v.type for v in node.inputs)
-    lowered = lower(bg, types, options, arch_number(program.arch), skinny=options.skinny)
+    types, arch = tuple(v.type for v in node.inputs), arch_number(program.arch)
+    lowered = lower(bg, types, options, arch, skinny=options.skinny)
     if lowered.skinny is not None and not has_rules(bg, lowered.skinny):
-        lowered = lower(bg, types, options, arch_number(program.arch))
+        lowered = lower(bg, types, options, arch)
     schedule, memory = lowered.schedule, lowered.memory
+    overlap = options.overlap and arch >= OVERLAP_MIN_ARCH
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        cluster=lowered.cluster, overlap=lowered.skinny is not None and lowered.skinny.overlap) as scope:
+                        cluster=lowered.cluster, overlap=overlap) as scope:
         fn = scope.fn
         smem = fn.shared_pointer(program.mb.dynamic_smem())
         bk = BlockKernel(fn, smem, bg, lowered)
+        if overlap and lowered.skinny is None:   # (the skinny loop prefetches its first slabs before waiting)
+            fn.wait_for_previous_kernel()   # launched to overlap it: no global memory touched before
+            fn.let_next_kernel_launch()
         rk = RowKernel(bk, lowered.rows) if lowered.rows is not None else None
         in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
         streamed = lowered.streamed or ()

@@ -411,6 +411,15 @@ class KernelFunction:
     def barrier(self) -> None:
         self.intrinsic("llvm.nvvm.barrier0", VOID, [])
 
+    def wait_for_previous_kernel(self) -> None:
+        """griddepcontrol.wait (programmatic dependent launch): the previous kernel of the stream has
+        finished and its writes are visible (at once for a kernel launched without the attribute)."""
+        self.b.asm(ir.FunctionType(VOID, []), "griddepcontrol.wait;", "~{memory}", [], True)
+
+    def let_next_kernel_launch(self) -> None:
+        """griddepcontrol.launch_dependents: the next overlapping kernel of the stream may launch."""
+        self.b.asm(ir.FunctionType(VOID, []), "griddepcontrol.launch_dependents;", "~{memory}", [], True)
+
     def shuffle_xor(self, value: ir.Value, lane_mask: int) -> ir.Value:
         return self.intrinsic("llvm.nvvm.shfl.sync.bfly.f32", F32, [i32(-1), value, i32(lane_mask), i32(31)])
 

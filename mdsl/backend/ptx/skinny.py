@@ -272,8 +272,8 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     folds = [(fold, [fn.var(f32(fold.identity)) for _ in range(mt_tiles)]) for fold in row_folds]
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
         loop.prefetch(loop.kw)   # the warp's first two register buffers' slabs: changes no value
-        _grid_dependency(fn, "wait")   # the previous kernel's writes are visible from here on
-        _grid_dependency(fn, "launch_dependents")
+        fn.wait_for_previous_kernel()   # its writes are visible from here on
+        fn.let_next_kernel_launch()
     loop.run(acc, folds)
     loop.store_part(acc, part)
     rows_base = mats * kw * shape.m * shape.n
@@ -410,13 +410,6 @@ def _cluster_barrier(fn, what: str) -> None:
     """barrier.cluster.<what> (arrive.relaxed, arrive.release, wait.acquire): every thread. Not `.aligned`:
     the second arrive follows branches on the thread (as the CUDA backend's, the same SASS)."""
     fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what};", "~{memory}", [], True)
-
-
-def _grid_dependency(fn, what: str) -> None:
-    """griddepcontrol.<what> (programmatic dependent launch): `wait` for the previous kernel of the stream
-    (at once for a kernel launched without the programmatic attribute), `launch_dependents`: the next may
-    launch."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{what};", "~{memory}", [], True)
 
 
 def _cluster_store(fn, address, value) -> None:

@@ -6,7 +6,8 @@ environment, as the autotuner's runs do) and compared with the reference interpr
 tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
 fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone, with its K
 split over thread-block clusters of 2 and 4 blocks and overlapping the previous kernel, and on every
-benchmark plan (those it does not qualify keep the tile loop).
+benchmark plan (those it does not qualify keep the tile loop); every benchmark plan's kernels launched to
+overlap their predecessors (`CudaOptions.overlap`).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -71,7 +72,8 @@ def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
 #: what the autotuner picks for most benchmark cases (and the kernel benchmark's PTX contender then runs)
 _TUNED_OPTIONS = {"threads-256-pipeline-2": CudaOptions(threads=256, stages=2),
                   "threads-256-pipeline-3": CudaOptions(threads=256, stages=3),
-                  "skinny": CudaOptions(skinny=True), "skinny-threads-256": CudaOptions(skinny=True, threads=256)}
+                  "skinny": CudaOptions(skinny=True), "skinny-threads-256": CudaOptions(skinny=True, threads=256),
+                  "threads-256-overlap": CudaOptions(threads=256, overlap=True)}
 
 
 @pytest.mark.parametrize("options", sorted(_TUNED_OPTIONS))

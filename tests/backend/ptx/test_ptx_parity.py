@@ -6,7 +6,8 @@ data path (LDG...CONSTANT, from `!invariant.load`), exp as one MUFU.EX2 (CUDA's 
 polynomial: no FRND / F2I), converted stores of whole vectors (no 16-bit global stores where CUDA has
 none), and at most 10% more SASS instructions than the CUDA kernel; the same for the fifth session's
 tuned picks the PTX backend ran slower (tests/backend/ptx/plans.py: skinny loops, LoRA), with no spills
-and at most 10% more registers. Plus IR-level checks of the row loops' unrolling, of the vector stores
+and at most 10% more registers; and, launched to overlap their predecessors (CudaOptions.overlap), the
+same waits for the previous kernel with no global access before them. Plus IR-level checks of the row loops' unrolling, of the vector stores
 and of the mma K loops of warps that lack their last tile."""
 from __future__ import annotations
 
@@ -94,6 +95,40 @@ def test_tuned_plans_take_the_cuda_kernels_paths(name):
         r, cr = ptx.resources[kernel], cuda.resources[kernel]
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
         assert r.registers <= MORE_REGISTERS * cr.registers, f"{where}: {r.registers} registers, CUDA {cr.registers}"
+
+
+#: a SASS instruction that reads or writes global memory (what an overlapping kernel must not issue before
+#: its wait for the previous kernel, ACQBULK)
+GLOBAL_ACCESS = r"(LDG|STG|LD|ST|ATOM|RED)\..*|LDGSTS.*"
+
+
+def assert_waits_before_global_access(where: str, theirs: list, ours: list) -> None:
+    """The wait for the previous kernel (ACQBULK) and the launch of the next (PREEXIT) as often as in the
+    CUDA kernel, no global memory touched before the wait, and the same L2 prefetches before it."""
+    for pattern in (r"ACQBULK", r"PREEXIT"):
+        assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
+            f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
+    if "ACQBULK" in theirs:
+        before, cudas = ours[:ours.index("ACQBULK")], theirs[:theirs.index("ACQBULK")]
+        assert not count_matching(before, GLOBAL_ACCESS), f"{where}: global memory touched before the wait"
+        assert count_matching(before, r"CCTL\.E\.PF2") == count_matching(cudas, r"CCTL\.E\.PF2"), \
+            f"{where}: not the CUDA kernel's L2 prefetches before the wait"
+
+
+@needs_tools
+@pytest.mark.parametrize("case", sorted(benchmark_plans()))
+def test_overlapping_kernels_wait_before_touching_memory(case):
+    """CudaOptions.overlap (programmatic dependent launch): every custom kernel launched to overlap its
+    predecessor, as the CUDA backend's, waiting for it before any global access."""
+    graph, options = benchmark_plans()[case], CudaOptions(overlap=True)
+    cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
+    assert [(launch.name, launch.overlap) for launch in program.launches] == \
+        [(launch.name, launch.overlap) for launch in cuda_program.launches]
+    assert any(launch.overlap for launch in program.launches)
+    theirs = kernel_instructions(compile_cuda(cuda_program.source, arch=ARCH).cubin)
+    ours = kernel_instructions(assembled_module(program.llvm_ir)[1].cubin)
+    for kernel in theirs:
+        assert_waits_before_global_access(f"{case} (overlap) {kernel}", theirs[kernel], ours[kernel])
 
 
 def test_a_warp_without_its_last_mma_tile_runs_a_k_loop_of_its_own():
