@@ -156,9 +156,9 @@ def _split(name: str, cluster: int, overlap: bool) -> tuple:
     return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
 
 
-#: (cluster, overlap): the K split over clusters of 2 and 4 blocks, and the kernel overlapping its
-#: predecessor (programmatic dependent launch, CudaOptions.overlap), alone and in clusters of 4
-SPLITS = [(2, False), (4, False), (1, True), (4, True)]
+#: (cluster, overlap): the K split over clusters of 4 blocks (2: simulated above), and the kernel
+#: overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), alone and in clusters
+SPLITS = [(4, False), (1, True), (4, True)]
 
 
 @needs_tools
