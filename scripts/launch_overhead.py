@@ -51,7 +51,9 @@ def _cases():
     ins, outs = [x.ptr, y.ptr], [z.ptr]
     exe.run_pointers(ins, outs)   # binds x, y, z into the parameter block that the floor case launches with
     launch = runtime.driver.cuLaunchKernel
-    function, gx, gy, gz, bx, by, bz, smem, params = exe._launches[0]   # exactly what the executable launches
+    # exactly what the executable launches (config: the overlapping launch's, None for a plain launch)
+    function, gx, gy, gz, bx, by, bz, smem, params, config = exe._launches[0]
+    assert config is None, "the handwritten kernel is launched plainly"
     stream = runtime._cu_stream(0)
     cases = [
         ("cuLaunchKernel with its arguments prepared (the floor)",
