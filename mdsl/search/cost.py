@@ -37,9 +37,9 @@ class Device:
     step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (measured on the H200: a
                                  # 9-step attention iteration ~2.2 us, a 3-step GEMV iteration ~0.5 us)
     sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
-    # what one SM draws through the skinny loop (weights and X together), whatever its warps: the fifth
-    # session's tuner (2026-11-30) timed 96-block rms_norm_linear at 15.9 us with 128 and with 256 threads,
-    # 64-block gated_mlp at 28.6 us: ~40 GB/s a block, so a grid of fewer blocks than SMs leaves DRAM idle
+    # what one busy SM's skinny loop draws (weights and X together), fitted to the H200's tuner (fifth session,
+    # 2026-11-30: 96-block rms_norm_linear 15.9 us with 128 and with 256 threads, 64-block gated_mlp 28.6 us);
+    # a fit, not a cause: the sixth session's clusters (3 blocks on most SMs) were slower, not faster
     skinny_sm_bytes_per_s: float = 40e9
     sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
     # Fitted to the H200's autotuning of rms_norm_linear_bs8 (2026-11-29, docs/kernel_bench_2026-11-29c.json):

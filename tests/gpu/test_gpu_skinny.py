@@ -2,7 +2,7 @@
 and 8 and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
 (tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and with the K
 split over clusters of 2 and 4 blocks (sm_90+), and launched to overlap the previous kernel, against the
-float64 reference on fresh inputs; kernels overlapping their predecessors in chains (skinny ones, and
+float64 reference on fresh inputs, and walking K from staggered slabs; kernels overlapping their predecessors in chains (skinny ones, and
 the tile kernels of the other benchmark plans); and the autotuner times the skinny loop beside the
 tile loop, all correct.
 
@@ -22,16 +22,19 @@ from tests.ir.skinny_texts import rms_norm_linear
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, cluster, overlap", [(None, 1, False), (256, 1, False), (None, 2, False),
-                                                       (None, 4, False), (None, 1, True), (None, 4, True)])
+@pytest.mark.parametrize("threads, cluster, overlap, stagger", [
+    (None, 1, False, False), (256, 1, False, False), (None, 2, False, False), (None, 4, False, False),
+    (None, 1, True, False), (None, 4, True, False), (None, 1, False, True), (256, 1, True, True)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
-def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap):
+def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger):
     graph = skinny_programs()[name]
-    what = f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}"
-    test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + (":overlap" if overlap else "")
+    what = (f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}, "
+            f"staggered {stagger}")
+    test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + \
+        (":overlap" if overlap else "") + (":stagger" if stagger else "")
     inputs = random_inputs(graph, rng_for(test_id))
     want = reference(graph, inputs)
-    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap)
+    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap, stagger=stagger)
     executable = runtime.compile_graph(graph, options=options)
     source = executable.program.source
     assert "::run(skinny_acc" in source, f"{what}: the skinny loop was not taken"
@@ -97,5 +100,6 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     space = autotune.parameter_space(stages=(3,), threads=(None,))
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())
-    assert len(result.timings) == 1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP), report   # tile; each skinny
+    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER)
+    assert len(result.timings) == 1 + skinny_kinds, report   # the tile loop; each skinny one
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed

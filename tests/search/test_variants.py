@@ -336,7 +336,7 @@ def test_a_compiled_register_count_limits_the_blocks_resident_per_sm():
     assert gpu_estimate(candidate, registers=lambda index: 255).seconds > gpu_estimate(candidate).seconds
 
 
-def test_a_skinny_loop_split_over_clusters_puts_every_sm_to_work():
+def test_the_estimate_of_a_skinny_loop_split_over_clusters():
     from mdsl.ir.skinny import skinny_shape
     from mdsl.search.cost import _skinny_cluster_fit
 
@@ -346,11 +346,10 @@ def test_a_skinny_loop_split_over_clusters_puts_every_sm_to_work():
     wide = lift(graph, Choice(((labels.label(w.name, 1), 96),), labels.label(w.name, 0), 32), labels)
     node = wide.custom_nodes()[0]
     alone, clustered = (_skinny_cluster_fit(node, skinny_shape(node.body), c, H200) for c in (1, 4))
-    # 96 blocks leave 36 SMs idle, each busy one drawing its block's weights and all of X at one SM's rate;
-    # in clusters of 4, 384 blocks (3 on most SMs) each stream a quarter of the K
-    assert (alone.blocks, alone.per_sm, clustered.blocks, clustered.per_sm) == (96, 1, 384, 3)
-    assert clustered.memory_s < 0.8 * alone.memory_s and clustered.seconds < alone.seconds
-    assert gpu_estimate(wide, skinny=True).kernels[0] == clustered
+    # 96 blocks leave 36 SMs idle; in clusters of 4, 384 blocks (3 on most SMs) each stream a quarter of the K
+    assert (alone.blocks, alone.per_sm, alone.cluster, clustered.blocks, clustered.per_sm) == (96, 1, 1, 384, 3)
+    # the H200 timed the clusters slower (sixth session): the estimate considers only mdsl.ir.skinny.CLUSTERS
+    assert gpu_estimate(wide, skinny=True).kernels[0] == alone
 
 
 def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight():
@@ -369,9 +368,8 @@ def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight(
         body = g.custom_nodes()[0].body
         assert fit.in_flight_per_sm == min(fit.per_sm, fit.resident) * skinny_shape(body).loads_in_flight(body.threads // 32)
         assert fit.iterations == 1 and fit.latency_s < tile.latency_s   # no barrier chain in the loop
-    # each K split over clusters of 4 blocks (CudaOptions.cluster): 192 blocks of 32 columns become 768, six
-    # an SM at most (three resident: two rounds), 96 of 64 columns 384, three on most SMs
-    assert [(f.cluster, f.blocks, f.per_sm, f.rounds) for f in fits] == [(4, 768, 6, 2), (4, 384, 3, 1)]
-    assert fits[1].seconds < fits[0].seconds
+    # 192 blocks of 32 columns: two on most SMs, each with as many bytes in flight as one of 64 columns
+    assert [(f.cluster, f.blocks, f.per_sm) for f in fits] == [(1, 192, 2), (1, 96, 1)]
+    assert fits[0].in_flight_per_sm == 2 * fits[1].in_flight_per_sm
     attention = gpu_estimate(_gqa_bs1(8, 4, 32), skinny=True)
     assert {f.lowering for f in attention.kernels} == {"tile"}    # not a weight stream

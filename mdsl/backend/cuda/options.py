@@ -20,6 +20,8 @@ one without changing code:
     MDSL_CUDA_CLUSTER=n     a skinny loop's K split over the n blocks of a thread-block cluster (sm_90+; 1, 2,
                             4 or 8; the partial sums meet in the first block's shared memory): n times the
                             blocks, each streaming 1/n of the weights, so that the grid covers every SM
+    MDSL_CUDA_STAGGER=1     each block of a skinny loop walks its K from its own starting slab (wrapping around),
+                            so that the blocks do not read the same rows of X and the weights at the same moment
     MDSL_CUDA_OVERLAP=1     custom kernels (sm_90+) let the next kernel launch while they run and wait for the
                             previous one before touching memory (programmatic dependent launch, griddepcontrol);
                             a skinny kernel sends its first weight slabs to L2 before that wait: launch and
@@ -80,6 +82,7 @@ class CudaOptions:
     skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
     cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
     overlap: bool = False                  # custom kernels launched to overlap their predecessor (griddepcontrol)
+    stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -96,7 +99,8 @@ class CudaOptions:
                    stream=_flag(env, "MDSL_CUDA_STREAM", default.stream),
                    skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny),
                    cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster),
-                   overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap))
+                   overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
+                   stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

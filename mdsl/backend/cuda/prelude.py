@@ -402,7 +402,9 @@ __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("gridd
 __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 #endif
 
-template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC>
+// STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
+// that the blocks do not all read the same rows of X and of the weights at the same moment
+template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -423,6 +425,17 @@ struct Skinny {
     uint2 x[MT];
   };
 
+  // the slab of K the walk's slab-th step reads (STAGGER: this block's walk starts part of the way in)
+  static __device__ __forceinline__ int walked(int slab) {
+    if constexpr (STAGGER) {
+      const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+      return (slab + static_cast<int>(block * SLABS / blocks)) % SLABS;
+    } else {
+      return slab;
+    }
+  }
+
   static __device__ __forceinline__ int chunk() {
     return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
   }
@@ -431,7 +444,7 @@ struct Skinny {
   // past the end loads the last one again (its values unused): no predicates, no zeroing
   template <bool CLAMP = true>
   static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
-    const int k = (CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16;
+    const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
       const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
@@ -462,7 +475,7 @@ struct Skinny {
   // (p: row 4t there): a group's row is at most 128 bytes, a line
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
-    const int k = (slab < SLABS ? slab : SLABS - 1) * 16;
+    const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll

@@ -22,9 +22,13 @@ block r of a cluster streaming the r-th contiguous run of the block's K (K / C, 
 sums its warps' partials, stores them into slot r of the first block's shared memory (distributed shared
 memory, `st.shared::cluster`), and all but the first block leave; the first sums the C slots in rank order
 and runs the epilogue. Why: the fifth session's tuner times on the H200 fit one SM drawing ~40 GB/s of
-this loop whatever its warps (96-block rms_norm_linear at 128 or 256 threads alike, 64-block gated_mlp),
-so a grid of fewer blocks than SMs leaves bandwidth unused; C = 4 gives 384 blocks, about 3 a SM, with
-no second kernel and no round trip of partial sums through device memory.
+this loop whatever its warps, so that 96 blocks would leave 36 SMs' bandwidth unused; C = 4 gives 384
+blocks. Measured in the sixth session: slower (rms_norm_linear 20.3 against 17.3 us at batch 1, 31.2
+against 21.0 at batch 8), so the autotuner no longer tries it (`mdsl.ir.skinny.CLUSTERS`).
+
+Stagger (`CudaOptions.stagger`): block b walks its slabs from slab b SLABS / blocks on, wrapping around,
+so that at any moment the blocks read different rows of X (all of X is read by every block: 128 KB at
+batch 8, from L2) and of the weights.
 
 Overlap (`CudaOptions.overlap`, sm_90+): the kernel is launched with programmatic stream serialization
 (`KernelLaunch.overlap`), so that it may start while the previous kernel of the stream still runs: it
@@ -56,6 +60,7 @@ class SkinnyPlan:
     element: str        # the 16-bit C type of X and the weights
     cluster: int = 1    # blocks of a thread-block cluster splitting the block's K (1: none)
     overlap: bool = False  # launched to overlap the previous kernel (programmatic dependent launch)
+    stagger: bool = False  # each block walks its K from its own starting slab
 
     def slot_floats(self) -> int:
         """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
@@ -64,13 +69,13 @@ class SkinnyPlan:
 
 
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
-                overlap: bool = False) -> Optional[SkinnyPlan]:
+                overlap: bool = False, stagger: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
     weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
     clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
-    programmatic dependent launch (sm_90+)."""
+    programmatic dependent launch (sm_90+); `stagger` as asked."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -86,7 +91,7 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH)
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -115,7 +120,8 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     x_part = parts[plan.x]
     x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
     cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
-           f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}>")
+           f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}"
+           f"{', true' if skinny.stagger else ''}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     rank = None

@@ -110,18 +110,21 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    per_stage_and_threads = 1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP)   # the tile loop; each skinny one
+    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER)
+    per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
                       skinny_programs()["rms_norm_linear_bs8_64_columns"])
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        skinny = {(v.options.threads, v.options.cluster, v.options.overlap) for v in tried
+        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger) for v in tried
                   if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP}
-    # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor, in no cluster
-    assert {(v.options.cluster, v.options.overlap) for v in tried if v.candidate == 1 and v.options.skinny} == {(1, True)}
+        assert skinny == {(t, c, o, g) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP
+                          for g in autotune.STAGGER}
+    # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
+    assert {(v.options.cluster, v.options.overlap, v.options.stagger) for v in tried
+            if v.candidate == 1 and v.options.skinny} == {(1, True, False)}
 
 
 def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
@@ -256,3 +259,18 @@ def test_the_runtime_launches_an_overlapping_kernel_with_programmatic_serializat
     attribute = config.attrs[0]
     assert attribute.id.name == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
     assert attribute.value.programmaticStreamSerializationAllowed == 1
+
+
+# ---- staggered walks over K (CudaOptions.stagger)
+
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs8_64_columns", "rms_norm_linear_5_rows_65_slabs", "gated_mlp"])
+def test_a_staggered_loop_compiles_without_spills(name):
+    graph = skinny_programs()[name]
+    program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, stagger=True))
+    kernel = program.source[program.source.index("extern \"C\" __global__"):]
+    assert re.search(r"mdsl::Skinny<[^>]*, true>::run\(", kernel)
+    assert "true>" not in emit_cuda(graph, arch="sm_90a", options=SKINNY).source.split("extern \"C\" __global__")[1]
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.stack_bytes == 0 and first.registers <= 168, module.log
+    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1", "MDSL_CUDA_STAGGER": "1"}) == CudaOptions(skinny=True, stagger=True)
