@@ -19,7 +19,9 @@ same order:
   between cluster barriers), the others leave, and the first adds the slots in rank order;
 * with `CudaOptions.overlap` (the plan's `overlap`, programmatic dependent launch): the kernel sends its
   first slabs to L2, then waits for the previous kernel (`griddepcontrol.wait`) before it touches global
-  memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap.
+  memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap;
+* with `CudaOptions.stagger` (the plan's `stagger`): block b walks its slabs from slab b SLABS / blocks
+  on, wrapping around, so that the blocks do not read the same rows at the same moment.
 """
 from __future__ import annotations
 
@@ -62,6 +64,12 @@ class SkinnyLoop:
         lane = b.urem(tid, i32(32))
         self.warp, self.g, self.t = b.udiv(tid, i32(32)), b.udiv(lane, i32(4)), b.urem(lane, i32(4))
         self.kw = b.udiv(self.warp, i32(self.groups))
+        self.start = None   # stagger: the slab this block's walk over K starts from (the grid's share of K)
+        if skinny.stagger:
+            x_, y_, z_ = (fn.sreg(f"ctaid.{a}") for a in "xyz")
+            nx, ny, nz = (fn.sreg(f"nctaid.{a}") for a in "xyz")
+            block = b.add(x_, b.mul(nx, b.add(y_, b.mul(ny, z_))))
+            self.start = b.udiv(b.mul(block, i32(self.slabs)), b.mul(nx, b.mul(ny, nz)))
         group_of_warp = b.urem(self.warp, i32(self.groups))
         # the warps of the first column group fold X (None: every warp, one group)
         self.folds = None if self.groups == 1 else b.icmp_unsigned("==", group_of_warp, i32(0))
@@ -99,13 +107,18 @@ class SkinnyLoop:
                               ",".join(["=r"] * n + ["l"]), [ptr], True)
         return [self.fn.b.extract_value(words, k) for k in range(n)]
 
+    def _walked(self, slab):
+        """The slab of K the walk's slab-th step reads (stagger: from this block's start on, wrapping)."""
+        b = self.fn.b
+        return slab if self.start is None else b.urem(b.add(slab, self.start), i32(self.slabs))
+
     def load(self, slab, clamp: bool = True) -> tuple:
         """A slab's registers: (w[mat][row 0..3][word], x[mt] as (low, high) words); a slab past the end
         loads the last one again (its values unused) when `clamp`."""
         fn, b = self.fn, self.fn.b
         if clamp:
             slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
-        k = b.mul(slab, i32(SLAB))
+        k = b.mul(self._walked(slab), i32(SLAB))
         w = []
         for ws in self.ws:
             row = self._at(ws, b.mul(k, i32(self.ldw)))   # the next rows at constant offsets (immediates)
@@ -122,7 +135,7 @@ class SkinnyLoop:
         fn, b = self.fn, self.fn.b
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
         slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
-        k = b.mul(slab, i32(SLAB))
+        k = b.mul(self._walked(slab), i32(SLAB))
         for line in self.lines:
             row = self._at(line, b.mul(k, i32(self.ldw)))
             for i in range(4):

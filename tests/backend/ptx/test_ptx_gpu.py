@@ -5,7 +5,8 @@ switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads 
 environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
 tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
 fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone, with its K
-split over thread-block clusters of 2 and 4 blocks and overlapping the previous kernel, and on every
+split over thread-block clusters of 2 and 4 blocks, overlapping the previous kernel and with staggered
+walks over K, and on every
 benchmark plan (those it does not qualify keep the tile loop); every benchmark plan's kernels launched to
 overlap their predecessors (`CudaOptions.overlap`).
 
@@ -38,7 +39,7 @@ def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
 
 def _use_options(monkeypatch, options: CudaOptions) -> None:
     skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_CLUSTER": str(options.cluster),
-              "MDSL_CUDA_OVERLAP": str(int(options.overlap))}
+              "MDSL_CUDA_OVERLAP": str(int(options.overlap)), "MDSL_CUDA_STAGGER": str(int(options.stagger))}
     for key, value in {**options_env(options), **skinny}.items():
         monkeypatch.setenv(key, value)
 
@@ -84,18 +85,21 @@ def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monke
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
-@pytest.mark.parametrize("cluster, overlap", [(1, False), (2, False), (4, False), (1, True), (4, True)])
+@pytest.mark.parametrize("cluster, overlap, stagger", [(1, False, False), (2, False, False), (4, False, False),
+                                                       (1, True, False), (4, True, False), (1, False, True),
+                                                       (1, True, True)])
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_tuned_skinny_plan_through_ptx(name, cluster, overlap, monkeypatch, ptx_backend):
+def test_tuned_skinny_plan_through_ptx(name, cluster, overlap, stagger, monkeypatch, ptx_backend):
     """The skinny loop (weights streamed into registers, mma.sync with W as the A operand) at the
     benchmark's sizes, as the autotuner picked it for the CUDA backend, its K split over clusters of
-    2 and 4 blocks (the sums met in the first block's shared memory), and launched to overlap the
-    previous kernel (programmatic dependent launch), against float64."""
+    2 and 4 blocks (the sums met in the first block's shared memory), launched to overlap the previous
+    kernel (programmatic dependent launch), and with staggered walks over K, against float64."""
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster, overlap=overlap)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger)
     _use_options(monkeypatch, options)
-    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}" + (":overlap" if overlap else ""),
-           f"the tuned skinny plan of {name} through the PTX backend with options {options}")
+    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}" + (":overlap" if overlap else "") +
+           (":stagger" if stagger else ""), f"the tuned skinny plan of {name} through the PTX backend with options "
+           f"{options}")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)

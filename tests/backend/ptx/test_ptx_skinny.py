@@ -133,6 +133,15 @@ CLUSTERED = [("rows-2-tail", 2, False), ("rows-3-two-groups", 4, False), ("rows-
 
 
 @needs_simulator
+@pytest.mark.parametrize("name", ["rows-2-tail", "rows-3-two-groups", "two-weights"])
+def test_staggered_walks_on_the_simulator(name):
+    """CudaOptions.stagger: block b of the grid walks its slabs from slab b SLABS / blocks on, wrapping
+    around (2 blocks: the second starts half-way; with the two weights' 2 x 2 grid, a quarter apart)."""
+    graph, threads = SIMULATED[name]
+    check_simulated(graph, seed=13, options=attrs.evolve(_options(threads), stagger=True))
+
+
+@needs_simulator
 @pytest.mark.parametrize("name, cluster, overlap", CLUSTERED)
 def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
     """(With overlap too: the simulator runs the kernels one after another, griddepcontrol does nothing;
@@ -147,29 +156,30 @@ def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
 
 
 @functools.lru_cache(maxsize=16)
-def _split(name: str, cluster: int, overlap: bool) -> tuple:
+def _split(name: str, cluster: int, overlap: bool, stagger: bool) -> tuple:
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster, overlap=overlap)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger)
     cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
     cuda = compile_cuda(cuda_program.source, arch=ARCH)
     ptx = assembled_module(program.llvm_ir)
     return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
 
 
-#: (cluster, overlap): the K split over clusters of 4 blocks (2: simulated above), and the kernel
-#: overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), alone and in clusters
-SPLITS = [(4, False), (1, True), (4, True)]
+#: (cluster, overlap, stagger): the K split over clusters of 4 blocks (2: simulated above), the kernel
+#: overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), and each block walking
+#: K from its own slab on (CudaOptions.stagger) overlapping, as the autotuner may pick it
+SPLITS = [(4, False, False), (1, True, False), (1, True, True)]
 
 
 @needs_tools
-@pytest.mark.parametrize("cluster, overlap", SPLITS)
+@pytest.mark.parametrize("cluster, overlap, stagger", SPLITS)
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_cluster_split_and_overlap_match_the_cuda_kernels(name, cluster, overlap):
+def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster, overlap, stagger):
     """The same launches (the grid's x times the cluster, the shared memory with the meeting area, the
     overlapping launch), the cluster's size in the PTX, and in the SASS the same cluster barriers, fences
     and remote stores; with overlap the same wait for the previous kernel (ACQBULK) with nothing but L2
     prefetches and shared-memory stores before it, and the same PREEXIT."""
-    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap)
+    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap, stagger)
     launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
                 for launch in program.launches]
     assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
@@ -177,7 +187,7 @@ def test_cluster_split_and_overlap_match_the_cuda_kernels(name, cluster, overlap
     assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == (cluster > 1)
     assert any(launch.overlap for launch in program.launches) == overlap
     for kernel, theirs in theirs_by_kernel.items():
-        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}) {kernel}"
+        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}, stagger {stagger}) {kernel}"
         assert_same_paths(where, theirs, ours)
         r = assembled.resources[kernel]
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
