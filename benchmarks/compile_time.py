@@ -86,7 +86,7 @@ def time_ptx(graph, assemble: bool) -> float:
 
 def sass_rows(name: str, graph) -> list:
     """Per kernel: registers and SASS instructions with the lean pipeline and with InstCombine."""
-    from mdsl.backend.cuda.nvrtc import disassemble
+    from mdsl.backend.cuda.nvrtc import disassemble, sass_instructions
     from mdsl.backend.ptx import assemble as assemble_ptx
     from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
     from mdsl.backend.ptx.compile import LEAN_PIPELINE
@@ -97,13 +97,7 @@ def sass_rows(name: str, graph) -> list:
     found = {}
     for label, passes in (("lean", LEAN_PIPELINE), ("instcombine", with_instcombine)):
         assembled = assemble_ptx(llvm_to_ptx(program.llvm_ir, ARCH, passes=passes), ARCH)
-        counts, kernel = {}, None
-        for line in disassemble(assembled.cubin).splitlines():
-            section = re.match(r"^\.text\.(\S+):", line)
-            if section:
-                kernel = section.group(1)
-            elif kernel and re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", line):
-                counts[kernel] = counts.get(kernel, 0) + 1
+        counts = {k: len(v) for k, v in sass_instructions(disassemble(assembled.cubin)).items()}
         found[label] = {k: (r.registers, counts.get(k, 0)) for k, r in assembled.resources.items()}
     return [{"case": name, "kernel": k, "lean": found["lean"][k], "instcombine": found["instcombine"][k]}
             for k in found["lean"]]
@@ -119,13 +113,13 @@ MIX = {"instructions": r".*", "LDG.128 NA": r"LDG\.E\.NA\.128\.CONSTANT", "LDG.6
 def mix_rows(name: str, graph, options) -> list:
     """Per kernel: (kind, CUDA count, PTX count) for the registers, spills and MIX's instruction kinds."""
     from mdsl.backend.cuda import compile_cuda, emit_cuda
-    from mdsl.backend.cuda.nvrtc import disassemble
+    from mdsl.backend.cuda.nvrtc import disassemble, sass_instructions
     from mdsl.backend.ptx import assemble as assemble_ptx
     from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
 
     cuda = compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH)
     ptx = assemble_ptx(llvm_to_ptx(emit_llvm(graph, arch=ARCH, options=options).llvm_ir, ARCH), ARCH)
-    mine, theirs = _opcodes(disassemble(ptx.cubin)), _opcodes(disassemble(cuda.cubin))
+    mine, theirs = sass_instructions(disassemble(ptx.cubin)), sass_instructions(disassemble(cuda.cubin))
     rows = []
     for kernel, resources in cuda.resources.items():
         ours = ptx.resources[kernel]
@@ -135,20 +129,6 @@ def mix_rows(name: str, graph, options) -> list:
                     sum(1 for op in mine[kernel] if re.fullmatch(pattern, op))) for kind, pattern in MIX.items()]
         rows.append({"case": name, "kernel": kernel, "counts": counts})
     return rows
-
-
-def _opcodes(sass: str) -> dict:
-    """Kernel name -> its SASS opcodes with their modifiers, in order."""
-    out, kernel = {}, None
-    for line in sass.splitlines():
-        section = re.match(r"^\.text\.(\S+):", line)
-        if section:
-            kernel = out.setdefault(section.group(1), [])
-            continue
-        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if found and kernel is not None:
-            kernel.append(found.group(1))
-    return out
 
 
 def interleaved_medians(reps: int, measures: dict) -> dict:

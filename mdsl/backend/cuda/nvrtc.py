@@ -266,6 +266,25 @@ def disassemble(cubin: bytes) -> str:
     return done.stdout
 
 
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass_instructions(sass: str) -> dict:
+    """Kernel name (or subroutine) -> its SASS instructions in order: opcodes with their modifiers
+    (LDG.E.128.CONSTANT, HMMA.16816.F32, ...), predicates dropped."""
+    out: dict = {}
+    current = None
+    for line in sass.splitlines():
+        section = re.match(r"^\.text\.(\S+):", line)
+        if section:
+            current = out.setdefault(section.group(1), [])
+            continue
+        found = _SASS_INSTRUCTION.match(line)
+        if found and current is not None:
+            current.append(found.group(1))
+    return out
+
+
 def sass_opcodes(sass: str) -> dict:
     """Opcode (its first dotted part: HMMA, LDGSTS, BAR, ...) -> how many instructions use it."""
     counts: dict = {}

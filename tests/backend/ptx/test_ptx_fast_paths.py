@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 
 import attrs
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path
+from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_instructions
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
 from mdsl.ir import OPS
@@ -36,19 +35,8 @@ BOTH = CudaOptions()
 
 
 def kernel_instructions(cubin: bytes) -> dict:
-    """Kernel name (or subroutine) -> its SASS instructions in order (opcodes with their modifiers:
-    LDG.E.128.CONSTANT, HMMA.16816.F32...; predicates dropped)."""
-    out: dict = {}
-    current = None
-    for line in disassemble(cubin).splitlines():
-        section = re.match(r"^\.text\.(\S+):", line)
-        if section:
-            current = out.setdefault(section.group(1), [])
-            continue
-        found = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if found and current is not None:
-            current.append(found.group(1))
-    return out
+    """Kernel name (or subroutine) -> its SASS instructions in order (nvrtc.sass_instructions)."""
+    return sass_instructions(disassemble(cubin))
 
 
 def kernel_opcodes(cubin: bytes) -> dict:
