@@ -5,6 +5,7 @@
 #      the megakernel against transformers), without -x so that one failure does not hide the others;
 #   2. the autotuner's kernels compiled in parallel (plans and tuning variants from the carried .plans/);
 #   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
+#   3b. (STAGES=profile) Nsight Compute reports of mdsl's kernel of each PROFILE_CASES case;
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
@@ -23,7 +24,7 @@ export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' 
 TESTS_LIMIT="${TESTS_LIMIT:-200}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
 KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
-STAGES="${STAGES:-tests precompile kernels decode}"
+STAGES="${STAGES:-tests precompile kernels decode}"   # profile: on request
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
@@ -61,11 +62,28 @@ grep -hE '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
 
 # the autotuner's kernels compiled in parallel first (16 cores here), so that the benchmark's time goes to timing
 stage precompile "$PRECOMPILE_LIMIT" "$OUT/all/precompile.log" env MDSL_CACHE_DIR="$PWD/.plans" \
-    $PY scripts/precompile_parallel.py --jobs 15 --autotune 3 --variants 8
+    $PY scripts/precompile_parallel.py --jobs 15 --autotune 3 --variants 8 ${PRECOMPILE_CASES:-}
 stage kernels "$KERNELS_LIMIT" "$OUT/all/kernels.log" env MDSL_CACHE_DIR="$PWD/.plans" \
     $PY benchmarks/kernels.py $KERNEL_ARGS --reps 100 --autotune 3 --variants 8 \
     --time-limit $(( KERNELS_LIMIT - 60 )) --out "$OUT/all/kernels"
 cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
+
+# Nsight Compute over mdsl's kernel of each PROFILE_CASES case (the autotuner's pick, read from the cache the
+# kernels stage wrote; run that stage first): the full section set, the SASS with its stall samples, a text report
+PROFILE_CASES="${PROFILE_CASES:-rms_norm_linear_bs1,rms_norm_linear_bs8,gated_mlp}"
+profile() {
+    mkdir -p "$OUT/profile"
+    for case in ${PROFILE_CASES//,/ }; do
+        ncu --clock-control none --set full --import-source no --kernel-name "regex:^${case}_" \
+            --launch-skip 3 --launch-count 1 -f -o "$OUT/profile/$case" \
+            $PY benchmarks/kernels.py --cases "$case" --no-compile --no-graphs --no-ptx --reps 5 --warmup 5 \
+            --autotune 3 --variants 8 --out "$OUT/all/profile_$case" || echo "ncu failed on $case"
+        ncu --import "$OUT/profile/$case.ncu-rep" --page details > "$OUT/profile/$case.details.txt" 2>&1
+        ncu --import "$OUT/profile/$case.ncu-rep" --page source --print-source sass --csv \
+            > "$OUT/profile/$case.sass.csv" 2>&1
+    done
+}
+stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR="$PWD/.plans" bash -c "$(declare -f profile); OUT='$OUT' PY=$PY PROFILE_CASES='$PROFILE_CASES' profile"
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 DECODE_ARGS="${DECODE_ARGS:---variants static,static-lanes4,static-lanes4-fused,static-ahead2-lanes4-fused}"
