@@ -72,15 +72,16 @@ cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
 # kernels stage wrote; run that stage first): the full section set, the SASS with its stall samples, a text report
 PROFILE_CASES="${PROFILE_CASES:-rms_norm_linear_bs1,rms_norm_linear_bs8,gated_mlp}"
 profile() {
-    mkdir -p "$OUT/profile"
+    local dir="$OUT/all/profile"   # in session.tar.gz: a call returns few files
+    mkdir -p "$dir"
     for case in ${PROFILE_CASES//,/ }; do
         ncu --clock-control none --set full --import-source no --kernel-name "regex:^${case}_" \
-            --launch-skip 3 --launch-count 1 -f -o "$OUT/profile/$case" \
+            --launch-skip 3 --launch-count 2 -f -o "$dir/$case" \
             $PY benchmarks/kernels.py --cases "$case" --no-compile --no-graphs --no-ptx --reps 5 --warmup 5 \
             --autotune 3 --variants 8 --out "$OUT/all/profile_$case" || echo "ncu failed on $case"
-        ncu --import "$OUT/profile/$case.ncu-rep" --page details > "$OUT/profile/$case.details.txt" 2>&1
-        ncu --import "$OUT/profile/$case.ncu-rep" --page source --print-source sass --csv \
-            > "$OUT/profile/$case.sass.csv" 2>&1
+        ncu --import "$dir/$case.ncu-rep" --page details > "$dir/$case.details.txt" 2>&1
+        ncu --import "$dir/$case.ncu-rep" --page raw --csv > "$dir/$case.raw.csv" 2>&1
+        ncu --import "$dir/$case.ncu-rep" --page source --print-source sass --csv > "$dir/$case.sass.csv" 2>&1
     done
 }
 stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR="$PWD/.plans" bash -c "$(declare -f profile); OUT='$OUT' PY=$PY PROFILE_CASES='$PROFILE_CASES' profile"
