@@ -22,19 +22,20 @@ from tests.ir.skinny_texts import rms_norm_linear
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, cluster, overlap, stagger", [
-    (None, 1, False, False), (256, 1, False, False), (None, 2, False, False), (None, 4, False, False),
-    (None, 1, True, False), (None, 4, True, False), (None, 1, False, True), (256, 1, True, True)])
+@pytest.mark.parametrize("threads, cluster, overlap, stagger, lead", [
+    (None, 1, False, False, 2), (256, 1, False, False, 2), (None, 2, False, False, 2), (None, 4, False, False, 2),
+    (None, 1, True, False, 2), (None, 4, True, False, 2), (None, 1, False, True, 2), (256, 1, True, True, 2),
+    (None, 1, True, True, 4), (256, 1, False, False, 4)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
-def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger):
+def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger, lead):
     graph = skinny_programs()[name]
     what = (f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}, "
-            f"staggered {stagger}")
+            f"staggered {stagger}, L2 prefetch lead {lead}")
     test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + \
-        (":overlap" if overlap else "") + (":stagger" if stagger else "")
+        (":overlap" if overlap else "") + (":stagger" if stagger else "") + (f":lead {lead}" if lead != 2 else "")
     inputs = random_inputs(graph, rng_for(test_id))
     want = reference(graph, inputs)
-    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap, stagger=stagger)
+    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead)
     executable = runtime.compile_graph(graph, options=options)
     source = executable.program.source
     assert "::run(skinny_acc" in source, f"{what}: the skinny loop was not taken"

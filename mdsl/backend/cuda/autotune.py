@@ -49,6 +49,7 @@ SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, sk
 CLUSTERS = SKINNY_CLUSTERS         # the skinny loop's K split over a thread-block cluster (sm_90+), where it fits
 OVERLAP = (False, True)             # custom kernels launched to overlap their predecessors (sm_90+), with the skinny options
 STAGGER = (False, True)             # the skinny loop's blocks walking K from staggered slabs
+LEADS = (2, 4)                      # loop iterations the skinny loop's L2 prefetches run ahead of its loads
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -68,6 +69,8 @@ class Variant:
             loop += f" (K split over clusters of {o.cluster})"
         if o.skinny and o.stagger:
             loop += " (staggered)"
+        if o.skinny and o.lead != 2:
+            loop += f" (L2 prefetch {o.lead} iterations ahead)"
         if o.overlap:
             loop += ", overlapping its predecessor"
         return f"candidate {self.candidate}{name}, {loop}, {threads}"
@@ -157,7 +160,8 @@ def describe_grid(graph: KernelGraph) -> str:
 
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
                     skinny: Optional[Sequence[bool]] = None, clusters: Sequence[int] = CLUSTERS,
-                    overlap: Sequence[bool] = OVERLAP, stagger: Sequence[bool] = STAGGER) -> list:
+                    overlap: Sequence[bool] = OVERLAP, stagger: Sequence[bool] = STAGGER,
+                    leads: Sequence[int] = LEADS) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
@@ -165,14 +169,15 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
     tried with each of `clusters` (its K split over a cluster's blocks; where that does not fit, the
     source repeats the unsplit one and is dropped too) and each of `overlap` (every custom kernel launched
     to overlap its predecessor: programmatic dependent launch, sm_90+; so a graph without a skinny loop
-    gets its tile loop timed overlapping too, and no more) and each of `stagger`.
+    gets its tile loop timed overlapping too, and no more), each of `stagger` and each of `leads` (how
+    many loop iterations ahead its weight slabs are sent to L2).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
         skinny = (False,) if switched_off else SKINNY
-    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c, overlap=o, stagger=g) for k in skinny
+    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c, overlap=o, stagger=g, lead=d) for k in skinny
             for c in (clusters if k else (1,)) for o in (overlap if k else (False,))
-            for g in (stagger if k else (False,)) for t in threads for s in stages]
+            for g in (stagger if k else (False,)) for d in (leads if k else (2,)) for t in threads for s in stages]
 
 
 def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",

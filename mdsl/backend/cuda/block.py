@@ -201,7 +201,8 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
     """The skinny lowering (f32 tiles, no input tiles, no pipeline), or None where the block graph does not
     qualify or its tiles and partial sums do not fit (a cluster's meeting area that does not fit: unsplit)."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
-    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap, options.stagger)
+    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap, options.stagger,
+                       options.lead)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)

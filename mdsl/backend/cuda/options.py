@@ -22,6 +22,8 @@ one without changing code:
                             blocks, each streaming 1/n of the weights, so that the grid covers every SM
     MDSL_CUDA_STAGGER=1     each block of a skinny loop walks its K from its own starting slab (wrapping around),
                             so that the blocks do not read the same rows of X and the weights at the same moment
+    MDSL_CUDA_LEAD=n        a skinny loop sends the weight slabs of the loop iteration n ahead to L2 (default 2;
+                            the autotuner tries 2 and 4): the DRAM bytes in flight per SM, without registers
     MDSL_CUDA_OVERLAP=1     custom kernels (sm_90+) let the next kernel launch while they run and wait for the
                             previous one before touching memory (programmatic dependent launch, griddepcontrol);
                             a skinny kernel sends its first weight slabs to L2 before that wait: launch and
@@ -43,6 +45,7 @@ DEFAULT_UNROLL = 4
 UNROLLS = (1, 2, 4, 8)
 CLUSTER_SIZES = (1, 2, 4, 8)   # portable thread-block cluster sizes
 OVERLAP_MIN_ARCH = 90          # programmatic dependent launch (griddepcontrol)
+MAX_LEAD = 8                   # loop iterations a skinny loop's L2 prefetches run ahead of its loads
 
 
 def _check_stages(instance, attribute, value: int) -> None:
@@ -69,6 +72,12 @@ def _check_cluster(instance, attribute, value: int) -> None:
                                hint="set MDSL_CUDA_CLUSTER (or CudaOptions.cluster) to 1, 2, 4 or 8")
 
 
+def _check_lead(instance, attribute, value: int) -> None:
+    if not 1 <= value <= MAX_LEAD:
+        raise UnsupportedError(f"an L2 prefetch lead of {value} iterations: use 1 to {MAX_LEAD}",
+                               hint=f"set MDSL_CUDA_LEAD (or CudaOptions.lead) between 1 and {MAX_LEAD}")
+
+
 @attrs.frozen
 class CudaOptions:
     mma: bool = True                       # tensor-core (mma.sync) block matmuls on 16-bit operands
@@ -83,6 +92,7 @@ class CudaOptions:
     cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
     overlap: bool = False                  # custom kernels launched to overlap their predecessor (griddepcontrol)
     stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
+    lead: int = attrs.field(default=2, validator=_check_lead)  # skinny loop iterations its L2 prefetches run ahead
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -100,7 +110,8 @@ class CudaOptions:
                    skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny),
                    cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster),
                    overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
-                   stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger))
+                   stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger),
+                   lead=_integer(env, "MDSL_CUDA_LEAD", default.lead))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

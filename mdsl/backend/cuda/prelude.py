@@ -403,8 +403,10 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 #endif
 
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
-// that the blocks do not all read the same rows of X and of the weights at the same moment
-template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false>
+// that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
+// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads
+template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
+          int LEAD = 2>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -414,6 +416,7 @@ struct Skinny {
   static constexpr int SLABS = K / 16;
   static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
   static constexpr int STEP = 16 / (VEC * MATS) > 0 ? 16 / (VEC * MATS) : 1;   // slabs a warp loads at once
+  static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
   static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % 16 == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
   static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
@@ -549,15 +552,16 @@ struct Skinny {
     // two register buffers in turn: one's loads in flight while the other's mmas run. The steady state
     // has no branch (every slab of both buffers exists), so that the loads stay where they are written
     // (ptxas sank them below branchy mma blocks, next to their use); the last slabs follow, each checked
-    // Each iteration also sends the slabs of the one after next to L2 (the next one's went last time).
+    // Each iteration also sends the slabs of the one LEAD ahead to L2 (those up to it went before).
     Slab a[STEP], b[STEP];
 #pragma unroll
     for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
-    prefetch(lines, kw + 2 * STEP * KW);
+#pragma unroll
+    for (int ahead = 1; ahead < LEAD; ++ahead) prefetch(lines, kw + 2 * ahead * STEP * KW);
     int slab = kw;
 #pragma unroll 1
     for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
-      prefetch(lines, slab + 4 * STEP * KW);
+      prefetch(lines, slab + 2 * LEAD * STEP * KW);
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
       step<true>(acc, a, slab, folds, fold);
@@ -573,7 +577,7 @@ struct Skinny {
     }
   }
 
-  // this warp's sums into part (f32, MATS x KW x M x N: weight, warp along K, row of X, column of W)
+  // this warp's sums into part (f32, MATS x KW x M x PART_LD: weight, warp along K, row of X, column of W)
   static __device__ __forceinline__ void store_part(const Acc& acc, float* __restrict__ part) {
     const int warp = threadIdx.x / 32, kw = warp / GROUPS, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     if (g >= GROUP) return;   // a duplicate chunk
@@ -587,7 +591,7 @@ struct Skinny {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int m = mt * 8 + 2 * t + (e & 1), n = c * VEC + 2 * j + (e >> 1);
-            if (m < M) part[((mat * KW + kw) * M + m) * N + n] = acc[mat][mt][j][e];
+            if (m < M) part[((mat * KW + kw) * M + m) * PART_LD + n] = acc[mat][mt][j][e];
           }
   }
 };

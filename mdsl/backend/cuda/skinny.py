@@ -30,6 +30,12 @@ Stagger (`CudaOptions.stagger`): block b walks its slabs from slab b SLABS / blo
 so that at any moment the blocks read different rows of X (all of X is read by every block: 128 KB at
 batch 8, from L2) and of the weights.
 
+Lead (`CudaOptions.lead`): the loop sends the weight slabs of the iteration `lead` ahead to L2 (`prefetch.
+global.L2`, no registers held), so that the DRAM bytes in flight per SM are the slabs of `lead` iterations,
+whatever the register buffers hold. ncu on the H200 (seventh session): about half the weight loads of
+rms_norm_linear missed L2 at a lead of 2, and its batch-8 kernel of 4 warps a block has half the bytes ahead
+of the 8-warp batch-1 kernel.
+
 Overlap (`CudaOptions.overlap`, sm_90+): the kernel is launched with programmatic stream serialization
 (`KernelLaunch.overlap`), so that it may start while the previous kernel of the stream still runs: it
 sends its first weight slabs to L2, waits for that kernel (griddepcontrol.wait: nothing in global memory
@@ -61,6 +67,13 @@ class SkinnyPlan:
     cluster: int = 1    # blocks of a thread-block cluster splitting the block's K (1: none)
     overlap: bool = False  # launched to overlap the previous kernel (programmatic dependent launch)
     stagger: bool = False  # each block walks its K from its own starting slab
+    lead: int = 2          # loop iterations the L2 prefetches run ahead of the loads
+
+    def part_row(self) -> int:
+        """Floats between two rows of X in a warp's partial sums in shared memory: N + 1, odd, so that the
+        lanes of a quad (rows 2t apart) store into different banks (N: 8 lanes, 1 bank, a 5.4-way conflict
+        in ncu on the H200). The prelude's `Skinny::PART_LD` is the same."""
+        return self.shape.n + 1
 
     def slot_floats(self) -> int:
         """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
@@ -69,13 +82,13 @@ class SkinnyPlan:
 
 
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
-                overlap: bool = False, stagger: bool = False) -> Optional[SkinnyPlan]:
+                overlap: bool = False, stagger: bool = False, lead: int = 2) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
     weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
     clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
-    programmatic dependent launch (sm_90+); `stagger` as asked."""
+    programmatic dependent launch (sm_90+); `stagger` and `lead` as asked."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -91,7 +104,7 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger)
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -107,7 +120,7 @@ def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:
     shape = plan.shape
     kw = warps // shape.groups()
     meeting = plan.cluster * plan.slot_floats() if plan.cluster > 1 else 0
-    return 4 * (len(shape.weights) * kw * shape.m * shape.n + len(shape.rows) * warps * MAX_ROWS + meeting)
+    return 4 * (len(shape.weights) * kw * shape.m * plan.part_row() + len(shape.rows) * warps * MAX_ROWS + meeting)
 
 
 def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
@@ -121,7 +134,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
     cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
            f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}"
-           f"{', true' if skinny.stagger else ''}>")
+           f"{_tail_arguments(skinny)}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     rank = None
@@ -151,7 +164,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {bg.nodes[i].opdef.rules['cuda_skinny'].fold.step}; }}")
     w(");", f"{cls}::store_part(skinny_acc, {part});")
-    rows_base = mats * kw * plan.m * plan.n
+    rows_base = mats * kw * plan.m * skinny.part_row()
     for r, (name, i) in enumerate(zip(folds, plan.rows)):
         combine = bg.nodes[i].opdef.rules["cuda_skinny"].fold.combine
         w(f"// %{bg.nodes[i].output.name}: each warp's fold of its rows, over the quad's lanes")
@@ -161,7 +174,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
             w(f"if (threadIdx.x % 4 == 0 && row < {plan.m}) "
               f"{part}[{rows_base + r * warps * MAX_ROWS} + threadIdx.x / 32 * {MAX_ROWS} + row] = v;")
     w("__syncthreads();")
-    warp_sum = _WarpSums(b, bg, plan, part, kw, warps, rows_base)
+    warp_sum = _WarpSums(b, bg, plan, part, kw, warps, rows_base, skinny.part_row())
     if cluster == 1:
         warp_sum.into_tiles()
     else:
@@ -175,12 +188,22 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
         w("__syncthreads();")
 
 
+def _tail_arguments(skinny: SkinnyPlan) -> str:
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD), as far as they differ from the defaults
+    (so that the sources of plans without them stay as they were, and their cached kernels with them)."""
+    if skinny.lead != 2:
+        return f", {'true' if skinny.stagger else 'false'}, {skinny.lead}"
+    return ", true" if skinny.stagger else ""
+
+
 class _WarpSums:
     """The block's sums over its warps' partials (a fixed order), written by `emit` wherever they go:
     the accumulators' tiles, or a slot of the cluster's meeting area."""
 
-    def __init__(self, b, bg: BlockGraph, plan: SkinnyShape, part: str, kw: int, warps: int, rows_base: int):
+    def __init__(self, b, bg: BlockGraph, plan: SkinnyShape, part: str, kw: int, warps: int, rows_base: int,
+                 row: int):
         self.b, self.bg, self.plan, self.part, self.kw, self.warps, self.rows_base = b, bg, plan, part, kw, warps, rows_base
+        self.row = row   # SkinnyPlan.part_row
 
     def emit(self, sum_to, fold_to) -> None:
         """sum_to(mat, value expression) and fold_to(row accumulator's position, its node, value expression):
@@ -193,7 +216,8 @@ class _WarpSums:
             with b.threads.each(w, plan.m * plan.n):
                 w("float sum = 0.0f;", "#pragma unroll")
                 with w.block(f"for (int kw = 0; kw < {self.kw}; ++kw)"):
-                    w(f"sum += {part}[({mat} * {self.kw} + kw) * {plan.m * plan.n} + i];")
+                    w(f"sum += {part}[({mat} * {self.kw} + kw) * {plan.m * self.row} + i / {plan.n} * {self.row} "
+                      f"+ i % {plan.n}];")
                 w(sum_to(mat, "sum"))
         for r, i in enumerate(plan.rows):
             node = self.bg.nodes[i]

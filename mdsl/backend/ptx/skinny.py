@@ -49,7 +49,7 @@ class SkinnyLoop:
         """`k`: the K this block streams (the block graph's, or a cluster's block's run of it)."""
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
-        self.bk, self.fn, self.shape, self.warps = bk, fn, shape, warps
+        self.bk, self.fn, self.shape, self.warps, self.skinny = bk, fn, shape, warps, skinny
         self.vec = shape.columns_per_load()
         self.mats, self.mt = len(shape.weights), -(-shape.m // 8)
         self.group = min(shape.chunks(), GROUP_CHUNKS)
@@ -199,10 +199,11 @@ class SkinnyLoop:
         fn, b = self.fn, self.fn.b
         kw, stride = self.kw_warps, 2 * self.step * self.kw_warps
         buffered = self._buffer([self.load(b.add(self.kw, i32(q * kw))) for q in range(self.step)])
-        self.prefetch(b.add(self.kw, i32(2 * self.step * kw)))
+        for ahead in range(1, self.skinny.lead):   # the iterations up to the lead's (CudaOptions.lead)
+            self.prefetch(b.add(self.kw, i32(2 * ahead * self.step * kw)))
         stop = max(0, self.slabs - (2 * self.step - 1) * kw)
         with fn.loop(self.kw, stop, stride) as slab:
-            self.prefetch(b.add(slab, i32(4 * self.step * kw)))
+            self.prefetch(b.add(slab, i32(2 * self.skinny.lead * self.step * kw)))
             a = self._read(buffered)
             later = [self.load(b.add(slab, i32((self.step + q) * kw)), clamp=False) for q in range(self.step)]
             self.steps(acc, a, slab, True, folds)
@@ -236,9 +237,9 @@ class SkinnyLoop:
                     var.set(value)
 
     def store_part(self, acc: list, part: Array) -> None:
-        """This warp's sums into part (f32, MATS x KW x M x N: weight, warp along K, row of X, column)."""
+        """This warp's sums into part (f32, MATS x KW x M x part_row: weight, warp along K, row of X, column)."""
         fn, b = self.fn, self.fn.b
-        m_rows, n = self.shape.m, self.shape.n
+        m_rows, n = self.shape.m, self.skinny.part_row()
         distinct = None if self.group == GROUP_CHUNKS else b.icmp_unsigned("<", self.g, i32(self.group))
         with _when(fn, distinct):
             column = b.mul(self.chunk, i32(self.vec))
@@ -289,7 +290,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         fn.let_next_kernel_launch()
     loop.run(acc, folds)
     loop.store_part(acc, part)
-    rows_base = mats * kw * shape.m * shape.n
+    rows_base = mats * kw * shape.m * skinny.part_row()
     for r, (fold, running) in enumerate(folds):
         fn.marker_for(bg.nodes[shape.rows[r]])
         for mt in range(mt_tiles):
@@ -304,7 +305,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
                 at = b.add(b.mul(loop.warp, i32(MAX_ROWS)), row)
                 fn.store_float(part, b.add(at, i32(rows_base + r * warps * MAX_ROWS)), v)
     fn.barrier()
-    sums = _WarpSums(bk, bg, shape, part, kw, warps, rows_base)
+    sums = _WarpSums(bk, bg, shape, part, kw, warps, rows_base, skinny.part_row())
     if cluster == 1:
         sums.into_tiles()
     else:
@@ -327,8 +328,8 @@ class _WarpSums:
     """The block's sums over its warps' partials (a fixed order), put by `emit` wherever they go: the
     accumulators' tiles, or a slot of the cluster's meeting area."""
 
-    def __init__(self, bk, bg: BlockGraph, shape, part: Array, kw: int, warps: int, rows_base: int):
-        self.bk, self.bg, self.shape, self.part = bk, bg, shape, part
+    def __init__(self, bk, bg: BlockGraph, shape, part: Array, kw: int, warps: int, rows_base: int, row: int):
+        self.bk, self.bg, self.shape, self.part, self.row = bk, bg, shape, part, row   # row: SkinnyPlan.part_row
         self.kw, self.warps, self.rows_base = kw, warps, rows_base
 
     def emit(self, sum_to, fold_to) -> None:
@@ -342,8 +343,10 @@ class _WarpSums:
 
             def element(e, mat=mat) -> None:
                 total = f32(0.0)
+                # e's place in a warp's padded rows
+                at = b.add(b.mul(b.udiv(e, i32(shape.n)), i32(self.row)), b.urem(e, i32(shape.n)))
                 for w in range(self.kw):   # the warps' partial sums, in a fixed order
-                    total = b.fadd(total, fn.load_float(part, b.add(e, i32((mat * self.kw + w) * size))))
+                    total = b.fadd(total, fn.load_float(part, b.add(at, i32((mat * self.kw + w) * shape.m * self.row))))
                 sum_to(mat, e, total)
 
             bk.threads.for_each(fn, size, element)

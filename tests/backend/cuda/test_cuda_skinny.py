@@ -110,7 +110,7 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER)
+    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
@@ -118,13 +118,13 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger) for v in tried
-                  if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o, g) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP
-                          for g in autotune.STAGGER}
+        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead)
+                  for v in tried if v.candidate == k and v.options.skinny}
+        assert skinny == {(t, c, o, g, d) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP
+                          for g in autotune.STAGGER for d in autotune.LEADS}
     # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
-    assert {(v.options.cluster, v.options.overlap, v.options.stagger) for v in tried
-            if v.candidate == 1 and v.options.skinny} == {(1, True, False)}
+    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead) for v in tried
+            if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2)}
 
 
 def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
@@ -274,3 +274,28 @@ def test_a_staggered_loop_compiles_without_spills(name):
     first = module.resources[program.launches[0].name]
     assert first.spill_store_bytes == 0 and first.stack_bytes == 0 and first.registers <= 168, module.log
     assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1", "MDSL_CUDA_STAGGER": "1"}) == CudaOptions(skinny=True, stagger=True)
+
+
+# ---- the L2 prefetch lead (CudaOptions.lead)
+
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs8_64_columns", "gated_mlp"])
+def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spills(name):
+    """lead 4: the loop prefetches the slabs of the iteration 4 ahead, and iterations 1-3 before it (the
+    default 2: iteration 1 before, 2 ahead); the defaulted template arguments appear only when changed."""
+    graph = skinny_programs()[name]
+    default = emit_cuda(graph, arch="sm_90a", options=SKINNY).source
+    program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, lead=4))
+    assert re.search(r"mdsl::Skinny<[^>]*, false, 4>::run\(", program.source)
+    assert not re.search(r"mdsl::Skinny<[^>]*, (true|false), \d+>::run\(", default)
+    staggered = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, lead=4, stagger=True)).source
+    assert re.search(r"mdsl::Skinny<[^>]*, true, 4>::run\(", staggered)
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.stack_bytes == 0, module.log
+    if nvdisasm_path() is not None:   # in the SASS: two more iterations' L2 prefetches before the loop
+        prefetches = {lead: disassemble(compile_cuda(emit_cuda(graph, arch="sm_90a", options=CudaOptions(
+            skinny=True, lead=lead)).source, arch="sm_90a").cubin).count("CCTL.E.PF2") for lead in (2, 4)}
+        assert prefetches[4] > prefetches[2], prefetches
+    assert CudaOptions.from_env({"MDSL_CUDA_LEAD": "4"}) == CudaOptions(lead=4)
+    with pytest.raises(UnsupportedError, match="prefetch lead"):
+        CudaOptions(lead=0)

@@ -142,6 +142,18 @@ def test_staggered_walks_on_the_simulator(name):
 
 
 @needs_simulator
+@pytest.mark.parametrize("name", ["rows-2-tail", "two-weights"])
+def test_a_longer_prefetch_lead_on_the_simulator(name):
+    """CudaOptions.lead 4: the L2 prefetches of the iterations up to 4 ahead (clamped to the last slab
+    past the end) change no value."""
+    graph, threads = SIMULATED[name]
+    options = attrs.evolve(_options(threads), lead=4)
+    assert emit_llvm(graph, options=options).llvm_ir.count("prefetch.global.L2") > \
+        emit_llvm(graph, options=_options(threads)).llvm_ir.count("prefetch.global.L2")
+    check_simulated(graph, seed=14, options=options)
+
+
+@needs_simulator
 @pytest.mark.parametrize("name, cluster, overlap", CLUSTERED)
 def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
     """(With overlap too: the simulator runs the kernels one after another, griddepcontrol does nothing;
@@ -156,30 +168,31 @@ def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
 
 
 @functools.lru_cache(maxsize=16)
-def _split(name: str, cluster: int, overlap: bool, stagger: bool) -> tuple:
+def _split(name: str, cluster: int, overlap: bool, stagger: bool, lead: int = 2) -> tuple:
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead)
     cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
     cuda = compile_cuda(cuda_program.source, arch=ARCH)
     ptx = assembled_module(program.llvm_ir)
     return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
 
 
-#: (cluster, overlap, stagger): the K split over clusters of 4 blocks (2: simulated above), the kernel
+#: (cluster, overlap, stagger, lead): the K split over clusters of 4 blocks (2: simulated above), the kernel
 #: overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), and each block walking
-#: K from its own slab on (CudaOptions.stagger) overlapping, as the autotuner may pick it
-SPLITS = [(4, False, False), (1, True, False), (1, True, True)]
+#: K from its own slab on (CudaOptions.stagger) overlapping, as the autotuner may pick it, with the L2
+#: prefetches 2 or 4 iterations ahead (CudaOptions.lead)
+SPLITS = [(4, False, False, 2), (1, True, False, 2), (1, True, True, 2), (1, True, True, 4)]
 
 
 @needs_tools
-@pytest.mark.parametrize("cluster, overlap, stagger", SPLITS)
+@pytest.mark.parametrize("cluster, overlap, stagger, lead", SPLITS)
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster, overlap, stagger):
+def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster, overlap, stagger, lead):
     """The same launches (the grid's x times the cluster, the shared memory with the meeting area, the
     overlapping launch), the cluster's size in the PTX, and in the SASS the same cluster barriers, fences
     and remote stores; with overlap the same wait for the previous kernel (ACQBULK) with nothing but L2
     prefetches and shared-memory stores before it, and the same PREEXIT."""
-    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap, stagger)
+    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap, stagger, lead)
     launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
                 for launch in program.launches]
     assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
@@ -187,7 +200,7 @@ def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster,
     assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == (cluster > 1)
     assert any(launch.overlap for launch in program.launches) == overlap
     for kernel, theirs in theirs_by_kernel.items():
-        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}, stagger {stagger}) {kernel}"
+        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}, stagger {stagger}, lead {lead}) {kernel}"
         assert_same_paths(where, theirs, ours)
         r = assembled.resources[kernel]
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
