@@ -101,6 +101,6 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     space = autotune.parameter_space(stages=(3,), threads=(None,))
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())
-    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER)
+    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
     assert len(result.timings) == 1 + skinny_kinds, report   # the tile loop; each skinny one
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed

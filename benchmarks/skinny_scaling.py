@@ -1,0 +1,70 @@
+"""How the skinny loop's time scales with its grid: is RMSNorm+Linear at batch 1-8 bound by each SM's draw
+(the time stays flat as blocks, one an SM, are added) or by the DRAM (the time grows with the bytes)?
+
+For X of M rows (2: batch 1, 16: batch 8) and K = 4096, the weight has `blocks` x N columns, each block
+streaming N columns over all of K (a row segment of 2 N bytes, rows 2 N blocks bytes apart). Each grid is
+timed as the autotuner times (rotated inputs past twice the L2, CUDA events, correctness first) with the
+kernel benchmark's picks (the skinny loop, staggered, overlapping its predecessor; own and 256 threads).
+
+    python3 benchmarks/skinny_scaling.py [--blocks 48,66,96,120,132] [--rows 2,16] [--columns 64,128]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_TEXT = """kernel skinny_{m}x{blocks}x{n}(%x: f16[{m}, {k}], %w: f16[{k}, {cols}]) {{
+  %matmul: f16[{m}, {cols}] = custom(%x, %w) block(grid=[{blocks}, 1, 1], threads=128, forloop={forloop}) {{
+    in %x: f16[{m}, {kt}] imap=[-, -, -] fmap=1
+    in %w: f16[{kt}, {n}] imap=[1, -, -] fmap=0
+    %accum_rms: f16[{m}, 1] = accum_rms(%x) {{eps=1e-06}}
+    %matmul: f16[{m}, {n}] = matmul(%x, %w)
+    %accum: f16[{m}, {n}] = accum(%matmul)
+    %div: f16[{m}, {n}] = div(%accum, %accum_rms)
+    out %div omap=[1, -, -]
+  }}
+  return %matmul
+}}"""
+
+
+def graph_text(m: int, blocks: int, n: int, k: int = 4096, forloop: int = 64) -> str:
+    return _TEXT.format(m=m, blocks=blocks, n=n, cols=n * blocks, k=k, forloop=forloop, kt=k // forloop)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda text: [int(v) for v in text.split(",")]   # noqa: E731
+    p.add_argument("--blocks", type=ints, default=[48, 66, 96, 120, 132])
+    p.add_argument("--rows", type=ints, default=[2, 16])
+    p.add_argument("--columns", type=ints, default=[64])
+    p.add_argument("--samples", type=int, default=30)
+    args = p.parse_args()
+
+    from mdsl.backend.cuda import autotune, runtime
+    from mdsl.backend.cuda.options import CudaOptions
+    from mdsl.ir.text import parse_graph
+
+    runtime.require_gpu("timing the skinny loop")
+    space = [CudaOptions(skinny=True, stagger=True, overlap=True),
+             CudaOptions(skinny=True, stagger=True, overlap=True, threads=256)]
+    print("| rows | blocks | columns a block | MB | own threads µs | 256 threads µs | best TB/s | GB/s an SM |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for m in args.rows:
+        for n in args.columns:
+            for blocks in args.blocks:
+                graph = parse_graph(graph_text(m, blocks, n))
+                result = autotune.autotune([graph], graph, space=space, samples=args.samples, cache=False)
+                times = {t.variant.options.threads: t.us for t in result.timings}
+                bytes_moved = 2 * (m * 4096 + 4096 * n * blocks + m * n * blocks)
+                best = min(t for t in times.values() if t is not None)
+                cells = [f"{times.get(t):.2f}" if times.get(t) is not None else "-" for t in (None, 256)]
+                print(f"| {m} | {blocks} | {n} | {bytes_moved / 1e6:.1f} | {cells[0]} | {cells[1]} | "
+                      f"{bytes_moved / best / 1e6:.2f} | {bytes_moved / blocks / best / 1e3:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
