@@ -6,7 +6,7 @@ streaming N columns over all of K (a row segment of 2 N bytes, rows 2 N blocks b
 timed as the autotuner times (rotated inputs past twice the L2, CUDA events, correctness first) with the
 kernel benchmark's picks (the skinny loop, staggered, overlapping its predecessor; own and 256 threads).
 
-    python3 benchmarks/skinny_scaling.py [--blocks 48,66,96,120,132] [--rows 2,16] [--columns 64,128]
+    python3 benchmarks/skinny_scaling.py [--blocks 48,66,96,120,132] [--rows 2,16] [--columns 64,128] [--lead 2]
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--rows", type=ints, default=[2, 16])
     p.add_argument("--columns", type=ints, default=[64])
     p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--lead", type=int, default=2, help="CudaOptions.lead: iterations the L2 prefetches run ahead")
     args = p.parse_args()
 
     from mdsl.backend.cuda import autotune, runtime
@@ -48,8 +49,8 @@ def main() -> int:
     from mdsl.ir.text import parse_graph
 
     runtime.require_gpu("timing the skinny loop")
-    space = [CudaOptions(skinny=True, stagger=True, overlap=True),
-             CudaOptions(skinny=True, stagger=True, overlap=True, threads=256)]
+    space = [CudaOptions(skinny=True, stagger=True, overlap=True, lead=args.lead),
+             CudaOptions(skinny=True, stagger=True, overlap=True, threads=256, lead=args.lead)]
     print("| rows | blocks | columns a block | MB | own threads µs | 256 threads µs | best TB/s | GB/s an SM |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in args.rows:

@@ -404,9 +404,10 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
 // that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
-// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads
+// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads. STRADDLE: a column group's
+// row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2>
+          int LEAD = 2, bool STRADDLE = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -475,14 +476,17 @@ struct Skinny {
   // the weight rows of the 2 STEP slabs first, first + KW, ... sent to L2 ahead of their loads (no registers
   // held: DRAM's bytes in flight do not depend on where ptxas schedules the loads, which then find the rows
   // in L2). Lane (g, t) takes rows 4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column
-  // (p: row 4t there): a group's row is at most 128 bytes, a line
+  // (p: row 4t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
     const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) prefetch_l2(p[mat] + (k + i) * LDW);
+      for (int i = 0; i < 4; ++i) {
+        prefetch_l2(p[mat] + (k + i) * LDW);
+        if constexpr (STRADDLE) prefetch_l2(p[mat] + (k + i) * LDW + GROUP * VEC - 1);
+      }
   }
 
   static __device__ __forceinline__ void multiply(Acc& acc, const Slab& s) {

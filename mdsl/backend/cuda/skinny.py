@@ -44,6 +44,7 @@ overlap the previous kernel's tail.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import attrs
@@ -53,7 +54,7 @@ from mdsl.backend.cuda.options import OVERLAP_MIN_ARCH
 from mdsl.backend.cuda.source import offset
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.ops import extend_op
-from mdsl.ir.skinny import MAX_ROWS, SkinnyShape, skinny_shape
+from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
 CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
@@ -134,7 +135,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
     cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
            f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}"
-           f"{_tail_arguments(skinny)}>")
+           f"{_tail_arguments(skinny, straddles(plan, parts[plan.weights[0]].strides[0]))}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     rank = None
@@ -188,12 +189,28 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
         w("__syncthreads();")
 
 
-def _tail_arguments(skinny: SkinnyPlan) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD), as far as they differ from the defaults
-    (so that the sources of plans without them stay as they were, and their cached kernels with them)."""
-    if skinny.lead != 2:
-        return f", {'true' if skinny.stagger else 'false'}, {skinny.lead}"
-    return ", true" if skinny.stagger else ""
+LINE = 128   # bytes of an L2 line: what one prefetch.global.L2 brings
+
+
+def straddles(shape: SkinnyShape, ldw: int, element_bytes: int = 2) -> bool:
+    """Whether a column group's row (the bytes a warp's lanes load from one row of a weight) may cross a
+    line: its start, over the blocks and groups, is a multiple of gcd(block's columns, group's columns,
+    row, line) bytes from a line (weights are line-aligned: device allocations are), so it crosses one where
+    that is less than its length (48 columns a block: 96 bytes at multiples of 32). Then the L2 prefetches
+    take its last element's line as well as its first."""
+    group = min(shape.chunks(), GROUP_CHUNKS) * shape.columns_per_load() * element_bytes
+    step = math.gcd(shape.n * element_bytes, group, ldw * element_bytes, LINE)
+    return group > step
+
+
+def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE), up to the last that differs
+    from its default (so that the sources of plans without them stay as they were, and their cached kernels)."""
+    tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
+            ("true" if straddle else "false", straddle)]
+    while tail and not tail[-1][1]:
+        tail.pop()
+    return "".join(f", {text}" for text, _ in tail)
 
 
 class _WarpSums:

@@ -29,7 +29,7 @@ import contextlib
 
 from llvmlite import ir
 
-from mdsl.backend.cuda.skinny import SkinnyPlan, scratch_bytes
+from mdsl.backend.cuda.skinny import SkinnyPlan, scratch_bytes, straddles
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
 from mdsl.backend.ptx.loops import SUM, SUM_OF_SQUARES
 from mdsl.ir.graph import BlockGraph
@@ -136,11 +136,14 @@ class SkinnyLoop:
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
         slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
         k = b.mul(self._walked(slab), i32(SLAB))
+        # a group's row crossing a line (straddles): its last element's line too
+        ends = (0, self.group * self.vec - 1) if straddles(self.shape, self.ldw) else (0,)
         for line in self.lines:
             row = self._at(line, b.mul(k, i32(self.ldw)))
             for i in range(4):
-                b.asm(ir.FunctionType(ir.VoidType(), [row.type]), "prefetch.global.L2 [$0];", "l",
-                      [self._at(row, i * self.ldw)], True)
+                for end in ends:
+                    b.asm(ir.FunctionType(ir.VoidType(), [row.type]), "prefetch.global.L2 [$0];", "l",
+                          [self._at(row, i * self.ldw + end)], True)
 
     # -- arithmetic
 

@@ -52,7 +52,8 @@ def skinny_programs() -> dict:
     """Programs whose first kernel takes the skinny loop (mdsl.backend.cuda.skinny): the benchmark plans of
     RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
     (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel
-    after), 5 rows of X over 65 slabs (the last slabs past the steady loop)."""
+    after), 5 rows of X over 65 slabs (the last slabs past the steady loop), 48 columns a block (rows of 96
+    bytes crossing lines: prefetches of both)."""
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
     from tests.gpu.harness import with_dtype
@@ -70,5 +71,6 @@ def skinny_programs() -> dict:
         "gated_mlp_split": _guided_with("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
         # 5 rows of X (a partial 8-row tile), K = 1040: 65 slabs of 16, not a whole number of a warp's steps
         "rms_norm_linear_5_rows_65_slabs": parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5)),
+        "rms_norm_linear_48_columns": parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16)),
     }
 

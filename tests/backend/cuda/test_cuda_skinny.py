@@ -299,3 +299,20 @@ def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spil
     assert CudaOptions.from_env({"MDSL_CUDA_LEAD": "4"}) == CudaOptions(lead=4)
     with pytest.raises(UnsupportedError, match="prefetch lead"):
         CudaOptions(lead=0)
+
+
+def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
+    """48 columns a block: 96-byte rows at multiples of 32 bytes cross lines; 64 (128 bytes at multiples of
+    128) and 32 (64 bytes in 8-byte loads, at multiples of 64) do not."""
+    from mdsl.backend.cuda.skinny import straddles
+    from mdsl.ir.skinny import skinny_shape
+    from mdsl.ir.text import parse_graph
+    from tests.ir.skinny_texts import rms_norm_linear
+
+    def crosses(n: int, blocks: int) -> bool:
+        graph = parse_graph(rms_norm_linear(16, n, blocks=blocks))
+        return straddles(skinny_shape(graph.custom_nodes()[0].body), n * blocks)
+
+    assert crosses(48, 128) and not crosses(64, 96) and not crosses(32, 192)
+    source = emit_cuda(parse_graph(rms_norm_linear(16, 48, blocks=128)), arch="sm_90a", options=SKINNY).source
+    assert re.search(r"mdsl::Skinny<[^>]*, false, 2, true>::run\(", source)
