@@ -202,7 +202,7 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
     qualify or its tiles and partial sums do not fit (a cluster's meeting area that does not fit: unsplit)."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
     plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap, options.stagger,
-                       options.lead)
+                       options.lead, options.stage_x)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)
@@ -210,7 +210,8 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
         memory = plan_memory(bg, schedule, layout, stages=1, in_registers=skinny_in_registers(bg, plan))
     except SharedMemoryError:
         return None
-    for fitting in dict.fromkeys((plan, attrs.evolve(plan, cluster=1))):
+    unstaged = attrs.evolve(plan, cluster=1, stage_x=False)   # the last resort: X's copy takes shared memory
+    for fitting in dict.fromkeys((plan, attrs.evolve(plan, cluster=1), unstaged)):
         lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=fitting, warps=bg.threads // 32)
         if lowered.smem_bytes <= SMEM_LIMIT_BYTES:
             return lowered

@@ -24,6 +24,10 @@ one without changing code:
                             so that the blocks do not read the same rows of X and the weights at the same moment
     MDSL_CUDA_LEAD=n        a skinny loop sends the weight slabs of the loop iteration n ahead to L2 (default 2;
                             the autotuner tries 2 and 4): the DRAM bytes in flight per SM, without registers
+    MDSL_CUDA_STAGE_X=1     a skinny loop (sm_90+) has X's rows copied into shared memory by the bulk-copy engine
+                            (cp.async.bulk, four parts, each completing an mbarrier) instead of loading its
+                            fragments from L2 at every slab: the SM's global requests are the weights' only
+                            (off by default; the autotuner tries both)
     MDSL_CUDA_OVERLAP=1     custom kernels (sm_90+) let the next kernel launch while they run and wait for the
                             previous one before touching memory (programmatic dependent launch, griddepcontrol);
                             a skinny kernel sends its first weight slabs to L2 before that wait: launch and
@@ -93,6 +97,7 @@ class CudaOptions:
     overlap: bool = False                  # custom kernels launched to overlap their predecessor (griddepcontrol)
     stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
     lead: int = attrs.field(default=2, validator=_check_lead)  # skinny loop iterations its L2 prefetches run ahead
+    stage_x: bool = False                  # a skinny loop's X copied into shared memory by bulk copies (sm_90+)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -111,7 +116,8 @@ class CudaOptions:
                    cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster),
                    overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
                    stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger),
-                   lead=_integer(env, "MDSL_CUDA_LEAD", default.lead))
+                   lead=_integer(env, "MDSL_CUDA_LEAD", default.lead),
+                   stage_x=_flag(env, "MDSL_CUDA_STAGE_X", default.stage_x))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

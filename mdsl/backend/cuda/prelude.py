@@ -396,6 +396,25 @@ __device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank
 __device__ __forceinline__ void cluster_store(unsigned address, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(address), "f"(v) : "memory");
 }
+// bulk copies (the copy engine, no registers or per-thread requests) into this block's shared memory, counted
+// by an mbarrier's transaction bytes: one thread initializes it and expects the bytes, any thread waits
+__device__ __forceinline__ unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(shared_address(bar)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(shared_address(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned phase) {
+  asm volatile("{\n .reg .pred done;\n waiting:\n"
+               " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               " @!done bra waiting;\n}\n" :: "r"(shared_address(bar)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
+}
 // programmatic dependent launch: the previous kernel of the stream has finished and its writes are visible
 // (returns at once for a kernel launched without the programmatic attribute); the next kernel may launch
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
@@ -405,9 +424,12 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
 // that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
 // iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads. STRADDLE: a column group's
-// row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines
+// row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines.
+// STAGE_X (sm_90+): X's rows are copied into shared memory by bulk copies in XPARTS parts of K, each
+// completing its own mbarrier, and the slabs read their X fragments there (a slab first waits for its
+// part): the block's global requests in the loop are the weights' only
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2, bool STRADDLE = false>
+          int LEAD = 2, bool STRADDLE = false, bool STAGE_X = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -418,6 +440,9 @@ struct Skinny {
   static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
   static constexpr int STEP = 16 / (VEC * MATS) > 0 ? 16 / (VEC * MATS) : 1;   // slabs a warp loads at once
   static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
+  static constexpr int XLD = K + 8;                 // a staged row of X (SkinnyPlan.staged_x_bytes)
+  static constexpr int XPARTS = SLABS % 4 == 0 ? 4 : 1;   // SkinnyPlan.x_parts
+  static constexpr int XPART = K / XPARTS;          // elements of a row in one part
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
   static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % 16 == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
   static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
@@ -444,10 +469,12 @@ struct Skinny {
     return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
   }
 
-  // a slab's loads from this thread's pointers (w: row 4t of its chunk; x: its rows of X at 4t); a slab
-  // past the end loads the last one again (its values unused): no predicates, no zeroing
+  // a slab's loads from this thread's pointers (w: row 4t of its chunk; x: its rows of X at 4t, in device
+  // memory or, STAGE_X, in shared memory once the slab's part has landed); a slab past the end loads the
+  // last one again (its values unused): no predicates, no zeroing
   template <bool CLAMP = true>
-  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
+  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab,
+                                              unsigned long long* parts) {
     const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
@@ -455,8 +482,38 @@ struct Skinny {
 #pragma unroll
       for (int i = 0; i < 4; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
     }
+    if constexpr (STAGE_X) {
+#if __CUDA_ARCH__ >= 900
+      mbarrier_wait(&parts[k / XPART], 0);
+#endif
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+      for (int mt = 0; mt < MT; ++mt) s.x[mt] = *reinterpret_cast<const uint2*>(x[mt] + k);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+    }
+  }
+
+  // STAGE_X: X's M rows of this block's K into `staged` (rows XLD apart), part by part in the order this
+  // block's walk reaches them, each part's copies completing its mbarrier. Every thread calls it (a barrier
+  // publishes the initialized mbarriers), after the wait for the previous kernel (it may have written X)
+  static __device__ __forceinline__ void stage_x(E* staged, unsigned long long* parts, const E* __restrict__ X) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < XPARTS; ++p) mbarrier_init(&parts[p], 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int first = walked(0) * 16 / XPART;
+      for (int q = 0; q < XPARTS; ++q) {
+        const int p = (first + q) % XPARTS;
+        mbarrier_expect_bytes(&parts[p], M * XPART * sizeof(E));
+        for (int r = 0; r < M; ++r)
+          bulk_copy_to_shared(staged + r * XLD + p * XPART, X + r * LDX + p * XPART, XPART * sizeof(E), &parts[p]);
+      }
+    }
+#endif
   }
 
   // lane (g, t)'s row 4t of its column group's first column in each weight (see `prefetch`)
@@ -533,8 +590,10 @@ struct Skinny {
 
   // acc = this warp's part of X W for each weight; fold(mt, x) sees every element x of X's rows mt * 8 + g
   // (g = lane / 4) in the block's K exactly once over the block (warps of the first column group only)
+  // (STAGE_X: X's fragments read from `staged`, each slab after its part's mbarrier in `parts`)
   template <typename F>
-  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold) {
+  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS],
+                                             const E* staged, unsigned long long* parts, F fold) {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
@@ -548,7 +607,10 @@ struct Skinny {
     const E* xs[MT];
     const E* ws[MATS];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xs[mt] = X + (mt * 8 + g < M ? mt * 8 + g : M - 1) * LDX + 4 * t;
+    for (int mt = 0; mt < MT; ++mt) {
+      const int row = mt * 8 + g < M ? mt * 8 + g : M - 1;
+      xs[mt] = STAGE_X ? staged + row * XLD + 4 * t : X + row * LDX + 4 * t;
+    }
     const E* lines[MATS];
     group_rows(lines, W);
 #pragma unroll
@@ -559,7 +621,7 @@ struct Skinny {
     // Each iteration also sends the slabs of the one LEAD ahead to L2 (those up to it went before).
     Slab a[STEP], b[STEP];
 #pragma unroll
-    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
+    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW, parts);
 #pragma unroll
     for (int ahead = 1; ahead < LEAD; ++ahead) prefetch(lines, kw + 2 * ahead * STEP * KW);
     int slab = kw;
@@ -567,15 +629,15 @@ struct Skinny {
     for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
       prefetch(lines, slab + 2 * LEAD * STEP * KW);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
+      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW, parts);   // within K
       step<true>(acc, a, slab, folds, fold);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
+      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW, parts);
       step<true>(acc, b, slab + STEP * KW, folds, fold);
     }
     if (slab < SLABS) {   // fewer than 2 STEP slabs left: a holds the first STEP of them
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
+      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW, parts);
       step<false>(acc, a, slab, folds, fold);
       step<false>(acc, b, slab + STEP * KW, folds, fold);
     }

@@ -58,6 +58,9 @@ from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
 CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
+STAGE_X_MIN_ARCH = 90  # cp.async.bulk and mbarrier transaction counts
+X_PAD = 8              # elements after each staged row of X (16 bytes: the quads' rows fall in other banks)
+X_PARTS = 4            # parts of the block's K, each copied under its own mbarrier
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
@@ -69,12 +72,23 @@ class SkinnyPlan:
     overlap: bool = False  # launched to overlap the previous kernel (programmatic dependent launch)
     stagger: bool = False  # each block walks its K from its own starting slab
     lead: int = 2          # loop iterations the L2 prefetches run ahead of the loads
+    stage_x: bool = False  # X's rows copied into shared memory by bulk copies before the loop (sm_90+)
 
     def part_row(self) -> int:
         """Floats between two rows of X in a warp's partial sums in shared memory: N + 1, odd, so that the
         lanes of a quad (rows 2t apart) store into different banks (N: 8 lanes, 1 bank, a 5.4-way conflict
         in ncu on the H200). The prelude's `Skinny::PART_LD` is the same."""
         return self.shape.n + 1
+
+    def x_parts(self) -> int:
+        """The staged X's parts (mdsl::Skinny::XPARTS): 4 where the block's K is 4 runs of whole slabs."""
+        return X_PARTS if (self.shape.k // self.cluster // 16) % X_PARTS == 0 else 1
+
+    def staged_x_bytes(self) -> int:
+        """Shared memory of the staged X (rows of K + X_PAD elements) and its parts' mbarriers; 0 unstaged."""
+        if not self.stage_x:
+            return 0
+        return -(-(self.shape.m * (self.shape.k // self.cluster + X_PAD) * 2) // 16) * 16 + 8 * self.x_parts()
 
     def slot_floats(self) -> int:
         """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
@@ -83,13 +97,15 @@ class SkinnyPlan:
 
 
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
-                overlap: bool = False, stagger: bool = False, lead: int = 2) -> Optional[SkinnyPlan]:
+                overlap: bool = False, stagger: bool = False, lead: int = 2,
+                stage_x: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
     weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
     clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
-    programmatic dependent launch (sm_90+); `stagger` and `lead` as asked."""
+    programmatic dependent launch (sm_90+); `stagger` and `lead` as asked; `stage_x` where the arch has bulk
+    copies (sm_90+) and X's rows and the block's K are whole 16-byte runs."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -105,7 +121,9 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead)
+    stage_x = stage_x and arch >= STAGE_X_MIN_ARCH and types[shape.x].shape[-1] % 8 == 0 and shape.k % 8 == 0
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead,
+                      stage_x)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -116,12 +134,14 @@ def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:
-    """Shared memory after the memory plan's: each warp's partial sums, each row accumulator's per warp;
-    in a cluster, then the meeting area (one slot of `slot_floats` per block of the cluster)."""
+    """Shared memory after the memory plan's: the staged X (`staged_x_bytes`), then each warp's partial
+    sums, each row accumulator's per warp; in a cluster, then the meeting area (one slot of `slot_floats`
+    per block of the cluster)."""
     shape = plan.shape
     kw = warps // shape.groups()
     meeting = plan.cluster * plan.slot_floats() if plan.cluster > 1 else 0
-    return 4 * (len(shape.weights) * kw * shape.m * plan.part_row() + len(shape.rows) * warps * MAX_ROWS + meeting)
+    return plan.staged_x_bytes() + 4 * (len(shape.weights) * kw * shape.m * plan.part_row()
+                                        + len(shape.rows) * warps * MAX_ROWS + meeting)
 
 
 def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
@@ -149,19 +169,28 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     for i in plan.rows:
         bg.nodes[i].opdef.rules["cuda"].init(b, bg.nodes[i])
     part = b.namer("s_skinny_part")
-    w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
+    staged_x, x_bars = "nullptr", "nullptr"
+    if skinny.stage_x:
+        staged_x, x_bars = b.namer("s_skinny_x"), b.namer("s_skinny_x_parts")
+        bars_at = skinny.staged_x_bytes() - 8 * skinny.x_parts()
+        w(f"{skinny.element}* const {staged_x} = reinterpret_cast<{skinny.element}*>(smem + {scratch_offset});",
+          f"unsigned long long* const {x_bars} = reinterpret_cast<unsigned long long*>(smem + "
+          f"{scratch_offset + bars_at});")
+    w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset + skinny.staged_x_bytes()});")
     w(f"const {skinny.element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
       f"{cls}::Acc skinny_acc;")
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
         w(f"{cls}::prefetch_start(skinny_w);   // changes no value: may run before the previous kernel ends",
           "mdsl::wait_for_previous_kernel();   // its writes are visible from here on",
           "mdsl::let_next_kernel_launch();")
+    if skinny.stage_x:   # after the wait: the previous kernel may have written X
+        w(f"{cls}::stage_x({staged_x}, {x_bars}, {x_ptr});   // X into shared memory: bulk copies, in parts")
     folds = [b.namer(f"p_{bg.nodes[i].output.name}") for i in plan.rows]
     mt = -(-plan.m // 8)
     for name, i in zip(folds, plan.rows):
         identity = bg.nodes[i].opdef.rules["cuda_skinny"].fold.identity
         w(f"float {name}[{mt}] = {{{', '.join([identity] * mt)}}};")
-    with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, [&](int mt, float x)"):
+    with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, {staged_x}, {x_bars}, [&](int mt, float x)"):
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {bg.nodes[i].opdef.rules['cuda_skinny'].fold.step}; }}")
     w(");", f"{cls}::store_part(skinny_acc, {part});")
@@ -204,10 +233,11 @@ def straddles(shape: SkinnyShape, ldw: int, element_bytes: int = 2) -> bool:
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE), up to the last that differs
-    from its default (so that the sources of plans without them stay as they were, and their cached kernels)."""
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, STAGE_X), up to the last that
+    differs from its default (so that the sources of plans without them stay as they were, and their cached
+    kernels)."""
     tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
-            ("true" if straddle else "false", straddle)]
+            ("true" if straddle else "false", straddle), ("true" if skinny.stage_x else "false", skinny.stage_x)]
     while tail and not tail[-1][1]:
         tail.pop()
     return "".join(f", {text}" for text, _ in tail)

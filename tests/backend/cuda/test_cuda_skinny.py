@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import re
 
+import attrs
+
 import pytest
 
 from mdsl.backend.cuda import autotune, emit_cuda
@@ -110,7 +112,8 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    skinny_kinds = len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
+    skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
+                    * len(autotune.STAGE_X))
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
@@ -118,13 +121,14 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead)
-                  for v in tried if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o, g, d) for t in autotune.THREADS for c in autotune.CLUSTERS for o in autotune.OVERLAP
-                          for g in autotune.STAGGER for d in autotune.LEADS}
+        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead,
+                   v.options.stage_x) for v in tried if v.candidate == k and v.options.skinny}
+        assert skinny == {(t, c, o, g, d, x) for t in autotune.THREADS for c in autotune.CLUSTERS
+                          for o in autotune.OVERLAP for g in autotune.STAGGER for d in autotune.LEADS
+                          for x in autotune.STAGE_X}
     # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
-    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead) for v in tried
-            if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2)}
+    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead, v.options.stage_x) for v in tried
+            if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2, False)}
 
 
 def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
@@ -316,3 +320,40 @@ def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
     assert crosses(48, 128) and not crosses(64, 96) and not crosses(32, 192)
     source = emit_cuda(parse_graph(rms_norm_linear(16, 48, blocks=128)), arch="sm_90a", options=SKINNY).source
     assert re.search(r"mdsl::Skinny<[^>]*, false, 2, true>::run\(", source)
+
+
+# ---- X staged in shared memory by bulk copies (CudaOptions.stage_x)
+
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns", "gated_mlp",
+                                  "rms_norm_linear_5_rows_65_slabs"])
+def test_a_staged_x_is_copied_in_parts_by_the_bulk_copy_engine(name):
+    """stage_x: the block's X rows (K + 8 elements apart) in shared memory before the partial sums, copied
+    by cp.async.bulk under one mbarrier a part (4 parts where K is 4 runs of whole slabs, else 1; 65 slabs:
+    1), after the wait for the previous kernel; the loop reads X's fragments from shared memory, so its
+    global loads are the weights' only. No spills; sm_80 has no bulk copies: unstaged."""
+    from mdsl.backend.cuda.skinny import skinny_plan   # noqa: F401 (the plan's arithmetic is what is checked)
+    graph = skinny_programs()[name]
+    options = CudaOptions(skinny=True, overlap=True, stage_x=True)
+    plain, program = emit_cuda(graph, arch="sm_90a", options=attrs.evolve(options, stage_x=False)), \
+        emit_cuda(graph, arch="sm_90a", options=options)
+    _, lowered = _lowered(graph, options)
+    plan = lowered.skinny
+    assert plan.stage_x and plan.x_parts() == (1 if "65_slabs" in name else 4)
+    k = plan.shape.k
+    staged = -(-(plan.shape.m * (k + 8) * 2) // 16) * 16 + 8 * plan.x_parts()
+    assert program.launches[0].smem_bytes == plain.launches[0].smem_bytes + staged
+    kernel = program.source[program.source.index("extern \"C\" __global__"):]
+    assert kernel.index("mdsl::wait_for_previous_kernel()") < kernel.index("::stage_x(")
+    assert re.search(r"mdsl::Skinny<[^>]*, true>::run\(", kernel)
+    module = compile_cuda(program.source, arch="sm_90a")
+    first = module.resources[program.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.stack_bytes == 0, module.log
+    if nvdisasm_path() is not None:
+        ops = sass_opcodes(disassemble(module.cubin))
+        assert ops.get("UBLKCP", 0) >= 1 and ops.get("SYNCS", 0) >= 1
+        mats = len(plan.shape.weights)
+        plain_sass = sass_opcodes(disassemble(compile_cuda(plain.source, arch="sm_90a").cubin))
+        assert ops.get("LDG", 0) < plain_sass.get("LDG", 0)   # X's fragment loads gone
+        assert ops.get("LDG", 0) >= 2 * 4 * mats
+    assert "stage_x" not in emit_cuda(graph, arch="sm_80", options=options).source.split("extern \"C\" __global__")[1]
+    assert CudaOptions.from_env({"MDSL_CUDA_STAGE_X": "1"}) == CudaOptions(stage_x=True)
