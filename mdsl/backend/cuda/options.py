@@ -23,7 +23,7 @@ one without changing code:
     MDSL_CUDA_STAGGER=1     each block of a skinny loop walks its K from its own starting slab (wrapping around),
                             so that the blocks do not read the same rows of X and the weights at the same moment
     MDSL_CUDA_LEAD=n        a skinny loop sends the weight slabs of the loop iteration n ahead to L2 (default 2;
-                            the autotuner tries 2 and 4): the DRAM bytes in flight per SM, without registers
+                            0: no L2 prefetches): the DRAM bytes in flight per SM, without registers
     MDSL_CUDA_STAGE_X=1     a skinny loop (sm_90+) has X's rows copied into shared memory by the bulk-copy engine
                             (cp.async.bulk, four parts, each completing an mbarrier) instead of loading its
                             fragments from L2 at every slab: the SM's global requests are the weights' only
@@ -77,9 +77,9 @@ def _check_cluster(instance, attribute, value: int) -> None:
 
 
 def _check_lead(instance, attribute, value: int) -> None:
-    if not 1 <= value <= MAX_LEAD:
-        raise UnsupportedError(f"an L2 prefetch lead of {value} iterations: use 1 to {MAX_LEAD}",
-                               hint=f"set MDSL_CUDA_LEAD (or CudaOptions.lead) between 1 and {MAX_LEAD}")
+    if not 0 <= value <= MAX_LEAD:
+        raise UnsupportedError(f"an L2 prefetch lead of {value} iterations: use 0 (no prefetches) to {MAX_LEAD}",
+                               hint=f"set MDSL_CUDA_LEAD (or CudaOptions.lead) between 0 and {MAX_LEAD}")
 
 
 @attrs.frozen

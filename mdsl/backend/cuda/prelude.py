@@ -423,7 +423,7 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
 // that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
-// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads. STRADDLE: a column group's
+// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads (0: none). STRADDLE: a column group's
 // row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines.
 // STAGE_X (sm_90+): X's rows are copied into shared memory by bulk copies in XPARTS parts of K, each
 // completing its own mbarrier, and the slabs read their X fragments there (a slab first waits for its
@@ -535,6 +535,7 @@ struct Skinny {
   // in L2). Lane (g, t) takes rows 4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column
   // (p: row 4t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
+    if constexpr (LEAD == 0) return;   // no L2 prefetches: the register buffers' loads alone
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
     const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16;
 #pragma unroll
@@ -627,7 +628,7 @@ struct Skinny {
     int slab = kw;
 #pragma unroll 1
     for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
-      prefetch(lines, slab + 2 * LEAD * STEP * KW);
+      prefetch(lines, slab + 2 * (LEAD > 0 ? LEAD : 1) * STEP * KW);
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW, parts);   // within K
       step<true>(acc, a, slab, folds, fold);

@@ -133,6 +133,8 @@ class SkinnyLoop:
         """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
         4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column (a line)."""
         fn, b = self.fn, self.fn.b
+        if self.skinny.lead == 0:   # no L2 prefetches (CudaOptions.lead 0)
+            return
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
         slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
         k = b.mul(self._walked(slab), i32(SLAB))
