@@ -22,24 +22,27 @@ from tests.ir.skinny_texts import rms_norm_linear
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, cluster, overlap, stagger, lead, stage_x", [
-    (None, 1, False, False, 2, False), (256, 1, False, False, 2, False), (None, 2, False, False, 2, False),
-    (None, 4, False, False, 2, False), (None, 1, True, False, 2, False), (None, 4, True, False, 2, False),
-    (None, 1, False, True, 2, False), (256, 1, True, True, 2, False), (None, 1, True, True, 4, False),
-    (256, 1, False, False, 4, False), (None, 1, False, False, 2, True), (256, 1, True, True, 2, True),
-    (None, 2, True, True, 2, True)])
+@pytest.mark.parametrize("threads, cluster, overlap, stagger, lead, stage_x, wide_x", [
+    (None, 1, False, False, 2, False, False), (256, 1, False, False, 2, False, False),
+    (None, 2, False, False, 2, False, False), (None, 4, False, False, 2, False, False),
+    (None, 1, True, False, 2, False, False), (None, 4, True, False, 2, False, False),
+    (None, 1, False, True, 2, False, False), (256, 1, True, True, 2, False, False),
+    (None, 1, True, True, 4, False, False), (256, 1, False, False, 0, False, False),
+    (None, 1, False, False, 2, True, False), (256, 1, True, True, 2, True, False),
+    (None, 2, True, True, 2, True, False), (None, 1, True, True, 2, False, True),
+    (256, 1, True, True, 0, False, True), (None, 2, False, True, 2, True, True)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
-def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger, lead, stage_x):
+def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger, lead, stage_x, wide_x):
     graph = skinny_programs()[name]
     what = (f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}, "
-            f"staggered {stagger}, L2 prefetch lead {lead}, X staged {stage_x}")
+            f"staggered {stagger}, L2 prefetch lead {lead}, X staged {stage_x}, wide X {wide_x}")
     test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + \
         (":overlap" if overlap else "") + (":stagger" if stagger else "") + (f":lead {lead}" if lead != 2 else "") + \
-        (":stage_x" if stage_x else "")
+        (":stage_x" if stage_x else "") + (":wide_x" if wide_x else "")
     inputs = random_inputs(graph, rng_for(test_id))
     want = reference(graph, inputs)
     options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead,
-                          stage_x=stage_x)
+                          stage_x=stage_x, wide_x=wide_x)
     executable = runtime.compile_graph(graph, options=options)
     source = executable.program.source
     assert "::run(skinny_acc" in source, f"{what}: the skinny loop was not taken"
@@ -106,6 +109,6 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())
     skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
-                    * len(autotune.STAGE_X))
+                    * len(autotune.STAGE_X) * len(autotune.WIDE_X))
     assert len(result.timings) == 1 + skinny_kinds, report   # the tile loop; each skinny one
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed

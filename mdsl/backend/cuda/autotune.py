@@ -49,10 +49,14 @@ SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, sk
 CLUSTERS = SKINNY_CLUSTERS         # the skinny loop's K split over a thread-block cluster (sm_90+), where it fits
 OVERLAP = (False, True)             # custom kernels launched to overlap their predecessors (sm_90+), with the skinny options
 STAGGER = (False, True)             # the skinny loop's blocks walking K from staggered slabs
-# loop iterations the skinny loop's L2 prefetches run ahead of its loads: 4 was slower than 2 in every case on the
-# H200 (seventh session: rms_norm_linear_bs8 20.4 against 19.1 us), so the autotuner keeps 2 (the option stays)
-LEADS = (2,)
-STAGE_X = (False, True)             # the skinny loop's X staged in shared memory by bulk copies (sm_90+)
+# loop iterations the skinny loop's L2 prefetches run ahead of its loads (0: none). On the H200 (seventh
+# session) 4 was slower than 2 in every case (rms_norm_linear_bs8 20.4 against 19.1 us); none was faster with 8
+# warps a block at batch 1 (16.6 against 17.4 us) and slower with 4
+LEADS = (2, 0)
+# X staged in shared memory by bulk copies (sm_90+): slower in every case on the H200 (seventh session:
+# rms_norm_linear_bs8 21.5 against 19.1 us; every block copies X at the start), so not tried (the option stays)
+STAGE_X = (False,)
+WIDE_X = (False, True)              # the skinny loop's steps of two slabs, X's fragments in 16-byte loads
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -76,6 +80,8 @@ class Variant:
             loop += f" (L2 prefetch {o.lead} iterations ahead)"
         if o.skinny and o.stage_x:
             loop += " (X staged in shared memory)"
+        if o.skinny and o.wide_x:
+            loop += " (X in 16-byte loads)"
         if o.overlap:
             loop += ", overlapping its predecessor"
         return f"candidate {self.candidate}{name}, {loop}, {threads}"
@@ -166,7 +172,8 @@ def describe_grid(graph: KernelGraph) -> str:
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
                     skinny: Optional[Sequence[bool]] = None, clusters: Sequence[int] = CLUSTERS,
                     overlap: Sequence[bool] = OVERLAP, stagger: Sequence[bool] = STAGGER,
-                    leads: Sequence[int] = LEADS, stage_x: Sequence[bool] = STAGE_X) -> list:
+                    leads: Sequence[int] = LEADS, stage_x: Sequence[bool] = STAGE_X,
+                    wide_x: Sequence[bool] = WIDE_X) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
@@ -176,15 +183,17 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
     to overlap its predecessor: programmatic dependent launch, sm_90+; so a graph without a skinny loop
     gets its tile loop timed overlapping too, and no more), each of `stagger`, each of `leads` (how
     many loop iterations ahead its weight slabs are sent to L2) and each of `stage_x` (X copied into shared
-    memory by the bulk-copy engine; where that does not apply the source repeats and is dropped).
+    memory by the bulk-copy engine; where that does not apply the source repeats and is dropped) and of
+    `wide_x` (steps of two slabs, X's fragments in 16-byte loads; likewise).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
         skinny = (False,) if switched_off else SKINNY
-    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c, overlap=o, stagger=g, lead=d, stage_x=x)
+    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c, overlap=o, stagger=g, lead=d, stage_x=x, wide_x=v)
             for k in skinny for c in (clusters if k else (1,)) for o in (overlap if k else (False,))
             for g in (stagger if k else (False,)) for d in (leads if k else (2,))
-            for x in (stage_x if k else (False,)) for t in threads for s in stages]
+            for x in (stage_x if k else (False,)) for v in (wide_x if k else (False,))
+            for t in threads for s in stages]
 
 
 def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",

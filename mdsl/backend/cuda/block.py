@@ -202,7 +202,7 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
     qualify or its tiles and partial sums do not fit (a cluster's meeting area that does not fit: unsplit)."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
     plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap, options.stagger,
-                       options.lead, options.stage_x)
+                       options.lead, options.stage_x, options.wide_x)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)

@@ -28,6 +28,9 @@ one without changing code:
                             (cp.async.bulk, four parts, each completing an mbarrier) instead of loading its
                             fragments from L2 at every slab: the SM's global requests are the weights' only
                             (off by default; the autotuner tries both)
+    MDSL_CUDA_WIDE_X=1      a skinny loop's warps step over two slabs of K at once, lane t's mma rows 8t .. 8t + 7,
+                            so that X's fragments of both come in one 16-byte load (each X load touches one line
+                            per row of X: half the lines, half the loads)
     MDSL_CUDA_OVERLAP=1     custom kernels (sm_90+) let the next kernel launch while they run and wait for the
                             previous one before touching memory (programmatic dependent launch, griddepcontrol);
                             a skinny kernel sends its first weight slabs to L2 before that wait: launch and
@@ -98,6 +101,7 @@ class CudaOptions:
     stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
     lead: int = attrs.field(default=2, validator=_check_lead)  # skinny loop iterations its L2 prefetches run ahead
     stage_x: bool = False                  # a skinny loop's X copied into shared memory by bulk copies (sm_90+)
+    wide_x: bool = False                   # a skinny loop's steps of two slabs, X's fragments in 16-byte loads
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -117,7 +121,8 @@ class CudaOptions:
                    overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
                    stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger),
                    lead=_integer(env, "MDSL_CUDA_LEAD", default.lead),
-                   stage_x=_flag(env, "MDSL_CUDA_STAGE_X", default.stage_x))
+                   stage_x=_flag(env, "MDSL_CUDA_STAGE_X", default.stage_x),
+                   wide_x=_flag(env, "MDSL_CUDA_WIDE_X", default.wide_x))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -427,31 +427,37 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 // row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines.
 // STAGE_X (sm_90+): X's rows are copied into shared memory by bulk copies in XPARTS parts of K, each
 // completing its own mbarrier, and the slabs read their X fragments there (a slab first waits for its
-// part): the block's global requests in the loop are the weights' only
+// part): the block's global requests in the loop are the weights' only. WIDE_X: a step ("slab" below) is
+// two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
+// second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
+// instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2, bool STRADDLE = false, bool STAGE_X = false>
+          int LEAD = 2, bool STRADDLE = false, bool STAGE_X = false, bool WIDE_X = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
   static constexpr int GROUP = CHUNKS < 8 ? CHUNKS : 8;
   static constexpr int GROUPS = CHUNKS / GROUP;     // column groups, one per warp
   static constexpr int KW = WARPS / GROUPS;         // warps along K
-  static constexpr int SLABS = K / 16;
+  static constexpr int SPAN = WIDE_X ? 2 : 1;       // 16-row slabs of K in one step of a warp
+  static constexpr int ROWS = 4 * SPAN;             // rows of a step each lane loads, from row ROWS t
+  static constexpr int SLABS = K / (16 * SPAN);     // steps of the block's K
   static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
-  static constexpr int STEP = 16 / (VEC * MATS) > 0 ? 16 / (VEC * MATS) : 1;   // slabs a warp loads at once
+  static constexpr int STEP = 16 / (VEC * MATS * SPAN) > 0 ? 16 / (VEC * MATS * SPAN) : 1;   // steps a warp loads at once
   static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
   static constexpr int XLD = K + 8;                 // a staged row of X (SkinnyPlan.staged_x_bytes)
   static constexpr int XPARTS = SLABS % 4 == 0 ? 4 : 1;   // SkinnyPlan.x_parts
   static constexpr int XPART = K / XPARTS;          // elements of a row in one part
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
-  static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % 16 == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
+  static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
+  static_assert(!WIDE_X || LDX % 8 == 0, "skinny: rows of X aligned to 16 bytes for WIDE_X");
   static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
   static_assert(LDW % VEC == 0 && LDX % 4 == 0, "skinny: rows of W aligned to a load, of X to 8 bytes");
   using Acc = float[MATS][MT][WORDS][4];   // [weight][X tile][mma j][fragment element]
 
   struct Slab {
-    unsigned w[MATS][4][WORDS];
-    uint2 x[MT];
+    unsigned w[MATS][ROWS][WORDS];
+    unsigned x[MT][2 * SPAN];   // X's row fragments: 4 (WIDE_X: 8) elements
   };
 
   // the slab of K the walk's slab-th step reads (STAGGER: this block's walk starts part of the way in)
@@ -475,22 +481,33 @@ struct Skinny {
   template <bool CLAMP = true>
   static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab,
                                               unsigned long long* parts) {
-    const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16;
+    const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16 * SPAN;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
       const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
+      for (int i = 0; i < ROWS; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
     }
     if constexpr (STAGE_X) {
 #if __CUDA_ARCH__ >= 900
       mbarrier_wait(&parts[k / XPART], 0);
 #endif
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) s.x[mt] = *reinterpret_cast<const uint2*>(x[mt] + k);
+      for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k, false);
     } else {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) s.x[mt] = __ldg(reinterpret_cast<const uint2*>(x[mt] + k));
+      for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k, true);
+    }
+  }
+
+  // a row fragment of X: 8 bytes, or 16 (WIDE_X), from device memory (read-only path) or shared memory
+  static __device__ __forceinline__ void load_x(unsigned (&to)[2 * SPAN], const E* from, bool global) {
+    if constexpr (WIDE_X) {
+      const uint4 v = global ? __ldg(reinterpret_cast<const uint4*>(from)) : *reinterpret_cast<const uint4*>(from);
+      to[0] = v.x; to[1] = v.y; to[2] = v.z; to[3] = v.w;
+    } else {
+      const uint2 v = global ? __ldg(reinterpret_cast<const uint2*>(from)) : *reinterpret_cast<const uint2*>(from);
+      to[0] = v.x; to[1] = v.y;
     }
   }
 
@@ -505,7 +522,7 @@ struct Skinny {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      const int first = walked(0) * 16 / XPART;
+      const int first = walked(0) * 16 * SPAN / XPART;
       for (int q = 0; q < XPARTS; ++q) {
         const int p = (first + q) % XPARTS;
         mbarrier_expect_bytes(&parts[p], M * XPART * sizeof(E));
@@ -519,7 +536,7 @@ struct Skinny {
   // lane (g, t)'s row 4t of its column group's first column in each weight (see `prefetch`)
   static __device__ __forceinline__ void group_rows(const E* (&lines)[MATS], const E* const (&W)[MATS]) {
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) lines[mat] = W[mat] + 4 * (threadIdx.x % 4) * LDW + (threadIdx.x / 32) % GROUPS * GROUP * VEC;
+    for (int mat = 0; mat < MATS; ++mat) lines[mat] = W[mat] + ROWS * (threadIdx.x % 4) * LDW + (threadIdx.x / 32) % GROUPS * GROUP * VEC;
   }
 
   // the slabs of this warp's first two register buffers sent to L2: a prefetch changes no value, so it may
@@ -537,11 +554,11 @@ struct Skinny {
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
     if constexpr (LEAD == 0) return;   // no L2 prefetches: the register buffers' loads alone
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
-    const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16;
+    const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16 * SPAN;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < ROWS; ++i) {
         prefetch_l2(p[mat] + (k + i) * LDW);
         if constexpr (STRADDLE) prefetch_l2(p[mat] + (k + i) * LDW + GROUP * VEC - 1);
       }
@@ -551,14 +568,17 @@ struct Skinny {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
+      for (int h = 0; h < SPAN; ++h)   // WIDE_X: the step's two slabs, rows 4h .. 4h + 3 of the lane's
+#pragma unroll
       for (int j = 0; j < WORDS; ++j) {
-        const unsigned a[4] = {__byte_perm(s.w[mat][0][j], s.w[mat][1][j], 0x5410),
-                               __byte_perm(s.w[mat][0][j], s.w[mat][1][j], 0x7632),
-                               __byte_perm(s.w[mat][2][j], s.w[mat][3][j], 0x5410),
-                               __byte_perm(s.w[mat][2][j], s.w[mat][3][j], 0x7632)};
+        const unsigned (&w)[ROWS][WORDS] = s.w[mat];
+        const unsigned a[4] = {__byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x5410),
+                               __byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x7632),
+                               __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x5410),
+                               __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x7632)};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const unsigned b[2] = {s.x[mt].x, s.x[mt].y};   // rows past M: a copy of row M - 1, never stored
+          const unsigned b[2] = {s.x[mt][2 * h], s.x[mt][2 * h + 1]};   // rows past M: a copy of row M - 1, never stored
           Mma<E>::run(acc[mat][mt][j], a, b);
         }
       }
@@ -573,8 +593,11 @@ struct Skinny {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt * 8 + g < M) {
-          const float2 lo = unpack<E>(s.x[mt].x), hi = unpack<E>(s.x[mt].y);
-          fold(mt, lo.x); fold(mt, lo.y); fold(mt, hi.x); fold(mt, hi.y);
+#pragma unroll
+          for (int word = 0; word < 2 * SPAN; ++word) {
+            const float2 v = unpack<E>(s.x[mt][word]);
+            fold(mt, v.x); fold(mt, v.y);
+          }
         }
       }
     }
@@ -610,12 +633,12 @@ struct Skinny {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int row = mt * 8 + g < M ? mt * 8 + g : M - 1;
-      xs[mt] = STAGE_X ? staged + row * XLD + 4 * t : X + row * LDX + 4 * t;
+      xs[mt] = STAGE_X ? staged + row * XLD + ROWS * t : X + row * LDX + ROWS * t;
     }
     const E* lines[MATS];
     group_rows(lines, W);
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + 4 * t * LDW + chunk() * VEC;
+    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + ROWS * t * LDW + chunk() * VEC;
     // two register buffers in turn: one's loads in flight while the other's mmas run. The steady state
     // has no branch (every slab of both buffers exists), so that the loads stay where they are written
     // (ptxas sank them below branchy mma blocks, next to their use); the last slabs follow, each checked

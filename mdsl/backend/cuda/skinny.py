@@ -73,6 +73,7 @@ class SkinnyPlan:
     stagger: bool = False  # each block walks its K from its own starting slab
     lead: int = 2          # loop iterations the L2 prefetches run ahead of the loads
     stage_x: bool = False  # X's rows copied into shared memory by bulk copies before the loop (sm_90+)
+    wide_x: bool = False   # a warp's step is two slabs, X's fragments of both in one 16-byte load
 
     def part_row(self) -> int:
         """Floats between two rows of X in a warp's partial sums in shared memory: N + 1, odd, so that the
@@ -82,7 +83,7 @@ class SkinnyPlan:
 
     def x_parts(self) -> int:
         """The staged X's parts (mdsl::Skinny::XPARTS): 4 where the block's K is 4 runs of whole slabs."""
-        return X_PARTS if (self.shape.k // self.cluster // 16) % X_PARTS == 0 else 1
+        return X_PARTS if (self.shape.k // self.cluster // (32 if self.wide_x else 16)) % X_PARTS == 0 else 1
 
     def staged_x_bytes(self) -> int:
         """Shared memory of the staged X (rows of K + X_PAD elements) and its parts' mbarriers; 0 unstaged."""
@@ -98,14 +99,15 @@ class SkinnyPlan:
 
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
                 overlap: bool = False, stagger: bool = False, lead: int = 2,
-                stage_x: bool = False) -> Optional[SkinnyPlan]:
+                stage_x: bool = False, wide_x: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
     weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
     clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
     programmatic dependent launch (sm_90+); `stagger` and `lead` as asked; `stage_x` where the arch has bulk
-    copies (sm_90+) and X's rows and the block's K are whole 16-byte runs."""
+    copies (sm_90+) and X's rows and the block's K are whole 16-byte runs; `wide_x` where X's rows are 16-byte
+    aligned and the K each block streams is whole pairs of slabs."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -122,8 +124,9 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
     if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
         cluster = 1
     stage_x = stage_x and arch >= STAGE_X_MIN_ARCH and types[shape.x].shape[-1] % 8 == 0 and shape.k % 8 == 0
+    wide_x = wide_x and types[shape.x].shape[-1] % 8 == 0 and (shape.k // cluster) % (2 * 16) == 0
     return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead,
-                      stage_x)
+                      stage_x, wide_x)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -233,11 +236,12 @@ def straddles(shape: SkinnyShape, ldw: int, element_bytes: int = 2) -> bool:
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, STAGE_X), up to the last that
-    differs from its default (so that the sources of plans without them stay as they were, and their cached
-    kernels)."""
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, STAGE_X, WIDE_X), up to the last
+    that differs from its default (so that the sources of plans without them stay as they were, and their
+    cached kernels)."""
     tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
-            ("true" if straddle else "false", straddle), ("true" if skinny.stage_x else "false", skinny.stage_x)]
+            ("true" if straddle else "false", straddle), ("true" if skinny.stage_x else "false", skinny.stage_x),
+            ("true" if skinny.wide_x else "false", skinny.wide_x)]
     while tail and not tail[-1][1]:
         tail.pop()
     return "".join(f", {text}" for text, _ in tail)

@@ -19,7 +19,8 @@ def test_the_parameter_space_crosses_depths_and_block_sizes():
     assert space == [CudaOptions(stages=2), CudaOptions(stages=3), CudaOptions(stages=2, threads=128),
                      CudaOptions(stages=3, threads=128)]
     assert all(o.mma and o.register_accumulators for o in parameter_space())
-    assert len(parameter_space()) == len(autotune.STAGES) * len(autotune.THREADS) * (1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS) * len(autotune.STAGE_X))
+    assert len(parameter_space()) == len(autotune.STAGES) * len(autotune.THREADS) * (1 + len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS) * len(autotune.STAGE_X)
+                                                                                * len(autotune.WIDE_X))
 
 
 def test_variants_that_emit_the_same_source_are_timed_once():

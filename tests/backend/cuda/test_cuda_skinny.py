@@ -113,7 +113,7 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
     skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
-                    * len(autotune.STAGE_X))
+                    * len(autotune.STAGE_X) * len(autotune.WIDE_X))
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
@@ -122,13 +122,13 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
         skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead,
-                   v.options.stage_x) for v in tried if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o, g, d, x) for t in autotune.THREADS for c in autotune.CLUSTERS
+                   v.options.stage_x, v.options.wide_x) for v in tried if v.candidate == k and v.options.skinny}
+        assert skinny == {(t, c, o, g, d, x, y) for t in autotune.THREADS for c in autotune.CLUSTERS
                           for o in autotune.OVERLAP for g in autotune.STAGGER for d in autotune.LEADS
-                          for x in autotune.STAGE_X}
+                          for x in autotune.STAGE_X for y in autotune.WIDE_X}
     # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
-    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead, v.options.stage_x) for v in tried
-            if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2, False)}
+    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead, v.options.stage_x,
+             v.options.wide_x) for v in tried if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2, False, False)}
 
 
 def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
