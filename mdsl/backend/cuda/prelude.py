@@ -544,15 +544,16 @@ struct Skinny {
   static __device__ __forceinline__ void prefetch_start(const E* const (&W)[MATS]) {
     const E* lines[MATS];
     group_rows(lines, W);
-    prefetch(lines, threadIdx.x / 32 / GROUPS);
+    prefetch<true>(lines, threadIdx.x / 32 / GROUPS);   // also at LEAD 0: the start is what overlaps
   }
 
   // the weight rows of the 2 STEP slabs first, first + KW, ... sent to L2 ahead of their loads (no registers
   // held: DRAM's bytes in flight do not depend on where ptxas schedules the loads, which then find the rows
   // in L2). Lane (g, t) takes rows 4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column
   // (p: row 4t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
+  template <bool START = false>
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
-    if constexpr (LEAD == 0) return;   // no L2 prefetches: the register buffers' loads alone
+    if constexpr (LEAD == 0 && !START) return;   // no L2 prefetches in the loop: the register buffers' loads alone
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
     const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16 * SPAN;
 #pragma unroll

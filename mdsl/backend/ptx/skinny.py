@@ -129,11 +129,11 @@ class SkinnyLoop:
             x.append((b.extract_element(pair, i32(0)), b.extract_element(pair, i32(1))))
         return w, x
 
-    def prefetch(self, first) -> None:
+    def prefetch(self, first, start: bool = False) -> None:
         """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
         4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column (a line)."""
         fn, b = self.fn, self.fn.b
-        if self.skinny.lead == 0:   # no L2 prefetches (CudaOptions.lead 0)
+        if self.skinny.lead == 0 and not start:   # no L2 prefetches in the loop (CudaOptions.lead 0)
             return
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
         slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
@@ -290,7 +290,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     row_folds = [bg.nodes[i].opdef.rules["ptx_skinny"] for i in shape.rows]
     folds = [(fold, [fn.var(f32(fold.identity)) for _ in range(mt_tiles)]) for fold in row_folds]
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
-        loop.prefetch(loop.kw)   # the warp's first two register buffers' slabs: changes no value
+        loop.prefetch(loop.kw, start=True)   # the warp's first two register buffers' slabs: changes no value
         fn.wait_for_previous_kernel()   # its writes are visible from here on
         fn.let_next_kernel_launch()
     loop.run(acc, folds)
