@@ -303,9 +303,12 @@ def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spil
     assert CudaOptions.from_env({"MDSL_CUDA_LEAD": "4"}) == CudaOptions(lead=4)
     with pytest.raises(UnsupportedError, match="prefetch lead"):
         CudaOptions(lead=9)
-    if nvdisasm_path() is not None:   # lead 0: no L2 prefetches at all
-        none = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, lead=0, overlap=True)).source
-        assert "CCTL" not in disassemble(compile_cuda(none, arch="sm_90a").cubin)
+    if nvdisasm_path() is not None:   # lead 0: no L2 prefetches in the loop; overlapping, those of the start
+        def prefetches(**kw) -> int:
+            source = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, **kw)).source
+            return disassemble(compile_cuda(source, arch="sm_90a").cubin).count("CCTL.E.PF2")
+        assert prefetches(lead=0) == 0
+        assert 0 < prefetches(lead=0, overlap=True) < prefetches(lead=2, overlap=True)
 
 
 def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
