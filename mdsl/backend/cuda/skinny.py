@@ -30,11 +30,27 @@ Stagger (`CudaOptions.stagger`): block b walks its slabs from slab b SLABS / blo
 so that at any moment the blocks read different rows of X (all of X is read by every block: 128 KB at
 batch 8, from L2) and of the weights.
 
+What bounds it (ncu and benchmarks/skinny_scaling.py on the H200, seventh session): each SM's L1 data
+pipe. On the busiest SM `l1tex__throughput` ran at 94-97% of its peak while DRAM moved 2.5-2.6 TB/s; one
+SM drew 30-37 GB/s whatever its warps (4 or 8), and 48 to 132 blocks of 64 columns took 14 to 20 us. A
+load's cost there is the lines it touches: a weight load touches 4 (4 rows x 128 bytes), an 8-byte load of
+X's fragments 8 (one a row of X, 32 bytes each), and at batch 8 (16 rows, two of them a slab) X's loads
+touched as many lines as the weights'. Hence:
+
+Wide X (`CudaOptions.wide_x`): a warp's step is two slabs (32 rows of K), lane t's mma rows 8t .. 8t + 7,
+so that its X fragments of both come in one 16-byte load: half the X loads and the lines they touch.
+RMSNorm+Linear batch 8 19.1 -> 17.1 us, batch 1 17.0 -> 15.7 us (with lead 0).
+
 Lead (`CudaOptions.lead`): the loop sends the weight slabs of the iteration `lead` ahead to L2 (`prefetch.
-global.L2`, no registers held), so that the DRAM bytes in flight per SM are the slabs of `lead` iterations,
-whatever the register buffers hold. ncu on the H200 (seventh session): about half the weight loads of
-rms_norm_linear missed L2 at a lead of 2, and its batch-8 kernel of 4 warps a block has half the bytes ahead
-of the 8-warp batch-1 kernel.
+global.L2`, no registers held); 0: no prefetches in the loop (an overlapping start still sends the first
+slabs). Each prefetch touches a line in the same pipe, so with 8 warps a block (enough loads in flight from
+the register buffers alone) none is faster; with 4 warps a block, a lead of 2. A lead of 4 was slower
+everywhere.
+
+Staged X (`CudaOptions.stage_x`, sm_90+): X's rows copied into shared memory by the bulk-copy engine
+(`cp.async.bulk`, four parts under mbarriers), the loop reading its fragments there. Measured slower
+(RMSNorm+Linear batch 8 21.5 against 19.1 us): every block copies all of X (12.6 MB over 96 blocks) at the
+start, on the critical path. The option stays; the autotuner does not try it.
 
 Overlap (`CudaOptions.overlap`, sm_90+): the kernel is launched with programmatic stream serialization
 (`KernelLaunch.overlap`), so that it may start while the previous kernel of the stream still runs: it

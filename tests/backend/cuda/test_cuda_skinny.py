@@ -363,3 +363,32 @@ def test_a_staged_x_is_copied_in_parts_by_the_bulk_copy_engine(name):
         assert ops.get("LDG", 0) >= 2 * 4 * mats
     assert "stage_x" not in emit_cuda(graph, arch="sm_80", options=options).source.split("extern \"C\" __global__")[1]
     assert CudaOptions.from_env({"MDSL_CUDA_STAGE_X": "1"}) == CudaOptions(stage_x=True)
+
+
+# ---- steps of two slabs, X's fragments in 16-byte loads (CudaOptions.wide_x)
+
+@pytest.mark.parametrize("name", ["rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns", "gated_mlp"])
+def test_wide_x_loads_x_in_16_bytes_and_halves_its_loads(name):
+    """wide_x: the loop's X fragments are 16-byte loads (LDG.E.128.CONSTANT, L1-allocating: the weights' are
+    .NA), half as many X loads as 8-byte ones, the weights' loads as wide as before; no spills. Where the
+    block's K is not whole pairs of slabs (65 slabs), the plan keeps 16-row steps."""
+    from mdsl.backend.cuda.skinny import skinny_plan   # noqa: F401
+    graph = skinny_programs()[name]
+    narrow = emit_cuda(graph, arch="sm_90a", options=SKINNY)
+    wide = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, wide_x=True))
+    assert re.search(r"mdsl::Skinny<[^>]*, false, 2, false, false, true>::run\(", wide.source)
+    assert _lowered(graph, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x
+    odd = skinny_programs()["rms_norm_linear_5_rows_65_slabs"]
+    assert not _lowered(odd, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x
+    module = compile_cuda(wide.source, arch="sm_90a")
+    first = module.resources[wide.launches[0].name]
+    assert first.spill_store_bytes == 0 and first.stack_bytes == 0, module.log
+    if nvdisasm_path() is not None:
+        sass_wide, sass_narrow = disassemble(module.cubin), disassemble(compile_cuda(narrow.source, arch="sm_90a").cubin)
+        x_wide = len(re.findall(r"LDG\.E\.128\.CONSTANT", sass_wide))
+        x_narrow = len(re.findall(r"LDG\.E\.64\.CONSTANT", sass_narrow))
+        assert x_wide > 0 and "LDG.E.64.CONSTANT" not in sass_wide
+        loads_per_pair = {s: len(re.findall(r"LDG\.E\.NA\.", s)) for s in (sass_wide, sass_narrow)}
+        assert loads_per_pair[sass_wide] > 0 and loads_per_pair[sass_narrow] > 0
+        assert x_wide * 2 <= x_narrow + 2   # (the unrolled steady state and tail may round)
+    assert CudaOptions.from_env({"MDSL_CUDA_WIDE_X": "1"}) == CudaOptions(wide_x=True)
