@@ -643,11 +643,14 @@ def _nvidia_smi() -> dict:
 def environment(args: argparse.Namespace, torch=None) -> dict:
     import mdsl
 
-    commit = _git("rev-parse", "HEAD")
+    # a copy of the tree without its own git metadata (`git archive` into a GPU machine) names its commit in
+    # MDSL_COMMIT: `git rev-parse` there would find an enclosing checkout's HEAD instead
+    named = os.environ.get("MDSL_COMMIT", "").strip()
+    commit = named or _git("rev-parse", "HEAD")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["benchmarks/kernels.py", *args.argv]), "python": platform.python_version(),
             "host": platform.node(), "mdsl_version": mdsl.__version__, "mdsl_commit": commit,
-            "mdsl_dirty": bool(_git("status", "--porcelain")) if commit else None,
+            "mdsl_dirty": None if named else (bool(_git("status", "--porcelain")) if commit else None),
             "plan_cache": os.environ.get("MDSL_CACHE_DIR"),
             "method": {k: getattr(args, k) for k in METHOD_OPTIONS}}
     meta["method"]["timing"] = "median over samples of (batch of back-to-back calls between two CUDA events) / batch"

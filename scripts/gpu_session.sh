@@ -21,6 +21,8 @@ PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
+# a snapshot (git archive HEAD, no .git) names its commit in a COMMIT file: the harness records that one
+[ -f COMMIT ] && export MDSL_COMMIT="$(cat COMMIT)"
 TESTS_LIMIT="${TESTS_LIMIT:-200}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
 KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
