@@ -47,7 +47,8 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null || true; } 2>&1 | tee -a "$SUMMARY"
+  if [ -n "${MDSL_COMMIT:-}" ]; then echo "commit $MDSL_COMMIT (snapshot)"
+  else git log -1 --format='commit %h %s' 2>/dev/null || true; fi; } 2>&1 | tee -a "$SUMMARY"
 
 # a throwaway plan cache for the tests (no plan from an earlier run is reused); the benchmark reads .plans.
 # The tensor-parallel tests (a minute or more each: one GPU's engine and every rank's) run beside the
