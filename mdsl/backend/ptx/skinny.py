@@ -21,7 +21,10 @@ same order:
   first slabs to L2, then waits for the previous kernel (`griddepcontrol.wait`) before it touches global
   memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap;
 * with `CudaOptions.stagger` (the plan's `stagger`): block b walks its slabs from slab b SLABS / blocks
-  on, wrapping around, so that the blocks do not read the same rows at the same moment.
+  on, wrapping around, so that the blocks do not read the same rows at the same moment;
+* with `CudaOptions.wide_x` (the plan's `wide_x`): a warp's step ("slab" below) spans two 16-row slabs of
+  K, lane t's rows 8t .. 8t + 7: 8 weight rows a weight, X's fragments of both slabs in one 16-byte load
+  (words 2h, 2h + 1 for the mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's).
 """
 from __future__ import annotations
 
@@ -34,16 +37,15 @@ from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
 from mdsl.backend.ptx.loops import SUM, SUM_OF_SQUARES
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.ops import extend_op
-from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SLAB
+from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, REGISTER_BUFFER, SLAB
 
 _WORD_STRUCTS = {4: ir.LiteralStructType([I32] * 4), 2: ir.LiteralStructType([I32] * 2)}
-_WORD_PAIR = ir.VectorType(I32, 2)
 LOW_HALVES, HIGH_HALVES = 0x5410, 0x7632   # __byte_perm selectors: (a.lo, b.lo), (a.hi, b.hi)
 
 
 class SkinnyLoop:
-    """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC>` with the same
-    constants, each thread's pointers, and the code of its members."""
+    """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC, ..., WIDE_X>` with the
+    same constants (SPAN: `span`, ROWS: `rows`), each thread's pointers, and the code of its members."""
 
     def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int, k: int):
         """`k`: the K this block streams (the block graph's, or a cluster's block's run of it)."""
@@ -55,7 +57,10 @@ class SkinnyLoop:
         self.group = min(shape.chunks(), GROUP_CHUNKS)
         self.groups = shape.groups()
         self.kw_warps = warps // self.groups
-        self.slabs, self.words, self.step = k // SLAB, self.vec // 2, shape.slabs_per_step()
+        self.span = 2 if skinny.wide_x else 1   # 16-row slabs of K in one step of a warp
+        self.rows = 4 * self.span               # rows of a step each lane loads, from row `rows` t
+        self.slabs, self.words = k // (SLAB * self.span), self.vec // 2   # slabs: the steps of the block's K
+        self.step = max(1, REGISTER_BUFFER // (self.vec * self.mats * self.span))
         x = parts[shape.x]
         self.dtype = x.dtype
         self.etype = ELEMENT_TYPES[x.dtype]
@@ -75,19 +80,19 @@ class SkinnyLoop:
         self.folds = None if self.groups == 1 else b.icmp_unsigned("==", group_of_warp, i32(0))
         chunk_in_group = self.g if self.group == GROUP_CHUNKS else b.urem(self.g, i32(self.group))
         self.chunk = b.add(b.mul(group_of_warp, i32(self.group)), chunk_in_group)
-        four_t = b.mul(self.t, i32(4))
+        rows_t = b.mul(self.t, i32(self.rows))
         self.xs = []
         for mt in range(self.mt):
             row = b.add(self.g, i32(mt * 8))
             if (mt + 1) * 8 > shape.m:   # rows past M read row M - 1 (never stored)
                 row = b.select(b.icmp_unsigned("<", row, i32(shape.m)), row, i32(shape.m - 1))
-            self.xs.append(fn.address(x, b.add(b.mul(row, i32(ldx)), four_t)))
-        row4t = b.mul(four_t, i32(self.ldw))
+            self.xs.append(fn.address(x, b.add(b.mul(row, i32(ldx)), rows_t)))
+        first_row = b.mul(rows_t, i32(self.ldw))
         self.ws, self.lines = [], []
         for name in shape.weights:
             w = parts[name]
-            self.ws.append(fn.address(w, b.add(row4t, b.mul(self.chunk, i32(self.vec)))))
-            self.lines.append(fn.address(w, b.add(row4t, b.mul(group_of_warp, i32(self.group * self.vec)))))
+            self.ws.append(fn.address(w, b.add(first_row, b.mul(self.chunk, i32(self.vec)))))
+            self.lines.append(fn.address(w, b.add(first_row, b.mul(group_of_warp, i32(self.group * self.vec)))))
 
     # -- memory
 
@@ -112,37 +117,40 @@ class SkinnyLoop:
         b = self.fn.b
         return slab if self.start is None else b.urem(b.add(slab, self.start), i32(self.slabs))
 
+    def _k(self, slab):
+        """The first row of K of the walk's slab-th step."""
+        return self.fn.b.mul(self._walked(slab), i32(SLAB * self.span))
+
     def load(self, slab, clamp: bool = True) -> tuple:
-        """A slab's registers: (w[mat][row 0..3][word], x[mt] as (low, high) words); a slab past the end
-        loads the last one again (its values unused) when `clamp`."""
+        """A slab's registers: (w[mat][row 0..rows - 1][word], x[mt] as a tuple of 2 span words); a slab
+        past the end loads the last one again (its values unused) when `clamp`."""
         fn, b = self.fn, self.fn.b
         if clamp:
             slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
-        k = b.mul(self._walked(slab), i32(SLAB))
+        k = self._k(slab)
         w = []
         for ws in self.ws:
             row = self._at(ws, b.mul(k, i32(self.ldw)))   # the next rows at constant offsets (immediates)
-            w.append([self._streamed(self._at(row, i * self.ldw)) for i in range(4)])
-        x = []
-        for xs in self.xs:
-            pair = b.load(self._at(xs, k), typ=_WORD_PAIR, align=8)   # read-only: ld.global.nc.v2
-            x.append((b.extract_element(pair, i32(0)), b.extract_element(pair, i32(1))))
+            w.append([self._streamed(self._at(row, i * self.ldw)) for i in range(self.rows)])
+        x, words = [], 2 * self.span
+        for xs in self.xs:   # read-only: ld.global.nc.v2 (wide_x: .v4, both slabs' fragments)
+            vector = b.load(self._at(xs, k), typ=ir.VectorType(I32, words), align=4 * words)
+            x.append(tuple(b.extract_element(vector, i32(e)) for e in range(words)))
         return w, x
 
     def prefetch(self, first, start: bool = False) -> None:
         """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
-        4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column (a line)."""
+        rows t .. rows t + rows - 1 of slab g % (2 STEP), from its column group's first column (a line)."""
         fn, b = self.fn, self.fn.b
         if self.skinny.lead == 0 and not start:   # no L2 prefetches in the loop (CudaOptions.lead 0)
             return
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
-        slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
-        k = b.mul(self._walked(slab), i32(SLAB))
+        k = self._k(b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1)))
         # a group's row crossing a line (straddles): its last element's line too
         ends = (0, self.group * self.vec - 1) if straddles(self.shape, self.ldw) else (0,)
         for line in self.lines:
             row = self._at(line, b.mul(k, i32(self.ldw)))
-            for i in range(4):
+            for i in range(self.rows):
                 for end in ends:
                     b.asm(ir.FunctionType(ir.VoidType(), [row.type]), "prefetch.global.L2 [$0];", "l",
                           [self._at(row, i * self.ldw + end)], True)
@@ -156,15 +164,16 @@ class SkinnyLoop:
     def multiply(self, acc: list, slab: tuple) -> None:
         w, x = slab
         for mat in range(self.mats):
-            for j in range(self.words):
-                rows = [w[mat][i][j] for i in range(4)]
-                a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
-                     self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
-                for mt in range(self.mt):
-                    d = acc[mat][mt][j]
-                    out = self.fn.mma_m16n8k16(self.dtype, a, list(x[mt]), [v.get() for v in d])
-                    for var, value in zip(d, out):
-                        var.set(value)
+            for h in range(self.span):   # wide_x: the step's two slabs, rows 4h .. 4h + 3 of the lane's
+                for j in range(self.words):
+                    rows = [w[mat][4 * h + i][j] for i in range(4)]
+                    a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
+                         self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
+                    for mt in range(self.mt):   # X's words 2h, 2h + 1 (rows past M: a copy of row M - 1)
+                        d = acc[mat][mt][j]
+                        out = self.fn.mma_m16n8k16(self.dtype, a, list(x[mt][2 * h:2 * h + 2]), [v.get() for v in d])
+                        for var, value in zip(d, out):
+                            var.set(value)
 
     def _unpack(self, word) -> list:
         b = self.fn.b

@@ -13,11 +13,14 @@
 * its K split over thread-block clusters of 2 and 4 blocks, and the kernel overlapping its predecessor
   (programmatic dependent launch): its numbers on the simulator (a cluster's blocks run together), and
   the same launches and, in the SASS, the same cluster barriers, fences, remote stores and wait for the
-  previous kernel (nothing but L2 prefetches and shared-memory stores before it) as the CUDA kernels.
+  previous kernel (nothing but L2 prefetches and shared-memory stores before it) as the CUDA kernels;
+* steps of two slabs (`CudaOptions.wide_x`: X's fragments in 16-byte loads, 8 weight rows a lane): its
+  numbers on the simulator, and in the SASS the CUDA kernel's loads, mmas and L2 prefetches.
 """
 from __future__ import annotations
 
 import functools
+import re
 
 import attrs
 import pytest
@@ -153,6 +156,28 @@ def test_a_longer_prefetch_lead_on_the_simulator(name):
     check_simulated(graph, seed=14, options=options)
 
 
+#: programs run in steps of two slabs (CudaOptions.wide_x; every K here is whole 32-row pairs), each with
+#: what else changes its code: (program, options beside wide_x). M > 8; two weights (one step a buffer)
+#: with staggered walks; 8-byte loads (two steps a buffer) with a lead of 4; the row accumulators folding
+#: all 4 words of X's fragments, in a cluster of 2; lead 0 at an overlapping start (its prefetches alone)
+WIDE = [("rows-2-tail", {}), ("rows-16-bf16-threads-256", {}), ("two-weights", {"stagger": True}),
+        ("8-byte-loads", {"lead": 4}), ("row-sums", {"cluster": 2, "overlap": True}),
+        ("rows-3-two-groups", {"lead": 0, "overlap": True})]
+
+
+@needs_simulator
+@pytest.mark.parametrize("name, extra", WIDE, ids=[name for name, _ in WIDE])
+def test_wide_x_steps_on_the_simulator(name, extra):
+    """CudaOptions.wide_x: a warp's step spans two 16-row slabs, lane t's rows 8t .. 8t + 7, X's words
+    2h, 2h + 1 of one 16-byte load feeding the mmas of slab h."""
+    graph, threads = SIMULATED[name]
+    options = attrs.evolve(_options(threads), wide_x=True, **extra)
+    x_loads = "load <4 x i32>"   # X's 16-byte fragments (the weights' loads are inline asm)
+    assert emit_llvm(graph, options=options).llvm_ir.count(x_loads) > \
+        emit_llvm(graph, options=attrs.evolve(options, wide_x=False)).llvm_ir.count(x_loads), f"{name}: not wide"
+    check_simulated(graph, seed=15, options=options)
+
+
 @needs_simulator
 @pytest.mark.parametrize("name, cluster, overlap", CLUSTERED)
 def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
@@ -168,31 +193,43 @@ def test_cluster_split_numbers_on_the_simulator(name, cluster, overlap):
 
 
 @functools.lru_cache(maxsize=16)
-def _split(name: str, cluster: int, overlap: bool, stagger: bool, lead: int = 2) -> tuple:
+def _split(name: str, cluster: int, overlap: bool, stagger: bool, lead: int = 2, wide_x: bool = False) -> tuple:
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead)
+    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead, wide_x=wide_x)
     cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
     cuda = compile_cuda(cuda_program.source, arch=ARCH)
     ptx = assembled_module(program.llvm_ir)
     return cuda_program, program, cuda, ptx, kernel_instructions(cuda.cubin), kernel_instructions(ptx[1].cubin)
 
 
-#: (cluster, overlap, stagger, lead): the K split over clusters of 4 blocks (2: simulated above), the kernel
-#: overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), and each block walking
-#: K from its own slab on (CudaOptions.stagger) overlapping, as the autotuner may pick it, with the L2
-#: prefetches 2 or 4 iterations ahead (CudaOptions.lead)
-SPLITS = [(4, False, False, 2), (1, True, False, 2), (1, True, True, 2), (1, True, True, 4)]
+#: (cluster, overlap, stagger, lead, wide_x): the K split over clusters of 4 blocks (2: simulated above), the
+#: kernel overlapping its predecessor (programmatic dependent launch, CudaOptions.overlap), and each block
+#: walking K from its own slab on (CudaOptions.stagger) overlapping, as the autotuner may pick it, with the
+#: L2 prefetches 0 (the overlapping start's only), 2 or 4 iterations ahead (CudaOptions.lead), and in steps
+#: of two slabs (CudaOptions.wide_x)
+SPLITS = [(4, False, False, 2, False), (1, True, False, 2, False), (1, True, True, 2, False), (1, True, True, 4, False),
+          (1, True, False, 0, False), (1, True, True, 2, True)]
+
+#: the skinny loop's instructions the PTX kernel has exactly as often as the CUDA kernel where no slab
+#: of the tail is dropped (FEWER_SLABS): weight and X loads, mmas, permutes, L2 prefetches
+SKINNY_LOOP = (r"LDG\.E\.NA\.128\.CONSTANT", r"LDG\.E\.NA\.64\.CONSTANT", r"LDG\.E\.128\.CONSTANT",
+               r"LDG\.E\.64\.CONSTANT", r"HMMA\.16816\.F32", r"PRMT", r"CCTL\.E\.PF2")
 
 
 @needs_tools
-@pytest.mark.parametrize("cluster, overlap, stagger, lead", SPLITS)
+@pytest.mark.parametrize("cluster, overlap, stagger, lead, wide_x", SPLITS)
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster, overlap, stagger, lead):
+def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster, overlap, stagger, lead, wide_x):
     """The same launches (the grid's x times the cluster, the shared memory with the meeting area, the
     overlapping launch), the cluster's size in the PTX, and in the SASS the same cluster barriers, fences
     and remote stores; with overlap the same wait for the previous kernel (ACQBULK) with nothing but L2
-    prefetches and shared-memory stores before it, and the same PREEXIT."""
-    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = _split(name, cluster, overlap, stagger, lead)
+    prefetches and shared-memory stores before it, and the same PREEXIT. In steps of two slabs (wide_x:
+    every K here is whole pairs of slabs, all three steady loops leave none to the tail) the same
+    16-byte loads of the weights and X, mmas, permutes and L2 prefetches as the CUDA kernel."""
+    cuda_program, program, cuda, (module, assembled), theirs_by_kernel, ours_by_kernel = \
+        _split(name, cluster, overlap, stagger, lead, wide_x)
+    assert bool(re.search(r"mdsl::Skinny<(?:[^,<>]+, ){13}true>", cuda_program.source)) == wide_x, \
+        f"{name}: WIDE_X (mdsl::Skinny's last argument) not as asked"
     launches = [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
                 for launch in program.launches]
     assert launches == [(launch.name, launch.grid, launch.block, launch.smem_bytes, launch.overlap)
@@ -200,7 +237,9 @@ def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster,
     assert module.ptx.count(f".reqnctapercluster {cluster}, 1, 1") == (cluster > 1)
     assert any(launch.overlap for launch in program.launches) == overlap
     for kernel, theirs in theirs_by_kernel.items():
-        ours, where = ours_by_kernel[kernel], f"{name} (clusters of {cluster}, overlap {overlap}, stagger {stagger}, lead {lead}) {kernel}"
+        ours, where = ours_by_kernel[kernel], \
+            f"{name} (clusters of {cluster}, overlap {overlap}, stagger {stagger}, lead {lead}, wide_x {wide_x}) " \
+            f"{kernel}"
         assert_same_paths(where, theirs, ours)
         r = assembled.resources[kernel]
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{where}: {r}"
@@ -209,3 +248,6 @@ def test_cluster_split_overlap_and_stagger_match_the_cuda_kernels(name, cluster,
                 f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
         assert count_matching(ours, r"ST\.E") <= count_matching(theirs, r"ST\.E"), f"{where}: remote stores"
         assert_waits_before_global_access(where, theirs, ours)
+        for pattern in SKINNY_LOOP if wide_x else (r"CCTL\.E\.PF2",):
+            assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
+                f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
