@@ -30,7 +30,7 @@ from tests.ir.skinny_texts import rms_norm_linear
     (None, 1, True, True, 4, False, False), (256, 1, False, False, 0, False, False),
     (None, 1, False, False, 2, True, False), (256, 1, True, True, 2, True, False),
     (None, 2, True, True, 2, True, False), (None, 1, True, True, 2, False, True),
-    (256, 1, True, True, 0, False, True), (None, 2, False, True, 2, True, True)])
+    (256, 1, True, True, 0, False, True), (None, 2, False, True, 2, True, True), (384, 1, True, False, 0, False, True)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
 def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger, lead, stage_x, wide_x):
     graph = skinny_programs()[name]
@@ -110,5 +110,6 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     report = "\n".join(result.lines())
     skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
                     * len(autotune.STAGE_X) * len(autotune.WIDE_X))
-    assert len(result.timings) == 1 + skinny_kinds, report   # the tile loop; each skinny one
+    unprefetched = skinny_kinds // len(autotune.LEADS) * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
+    assert len(result.timings) == 1 + skinny_kinds + unprefetched, report   # the tile loop; each skinny one
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed

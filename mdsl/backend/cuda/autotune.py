@@ -57,6 +57,10 @@ LEADS = (2, 0)
 # rms_norm_linear_bs8 21.5 against 19.1 us; every block copies X at the start), so not tried (the option stays)
 STAGE_X = (False,)
 WIDE_X = (False, True)              # the skinny loop's steps of two slabs, X's fragments in 16-byte loads
+# more warps where the skinny loop sends nothing to L2 ahead (lead 0): its bytes in flight are then the
+# register buffers' alone, a block's warps times their two buffers (384 threads: 170 registers each at most)
+UNPREFETCHED_THREADS = (384,)
+SKINNY_LOOP = "::run(skinny_acc"   # in a kernel's source: the skinny loop was taken
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 
@@ -173,7 +177,7 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
                     skinny: Optional[Sequence[bool]] = None, clusters: Sequence[int] = CLUSTERS,
                     overlap: Sequence[bool] = OVERLAP, stagger: Sequence[bool] = STAGGER,
                     leads: Sequence[int] = LEADS, stage_x: Sequence[bool] = STAGE_X,
-                    wide_x: Sequence[bool] = WIDE_X) -> list:
+                    wide_x: Sequence[bool] = WIDE_X, unprefetched_threads: Sequence = UNPREFETCHED_THREADS) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
@@ -184,7 +188,8 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
     gets its tile loop timed overlapping too, and no more), each of `stagger`, each of `leads` (how
     many loop iterations ahead its weight slabs are sent to L2) and each of `stage_x` (X copied into shared
     memory by the bulk-copy engine; where that does not apply the source repeats and is dropped) and of
-    `wide_x` (steps of two slabs, X's fragments in 16-byte loads; likewise).
+    `wide_x` (steps of two slabs, X's fragments in 16-byte loads; likewise). Without L2 prefetches (lead
+    0) the skinny loop is also tried with `unprefetched_threads` (more warps, more loads in flight).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
@@ -193,7 +198,7 @@ def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
             for k in skinny for c in (clusters if k else (1,)) for o in (overlap if k else (False,))
             for g in (stagger if k else (False,)) for d in (leads if k else (2,))
             for x in (stage_x if k else (False,)) for v in (wide_x if k else (False,))
-            for t in threads for s in stages]
+            for t in (*threads, *(unprefetched_threads if k and d == 0 else ())) for s in stages]
 
 
 def variants(candidates: Sequence[KernelGraph], space: Sequence[CudaOptions], *, arch: str = "sm_90a",
@@ -215,6 +220,8 @@ def emitted_variants(candidates, space, arch: str, spaces=None, names=None) -> l
             except MdslError as e:  # a lowering the backend refuses: reported, never timed
                 out.append((variant, f"does not emit: {e}"))
                 continue
+            if options.threads in UNPREFETCHED_THREADS and SKINNY_LOOP not in source:
+                continue   # tried for the skinny loop only: dropped like a repeated source
             if source not in seen:
                 seen.add(source)
                 out.append((variant, ""))

@@ -115,7 +115,8 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
                     * len(autotune.STAGE_X) * len(autotune.WIDE_X))
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
-    assert len(space) == len(autotune.STAGES) * len(autotune.THREADS) * per_stage_and_threads
+    unprefetched = skinny_kinds // len(autotune.LEADS) * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
+    assert len(space) == len(autotune.STAGES) * (len(autotune.THREADS) * per_stage_and_threads + unprefetched)
     rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
                       skinny_programs()["rms_norm_linear_bs8_64_columns"])
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
@@ -123,8 +124,9 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     for k in (0, 2):
         skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead,
                    v.options.stage_x, v.options.wide_x) for v in tried if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o, g, d, x, y) for t in autotune.THREADS for c in autotune.CLUSTERS
-                          for o in autotune.OVERLAP for g in autotune.STAGGER for d in autotune.LEADS
+        assert skinny == {(t, c, o, g, d, x, y) for d in autotune.LEADS
+                          for t in (*autotune.THREADS, *(autotune.UNPREFETCHED_THREADS if d == 0 else ()))
+                          for c in autotune.CLUSTERS for o in autotune.OVERLAP for g in autotune.STAGGER
                           for x in autotune.STAGE_X for y in autotune.WIDE_X}
     # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
     assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead, v.options.stage_x,
