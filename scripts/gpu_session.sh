@@ -26,6 +26,8 @@ export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' 
 TESTS_LIMIT="${TESTS_LIMIT:-200}" KERNELS_LIMIT="${KERNELS_LIMIT:-190}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
 KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
+# (with torch.compile the kernels stage needs KERNELS_LIMIT=450: at 380, the 320 s --time-limit fell before
+# Gated MLP's torch.compile contenders, the run's last, in the seventh session)
 STAGES="${STAGES:-tests precompile kernels decode}"   # profile: on request
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"

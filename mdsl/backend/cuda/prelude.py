@@ -449,7 +449,7 @@ struct Skinny {
   static constexpr int XPARTS = SLABS % 4 == 0 ? 4 : 1;   // SkinnyPlan.x_parts
   static constexpr int XPART = K / XPARTS;          // elements of a row in one part
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
-  static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K % 16 == 0");
+  static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K whole steps");
   static_assert(!WIDE_X || LDX % 8 == 0, "skinny: rows of X aligned to 16 bytes for WIDE_X");
   static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
   static_assert(LDW % VEC == 0 && LDX % 4 == 0, "skinny: rows of W aligned to a load, of X to 8 bytes");
@@ -475,7 +475,7 @@ struct Skinny {
     return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
   }
 
-  // a slab's loads from this thread's pointers (w: row 4t of its chunk; x: its rows of X at 4t, in device
+  // a slab's loads from this thread's pointers (w: row ROWS t of its chunk; x: its rows of X at ROWS t, in device
   // memory or, STAGE_X, in shared memory once the slab's part has landed); a slab past the end loads the
   // last one again (its values unused): no predicates, no zeroing
   template <bool CLAMP = true>
@@ -533,7 +533,7 @@ struct Skinny {
 #endif
   }
 
-  // lane (g, t)'s row 4t of its column group's first column in each weight (see `prefetch`)
+  // lane (g, t)'s row ROWS t of its column group's first column in each weight (see `prefetch`)
   static __device__ __forceinline__ void group_rows(const E* (&lines)[MATS], const E* const (&W)[MATS]) {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) lines[mat] = W[mat] + ROWS * (threadIdx.x % 4) * LDW + (threadIdx.x / 32) % GROUPS * GROUP * VEC;
@@ -549,8 +549,8 @@ struct Skinny {
 
   // the weight rows of the 2 STEP slabs first, first + KW, ... sent to L2 ahead of their loads (no registers
   // held: DRAM's bytes in flight do not depend on where ptxas schedules the loads, which then find the rows
-  // in L2). Lane (g, t) takes rows 4t .. 4t + 3 of slab g % (2 STEP), from its column group's first column
-  // (p: row 4t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
+  // in L2). Lane (g, t) takes rows ROWS t .. ROWS t + ROWS - 1 of slab g % (2 STEP), from its column group's
+  // first column (p: row ROWS t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
   template <bool START = false>
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
     if constexpr (LEAD == 0 && !START) return;   // no L2 prefetches in the loop: the register buffers' loads alone
