@@ -26,8 +26,8 @@ one without changing code:
                             0: no L2 prefetches): the DRAM bytes in flight per SM, without registers
     MDSL_CUDA_STAGE_X=1     a skinny loop (sm_90+) has X's rows copied into shared memory by the bulk-copy engine
                             (cp.async.bulk, four parts, each completing an mbarrier) instead of loading its
-                            fragments from L2 at every slab: the SM's global requests are the weights' only
-                            (off by default; the autotuner tries both)
+                            fragments from L2 at every slab (off by default; measured slower on the H200, so
+                            the autotuner does not try it; the PTX backend ignores it and loads X as before)
     MDSL_CUDA_WIDE_X=1      a skinny loop's warps step over two slabs of K at once, lane t's mma rows 8t .. 8t + 7,
                             so that X's fragments of both come in one 16-byte load (each X load touches one line
                             per row of X: half the lines, half the loads)
