@@ -16,23 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-_TEXT = """kernel skinny_{m}x{blocks}x{n}(%x: f16[{m}, {k}], %w: f16[{k}, {cols}]) {{
-  %matmul: f16[{m}, {cols}] = custom(%x, %w) block(grid=[{blocks}, 1, 1], threads=128, forloop={forloop}) {{
-    in %x: f16[{m}, {kt}] imap=[-, -, -] fmap=1
-    in %w: f16[{kt}, {n}] imap=[1, -, -] fmap=0
-    %accum_rms: f16[{m}, 1] = accum_rms(%x) {{eps=1e-06}}
-    %matmul: f16[{m}, {n}] = matmul(%x, %w)
-    %accum: f16[{m}, {n}] = accum(%matmul)
-    %div: f16[{m}, {n}] = div(%accum, %accum_rms)
-    out %div omap=[1, -, -]
-  }}
-  return %matmul
-}}"""
-
-
-def graph_text(m: int, blocks: int, n: int, k: int = 4096, forloop: int = 64) -> str:
-    return _TEXT.format(m=m, blocks=blocks, n=n, cols=n * blocks, k=k, forloop=forloop, kt=k // forloop)
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,6 +30,7 @@ def main() -> int:
     from mdsl.backend.cuda import autotune, runtime
     from mdsl.backend.cuda.options import CudaOptions
     from mdsl.ir.text import parse_graph
+    from tests.ir.skinny_texts import rms_norm_linear   # the tests' RMSNorm+Linear block graph text
 
     runtime.require_gpu("timing the skinny loop")
     space = [CudaOptions(skinny=True, stagger=True, overlap=True, lead=args.lead),
@@ -56,7 +40,7 @@ def main() -> int:
     for m in args.rows:
         for n in args.columns:
             for blocks in args.blocks:
-                graph = parse_graph(graph_text(m, blocks, n))
+                graph = parse_graph(rms_norm_linear(m, n, blocks=blocks, forloop=64))
                 result = autotune.autotune([graph], graph, space=space, samples=args.samples, cache=False)
                 times = {t.variant.options.threads: t.us for t in result.timings}
                 bytes_moved = 2 * (m * 4096 + 4096 * n * blocks + m * n * blocks)

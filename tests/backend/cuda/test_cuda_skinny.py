@@ -339,7 +339,6 @@ def test_a_staged_x_is_copied_in_parts_by_the_bulk_copy_engine(name):
     by cp.async.bulk under one mbarrier a part (4 parts where K is 4 runs of whole slabs, else 1; 65 slabs:
     1), after the wait for the previous kernel; the loop reads X's fragments from shared memory, so its
     global loads are the weights' only. No spills; sm_80 has no bulk copies: unstaged."""
-    from mdsl.backend.cuda.skinny import skinny_plan   # noqa: F401 (the plan's arithmetic is what is checked)
     graph = skinny_programs()[name]
     options = CudaOptions(skinny=True, overlap=True, stage_x=True)
     plain, program = emit_cuda(graph, arch="sm_90a", options=attrs.evolve(options, stage_x=False)), \
@@ -374,7 +373,6 @@ def test_wide_x_loads_x_in_16_bytes_and_halves_its_loads(name):
     """wide_x: the loop's X fragments are 16-byte loads (LDG.E.128.CONSTANT, L1-allocating: the weights' are
     .NA), half as many X loads as 8-byte ones, the weights' loads as wide as before; no spills. Where the
     block's K is not whole pairs of slabs (65 slabs), the plan keeps 16-row steps."""
-    from mdsl.backend.cuda.skinny import skinny_plan   # noqa: F401
     graph = skinny_programs()[name]
     narrow = emit_cuda(graph, arch="sm_90a", options=SKINNY)
     wide = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, wide_x=True))
@@ -390,7 +388,6 @@ def test_wide_x_loads_x_in_16_bytes_and_halves_its_loads(name):
         x_wide = len(re.findall(r"LDG\.E\.128\.CONSTANT", sass_wide))
         x_narrow = len(re.findall(r"LDG\.E\.64\.CONSTANT", sass_narrow))
         assert x_wide > 0 and "LDG.E.64.CONSTANT" not in sass_wide
-        loads_per_pair = {s: len(re.findall(r"LDG\.E\.NA\.", s)) for s in (sass_wide, sass_narrow)}
-        assert loads_per_pair[sass_wide] > 0 and loads_per_pair[sass_narrow] > 0
+        assert "LDG.E.NA." in sass_wide   # the weights still streamed past L1
         assert x_wide * 2 <= x_narrow + 2   # (the unrolled steady state and tail may round)
     assert CudaOptions.from_env({"MDSL_CUDA_WIDE_X": "1"}) == CudaOptions(wide_x=True)
