@@ -48,6 +48,10 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
                                   "attention_lanes": 4, "fused_combine": True},
     "stage-ahead2-lanes4-fused-l2x4": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
                                        "attention_lanes": 4, "fused_combine": True, "prefetch_kib": 384},
+    "stream": {"schedule": "static", "stream_weights": True},
+    "stream-fused": {"schedule": "static", "stream_weights": True, "fused_combine": True},
+    "stream-lanes4-fused": {"schedule": "static", "stream_weights": True, "attention_lanes": 4, "fused_combine": True},
+    "stream-16k": {"schedule": "static", "stream_weights": True, "stream_buffer_kib": 16},
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},

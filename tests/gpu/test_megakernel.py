@@ -219,10 +219,17 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
                               ("queue", {"attention_lanes": 4, "fused_combine": True}),
                               ("static", {"prefetch_kib": 256}), ("static", staged), ("queue", staged),
-                              ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True})):
+                              ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
+                              ("static", {"stream_weights": True}),
+                              # 256-byte buffers: two to four sub-tiles per tile, the ring wraps every step
+                              ("static", {"stream_weights": True, "stream_buffer_kib": 0.25}),
+                              ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
+                                          "fused_combine": True})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
+        if options.get("stream_weights"):
+            assert engine.streaming.buffers >= 2 and engine.staging.buffers == 0, engine.streaming
         assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
 
 

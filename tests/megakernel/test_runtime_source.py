@@ -92,7 +92,7 @@ def test_a_scheduler_warp_feeds_the_compute_warps_through_named_barriers():
     assert "__syncthreads()" not in runtime, "the compute warps' barriers must leave the scheduler warp out"
     assert "bar.sync %0, %1;" in runtime and "bar.arrive %0, %1;" in runtime
     assert f"constexpr int NT = {THREADS};" in runtime and "constexpr int BLOCK = NT + 32;" in runtime
-    assert BLOCK_THREADS == THREADS + 32
+    assert "constexpr int LAUNCH = BLOCK + 32;" in runtime and BLOCK_THREADS == THREADS + 64   # + the loader warp
     # the compute warps never spin on an event: the acquire loads are the scheduler's alone
     compute = runtime[runtime.index("__device__ void compute("):runtime.index("extern \"C\"")]
     assert "ld_acquire" not in compute and "wait_for_inputs" not in compute
@@ -148,3 +148,55 @@ def test_staged_tiles_compile_without_spills(schedule):
     assert_fits(source, module.resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="prefetch_kib"):
         generate_source(plan, prefetch_kib=8)
+
+
+def test_streaming_ring_holds_whole_columns_of_every_kind():
+    from mdsl.megakernel.runtime.plan import Kind, for_ranks
+    from mdsl.megakernel.runtime.source import SMEM_PER_BLOCK, item_weight_bytes, plan_streaming
+    from mdsl.megakernel.runtime.tp import shard_config
+
+    qwen3_8b = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
+    one = build_plan(decoder_shape(qwen3_8b), workers=H200_SMS, max_seq=1200)
+    ring = plan_streaming(one)
+    items = dict(ring.items)
+    assert set(items) == {Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN, Kind.LMHEAD}
+    # a down-proj column is 12288 bf16 (24 KB): three buffers of ~59 KB hold two each, where more, smaller
+    # buffers would hold one and waste the rest
+    assert item_weight_bytes(one, Kind.DOWN) == 24576 and (ring.buffers, items[Kind.DOWN]) == (3, 2)
+    assert ring.offset % 128 == 0 and ring.smem_bytes <= SMEM_PER_BLOCK
+    for kind, per in ring.items:
+        assert 1 <= per * item_weight_bytes(one, kind) <= ring.buffer_bytes
+    rank = for_ranks(build_plan(decoder_shape(shard_config(qwen3_8b, 2)), workers=H200_SMS, max_seq=1200), 2)
+    shard_ring = plan_streaming(rank)
+    assert shard_ring.buffers == 4 and dict(shard_ring.items)[Kind.GATEUP] == 3   # 3 x 16 KB of 50.5 KB
+    small = plan_streaming(rank, buffer_bytes=16 * 1024)
+    assert (small.buffers, small.buffer_bytes, dict(small.items)[Kind.GATEUP]) == (12, 16384, 1)
+    with pytest.raises(ValueError, match="two buffers of a weight column"):
+        plan_streaming(rank, buffer_bytes=8 * 1024)   # a gate/up column (two rows of 4096 bf16) is 16 KB
+
+
+def test_streamed_weights_compile_without_spills_and_need_the_static_schedule():
+    config, _, _ = tiny_model("qwen3")
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=H200_SMS, max_seq=config.max_positions)
+    source = generate_source(plan, stream_weights=True, stream_buffer_bytes=256)
+    ring = source.streaming
+    assert ring.buffers == 16 and ring.buffer_bytes == 256 and source.staging.buffers == 0
+    assert f"constexpr int STREAM_BUFFERS = 16;" in source.text and "constexpr int STAGE_BUFFERS = 0;" in source.text
+    assert source.smem_bytes == ring.offset + 16 * 256
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    plain = generate_source(plan)
+    assert "constexpr int STREAM_BUFFERS = 0;" in plain.text and plain.streaming.buffers == 0
+    for options in ({"schedule": "queue"}, {"stage_weights": True}):
+        with pytest.raises(ValueError, match="stream_weights needs the static schedule"):
+            generate_source(plan, stream_weights=True, **options)
+
+
+@pytest.mark.slow
+def test_streamed_qwen3_8b_rank_compiles_without_spills():
+    from mdsl.megakernel.runtime.plan import for_ranks
+    from mdsl.megakernel.runtime.tp import shard_config
+
+    config = shard_config(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16), 2)
+    plan = for_ranks(build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1200), 2)
+    source = generate_source(plan, stream_weights=True)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

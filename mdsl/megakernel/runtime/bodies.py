@@ -292,7 +292,7 @@ def generate_bodies(plan: TaskPlan) -> str:
         if kind in linear:
             body = linear[kind]
             calls.append((kind, f"{body.function}(p, t, staged, flag, work, red);" if body.sink is not None else
-                          f"lmhead_task(p, t, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
+                          f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))
         else:

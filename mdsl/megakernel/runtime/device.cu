@@ -2,12 +2,15 @@
 // mdsl/megakernel/runtime/source.py prepends the model's constants (namespace mk: T, H, I, ...) and
 // the CUDA backend's prelude (namespace mdsl: to_float, from_float, group_reduce).
 //
-// One worker block per SM: 8 compute warps and 1 scheduler warp. The scheduler takes task indices
+// One worker block per SM: 8 compute warps, 1 scheduler warp and 1 loader warp. The scheduler takes task indices
 // (step * TASKS + k, in dependency order: this worker's share in order, or from one global queue), starts
 // pulling the task's weights into L2, waits with acquire loads until the events it reads reach
 // producers * (step + 1), and hands the task to the compute warps through two shared-memory slots; the
 // compute warps run it and signal its events with release increments, while the scheduler already waits
-// for the next one. No grid-wide barrier, no host round trip between steps.
+// for the next one. No grid-wide barrier, no host round trip between steps. With weight streaming
+// (STREAM_BUFFERS > 0, static schedule) the loader warp copies this worker's weights, task after task, into
+// a ring of shared-memory buffers as far ahead as the ring allows, whatever the tasks' inputs: the memory
+// system keeps streaming through the phases that wait on dependencies (attention, the all-reduces).
 //
 // Tensor parallelism (WORLD > 1 ranks, one GPU each, this kernel on every one with its shard of the
 // heads, the MLP columns and the vocabulary): the residual stream (h, mid) is all-reduced at tile
@@ -23,10 +26,11 @@ namespace mk {
 
 constexpr int NT = 256;              // compute threads per worker block (the task bodies' threads)
 constexpr int NW = NT / 32;
-constexpr int BLOCK = NT + 32;       // + the scheduler warp (threads NT .. BLOCK)
+constexpr int BLOCK = NT + 32;       // + the scheduler warp (threads NT .. BLOCK): the task slots' barriers
+constexpr int LAUNCH = BLOCK + 32;   // + the loader warp (threads BLOCK .. LAUNCH)
 // named barriers (0 is __syncthreads, unused): the compute warps among themselves, and per task slot
 // "full" (the scheduler filled it) and "empty" (the compute warps are done with it); the whole block once
-// at the start (the staging barriers are initialised)
+// at the start (the staging and streaming barriers are initialised)
 constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2, BAR_START = 6;
 constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
@@ -42,7 +46,8 @@ constexpr int VOCAB = V * WORLD;     // the whole vocabulary (V: this rank's sha
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
 
 // a task handed from the scheduler warp to the compute warps; index < 0: the worker is done
-struct Slot { Task task; long long index; unsigned long long taken_ns, ready_ns; };
+// stream_first: the worker's count of streamed sub-tiles before this task's first (its ring position)
+struct Slot { Task task; long long index, stream_first; unsigned long long taken_ns, ready_ns; };
 constexpr int PROFILE_WORDS = 5;     // per task index: SM, taken, inputs ready, body start, done
 
 struct LayerWeights {
@@ -160,8 +165,27 @@ __device__ __forceinline__ uint4 ld_staged(const T* p) {
 }
 constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no division by zero when nothing is staged)
 struct StageBarriers { unsigned long long full[STAGE_RING], empty[STAGE_RING]; };
-// a compute task's staged tile: null weights where the task's kind is not staged
-struct Staged { const T* weights; unsigned long long* full; unsigned parity; };
+
+// ---- weight streaming (source.py's Streaming): a streamed task's tile is cut into sub-tiles of
+// stream_items(kind) items (whole output columns, every matrix's row of each); the worker's n-th sub-tile
+// goes through ring buffer n % STREAM_BUFFERS, phase n / STREAM_BUFFERS, with the staging's full / empty
+// mbarrier protocol: the loader warp fills buffers in order, the compute warps empty them in order.
+__device__ __forceinline__ constexpr bool streamed_kind(int kind) {
+  return STREAM_BUFFERS > 0 && ((STREAM_KINDS >> kind) & 1) != 0;
+}
+__device__ __forceinline__ int stream_subtiles(const Task& t) {
+  const int per = stream_items(t.kind);
+  return streamed_kind(t.kind) ? (t.end - t.begin + per - 1) / per : 0;
+}
+constexpr int STREAM_RING = STREAM_BUFFERS > 0 ? STREAM_BUFFERS : 1;
+struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]; };
+
+// a compute task's weights in shared memory: its staged tile (null weights where the task's kind is not
+// staged), or the ring its streamed sub-tiles pass through and the first one's number
+struct Staged {
+  const T* weights; unsigned long long* full; unsigned parity;
+  const T* ring; StreamBarriers* stream; long long stream_first;
+};
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
 
@@ -413,6 +437,22 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
 // of each matrix after the previous matrix's, as weight_pieces lists them), else from global memory.
 template <int K, int ROWS, typename Row, typename Emit>
 __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit) {
+  if constexpr (STREAM_BUFFERS > 0) {
+    if (streamed_kind(t.kind)) {   // sub-tile after sub-tile as the loader warp lands them
+      const int per = stream_items(t.kind);
+      long long n = staged.stream_first;
+      for (int b = t.begin; b < t.end; b += per, ++n) {
+        const int e = min(b + per, t.end), buffer = int(n % STREAM_BUFFERS);
+        const T* tile = staged.ring + (long long)buffer * (STREAM_BYTES / int(sizeof(T)));
+        mbarrier_wait(&staged.stream->full[buffer], unsigned(n / STREAM_BUFFERS) & 1u);
+        gemv<K, ROWS, true>(b, e, xs, [&](int r, int j) { return tile + ((long long)j * (e - b) + (r - b)) * K; },
+                            emit);
+        compute_sync();            // every compute thread has read the sub-tile: its buffer is free
+        if (threadIdx.x == 0) mbarrier_arrive(&staged.stream->empty[buffer]);
+      }
+      return;
+    }
+  }
   if constexpr (STAGE_BUFFERS > 0) {
     if (staged.weights != nullptr) {
       mbarrier_wait(staged.full, staged.parity);
@@ -699,13 +739,13 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 // rows of the logits and the tile's best token; logit(acc): a row's logit from its dot product (the LM head
 // op's epilogue, generated)
 template <typename Logit>
-__device__ void lmhead_task(const Params& p, const Task& t, long long step, long long pos, int tile, float* xs,
-                            float* red, Logit logit_of) {
+__device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos, int tile,
+                            float* xs, float* red, Logit logit_of) {
   load_normed_stream(p, xs, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm, red);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
-  gemv<H, 1, false>(t.begin, t.end, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
+  task_gemv<H, 1>(t, staged, xs, [&](int r, int) { return p.lm_head + (long long)r * H; },
                 [&](int r, const float* acc) {
                   const float logit = logit_of(acc);
                   p.logits[r] = logit;
@@ -836,6 +876,7 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
     prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
     return;
   }
+  if (streamed_kind(t.kind)) return;   // the loader warp streams them
   weight_pieces(p, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
 }
 
@@ -858,6 +899,55 @@ __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, Sta
       bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), &bars.full[b]);
     dst += size;
   });
+}
+
+// The loader warp (weight streaming): this worker's tasks in the static schedule's order, each streamed
+// task's sub-tiles copied into the ring's buffers in turn, a buffer as soon as the compute warps have
+// emptied it; so the copies run ahead of the tasks by the ring's size, whatever the tasks wait for. When
+// the compute warps leave (`finished`: the launch stopped), it stops; before the block may leave, every
+// copy it issued has landed.
+__device__ __forceinline__ bool wait_emptied(unsigned long long* bar, unsigned parity, const volatile int* finished) {
+  for (;;) {
+    unsigned done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    if (done) return true;
+    if (*finished) return false;
+  }
+}
+__device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, const volatile int* finished) {
+  const int lane = threadIdx.x % 32;
+  const long long total = p.num_steps * TASKS;
+  long long n = 0;   // sub-tiles issued
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const Task t = p.tasks[index % TASKS];
+    if (!streamed_kind(t.kind)) continue;
+    const int per = stream_items(t.kind);
+    for (int b = t.begin; b < t.end; b += per, ++n) {
+      const int buffer = int(n % STREAM_BUFFERS);
+      const long long use = n / STREAM_BUFFERS;
+      if (use > 0 && !wait_emptied(&bars.empty[buffer], unsigned(use - 1) & 1u, finished)) goto drain;
+      Task sub = t;
+      sub.begin = b;
+      sub.end = min(b + per, t.end);
+      long long bytes = 0;
+      weight_pieces(p, sub, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
+      if (lane == 0) mbarrier_arrive_expect(&bars.full[buffer], unsigned(bytes));
+      __syncwarp();
+      char* dst = reinterpret_cast<char*>(ring) + (long long)buffer * STREAM_BYTES;
+      weight_pieces(p, sub, [&](const T* first, long long elements) {
+        constexpr long long PIECE = 16384;
+        const char* src = reinterpret_cast<const char*>(first);
+        const long long size = elements * (long long)sizeof(T);
+        for (long long off = (long long)lane * PIECE; off < size; off += 32 * PIECE)
+          bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), &bars.full[buffer]);
+        dst += size;
+      });
+    }
+  }
+drain:
+  for (long long m = n - 1; m >= 0 && m >= n - STREAM_BUFFERS; --m)   // each buffer's last copy
+    mbarrier_wait(&bars.full[m % STREAM_BUFFERS], unsigned(m / STREAM_BUFFERS) & 1u);
 }
 
 // The scheduler's k-th task index: this worker's share of the indices in order (blockIdx.x + k * workers:
@@ -919,6 +1009,7 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
   int staged = 0;    // staged tasks handed to the compute warps so far
+  long long streamed = 0;   // streamed sub-tiles of the tasks handed over so far
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
     long long index = next_index(p, k, lane);
@@ -954,7 +1045,8 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       index = -1;
     }
     if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
-    if (lane == 0) slots[s] = Slot{t, index, taken, ready};
+    if (lane == 0) slots[s] = Slot{t, index, streamed, taken, ready};
+    if (index >= 0) streamed += stream_subtiles(t);
     named_arrive(BAR_FULL + s, BLOCK);
     if (index < 0) {
       // the compute warps' last arrival on the other slot, so that no barrier is left half-arrived
@@ -966,13 +1058,16 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
 
 // The compute warps: run the tasks of the slots in turn; never wait on another block.
 __device__ void compute(const Params& p, const Slot* slots, float* red, float* work, const T* stage,
-                        StageBarriers& bars) {
+                        StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished) {
   int staged_done = 0;   // staged tasks run so far: the scheduler's order, so the same buffers and phases
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
     named_sync(BAR_FULL + s, BLOCK);
     const Slot slot = slots[s];
-    if (slot.index < 0) return;
+    if (slot.index < 0) {
+      if (threadIdx.x == 0) *finished = 1;   // the loader warp stops streaming
+      return;
+    }
     const Task& t = slot.task;
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
@@ -980,7 +1075,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const bool staged_task = staged_kind(t.kind);
     const int b = staged_done % STAGE_RING;
     const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
-                           unsigned(staged_done / STAGE_RING) & 1u};
+                           unsigned(staged_done / STAGE_RING) & 1u, ring, &stream, slot.stream_first};
     const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) {                 // every compute thread has read the tile: its buffer is free
@@ -1011,23 +1106,36 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
   }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK, 1) mdsl_megakernel(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) float smem[];
   float* red = smem;                   // [2 NW]: block reductions
   float* work = smem + 2 * NW;         // the task's inputs (16-byte aligned: 2 NW floats = 64 bytes)
   __shared__ Slot slots[SLOTS];
   __shared__ StageBarriers stage_barriers;
+  __shared__ StreamBarriers stream_barriers;
+  __shared__ int finished;             // the compute warps have left (the loader warp stops)
   T* stage = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STAGE_OFFSET);   // STAGE_BUFFERS tiles
-  if (STAGE_BUFFERS > 0) {
-    if (threadIdx.x == 0)
-      for (int b = 0; b < STAGE_BUFFERS; ++b) {
-        mbarrier_init(&stage_barriers.full[b], 1);
-        mbarrier_init(&stage_barriers.empty[b], 1);
-      }
-    named_sync(BAR_START, BLOCK);      // the barriers are initialised before either side uses them
+  T* ring = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STREAM_OFFSET);    // STREAM_BUFFERS sub-tiles
+  if (threadIdx.x == 0) {
+    finished = 0;
+    for (int b = 0; b < STAGE_BUFFERS; ++b) {
+      mbarrier_init(&stage_barriers.full[b], 1);
+      mbarrier_init(&stage_barriers.empty[b], 1);
+    }
+    for (int b = 0; b < STREAM_BUFFERS; ++b) {
+      mbarrier_init(&stream_barriers.full[b], 1);
+      mbarrier_init(&stream_barriers.empty[b], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // visible to the copy engine too
   }
-  if (threadIdx.x >= NT) schedule(p, slots, stage, stage_barriers);
-  else compute(p, slots, red, work, stage, stage_barriers);
+  named_sync(BAR_START, LAUNCH);       // the barriers are initialised before any warp uses them
+  if (threadIdx.x >= BLOCK) {
+    if (STREAM_BUFFERS > 0) stream_weights(p, ring, stream_barriers, &finished);
+  } else if (threadIdx.x >= NT) {
+    schedule(p, slots, stage, stage_barriers);
+  } else {
+    compute(p, slots, red, work, stage, stage_barriers, ring, stream_barriers, &finished);
+  }
 }
 
 }  // namespace mk

@@ -98,7 +98,10 @@ class MegakernelEngine:
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging);
     `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`,
     under tensor parallelism, whether the residual stream's partials travel as flagged words that their
-    readers poll instead of being signalled (plan.for_ranks). `ranks`: one rank of a
+    readers poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp
+    streams every task's weights through a shared-memory ring, running ahead of the tasks' inputs
+    (source.Streaming; the static schedule), in buffers of `stream_buffer_kib` KiB if given (else the
+    size that wastes least). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -106,7 +109,8 @@ class MegakernelEngine:
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
                  prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
                  stage_weights: bool = False, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
-                 flagged_stream: bool = False, ranks: Optional[RankGroup] = None):
+                 flagged_stream: bool = False, stream_weights: bool = False,
+                 stream_buffer_kib: Optional[float] = None, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -116,6 +120,10 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if not 16 <= prefetch_kib <= 1024:
             raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
+        if stream_weights and (schedule != "static" or stage_weights):
+            raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
+                            hint="weight streaming needs the static schedule and replaces stage_weights: "
+                                 "pass schedule='static', stage_weights=False")
         _require_gpu()
         self.schedule = schedule
         self.prefetch_ahead = prefetch_ahead
@@ -134,8 +142,13 @@ class MegakernelEngine:
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
                                                    fused_combine=fused_combine), self.world,
                                          flagged_stream=flagged_stream and self.world > 1)
-        source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib)
+        try:
+            source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
+                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024))
+        except ValueError as e:
+            raise MdslError(str(e), hint="leave stream_buffer_kib unset, or pass stream_weights=False") from None
         self.staging = source.staging
+        self.streaming = source.streaming
         self.source = source.text
         self.smem_bytes = source.smem_bytes
         self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -172,7 +185,8 @@ class MegakernelEngine:
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
                         schedule: str = "static", prefetch_ahead: int = 1, attention_lanes: int = 1,
                         fused_combine: bool = False, stage_weights: bool = False,
-                        prefetch_kib: int = DEFAULT_PREFETCH_KIB, flagged_stream: bool = False) -> "MegakernelEngine":
+                        prefetch_kib: int = DEFAULT_PREFETCH_KIB, flagged_stream: bool = False,
+                        stream_weights: bool = False, stream_buffer_kib: Optional[float] = None) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -186,7 +200,8 @@ class MegakernelEngine:
         return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
                    eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
                    attention_lanes=attention_lanes, fused_combine=fused_combine, stage_weights=stage_weights,
-                   prefetch_kib=prefetch_kib, flagged_stream=flagged_stream)
+                   prefetch_kib=prefetch_kib, flagged_stream=flagged_stream, stream_weights=stream_weights,
+                   stream_buffer_kib=stream_buffer_kib)
 
     # -- device memory ---------------------------------------------------------------------------
 

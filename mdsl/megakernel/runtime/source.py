@@ -5,6 +5,7 @@ generated for the plan's layer ops (bodies.py), compiled with NVRTC for sm_90a."
 from __future__ import annotations
 
 from functools import cache
+from typing import Optional
 from pathlib import Path
 
 import attrs
@@ -17,7 +18,7 @@ from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
 KERNEL_NAME = "mdsl_megakernel"
 THREADS = 256                    # device.cu's NT: the compute warps' threads
 WARPS = THREADS // 32
-BLOCK_THREADS = THREADS + 32     # device.cu's BLOCK: + the scheduler warp
+BLOCK_THREADS = THREADS + 64     # device.cu's LAUNCH: + the scheduler warp and the loader warp
 PROFILE_WORDS = 5                # device.cu's PROFILE_WORDS: 64-bit words per task index in the profile
 # How a worker's scheduler warp takes task indices: "static", this worker's share in order (index
 # worker + k * workers, so the `workers` tiles of a linear go one to each worker); "queue", the next
@@ -89,12 +90,19 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+WEIGHT_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN, Kind.LMHEAD)   # the kinds that read weight rows
+
+
+def item_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
+    """The weight bytes of one output column of a `kind` task: its row of each matrix it multiplies."""
+    s = plan.shape
+    return {Kind.QKV: s.hidden, Kind.OPROJ: s.attention_width, Kind.GATEUP: 2 * s.hidden,
+            Kind.DOWN: s.intermediate, Kind.LMHEAD: s.hidden}[kind] * s.dtype.itemsize
+
+
 def tile_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
     """The most weight bytes one task of `kind` reads (its rows of each matrix it multiplies)."""
-    s = plan.shape
-    row = {Kind.QKV: s.hidden, Kind.OPROJ: s.attention_width, Kind.GATEUP: 2 * s.hidden,
-           Kind.DOWN: s.intermediate}[kind] * s.dtype.itemsize
-    return max((t.end - t.begin) * row for t in plan.tasks if t.kind is kind)
+    return max((t.end - t.begin) * item_weight_bytes(plan, kind) for t in plan.tasks if t.kind is kind)
 
 
 @attrs.frozen
@@ -136,10 +144,69 @@ def plan_staging(plan: TaskPlan, enabled: bool = True, max_buffers: int = 2) -> 
 
 
 @attrs.frozen
+class Streaming:
+    """Weight streaming: a worker's loader warp copies the weights of its tasks (every kind that reads weight
+    rows), in the order it runs them, through a ring of `buffers` shared-memory buffers of `buffer_bytes`:
+    each task's tile cut into sub-tiles of `items[kind]` output columns, a buffer refilled as soon as the
+    compute warps have read it. The copies so run up to the ring's size ahead of the compute, whatever the
+    tasks wait for: the memory system streams through attention and the all-reduces' hops, where a task's
+    own loads (or the staging of one tile) would leave it idle. The static schedule only (a worker's tasks
+    are known in advance)."""
+    buffers: int = 0
+    buffer_bytes: int = 0
+    offset: int = 0
+    items: tuple = ()    # (Kind, output columns per sub-tile)
+
+    @property
+    def kind_mask(self) -> int:
+        return sum(1 << int(kind) for kind, _ in self.items)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.offset + self.buffers * self.buffer_bytes
+
+
+MAX_STREAM_BUFFERS = 16
+
+
+def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Streaming:
+    """The ring that fills the shared memory next to the task inputs': the buffer count whose buffers hold
+    the most bytes of whole sub-tiles (of at most a tile) of the kind that fills them worst (a down-proj
+    column of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
+    (as many as fit, at most MAX_STREAM_BUFFERS)."""
+    offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
+    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
+    kinds = [kind for kind in WEIGHT_KINDS if any(t.kind is kind for t in plan.tasks)]
+    widest = {kind: max(t.end - t.begin for t in plan.tasks if t.kind is kind) for kind in kinds}
+    counts = range(2, MAX_STREAM_BUFFERS + 1)
+    if buffer_bytes is not None:
+        counts = [min(MAX_STREAM_BUFFERS, room // max(buffer_bytes, 1))]
+    best = None
+    for buffers in counts:
+        size = room // buffers // _STAGE_ALIGN * _STAGE_ALIGN if buffer_bytes is None else \
+            buffer_bytes // 16 * 16
+        if buffers < 2 or size < 16:
+            break
+        per = {kind: min(size // item_weight_bytes(plan, kind), widest[kind]) for kind in kinds}
+        if min(per.values()) < 1:
+            break
+        held = min(buffers * per[kind] * item_weight_bytes(plan, kind) for kind in kinds)
+        if best is None or held >= best[0]:   # ties: more, smaller buffers (a finer-grained ring)
+            best = (held, buffers, size, per)
+    if best is None:
+        raise ValueError(f"the weight streaming ring needs two buffers of a weight column of every kind "
+                         f"({max(item_weight_bytes(plan, k) for k in kinds)} bytes) in the {room} bytes of shared "
+                         f"memory left" + (f", in buffers of {buffer_bytes} bytes" if buffer_bytes else ""))
+    _, buffers, size, per = best
+    return Streaming(buffers, size, offset, tuple((kind, per[kind]) for kind in kinds))
+
+
+@attrs.frozen
 class MegakernelSource:
     text: str
     smem_bytes: int      # dynamic shared memory per worker block
     staging: Staging = Staging()
+    streaming: Streaming = Streaming()
 
 
 def _float_literal(x: float) -> str:
@@ -161,14 +228,17 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
                     attention_lanes: int = 1, stage_weights: bool = False,
-                    prefetch_kib: int = DEFAULT_PREFETCH_KIB) -> MegakernelSource:
+                    prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: bool = False,
+                    stream_buffer_bytes: Optional[int] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
     cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
     loads per thread, the sums met by shuffles). `stage_weights`: tiles that fit are copied whole into
     shared memory ahead of their task (`Staging`). `prefetch_kib`: how much of a task's weights (KiB per
-    task) the scheduler prefetches into L2 ahead of it."""
+    task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row goes through the
+    loader warp's ring (`Streaming`; the static schedule, not with `stage_weights`), of buffers of
+    `stream_buffer_bytes` if given."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -181,7 +251,12 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
     if not 16 <= prefetch_kib <= 1024:
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
+    if stream_weights and (schedule != "static" or stage_weights):
+        raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
+                         f"(got schedule {schedule!r}, stage_weights {stage_weights})")
     staging = plan_staging(plan, stage_weights)
+    streaming = plan_streaming(plan, stream_buffer_bytes) if stream_weights else Streaming(offset=staging.smem_bytes)
+    items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
@@ -202,8 +277,19 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int STAGE_BYTES = {staging.buffer_bytes};",
               f"constexpr int STAGE_OFFSET = {staging.offset};",
+              f"constexpr int STREAM_KINDS = {streaming.kind_mask};",
+              f"constexpr int STREAM_BUFFERS = {streaming.buffers};",
+              f"constexpr int STREAM_BYTES = {streaming.buffer_bytes};",
+              f"constexpr int STREAM_OFFSET = {streaming.offset};",
+              "// output columns per streamed sub-tile, by kind",
+              "__device__ __forceinline__ constexpr int stream_items(int kind) {",
+              "  switch (kind) {",
+              *(f"    case KIND_{kind.name}: return {items[kind]};" for kind in sorted(items)),
+              "    default: return 1;",
+              "  }",
+              "}",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     runtime = _runtime_source().replace(BODIES_MARKER, generate_bodies(plan))
     text = "\n".join([INCLUDES, PRELUDE, *lines, runtime])
-    return MegakernelSource(text, staging.smem_bytes, staging)
+    return MegakernelSource(text, max(staging.smem_bytes, streaming.smem_bytes), staging, streaming)
