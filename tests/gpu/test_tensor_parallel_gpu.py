@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory):
 
 STAGED = (("stage_weights", True), ("fused_combine", True), ("attention_lanes", 4), ("prefetch_ahead", 2))
 FLAGGED = (("flagged_stream", True),)
-STREAMED = (("stream_weights", True), ("stream_buffer_kib", 0.25))
+STREAMED = (("stream_weights", True), ("stream_buffer_kib", 1))
 
 
 @pytest.mark.timeout(600)

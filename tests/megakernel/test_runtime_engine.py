@@ -70,6 +70,8 @@ def generate_source_for(engine_kwargs):
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False))
+    if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
+        options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
         plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
