@@ -168,7 +168,7 @@ def test_streaming_ring_holds_whole_columns_of_every_kind():
         assert 1 <= per * item_weight_bytes(one, kind) <= ring.buffer_bytes
     rank = for_ranks(build_plan(decoder_shape(shard_config(qwen3_8b, 2)), workers=H200_SMS, max_seq=1200), 2)
     shard_ring = plan_streaming(rank)
-    assert shard_ring.buffers == 4 and dict(shard_ring.items)[Kind.GATEUP] == 3   # 3 x 16 KB of 50.5 KB
+    assert shard_ring.buffers == 4 and dict(shard_ring.items)[Kind.GATEUP] == 3   # 3 x 16 KB of 50 KB
     small = plan_streaming(rank, buffer_bytes=16 * 1024)
     assert (small.buffers, small.buffer_bytes, dict(small.items)[Kind.GATEUP]) == (12, 16384, 1)
     with pytest.raises(ValueError, match="two buffers of a weight column"):

@@ -167,6 +167,9 @@ class Streaming:
 
 
 MAX_STREAM_BUFFERS = 16
+STREAM_MAX_ROWS = 32      # weight rows per sub-tile at most (device.cu's subtile_gemv keeps one sum per row)
+# the sub-tiles' per-warp row sums, two halves (device.cu's STREAM_SUMS_OFFSET, before the ring)
+STREAM_SUMS_BYTES = 2 * WARPS * STREAM_MAX_ROWS * 4
 
 
 def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Streaming:
@@ -174,10 +177,11 @@ def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Stream
     the most bytes of whole sub-tiles (of at most a tile) of the kind that fills them worst (a down-proj
     column of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
     (as many as fit, at most MAX_STREAM_BUFFERS)."""
-    offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
+    offset = _round_up(_round_up(shared_memory_bytes(plan), 16) + STREAM_SUMS_BYTES, _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
     kinds = [kind for kind in WEIGHT_KINDS if any(t.kind is kind for t in plan.tasks)]
-    widest = {kind: max(t.end - t.begin for t in plan.tasks if t.kind is kind) for kind in kinds}
+    widest = {kind: min(max(t.end - t.begin for t in plan.tasks if t.kind is kind),
+                        STREAM_MAX_ROWS // (2 if kind is Kind.GATEUP else 1)) for kind in kinds}
     counts = range(2, MAX_STREAM_BUFFERS + 1)
     if buffer_bytes is not None:
         counts = [min(MAX_STREAM_BUFFERS, room // max(buffer_bytes, 1))]
@@ -281,6 +285,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int STREAM_BUFFERS = {streaming.buffers};",
               f"constexpr int STREAM_BYTES = {streaming.buffer_bytes};",
               f"constexpr int STREAM_OFFSET = {streaming.offset};",
+              f"constexpr int STREAM_SUMS_OFFSET = {_round_up(shared_memory_bytes(plan), 16)};",
+              f"constexpr int STREAM_MAX_ROWS = {STREAM_MAX_ROWS};",
               "// output columns per streamed sub-tile, by kind",
               "__device__ __forceinline__ constexpr int stream_items(int kind) {",
               "  switch (kind) {",
