@@ -184,7 +184,7 @@ struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]
 // staged), or the ring its streamed sub-tiles pass through and the first one's number
 struct Staged {
   const T* weights; unsigned long long* full; unsigned parity;
-  const T* ring; StreamBarriers* stream; long long stream_first; float* sums;
+  const T* ring; StreamBarriers* stream; long long stream_first;
 };
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
@@ -392,14 +392,16 @@ __device__ void load_normed_stream(const Params& p, float* xs, const T* single, 
 // the first is used (bandwidth at batch 1 needs about 32 KB in flight per SM). emit(item, acc[ROWS])
 // runs on lane 0.
 constexpr int LOADS = 16;
+// (warps: how many warps share the items, `warp` this one's place among them)
 template <int K, int ROWS, bool STAGED, typename Row, typename Emit>
-__device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit) {
+__device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit,
+                                     int warp = threadIdx.x / 32, int warps = NW) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
   constexpr int U = CH >= 32 * 8 ? 8 : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
   constexpr int ITEMS = LOADS / (ROWS * U) > 0 ? LOADS / (ROWS * U) : 1;
   constexpr int R = ITEMS * ROWS;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int first = begin + warp * ITEMS; first < end; first += NW * ITEMS) {
+  const int lane = threadIdx.x % 32;
+  for (int first = begin + warp * ITEMS; first < end; first += warps * ITEMS) {
     const T* w[R];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i)
@@ -433,67 +435,27 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
   }
 }
 
-// A streamed sub-tile's dot products: its rows (row q = j * n + i: row j of item b + i, as the loader lays
-// them out) are few, so every compute thread takes 16-byte chunks threadIdx.x, + NT, ... of each row (one
-// read of xs per chunk for all rows), and the warps' sums meet in shared memory (`sums`, two halves used in
-// turn, so that the next sub-tile's writes need no barrier behind this one's reads). The buffer is free
-// (`emptied`) as soon as every thread's sums are in.
-template <int K, int ROWS, typename Emit>
-__device__ __forceinline__ void subtile_gemv(const T* tile, int b, int e, const float* xs, float* sums,
-                                             unsigned long long* emptied, Emit emit) {
-  constexpr int CH = K / VEC;
-  constexpr int BY_SIZE = STREAM_BYTES / (K * int(sizeof(T)));
-  constexpr int RMAX = BY_SIZE < STREAM_MAX_ROWS ? (BY_SIZE > 0 ? BY_SIZE : 1) : STREAM_MAX_ROWS;
-  const int n = e - b, rows = n * ROWS;
-  float acc[RMAX];
-#pragma unroll
-  for (int r = 0; r < RMAX; ++r) acc[r] = 0.0f;
-  for (int c = threadIdx.x; c < CH; c += NT) {
-    uint4 v[RMAX];
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r) v[r] = r < rows ? ld_staged(tile + (long long)r * K + c * VEC) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r)
-      if (r < rows) acc[r] += dot_vec(v[r], xs + c * VEC);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < RMAX; ++r)
-    if (r < rows) {                    // uniform over the block
-      const float total = mdsl::group_reduce<32>(acc[r], mdsl::Sum());
-      if (lane == 0) sums[warp * RMAX + r] = total;
-    }
-  compute_sync();
-  if (threadIdx.x == 0) mbarrier_arrive(emptied);
-  if (threadIdx.x < n) {
-    float out[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      float total = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) total += sums[w * RMAX + j * n + threadIdx.x];
-      out[j] = total;
-    }
-    emit(b + threadIdx.x, out);
-  }
-}
-
 // A task's dot products (gemv): the weight rows from its staged tile once the tile has landed (the rows
 // of each matrix after the previous matrix's, as weight_pieces lists them), else from global memory.
 template <int K, int ROWS, typename Row, typename Emit>
 __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit) {
   if constexpr (STREAM_BUFFERS > 0) {
-    if (streamed_kind(t.kind)) {   // sub-tile after sub-tile as the loader warp lands them
-      const int per = stream_items(t.kind);
-      long long n = staged.stream_first;
-      for (int b = t.begin; b < t.end; b += per, ++n) {
+    if (streamed_kind(t.kind)) {
+      // the task's k-th sub-tile (the worker's stream_first + k-th) is warp k % NW's, which waits for its
+      // buffer, multiplies its rows as gemv does (lanes across the row), and frees the buffer; the warps
+      // work on different sub-tiles at once and never wait for one another, so the buffers empty in any
+      // order while the loader refills them in order (a warp waits only on sub-tiles issued before its own)
+      const int per = stream_items(t.kind), warp = threadIdx.x / 32;
+      long long n = staged.stream_first + warp;
+      for (int b = t.begin + warp * per; b < t.end; b += NW * per, n += NW) {
         const int e = min(b + per, t.end), buffer = int(n % STREAM_BUFFERS);
         const T* tile = staged.ring + (long long)buffer * (STREAM_BYTES / int(sizeof(T)));
         mbarrier_wait(&staged.stream->full[buffer], unsigned(n / STREAM_BUFFERS) & 1u);
-        subtile_gemv<K, ROWS>(tile, b, e, xs, staged.sums + (n & 1) * NW * STREAM_MAX_ROWS,
-                              &staged.stream->empty[buffer], emit);
+        gemv<K, ROWS, true>(b, e, xs, [&](int r, int j) { return tile + ((long long)j * (e - b) + (r - b)) * K; },
+                            emit, 0, 1);
+        __syncwarp();              // every lane has read the sub-tile: its buffer is free
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(&staged.stream->empty[buffer]);
       }
-      compute_sync();              // the last sub-tile's sums are read before a later task writes them
       return;
     }
   }
@@ -1102,8 +1064,7 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
 
 // The compute warps: run the tasks of the slots in turn; never wait on another block.
 __device__ void compute(const Params& p, const Slot* slots, float* red, float* work, const T* stage,
-                        StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished,
-                        float* smem) {
+                        StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished) {
   int staged_done = 0;   // staged tasks run so far: the scheduler's order, so the same buffers and phases
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
@@ -1120,8 +1081,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const bool staged_task = staged_kind(t.kind);
     const int b = staged_done % STAGE_RING;
     const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
-                           unsigned(staged_done / STAGE_RING) & 1u, ring, &stream, slot.stream_first,
-                           reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + STREAM_SUMS_OFFSET)};
+                           unsigned(staged_done / STAGE_RING) & 1u, ring, &stream, slot.stream_first};
     const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) {                 // every compute thread has read the tile: its buffer is free
@@ -1180,7 +1140,7 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __
   } else if (threadIdx.x >= NT) {
     schedule(p, slots, stage, stage_barriers);
   } else {
-    compute(p, slots, red, work, stage, stage_barriers, ring, stream_barriers, &finished, smem);
+    compute(p, slots, red, work, stage, stage_barriers, ring, stream_barriers, &finished);
   }
 }
 

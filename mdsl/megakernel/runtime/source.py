@@ -167,21 +167,20 @@ class Streaming:
 
 
 MAX_STREAM_BUFFERS = 16
-STREAM_MAX_ROWS = 32      # weight rows per sub-tile at most (device.cu's subtile_gemv keeps one sum per row)
-# the sub-tiles' per-warp row sums, two halves (device.cu's STREAM_SUMS_OFFSET, before the ring)
-STREAM_SUMS_BYTES = 2 * WARPS * STREAM_MAX_ROWS * 4
 
 
 def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Streaming:
-    """The ring that fills the shared memory next to the task inputs': the buffer count whose buffers hold
-    the most bytes of whole sub-tiles (of at most a tile) of the kind that fills them worst (a down-proj
-    column of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
+    """The ring that fills the shared memory next to the task inputs': at least as many buffers as compute
+    warps where the columns fit (the warps take a task's sub-tiles in turn), then the buffer count whose
+    buffers hold the most bytes of whole sub-tiles of the kind that fills them worst (a down-proj column
+    of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
     (as many as fit, at most MAX_STREAM_BUFFERS)."""
-    offset = _round_up(_round_up(shared_memory_bytes(plan), 16) + STREAM_SUMS_BYTES, _STAGE_ALIGN)
+    offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
     kinds = [kind for kind in WEIGHT_KINDS if any(t.kind is kind for t in plan.tasks)]
-    widest = {kind: min(max(t.end - t.begin for t in plan.tasks if t.kind is kind),
-                        STREAM_MAX_ROWS // (2 if kind is Kind.GATEUP else 1)) for kind in kinds}
+    # a tile's sub-tiles go to the warps in turn: columns per sub-tile at most a warp's share of the widest
+    widest = {kind: max(1, -(-max(t.end - t.begin for t in plan.tasks if t.kind is kind) // WARPS))
+              for kind in kinds}
     counts = range(2, MAX_STREAM_BUFFERS + 1)
     if buffer_bytes is not None:
         counts = [min(MAX_STREAM_BUFFERS, room // max(buffer_bytes, 1))]
@@ -194,7 +193,8 @@ def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Stream
         per = {kind: min(size // item_weight_bytes(plan, kind), widest[kind]) for kind in kinds}
         if min(per.values()) < 1:
             break
-        held = min(buffers * per[kind] * item_weight_bytes(plan, kind) for kind in kinds)
+        # first as many buffers as warps (each warp works on its own sub-tile), then the bytes the ring holds
+        held = (min(buffers, WARPS), min(buffers * per[kind] * item_weight_bytes(plan, kind) for kind in kinds))
         if best is None or held >= best[0]:   # ties: more, smaller buffers (a finer-grained ring)
             best = (held, buffers, size, per)
     if best is None:
@@ -285,8 +285,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int STREAM_BUFFERS = {streaming.buffers};",
               f"constexpr int STREAM_BYTES = {streaming.buffer_bytes};",
               f"constexpr int STREAM_OFFSET = {streaming.offset};",
-              f"constexpr int STREAM_SUMS_OFFSET = {_round_up(shared_memory_bytes(plan), 16)};",
-              f"constexpr int STREAM_MAX_ROWS = {STREAM_MAX_ROWS};",
               "// output columns per streamed sub-tile, by kind",
               "__device__ __forceinline__ constexpr int stream_items(int kind) {",
               "  switch (kind) {",
