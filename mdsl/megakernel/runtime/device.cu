@@ -178,7 +178,11 @@ __device__ __forceinline__ int stream_subtiles(const Task& t) {
   return streamed_kind(t.kind) ? (t.end - t.begin + per - 1) / per : 0;
 }
 constexpr int STREAM_RING = STREAM_BUFFERS > 0 ? STREAM_BUFFERS : 1;
-struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]; };
+// issued: the sub-tiles the loader has issued. A warp waits for its sub-tile n to be issued before it waits
+// on the buffer's full barrier: the warps take sub-tiles out of order, and a parity wait on a buffer whose
+// previous phase (sub-tile n - STREAM_BUFFERS, another warp's) has not completed would see the phase
+// before that one, of the same parity, and return at once.
+struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]; volatile long long issued; };
 
 // a compute task's weights in shared memory: its staged tile (null weights where the task's kind is not
 // staged), or the ring its streamed sub-tiles pass through and the first one's number
@@ -450,6 +454,8 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       for (int b = t.begin + warp * per; b < t.end; b += NW * per, n += NW) {
         const int e = min(b + per, t.end), buffer = int(n % STREAM_BUFFERS);
         const T* tile = staged.ring + (long long)buffer * (STREAM_BYTES / int(sizeof(T)));
+        while (staged.stream->issued <= n) {
+        }
         mbarrier_wait(&staged.stream->full[buffer], unsigned(n / STREAM_BUFFERS) & 1u);
         gemv<K, ROWS, true>(b, e, xs, [&](int r, int j) { return tile + ((long long)j * (e - b) + (r - b)) * K; },
                             emit, 0, 1);
@@ -938,7 +944,11 @@ __device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, c
       sub.end = min(b + per, t.end);
       long long bytes = 0;
       weight_pieces(p, sub, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
-      if (lane == 0) mbarrier_arrive_expect(&bars.full[buffer], unsigned(bytes));
+      if (lane == 0) {
+        mbarrier_arrive_expect(&bars.full[buffer], unsigned(bytes));
+        __threadfence_block();       // the phase's arrival before the count that lets its readers wait on it
+        bars.issued = n + 1;
+      }
       __syncwarp();
       char* dst = reinterpret_cast<char*>(ring) + (long long)buffer * STREAM_BYTES;
       weight_pieces(p, sub, [&](const T* first, long long elements) {
@@ -1124,6 +1134,7 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __
   T* ring = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STREAM_OFFSET);    // STREAM_BUFFERS sub-tiles
   if (threadIdx.x == 0) {
     finished = 0;
+    stream_barriers.issued = 0;
     for (int b = 0; b < STAGE_BUFFERS; ++b) {
       mbarrier_init(&stage_barriers.full[b], 1);
       mbarrier_init(&stage_barriers.empty[b], 1);
