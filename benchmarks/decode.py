@@ -52,6 +52,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "stream-fused": {"schedule": "static", "stream_weights": True, "fused_combine": True},
     "stream-lanes4-fused": {"schedule": "static", "stream_weights": True, "attention_lanes": 4, "fused_combine": True},
     "stream-16k": {"schedule": "static", "stream_weights": True, "stream_buffer_kib": 16},
+    # the short linears after latency-bound phases only (QKV after the all-reduce, o-proj after attention)
+    "stream-short": {"schedule": "static", "stream_weights": ("qkv", "oproj")},
+    "stream-oproj": {"schedule": "static", "stream_weights": ("oproj",)},
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},

@@ -192,6 +192,11 @@ def test_streamed_weights_compile_without_spills_and_need_the_static_schedule():
     for options in ({"schedule": "queue"}, {"stage_weights": True}):
         with pytest.raises(ValueError, match="stream_weights needs the static schedule"):
             generate_source(plan, stream_weights=True, **options)
+    short = generate_source(plan, stream_weights=("qkv", "oproj"))
+    assert [kind.name for kind, _ in short.streaming.items] == ["QKV", "OPROJ"]
+    assert f"constexpr int STREAM_KINDS = {(1 << 0) | (1 << 3)};" in short.text
+    with pytest.raises(ValueError, match="stream_weights names kinds of qkv, oproj, gateup, down, lmhead"):
+        generate_source(plan, stream_weights=("attn",))
 
 
 @pytest.mark.slow

@@ -232,15 +232,15 @@ def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
     """The weight rows a task multiplies, as contiguous pieces in the order its body reads them (a
     concatenated tile may span several matrices; a paired one reads each matrix's rows in turn)."""
     w("", "// The weight rows a linear task multiplies, as contiguous pieces in the order its body reads them:",
-      "// visit(first element, elements) per piece.")
+      "// visit(first element, elements) per piece. `w`: the task's layer's weights (a caller that visits",
+      "// many sub-tiles of one task passes a copy in registers, not one read from global memory each time).")
     w("template <typename Visit>")
-    with w.block("__device__ __forceinline__ void weight_pieces(const Params& p, const Task& t, Visit visit)"):
+    with w.block("__device__ __forceinline__ void weight_pieces(const Params& p, const LayerWeights& w, const Task& t, "
+                 "Visit visit)"):
         w("const long long n = t.end - t.begin;")
         with w.block("switch (t.kind)"):
             for body in bodies:
                 with w.block(f"case KIND_{body.kind.name}:"):
-                    if body.layered:
-                        w("const LayerWeights& w = p.layers[t.layer];")
                     if body.paired:
                         for m in body.matrices:
                             w(f"visit({m.pointer} + (long long)t.begin * ({body.k}), n * ({body.k}));")

@@ -454,8 +454,7 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       for (int b = t.begin + warp * per; b < t.end; b += NW * per, n += NW) {
         const int e = min(b + per, t.end), buffer = int(n % STREAM_BUFFERS);
         const T* tile = staged.ring + (long long)buffer * (STREAM_BYTES / int(sizeof(T)));
-        while (staged.stream->issued <= n) {
-        }
+        while (staged.stream->issued <= n) __nanosleep(20);
         mbarrier_wait(&staged.stream->full[buffer], unsigned(n / STREAM_BUFFERS) & 1u);
         gemv<K, ROWS, true>(b, e, xs, [&](int r, int j) { return tile + ((long long)j * (e - b) + (r - b)) * K; },
                             emit, 0, 1);
@@ -889,7 +888,7 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
     return;
   }
   if (streamed_kind(t.kind)) return;   // the loader warp streams them
-  weight_pieces(p, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+  weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
 }
 
 // The scheduler warp's copy of a staged task's weight tile into buffer `stage` (the worker's `n`-th staged
@@ -899,11 +898,11 @@ __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, Sta
   const int b = n % STAGE_RING, use = n / STAGE_RING;
   if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
   long long bytes = 0;
-  weight_pieces(p, t, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
+  weight_pieces(p, p.layers[t.layer], t, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
   if (lane == 0) mbarrier_arrive_expect(&bars.full[b], unsigned(bytes));
   __syncwarp();
   char* dst = reinterpret_cast<char*>(stage) + (long long)b * STAGE_BYTES;
-  weight_pieces(p, t, [&](const T* first, long long elements) {
+  weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) {
     constexpr long long PIECE = 16384;
     const char* src = reinterpret_cast<const char*>(first);
     const long long size = elements * (long long)sizeof(T);
@@ -934,6 +933,9 @@ __device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, c
   for (long long index = blockIdx.x; index < total; index += gridDim.x) {
     const Task t = p.tasks[index % TASKS];
     if (!streamed_kind(t.kind)) continue;
+    // the layer's weight pointers once per task, in registers: read per sub-tile they cost a dependent
+    // global load each (~1 us under load), which bounded 16 KB sub-tiles to ~16 GB/s per SM
+    const LayerWeights w = t.layer < L ? p.layers[t.layer] : LayerWeights{};
     const int per = stream_items(t.kind);
     for (int b = t.begin; b < t.end; b += per, ++n) {
       const int buffer = int(n % STREAM_BUFFERS);
@@ -943,7 +945,7 @@ __device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, c
       sub.begin = b;
       sub.end = min(b + per, t.end);
       long long bytes = 0;
-      weight_pieces(p, sub, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
+      weight_pieces(p, w, sub, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
       if (lane == 0) {
         mbarrier_arrive_expect(&bars.full[buffer], unsigned(bytes));
         __threadfence_block();       // the phase's arrival before the count that lets its readers wait on it
@@ -951,7 +953,7 @@ __device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, c
       }
       __syncwarp();
       char* dst = reinterpret_cast<char*>(ring) + (long long)buffer * STREAM_BYTES;
-      weight_pieces(p, sub, [&](const T* first, long long elements) {
+      weight_pieces(p, w, sub, [&](const T* first, long long elements) {
         constexpr long long PIECE = 16384;
         const char* src = reinterpret_cast<const char*>(first);
         const long long size = elements * (long long)sizeof(T);

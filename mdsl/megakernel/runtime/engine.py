@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import attrs
 import numpy as np
@@ -99,7 +99,8 @@ class MegakernelEngine:
     `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`,
     under tensor parallelism, whether the residual stream's partials travel as flagged words that their
     readers poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp
-    streams every task's weights through a shared-memory ring, running ahead of the tasks' inputs
+    streams every task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down",
+    "lmhead") through a shared-memory ring, running ahead of the tasks' inputs
     (source.Streaming; the static schedule), in buffers of `stream_buffer_kib` KiB if given (else the
     size that wastes least). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
@@ -109,7 +110,7 @@ class MegakernelEngine:
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
                  prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
                  stage_weights: bool = False, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
-                 flagged_stream: bool = False, stream_weights: bool = False,
+                 flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -146,7 +147,8 @@ class MegakernelEngine:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024))
         except ValueError as e:
-            raise MdslError(str(e), hint="leave stream_buffer_kib unset, or pass stream_weights=False") from None
+            raise MdslError(str(e), hint="stream_weights=True or kinds of qkv, oproj, gateup, down, lmhead; "
+                                         "stream_buffer_kib unset") from None
         self.staging = source.staging
         self.streaming = source.streaming
         self.source = source.text
@@ -186,7 +188,8 @@ class MegakernelEngine:
                         schedule: str = "static", prefetch_ahead: int = 1, attention_lanes: int = 1,
                         fused_combine: bool = False, stage_weights: bool = False,
                         prefetch_kib: int = DEFAULT_PREFETCH_KIB, flagged_stream: bool = False,
-                        stream_weights: bool = False, stream_buffer_kib: Optional[float] = None) -> "MegakernelEngine":
+                        stream_weights: Union[bool, Sequence[str]] = False,
+                        stream_buffer_kib: Optional[float] = None) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function

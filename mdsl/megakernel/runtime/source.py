@@ -5,7 +5,7 @@ generated for the plan's layer ops (bodies.py), compiled with NVRTC for sm_90a."
 from __future__ import annotations
 
 from functools import cache
-from typing import Optional
+from typing import Optional, Sequence, Union
 from pathlib import Path
 
 import attrs
@@ -169,15 +169,30 @@ class Streaming:
 MAX_STREAM_BUFFERS = 16
 
 
-def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None) -> Streaming:
+def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
+    """The kinds of the plan whose weights stream: every kind that reads weight rows (`wanted` True), or
+    those named ("qkv", "oproj", "gateup", "down", "lmhead")."""
+    names = {kind.name.lower(): kind for kind in WEIGHT_KINDS}
+    if wanted is True:
+        chosen = list(WEIGHT_KINDS)
+    else:
+        unknown = [name for name in wanted if name not in names]
+        if unknown or not wanted:
+            raise ValueError(f"stream_weights names kinds of {', '.join(names)}, not {list(wanted)}")
+        chosen = [names[name] for name in wanted]
+    return [kind for kind in WEIGHT_KINDS if kind in chosen and any(t.kind is kind for t in plan.tasks)]
+
+
+def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None,
+                   kinds: Union[bool, Sequence[str]] = True) -> Streaming:
     """The ring that fills the shared memory next to the task inputs': at least as many buffers as compute
     warps where the columns fit (the warps take a task's sub-tiles in turn), then the buffer count whose
     buffers hold the most bytes of whole sub-tiles of the kind that fills them worst (a down-proj column
     of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
-    (as many as fit, at most MAX_STREAM_BUFFERS)."""
+    (as many as fit, at most MAX_STREAM_BUFFERS). `kinds`: which kinds stream (`stream_kinds_of`)."""
     offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
-    kinds = [kind for kind in WEIGHT_KINDS if any(t.kind is kind for t in plan.tasks)]
+    kinds = stream_kinds_of(plan, kinds)
     # a tile's sub-tiles go to the warps in turn: columns per sub-tile at most a warp's share of the widest
     widest = {kind: max(1, -(-max(t.end - t.begin for t in plan.tasks if t.kind is kind) // WARPS))
               for kind in kinds}
@@ -232,7 +247,7 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
                     attention_lanes: int = 1, stage_weights: bool = False,
-                    prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: bool = False,
+                    prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
                     stream_buffer_bytes: Optional[int] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
@@ -240,9 +255,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
     loads per thread, the sums met by shuffles). `stage_weights`: tiles that fit are copied whole into
     shared memory ahead of their task (`Staging`). `prefetch_kib`: how much of a task's weights (KiB per
-    task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row goes through the
-    loader warp's ring (`Streaming`; the static schedule, not with `stage_weights`), of buffers of
-    `stream_buffer_bytes` if given."""
+    task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True), or those
+    of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not with
+    `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -259,7 +274,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
     staging = plan_staging(plan, stage_weights)
-    streaming = plan_streaming(plan, stream_buffer_bytes) if stream_weights else Streaming(offset=staging.smem_bytes)
+    streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights) if stream_weights else \
+        Streaming(offset=staging.smem_bytes)
     items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
