@@ -162,6 +162,13 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     assert "static, queue" in info.value.hint
     with pytest.raises(MdslError, match="prefetch_ahead 2 with the queue schedule"):
         MegakernelEngine(config, weights, schedule="queue", prefetch_ahead=2)
+    with pytest.raises(MdslError, match="stream_weights with the queue schedule"):
+        MegakernelEngine(config, weights, schedule="queue", stream_weights=True)
+    with pytest.raises(MdslError, match="stream_weights with the static schedule and stage_weights"):
+        MegakernelEngine(config, weights, stream_weights=("oproj",), stage_weights=True)
+    with pytest.raises(MdslError, match="stream_weights \\('attn',\\)") as info:
+        MegakernelEngine(config, weights, stream_weights=("attn",))
+    assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
 
 
 @no_gpu

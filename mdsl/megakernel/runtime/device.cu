@@ -169,7 +169,9 @@ struct StageBarriers { unsigned long long full[STAGE_RING], empty[STAGE_RING]; }
 // ---- weight streaming (source.py's Streaming): a streamed task's tile is cut into sub-tiles of
 // stream_items(kind) items (whole output columns, every matrix's row of each); the worker's n-th sub-tile
 // goes through ring buffer n % STREAM_BUFFERS, phase n / STREAM_BUFFERS, with the staging's full / empty
-// mbarrier protocol: the loader warp fills buffers in order, the compute warps empty them in order.
+// mbarrier protocol: the loader warp fills buffers in order; the compute warps take a task's sub-tiles in
+// turn (task_gemv), so they empty them in any order (tests/megakernel/test_stream_ring_protocol.py plays
+// the protocol under random interleavings).
 __device__ __forceinline__ constexpr bool streamed_kind(int kind) {
   return STREAM_BUFFERS > 0 && ((STREAM_KINDS >> kind) & 1) != 0;
 }

@@ -27,7 +27,8 @@ from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_m
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
-                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, generate_source)
+                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STREAM_KIND_NAMES,
+                                            generate_source)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -121,6 +122,11 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if not 16 <= prefetch_kib <= 1024:
             raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
+        if stream_weights is not True and stream_weights is not False:
+            names = (stream_weights,) if isinstance(stream_weights, str) else tuple(stream_weights)
+            if not names or set(names) - set(STREAM_KIND_NAMES):
+                raise MdslError(f"stream_weights {stream_weights!r}",
+                                hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}")
         if stream_weights and (schedule != "static" or stage_weights):
             raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
                             hint="weight streaming needs the static schedule and replaces stage_weights: "
@@ -146,9 +152,8 @@ class MegakernelEngine:
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024))
-        except ValueError as e:
-            raise MdslError(str(e), hint="stream_weights=True or kinds of qkv, oproj, gateup, down, lmhead; "
-                                         "stream_buffer_kib unset") from None
+        except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
+            raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging
         self.streaming = source.streaming
         self.source = source.text

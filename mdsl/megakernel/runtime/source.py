@@ -5,8 +5,8 @@ generated for the plan's layer ops (bodies.py), compiled with NVRTC for sm_90a."
 from __future__ import annotations
 
 from functools import cache
-from typing import Optional, Sequence, Union
 from pathlib import Path
+from typing import Optional, Sequence, Union
 
 import attrs
 
@@ -91,6 +91,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 WEIGHT_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN, Kind.LMHEAD)   # the kinds that read weight rows
+STREAM_KIND_NAMES = tuple(kind.name.lower() for kind in WEIGHT_KINDS)         # stream_weights' kind names
 
 
 def item_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
@@ -145,8 +146,8 @@ def plan_staging(plan: TaskPlan, enabled: bool = True, max_buffers: int = 2) -> 
 
 @attrs.frozen
 class Streaming:
-    """Weight streaming: a worker's loader warp copies the weights of its tasks (every kind that reads weight
-    rows), in the order it runs them, through a ring of `buffers` shared-memory buffers of `buffer_bytes`:
+    """Weight streaming: a worker's loader warp copies the weights of its tasks (of every kind that reads
+    weight rows, or of the kinds chosen), in the order it runs them, through a ring of `buffers` shared-memory buffers of `buffer_bytes`:
     each task's tile cut into sub-tiles of `items[kind]` output columns, a buffer refilled as soon as the
     compute warps have read it. The copies so run up to the ring's size ahead of the compute, whatever the
     tasks wait for: the memory system streams through attention and the all-reduces' hops, where a task's
@@ -172,7 +173,9 @@ MAX_STREAM_BUFFERS = 16
 def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
     """The kinds of the plan whose weights stream: every kind that reads weight rows (`wanted` True), or
     those named ("qkv", "oproj", "gateup", "down", "lmhead")."""
-    names = {kind.name.lower(): kind for kind in WEIGHT_KINDS}
+    names = dict(zip(STREAM_KIND_NAMES, WEIGHT_KINDS))
+    if isinstance(wanted, str):
+        wanted = (wanted,)
     if wanted is True:
         chosen = list(WEIGHT_KINDS)
     else:
@@ -188,8 +191,9 @@ def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None,
     """The ring that fills the shared memory next to the task inputs': at least as many buffers as compute
     warps where the columns fit (the warps take a task's sub-tiles in turn), then the buffer count whose
     buffers hold the most bytes of whole sub-tiles of the kind that fills them worst (a down-proj column
-    of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that size instead
-    (as many as fit, at most MAX_STREAM_BUFFERS). `kinds`: which kinds stream (`stream_kinds_of`)."""
+    of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that
+    size instead (as many as fit, at most MAX_STREAM_BUFFERS). `kinds`: which kinds stream
+    (`stream_kinds_of`)."""
     offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
     kinds = stream_kinds_of(plan, kinds)
