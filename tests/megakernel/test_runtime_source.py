@@ -130,8 +130,7 @@ def test_staging_takes_the_tiles_that_fit_next_to_the_task_inputs():
     assert tile_weight_bytes(plan, Kind.GATEUP) > SMEM_PER_BLOCK
     assert staging.offset % 128 == 0 and staging.smem_bytes <= SMEM_PER_BLOCK
     assert plan_staging(plan, enabled=False).kinds == ()
-    big = build_plan(decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)),
-                     workers=H200_SMS, max_seq=1200)
+    big = qwen3_8b_plan()
     assert plan_staging(big).kinds == ()   # 32 o-proj rows of 4096: 256 KB, more than an SM has
 
 
@@ -152,6 +151,13 @@ def test_staged_tiles_compile_without_spills(schedule):
 
 
 @functools.cache
+def qwen3_8b_plan():
+    """Qwen3-8B's one-GPU plan (bf16, 1200 positions), built once for the tests that read it."""
+    config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
+    return build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1200)
+
+
+@functools.cache
 def qwen3_8b_rank_plan():
     """The plan of one of two tensor-parallel ranks of Qwen3-8B (bf16), built once for the tests below."""
     from mdsl.megakernel.runtime.plan import for_ranks
@@ -165,8 +171,7 @@ def test_streaming_ring_holds_whole_columns_of_every_kind():
     from mdsl.megakernel.runtime.plan import Kind
     from mdsl.megakernel.runtime.source import SMEM_PER_BLOCK, item_weight_bytes, plan_streaming
 
-    qwen3_8b = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
-    one = build_plan(decoder_shape(qwen3_8b), workers=H200_SMS, max_seq=1200)
+    one = qwen3_8b_plan()
     ring = plan_streaming(one)
     items = dict(ring.items)
     assert set(items) == {Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN, Kind.LMHEAD}
