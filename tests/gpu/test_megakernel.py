@@ -221,7 +221,8 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"prefetch_kib": 256}), ("static", staged), ("queue", staged),
                               ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
                               ("static", {"stream_weights": True}),
-                              # 1 KiB buffers: several sub-tiles per tile (a gate/up column of the test model is 640 bytes), the ring wraps
+                              # 1 KiB buffers: several sub-tiles per tile (a gate/up column of the test
+                              # model is 640 bytes), the ring wraps every step
                               ("static", {"stream_weights": True, "stream_buffer_kib": 1}),
                               ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
                                           "fused_combine": True}),
