@@ -69,7 +69,8 @@ def generate_source_for(engine_kwargs):
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
-    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False))
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False),
+                      splits=options.pop("attention_splits", None))
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
@@ -169,6 +170,8 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="stream_weights \\('attn',\\)") as info:
         MegakernelEngine(config, weights, stream_weights=("attn",))
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
+    with pytest.raises(MdslError, match="attention_splits 0"):
+        MegakernelEngine(config, weights, attention_splits=0)
 
 
 @no_gpu

@@ -103,7 +103,8 @@ class MegakernelEngine:
     streams every task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down",
     "lmhead") through a shared-memory ring, running ahead of the tasks' inputs
     (source.Streaming; the static schedule), in buffers of `stream_buffer_kib` KiB if given (else the
-    size that wastes least). `ranks`: one rank of a
+    size that wastes least); `attention_splits`, the attention splits per kv head (default: as many as fill
+    the SMs, plan.attention_splits). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -112,7 +113,8 @@ class MegakernelEngine:
                  prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
                  stage_weights: bool = False, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
-                 stream_buffer_kib: Optional[float] = None, ranks: Optional[RankGroup] = None):
+                 stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -122,6 +124,9 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if not 16 <= prefetch_kib <= 1024:
             raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
+        if attention_splits is not None and not 1 <= attention_splits <= 4096:
+            raise MdslError(f"attention_splits {attention_splits}",
+                            hint="1 to 4096 splits per kv head, or None for as many as fill the SMs")
         if stream_weights is not True and stream_weights is not False:
             names = (stream_weights,) if isinstance(stream_weights, str) else tuple(stream_weights)
             if not names or set(names) - set(STREAM_KIND_NAMES):
@@ -147,7 +152,7 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
-                                                   fused_combine=fused_combine), self.world,
+                                                   splits=attention_splits, fused_combine=fused_combine), self.world,
                                          flagged_stream=flagged_stream and self.world > 1)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
@@ -194,7 +199,8 @@ class MegakernelEngine:
                         fused_combine: bool = False, stage_weights: bool = False,
                         prefetch_kib: int = DEFAULT_PREFETCH_KIB, flagged_stream: bool = False,
                         stream_weights: Union[bool, Sequence[str]] = False,
-                        stream_buffer_kib: Optional[float] = None) -> "MegakernelEngine":
+                        stream_buffer_kib: Optional[float] = None,
+                        attention_splits: Optional[int] = None) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json."""
         from mdsl.megakernel.architectures import step_function
@@ -209,7 +215,7 @@ class MegakernelEngine:
                    eos_token_ids=eos_token_ids(folder), schedule=schedule, prefetch_ahead=prefetch_ahead,
                    attention_lanes=attention_lanes, fused_combine=fused_combine, stage_weights=stage_weights,
                    prefetch_kib=prefetch_kib, flagged_stream=flagged_stream, stream_weights=stream_weights,
-                   stream_buffer_kib=stream_buffer_kib)
+                   stream_buffer_kib=stream_buffer_kib, attention_splits=attention_splits)
 
     # -- device memory ---------------------------------------------------------------------------
 
