@@ -5,7 +5,7 @@ the compute warps taking sub-tiles in turn). Each of the grid's blocks (one per 
 contiguous `--mb-per-sm` MB; the buffers rotate over three copies of the whole, so nothing is in L2 from
 the previous launch. GB/s per SM and in all, median of `--samples` launches timed by CUDA events.
 
-    PYTHONPATH=. python3 benchmarks/stream_probe.py [--mb-per-sm 1.5] [--rings 16x12,24x8,48x4]
+    PYTHONPATH=. python3 benchmarks/stream_probe.py [--mb-per-sm 6] [--rings 16x12,24x8,48x4]
 
 The question it answers: is the ring's steady-state stream as fast as the loads (the megakernel's gate/up
 ran at ~18.6 GB/s per SM through the ring, ~29 GB/s with the loads, eighth session)?
@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) probe(const char* src, l
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mb-per-sm", type=float, default=1.5, help="bytes each block streams (MB)")
+    p.add_argument("--mb-per-sm", type=float, default=6.0, help="bytes each block streams (MB): ~200 µs a launch")
     p.add_argument("--rings", default="8x24,16x12,24x8,32x6,48x4",
                    help="comma-separated SUBxNB: sub-tile KiB x buffers (at most ~227 KiB in all)")
     p.add_argument("--samples", type=int, default=20)
