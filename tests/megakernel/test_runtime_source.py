@@ -30,7 +30,7 @@ def compile_plan(plan, schedule="static", prefetch_ahead=1):
 
 
 def assert_fits(source, resources):
-    """No spills, and one worker block (compute warps + scheduler warp) fits on an SM: its registers and
+    """No spills, and one worker block (compute, scheduler and loader warps) fits on an SM: its registers and
     its shared memory (the dynamic part the engine asks for plus the static slots)."""
     assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0, resources
     assert resources.stack_bytes == 0, resources
@@ -199,7 +199,7 @@ def test_streamed_weights_compile_without_spills_and_need_the_static_schedule():
     source = generate_source(plan, stream_weights=True, stream_buffer_bytes=256)
     ring = source.streaming
     assert ring.buffers == 16 and ring.buffer_bytes == 256 and source.staging.buffers == 0
-    assert f"constexpr int STREAM_BUFFERS = 16;" in source.text and "constexpr int STAGE_BUFFERS = 0;" in source.text
+    assert "constexpr int STREAM_BUFFERS = 16;" in source.text and "constexpr int STAGE_BUFFERS = 0;" in source.text
     assert source.smem_bytes == ring.offset + 16 * 256
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
     plain = generate_source(plan)
