@@ -144,13 +144,17 @@ __device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, 
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(bytes)
                : "memory");
 }
-// until the phase of parity `parity` has completed (acquire: the tile's bytes are visible after it)
-__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+// whether the phase of parity `parity` has completed (acquire: the tile's bytes are visible after it)
+__device__ __forceinline__ bool mbarrier_test(unsigned long long* bar, unsigned parity) {
   unsigned done;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
-  } while (!done);
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+  return done != 0;
+}
+// until that phase has completed
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+  while (!mbarrier_test(bar, parity)) {
+  }
 }
 // `bytes` (a multiple of 16) from global memory into shared memory, counted on bar's transactions
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
@@ -893,25 +897,34 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
   weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
 }
 
-// The scheduler warp's copy of a staged task's weight tile into buffer `stage` (the worker's `n`-th staged
-// task), once the compute warps are done with the buffer's previous tile; pieces of 16 KB spread over
-// the lanes.
-__device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int n, int lane) {
-  const int b = n % STAGE_RING, use = n / STAGE_RING;
-  if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
+// The bytes of a task's weight rows (weight_pieces), and their copy into shared memory at `dst`, in the
+// pieces' order, by bulk copies of 16 KB spread over the warp's lanes, counted on `full`
+__device__ __forceinline__ unsigned weight_bytes(const Params& p, const LayerWeights& w, const Task& t) {
   long long bytes = 0;
-  weight_pieces(p, p.layers[t.layer], t, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
-  if (lane == 0) mbarrier_arrive_expect(&bars.full[b], unsigned(bytes));
-  __syncwarp();
-  char* dst = reinterpret_cast<char*>(stage) + (long long)b * STAGE_BYTES;
-  weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) {
+  weight_pieces(p, w, t, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
+  return unsigned(bytes);
+}
+__device__ __forceinline__ void copy_weights(const Params& p, const LayerWeights& w, const Task& t, char* dst,
+                                             unsigned long long* full, int lane) {
+  weight_pieces(p, w, t, [&](const T* first, long long elements) {
     constexpr long long PIECE = 16384;
     const char* src = reinterpret_cast<const char*>(first);
     const long long size = elements * (long long)sizeof(T);
     for (long long off = (long long)lane * PIECE; off < size; off += 32 * PIECE)
-      bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), &bars.full[b]);
+      bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), full);
     dst += size;
   });
+}
+
+// The scheduler warp's copy of a staged task's weight tile into buffer `stage` (the worker's `n`-th staged
+// task), once the compute warps are done with the buffer's previous tile.
+__device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int n, int lane) {
+  const int b = n % STAGE_RING, use = n / STAGE_RING;
+  if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
+  const LayerWeights& w = p.layers[t.layer];
+  if (lane == 0) mbarrier_arrive_expect(&bars.full[b], weight_bytes(p, w, t));
+  __syncwarp();
+  copy_weights(p, w, t, reinterpret_cast<char*>(stage) + (long long)b * STAGE_BYTES, &bars.full[b], lane);
 }
 
 // The loader warp (weight streaming): this worker's tasks in the static schedule's order, each streamed
@@ -921,10 +934,7 @@ __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, Sta
 // copy it issued has landed.
 __device__ __forceinline__ bool wait_emptied(unsigned long long* bar, unsigned parity, const volatile int* finished) {
   for (;;) {
-    unsigned done;
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
-    if (done) return true;
+    if (mbarrier_test(bar, parity)) return true;
     if (*finished) return false;
   }
 }
@@ -946,23 +956,14 @@ __device__ void stream_weights(const Params& p, T* ring, StreamBarriers& bars, c
       Task sub = t;
       sub.begin = b;
       sub.end = min(b + per, t.end);
-      long long bytes = 0;
-      weight_pieces(p, w, sub, [&](const T*, long long elements) { bytes += elements * (long long)sizeof(T); });
       if (lane == 0) {
-        mbarrier_arrive_expect(&bars.full[buffer], unsigned(bytes));
+        mbarrier_arrive_expect(&bars.full[buffer], weight_bytes(p, w, sub));
         __threadfence_block();       // the phase's arrival before the count that lets its readers wait on it
         bars.issued = n + 1;
       }
       __syncwarp();
-      char* dst = reinterpret_cast<char*>(ring) + (long long)buffer * STREAM_BYTES;
-      weight_pieces(p, w, sub, [&](const T* first, long long elements) {
-        constexpr long long PIECE = 16384;
-        const char* src = reinterpret_cast<const char*>(first);
-        const long long size = elements * (long long)sizeof(T);
-        for (long long off = (long long)lane * PIECE; off < size; off += 32 * PIECE)
-          bulk_copy(dst + off, src + off, unsigned(size - off < PIECE ? size - off : PIECE), &bars.full[buffer]);
-        dst += size;
-      });
+      copy_weights(p, w, sub, reinterpret_cast<char*>(ring) + (long long)buffer * STREAM_BYTES, &bars.full[buffer],
+                   lane);
     }
   }
 drain:

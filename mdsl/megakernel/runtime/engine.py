@@ -28,7 +28,7 @@ from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
                                             MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STREAM_KIND_NAMES,
-                                            generate_source)
+                                            generate_source, stream_kind_names)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -127,11 +127,12 @@ class MegakernelEngine:
         if attention_splits is not None and not 1 <= attention_splits <= 4096:
             raise MdslError(f"attention_splits {attention_splits}",
                             hint="1 to 4096 splits per kv head, or None for as many as fill the SMs")
-        if stream_weights is not True and stream_weights is not False:
-            names = (stream_weights,) if isinstance(stream_weights, str) else tuple(stream_weights)
-            if not names or set(names) - set(STREAM_KIND_NAMES):
+        if stream_weights is not False:
+            try:
+                stream_kind_names(stream_weights)
+            except ValueError:
                 raise MdslError(f"stream_weights {stream_weights!r}",
-                                hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}")
+                                hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}") from None
         if stream_weights and (schedule != "static" or stage_weights):
             raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
                             hint="weight streaming needs the static schedule and replaces stage_weights: "

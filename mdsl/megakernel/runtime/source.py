@@ -170,19 +170,20 @@ class Streaming:
 MAX_STREAM_BUFFERS = 16
 
 
-def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
-    """The kinds of the plan whose weights stream: every kind that reads weight rows (`wanted` True), or
-    those named ("qkv", "oproj", "gateup", "down", "lmhead")."""
-    names = dict(zip(STREAM_KIND_NAMES, WEIGHT_KINDS))
-    if isinstance(wanted, str):
-        wanted = (wanted,)
+def stream_kind_names(wanted: Union[bool, str, Sequence[str]]) -> tuple:
+    """stream_weights' kinds by name: every kind that reads weight rows (True), or those named (of
+    STREAM_KIND_NAMES; one name alone is taken too). ValueError for anything else."""
     if wanted is True:
-        chosen = list(WEIGHT_KINDS)
-    else:
-        unknown = [name for name in wanted if name not in names]
-        if unknown or not wanted:
-            raise ValueError(f"stream_weights names kinds of {', '.join(names)}, not {list(wanted)}")
-        chosen = [names[name] for name in wanted]
+        return STREAM_KIND_NAMES
+    names = (wanted,) if isinstance(wanted, str) else tuple(wanted) if wanted else ()
+    if not names or set(names) - set(STREAM_KIND_NAMES):
+        raise ValueError(f"stream_weights names kinds of {', '.join(STREAM_KIND_NAMES)}, not {wanted!r}")
+    return names
+
+
+def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
+    """The kinds of the plan whose weights stream (`stream_kind_names`)."""
+    chosen = [dict(zip(STREAM_KIND_NAMES, WEIGHT_KINDS))[name] for name in stream_kind_names(wanted)]
     return [kind for kind in WEIGHT_KINDS if kind in chosen and any(t.kind is kind for t in plan.tasks)]
 
 
