@@ -14,15 +14,16 @@ from mdsl.ir.dtypes import bf16, f16
 from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.architectures import sampling_decode
+from mdsl.megakernel.runtime import plan as plan_module
 from mdsl.megakernel.runtime.plan import (EMBEDDING, MIN_ROWS_PER_TILE, Event, Kind, PlanError, build_plan,
                                           check_plan, plan_model, tiles)
 from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
 from tests.megakernel.tiny import tiny_model
 
 
-def tiny_plan(arch="qwen3", workers=132, **overrides):
+def tiny_plan(arch="qwen3", workers=132, splits=None, **overrides):
     config, _, _ = tiny_model(arch, **overrides)
-    return build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+    return build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions, splits=splits)
 
 
 @pytest.mark.parametrize("n,count", [(96, 132), (3072, 132), (128256, 132), (7, 4), (1000, 3)])
@@ -157,7 +158,18 @@ def tables_digest(plan) -> str:
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 @pytest.mark.parametrize("workers", [1, 7, 17, 132])
 def test_tiny_tables_are_the_former_ones(arch, workers):
-    assert tables_digest(tiny_plan(arch, workers)) == FORMER_TABLES[("tiny", workers)]
+    # (the former plans split attention into as many splits as fill the workers, before MAX_SPLITS)
+    config, _, _ = tiny_model(arch)
+    former_splits = max(1, min(workers // config.num_kv_heads, config.max_positions))
+    assert tables_digest(tiny_plan(arch, workers, splits=former_splits)) == FORMER_TABLES[("tiny", workers)]
+
+
+@pytest.mark.parametrize(("kv_heads", "workers", "splits"), [(8, 132, 16), (4, 132, 16), (2, 132, 16), (8, 64, 8),
+                                                             (8, 7, 1), (2, 17, 8)])
+def test_attention_splits_fill_the_workers_up_to_the_combines_batch(kv_heads, workers, splits):
+    shape = decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), num_kv_heads=kv_heads))
+    assert plan_module.attention_splits(shape, workers, 4096) == splits
+    assert plan_module.attention_splits(shape, workers, 3) == min(splits, 3)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

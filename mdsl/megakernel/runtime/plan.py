@@ -222,8 +222,14 @@ def tiles(n: int, count: int) -> list:
     return balanced_tiles(n, count, MIN_ROWS_PER_TILE)
 
 
+MAX_SPLITS = 16         # attention splits per kv head at most (device.cu's COMBINE_UNROLL: one batch of loads)
+
+
 def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
-    return max(1, min(workers // shape.kv_heads, max_seq))
+    """Splits per kv head: as many as fill the workers, at most MAX_SPLITS. More cost the combine another
+    batch of L2 round trips than they save in attention (a rank of Qwen3-8B over 2 H200s, 4 kv heads: 33
+    splits to 16 took 1.2 us off each layer, docs/performance.md)."""
+    return max(1, min(workers // shape.kv_heads, MAX_SPLITS, max_seq))
 
 
 def device_partition(workers: int, splits: int) -> PartitionConfig:
