@@ -59,10 +59,6 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # its combine loops over twice one GPU's 16)
     "splits16": {"schedule": "static", "attention_splits": 16},
     "stage-splits16": {"schedule": "static", "stage_weights": True, "attention_splits": 16},
-    # the head of each worker's gate/up tile (KiB of each matrix) prefetched into L2 through attention
-    "mlp64": {"schedule": "static", "mlp_prefetch_kib": 64},
-    "mlp128": {"schedule": "static", "mlp_prefetch_kib": 128},
-    "mlp192": {"schedule": "static", "mlp_prefetch_kib": 192},
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},

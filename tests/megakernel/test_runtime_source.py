@@ -214,23 +214,6 @@ def test_streamed_weights_compile_without_spills_and_need_the_static_schedule():
         generate_source(plan, stream_weights=("attn",))
 
 
-def test_the_mlp_prefetch_keeps_gate_up_heads_in_l2_and_needs_the_static_schedule():
-    config, _, _ = tiny_model("qwen3")
-    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=H200_SMS, max_seq=config.max_positions)
-    assert "constexpr long long MLP_PREFETCH_BYTES = 0ll;" in generate_source(plan).text
-    source = generate_source(plan, mlp_prefetch_kib=128)
-    assert "constexpr long long MLP_PREFETCH_BYTES = 131072ll;" in source.text
-    module = compile_cuda(source.text, arch="sm_90a")
-    assert_fits(source, module.resources[KERNEL_NAME])
-    sass = disassemble(module.cubin)
-    # the gate/up head's bulk prefetches carry a cache policy (evict-last); the plain kernel's carry none
-    assert re.search(r"UBLKPF\.L2 \[UR\d+\], UR\d+, desc\[UR\d+\]", sass)
-    assert not re.search(r"UBLKPF\.L2 [^;]*desc", disassemble(compile_cuda(generate_source(plan).text, arch="sm_90a").cubin))
-    for options in ({"schedule": "queue"}, {"mlp_prefetch_kib": 4096}):
-        with pytest.raises(ValueError, match="mlp_prefetch_kib is 0 to 1024 KiB with the static schedule"):
-            generate_source(plan, **{"mlp_prefetch_kib": 64, **options})
-
-
 @pytest.mark.slow
 def test_streamed_qwen3_8b_rank_compiles_without_spills():
     source = generate_source(qwen3_8b_rank_plan(), stream_weights=True)

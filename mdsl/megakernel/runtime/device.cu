@@ -105,46 +105,24 @@ __device__ __forceinline__ unsigned sm_id() {
   return s;
 }
 
-// ---- weights: read-only for the whole launch, streamed past L1. With the MLP's head kept in L2
-// (MLP_PREFETCH_BYTES > 0) a weight line is read once and goes first when L2 needs room, and the
-// prefetched head goes last (L2 eviction priorities, createpolicy)
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ unsigned long long evict_last_policy() {
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
+// ---- weights: read-only for the whole launch, streamed past L1
 __device__ __forceinline__ uint4 ld_weights(const T* p) {
   uint4 v;
-  if constexpr (MLP_PREFETCH_BYTES > 0)
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(evict_first_policy()));
-  else
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 // Start pulling the head of a task's weights into L2 before waiting for its inputs (16-byte
 // multiples). Capped (PREFETCH_BYTES, from source.py): 132 SMs each prefetching whole multi-MB tiles
 // would overflow the 50 MB L2 and evict lines before they are read.
-// (`last`: at evict-last priority, MLP_PREFETCH_BYTES' head of a gate/up tile, see prefetch_next_mlp)
-__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane, long long cap = PREFETCH_BYTES,
-                                            bool last = false) {
+__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane) {
   constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
   long long total = elements * (long long)sizeof(T);
-  total = total < cap ? total : cap;
+  total = total < PREFETCH_BYTES ? total : PREFETCH_BYTES;
   for (long long off = (long long)lane * PIECE; off < total; off += 32 * PIECE) {
     const long long size = total - off < PIECE ? total - off : PIECE;
-    if (last)
-      asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
-                   :: "l"(bytes + off), "r"(unsigned(size)), "l"(evict_last_policy()) : "memory");
-    else
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
   }
 }
 
@@ -180,13 +158,8 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 }
 // `bytes` (a multiple of 16) from global memory into shared memory, counted on bar's transactions
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  if constexpr (MLP_PREFETCH_BYTES > 0)   // a staged or streamed tile is read once, as ld_weights' lines
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                 :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(evict_first_policy())
-                 : "memory");
-  else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
 }
 __device__ __forceinline__ uint4 ld_staged(const T* p) {
   uint4 v;   // volatile: not hoisted above the wait for the tile
@@ -924,25 +897,6 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
   weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
 }
 
-// (MLP_PREFETCH_BYTES > 0, the static schedule) When the scheduler takes its o-proj tile, the head of this
-// worker's next gate/up tile (MLP_PREFETCH_BYTES of each matrix's rows) into L2 at evict-last priority: the
-// prefetch runs while attention, the combine and the o-proj's all-reduce leave the memory system mostly
-// idle, and the gate/up tile then reads that share from L2. The weight loads in between go first when L2
-// needs room (ld_weights), so they do not push the head out before it is read.
-__device__ void prefetch_next_mlp(const Params& p, long long index, long long total, int lane) {
-  for (int a = 1; a <= 4; ++a) {       // the worker's gate/up tile is a few of its tasks on (after o-proj's)
-    const long long later = index + a * (long long)gridDim.x;
-    if (later >= total) return;
-    const Task u = p.tasks[later % TASKS];
-    if (u.kind == KIND_GATEUP) {
-      weight_pieces(p, p.layers[u.layer], u, [&](const T* first, long long elements) {
-        prefetch_l2(first, elements, lane, MLP_PREFETCH_BYTES, true);
-      });
-      return;
-    }
-  }
-}
-
 // The bytes of a task's weight rows (weight_pieces), and their copy into shared memory at `dst`, in the
 // pieces' order, by bulk copies of 16 KB spread over the warp's lanes, counted on `full`
 __device__ __forceinline__ unsigned weight_bytes(const Params& p, const LayerWeights& w, const Task& t) {
@@ -1092,7 +1046,6 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       const bool stage_it = staged_kind(t.kind);
       if (stage_it) stage_task_weights(p, t, stage, bars, staged, lane);
       else if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
-      if (MLP_PREFETCH_BYTES > 0 && STATIC_SCHEDULE && t.kind == KIND_OPROJ) prefetch_next_mlp(p, index, total, lane);
 #pragma unroll
       for (int a = 1; a < PREFETCH_AHEAD; ++a) {
         const long long ahead = index + a * (long long)gridDim.x;

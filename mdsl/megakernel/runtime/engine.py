@@ -27,8 +27,8 @@ from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_m
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
-                                            MAX_MLP_PREFETCH_KIB, MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS,
-                                            SCHEDULES, STREAM_KIND_NAMES, generate_source, stream_kind_names)
+                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STREAM_KIND_NAMES,
+                                            generate_source, stream_kind_names)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -98,15 +98,13 @@ class MegakernelEngine:
     the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
     under tensor parallelism without weight streaming); `prefetch_kib`, how much of a task's weights is
-    prefetched into L2 ahead of it; `mlp_prefetch_kib` (0: off), how much of each matrix of a worker's
-    gate/up tile it prefetches into L2, to stay there, when it takes its o-proj tile (through attention and
-    the all-reduce, where the memory system idles); `flagged_stream`, under tensor parallelism, whether the residual stream's partials travel as flagged words that their
-    readers poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp
-    streams every task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down",
-    "lmhead") through a shared-memory ring, running ahead of the tasks' inputs
-    (source.Streaming; the static schedule), in buffers of `stream_buffer_kib` KiB if given (else the
-    size that wastes least); `attention_splits`, the attention splits per kv head (default: as many as fill
-    the SMs, plan.attention_splits). `ranks`: one rank of a
+    prefetched into L2 ahead of it; `flagged_stream`, under tensor parallelism, whether the residual
+    stream's partials travel as flagged words that their readers poll instead of being signalled
+    (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
+    of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a shared-memory ring, running
+    ahead of the tasks' inputs (source.Streaming; the static schedule), in buffers of `stream_buffer_kib`
+    KiB if given (else the size that wastes least); `attention_splits`, the attention splits per kv head
+    (default: as many as fill the SMs, at most 16, plan.attention_splits). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -116,7 +114,7 @@ class MegakernelEngine:
                  stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
-                 mlp_prefetch_kib: int = 0, ranks: Optional[RankGroup] = None):
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -135,9 +133,6 @@ class MegakernelEngine:
             except ValueError:
                 raise MdslError(f"stream_weights {stream_weights!r}",
                                 hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}") from None
-        if not 0 <= mlp_prefetch_kib <= MAX_MLP_PREFETCH_KIB or (mlp_prefetch_kib and schedule != "static"):
-            raise MdslError(f"mlp_prefetch_kib {mlp_prefetch_kib} with the {schedule} schedule",
-                            hint=f"0 (off) to {MAX_MLP_PREFETCH_KIB} KiB per matrix, with the static schedule")
         if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
             stage_weights = ranks is not None and ranks.world > 1 and not stream_weights
         if stream_weights and (schedule != "static" or stage_weights):
@@ -164,8 +159,7 @@ class MegakernelEngine:
                                          flagged_stream=flagged_stream and self.world > 1)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
-                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
-                                     mlp_prefetch_kib)
+                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024))
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -84,7 +84,6 @@ _STAGE_ALIGN = 128
 # 2 H200s: down-proj tasks 15.5 -> 21 us, QKV tasks 9.4 -> 8.0 us; docs/performance.md).
 STAGED_KINDS = (Kind.OPROJ, Kind.GATEUP)
 DEFAULT_PREFETCH_KIB = 96
-MAX_MLP_PREFETCH_KIB = 1024
 
 
 def _round_up(n: int, to: int) -> int:
@@ -254,7 +253,7 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
                     attention_lanes: int = 1, stage_weights: bool = False,
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
-                    stream_buffer_bytes: Optional[int] = None, mlp_prefetch_kib: int = 0) -> MegakernelSource:
+                    stream_buffer_bytes: Optional[int] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -263,9 +262,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     shared memory ahead of their task (`Staging`). `prefetch_kib`: how much of a task's weights (KiB per
     task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True), or those
     of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not with
-    `stage_weights`), of buffers of `stream_buffer_bytes` if given. `mlp_prefetch_kib` (static schedule; 0:
-    off): taking its o-proj tile, a worker prefetches that many KiB of each matrix of its next gate/up tile
-    into L2 at evict-last priority, the weight loads going evict-first (device.cu's prefetch_next_mlp)."""
+    `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -278,9 +275,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
     if not 16 <= prefetch_kib <= 1024:
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
-    if not 0 <= mlp_prefetch_kib <= MAX_MLP_PREFETCH_KIB or (mlp_prefetch_kib and schedule != "static"):
-        raise ValueError(f"mlp_prefetch_kib is 0 to {MAX_MLP_PREFETCH_KIB} KiB with the static schedule, "
-                         f"not {mlp_prefetch_kib} with the {schedule} schedule")
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
@@ -304,7 +298,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
-              f"constexpr long long MLP_PREFETCH_BYTES = {mlp_prefetch_kib * 1024}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int STAGE_BYTES = {staging.buffer_bytes};",
