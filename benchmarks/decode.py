@@ -180,7 +180,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
     per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
     bytes), and a trace of two steps on every rank."""
-    from mdsl.megakernel.runtime.profile import peer_overlap, summary, write_rank_traces
+    from mdsl.megakernel.runtime.profile import layer_phases, peer_overlap, summary, write_rank_traces
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
 
@@ -209,10 +209,11 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
             write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"], info["peers"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
+        phases = [layer_phases(run.profile, info["kinds"], info["layers"], step=1) for run in runs]
         overlap = [peer_overlap(run.profile, info["tasks_per_step"], info["peers"]) for run in runs]
         for rank, kinds in enumerate(by_kind):
-            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n[{name}] rank {rank} "
-                  f"communication: {overlap[rank]}", flush=True)
+            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n{layer_table(phases[rank], kinds)}\n"
+                  f"[{name}] rank {rank} communication: {overlap[rank]}", flush=True)
         if trace is not None:
             try:
                 plot_rank_timeline(out / f"tp_timeline_{name}.png", [run.profile for run in runs], info,
@@ -225,7 +226,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
             "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
             "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
-            "profile_by_kind": by_kind, "communication": overlap}
+            "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap}
 
 
 def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):
@@ -321,13 +322,14 @@ def time_megakernel(engine, steps: int, repeats: int) -> list:
 def profile_step(engine, out: Path, name: str, variant: str, trace: bool) -> dict:
     """Two profiled steps: per task kind the body, wait and exposed-wait times (µs summed over SMs),
     and the trace file when `trace`."""
-    from mdsl.megakernel.runtime.profile import summary, write_trace
+    from mdsl.megakernel.runtime.profile import layer_phases, summary, write_trace
 
     run = engine.run([1] * CONTEXT, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
     plan = engine.plan
     labels, kinds = [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks]
     result = {"tasks": len(run.profile), "step_us": profile_step_us(run.profile, len(plan.tasks)),
-              "by_kind": summary(run.profile, kinds)}
+              "by_kind": summary(run.profile, kinds),
+              "layer_phases": layer_phases(run.profile, kinds, [t.layer for t in plan.tasks], step=1)}
     if trace:
         path = out / f"trace_{name}_{variant}.json"
         write_trace(str(path), run.profile, labels, kinds)
@@ -353,6 +355,19 @@ def phase_table(by_kind: dict) -> str:
     return "\n".join(lines)
 
 
+def layer_table(phases: dict, by_kind: dict) -> str:
+    """One layer of step 1 (layer_phases: medians over the layers, µs) and each kind's body parts (the
+    share of its body time, summed over the SMs, between the body's marks)."""
+    lines = ["| phase | span µs | median body µs | gap before µs | body parts |", "|---|---|---|---|---|"]
+    for kind, phase in phases.items():
+        parts = by_kind.get(kind, {}).get("parts_ns", {})
+        total = sum(parts.values())
+        shares = ", ".join(f"{part} {ns / total:.0%}" for part, ns in parts.items()) if total else ""
+        lines.append(f"| {kind} | {phase['span_us']:.1f} | {phase.get('body_us', 0):.1f} | "
+                     f"{phase.get('gap_us', 0):.1f} | {shares} |")
+    return "\n".join(lines)
+
+
 def median(values: list) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -375,7 +390,8 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
         if name == args.trace_model:
             measured["profile"] = profile_step(engine, out, name, variant, trace=variant == args.variants[0])
             print(f"[{name}] profile ({variant}): steps {measured['profile']['step_us']} µs\n"
-                  f"{phase_table(measured['profile']['by_kind'])}", flush=True)
+                  f"{phase_table(measured['profile']['by_kind'])}\n"
+                  f"{layer_table(measured['profile']['layer_phases'], measured['profile']['by_kind'])}", flush=True)
         return measured
     finally:
         engine.close()

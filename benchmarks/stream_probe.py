@@ -8,7 +8,9 @@ the previous launch. GB/s per SM and in all, median of `--samples` launches time
     PYTHONPATH=. python3 benchmarks/stream_probe.py [--mb-per-sm 6] [--rings 16x12,24x8,48x4]
 
 The question it answers: is the ring's steady-state stream as fast as the loads (the megakernel's gate/up
-ran at ~18.6 GB/s per SM through the ring, ~29 GB/s with the loads, eighth session)?
+ran at ~18.6 GB/s per SM through the ring, ~29 GB/s with the loads, eighth session)? (The ninth session's
+run read only the first half of each 8 KB row on the loads path, so its "6.93 TB/s" counted twice the
+bytes read: ~3.5 TB/s; the ring rows, 4.1 TB/s, were right. Fixed since.)
 """
 from __future__ import annotations
 
@@ -72,16 +74,13 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) probe(const char* src, l
   }
   __syncthreads();
   if (!RING) {
-    if (warp < NW) {   // rows of 8 KB, two per warp at a time, 8 chunks of 16 bytes per lane each: 16 in flight
-      constexpr int ROW = 8192, CH = ROW / 16;
+    if (warp < NW) {   // rows of 8 KB, one per warp at a time, 16 chunks of 16 bytes per lane: 16 in flight
+      constexpr int ROW = 8192, U = ROW / 16 / 32;
       const long long rows = per_block / ROW;
-      for (long long first = warp * 2; first < rows; first += NW * 2) {
-        uint4 v[2][8];
-        for (int r = 0; r < 2; ++r)
-          for (int u = 0; u < 8; ++u)
-            v[r][u] = first + r < rows ? ld_weights(mine + (first + r) * ROW + (lane + 32 * u) * 16) : make_uint4(0, 0, 0, 0);
-        for (int r = 0; r < 2; ++r)
-          for (int u = 0; u < 8; ++u) acc ^= v[r][u].x ^ v[r][u].y ^ v[r][u].z ^ v[r][u].w;
+      for (long long row = warp; row < rows; row += NW) {
+        uint4 v[U];
+        for (int u = 0; u < U; ++u) v[u] = ld_weights(mine + row * ROW + (lane + 32 * u) * 16);
+        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
       }
     }
   } else if (warp == NW) {   // the loader

@@ -238,7 +238,7 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
 
 @pytest.mark.parametrize("schedule", ["static", "queue"])
 def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, schedule):
-    from mdsl.megakernel.runtime.profile import compute_track, scheduler_track, summary, write_trace
+    from mdsl.megakernel.runtime.profile import BODY_PARTS, compute_track, scheduler_track, summary, write_trace
 
     engine, _ = tiny_engines("llama3", "bf16", schedule)
     run = engine.run(PROMPT[:2], 2, eos_token_ids=(), profile=True)
@@ -257,6 +257,12 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, s
             late = [p for p in earlier if done[p] > r.ready_ns]
             assert not late, f"task {r.index} ({plan.tasks[k].label()}) started before its producers {late} finished"
     assert len({r.sm for r in run.profile}) <= engine.workers
+    linear = (Kind.QKV, Kind.OPROJ, Kind.GATEUP, Kind.DOWN, Kind.LMHEAD)
+    for r in run.profile:   # the bodies' marks, in order within the body: attention's four, a linear's one
+        kind = plan.tasks[r.index % per_step].kind
+        passed = [m for m in r.marks if m]
+        assert passed == sorted(passed) and all(r.started_ns <= m <= r.done_ns for m in passed), r
+        assert len(passed) == (4 if kind is Kind.ATTN else 1 if kind in linear else 0), (kind, r)
     by_sm: dict = {}
     for r in run.profile:
         by_sm.setdefault(r.sm, []).append(r)
@@ -275,8 +281,10 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, s
     assert len(tracks) > 1, "every task ran on one SM"
     assert tracks <= {compute_track(sm) for sm in by_sm}
     assert {e["tid"] for e in slices if e["cat"] == "wait"} <= {scheduler_track(sm) for sm in by_sm}
+    assert {e["name"] for e in slices if e["cat"] == "part"} == {*BODY_PARTS["attn"], *BODY_PARTS["qkv"]}
     totals = summary(run.profile, kinds)
     assert sum(k["tasks"] for k in totals.values()) == len(run.profile)
+    assert sum(totals["attn"]["parts_ns"].values()) == totals["attn"]["body_ns"]
     print(f"{schedule}: {totals}")
 
 

@@ -5,8 +5,8 @@ import json
 
 import attrs
 
-from mdsl.megakernel.runtime.profile import (TaskRecord, compute_track, read_trace, scheduler_track, summary,
-                                             trace_events, write_trace)
+from mdsl.megakernel.runtime.profile import (BODY_PARTS, TaskRecord, body_parts, compute_track, layer_phases,
+                                             read_trace, scheduler_track, summary, trace_events, write_trace)
 
 LABELS = ["qkv L0 [0,8)", "attn L0 [0,1)", "sample [0,1)"]
 KINDS = ["qkv", "attn", "sample"]
@@ -44,9 +44,12 @@ def test_the_trace_file_is_json(tmp_path):
 
 def test_summary_per_kind():
     assert summary(RECORDS, KINDS) == {
-        "qkv": {"tasks": 2, "body_ns": 2900, "wait_ns": 1900, "exposed_wait_ns": 1200, "queued_ns": 100},
-        "attn": {"tasks": 1, "body_ns": 900, "wait_ns": 1600, "exposed_wait_ns": 1600, "queued_ns": 0},
-        "sample": {"tasks": 1, "body_ns": 2000, "wait_ns": 1000, "exposed_wait_ns": 0, "queued_ns": 500}}
+        "qkv": {"tasks": 2, "body_ns": 2900, "wait_ns": 1900, "exposed_wait_ns": 1200, "queued_ns": 100,
+                "parts_ns": {}},
+        "attn": {"tasks": 1, "body_ns": 900, "wait_ns": 1600, "exposed_wait_ns": 1600, "queued_ns": 0,
+                 "parts_ns": {}},
+        "sample": {"tasks": 1, "body_ns": 2000, "wait_ns": 1000, "exposed_wait_ns": 0, "queued_ns": 500,
+                   "parts_ns": {}}}
 
 
 def test_no_records_no_events():
@@ -60,3 +63,59 @@ def test_a_trace_reads_back_as_its_records(tmp_path):
     shifted = [attrs.evolve(r, taken_ns=r.taken_ns - origin, ready_ns=r.ready_ns - origin,
                             started_ns=r.started_ns - origin, done_ns=r.done_ns - origin) for r in RECORDS]
     assert read_trace(str(path), len(LABELS)) == shifted
+
+
+# the same tasks with the marks their bodies passed: qkv's input row at 1400 (step 0) and 5500 (step 1),
+# attention's four stages; the sampler has no marks
+MARKED = [attrs.evolve(RECORDS[0], marks=(1400, 0, 0, 0)), attrs.evolve(RECORDS[1], marks=(3300, 3500, 3600, 3800)),
+          RECORDS[2], attrs.evolve(RECORDS[3], marks=(5500, 0, 0, 0))]
+
+
+def test_a_body_is_split_into_its_parts_at_its_marks():
+    assert body_parts(MARKED[0], "qkv") == [("input row", 1000, 1400), ("products out", 1400, 3000)]
+    assert [(name, end - start) for name, start, end in body_parts(MARKED[1], "attn")] == list(zip(
+        BODY_PARTS["attn"], [200, 200, 100, 200, 200]))
+    assert body_parts(MARKED[2], "sample") == [] and body_parts(RECORDS[0], "qkv") == []
+    assert body_parts(attrs.evolve(RECORDS[1], marks=(3300, 3400, 3500, 3600, 3700)), "qkv") == []   # too many
+
+
+def test_parts_are_nested_slices_that_read_back_as_marks(tmp_path):
+    events = trace_events(MARKED, LABELS, KINDS)
+    parts = [e for e in events if e.get("cat") == "part"]
+    assert [(e["name"], e["tid"]) for e in parts if e["args"]["step"] == 0][:2] == [("input row", 10), ("products out", 10)]
+    assert len(parts) == 2 + 5 + 2
+    for part in parts:   # inside its body's slice on the same track
+        body = next(e for e in events if e.get("ph") == "X" and e["cat"] not in ("part", "wait")
+                    and e["args"]["task"] == part["args"]["task"] and e["args"]["step"] == part["args"]["step"])
+        assert body["tid"] == part["tid"] and body["ts"] <= part["ts"] and \
+            part["ts"] + part["dur"] <= body["ts"] + body["dur"] + 1e-9
+    path = tmp_path / "trace.json"
+    write_trace(str(path), MARKED, LABELS, KINDS)
+    origin = min(r.taken_ns for r in MARKED)
+    shifted = [attrs.evolve(r, taken_ns=r.taken_ns - origin, ready_ns=r.ready_ns - origin,
+                            started_ns=r.started_ns - origin, done_ns=r.done_ns - origin,
+                            marks=tuple(m - origin if m else 0 for m in r.marks)) for r in MARKED]
+    assert read_trace(str(path), len(LABELS)) == shifted
+    totals = summary(MARKED, KINDS)
+    assert totals["qkv"]["parts_ns"] == {"input row": 400 + 300, "products out": 1600 + 600}
+    assert sum(totals["attn"]["parts_ns"].values()) == totals["attn"]["body_ns"]
+
+
+def test_layer_phases_condense_a_step_into_one_layers_spans_bodies_and_gaps():
+    # a step of three layers of two kinds ("a" on two SMs, then "b" on one), then a sampler; step 1 only
+    kinds = ["a", "a", "b"] * 3 + ["sample"]
+    layers = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    per_step = len(kinds)
+    records, t = [], 10_000
+    for layer in range(3):
+        a0, a1 = t + 1000, t + 1500                       # gap 1000 after the previous layer's "b"
+        records += [TaskRecord(per_step + 3 * layer, 0, t, a0, a0, a0 + 4000),
+                    TaskRecord(per_step + 3 * layer + 1, 1, t, a1, a1, a1 + 2000)]
+        b = a0 + 4000 + 300                              # gap 300 after the last "a"
+        records.append(TaskRecord(per_step + 3 * layer + 2, 0, b, b, b, b + 6000))
+        t = b + 6000
+    records.append(TaskRecord(0, 0, 0, 0, 0, 5))         # step 0: not counted
+    phases = layer_phases(records, kinds, layers, step=1)
+    assert phases == {"a": {"span_us": 4.0, "body_us": 4.0, "gap_us": 1.0},
+                      "b": {"span_us": 6.0, "body_us": 6.0, "gap_us": 0.3},
+                      "layer": {"span_us": 11.3}}

@@ -219,6 +219,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
         w(body.source.load())
+        w("mark(p, 0);   // the input row is in shared memory")
         w(f"task_gemv<{body.k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
         with w.block("[&](int r, const float* acc)"):

@@ -48,7 +48,9 @@ struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin,
 // a task handed from the scheduler warp to the compute warps; index < 0: the worker is done
 // stream_first: the worker's count of streamed sub-tiles before this task's first (its ring position)
 struct Slot { Task task; long long index, stream_first; unsigned long long taken_ns, ready_ns; };
-constexpr int PROFILE_WORDS = 5;     // per task index: SM, taken, inputs ready, body start, done
+constexpr int MARKS = 4;             // a body's marks at most (profile only): see mark()
+// per task index: SM, taken, inputs ready, body start, done, the body's marks (0: not passed)
+constexpr int PROFILE_WORDS = 5 + MARKS;
 
 struct LayerWeights {
   const T* wq; const T* wk; const T* wv; const T* wo; const T* wg; const T* wu; const T* wd;
@@ -98,6 +100,14 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void compute_sync() { named_sync(BAR_COMPUTE, NT); }
+
+// ---- a body's marks (profiling only): thread 0's %globaltimer as the block passes the k-th point of a
+// task body (just after a compute barrier), so that the trace splits the body into its parts
+// (profile.BODY_PARTS names them, by kind)
+__shared__ unsigned long long body_marks[MARKS];
+__device__ __forceinline__ void mark(const Params& p, int k) {
+  if (p.profile != nullptr && threadIdx.x == 0) body_marks[k] = globaltimer();
+}
 
 __device__ __forceinline__ unsigned sm_id() {
   unsigned s;
@@ -575,6 +585,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) vnew[d] = mdsl::to_float(qkv[HQ * D + HKV * D + g * D + d]);
   compute_sync();
+  mark(p, 0);
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) {
       w.k_cache[cache_row + d] = mdsl::from_float<T>(knew[d]);
@@ -621,6 +632,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
       for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
   }
   compute_sync();
+  mark(p, 1);
   for (int h = warp; h < G; h += NW) {
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
@@ -635,6 +647,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
     if (lane == 0) { stats[2 * h] = m; stats[2 * h + 1] = l; }
   }
   compute_sync();
+  mark(p, 2);
   // weighted values: warp w takes positions w, w + NW, ...; lane takes dims lane, lane + 32, ... of
   // every head; the warps' sums meet in shared memory
   constexpr int DJ = (D + 31) / 32;
@@ -667,6 +680,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
     for (int j = 0; j < DJ; ++j)
       if (lane + 32 * j < D) sums[(warp * G + h) * D + lane + 32 * j] = acc[h][j];
   compute_sync();
+  mark(p, 3);
   float* part = p.parts + (long long)t.layer * HQ * SPLITS * PART;
   for (int e = threadIdx.x; e < G * D; e += NT) {
     const int h = e / D, d = e % D;
@@ -759,6 +773,7 @@ template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos, int tile,
                             float* xs, float* red, Logit logit_of) {
   load_normed_stream(p, xs, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm, red);
+  mark(p, 0);
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -1092,6 +1107,8 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const Task& t = slot.task;
     const long long index = slot.index, step = index / TASKS, pos = p.start_pos + step;
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
+    if (threadIdx.x == 0 && p.profile != nullptr)
+      for (int m = 0; m < MARKS; ++m) body_marks[m] = 0;   // (thread 0 alone writes and reads them)
     const unsigned flag = unsigned(step + 1);   // the flagged residual stream's words this step reads and writes
     const bool staged_task = staged_kind(t.kind);
     const int b = staged_done % STAGE_RING;
@@ -1121,6 +1138,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
         rec[2] = slot.ready_ns;
         rec[3] = started;
         rec[4] = done;
+        for (int m = 0; m < MARKS; ++m) rec[5 + m] = body_marks[m];
       }
     }
     named_arrive(BAR_EMPTY + s, BLOCK);

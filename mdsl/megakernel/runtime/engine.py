@@ -408,7 +408,8 @@ class MegakernelEngine:
         records = None
         if record is not None:
             raw = self._copy_out(record.ptr, record.shape[0], np.int32).view(np.uint64).reshape(-1, PROFILE_WORDS)
-            records = tuple(TaskRecord(index, *map(int, r)) for index, r in enumerate(raw) if r[-1])
+            records = tuple(TaskRecord(index, *map(int, r[:5]), marks=tuple(map(int, r[5:])))
+                            for index, r in enumerate(raw) if r[4])   # (done: the task ran)
         return Run(new, ran, milliseconds / 1e3, records)
 
     def _write_first_row(self, token: int) -> None:

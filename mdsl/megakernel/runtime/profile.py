@@ -1,8 +1,10 @@
 """The megakernel's profile: per executed task, the SM it ran on and four %globaltimer readings: the
 scheduler warp took it and began waiting for its inputs, its inputs were ready, the compute warps started
-its body, the body was done. Exported as a Chrome / Perfetto trace JSON (open it at ui.perfetto.dev or
-chrome://tracing) with two tracks per SM, so that what overlaps shows: the scheduler's ('SM n wait':
-one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body)."""
+its body, the body was done; and the body's marks, the points it passed on the way (BODY_PARTS: the
+parts they split a body of each kind into). Exported as a Chrome / Perfetto trace JSON (open it at
+ui.perfetto.dev or chrome://tracing) with two tracks per SM, so that what overlaps shows: the scheduler's
+('SM n wait': one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body,
+its parts nested in it). `layer_phases` condenses a step into one layer's phases: span, body, gap."""
 from __future__ import annotations
 
 import bisect
@@ -25,6 +27,28 @@ class TaskRecord:
     ready_ns: int      # its inputs were ready
     started_ns: int    # the compute warps started its body (after the previous task's)
     done_ns: int
+    marks: tuple = ()  # when the body passed its marks (BODY_MARKS readings; 0: not passed)
+
+
+BODY_MARKS = 4   # device.cu's MARKS: readings per task
+# the parts a body's marks split it into, by kind (device.cu's mark() calls: a linear body's after its
+# input row is loaded, attention's after each of its stages)
+_LINEAR_PARTS = ("input row", "products out")
+BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _LINEAR_PARTS, "gateup": _LINEAR_PARTS, "down": _LINEAR_PARTS,
+              "lmhead": _LINEAR_PARTS,
+              "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out")}
+
+
+def body_parts(record: TaskRecord, kind: str) -> list:
+    """(name, start ns, end ns) of each part of the record's body: started -> first mark -> ... -> done.
+    Empty where the kind has no parts or the body passed no mark."""
+    names = BODY_PARTS.get(kind)
+    marks = [m for m in record.marks if m]
+    if not names or not marks or len(marks) >= len(names):
+        return []
+    edges = [record.started_ns, *marks, record.done_ns]
+    return [(names[k], edges[k], edges[k + 1]) for k in range(len(marks))] + \
+        [(names[-1], edges[-2], edges[-1])]
 
 
 def compute_track(sm: int) -> int:
@@ -72,6 +96,8 @@ def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Se
         events.append(_slice(labels[task], f"{kinds[task]}+put" if puts else kinds[task], compute_track(r.sm),
                              r.started_ns, r.done_ns, origin,
                              {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}, pid))
+        for name, start, end in body_parts(r, kinds[task]):   # nested in the body's slice
+            events.append(_slice(name, "part", compute_track(r.sm), start, end, origin, args, pid))
     return events
 
 
@@ -96,7 +122,8 @@ def align_ranks(per_rank: Sequence[Sequence[TaskRecord]], per_step: int) -> list
         shifts = sorted(mine[s] - base[s] for s in mine.keys() & base.keys())
         shift = shifts[len(shifts) // 2] if shifts else 0
         aligned.append([attrs.evolve(r, taken_ns=r.taken_ns - shift, ready_ns=r.ready_ns - shift,
-                                     started_ns=r.started_ns - shift, done_ns=r.done_ns - shift) for r in records])
+                                     started_ns=r.started_ns - shift, done_ns=r.done_ns - shift,
+                                     marks=tuple(m - shift if m else 0 for m in r.marks)) for r in records])
     return aligned
 
 
@@ -118,36 +145,44 @@ def read_trace(path: str, per_step: int) -> list:
     nearest ns; a task with no wait slice was ready when taken), for a plan of `per_step` tasks a step."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    bodies, waits = {}, {}
+    bodies, waits, parts = {}, {}, {}
     for e in events:
         if e.get("ph") != "X":
             continue
         key = (e["args"]["step"], e["args"]["task"])
         start, end = round(e["ts"] * 1e3), round((e["ts"] + e["dur"]) * 1e3)
-        if e["cat"] == "wait":
+        if e["cat"] in ("wait", "wait-remote"):
             waits[key] = (start, end)
+        elif e["cat"] == "part":
+            parts.setdefault(key, []).append((start, end))
         else:
             bodies[key] = (e["tid"] // 2, start, end, round(e["args"]["ready_to_start_us"] * 1e3))
     records = []
     for (step, task), (sm, started, done, queued) in bodies.items():
         taken, ready = waits.get((step, task), (started - queued, started - queued))
-        records.append(TaskRecord(step * per_step + task, sm, taken, ready, started, done))
+        ends = [end for _, end in sorted(parts.get((step, task), []))][:-1]   # each part but the last ends at a mark
+        marks = tuple(ends + [0] * (BODY_MARKS - len(ends))) if ends else ()
+        records.append(TaskRecord(step * per_step + task, sm, taken, ready, started, done, marks))
     return sorted(records, key=lambda r: r.index)
 
 
 def summary(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
     """Per task kind, over all records (ns): count; body time; time waiting for inputs (scheduler);
     time the compute warps sat idle before the body, inputs not yet ready (the wait not hidden behind
-    the previous task's body); time ready but queued behind the previous body."""
+    the previous task's body); time ready but queued behind the previous body; the body's parts
+    (`parts_ns`, BODY_PARTS, where the bodies passed their marks)."""
     out: dict = {}
     per_step = len(kinds)
     for r in records:
         kind = kinds[r.index % per_step]
-        entry = out.setdefault(kind, {"tasks": 0, "body_ns": 0, "wait_ns": 0, "exposed_wait_ns": 0, "queued_ns": 0})
+        entry = out.setdefault(kind, {"tasks": 0, "body_ns": 0, "wait_ns": 0, "exposed_wait_ns": 0, "queued_ns": 0,
+                                      "parts_ns": {}})
         entry["tasks"] += 1
         entry["body_ns"] += max(0, r.done_ns - r.started_ns)
         entry["wait_ns"] += max(0, r.ready_ns - r.taken_ns)
         entry["queued_ns"] += max(0, r.started_ns - r.ready_ns)
+        for name, start, end in body_parts(r, kind):
+            entry["parts_ns"][name] = entry["parts_ns"].get(name, 0) + max(0, end - start)
     for kind, exposed in _exposed_waits(records, kinds).items():
         out[kind]["exposed_wait_ns"] = exposed
     return out
@@ -185,3 +220,44 @@ def peer_overlap(records: Sequence[TaskRecord], per_step: int, peers: Sequence[t
         previous_done[r.sm] = r.done_ns
     return {"put_tasks": len(busy), "overlapped_fraction": sum(b > 0 for b in busy) / len(busy) if busy else 0.0,
             "mean_busy_sms_at_put": sum(busy) / len(busy) if busy else 0.0, "exposed_peer_wait_ns": exposed}
+
+
+def layer_phases(records: Sequence[TaskRecord], kinds: Sequence[str], layers: Sequence[int], step: int,
+                 first_layer: int = 1, last_layer: Optional[int] = None) -> dict:
+    """One step's layers condensed (µs, the median over layers first_layer .. last_layer - 1): per kind,
+    in the order the layer runs them, the phase's span (first body start to last body end over all SMs),
+    its median body, and the gap before it (from the previous phase's last body end: a dependency hop);
+    'layer': from one layer's last body end to the next's. `kinds`/`layers`: per task of a step."""
+    per_step = len(kinds)
+    phases: dict = {}
+    for r in records:
+        if r.index // per_step == step:
+            task = r.index % per_step
+            phases.setdefault((layers[task], kinds[task]), []).append(r)
+    order = []   # the kinds of a layer in the order their first tasks appear in the step
+    for task, kind in enumerate(kinds):
+        if layers[task] == first_layer and kind not in order:
+            order.append(kind)
+    last_layer = max(layers) if last_layer is None else last_layer
+    rows: dict = {kind: {"span": [], "body": [], "gap": []} for kind in order}
+    rows["layer"] = {"span": [], "body": [], "gap": []}
+    for layer in range(first_layer, last_layer):
+        if any((l, k) not in phases for l in (layer - 1, layer) for k in order):
+            continue
+        previous_end = max(r.done_ns for r in phases[layer - 1, order[-1]])
+        layer_start = previous_end
+        for kind in order:
+            tasks = phases[layer, kind]
+            start, end = min(r.started_ns for r in tasks), max(r.done_ns for r in tasks)
+            bodies = sorted(r.done_ns - r.started_ns for r in tasks)
+            rows[kind]["span"].append(end - start)
+            rows[kind]["body"].append(bodies[len(bodies) // 2])
+            rows[kind]["gap"].append(start - previous_end)
+            previous_end = end
+        rows["layer"]["span"].append(previous_end - layer_start)
+
+    def median_us(values: list) -> float:
+        return round(sorted(values)[len(values) // 2] / 1e3, 2) if values else 0.0
+
+    return {kind: {f"{key}_us": median_us(values) for key, values in row.items() if values}
+            for kind, row in rows.items() if row["span"]}

@@ -14,12 +14,13 @@ from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.runtime.bodies import generate_bodies
 from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
+from mdsl.megakernel.runtime.profile import BODY_MARKS
 
 KERNEL_NAME = "mdsl_megakernel"
 THREADS = 256                    # device.cu's NT: the compute warps' threads
 WARPS = THREADS // 32
 BLOCK_THREADS = THREADS + 64     # device.cu's LAUNCH: + the scheduler warp and the loader warp
-PROFILE_WORDS = 5                # device.cu's PROFILE_WORDS: 64-bit words per task index in the profile
+PROFILE_WORDS = 5 + BODY_MARKS   # device.cu's PROFILE_WORDS: 64-bit words per task index in the profile
 # How a worker's scheduler warp takes task indices: "static", this worker's share in order (index
 # worker + k * workers, so the `workers` tiles of a linear go one to each worker); "queue", the next
 # index of one global atomic counter (whichever worker asks first).

@@ -99,6 +99,7 @@ def engine_info(engine) -> dict:
     """What the driving process needs of a rank's plan: sizes, task labels and kinds, peer traffic."""
     return {"tasks_per_step": len(engine.plan.tasks), "workers": engine.workers,
             "labels": [t.label() for t in engine.plan.tasks], "kinds": [t.kind.name.lower() for t in engine.plan.tasks],
+            "layers": [t.layer for t in engine.plan.tasks],
             "peers": peer_traffic(engine.plan)}
 
 
