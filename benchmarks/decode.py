@@ -59,6 +59,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # its combine loops over twice one GPU's 16)
     "splits16": {"schedule": "static", "attention_splits": 16},
     "stage-splits16": {"schedule": "static", "stage_weights": True, "attention_splits": 16},
+    # the head of a tile that does not fit staged too (one GPU: 22 of an o-proj tile's 32 columns; a rank of
+    # two: the whole o-proj tile and 4 gate/up columns)
+    "stage-heads": {"schedule": "static", "stage_weights": True, "stage_heads": True},
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},

@@ -227,10 +227,17 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
                                           "fused_combine": True}),
                               ("static", {"stream_weights": ("qkv", "oproj"), "stream_buffer_kib": 1}),
-                              ("static", {"attention_splits": 3})):
+                              ("static", {"attention_splits": 3}),
+                              # tile heads: 1 KiB buffers hold 2 of the 8 columns of an o-proj and of a gate/up tile (f32)
+                              ("static", {"stage_heads": True, "stage_buffer_kib": 1}),
+                              ("queue", {"stage_heads": True, "stage_buffer_kib": 1})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
+        if options.get("stage_heads"):   # both kinds' tiles are cut: the rest of each is read from global memory
+            assert len(engine.staging.kinds) == 2 and all(
+                0 < items < max(t.end - t.begin for t in engine.plan.tasks if t.kind is kind)
+                for kind, items in engine.staging.kinds), engine.staging
         if options.get("stream_weights"):
             assert engine.streaming.buffers >= 2 and engine.staging.buffers == 0, engine.streaming
         assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)

@@ -172,6 +172,10 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
     with pytest.raises(MdslError, match="attention_splits 0"):
         MegakernelEngine(config, weights, attention_splits=0)
+    with pytest.raises(MdslError, match="stage_heads / stage_buffer_kib with stage_weights=False"):
+        MegakernelEngine(config, weights, stage_weights=False, stage_heads=True)
+    with pytest.raises(MdslError, match="stage_buffer_kib 512"):
+        MegakernelEngine(config, weights, stage_buffer_kib=512)
 
 
 @no_gpu

@@ -125,13 +125,24 @@ def test_staging_takes_the_tiles_that_fit_next_to_the_task_inputs():
     plan = build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1200)
     staging = plan_staging(plan)
     # 16 o-proj rows of 2048 bf16 fit; gate/up (63 rows of both) does not; QKV and down are never staged
-    assert staging.kinds == (Kind.OPROJ,) and staging.buffers == 2
-    assert staging.buffer_bytes == tile_weight_bytes(plan, Kind.OPROJ) == 16 * 2048 * 2
+    assert staging.kinds == ((Kind.OPROJ, 16),) and staging.buffers == 1
+    assert staging.buffer_bytes == (tile_weight_bytes(plan, Kind.OPROJ),) == (16 * 2048 * 2,)
     assert tile_weight_bytes(plan, Kind.GATEUP) > SMEM_PER_BLOCK
     assert staging.offset % 128 == 0 and staging.smem_bytes <= SMEM_PER_BLOCK
     assert plan_staging(plan, enabled=False).kinds == ()
+    # with heads, gate/up's first columns (a row of each matrix: 2 x 2048 x 2 bytes) in what is left
+    heads = plan_staging(plan, heads=True)
+    (oproj, _), (gateup, columns) = heads.kinds
+    assert (oproj, gateup) == (Kind.OPROJ, Kind.GATEUP) and heads.buffer_bytes[1] == columns * 2 * 2048 * 2
+    assert heads.smem_bytes <= SMEM_PER_BLOCK - 512 < heads.smem_bytes + 2 * 2048 * 2 + 128
     big = qwen3_8b_plan()
     assert plan_staging(big).kinds == ()   # 32 o-proj rows of 4096: 256 KB, more than an SM has
+    # its head: 22 of the 32 rows next to the 48 KB input row of the down-proj; no room left for gate/up
+    assert plan_staging(big, heads=True).kinds == ((Kind.OPROJ, 22),)
+    rank = qwen3_8b_rank_plan()   # a rank of two: its whole o-proj tile, then 4 gate/up columns of 16 KB
+    assert plan_staging(rank).kinds == ((Kind.OPROJ, 32),)
+    assert plan_staging(rank, heads=True).kinds == ((Kind.OPROJ, 32), (Kind.GATEUP, 4))
+    assert plan_staging(rank, heads=True, max_buffer_bytes=8192).kinds == ((Kind.OPROJ, 2),)   # < one gate/up column
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -141,13 +152,20 @@ def test_staged_tiles_compile_without_spills(schedule):
     config, _, _ = tiny_model("qwen3")
     plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=H200_SMS, max_seq=config.max_positions)
     source = generate_source(plan, schedule, stage_weights=True, prefetch_kib=256)
-    assert source.staging.buffers == 2 and source.staging.kinds == (Kind.OPROJ, Kind.GATEUP)
+    assert source.staging.buffers == 2 and [kind for kind, _ in source.staging.kinds] == [Kind.OPROJ, Kind.GATEUP]
     assert "constexpr int STAGE_BUFFERS = 2;" in source.text and "PREFETCH_BYTES = 262144ll" in source.text
-    assert source.smem_bytes == source.staging.offset + 2 * source.staging.buffer_bytes
+    assert source.smem_bytes == source.staging.offset + sum(source.staging.buffer_bytes)
     module = compile_cuda(source.text, arch="sm_90a")
     assert_fits(source, module.resources[KERNEL_NAME])
+    # tile heads: 256-byte buffers hold 4 of an o-proj tile's 8 columns and 2 of a gate/up tile's
+    heads = generate_source(plan, schedule, stage_weights=True, stage_heads=True, stage_buffer_bytes=256)
+    assert heads.staging.kinds == ((Kind.OPROJ, 4), (Kind.GATEUP, 2)) and heads.staging.buffer_bytes == (256, 256)
+    assert "case KIND_GATEUP: return 2;" in heads.text and "case 1: return 256;" in heads.text
+    assert_fits(heads, compile_cuda(heads.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="prefetch_kib"):
         generate_source(plan, prefetch_kib=8)
+    with pytest.raises(ValueError, match="refine stage_weights"):
+        generate_source(plan, stage_heads=True)
 
 
 @functools.cache

@@ -136,10 +136,11 @@ __device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int 
   }
 }
 
-// ---- weight staging (source.py's Staging): a task's whole weight tile copied into shared memory by the
-// copy engine. Buffer b's "full" mbarrier completes a phase when a tile has landed in it (the scheduler
-// arrives with the tile's bytes as its transaction count), its "empty" one when the compute warps are
-// done with the tile; a worker's n-th staged task uses buffer n % STAGE_BUFFERS, phase n / STAGE_BUFFERS.
+// ---- weight staging (source.py's Staging): a task's weight tile (or its first stage_items(kind) output
+// columns) copied into its kind's shared-memory buffer by the copy engine. The buffer's "full" mbarrier
+// completes a phase when a tile has landed in it (the scheduler arrives with the tile's bytes as its
+// transaction count), its "empty" one when the compute warps are done with the tile; a worker's n-th
+// staged task of a kind uses phase n of its kind's buffer.
 __device__ __forceinline__ constexpr bool staged_kind(int kind) {
   return STAGE_BUFFERS > 0 && ((STAGE_KINDS >> kind) & 1) != 0;
 }
@@ -177,8 +178,21 @@ __device__ __forceinline__ uint4 ld_staged(const T* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(shared_address(p)));
   return v;
 }
-constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no division by zero when nothing is staged)
+constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no empty arrays when nothing is staged)
+static_assert(STAGE_BUFFERS <= 2, "StageCounts holds two buffers' counts");
 struct StageBarriers { unsigned long long full[STAGE_RING], empty[STAGE_RING]; };
+// a count per staging buffer, in registers (an array indexed by a kind's buffer would live in local memory)
+struct StageCounts {
+  int first = 0, second = 0;
+  __device__ __forceinline__ int of(int b) const { return b == 0 ? first : second; }
+  __device__ __forceinline__ void add(int b) { first += b == 0; second += b != 0; }
+};
+// the staged part of task t: its first stage_items(kind) output columns (all of a tile that fits)
+__device__ __forceinline__ Task staged_head(const Task& t) {
+  Task head = t;
+  head.end = min(t.end, t.begin + stage_items(t.kind));
+  return head;
+}
 
 // ---- weight streaming (source.py's Streaming): a streamed task's tile is cut into sub-tiles of
 // stream_items(kind) items (whole output columns, every matrix's row of each); the worker's n-th sub-tile
@@ -200,8 +214,8 @@ constexpr int STREAM_RING = STREAM_BUFFERS > 0 ? STREAM_BUFFERS : 1;
 // before that one, of the same parity, and return at once.
 struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]; volatile long long issued; };
 
-// a compute task's weights in shared memory: its staged tile (null weights where the task's kind is not
-// staged), or the ring its streamed sub-tiles pass through and the first one's number
+// a compute task's weights in shared memory: its staged tile or tile head (null weights where the task's
+// kind is not staged), or the ring its streamed sub-tiles pass through and the first one's number
 struct Staged {
   const T* weights; unsigned long long* full; unsigned parity;
   const T* ring; StreamBarriers* stream; long long stream_first;
@@ -481,11 +495,13 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
     }
   }
   if constexpr (STAGE_BUFFERS > 0) {
-    if (staged.weights != nullptr) {
+    if (staged.weights != nullptr) {   // the staged head (each matrix's rows after the previous one's), then the rest
       mbarrier_wait(staged.full, staged.parity);
-      const long long n = t.end - t.begin;
-      gemv<K, ROWS, true>(t.begin, t.end, xs, [&](int r, int j) { return staged.weights + (j * n + (r - t.begin)) * K; },
+      const int end = staged_head(t).end;
+      const long long n = end - t.begin;
+      gemv<K, ROWS, true>(t.begin, end, xs, [&](int r, int j) { return staged.weights + (j * n + (r - t.begin)) * K; },
                           emit);
+      if (end < t.end) gemv<K, ROWS, false>(end, t.end, xs, row, emit);
       return;
     }
   }
@@ -931,15 +947,22 @@ __device__ __forceinline__ void copy_weights(const Params& p, const LayerWeights
   });
 }
 
-// The scheduler warp's copy of a staged task's weight tile into buffer `stage` (the worker's `n`-th staged
-// task), once the compute warps are done with the buffer's previous tile.
-__device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int n, int lane) {
-  const int b = n % STAGE_RING, use = n / STAGE_RING;
+// The scheduler warp's copy of a staged task's weight tile (or its head) into its kind's buffer (the
+// worker's `use`-th staged task of that kind), once the compute warps are done with the buffer's previous
+// tile; where only the head is staged, the head of the rest is prefetched into L2 as unstaged tiles' are.
+__device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int use, int lane) {
+  const int b = stage_buffer(t.kind);
   if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
   const LayerWeights& w = p.layers[t.layer];
-  if (lane == 0) mbarrier_arrive_expect(&bars.full[b], weight_bytes(p, w, t));
+  const Task head = staged_head(t);
+  if (lane == 0) mbarrier_arrive_expect(&bars.full[b], weight_bytes(p, w, head));
   __syncwarp();
-  copy_weights(p, w, t, reinterpret_cast<char*>(stage) + (long long)b * STAGE_BYTES, &bars.full[b], lane);
+  copy_weights(p, w, head, reinterpret_cast<char*>(stage) + stage_buffer_offset(b), &bars.full[b], lane);
+  if (head.end < t.end) {
+    Task rest = t;
+    rest.begin = head.end;
+    weight_pieces(p, w, rest, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+  }
 }
 
 // The loader warp (weight streaming): this worker's tasks in the static schedule's order, each streamed
@@ -1044,7 +1067,7 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
 __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars) {
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
-  int staged = 0;    // staged tasks handed to the compute warps so far
+  StageCounts staged;   // staged tasks handed to the compute warps so far, per buffer
   long long streamed = 0;   // streamed sub-tiles of the tasks handed over so far
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
@@ -1059,7 +1082,7 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       // they stream while the memory system waits on dependencies; the first take also prefetches the
       // ones before it (later takes found theirs prefetched by an earlier take)
       const bool stage_it = staged_kind(t.kind);
-      if (stage_it) stage_task_weights(p, t, stage, bars, staged, lane);
+      if (stage_it) stage_task_weights(p, t, stage, bars, staged.of(stage_buffer(t.kind)), lane);
       else if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
 #pragma unroll
       for (int a = 1; a < PREFETCH_AHEAD; ++a) {
@@ -1072,9 +1095,12 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       if (!wait_for_inputs(p, t, index, step, lane)) {
         index = -1;
         // the block leaves: its copy must land first
-        if (stage_it) mbarrier_wait(&bars.full[staged % STAGE_RING], unsigned(staged / STAGE_RING) & 1u);
+        if (stage_it) {
+          const int b = stage_buffer(t.kind);
+          mbarrier_wait(&bars.full[b], unsigned(staged.of(b)) & 1u);
+        }
       } else if (stage_it) {
-        ++staged;
+        staged.add(stage_buffer(t.kind));
       }
       if (p.profile != nullptr) ready = globaltimer();
     } else {
@@ -1095,7 +1121,7 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
 // The compute warps: run the tasks of the slots in turn; never wait on another block.
 __device__ void compute(const Params& p, const Slot* slots, float* red, float* work, const T* stage,
                         StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished) {
-  int staged_done = 0;   // staged tasks run so far: the scheduler's order, so the same buffers and phases
+  StageCounts staged_done;   // staged tasks run so far per buffer: the scheduler's order, so the same phases
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
     named_sync(BAR_FULL + s, BLOCK);
@@ -1111,14 +1137,14 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
       for (int m = 0; m < MARKS; ++m) body_marks[m] = 0;   // (thread 0 alone writes and reads them)
     const unsigned flag = unsigned(step + 1);   // the flagged residual stream's words this step reads and writes
     const bool staged_task = staged_kind(t.kind);
-    const int b = staged_done % STAGE_RING;
-    const Staged staged = {staged_task ? stage + (long long)b * (STAGE_BYTES / int(sizeof(T))) : nullptr, &bars.full[b],
-                           unsigned(staged_done / STAGE_RING) & 1u, ring, &stream, slot.stream_first};
+    const int b = stage_buffer(t.kind);
+    const Staged staged = {staged_task ? stage + stage_buffer_offset(b) / int(sizeof(T)) : nullptr, &bars.full[b],
+                           unsigned(staged_done.of(b)) & 1u, ring, &stream, slot.stream_first};
     const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) {                 // every compute thread has read the tile: its buffer is free
       if (threadIdx.x == 0) mbarrier_arrive(&bars.empty[b]);
-      ++staged_done;
+      staged_done.add(b);
     }
     if (threadIdx.x == 0) {
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start

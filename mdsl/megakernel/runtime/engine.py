@@ -97,7 +97,9 @@ class MegakernelEngine:
     lanes share a cached position in attention's scores (source.ATTENTION_LANES); `fused_combine`, whether
     the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
-    under tensor parallelism without weight streaming); `prefetch_kib`, how much of a task's weights is
+    under tensor parallelism without weight streaming); `stage_heads`, whether the tiles that do not fit
+    have their heads staged (as many output columns as fit), `stage_buffer_kib` a cap on each kind's
+    staging buffer (both imply staging); `prefetch_kib`, how much of a task's weights is
     prefetched into L2 ahead of it; `flagged_stream`, under tensor parallelism, whether the residual
     stream's partials travel as flagged words that their readers poll instead of being signalled
     (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
@@ -114,6 +116,7 @@ class MegakernelEngine:
                  stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
+                 stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -134,7 +137,13 @@ class MegakernelEngine:
                 raise MdslError(f"stream_weights {stream_weights!r}",
                                 hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}") from None
         if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
-            stage_weights = ranks is not None and ranks.world > 1 and not stream_weights
+            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or stage_heads \
+                or stage_buffer_kib is not None
+        if (stage_heads or stage_buffer_kib is not None) and not stage_weights:
+            raise MdslError("stage_heads / stage_buffer_kib with stage_weights=False",
+                            hint="they refine weight staging: leave stage_weights unset or True")
+        if stage_buffer_kib is not None and not 0 < stage_buffer_kib <= 256:
+            raise MdslError(f"stage_buffer_kib {stage_buffer_kib}", hint="a staging buffer of 0 to 256 KiB, or None")
         if stream_weights and (schedule != "static" or stage_weights):
             raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
                             hint="weight streaming needs the static schedule and replaces stage_weights: "
@@ -159,7 +168,8 @@ class MegakernelEngine:
                                          flagged_stream=flagged_stream and self.world > 1)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
-                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024))
+                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
+                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024))
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -109,40 +109,63 @@ def tile_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
 
 @attrs.frozen
 class Staging:
-    """Weight staging: a worker's scheduler warp copies the whole weight tile of a task of one of `kinds`
-    into one of `buffers` shared-memory buffers (bulk copies completing on an mbarrier) as soon as it
-    takes the task, before waiting for the task's inputs; the compute warps then read the tile from
-    shared memory. A tile so loads while its inputs are still being produced (the attention chain before
-    the o-proj; the o-proj and its all-reduce before the gate/up), and the copy engine keeps a whole tile in flight
-    where the compute warps' loads keep 32 KB. A kind is staged where its largest tile fits next to the
-    task inputs' shared memory."""
-    kinds: tuple = ()
-    buffer_bytes: int = 0
-    buffers: int = 0
-    offset: int = 0      # bytes from the start of dynamic shared memory to the first buffer
+    """Weight staging: a worker's scheduler warp copies the weight tile of a task of one of the kinds into
+    that kind's shared-memory buffer (bulk copies completing on the buffer's mbarrier) as soon as it takes
+    the task, before waiting for the task's inputs; the compute warps then read the tile from shared
+    memory. A tile so loads while its inputs are still being produced (the attention chain before the
+    o-proj; the o-proj and its all-reduce before the gate/up), and the copy engine keeps a whole tile in
+    flight where the compute warps' loads keep 32 KB. A kind is staged where its largest tile fits next to
+    the task inputs' shared memory (and the kinds staged before it); with `heads`, a kind whose tile does
+    not fit has the head of its tile staged, as many output columns as fit (`items`), the rest of the
+    tile loaded as unstaged tiles are."""
+    kinds: tuple = ()          # (Kind, output columns staged per task), one buffer each, in this order
+    buffer_bytes: tuple = ()   # per kind, 128-byte multiples
+    offset: int = 0            # bytes from the start of dynamic shared memory to the first buffer
+
+    @property
+    def buffers(self) -> int:
+        return len(self.kinds)
 
     @property
     def kind_mask(self) -> int:
-        return sum(1 << int(kind) for kind in self.kinds)
+        return sum(1 << int(kind) for kind, _ in self.kinds)
 
     @property
     def smem_bytes(self) -> int:
-        return self.offset + self.buffers * self.buffer_bytes
+        return self.offset + sum(self.buffer_bytes)
+
+    def buffer_offsets(self) -> list:
+        """Each kind's buffer, in bytes from the first one."""
+        return [sum(self.buffer_bytes[:k]) for k in range(len(self.buffer_bytes))]
 
 
-def plan_staging(plan: TaskPlan, enabled: bool = True, max_buffers: int = 2) -> Staging:
+def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
+                 max_buffer_bytes: Optional[int] = None) -> Staging:
+    """STAGED_KINDS in order, each the largest tile of its kind (or with `heads` the most output columns
+    of it that fit) in what shared memory has left; `max_buffer_bytes` caps a buffer (tests: heads of a
+    few columns on models whose tiles all fit)."""
     base = shared_memory_bytes(plan)
     if not enabled:
         return Staging(offset=base)
     offset = _round_up(base, _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
-    tiles = {kind: tile_weight_bytes(plan, kind) for kind in STAGED_KINDS
-             if any(t.kind is kind for t in plan.tasks)}
-    tiles = {kind: size for kind, size in tiles.items() if 0 < size <= room and size % 16 == 0}
-    if not tiles:
+    kinds, sizes = [], []
+    for kind in STAGED_KINDS:
+        tiles = [t.end - t.begin for t in plan.tasks if t.kind is kind]
+        column = item_weight_bytes(plan, kind)
+        if not tiles or column % 16:
+            continue
+        cap = room if max_buffer_bytes is None else min(room, max_buffer_bytes)
+        items = min(max(tiles), cap // column)
+        if items < max(tiles) and not heads or items < 1:
+            continue
+        size = _round_up(items * column, _STAGE_ALIGN)
+        kinds.append((kind, items))
+        sizes.append(size)
+        room -= size
+    if not kinds:
         return Staging(offset=base)
-    size = _round_up(max(tiles.values()), _STAGE_ALIGN)
-    return Staging(tuple(sorted(tiles)), size, min(max_buffers, room // size), offset)
+    return Staging(tuple(kinds), tuple(sizes), offset)
 
 
 @attrs.frozen
@@ -254,16 +277,18 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
                     attention_lanes: int = 1, stage_weights: bool = False,
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
-                    stream_buffer_bytes: Optional[int] = None) -> MegakernelSource:
+                    stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
+                    stage_buffer_bytes: Optional[int] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
     cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
     loads per thread, the sums met by shuffles). `stage_weights`: tiles that fit are copied whole into
-    shared memory ahead of their task (`Staging`). `prefetch_kib`: how much of a task's weights (KiB per
-    task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True), or those
-    of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not with
-    `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
+    shared memory ahead of their task (`Staging`); with `stage_heads`, the head of those that do not fit
+    (`stage_buffer_bytes`: at most that many bytes a buffer). `prefetch_kib`: how much of a task's weights
+    (KiB per task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True),
+    or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
+    with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -279,7 +304,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
-    staging = plan_staging(plan, stage_weights)
+    if (stage_heads or stage_buffer_bytes is not None) and not stage_weights:
+        raise ValueError("stage_heads and stage_buffer_bytes refine stage_weights: pass stage_weights=True too")
+    staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes)
     streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights) if stream_weights else \
         Streaming(offset=staging.smem_bytes)
     items = dict(streaming.items)
@@ -301,8 +328,27 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
-              f"constexpr int STAGE_BYTES = {staging.buffer_bytes};",
               f"constexpr int STAGE_OFFSET = {staging.offset};",
+              "// a staged kind's buffer (0 .. STAGE_BUFFERS - 1), its bytes from the first buffer, and the",
+              "// output columns of a task's tile it holds (the tile's head where the tile is larger)",
+              "__device__ __forceinline__ constexpr int stage_buffer(int kind) {",
+              "  switch (kind) {",
+              *(f"    case KIND_{kind.name}: return {b};" for b, (kind, _) in enumerate(staging.kinds)),
+              "    default: return 0;",
+              "  }",
+              "}",
+              "__device__ __forceinline__ constexpr int stage_buffer_offset(int buffer) {",
+              "  switch (buffer) {",
+              *(f"    case {b}: return {off};" for b, off in enumerate(staging.buffer_offsets())),
+              "    default: return 0;",
+              "  }",
+              "}",
+              "__device__ __forceinline__ constexpr int stage_items(int kind) {",
+              "  switch (kind) {",
+              *(f"    case KIND_{kind.name}: return {items};" for kind, items in staging.kinds),
+              "    default: return 0;",
+              "  }",
+              "}",
               f"constexpr int STREAM_KINDS = {streaming.kind_mask};",
               f"constexpr int STREAM_BUFFERS = {streaming.buffers};",
               f"constexpr int STREAM_BYTES = {streaming.buffer_bytes};",
