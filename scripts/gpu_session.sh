@@ -99,8 +99,8 @@ stage probe "${PROBE_LIMIT:-90}" "$OUT/all/probe.log" $PY benchmarks/stream_prob
 grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-DECODE_ARGS="${DECODE_ARGS:---variants static,static-lanes4,static-lanes4-fused,static-ahead2-lanes4-fused}"
-TP_VARIANTS="${TP_VARIANTS:-static,static-ahead2-lanes4-fused}"
+DECODE_ARGS="${DECODE_ARGS:---variants static,stage-heads --trace-model qwen3-8b}"
+TP_VARIANTS="${TP_VARIANTS:-static,stage-heads}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
