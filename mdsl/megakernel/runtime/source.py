@@ -157,7 +157,7 @@ def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
             continue
         cap = room if max_buffer_bytes is None else min(room, max_buffer_bytes)
         items = min(max(tiles), cap // column)
-        if items < max(tiles) and not heads or items < 1:
+        if items < 1 or (items < max(tiles) and not heads):   # nothing fits, or a head where none is wanted
             continue
         size = _round_up(items * column, _STAGE_ALIGN)
         kinds.append((kind, items))
