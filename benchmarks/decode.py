@@ -366,8 +366,8 @@ def layer_table(phases: dict, by_kind: dict) -> str:
         parts = by_kind.get(kind, {}).get("parts_ns", {})
         total = sum(parts.values())
         shares = ", ".join(f"{part} {ns / total:.0%}" for part, ns in parts.items()) if total else ""
-        lines.append(f"| {kind} | {phase['span_us']:.1f} | {phase.get('body_us', 0):.1f} | "
-                     f"{phase.get('gap_us', 0):.1f} | {shares} |")
+        body, gap = (f"{phase[key]:.1f}" if key in phase else "-" for key in ("body_us", "gap_us"))
+        lines.append(f"| {kind} | {phase['span_us']:.1f} | {body} | {gap} | {shares} |")
     return "\n".join(lines)
 
 

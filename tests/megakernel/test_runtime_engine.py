@@ -115,6 +115,9 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     phases = decode.phase_table({"qkv": {"tasks": 2, "body_ns": 2_000_000, "wait_ns": 500_000,
                                          "exposed_wait_ns": 250_000, "queued_ns": 0}})
     assert "| qkv | 2 | 2.00 | 0.50 | 0.25 | 0.00 |" in phases
+    layer = decode.layer_table({"attn": {"span_us": 9.3, "body_us": 7.8, "gap_us": 0.5}, "layer": {"span_us": 126.0}},
+                               {"attn": {"parts_ns": {"scores": 3000, "softmax": 1000}}})
+    assert "| attn | 9.3 | 7.8 | 0.5 | scores 75%, softmax 25% |" in layer and "| layer | 126.0 | - | - |  |" in layer
 
 
 @no_gpu
