@@ -161,7 +161,8 @@ def test_staged_tiles_compile_without_spills(schedule):
     heads = generate_source(plan, schedule, stage_weights=True, stage_heads=True, stage_buffer_bytes=256)
     assert heads.staging.kinds == ((Kind.OPROJ, 4), (Kind.GATEUP, 2)) and heads.staging.buffer_bytes == (256, 256)
     assert "case KIND_GATEUP: return 2;" in heads.text and "case 1: return 256;" in heads.text
-    assert_fits(heads, compile_cuda(heads.text, arch="sm_90a").resources[KERNEL_NAME])
+    if schedule == "static":   # (one compile of the heads is enough: ~15 s on CI's 2 cores)
+        assert_fits(heads, compile_cuda(heads.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="prefetch_kib"):
         generate_source(plan, prefetch_kib=8)
     with pytest.raises(ValueError, match="refine stage_weights"):
