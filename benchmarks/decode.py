@@ -55,10 +55,6 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # the short linears after latency-bound phases only (QKV after the all-reduce, o-proj after attention)
     "stream-short": {"schedule": "static", "stream_weights": ("qkv", "oproj")},
     "stream-oproj": {"schedule": "static", "stream_weights": ("oproj",)},
-    # 16 attention splits per kv head (a rank of Qwen3-8B has 4 kv heads: 33 splits fill its 132 SMs, and
-    # its combine loops over twice one GPU's 16)
-    "splits16": {"schedule": "static", "attention_splits": 16},
-    "stage-splits16": {"schedule": "static", "stage_weights": True, "attention_splits": 16},
     # the head of a tile that does not fit staged too (one GPU: 22 of an o-proj tile's 32 columns; a rank of
     # two: the whole o-proj tile and 4 gate/up columns)
     "stage-heads": {"schedule": "static", "stage_weights": True, "stage_heads": True},

@@ -917,6 +917,11 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   }
 }
 
+// The head of each of a task's weight pieces (PREFETCH_BYTES) into L2, by the scheduler warp's lanes
+__device__ __forceinline__ void prefetch_weight_rows(const Params& p, const LayerWeights& w, const Task& t, int lane) {
+  weight_pieces(p, w, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+}
+
 // What a task will read first and can be read before its inputs are ready: the head of its weight
 // tiles, or an attention split's KV rows; by the scheduler warp's lanes (each bulk prefetch by one lane).
 __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Task& t, long long pos, int lane) {
@@ -925,7 +930,7 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
     return;
   }
   if (streamed_kind(t.kind)) return;   // the loader warp streams them
-  weight_pieces(p, p.layers[t.layer], t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+  prefetch_weight_rows(p, p.layers[t.layer], t, lane);
 }
 
 // The bytes of a task's weight rows (weight_pieces), and their copy into shared memory at `dst`, in the
@@ -961,7 +966,7 @@ __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, Sta
   if (head.end < t.end) {
     Task rest = t;
     rest.begin = head.end;
-    weight_pieces(p, w, rest, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+    prefetch_weight_rows(p, w, rest, lane);
   }
 }
 
