@@ -56,13 +56,15 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
   else git log -1 --format='commit %h %s' 2>/dev/null || true; fi; } 2>&1 | tee -a "$SUMMARY"
 
 # a throwaway plan cache for the tests (no plan from an earlier run is reused); the benchmark reads .plans.
+# GPU_TESTS: the tests besides the tensor-parallel file (default: every GPU test). -v, the passes filtered
+# out: a run cut at its limit still names the tests that failed.
 # The tensor-parallel tests (a minute or more each: one GPU's engine and every rank's) run beside the
 # others from the start in their own pytest, so that the stage's limit does not fall on them.
 TESTS_CMD="$PY -m pytest -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" bash -c "
     $TESTS_CMD -v tests/gpu/test_tensor_parallel_gpu.py -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
-    $TESTS_CMD tests/gpu tests/backend/ptx/test_ptx_gpu.py --ignore=tests/gpu/test_tensor_parallel_gpu.py \
-        -n ${TEST_WORKERS:-14}; wait; echo '== tensor-parallel tests'; cat '$OUT/tests_tp.log'"
+    $TESTS_CMD -v ${GPU_TESTS:-tests/gpu tests/backend/ptx/test_ptx_gpu.py} --ignore=tests/gpu/test_tensor_parallel_gpu.py \
+        -n ${TEST_WORKERS:-14} | grep -vE ' PASSED '; wait; echo '== tensor-parallel tests'; cat '$OUT/tests_tp.log'"
 grep -hE '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
 [ -f "$OUT/tests_tp.log" ] && ! grep -q '== tensor-parallel tests' "$OUT/tests.log" && {   # cut before the cat
     # (-v: each test's verdict is printed as it ends, so a cut run still names the ones that failed)

@@ -258,27 +258,31 @@ __device__ __forceinline__ Word ld_word(const Word* at) {
 __device__ __forceinline__ void st_word(Word* at, Word w) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(at), "l"(w) : "memory");
 }
-// the word at `at` once it carries `flag`; past the watchdog the launch stops (reported as task TASKS + 1)
+// A flagged word's wait, checked every 1024 polls: false once it has lasted past the watchdog or the
+// launch stops; the watchdog then reports it (as task TASKS + 1) and stops the launch.
+__device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned flag, Word seen) {
+  const unsigned long long now = globaltimer();
+  if (since == 0) {
+    since = now;
+  } else if (now - since > WATCHDOG_NS || ld_relaxed(p.state + STATE_STOP) < 0) {
+    if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
+      p.state[STATE_STUCK_STEP] = int(flag) - 1;
+      p.state[STATE_STUCK_EVENT] = -1;
+      p.state[STATE_STUCK_COUNT] = int(flag_of(seen));
+      p.state[STATE_STUCK_NEED] = int(flag);
+    }
+    atomicExch(p.state + STATE_STOP, -1);
+    return false;
+  }
+  return true;
+}
+// the word at `at` once it carries `flag` (or the launch stops: see keep_polling)
 __device__ __noinline__ Word wait_word(const Params& p, const Word* at, unsigned flag) {
   unsigned long long since = 0;
   for (unsigned spins = 1;; ++spins) {
     const Word w = ld_word(at);
     if (flag_of(w) == flag) return w;
-    if (spins % 1024 == 0) {
-      const unsigned long long now = globaltimer();
-      if (since == 0) {
-        since = now;
-      } else if (now - since > WATCHDOG_NS || ld_relaxed(p.state + STATE_STOP) < 0) {
-        if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
-          p.state[STATE_STUCK_STEP] = int(flag) - 1;
-          p.state[STATE_STUCK_EVENT] = -1;
-          p.state[STATE_STUCK_COUNT] = int(flag_of(w));
-          p.state[STATE_STUCK_NEED] = int(flag);
-        }
-        atomicExch(p.state + STATE_STOP, -1);
-        return w;
-      }
-    }
+    if (spins % 1024 == 0 && !keep_polling(p, since, flag, w)) return w;
     __nanosleep(32);
   }
 }
@@ -389,30 +393,48 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
 }
 
 // xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer) * norm. Flagged partials are all
-// loaded before any is checked (a poll per element would be one round trip after another), then the
-// few that did not carry the flag yet are waited for.
+// loaded before any is checked, and those that did not carry the flag yet are loaded again together,
+// round after round, until every one does: waiting for them one after the other cost a round trip per
+// missing word (gate/up bodies 50 us instead of 27 when flagged words were first measured).
 __device__ void load_normed_stream(const Params& p, float* xs, const T* single, float* parts, int layer, unsigned flag,
                                    const T* norm, float* red) {
   if constexpr (WORLD > 1 && FLAGGED_STREAM) {
     constexpr int PER = (H + NT - 1) / NT;
+    static_assert(PER * WORLD <= 32, "one bit per word a thread reads");
     const Word* base = words(parts) + (long long)layer * WORLD * H;
-    Word w[PER][WORLD];
+    float v[PER][WORLD];        // the values (the flags checked as they arrive: half the registers of the words)
+    unsigned missing = 0;       // bit j * WORLD + k: word (j, k) did not carry the flag yet
 #pragma unroll
     for (int j = 0; j < PER; ++j)
 #pragma unroll
       for (int k = 0; k < WORLD; ++k) {
         const int i = threadIdx.x + j * NT;
-        w[j][k] = i < H ? ld_word(base + k * H + i) : flagged(0.0f, flag);
+        const Word w = i < H ? ld_word(base + k * H + i) : flagged(0.0f, flag);
+        v[j][k] = value_of(w);
+        if (flag_of(w) != flag) missing |= 1u << (j * WORLD + k);
       }
+    unsigned long long since = 0;
+    for (unsigned round = 1; missing != 0; ++round) {
+      unsigned still = 0;
+      Word seen = 0;
+#pragma unroll
+      for (int j = 0; j < PER; ++j)
+#pragma unroll
+        for (int k = 0; k < WORLD; ++k)
+          if (missing & (1u << (j * WORLD + k))) {
+            const Word w = ld_word(base + k * H + threadIdx.x + j * NT);
+            v[j][k] = value_of(w);
+            if (flag_of(w) != flag) { still |= 1u << (j * WORLD + k); seen = w; }
+          }
+      missing = still;
+      if (missing != 0 && round % 1024 == 0 && !keep_polling(p, since, flag, seen)) break;
+    }
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = threadIdx.x + j * NT;
       float sum = 0.0f;
 #pragma unroll
-      for (int k = 0; k < WORLD; ++k) {
-        if (flag_of(w[j][k]) != flag) w[j][k] = wait_word(p, base + k * H + i, flag);
-        sum += value_of(w[j][k]);
-      }
+      for (int k = 0; k < WORLD; ++k) sum += v[j][k];
       if (i < H) xs[i] = round_t(sum);
     }
     load_normed_input<H>(xs, [&](int i) { return xs[i]; }, norm, red);   // each thread its own elements
@@ -518,29 +540,42 @@ __device__ __forceinline__ void visit_rows(Visit visit, const T* matrix, int lo,
   if (last > first) visit(matrix + (long long)(first - lo) * K, (long long)(last - first) * K);
 }
 
-// one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32)
+// one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32). The
+// head, its norm weights and the position's cos / sin are loaded together: one memory round trip, not three.
 __device__ void prepare_head(const T* x, const T* norm, const Params& p, long long pos, float* tmp, float* out) {
   const int lane = threadIdx.x % 32;
-  float ss = 0.0f;
-  for (int d = lane; d < D; d += 32) {
-    const float v = mdsl::to_float(x[d]);
-    tmp[d] = v;
-    ss = fmaf(v, v, ss);
-  }
-  ss = mdsl::group_reduce<32>(ss, mdsl::Sum());
-  __syncwarp();
-  if (norm != nullptr) {
-    const float r = rsqrtf(ss / float(D) + EPS);
-    for (int d = lane; d < D; d += 32) tmp[d] = round_t(mdsl::to_float(norm[d]) * round_t(tmp[d] * r));
-    __syncwarp();
-  }
+  constexpr int PER = (D + 31) / 32;
   const float* cs = p.rope_cos + pos * (D / 2);
   const float* sn = p.rope_sin + pos * (D / 2);
-  for (int d = lane; d < D; d += 32) {
-    const int f = d % (D / 2);
-    const float c = round_t(cs[f]), s = round_t(sn[f]);
-    const float rotated = d < D / 2 ? -tmp[d + D / 2] : tmp[d - D / 2];
-    out[d] = round_t(round_t(tmp[d] * c) + round_t(rotated * s));
+  float v[PER], weight[PER], c[PER], s[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + 32 * j, f = d % (D / 2);
+    const bool in = d < D;
+    v[j] = in ? mdsl::to_float(x[d]) : 0.0f;
+    weight[j] = in && norm != nullptr ? mdsl::to_float(norm[d]) : 0.0f;
+    c[j] = in ? round_t(cs[f]) : 0.0f;
+    s[j] = in ? round_t(sn[f]) : 0.0f;
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
+  ss = mdsl::group_reduce<32>(ss, mdsl::Sum());
+  const float r = rsqrtf(ss / float(D) + EPS);
+#pragma unroll
+  for (int j = 0; j < PER; ++j)
+    if (lane + 32 * j < D) {
+      if (norm != nullptr) v[j] = round_t(weight[j] * round_t(v[j] * r));
+      tmp[lane + 32 * j] = v[j];
+    }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + 32 * j;
+    if (d < D) {
+      const float rotated = d < D / 2 ? -tmp[d + D / 2] : tmp[d - D / 2];
+      out[d] = round_t(round_t(v[j] * c[j]) + round_t(rotated * s[j]));
+    }
   }
   __syncwarp();
 }
@@ -626,7 +661,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
         for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
     } else if (i < count) {
       const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D) + sub * LANE_VECTORS;
-#pragma unroll(ATTN_LANES > 1 ? LANE_VECTORS : 4)
+#pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
       for (int c = 0; c < LANE_VECTORS; ++c) {
         const uint4 raw = kc[c];
         const T* e = reinterpret_cast<const T*>(&raw);
@@ -672,7 +707,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
-#pragma unroll(ATTN_LANES > 1 ? 8 : 2)
+#pragma unroll 8   // eight positions' value rows in flight at once
   for (int i = warp; i < count; i += NW) {
     const long long q = lo + i;
     const T* vc = w.v_cache + (q * HKV + g) * D;
@@ -1067,6 +1102,31 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
   return __all_sync(0xffffffffu, go);
 }
 
+// With SAMPLE_PEERS (flagged partials), the scheduler warp also waits until a sample of the peers'
+// partials of the task's input row carry the step's flag: about one word per producer tile, so that the
+// compute warps, which check every word, find nearly all of them landed on their first load. (The
+// compute warps polling the whole row themselves read it from L2 again every round, on every SM.)
+__device__ void await_peer_samples(const Params& p, const Task& t, unsigned flag, int lane) {
+  int layer = 0;
+  float* parts = stream_input(p, t, layer);
+  if (parts == nullptr) return;
+  constexpr int STRIDE = H >= 128 ? H / 128 : 1, PER = (H / STRIDE + 31) / 32;
+  const Word* base = words(parts) + (long long)layer * WORLD * H;
+  for (int r = 1; r < WORLD; ++r) {
+    const Word* peer = base + (long long)((int(p.rank) + r) % WORLD) * H;
+    Word w[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {   // every sample in flight at once, then the missing ones waited for
+      const int i = (lane + 32 * j) * STRIDE;
+      w[j] = i < H ? ld_word(peer + i) : flagged(0.0f, flag);
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (flag_of(w[j]) != flag) wait_word(p, peer + (lane + 32 * j) * STRIDE, flag);
+  }
+  __syncwarp();
+}
+
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
 // slot once the compute warps have emptied it (they run the previous task meanwhile).
 __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars) {
@@ -1097,7 +1157,13 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
           prefetch_task_weights(p, later, p.start_pos + ahead / TASKS, lane);
         }
       }
-      if (!wait_for_inputs(p, t, index, step, lane)) {
+      bool go = wait_for_inputs(p, t, index, step, lane);
+      if constexpr (WORLD > 1 && FLAGGED_STREAM && SAMPLE_PEERS)
+        if (go) {
+          await_peer_samples(p, t, unsigned(step + 1), lane);
+          go = ld_relaxed(p.state + STATE_STOP) >= 0;   // (a stalled peer: wait_word's watchdog stopped the launch)
+        }
+      if (!go) {
         index = -1;
         // the block leaves: its copy must land first
         if (stage_it) {
