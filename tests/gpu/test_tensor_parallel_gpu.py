@@ -2,8 +2,8 @@
 GPU, each reading only its slices of the checkpoint, the residual stream all-reduced and the LM head's
 bests gathered through NVSHMEM inside the kernels) is token-identical to the single-GPU megakernel on the
 same checkpoint, for tiny Llama-3 and Qwen3 models in f32 and bf16 (in bf16 up to a tie within 2 bf16
-units in the single GPU's own logits: the ranks sum the split products in another order, so such a tie
-can break either way, and is reported); and the ranks' profile shows every task once per rank. Needs 2 GPUs and the nvidia-nvshmem wheel; skipped otherwise.
+units in the single GPU's own logits or in transformers': the ranks sum the split products in another
+order, so such a tie can break either way, and is reported); and the ranks' profile shows every task once per rank. Needs 2 GPUs and the nvidia-nvshmem wheel; skipped otherwise.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py
 """
@@ -78,18 +78,24 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
             two_gpus = list(runs[0].tokens)
             compared = len(one_gpu)
             first = first_difference(two_gpus, one_gpu)
+            theirs, their_logits = hf_greedy(torch, model, PROMPT, NEW_TOKENS)
             report = (f"seed {SEED}: {arch} {dtype_name}, first difference at new token {first}\n"
-                      f"  one GPU:  {one_gpu}\n  two GPUs: {two_gpus}\n"
-                      f"  transformers: {hf_greedy(torch, model, PROMPT, NEW_TOKENS)[0]}")
+                      f"  one GPU:  {one_gpu}\n  two GPUs: {two_gpus}\n  transformers: {theirs}")
             if dtype_name == "bf16" and first is not None:
-                # the single GPU's logits where the two part: a tie within bf16's resolution may break either way
+                # where the two part, a tie within bf16's resolution may break either way: in the single GPU's
+                # own logits, or in transformers' (where it agrees with both up to there), 2 units at most
                 single.generate(PROMPT + one_gpu[:first], 1, eos_token_ids=())
-                row = single.last_logits()
-                a, b = float(row[one_gpu[first]]), float(row[two_gpus[first]])
-                ulp = 2.0 ** (np.floor(np.log2(max(abs(a), abs(b), 1e-30))) - 7)
-                if abs(a - b) <= 2 * ulp:
-                    compared = first
-                    warnings.warn(f"a bf16 tie ({a} vs {b}) broke differently: {report}")
+                ties = {"one GPU's": single.last_logits()}
+                if theirs[:first] == one_gpu[:first]:
+                    ties["transformers'"] = their_logits[len(PROMPT) - 1 + first]
+                for whose, row in ties.items():
+                    a, b = float(row[one_gpu[first]]), float(row[two_gpus[first]])
+                    ulp = 2.0 ** (np.floor(np.log2(max(abs(a), abs(b), 1e-30))) - 7)
+                    report += f"\n  {whose} logits there: {a} (one GPU's token) vs {b} (two GPUs'), {abs(a - b) / ulp:.1f} units"
+                    if abs(a - b) <= 2 * ulp:
+                        compared = first
+                if compared == first:
+                    warnings.warn(f"a bf16 tie broke differently: {report}")
         finally:
             single.close()
         assert two_gpus[:compared] == one_gpu[:compared], report

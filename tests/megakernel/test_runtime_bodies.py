@@ -10,7 +10,7 @@ from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16
 from mdsl.ir.text import parse
 from mdsl.megakernel.layers import get_layer_op
-from mdsl.megakernel.runtime.bodies import generate_bodies, linear_bodies
+from mdsl.megakernel.runtime.bodies import generate_bodies, linear_bodies, residual_columns
 from mdsl.megakernel.runtime.plan import Kind, build_plan, for_ranks
 from mdsl.megakernel.runtime.shape import decoder_shape
 from tests.megakernel.test_runtime_source import assert_fits, compile_plan
@@ -48,6 +48,21 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
     rank = function(ranks, "oproj_task")
     assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r, flag) : 0.0f)" in rank
     assert "round_t(r_act * r_up)" in function(ranks, "gateup_task")   # a buffer, not the residual stream
+
+
+def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
+    """The epilogue runs one column after another: a residual read there was a global round trip each.
+    Each thread loads its columns' residual before the input row and leaves it in shared memory."""
+    plan = tiny_plan()
+    widest = max(t.end - t.begin for t in plan.tasks if t.kind in (Kind.OPROJ, Kind.DOWN))
+    assert residual_columns(plan) == widest > 0
+    for name, residual in (("oproj_task", "h_at(p, t.layer, r, flag)"), ("down_task", "mid_at(p, t.layer, r, flag)")):
+        body = function(generate_bodies(plan), name)
+        prefetch, load, epilogue = body.index(residual), body.index("load_input<"), body.index("task_gemv<")
+        assert prefetch < load < body.index("residual_row[r - t.begin] = residual_value[c];") < epilogue
+        assert body.count(residual) == 1
+        assert re.search(r"const float r_residual = (round_t\()?residual_row\[r - t\.begin\]\)?;", body)
+    assert "residual_value" not in function(generate_bodies(plan), "qkv_task")   # no residual there
 
 
 NOT_ADDITIVE = parse("""thread {

@@ -200,6 +200,38 @@ def _partial(body: LinearBody, world: int) -> bool:
     return world > 1 and isinstance(body.sink, ToStream)
 
 
+def residual_columns(plan: TaskPlan) -> int:
+    """The widest tile of the kinds whose epilogue adds a residual: the most columns whose residual a
+    task keeps in shared memory (after the input row: source.shared_memory_bytes)."""
+    kinds = {b.kind for b in linear_bodies(plan) if b.sink is not None and has_residual(b.epilogue)}
+    return max((t.end - t.begin for t in plan.tasks if t.kind in kinds), default=0)
+
+
+def _write_residual_prefetch(w: CodeWriter, body: LinearBody, world: int) -> dict:
+    """The residual of the task's columns, loaded before its input row (both in flight at once) into
+    registers, RESIDUAL_PER a thread: the epilogue, which runs one column after another, read each with a
+    dependent global round trip. Returns the epilogue's inputs, the residual read from shared memory
+    (residual_row, written once the input row is loaded: _write_residual_store)."""
+    inputs = _epilogue_inputs(body, world)
+    if "residual" not in inputs:
+        return inputs
+    w("float residual_value[RESIDUAL_PER];")
+    w("#pragma unroll")
+    with w.block("for (int c = 0; c < RESIDUAL_PER; ++c)"):
+        w("const int r = t.begin + int(threadIdx.x) + c * NT;")
+        w(f"residual_value[c] = r < t.end ? {inputs['residual']} : 0.0f;")
+    return {**inputs, "residual": "residual_row[r - t.begin]"}
+
+
+def _write_residual_store(w: CodeWriter) -> None:
+    w("float* residual_row = work + RESIDUAL_OFFSET;   // after the input row")
+    w("#pragma unroll")
+    with w.block("for (int c = 0; c < RESIDUAL_PER; ++c)"):
+        w("const int r = t.begin + int(threadIdx.x) + c * NT;")
+        w("if (r < t.end) residual_row[r - t.begin] = residual_value[c];")
+    w("compute_sync();")
+
+
 def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
     partial = _partial(body, world)
     if partial and not is_additive(body.epilogue):
@@ -218,12 +250,15 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
                  "unsigned flag, float* work, float* red)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
+        inputs = _write_residual_prefetch(w, body, world)
         w(body.source.load())
+        if "residual" in inputs:
+            _write_residual_store(w)
         w("mark(p, 0);   // the input row is in shared memory")
         w(f"task_gemv<{body.k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
         with w.block("[&](int r, const float* acc)"):
-            value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=not partial)
+            value = emit_epilogue(w, body.epilogue, inputs, rounded=not partial)
             w(body.sink.store(value))
         w.lines[-1] += ");"
         w.depth -= 4

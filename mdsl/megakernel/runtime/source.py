@@ -12,7 +12,7 @@ import attrs
 
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f32
-from mdsl.megakernel.runtime.bodies import generate_bodies
+from mdsl.megakernel.runtime.bodies import generate_bodies, residual_columns
 from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
 from mdsl.megakernel.runtime.profile import BODY_MARKS
 
@@ -64,11 +64,18 @@ def _runtime_source() -> str:
     return text.replace(marker, struct)
 
 
-def shared_memory_bytes(plan: TaskPlan) -> int:
-    """The largest task's shared memory: a linear's input row, or an attention task's q heads, new k
-    and v, per-warp scratch, scores, statistics and per-warp sums; plus the block reductions' scratch."""
+def linear_row_floats(plan: TaskPlan) -> int:
+    """The widest linear input row (f32): where a linear task's residual columns start (RESIDUAL_OFFSET)."""
     s = plan.shape
-    linear = max(s.hidden, s.intermediate, s.attention_width)
+    return max(s.hidden, s.intermediate, s.attention_width)
+
+
+def shared_memory_bytes(plan: TaskPlan) -> int:
+    """The largest task's shared memory: a linear's input row and its tile's residual, or an attention
+    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums; plus the block
+    reductions' scratch."""
+    s = plan.shape
+    linear = linear_row_floats(plan) + residual_columns(plan)
     attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
                  + WARPS * s.group * s.head_dim)
     return 4 * (2 * WARPS + max(linear, attention))
@@ -319,7 +326,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
         "L": s.layers, "QKV": s.qkv_rows, "SPLITS": plan.splits, "MAX_SEQ": plan.max_seq,
         "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": MIN_CHUNK, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
-        "LM_TILES": plan.lm_tiles, "WORLD": plan.world,
+        "LM_TILES": plan.lm_tiles, "WORLD": plan.world, "RESIDUAL_OFFSET": linear_row_floats(plan),
+        "RESIDUAL_COLUMNS": max(residual_columns(plan), 1),
         **{f"KIND_{kind.name}": int(kind) for kind in Kind},
     }
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
