@@ -181,7 +181,8 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
     per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
     bytes), and a trace of two steps on every rank."""
-    from mdsl.megakernel.runtime.profile import layer_phases, peer_overlap, summary, write_rank_traces
+    from mdsl.megakernel.runtime.profile import (cross_rank_hops, layer_phases, peer_overlap, summary,
+                                                 write_rank_traces)
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
 
@@ -212,9 +213,12 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
         phases = [layer_phases(run.profile, info["kinds"], info["layers"], step=1) for run in runs]
         overlap = [peer_overlap(run.profile, info["tasks_per_step"], info["peers"]) for run in runs]
+        hops = cross_rank_hops([run.profile for run in runs], info["kinds"], info["layers"], step=1)
         for rank, kinds in enumerate(by_kind):
             print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n{layer_table(phases[rank], kinds)}\n"
                   f"[{name}] rank {rank} communication: {overlap[rank]}", flush=True)
+        print(f"[{name}] all-reduce hops, a rank's last producer to a peer's first reader (µs, an upper bound: "
+              f"profile.cross_rank_hops): {hops}", flush=True)
         if trace is not None:
             try:
                 plot_rank_timeline(out / f"tp_timeline_{name}.png", [run.profile for run in runs], info,
@@ -227,7 +231,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
             "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
             "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
-            "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap}
+            "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap, "all_reduce_hops": hops}
 
 
 def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):

@@ -5,8 +5,9 @@ import json
 
 import attrs
 
-from mdsl.megakernel.runtime.profile import (BODY_PARTS, TaskRecord, body_parts, compute_track, layer_phases,
-                                             read_trace, scheduler_track, summary, trace_events, write_trace)
+from mdsl.megakernel.runtime.profile import (BODY_PARTS, TaskRecord, body_parts, compute_track, cross_rank_hops,
+                                             layer_phases, read_trace, scheduler_track, summary, trace_events,
+                                             write_trace)
 
 LABELS = ["qkv L0 [0,8)", "attn L0 [0,1)", "sample [0,1)"]
 KINDS = ["qkv", "attn", "sample"]
@@ -119,3 +120,21 @@ def test_layer_phases_condense_a_step_into_one_layers_spans_bodies_and_gaps():
     assert phases == {"a": {"span_us": 4.0, "body_us": 4.0, "gap_us": 1.0},
                       "b": {"span_us": 6.0, "body_us": 6.0, "gap_us": 0.3},
                       "layer": {"span_us": 11.3}}
+
+
+def test_a_cross_rank_hop_is_half_the_two_directions_sum_whatever_the_clocks_offset():
+    # two ranks, two layers of (down, qkv) in step 1: rank 0's down-proj ends at 10 us, rank 1's at 12; rank
+    # 0's next QKV starts 3 us after rank 1's down-proj (a cross-GPU hop), rank 1's 5 us after rank 0's
+    # (it waited 1 us more than that for its own); rank 1's clock runs 700 us ahead, which cancels
+    kinds = ["down", "qkv"] * 2 + ["sample"]
+    layers = [0, 1, 1, 2, 2]
+    per_step = len(kinds)
+
+    def rank(down_end: int, qkv_start: int, clock: int = 0) -> list:
+        return [TaskRecord(per_step + 0, 0, 0, 0, clock + down_end - 5000, clock + down_end),
+                TaskRecord(per_step + 1, 0, 0, clock + qkv_start, clock + qkv_start, clock + qkv_start + 4000),
+                TaskRecord(1, 0, 0, 0, 0, 1)]      # step 0's: not counted
+
+    hops = cross_rank_hops([rank(10_000, 15_000), rank(12_000, 15_000, clock=700_000)], kinds, layers, step=1)
+    assert hops == {"down->qkv": {"median_us": 4.0, "least_us": 4.0}}   # (3 + 5) / 2: an upper bound
+    assert cross_rank_hops([rank(10_000, 15_000)], kinds, layers, step=1) == {}   # one rank: no hop

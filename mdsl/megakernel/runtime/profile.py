@@ -4,7 +4,8 @@ its body, the body was done; and the body's marks, the points it passed on the w
 parts they split a body of each kind into). Exported as a Chrome / Perfetto trace JSON (open it at
 ui.perfetto.dev or chrome://tracing) with two tracks per SM, so that what overlaps shows: the scheduler's
 ('SM n wait': one 'wait' slice per task, taken -> ready) and the compute warps' ('SM n': the task's body,
-its parts nested in it). `layer_phases` condenses a step into one layer's phases: span, body, gap."""
+its parts nested in it). `layer_phases` condenses a step into one layer's phases: span, body, gap;
+`cross_rank_hops` the all-reduce hops between the ranks (clock offsets cancelled)."""
 from __future__ import annotations
 
 import bisect
@@ -164,6 +165,49 @@ def read_trace(path: str, per_step: int) -> list:
         marks = tuple(ends + [0] * (BODY_MARKS - len(ends))) if ends else ()
         records.append(TaskRecord(step * per_step + task, sm, taken, ready, started, done, marks))
     return sorted(records, key=lambda r: r.index)
+
+
+# the phases that read the ranks' all-reduced partials, after the phase that puts them (and the layer
+# offset from producer to reader): gate/up sums the o-proj's, the next layer's QKV the down-proj's
+ALL_REDUCE_HOPS = (("oproj", "gateup", 0), ("down", "qkv", 1))
+
+
+def cross_rank_hops(per_rank: Sequence[Sequence[TaskRecord]], kinds: Sequence[str], layers: Sequence[int],
+                    step: int, hops: Sequence[tuple] = ALL_REDUCE_HOPS) -> dict:
+    """Each all-reduce hop of one step (µs over the layers: median and least): from a rank's last body
+    of the producing phase to a peer's first body of the reading phase, half the sum of the two
+    directions of each pair of ranks. The GPUs' clocks' offset cancels in that sum (no alignment is
+    needed), and where a reader waited for its own rank's producers instead, that direction only adds:
+    an upper bound of a cross-GPU hop, tight where the peers' producers bind."""
+    per_step = len(kinds)
+
+    def ends_and_starts(records) -> tuple:
+        ends, starts = {}, {}
+        for r in records:
+            if r.index // per_step != step:
+                continue
+            task = r.index % per_step
+            key = (kinds[task], layers[task])
+            ends[key] = max(ends.get(key, r.done_ns), r.done_ns)
+            starts[key] = min(starts.get(key, r.started_ns), r.started_ns)
+        return ends, starts
+
+    seen = [ends_and_starts(records) for records in per_rank]
+    pairs = [(a, b) for a in range(len(seen)) for b in range(a + 1, len(seen))]
+    result = {}
+    for producer, reader, offset in hops:
+        samples = []
+        for layer in sorted({layer for (kind, layer) in seen[0][1] if kind == reader} if seen else ()):
+            source = (producer, layer - offset)
+            if not pairs or any(source not in ends or (reader, layer) not in starts for ends, starts in seen):
+                continue
+            samples.append(sum((seen[a][1][reader, layer] - seen[b][0][source]) +
+                               (seen[b][1][reader, layer] - seen[a][0][source]) for a, b in pairs) / (2 * len(pairs)))
+        if samples:
+            samples.sort()
+            result[f"{producer}->{reader}"] = {"median_us": round(samples[len(samples) // 2] / 1e3, 2),
+                                               "least_us": round(samples[0] / 1e3, 2)}
+    return result
 
 
 def summary(records: Sequence[TaskRecord], kinds: Sequence[str]) -> dict:
