@@ -61,8 +61,6 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},
-    # + the scheduler waits for a sample of the peers' words before handing a task over
-    "flagged-sampled": {"schedule": "static", "flagged_stream": True, "sample_peers": True},
 }
 
 

@@ -287,18 +287,6 @@ def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
             w("default: break;   // no weights")
 
 
-def write_stream_inputs(w: CodeWriter, bodies: list) -> None:
-    """stream_input: the residual-stream partials (and their layer) a task's input row sums, for the
-    kinds whose row is a NormedStream; nullptr for the others."""
-    w("", "// the residual-stream partials a task's input row sums, and their layer (else nullptr)")
-    with w.block("__device__ __forceinline__ float* stream_input(const Params& p, const Task& t, int& layer)"):
-        with w.block("switch (t.kind)"):
-            for body in bodies:
-                if isinstance(body.source, NormedStream):
-                    w(f"case KIND_{body.kind.name}: layer = {body.source.layer}; return {body.source.parts};")
-            w("default: return nullptr;")
-
-
 def write_dispatch(w: CodeWriter, calls: list) -> None:
     """run_task: the task's body by its kind; false where the body says its events are not to be
     signalled (the sampler, after the last step)."""
@@ -334,7 +322,6 @@ def generate_bodies(plan: TaskPlan) -> str:
     for body in bodies:
         write_linear_body(w, body, plan.world)
     write_weight_pieces(w, bodies)
-    write_stream_inputs(w, bodies)
     calls = []
     linear = {body.kind: body for body in bodies}
     for kind in (k.kind for k in plan.kind_ops):

@@ -1120,31 +1120,6 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
   return __all_sync(0xffffffffu, go);
 }
 
-// With SAMPLE_PEERS (flagged partials), the scheduler warp also waits until a sample of the peers'
-// partials of the task's input row carry the step's flag: about one word per producer tile, so that the
-// compute warps, which check every word, find nearly all of them landed on their first load. (The
-// compute warps polling the whole row themselves read it from L2 again every round, on every SM.)
-__device__ void await_peer_samples(const Params& p, const Task& t, unsigned flag, int lane) {
-  int layer = 0;
-  float* parts = stream_input(p, t, layer);
-  if (parts == nullptr) return;
-  constexpr int STRIDE = H >= 128 ? H / 128 : 1, PER = (H / STRIDE + 31) / 32;
-  const Word* base = words(parts) + (long long)layer * WORLD * H;
-  for (int r = 1; r < WORLD; ++r) {
-    const Word* peer = base + (long long)((int(p.rank) + r) % WORLD) * H;
-    Word w[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {   // every sample in flight at once, then the missing ones waited for
-      const int i = (lane + 32 * j) * STRIDE;
-      w[j] = i < H ? ld_word(peer + i) : flagged(0.0f, flag);
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j)
-      if (flag_of(w[j]) != flag) wait_word(p, peer + (lane + 32 * j) * STRIDE, flag);
-  }
-  __syncwarp();
-}
-
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
 // slot once the compute warps have emptied it (they run the previous task meanwhile).
 __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars) {
@@ -1175,13 +1150,7 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
           prefetch_task_weights(p, later, p.start_pos + ahead / TASKS, lane);
         }
       }
-      bool go = wait_for_inputs(p, t, index, step, lane);
-      if constexpr (WORLD > 1 && FLAGGED_STREAM && SAMPLE_PEERS)
-        if (go) {
-          await_peer_samples(p, t, unsigned(step + 1), lane);
-          go = ld_relaxed(p.state + STATE_STOP) >= 0;   // (a stalled peer: wait_word's watchdog stopped the launch)
-        }
-      if (!go) {
+      if (!wait_for_inputs(p, t, index, step, lane)) {
         index = -1;
         // the block leaves: its copy must land first
         if (stage_it) {

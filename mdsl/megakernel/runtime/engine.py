@@ -102,8 +102,7 @@ class MegakernelEngine:
     staging buffer (both imply staging); `prefetch_kib`, how much of a task's weights is
     prefetched into L2 ahead of it; `flagged_stream`, under tensor parallelism, whether the residual
     stream's partials travel as flagged words that their readers poll instead of being signalled
-    (plan.for_ranks), and `sample_peers` whether the scheduler waits for a sample of the peers' words
-    before handing a task over (source.generate_source); `stream_weights`, whether a loader warp streams every task's weights (True; or those
+    (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
     of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a shared-memory ring, running
     ahead of the tasks' inputs (source.Streaming; the static schedule), in buffers of `stream_buffer_kib`
     KiB if given (else the size that wastes least); `attention_splits`, the attention splits per kv head
@@ -117,7 +116,7 @@ class MegakernelEngine:
                  stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
-                 stage_heads: bool = False, stage_buffer_kib: Optional[float] = None, sample_peers: bool = False,
+                 stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -149,9 +148,6 @@ class MegakernelEngine:
             raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
                             hint="weight streaming needs the static schedule and replaces stage_weights: "
                                  "pass schedule='static', stage_weights=False")
-        if sample_peers and not flagged_stream:
-            raise MdslError("sample_peers without flagged_stream",
-                            hint="sample_peers waits for the peers' flagged words: pass flagged_stream=True too")
         _require_gpu()
         self.schedule = schedule
         self.prefetch_ahead = prefetch_ahead
@@ -173,8 +169,7 @@ class MegakernelEngine:
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
-                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
-                                     sample_peers and self.world > 1)
+                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024))
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

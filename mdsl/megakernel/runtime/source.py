@@ -285,7 +285,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     attention_lanes: int = 1, stage_weights: bool = False,
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
                     stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
-                    stage_buffer_bytes: Optional[int] = None, sample_peers: bool = False) -> MegakernelSource:
+                    stage_buffer_bytes: Optional[int] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -295,9 +295,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     (`stage_buffer_bytes`: at most that many bytes a buffer). `prefetch_kib`: how much of a task's weights
     (KiB per task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
-    with `stage_weights`), of buffers of `stream_buffer_bytes` if given. `sample_peers` (a plan with
-    flagged_stream): the scheduler hands a task over once a sample of the peers' partials of its input row
-    has landed, rather than leaving all the polling to the compute warps."""
+    with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
@@ -313,8 +311,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
-    if sample_peers and not plan.flagged_stream:
-        raise ValueError("sample_peers waits for flagged partials: it needs a plan with flagged_stream")
     if (stage_heads or stage_buffer_bytes is not None) and not stage_weights:
         raise ValueError("stage_heads and stage_buffer_bytes refine stage_weights: pass stage_weights=True too")
     staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes)
@@ -337,7 +333,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
-              f"constexpr bool SAMPLE_PEERS = {'true' if sample_peers else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
