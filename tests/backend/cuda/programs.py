@@ -10,6 +10,7 @@ from mdsl.search import guided
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.examples_util import NAMES
 from tests.examples_util import example_kernels as kernels_of
+from tests.shared import in_turns, shared_graph
 from tests.strategies import example_graphs
 
 
@@ -30,8 +31,17 @@ def benchmark_names() -> list:
 
 @functools.cache
 def guided_plan(name: str) -> KernelGraph:
-    """The best guided plan of a benchmark (computed once per session: the search takes seconds)."""
-    return next(guided.generate(example_kernels()[name]))
+    """The best guided plan of a benchmark (computed once per session: the search takes seconds; the
+    session's processes share it, tests/shared.py)."""
+    return shared_graph(f"guided-plan-{name}", lambda: next(guided.generate(example_kernels()[name])))
+
+
+def guided_plans() -> dict:
+    """Benchmark name -> its best guided plan, for every benchmark (the xdist workers, which all collect
+    the tests that need them, search them in turns: tests/shared.py)."""
+    for name in in_turns(benchmark_names()):
+        guided_plan(name)
+    return {name: guided_plan(name) for name in benchmark_names()}
 
 
 def block_graphs() -> dict:
@@ -45,6 +55,11 @@ def block_graphs() -> dict:
 def _guided_with(name: str, accepts) -> KernelGraph:
     """The first guided mugraph of a benchmark whose first custom node's block graph `accepts`."""
     return next(g for g in guided.generate(example_kernels()[name]) if accepts(g.custom_nodes()[0].body))
+
+
+def _shared_guided_with(key: str, name: str, accepts) -> KernelGraph:
+    """`_guided_with`, once per session (`key`: the program's name in skinny_programs; tests/shared.py)."""
+    return shared_graph(f"skinny-program-{key}", lambda: _guided_with(name, accepts))
 
 
 @functools.cache
@@ -61,14 +76,20 @@ def skinny_programs() -> dict:
 
     rnl8 = "rms_norm_linear.rms_norm_linear_bs8"
     columns = lambda n: lambda bg: bg.nodes[-1].output.shape[-1] == n and len(bg.inputs) == 2  # noqa: E731
+    searched = {   # first guided mugraphs of other shapes, searched in turns by the xdist workers (tests/shared.py)
+        "rms_norm_linear_bs8_64_columns": (rnl8, lambda bg: columns(64)(bg) and bg.grid[1] == 1),
+        "rms_norm_linear_bs8_24_columns": (rnl8, lambda bg: columns(24)(bg) and bg.grid[1] == 1),
+        "gated_mlp_split": ("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
+    }
+    found = {key: _shared_guided_with(key, *searched[key]) for key in in_turns(searched)}
     return {
         "rms_norm_linear_bs1": guided_plan("rms_norm_linear.rms_norm_linear"),
         "rms_norm_linear_bs8": guided_plan(rnl8),
         "gated_mlp": guided_plan("gated_mlp.gated_mlp"),
         "rms_norm_linear_bs8_bf16": with_dtype(guided_plan(rnl8), f16, bf16),
-        "rms_norm_linear_bs8_64_columns": _guided_with(rnl8, lambda bg: columns(64)(bg) and bg.grid[1] == 1),
-        "rms_norm_linear_bs8_24_columns": _guided_with(rnl8, lambda bg: columns(24)(bg) and bg.grid[1] == 1),
-        "gated_mlp_split": _guided_with("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
+        "rms_norm_linear_bs8_64_columns": found["rms_norm_linear_bs8_64_columns"],
+        "rms_norm_linear_bs8_24_columns": found["rms_norm_linear_bs8_24_columns"],
+        "gated_mlp_split": found["gated_mlp_split"],
         # 5 rows of X (a partial 8-row tile), K = 1040: 65 slabs of 16, not a whole number of a warp's steps
         "rms_norm_linear_5_rows_65_slabs": parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5)),
         "rms_norm_linear_48_columns": parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16)),

@@ -16,6 +16,8 @@ from tests.backend.cuda.coverage import coverage_graphs, used_ops
 from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
 from tests.strategies import example_graphs, kernel_graphs
 
+pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
+
 REGISTERS_PER_SM = 65536
 
 
@@ -25,9 +27,9 @@ def _compiled(source: str, arch_env):
 
 
 def compiled(source: str):
-    """NVRTC's module for the source, once per session (the same source recurs across these tests:
-    a program under the default options, an option set that changes nothing in it; each test's
-    cache directory is its own)."""
+    """NVRTC's module for the source, once per process (the same source recurs across these tests:
+    a program under the default options, an option set that changes nothing in it); other processes
+    find it in the session's cubin cache (tests/shared.py)."""
     return _compiled(source, os.environ.get("MDSL_CUDA_ARCH"))
 
 

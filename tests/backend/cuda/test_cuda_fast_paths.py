@@ -10,14 +10,17 @@ import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16, f32
 from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
-from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
+from tests.backend.cuda.programs import example_kernels, guided_plans
 from tests.backend.cuda.test_cuda_acceptance import assert_compiles_clean, compiled
 from tests.gpu.harness import with_dtype
+from tests.shared import disassembled as disassemble
+
+pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
 
 needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
                                     "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
@@ -59,8 +62,7 @@ def _matmul_programs() -> dict:
     for name, graph in example_kernels().items():
         if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes):
             out[f"example {name}"] = graph
-    for name in benchmark_names():
-        plan = guided_plan(name)
+    for name, plan in guided_plans().items():
         if any(n.op == "matmul" for c in plan.custom_nodes() for n in c.body.nodes):
             out[f"guided plan of {name}"] = plan
     return out

@@ -10,13 +10,16 @@ import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.rows import VECTOR, plan_rows
 from mdsl.ir.dtypes import f16
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan
+from tests.shared import disassembled as disassemble
+
+pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
 
 needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
                                     "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")

@@ -15,11 +15,14 @@ import pytest
 
 from mdsl.backend.cuda import autotune, emit_cuda
 from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble, nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path, sass_opcodes
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
 from mdsl.search import guided
 from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
+from tests.shared import disassembled as disassemble
+
+pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
 
 SKINNY = CudaOptions(skinny=True)
 needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "

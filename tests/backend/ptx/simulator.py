@@ -5,9 +5,9 @@ The IR is retargeted as text: address spaces dropped (global and shared memory a
 dynamic shared memory is one host buffer, blocks run one after another), the op markers (inline asm)
 removed, and the NVVM intrinsics (special registers, the barrier, the warp shuffle) replaced by calls
 back into Python: a special register reads the calling thread's coordinates, the barrier is a
-`threading.Barrier` of the block's threads, a shuffle exchanges values through a per-warp slot array
-between two waits on the warp's barrier. A barrier that some thread never reaches times out
-(a kernel whose barriers are not uniform fails instead of hanging).
+barrier of the block's threads (`_Barrier`: threading.Barrier's semantics), a shuffle exchanges values
+through a per-warp slot array between two waits on the warp's barrier. A barrier that some thread never
+reaches times out (a kernel whose barriers are not uniform fails instead of hanging).
 
 The tensor cores and asynchronous copies are simulated from their PTX ISA semantics, independently
 of how the backend builds their operands:
@@ -43,8 +43,10 @@ program).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 import re
 import threading
 from typing import Sequence
@@ -282,12 +284,78 @@ def host_ir(llvm_ir: str) -> str:
         _PERMUTE_HELPER + _STREAMED_HELPERS + _CLUSTER_HELPERS
 
 
+_LANE_GROUP, _LANE_THREAD = np.arange(32) // 4, np.arange(32) % 4   # a lane's group g and thread t in it
+
+
+class _Phase:
+    """One phase of a `_Barrier`: the gate its waiters pass (locked until the phase completes or breaks)."""
+
+    def __init__(self):
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.broken = False
+
+    def open(self) -> None:
+        try:
+            self.gate.release()
+        except RuntimeError:   # already open
+            pass
+
+
+class _Barrier:
+    """threading.Barrier's semantics for the simulated threads: `wait` returns once all `parties` threads
+    have arrived, after the last of them has run `action`; a wait longer than `timeout`, an action that
+    raises, or `abort` breaks the barrier (its waiters and every later wait raise BrokenBarrierError).
+    Its waiters are woken by a chain of lock hand-offs (the last thread to arrive opens the phase's gate,
+    each woken waiter opens it for the next): threading.Barrier's Condition takes several times longer
+    to wake a block's hundreds of threads under the GIL."""
+
+    def __init__(self, parties: int, action=None, timeout=None):
+        self.parties, self._action, self._timeout = parties, action, timeout
+        self._lock = threading.Lock()
+        self._count = 0
+        self._broken = False
+        self._phase = _Phase()
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            phase = self._phase
+            self._count += 1
+            if self._count == self.parties:   # the last to arrive: the action, then the others go
+                if self._action is not None:
+                    try:
+                        self._action()
+                    except BaseException:
+                        self._break()
+                        raise
+                self._count, self._phase = 0, _Phase()
+                phase.open()
+                return
+        if not phase.gate.acquire(timeout=-1 if self._timeout is None else self._timeout):
+            with self._lock:
+                self._break()
+            raise threading.BrokenBarrierError
+        phase.open()   # the next waiter's turn
+        if phase.broken:
+            raise threading.BrokenBarrierError
+
+    def _break(self) -> None:
+        self._broken = self._phase.broken = True
+        self._phase.open()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._break()
+
+
 class _Block:
     """The state the threads of one running block share."""
 
     def __init__(self, threads: int, copies: str):
-        self.barrier = threading.Barrier(threads, timeout=BARRIER_TIMEOUT_S)
-        self.warps = [threading.Barrier(min(32, threads - w), timeout=BARRIER_TIMEOUT_S) for w in range(0, threads, 32)]
+        self.barrier = _Barrier(threads, timeout=BARRIER_TIMEOUT_S)
+        self.warps = [_Barrier(min(32, threads - w), timeout=BARRIER_TIMEOUT_S) for w in range(0, threads, 32)]
         self.slots = np.zeros(threads, dtype=np.float32)
         self.errors: list = []
         self.copies = copies
@@ -296,13 +364,12 @@ class _Block:
         self.mma_c = np.zeros((len(self.warps), 32, 4), dtype=np.float32)
         self.mma_kind = [0] * len(self.warps)
         self.mma_d = np.zeros((len(self.warps), 32, 4), dtype=np.float32)
-        self.mma_barriers = [threading.Barrier(32, action=functools.partial(self._mma, w), timeout=BARRIER_TIMEOUT_S)
+        self.mma_barriers = [_Barrier(32, action=functools.partial(self._mma, w), timeout=BARRIER_TIMEOUT_S)
                              for w in range(len(self.warps))] if threads % 32 == 0 else []
         self.ldmatrix_rows = np.zeros((len(self.warps), 32), dtype=np.uint64)
         self.ldmatrix_kind = [0] * len(self.warps)
         self.ldmatrix_out = np.zeros((len(self.warps), 32, 4), dtype=np.uint32)
-        self.ldmatrix_barriers = [threading.Barrier(32, action=functools.partial(self._ldmatrix, w),
-                                                    timeout=BARRIER_TIMEOUT_S)
+        self.ldmatrix_barriers = [_Barrier(32, action=functools.partial(self._ldmatrix, w), timeout=BARRIER_TIMEOUT_S)
                                   for w in range(len(self.warps))] if threads % 32 == 0 else []
 
     def _ldmatrix(self, warp: int) -> None:
@@ -318,10 +385,9 @@ class _Block:
         for m in range(count):
             rows = np.stack([np.frombuffer(ctypes.string_at(int(self.ldmatrix_rows[warp, 8 * m + r]), 16), np.uint16)
                              for r in range(8)])
-            matrix = rows.T if transposed else rows
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                self.ldmatrix_out[warp, lane, m] = int(matrix[g, 2 * t]) | (int(matrix[g, 2 * t + 1]) << 16)
+            matrix = (rows.T if transposed else rows).astype(np.uint32)
+            g, t = _LANE_GROUP, _LANE_THREAD   # lane l = 4 g + t: register m = row g, columns 2 t and 2 t + 1
+            self.ldmatrix_out[warp, :, m] = matrix[g, 2 * t] | (matrix[g, 2 * t + 1] << 16)
 
     def _mma(self, warp: int) -> None:
         """D = A B + C for the warp, from its lanes' fragments (run by one lane, all 32 waiting)."""
@@ -332,17 +398,14 @@ class _Block:
         else:
             values = (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         a, bm, cm = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                a[row, col:col + 2] = values[lane, reg]
-            for reg, row in enumerate((2 * t, 2 * t + 8)):
-                bm[row:row + 2, g] = values[lane, 4 + reg]
-            cm[g, 2 * t:2 * t + 2], cm[g + 8, 2 * t:2 * t + 2] = c[lane, :2], c[lane, 2:]
+        g, t = _LANE_GROUP, _LANE_THREAD   # all 32 lanes at once: lane l = 4 g + t
+        for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            a[row, col], a[row, col + 1] = values[:, reg, 0], values[:, reg, 1]
+        for reg, row in enumerate((2 * t, 2 * t + 8)):
+            bm[row, g], bm[row + 1, g] = values[:, 4 + reg, 0], values[:, 4 + reg, 1]
+        cm[g, 2 * t], cm[g, 2 * t + 1], cm[g + 8, 2 * t], cm[g + 8, 2 * t + 1] = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
         d = (a @ bm + cm).astype(np.float32)
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            self.mma_d[warp, lane] = (d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
+        self.mma_d[warp] = np.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]], axis=1)
 
 
 _LOCAL = threading.local()   # .coords: this thread's special registers; .block: its _Block
@@ -565,11 +628,33 @@ def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait")
             buffers[root] = _aligned(t.nbytes, _HOST_DTYPES[t.dtype.name])
         return buffers[root]
 
-    for launch in program.launches:
-        args = [buffer(a) for a in launch.args]
-        kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
-        _run_launch(kernel, [a.ctypes.data for a in args], launch, cluster_size(program.llvm_ir, launch.name), copies)
+    with _one_cpu():
+        for launch in program.launches:
+            args = [buffer(a) for a in launch.args]
+            kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
+            _run_launch(kernel, [a.ctypes.data for a in args], launch, cluster_size(program.llvm_ir, launch.name),
+                        copies)
     return [_from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
+
+
+@contextlib.contextmanager
+def _one_cpu():
+    """The simulated threads (created by this thread: they inherit its affinity) on one CPU, the n-th the
+    process may use for pytest-xdist worker n: their hand-offs (barriers, the GIL), one after another in any
+    case, take several times longer between CPUs. Only where the system lets a thread choose its CPUs."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = None
+    if not allowed or len(allowed) == 1:
+        yield
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    os.sched_setaffinity(0, {sorted(allowed)[int(worker) % len(allowed) if worker.isdigit() else 0]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def cluster_size(llvm_ir: str, kernel: str) -> int:
@@ -587,18 +672,21 @@ def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str) -> No
     if grid[0] % cluster:
         raise AssertionError(f"{launch.name}: a grid of {grid[0]} blocks along x is not whole clusters of {cluster}")
     blocks = [_Block(threads, copies) for _ in range(cluster)]
-    together = threading.Barrier(cluster * threads, timeout=BARRIER_TIMEOUT_S)
     order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(0, grid[0], cluster)]
     errors: list = []
+    clusters: list = [_Cluster(cluster, threads)]   # the first cluster's: fresh shared memory, 0xFF bytes
+
+    def next_cluster() -> None:
+        clusters[0] = _Cluster(cluster, threads)   # fresh shared memory for the next cluster of blocks
+
+    # every thread done with a cluster of blocks before the next one starts (on its fresh shared memory)
+    together = _Barrier(cluster * threads, action=next_cluster, timeout=BARRIER_TIMEOUT_S)
 
     def thread(rank: int, tid: int) -> None:
         block = _LOCAL.block = blocks[rank]
         _LOCAL.rank = rank
         try:
             for x, y, z in order:
-                if rank == 0 and tid == 0:
-                    clusters[0] = _Cluster(cluster, threads)   # fresh shared memory, 0xFF bytes
-                together.wait()            # before the cluster's blocks start
                 _LOCAL.cluster, _LOCAL.arrive_phase, _LOCAL.wait_phase = clusters[0], 0, 0
                 _LOCAL.coords = {"tid.x": tid, "ntid.x": threads, "ctaid.x": x + rank, "ctaid.y": y, "ctaid.z": z,
                                  "nctaid.x": grid[0], "nctaid.y": grid[1], "nctaid.z": grid[2]}
@@ -607,14 +695,13 @@ def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str) -> No
                 if any(_LOCAL.groups) or _LOCAL.open_group:
                     raise AssertionError(f"thread {tid} of block {(x + rank, y, z)} ended with cp.async copies it "
                                          "never waited for")
-                together.wait()            # every thread done with it before the next one
+                together.wait()            # every thread done with it before the next one starts
         except BaseException as e:
             errors.append(e)
             for barrier in (together, *(b for block in blocks for b in (block.barrier, *block.warps, *block.mma_barriers,
                                                                          *block.ldmatrix_barriers))):
                 barrier.abort()
 
-    clusters: list = [None]
     previous = threading.stack_size(4 * 1024 * 1024)
     try:
         workers = [threading.Thread(target=thread, args=(r, t)) for r in range(cluster) for t in range(threads)]

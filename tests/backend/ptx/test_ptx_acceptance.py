@@ -20,8 +20,9 @@ from tests.strategies import example_graphs, kernel_graphs
 
 REGISTERS_PER_SM = 65536
 
-pytestmark = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed: "
-                                "pip install nvidia-nvjitlink, or put the CUDA toolkit's ptxas on PATH")
+pytestmark = [pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed: "
+                                 "pip install nvidia-nvjitlink, or put the CUDA toolkit's ptxas on PATH"),
+              pytest.mark.shared_compile_cache]   # PTX compiled once per session (tests/shared.py)
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,7 +15,7 @@ import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.nvrtc import disassemble, nvdisasm_path, sass_instructions
+from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_instructions
 from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
 from mdsl.ir import OPS
@@ -25,8 +25,10 @@ from tests.backend.cuda.programs import benchmark_names, example_kernels, guided
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans
 from tests.backend.ptx.test_ptx_acceptance import assembled_module, assert_assembles_clean
 from tests.gpu.harness import with_dtype
+from tests.shared import disassembled
 
-pytestmark = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed")
+pytestmark = [pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed"),
+              pytest.mark.shared_compile_cache]   # PTX and cubins compiled once per session (tests/shared.py)
 needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
                                     "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
 
@@ -35,8 +37,9 @@ BOTH = CudaOptions()
 
 
 def kernel_instructions(cubin: bytes) -> dict:
-    """Kernel name (or subroutine) -> its SASS instructions in order (nvrtc.sass_instructions)."""
-    return sass_instructions(disassemble(cubin))
+    """Kernel name (or subroutine) -> its SASS instructions in order (nvrtc.sass_instructions); the cubin
+    disassembled once per session (tests/shared.py)."""
+    return sass_instructions(disassembled(cubin))
 
 
 def kernel_opcodes(cubin: bytes) -> dict:

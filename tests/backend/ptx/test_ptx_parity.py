@@ -26,6 +26,8 @@ from tests.backend.ptx.plans import benchmark_plans, lora_tuned, tuned_plans
 from tests.backend.ptx.test_ptx_acceptance import assembled_module
 from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 
+pytestmark = pytest.mark.shared_compile_cache   # PTX and cubins compiled once per session (tests/shared.py)
+
 ARCH = "sm_90a"
 OPTIONS = {"default": CudaOptions(), "256 threads": CudaOptions(threads=256)}
 MORE_INSTRUCTIONS = 1.10   # the PTX kernel's SASS instructions over the CUDA kernel's, at most

@@ -38,6 +38,8 @@ from tests.backend.ptx.test_ptx_parity import (ARCH, assert_same_paths, assert_w
 from tests.backend.ptx.test_ptx_simulated import check_simulated
 from tests.backend.ptx.test_ptx_simulated import pytestmark as needs_simulator
 
+pytestmark = pytest.mark.shared_compile_cache   # PTX and cubins compiled once per session (tests/shared.py)
+
 SKINNY = CudaOptions(skinny=True)
 STREAMED = "ld.global.nc.L1::no_allocate"
 

@@ -1,0 +1,86 @@
+"""What the suite's processes (the pytest-xdist workers, or the one process without them) share, in a
+directory of the session's own (`shared_dir`, made by tests/conftest.py, removed after the session):
+
+* NVRTC's cubin cache and the PTX cache, for the modules marked `shared_compile_cache`: a module that
+  compiles the same source as another test (an option set that changes nothing in a program, the same
+  plan in the CUDA and the PTX tests) finds its entry there instead of compiling it again. The entries
+  are mdsl's own (keyed by the source, target, options and compiler version, written atomically,
+  checked when read); every other test has a cache directory of its own.
+* the SASS of cubins (`disassembled`): nvdisasm takes most of a second for any cubin, and the SASS
+  tests read the same cubins (the CUDA backend's kernels against the PTX backend's, a program under
+  several option sets that emit the same code).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from mdsl.backend.cuda.nvrtc import disassemble
+
+SHARED_DIR_ENV = "MDSL_TEST_SHARED_DIR"
+_SASS: dict = {}
+
+
+def shared_dir() -> Optional[Path]:
+    """The session's shared directory (None outside a pytest session of this suite)."""
+    path = os.environ.get(SHARED_DIR_ENV)
+    return Path(path) if path else None
+
+
+def disassembled(cubin: bytes) -> str:
+    """`mdsl.backend.cuda.nvrtc.disassemble(cubin)`, once per suite for each cubin."""
+    key = hashlib.sha256(cubin).hexdigest()
+    if key in _SASS:
+        return _SASS[key]
+    root = shared_dir()
+    path = root / "sass" / f"{key}.txt" if root else None
+    sass = None
+    if path is not None:
+        try:
+            sass = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            pass
+    if sass is None:
+        sass = disassemble(cubin)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(sass)
+            os.replace(tmp, path)   # atomically: another worker reads the whole text or none
+    _SASS[key] = sass
+    return sass
+
+
+def shared_graph(key: str, compute):
+    """`compute()`, a mugraph (a search's result, say), once per session: the processes of the session
+    read it from the shared directory (its JSON form, mdsl.ir.serialize, which parses back to an equal
+    graph) once one of them has computed it. `key` names it (a file name)."""
+    from mdsl.ir import serialize
+
+    root = shared_dir()
+    path = root / "graphs" / f"{key}.json" if root else None
+    if path is not None:
+        try:
+            return serialize.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            pass
+    graph = compute()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(serialize.dumps(graph))
+        os.replace(tmp, path)
+    return graph
+
+
+def in_turns(items: list) -> list:
+    """The items in the order this process should compute them when every process of the session needs all
+    of them at once (test collection): the xdist workers of odd number take them from the end, the others
+    from the start, and each finds what the other has done in the shared directory (`shared_graph`)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return list(items)[::-1] if worker[2:].isdigit() and int(worker[2:]) % 2 else list(items)
