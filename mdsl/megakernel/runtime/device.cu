@@ -417,11 +417,10 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
 __device__ void load_normed_stream(const Params& p, float* xs, const T* single, float* parts, int layer, unsigned flag,
                                    const T* norm, float* red) {
   if constexpr (WORLD > 1 && FLAGGED_STREAM) {
-    constexpr int PER = (H + NT - 1) / NT;
-    static_assert(PER * WORLD <= 32, "one bit per word a thread reads");
+    constexpr int PER = (H + NT - 1) / NT, MASKS = (PER * WORLD + 31) / 32;
     const Word* base = words(parts) + (long long)layer * WORLD * H;
     float v[PER][WORLD];        // the values (the flags checked as they arrive: half the registers of the words)
-    unsigned missing = 0;       // bit j * WORLD + k: word (j, k) did not carry the flag yet
+    unsigned missing[MASKS] = {};   // bit b = j * WORLD + k of missing[b / 32]: word (j, k) lacks the flag yet
 #pragma unroll
     for (int j = 0; j < PER; ++j)
 #pragma unroll
@@ -429,23 +428,28 @@ __device__ void load_normed_stream(const Params& p, float* xs, const T* single, 
         const int i = threadIdx.x + j * NT;
         const Word w = i < H ? ld_word(base + k * H + i) : flagged(0.0f, flag);
         v[j][k] = value_of(w);
-        if (flag_of(w) != flag) missing |= 1u << (j * WORLD + k);
+        if (flag_of(w) != flag) missing[(j * WORLD + k) / 32] |= 1u << ((j * WORLD + k) % 32);
       }
     unsigned long long since = 0;
-    for (unsigned round = 1; missing != 0; ++round) {
-      unsigned still = 0;
+    for (unsigned round = 1;; ++round) {
+      unsigned any = 0;
+#pragma unroll
+      for (int m = 0; m < MASKS; ++m) any |= missing[m];
+      if (any == 0) break;
       Word seen = 0;
 #pragma unroll
       for (int j = 0; j < PER; ++j)
 #pragma unroll
-        for (int k = 0; k < WORLD; ++k)
-          if (missing & (1u << (j * WORLD + k))) {
+        for (int k = 0; k < WORLD; ++k) {
+          const int b = j * WORLD + k;
+          if (missing[b / 32] & (1u << (b % 32))) {
             const Word w = ld_word(base + k * H + threadIdx.x + j * NT);
             v[j][k] = value_of(w);
-            if (flag_of(w) != flag) { still |= 1u << (j * WORLD + k); seen = w; }
+            if (flag_of(w) == flag) missing[b / 32] &= ~(1u << (b % 32));
+            else seen = w;
           }
-      missing = still;
-      if (missing != 0 && round % 1024 == 0 && !keep_polling(p, since, flag, seen)) break;
+        }
+      if (round % 1024 == 0 && !keep_polling(p, since, flag, seen)) break;
     }
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
