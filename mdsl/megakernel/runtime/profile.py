@@ -192,14 +192,16 @@ def cross_rank_hops(per_rank: Sequence[Sequence[TaskRecord]], kinds: Sequence[st
             starts[key] = min(starts.get(key, r.started_ns), r.started_ns)
         return ends, starts
 
+    if len(per_rank) < 2:
+        return {}
     seen = [ends_and_starts(records) for records in per_rank]
     pairs = [(a, b) for a in range(len(seen)) for b in range(a + 1, len(seen))]
     result = {}
     for producer, reader, offset in hops:
         samples = []
-        for layer in sorted({layer for (kind, layer) in seen[0][1] if kind == reader} if seen else ()):
+        for layer in sorted(layer for (kind, layer) in seen[0][1] if kind == reader):
             source = (producer, layer - offset)
-            if not pairs or any(source not in ends or (reader, layer) not in starts for ends, starts in seen):
+            if any(source not in ends or (reader, layer) not in starts for ends, starts in seen):
                 continue
             samples.append(sum((seen[a][1][reader, layer] - seen[b][0][source]) +
                                (seen[b][1][reader, layer] - seen[a][0][source]) for a, b in pairs) / (2 * len(pairs)))
