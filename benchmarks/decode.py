@@ -58,6 +58,18 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # the head of a tile that does not fit staged too (one GPU: 22 of an o-proj tile's 32 columns; a rank of
     # two: the whole o-proj tile and 4 gate/up columns)
     "stage-heads": {"schedule": "static", "stage_weights": True, "stage_heads": True},
+    # QKV staged too, in one buffer shared with the other staged kinds, its copy started once the down-proj
+    # before it is done (a rank of two: QKV's and o-proj's whole tiles; one GPU: nothing fits whole)
+    "stage-qkv": {"schedule": "static", "stage_kinds": ("qkv", "oproj")},
+    # ... and the heads of what does not fit (a rank of two: 12 of 47 gate/up columns; one GPU: 24 of 47
+    # QKV columns, 24 of 32 o-proj ones, 12 of 47 gate/up ones), or QKV's head alone (one GPU)
+    "stage-qkv-heads": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True},
+    "stage-qkv-head": {"schedule": "static", "stage_kinds": ("qkv",), "stage_heads": True},
+    # every staged kind's copy late (once the task before it is done), not only QKV's
+    "stage-late": {"schedule": "static", "stage_late": True},   # (not yet measured: o-proj's copy late)
+    "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
+    "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
+                             "stage_late": True},
     # under tensor parallelism (one GPU: as without it)
     "flagged": {"schedule": "static", "flagged_stream": True},
     "stage-flagged": {"schedule": "static", "stage_weights": True, "flagged_stream": True},

@@ -230,12 +230,23 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"attention_splits": 3}),
                               # tile heads: 1 KiB buffers hold 2 of the 8 columns of an o-proj and of a gate/up tile (f32)
                               ("static", {"stage_heads": True, "stage_buffer_kib": 1}),
-                              ("queue", {"stage_heads": True, "stage_buffer_kib": 1})):
+                              ("queue", {"stage_heads": True, "stage_buffer_kib": 1}),
+                              # QKV staged too, late (once the down-proj before it is done), one buffer
+                              # for every staged kind: whole tiles, then heads of 2 columns of each kind
+                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup")}),
+                              ("queue", {"stage_kinds": ("qkv", "oproj")}),
+                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
+                                          "stage_buffer_kib": 1}),
+                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
-        if options.get("stage_heads"):   # both kinds' tiles are cut: the rest of each is read from global memory
-            assert len(engine.staging.kinds) == 2 and all(
+        if options.get("stage_kinds"):   # one buffer, QKV's copy late
+            assert len(engine.staging.kinds) == len(options["stage_kinds"]) and engine.staging.buffers == 1
+            late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late") else 1
+            assert f"constexpr int LATE_STAGE_KINDS = {late};" in engine.source, engine.staging
+        if options.get("stage_heads"):   # every staged kind's tile is cut: the rest is read from global memory
+            assert len(engine.staging.kinds) == len(options.get("stage_kinds", ("oproj", "gateup"))) and all(
                 0 < items < max(t.end - t.begin for t in engine.plan.tasks if t.kind is kind)
                 for kind, items in engine.staging.kinds), engine.staging
         if options.get("stream_weights"):

@@ -65,7 +65,7 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 def generate_source_for(engine_kwargs):
     from mdsl.megakernel.runtime.plan import build_plan, for_ranks
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.source import generate_source
+    from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
@@ -73,6 +73,11 @@ def generate_source_for(engine_kwargs):
                       splits=options.pop("attention_splits", None))
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
+    if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds
+        options["stage_kinds"] = stage_kinds_named(options["stage_kinds"])
+        options["stage_weights"] = True
+    if options.get("stage_late"):
+        options["stage_weights"] = True
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
         plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
@@ -175,8 +180,12 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
     with pytest.raises(MdslError, match="attention_splits 0"):
         MegakernelEngine(config, weights, attention_splits=0)
-    with pytest.raises(MdslError, match="stage_heads / stage_buffer_kib with stage_weights=False"):
+    with pytest.raises(MdslError, match="stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False"):
         MegakernelEngine(config, weights, stage_weights=False, stage_heads=True)
+    with pytest.raises(MdslError, match="stage_late with stage_weights=False"):
+        MegakernelEngine(config, weights, stage_weights=False, stage_kinds=("qkv",))
+    with pytest.raises(MdslError, match="stage_kinds names kinds of qkv, oproj, gateup, not \\('down',\\)"):
+        MegakernelEngine(config, weights, stage_kinds=("down",))
     with pytest.raises(MdslError, match="stage_buffer_kib 512"):
         MegakernelEngine(config, weights, stage_buffer_kib=512)
 

@@ -143,6 +143,15 @@ def test_staging_takes_the_tiles_that_fit_next_to_the_task_inputs():
     assert plan_staging(rank).kinds == ((Kind.OPROJ, 32),)
     assert plan_staging(rank, heads=True).kinds == ((Kind.OPROJ, 32), (Kind.GATEUP, 4))
     assert plan_staging(rank, heads=True, max_buffer_bytes=8192).kinds == ((Kind.OPROJ, 2),)   # < one gate/up column
+    # QKV staged: one buffer for every staged kind, as large as the largest tile (a rank's 24 QKV columns
+    # of 8 KB), and QKV's copy late; one GPU's 47 QKV columns do not fit whole, 22 of them do
+    qkv = plan_staging(rank, kinds=(Kind.QKV, Kind.OPROJ, Kind.GATEUP), heads=True)
+    assert qkv.shared and qkv.buffers == 1 and qkv.buffer_bytes == (24 * 4096 * 2,)
+    assert qkv.kinds == ((Kind.QKV, 24), (Kind.OPROJ, 32), (Kind.GATEUP, 12))
+    assert qkv.late_mask == 1 << int(Kind.QKV) and {qkv.buffer_of(k) for k, _ in qkv.kinds} == {0}
+    assert plan_staging(big, kinds=(Kind.QKV,)).kinds == ()
+    assert plan_staging(big, kinds=(Kind.QKV,), heads=True).kinds == ((Kind.QKV, 22),)
+    assert not plan_staging(rank).shared and plan_staging(rank).late_mask == 0
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -163,10 +172,18 @@ def test_staged_tiles_compile_without_spills(schedule):
     assert "case KIND_GATEUP: return 2;" in heads.text and "case 1: return 256;" in heads.text
     if schedule == "static":   # (one compile of the heads is enough: ~15 s on CI's 2 cores)
         assert_fits(heads, compile_cuda(heads.text, arch="sm_90a").resources[KERNEL_NAME])
+    # QKV, o-proj and gate/up through one buffer, QKV's copy late
+    shared = generate_source(plan, schedule, stage_weights=True, stage_kinds=(Kind.QKV, Kind.OPROJ, Kind.GATEUP))
+    assert shared.staging.buffers == 1 and len(shared.staging.kinds) == 3
+    assert "constexpr int LATE_STAGE_KINDS = 1;" in shared.text and "case KIND_GATEUP: return 0;" in shared.text
+    if schedule == "static":
+        assert_fits(shared, compile_cuda(shared.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="prefetch_kib"):
         generate_source(plan, prefetch_kib=8)
     with pytest.raises(ValueError, match="refine stage_weights"):
         generate_source(plan, stage_heads=True)
+    with pytest.raises(ValueError, match="refine stage_weights"):
+        generate_source(plan, stage_kinds=(Kind.QKV,))
 
 
 @functools.cache

@@ -471,11 +471,16 @@ __device__ void load_normed_stream(const Params& p, float* xs, const T* single, 
 // runs on lane 0.
 constexpr int LOADS = 16;
 // (warps: how many warps share the items, `warp` this one's place among them)
+// A staged tile is read from shared memory, where the input row's reads (f32: two 16-byte loads per
+// weight chunk) bound the loop, not latency: it takes 4 chunks of a row per pass and twice the items, each
+// input chunk read once for all of them. A lane's chunks are the same, in the same order, either way
+// (c0 + 32 u over the passes), so are its sums.
 template <int K, int ROWS, bool STAGED, typename Row, typename Emit>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit,
                                      int warp = threadIdx.x / 32, int warps = NW) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
-  constexpr int U = CH >= 32 * 8 ? 8 : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
+  constexpr int UMAX = STAGED ? 4 : 8;
+  constexpr int U = CH >= 32 * UMAX ? UMAX : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
   constexpr int ITEMS = LOADS / (ROWS * U) > 0 ? LOADS / (ROWS * U) : 1;
   constexpr int R = ITEMS * ROWS;
   const int lane = threadIdx.x % 32;
@@ -1126,7 +1131,7 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
 
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
 // slot once the compute warps have emptied it (they run the previous task meanwhile).
-__device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars) {
+__device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars, const volatile int* tasks_done) {
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
   StageCounts staged;   // staged tasks handed to the compute warps so far, per buffer
@@ -1144,6 +1149,11 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       // they stream while the memory system waits on dependencies; the first take also prefetches the
       // ones before it (later takes found theirs prefetched by an earlier take)
       const bool stage_it = staged_kind(t.kind);
+      // a late kind's copy (after a DRAM-bound task) waits until the compute warps are done with the task
+      // before it (issued during it, it takes bandwidth from that task's loads). They have handed over
+      // every task before this one, whose inputs are complete, so they do finish.
+      if (stage_it && ((LATE_STAGE_KINDS >> t.kind) & 1) != 0)
+        while (*tasks_done < k) __nanosleep(64);
       if (stage_it) stage_task_weights(p, t, stage, bars, staged.of(stage_buffer(t.kind)), lane);
       else if (k == 0 || PREFETCH_AHEAD == 1) prefetch_task_weights(p, t, p.start_pos + step, lane);
 #pragma unroll
@@ -1182,7 +1192,8 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
 
 // The compute warps: run the tasks of the slots in turn; never wait on another block.
 __device__ void compute(const Params& p, const Slot* slots, float* red, float* work, const T* stage,
-                        StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished) {
+                        StageBarriers& bars, const T* ring, StreamBarriers& stream, volatile int* finished,
+                        volatile int* tasks_done) {
   StageCounts staged_done;   // staged tasks run so far per buffer: the scheduler's order, so the same phases
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
@@ -1204,10 +1215,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
                            unsigned(staged_done.of(b)) & 1u, ring, &stream, slot.stream_first};
     const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
-    if (staged_task) {                 // every compute thread has read the tile: its buffer is free
-      if (threadIdx.x == 0) mbarrier_arrive(&bars.empty[b]);
-      staged_done.add(b);
-    }
+    if (staged_task) staged_done.add(b);
     if (threadIdx.x == 0) {
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       // no separate fence: red.release is cumulative over the compute barrier above (every compute
@@ -1228,6 +1236,11 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
         rec[4] = done;
         for (int m = 0; m < MARKS; ++m) rec[5 + m] = body_marks[m];
       }
+      // only now may the scheduler start a staged copy into this tile's buffer (every compute thread has
+      // read it) or a late one: issued before the signals above, a copy delayed them by about its own time
+      // (Qwen3-8B over 2 GPUs, QKV staged late: the down-proj -> QKV hop 3 -> 8 us; after them, 3.9 us)
+      if (staged_task) mbarrier_arrive(&bars.empty[b]);
+      *tasks_done = int(k + 1);
     }
     named_arrive(BAR_EMPTY + s, BLOCK);
   }
@@ -1241,10 +1254,12 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __
   __shared__ StageBarriers stage_barriers;
   __shared__ StreamBarriers stream_barriers;
   __shared__ int finished;             // the compute warps have left (the loader warp stops)
+  __shared__ int tasks_done;           // the tasks the compute warps have finished (late staged copies wait on it)
   T* stage = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STAGE_OFFSET);   // STAGE_BUFFERS tiles
   T* ring = reinterpret_cast<T*>(reinterpret_cast<char*>(smem) + STREAM_OFFSET);    // STREAM_BUFFERS sub-tiles
   if (threadIdx.x == 0) {
     finished = 0;
+    tasks_done = 0;
     stream_barriers.issued = 0;
     for (int b = 0; b < STAGE_BUFFERS; ++b) {
       mbarrier_init(&stage_barriers.full[b], 1);
@@ -1260,9 +1275,9 @@ extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __
   if (threadIdx.x >= BLOCK) {
     if (STREAM_BUFFERS > 0) stream_weights(p, ring, stream_barriers, &finished);
   } else if (threadIdx.x >= NT) {
-    schedule(p, slots, stage, stage_barriers);
+    schedule(p, slots, stage, stage_barriers, &tasks_done);
   } else {
-    compute(p, slots, red, work, stage, stage_barriers, ring, stream_barriers, &finished);
+    compute(p, slots, red, work, stage, stage_barriers, ring, stream_barriers, &finished, &tasks_done);
   }
 }
 

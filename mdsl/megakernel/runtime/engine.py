@@ -27,8 +27,8 @@ from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_m
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
-                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STREAM_KIND_NAMES,
-                                            generate_source, stream_kind_names)
+                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STAGE_KIND_NAMES,
+                                            STREAM_KIND_NAMES, generate_source, stage_kinds_named, stream_kind_names)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -99,7 +99,10 @@ class MegakernelEngine:
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
     under tensor parallelism without weight streaming); `stage_heads`, whether the tiles that do not fit
     have their heads staged (as many output columns as fit), `stage_buffer_kib` a cap on each kind's
-    staging buffer (both imply staging); `prefetch_kib`, how much of a task's weights is
+    staging buffer, `stage_kinds` which kinds are staged (some of "qkv", "oproj", "gateup"; None: o-proj
+    and gate/up; with "qkv" one buffer holds every staged kind's tiles in turn, and a QKV tile's copy starts
+    once the task before it is done), `stage_late` whether every staged kind's copy waits so (all four
+    imply staging); `prefetch_kib`, how much of a task's weights is
     prefetched into L2 ahead of it; `flagged_stream`, under tensor parallelism, whether the residual
     stream's partials travel as flagged words that their readers poll instead of being signalled
     (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
@@ -117,6 +120,7 @@ class MegakernelEngine:
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
+                 stage_kinds: Optional[Sequence[str]] = None, stage_late: bool = False,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -136,11 +140,15 @@ class MegakernelEngine:
             except ValueError:
                 raise MdslError(f"stream_weights {stream_weights!r}",
                                 hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}") from None
+        try:
+            staged_kinds = stage_kinds_named(stage_kinds)
+        except ValueError as e:
+            raise MdslError(str(e), hint=f"some of {', '.join(STAGE_KIND_NAMES)}, or None") from None
+        refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or stage_late
         if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
-            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or stage_heads \
-                or stage_buffer_kib is not None
-        if (stage_heads or stage_buffer_kib is not None) and not stage_weights:
-            raise MdslError("stage_heads / stage_buffer_kib with stage_weights=False",
+            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or refined
+        if refined and not stage_weights:
+            raise MdslError("stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False",
                             hint="they refine weight staging: leave stage_weights unset or True")
         if stage_buffer_kib is not None and not 0 < stage_buffer_kib <= 256:
             raise MdslError(f"stage_buffer_kib {stage_buffer_kib}", hint="a staging buffer of 0 to 256 KiB, or None")
@@ -169,7 +177,8 @@ class MegakernelEngine:
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
-                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024))
+                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
+                                     staged_kinds, stage_late)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

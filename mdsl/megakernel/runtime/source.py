@@ -86,11 +86,17 @@ def shared_memory_bytes(plan: TaskPlan) -> int:
 SMEM_PER_BLOCK = 232448
 STATIC_SMEM_RESERVE = 512
 _STAGE_ALIGN = 128
-# Staged: the linears that follow latency-bound phases (o-proj after the attention chain, gate/up after the
-# o-proj and its all-reduce), whose tiles can load while the memory system is idle. QKV and down-proj follow
-# the DRAM-bound down-proj and gate/up: staging them competed with the running task's loads (Qwen3-8B over
-# 2 H200s: down-proj tasks 15.5 -> 21 us, QKV tasks 9.4 -> 8.0 us; docs/performance.md).
+# Staged by default: the linears that follow latency-bound phases (o-proj after the attention chain, gate/up
+# after the o-proj and its all-reduce), whose tiles can load while the memory system is idle.
 STAGED_KINDS = (Kind.OPROJ, Kind.GATEUP)
+# The kinds that can be staged (`stage_kinds`). QKV follows the DRAM-bound down-proj: a QKV tile's copy
+# issued as the scheduler takes the task competed with the running down-proj's loads (Qwen3-8B over 2
+# H200s: down-proj tasks 15.5 -> 21 us; docs/performance.md), so a late kind's copy waits until the
+# compute warps are done with the task before it (LATE_STAGED_KINDS); it then loads during the
+# all-reduce hop and the task's input row. Down-proj follows gate/up, also DRAM-bound, and its input
+# row is local: nothing to hide its copy behind, so it is never staged.
+STAGEABLE_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP)
+LATE_STAGED_KINDS = (Kind.QKV,)
 DEFAULT_PREFETCH_KIB = 96
 
 
@@ -118,46 +124,76 @@ def tile_weight_bytes(plan: TaskPlan, kind: Kind) -> int:
 class Staging:
     """Weight staging: a worker's scheduler warp copies the weight tile of a task of one of the kinds into
     that kind's shared-memory buffer (bulk copies completing on the buffer's mbarrier) as soon as it takes
-    the task, before waiting for the task's inputs; the compute warps then read the tile from shared
-    memory. A tile so loads while its inputs are still being produced (the attention chain before the
-    o-proj; the o-proj and its all-reduce before the gate/up), and the copy engine keeps a whole tile in
-    flight where the compute warps' loads keep 32 KB. A kind is staged where its largest tile fits next to
-    the task inputs' shared memory (and the kinds staged before it); with `heads`, a kind whose tile does
-    not fit has the head of its tile staged, as many output columns as fit (`items`), the rest of the
-    tile loaded as unstaged tiles are."""
-    kinds: tuple = ()          # (Kind, output columns staged per task), one buffer each, in this order
-    buffer_bytes: tuple = ()   # per kind, 128-byte multiples
+    the task, before waiting for the task's inputs (a late kind: once the compute warps are done with the
+    task before it); the compute warps then read the tile from shared memory. A tile so loads while its
+    inputs are still being produced (the attention chain before the o-proj; the o-proj and its all-reduce
+    before the gate/up; the all-reduce before the QKV), and the copy engine keeps a whole tile in flight
+    where the compute warps' loads keep 64 KB. A kind is staged where its largest tile fits next to the
+    task inputs' shared memory (and the kinds staged before it, unless the buffer is `shared`); with
+    `heads`, a kind whose tile does not fit has the head of its tile staged, as many output columns as fit
+    (`items`), the rest of the tile loaded as unstaged tiles are. A `shared` buffer holds every staged
+    kind's tiles in turn (a worker's staged tasks use its phases in their order): QKV's tile leaves no room
+    for another buffer beside it."""
+    kinds: tuple = ()          # (Kind, output columns staged per task), in STAGEABLE_KINDS' order
+    buffer_bytes: tuple = ()   # per buffer (one per kind, or the shared one), 128-byte multiples
     offset: int = 0            # bytes from the start of dynamic shared memory to the first buffer
+    shared: bool = False       # one buffer for every staged kind
+    late: bool = False         # every staged kind's copy late, not only LATE_STAGED_KINDS'
 
     @property
     def buffers(self) -> int:
-        return len(self.kinds)
+        return len(self.buffer_bytes)
 
     @property
     def kind_mask(self) -> int:
         return sum(1 << int(kind) for kind, _ in self.kinds)
 
     @property
+    def late_mask(self) -> int:
+        return sum(1 << int(kind) for kind, _ in self.kinds if self.late or kind in LATE_STAGED_KINDS)
+
+    @property
     def smem_bytes(self) -> int:
         return self.offset + sum(self.buffer_bytes)
 
+    def buffer_of(self, kind: Kind) -> int:
+        """The buffer a staged kind's tiles go through."""
+        return 0 if self.shared else [k for k, _ in self.kinds].index(kind)
+
     def buffer_offsets(self) -> list:
-        """Each kind's buffer, in bytes from the first one."""
+        """Each buffer, in bytes from the first one."""
         return [sum(self.buffer_bytes[:k]) for k in range(len(self.buffer_bytes))]
 
 
+STAGE_KIND_NAMES = {kind.name.lower(): kind for kind in STAGEABLE_KINDS}
+
+
+def stage_kinds_named(names: Optional[Sequence[str]]) -> tuple:
+    """stage_kinds' kinds by name (None: STAGED_KINDS), in STAGEABLE_KINDS' order. ValueError otherwise."""
+    if names is None:
+        return STAGED_KINDS
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not names or set(names) - set(STAGE_KIND_NAMES):
+        raise ValueError(f"stage_kinds names kinds of {', '.join(STAGE_KIND_NAMES)}, not {names!r}")
+    return tuple(kind for kind in STAGEABLE_KINDS if kind.name.lower() in names)
+
+
 def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
-                 max_buffer_bytes: Optional[int] = None) -> Staging:
-    """STAGED_KINDS in order, each the largest tile of its kind (or with `heads` the most output columns
-    of it that fit) in what shared memory has left; `max_buffer_bytes` caps a buffer (tests: heads of a
-    few columns on models whose tiles all fit)."""
+                 max_buffer_bytes: Optional[int] = None, kinds: Sequence[Kind] = STAGED_KINDS,
+                 late: bool = False) -> Staging:
+    """`kinds` in STAGEABLE_KINDS' order, each the largest tile of its kind (or with `heads` the most
+    output columns of it that fit) in what shared memory has left; `max_buffer_bytes` caps a buffer (tests:
+    heads of a few columns on models whose tiles all fit). With QKV among the kinds, one buffer is shared
+    by all of them (each kind's tile or head alone in it), its size the largest of theirs. `late`: every
+    kind's copy waits for the task before it (not only LATE_STAGED_KINDS')."""
     base = shared_memory_bytes(plan)
     if not enabled:
         return Staging(offset=base)
     offset = _round_up(base, _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
-    kinds, sizes = [], []
-    for kind in STAGED_KINDS:
+    shared = Kind.QKV in kinds
+    chosen, sizes = [], []
+    for kind in (k for k in STAGEABLE_KINDS if k in kinds):
         tiles = [t.end - t.begin for t in plan.tasks if t.kind is kind]
         column = item_weight_bytes(plan, kind)
         if not tiles or column % 16:
@@ -167,12 +203,13 @@ def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
         if items < 1 or (items < max(tiles) and not heads):   # nothing fits, or a head where none is wanted
             continue
         size = _round_up(items * column, _STAGE_ALIGN)
-        kinds.append((kind, items))
+        chosen.append((kind, items))
         sizes.append(size)
-        room -= size
-    if not kinds:
+        if not shared:
+            room -= size
+    if not chosen:
         return Staging(offset=base)
-    return Staging(tuple(kinds), tuple(sizes), offset)
+    return Staging(tuple(chosen), (max(sizes),) if shared else tuple(sizes), offset, shared, late)
 
 
 @attrs.frozen
@@ -285,14 +322,17 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     attention_lanes: int = 1, stage_weights: bool = False,
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
                     stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
-                    stage_buffer_bytes: Optional[int] = None) -> MegakernelSource:
+                    stage_buffer_bytes: Optional[int] = None,
+                    stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
     cached position's key row in attention's scores (1: a thread per position; more: fewer dependent
     loads per thread, the sums met by shuffles). `stage_weights`: tiles that fit are copied whole into
     shared memory ahead of their task (`Staging`); with `stage_heads`, the head of those that do not fit
-    (`stage_buffer_bytes`: at most that many bytes a buffer). `prefetch_kib`: how much of a task's weights
+    (`stage_buffer_bytes`: at most that many bytes a buffer); `stage_kinds`, which kinds are staged
+    (`STAGEABLE_KINDS`; with QKV, one buffer is shared); `stage_late`, every staged kind's copy waits until
+    the task before it is done (else only LATE_STAGED_KINDS'). `prefetch_kib`: how much of a task's weights
     (KiB per task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -311,9 +351,11 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
-    if (stage_heads or stage_buffer_bytes is not None) and not stage_weights:
-        raise ValueError("stage_heads and stage_buffer_bytes refine stage_weights: pass stage_weights=True too")
-    staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes)
+    if (stage_heads or stage_buffer_bytes is not None or stage_late or tuple(stage_kinds) != STAGED_KINDS) \
+            and not stage_weights:
+        raise ValueError("stage_heads, stage_buffer_bytes, stage_kinds and stage_late refine stage_weights: "
+                         "pass stage_weights=True too")
+    staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes, stage_kinds, stage_late)
     streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights) if stream_weights else \
         Streaming(offset=staging.smem_bytes)
     items = dict(streaming.items)
@@ -336,12 +378,13 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
+              f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
               f"constexpr int STAGE_OFFSET = {staging.offset};",
               "// a staged kind's buffer (0 .. STAGE_BUFFERS - 1), its bytes from the first buffer, and the",
               "// output columns of a task's tile it holds (the tile's head where the tile is larger)",
               "__device__ __forceinline__ constexpr int stage_buffer(int kind) {",
               "  switch (kind) {",
-              *(f"    case KIND_{kind.name}: return {b};" for b, (kind, _) in enumerate(staging.kinds)),
+              *(f"    case KIND_{kind.name}: return {staging.buffer_of(kind)};" for kind, _ in staging.kinds),
               "    default: return 0;",
               "  }",
               "}",
