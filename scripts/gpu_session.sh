@@ -6,7 +6,8 @@
 #   2. the autotuner's kernels compiled in parallel (plans and tuning variants from the carried .plans/);
 #   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
 #   3b. (STAGES=profile) Nsight Compute reports of mdsl's kernel of each PROFILE_CASES case;
-#   3c. (STAGES=probe) per-SM weight streaming: loads against a cp.async.bulk ring (benchmarks/stream_probe.py);
+#   3c. (STAGES=probe) per-SM weight streaming: loads against a cp.async.bulk ring (benchmarks/stream_probe.py),
+#       and what a staged tile's copy costs the issuing warp and a release (benchmarks/copy_probe.py);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
@@ -99,8 +100,10 @@ profile() {
 stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR="$PWD/.plans" bash -c "$(declare -f profile); OUT='$OUT' PY=$PY PROFILE_CASES='$PROFILE_CASES' profile"
 
 # (STAGES=probe) a block per SM streaming its own weights: the compute warps' loads against the megakernel's
-# cp.async.bulk ring at several sub-tile sizes (benchmarks/stream_probe.py)
-stage probe "${PROBE_LIMIT:-90}" "$OUT/all/probe.log" $PY benchmarks/stream_probe.py
+# cp.async.bulk ring at several sub-tile sizes (benchmarks/stream_probe.py); then what a staged tile's bulk
+# copy costs the warps around it: the issuing warp's time, and a release's with the copy in flight
+# (benchmarks/copy_probe.py)
+stage probe "${PROBE_LIMIT:-120}" "$OUT/all/probe.log" bash -c "$PY benchmarks/stream_probe.py && $PY benchmarks/copy_probe.py"
 grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
