@@ -103,7 +103,8 @@ def main() -> int:
 
     runtime.require_gpu("the copy probe")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    khz = _check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, 0),
+    device = _check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
+    khz = _check(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, device),
                  "reading the SM clock")
     sizes = [int(k) * 1024 for k in args.kib.split(",")]
     largest = max(sizes)
