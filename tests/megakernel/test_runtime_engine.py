@@ -182,8 +182,10 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
         MegakernelEngine(config, weights, attention_splits=0)
     with pytest.raises(MdslError, match="stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False"):
         MegakernelEngine(config, weights, stage_weights=False, stage_heads=True)
-    with pytest.raises(MdslError, match="stage_late with stage_weights=False"):
+    with pytest.raises(MdslError, match="stage_kinds / stage_late with stage_weights=False"):
         MegakernelEngine(config, weights, stage_weights=False, stage_kinds=("qkv",))
+    with pytest.raises(MdslError, match="stage_kinds / stage_late with stage_weights=False"):
+        MegakernelEngine(config, weights, stage_weights=False, stage_late=True)
     with pytest.raises(MdslError, match="stage_kinds names kinds of qkv, oproj, gateup, not \\('down',\\)"):
         MegakernelEngine(config, weights, stage_kinds=("down",))
     with pytest.raises(MdslError, match="stage_buffer_kib 512"):
