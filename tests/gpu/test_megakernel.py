@@ -237,13 +237,16 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("queue", {"stage_kinds": ("qkv", "oproj")}),
                               ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                                           "stage_buffer_kib": 1}),
-                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True})):
+                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True}),
+                              # the copies issued while the task before runs (the default before stage_late's)
+                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": False}),
+                              ("static", {"stage_weights": True, "stage_late": False})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
         if options.get("stage_kinds"):   # one buffer, QKV's copy late
             assert len(engine.staging.kinds) == len(options["stage_kinds"]) and engine.staging.buffers == 1
-            late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late") else 1
+            late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late", True) else 1
             assert f"constexpr int LATE_STAGE_KINDS = {late};" in engine.source, engine.staging
         if options.get("stage_heads"):   # every staged kind's tile is cut: the rest is read from global memory
             assert len(engine.staging.kinds) == len(options.get("stage_kinds", ("oproj", "gateup"))) and all(

@@ -260,3 +260,19 @@ def test_streamed_qwen3_8b_rank_compiles_without_spills():
     sass = disassemble(module.cubin).splitlines()
     copies = [k for k, line in enumerate(sass) if "UBLKCP" in line]
     assert copies and not any("LDG" in line for line in sass[copies[0]:copies[-1]])
+
+
+
+@pytest.mark.slow
+def test_an_input_rows_loads_are_all_in_flight_before_its_first_store():
+    """A rank's QKV input row: two f32 partials of 16 elements a thread, loaded before the first shared
+    store (one memory round trip; a store between them kept the next element's generic loads behind it:
+    16 round trips, ~2-3 us of a 10 us body)."""
+    text = generate_source(qwen3_8b_rank_plan()).text.replace("__device__ void qkv_task(",
+                                                              "__device__ __noinline__ void qkv_task(")
+    sass = disassemble(compile_cuda(text, arch="sm_90a").cubin).splitlines()
+    start = next(k for k, line in enumerate(sass) if re.match(r"^\$\S*qkv_task\S*:$", line.strip()))
+    body = sass[start:]
+    first_store = next(k for k, line in enumerate(body) if re.search(r"\bSTS\b", line))
+    loads = [line for line in body[:first_store] if re.search(r"\bLD(G)?\.E(\.\w+)*\s+R\d+,", line)]
+    assert len(loads) >= 2 * 16, "\n".join(body[:first_store])

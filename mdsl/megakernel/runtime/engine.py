@@ -101,11 +101,11 @@ class MegakernelEngine:
     have their heads staged (as many output columns as fit), `stage_buffer_kib` a cap on each kind's
     staging buffer, `stage_kinds` which kinds are staged (some of "qkv", "oproj", "gateup"; None: o-proj
     and gate/up; with "qkv" one buffer holds every staged kind's tiles in turn, and a QKV tile's copy starts
-    once the task before it is done), `stage_late` whether every staged kind's copy waits so (all four
-    imply staging); `prefetch_kib`, how much of a task's weights is
-    prefetched into L2 ahead of it; `flagged_stream`, under tensor parallelism, whether the residual
-    stream's partials travel as flagged words that their readers poll instead of being signalled
-    (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
+    once the task before it is done), `stage_late` whether every staged kind's copy waits so (None: whenever
+    staging is on; stage_heads, stage_buffer_kib, stage_kinds and stage_late=True imply staging);
+    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`, under
+    tensor parallelism, whether the residual stream's partials travel as flagged words that their readers
+    poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
     of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a shared-memory ring, running
     ahead of the tasks' inputs (source.Streaming; the static schedule), in buffers of `stream_buffer_kib`
     KiB if given (else the size that wastes least); `attention_splits`, the attention splits per kv head
@@ -120,7 +120,7 @@ class MegakernelEngine:
                  flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
-                 stage_kinds: Optional[Sequence[str]] = None, stage_late: bool = False,
+                 stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -144,9 +144,13 @@ class MegakernelEngine:
             staged_kinds = stage_kinds_named(stage_kinds)
         except ValueError as e:
             raise MdslError(str(e), hint=f"some of {', '.join(STAGE_KIND_NAMES)}, or None") from None
-        refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or stage_late
+        refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
         if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
             stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or refined
+        if stage_late is None:
+            # a copy issued while the task before it runs holds that task's release until it lands (copy_probe:
+            # ~4 us for a 128 KiB tile), and its loads slow attention: Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms
+            stage_late = bool(stage_weights)
         if refined and not stage_weights:
             raise MdslError("stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False",
                             hint="they refine weight staging: leave stage_weights unset or True")
