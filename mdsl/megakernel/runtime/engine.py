@@ -105,13 +105,13 @@ class MegakernelEngine:
     staging is on; stage_heads, stage_buffer_kib, stage_kinds and stage_late=True imply staging);
     `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`, under
     tensor parallelism, whether the residual stream's partials travel as flagged words that their readers
-    poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp streams every task's weights (True; or those
-    of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a shared-memory ring, running
-    ahead of the tasks' inputs (source.Streaming; the static schedule), in buffers of `stream_buffer_kib`
-    KiB if given (else the size that wastes least); `attention_splits`, the attention splits per kv head
-    (default: as many as fill the SMs, at most 16, plan.attention_splits). `ranks`: one rank of a
-    tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
-    rank's shard, and every rank must call `run` with the same arguments."""
+    poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp streams every
+    task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a
+    shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the static schedule), in
+    buffers of `stream_buffer_kib` KiB if given (else the size that wastes least); `attention_splits`, the
+    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits).
+    `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
+    `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
