@@ -40,6 +40,7 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "static-lanes4": {"schedule": "static", "attention_lanes": 4},
     "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4},
     "static-lanes4-fused": {"schedule": "static", "attention_lanes": 4, "fused_combine": True},
+    "fused": {"schedule": "static", "fused_combine": True},
     "static-ahead2-lanes4-fused": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4,
                                    "fused_combine": True},
     "stage": {"schedule": "static", "stage_weights": True},
