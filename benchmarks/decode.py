@@ -70,6 +70,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # twelfth session (Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms); stage-early: issued while the task before runs
     "stage-late": {"schedule": "static", "stage_late": True},
     "stage-early": {"schedule": "static", "stage_late": False},
+    # no L2 head prefetch for QKV and down-proj: taken as the long DRAM-bound task before them starts, their
+    # heads are likely evicted by its stream before they are read (wasted DRAM traffic)
+    "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

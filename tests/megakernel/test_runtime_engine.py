@@ -65,7 +65,7 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 def generate_source_for(engine_kwargs):
     from mdsl.megakernel.runtime.plan import build_plan, for_ranks
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named
+    from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named, weight_kinds_named
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
@@ -78,6 +78,8 @@ def generate_source_for(engine_kwargs):
         options["stage_weights"] = True
     if options.get("stage_late"):
         options["stage_weights"] = True
+    if "prefetch_kinds" in options:            # the engine's names, the source's kinds
+        options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
         plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text

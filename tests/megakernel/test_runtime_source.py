@@ -276,3 +276,17 @@ def test_an_input_rows_loads_are_all_in_flight_before_its_first_store():
     first_store = next(k for k, line in enumerate(body) if re.search(r"\bSTS\b", line))
     loads = [line for line in body[:first_store] if re.search(r"\bLD(G)?\.E(\.\w+)*\s+R\d+,", line)]
     assert len(loads) >= 2 * 16, "\n".join(body[:first_store])
+
+
+def test_the_l2_head_prefetch_covers_the_kinds_asked_for():
+    from mdsl.megakernel.runtime.plan import Kind
+    from mdsl.megakernel.runtime.source import WEIGHT_KINDS
+
+    config, _, _ = tiny_model("llama3")
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24)
+    every = sum(1 << int(kind) for kind in WEIGHT_KINDS)
+    assert f"constexpr int PREFETCH_KINDS = {every};" in generate_source(plan).text
+    short = generate_source(plan, prefetch_kinds=(Kind.OPROJ, Kind.GATEUP, Kind.LMHEAD))
+    assert f"constexpr int PREFETCH_KINDS = {(1 << int(Kind.OPROJ)) | (1 << int(Kind.GATEUP)) | (1 << int(Kind.LMHEAD))};" \
+        in short.text
+    assert_fits(short, compile_cuda(short.text, arch="sm_90a").resources[KERNEL_NAME])

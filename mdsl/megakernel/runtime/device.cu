@@ -993,7 +993,7 @@ __device__ __forceinline__ void prefetch_task_weights(const Params& p, const Tas
     prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
     return;
   }
-  if (streamed_kind(t.kind)) return;   // the loader warp streams them
+  if (streamed_kind(t.kind) || ((PREFETCH_KINDS >> t.kind) & 1) == 0) return;   // streamed: the loader warp's
   prefetch_weight_rows(p, p.layers[t.layer], t, lane);
 }
 

@@ -28,7 +28,8 @@ from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
                                             MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STAGE_KIND_NAMES,
-                                            STREAM_KIND_NAMES, generate_source, stage_kinds_named, stream_kind_names)
+                                            STREAM_KIND_NAMES, generate_source, stage_kinds_named, stream_kind_names,
+                                            weight_kinds_named)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -109,7 +110,8 @@ class MegakernelEngine:
     task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a
     shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the static schedule), in
     buffers of `stream_buffer_kib` KiB if given (else the size that wastes least); `attention_splits`, the
-    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits).
+    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits);
+    `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; () none).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -121,7 +123,7 @@ class MegakernelEngine:
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
-                 ranks: Optional[RankGroup] = None):
+                 prefetch_kinds: Optional[Sequence[str]] = None, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -144,6 +146,11 @@ class MegakernelEngine:
             staged_kinds = stage_kinds_named(stage_kinds)
         except ValueError as e:
             raise MdslError(str(e), hint=f"some of {', '.join(STAGE_KIND_NAMES)}, or None") from None
+        try:
+            prefetched_kinds = weight_kinds_named(prefetch_kinds)
+        except ValueError:
+            raise MdslError(f"prefetch_kinds {prefetch_kinds!r}",
+                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, or None for all") from None
         refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
         if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
             stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or refined
@@ -182,7 +189,8 @@ class MegakernelEngine:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
-                                     staged_kinds, stage_late)
+                                     staged_kinds, stage_late,
+                                     prefetched_kinds)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

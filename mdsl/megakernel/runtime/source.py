@@ -249,6 +249,16 @@ def stream_kind_names(wanted: Union[bool, str, Sequence[str]]) -> tuple:
     return names
 
 
+def weight_kinds_named(wanted: Optional[Sequence[str]]) -> tuple:
+    """prefetch_kinds' kinds by name (of STREAM_KIND_NAMES): None, every kind that reads weight rows; (),
+    none. ValueError for an unknown name."""
+    if wanted is None:
+        return WEIGHT_KINDS
+    if isinstance(wanted, str) or len(wanted) > 0:
+        return tuple(WEIGHT_KINDS[STREAM_KIND_NAMES.index(name)] for name in stream_kind_names(wanted))
+    return ()
+
+
 def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
     """The kinds of the plan whose weights stream (`stream_kind_names`)."""
     chosen = [dict(zip(STREAM_KIND_NAMES, WEIGHT_KINDS))[name] for name in stream_kind_names(wanted)]
@@ -323,7 +333,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
                     stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
                     stage_buffer_bytes: Optional[int] = None,
-                    stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False) -> MegakernelSource:
+                    stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
+                    prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -333,7 +344,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     (`stage_buffer_bytes`: at most that many bytes a buffer); `stage_kinds`, which kinds are staged
     (`STAGEABLE_KINDS`; with QKV, one buffer is shared); `stage_late`, every staged kind's copy waits until
     the task before it is done (else only LATE_STAGED_KINDS'). `prefetch_kib`: how much of a task's weights
-    (KiB per task) the scheduler prefetches into L2 ahead of it. `stream_weights`: every weight row (True),
+    (KiB per task) the scheduler prefetches into L2 ahead of it, for the tasks of `prefetch_kinds`. `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
@@ -376,6 +387,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
+              f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
