@@ -73,6 +73,7 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # no L2 head prefetch for QKV and down-proj: taken as the long DRAM-bound task before them starts, their
     # heads are likely evicted by its stream before they are read (wasted DRAM traffic)
     "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
+    "prefetch-none": {"schedule": "static", "prefetch_kinds": ()},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},
