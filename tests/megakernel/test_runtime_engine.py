@@ -188,6 +188,8 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
         MegakernelEngine(config, weights, stage_weights=False, stage_kinds=("qkv",))
     with pytest.raises(MdslError, match="stage_kinds / stage_late with stage_weights=False"):
         MegakernelEngine(config, weights, stage_weights=False, stage_late=True)
+    with pytest.raises(MdslError, match="prefetch_kinds"):
+        MegakernelEngine(config, weights, prefetch_kinds=("attn",))
     with pytest.raises(MdslError, match="stage_kinds names kinds of qkv, oproj, gateup, not \\('down',\\)"):
         MegakernelEngine(config, weights, stage_kinds=("down",))
     with pytest.raises(MdslError, match="stage_buffer_kib 512"):

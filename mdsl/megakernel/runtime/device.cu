@@ -1018,7 +1018,8 @@ __device__ __forceinline__ void copy_weights(const Params& p, const LayerWeights
 
 // The scheduler warp's copy of a staged task's weight tile (or its head) into its kind's buffer (the
 // worker's `use`-th staged task of that kind), once the compute warps are done with the buffer's previous
-// tile; where only the head is staged, the head of the rest is prefetched into L2 as unstaged tiles' are.
+// tile; where only the head is staged, the head of the rest is prefetched into L2 as unstaged tiles' are
+// (where the kind's are: PREFETCH_KINDS).
 __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, StageBarriers& bars, int use, int lane) {
   const int b = stage_buffer(t.kind);
   if (use > 0) mbarrier_wait(&bars.empty[b], unsigned(use - 1) & 1u);
@@ -1027,7 +1028,7 @@ __device__ void stage_task_weights(const Params& p, const Task& t, T* stage, Sta
   if (lane == 0) mbarrier_arrive_expect(&bars.full[b], weight_bytes(p, w, head));
   __syncwarp();
   copy_weights(p, w, head, reinterpret_cast<char*>(stage) + stage_buffer_offset(b), &bars.full[b], lane);
-  if (head.end < t.end) {
+  if (head.end < t.end && ((PREFETCH_KINDS >> t.kind) & 1) != 0) {
     Task rest = t;
     rest.begin = head.end;
     prefetch_weight_rows(p, w, rest, lane);

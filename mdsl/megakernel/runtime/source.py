@@ -344,7 +344,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     (`stage_buffer_bytes`: at most that many bytes a buffer); `stage_kinds`, which kinds are staged
     (`STAGEABLE_KINDS`; with QKV, one buffer is shared); `stage_late`, every staged kind's copy waits until
     the task before it is done (else only LATE_STAGED_KINDS'). `prefetch_kib`: how much of a task's weights
-    (KiB per task) the scheduler prefetches into L2 ahead of it, for the tasks of `prefetch_kinds`. `stream_weights`: every weight row (True),
+    (KiB per task) the scheduler prefetches into L2 ahead of it, for the tasks of `prefetch_kinds`.
+    `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
     s = plan.shape
