@@ -70,8 +70,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # twelfth session (Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms); stage-early: issued while the task before runs
     "stage-late": {"schedule": "static", "stage_late": True},
     "stage-early": {"schedule": "static", "stage_late": False},
-    # no L2 head prefetch for QKV and down-proj: taken as the long DRAM-bound task before them starts, their
-    # heads are likely evicted by its stream before they are read (wasted DRAM traffic)
+    # no L2 head prefetch for QKV and down-proj (taken as the long DRAM-bound task before them starts, their
+    # heads are evicted by its stream before they are read), or none at all: one GPU 4.638 / 4.584 ms against
+    # 4.669 (twelfth session; not yet run on two GPUs)
     "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
     "prefetch-none": {"schedule": "static", "prefetch_kinds": ()},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},

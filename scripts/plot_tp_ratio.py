@@ -24,7 +24,8 @@ fig, (ax, ms) = plt.subplots(1, 2, figsize=(11, 3.8))
 sessions = list(default_ms)
 ax.plot(sessions, [two / one for one, two in default_ms.values()], "o-", label="default runtime")
 ax.plot(list(best), [v for v, _ in best.values()], "s--", label="best variant of the session")
-OFFSETS = {9: (-60, -16), 10: (-80, -24), 11: (-95, -46), 12: (-140, -62)}   # (points) clear of the neighbours' labels
+# (points) clear of the neighbours' labels
+OFFSETS = {9: (-60, -16), 10: (-80, -24), 11: (-95, -46), 12: (-140, -62)}
 for s, (v, name) in best.items():
     ax.annotate(name, (s, v), textcoords="offset points", xytext=OFFSETS.get(s, (4, -12)), fontsize=7)
 ax.axhline(0.6, color="red", linestyle=":", label="issue 8 target (0.6)")
