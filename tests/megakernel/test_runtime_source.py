@@ -266,7 +266,7 @@ def test_streamed_qwen3_8b_rank_compiles_without_spills():
 def test_an_input_rows_loads_are_all_in_flight_before_its_first_store():
     """A rank's QKV input row: two f32 partials of 16 elements a thread, loaded before the first shared
     store (one memory round trip; a store between them kept the next element's generic loads behind it:
-    16 round trips, ~2-3 us of a 10 us body)."""
+    16 round trips)."""
     text = generate_source(qwen3_8b_rank_plan()).text.replace("__device__ void qkv_task(",
                                                               "__device__ __noinline__ void qkv_task(")
     sass = disassemble(compile_cuda(text, arch="sm_90a").cubin).splitlines()
