@@ -199,8 +199,8 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
     per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
     bytes), and a trace of two steps on every rank."""
-    from mdsl.megakernel.runtime.profile import (cross_rank_hops, layer_phases, peer_overlap, summary,
-                                                 write_rank_traces)
+    from mdsl.megakernel.runtime.profile import (cross_rank_hops, idle_by_predecessor, layer_phases, peer_overlap,
+                                                 summary, write_rank_traces)
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
 
@@ -230,11 +230,12 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
         by_kind = [summary(run.profile, info["kinds"]) for run in runs]
         phases = [layer_phases(run.profile, info["kinds"], info["layers"], step=1) for run in runs]
+        idle = [idle_json(idle_by_predecessor(run.profile, info["kinds"], info["layers"], step=1)) for run in runs]
         overlap = [peer_overlap(run.profile, info["tasks_per_step"], info["peers"]) for run in runs]
         hops = cross_rank_hops([run.profile for run in runs], info["kinds"], info["layers"], step=1)
         for rank, kinds in enumerate(by_kind):
             print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n{layer_table(phases[rank], kinds)}\n"
-                  f"[{name}] rank {rank} communication: {overlap[rank]}", flush=True)
+                  f"{idle_table(idle[rank])}\n[{name}] rank {rank} communication: {overlap[rank]}", flush=True)
         print(f"[{name}] all-reduce hops, a rank's last producer to a peer's first reader (µs, an upper bound: "
               f"profile.cross_rank_hops): {hops}", flush=True)
         if trace is not None:
@@ -249,7 +250,8 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
             "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
             "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
-            "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap, "all_reduce_hops": hops}
+            "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap, "all_reduce_hops": hops,
+            "idle_by_predecessor": idle}
 
 
 def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):
@@ -345,14 +347,16 @@ def time_megakernel(engine, steps: int, repeats: int) -> list:
 def profile_step(engine, out: Path, name: str, variant: str, trace: bool) -> dict:
     """Two profiled steps: per task kind the body, wait and exposed-wait times (µs summed over SMs),
     and the trace file when `trace`."""
-    from mdsl.megakernel.runtime.profile import layer_phases, summary, write_trace
+    from mdsl.megakernel.runtime.profile import idle_by_predecessor, layer_phases, summary, write_trace
 
     run = engine.run([1] * CONTEXT, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
     plan = engine.plan
     labels, kinds = [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks]
     result = {"tasks": len(run.profile), "step_us": profile_step_us(run.profile, len(plan.tasks)),
               "by_kind": summary(run.profile, kinds),
-              "layer_phases": layer_phases(run.profile, kinds, [t.layer for t in plan.tasks], step=1)}
+              "layer_phases": layer_phases(run.profile, kinds, [t.layer for t in plan.tasks], step=1),
+              "idle_by_predecessor": idle_json(idle_by_predecessor(run.profile, kinds, [t.layer for t in plan.tasks],
+                                                                   step=1))}
     if trace:
         path = out / f"trace_{name}_{variant}.json"
         write_trace(str(path), run.profile, labels, kinds)
@@ -391,6 +395,21 @@ def layer_table(phases: dict, by_kind: dict) -> str:
     return "\n".join(lines)
 
 
+def idle_json(idle: dict) -> dict:
+    """profile.idle_by_predecessor's (kind, previous kind) keys as "kind after previous" (JSON keys)."""
+    return {f"{kind} after {before}": row for (kind, before), row in idle.items()}
+
+
+def idle_table(idle: dict) -> str:
+    """Where an SM's compute warps wait (`idle_json` of profile.idle_by_predecessor; µs, medians over step
+    1's layers): by the kind of the body before on the same SM, the idle time before the body starts."""
+    lines = ["| body | after | tasks | median body µs | median idle before µs |", "|---|---|---|---|---|"]
+    for key, row in idle.items():
+        kind, before = key.split(" after ")
+        lines.append(f"| {kind} | {before} | {row['tasks']} | {row['body_us']:.2f} | {row['idle_before_us']:.2f} |")
+    return "\n".join(lines)
+
+
 def median(values: list) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -414,7 +433,8 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
             measured["profile"] = profile_step(engine, out, name, variant, trace=variant == args.variants[0])
             print(f"[{name}] profile ({variant}): steps {measured['profile']['step_us']} µs\n"
                   f"{phase_table(measured['profile']['by_kind'])}\n"
-                  f"{layer_table(measured['profile']['layer_phases'], measured['profile']['by_kind'])}", flush=True)
+                  f"{layer_table(measured['profile']['layer_phases'], measured['profile']['by_kind'])}\n"
+                  f"{idle_table(measured['profile']['idle_by_predecessor'])}", flush=True)
         return measured
     finally:
         engine.close()

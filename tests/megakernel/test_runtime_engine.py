@@ -125,6 +125,9 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     layer = decode.layer_table({"attn": {"span_us": 9.3, "body_us": 7.8, "gap_us": 0.5}, "layer": {"span_us": 126.0}},
                                {"attn": {"parts_ns": {"scores": 3000, "softmax": 1000}}})
     assert "| attn | 9.3 | 7.8 | 0.5 | scores 75%, softmax 25% |" in layer and "| layer | 126.0 | - | - |  |" in layer
+    idle = decode.idle_json({("qkv", "down"): {"tasks": 132, "body_us": 9.02, "idle_before_us": 5.06}})
+    assert idle == {"qkv after down": {"tasks": 132, "body_us": 9.02, "idle_before_us": 5.06}}
+    assert "| qkv | down | 132 | 9.02 | 5.06 |" in decode.idle_table(idle)
 
 
 @no_gpu

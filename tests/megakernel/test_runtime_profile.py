@@ -6,8 +6,8 @@ import json
 import attrs
 
 from mdsl.megakernel.runtime.profile import (BODY_PARTS, TaskRecord, body_parts, compute_track, cross_rank_hops,
-                                             layer_phases, read_trace, scheduler_track, summary, trace_events,
-                                             write_trace)
+                                             idle_by_predecessor, layer_phases, read_trace, scheduler_track, summary,
+                                             trace_events, write_trace)
 
 LABELS = ["qkv L0 [0,8)", "attn L0 [0,1)", "sample [0,1)"]
 KINDS = ["qkv", "attn", "sample"]
@@ -120,6 +120,26 @@ def test_layer_phases_condense_a_step_into_one_layers_spans_bodies_and_gaps():
     assert phases == {"a": {"span_us": 4.0, "body_us": 4.0, "gap_us": 1.0},
                       "b": {"span_us": 6.0, "body_us": 6.0, "gap_us": 0.3},
                       "layer": {"span_us": 11.3}}
+
+
+def test_idle_time_is_measured_on_each_sm_from_its_previous_body():
+    # step 1 of two layers of "a" (2 SMs) then "b" (SM 0 only); SM 1 finishes its "a" early and its next
+    # body, layer 1's "a", waits for SM 0's "b": that wait shows as idle before ("a" after "a")
+    kinds, layers = ["a", "a", "b"] * 2 + ["sample"], [0, 0, 0, 1, 1, 1, 2]
+    per_step = len(kinds)
+    records = [TaskRecord(per_step + 0, 0, 0, 0, 0, 4000), TaskRecord(per_step + 1, 1, 0, 0, 0, 1000),
+               TaskRecord(per_step + 2, 0, 0, 4500, 4500, 7500),                     # "b" 500 after SM 0's "a"
+               TaskRecord(per_step + 3, 0, 0, 8000, 8000, 12000), TaskRecord(per_step + 4, 1, 0, 8200, 8200, 9200),
+               TaskRecord(per_step + 5, 0, 0, 12600, 12600, 15600),
+               TaskRecord(per_step + 6, 0, 0, 16000, 16000, 16100),                  # the sampler (layer 2)
+               TaskRecord(0, 1, 0, 0, 0, 5)]                                          # step 0: not counted
+    idle = idle_by_predecessor(records, kinds, layers, step=1, first_layer=0)
+    assert idle == {("a", "a"): {"tasks": 1, "body_us": 1.0, "idle_before_us": 7.2},   # SM 1: 1000 -> 8200
+                    ("a", "b"): {"tasks": 1, "body_us": 4.0, "idle_before_us": 0.5},   # SM 0: 7500 -> 8000
+                    ("b", "a"): {"tasks": 2, "body_us": 3.0, "idle_before_us": 0.6}}   # 500 and 600
+    # by default layer 0 is left out (its first tasks follow the previous step's): layer 1's "b" alone
+    assert idle_by_predecessor(records, kinds, layers, step=1)[("b", "a")] == {"tasks": 1, "body_us": 3.0,
+                                                                             "idle_before_us": 0.6}
 
 
 def test_a_cross_rank_hop_is_half_the_two_directions_sum_whatever_the_clocks_offset():

@@ -307,3 +307,31 @@ def layer_phases(records: Sequence[TaskRecord], kinds: Sequence[str], layers: Se
 
     return {kind: {f"{key}_us": median_us(values) for key, values in row.items() if values}
             for kind, row in rows.items() if row["span"]}
+
+
+def idle_by_predecessor(records: Sequence[TaskRecord], kinds: Sequence[str], layers: Sequence[int], step: int,
+                        first_layer: int = 1, last_layer: Optional[int] = None) -> dict:
+    """Where an SM's compute warps wait, by what ran before (µs, medians over one step's tasks of layers
+    first_layer .. last_layer - 1): per (kind, kind of the previous body on the same SM), how many such
+    tasks, their median body, and the median idle time between the previous body's end and this one's
+    start (the inputs not yet there: a dependency hop plus the wait for the phase's slowest producer,
+    which layer_phases' gap, measured from that slowest producer, leaves out)."""
+    per_step = len(kinds)
+    last_layer = max(layers) if last_layer is None else last_layer
+    pairs: dict = {}
+    previous: dict = {}   # SM -> its previous record of the step
+    for r in sorted((r for r in records if r.index // per_step == step), key=lambda r: (r.sm, r.started_ns)):
+        before = previous.get(r.sm)
+        previous[r.sm] = r
+        task = r.index % per_step
+        if before is None or not first_layer <= layers[task] < last_layer:
+            continue
+        entry = pairs.setdefault((kinds[task], kinds[before.index % per_step]), ([], []))
+        entry[0].append(r.done_ns - r.started_ns)
+        entry[1].append(max(0, r.started_ns - before.done_ns))
+
+    def median_us(values: list) -> float:
+        return round(sorted(values)[len(values) // 2] / 1e3, 2)
+
+    return {pair: {"tasks": len(bodies), "body_us": median_us(bodies), "idle_before_us": median_us(idle)}
+            for pair, (bodies, idle) in sorted(pairs.items())}
