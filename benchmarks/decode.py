@@ -75,6 +75,8 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # 4.669 (twelfth session; not yet run on two GPUs)
     "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
     "prefetch-none": {"schedule": "static", "prefetch_kinds": ()},
+    # under tensor parallelism: an o-proj / down-proj task's remote release before its local one (not yet run)
+    "remote-first": {"schedule": "static", "remote_signals_first": True},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

@@ -290,3 +290,23 @@ def test_the_l2_head_prefetch_covers_the_kinds_asked_for():
     assert f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in kinds)};" in short.text
     assert "constexpr int PREFETCH_KINDS = 0;" in generate_source(plan, prefetch_kinds=()).text
     assert_fits(short, compile_cuda(short.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+def test_remote_signals_first_swaps_a_remote_events_two_releases():
+    from mdsl.megakernel.runtime.plan import for_ranks
+
+    config, _, _ = tiny_model("llama3")
+    plan = for_ranks(build_plan(decoder_shape(config), workers=8, max_seq=24), 2)
+    assert "constexpr bool REMOTE_FIRST = false;" in generate_source(plan).text
+    swapped = generate_source(plan, remote_signals_first=True)
+    assert "constexpr bool REMOTE_FIRST = true;" in swapped.text
+    module = compile_cuda(swapped.text, arch="sm_90a")
+    assert_fits(swapped, module.resources[KERNEL_NAME])
+    # the compute warps' signal loop holds the kernel's two release fences: system scope (MEMBAR.ALL.SYS)
+    # first when swapped, gpu scope first by default
+    def fences(cubin) -> list:
+        return [op for line in disassemble(cubin).splitlines() for op in ("MEMBAR.ALL.SYS", "MEMBAR.ALL.GPU")
+                if op in line]
+
+    assert fences(module.cubin) == ["MEMBAR.ALL.SYS", "MEMBAR.ALL.GPU"]
+    assert fences(compile_cuda(generate_source(plan).text, arch="sm_90a").cubin) == ["MEMBAR.ALL.GPU", "MEMBAR.ALL.SYS"]

@@ -111,9 +111,11 @@ class MegakernelEngine:
     shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the static schedule), in
     buffers of `stream_buffer_kib` KiB if given (else the size that wastes least); `attention_splits`, the
     attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits);
-    `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; () none).
-    `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
-    `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
+    `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; () none);
+    `remote_signals_first`, under tensor parallelism, whether a task releases a remote event on the peers
+    before its local release (the order of the two; not yet measured). `ranks`: one rank of a
+    tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
+    rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
@@ -123,7 +125,8 @@ class MegakernelEngine:
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
-                 prefetch_kinds: Optional[Sequence[str]] = None, ranks: Optional[RankGroup] = None):
+                 prefetch_kinds: Optional[Sequence[str]] = None, remote_signals_first: bool = False,
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -190,7 +193,7 @@ class MegakernelEngine:
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds)
+                                     prefetched_kinds, remote_signals_first)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -334,7 +334,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
                     stage_buffer_bytes: Optional[int] = None,
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
-                    prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS) -> MegakernelSource:
+                    prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
+                    remote_signals_first: bool = False) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -345,6 +346,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     (`STAGEABLE_KINDS`; with QKV, one buffer is shared); `stage_late`, every staged kind's copy waits until
     the task before it is done (else only LATE_STAGED_KINDS'). `prefetch_kib`: how much of a task's weights
     (KiB per task) the scheduler prefetches into L2 ahead of it, for the tasks of `prefetch_kinds`.
+    `remote_signals_first`: a task signals a remote event on the peers before it signals it here.
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -389,6 +391,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
+              f"constexpr bool REMOTE_FIRST = {'true' if remote_signals_first else 'false'};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
