@@ -8,7 +8,7 @@ import re
 import attrs
 import pytest
 
-from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble
+from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble, sass_opcodes
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
@@ -288,8 +288,13 @@ def test_the_l2_head_prefetch_covers_the_kinds_asked_for():
     kinds = (Kind.OPROJ, Kind.GATEUP, Kind.LMHEAD)
     short = generate_source(plan, prefetch_kinds=kinds)
     assert f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in kinds)};" in short.text
-    assert "constexpr int PREFETCH_KINDS = 0;" in generate_source(plan, prefetch_kinds=()).text
+    none = generate_source(plan, prefetch_kinds=())
+    assert "constexpr int PREFETCH_KINDS = 0;" in none.text
     assert_fits(short, compile_cuda(short.text, arch="sm_90a").resources[KERNEL_NAME])
+    # the mask gates the scheduler's bulk L2 prefetches: with no kind the compiler drops them all
+    bulk_prefetches = [sass_opcodes(disassemble(compile_cuda(source.text, arch="sm_90a").cubin)).get("UBLKPF", 0)
+                       for source in (short, none)]
+    assert bulk_prefetches[0] >= 1 and bulk_prefetches[1] == 0, bulk_prefetches
 
 
 def test_remote_signals_first_swaps_a_remote_events_two_releases():

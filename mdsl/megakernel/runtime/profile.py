@@ -268,6 +268,11 @@ def peer_overlap(records: Sequence[TaskRecord], per_step: int, peers: Sequence[t
             "mean_busy_sms_at_put": sum(busy) / len(busy) if busy else 0.0, "exposed_peer_wait_ns": exposed}
 
 
+def _median_us(values: list) -> float:
+    """The median of ns values in µs (0 for none)."""
+    return round(sorted(values)[len(values) // 2] / 1e3, 2) if values else 0.0
+
+
 def layer_phases(records: Sequence[TaskRecord], kinds: Sequence[str], layers: Sequence[int], step: int,
                  first_layer: int = 1, last_layer: Optional[int] = None) -> dict:
     """One step's layers condensed (µs, the median over layers first_layer .. last_layer - 1): per kind,
@@ -302,10 +307,7 @@ def layer_phases(records: Sequence[TaskRecord], kinds: Sequence[str], layers: Se
             previous_end = end
         rows["layer"]["span"].append(previous_end - layer_start)
 
-    def median_us(values: list) -> float:
-        return round(sorted(values)[len(values) // 2] / 1e3, 2) if values else 0.0
-
-    return {kind: {f"{key}_us": median_us(values) for key, values in row.items() if values}
+    return {kind: {f"{key}_us": _median_us(values) for key, values in row.items() if values}
             for kind, row in rows.items() if row["span"]}
 
 
@@ -330,8 +332,5 @@ def idle_by_predecessor(records: Sequence[TaskRecord], kinds: Sequence[str], lay
         entry[0].append(r.done_ns - r.started_ns)
         entry[1].append(max(0, r.started_ns - before.done_ns))
 
-    def median_us(values: list) -> float:
-        return round(sorted(values)[len(values) // 2] / 1e3, 2)
-
-    return {pair: {"tasks": len(bodies), "body_us": median_us(bodies), "idle_before_us": median_us(idle)}
+    return {pair: {"tasks": len(bodies), "body_us": _median_us(bodies), "idle_before_us": _median_us(idle)}
             for pair, (bodies, idle) in sorted(pairs.items())}
