@@ -35,20 +35,21 @@ COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (desig
 CONTEXT = 1024
 VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arguments
     "static": {"schedule": "static"},
-    "static-ahead2": {"schedule": "static", "prefetch_ahead": 2},
+    "static-ahead2": {"schedule": "static", "prefetch_ahead": 2, "prefetch_kinds": None},
     "queue": {"schedule": "queue"},
     "static-lanes4": {"schedule": "static", "attention_lanes": 4},
-    "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4},
+    "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4, "prefetch_kinds": None},
     "static-lanes4-fused": {"schedule": "static", "attention_lanes": 4, "fused_combine": True},
     "fused": {"schedule": "static", "fused_combine": True},
     "static-ahead2-lanes4-fused": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4,
-                                   "fused_combine": True},
+                                   "fused_combine": True, "prefetch_kinds": None},
     "stage": {"schedule": "static", "stage_weights": True},
     "stage-lanes4-fused": {"schedule": "static", "stage_weights": True, "attention_lanes": 4, "fused_combine": True},
     "stage-ahead2-lanes4-fused": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
-                                  "attention_lanes": 4, "fused_combine": True},
+                                  "attention_lanes": 4, "fused_combine": True, "prefetch_kinds": None},
     "stage-ahead2-lanes4-fused-l2x4": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
-                                       "attention_lanes": 4, "fused_combine": True, "prefetch_kib": 384},
+                                       "attention_lanes": 4, "fused_combine": True, "prefetch_kib": 384,
+                                       "prefetch_kinds": None},
     "stream": {"schedule": "static", "stream_weights": True},
     "stream-fused": {"schedule": "static", "stream_weights": True, "fused_combine": True},
     "stream-lanes4-fused": {"schedule": "static", "stream_weights": True, "attention_lanes": 4, "fused_combine": True},
@@ -70,13 +71,18 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # twelfth session (Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms); stage-early: issued while the task before runs
     "stage-late": {"schedule": "static", "stage_late": True},
     "stage-early": {"schedule": "static", "stage_late": False},
-    # no L2 head prefetch for QKV and down-proj (taken as the long DRAM-bound task before them starts, their
-    # heads are evicted by its stream before they are read), or none at all: one GPU 4.638 / 4.584 ms against
-    # 4.669 (twelfth session; not yet run on two GPUs)
+    # the L2 head prefetch for o-proj, gate/up and the LM head only, or (the old default) for every kind: no
+    # prefetch is the default since the thirteenth session (Qwen3-8B one GPU 4.690 -> 4.596 ms, two 3.038 ->
+    # 2.958; Llama-3.2-1B 1.023 -> 1.001, Qwen3-0.6B 1.008 -> 1.006)
     "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
-    "prefetch-none": {"schedule": "static", "prefetch_kinds": ()},
-    # under tensor parallelism: an o-proj / down-proj task's remote release before its local one (not yet run)
-    "remote-first": {"schedule": "static", "remote_signals_first": True},
+    "prefetch-all": {"schedule": "static", "prefetch_kinds": None},
+    # the share of a linear task's first pass of weight loads issued after its input row's loads, before the
+    # row is normalised and stored (weights_first; default: all of it under tensor parallelism, none on one
+    # GPU): all, half, none (thirteenth session, same run: two GPUs 2.934 / 2.935 / 2.950 ms, one 4.569 /
+    # 4.580 / 4.568)
+    "weights-first": {"schedule": "static", "weights_first": 1.0},
+    "weights-half": {"schedule": "static", "weights_first": 0.5},
+    "weights-after": {"schedule": "static", "weights_first": 0.0},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

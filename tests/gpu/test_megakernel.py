@@ -241,8 +241,11 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               # the copies issued while the task before runs (the default before stage_late's)
                               ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": False}),
                               ("static", {"stage_weights": True, "stage_late": False}),
-                              # no L2 head prefetch (a hint: the same values)
-                              ("static", {"prefetch_kinds": ()}), ("queue", {"prefetch_kinds": ("oproj",)})):
+                              # the L2 head prefetch of every kind, or of one (the default: none; a hint,
+                              # the same values), and a linear task's weight loads issued with its input
+                              # row (all of a pass, half of it; the default on one GPU: none)
+                              ("static", {"prefetch_kinds": None}), ("queue", {"prefetch_kinds": ("oproj",)}),
+                              ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging

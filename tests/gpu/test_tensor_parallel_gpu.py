@@ -48,9 +48,10 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-# (with the remote release before the local one, and no L2 head prefetch: options that change no value)
+# (with every kind's L2 head prefetch and half a pass of weight loads with the input row, where the defaults
+# prefetch nothing and issue the whole pass: options that change no value)
 STAGED = (("stage_weights", True), ("fused_combine", True), ("attention_lanes", 4), ("prefetch_ahead", 2),
-          ("remote_signals_first", True), ("prefetch_kinds", ()))
+          ("prefetch_kinds", None), ("weights_first", 0.5))
 FLAGGED = (("flagged_stream", True),)
 STREAMED = (("stream_weights", True), ("stream_buffer_kib", 1))
 HEADS = (("stage_heads", True), ("stage_buffer_kib", 0.5))   # 4 of 8 o-proj columns, 2 of 8 gate/up ones (bf16)

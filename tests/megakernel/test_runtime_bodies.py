@@ -58,8 +58,11 @@ def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     assert residual_columns(plan) == widest > 0
     for name, residual in (("oproj_task", "h_at(p, t.layer, r, flag)"), ("down_task", "mid_at(p, t.layer, r, flag)")):
         body = function(generate_bodies(plan), name)
-        prefetch, load, epilogue = body.index(residual), body.index("load_input<"), body.index("task_gemv<")
-        assert prefetch < load < body.index("residual_row[r - t.begin] = residual_value[c];") < epilogue
+        # task_gemv takes the epilogue, then the input row's two halves (row.load, row.finish): the residual's
+        # loads come before the row's, its shared-memory stores with the row's
+        prefetch, gemv, load = body.index(residual), body.index("task_gemv<"), body.index("row.load(")
+        assert prefetch < gemv < load < body.index("row.finish(work);") \
+            < body.index("residual_row[r - t.begin] = residual_value[c];")
         assert body.count(residual) == 1
         assert re.search(r"const float r_residual = (round_t\()?residual_row\[r - t\.begin\]\)?;", body)
     assert "residual_value" not in function(generate_bodies(plan), "qkv_task")   # no residual there

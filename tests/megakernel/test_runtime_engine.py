@@ -197,6 +197,9 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
         MegakernelEngine(config, weights, stage_kinds=("down",))
     with pytest.raises(MdslError, match="stage_buffer_kib 512"):
         MegakernelEngine(config, weights, stage_buffer_kib=512)
+    with pytest.raises(MdslError, match="weights_first 2") as info:
+        MegakernelEngine(config, weights, weights_first=2)
+    assert "0 (none) to 1 (all)" in info.value.hint
 
 
 @no_gpu

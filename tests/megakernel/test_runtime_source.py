@@ -8,7 +8,7 @@ import re
 import attrs
 import pytest
 
-from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble, sass_opcodes
+from mdsl.backend.cuda.nvrtc import compile_cuda, compile_ptx, disassemble, sass_opcodes
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
@@ -297,21 +297,41 @@ def test_the_l2_head_prefetch_covers_the_kinds_asked_for():
     assert bulk_prefetches[0] >= 1 and bulk_prefetches[1] == 0, bulk_prefetches
 
 
-def test_remote_signals_first_swaps_a_remote_events_two_releases():
-    from mdsl.megakernel.runtime.plan import for_ranks
+def test_weights_first_issues_a_linear_tasks_weight_loads_before_its_input_row():
+    """WEIGHTS_FIRST: gate/up's first weight loads (ld.global.nc) come before the input row's norm and its
+    compute barriers in the generated code; without it, after them. Read in the PTX, whose order is the
+    program's (ptxas interleaves the SASS)."""
+    config, _, _ = tiny_model("qwen3")
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
 
-    config, _, _ = tiny_model("llama3")
-    plan = for_ranks(build_plan(decoder_shape(config), workers=8, max_seq=24), 2)
-    assert "constexpr bool REMOTE_FIRST = false;" in generate_source(plan).text
-    swapped = generate_source(plan, remote_signals_first=True)
-    assert "constexpr bool REMOTE_FIRST = true;" in swapped.text
-    module = compile_cuda(swapped.text, arch="sm_90a")
-    assert_fits(swapped, module.resources[KERNEL_NAME])
-    # the compute warps' signal loop holds the kernel's two release fences: system scope (MEMBAR.ALL.SYS)
-    # first when swapped, gpu scope first by default
-    def fences(cubin) -> list:
-        return [op for line in disassemble(cubin).splitlines() for op in ("MEMBAR.ALL.SYS", "MEMBAR.ALL.GPU")
-                if op in line]
+    def first_load_and_barrier(weights_first: bool) -> tuple:
+        text = generate_source(plan, weights_first=0.5 if weights_first else 0.0).text
+        assert f"constexpr bool WEIGHTS_FIRST = {'true' if weights_first else 'false'};" in text
+        assert f"constexpr int WEIGHTS_FIRST_EIGHTHS = {4 if weights_first else 0};" in text
+        lines = compile_ptx(text.replace("__device__ void gateup_task(", "__device__ __noinline__ void gateup_task(")
+                            ).splitlines()
+        start = [k for k, line in enumerate(lines) if line.startswith(".func") and "gateup_task" in line][-1]
+        body = lines[start:]
+        body = body[:body.index("}")]
+        load = next(k for k, line in enumerate(body) if "ld.global.nc.L1::no_allocate" in line)
+        barrier = next(k for k, line in enumerate(body) if re.search(r"\bbar(rier)?\.sync\b", line))
+        return load, barrier
 
-    assert fences(module.cubin) == ["MEMBAR.ALL.SYS", "MEMBAR.ALL.GPU"]
-    assert fences(compile_cuda(generate_source(plan).text, arch="sm_90a").cubin) == ["MEMBAR.ALL.GPU", "MEMBAR.ALL.SYS"]
+    load, barrier = first_load_and_barrier(True)
+    assert load < barrier
+    load, barrier = first_load_and_barrier(False)
+    assert barrier < load
+    source = generate_source(plan, weights_first=1.0)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    with pytest.raises(ValueError, match="weights_first is a share of a pass"):
+        generate_source(plan, weights_first=1.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [0.5, 1.0])
+@pytest.mark.parametrize("world", [1, 2])
+def test_weights_first_qwen3_8b_compiles_without_spills(world, share):
+    plan = qwen3_8b_rank_plan() if world == 2 else build_plan(
+        decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=1200)
+    source = generate_source(plan, weights_first=share, stage_weights=world == 2, stage_late=world == 2)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

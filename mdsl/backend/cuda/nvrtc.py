@@ -81,6 +81,31 @@ def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()
     return CompiledModule(cubin, log, parse_resources(log), arch)
 
 
+def compile_ptx(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> str:
+    """The PTX NVRTC makes of one translation unit (not cached: for reading the generated code's order,
+    which ptxas's scheduling blurs in the SASS)."""
+    arch = compile_arch(arch)
+    nvrtc = _nvrtc()
+    opts = [f"-arch={arch.replace('sm_', 'compute_')}", "-std=c++17", f"-I{_include_dir()}", *options]
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), PROGRAM_NAME.encode(), 0, [], [])
+    _check(nvrtc, err, "create a program")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = bytearray(size)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise compile_error(source, bytes(log).rstrip(b"\0").decode(errors="replace"))
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        _check(nvrtc, err, "produce PTX")
+        ptx = bytearray(size)
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        _check(nvrtc, err, "produce PTX")
+        return bytes(ptx).rstrip(b"\0").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 def cached_resources(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> Optional[dict]:
     """Kernel name -> Resources of the cubin the cache holds for this source, or None where it holds none
     (never compiles: for ranking with what earlier compiles measured)."""

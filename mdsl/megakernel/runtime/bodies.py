@@ -44,8 +44,14 @@ class NormedStream:
     layer: str
     norm: str
 
+    def declare(self) -> str:
+        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, flag, {self.norm}}};"
+
     def load(self) -> str:
-        return f"load_normed_stream(p, work, {self.single}, {self.parts}, {self.layer}, flag, {self.norm}, red);"
+        return "row.load(p);"
+
+    def finish(self) -> str:
+        return "row.finish(p, work, red);"
 
 
 @attrs.frozen
@@ -54,8 +60,14 @@ class Activations:
     row: str
     width: str
 
+    def declare(self) -> str:
+        return f"InputRow<{self.width}> row;"
+
     def load(self) -> str:
-        return f"load_input<{self.width}>(work, {self.row});"
+        return f"row.load({self.row});"
+
+    def finish(self) -> str:
+        return "row.finish(work);"
 
 
 @attrs.frozen
@@ -220,11 +232,11 @@ def _write_residual_prefetch(w: CodeWriter, body: LinearBody, world: int) -> dic
     with w.block("for (int c = 0; c < RESIDUAL_PER; ++c)"):
         w("const int r = t.begin + int(threadIdx.x) + c * NT;")
         w(f"residual_value[c] = r < t.end ? {inputs['residual']} : 0.0f;")
+    w("float* residual_row = work + RESIDUAL_OFFSET;   // after the input row")
     return {**inputs, "residual": "residual_row[r - t.begin]"}
 
 
 def _write_residual_store(w: CodeWriter) -> None:
-    w("float* residual_row = work + RESIDUAL_OFFSET;   // after the input row")
     w("#pragma unroll")
     with w.block("for (int c = 0; c < RESIDUAL_PER; ++c)"):
         w("const int r = t.begin + int(threadIdx.x) + c * NT;")
@@ -251,15 +263,21 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
         inputs = _write_residual_prefetch(w, body, world)
-        w(body.source.load())
-        if "residual" in inputs:
-            _write_residual_store(w)
-        w("mark(p, 0);   // the input row is in shared memory")
+        w(body.source.declare())
         w(f"task_gemv<{body.k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
         with w.block("[&](int r, const float* acc)"):
             value = emit_epilogue(w, body.epilogue, inputs, rounded=not partial)
             w(body.sink.store(value))
+        w.lines[-1] += ","
+        # the input row in two halves (task_gemv issues the first weight loads between them: WEIGHTS_FIRST),
+        # the residual stored with the second
+        w(f"[&] {{ {body.source.load()} }},")
+        with w.block("[&]"):
+            w(body.source.finish())
+            if "residual" in inputs:
+                _write_residual_store(w)
+            w("mark(p, 0);   // the input row is in shared memory")
         w.lines[-1] += ");"
         w.depth -= 4
 

@@ -361,56 +361,87 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
-// xs[0 .. K) = x as f32: every 16-byte vector of the row loaded before any is stored (one memory round
-// trip; element by element, unrolled by 4, the down-proj's 12288-wide row took 12, ~4 us)
+// An input row in two halves: its loads into registers, then what uses them (gemv issues its first weight
+// loads between the two under WEIGHTS_FIRST).
+// InputRow: xs[0 .. K) = x as f32, every 16-byte vector of the row loaded before any is stored (one memory
+// round trip; element by element, unrolled by 4, the down-proj's 12288-wide row took 12, ~4 us)
+// a compute thread's index (< NT: the compiler then knows which of a row's loads every thread makes, and
+// issues them unpredicated, ahead of the weight loads that follow them; predicated, ptxas sank two of a
+// rank's three down-proj row loads below them, where they waited for the weights)
+__device__ __forceinline__ int compute_thread() {
+  const int t = int(threadIdx.x);
+  __builtin_assume(t >= 0 && t < NT);
+  return t;
+}
 template <int K>
-__device__ void load_input(float* xs, const T* x) {
+struct InputRow {
   static_assert(K % VEC == 0, "an input row is whole 16-byte vectors (so is each layer's row offset)");
-  constexpr int CHUNKS = K / VEC, PER = (CHUNKS + NT - 1) / NT;
-  const uint4* vectors = reinterpret_cast<const uint4*>(x);
+  static constexpr int CHUNKS = K / VEC, PER = (CHUNKS + NT - 1) / NT;
   uint4 v[PER];
+  __device__ __forceinline__ void load(const T* x) {
+    const uint4* vectors = reinterpret_cast<const uint4*>(x);
 #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int c = threadIdx.x + j * NT;
-    v[j] = c < CHUNKS ? vectors[c] : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int c = threadIdx.x + j * NT;
-    if (c < CHUNKS) {
-      const T* e = reinterpret_cast<const T*>(&v[j]);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) xs[c * VEC + k] = mdsl::to_float(e[k]);
+    for (int j = 0; j < PER; ++j) {
+      const int c = compute_thread() + j * NT;
+      v[j] = c < CHUNKS ? vectors[c] : make_uint4(0, 0, 0, 0);
     }
   }
-  compute_sync();
+  __device__ __forceinline__ void finish(float* xs) const {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int c = compute_thread() + j * NT;
+      if (c < CHUNKS) {
+        const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) xs[c * VEC + k] = mdsl::to_float(e[k]);
+      }
+    }
+    compute_sync();
+  }
+};
+template <int K>
+__device__ void load_input(float* xs, const T* x) {
+  InputRow<K> row;
+  row.load(x);
+  row.finish(xs);
 }
 
-// xs[0 .. K) = rms_norm(x) * norm, rounded as transformers rounds it. Every value of x and norm weight
-// is loaded into registers before any is used or stored, so the reads cost one memory round trip: with a
-// store to xs between them, the compiler could not move the next element's (generic) loads above it (the
-// store might alias them), and the row took a round trip per element (16 on a 4096-wide row; a rank's
+// NormedRow: xs[0 .. K) = rms_norm(x) * norm, rounded as transformers rounds it. Every value of x and norm
+// weight is loaded into registers before any is used or stored, so the reads cost one memory round trip:
+// with a store to xs between them, the compiler could not move the next element's (generic) loads above it
+// (the store might alias them), and the row took a round trip per element (16 on a 4096-wide row; a rank's
 // QKV input row 2.7 -> 1.9 us; one GPU's stays 1.8 us, one loaded round trip and the norm's barriers).
+template <int K>
+struct NormedRow {
+  static constexpr int PER = (K + NT - 1) / NT;
+  float v[PER], weight[PER];
+  template <typename Value>
+  __device__ __forceinline__ void load(Value x, const T* norm) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = compute_thread() + j * NT;
+      v[j] = i < K ? x(i) : 0.0f;
+      weight[j] = i < K ? mdsl::to_float(norm[i]) : 0.0f;
+    }
+  }
+  __device__ __forceinline__ void finish(float* xs, float* red) const {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
+    const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = compute_thread() + j * NT;
+      if (i < K) xs[i] = round_t(weight[j] * round_t(v[j] * r));
+    }
+    compute_sync();
+  }
+};
 template <int K, typename Value>
 __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red) {
-  constexpr int PER = (K + NT - 1) / NT;
-  float v[PER], weight[PER];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = threadIdx.x + j * NT;
-    v[j] = i < K ? x(i) : 0.0f;
-    weight[j] = i < K ? mdsl::to_float(norm[i]) : 0.0f;
-  }
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < PER; ++j) ss = fmaf(v[j], v[j], ss);
-  const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = threadIdx.x + j * NT;
-    if (i < K) xs[i] = round_t(weight[j] * round_t(v[j] * r));
-  }
-  compute_sync();
+  NormedRow<K> row;
+  row.load(x, norm);
+  row.finish(xs, red);
 }
 
 // xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer) * norm. Flagged partials are all
@@ -468,6 +499,21 @@ __device__ void load_normed_stream(const Params& p, float* xs, const T* single, 
   }
 }
 
+// The same in two halves (the flagged stream's polling all in the second: its rounds would wait behind
+// weight loads issued between them)
+struct StreamRow {
+  NormedRow<H> row;
+  const T* single; float* parts; int layer; unsigned flag; const T* norm;
+  __device__ __forceinline__ void load(const Params& p) {
+    if constexpr (!(WORLD > 1 && FLAGGED_STREAM))
+      row.load([&](int i) { return stream_at(p, single, parts, layer, i, flag); }, norm);
+  }
+  __device__ __forceinline__ void finish(const Params& p, float* xs, float* red) const {
+    if constexpr (WORLD > 1 && FLAGGED_STREAM) load_normed_stream(p, xs, single, parts, layer, flag, norm, red);
+    else row.finish(xs, red);
+  }
+};
+
 // Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
 // warp takes ITEMS consecutive items at a time and keeps LOADS 16-byte loads per lane in flight before
 // the first is used (bandwidth at batch 1 needs about 32 KB in flight per SM). emit(item, acc[ROWS])
@@ -478,15 +524,29 @@ constexpr int LOADS = 16;
 // weight chunk) bound the loop, not latency: it takes 4 chunks of a row per pass and twice the items, each
 // input chunk read once for all of them. A lane's chunks are the same, in the same order, either way
 // (c0 + 32 u over the passes), so are its sums.
-template <int K, int ROWS, bool STAGED, typename Row, typename Emit>
+// `load_row` issues the input row's loads and `finish_row` normalises and stores it into xs (every compute
+// warp calls each once: they hold the compute barriers). With WEIGHTS_FIRST a warp issues its first pass of
+// weight loads (WEIGHTS_FIRST_EIGHTHS eighths of it) between the two, so that the weights stream while the
+// row is normalised and stored (~1.8 us when DRAM is idle); issued before the row's loads, they delayed them
+// by their own time (loads return in order: a one-GPU QKV input row 2.0 -> 4.4 us).
+struct NoRow { __device__ __forceinline__ void operator()() const {} };
+template <int K, int ROWS, bool STAGED, typename Row, typename Emit, typename LoadRow = NoRow,
+          typename FinishRow = NoRow>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit,
+                                     LoadRow load_row = NoRow{}, FinishRow finish_row = NoRow{},
                                      int warp = threadIdx.x / 32, int warps = NW) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
   constexpr int UMAX = STAGED ? 4 : 8;
   constexpr int U = CH >= 32 * UMAX ? UMAX : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
   constexpr int ITEMS = LOADS / (ROWS * U) > 0 ? LOADS / (ROWS * U) : 1;
-  constexpr int R = ITEMS * ROWS;
+  constexpr int R = ITEMS * ROWS, EARLY = (U * WEIGHTS_FIRST_EIGHTHS + 7) / 8;   // (>= 1 under WEIGHTS_FIRST)
   const int lane = threadIdx.x % 32;
+  bool row_pending = true;   // warp-uniform
+  if (!WEIGHTS_FIRST || STAGED) {
+    load_row();
+    finish_row();
+    row_pending = false;
+  }
   for (int first = begin + warp * ITEMS; first < end; first += warps * ITEMS) {
     const T* w[R];
 #pragma unroll
@@ -496,14 +556,27 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    for (int c0 = lane; c0 < CH; c0 += 32 * U) {
+    for (int pass = 0; pass < CH; pass += 32 * U) {   // (warp-uniform: load_row's barriers)
+      const int c0 = pass + lane;
       uint4 v[R][U];
+      const auto load = [&](int u0, int u1) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
-                    : STAGED ? ld_staged(w[r] + (c0 + 32 * u) * VEC) : ld_weights(w[r] + (c0 + 32 * u) * VEC);
+          for (int r = 0; r < R; ++r)
+            if (u0 <= u && u < u1)
+              v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
+                        : STAGED ? ld_staged(w[r] + (c0 + 32 * u) * VEC) : ld_weights(w[r] + (c0 + 32 * u) * VEC);
+      };
+      if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
+        load_row();
+        load(0, EARLY);
+        finish_row();
+        load(EARLY, U);
+        row_pending = false;
+      } else {
+        load(0, U);
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (c0 + 32 * u < CH) {
@@ -519,14 +592,23 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
         if (first + i < end) emit(first + i, acc + i * ROWS);
     }
   }
+  if (row_pending) {   // a warp without items
+    load_row();
+    finish_row();
+  }
 }
 
 // A task's dot products (gemv): the weight rows from its staged tile once the tile has landed (the rows
 // of each matrix after the previous matrix's, as weight_pieces lists them), else from global memory.
-template <int K, int ROWS, typename Row, typename Emit>
-__device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit) {
+// load_row and finish_row load the input row into xs (gemv: from global memory under WEIGHTS_FIRST, the first
+// weight loads issued between the two).
+template <int K, int ROWS, typename Row, typename Emit, typename LoadRow, typename FinishRow>
+__device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit,
+                                          LoadRow load_row, FinishRow finish_row) {
   if constexpr (STREAM_BUFFERS > 0) {
     if (streamed_kind(t.kind)) {
+      load_row();
+      finish_row();
       // the task's k-th sub-tile (the worker's stream_first + k-th) is warp k % NW's, which waits for its
       // buffer, multiplies its rows as gemv does (lanes across the row), and frees the buffer; the warps
       // work on different sub-tiles at once and never wait for one another, so the buffers empty in any
@@ -539,7 +621,7 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
         while (staged.stream->issued <= n) __nanosleep(20);
         mbarrier_wait(&staged.stream->full[buffer], unsigned(n / STREAM_BUFFERS) & 1u);
         gemv<K, ROWS, true>(b, e, xs, [&](int r, int j) { return tile + ((long long)j * (e - b) + (r - b)) * K; },
-                            emit, 0, 1);
+                            emit, NoRow{}, NoRow{}, 0, 1);
         __syncwarp();              // every lane has read the sub-tile: its buffer is free
         if (threadIdx.x % 32 == 0) mbarrier_arrive(&staged.stream->empty[buffer]);
       }
@@ -548,6 +630,8 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
   }
   if constexpr (STAGE_BUFFERS > 0) {
     if (staged.weights != nullptr) {   // the staged head (each matrix's rows after the previous one's), then the rest
+      load_row();
+      finish_row();
       mbarrier_wait(staged.full, staged.parity);
       const int end = staged_head(t).end;
       const long long n = end - t.begin;
@@ -557,7 +641,7 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       return;
     }
   }
-  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit);
+  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row);
 }
 
 // ---- the runtime's task bodies (the linear ops' are generated: bodies.py)
@@ -853,8 +937,7 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos, int tile,
                             float* xs, float* red, Logit logit_of) {
-  load_normed_stream(p, xs, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm, red);
-  mark(p, 0);
+  StreamRow row{{}, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm};
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -865,6 +948,11 @@ __device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged
                   const int token = int(p.rank) * V + r;   // the global token id
                   const float key = nucleus ? logit : sample_key(p, pos, token, logit);
                   if (better(key, token, best_v, best_i)) { best_v = key; best_i = token; }
+                },
+                [&] { row.load(p); },
+                [&] {
+                  row.finish(p, xs, red);
+                  mark(p, 0);
                 });
   // lane 0 of each warp holds its warp's best; the others hold the empty pair
   best_of_block(best_v, best_i, red);
@@ -1226,14 +1314,12 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
       // no separate fence: red.release is cumulative over the compute barrier above (every compute
       // thread's writes are ordered before it), as in CUTLASS's GenericBarrier::arrive_inc
       // a remote signal is a release at system scope: cumulative over the block's puts to the peers too
-      // REMOTE_FIRST: a remote event's peer releases before its local one (the peers' readers, which need
-      // every rank's partials, wait for the remote one; the local release would hold it ~0.3 us)
+      // (the peers' releases before the local one measured no different: thirteenth session)
       for (int k = 0; signal && k < t.signal_count; ++k) {
         const int entry = p.signals[t.signal_begin + k], e = entry & ~REMOTE;
-        if (!REMOTE_FIRST) red_release(p.events + e);
+        red_release(p.events + e);
         if (WORLD > 1 && (entry & REMOTE))
           for (int r = 1; r < WORLD; ++r) red_release_system(on_peer(p, p.events, (int(p.rank) + r) % WORLD) + e);
-        if (REMOTE_FIRST) red_release(p.events + e);
       }
       if (p.profile != nullptr) {
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;

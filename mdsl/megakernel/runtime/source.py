@@ -335,7 +335,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_buffer_bytes: Optional[int] = None,
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
-                    remote_signals_first: bool = False) -> MegakernelSource:
+                    weights_first: float = 0.0) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -346,7 +346,10 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     (`STAGEABLE_KINDS`; with QKV, one buffer is shared); `stage_late`, every staged kind's copy waits until
     the task before it is done (else only LATE_STAGED_KINDS'). `prefetch_kib`: how much of a task's weights
     (KiB per task) the scheduler prefetches into L2 ahead of it, for the tasks of `prefetch_kinds`.
-    `remote_signals_first`: a task signals a remote event on the peers before it signals it here.
+    `weights_first`: the share (0 to 1, in eighths; 0: none) of its first pass of weight loads that a linear
+    task whose weights come from global memory issues once its input row's loads are in flight, before the
+    row is normalised and stored (the registers of both at once: the whole pass fits Qwen3-8B's kernels at
+    168 registers, the cap of a 320-thread block, with none to spare).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -362,6 +365,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
     if not 16 <= prefetch_kib <= 1024:
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
+    if not 0.0 <= weights_first <= 1.0:
+        raise ValueError(f"weights_first is a share of a pass, 0 to 1, not {weights_first}")
+    eighths = round(weights_first * 8) if weights_first == 0 else max(1, round(weights_first * 8))
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
@@ -391,7 +397,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
-              f"constexpr bool REMOTE_FIRST = {'true' if remote_signals_first else 'false'};",
+              f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
+              f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
