@@ -83,6 +83,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "weights-first": {"schedule": "static", "weights_first": 1.0},
     "weights-half": {"schedule": "static", "weights_first": 0.5},
     "weights-after": {"schedule": "static", "weights_first": 0.0},
+    # attention's new-position score and weighted values unrolled (the split holding the new position took
+    # 6.3-7.1 us against 4.9-5.1 for the others, thirteenth session's traces; not yet run)
+    "attn-unrolled": {"schedule": "static", "attention_unrolled": True},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

@@ -245,7 +245,10 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               # the same values), and a linear task's weight loads issued with its input
                               # row (all of a pass, half of it; the default on one GPU: none)
                               ("static", {"prefetch_kinds": None}), ("queue", {"prefetch_kinds": ("oproj",)}),
-                              ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5})):
+                              ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5}),
+                              # attention's new position and weighted values unrolled (the same order)
+                              ("static", {"attention_unrolled": True}),
+                              ("queue", {"attention_unrolled": True, "attention_lanes": 4})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging

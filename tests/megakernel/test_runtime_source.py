@@ -335,3 +335,20 @@ def test_weights_first_qwen3_8b_compiles_without_spills(world, share):
         decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=1200)
     source = generate_source(plan, weights_first=share, stage_weights=world == 2, stage_late=world == 2)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_unrolled_attention_compiles_without_spills(arch):
+    config, _, _ = tiny_model(arch)
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
+    assert "constexpr bool ATTN_UNROLLED = false;" in generate_source(plan).text
+    source = generate_source(plan, attention_unrolled=True, attention_lanes=4)
+    assert "constexpr bool ATTN_UNROLLED = true;" in source.text
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+@pytest.mark.slow
+def test_unrolled_attention_qwen3_8b_rank_compiles_without_spills():
+    source = generate_source(qwen3_8b_rank_plan(), attention_unrolled=True, weights_first=1.0, stage_weights=True,
+                             stage_late=True)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

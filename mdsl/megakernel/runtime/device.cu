@@ -399,13 +399,6 @@ struct InputRow {
     compute_sync();
   }
 };
-template <int K>
-__device__ void load_input(float* xs, const T* x) {
-  InputRow<K> row;
-  row.load(x);
-  row.finish(xs);
-}
-
 // NormedRow: xs[0 .. K) = rms_norm(x) * norm, rounded as transformers rounds it. Every value of x and norm
 // weight is loaded into registers before any is used or stored, so the reads cost one memory round trip:
 // with a store to xs between them, the compiler could not move the next element's (generic) loads above it
@@ -770,9 +763,24 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
 #pragma unroll
     for (int h = 0; h < G; ++h) acc[h] = 0.0f;
     if (i < count && q == pos) {
-      for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
+      // the new key, from shared memory, in the cached keys' order. ATTN_UNROLLED: unrolled as their loop
+      // is; the plain loop ran its loads one after another (the owner split's scores +0.9 us)
+      if constexpr (ATTN_UNROLLED) {
 #pragma unroll
-        for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
+        for (int c = 0; c < LANE_VECTORS; ++c) {
+          const int d0 = (sub * LANE_VECTORS + c) * PER;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) {
+            const float k = knew[d0 + j];
+#pragma unroll
+            for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d0 + j], k, acc[h]);
+          }
+        }
+      } else {
+        for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
+#pragma unroll
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
+      }
     } else if (i < count) {
       const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D) + sub * LANE_VECTORS;
 #pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
@@ -821,21 +829,54 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
-#pragma unroll 8   // eight positions' value rows in flight at once
-  for (int i = warp; i < count; i += NW) {
-    const long long q = lo + i;
-    const T* vc = w.v_cache + (q * HKV + g) * D;
-    float v[DJ];
+  if constexpr (ATTN_UNROLLED) {
+    // batches of eight positions a warp, every row of a batch loaded before any is used, the batch's tail
+    // predicated: the unrolled loop's remainder ran one round trip after another (a split of fewer than
+    // 8 positions a warp, as the owner's 50 of 1025, was all remainder: its weighted values +0.8 us)
+    constexpr int BATCH = 8;
+    for (int i0 = warp; i0 < count; i0 += BATCH * NW) {
+      float v[BATCH][DJ];
 #pragma unroll
-    for (int j = 0; j < DJ; ++j) {
-      const int d = lane + 32 * j;
-      v[j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+      for (int u = 0; u < BATCH; ++u) {
+        const int i = i0 + u * NW;
+        const long long q = lo + i;
+        const T* vc = w.v_cache + (q * HKV + g) * D;
+#pragma unroll
+        for (int j = 0; j < DJ; ++j) {
+          const int d = lane + 32 * j;
+          v[u][j] = i < count && d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        const int i = i0 + u * NW;
+        if (i < count) {
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const float weight = scores[h * MAX_CHUNK + i];
+#pragma unroll
+            for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[u][j], acc[h][j]);
+          }
+        }
+      }
     }
+  } else {
+#pragma unroll 8   // eight positions' value rows in flight at once
+    for (int i = warp; i < count; i += NW) {
+      const long long q = lo + i;
+      const T* vc = w.v_cache + (q * HKV + g) * D;
+      float v[DJ];
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      const float weight = scores[h * MAX_CHUNK + i];
+      for (int j = 0; j < DJ; ++j) {
+        const int d = lane + 32 * j;
+        v[j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+      }
 #pragma unroll
-      for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
+      for (int h = 0; h < G; ++h) {
+        const float weight = scores[h * MAX_CHUNK + i];
+#pragma unroll
+        for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
+      }
     }
   }
   float* sums = stats + 2 * G;          // [NW][G][D]

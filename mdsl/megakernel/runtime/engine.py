@@ -116,7 +116,8 @@ class MegakernelEngine:
     on these kinds' prefetches);
     `weights_first`, the share of its first pass of weight loads (0 to 1) a linear task issues while its
     input row is normalised (source.generate_source; None: all of it under tensor parallelism, none on one
-    GPU, as measured best on each). `ranks`: one rank of a
+    GPU, as measured best on each); `attention_unrolled`, whether attention computes the new position's
+    score and its weighted values in unrolled batches (source.generate_source; not yet run on a GPU). `ranks`: one rank of a
     tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -129,7 +130,7 @@ class MegakernelEngine:
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
-                 ranks: Optional[RankGroup] = None):
+                 attention_unrolled: bool = False, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -202,7 +203,7 @@ class MegakernelEngine:
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first)
+                                     prefetched_kinds, weights_first, attention_unrolled)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -335,7 +335,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_buffer_bytes: Optional[int] = None,
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
-                    weights_first: float = 0.0) -> MegakernelSource:
+                    weights_first: float = 0.0, attention_unrolled: bool = False) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -349,7 +349,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     `weights_first`: the share (0 to 1, in eighths; 0: none) of its first pass of weight loads that a linear
     task whose weights come from global memory issues once its input row's loads are in flight, before the
     row is normalised and stored (the registers of both at once: the whole pass fits Qwen3-8B's kernels at
-    168 registers, the cap of a 320-thread block, with none to spare).
+    168 registers, the cap of a 320-thread block, with none to spare). `attention_unrolled`: attention's
+    score of the new position and its weighted values in unrolled batches (the same arithmetic in the same
+    order; the split holding the new position ran 1.5-2 us longer than the others without).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -399,6 +401,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
               f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
+              f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
