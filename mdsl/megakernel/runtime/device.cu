@@ -361,11 +361,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
-// An input row in two halves: its loads into registers, then what uses them (gemv issues its first weight
-// loads between the two under WEIGHTS_FIRST).
-// InputRow: xs[0 .. K) = x as f32, every 16-byte vector of the row loaded before any is stored (one memory
-// round trip; element by element, unrolled by 4, the down-proj's 12288-wide row took 12, ~4 us)
-// a compute thread's index (< NT: the compiler then knows which of a row's loads every thread makes, and
+// A compute thread's index (< NT: the compiler then knows which of a row's loads every thread makes, and
 // issues them unpredicated, ahead of the weight loads that follow them; predicated, ptxas sank two of a
 // rank's three down-proj row loads below them, where they waited for the weights)
 __device__ __forceinline__ int compute_thread() {
@@ -373,6 +369,11 @@ __device__ __forceinline__ int compute_thread() {
   __builtin_assume(t >= 0 && t < NT);
   return t;
 }
+
+// An input row in two halves: its loads into registers, then what uses them (gemv issues its first weight
+// loads between the two under WEIGHTS_FIRST).
+// InputRow: xs[0 .. K) = x as f32, every 16-byte vector of the row loaded before any is stored (one memory
+// round trip; element by element, unrolled by 4, the down-proj's 12288-wide row took 12, ~4 us)
 template <int K>
 struct InputRow {
   static_assert(K % VEC == 0, "an input row is whole 16-byte vectors (so is each layer's row offset)");

@@ -113,12 +113,11 @@ class MegakernelEngine:
     attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits);
     `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; (), the
     default: none, measured faster on every model and both GPU counts; prefetch_ahead and prefetch_kib act
-    on these kinds' prefetches);
-    `weights_first`, the share of its first pass of weight loads (0 to 1) a linear task issues while its
-    input row is normalised (source.generate_source; None: all of it under tensor parallelism, none on one
-    GPU, as measured best on each); `attention_unrolled`, whether attention computes the new position's
-    score and its weighted values in unrolled batches (source.generate_source; not yet run on a GPU). `ranks`: one rank of a
-    tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
+    on these kinds' prefetches); `weights_first`, the share of its first pass of weight loads (0 to 1) a
+    linear task issues while its input row is normalised (source.generate_source; None: all of it under
+    tensor parallelism, none on one GPU, as measured best on each); `attention_unrolled`, whether attention
+    computes the new position's score and its weighted values in unrolled batches (source.generate_source;
+    not yet run on a GPU). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,

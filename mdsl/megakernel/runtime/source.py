@@ -369,7 +369,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
     if not 0.0 <= weights_first <= 1.0:
         raise ValueError(f"weights_first is a share of a pass, 0 to 1, not {weights_first}")
-    eighths = round(weights_first * 8) if weights_first == 0 else max(1, round(weights_first * 8))
+    eighths = 0 if weights_first == 0 else max(1, round(weights_first * 8))   # of the pass's loads
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
                          f"(got schedule {schedule!r}, stage_weights {stage_weights})")
