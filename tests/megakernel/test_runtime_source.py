@@ -348,7 +348,22 @@ def test_unrolled_attention_compiles_without_spills(arch):
 
 
 @pytest.mark.slow
-def test_unrolled_attention_qwen3_8b_rank_compiles_without_spills():
+def test_unrolled_attention_qwen3_8b_rank_compiles_without_spills_and_batches_the_value_rows():
+    """Without spills; and the weighted values' batch of eight value rows (four 2-byte loads a lane each) is
+    loaded with no branch between the loads: a row loaded behind a branch of its own was converted inside it,
+    so each row cost a round trip."""
     source = generate_source(qwen3_8b_rank_plan(), attention_unrolled=True, weights_first=1.0, stage_weights=True,
                              stage_late=True)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    text = source.text.replace("__device__ void attention_task(", "__device__ __noinline__ void attention_task(")
+    sass = disassemble(compile_cuda(text, arch="sm_90a").cubin).splitlines()
+    start = next(k for k, line in enumerate(sass) if re.match(r"^\$\S*attention_task\S*:$", line.strip()))
+    end = next(k for k in range(start + 1, len(sass)) if re.match(r"^\$\S+:$", sass[k].strip()))
+    longest = run = 0
+    for line in sass[start:end]:
+        if re.search(r"\bLDG?\.E\.U16\b", line):
+            run += 1
+            longest = max(longest, run)
+        elif re.search(r"\b(BRA|BSYNC|FFMA)\b", line):
+            run = 0
+    assert longest >= 8 * 4, longest

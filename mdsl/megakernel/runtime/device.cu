@@ -831,21 +831,23 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
 #pragma unroll
     for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
   if constexpr (ATTN_UNROLLED) {
-    // batches of eight positions a warp, every row of a batch loaded before any is used, the batch's tail
-    // predicated: the unrolled loop's remainder ran one round trip after another (a split of fewer than
-    // 8 positions a warp, as the owner's 50 of 1025, was all remainder: its weighted values +0.8 us)
+    // batches of eight positions a warp, every row of a batch loaded before any is used: the unrolled loop's
+    // remainder ran one round trip after another (a split of fewer than 8 positions a warp, as the owner's
+    // 50 of 1025, was all remainder: its weighted values +0.8 us). A batch's positions past the split load
+    // its first position's row again, unused: a load behind a condition of its own was a branch whose
+    // conversion waited for it, each row a round trip (checked in the SASS).
     constexpr int BATCH = 8;
     for (int i0 = warp; i0 < count; i0 += BATCH * NW) {
       float v[BATCH][DJ];
 #pragma unroll
       for (int u = 0; u < BATCH; ++u) {
         const int i = i0 + u * NW;
-        const long long q = lo + i;
+        const long long q = lo + (i < count ? i : i0);
         const T* vc = w.v_cache + (q * HKV + g) * D;
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
           const int d = lane + 32 * j;
-          v[u][j] = i < count && d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+          v[u][j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
         }
       }
 #pragma unroll
