@@ -298,13 +298,14 @@ def test_the_l2_head_prefetch_covers_the_kinds_asked_for():
 
 
 def test_weights_first_issues_a_linear_tasks_weight_loads_before_its_input_row():
-    """WEIGHTS_FIRST: gate/up's first weight loads (ld.global.nc) come before the input row's norm and its
-    compute barriers in the generated code; without it, after them. Read in the PTX, whose order is the
-    program's (ptxas interleaves the SASS)."""
+    """WEIGHTS_FIRST: gate/up's first weight loads (ld.global.nc) come after its input row's loads (bf16:
+    ld.u16; issued before them, the weights delayed them) and before the row's norm and its compute barriers
+    in the generated code; without it, after the barriers. Read in the PTX, whose order is the program's
+    (ptxas interleaves the SASS)."""
     config, _, _ = tiny_model("qwen3")
     plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
 
-    def first_load_and_barrier(weights_first: bool) -> tuple:
+    def first_row_load_weight_load_and_barrier(weights_first: bool) -> tuple:
         text = generate_source(plan, weights_first=0.5 if weights_first else 0.0).text
         assert f"constexpr bool WEIGHTS_FIRST = {'true' if weights_first else 'false'};" in text
         assert f"constexpr int WEIGHTS_FIRST_EIGHTHS = {4 if weights_first else 0};" in text
@@ -313,14 +314,15 @@ def test_weights_first_issues_a_linear_tasks_weight_loads_before_its_input_row()
         start = [k for k, line in enumerate(lines) if line.startswith(".func") and "gateup_task" in line][-1]
         body = lines[start:]
         body = body[:body.index("}")]
+        row = next(k for k, line in enumerate(body) if re.search(r"\bld(\.global)?\.u16\b", line))
         load = next(k for k, line in enumerate(body) if "ld.global.nc.L1::no_allocate" in line)
         barrier = next(k for k, line in enumerate(body) if re.search(r"\bbar(rier)?\.sync\b", line))
-        return load, barrier
+        return row, load, barrier
 
-    load, barrier = first_load_and_barrier(True)
-    assert load < barrier
-    load, barrier = first_load_and_barrier(False)
-    assert barrier < load
+    row, load, barrier = first_row_load_weight_load_and_barrier(True)
+    assert row < load < barrier
+    row, load, barrier = first_row_load_weight_load_and_barrier(False)
+    assert row < barrier < load
     source = generate_source(plan, weights_first=1.0)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="weights_first is a share of a pass"):

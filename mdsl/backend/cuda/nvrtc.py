@@ -10,6 +10,7 @@ read (a corrupt one is compiled again, with a warning).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -87,23 +88,13 @@ def compile_ptx(source: str, *, arch: Optional[str] = None, options: tuple = ())
     arch = compile_arch(arch)
     nvrtc = _nvrtc()
     opts = [f"-arch={arch.replace('sm_', 'compute_')}", "-std=c++17", f"-I{_include_dir()}", *options]
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), PROGRAM_NAME.encode(), 0, [], [])
-    _check(nvrtc, err, "create a program")
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = bytearray(size)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise compile_error(source, bytes(log).rstrip(b"\0").decode(errors="replace"))
+    with _program(nvrtc, source, opts) as (prog, _):
         err, size = nvrtc.nvrtcGetPTXSize(prog)
         _check(nvrtc, err, "produce PTX")
         ptx = bytearray(size)
         (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
         _check(nvrtc, err, "produce PTX")
         return bytes(ptx).rstrip(b"\0").decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def cached_resources(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> Optional[dict]:
@@ -142,8 +133,9 @@ def _check(nvrtc, result, what: str) -> None:
         raise MdslError(f"NVRTC failed to {what}: {text.decode()}")
 
 
-def _compile(nvrtc, source: str, arch: str, options: tuple) -> tuple:
-    opts = [f"-arch={arch}", "-std=c++17", f"-I{_include_dir()}", "--ptxas-options=-v", "-lineinfo", *options]
+@contextlib.contextmanager
+def _program(nvrtc, source: str, opts: list):
+    """An NVRTC program compiled with `opts`, and its log; CompileError where it does not compile."""
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), PROGRAM_NAME.encode(), 0, [], [])
     _check(nvrtc, err, "create a program")
     try:
@@ -156,14 +148,20 @@ def _compile(nvrtc, source: str, arch: str, options: tuple) -> tuple:
         log = bytes(log).rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise compile_error(source, log)
+        yield prog, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _compile(nvrtc, source: str, arch: str, options: tuple) -> tuple:
+    opts = [f"-arch={arch}", "-std=c++17", f"-I{_include_dir()}", "--ptxas-options=-v", "-lineinfo", *options]
+    with _program(nvrtc, source, opts) as (prog, log):
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(nvrtc, err, f"produce a cubin for {arch}")
         cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(nvrtc, err, f"produce a cubin for {arch}")
         return bytes(cubin), log
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 # ---------------------------------------------------------------------------------------------

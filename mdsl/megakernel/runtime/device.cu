@@ -438,12 +438,12 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
   row.finish(xs, red);
 }
 
-// xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer) * norm. Flagged partials are all
-// loaded before any is checked, and those that did not carry the flag yet are loaded again together,
+// xs[0 .. H) = rms_norm(layer `layer` of the flagged residual stream's partials) * norm. The partials are
+// all loaded before any is checked, and those that did not carry the flag yet are loaded again together,
 // round after round, until every one does: waiting for them one after the other cost a round trip per
 // missing word (gate/up bodies 50 us instead of 27 when flagged words were first measured).
-__device__ void load_normed_stream(const Params& p, float* xs, const T* single, float* parts, int layer, unsigned flag,
-                                   const T* norm, float* red) {
+__device__ void load_flagged_stream(const Params& p, float* xs, float* parts, int layer, unsigned flag, const T* norm,
+                                    float* red) {
   if constexpr (WORLD > 1 && FLAGGED_STREAM) {
     constexpr int PER = (H + NT - 1) / NT, MASKS = (PER * WORLD + 31) / 32;
     const Word* base = words(parts) + (long long)layer * WORLD * H;
@@ -488,13 +488,12 @@ __device__ void load_normed_stream(const Params& p, float* xs, const T* single, 
       if (i < H) xs[i] = round_t(sum);
     }
     load_normed_input<H>(xs, [&](int i) { return xs[i]; }, norm, red);   // each thread its own elements
-  } else {
-    load_normed_input<H>(xs, [&](int i) { return stream_at(p, single, parts, layer, i, flag); }, norm, red);
   }
 }
 
-// The same in two halves (the flagged stream's polling all in the second: its rounds would wait behind
-// weight loads issued between them)
+// xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer: `single` on one GPU, else the ranks'
+// partials summed) * norm, in two halves (the flagged stream's polling all in the second: its rounds would
+// wait behind weight loads issued between them)
 struct StreamRow {
   NormedRow<H> row;
   const T* single; float* parts; int layer; unsigned flag; const T* norm;
@@ -503,7 +502,7 @@ struct StreamRow {
       row.load([&](int i) { return stream_at(p, single, parts, layer, i, flag); }, norm);
   }
   __device__ __forceinline__ void finish(const Params& p, float* xs, float* red) const {
-    if constexpr (WORLD > 1 && FLAGGED_STREAM) load_normed_stream(p, xs, single, parts, layer, flag, norm, red);
+    if constexpr (WORLD > 1 && FLAGGED_STREAM) load_flagged_stream(p, xs, parts, layer, flag, norm, red);
     else row.finish(xs, red);
   }
 };
