@@ -84,8 +84,14 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "weights-half": {"schedule": "static", "weights_first": 0.5},
     "weights-after": {"schedule": "static", "weights_first": 0.0},
     # attention's new-position score and weighted values unrolled (the split holding the new position took
-    # 6.3-7.1 us against 4.9-5.1 for the others, thirteenth session's traces; not yet run)
+    # 6.3-7.1 us against 4.9-5.1 for the others, thirteenth session's traces; fourteenth, same run: two GPUs
+    # 2.933 -> 2.946 ms, one 4.567 -> 4.561: the other splits' bodies grew 5.2 -> 6.1 us)
     "attn-unrolled": {"schedule": "static", "attention_unrolled": True},
+    # no task handed to the compute warps before its inputs are complete (early_weights; default: every kind
+    # early, each warp's first pass of weight loads issued while the task waits; fourteenth session, same
+    # run: two GPUs 2.940 -> 2.834 ms with o-proj and gate/up staged, as before, and 2.836 unstaged, the new
+    # default; one GPU 4.577 -> 4.503 ms; QKV alone early over two GPUs 2.889 ms)
+    "late": {"schedule": "static", "early_weights": ()},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

@@ -248,7 +248,15 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5}),
                               # attention's new position and weighted values unrolled (the same order)
                               ("static", {"attention_unrolled": True}),
-                              ("queue", {"attention_unrolled": True, "attention_lanes": 4})):
+                              ("queue", {"attention_unrolled": True, "attention_lanes": 4}),
+                              # tasks handed over before their inputs are complete, their first weight loads
+                              # issued while they wait: none (the default: every kind), some (with half a pass
+                              # with the row), beside staged and streamed kinds (which are never early)
+                              ("static", {"early_weights": ()}),
+                              ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
+                              ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
+                              ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
+                                          "stream_buffer_kib": 1})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
@@ -265,11 +273,11 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
         assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
 
 
-@pytest.mark.parametrize("schedule", ["static", "queue"])
-def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, schedule):
+@pytest.mark.parametrize(("schedule", "options"), [("static", {}), ("queue", {}), ("static", {"early_weights": ()})])
+def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, schedule, options):
     from mdsl.megakernel.runtime.profile import BODY_PARTS, compute_track, scheduler_track, summary, write_trace
 
-    engine, _ = tiny_engines("llama3", "bf16", schedule)
+    engine, _ = tiny_engines("llama3", "bf16", schedule, **options)
     run = engine.run(PROMPT[:2], 2, eos_token_ids=(), profile=True)
     plan = engine.plan
     per_step = len(plan.tasks)

@@ -52,16 +52,19 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
 
 def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     """The epilogue runs one column after another: a residual read there was a global round trip each.
-    Each thread loads its columns' residual before the input row and leaves it in shared memory."""
+    Each thread loads its columns' residual just before the input row, in the row's first half (which
+    runs once the task's inputs are complete, even for a task handed over early), and leaves it in shared
+    memory."""
     plan = tiny_plan()
     widest = max(t.end - t.begin for t in plan.tasks if t.kind in (Kind.OPROJ, Kind.DOWN))
     assert residual_columns(plan) == widest > 0
     for name, residual in (("oproj_task", "h_at(p, t.layer, r, flag)"), ("down_task", "mid_at(p, t.layer, r, flag)")):
         body = function(generate_bodies(plan), name)
         # task_gemv takes the epilogue, then the input row's two halves (row.load, row.finish): the residual's
-        # loads come before the row's, its shared-memory stores with the row's
-        prefetch, gemv, load = body.index(residual), body.index("task_gemv<"), body.index("row.load(")
-        assert prefetch < gemv < load < body.index("row.finish(work);") \
+        # loads come in the first, before the row's, its shared-memory stores with the row's
+        gemv, epilogue_store = body.index("task_gemv<"), body.index("stream_put(")
+        prefetch, load = body.index(residual), body.index("row.load(")
+        assert gemv < epilogue_store < prefetch < load < body.index("row.finish(work);") \
             < body.index("residual_row[r - t.begin] = residual_value[c];")
         assert body.count(residual) == 1
         assert re.search(r"const float r_residual = (round_t\()?residual_row\[r - t\.begin\]\)?;", body)

@@ -80,6 +80,8 @@ def generate_source_for(engine_kwargs):
         options["stage_weights"] = True
     if "prefetch_kinds" in options:            # the engine's names, the source's kinds
         options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
+    if "early_weights" in options:
+        options["early_kinds"] = weight_kinds_named(options.pop("early_weights"))
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
         plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
@@ -200,6 +202,9 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="weights_first 2") as info:
         MegakernelEngine(config, weights, weights_first=2)
     assert "0 (none) to 1 (all)" in info.value.hint
+    with pytest.raises(MdslError, match="early_weights \\('attn',\\)") as info:
+        MegakernelEngine(config, weights, early_weights=("attn",))
+    assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
 
 
 @no_gpu

@@ -369,3 +369,54 @@ def test_unrolled_attention_qwen3_8b_rank_compiles_without_spills_and_batches_th
         elif re.search(r"\b(BRA|BSYNC|FFMA)\b", line):
             run = 0
     assert longest >= 8 * 4, longest
+
+
+def _weight_row_and_barrier_order(source_text: str, function: str) -> str:
+    """The order of `function`'s weight loads (W: ld.global.nc), bf16 input-row loads (r) and barriers (|)
+    in the PTX, whose order is the program's."""
+    text = source_text.replace(f"__device__ void {function}(", f"__device__ __noinline__ void {function}(")
+    lines = compile_ptx(text).splitlines()
+    start = [k for k, line in enumerate(lines) if line.startswith(".func") and function in line][-1]
+    body = lines[start:]
+    order = ""
+    for line in body[:body.index("}")]:
+        if "ld.global.nc.L1::no_allocate" in line:
+            order += "W"
+        elif re.search(r"\bld(\.global)?\.u16\b", line):
+            order += "r"
+        elif re.search(r"\bbar(rier)?\.sync\b", line):
+            order += "|"
+    return order
+
+
+def test_an_early_kinds_task_issues_its_weight_loads_before_waiting_for_its_inputs():
+    """EARLY_KINDS: a gate/up task handed over before its inputs are complete issues its whole first pass of
+    weight loads, then waits on its slot's ready barrier, then loads its input row; without early kinds, no
+    weight load comes before a barrier that a row load follows. Only kinds with weight rows are early."""
+    from mdsl.megakernel.runtime.plan import Kind
+
+    config, _, _ = tiny_model("qwen3")
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
+    plain = generate_source(plan)
+    assert "constexpr int EARLY_KINDS = 0;" in plain.text
+    assert not re.search(r"W\|r", _weight_row_and_barrier_order(plain.text, "gateup_task"))
+    early = generate_source(plan, early_kinds=(Kind.GATEUP,))
+    assert f"constexpr int EARLY_KINDS = {1 << int(Kind.GATEUP)};" in early.text
+    order = _weight_row_and_barrier_order(early.text, "gateup_task")
+    assert re.search(r"W{16}\|r", order), order   # LOADS = 16 in flight per lane, then the wait, then the row
+    assert_fits(early, compile_cuda(early.text, arch="sm_90a").resources[KERNEL_NAME])
+    with pytest.raises(ValueError, match="early_kinds are kinds that read weight rows"):
+        generate_source(plan, early_kinds=(Kind.ATTN,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "share"), [(1, 0.0), (2, 1.0), (1, 1.0)])
+def test_early_qwen3_8b_compiles_without_spills(world, share):
+    """Every weight kind early (the engine's default), with the input row's share of the first pass of each
+    GPU count's default and the whole pass on one GPU (both paths' registers at once)."""
+    from mdsl.megakernel.runtime.source import WEIGHT_KINDS
+
+    plan = qwen3_8b_rank_plan() if world == 2 else build_plan(
+        decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=4096)
+    source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=share)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

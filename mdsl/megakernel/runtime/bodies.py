@@ -219,21 +219,26 @@ def residual_columns(plan: TaskPlan) -> int:
     return max((t.end - t.begin for t in plan.tasks if t.kind in kinds), default=0)
 
 
-def _write_residual_prefetch(w: CodeWriter, body: LinearBody, world: int) -> dict:
-    """The residual of the task's columns, loaded before its input row (both in flight at once) into
-    registers, RESIDUAL_PER a thread: the epilogue, which runs one column after another, read each with a
-    dependent global round trip. Returns the epilogue's inputs, the residual read from shared memory
-    (residual_row, written once the input row is loaded: _write_residual_store)."""
+def _write_residual_declaration(w: CodeWriter, body: LinearBody, world: int) -> dict:
+    """The registers of the task's columns' residual, RESIDUAL_PER a thread (loaded with the input row:
+    _write_residual_load), and its place in shared memory. Returns the epilogue's inputs, the residual read
+    from shared memory (residual_row, written once the input row is loaded: _write_residual_store)."""
     inputs = _epilogue_inputs(body, world)
     if "residual" not in inputs:
         return inputs
     w("float residual_value[RESIDUAL_PER];")
+    w("float* residual_row = work + RESIDUAL_OFFSET;   // after the input row")
+    return {**inputs, "residual": "residual_row[r - t.begin]", "residual_load": inputs["residual"]}
+
+
+def _write_residual_load(w: CodeWriter, residual: str) -> None:
+    """The residual loaded into registers just before the input row, in the row's half that runs once the
+    task's inputs are complete (both in flight at once): the epilogue, which runs one column after
+    another, read each with a dependent global round trip."""
     w("#pragma unroll")
     with w.block("for (int c = 0; c < RESIDUAL_PER; ++c)"):
         w("const int r = t.begin + int(threadIdx.x) + c * NT;")
-        w(f"residual_value[c] = r < t.end ? {inputs['residual']} : 0.0f;")
-    w("float* residual_row = work + RESIDUAL_OFFSET;   // after the input row")
-    return {**inputs, "residual": "residual_row[r - t.begin]"}
+        w(f"residual_value[c] = r < t.end ? {residual} : 0.0f;")
 
 
 def _write_residual_store(w: CodeWriter) -> None:
@@ -262,7 +267,8 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
                  "unsigned flag, float* work, float* red)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
-        inputs = _write_residual_prefetch(w, body, world)
+        inputs = _write_residual_declaration(w, body, world)
+        residual = inputs.pop("residual_load", None)
         w(body.source.declare())
         w(f"task_gemv<{body.k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
@@ -270,9 +276,16 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
             value = emit_epilogue(w, body.epilogue, inputs, rounded=not partial)
             w(body.sink.store(value))
         w.lines[-1] += ","
-        # the input row in two halves (task_gemv issues the first weight loads between them: WEIGHTS_FIRST),
-        # the residual stored with the second
-        w(f"[&] {{ {body.source.load()} }},")
+        # the input row in two halves (task_gemv issues the first weight loads between them: WEIGHTS_FIRST,
+        # or before the first, which runs once the task's inputs are complete: EARLY_KINDS), the residual
+        # loaded with the first and stored with the second
+        if residual is None:
+            w(f"[&] {{ {body.source.load()} }},")
+        else:
+            with w.block("[&]"):
+                _write_residual_load(w, residual)
+                w(body.source.load())
+            w.lines[-1] += ","
         with w.block("[&]"):
             w(body.source.finish())
             if "residual" in inputs:

@@ -32,6 +32,8 @@ constexpr int LAUNCH = BLOCK + 32;   // + the loader warp (threads BLOCK .. LAUN
 // "full" (the scheduler filled it) and "empty" (the compute warps are done with it); the whole block once
 // at the start (the staging and streaming barriers are initialised)
 constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2, BAR_START = 6;
+// per task slot "ready": the scheduler saw the inputs of a task it handed over early (EARLY_KINDS)
+constexpr int BAR_READY = 7;
 constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int RESIDUAL_PER = (RESIDUAL_COLUMNS + NT - 1) / NT;   // a linear tile's residual columns per thread
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
@@ -48,7 +50,9 @@ struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin,
 
 // a task handed from the scheduler warp to the compute warps; index < 0: the worker is done
 // stream_first: the worker's count of streamed sub-tiles before this task's first (its ring position)
-struct Slot { Task task; long long index, stream_first; unsigned long long taken_ns, ready_ns; };
+// early: handed over before its inputs were complete (they are once the slot's ready barrier opens;
+// ready_ns and failed are written then; failed: they never will be, the launch stops without its signals)
+struct Slot { Task task; long long index, stream_first; unsigned long long taken_ns, ready_ns; bool early, failed; };
 constexpr int MARKS = 4;             // a body's marks at most (profile only): see mark()
 // per task index: SM, taken, inputs ready, body start, done, the body's marks (0: not passed)
 constexpr int PROFILE_WORDS = 5 + MARKS;
@@ -216,11 +220,19 @@ constexpr int STREAM_RING = STREAM_BUFFERS > 0 ? STREAM_BUFFERS : 1;
 struct StreamBarriers { unsigned long long full[STREAM_RING], empty[STREAM_RING]; volatile long long issued; };
 
 // a compute task's weights in shared memory: its staged tile or tile head (null weights where the task's
-// kind is not staged), or the ring its streamed sub-tiles pass through and the first one's number
+// kind is not staged), or the ring its streamed sub-tiles pass through and the first one's number;
+// inputs_barrier: a task handed over before its inputs were complete (EARLY_KINDS) waits on that named
+// barrier before it reads them (task_gemv, after issuing its first pass of weight loads); 0: they were
+// complete before the body started
 struct Staged {
   const T* weights; unsigned long long* full; unsigned parity;
   const T* ring; StreamBarriers* stream; long long stream_first;
+  int inputs_barrier;
 };
+
+__device__ __forceinline__ void wait_inputs(const Staged& staged) {
+  if (EARLY_KINDS != 0 && staged.inputs_barrier != 0) named_sync(staged.inputs_barrier, BLOCK);
+}
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
 
@@ -521,13 +533,15 @@ constexpr int LOADS = 16;
 // warp calls each once: they hold the compute barriers). With WEIGHTS_FIRST a warp issues its first pass of
 // weight loads (WEIGHTS_FIRST_EIGHTHS eighths of it) between the two, so that the weights stream while the
 // row is normalised and stored (~1.8 us when DRAM is idle); issued before the row's loads, they delayed them
-// by their own time (loads return in order: a one-GPU QKV input row 2.0 -> 4.4 us).
+// by their own time (loads return in order: a one-GPU QKV input row 2.0 -> 4.4 us). `early` (a task handed
+// over before its inputs were complete, load_row waiting for them first): the whole first pass is issued
+// before load_row, so that it streams while the task waits (its inputs are not there to be loaded yet).
 struct NoRow { __device__ __forceinline__ void operator()() const {} };
 template <int K, int ROWS, bool STAGED, typename Row, typename Emit, typename LoadRow = NoRow,
           typename FinishRow = NoRow>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit,
                                      LoadRow load_row = NoRow{}, FinishRow finish_row = NoRow{},
-                                     int warp = threadIdx.x / 32, int warps = NW) {
+                                     int warp = threadIdx.x / 32, int warps = NW, bool early = false) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
   constexpr int UMAX = STAGED ? 4 : 8;
   constexpr int U = CH >= 32 * UMAX ? UMAX : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
@@ -535,7 +549,7 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
   constexpr int R = ITEMS * ROWS, EARLY = (U * WEIGHTS_FIRST_EIGHTHS + 7) / 8;   // (>= 1 under WEIGHTS_FIRST)
   const int lane = threadIdx.x % 32;
   bool row_pending = true;   // warp-uniform
-  if (!WEIGHTS_FIRST || STAGED) {
+  if (!(WEIGHTS_FIRST || early) || STAGED) {
     load_row();
     finish_row();
     row_pending = false;
@@ -561,7 +575,12 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
               v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
                         : STAGED ? ld_staged(w[r] + (c0 + 32 * u) * VEC) : ld_weights(w[r] + (c0 + 32 * u) * VEC);
       };
-      if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
+      if (row_pending && early) {   // the whole pass while the inputs are awaited
+        load(0, U);
+        load_row();
+        finish_row();
+        row_pending = false;
+      } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
         load_row();
         load(0, EARLY);
         finish_row();
@@ -594,10 +613,15 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
 // A task's dot products (gemv): the weight rows from its staged tile once the tile has landed (the rows
 // of each matrix after the previous matrix's, as weight_pieces lists them), else from global memory.
 // load_row and finish_row load the input row into xs (gemv: from global memory under WEIGHTS_FIRST, the first
-// weight loads issued between the two).
+// weight loads issued between the two). A task handed over early waits for its inputs just before load_row
+// (every compute warp calls it once), its first pass of weight loads issued before (gemv's `early`).
 template <int K, int ROWS, typename Row, typename Emit, typename LoadRow, typename FinishRow>
 __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit,
-                                          LoadRow load_row, FinishRow finish_row) {
+                                          LoadRow load_inputs_row, FinishRow finish_row) {
+  const auto load_row = [&] {
+    wait_inputs(staged);
+    load_inputs_row();
+  };
   if constexpr (STREAM_BUFFERS > 0) {
     if (streamed_kind(t.kind)) {
       load_row();
@@ -634,7 +658,8 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       return;
     }
   }
-  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row);
+  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW,
+                       EARLY_KINDS != 0 && staged.inputs_barrier != 0);
 }
 
 // ---- the runtime's task bodies (the linear ops' are generated: bodies.py)
@@ -1265,18 +1290,31 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
   return __all_sync(0xffffffffu, go);
 }
 
+// A task of an EARLY_KINDS kind (not staged or streamed) is handed over before its inputs are complete, so
+// that the compute warps issue its first weight loads while they wait (gemv's `early`), if its step is
+// known to run: an earlier task of the step had its inputs, and a step's tasks all descend from the
+// sampler before it, which signals only if the step runs. A step's first task on each worker is handed over
+// once its inputs are complete, as every other task is.
+__device__ __forceinline__ constexpr bool early_kind(int kind) {
+  return ((EARLY_KINDS >> kind) & 1) != 0 && !staged_kind(kind) && !streamed_kind(kind);
+}
+
 // The scheduler warp: take a task, prefetch its weights, wait for its inputs, and hand it over in the next
-// slot once the compute warps have emptied it (they run the previous task meanwhile).
+// slot once the compute warps have emptied it (they run the previous task meanwhile); an early kind's task
+// is handed over before the wait, and its slot's ready barrier opened after.
 __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& bars, const volatile int* tasks_done) {
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
   StageCounts staged;   // staged tasks handed to the compute warps so far, per buffer
   long long streamed = 0;   // streamed sub-tiles of the tasks handed over so far
+  long long running_step = -1;   // the last step a task of which had its inputs on this worker
+  bool stopping = false;         // an early task's wait failed: the next slot ends the worker
   for (long long k = 0;; ++k) {
     const int s = int(k % SLOTS);
-    long long index = next_index(p, k, lane);
+    long long index = stopping ? total : next_index(p, k, lane);
     Task t = {};
     unsigned long long taken = 0, ready = 0;
+    bool early = false;
     if (index < total) {
       const long long step = index / TASKS;
       t = p.tasks[index % TASKS];
@@ -1300,6 +1338,12 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
           prefetch_task_weights(p, later, p.start_pos + ahead / TASKS, lane);
         }
       }
+      early = early_kind(t.kind) && step == running_step;
+      if (early) {
+        if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
+        if (lane == 0) slots[s] = Slot{t, index, streamed, taken, 0, true, false};
+        named_arrive(BAR_FULL + s, BLOCK);
+      }
       if (!wait_for_inputs(p, t, index, step, lane)) {
         index = -1;
         // the block leaves: its copy must land first
@@ -1307,15 +1351,25 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
           const int b = stage_buffer(t.kind);
           mbarrier_wait(&bars.full[b], unsigned(staged.of(b)) & 1u);
         }
-      } else if (stage_it) {
-        staged.add(stage_buffer(t.kind));
+      } else {
+        running_step = step;
+        if (stage_it) staged.add(stage_buffer(t.kind));
       }
       if (p.profile != nullptr) ready = globaltimer();
     } else {
       index = -1;
     }
+    if (early) {
+      if (lane == 0) {
+        slots[s].ready_ns = ready;
+        slots[s].failed = index < 0;
+      }
+      named_arrive(BAR_READY + s, BLOCK);
+      stopping = index < 0;
+      continue;
+    }
     if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
-    if (lane == 0) slots[s] = Slot{t, index, streamed, taken, ready};
+    if (lane == 0) slots[s] = Slot{t, index, streamed, taken, ready, false, false};
     if (index >= 0) streamed += stream_subtiles(t);
     named_arrive(BAR_FULL + s, BLOCK);
     if (index < 0) {
@@ -1348,17 +1402,20 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const bool staged_task = staged_kind(t.kind);
     const int b = stage_buffer(t.kind);
     const Staged staged = {staged_task ? stage + stage_buffer_offset(b) / int(sizeof(T)) : nullptr, &bars.full[b],
-                           unsigned(staged_done.of(b)) & 1u, ring, &stream, slot.stream_first};
+                           unsigned(staged_done.of(b)) & 1u, ring, &stream, slot.stream_first,
+                           slot.early ? BAR_READY + s : 0};
     const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) staged_done.add(b);
     if (threadIdx.x == 0) {
+      // (an early task's slot: past its ready barrier, which every compute thread passed in its body)
+      const bool failed = slot.early && slots[s].failed;
       const unsigned long long done = p.profile != nullptr ? globaltimer() : 0;   // before consumers can start
       // no separate fence: red.release is cumulative over the compute barrier above (every compute
       // thread's writes are ordered before it), as in CUTLASS's GenericBarrier::arrive_inc
       // a remote signal is a release at system scope: cumulative over the block's puts to the peers too
       // (the peers' releases before the local one measured no different: thirteenth session)
-      for (int k = 0; signal && k < t.signal_count; ++k) {
+      for (int k = 0; signal && !failed && k < t.signal_count; ++k) {
         const int entry = p.signals[t.signal_begin + k], e = entry & ~REMOTE;
         red_release(p.events + e);
         if (WORLD > 1 && (entry & REMOTE))
@@ -1368,8 +1425,11 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;
         rec[0] = sm_id();
         rec[1] = slot.taken_ns;
-        rec[2] = slot.ready_ns;
-        rec[3] = started;
+        // an early task's body starts, as the others', once its inputs are ready: at the scheduler's time (a
+        // compute thread's %globaltimer read just after the ready barrier, a BAR.SYNC.DEFER_BLOCKING, came out
+        // 3 us after the task was taken where the scheduler saw its inputs 37 us after: fourteenth session)
+        rec[2] = slot.early ? slots[s].ready_ns : slot.ready_ns;
+        rec[3] = slot.early ? rec[2] : started;
         rec[4] = done;
         for (int m = 0; m < MARKS; ++m) rec[5 + m] = body_marks[m];
       }

@@ -28,7 +28,7 @@ from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
                                             MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STAGE_KIND_NAMES,
-                                            STREAM_KIND_NAMES, generate_source, stage_kinds_named, stream_kind_names,
+                                            STAGED_KINDS, STREAM_KIND_NAMES, generate_source, stage_kinds_named, stream_kind_names,
                                             weight_kinds_named)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
@@ -117,7 +117,10 @@ class MegakernelEngine:
     linear task issues while its input row is normalised (source.generate_source; None: all of it under
     tensor parallelism, none on one GPU, as measured best on each); `attention_unrolled`, whether attention
     computes the new position's score and its weighted values in unrolled batches (source.generate_source;
-    not yet run on a GPU). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
+    Qwen3-8B over 2 GPUs 2.933 -> 2.946 ms, one GPU 4.567 -> 4.561 ms: off, fourteenth session);
+    `early_weights`, the kinds (names as prefetch_kinds'; None, the default: all; (): none) whose tasks are
+    handed to the compute warps before their inputs are complete, each warp's first pass of weight loads
+    issued while they wait (source.generate_source; a staged kind is not early). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
@@ -129,7 +132,8 @@ class MegakernelEngine:
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
-                 attention_unrolled: bool = False, ranks: Optional[RankGroup] = None):
+                 attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -157,9 +161,18 @@ class MegakernelEngine:
         except ValueError:
             raise MdslError(f"prefetch_kinds {prefetch_kinds!r}",
                             hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
+        try:
+            early_kinds = weight_kinds_named(early_weights)
+        except ValueError:
+            raise MdslError(f"early_weights {early_weights!r}",
+                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
         refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
-        if stage_weights is None:   # staged o-proj tiles: measured faster over 2 GPUs, no change on one
-            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights) or refined
+        if stage_weights is None:
+            # staged o-proj and gate/up tiles were measured faster over 2 GPUs (no change on one) until their
+            # kinds were early: then the same (Qwen3-8B 2.836 ms either way, fourteenth session), so no staging
+            early_staged = any(kind in early_kinds for kind in STAGED_KINDS)
+            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights and not early_staged) \
+                or refined
         if stage_late is None:
             # a copy issued while the task before it runs holds that task's release until it lands (copy_probe:
             # ~4 us for a 128 KiB tile), and its loads slow attention: Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms
@@ -202,7 +215,7 @@ class MegakernelEngine:
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled)
+                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -335,7 +335,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_buffer_bytes: Optional[int] = None,
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
-                    weights_first: float = 0.0, attention_unrolled: bool = False) -> MegakernelSource:
+                    weights_first: float = 0.0, attention_unrolled: bool = False,
+                    early_kinds: Sequence[Kind] = ()) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -351,7 +352,10 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     row is normalised and stored (the registers of both at once: the whole pass fits Qwen3-8B's kernels at
     168 registers, the cap of a 320-thread block, with none to spare). `attention_unrolled`: attention's
     score of the new position and its weighted values in unrolled batches (the same arithmetic in the same
-    order; the split holding the new position ran 1.5-2 us longer than the others without).
+    order; the split holding the new position ran 1.5-2 us longer than the others without). `early_kinds`:
+    the kinds (of WEIGHT_KINDS, neither staged nor streamed) whose tasks the scheduler hands to the compute
+    warps before their inputs are complete, once their step is known to run, so that each warp's first
+    pass of weight loads streams while the task waits (device.cu: early_kind).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -369,6 +373,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
     if not 0.0 <= weights_first <= 1.0:
         raise ValueError(f"weights_first is a share of a pass, 0 to 1, not {weights_first}")
+    if set(early_kinds) - set(WEIGHT_KINDS):
+        raise ValueError(f"early_kinds are kinds that read weight rows ({', '.join(k.name for k in WEIGHT_KINDS)}), "
+                         f"not {', '.join(sorted(k.name for k in set(early_kinds) - set(WEIGHT_KINDS)))}")
     eighths = 0 if weights_first == 0 else max(1, round(weights_first * 8))   # of the pass's loads
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
@@ -402,6 +409,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
+              f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds))};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
