@@ -92,6 +92,10 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # run: two GPUs 2.940 -> 2.834 ms with o-proj and gate/up staged, as before, and 2.836 unstaged, the new
     # default; one GPU 4.577 -> 4.503 ms; QKV alone early over two GPUs 2.889 ms)
     "late": {"schedule": "static", "early_weights": ()},
+    # and the head of each of an early task's weight pieces (128 / 256 KiB: what its second pass reads)
+    # prefetched into L2 by its compute warps just before they wait (not yet run)
+    "early-prefetch128": {"schedule": "static", "early_prefetch_kib": 128},
+    "early-prefetch256": {"schedule": "static", "early_prefetch_kib": 256},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},

@@ -256,7 +256,9 @@ def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
                               ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
                               ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
                               ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
-                                          "stream_buffer_kib": 1})):
+                                          "stream_buffer_kib": 1}),
+                              # and the head of each early task's weight pieces prefetched into L2 (a hint)
+                              ("static", {"early_prefetch_kib": 1}), ("queue", {"early_prefetch_kib": 256})):
         engine, _ = tiny_engines("llama3", "f32", schedule, **options)
         if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
             assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging

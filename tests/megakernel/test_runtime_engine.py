@@ -80,8 +80,9 @@ def generate_source_for(engine_kwargs):
         options["stage_weights"] = True
     if "prefetch_kinds" in options:            # the engine's names, the source's kinds
         options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
-    if "early_weights" in options:
-        options["early_kinds"] = weight_kinds_named(options.pop("early_weights"))
+    options["early_kinds"] = weight_kinds_named(options.pop("early_weights", None))   # (the engine's default)
+    if "early_prefetch_kib" in options:
+        options["early_prefetch_bytes"] = int(options.pop("early_prefetch_kib") * 1024)
     if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
         plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
@@ -205,6 +206,10 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="early_weights \\('attn',\\)") as info:
         MegakernelEngine(config, weights, early_weights=("attn",))
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
+    with pytest.raises(MdslError, match="early_prefetch_kib 64 with early_weights \\(\\)"):
+        MegakernelEngine(config, weights, early_weights=(), early_prefetch_kib=64)
+    with pytest.raises(MdslError, match="early_prefetch_kib 2048"):
+        MegakernelEngine(config, weights, early_prefetch_kib=2048)
 
 
 @no_gpu

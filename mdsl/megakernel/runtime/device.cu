@@ -130,11 +130,11 @@ __device__ __forceinline__ uint4 ld_weights(const T* p) {
 // Start pulling the head of a task's weights into L2 before waiting for its inputs (16-byte
 // multiples). Capped (PREFETCH_BYTES, from source.py): 132 SMs each prefetching whole multi-MB tiles
 // would overflow the 50 MB L2 and evict lines before they are read.
-__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane) {
+__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane, long long limit = PREFETCH_BYTES) {
   constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
   long long total = elements * (long long)sizeof(T);
-  total = total < PREFETCH_BYTES ? total : PREFETCH_BYTES;
+  total = total < limit ? total : limit;
   for (long long off = (long long)lane * PIECE; off < total; off += 32 * PIECE) {
     const long long size = total - off < PIECE ? total - off : PIECE;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
@@ -618,6 +618,7 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
 template <int K, int ROWS, typename Row, typename Emit, typename LoadRow, typename FinishRow>
 __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit,
                                           LoadRow load_inputs_row, FinishRow finish_row) {
+  const bool early = EARLY_KINDS != 0 && staged.inputs_barrier != 0;
   const auto load_row = [&] {
     wait_inputs(staged);
     load_inputs_row();
@@ -658,8 +659,7 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       return;
     }
   }
-  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW,
-                       EARLY_KINDS != 0 && staged.inputs_barrier != 0);
+  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW, early);
 }
 
 // ---- the runtime's task bodies (the linear ops' are generated: bodies.py)
@@ -1138,9 +1138,10 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   }
 }
 
-// The head of each of a task's weight pieces (PREFETCH_BYTES) into L2, by the scheduler warp's lanes
-__device__ __forceinline__ void prefetch_weight_rows(const Params& p, const LayerWeights& w, const Task& t, int lane) {
-  weight_pieces(p, w, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
+// The head of each of a task's weight pieces (`limit` bytes) into L2, by a warp's lanes
+__device__ __forceinline__ void prefetch_weight_rows(const Params& p, const LayerWeights& w, const Task& t, int lane,
+                                                     long long limit = PREFETCH_BYTES) {
+  weight_pieces(p, w, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane, limit); });
 }
 
 // What a task will read first and can be read before its inputs are ready: the head of its weight
@@ -1343,6 +1344,13 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
         if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
         if (lane == 0) slots[s] = Slot{t, index, streamed, taken, 0, true, false};
         named_arrive(BAR_FULL + s, BLOCK);
+        if constexpr (EARLY_PREFETCH_BYTES > 0) {
+          // the head of each weight piece into L2 as the compute warps take the task (they issue its first
+          // pass meanwhile), not before: the stream of the task before would evict it, and a prefetch in
+          // flight holds the release that ends that task (copy_probe)
+          while (*tasks_done < k) __nanosleep(64);
+          prefetch_weight_rows(p, p.layers[min(t.layer, L - 1)], t, lane, EARLY_PREFETCH_BYTES);   // (LM head: p's)
+        }
       }
       if (!wait_for_inputs(p, t, index, step, lane)) {
         index = -1;

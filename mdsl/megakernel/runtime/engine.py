@@ -120,7 +120,9 @@ class MegakernelEngine:
     Qwen3-8B over 2 GPUs 2.933 -> 2.946 ms, one GPU 4.567 -> 4.561 ms: off, fourteenth session);
     `early_weights`, the kinds (names as prefetch_kinds'; None, the default: all; (): none) whose tasks are
     handed to the compute warps before their inputs are complete, each warp's first pass of weight loads
-    issued while they wait (source.generate_source; a staged kind is not early). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
+    issued while they wait (source.generate_source; a staged kind is not early); `early_prefetch_kib`, how
+    much of the head of each of such a task's weight pieces the scheduler also prefetches into L2 once the
+    compute warps take the task (0, the default: none; not yet run on a GPU). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
     rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
@@ -133,7 +135,7 @@ class MegakernelEngine:
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 ranks: Optional[RankGroup] = None):
+                 early_prefetch_kib: float = 0, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -166,6 +168,9 @@ class MegakernelEngine:
         except ValueError:
             raise MdslError(f"early_weights {early_weights!r}",
                             hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
+        if not 0 <= early_prefetch_kib <= 1024 or (early_prefetch_kib and not early_kinds):
+            raise MdslError(f"early_prefetch_kib {early_prefetch_kib} with early_weights {early_weights!r}",
+                            hint="0 to 1024 KiB of each weight piece's head, for early kinds only (early_weights)")
         refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
         if stage_weights is None:
             # staged o-proj and gate/up tiles were measured faster over 2 GPUs (no change on one) until their
@@ -215,7 +220,8 @@ class MegakernelEngine:
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds)
+                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds,
+                                     int(early_prefetch_kib * 1024))
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

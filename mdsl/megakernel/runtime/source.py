@@ -336,7 +336,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
                     weights_first: float = 0.0, attention_unrolled: bool = False,
-                    early_kinds: Sequence[Kind] = ()) -> MegakernelSource:
+                    early_kinds: Sequence[Kind] = (), early_prefetch_bytes: int = 0) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -355,7 +355,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     order; the split holding the new position ran 1.5-2 us longer than the others without). `early_kinds`:
     the kinds (of WEIGHT_KINDS, neither staged nor streamed) whose tasks the scheduler hands to the compute
     warps before their inputs are complete, once their step is known to run, so that each warp's first
-    pass of weight loads streams while the task waits (device.cu: early_kind).
+    pass of weight loads streams while the task waits (device.cu: early_kind); with `early_prefetch_bytes`,
+    the scheduler also prefetches the head of each of such a task's weight pieces (that many bytes) into L2
+    once the compute warps take the task.
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -376,6 +378,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if set(early_kinds) - set(WEIGHT_KINDS):
         raise ValueError(f"early_kinds are kinds that read weight rows ({', '.join(k.name for k in WEIGHT_KINDS)}), "
                          f"not {', '.join(sorted(k.name for k in set(early_kinds) - set(WEIGHT_KINDS)))}")
+    if not 0 <= early_prefetch_bytes <= 1 << 20 or (early_prefetch_bytes and not early_kinds):
+        raise ValueError(f"early_prefetch_bytes is 0 to 1 MiB, and needs early_kinds: not {early_prefetch_bytes} "
+                         f"with early_kinds {tuple(k.name for k in early_kinds)}")
     eighths = 0 if weights_first == 0 else max(1, round(weights_first * 8))   # of the pass's loads
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
@@ -410,6 +415,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
               f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds))};",
+              f"constexpr long long EARLY_PREFETCH_BYTES = {early_prefetch_bytes}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
