@@ -93,7 +93,7 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # default; one GPU 4.577 -> 4.503 ms; QKV alone early over two GPUs 2.889 ms)
     "late": {"schedule": "static", "early_weights": ()},
     # and the head of each of an early task's weight pieces (128 / 256 KiB: what its second pass reads)
-    # prefetched into L2 by its compute warps just before they wait (not yet run)
+    # prefetched into L2 by the scheduler once the compute warps take the task (not yet run)
     "early-prefetch128": {"schedule": "static", "early_prefetch_kib": 128},
     "early-prefetch256": {"schedule": "static", "early_prefetch_kib": 256},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
