@@ -230,8 +230,12 @@ struct Staged {
   int inputs_barrier;
 };
 
+// (EARLY_KINDS = 0: a constant false, so that a kernel without early kinds keeps no early path)
+__device__ __forceinline__ bool handed_early(const Staged& staged) {
+  return EARLY_KINDS != 0 && staged.inputs_barrier != 0;
+}
 __device__ __forceinline__ void wait_inputs(const Staged& staged) {
-  if (EARLY_KINDS != 0 && staged.inputs_barrier != 0) named_sync(staged.inputs_barrier, BLOCK);
+  if (handed_early(staged)) named_sync(staged.inputs_barrier, BLOCK);
 }
 
 __device__ __forceinline__ float round_t(float x) { return mdsl::to_float(mdsl::from_float<T>(x)); }
@@ -618,7 +622,6 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
 template <int K, int ROWS, typename Row, typename Emit, typename LoadRow, typename FinishRow>
 __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, const float* xs, Row row, Emit emit,
                                           LoadRow load_inputs_row, FinishRow finish_row) {
-  const bool early = EARLY_KINDS != 0 && staged.inputs_barrier != 0;
   const auto load_row = [&] {
     wait_inputs(staged);
     load_inputs_row();
@@ -659,7 +662,8 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
       return;
     }
   }
-  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW, early);
+  gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW,
+                       handed_early(staged));
 }
 
 // ---- the runtime's task bodies (the linear ops' are generated: bodies.py)
