@@ -8,6 +8,7 @@
 #   3b. (STAGES=profile) Nsight Compute reports of mdsl's kernel of each PROFILE_CASES case;
 #   3c. (STAGES=probe) per-SM weight streaming: loads against a cp.async.bulk ring (benchmarks/stream_probe.py),
 #       and what a staged tile's copy costs the issuing warp and a release (benchmarks/copy_probe.py);
+#   3d. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
@@ -105,11 +106,14 @@ stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR=
 # (benchmarks/copy_probe.py)
 stage probe "${PROBE_LIMIT:-120}" "$OUT/all/probe.log" bash -c "$PY benchmarks/stream_probe.py && $PY benchmarks/copy_probe.py"
 grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
+# (STAGES=tpprobe, 2 GPUs or more) one-way latency between two GPUs of the megakernel's put-with-signal
+# against flagged words (scripts/tp_probe.py)
+stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# (by default the experiment the last session left unmeasured: docs/performance.md, "Next")
-DECODE_ARGS="${DECODE_ARGS:---variants static,early-prefetch128 --trace-model qwen3-8b}"
-TP_VARIANTS="${TP_VARIANTS:-static,early-prefetch128,early-prefetch256}"
+# (by default the defaults, and over two GPUs 32 attention splits too: docs/performance.md, fifteenth session)
+DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
+TP_VARIANTS="${TP_VARIANTS:-static,splits32}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"

@@ -209,70 +209,82 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
         engine.generate([1, 10**6], 2)
 
 
-def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines):
+_STAGED = {"stage_weights": True}
+# (schedule, engine options) of the runtime variants that must give the default engine's tokens
+RUNTIME_VARIANTS = (
+    ("queue", {}), ("static", {"prefetch_ahead": 2}), ("static", {"prefetch_ahead": 4}),
+    ("static", {"attention_lanes": 4}), ("static", {"prefetch_ahead": 2, "attention_lanes": 4}),
+    ("static", {"fused_combine": True}),
+    ("static", {"prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
+    ("queue", {"attention_lanes": 4, "fused_combine": True}),
+    ("static", {"prefetch_kib": 256}), ("static", _STAGED), ("queue", _STAGED),
+    ("static", {**_STAGED, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
+    ("static", {"stream_weights": True}),
+    # 1 KiB buffers: several sub-tiles per tile (a gate/up column of the test
+    # model is 640 bytes), the ring wraps every step
+    ("static", {"stream_weights": True, "stream_buffer_kib": 1}),
+    ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
+                "fused_combine": True}),
+    ("static", {"stream_weights": ("qkv", "oproj"), "stream_buffer_kib": 1}),
+    ("static", {"attention_splits": 3}),
+    # several splits at these short contexts (the combine's scales, then its values), and
+    # one lane a cached position (the default before the fifteenth session: 4)
+    ("static", {"attention_splits": 3, "attention_min_chunk": 4}),
+    ("queue", {"attention_splits": 16, "attention_min_chunk": 1}),
+    ("static", {"attention_splits": 20, "attention_min_chunk": 1}),   # values reloaded
+    ("static", {"attention_lanes": 1}),
+    # tile heads: 1 KiB buffers hold 2 of the 8 columns of an o-proj and of a gate/up tile (f32)
+    ("static", {"stage_heads": True, "stage_buffer_kib": 1}),
+    ("queue", {"stage_heads": True, "stage_buffer_kib": 1}),
+    # QKV staged too, late (once the down-proj before it is done), one buffer
+    # for every staged kind: whole tiles, then heads of 2 columns of each kind
+    ("static", {"stage_kinds": ("qkv", "oproj", "gateup")}),
+    ("queue", {"stage_kinds": ("qkv", "oproj")}),
+    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
+                "stage_buffer_kib": 1}),
+    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True}),
+    # the copies issued while the task before runs (the default before stage_late's)
+    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": False}),
+    ("static", {"stage_weights": True, "stage_late": False}),
+    # the L2 head prefetch of every kind, or of one (the default: none; a hint,
+    # the same values), and a linear task's weight loads issued with its input
+    # row (all of a pass, half of it; the default on one GPU: none)
+    ("static", {"prefetch_kinds": None}), ("queue", {"prefetch_kinds": ("oproj",)}),
+    ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5}),
+    # attention's new position and weighted values unrolled (the same order)
+    ("static", {"attention_unrolled": True}),
+    ("queue", {"attention_unrolled": True, "attention_lanes": 4}),
+    # tasks handed over before their inputs are complete, their first weight loads
+    # issued while they wait: none (the default: every kind), some (with half a pass
+    # with the row), beside staged and streamed kinds (which are never early)
+    ("static", {"early_weights": ()}),
+    ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
+    ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
+    ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
+                "stream_buffer_kib": 1}))
+
+
+# one engine a test (some forty NVRTC builds in one test ran past its timeout beside the other workers)
+@pytest.mark.parametrize(("schedule", "options"), RUNTIME_VARIANTS,
+                         ids=[f"{schedule}-{'-'.join(f'{k}={v}' for k, v in options.items()) or 'default'}"
+                              for schedule, options in RUNTIME_VARIANTS])
+def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines, schedule, options):
     static, _ = tiny_engines("llama3", "f32")
     tokens = static.generate(PROMPT, 16, eos_token_ids=())
-    staged = {"stage_weights": True}
-    for schedule, options in (("queue", {}), ("static", {"prefetch_ahead": 2}), ("static", {"prefetch_ahead": 4}),
-                              ("static", {"attention_lanes": 4}), ("static", {"prefetch_ahead": 2, "attention_lanes": 4}),
-                              ("static", {"fused_combine": True}),
-                              ("static", {"prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
-                              ("queue", {"attention_lanes": 4, "fused_combine": True}),
-                              ("static", {"prefetch_kib": 256}), ("static", staged), ("queue", staged),
-                              ("static", {**staged, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
-                              ("static", {"stream_weights": True}),
-                              # 1 KiB buffers: several sub-tiles per tile (a gate/up column of the test
-                              # model is 640 bytes), the ring wraps every step
-                              ("static", {"stream_weights": True, "stream_buffer_kib": 1}),
-                              ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
-                                          "fused_combine": True}),
-                              ("static", {"stream_weights": ("qkv", "oproj"), "stream_buffer_kib": 1}),
-                              ("static", {"attention_splits": 3}),
-                              # tile heads: 1 KiB buffers hold 2 of the 8 columns of an o-proj and of a gate/up tile (f32)
-                              ("static", {"stage_heads": True, "stage_buffer_kib": 1}),
-                              ("queue", {"stage_heads": True, "stage_buffer_kib": 1}),
-                              # QKV staged too, late (once the down-proj before it is done), one buffer
-                              # for every staged kind: whole tiles, then heads of 2 columns of each kind
-                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup")}),
-                              ("queue", {"stage_kinds": ("qkv", "oproj")}),
-                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
-                                          "stage_buffer_kib": 1}),
-                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True}),
-                              # the copies issued while the task before runs (the default before stage_late's)
-                              ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": False}),
-                              ("static", {"stage_weights": True, "stage_late": False}),
-                              # the L2 head prefetch of every kind, or of one (the default: none; a hint,
-                              # the same values), and a linear task's weight loads issued with its input
-                              # row (all of a pass, half of it; the default on one GPU: none)
-                              ("static", {"prefetch_kinds": None}), ("queue", {"prefetch_kinds": ("oproj",)}),
-                              ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5}),
-                              # attention's new position and weighted values unrolled (the same order)
-                              ("static", {"attention_unrolled": True}),
-                              ("queue", {"attention_unrolled": True, "attention_lanes": 4}),
-                              # tasks handed over before their inputs are complete, their first weight loads
-                              # issued while they wait: none (the default: every kind), some (with half a pass
-                              # with the row), beside staged and streamed kinds (which are never early)
-                              ("static", {"early_weights": ()}),
-                              ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
-                              ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
-                              ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
-                                          "stream_buffer_kib": 1}),
-                              # and the head of each early task's weight pieces prefetched into L2 (a hint)
-                              ("static", {"early_prefetch_kib": 1}), ("queue", {"early_prefetch_kib": 256})):
-        engine, _ = tiny_engines("llama3", "f32", schedule, **options)
-        if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
-            assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
-        if options.get("stage_kinds"):   # one buffer, QKV's copy late
-            assert len(engine.staging.kinds) == len(options["stage_kinds"]) and engine.staging.buffers == 1
-            late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late", True) else 1
-            assert f"constexpr int LATE_STAGE_KINDS = {late};" in engine.source, engine.staging
-        if options.get("stage_heads"):   # every staged kind's tile is cut: the rest is read from global memory
-            assert len(engine.staging.kinds) == len(options.get("stage_kinds", ("oproj", "gateup"))) and all(
-                0 < items < max(t.end - t.begin for t in engine.plan.tasks if t.kind is kind)
-                for kind, items in engine.staging.kinds), engine.staging
-        if options.get("stream_weights"):
-            assert engine.streaming.buffers >= 2 and engine.staging.buffers == 0, engine.streaming
-        assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
+    engine, _ = tiny_engines("llama3", "f32", schedule, **options)
+    if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
+        assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
+    if options.get("stage_kinds"):   # one buffer, QKV's copy late
+        assert len(engine.staging.kinds) == len(options["stage_kinds"]) and engine.staging.buffers == 1
+        late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late", True) else 1
+        assert f"constexpr int LATE_STAGE_KINDS = {late};" in engine.source, engine.staging
+    if options.get("stage_heads"):   # every staged kind's tile is cut: the rest is read from global memory
+        assert len(engine.staging.kinds) == len(options.get("stage_kinds", ("oproj", "gateup"))) and all(
+            0 < items < max(t.end - t.begin for t in engine.plan.tasks if t.kind is kind)
+            for kind, items in engine.staging.kinds), engine.staging
+    if options.get("stream_weights"):
+        assert engine.streaming.buffers >= 2 and engine.staging.buffers == 0, engine.streaming
+    assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
 
 
 @pytest.mark.parametrize(("schedule", "options"), [("static", {}), ("queue", {}), ("static", {"early_weights": ()})])

@@ -52,25 +52,24 @@ def checkpoints(tmp_path_factory):
 # prefetch nothing and issue the whole pass: options that change no value)
 STAGED = (("stage_weights", True), ("fused_combine", True), ("attention_lanes", 4), ("prefetch_ahead", 2),
           ("prefetch_kinds", None), ("weights_first", 0.5))
-FLAGGED = (("flagged_stream", True),)
 STREAMED = (("stream_weights", True), ("stream_buffer_kib", 1))
 HEADS = (("stage_heads", True), ("stage_buffer_kib", 0.5))   # 4 of 8 o-proj columns, 2 of 8 gate/up ones (bf16)
 STAGE_QKV = (("stage_kinds", ("qkv", "oproj", "gateup")),)    # one shared buffer, QKV's copy late
 LATE = (("early_weights", ()),)   # no task handed over before its inputs are complete (the default: every kind)
-EARLY_PREFETCH = (("early_prefetch_kib", 1),)   # and each early task's weight pieces' heads prefetched into L2
+SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several attention splits at these short contexts
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("arch", "dtype_name", "options"), [
     ("llama3", "f32", ()), ("llama3", "bf16", ()), ("qwen3", "f32", ()), ("qwen3", "bf16", ()),
-    ("qwen3", "bf16", STAGED), ("llama3", "f32", FLAGGED), ("qwen3", "bf16", FLAGGED + STAGED[:1]),
-    ("llama3", "bf16", STREAMED), ("qwen3", "bf16", STREAMED[:1]), ("qwen3", "bf16", HEADS),
+    ("qwen3", "bf16", STAGED), ("llama3", "bf16", STREAMED), ("qwen3", "bf16", STREAMED[:1]), ("qwen3", "bf16", HEADS),
     ("llama3", "bf16", STAGE_QKV + HEADS), ("qwen3", "bf16", STAGE_QKV + (("stage_late", True),)),
-    ("qwen3", "bf16", LATE), ("llama3", "f32", FLAGGED + LATE + STAGED[:1]), ("qwen3", "bf16", EARLY_PREFETCH)],
-    ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-f32-flagged",
-         "qwen3-bf16-flagged-staged", "llama3-bf16-streamed", "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
-         "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-flagged-late",
-         "qwen3-bf16-early-prefetch"])
+    ("qwen3", "bf16", LATE), ("llama3", "f32", LATE + STAGED[:1]), ("qwen3", "bf16", SPLITS),
+    ("llama3", "bf16", SPLITS + (("attention_lanes", 1),))],
+    ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
+         "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
+         "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
+         "qwen3-bf16-splits", "llama3-bf16-splits-lanes1"])
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces

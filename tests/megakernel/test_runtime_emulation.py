@@ -219,14 +219,20 @@ def test_the_mlp_activation_follows_the_config(hidden_act):
     assert not np.allclose(silu.logits[-1], want.logits[-1])   # the activation mattered
 
 
-@pytest.mark.parametrize("min_chunk", [1, 4, 64])
-def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk):
+@pytest.mark.parametrize(("min_chunk", "explicit"), [(1, False), (4, False), (64, False), (3, True)])
+def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit):
+    """Several splits at these short contexts: MIN_CHUNK lowered, or a plan's own min_chunk (the engine's
+    attention_min_chunk)."""
     from mdsl.megakernel.runtime import plan as plan_module
+    from mdsl.megakernel.runtime.source import generate_source
 
-    monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)   # several splits at these short contexts
+    if not explicit:
+        monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)
     config, graph, weights = tiny_model("qwen3", seed=1)
-    plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions)
-    assert plan.splits > 4    # more splits than positions early on: empty splits must weigh nothing
+    plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions,
+                      min_chunk=min_chunk if explicit else None)
+    assert plan.splits > 4 and plan.min_chunk == min_chunk   # empty splits early on must weigh nothing
+    assert f"constexpr int MIN_CHUNK = {min_chunk};" in generate_source(plan).text
     for position in range(config.max_positions):
         ranges = [plan.attention_range(position, k) for k in range(plan.splits)]
         assert ranges[0][0] == 0 and max(hi for _, hi in ranges) == position + 1

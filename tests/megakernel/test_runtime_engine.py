@@ -63,14 +63,14 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 
 
 def generate_source_for(engine_kwargs):
-    from mdsl.megakernel.runtime.plan import build_plan, for_ranks
+    from mdsl.megakernel.runtime.plan import build_plan
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named, weight_kinds_named
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False),
-                      splits=options.pop("attention_splits", None))
+                      splits=options.pop("attention_splits", None), min_chunk=options.pop("attention_min_chunk", None))
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds
@@ -81,11 +81,22 @@ def generate_source_for(engine_kwargs):
     if "prefetch_kinds" in options:            # the engine's names, the source's kinds
         options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
     options["early_kinds"] = weight_kinds_named(options.pop("early_weights", None))   # (the engine's default)
-    if "early_prefetch_kib" in options:
-        options["early_prefetch_bytes"] = int(options.pop("early_prefetch_kib") * 1024)
-    if options.pop("flagged_stream", False):   # a tensor-parallel option (the engine's for_ranks)
-        plan = for_ranks(plan, 2, flagged_stream=True)
     return generate_source(plan, **options).text
+
+
+def test_the_decode_benchmarks_best_ratio_divides_the_fastest_n_gpus_by_the_fastest_one_gpu():
+    from benchmarks import decode
+
+    result = {"variants": {"static": {"megakernel_ms": 4.5}, "splits32": {"megakernel_ms": 4.66},
+                           "broken": {"error": "CudaError: boom"}},
+              "tensor_parallel": {"static": {"megakernel_ms": 2.835}, "splits32": {"megakernel_ms": 2.789},
+                                  "broken": {"error": "TensorParallelError: boom"}}}
+    best = decode.best_ratio(result)
+    # splits32's own ratio (2.789 / 4.66 = 0.599) divides by a slower one-GPU choice: not the one that counts
+    assert (best["tp_variant"], best["one_gpu_variant"]) == ("splits32", "static")
+    assert best["ratio"] == 2.789 / 4.5
+    assert decode.best_ratio({"variants": result["variants"]}) is None
+    assert decode.best_ratio({"variants": result["variants"], "tensor_parallel": {"x": {"error": "e"}}}) is None
 
 
 def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
@@ -181,6 +192,9 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
         MegakernelEngine(config, weights, schedule="queue", prefetch_ahead=2)
     with pytest.raises(MdslError, match="stream_weights with the queue schedule"):
         MegakernelEngine(config, weights, schedule="queue", stream_weights=True)
+    with pytest.raises(MdslError, match="attention_min_chunk 0") as info:
+        MegakernelEngine(config, weights, attention_min_chunk=0)
+    assert "positions per attention split" in info.value.hint
     with pytest.raises(MdslError, match="stream_weights with the static schedule and stage_weights"):
         MegakernelEngine(config, weights, stream_weights=("oproj",), stage_weights=True)
     with pytest.raises(MdslError, match="stream_weights \\('attn',\\)") as info:
@@ -206,10 +220,6 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="early_weights \\('attn',\\)") as info:
         MegakernelEngine(config, weights, early_weights=("attn",))
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
-    with pytest.raises(MdslError, match="early_prefetch_kib 64 with early_weights \\(\\)"):
-        MegakernelEngine(config, weights, early_weights=(), early_prefetch_kib=64)
-    with pytest.raises(MdslError, match="early_prefetch_kib 2048"):
-        MegakernelEngine(config, weights, early_prefetch_kib=2048)
 
 
 @no_gpu

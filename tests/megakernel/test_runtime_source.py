@@ -409,28 +409,6 @@ def test_an_early_kinds_task_issues_its_weight_loads_before_waiting_for_its_inpu
         generate_source(plan, early_kinds=(Kind.ATTN,))
 
 
-def test_early_prefetch_issues_bulk_l2_prefetches_only_when_asked():
-    """EARLY_PREFETCH_BYTES: the scheduler prefetches the head of an early task's weight pieces into L2 (bulk
-    prefetches, UBLKPF in the SASS) once the compute warps take the task; without it and without
-    prefetch_kinds the kernel has no bulk prefetch at all. Early kinds are required."""
-    from mdsl.megakernel.runtime.plan import Kind
-    from mdsl.megakernel.runtime.source import WEIGHT_KINDS
-
-    config, _, _ = tiny_model("qwen3")
-    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
-    counts = []
-    for prefetch in (0, 4096):
-        source = generate_source(plan, prefetch_kinds=(), early_kinds=WEIGHT_KINDS, early_prefetch_bytes=prefetch)
-        assert f"constexpr long long EARLY_PREFETCH_BYTES = {prefetch}ll;" in source.text
-        module = compile_cuda(source.text, arch="sm_90a")
-        assert_fits(source, module.resources[KERNEL_NAME])
-        counts.append(sass_opcodes(disassemble(module.cubin)).get("UBLKPF", 0))
-    assert counts[0] == 0 and counts[1] >= 1, counts
-    for wrong in ({"early_prefetch_bytes": 4096}, {"early_kinds": (Kind.QKV,), "early_prefetch_bytes": 2 << 20}):
-        with pytest.raises(ValueError, match="early_prefetch_bytes is 0 to 1 MiB, and needs early_kinds"):
-            generate_source(plan, **wrong)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "share"), [(1, 0.0), (2, 1.0), (1, 1.0)])
 def test_early_qwen3_8b_compiles_without_spills(world, share):
@@ -442,5 +420,3 @@ def test_early_qwen3_8b_compiles_without_spills(world, share):
         decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=4096)
     source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=share)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
-    prefetched = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=share, early_prefetch_bytes=128 << 10)
-    assert_fits(prefetched, compile_cuda(prefetched.text, arch="sm_90a").resources[KERNEL_NAME])

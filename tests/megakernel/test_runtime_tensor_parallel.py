@@ -82,18 +82,6 @@ def test_the_two_rank_kernel_compiles_without_spills():
     assert_fits(source, module.resources[KERNEL_NAME])
 
 
-def test_the_flagged_stream_kernel_compiles_without_spills_and_signals_only_the_lm_head_across_gpus():
-    single, _ = _rank_plan("llama3", dtype=bf16, head_dim=32)
-    flagged = for_ranks(single, 2, flagged_stream=True)
-    check_plan(flagged)
-    cross = {plan_kind for e in flagged.events if e.ranks > 1 for plan_kind in
-             {flagged.tasks[k].kind for k in e.producers} or {Kind.SAMPLE}}
-    assert cross <= {Kind.LMHEAD, Kind.SAMPLE} and flagged.flagged_stream
-    source = generate_source(flagged, stage_weights=True)
-    assert "constexpr bool FLAGGED_STREAM = true;" in source.text
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
-
-
 @pytest.mark.slow
 def test_qwen3_8b_over_two_ranks_compiles_without_spills():
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)

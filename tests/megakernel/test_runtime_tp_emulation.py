@@ -3,9 +3,7 @@ device.cu with WORLD = N, one per rank, each over its shard of a tiny model: the
 as every rank's f32 partials (slot k: rank k's), producers putting their partial into their slot on
 every rank, readers summing the slots in rank order, the LM head's bests gathered by global token id,
 the rank holding the token putting its embedding row, and every signal flagged REMOTE counted on every
-rank. With the flagged stream (`for_ranks(..., flagged_stream=True)`) each partial carries its step's
-flag, a task whose partials are not all flagged for its step cannot run (the device's readers poll), and
-the o-proj / down-proj events count this rank's tiles only. Workers of all ranks interleave at random.
+rank. Workers of all ranks interleave at random.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
 test is tests/gpu/test_tensor_parallel_gpu.py.)"""
 import numpy as np
@@ -31,37 +29,16 @@ class RankEmulator(Emulator):
         s = self.s
         self.h_parts = np.zeros((s.layers + 1, world, s.hidden), np.float32)
         self.mid_parts = np.zeros((s.layers, world, s.hidden), np.float32)
-        # the flagged stream: each partial's step flag (step + 1 of the step that reads it; 0: never written)
-        self.flags = {"h_parts": np.zeros(self.h_parts.shape, np.int64),
-                      "mid_parts": np.zeros(self.mid_parts.shape, np.int64)}
-        self.step = 0
         self.best = [None] * (world * plan.lm_tiles)
         self.events = plan.initial_events().astype(np.int64)
         self.peers = []   # every rank, this one included, in rank order
 
     def stream(self, parts, layer):
-        if self.plan.flagged_stream:
-            name = "h_parts" if parts is self.h_parts else "mid_parts"
-            assert (self.flags[name][layer] == self.step + 1).all(), f"read {name}[{layer}] before every partial came"
         return self.round(parts[layer].sum(axis=0, dtype=np.float32))
 
-    def put(self, name, index, value, flag=None):
+    def put(self, name, index, value):
         for peer in self.peers:
             getattr(peer, name)[index] = value
-            if flag is not None:
-                peer.flags[name][index] = flag
-
-    def inputs_ready(self, t, step) -> bool:
-        """Under the flagged stream: whether the partials the task reads carry its step's flag (the device
-        polls them in the task; every other input is an event the scheduler waits for)."""
-        if not self.plan.flagged_stream:
-            return True
-        want, h, mid = step + 1, self.flags["h_parts"], self.flags["mid_parts"]
-        rows = slice(t.begin, t.end)
-        needs = {Kind.QKV: lambda: h[t.layer], Kind.GATEUP: lambda: mid[t.layer], Kind.LMHEAD: lambda: h[self.s.layers],
-                 Kind.OPROJ: lambda: h[t.layer][:, rows] if self.rank == 0 else want,
-                 Kind.DOWN: lambda: mid[t.layer][:, rows] if self.rank == 0 else want}
-        return bool(np.all(needs[t.kind]() == want)) if t.kind in needs else True
 
     def begin(self, tokens, max_new):
         s = self.s
@@ -72,7 +49,6 @@ class RankEmulator(Emulator):
                     "logits": np.zeros(s.vocab, np.float32)}
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
         self.split_counts = {}
-        self.tokens_started = False   # the host writes step 0's row; later rows come from the samplers
         self.next_embedding(tokens[0])
 
     def bests(self) -> list:
@@ -81,11 +57,10 @@ class RankEmulator(Emulator):
     def next_embedding(self, token):
         local = token - self.rank * self.s.vocab
         row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
-        self.put("h_parts", (0, self.rank), row, flag=self.step + 2 if self.tokens_started else 1)
+        self.put("h_parts", (0, self.rank), row)
 
     def execute(self, t, step, k):
         s, b = self.s, self.buf
-        self.step, self.tokens_started = step, True
         if t.kind is Kind.QKV:
             x = self.norm(self.stream(self.h_parts, t.layer), self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
@@ -97,7 +72,7 @@ class RankEmulator(Emulator):
             partial = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
             if self.rank == 0:
                 partial = self.stream(residual, t.layer)[t.begin:t.end] + partial
-            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial, flag=step + 1)
+            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial)
         elif t.kind is Kind.GATEUP:
             x = self.norm(self.stream(self.mid_parts, t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
             g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
@@ -139,8 +114,7 @@ def run_ranks(ranks, tokens, max_new, rng):
                 if index >= steps * n_tasks or (r.stop is not None and step > r.stop):
                     held[ri][w] = None
                     continue
-                if (all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k])
-                        and r.inputs_ready(r.plan.tasks[k], step)):
+                if all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k]):
                     ready.append((ri, w))
         if not ready:
             assert all(h is None for hs in held for h in hs), f"deadlock: every worker waits ({held})"
@@ -154,20 +128,18 @@ def run_ranks(ranks, tokens, max_new, rng):
         queue[ri] += 1
 
 
-@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine", "flagged"), [
-    ("llama3", 2, 3, False, False), ("qwen3", 2, 5, False, False), ("qwen3", 2, 1, False, False),
-    ("llama3", 2, 8, True, False), ("qwen3", 2, 4, True, False), ("llama3", 2, 3, False, True),
-    ("qwen3", 2, 6, True, True), ("qwen3", 2, 1, False, True)])
-def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine, flagged):
+@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine"), [
+    ("llama3", 2, 3, False), ("qwen3", 2, 5, False), ("qwen3", 2, 1, False), ("llama3", 2, 8, True),
+    ("qwen3", 2, 4, True), ("qwen3", 2, 6, True)])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine):
     config, graph, weights = tiny_model(arch, seed=3)
     split = tensor_parallel(step_function(config).trace(config), world)
     shard = shard_config(config, world)
     plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions,
-                                fused_combine=fused_combine), world, flagged_stream=flagged)
+                                fused_combine=fused_combine), world)
     check_plan(plan)
     cross = [e for e in plan.events if e.ranks > 1]
-    assert all({plan.tasks[k].kind for k in e.producers} & {Kind.LMHEAD, Kind.SAMPLE} or not e.producers
-               for e in cross) if flagged else len(cross) > 2
+    assert len(cross) > 2
     rng = np.random.default_rng(workers)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]
     prompt, new = [3, 17, 42, 5], 8
@@ -186,21 +158,5 @@ def test_a_remote_signal_dropped_is_a_deadlock():
     rng = np.random.default_rng(0)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
     ranks[1].signal = lambda k, r=ranks[1]: [r.events.__setitem__(e, r.events[e] + 1) for e in r.plan.signals[k]]
-    with pytest.raises(AssertionError, match="deadlock"):
-        run_ranks(ranks, [3, 17], 2, rng)
-
-
-def test_a_flagged_partial_of_the_wrong_step_is_a_deadlock():
-    """Under the flagged stream a partial whose flag is not its readers' step is never read: a rank that
-    put its o-proj partials with the previous step's flag stops every rank."""
-    config, graph, weights = tiny_model("llama3", seed=3)
-    split = tensor_parallel(step_function(config).trace(config), 2)
-    shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2, flagged_stream=True)
-    rng = np.random.default_rng(0)
-    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
-    put = ranks[1].put
-    ranks[1].put = lambda name, index, value, flag=None: put(
-        name, index, value, flag - 1 if name == "mid_parts" and flag is not None else flag)
     with pytest.raises(AssertionError, match="deadlock"):
         run_ranks(ranks, [3, 17], 2, rng)

@@ -45,7 +45,7 @@ class NormedStream:
     norm: str
 
     def declare(self) -> str:
-        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, flag, {self.norm}}};"
+        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, {self.norm}}};"
 
     def load(self) -> str:
         return "row.load(p);"
@@ -87,7 +87,7 @@ class ToStream:
     residual: str   # C++: column r of the residual (h_at / mid_at)
 
     def store(self, value: str) -> str:
-        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value}, flag);"
+        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value});"
 
 
 @attrs.frozen
@@ -127,10 +127,10 @@ def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     if kind is Kind.OPROJ:
         return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
                           Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
-                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r, flag)"), epilogue)
+                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r)"), epilogue)
     return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
                       Activations("(p.acts + (long long)t.layer * I)", "I"),
-                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r, flag)"), epilogue)
+                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r)"), epilogue)
 
 
 def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
@@ -145,7 +145,7 @@ def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
 _RUNTIME_CALLS = {
     Kind.ATTN: "attention_task(p, t, step, pos, work);",
-    Kind.COMBINE: "combine_task(p, t);",
+    Kind.COMBINE: "combine_task(p, t, work);",
     Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
 }
 
@@ -264,7 +264,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
         w.lines[-1] += ";"
         return
     with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, const Staged& staged, "
-                 "unsigned flag, float* work, float* red)"):
+                 "float* work, float* red)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
         inputs = _write_residual_declaration(w, body, world)
@@ -323,7 +323,7 @@ def write_dispatch(w: CodeWriter, calls: list) -> None:
     signalled (the sampler, after the last step)."""
     w("", "// the compute warps' task: its body by kind")
     with w.block("__device__ __forceinline__ bool run_task(const Params& p, const Task& t, const Staged& staged, "
-                 "unsigned flag, float* work, float* red, long long step, long long pos, int k)"):
+                 "float* work, float* red, long long step, long long pos, int k)"):
         with w.block("switch (t.kind)"):
             for kind, call in calls:
                 w(f"case KIND_{kind.name}: {call}" + ("" if call.startswith("return") else " return true;"))
@@ -358,7 +358,7 @@ def generate_bodies(plan: TaskPlan) -> str:
     for kind in (k.kind for k in plan.kind_ops):
         if kind in linear:
             body = linear[kind]
-            calls.append((kind, f"{body.function}(p, t, staged, flag, work, red);" if body.sink is not None else
+            calls.append((kind, f"{body.function}(p, t, staged, work, red);" if body.sink is not None else
                           f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))

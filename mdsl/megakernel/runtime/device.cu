@@ -130,11 +130,11 @@ __device__ __forceinline__ uint4 ld_weights(const T* p) {
 // Start pulling the head of a task's weights into L2 before waiting for its inputs (16-byte
 // multiples). Capped (PREFETCH_BYTES, from source.py): 132 SMs each prefetching whole multi-MB tiles
 // would overflow the 50 MB L2 and evict lines before they are read.
-__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane, long long limit = PREFETCH_BYTES) {
+__device__ __forceinline__ void prefetch_l2(const T* p, long long elements, int lane) {
   constexpr long long PIECE = 16384;   // bytes per bulk prefetch
   const char* bytes = reinterpret_cast<const char*>(p);
   long long total = elements * (long long)sizeof(T);
-  total = total < limit ? total : limit;
+  total = total < PREFETCH_BYTES ? total : PREFETCH_BYTES;
   for (long long off = (long long)lane * PIECE; off < total; off += 32 * PIECE) {
     const long long size = total - off < PIECE ? total - off : PIECE;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(bytes + off), "r"(unsigned(size)) : "memory");
@@ -255,71 +255,11 @@ __device__ __forceinline__ void put_everywhere(const Params& p, P* gathered, lon
 #pragma unroll
   for (int k = 1; k < WORLD; ++k) *on_peer(p, gathered + slot, (int(p.rank) + k) % WORLD) = value;
 }
-// With FLAGGED_STREAM (plan.flagged_stream) the partials are 8-byte words: the value's bits, and in the
-// high half the flag of the step that reads them (step + 1), put with one relaxed system-scope store per
-// rank and read by polling until they carry the reader's flag. No event or system-scope release orders
-// them: a word is its own signal, so a tile's partials reach the peers after one NVLink store, not
-// after its last store's acknowledgement and a remote atomic. The host zeroes them before a launch.
-using Word = unsigned long long;
-__device__ __forceinline__ Word* words(float* parts) { return reinterpret_cast<Word*>(parts); }
-__device__ __forceinline__ Word flagged(float value, unsigned flag) {
-  return (Word(flag) << 32) | Word(__float_as_uint(value));
-}
-__device__ __forceinline__ unsigned flag_of(Word w) { return unsigned(w >> 32); }
-__device__ __forceinline__ float value_of(Word w) { return __uint_as_float(unsigned(w)); }
-__device__ __forceinline__ Word ld_word(const Word* at) {
-  Word w;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
-  return w;
-}
-__device__ __forceinline__ void st_word(Word* at, Word w) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(at), "l"(w) : "memory");
-}
-// A flagged word's wait, checked every 1024 polls: false once it has lasted past the watchdog or the
-// launch stops; the watchdog then reports it (as task TASKS + 1) and stops the launch.
-__device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned flag, Word seen) {
-  const unsigned long long now = globaltimer();
-  if (since == 0) {
-    since = now;
-  } else if (now - since > WATCHDOG_NS || ld_relaxed(p.state + STATE_STOP) < 0) {
-    if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
-      p.state[STATE_STUCK_STEP] = int(flag) - 1;
-      p.state[STATE_STUCK_EVENT] = -1;
-      p.state[STATE_STUCK_COUNT] = int(flag_of(seen));
-      p.state[STATE_STUCK_NEED] = int(flag);
-    }
-    atomicExch(p.state + STATE_STOP, -1);
-    return false;
-  }
-  return true;
-}
-// the word at `at` once it carries `flag` (or the launch stops: see keep_polling)
-__device__ __noinline__ Word wait_word(const Params& p, const Word* at, unsigned flag) {
-  unsigned long long since = 0;
-  for (unsigned spins = 1;; ++spins) {
-    const Word w = ld_word(at);
-    if (flag_of(w) == flag) return w;
-    if (spins % 1024 == 0 && !keep_polling(p, since, flag, w)) return w;
-    __nanosleep(32);
-  }
-}
-
 // element i of layer `layer` of a residual-stream buffer (h or mid): from `single` on one GPU, else the
-// WORLD partials summed in rank order (flagged: once they carry `flag`)
-__device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i,
-                                           unsigned flag) {
+// WORLD partials summed in rank order
+__device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i) {
   if constexpr (WORLD == 1) {
     return mdsl::to_float(single[(long long)layer * H + i]);
-  } else if constexpr (FLAGGED_STREAM) {
-    const Word* at = words(parts) + (long long)layer * WORLD * H + i;
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < WORLD; ++k) {
-      Word w = ld_word(at + k * H);
-      if (flag_of(w) != flag) w = wait_word(p, at + k * H, flag);
-      sum += value_of(w);
-    }
-    return round_t(sum);
   } else {
     const float* at = parts + (long long)layer * WORLD * H + i;
     float sum = 0.0f;
@@ -328,23 +268,17 @@ __device__ __forceinline__ float stream_at(const Params& p, const T* single, flo
     return round_t(sum);
   }
 }
-__device__ __forceinline__ float h_at(const Params& p, int layer, int i, unsigned flag) {
-  return stream_at(p, p.hs, p.h_parts, layer, i, flag);
+__device__ __forceinline__ float h_at(const Params& p, int layer, int i) {
+  return stream_at(p, p.hs, p.h_parts, layer, i);
 }
-__device__ __forceinline__ float mid_at(const Params& p, int layer, int i, unsigned flag) {
-  return stream_at(p, p.mids, p.mid_parts, layer, i, flag);
+__device__ __forceinline__ float mid_at(const Params& p, int layer, int i) {
+  return stream_at(p, p.mids, p.mid_parts, layer, i);
 }
 // element i of layer `layer` of a residual-stream buffer: `value` on one GPU; this rank's partial `value`
 // otherwise, into its slot here and on every peer
-__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value,
-                                           unsigned flag) {
+__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value) {
   if constexpr (WORLD == 1) {
     single[(long long)layer * H + i] = mdsl::from_float<T>(value);
-  } else if constexpr (FLAGGED_STREAM) {
-    Word* at = words(parts) + ((long long)layer * WORLD + p.rank) * H + i;
-    const Word w = flagged(value, flag);
-#pragma unroll
-    for (int k = 0; k < WORLD; ++k) st_word(k == 0 ? at : on_peer(p, at, (int(p.rank) + k) % WORLD), w);
   } else {
     put_everywhere(p, parts + (long long)layer * WORLD * H, (long long)p.rank * H + i, value);
   }
@@ -454,73 +388,15 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
   row.finish(xs, red);
 }
 
-// xs[0 .. H) = rms_norm(layer `layer` of the flagged residual stream's partials) * norm. The partials are
-// all loaded before any is checked, and those that did not carry the flag yet are loaded again together,
-// round after round, until every one does: waiting for them one after the other cost a round trip per
-// missing word (gate/up bodies 50 us instead of 27 when flagged words were first measured).
-__device__ void load_flagged_stream(const Params& p, float* xs, float* parts, int layer, unsigned flag, const T* norm,
-                                    float* red) {
-  if constexpr (WORLD > 1 && FLAGGED_STREAM) {
-    constexpr int PER = (H + NT - 1) / NT, MASKS = (PER * WORLD + 31) / 32;
-    const Word* base = words(parts) + (long long)layer * WORLD * H;
-    float v[PER][WORLD];        // the values (the flags checked as they arrive: half the registers of the words)
-    unsigned missing[MASKS] = {};   // bit b = j * WORLD + k of missing[b / 32]: word (j, k) lacks the flag yet
-#pragma unroll
-    for (int j = 0; j < PER; ++j)
-#pragma unroll
-      for (int k = 0; k < WORLD; ++k) {
-        const int i = threadIdx.x + j * NT;
-        const Word w = i < H ? ld_word(base + k * H + i) : flagged(0.0f, flag);
-        v[j][k] = value_of(w);
-        if (flag_of(w) != flag) missing[(j * WORLD + k) / 32] |= 1u << ((j * WORLD + k) % 32);
-      }
-    unsigned long long since = 0;
-    for (unsigned round = 1;; ++round) {
-      unsigned any = 0;
-#pragma unroll
-      for (int m = 0; m < MASKS; ++m) any |= missing[m];
-      if (any == 0) break;
-      Word seen = 0;
-#pragma unroll
-      for (int j = 0; j < PER; ++j)
-#pragma unroll
-        for (int k = 0; k < WORLD; ++k) {
-          const int b = j * WORLD + k;
-          if (missing[b / 32] & (1u << (b % 32))) {
-            const Word w = ld_word(base + k * H + threadIdx.x + j * NT);
-            v[j][k] = value_of(w);
-            if (flag_of(w) == flag) missing[b / 32] &= ~(1u << (b % 32));
-            else seen = w;
-          }
-        }
-      if (round % 1024 == 0 && !keep_polling(p, since, flag, seen)) break;
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = threadIdx.x + j * NT;
-      float sum = 0.0f;
-#pragma unroll
-      for (int k = 0; k < WORLD; ++k) sum += v[j][k];
-      if (i < H) xs[i] = round_t(sum);
-    }
-    load_normed_input<H>(xs, [&](int i) { return xs[i]; }, norm, red);   // each thread its own elements
-  }
-}
-
 // xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer: `single` on one GPU, else the ranks'
-// partials summed) * norm, in two halves (the flagged stream's polling all in the second: its rounds would
-// wait behind weight loads issued between them)
+// partials summed) * norm, in two halves: the loads, then the norm
 struct StreamRow {
   NormedRow<H> row;
-  const T* single; float* parts; int layer; unsigned flag; const T* norm;
+  const T* single; float* parts; int layer; const T* norm;
   __device__ __forceinline__ void load(const Params& p) {
-    if constexpr (!(WORLD > 1 && FLAGGED_STREAM))
-      row.load([&](int i) { return stream_at(p, single, parts, layer, i, flag); }, norm);
+    row.load([&](int i) { return stream_at(p, single, parts, layer, i); }, norm);
   }
-  __device__ __forceinline__ void finish(const Params& p, float* xs, float* red) const {
-    if constexpr (WORLD > 1 && FLAGGED_STREAM) load_flagged_stream(p, xs, parts, layer, flag, norm, red);
-    else row.finish(xs, red);
-  }
+  __device__ __forceinline__ void finish(const Params& p, float* xs, float* red) const { row.finish(xs, red); }
 };
 
 // Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
@@ -728,16 +604,16 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 // Merges the SPLITS partial results of query heads first .. first + count - 1 of a layer (a thread per
 // output value; the same arithmetic, in the same order, as combine_task). The partials were written by
 // other blocks and are read from L2 (ld.cg): this SM's L1 may hold an earlier step's.
-constexpr int COMBINE_UNROLL = 16;   // plan.MAX_SPLITS
+constexpr int COMBINE_BATCH = SPLITS < 32 ? SPLITS : 32;   // a split loop's loads in flight per thread
 __device__ void combine_heads(const Params& p, int layer, int first, int count) {
   for (int e = threadIdx.x; e < count * D; e += NT) {
     const int head = first + e / D, d = e % D;
     const float* part = p.parts + ((long long)layer * HQ + head) * SPLITS * PART;
     float top = mdsl::neg_inf();
-#pragma unroll COMBINE_UNROLL
+#pragma unroll COMBINE_BATCH
     for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, __ldcg(part + s * PART));
     float num = 0.0f, den = 0.0f;
-#pragma unroll COMBINE_UNROLL
+#pragma unroll COMBINE_BATCH
     for (int s = 0; s < SPLITS; ++s) {
       const float scale = mdsl::rescale(__ldcg(part + s * PART), top);
       num = fmaf(scale, __ldcg(part + s * PART + 2 + d), num);
@@ -942,21 +818,41 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   }
 }
 
-// merges the SPLITS partial results of one query head (the loops unrolled so that a batch of splits'
-// loads is in flight at once: one L2 round trip per split was 4 us of a 33-split combine)
-__device__ void combine_task(const Params& p, const Task& t) {
+// merges the SPLITS partial results of one query head: each split's scale computed once, in shared memory
+// (not once per output value), and each value's loads all in flight at once (one L2 round trip per split
+// was 4 us of a 33-split combine); with at most 16 splits they are issued first, so that they land while
+// the scales are computed (holding 32 spilled). The arithmetic and its order are combine_heads'.
+__device__ void combine_task(const Params& p, const Task& t, float* sm) {
   const float* part = p.parts + ((long long)t.layer * HQ + t.begin) * SPLITS * PART;
+  float* scales = sm;                // [SPLITS]: each split's max, then its scale
+  float* sums = sm + SPLITS;         // [SPLITS]: each split's sum of weights
+  constexpr bool HELD = SPLITS <= 16 && D <= NT;   // a thread's values in registers across the scales
+  float values[HELD ? SPLITS : 1];
+  if constexpr (HELD)
+    if (threadIdx.x < D)
+#pragma unroll
+      for (int s = 0; s < SPLITS; ++s) values[s] = part[s * PART + 2 + threadIdx.x];
+  for (int s = threadIdx.x; s < SPLITS; s += NT) {
+    scales[s] = part[s * PART];
+    sums[s] = part[s * PART + 1];
+  }
+  compute_sync();
   float top = mdsl::neg_inf();
-#pragma unroll COMBINE_UNROLL
-  for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part[s * PART]);
+  for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, scales[s]);
+  compute_sync();                    // every thread has read the maxima
+  for (int s = threadIdx.x; s < SPLITS; s += NT) scales[s] = mdsl::rescale(scales[s], top);
+  compute_sync();
+  float den = 0.0f;
+  for (int s = 0; s < SPLITS; ++s) den = fmaf(scales[s], sums[s], den);
   T* out = p.attns + (long long)t.layer * HQ * D + t.begin * D;
   for (int d = threadIdx.x; d < D; d += NT) {
-    float num = 0.0f, den = 0.0f;
-#pragma unroll COMBINE_UNROLL
-    for (int s = 0; s < SPLITS; ++s) {
-      const float scale = mdsl::rescale(part[s * PART], top);
-      num = fmaf(scale, part[s * PART + 2 + d], num);
-      den = fmaf(scale, part[s * PART + 1], den);
+    float num = 0.0f;
+    if constexpr (HELD) {
+#pragma unroll
+      for (int s = 0; s < SPLITS; ++s) num = fmaf(scales[s], values[s], num);
+    } else {
+#pragma unroll COMBINE_BATCH
+      for (int s = 0; s < SPLITS; ++s) num = fmaf(scales[s], part[s * PART + 2 + d], num);
     }
     out[d] = mdsl::from_float<T>(num / den);
   }
@@ -1009,7 +905,7 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos, int tile,
                             float* xs, float* red, Logit logit_of) {
-  StreamRow row{{}, p.hs, p.h_parts, L, unsigned(step + 1), p.final_norm};
+  StreamRow row{{}, p.hs, p.h_parts, L, p.final_norm};
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -1115,7 +1011,7 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
     const int local = next_token - int(p.rank) * V;
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
     for (int i = threadIdx.x; i < H; i += NT)
-      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f, unsigned(step + 2));
+      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f);
   }
   return going;
 }
@@ -1142,10 +1038,9 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   }
 }
 
-// The head of each of a task's weight pieces (`limit` bytes) into L2, by a warp's lanes
-__device__ __forceinline__ void prefetch_weight_rows(const Params& p, const LayerWeights& w, const Task& t, int lane,
-                                                     long long limit = PREFETCH_BYTES) {
-  weight_pieces(p, w, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane, limit); });
+// The head of each of a task's weight pieces (PREFETCH_BYTES) into L2, by the scheduler warp's lanes
+__device__ __forceinline__ void prefetch_weight_rows(const Params& p, const LayerWeights& w, const Task& t, int lane) {
+  weight_pieces(p, w, t, [&](const T* first, long long elements) { prefetch_l2(first, elements, lane); });
 }
 
 // What a task will read first and can be read before its inputs are ready: the head of its weight
@@ -1348,13 +1243,6 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
         if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
         if (lane == 0) slots[s] = Slot{t, index, streamed, taken, 0, true, false};
         named_arrive(BAR_FULL + s, BLOCK);
-        if constexpr (EARLY_PREFETCH_BYTES > 0) {
-          // the head of each weight piece into L2 as the compute warps take the task (they issue its first
-          // pass meanwhile), not before: the stream of the task before would evict it, and a prefetch in
-          // flight holds the release that ends that task (copy_probe)
-          while (*tasks_done < k) __nanosleep(64);
-          prefetch_weight_rows(p, p.layers[min(t.layer, L - 1)], t, lane, EARLY_PREFETCH_BYTES);   // (LM head: p's)
-        }
       }
       if (!wait_for_inputs(p, t, index, step, lane)) {
         index = -1;
@@ -1410,13 +1298,12 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     const unsigned long long started = threadIdx.x == 0 && p.profile != nullptr ? globaltimer() : 0;
     if (threadIdx.x == 0 && p.profile != nullptr)
       for (int m = 0; m < MARKS; ++m) body_marks[m] = 0;   // (thread 0 alone writes and reads them)
-    const unsigned flag = unsigned(step + 1);   // the flagged residual stream's words this step reads and writes
     const bool staged_task = staged_kind(t.kind);
     const int b = stage_buffer(t.kind);
     const Staged staged = {staged_task ? stage + stage_buffer_offset(b) / int(sizeof(T)) : nullptr, &bars.full[b],
                            unsigned(staged_done.of(b)) & 1u, ring, &stream, slot.stream_first,
                            slot.early ? BAR_READY + s : 0};
-    const bool signal = run_task(p, t, staged, flag, work, red, step, pos, int(index % TASKS));
+    const bool signal = run_task(p, t, staged, work, red, step, pos, int(index % TASKS));
     compute_sync();                    // every thread's writes happen before the release below
     if (staged_task) staged_done.add(b);
     if (threadIdx.x == 0) {

@@ -95,7 +95,8 @@ class MegakernelEngine:
     DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
     worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
     worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
-    lanes share a cached position in attention's scores (source.ATTENTION_LANES); `fused_combine`, whether
+    lanes share a cached position in attention's scores (source.ATTENTION_LANES; 4 by default: Qwen3-8B one
+    GPU 4.472 -> 4.434 ms, two GPUs 2.817 -> 2.813, fifteenth session); `fused_combine`, whether
     the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
     under tensor parallelism without weight streaming); `stage_heads`, whether the tiles that do not fit
@@ -104,13 +105,13 @@ class MegakernelEngine:
     and gate/up; with "qkv" one buffer holds every staged kind's tiles in turn, and a QKV tile's copy starts
     once the task before it is done), `stage_late` whether every staged kind's copy waits so (None: whenever
     staging is on; stage_heads, stage_buffer_kib, stage_kinds and stage_late=True imply staging);
-    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `flagged_stream`, under
-    tensor parallelism, whether the residual stream's partials travel as flagged words that their readers
-    poll instead of being signalled (plan.for_ranks); `stream_weights`, whether a loader warp streams every
-    task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup", "down", "lmhead") through a
-    shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the static schedule), in
-    buffers of `stream_buffer_kib` KiB if given (else the size that wastes least); `attention_splits`, the
-    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits);
+    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `stream_weights`, whether
+    a loader warp streams every task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup",
+    "down", "lmhead") through a shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the
+    static schedule), in buffers of `stream_buffer_kib` KiB if given (else the size that wastes least);
+    `attention_splits`, the
+    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits), and
+    `attention_min_chunk` the positions a split takes at least (default plan.MIN_CHUNK, 64);
     `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; (), the
     default: none, measured faster on every model and both GPU counts; prefetch_ahead and prefetch_kib act
     on these kinds' prefetches); `weights_first`, the share of its first pass of weight loads (0 to 1) a
@@ -120,22 +121,22 @@ class MegakernelEngine:
     Qwen3-8B over 2 GPUs 2.933 -> 2.946 ms, one GPU 4.567 -> 4.561 ms: off, fourteenth session);
     `early_weights`, the kinds (names as prefetch_kinds'; None, the default: all; (): none) whose tasks are
     handed to the compute warps before their inputs are complete, each warp's first pass of weight loads
-    issued while they wait (source.generate_source; a staged kind is not early); `early_prefetch_kib`, how
-    much of the head of each of such a task's weight pieces the scheduler also prefetches into L2 once the
-    compute warps take the task (0, the default: none; not yet run on a GPU). `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the
-    rank's shard, and every rank must call `run` with the same arguments."""
+    issued while they wait (source.generate_source; a staged kind is not early).
+    `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
+    `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1, attention_lanes: int = 1, fused_combine: bool = False,
+                 prefetch_ahead: int = 1, attention_lanes: int = 4, fused_combine: bool = False,
                  stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
-                 flagged_stream: bool = False, stream_weights: Union[bool, Sequence[str]] = False,
+                 stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
+                 attention_min_chunk: Optional[int] = None,
                  stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 early_prefetch_kib: float = 0, ranks: Optional[RankGroup] = None):
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -148,6 +149,9 @@ class MegakernelEngine:
         if attention_splits is not None and not 1 <= attention_splits <= 4096:
             raise MdslError(f"attention_splits {attention_splits}",
                             hint="1 to 4096 splits per kv head, or None for as many as fill the SMs")
+        if attention_min_chunk is not None and not 1 <= attention_min_chunk <= 4096:
+            raise MdslError(f"attention_min_chunk {attention_min_chunk}",
+                            hint="1 to 4096 positions per attention split at least, or None for 64")
         if stream_weights is not False:
             try:
                 stream_kind_names(stream_weights)
@@ -168,9 +172,6 @@ class MegakernelEngine:
         except ValueError:
             raise MdslError(f"early_weights {early_weights!r}",
                             hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
-        if not 0 <= early_prefetch_kib <= 1024 or (early_prefetch_kib and not early_kinds):
-            raise MdslError(f"early_prefetch_kib {early_prefetch_kib} with early_weights {early_weights!r}",
-                            hint="0 to 1024 KiB of each weight piece's head, for early kinds only (early_weights)")
         refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
         if stage_weights is None:
             # staged o-proj and gate/up tiles were measured faster over 2 GPUs (no change on one) until their
@@ -213,15 +214,14 @@ class MegakernelEngine:
         self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
-                                                   splits=attention_splits, fused_combine=fused_combine), self.world,
-                                         flagged_stream=flagged_stream and self.world > 1)
+                                                   splits=attention_splits, fused_combine=fused_combine,
+                                                   min_chunk=attention_min_chunk), self.world)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds,
-                                     int(early_prefetch_kib * 1024))
+                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging
@@ -363,11 +363,8 @@ class MegakernelEngine:
         p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
         p.best_index = self._shared_zeros(self.world * plan.lm_tiles, i32)
         if self.ranks is not None:
-            words = 2 if self.plan.flagged_stream else 1   # flagged: (value, flag) words of 8 bytes
-            self._stream_bytes = [((s.layers + 1) * self.world * s.hidden * words * 4),
-                                  (s.layers * self.world * s.hidden * words * 4)]
-            p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden * words, f32)
-            p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden * words, f32)
+            p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden, f32)
+            p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden, f32)
             p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
             p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
@@ -431,11 +428,6 @@ class MegakernelEngine:
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)
-        if self.plan.flagged_stream:   # no word of an earlier launch carries a flag this one reads
-            for ptr, nbytes in zip((p.h_parts, p.mid_parts), self._stream_bytes):
-                _check(driver.cuMemsetD8Async(ptr, 0, nbytes, self._stream), "cuMemsetD8Async")
-            _check(driver.cuStreamSynchronize(self._stream), "zeroing the residual stream's partials")
-            self.ranks.pe.barrier()    # ... before a peer puts step 0's row into them
         self._write_first_row(tokens[start])
         if self.ranks is not None:   # every rank's tables and first row are in place before any kernel runs
             self.ranks.pe.barrier()
@@ -450,10 +442,6 @@ class MegakernelEngine:
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
-        if task == len(self.plan.tasks) + 1:   # device.cu's wait_word
-            raise CudaError(f"the megakernel deadlocked: a residual-stream partial of step {step} still carried flag "
-                            f"{count} after 5 s (needed {need}); every worker stopped",
-                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
         if task:
             waited = self.plan.events[event].producers
             raise CudaError(f"the megakernel deadlocked: task {task - 1} ({self.plan.tasks[task - 1].label()}) of step "
@@ -489,8 +477,6 @@ class MegakernelEngine:
         if 0 <= local < s.vocab:
             raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)
             row = (raw.astype(np.uint32) << 16).view(np.float32) if s.dtype.itemsize == 2 else raw.view(np.float32)
-        if self.plan.flagged_stream:   # (value, flag 1: step 0's) words
-            row = (np.uint64(1) << np.uint64(32)) | row.view(np.uint32).astype(np.uint64)
         slot = p.h_parts + self.ranks.rank * s.hidden * row.itemsize
         for k in range(self.world):
             self._copy_in(slot + (self._peer_deltas[k] if k != self.ranks.rank else 0), row)

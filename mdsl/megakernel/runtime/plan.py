@@ -115,6 +115,11 @@ class KindOp:
         return dict(self.attrs)
 
 
+# attention positions per split at least (device.cu's MIN_CHUNK), unless a plan asks for fewer: a short
+# context is one split, whose softmax weights are relative to the true maximum as in transformers' fused attention
+MIN_CHUNK = 64
+
+
 @attrs.frozen
 class TaskPlan:
     shape: DecoderShape
@@ -128,12 +133,10 @@ class TaskPlan:
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
     fused_combine: bool = False   # the last attention split of a kv head merges its heads' partials
-    # under tensor parallelism: the residual stream's partials travel as (value, step flag) words that their
-    # readers poll, so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
-    flagged_stream: bool = False
     # KindOp per task kind present: the (fused) layer op whose tasks it runs, the source of its generated
     # body (runtime/bodies.py); every layer's op of a kind is the same, with the same attributes
     kind_ops: tuple = ()
+    min_chunk: int = MIN_CHUNK   # attention positions per split at least
 
     def op_of(self, kind: "Kind") -> "KindOp":
         for k in self.kind_ops:
@@ -144,13 +147,13 @@ class TaskPlan:
     @property
     def max_chunk(self) -> int:
         """The most positions one attention split covers (device.cu's chunk rule)."""
-        return max(MIN_CHUNK, -(-self.max_seq // self.splits))
+        return max(self.min_chunk, -(-self.max_seq // self.splits))
 
     def attention_range(self, position: int, split: int) -> tuple:
-        """Positions [lo, hi) of a split at `position`: equal chunks of at least MIN_CHUNK from 0, so
+        """Positions [lo, hi) of a split at `position`: equal chunks of at least min_chunk from 0, so
         that the split holding `position` (the one that appends it to the KV cache) is the last
         non-empty one."""
-        chunk = max(MIN_CHUNK, -(-(position + 1) // self.splits))
+        chunk = max(self.min_chunk, -(-(position + 1) // self.splits))
         return min(split * chunk, position + 1), min(split * chunk + chunk, position + 1)
 
     def tables(self) -> tuple:
@@ -183,18 +186,14 @@ REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every r
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
-# ... of which the o-proj and down-proj tiles' partials may travel as flagged words instead (flagged_stream)
-FLAGGED_KINDS = (Kind.OPROJ, Kind.DOWN)
 
 
-def for_ranks(plan: TaskPlan, world: int, flagged_stream: bool = False) -> TaskPlan:
+def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
     """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
     model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
     same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
     producers of every rank, and the embedding's (the samplers') starts at `world`: the host puts each
-    rank's part of step 0's row. `flagged_stream`: the o-proj and down-proj tiles put each partial with
-    its step's flag in one 8-byte word, which readers poll; their events then count this rank's tiles
-    only, and nothing is signalled across GPUs for them (no system-scope release per tile)."""
+    rank's part of step 0's row."""
     if plan.world != 1:
         raise ValueError(f"the plan is already one of {plan.world} ranks")
     if world == 1:
@@ -202,19 +201,16 @@ def for_ranks(plan: TaskPlan, world: int, flagged_stream: bool = False) -> TaskP
     events = []
     for event in plan.events:
         kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
-        if flagged_stream and kinds <= set(FLAGGED_KINDS):
-            events.append(event)
-        elif kinds <= set(CROSS_RANK_KINDS):
+        if kinds <= set(CROSS_RANK_KINDS):
             events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
         elif kinds & set(CROSS_RANK_KINDS):
             raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
         else:
             events.append(event)
-    return attrs.evolve(plan, events=tuple(events), world=world, flagged_stream=flagged_stream)
+    return attrs.evolve(plan, events=tuple(events), world=world)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save
-MIN_CHUNK = 64          # attention positions per split at least (device.cu's MIN_CHUNK)
 
 
 def tiles(n: int, count: int) -> list:
@@ -222,7 +218,7 @@ def tiles(n: int, count: int) -> list:
     return balanced_tiles(n, count, MIN_ROWS_PER_TILE)
 
 
-MAX_SPLITS = 16         # attention splits per kv head at most (device.cu's COMBINE_UNROLL: one batch of loads)
+MAX_SPLITS = 16         # attention splits per kv head at most, by default
 
 
 def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
@@ -232,41 +228,46 @@ def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
     return max(1, min(workers // shape.kv_heads, MAX_SPLITS, max_seq))
 
 
-def device_partition(workers: int, splits: int) -> PartitionConfig:
-    """The task graph's tiling as the device runs it: `tiles` per linear, `splits` chunked attention splits."""
+def device_partition(workers: int, splits: int, min_chunk: Optional[int] = None) -> PartitionConfig:
+    """The task graph's tiling as the device runs it: `tiles` per linear, `splits` chunked attention splits
+    of at least `min_chunk` positions (default MIN_CHUNK)."""
     return PartitionConfig(num_sms=workers, kv_splits=splits, min_columns=MIN_ROWS_PER_TILE,
-                           attention_min_chunk=MIN_CHUNK)
+                           attention_min_chunk=min_chunk or MIN_CHUNK)
 
 
 def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None,
-               fused_combine: bool = False) -> TaskPlan:
+               fused_combine: bool = False, min_chunk: Optional[int] = None) -> TaskPlan:
     """The task tables of one decode step of the built-in decoder of `shape.config`, for `workers` worker
     blocks (one per SM). `fused_combine`: no combine tasks; the attention split of a kv head that finishes
-    last merges the splits' partials of its query heads (one dependency hop less per layer)."""
+    last merges the splits' partials of its query heads (one dependency hop less per layer). `min_chunk`:
+    attention positions per split at least (default MIN_CHUNK)."""
     graph = step_function(shape.config).trace(shape.config, max_positions=max_seq)
-    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, fused_combine=fused_combine)
+    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, fused_combine=fused_combine,
+                      min_chunk=min_chunk)
 
 
 def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-               splits: Optional[int] = None, fused_combine: bool = False) -> TaskPlan:
+               splits: Optional[int] = None, fused_combine: bool = False,
+               min_chunk: Optional[int] = None) -> TaskPlan:
     """The device tables of a model graph: fused (mdsl.megakernel.fusion), cut into the device's tiles,
     waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
     an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
     splits = splits or attention_splits(shape, workers, max_seq)
-    task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits)))
+    min_chunk = min_chunk or MIN_CHUNK
+    task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits, min_chunk)))
     return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits,
-                            fused_combine=fused_combine)
+                            fused_combine=fused_combine, min_chunk=min_chunk)
 
 
 def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-                     splits: int, fused_combine: bool = False) -> TaskPlan:
+                     splits: int, fused_combine: bool = False, min_chunk: Optional[int] = None) -> TaskPlan:
     """Table rows from the task graph's tasks, by each op's `device` rule (below), in the task graph's
     order; events from its events. A task a rule absorbs (the embedding: the previous step's sampler
     writes the row) hands its waits to the tasks waiting for it. The one cross-step event, a wait on the
     previous step's token (step offset -1), becomes event 0, which starts at count * 1 so that
     `producers * (step + 1)` is the task graph's `count * (step + 1 - 1)`."""
     graph = task_graph.model
-    binding = _Binding(shape, max_seq, splits, fused_combine)
+    binding = _Binding(shape, max_seq, splits, fused_combine, min_chunk or MIN_CHUNK)
     by_node: dict = {}
     for t in task_graph.tasks:
         by_node.setdefault(t.node, []).append(t)
@@ -287,7 +288,8 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
                                                f"{kind_op.op} {dict(kind_op.attrs)}'s")
     binding.finish(graph, rows)
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
-                        fused_combine=fused_combine, kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)))
+                        fused_combine=fused_combine, kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
+                        min_chunk=binding.min_chunk)
 
 
 _CROSS = "previous step's token"
@@ -350,8 +352,9 @@ def _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits) -> T
 # buffer and refuses a graph that differs.
 
 class _Binding:
-    def __init__(self, shape: DecoderShape, max_seq: int, splits: int, fused_combine: bool = False):
+    def __init__(self, shape: DecoderShape, max_seq: int, splits: int, fused_combine: bool, min_chunk: int):
         self.shape, self.max_seq, self.splits, self.fused_combine = shape, max_seq, splits, fused_combine
+        self.min_chunk = min_chunk
         self.buffer_of: dict = {}    # graph value -> device buffer
         self.weight_types = _weight_types(shape)
 
@@ -482,7 +485,7 @@ def _rope_attention_rows(node, tasks, bind):
                                     (Access(attn, head * d, (head + 1) * d),)))
             continue
         g, split = t.tile_value("kv_head"), t.tile_value("split")
-        assert (t.tile_value("splits"), t.tile_value("min_chunk")) == (bind.splits, MIN_CHUNK), t
+        assert (t.tile_value("splits"), t.tile_value("min_chunk")) == (bind.splits, bind.min_chunk), t
         reads = (Access(qkv, g * s.group * d, (g + 1) * s.group * d), Access(qkv, k_base + g * d, k_base + (g + 1) * d),
                  Access(qkv, v_base + g * d, v_base + (g + 1) * d))
         parts = [(head * bind.splits + split) * width for head in range(g * s.group, (g + 1) * s.group)]

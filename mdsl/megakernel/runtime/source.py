@@ -13,7 +13,7 @@ import attrs
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.runtime.bodies import generate_bodies, residual_columns
-from mdsl.megakernel.runtime.plan import MIN_CHUNK, Kind, TaskPlan
+from mdsl.megakernel.runtime.plan import Kind, TaskPlan
 from mdsl.megakernel.runtime.profile import BODY_MARKS
 
 KERNEL_NAME = "mdsl_megakernel"
@@ -329,14 +329,14 @@ def attention_lanes_for(plan: TaskPlan, wanted: int) -> int:
 
 
 def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: int = 1,
-                    attention_lanes: int = 1, stage_weights: bool = False,
+                    attention_lanes: int = 4, stage_weights: bool = False,
                     prefetch_kib: int = DEFAULT_PREFETCH_KIB, stream_weights: Union[bool, Sequence[str]] = False,
                     stream_buffer_bytes: Optional[int] = None, stage_heads: bool = False,
                     stage_buffer_bytes: Optional[int] = None,
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
                     weights_first: float = 0.0, attention_unrolled: bool = False,
-                    early_kinds: Sequence[Kind] = (), early_prefetch_bytes: int = 0) -> MegakernelSource:
+                    early_kinds: Sequence[Kind] = ()) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -355,9 +355,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     order; the split holding the new position ran 1.5-2 us longer than the others without). `early_kinds`:
     the kinds (of WEIGHT_KINDS, neither staged nor streamed) whose tasks the scheduler hands to the compute
     warps before their inputs are complete, once their step is known to run, so that each warp's first
-    pass of weight loads streams while the task waits (device.cu: early_kind); with `early_prefetch_bytes`,
-    the scheduler also prefetches the head of each of such a task's weight pieces (that many bytes) into L2
-    once the compute warps take the task.
+    pass of weight loads streams while the task waits (device.cu: early_kind).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -378,9 +376,6 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if set(early_kinds) - set(WEIGHT_KINDS):
         raise ValueError(f"early_kinds are kinds that read weight rows ({', '.join(k.name for k in WEIGHT_KINDS)}), "
                          f"not {', '.join(sorted(k.name for k in set(early_kinds) - set(WEIGHT_KINDS)))}")
-    if not 0 <= early_prefetch_bytes <= 1 << 20 or (early_prefetch_bytes and not early_kinds):
-        raise ValueError(f"early_prefetch_bytes is 0 to 1 MiB, and needs early_kinds: not {early_prefetch_bytes} "
-                         f"with early_kinds {tuple(k.name for k in early_kinds)}")
     eighths = 0 if weights_first == 0 else max(1, round(weights_first * 8))   # of the pass's loads
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
@@ -397,7 +392,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
         "L": s.layers, "QKV": s.qkv_rows, "SPLITS": plan.splits, "MAX_SEQ": plan.max_seq,
-        "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": MIN_CHUNK, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
+        "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": plan.min_chunk, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
         "LM_TILES": plan.lm_tiles, "WORLD": plan.world, "RESIDUAL_OFFSET": linear_row_floats(plan),
         "RESIDUAL_COLUMNS": max(residual_columns(plan), 1),
         **{f"KIND_{kind.name}": int(kind) for kind in Kind},
@@ -408,14 +403,12 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
-              f"constexpr bool FLAGGED_STREAM = {'true' if plan.flagged_stream else 'false'};",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
               f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
               f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds))};",
-              f"constexpr long long EARLY_PREFETCH_BYTES = {early_prefetch_bytes}ll;",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
