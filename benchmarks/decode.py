@@ -98,8 +98,14 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},
     # 32 attention splits of at least 32 positions (a rank of Qwen3-8B over 2 GPUs: 128 attention tasks, not 64;
-    # 2.813 -> 2.789 ms, fifteenth session; one GPU, 8 kv heads: 256 tasks, slower)
+    # 2.813 -> 2.789 ms, fifteenth session, and its default since the sixteenth; one GPU, 8 kv heads: 256
+    # tasks, slower); 16 of at least 64, a rank's default until the sixteenth session
     "splits32": {"schedule": "static", "attention_splits": 32, "attention_min_chunk": 32},
+    "splits16": {"schedule": "static", "attention_splits": 16, "attention_min_chunk": 64},
+    # under tensor parallelism the residual stream's partials carry their readers' step parity and are polled
+    # for, not signalled across GPUs (a flagged word crosses NVLink in 1.0 us, a put-with-signal in 2.3)
+    "parity": {"schedule": "static", "parity_stream": True},
+    "parity-gpu": {"schedule": "static", "parity_stream": True, "parity_scope": "gpu"},   # its loads at GPU scope
 }
 
 
@@ -459,13 +465,28 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
         engine.close()
 
 
+# engine options that only act under tensor parallelism: a variant that differs from another only in these
+# runs the same kernel on one GPU, so it is not run there again
+TP_ONLY_OPTIONS = ("parity_stream", "parity_scope")
+
+
+def one_gpu_twin(variant: str, candidates) -> str:
+    """The first of `candidates` whose one-GPU kernel is `variant`'s (itself if none is)."""
+    def mine(v):
+        return {k: o for k, o in VARIANTS[v].items() if k not in TP_ONLY_OPTIONS}
+    return next((v for v in candidates if mine(v) == mine(variant)), variant)
+
+
 def variants_of(name: str, args) -> list:
     """The runtime variants measured for a model: all of them, or under --quick the first one only, but
     for the profiled model (so that the extra variants cost two engine builds of the smallest model);
-    a model run tensor-parallel also under each of its --tp-variants (one GPU against N in the same one)."""
+    a model run tensor-parallel also under each of its --tp-variants (one GPU against N in the same one),
+    unless one already chosen runs the same kernel on one GPU (TP_ONLY_OPTIONS)."""
     chosen = args.variants if not args.quick or name == args.trace_model else args.variants[:1]
     if args.tp > 1 and name in args.tp_models:
-        chosen = chosen + [v for v in args.tp_variants if v not in chosen]
+        for v in args.tp_variants:
+            if one_gpu_twin(v, chosen) not in chosen:
+                chosen = chosen + [v]
     return chosen
 
 
@@ -517,8 +538,9 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
                 result["tensor_parallel"][variant] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
                 print(f"[{name}] {args.tp} GPUs ({variant}) failed", flush=True)
                 continue
-            one = result["variants"][variant].get("megakernel_ms")
-            tp["one_gpu_ms"] = one
+            twin = one_gpu_twin(variant, list(result["variants"]))   # (the same one-GPU kernel)
+            one = result["variants"][twin].get("megakernel_ms")
+            tp["one_gpu_ms"], tp["one_gpu_variant"] = one, twin
             tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / one if one else None
             result["tensor_parallel"][variant] = tp
             print(f"[{name}] {args.tp} GPUs / 1 GPU ({variant}): {tp['megakernel_ms']:.3f} / {one:.3f} ms = "

@@ -59,13 +59,14 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
   else git log -1 --format='commit %h %s' 2>/dev/null || true; fi; } 2>&1 | tee -a "$SUMMARY"
 
 # a throwaway plan cache for the tests (no plan from an earlier run is reused); the benchmark reads .plans.
-# GPU_TESTS: the tests besides the tensor-parallel file (default: every GPU test). -v, the passes filtered
+# GPU_TESTS: the tests besides the tensor-parallel file (default: every GPU test); TP_TESTS: which of the
+# tensor-parallel file's (pytest node ids; default: the whole file). -v, the passes filtered
 # out: a run cut at its limit still names the tests that failed.
 # The tensor-parallel tests (a minute or more each: one GPU's engine and every rank's) run beside the
 # others from the start in their own pytest, so that the stage's limit does not fall on them.
 TESTS_CMD="$PY -m pytest -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" bash -c "
-    $TESTS_CMD -v tests/gpu/test_tensor_parallel_gpu.py -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
+    $TESTS_CMD -v ${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py} -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
     $TESTS_CMD -v ${GPU_TESTS:-tests/gpu tests/backend/ptx/test_ptx_gpu.py} --ignore=tests/gpu/test_tensor_parallel_gpu.py \
         -n ${TEST_WORKERS:-14} | grep -vE ' PASSED '; wait; echo '== tensor-parallel tests'; cat '$OUT/tests_tp.log'"
 grep -hE '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
@@ -111,9 +112,10 @@ grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# (by default the defaults, and over two GPUs 32 attention splits too: docs/performance.md, fifteenth session)
+# (by default the defaults, and over two GPUs the parity stream and the former 16 attention splits too:
+# docs/performance.md, sixteenth session)
 DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
-TP_VARIANTS="${TP_VARIANTS:-static,splits32}"
+TP_VARIANTS="${TP_VARIANTS:-static,parity,splits16}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"

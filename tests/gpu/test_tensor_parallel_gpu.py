@@ -57,6 +57,7 @@ HEADS = (("stage_heads", True), ("stage_buffer_kib", 0.5))   # 4 of 8 o-proj col
 STAGE_QKV = (("stage_kinds", ("qkv", "oproj", "gateup")),)    # one shared buffer, QKV's copy late
 LATE = (("early_weights", ()),)   # no task handed over before its inputs are complete (the default: every kind)
 SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several attention splits at these short contexts
+PARITY = (("parity_stream", True),)   # the residual stream's partials polled for their step's parity
 
 
 @pytest.mark.timeout(600)
@@ -65,11 +66,13 @@ SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several atten
     ("qwen3", "bf16", STAGED), ("llama3", "bf16", STREAMED), ("qwen3", "bf16", STREAMED[:1]), ("qwen3", "bf16", HEADS),
     ("llama3", "bf16", STAGE_QKV + HEADS), ("qwen3", "bf16", STAGE_QKV + (("stage_late", True),)),
     ("qwen3", "bf16", LATE), ("llama3", "f32", LATE + STAGED[:1]), ("qwen3", "bf16", SPLITS),
-    ("llama3", "bf16", SPLITS + (("attention_lanes", 1),))],
+    ("llama3", "bf16", SPLITS + (("attention_lanes", 1),)), ("qwen3", "bf16", PARITY), ("llama3", "f32", PARITY),
+    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1])],
     ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
          "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
          "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
-         "qwen3-bf16-splits", "llama3-bf16-splits-lanes1"])
+         "qwen3-bf16-splits", "llama3-bf16-splits-lanes1", "qwen3-bf16-parity", "llama3-f32-parity",
+         "qwen3-bf16-parity-splits-staged"])
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces

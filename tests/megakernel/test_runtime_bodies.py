@@ -43,10 +43,10 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
     one = function(generate_bodies(plan), "oproj_task")
     assert "const float r_product = round_t(acc[0]);" in one
     assert "const float r_out = round_t(r_residual + r_product);" in one
-    assert "stream_put(p, p.mids, p.mid_parts, t.layer, r, r_out);" in one
+    assert "stream_put(p, p.mids, p.mid_parts, t.layer, r, r_out, parity);" in one
     ranks = generate_bodies(for_ranks(plan, 2))
     rank = function(ranks, "oproj_task")
-    assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r) : 0.0f)" in rank
+    assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r, parity) : 0.0f)" in rank
     assert "round_t(r_act * r_up)" in function(ranks, "gateup_task")   # a buffer, not the residual stream
 
 
@@ -58,7 +58,7 @@ def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     plan = tiny_plan()
     widest = max(t.end - t.begin for t in plan.tasks if t.kind in (Kind.OPROJ, Kind.DOWN))
     assert residual_columns(plan) == widest > 0
-    for name, residual in (("oproj_task", "h_at(p, t.layer, r)"), ("down_task", "mid_at(p, t.layer, r)")):
+    for name, residual in (("oproj_task", "h_at(p, t.layer, r, parity)"), ("down_task", "mid_at(p, t.layer, r, parity)")):
         body = function(generate_bodies(plan), name)
         # task_gemv takes the epilogue, then the input row's two halves (row.load, row.finish): the residual's
         # loads come in the first, before the row's, its shared-memory stores with the row's

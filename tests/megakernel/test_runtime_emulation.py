@@ -219,7 +219,7 @@ def test_the_mlp_activation_follows_the_config(hidden_act):
     assert not np.allclose(silu.logits[-1], want.logits[-1])   # the activation mattered
 
 
-@pytest.mark.parametrize(("min_chunk", "explicit"), [(1, False), (4, False), (64, False), (3, True)])
+@pytest.mark.parametrize(("min_chunk", "explicit"), [(1, False), (4, False), (32, False), (3, True)])
 def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit):
     """Several splits at these short contexts: MIN_CHUNK lowered, or a plan's own min_chunk (the engine's
     attention_min_chunk)."""

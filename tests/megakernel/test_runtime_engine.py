@@ -63,7 +63,7 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 
 
 def generate_source_for(engine_kwargs):
-    from mdsl.megakernel.runtime.plan import build_plan
+    from mdsl.megakernel.runtime.plan import build_plan, for_ranks
     from mdsl.megakernel.runtime.shape import decoder_shape
     from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named, weight_kinds_named
 
@@ -71,6 +71,8 @@ def generate_source_for(engine_kwargs):
     options = dict(engine_kwargs)
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False),
                       splits=options.pop("attention_splits", None), min_chunk=options.pop("attention_min_chunk", None))
+    if options.pop("parity_stream", False):    # (a rank's option: the tables of one of two)
+        plan = for_ranks(plan, 2, parity_stream=True)
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds
@@ -108,6 +110,10 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     assert (args.tp, args.tp_models, args.tp_variants) == (1, ["qwen3-8b"], ["static"])
     tp = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "static-lanes4-fused"])
     assert decode.variants_of("qwen3-8b", tp) == ["static", "static-lanes4-fused"]   # one GPU under the same
+    # ... unless a variant chosen already runs that kernel on one GPU (its other options act on ranks only)
+    parity = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "static,parity,parity-gpu,splits16"])
+    assert decode.variants_of("qwen3-8b", parity) == ["static", "splits16"]
+    assert decode.one_gpu_twin("parity-gpu", ["static", "splits16"]) == "static"
     assert decode.parse_args(["--tp", "2", "--tp-models", "qwen3-8b,llama-3.2-1b"]).tp_models == ["qwen3-8b",
                                                                                                  "llama-3.2-1b"]
     assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]

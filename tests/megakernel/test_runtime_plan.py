@@ -164,12 +164,15 @@ def test_tiny_tables_are_the_former_ones(arch, workers):
     assert tables_digest(tiny_plan(arch, workers, splits=former_splits)) == FORMER_TABLES[("tiny", workers)]
 
 
-@pytest.mark.parametrize(("kv_heads", "workers", "splits"), [(8, 132, 16), (4, 132, 16), (2, 132, 16), (8, 64, 8),
-                                                             (8, 7, 1), (2, 17, 8)])
-def test_attention_splits_fill_the_workers_up_to_the_combines_batch(kv_heads, workers, splits):
+@pytest.mark.parametrize(("kv_heads", "workers", "splits", "min_chunk"), [
+    (8, 132, 16, 64), (4, 132, 32, 32), (2, 132, 32, 32), (8, 64, 8, 64), (8, 7, 1, 64), (2, 17, 8, 64),
+    (1, 132, 32, 32), (4, 68, 17, 32)])
+def test_attention_splits_fill_the_workers_up_to_two_combine_groups(kv_heads, workers, splits, min_chunk):
     shape = decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), num_kv_heads=kv_heads))
     assert plan_module.attention_splits(shape, workers, 4096) == splits
     assert plan_module.attention_splits(shape, workers, 3) == min(splits, 3)
+    plan = build_plan(decoder_shape(tiny_model("qwen3")[0]), workers=8, max_seq=64, splits=splits)
+    assert plan.min_chunk == plan_module.default_min_chunk(splits) == min_chunk
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -12,7 +12,7 @@ from mdsl.megakernel.runtime import nvshmem
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.plan import CROSS_RANK_KINDS, REMOTE, Kind, build_plan, check_plan, for_ranks
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
+from mdsl.megakernel.runtime.source import KERNEL_NAME, WEIGHT_KINDS, generate_source
 from mdsl.megakernel.runtime.tp import shard_config
 from tests.megakernel.test_runtime_source import assert_fits
 from tests.megakernel.tiny import tiny_model
@@ -82,6 +82,23 @@ def test_the_two_rank_kernel_compiles_without_spills():
     assert_fits(source, module.resources[KERNEL_NAME])
 
 
+def test_the_parity_stream_kernel_compiles_without_spills_and_signals_only_the_lm_head_across_gpus():
+    single, _ = _rank_plan("llama3", dtype=bf16, head_dim=32)
+    polled = for_ranks(single, 2, parity_stream=True)
+    check_plan(polled)
+    cross = {plan_kind for e in polled.events if e.ranks > 1 for plan_kind in
+             {polled.tasks[k].kind for k in e.producers} or {Kind.SAMPLE}}
+    assert cross <= {Kind.LMHEAD, Kind.SAMPLE} and polled.parity_stream
+    _, _, signals = polled.tables()
+    remote_kinds = {polled.tasks[k].kind for k in range(len(polled.tasks))
+                    for e in polled.signals[k] if polled.events[e].ranks > 1}
+    assert Kind.OPROJ not in remote_kinds and Kind.DOWN not in remote_kinds and any(e & REMOTE for e in signals)
+    source = generate_source(polled)
+    assert "constexpr bool PARITY_STREAM = true;" in source.text
+    assert "constexpr bool PARITY_STREAM = false;" in generate_source(for_ranks(single, 2)).text
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
 @pytest.mark.slow
 def test_qwen3_8b_over_two_ranks_compiles_without_spills():
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
@@ -89,6 +106,19 @@ def test_qwen3_8b_over_two_ranks_compiles_without_spills():
     plan = for_ranks(build_plan(decoder_shape(shard), workers=132, max_seq=1200, fused_combine=True), 2)
     check_plan(plan)
     source = generate_source(plan, attention_lanes=4)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parity", [False, True])
+def test_qwen3_8b_ranks_defaults_compile_without_spills(parity):
+    """The engine's defaults for a rank of two: 32 attention splits (two combine groups), every kind early,
+    the whole first pass with the input row; and with the parity stream (the scheduler polls the rows)."""
+    config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
+    plan = for_ranks(build_plan(decoder_shape(shard_config(config, 2)), workers=132, max_seq=1064), 2,
+                     parity_stream=parity)
+    assert (plan.splits, plan.min_chunk) == (32, 32)
+    source = generate_source(plan, prefetch_kinds=(), weights_first=1.0, early_kinds=WEIGHT_KINDS)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 

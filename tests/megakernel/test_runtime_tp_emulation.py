@@ -3,7 +3,11 @@ device.cu with WORLD = N, one per rank, each over its shard of a tiny model: the
 as every rank's f32 partials (slot k: rank k's), producers putting their partial into their slot on
 every rank, readers summing the slots in rank order, the LM head's bests gathered by global token id,
 the rank holding the token putting its embedding row, and every signal flagged REMOTE counted on every
-rank. Workers of all ranks interleave at random.
+rank. With the parity stream (`for_ranks(..., parity_stream=True)`) each partial carries the parity of
+the step that reads it, a task whose peers' partials lack its step's parity cannot run (the device's
+readers poll), the o-proj / down-proj events count this rank's tiles only, and every partial read must be
+the one written for the reader's step (one bit is enough: checked). Workers of all ranks interleave at
+random.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
 test is tests/gpu/test_tensor_parallel_gpu.py.)"""
 import numpy as np
@@ -29,16 +33,45 @@ class RankEmulator(Emulator):
         s = self.s
         self.h_parts = np.zeros((s.layers + 1, world, s.hidden), np.float32)
         self.mid_parts = np.zeros((s.layers, world, s.hidden), np.float32)
+        # the parity stream: the step that reads each partial (-1: the host's reset before the launch, whose
+        # words carry parity 1)
+        self.read_by = {"h_parts": np.full(self.h_parts.shape, -1, np.int64),
+                        "mid_parts": np.full(self.mid_parts.shape, -1, np.int64)}
+        self.step = -1
         self.best = [None] * (world * plan.lm_tiles)
         self.events = plan.initial_events().astype(np.int64)
         self.peers = []   # every rank, this one included, in rank order
 
     def stream(self, parts, layer):
+        if self.plan.parity_stream:
+            name = "h_parts" if parts is self.h_parts else "mid_parts"
+            assert (self.read_by[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
         return self.round(parts[layer].sum(axis=0, dtype=np.float32))
 
-    def put(self, name, index, value):
+    def put(self, name, index, value, read_by=None):
         for peer in self.peers:
             getattr(peer, name)[index] = value
+            if read_by is not None:
+                peer.read_by[name][index] = read_by
+
+    def parity(self, name, index) -> np.ndarray:
+        """The lowest mantissa bit of the partials at `index` of the peers' slots, as the device reads it."""
+        steps = np.delete(self.read_by[name], self.rank, axis=1)[index]
+        return np.where(steps < 0, 1, steps & 1)
+
+    def inputs_ready(self, t, step) -> bool:
+        """Under the parity stream: whether the peers' partials the task reads carry its step's parity (the
+        device polls them in the task; every other input is an event the scheduler waits for)."""
+        if not self.plan.parity_stream:
+            return True
+        rows, layers = slice(t.begin, t.end), self.s.layers
+        reads = {Kind.QKV: ("h_parts", t.layer, slice(None)), Kind.GATEUP: ("mid_parts", t.layer, slice(None)),
+                 Kind.LMHEAD: ("h_parts", layers, slice(None)),
+                 Kind.OPROJ: ("h_parts", t.layer, rows), Kind.DOWN: ("mid_parts", t.layer, rows)}
+        if t.kind not in reads or (t.kind in (Kind.OPROJ, Kind.DOWN) and self.rank != 0):   # (the residual: rank 0's)
+            return True
+        name, layer, columns = reads[t.kind]
+        return bool(np.all(self.parity(name, (layer, slice(None), columns)) == step % 2))
 
     def begin(self, tokens, max_new):
         s = self.s
@@ -57,10 +90,11 @@ class RankEmulator(Emulator):
     def next_embedding(self, token):
         local = token - self.rank * self.s.vocab
         row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
-        self.put("h_parts", (0, self.rank), row)
+        self.put("h_parts", (0, self.rank), row, read_by=self.step + 1)   # (begin: the host's, for step 0)
 
     def execute(self, t, step, k):
         s, b = self.s, self.buf
+        self.step = step
         if t.kind is Kind.QKV:
             x = self.norm(self.stream(self.h_parts, t.layer), self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
@@ -72,7 +106,7 @@ class RankEmulator(Emulator):
             partial = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
             if self.rank == 0:
                 partial = self.stream(residual, t.layer)[t.begin:t.end] + partial
-            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial)
+            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial, read_by=step)
         elif t.kind is Kind.GATEUP:
             x = self.norm(self.stream(self.mid_parts, t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
             g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
@@ -114,7 +148,8 @@ def run_ranks(ranks, tokens, max_new, rng):
                 if index >= steps * n_tasks or (r.stop is not None and step > r.stop):
                     held[ri][w] = None
                     continue
-                if all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k]):
+                if (all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k])
+                        and r.inputs_ready(r.plan.tasks[k], step)):
                     ready.append((ri, w))
         if not ready:
             assert all(h is None for hs in held for h in hs), f"deadlock: every worker waits ({held})"
@@ -128,18 +163,21 @@ def run_ranks(ranks, tokens, max_new, rng):
         queue[ri] += 1
 
 
-@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine"), [
-    ("llama3", 2, 3, False), ("qwen3", 2, 5, False), ("qwen3", 2, 1, False), ("llama3", 2, 8, True),
-    ("qwen3", 2, 4, True), ("qwen3", 2, 6, True)])
-def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine):
+@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine", "parity"), [
+    ("llama3", 2, 3, False, False), ("qwen3", 2, 5, False, False), ("qwen3", 2, 1, False, False),
+    ("llama3", 2, 8, True, False), ("qwen3", 2, 4, True, False), ("qwen3", 2, 6, True, False),
+    ("llama3", 2, 3, False, True), ("qwen3", 2, 6, True, True), ("qwen3", 2, 1, False, True),
+    ("llama3", 2, 9, False, True)])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine, parity):
     config, graph, weights = tiny_model(arch, seed=3)
     split = tensor_parallel(step_function(config).trace(config), world)
     shard = shard_config(config, world)
     plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions,
-                                fused_combine=fused_combine), world)
+                                fused_combine=fused_combine), world, parity_stream=parity)
     check_plan(plan)
     cross = [e for e in plan.events if e.ranks > 1]
-    assert len(cross) > 2
+    assert all({plan.tasks[k].kind for k in e.producers} & {Kind.LMHEAD, Kind.SAMPLE} or not e.producers
+               for e in cross) if parity else len(cross) > 2
     rng = np.random.default_rng(workers)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]
     prompt, new = [3, 17, 42, 5], 8
@@ -158,5 +196,26 @@ def test_a_remote_signal_dropped_is_a_deadlock():
     rng = np.random.default_rng(0)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
     ranks[1].signal = lambda k, r=ranks[1]: [r.events.__setitem__(e, r.events[e] + 1) for e in r.plan.signals[k]]
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_ranks(ranks, [3, 17], 2, rng)
+
+
+def test_a_partial_of_the_wrong_parity_is_a_deadlock():
+    """Under the parity stream a partial whose parity is not its readers' step's is never read: a rank that
+    put its o-proj partials to its peer with the previous step's parity stops every rank."""
+    config, graph, weights = tiny_model("llama3", seed=3)
+    split = tensor_parallel(step_function(config).trace(config), 2)
+    shard = shard_config(config, 2)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2, parity_stream=True)
+    rng = np.random.default_rng(0)
+    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
+
+    def put(name, index, value, read_by=None):   # rank 1's copy right, rank 0's with the previous step's parity
+        for peer in ranks:
+            getattr(peer, name)[index] = value
+            if read_by is not None:
+                peer.read_by[name][index] = read_by - (name == "mid_parts" and peer is not ranks[1])
+
+    ranks[1].put = put
     with pytest.raises(AssertionError, match="deadlock"):
         run_ranks(ranks, [3, 17], 2, rng)

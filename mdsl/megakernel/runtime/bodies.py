@@ -45,7 +45,7 @@ class NormedStream:
     norm: str
 
     def declare(self) -> str:
-        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, {self.norm}}};"
+        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, {self.norm}, parity}};"
 
     def load(self) -> str:
         return "row.load(p);"
@@ -84,10 +84,10 @@ class ToStream:
     single: str
     parts: str
     layer: str
-    residual: str   # C++: column r of the residual (h_at / mid_at)
+    residual: str   # C++: column r of the residual (h_at / mid_at; `parity`: the step's, PARITY_STREAM)
 
     def store(self, value: str) -> str:
-        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value});"
+        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value}, parity);"
 
 
 @attrs.frozen
@@ -97,7 +97,7 @@ class LinearBody:
     k: str                  # C++ constant: the input row's width (the weights' columns)
     matrices: tuple         # Matrix
     paired: bool            # every column multiplies a row of each matrix (else: the rows are concatenated)
-    source: object          # NormedStream | Activations; None: the runtime's function loads the row
+    source: object          # NormedStream | Activations (the LM head's: the row lmhead_task loads)
     sink: object            # ToBuffer | ToStream; None: only the epilogue, a functor `function` the runtime calls
     epilogue: ThreadGraph
     layered: bool = True    # the weights are the task's layer's (else: the kernel's own, as the LM head)
@@ -127,10 +127,10 @@ def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     if kind is Kind.OPROJ:
         return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
                           Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
-                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r)"), epilogue)
+                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r, parity)"), epilogue)
     return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
                       Activations("(p.acts + (long long)t.layer * I)", "I"),
-                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r)"), epilogue)
+                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r, parity)"), epilogue)
 
 
 def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
@@ -138,8 +138,8 @@ def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
         return None
     # device.cu's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
     # epilogue's (a functor), the weight pieces this body's
-    return LinearBody(kind, "LmHeadLogit", "H", (Matrix("p.lm_head", "V"),), False, None, None, epilogue,
-                      layered=False)
+    return LinearBody(kind, "LmHeadLogit", "H", (Matrix("p.lm_head", "V"),), False,
+                      NormedStream("p.hs", "p.h_parts", "L", "p.final_norm"), None, epilogue, layered=False)
 
 
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
@@ -264,7 +264,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
         w.lines[-1] += ";"
         return
     with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, const Staged& staged, "
-                 "float* work, float* red)"):
+                 "float* work, float* red, unsigned parity)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
         inputs = _write_residual_declaration(w, body, world)
@@ -318,6 +318,19 @@ def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
             w("default: break;   // no weights")
 
 
+def write_stream_rows(w: CodeWriter, bodies: list) -> None:
+    """stream_row_of: the residual-stream row a task's input row reads (layer `layer` of the ranks' partials
+    `parts`), for the scheduler warp's wait under PARITY_STREAM (device.cu's wait_stream_row)."""
+    w("", "// the residual-stream row a task's input row reads, if any: layer `layer` of the ranks' partials `parts`")
+    with w.block("__device__ __forceinline__ bool stream_row_of(const Params& p, const Task& t, const float*& parts, "
+                 "int& layer)"):
+        with w.block("switch (t.kind)"):
+            for body in bodies:
+                if isinstance(body.source, NormedStream):
+                    w(f"case KIND_{body.kind.name}: parts = {body.source.parts}; layer = {body.source.layer}; return true;")
+            w("default: return false;")
+
+
 def write_dispatch(w: CodeWriter, calls: list) -> None:
     """run_task: the task's body by its kind; false where the body says its events are not to be
     signalled (the sampler, after the last step)."""
@@ -353,12 +366,13 @@ def generate_bodies(plan: TaskPlan) -> str:
     for body in bodies:
         write_linear_body(w, body, plan.world)
     write_weight_pieces(w, bodies)
+    write_stream_rows(w, bodies)
     calls = []
     linear = {body.kind: body for body in bodies}
     for kind in (k.kind for k in plan.kind_ops):
         if kind in linear:
             body = linear[kind]
-            calls.append((kind, f"{body.function}(p, t, staged, work, red);" if body.sink is not None else
+            calls.append((kind, f"{body.function}(p, t, staged, work, red, unsigned(step) & 1u);" if body.sink is not None else
                           f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))

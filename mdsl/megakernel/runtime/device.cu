@@ -255,30 +255,127 @@ __device__ __forceinline__ void put_everywhere(const Params& p, P* gathered, lon
 #pragma unroll
   for (int k = 1; k < WORLD; ++k) *on_peer(p, gathered + slot, (int(p.rank) + k) % WORLD) = value;
 }
+// With PARITY_STREAM (plan.parity_stream) a partial's lowest mantissa bit is the parity of the step that
+// reads it, in the copies here and on the peers alike (so every rank still sums the same bits). The peers'
+// copy is put with one relaxed system-scope store and read by polling until it carries the reader's
+// parity: no event or system-scope release orders it, so a tile's partials reach the peers after one NVLink
+// store, not after its stores' acknowledgement and a remote add. One bit tells the two steps apart that a
+// reader can see: the peer's next write of a slot follows this rank's last read of it (TENSOR_PARALLEL.md).
+// The host sets every word of layers past h[0] to parity 1 before a launch (step 0 reads parity 0), and
+// writes step 0's h[0] row with parity 0.
+__device__ __forceinline__ unsigned with_parity(float value, unsigned parity) {
+  return (__float_as_uint(value) & ~1u) | parity;
+}
+__device__ __forceinline__ unsigned ld_stream_word(const float* at) {
+  unsigned w;
+  asm volatile("ld.relaxed." MDSL_PARITY_SCOPE ".global.u32 %0, [%1];" : "=r"(w) : "l"(at));
+  return w;
+}
+// A polled partial's wait, checked every 1024 rounds: false once it has lasted past the watchdog or the
+// launch stops; the watchdog then reports it (as task TASKS + 1) and stops the launch.
+__device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned parity) {
+  const unsigned long long now = globaltimer();
+  if (since == 0) {
+    since = now;
+  } else if (now - since > WATCHDOG_NS || ld_relaxed(p.state + STATE_STOP) < 0) {
+    if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
+      p.state[STATE_STUCK_STEP] = -1;
+      p.state[STATE_STUCK_EVENT] = -1;
+      p.state[STATE_STUCK_COUNT] = int(parity ^ 1u);
+      p.state[STATE_STUCK_NEED] = int(parity);
+    }
+    atomicExch(p.state + STATE_STOP, -1);
+    return false;
+  }
+  return true;
+}
+
+// Whether any of a lane's words of a residual-stream row (vectors lane, lane + 32, ... from `base`, the row's
+// vector `lane`) lacks `parity`: its J vectors loaded at once, each at an immediate offset from the one base
+// (an address register per vector, kept across the polling rounds, spilled the scheduler warp)
+template <int J>
+struct RowParity {
+  static __device__ __forceinline__ unsigned stale(const float* base, unsigned parity, int lane) {
+    unsigned bits = RowParity<J - 1>::stale(base, parity, lane);
+    constexpr int VECTORS = H / 4;
+    if (VECTORS % 32 == 0 || lane + 32 * (J - 1) < VECTORS) {
+      uint4 w;
+      asm volatile("ld.relaxed." MDSL_PARITY_SCOPE ".global.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+                   : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(base), "n"((J - 1) * 32 * 16));
+      bits |= (w.x ^ parity) | (w.y ^ parity) | (w.z ^ parity) | (w.w ^ parity);
+    }
+    return bits;
+  }
+};
+template <>
+struct RowParity<0> {
+  static __device__ __forceinline__ unsigned stale(const float*, unsigned, int) { return 0; }
+};
+
+// The scheduler warp's wait, before it hands a task's inputs over, until every peer's partial of the
+// residual-stream row the task reads (stream_row_of: layer `layer` of `parts`) carries `parity`: all of
+// them loaded at once, round after round. false: the launch stops (the watchdog, or another worker's stop).
+__device__ bool wait_stream_row(const Params& p, const float* parts, int layer, unsigned parity, int lane) {
+  constexpr int PER_LANE = (H / 4 + 31) / 32;
+  static_assert(H % 4 == 0, "a residual-stream row is whole 16-byte vectors");
+  unsigned long long since = 0;
+#pragma unroll 1
+  for (int k = 1; k < WORLD; ++k) {
+    const float* base = parts + ((long long)layer * WORLD + (int(p.rank) + k) % WORLD) * H + 4 * lane;
+    for (unsigned round = 1;; ++round) {
+      if (__all_sync(0xffffffffu, (RowParity<PER_LANE>::stale(base, parity, lane) & 1u) == 0)) break;
+      if (round % 64 == 0 && __any_sync(0xffffffffu, !keep_polling(p, since, parity))) return false;
+      __nanosleep(32);
+    }
+  }
+  return true;
+}
+
 // element i of layer `layer` of a residual-stream buffer (h or mid): from `single` on one GPU, else the
-// WORLD partials summed in rank order
-__device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i) {
+// WORLD partials summed in rank order. PARITY_STREAM: they carry `parity` by the time a task reads them (for
+// its input row the scheduler warp saw them: wait_stream_row; an o-proj's or down-proj's residual comes from
+// the row QKV or gate/up waited for), and are read at system scope, from L2. One without it would be a
+// runtime bug: the value becomes NaN, and the launch stops on it.
+__device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i,
+                                           unsigned parity) {
   if constexpr (WORLD == 1) {
     return mdsl::to_float(single[(long long)layer * H + i]);
   } else {
     const float* at = parts + (long long)layer * WORLD * H + i;
     float sum = 0.0f;
+    unsigned stale = 0;   // bit 0: a partial lacks the parity
 #pragma unroll
-    for (int k = 0; k < WORLD; ++k) sum += at[k * H];
-    return round_t(sum);
+    for (int k = 0; k < WORLD; ++k) {
+      if constexpr (PARITY_STREAM) {   // (this rank's slot too, which its own producers wrote with the parity:
+        const unsigned w = ld_stream_word(at + k * H);   // no branch on the rank, whose two paths spilled)
+        stale |= w ^ parity;
+        sum += __uint_as_float(w);
+      } else {
+        sum += at[k * H];
+      }
+    }
+    return PARITY_STREAM && (stale & 1u) ? __int_as_float(0x7fffffff) : round_t(sum);
   }
 }
-__device__ __forceinline__ float h_at(const Params& p, int layer, int i) {
-  return stream_at(p, p.hs, p.h_parts, layer, i);
+__device__ __forceinline__ float h_at(const Params& p, int layer, int i, unsigned parity) {
+  return stream_at(p, p.hs, p.h_parts, layer, i, parity);
 }
-__device__ __forceinline__ float mid_at(const Params& p, int layer, int i) {
-  return stream_at(p, p.mids, p.mid_parts, layer, i);
+__device__ __forceinline__ float mid_at(const Params& p, int layer, int i, unsigned parity) {
+  return stream_at(p, p.mids, p.mid_parts, layer, i, parity);
 }
 // element i of layer `layer` of a residual-stream buffer: `value` on one GPU; this rank's partial `value`
-// otherwise, into its slot here and on every peer
-__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value) {
+// otherwise, into its slot here and on every peer (PARITY_STREAM: carrying `parity`, its readers' step's)
+__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value,
+                                           unsigned parity) {
   if constexpr (WORLD == 1) {
     single[(long long)layer * H + i] = mdsl::from_float<T>(value);
+  } else if constexpr (PARITY_STREAM) {
+    float* at = parts + ((long long)layer * WORLD + p.rank) * H + i;
+    const unsigned w = with_parity(value, parity);
+    *reinterpret_cast<unsigned*>(at) = w;   // (this rank's readers: ordered by the task's release)
+#pragma unroll
+    for (int k = 1; k < WORLD; ++k)   // (st.volatile: relaxed at system scope, PTX ISA; an inline-asm store spilled)
+      *reinterpret_cast<volatile unsigned*>(on_peer(p, at, (int(p.rank) + k) % WORLD)) = w;
   } else {
     put_everywhere(p, parts + (long long)layer * WORLD * H, (long long)p.rank * H + i, value);
   }
@@ -389,12 +486,13 @@ __device__ void load_normed_input(float* xs, Value x, const T* norm, float* red)
 }
 
 // xs[0 .. H) = rms_norm(layer `layer` of a residual-stream buffer: `single` on one GPU, else the ranks'
-// partials summed) * norm, in two halves: the loads, then the norm
+// partials summed) * norm, in two halves: the loads, then the norm. (PARITY_STREAM: the scheduler warp saw
+// every peer's partial of the row carry `parity` before it handed the inputs over: wait_stream_row.)
 struct StreamRow {
   NormedRow<H> row;
-  const T* single; float* parts; int layer; const T* norm;
+  const T* single; float* parts; int layer; const T* norm; unsigned parity;
   __device__ __forceinline__ void load(const Params& p) {
-    row.load([&](int i) { return stream_at(p, single, parts, layer, i); }, norm);
+    row.load([&](int i) { return stream_at(p, single, parts, layer, i, parity); }, norm);
   }
   __device__ __forceinline__ void finish(const Params& p, float* xs, float* red) const { row.finish(xs, red); }
 };
@@ -601,25 +699,76 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
   hi = lo + chunk < n ? lo + chunk : n;
 }
 
-// Merges the SPLITS partial results of query heads first .. first + count - 1 of a layer (a thread per
-// output value; the same arithmetic, in the same order, as combine_task). The partials were written by
-// other blocks and are read from L2 (ld.cg): this SM's L1 may hold an earlier step's.
-constexpr int COMBINE_BATCH = SPLITS < 32 ? SPLITS : 32;   // a split loop's loads in flight per thread
-__device__ void combine_heads(const Params& p, int layer, int first, int count) {
-  for (int e = threadIdx.x; e < count * D; e += NT) {
-    const int head = first + e / D, d = e % D;
-    const float* part = p.parts + ((long long)layer * HQ + head) * SPLITS * PART;
-    float top = mdsl::neg_inf();
-#pragma unroll COMBINE_BATCH
-    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, __ldcg(part + s * PART));
-    float num = 0.0f, den = 0.0f;
-#pragma unroll COMBINE_BATCH
-    for (int s = 0; s < SPLITS; ++s) {
-      const float scale = mdsl::rescale(__ldcg(part + s * PART), top);
-      num = fmaf(scale, __ldcg(part + s * PART + 2 + d), num);
-      den = fmaf(scale, __ldcg(part + s * PART + 1), den);
+// Merges the SPLITS partial results of one query head of a layer into its attention output, by the whole
+// block. With at most 32 splits (and D <= NT): lane s of every warp holds split s's maximum and sum, so that
+// the top maximum, each split's scale and the scales' weighted sum are a warp's shuffles, with no shared
+// memory and no barrier (a serial loop over the splits in shared memory between three barriers took a
+// 32-split combine 2.0 us, sixteenth session); thread d (+ D) holds its value of the first (second) half of
+// the splits, loaded first, so that they land while the scales are computed; the halves meet in shared
+// memory (one barrier; none with at most 16 splits). Every warp computes the same bits (xor shuffles). More
+// splits: each split's scale once in shared memory, then every value's loads in flight at once. The
+// partials were written by other blocks and are read from L2 (ld.cg: this SM's L1 may hold an earlier
+// step's). Combine tasks and the fused combine (the last split of a kv head) both run this.
+constexpr int COMBINE_BATCH = SPLITS < 32 ? SPLITS : 32;   // (more splits) a loop's loads in flight per thread
+constexpr bool COMBINE_IN_WARPS = SPLITS <= 32 && D <= NT;
+constexpr int COMBINE_GROUPS = COMBINE_IN_WARPS && SPLITS > 16 && 2 * D <= NT ? 2 : 1;   // threads per value
+constexpr int COMBINE_HELD = (SPLITS + COMBINE_GROUPS - 1) / COMBINE_GROUPS;              // values a thread holds
+__device__ __forceinline__ void combine_head(const Params& p, int layer, int head, float* sm) {
+  const float* part = p.parts + ((long long)layer * HQ + head) * SPLITS * PART;
+  T* out = p.attns + (long long)layer * HQ * D + (long long)head * D;
+  if constexpr (COMBINE_IN_WARPS) {
+    // the thread's index read here (volatile), not hoisted: the offsets derived from it, kept live from the
+    // kernel's start, spilled the tiny models' staged and fused kernels
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int lane = int(tid % 32), d = int(tid % D), group = int(tid / D);
+    float values[COMBINE_HELD];
+#pragma unroll
+    for (int j = 0; j < COMBINE_HELD; ++j) {
+      const int s = group * COMBINE_HELD + j;
+      values[j] = group < COMBINE_GROUPS && s < SPLITS ? __ldcg(part + s * PART + 2 + d) : 0.0f;
     }
-    p.attns[(long long)layer * HQ * D + (long long)head * D + d] = mdsl::from_float<T>(num / den);
+    const float m = lane < SPLITS ? __ldcg(part + lane * PART) : mdsl::neg_inf();
+    const float l = lane < SPLITS ? __ldcg(part + lane * PART + 1) : 0.0f;
+    float top = m;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    const float scale = lane < SPLITS ? mdsl::rescale(m, top) : 0.0f;
+    float den = scale * l;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
+    float num = 0.0f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_HELD; ++j)
+      num = fmaf(__shfl_sync(0xffffffffu, scale, (group * COMBINE_HELD + j) % 32), values[j], num);
+    if constexpr (COMBINE_GROUPS == 2) {
+      if (group == 1) sm[d] = num;
+      compute_sync();
+      if (group == 0) out[d] = mdsl::from_float<T>((num + sm[d]) / den);
+    } else {
+      if (group == 0) out[d] = mdsl::from_float<T>(num / den);
+    }
+  } else {
+    float* scales = sm;                // [SPLITS]: each split's max, then its scale
+    float* sums = sm + SPLITS;         // [SPLITS]: each split's sum of weights
+    for (int s = threadIdx.x; s < SPLITS; s += NT) {
+      scales[s] = __ldcg(part + s * PART);
+      sums[s] = __ldcg(part + s * PART + 1);
+    }
+    compute_sync();
+    float top = mdsl::neg_inf();
+    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, scales[s]);
+    compute_sync();                    // every thread has read the maxima
+    for (int s = threadIdx.x; s < SPLITS; s += NT) scales[s] = mdsl::rescale(scales[s], top);
+    compute_sync();
+    float den = 0.0f;
+    for (int s = 0; s < SPLITS; ++s) den = fmaf(scales[s], sums[s], den);
+    for (int d = threadIdx.x; d < D; d += NT) {
+      float num = 0.0f;
+#pragma unroll COMBINE_BATCH
+      for (int s = 0; s < SPLITS; ++s) num = fmaf(scales[s], __ldcg(part + s * PART + 2 + d), num);
+      out[d] = mdsl::from_float<T>(num / den);
+    }
   }
 }
 
@@ -814,48 +963,17 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
       __threadfence();
     }
     compute_sync();
-    if (last_split) combine_heads(p, t.layer, g * G, G);
+    if (last_split)
+      for (int h = 0; h < G; ++h) {
+        if (h > 0) compute_sync();     // (sm: the previous head's halves read)
+        combine_head(p, t.layer, g * G + h, sm);
+      }
   }
 }
 
-// merges the SPLITS partial results of one query head: each split's scale computed once, in shared memory
-// (not once per output value), and each value's loads all in flight at once (one L2 round trip per split
-// was 4 us of a 33-split combine); with at most 16 splits they are issued first, so that they land while
-// the scales are computed (holding 32 spilled). The arithmetic and its order are combine_heads'.
-__device__ void combine_task(const Params& p, const Task& t, float* sm) {
-  const float* part = p.parts + ((long long)t.layer * HQ + t.begin) * SPLITS * PART;
-  float* scales = sm;                // [SPLITS]: each split's max, then its scale
-  float* sums = sm + SPLITS;         // [SPLITS]: each split's sum of weights
-  constexpr bool HELD = SPLITS <= 16 && D <= NT;   // a thread's values in registers across the scales
-  float values[HELD ? SPLITS : 1];
-  if constexpr (HELD)
-    if (threadIdx.x < D)
-#pragma unroll
-      for (int s = 0; s < SPLITS; ++s) values[s] = part[s * PART + 2 + threadIdx.x];
-  for (int s = threadIdx.x; s < SPLITS; s += NT) {
-    scales[s] = part[s * PART];
-    sums[s] = part[s * PART + 1];
-  }
-  compute_sync();
-  float top = mdsl::neg_inf();
-  for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, scales[s]);
-  compute_sync();                    // every thread has read the maxima
-  for (int s = threadIdx.x; s < SPLITS; s += NT) scales[s] = mdsl::rescale(scales[s], top);
-  compute_sync();
-  float den = 0.0f;
-  for (int s = 0; s < SPLITS; ++s) den = fmaf(scales[s], sums[s], den);
-  T* out = p.attns + (long long)t.layer * HQ * D + t.begin * D;
-  for (int d = threadIdx.x; d < D; d += NT) {
-    float num = 0.0f;
-    if constexpr (HELD) {
-#pragma unroll
-      for (int s = 0; s < SPLITS; ++s) num = fmaf(scales[s], values[s], num);
-    } else {
-#pragma unroll COMBINE_BATCH
-      for (int s = 0; s < SPLITS; ++s) num = fmaf(scales[s], part[s * PART + 2 + d], num);
-    }
-    out[d] = mdsl::from_float<T>(num / den);
-  }
+// a combine task: one query head's SPLITS partial results merged (combine_head)
+__device__ __forceinline__ void combine_task(const Params& p, const Task& t, float* sm) {
+  combine_head(p, t.layer, t.begin, sm);
 }
 
 // ---- sampling: Philox4x32-10 counter-based noise, one draw per (seed, position, token)
@@ -905,7 +1023,7 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos, int tile,
                             float* xs, float* red, Logit logit_of) {
-  StreamRow row{{}, p.hs, p.h_parts, L, p.final_norm};
+  StreamRow row{{}, p.hs, p.h_parts, L, p.final_norm, unsigned(step) & 1u};
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -1011,7 +1129,8 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
     const int local = next_token - int(p.rank) * V;
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
     for (int i = threadIdx.x; i < H; i += NT)
-      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f);
+      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f,
+                 unsigned(step + 1) & 1u);
   }
   return going;
 }
@@ -1244,7 +1363,13 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
         if (lane == 0) slots[s] = Slot{t, index, streamed, taken, 0, true, false};
         named_arrive(BAR_FULL + s, BLOCK);
       }
-      if (!wait_for_inputs(p, t, index, step, lane)) {
+      bool inputs = wait_for_inputs(p, t, index, step, lane);
+      if constexpr (WORLD > 1 && PARITY_STREAM) {   // ... and the peers' partials of the row it reads
+        const float* parts;
+        int layer;
+        if (inputs && stream_row_of(p, t, parts, layer)) inputs = wait_stream_row(p, parts, layer, unsigned(step) & 1u, lane);
+      }
+      if (!inputs) {
         index = -1;
         // the block leaves: its copy must land first
         if (stage_it) {

@@ -27,7 +27,8 @@ from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_m
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
-                                            MAX_PREFETCH_AHEAD, PARAMS, PROFILE_WORDS, SCHEDULES, STAGE_KIND_NAMES,
+                                            MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS, SCHEDULES,
+                                            STAGE_KIND_NAMES,
                                             STAGED_KINDS, STREAM_KIND_NAMES, generate_source, stage_kinds_named,
                                             stream_kind_names, weight_kinds_named)
 
@@ -110,8 +111,9 @@ class MegakernelEngine:
     "down", "lmhead") through a shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the
     static schedule), in buffers of `stream_buffer_kib` KiB if given (else the size that wastes least);
     `attention_splits`, the
-    attention splits per kv head (default: as many as fill the SMs, at most 16, plan.attention_splits), and
-    `attention_min_chunk` the positions a split takes at least (default plan.MIN_CHUNK, 64);
+    attention splits per kv head (default: as many as fill the SMs, at most 32, plan.attention_splits), and
+    `attention_min_chunk` the positions a split takes at least (default plan.default_min_chunk: 64, or 32
+    past 16 splits);
     `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; (), the
     default: none, measured faster on every model and both GPU counts; prefetch_ahead and prefetch_kib act
     on these kinds' prefetches); `weights_first`, the share of its first pass of weight loads (0 to 1) a
@@ -121,7 +123,10 @@ class MegakernelEngine:
     Qwen3-8B over 2 GPUs 2.933 -> 2.946 ms, one GPU 4.567 -> 4.561 ms: off, fourteenth session);
     `early_weights`, the kinds (names as prefetch_kinds'; None, the default: all; (): none) whose tasks are
     handed to the compute warps before their inputs are complete, each warp's first pass of weight loads
-    issued while they wait (source.generate_source; a staged kind is not early).
+    issued while they wait (source.generate_source; a staged kind is not early); `parity_stream`, under
+    tensor parallelism, whether the residual stream's partials carry their readers' step parity in their
+    lowest mantissa bit and are polled for, instead of being signalled across GPUs (plan.for_ranks), read
+    with loads of `parity_scope` ("sys" or "gpu": source.generate_source).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -136,7 +141,7 @@ class MegakernelEngine:
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 ranks: Optional[RankGroup] = None):
+                 parity_stream: bool = False, parity_scope: str = "sys", ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -144,6 +149,8 @@ class MegakernelEngine:
                             hint=f"1 to {MAX_PREFETCH_AHEAD} with the static schedule, 1 with the queue")
         if attention_lanes not in ATTENTION_LANES:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
+        if parity_scope not in PARITY_SCOPES:
+            raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
         if not 16 <= prefetch_kib <= 1024:
             raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
         if attention_splits is not None and not 1 <= attention_splits <= 4096:
@@ -215,13 +222,14 @@ class MegakernelEngine:
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
                                                    splits=attention_splits, fused_combine=fused_combine,
-                                                   min_chunk=attention_min_chunk), self.world)
+                                                   min_chunk=attention_min_chunk), self.world,
+                                         parity_stream=parity_stream and self.world > 1)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds)
+                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds, parity_scope)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging
@@ -365,6 +373,9 @@ class MegakernelEngine:
         if self.ranks is not None:
             p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden, f32)
             p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden, f32)
+            layer_words = self.world * s.hidden   # parity_stream: h[1..L] and every mid, reset before a launch
+            self._polled_words = ((p.h_parts + layer_words * 4, s.layers * layer_words),
+                                  (p.mid_parts, s.layers * layer_words))
             p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
             p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
@@ -428,6 +439,9 @@ class MegakernelEngine:
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)
+        if self.plan.parity_stream:   # every partial a step reads past h[0] lacks step 0's parity (device.cu)
+            for ptr, words in self._polled_words:
+                _check(driver.cuMemsetD32Async(ptr, 0xFFFFFFFF, words, self._stream), "cuMemsetD32Async")
         self._write_first_row(tokens[start])
         if self.ranks is not None:   # every rank's tables and first row are in place before any kernel runs
             self.ranks.pe.barrier()
@@ -442,6 +456,10 @@ class MegakernelEngine:
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
+        if task == len(self.plan.tasks) + 1:   # device.cu's keep_polling
+            raise CudaError(f"the megakernel deadlocked: a peer's residual-stream partial still lacked parity {need} "
+                            "after 5 s; every worker stopped",
+                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
         if task:
             waited = self.plan.events[event].producers
             raise CudaError(f"the megakernel deadlocked: task {task - 1} ({self.plan.tasks[task - 1].label()}) of step "
@@ -477,6 +495,8 @@ class MegakernelEngine:
         if 0 <= local < s.vocab:
             raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)
             row = (raw.astype(np.uint32) << 16).view(np.float32) if s.dtype.itemsize == 2 else raw.view(np.float32)
+        if self.plan.parity_stream:   # step 0's parity: 0 in the lowest mantissa bit (device.cu's with_parity)
+            row = (row.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFFFFE)).view(np.float32)
         slot = p.h_parts + self.ranks.rank * s.hidden * row.itemsize
         for k in range(self.world):
             self._copy_in(slot + (self._peer_deltas[k] if k != self.ranks.rank else 0), row)

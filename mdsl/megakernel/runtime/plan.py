@@ -118,6 +118,14 @@ class KindOp:
 # attention positions per split at least (device.cu's MIN_CHUNK), unless a plan asks for fewer: a short
 # context is one split, whose softmax weights are relative to the true maximum as in transformers' fused attention
 MIN_CHUNK = 64
+# ... with more than 16 splits (a rank of Qwen3-8B over 2 H200s: 32 splits of at least 32 positions 2.835 ->
+# 2.789 ms a token, fifteenth session; at least 64 left half of 32 splits empty at context 1024)
+WIDE_MIN_CHUNK = 32
+
+
+def default_min_chunk(splits: int) -> int:
+    """Attention positions per split at least, for `splits` splits per kv head."""
+    return MIN_CHUNK if splits <= 16 else min(MIN_CHUNK, WIDE_MIN_CHUNK)
 
 
 @attrs.frozen
@@ -137,6 +145,9 @@ class TaskPlan:
     # body (runtime/bodies.py); every layer's op of a kind is the same, with the same attributes
     kind_ops: tuple = ()
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
+    # under tensor parallelism: the residual stream's partials carry their readers' step parity and are polled,
+    # so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
+    parity_stream: bool = False
 
     def op_of(self, kind: "Kind") -> "KindOp":
         for k in self.kind_ops:
@@ -186,14 +197,19 @@ REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every r
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
+# ... of which the o-proj and down-proj tiles' partials may be polled for instead (parity_stream)
+POLLED_KINDS = (Kind.OPROJ, Kind.DOWN)
 
 
-def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
+def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False) -> TaskPlan:
     """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
     model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
     same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
     producers of every rank, and the embedding's (the samplers') starts at `world`: the host puts each
-    rank's part of step 0's row."""
+    rank's part of step 0's row. `parity_stream`: the o-proj and down-proj tiles' partials carry the parity
+    of the step that reads them, which readers poll for (device.cu's PARITY_STREAM); their events then
+    count this rank's tiles only, and nothing is signalled across GPUs for them (no system-scope release
+    per tile)."""
     if plan.world != 1:
         raise ValueError(f"the plan is already one of {plan.world} ranks")
     if world == 1:
@@ -201,13 +217,15 @@ def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
     events = []
     for event in plan.events:
         kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
-        if kinds <= set(CROSS_RANK_KINDS):
+        if parity_stream and kinds <= set(POLLED_KINDS):
+            events.append(event)
+        elif kinds <= set(CROSS_RANK_KINDS):
             events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
         elif kinds & set(CROSS_RANK_KINDS):
             raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
         else:
             events.append(event)
-    return attrs.evolve(plan, events=tuple(events), world=world)
+    return attrs.evolve(plan, events=tuple(events), world=world, parity_stream=parity_stream)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save
@@ -218,21 +236,22 @@ def tiles(n: int, count: int) -> list:
     return balanced_tiles(n, count, MIN_ROWS_PER_TILE)
 
 
-MAX_SPLITS = 16         # attention splits per kv head at most, by default
+MAX_SPLITS = 32         # attention splits per kv head at most, by default: a combine's in one warp's lanes
 
 
 def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
-    """Splits per kv head: as many as fill the workers, at most MAX_SPLITS. More cost the combine another
-    batch of L2 round trips than they save in attention (a rank of Qwen3-8B over 2 H200s, 4 kv heads: 33
-    splits to 16 took 1.2 us off each layer, docs/performance.md)."""
+    """Splits per kv head: as many as fill the workers, at most MAX_SPLITS (a combine then merges them with
+    a warp's shuffles, its loads in one L2 round trip: device.cu's combine_head). A rank of Qwen3-8B over 2
+    H200s (4 kv heads): 32 splits rather than 16, its layer 74.0 -> 72.7 us (fifteenth session); 33 splits
+    had cost the combine a second batch of round trips (docs/performance.md)."""
     return max(1, min(workers // shape.kv_heads, MAX_SPLITS, max_seq))
 
 
 def device_partition(workers: int, splits: int, min_chunk: Optional[int] = None) -> PartitionConfig:
     """The task graph's tiling as the device runs it: `tiles` per linear, `splits` chunked attention splits
-    of at least `min_chunk` positions (default MIN_CHUNK)."""
+    of at least `min_chunk` positions (default: default_min_chunk)."""
     return PartitionConfig(num_sms=workers, kv_splits=splits, min_columns=MIN_ROWS_PER_TILE,
-                           attention_min_chunk=min_chunk or MIN_CHUNK)
+                           attention_min_chunk=min_chunk or default_min_chunk(splits))
 
 
 def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None,
@@ -240,7 +259,7 @@ def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optio
     """The task tables of one decode step of the built-in decoder of `shape.config`, for `workers` worker
     blocks (one per SM). `fused_combine`: no combine tasks; the attention split of a kv head that finishes
     last merges the splits' partials of its query heads (one dependency hop less per layer). `min_chunk`:
-    attention positions per split at least (default MIN_CHUNK)."""
+    attention positions per split at least (default: default_min_chunk of the splits)."""
     graph = step_function(shape.config).trace(shape.config, max_positions=max_seq)
     return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, fused_combine=fused_combine,
                       min_chunk=min_chunk)
@@ -253,7 +272,7 @@ def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq:
     waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
     an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
     splits = splits or attention_splits(shape, workers, max_seq)
-    min_chunk = min_chunk or MIN_CHUNK
+    min_chunk = min_chunk or default_min_chunk(splits)
     task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits, min_chunk)))
     return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits,
                             fused_combine=fused_combine, min_chunk=min_chunk)
@@ -267,7 +286,7 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     previous step's token (step offset -1), becomes event 0, which starts at count * 1 so that
     `producers * (step + 1)` is the task graph's `count * (step + 1 - 1)`."""
     graph = task_graph.model
-    binding = _Binding(shape, max_seq, splits, fused_combine, min_chunk or MIN_CHUNK)
+    binding = _Binding(shape, max_seq, splits, fused_combine, min_chunk or default_min_chunk(splits))
     by_node: dict = {}
     for t in task_graph.tasks:
         by_node.setdefault(t.node, []).append(t)

@@ -71,14 +71,15 @@ def linear_row_floats(plan: TaskPlan) -> int:
 
 
 def shared_memory_bytes(plan: TaskPlan) -> int:
-    """The largest task's shared memory: a linear's input row and its tile's residual, or an attention
-    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums; plus the block
-    reductions' scratch."""
+    """The largest task's shared memory: a linear's input row and its tile's residual, an attention
+    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums, or a combine's
+    halves of a head (or, past 32 splits, its splits' scales and sums); plus the block reductions' scratch."""
     s = plan.shape
     linear = linear_row_floats(plan) + residual_columns(plan)
     attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
                  + WARPS * s.group * s.head_dim)
-    return 4 * (2 * WARPS + max(linear, attention))
+    combine = max(2 * plan.splits, s.head_dim)
+    return 4 * (2 * WARPS + max(linear, attention, combine))
 
 
 # Hopper's shared memory per block (opt-in); the kernel's static shared memory (task slots, staging
@@ -98,6 +99,7 @@ STAGED_KINDS = (Kind.OPROJ, Kind.GATEUP)
 STAGEABLE_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP)
 LATE_STAGED_KINDS = (Kind.QKV,)
 DEFAULT_PREFETCH_KIB = 96
+PARITY_SCOPES = ("sys", "gpu")   # the parity stream's loads (generate_source's parity_scope)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -336,7 +338,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
                     weights_first: float = 0.0, attention_unrolled: bool = False,
-                    early_kinds: Sequence[Kind] = ()) -> MegakernelSource:
+                    early_kinds: Sequence[Kind] = (), parity_scope: str = "sys") -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -355,7 +357,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     order; the split holding the new position ran 1.5-2 us longer than the others without). `early_kinds`:
     the kinds (of WEIGHT_KINDS, neither staged nor streamed) whose tasks the scheduler hands to the compute
     warps before their inputs are complete, once their step is known to run, so that each warp's first
-    pass of weight loads streams while the task waits (device.cu: early_kind).
+    pass of weight loads streams while the task waits (device.cu: early_kind). `parity_scope`: under the
+    plan's parity stream, the scope ("sys" or "gpu") of the loads that read the residual stream's partials
+    (a peer's stores land in this GPU's L2, which both read; "gpu" is outside PTX's memory model for them).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -369,6 +373,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                          f"not {prefetch_ahead} with the {schedule} schedule")
     if attention_lanes not in ATTENTION_LANES:
         raise ValueError(f"attention_lanes is one of {ATTENTION_LANES}, not {attention_lanes}")
+    if parity_scope not in PARITY_SCOPES:
+        raise ValueError(f"parity_scope is one of {', '.join(PARITY_SCOPES)}, not {parity_scope!r}")
     if not 16 <= prefetch_kib <= 1024:
         raise ValueError(f"prefetch_kib is 16 to 1024 KiB per task, not {prefetch_kib}")
     if not 0.0 <= weights_first <= 1.0:
@@ -403,6 +409,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
+              f"constexpr bool PARITY_STREAM = {'true' if plan.parity_stream else 'false'};",
+              f"#define MDSL_PARITY_SCOPE \"{parity_scope}\"",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",
               f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
