@@ -58,7 +58,8 @@ def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     plan = tiny_plan()
     widest = max(t.end - t.begin for t in plan.tasks if t.kind in (Kind.OPROJ, Kind.DOWN))
     assert residual_columns(plan) == widest > 0
-    for name, residual in (("oproj_task", "h_at(p, t.layer, r, parity)"), ("down_task", "mid_at(p, t.layer, r, parity)")):
+    for name, residual in (("oproj_task", "h_at(p, t.layer, r, parity)"),
+                           ("down_task", "mid_at(p, t.layer, r, parity)")):
         body = function(generate_bodies(plan), name)
         # task_gemv takes the epilogue, then the input row's two halves (row.load, row.finish): the residual's
         # loads come in the first, before the row's, its shared-memory stores with the row's

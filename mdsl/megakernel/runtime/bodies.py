@@ -327,7 +327,8 @@ def write_stream_rows(w: CodeWriter, bodies: list) -> None:
         with w.block("switch (t.kind)"):
             for body in bodies:
                 if isinstance(body.source, NormedStream):
-                    w(f"case KIND_{body.kind.name}: parts = {body.source.parts}; layer = {body.source.layer}; return true;")
+                    source = body.source
+                    w(f"case KIND_{body.kind.name}: parts = {source.parts}; layer = {source.layer}; return true;")
             w("default: return false;")
 
 
@@ -372,7 +373,8 @@ def generate_bodies(plan: TaskPlan) -> str:
     for kind in (k.kind for k in plan.kind_ops):
         if kind in linear:
             body = linear[kind]
-            calls.append((kind, f"{body.function}(p, t, staged, work, red, unsigned(step) & 1u);" if body.sink is not None else
+            parity = "unsigned(step) & 1u"   # (the body's `parity`: the step's, for the parity stream)
+            calls.append((kind, f"{body.function}(p, t, staged, work, red, {parity});" if body.sink is not None else
                           f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))

@@ -271,7 +271,7 @@ __device__ __forceinline__ unsigned ld_stream_word(const float* at) {
   asm volatile("ld.relaxed." MDSL_PARITY_SCOPE ".global.u32 %0, [%1];" : "=r"(w) : "l"(at));
   return w;
 }
-// A polled partial's wait, checked every 1024 rounds: false once it has lasted past the watchdog or the
+// A polled partial's wait, checked every so many rounds: false once it has lasted past the watchdog or the
 // launch stops; the watchdog then reports it (as task TASKS + 1) and stops the launch.
 __device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned parity) {
   const unsigned long long now = globaltimer();
@@ -334,8 +334,8 @@ __device__ bool wait_stream_row(const Params& p, const float* parts, int layer, 
 // element i of layer `layer` of a residual-stream buffer (h or mid): from `single` on one GPU, else the
 // WORLD partials summed in rank order. PARITY_STREAM: they carry `parity` by the time a task reads them (for
 // its input row the scheduler warp saw them: wait_stream_row; an o-proj's or down-proj's residual comes from
-// the row QKV or gate/up waited for), and are read at system scope, from L2. One without it would be a
-// runtime bug: the value becomes NaN, and the launch stops on it.
+// the row QKV or gate/up waited for), and are read with relaxed loads (MDSL_PARITY_SCOPE), from L2. One
+// without it would be a runtime bug: the value becomes NaN, and the launch stops on it.
 __device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i,
                                            unsigned parity) {
   if constexpr (WORLD == 1) {
@@ -1367,7 +1367,8 @@ __device__ void schedule(const Params& p, Slot* slots, T* stage, StageBarriers& 
       if constexpr (WORLD > 1 && PARITY_STREAM) {   // ... and the peers' partials of the row it reads
         const float* parts;
         int layer;
-        if (inputs && stream_row_of(p, t, parts, layer)) inputs = wait_stream_row(p, parts, layer, unsigned(step) & 1u, lane);
+        if (inputs && stream_row_of(p, t, parts, layer))
+          inputs = wait_stream_row(p, parts, layer, unsigned(step) & 1u, lane);
       }
       if (!inputs) {
         index = -1;

@@ -28,9 +28,8 @@ from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
                                             MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS, SCHEDULES,
-                                            STAGE_KIND_NAMES,
-                                            STAGED_KINDS, STREAM_KIND_NAMES, generate_source, stage_kinds_named,
-                                            stream_kind_names, weight_kinds_named)
+                                            STAGE_KIND_NAMES, STAGED_KINDS, STREAM_KIND_NAMES, generate_source,
+                                            stage_kinds_named, stream_kind_names, weight_kinds_named)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
