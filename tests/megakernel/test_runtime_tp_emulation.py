@@ -5,7 +5,7 @@ every rank, readers summing the slots in rank order, the LM head's bests gathere
 the rank holding the token putting its embedding row, and every signal flagged REMOTE counted on every
 rank. With the parity stream (`for_ranks(..., parity_stream=True)`) each partial carries the parity of
 the step that reads it, a task whose peers' partials lack its step's parity cannot run (the device's
-readers poll), the o-proj / down-proj events count this rank's tiles only, and every partial read must be
+scheduler polls), the o-proj / down-proj events count this rank's tiles only, and every partial read must be
 the one written for the reader's step (one bit is enough: checked). Workers of all ranks interleave at
 random.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
@@ -61,7 +61,8 @@ class RankEmulator(Emulator):
 
     def inputs_ready(self, t, step) -> bool:
         """Under the parity stream: whether the peers' partials the task reads carry its step's parity (the
-        device polls them in the task; every other input is an event the scheduler waits for)."""
+        device's scheduler warp polls a row's before it hands the task its inputs, and a residual's are there
+        by then; every other input is an event the scheduler waits for)."""
         if not self.plan.parity_stream:
             return True
         rows, layers = slice(t.begin, t.end), self.s.layers
