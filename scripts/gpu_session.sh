@@ -64,7 +64,9 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
 # out: a run cut at its limit still names the tests that failed.
 # The tensor-parallel tests (a minute or more each: one GPU's engine and every rank's) run beside the
 # others from the start in their own pytest, so that the stage's limit does not fall on them.
-TESTS_CMD="$PY -m pytest -q -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
+# (no -q: with the -v below it cancelled out, and a cut run named no test; seventeenth session. The
+# tensor-parallel file, 25 tests of 1-2 minutes, needs TESTS_LIMIT=420 or so at 8 workers)
+TESTS_CMD="$PY -m pytest -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" bash -c "
     $TESTS_CMD -v ${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py} -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
     $TESTS_CMD -v ${GPU_TESTS:-tests/gpu tests/backend/ptx/test_ptx_gpu.py} --ignore=tests/gpu/test_tensor_parallel_gpu.py \

@@ -58,6 +58,7 @@ STAGE_QKV = (("stage_kinds", ("qkv", "oproj", "gateup")),)    # one shared buffe
 LATE = (("early_weights", ()),)   # no task handed over before its inputs are complete (the default: every kind)
 SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several attention splits at these short contexts
 PARITY = (("parity_stream", True),)   # the residual stream's partials polled for their step's parity
+RELAY = (("relay_stream", True),)     # each o-proj / down-proj tile sums its rows over the ranks itself
 
 
 @pytest.mark.timeout(600)
@@ -67,12 +68,14 @@ PARITY = (("parity_stream", True),)   # the residual stream's partials polled fo
     ("llama3", "bf16", STAGE_QKV + HEADS), ("qwen3", "bf16", STAGE_QKV + (("stage_late", True),)),
     ("qwen3", "bf16", LATE), ("llama3", "f32", LATE + STAGED[:1]), ("qwen3", "bf16", SPLITS),
     ("llama3", "bf16", SPLITS + (("attention_lanes", 1),)), ("qwen3", "bf16", PARITY), ("llama3", "f32", PARITY),
-    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1])],
+    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1]), ("qwen3", "bf16", RELAY), ("llama3", "f32", RELAY),
+    ("qwen3", "bf16", RELAY + SPLITS + STAGED[:1]), ("llama3", "bf16", RELAY + STREAMED)],
     ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
          "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
          "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
          "qwen3-bf16-splits", "llama3-bf16-splits-lanes1", "qwen3-bf16-parity", "llama3-f32-parity",
-         "qwen3-bf16-parity-splits-staged"])
+         "qwen3-bf16-parity-splits-staged", "qwen3-bf16-relay", "llama3-f32-relay", "qwen3-bf16-relay-splits-staged",
+         "llama3-bf16-relay-streamed"])
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces
@@ -119,6 +122,21 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
         write_rank_traces(str(tmp_path / "trace.json"), [run.profile for run in profiled],
                           [f"task {k}" for k in range(per_step)], ["task"] * per_step)
     assert len(set(one_gpu)) > 3, f"the model repeats itself ({one_gpu}): the check is too weak with seed {SEED}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("arch", "dtype_name"), [("qwen3", "bf16"), ("llama3", "f32")])
+def test_the_relay_computes_the_signalled_streams_bits(checkpoints, arch, dtype_name):
+    """The relay and the put-with-signal of every tile (the default) sum the same partials in the same order:
+    the same tokens, step after step, whatever the seed (no tie can break differently)."""
+    from mdsl.megakernel.runtime.tp import TensorParallelGroup
+
+    folder, _, _ = checkpoints(arch, dtype_name)
+    tokens = {}
+    for relay in (True, False):
+        with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, relay_stream=relay) as group:
+            tokens[relay] = group.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
+    assert tokens[True] == tokens[False], f"seed {SEED}: relay {tokens[True]}, signalled {tokens[False]}"
 
 
 @pytest.mark.timeout(300)

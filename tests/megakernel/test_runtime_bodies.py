@@ -43,11 +43,19 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
     one = function(generate_bodies(plan), "oproj_task")
     assert "const float r_product = round_t(acc[0]);" in one
     assert "const float r_out = round_t(r_residual + r_product);" in one
-    assert "stream_put(p, p.mids, p.mid_parts, t.layer, r, r_out, parity);" in one
+    assert "stream_put(p, p.mids, p.mid_parts, p.mid_relay, t.layer, r, r_out, parity);" in one
+    assert "relay_rows" not in one
     ranks = generate_bodies(for_ranks(plan, 2))
     rank = function(ranks, "oproj_task")
     assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r, parity) : 0.0f)" in rank
     assert "round_t(r_act * r_up)" in function(ranks, "gateup_task")   # a buffer, not the residual stream
+    # a rank's tile then sums its rows over the ranks, if the relay is on (a constant of the plan)
+    assert ("if constexpr (RELAY_STREAM) relay_rows(p, p.mids, p.mid_parts, p.mid_relay, t.layer, t.begin, t.end, "
+            "parity);") in rank
+    assert "relay_rows(p, p.hs, p.h_parts, p.h_relay, t.layer + 1," in function(ranks, "down_task")
+    assert "oproj_task(p, t, staged, work, red, unsigned(step) & 1u);" in ranks
+    relayed = generate_bodies(for_ranks(plan, 2, relay_stream=True))
+    assert "oproj_task(p, t, staged, work, red, unsigned(step + 1));" in relayed   # its tag: step + 1
 
 
 def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():

@@ -71,8 +71,9 @@ def generate_source_for(engine_kwargs):
     options = dict(engine_kwargs)
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False),
                       splits=options.pop("attention_splits", None), min_chunk=options.pop("attention_min_chunk", None))
-    if options.pop("parity_stream", False):    # (a rank's option: the tables of one of two)
-        plan = for_ranks(plan, 2, parity_stream=True)
+    parity, relay = options.pop("parity_stream", False), options.pop("relay_stream", False)
+    if parity or relay:                        # (a rank's options: the tables of one of two)
+        plan = for_ranks(plan, 2, parity_stream=parity, relay_stream=relay)
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds

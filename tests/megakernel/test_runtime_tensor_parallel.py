@@ -99,6 +99,23 @@ def test_the_parity_stream_kernel_compiles_without_spills_and_signals_only_the_l
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
+def test_the_relay_kernel_compiles_without_spills_and_signals_only_the_lm_head_across_gpus():
+    """Under the relay the o-proj and down-proj tiles signal their own GPU only (their rows reach the peers as
+    flagged words), each tile's body ends in relay_rows, and the kernel compiles without spills."""
+    single, _ = _rank_plan("qwen3", dtype=bf16, head_dim=32)
+    relayed = for_ranks(single, 2, relay_stream=True)
+    check_plan(relayed)
+    remote_kinds = {relayed.tasks[k].kind for k in range(len(relayed.tasks))
+                    for e in relayed.signals[k] if relayed.events[e].ranks > 1}
+    assert remote_kinds <= {Kind.LMHEAD, Kind.SAMPLE} and relayed.relay_stream and not relayed.parity_stream
+    source = generate_source(relayed)
+    assert "constexpr bool RELAY_STREAM = true;" in source.text
+    assert "constexpr bool RELAY_STREAM = false;" in generate_source(for_ranks(single, 2)).text
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    with pytest.raises(ValueError, match="pick one"):
+        for_ranks(single, 2, parity_stream=True, relay_stream=True)
+
+
 @pytest.mark.slow
 def test_qwen3_8b_over_two_ranks_compiles_without_spills():
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
@@ -110,13 +127,14 @@ def test_qwen3_8b_over_two_ranks_compiles_without_spills():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parity", [False, True])
-def test_qwen3_8b_ranks_defaults_compile_without_spills(parity):
+@pytest.mark.parametrize("stream", ["", "parity", "relay"])
+def test_qwen3_8b_ranks_defaults_compile_without_spills(stream):
     """The engine's defaults for a rank of two: 32 attention splits (two combine groups), every kind early,
-    the whole first pass with the input row; and with the parity stream (the scheduler polls the rows)."""
+    the whole first pass with the input row; and with the parity stream (the scheduler polls the rows) or
+    the relay (the o-proj and down-proj tiles poll their peers' words)."""
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
     plan = for_ranks(build_plan(decoder_shape(shard_config(config, 2)), workers=132, max_seq=1064), 2,
-                     parity_stream=parity)
+                     parity_stream=stream == "parity", relay_stream=stream == "relay")
     assert (plan.splits, plan.min_chunk) == (32, 32)
     source = generate_source(plan, prefetch_kinds=(), weights_first=1.0, early_kinds=WEIGHT_KINDS)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
@@ -162,6 +180,16 @@ def test_the_ranks_trace_names_waits_for_peers_and_puts(tmp_path):
     assert all(puts == (kind in CROSS_RANK_KINDS) for (_, puts), kind in zip(peers, kinds))
     assert peers[0][0] and any(kind is Kind.GATEUP and remote for (remote, _), kind in zip(peers, kinds))
     assert not any(remote for (remote, _), kind in zip(peers, kinds) if kind is Kind.COMBINE)
+    # the relay: the residual stream's tiles still put to the peers, and wait for theirs; their readers do not
+    single, _ = _rank_plan("llama3")
+    relayed = for_ranks(single, 2, relay_stream=True)
+    for (waits, puts), task, task_waits in zip(peer_traffic(relayed), relayed.tasks, relayed.waits):
+        assert puts == (task.kind in CROSS_RANK_KINDS)
+        signalled = any(relayed.events[e].ranks > 1 for e in task_waits)   # (the embedding row, the LM head's bests)
+        assert waits == (task.kind in (Kind.OPROJ, Kind.DOWN) or signalled), task
+        assert not signalled or task.layer == 0 or task.kind is Kind.SAMPLE, task
+    polled = peer_traffic(for_ranks(single, 2, parity_stream=True))   # the parity stream: its readers wait
+    assert any(waits for (waits, _), kind in zip(polled, kinds) if kind is Kind.GATEUP)
     n = len(plan.tasks)
     gateup = kinds.index(Kind.GATEUP)
     oproj = kinds.index(Kind.OPROJ)

@@ -6,8 +6,12 @@ the rank holding the token putting its embedding row, and every signal flagged R
 rank. With the parity stream (`for_ranks(..., parity_stream=True)`) each partial carries the parity of
 the step that reads it, a task whose peers' partials lack its step's parity cannot run (the device's
 scheduler polls), the o-proj / down-proj events count this rank's tiles only, and every partial read must be
-the one written for the reader's step (one bit is enough: checked). Workers of all ranks interleave at
-random.
+the one written for the reader's step (one bit is enough: checked). With the relay (`relay_stream=True`) an
+o-proj / down-proj tile puts its partial into its own slot and to the peers as words tagged step + 1, then
+holds its worker until the peers' words of its rows carry that tag (the device's relay_rows polls), sums
+the rows in rank order into the rank's whole row, which its readers read (checked: written for their
+step), and signals this rank only; a word is never overwritten before the rank it was put to has read it
+(checked). Workers of all ranks interleave at random.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
 test is tests/gpu/test_tensor_parallel_gpu.py.)"""
 import numpy as np
@@ -37,12 +41,25 @@ class RankEmulator(Emulator):
         # words carry parity 1)
         self.read_by = {"h_parts": np.full(self.h_parts.shape, -1, np.int64),
                         "mid_parts": np.full(self.mid_parts.shape, -1, np.int64)}
+        # the relay: each rank's whole rows (and the step each was written for), the peers' tagged words, and
+        # the tag this rank last read of each word
+        self.single = {"h_parts": np.zeros((s.layers + 1, s.hidden), np.float32),
+                       "mid_parts": np.zeros((s.layers, s.hidden), np.float32)}
+        self.written_for = {name: np.full(a.shape, -1, np.int64) for name, a in self.single.items()}
+        self.relay_value = {name: np.zeros(a.shape, np.float32) for name, a in (("h_parts", self.h_parts),
+                                                                               ("mid_parts", self.mid_parts))}
+        self.relay_tag = {name: np.zeros(a.shape, np.int64) for name, a in self.relay_value.items()}
+        self.relay_read = {name: np.zeros(a.shape, np.int64) for name, a in self.relay_value.items()}
         self.step = -1
         self.best = [None] * (world * plan.lm_tiles)
         self.events = plan.initial_events().astype(np.int64)
         self.peers = []   # every rank, this one included, in rank order
 
     def stream(self, parts, layer):
+        if self.plan.relay_stream:
+            name = "h_parts" if parts is self.h_parts else "mid_parts"
+            assert (self.written_for[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
+            return self.single[name][layer].copy()
         if self.plan.parity_stream:
             name = "h_parts" if parts is self.h_parts else "mid_parts"
             assert (self.read_by[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
@@ -53,6 +70,41 @@ class RankEmulator(Emulator):
             getattr(peer, name)[index] = value
             if read_by is not None:
                 peer.read_by[name][index] = read_by
+
+    def put_tagged(self, name, layer, rows, value, tag):
+        """The relay: this rank's partial into its own slot, and to every peer as words tagged `tag`, none of
+        which may overwrite a word its rank has not read yet."""
+        index = (layer, self.rank, rows)
+        getattr(self, name)[index] = value
+        for peer in self.peers:
+            if peer is not self:
+                previous = peer.relay_tag[name][index]
+                assert ((previous == 0) | (peer.relay_read[name][index] == previous)).all(), \
+                    f"rank {self.rank} overwrote {name}[{layer}] words rank {peer.rank} had not read"
+                peer.relay_value[name][index] = value
+                peer.relay_tag[name][index] = tag
+
+    @staticmethod
+    def relayed(t):
+        """(residual-stream buffer, layer) of an o-proj / down-proj tile's rows."""
+        return ("mid_parts", t.layer) if t.kind is Kind.OPROJ else ("h_parts", t.layer + 1)
+
+    def relay_ready(self, t, step) -> bool:
+        name, layer = self.relayed(t)
+        peers = [k for k in range(self.world) if k != self.rank]
+        return bool(np.all(self.relay_tag[name][layer, peers, t.begin:t.end] == step + 1))
+
+    def relay(self, t, step):
+        """The tile's rows summed in rank order (its own slot, the peers' words) into the rank's whole row."""
+        name, layer = self.relayed(t)
+        rows = slice(t.begin, t.end)
+        partials = np.stack([getattr(self, name)[layer, k, rows] if k == self.rank else
+                             self.relay_value[name][layer, k, rows] for k in range(self.world)])
+        for k in range(self.world):
+            if k != self.rank:
+                self.relay_read[name][layer, k, rows] = step + 1
+        self.single[name][layer, rows] = self.round(partials.sum(axis=0, dtype=np.float32))
+        self.written_for[name][layer, rows] = step
 
     def parity(self, name, index) -> np.ndarray:
         """The lowest mantissa bit of the partials at `index` of the peers' slots, as the device reads it."""
@@ -91,6 +143,12 @@ class RankEmulator(Emulator):
     def next_embedding(self, token):
         local = token - self.rank * self.s.vocab
         row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
+        if self.plan.relay_stream:   # the rank holding the row puts it whole into every rank's h[0]
+            if 0 <= local < self.s.vocab:
+                for peer in self.peers:
+                    peer.single["h_parts"][0] = row
+                    peer.written_for["h_parts"][0] = self.step + 1
+            return
         self.put("h_parts", (0, self.rank), row, read_by=self.step + 1)   # (begin: the host's, for step 0)
 
     def execute(self, t, step, k):
@@ -107,7 +165,10 @@ class RankEmulator(Emulator):
             partial = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
             if self.rank == 0:
                 partial = self.stream(residual, t.layer)[t.begin:t.end] + partial
-            self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial, read_by=step)
+            if self.plan.relay_stream:
+                self.put_tagged(out, layer, slice(t.begin, t.end), partial, step + 1)
+            else:
+                self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial, read_by=step)
         elif t.kind is Kind.GATEUP:
             x = self.norm(self.stream(self.mid_parts, t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
             g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
@@ -130,7 +191,9 @@ class RankEmulator(Emulator):
 
 
 def run_ranks(ranks, tokens, max_new, rng):
-    """Every rank's workers interleaved at random, each taking its rank's task indices in order."""
+    """Every rank's workers interleaved at random, each taking its rank's task indices in order. Under the
+    relay an o-proj / down-proj tile runs in two parts: its products, then (its worker held meanwhile) its
+    rows' sum once the peers' words are there, then its signals."""
     n_tasks = len(ranks[0].plan.tasks)
     steps = len(tokens) - 1 + max_new
     for r in ranks:
@@ -145,6 +208,11 @@ def run_ranks(ranks, tokens, max_new, rng):
             for w, index in enumerate(held[ri]):
                 if index is None:
                     continue
+                if isinstance(index, tuple):   # a tile waiting for its peers' words
+                    step, k = divmod(index[1], n_tasks)
+                    if r.relay_ready(r.plan.tasks[k], step):
+                        ready.append((ri, w))
+                    continue
                 step, k = divmod(index, n_tasks)
                 if index >= steps * n_tasks or (r.stop is not None and step > r.stop):
                     held[ri][w] = None
@@ -157,28 +225,37 @@ def run_ranks(ranks, tokens, max_new, rng):
             return [r.out for r in ranks]
         ri, w = ready[rng.integers(len(ready))]
         r = ranks[ri]
-        step, k = divmod(held[ri][w], n_tasks)
-        r.execute(r.plan.tasks[k], step, k)
+        if isinstance(held[ri][w], tuple):
+            step, k = divmod(held[ri][w][1], n_tasks)
+            r.relay(r.plan.tasks[k], step)
+        else:
+            step, k = divmod(held[ri][w], n_tasks)
+            r.execute(r.plan.tasks[k], step, k)
+            if r.plan.relay_stream and r.plan.tasks[k].kind in (Kind.OPROJ, Kind.DOWN):
+                held[ri][w] = ("relay", held[ri][w])
+                continue
         r.signal(k)
         held[ri][w] = queue[ri]
         queue[ri] += 1
 
 
-@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine", "parity"), [
-    ("llama3", 2, 3, False, False), ("qwen3", 2, 5, False, False), ("qwen3", 2, 1, False, False),
-    ("llama3", 2, 8, True, False), ("qwen3", 2, 4, True, False), ("qwen3", 2, 6, True, False),
-    ("llama3", 2, 3, False, True), ("qwen3", 2, 6, True, True), ("qwen3", 2, 1, False, True),
-    ("llama3", 2, 9, False, True)])
-def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine, parity):
+@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine", "stream"), [
+    ("llama3", 2, 3, False, ""), ("qwen3", 2, 5, False, ""), ("qwen3", 2, 1, False, ""),
+    ("llama3", 2, 8, True, ""), ("qwen3", 2, 4, True, ""), ("qwen3", 2, 6, True, ""),
+    ("llama3", 2, 3, False, "parity"), ("qwen3", 2, 6, True, "parity"), ("qwen3", 2, 1, False, "parity"),
+    ("llama3", 2, 9, False, "parity"), ("llama3", 2, 3, False, "relay"), ("qwen3", 2, 6, True, "relay"),
+    ("qwen3", 2, 1, False, "relay"), ("llama3", 2, 9, False, "relay"), ("qwen3", 2, 5, False, "relay")])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine, stream):
     config, graph, weights = tiny_model(arch, seed=3)
     split = tensor_parallel(step_function(config).trace(config), world)
     shard = shard_config(config, world)
     plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions,
-                                fused_combine=fused_combine), world, parity_stream=parity)
+                                fused_combine=fused_combine), world, parity_stream=stream == "parity",
+                     relay_stream=stream == "relay")
     check_plan(plan)
     cross = [e for e in plan.events if e.ranks > 1]
     assert all({plan.tasks[k].kind for k in e.producers} & {Kind.LMHEAD, Kind.SAMPLE} or not e.producers
-               for e in cross) if parity else len(cross) > 2
+               for e in cross) if stream else len(cross) > 2
     rng = np.random.default_rng(workers)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]
     prompt, new = [3, 17, 42, 5], 8
@@ -189,13 +266,18 @@ def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers
     np.testing.assert_allclose(logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
 
 
-def test_a_remote_signal_dropped_is_a_deadlock():
+def _two_llama3_ranks(**transport) -> tuple:
+    """Two ranks of the tiny Llama-3 on 3 workers each, with `transport` (for_ranks' options), and their rng."""
     config, graph, weights = tiny_model("llama3", seed=3)
     split = tensor_parallel(step_function(config).trace(config), 2)
     shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2, **transport)
     rng = np.random.default_rng(0)
-    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
+    return [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)], rng
+
+
+def test_a_remote_signal_dropped_is_a_deadlock():
+    ranks, rng = _two_llama3_ranks()
     ranks[1].signal = lambda k, r=ranks[1]: [r.events.__setitem__(e, r.events[e] + 1) for e in r.plan.signals[k]]
     with pytest.raises(AssertionError, match="deadlock"):
         run_ranks(ranks, [3, 17], 2, rng)
@@ -204,12 +286,7 @@ def test_a_remote_signal_dropped_is_a_deadlock():
 def test_a_partial_of_the_wrong_parity_is_a_deadlock():
     """Under the parity stream a partial whose parity is not its readers' step's is never read: a rank that
     put its o-proj partials to its peer with the previous step's parity stops every rank."""
-    config, graph, weights = tiny_model("llama3", seed=3)
-    split = tensor_parallel(step_function(config).trace(config), 2)
-    shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2, parity_stream=True)
-    rng = np.random.default_rng(0)
-    ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)]
+    ranks, rng = _two_llama3_ranks(parity_stream=True)
 
     def put(name, index, value, read_by=None):   # rank 1's copy right, rank 0's with the previous step's parity
         for peer in ranks:
@@ -218,5 +295,16 @@ def test_a_partial_of_the_wrong_parity_is_a_deadlock():
                 peer.read_by[name][index] = read_by - (name == "mid_parts" and peer is not ranks[1])
 
     ranks[1].put = put
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_ranks(ranks, [3, 17], 2, rng)
+
+
+def test_a_relayed_word_of_the_wrong_step_is_a_deadlock():
+    """Under the relay a tile sums its rows only once the peers' words carry its step's tag: a rank whose
+    down-proj words to its peer carry the previous step's tag stops every rank."""
+    ranks, rng = _two_llama3_ranks(relay_stream=True)
+    put_tagged = ranks[1].put_tagged
+    ranks[1].put_tagged = lambda name, layer, rows, value, tag: put_tagged(name, layer, rows, value,
+                                                                           tag - (name == "h_parts"))
     with pytest.raises(AssertionError, match="deadlock"):
         run_ranks(ranks, [3, 17], 2, rng)

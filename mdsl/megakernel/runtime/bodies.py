@@ -83,11 +83,17 @@ class ToStream:
     """Column r of a residual-stream layer; the epilogue's residual is the layer it adds to."""
     single: str
     parts: str
+    relay: str      # the peers' flagged words (RELAY_STREAM)
     layer: str
     residual: str   # C++: column r of the residual (h_at / mid_at; `parity`: the step's, PARITY_STREAM)
 
     def store(self, value: str) -> str:
-        return f"stream_put(p, {self.single}, {self.parts}, {self.layer}, r, {value}, parity);"
+        return f"stream_put(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, r, {value}, parity);"
+
+    def relay_rows(self) -> str:
+        """Under RELAY_STREAM the tile then sums its rows over the ranks (device.cu's relay_rows)."""
+        return (f"if constexpr (RELAY_STREAM) relay_rows(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, "
+                "t.begin, t.end, parity);")
 
 
 @attrs.frozen
@@ -127,10 +133,12 @@ def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     if kind is Kind.OPROJ:
         return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
                           Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
-                          ToStream("p.mids", "p.mid_parts", "t.layer", "h_at(p, t.layer, r, parity)"), epilogue)
+                          ToStream("p.mids", "p.mid_parts", "p.mid_relay", "t.layer", "h_at(p, t.layer, r, parity)"),
+                          epilogue)
     return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
                       Activations("(p.acts + (long long)t.layer * I)", "I"),
-                      ToStream("p.hs", "p.h_parts", "t.layer + 1", "mid_at(p, t.layer, r, parity)"), epilogue)
+                      ToStream("p.hs", "p.h_parts", "p.h_relay", "t.layer + 1", "mid_at(p, t.layer, r, parity)"),
+                      epilogue)
 
 
 def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
@@ -293,6 +301,8 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int) -> None:
             w("mark(p, 0);   // the input row is in shared memory")
         w.lines[-1] += ");"
         w.depth -= 4
+        if partial:
+            w(body.sink.relay_rows())
 
 
 def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
@@ -373,7 +383,8 @@ def generate_bodies(plan: TaskPlan) -> str:
     for kind in (k.kind for k in plan.kind_ops):
         if kind in linear:
             body = linear[kind]
-            parity = "unsigned(step) & 1u"   # (the body's `parity`: the step's, for the parity stream)
+            # the body's `parity`: the step's, for the parity stream; the relay's tag, step + 1 (0: the host's reset)
+            parity = "unsigned(step + 1)" if plan.relay_stream else "unsigned(step) & 1u"
             calls.append((kind, f"{body.function}(p, t, staged, work, red, {parity});" if body.sink is not None else
                           f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:

@@ -272,8 +272,10 @@ __device__ __forceinline__ unsigned ld_stream_word(const float* at) {
   return w;
 }
 // A polled partial's wait, checked every so many rounds: false once it has lasted past the watchdog or the
-// launch stops; the watchdog then reports it (as task TASKS + 1) and stops the launch.
-__device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned parity) {
+// launch stops; the watchdog then reports it (as task TASKS + 1: what the partial carried, `have`, and what
+// the reader needs) and stops the launch.
+__device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long& since, unsigned have,
+                                             unsigned need) {
   const unsigned long long now = globaltimer();
   if (since == 0) {
     since = now;
@@ -281,8 +283,8 @@ __device__ __forceinline__ bool keep_polling(const Params& p, unsigned long long
     if (atomicCAS(p.state + STATE_STUCK_TASK, 0, TASKS + 1) == 0) {
       p.state[STATE_STUCK_STEP] = -1;
       p.state[STATE_STUCK_EVENT] = -1;
-      p.state[STATE_STUCK_COUNT] = int(parity ^ 1u);
-      p.state[STATE_STUCK_NEED] = int(parity);
+      p.state[STATE_STUCK_COUNT] = int(have);
+      p.state[STATE_STUCK_NEED] = int(need);
     }
     atomicExch(p.state + STATE_STOP, -1);
     return false;
@@ -324,7 +326,7 @@ __device__ bool wait_stream_row(const Params& p, const float* parts, int layer, 
     const float* base = parts + ((long long)layer * WORLD + (int(p.rank) + k) % WORLD) * H + 4 * lane;
     for (unsigned round = 1;; ++round) {
       if (__all_sync(0xffffffffu, (RowParity<PER_LANE>::stale(base, parity, lane) & 1u) == 0)) break;
-      if (round % 64 == 0 && __any_sync(0xffffffffu, !keep_polling(p, since, parity))) return false;
+      if (round % 64 == 0 && __any_sync(0xffffffffu, !keep_polling(p, since, parity ^ 1u, parity))) return false;
       __nanosleep(32);
     }
   }
@@ -338,7 +340,7 @@ __device__ bool wait_stream_row(const Params& p, const float* parts, int layer, 
 // without it would be a runtime bug: the value becomes NaN, and the launch stops on it.
 __device__ __forceinline__ float stream_at(const Params& p, const T* single, float* parts, int layer, int i,
                                            unsigned parity) {
-  if constexpr (WORLD == 1) {
+  if constexpr (WORLD == 1 || RELAY_STREAM) {   // (RELAY_STREAM: the rows summed by their producer tiles)
     return mdsl::to_float(single[(long long)layer * H + i]);
   } else {
     const float* at = parts + (long long)layer * WORLD * H + i;
@@ -364,11 +366,19 @@ __device__ __forceinline__ float mid_at(const Params& p, int layer, int i, unsig
   return stream_at(p, p.mids, p.mid_parts, layer, i, parity);
 }
 // element i of layer `layer` of a residual-stream buffer: `value` on one GPU; this rank's partial `value`
-// otherwise, into its slot here and on every peer (PARITY_STREAM: carrying `parity`, its readers' step's)
-__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, int layer, int i, float value,
-                                           unsigned parity) {
+// otherwise, into its slot here and on every peer (PARITY_STREAM: carrying `parity`, its readers' step's;
+// RELAY_STREAM: into its slot here, and to the peers as a flagged word of `relay`, `parity` being the tag)
+__device__ __forceinline__ void stream_put(const Params& p, T* single, float* parts, unsigned long long* relay,
+                                           int layer, int i, float value, unsigned parity) {
   if constexpr (WORLD == 1) {
     single[(long long)layer * H + i] = mdsl::from_float<T>(value);
+  } else if constexpr (RELAY_STREAM) {
+    const long long at = ((long long)layer * WORLD + p.rank) * H + i;
+    parts[at] = value;   // (read back by this block's relay_rows, after its barrier)
+    const unsigned long long word = (unsigned long long)parity << 32 | __float_as_uint(value);
+#pragma unroll
+    for (int k = 1; k < WORLD; ++k)   // one 8-byte store: the value never arrives without its tag
+      *reinterpret_cast<volatile unsigned long long*>(on_peer(p, relay + at, (int(p.rank) + k) % WORLD)) = word;
   } else if constexpr (PARITY_STREAM) {
     float* at = parts + ((long long)layer * WORLD + p.rank) * H + i;
     const unsigned w = with_parity(value, parity);
@@ -378,6 +388,41 @@ __device__ __forceinline__ void stream_put(const Params& p, T* single, float* pa
       *reinterpret_cast<volatile unsigned*>(on_peer(p, at, (int(p.rank) + k) % WORLD)) = w;
   } else {
     put_everywhere(p, parts + (long long)layer * WORLD * H, (long long)p.rank * H + i, value);
+  }
+}
+
+// RELAY_STREAM (plan.relay_stream): the relay of a peer's word of a residual-stream row, polled (relaxed, at
+// system scope: a peer's store) until it carries `tag` (its step + 1; the host zeroes the words before a
+// launch). A word is rewritten only by the peer's tile of the next step, which cannot start before this
+// rank's step is done (TENSOR_PARALLEL.md). NaN once the watchdog stops the launch.
+__device__ __forceinline__ float relay_word(const Params& p, const unsigned long long* at, unsigned tag) {
+  unsigned long long since = 0;
+  for (unsigned round = 1;; ++round) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
+    if (unsigned(w >> 32) == tag) return __uint_as_float(unsigned(w));
+    if (round % 64 == 0 && !keep_polling(p, since, unsigned(w >> 32), tag)) return __int_as_float(0x7fffffff);
+  }
+}
+// RELAY_STREAM: rows [begin, end) of layer `layer` of a residual-stream buffer, by the tile that made this
+// rank's partial of them, once the block's epilogue has put it (stream_put): every rank's partial summed in
+// rank order (this rank's from its slot, the peers' from the flagged words their tiles of the same rows put
+// here), rounded into `single`, which this rank's readers then read as one GPU's do. The tile's events are
+// this rank's only: a peer's hop is one NVLink store, not a store, its acknowledgement and a remote add
+// (put-with-signal), and its readers load one row instead of every rank's partials. (Summed by the scheduler
+// warp instead, while the compute warps went on to their next task, it was slower: its loads waited behind
+// that task's first pass of weight loads; seventeenth session.)
+__device__ void relay_rows(const Params& p, T* single, const float* parts, const unsigned long long* relay,
+                           int layer, int begin, int end, unsigned tag) {
+  compute_sync();   // the warps' lane 0 put the tile's partials into this rank's slot
+  for (int i = begin + int(threadIdx.x); i < end; i += NT) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WORLD; ++k) {
+      const long long at = ((long long)layer * WORLD + k) * H + i;
+      sum += k == int(p.rank) ? parts[at] : relay_word(p, relay + at, tag);
+    }
+    single[(long long)layer * H + i] = mdsl::from_float<T>(sum);
   }
 }
 
@@ -1128,9 +1173,14 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
   if (going) {   // the next step's h: the token's embedding row (under TP, the rank holding it puts it)
     const int local = next_token - int(p.rank) * V;
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
-    for (int i = threadIdx.x; i < H; i += NT)
-      stream_put(p, p.hs, p.h_parts, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f,
-                 unsigned(step + 1) & 1u);
+    if constexpr (RELAY_STREAM) {   // the row whole, into h[0] here and on every peer
+      if (row != nullptr)
+        for (int i = threadIdx.x; i < H; i += NT) put_everywhere(p, p.hs, (long long)i, row[i]);
+    } else {
+      for (int i = threadIdx.x; i < H; i += NT)
+        stream_put(p, p.hs, p.h_parts, p.h_relay, 0, i, row != nullptr ? mdsl::to_float(row[i]) : 0.0f,
+                   unsigned(step + 1) & 1u);
+    }
   }
   return going;
 }

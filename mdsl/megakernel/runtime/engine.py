@@ -125,7 +125,12 @@ class MegakernelEngine:
     issued while they wait (source.generate_source; a staged kind is not early); `parity_stream`, under
     tensor parallelism, whether the residual stream's partials carry their readers' step parity in their
     lowest mantissa bit and are polled for, instead of being signalled across GPUs (plan.for_ranks), read
-    with loads of `parity_scope` ("sys" or "gpu": source.generate_source).
+    with loads of `parity_scope` ("sys" or "gpu": source.generate_source); `relay_stream`, under tensor
+    parallelism, whether each o-proj and down-proj tile sums its rows over the ranks itself, the peers'
+    partials coming as flagged words, so that nothing is signalled across GPUs for them and their readers
+    load one row (plan.for_ranks; not with parity_stream). Qwen3-8B over 2 GPUs 2.770 -> 2.736 ms and 2.774 ->
+    2.741 ms (seventeenth session); off by default until the whole tensor-parallel GPU test file has passed
+    with it (docs/performance.md).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -140,7 +145,8 @@ class MegakernelEngine:
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 parity_stream: bool = False, parity_scope: str = "sys", ranks: Optional[RankGroup] = None):
+                 parity_stream: bool = False, parity_scope: str = "sys", relay_stream: bool = False,
+                 ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -150,6 +156,9 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if parity_scope not in PARITY_SCOPES:
             raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
+        if parity_stream and relay_stream:
+            raise MdslError("parity_stream and relay_stream together",
+                            hint="they are two ways to move the residual stream between GPUs: pass one")
         if not 16 <= prefetch_kib <= 1024:
             raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
         if attention_splits is not None and not 1 <= attention_splits <= 4096:
@@ -222,7 +231,8 @@ class MegakernelEngine:
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
                                                    splits=attention_splits, fused_combine=fused_combine,
                                                    min_chunk=attention_min_chunk), self.world,
-                                         parity_stream=parity_stream and self.world > 1)
+                                         parity_stream=parity_stream and self.world > 1,
+                                         relay_stream=relay_stream and self.world > 1)
         try:
             source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
@@ -357,7 +367,8 @@ class MegakernelEngine:
         p.state = self._zeros(_STATE_WORDS, i32)
         cos, sin = rope_tables(s, self.max_seq)
         p.rope_cos, p.rope_sin = self._array(cos.reshape(-1), f32), self._array(sin.reshape(-1), f32)
-        p.hs = self._zeros((s.layers + 1) * s.hidden, s.dtype)
+        # (the relay: a rank puts the next step's embedding row into h[0] of every rank)
+        p.hs = (self._shared_zeros if plan.relay_stream else self._zeros)((s.layers + 1) * s.hidden, s.dtype)
         p.mids = self._zeros(s.layers * s.hidden, s.dtype)
         p.qkvs = self._zeros(s.layers * s.qkv_rows, s.dtype)
         p.attns = self._zeros(s.layers * s.attention_width, s.dtype)
@@ -375,6 +386,10 @@ class MegakernelEngine:
             layer_words = self.world * s.hidden   # parity_stream: h[1..L] and every mid, reset before a launch
             self._polled_words = ((p.h_parts + layer_words * 4, s.layers * layer_words),
                                   (p.mid_parts, s.layers * layer_words))
+            if plan.relay_stream:   # 8-byte words, zeroed before every launch: no tag of a step (step + 1 >= 1)
+                self._relay_words = tuple((self._shared_zeros(2 * layers * layer_words, i32), 2 * layers * layer_words)
+                                          for layers in (s.layers + 1, s.layers))
+                (p.h_relay, _), (p.mid_relay, _) = self._relay_words
             p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
             p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
@@ -441,6 +456,10 @@ class MegakernelEngine:
         if self.plan.parity_stream:   # every partial a step reads past h[0] lacks step 0's parity (device.cu)
             for ptr, words in self._polled_words:
                 _check(driver.cuMemsetD32Async(ptr, 0xFFFFFFFF, words, self._stream), "cuMemsetD32Async")
+        if self.plan.relay_stream:   # (done before the ranks' barrier below: a peer's kernel then writes them)
+            for ptr, words in self._relay_words:
+                _check(driver.cuMemsetD32Async(ptr, 0, words, self._stream), "cuMemsetD32Async")
+            _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
         self._write_first_row(tokens[start])
         if self.ranks is not None:   # every rank's tables and first row are in place before any kernel runs
             self.ranks.pe.barrier()
@@ -455,7 +474,11 @@ class MegakernelEngine:
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
-        if task == len(self.plan.tasks) + 1:   # device.cu's keep_polling
+        if task == len(self.plan.tasks) + 1 and self.plan.relay_stream:   # device.cu's keep_polling
+            raise CudaError(f"the megakernel deadlocked: a peer's residual-stream partial still carried step tag "
+                            f"{count}, not {need}, after 5 s; every worker stopped",
+                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
+        if task == len(self.plan.tasks) + 1:
             raise CudaError(f"the megakernel deadlocked: a peer's residual-stream partial still lacked parity {need} "
                             "after 5 s; every worker stopped",
                             hint="a bug in mdsl's task tables or runtime: please report it with this message")
@@ -490,6 +513,14 @@ class MegakernelEngine:
                    "cuMemcpyDtoDAsync")
             return
         local = token - self.ranks.rank * s.vocab
+        if self.plan.relay_stream:   # the rank whose shard holds the row puts it whole into every rank's h[0]
+            if 0 <= local < s.vocab:
+                for k in range(self.world):
+                    _check(driver.cuMemcpyDtoDAsync(p.hs + (self._peer_deltas[k] if k != self.ranks.rank else 0),
+                                                    p.embed + local * row_bytes, row_bytes, self._stream),
+                           "cuMemcpyDtoDAsync")
+                _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            return
         row = np.zeros(s.hidden, dtype=np.float32)
         if 0 <= local < s.vocab:
             raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)

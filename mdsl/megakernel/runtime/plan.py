@@ -148,6 +148,10 @@ class TaskPlan:
     # under tensor parallelism: the residual stream's partials carry their readers' step parity and are polled,
     # so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
     parity_stream: bool = False
+    # under tensor parallelism: each o-proj and down-proj tile sums its rows' partials of every rank itself (the
+    # peers' come as flagged words) and writes the rows whole, so those events count this rank's tiles only
+    # (`for_ranks`)
+    relay_stream: bool = False
 
     def op_of(self, kind: "Kind") -> "KindOp":
         for k in self.kind_ops:
@@ -197,11 +201,11 @@ REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every r
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
-# ... of which the o-proj and down-proj tiles' partials may be polled for instead (parity_stream)
+# ... of which the o-proj and down-proj tiles' partials may be polled for instead (parity_stream, relay_stream)
 POLLED_KINDS = (Kind.OPROJ, Kind.DOWN)
 
 
-def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False) -> TaskPlan:
+def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False, relay_stream: bool = False) -> TaskPlan:
     """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
     model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
     same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
@@ -209,15 +213,21 @@ def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False) -> TaskPl
     rank's part of step 0's row. `parity_stream`: the o-proj and down-proj tiles' partials carry the parity
     of the step that reads them, which readers poll for (device.cu's PARITY_STREAM); their events then
     count this rank's tiles only, and nothing is signalled across GPUs for them (no system-scope release
-    per tile)."""
+    per tile). `relay_stream`: each o-proj and down-proj tile puts its rows' partials to the peers as flagged
+    words (value, step + 1), waits for the peers' words of the same rows, and writes the rows summed in rank
+    order (device.cu's RELAY_STREAM); their events then count this rank's tiles only, as with the parity
+    stream, and their readers read the summed rows."""
     if plan.world != 1:
         raise ValueError(f"the plan is already one of {plan.world} ranks")
+    if parity_stream and relay_stream:
+        raise ValueError("parity_stream and relay_stream are two ways to move the residual stream: pick one")
     if world == 1:
         return plan
+    polled = parity_stream or relay_stream
     events = []
     for event in plan.events:
         kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
-        if parity_stream and kinds <= set(POLLED_KINDS):
+        if polled and kinds <= set(POLLED_KINDS):
             events.append(event)
         elif kinds <= set(CROSS_RANK_KINDS):
             events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
@@ -225,7 +235,8 @@ def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False) -> TaskPl
             raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
         else:
             events.append(event)
-    return attrs.evolve(plan, events=tuple(events), world=world, parity_stream=parity_stream)
+    return attrs.evolve(plan, events=tuple(events), world=world, parity_stream=parity_stream,
+                        relay_stream=relay_stream)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save

@@ -44,6 +44,8 @@ PARAMS = (
     # tensor parallelism (plan.world > 1; null / 0 on one GPU): this rank, the byte offset from a symmetric
     # buffer to each peer's copy of it, and the residual stream's per-rank f32 partials ([layer][rank][H])
     ("long long", "rank"), ("const long long*", "peer_delta"), ("float*", "h_parts"), ("float*", "mid_parts"),
+    # plan.relay_stream: the peers' partials of the residual stream as flagged words (tag << 32 | f32 bits)
+    ("unsigned long long*", "h_relay"), ("unsigned long long*", "mid_relay"),
     ("unsigned*", "attn_done"),          # plan.fused_combine: attention splits finished per (layer, kv head)
     ("long long", "prompt_len"), ("long long", "start_pos"), ("long long", "num_steps"), ("long long", "max_new"),
     ("long long", "num_eos"), ("double", "temperature"), ("double", "top_p"), ("unsigned long long", "seed"),
@@ -410,6 +412,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr bool PARITY_STREAM = {'true' if plan.parity_stream else 'false'};",
+              f"constexpr bool RELAY_STREAM = {'true' if plan.relay_stream else 'false'};",
               f"#define MDSL_PARITY_SCOPE \"{parity_scope}\"",
               f"constexpr long long PREFETCH_BYTES = {prefetch_kib * 1024}ll;",
               f"constexpr int PREFETCH_KINDS = {sum(1 << int(kind) for kind in set(prefetch_kinds))};",

@@ -71,9 +71,27 @@ class RankSpec:
 
 
 def peer_traffic(plan) -> list:
-    """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace."""
-    return [(any(plan.events[e].ranks > 1 for e in waits), any(plan.events[e].ranks > 1 for e in signals))
-            for waits, signals in zip(plan.waits, plan.signals)]
+    from mdsl.megakernel.runtime.plan import POLLED_KINDS
+
+    """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace. A
+    signalled event says both; the residual stream's tiles put their partials to the peers whatever the
+    transport, and under the relay each also waits for its peers' words of its rows (in its body), under the
+    parity stream their readers for the peers' rows (before their body)."""
+    from mdsl.megakernel.runtime.plan import POLLED_KINDS   # (the driving process imports no runtime module early)
+
+    polled = {e for e, event in enumerate(plan.events)
+              if event.producers and {plan.tasks[k].kind for k in event.producers} <= set(POLLED_KINDS)}
+    traffic = []
+    for task, waits, signals in zip(plan.tasks, plan.waits, plan.signals):
+        waits_for_peers = any(plan.events[e].ranks > 1 for e in waits)
+        puts = any(plan.events[e].ranks > 1 for e in signals)
+        if plan.world > 1 and task.kind in POLLED_KINDS:
+            puts = True
+            waits_for_peers = waits_for_peers or plan.relay_stream
+        if plan.world > 1 and plan.parity_stream and any(e in polled for e in waits):
+            waits_for_peers = True
+        traffic.append((waits_for_peers, puts))
+    return traffic
 
 
 def build_rank_engine(rank: int, device: int, spec: RankSpec, exchange: Callable):
