@@ -14,9 +14,11 @@ step), and signals this rank only; a word is never overwritten before the rank i
 (checked). Workers of all ranks interleave at random.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
 test is tests/gpu/test_tensor_parallel_gpu.py.)"""
+import attrs
 import numpy as np
 import pytest
 
+from mdsl.ir.dtypes import bf16
 from mdsl.megakernel.architectures import step_function
 from mdsl.megakernel.reference import ReferenceModel
 from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan, for_ranks
@@ -146,7 +148,7 @@ class RankEmulator(Emulator):
         if self.plan.relay_stream:   # the rank holding the row puts it whole into every rank's h[0]
             if 0 <= local < self.s.vocab:
                 for peer in self.peers:
-                    peer.single["h_parts"][0] = row
+                    peer.single["h_parts"][0] = self.round(row)   # (the device's row is the model's dtype)
                     peer.written_for["h_parts"][0] = self.step + 1
             return
         self.put("h_parts", (0, self.rank), row, read_by=self.step + 1)   # (begin: the host's, for step 0)
@@ -264,6 +266,26 @@ def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers
     assert all(tuple(out) == want.tokens for out in outs), (outs, want.tokens)
     logits = np.concatenate([r.buf["logits"] for r in ranks])
     np.testing.assert_allclose(logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_the_relay_computes_the_signalled_streams_bits(arch):
+    """The relay sums the same partials in the same order as the readers of the signalled stream do, and
+    rounds once: the same logits, bit for bit (bf16, where a rounding more or less shows), under different
+    random interleavings."""
+    config, _, weights = tiny_model(arch, seed=5)
+    config = attrs.evolve(config, dtype=bf16)
+    split = tensor_parallel(step_function(config).trace(config), 2)
+    shard = shard_config(config, 2)
+    logits = {}
+    for relay in (False, True):
+        plan = for_ranks(build_plan(decoder_shape(shard), workers=4, max_seq=config.max_positions), 2,
+                         relay_stream=relay)
+        rng = np.random.default_rng(11 + relay)
+        ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 4, rng, r, 2) for r in range(2)]
+        run_ranks(ranks, [3, 17, 42, 5], 6, rng)
+        logits[relay] = np.concatenate([r.buf["logits"] for r in ranks])
+    assert logits[True].tobytes() == logits[False].tobytes()
 
 
 def _two_llama3_ranks(**transport) -> tuple:
