@@ -71,8 +71,6 @@ class RankSpec:
 
 
 def peer_traffic(plan) -> list:
-    from mdsl.megakernel.runtime.plan import POLLED_KINDS
-
     """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace. A
     signalled event says both; the residual stream's tiles put their partials to the peers whatever the
     transport, and under the relay each also waits for its peers' words of its rows (in its body), under the
