@@ -106,10 +106,17 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # for, not signalled across GPUs (a flagged word crosses NVLink in 1.0 us, a put-with-signal in 2.3)
     "parity": {"schedule": "static", "parity_stream": True},
     "parity-gpu": {"schedule": "static", "parity_stream": True, "parity_scope": "gpu"},   # its loads at GPU scope
-    # under tensor parallelism each o-proj / down-proj tile sums its rows over the ranks itself, the peers'
-    # partials coming as flagged words (one NVLink store a hop), and signals its own GPU only (seventeenth
-    # session, same runs: 2.770 -> 2.736 ms, 2.774 -> 2.741 ms)
-    "relay": {"schedule": "static", "relay_stream": True},
+    # under tensor parallelism every o-proj / down-proj tile puts its partials with a signal to the peers, the
+    # readers summing the ranks' partials: the default until the eighteenth session, when the relay (each
+    # tile sums its rows over the ranks itself, the peers' partials coming as flagged words) became it
+    # (seventeenth session, same runs: 2.770 -> 2.736 ms, 2.774 -> 2.741 ms)
+    "signalled": {"schedule": "static", "relay_stream": False},
+    # an early task's next pass of weight loads copied into shared memory (cp.async) once its row's loads are
+    # out, so that two passes are in flight while the row is normalised: every early kind, or gate/up only
+    # (eighteenth session, one GPU: 4.421 -> 4.561 and 4.404 ms; of one kind alone QKV 4.470, o-proj 4.457,
+    # down-proj 4.465, LM head 4.425)
+    "early2": {"schedule": "static", "early_passes": 2},
+    "early2-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("gateup",)},
 }
 
 

@@ -261,7 +261,14 @@ RUNTIME_VARIANTS = (
     ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
     ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
     ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
-                "stream_buffer_kib": 1}))
+                "stream_buffer_kib": 1}),
+    # an early task's next pass copied into shared memory beside its row (the next
+    # pass of its item group, or the first of its next group): every early kind,
+    # some of them, beside staged kinds
+    ("static", {"early_passes": 2}),
+    ("queue", {"early_passes": 2, "early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
+    ("static", {"early_passes": 2, "stage_weights": True, "weights_first": 1.0}),
+    ("static", {"early_passes": 2, "early_pass_kinds": ("qkv", "down")}))
 
 
 # one engine a test (some forty NVRTC builds in one test ran past its timeout beside the other workers)

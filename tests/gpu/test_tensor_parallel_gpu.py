@@ -58,7 +58,10 @@ STAGE_QKV = (("stage_kinds", ("qkv", "oproj", "gateup")),)    # one shared buffe
 LATE = (("early_weights", ()),)   # no task handed over before its inputs are complete (the default: every kind)
 SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several attention splits at these short contexts
 PARITY = (("parity_stream", True),)   # the residual stream's partials polled for their step's parity
-RELAY = (("relay_stream", True),)     # each o-proj / down-proj tile sums its rows over the ranks itself
+# every o-proj / down-proj tile's partials put with a signal, the readers summing them (the default: the relay,
+# each tile summing its rows over the ranks itself)
+SIGNALLED = (("relay_stream", False),)
+EARLY2 = (("early_passes", 2),)       # an early task's next pass of weight loads copied into shared memory
 
 
 @pytest.mark.timeout(600)
@@ -68,14 +71,16 @@ RELAY = (("relay_stream", True),)     # each o-proj / down-proj tile sums its ro
     ("llama3", "bf16", STAGE_QKV + HEADS), ("qwen3", "bf16", STAGE_QKV + (("stage_late", True),)),
     ("qwen3", "bf16", LATE), ("llama3", "f32", LATE + STAGED[:1]), ("qwen3", "bf16", SPLITS),
     ("llama3", "bf16", SPLITS + (("attention_lanes", 1),)), ("qwen3", "bf16", PARITY), ("llama3", "f32", PARITY),
-    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1]), ("qwen3", "bf16", RELAY), ("llama3", "f32", RELAY),
-    ("qwen3", "bf16", RELAY + SPLITS + STAGED[:1]), ("llama3", "bf16", RELAY + STREAMED)],
+    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1]), ("qwen3", "bf16", SIGNALLED), ("llama3", "f32", SIGNALLED),
+    ("qwen3", "bf16", SIGNALLED + SPLITS + STAGED[:1]), ("llama3", "bf16", SIGNALLED + STREAMED),
+    ("qwen3", "bf16", EARLY2), ("llama3", "f32", EARLY2 + SPLITS)],
     ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
          "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
          "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
          "qwen3-bf16-splits", "llama3-bf16-splits-lanes1", "qwen3-bf16-parity", "llama3-f32-parity",
-         "qwen3-bf16-parity-splits-staged", "qwen3-bf16-relay", "llama3-f32-relay", "qwen3-bf16-relay-splits-staged",
-         "llama3-bf16-relay-streamed"])
+         "qwen3-bf16-parity-splits-staged", "qwen3-bf16-signalled", "llama3-f32-signalled",
+         "qwen3-bf16-signalled-splits-staged", "llama3-bf16-signalled-streamed", "qwen3-bf16-early2",
+         "llama3-f32-early2-splits"])
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces
@@ -127,7 +132,7 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("arch", "dtype_name"), [("qwen3", "bf16"), ("llama3", "f32")])
 def test_the_relay_computes_the_signalled_streams_bits(checkpoints, arch, dtype_name):
-    """The relay and the put-with-signal of every tile (the default) sum the same partials in the same order:
+    """The relay (the default) and the put-with-signal of every tile sum the same partials in the same order:
     the same tokens, step after step, whatever the seed (no tie can break differently)."""
     from mdsl.megakernel.runtime.tp import TensorParallelGroup
 

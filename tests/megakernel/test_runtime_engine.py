@@ -84,6 +84,8 @@ def generate_source_for(engine_kwargs):
     if "prefetch_kinds" in options:            # the engine's names, the source's kinds
         options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
     options["early_kinds"] = weight_kinds_named(options.pop("early_weights", None))   # (the engine's default)
+    if options.get("early_pass_kinds") is not None:
+        options["early_pass_kinds"] = weight_kinds_named(options["early_pass_kinds"])
     return generate_source(plan, **options).text
 
 

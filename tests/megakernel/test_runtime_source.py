@@ -382,6 +382,8 @@ def _weight_row_and_barrier_order(source_text: str, function: str) -> str:
     for line in body[:body.index("}")]:
         if "ld.global.nc.L1::no_allocate" in line:
             order += "W"
+        elif "cp.async.cg.shared.global" in line:
+            order += "C"
         elif re.search(r"\bld(\.global)?\.u16\b", line):
             order += "r"
         elif re.search(r"\bbar(rier)?\.sync\b", line):
@@ -409,6 +411,32 @@ def test_an_early_kinds_task_issues_its_weight_loads_before_waiting_for_its_inpu
         generate_source(plan, early_kinds=(Kind.ATTN,))
 
 
+def test_an_early_task_copies_its_next_pass_into_shared_memory_while_it_waits():
+    """early_passes=2: an early gate/up task issues its first pass of weight loads into registers, then the
+    next pass's 16 chunks a thread as cp.async copies into the early buffer (beside the tasks' shared memory,
+    after any staging buffer), then waits and loads its row. Without early kinds nothing is reserved."""
+    from mdsl.megakernel.runtime.plan import Kind
+    from mdsl.megakernel.runtime.source import EARLY_BUFFER_BYTES
+
+    config, _, _ = tiny_model("qwen3")
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
+    one = generate_source(plan, early_kinds=(Kind.GATEUP,))
+    two = generate_source(plan, early_kinds=(Kind.GATEUP,), early_passes=2)
+    assert "constexpr int EARLY_PASSES = 1;" in one.text and "constexpr int EARLY_PASSES = 2;" in two.text
+    offset = int(re.search(r"constexpr int EARLY_OFFSET = (\d+);", two.text).group(1))
+    assert offset >= one.smem_bytes and offset % 128 == 0 and two.smem_bytes == offset + EARLY_BUFFER_BYTES
+    order = _weight_row_and_barrier_order(two.text, "gateup_task")
+    assert re.search(r"W{16}\|r+C+", order), order
+    assert_fits(two, compile_cuda(two.text, arch="sm_90a").resources[KERNEL_NAME])
+    staged = generate_source(plan, early_kinds=(Kind.GATEUP,), early_passes=2, stage_weights=True,
+                             stage_kinds=(Kind.QKV, Kind.OPROJ), stage_heads=True)
+    offset = int(re.search(r"constexpr int EARLY_OFFSET = (\d+);", staged.text).group(1))
+    assert offset >= staged.staging.smem_bytes and staged.smem_bytes + 512 <= SMEM_LIMIT
+    assert generate_source(plan, early_passes=2).smem_bytes == generate_source(plan).smem_bytes   # no early kind
+    with pytest.raises(ValueError, match="early_passes is one of"):
+        generate_source(plan, early_kinds=(Kind.GATEUP,), early_passes=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "share"), [(1, 0.0), (2, 1.0), (1, 1.0)])
 def test_early_qwen3_8b_compiles_without_spills(world, share):
@@ -419,4 +447,17 @@ def test_early_qwen3_8b_compiles_without_spills(world, share):
     plan = qwen3_8b_rank_plan() if world == 2 else build_plan(
         decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=4096)
     source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=share)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_qwen3_8b_with_two_early_passes_compiles_without_spills(world):
+    """early_passes=2 beside each GPU count's default share of the first pass with the input row."""
+    from mdsl.megakernel.runtime.source import WEIGHT_KINDS
+
+    plan = qwen3_8b_rank_plan() if world == 2 else build_plan(
+        decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=4096)
+    source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=1.0 if world == 2 else 0.0,
+                             early_passes=2)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

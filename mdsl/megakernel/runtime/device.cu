@@ -183,6 +183,28 @@ __device__ __forceinline__ uint4 ld_staged(const T* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(shared_address(p)));
   return v;
 }
+// ---- an early task's next pass (EARLY_PASSES > 1, source.py): once its inputs are there and its row's loads
+// issued, each compute thread copies the 16-byte chunks of its warp's next pass of weight loads into its own
+// slots of the early buffer (cp.async: in flight without registers) while the row is normalised and the first
+// pass multiplied, and reads them back itself once the pass comes (no barrier: a thread reads only what it
+// copied). Slot k of thread i is 16 bytes at (k * NT + i) * 16: a warp's 32 lanes write and read 512
+// consecutive bytes.
+extern __shared__ __align__(16) unsigned char dynamic_smem[];
+__device__ __forceinline__ unsigned early_slot(int k) {
+  return shared_address(dynamic_smem) + unsigned(EARLY_OFFSET + (k * NT + int(threadIdx.x)) * 16);
+}
+__device__ __forceinline__ void copy_async(unsigned slot, const T* p) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(slot), "l"(p) : "memory");
+}
+__device__ __forceinline__ void copies_wait() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+__device__ __forceinline__ uint4 ld_early(unsigned slot) {
+  uint4 v;   // volatile: after the wait for the copies
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(slot));
+  return v;
+}
+
 constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no empty arrays when nothing is staged)
 static_assert(STAGE_BUFFERS <= 2, "StageCounts holds two buffers' counts");
 struct StageBarriers { unsigned long long full[STAGE_RING], empty[STAGE_RING]; };
@@ -564,7 +586,8 @@ template <int K, int ROWS, bool STAGED, typename Row, typename Emit, typename Lo
           typename FinishRow = NoRow>
 __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row row, Emit emit,
                                      LoadRow load_row = NoRow{}, FinishRow finish_row = NoRow{},
-                                     int warp = threadIdx.x / 32, int warps = NW, bool early = false) {
+                                     int warp = threadIdx.x / 32, int warps = NW, bool early = false,
+                                     bool early_ahead = false) {
   constexpr int CH = K / VEC;                              // 16-byte chunks per row
   constexpr int UMAX = STAGED ? 4 : 8;
   constexpr int U = CH >= 32 * UMAX ? UMAX : CH >= 32 * 4 ? 4 : CH >= 32 * 2 ? 2 : 1;   // chunks per row per pass
@@ -572,6 +595,30 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
   constexpr int R = ITEMS * ROWS, EARLY = (U * WEIGHTS_FIRST_EIGHTHS + 7) / 8;   // (>= 1 under WEIGHTS_FIRST)
   const int lane = threadIdx.x % 32;
   bool row_pending = true;   // warp-uniform
+  bool ahead = false;        // warp-uniform: the next pass was copied into the early buffer (EARLY_PASSES > 1)
+  // (EARLY_PASSES > 1, an early task) the warp's pass after (first, pass): the next of this item group, or
+  // the first of its next group; its chunks into the early buffer, slot u * R + r as v[r][u]
+  const auto copy_ahead = [&](int first, int pass) {
+    if (pass + 32 * U >= CH) {
+      pass = 0;
+      first += warps * ITEMS;
+    } else {
+      pass += 32 * U;
+    }
+    static_assert(EARLY_PASSES == 1 || R * U <= LOADS, "the early buffer holds LOADS chunks a thread");
+    if (first >= end) return false;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const T* wr = first + i < end ? row(first + i, j) : nullptr;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (wr != nullptr && pass + lane + 32 * u < CH)
+            copy_async(early_slot(u * R + i * ROWS + j), wr + (pass + lane + 32 * u) * VEC);
+      }
+    return true;
+  };
   if (!(WEIGHTS_FIRST || early) || STAGED) {
     load_row();
     finish_row();
@@ -601,8 +648,20 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
       if (row_pending && early) {   // the whole pass while the inputs are awaited
         load(0, U);
         load_row();
+        // and the next pass once the row's loads are out (issued before them, the copies delayed them: loads
+        // return in order; a one-GPU QKV input row 1.7 -> 3.1 us, eighteenth session)
+        if constexpr (EARLY_PASSES > 1 && !STAGED)
+          if (early_ahead) ahead = copy_ahead(first, pass);
         finish_row();
         row_pending = false;
+      } else if (EARLY_PASSES > 1 && !STAGED && ahead) {   // the pass copied beside the row
+        copies_wait();
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0) : ld_early(early_slot(u * R + r));
+        ahead = false;
       } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
         load_row();
         load(0, EARLY);
@@ -682,7 +741,7 @@ __device__ __forceinline__ void task_gemv(const Task& t, const Staged& staged, c
     }
   }
   gemv<K, ROWS, false>(t.begin, t.end, xs, row, emit, load_row, finish_row, threadIdx.x / 32, NW,
-                       handed_early(staged));
+                       handed_early(staged), ((EARLY_PASS_KINDS >> t.kind) & 1) != 0);
 }
 
 // ---- the runtime's task bodies (the linear ops' are generated: bodies.py)

@@ -26,10 +26,10 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, KERNEL_NAME,
-                                            MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS, SCHEDULES,
-                                            STAGE_KIND_NAMES, STAGED_KINDS, STREAM_KIND_NAMES, generate_source,
-                                            stage_kinds_named, stream_kind_names, weight_kinds_named)
+from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, EARLY_PASSES,
+                                            KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS,
+                                            SCHEDULES, STAGE_KIND_NAMES, STAGED_KINDS, STREAM_KIND_NAMES,
+                                            generate_source, stage_kinds_named, stream_kind_names, weight_kinds_named)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -128,9 +128,11 @@ class MegakernelEngine:
     with loads of `parity_scope` ("sys" or "gpu": source.generate_source); `relay_stream`, under tensor
     parallelism, whether each o-proj and down-proj tile sums its rows over the ranks itself, the peers'
     partials coming as flagged words, so that nothing is signalled across GPUs for them and their readers
-    load one row (plan.for_ranks; not with parity_stream). Qwen3-8B over 2 GPUs 2.770 -> 2.736 ms and 2.774 ->
-    2.741 ms (seventeenth session); off by default until the whole tensor-parallel GPU test file has passed
-    with it (docs/performance.md).
+    load one row (plan.for_ranks; not with parity_stream). None, the default: on unless parity_stream is (the
+    default since the eighteenth session; Qwen3-8B over 2 GPUs 2.770 -> 2.736 ms and 2.774 -> 2.741 ms against
+    the put-with-signal of every tile, False, seventeenth session). `early_passes`: the passes of weight loads
+    (1 or 2) an early task's warps have in flight by the time its row is normalised, the second copied into
+    shared memory (source.generate_source), for the early kinds named in `early_pass_kinds` (None: all).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -145,7 +147,8 @@ class MegakernelEngine:
                  stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 parity_stream: bool = False, parity_scope: str = "sys", relay_stream: bool = False,
+                 parity_stream: bool = False, parity_scope: str = "sys", relay_stream: Optional[bool] = None,
+                 early_passes: int = 1, early_pass_kinds: Optional[Sequence[str]] = None,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -156,6 +159,18 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if parity_scope not in PARITY_SCOPES:
             raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
+        if early_passes not in EARLY_PASSES:
+            raise MdslError(f"early_passes {early_passes}",
+                            hint=f"one of {EARLY_PASSES}: the passes of weight loads an early task has in flight "
+                                 "while its inputs are awaited")
+        if relay_stream is None:
+            relay_stream = not parity_stream
+        try:
+            ahead_kinds = None if early_pass_kinds is None else weight_kinds_named(early_pass_kinds)
+        except ValueError:
+            raise MdslError(f"early_pass_kinds {early_pass_kinds!r}",
+                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, or None for every early kind") \
+                from None
         if parity_stream and relay_stream:
             raise MdslError("parity_stream and relay_stream together",
                             hint="they are two ways to move the residual stream between GPUs: pass one")
@@ -238,7 +253,8 @@ class MegakernelEngine:
                                      stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds, parity_scope)
+                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds, parity_scope,
+                                     early_passes, ahead_kinds)
         except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
             raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
         self.staging = source.staging

@@ -101,6 +101,10 @@ STAGED_KINDS = (Kind.OPROJ, Kind.GATEUP)
 STAGEABLE_KINDS = (Kind.QKV, Kind.OPROJ, Kind.GATEUP)
 LATE_STAGED_KINDS = (Kind.QKV,)
 DEFAULT_PREFETCH_KIB = 96
+# An early task's second pass of weight loads (generate_source's early_passes): every compute thread's LOADS
+# 16-byte chunks (device.cu: NT threads x 16 loads x 16 bytes)
+EARLY_PASSES = (1, 2)
+EARLY_BUFFER_BYTES = 256 * 16 * 16
 PARITY_SCOPES = ("sys", "gpu")   # the parity stream's loads (generate_source's parity_scope)
 
 
@@ -184,17 +188,18 @@ def stage_kinds_named(names: Optional[Sequence[str]]) -> tuple:
 
 def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
                  max_buffer_bytes: Optional[int] = None, kinds: Sequence[Kind] = STAGED_KINDS,
-                 late: bool = False) -> Staging:
+                 late: bool = False, reserve: int = 0) -> Staging:
     """`kinds` in STAGEABLE_KINDS' order, each the largest tile of its kind (or with `heads` the most
     output columns of it that fit) in what shared memory has left; `max_buffer_bytes` caps a buffer (tests:
     heads of a few columns on models whose tiles all fit). With QKV among the kinds, one buffer is shared
     by all of them (each kind's tile or head alone in it), its size the largest of theirs. `late`: every
-    kind's copy waits for the task before it (not only LATE_STAGED_KINDS')."""
+    kind's copy waits for the task before it (not only LATE_STAGED_KINDS'). `reserve`: bytes kept out of
+    the buffers' room (the early buffer)."""
     base = shared_memory_bytes(plan)
     if not enabled:
         return Staging(offset=base)
     offset = _round_up(base, _STAGE_ALIGN)
-    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
+    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset - reserve
     shared = Kind.QKV in kinds
     chosen, sizes = [], []
     for kind in (k for k in STAGEABLE_KINDS if k in kinds):
@@ -270,15 +275,15 @@ def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
 
 
 def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None,
-                   kinds: Union[bool, Sequence[str]] = True) -> Streaming:
+                   kinds: Union[bool, Sequence[str]] = True, reserve: int = 0) -> Streaming:
     """The ring that fills the shared memory next to the task inputs': at least as many buffers as compute
     warps where the columns fit (the warps take a task's sub-tiles in turn), then the buffer count whose
     buffers hold the most bytes of whole sub-tiles of the kind that fills them worst (a down-proj column
     of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that
     size instead (as many as fit, at most MAX_STREAM_BUFFERS). `kinds`: which kinds stream
-    (`stream_kinds_of`)."""
+    (`stream_kinds_of`); `reserve`, bytes kept out of the ring's room (the early buffer)."""
     offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
-    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset
+    room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset - reserve
     kinds = stream_kinds_of(plan, kinds)
     # a tile's sub-tiles go to the warps in turn: columns per sub-tile at most a warp's share of the widest
     widest = {kind: max(1, -(-max(t.end - t.begin for t in plan.tasks if t.kind is kind) // WARPS))
@@ -340,7 +345,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     stage_kinds: Sequence[Kind] = STAGED_KINDS, stage_late: bool = False,
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
                     weights_first: float = 0.0, attention_unrolled: bool = False,
-                    early_kinds: Sequence[Kind] = (), parity_scope: str = "sys") -> MegakernelSource:
+                    early_kinds: Sequence[Kind] = (), parity_scope: str = "sys",
+                    early_passes: int = 1, early_pass_kinds: Optional[Sequence[Kind]] = None) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -362,6 +368,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     pass of weight loads streams while the task waits (device.cu: early_kind). `parity_scope`: under the
     plan's parity stream, the scope ("sys" or "gpu") of the loads that read the residual stream's partials
     (a peer's stores land in this GPU's L2, which both read; "gpu" is outside PTX's memory model for them).
+    `early_passes`: the passes of weight loads an early task's warps have in flight by the time its row is
+    normalised, 1 or 2 (the second copied into shared memory by cp.async once the row's loads are issued,
+    EARLY_BUFFER_BYTES beside the rest, no registers), for the early kinds of `early_pass_kinds` (None: all).
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -384,6 +393,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if set(early_kinds) - set(WEIGHT_KINDS):
         raise ValueError(f"early_kinds are kinds that read weight rows ({', '.join(k.name for k in WEIGHT_KINDS)}), "
                          f"not {', '.join(sorted(k.name for k in set(early_kinds) - set(WEIGHT_KINDS)))}")
+    if early_passes not in EARLY_PASSES:
+        raise ValueError(f"early_passes is one of {EARLY_PASSES}, not {early_passes}")
     eighths = 0 if weights_first == 0 else max(1, round(weights_first * 8))   # of the pass's loads
     if stream_weights and (schedule != "static" or stage_weights):
         raise ValueError("stream_weights needs the static schedule and excludes stage_weights "
@@ -392,9 +403,13 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
             and not stage_weights:
         raise ValueError("stage_heads, stage_buffer_bytes, stage_kinds and stage_late refine stage_weights: "
                          "pass stage_weights=True too")
-    staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes, stage_kinds, stage_late)
-    streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights) if stream_weights else \
-        Streaming(offset=staging.smem_bytes)
+    ahead_kinds = set(early_kinds) & set(WEIGHT_KINDS if early_pass_kinds is None else early_pass_kinds)
+    early_bytes = EARLY_BUFFER_BYTES if early_passes > 1 and ahead_kinds else 0
+    staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes, stage_kinds, stage_late,
+                           reserve=early_bytes)
+    streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights, reserve=early_bytes) \
+        if stream_weights else Streaming(offset=staging.smem_bytes)
+    early_offset = _round_up(max(staging.smem_bytes, streaming.smem_bytes), _STAGE_ALIGN)
     items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
@@ -420,6 +435,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
               f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds))};",
+              f"constexpr int EARLY_PASSES = {early_passes if early_bytes else 1};",
+              f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in ahead_kinds) if early_bytes else 0};",
+              f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
@@ -459,4 +477,5 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
     runtime = _runtime_source().replace(BODIES_MARKER, generate_bodies(plan))
     text = "\n".join([INCLUDES, PRELUDE, *lines, runtime])
-    return MegakernelSource(text, max(staging.smem_bytes, streaming.smem_bytes), staging, streaming)
+    smem = early_offset + early_bytes if early_bytes else max(staging.smem_bytes, streaming.smem_bytes)
+    return MegakernelSource(text, smem, staging, streaming)
