@@ -78,6 +78,11 @@ def test_a_body_is_split_into_its_parts_at_its_marks():
         BODY_PARTS["attn"], [200, 200, 100, 200, 200]))
     assert body_parts(MARKED[2], "sample") == [] and body_parts(RECORDS[0], "qkv") == []
     assert body_parts(attrs.evolve(RECORDS[1], marks=(3300, 3400, 3500, 3600, 3700)), "qkv") == []   # too many
+    # an o-proj's relay mark (under the relay only): its wait for the peers' words is a part of its own
+    assert body_parts(attrs.evolve(MARKED[0], marks=(1400, 0, 0, 0)), "oproj") == [
+        ("input row", 1000, 1400), ("products out", 1400, 3000)]
+    assert body_parts(attrs.evolve(MARKED[0], marks=(1400, 2500, 0, 0)), "down") == [
+        ("input row", 1000, 1400), ("products out", 1400, 2500), ("relay", 2500, 3000)]
 
 
 def test_parts_are_nested_slices_that_read_back_as_marks(tmp_path):

@@ -437,6 +437,7 @@ __device__ __forceinline__ float relay_word(const Params& p, const unsigned long
 __device__ void relay_rows(const Params& p, T* single, const float* parts, const unsigned long long* relay,
                            int layer, int begin, int end, unsigned tag) {
   compute_sync();   // the warps' lane 0 put the tile's partials into this rank's slot
+  mark(p, 1);       // (profile: the products are out; what follows is the wait for the peers' words)
   for (int i = begin + int(threadIdx.x); i < end; i += NT) {
     float sum = 0.0f;
 #pragma unroll

@@ -33,23 +33,25 @@ class TaskRecord:
 
 BODY_MARKS = 4   # device.cu's MARKS: readings per task
 # the parts a body's marks split it into, by kind (device.cu's mark() calls: a linear body's after its
-# input row is loaded, attention's after each of its stages)
+# input row is loaded, and under the relay an o-proj's or down-proj's once its partials are put, before it
+# waits for the peers' words of its rows; attention's after each of its stages)
 _LINEAR_PARTS = ("input row", "products out")
-BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _LINEAR_PARTS, "gateup": _LINEAR_PARTS, "down": _LINEAR_PARTS,
+_RESIDUAL_PARTS = (*_LINEAR_PARTS, "relay")
+BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_PARTS, "down": _RESIDUAL_PARTS,
               "lmhead": _LINEAR_PARTS,
               "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out")}
 
 
 def body_parts(record: TaskRecord, kind: str) -> list:
-    """(name, start ns, end ns) of each part of the record's body: started -> first mark -> ... -> done.
-    Empty where the kind has no parts or the body passed no mark."""
+    """(name, start ns, end ns) of each part of the record's body: started -> first mark -> ... -> done, the
+    kind's first len(marks) + 1 part names (a body may pass fewer marks than its kind has: an o-proj's
+    relay mark only under the relay). Empty where the kind has no parts or the body passed no mark."""
     names = BODY_PARTS.get(kind)
     marks = [m for m in record.marks if m]
     if not names or not marks or len(marks) >= len(names):
         return []
     edges = [record.started_ns, *marks, record.done_ns]
-    return [(names[k], edges[k], edges[k + 1]) for k in range(len(marks))] + \
-        [(names[-1], edges[-2], edges[-1])]
+    return [(names[k], edges[k], edges[k + 1]) for k in range(len(marks) + 1)]
 
 
 def compute_track(sm: int) -> int:
