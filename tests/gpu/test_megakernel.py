@@ -268,7 +268,10 @@ RUNTIME_VARIANTS = (
     ("static", {"early_passes": 2}),
     ("queue", {"early_passes": 2, "early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
     ("static", {"early_passes": 2, "stage_weights": True, "weights_first": 1.0}),
-    ("static", {"early_passes": 2, "early_pass_kinds": ("qkv", "down")}))
+    ("static", {"early_passes": 2, "early_pass_kinds": ("qkv", "down")}),
+    # the o-proj and down-proj products summed as 2 or 4 tensor-parallel ranks sum them (f32: the same
+    # tokens; tests/gpu/test_tensor_parallel_gpu.py checks the bits against two GPUs)
+    ("static", {"rank_sums": 2}), ("queue", {"rank_sums": 4, "early_weights": ()}))
 
 
 # one engine a test (some forty NVRTC builds in one test ran past its timeout beside the other workers)

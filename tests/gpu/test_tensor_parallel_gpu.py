@@ -130,6 +130,30 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize(("arch", "dtype_name", "options"), [("qwen3", "bf16", ()), ("llama3", "bf16", ()),
+                                                             ("qwen3", "bf16", SIGNALLED)],
+                         ids=["qwen3-bf16", "llama3-bf16", "qwen3-bf16-signalled"])
+def test_two_ranks_compute_the_bits_of_one_gpu_summing_as_they_do(checkpoints, arch, dtype_name, options):
+    """One GPU whose o-proj and down-proj tiles sum their products as two ranks do (rank_sums=2: each rank's
+    slice of the row reduced alone, the slices added in rank order), with the ranks' attention splits,
+    computes the two GPUs' bits: the same tokens, with no tie rule, whatever the seed (bf16, where the
+    default one GPU may part from two on a near-tie)."""
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.tp import TensorParallelGroup
+
+    folder, _, _ = checkpoints(arch, dtype_name)
+    split = dict(SPLITS)   # the same attention splits on both GPU counts (their default counts differ)
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64, rank_sums=2, **split)
+    try:
+        one_gpu = single.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
+    finally:
+        single.close()
+    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, **split, **dict(options)) as group:
+        two_gpus = group.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
+    assert two_gpus == one_gpu, f"seed {SEED}: one GPU summing as two ranks {one_gpu}, two GPUs {two_gpus}"
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("arch", "dtype_name"), [("qwen3", "bf16"), ("llama3", "f32")])
 def test_the_relay_computes_the_signalled_streams_bits(checkpoints, arch, dtype_name):
     """The relay (the default) and the put-with-signal of every tile sum the same partials in the same order:

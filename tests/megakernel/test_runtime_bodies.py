@@ -58,6 +58,29 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
     assert "oproj_task(p, t, staged, work, red, unsigned(step + 1));" in relayed   # its tag: step + 1
 
 
+def test_one_gpu_sums_like_ranks_when_asked():
+    """rank_sums=N: one GPU's o-proj and down-proj multiply each rank's slice of the row alone (gemv over K / N
+    from slice k's columns), the residual in the first slice's epilogue only, unrounded, and add the slices'
+    results in rank order from 0.0f, rounding once when the last is stored, as the relay sums the ranks'
+    partials; the other kinds are one GPU's."""
+    plan = tiny_plan()
+    bodies = generate_bodies(plan, 2)
+    body = function(bodies, "oproj_task")
+    assert "task_gemv<(HQ * D) / 2, 1>(t, staged, work," in body and "round_t" not in body
+    assert "rank_sums_row[r - t.begin] = 0.0f + r_out;" in body
+    assert "gemv<(HQ * D) / 2, 1, false>(t.begin, t.end, work + 1 * ((HQ * D) / 2)," in body
+    assert "w.wo + (long long)r * (HQ * D) + 1 * ((HQ * D) / 2)" in body
+    first, second = body.index("task_gemv<"), body.index("gemv<(HQ * D) / 2, 1, false>")
+    assert "residual_row[r - t.begin]" in body[first:second] and "const float r_residual = 0.0f;" in body[second:]
+    assert body[second:].count("stream_put(") == 1 and "stream_put(" not in body[first:second]
+    assert "const float sum = rank_sums_row[r - t.begin] + r_out;" in body
+    four = function(generate_bodies(plan, 4), "down_task")
+    assert [f"gemv<(I) / 4, 1, false>(t.begin, t.end, work + {k} * ((I) / 4)," in four for k in (1, 2, 3)] == [True] * 3
+    assert four.count("rank_sums_row[r - t.begin] = sum;") == 2 and four.count("stream_put(") == 1
+    assert function(bodies, "qkv_task") == function(generate_bodies(plan), "qkv_task")
+    assert generate_bodies(for_ranks(plan, 2), 2) == generate_bodies(for_ranks(plan, 2))   # ranks: their own sums
+
+
 def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     """The epilogue runs one column after another: a residual read there was a global round trip each.
     Each thread loads its columns' residual just before the input row, in the row's first half (which

@@ -229,6 +229,14 @@ def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
     with pytest.raises(MdslError, match="early_weights \\('attn',\\)") as info:
         MegakernelEngine(config, weights, early_weights=("attn",))
     assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
+    with pytest.raises(MdslError, match="early_passes 3") as info:
+        MegakernelEngine(config, weights, early_passes=3)
+    assert "one of (1, 2)" in info.value.hint
+    with pytest.raises(MdslError, match="early_pass_kinds \\('attn',\\)"):
+        MegakernelEngine(config, weights, early_passes=2, early_pass_kinds=("attn",))
+    with pytest.raises(MdslError, match="rank_sums 9") as info:
+        MegakernelEngine(config, weights, rank_sums=9)
+    assert "the ranks (2 to 8)" in info.value.hint
 
 
 @no_gpu

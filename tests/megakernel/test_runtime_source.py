@@ -437,6 +437,37 @@ def test_an_early_task_copies_its_next_pass_into_shared_memory_while_it_waits():
         generate_source(plan, early_kinds=(Kind.GATEUP,), early_passes=3)
 
 
+def test_rank_sums_is_one_gpus_and_reads_its_weights_from_global_memory():
+    """rank_sums keeps the slices' running sums after the residual in shared memory, compiles without
+    spills, and is refused on a rank's plan or with the o-proj or down-proj staged."""
+    from mdsl.megakernel.runtime.bodies import residual_columns
+    from mdsl.megakernel.runtime.plan import Kind, for_ranks
+
+    config, _, _ = tiny_model("qwen3")
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24)
+    plain, summed = generate_source(plan), generate_source(plan, rank_sums=2)
+    assert summed.smem_bytes == plain.smem_bytes + 4 * residual_columns(plan)
+    assert_fits(summed, compile_cuda(summed.text, arch="sm_90a").resources[KERNEL_NAME])
+    with pytest.raises(ValueError, match="rank_sums is 1, or on one GPU's plan"):
+        generate_source(for_ranks(plan, 2), rank_sums=2)
+    with pytest.raises(ValueError, match="cannot be staged or streamed"):
+        generate_source(plan, rank_sums=2, stage_weights=True, stage_kinds=(Kind.OPROJ,))
+    with pytest.raises(ValueError, match="cannot be staged or streamed"):
+        generate_source(plan, rank_sums=2, stream_weights=("down",))
+
+
+@pytest.mark.slow
+def test_qwen3_8b_summing_like_two_ranks_compiles_without_spills():
+    """One GPU's Qwen3-8B kernel with rank_sums=2 and the two ranks' attention splits (the GPU test's
+    bit-for-bit reference for two GPUs, at full size)."""
+    from mdsl.megakernel.runtime.source import WEIGHT_KINDS
+
+    plan = build_plan(decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)),
+                      workers=H200_SMS, max_seq=4096, splits=32, min_chunk=32)
+    source = generate_source(plan, early_kinds=WEIGHT_KINDS, rank_sums=2)
+    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "share"), [(1, 0.0), (2, 1.0), (1, 1.0)])
 def test_early_qwen3_8b_compiles_without_spills(world, share):

@@ -133,6 +133,10 @@ class MegakernelEngine:
     the put-with-signal of every tile, False, seventeenth session). `early_passes`: the passes of weight loads
     (1 or 2) an early task's warps have in flight by the time its row is normalised, the second copied into
     shared memory (source.generate_source), for the early kinds named in `early_pass_kinds` (None: all).
+    `rank_sums` (one GPU only; 1, the default: off): the o-proj and down-proj tiles sum their products as that
+    many tensor-parallel ranks do, each rank's slice reduced alone and the slices added in rank order, so that
+    with the ranks' attention splits (`attention_splits`, `attention_min_chunk`) the one GPU computes their
+    bits: the tokens and logits a rank_sums-GPU run must give, bit for bit (tests/gpu).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -148,7 +152,7 @@ class MegakernelEngine:
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
                  parity_stream: bool = False, parity_scope: str = "sys", relay_stream: Optional[bool] = None,
-                 early_passes: int = 1, early_pass_kinds: Optional[Sequence[str]] = None,
+                 early_passes: int = 1, early_pass_kinds: Optional[Sequence[str]] = None, rank_sums: int = 1,
                  ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -165,6 +169,11 @@ class MegakernelEngine:
                                  "while its inputs are awaited")
         if relay_stream is None:
             relay_stream = not parity_stream
+        if rank_sums != 1 and (ranks is not None or not 1 <= rank_sums <= 8):
+            raise MdslError(f"rank_sums {rank_sums}" + (" under tensor parallelism" if ranks is not None else ""),
+                            hint="on one GPU, the ranks (2 to 8) whose sums the o-proj and down-proj tiles compute "
+                                 "(with their attention_splits and attention_min_chunk: the bits of that many GPUs); "
+                                 "1 otherwise")
         try:
             ahead_kinds = None if early_pass_kinds is None else weight_kinds_named(early_pass_kinds)
         except ValueError:
@@ -254,9 +263,11 @@ class MegakernelEngine:
                                      stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                      staged_kinds, stage_late,
                                      prefetched_kinds, weights_first, attention_unrolled, early_kinds, parity_scope,
-                                     early_passes, ahead_kinds)
-        except ValueError as e:   # the ring does not fit (stream_buffer_kib too small for a weight column)
-            raise MdslError(str(e), hint="leave stream_buffer_kib unset (the ring is sized to fit)") from None
+                                     early_passes, ahead_kinds, rank_sums)
+        except ValueError as e:   # the ring does not fit (stream_buffer_kib too small), or rank_sums with staging
+            hint = "leave stream_buffer_kib unset (the ring is sized to fit)" if "rank_sums" not in str(e) else \
+                "pass stage_weights=False and stream_weights=False with rank_sums"
+            raise MdslError(str(e), hint=hint) from None
         self.staging = source.staging
         self.streaming = source.streaming
         self.source = source.text

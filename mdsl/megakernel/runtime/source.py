@@ -346,7 +346,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     prefetch_kinds: Sequence[Kind] = WEIGHT_KINDS,
                     weights_first: float = 0.0, attention_unrolled: bool = False,
                     early_kinds: Sequence[Kind] = (), parity_scope: str = "sys",
-                    early_passes: int = 1, early_pass_kinds: Optional[Sequence[Kind]] = None) -> MegakernelSource:
+                    early_passes: int = 1, early_pass_kinds: Optional[Sequence[Kind]] = None,
+                    rank_sums: int = 1) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -371,6 +372,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     `early_passes`: the passes of weight loads an early task's warps have in flight by the time its row is
     normalised, 1 or 2 (the second copied into shared memory by cp.async once the row's loads are issued,
     EARLY_BUFFER_BYTES beside the rest, no registers), for the early kinds of `early_pass_kinds` (None: all).
+    `rank_sums` (one GPU's plan only): the o-proj and down-proj tiles sum their products as that many
+    tensor-parallel ranks do (bodies.write_linear_body), so that with the ranks' attention splits one GPU
+    computes their bits; not with those kinds staged or streamed.
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -405,11 +409,18 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                          "pass stage_weights=True too")
     ahead_kinds = set(early_kinds) & set(WEIGHT_KINDS if early_pass_kinds is None else early_pass_kinds)
     early_bytes = EARLY_BUFFER_BYTES if early_passes > 1 and ahead_kinds else 0
+    if rank_sums < 1 or (rank_sums > 1 and plan.world != 1):
+        raise ValueError(f"rank_sums is 1, or on one GPU's plan the ranks whose sums it computes, not {rank_sums} "
+                         f"on a plan of {plan.world} rank(s)")
+    sums_row = 4 * residual_columns(plan) if rank_sums > 1 else 0   # the running sums' floats, after the residual
     staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes, stage_kinds, stage_late,
                            reserve=early_bytes)
     streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights, reserve=early_bytes) \
         if stream_weights else Streaming(offset=staging.smem_bytes)
-    early_offset = _round_up(max(staging.smem_bytes, streaming.smem_bytes), _STAGE_ALIGN)
+    if rank_sums > 1 and ({Kind.OPROJ, Kind.DOWN} & ({k for k, _ in staging.kinds} | {k for k, _ in streaming.items})):
+        raise ValueError("rank_sums sums the o-proj's and down-proj's products from global memory: "
+                         "they cannot be staged or streamed with it")
+    early_offset = _round_up(max(staging.smem_bytes, streaming.smem_bytes) + sums_row, _STAGE_ALIGN)
     items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
     constants = {
@@ -475,7 +486,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               "}",
               f"constexpr float EPS = {_float_literal(s.eps)};",
               f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
-    runtime = _runtime_source().replace(BODIES_MARKER, generate_bodies(plan))
+    runtime = _runtime_source().replace(BODIES_MARKER, generate_bodies(plan, rank_sums))
     text = "\n".join([INCLUDES, PRELUDE, *lines, runtime])
-    smem = early_offset + early_bytes if early_bytes else max(staging.smem_bytes, streaming.smem_bytes)
+    smem = early_offset + early_bytes if early_bytes else max(staging.smem_bytes, streaming.smem_bytes) + sums_row
     return MegakernelSource(text, smem, staging, streaming)
