@@ -570,6 +570,7 @@ struct StreamRow {
 // the first is used (bandwidth at batch 1 needs about 32 KB in flight per SM). emit(item, acc[ROWS])
 // runs on lane 0.
 constexpr int LOADS = 16;
+static_assert(EARLY_PASSES == 1 || EARLY_BYTES >= NT * LOADS * 16, "the early buffer holds a pass of every thread");
 // (warps: how many warps share the items, `warp` this one's place among them)
 // A staged tile is read from shared memory, where the input row's reads (f32: two 16-byte loads per
 // weight chunk) bound the loop, not latency: it takes 4 chunks of a row per pass and twice the items, each

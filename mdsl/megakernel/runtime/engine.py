@@ -166,7 +166,7 @@ class MegakernelEngine:
         if early_passes not in EARLY_PASSES:
             raise MdslError(f"early_passes {early_passes}",
                             hint=f"one of {EARLY_PASSES}: the passes of weight loads an early task has in flight "
-                                 "while its inputs are awaited")
+                                 "by the time its input row is normalised")
         if relay_stream is None:
             relay_stream = not parity_stream
         if rank_sums != 1 and (ranks is not None or not 1 <= rank_sums <= 8):

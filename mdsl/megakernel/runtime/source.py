@@ -449,6 +449,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr int EARLY_PASSES = {early_passes if early_bytes else 1};",
               f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in ahead_kinds) if early_bytes else 0};",
               f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
+              f"constexpr int EARLY_BYTES = {early_bytes};",
               f"constexpr int STAGE_KINDS = {staging.kind_mask};",
               f"constexpr int STAGE_BUFFERS = {staging.buffers};",
               f"constexpr int LATE_STAGE_KINDS = {staging.late_mask};   // staged once the task before is done",
