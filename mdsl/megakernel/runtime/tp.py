@@ -112,8 +112,10 @@ def build_rank_engine(rank: int, device: int, spec: RankSpec, exchange: Callable
 
 
 def engine_info(engine) -> dict:
-    """What the driving process needs of a rank's plan: sizes, task labels and kinds, peer traffic."""
+    """What the driving process needs of a rank's plan: sizes, task labels and kinds, peer traffic, attention's
+    splits (a one-GPU engine with these and rank_sums computes the ranks' bits)."""
     return {"tasks_per_step": len(engine.plan.tasks), "workers": engine.workers,
+            "attention_splits": engine.plan.splits, "attention_min_chunk": engine.plan.min_chunk,
             "labels": [t.label() for t in engine.plan.tasks], "kinds": [t.kind.name.lower() for t in engine.plan.tasks],
             "layers": [t.layer for t in engine.plan.tasks],
             "peers": peer_traffic(engine.plan)}
