@@ -271,7 +271,13 @@ RUNTIME_VARIANTS = (
     ("static", {"early_passes": 2, "early_pass_kinds": ("qkv", "down")}),
     # the o-proj and down-proj products summed as 2 or 4 tensor-parallel ranks sum them (f32: the same
     # tokens; tests/gpu/test_tensor_parallel_gpu.py checks the bits against two GPUs)
-    ("static", {"rank_sums": 2}), ("queue", {"rank_sums": 4, "early_weights": ()}))
+    ("static", {"rank_sums": 2}), ("queue", {"rank_sums": 4, "early_weights": ()}),
+    # an attention split's cached rows copied into shared memory as it starts (attention handed over early),
+    # with several splits, the unrolled new position, the fused combine, no early linears
+    ("static", {"attention_preload": True}),
+    ("queue", {"attention_preload": True, "attention_splits": 3, "attention_min_chunk": 4}),
+    ("static", {"attention_preload": True, "attention_unrolled": True, "fused_combine": True}),
+    ("static", {"attention_preload": True, "early_weights": (), "attention_splits": 20, "attention_min_chunk": 1}))
 
 
 # one engine a test (some forty NVRTC builds in one test ran past its timeout beside the other workers)

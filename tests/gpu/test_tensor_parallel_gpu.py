@@ -73,14 +73,15 @@ EARLY2 = (("early_passes", 2),)       # an early task's next pass of weight load
     ("llama3", "bf16", SPLITS + (("attention_lanes", 1),)), ("qwen3", "bf16", PARITY), ("llama3", "f32", PARITY),
     ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1]), ("qwen3", "bf16", SIGNALLED), ("llama3", "f32", SIGNALLED),
     ("qwen3", "bf16", SIGNALLED + SPLITS + STAGED[:1]), ("llama3", "bf16", SIGNALLED + STREAMED),
-    ("qwen3", "bf16", EARLY2), ("llama3", "f32", EARLY2 + SPLITS)],
+    ("qwen3", "bf16", EARLY2), ("llama3", "f32", EARLY2 + SPLITS),
+    ("qwen3", "bf16", (("attention_preload", True),) + SPLITS)],
     ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
          "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
          "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
          "qwen3-bf16-splits", "llama3-bf16-splits-lanes1", "qwen3-bf16-parity", "llama3-f32-parity",
          "qwen3-bf16-parity-splits-staged", "qwen3-bf16-signalled", "llama3-f32-signalled",
          "qwen3-bf16-signalled-splits-staged", "llama3-bf16-signalled-streamed", "qwen3-bf16-early2",
-         "llama3-f32-early2-splits"])
+         "llama3-f32-early2-splits", "qwen3-bf16-preload-splits"])
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
     from mdsl.megakernel.runtime.profile import write_rank_traces

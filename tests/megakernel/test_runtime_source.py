@@ -456,6 +456,38 @@ def test_rank_sums_is_one_gpus_and_reads_its_weights_from_global_memory():
         generate_source(plan, rank_sums=2, stream_weights=("down",))
 
 
+def test_attention_preload_makes_attention_early_and_keeps_its_rows_after_its_shared_memory():
+    """attention_preload: ATTN_PRELOAD on, attention among the early kinds (its copies fly while it waits), its
+    split's key and value rows counted in the task's shared memory after the rest (ATTN_PRELOAD_OFFSET), the
+    copies issued before the wait in the PTX; refused where they do not fit."""
+    from mdsl.megakernel.runtime.plan import Kind
+    from mdsl.megakernel.runtime.source import shared_memory_bytes
+
+    config, _, _ = tiny_model("qwen3")
+    shape = decoder_shape(attrs.evolve(config, dtype=bf16))
+    plan = build_plan(shape, workers=8, max_seq=24)
+    plain, preload = generate_source(plan), generate_source(plan, attention_preload=True)
+    assert "constexpr bool ATTN_PRELOAD = false;" in plain.text and "constexpr bool ATTN_PRELOAD = true;" in preload.text
+    assert f"constexpr int EARLY_KINDS = {1 << int(Kind.ATTN)};" in preload.text
+    rows = 2 * plan.max_chunk * shape.head_dim * shape.dtype.itemsize
+    assert shared_memory_bytes(plan, True) >= shared_memory_bytes(plan) and \
+        shared_memory_bytes(plan, True) >= 4 * 2 * 8 + rows
+    assert_fits(preload, compile_cuda(preload.text, arch="sm_90a").resources[KERNEL_NAME])
+    text = preload.text.replace("__device__ void attention_task(", "__device__ __noinline__ void attention_task(")
+    lines = compile_ptx(text).splitlines()
+    start = [k for k, line in enumerate(lines) if line.startswith(".func") and "attention_task" in line][-1]
+    body = lines[start:]
+    first_copy = next(k for k, line in enumerate(body) if "cp.async.cg.shared.global" in line)
+    first_barrier = next(k for k, line in enumerate(body) if re.search(r"\bbar(rier)?\.sync\b", line))
+    assert first_copy < first_barrier   # the copies, then the ready barrier (the wait for the inputs)
+    long_split = build_plan(shape, workers=8, max_seq=16384, splits=1, min_chunk=16384)
+    with pytest.raises(ValueError, match="attention_preload's key and value rows"):
+        generate_source(long_split, attention_preload=True)
+    # None (the one-GPU engine's default): where the rows fit
+    assert "constexpr bool ATTN_PRELOAD = false;" in generate_source(long_split, attention_preload=None).text
+    assert "constexpr bool ATTN_PRELOAD = true;" in generate_source(plan, attention_preload=None).text
+
+
 @pytest.mark.slow
 def test_qwen3_8b_summing_like_two_ranks_compiles_without_spills():
     """One GPU's Qwen3-8B kernel with rank_sums=2 and the two ranks' attention splits (the GPU test's
@@ -483,12 +515,13 @@ def test_early_qwen3_8b_compiles_without_spills(world, share):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_qwen3_8b_with_two_early_passes_compiles_without_spills(world):
-    """early_passes=2 beside each GPU count's default share of the first pass with the input row."""
+@pytest.mark.parametrize("option", [{"early_passes": 2}, {"attention_preload": True}], ids=["early2", "preload"])
+def test_qwen3_8b_with_an_option_compiles_without_spills(world, option):
+    """Two early passes, or attention's rows preloaded, beside each GPU count's default share of the first pass
+    with the input row."""
     from mdsl.megakernel.runtime.source import WEIGHT_KINDS
 
     plan = qwen3_8b_rank_plan() if world == 2 else build_plan(
         decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)), workers=H200_SMS, max_seq=4096)
-    source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=1.0 if world == 2 else 0.0,
-                             early_passes=2)
+    source = generate_source(plan, early_kinds=WEIGHT_KINDS, weights_first=1.0 if world == 2 else 0.0, **option)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])

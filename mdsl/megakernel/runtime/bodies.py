@@ -152,7 +152,7 @@ def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
 
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
 _RUNTIME_CALLS = {
-    Kind.ATTN: "attention_task(p, t, step, pos, work);",
+    Kind.ATTN: "attention_task(p, t, staged, step, pos, work);",
     Kind.COMBINE: "combine_task(p, t, work);",
     Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
 }

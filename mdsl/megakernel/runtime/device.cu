@@ -881,7 +881,28 @@ __device__ __forceinline__ void combine_head(const Params& p, int layer, int hea
 // Attention of the G query heads of kv head g over split `split` of positions [0, pos]: q (and, in the
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out.
 // With FUSED_COMBINE the kv head's split that finishes last in this step also merges its heads.
-__device__ void attention_task(const Params& p, const Task& t, long long step, long long pos, float* sm) {
+// ATTN_PRELOAD (source.py): the split's cached key and value rows (all but the new position's) copied into
+// shared memory with cp.async as the task starts, before it waits for its inputs (attention is then an early
+// kind: the copies fly through the QKV phase's end and the hop), so that the scores and the weighted values
+// read shared memory instead of waiting on L2 or DRAM. Their place: after the task's other shared memory
+// (ATTN_FLOATS floats, as source.shared_memory_bytes counts them), 16-byte aligned.
+constexpr int ATTN_FLOATS = G * D + 2 * D + NW * D + G * MAX_CHUNK + 2 * G + NW * G * D;
+constexpr int ATTN_PRELOAD_OFFSET = (ATTN_FLOATS * 4 + 15) / 16 * 16;   // bytes from the task's shared memory
+__device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, long long lo, int count, long long pos,
+                                                T* kbuf, T* vbuf) {
+  constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
+  for (int e = int(threadIdx.x); e < count * KV_VECTORS; e += NT) {
+    const int i = e / KV_VECTORS, c = e % KV_VECTORS;
+    const long long q = lo + i;
+    if (q == pos) continue;   // the new position's row: not in the cache yet (its split appends it)
+    const long long at = (q * HKV + g) * D + c * PER;
+    copy_async(shared_address(kbuf + i * D + c * PER), w.k_cache + at);
+    copy_async(shared_address(vbuf + i * D + c * PER), w.v_cache + at);
+  }
+}
+
+__device__ void attention_task(const Params& p, const Task& t, const Staged& staged, long long step, long long pos,
+                               float* sm) {
   const int g = t.begin, split = t.end;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
@@ -895,6 +916,12 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   float* tmp = vnew + D;               // [NW][D]
   float* scores = tmp + NW * D;        // [G][MAX_CHUNK]
   float* stats = scores + G * MAX_CHUNK;   // [G][2]
+  T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(sm) + ATTN_PRELOAD_OFFSET);   // [MAX_CHUNK][D] (ATTN_PRELOAD)
+  T* vbuf = kbuf + MAX_CHUNK * D;                                                       // [MAX_CHUNK][D]
+  if constexpr (ATTN_PRELOAD) {   // (an early kind then: its q, k and v rows are complete after the wait)
+    preload_kv_rows(w, g, lo, int(hi > lo ? hi - lo : 0), pos, kbuf, vbuf);
+    wait_inputs(staged);
+  }
   for (int h = warp; h < G + (owner ? 1 : 0); h += NW) {
     if (h < G) prepare_head(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * D);
     else prepare_head(qkv + HQ * D + g * D, w.kn, p, pos, tmp + warp * D, knew);
@@ -902,6 +929,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
   const long long cache_row = (pos * HKV + g) * D;
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) vnew[d] = mdsl::to_float(qkv[HQ * D + HKV * D + g * D + d]);
+  if constexpr (ATTN_PRELOAD) copies_wait();   // this thread's rows; the barrier below, every thread's
   compute_sync();
   mark(p, 0);
   if (owner)
@@ -942,7 +970,8 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
           for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
       }
     } else if (i < count) {
-      const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + (q * HKV + g) * D) + sub * LANE_VECTORS;
+      const uint4* kc = reinterpret_cast<const uint4*>(ATTN_PRELOAD ? kbuf + i * D : w.k_cache + (q * HKV + g) * D) +
+                        sub * LANE_VECTORS;
 #pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
       for (int c = 0; c < LANE_VECTORS; ++c) {
         const uint4 raw = kc[c];
@@ -1002,7 +1031,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
       for (int u = 0; u < BATCH; ++u) {
         const int i = i0 + u * NW;
         const long long q = lo + (i < count ? i : i0);
-        const T* vc = w.v_cache + (q * HKV + g) * D;
+        const T* vc = ATTN_PRELOAD ? vbuf + (i < count ? i : i0) * D : w.v_cache + (q * HKV + g) * D;
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
           const int d = lane + 32 * j;
@@ -1026,7 +1055,7 @@ __device__ void attention_task(const Params& p, const Task& t, long long step, l
 #pragma unroll 8   // eight positions' value rows in flight at once
     for (int i = warp; i < count; i += NW) {
       const long long q = lo + i;
-      const T* vc = w.v_cache + (q * HKV + g) * D;
+      const T* vc = ATTN_PRELOAD ? vbuf + i * D : w.v_cache + (q * HKV + g) * D;
       float v[DJ];
 #pragma unroll
       for (int j = 0; j < DJ; ++j) {

@@ -136,7 +136,11 @@ class MegakernelEngine:
     `rank_sums` (one GPU only; 1, the default: off): the o-proj and down-proj tiles sum their products as that
     many tensor-parallel ranks do, each rank's slice reduced alone and the slices added in rank order, so that
     with the ranks' attention splits (`attention_splits`, `attention_min_chunk`) the one GPU computes their
-    bits: the tokens and logits a rank_sums-GPU run must give, bit for bit (tests/gpu).
+    bits: the tokens and logits a rank_sums-GPU run must give, bit for bit (tests/gpu). `attention_preload`:
+    an attention split copies its cached key and value rows into shared memory as it starts, handed over before
+    its inputs are complete, and reads them there (source.generate_source; the same values). None, the default:
+    on one GPU (Qwen3-8B 4.427 -> 4.393 ms, eighteenth session), off under tensor parallelism (not yet measured
+    there).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -153,7 +157,7 @@ class MegakernelEngine:
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
                  parity_stream: bool = False, parity_scope: str = "sys", relay_stream: Optional[bool] = None,
                  early_passes: int = 1, early_pass_kinds: Optional[Sequence[str]] = None, rank_sums: int = 1,
-                 ranks: Optional[RankGroup] = None):
+                 attention_preload: Optional[bool] = None, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
         if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
@@ -225,6 +229,9 @@ class MegakernelEngine:
         if refined and not stage_weights:
             raise MdslError("stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False",
                             hint="they refine weight staging: leave stage_weights unset or True")
+        preload_chosen = attention_preload is not None   # (the default's: where the split's rows fit)
+        if attention_preload is None:
+            attention_preload = ranks is None or ranks.world == 1
         if weights_first is None:   # Qwen3-8B over 2 GPUs 2.950 -> 2.934 ms; one GPU 4.568 against 4.569
             weights_first = 1.0 if ranks is not None and ranks.world > 1 else 0.0
         if not 0.0 <= weights_first <= 1.0:
@@ -257,34 +264,46 @@ class MegakernelEngine:
                                                    min_chunk=attention_min_chunk), self.world,
                                          parity_stream=parity_stream and self.world > 1,
                                          relay_stream=relay_stream and self.world > 1)
-        try:
-            source = generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights, prefetch_kib,
-                                     stream_weights, None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
-                                     stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
-                                     staged_kinds, stage_late,
-                                     prefetched_kinds, weights_first, attention_unrolled, early_kinds, parity_scope,
-                                     early_passes, ahead_kinds, rank_sums)
-        except ValueError as e:   # the ring does not fit (stream_buffer_kib too small), or rank_sums with staging
-            hint = "leave stream_buffer_kib unset (the ring is sized to fit)" if "rank_sums" not in str(e) else \
-                "pass stage_weights=False and stream_weights=False with rank_sums"
-            raise MdslError(str(e), hint=hint) from None
-        self.staging = source.staging
-        self.streaming = source.streaming
-        self.source = source.text
-        self.smem_bytes = source.smem_bytes
-        self.module = runtime.compile_source(source.text, runtime.target_arch(device))
-        if self.smem_bytes > dev.max_smem:
-            raise CudaError(f"the megakernel needs {self.smem_bytes} bytes of shared memory per block; the device "
-                            f"allows {dev.max_smem}", hint="a smaller max_seq shortens attention's score rows")
+
+        def generate(preload: Optional[bool]):
+            try:
+                return generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights,
+                                       prefetch_kib, stream_weights,
+                                       None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
+                                       stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
+                                       staged_kinds, stage_late, prefetched_kinds, weights_first, attention_unrolled,
+                                       early_kinds, parity_scope, early_passes, ahead_kinds, rank_sums, preload)
+            except ValueError as e:   # the ring does not fit (stream_buffer_kib too small), rank_sums with staging,
+                hints = {"rank_sums": "pass stage_weights=False and stream_weights=False with rank_sums",  # or preload
+                         "attention_preload": "a smaller max_seq, or more attention_splits, or attention_preload=False"}
+                hint = next((h for key, h in hints.items() if key in str(e)),
+                            "leave stream_buffer_kib unset (the ring is sized to fit)")
+                raise MdslError(str(e), hint=hint) from None
+
         self._arrays: list = []       # every DeviceArray the kernel points into, kept alive
         self._keep: list = []         # foreign GPU arrays used in place
-        self._module_handle = _check(driver.cuModuleLoadData(self.module.cubin), "loading the megakernel")
-        self._function = _check(driver.cuModuleGetFunction(self._module_handle, KERNEL_NAME.encode()),
-                                "cuModuleGetFunction")
-        # resources from the loaded function, not the compiler log (a log may lack ptxas's report)
-        registers, local_bytes = (_check(driver.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute")
-                                  for attribute in (driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS,
-                                                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES))
+        # the default's attention preload, where its rows fit (None), is dropped again if the kernel then spills
+        # (its registers beside some options' at their cap: eighteenth session)
+        for preload in ((None, False) if attention_preload and not preload_chosen else (attention_preload,)):
+            source = generate(preload)
+            self.staging = source.staging
+            self.streaming = source.streaming
+            self.source = source.text
+            self.smem_bytes = source.smem_bytes
+            self.module = runtime.compile_source(source.text, runtime.target_arch(device))
+            if self.smem_bytes > dev.max_smem:
+                raise CudaError(f"the megakernel needs {self.smem_bytes} bytes of shared memory per block; the device "
+                                f"allows {dev.max_smem}", hint="a smaller max_seq shortens attention's score rows")
+            self._module_handle = _check(driver.cuModuleLoadData(self.module.cubin), "loading the megakernel")
+            self._function = _check(driver.cuModuleGetFunction(self._module_handle, KERNEL_NAME.encode()),
+                                    "cuModuleGetFunction")
+            # resources from the loaded function, not the compiler log (a log may lack ptxas's report)
+            registers, local_bytes = (_check(driver.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute")
+                                      for attribute in (driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS,
+                                                        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES))
+            if not local_bytes or preload is False:
+                break
+            driver.cuModuleUnload(self._module_handle)
         resources = f"{registers} registers, {local_bytes} bytes of local memory per thread"
         if local_bytes:
             raise CudaError(f"the megakernel spills registers ({resources}); it would run far below bandwidth")

@@ -72,14 +72,18 @@ def linear_row_floats(plan: TaskPlan) -> int:
     return max(s.hidden, s.intermediate, s.attention_width)
 
 
-def shared_memory_bytes(plan: TaskPlan) -> int:
+def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False) -> int:
     """The largest task's shared memory: a linear's input row and its tile's residual, an attention
-    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums, or a combine's
-    halves of a head (or, past 32 splits, its splits' scales and sums); plus the block reductions' scratch."""
+    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums (with
+    `attention_preload`, then its split's cached key and value rows: device.cu's ATTN_PRELOAD_OFFSET), or a
+    combine's halves of a head (or, past 32 splits, its splits' scales and sums); plus the block reductions'
+    scratch."""
     s = plan.shape
     linear = linear_row_floats(plan) + residual_columns(plan)
     attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
                  + WARPS * s.group * s.head_dim)
+    if attention_preload:
+        attention = _round_up(attention, 4) + 2 * plan.max_chunk * s.head_dim * s.dtype.itemsize // 4
     combine = max(2 * plan.splits, s.head_dim)
     return 4 * (2 * WARPS + max(linear, attention, combine))
 
@@ -188,14 +192,14 @@ def stage_kinds_named(names: Optional[Sequence[str]]) -> tuple:
 
 def plan_staging(plan: TaskPlan, enabled: bool = True, heads: bool = False,
                  max_buffer_bytes: Optional[int] = None, kinds: Sequence[Kind] = STAGED_KINDS,
-                 late: bool = False, reserve: int = 0) -> Staging:
+                 late: bool = False, reserve: int = 0, attention_preload: bool = False) -> Staging:
     """`kinds` in STAGEABLE_KINDS' order, each the largest tile of its kind (or with `heads` the most
     output columns of it that fit) in what shared memory has left; `max_buffer_bytes` caps a buffer (tests:
     heads of a few columns on models whose tiles all fit). With QKV among the kinds, one buffer is shared
     by all of them (each kind's tile or head alone in it), its size the largest of theirs. `late`: every
     kind's copy waits for the task before it (not only LATE_STAGED_KINDS'). `reserve`: bytes kept out of
-    the buffers' room (the early buffer)."""
-    base = shared_memory_bytes(plan)
+    the buffers' room (the early buffer); `attention_preload`, shared_memory_bytes'."""
+    base = shared_memory_bytes(plan, attention_preload)
     if not enabled:
         return Staging(offset=base)
     offset = _round_up(base, _STAGE_ALIGN)
@@ -275,14 +279,16 @@ def stream_kinds_of(plan: TaskPlan, wanted: Union[bool, Sequence[str]]) -> list:
 
 
 def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None,
-                   kinds: Union[bool, Sequence[str]] = True, reserve: int = 0) -> Streaming:
+                   kinds: Union[bool, Sequence[str]] = True, reserve: int = 0,
+                   attention_preload: bool = False) -> Streaming:
     """The ring that fills the shared memory next to the task inputs': at least as many buffers as compute
     warps where the columns fit (the warps take a task's sub-tiles in turn), then the buffer count whose
     buffers hold the most bytes of whole sub-tiles of the kind that fills them worst (a down-proj column
     of Qwen3-8B is 24 KB: in 26 KB buffers most of each would be wasted). `buffer_bytes`: buffers of that
     size instead (as many as fit, at most MAX_STREAM_BUFFERS). `kinds`: which kinds stream
-    (`stream_kinds_of`); `reserve`, bytes kept out of the ring's room (the early buffer)."""
-    offset = _round_up(shared_memory_bytes(plan), _STAGE_ALIGN)
+    (`stream_kinds_of`); `reserve`, bytes kept out of the ring's room (the early buffer); `attention_preload`,
+    shared_memory_bytes'."""
+    offset = _round_up(shared_memory_bytes(plan, attention_preload), _STAGE_ALIGN)
     room = SMEM_PER_BLOCK - STATIC_SMEM_RESERVE - offset - reserve
     kinds = stream_kinds_of(plan, kinds)
     # a tile's sub-tiles go to the warps in turn: columns per sub-tile at most a warp's share of the widest
@@ -347,7 +353,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                     weights_first: float = 0.0, attention_unrolled: bool = False,
                     early_kinds: Sequence[Kind] = (), parity_scope: str = "sys",
                     early_passes: int = 1, early_pass_kinds: Optional[Sequence[Kind]] = None,
-                    rank_sums: int = 1) -> MegakernelSource:
+                    rank_sums: int = 1, attention_preload: Optional[bool] = False) -> MegakernelSource:
     """The kernel for `plan`. `prefetch_ahead`: a scheduler taking its k-th task prefetches the weights of
     its (k + prefetch_ahead - 1)-th into L2 (1: the task itself, while the previous one runs; more needs
     the static schedule, where a worker's later tasks are known). `attention_lanes`: lanes that share one
@@ -374,7 +380,10 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     EARLY_BUFFER_BYTES beside the rest, no registers), for the early kinds of `early_pass_kinds` (None: all).
     `rank_sums` (one GPU's plan only): the o-proj and down-proj tiles sum their products as that many
     tensor-parallel ranks do (bodies.write_linear_body), so that with the ranks' attention splits one GPU
-    computes their bits; not with those kinds staged or streamed.
+    computes their bits; not with those kinds staged or streamed. `attention_preload`: an attention split
+    copies its cached key and value rows into shared memory (cp.async) as it starts, handed over before its
+    inputs are complete (attention joins the early kinds), and reads them there; None: where they fit in
+    shared memory beside the rest (a long max_seq's split may not), else not.
     `stream_weights`: every weight row (True),
     or those of the kinds named, goes through the loader warp's ring (`Streaming`; the static schedule, not
     with `stage_weights`), of buffers of `stream_buffer_bytes` if given."""
@@ -413,10 +422,17 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
         raise ValueError(f"rank_sums is 1, or on one GPU's plan the ranks whose sums it computes, not {rank_sums} "
                          f"on a plan of {plan.world} rank(s)")
     sums_row = 4 * residual_columns(plan) if rank_sums > 1 else 0   # the running sums' floats, after the residual
+    if attention_preload is None:   # where the split's rows fit beside the rest
+        attention_preload = shared_memory_bytes(plan, True) + early_bytes <= SMEM_PER_BLOCK - STATIC_SMEM_RESERVE
+    attention_early = {Kind.ATTN} if attention_preload else set()   # its copies fly while it waits
     staging = plan_staging(plan, stage_weights, stage_heads, stage_buffer_bytes, stage_kinds, stage_late,
-                           reserve=early_bytes)
-    streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights, reserve=early_bytes) \
+                           reserve=early_bytes, attention_preload=attention_preload)
+    streaming = plan_streaming(plan, stream_buffer_bytes, stream_weights, reserve=early_bytes,
+                               attention_preload=attention_preload) \
         if stream_weights else Streaming(offset=staging.smem_bytes)
+    if staging.smem_bytes + early_bytes > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
+        raise ValueError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at max_seq "
+                         f"{plan.max_seq}) do not fit in shared memory beside the rest")
     if rank_sums > 1 and ({Kind.OPROJ, Kind.DOWN} & ({k for k, _ in staging.kinds} | {k for k, _ in streaming.items})):
         raise ValueError("rank_sums sums the o-proj's and down-proj's products from global memory: "
                          "they cannot be staged or streamed with it")
@@ -445,7 +461,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool WEIGHTS_FIRST = {'true' if eighths > 0 else 'false'};",
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
-              f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds))};",
+              f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds) | attention_early)};",
+              f"constexpr bool ATTN_PRELOAD = {'true' if attention_preload else 'false'};",
               f"constexpr int EARLY_PASSES = {early_passes if early_bytes else 1};",
               f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in ahead_kinds) if early_bytes else 0};",
               f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
