@@ -119,7 +119,7 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     "early2-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("gateup",)},
     # an attention split's cached key and value rows copied into shared memory as it starts, before its inputs
     # are complete (attention handed over early), so that its scores and weighted values read shared memory:
-    # one GPU's default since the eighteenth session (4.427 -> 4.393 ms), not yet measured on two
+    # the default since the eighteenth session (one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms)
     "preload": {"schedule": "static", "attention_preload": True},
     "no-preload": {"schedule": "static", "attention_preload": False},
 }

@@ -139,8 +139,8 @@ class MegakernelEngine:
     bits: the tokens and logits a rank_sums-GPU run must give, bit for bit (tests/gpu). `attention_preload`:
     an attention split copies its cached key and value rows into shared memory as it starts, handed over before
     its inputs are complete, and reads them there (source.generate_source; the same values). None, the default:
-    on one GPU (Qwen3-8B 4.427 -> 4.393 ms, eighteenth session), off under tensor parallelism (not yet measured
-    there).
+    on where the split's rows fit in shared memory and the kernel does not spill with them (Qwen3-8B, eighteenth
+    session: one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms).
     `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
     `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
 
@@ -231,7 +231,7 @@ class MegakernelEngine:
                             hint="they refine weight staging: leave stage_weights unset or True")
         preload_chosen = attention_preload is not None   # (the default's: where the split's rows fit)
         if attention_preload is None:
-            attention_preload = ranks is None or ranks.world == 1
+            attention_preload = True
         if weights_first is None:   # Qwen3-8B over 2 GPUs 2.950 -> 2.934 ms; one GPU 4.568 against 4.569
             weights_first = 1.0 if ranks is not None and ranks.world > 1 else 0.0
         if not 0.0 <= weights_first <= 1.0:
