@@ -450,10 +450,11 @@ def test_rank_sums_is_one_gpus_and_reads_its_weights_from_global_memory():
     assert_fits(summed, compile_cuda(summed.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(ValueError, match="rank_sums is 1, or on one GPU's plan"):
         generate_source(for_ranks(plan, 2), rank_sums=2)
-    with pytest.raises(ValueError, match="cannot be staged or streamed"):
-        generate_source(plan, rank_sums=2, stage_weights=True, stage_kinds=(Kind.OPROJ,))
-    with pytest.raises(ValueError, match="cannot be staged or streamed"):
-        generate_source(plan, rank_sums=2, stream_weights=("down",))
+    for staged in ((Kind.OPROJ,), (Kind.GATEUP,)):
+        with pytest.raises(ValueError, match="no kind can be staged or streamed"):
+            generate_source(plan, rank_sums=2, stage_weights=True, stage_kinds=staged)
+    with pytest.raises(ValueError, match="no kind can be staged or streamed"):
+        generate_source(plan, rank_sums=2, stream_weights=("qkv",))
 
 
 def test_attention_preload_makes_attention_early_and_keeps_its_rows_after_its_shared_memory():

@@ -380,7 +380,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     EARLY_BUFFER_BYTES beside the rest, no registers), for the early kinds of `early_pass_kinds` (None: all).
     `rank_sums` (one GPU's plan only): the o-proj and down-proj tiles sum their products as that many
     tensor-parallel ranks do (bodies.write_linear_body), so that with the ranks' attention splits one GPU
-    computes their bits; not with those kinds staged or streamed. `attention_preload`: an attention split
+    computes their bits; not with any kind staged or streamed. `attention_preload`: an attention split
     copies its cached key and value rows into shared memory (cp.async) as it starts, handed over before its
     inputs are complete (attention joins the early kinds), and reads them there; None: where they fit in
     shared memory beside the rest (a long max_seq's split may not), else not.
@@ -433,9 +433,9 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     if staging.smem_bytes + early_bytes > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
         raise ValueError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at max_seq "
                          f"{plan.max_seq}) do not fit in shared memory beside the rest")
-    if rank_sums > 1 and ({Kind.OPROJ, Kind.DOWN} & ({k for k, _ in staging.kinds} | {k for k, _ in streaming.items})):
-        raise ValueError("rank_sums sums the o-proj's and down-proj's products from global memory: "
-                         "they cannot be staged or streamed with it")
+    if rank_sums > 1 and (staging.kinds or streaming.items):   # (its running sums lie past the linears' rows)
+        raise ValueError("rank_sums sums the o-proj's and down-proj's products from global memory, its running "
+                         "sums where staging buffers would start: no kind can be staged or streamed with it")
     early_offset = _round_up(max(staging.smem_bytes, streaming.smem_bytes) + sums_row, _STAGE_ALIGN)
     items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
