@@ -462,7 +462,7 @@ def test_attention_preload_makes_attention_early_and_keeps_its_rows_after_its_sh
     split's key and value rows counted in the task's shared memory after the rest (ATTN_PRELOAD_OFFSET), the
     copies issued before the wait in the PTX; refused where they do not fit."""
     from mdsl.megakernel.runtime.plan import Kind
-    from mdsl.megakernel.runtime.source import shared_memory_bytes
+    from mdsl.megakernel.runtime.source import attention_floats, attention_preload_offset, shared_memory_bytes
 
     config, _, _ = tiny_model("qwen3")
     shape = decoder_shape(attrs.evolve(config, dtype=bf16))
@@ -471,8 +471,10 @@ def test_attention_preload_makes_attention_early_and_keeps_its_rows_after_its_sh
     assert "constexpr bool ATTN_PRELOAD = false;" in plain.text and "constexpr bool ATTN_PRELOAD = true;" in preload.text
     assert f"constexpr int EARLY_KINDS = {1 << int(Kind.ATTN)};" in preload.text
     rows = 2 * plan.max_chunk * shape.head_dim * shape.dtype.itemsize
-    assert shared_memory_bytes(plan, True) >= shared_memory_bytes(plan) and \
-        shared_memory_bytes(plan, True) >= 4 * 2 * 8 + rows
+    offset = attention_preload_offset(plan)
+    assert f"constexpr int ATTN_PRELOAD_OFFSET = {offset};" in preload.text
+    assert offset % 16 == 0 and offset >= 4 * attention_floats(plan)
+    assert shared_memory_bytes(plan, True) >= 4 * 2 * 8 + offset + rows >= shared_memory_bytes(plan)
     assert_fits(preload, compile_cuda(preload.text, arch="sm_90a").resources[KERNEL_NAME])
     text = preload.text.replace("__device__ void attention_task(", "__device__ __noinline__ void attention_task(")
     lines = compile_ptx(text).splitlines()

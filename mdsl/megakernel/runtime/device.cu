@@ -177,13 +177,16 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
 }
-__device__ __forceinline__ uint4 ld_staged(const T* p) {
-  uint4 v;   // volatile: not hoisted above the wait for the tile
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(shared_address(p)));
+// 16 bytes of shared memory at `address` (volatile: not hoisted above the wait for what fills them)
+__device__ __forceinline__ uint4 ld_shared16(unsigned address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
   return v;
 }
-// ---- an early task's next pass (EARLY_PASSES > 1, source.py): once its inputs are there and its row's loads
+__device__ __forceinline__ uint4 ld_staged(const T* p) { return ld_shared16(shared_address(p)); }
+// ---- cp.async (16 bytes a thread, completing for that thread at copies_wait): an early task's next pass and
+// attention's preloaded rows (ATTN_PRELOAD, below)
+// An early task's next pass (EARLY_PASSES > 1, source.py): once its inputs are there and its row's loads
 // issued, each compute thread copies the 16-byte chunks of its warp's next pass of weight loads into its own
 // slots of the early buffer (cp.async: in flight without registers) while the row is normalised and the first
 // pass multiplied, and reads them back itself once the pass comes (no barrier: a thread reads only what it
@@ -198,11 +201,6 @@ __device__ __forceinline__ void copy_async(unsigned slot, const T* p) {
 }
 __device__ __forceinline__ void copies_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
-}
-__device__ __forceinline__ uint4 ld_early(unsigned slot) {
-  uint4 v;   // volatile: after the wait for the copies
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(slot));
-  return v;
 }
 
 constexpr int STAGE_RING = STAGE_BUFFERS > 0 ? STAGE_BUFFERS : 1;   // (no empty arrays when nothing is staged)
@@ -662,7 +660,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int r = 0; r < R; ++r)
-            v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0) : ld_early(early_slot(u * R + r));
+            v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
+                                                            : ld_shared16(early_slot(u * R + r));
         ahead = false;
       } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
         load_row();
@@ -884,10 +883,8 @@ __device__ __forceinline__ void combine_head(const Params& p, int layer, int hea
 // ATTN_PRELOAD (source.py): the split's cached key and value rows (all but the new position's) copied into
 // shared memory with cp.async as the task starts, before it waits for its inputs (attention is then an early
 // kind: the copies fly through the QKV phase's end and the hop), so that the scores and the weighted values
-// read shared memory instead of waiting on L2 or DRAM. Their place: after the task's other shared memory
-// (ATTN_FLOATS floats, as source.shared_memory_bytes counts them), 16-byte aligned.
-constexpr int ATTN_FLOATS = G * D + 2 * D + NW * D + G * MAX_CHUNK + 2 * G + NW * G * D;
-constexpr int ATTN_PRELOAD_OFFSET = (ATTN_FLOATS * 4 + 15) / 16 * 16;   // bytes from the task's shared memory
+// read shared memory instead of waiting on L2 or DRAM. Their place: ATTN_PRELOAD_OFFSET, after the task's
+// other shared memory (source.attention_floats counts it), 16-byte aligned.
 __device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, long long lo, int count, long long pos,
                                                 T* kbuf, T* vbuf) {
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));

@@ -80,12 +80,25 @@ def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False) -> int:
     scratch."""
     s = plan.shape
     linear = linear_row_floats(plan) + residual_columns(plan)
-    attention = (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
-                 + WARPS * s.group * s.head_dim)
+    attention = attention_preload_offset(plan) // 4 if attention_preload else attention_floats(plan)
     if attention_preload:
-        attention = _round_up(attention, 4) + 2 * plan.max_chunk * s.head_dim * s.dtype.itemsize // 4
+        attention += 2 * plan.max_chunk * s.head_dim * s.dtype.itemsize // 4
     combine = max(2 * plan.splits, s.head_dim)
     return 4 * (2 * WARPS + max(linear, attention, combine))
+
+
+def attention_floats(plan: TaskPlan) -> int:
+    """An attention task's shared floats besides its preloaded rows: its q heads, new k and v, per-warp
+    scratch, scores, statistics and per-warp sums (device.cu's attention_task lays them out in this order)."""
+    s = plan.shape
+    return (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
+            + WARPS * s.group * s.head_dim)
+
+
+def attention_preload_offset(plan: TaskPlan) -> int:
+    """Where an attention task's preloaded key and value rows start, in bytes (16-byte aligned, after
+    attention_floats): device.cu's ATTN_PRELOAD_OFFSET."""
+    return _round_up(4 * attention_floats(plan), 16)
 
 
 # Hopper's shared memory per block (opt-in); the kernel's static shared memory (task slots, staging
@@ -463,6 +476,7 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
               f"constexpr bool ATTN_UNROLLED = {'true' if attention_unrolled else 'false'};",
               f"constexpr int EARLY_KINDS = {sum(1 << int(kind) for kind in set(early_kinds) | attention_early)};",
               f"constexpr bool ATTN_PRELOAD = {'true' if attention_preload else 'false'};",
+              f"constexpr int ATTN_PRELOAD_OFFSET = {attention_preload_offset(plan)};   // bytes from a task's memory",
               f"constexpr int EARLY_PASSES = {early_passes if early_bytes else 1};",
               f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in ahead_kinds) if early_bytes else 0};",
               f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
