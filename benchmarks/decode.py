@@ -117,6 +117,23 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # down-proj 4.465, LM head 4.425)
     "early2": {"schedule": "static", "early_passes": 2},
     "early2-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("gateup",)},
+    # o-proj alone: a rank of two's o-proj tile (127 KB) is whole in two passes, its second copied while the tile
+    # waits for attention's combine
+    # combine tasks (one a query head) instead of the fused combine, the default since the nineteenth session
+    # (one GPU 4.338 -> 4.310 ms; a rank's shapes on one GPU, --rank-of 2: 2.550 -> 2.527 ms)
+    "combine-tasks": {"schedule": "static", "fused_combine": False},
+    "early2-oproj": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj",)},
+    # one pass of weight loads in flight as an early task waits: a rank's default until the nineteenth session
+    # (then the o-proj's second pass: early2-oproj)
+    "early1": {"schedule": "static", "early_passes": 1},
+    "early2-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("qkv",)},
+    "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
+    "fused-early2-oproj": {"schedule": "static", "fused_combine": True, "early_passes": 2,
+                           "early_pass_kinds": ("oproj",)},
+    "fused-early2-gateup": {"schedule": "static", "fused_combine": True, "early_passes": 2,
+                            "early_pass_kinds": ("gateup",)},
+    "fused-early2-oproj-gateup": {"schedule": "static", "fused_combine": True, "early_passes": 2,
+                                  "early_pass_kinds": ("oproj", "gateup")},
     # an attention split's cached key and value rows copied into shared memory as it starts, before its inputs
     # are complete (attention handed over early), so that its scores and weighted values read shared memory:
     # the default since the eighteenth session (one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms)
@@ -143,8 +160,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp-models", default="qwen3-8b", help="comma-separated models run tensor-parallel under --tp")
     ap.add_argument("--tp-variants", default="", help="comma-separated runtime variants of the --tp runs (default: the "
                                                      "first of --variants); each also runs on one GPU")
+    ap.add_argument("--rank-of", type=int, default=1,
+                    help="run each model on one GPU with the shapes of one rank of this many (its shard: 1/N of the "
+                         "heads, MLP columns and vocabulary) and a rank's weights_first: a rank's kernel without its "
+                         "all-reduces, to measure a rank-local change where N GPUs are not at hand (no PyTorch "
+                         "contender: a shard is not a model)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
+    if args.rank_of < 1 or (args.rank_of > 1 and args.tp > 1):
+        ap.error(f"--rank-of {args.rank_of} with --tp {args.tp}: --rank-of takes a world size above 1 and runs on one GPU")
     if args.quick:
         args.steps, args.repeats = 32, 2
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -459,7 +483,8 @@ def median(values: list) -> float:
 def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, floor: float) -> dict:
     """One variant's engine: its per-token latency and, for the profiled model, its profile."""
     t0 = time.perf_counter()
-    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, **VARIANTS[variant])
+    options = VARIANTS[variant] if args.rank_of == 1 else {"weights_first": 1.0, **VARIANTS[variant]}   # (a rank's)
+    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, **options)
     print(f"[{name}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
           f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
@@ -516,6 +541,9 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     from mdsl.megakernel.runtime.shape import decoder_shape
 
     config = attrs.evolve(config_from_dict(MODELS[name]), dtype=bf16)
+    if args.rank_of > 1:
+        from mdsl.megakernel.runtime.tp import shard_config
+        config = shard_config(config, args.rank_of)
     shape = decoder_shape(config)
     floor = shape.weight_bytes() / COPY_BANDWIDTH
     t0 = time.perf_counter()
@@ -523,6 +551,8 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     torch.cuda.synchronize()
     print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "variants": {}}
+    if args.rank_of > 1:
+        result["rank_of"] = args.rank_of
     for variant in variants_of(name, args):
         try:
             measured = bench_variant(MegakernelEngine, config, weights, variant, name, args, out, floor)
@@ -535,6 +565,10 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
         if variant == args.variants[0]:
             result.update({k: v for k, v in measured.items() if k != "profile"}, variant=variant)
     mk_ms = result["megakernel_ms"]
+    if args.rank_of > 1:
+        del weights
+        torch.cuda.empty_cache()
+        return result
     try:
         step = torch_decode_step(torch, config, weights, CONTEXT - 1)
         pt = time_torch_graph(torch, step, args.steps, args.repeats)

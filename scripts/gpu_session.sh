@@ -10,7 +10,8 @@
 #       and what a staged tile's copy costs the issuing warp and a release (benchmarks/copy_probe.py);
 #   3d. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
-#      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks.
+#      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
+#   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset (device calls are limited to 10 minutes each).
 # Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, session.tar.gz (everything).
@@ -114,13 +115,18 @@ grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# (by default the defaults, and over two GPUs the parity stream and the former 16 attention splits too:
-# docs/performance.md, sixteenth session)
+# (by default the defaults, and over two GPUs the put-with-signal transport that the relay replaced too:
+# docs/performance.md, eighteenth session)
 DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
-TP_VARIANTS="${TP_VARIANTS:-static,parity,splits16}"
+TP_VARIANTS="${TP_VARIANTS:-static,signalled}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
+# (STAGES=rank) one rank's shapes of 2 GPUs run on one GPU, without its all-reduces (benchmarks/decode.py
+# --rank-of 2): a rank-local change measured where two GPUs are not at hand
+RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
+stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
+grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/rank.txt" 2>/dev/null
 
 tar -czf "$OUT/session.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"

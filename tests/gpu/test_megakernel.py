@@ -379,3 +379,38 @@ def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
     assert np.isfinite(ours).all()
     assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
     assert run.tokens[0] == int(np.argmax(ours))
+
+
+# (head_dim, attention splits): a kv head's 4 query heads merged at once by the fused combine, a thread 1 value
+# of 64 (16 and 32 splits: one chain, then two chains added) or 2 values of 128 (32 splits)
+@pytest.mark.parametrize(("head_dim", "splits"), [(64, 16), (64, 32), (128, 32)])
+def test_the_fused_combine_computes_the_combine_tasks_bits(torch, transformers, head_dim, splits):
+    """The last split of a kv head merges its query heads all at once (device.cu's merge_heads) in the
+    combine tasks' arithmetic: the same logits to the bit and the same tokens, with every split holding
+    positions (a minimum chunk of 1)."""
+    from mdsl.megakernel.runtime.engine import MegakernelEngine
+
+    raw = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6,
+               rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**raw)).to(torch.bfloat16).eval()
+    weights = {name: p.detach() for name, p in model.state_dict().items()}
+    config = attrs.evolve(config_from_dict({**raw, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}),
+                          dtype=bf16)
+    group, threads = 8 // 2 * head_dim, 256   # G x D values a merge writes; the compute threads
+    assert group % threads == 0 and group // threads in (1, 2), "not the all-at-once merge's shapes"
+    prompt = [int(t) for t in np.random.default_rng(SEED).integers(1, 512, size=40)]
+    runs = {}
+    for fused in (False, True):
+        engine = MegakernelEngine(config, weights, max_seq=96, attention_splits=splits, attention_min_chunk=1,
+                                  fused_combine=fused)
+        try:
+            tokens = engine.run(prompt, 8, eos_token_ids=()).tokens
+            runs[fused] = (tokens, engine.last_logits())
+        finally:
+            engine.close()
+    assert runs[True][0] == runs[False][0], f"seed {SEED}: fused {runs[True][0]} against {runs[False][0]}"
+    differ = np.flatnonzero(runs[True][1].view(np.uint32) != runs[False][1].view(np.uint32))
+    assert differ.size == 0, f"seed {SEED}: the last step's logits differ at {differ[:8]} of {differ.size}"

@@ -69,11 +69,14 @@ def generate_source_for(engine_kwargs):
 
     config, _, _ = tiny_model("llama3")
     options = dict(engine_kwargs)
-    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", False),
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", True),
                       splits=options.pop("attention_splits", None), min_chunk=options.pop("attention_min_chunk", None))
     parity, relay = options.pop("parity_stream", False), options.pop("relay_stream", False)
     if parity or relay:                        # (a rank's options: the tables of one of two)
         plan = for_ranks(plan, 2, parity_stream=parity, relay_stream=relay)
+        if options.get("early_passes") is None:   # (a rank's default: the o-proj's second pass)
+            options["early_passes"] = 2
+            options.setdefault("early_pass_kinds", ("oproj",))
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds

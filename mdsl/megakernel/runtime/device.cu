@@ -757,6 +757,13 @@ __device__ __forceinline__ void visit_rows(Visit visit, const T* matrix, int lo,
 
 // one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32). The
 // head, its norm weights and the position's cos / sin are loaded together: one memory round trip, not three.
+// A head normed (`norm`: its RMSNorm weights, or none) and rotated into `out`; a q head (Q_LAYOUT) at its score
+// lanes' padded places (q_at)
+constexpr int Q_SPAN = D / ATTN_LANES;   // a score lane's dimensions of a head
+__device__ __forceinline__ int q_at(int d) { return d + d / Q_SPAN * Q_PAD; }
+static_assert(D - 1 + (ATTN_LANES - 1) * Q_PAD < Q_STRIDE && Q_STRIDE % 4 == 0 && Q_SPAN % 4 == 0,
+              "source.q_stride holds every lane's padded span, 16-byte aligned");
+template <bool Q_LAYOUT>
 __device__ void prepare_head(const T* x, const T* norm, const Params& p, long long pos, float* tmp, float* out) {
   const int lane = threadIdx.x % 32;
   constexpr int PER = (D + 31) / 32;
@@ -789,7 +796,7 @@ __device__ void prepare_head(const T* x, const T* norm, const Params& p, long lo
     const int d = lane + 32 * j;
     if (d < D) {
       const float rotated = d < D / 2 ? -tmp[d + D / 2] : tmp[d - D / 2];
-      out[d] = round_t(round_t(v[j] * c[j]) + round_t(rotated * s[j]));
+      out[Q_LAYOUT ? q_at(d) : d] = round_t(round_t(v[j] * c[j]) + round_t(rotated * s[j]));
     }
   }
   __syncwarp();
@@ -814,6 +821,24 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 // splits: each split's scale once in shared memory, then every value's loads in flight at once. The
 // partials were written by other blocks and are read from L2 (ld.cg: this SM's L1 may hold an earlier
 // step's). Combine tasks and the fused combine (the last split of a kv head) both run this.
+// Lane s's split: its scale (its maximum's against the top one), and every lane the scales' weighted sum of
+// the splits' sums, from one head's partials `part` (at most 32 splits): a warp's shuffles, the same bits in
+// every warp
+struct SplitScales {
+  float scale, den;
+};
+__device__ __forceinline__ SplitScales split_scales(const float* part, int lane) {
+  const float m = lane < SPLITS ? __ldcg(part + lane * PART) : mdsl::neg_inf();
+  const float l = lane < SPLITS ? __ldcg(part + lane * PART + 1) : 0.0f;
+  float top = m;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  const float scale = lane < SPLITS ? mdsl::rescale(m, top) : 0.0f;
+  float den = scale * l;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
+  return {scale, den};
+}
 constexpr int COMBINE_BATCH = SPLITS < 32 ? SPLITS : 32;   // (more splits) a loop's loads in flight per thread
 constexpr bool COMBINE_IN_WARPS = SPLITS <= 32 && D <= NT;
 constexpr int COMBINE_GROUPS = COMBINE_IN_WARPS && SPLITS > 16 && 2 * D <= NT ? 2 : 1;   // threads per value
@@ -833,15 +858,8 @@ __device__ __forceinline__ void combine_head(const Params& p, int layer, int hea
       const int s = group * COMBINE_HELD + j;
       values[j] = group < COMBINE_GROUPS && s < SPLITS ? __ldcg(part + s * PART + 2 + d) : 0.0f;
     }
-    const float m = lane < SPLITS ? __ldcg(part + lane * PART) : mdsl::neg_inf();
-    const float l = lane < SPLITS ? __ldcg(part + lane * PART + 1) : 0.0f;
-    float top = m;
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-    const float scale = lane < SPLITS ? mdsl::rescale(m, top) : 0.0f;
-    float den = scale * l;
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
+    const SplitScales scales = split_scales(part, lane);
+    const float scale = scales.scale, den = scales.den;
     float num = 0.0f;
 #pragma unroll
     for (int j = 0; j < COMBINE_HELD; ++j)
@@ -877,6 +895,56 @@ __device__ __forceinline__ void combine_head(const Params& p, int layer, int hea
   }
 }
 
+// The fused combine's merge: the G query heads of kv head g at once, each thread MERGE_EACH adjacent values of
+// one head (a warp within one head, so that lane s holds split s's maximum and sum of the warp's head, as in
+// combine_head), every load in flight together. Merged one head after another (combine_head G times), each
+// head's round trip and barrier came after the last's (twelfth session: attention's span 7.4 -> 11.9 us with
+// the fused combine). The same chains of the same products as combine_head (its groups, then their sum), so
+// the same bits as the combine tasks.
+constexpr int MERGE_EACH = G * D >= NT ? G * D / NT : 1;   // (1: compiled but not called)
+constexpr bool MERGE_AT_ONCE = COMBINE_IN_WARPS && G * D >= NT && G * D % NT == 0 && MERGE_EACH <= 2 &&
+                               D % (32 * MERGE_EACH) == 0;
+__device__ __forceinline__ void merge_heads(const Params& p, int layer, int g) {
+  unsigned tid;   // (read here, as in combine_head)
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = int(tid % 32), first = int(tid) * MERGE_EACH, h = first / D, d = first % D;
+  const float* part = p.parts + ((long long)layer * HQ + g * G + h) * SPLITS * PART;
+  T* out = p.attns + (long long)layer * HQ * D + (long long)(g * G + h) * D + d;
+  constexpr int SLOTS_HELD = COMBINE_GROUPS * COMBINE_HELD;
+  float values[SLOTS_HELD][MERGE_EACH];
+#pragma unroll
+  for (int s = 0; s < SLOTS_HELD; ++s) {
+    const float* at = part + s * PART + 2 + d;
+    if constexpr (MERGE_EACH == 2) {   // (PART and d even: 8-byte aligned)
+      const float2 v = s < SPLITS ? __ldcg(reinterpret_cast<const float2*>(at)) : make_float2(0.0f, 0.0f);
+      values[s][0] = v.x;
+      values[s][1] = v.y;
+    } else {
+      values[s][0] = s < SPLITS ? __ldcg(at) : 0.0f;
+    }
+  }
+  const SplitScales scales = split_scales(part, lane);
+  const float scale = scales.scale, den = scales.den;
+  float total[MERGE_EACH];
+#pragma unroll
+  for (int group = 0; group < COMBINE_GROUPS; ++group) {
+    float num[MERGE_EACH];
+#pragma unroll
+    for (int e = 0; e < MERGE_EACH; ++e) num[e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_HELD; ++j) {
+      const int s = group * COMBINE_HELD + j;
+      const float weight = __shfl_sync(0xffffffffu, scale, s % 32);
+#pragma unroll
+      for (int e = 0; e < MERGE_EACH; ++e) num[e] = fmaf(weight, values[s][e], num[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < MERGE_EACH; ++e) total[e] = group == 0 ? num[e] : total[e] + num[e];
+  }
+#pragma unroll
+  for (int e = 0; e < MERGE_EACH; ++e) out[e] = mdsl::from_float<T>(total[e] / den);
+}
+
 // Attention of the G query heads of kv head g over split `split` of positions [0, pos]: q (and, in the
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out.
 // With FUSED_COMBINE the kv head's split that finishes last in this step also merges its heads.
@@ -907,8 +975,8 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
   long long lo, hi;
   split_positions(pos, split, lo, hi);
   const bool owner = lo <= pos && pos < hi;
-  float* qs = sm;                      // [G][D]
-  float* knew = qs + G * D;            // [D]
+  float* qs = sm;                      // [G][Q_STRIDE]: each head's score lanes' spans Q_PAD floats apart
+  float* knew = qs + G * Q_STRIDE;     // [D]
   float* vnew = knew + D;              // [D]
   float* tmp = vnew + D;               // [NW][D]
   float* scores = tmp + NW * D;        // [G][MAX_CHUNK]
@@ -920,8 +988,8 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
     wait_inputs(staged);
   }
   for (int h = warp; h < G + (owner ? 1 : 0); h += NW) {
-    if (h < G) prepare_head(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * D);
-    else prepare_head(qkv + HQ * D + g * D, w.kn, p, pos, tmp + warp * D, knew);
+    if (h < G) prepare_head<true>(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * Q_STRIDE);
+    else prepare_head<false>(qkv + HQ * D + g * D, w.kn, p, pos, tmp + warp * D, knew);
   }
   const long long cache_row = (pos * HKV + g) * D;
   if (owner)
@@ -941,6 +1009,7 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
   constexpr int LANE_VECTORS = KV_VECTORS / ATTN_LANES;
   static_assert(KV_VECTORS % ATTN_LANES == 0 && 32 % ATTN_LANES == 0, "ATTN_LANES splits a key row evenly");
   const int sub = threadIdx.x % ATTN_LANES;
+  const float* q_lane = qs + sub * Q_PAD;   // (q_at: this lane's span, padded)
   for (int base = 0; base < count; base += NT / ATTN_LANES) {   // uniform over the block: shuffles are safe
     const int i = base + threadIdx.x / ATTN_LANES;
     const long long q = lo + i;
@@ -958,13 +1027,13 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
           for (int j = 0; j < PER; ++j) {
             const float k = knew[d0 + j];
 #pragma unroll
-            for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d0 + j], k, acc[h]);
+            for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
           }
         }
       } else {
         for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
 #pragma unroll
-          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d], knew[d], acc[h]);
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d], knew[d], acc[h]);
       }
     } else if (i < count) {
       const uint4* kc = reinterpret_cast<const uint4*>(ATTN_PRELOAD ? kbuf + i * D : w.k_cache + (q * HKV + g) * D) +
@@ -978,7 +1047,7 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
         for (int j = 0; j < PER; ++j) {
           const float k = mdsl::to_float(e[j]);
 #pragma unroll
-          for (int h = 0; h < G; ++h) acc[h] = fmaf(qs[h * D + d0 + j], k, acc[h]);
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
         }
       }
     }
@@ -1088,18 +1157,25 @@ __device__ void attention_task(const Params& p, const Task& t, const Staged& sta
   if constexpr (FUSED_COMBINE) {
     __shared__ int last_split;
     compute_sync();                    // every thread's partials are written
-    if (threadIdx.x == 0) {            // the threadFenceReduction pattern: publish, count, and the last one reads
-      __threadfence();
-      const unsigned done = atomicAdd(p.attn_done + t.layer * HKV + g, 1u) + 1u;
-      last_split = done == unsigned(SPLITS) * unsigned(step + 1);
-      __threadfence();
+    if (threadIdx.x == 0) {
+      // publish, count, and the last one reads: one acq_rel atomic (cumulative over the compute barrier above,
+      // as red.release is) in place of the threadFenceReduction pattern's two fences around a relaxed one
+      unsigned before;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                   : "=r"(before) : "l"(p.attn_done + t.layer * HKV + g) : "memory");
+      last_split = before + 1u == unsigned(SPLITS) * unsigned(step + 1);
     }
     compute_sync();
-    if (last_split)
-      for (int h = 0; h < G; ++h) {
-        if (h > 0) compute_sync();     // (sm: the previous head's halves read)
-        combine_head(p, t.layer, g * G + h, sm);
+    if (last_split) {
+      if constexpr (MERGE_AT_ONCE) {
+        merge_heads(p, t.layer, g);
+      } else {
+        for (int h = 0; h < G; ++h) {
+          if (h > 0) compute_sync();   // (sm: the previous head's halves read)
+          combine_head(p, t.layer, g * G + h, sm);
+        }
       }
+    }
   }
 }
 

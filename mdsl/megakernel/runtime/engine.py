@@ -97,7 +97,9 @@ class MegakernelEngine:
     worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
     lanes share a cached position in attention's scores (source.ATTENTION_LANES; 4 by default: Qwen3-8B one
     GPU 4.472 -> 4.434 ms, two GPUs 2.817 -> 2.813, fifteenth session); `fused_combine`, whether
-    the last attention split of a kv head merges the splits (plan.build_plan); `stage_weights`, whether
+    the last attention split of a kv head merges the splits (plan.build_plan; the default since the nineteenth
+    session, its query heads merged at once: Qwen3-8B one GPU 4.338 -> 4.310 ms, a rank's shapes 2.550 ->
+    2.527; False: combine tasks, the same bits); `stage_weights`, whether
     weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
     under tensor parallelism without weight streaming); `stage_heads`, whether the tiles that do not fit
     have their heads staged (as many output columns as fit), `stage_buffer_kib` a cap on each kind's
@@ -133,6 +135,10 @@ class MegakernelEngine:
     the put-with-signal of every tile, False, seventeenth session). `early_passes`: the passes of weight loads
     (1 or 2) an early task's warps have in flight by the time its row is normalised, the second copied into
     shared memory (source.generate_source), for the early kinds named in `early_pass_kinds` (None: all).
+    None, the default: 2 for the o-proj alone under tensor parallelism (with early_pass_kinds None), where a
+    rank's o-proj tile (Qwen3-8B: 127 KB) is then whole on chip while it waits for attention (a rank's shapes
+    on one GPU, `benchmarks/decode.py --rank-of 2`, nineteenth session: 2.522-2.531 -> 2.492-2.501 ms in three
+    runs), else 1 (one GPU's o-proj: 4.315 -> 4.342 ms with it).
     `rank_sums` (one GPU only; 1, the default: off): the o-proj and down-proj tiles sum their products as that
     many tensor-parallel ranks do, each rank's slice reduced alone and the slices added in rank order, so that
     with the ranks' attention splits (`attention_splits`, `attention_min_chunk`) the one GPU computes their
@@ -146,7 +152,7 @@ class MegakernelEngine:
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
                  eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1, attention_lanes: int = 4, fused_combine: bool = False,
+                 prefetch_ahead: int = 1, attention_lanes: int = 4, fused_combine: bool = True,
                  stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
                  stream_weights: Union[bool, Sequence[str]] = False,
                  stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
@@ -156,7 +162,8 @@ class MegakernelEngine:
                  prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
                  attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
                  parity_stream: bool = False, parity_scope: str = "sys", relay_stream: Optional[bool] = None,
-                 early_passes: int = 1, early_pass_kinds: Optional[Sequence[str]] = None, rank_sums: int = 1,
+                 early_passes: Optional[int] = None, early_pass_kinds: Optional[Sequence[str]] = None,
+                 rank_sums: int = 1,
                  attention_preload: Optional[bool] = None, ranks: Optional[RankGroup] = None):
         if schedule not in SCHEDULES:
             raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
@@ -167,6 +174,11 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if parity_scope not in PARITY_SCOPES:
             raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
+        if early_passes is None:   # a rank's o-proj tile whole on chip in two passes (nineteenth session)
+            tensor_parallel = ranks is not None and ranks.world > 1
+            early_passes = 2 if tensor_parallel else 1
+            if tensor_parallel and early_pass_kinds is None:
+                early_pass_kinds = ("oproj",)
         if early_passes not in EARLY_PASSES:
             raise MdslError(f"early_passes {early_passes}",
                             hint=f"one of {EARLY_PASSES}: the passes of weight loads an early task has in flight "

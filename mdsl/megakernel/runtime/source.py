@@ -87,11 +87,24 @@ def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False) -> int:
     return 4 * (2 * WARPS + max(linear, attention, combine))
 
 
+# Attention's q heads in shared memory: each score lane's span of a head's dimensions (D / ATTN_LANES) is
+# followed by Q_PAD unused floats, so that the lanes sharing a cached position read different banks. Unpadded,
+# the 4 lanes' spans lay 32 floats apart, on the same banks: every q read a 4-way conflict, and the scores were
+# bound by them (a rank's 33 positions 1.5 us, one GPU's 65 2.7 us, eighteenth session). A head's stride
+# leaves room for the most lanes.
+Q_PAD = 4
+
+
+def q_stride(plan: TaskPlan) -> int:
+    """Floats between two q heads in attention's shared memory (device.cu's Q_STRIDE)."""
+    return plan.shape.head_dim + max(ATTENTION_LANES) * Q_PAD
+
+
 def attention_floats(plan: TaskPlan) -> int:
     """An attention task's shared floats besides its preloaded rows: its q heads, new k and v, per-warp
     scratch, scores, statistics and per-warp sums (device.cu's attention_task lays them out in this order)."""
     s = plan.shape
-    return (s.group * s.head_dim + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
+    return (s.group * q_stride(plan) + 2 * s.head_dim + WARPS * s.head_dim + s.group * plan.max_chunk + 2 * s.group
             + WARPS * s.group * s.head_dim)
 
 
@@ -465,6 +478,8 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
     lines += [f"constexpr bool STATIC_SCHEDULE = {'true' if schedule == 'static' else 'false'};",
               f"constexpr int PREFETCH_AHEAD = {prefetch_ahead};",
               f"constexpr int ATTN_LANES = {attention_lanes_for(plan, attention_lanes)};",
+              f"constexpr int Q_STRIDE = {q_stride(plan)};   // floats between attention's q heads",
+              f"constexpr int Q_PAD = {Q_PAD};",
               f"constexpr bool FUSED_COMBINE = {'true' if plan.fused_combine else 'false'};",
               f"constexpr bool PARITY_STREAM = {'true' if plan.parity_stream else 'false'};",
               f"constexpr bool RELAY_STREAM = {'true' if plan.relay_stream else 'false'};",
