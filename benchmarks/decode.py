@@ -127,6 +127,9 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # (then the o-proj's second pass: early2-oproj)
     "early1": {"schedule": "static", "early_passes": 1},
     "early2-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("qkv",)},
+    # a rank's o-proj default with another kind's second pass (gate/up after the relay's hop; QKV after it)
+    "early2-oproj-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "gateup")},
+    "early2-oproj-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "qkv")},
     "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
     "fused-early2-oproj": {"schedule": "static", "fused_combine": True, "early_passes": 2,
                            "early_pass_kinds": ("oproj",)},

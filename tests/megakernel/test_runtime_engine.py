@@ -126,7 +126,9 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     assert decode.variants_of("qwen3-0.6b", args) == ["static"]         # --quick: the extra variants ...
     assert decode.variants_of(args.trace_model, args) == args.variants   # ... for the profiled model only
     assert decode.variants_of("qwen3-0.6b", decode.parse_args([])) == args.variants
-    for bad in (["--models", "gpt-2"], ["--variants", "random"], ["--variants", ""]):
+    assert (args.rank_of, decode.parse_args(["--rank-of", "2"]).rank_of) == (1, 2)   # a rank's shapes on one GPU
+    for bad in (["--models", "gpt-2"], ["--variants", "random"], ["--variants", ""], ["--rank-of", "0"],
+                ["--rank-of", "2", "--tp", "2"]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
     row = {"model": "qwen3-0.6b", "weight_bytes": 1.19e9, "floor_ms": 0.28, "megakernel_ms": 0.35,
