@@ -102,6 +102,7 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # tasks, slower); 16 of at least 64, a rank's default until the sixteenth session
     "splits32": {"schedule": "static", "attention_splits": 32, "attention_min_chunk": 32},
     "splits16": {"schedule": "static", "attention_splits": 16, "attention_min_chunk": 64},
+    "splits24": {"schedule": "static", "attention_splits": 24, "attention_min_chunk": 32},
     # under tensor parallelism the residual stream's partials carry their readers' step parity and are polled
     # for, not signalled across GPUs (a flagged word crosses NVLink in 1.0 us, a put-with-signal in 2.3)
     "parity": {"schedule": "static", "parity_stream": True},
