@@ -166,9 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                      "first of --variants); each also runs on one GPU")
     ap.add_argument("--rank-of", type=int, default=1,
                     help="run each model on one GPU with the shapes of one rank of this many (its shard: 1/N of the "
-                         "heads, MLP columns and vocabulary) and a rank's weights_first: a rank's kernel without its "
-                         "all-reduces, to measure a rank-local change where N GPUs are not at hand (no PyTorch "
-                         "contender: a shard is not a model)")
+                         "heads, MLP columns and vocabulary) and a rank's defaults (engine.world_defaults): a rank's kernel "
+                         "without its all-reduces, to measure a rank-local change where N GPUs are not at hand (no "
+                         "PyTorch contender: a shard is not a model)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
     args = ap.parse_args(argv)
     if args.rank_of < 1 or (args.rank_of > 1 and args.tp > 1):
@@ -487,7 +487,14 @@ def median(values: list) -> float:
 def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, floor: float) -> dict:
     """One variant's engine: its per-token latency and, for the profiled model, its profile."""
     t0 = time.perf_counter()
-    options = VARIANTS[variant] if args.rank_of == 1 else {"weights_first": 1.0, **VARIANTS[variant]}   # (a rank's)
+    options = dict(VARIANTS[variant])
+    if args.rank_of > 1:   # the options a rank's engine chooses from its world size, which one GPU's would not
+        from mdsl.megakernel.runtime.engine import world_defaults
+
+        chosen = world_defaults(args.rank_of)
+        if "early_passes" in options:   # (as the engine: the default kinds go with the default passes)
+            del chosen["early_pass_kinds"]
+        options = {**chosen, **options}
     engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, **options)
     print(f"[{name}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
           f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -7,7 +7,7 @@ import pytest
 from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
 from mdsl.megakernel.checkpoint import save_checkpoint
-from mdsl.megakernel.runtime.engine import MegakernelEngine, eos_token_ids, weight_names
+from mdsl.megakernel.runtime.engine import MegakernelEngine, eos_token_ids, weight_names, world_defaults
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
@@ -74,9 +74,10 @@ def generate_source_for(engine_kwargs):
     parity, relay = options.pop("parity_stream", False), options.pop("relay_stream", False)
     if parity or relay:                        # (a rank's options: the tables of one of two)
         plan = for_ranks(plan, 2, parity_stream=parity, relay_stream=relay)
-        if options.get("early_passes") is None:   # (a rank's default: the o-proj's second pass)
-            options["early_passes"] = 2
-            options.setdefault("early_pass_kinds", ("oproj",))
+        if options.get("early_passes") is None:   # (a rank's defaults: the o-proj's second pass)
+            chosen = world_defaults(2)
+            options["early_passes"] = chosen["early_passes"]
+            options.setdefault("early_pass_kinds", chosen["early_pass_kinds"])
     if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
         options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
     if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds
@@ -90,6 +91,14 @@ def generate_source_for(engine_kwargs):
     if options.get("early_pass_kinds") is not None:
         options["early_pass_kinds"] = weight_kinds_named(options["early_pass_kinds"])
     return generate_source(plan, **options).text
+
+
+def test_the_world_size_chooses_a_ranks_defaults():
+    """What MegakernelEngine chooses from the world size where an option is left None (and what
+    benchmarks/decode.py --rank-of gives a rank's shapes on one GPU)."""
+    assert world_defaults(1) == {"weights_first": 0.0, "early_passes": 1, "early_pass_kinds": None}
+    assert world_defaults(2) == world_defaults(4) == {"weights_first": 1.0, "early_passes": 2,
+                                                      "early_pass_kinds": ("oproj",)}
 
 
 def test_the_decode_benchmarks_best_ratio_divides_the_fastest_n_gpus_by_the_fastest_one_gpu():

@@ -755,14 +755,16 @@ __device__ __forceinline__ void visit_rows(Visit visit, const T* matrix, int lo,
   if (last > first) visit(matrix + (long long)(first - lo) * K, (long long)(last - first) * K);
 }
 
-// one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32). The
-// head, its norm weights and the position's cos / sin are loaded together: one memory round trip, not three.
-// A head normed (`norm`: its RMSNorm weights, or none) and rotated into `out`; a q head (Q_LAYOUT) at its score
-// lanes' padded places (q_at)
+// attention's q heads in shared memory: dimension d of a head at q_at(d), each score lane's span of the head
+// followed by Q_PAD unused floats (source.q_stride), so that the lanes of one position read different banks
 constexpr int Q_SPAN = D / ATTN_LANES;   // a score lane's dimensions of a head
 __device__ __forceinline__ int q_at(int d) { return d + d / Q_SPAN * Q_PAD; }
 static_assert(D - 1 + (ATTN_LANES - 1) * Q_PAD < Q_STRIDE && Q_STRIDE % 4 == 0 && Q_SPAN % 4 == 0,
               "source.q_stride holds every lane's padded span, 16-byte aligned");
+
+// one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32; a q head,
+// Q_LAYOUT, at q_at). The head, its norm weights and the position's cos / sin are loaded together: one memory
+// round trip, not three.
 template <bool Q_LAYOUT>
 __device__ void prepare_head(const T* x, const T* norm, const Params& p, long long pos, float* tmp, float* out) {
   const int lane = threadIdx.x % 32;
@@ -811,16 +813,6 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
   hi = lo + chunk < n ? lo + chunk : n;
 }
 
-// Merges the SPLITS partial results of one query head of a layer into its attention output, by the whole
-// block. With at most 32 splits (and D <= NT): lane s of every warp holds split s's maximum and sum, so that
-// the top maximum, each split's scale and the scales' weighted sum are a warp's shuffles, with no shared
-// memory and no barrier (a serial loop over the splits in shared memory between three barriers took a
-// 32-split combine 2.0 us, sixteenth session); thread d (+ D) holds its value of the first (second) half of
-// the splits, loaded first, so that they land while the scales are computed; the halves meet in shared
-// memory (one barrier; none with at most 16 splits). Every warp computes the same bits (xor shuffles). More
-// splits: each split's scale once in shared memory, then every value's loads in flight at once. The
-// partials were written by other blocks and are read from L2 (ld.cg: this SM's L1 may hold an earlier
-// step's). Combine tasks and the fused combine (the last split of a kv head) both run this.
 // Lane s's split: its scale (its maximum's against the top one), and every lane the scales' weighted sum of
 // the splits' sums, from one head's partials `part` (at most 32 splits): a warp's shuffles, the same bits in
 // every warp
@@ -839,6 +831,17 @@ __device__ __forceinline__ SplitScales split_scales(const float* part, int lane)
   for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
   return {scale, den};
 }
+
+// Merges the SPLITS partial results of one query head of a layer into its attention output, by the whole
+// block. With at most 32 splits (and D <= NT): lane s of every warp holds split s's maximum and sum, so that
+// the top maximum, each split's scale and the scales' weighted sum are a warp's shuffles, with no shared
+// memory and no barrier (a serial loop over the splits in shared memory between three barriers took a
+// 32-split combine 2.0 us, sixteenth session); thread d (+ D) holds its value of the first (second) half of
+// the splits, loaded first, so that they land while the scales are computed; the halves meet in shared
+// memory (one barrier; none with at most 16 splits). Every warp computes the same bits (xor shuffles). More
+// splits: each split's scale once in shared memory, then every value's loads in flight at once. The
+// partials were written by other blocks and are read from L2 (ld.cg: this SM's L1 may hold an earlier
+// step's). Combine tasks and the fused combine (the last split of a kv head) both run this.
 constexpr int COMBINE_BATCH = SPLITS < 32 ? SPLITS : 32;   // (more splits) a loop's loads in flight per thread
 constexpr bool COMBINE_IN_WARPS = SPLITS <= 32 && D <= NT;
 constexpr int COMBINE_GROUPS = COMBINE_IN_WARPS && SPLITS > 16 && 2 * D <= NT ? 2 : 1;   // threads per value

@@ -89,6 +89,17 @@ class RankGroup:
     pe: object
 
 
+def world_defaults(world: int) -> dict:
+    """The engine options MegakernelEngine chooses from the world size where they are left None: a rank issues
+    a linear task's first pass of weight loads with its input row (`weights_first`: Qwen3-8B over 2 GPUs 2.950 ->
+    2.934 ms; one GPU 4.568 against 4.569, thirteenth session), and its early o-proj takes a second pass
+    (`early_passes`, `early_pass_kinds`: its tile whole on chip, nineteenth session). benchmarks/decode.py
+    --rank-of gives them to a rank's shapes on one GPU."""
+    tensor_parallel = world > 1
+    return {"weights_first": 1.0 if tensor_parallel else 0.0, "early_passes": 2 if tensor_parallel else 1,
+            "early_pass_kinds": ("oproj",) if tensor_parallel else None}
+
+
 class MegakernelEngine:
     """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
@@ -174,11 +185,10 @@ class MegakernelEngine:
             raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
         if parity_scope not in PARITY_SCOPES:
             raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
-        if early_passes is None:   # a rank's o-proj tile whole on chip in two passes (nineteenth session)
-            tensor_parallel = ranks is not None and ranks.world > 1
-            early_passes = 2 if tensor_parallel else 1
-            if tensor_parallel and early_pass_kinds is None:
-                early_pass_kinds = ("oproj",)
+        chosen = world_defaults(ranks.world if ranks is not None else 1)
+        if early_passes is None:   # (and then the kinds: a rank's o-proj alone)
+            early_passes = chosen["early_passes"]
+            early_pass_kinds = chosen["early_pass_kinds"] if early_pass_kinds is None else early_pass_kinds
         if early_passes not in EARLY_PASSES:
             raise MdslError(f"early_passes {early_passes}",
                             hint=f"one of {EARLY_PASSES}: the passes of weight loads an early task has in flight "
@@ -244,8 +254,8 @@ class MegakernelEngine:
         preload_chosen = attention_preload is not None   # (the default's: where the split's rows fit)
         if attention_preload is None:
             attention_preload = True
-        if weights_first is None:   # Qwen3-8B over 2 GPUs 2.950 -> 2.934 ms; one GPU 4.568 against 4.569
-            weights_first = 1.0 if ranks is not None and ranks.world > 1 else 0.0
+        if weights_first is None:
+            weights_first = chosen["weights_first"]
         if not 0.0 <= weights_first <= 1.0:
             raise MdslError(f"weights_first {weights_first}",
                             hint="the share of a linear task's first pass of weight loads issued with its input row: "
