@@ -14,7 +14,9 @@ from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.plan import build_plan
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import BLOCK_THREADS, KERNEL_NAME, PARAMS, SCHEDULES, THREADS, generate_source
+from mdsl.megakernel.runtime.engine import OPTION_HINTS
+from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, SCHEDULES, THREADS, KernelOptionError,
+                                            generate_source)
 from tests.megakernel.tiny import tiny_model
 
 H200_SMS = 132
@@ -225,8 +227,9 @@ def test_streaming_ring_holds_whole_columns_of_every_kind():
     assert dict(shard_ring.items)[Kind.OPROJ] == 4   # 31 or 32 columns of 2048 bf16 a tile: 4 per warp
     small = plan_streaming(rank, buffer_bytes=16 * 1024)
     assert (small.buffers, small.buffer_bytes, dict(small.items)[Kind.GATEUP]) == (12, 16384, 1)
-    with pytest.raises(ValueError, match="two buffers of a weight column"):
+    with pytest.raises(KernelOptionError, match="two buffers of a weight column") as info:
         plan_streaming(rank, buffer_bytes=8 * 1024)   # a gate/up column (two rows of 4096 bf16) is 16 KB
+    assert info.value.option == "stream_buffer_bytes" and info.value.option in OPTION_HINTS
 
 
 def test_streamed_weights_compile_without_spills_and_need_the_static_schedule():
@@ -451,9 +454,10 @@ def test_rank_sums_is_one_gpus_and_reads_its_weights_from_global_memory():
     with pytest.raises(ValueError, match="rank_sums is 1, or on one GPU's plan"):
         generate_source(for_ranks(plan, 2), rank_sums=2)
     for staged in ((Kind.OPROJ,), (Kind.GATEUP,)):
-        with pytest.raises(ValueError, match="no kind can be staged or streamed"):
+        with pytest.raises(KernelOptionError, match="no kind can be staged or streamed") as info:
             generate_source(plan, rank_sums=2, stage_weights=True, stage_kinds=staged)
-    with pytest.raises(ValueError, match="no kind can be staged or streamed"):
+        assert info.value.option == "rank_sums" and info.value.option in OPTION_HINTS
+    with pytest.raises(KernelOptionError, match="no kind can be staged or streamed"):
         generate_source(plan, rank_sums=2, stream_weights=("qkv",))
 
 
@@ -484,8 +488,9 @@ def test_attention_preload_makes_attention_early_and_keeps_its_rows_after_its_sh
     first_barrier = next(k for k, line in enumerate(body) if re.search(r"\bbar(rier)?\.sync\b", line))
     assert first_copy < first_barrier   # the copies, then the ready barrier (the wait for the inputs)
     long_split = build_plan(shape, workers=8, max_seq=16384, splits=1, min_chunk=16384)
-    with pytest.raises(ValueError, match="attention_preload's key and value rows"):
+    with pytest.raises(KernelOptionError, match="attention_preload's key and value rows") as info:
         generate_source(long_split, attention_preload=True)
+    assert info.value.option == "attention_preload" and info.value.option in OPTION_HINTS
     # None (the one-GPU engine's default): where the rows fit
     assert "constexpr bool ATTN_PRELOAD = false;" in generate_source(long_split, attention_preload=None).text
     assert "constexpr bool ATTN_PRELOAD = true;" in generate_source(plan, attention_preload=None).text

@@ -29,7 +29,8 @@ from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tabl
 from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, EARLY_PASSES,
                                             KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS,
                                             SCHEDULES, STAGE_KIND_NAMES, STAGED_KINDS, STREAM_KIND_NAMES,
-                                            generate_source, stage_kinds_named, stream_kind_names, weight_kinds_named)
+                                            KernelOptionError, generate_source, stage_kinds_named, stream_kind_names,
+                                            weight_kinds_named)
 
 _STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -87,6 +88,12 @@ class RankGroup:
     rank: int
     world: int
     pe: object
+
+
+# how to fix what generate_source's KernelOptionError names
+OPTION_HINTS = {"stream_buffer_bytes": "leave stream_buffer_kib unset (the ring is sized to fit)",
+                 "rank_sums": "pass stage_weights=False and stream_weights=False with rank_sums",
+                 "attention_preload": "a smaller max_seq, or more attention_splits, or attention_preload=False"}
 
 
 def world_defaults(world: int) -> dict:
@@ -295,12 +302,10 @@ class MegakernelEngine:
                                        stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
                                        staged_kinds, stage_late, prefetched_kinds, weights_first, attention_unrolled,
                                        early_kinds, parity_scope, early_passes, ahead_kinds, rank_sums, preload)
-            except ValueError as e:   # the ring does not fit (stream_buffer_kib too small), rank_sums with staging,
-                hints = {"rank_sums": "pass stage_weights=False and stream_weights=False with rank_sums",  # or preload
-                         "attention_preload": "a smaller max_seq, or more attention_splits, or attention_preload=False"}
-                hint = next((h for key, h in hints.items() if key in str(e)),
-                            "leave stream_buffer_kib unset (the ring is sized to fit)")
-                raise MdslError(str(e), hint=hint) from None
+            except KernelOptionError as e:   # (the options the checks above cannot judge without the layout)
+                raise MdslError(str(e), hint=OPTION_HINTS[e.option]) from None
+            except ValueError as e:   # (any other: an option combination the checks above let through)
+                raise MdslError(str(e), hint="change the engine options the message names") from None
 
         self._arrays: list = []       # every DeviceArray the kernel points into, kept alive
         self._keep: list = []         # foreign GPU arrays used in place

@@ -66,6 +66,15 @@ def _runtime_source() -> str:
     return text.replace(marker, struct)
 
 
+class KernelOptionError(ValueError):
+    """An option of generate_source that this plan and the other options rule out (a buffer that does not
+    fit, a combination the kernel does not have); `option` names it, so that a caller can say how to fix it."""
+
+    def __init__(self, message: str, option: str):
+        super().__init__(message)
+        self.option = option
+
+
 def linear_row_floats(plan: TaskPlan) -> int:
     """The widest linear input row (f32): where a linear task's residual columns start (RESIDUAL_OFFSET)."""
     s = plan.shape
@@ -337,9 +346,10 @@ def plan_streaming(plan: TaskPlan, buffer_bytes: Optional[int] = None,
         if best is None or held >= best[0]:   # ties: more, smaller buffers (a finer-grained ring)
             best = (held, buffers, size, per)
     if best is None:
-        raise ValueError(f"the weight streaming ring needs two buffers of a weight column of every kind "
-                         f"({max(item_weight_bytes(plan, k) for k in kinds)} bytes) in the {room} bytes of shared "
-                         f"memory left" + (f", in buffers of {buffer_bytes} bytes" if buffer_bytes else ""))
+        raise KernelOptionError(f"the weight streaming ring needs two buffers of a weight column of every kind "
+                                f"({max(item_weight_bytes(plan, k) for k in kinds)} bytes) in the {room} bytes of "
+                                f"shared memory left" + (f", in buffers of {buffer_bytes} bytes" if buffer_bytes else ""),
+                                "stream_buffer_bytes")
     _, buffers, size, per = best
     return Streaming(buffers, size, offset, tuple((kind, per[kind]) for kind in kinds))
 
@@ -457,11 +467,13 @@ def generate_source(plan: TaskPlan, schedule: str = "static", prefetch_ahead: in
                                attention_preload=attention_preload) \
         if stream_weights else Streaming(offset=staging.smem_bytes)
     if staging.smem_bytes + early_bytes > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
-        raise ValueError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at max_seq "
-                         f"{plan.max_seq}) do not fit in shared memory beside the rest")
+        raise KernelOptionError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at "
+                                f"max_seq {plan.max_seq}) do not fit in shared memory beside the rest",
+                                "attention_preload")
     if rank_sums > 1 and (staging.kinds or streaming.items):   # (its running sums lie past the linears' rows)
-        raise ValueError("rank_sums sums the o-proj's and down-proj's products from global memory, its running "
-                         "sums where staging buffers would start: no kind can be staged or streamed with it")
+        raise KernelOptionError("rank_sums sums the o-proj's and down-proj's products from global memory, its "
+                                "running sums where staging buffers would start: no kind can be staged or streamed "
+                                "with it", "rank_sums")
     early_offset = _round_up(max(staging.smem_bytes, streaming.smem_bytes) + sums_row, _STAGE_ALIGN)
     items = dict(streaming.items)
     lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
