@@ -94,6 +94,8 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # run: two GPUs 2.940 -> 2.834 ms with o-proj and gate/up staged, as before, and 2.836 unstaged, the new
     # default; one GPU 4.577 -> 4.503 ms; QKV alone early over two GPUs 2.889 ms)
     "late": {"schedule": "static", "early_weights": ()},
+    # every linear early but the o-proj (the fused merge's hop without the o-proj tiles' first passes streaming)
+    "oproj-late": {"schedule": "static", "early_weights": ("qkv", "gateup", "down", "lmhead")},
     "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
     "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
                              "stage_late": True},
