@@ -611,10 +611,13 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
     for (int i = 0; i < ITEMS; ++i)
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        const T* wr = first + i < end ? row(first + i, j) : nullptr;
+        // a row of the tile either way (first < end): a null row guarded by its own test was reported by
+        // compute-sanitizer as copied (a rank's 31-row o-proj tile, its warp 7's second row past the tile)
+        const bool in_tile = first + i < end;
+        const T* wr = row(in_tile ? first + i : first, j);
 #pragma unroll
         for (int u = 0; u < U; ++u)
-          if (wr != nullptr && pass + lane + 32 * u < CH)
+          if (in_tile && pass + lane + 32 * u < CH)
             copy_async(early_slot(u * R + i * ROWS + j), wr + (pass + lane + 32 * u) * VEC);
       }
     return true;
