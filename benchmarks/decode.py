@@ -120,26 +120,21 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # down-proj 4.465, LM head 4.425)
     "early2": {"schedule": "static", "early_passes": 2},
     "early2-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("gateup",)},
-    # o-proj alone: a rank of two's o-proj tile (127 KB) is whole in two passes, its second copied while the tile
-    # waits for attention's combine
-    # combine tasks (one a query head) instead of the fused combine, the default since the nineteenth session
-    # (one GPU 4.338 -> 4.310 ms; a rank's shapes on one GPU, --rank-of 2: 2.550 -> 2.527 ms)
-    "combine-tasks": {"schedule": "static", "fused_combine": False},
+    # the o-proj alone: a rank of two's o-proj tile (127 KB) is whole in two passes; a rank's default since the
+    # nineteenth session (its shapes on one GPU, --rank-of 2: 2.527 -> 2.495 ms), not one GPU's (4.315 -> 4.333)
     "early2-oproj": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj",)},
     # one pass of weight loads in flight as an early task waits: a rank's default until the nineteenth session
-    # (then the o-proj's second pass: early2-oproj)
     "early1": {"schedule": "static", "early_passes": 1},
+    # other kinds' second pass (nineteenth session, a rank's shapes: QKV 2.550 -> 2.541, down-proj 2.551; with the
+    # o-proj's, gate/up 2.515 against 2.495), and a rank's o-proj default with QKV's or gate/up's
     "early2-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("qkv",)},
-    # a rank's o-proj default with another kind's second pass (gate/up after the relay's hop; QKV after it)
+    "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
     "early2-oproj-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "gateup")},
     "early2-oproj-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "qkv")},
-    "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
-    "fused-early2-oproj": {"schedule": "static", "fused_combine": True, "early_passes": 2,
-                           "early_pass_kinds": ("oproj",)},
-    "fused-early2-gateup": {"schedule": "static", "fused_combine": True, "early_passes": 2,
-                            "early_pass_kinds": ("gateup",)},
-    "fused-early2-oproj-gateup": {"schedule": "static", "fused_combine": True, "early_passes": 2,
-                                  "early_pass_kinds": ("oproj", "gateup")},
+    # combine tasks (one a query head) instead of the fused combine, the default since the nineteenth session
+    # (one GPU 4.338 -> 4.310 ms; a rank's shapes 2.550 -> 2.527 ms; the variants `fused-*` of that session are
+    # these names now)
+    "combine-tasks": {"schedule": "static", "fused_combine": False},
     # an attention split's cached key and value rows copied into shared memory as it starts, before its inputs
     # are complete (attention handed over early), so that its scores and weighted values read shared memory:
     # the default since the eighteenth session (one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms)
