@@ -156,7 +156,7 @@ class MegakernelEngine:
     None, the default: 2 for the o-proj alone under tensor parallelism (with early_pass_kinds None), where a
     rank's o-proj tile (Qwen3-8B: 127 KB) is then whole on chip while it waits for attention (a rank's shapes
     on one GPU, `benchmarks/decode.py --rank-of 2`, nineteenth session: 2.522-2.531 -> 2.492-2.501 ms in three
-    runs), else 1 (one GPU's o-proj: 4.315 -> 4.342 ms with it).
+    runs), else 1 (one GPU's o-proj: 4.315 -> 4.333 ms with it, call 4 of that session).
     `rank_sums` (one GPU only; 1, the default: off): the o-proj and down-proj tiles sum their products as that
     many tensor-parallel ranks do, each rank's slice reduced alone and the slices added in rank order, so that
     with the ranks' attention splits (`attention_splits`, `attention_min_chunk`) the one GPU computes their
