@@ -126,11 +126,17 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arg
     # one pass of weight loads in flight as an early task waits: a rank's default until the nineteenth session
     "early1": {"schedule": "static", "early_passes": 1},
     # other kinds' second pass (nineteenth session, a rank's shapes: QKV 2.550 -> 2.541, down-proj 2.551; with the
-    # o-proj's, gate/up 2.515 against 2.495), and a rank's o-proj default with QKV's or gate/up's
+    # o-proj's, gate/up 2.515 against 2.495), and a rank's o-proj default with QKV's or gate/up's (twentieth
+    # session, the same run: 2.516-2.518 default, 2.522 with QKV's, 2.540 with gate/up's, 2.568 with the down-proj's)
     "early2-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("qkv",)},
     "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
     "early2-oproj-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "gateup")},
     "early2-oproj-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "qkv")},
+    # the o-proj tile's head (96 KiB) pulled into L2 by the scheduler as it takes the task, as attention starts
+    # (twentieth session, a rank's shapes: 2.521 -> 2.513 ms, the o-proj's hop 2.1 -> 1.6 us but attention's
+    # span 5.3 -> 5.9; the whole 127 KB tile 2.522, taken with attention 2.581; one GPU's at 128 / 256 KiB
+    # 4.321 -> 4.326 / 4.343): to be measured over two GPUs, where the o-proj also waits for the peer's rows
+    "pf-oproj": {"schedule": "static", "prefetch_kinds": ("oproj",)},
     # combine tasks (one a query head) instead of the fused combine, the default since the nineteenth session
     # (one GPU 4.338 -> 4.310 ms; a rank's shapes 2.550 -> 2.527 ms; the variants `fused-*` of that session are
     # these names now)
