@@ -5,7 +5,8 @@ Method (.library/device/METHOD.md): fresh random inputs every run (never zeros),
 input's dtype; the reference is mdsl's interpreter in float64 on those same rounded inputs, storing
 every kernel-level tensor rounded to its dtype as the GPU does (so only in-kernel arithmetic may
 differ); outputs are poisoned with NaN before the run; ‖gpu − ref‖ / ‖ref‖ must be within the dtype's
-tolerance and NaN never passes.
+tolerance and NaN never passes; a value past the dtype's range (an infinity where it is stored) must be one
+on both sides (`mismatches`).
 """
 from __future__ import annotations
 
@@ -167,24 +168,49 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / norm) if norm else float(np.linalg.norm(got))
 
 
+#: The largest finite value of each float dtype: a result past it rounds to an infinity where it is stored.
+FINITE_MAX = {"f32": float(np.finfo(np.float32).max), "f16": 65504.0, "bf16": 3.3895313892515355e38}
+
+
+def mismatches(got: np.ndarray, want: np.ndarray, dtype: DType, tol: float) -> tuple:
+    """(relative error over the elements finite on both sides, the elements that fail, a summary or None).
+    NaN never passes. An infinity (a value past the dtype's range, rounded as it is stored) passes where the
+    other side has the same sign and is an infinity too or within 10 x tol of the dtype's largest finite
+    value (so rounding just below or past the edge on either side counts as agreement); elsewhere it fails."""
+    want = np.asarray(want, dtype=np.float64)
+    nan = np.isnan(got)
+    finite = np.isfinite(got) & np.isfinite(want)
+    infinite = ~nan & ~finite
+    edge = (1.0 - 10 * tol) * FINITE_MAX[str(dtype)]
+    agreeing = infinite & (np.sign(got) == np.sign(want)) & (np.minimum(np.abs(got), np.abs(want)) >= edge)
+    err = relative_error(np.where(finite, got, 0.0), np.where(finite, want, 0.0))
+    if not (nan.any() or (infinite & ~agreeing).any() or not err <= tol):
+        return err, np.zeros(got.shape, dtype=bool), None
+    scale = max(float(np.sqrt(np.mean(np.where(finite, want, 0.0) ** 2))), 1e-30)
+    gap = np.abs(np.where(finite, got, 0.0) - np.where(finite, want, 0.0))
+    bad = nan | (infinite & ~agreeing) | (finite & (gap > tol * scale * 10))
+    summary = (f"relative error ‖gpu − ref‖/‖ref‖ = {err:.3e} (tolerance {tol:.0e} for this graph's dtypes"
+               + (f", over the {int(finite.sum())} elements finite on both sides" if not finite.all() else "") + ")"
+               + (f"; {int(nan.sum())} of {got.size} elements are NaN: never written (outputs are poisoned "
+                  "with NaN before the run) or computed as NaN" if nan.any() else "")
+               + (f"; {int((infinite & ~agreeing).sum())} elements infinite on one side only (past the {dtype} "
+                  "range on the GPU or in the reference, not both)" if (infinite & ~agreeing).any() else "")
+               + (f"; {int(agreeing.sum())} elements past the {dtype} range on both sides, as equal"
+                  if agreeing.any() else ""))
+    return err, bad, summary
+
+
 def compare(executable: runtime.Executable, got: Sequence, want: Sequence, tol: float, what: str) -> None:
     problems = []
     for k, (g, w, var) in enumerate(zip(got, want, executable.graph.outputs)):
         w = np.asarray(w, dtype=np.float64)
-        nan = np.isnan(g)
         if var.dtype is i32:
             bad = g != w
             if bad.any():
                 problems.append(_describe(k, var, g, w, bad, f"{int(bad.sum())} of {g.size} integers differ"))
             continue
-        err = relative_error(np.where(nan, 0.0, g), w)
-        if nan.any() or not err <= tol:
-            scale = max(float(np.sqrt(np.mean(w * w))), 1e-30)
-            bad = nan | (np.abs(g - w) > tol * scale * 10)
-            summary = (f"relative error ‖gpu − ref‖/‖ref‖ = {err:.3e} "
-                       f"(tolerance {tol:.0e} for this graph's dtypes)"
-                       + (f"; {int(nan.sum())} of {g.size} elements are NaN: never written (outputs are poisoned "
-                          "with NaN before the run) or computed as NaN" if nan.any() else ""))
+        _, bad, summary = mismatches(g, w, var.dtype, tol)
+        if summary is not None:
             problems.append(_describe(k, var, g, w, bad, summary))
     if problems:
         pytest.fail(_report(executable, what, problems), pytrace=False)
