@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mdsl.ir.dtypes import bf16, f16, f32
-from tests.gpu.harness import FINITE_MAX, TOLERANCES, mismatches
+from tests.gpu.harness import TOLERANCES, mismatches
 
 TOL = TOLERANCES["f16"]
 
@@ -47,6 +47,7 @@ def test_nan_never_passes_and_wrong_values_fail():
 
 
 def test_every_float_dtype_has_its_range():
-    assert FINITE_MAX["f16"] == float(np.finfo(np.float16).max)
+    assert f16.largest == float(np.finfo(np.float16).max)
+    assert bf16.largest == float((np.array([0x7F7F0000], dtype=np.uint32)).view(np.float32)[0])
     for dtype in (f16, bf16, f32):
         assert mismatches(np.array([np.inf]), np.array([np.inf]), dtype, TOLERANCES[str(dtype)])[2] is None

@@ -14,6 +14,7 @@ class DType:
     is_float: bool
     numpy_name: str    # the numpy dtype that stores it on the host ("bfloat16" has none: stored as float32)
     long_name: str     # spelled out in messages: "float16"
+    largest: float     # the largest finite value (a float result past it is an infinity where it is stored)
 
     def __str__(self) -> str:
         return self.name
@@ -26,10 +27,10 @@ class DType:
         return dtype_from_name, (self.name,)
 
 
-f16 = DType("f16", 2, True, "float16", "float16")
-bf16 = DType("bf16", 2, True, "float32", "bfloat16")
-f32 = DType("f32", 4, True, "float32", "float32")
-i32 = DType("i32", 4, False, "int32", "int32")
+f16 = DType("f16", 2, True, "float16", "float16", 65504.0)
+bf16 = DType("bf16", 2, True, "float32", "bfloat16", (2 - 2.0 ** -7) * 2.0 ** 127)
+f32 = DType("f32", 4, True, "float32", "float32", float(np.finfo(np.float32).max))
+i32 = DType("i32", 4, False, "int32", "int32", 2.0 ** 31 - 1)
 
 DTYPES: dict[str, DType] = {d.name: d for d in (f16, bf16, f32, i32)}
 _ALIASES = {"float16": f16, "half": f16, "bfloat16": bf16, "float32": f32, "float": f32, "int32": i32}

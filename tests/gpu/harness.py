@@ -168,10 +168,6 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / norm) if norm else float(np.linalg.norm(got))
 
 
-#: The largest finite value of each float dtype: a result past it rounds to an infinity where it is stored.
-FINITE_MAX = {"f32": float(np.finfo(np.float32).max), "f16": 65504.0, "bf16": 3.3895313892515355e38}
-
-
 def mismatches(got: np.ndarray, want: np.ndarray, dtype: DType, tol: float) -> tuple:
     """(relative error over the elements finite on both sides, the elements that fail, a summary or None).
     NaN never passes. An infinity (a value past the dtype's range, rounded as it is stored) passes where the
@@ -181,7 +177,7 @@ def mismatches(got: np.ndarray, want: np.ndarray, dtype: DType, tol: float) -> t
     nan = np.isnan(got)
     finite = np.isfinite(got) & np.isfinite(want)
     infinite = ~nan & ~finite
-    edge = (1.0 - 10 * tol) * FINITE_MAX[str(dtype)]
+    edge = (1.0 - 10 * tol) * dtype.largest
     agreeing = infinite & (np.sign(got) == np.sign(want)) & (np.minimum(np.abs(got), np.abs(want)) >= edge)
     err = relative_error(np.where(finite, got, 0.0), np.where(finite, want, 0.0))
     if not (nan.any() or (infinite & ~agreeing).any() or not err <= tol):
