@@ -681,7 +681,8 @@ def main(argv=None) -> int:
     from benchmarks.provenance import provenance
 
     meta = provenance("decode.py", sys.argv[1:] if argv is None else argv, gpu=True)
-    meta.update(torch=torch.__version__, steps=args.steps, repeats=args.repeats, context=CONTEXT)
+    meta.update(torch=torch.__version__, steps=args.steps, repeats=args.repeats, context=CONTEXT,
+                trace_model=args.trace_model)
     results, failed = [], False
     for name in args.models:
         try:

@@ -133,13 +133,13 @@ def run_line(meta: Optional[dict]) -> str:
     commit = meta.get("mdsl_commit") or "?"
     line = f"Run: {date}, {machine}, commit `{str(commit)[:7]}`, `python {meta.get('command', '?')}`."
     if meta.get("source"):
-        line += f" Figures from {meta['source']}."
+        line += f" Figures copied from {meta['source']}."
     return line
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 1) -> list:
-    """A Markdown table; columns from `right` on are right-aligned."""
-    align = ["---" if i < right else "---:" for i in range(len(header))]
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 1, last_left: bool = False) -> list:
+    """A Markdown table; columns from `right` on are right-aligned (but the last one with `last_left`)."""
+    align = ["---" if i < right or (last_left and i == len(header) - 1) else "---:" for i in range(len(header))]
     return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |",
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
@@ -220,10 +220,10 @@ def decode_section(data: Optional[dict]) -> list:
                      _times(torch_ms / m["megakernel_ms"]) if torch_ms else "-"])
     lines += _table(["model", "weights", "floor", "megakernel", "% of floor", "PyTorch + CUDA graph", "% of floor",
                      "speed-up"], rows) + [""]
-    trace = RESULTS / f"megakernel_trace_{meta.get('trace_model', 'llama-3.2-1b')}.json.gz"
+    trace = RESULTS / f"megakernel_trace_{meta.get('trace_model')}.json.gz"
     if trace.exists():
-        lines += [f"A profile of the run's first model (every SM's tasks over two steps; open it at "
-                  f"ui.perfetto.dev): `docs/results/{trace.name}`.", ""]
+        lines += [f"The run's profile of {MODEL_NAMES.get(meta['trace_model'], meta['trace_model'])} (every SM's "
+                  f"tasks over two steps; open it at ui.perfetto.dev): `docs/results/{trace.name}`.", ""]
     if (RESULTS / "decode.png").exists():
         lines += ["![ms per token against the floor](results/decode.png)", ""]
     return lines
@@ -277,7 +277,7 @@ def search_section(data: Optional[dict]) -> list:
     rows = [[r["case"], f"{r['seconds']:.1f}", f"{r['cache_hit_seconds']:.3f}", r["candidates"], r["pruned"],
              r["verified"], f"{r['estimate_us']:.2f}", f"{r['floor_us']:.2f}", r["plan"]] for r in data["rows"]]
     lines += _table(["case", "search s", "cache hit s", "candidates", "pruned", "verified", "est. µs", "floor µs",
-                     "plan"], rows) + [""]
+                     "plan"], rows, last_left=True) + [""]
     fused = sum(not r.get("original", False) for r in data["rows"])
     lines += [f"{fused} of {len(data['rows'])} searches return a fused plan within the "
               f"{meta.get('budget_s', 120):g} s budget.", ""]
@@ -305,8 +305,10 @@ def tried_section(rows: list) -> list:
     if not rows:
         return lines + ["No `docs/tried*.md` table found.", ""]
     files = sorted({f for _, _, f in rows})
-    lines += ["Ideas built, measured and removed (the GPU's figures, ms per token or µs per call, before -> "
-              "after). Gathered from " + ", ".join(f"`docs/{f}`" for f in files) + ".", ""]
+    lines += ["Ideas built, measured on the H200 and removed, each with its effect (before -> after, in one run): "
+              "decode figures are Qwen3-8B's ms per token unless a model is named (\"2 GPUs\": over two H200s; "
+              "\"a rank's shapes\": one rank's kernel of two, run on one GPU), kernel figures µs per call. "
+              "Gathered from " + ", ".join(f"`docs/{f}`" for f in files) + ".", ""]
     return lines + _table(list(TRIED_HEADER), [(idea, effect) for idea, effect, _ in rows], right=2) + [""]
 
 
