@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cases import cases  # noqa: E402 - needs ROOT on sys.path
+from benchmarks.provenance import provenance  # noqa: E402
 
 ARCH = "sm_90a"
 
@@ -212,7 +213,9 @@ def main(argv=None) -> int:
                  f"smallest per-case speed-up {min(r['speedup'] for r in rows):.1f}x")
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"arch": ARCH, "reps": args.reps, "rows": rows}, indent=1))
+        meta = provenance("compile_time.py", sys.argv[1:] if argv is None else argv)
+        args.json.write_text(json.dumps({"schema": 1, "meta": meta, "arch": ARCH, "reps": args.reps, "rows": rows},
+                                        indent=1))
     return 0
 
 

@@ -678,6 +678,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, steps {args.steps}, repeats {args.repeats}",
           flush=True)
+    from benchmarks.provenance import provenance
+
+    meta = provenance("decode.py", sys.argv[1:] if argv is None else argv, gpu=True)
+    meta.update(torch=torch.__version__, steps=args.steps, repeats=args.repeats, context=CONTEXT,
+                trace_model=args.trace_model)
     results, failed = [], False
     for name in args.models:
         try:
@@ -687,7 +692,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             results.append({"model": name, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
         torch.cuda.empty_cache()
-        (out / "decode_results.json").write_text(json.dumps(results, indent=2))   # after each: a run cut short keeps these
+        (out / "decode_results.json").write_text(json.dumps(   # after each: a run cut short keeps these
+            {"schema": 1, "meta": meta, "models": results}, indent=2))
         print(table(results[-1:]), flush=True)
     print(table(results))
     print(variant_table(results))

@@ -45,13 +45,9 @@ for the GPU run, matplotlib only for the plot.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -65,6 +61,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere, with or without
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cases import describe_plan  # noqa: E402 - needs ROOT on sys.path
+from benchmarks.provenance import nvidia_smi, provenance  # noqa: E402
 
 SCHEMA = 1
 EPS = 1e-6                  # every rms_norm of the cases (mdsl.rms_norm's default, rms_norm_linear.EPS)
@@ -619,40 +616,9 @@ def render(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # environment
 
-def _git(*cmd: str) -> Optional[str]:
-    try:
-        done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _nvidia_smi() -> dict:
-    fields = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
-    try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    if done.returncode or not done.stdout.strip():
-        return {}
-    values = [v.strip() for v in done.stdout.splitlines()[0].split(",")]
-    return dict(zip(["smi_name", "driver", "sm_clock", "sm_clock_max", "mem_clock", "temperature", "power"], values))
-
-
 def environment(args: argparse.Namespace, torch=None) -> dict:
-    import mdsl
-
-    # a copy of the tree without its own git metadata (`git archive` into a GPU machine) names its commit in
-    # MDSL_COMMIT: `git rev-parse` there would find an enclosing checkout's HEAD instead
-    named = os.environ.get("MDSL_COMMIT", "").strip()
-    commit = named or _git("rev-parse", "HEAD")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["benchmarks/kernels.py", *args.argv]), "python": platform.python_version(),
-            "host": platform.node(), "mdsl_version": mdsl.__version__, "mdsl_commit": commit,
-            "mdsl_dirty": None if named else (bool(_git("status", "--porcelain")) if commit else None),
-            "plan_cache": os.environ.get("MDSL_CACHE_DIR"),
-            "method": {k: getattr(args, k) for k in METHOD_OPTIONS}}
+    meta = provenance("kernels.py", args.argv)
+    meta.update(plan_cache=os.environ.get("MDSL_CACHE_DIR"), method={k: getattr(args, k) for k in METHOD_OPTIONS})
     meta["method"]["timing"] = "median over samples of (batch of back-to-back calls between two CUDA events) / batch"
     if torch is not None:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -660,7 +626,7 @@ def environment(args: argparse.Namespace, torch=None) -> dict:
         meta["torch_cuda"] = torch.version.cuda
         meta["gpu"] = {"name": props.name, "sms": props.multi_processor_count, "memory_bytes": props.total_memory,
                        "l2_bytes": getattr(props, "L2_cache_size", None),
-                       "capability": f"{props.major}.{props.minor}", **_nvidia_smi()}
+                       "capability": f"{props.major}.{props.minor}", **nvidia_smi()}
         meta["fp16_reduced_precision_reduction"] = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
         try:
             import triton

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from cases import cases, describe_plan
+from provenance import provenance
 
 from mdsl.search.config import SearchConfig
 
@@ -61,9 +62,11 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"| {r['case']} | {r['seconds']} | {r['cache_hit_seconds']} | {r['candidates']} | {r['pruned']} | "
               f"{r['verified']} | {r['estimate_us']} | {r['floor_us']} | {r['plan']} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json:   # after each case: a run cut short keeps the cases done
+            meta = provenance("search_times.py", sys.argv[1:] if argv is None else argv)
+            meta.update(budget_s=args.budget, workers=args.workers)
+            with open(args.json, "w") as f:
+                json.dump({"schema": 1, "meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,427 @@
+"""docs/performance.md from the benchmarks' JSON results in docs/results/ (the latest run of each kind).
+
+    python benchmarks/report.py            # write docs/performance.md
+    python benchmarks/report.py --check    # exit 1 when docs/performance.md is not what this would write
+    python benchmarks/report.py --plot     # also draw docs/results/decode.png (needs matplotlib)
+
+Inputs (each written by its benchmark; the command is stored in the file's `meta` and printed above its
+table):
+
+    docs/results/kernels.json        benchmarks/kernels.py --out DIR          (DIR/results.json)
+    docs/results/kernels.png         the same run's plot                      (DIR/results.png)
+    docs/results/decode.json         benchmarks/decode.py --out DIR           (DIR/decode_results.json)
+    docs/results/decode_tp.json      benchmarks/decode.py --tp 2 --out DIR    (DIR/decode_results.json)
+    docs/results/search_times.json   benchmarks/search_times.py --json FILE
+    docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
+    docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
+
+A missing input gives its section a line saying so. Floors are the roofline of the H200 that the cost
+model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25 TB/s copy rate, flops over 750 TFLOP/s.
+`headlines()` gives the figures the README states; tests/test_docs.py holds the README to them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:   # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernels import BASELINES, LABELS, MDSL, derive  # noqa: E402
+from mdsl.search.cost import H200  # noqa: E402
+
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
+OUTPUT = DOCS / "performance.md"
+INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times")
+TRIED_HEADER = ("idea", "measured effect")
+MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+def load_results(results: Path = RESULTS) -> dict:
+    """Input name -> its parsed JSON (None where the file is missing)."""
+    out = {}
+    for name in INPUTS:
+        path = results / f"{name}.json"
+        out[name] = json.loads(path.read_text()) if path.exists() else None
+    return out
+
+
+def tried_rows(docs: Path = DOCS) -> list:
+    """The rows of every `| idea | measured effect |` table in docs/tried*.md, files in name order, an idea
+    listed twice kept once (its first row)."""
+    rows, seen = [], set()
+    for path in sorted(docs.glob("tried*.md")):
+        in_table = False
+        for line in path.read_text().splitlines():
+            cells = _cells(line)
+            if cells is None:
+                in_table = False
+                continue
+            if tuple(c.lower() for c in cells) == TRIED_HEADER:
+                in_table = True
+                continue
+            if not in_table or set("".join(cells)) <= set("-: "):
+                continue
+            if len(cells) != 2:
+                raise ValueError(f"{path}: a row of the table `| idea | measured effect |` has {len(cells)} "
+                                 f"cells: {line.strip()}")
+            if cells[0] not in seen:
+                seen.add(cells[0])
+                rows.append((cells[0], cells[1], path.name))
+    return rows
+
+
+def _cells(line: str) -> Optional[list]:
+    text = line.strip()
+    if not (text.startswith("|") and text.endswith("|") and len(text) > 1):
+        return None
+    return [c.strip() for c in re.split(r"(?<!\\)\|", text[1:-1])]
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+
+def roofline_s(nbytes: float, flops: float) -> float:
+    """max(bytes / copy rate, flops / tensor-core rate) on the H200."""
+    return max(nbytes / H200.dram_bytes_per_s, flops / H200.matmul_flops_per_s)
+
+
+def _us(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    us = seconds * 1e6
+    return f"{us:.3g}" if us < 100 else f"{us:.0f}"
+
+
+def _times(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}×"
+
+
+def _span(values: Sequence[float], fmt: Callable[[float], str], unit: str = "") -> str:
+    low, high = fmt(min(values)), fmt(max(values))
+    return f"{low}{unit}" if low == high else f"{low}–{high}{unit}"
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def run_line(meta: Optional[dict]) -> str:
+    """Where a table's numbers come from: date, machine, commit, command (and how they were recorded)."""
+    meta = meta or {}
+    gpu = meta.get("gpu")
+    machine = gpu.get("name") if isinstance(gpu, dict) else None
+    if machine and isinstance(gpu, dict) and gpu.get("driver"):
+        machine += f" (driver {gpu['driver']})"
+    if not machine:
+        machine = meta.get("host") or "?"
+        if meta.get("cpus"):
+            machine += f", {meta['cpus']} cores"
+        if meta.get("load"):
+            machine += f", load {meta['load'][0]:g}"
+    date = (meta.get("date") or "?")[:10]
+    commit = meta.get("mdsl_commit") or "?"
+    line = f"Run: {date}, {machine}, commit `{str(commit)[:7]}`, `python {meta.get('command', '?')}`."
+    if meta.get("source"):
+        line += f" Figures copied from {meta['source']}."
+    return line
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 1, last_left: bool = False) -> list:
+    """A Markdown table; columns from `right` on are right-aligned (but the last one with `last_left`)."""
+    align = ["---" if i < right or (last_left and i == len(header) - 1) else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def _missing(name: str) -> list:
+    return [f"No results: `docs/results/{name}.json` is missing.", ""]
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+def kernel_cases(data: dict) -> dict:
+    """case -> (floor seconds, bound, derive(case)) of the kernel benchmark."""
+    out = {}
+    for name, case in (data.get("cases") or {}).items():
+        floor = case.get("floor") or {}
+        seconds = roofline_s(floor.get("bytes", 0), floor.get("flops", 0))
+        out[name] = (seconds, floor.get("bound", "-"), derive(case))
+    return out
+
+
+def kernels_section(data: Optional[dict]) -> list:
+    lines = ["## Kernels: mdsl against PyTorch", ""]
+    if data is None:
+        return lines + _missing("kernels")
+    lines += [run_line(data.get("meta")), "",
+              "µs per call: the median of samples of back-to-back calls between CUDA events, inputs rotated "
+              "over sets larger than twice the L2; every contender's output checked against float64 first. "
+              "Speed-up: the best PyTorch baseline's time over the faster mdsl backend's; floor: max(bytes / "
+              "4.25 TB/s, flops / 750 TFLOP/s).", ""]
+    rows = []
+    for name, (floor, bound, d) in kernel_cases(data).items():
+        contenders = data["cases"][name].get("contenders") or {}
+
+        def cell(n: str) -> str:
+            c = contenders.get(n)
+            if not c:
+                return "-"
+            if c.get("status") != "ok":
+                return c.get("status", "-")
+            text = _us(c.get("median_s"))
+            return f"**{text}**" if n in (d["best_baseline"], d["mdsl_best"]) else text
+
+        rows.append([name, f"{_us(floor)} ({bound})", *(cell(n) for n in BASELINES + MDSL),
+                     _times(d["speedup"]) if d["speedup"] else "-",
+                     _percent(floor / d["mdsl_s"]) if d["mdsl_s"] else "-"])
+    header = ["case", "floor µs", *(LABELS[n] for n in BASELINES + MDSL), "speed-up", "% of floor"]
+    lines += _table(header, rows) + [""]
+    h = headlines({"kernels": data})
+    lines += [f"mdsl is faster than the best baseline on {h['kernels_faster']} cases, by {h['kernels_speedups']} "
+              f"(geometric mean {h['kernels_geomean']}); the PTX backend's kernels take {h['ptx_over_cuda']} the "
+              "CUDA backend's time.", ""]
+    if (RESULTS / "kernels.png").exists():
+        lines += ["![speed-up over the best PyTorch baseline, per case](results/kernels.png)", ""]
+    return lines
+
+
+def decode_section(data: Optional[dict]) -> list:
+    lines = ["## Decode: the megakernel against PyTorch", ""]
+    if data is None:
+        return lines + _missing("decode")
+    meta = data.get("meta") or {}
+    lines += [run_line(meta), "",
+              f"Random bf16 weights, batch 1, context {meta.get('context', 1024)}: ms per token over "
+              f"{meta.get('steps', '?')} decode steps in one launch (median of {meta.get('repeats', '?')}), "
+              "against PyTorch's kernel-per-op step captured in a CUDA graph. Floor: the weight bytes over "
+              "4.25 TB/s.", ""]
+    rows = []
+    for m in data.get("models") or []:
+        if "error" in m:
+            rows.append([MODEL_NAMES.get(m["model"], m["model"]), f"failed: {m['error']}", *["-"] * 6])
+            continue
+        floor_ms = m["weight_bytes"] / H200.dram_bytes_per_s * 1e3
+        torch_ms = m.get("torch_graph_ms")
+        rows.append([MODEL_NAMES.get(m["model"], m["model"]), f"{m['weight_bytes'] / 1e9:.2f} GB",
+                     f"{floor_ms:.3f} ms", f"{m['megakernel_ms']:.3f} ms", _percent(floor_ms / m["megakernel_ms"]),
+                     f"{torch_ms:.3f} ms" if torch_ms else "-", _percent(floor_ms / torch_ms) if torch_ms else "-",
+                     _times(torch_ms / m["megakernel_ms"]) if torch_ms else "-"])
+    lines += _table(["model", "weights", "floor", "megakernel", "% of floor", "PyTorch + CUDA graph", "% of floor",
+                     "speed-up"], rows) + [""]
+    trace = RESULTS / f"megakernel_trace_{meta.get('trace_model')}.json.gz"
+    if trace.exists():
+        lines += [f"The run's profile of {MODEL_NAMES.get(meta['trace_model'], meta['trace_model'])} (every SM's "
+                  f"tasks over two steps; open it at ui.perfetto.dev): `docs/results/{trace.name}`.", ""]
+    if (RESULTS / "decode.png").exists():
+        lines += ["![ms per token against the floor](results/decode.png)", ""]
+    return lines
+
+
+def tp_rows(data: dict) -> list:
+    """(model, the best N-GPU run against the best one-GPU run) of a decode JSON written under --tp."""
+    out = []
+    for m in data.get("models") or []:
+        runs = {v: r for v, r in (m.get("tensor_parallel") or {}).items() if r.get("megakernel_ms")}
+        if not runs:
+            continue
+        best = min(runs, key=lambda v: runs[v]["megakernel_ms"])
+        out.append((m, runs[best]))
+    return out
+
+
+def tp_section(data: Optional[dict]) -> list:
+    lines = ["## Decode over two GPUs (tensor parallelism)", ""]
+    if data is None:
+        return lines + _missing("decode_tp")
+    lines += [run_line(data.get("meta")), "",
+              "One process per GPU, each with its shard of the heads, MLP columns and vocabulary; the residual "
+              "stream's partial sums relayed between the GPUs inside the kernel. Floor per rank: the shard's "
+              "weight bytes over 4.25 TB/s.", ""]
+    rows = []
+    for m, run in tp_rows(data):
+        floor_ms = run["weight_bytes"] / H200.dram_bytes_per_s * 1e3 if run.get("weight_bytes") else None
+        rows.append([MODEL_NAMES.get(m["model"], m["model"]),
+                     f"{run['weight_bytes'] / 1e9:.2f} GB" if run.get("weight_bytes") else "-",
+                     f"{floor_ms:.3f} ms" if floor_ms else "-", f"{run['one_gpu_ms']:.3f} ms",
+                     f"{run['megakernel_ms']:.3f} ms", _percent(floor_ms / run["megakernel_ms"]) if floor_ms else "-",
+                     _times(run["megakernel_ms"] / run["one_gpu_ms"], 3)])
+    lines += _table(["model", "weights per rank", "floor per rank", "1 GPU", "2 GPUs", "% of floor",
+                     "2 GPUs / 1 GPU"], rows) + [""]
+    if (RESULTS / "tp_timeline_qwen3-8b.png").exists():
+        lines += ["![one layer of Qwen3-8B on both ranks: every SM's tasks, coloured by kind]"
+                  "(results/tp_timeline_qwen3-8b.png)", ""]
+    return lines
+
+
+def search_section(data: Optional[dict]) -> list:
+    lines = ["## Search times", ""]
+    if data is None:
+        return lines + _missing("search_times")
+    meta = data.get("meta") or {}
+    lines += [run_line(meta), "",
+              "Each case searched from an empty plan cache; \"cache hit\" is the same call again. Candidates: "
+              "generated (guided and enumerated); pruned: partial candidates the abstract-expression, shape and "
+              "shared-memory checks removed; verified: candidates that passed the verifier.", ""]
+    rows = [[r["case"], f"{r['seconds']:.1f}", f"{r['cache_hit_seconds']:.3f}", r["candidates"], r["pruned"],
+             r["verified"], f"{r['estimate_us']:.2f}", f"{r['floor_us']:.2f}", r["plan"]] for r in data["rows"]]
+    lines += _table(["case", "search s", "cache hit s", "candidates", "pruned", "verified", "est. µs", "floor µs",
+                     "plan"], rows, last_left=True) + [""]
+    fused = sum(not r.get("original", False) for r in data["rows"])
+    lines += [f"{fused} of {len(data['rows'])} searches return a fused plan within the "
+              f"{meta.get('budget_s', 120):g} s budget.", ""]
+    return lines
+
+
+def compile_section(data: Optional[dict]) -> list:
+    lines = ["## Compile times: PTX generation against NVRTC", ""]
+    if data is None:
+        return lines + _missing("compile_times")
+    lines += [run_line(data.get("meta")), "",
+              "Per kernel of each case's plan, compiled from scratch (no disk cache), the two backends taking "
+              "turns, median of the repetitions: the CUDA backend's C++ through NVRTC to a cubin, the PTX "
+              "backend's LLVM IR through llvmlite to PTX.", ""]
+    rows = [[r["case"], r["plan"], r["kernels"], f"{1e3 * r['nvrtc_s'] / r['kernels']:.1f}",
+             f"{1e3 * r['ptx_s'] / r['kernels']:.1f}", _times(r["nvrtc_s"] / r["ptx_s"], 1)] for r in data["rows"]]
+    lines += _table(["case", "plan", "kernels", "NVRTC ms/kernel", "PTX ms/kernel", "speed-up"], rows, right=2)
+    h = headlines({"compile_times": data})
+    lines += ["", f"Over all cases PTX generation is {h['compile_speedup']} faster than NVRTC per kernel.", ""]
+    return lines
+
+
+def tried_section(rows: list) -> list:
+    lines = ["## Tried and rejected", ""]
+    if not rows:
+        return lines + ["No `docs/tried*.md` table found.", ""]
+    files = sorted({f for _, _, f in rows})
+    lines += ["Ideas built, measured on the H200 and removed, each with its effect (before -> after, in one run): "
+              "decode figures are Qwen3-8B's ms per token unless a model is named (\"2 GPUs\": over two H200s; "
+              "\"a rank's shapes\": one rank's kernel of two, run on one GPU), kernel figures µs per call. "
+              "Gathered from " + ", ".join(f"`docs/{f}`" for f in files) + ".", ""]
+    return lines + _table(list(TRIED_HEADER), [(idea, effect) for idea, effect, _ in rows], right=2) + [""]
+
+
+# ---------------------------------------------------------------------------------------------
+# the README's figures
+
+def headlines(results: dict) -> dict:
+    """The figures the README states, formatted as it states them, from whichever results are given."""
+    h = {}
+    kernels = results.get("kernels")
+    if kernels:
+        derived = [d for _, _, d in kernel_cases(kernels).values()]
+        speedups = [d["speedup"] for d in derived if d["speedup"]]
+        h["kernels_faster"] = f"{sum(s >= 1.0 for s in speedups)} of {len(derived)}"
+        h["kernels_geomean"] = _times(math.exp(sum(map(math.log, speedups)) / len(speedups)))
+        h["kernels_speedups"] = _span(speedups, lambda x: f"{x:.2f}", "×")
+        ratios = [d["ptx_over_cuda"] for d in derived if d["ptx_over_cuda"]]
+        h["ptx_over_cuda"] = _span(ratios, lambda x: f"{x:.2f}", "×")
+    decode = results.get("decode")
+    if decode:
+        models = [m for m in decode.get("models") or [] if "error" not in m]
+        fractions = [m["weight_bytes"] / H200.dram_bytes_per_s * 1e3 / m["megakernel_ms"] for m in models]
+        h["decode_floor"] = _span(fractions, lambda x: f"{100 * x:.0f}", "%")
+        speedups = [m["torch_graph_ms"] / m["megakernel_ms"] for m in models if m.get("torch_graph_ms")]
+        h["decode_speedups"] = _span(speedups, lambda x: f"{x:.2f}", "×")
+        for m in models:
+            h[f"decode_ms_{m['model']}"] = f"{m['megakernel_ms']:.2f} ms"
+    tp = results.get("decode_tp")
+    if tp:
+        for m, run in tp_rows(tp):
+            h[f"tp_ratio_{m['model']}"] = _times(run["megakernel_ms"] / run["one_gpu_ms"], 3)
+    compile_times = results.get("compile_times")
+    if compile_times:
+        rows = compile_times["rows"]
+        nvrtc = sum(r["nvrtc_s"] for r in rows) / sum(r["kernels"] for r in rows)
+        ptx = sum(r["ptx_s"] for r in rows) / sum(r["kernels"] for r in rows)
+        h["compile_speedup"] = _times(nvrtc / ptx, 1)
+    search = results.get("search_times")
+    if search:
+        h["search_longest"] = f"{max(r['seconds'] for r in search['rows']):.1f} s"
+    return h
+
+
+# ---------------------------------------------------------------------------------------------
+
+def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
+    """The text of docs/performance.md."""
+    results = load_results() if results is None else results
+    lines = ["# Performance", "",
+             "<!-- generated by benchmarks/report.py from docs/results/*.json and docs/tried*.md: edit those, "
+             "then run it -->", "",
+             "Today's measurements, one table per benchmark; above each, the run it comes from (date, machine, "
+             "commit, command). To refresh a table, run that command with its JSON output into `docs/results/` "
+             "(`benchmarks/report.py` lists which file each benchmark writes), then "
+             "`python benchmarks/report.py`. How the benchmarks measure: `benchmarks/README.md`.", ""]
+    lines += kernels_section(results.get("kernels"))
+    lines += decode_section(results.get("decode"))
+    lines += tp_section(results.get("decode_tp"))
+    lines += search_section(results.get("search_times"))
+    lines += compile_section(results.get("compile_times"))
+    lines += tried_section(tried_rows(docs))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def plot_decode(data: dict, path: Path) -> Optional[str]:
+    """Bars of ms per token (floor, megakernel, PyTorch + CUDA graph) per model; None, or why not drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    models = [m for m in data.get("models") or [] if "error" not in m]
+    series = {"floor": [m["weight_bytes"] / H200.dram_bytes_per_s * 1e3 for m in models],
+              "megakernel": [m["megakernel_ms"] for m in models],
+              "PyTorch + CUDA graph": [m.get("torch_graph_ms") or math.nan for m in models]}
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(models))]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(models)), [MODEL_NAMES.get(m["model"], m["model"]) for m in models])
+    ax.set_ylabel("ms per token")
+    gpu = ((data.get("meta") or {}).get("gpu") or {}).get("name", "")
+    ax.set_title(f"decode, batch 1, bf16{', ' + gpu if gpu else ''}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with docs/performance.md instead of writing it")
+    ap.add_argument("--plot", action="store_true", help="also draw docs/results/decode.png (needs matplotlib)")
+    args = ap.parse_args(argv)
+    results = load_results()
+    if args.plot and results["decode"] is not None:
+        why = plot_decode(results["decode"], RESULTS / "decode.png")
+        if why:
+            print(why, file=sys.stderr)
+    text = render(results)
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT.relative_to(ROOT)} is not what benchmarks/report.py writes: run it", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
