@@ -73,3 +73,11 @@ def test_a_plan_that_does_not_print_is_not_stored(tmp_path, monkeypatch):
     assert not cache.path("k" * 64).exists()
     monkeypatch.undo()
     assert cache.store("k" * 64, plan) == cache.path("k" * 64)
+
+
+def test_the_gpu_report_of_a_plan_that_takes_no_time_has_no_ratio():
+    from mdsl.backend.cuda.check import GpuReport
+
+    (_, timing) = GpuReport("H200", 0.0, 1e-3, 0.0, 2.5).lines()
+    assert "mdsl 0.0 us per call" in timing and "PyTorch 2.5 us (mean of" in timing and "x)" not in timing
+    assert "(2.00x)" in GpuReport("H200", 0.0, 1e-3, 1.25, 2.5).lines()[1]
