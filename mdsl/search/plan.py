@@ -65,14 +65,16 @@ class Evidence:
     def from_json(cls, data: dict) -> "Evidence":
         """Raises ValueError on a missing or unknown field or one of the wrong type (a flag written as
         "false" is not a bool: it would read as true)."""
-        names = {f.name for f in attrs.fields(cls)}
-        if not isinstance(data, dict) or set(data) != names:
-            raise ValueError(f"evidence must have exactly the fields {sorted(names)}")
+        fields = attrs.fields(cls)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is attrs.NOTHING}
+        if not isinstance(data, dict) or not required <= set(data) <= names:
+            raise ValueError(f"evidence needs the fields {sorted(required)} and has no others than {sorted(names)}")
         for name, kind in _EXACT_EVIDENCE.items():
             if type(data[name]) is not kind:   # exact: a bool is an int, and neither may stand for the other
                 raise ValueError(f"evidence field {name!r} must be a {kind.__name__}, got {data[name]!r}")
         for name in _FLOAT_EVIDENCE:
-            if isinstance(data[name], bool) or not isinstance(data[name], (int, float, str)):
+            if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float, str))):
                 raise ValueError(f"evidence field {name!r} must be a number, got {data[name]!r}")
         return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
 
