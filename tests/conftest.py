@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,9 +33,7 @@ def _checkout_behind_site_packages() -> None:
 
 _checkout_behind_site_packages()
 
-import pytest  # noqa: E402 - after the sys.path fix-up, like every import that may reach mdsl
-
-from tests.shared import SHARED_DIR_ENV  # noqa: E402
+from tests.shared import SHARED_DIR_ENV  # noqa: E402 - after the fix-up: it imports mdsl
 
 
 def pytest_configure(config):
