@@ -1,11 +1,39 @@
-"""Suite-wide fixtures."""
+"""Suite-wide fixtures, and where the suite imports from.
+
+The suite tests the installed mdsl (`pip install ".[test]"`, then `python -m pytest`): the checkout
+supplies only the `tests` and `benchmarks` packages. `python -m` puts the working directory first on
+sys.path, which would import the checkout's `mdsl` over the installed one and hide files the wheel
+leaves out, so that entry is moved behind site-packages. A PYTHONPATH that names the checkout is a
+deliberate choice (testing a working tree against an installed environment) and is left as it is;
+tests/test_packaging.py checks where mdsl came from.
+"""
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.shared import SHARED_DIR_ENV
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _same_dir(entry: str, directory: Path) -> bool:
+    try:
+        return Path(entry or os.getcwd()).resolve() == directory
+    except OSError:
+        return False
+
+
+def _checkout_behind_site_packages() -> None:
+    if any(_same_dir(p, ROOT) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+        return
+    sys.path[:] = [p for p in sys.path if not _same_dir(p, ROOT)] + [str(ROOT)]
+
+
+_checkout_behind_site_packages()
+
+from tests.shared import SHARED_DIR_ENV  # noqa: E402 - after the fix-up: it imports mdsl
 
 
 def pytest_configure(config):

@@ -4,15 +4,24 @@ Layout: `$MDSL_CACHE_DIR` (default `~/.cache/mdsl`) / `plans` / `<key>.json`, wh
 sha256 of everything that decides a search's result: the program (structural key and printed text,
 source locations left out), input shapes and dtypes, `SearchConfig.cache_fields()`, the target
 arch, mdsl's version and which generators and verifier searched. An entry is
-`{"mdsl_plan_cache": SCHEMA, "key": ..., "plan": Plan.to_json()}`, written atomically (a temp file in
-the same directory, then os.replace) and validated when read; an entry that fails validation is
-ignored with a warning naming the file (the caller then searches again and overwrites it).
+`{"mdsl_plan_cache": SCHEMA, "key": ..., "plan": Plan.to_json(), "digest": content_digest(plan)}`,
+written atomically (a temp file in the same directory, then os.replace) once the plan prints.
+
+An entry is untrusted data (a shared disk, a half-synced folder, a faulty older mdsl, a hand edit),
+so reading one checks, before anything is served: that it is a regular file of at most
+MAX_ENTRY_BYTES (read no further), its schema, key and content digest, that its plan parses and
+validates, was verified by this mdsl version for the requested program, and passes
+`mdsl.search.plan.recheck` (claims that fit each candidate, costs, one finite-field test of every
+candidate with fresh randomness). An entry that fails is reported once (a warning naming the file and
+why), deleted, and searched again by `optimize`, which stores the new plan in its place. A plan this
+process wrote or has rechecked is not rechecked again (`_TRUSTED`, by digest).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -23,10 +32,15 @@ import attrs
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.search.config import SearchConfig
-from mdsl.search.cost import estimate
-from mdsl.search.plan import Plan, mdsl_version
+from mdsl.search.plan import Plan, content_digest, mdsl_version, recheck
 
-SCHEMA = 1
+SCHEMA = 2
+#: The largest entry read: a plan with its alternatives takes tens of kilobytes; anything near this is
+#: not a plan, and is not read into memory to find out.
+MAX_ENTRY_BYTES = 64 << 20
+
+#: Digests of plans this process stored or rechecked: the same content needs no second finite-field test.
+_TRUSTED: set = set()
 
 
 def default_dir() -> Path:
@@ -62,22 +76,33 @@ class PlanCache:
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
     def load(self, key: str, graph: KernelGraph) -> Optional[Plan]:
-        """The stored plan for `graph` under `key`, or None (a corrupt entry also warns)."""
+        """The stored plan for `graph` under `key`, or None. An entry that fails any check warns, naming
+        the file and the reason, and is deleted."""
         path = self.path(key)
+        seen = None
         try:
-            plan = _read_entry(path.read_text(encoding="utf-8"), key, graph)
+            seen = os.stat(path, follow_symlinks=False)
+            plan = _read_entry(_read_bounded(path), key, graph)
         except FileNotFoundError:
+            if seen is None or not os.path.lexists(path):   # no entry (or another reader deleted it just now)
+                return None
+            self._reject(path, seen, "it is a link to a missing file")
             return None
         except Exception as e:  # an entry is untrusted data: whatever is wrong with it, search again
-            warnings.warn(f"mdsl: ignoring the plan cache entry {path}: {type(e).__name__}: {e}", stacklevel=2)
+            self._reject(path, seen, f"{type(e).__name__}: {e}")
             return None
         # the requested graph carries the user's current source locations
         return attrs.evolve(plan, original=graph, cache_path=str(path))
 
     def store(self, key: str, plan: Plan) -> Optional[Path]:
-        """Write the entry atomically; a cache that cannot be written only warns."""
+        """Write the entry atomically; a cache that cannot be written only warns. The plan is printed
+        first: one whose text cannot be made is a bug to report, never an entry that every later run
+        reads back and fails on."""
+        str(plan)
         path = self.path(key)
-        text = json.dumps({"mdsl_plan_cache": SCHEMA, "key": key, "plan": plan.to_json()}, sort_keys=True,
+        data = plan.to_json()
+        digest = content_digest(data)
+        text = json.dumps({"mdsl_plan_cache": SCHEMA, "key": key, "plan": data, "digest": digest}, sort_keys=True,
                           indent=1, allow_nan=False)
         try:
             self.plans.mkdir(parents=True, exist_ok=True)
@@ -85,7 +110,43 @@ class PlanCache:
         except OSError as e:
             warnings.warn(f"mdsl: could not write the plan cache entry {path}: {e}", stacklevel=2)
             return None
+        _TRUSTED.add(digest)
         return path
+
+    def _reject(self, path: Path, seen: Optional[os.stat_result], why: str) -> None:
+        """Report a bad entry and delete it, if it is still the file that was read (a concurrent
+        writer's fresh entry stays), so that it is reported once and the next search replaces it."""
+        warnings.warn(f"mdsl: ignoring the plan cache entry {path} (a new search replaces it): {why}", stacklevel=3)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+            if seen is not None and _same_file(now, seen) and not stat.S_ISDIR(now.st_mode):
+                os.unlink(path)
+        except OSError:  # gone already, or not ours to delete: the next store replaces it or warns
+            pass
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
+
+
+def _read_bounded(path: Path) -> str:
+    """The entry's text, read only if it is a regular file (after links) of at most MAX_ENTRY_BYTES. A FIFO
+    is opened without blocking and a device (a link to /dev/zero) is not read at all."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptEntry("it is not a regular file")
+        if info.st_size > MAX_ENTRY_BYTES:
+            raise CorruptEntry(f"it has {info.st_size} bytes, more than a plan's limit of {MAX_ENTRY_BYTES}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_ENTRY_BYTES + 1)   # it may have grown since
+    if len(data) > MAX_ENTRY_BYTES:
+        raise CorruptEntry(f"it has more than a plan's limit of {MAX_ENTRY_BYTES} bytes")
+    return data.decode("utf-8")
 
 
 def _read_entry(text: str, key: str, graph: KernelGraph) -> Plan:
@@ -94,11 +155,21 @@ def _read_entry(text: str, key: str, graph: KernelGraph) -> Plan:
         raise CorruptEntry(f"not a plan cache entry of schema {SCHEMA}")
     if data.get("key") != key:
         raise CorruptEntry(f"it is the entry of key {data.get('key')!r}")
+    if set(data) != {"mdsl_plan_cache", "key", "plan", "digest"} or not isinstance(data["plan"], dict):
+        raise CorruptEntry("its fields are not an entry's")
+    digest = content_digest(data["plan"])
+    if data["digest"] != digest:
+        raise CorruptEntry("its plan does not match its content digest: it was changed after it was written")
     plan = Plan.from_json(data["plan"])  # every graph parses and validates
+    if plan.mdsl_version != mdsl_version():
+        raise CorruptEntry(f"it was verified by mdsl {plan.mdsl_version}, not by this mdsl {mdsl_version()}")
     if plan.original != graph:
         raise CorruptEntry("its original program differs from the requested one")
-    if estimate(plan.graph) != plan.cost:
-        raise CorruptEntry("its cost differs from the cost model's estimate")
+    if digest not in _TRUSTED:
+        problem = recheck(plan)
+        if problem:
+            raise CorruptEntry(problem)
+        _TRUSTED.add(digest)
     return plan
 
 

@@ -37,5 +37,15 @@ class SearchConfig:
     arch: str = "sm_90a"
 
     def cache_fields(self) -> dict:
-        """The fields that can change a search's result (workers cannot)."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(SearchConfig) if f.eq}
+        """The fields that can change a search's result (workers cannot), numbers in one spelling:
+        `budget_s=10` and `budget_s=10.0` are the same search, so they must be the same cache key."""
+        return {f.name: _canonical(getattr(self, f.name)) for f in attrs.fields(SearchConfig) if f.eq}
+
+
+def _canonical(value):
+    """A whole number as an int (10.0 -> 10), in tuples too; every other value as it is."""
+    if isinstance(value, tuple):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

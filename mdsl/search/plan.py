@@ -2,15 +2,20 @@
 
 `str(plan)` is a header of `#` comments (cost, roofline floor, verification, search) followed by the
 chosen mugraph in the textual IR, so the text parses back as that graph. `to_json`/`from_json` is
-the form the plan cache stores.
+the form the plan cache stores, `content_digest` the hash it stores beside it, and `recheck` what a
+plan read back from storage must pass before it is served.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any, Optional
 
 import attrs
+import numpy as np
 
+from mdsl.errors import MdslError
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
@@ -20,6 +25,7 @@ from mdsl.search.stats import SearchStats
 
 SCHEMA = 1
 _FLOAT_EVIDENCE = ("false_pass_probability", "float_rel_error", "float_bound", "seconds")
+_EXACT_EVIDENCE = {"equivalent": bool, "reason": str, "finite_field_tests": int, "seed": int}
 
 
 def _nan_equal(x: float) -> object:
@@ -57,6 +63,19 @@ class Evidence:
 
     @classmethod
     def from_json(cls, data: dict) -> "Evidence":
+        """Raises ValueError on a missing or unknown field or one of the wrong type (a flag written as
+        "false" is not a bool: it would read as true)."""
+        fields = attrs.fields(cls)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is attrs.NOTHING}
+        if not isinstance(data, dict) or not required <= set(data) <= names:
+            raise ValueError(f"evidence needs the fields {sorted(required)} and has no others than {sorted(names)}")
+        for name, kind in _EXACT_EVIDENCE.items():
+            if type(data[name]) is not kind:   # exact: a bool is an int, and neither may stand for the other
+                raise ValueError(f"evidence field {name!r} must be a {kind.__name__}, got {data[name]!r}")
+        for name in _FLOAT_EVIDENCE:
+            if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float, str))):
+                raise ValueError(f"evidence field {name!r} must be a number, got {data[name]!r}")
         return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
 
     @property
@@ -115,12 +134,18 @@ class Plan:
 
     def header(self) -> list:
         floor, cost, original = self.floor, self.cost, self.original_cost
-        what = ("the original program (no faster equivalent mugraph was found)" if self.is_original
-                else f"{original.seconds / cost.seconds:.3g}x faster than the original ({_us(original.seconds)})")
+        if self.is_original:
+            what = "the original program (no faster equivalent mugraph was found)"
+        elif cost.seconds > 0:
+            what = f"{original.seconds / cost.seconds:.3g}x faster than the original ({_us(original.seconds)})"
+        else:
+            what = f"no kernel to launch, where the original takes {_us(original.seconds)}"
+        # a program that only returns its inputs launches nothing: its estimate is 0 and no ratio exists
+        reach = (f"the estimate reaches {100 * floor.seconds / cost.seconds:.3g}% of it" if cost.seconds > 0
+                 else "the plan launches no kernel")
         lines = [f"mdsl {self.mdsl_version} plan for kernel {self.original.name}, {self.config.arch}: {what}",
                  f"cost:     {cost}",
-                 f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; the estimate reaches "
-                 f"{100 * floor.seconds / cost.seconds:.3g}% of it",
+                 f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; {reach}",
                  f"verified: {self.evidence.describe()}",
                  f"search:   {self._search_line()}",
                  f"          {self.stats.counts_summary()}"]
@@ -164,6 +189,82 @@ def mdsl_version() -> str:
     import mdsl  # the package's __init__ imports the frontend, which imports search lazily
 
     return mdsl.__version__
+
+
+def content_digest(data: dict) -> str:
+    """The sha256 of a plan's JSON (`Plan.to_json()`, or what a file holds in its place): its chosen
+    mugraph, the evidence of every candidate, the mdsl version that verified them and the rest. Any
+    change to a stored plan changes it."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# a stored plan, checked again before it is served
+
+def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
+    """Why `plan`, read back from storage, must not be served as verified, or None.
+
+    Each candidate (the chosen mugraph and every alternative: the GPU autotuner may pick any of them)
+    must claim a passed verification that fits it (the original program alone needs none), read and
+    return tensors of the original's types, cost what the cost model estimates, and pass one
+    finite-field test against the original at full size, with randomness of its own (`seed`; None:
+    fresh from the OS, so that no stored graph can be fitted to it). Sizes are not reduced: a mugraph
+    that differs from its original only in elements a smaller problem does not have (a tile offset, a
+    split point) would pass at a reduced size. One test costs one evaluation of each program in the
+    field, a fraction of the search's verification of the same candidates, and passes a wrong
+    candidate with probability about its degree over q < 2^24 (`mdsl.passes.verify`)."""
+    candidates = [("the chosen mugraph", plan.chosen)]
+    candidates += [(f"alternative {i}", c) for i, c in enumerate(plan.alternatives, 1)]
+    for name, candidate in candidates:
+        problem = _claim_problem(plan.original, candidate)
+        if problem:
+            return f"{name} {problem}"
+    return _field_problem(plan.original, candidates, seed)
+
+
+def _types(variables) -> list:
+    return [str(v.type) for v in variables]
+
+
+def _claim_problem(original: KernelGraph, candidate: Candidate) -> Optional[str]:
+    graph, evidence = candidate.graph, candidate.evidence
+    if not evidence.equivalent:
+        return f"is marked not equivalent ({evidence.reason})"
+    if (_types(graph.inputs), _types(graph.outputs)) != (_types(original.inputs), _types(original.outputs)):
+        return "reads or returns tensors of other types than the original program"
+    if graph.key != original.key and (evidence.finite_field_tests < 1
+                                      or not 0.0 <= evidence.false_pass_probability <= 1.0):
+        return (f"claims {evidence.finite_field_tests} finite-field test(s) with false-pass probability "
+                f"{evidence.false_pass_probability!r}, which is no verification, but is not the original program")
+    if estimate(graph) != candidate.cost:
+        return "has a cost other than the cost model's estimate"
+    return None
+
+
+def _field_problem(original: KernelGraph, candidates: list, seed: Optional[int]) -> Optional[str]:
+    from mdsl.passes.finite_field import Field, run_in_field   # (not mdsl.passes.verify: no z3 on this path)
+
+    others = {}
+    for name, candidate in candidates:
+        if candidate.graph.key != original.key:
+            others.setdefault(candidate.graph.key, (name, candidate.graph))
+    if not others:
+        return None
+    rng = np.random.default_rng(seed)
+    field = Field.draw(rng)
+    inputs = [field.random(v.shape, rng) for v in original.inputs]
+    try:
+        expected = run_in_field(original, inputs, field)
+        for name, graph in others.values():
+            for k, (want, got) in enumerate(zip(expected, run_in_field(graph, inputs, field))):
+                differ = int(np.sum(want[..., 0] != got[..., 0]))
+                if differ:
+                    return (f"{name} fails a finite-field re-check (p = {field.p}): its output {k} differs from "
+                            f"the original's in {differ} of {want[..., 0].size} element(s)")
+    except MdslError as e:  # every verified candidate has a field semantics
+        return f"a candidate cannot be evaluated in a finite field: {e.message}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

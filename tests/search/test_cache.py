@@ -128,6 +128,9 @@ def test_the_key_depends_on_what_decides_the_result(monkeypatch):
     store = PlanCache("unused")
     base = store.key(fakes.ORIGINAL, CONFIG)
     assert store.key(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=1)) == base
+    assert store.key(fakes.ORIGINAL, SearchConfig(budget_s=30.0, workers=1)) == base   # one number, two spellings
+    assert store.key(fakes.ORIGINAL, attrs.evolve(CONFIG, forloop_ranges=(1.0, 2, 4.0, 8, 16, 32, 64, 128))) == base
+    assert store.key(fakes.ORIGINAL, attrs.evolve(CONFIG, budget_s=30.5)) != base
     assert store.key(fakes.ORIGINAL, attrs.evolve(CONFIG, workers=7)) == base      # workers: not the result
     assert store.key(fakes.ORIGINAL, attrs.evolve(CONFIG, seed=1)) != base
     assert store.key(fakes.ORIGINAL, attrs.evolve(CONFIG, budget_s=31)) != base

@@ -32,8 +32,9 @@ class GpuReport:
                f"(bound {self.bound:.0e}): {verdict}"]
         timing = f"# time:     mdsl {self.mdsl_us:.1f} us per call"
         if self.torch_us == self.torch_us:
-            timing += (f"; the original program op by op in PyTorch {self.torch_us:.1f} us "
-                       f"({self.torch_us / self.mdsl_us:.2f}x)")
+            # a plan that launches nothing (it returns its inputs) takes no time: no ratio then
+            ratio = f" ({self.torch_us / self.mdsl_us:.2f}x)" if self.mdsl_us > 0 else ""
+            timing += f"; the original program op by op in PyTorch {self.torch_us:.1f} us{ratio}"
         return out + [timing + " (mean of back-to-back calls between CUDA events, after warm-up; "
                                "benchmarks/kernels.py is the careful comparison)"]
 
