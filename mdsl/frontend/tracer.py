@@ -34,14 +34,18 @@ class Tracer:
         self.name = name
         self.nodes: list = []
         self._names: set = set()
+        self._next_suffix: dict = {}   # base -> the first suffix not tried yet, so naming stays O(1)
         self.closed = False
 
     def fresh(self, base: str) -> str:
         base = sanitize_name(base)
-        name, k = base, 0
+        name, k = base, self._next_suffix.get(base, 0)
+        if k:
+            name = f"{base}_{k}"
         while name in self._names:
             k += 1
             name = f"{base}_{k}"
+        self._next_suffix[base] = k + 1
         self._names.add(name)
         return name
 
