@@ -23,10 +23,12 @@ from mdsl.errors import MdslError, ParseError, SourceLoc
 from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
-from mdsl.ir.types import TensorType, Var
+from mdsl.ir.types import TensorType, Var, check_shape
 from mdsl.ir.validate import validate_kernel_graph
 
 VERSION = 1
+# A kernel's custom op holds a block graph, whose fused op holds a thread graph: nothing nests deeper.
+_MAX_BODY_DEPTH = 2
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 Graph = Union[KernelGraph, BlockGraph, ThreadGraph]
 
@@ -90,19 +92,31 @@ def loads(text: str) -> Graph:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ParseError(f"not valid JSON: {e.msg}", loc=SourceLoc("<json>", e.lineno, e.colno - 1)) from None
+    except RecursionError:
+        raise ParseError("not a mugraph: the JSON nests too deeply to read",
+                         hint=f"graph bodies nest at most {_MAX_BODY_DEPTH} deep") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise ParseError("not a mugraph: an integer of too many digits to read",
+                         hint="no size, dim or attribute of a mugraph needs that many") from None
     return from_json(data)
 
 
 def from_json(data: Any) -> Graph:
     """Read a graph of any level; malformed data raises ParseError, an invalid kernel graph the
-    error of the rule it breaks."""
+    error of the rule it breaks, its message starting with the path of the failing field."""
     _object(data, "the document")
     version = data.get("mdsl_ir")
     if type(version) is not int or version != VERSION:
-        raise ParseError(f"mdsl_ir: unsupported version {version!r} (this mdsl reads version {VERSION})")
-    graph = _read_graph(data, "")
+        raise ParseError(f"mdsl_ir: unsupported version {_describe(version)} (this mdsl reads version {VERSION})")
+    graph = _read_graph(data, "", 0)
     if isinstance(graph, KernelGraph):
-        validate_kernel_graph(graph)
+        try:
+            validate_kernel_graph(graph)
+        except MdslError as e:
+            if e.ir_path is not None:
+                e.message = f"{e.ir_path}: {e.message}"
+                e.args = (e.message,)
+            raise
     return graph
 
 
@@ -111,7 +125,10 @@ def _fail(path: str, message: str) -> ParseError:
 
 
 def _describe(value: Any) -> str:
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON data, or an int of too many digits
+        text = f"a {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -185,6 +202,10 @@ def _tensor_var(value: Any, path: str) -> Var:
     if dtype_name not in DTYPES:
         raise _fail(f"{path}.dtype", f"unknown dtype {dtype_name!r} (expected one of {', '.join(DTYPES)})")
     shape = _items(obj, "shape", path, _int)
+    try:
+        check_shape(shape, DTYPES[dtype_name], "the tensor")
+    except MdslError as e:
+        raise ParseError(f"{path}.shape: {e.message}", hint=e.hint) from None
     return Var(_get(obj, "name", path, _str), TensorType(shape, DTYPES[dtype_name]))
 
 
@@ -207,24 +228,31 @@ class _Scope:
         return var
 
 
-def _read_graph(value: Any, path: str) -> Graph:
+def _read_graph(value: Any, path: str, depth: int) -> Graph:
+    """A graph; `depth` counts the bodies around it (a kernel, or a top-level block or thread graph: 0)."""
     obj = _object(value, path)
     kind = _get(obj, "kind", path, _str)
     readers = {"kernel": _read_kernel, "block": _read_block, "thread": _read_thread}
     if kind not in readers:
-        raise _fail(f"{path}.kind" if path else "kind", f"expected 'kernel', 'block' or 'thread', got {kind!r}")
-    return readers[kind](obj, path, _Scope())
+        raise _fail(f"{path}.kind" if path else "kind", f"expected 'kernel', 'block' or 'thread', got {_describe(kind)}")
+    if kind != "kernel" and not path:
+        depth += 1   # a top-level block or thread graph is a body itself
+    if depth > _MAX_BODY_DEPTH:
+        raise ParseError(f"{path}: graph bodies nest more than {_MAX_BODY_DEPTH} deep",
+                         hint="a kernel's custom op holds a block graph, a block graph's fused op holds a "
+                              "thread graph, and a thread graph holds element-wise ops only")
+    return readers[kind](obj, path, _Scope(), depth)
 
 
-def _read_kernel(obj: dict, path: str, scope: _Scope) -> KernelGraph:
+def _read_kernel(obj: dict, path: str, scope: _Scope, depth: int) -> KernelGraph:
     name = _get(obj, "name", path, _str)
     inputs = _items(obj, "inputs", path, lambda v, p: scope.define(_tensor_var(v, p), p))
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, scope.use)
     return KernelGraph(name, inputs, nodes, outputs)
 
 
-def _read_block(obj: dict, path: str, scope: _Scope) -> BlockGraph:
+def _read_block(obj: dict, path: str, scope: _Scope, depth: int) -> BlockGraph:
     def block_input(value, p):
         entry = _object(value, p)
         var = scope.define(_get(entry, "var", p, _tensor_var), f"{p}.var")
@@ -240,19 +268,19 @@ def _read_block(obj: dict, path: str, scope: _Scope) -> BlockGraph:
     threads = _get(obj, "threads", path, _int)
     forloop = _get(obj, "forloop", path, _int)
     inputs = _items(obj, "inputs", path, block_input)
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, block_output)
     return BlockGraph(grid, threads, forloop, inputs, nodes, outputs)
 
 
-def _read_thread(obj: dict, path: str, scope: _Scope) -> ThreadGraph:
+def _read_thread(obj: dict, path: str, scope: _Scope, depth: int) -> ThreadGraph:
     inputs = _items(obj, "inputs", path, lambda v, p: scope.define(_tensor_var(v, p), p))
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, scope.use)
     return ThreadGraph(inputs, nodes, outputs)
 
 
-def _read_node(value: Any, path: str, scope: _Scope) -> Node:
+def _read_node(value: Any, path: str, scope: _Scope, depth: int) -> Node:
     obj = _object(value, path)
     op_name, op_path = _field(obj, "op", path)
     try:
@@ -267,7 +295,7 @@ def _read_node(value: Any, path: str, scope: _Scope) -> Node:
         attrs = op.normalize_attrs(_non_finite_floats(op, raw_attrs))
     except MdslError as e:
         raise ParseError(f"{attrs_path}: {e.message}", hint=e.hint) from None
-    body = _read_graph(*_field(obj, "body", path)) if "body" in obj else None
+    body = _read_graph(*_field(obj, "body", path), depth + 1) if "body" in obj else None
     loc = _read_loc(*_field(obj, "loc", path)) if "loc" in obj else None
     for k, var in enumerate(outputs):
         scope.define(var, f"{path}.outputs[{k}]")

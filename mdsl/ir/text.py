@@ -27,7 +27,7 @@ from mdsl.errors import MdslError, ParseError, SourceLoc
 from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
-from mdsl.ir.types import TensorType, Var
+from mdsl.ir.types import TensorType, Var, check_shape
 from mdsl.ir.validate import validate_kernel_graph
 
 Graph = Union[KernelGraph, BlockGraph, ThreadGraph]
@@ -169,6 +169,8 @@ _TOKEN = re.compile(r"""
   | (?P<punct>[()\[\]{},:=-])
 """, re.VERBOSE)
 _INT = re.compile(r"-?\d+")
+# A kernel's custom op holds a block graph, whose fused op holds a thread graph: nothing nests deeper.
+_MAX_BODY_DEPTH = 2
 _LOC_TAIL = r":(\d+)(?::(\d+))?(?:-(\d+))?"
 
 
@@ -245,6 +247,7 @@ class _Parser:
         self.text_locs = text_locs
         self.index = 0
         self.pos = 0
+        self.depth = 0   # bodies open around the current line (a top-level block or thread graph is one)
 
     # --- tokens -------------------------------------------------------------------------------
 
@@ -335,6 +338,17 @@ class _Parser:
 
     def body(self) -> tuple:
         """A block or thread graph from its header through its closing `}` line: (graph, that line)."""
+        self.depth += 1
+        try:
+            return self._body()
+        finally:
+            self.depth -= 1
+
+    def _body(self) -> tuple:
+        if self.depth > _MAX_BODY_DEPTH:
+            raise ParseError(f"graph bodies nest more than {_MAX_BODY_DEPTH} deep", loc=self.loc(self.peek()),
+                             hint="a kernel's custom op holds a block graph, a block graph's fused op holds a "
+                                  "thread graph, and a thread graph holds element-wise ops only")
         if self.accept("block"):
             self.expect("(")
             grid = self.keyword_value("grid", lambda: self.triple(self.integer))
@@ -461,13 +475,27 @@ class _Parser:
         dtype = DTYPES.get(tok.text)
         if dtype is None:
             raise self.error(f"a dtype ({', '.join(DTYPES)})", tok)
-        return TensorType(self.seq(self.integer, "]", opened="["), dtype)
+        shape = self.seq(self.integer, "]", opened="[")
+        try:
+            check_shape(shape, dtype, "the tensor type")
+        except MdslError as e:
+            raise e.with_loc(self.loc(tok))
+        return TensorType(shape, dtype)
 
     def integer(self) -> int:
         tok = self.peek()
         if tok.kind != "num" or not _INT.fullmatch(tok.text):
             raise self.error("an integer")
-        return int(self.take().text)
+        return self.number(self.take())
+
+    def number(self, tok: _Tok) -> Union[int, float]:
+        if not _INT.fullmatch(tok.text):
+            return float(tok.text)
+        try:
+            return int(tok.text)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ParseError(f"the integer {tok.text[:20]}... has {len(tok.text)} digits, too many to read",
+                             loc=self.loc(tok), hint="no size, dim or attribute of a mugraph needs that many") from None
 
     def entry(self) -> Optional[int]:
         """A tensor dim in a grid map or fmap, or `-` for none."""
@@ -505,17 +533,19 @@ class _Parser:
             raise ParseError(e.message, loc=self.loc(where), hint=e.hint) from None
 
     def value(self):
-        """An attribute value as read: int, float, bool, a name (dtype) or a list of values."""
+        """An attribute value as read: int, float, bool, a name (dtype) or a list of those."""
+        if self.at("["):
+            return self.seq(self.scalar, "]", opened="[")
+        return self.scalar()
+
+    def scalar(self):
         tok = self.peek()
         if tok.kind == "num":
-            self.take()
-            return int(tok.text) if _INT.fullmatch(tok.text) else float(tok.text)
+            return self.number(self.take())
         if tok.kind == "ident":
             self.take()
             words = {"true": True, "false": False, "inf": float("inf"), "nan": float("nan")}
             return words.get(tok.text, tok.text)
-        if self.at("["):
-            return self.seq(self.value, "]", opened="[")
         raise self.error("an attribute value")
 
 
