@@ -265,7 +265,8 @@ for _name, ((_an, _ak), _fn, _doc) in _SCALAR_UNARY.items():
 
 def _clamp_infer(types, a):
     if a["min"] > a["max"]:
-        raise ValidationError(f"clamp: min {a['min']} is greater than max {a['max']}")
+        raise ValidationError(f"clamp: min {a['min']} is greater than max {a['max']}",
+                              hint="clamp(x, min, max) needs min <= max")
     return _same_type("clamp")(types, a)
 
 
@@ -408,7 +409,8 @@ def _reshape_infer(types, a):
     (x,) = types
     shape = a["shape"]
     if any(s <= 0 for s in shape) or math.prod(shape) != x.numel:
-        raise ShapeError(f"reshape: cannot view {x} ({x.numel} elements) as [{', '.join(map(str, shape))}]")
+        raise ShapeError(f"reshape: cannot view {x} ({x.numel} elements) as [{', '.join(map(short_repr, shape))}]",
+                         hint="the new shape's dims are positive and multiply to the same number of elements")
     return (x.with_shape(shape),)
 
 

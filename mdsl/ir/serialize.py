@@ -19,7 +19,7 @@ import json
 import math
 from typing import Any, Optional, Union
 
-from mdsl.errors import MdslError, ParseError, SourceLoc
+from mdsl.errors import MdslError, ParseError, SourceLoc, short_repr
 from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
@@ -128,7 +128,7 @@ def _describe(value: Any) -> str:
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):  # not JSON data, or an int of too many digits
-        text = f"a {type(value).__name__}"
+        text = short_repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -283,10 +283,11 @@ def _read_thread(obj: dict, path: str, scope: _Scope, depth: int) -> ThreadGraph
 def _read_node(value: Any, path: str, scope: _Scope, depth: int) -> Node:
     obj = _object(value, path)
     op_name, op_path = _field(obj, "op", path)
+    op_name = _str(op_name, op_path)
     try:
-        op = get_op(_str(op_name, op_path))
+        op = get_op(op_name)
     except MdslError as e:
-        raise _fail(op_path, e.message) from None
+        raise ParseError(f"{op_path}: {e.message}", hint=e.hint) from None
     inputs = _items(obj, "inputs", path, scope.use)
     outputs = _items(obj, "outputs", path, _tensor_var)
     raw_attrs, attrs_path = _field(obj, "attrs", path)

@@ -289,10 +289,12 @@ class _Parser:
     def loc(tok: _Tok) -> SourceLoc:
         return SourceLoc(_TEXT, tok.line, tok.col)
 
-    def error(self, expected: str, tok: Optional[_Tok] = None) -> ParseError:
+    def error(self, expected: str, tok: Optional[_Tok] = None, hint: Optional[str] = None) -> ParseError:
         tok = tok or self.peek()
         got = {"eol": "end of line", "eof": "end of text"}.get(tok.kind, repr(tok.text))
-        return ParseError(f"expected {expected}, got {got}", loc=self.loc(tok))
+        return ParseError(f"expected {expected}, got {got}", loc=self.loc(tok),
+                          hint=hint or "the parser reads the form mdsl prints (str(graph)); compare the line with "
+                                       "a printed graph")
 
     def end_line(self) -> _Line:
         """Check that the line is fully read and move to the next one; return the finished line."""
@@ -546,7 +548,8 @@ class _Parser:
             self.take()
             words = {"true": True, "false": False, "inf": float("inf"), "nan": float("nan")}
             return words.get(tok.text, tok.text)
-        raise self.error("an attribute value")
+        raise self.error("an attribute value", hint="attribute values are numbers, true, false, names (dtypes, "
+                                                    "operators) and flat lists of them")
 
 
 def _comment_loc(line: _Line) -> Optional[SourceLoc]:
@@ -566,6 +569,13 @@ def _comment_loc(line: _Line) -> Optional[SourceLoc]:
         file = m and m.group(1)
     if m is None:
         raise ParseError("expected a source location FILE:LINE[:COL][-END] after '# @'",
-                         loc=SourceLoc(_TEXT, line.number, line.comment_col))
-    line_no, col, end_col = (None if g is None else int(g) for g in m.groups()[-3:])
+                         loc=SourceLoc(_TEXT, line.number, line.comment_col),
+                         hint="a comment that starts with '@' is a node's source location; write '# note' for "
+                              "other comments")
+    try:
+        line_no, col, end_col = (None if g is None else int(g) for g in m.groups()[-3:])
+    except ValueError:  # more digits than Python converts
+        raise ParseError("the source location's numbers have too many digits to read",
+                         loc=SourceLoc(_TEXT, line.number, line.comment_col),
+                         hint="write it as # @ FILE:LINE[:COL][-END]") from None
     return SourceLoc(file, line_no, col, end_col)

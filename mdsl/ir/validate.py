@@ -41,18 +41,22 @@ def check_node(node: Node, level: str, input_types: tuple, *, smem_limit: int = 
         op = get_op(node.op)
         if level not in op.levels:
             where = " and ".join(sorted(op.levels))
-            raise ValidationError(f"{node.op} cannot appear in a {level} graph (allowed at the {where} level)")
+            raise ValidationError(f"{node.op} cannot appear in a {level} graph (allowed at the {where} level)",
+                                  hint=f"move it to a {where} graph")
         if op.normalize_attrs(node.attr_dict) != tuple(node.attrs):
             raise ValidationError(f"{node.op}: attributes {dict(node.attrs)} are not in normal form "
-                                  f"(expected {dict(op.normalize_attrs(node.attr_dict))})")
+                                  f"(expected {dict(op.normalize_attrs(node.attr_dict))})",
+                                  hint="build nodes with OpDef.normalize_attrs: every attribute, in declared order")
         if op.is_graph_defined:
             if op.body_level == BLOCK and isinstance(node.body, BlockGraph):
                 return validate_block_graph(node.body, input_types, smem_limit=smem_limit)
             if op.body_level == THREAD and isinstance(node.body, ThreadGraph):
                 return validate_thread_graph(node.body, input_types)
-            raise ValidationError(f"{node.op} needs a {op.body_level} graph as its body")
+            raise ValidationError(f"{node.op} needs a {op.body_level} graph as its body",
+                                  hint="custom takes a block graph, fused a thread graph")
         if node.body is not None:
-            raise ValidationError(f"{node.op} is not graph-defined and cannot have a body")
+            raise ValidationError(f"{node.op} is not graph-defined and cannot have a body",
+                                  hint="only custom (a block graph) and fused (a thread graph) have bodies")
         return op.infer_types(input_types, node.attrs)
     except MdslError as e:
         raise e.with_loc(node.loc)
@@ -61,10 +65,11 @@ def check_node(node: Node, level: str, input_types: tuple, *, smem_limit: int = 
 def _check_outputs(node: Node, types: tuple) -> None:
     if len(types) != len(node.outputs):
         raise ValidationError(f"{node.op} produces {len(types)} value(s) but the node names {len(node.outputs)}",
-                              loc=node.loc)
+                              loc=node.loc, hint=f"name {len(types)} output value(s)")
     for v, t in zip(node.outputs, types):
         if v.type != t:
-            raise ShapeError(f"{node.op}: %{v.name} is declared {v.type} but the operator gives {t}", loc=node.loc)
+            raise ShapeError(f"{node.op}: %{v.name} is declared {v.type} but the operator gives {t}", loc=node.loc,
+                             hint=f"declare %{v.name}: {t}, or change the operands")
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
@@ -82,7 +87,8 @@ class _Scope:
             raise ValidationError(f"{var.name!r} is not a valid value name in the {self.what}", loc=loc,
                                   hint="names are identifiers: letters, digits, '_' and '.', not starting with a digit")
         if var.name in self.types:
-            raise ValidationError(f"%{var.name} is defined twice in the {self.what}", loc=loc)
+            raise ValidationError(f"%{var.name} is defined twice in the {self.what}", loc=loc,
+                                  hint="every value is defined once: rename one of them")
         try:
             check_tensor_type(var.type, f"%{var.name}")
         except MdslError as e:
@@ -91,9 +97,11 @@ class _Scope:
 
     def use(self, var, loc=None) -> TensorType:
         if var.name not in self.types:
-            raise ValidationError(f"%{var.name} is used before it is defined in the {self.what}", loc=loc)
+            raise ValidationError(f"%{var.name} is used before it is defined in the {self.what}", loc=loc,
+                                  hint="a graph defines its values (inputs, node outputs) before using them")
         if self.types[var.name] != var.type:
-            raise ShapeError(f"%{var.name} is used as {var.type} but defined as {self.types[var.name]}", loc=loc)
+            raise ShapeError(f"%{var.name} is used as {var.type} but defined as {self.types[var.name]}", loc=loc,
+                             hint="a value has one type: the one it is defined with")
         return var.type
 
 
@@ -129,20 +137,23 @@ def validate_kernel_graph(graph: KernelGraph, *, smem_limit: int = SMEM_LIMIT_BY
 
 def validate_thread_graph(graph: ThreadGraph, input_types: tuple) -> tuple:
     if len(graph.inputs) != len(input_types):
-        raise _at(ValidationError(f"thread graph takes {len(graph.inputs)} inputs but is given {len(input_types)}"),
+        raise _at(ValidationError(f"thread graph takes {len(graph.inputs)} inputs but is given {len(input_types)}",
+                                  hint="a fused node passes its operands to its thread graph's inputs, one each"),
                   "inputs")
     scope = _Scope("thread graph")
     for k, (v, t) in enumerate(zip(graph.inputs, input_types)):
         try:
             if v.type != t:
-                raise ShapeError(f"thread graph input %{v.name} is {v.type} but is given {t}")
+                raise ShapeError(f"thread graph input %{v.name} is {v.type} but is given {t}",
+                                 hint="declare the thread graph's inputs with its fused node's operand types")
             scope.define(v)
         except MdslError as e:
             raise _at(e, f"inputs[{k}]")
     for i, node in enumerate(graph.nodes):
         try:
             if not get_op(node.op).is_elementwise:
-                raise ValidationError(f"{node.op} is not element-wise and cannot run in a thread graph", loc=node.loc)
+                raise ValidationError(f"{node.op} is not element-wise and cannot run in a thread graph", loc=node.loc,
+                                      hint="a thread graph holds element-wise operators only")
             types = tuple(scope.use(v, node.loc) for v in node.inputs)
             _check_outputs(node, check_node(node, THREAD, types))
             for v in node.outputs:
@@ -150,7 +161,8 @@ def validate_thread_graph(graph: ThreadGraph, input_types: tuple) -> tuple:
         except MdslError as e:
             raise _within(e, f"nodes[{i}]")
     if not graph.outputs:
-        raise _at(ValidationError("a thread graph needs at least one output"), "outputs")
+        raise _at(ValidationError("a thread graph needs at least one output", hint="add an `out %value` line"),
+                  "outputs")
     out = []
     for k, v in enumerate(graph.outputs):
         try:
@@ -176,7 +188,8 @@ def input_tile_type(tensor: TensorType, grid: tuple, forloop: int, imap: tuple, 
             raise ValidationError(f"{what}: imap maps grid dim {axis} (size 1) to tensor dim {d}",
                                   hint="a grid dim of size 1 splits nothing; map it to None")
         if not 0 <= d < tensor.rank:
-            raise ValidationError(f"{what}: imap maps grid dim {axis} to dim {d}, but {tensor} has rank {tensor.rank}")
+            raise ValidationError(f"{what}: imap maps grid dim {axis} to dim {d}, but {tensor} has rank {tensor.rank}",
+                                  hint=f"map it to a dim from 0 to {tensor.rank - 1}, or to None")
         if d in seen:
             raise ValidationError(f"{what}: grid dims {seen[d]} and {axis} both split tensor dim {d}",
                                   hint="map each tensor dim from at most one grid dim")
@@ -187,7 +200,8 @@ def input_tile_type(tensor: TensorType, grid: tuple, forloop: int, imap: tuple, 
         shape[d] //= size
     if fmap is not None:
         if not 0 <= fmap < tensor.rank:
-            raise ValidationError(f"{what}: fmap {fmap} is out of range for {tensor}")
+            raise ValidationError(f"{what}: fmap {fmap} is out of range for {tensor}",
+                                  hint=f"fmap is a dim from 0 to {tensor.rank - 1}, or None")
         if shape[fmap] % forloop:
             raise ValidationError(f"{what}: the for-loop range {forloop} does not divide dim {fmap} of the block's tile "
                                   f"({shape[fmap]})", hint=f"choose a for-loop range that divides {shape[fmap]}")
@@ -211,9 +225,11 @@ def output_tensor_type(tile: TensorType, grid: tuple, omap: tuple, what: str = "
             raise ValidationError(f"{what}: omap maps grid dim {axis} (size 1) to tensor dim {d}",
                                   hint="a grid dim of size 1 concatenates nothing; map it to None")
         if not 0 <= d < tile.rank:
-            raise ValidationError(f"{what}: omap maps grid dim {axis} to dim {d}, but the tile {tile} has rank {tile.rank}")
+            raise ValidationError(f"{what}: omap maps grid dim {axis} to dim {d}, but the tile {tile} has rank {tile.rank}",
+                                  hint=f"map it to a dim from 0 to {tile.rank - 1}")
         if d in seen:
-            raise ValidationError(f"{what}: grid dims {seen[d]} and {axis} both concatenate into tensor dim {d}")
+            raise ValidationError(f"{what}: grid dims {seen[d]} and {axis} both concatenate into tensor dim {d}",
+                                  hint="map each tensor dim from at most one grid dim")
         seen[d] = axis
         shape[d] *= size
     return tile.with_shape(shape)
@@ -284,7 +300,8 @@ def validate_block_graph(graph: BlockGraph, input_types: tuple, *, smem_limit: i
     check_launch(graph.grid, graph.threads, graph.forloop)
     if len(graph.inputs) != len(input_types):
         raise _at(ValidationError(f"the block graph reads {len(graph.inputs)} inputs but the custom op passes "
-                                  f"{len(input_types)}"), "inputs")
+                                  f"{len(input_types)}", hint="a custom node's operands are its block graph's inputs, "
+                                                               "one each"), "inputs")
 
     scope = _Scope("block graph")
     for k, (inp, tensor) in enumerate(zip(graph.inputs, input_types)):
@@ -293,7 +310,7 @@ def validate_block_graph(graph: BlockGraph, input_types: tuple, *, smem_limit: i
             tile = input_tile_type(tensor, graph.grid, graph.forloop, inp.imap, inp.fmap, what)
             if inp.var.type != tile:
                 raise ShapeError(f"{what}: its tile is {tile} under imap {list(inp.imap)} and fmap {inp.fmap}, "
-                                 f"but it is declared {inp.var.type}")
+                                 f"but it is declared {inp.var.type}", hint=f"declare it {tile}")
             scope.define(inp.var)
         except MdslError as e:
             raise _at(e, f"inputs[{k}]")
@@ -306,7 +323,8 @@ def validate_block_graph(graph: BlockGraph, input_types: tuple, *, smem_limit: i
             raise _within(e, f"nodes[{i}]")
 
     if not graph.outputs:
-        raise _at(ValidationError("a block graph needs at least one output"), "outputs")
+        raise _at(ValidationError("a block graph needs at least one output", hint="add an `out %value omap=[...]` line"),
+                  "outputs")
     out_types = []
     for k, out in enumerate(graph.outputs):
         try:
