@@ -331,7 +331,15 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
     raise _numpy_error(ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}", self)
 
 
+# numpy functions that read only the shape work as on arrays (code branches on shapes while tracing)
+_SHAPE_FUNCTIONS = {np.shape: lambda t: t.shape, np.ndim: lambda t: t.ndim,
+                    np.size: lambda t, axis=None: math.prod(t.shape) if axis is None else t.shape[axis]}
+
+
 def _array_function(self, func, types, args, kwargs):
+    shape_function = _SHAPE_FUNCTIONS.get(func)
+    if shape_function is not None and args and args[0] is self:
+        return shape_function(*args, **kwargs)
     raise _numpy_error(func.__name__, self)
 
 

@@ -24,7 +24,7 @@ from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
 from mdsl.ir.types import TensorType, Var, check_shape
-from mdsl.ir.validate import validate_kernel_graph
+from mdsl.ir.validate import check_launch, validate_kernel_graph
 
 VERSION = 1
 # A kernel's custom op holds a block graph, whose fused op holds a thread graph: nothing nests deeper.
@@ -267,6 +267,10 @@ def _read_block(obj: dict, path: str, scope: _Scope, depth: int) -> BlockGraph:
     grid = _get(obj, "grid", path, _grid)
     threads = _get(obj, "threads", path, _int)
     forloop = _get(obj, "forloop", path, _int)
+    try:
+        check_launch(tuple(grid) + (1,) * (3 - len(grid)), threads, forloop)
+    except MdslError as e:
+        raise type(e)(f"{path}.{e.ir_path}: {e.message}" if path else f"{e.ir_path}: {e.message}", hint=e.hint) from None
     inputs = _items(obj, "inputs", path, block_input)
     nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, block_output)

@@ -28,7 +28,7 @@ from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
 from mdsl.ir.types import TensorType, Var, check_shape
-from mdsl.ir.validate import validate_kernel_graph
+from mdsl.ir.validate import check_launch, validate_kernel_graph
 
 Graph = Union[KernelGraph, BlockGraph, ThreadGraph]
 
@@ -358,6 +358,10 @@ class _Parser:
             threads = self.keyword_value("threads", self.integer)
             self.expect(",")
             forloop = self.keyword_value("forloop", self.integer)
+            try:
+                check_launch(tuple(grid) + (1,) * (3 - len(grid)), threads, forloop)
+            except MdslError as e:
+                raise e.with_loc(self.loc(self.peek()))
             self.expect(")")
             self.expect("{")
             self.end_line()
