@@ -121,7 +121,8 @@ def from_json(data: Any) -> Graph:
 
 
 def _fail(path: str, message: str) -> ParseError:
-    return ParseError(f"{path or 'the document'}: {message}")
+    return ParseError(f"{path or 'the document'}: {message}",
+                      hint="the JSON form is what mdsl.ir.serialize.dumps writes (schema: mdsl/ir/serialize.py)")
 
 
 def _describe(value: Any) -> str:
@@ -313,7 +314,17 @@ def _non_finite_floats(op: OpDef, raw: dict) -> dict:
     return {k: _NON_FINITE.get(v, v) if k in floats and isinstance(v, str) else v for k, v in raw.items()}
 
 
+def _count(value: Any, path: str) -> int:
+    """A line or column number: an integer >= 0 (what the text form's `# @ FILE:LINE:COL-END` holds)."""
+    number = _int(value, path)
+    if number < 0:
+        raise _fail(path, f"expected a line or column number (>= 0), got {_describe(value)}")
+    return number
+
+
 def _read_loc(value: Any, path: str) -> SourceLoc:
     obj = _object(value, path)
-    return SourceLoc(_get(obj, "file", path, _str), _get(obj, "line", path, _int),
-                     _opt_int(obj.get("col"), f"{path}.col"), _opt_int(obj.get("end_col"), f"{path}.end_col"))
+    col, end_col = obj.get("col"), obj.get("end_col")
+    return SourceLoc(_get(obj, "file", path, _str), _get(obj, "line", path, _count),
+                     None if col is None else _count(col, f"{path}.col"),
+                     None if end_col is None else _count(end_col, f"{path}.end_col"))

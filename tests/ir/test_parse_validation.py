@@ -175,6 +175,15 @@ def test_json_validation_errors_name_the_field_inside_a_body():
     assert info.value.message == "nodes[0].body.nodes[0]: accum: %a is declared f32[3] but the operator gives f32[2]"
 
 
+@pytest.mark.parametrize("field", ["line", "col", "end_col"])
+def test_json_source_locations_hold_what_the_text_form_can(field):
+    """A location the text form could not print back (a negative line or column) is rejected."""
+    data = to_json(parse(_kernel("4", "  %y: f32[4] = exp(%x)  # @ user.py:3:4-9", ret="%y")))
+    data["nodes"][0]["loc"][field] = -1
+    e = _json_error(data, ParseError)
+    assert e.message == f"nodes[0].loc.{field}: expected a line or column number (>= 0), got -1"
+
+
 def test_kernel_names_are_identifiers():
     data = to_json(parse(_kernel("4")))
     data["name"] = "my kernel"
