@@ -322,6 +322,7 @@ def test_numpy_scalars_and_operators_still_trace():
     def by_shape(x: Tensor[4, 2, f32]):   # numpy's shape functions read the static shape
         assert np.shape(x) == (4, 2) and np.ndim(x) == 2 and np.size(x) == 8 and np.size(x, 1) == 2
         return x
+
     assert by_shape.graph.outputs == by_shape.graph.inputs
 
 
