@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -152,6 +153,18 @@ def _positive(kind: type):
     return parse
 
 
+def _log_file(text: str) -> Path:
+    """--log: a file the search can append to, checked before the search starts."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it, e.g. {path / 'search.jsonl'}")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {text} does not exist")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return path
+
+
 def version(args: argparse.Namespace) -> int:
     print(f"mdsl {__version__}")
     return EXIT_OK
@@ -178,7 +191,8 @@ def make_parser() -> argparse.ArgumentParser:
     opt.add_argument("--seed", type=int, help="the seed all of the search's randomness derives from (default 0)")
     opt.add_argument("--workers", type=_positive(int), help="processes that verify candidates (default: one per core)")
     opt.add_argument("--no-cache", action="store_true", help="search even if a cached plan exists (and do not store it)")
-    opt.add_argument("--log", metavar="FILE.jsonl", help="append the search's events to FILE.jsonl, one JSON object a line")
+    opt.add_argument("--log", type=_log_file, metavar="FILE.jsonl",
+                     help="append the search's events to FILE.jsonl, one JSON object a line")
     opt.add_argument("--trace-only", action="store_true", help="print the traced kernel graphs, without searching")
     opt.add_argument("--backend", choices=("cuda", "ptx"), default="cuda",
                      help="the code generator of the GPU check on a machine with a GPU: cuda (CUDA C++ by NVRTC, "

@@ -3,6 +3,8 @@ where in the user's code (file, line, a caret under the column when known) and h
 from __future__ import annotations
 
 import linecache
+import os
+import stat
 from typing import Optional
 
 import attrs
@@ -21,6 +23,8 @@ class SourceLoc:
         return f"{self.file}:{self.line}" if self.col is None else f"{self.file}:{self.line}:{self.col + 1}"
 
     def source_line(self) -> Optional[str]:
+        if self.file not in linecache.cache and not _may_read(self.file):
+            return None
         text = linecache.getline(self.file, self.line)
         return text.rstrip("\n") if text else None
 
@@ -39,13 +43,39 @@ class SourceLoc:
         return out
 
 
+# A location may come from a stored plan or a parsed text, naming any file: only a regular file of
+# source-like size is read to show its line (never a device, a pipe or a huge file).
+_MAX_SOURCE_BYTES = 16 << 20
+
+
+def _may_read(file: str) -> bool:
+    try:
+        info = os.stat(file)
+    except (OSError, ValueError):
+        return True   # not a path here: linecache looks it up by module name, or finds nothing
+    return stat.S_ISREG(info.st_mode) and info.st_size <= _MAX_SOURCE_BYTES
+
+
+def short_repr(value) -> str:
+    """A value for a message: its repr, at most 60 characters; an astronomically large integer as a power
+    of two (its thousands of digits say nothing, and Python refuses to print more than 4300)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}about 2^{value.bit_length() - 1}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class MdslError(Exception):
-    """Base class of every error mdsl raises on bad input."""
+    """Base class of every error mdsl raises on bad input.
+
+    `ir_path` is set by validation to the failing part of a mugraph (e.g. `nodes[3].body.inputs[0]`),
+    so that a reader of the JSON form can name the field."""
 
     def __init__(self, message: str, *, loc: Optional[SourceLoc] = None, hint: Optional[str] = None):
         self.message = message
         self.loc = loc
         self.hint = hint
+        self.ir_path: Optional[str] = None
         super().__init__(message)
 
     def with_loc(self, loc: Optional[SourceLoc]) -> "MdslError":

@@ -34,7 +34,8 @@ NAME_STEMS = ("t", "x", "acc", "in", "out", "return", "kernel", "block", "inf", 
 FILE_NAMES = ("/path/examples/model.py", "C:\\work\\kernel.py", "a:12", "x:1:2-3", "with space.py", "#hash.py",
               '"quoted".py', " lead.py", "tab\tname.py", "new\nline.py", "", "ünï.py", "sep\u2028.py")
 
-floats = st.floats(allow_nan=False, width=64)
+floats = st.floats(allow_nan=False, width=64)                # clamp bounds: +-inf allowed
+finite_floats = st.floats(allow_nan=False, allow_infinity=False)  # scalar operands are finite
 locs = st.none() | st.builds(
     SourceLoc,
     file=st.sampled_from(FILE_NAMES) | st.text(max_size=12),
@@ -100,9 +101,9 @@ class _Scope:
     def unary(self, x: Var, pool=None) -> list:
         op = self.draw(st.sampled_from(UNARY + ("mul_scalar", "add_scalar", "pow_scalar", "clamp", "cast")))
         if op in ("mul_scalar", "add_scalar"):
-            return self.add(op, [x], {"value": self.draw(floats)}, pool)
+            return self.add(op, [x], {"value": self.draw(finite_floats)}, pool)
         if op == "pow_scalar":
-            return self.add(op, [x], {"exponent": self.draw(floats)}, pool)
+            return self.add(op, [x], {"exponent": self.draw(finite_floats)}, pool)
         if op == "clamp":
             lo, hi = sorted(self.draw(st.lists(floats, min_size=2, max_size=2)))
             return self.add(op, [x], {"min": lo, "max": hi}, pool)

@@ -11,7 +11,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from mdsl.errors import MdslError, ShapeError, TraceError, UnsupportedError
+from mdsl.errors import MdslError, ShapeError, TraceError, UnsupportedError, short_repr
 from mdsl.frontend.source import caller_loc
 from mdsl.frontend.tracer import SymbolicTensor, as_symbolic, common_tracer
 from mdsl.ir.dtypes import DType
@@ -94,10 +94,16 @@ def cast(x, dtype: Union[DType, str]):
 # element-wise binary, with Python scalars on either side
 
 def _scalar(value, op: str) -> float:
-    value = float(value)
-    if not math.isfinite(value):
-        raise TraceError(f"{op} with the non-finite scalar {value}", loc=caller_loc())
-    return value
+    try:
+        number = float(value)
+    except OverflowError:
+        raise TraceError(f"{op} with the scalar {short_repr(value)}, beyond the range of a float64 (about 1.8e308)",
+                         loc=caller_loc(), hint="scalars become float constants of the kernel: use one a float "
+                                                "can hold") from None
+    if not math.isfinite(number):
+        raise TraceError(f"{op} with the non-finite scalar {number}", loc=caller_loc(),
+                         hint="scalars become float constants of the kernel: use a finite one")
+    return number
 
 
 def add(x, y):
@@ -294,8 +300,58 @@ def _scalar_to_tensor_power(self, base):
                            hint="for c ** x use mdsl.exp(x * math.log(c))")
 
 
+# numpy functions and ufuncs applied to traced tensors: Python operators reach numpy's arithmetic
+# ufuncs when the other operand is a numpy scalar or array (`np.float32(2) * x`), and run as the
+# operators; any other numpy function needs values, so its error names the mdsl function to use.
+
+_UFUNC_OPERATORS = {np.add: add, np.subtract: sub, np.multiply: mul, np.true_divide: div, np.matmul: matmul,
+                    np.power: power, np.negative: neg, np.positive: lambda x: x}
+_MDSL_EQUIVALENTS = {
+    "exp": "exp", "sqrt": "sqrt", "square": "square", "negative": "neg", "reciprocal": "reciprocal",
+    "clip": "clamp", "sum": "sum", "mean": "mean", "max": "max", "amax": "max", "concatenate": "concat",
+    "concat": "concat", "split": "split", "array_split": "chunk", "reshape": "reshape", "transpose": "transpose",
+    "permute_dims": "permute", "matmul": "matmul", "dot": "matmul", "maximum": "relu or mdsl.clamp",
+    "astype": "cast",
+}
+
+
+def _numpy_error(name: str, tensor: SymbolicTensor) -> TraceError:
+    same = _MDSL_EQUIVALENTS.get(name)
+    hint = (f"use mdsl.{same} instead" if same else
+            f"mdsl has no {name}; it traces: {', '.join(f'mdsl.{f}' for f in PUBLIC_FUNCTIONS)}")
+    return TraceError(f"numpy.{name} cannot run on traced tensor %{tensor.var.name} {tensor.var.type}: a traced "
+                      "tensor has no values, so mdsl's own functions must record the operation",
+                      loc=caller_loc(), hint=hint)
+
+
+def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
+    operator = _UFUNC_OPERATORS.get(ufunc)
+    if operator is not None and method == "__call__" and not kwargs:
+        return operator(*inputs)
+    raise _numpy_error(ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}", self)
+
+
+# numpy functions that read only the shape work as on arrays (code branches on shapes while tracing)
+_SHAPE_FUNCTIONS = {np.shape: lambda t: t.shape, np.ndim: lambda t: t.ndim,
+                    np.size: lambda t, axis=None: math.prod(t.shape) if axis is None else t.shape[axis]}
+
+
+def _array_function(self, func, types, args, kwargs):
+    shape_function = _SHAPE_FUNCTIONS.get(func)
+    if shape_function is not None and args and args[0] is self:
+        return shape_function(*args, **kwargs)
+    raise _numpy_error(func.__name__, self)
+
+
+PUBLIC_FUNCTIONS = ("exp", "silu", "gelu", "relu", "sigmoid", "sqrt", "rsqrt", "square", "neg", "reciprocal",
+                    "clamp", "cast", "add", "sub", "mul", "div", "power", "matmul", "sum", "mean", "max",
+                    "rms_norm", "softmax", "concat", "split", "chunk", "reshape", "permute", "transpose")
+
+
 def _install_operators() -> None:
     T = SymbolicTensor
+    T.__array_ufunc__ = _array_ufunc
+    T.__array_function__ = _array_function
     T.__add__ = add
     T.__radd__ = lambda self, other: add(other, self)
     T.__sub__ = sub

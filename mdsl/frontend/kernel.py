@@ -11,9 +11,11 @@ import numpy as np
 from mdsl.errors import DTypeError, MdslError, ShapeError, TraceError
 from mdsl.frontend.source import caller_frame, caller_loc
 from mdsl.frontend.tensor import TensorSpec
-from mdsl.frontend.tracer import _ACTIVE_KERNEL_TRACERS, KernelTracer, SymbolicTensor
+from mdsl.frontend.tracer import _ACTIVE_KERNEL_TRACERS, KernelTracer, SymbolicTensor, common_tracer, sanitize_name
 from mdsl.ir.dtypes import dtype_of_array
 from mdsl.ir.graph import KernelGraph
+from mdsl.ir.ops import KERNEL
+from mdsl.ir.types import check_shape
 
 
 _DLPACK_CUDA_DEVICES = (2, 13)   # kDLCUDA, kDLCUDAManaged
@@ -59,6 +61,7 @@ class KernelFunction:
                                  loc=frame_loc_of(fn), hint="*args, **kwargs and keyword-only parameters are not traced")
         self.annotations = self._read_annotations(scope)
         self._graphs: dict = {}
+        self._tracing: set = set()      # signatures being traced now (a kernel that calls itself)
         self._executables: dict = {}   # ((shape, dtype name, device) per argument, backend) -> runtime.Executable
         self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
@@ -118,13 +121,20 @@ class KernelFunction:
             dtype = dtype_of_array(value)
         except DTypeError as e:
             raise DTypeError(f"kernel {self.name}: argument {name}: {e.message}", loc=caller_loc(), hint=e.hint)
-        return TensorSpec(tuple(int(d) for d in shape), dtype)
+        dims = tuple(int(d) for d in shape)
+        try:
+            check_shape(dims, dtype, f"kernel {self.name}: argument {name}")
+        except MdslError as e:
+            raise e.with_loc(caller_loc())
+        return TensorSpec(dims, dtype)
 
     def _annotated_specs(self) -> tuple:
         missing = [p.name for p in self.params if p.name not in self.annotations]
-        if missing:
+        if missing:  # points at the definition: the caller may be mdsl's command line, not the user's code
             raise TraceError(f"kernel {self.name}: parameter(s) {', '.join(missing)} have no Tensor[...] annotation",
-                             loc=caller_loc(), hint="annotate them, or call .trace(...) / the kernel with arrays")
+                             loc=frame_loc_of(self.fn),
+                             hint="annotate them (x: Tensor[16, 4096, mdsl.f16]), or call .trace(...) / the kernel "
+                                  "with arrays")
         return tuple(self.annotations[p.name] for p in self.params)
 
     def trace(self, *args) -> KernelGraph:
@@ -143,12 +153,18 @@ class KernelFunction:
     def _trace(self, specs: tuple) -> KernelGraph:
         from mdsl.ir.dump import dump_ir
 
-        tracer = KernelTracer(self.name)
+        if specs in self._tracing:
+            raise TraceError(f"kernel {self.name} calls itself with the same shapes, which never ends",
+                             loc=caller_loc(), hint="tracing runs the Python function: write the repetition as a "
+                                                    "Python loop over a fixed count instead of recursion")
+        tracer = KernelTracer(sanitize_name(self.name))   # the IR's names are identifiers: `<lambda>` is not
         args = [tracer.add_input(p.name, s.type) for p, s in zip(self.params, specs)]
         _ACTIVE_KERNEL_TRACERS.append(tracer)
+        self._tracing.add(specs)
         try:
             result = self.fn(*args)
         finally:
+            self._tracing.discard(specs)
             _ACTIVE_KERNEL_TRACERS.pop()
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for i, out in enumerate(outputs):
@@ -175,13 +191,23 @@ class KernelFunction:
 
     # -- running ---------------------------------------------------------------------------------
 
-    def __call__(self, *args, out=None, stream=None, backend: str = "cuda"):
-        """Run the kernel. GPU arrays (torch CUDA tensors, mdsl DeviceArrays, anything with
-        `__cuda_array_interface__` or a CUDA `__dlpack__`) run the optimized program on the GPU: `out`
-        (one array, or a tuple with one per output) receives the results, `stream` orders the launches
-        (default: torch's current stream for torch tensors, else the legacy default stream), `backend`
-        picks the code generator ("cuda": CUDA C++ by NVRTC; "ptx": PTX by llvmlite). Host arrays
-        (numpy, CPU torch) run through the numpy reference interpreter."""
+    def __call__(self, *args, out=None, stream=None, backend: str = "cuda", **kwargs):
+        """Run the kernel. Arguments are positional or named by the kernel's parameters. GPU arrays
+        (torch CUDA tensors, mdsl DeviceArrays, anything with `__cuda_array_interface__` or a CUDA
+        `__dlpack__`) run the optimized program on the GPU: `out` (one array, or a tuple with one per
+        output) receives the results, `stream` orders the launches (default: torch's current stream for
+        torch tensors, else the legacy default stream), `backend` picks the code generator ("cuda": CUDA
+        C++ by NVRTC; "ptx": PTX by llvmlite). Host arrays (numpy, CPU torch) run through the numpy
+        reference interpreter. Inside another kernel's trace, the call records this kernel's operations
+        there (its graph is inlined)."""
+        if kwargs:
+            args = self._positional(args, kwargs)
+        if any(isinstance(a, SymbolicTensor) for a in args):
+            if out is not None or stream is not None:
+                raise TraceError(f"kernel {self.name} called inside a trace with out= or stream=", loc=caller_loc(),
+                                 hint="inside a kernel, call another kernel with its tensors only; its results are "
+                                      "returned")
+            return self._inline(args)
         if out is not None or stream is not None or any(_is_device_array(a) for a in args):
             try:
                 return self._run_on_gpu(args, out, stream, backend)
@@ -192,6 +218,32 @@ class KernelFunction:
 
         outs = run_kernel_graph(graph, [_to_host(a) for a in args], precision="float32", round_storage=True)
         results = tuple(np.asarray(o).astype(_STORAGE[v.type.dtype.name]) for o, v in zip(outs, graph.outputs))
+        return results[0] if len(results) == 1 else results
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The arguments in parameter order, from positional and named ones."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TraceError(f"kernel {self.name}: {e}", loc=caller_loc(),
+                             hint=f"call it as {self.name}({', '.join(p.name for p in self.params)}); out=, "
+                                  "stream= and backend= are the call's own options") from None
+        return tuple(bound.arguments[p.name] for p in self.params)
+
+    def _inline(self, args: Sequence):
+        """This kernel applied to tensors of the kernel being traced: its nodes recorded there."""
+        self._check_arity(args)
+        for p, a in zip(self.params, args):
+            if not isinstance(a, SymbolicTensor):
+                raise TraceError(f"kernel {self.name}: argument {p.name} is a {type(a).__name__}, not a tensor of "
+                                 "the kernel being traced", loc=caller_loc(),
+                                 hint="inside a kernel, pass another kernel tensors computed from your parameters")
+        tracer = common_tracer(args, f"kernel {self.name}")
+        if tracer.level != KERNEL:
+            raise TraceError(f"kernel {self.name} is called inside a block graph", loc=caller_loc(),
+                             hint="call it outside the `with mdsl.block_graph(...)` block, on kernel tensors")
+        graph = self.trace(*(TensorSpec(a.shape, a.dtype) for a in args))
+        results = tracer.inline(graph, args)
         return results[0] if len(results) == 1 else results
 
     def _run_on_gpu(self, args: Sequence, out, stream, backend: str = "cuda"):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import attrs
 
-from mdsl.errors import DTypeError, ShapeError
+from mdsl.errors import DTypeError, MdslError, ShapeError, short_repr
 from mdsl.frontend.source import caller_loc
 from mdsl.ir.dtypes import DType, dtype_from_name
-from mdsl.ir.types import TensorType
+from mdsl.ir.types import TensorType, check_shape
 
 
 @attrs.frozen
@@ -32,6 +32,9 @@ class Tensor:
 
     def __class_getitem__(cls, item) -> TensorSpec:
         items = item if isinstance(item, tuple) else (item,)
+        if not items:
+            raise ShapeError("Tensor[()] names no dims and no dtype", loc=caller_loc(),
+                             hint="write e.g. Tensor[16, 4096, mdsl.f16]")
         *dims, dtype = items
         if not isinstance(dtype, DType):
             if not isinstance(dtype, str):
@@ -42,6 +45,10 @@ class Tensor:
             except DTypeError as e:
                 raise e.with_loc(caller_loc())
         if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
-            raise ShapeError(f"Tensor[...] dims must be positive integers, got {list(dims)}", loc=caller_loc(),
-                             hint="write e.g. Tensor[16, 4096, mdsl.f16]")
+            raise ShapeError(f"Tensor[...] dims must be positive integers, got [{', '.join(map(short_repr, dims))}]",
+                             loc=caller_loc(), hint="write e.g. Tensor[16, 4096, mdsl.f16]")
+        try:
+            check_shape(dims, dtype, "Tensor[...]")
+        except MdslError as e:
+            raise e.with_loc(caller_loc())
         return TensorSpec(tuple(dims), dtype)

@@ -15,8 +15,9 @@ from mdsl.errors import MdslError, SourceLoc, TraceError, UnsupportedError, Vali
 from mdsl.frontend.source import caller_loc
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
 from mdsl.ir.ops import BLOCK, KERNEL, get_op
-from mdsl.ir.types import TensorType, Var
-from mdsl.ir.validate import input_tile_type, output_tensor_type, validate_block_graph, validate_kernel_graph
+from mdsl.ir.types import TensorType, Var, check_tensor_type
+from mdsl.ir.validate import (check_launch, input_tile_type, output_tensor_type, validate_block_graph,
+                              validate_kernel_graph)
 
 
 def sanitize_name(name: str) -> str:
@@ -34,14 +35,18 @@ class Tracer:
         self.name = name
         self.nodes: list = []
         self._names: set = set()
+        self._next_suffix: dict = {}   # base -> the first suffix not tried yet, so naming stays O(1)
         self.closed = False
 
     def fresh(self, base: str) -> str:
         base = sanitize_name(base)
-        name, k = base, 0
+        name, k = base, self._next_suffix.get(base, 0)
+        if k:
+            name = f"{base}_{k}"
         while name in self._names:
             k += 1
             name = f"{base}_{k}"
+        self._next_suffix[base] = k + 1
         self._names.add(name)
         return name
 
@@ -68,6 +73,8 @@ class Tracer:
                                        hint=f"use it at the {' or '.join(sorted(opdef.levels))} level")
             attr_pairs = opdef.normalize_attrs(attrs or {})
             out_types = opdef.infer_types(tuple(t.var.type for t in inputs), attr_pairs)
+            for t in out_types:
+                check_tensor_type(t, f"the result of {op}")
         except MdslError as e:
             raise e.with_loc(loc)
         outs = tuple(self.new_var(op, t) for t in out_types)
@@ -93,6 +100,17 @@ class KernelTracer(Tracer):
         validate_kernel_graph(graph)
         self.closed = True
         return graph
+
+    def inline(self, graph: KernelGraph, args: Sequence["SymbolicTensor"]) -> tuple:
+        """Record another kernel's graph applied to `args` (tensors of this trace); its results, one per
+        output. The nodes keep their source lines, in the called kernel's function."""
+        values = {v.name: a.var for v, a in zip(graph.inputs, args)}
+        for node in graph.nodes:
+            outs = tuple(self.new_var(v.name, v.type) for v in node.outputs)
+            values.update(zip((v.name for v in node.outputs), outs))
+            self.nodes.append(Node(node.op, [values[v.name] for v in node.inputs], outs, node.attrs, node.body,
+                                   loc=node.loc))
+        return tuple(SymbolicTensor(self, values[v.name]) for v in graph.outputs)
 
 
 _ACTIVE_KERNEL_TRACERS: list = []
@@ -161,6 +179,12 @@ class SymbolicTensor:
         raise UnsupportedError(f"indexing traced tensor %{self.var.name} is not supported", loc=caller_loc(),
                                hint="use mdsl.split / mdsl.chunk to take slices and mdsl.reshape to drop dims")
 
+    def __array__(self, *args, **kwargs):
+        raise TraceError(f"traced tensor %{self.var.name} {self.var.type} has no values to make a numpy array of",
+                         loc=caller_loc(),
+                         hint="numpy runs on the arrays a kernel is called with, not inside the kernel: use "
+                              "mdsl's functions (mdsl.exp, mdsl.sum, mdsl.concat, ...) on traced tensors")
+
 
 def _from_end(dim: int, rank: int) -> int:
     """A negative dim counted from the end; other dims unchanged (range errors are the IR's to report)."""
@@ -210,9 +234,18 @@ class BlockBuilder(Tracer):
         self.kernel = current_kernel_tracer(self.loc)
         self.kernel.block_builders += 1
         super().__init__(name or f"block{self.kernel.block_builders}")
-        self.grid = tuple(grid)
+        try:
+            self.grid = tuple(grid)
+        except TypeError:
+            raise ValidationError(f"grid must be a tuple of 1 to 3 block counts, got {grid!r}", loc=self.loc,
+                                  hint="e.g. grid=(48,) or grid=(4, 2)") from None
         if not 1 <= len(self.grid) <= 3:
-            raise ValidationError(f"a grid has 1 to 3 dims (x, y, z), got {list(self.grid)}", loc=self.loc)
+            raise ValidationError(f"a grid has 1 to 3 dims (x, y, z), got {list(self.grid)}", loc=self.loc,
+                                  hint="e.g. grid=(48,) or grid=(4, 2)")
+        try:
+            check_launch(self._grid3, threads, forloop)
+        except MdslError as e:
+            raise e.with_loc(self.loc)
         self.forloop = forloop
         self.threads = threads
         self.inputs: list = []

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import attrs
 import numpy as np
 
-from mdsl.errors import DTypeError, ShapeError, UnsupportedError, ValidationError
+from mdsl.errors import DTypeError, ShapeError, UnsupportedError, ValidationError, short_repr
 from mdsl.ir.dtypes import DType, dtype_from_name
 from mdsl.ir.types import TensorType
 
@@ -27,11 +27,17 @@ _REQUIRED = object()
 @attrs.frozen
 class AttrSpec:
     """One attribute of an operator. `kind` is int | float | bool | ints | dtype | op (the name of a
-    registered element-wise operator of one operand and no attributes, such as an activation)."""
+    registered element-wise operator of one operand and no attributes, such as an activation).
+
+    A float is finite unless `infinite` allows +-inf (a clamp bound); NaN never is. `minimum` is
+    the smallest float allowed (an epsilon is >= 0). These are the only range rules of attributes:
+    tracing, validation and both parsers apply them through `OpDef.normalize_attrs`."""
 
     name: str
     kind: str
     default: Any = _REQUIRED
+    minimum: Optional[float] = None
+    infinite: bool = False
 
     @property
     def required(self) -> bool:
@@ -46,7 +52,12 @@ class AttrSpec:
             if self.kind == "float":
                 if isinstance(value, (bool, np.bool_, str, bytes)):
                     raise TypeError
-                return float(value)
+                try:
+                    number = float(value)
+                except OverflowError:
+                    raise ValidationError(f"attribute {self.name}={short_repr(value)} of {op} is beyond the range of "
+                                          "a float64 (about 1.8e308)", hint="write the number meant") from None
+                return self._in_range(number, op)
             if self.kind == "bool":
                 if not isinstance(value, (bool, np.bool_)):
                     raise TypeError
@@ -63,13 +74,30 @@ class AttrSpec:
             if self.kind == "op":
                 known = OPS.get(value) if isinstance(value, str) else None
                 if known is None or known.category != "elementwise" or known.arity != 1 or known.attr_specs:
-                    raise ValidationError(f"attribute {self.name}={value!r} of {op} must name an element-wise operator "
-                                          "of one operand and no attributes",
+                    raise ValidationError(f"attribute {self.name}={short_repr(value)} of {op} must name an element-wise "
+                                          "operator of one operand and no attributes",
                                           hint=f"one of {', '.join(unary_operator_names())}")
                 return value
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float64, inf to int
             pass
-        raise ValidationError(f"attribute {self.name}={value!r} of {op} must be of kind {self.kind}")
+        raise ValidationError(f"attribute {self.name}={short_repr(value)} of {op} must be of kind {self.kind}",
+                              hint=f"{self.name} is {self._kind_text()}")
+
+    def _kind_text(self) -> str:
+        if self.kind == "float":
+            text = "a number or +-inf (not NaN)" if self.infinite else "a finite number"
+            return text if self.minimum is None else f"{text} >= {self.minimum:g}"
+        return {"int": "an integer", "bool": "true or false", "ints": "a list of integers",
+                "dtype": "a dtype name"}.get(self.kind, f"of kind {self.kind}")
+
+    def _in_range(self, value: float, op: str) -> float:
+        if math.isnan(value) or (math.isinf(value) and not self.infinite):
+            hint = "a NaN or infinite value comes from a division by zero or an overflow; write the number meant"
+        elif self.minimum is not None and value < self.minimum:
+            hint = f"use a {self.name} of at least {self.minimum:g}"
+        else:
+            return value
+        raise ValidationError(f"attribute {self.name}={value!r} of {op} must be {self._kind_text()}", hint=hint)
 
 
 @attrs.frozen(eq=False)
@@ -185,7 +213,8 @@ def broadcast_shapes(op: str, *shapes: tuple) -> tuple:
 
 def norm_dim(op: str, dim: int, rank: int) -> int:
     if not -rank <= dim < rank:
-        raise ShapeError(f"{op}: dim {dim} is out of range for a tensor of rank {rank}")
+        raise ShapeError(f"{op}: dim {short_repr(dim)} is out of range for a tensor of rank {rank}",
+                         hint=f"dims count from 0 to {rank - 1}, or from the end: -1 is the last")
     return dim % rank
 
 
@@ -236,11 +265,13 @@ for _name, ((_an, _ak), _fn, _doc) in _SCALAR_UNARY.items():
 
 def _clamp_infer(types, a):
     if a["min"] > a["max"]:
-        raise ValidationError(f"clamp: min {a['min']} is greater than max {a['max']}")
+        raise ValidationError(f"clamp: min {a['min']} is greater than max {a['max']}",
+                              hint="clamp(x, min, max) needs min <= max")
     return _same_type("clamp")(types, a)
 
 
-register(OpDef("clamp", "elementwise", ALL_LEVELS, 1, (AttrSpec("min", "float"), AttrSpec("max", "float")),
+register(OpDef("clamp", "elementwise", ALL_LEVELS, 1, (AttrSpec("min", "float", infinite=True),
+                                                      AttrSpec("max", "float", infinite=True)),
                _clamp_infer, lambda xs, a: [np.clip(xs[0], a["min"], a["max"])], doc="min(max(x, min), max)"))
 
 
@@ -315,8 +346,6 @@ for _name, _fn in {"sum": np.sum, "mean": np.mean, "max": np.max}.items():
 def _rms_norm_infer(types, a):
     _require_float("rms_norm", types)
     norm_dim("rms_norm", a["dim"], types[0].rank)
-    if a["eps"] < 0:
-        raise ValidationError(f"rms_norm: eps must be >= 0, got {a['eps']}")
     return (types[0],)
 
 
@@ -326,7 +355,7 @@ def _rms_norm_ref(xs, a):
     return [x / np.sqrt(ms + x.dtype.type(a["eps"]))]
 
 
-register(OpDef("rms_norm", "norm", KERNEL_AND_BLOCK, 1, (AttrSpec("dim", "int", -1), AttrSpec("eps", "float", 1e-6)),
+register(OpDef("rms_norm", "norm", KERNEL_AND_BLOCK, 1, (AttrSpec("dim", "int", -1), AttrSpec("eps", "float", 1e-6, minimum=0.0)),
                _rms_norm_infer, _rms_norm_ref, doc="x / sqrt(mean(x^2 over dim) + eps)"))
 
 
@@ -380,7 +409,8 @@ def _reshape_infer(types, a):
     (x,) = types
     shape = a["shape"]
     if any(s <= 0 for s in shape) or math.prod(shape) != x.numel:
-        raise ShapeError(f"reshape: cannot view {x} ({x.numel} elements) as [{', '.join(map(str, shape))}]")
+        raise ShapeError(f"reshape: cannot view {x} ({x.numel} elements) as [{', '.join(map(short_repr, shape))}]",
+                         hint="the new shape's dims are positive and multiply to the same number of elements")
     return (x.with_shape(shape),)
 
 
@@ -464,7 +494,7 @@ _ACCUMULATORS = {
                   "sum over the iterations and the tile's last dim"),
     "accum_mean": (True, False, (), lambda it, a: [np.mean(_stack(it), axis=(0, -1))[..., None]],
                    "mean over the iterations and the tile's last dim"),
-    "accum_rms": (True, False, (AttrSpec("eps", "float", 1e-6),), _acc_rms,
+    "accum_rms": (True, False, (AttrSpec("eps", "float", 1e-6, minimum=0.0),), _acc_rms,
                   "sqrt(mean of squares over the iterations and the last dim + eps)"),
     "accum_max": (False, False, (), lambda it, a: [np.max(_stack(it), axis=0)],
                   "element-wise maximum over the iterations"),

@@ -19,14 +19,16 @@ import json
 import math
 from typing import Any, Optional, Union
 
-from mdsl.errors import MdslError, ParseError, SourceLoc
+from mdsl.errors import MdslError, ParseError, SourceLoc, short_repr
 from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
-from mdsl.ir.types import TensorType, Var
-from mdsl.ir.validate import validate_kernel_graph
+from mdsl.ir.types import TensorType, Var, check_shape
+from mdsl.ir.validate import check_launch, validate_kernel_graph
 
 VERSION = 1
+# A kernel's custom op holds a block graph, whose fused op holds a thread graph: nothing nests deeper.
+_MAX_BODY_DEPTH = 2
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 Graph = Union[KernelGraph, BlockGraph, ThreadGraph]
 
@@ -90,28 +92,44 @@ def loads(text: str) -> Graph:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ParseError(f"not valid JSON: {e.msg}", loc=SourceLoc("<json>", e.lineno, e.colno - 1)) from None
+    except RecursionError:
+        raise ParseError("not a mugraph: the JSON nests too deeply to read",
+                         hint=f"graph bodies nest at most {_MAX_BODY_DEPTH} deep") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise ParseError("not a mugraph: an integer of too many digits to read",
+                         hint="no size, dim or attribute of a mugraph needs that many") from None
     return from_json(data)
 
 
 def from_json(data: Any) -> Graph:
     """Read a graph of any level; malformed data raises ParseError, an invalid kernel graph the
-    error of the rule it breaks."""
+    error of the rule it breaks, its message starting with the path of the failing field."""
     _object(data, "the document")
     version = data.get("mdsl_ir")
     if type(version) is not int or version != VERSION:
-        raise ParseError(f"mdsl_ir: unsupported version {version!r} (this mdsl reads version {VERSION})")
-    graph = _read_graph(data, "")
+        raise ParseError(f"mdsl_ir: unsupported version {_describe(version)} (this mdsl reads version {VERSION})")
+    graph = _read_graph(data, "", 0)
     if isinstance(graph, KernelGraph):
-        validate_kernel_graph(graph)
+        try:
+            validate_kernel_graph(graph)
+        except MdslError as e:
+            if e.ir_path is not None:
+                e.message = f"{e.ir_path}: {e.message}"
+                e.args = (e.message,)
+            raise
     return graph
 
 
 def _fail(path: str, message: str) -> ParseError:
-    return ParseError(f"{path or 'the document'}: {message}")
+    return ParseError(f"{path or 'the document'}: {message}",
+                      hint="the JSON form is what mdsl.ir.serialize.dumps writes (schema: mdsl/ir/serialize.py)")
 
 
 def _describe(value: Any) -> str:
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON data, or an int of too many digits
+        text = short_repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -185,6 +203,10 @@ def _tensor_var(value: Any, path: str) -> Var:
     if dtype_name not in DTYPES:
         raise _fail(f"{path}.dtype", f"unknown dtype {dtype_name!r} (expected one of {', '.join(DTYPES)})")
     shape = _items(obj, "shape", path, _int)
+    try:
+        check_shape(shape, DTYPES[dtype_name], "the tensor")
+    except MdslError as e:
+        raise ParseError(f"{path}.shape: {e.message}", hint=e.hint) from None
     return Var(_get(obj, "name", path, _str), TensorType(shape, DTYPES[dtype_name]))
 
 
@@ -207,24 +229,31 @@ class _Scope:
         return var
 
 
-def _read_graph(value: Any, path: str) -> Graph:
+def _read_graph(value: Any, path: str, depth: int) -> Graph:
+    """A graph; `depth` counts the bodies around it (a kernel, or a top-level block or thread graph: 0)."""
     obj = _object(value, path)
     kind = _get(obj, "kind", path, _str)
     readers = {"kernel": _read_kernel, "block": _read_block, "thread": _read_thread}
     if kind not in readers:
-        raise _fail(f"{path}.kind" if path else "kind", f"expected 'kernel', 'block' or 'thread', got {kind!r}")
-    return readers[kind](obj, path, _Scope())
+        raise _fail(f"{path}.kind" if path else "kind", f"expected 'kernel', 'block' or 'thread', got {_describe(kind)}")
+    if kind != "kernel" and not path:
+        depth += 1   # a top-level block or thread graph is a body itself
+    if depth > _MAX_BODY_DEPTH:
+        raise ParseError(f"{path}: graph bodies nest more than {_MAX_BODY_DEPTH} deep",
+                         hint="a kernel's custom op holds a block graph, a block graph's fused op holds a "
+                              "thread graph, and a thread graph holds element-wise ops only")
+    return readers[kind](obj, path, _Scope(), depth)
 
 
-def _read_kernel(obj: dict, path: str, scope: _Scope) -> KernelGraph:
+def _read_kernel(obj: dict, path: str, scope: _Scope, depth: int) -> KernelGraph:
     name = _get(obj, "name", path, _str)
     inputs = _items(obj, "inputs", path, lambda v, p: scope.define(_tensor_var(v, p), p))
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, scope.use)
     return KernelGraph(name, inputs, nodes, outputs)
 
 
-def _read_block(obj: dict, path: str, scope: _Scope) -> BlockGraph:
+def _read_block(obj: dict, path: str, scope: _Scope, depth: int) -> BlockGraph:
     def block_input(value, p):
         entry = _object(value, p)
         var = scope.define(_get(entry, "var", p, _tensor_var), f"{p}.var")
@@ -239,26 +268,31 @@ def _read_block(obj: dict, path: str, scope: _Scope) -> BlockGraph:
     grid = _get(obj, "grid", path, _grid)
     threads = _get(obj, "threads", path, _int)
     forloop = _get(obj, "forloop", path, _int)
+    try:
+        check_launch(tuple(grid) + (1,) * (3 - len(grid)), threads, forloop)
+    except MdslError as e:
+        raise type(e)(f"{path}.{e.ir_path}: {e.message}" if path else f"{e.ir_path}: {e.message}", hint=e.hint) from None
     inputs = _items(obj, "inputs", path, block_input)
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, block_output)
     return BlockGraph(grid, threads, forloop, inputs, nodes, outputs)
 
 
-def _read_thread(obj: dict, path: str, scope: _Scope) -> ThreadGraph:
+def _read_thread(obj: dict, path: str, scope: _Scope, depth: int) -> ThreadGraph:
     inputs = _items(obj, "inputs", path, lambda v, p: scope.define(_tensor_var(v, p), p))
-    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope))
+    nodes = _items(obj, "nodes", path, lambda v, p: _read_node(v, p, scope, depth))
     outputs = _items(obj, "outputs", path, scope.use)
     return ThreadGraph(inputs, nodes, outputs)
 
 
-def _read_node(value: Any, path: str, scope: _Scope) -> Node:
+def _read_node(value: Any, path: str, scope: _Scope, depth: int) -> Node:
     obj = _object(value, path)
     op_name, op_path = _field(obj, "op", path)
+    op_name = _str(op_name, op_path)
     try:
-        op = get_op(_str(op_name, op_path))
+        op = get_op(op_name)
     except MdslError as e:
-        raise _fail(op_path, e.message) from None
+        raise ParseError(f"{op_path}: {e.message}", hint=e.hint) from None
     inputs = _items(obj, "inputs", path, scope.use)
     outputs = _items(obj, "outputs", path, _tensor_var)
     raw_attrs, attrs_path = _field(obj, "attrs", path)
@@ -267,7 +301,7 @@ def _read_node(value: Any, path: str, scope: _Scope) -> Node:
         attrs = op.normalize_attrs(_non_finite_floats(op, raw_attrs))
     except MdslError as e:
         raise ParseError(f"{attrs_path}: {e.message}", hint=e.hint) from None
-    body = _read_graph(*_field(obj, "body", path)) if "body" in obj else None
+    body = _read_graph(*_field(obj, "body", path), depth + 1) if "body" in obj else None
     loc = _read_loc(*_field(obj, "loc", path)) if "loc" in obj else None
     for k, var in enumerate(outputs):
         scope.define(var, f"{path}.outputs[{k}]")
@@ -280,7 +314,17 @@ def _non_finite_floats(op: OpDef, raw: dict) -> dict:
     return {k: _NON_FINITE.get(v, v) if k in floats and isinstance(v, str) else v for k, v in raw.items()}
 
 
+def _count(value: Any, path: str) -> int:
+    """A line or column number: an integer >= 0 (what the text form's `# @ FILE:LINE:COL-END` holds)."""
+    number = _int(value, path)
+    if number < 0:
+        raise _fail(path, f"expected a line or column number (>= 0), got {_describe(value)}")
+    return number
+
+
 def _read_loc(value: Any, path: str) -> SourceLoc:
     obj = _object(value, path)
-    return SourceLoc(_get(obj, "file", path, _str), _get(obj, "line", path, _int),
-                     _opt_int(obj.get("col"), f"{path}.col"), _opt_int(obj.get("end_col"), f"{path}.end_col"))
+    col, end_col = obj.get("col"), obj.get("end_col")
+    return SourceLoc(_get(obj, "file", path, _str), _get(obj, "line", path, _count),
+                     None if col is None else _count(col, f"{path}.col"),
+                     None if end_col is None else _count(end_col, f"{path}.end_col"))

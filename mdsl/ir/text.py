@@ -27,8 +27,8 @@ from mdsl.errors import MdslError, ParseError, SourceLoc
 from mdsl.ir.dtypes import DTYPES, DType
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.ops import OpDef, get_op
-from mdsl.ir.types import TensorType, Var
-from mdsl.ir.validate import validate_kernel_graph
+from mdsl.ir.types import TensorType, Var, check_shape
+from mdsl.ir.validate import check_launch, validate_kernel_graph
 
 Graph = Union[KernelGraph, BlockGraph, ThreadGraph]
 
@@ -169,6 +169,8 @@ _TOKEN = re.compile(r"""
   | (?P<punct>[()\[\]{},:=-])
 """, re.VERBOSE)
 _INT = re.compile(r"-?\d+")
+# A kernel's custom op holds a block graph, whose fused op holds a thread graph: nothing nests deeper.
+_MAX_BODY_DEPTH = 2
 _LOC_TAIL = r":(\d+)(?::(\d+))?(?:-(\d+))?"
 
 
@@ -245,6 +247,7 @@ class _Parser:
         self.text_locs = text_locs
         self.index = 0
         self.pos = 0
+        self.depth = 0   # bodies open around the current line (a top-level block or thread graph is one)
 
     # --- tokens -------------------------------------------------------------------------------
 
@@ -286,10 +289,12 @@ class _Parser:
     def loc(tok: _Tok) -> SourceLoc:
         return SourceLoc(_TEXT, tok.line, tok.col)
 
-    def error(self, expected: str, tok: Optional[_Tok] = None) -> ParseError:
+    def error(self, expected: str, tok: Optional[_Tok] = None, hint: Optional[str] = None) -> ParseError:
         tok = tok or self.peek()
         got = {"eol": "end of line", "eof": "end of text"}.get(tok.kind, repr(tok.text))
-        return ParseError(f"expected {expected}, got {got}", loc=self.loc(tok))
+        return ParseError(f"expected {expected}, got {got}", loc=self.loc(tok),
+                          hint=hint or "the parser reads the form mdsl prints (str(graph)); compare the line with "
+                                       "a printed graph")
 
     def end_line(self) -> _Line:
         """Check that the line is fully read and move to the next one; return the finished line."""
@@ -335,6 +340,17 @@ class _Parser:
 
     def body(self) -> tuple:
         """A block or thread graph from its header through its closing `}` line: (graph, that line)."""
+        self.depth += 1
+        try:
+            return self._body()
+        finally:
+            self.depth -= 1
+
+    def _body(self) -> tuple:
+        if self.depth > _MAX_BODY_DEPTH:
+            raise ParseError(f"graph bodies nest more than {_MAX_BODY_DEPTH} deep", loc=self.loc(self.peek()),
+                             hint="a kernel's custom op holds a block graph, a block graph's fused op holds a "
+                                  "thread graph, and a thread graph holds element-wise ops only")
         if self.accept("block"):
             self.expect("(")
             grid = self.keyword_value("grid", lambda: self.triple(self.integer))
@@ -342,6 +358,10 @@ class _Parser:
             threads = self.keyword_value("threads", self.integer)
             self.expect(",")
             forloop = self.keyword_value("forloop", self.integer)
+            try:
+                check_launch(tuple(grid) + (1,) * (3 - len(grid)), threads, forloop)
+            except MdslError as e:
+                raise e.with_loc(self.loc(self.peek()))
             self.expect(")")
             self.expect("{")
             self.end_line()
@@ -461,13 +481,27 @@ class _Parser:
         dtype = DTYPES.get(tok.text)
         if dtype is None:
             raise self.error(f"a dtype ({', '.join(DTYPES)})", tok)
-        return TensorType(self.seq(self.integer, "]", opened="["), dtype)
+        shape = self.seq(self.integer, "]", opened="[")
+        try:
+            check_shape(shape, dtype, "the tensor type")
+        except MdslError as e:
+            raise e.with_loc(self.loc(tok))
+        return TensorType(shape, dtype)
 
     def integer(self) -> int:
         tok = self.peek()
         if tok.kind != "num" or not _INT.fullmatch(tok.text):
             raise self.error("an integer")
-        return int(self.take().text)
+        return self.number(self.take())
+
+    def number(self, tok: _Tok) -> Union[int, float]:
+        if not _INT.fullmatch(tok.text):
+            return float(tok.text)
+        try:
+            return int(tok.text)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ParseError(f"the integer {tok.text[:20]}... has {len(tok.text)} digits, too many to read",
+                             loc=self.loc(tok), hint="no size, dim or attribute of a mugraph needs that many") from None
 
     def entry(self) -> Optional[int]:
         """A tensor dim in a grid map or fmap, or `-` for none."""
@@ -505,18 +539,21 @@ class _Parser:
             raise ParseError(e.message, loc=self.loc(where), hint=e.hint) from None
 
     def value(self):
-        """An attribute value as read: int, float, bool, a name (dtype) or a list of values."""
+        """An attribute value as read: int, float, bool, a name (dtype) or a list of those."""
+        if self.at("["):
+            return self.seq(self.scalar, "]", opened="[")
+        return self.scalar()
+
+    def scalar(self):
         tok = self.peek()
         if tok.kind == "num":
-            self.take()
-            return int(tok.text) if _INT.fullmatch(tok.text) else float(tok.text)
+            return self.number(self.take())
         if tok.kind == "ident":
             self.take()
             words = {"true": True, "false": False, "inf": float("inf"), "nan": float("nan")}
             return words.get(tok.text, tok.text)
-        if self.at("["):
-            return self.seq(self.value, "]", opened="[")
-        raise self.error("an attribute value")
+        raise self.error("an attribute value", hint="attribute values are numbers, true, false, names (dtypes, "
+                                                    "operators) and flat lists of them")
 
 
 def _comment_loc(line: _Line) -> Optional[SourceLoc]:
@@ -536,6 +573,13 @@ def _comment_loc(line: _Line) -> Optional[SourceLoc]:
         file = m and m.group(1)
     if m is None:
         raise ParseError("expected a source location FILE:LINE[:COL][-END] after '# @'",
-                         loc=SourceLoc(_TEXT, line.number, line.comment_col))
-    line_no, col, end_col = (None if g is None else int(g) for g in m.groups()[-3:])
+                         loc=SourceLoc(_TEXT, line.number, line.comment_col),
+                         hint="a comment that starts with '@' is a node's source location; write '# note' for "
+                              "other comments")
+    try:
+        line_no, col, end_col = (None if g is None else int(g) for g in m.groups()[-3:])
+    except ValueError:  # more digits than Python converts
+        raise ParseError("the source location's numbers have too many digits to read",
+                         loc=SourceLoc(_TEXT, line.number, line.comment_col),
+                         hint="write it as # @ FILE:LINE[:COL][-END]") from None
     return SourceLoc(file, line_no, col, end_col)

@@ -5,7 +5,13 @@ import math
 
 import attrs
 
+from mdsl.errors import ShapeError, short_repr
 from mdsl.ir.dtypes import DType
+
+#: Elements of one tensor: generated kernels index tensors with 32-bit integers.
+MAX_ELEMENTS = 2**31 - 1
+#: Dims of one tensor (numpy's limit: the reference interpreter, which verifies plans, is numpy).
+MAX_RANK = 32
 
 
 def _shape(value) -> tuple[int, ...]:
@@ -57,3 +63,27 @@ class Var:
 
     def __str__(self) -> str:
         return f"%{self.name}"
+
+
+def check_shape(shape, dtype: DType, what: str = "a tensor") -> None:
+    """Raise ShapeError unless `shape` is a tensor shape mdsl can hold: at most MAX_RANK dims, each a
+    positive int, at most MAX_ELEMENTS elements. The tracer, the validator and both parsers call this."""
+    shape = tuple(shape)
+    if len(shape) > MAX_RANK:
+        raise ShapeError(f"{what} has {len(shape)} dims, more than mdsl's limit of {MAX_RANK}",
+                         hint="merge dims with reshape")
+    shown = f"{dtype.name}[{', '.join(map(short_repr, shape))}]"
+    for i, d in enumerate(shape):
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            raise ShapeError(f"{what} {shown}: dim {i} is {short_repr(d)}, not a positive integer",
+                             hint="every dim of a tensor is at least 1")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise ShapeError(f"{what} {shown} has {short_repr(numel)} elements, over mdsl's limit of 2^31 - 1 "
+                         f"({MAX_ELEMENTS}) elements per tensor ({short_repr(numel * dtype.itemsize)} bytes)",
+                         hint="generated kernels index tensors with 32-bit integers: split the work into "
+                              "smaller tensors")
+
+
+def check_tensor_type(t: TensorType, what: str = "a tensor") -> None:
+    check_shape(t.shape, t.dtype, what)

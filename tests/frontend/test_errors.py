@@ -275,3 +275,201 @@ def test_grid_map_with_more_than_three_entries():
     with pytest.raises(mdsl.ValidationError, match="at most 3 entries") as info:
         k.graph
     assert f"test_errors.py:{line_of('map4')}:" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy on traced tensors, call arguments, scalars, launch parameters
+
+def test_numpy_function_on_a_traced_tensor_names_the_mdsl_function():
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return np.exp(x)  # @np-exp
+
+    with pytest.raises(mdsl.TraceError) as info:
+        k.graph
+    check(info, "np-exp", "numpy.exp cannot run on traced tensor %x", "use mdsl.exp instead")
+
+
+@pytest.mark.parametrize("call,fragments", [
+    (lambda x: np.sum(x, axis=0), ("numpy.sum", "use mdsl.sum instead")),
+    (lambda x: np.concatenate([x, x]), ("numpy.concatenate", "use mdsl.concat instead")),
+    (lambda x: np.tanh(x), ("numpy.tanh", "mdsl has no tanh", "mdsl.exp")),
+    (lambda x: np.add.reduce(x), ("numpy.add.reduce",)),
+    (lambda x: np.multiply(x, 2.0, out=x), ("numpy.multiply",)),
+    (lambda x: np.asarray(x), ("has no values to make a numpy array of", "mdsl.exp")),
+])
+def test_other_numpy_calls_on_traced_tensors(call, fragments):
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return call(x)
+
+    with pytest.raises(mdsl.TraceError) as info:
+        k.graph
+    text = str(info.value)
+    assert f"{Path(__file__).name}:" in text and "\nhint: " in text
+    for fragment in fragments:
+        assert fragment in text, text
+
+
+def test_numpy_scalars_and_operators_still_trace():
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return np.float32(2.0) * x + x * np.float64(0.5) - np.int64(1) + np.negative(x) ** np.int32(2)
+
+    assert [n.op for n in k.graph.nodes] == ["mul_scalar", "mul_scalar", "add", "add_scalar", "neg", "square", "add"]
+
+    @mdsl.kernel
+    def by_shape(x: Tensor[4, 2, f32]):   # numpy's shape functions read the static shape
+        assert np.shape(x) == (4, 2) and np.ndim(x) == 2 and np.size(x) == 8 and np.size(x, 1) == 2
+        return x
+
+    assert by_shape.graph.outputs == by_shape.graph.inputs
+
+
+def test_keyword_arguments_of_a_kernel_call():
+    @mdsl.kernel
+    def k(x: Tensor[4, f32], y: Tensor[4, f32]):
+        return x - y
+
+    a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+    np.testing.assert_array_equal(k(y=b, x=a), a - b)
+    np.testing.assert_array_equal(k(a, y=b), a - b)
+    with pytest.raises(mdsl.TraceError) as info:
+        k(a, b, z=b)  # @kwarg
+    check(info, "kwarg", "kernel k: got an unexpected keyword argument 'z'", "k(x, y)", "out=")
+    with pytest.raises(mdsl.TraceError) as info:
+        k(a, x=b)  # @kwarg-twice
+    check(info, "kwarg-twice", "multiple values for argument 'x'")
+
+
+@pytest.mark.parametrize("expression", [lambda x: x * 10**400, lambda x: 10**400 + x, lambda x: x - 10**400,
+                                        lambda x: 10**400 / x, lambda x: x ** 10**400])
+def test_integers_beyond_float64_are_trace_errors(expression):
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return expression(x)
+
+    with pytest.raises(mdsl.TraceError, match=r"the scalar about 2\^1328, beyond the range of a float64") as info:
+        k.graph
+    assert f"{Path(__file__).name}:" in str(info.value) and info.value.hint
+
+
+def test_clamp_bounds_beyond_float64():
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return mdsl.clamp(x, 0, 10**400)  # @clamp-big
+
+    with pytest.raises(mdsl.ValidationError) as info:
+        k.graph
+    check(info, "clamp-big", "attribute max=about 2^1328 of clamp is beyond the range of a float64")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"grid": (0,)}, "grid [0, 1, 1]: dim x must be an integer from 1 to 2147483647"),
+    ({"grid": (2, 0)}, "grid [2, 0, 1]: dim y must be an integer from 1 to 65535"),
+    ({"grid": (2.0,)}, "grid [2.0, 1, 1]: dim x must be an integer"),
+    ({"grid": 2}, "grid must be a tuple of 1 to 3 block counts, got 2"),
+    ({"grid": (2,), "forloop": 0}, "the for-loop range must be an integer from 1 to 2147483647, got 0"),
+    ({"grid": (2,), "threads": 100}, "a block of 100 threads: use a multiple of 32"),
+])
+def test_bad_launch_parameters_of_a_block_graph(kwargs, message):
+    @mdsl.kernel
+    def k(x: Tensor[4, 8, f32]):
+        with mdsl.block_graph(**kwargs) as b:  # @launch
+            xt = b.input(x, imap=(0,))
+            b.output(b.accum(xt), omap=(0,))
+        return b.results[0]
+
+    with pytest.raises(mdsl.ValidationError) as info:
+        k.graph
+    check(info, "launch", message)
+
+
+def test_zero_size_array_argument():
+    @mdsl.kernel
+    def k(x):
+        return x
+
+    with pytest.raises(mdsl.ShapeError) as info:
+        k(np.zeros((0, 4), np.float32))  # @empty
+    check(info, "empty", "kernel k: argument x f32[0, 4]: dim 0 is 0, not a positive integer")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels calling kernels
+
+@mdsl.kernel
+def _scaled(x, s):
+    return x * s + 1.0  # @callee
+
+
+def test_a_kernel_calling_a_kernel_inlines_it():
+    @mdsl.kernel
+    def outer(x: Tensor[4, f32], y: Tensor[4, f32]):
+        return mdsl.exp(_scaled(x, y))
+
+    graph = outer.graph
+    assert [n.op for n in graph.nodes] == ["mul", "add_scalar", "exp"]
+    assert [v.name for v in graph.inputs] == ["x", "y"] and graph.nodes[0].inputs == tuple(graph.inputs)
+    assert graph.nodes[0].loc.line == line_of("callee")   # the callee's own line
+    a, b = np.arange(4, dtype=np.float32), np.full(4, 0.5, np.float32)
+    np.testing.assert_allclose(outer(a, b), np.exp(a * b + 1.0), rtol=1e-6)
+
+
+def test_a_kernel_with_several_results_called_twice():
+    @mdsl.kernel
+    def halves(x):
+        return mdsl.chunk(x, 2, dim=0)
+
+    @mdsl.kernel
+    def outer(x: Tensor[4, f32]):
+        lo, hi = halves(x)
+        a, b = halves(lo + hi)
+        return a * b
+
+    assert [n.op for n in outer.graph.nodes] == ["split", "add", "split", "mul"]
+    names = [v.name for n in outer.graph.nodes for v in n.outputs]
+    assert len(names) == len(set(names)) == 6
+
+
+def test_a_kernel_calling_itself():
+    @mdsl.kernel
+    def k(x: Tensor[4, f32]):
+        return k(x)  # @recursion
+
+    with pytest.raises(mdsl.TraceError) as info:
+        k.graph
+    check(info, "recursion", "kernel k calls itself with the same shapes", "Python loop")
+
+
+def test_a_kernel_called_with_a_mix_of_traced_and_real_tensors():
+    @mdsl.kernel
+    def outer(x: Tensor[4, f32]):
+        return _scaled(x, np.ones(4, np.float32))  # @mixed
+
+    with pytest.raises(mdsl.TraceError) as info:
+        outer.graph
+    check(info, "mixed", "kernel _scaled: argument s is a ndarray, not a tensor of the kernel being traced")
+
+
+def test_a_kernel_called_inside_a_block_graph():
+    @mdsl.kernel
+    def outer(x: Tensor[4, 8, f32]):
+        with mdsl.block_graph(grid=(2,)) as b:
+            xt = b.input(x, imap=(0,))
+            b.output(b.accum(_scaled(xt, xt)), omap=(0,))  # @in-block
+        return b.results[0]
+
+    with pytest.raises(mdsl.TraceError) as info:
+        outer.graph
+    check(info, "in-block", "kernel _scaled is called inside a block graph", "outside the `with mdsl.block_graph")
+
+
+def test_an_unannotated_kernel_points_at_its_definition():
+    @mdsl.kernel  # @unannotated
+    def k(x):
+        return x
+
+    with pytest.raises(mdsl.TraceError) as info:
+        k.graph
+    check(info, "unannotated", "parameter(s) x have no Tensor[...] annotation")

@@ -139,8 +139,11 @@ def test_two_grid_dims_cannot_concatenate_into_one_dim():
 
 
 @pytest.mark.parametrize("grid, forloop, threads, match", [
-    ((0, 1, 1), 2, 128, r"grid \[0, 1, 1\] has a dim smaller than 1"),
-    ((2, 1, 1), 0, 128, "the for-loop range must be >= 1, got 0"),
+    ((0, 1, 1), 2, 128, r"grid \[0, 1, 1\]: dim x must be an integer from 1 to 2147483647"),
+    ((2, 1, 70000), 2, 128, r"grid \[2, 1, 70000\]: dim z must be an integer from 1 to 65535"),
+    ((2, 1, 1), 0, 128, "the for-loop range must be an integer from 1 to 2147483647, got 0"),
+    ((2, 1, 1), 2**40, 128, "the for-loop range must be an integer from 1 to 2147483647, got 1099511627776"),
+    ((2, 1, 1), 2.0, 128, "the for-loop range must be an integer from 1 to 2147483647, got 2.0"),
     ((2, 1, 1), 2, 100, "a block of 100 threads: use a multiple of 32 between 32 and 1024"),
     ((2, 1, 1), 2, 2048, "a block of 2048 threads"),
     ((2, 1, 1), 2, 0, "a block of 0 threads"),
