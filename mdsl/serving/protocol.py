@@ -101,8 +101,12 @@ class Layout:
             lines.append(f"  {ctype} {f.name}{f'[{f.count}]' if f.count > 1 else ''};")
         lines.append("};")
         lines.append(f'static_assert(sizeof({self.name}) == {self.size}, "{self.name}: the host\'s size");')
-        lines += [f'static_assert(__builtin_offsetof({self.name}, {name}) == {at}, "{self.name}.{name}");'
+        # NVRTC has no offsetof: the offsets are asserted where <cstddef> defines it (a host compiler's check;
+        # CUDA lays these types out as the host does)
+        lines.append("#ifdef offsetof")
+        lines += [f'static_assert(offsetof({self.name}, {name}) == {at}, "{self.name}.{name}");'
                   for name, at in self.offsets.items()]
+        lines.append("#endif")
         return "\n".join(lines)
 
 
