@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import deque
 from typing import Optional, Sequence, Union
 
@@ -23,8 +24,8 @@ from mdsl.megakernel.checkpoint import load_model
 from mdsl.megakernel.config import load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
-from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STOPPED, WAS_PREEMPTED,
-                                   ServingShape, host_region)
+from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STATUSES, STOPPED,
+                                   WAS_PREEMPTED, ServingShape, host_region)
 from mdsl.serving.tokenizer import Tokenizer
 
 PUMP_WAIT_S = 0.05      # the longest the host thread sleeps between looks at the ring
@@ -46,8 +47,10 @@ class RequestOutput:
 
 @attrs.frozen
 class ServingStats:
-    """The device's control words (steps run, preemptions, running requests in the last step and at the
-    peak, free pages) and the requests the host holds back until the queue has room."""
+    """The device's control words (its status, steps run, preemptions, running requests in the last step
+    and at the peak, free pages) and the requests the host holds back until the queue has room."""
+
+    status: str
 
     steps: int
     preemptions: int
@@ -246,7 +249,7 @@ class LLM:
         c = self._host["control"][0]
         with self._lock:
             pending = len(self._pending)
-        return ServingStats(int(c["steps"]), int(c["preemptions"]), int(c["running"]), int(c["peak_running"]),
+        return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]), int(c["peak_running"]),
                             int(c["free_pages"]), self.shape.num_pages, pending)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -256,11 +259,14 @@ class LLM:
                 return
             self._closed = True
             unfinished = list(self._handles.values())
+        self.device.resume()                   # a device held for debugging runs again
         for handle in unfinished:
             self._cancel(handle)
+        deadline = time.monotonic() + timeout
         for handle in unfinished:
             with handle._cond:
-                handle._cond.wait_for(lambda: handle.done() or not self.device.alive, timeout)
+                handle._cond.wait_for(lambda: handle.done() or not self.device.alive,
+                                      max(0.0, deadline - time.monotonic()))
         self._host["control"]["shutdown"] = 1
         self.device.wake()
         self.device.join(timeout)

@@ -33,6 +33,7 @@ REASON_NONE, REASON_STOP, REASON_LENGTH, REASON_CANCELLED = 0, 1, 2, 3
 REASONS = {REASON_STOP: "stop", REASON_LENGTH: "length", REASON_CANCELLED: "cancelled"}
 # device status (CONTROL.status)
 STARTING, SERVING, STOPPED, FAILED = 0, 1, 2, 3
+STATUSES = {STARTING: "starting", SERVING: "serving", STOPPED: "stopped", FAILED: "failed"}
 
 
 @attrs.frozen

@@ -152,3 +152,16 @@ def test_a_device_failure_reaches_every_request(checkpoints, monkeypatch):
                 h.result(timeout=60)
             with pytest.raises(ServingError, match="the forward broke"):
                 list(h)
+        assert llm.stats().status == "failed"
+
+
+def test_close_cancels_what_is_unfinished_and_stops_the_device(checkpoints):
+    llm = LLM(checkpoints["qwen3"].folder, max_batch=2)
+    llm.device.hold()
+    handles = [llm.submit([1, 2, 3], SamplingParams(max_new_tokens=40)) for _ in range(6)]
+    llm.device.step()
+    llm.device.step()
+    llm.close()
+    assert [h.result(timeout=0).finish_reason for h in handles] == ["cancelled"] * 6
+    stats = llm.stats()
+    assert not llm.device.alive and stats.status == "stopped" and stats.free_pages == stats.num_pages
