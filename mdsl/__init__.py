@@ -19,6 +19,7 @@ from mdsl.frontend.tensor import Tensor, TensorSpec
 from mdsl.frontend.tracer import BlockBuilder, block_graph
 from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.megakernel.model import ModelFunction, model
+from mdsl.serving import LLM, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -27,5 +28,5 @@ __all__ = [
     "add", "cast", "chunk", "clamp", "concat", "div", "exp", "gelu", "matmul", "max", "mean", "mul", "neg",
     "permute", "power", "reciprocal", "relu", "reshape", "rms_norm", "rsqrt", "sigmoid", "silu", "softmax",
     "split", "sqrt", "square", "sub", "sum", "transpose", "KernelFunction", "kernel", "Tensor", "TensorSpec",
-    "BlockBuilder", "block_graph", "bf16", "f16", "f32", "i32", "ModelFunction", "model",
+    "BlockBuilder", "block_graph", "bf16", "f16", "f32", "i32", "ModelFunction", "model", "LLM", "SamplingParams",
 ]

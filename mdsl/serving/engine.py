@@ -1,0 +1,417 @@
+"""The serving engine's host side: `LLM` takes requests from any thread, publishes them into the request
+queue, reads the token ring and streams each request's tokens to its handle. It talks to the device only
+through the protocol (mdsl.serving.protocol): the same code serves the CPU device and, later, the GPU's.
+
+    llm = LLM("path/to/checkpoint", max_batch=64)
+    handle = llm.submit([1, 2, 3], SamplingParams(max_new_tokens=32))
+    for token in handle:                 # as the device produces them
+        ...
+    outputs = llm.generate(["Hello", "Bonjour"], SamplingParams(temperature=0.8, top_p=0.9, seed=1))
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Optional, Sequence, Union
+
+import attrs
+import numpy as np
+
+from mdsl.errors import UnsupportedError
+from mdsl.megakernel.checkpoint import load_model
+from mdsl.megakernel.config import load_config
+from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
+from mdsl.serving.params import SamplingParams, ServingError
+from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STATUSES, STOPPED,
+                                   WAS_PREEMPTED, ServingShape, host_region)
+from mdsl.serving.tokenizer import Tokenizer
+
+PUMP_WAIT_S = 0.05      # the longest the host thread sleeps between looks at the ring
+
+
+@attrs.frozen
+class RequestOutput:
+    """A finished request: its tokens (the stop token last when it stopped on one), their text when the
+    checkpoint has a tokenizer, why it finished ("stop", "length" or "cancelled"), and how many times the
+    device preempted it (its streamed tokens never repeat)."""
+
+    request_id: int
+    prompt_token_ids: tuple
+    token_ids: tuple
+    finish_reason: str
+    text: Optional[str] = None
+    preemptions: int = 0
+
+
+@attrs.frozen
+class ServingStats:
+    """The device's control words (its status, steps run, preemptions, running requests in the last step
+    and at the peak, free pages) and the requests the host holds back until the queue has room."""
+
+    status: str
+
+    steps: int
+    preemptions: int
+    running: int
+    peak_running: int
+    free_pages: int
+    num_pages: int
+    host_pending: int
+
+
+class RequestHandle:
+    """One submitted request. Iterating it yields its tokens as they are produced (any number of
+    iterators, in any threads, each from the first token); `result()` waits for the end."""
+
+    def __init__(self, engine: "LLM", request_id: int, prompt: tuple, params: SamplingParams):
+        self._engine = engine
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.params = params
+        self._cond = threading.Condition()
+        self._tokens: list = []
+        self._reason: Optional[str] = None
+        self._error: Optional[BaseException] = None
+        self._preemptions = 0
+        self._handle: Optional[int] = None     # its prompt row / cancel flag once published
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle {self.request_id}: {len(self._tokens)} tokens, {self._reason or 'running'}>"
+
+    def __iter__(self):
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._tokens) and self._reason is None and self._error is None:
+                    self._cond.wait()
+                if self._error is not None:
+                    raise self._failure()
+                if i >= len(self._tokens):
+                    return
+                token = self._tokens[i]
+            i += 1
+            yield token
+
+    def done(self) -> bool:
+        return self._reason is not None or self._error is not None
+
+    def cancel(self) -> None:
+        """Stop the request: it finishes with reason "cancelled" and the tokens streamed so far."""
+        self._engine._cancel(self)
+
+    def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        with self._cond:
+            if not self._cond.wait_for(self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            if self._error is not None:
+                raise self._failure()
+            tokens, reason = tuple(self._tokens), self._reason
+        return RequestOutput(self.request_id, self.prompt_token_ids, tokens, reason,
+                             self._engine._tokenizer.decode(tokens), self._preemptions)
+
+    def _failure(self) -> ServingError:
+        return ServingError(f"request {self.request_id} failed: {self._error}",
+                            hint="the serving device stopped; its error is the cause of this one")
+
+    # ---- the engine's side
+
+    def _push(self, token: int, position: int) -> None:
+        with self._cond:
+            expected = len(self.prompt_token_ids) + len(self._tokens)
+            if position != expected:
+                raise ServingError(f"request {self.request_id}: the device sent the token of position {position}, "
+                                   f"expected {expected}")
+            self._tokens.append(token)
+            self._cond.notify_all()
+
+    def _finish(self, reason: str) -> None:
+        with self._cond:
+            self._reason = reason
+            self._cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._reason is None:
+                self._error = error
+            self._cond.notify_all()
+
+
+def _positive(name: str, value, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ServingError(f"{name} must be a positive integer, got {value!r}", hint=hint)
+    return value
+
+
+class LLM:
+    """A serving engine over a Llama-3 or Qwen3 checkpoint folder (config.json, *.safetensors, and
+    optionally generation_config.json for the EOS tokens and tokenizer.json for text prompts).
+
+    max_batch: requests in flight on the device at once (running, or preempted and waiting to recompute).
+    page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default
+    the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
+    by default enough for every batch slot at max_seq (nothing is ever preempted). device: "cpu" (numpy;
+    "gpu", the megakernel, is not built yet)."""
+
+    def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
+                 kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu"):
+        # the megakernel engine's EOS reader and default cache length (imported here: it loads the CUDA runtime)
+        from mdsl.megakernel.runtime.engine import DEFAULT_MAX_SEQ, eos_token_ids
+
+        if device == "gpu":
+            raise UnsupportedError("the GPU serving device is not built yet",
+                                   hint="use device='cpu'; MegakernelEngine runs one request at a time on a GPU")
+        if device != "cpu":
+            raise ServingError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
+        _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
+        config = load_config(model_dir)
+        if max_seq is None:
+            max_seq = min(config.max_positions, DEFAULT_MAX_SEQ)
+        _positive("max_seq", max_seq, "positions per request: prompt plus new tokens")
+        if max_seq > config.max_positions:
+            raise ServingError(f"max_seq {max_seq} exceeds the model's {config.max_positions} positions",
+                               hint="max_position_embeddings in config.json is the most a request can use")
+        loaded = load_model(model_dir, max_positions=max_seq)
+        self.config, self.model_dir = loaded.config, model_dir
+        self.eos_token_ids = tuple(eos_token_ids(model_dir))
+        num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
+        self.shape = ServingShape(max_batch, page_size, num_pages, max_seq)
+        region = host_region(self.shape)
+        self._host = region.views(region.allocate())
+        self._tokenizer = Tokenizer(model_dir)
+        self._lock = threading.Lock()
+        self._pending: deque = deque()         # submitted, not yet in the queue
+        self._handles: dict = {}               # request id -> handle, until its last record is read
+        self._free_handles = list(range(self.shape.handles))[::-1]
+        self._published = 0                    # requests written into the queue
+        self._ring_read = 0
+        self._next_id = 0
+        self._closed = False
+        self._pump_bell = Doorbell()
+        self.device = CpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+        self._pump = threading.Thread(target=self._serve, name="mdsl-serving-host", daemon=True)
+        self.device.start()
+        self._pump.start()
+
+    @staticmethod
+    def _pool_pages(graph, max_batch: int, page_size: int, max_seq: int, kv_pages, kv_cache_bytes) -> int:
+        if kv_pages is not None and kv_cache_bytes is not None:
+            raise ServingError("give kv_pages or kv_cache_bytes, not both")
+        if kv_pages is not None:
+            return _positive("kv_pages", kv_pages, "the page pool's size in pages")
+        if kv_cache_bytes is not None:
+            _positive("kv_cache_bytes", kv_cache_bytes, "the page pool's memory budget in bytes")
+            page_bytes = kv_bytes_per_token(graph) * page_size
+            if kv_cache_bytes < page_bytes:
+                raise ServingError(f"kv_cache_bytes {kv_cache_bytes} holds no page of {page_bytes} bytes",
+                                   hint="give at least one page's bytes (every layer's keys and values for "
+                                        "page_size positions)")
+            return kv_cache_bytes // page_bytes
+        serving_nodes(graph)   # a graph the device cannot serve fails here, before any allocation
+        return max_batch * -(-max_seq // page_size)
+
+    # ---- the API
+
+    def submit(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None) -> RequestHandle:
+        """Queue one request; its handle streams the tokens. Thread-safe."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ServingError(f"params must be a SamplingParams, got {type(params).__name__}")
+        tokens = self._prompt_tokens(prompt)
+        self._check_request(tokens, params)
+        with self._lock:
+            if self._closed:
+                raise ServingError("the engine is closed", hint="submit before close(), or make a new LLM")
+            handle = RequestHandle(self, self._next_id, tokens, params)
+            self._next_id += 1
+            self._handles[handle.request_id] = handle
+            self._pending.append(handle)
+        self._pump_bell.ring()
+        return handle
+
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
+                 params: Union[None, SamplingParams, Sequence[SamplingParams]] = None) -> list:
+        """Every prompt served together; their outputs in the prompts' order. `params`: one for all, or one
+        per prompt."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ServingError("generate takes a list of prompts", hint="use submit() for one prompt")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ServingError(f"{len(params)} SamplingParams for {len(prompts)} prompts",
+                               hint="give one SamplingParams for all prompts, or one per prompt")
+        handles = [self.submit(p, s) for p, s in zip(prompts, params)]
+        return [h.result() for h in handles]
+
+    def stats(self) -> ServingStats:
+        c = self._host["control"][0]
+        with self._lock:
+            pending = len(self._pending)
+        return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]), int(c["peak_running"]),
+                            int(c["free_pages"]), self.shape.num_pages, pending)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel what is unfinished, stop the device and the host thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            unfinished = list(self._handles.values())
+        self.device.resume()                   # a device held for debugging runs again
+        for handle in unfinished:
+            self._cancel(handle)
+        deadline = time.monotonic() + timeout
+        for handle in unfinished:
+            with handle._cond:
+                handle._cond.wait_for(lambda: handle.done() or not self.device.alive,
+                                      max(0.0, deadline - time.monotonic()))
+        self._host["control"]["shutdown"] = 1
+        self.device.wake()
+        self.device.join(timeout)
+        if self.device.alive:
+            self.device.stop(timeout)
+        self._pump_bell.ring()
+        self._pump.join(timeout)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests
+
+    def _prompt_tokens(self, prompt) -> tuple:
+        if isinstance(prompt, str):
+            tokens = self._tokenizer.encode(prompt)
+        elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
+            tokens = tuple(prompt)
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+                raise ServingError("a prompt of token ids must hold integers only",
+                                   hint="pass a list of token ids or a string")
+            tokens = tuple(int(t) for t in tokens)
+        else:
+            raise ServingError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not tokens:
+            raise ServingError("the prompt is empty", hint="give at least one token")
+        vocab = self.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
+        return tokens
+
+    def _check_request(self, tokens: tuple, params: SamplingParams) -> None:
+        need = len(tokens) + params.max_new_tokens
+        if need > self.shape.max_seq:
+            raise ServingError(f"{len(tokens)} prompt tokens and max_new_tokens {params.max_new_tokens} need {need} "
+                               f"positions; the engine has {self.shape.max_seq}",
+                               hint="shorten the prompt, lower max_new_tokens or raise the LLM's max_seq")
+        pool_tokens = self.shape.num_pages * self.shape.page_size
+        if need - 1 > pool_tokens:
+            raise ServingError(f"the request caches {need - 1} positions; the page pool holds {pool_tokens}",
+                               hint="give the LLM more kv_pages or kv_cache_bytes")
+        bad = [t for t in params.stop_token_ids if t >= self.config.vocab_size]
+        if bad:
+            raise ServingError(f"stop token {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if len(self._stop_ids(params)) > MAX_STOP:
+            raise ServingError(f"{len(self._stop_ids(params))} stop tokens with the checkpoint's EOS; at most "
+                               f"{MAX_STOP}", hint="give fewer stop_token_ids, or ignore_eos=True")
+
+    def _stop_ids(self, params: SamplingParams) -> tuple:
+        return tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)))
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            if handle.done():
+                return
+            if handle._handle is None:          # still on the host: finished here
+                self._pending.remove(handle)
+                del self._handles[handle.request_id]
+                handle._finish("cancelled")
+                return
+            self._host["cancel"][handle._handle] = 1
+        self.device.wake()
+
+    # ---- the host thread: the ring in, the queue out
+
+    def _serve(self) -> None:
+        control = self._host["control"]
+        while True:
+            self._pump_bell.wait(PUMP_WAIT_S)
+            try:
+                with self._lock:
+                    self._read_ring()
+                    self._publish()
+            except ServingError as e:         # the device broke the protocol
+                self._fail_all(e)
+                return
+            status = int(control["status"][0])
+            if status == FAILED:
+                self._fail_all(self.device.error)
+                return
+            if status == STOPPED or (self._closed and not self.device.alive):
+                with self._lock:
+                    self._read_ring()
+                self._fail_all(ServingError("the serving device stopped"))
+                return
+
+    def _read_ring(self) -> None:
+        ring, control = self._host["ring"], self._host["control"]
+        start = self._ring_read
+        while True:
+            rec = ring[self._ring_read % len(ring)]
+            if int(rec["seq"]) != self._ring_read + 1:
+                break
+            rid, token, position = int(rec["request_id"]), int(rec["token"]), int(rec["position"])
+            flags, reason = int(rec["flags"]), int(rec["reason"])
+            self._ring_read += 1
+            control["ring_read"] = self._ring_read
+            handle = self._handles.get(rid)
+            if handle is None:
+                raise ServingError(f"the device sent a record of request {rid}, which is not in flight")
+            if flags & WAS_PREEMPTED:
+                handle._preemptions += 1
+            if flags & HAS_TOKEN:
+                handle._push(token, position)
+            if flags & FINISHED:
+                del self._handles[rid]
+                self._free_handles.append(handle._handle)
+                handle._finish(REASONS[reason])
+        if self._ring_read != start:
+            self.device.wake()                  # it may be waiting for room in the ring
+
+    def _publish(self) -> None:
+        queue, control = self._host["queue"], self._host["control"]
+        start = self._published
+        while (self._pending and self._free_handles
+               and self._published - int(control["queue_taken"][0]) < len(queue)):
+            handle = self._pending.popleft()
+            h = self._free_handles.pop()
+            handle._handle = h
+            tokens, params = handle.prompt_token_ids, handle.params
+            stops = self._stop_ids(params)
+            self._host["cancel"][h] = 0
+            self._host["prompts"][h, :len(tokens)] = tokens
+            slot = queue[self._published % len(queue)]
+            req = slot["request"]
+            req["request_id"], req["handle"], req["prompt_len"] = handle.request_id, h, len(tokens)
+            req["seed"] = secrets.randbits(64) if params.seed is None else params.seed
+            req["max_new_tokens"], req["temperature"] = params.max_new_tokens, params.temperature
+            req["top_k"], req["top_p"] = params.top_k, params.top_p
+            req["num_stop"] = len(stops)
+            req["stop_ids"][:] = -1
+            req["stop_ids"][:len(stops)] = stops
+            slot["seq"] = self._published + 1   # last: the device reads the slot once it sees this
+            self._published += 1
+        if self._published != start:
+            self.device.wake()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._pending.clear()
+        for handle in handles:
+            handle._fail(error)

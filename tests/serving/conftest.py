@@ -1,0 +1,71 @@
+"""Tiny Llama-3 and Qwen3 checkpoints for the serving tests, and a driver that runs the CPU device's steps
+by hand so that each request arrives at a chosen step."""
+from __future__ import annotations
+
+import time
+
+import attrs
+import pytest
+
+from mdsl.megakernel.architectures import step_function
+from mdsl.megakernel.checkpoint import random_weights, save_checkpoint
+from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.reference import ReferenceModel
+from tests.megakernel.tiny import tiny_config_dict
+
+POSITIONS = 64
+
+
+@attrs.frozen(eq=False)
+class Checkpoint:
+    folder: str
+    raw: dict
+    graph: object
+    weights: dict
+
+    def reference(self) -> ReferenceModel:
+        return ReferenceModel(self.graph, self.weights)
+
+
+def write_checkpoint(folder, arch: str, seed: int = 0) -> Checkpoint:
+    raw = tiny_config_dict(arch, max_position_embeddings=POSITIONS)
+    config = config_from_dict(raw)
+    graph = step_function(config).trace(config)
+    weights = random_weights(graph, seed, scale=0.3)
+    save_checkpoint(str(folder), raw, weights)
+    return Checkpoint(str(folder), raw, graph, weights)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict:
+    return {arch: write_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ("llama3", "qwen3")}
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.001)
+
+
+def drive(llm, arrivals: dict, max_steps: int = 5000) -> dict:
+    """Hold the device and run its steps here: before step s, submit arrivals[s] (a list of (key, prompt,
+    params)) and wait until the host has published them. Returns key -> handle once all are done."""
+    llm.device.hold()
+    handles: dict = {}
+    last = max(arrivals, default=0)
+    for step in range(max_steps):
+        for key, prompt, params in arrivals.get(step, ()):
+            handles[key] = llm.submit(prompt, params)
+        if arrivals.get(step):
+            wait_until(lambda: llm.stats().host_pending == 0 or llm.device.queued() == llm.shape.queue_slots,
+                       what="publication")
+        if step >= last and all(h.done() for h in handles.values()):
+            break
+        if not llm.device.step() and step >= last:
+            time.sleep(0.001)     # nothing ran: the host thread is still reading the last records
+    else:
+        raise AssertionError(f"requests unfinished after {max_steps} steps")
+    llm.device.resume()
+    return handles
