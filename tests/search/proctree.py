@@ -1,0 +1,106 @@
+"""A command's whole process tree, for the tests of `mdsl optimize`'s budget and signals (Linux /proc).
+
+The command runs in a session of its own (`start_new_session=True`), so its processes are those of its
+session, the helpers multiprocessing starts (resource tracker, forkserver) and the workers included,
+even after their parent has ended.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import mdsl
+
+ROOT = Path(__file__).resolve().parents[2]   # the checkout: its examples
+
+
+def _stat(pid: int) -> Optional[tuple]:
+    """(state, session id) of a process, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[3])
+
+
+def _kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def alive(session: int) -> list:
+    """The pids of the session's processes that are still running (zombies are not)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[1] == session and stat[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+class PeakMemory:
+    """Samples a session's processes every few milliseconds until stopped. `peak_kb` bounds the tree's
+    peak resident memory from above: the sum over every process ever seen of its own high-water mark
+    (VmHWM, which no sampling interval can miss), whether or not they peaked at the same time."""
+
+    def __init__(self, session: int, interval_s: float = 0.01):
+        self.session, self.interval_s = session, interval_s
+        self.hwm: dict = {}   # pid -> its VmHWM in kB, last read
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in alive(self.session):
+                self.hwm[pid] = max(self.hwm.get(pid, 0), _kb(pid, "VmHWM"))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kb
+
+    @property
+    def peak_kb(self) -> int:
+        return sum(self.hwm.values())
+
+
+def start_mdsl(args: list, tmp: Path) -> subprocess.Popen:
+    """`python -m mdsl ARGS` (the mdsl these tests import) in a session of its own, with TMPDIR and the
+    plan cache under `tmp` (TMPDIR is `tmp / "tmp"`, created empty), its output captured."""
+    (tmp / "tmp").mkdir()
+    package_root = str(Path(mdsl.__file__).resolve().parents[1])
+    env = dict(os.environ, TMPDIR=str(tmp / "tmp"), MDSL_CACHE_DIR=str(tmp / "cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-m", "mdsl", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_gone(session: int, timeout_s: float) -> list:
+    """Wait up to `timeout_s` for every process of the session to end; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while alive(session) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return alive(session)
+
+
+def kill_session(session: int) -> None:
+    """End what is left of a session whose test failed, so that it does not outlive the test."""
+    for pid in alive(session):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
