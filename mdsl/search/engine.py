@@ -327,8 +327,9 @@ class _Search:
         first = self.executor is None
         if first:  # the first candidate: now the workers, and the original's runs, are worth their cost
             self.executor = _start_workers(self.config, self.verifier, self.original, self.shared_dir)
-            # This starts the first worker, which waits for the forkserver to have preloaded mdsl; a
-            # signal may cut the wait short: the forkserver forks no worker for a search that has ended.
+            # This starts the first worker: a wait for the forkserver to have preloaded mdsl, which a
+            # signal may cut short (not held: it can take seconds). A worker the server forks after
+            # that ends when this process does (each worker watches it).
             self.executor.submit(worker.prepare)
         with _signals_held():  # the other submissions may start workers, which must not be cut short
             for _ in range(self.config.workers - 1 if first else 0):

@@ -8,13 +8,14 @@ candidate it verifies.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import signal
 import sys
+import threading
 import time
 import types
 from typing import Callable, Iterator, Optional
@@ -24,7 +25,6 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.search.plan import Evidence
 
 _state: dict = {}
-_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 
 def graph_text(graph: KernelGraph) -> str:
@@ -37,7 +37,7 @@ def init(verifier: Callable, original_text: str, shared_dir: Optional[str] = Non
     original's side of the tests: each run is made once, by one of them (see `prepare`)."""
     # Ctrl-C reaches the whole process group: the search handles it and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _end_with_parent()
+    _end_with_search()
     _state.update(verifier=verifier, original=serialize.loads(original_text), tests=tests, seed=seed)
     from mdsl.passes import verify as default  # (imported here: a custom verifier may not need it)
 
@@ -60,23 +60,6 @@ def prepare() -> None:
         pass
 
 
-def _end_with_parent() -> None:
-    """Linux: the kernel kills this worker when its parent, the forkserver, ends (the forkserver ends
-    with the search's process, however that ends), so that no worker outlives the search holding its
-    output streams. Only under the forkserver: a spawned worker's parent is a thread of the search,
-    which may end before the worker should."""
-    if not sys.platform.startswith("linux") or _BASE.get_start_method() != "forkserver":
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent ended before the request took effect
-        os._exit(1)
-
-
 def verify(candidate_text: str, tests: int, seed: int) -> tuple:
     """(Evidence, this worker's pid). A verifier that raises rejects the candidate, with the reason."""
     start = time.perf_counter()
@@ -87,6 +70,22 @@ def verify(candidate_text: str, tests: int, seed: int) -> tuple:
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
         evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
     return evidence, os.getpid()
+
+
+def _end_with_search() -> None:
+    """A thread that ends this worker as soon as the search's process has ended, however it ended (a
+    process that is killed cannot stop its workers): a worker busy verifying would otherwise outlive
+    it, holding the output streams of whoever ran it. The parent's sentinel is a pipe that the parent
+    holds open for as long as it lives."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mdsl-end-with-search", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------

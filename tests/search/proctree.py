@@ -78,15 +78,27 @@ class PeakMemory:
         return sum(self.hwm.values())
 
 
-def start_mdsl(args: list, tmp: Path) -> subprocess.Popen:
-    """`python -m mdsl ARGS` (the mdsl these tests import) in a session of its own, with TMPDIR and the
-    plan cache under `tmp` (TMPDIR is `tmp / "tmp"`, created empty), its output captured."""
-    (tmp / "tmp").mkdir()
+def _env(tmp: Path) -> dict:
+    """The environment of a command: the mdsl these tests import, TMPDIR and the plan cache under `tmp`."""
     package_root = str(Path(mdsl.__file__).resolve().parents[1])
-    env = dict(os.environ, TMPDIR=str(tmp / "tmp"), MDSL_CACHE_DIR=str(tmp / "cache"),
-               PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "mdsl", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
+    return dict(os.environ, TMPDIR=str(tmp / "tmp"), MDSL_CACHE_DIR=str(tmp / "cache"),
+                PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+
+
+def start_mdsl(args: list, tmp: Path) -> subprocess.Popen:
+    """`python -m mdsl ARGS` in a session of its own, with TMPDIR and the plan cache under `tmp` (TMPDIR
+    is `tmp / "tmp"`, created empty), its output captured."""
+    (tmp / "tmp").mkdir()
+    return subprocess.Popen([sys.executable, "-m", "mdsl", *args], cwd=tmp, env=_env(tmp), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
+
+
+def startup_seconds(tmp: Path) -> float:
+    """How long Python takes here, now, to start and import what `mdsl optimize` imports before it
+    searches (the command line, z3)."""
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import mdsl.cli, z3"], cwd=tmp, env=_env(tmp), check=True, timeout=60)
+    return time.monotonic() - start
 
 
 def wait_gone(session: int, timeout_s: float) -> list:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.search.proctree import ROOT, PeakMemory, alive, kill_session, start_mdsl, wait_gone
+from tests.search.proctree import ROOT, PeakMemory, kill_session, start_mdsl, startup_seconds, wait_gone
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 
@@ -48,6 +48,9 @@ def test_the_budget_and_memory_hold_on_three_8192_square_weights(tmp_path, budge
     # the program's weights take 384 MB in f16 and its float64 runs 1.6 GB: the search reads neither
     source = tmp_path / "chain.py"
     source.write_text(textwrap.dedent(CHAIN_8192))
+    # Python's start and mdsl's imports are the machine's time, not the search's: a loaded machine
+    # (a test run with -n) can take seconds for them alone, so the bound adds what they take here
+    startup = startup_seconds(tmp_path)
     start = time.monotonic()
     process = start_mdsl(["optimize", str(source), "--budget", str(budget), "--workers", "2", "--no-cache"], tmp_path)
     memory = PeakMemory(process.pid)
@@ -58,7 +61,8 @@ def test_the_budget_and_memory_hold_on_three_8192_square_weights(tmp_path, budge
     seconds = time.monotonic() - start
     assert process.returncode == 0, err.decode()
     assert b"kernel chain(" in out
-    assert seconds <= budget + 2, f"mdsl optimize --budget {budget} took {seconds:.1f} s"
+    assert seconds <= budget + 2 + startup, f"mdsl optimize --budget {budget} took {seconds:.1f} s ({startup:.1f} s " \
+                                            f"to start Python and import mdsl)"
     assert 0 < peak_kb < 2**20, f"the process tree's peak resident memory is at most {peak_kb / 1024:.0f} MB"
     assert wait_gone(process.pid, 2.0) == []
 
