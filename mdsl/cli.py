@@ -213,7 +213,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "annotations, search each for the fastest equivalent mugraph (verified, ranked by the "
                     "cost model; no GPU needed) and print its plan. Progress goes to stderr. Plans are "
                     "cached on disk ($MDSL_CACHE_DIR, default ~/.cache/mdsl): the same program and search "
-                    "settings are answered from the cache.")
+                    "settings are answered from the cache. Ctrl-C (SIGINT) or SIGTERM stops the search and its "
+                    "worker processes; the exit status is then 130 or 143.")
     opt.add_argument("target", metavar="FILE[:FUNCTION]", help="a Python file, optionally with a kernel's name")
     opt.add_argument("-f", "--format", choices=sorted(FORMATS), default="text",
                      help="text (default: each plan's header as # comments, then its mugraph in the textual IR), "

@@ -28,7 +28,8 @@ or after it). Candidate operators are pruned, each counted under its reason in `
 * ``dims``: aligned dims carry one label; reduced dims carry a label the program contracts; a loop
   dim summed chunk-wise by an accumulator (`Folded`) may be reduced but not contracted by a matmul.
 * ``abstract-expression``: the term is not a subexpression of an output's (`SubexprChecker`, after
-  a polynomial-degree bound that needs no z3).
+  a polynomial-degree bound that needs no z3); ``abstract-expression: unknown`` where z3 ran out of
+  its resource limit without an answer (pruned all the same: the search's bound, not a refutation).
 * ``stabiliser``, ``rescale``: the abstract rules drop a max subtracted inside exp and a rescaling
   accumulator's scale, which is right only in softmax; so a max is computed only by programs that
   compute one, and a rescaling accumulator's scale is a max the accumulated value was shifted by.
@@ -603,8 +604,12 @@ class _Search:
             return "stabiliser"  # the checker takes a max an exponent subtracts for softmax's: see _rescales
         checker = self.checker
         self.budget.check_time()  # a z3 query may take a while: stop first if the time is up
-        if checker is not None and (_degree(term) > self.problem.degree or not checker.is_subexpression(term)):
-            return "abstract-expression"
+        if checker is not None:
+            if _degree(term) > self.problem.degree:
+                return "abstract-expression"
+            unknown = checker.stats.unknown
+            if not checker.is_subexpression(term):
+                return "abstract-expression" if checker.stats.unknown == unknown else "abstract-expression: unknown"
         return out_type, labels, term
 
     def _shared_memory(self, step: Step, value: Value) -> int:
