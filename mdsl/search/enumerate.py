@@ -768,6 +768,20 @@ def _resized(graph: KernelGraph, labels: Labels, size_of) -> KernelGraph:
     return KernelGraph(graph.name, [env[v.name] for v in graph.inputs], nodes, [env[v.name] for v in graph.outputs])
 
 
+def _sizes_in_constants(graph: KernelGraph, labels: Labels) -> set:
+    """The labels whose size n a float attribute of the program may stand for (n, 1/n, √n or 1/√n: a sum
+    times 1/n for a mean, a 1/√d attention scale). They keep their size in the screen, where a
+    candidate that reads the size itself (a mean) would otherwise differ from the program."""
+    constants = [abs(float(v)) for (_, kind), values in _seen_attributes(graph).items() if kind == "float"
+                 for v in values if v]
+    every = {labels.label(v.name, d) for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs))
+             for d in range(v.type.rank)}
+    return {label for label in every if labels.size(label) > 1 and any(
+        math.isclose(c, f) for c in constants
+        for f in (labels.size(label), 1 / labels.size(label), math.sqrt(labels.size(label)),
+                  1 / math.sqrt(labels.size(label))))}
+
+
 def _elements(graph: KernelGraph) -> int:
     return sum(v.type.numel for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs)))
 
@@ -793,11 +807,13 @@ class _Screen:
     It runs at reduced sizes: every label shrinks to SCREEN_SIZE (the loop label to SCREEN_SIZE
     elements per iteration, so that the frame's range still divides it), except labels whose size an
     operator's rule fixes (found by inferring the program's types again: a node that disagrees fixes
-    every label it touches). A program's blocks never depend on the grid (no block operator reduces a
-    free label), and a block graph of the same operators on smaller tiles computes the same function
-    of its inputs, so shrinking keeps the verdict while memory and time stop growing with the shapes.
-    A program that stays above SCREEN_ELEMENTS even so (fixed labels), or whose block graph does not
-    fit the reduced tiles, is not screened: its candidates go to the verifier, which decides."""
+    every label it touches) or a constant of the program may encode (`_sizes_in_constants`). A
+    program's blocks never depend on the grid (no block operator reduces a free label), and the same
+    operators on smaller tiles compute the same function of their inputs, so what the screen looks
+    for, indices that abstract terms forget, shows at any size of at least two, while its memory and
+    time no longer grow with the shapes. A program that stays above SCREEN_ELEMENTS even so, or whose
+    block graph does not fit the reduced tiles, is not screened: its candidates go to the verifier,
+    which decides."""
 
     def __init__(self, problem: "_Problem", seed: int, stats: Optional[SearchStats] = None):
         self.problem, self.seed = problem, seed
@@ -832,7 +848,7 @@ class _Screen:
         return self.instances[frame]
 
     def _reduced(self, frame: "Frame") -> Optional[KernelGraph]:
-        labels, fixed = self.problem.labels, set()
+        labels, fixed = self.problem.labels, _sizes_in_constants(self.problem.graph, self.problem.labels)
 
         def size_of(label) -> int:
             n = labels.size(label)

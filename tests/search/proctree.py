@@ -6,13 +6,16 @@ even after their parent has ended.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import mdsl
 
@@ -78,26 +81,37 @@ class PeakMemory:
         return sum(self.hwm.values())
 
 
-def _env(tmp: Path) -> dict:
-    """The environment of a command: the mdsl these tests import, TMPDIR and the plan cache under `tmp`."""
+@contextlib.contextmanager
+def temporary_directory() -> Iterator[Path]:
+    """An empty directory for a command's TMPDIR, removed afterwards. Not under pytest's tmp_path: its
+    paths are long, and multiprocessing's forkserver puts a Unix socket in TMPDIR, whose path may not
+    exceed 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="mdsl-test-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _env(tmp: Path, tmpdir: Path) -> dict:
+    """The environment of a command: the mdsl these tests import, TMPDIR, the plan cache under `tmp`."""
     package_root = str(Path(mdsl.__file__).resolve().parents[1])
-    return dict(os.environ, TMPDIR=str(tmp / "tmp"), MDSL_CACHE_DIR=str(tmp / "cache"),
+    return dict(os.environ, TMPDIR=str(tmpdir), MDSL_CACHE_DIR=str(tmp / "cache"),
                 PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
 
 
-def start_mdsl(args: list, tmp: Path) -> subprocess.Popen:
-    """`python -m mdsl ARGS` in a session of its own, with TMPDIR and the plan cache under `tmp` (TMPDIR
-    is `tmp / "tmp"`, created empty), its output captured."""
-    (tmp / "tmp").mkdir()
-    return subprocess.Popen([sys.executable, "-m", "mdsl", *args], cwd=tmp, env=_env(tmp), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+def start_mdsl(args: list, tmp: Path, tmpdir: Path) -> subprocess.Popen:
+    """`python -m mdsl ARGS` in a session of its own, in `tmp`, with TMPDIR `tmpdir`, its output captured."""
+    return subprocess.Popen([sys.executable, "-m", "mdsl", *args], cwd=tmp, env=_env(tmp, tmpdir),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def startup_seconds(tmp: Path) -> float:
+def startup_seconds(tmp: Path, tmpdir: Path) -> float:
     """How long Python takes here, now, to start and import what `mdsl optimize` imports before it
     searches (the command line, z3)."""
     start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import mdsl.cli, z3"], cwd=tmp, env=_env(tmp), check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", "import mdsl.cli, z3"], cwd=tmp, env=_env(tmp, tmpdir), check=True,
+                   timeout=60)
     return time.monotonic() - start
 
 

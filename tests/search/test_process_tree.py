@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.search.proctree import ROOT, PeakMemory, kill_session, start_mdsl, startup_seconds, wait_gone
+from tests.search.proctree import (ROOT, PeakMemory, kill_session, start_mdsl, startup_seconds,
+                                   temporary_directory, wait_gone)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 
@@ -50,21 +51,24 @@ def test_the_budget_and_memory_hold_on_three_8192_square_weights(tmp_path, budge
     source.write_text(textwrap.dedent(CHAIN_8192))
     # Python's start and mdsl's imports are the machine's time, not the search's: a loaded machine
     # (a test run with -n) can take seconds for them alone, so the bound adds what they take here
-    startup = startup_seconds(tmp_path)
-    start = time.monotonic()
-    process = start_mdsl(["optimize", str(source), "--budget", str(budget), "--workers", "2", "--no-cache"], tmp_path)
-    memory = PeakMemory(process.pid)
-    try:
-        out, err = _finish(process, budget + 60)
-    finally:
-        peak_kb = memory.stop()
-    seconds = time.monotonic() - start
+    with temporary_directory() as tmpdir:
+        startup = startup_seconds(tmp_path, tmpdir)
+        start = time.monotonic()
+        process = start_mdsl(["optimize", str(source), "--budget", str(budget), "--workers", "2", "--no-cache"],
+                             tmp_path, tmpdir)
+        memory = PeakMemory(process.pid)
+        try:
+            out, err = _finish(process, budget + 60)
+        finally:
+            peak_kb = memory.stop()
+        seconds = time.monotonic() - start
+        left = list(tmpdir.iterdir())
     assert process.returncode == 0, err.decode()
     assert b"kernel chain(" in out
     assert seconds <= budget + 2 + startup, f"mdsl optimize --budget {budget} took {seconds:.1f} s ({startup:.1f} s " \
                                             f"to start Python and import mdsl)"
     assert 0 < peak_kb < 2**20, f"the process tree's peak resident memory is at most {peak_kb / 1024:.0f} MB"
-    assert wait_gone(process.pid, 2.0) == []
+    assert wait_gone(process.pid, 2.0) == [] and left == []
 
 
 def _under_way(log: Path, event: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -86,15 +90,27 @@ MOMENTS = {"at the start": ("start", 0.0), "while verifying": ("candidate", 1.0)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("moment", sorted(MOMENTS))
-@pytest.mark.parametrize("signum, status, said", [(signal.SIGTERM, 143, "terminated"),
-                                                  (signal.SIGINT, 130, "interrupted")])
-def test_a_signal_ends_the_whole_process_tree_and_removes_its_files(tmp_path, moment, signum, status, said):
+@pytest.mark.parametrize("signum, expected_status, said", [(signal.SIGTERM, 143, "terminated"),
+                                                           (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_ends_the_whole_process_tree_and_removes_its_files(tmp_path, moment, signum, expected_status, said):
     log = tmp_path / "search.jsonl"
     example = ROOT / "examples" / "rms_norm_linear.py"
-    process = start_mdsl(["optimize", f"{example}:rms_norm_linear", "--budget", "100", "--workers", "2", "--no-cache",
-                          "--log", str(log)], tmp_path)
+    with temporary_directory() as tmpdir:
+        process = start_mdsl(["optimize", f"{example}:rms_norm_linear", "--budget", "100", "--workers", "2",
+                              "--no-cache", "--log", str(log)], tmp_path, tmpdir)
+        status, err, ended, left = _signalled(process, log, MOMENTS[moment], signum)
+        temporary = list(tmpdir.iterdir())
+    assert (status, err.decode().rsplit("\n", 2)[-2]) == (expected_status, f"mdsl: {said}")
+    assert ended <= 2.0, f"the command's output streams were held for {ended:.1f} s after the signal"
+    assert left == [], f"still running 2 s after the signal: {left}"
+    assert temporary == []
+
+
+def _signalled(process: subprocess.Popen, log: Path, moment: tuple, signum: int) -> tuple:
+    """(exit status, stderr, seconds until the output streams closed, processes left 2 s after the signal)
+    of a command sent `signum` at `moment`."""
     try:
-        event, then = MOMENTS[moment]
+        event, then = moment
         _under_way(log, event, process)
         time.sleep(then)
         if signum == signal.SIGINT:
@@ -102,12 +118,9 @@ def test_a_signal_ends_the_whole_process_tree_and_removes_its_files(tmp_path, mo
         else:
             os.kill(process.pid, signum)     # as `kill` or a job scheduler: to the command alone
         sent = time.monotonic()
-        out, err = _finish(process, 10.0)    # returns once nothing holds the command's output streams
+        _, err = _finish(process, 10.0)      # returns once nothing holds the command's output streams
         ended = time.monotonic() - sent
         left = wait_gone(process.pid, max(0.0, 2.0 - (time.monotonic() - sent)))
     finally:
         kill_session(process.pid)
-    assert (process.returncode, err.decode().rsplit("\n", 2)[-2]) == (status, f"mdsl: {said}")
-    assert ended <= 2.0, f"the command's output streams were held for {ended:.1f} s after the signal"
-    assert left == [], f"still running 2 s after the signal: {left}"
-    assert list((tmp_path / "tmp").iterdir()) == []
+    return process.returncode, err, ended, left
