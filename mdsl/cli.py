@@ -12,17 +12,25 @@
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
 printed without a Python traceback, with their file, line and hint, and exit with status 2. Other
 exceptions raised by the user's file propagate with their traceback, as `python FILE` would show.
+
+`mdsl optimize` stops on SIGINT (Ctrl-C) and SIGTERM alike: the search stops its worker processes and
+removes its temporary files, mdsl says "interrupted" or "terminated" and exits with status 130 or 143
+(128 + the signal's number, as a shell reports a process the signal killed). Signals that come while
+it stops are ignored, so that the clean-up runs to its end.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from mdsl import __version__
 from mdsl.errors import MdslError
@@ -33,6 +41,7 @@ from mdsl.megakernel.runtime.cli import add_generate_command
 from mdsl.search.config import SearchConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130  # 1: the plan failed its GPU check
+EXIT_TERMINATED = 143
 
 # the name the loaded file runs under: not "__main__", so that its demo block does not run
 _MODULE_NAME = "__mdsl_user_file__"
@@ -40,6 +49,32 @@ _MODULE_NAME = "__mdsl_user_file__"
 
 class CliError(Exception):
     """A bad command line: a missing file, an unknown function name."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same clean-up runs."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM Terminated (in the main thread; elsewhere nothing
+    changes). The first of them stops the command; those after it are ignored until the clean-up that
+    it starts has run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +145,16 @@ FORMATS = {"text": _text, "json": _json, "dot": _dot}
 # commands
 
 def optimize(args: argparse.Namespace) -> int:
+    with _stopped_by_signals():
+        try:
+            return _optimize(args)
+        finally:  # however the command ends, it ends with its whole process tree
+            from mdsl.search.worker import end_server
+
+            end_server()
+
+
+def _optimize(args: argparse.Namespace) -> int:
     path, function = split_target(args.target)
     kernels = find_kernels(load_module(path), path, function)
     if args.trace_only:
@@ -181,7 +226,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "annotations, search each for the fastest equivalent mugraph (verified, ranked by the "
                     "cost model; no GPU needed) and print its plan. Progress goes to stderr. Plans are "
                     "cached on disk ($MDSL_CACHE_DIR, default ~/.cache/mdsl): the same program and search "
-                    "settings are answered from the cache.")
+                    "settings are answered from the cache. Ctrl-C (SIGINT) or SIGTERM stops the search and its "
+                    "worker processes; the exit status is then 130 or 143.")
     opt.add_argument("target", metavar="FILE[:FUNCTION]", help="a Python file, optionally with a kernel's name")
     opt.add_argument("-f", "--format", choices=sorted(FORMATS), default="text",
                      help="text (default: each plan's header as # comments, then its mugraph in the textual IR), "
@@ -213,6 +259,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (MdslError, CliError) as e:
         print(f"mdsl: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:  # the search has stopped its workers on the way out
+    except Terminated:  # the search has stopped its workers on the way out
+        print("\nmdsl: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:
         print("\nmdsl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

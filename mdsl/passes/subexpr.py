@@ -9,7 +9,11 @@ axioms never create any of these, so the answer is exact.
 
 The rest go to z3, with the axioms encoded once per checker and a fresh solver per query (so an
 answer never depends on the queries before it) under a deterministic `rlimit` and a wall-clock
-timeout as a backstop. An `unknown` answer prunes, like a refutation, and is counted.
+timeout as a backstop. An `unknown` answer at those limits prunes, like a refutation, and is counted
+apart: it is the search's resource bound, not a proof. A checker given its search's `time_left`
+gives no query more time than that, and a query that it stops raises `OutOfTime` (nothing is
+answered or cached). z3's own Ctrl-C trap is off: it would swallow the signal and end the query as
+`unknown`; the signal is handled by Python as soon as the query returns (its limits bound the wait).
 
 The encoding: an uninterpreted sort T; a function per head (`add, mul, div : T×T→T`, unary heads
 T→T, `pow` and `clamp` with Real parameters, `rms` with its literal Int size); `sum` and `max` take
@@ -33,7 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import z3
 
@@ -44,6 +48,10 @@ DEFAULT_RLIMIT = 300_000      # valid queries of the benchmark kernels use about
 DEFAULT_TIMEOUT_MS = 2_000
 _OPAQUE_HEADS = frozenset({"var", "const", "pow", "clamp", "rms"})   # no axiom changes their parameter
 _SIZED_HEADS = ("sum", "max")                                      # their sizes split and merge
+
+
+class OutOfTime(Exception):
+    """The checker's time ran out before or during a z3 query: the query has no answer."""
 
 
 @dataclass
@@ -288,15 +296,18 @@ class SubexprChecker:
     """Answers `is_subexpression(term)`: is `term` a subexpression of one of the target terms?
 
     `precheck=False` sends every query to z3 (to test the axioms); `rlimit` bounds each z3 query
-    deterministically, `timeout_ms` in wall-clock time."""
+    deterministically, `timeout_ms` in wall-clock time; `time_left` (seconds the caller has left, e.g.
+    its search's) bounds it further, and a query that reaches it raises OutOfTime."""
 
     def __init__(self, target_terms: Iterable[Term], *, rlimit: int = DEFAULT_RLIMIT,
-                 timeout_ms: int = DEFAULT_TIMEOUT_MS, precheck: bool = True):
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS, precheck: bool = True,
+                 time_left: Optional[Callable[[], float]] = None):
         self.targets = [_Target(t) for t in dict.fromkeys(target_terms)]
         if not self.targets:
             raise ValueError("a subexpression checker needs at least one target term")
         self.rlimit = rlimit
         self.timeout_ms = timeout_ms
+        self.time_left = time_left
         self.precheck = precheck
         self.stats = SubexprStats()
         self._cache: dict = {}
@@ -351,10 +362,12 @@ class SubexprChecker:
         if not enc.encodable(term):      # a size with a prime no target size has: never derivable
             self.stats.syntactic += 1
             return False
+        timeout_ms, cut = self._timeout_ms()
         start = time.perf_counter()
         solver = z3.SimpleSolver(ctx=enc.ctx)
         solver.set("rlimit", self.rlimit)
-        solver.set("timeout", self.timeout_ms)
+        solver.set("timeout", timeout_ms)
+        solver.set("ctrl_c", False)   # a Ctrl-C reaches Python (see the module docstring)
         # E-matching alone: a goal the axioms do not imply ends as "incomplete quantifiers" once the
         # instantiations saturate, usually within milliseconds; model-based instantiation would
         # instead search for a counter-model until the rlimit runs out
@@ -370,6 +383,18 @@ class SubexprChecker:
             return True
         if result == z3.sat or "incomplete" in solver.reason_unknown():
             self.stats.refuted += 1    # a counter-model, or every instantiation tried without a proof
-        else:
-            self.stats.unknown += 1    # out of rlimit or time
+            return False
+        if cut and time.perf_counter() - start >= timeout_ms / 1000:   # the caller's time, not the rlimit
+            raise OutOfTime("the time ran out during a z3 query")
+        self.stats.unknown += 1        # out of rlimit or time
         return False
+
+    def _timeout_ms(self) -> tuple:
+        """(the query's wall-clock limit in ms, whether the caller's time left sets it); OutOfTime when
+        no time is left."""
+        if self.time_left is None:
+            return self.timeout_ms, False
+        left_ms = self.time_left() * 1000.0
+        if left_ms < 1.0:
+            raise OutOfTime("no time left for a z3 query")
+        return (int(left_ms), True) if left_ms < self.timeout_ms else (self.timeout_ms, False)

@@ -20,17 +20,25 @@ the cost model and verified in parallel worker processes; the best verified ones
 * When the budget runs out (less a short wind-down, so that the whole call fits in it), pending work is
   cancelled, the workers are stopped, and the best verified result so far is returned. Generators are only asked for their next candidate before the deadline,
   so they must yield (or poll `stats.out_of_time()`) now and then.
+* The worker processes start when the first candidate goes to verification, and make the original's
+  side of the tests then (`worker.prepare`; at large shapes its runs take gigabytes): a search that
+  verifies nothing starts no process and makes no run.
+* Whatever ends a search (its end, the budget, an error, KeyboardInterrupt), its workers are stopped
+  and its temporary directory removed before the result or the exception leaves `search`.
 """
 from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import contextlib
 import heapq
 import importlib
 import inspect
 import json
 import math
+import signal
 import tempfile
+import threading
 import time
 import warnings
 from concurrent.futures.process import BrokenProcessPool
@@ -174,6 +182,7 @@ class _Search:
         self.kept: list = []           # sorted ranks of the best verified candidates, at most top_k
         self.verified: dict = {}       # key -> Candidate, for the kept ranks
         self.broken = False            # a worker died: no more verification
+        self.shared_dir = ""           # the workers' runs of the original
         self.executor: Optional[cf.ProcessPoolExecutor] = None
         self._last_progress = self.start
 
@@ -182,15 +191,23 @@ class _Search:
                        floor_s=roofline_floor(self.original).seconds, generators=[_name(g) for g in generators],
                        config={**self.config.cache_fields(), "workers": self.config.workers})
         shared = tempfile.TemporaryDirectory(prefix="mdsl-original-runs-")  # the workers' runs of the original
-        self.executor = _start_workers(self.config, self.verifier, self.original, shared.name)
         stream = self._stream(generators)
-        try:
+        self.shared_dir = shared.name
+        finished = False
+        try:  # whatever ends the search (its end, the budget, an error, Ctrl-C), no worker or file outlives it
+            with _signals_held():
+                worker.start_server()   # it preloads mdsl while the generators work
             self._start_with_original()
             self._loop(stream)
+            finished = True
         finally:
-            stream.close()
-            _stop_workers(self.executor, _STOP_GRACE_S if not (self.in_flight or self.stats.timed_out) else 0.0)
-            shared.cleanup()
+            try:
+                stream.close()
+            finally:
+                if self.executor is not None:
+                    calm = finished and not (self.in_flight or self.stats.timed_out)
+                    _stop_workers(self.executor, _STOP_GRACE_S if calm else 0.0)
+                shared.cleanup()
         return self._finish()
 
     def _loop(self, stream: Iterator) -> None:
@@ -307,8 +324,18 @@ class _Search:
             self._submit(rank, cost, graph)
 
     def _submit(self, rank: tuple, cost: Cost, graph: KernelGraph) -> None:
-        future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests,
-                                      self.config.seed)
+        first = self.executor is None
+        if first:  # the first candidate: now the workers, and the original's runs, are worth their cost
+            self.executor = _start_workers(self.config, self.verifier, self.original, self.shared_dir)
+            # This starts the first worker: a wait for the forkserver to have preloaded mdsl, which a
+            # signal may cut short (not held: it can take seconds). A worker the server forks after
+            # that ends when this process does (each worker watches it).
+            self.executor.submit(worker.prepare)
+        with _signals_held():  # the other submissions may start workers, which must not be cut short
+            for _ in range(self.config.workers - 1 if first else 0):
+                self.executor.submit(worker.prepare)
+            future = self.executor.submit(worker.verify, worker.graph_text(graph), self.config.verify_tests,
+                                          self.config.seed)
         self.in_flight[future] = (rank, cost, graph)
 
     def _collect(self, done: Iterable) -> None:
@@ -412,26 +439,54 @@ def _display(progress: Progress) -> Optional[Callable]:
 
 def _start_workers(config: SearchConfig, verifier: Callable, original: KernelGraph,
                    shared_dir: str) -> cf.ProcessPoolExecutor:
-    executor = cf.ProcessPoolExecutor(max_workers=config.workers, mp_context=worker.context(),
-                                      initializer=worker.init,
-                                      initargs=(verifier, worker.graph_text(original), shared_dir,
-                                                config.verify_tests, config.seed))
-    executor.submit(worker.ready)  # the workers start now, and prepare while the generators work
-    return executor
+    return cf.ProcessPoolExecutor(max_workers=config.workers, mp_context=worker.context(), initializer=worker.init,
+                                  initargs=(verifier, worker.graph_text(original), shared_dir, config.verify_tests,
+                                            config.seed))
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Meanwhile SIGINT and SIGTERM are recorded, not handled, and raised again when it ends (main
+    thread only; dispositions set outside Python, or ignored, are left alone). A worker whose start a
+    signal cuts short is known to no one who could stop it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler is not None and handler is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def _stop_workers(executor: cf.ProcessPoolExecutor, grace_s: float) -> None:
     """Cancel pending work and end the workers: idle ones exit within `grace_s`, the rest are
-    terminated (a verification cannot be interrupted otherwise). Every wait is bounded."""
+    terminated (a verification cannot be interrupted otherwise), and killed if that does not end them
+    within a second. Every wait is bounded."""
     processes = list((executor._processes or {}).values())  # no public handle before Python 3.14
+    if grace_s > 0:  # idle workers exit when the executor asks them to
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + grace_s
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for stop in ("terminate", "kill"):
+        running = [p for p in processes if p.is_alive()]
+        for p in running:
+            getattr(p, stop)()
+        deadline = time.monotonic() + 1.0
+        for p in running:
+            p.join(max(0.0, deadline - time.monotonic()))
+    # after the workers have ended: a worker still starting would fail to open the executor's
+    # semaphores, which shutting it down removes, and say so on stderr
     executor.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-            p.join(1.0)
 
 
 class _EventLog:

@@ -28,7 +28,8 @@ or after it). Candidate operators are pruned, each counted under its reason in `
 * ``dims``: aligned dims carry one label; reduced dims carry a label the program contracts; a loop
   dim summed chunk-wise by an accumulator (`Folded`) may be reduced but not contracted by a matmul.
 * ``abstract-expression``: the term is not a subexpression of an output's (`SubexprChecker`, after
-  a polynomial-degree bound that needs no z3).
+  a polynomial-degree bound that needs no z3); ``abstract-expression: unknown`` where z3 ran out of
+  its resource limit without an answer (pruned all the same: the search's bound, not a refutation).
 * ``stabiliser``, ``rescale``: the abstract rules drop a max subtracted inside exp and a rescaling
   accumulator's scale, which is right only in softmax; so a max is computed only by programs that
   compute one, and a rescaling accumulator's scale is a max the accumulated value was shifted by.
@@ -41,9 +42,11 @@ A block graph *closes* when no loop value is left unread and every unread value 
 output is matched by a post-loop value with its type, its labels and an equivalent term (each a
 subexpression of the other). Terms forget indices and some axioms hold only with them (a sum of a
 product with a factor constant along the sum), so a closed program is also run once, as one block,
-in float64 against the program (``numerics``). The search ends when every frame is done, after
-``max_states`` states or ``budget_s / 2`` seconds of its own work (the consumer's time between
-candidates does not count), or at the search's deadline; the reason is counted under ``stopped``.
+in float64 against the program, at reduced sizes (``numerics``; `_Screen` says which, and counts
+under ``unscreened`` the programs it leaves to the verifier). The search ends when every frame is
+done, after ``max_states`` states or ``budget_s / 2`` seconds of its own work (the consumer's time
+between candidates does not count), or at the search's deadline, which every z3 query also stops at;
+the reason is counted under ``stopped``.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import attrs
 import numpy as np
@@ -64,7 +67,7 @@ from mdsl.ir.ops import BLOCK, OPS, OpDef
 from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, input_tile_type, shared_memory_peak, validate_kernel_graph
 from mdsl.passes.abstract import Term, abstract_terms, node_terms, subterms, var
-from mdsl.passes.subexpr import SubexprChecker
+from mdsl.passes.subexpr import OutOfTime, SubexprChecker
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.dims import DimFacts, Labels
@@ -396,8 +399,15 @@ class _Budget:
         self.check_time()
 
     def check_time(self) -> None:
-        if self.elapsed() > self.seconds or self.stats.out_of_time():
+        if self.time_left() <= 0:
             raise _OutOfBudget("time")
+
+    def time_left(self) -> float:
+        """Seconds of work left: of the generator's own, and before the search's deadline."""
+        left = self.seconds - self.elapsed()
+        if self.stats.deadline is not None:
+            left = min(left, self.stats.deadline - time.monotonic())
+        return left
 
     def elapsed(self) -> float:
         return self.used_s + time.perf_counter() - self.resumed
@@ -412,9 +422,10 @@ class _Budget:
 class _Matcher:
     """Does a value's term compute an output's: is each a subexpression of the other?"""
 
-    def __init__(self, targets: list):
+    def __init__(self, targets: list, time_left: Optional[Callable[[], float]] = None):
         self.targets = [t.term for t in targets]
-        self.forward = [SubexprChecker([t]) for t in self.targets]
+        self.time_left = time_left
+        self.forward = [SubexprChecker([t], time_left=time_left) for t in self.targets]
         self.backward: dict = {}
 
     def matches(self, term: Term, k: int) -> bool:
@@ -422,7 +433,7 @@ class _Matcher:
         if term is target:
             return True
         if term not in self.backward:
-            self.backward[term] = SubexprChecker([term])
+            self.backward[term] = SubexprChecker([term], time_left=self.time_left)
         return self.forward[k].is_subexpression(term) and self.backward[term].is_subexpression(target)
 
 
@@ -593,8 +604,12 @@ class _Search:
             return "stabiliser"  # the checker takes a max an exponent subtracts for softmax's: see _rescales
         checker = self.checker
         self.budget.check_time()  # a z3 query may take a while: stop first if the time is up
-        if checker is not None and (_degree(term) > self.problem.degree or not checker.is_subexpression(term)):
-            return "abstract-expression"
+        if checker is not None:
+            if _degree(term) > self.problem.degree:
+                return "abstract-expression"
+            unknown = checker.stats.unknown
+            if not checker.is_subexpression(term):
+                return "abstract-expression" if checker.stats.unknown == unknown else "abstract-expression: unknown"
         return out_type, labels, term
 
     def _shared_memory(self, step: Step, value: Value) -> int:
@@ -686,9 +701,11 @@ def _fresh(base: str, taken: set) -> str:
     return name
 
 
-def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int) -> KernelGraph:
-    """The kernel graph of one program under one grid (not validated)."""
-    graph, frame = problem.graph, program.frame
+def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int,
+                  graph: Optional[KernelGraph] = None) -> KernelGraph:
+    """The kernel graph of one program under one grid (not validated); `graph`: the program at other
+    sizes (the screen's), default the problem's own."""
+    graph, frame = graph or problem.graph, program.frame
     taken: set = set()
     inputs, values = [], []
     for slot, i in enumerate(problem.used):
@@ -710,26 +727,144 @@ def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int)
     return KernelGraph(graph.name, graph.inputs, [node], graph.outputs)
 
 
-class _Screen:
-    """The program and a closed block graph (as one block) on the same random inputs, in float64.
-    Abstract expressions forget indices, and some axioms hold only for them (a sum of a product with
-    a factor constant along the sum), so a block graph whose term matches can still compute
-    something else; one cheap evaluation catches it before its every grid goes to the verifier."""
+#: The size every label that can shrink takes in the numeric screen (the loop label: this many elements
+#: per iteration, times the frame's range).
+SCREEN_SIZE = 8
+#: The most elements (all tensors of the program, inputs included) a screen evaluates; a program that
+#: cannot shrink below it is not screened (the verifier decides), so that memory stays bounded.
+SCREEN_ELEMENTS = 1 << 22
+UNSCREENED = "unscreened"   # the stats category of programs the screen leaves to the verifier, by reason
+
+
+class _CannotResize(Exception):
+    """A node whose output does not follow the labels' new sizes; `labels` are the ones it touches."""
+
+    def __init__(self, labels: frozenset):
+        super().__init__()
+        self.labels = labels
+
+
+def _resized(graph: KernelGraph, labels: Labels, size_of) -> KernelGraph:
+    """`graph` with every dim of label L resized to `size_of(L)` and each node's types inferred again, or
+    _CannotResize at the first node whose rule disagrees (a reshape's shape, a concat's sum of sizes,
+    a custom kernel's grid)."""
+    def retyped(v: Var) -> Var:
+        return Var(v.name, v.type.with_shape([size_of(labels.label(v.name, d)) for d in range(v.type.rank)]))
+
+    env = {v.name: retyped(v) for v in graph.inputs}
+    nodes = []
+    for node in graph.nodes:
+        args = [env[v.name] for v in node.inputs]
+        want = [retyped(v) for v in node.outputs]
+        try:
+            got = node.opdef.infer_types(tuple(a.type for a in args), node.attrs) if node.body is None else None
+        except (MdslError, ValueError):
+            got = None
+        if got is None or list(got) != [v.type for v in want]:
+            touched = [*node.inputs, *node.outputs]
+            raise _CannotResize(frozenset(labels.label(v.name, d) for v in touched for d in range(v.type.rank)))
+        env.update((v.name, v) for v in want)
+        nodes.append(attrs.evolve(node, inputs=args, outputs=want))
+    return KernelGraph(graph.name, [env[v.name] for v in graph.inputs], nodes, [env[v.name] for v in graph.outputs])
+
+
+def _sizes_in_constants(graph: KernelGraph, labels: Labels) -> set:
+    """The labels whose size n a float attribute of the program may stand for (n, 1/n, √n or 1/√n: a sum
+    times 1/n for a mean, a 1/√d attention scale). They keep their size in the screen, where a
+    candidate that reads the size itself (a mean) would otherwise differ from the program."""
+    constants = [abs(float(v)) for (_, kind), values in _seen_attributes(graph).items() if kind == "float"
+                 for v in values if v]
+    every = {labels.label(v.name, d) for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs))
+             for d in range(v.type.rank)}
+    return {label for label in every if labels.size(label) > 1 and any(
+        math.isclose(c, f) for c in constants
+        for f in (labels.size(label), 1 / labels.size(label), math.sqrt(labels.size(label)),
+                  1 / math.sqrt(labels.size(label))))}
+
+
+def _elements(graph: KernelGraph) -> int:
+    return sum(v.type.numel for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs)))
+
+
+class _Instance:
+    """The program at the sizes one frame screens at, on random inputs, and its outputs in float64."""
 
     def __init__(self, graph: KernelGraph, seed: int):
+        self.graph = graph
         rng = np.random.default_rng(seed)
         self.inputs = [rng.standard_normal(v.shape) if v.dtype.is_float else rng.integers(0, 4, v.shape).astype(float)
                        for v in graph.inputs]
         with np.errstate(all="ignore"):
             self.expected = run_kernel_graph(graph, self.inputs)
 
-    def passes(self, candidate: KernelGraph) -> bool:
+
+class _Screen:
+    """A closed block graph (as one block) and the program on the same random inputs, in float64.
+    Abstract expressions forget indices, and some axioms hold only for them (a sum of a product with
+    a factor constant along the sum), so a block graph whose term matches can still compute
+    something else; one cheap evaluation catches it before its every grid goes to the verifier.
+
+    It runs at reduced sizes: every label shrinks to SCREEN_SIZE (the loop label to SCREEN_SIZE
+    elements per iteration, so that the frame's range still divides it), except labels whose size an
+    operator's rule fixes (found by inferring the program's types again: a node that disagrees fixes
+    every label it touches) or a constant of the program may encode (`_sizes_in_constants`). A
+    program's blocks never depend on the grid (no block operator reduces a free label), and the same
+    operators on smaller tiles compute the same function of their inputs, so what the screen looks
+    for, indices that abstract terms forget, shows at any size of at least two, while its memory and
+    time no longer grow with the shapes. A program that stays above SCREEN_ELEMENTS even so, or whose
+    block graph does not fit the reduced tiles, is not screened: its candidates go to the verifier,
+    which decides."""
+
+    def __init__(self, problem: "_Problem", seed: int, stats: Optional[SearchStats] = None):
+        self.problem, self.seed = problem, seed
+        self.stats = stats if stats is not None else SearchStats()
+        self.instances: dict = {}   # frame -> _Instance, or None where the program cannot be screened
+
+    def passes(self, program: "Program") -> Optional[bool]:
+        """Whether the program computes what the original does; None where it is not screened (counted
+        under ``unscreened`` by the reason)."""
+        instance = self._instance(program.frame)
+        if instance is None:
+            self.stats.count(UNSCREENED, "too large to evaluate")
+            return None
+        try:
+            candidate = _kernel_graph(self.problem, program, Grid(), self.problem.config.thread_counts[0],
+                                      instance.graph)
+        except MdslError:
+            self.stats.count(UNSCREENED, "does not fit the reduced sizes")
+            return None
         try:
             with np.errstate(all="ignore"):  # non-finite values are compared, not warned about
-                got = run_kernel_graph(candidate, self.inputs)
+                got = run_kernel_graph(candidate, instance.inputs)
         except MdslError:
             return False
-        return all(_close(a, b) for a, b in zip(got, self.expected))
+        return all(_close(a, b) for a, b in zip(got, instance.expected))
+
+    def _instance(self, frame: "Frame") -> Optional[_Instance]:
+        if frame not in self.instances:
+            graph = self._reduced(frame)
+            fits = graph is not None and _elements(graph) <= SCREEN_ELEMENTS
+            self.instances[frame] = _Instance(graph, self.seed) if fits else None
+        return self.instances[frame]
+
+    def _reduced(self, frame: "Frame") -> Optional[KernelGraph]:
+        labels, fixed = self.problem.labels, _sizes_in_constants(self.problem.graph, self.problem.labels)
+
+        def size_of(label) -> int:
+            n = labels.size(label)
+            if label in fixed or n <= SCREEN_SIZE:
+                return n
+            if label == frame.loop:
+                return frame.forloop * min(n // frame.forloop, SCREEN_SIZE)
+            return SCREEN_SIZE
+
+        while True:
+            try:
+                return _resized(self.problem.graph, labels, size_of)
+            except _CannotResize as e:
+                if e.labels <= fixed:   # at full size already: the program itself does not infer
+                    return None
+                fixed |= e.labels
 
 
 def _close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-6) -> bool:
@@ -740,10 +875,11 @@ def _close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-6) -> bool:
     return float(np.linalg.norm(got[finite] - want[finite])) <= rtol * scale
 
 
-def _instances(problem: _Problem, program: Program, stats: SearchStats) -> list:
+def _instances(problem: _Problem, program: Program, budget: "_Budget", stats: SearchStats) -> list:
     """The program under every grid and thread count that fits, cheapest first by the cost model."""
     out = []
     for grid in problem.grids:
+        budget.check_time()
         for threads in problem.config.thread_counts:
             try:
                 candidate = _kernel_graph(problem, program, grid, threads)
@@ -770,21 +906,24 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
     problem = _Problem(graph, config)
     if not problem.supported():
         return
-    checker = SubexprChecker([t.term for t in problem.targets]) if prune else None
-    matcher = _Matcher(problem.targets)
     budget = _Budget(max_states or int(STATES_PER_SECOND * config.budget_s), config.budget_s / 2, stats)
-    screen = _Screen(graph, config.seed)
+    checker = SubexprChecker([t.term for t in problem.targets], time_left=budget.time_left) if prune else None
+    matcher = _Matcher(problem.targets, budget.time_left)
+    screen = _Screen(problem, config.seed, stats)
     try:
         for frame in problem.frames:
             for program in _Search(problem, frame, checker, matcher, budget, stats).run():
-                if not screen.passes(_kernel_graph(problem, program, Grid(), config.thread_counts[0])):
+                budget.check_time()
+                if screen.passes(program) is False:
                     stats.count(PRUNED, "numerics")
                     continue
-                for candidate in _instances(problem, program, stats):
+                for candidate in _instances(problem, program, budget, stats):
                     budget.pause()
                     yield candidate
                     budget.resume()
     except _OutOfBudget as e:
         stats.count("stopped", f"enumerate: {e}")
+    except OutOfTime:
+        stats.count("stopped", "enumerate: time")
     finally:
         stats.count("states", "enumerate", budget.states)

@@ -566,10 +566,14 @@ def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: in
 
 
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
-    """Candidates derived from the program's structure, cheapest first by the cost model."""
+    """Candidates derived from the program's structure, cheapest first by the cost model. With the
+    search's `stats`, it stops lifting at the search's deadline (and ranks what it has)."""
     labels = Labels(graph)
     found: dict = {}
     for choice in choices(graph, labels, config):
+        if stats is not None and stats.out_of_time():
+            stats.count("stopped", "guided: time")
+            break
         try:
             candidate = lift(graph, choice, labels)
         except CannotLift:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import sys
+import threading
 import time
 import types
 from typing import Callable, Iterator, Optional
@@ -30,26 +33,31 @@ def graph_text(graph: KernelGraph) -> str:
 
 def init(verifier: Callable, original_text: str, shared_dir: Optional[str] = None, tests: int = 3,
          seed: int = 0) -> None:
-    """A worker's start. With the default verifier and `shared_dir`, the workers of a search make the
-    original's side of the tests together, each run once (`mdsl.passes.verify.prepare`), before the
-    first candidate comes, rather than each all of it when its first candidate does."""
+    """A worker's start. With the default verifier and `shared_dir`, the workers of a search share the
+    original's side of the tests: each run is made once, by one of them (see `prepare`)."""
     # Ctrl-C reaches the whole process group: the search handles it and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _state["verifier"] = verifier
-    _state["original"] = serialize.loads(original_text)
+    _end_with_search()
+    _state.update(verifier=verifier, original=serialize.loads(original_text), tests=tests, seed=seed)
     from mdsl.passes import verify as default  # (imported here: a custom verifier may not need it)
 
-    if shared_dir is not None and verifier is default.verify:
+    _state["shares"] = shared_dir is not None and verifier is default.verify
+    if _state["shares"]:
         default.ORIGINAL_RUNS.share(shared_dir)
-        try:
-            default.prepare(_state["original"], tests=tests, seed=seed)
-        except Exception:  # noqa: BLE001 - the verification that needs the run reports what is wrong
-            pass
 
 
-def ready() -> int:
-    """Nothing: submitted first, so that the pool starts its workers (and they their `init`) at once."""
-    return os.getpid()
+def prepare() -> None:
+    """Make the original's side of the tests with the other workers (`mdsl.passes.verify.prepare`):
+    the search submits this once per worker before its first candidate, so that the workers make the
+    runs together rather than each all of them when its first candidate comes."""
+    if not _state.get("shares"):
+        return
+    from mdsl.passes import verify as default
+
+    try:
+        default.prepare(_state["original"], tests=_state["tests"], seed=_state["seed"])
+    except Exception:  # noqa: BLE001 - the verification that needs the run reports what is wrong
+        pass
 
 
 def verify(candidate_text: str, tests: int, seed: int) -> tuple:
@@ -62,6 +70,22 @@ def verify(candidate_text: str, tests: int, seed: int) -> tuple:
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
         evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
     return evidence, os.getpid()
+
+
+def _end_with_search() -> None:
+    """A thread that ends this worker as soon as the search's process has ended, however it ended (a
+    process that is killed cannot stop its workers): a worker busy verifying would otherwise outlive
+    it, holding the output streams of whoever ran it. The parent's sentinel is a pipe that the parent
+    holds open for as long as it lives."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mdsl-end-with-search", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,3 +124,22 @@ def context() -> multiprocessing.context.BaseContext:
     if _BASE.get_start_method() == "forkserver":
         _BASE.set_forkserver_preload([__name__])  # takes effect when the server first starts
     return _WorkerContext()
+
+
+def start_server() -> None:
+    """Start the forkserver (where workers start through one) without waiting for it: it preloads
+    mdsl, which takes a second or so, while the search generates its first candidates."""
+    if context().get_start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
+
+
+def end_server() -> None:
+    """Kill the forkserver this process started, if any. It would end once this process has ended, but
+    only after its preloading: a command whose search stopped early would end with the server still
+    running, holding the output streams of whoever waits for the command. (Unreaped, it is replaced
+    by a new one if a later search needs one. CPython keeps the server's pid in a private field.)"""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

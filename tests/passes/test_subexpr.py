@@ -1,12 +1,17 @@
 """The subexpression check: each axiom, its near misses, the pre-check, caching, limits, and the terms
 of whole candidate graphs (RMSNorm + Linear fused, online-softmax attention)."""
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from mdsl.ir import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, TensorType, Var, get_op
 from mdsl.ir.dtypes import f16
 from mdsl.ir.validate import input_tile_type, validate_block_graph, validate_kernel_graph
 from mdsl.passes.abstract import block_terms, output_terms, parse_term, var
-from mdsl.passes.subexpr import SubexprChecker
+from mdsl.passes.subexpr import OutOfTime, SubexprChecker
 
 P = parse_term
 pytestmark = pytest.mark.timeout(30)
@@ -155,6 +160,37 @@ LORA = "add(sum(256, mul(x0, x1)), sum(16, mul(sum(256, mul(x0, x2)), x3)))"
 def test_a_query_whose_instantiations_blow_up_ends(options):
     answer, stats = check(LORA, f"mul({LORA}, {LORA})", **options)
     assert not answer and stats.unknown == 1
+
+
+def test_a_query_stops_when_the_callers_time_runs_out_and_answers_nothing():
+    left = {"until": time.monotonic() + 0.3}
+    checker = SubexprChecker([P(LORA)], rlimit=10**9, timeout_ms=10_000,
+                             time_left=lambda: left["until"] - time.monotonic())
+    blow_up = P(f"mul({LORA}, {LORA})")
+    with pytest.raises(OutOfTime):
+        checker.is_subexpression(blow_up)
+    assert checker.stats.z3_calls == 1 and checker.stats.unknown == 0   # no answer, so none counted
+    with pytest.raises(OutOfTime):   # no time left: no query starts
+        checker.is_subexpression(blow_up)
+    assert checker.stats.z3_calls == 1
+    left["until"] = time.monotonic() + 60   # more time: the query runs again (nothing was cached)
+    checker.timeout_ms = 300
+    assert not checker.is_subexpression(blow_up) and checker.stats.z3_calls == 2 and checker.stats.unknown == 1
+
+
+def test_ctrl_c_during_a_query_is_not_swallowed():
+    # z3's own Ctrl-C trap would end the query as `unknown` (pruning the term) and drop the signal
+    checker = SubexprChecker([P(LORA)], rlimit=10**9, timeout_ms=3_000)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            checker.is_subexpression(P(f"mul({LORA}, {LORA})"))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert checker.stats.unknown == 0 and not checker.stats.refuted
 
 
 def test_answers_do_not_depend_on_query_order():

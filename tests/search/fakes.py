@@ -85,6 +85,14 @@ def forever(graph, config):
         CLOSED.append(True)
 
 
+def interrupted(graph, config):
+    """Two candidates, then Ctrl-C (as a KeyboardInterrupt in the generator) while the second is verified
+    (with verify_slowly: the engine asks for the third only once the first is done)."""
+    yield FAST
+    yield MIDDLE
+    raise KeyboardInterrupt
+
+
 def costly(graph, config):
     """Three valid candidates, each dearer than FAST (stands for the guided generator's proposals)."""
     for n in range(2, 5):

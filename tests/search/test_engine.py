@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -123,6 +124,28 @@ def test_the_budget_stops_a_verification_that_never_ends():
     assert keys(result) == [fakes.ORIGINAL.key]
     assert result.best.evidence.is_identity
     assert result.stats.by_reason("skipped")["budget"] >= 2
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_stops_the_workers_and_removes_the_temporary_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    log = tmp_path / "search.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        search(fakes.ORIGINAL, SearchConfig(budget_s=30, workers=1), generators=[fakes.interrupted],
+               verifier=fakes.verify_slowly, log_path=log)
+    (worker,) = {e["worker"] for e in events(log) if e["event"] == "verified"}
+    assert not _running(worker)   # it was verifying the second candidate: stopped, not waited for
+    # (pymp-*: multiprocessing's directory for its forkserver, which serves this process to its end)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("pymp-")] == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.mark.timeout(30)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import functools
 import time
+import tracemalloc
 
+import attrs
 import numpy as np
 import pytest
 
 import mdsl
 from mdsl import Tensor, f16, f32
 from mdsl.backend.reference import run_kernel_graph
+from mdsl.errors import MdslError
 from mdsl.ir.validate import validate_kernel_graph
+from mdsl.search import enumerate as E
 from mdsl.search.config import SearchConfig
 from mdsl.search.dims import Labels
 from mdsl.search.enumerate import _Search, generate
@@ -270,3 +274,135 @@ def test_programs_one_kernel_cannot_stand_for_yield_nothing():
         return x
 
     assert list(generate(identity.graph)) == []
+
+
+# ---- the numeric screen -------------------------------------------------------------------------
+
+def _full_size_screen(graph, seed: int):
+    """The screen at the program's own sizes: what the reduced screen must agree with."""
+    rng = np.random.default_rng(seed)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    expected = run_kernel_graph(graph, inputs)
+
+    def passes(candidate) -> bool:
+        try:
+            got = run_kernel_graph(candidate, inputs)
+        except MdslError:
+            return False
+        return all(E._close(a, b) for a, b in zip(got, expected))
+
+    return passes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_reduced_screen_agrees_with_the_full_size_one_on_every_program(name):
+    make, max_ops = PROGRAMS[name]
+    graph = make()
+    config = SearchConfig(max_block_ops=max_ops, workers=1)
+    problem, stats = E._Problem(graph, config), SearchStats()
+    budget = E._Budget(10**6, 1e9, stats)
+    matcher = E._Matcher(problem.targets)
+    checker = E.SubexprChecker([t.term for t in problem.targets])
+    screen, full = E._Screen(problem, config.seed), _full_size_screen(graph, config.seed)
+    verdicts = []
+    for frame in problem.frames:
+        for program in E._Search(problem, frame, checker, matcher, budget, stats).run():
+            reduced = screen.passes(program)
+            verdicts.append(reduced)
+            assert reduced == full(E._kernel_graph(problem, program, E.Grid(), config.thread_counts[0])), program
+    assert True in verdicts
+    shrunk = [i.graph for i in screen.instances.values() if i is not None]
+    assert any(_elements(g) < _elements(graph) for g in shrunk)   # (a loop of 8 chunks of 8 keeps 64)
+
+
+def _elements(graph) -> int:
+    return sum(v.type.numel for v in (*graph.inputs, *graph.outputs))
+
+
+def test_a_program_that_computes_something_else_fails_the_reduced_screen():
+    graph = gated_mlp()
+    problem = E._Problem(graph, SearchConfig(max_block_ops=6, workers=1))
+    screen = E._Screen(problem, 0)
+    frame = next(f for f in problem.frames if f.forloop == 2)
+    steps = (E.Step("matmul", (0, 1), ()), E.Step("matmul", (0, 2), ()), E.Step("accum", (3,), ()),
+             E.Step("accum", (4,), ()), E.Step("silu", (5,), ()), E.Step("mul", (7, 6), ()))
+    right = E.Program(frame, steps, (8,), ((),) * 9)   # (one block: no grid map reads the labels)
+    wrong = attrs.evolve(right, steps=steps[:-1] + (E.Step("mul", (5, 6), ()),))   # the silu left out
+    assert screen.passes(right) is True
+    assert screen.passes(wrong) is False
+
+
+def test_labels_an_operator_fixes_keep_their_size_in_the_screen():
+    @mdsl.kernel
+    def joined(x: Tensor[64, 32, f32], y: Tensor[64, 32, f32], w: Tensor[32, 48, f32]):
+        return mdsl.exp(mdsl.concat([x @ w, y @ w], dim=1))
+
+    graph = joined.graph
+    problem = E._Problem(graph, SearchConfig(workers=1))
+    reduced = E._Screen(problem, 0)._reduced(E.Frame())
+    concat = next(n for n in reduced.nodes if n.op == "concat")
+    assert concat.outputs[0].shape == (64, 96)       # a concat's sizes add up: the labels it touches stay
+    assert [v.shape for v in reduced.inputs] == [(64, 8), (64, 8), (8, 48)]   # k, which it does not, shrinks
+    validate_kernel_graph(reduced)
+
+
+@pytest.mark.timeout(60)
+def test_a_program_too_large_to_screen_goes_to_the_verifier_unscreened(monkeypatch):
+    graph, screened, _, _ = run("row_wise")
+    monkeypatch.setattr(E, "SCREEN_ELEMENTS", 10)
+    stats = SearchStats()
+    unscreened = list(generate(graph, SearchConfig(max_block_ops=4, workers=1), stats))
+    assert stats.total("unscreened") > 0 and "numerics" not in stats.by_reason("pruned")
+    assert {c.key for c in screened} <= {c.key for c in unscreened}
+
+
+def chain_8192():
+    @mdsl.kernel
+    def chain(x: Tensor[16, 8192, f16], w1: Tensor[8192, 8192, f16], w2: Tensor[8192, 8192, f16],
+              w3: Tensor[8192, 8192, f16]):
+        return mdsl.relu(mdsl.silu(x @ w1) @ w2) @ w3 * 2.0
+    return chain.graph
+
+
+@pytest.mark.timeout(120)
+def test_the_screen_of_a_large_program_stays_small():
+    # at full size, one float64 run of this program takes 1.6 GB for its inputs alone
+    graph = chain_8192()
+    problem = E._Problem(graph, SearchConfig(workers=1))
+    screen = E._Screen(problem, 0)
+    tracemalloc.start()
+    try:
+        for frame in problem.frames:
+            instance = screen._instance(frame)
+            assert instance is not None and _elements(instance.graph) <= E.SCREEN_ELEMENTS
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20
+    for frame in problem.frames:   # every label shrinks; the loop label to a multiple of the frame's range
+        inputs = screen.instances[frame].graph.inputs
+        for tensor, reduced in zip(graph.inputs, inputs):
+            for d, n in enumerate(reduced.shape):
+                if problem.labels.label(tensor.name, d) == frame.loop:
+                    assert n % frame.forloop == 0 and 2 <= n // frame.forloop <= E.SCREEN_SIZE
+                else:
+                    assert n == min(tensor.shape[d], E.SCREEN_SIZE)
+
+
+def test_a_size_that_a_constant_of_the_program_encodes_keeps_its_size_in_the_screen():
+    @mdsl.kernel
+    def scaled(q: Tensor[4, 64, f32], k: Tensor[64, 128, f32]):
+        return mdsl.sum(q @ k * 0.125, dim=1) * (1 / 128)   # 1/√64 and a mean over 128 written as a sum
+
+    graph = scaled.graph
+    problem = E._Problem(graph, SearchConfig(workers=1))
+    reduced = E._Screen(problem, 0)._reduced(E.Frame())
+    assert [v.shape for v in reduced.inputs] == [(4, 64), (64, 128)]
+
+    @mdsl.kernel
+    def plain(q: Tensor[4, 64, f32], k: Tensor[64, 128, f32]):
+        return mdsl.sum(q @ k * 0.5, dim=1)
+
+    problem = E._Problem(plain.graph, SearchConfig(workers=1))
+    assert [v.shape for v in E._Screen(problem, 0)._reduced(E.Frame()).inputs] == [(4, 8), (8, 8)]

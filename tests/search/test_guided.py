@@ -1,4 +1,6 @@
 """The structure-guided generator: labels, lifting rules, and the fused kernels it must find."""
+import time
+
 import numpy as np
 import pytest
 
@@ -6,6 +8,7 @@ from mdsl.backend.reference import run_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.dims import Labels
 from mdsl.search.guided import CannotLift, Choice, generate, lift
+from mdsl.search.stats import SearchStats
 from tests.examples_util import load_example
 
 def example(name):
@@ -194,3 +197,11 @@ def test_a_weighted_norm_before_the_matmul_still_fuses_into_the_loop():
                and "accum_rms" in ops_of(c.nodes[0].body) for c in candidates)
     for c in candidates:
         assert np.allclose(run_kernel_graph(c, inputs)[0], want, rtol=1e-10)
+
+
+def test_the_search_deadline_stops_the_lifting():
+    graph = example("rms_norm_linear").make_rms_norm_linear(1).graph
+    assert list(generate(graph, SearchConfig(), SearchStats()))   # in time: candidates
+    stats = SearchStats(deadline=time.monotonic())
+    assert list(generate(graph, SearchConfig(), stats)) == []
+    assert stats.by_reason("stopped") == {"guided: time": 1} and "pruned" not in stats.counts
