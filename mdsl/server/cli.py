@@ -57,7 +57,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace) -> int:
     try:
         import jinja2  # noqa: F401
-        import prometheus_client  # noqa: F401
+        import prometheus_client
         import starlette  # noqa: F401
         import uvicorn
     except ImportError as e:
@@ -71,6 +71,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.gpu_memory_fraction is not None:
         raise UnsupportedError("--gpu-memory-fraction sizes the GPU device's KV cache, and the GPU serving device "
                                "is not built yet", hint="size the KV cache with --kv-cache-bytes")
+    prometheus_client.disable_created_metrics()     # no *_created sample beside every counter and histogram
     template = ChatTemplate.load(args.model) if os.path.isdir(args.model) else None
     sock = _listen(args.host, args.port)
     try:

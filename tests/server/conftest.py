@@ -1,20 +1,16 @@
 """A tiny Qwen3 checkpoint with a word-level tokenizer.json, a tokenizer_config.json chat template and an
-EOS token, and real `mdsl serve` processes on free ports."""
+EOS token, and real `mdsl serve` processes on free ports (benchmarks/serve_http.py's launcher)."""
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import attrs
 import pytest
 
-import mdsl
+from benchmarks.serve_http import ServerProcess
 from mdsl.megakernel.architectures import step_function
 from mdsl.megakernel.checkpoint import random_weights, save_checkpoint
 from mdsl.megakernel.config import config_from_dict
@@ -63,49 +59,9 @@ def write_checkpoint(folder, *, tokenizer: bool = True) -> str:
     return folder
 
 
-@attrs.define
-class ServerProcess:
-    """`python -m mdsl serve --port 0 ...` with the mdsl this test imports; its output goes to a file."""
-
-    process: subprocess.Popen
-    log_path: Path
-    url: str = ""
-
-    @classmethod
-    def start(cls, folder: str, log_dir: Path, *args: str) -> "ServerProcess":
-        log_path = log_dir / f"serve-{time.monotonic_ns()}.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(mdsl.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("MDSL_API_KEY", None)
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([sys.executable, "-m", "mdsl", "serve", "--model", folder, "--port", "0", *args],
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=log_dir, env=env)
-        server = cls(process, log_path)
-        deadline = time.monotonic() + STARTUP_S
-        while not server.url:
-            found = re.search(r"at (http://\S+)/v1 ", log_path.read_text())
-            if found:
-                server.url = found.group(1)
-            elif process.poll() is not None or time.monotonic() > deadline:
-                server.stop(signal.SIGKILL)
-                raise AssertionError(f"mdsl serve did not start:\n{server.log()}")
-            else:
-                time.sleep(0.05)
-        return server
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self, sig=signal.SIGINT, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"mdsl serve did not exit within {timeout} s of {sig!r}:\n{self.log()}") from None
+def start_server(folder: str, log_dir: Path, *args: str) -> ServerProcess:
+    """`mdsl serve --port 0 ARGS` on the folder, its log in log_dir (the load generator's launcher)."""
+    return ServerProcess(folder, log_dir / f"serve-{time.monotonic_ns()}.log", *args, timeout=STARTUP_S)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +72,7 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def server(checkpoint, tmp_path_factory):
     """The shared server (API key `test-key`); stopped by SIGINT at the end, which must exit 0."""
-    process = ServerProcess.start(checkpoint, tmp_path_factory.mktemp("serve"), "--api-key", API_KEY)
+    process = start_server(checkpoint, tmp_path_factory.mktemp("serve"), "--api-key", API_KEY)
     yield process
     code = process.stop(signal.SIGINT)
     assert code == 0, process.log()

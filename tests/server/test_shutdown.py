@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, write_checkpoint
+from tests.server.conftest import start_server, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def _stream(url: str, body: dict, first_event: threading.Event, out: list) -> No
 
 
 def test_without_a_tokenizer_token_ids_are_served_and_text_is_refused(bare, tmp_path):
-    server = ServerProcess.start(bare, tmp_path)
+    server = start_server(bare, tmp_path)
     try:
         done = httpx.post(f"{server.url}/v1/completions", json={"model": "bare", "prompt": [1, 2], "max_tokens": 3,
                                                                  "ignore_eos": True}).json()
@@ -53,7 +53,7 @@ def test_without_a_tokenizer_token_ids_are_served_and_text_is_refused(bare, tmp_
 
 
 def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path):
-    server = ServerProcess.start(bare, tmp_path, "--shutdown-timeout", "3")
+    server = start_server(bare, tmp_path, "--shutdown-timeout", "3")
     short, long_ = [], []
     started = [threading.Event(), threading.Event()]
     threads = [threading.Thread(target=_stream, args=(server.url, body, event, out)) for body, event, out in [
