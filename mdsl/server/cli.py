@@ -30,6 +30,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -125,7 +135,7 @@ def add_serve_command(commands) -> None:
                     f"the serve extra ({INSTALL_HINT}); text prompts need the folder's tokenizer.json.")
     cmd.add_argument("--model", required=True, metavar="DIR", help="the checkpoint folder; its name is the model's")
     cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0: all)")
-    cmd.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: a free one, printed)")
+    cmd.add_argument("--port", type=_port, default=8000, help="the port (default 8000; 0: a free one, printed)")
     cmd.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                      help="cpu (numpy, for small checkpoints: the default while the GPU device is not built) or gpu")
     cmd.add_argument("--max-batch", type=_positive_int, default=64, metavar="N",

@@ -53,12 +53,12 @@ def test_without_a_tokenizer_token_ids_are_served_and_text_is_refused(bare, tmp_
 
 
 def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path):
-    server = start_server(bare, tmp_path, "--shutdown-timeout", "3")
+    server = start_server(bare, tmp_path, "--shutdown-timeout", "1")   # the long stream needs several seconds
     short, long_ = [], []
     started = [threading.Event(), threading.Event()]
     threads = [threading.Thread(target=_stream, args=(server.url, body, event, out)) for body, event, out in [
         ({"model": "bare", "prompt": [1, 2, 3], "max_tokens": 1900, "ignore_eos": True}, started[0], long_),
-        ({"model": "bare", "prompt": [4, 5], "max_tokens": 20, "ignore_eos": True}, started[1], short)]]
+        ({"model": "bare", "prompt": [4, 5], "max_tokens": 8, "ignore_eos": True}, started[1], short)]]
     for thread, event in zip(threads, started):
         thread.start()
         assert event.wait(60), server.log()
@@ -67,7 +67,7 @@ def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path)
         thread.join(60)
     assert code == 0, server.log()
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
-    assert sum(len(e["choices"][0]["token_ids"]) for e in short[:-1]) == 20
+    assert sum(len(e["choices"][0]["token_ids"]) for e in short[:-1]) == 8
     assert long_[-1] == "[DONE]" and long_[-2]["choices"][0]["finish_reason"] == "cancelled"
     assert sum(len(e["choices"][0]["token_ids"]) for e in long_[:-1]) < 1900
     log = server.log()
@@ -80,6 +80,8 @@ def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path)
     (["--gpu-memory-fraction", "0.9"], "not built yet"),
     (["--device", "gpu"], "not built yet"),
     (["--max-batch", "0"], "positive integer"),
+    (["--port", "70000"], "[0, 65535]"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),          # an address of no interface here
     (["--max-seq", "100000"], "exceeds"),
 ])
 def test_command_line_errors_are_clear(bare, args, words):
