@@ -7,6 +7,7 @@
     mdsl optimize FILE --trace-only                            # the traced graphs, no search
     mdsl optimize FILE --backend ptx                           # the GPU check compiles through llvmlite's PTX
     mdsl generate --model DIR --prompt-ids 1,2,3 --max-new-tokens 32   # the megakernel (GPU)
+    mdsl serve --model DIR --port 8000                          # the OpenAI API over HTTP
     mdsl version
 
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
@@ -39,6 +40,7 @@ from mdsl.ir import dot, serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.megakernel.runtime.cli import add_generate_command
 from mdsl.search.config import SearchConfig
+from mdsl.server.cli import add_serve_command
 
 EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130  # 1: the plan failed its GPU check
 EXIT_TERMINATED = 143
@@ -246,6 +248,7 @@ def make_parser() -> argparse.ArgumentParser:
     opt.set_defaults(run=optimize)
 
     add_generate_command(commands)
+    add_serve_command(commands)
 
     ver = commands.add_parser("version", help="print mdsl's version")
     ver.set_defaults(run=version)

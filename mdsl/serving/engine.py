@@ -10,6 +10,7 @@ through the protocol (mdsl.serving.protocol): the same code serves the CPU devic
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -30,6 +31,8 @@ from mdsl.serving.tokenizer import Tokenizer
 
 PUMP_WAIT_S = 0.05      # the longest the host thread sleeps between looks at the ring
 
+_log = logging.getLogger(__name__)
+
 
 @attrs.frozen
 class RequestOutput:
@@ -48,7 +51,8 @@ class RequestOutput:
 @attrs.frozen
 class ServingStats:
     """The device's control words (its status, steps run, preemptions, running requests in the last step
-    and at the peak, free pages) and the requests the host holds back until the queue has room."""
+    and at the peak, free pages), the requests published in the queue that the device has not taken yet,
+    and the requests the host holds back until the queue has room."""
 
     status: str
 
@@ -59,6 +63,7 @@ class ServingStats:
     free_pages: int
     num_pages: int
     host_pending: int
+    queued: int
 
 
 class RequestHandle:
@@ -76,6 +81,7 @@ class RequestHandle:
         self._error: Optional[BaseException] = None
         self._preemptions = 0
         self._handle: Optional[int] = None     # its prompt row / cancel flag once published
+        self._listeners: list = []
 
     def __repr__(self) -> str:
         return f"<RequestHandle {self.request_id}: {len(self._tokens)} tokens, {self._reason or 'running'}>"
@@ -97,6 +103,22 @@ class RequestHandle:
     def done(self) -> bool:
         return self._reason is not None or self._error is not None
 
+    def poll(self, start: int = 0) -> tuple:
+        """Without waiting: (the tokens from index `start` produced so far, the finish reason or None while
+        it runs). Raises the request's failure."""
+        with self._cond:
+            if self._error is not None:
+                raise self._failure()
+            return tuple(self._tokens[start:]), self._reason
+
+    def subscribe(self, callback) -> None:
+        """Call `callback()` whenever tokens arrive or the request ends, in the engine's host thread (or in
+        the thread that cancels a request still held on the host): it must return at once and not call
+        the engine (`poll` is fine). For event loops: subscribe, then `poll` until the reason is set,
+        waiting for a callback between polls."""
+        with self._cond:
+            self._listeners.append(callback)
+
     def cancel(self) -> None:
         """Stop the request: it finishes with reason "cancelled" and the tokens streamed so far."""
         self._engine._cancel(self)
@@ -109,7 +131,7 @@ class RequestHandle:
                 raise self._failure()
             tokens, reason = tuple(self._tokens), self._reason
         return RequestOutput(self.request_id, self.prompt_token_ids, tokens, reason,
-                             self._engine._tokenizer.decode(tokens), self._preemptions)
+                             self._engine.tokenizer.decode(tokens), self._preemptions)
 
     def _failure(self) -> ServingError:
         return ServingError(f"request {self.request_id} failed: {self._error}",
@@ -125,17 +147,27 @@ class RequestHandle:
                                    f"expected {expected}")
             self._tokens.append(token)
             self._cond.notify_all()
+        self._tell_listeners()
 
     def _finish(self, reason: str) -> None:
         with self._cond:
             self._reason = reason
             self._cond.notify_all()
+        self._tell_listeners()
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             if self._reason is None:
                 self._error = error
             self._cond.notify_all()
+        self._tell_listeners()
+
+    def _tell_listeners(self) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception:    # a listener's bug must not stop the host thread that serves every request
+                _log.exception("a listener of request %d failed", self.request_id)
 
 
 def _positive(name: str, value, hint: str) -> int:
@@ -152,7 +184,7 @@ class LLM:
     page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default
     the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
     by default enough for every batch slot at max_seq (nothing is ever preempted). device: "cpu" (numpy;
-    "gpu", the megakernel, is not built yet)."""
+    "gpu", the megakernel, is not built yet). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer)."""
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu"):
@@ -180,7 +212,7 @@ class LLM:
         self.shape = ServingShape(max_batch, page_size, num_pages, max_seq)
         region = host_region(self.shape)
         self._host = region.views(region.allocate())
-        self._tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
         self._lock = threading.Lock()
         self._pending: deque = deque()         # submitted, not yet in the queue
         self._handles: dict = {}               # request id -> handle, until its last record is read
@@ -248,9 +280,9 @@ class LLM:
     def stats(self) -> ServingStats:
         c = self._host["control"][0]
         with self._lock:
-            pending = len(self._pending)
+            pending, queued = len(self._pending), self._published - int(c["queue_taken"])
         return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]), int(c["peak_running"]),
-                            int(c["free_pages"]), self.shape.num_pages, pending)
+                            int(c["free_pages"]), self.shape.num_pages, pending, queued)
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what is unfinished, stop the device and the host thread."""
@@ -285,7 +317,7 @@ class LLM:
 
     def _prompt_tokens(self, prompt) -> tuple:
         if isinstance(prompt, str):
-            tokens = self._tokenizer.encode(prompt)
+            tokens = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
             tokens = tuple(prompt)
             if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):

@@ -40,11 +40,13 @@ class Tokenizer:
                                          hint="use the tokenizer.json that came with the model")
         return self._loaded
 
-    def encode(self, text: str) -> tuple:
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple:
+        """The ids of `text`; `add_special_tokens=False` leaves out what the tokenizer's post-processor adds
+        (a BOS): for text that spells its special tokens itself, as a rendered chat template does."""
         tok = self._load()
         if tok is None:
             raise ServingError(self._why.message, hint=self._why.hint)
-        return tuple(tok.encode(text).ids)
+        return tuple(tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids) -> Optional[str]:
         """The text of `ids`, or None without a tokenizer."""
