@@ -3,7 +3,7 @@
 // backend's prelude (namespace mdsl: to_float, from_float, group_reduce), expands the #includes below in place
 // (the headers of this folder, one concern each) and inserts the task bodies it generates for the plan.
 //
-// One worker block per SM: 8 compute warps and 1 scheduler warp (and 1 warp that leaves at once). The
+// One worker block per SM: 8 compute warps and 1 scheduler warp (and 1 that leaves at once, below). The
 // scheduler takes this worker's task indices in order (step * TASKS + k, in dependency order; worker w takes
 // w, w + workers, ...), prefetches an attention split's cached rows into L2, waits with acquire loads until
 // the events the task reads reach producers * (step + 1), and hands the task to the compute warps through
@@ -34,21 +34,24 @@ namespace mk {
 
 namespace mk {
 
-// The block's 10th warp leaves at once: the kernel is compiled for LAUNCH threads (its launch bounds set the
-// registers ptxas may give each thread).
+// The kernel. Besides its 9 working warps the block has a 10th (LAUNCH threads: its launch bounds set the
+// registers ptxas may give a thread), which leaves at once; a start-up that clears shared words and fences
+// before the whole block meets once; a slot word that is always 0 (Slot::pad); and the compute warps record
+// that they left and how many tasks they ran. Nothing reads these: they hold the kernel's machine code to the
+// code the benchmarks measure. ptxas allocates registers and schedules the kernel as one function, so
+// dropping any of them changes the code of the whole kernel (scripts/compare_megakernel_sass.py shows it).
 extern "C" __global__ void __launch_bounds__(LAUNCH, 1) mdsl_megakernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) float smem[];
   float* red = smem;                   // [2 NW]: block reductions
   float* work = smem + 2 * NW;         // the task's inputs (16-byte aligned: 2 NW floats = 64 bytes)
   __shared__ Slot slots[SLOTS];
-  __shared__ struct { unsigned long long full[1], empty[1]; } stage_barriers;
-  __shared__ struct { unsigned long long full[1], empty[1]; volatile long long issued; } stream_barriers;
-  __shared__ int finished;
-  __shared__ int tasks_done;
+  __shared__ struct { unsigned long long reserved[2]; volatile long long cleared; } startup;
+  __shared__ int finished;             // the compute warps have left
+  __shared__ int tasks_done;           // the tasks the compute warps have run
   if (threadIdx.x == 0) {
     finished = 0;
     tasks_done = 0;
-    stream_barriers.issued = 0;
+    startup.cleared = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   named_sync(BAR_START, LAUNCH);

@@ -7,10 +7,10 @@ namespace mk {
 constexpr int NT = 256;              // compute threads per worker block (the task bodies' threads)
 constexpr int NW = NT / 32;
 constexpr int BLOCK = NT + 32;       // + the scheduler warp (threads NT .. BLOCK): the task slots' barriers
-constexpr int LAUNCH = BLOCK + 32;   // + the loader warp (threads BLOCK .. LAUNCH)
+constexpr int LAUNCH = BLOCK + 32;   // + a warp that leaves at once (device.cu)
 // named barriers (0 is __syncthreads, unused): the compute warps among themselves, and per task slot
 // "full" (the scheduler filled it) and "empty" (the compute warps are done with it); the whole block once
-// at the start (the staging and streaming barriers are initialised)
+// at the start (device.cu)
 constexpr int BAR_COMPUTE = 1, BAR_FULL = 2, BAR_EMPTY = 4, SLOTS = 2, BAR_START = 6;
 // per task slot "ready": the scheduler saw the inputs of a task it handed over early (EARLY_KINDS)
 constexpr int BAR_READY = 7;
@@ -18,7 +18,9 @@ constexpr int VEC = 16 / int(sizeof(T));   // elements per 16-byte weight load
 constexpr int RESIDUAL_PER = (RESIDUAL_COLUMNS + NT - 1) / NT;   // a linear tile's residual columns per thread
 constexpr int PART = D + 2;          // a split's partial result: max, sum, D weighted values
 constexpr int G = HQ / HKV;
-constexpr int STATE_QUEUE = 0, STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_TOKEN = 4, STATE_BAD_TOKEN = 5;
+// the state words (engine.py's _STATE_*; 0 and 1 unused): the stop step, the tokens generated, the next token,
+// a bad token seen
+constexpr int STATE_STOP = 2, STATE_GENERATED = 3, STATE_NEXT_TOKEN = 4, STATE_BAD_TOKEN = 5;
 // the watchdog's report: task + 1 (0: none), step, event, its count, the count needed
 constexpr int STATE_STUCK_TASK = 6, STATE_STUCK_STEP = 7, STATE_STUCK_EVENT = 8, STATE_STUCK_COUNT = 9,
               STATE_STUCK_NEED = 10;
@@ -29,10 +31,10 @@ constexpr int VOCAB = V * WORLD;     // the whole vocabulary (V: this rank's sha
 struct Task { int kind, layer, begin, end, wait_begin, wait_count, signal_begin, signal_count; };
 
 // a task handed from the scheduler warp to the compute warps; index < 0: the worker is done
-// stream_first: the worker's count of streamed sub-tiles before this task's first (its ring position)
 // early: handed over before its inputs were complete (they are once the slot's ready barrier opens;
 // ready_ns and failed are written then; failed: they never will be, the launch stops without its signals)
-struct Slot { Task task; long long index, stream_first; unsigned long long taken_ns, ready_ns; bool early, failed; };
+// pad: 0 (device.cu's note on the kernel)
+struct Slot { Task task; long long index, pad; unsigned long long taken_ns, ready_ns; bool early, failed; };
 constexpr int MARKS = 4;             // a body's marks at most (profile only): see mark()
 // per task index: SM, taken, inputs ready, body start, done, the body's marks (0: not passed)
 constexpr int PROFILE_WORDS = 5 + MARKS;

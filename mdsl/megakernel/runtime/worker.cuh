@@ -61,7 +61,7 @@ __device__ __forceinline__ constexpr bool early_kind(int kind) { return ((EARLY_
 __device__ void schedule(const Params& p, Slot* slots) {
   const int lane = threadIdx.x % 32;
   const long long total = p.num_steps * TASKS;
-  long long streamed = 0;
+  long long pad = 0;   // Slot::pad
   bool stopping = false;         // an early task's wait failed: the next slot ends the worker
   long long running_step = -1;   // the last step a task of which had its inputs on this worker
   for (long long k = 0;; ++k) {
@@ -79,7 +79,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
       early = early_kind(t.kind) && step == running_step;
       if (early) {
         if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
-        if (lane == 0) slots[s] = Slot{t, index, streamed, taken, 0, true, false};
+        if (lane == 0) slots[s] = Slot{t, index, pad, taken, 0, true, false};
         named_arrive(BAR_FULL + s, BLOCK);
       }
       const bool inputs = wait_for_inputs(p, t, index, step, lane);
@@ -99,7 +99,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
       continue;
     }
     if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
-    if (lane == 0) slots[s] = Slot{t, index, streamed, taken, ready, false, false};
+    if (lane == 0) slots[s] = Slot{t, index, pad, taken, ready, false, false};
     named_arrive(BAR_FULL + s, BLOCK);
     if (index < 0) {
       // the compute warps' last arrival on the other slot, so that no barrier is left half-arrived
@@ -117,7 +117,7 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
     named_sync(BAR_FULL + s, BLOCK);
     const Slot slot = slots[s];
     if (slot.index < 0) {
-      if (threadIdx.x == 0) *finished = 1;   // the loader warp stops streaming
+      if (threadIdx.x == 0) *finished = 1;
       return;
     }
     const Task& t = slot.task;
