@@ -2,7 +2,7 @@
 no GPU needed) and compare two dumps, so that a change meant to leave the kernels alone can show that it does.
 
     python scripts/compare_megakernel_sass.py dump OUT_DIR [--configs NAME,...]
-    python scripts/compare_megakernel_sass.py compare BEFORE_DIR AFTER_DIR
+    python scripts/compare_megakernel_sass.py compare BEFORE_DIR AFTER_DIR [--recompiles 3]
 
 `dump` writes, per configuration, the generated source (NAME.cu), its SASS (NAME.sass: nvdisasm's code
 sections, no line information) and NAME.json (the dynamic shared memory, whether attention's rows are
@@ -14,7 +14,10 @@ preloaded where they fit, the kernel built again without them if it spills); and
 values (a long max_seq without the preload, one GPU summing as two ranks, the second pass of every kind on
 models whose kernel then spills, a rank's short splits). `compare` says, per configuration in both dumps,
 whether the SASS is the same text, else how many instruction lines differ and how the opcode counts moved;
-exit status 1 if any differs. Run `dump` in each checkout (this script on the PYTHONPATH of the one dumped).
+exit status 1 if any differs. NVRTC does not always make the same code of one source (now and then it
+allocates one product loop's registers otherwise), so where the dumps' SASS differ `compare` compiles both
+dumped sources again (`--recompiles` times each, no cache) and counts them the same if any of their SASS
+agree. Run `dump` in each checkout (this script on the PYTHONPATH of the one dumped).
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import argparse
 import collections
 import difflib
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,7 +123,25 @@ def _instructions(sass: str) -> list:
     return [line.split("*/", 1)[1].strip() for line in sass.splitlines() if line.strip().startswith("/*")]
 
 
-def compare(before: Path, after: Path) -> int:
+def _variants(source: str, compiles: int) -> set:
+    """The SASS texts of `compiles` compiles of `source`, each with an empty compile cache."""
+    from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble
+
+    found, kept = set(), os.environ.get("MDSL_CACHE_DIR")
+    try:
+        for _ in range(compiles):
+            with tempfile.TemporaryDirectory() as cache:
+                os.environ["MDSL_CACHE_DIR"] = cache
+                found.add(disassemble(compile_cuda(source, arch="sm_90a").cubin))
+    finally:
+        if kept is None:
+            del os.environ["MDSL_CACHE_DIR"]
+        else:
+            os.environ["MDSL_CACHE_DIR"] = kept
+    return found
+
+
+def compare(before: Path, after: Path, recompiles: int = 3) -> int:
     from mdsl.backend.cuda.nvrtc import sass_opcodes
 
     names = sorted(p.stem for p in before.glob("*.sass") if (after / p.name).exists())
@@ -134,6 +157,13 @@ def compare(before: Path, after: Path) -> int:
         if a == b:
             print(f"{name}: identical SASS{notes}")
             continue
+        if recompiles:
+            va, vb = ({text} | _variants((d / f"{name}.cu").read_text(), recompiles)
+                      for text, d in ((a, before), (b, after)))
+            if va & vb:
+                print(f"{name}: identical SASS (NVRTC made {len(va)} and {len(vb)} variants of the two sources in "
+                      f"{recompiles + 1} compiles each; one is common){notes}")
+                continue
         differ += 1
         ia, ib = _instructions(a), _instructions(b)
         changed = sum(1 for line in difflib.ndiff(ia, ib) if line[:1] in "+-")
@@ -154,6 +184,8 @@ def main(argv=None) -> int:
     c = commands.add_parser("compare", help="compare two dumps")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
+    c.add_argument("--recompiles", type=int, default=3,
+                   help="where the dumps' SASS differ, compile each dumped source this many times more (0: none)")
     args = ap.parse_args(argv)
     if args.command == "dump":
         names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -162,7 +194,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown configuration(s) {sorted(unknown)}; known: {', '.join(configurations())}")
         dump(args.out, names)
         return 0
-    return compare(args.before, args.after)
+    return compare(args.before, args.after, args.recompiles)
 
 
 if __name__ == "__main__":

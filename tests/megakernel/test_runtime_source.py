@@ -129,9 +129,14 @@ def test_the_parameter_block_layout_is_shared():
     assert f"sizeof(Params) == {ctypes.sizeof(Params)}" in text
 
 
-def test_more_attention_splits_than_a_warp_merges_are_refused():
+def test_more_attention_splits_than_a_warp_merges_or_wider_heads_than_the_threads_are_refused():
+    from mdsl.errors import UnsupportedError
+
     with pytest.raises(ValueError, match="1 to 32 attention splits per kv head, not 33"):
         generate_source(tiny_bf16_plan(splits=33))
+    config, _, _ = tiny_model("qwen3", head_dim=512)
+    with pytest.raises(UnsupportedError, match="a head's 512 values one a compute thread"):
+        generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24))
 
 
 @functools.cache
@@ -307,3 +312,28 @@ def test_qwen3_8b_with_an_option_compiles_without_spills(world, options):
     plan = qwen3_8b_rank_plan() if world == 2 else qwen3_8b_plan(4096)
     source = generate_source(plan, options)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+
+
+def test_the_sass_comparison_names_each_configuration_and_what_differs(tmp_path, capsys):
+    """scripts/compare_megakernel_sass.py: the engine's default configurations (and kept options at other
+    values) build with this checkout's API, and `compare` tells the same SASS from a different one."""
+    import importlib.util
+    import json
+
+    path = RUNTIME.parents[2] / "scripts" / "compare_megakernel_sass.py"
+    spec = importlib.util.spec_from_file_location("compare_megakernel_sass", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    chosen = script.configurations()
+    assert {"qwen3-8b-1064", "qwen3-8b-tp2-rank-1064", "qwen3-8b-rank-of-2-1064", "llama-3.2-1b-4096"} <= set(chosen)
+    assert chosen["qwen3-8b-rank-of-2-1064"][4] == MegakernelOptions().for_world(2)
+    sass = "        /*0000*/                   LDC R1, c[0x0][0x28] ;\n        /*0010*/                   EXIT ;\n"
+    for folder, text in (("a", sass), ("b", sass.replace("LDC R1", "MOV R1"))):
+        (tmp_path / folder).mkdir()
+        for name in ("same", "other"):
+            (tmp_path / folder / f"{name}.sass").write_text(sass if name == "same" else text)
+            (tmp_path / folder / f"{name}.json").write_text(json.dumps(
+                {"smem_bytes": 1, "preload": True, "resources": {"registers": 168}}))
+    assert script.compare(tmp_path / "a", tmp_path / "b", recompiles=0) == 1
+    out = capsys.readouterr().out
+    assert "same: identical SASS" in out and "other: SASS differs: 2 -> 2 instructions, 2 lines changed" in out

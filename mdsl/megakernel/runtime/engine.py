@@ -29,7 +29,8 @@ from mdsl.megakernel.config import ModelConfig, load_config
 from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
+from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name,
+                                           rope_tables)
 from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, KernelOptionError,
                                             generate_source)
 
@@ -41,24 +42,12 @@ _STATIC_SMEM_LIMIT = 48 * 1024
 DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
                 "generate_source), or run the model on the CPU (mdsl.megakernel.reference, .simulator)")
-_LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-
-
-def layer_weight_name(layer: int, short: str) -> str:
-    """The Hugging Face name of a layer's weight (the built-in model definitions use the same)."""
-    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    middle = f"{where[short]}." if short in where else ""
-    return f"model.layers.{layer}.{middle}{short}.weight"
-
-
 def weight_names(config: ModelConfig) -> list:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for layer in range(config.num_layers):
-        names += [layer_weight_name(layer, w) for w in _LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+        names += [layer_weight_name(layer, w) for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
     return names
 
 
@@ -251,7 +240,7 @@ class MegakernelEngine:
         rows = []
         for layer in range(s.layers):
             ptrs = [self._weight(weights, layer_weight_name(layer, w), shapes[w])
-                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in _LAYER_WEIGHTS]
+                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in LAYER_WEIGHTS]
             offset = layer * cache * s.dtype.itemsize
             rows.append(ptrs + [k_cache + offset, v_cache + offset])
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)

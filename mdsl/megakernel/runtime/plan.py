@@ -52,7 +52,7 @@ from mdsl.megakernel.layers import extend_layer_op
 from mdsl.megakernel.model import TOKENS, ModelGraph
 from mdsl.megakernel.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.runtime.options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import DecoderShape
+from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
 from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
 
 
@@ -381,8 +381,6 @@ class _Binding:
         return int(match.group(1))
 
     def weights(self, node, given, names) -> None:
-        from mdsl.megakernel.runtime.engine import layer_weight_name  # engine imports this module
-
         want = [name if isinstance(name, str) else layer_weight_name(*name) for name in names]
         got = [v.name for v in given]
         if got != want:
@@ -423,8 +421,6 @@ def _outputs(node) -> str:
 
 
 def _weight_types(shape: DecoderShape) -> dict:
-    from mdsl.megakernel.runtime.engine import layer_weight_name
-
     s = shape
     per_layer = {"input_layernorm": (s.hidden,), "post_attention_layernorm": (s.hidden,),
                  "q_proj": (s.attention_width, s.hidden), "k_proj": (s.kv_heads * s.head_dim, s.hidden),

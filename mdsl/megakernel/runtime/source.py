@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
+from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.runtime.bodies import generate_bodies, residual_columns
 from mdsl.megakernel.runtime.options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions
@@ -179,6 +180,9 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
     if not 1 <= plan.splits <= MAX_SPLITS:
         raise ValueError(f"the megakernel merges 1 to {MAX_SPLITS} attention splits per kv head, not {plan.splits}")
+    if s.head_dim > THREADS:
+        raise UnsupportedError(f"the megakernel merges a head's {s.head_dim} values one a compute thread, of which "
+                               f"it has {THREADS}", hint="run the model with the CPU simulator (mdsl.megakernel.simulator)")
     eighths = 0 if options.weights_first == 0 else max(1, round(options.weights_first * 8))   # of the pass's loads
     two_pass = {_KIND_OF_NAME[name] for name in options.second_pass_kinds}
     early_bytes = EARLY_BUFFER_BYTES if two_pass else 0
