@@ -1,5 +1,7 @@
-"""The megakernel kernels the engine builds, as machine code: dump their SASS (NVRTC for sm_90a and nvdisasm,
-no GPU needed) and compare two dumps, so that a change meant to leave the kernels alone can show that it does.
+"""Dump the SASS of the megakernel kernels the engine builds, and compare two dumps.
+
+The SASS comes from NVRTC for sm_90a and nvdisasm (no GPU needed), so that a change meant to leave the
+kernels' machine code alone can show that it does.
 
     python scripts/compare_megakernel_sass.py dump OUT_DIR [--configs NAME,...]
     python scripts/compare_megakernel_sass.py compare BEFORE_DIR AFTER_DIR [--recompiles 3]
