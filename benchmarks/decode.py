@@ -8,12 +8,10 @@ Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GP
 The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE launch (timed with CUDA
 events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
 per-token latency is that time / steps. It is measured once per runtime variant (`--variants`, the
-first one is the table's): "static" (each worker its share of the tasks in order), "static-ahead2"
-(its scheduler also prefetches the weights of its task after next), "queue" (one global atomic
-queue), the "-lanes4" ones (4 lanes share each cached position in attention's scores) and the "-fused"
-ones (the last attention split of a kv head merges the splits: no combine tasks); the profiled model's step is profiled under each (trace of the first, and per task kind the
-body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick the
-variants after the first run for the profiled model only. PyTorch runs one decode step at position
+first one is the table's): "default" (the engine's defaults), and the kept options' other values (VARIANTS:
+MegakernelOptions fields); the profiled model's step is profiled under each (trace of the first, and per
+task kind the body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick
+the variants after the first run for the profiled model only. PyTorch runs one decode step at position
 1023 (SDPA over 1024 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times
 between two events.
 Each model is independent: a failure is printed with its traceback and the others still run; the exit
@@ -34,118 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (design.md)
 CONTEXT = 1024
-VARIANTS = {   # the megakernel runtime's variants: MegakernelEngine keyword arguments
-    "static": {"schedule": "static"},
-    "static-ahead2": {"schedule": "static", "prefetch_ahead": 2, "prefetch_kinds": None},
-    "queue": {"schedule": "queue"},
-    "static-lanes4": {"schedule": "static", "attention_lanes": 4},
-    "lanes1": {"schedule": "static", "attention_lanes": 1},   # (the default until the fifteenth session)
-    "static-ahead2-lanes4": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4, "prefetch_kinds": None},
-    "static-lanes4-fused": {"schedule": "static", "attention_lanes": 4, "fused_combine": True},
-    "fused": {"schedule": "static", "fused_combine": True},
-    "static-ahead2-lanes4-fused": {"schedule": "static", "prefetch_ahead": 2, "attention_lanes": 4,
-                                   "fused_combine": True, "prefetch_kinds": None},
-    "stage": {"schedule": "static", "stage_weights": True},
-    "stage-lanes4-fused": {"schedule": "static", "stage_weights": True, "attention_lanes": 4, "fused_combine": True},
-    "stage-ahead2-lanes4-fused": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
-                                  "attention_lanes": 4, "fused_combine": True, "prefetch_kinds": None},
-    "stage-ahead2-lanes4-fused-l2x4": {"schedule": "static", "stage_weights": True, "prefetch_ahead": 2,
-                                       "attention_lanes": 4, "fused_combine": True, "prefetch_kib": 384,
-                                       "prefetch_kinds": None},
-    "stream": {"schedule": "static", "stream_weights": True},
-    "stream-fused": {"schedule": "static", "stream_weights": True, "fused_combine": True},
-    "stream-lanes4-fused": {"schedule": "static", "stream_weights": True, "attention_lanes": 4, "fused_combine": True},
-    "stream-16k": {"schedule": "static", "stream_weights": True, "stream_buffer_kib": 16},
-    # the short linears after latency-bound phases only (QKV after the all-reduce, o-proj after attention)
-    "stream-short": {"schedule": "static", "stream_weights": ("qkv", "oproj")},
-    "stream-oproj": {"schedule": "static", "stream_weights": ("oproj",)},
-    # the head of a tile that does not fit staged too (one GPU: 22 of an o-proj tile's 32 columns; a rank of
-    # two: the whole o-proj tile and 4 gate/up columns)
-    "stage-heads": {"schedule": "static", "stage_weights": True, "stage_heads": True},
-    # QKV staged too, in one buffer shared with the other staged kinds, its copy started once the down-proj
-    # before it is done (a rank of two: QKV's and o-proj's whole tiles; one GPU: nothing fits whole)
-    "stage-qkv": {"schedule": "static", "stage_kinds": ("qkv", "oproj")},
-    # ... and the heads of what does not fit (a rank of two: 12 of 47 gate/up columns; one GPU: 24 of 47
-    # QKV columns, 24 of 32 o-proj ones, 12 of 47 gate/up ones), or QKV's head alone (one GPU)
-    "stage-qkv-heads": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True},
-    "stage-qkv-head": {"schedule": "static", "stage_kinds": ("qkv",), "stage_heads": True},
-    # every staged kind's copy late (once the task before it is done), not only QKV's: the default since the
-    # twelfth session (Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms); stage-early: issued while the task before runs
-    "stage-late": {"schedule": "static", "stage_late": True},
-    "stage-early": {"schedule": "static", "stage_late": False},
-    # the L2 head prefetch for o-proj, gate/up and the LM head only, or (the old default) for every kind: no
-    # prefetch is the default since the thirteenth session (Qwen3-8B one GPU 4.690 -> 4.596 ms, two 3.038 ->
-    # 2.958; Llama-3.2-1B 1.023 -> 1.001, Qwen3-0.6B 1.008 -> 1.006)
-    "prefetch-short": {"schedule": "static", "prefetch_kinds": ("oproj", "gateup", "lmhead")},
-    "prefetch-all": {"schedule": "static", "prefetch_kinds": None},
-    # the share of a linear task's first pass of weight loads issued after its input row's loads, before the
-    # row is normalised and stored (weights_first; default: all of it under tensor parallelism, none on one
-    # GPU): all, half, none (thirteenth session, same run: two GPUs 2.934 / 2.935 / 2.950 ms, one 4.569 /
-    # 4.580 / 4.568)
-    "weights-first": {"schedule": "static", "weights_first": 1.0},
-    "weights-half": {"schedule": "static", "weights_first": 0.5},
-    "weights-after": {"schedule": "static", "weights_first": 0.0},
-    # attention's new-position score and weighted values unrolled (the split holding the new position took
-    # 6.3-7.1 us against 4.9-5.1 for the others, thirteenth session's traces; fourteenth, same run: two GPUs
-    # 2.933 -> 2.946 ms, one 4.567 -> 4.561: the other splits' bodies grew 5.2 -> 6.1 us)
-    "attn-unrolled": {"schedule": "static", "attention_unrolled": True},
-    # no task handed to the compute warps before its inputs are complete (early_weights; default: every kind
-    # early, each warp's first pass of weight loads issued while the task waits; fourteenth session, same
-    # run: two GPUs 2.940 -> 2.834 ms with o-proj and gate/up staged, as before, and 2.836 unstaged, the new
-    # default; one GPU 4.577 -> 4.503 ms; QKV alone early over two GPUs 2.889 ms)
-    "late": {"schedule": "static", "early_weights": ()},
-    # every linear early but the o-proj (the fused merge's hop without the o-proj tiles' first passes streaming)
-    "oproj-late": {"schedule": "static", "early_weights": ("qkv", "gateup", "down", "lmhead")},
-    "stage-qkv-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj"), "stage_late": True},
-    "stage-qkv-heads-late": {"schedule": "static", "stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
-                             "stage_late": True},
-    # 32 attention splits of at least 32 positions (a rank of Qwen3-8B over 2 GPUs: 128 attention tasks, not 64;
-    # 2.813 -> 2.789 ms, fifteenth session, and its default since the sixteenth; one GPU, 8 kv heads: 256
-    # tasks, slower); 16 of at least 64, a rank's default until the sixteenth session
-    "splits32": {"schedule": "static", "attention_splits": 32, "attention_min_chunk": 32},
-    "splits16": {"schedule": "static", "attention_splits": 16, "attention_min_chunk": 64},
-    "splits24": {"schedule": "static", "attention_splits": 24, "attention_min_chunk": 32},
-    # under tensor parallelism the residual stream's partials carry their readers' step parity and are polled
-    # for, not signalled across GPUs (a flagged word crosses NVLink in 1.0 us, a put-with-signal in 2.3)
-    "parity": {"schedule": "static", "parity_stream": True},
-    "parity-gpu": {"schedule": "static", "parity_stream": True, "parity_scope": "gpu"},   # its loads at GPU scope
-    # under tensor parallelism every o-proj / down-proj tile puts its partials with a signal to the peers, the
-    # readers summing the ranks' partials: the default until the eighteenth session, when the relay (each
-    # tile sums its rows over the ranks itself, the peers' partials coming as flagged words) became it
-    # (seventeenth session, same runs: 2.770 -> 2.736 ms, 2.774 -> 2.741 ms)
-    "signalled": {"schedule": "static", "relay_stream": False},
-    # an early task's next pass of weight loads copied into shared memory (cp.async) once its row's loads are
-    # out, so that two passes are in flight while the row is normalised: every early kind, or gate/up only
-    # (eighteenth session, one GPU: 4.421 -> 4.561 and 4.404 ms; of one kind alone QKV 4.470, o-proj 4.457,
-    # down-proj 4.465, LM head 4.425)
-    "early2": {"schedule": "static", "early_passes": 2},
-    "early2-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("gateup",)},
-    # the o-proj alone: a rank of two's o-proj tile (127 KB) is whole in two passes; a rank's default since the
-    # nineteenth session (its shapes on one GPU, --rank-of 2: 2.527 -> 2.495 ms), not one GPU's (4.315 -> 4.333)
-    "early2-oproj": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj",)},
-    # one pass of weight loads in flight as an early task waits: a rank's default until the nineteenth session
-    "early1": {"schedule": "static", "early_passes": 1},
-    # other kinds' second pass (nineteenth session, a rank's shapes: QKV 2.550 -> 2.541, down-proj 2.551; with the
-    # o-proj's, gate/up 2.515 against 2.495), and a rank's o-proj default with QKV's or gate/up's (twentieth
-    # session, the same run: 2.516-2.518 default, 2.522 with QKV's, 2.540 with gate/up's, 2.568 with the down-proj's)
-    "early2-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("qkv",)},
-    "early2-down": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("down",)},
-    "early2-oproj-gateup": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "gateup")},
-    "early2-oproj-qkv": {"schedule": "static", "early_passes": 2, "early_pass_kinds": ("oproj", "qkv")},
-    # the o-proj tile's head (96 KiB) pulled into L2 by the scheduler as it takes the task, as attention starts
-    # (twentieth session, a rank's shapes: 2.521 -> 2.513 ms, the o-proj's hop 2.1 -> 1.6 us but attention's
-    # span 5.3 -> 5.9; the whole 127 KB tile 2.522, taken with attention 2.581; one GPU's at 128 / 256 KiB
-    # 4.321 -> 4.326 / 4.343): to be measured over two GPUs, where the o-proj also waits for the peer's rows
-    "pf-oproj": {"schedule": "static", "prefetch_kinds": ("oproj",)},
-    # combine tasks (one a query head) instead of the fused combine, the default since the nineteenth session
-    # (one GPU 4.338 -> 4.310 ms; a rank's shapes 2.550 -> 2.527 ms; the variants `fused-*` of that session are
-    # these names now)
-    "combine-tasks": {"schedule": "static", "fused_combine": False},
-    # an attention split's cached key and value rows copied into shared memory as it starts, before its inputs
-    # are complete (attention handed over early), so that its scores and weighted values read shared memory:
-    # the default since the eighteenth session (one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms)
-    "preload": {"schedule": "static", "attention_preload": True},
-    "no-preload": {"schedule": "static", "attention_preload": False},
+VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
+    "default": {},
+    # attention's cached rows read from L2 instead of preloaded into shared memory
+    "no-preload": {"attention_preload": False},
+    # a linear task's whole first pass of weight loads with its input row (a rank's default), or none (one GPU's)
+    "weights-first": {"weights_first": 1.0},
+    "weights-after": {"weights_first": 0.0},
+    # the early o-proj's second pass of weight loads in flight too (a rank's default), or no second pass (one GPU's)
+    "second-pass-oproj": {"second_pass_kinds": ("oproj",)},
+    "no-second-pass": {"second_pass_kinds": ()},
+    # 32 attention splits of at least 32 positions (a rank of Qwen3-8B's default), or 16 of at least 64
+    # (one GPU's, with 8 kv heads)
+    "splits32": {"attention_splits": 32, "attention_min_chunk": 32},
+    "splits16": {"attention_splits": 16, "attention_min_chunk": 64},
 }
 
 
@@ -169,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                      "first of --variants); each also runs on one GPU")
     ap.add_argument("--rank-of", type=int, default=1,
                     help="run each model on one GPU with the shapes of one rank of this many (its shard: 1/N of the "
-                         "heads, MLP columns and vocabulary) and a rank's defaults (engine.world_defaults): a rank's kernel "
+                         "heads, MLP columns and vocabulary) and a rank's defaults (MegakernelOptions.for_world): a rank's kernel "
                          "without its all-reduces, to measure a rank-local change where N GPUs are not at hand (no "
                          "PyTorch contender: a shard is not a model)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json and the trace")
@@ -224,8 +124,8 @@ def random_rank_weights(config, rank: int) -> dict:
     return weights
 
 
-KIND_COLOURS = {"qkv": "#4c72b0", "attn": "#dd8452", "combine": "#937860", "oproj": "#55a868", "gateup": "#8172b3",
-                "down": "#c44e52", "lmhead": "#da8bc3", "sample": "#8c8c8c"}
+KIND_COLOURS = {"qkv": "#4c72b0", "attn": "#dd8452", "oproj": "#55a868", "gateup": "#8172b3", "down": "#c44e52",
+                "lmhead": "#da8bc3", "sample": "#8c8c8c"}
 
 
 def plot_rank_timeline(path: Path, per_rank: list, info: dict, layer: int, step: int = 1) -> None:
@@ -279,7 +179,7 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     shard = decoder_shape(shard_config(config, args.tp))
     floor = shard.weight_bytes() / COPY_BANDWIDTH
     spec = RankSpec(config, args.tp, make_weights=random_rank_weights, max_seq=CONTEXT + args.steps + 8,
-                    engine_options=tuple(VARIANTS[variant].items()))
+                    options=variant_options(variant))
     t0 = time.perf_counter()
     with TensorParallelGroup(spec) as group:
         print(f"[{name}] {args.tp} ranks ready in {time.perf_counter() - t0:.1f} s: {group.info[0]['tasks_per_step']} "
@@ -487,18 +387,19 @@ def median(values: list) -> float:
     return ordered[len(ordered) // 2]
 
 
+def variant_options(variant: str, world: int = 1):
+    """A variant's MegakernelOptions, with the defaults of `world` ranks where it leaves them open (a rank's
+    shapes on one GPU, --rank-of, take a rank's defaults, which one GPU's would not)."""
+    from mdsl.megakernel.runtime.options import MegakernelOptions
+
+    return MegakernelOptions(**VARIANTS[variant]).for_world(world)
+
+
 def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, floor: float) -> dict:
     """One variant's engine: its per-token latency and, for the profiled model, its profile."""
     t0 = time.perf_counter()
-    options = dict(VARIANTS[variant])
-    if args.rank_of > 1:   # the options a rank's engine chooses from its world size, which one GPU's would not
-        from mdsl.megakernel.runtime.engine import world_defaults
-
-        chosen = world_defaults(args.rank_of)
-        if "early_passes" in options:   # (as the engine: the default kinds go with the default passes)
-            del chosen["early_pass_kinds"]
-        options = {**chosen, **options}
-    engine = engine_class(config, weights, max_seq=CONTEXT + args.steps + 8, **options)
+    engine = engine_class(config, weights, options=variant_options(variant, args.rank_of),
+                          max_seq=CONTEXT + args.steps + 8)
     print(f"[{name}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
           f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
@@ -520,28 +421,13 @@ def bench_variant(engine_class, config, weights, variant: str, name: str, args, 
         engine.close()
 
 
-# engine options that only act under tensor parallelism: a variant that differs from another only in these
-# runs the same kernel on one GPU, so it is not run there again
-TP_ONLY_OPTIONS = ("parity_stream", "parity_scope", "relay_stream")
-
-
-def one_gpu_twin(variant: str, candidates) -> str:
-    """The first of `candidates` whose one-GPU kernel is `variant`'s (itself if none is)."""
-    def mine(v):
-        return {k: o for k, o in VARIANTS[v].items() if k not in TP_ONLY_OPTIONS}
-    return next((v for v in candidates if mine(v) == mine(variant)), variant)
-
-
 def variants_of(name: str, args) -> list:
     """The runtime variants measured for a model: all of them, or under --quick the first one only, but
     for the profiled model (so that the extra variants cost two engine builds of the smallest model);
-    a model run tensor-parallel also under each of its --tp-variants (one GPU against N in the same one),
-    unless one already chosen runs the same kernel on one GPU (TP_ONLY_OPTIONS)."""
+    a model run tensor-parallel also under each of its --tp-variants (one GPU against N in the same run)."""
     chosen = args.variants if not args.quick or name == args.trace_model else args.variants[:1]
     if args.tp > 1 and name in args.tp_models:
-        for v in args.tp_variants:
-            if one_gpu_twin(v, chosen) not in chosen:
-                chosen = chosen + [v]
+        chosen = chosen + [v for v in args.tp_variants if v not in chosen]
     return chosen
 
 
@@ -602,9 +488,8 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
                 result["tensor_parallel"][variant] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
                 print(f"[{name}] {args.tp} GPUs ({variant}) failed", flush=True)
                 continue
-            twin = one_gpu_twin(variant, list(result["variants"]))   # (the same one-GPU kernel)
-            one = result["variants"][twin].get("megakernel_ms")
-            tp["one_gpu_ms"], tp["one_gpu_variant"] = one, twin
+            one = result["variants"][variant].get("megakernel_ms")
+            tp["one_gpu_ms"], tp["one_gpu_variant"] = one, variant
             tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / one if one else None
             result["tensor_parallel"][variant] = tp
             print(f"[{name}] {args.tp} GPUs / 1 GPU ({variant}): {tp['megakernel_ms']:.3f} / {one:.3f} ms = "

@@ -115,16 +115,15 @@ grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# (by default the defaults, and over two GPUs the put-with-signal transport that the relay replaced too:
-# docs/performance.md, eighteenth session)
-DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
-TP_VARIANTS="${TP_VARIANTS:-static,signalled}"
+# (by default the defaults)
+DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
+TP_VARIANTS="${TP_VARIANTS:-default}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
 # (STAGES=rank) one rank's shapes of 2 GPUs run on one GPU, without its all-reduces (benchmarks/decode.py
 # --rank-of 2): a rank-local change measured where two GPUs are not at hand
-RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants static --trace-model qwen3-8b}"
+RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
 stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
 grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/rank.txt" 2>/dev/null
 

@@ -8,8 +8,9 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
   per SM the bodies never overlap and each starts after its inputs were ready (the scheduler warp's wait);
-  under the static schedule every worker runs exactly its share of the task indices;
-* the global-queue schedule and a longer L2-prefetch lookahead generate the same tokens as the default.
+  every worker runs exactly its share of the task indices;
+* the engine's options at their other values (attention splits, the weight loads with the input row, the
+  second pass, sums as ranks make them, attention's preload, fewer workers) generate the default's tokens.
 
 Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 """
@@ -136,22 +137,23 @@ def divergence_report(ours, theirs, logits, prompt) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_engines(torch, transformers, tmp_path_factory):
-    """(engine, transformers model) per (arch, dtype, schedule, engine options), built once."""
+    """(engine, transformers model) per (arch, dtype, MLP activation, MegakernelOptions fields), built once."""
     from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.options import MegakernelOptions
 
     built, folders = {}, {}
 
-    def get(arch, dtype_name, schedule="static", hidden_act="silu", **options):
+    def get(arch, dtype_name, hidden_act="silu", **options):
         if (arch, dtype_name, hidden_act) not in folders:
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             model = varied_hf_model(torch, transformers, arch, dtype, SEED % 1000, hidden_act=hidden_act)
             folder = tmp_path_factory.mktemp(f"{arch}-{dtype_name}-{hidden_act}")
             model.save_pretrained(str(folder), safe_serialization=True)
             folders[arch, dtype_name, hidden_act] = (str(folder), model)
-        key = (arch, dtype_name, schedule, hidden_act, tuple(sorted(options.items())))
+        key = (arch, dtype_name, hidden_act, tuple(sorted(options.items())))
         if key not in built:
             folder, model = folders[arch, dtype_name, hidden_act]
-            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, schedule=schedule, **options)
+            engine = MegakernelEngine.from_pretrained(folder, max_seq=64, options=MegakernelOptions(**options))
             built[key] = (engine, model)
         return built[key]
 
@@ -225,105 +227,45 @@ def test_requests_that_do_not_fit_are_refused(tiny_engines):
         engine.generate([1, 10**6], 2)
 
 
-_STAGED = {"stage_weights": True}
-# (schedule, engine options) of the runtime variants that must give the default engine's tokens
+ALL_KINDS = ("qkv", "oproj", "gateup", "down", "lmhead")
+# MegakernelOptions fields of the runtime variants that must give the default engine's tokens
 RUNTIME_VARIANTS = (
-    ("queue", {}), ("static", {"prefetch_ahead": 2}), ("static", {"prefetch_ahead": 4}),
-    ("static", {"attention_lanes": 4}), ("static", {"prefetch_ahead": 2, "attention_lanes": 4}),
-    ("static", {"fused_combine": True}),
-    ("static", {"prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
-    ("queue", {"attention_lanes": 4, "fused_combine": True}),
-    ("static", {"prefetch_kib": 256}), ("static", _STAGED), ("queue", _STAGED),
-    ("static", {**_STAGED, "prefetch_ahead": 2, "attention_lanes": 4, "fused_combine": True}),
-    ("static", {"stream_weights": True}),
-    # 1 KiB buffers: several sub-tiles per tile (a gate/up column of the test
-    # model is 640 bytes), the ring wraps every step
-    ("static", {"stream_weights": True, "stream_buffer_kib": 1}),
-    ("static", {"stream_weights": True, "prefetch_ahead": 2, "attention_lanes": 4,
-                "fused_combine": True}),
-    ("static", {"stream_weights": ("qkv", "oproj"), "stream_buffer_kib": 1}),
-    ("static", {"attention_splits": 3}),
-    # several splits at these short contexts (the combine's scales, then its values), and
-    # one lane a cached position (the default before the fifteenth session: 4)
-    ("static", {"attention_splits": 3, "attention_min_chunk": 4}),
-    ("queue", {"attention_splits": 16, "attention_min_chunk": 1}),
-    ("static", {"attention_splits": 20, "attention_min_chunk": 1}),   # values reloaded
-    ("static", {"attention_lanes": 1}),
-    # tile heads: 1 KiB buffers hold 2 of the 8 columns of an o-proj and of a gate/up tile (f32)
-    ("static", {"stage_heads": True, "stage_buffer_kib": 1}),
-    ("queue", {"stage_heads": True, "stage_buffer_kib": 1}),
-    # QKV staged too, late (once the down-proj before it is done), one buffer
-    # for every staged kind: whole tiles, then heads of 2 columns of each kind
-    ("static", {"stage_kinds": ("qkv", "oproj", "gateup")}),
-    ("queue", {"stage_kinds": ("qkv", "oproj")}),
-    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_heads": True,
-                "stage_buffer_kib": 1}),
-    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": True}),
-    # the copies issued while the task before runs (the default before stage_late's)
-    ("static", {"stage_kinds": ("qkv", "oproj", "gateup"), "stage_late": False}),
-    ("static", {"stage_weights": True, "stage_late": False}),
-    # the L2 head prefetch of every kind, or of one (the default: none; a hint,
-    # the same values), and a linear task's weight loads issued with its input
-    # row (all of a pass, half of it; the default on one GPU: none)
-    ("static", {"prefetch_kinds": None}), ("queue", {"prefetch_kinds": ("oproj",)}),
-    ("static", {"weights_first": 1.0}), ("queue", {"weights_first": 0.5}),
-    # attention's new position and weighted values unrolled (the same order)
-    ("static", {"attention_unrolled": True}),
-    ("queue", {"attention_unrolled": True, "attention_lanes": 4}),
-    # tasks handed over before their inputs are complete, their first weight loads
-    # issued while they wait: none (the default: every kind), some (with half a pass
-    # with the row), beside staged and streamed kinds (which are never early)
-    ("static", {"early_weights": ()}),
-    ("queue", {"early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
-    ("static", {"early_weights": None, "stage_weights": True, "weights_first": 1.0}),
-    ("static", {"early_weights": None, "stream_weights": ("qkv", "oproj"),
-                "stream_buffer_kib": 1}),
-    # an early task's next pass copied into shared memory beside its row (the next
-    # pass of its item group, or the first of its next group): every early kind,
-    # some of them, beside staged kinds
-    ("static", {"early_passes": 2}),
-    ("queue", {"early_passes": 2, "early_weights": ("gateup", "down", "lmhead"), "weights_first": 0.5}),
-    ("static", {"early_passes": 2, "stage_weights": True, "weights_first": 1.0}),
-    ("static", {"early_passes": 2, "early_pass_kinds": ("qkv", "down")}),
+    # several splits at these short contexts (the merge's scales, then its values), two merge groups
+    {"attention_splits": 3}, {"attention_splits": 3, "attention_min_chunk": 4},
+    {"attention_splits": 16, "attention_min_chunk": 1}, {"attention_splits": 20, "attention_min_chunk": 1},
+    # a linear task's weight loads issued with its input row (all of a pass, half of it; one GPU's default: none)
+    {"weights_first": 1.0}, {"weights_first": 0.5},
+    # an early task's next pass copied into shared memory beside its row (the next pass of its item group, or
+    # the first of its next group): every early kind, some of them, and a rank's defaults on one GPU
+    {"second_pass_kinds": ALL_KINDS}, {"second_pass_kinds": ("qkv", "down"), "weights_first": 0.5},
+    {"second_pass_kinds": ("oproj",), "weights_first": 1.0},
     # the o-proj and down-proj products summed as 2 or 4 tensor-parallel ranks sum them (f32: the same
     # tokens; tests/gpu/test_tensor_parallel_gpu.py checks the bits against two GPUs)
-    ("static", {"rank_sums": 2}), ("queue", {"rank_sums": 4, "early_weights": ()}),
-    # an attention split's cached rows copied into shared memory as it starts (attention handed over early),
-    # with several splits, the unrolled new position, the fused combine, no early linears
-    ("static", {"attention_preload": True}),
-    ("queue", {"attention_preload": True, "attention_splits": 3, "attention_min_chunk": 4}),
-    ("static", {"attention_preload": True, "attention_unrolled": True, "fused_combine": True}),
-    ("static", {"attention_preload": True, "early_weights": (), "attention_splits": 20, "attention_min_chunk": 1}))
+    {"rank_sums": 2}, {"rank_sums": 4, "second_pass_kinds": ALL_KINDS},
+    # attention's cached rows read from L2, or preloaded with several splits
+    {"attention_preload": False}, {"attention_preload": True, "attention_splits": 3, "attention_min_chunk": 4},
+    {"attention_preload": False, "attention_splits": 20, "attention_min_chunk": 1},
+    # fewer workers than SMs: each takes more of a step's tasks
+    {"workers": 5})
 
 
 # one engine a test (some forty NVRTC builds in one test ran past its timeout beside the other workers)
-@pytest.mark.parametrize(("schedule", "options"), RUNTIME_VARIANTS,
-                         ids=[f"{schedule}-{'-'.join(f'{k}={v}' for k, v in options.items()) or 'default'}"
-                              for schedule, options in RUNTIME_VARIANTS])
-def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines, schedule, options):
-    static, _ = tiny_engines("llama3", "f32")
-    tokens = static.generate(PROMPT, 16, eos_token_ids=())
-    engine, _ = tiny_engines("llama3", "f32", schedule, **options)
-    if options.get("stage_weights"):   # the tiny model's tiles all fit: o-proj and gate/up are staged
-        assert len(engine.staging.kinds) == 2 and engine.staging.buffers == 2, engine.staging
-    if options.get("stage_kinds"):   # one buffer, QKV's copy late
-        assert len(engine.staging.kinds) == len(options["stage_kinds"]) and engine.staging.buffers == 1
-        late = sum(1 << int(kind) for kind, _ in engine.staging.kinds) if options.get("stage_late", True) else 1
-        assert f"constexpr int LATE_STAGE_KINDS = {late};" in engine.source, engine.staging
-    if options.get("stage_heads"):   # every staged kind's tile is cut: the rest is read from global memory
-        assert len(engine.staging.kinds) == len(options.get("stage_kinds", ("oproj", "gateup"))) and all(
-            0 < items < max(t.end - t.begin for t in engine.plan.tasks if t.kind is kind)
-            for kind, items in engine.staging.kinds), engine.staging
-    if options.get("stream_weights"):
-        assert engine.streaming.buffers >= 2 and engine.staging.buffers == 0, engine.streaming
-    assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, (schedule, options)
+@pytest.mark.parametrize("options", RUNTIME_VARIANTS,
+                         ids=['-'.join(f'{k}={v}' for k, v in options.items()) for options in RUNTIME_VARIANTS])
+def test_the_other_runtime_variants_generate_the_same_tokens(tiny_engines, options):
+    default, _ = tiny_engines("llama3", "f32")
+    tokens = default.generate(PROMPT, 16, eos_token_ids=())
+    engine, _ = tiny_engines("llama3", "f32", **options)
+    assert engine.workers == options.get("workers", default.workers)
+    assert engine.plan.splits == options.get("attention_splits", default.plan.splits)
+    assert engine.generate(PROMPT, 16, eos_token_ids=()) == tokens, options
 
 
-@pytest.mark.parametrize(("schedule", "options"), [("static", {}), ("queue", {}), ("static", {"early_weights": ()})])
-def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, schedule, options):
+@pytest.mark.parametrize("options", [{}, {"attention_preload": False, "workers": 7}], ids=["default", "7-workers"])
+def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, options):
     from mdsl.megakernel.runtime.profile import BODY_PARTS, compute_track, scheduler_track, summary, write_trace
 
-    engine, _ = tiny_engines("llama3", "bf16", schedule, **options)
+    engine, _ = tiny_engines("llama3", "bf16", **options)
     run = engine.run(PROMPT[:2], 2, eos_token_ids=(), profile=True)
     plan = engine.plan
     per_step = len(plan.tasks)
@@ -352,10 +294,9 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, s
     for sm, records in by_sm.items():   # one worker block per SM: its bodies never overlap
         records.sort(key=lambda r: r.started_ns)
         assert all(a.done_ns <= b.started_ns for a, b in zip(records, records[1:])), f"bodies overlap on SM {sm}"
-    if schedule == "static":   # worker w runs the indices w, w + workers, ...: all on its SM
-        for w in range(engine.workers):
-            sms = {r.sm for r in run.profile if r.index % engine.workers == w}
-            assert len(sms) <= 1, f"worker {w}'s share of the tasks ran on SMs {sorted(sms)}"
+    for w in range(engine.workers):   # worker w runs the indices w, w + workers, ...: all on its SM
+        sms = {r.sm for r in run.profile if r.index % engine.workers == w}
+        assert len(sms) <= 1, f"worker {w}'s share of the tasks ran on SMs {sorted(sms)}"
     kinds = [t.kind.name.lower() for t in plan.tasks]
     path = tmp_path / "trace.json"
     write_trace(str(path), run.profile, [t.label() for t in plan.tasks], kinds)
@@ -368,7 +309,7 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, s
     totals = summary(run.profile, kinds)
     assert sum(k["tasks"] for k in totals.values()) == len(run.profile)
     assert sum(totals["attn"]["parts_ns"].values()) == totals["attn"]["body_ns"]
-    print(f"{schedule}: {totals}")
+    print(f"{options}: {totals}")
 
 
 def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
@@ -395,38 +336,3 @@ def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
     assert np.isfinite(ours).all()
     assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
     assert run.tokens[0] == int(np.argmax(ours))
-
-
-# (head_dim, attention splits): a kv head's 4 query heads merged at once by the fused combine, a thread 1 value
-# of 64 (16 and 32 splits: one chain, then two chains added) or 2 values of 128 (32 splits)
-@pytest.mark.parametrize(("head_dim", "splits"), [(64, 16), (64, 32), (128, 32)])
-def test_the_fused_combine_computes_the_combine_tasks_bits(torch, transformers, head_dim, splits):
-    """The last split of a kv head merges its query heads all at once (device.cu's merge_heads) in the
-    combine tasks' arithmetic: the same logits to the bit and the same tokens, the splits holding a few
-    positions each (a minimum chunk of 1; at 32 splits the last ones none, as at a short context)."""
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
-
-    raw = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6,
-               rope_theta=1000000.0, tie_word_embeddings=False, initializer_range=0.1)
-    torch.manual_seed(SEED)
-    with torch.device("cuda"):
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**raw)).to(torch.bfloat16).eval()
-    weights = {name: p.detach() for name, p in model.state_dict().items()}
-    config = attrs.evolve(config_from_dict({**raw, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}),
-                          dtype=bf16)
-    group, threads = 8 // 2 * head_dim, 256   # G x D values a merge writes; the compute threads
-    assert group % threads == 0 and group // threads in (1, 2), "not the all-at-once merge's shapes"
-    prompt = [int(t) for t in np.random.default_rng(SEED).integers(1, 512, size=40)]
-    runs = {}
-    for fused in (False, True):
-        engine = MegakernelEngine(config, weights, max_seq=96, attention_splits=splits, attention_min_chunk=1,
-                                  fused_combine=fused)
-        try:
-            tokens = engine.run(prompt, 8, eos_token_ids=()).tokens
-            runs[fused] = (tokens, engine.last_logits())
-        finally:
-            engine.close()
-    assert runs[True][0] == runs[False][0], f"seed {SEED}: fused {runs[True][0]} against {runs[False][0]}"
-    differ = np.flatnonzero(runs[True][1].view(np.uint32) != runs[False][1].view(np.uint32))
-    assert differ.size == 0, f"seed {SEED}: the last step's logits differ at {differ[:8]} of {differ.size}"

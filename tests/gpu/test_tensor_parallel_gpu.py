@@ -48,48 +48,34 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-# (with every kind's L2 head prefetch and half a pass of weight loads with the input row, where the defaults
-# prefetch nothing and issue the whole pass: options that change no value)
-STAGED = (("stage_weights", True), ("fused_combine", True), ("attention_lanes", 4), ("prefetch_ahead", 2),
-          ("prefetch_kinds", None), ("weights_first", 0.5))
-STREAMED = (("stream_weights", True), ("stream_buffer_kib", 1))
-HEADS = (("stage_heads", True), ("stage_buffer_kib", 0.5))   # 4 of 8 o-proj columns, 2 of 8 gate/up ones (bf16)
-STAGE_QKV = (("stage_kinds", ("qkv", "oproj", "gateup")),)    # one shared buffer, QKV's copy late
-LATE = (("early_weights", ()),)   # no task handed over before its inputs are complete (the default: every kind)
-SPLITS = (("attention_splits", 4), ("attention_min_chunk", 4))   # several attention splits at these short contexts
-PARITY = (("parity_stream", True),)   # the residual stream's partials polled for their step's parity
-# every o-proj / down-proj tile's partials put with a signal, the readers summing them (the default: the relay,
-# each tile summing its rows over the ranks itself)
-SIGNALLED = (("relay_stream", False),)
-EARLY2 = (("early_passes", 2),)       # an early task's next pass of weight loads copied into shared memory
+SPLITS = {"attention_splits": 4, "attention_min_chunk": 4}   # several attention splits at these short contexts
+ALL_KINDS = ("qkv", "oproj", "gateup", "down", "lmhead")
+ONE_GPUS = {"weights_first": 0.0, "second_pass_kinds": ()}   # one GPU's defaults, on the ranks too
+# MegakernelOptions fields, on both GPU counts
+VARIANTS = {"default": {}, "splits": SPLITS, "weights-half": {"weights_first": 0.5},
+            "second-pass-all": {"second_pass_kinds": ALL_KINDS},
+            "second-pass-all-splits": {"second_pass_kinds": ALL_KINDS, **SPLITS},
+            "one-gpus-defaults": ONE_GPUS, "preload-splits": {"attention_preload": True, **SPLITS},
+            "no-preload": {"attention_preload": False}}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("arch", "dtype_name", "options"), [
-    ("llama3", "f32", ()), ("llama3", "bf16", ()), ("qwen3", "f32", ()), ("qwen3", "bf16", ()),
-    ("qwen3", "bf16", STAGED), ("llama3", "bf16", STREAMED), ("qwen3", "bf16", STREAMED[:1]), ("qwen3", "bf16", HEADS),
-    ("llama3", "bf16", STAGE_QKV + HEADS), ("qwen3", "bf16", STAGE_QKV + (("stage_late", True),)),
-    ("qwen3", "bf16", LATE), ("llama3", "f32", LATE + STAGED[:1]), ("qwen3", "bf16", SPLITS),
-    ("llama3", "bf16", SPLITS + (("attention_lanes", 1),)), ("qwen3", "bf16", PARITY), ("llama3", "f32", PARITY),
-    ("qwen3", "bf16", PARITY + SPLITS + STAGED[:1]), ("qwen3", "bf16", SIGNALLED), ("llama3", "f32", SIGNALLED),
-    ("qwen3", "bf16", SIGNALLED + SPLITS + STAGED[:1]), ("llama3", "bf16", SIGNALLED + STREAMED),
-    ("qwen3", "bf16", EARLY2), ("llama3", "f32", EARLY2 + SPLITS),
-    ("qwen3", "bf16", (("attention_preload", True),) + SPLITS)],
-    ids=["llama3-f32", "llama3-bf16", "qwen3-f32", "qwen3-bf16", "qwen3-bf16-staged", "llama3-bf16-streamed",
-         "qwen3-bf16-streamed", "qwen3-bf16-stage-heads",
-         "llama3-bf16-stage-qkv-heads", "qwen3-bf16-stage-qkv-late", "qwen3-bf16-late", "llama3-f32-late-staged",
-         "qwen3-bf16-splits", "llama3-bf16-splits-lanes1", "qwen3-bf16-parity", "llama3-f32-parity",
-         "qwen3-bf16-parity-splits-staged", "qwen3-bf16-signalled", "llama3-f32-signalled",
-         "qwen3-bf16-signalled-splits-staged", "llama3-bf16-signalled-streamed", "qwen3-bf16-early2",
-         "llama3-f32-early2-splits", "qwen3-bf16-preload-splits"])
-def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, options, tmp_path):
+@pytest.mark.parametrize(("arch", "dtype_name", "variant"), [
+    ("llama3", "f32", "default"), ("llama3", "bf16", "default"), ("qwen3", "f32", "default"),
+    ("qwen3", "bf16", "default"), ("qwen3", "bf16", "splits"), ("llama3", "bf16", "weights-half"),
+    ("qwen3", "bf16", "second-pass-all"), ("llama3", "f32", "second-pass-all-splits"),
+    ("qwen3", "bf16", "one-gpus-defaults"), ("qwen3", "bf16", "preload-splits"), ("llama3", "bf16", "no-preload")],
+    ids=lambda v: v if isinstance(v, str) else None)
+def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, variant, tmp_path):
     from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.options import MegakernelOptions
     from mdsl.megakernel.runtime.profile import write_rank_traces
     from mdsl.megakernel.runtime.tp import TensorParallelGroup
 
     folder, model, torch = checkpoints(arch, dtype_name)
-    single = MegakernelEngine.from_pretrained(folder, max_seq=64, **dict(options))
-    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, **dict(options)) as group:
+    options = VARIANTS[variant]
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64, options=MegakernelOptions(**options))
+    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, options=MegakernelOptions(**options)) as group:
         try:
             one_gpu = single.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
             runs = group.run(PROMPT, NEW_TOKENS, eos_token_ids=())
@@ -116,9 +102,10 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
                     # wider than a tie: the two GPU counts' sums (split K, summed in rank order) parted further
                     # on this seed (4 units, seed 45090728). One GPU summing as the ranks do, with their
                     # attention splits, computes the ranks' bits: the two GPUs must give its tokens exactly.
-                    attention = {**{k: v for k, v in options if k.startswith("attention_")},
+                    attention = {**{k: v for k, v in options.items() if k.startswith("attention_")},
                                  **{k: group.info[0][k] for k in ("attention_splits", "attention_min_chunk")}}
-                    reference = MegakernelEngine.from_pretrained(folder, max_seq=64, rank_sums=2, **attention)
+                    reference = MegakernelEngine.from_pretrained(folder, max_seq=64,
+                                                                 options=MegakernelOptions(rank_sums=2, **attention))
                     try:
                         as_ranks = reference.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
                     finally:
@@ -145,43 +132,30 @@ def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("arch", "dtype_name", "options"), [("qwen3", "bf16", ()), ("llama3", "bf16", ()),
-                                                             ("qwen3", "bf16", SIGNALLED)],
-                         ids=["qwen3-bf16", "llama3-bf16", "qwen3-bf16-signalled"])
+@pytest.mark.parametrize(("arch", "dtype_name", "options"), [("qwen3", "bf16", {}), ("llama3", "bf16", {}),
+                                                             ("qwen3", "bf16", ONE_GPUS)],
+                         ids=["qwen3-bf16", "llama3-bf16", "qwen3-bf16-one-gpus-defaults"])
 def test_two_ranks_compute_the_bits_of_one_gpu_summing_as_they_do(checkpoints, arch, dtype_name, options):
     """One GPU whose o-proj and down-proj tiles sum their products as two ranks do (rank_sums=2: each rank's
     slice of the row reduced alone, the slices added in rank order), with the ranks' attention splits,
     computes the two GPUs' bits: the same tokens, with no tie rule, whatever the seed (bf16, where the
     default one GPU may part from two on a near-tie)."""
     from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.options import MegakernelOptions
     from mdsl.megakernel.runtime.tp import TensorParallelGroup
 
     folder, _, _ = checkpoints(arch, dtype_name)
     split = dict(SPLITS)   # several splits at these short contexts, the same on both GPU counts
-    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, **split, **dict(options)) as group:
+    with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64,
+                                             options=MegakernelOptions(**split, **options)) as group:
         two_gpus = group.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
         assert {k: group.info[0][k] for k in split} == split
-    single = MegakernelEngine.from_pretrained(folder, max_seq=64, rank_sums=2, **split)
+    single = MegakernelEngine.from_pretrained(folder, max_seq=64, options=MegakernelOptions(rank_sums=2, **split))
     try:
         one_gpu = single.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
     finally:
         single.close()
     assert two_gpus == one_gpu, f"seed {SEED}: one GPU summing as two ranks {one_gpu}, two GPUs {two_gpus}"
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("arch", "dtype_name"), [("qwen3", "bf16"), ("llama3", "f32")])
-def test_the_relay_computes_the_signalled_streams_bits(checkpoints, arch, dtype_name):
-    """The relay (the default) and the put-with-signal of every tile sum the same partials in the same order:
-    the same tokens, step after step, whatever the seed (no tie can break differently)."""
-    from mdsl.megakernel.runtime.tp import TensorParallelGroup
-
-    folder, _, _ = checkpoints(arch, dtype_name)
-    tokens = {}
-    for relay in (True, False):
-        with TensorParallelGroup.from_pretrained(folder, 2, max_seq=64, relay_stream=relay) as group:
-            tokens[relay] = group.generate(PROMPT, NEW_TOKENS, eos_token_ids=())
-    assert tokens[True] == tokens[False], f"seed {SEED}: relay {tokens[True]}, signalled {tokens[False]}"
 
 
 @pytest.mark.timeout(300)

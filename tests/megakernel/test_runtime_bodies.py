@@ -1,6 +1,6 @@
 """The megakernel's generated task bodies (runtime/bodies.py): each plan kind's body written from its layer
 op's rule and epilogue, the operators' code from the CUDA backend's rule table, eager rounding on one GPU,
-partial sums under tensor parallelism, and the dispatch and weight pieces covering the plan's kinds."""
+partial sums under tensor parallelism, and the dispatch covering the plan's kinds."""
 import re
 
 import attrs
@@ -43,19 +43,16 @@ def test_one_gpu_rounds_every_result_and_ranks_leave_partial_sums():
     one = function(generate_bodies(plan), "oproj_task")
     assert "const float r_product = round_t(acc[0]);" in one
     assert "const float r_out = round_t(r_residual + r_product);" in one
-    assert "stream_put(p, p.mids, p.mid_parts, p.mid_relay, t.layer, r, r_out, parity);" in one
+    assert "stream_put(p, p.mids, p.mid_parts, p.mid_relay, t.layer, r, r_out, tag);" in one
     assert "relay_rows" not in one
     ranks = generate_bodies(for_ranks(plan, 2))
     rank = function(ranks, "oproj_task")
-    assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r, parity) : 0.0f)" in rank
+    assert "round_t" not in rank and "(p.rank == 0 ? h_at(p, t.layer, r) : 0.0f)" in rank
     assert "round_t(r_act * r_up)" in function(ranks, "gateup_task")   # a buffer, not the residual stream
-    # a rank's tile then sums its rows over the ranks, if the relay is on (a constant of the plan)
-    assert ("if constexpr (RELAY_STREAM) relay_rows(p, p.mids, p.mid_parts, p.mid_relay, t.layer, t.begin, t.end, "
-            "parity);") in rank
+    # a rank's tile then sums its rows over the ranks (the relay)
+    assert "relay_rows(p, p.mids, p.mid_parts, p.mid_relay, t.layer, t.begin, t.end, tag);" in rank
     assert "relay_rows(p, p.hs, p.h_parts, p.h_relay, t.layer + 1," in function(ranks, "down_task")
-    assert "oproj_task(p, t, staged, work, red, unsigned(step) & 1u);" in ranks
-    relayed = generate_bodies(for_ranks(plan, 2, relay_stream=True))
-    assert "oproj_task(p, t, staged, work, red, unsigned(step + 1));" in relayed   # its tag: step + 1
+    assert "oproj_task(p, t, ready, work, red, unsigned(step + 1));" in ranks   # its tag: step + 1
 
 
 def test_one_gpu_sums_like_ranks_when_asked():
@@ -66,16 +63,16 @@ def test_one_gpu_sums_like_ranks_when_asked():
     plan = tiny_plan()
     bodies = generate_bodies(plan, 2)
     body = function(bodies, "oproj_task")
-    assert "task_gemv<(HQ * D) / 2, 1>(t, staged, work," in body and "round_t" not in body
+    assert "task_gemv<(HQ * D) / 2, 1>(t, ready, work," in body and "round_t" not in body
     assert "rank_sums_row[r - t.begin] = 0.0f + r_out;" in body
-    assert "gemv<(HQ * D) / 2, 1, false>(t.begin, t.end, work + 1 * ((HQ * D) / 2)," in body
+    assert "gemv<(HQ * D) / 2, 1>(t.begin, t.end, work + 1 * ((HQ * D) / 2)," in body
     assert "w.wo + (long long)r * (HQ * D) + 1 * ((HQ * D) / 2)" in body
-    first, second = body.index("task_gemv<"), body.index("gemv<(HQ * D) / 2, 1, false>")
+    first, second = body.index("task_gemv<"), body.index(" gemv<(HQ * D) / 2, 1>")
     assert "residual_row[r - t.begin]" in body[first:second] and "const float r_residual = 0.0f;" in body[second:]
     assert body[second:].count("stream_put(") == 1 and "stream_put(" not in body[first:second]
     assert "const float sum = rank_sums_row[r - t.begin] + r_out;" in body
     four = function(generate_bodies(plan, 4), "down_task")
-    assert [f"gemv<(I) / 4, 1, false>(t.begin, t.end, work + {k} * ((I) / 4)," in four for k in (1, 2, 3)] == [True] * 3
+    assert [f"gemv<(I) / 4, 1>(t.begin, t.end, work + {k} * ((I) / 4)," in four for k in (1, 2, 3)] == [True] * 3
     assert four.count("rank_sums_row[r - t.begin] = sum;") == 2 and four.count("stream_put(") == 1
     assert function(bodies, "qkv_task") == function(generate_bodies(plan), "qkv_task")
     assert generate_bodies(for_ranks(plan, 2), 2) == generate_bodies(for_ranks(plan, 2))   # ranks: their own sums
@@ -89,8 +86,7 @@ def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
     plan = tiny_plan()
     widest = max(t.end - t.begin for t in plan.tasks if t.kind in (Kind.OPROJ, Kind.DOWN))
     assert residual_columns(plan) == widest > 0
-    for name, residual in (("oproj_task", "h_at(p, t.layer, r, parity)"),
-                           ("down_task", "mid_at(p, t.layer, r, parity)")):
+    for name, residual in (("oproj_task", "h_at(p, t.layer, r)"), ("down_task", "mid_at(p, t.layer, r)")):
         body = function(generate_bodies(plan), name)
         # task_gemv takes the epilogue, then the input row's two halves (row.load, row.finish): the residual's
         # loads come in the first, before the row's, its shared-memory stores with the row's
@@ -127,20 +123,17 @@ def test_an_epilogue_must_read_what_the_body_computes(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_dispatch_and_weight_pieces_cover_the_plans_kinds(arch):
+def test_the_dispatch_covers_the_plans_kinds(arch):
     plan = tiny_plan(arch)
     text = generate_bodies(plan)
     dispatch = function(text, "run_task")
     kinds = {k.kind for k in plan.kind_ops}
-    assert kinds == {t.kind for t in plan.tasks}
+    assert kinds == {t.kind for t in plan.tasks} == set(Kind)
     assert set(re.findall(r"case KIND_(\w+):", dispatch)) == {k.name for k in kinds}
-    pieces = function(text, "weight_pieces")
-    linear = {b.kind.name for b in linear_bodies(plan)}
-    assert linear == {"QKV", "OPROJ", "GATEUP", "DOWN", "LMHEAD"}
-    assert set(re.findall(r"case KIND_(\w+):", pieces)) == linear
+    assert {b.kind.name for b in linear_bodies(plan)} == {"QKV", "OPROJ", "GATEUP", "DOWN", "LMHEAD"}
     # q|k|v rows are concatenated: a tile may span all three matrices
-    assert re.search(r"visit_rows<H>\(visit, w\.wq, 0, HQ \* D, t\);\s+visit_rows<H>\(visit, w\.wk, HQ \* D, "
-                     r"HKV \* D, t\);\s+visit_rows<H>\(visit, w\.wv, HQ \* D \+ HKV \* D, HKV \* D, t\);", pieces)
+    qkv = function(text, "qkv_task")
+    assert "r < (HQ * D) ? w.wq + (long long)r * (H) : r < (HQ * D + HKV * D) ? w.wk" in qkv
 
 
 def test_a_gelu_model_compiles_without_spills():

@@ -1,11 +1,12 @@
 """The megakernel's task tables executed on the CPU by a numpy mirror of device.cu's task bodies and
-worker loop: W workers take task indices from one queue, a task runs only once its events reach
-producers * (step + 1), and the next worker to run is picked at random among those whose task is
+worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
+reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.reference) of
 the same tiny Llama-3 and Qwen3 models, with the prompt prefilled as steps of the same launch; a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
-arithmetic (tiles, attention splits and the split that appends to the KV cache, the combine, the
-fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests check the CUDA."""
+arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
+splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
+check the CUDA."""
 import math
 
 import attrs
@@ -66,11 +67,7 @@ class Emulator:
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
         self.split_counts = {}
         events = plan.initial_events().astype(np.int64)
-        queue = 0
-        held = []
-        for _ in range(self.workers):
-            held.append(queue)
-            queue += 1
+        held = list(range(self.workers))   # worker w's next task index
         while True:
             ready = []
             for w, index in enumerate(held):
@@ -90,8 +87,7 @@ class Emulator:
             self.execute(plan.tasks[k], step, k)
             for e in plan.signals[k]:
                 events[e] += 1
-            held[w] = queue
-            queue += 1
+            held[w] += self.workers
 
     def epilogue(self, kind, **inputs):
         """The kind's layer-op epilogue, each value rounded to the model's dtype (as the generated bodies)."""
@@ -106,14 +102,11 @@ class Emulator:
             b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
-            if self.plan.fused_combine:   # the kv head's last split of this step merges its heads
-                done = self.split_counts.get((t.layer, t.begin), 0) + 1
-                self.split_counts[t.layer, t.begin] = done
-                if done == self.plan.splits * (step + 1):
-                    for head in range(t.begin * s.group, (t.begin + 1) * s.group):
-                        self.combine(t.layer, head)
-        elif t.kind is Kind.COMBINE:
-            self.combine(t.layer, t.begin)
+            done = self.split_counts.get((t.layer, t.begin), 0) + 1   # the kv head's last split of the step merges
+            self.split_counts[t.layer, t.begin] = done
+            if done == self.plan.splits * (step + 1):
+                for head in range(t.begin * s.group, (t.begin + 1) * s.group):
+                    self.combine(t.layer, head)
         elif t.kind is Kind.OPROJ:
             o = self.layer(t.layer, "o_proj")[t.begin:t.end] @ b["attn"][t.layer]
             b["mid"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=o, residual=b["h"][t.layer, t.begin:t.end])
@@ -188,14 +181,11 @@ class Emulator:
             self.next_embedding(token)
 
 
-@pytest.mark.parametrize("fused_combine", [False, True], ids=["combine-tasks", "fused-combine"])
 @pytest.mark.parametrize("workers", [1, 3, 17])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_the_tables_compute_the_reference_forward(arch, workers, fused_combine):
+def test_the_tables_compute_the_reference_forward(arch, workers):
     config, graph, weights = tiny_model(arch, seed=3)
-    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions,
-                      fused_combine=fused_combine)
-    assert (Kind.COMBINE in {t.kind for t in plan.tasks}) != fused_combine
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
     check_plan(plan)
     prompt, new = [3, 17, 42, 5], 8
     want = ReferenceModel(graph, weights).generate(prompt, new)

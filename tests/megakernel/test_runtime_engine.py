@@ -7,7 +7,8 @@ import pytest
 from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
 from mdsl.megakernel.checkpoint import save_checkpoint
-from mdsl.megakernel.runtime.engine import MegakernelEngine, eos_token_ids, weight_names, world_defaults
+from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup, eos_token_ids, weight_names
+from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
@@ -62,55 +63,28 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
     assert "comma-separated token ids" in capsys.readouterr().err
 
 
-def generate_source_for(engine_kwargs):
-    from mdsl.megakernel.runtime.plan import build_plan, for_ranks
+def generate_source_for(options: MegakernelOptions):
+    """The kernel a tiny Llama-3 engine builds with `options` (its plan's attention splits theirs)."""
+    from mdsl.megakernel.runtime.plan import build_plan
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.source import generate_source, stage_kinds_named, weight_kinds_named
+    from mdsl.megakernel.runtime.source import generate_source
 
     config, _, _ = tiny_model("llama3")
-    options = dict(engine_kwargs)
-    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, fused_combine=options.pop("fused_combine", True),
-                      splits=options.pop("attention_splits", None), min_chunk=options.pop("attention_min_chunk", None))
-    parity, relay = options.pop("parity_stream", False), options.pop("relay_stream", False)
-    if parity or relay:                        # (a rank's options: the tables of one of two)
-        plan = for_ranks(plan, 2, parity_stream=parity, relay_stream=relay)
-        if options.get("early_passes") is None:   # (a rank's defaults: the o-proj's second pass)
-            chosen = world_defaults(2)
-            options["early_passes"] = chosen["early_passes"]
-            options.setdefault("early_pass_kinds", chosen["early_pass_kinds"])
-    if "stream_buffer_kib" in options:         # the engine's KiB, the source's bytes
-        options["stream_buffer_bytes"] = int(options.pop("stream_buffer_kib") * 1024)
-    if "stage_kinds" in options:               # the engine's names (they imply staging), the source's kinds
-        options["stage_kinds"] = stage_kinds_named(options["stage_kinds"])
-        options["stage_weights"] = True
-    if options.get("stage_late"):
-        options["stage_weights"] = True
-    if "prefetch_kinds" in options:            # the engine's names, the source's kinds
-        options["prefetch_kinds"] = weight_kinds_named(options["prefetch_kinds"])
-    options["early_kinds"] = weight_kinds_named(options.pop("early_weights", None))   # (the engine's default)
-    if options.get("early_pass_kinds") is not None:
-        options["early_pass_kinds"] = weight_kinds_named(options["early_pass_kinds"])
-    return generate_source(plan, **options).text
-
-
-def test_the_world_size_chooses_a_ranks_defaults():
-    """What MegakernelEngine chooses from the world size where an option is left None (and what
-    benchmarks/decode.py --rank-of gives a rank's shapes on one GPU)."""
-    assert world_defaults(1) == {"weights_first": 0.0, "early_passes": 1, "early_pass_kinds": None}
-    assert world_defaults(2) == world_defaults(4) == {"weights_first": 1.0, "early_passes": 2,
-                                                      "early_pass_kinds": ("oproj",)}
+    plan = build_plan(decoder_shape(config), workers=8, max_seq=24, splits=options.attention_splits,
+                      min_chunk=options.attention_min_chunk)
+    return generate_source(plan, options).text
 
 
 def test_the_decode_benchmarks_best_ratio_divides_the_fastest_n_gpus_by_the_fastest_one_gpu():
     from benchmarks import decode
 
-    result = {"variants": {"static": {"megakernel_ms": 4.5}, "splits32": {"megakernel_ms": 4.66},
+    result = {"variants": {"default": {"megakernel_ms": 4.5}, "splits32": {"megakernel_ms": 4.66},
                            "broken": {"error": "CudaError: boom"}},
-              "tensor_parallel": {"static": {"megakernel_ms": 2.835}, "splits32": {"megakernel_ms": 2.789},
+              "tensor_parallel": {"default": {"megakernel_ms": 2.835}, "splits32": {"megakernel_ms": 2.789},
                                   "broken": {"error": "TensorParallelError: boom"}}}
     best = decode.best_ratio(result)
     # splits32's own ratio (2.789 / 4.66 = 0.599) divides by a slower one-GPU choice: not the one that counts
-    assert (best["tp_variant"], best["one_gpu_variant"]) == ("splits32", "static")
+    assert (best["tp_variant"], best["one_gpu_variant"]) == ("splits32", "default")
     assert best["ratio"] == 2.789 / 4.5
     assert decode.best_ratio({"variants": result["variants"]}) is None
     assert decode.best_ratio({"variants": result["variants"], "tensor_parallel": {"x": {"error": "e"}}}) is None
@@ -121,18 +95,14 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
 
     args = decode.parse_args(["--quick", "--models", "qwen3-0.6b", "--out", str(tmp_path)])
     assert (args.steps, args.repeats, args.models) == (32, 2, ["qwen3-0.6b"])
-    assert args.variants == list(decode.VARIANTS) and args.variants[:3] == ["static", "static-ahead2", "queue"]
-    assert (args.tp, args.tp_models, args.tp_variants) == (1, ["qwen3-8b"], ["static"])
-    tp = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "static-lanes4-fused"])
-    assert decode.variants_of("qwen3-8b", tp) == ["static", "static-lanes4-fused"]   # one GPU under the same
-    # ... unless a variant chosen already runs that kernel on one GPU (its other options act on ranks only)
-    parity = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "static,parity,parity-gpu,splits16"])
-    assert decode.variants_of("qwen3-8b", parity) == ["static", "splits16"]
-    assert decode.one_gpu_twin("parity-gpu", ["static", "splits16"]) == "static"
+    assert args.variants == list(decode.VARIANTS) and args.variants[0] == "default" and len(args.variants) <= 10
+    assert (args.tp, args.tp_models, args.tp_variants) == (1, ["qwen3-8b"], ["default"])
+    tp = decode.parse_args(["--quick", "--tp", "2", "--tp-variants", "default,splits16"])
+    assert decode.variants_of("qwen3-8b", tp) == ["default", "splits16"]   # one GPU under the same
     assert decode.parse_args(["--tp", "2", "--tp-models", "qwen3-8b,llama-3.2-1b"]).tp_models == ["qwen3-8b",
                                                                                                  "llama-3.2-1b"]
-    assert decode.parse_args(["--variants", "queue"]).variants == ["queue"]
-    assert decode.variants_of("qwen3-0.6b", args) == ["static"]         # --quick: the extra variants ...
+    assert decode.parse_args(["--variants", "no-preload"]).variants == ["no-preload"]
+    assert decode.variants_of("qwen3-0.6b", args) == ["default"]         # --quick: the extra variants ...
     assert decode.variants_of(args.trace_model, args) == args.variants   # ... for the profiled model only
     assert decode.variants_of("qwen3-0.6b", decode.parse_args([])) == args.variants
     assert (args.rank_of, decode.parse_args(["--rank-of", "2"]).rank_of) == (1, 2)   # a rank's shapes on one GPU
@@ -146,14 +116,16 @@ def test_decode_benchmark_options_and_table_without_a_gpu(tmp_path):
     text = decode.table([row, {"model": "qwen3-8b", "error": "CudaError: boom"}])
     assert "| qwen3-0.6b | 1.19 GB | 0.280 ms | 0.350 ms | 80% | 3.500 ms | 8% | 10.00x |" in text
     assert "| qwen3-8b | failed: CudaError: boom |" in text
-    row["variants"] = {"static": {"megakernel_ms": 0.35, "megakernel_fraction_of_floor": 0.8},
-                       "queue": {"error": "CudaError: boom"}}
+    row["variants"] = {"default": {"megakernel_ms": 0.35, "megakernel_fraction_of_floor": 0.8},
+                       "no-preload": {"error": "CudaError: boom"}}
     variants = decode.variant_table([row, {"model": "qwen3-8b", "error": "x"}])
-    assert "| model | static | queue |" in variants      # the variants measured, in VARIANTS' order
+    assert "| model | default | no-preload |" in variants      # the variants measured, in VARIANTS' order
     assert "| qwen3-0.6b | 0.350 ms (80%) | failed: CudaError: boom |" in variants
     assert "| qwen3-8b | - | - |" in variants
-    for kwargs in decode.VARIANTS.values():   # every variant is one the engine takes
-        assert generate_source_for(kwargs)
+    for variant in decode.VARIANTS:   # every variant is one the engine takes, on one GPU and a rank's shapes
+        assert generate_source_for(decode.variant_options(variant))
+        assert generate_source_for(decode.variant_options(variant, 2))
+    assert decode.variant_options("default", 2) == MegakernelOptions().for_world(2)
     assert decode.profile_step_us([TaskRecord(0, 1, 1000, 1000, 1000, 3000), TaskRecord(1, 2, 500, 900, 900, 2000),
                                    TaskRecord(2, 1, 3000, 3500, 3500, 9000)], 2) == [2.5, 6.0]
     phases = decode.phase_table({"qkv": {"tasks": 2, "body_ns": 2_000_000, "wait_ns": 500_000,
@@ -204,61 +176,10 @@ def test_compile_model_runs_only_the_builtin_decoders():
                 compile_model(fn, config, weights)
 
 
-def test_an_unknown_schedule_is_refused_before_the_gpu_is_needed():
-    from mdsl.errors import MdslError
-
+def test_bad_options_are_refused_before_the_gpu_is_needed():
     config, _, weights = tiny_model("qwen3")
-    with pytest.raises(MdslError, match="unknown megakernel schedule 'random'") as info:
-        MegakernelEngine(config, weights, schedule="random")
-    assert "static, queue" in info.value.hint
-    with pytest.raises(MdslError, match="prefetch_ahead 2 with the queue schedule"):
-        MegakernelEngine(config, weights, schedule="queue", prefetch_ahead=2)
-    with pytest.raises(MdslError, match="stream_weights with the queue schedule"):
-        MegakernelEngine(config, weights, schedule="queue", stream_weights=True)
-    with pytest.raises(MdslError, match="attention_min_chunk 0") as info:
-        MegakernelEngine(config, weights, attention_min_chunk=0)
-    assert "positions per attention split" in info.value.hint
-    with pytest.raises(MdslError, match="stream_weights with the static schedule and stage_weights"):
-        MegakernelEngine(config, weights, stream_weights=("oproj",), stage_weights=True)
-    with pytest.raises(MdslError, match="stream_weights \\('attn',\\)") as info:
-        MegakernelEngine(config, weights, stream_weights=("attn",))
-    assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
-    with pytest.raises(MdslError, match="attention_splits 0"):
-        MegakernelEngine(config, weights, attention_splits=0)
-    with pytest.raises(MdslError, match="stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False"):
-        MegakernelEngine(config, weights, stage_weights=False, stage_heads=True)
-    with pytest.raises(MdslError, match="stage_kinds / stage_late with stage_weights=False"):
-        MegakernelEngine(config, weights, stage_weights=False, stage_kinds=("qkv",))
-    with pytest.raises(MdslError, match="stage_kinds / stage_late with stage_weights=False"):
-        MegakernelEngine(config, weights, stage_weights=False, stage_late=True)
-    with pytest.raises(MdslError, match="prefetch_kinds"):
-        MegakernelEngine(config, weights, prefetch_kinds=("attn",))
-    with pytest.raises(MdslError, match="stage_kinds names kinds of qkv, oproj, gateup, not \\('down',\\)"):
-        MegakernelEngine(config, weights, stage_kinds=("down",))
-    with pytest.raises(MdslError, match="stage_buffer_kib 512"):
-        MegakernelEngine(config, weights, stage_buffer_kib=512)
-    with pytest.raises(MdslError, match="weights_first 2") as info:
-        MegakernelEngine(config, weights, weights_first=2)
-    assert "0 (none) to 1 (all)" in info.value.hint
-    with pytest.raises(MdslError, match="early_weights \\('attn',\\)") as info:
-        MegakernelEngine(config, weights, early_weights=("attn",))
-    assert "qkv, oproj, gateup, down, lmhead" in info.value.hint
-    with pytest.raises(MdslError, match="early_passes 3") as info:
-        MegakernelEngine(config, weights, early_passes=3)
-    assert "one of (1, 2)" in info.value.hint
-    with pytest.raises(MdslError, match="early_pass_kinds \\('attn',\\)"):
-        MegakernelEngine(config, weights, early_passes=2, early_pass_kinds=("attn",))
-    with pytest.raises(MdslError, match="rank_sums 9") as info:
-        MegakernelEngine(config, weights, rank_sums=9)
-    assert "the ranks (2 to 8)" in info.value.hint
-
-
-@no_gpu
-def test_mdsl_generate_takes_a_schedule(checkpoint, capsys):
-    args = ["generate", "--model", str(checkpoint), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
-    assert main([*args, "--schedule", "queue"]) == 2
-    assert "needs an NVIDIA GPU" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:
-        main([*args, "--schedule", "random"])
-    assert info.value.code == 2
-    assert "invalid choice: 'random'" in capsys.readouterr().err
+    with pytest.raises(OptionError, match="options is a dict, not a MegakernelOptions") as info:
+        MegakernelEngine(config, weights, options={"attention_splits": 4})
+    assert "MegakernelOptions(...)" in info.value.hint
+    with pytest.raises(OptionError, match="rank_sums 2 under tensor parallelism"):
+        MegakernelEngine(config, weights, options=MegakernelOptions(rank_sums=2), ranks=RankGroup(0, 2, None))

@@ -21,13 +21,12 @@ def random_bodies(plan, seed=0):
     return np.random.default_rng(seed).uniform(0.5, 5.0, len(plan.tasks))
 
 
-@pytest.mark.parametrize("schedule", ["static", "queue"])
-def test_one_worker_runs_the_step_back_to_back(plan, schedule):
+def test_one_worker_runs_the_step_back_to_back(plan):
     bodies = random_bodies(plan)
-    steps = replay(plan, bodies, workers=1, schedule=schedule, hop_us=0.0, handoff_us=0.0)
+    steps = replay(plan, bodies, workers=1, hop_us=0.0, handoff_us=0.0)
     assert steps == pytest.approx([bodies.sum()] * 2)
     # a hop is hidden while the one worker is busy with the producer's successors, never shortens a step
-    assert all(s >= bodies.sum() for s in replay(plan, bodies, workers=1, schedule=schedule, hop_us=0.7))
+    assert all(s >= bodies.sum() for s in replay(plan, bodies, workers=1, hop_us=0.7))
 
 
 def critical_path(plan, bodies, hop, handoff):
@@ -46,12 +45,12 @@ def critical_path(plan, bodies, hop, handoff):
 def test_a_worker_per_task_runs_the_critical_path(plan):
     bodies = random_bodies(plan, seed=1)
     expected = critical_path(plan, bodies, hop=0.8, handoff=0.1)
-    steps = replay(plan, bodies, workers=len(plan.tasks), schedule="static", hop_us=0.8, handoff_us=0.1)
+    steps = replay(plan, bodies, workers=len(plan.tasks), hop_us=0.8, handoff_us=0.1)
     assert steps == pytest.approx([expected] * 2)
     assert expected < bodies.sum()
 
 
-def test_more_workers_never_slow_the_static_step(plan):
+def test_more_workers_never_slow_the_step(plan):
     bodies = random_bodies(plan, seed=2)
     times = [replay(plan, bodies, workers=w, hop_us=0.5)[0] for w in (1, 2, 4, len(plan.tasks))]
     assert times[0] > times[-1]
@@ -68,8 +67,6 @@ def test_body_times_are_per_task_medians(plan):
 
 
 def test_bad_requests_are_refused(plan):
-    with pytest.raises(ValueError, match="schedules are static, queue"):
-        replay(plan, random_bodies(plan), workers=4, schedule="lifo")
     with pytest.raises(ValueError, match="body times for"):
         replay(plan, [1.0], workers=4)
 
@@ -121,6 +118,6 @@ def test_the_command_replays_a_trace(plan, tmp_path, capsys):
     assert f"{n} tasks a step, {3 * n} profiled" in out
     assert "median hop 0.80 µs" in out
     assert f"measured µs per step (sampler to sampler): [{step:.1f}, {step:.1f}]" in out
-    assert "replayed, static:" in out and "replayed, queue:" in out
+    assert "replayed: [" in out and "µs per step" in out
     with pytest.raises(SystemExit):
         main([str(config), "--config", str(config), "--workers", "4", "--max-seq", "24"])

@@ -10,9 +10,10 @@ from mdsl.ir.dtypes import bf16
 from mdsl.megakernel.config import config_from_dict
 from mdsl.megakernel.runtime import nvshmem
 from mdsl.megakernel.runtime.models import MODELS
-from mdsl.megakernel.runtime.plan import CROSS_RANK_KINDS, REMOTE, Kind, build_plan, check_plan, for_ranks
+from mdsl.megakernel.runtime.plan import (CROSS_RANK_KINDS, RELAYED_KINDS, REMOTE, Kind, build_plan, check_plan,
+                                          for_ranks)
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import KERNEL_NAME, WEIGHT_KINDS, generate_source
+from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
 from mdsl.megakernel.runtime.tp import shard_config
 from tests.megakernel.test_runtime_source import assert_fits
 from tests.megakernel.tiny import tiny_model
@@ -32,32 +33,38 @@ def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused_naming_it():
     assert "world sizes this model allows: 1, 2" in str(info.value)
 
 
-def _rank_plan(arch="qwen3", world=2, dtype=None, fused_combine=False, **overrides):
+def _rank_plan(arch="qwen3", world=2, dtype=None, **overrides):
     config, _, _ = tiny_model(arch, **overrides)
     shard = shard_config(config if dtype is None else attrs.evolve(config, dtype=dtype), world)
-    single = build_plan(decoder_shape(shard), workers=132, max_seq=config.max_positions, fused_combine=fused_combine)
+    single = build_plan(decoder_shape(shard), workers=132, max_seq=config.max_positions)
     return single, for_ranks(single, world)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_events_of_what_every_rank_reads_count_every_ranks_producers(arch):
+    """The LM head's bests and the sampler's embedding row are signalled on every rank; the o-proj and
+    down-proj tiles relay their rows (each sums its rows over the ranks itself), so their events are this
+    rank's."""
     single, plan = _rank_plan(arch)
     check_plan(plan)
     assert plan.world == 2 and plan.tasks == single.tasks and plan.waits == single.waits
-    crossing = 0
+    crossing = relayed = 0
     for before, after in zip(single.events, plan.events):
         kinds = {plan.tasks[k].kind for k in before.producers} or {Kind.SAMPLE}
-        if kinds <= set(CROSS_RANK_KINDS):
+        if kinds <= set(RELAYED_KINDS):
+            relayed += 1
+            assert after == before
+        elif kinds <= set(CROSS_RANK_KINDS):
             crossing += 1
             assert (after.ranks, after.per_step, after.initial) == (2, 2 * before.per_step, 2 * before.initial)
         else:
             assert after == before
-    # o-proj and down-proj feed every layer's next ops, the LM head the sampler, the sampler the next step
-    assert crossing >= 2 * config_layers(plan) + 2
+    # o-proj and down-proj feed every layer's next ops; the LM head the sampler, the sampler the next step
+    assert relayed >= 2 * config_layers(plan) and crossing >= 2
     tasks, waits, signals = plan.tables()
     for row, task in zip(tasks, plan.tasks):
         flags = {bool(e & REMOTE) for e in signals[row[6]:row[6] + row[7]]}
-        assert flags <= {task.kind in CROSS_RANK_KINDS}
+        assert flags <= {task.kind in (Kind.LMHEAD, Kind.SAMPLE)}
     for event, count in waits:
         remote = bool(event & REMOTE)
         event &= ~REMOTE
@@ -74,69 +81,30 @@ def test_one_gpu_tables_have_no_remote_signals():
     assert not any(e & REMOTE for e in signals) and for_ranks(single, 1) is single
 
 
-def test_the_two_rank_kernel_compiles_without_spills():
-    _, plan = _rank_plan("qwen3", dtype=bf16, fused_combine=True, head_dim=32)   # the split counter's code too
-    source = generate_source(plan, attention_lanes=4)
+def test_the_two_rank_kernel_relays_its_residual_stream_and_compiles_without_spills():
+    """Each o-proj and down-proj body ends in relay_rows (the tile sums its rows over the ranks), the kernel
+    compiles without spills, and one GPU's has no relay."""
+    single, plan = _rank_plan("qwen3", dtype=bf16, head_dim=32)
+    source = generate_source(plan)
     assert "constexpr int WORLD = 2;" in source.text and "constexpr int ATTN_LANES = 4;" in source.text
-    module = compile_cuda(source.text, arch="sm_90a")
-    assert_fits(source, module.resources[KERNEL_NAME])
+    def bodies(text):
+        return text[text.index("// ---- task bodies"):]
 
-
-def test_the_parity_stream_kernel_compiles_without_spills_and_signals_only_the_lm_head_across_gpus():
-    single, _ = _rank_plan("llama3", dtype=bf16, head_dim=32)
-    polled = for_ranks(single, 2, parity_stream=True)
-    check_plan(polled)
-    cross = {plan_kind for e in polled.events if e.ranks > 1 for plan_kind in
-             {polled.tasks[k].kind for k in e.producers} or {Kind.SAMPLE}}
-    assert cross <= {Kind.LMHEAD, Kind.SAMPLE} and polled.parity_stream
-    _, _, signals = polled.tables()
-    remote_kinds = {polled.tasks[k].kind for k in range(len(polled.tasks))
-                    for e in polled.signals[k] if polled.events[e].ranks > 1}
-    assert Kind.OPROJ not in remote_kinds and Kind.DOWN not in remote_kinds and any(e & REMOTE for e in signals)
-    source = generate_source(polled)
-    assert "constexpr bool PARITY_STREAM = true;" in source.text
-    assert "constexpr bool PARITY_STREAM = false;" in generate_source(for_ranks(single, 2)).text
+    assert bodies(source.text).count("relay_rows(p, ") == 2   # the o-proj's and the down-proj's
+    assert "relay_rows(p, " not in bodies(generate_source(single).text)
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
-
-
-def test_the_relay_kernel_compiles_without_spills_and_signals_only_the_lm_head_across_gpus():
-    """Under the relay the o-proj and down-proj tiles signal their own GPU only (their rows reach the peers as
-    flagged words), each tile's body ends in relay_rows, and the kernel compiles without spills."""
-    single, _ = _rank_plan("qwen3", dtype=bf16, head_dim=32)
-    relayed = for_ranks(single, 2, relay_stream=True)
-    check_plan(relayed)
-    remote_kinds = {relayed.tasks[k].kind for k in range(len(relayed.tasks))
-                    for e in relayed.signals[k] if relayed.events[e].ranks > 1}
-    assert remote_kinds <= {Kind.LMHEAD, Kind.SAMPLE} and relayed.relay_stream and not relayed.parity_stream
-    source = generate_source(relayed)
-    assert "constexpr bool RELAY_STREAM = true;" in source.text
-    assert "constexpr bool RELAY_STREAM = false;" in generate_source(for_ranks(single, 2)).text
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
-    with pytest.raises(ValueError, match="pick one"):
-        for_ranks(single, 2, parity_stream=True, relay_stream=True)
 
 
 @pytest.mark.slow
-def test_qwen3_8b_over_two_ranks_compiles_without_spills():
+def test_qwen3_8b_ranks_defaults_compile_without_spills():
+    """The engine's defaults for a rank of two: 32 attention splits (two merge groups), every kind early, the
+    whole first pass with the input row, the o-proj's second pass, the relay."""
     config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
-    shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=132, max_seq=1200, fused_combine=True), 2)
+    plan = for_ranks(build_plan(decoder_shape(shard_config(config, 2)), workers=132, max_seq=1064), 2)
     check_plan(plan)
-    source = generate_source(plan, attention_lanes=4)
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stream", ["", "parity", "relay"])
-def test_qwen3_8b_ranks_defaults_compile_without_spills(stream):
-    """The engine's defaults for a rank of two: 32 attention splits (two combine groups), every kind early,
-    the whole first pass with the input row; and with the parity stream (the scheduler polls the rows) or
-    the relay (the o-proj and down-proj tiles poll their peers' words)."""
-    config = attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)
-    plan = for_ranks(build_plan(decoder_shape(shard_config(config, 2)), workers=132, max_seq=1064), 2,
-                     parity_stream=stream == "parity", relay_stream=stream == "relay")
     assert (plan.splits, plan.min_chunk) == (32, 32)
-    source = generate_source(plan, prefetch_kinds=(), weights_first=1.0, early_kinds=WEIGHT_KINDS)
+    source = generate_source(plan)
+    assert "constexpr int WEIGHTS_FIRST_EIGHTHS = 8;" in source.text and "EARLY_PASSES = 2;" in source.text
     assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
@@ -177,19 +145,13 @@ def test_the_ranks_trace_names_waits_for_peers_and_puts(tmp_path):
     _, plan = _rank_plan("llama3")
     peers = peer_traffic(plan)
     kinds = [t.kind for t in plan.tasks]
-    assert all(puts == (kind in CROSS_RANK_KINDS) for (_, puts), kind in zip(peers, kinds))
-    assert peers[0][0] and any(kind is Kind.GATEUP and remote for (remote, _), kind in zip(peers, kinds))
-    assert not any(remote for (remote, _), kind in zip(peers, kinds) if kind is Kind.COMBINE)
-    # the relay: the residual stream's tiles still put to the peers, and wait for theirs; their readers do not
-    single, _ = _rank_plan("llama3")
-    relayed = for_ranks(single, 2, relay_stream=True)
-    for (waits, puts), task, task_waits in zip(peer_traffic(relayed), relayed.tasks, relayed.waits):
+    # the residual stream's tiles put to the peers and wait for theirs; their readers do not
+    for (waits, puts), task, task_waits in zip(peers, plan.tasks, plan.waits):
         assert puts == (task.kind in CROSS_RANK_KINDS)
-        signalled = any(relayed.events[e].ranks > 1 for e in task_waits)   # (the embedding row, the LM head's bests)
-        assert waits == (task.kind in (Kind.OPROJ, Kind.DOWN) or signalled), task
+        signalled = any(plan.events[e].ranks > 1 for e in task_waits)   # (the embedding row, the LM head's bests)
+        assert waits == (task.kind in RELAYED_KINDS or signalled), task
         assert not signalled or task.layer == 0 or task.kind is Kind.SAMPLE, task
-    polled = peer_traffic(for_ranks(single, 2, parity_stream=True))   # the parity stream: its readers wait
-    assert any(waits for (waits, _), kind in zip(polled, kinds) if kind is Kind.GATEUP)
+    assert peers[0][0] and not any(waits for (waits, _), kind in zip(peers, kinds) if kind is Kind.GATEUP)
     n = len(plan.tasks)
     gateup = kinds.index(Kind.GATEUP)
     oproj = kinds.index(Kind.OPROJ)

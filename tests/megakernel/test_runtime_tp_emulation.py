@@ -1,27 +1,20 @@
 """The tensor-parallel megakernel's tables (`for_ranks`) executed on the CPU by N numpy mirrors of
-device.cu with WORLD = N, one per rank, each over its shard of a tiny model: the residual stream kept
-as every rank's f32 partials (slot k: rank k's), producers putting their partial into their slot on
-every rank, readers summing the slots in rank order, the LM head's bests gathered by global token id,
-the rank holding the token putting its embedding row, and every signal flagged REMOTE counted on every
-rank. With the parity stream (`for_ranks(..., parity_stream=True)`) each partial carries the parity of
-the step that reads it, a task whose peers' partials lack its step's parity cannot run (the device's
-scheduler polls), the o-proj / down-proj events count this rank's tiles only, and every partial read must be
-the one written for the reader's step (one bit is enough: checked). With the relay (`relay_stream=True`) an
-o-proj / down-proj tile puts its partial into its own slot and to the peers as words tagged step + 1, then
-holds its worker until the peers' words of its rows carry that tag (the device's relay_rows polls), sums
-the rows in rank order into the rank's whole row, which its readers read (checked: written for their
-step), and signals this rank only; a word is never overwritten before the rank it was put to has read it
-(checked). Workers of all ranks interleave at random.
+device.cu with WORLD = N, one per rank, each over its shard of a tiny model: an o-proj / down-proj tile puts
+its partial into its own slot and to the peers as words tagged step + 1, then holds its worker until the
+peers' words of its rows carry that tag (the device's relay_rows polls), sums the rows in rank order into
+the rank's whole row, which its readers read (checked: written for their step), and signals this rank only;
+a word is never overwritten before the rank it was put to has read it (checked). The LM head's bests are
+gathered by global token id, the rank holding the token puts its embedding row into every rank's h[0], and
+every signal flagged REMOTE is counted on every rank. Workers of all ranks interleave at random, each
+taking its rank's task indices in the static schedule's order.
 The tokens must equal the single-rank numpy reference forward, and a deadlock fails the test. (The GPU
 test is tests/gpu/test_tensor_parallel_gpu.py.)"""
-import attrs
 import numpy as np
 import pytest
 
-from mdsl.ir.dtypes import bf16
 from mdsl.megakernel.architectures import step_function
 from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan, for_ranks
+from mdsl.megakernel.runtime.plan import RELAYED_KINDS, Kind, build_plan, check_plan, for_ranks
 from mdsl.megakernel.runtime.shape import decoder_shape
 from mdsl.megakernel.runtime.tp import shard_config
 from mdsl.megakernel.tensor_parallel import tensor_parallel
@@ -39,11 +32,7 @@ class RankEmulator(Emulator):
         s = self.s
         self.h_parts = np.zeros((s.layers + 1, world, s.hidden), np.float32)
         self.mid_parts = np.zeros((s.layers, world, s.hidden), np.float32)
-        # the parity stream: the step that reads each partial (-1: the host's reset before the launch, whose
-        # words carry parity 1)
-        self.read_by = {"h_parts": np.full(self.h_parts.shape, -1, np.int64),
-                        "mid_parts": np.full(self.mid_parts.shape, -1, np.int64)}
-        # the relay: each rank's whole rows (and the step each was written for), the peers' tagged words, and
+        # each rank's whole rows (and the step each was written for), the peers' tagged words, and
         # the tag this rank last read of each word
         self.single = {"h_parts": np.zeros((s.layers + 1, s.hidden), np.float32),
                        "mid_parts": np.zeros((s.layers, s.hidden), np.float32)}
@@ -58,20 +47,13 @@ class RankEmulator(Emulator):
         self.peers = []   # every rank, this one included, in rank order
 
     def stream(self, parts, layer):
-        if self.plan.relay_stream:
-            name = "h_parts" if parts is self.h_parts else "mid_parts"
-            assert (self.written_for[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
-            return self.single[name][layer].copy()
-        if self.plan.parity_stream:
-            name = "h_parts" if parts is self.h_parts else "mid_parts"
-            assert (self.read_by[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
-        return self.round(parts[layer].sum(axis=0, dtype=np.float32))
+        name = "h_parts" if parts is self.h_parts else "mid_parts"
+        assert (self.written_for[name][layer] == self.step).all(), f"read {name}[{layer}] of another step"
+        return self.single[name][layer].copy()
 
-    def put(self, name, index, value, read_by=None):
+    def put(self, name, index, value):
         for peer in self.peers:
             getattr(peer, name)[index] = value
-            if read_by is not None:
-                peer.read_by[name][index] = read_by
 
     def put_tagged(self, name, layer, rows, value, tag):
         """The relay: this rank's partial into its own slot, and to every peer as words tagged `tag`, none of
@@ -108,26 +90,6 @@ class RankEmulator(Emulator):
         self.single[name][layer, rows] = self.round(partials.sum(axis=0, dtype=np.float32))
         self.written_for[name][layer, rows] = step
 
-    def parity(self, name, index) -> np.ndarray:
-        """The lowest mantissa bit of the partials at `index` of the peers' slots, as the device reads it."""
-        steps = np.delete(self.read_by[name], self.rank, axis=1)[index]
-        return np.where(steps < 0, 1, steps & 1)
-
-    def inputs_ready(self, t, step) -> bool:
-        """Under the parity stream: whether the peers' partials the task reads carry its step's parity (the
-        device's scheduler warp polls a row's before it hands the task its inputs, and a residual's are there
-        by then; every other input is an event the scheduler waits for)."""
-        if not self.plan.parity_stream:
-            return True
-        rows, layers = slice(t.begin, t.end), self.s.layers
-        reads = {Kind.QKV: ("h_parts", t.layer, slice(None)), Kind.GATEUP: ("mid_parts", t.layer, slice(None)),
-                 Kind.LMHEAD: ("h_parts", layers, slice(None)),
-                 Kind.OPROJ: ("h_parts", t.layer, rows), Kind.DOWN: ("mid_parts", t.layer, rows)}
-        if t.kind not in reads or (t.kind in (Kind.OPROJ, Kind.DOWN) and self.rank != 0):   # (the residual: rank 0's)
-            return True
-        name, layer, columns = reads[t.kind]
-        return bool(np.all(self.parity(name, (layer, slice(None), columns)) == step % 2))
-
     def begin(self, tokens, max_new):
         s = self.s
         self.buf = {"qkv": np.zeros((s.layers, s.qkv_rows), np.float32),
@@ -144,14 +106,11 @@ class RankEmulator(Emulator):
 
     def next_embedding(self, token):
         local = token - self.rank * self.s.vocab
-        row = self.w["model.embed_tokens.weight"][local] if 0 <= local < self.s.vocab else np.zeros(self.s.hidden)
-        if self.plan.relay_stream:   # the rank holding the row puts it whole into every rank's h[0]
-            if 0 <= local < self.s.vocab:
-                for peer in self.peers:
-                    peer.single["h_parts"][0] = self.round(row)   # (the device's row is the model's dtype)
-                    peer.written_for["h_parts"][0] = self.step + 1
-            return
-        self.put("h_parts", (0, self.rank), row, read_by=self.step + 1)   # (begin: the host's, for step 0)
+        if 0 <= local < self.s.vocab:   # the rank holding the row puts it whole into every rank's h[0]
+            row = self.w["model.embed_tokens.weight"][local]
+            for peer in self.peers:
+                peer.single["h_parts"][0] = self.round(row)   # (the device's row is the model's dtype)
+                peer.written_for["h_parts"][0] = self.step + 1
 
     def execute(self, t, step, k):
         s, b = self.s, self.buf
@@ -167,10 +126,7 @@ class RankEmulator(Emulator):
             partial = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
             if self.rank == 0:
                 partial = self.stream(residual, t.layer)[t.begin:t.end] + partial
-            if self.plan.relay_stream:
-                self.put_tagged(out, layer, slice(t.begin, t.end), partial, step + 1)
-            else:
-                self.put(out, (layer, self.rank, slice(t.begin, t.end)), partial, read_by=step)
+            self.put_tagged(out, layer, slice(t.begin, t.end), partial, step + 1)
         elif t.kind is Kind.GATEUP:
             x = self.norm(self.stream(self.mid_parts, t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
             g = self.round(self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x)
@@ -193,9 +149,9 @@ class RankEmulator(Emulator):
 
 
 def run_ranks(ranks, tokens, max_new, rng):
-    """Every rank's workers interleaved at random, each taking its rank's task indices in order. Under the
-    relay an o-proj / down-proj tile runs in two parts: its products, then (its worker held meanwhile) its
-    rows' sum once the peers' words are there, then its signals."""
+    """Every rank's workers interleaved at random, worker w of W taking its rank's task indices w, w + W, ...
+    An o-proj / down-proj tile runs in two parts: its products, then (its worker held meanwhile) its rows'
+    sum once the peers' words are there, then its signals."""
     n_tasks = len(ranks[0].plan.tasks)
     steps = len(tokens) - 1 + max_new
     for r in ranks:
@@ -203,7 +159,6 @@ def run_ranks(ranks, tokens, max_new, rng):
     for r in ranks:
         r.begin(tokens, max_new)
     held = [[w for w in range(r.workers)] for r in ranks]
-    queue = [r.workers for r in ranks]
     while True:
         ready = []
         for ri, r in enumerate(ranks):
@@ -219,8 +174,7 @@ def run_ranks(ranks, tokens, max_new, rng):
                 if index >= steps * n_tasks or (r.stop is not None and step > r.stop):
                     held[ri][w] = None
                     continue
-                if (all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k])
-                        and r.inputs_ready(r.plan.tasks[k], step)):
+                if all(r.events[e] >= r.plan.events[e].per_step * (step + 1) for e in r.plan.waits[k]):
                     ready.append((ri, w))
         if not ready:
             assert all(h is None for hs in held for h in hs), f"deadlock: every worker waits ({held})"
@@ -233,31 +187,25 @@ def run_ranks(ranks, tokens, max_new, rng):
         else:
             step, k = divmod(held[ri][w], n_tasks)
             r.execute(r.plan.tasks[k], step, k)
-            if r.plan.relay_stream and r.plan.tasks[k].kind in (Kind.OPROJ, Kind.DOWN):
+            if r.plan.tasks[k].kind in RELAYED_KINDS:
                 held[ri][w] = ("relay", held[ri][w])
                 continue
         r.signal(k)
-        held[ri][w] = queue[ri]
-        queue[ri] += 1
+        held[ri][w] = step * n_tasks + k + r.workers
 
 
-@pytest.mark.parametrize(("arch", "world", "workers", "fused_combine", "stream"), [
-    ("llama3", 2, 3, False, ""), ("qwen3", 2, 5, False, ""), ("qwen3", 2, 1, False, ""),
-    ("llama3", 2, 8, True, ""), ("qwen3", 2, 4, True, ""), ("qwen3", 2, 6, True, ""),
-    ("llama3", 2, 3, False, "parity"), ("qwen3", 2, 6, True, "parity"), ("qwen3", 2, 1, False, "parity"),
-    ("llama3", 2, 9, False, "parity"), ("llama3", 2, 3, False, "relay"), ("qwen3", 2, 6, True, "relay"),
-    ("qwen3", 2, 1, False, "relay"), ("llama3", 2, 9, False, "relay"), ("qwen3", 2, 5, False, "relay")])
-def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers, fused_combine, stream):
+@pytest.mark.parametrize(("arch", "world", "workers"), [
+    ("llama3", 2, 3), ("qwen3", 2, 5), ("qwen3", 2, 1), ("llama3", 2, 8), ("qwen3", 2, 4), ("qwen3", 2, 6),
+    ("llama3", 2, 9)])
+def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers):
     config, graph, weights = tiny_model(arch, seed=3)
     split = tensor_parallel(step_function(config).trace(config), world)
     shard = shard_config(config, world)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions,
-                                fused_combine=fused_combine), world, parity_stream=stream == "parity",
-                     relay_stream=stream == "relay")
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=workers, max_seq=config.max_positions), world)
     check_plan(plan)
     cross = [e for e in plan.events if e.ranks > 1]
     assert all({plan.tasks[k].kind for k in e.producers} & {Kind.LMHEAD, Kind.SAMPLE} or not e.producers
-               for e in cross) if stream else len(cross) > 2
+               for e in cross)
     rng = np.random.default_rng(workers)
     ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), workers, rng, r, world) for r in range(world)]
     prompt, new = [3, 17, 42, 5], 8
@@ -268,32 +216,12 @@ def test_the_ranks_tables_compute_the_single_rank_reference(arch, world, workers
     np.testing.assert_allclose(logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_the_relay_computes_the_signalled_streams_bits(arch):
-    """The relay sums the same partials in the same order as the readers of the signalled stream do, and
-    rounds once: the same logits, bit for bit (bf16, where a rounding more or less shows), under different
-    random interleavings."""
-    config, _, weights = tiny_model(arch, seed=5)
-    config = attrs.evolve(config, dtype=bf16)
-    split = tensor_parallel(step_function(config).trace(config), 2)
-    shard = shard_config(config, 2)
-    logits = {}
-    for relay in (False, True):
-        plan = for_ranks(build_plan(decoder_shape(shard), workers=4, max_seq=config.max_positions), 2,
-                         relay_stream=relay)
-        rng = np.random.default_rng(11 + relay)
-        ranks = [RankEmulator(plan, shard, split.shard_weights(weights, r), 4, rng, r, 2) for r in range(2)]
-        run_ranks(ranks, [3, 17, 42, 5], 6, rng)
-        logits[relay] = np.concatenate([r.buf["logits"] for r in ranks])
-    assert logits[True].tobytes() == logits[False].tobytes()
-
-
-def _two_llama3_ranks(**transport) -> tuple:
-    """Two ranks of the tiny Llama-3 on 3 workers each, with `transport` (for_ranks' options), and their rng."""
+def _two_llama3_ranks() -> tuple:
+    """Two ranks of the tiny Llama-3 on 3 workers each, and their rng."""
     config, graph, weights = tiny_model("llama3", seed=3)
     split = tensor_parallel(step_function(config).trace(config), 2)
     shard = shard_config(config, 2)
-    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2, **transport)
+    plan = for_ranks(build_plan(decoder_shape(shard), workers=3, max_seq=config.max_positions), 2)
     rng = np.random.default_rng(0)
     return [RankEmulator(plan, shard, split.shard_weights(weights, r), 3, rng, r, 2) for r in range(2)], rng
 
@@ -305,26 +233,10 @@ def test_a_remote_signal_dropped_is_a_deadlock():
         run_ranks(ranks, [3, 17], 2, rng)
 
 
-def test_a_partial_of_the_wrong_parity_is_a_deadlock():
-    """Under the parity stream a partial whose parity is not its readers' step's is never read: a rank that
-    put its o-proj partials to its peer with the previous step's parity stops every rank."""
-    ranks, rng = _two_llama3_ranks(parity_stream=True)
-
-    def put(name, index, value, read_by=None):   # rank 1's copy right, rank 0's with the previous step's parity
-        for peer in ranks:
-            getattr(peer, name)[index] = value
-            if read_by is not None:
-                peer.read_by[name][index] = read_by - (name == "mid_parts" and peer is not ranks[1])
-
-    ranks[1].put = put
-    with pytest.raises(AssertionError, match="deadlock"):
-        run_ranks(ranks, [3, 17], 2, rng)
-
-
 def test_a_relayed_word_of_the_wrong_step_is_a_deadlock():
     """Under the relay a tile sums its rows only once the peers' words carry its step's tag: a rank whose
     down-proj words to its peer carry the previous step's tag stops every rank."""
-    ranks, rng = _two_llama3_ranks(relay_stream=True)
+    ranks, rng = _two_llama3_ranks()
     put_tagged = ranks[1].put_tagged
     ranks[1].put_tagged = lambda name, layer, rows, value, tag: put_tagged(name, layer, rows, value,
                                                                            tag - (name == "h_parts"))

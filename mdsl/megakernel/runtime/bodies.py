@@ -1,18 +1,17 @@
 """The megakernel's task bodies, generated: one `cuda_task` rule per (fused) layer op, attached to its
 layer-op registry entry, writes the CUDA of the device task kinds the op's tasks lower to (plan.py's
-`device` rule of the same entry), and `generate_bodies` assembles them for a plan: the body functions,
-`weight_pieces` (the weight rows a task reads, for the scheduler's L2 prefetch and shared-memory staging)
-and `run_task` (the compute warps' dispatch on the task's kind).
+`device` rule of the same entry), and `generate_bodies` assembles them for a plan: the body functions and
+`run_task` (the compute warps' dispatch on the task's kind).
 
 A linear op's body (`LinearBody`) is generated whole: the input row it loads (the residual stream
 rms-normalised by the op's norm weight, or an activation buffer), the weight matrices a column multiplies
-(rows concatenated, as q|k|v, or paired, as gate and up), the dot products (device.cu's `task_gemv`) and
+(rows concatenated, as q|k|v, or paired, as gate and up), the dot products (gemv.cuh's `task_gemv`) and
 the op's element-wise epilogue (mdsl.megakernel.epilogues: a thread graph of mdsl's operators), written by
 the CUDA backend's rule table (each operator's `expr`, as in every superoptimized kernel) with each
 result rounded to the model's dtype where PyTorch's eager ops round it; then the store (a buffer, or the
 residual stream). Under tensor parallelism a residual op's partial products leave unrounded, and the
 residual goes to rank 0's partial only: valid for epilogues additive in their inputs, which is checked.
-Attention, its combine and the sampler call the runtime's own device functions (device.cu).
+Attention and the sampler call the runtime's own device functions (attention.cuh, sampling.cuh).
 """
 from __future__ import annotations
 
@@ -37,21 +36,19 @@ class Matrix:
 
 @attrs.frozen
 class NormedStream:
-    """The input row: a residual-stream layer (h or mid; on a rank, the ranks' partials summed) through
-    rms_norm with `norm`'s weights."""
-    single: str     # the one-GPU buffer (p.hs / p.mids)
-    parts: str      # the ranks' partials (p.h_parts / p.mid_parts)
+    """The input row: a residual-stream layer (h or mid) through rms_norm with `norm`'s weights."""
+    single: str     # the buffer (p.hs / p.mids)
     layer: str
     norm: str
 
     def declare(self) -> str:
-        return f"StreamRow row{{{{}}, {self.single}, {self.parts}, {self.layer}, {self.norm}, parity}};"
+        return f"StreamRow row{{{{}}, {self.single}, {self.layer}, {self.norm}}};"
 
     def load(self) -> str:
-        return "row.load(p);"
+        return "row.load();"
 
     def finish(self) -> str:
-        return "row.finish(p, work, red);"
+        return "row.finish(work, red);"
 
 
 @attrs.frozen
@@ -82,18 +79,17 @@ class ToBuffer:
 class ToStream:
     """Column r of a residual-stream layer; the epilogue's residual is the layer it adds to."""
     single: str
-    parts: str
-    relay: str      # the peers' flagged words (RELAY_STREAM)
+    parts: str      # this rank's partials (tensor parallelism)
+    relay: str      # the peers' flagged words (tensor parallelism)
     layer: str
-    residual: str   # C++: column r of the residual (h_at / mid_at; `parity`: the step's, PARITY_STREAM)
+    residual: str   # C++: column r of the residual (h_at / mid_at)
 
     def store(self, value: str) -> str:
-        return f"stream_put(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, r, {value}, parity);"
+        return f"stream_put(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, r, {value}, tag);"
 
     def relay_rows(self) -> str:
-        """Under RELAY_STREAM the tile then sums its rows over the ranks (device.cu's relay_rows)."""
-        return (f"if constexpr (RELAY_STREAM) relay_rows(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, "
-                "t.begin, t.end, parity);")
+        """Under tensor parallelism the tile then sums its rows over the ranks (residual.cuh's relay_rows)."""
+        return f"relay_rows(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, t.begin, t.end, tag);"
 
 
 @attrs.frozen
@@ -119,13 +115,13 @@ def _layer_matrices(*fields_rows: tuple) -> tuple:
 
 def _norm_linear(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     return LinearBody(kind, "qkv_task", "H", _layer_matrices(("wq", "HQ * D"), ("wk", "HKV * D"), ("wv", "HKV * D")),
-                      False, NormedStream("p.hs", "p.h_parts", "t.layer", "w.ln1"),
+                      False, NormedStream("p.hs", "t.layer", "w.ln1"),
                       ToBuffer("(p.qkvs + (long long)t.layer * QKV)"), epilogue)
 
 
 def _norm_gate_up(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     return LinearBody(kind, "gateup_task", "H", _layer_matrices(("wg", "I"), ("wu", "I")), True,
-                      NormedStream("p.mids", "p.mid_parts", "t.layer", "w.ln2"),
+                      NormedStream("p.mids", "t.layer", "w.ln2"),
                       ToBuffer("(p.acts + (long long)t.layer * I)"), epilogue)
 
 
@@ -133,27 +129,26 @@ def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     if kind is Kind.OPROJ:
         return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
                           Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
-                          ToStream("p.mids", "p.mid_parts", "p.mid_relay", "t.layer", "h_at(p, t.layer, r, parity)"),
+                          ToStream("p.mids", "p.mid_parts", "p.mid_relay", "t.layer", "h_at(p, t.layer, r)"),
                           epilogue)
     return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
                       Activations("(p.acts + (long long)t.layer * I)", "I"),
-                      ToStream("p.hs", "p.h_parts", "p.h_relay", "t.layer + 1", "mid_at(p, t.layer, r, parity)"),
+                      ToStream("p.hs", "p.h_parts", "p.h_relay", "t.layer + 1", "mid_at(p, t.layer, r)"),
                       epilogue)
 
 
 def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
     if kind is Kind.SAMPLE:
         return None
-    # device.cu's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
-    # epilogue's (a functor), the weight pieces this body's
+    # sampling.cuh's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
+    # epilogue's (a functor)
     return LinearBody(kind, "LmHeadLogit", "H", (Matrix("p.lm_head", "V"),), False,
-                      NormedStream("p.hs", "p.h_parts", "L", "p.final_norm"), None, epilogue, layered=False)
+                      NormedStream("p.hs", "L", "p.final_norm"), None, epilogue, layered=False)
 
 
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
 _RUNTIME_CALLS = {
-    Kind.ATTN: "attention_task(p, t, staged, step, pos, work);",
-    Kind.COMBINE: "combine_task(p, t, work);",
+    Kind.ATTN: "attention_task(p, t, ready, step, pos, work);",
     Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
 }
 
@@ -268,7 +263,7 @@ def _write_rank_slices(w: CodeWriter, body: LinearBody, rank_sums: int, inputs: 
     the running sum slice 0 left in shared memory; the last one stores the rounded sum, as the relay does."""
     slice_k = f"({body.k}) / {rank_sums}"
     for k in range(1, rank_sums):
-        w(f"gemv<{slice_k}, {body.products}, false>(t.begin, t.end, work + {k} * ({slice_k}),")
+        w(f"gemv<{slice_k}, {body.products}>(t.begin, t.end, work + {k} * ({slice_k}),")
         w.depth += 4
         w(f"[&](int r, int j) {{ return {_row_expression(body)} + {k} * ({slice_k}); }},")
         with w.block("[&](int r, const float* acc)"):
@@ -298,8 +293,8 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
                 w(f"return {value};")
         w.lines[-1] += ";"
         return
-    with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, const Staged& staged, "
-                 "float* work, float* red, unsigned parity)"):
+    with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, int ready, float* work, "
+                 "float* red, unsigned tag)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
         inputs = _write_residual_declaration(w, body, world)
@@ -309,14 +304,14 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
         if by_ranks:
             w(f"static_assert(({body.k}) % ({rank_sums} * VEC) == 0, \"rank_sums slices are whole 16-byte chunks\");")
             w("float* rank_sums_row = work + RESIDUAL_OFFSET + RESIDUAL_COLUMNS;   // (after the residual)")
-        w(f"task_gemv<{k}, {body.products}>(t, staged, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
+        w(f"task_gemv<{k}, {body.products}>(t, ready, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
         with w.block("[&](int r, const float* acc)"):
             value = emit_epilogue(w, body.epilogue, inputs, rounded=not partial and not by_ranks)
             w(f"rank_sums_row[r - t.begin] = 0.0f + {value};" if by_ranks else body.sink.store(value))
         w.lines[-1] += ","
         # the input row in two halves (task_gemv issues the first weight loads between them: WEIGHTS_FIRST,
-        # or before the first, which runs once the task's inputs are complete: EARLY_KINDS), the residual
+        # or before the first, which runs once the task's inputs are complete: an early task), the residual
         # loaded with the first and stored with the second
         if residual is None:
             w(f"[&] {{ {body.source.load()} }},")
@@ -338,49 +333,12 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
             w(body.sink.relay_rows())
 
 
-def write_weight_pieces(w: CodeWriter, bodies: list) -> None:
-    """The weight rows a task multiplies, as contiguous pieces in the order its body reads them (a
-    concatenated tile may span several matrices; a paired one reads each matrix's rows in turn)."""
-    w("", "// The weight rows a linear task multiplies, as contiguous pieces in the order its body reads them:",
-      "// visit(first element, elements) per piece. `w`: the task's layer's weights (a caller that visits",
-      "// many sub-tiles of one task passes a copy in registers, not one read from global memory each time).")
-    w("template <typename Visit>")
-    with w.block("__device__ __forceinline__ void weight_pieces(const Params& p, const LayerWeights& w, const Task& t, "
-                 "Visit visit)"):
-        w("const long long n = t.end - t.begin;")
-        with w.block("switch (t.kind)"):
-            for body in bodies:
-                with w.block(f"case KIND_{body.kind.name}:"):
-                    if body.paired:
-                        for m in body.matrices:
-                            w(f"visit({m.pointer} + (long long)t.begin * ({body.k}), n * ({body.k}));")
-                    else:
-                        for start, m in zip(_starts(body), body.matrices):
-                            w(f"visit_rows<{body.k}>(visit, {m.pointer}, {start}, {m.rows}, t);")
-                    w("break;")
-            w("default: break;   // no weights")
-
-
-def write_stream_rows(w: CodeWriter, bodies: list) -> None:
-    """stream_row_of: the residual-stream row a task's input row reads (layer `layer` of the ranks' partials
-    `parts`), for the scheduler warp's wait under PARITY_STREAM (device.cu's wait_stream_row)."""
-    w("", "// the residual-stream row a task's input row reads, if any: layer `layer` of the ranks' partials `parts`")
-    with w.block("__device__ __forceinline__ bool stream_row_of(const Params& p, const Task& t, const float*& parts, "
-                 "int& layer)"):
-        with w.block("switch (t.kind)"):
-            for body in bodies:
-                if isinstance(body.source, NormedStream):
-                    source = body.source
-                    w(f"case KIND_{body.kind.name}: parts = {source.parts}; layer = {source.layer}; return true;")
-            w("default: return false;")
-
-
 def write_dispatch(w: CodeWriter, calls: list) -> None:
     """run_task: the task's body by its kind; false where the body says its events are not to be
     signalled (the sampler, after the last step)."""
     w("", "// the compute warps' task: its body by kind")
-    with w.block("__device__ __forceinline__ bool run_task(const Params& p, const Task& t, const Staged& staged, "
-                 "float* work, float* red, long long step, long long pos, int k)"):
+    with w.block("__device__ __forceinline__ bool run_task(const Params& p, const Task& t, int ready, float* work, "
+                 "float* red, long long step, long long pos, int k)"):
         with w.block("switch (t.kind)"):
             for kind, call in calls:
                 w(f"case KIND_{kind.name}: {call}" + ("" if call.startswith("return") else " return true;"))
@@ -403,24 +361,21 @@ def linear_bodies(plan: TaskPlan) -> list:
 
 
 def generate_bodies(plan: TaskPlan, rank_sums: int = 1) -> str:
-    """The CUDA of the plan's task bodies, weight_pieces and run_task (inserted into device.cu). `rank_sums`:
+    """The CUDA of the plan's task bodies and run_task (inserted into device.cu). `rank_sums`:
     on one GPU, the residual kinds sum their products as that many ranks would (write_linear_body)."""
     w = CodeWriter()
     w("// ---- task bodies, generated by mdsl/megakernel/runtime/bodies.py from the plan's layer ops")
     bodies = linear_bodies(plan)
     for body in bodies:
         write_linear_body(w, body, plan.world, rank_sums)
-    write_weight_pieces(w, bodies)
-    write_stream_rows(w, bodies)
     calls = []
     linear = {body.kind: body for body in bodies}
     for kind in (k.kind for k in plan.kind_ops):
         if kind in linear:
             body = linear[kind]
-            # the body's `parity`: the step's, for the parity stream; the relay's tag, step + 1 (0: the host's reset)
-            parity = "unsigned(step + 1)" if plan.relay_stream else "unsigned(step) & 1u"
-            calls.append((kind, f"{body.function}(p, t, staged, work, red, {parity});" if body.sink is not None else
-                          f"lmhead_task(p, t, staged, step, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
+            # the body's `tag`: the relay's, step + 1 (0: the host's reset)
+            calls.append((kind, f"{body.function}(p, t, ready, work, red, unsigned(step + 1));" if body.sink is not None
+                          else f"lmhead_task(p, t, ready, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))
         else:

@@ -15,7 +15,6 @@ import os
 import sys
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.runtime.source import SCHEDULES
 
 EXIT_OK = 0
 
@@ -57,7 +56,7 @@ def generate(args: argparse.Namespace) -> int:
     options = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, profile=args.profile is not None)
     if args.tp > 1:
         return _generate_tensor_parallel(args, prompt_ids, tokenizer, options)
-    engine = MegakernelEngine.from_pretrained(args.model, max_seq=args.max_seq, schedule=args.schedule)
+    engine = MegakernelEngine.from_pretrained(args.model, max_seq=args.max_seq)
     run = engine.run(prompt_ids, args.max_new_tokens, **options)
     print(",".join(map(str, run.tokens)))
     if tokenizer is not None:
@@ -77,8 +76,7 @@ def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
     from mdsl.megakernel.runtime.tp import TensorParallelGroup, engine_info, join_launched, launched_rank
 
     if launched_rank() is not None:   # torchrun / mpirun started this process as one rank: run it, rank 0 prints
-        group = TensorParallelGroup.spec_from_pretrained(args.model, args.tp, max_seq=args.max_seq,
-                                                         schedule=args.schedule)
+        group = TensorParallelGroup.spec_from_pretrained(args.model, args.tp, max_seq=args.max_seq)
         engine = join_launched(group)
         run = engine.run(prompt_ids, args.max_new_tokens, **options)
         info, rank = engine_info(engine), engine.ranks.rank
@@ -93,8 +91,7 @@ def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
             if tokenizer is not None:
                 print(tokenizer.decode(list(run.tokens)))
         return EXIT_OK
-    with TensorParallelGroup.from_pretrained(args.model, args.tp, max_seq=args.max_seq,
-                                             schedule=args.schedule) as group:
+    with TensorParallelGroup.from_pretrained(args.model, args.tp, max_seq=args.max_seq) as group:
         runs = group.run(prompt_ids, args.max_new_tokens, **options)
         info = group.info[0]
     run = runs[0]
@@ -126,9 +123,6 @@ def add_generate_command(commands) -> None:
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.add_argument("--max-seq", type=int, metavar="N", help="KV cache positions (default: the model's, at most 4096)")
     gen.add_argument("--profile", metavar="TRACE.json", help="write a Perfetto trace of every task of the run")
-    gen.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
-                     help="how worker blocks take tasks: static (default: each its share in order) or queue "
-                          "(one global queue)")
     gen.add_argument("--tp", type=int, default=1, metavar="N",
                      help="tensor parallelism over N GPUs of this host (one process each, NVSHMEM between them)")
     gen.set_defaults(run=generate)

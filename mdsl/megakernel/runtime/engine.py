@@ -6,6 +6,9 @@ steps whose next token is the prompt's; the host sees only the finished tokens).
     tokens = engine.generate([1, 2, 3], max_new_tokens=32)              # greedy
     tokens = engine.generate(ids, 32, temperature=0.7, top_p=0.9, seed=1)
 
+The kernel's few choices are a `MegakernelOptions` (options.py); every one left None takes its default for
+the configuration (one GPU, or a rank of a tensor-parallel job).
+
 Nothing here touches the CUDA driver before `has_gpu()` says there is a GPU.
 """
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -23,16 +26,15 @@ from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check
 from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.config import ModelConfig, load_config
+from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import DecoderShape, decoder_shape, rope_tables
-from mdsl.megakernel.runtime.source import (ATTENTION_LANES, BLOCK_THREADS, DEFAULT_PREFETCH_KIB, EARLY_PASSES,
-                                            KERNEL_NAME, MAX_PREFETCH_AHEAD, PARAMS, PARITY_SCOPES, PROFILE_WORDS,
-                                            SCHEDULES, STAGE_KIND_NAMES, STAGED_KINDS, STREAM_KIND_NAMES,
-                                            KernelOptionError, generate_source, stage_kinds_named, stream_kind_names,
-                                            weight_kinds_named)
+from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name,
+                                           rope_tables)
+from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, KernelOptionError,
+                                            generate_source)
 
-_STATE_WORDS = 12                # device.cu's STATE_*: queue (2 words), stop step, generated, next token,
+_STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
 _STATE_STUCK = slice(6, 11)
 _NO_STOP = 2**31 - 1
@@ -40,24 +42,12 @@ _STATIC_SMEM_LIMIT = 48 * 1024
 DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
                 "generate_source), or run the model on the CPU (mdsl.megakernel.reference, .simulator)")
-_LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-
-
-def layer_weight_name(layer: int, short: str) -> str:
-    """The Hugging Face name of a layer's weight (the built-in model definitions use the same)."""
-    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    middle = f"{where[short]}." if short in where else ""
-    return f"model.layers.{layer}.{middle}{short}.weight"
-
-
 def weight_names(config: ModelConfig) -> list:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for layer in range(config.num_layers):
-        names += [layer_weight_name(layer, w) for w in _LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+        names += [layer_weight_name(layer, w) for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
     return names
 
 
@@ -91,191 +81,27 @@ class RankGroup:
 
 
 # how to fix what generate_source's KernelOptionError names
-OPTION_HINTS = {"stream_buffer_bytes": "leave stream_buffer_kib unset (the ring is sized to fit)",
-                 "rank_sums": "pass stage_weights=False and stream_weights=False with rank_sums",
-                 "attention_preload": "a smaller max_seq, or more attention_splits, or attention_preload=False"}
-
-
-def world_defaults(world: int) -> dict:
-    """The engine options MegakernelEngine chooses from the world size where they are left None: a rank issues
-    a linear task's first pass of weight loads with its input row (`weights_first`: Qwen3-8B over 2 GPUs 2.950 ->
-    2.934 ms; one GPU 4.568 against 4.569, thirteenth session), and its early o-proj takes a second pass
-    (`early_passes`, `early_pass_kinds`: its tile whole on chip, nineteenth session). benchmarks/decode.py
-    --rank-of gives them to a rank's shapes on one GPU."""
-    tensor_parallel = world > 1
-    return {"weights_first": 1.0 if tensor_parallel else 0.0, "early_passes": 2 if tensor_parallel else 1,
-            "early_pass_kinds": ("oproj",) if tensor_parallel else None}
+OPTION_HINTS = {"attention_preload": "a smaller max_seq, or more attention_splits, or attention_preload=False"}
 
 
 class MegakernelEngine:
     """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
-    DeviceArrays: used in place). `schedule`: how workers take tasks (source.SCHEDULES: "static", each
-    worker its share in order; "queue", one global atomic queue). `prefetch_ahead`: how many tasks on a
-    worker's scheduler prefetches weights into L2 (source.generate_source); `attention_lanes`, how many
-    lanes share a cached position in attention's scores (source.ATTENTION_LANES; 4 by default: Qwen3-8B one
-    GPU 4.472 -> 4.434 ms, two GPUs 2.817 -> 2.813, fifteenth session); `fused_combine`, whether
-    the last attention split of a kv head merges the splits (plan.build_plan; the default since the nineteenth
-    session, its query heads merged at once: Qwen3-8B one GPU 4.338 -> 4.310 ms, a rank's shapes 2.550 ->
-    2.527; False: combine tasks, the same bits); `stage_weights`, whether
-    weight tiles that fit are copied whole into shared memory ahead of their task (source.Staging; None:
-    under tensor parallelism without weight streaming); `stage_heads`, whether the tiles that do not fit
-    have their heads staged (as many output columns as fit), `stage_buffer_kib` a cap on each kind's
-    staging buffer, `stage_kinds` which kinds are staged (some of "qkv", "oproj", "gateup"; None: o-proj
-    and gate/up; with "qkv" one buffer holds every staged kind's tiles in turn, and a QKV tile's copy starts
-    once the task before it is done), `stage_late` whether every staged kind's copy waits so (None: whenever
-    staging is on; stage_heads, stage_buffer_kib, stage_kinds and stage_late=True imply staging);
-    `prefetch_kib`, how much of a task's weights is prefetched into L2 ahead of it; `stream_weights`, whether
-    a loader warp streams every task's weights (True; or those of the kinds named: "qkv", "oproj", "gateup",
-    "down", "lmhead") through a shared-memory ring, running ahead of the tasks' inputs (source.Streaming; the
-    static schedule), in buffers of `stream_buffer_kib` KiB if given (else the size that wastes least);
-    `attention_splits`, the
-    attention splits per kv head (default: as many as fill the SMs, at most 32, plan.attention_splits), and
-    `attention_min_chunk` the positions a split takes at least (default plan.default_min_chunk: 64, or 32
-    past 16 splits);
-    `prefetch_kinds`, the kinds whose weights' head the scheduler prefetches into L2 (None: all; (), the
-    default: none, measured faster on every model and both GPU counts; prefetch_ahead and prefetch_kib act
-    on these kinds' prefetches); `weights_first`, the share of its first pass of weight loads (0 to 1) a
-    linear task issues while its input row is normalised (source.generate_source; None: all of it under
-    tensor parallelism, none on one GPU, as measured best on each); `attention_unrolled`, whether attention
-    computes the new position's score and its weighted values in unrolled batches (source.generate_source;
-    Qwen3-8B over 2 GPUs 2.933 -> 2.946 ms, one GPU 4.567 -> 4.561 ms: off, fourteenth session);
-    `early_weights`, the kinds (names as prefetch_kinds'; None, the default: all; (): none) whose tasks are
-    handed to the compute warps before their inputs are complete, each warp's first pass of weight loads
-    issued while they wait (source.generate_source; a staged kind is not early); `parity_stream`, under
-    tensor parallelism, whether the residual stream's partials carry their readers' step parity in their
-    lowest mantissa bit and are polled for, instead of being signalled across GPUs (plan.for_ranks), read
-    with loads of `parity_scope` ("sys" or "gpu": source.generate_source); `relay_stream`, under tensor
-    parallelism, whether each o-proj and down-proj tile sums its rows over the ranks itself, the peers'
-    partials coming as flagged words, so that nothing is signalled across GPUs for them and their readers
-    load one row (plan.for_ranks; not with parity_stream). None, the default: on unless parity_stream is (the
-    default since the eighteenth session; Qwen3-8B over 2 GPUs 2.770 -> 2.736 ms and 2.774 -> 2.741 ms against
-    the put-with-signal of every tile, False, seventeenth session). `early_passes`: the passes of weight loads
-    (1 or 2) an early task's warps have in flight by the time its row is normalised, the second copied into
-    shared memory (source.generate_source), for the early kinds named in `early_pass_kinds` (None: all).
-    None, the default: 2 for the o-proj alone under tensor parallelism (with early_pass_kinds None), where a
-    rank's o-proj tile (Qwen3-8B: 127 KB) is then whole on chip while it waits for attention (a rank's shapes
-    on one GPU, `benchmarks/decode.py --rank-of 2`, nineteenth session: 2.522-2.531 -> 2.492-2.501 ms in three
-    runs), else 1 (one GPU's o-proj: 4.315 -> 4.333 ms with it, call 4 of that session).
-    `rank_sums` (one GPU only; 1, the default: off): the o-proj and down-proj tiles sum their products as that
-    many tensor-parallel ranks do, each rank's slice reduced alone and the slices added in rank order, so that
-    with the ranks' attention splits (`attention_splits`, `attention_min_chunk`) the one GPU computes their
-    bits: the tokens and logits a rank_sums-GPU run must give, bit for bit (tests/gpu). `attention_preload`:
-    an attention split copies its cached key and value rows into shared memory as it starts, handed over before
-    its inputs are complete, and reads them there (source.generate_source; the same values). None, the default:
-    on where the split's rows fit in shared memory and the kernel does not spill with them (Qwen3-8B, eighteenth
-    session: one GPU 4.431 -> 4.398 ms, two GPUs 2.738 -> 2.704 ms).
-    `ranks`: one rank of a tensor-parallel job (mdsl.megakernel.runtime.tp builds these): `config` and
-    `weights` are then the rank's shard, and every rank must call `run` with the same arguments."""
+    DeviceArrays: used in place). `options`: the kernel's choices (MegakernelOptions; what is None there
+    takes its default for this configuration: one GPU, or a rank of `ranks.world`). `max_seq`: the KV cache's
+    positions (default: the model's, at most DEFAULT_MAX_SEQ). `ranks`: one rank of a tensor-parallel job
+    (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the rank's shard, and every
+    rank must call `run` with the same arguments."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping, *, max_seq: Optional[int] = None, device: int = 0,
-                 eos_token_ids: Sequence[int] = (), workers: Optional[int] = None, schedule: str = "static",
-                 prefetch_ahead: int = 1, attention_lanes: int = 4, fused_combine: bool = True,
-                 stage_weights: Optional[bool] = None, prefetch_kib: int = DEFAULT_PREFETCH_KIB,
-                 stream_weights: Union[bool, Sequence[str]] = False,
-                 stream_buffer_kib: Optional[float] = None, attention_splits: Optional[int] = None,
-                 attention_min_chunk: Optional[int] = None,
-                 stage_heads: bool = False, stage_buffer_kib: Optional[float] = None,
-                 stage_kinds: Optional[Sequence[str]] = None, stage_late: Optional[bool] = None,
-                 prefetch_kinds: Optional[Sequence[str]] = (), weights_first: Optional[float] = None,
-                 attention_unrolled: bool = False, early_weights: Optional[Sequence[str]] = None,
-                 parity_stream: bool = False, parity_scope: str = "sys", relay_stream: Optional[bool] = None,
-                 early_passes: Optional[int] = None, early_pass_kinds: Optional[Sequence[str]] = None,
-                 rank_sums: int = 1,
-                 attention_preload: Optional[bool] = None, ranks: Optional[RankGroup] = None):
-        if schedule not in SCHEDULES:
-            raise MdslError(f"unknown megakernel schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}")
-        if not 1 <= prefetch_ahead <= MAX_PREFETCH_AHEAD or (schedule != "static" and prefetch_ahead != 1):
-            raise MdslError(f"prefetch_ahead {prefetch_ahead} with the {schedule} schedule",
-                            hint=f"1 to {MAX_PREFETCH_AHEAD} with the static schedule, 1 with the queue")
-        if attention_lanes not in ATTENTION_LANES:
-            raise MdslError(f"attention_lanes {attention_lanes}", hint=f"one of {ATTENTION_LANES}")
-        if parity_scope not in PARITY_SCOPES:
-            raise MdslError(f"parity_scope {parity_scope!r}", hint=f"one of {', '.join(PARITY_SCOPES)}")
-        chosen = world_defaults(ranks.world if ranks is not None else 1)
-        if early_passes is None:   # (and then the kinds: a rank's o-proj alone)
-            early_passes = chosen["early_passes"]
-            early_pass_kinds = chosen["early_pass_kinds"] if early_pass_kinds is None else early_pass_kinds
-        if early_passes not in EARLY_PASSES:
-            raise MdslError(f"early_passes {early_passes}",
-                            hint=f"one of {EARLY_PASSES}: the passes of weight loads an early task has in flight "
-                                 "by the time its input row is normalised")
-        if relay_stream is None:
-            relay_stream = not parity_stream
-        if rank_sums != 1 and (ranks is not None or not 1 <= rank_sums <= 8):
-            raise MdslError(f"rank_sums {rank_sums}" + (" under tensor parallelism" if ranks is not None else ""),
-                            hint="on one GPU, the ranks (2 to 8) whose sums the o-proj and down-proj tiles compute "
-                                 "(with their attention_splits and attention_min_chunk: the bits of that many GPUs); "
-                                 "1 otherwise")
-        try:
-            ahead_kinds = None if early_pass_kinds is None else weight_kinds_named(early_pass_kinds)
-        except ValueError:
-            raise MdslError(f"early_pass_kinds {early_pass_kinds!r}",
-                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, or None for every early kind") \
-                from None
-        if parity_stream and relay_stream:
-            raise MdslError("parity_stream and relay_stream together",
-                            hint="they are two ways to move the residual stream between GPUs: pass one")
-        if not 16 <= prefetch_kib <= 1024:
-            raise MdslError(f"prefetch_kib {prefetch_kib}", hint="16 to 1024 KiB of a task's weights")
-        if attention_splits is not None and not 1 <= attention_splits <= 4096:
-            raise MdslError(f"attention_splits {attention_splits}",
-                            hint="1 to 4096 splits per kv head, or None for as many as fill the SMs")
-        if attention_min_chunk is not None and not 1 <= attention_min_chunk <= 4096:
-            raise MdslError(f"attention_min_chunk {attention_min_chunk}",
-                            hint="1 to 4096 positions per attention split at least, or None for 64")
-        if stream_weights is not False:
-            try:
-                stream_kind_names(stream_weights)
-            except ValueError:
-                raise MdslError(f"stream_weights {stream_weights!r}",
-                                hint=f"True, False, or some of the kinds {', '.join(STREAM_KIND_NAMES)}") from None
-        try:
-            staged_kinds = stage_kinds_named(stage_kinds)
-        except ValueError as e:
-            raise MdslError(str(e), hint=f"some of {', '.join(STAGE_KIND_NAMES)}, or None") from None
-        try:
-            prefetched_kinds = weight_kinds_named(prefetch_kinds)
-        except ValueError:
-            raise MdslError(f"prefetch_kinds {prefetch_kinds!r}",
-                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
-        try:
-            early_kinds = weight_kinds_named(early_weights)
-        except ValueError:
-            raise MdslError(f"early_weights {early_weights!r}",
-                            hint=f"some of the kinds {', '.join(STREAM_KIND_NAMES)}, () for none, or None for all") from None
-        refined = stage_heads or stage_buffer_kib is not None or stage_kinds is not None or bool(stage_late)
-        if stage_weights is None:
-            # staged o-proj and gate/up tiles were measured faster over 2 GPUs (no change on one) until their
-            # kinds were early: then the same (Qwen3-8B 2.836 ms either way, fourteenth session), so no staging
-            early_staged = any(kind in early_kinds for kind in STAGED_KINDS)
-            stage_weights = (ranks is not None and ranks.world > 1 and not stream_weights and not early_staged) \
-                or refined
-        if stage_late is None:
-            # a copy issued while the task before it runs holds that task's release until it lands (copy_probe:
-            # ~4 us for a 128 KiB tile), and its loads slow attention: Qwen3-8B over 2 GPUs 3.090 -> 3.027 ms
-            stage_late = bool(stage_weights)
-        if refined and not stage_weights:
-            raise MdslError("stage_heads / stage_buffer_kib / stage_kinds / stage_late with stage_weights=False",
-                            hint="they refine weight staging: leave stage_weights unset or True")
-        preload_chosen = attention_preload is not None   # (the default's: where the split's rows fit)
-        if attention_preload is None:
-            attention_preload = True
-        if weights_first is None:
-            weights_first = chosen["weights_first"]
-        if not 0.0 <= weights_first <= 1.0:
-            raise MdslError(f"weights_first {weights_first}",
-                            hint="the share of a linear task's first pass of weight loads issued with its input row: "
-                                 "0 (none) to 1 (all)")
-        if stage_buffer_kib is not None and not 0 < stage_buffer_kib <= 256:
-            raise MdslError(f"stage_buffer_kib {stage_buffer_kib}", hint="a staging buffer of 0 to 256 KiB, or None")
-        if stream_weights and (schedule != "static" or stage_weights):
-            raise MdslError(f"stream_weights with the {schedule} schedule" + (" and stage_weights" if stage_weights else ""),
-                            hint="weight streaming needs the static schedule and replaces stage_weights: "
-                                 "pass schedule='static', stage_weights=False")
+    def __init__(self, config: ModelConfig, weights: Mapping, *, options: MegakernelOptions = MegakernelOptions(),
+                 max_seq: Optional[int] = None, device: int = 0, eos_token_ids: Sequence[int] = (),
+                 ranks: Optional[RankGroup] = None):
+        if not isinstance(options, MegakernelOptions):
+            raise OptionError(f"options is a {type(options).__name__}, not a MegakernelOptions",
+                              hint="pass options=MegakernelOptions(...) (mdsl.megakernel.runtime.options)")
+        options = options.for_world(ranks.world if ranks is not None else 1)
         _require_gpu()
-        self.schedule = schedule
-        self.prefetch_ahead = prefetch_ahead
+        self.options = options
         self.config = config
         self.shape: DecoderShape = decoder_shape(config)
         self.ranks = ranks
@@ -286,35 +112,24 @@ class MegakernelEngine:
         self.sampling = {"temperature": 0.0, "top_p": 1.0, "seed": 0}   # generate's defaults
         self.device = device
         dev = runtime._device(device)
-        self.workers = int(workers or _check(driver.cuDeviceGetAttribute(
+        self.workers = int(options.workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
         self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
-                                                   splits=attention_splits, fused_combine=fused_combine,
-                                                   min_chunk=attention_min_chunk), self.world,
-                                         parity_stream=parity_stream and self.world > 1,
-                                         relay_stream=relay_stream and self.world > 1)
+                                                   splits=options.attention_splits,
+                                                   min_chunk=options.attention_min_chunk), self.world)
 
         def generate(preload: Optional[bool]):
             try:
-                return generate_source(self.plan, schedule, prefetch_ahead, attention_lanes, stage_weights,
-                                       prefetch_kib, stream_weights,
-                                       None if stream_buffer_kib is None else int(stream_buffer_kib * 1024),
-                                       stage_heads, None if stage_buffer_kib is None else int(stage_buffer_kib * 1024),
-                                       staged_kinds, stage_late, prefetched_kinds, weights_first, attention_unrolled,
-                                       early_kinds, parity_scope, early_passes, ahead_kinds, rank_sums, preload)
-            except KernelOptionError as e:   # (the options the checks above cannot judge without the layout)
-                raise MdslError(str(e), hint=OPTION_HINTS[e.option]) from None
-            except ValueError as e:   # (any other: an option combination the checks above let through)
-                raise MdslError(str(e), hint="change the engine options the message names") from None
+                return generate_source(self.plan, attrs.evolve(options, attention_preload=preload))
+            except KernelOptionError as e:   # (what the options cannot judge without the plan's layout)
+                raise OptionError(str(e), hint=OPTION_HINTS[e.option]) from None
 
         self._arrays: list = []       # every DeviceArray the kernel points into, kept alive
         self._keep: list = []         # foreign GPU arrays used in place
         # the default's attention preload, where its rows fit (None), is dropped again if the kernel then spills
-        # (its registers beside some options' at their cap: eighteenth session)
-        for preload in ((None, False) if attention_preload and not preload_chosen else (attention_preload,)):
+        # (its registers beside the second pass's, at their cap in the tiny test models' kernels)
+        for preload in ((None, False) if options.attention_preload is None else (options.attention_preload,)):
             source = generate(preload)
-            self.staging = source.staging
-            self.streaming = source.streaming
             self.source = source.text
             self.smem_bytes = source.smem_bytes
             self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -350,10 +165,10 @@ class MegakernelEngine:
 
     @classmethod
     def from_pretrained(cls, folder: str, *, max_seq: Optional[int] = None, device: int = 0,
-                        **options) -> "MegakernelEngine":
+                        options: MegakernelOptions = MegakernelOptions()) -> "MegakernelEngine":
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json.
-        `options`: the constructor's runtime options (schedule, prefetch_ahead, stage_weights, ...)."""
+        `options`: the kernel's (MegakernelOptions)."""
         from mdsl.megakernel.architectures import step_function
         from mdsl.megakernel.checkpoint import load_weights
 
@@ -362,8 +177,8 @@ class MegakernelEngine:
         if max_seq:
             config = config.with_max_positions(max_seq)
         graph = step_function(config).trace(config)
-        return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder), **options)
+        return cls(config, load_weights(graph, folder), options=options, max_seq=max_seq, device=device,
+                   eos_token_ids=eos_token_ids(folder))
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -425,7 +240,7 @@ class MegakernelEngine:
         rows = []
         for layer in range(s.layers):
             ptrs = [self._weight(weights, layer_weight_name(layer, w), shapes[w])
-                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in _LAYER_WEIGHTS]
+                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in LAYER_WEIGHTS]
             offset = layer * cache * s.dtype.itemsize
             rows.append(ptrs + [k_cache + offset, v_cache + offset])
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
@@ -440,15 +255,14 @@ class MegakernelEngine:
         p.state = self._zeros(_STATE_WORDS, i32)
         cos, sin = rope_tables(s, self.max_seq)
         p.rope_cos, p.rope_sin = self._array(cos.reshape(-1), f32), self._array(sin.reshape(-1), f32)
-        # (the relay: a rank puts the next step's embedding row into h[0] of every rank)
-        p.hs = (self._shared_zeros if plan.relay_stream else self._zeros)((s.layers + 1) * s.hidden, s.dtype)
+        # (under tensor parallelism a rank puts the next step's embedding row into h[0] of every rank)
+        p.hs = (self._shared_zeros if self.world > 1 else self._zeros)((s.layers + 1) * s.hidden, s.dtype)
         p.mids = self._zeros(s.layers * s.hidden, s.dtype)
         p.qkvs = self._zeros(s.layers * s.qkv_rows, s.dtype)
         p.attns = self._zeros(s.layers * s.attention_width, s.dtype)
         p.acts = self._zeros(s.layers * s.intermediate, s.dtype)
         p.parts = self._zeros(s.layers * s.heads * plan.splits * (s.head_dim + 2), f32)
-        if plan.fused_combine:
-            p.attn_done = self._zeros(s.layers * s.kv_heads, i32)
+        p.attn_done = self._zeros(s.layers * s.kv_heads, i32)
         self._logits = self._zeros(s.vocab, f32)
         p.logits = self._logits
         p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
@@ -456,13 +270,11 @@ class MegakernelEngine:
         if self.ranks is not None:
             p.h_parts = self._shared_zeros((s.layers + 1) * self.world * s.hidden, f32)
             p.mid_parts = self._shared_zeros(s.layers * self.world * s.hidden, f32)
-            layer_words = self.world * s.hidden   # parity_stream: h[1..L] and every mid, reset before a launch
-            self._polled_words = ((p.h_parts + layer_words * 4, s.layers * layer_words),
-                                  (p.mid_parts, s.layers * layer_words))
-            if plan.relay_stream:   # 8-byte words, zeroed before every launch: no tag of a step (step + 1 >= 1)
-                self._relay_words = tuple((self._shared_zeros(2 * layers * layer_words, i32), 2 * layers * layer_words)
-                                          for layers in (s.layers + 1, s.layers))
-                (p.h_relay, _), (p.mid_relay, _) = self._relay_words
+            layer_words = self.world * s.hidden
+            # the relay's 8-byte words, zeroed before every launch: no tag of a step (step + 1 >= 1)
+            self._relay_words = tuple((self._shared_zeros(2 * layers * layer_words, i32), 2 * layers * layer_words)
+                                      for layers in (s.layers + 1, s.layers))
+            (p.h_relay, _), (p.mid_relay, _) = self._relay_words
             p.peer_delta = self._array(np.array(self._peer_deltas, dtype=np.int64).view(np.int32), i32)
             p.rank = self.ranks.rank
         p.prompt = self._zeros(self.max_seq, i32)
@@ -521,15 +333,12 @@ class MegakernelEngine:
         if eos:
             self._copy_in(p.eos, np.array(eos, dtype=np.int32))
         self._copy_in(p.events, self._initial_events)
-        if self.plan.fused_combine:   # the split counters count from 0 in every launch
-            self._copy_in(p.attn_done, np.zeros(self.shape.layers * self.shape.kv_heads, dtype=np.int32))
+        # the split counters count from 0 in every launch
+        self._copy_in(p.attn_done, np.zeros(self.shape.layers * self.shape.kv_heads, dtype=np.int32))
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)
-        if self.plan.parity_stream:   # every partial a step reads past h[0] lacks step 0's parity (device.cu)
-            for ptr, words in self._polled_words:
-                _check(driver.cuMemsetD32Async(ptr, 0xFFFFFFFF, words, self._stream), "cuMemsetD32Async")
-        if self.plan.relay_stream:   # (done before the ranks' barrier below: a peer's kernel then writes them)
+        if self.world > 1:   # the relay's words (done before the ranks' barrier below: a peer's kernel then writes them)
             for ptr, words in self._relay_words:
                 _check(driver.cuMemsetD32Async(ptr, 0, words, self._stream), "cuMemsetD32Async")
             _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
@@ -547,13 +356,9 @@ class MegakernelEngine:
         milliseconds = _check(driver.cuEventElapsedTime(self._events[0], self._events[1]), "cuEventElapsedTime")
         state = self._copy_out(p.state, _STATE_WORDS, np.int32)
         task, step, event, count, need = (int(v) for v in state[_STATE_STUCK])
-        if task == len(self.plan.tasks) + 1 and self.plan.relay_stream:   # device.cu's keep_polling
+        if task == len(self.plan.tasks) + 1:   # sync.cuh's keep_polling
             raise CudaError(f"the megakernel deadlocked: a peer's residual-stream partial still carried step tag "
                             f"{count}, not {need}, after 5 s; every worker stopped",
-                            hint="a bug in mdsl's task tables or runtime: please report it with this message")
-        if task == len(self.plan.tasks) + 1:
-            raise CudaError(f"the megakernel deadlocked: a peer's residual-stream partial still lacked parity {need} "
-                            "after 5 s; every worker stopped",
                             hint="a bug in mdsl's task tables or runtime: please report it with this message")
         if task:
             waited = self.plan.events[event].producers
@@ -577,8 +382,8 @@ class MegakernelEngine:
 
     def _write_first_row(self, token: int) -> None:
         """Step 0's h: the token's embedding row (later steps' rows the device's sampler writes). Under
-        tensor parallelism each rank puts its partial into its slot on every rank: the row if its vocabulary
-        shard holds the token, else zeros."""
+        tensor parallelism the rank whose vocabulary shard holds the token puts the row into every rank's
+        h[0]."""
         s, p = self.shape, self.params
         row_bytes = s.hidden * s.dtype.itemsize
         if self.ranks is None:
@@ -586,23 +391,12 @@ class MegakernelEngine:
                    "cuMemcpyDtoDAsync")
             return
         local = token - self.ranks.rank * s.vocab
-        if self.plan.relay_stream:   # the rank whose shard holds the row puts it whole into every rank's h[0]
-            if 0 <= local < s.vocab:
-                for k in range(self.world):
-                    _check(driver.cuMemcpyDtoDAsync(p.hs + (self._peer_deltas[k] if k != self.ranks.rank else 0),
-                                                    p.embed + local * row_bytes, row_bytes, self._stream),
-                           "cuMemcpyDtoDAsync")
-                _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-            return
-        row = np.zeros(s.hidden, dtype=np.float32)
         if 0 <= local < s.vocab:
-            raw = self._copy_out(p.embed + local * row_bytes, s.hidden * (s.dtype.itemsize // 2), np.uint16)
-            row = (raw.astype(np.uint32) << 16).view(np.float32) if s.dtype.itemsize == 2 else raw.view(np.float32)
-        if self.plan.parity_stream:   # step 0's parity: 0 in the lowest mantissa bit (device.cu's with_parity)
-            row = (row.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFFFFE)).view(np.float32)
-        slot = p.h_parts + self.ranks.rank * s.hidden * row.itemsize
-        for k in range(self.world):
-            self._copy_in(slot + (self._peer_deltas[k] if k != self.ranks.rank else 0), row)
+            for k in range(self.world):
+                _check(driver.cuMemcpyDtoDAsync(p.hs + (self._peer_deltas[k] if k != self.ranks.rank else 0),
+                                                p.embed + local * row_bytes, row_bytes, self._stream),
+                       "cuMemcpyDtoDAsync")
+            _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
 
     @property
     def plan_tasks(self) -> int:

@@ -10,9 +10,9 @@ the TaskGraph's events become the device's (one per distinct set of producer row
 are absorbed: the device's sampling task writes the next step's embedding row, so the tasks that waited
 for the embedding wait for the previous step's token instead, the one cross-step event.
 
-A step is a list of tasks in dependency order; the persistent kernel hands out task indices
-`step * tasks_per_step + k` from one queue, so a task only ever waits on tasks handed out before it
-(no deadlock while every worker block is resident). A consumer waits only for the producer tiles it
+A step is a list of tasks in dependency order; the persistent kernel's worker w runs the task indices
+`step * tasks_per_step + k` equal to w modulo the workers, in increasing order, so a task only ever waits
+on tasks taken before it (no deadlock while every worker block is resident). A consumer waits only for the producer tiles it
 reads. An event counts its producers' completions: it is complete for step s at `producers * (s + 1)`,
 so counters are never reset within a launch. The embedding row of step s + 1 is written by step s's
 sampling task, so the event it signals starts at 1 (the host writes step 0's): the TaskGraph's
@@ -25,9 +25,9 @@ previous step still reads it. `check_plan` verifies these rules.
 Task kinds (each one's device body: runtime/bodies.py, generated from the op's `cuda_task` rule):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
-           split holding the newest position), partial softmax-weighted sums over its positions
-  COMBINE  q head `begin`: merges the splits' partial sums into the attention output (with
-           `fused_combine`, no such task: the last split of a kv head to finish merges its heads)
+           split holding the newest position), partial softmax-weighted sums over its positions; the
+           split of a kv head that finishes last merges the splits' partials of its query heads into the
+           attention output (the task graph's combine tasks are absorbed into it)
   OPROJ    rows of mid_l = h_l + W_o attn
   GATEUP   rows of act_l = act(W_gate x) * (W_up x), x = rms_norm(mid_l) (SwiGLU: act = silu)
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
@@ -51,14 +51,15 @@ from mdsl.megakernel.fusion import fuse
 from mdsl.megakernel.layers import extend_layer_op
 from mdsl.megakernel.model import TOKENS, ModelGraph
 from mdsl.megakernel.partition import balanced_tiles, build_task_graph
-from mdsl.megakernel.runtime.shape import DecoderShape
+from mdsl.megakernel.runtime.options import MAX_SPLITS
+from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
 from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
 
 
 class Kind(enum.IntEnum):
+    """A device task kind; its number is the task table's (device.cu's KIND_*)."""
     QKV = 0
     ATTN = 1
-    COMBINE = 2
     OPROJ = 3
     GATEUP = 4
     DOWN = 5
@@ -118,8 +119,8 @@ class KindOp:
 # attention positions per split at least (device.cu's MIN_CHUNK), unless a plan asks for fewer: a short
 # context is one split, whose softmax weights are relative to the true maximum as in transformers' fused attention
 MIN_CHUNK = 64
-# ... with more than 16 splits (a rank of Qwen3-8B over 2 H200s: 32 splits of at least 32 positions 2.835 ->
-# 2.789 ms a token, fifteenth session; at least 64 left half of 32 splits empty at context 1024)
+# ... with more than 16 splits (at least 64 would leave half of 32 splits empty at context 1024; measured
+# faster on a rank of Qwen3-8B over two GPUs, whose 4 kv heads take 32 splits)
 WIDE_MIN_CHUNK = 32
 
 
@@ -140,18 +141,10 @@ class TaskPlan:
     signals: tuple       # per task: event indices
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
-    fused_combine: bool = False   # the last attention split of a kv head merges its heads' partials
     # KindOp per task kind present: the (fused) layer op whose tasks it runs, the source of its generated
     # body (runtime/bodies.py); every layer's op of a kind is the same, with the same attributes
     kind_ops: tuple = ()
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
-    # under tensor parallelism: the residual stream's partials carry their readers' step parity and are polled,
-    # so the o-proj and down-proj events count this rank's tiles only (`for_ranks`)
-    parity_stream: bool = False
-    # under tensor parallelism: each o-proj and down-proj tile sums its rows' partials of every rank itself (the
-    # peers' come as flagged words) and writes the rows whole, so those events count this rank's tiles only
-    # (`for_ranks`)
-    relay_stream: bool = False
 
     def op_of(self, kind: "Kind") -> "KindOp":
         for k in self.kind_ops:
@@ -201,33 +194,27 @@ REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every r
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
-# ... of which the o-proj and down-proj tiles' partials may be polled for instead (parity_stream, relay_stream)
-POLLED_KINDS = (Kind.OPROJ, Kind.DOWN)
+# ... of which the o-proj and down-proj tiles relay their partials: each tile sums its rows over the ranks itself
+RELAYED_KINDS = (Kind.OPROJ, Kind.DOWN)
 
 
-def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False, relay_stream: bool = False) -> TaskPlan:
+def for_ranks(plan: TaskPlan, world: int) -> TaskPlan:
     """The tables of one rank of `world` tensor-parallel ranks, from the plan of a rank's shard of the
     model (its query and KV heads, MLP columns and vocabulary slice: `shard_config`). Every rank runs the
-    same tables; an event whose producers write what every rank reads (CROSS_RANK_KINDS) counts the
-    producers of every rank, and the embedding's (the samplers') starts at `world`: the host puts each
-    rank's part of step 0's row. `parity_stream`: the o-proj and down-proj tiles' partials carry the parity
-    of the step that reads them, which readers poll for (device.cu's PARITY_STREAM); their events then
-    count this rank's tiles only, and nothing is signalled across GPUs for them (no system-scope release
-    per tile). `relay_stream`: each o-proj and down-proj tile puts its rows' partials to the peers as flagged
-    words (value, step + 1), waits for the peers' words of the same rows, and writes the rows summed in rank
-    order (device.cu's RELAY_STREAM); their events then count this rank's tiles only, as with the parity
-    stream, and their readers read the summed rows."""
+    same tables. Each o-proj and down-proj tile (RELAYED_KINDS) puts its rows' partials to the peers as
+    flagged words (value, step + 1), waits for the peers' words of the same rows, and writes the rows summed
+    in rank order (device.cu's relay_rows), so their events count this rank's tiles only and nothing is
+    signalled across GPUs for them; an event whose producers write what every rank reads otherwise (the LM
+    head's tile bests, the sampler's embedding row) counts the producers of every rank, and the embedding's
+    (the samplers') starts at `world`: the host puts step 0's row on every rank."""
     if plan.world != 1:
         raise ValueError(f"the plan is already one of {plan.world} ranks")
-    if parity_stream and relay_stream:
-        raise ValueError("parity_stream and relay_stream are two ways to move the residual stream: pick one")
     if world == 1:
         return plan
-    polled = parity_stream or relay_stream
     events = []
     for event in plan.events:
         kinds = {plan.tasks[k].kind for k in event.producers} or {Kind.SAMPLE}
-        if polled and kinds <= set(POLLED_KINDS):
+        if kinds <= set(RELAYED_KINDS):
             events.append(event)
         elif kinds <= set(CROSS_RANK_KINDS):
             events.append(attrs.evolve(event, ranks=world, initial=event.initial * world))
@@ -235,8 +222,7 @@ def for_ranks(plan: TaskPlan, world: int, parity_stream: bool = False, relay_str
             raise PlanError(f"event {event} mixes producers every rank reads with rank-local ones ({kinds})")
         else:
             events.append(event)
-    return attrs.evolve(plan, events=tuple(events), world=world, parity_stream=parity_stream,
-                        relay_stream=relay_stream)
+    return attrs.evolve(plan, events=tuple(events), world=world)
 
 
 MIN_ROWS_PER_TILE = 8   # one per warp: smaller tiles cost more in waiting than they save
@@ -247,14 +233,9 @@ def tiles(n: int, count: int) -> list:
     return balanced_tiles(n, count, MIN_ROWS_PER_TILE)
 
 
-MAX_SPLITS = 32         # attention splits per kv head at most, by default: a combine's in one warp's lanes
-
-
 def attention_splits(shape: DecoderShape, workers: int, max_seq: int) -> int:
-    """Splits per kv head: as many as fill the workers, at most MAX_SPLITS (a combine then merges them with
-    a warp's shuffles, its loads in one L2 round trip: device.cu's combine_head). A rank of Qwen3-8B over 2
-    H200s (4 kv heads): 32 splits rather than 16, its layer 74.0 -> 72.7 us (fifteenth session); 33 splits
-    had cost the combine a second batch of round trips (docs/performance.md)."""
+    """Splits per kv head: as many as fill the workers, at most MAX_SPLITS (the merge then combines them
+    with a warp's shuffles, its loads in one L2 round trip: device.cu's combine_head)."""
     return max(1, min(workers // shape.kv_heads, MAX_SPLITS, max_seq))
 
 
@@ -266,38 +247,34 @@ def device_partition(workers: int, splits: int, min_chunk: Optional[int] = None)
 
 
 def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optional[int] = None,
-               fused_combine: bool = False, min_chunk: Optional[int] = None) -> TaskPlan:
+               min_chunk: Optional[int] = None) -> TaskPlan:
     """The task tables of one decode step of the built-in decoder of `shape.config`, for `workers` worker
-    blocks (one per SM). `fused_combine`: no combine tasks; the attention split of a kv head that finishes
-    last merges the splits' partials of its query heads (one dependency hop less per layer). `min_chunk`:
+    blocks (one per SM). `splits`: attention splits per kv head (default: attention_splits); `min_chunk`:
     attention positions per split at least (default: default_min_chunk of the splits)."""
     graph = step_function(shape.config).trace(shape.config, max_positions=max_seq)
-    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, fused_combine=fused_combine,
-                      min_chunk=min_chunk)
+    return plan_model(graph, shape, workers=workers, max_seq=max_seq, splits=splits, min_chunk=min_chunk)
 
 
 def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-               splits: Optional[int] = None, fused_combine: bool = False,
-               min_chunk: Optional[int] = None) -> TaskPlan:
+               splits: Optional[int] = None, min_chunk: Optional[int] = None) -> TaskPlan:
     """The device tables of a model graph: fused (mdsl.megakernel.fusion), cut into the device's tiles,
     waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
     an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
     splits = splits or attention_splits(shape, workers, max_seq)
     min_chunk = min_chunk or default_min_chunk(splits)
     task_graph = without_implied_waits(build_task_graph(fuse(graph), device_partition(workers, splits, min_chunk)))
-    return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits,
-                            fused_combine=fused_combine, min_chunk=min_chunk)
+    return lower_task_graph(task_graph, shape, workers=workers, max_seq=max_seq, splits=splits, min_chunk=min_chunk)
 
 
 def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int, max_seq: int,
-                     splits: int, fused_combine: bool = False, min_chunk: Optional[int] = None) -> TaskPlan:
+                     splits: int, min_chunk: Optional[int] = None) -> TaskPlan:
     """Table rows from the task graph's tasks, by each op's `device` rule (below), in the task graph's
     order; events from its events. A task a rule absorbs (the embedding: the previous step's sampler
     writes the row) hands its waits to the tasks waiting for it. The one cross-step event, a wait on the
     previous step's token (step offset -1), becomes event 0, which starts at count * 1 so that
     `producers * (step + 1)` is the task graph's `count * (step + 1 - 1)`."""
     graph = task_graph.model
-    binding = _Binding(shape, max_seq, splits, fused_combine, min_chunk or default_min_chunk(splits))
+    binding = _Binding(shape, max_seq, splits, min_chunk or default_min_chunk(splits))
     by_node: dict = {}
     for t in task_graph.tasks:
         by_node.setdefault(t.node, []).append(t)
@@ -318,7 +295,7 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
                                                f"{kind_op.op} {dict(kind_op.attrs)}'s")
     binding.finish(graph, rows)
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
-                        fused_combine=fused_combine, kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
+                        kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
                         min_chunk=binding.min_chunk)
 
 
@@ -382,8 +359,8 @@ def _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits) -> T
 # buffer and refuses a graph that differs.
 
 class _Binding:
-    def __init__(self, shape: DecoderShape, max_seq: int, splits: int, fused_combine: bool, min_chunk: int):
-        self.shape, self.max_seq, self.splits, self.fused_combine = shape, max_seq, splits, fused_combine
+    def __init__(self, shape: DecoderShape, max_seq: int, splits: int, min_chunk: int):
+        self.shape, self.max_seq, self.splits = shape, max_seq, splits
         self.min_chunk = min_chunk
         self.buffer_of: dict = {}    # graph value -> device buffer
         self.weight_types = _weight_types(shape)
@@ -404,8 +381,6 @@ class _Binding:
         return int(match.group(1))
 
     def weights(self, node, given, names) -> None:
-        from mdsl.megakernel.runtime.engine import layer_weight_name  # engine imports this module
-
         want = [name if isinstance(name, str) else layer_weight_name(*name) for name in names]
         got = [v.name for v in given]
         if got != want:
@@ -446,8 +421,6 @@ def _outputs(node) -> str:
 
 
 def _weight_types(shape: DecoderShape) -> dict:
-    from mdsl.megakernel.runtime.engine import layer_weight_name
-
     s = shape
     per_layer = {"input_layernorm": (s.hidden,), "post_attention_layernorm": (s.hidden,),
                  "q_proj": (s.attention_width, s.hidden), "k_proj": (s.kv_heads * s.head_dim, s.hidden),
@@ -505,25 +478,18 @@ def _rope_attention_rows(node, tasks, bind):
     k_base, v_base = s.attention_width, s.attention_width + s.kv_heads * d
     rows = []
     for t in tasks:
-        if t.kind == "rope_attention.combine" and bind.fused_combine:
-            rows.append(None)    # absorbed: the kv head's last split merges (its readers wait for the splits)
-            continue
         if t.kind == "rope_attention.combine":
-            head = t.tile_value("head")
-            rows.append(PlannedTask(Kind.COMBINE, layer, head, head + 1,
-                                    (Access(part, head * bind.splits * width, (head + 1) * bind.splits * width),),
-                                    (Access(attn, head * d, (head + 1) * d),)))
+            rows.append(None)    # absorbed: the kv head's last split merges (its readers wait for the splits)
             continue
         g, split = t.tile_value("kv_head"), t.tile_value("split")
         assert (t.tile_value("splits"), t.tile_value("min_chunk")) == (bind.splits, bind.min_chunk), t
         reads = (Access(qkv, g * s.group * d, (g + 1) * s.group * d), Access(qkv, k_base + g * d, k_base + (g + 1) * d),
                  Access(qkv, v_base + g * d, v_base + (g + 1) * d))
         parts = [(head * bind.splits + split) * width for head in range(g * s.group, (g + 1) * s.group)]
-        writes = tuple(Access(part, r, r + width) for r in parts)
-        if bind.fused_combine:
-            # any split may be the last, which merges its siblings' partials (ordered by device.cu's split
-            # counter, not by events) and writes its heads' outputs
-            writes += (Access(attn, g * s.group * d, (g + 1) * s.group * d),)
+        # any split may be the last, which merges its siblings' partials (ordered by device.cu's split
+        # counter, not by events) and writes its heads' outputs
+        writes = tuple(Access(part, r, r + width) for r in parts) + \
+            (Access(attn, g * s.group * d, (g + 1) * s.group * d),)
         rows.append(PlannedTask(Kind.ATTN, layer, g, split, reads, writes))
     return rows
 

@@ -1,27 +1,25 @@
 """A discrete-event model of the megakernel's decode steps: measured task body times replayed through
-the plan's dependencies under a worker schedule, to predict what a scheduling change does before a GPU
-run (and to look back at one after it).
+the plan's dependencies, to predict what a change of the tables or the hops does before a GPU run (and to
+look back at one after it).
 
     bodies = body_times(records, len(plan.tasks))           # from a profile (Run.profile)
-    replay(plan, bodies, workers=132, schedule="static", hop_us=1.0)   # -> µs per step
+    replay(plan, bodies, workers=132, hop_us=1.0)            # -> µs per step
 
-The runtime modelled is device.cu's: a worker's scheduler warp takes its next task when it hands the
-previous one over, waits for its inputs while the compute warps run, and fills one of two slots (so it
-may be two tasks ahead of the compute warps). A task's inputs are ready `hop_us` after the last
+The runtime modelled is worker.cuh's: worker w takes the task indices w, w + workers, ... in order; its
+scheduler warp takes its next task when it hands the previous one over, waits for its inputs while the
+compute warps run, and fills one of two slots (so it may be two tasks ahead of the compute warps). A task's inputs are ready `hop_us` after the last
 producer's body ends (release, polling); the compute warps start `handoff_us` after the hand-over.
 """
 from __future__ import annotations
 
-import heapq
 from typing import Sequence
 
 import numpy as np
 
 from mdsl.megakernel.runtime.plan import TaskPlan
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.source import SCHEDULES
 
-SLOTS = 2   # device.cu's SLOTS
+SLOTS = 2   # sync.cuh's SLOTS
 
 
 def body_times(records: Sequence[TaskRecord], per_step: int) -> np.ndarray:
@@ -71,42 +69,27 @@ class _Replay:
         return float(self.bodies[index % self.n])
 
 
-def replay(plan: TaskPlan, bodies: Sequence[float], *, workers: int, schedule: str = "static",
-           hop_us: float = 1.0, handoff_us: float = 0.1, steps: int = 3) -> list:
+def replay(plan: TaskPlan, bodies: Sequence[float], *, workers: int, hop_us: float = 1.0,
+           handoff_us: float = 0.1, steps: int = 3) -> list:
     """µs per step (from one sampler's end to the next; the first step, which starts cold, is left
     out) of `steps` steps replayed with `bodies` (µs per task of a step)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedules are {', '.join(SCHEDULES)}, not {schedule!r}")
     if len(bodies) != len(plan.tasks):
         raise ValueError(f"{len(bodies)} body times for {len(plan.tasks)} tasks a step")
     r = _Replay(plan, np.asarray(bodies, dtype=float), steps, hop_us)
-    _scheduler_warps(r, workers, schedule, handoff_us)
+    _scheduler_warps(r, workers, handoff_us)
     ends = [r.done[(s + 1) * r.n - 1] for s in range(steps)]
     return [float(b - a) for a, b in zip(ends, ends[1:])]
 
 
-def _takes(r: _Replay, workers: int, schedule: str, when):
-    """(worker, index, time taken) in an order where every producer comes before its consumers: index
-    order for the static schedule (worker w takes w, w + workers, ... as it frees up), time order for the
-    queue (whoever asks first gets the next index, so an earlier index is taken no later).
-    `when(worker)` is the time that worker takes its next task, given what was replayed so far."""
-    if schedule == "static":
-        for index in range(r.total):
-            yield index % workers, index, when(index % workers)
-        return
-    asks = [(0.0, w) for w in range(workers)]
-    heapq.heapify(asks)
-    for index in range(r.total):
-        taken, w = heapq.heappop(asks)
-        yield w, index, taken
-        heapq.heappush(asks, (when(w), w))
-
-
-def _scheduler_warps(r: _Replay, workers: int, schedule: str, handoff: float) -> None:
+def _scheduler_warps(r: _Replay, workers: int, handoff: float) -> None:
+    """The tasks in index order (every producer before its consumers): worker w takes w, w + workers, ...,
+    each when it has handed the previous one over."""
     compute_free = [0.0] * workers
     handovers = [0.0] * workers                     # the scheduler takes its next task at its last handover
     handed: list = [[] for _ in range(workers)]     # per worker: done times of the tasks handed over
-    for w, index, taken in _takes(r, workers, schedule, lambda w: handovers[w]):
+    for index in range(r.total):
+        w = index % workers
+        taken = handovers[w]
         ready = max(taken, r.inputs_ready(index))
         slot_free = handed[w][-SLOTS] if len(handed[w]) >= SLOTS else 0.0
         handovers[w] = max(ready, slot_free)
@@ -135,7 +118,7 @@ def measured_hops(records: Sequence[TaskRecord], plan: TaskPlan) -> np.ndarray:
 def main(argv=None) -> int:
     """`python -m mdsl.megakernel.runtime.replay TRACE.json --model NAME`: a profiled run's trace (from
     benchmarks/decode.py or `mdsl generate --profile`) against the model: its steps as measured, its
-    median hop, and its bodies replayed under each schedule."""
+    median hop, and its bodies replayed."""
     import argparse
     import json
 
@@ -175,9 +158,8 @@ def main(argv=None) -> int:
     bodies = body_times(records, n)
     print(f"{n} tasks a step, {len(records)} profiled; measured µs per step (sampler to sampler): "
           f"{[round(m, 1) for m in measured] or 'one step only'}; median hop {hop:.2f} µs over {len(hops)} waits")
-    for schedule in SCHEDULES:
-        steps = replay(plan, bodies, workers=args.workers, schedule=schedule, hop_us=hop)
-        print(f"replayed, {schedule}: {[round(t, 1) for t in steps]} µs per step")
+    steps = replay(plan, bodies, workers=args.workers, hop_us=hop)
+    print(f"replayed: {[round(t, 1) for t in steps]} µs per step")
     return 0
 
 

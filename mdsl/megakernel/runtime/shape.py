@@ -11,6 +11,17 @@ from mdsl.megakernel.config import ModelConfig
 from mdsl.megakernel.layers import rope_inv_freq
 
 SUPPORTED_DTYPES = (bf16, f32)
+# a layer's weights, by their short Hugging Face names (q_norm, k_norm: Qwen3's only)
+LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+
+
+def layer_weight_name(layer: int, short: str) -> str:
+    """The Hugging Face name of a layer's weight (the built-in model definitions use the same)."""
+    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    middle = f"{where[short]}." if short in where else ""
+    return f"model.layers.{layer}.{middle}{short}.weight"
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """Tensor-parallel decoding on the GPUs of one host: one process per GPU, each running the megakernel on
 its shard of the model (mdsl.megakernel.tensor_parallel's Megatron split: its query and KV heads, its MLP
 columns, its vocabulary slice), the residual stream all-reduced and the LM head's bests gathered inside
-the kernels through NVSHMEM (device.cu's top comment; runtime/nvshmem.py).
+the kernels through NVSHMEM (device.cu's top comment, residual.cuh; runtime/nvshmem.py).
 
     group = TensorParallelGroup.from_pretrained("path/to/checkpoint", world=2, max_seq=2048)
     tokens = group.generate([1, 2, 3], max_new_tokens=32)     # every rank makes the same tokens
@@ -28,6 +28,7 @@ import attrs
 
 from mdsl.errors import MdslError
 from mdsl.megakernel.config import ModelConfig
+from mdsl.megakernel.runtime.options import MegakernelOptions
 
 _START_TIMEOUT_S = 600     # compiling and loading a rank (a large checkpoint from disk) may take minutes
 _RUN_TIMEOUT_S = 600
@@ -67,28 +68,20 @@ class RankSpec:
     make_weights: Optional[Callable] = None
     max_seq: Optional[int] = None
     eos_token_ids: tuple = ()
-    engine_options: tuple = ()       # (name, value) pairs for MegakernelEngine
+    options: MegakernelOptions = MegakernelOptions()
 
 
 def peer_traffic(plan) -> list:
     """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace. A
-    signalled event says both; the residual stream's tiles put their partials to the peers whatever the
-    transport, and under the relay each also waits for its peers' words of its rows (in its body), under the
-    parity stream their readers for the peers' rows (before their body)."""
-    from mdsl.megakernel.runtime.plan import POLLED_KINDS   # (the driving process imports no runtime module early)
+    signalled event says both; a relayed tile (o-proj, down-proj) puts its partials to the peers and waits for
+    its peers' words of its rows (in its body)."""
+    from mdsl.megakernel.runtime.plan import RELAYED_KINDS   # (the driving process imports no runtime module early)
 
-    polled = {e for e, event in enumerate(plan.events)
-              if event.producers and {plan.tasks[k].kind for k in event.producers} <= set(POLLED_KINDS)}
     traffic = []
     for task, waits, signals in zip(plan.tasks, plan.waits, plan.signals):
-        waits_for_peers = any(plan.events[e].ranks > 1 for e in waits)
-        puts = any(plan.events[e].ranks > 1 for e in signals)
-        if plan.world > 1 and task.kind in POLLED_KINDS:
-            puts = True
-            waits_for_peers = waits_for_peers or plan.relay_stream
-        if plan.world > 1 and plan.parity_stream and any(e in polled for e in waits):
-            waits_for_peers = True
-        traffic.append((waits_for_peers, puts))
+        relayed = plan.world > 1 and task.kind in RELAYED_KINDS
+        traffic.append((relayed or any(plan.events[e].ranks > 1 for e in waits),
+                        relayed or any(plan.events[e].ranks > 1 for e in signals)))
     return traffic
 
 
@@ -107,8 +100,8 @@ def build_rank_engine(rank: int, device: int, spec: RankSpec, exchange: Callable
     config = shard_config(spec.config, spec.world)
     weights = (rank_weights(spec.config, spec.folder, rank, spec.world) if spec.folder is not None
                else spec.make_weights(config, device))
-    return MegakernelEngine(config, weights, max_seq=spec.max_seq, device=device, eos_token_ids=spec.eos_token_ids,
-                            ranks=RankGroup(rank, spec.world, pe), **dict(spec.engine_options))
+    return MegakernelEngine(config, weights, options=spec.options, max_seq=spec.max_seq, device=device,
+                            eos_token_ids=spec.eos_token_ids, ranks=RankGroup(rank, spec.world, pe))
 
 
 def engine_info(engine) -> dict:
@@ -247,7 +240,8 @@ class TensorParallelGroup:
             raise
 
     @staticmethod
-    def spec_from_pretrained(folder: str, world: int, *, max_seq: Optional[int] = None, **engine_options) -> RankSpec:
+    def spec_from_pretrained(folder: str, world: int, *, max_seq: Optional[int] = None,
+                             options: MegakernelOptions = MegakernelOptions()) -> RankSpec:
         from mdsl.megakernel.config import load_config
         from mdsl.megakernel.runtime.engine import eos_token_ids
 
@@ -255,11 +249,12 @@ class TensorParallelGroup:
         if max_seq:
             config = config.with_max_positions(max_seq)
         return RankSpec(config, world, folder=folder, max_seq=max_seq, eos_token_ids=eos_token_ids(folder),
-                        engine_options=tuple(engine_options.items()))
+                        options=options)
 
     @classmethod
-    def from_pretrained(cls, folder: str, world: int, *, max_seq: Optional[int] = None, **engine_options):
-        return cls(cls.spec_from_pretrained(folder, world, max_seq=max_seq, **engine_options))
+    def from_pretrained(cls, folder: str, world: int, *, max_seq: Optional[int] = None,
+                        options: MegakernelOptions = MegakernelOptions()):
+        return cls(cls.spec_from_pretrained(folder, world, max_seq=max_seq, options=options))
 
     def _receive(self, rank: int, timeout: float, doing: str, want: Optional[str] = None):
         conn = self._conns[rank]
