@@ -354,16 +354,12 @@ class MegakernelEngine:
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json.
         `options`: the constructor's runtime options (schedule, prefetch_ahead, stage_weights, ...)."""
-        from mdsl.megakernel.architectures import step_function
-        from mdsl.megakernel.checkpoint import load_weights
+        from mdsl.megakernel.checkpoint import open_pretrained
 
+        checkpoint = open_pretrained(folder, max_seq)   # the whole checkpoint checked, no tensor data read yet
         _require_gpu()
-        config = load_config(folder)
-        if max_seq:
-            config = config.with_max_positions(max_seq)
-        graph = step_function(config).trace(config)
-        return cls(config, load_weights(graph, folder), max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder), **options)
+        return cls(checkpoint.config, checkpoint.weights(), max_seq=max_seq, device=device,
+                   eos_token_ids=checkpoint.eos_token_ids, **options)
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -690,11 +686,6 @@ def _require_gpu() -> None:
 
 def eos_token_ids(folder: str) -> tuple:
     """EOS token ids from generation_config.json, else config.json (an int or a list; none: ())."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
-            if value is not None:
-                return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-    return ()
+    from mdsl.megakernel.config import eos_token_ids as read_eos_token_ids
+
+    return read_eos_token_ids(folder)
