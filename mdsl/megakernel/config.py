@@ -13,7 +13,7 @@ import attrs
 
 from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
-from mdsl.megakernel.safetensors import read_json_file, shown
+from mdsl.megakernel.safetensors import json_kind, read_json_file, shown
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
@@ -167,7 +167,7 @@ def _architecture(f: _Fields) -> str:
 
 def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{source}: the config is {type(raw).__name__}, not a JSON object",
+        raise CheckpointError(f"{source}: the config is {json_kind(raw)}, not a JSON object",
                               hint="a Hugging Face config.json is one object of fields")
     f = _Fields(raw, source)
     arch = _architecture(f)
@@ -199,10 +199,9 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:
     """From a checkpoint folder (its config.json) or the file itself."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    raw = read_json_file(file, "config")
-    if raw is None:
+    if not os.path.lexists(file):
         raise CheckpointError(f"no config.json at {path}", hint="pass a Hugging Face checkpoint folder")
-    config = config_from_dict(raw, file)
+    config = config_from_dict(read_json_file(file, "config"), file)
     return config.with_max_positions(max_positions) if max_positions is not None else config
 
 
@@ -211,11 +210,11 @@ def eos_token_ids(folder: str, vocab_size: Optional[int] = None) -> tuple:
     below `vocab_size` when it is given."""
     for name in (GENERATION_CONFIG, "config.json"):
         path = os.path.join(folder, name)
-        raw = read_json_file(path, "generation config" if name == GENERATION_CONFIG else "config")
-        if raw is None:
+        if not os.path.lexists(path):
             continue
+        raw = read_json_file(path, "generation config" if name == GENERATION_CONFIG else "config")
         if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: the file is {type(raw).__name__}, not a JSON object",
+            raise CheckpointError(f"{path}: the file is {json_kind(raw)}, not a JSON object",
                                   hint="a Hugging Face config file is one object of fields")
         value = raw.get("eos_token_id")
         if value is None:

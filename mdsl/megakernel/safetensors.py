@@ -41,6 +41,12 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: an array, a string, null, ..."""
+    kinds = ((bool, "a boolean"), (dict, "an object"), (list, "an array"), (str, "a string"), ((int, float), "a number"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), "null")
+
+
 def _reason(e: OSError) -> str:
     return e.strerror or type(e).__name__
 
@@ -59,9 +65,7 @@ def _regular_file_size(path: str, what: str) -> int:
 
 
 def read_json_file(path: str, what: str) -> Any:
-    """A checkpoint's JSON file (`what` names it in errors), at most 64 MiB; None where there is none."""
-    if not os.path.lexists(path):
-        return None
+    """A checkpoint's JSON file (`what` names it in errors), at most 64 MiB."""
     _regular_file_size(path, what)
     try:
         with open(path, "rb") as f:
@@ -362,9 +366,8 @@ def open_checkpoint(folder: str) -> dict:
         raise CheckpointError(f"{folder} is not a checkpoint folder",
                               hint="pass a folder with config.json and *.safetensors files")
     index = os.path.join(folder, INDEX_FILE)
-    raw = read_json_file(index, "shard index")
-    if raw is not None:
-        return _open_indexed(folder, index, raw)
+    if os.path.lexists(index):
+        return _open_indexed(folder, index, read_json_file(index, "shard index"))
     try:
         names = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))
     except OSError as e:

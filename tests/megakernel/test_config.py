@@ -104,7 +104,8 @@ def test_config_fields_are_type_and_range_checked(change, words):
 
 
 @pytest.mark.parametrize("text,words", [
-    ("[1, 2]", "the config is list, not a JSON object"),
+    ("[1, 2]", "the config is an array, not a JSON object"),
+    ("null", "the config is null, not a JSON object"),
     ("{\"vocab_size\": ", "not valid JSON"),
     ("[" * 100000, "not valid JSON"),
     ("\udcff", "not valid JSON"),
@@ -147,7 +148,7 @@ def test_eos_ids_are_checked(tmp_path):
     with pytest.raises(CheckpointError, match=r"generation_config\.json: the generation config is not valid JSON"):
         eos_token_ids(str(tmp_path), 96)
     generation.write_text("[]")
-    with pytest.raises(CheckpointError, match=r"generation_config\.json: the file is list, not a JSON object"):
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: the file is an array, not a JSON object"):
         eos_token_ids(str(tmp_path), 96)
     generation.write_text(json.dumps({"eos_token_id": [3, 4]}))
     assert eos_token_ids(str(tmp_path), 96) == (3, 4)

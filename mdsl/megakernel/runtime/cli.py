@@ -92,7 +92,7 @@ def check_request(args: argparse.Namespace) -> tuple:
                                    "`tokenizers` package", hint="pip install tokenizers, or pass --prompt-ids")
         prompt_ids = tokenizer.encode(args.prompt).ids
         if not prompt_ids:
-            raise ShapeError("the prompt is no tokens", hint="give a text prompt that is not empty")
+            raise ShapeError("the text prompt encodes to no tokens", hint="give a prompt that is not empty")
     else:
         prompt_ids = args.prompt_ids
     outside = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
