@@ -52,6 +52,18 @@ def _layers(names) -> set:
     return {int(m.group(1)) for m in map(re.compile(r"model\.layers\.(\d+)\.").match, names) if m}
 
 
+def _check_layer_count(config: ModelConfig, located: dict, folder: str) -> None:
+    """Each layer of a built-in model has tensors (model.layers.N.*) in the checkpoint; the tensors of
+    layers beyond the config's are named as unused by check_weights."""
+    have = _layers(located)
+    missing = [i for i in range(min(config.num_layers, max(have, default=-1) + 2)) if i not in have]
+    if missing:
+        count = config.num_layers - len([i for i in have if i < config.num_layers])
+        raise CheckpointError(f"config.json says num_hidden_layers {config.num_layers}; checkpoint {folder} has no "
+                              f"tensors of layer {missing[0]}" + (f" nor of {count - 1} more" if count > 1 else ""),
+                              hint="fix num_hidden_layers in config.json, or download every shard of the checkpoint")
+
+
 def check_weights(graph: ModelGraph, located: dict, folder: str) -> None:
     """Every weight of `graph` is in the opened checkpoint `located` with its shape and dtype, and every
     tensor of the checkpoint is a weight of `graph` or ignored by a rule of IGNORED_TENSORS. Reads no
@@ -168,8 +180,10 @@ def open_pretrained(folder: str, max_positions: Optional[int] = None,
     graph of its architecture's built-in step function (or `step`), no tensor left unaccounted for, and
     the EOS ids of generation_config.json / config.json."""
     config = load_config(folder, max_positions)
-    graph = (step or step_function(config)).trace(config)
     located = open_checkpoint(folder)
+    if step is None:   # (before tracing, which takes time in proportion to the layers the config claims)
+        _check_layer_count(config, located, folder)
+    graph = (step or step_function(config)).trace(config)
     check_weights(graph, located, folder)
     return Checkpoint(folder, config, graph, located, eos_token_ids(folder, config.vocab_size))
 

@@ -137,7 +137,7 @@ def _rope(f: _Fields) -> RopeConfig:
     if kind == "default":
         return RopeConfig(theta)
     if kind != "llama3":
-        raise UnsupportedError(f"{f.source}: rope_scaling type {kind!r} is not supported",
+        raise UnsupportedError(f"{f.source}: rope_scaling type {shown(kind)} is not supported",
                                hint="mdsl supports plain rope_theta and rope_type 'llama3'")
     low, high = scaling.number("low_freq_factor"), scaling.number("high_freq_factor")
     if not low < high:
@@ -149,7 +149,7 @@ def _dtype(f: _Fields) -> DType:
     key = "torch_dtype" if f.raw.get("torch_dtype") is not None else "dtype"
     name = f.text(key, "float32").replace("torch.", "")
     if name not in _DTYPES:
-        raise DTypeError(f"{f.source}: weights of dtype {name!r} are not supported", hint="use float32, float16 or bfloat16")
+        raise DTypeError(f"{f.source}: weights of dtype {shown(name)} are not supported", hint="use float32, float16 or bfloat16")
     return _DTYPES[name]
 
 
@@ -177,7 +177,7 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
                                                                                   "biases and full attention")
     act = f.text("hidden_act", "silu")
     if act not in ACTIVATIONS:
-        raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported",
+        raise UnsupportedError(f"{source}: hidden_act {shown(act)} is not supported",
                                hint=f"mdsl computes {', '.join(sorted(ACTIVATIONS))} (transformers' names)")
     hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     kv_heads = f.integer("num_key_value_heads", heads)

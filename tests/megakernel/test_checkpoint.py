@@ -321,3 +321,15 @@ def test_saving_again_removes_the_earlier_saves_weight_files(tmp_path):
 def test_not_a_folder(tmp_path):
     with pytest.raises(CheckpointError, match="is not a checkpoint folder"):
         open_checkpoint(str(tmp_path / "missing"))
+
+
+def test_layers_the_checkpoint_lacks_are_named_before_the_model_is_built(tmp_path):
+    _, _, weights = tiny_model("llama3")
+    save_checkpoint(str(tmp_path), tiny_config_dict("llama3", num_hidden_layers=2**31 - 1), weights)
+    with pytest.raises(CheckpointError, match=r"config.json says num_hidden_layers 2147483647; checkpoint .* has no "
+                                              r"tensors of layer 2 nor of 2147483644 more"):
+        open_pretrained(str(tmp_path))
+    save_checkpoint(str(tmp_path), tiny_config_dict("llama3"),
+                    {n: w for n, w in weights.items() if not n.startswith("model.layers.0.")})
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers 2; .* has no tensors of layer 0\n"):
+        load_model(str(tmp_path))
