@@ -125,3 +125,8 @@ class ParseError(MdslError):
 
 class UnsupportedError(MdslError):
     """A feature mdsl does not provide (yet), named with what to use instead."""
+
+
+class CheckpointError(ParseError):
+    """A model checkpoint (config.json, generation_config.json, the safetensors files and their index)
+    is malformed, unsafe to read, or does not match the model its config describes."""

@@ -1,19 +1,27 @@
-"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen3ForCausalLM)."""
+"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen3ForCausalLM).
+
+Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
+the field, never a Python exception from deep inside the model's construction."""
 from __future__ import annotations
 
-import json
+import math
+import numbers
 import os
 from typing import Any, Optional
 
 import attrs
 
-from mdsl.errors import DTypeError, ParseError, UnsupportedError
+from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
+from mdsl.megakernel.safetensors import json_kind, read_json_file, shown
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
 # transformers' ACT2FN names -> the mdsl operator computing the same function
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
+MAX_SIZE = 2**31 - 1     # sizes and token ids index int32 arrays on the GPU
+GENERATION_CONFIG = "generation_config.json"
+DEFAULT_MAX_SEQ = 4096   # KV cache positions unless asked (configs allow up to 131072)
 
 
 @attrs.frozen
@@ -29,6 +37,13 @@ class RopeConfig:
     def attrs(self) -> dict:
         return {"theta": self.theta, "scaling_factor": self.factor, "low_freq_factor": self.low_freq_factor,
                 "high_freq_factor": self.high_freq_factor, "original_max_position": self.original_max_position}
+
+
+def _positions(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_SIZE:
+        raise CheckpointError(f"max_positions must be a positive integer, got {shown(n)}",
+                              hint="the KV cache positions: the prompt and the tokens to generate")
+    return int(n)
 
 
 @attrs.frozen
@@ -54,79 +69,160 @@ class ModelConfig:
 
     def with_max_positions(self, n: int) -> "ModelConfig":
         """A shorter KV cache than the model allows (decode tests and small engines)."""
-        return attrs.evolve(self, max_positions=int(n))
+        return attrs.evolve(self, max_positions=_positions(n))
 
 
-def _get(raw: dict, key: str, source: str, default: Any = attrs.NOTHING) -> Any:
-    if key in raw and raw[key] is not None:
-        return raw[key]
-    if default is attrs.NOTHING:
-        raise ParseError(f"{source}: the config has no {key!r}", hint="a Hugging Face config.json of a Llama-3 or "
-                                                                      "Qwen3 model has it")
-    return default
+class _Fields:
+    """Checked reads of a config's fields: `prefix` names a nested dict (rope_scaling.) in errors."""
+
+    def __init__(self, raw: dict, source: str, prefix: str = ""):
+        self.raw, self.source, self.prefix = raw, source, prefix
+
+    def error(self, key: str, expected: str, value: Any) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {self.prefix}{key} must be {expected}, got {shown(value)}",
+                               hint=f"fix {self.prefix}{key} in {os.path.basename(self.source)}: a Hugging Face "
+                                    "config.json of a Llama-3 or Qwen3 model has it right")
+
+    def get(self, key: str, default: Any = attrs.NOTHING) -> Any:
+        value = self.raw.get(key)
+        if value is not None:
+            return value
+        if default is attrs.NOTHING:
+            raise CheckpointError(f"{self.source}: the config has no {self.prefix}{key}",
+                                  hint="a Hugging Face config.json of a Llama-3 or Qwen3 model has it")
+        return default
+
+    def integer(self, key: str, default: Any = attrs.NOTHING) -> int:
+        value = self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
+            raise self.error(key, f"a positive integer (at most {MAX_SIZE})", value)
+        return value
+
+    def number(self, key: str, default: Any = attrs.NOTHING) -> float:
+        """A positive finite number."""
+        value = self.get(key, default)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value) if abs(value) < 1e308 else math.inf   # (an integer too large for a float)
+            if 0 < number < math.inf:
+                return number
+        raise self.error(key, "a positive finite number", value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, "true or false", value)
+        return value
+
+    def text(self, key: str, default: Any = attrs.NOTHING) -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, "a string", value)
+        return value
+
+    def mapping(self, key: str) -> "_Fields":
+        value = self.get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(key, "an object (or null)", value)
+        return _Fields(value, self.source, f"{self.prefix}{key}.")
 
 
-def _rope(raw: dict, source: str) -> RopeConfig:
+def _rope(f: _Fields) -> RopeConfig:
     # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters dict
-    params = raw.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta") or _get(raw, "rope_theta", source, 10000.0))
-    scaling = raw.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    params = f.mapping("rope_parameters")
+    theta = params.number("rope_theta") if params.raw.get("rope_theta") is not None else \
+        f.number("rope_theta", 10000.0)
+    scaling = f.mapping("rope_scaling")
+    if not scaling.raw:
+        scaling = params
+    kind = scaling.text("rope_type", scaling.raw.get("type") or "default")
     if kind == "default":
         return RopeConfig(theta)
     if kind != "llama3":
-        raise UnsupportedError(f"{source}: rope_scaling type {kind!r} is not supported",
+        raise UnsupportedError(f"{f.source}: rope_scaling type {shown(kind)} is not supported",
                                hint="mdsl supports plain rope_theta and rope_type 'llama3'")
-    return RopeConfig(theta, float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                      float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    low, high = scaling.number("low_freq_factor"), scaling.number("high_freq_factor")
+    if not low < high:
+        raise scaling.error("high_freq_factor", f"larger than low_freq_factor ({low})", high)
+    return RopeConfig(theta, scaling.number("factor"), low, high, scaling.integer("original_max_position_embeddings"))
 
 
-def _dtype(raw: dict, source: str) -> DType:
-    name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-    name = str(name).replace("torch.", "")
+def _dtype(f: _Fields) -> DType:
+    key = "torch_dtype" if f.raw.get("torch_dtype") is not None else "dtype"
+    name = f.text(key, "float32").replace("torch.", "")
     if name not in _DTYPES:
-        raise DTypeError(f"{source}: weights of dtype {name!r} are not supported", hint="use float32, float16 or bfloat16")
+        raise DTypeError(f"{f.source}: weights of dtype {shown(name)} are not supported", hint="use float32, float16 or bfloat16")
     return _DTYPES[name]
 
 
-def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
-    archs = raw.get("architectures") or []
+def _architecture(f: _Fields) -> str:
+    archs = f.get("architectures", [])
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise f.error("architectures", "a list of class names such as [\"LlamaForCausalLM\"]", archs)
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
-        raise UnsupportedError(f"{source}: architecture {archs or raw.get('model_type')!r} is not supported",
+        raise UnsupportedError(f"{f.source}: architecture {shown(archs or f.raw.get('model_type'))} is not supported",
                                hint=f"mdsl builds {', '.join(ARCHITECTURES)}; write an @mdsl.model step function "
                                     "for other models")
+    return arch
+
+
+def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: the config is {json_kind(raw)}, not a JSON object",
+                              hint="a Hugging Face config.json is one object of fields")
+    f = _Fields(raw, source)
+    arch = _architecture(f)
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if raw.get(flag):
+        if f.flag(flag):
             raise UnsupportedError(f"{source}: {flag}=true is not supported", hint="mdsl's built-in models have no "
                                                                                   "biases and full attention")
-    act = raw.get("hidden_act", "silu")
+    act = f.text("hidden_act", "silu")
     if act not in ACTIVATIONS:
-        raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported",
+        raise UnsupportedError(f"{source}: hidden_act {shown(act)} is not supported",
                                hint=f"mdsl computes {', '.join(sorted(ACTIVATIONS))} (transformers' names)")
-    hidden = int(_get(raw, "hidden_size", source))
-    heads = int(_get(raw, "num_attention_heads", source))
+    hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+    kv_heads = f.integer("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.error("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv_heads)
+    if raw.get("head_dim") is None and hidden % heads:
+        raise f.error("num_attention_heads", f"a divisor of hidden_size ({hidden}) when there is no head_dim", heads)
+    head_dim = f.integer("head_dim", hidden // heads)
+    if head_dim % 2:
+        raise f.error("head_dim", "even (rotary embeddings turn pairs of dims)", head_dim)
     return ModelConfig(
-        architecture=arch, vocab_size=int(_get(raw, "vocab_size", source)), hidden_size=hidden,
-        intermediate_size=int(_get(raw, "intermediate_size", source)),
-        num_layers=int(_get(raw, "num_hidden_layers", source)), num_heads=heads,
-        num_kv_heads=int(_get(raw, "num_key_value_heads", source, heads)),
-        head_dim=int(_get(raw, "head_dim", source, hidden // heads)),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", source, 1e-6)), rope=_rope(raw, source),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_positions=int(_get(raw, "max_position_embeddings", source)), dtype=_dtype(raw, source),
-        hidden_act=ACTIVATIONS[act])
+        architecture=arch, vocab_size=f.integer("vocab_size"), hidden_size=hidden,
+        intermediate_size=f.integer("intermediate_size"), num_layers=f.integer("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope=_rope(f), tie_word_embeddings=f.flag("tie_word_embeddings"),
+        max_positions=f.integer("max_position_embeddings"), dtype=_dtype(f), hidden_act=ACTIVATIONS[act])
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:
     """From a checkpoint folder (its config.json) or the file itself."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ParseError(f"no config.json at {path}", hint="pass a Hugging Face checkpoint folder") from None
-    except json.JSONDecodeError as e:
-        raise ParseError(f"{file} is not valid JSON: {e}") from None
-    config = config_from_dict(raw, file)
-    return config.with_max_positions(max_positions) if max_positions else config
+    if not os.path.lexists(file):
+        raise CheckpointError(f"no config.json at {path}", hint="pass a Hugging Face checkpoint folder")
+    config = config_from_dict(read_json_file(file, "config"), file)
+    return config.with_max_positions(max_positions) if max_positions is not None else config
+
+
+def eos_token_ids(folder: str, vocab_size: Optional[int] = None) -> tuple:
+    """EOS token ids from generation_config.json, else config.json (an id or a list; none: ()), each
+    below `vocab_size` when it is given."""
+    for name in (GENERATION_CONFIG, "config.json"):
+        path = os.path.join(folder, name)
+        if not os.path.lexists(path):
+            continue
+        raw = read_json_file(path, "generation config" if name == GENERATION_CONFIG else "config")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: the file is {json_kind(raw)}, not a JSON object",
+                                  hint="a Hugging Face config file is one object of fields")
+        value = raw.get("eos_token_id")
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        top = MAX_SIZE if vocab_size is None else vocab_size - 1
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= top for i in ids):
+            raise _Fields(raw, path).error("eos_token_id", f"a token id or a list of token ids, each 0..{top}", value)
+        return tuple(ids)
+    return ()

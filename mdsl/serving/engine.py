@@ -22,7 +22,7 @@ import numpy as np
 
 from mdsl.errors import UnsupportedError
 from mdsl.megakernel.checkpoint import load_model
-from mdsl.megakernel.config import load_config
+from mdsl.megakernel.config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STATUSES, STOPPED,
@@ -188,9 +188,6 @@ class LLM:
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu"):
-        # the megakernel engine's EOS reader and default cache length (imported here: it loads the CUDA runtime)
-        from mdsl.megakernel.runtime.engine import DEFAULT_MAX_SEQ, eos_token_ids
-
         if device == "gpu":
             raise UnsupportedError("the GPU serving device is not built yet",
                                    hint="use device='cpu'; MegakernelEngine runs one request at a time on a GPU")

@@ -7,7 +7,8 @@ import pytest
 from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
 from mdsl.megakernel.checkpoint import save_checkpoint
-from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup, eos_token_ids, weight_names
+from mdsl.megakernel.config import eos_token_ids
+from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup, weight_names
 from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model

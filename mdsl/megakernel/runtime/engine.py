@@ -14,7 +14,6 @@ Nothing here touches the CUDA driver before `has_gpu()` says there is a GPU.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 from typing import Mapping, Optional, Sequence
 
@@ -25,7 +24,7 @@ from mdsl.backend.cuda import runtime
 from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check, _cu_stream, driver
 from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
-from mdsl.megakernel.config import ModelConfig, load_config
+from mdsl.megakernel.config import DEFAULT_MAX_SEQ, ModelConfig
 from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
 from mdsl.megakernel.runtime.profile import TaskRecord
@@ -39,7 +38,6 @@ _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the wat
 _STATE_STUCK = slice(6, 11)
 _NO_STOP = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
-DEFAULT_MAX_SEQ = 4096           # KV cache positions unless asked (configs allow up to 131072)
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
                 "generate_source), or run the model on the CPU (mdsl.megakernel.reference, .simulator)")
 def weight_names(config: ModelConfig) -> list:
@@ -169,16 +167,12 @@ class MegakernelEngine:
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json.
         `options`: the kernel's (MegakernelOptions)."""
-        from mdsl.megakernel.architectures import step_function
-        from mdsl.megakernel.checkpoint import load_weights
+        from mdsl.megakernel.checkpoint import open_pretrained
 
+        checkpoint = open_pretrained(folder, max_seq)   # the whole checkpoint checked, no tensor data read yet
         _require_gpu()
-        config = load_config(folder)
-        if max_seq:
-            config = config.with_max_positions(max_seq)
-        graph = step_function(config).trace(config)
-        return cls(config, load_weights(graph, folder), options=options, max_seq=max_seq, device=device,
-                   eos_token_ids=eos_token_ids(folder))
+        return cls(checkpoint.config, checkpoint.weights(), options=options, max_seq=max_seq, device=device,
+                   eos_token_ids=checkpoint.eos_token_ids)
 
     # -- device memory ---------------------------------------------------------------------------
 
@@ -480,15 +474,3 @@ def _require_gpu() -> None:
     if not runtime.has_gpu():
         raise NoGPUError("running the megakernel needs an NVIDIA GPU and its driver; none was found on this machine",
                          hint=_NO_GPU_HINT)
-
-
-def eos_token_ids(folder: str) -> tuple:
-    """EOS token ids from generation_config.json, else config.json (an int or a list; none: ())."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
-            if value is not None:
-                return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-    return ()

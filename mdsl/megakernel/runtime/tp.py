@@ -242,13 +242,12 @@ class TensorParallelGroup:
     @staticmethod
     def spec_from_pretrained(folder: str, world: int, *, max_seq: Optional[int] = None,
                              options: MegakernelOptions = MegakernelOptions()) -> RankSpec:
-        from mdsl.megakernel.config import load_config
-        from mdsl.megakernel.runtime.engine import eos_token_ids
+        from mdsl.megakernel.config import eos_token_ids, load_config
 
         config = load_config(folder)
         if max_seq:
             config = config.with_max_positions(max_seq)
-        return RankSpec(config, world, folder=folder, max_seq=max_seq, eos_token_ids=eos_token_ids(folder),
+        return RankSpec(config, world, folder=folder, max_seq=max_seq, eos_token_ids=eos_token_ids(folder, config.vocab_size),
                         options=options)
 
     @classmethod
