@@ -75,10 +75,8 @@ class BlockKernel:
         return self.tiles[var.name]
 
     def block_index(self, axis: int) -> str:
-        """The block's coordinate along a grid axis of the block graph (a cluster's blocks, consecutive
-        along x, share one)."""
-        cluster = self.lowered.cluster
-        return f"(blockIdx.x / {cluster})" if axis == 0 and cluster > 1 else f"blockIdx.{_AXES[axis]}"
+        """The block's coordinate along a grid axis of the block graph."""
+        return f"blockIdx.{_AXES[axis]}"
 
     def scratch(self, node: Node) -> Operand:
         return self.tiles[scratch_name(node)]
@@ -117,11 +115,6 @@ class Lowered:
     def scratch_offset(self) -> int:
         """Where the skinny loop's partial sums start in shared memory: after the memory plan's tiles."""
         return -(-self.memory.total // 16) * 16
-
-    @property
-    def cluster(self) -> int:
-        """Blocks of a thread-block cluster that each block of the grid becomes (the skinny loop's K split)."""
-        return self.skinny.cluster if self.skinny is not None else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -199,10 +192,10 @@ def lower(bg: BlockGraph, tensor_types: tuple, options: Optional[CudaOptions] = 
 
 def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaOptions) -> Optional[Lowered]:
     """The skinny lowering (f32 tiles, no input tiles, no pipeline), or None where the block graph does not
-    qualify or its tiles and partial sums do not fit (a cluster's meeting area that does not fit: unsplit)."""
+    qualify or its tiles and partial sums do not fit."""
     schedule = schedule_block_graph(bg, hoist=options.hoist)
-    plan = skinny_plan(bg, schedule, tensor_types, arch, options.cluster, options.overlap, options.stagger,
-                       options.lead, options.stage_x, options.wide_x)
+    plan = skinny_plan(bg, schedule, tensor_types, arch, options.overlap, options.stagger, options.lead,
+                       options.wide_x)
     if plan is None:
         return None
     layout = select_layout(bg, tensor_types, wide=True)
@@ -210,12 +203,8 @@ def _lower_skinny(bg: BlockGraph, tensor_types: tuple, arch: int, options: CudaO
         memory = plan_memory(bg, schedule, layout, stages=1, in_registers=skinny_in_registers(bg, plan))
     except SharedMemoryError:
         return None
-    unstaged = attrs.evolve(plan, cluster=1, stage_x=False)   # the last resort: X's copy takes shared memory
-    for fitting in dict.fromkeys((plan, attrs.evolve(plan, cluster=1), unstaged)):
-        lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=fitting, warps=bg.threads // 32)
-        if lowered.smem_bytes <= SMEM_LIMIT_BYTES:
-            return lowered
-    return None
+    lowered = Lowered(schedule, layout, memory, {}, {}, options, skinny=plan, warps=bg.threads // 32)
+    return lowered if lowered.smem_bytes <= SMEM_LIMIT_BYTES else None
 
 
 def emit_custom(program, index: int, node: Node) -> None:
@@ -227,7 +216,7 @@ def emit_custom(program, index: int, node: Node) -> None:
     header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     overlap = options.overlap and arch >= OVERLAP_MIN_ARCH
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        comment=header, cluster=lowered.cluster, overlap=overlap) as scope:
+                        comment=header, overlap=overlap) as scope:
         b = BlockKernel(scope, bg, lowered, arch)
         w = b.w
         if overlap and lowered.skinny is None:   # (the skinny loop prefetches its first slabs before waiting)

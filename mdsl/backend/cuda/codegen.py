@@ -73,10 +73,8 @@ class ProgramBuilder:
 
     @contextlib.contextmanager
     def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0,
-               comment: Optional[list] = None, cluster: int = 1, overlap: bool = False) -> Iterator[KernelScope]:
-        """Write the `__global__` function implementing `node`; the body is the caller's. `cluster` > 1:
-        each block of `grid` becomes that many consecutive blocks along x, one thread-block cluster
-        (compiled in with __cluster_dims__, so that a plain launch makes the clusters). `overlap`: the body
+               comment: Optional[list] = None, overlap: bool = False) -> Iterator[KernelScope]:
+        """Write the `__global__` function implementing `node`; the body is the caller's. `overlap`: the body
         waits for the previous kernel (griddepcontrol.wait) before it touches memory, and the launch lets it
         start before that kernel ends (`KernelLaunch.overlap`)."""
         name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
@@ -91,12 +89,10 @@ class ProgramBuilder:
         w = self.w
         w("", "// " + "-" * 98, OP_MARKER + describe(node))
         w(*(f"//{line}" for line in comment or ()))
-        dims = f"__cluster_dims__({cluster}, 1, 1) " if cluster > 1 else ""
-        w(f'extern "C" __global__ void {dims}__launch_bounds__({threads}, 1)')
+        w(f'extern "C" __global__ void __launch_bounds__({threads}, 1)')
         with w.block(f"{name}({', '.join(params)})"):
             yield scope
-        launched = (grid[0] * cluster, *grid[1:])
-        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(args), index, overlap))
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, tuple(args), index, overlap))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original

@@ -17,15 +17,6 @@ accum, or a row accumulator of X with a `cuda_skinny` rule (accum_rms of RMSNorm
 the X fragments the mmas read). Nothing is hoisted, every input is X or a weight. The code after the
 loop (epilogues: the division by the rms, silu, the gate's product) is the block graph's own.
 
-Clusters (`CudaOptions.cluster` = C > 1, sm_90+): the grid's blocks along x become clusters of C blocks,
-block r of a cluster streaming the r-th contiguous run of the block's K (K / C, whole slabs). Each block
-sums its warps' partials, stores them into slot r of the first block's shared memory (distributed shared
-memory, `st.shared::cluster`), and all but the first block leave; the first sums the C slots in rank order
-and runs the epilogue. Why: the fifth session's tuner times on the H200 fit one SM drawing ~40 GB/s of
-this loop whatever its warps, so that 96 blocks would leave 36 SMs' bandwidth unused; C = 4 gives 384
-blocks. Measured in the sixth session: slower (rms_norm_linear 20.3 against 17.3 us at batch 1, 31.2
-against 21.0 at batch 8), so the autotuner no longer tries it (`mdsl.ir.skinny.CLUSTERS`).
-
 Stagger (`CudaOptions.stagger`): block b walks its slabs from slab b SLABS / blocks on, wrapping around,
 so that at any moment the blocks read different rows of X (all of X is read by every block: 128 KB at
 batch 8, from L2) and of the weights.
@@ -46,11 +37,6 @@ global.L2`, no registers held); 0: no prefetches in the loop (an overlapping sta
 slabs). Each prefetch touches a line in the same pipe, so with 8 warps a block (enough loads in flight from
 the register buffers alone) none is faster; with 4 warps a block, a lead of 2. A lead of 4 was slower
 everywhere.
-
-Staged X (`CudaOptions.stage_x`, sm_90+): X's rows copied into shared memory by the bulk-copy engine
-(`cp.async.bulk`, four parts under mbarriers), the loop reading its fragments there. Measured slower
-(RMSNorm+Linear batch 8 21.5 against 19.1 us): every block copies all of X (12.6 MB over 96 blocks) at the
-start, on the critical path. The option stays; the autotuner does not try it.
 
 Overlap (`CudaOptions.overlap`, sm_90+): the kernel is launched with programmatic stream serialization
 (`KernelLaunch.overlap`), so that it may start while the previous kernel of the stream still runs: it
@@ -73,10 +59,6 @@ from mdsl.ir.ops import extend_op
 from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SkinnyShape, skinny_shape
 
 SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
-CLUSTER_MIN_ARCH = 90  # thread-block clusters, distributed shared memory
-STAGE_X_MIN_ARCH = 90  # cp.async.bulk and mbarrier transaction counts
-X_PAD = 8              # elements after each staged row of X (16 bytes: the quads' rows fall in other banks)
-X_PARTS = 4            # parts of the block's K, each copied under its own mbarrier
 _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
@@ -84,11 +66,9 @@ _ELEMENTS = {"f16": "__half", "bf16": "__nv_bfloat16"}
 class SkinnyPlan:
     shape: SkinnyShape  # the loop's structure (mdsl.ir.skinny)
     element: str        # the 16-bit C type of X and the weights
-    cluster: int = 1    # blocks of a thread-block cluster splitting the block's K (1: none)
     overlap: bool = False  # launched to overlap the previous kernel (programmatic dependent launch)
     stagger: bool = False  # each block walks its K from its own starting slab
     lead: int = 2          # loop iterations the L2 prefetches run ahead of the loads
-    stage_x: bool = False  # X's rows copied into shared memory by bulk copies before the loop (sm_90+)
     wide_x: bool = False   # a warp's step is two slabs, X's fragments of both in one 16-byte load
 
     def part_row(self) -> int:
@@ -97,33 +77,15 @@ class SkinnyPlan:
         in ncu on the H200). The prelude's `Skinny::PART_LD` is the same."""
         return self.shape.n + 1
 
-    def x_parts(self) -> int:
-        """The staged X's parts (mdsl::Skinny::XPARTS): 4 where the block's K is 4 runs of whole slabs."""
-        return X_PARTS if (self.shape.k // self.cluster // (32 if self.wide_x else 16)) % X_PARTS == 0 else 1
 
-    def staged_x_bytes(self) -> int:
-        """Shared memory of the staged X (rows of K + X_PAD elements) and its parts' mbarriers; 0 unstaged."""
-        if not self.stage_x:
-            return 0
-        return -(-(self.shape.m * (self.shape.k // self.cluster + X_PAD) * 2) // 16) * 16 + 8 * self.x_parts()
-
-    def slot_floats(self) -> int:
-        """A block's sums in the first block's meeting area: each weight's M x N, each row accumulator's rows."""
-        shape = self.shape
-        return len(shape.weights) * shape.m * shape.n + len(shape.rows) * MAX_ROWS
-
-
-def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluster: int = 1,
-                overlap: bool = False, stagger: bool = False, lead: int = 2,
-                stage_x: bool = False, wide_x: bool = False) -> Optional[SkinnyPlan]:
+def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overlap: bool = False,
+                stagger: bool = False, lead: int = 2, wide_x: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
     shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
     their rows are 8- and 16-byte aligned, each row accumulator has a `cuda_skinny` rule, and the
-    weights' 64-column groups divide among the warps. `cluster` blocks split the K where the arch has
-    clusters and K is whole slabs for each (else the plan has none); `overlap` where the arch has
-    programmatic dependent launch (sm_90+); `stagger` and `lead` as asked; `stage_x` where the arch has bulk
-    copies (sm_90+) and X's rows and the block's K are whole 16-byte runs; `wide_x` where X's rows are 16-byte
-    aligned and the K each block streams is whole pairs of slabs."""
+    weights' 64-column groups divide among the warps. `overlap` where the arch has programmatic dependent
+    launch (sm_90+); `stagger` and `lead` as asked; `wide_x` where X's rows are 16-byte aligned and the
+    block's K is whole pairs of slabs."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
@@ -137,12 +99,8 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, cluste
         return None   # rows of X 8-byte aligned, of the weights aligned to a load
     if any("cuda_skinny" not in bg.nodes[i].opdef.rules for i in shape.rows):
         return None
-    if arch < CLUSTER_MIN_ARCH or not shape.splits_over(cluster):
-        cluster = 1
-    stage_x = stage_x and arch >= STAGE_X_MIN_ARCH and types[shape.x].shape[-1] % 8 == 0 and shape.k % 8 == 0
-    wide_x = wide_x and types[shape.x].shape[-1] % 8 == 0 and (shape.k // cluster) % (2 * 16) == 0
-    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], cluster, overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead,
-                      stage_x, wide_x)
+    wide_x = wide_x and types[shape.x].shape[-1] % 8 == 0 and shape.k % (2 * 16) == 0
+    return SkinnyPlan(shape, _ELEMENTS[dtypes.pop()], overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead, wide_x)
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
@@ -153,23 +111,18 @@ def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:
-    """Shared memory after the memory plan's: the staged X (`staged_x_bytes`), then each warp's partial
-    sums, each row accumulator's per warp; in a cluster, then the meeting area (one slot of `slot_floats`
-    per block of the cluster)."""
+    """Shared memory after the memory plan's: each warp's partial sums, then each row accumulator's per warp."""
     shape = plan.shape
     kw = warps // shape.groups()
-    meeting = plan.cluster * plan.slot_floats() if plan.cluster > 1 else 0
-    return plan.staged_x_bytes() + 4 * (len(shape.weights) * kw * shape.m * plan.part_row()
-                                        + len(shape.rows) * warps * MAX_ROWS + meeting)
+    return 4 * (len(shape.weights) * kw * shape.m * plan.part_row() + len(shape.rows) * warps * MAX_ROWS)
 
 
 def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offset: int) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory into the accumulators'
-    tiles (and the row accumulators' folds into theirs, then finalized by their own rules). In a
-    cluster, each block streams its run of K and the blocks' sums meet in the first block."""
+    tiles (and the row accumulators' folds into theirs, then finalized by their own rules)."""
     plan = skinny.shape
-    w, warps, cluster = b.w, bg.threads // 32, skinny.cluster
-    mats, kw, k = len(plan.weights), warps // plan.groups(), plan.k // cluster
+    w, warps = b.w, bg.threads // 32
+    mats, kw, k = len(plan.weights), warps // plan.groups(), plan.k
     x_part = parts[plan.x]
     x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
     cls = (f"mdsl::Skinny<{skinny.element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
@@ -177,39 +130,22 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
            f"{_tail_arguments(skinny, straddles(plan, parts[plan.weights[0]].strides[0]))}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
-    rank = None
-    if cluster > 1:
-        rank = b.namer("skinny_rank")
-        w(f"// a cluster of {cluster} blocks splits the block's K = {plan.k}: this block streams run {rank}",
-          "mdsl::cluster_arrive_relaxed();   // waited for before the first store into another block",
-          f"const int {rank} = blockIdx.x % {cluster};")
-        x_ptr = f"{x_ptr} + {rank} * {k * x_part.strides[-1]}"
-        w_ptrs = [f"{p} + {rank} * {k * parts[name].strides[0]}" for p, name in zip(w_ptrs, plan.weights)]
     for i in plan.rows:
         bg.nodes[i].opdef.rules["cuda"].init(b, bg.nodes[i])
     part = b.namer("s_skinny_part")
-    staged_x, x_bars = "nullptr", "nullptr"
-    if skinny.stage_x:
-        staged_x, x_bars = b.namer("s_skinny_x"), b.namer("s_skinny_x_parts")
-        bars_at = skinny.staged_x_bytes() - 8 * skinny.x_parts()
-        w(f"{skinny.element}* const {staged_x} = reinterpret_cast<{skinny.element}*>(smem + {scratch_offset});",
-          f"unsigned long long* const {x_bars} = reinterpret_cast<unsigned long long*>(smem + "
-          f"{scratch_offset + bars_at});")
-    w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset + skinny.staged_x_bytes()});")
+    w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
     w(f"const {skinny.element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
       f"{cls}::Acc skinny_acc;")
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
         w(f"{cls}::prefetch_start(skinny_w);   // changes no value: may run before the previous kernel ends",
           "mdsl::wait_for_previous_kernel();   // its writes are visible from here on",
           "mdsl::let_next_kernel_launch();")
-    if skinny.stage_x:   # after the wait: the previous kernel may have written X
-        w(f"{cls}::stage_x({staged_x}, {x_bars}, {x_ptr});   // X into shared memory: bulk copies, in parts")
     folds = [b.namer(f"p_{bg.nodes[i].output.name}") for i in plan.rows]
     mt = -(-plan.m // 8)
     for name, i in zip(folds, plan.rows):
         identity = bg.nodes[i].opdef.rules["cuda_skinny"].fold.identity
         w(f"float {name}[{mt}] = {{{', '.join([identity] * mt)}}};")
-    with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, {staged_x}, {x_bars}, [&](int mt, float x)"):
+    with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, [&](int mt, float x)"):
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {bg.nodes[i].opdef.rules['cuda_skinny'].fold.step}; }}")
     w(");", f"{cls}::store_part(skinny_acc, {part});")
@@ -223,11 +159,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
             w(f"if (threadIdx.x % 4 == 0 && row < {plan.m}) "
               f"{part}[{rows_base + r * warps * MAX_ROWS} + threadIdx.x / 32 * {MAX_ROWS} + row] = v;")
     w("__syncthreads();")
-    warp_sum = _WarpSums(b, bg, plan, part, kw, warps, rows_base, skinny.part_row())
-    if cluster == 1:
-        warp_sum.into_tiles()
-    else:
-        _meet_in_cluster(b, bg, skinny, warp_sum, part, rank, rows_base + len(plan.rows) * warps * MAX_ROWS)
+    _WarpSums(b, bg, plan, part, kw, warps, rows_base, skinny.part_row()).into_tiles()
     w("__syncthreads();")
     finishing = [i for i in plan.rows if bg.nodes[i].opdef.rules["cuda"].finalize is not None]
     for i in finishing:
@@ -252,11 +184,11 @@ def straddles(shape: SkinnyShape, ldw: int, element_bytes: int = 2) -> bool:
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, STAGE_X, WIDE_X), up to the last
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, WIDE_X), up to the last
     that differs from its default (so that the sources of plans without them stay as they were, and their
     cached kernels)."""
     tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
-            ("true" if straddle else "false", straddle), ("true" if skinny.stage_x else "false", skinny.stage_x),
+            ("true" if straddle else "false", straddle),
             ("true" if skinny.wide_x else "false", skinny.wide_x)]
     while tail and not tail[-1][1]:
         tail.pop()
@@ -310,41 +242,6 @@ class _WarpSums:
             return f"{at} = {node.opdef.rules['cuda_skinny'].fold.combine}({at}, {value});"
 
         self.emit(sum_to, fold_to)
-
-
-def _meet_in_cluster(b, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, part: str, rank: str,
-                     meeting_offset: int) -> None:
-    """Each block's sums over its warps into its slot of the first block's meeting area; the other blocks
-    leave, the first adds the slots in rank order into the accumulators' tiles."""
-    plan, w = skinny.shape, b.w
-    slot, rows_at = skinny.slot_floats(), len(plan.weights) * plan.m * plan.n
-    meeting, to = b.namer("s_skinny_meeting"), b.namer("meeting_slot")
-    w(f"float* const {meeting} = {part} + {meeting_offset};  // the cluster's sums meet in block 0's")
-    w("mdsl::cluster_wait();   // every block of the cluster has started: block 0's shared memory is there",
-      f"const unsigned {to} = mdsl::cluster_address({meeting} + {rank} * {slot}, 0);")
-    sums.emit(lambda mat, value: f"mdsl::cluster_store({to} + 4 * ({mat * plan.m * plan.n} + i), {value});",
-              lambda r, node, value: f"mdsl::cluster_store({to} + 4 * ({rows_at + r * MAX_ROWS} + threadIdx.x), {value});")
-    w("mdsl::cluster_arrive();   // release: this block's stores, seen by block 0 after its wait",
-      f"if ({rank} != 0) return;   // block 0 alone runs the epilogue",
-      "mdsl::cluster_wait();")
-    cluster = skinny.cluster
-    for mat, i in enumerate(plan.sums):
-        tile = b.tile(bg.nodes[i].output)
-        w(f"// %{bg.nodes[i].output.name}: the cluster's blocks' sums, in rank order")
-        with b.threads.each(w, plan.m * plan.n):
-            terms = " + ".join(f"{meeting}[{r * slot + mat * plan.m * plan.n} + i]" for r in range(cluster))
-            w(f"{tile.at(offset('i', (plan.m, plan.n), tile))} = mdsl::from_float<{tile.ctype}>({terms});")
-    for r, i in enumerate(plan.rows):
-        node = bg.nodes[i]
-        tile = b.tile(node.output)
-        combine = node.opdef.rules["cuda_skinny"].fold.combine
-        at = tile.at(offset("threadIdx.x", tuple(tile.shape), tile))
-        w(f"// %{node.output.name}: the cluster's blocks' folds, in rank order")
-        with w.block(f"if (threadIdx.x < {plan.m})"):
-            w(f"float v = {meeting}[{rows_at + r * MAX_ROWS} + threadIdx.x];")
-            for q in range(1, cluster):
-                w(f"v = {combine}(v, {meeting}[{q * slot + rows_at + r * MAX_ROWS} + threadIdx.x]);")
-            w(f"{at} = {combine}({at}, v);")
 
 
 @attrs.frozen

@@ -73,11 +73,8 @@ class BlockKernel:
         return self.tiles[var.name]
 
     def block_index(self, axis: int):
-        """The block's coordinate along a grid axis of the block graph (a cluster's blocks, consecutive
-        along x, share one)."""
-        index = self.fn.sreg(f"ctaid.{_AXES[axis]}")
-        cluster = self.lowered.cluster
-        return self.fn.b.udiv(index, i32(cluster)) if axis == 0 and cluster > 1 else index
+        """The block's coordinate along a grid axis of the block graph."""
+        return self.fn.sreg(f"ctaid.{_AXES[axis]}")
 
     def scratch(self, node: Node) -> Array:
         return self.tiles[scratch_name(node)]
@@ -101,7 +98,7 @@ def emit_custom(program, index: int, node: Node) -> None:
     schedule, memory = lowered.schedule, lowered.memory
     overlap = options.overlap and arch >= OVERLAP_MIN_ARCH
     with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        cluster=lowered.cluster, overlap=overlap) as scope:
+                        overlap=overlap) as scope:
         fn = scope.fn
         smem = fn.shared_pointer(program.mb.dynamic_smem())
         bk = BlockKernel(fn, smem, bg, lowered)

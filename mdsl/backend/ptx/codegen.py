@@ -58,25 +58,18 @@ class ProgramBuilder:
 
     @contextlib.contextmanager
     def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0,
-               cluster: int = 1, overlap: bool = False) -> Iterator[KernelScope]:
-        """Write the kernel implementing `node`; the body is the caller's. `cluster` > 1: each block of
-        `grid` becomes that many consecutive blocks along x, one thread-block cluster (its size in the
-        PTX, `.reqnctapercluster`, as the CUDA backend's __cluster_dims__: a plain launch makes them).
-        `overlap`: the body waits for the previous kernel (griddepcontrol.wait) before it touches memory,
+               overlap: bool = False) -> Iterator[KernelScope]:
+        """Write the kernel implementing `node`; the body is the caller's. `overlap`: the body waits for the previous kernel (griddepcontrol.wait) before it touches memory,
         and the launch lets it start before that kernel ends (`KernelLaunch.overlap`)."""
         name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
         values = list(node.inputs) + list(node.outputs)
         fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
-        if cluster > 1:
-            for axis, size in zip("xyz", (cluster, 1, 1)):
-                self.mb.annotate(fn.fn, f"cluster_dim_{axis}", size)
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
         scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
         fn.marker_for(node)
         yield scope
         fn.finish()
-        launched = (grid[0] * cluster, *grid[1:])
-        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(v.name for v in values),
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, tuple(v.name for v in values),
                                           index, overlap))
 
     def alias(self, name: str, of: str) -> None:

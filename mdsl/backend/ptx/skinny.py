@@ -13,10 +13,6 @@ same order:
 * each warp's sums into shared memory (f32), met in a fixed order after one barrier; the row
   accumulators of X (accum_rms's sum of squares) folded from the X fragments the mmas read, by the warps
   of the first column group, each row's folds met over the quad, then over the warps;
-* with `CudaOptions.cluster` = C > 1 (the plan's `cluster`): each block of the grid is C consecutive
-  blocks along x, one thread-block cluster (`.reqnctapercluster`), block r streaming the r-th run of K;
-  each block's sums go into slot r of the first block's shared memory (`mapa`, `st.shared::cluster`,
-  between cluster barriers), the others leave, and the first adds the slots in rank order;
 * with `CudaOptions.overlap` (the plan's `overlap`, programmatic dependent launch): the kernel sends its
   first slabs to L2, then waits for the previous kernel (`griddepcontrol.wait`) before it touches global
   memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap;
@@ -48,7 +44,7 @@ class SkinnyLoop:
     same constants (SPAN: `span`, ROWS: `rows`), each thread's pointers, and the code of its members."""
 
     def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int, k: int):
-        """`k`: the K this block streams (the block graph's, or a cluster's block's run of it)."""
+        """`k`: the K this block streams (the block graph's)."""
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
         self.bk, self.fn, self.shape, self.warps, self.skinny = bk, fn, shape, warps, skinny
@@ -278,17 +274,10 @@ def _when(fn, cond):
 def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory (at `part_ptr`) into the
     accumulators' tiles, and the row accumulators' folds into theirs, then finalized by their own rules
-    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement). In a cluster, each block
-    streams its run of K and the blocks' sums meet in the first block."""
+    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement)."""
     fn, b = bk.fn, bk.fn.b
-    shape, warps, cluster = skinny.shape, bg.threads // 32, skinny.cluster
-    k, rank = shape.k // cluster, None
-    if cluster > 1:
-        _cluster_barrier(fn, "arrive.relaxed")   # waited for before the first store into another block
-        rank = b.urem(fn.sreg("ctaid.x"), i32(cluster))
-        parts = {**parts, **{name: _from(fn, parts[name], b.mul(rank, i32(k * stride)))
-                             for name, stride in ((shape.x, parts[shape.x].strides[-1]),
-                                                  *((w, parts[w].strides[0]) for w in shape.weights))}}
+    shape, warps = skinny.shape, bg.threads // 32
+    k = shape.k
     loop = SkinnyLoop(bk, skinny, parts, warps, k)
     mats, kw, mt_tiles = loop.mats, loop.kw_warps, loop.mt
     for i in shape.rows:
@@ -319,11 +308,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
                 at = b.add(b.mul(loop.warp, i32(MAX_ROWS)), row)
                 fn.store_float(part, b.add(at, i32(rows_base + r * warps * MAX_ROWS)), v)
     fn.barrier()
-    sums = _WarpSums(bk, bg, shape, part, kw, warps, rows_base, skinny.part_row())
-    if cluster == 1:
-        sums.into_tiles()
-    else:
-        _meet_in_cluster(bk, bg, skinny, sums, part, rank, rows_base + len(shape.rows) * warps * MAX_ROWS)
+    _WarpSums(bk, bg, shape, part, kw, warps, rows_base, skinny.part_row()).into_tiles()
     fn.barrier()
     finishing = [i for i in shape.rows if bg.nodes[i].opdef.rules["ptx"].finalize is not None]
     for i in finishing:
@@ -331,11 +316,6 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         bg.nodes[i].opdef.rules["ptx"].finalize(bk, bg.nodes[i])
     if finishing:
         fn.barrier()
-
-
-def _from(fn, array: Array, offset) -> Array:
-    """The array from element `offset` on (a cluster's block's run of K)."""
-    return Array(fn.address(array, offset), array.dtype, array.shape, array.strides)
 
 
 class _WarpSums:
@@ -392,60 +372,6 @@ def _fold_into_tile(bk, node, value) -> None:
     tile = bk.tile(node.output)
     at = fn.offset(tid, tuple(tile.shape), tile)
     fn.store_float(tile, at, node.opdef.rules["ptx_skinny"].combine(fn, fn.load_float(tile, at), value))
-
-
-def _meet_in_cluster(bk, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, part: Array, rank,
-                     meeting_offset: int) -> None:
-    """Each block's sums over its warps into its slot of the first block's meeting area (distributed
-    shared memory); the other blocks leave, the first adds the slots in rank order into the tiles."""
-    fn, b = bk.fn, bk.fn.b
-    shape, cluster = skinny.shape, skinny.cluster
-    slot, rows_at, size = skinny.slot_floats(), len(shape.weights) * shape.m * shape.n, shape.m * shape.n
-    tid = fn.sreg("tid.x")
-    _cluster_barrier(fn, "wait.acquire")   # every block of the cluster has started: block 0's memory is there
-    mine = fn.address(part, b.add(b.mul(rank, i32(slot)), i32(meeting_offset)))
-    to = b.asm(ir.FunctionType(I32, [I32, I32]), "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r",
-               [b.ptrtoint(mine, I32), i32(0)], True)   # this block's slot in block 0's shared memory
-    sums.emit(lambda mat, e, value: _cluster_store(fn, b.add(to, b.mul(b.add(e, i32(mat * size)), i32(4))), value),
-              lambda r, node, value: _cluster_store(fn, b.add(to, b.mul(b.add(tid, i32(rows_at + r * MAX_ROWS)),
-                                                                          i32(4))), value))
-    _cluster_barrier(fn, "arrive.release")   # this block's stores, seen by block 0 after its wait
-    with fn.when(b.icmp_unsigned("!=", rank, i32(0))):   # block 0 alone runs the epilogue
-        b.ret_void()
-    _cluster_barrier(fn, "wait.acquire")
-    meeting = _from(fn, part, i32(meeting_offset))
-    for mat, i in enumerate(shape.sums):
-        tile = bk.tile(bg.nodes[i].output)
-        fn.marker_for(bg.nodes[i])
-
-        def element(e, mat=mat, tile=tile) -> None:
-            total = fn.load_float(meeting, b.add(e, i32(mat * size)))
-            for q in range(1, cluster):   # the blocks' sums in rank order
-                total = b.fadd(total, fn.load_float(meeting, b.add(e, i32(q * slot + mat * size))))
-            fn.store_float(tile, fn.offset(e, (shape.m, shape.n), tile), total)
-
-        bk.threads.for_each(fn, size, element)
-    for r, i in enumerate(shape.rows):
-        node = bg.nodes[i]
-        fold = node.opdef.rules["ptx_skinny"]
-        fn.marker_for(node)
-        with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
-            v = fn.load_float(meeting, b.add(tid, i32(rows_at + r * MAX_ROWS)))
-            for q in range(1, cluster):
-                v = fold.combine(fn, v, fn.load_float(meeting, b.add(tid, i32(q * slot + rows_at + r * MAX_ROWS))))
-            _fold_into_tile(bk, node, v)
-
-
-def _cluster_barrier(fn, what: str) -> None:
-    """barrier.cluster.<what> (arrive.relaxed, arrive.release, wait.acquire): every thread. Not `.aligned`:
-    the second arrive follows branches on the thread (as the CUDA backend's, the same SASS)."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what};", "~{memory}", [], True)
-
-
-def _cluster_store(fn, address, value) -> None:
-    """st.shared::cluster.f32 at a distributed shared memory address (from mapa)."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), [I32, value.type]), "st.shared::cluster.f32 [$0], $1;",
-             "r,f,~{memory}", [address, value], True)
 
 
 def has_rules(bg: BlockGraph, skinny: SkinnyPlan) -> bool:
