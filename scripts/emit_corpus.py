@@ -66,7 +66,7 @@ def _options_class():
     try:
         from mdsl.lowering.options import CudaOptions
     except ImportError:
-        from mdsl.backend.cuda.options import CudaOptions
+        from mdsl.backend.cuda.options import CudaOptions  # the tree before mdsl.lowering
     return CudaOptions
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import mdsl
 from mdsl import Tensor, f16, f32
-from mdsl.backend.cuda import dlpack, runtime
-from mdsl.backend.cuda.runtime import ArgumentError, NoGPUError
+from mdsl import gpu as runtime
+from mdsl.gpu import ArgumentError, NoGPUError, dlpack
 from mdsl.ir.graph import KernelGraph, Node, make_var
 from mdsl.ir.ops import get_op
 

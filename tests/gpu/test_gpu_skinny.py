@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mdsl.backend.cuda import autotune, runtime
-from mdsl.backend.cuda.options import CudaOptions, arch_number
 from mdsl.ir.text import parse_graph
+from mdsl.lowering.options import CudaOptions, arch_number
 from tests.backend.cuda.programs import guided_plan, skinny_programs
 from tests.gpu.harness import compare, poisoned, random_inputs, reference, rng_for, run, tolerance, upload
 from tests.ir.skinny_texts import rms_norm_linear

@@ -35,11 +35,12 @@ import attrs
 import numpy as np
 
 from mdsl.backend.cuda.codegen import emit_cuda
-from mdsl.backend.cuda.nvrtc import _write_atomic
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import MdslError
+from mdsl.gpu.cache import write_atomic
+from mdsl.gpu.cache import cache_dir as _cache_dir
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
+from mdsl.lowering.options import CudaOptions
 
 SCHEMA = 2                          # 2: timed over inputs rotated past L2, on the unchecked path
 STAGES = (2, 3, 4)
@@ -221,8 +222,7 @@ def emitted_variants(candidates, space, arch: str, spaces=None, names=None) -> l
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdsl")
-    return Path(root) / "autotune"
+    return _cache_dir("autotune")
 
 
 def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions],
@@ -242,7 +242,7 @@ def store(key: str, result: TuneResult, device: str) -> Optional[Path]:
              "options": attrs.asdict(result.variant.options), "us": result.us}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1).encode())
+        write_atomic(path, json.dumps(entry, sort_keys=True, indent=1).encode())
     except OSError as e:
         warnings.warn(f"mdsl: could not write the autotune cache entry {path}: {e}", stacklevel=2)
         return None

@@ -20,26 +20,14 @@ from typing import Iterator, Optional
 import attrs
 
 import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules to the registry
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
-from mdsl.backend.cuda.source import OP_MARKER, CodeWriter, Namer, Operand, ctype, describe
+from mdsl.backend.cuda.source import CodeWriter, Operand, ctype
 from mdsl.errors import UnsupportedError
+from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
-from mdsl.passes.fusion import fuse_kernel_graph
-
-MAX_ELEMENTS = 2**31 - 1  # indices are 32-bit
-
-
-@attrs.frozen
-class KernelLaunch:
-    name: str                # the __global__ function
-    grid: tuple              # (x, y, z)
-    block: tuple             # (threads, 1, 1)
-    smem_bytes: int          # dynamic shared memory
-    args: tuple              # kernel-graph value names passed as pointers, in parameter order
-    node_index: int          # the kernel-graph node it implements
-    overlap: bool = False    # launched with programmatic stream serialization: it waits for its predecessor
-                             # (griddepcontrol.wait) before touching memory, so it may start before that ends
+from mdsl.lowering.names import OP_MARKER, Namer, describe, kernel_name
+from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.program import lower_graph
 
 
 @attrs.frozen
@@ -77,7 +65,7 @@ class ProgramBuilder:
         """Write the `__global__` function implementing `node`; the body is the caller's. `overlap`: the body
         waits for the previous kernel (griddepcontrol.wait) before it touches memory, and the launch lets it
         start before that kernel ends (`KernelLaunch.overlap`)."""
-        name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
+        name = kernel_name(self.kernel_names, self.graph.name, node)
         namer = Namer()
         scope = KernelScope(self.w, namer, [], [])
         params, args = [], []
@@ -103,19 +91,10 @@ class ProgramBuilder:
         return head + INCLUDES + PRELUDE + self.w.text()
 
 
-def _check_sizes(graph: KernelGraph) -> None:
-    values = list(graph.inputs) + [v for n in graph.nodes for v in n.outputs]
-    for v in values:
-        if v.type.numel > MAX_ELEMENTS:
-            raise UnsupportedError(f"%{v.name} ({v.type}) has more than 2^31 - 1 elements",
-                                   hint="the CUDA backend indexes tensors with 32-bit integers; split the tensor")
-
-
 def emit_cuda(graph: KernelGraph, *, arch: str = "sm_90a", options: Optional[CudaOptions] = None) -> CudaProgram:
     """One CUDA C++ translation unit implementing `graph` for `arch`, and how to launch it, with the
     fast paths `options` allows (none given: `CudaOptions.from_env()`)."""
-    _check_sizes(graph)
-    lowered = fuse_kernel_graph(graph)
+    lowered = lower_graph(graph)
     program = ProgramBuilder(lowered, arch, options if options is not None else CudaOptions.from_env())
     for index, node in enumerate(lowered.nodes):
         rule = node.opdef.rules.get("cuda")

@@ -1,7 +1,7 @@
 """LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as
-reshape gets an alias instead), launched in the graph's order: the CUDA backend's kernels
-(mdsl/backend/cuda/codegen.py), the same launches and interface with the runtime, written with
-llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op it runs (and each
+reshape gets an alias instead), launched in the graph's order: the kernels the CUDA backend writes as
+C++ (mdsl/backend/cuda/codegen.py), with the same launches and interface with the runtime
+(mdsl.gpu.program), written with llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op it runs (and each
 block-level op inside a custom kernel with its own), kept as a comment in the PTX, which compile
 errors point back through.
 """
@@ -13,13 +13,13 @@ from typing import Iterator, Optional
 import attrs
 
 import mdsl.backend.ptx.rules  # noqa: F401 - attaches the ptx rules to the registry
-from mdsl.backend.cuda.codegen import KernelLaunch, _check_sizes
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.cuda.source import Namer
 from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
 from mdsl.errors import UnsupportedError
+from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
-from mdsl.passes.fusion import fuse_kernel_graph
+from mdsl.lowering.names import Namer, kernel_name
+from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.program import lower_graph
 
 
 @attrs.frozen
@@ -61,7 +61,7 @@ class ProgramBuilder:
                overlap: bool = False) -> Iterator[KernelScope]:
         """Write the kernel implementing `node`; the body is the caller's. `overlap`: the body waits for the previous kernel (griddepcontrol.wait) before it touches memory,
         and the launch lets it start before that kernel ends (`KernelLaunch.overlap`)."""
-        name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
+        name = kernel_name(self.kernel_names, self.graph.name, node)
         values = list(node.inputs) + list(node.outputs)
         fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
@@ -78,9 +78,8 @@ class ProgramBuilder:
 
 def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[CudaOptions] = None) -> PtxProgram:
     """One LLVM module implementing `graph` for `arch`, and how to launch its kernels, with the fast
-    paths `options` allows (the CUDA backend's switches; none given: `CudaOptions.from_env()`)."""
-    _check_sizes(graph)
-    lowered = fuse_kernel_graph(graph)
+    paths `options` allows (the lowering's switches; none given: `CudaOptions.from_env()`)."""
+    lowered = lower_graph(graph)
     options = options if options is not None else CudaOptions.from_env()
     program = ProgramBuilder(lowered, arch, options)
     for index, node in enumerate(lowered.nodes):

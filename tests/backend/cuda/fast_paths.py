@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.ir.dtypes import bf16, f16
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 
 #: name -> options: the default fast paths and each of them switched off (or set otherwise)

@@ -8,7 +8,7 @@ import pytest
 
 from mdsl.backend.cuda import autotune
 from mdsl.backend.cuda.autotune import TuneResult, Variant, cache_key, load, parameter_space, store, variants
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import fast_path_graphs
 
 DEVICE = "NVIDIA H200"

@@ -9,11 +9,11 @@ import re
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.cuda.rows import VECTOR, plan_rows
 from mdsl.ir.dtypes import f16
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.rows import VECTOR
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan

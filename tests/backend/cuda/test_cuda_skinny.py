@@ -8,15 +8,13 @@ from __future__ import annotations
 import itertools
 import re
 
-import attrs
-
 import pytest
 
 from mdsl.backend.cuda import autotune, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path, sass_opcodes
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
 from mdsl.search import guided
 from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
 from tests.shared import disassembled as disassemble
@@ -263,7 +261,7 @@ def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spil
 def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
     """48 columns a block: 96-byte rows at multiples of 32 bytes cross lines; 64 (128 bytes at multiples of
     128) and 32 (64 bytes in 8-byte loads, at multiples of 64) do not."""
-    from mdsl.backend.cuda.skinny import straddles
+    from mdsl.lowering.skinny import straddles
     from mdsl.ir.skinny import skinny_shape
     from mdsl.ir.text import parse_graph
     from tests.ir.skinny_texts import rms_norm_linear

@@ -5,8 +5,8 @@ the guided plans of the attention examples)."""
 from __future__ import annotations
 
 from mdsl.backend.cuda import emit_cuda
-from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.cuda.runtime import has_gpu
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
 

@@ -26,8 +26,8 @@ import pytest
 
 from mdsl import bf16, f16
 from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import emit_llvm
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny, tuned_skinny_plans
 from tests.backend.ptx.test_ptx_acceptance import assembled_module

@@ -1,14 +1,15 @@
-"""The lowering options of the CUDA backend: which fast paths the emitted code takes.
+"""The lowering options: which fast paths the emitted code takes, the same for both backends (the names
+keep the CUDA backend's, where they began).
 
-Every fast path can be switched off, by the caller (`CudaOptions(...)` given to `emit_cuda`) or, where
-the caller gives none, by the environment, so that a run on a GPU can compare a new path with the old
-one without changing code:
+Every fast path can be switched off, by the caller (`CudaOptions(...)` given to `emit_cuda` or
+`emit_llvm`) or, where the caller gives none, by the environment, so that a run on a GPU can compare a
+new path with the old one without changing code:
 
     MDSL_CUDA_MMA=0         block-level matmuls as scalar FMA loops instead of tensor-core mma.sync
     MDSL_CUDA_REGACC=0      accum(matmul(..)) kept in shared memory instead of the mma's registers
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
-    MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
+    MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled)
     MDSL_CUDA_STREAM=0      loops that only fold input tiles element-wise (split combines) through shared
                             memory instead of each thread folding its elements from device memory (`streamed.py`)
     MDSL_CUDA_HOIST=0       loop-invariant block nodes computed every iteration instead of once before the loop
