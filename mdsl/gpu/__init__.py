@@ -6,16 +6,31 @@ generators with it.
 
 Arguments: torch tensors, anything with `__cuda_array_interface__` (v2/v3) or a CUDA `__dlpack__`,
 and `DeviceArray`s; each must be a compact row-major array on the GPU whose address is 16-byte aligned.
-"""
-from mdsl.gpu.arrays import (ALIGNMENT, ArgumentError, DeviceArray, View, device_view, is_torch_tensor,
-                             launch_stream, stream_handle)
-from mdsl.gpu.driver import CudaError, NoGPUError, has_gpu, l2_bytes, require_gpu, target_arch
-from mdsl.gpu.executable import BufferPlan, EmptyKernel, Executable, overlapping_launch, plan_buffers
-from mdsl.gpu.generators import BACKENDS, CodeGenerator, check_backend, compile_graph, generator, register
-from mdsl.gpu.program import CompiledModule, KernelLaunch, Resources
 
-__all__ = ["ALIGNMENT", "ArgumentError", "DeviceArray", "View", "device_view", "is_torch_tensor", "launch_stream",
-           "stream_handle", "CudaError", "NoGPUError", "has_gpu", "l2_bytes", "require_gpu", "target_arch",
-           "BufferPlan", "EmptyKernel", "Executable", "overlapping_launch", "plan_buffers", "BACKENDS",
-           "CodeGenerator", "check_backend", "compile_graph", "generator", "register", "CompiledModule",
-           "KernelLaunch", "Resources"]
+The names below are the runtime's API, each loaded from its module when first used: importing mdsl.gpu
+(or a backend, which registers with it) loads neither cuda.bindings nor any CUDA library.
+"""
+import importlib
+
+_EXPORTS = {
+    "mdsl.gpu.arrays": ("ALIGNMENT", "ArgumentError", "DeviceArray", "View", "device_view", "is_torch_tensor",
+                        "launch_stream", "stream_handle"),
+    "mdsl.gpu.driver": ("CudaError", "NoGPUError", "has_gpu", "l2_bytes", "require_gpu", "target_arch"),
+    "mdsl.gpu.executable": ("BufferPlan", "EmptyKernel", "Executable", "overlapping_launch", "plan_buffers"),
+    "mdsl.gpu.generators": ("BACKENDS", "CodeGenerator", "check_backend", "compile_graph", "generator", "register"),
+    "mdsl.gpu.program": ("CompiledModule", "KernelLaunch", "Resources"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mdsl.gpu' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -35,7 +35,6 @@ import attrs
 
 from mdsl.backend.ptx.llvm import TRIPLE
 from mdsl.errors import MdslError, UnsupportedError
-from mdsl.gpu import driver
 from mdsl.gpu.cache import write_atomic
 from mdsl.gpu.cache import cache_dir as _cache_dir
 from mdsl.gpu.program import CompiledModule, parse_resources
@@ -71,6 +70,8 @@ class PtxModule:
 
     def load(self):
         """The module loaded by the driver (JIT-compiled for the current device); needs a GPU."""
+        from mdsl.gpu import driver
+
         driver.require_gpu("loading a PTX module")
         err, handle = driver.driver.cuModuleLoadData(self.ptx.encode() + b"\0")
         if not err:
