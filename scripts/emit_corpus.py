@@ -53,9 +53,6 @@ OPTION_SETS = {
     "skinny-lead-4-stagger": {"skinny": True, "lead": 4, "stagger": True},
     "skinny-wide-x": {"skinny": True, "wide_x": True},
     "skinny-all": {"skinny": True, "overlap": True, "stagger": True, "lead": 0, "wide_x": True, "threads": 256},
-    "skinny-stage-x": {"skinny": True, "stage_x": True},
-    "skinny-cluster-4": {"skinny": True, "cluster": 4},
-    "skinny-cluster-2-overlap": {"skinny": True, "cluster": 2, "overlap": True},
 }
 
 #: (CUDA arch, option sets) beyond sm_90a's every set: older targets' paths at the defaults
@@ -66,7 +63,7 @@ def _options_class():
     try:
         from mdsl.lowering.options import CudaOptions
     except ImportError:
-        from mdsl.backend.cuda.options import CudaOptions  # the tree before mdsl.lowering
+        from mdsl.backend.cuda.options import CudaOptions  # a tree from before mdsl.lowering
     return CudaOptions
 
 
@@ -192,7 +189,8 @@ def emit(corpus: Path, out: Path) -> int:
                     write(out / "ptx" / where / f"{key}.ptx-error.txt", f"{type(e).__name__}: {e}\n")
     (out / "manifest.json").write_text(json.dumps({"texts": manifest, "skipped_option_sets": skipped},
                                                   indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"{len(manifest)} texts in {out}" + (f"; option sets this tree lacks: {', '.join(skipped)}" if skipped else ""))
+    lacking = f"; option sets this tree lacks: {', '.join(skipped)}" if skipped else ""
+    print(f"{len(manifest)} texts in {out}{lacking}")
     return 0
 
 

@@ -311,7 +311,8 @@ class EmptyKernel:
         self._dev = get_device(device)
         self._dev.activate()
         self._module = check(driver.cuModuleLoadData(EMPTY_KERNEL_PTX.encode() + b"\0"), "loading the empty kernel")
-        self._function = check(driver.cuModuleGetFunction(self._module, b"mdsl_empty"), "cuModuleGetFunction(mdsl_empty)")
+        self._function = check(driver.cuModuleGetFunction(self._module, b"mdsl_empty"),
+                               "cuModuleGetFunction(mdsl_empty)")
 
     def __call__(self, stream: int = 0) -> None:
         (err,) = driver.cuLaunchKernel(self._function, 1, 1, 1, 32, 1, 1, 0, cu_stream(stream), None, 0)

@@ -52,7 +52,3 @@ def describe(node: Node) -> str:
     attrs_text = format_attrs(node.attrs)
     return f"{outs} = {node.op}({', '.join(map(str, node.inputs))})" + (f" {attrs_text}" if attrs_text else "")
 
-
-def kernel_name(namer: Namer, graph_name: str, node: Node) -> str:
-    """The name of the kernel implementing `node` (unique among the program's kernels)."""
-    return namer(f"{graph_name}_{node.outputs[0].name}")

@@ -1,9 +1,9 @@
-"""The skinny loop on the GPU (mdsl.backend.cuda.skinny): the benchmark plans of RMSNorm+Linear at batch 1
-and 8 and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
+"""The skinny loop on the GPU (mdsl.lowering.skinny): the benchmark plans of RMSNorm+Linear at batch 1 and 8
+and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
 (tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and launched to
-overlap the previous kernel, against the float64 reference on fresh inputs, and walking K from staggered slabs; kernels overlapping their predecessors in chains (skinny ones, and
-the tile kernels of the other benchmark plans); and the autotuner times the skinny loop beside the
-tile loop, all correct.
+overlap the previous kernel, against the float64 reference on fresh inputs, and walking K from staggered
+slabs; kernels overlapping their predecessors in chains (skinny ones, and the tile kernels of the other
+benchmark plans); and the autotuner times the skinny loop beside the tile loop, all correct.
 
     pytest tests/gpu/test_gpu_skinny.py -m gpu
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mdsl.backend.cuda import autotune, runtime
+from mdsl import gpu as runtime
+from mdsl.backend.cuda import autotune
 from mdsl.ir.text import parse_graph
 from mdsl.lowering.options import CudaOptions, arch_number
 from tests.backend.cuda.programs import guided_plan, skinny_programs

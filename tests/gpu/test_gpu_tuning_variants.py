@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from mdsl.backend.cuda import autotune, runtime
+from mdsl import gpu as runtime
+from mdsl.backend.cuda import autotune
 from mdsl.search import variants as V
 from mdsl.search.dims import Labels
 from mdsl.search.guided import Choice, lift

@@ -420,8 +420,9 @@ class AccumulateRescaled(_Rescaling):
         now, nxt = self._maxima(b, node)
         rows, cols = acc.shape[-2:] if len(acc.shape) >= 2 else (1, acc.shape[-1])
         with b.w.block(""):
-            b.w(f"{mma_class(shape)}::Fragments product;", f"{mma_class(shape)}::zero(product);", multiply("product"))
-            with b.w.block(f"{mma_class(shape)}::each({running}, product, [&](float& acc, float x, int batch, int row, int col)"):
+            cls = mma_class(shape)
+            b.w(f"{cls}::Fragments product;", f"{cls}::zero(product);", multiply("product"))
+            with b.w.block(f"{cls}::each({running}, product, [&](float& acc, float x, int batch, int row, int col)"):
                 b.w(f"const int flat = (batch * {rows} + row) * {cols} + col;  // element of {list(acc.shape)}")
                 b.w(*self._rescaled(b, node, now, "acc", "flat", acc.shape, "x"))
             b.w(");")

@@ -1,7 +1,7 @@
-"""Row-resident lowering (mdsl.backend.cuda.rows), without a GPU: which loop nodes stay in the warps'
-registers, what leaves the chain and why, the tiles that then need no shared memory, and the code:
-tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests run
-these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
+"""Row-resident chains (mdsl.lowering.rows, written by mdsl.backend.cuda.rows), without a GPU: which loop nodes
+stay in the warps' registers, what leaves the chain and why, the tiles that then need no shared memory, and
+the code: tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests
+run these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
 from __future__ import annotations
 
 import re

@@ -1,8 +1,9 @@
-"""The skinny loop (mdsl.backend.cuda.skinny), without a GPU: which block graphs qualify, the code it
-writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for sm_90a with
-no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch, the
-autotuner's space and the launch overlapping the previous kernel. tests/gpu/test_gpu_skinny.py runs every program here against the float64 reference (the PTX
-backend's port of the loop has its own tests under tests/backend/ptx)."""
+"""The skinny loop (mdsl.lowering.skinny, written by mdsl.backend.cuda.skinny), without a GPU: which block graphs
+qualify, the code it writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for
+sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch,
+the autotuner's space and the launch overlapping the previous kernel. tests/gpu/test_gpu_skinny.py runs every
+program here against the float64 reference (the PTX backend's port of the loop has its own tests under
+tests/backend/ptx)."""
 from __future__ import annotations
 
 import itertools

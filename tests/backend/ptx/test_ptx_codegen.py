@@ -38,6 +38,8 @@ def test_every_operator_has_a_ptx_rule_for_each_of_its_levels(name):
             assert callable(getattr(rule, method, None)), f"{name}'s ptx rule cannot emit it at the {level} level"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["gqa.gqa_flash", "rms_norm_linear.rms_norm_linear_fused"])
 def test_the_same_launches_as_the_cuda_backend(name):
     graph = example_kernels()[name]
     options = CudaOptions()

@@ -1,13 +1,13 @@
-"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs
-under every option set (hoisting and streamed combines off among them), the benchmark cases' searched
-plans and the split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each
-switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
-environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
-tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
-autotuner's skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone, overlapping the previous kernel, with staggered
-walks over K and in steps of two slabs (`CudaOptions.wide_x`, with the L2 lead of 2 or none), and on every
-benchmark plan (those it does not qualify keep the tile loop); every benchmark plan's kernels launched to
-overlap their predecessors (`CudaOptions.overlap`).
+"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs under
+every option set (hoisting and streamed combines off among them), the benchmark cases' searched plans and the
+split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each switched off, built
+by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the environment, as the
+autotuner's runs do) and compared with the reference interpreter by the GPU tests' harness; the loaded modules
+report no spills. The skinny loop (`CudaOptions.skinny`) runs on the autotuner's skinny plans (RMSNorm +
+Linear at batch 1 and 8, Gated MLP), alone, overlapping the previous kernel, with staggered walks over K and
+in steps of two slabs (`CudaOptions.wide_x`, with the L2 lead of 2 or none), and on every benchmark plan
+(those it does not qualify keep the tile loop); every benchmark plan's kernels launched to overlap their
+predecessors (`CudaOptions.overlap`).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from mdsl.backend.cuda.runtime import has_gpu
+from mdsl.gpu import has_gpu
 from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
@@ -37,8 +37,9 @@ def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
 
 
 def _use_options(monkeypatch, options: CudaOptions) -> None:
-    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_OVERLAP": str(int(options.overlap)), "MDSL_CUDA_STAGGER": str(int(options.stagger)),
-              "MDSL_CUDA_LEAD": str(options.lead), "MDSL_CUDA_WIDE_X": str(int(options.wide_x))}
+    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_OVERLAP": str(int(options.overlap)),
+              "MDSL_CUDA_STAGGER": str(int(options.stagger)), "MDSL_CUDA_LEAD": str(options.lead),
+              "MDSL_CUDA_WIDE_X": str(int(options.wide_x))}
     for key, value in {**options_env(options), **skinny}.items():
         monkeypatch.setenv(key, value)
 
