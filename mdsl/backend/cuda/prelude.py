@@ -390,7 +390,7 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
 // that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
 // iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads (0: none). STRADDLE: a column group's
-// row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines.
+// row may cross a 128-byte line (mdsl.lowering.skinny.straddles): its prefetches take both lines.
 // WIDE_X: a step ("slab" below) is
 // two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
 // second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
