@@ -234,7 +234,7 @@ class Executable:
     def run_pointers(self, inputs: Sequence[int], outputs: Sequence[int], stream: int = 0) -> None:
         """Launch on raw device pointers, unchecked: the fast path for callers that own their memory."""
         arguments = (*inputs, *outputs)
-        cu_stream = cu_stream(stream)
+        on_stream = cu_stream(stream)
         self._dev.activate()
         launch = driver.cuLaunchKernel
         with self._lock:   # the parameter blocks are shared: fill and launch as one step
@@ -243,14 +243,14 @@ class Executable:
                 ptrs[slot] = arguments[k]
             for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches:
                 if config is None:
-                    (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, cu_stream, params, 0)
+                    (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, on_stream, params, 0)
                 else:   # programmatic dependent launch: may start while the stream's previous kernel runs
-                    config.hStream = cu_stream
+                    config.hStream = on_stream
                     (err,) = driver.cuLaunchKernelEx(config, function, params, 0)
                 if err:
                     raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
         for dst, src, size in self._copies:
-            check(driver.cuMemcpyDtoDAsync(arguments[dst], arguments[src], size, cu_stream), "cuMemcpyDtoDAsync")
+            check(driver.cuMemcpyDtoDAsync(arguments[dst], arguments[src], size, on_stream), "cuMemcpyDtoDAsync")
 
     # -- lifetime --------------------------------------------------------------------------------
 
