@@ -37,3 +37,27 @@ def broadcast_strides(space: tuple, shape: tuple) -> tuple:
     element's coordinates are 0 along those dims (the one element that writes a broadcast output)."""
     pad = len(space) - len(shape)
     return tuple(s if (d < pad or shape[d - pad] == 1) else 0 for d, s in enumerate(contiguous_strides(space)))
+
+
+def part_extent(shape: tuple, fmap, forloop: int) -> list:
+    """The extent along each dim of a block's part of an input's device tensor: its tile's, times the loop's
+    iterations along its fmap (None: none)."""
+    return [n * (forloop if d == fmap else 1) for d, n in enumerate(shape)]
+
+
+def part_steps(dim_map: tuple, extent: list, strides: tuple) -> list:
+    """(grid axis, elements): how far a block's part of a device tensor starts along it per block of that
+    axis, for the axes an imap or omap (`dim_map`: a tensor dim per grid axis, or None) maps to a dim."""
+    return [(g, extent[d] * strides[d]) for g, d in enumerate(dim_map) if d is not None]
+
+
+def vector_space(shape: tuple, vector: int) -> tuple:
+    """The loop of a copy of an array of `shape` in vectors of `vector` elements along its last dim."""
+    shape = shape or (1,)
+    return shape[:-1] + (shape[-1] // vector,)
+
+
+def vector_strides(strides: tuple, vector: int) -> tuple:
+    """An array's strides in a copy's vectors of `vector` elements (see `vector_space`)."""
+    strides = strides or (1,)
+    return strides[:-1] + (strides[-1] * vector,)

@@ -22,6 +22,7 @@ from mdsl.ir.graph import BlockGraph, Node
 from mdsl.ir.text import print_block_graph
 from mdsl.lowering import kernel as steps
 from mdsl.lowering.block import Lowered
+from mdsl.lowering.index import part_extent, part_steps, vector_space, vector_strides
 from mdsl.lowering.kernel import FOLDED, ROWS, CustomKernel, lower_custom
 from mdsl.lowering.mma import MmaShape
 from mdsl.lowering.options import arch_number
@@ -256,7 +257,7 @@ def _itemsize(op: Operand) -> int:
 def _part(b: BlockKernel, tensor: Operand, dim_map: tuple, extent: list, writable: bool) -> Operand:
     """The block's part of a device tensor (slices of `extent` along the mapped dims, picked by the
     grid coordinates), as a pointer named after the tensor."""
-    terms = [f"{b.block_index(g)} * {extent[d] * tensor.strides[d]}" for g, d in enumerate(dim_map) if d is not None]
+    terms = [f"{b.block_index(g)} * {step}" for g, step in part_steps(dim_map, extent, tensor.strides)]
     if not terms:
         return tensor
     name = b.namer(f"{tensor.ptr}_part")
@@ -265,8 +266,7 @@ def _part(b: BlockKernel, tensor: Operand, dim_map: tuple, extent: list, writabl
 
 
 def _input_part(b: BlockKernel, inp, tensor: Operand) -> Operand:
-    extent = [n * (b.bg.forloop if d == inp.fmap else 1) for d, n in enumerate(inp.var.shape)]
-    return _part(b, tensor, inp.imap, extent, writable=False)
+    return _part(b, tensor, inp.imap, part_extent(inp.var.shape, inp.fmap, b.bg.forloop), writable=False)
 
 
 def _maps(entries) -> str:
@@ -277,12 +277,10 @@ def _copy_loop(b: BlockKernel, dst: Operand, src: Operand, shape: tuple, vector:
                asynchronous: bool = False) -> None:
     """Copy an array of `shape` a row at a time, in vectors of `vector` elements (with cp.async when
     `asynchronous`: same types, 4 to 16 bytes)."""
-    shape = shape or (1,)
-    space = shape[:-1] + (shape[-1] // vector,)
+    space = vector_space(shape, vector)
 
     def vectors(op: Operand) -> Operand:
-        strides = op.strides or (1,)
-        return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
+        return op.viewed(space, vector_strides(op.strides, vector))
 
     copy = f"mdsl::copy_async<{vector * _itemsize(src)}>" if asynchronous else f"mdsl::copy<{vector}>"
     with b.threads.each(b.w, math.prod(space), unrolled=True):  # loads in flight together

@@ -22,6 +22,7 @@ from mdsl.backend.ptx.streamed import emit_streamed
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.lowering import kernel as steps
 from mdsl.lowering.block import Lowered
+from mdsl.lowering.index import part_extent, part_steps, vector_space, vector_strides
 from mdsl.lowering.kernel import FOLDED, ROWS, CustomKernel, lower_custom
 from mdsl.lowering.mma import MmaShape
 from mdsl.passes.layout import scratch_name
@@ -252,16 +253,14 @@ def _part(bk: BlockKernel, tensor: Array, dim_map: tuple, extent: list) -> Array
     grid coordinates."""
     fn = bk.fn
     start = None
-    for g, d in enumerate(dim_map):
-        if d is not None:
-            term = fn.b.mul(bk.block_index(g), i32(extent[d] * tensor.strides[d]))
-            start = term if start is None else fn.b.add(start, term)
+    for g, step in part_steps(dim_map, extent, tensor.strides):
+        term = fn.b.mul(bk.block_index(g), i32(step))
+        start = term if start is None else fn.b.add(start, term)
     return tensor if start is None else Array(fn.address(tensor, start), tensor.dtype, tensor.shape, tensor.strides)
 
 
 def _input_part(bk: BlockKernel, inp, tensor: Array) -> Array:
-    extent = [n * (bk.bg.forloop if d == inp.fmap else 1) for d, n in enumerate(inp.var.shape)]
-    return _part(bk, tensor, inp.imap, extent)
+    return _part(bk, tensor, inp.imap, part_extent(inp.var.shape, inp.fmap, bk.bg.forloop))
 
 
 def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: int, src_step=None,
@@ -270,13 +269,11 @@ def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: in
     up to COPY_BATCH vectors before it writes them, so that its loads are in flight together (with
     cp.async when `asynchronous`: same dtypes, 4 to 16 bytes, nothing passes through registers)."""
     fn, b = bk.fn, bk.fn.b
-    shape = shape or (1,)
-    space = shape[:-1] + (shape[-1] // vector,)
+    space = vector_space(shape, vector)
     n, threads = math.prod(space), bk.threads.block
 
     def vectors(op: Array) -> Array:
-        strides = op.strides or (1,)
-        return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
+        return op.viewed(space, vector_strides(op.strides, vector))
 
     def source(i):
         at = fn.offset(i, space, vectors(src))
