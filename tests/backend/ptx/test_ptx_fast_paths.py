@@ -19,9 +19,9 @@ from mdsl.backend.ptx import assembler, emit_llvm
 from mdsl.ir.dtypes import bf16, f16, f32
 from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
+from tests.backend.acceptance import assembled_module, assert_assembles_clean
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans
-from tests.backend.ptx.test_ptx_acceptance import assembled_module, assert_assembles_clean
 from tests.gpu.harness import with_dtype
 from tests.shared import disassembled
 

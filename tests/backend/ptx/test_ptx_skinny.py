@@ -28,9 +28,9 @@ from mdsl import bf16, f16
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.ptx import emit_llvm
 from mdsl.lowering.options import CudaOptions
+from tests.backend.acceptance import assembled_module
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny, tuned_skinny_plans
-from tests.backend.ptx.test_ptx_acceptance import assembled_module
 from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 from tests.backend.ptx.test_ptx_parity import (ARCH, assert_same_paths, assert_waits_before_global_access, count_matching,
                                                needs_tools, tuned_modules)
