@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     from mdsl.backend.ptx import emit_llvm
 
     if args.mix:
-        from mdsl.backend.cuda.options import CudaOptions
+        from mdsl.lowering.options import CudaOptions
 
         options = CudaOptions(skinny=args.skinny, threads=args.threads)
         print(f"CUDA / PTX, {options}")

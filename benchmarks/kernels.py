@@ -294,7 +294,7 @@ def precompile_variants(plan, limit: int, variants: int, arch: str) -> dict:
 
 def plans_only(args: argparse.Namespace, names: list) -> int:
     from benchmarks.cases import cases
-    from mdsl.backend.cuda import runtime
+    from mdsl import gpu as runtime
     from mdsl.search.cache import default_dir
     from mdsl.search.cost import roofline_floor
 
@@ -693,7 +693,7 @@ class Contender:
 class Bench:
     def __init__(self, args: argparse.Namespace, torch):
         from benchmarks.cases import cases
-        from mdsl.backend.cuda import runtime
+        from mdsl import gpu as runtime
 
         self.args, self.torch, self.runtime = args, torch, runtime
         self.device = torch.cuda.current_device()
@@ -1037,7 +1037,7 @@ def gpu_run(args: argparse.Namespace, names: list) -> int:
     if not torch.cuda.is_available():
         print("torch sees no CUDA GPU: the GPU run needs one (`--plans-only` and `--render` do not)", file=sys.stderr)
         return 2
-    from mdsl.backend.cuda import runtime
+    from mdsl import gpu as runtime
     from mdsl.search.engine import cached_plan
 
     runtime.require_gpu("the kernel benchmark")

@@ -28,7 +28,7 @@ def main() -> int:
     args = p.parse_args()
 
     from mdsl.backend.cuda import autotune, runtime
-    from mdsl.backend.cuda.options import CudaOptions
+    from mdsl.lowering.options import CudaOptions
     from mdsl.ir.text import parse_graph
     from tests.ir.skinny_texts import rms_norm_linear   # the tests' RMSNorm+Linear block graph text
 

@@ -1,8 +1,8 @@
 """The shape of a skinny loop: a block graph whose loop multiplies one X of at most 16 rows by weights
 that each block streams once (a GEMV-like matmul at batch 1-8: RMSNorm+Linear, Gated MLP).
 
-This is structure only, shared by the CUDA backend (mdsl.backend.cuda.skinny, which adds what its code
-needs: dtypes, alignment, a `cuda_skinny` rule for each row accumulator) and the cost model
+This is structure only, shared by the lowering (mdsl.lowering.skinny, which adds what the code needs:
+dtypes, alignment, a fold for each row accumulator) and the cost model
 (mdsl.search.cost.gpu_estimate, which models the skinny loop's bytes in flight); neither imports the
 other. `loads_in_flight` states the backend's load schedule (`mdsl::Skinny` in the CUDA prelude) for the
 cost model.

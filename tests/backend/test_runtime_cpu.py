@@ -5,18 +5,20 @@ Tests that assume there is no GPU skip themselves on a machine with one (tests/g
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import mdsl
 from mdsl import Tensor, f16, f32
-from mdsl.backend.cuda import dlpack, runtime
-from mdsl.backend.cuda.runtime import ArgumentError, NoGPUError
+from mdsl import gpu as runtime
+from mdsl.gpu import ArgumentError, NoGPUError, dlpack
 from mdsl.ir.graph import KernelGraph, Node, make_var
 from mdsl.ir.ops import get_op
 
@@ -282,6 +284,85 @@ def test_a_program_naming_an_unknown_value_is_refused():
     graph = KernelGraph("g", [x], [n1], [e])
     with pytest.raises(ValueError, match="names %nope"):
         runtime.plan_buffers(graph, [Launch("k", "x", "nope")], ())
+
+
+# ---------------------------------------------------------------------------------------------
+# launching, on a recording stand-in for the driver
+
+
+class RecordingDriver:
+    """The driver calls an Executable makes, recorded; every call succeeds."""
+
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "max dynamic shared memory"
+
+    def __init__(self, arity: dict):
+        self.calls, self.next_pointer, self.arity = [], 0x10000, arity   # kernel name -> its parameters
+
+    def cuModuleGetFunction(self, module, name):
+        return 0, name.decode()
+
+    def cuMemAlloc(self, size):
+        self.next_pointer += 0x10000
+        self.calls.append(("alloc", size))
+        return 0, self.next_pointer
+
+    def cuMemsetD8(self, ptr, value, size):
+        return (0,)
+
+    def cuFuncSetAttribute(self, function, attribute, value):
+        self.calls.append(("attribute", function, value))
+        return (0,)
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        block = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        pointers = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(self.arity[function])]
+        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), smem, stream, pointers))
+        return (0,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
+        self.calls.append(("copy", dst, src, size, stream))
+        return (0,)
+
+    def cuMemFree(self, ptr):
+        return (0,)
+
+    def cuModuleUnload(self, module):
+        return (0,)
+
+
+def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stream(monkeypatch):
+    """Executable.run_pointers, the launch path every call takes: each kernel gets its arguments' pointers
+    (inputs, outputs, and the intermediates allocated once), in the program's order, on the call's stream;
+    an output that lives in another argument's buffer is copied after."""
+    from mdsl.backend.cuda import emit_cuda
+    from mdsl.gpu import executable
+
+    x, w = make_var("x", (4, 8), f32), make_var("w", (8, 2), f32)
+    n1, e = node("exp", [x], "e")
+    n2, y = node("matmul", [e, w], "y")
+    n3, r = node("reshape", [x], "r", shape=(8, 4))    # a view of an input, returned: a copy
+    program = emit_cuda(KernelGraph("g", [x, w], [n1, n2, n3], [y, r]), arch="sm_90a")
+    fake = RecordingDriver({launch.name: len(launch.args) for launch in program.launches})
+    monkeypatch.setattr(executable, "driver", fake)
+    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
+                                                                                  activate=lambda: None))
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    module = SimpleNamespace(load=lambda: "module")
+    exe = executable.Executable(program, module)
+    (scratch,) = [call[1] for call in fake.calls if call[0] == "alloc"]
+    assert scratch == 4 * 8 * 4   # e, in f32
+    fake.calls.clear()
+    exe.run_pointers([0x1000, 0x2000], [0x3000, 0x4000], stream=7)
+    launches = [call for call in fake.calls if call[0] == "launch"]
+    assert [call[1] for call in launches] == [launch.name for launch in program.launches]
+    e_ptr = launches[0][6][1]
+    assert launches[0][6][:2] == [0x1000, e_ptr] and e_ptr not in (0x1000, 0x2000, 0x3000, 0x4000)
+    assert launches[1][6] == [e_ptr, 0x2000, 0x3000]
+    assert all(call[5] == ("stream", 7) for call in launches)
+    assert [(launch.grid, launch.block) for launch in program.launches] == [(call[2], call[3]) for call in launches]
+    assert fake.calls[-1] == ("copy", 0x4000, 0x1000, 4 * 8 * 4, ("stream", 7))
+    exe.close()
 
 
 # ---------------------------------------------------------------------------------------------

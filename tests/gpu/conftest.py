@@ -7,7 +7,7 @@ import secrets
 
 import pytest
 
-from mdsl.backend.cuda.runtime import BACKENDS, has_gpu
+from mdsl.gpu import BACKENDS, has_gpu
 
 _ORDER = ("test_gpu_runtime", "test_gpu_ops", "test_gpu_coverage", "test_gpu_examples")
 #: The modules whose programs are built by harness.build: each of their tests runs once per backend

@@ -2,7 +2,8 @@
 kernel that needs more than 48 KB of dynamic shared memory."""
 from __future__ import annotations
 
-from mdsl.backend.cuda.codegen import CudaProgram, KernelLaunch
+from mdsl.backend.cuda.codegen import CudaProgram
+from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import KernelGraph, Node, make_var
 from mdsl.ir.ops import get_op

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pytest
 
-from mdsl.backend.cuda import runtime
+from mdsl import gpu as runtime
 from mdsl.backend.reference import run_kernel_graph
 from mdsl.ir.dtypes import DType, bf16, f16, i32
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph

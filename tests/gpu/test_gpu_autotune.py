@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mdsl.backend.cuda import autotune, runtime
+from mdsl import gpu as runtime
+from mdsl.backend.cuda import autotune
 from mdsl.search.guided import generate
 from tests.backend.cuda.programs import example_kernels
 from tests.gpu.harness import check_graph

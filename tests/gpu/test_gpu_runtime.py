@@ -15,7 +15,7 @@ import pytest
 import mdsl
 from mdsl import Tensor, f16, f32
 from mdsl.backend.cuda import runtime
-from mdsl.backend.cuda.runtime import ArgumentError, DeviceArray, Executable
+from mdsl.gpu import ArgumentError, DeviceArray, Executable
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.ir.dtypes import bf16, i32, round_to_dtype
 from tests.gpu import handwritten

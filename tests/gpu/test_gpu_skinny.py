@@ -1,10 +1,9 @@
-"""The skinny loop on the GPU (mdsl.backend.cuda.skinny): the benchmark plans of RMSNorm+Linear at batch 1
-and 8 and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
-(tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and with the K
-split over clusters of 2 and 4 blocks (sm_90+), and launched to overlap the previous kernel, against the
-float64 reference on fresh inputs, and walking K from staggered slabs; kernels overlapping their predecessors in chains (skinny ones, and
-the tile kernels of the other benchmark plans); and the autotuner times the skinny loop beside the
-tile loop, all correct.
+"""The skinny loop on the GPU (mdsl.lowering.skinny): the benchmark plans of RMSNorm+Linear at batch 1 and 8
+and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
+(tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and launched to
+overlap the previous kernel, against the float64 reference on fresh inputs, and walking K from staggered
+slabs; kernels overlapping their predecessors in chains (skinny ones, and the tile kernels of the other
+benchmark plans); and the autotuner times the skinny loop beside the tile loop, all correct.
 
     pytest tests/gpu/test_gpu_skinny.py -m gpu
 """
@@ -13,57 +12,49 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mdsl.backend.cuda import autotune, runtime
-from mdsl.backend.cuda.options import CudaOptions, arch_number
+from mdsl import gpu as runtime
+from mdsl.backend.cuda import autotune
 from mdsl.ir.text import parse_graph
+from mdsl.lowering.options import CudaOptions, arch_number
 from tests.backend.cuda.programs import guided_plan, skinny_programs
 from tests.gpu.harness import compare, poisoned, random_inputs, reference, rng_for, run, tolerance, upload
 from tests.ir.skinny_texts import rms_norm_linear
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, cluster, overlap, stagger, lead, stage_x, wide_x", [
-    (None, 1, False, False, 2, False, False), (256, 1, False, False, 2, False, False),
-    (None, 2, False, False, 2, False, False), (None, 4, False, False, 2, False, False),
-    (None, 1, True, False, 2, False, False), (None, 4, True, False, 2, False, False),
-    (None, 1, False, True, 2, False, False), (256, 1, True, True, 2, False, False),
-    (None, 1, True, True, 4, False, False), (256, 1, False, False, 0, False, False),
-    (None, 1, False, False, 2, True, False), (256, 1, True, True, 2, True, False),
-    (None, 2, True, True, 2, True, False), (None, 1, True, True, 2, False, True),
-    (256, 1, True, True, 0, False, True), (None, 2, False, True, 2, True, True), (384, 1, True, False, 0, False, True)])
+@pytest.mark.parametrize("threads, overlap, stagger, lead, wide_x", [
+    (None, False, False, 2, False), (256, False, False, 2, False), (None, True, False, 2, False),
+    (None, False, True, 2, False), (256, True, True, 2, False), (None, True, True, 4, False),
+    (256, False, False, 0, False), (None, True, True, 2, True), (256, True, True, 0, True),
+    (None, False, True, 2, True), (384, True, False, 0, True)])
 @pytest.mark.parametrize("name", sorted(skinny_programs()))
-def test_the_skinny_loop_computes_the_program(name, threads, cluster, overlap, stagger, lead, stage_x, wide_x):
+def test_the_skinny_loop_computes_the_program(name, threads, overlap, stagger, lead, wide_x):
     graph = skinny_programs()[name]
-    what = (f"{name}, skinny loop, {threads or 'own'} threads, K split over clusters of {cluster}, overlap {overlap}, "
-            f"staggered {stagger}, L2 prefetch lead {lead}, X staged {stage_x}, wide X {wide_x}")
-    test_id = f"skinny:{name}:{threads}" + (f":cluster {cluster}" if cluster > 1 else "") + \
-        (":overlap" if overlap else "") + (":stagger" if stagger else "") + (f":lead {lead}" if lead != 2 else "") + \
-        (":stage_x" if stage_x else "") + (":wide_x" if wide_x else "")
+    what = (f"{name}, skinny loop, {threads or 'own'} threads, overlap {overlap}, staggered {stagger}, "
+            f"L2 prefetch lead {lead}, wide X {wide_x}")
+    test_id = f"skinny:{name}:{threads}" + (":overlap" if overlap else "") + (":stagger" if stagger else "") + \
+        (f":lead {lead}" if lead != 2 else "") + (":wide_x" if wide_x else "")
     inputs = random_inputs(graph, rng_for(test_id))
     want = reference(graph, inputs)
-    options = CudaOptions(skinny=True, threads=threads, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead,
-                          stage_x=stage_x, wide_x=wide_x)
+    options = CudaOptions(skinny=True, threads=threads, overlap=overlap, stagger=stagger, lead=lead, wide_x=wide_x)
     executable = runtime.compile_graph(graph, options=options)
     source = executable.program.source
     assert "::run(skinny_acc" in source, f"{what}: the skinny loop was not taken"
-    if cluster > 1 and arch_number(runtime.target_arch()) >= 90 and "65_slabs" not in name:   # 65 slabs: no split
-        assert f"__cluster_dims__({cluster}, 1, 1)" in source, f"{what}: not split over a cluster"
     compare(executable, run(executable, inputs), want, tolerance(graph), what)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [1, 4])
-def test_overlapping_kernels_wait_for_their_predecessor_s_writes_and_reads(cluster):
+def test_overlapping_kernels_wait_for_their_predecessor_s_writes_and_reads():
     """Two skinny kernels launched to overlap their predecessors (programmatic dependent launch), the
     second reading what the first writes, three rounds on one stream with no synchronization: each
     second kernel must see its first's output (read after write), and each first kernel must not
     overwrite that output before the previous second kernel has read it (write after read)."""
     first = parse_graph(rms_norm_linear(16, 64, blocks=96, k=4096))              # X W1 -> Y: f16[16, 6144]
     second = parse_graph(rms_norm_linear(16, 64, blocks=32, k=6144, forloop=32))  # Y W2 -> Z: f16[16, 2048]
-    options = CudaOptions(skinny=True, cluster=cluster, overlap=True)
+    options = CudaOptions(skinny=True, overlap=True)
     a, b = (runtime.compile_graph(g, options=options) for g in (first, second))
     assert all(launch.overlap for launch in a.program.launches + b.program.launches)
-    rng = rng_for(f"skinny:overlap chain:{cluster}")
+    rng = rng_for("skinny:overlap chain")
     xs = [random_inputs(first, rng)[0] for _ in range(3)]
     w1, w2 = random_inputs(first, rng)[1], random_inputs(second, rng)[1]
     w1_gpu = runtime.DeviceArray.from_numpy(w1, first.inputs[1].dtype)
@@ -108,8 +99,7 @@ def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path
     space = autotune.parameter_space(stages=(3,), threads=(None,))
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())
-    skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
-                    * len(autotune.STAGE_X) * len(autotune.WIDE_X))
+    skinny_kinds = len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS) * len(autotune.WIDE_X)
     unprefetched = skinny_kinds // len(autotune.LEADS) * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
     assert len(result.timings) == 1 + skinny_kinds + unprefetched, report   # the tile loop; each skinny one
     assert all(t.us is not None for t in result.timings), report   # both correct, both timed

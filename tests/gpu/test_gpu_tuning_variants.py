@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from mdsl.backend.cuda import autotune, runtime
+from mdsl import gpu as runtime
+from mdsl.backend.cuda import autotune
 from mdsl.search import variants as V
 from mdsl.search.dims import Labels
 from mdsl.search.guided import Choice, lift
@@ -42,7 +43,6 @@ def test_every_variant_runs_correctly_and_the_pick_computes_the_program(name, tm
     for key, value in {"MDSL_CUDA_STAGES": str(result.options.stages),
                        "MDSL_CUDA_THREADS": str(result.options.threads or ""),
                        "MDSL_CUDA_SKINNY": str(int(result.options.skinny)),
-                       "MDSL_CUDA_CLUSTER": str(result.options.cluster),
                        "MDSL_CUDA_OVERLAP": str(int(result.options.overlap)),
                        "MDSL_CUDA_STAGGER": str(int(result.options.stagger))}.items():
         monkeypatch.setenv(key, value)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpus() -> int:
-    from mdsl.backend.cuda.runtime import driver, has_gpu
+    from mdsl.gpu.driver import driver, has_gpu
 
     return driver.cuDeviceGetCount()[1] if has_gpu() else 0
 

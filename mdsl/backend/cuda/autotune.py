@@ -35,27 +35,23 @@ import attrs
 import numpy as np
 
 from mdsl.backend.cuda.codegen import emit_cuda
-from mdsl.backend.cuda.nvrtc import _write_atomic
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import MdslError
+from mdsl.gpu.cache import write_atomic
+from mdsl.gpu.cache import cache_dir as _cache_dir
 from mdsl.ir.graph import KernelGraph
-from mdsl.ir.skinny import CLUSTERS as SKINNY_CLUSTERS
 from mdsl.ir.text import print_graph
+from mdsl.lowering.options import CudaOptions
 
 SCHEMA = 2                          # 2: timed over inputs rotated past L2, on the unchecked path
 STAGES = (2, 3, 4)
 THREADS = (None, 256)               # None: each block graph's own
 SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, skinny.py) where it qualifies
-CLUSTERS = SKINNY_CLUSTERS         # the skinny loop's K split over a thread-block cluster (sm_90+), where it fits
 OVERLAP = (False, True)             # custom kernels launched to overlap their predecessors (sm_90+), with the skinny options
 STAGGER = (False, True)             # the skinny loop's blocks walking K from staggered slabs
 # loop iterations the skinny loop's L2 prefetches run ahead of its loads (0: none). On the H200 (seventh
 # session) 4 was slower than 2 in every case (rms_norm_linear_bs8 20.4 against 19.1 us); none was faster with 8
 # warps a block at batch 1 (16.6 against 17.4 us) and slower with 4
 LEADS = (2, 0)
-# X staged in shared memory by bulk copies (sm_90+): slower in every case on the H200 (seventh session:
-# rms_norm_linear_bs8 21.5 against 19.1 us; every block copies X at the start), so not tried (the option stays)
-STAGE_X = (False,)
 WIDE_X = (False, True)              # the skinny loop's steps of two slabs, X's fragments in 16-byte loads
 # more warps where the skinny loop sends nothing to L2 ahead (lead 0): its bytes in flight are then the
 # register buffers' alone, a block's warps times their two buffers (384 threads: 170 registers each at most)
@@ -76,14 +72,10 @@ class Variant:
         threads = "own threads" if o.threads is None else f"{o.threads} threads"
         name = f" ({self.name})" if self.name else ""
         loop = "skinny loop where it qualifies" if o.skinny else f"{o.stages}-stage pipeline"
-        if o.skinny and o.cluster > 1:
-            loop += f" (K split over clusters of {o.cluster})"
         if o.skinny and o.stagger:
             loop += " (staggered)"
         if o.skinny and o.lead != 2:
             loop += f" (L2 prefetch {o.lead} iterations ahead)"
-        if o.skinny and o.stage_x:
-            loop += " (X staged in shared memory)"
         if o.skinny and o.wide_x:
             loop += " (X in 16-byte loads)"
         if o.overlap:
@@ -174,30 +166,27 @@ def describe_grid(graph: KernelGraph) -> str:
 
 
 def parameter_space(stages: Sequence[int] = STAGES, threads: Sequence = THREADS,
-                    skinny: Optional[Sequence[bool]] = None, clusters: Sequence[int] = CLUSTERS,
-                    overlap: Sequence[bool] = OVERLAP, stagger: Sequence[bool] = STAGGER,
-                    leads: Sequence[int] = LEADS, stage_x: Sequence[bool] = STAGE_X,
+                    skinny: Optional[Sequence[bool]] = None, overlap: Sequence[bool] = OVERLAP,
+                    stagger: Sequence[bool] = STAGGER, leads: Sequence[int] = LEADS,
                     wide_x: Sequence[bool] = WIDE_X, unprefetched_threads: Sequence = UNPREFETCHED_THREADS) -> list:
     """The lowering options tried for every candidate: each pipeline depth with each block size, with and
     without the skinny loop, tensor cores and register accumulators on (their correctness is what the GPU
     tests check). The skinny loop has no pipeline, and where it does not qualify the tile loop is emitted:
     `variants` drops the repeated sources, so it adds one compile per block size where it applies; it is
-    tried with each of `clusters` (its K split over a cluster's blocks; where that does not fit, the
-    source repeats the unsplit one and is dropped too) and each of `overlap` (every custom kernel launched
-    to overlap its predecessor: programmatic dependent launch, sm_90+; so a graph without a skinny loop
-    gets its tile loop timed overlapping too, and no more), each of `stagger`, each of `leads` (how
-    many loop iterations ahead its weight slabs are sent to L2) and each of `stage_x` (X copied into shared
-    memory by the bulk-copy engine; where that does not apply the source repeats and is dropped) and of
-    `wide_x` (steps of two slabs, X's fragments in 16-byte loads; likewise). Without L2 prefetches (lead
-    0) the skinny loop is also tried with `unprefetched_threads` (more warps, more loads in flight).
+    tried with each of `overlap` (every custom kernel launched to overlap its predecessor: programmatic
+    dependent launch, sm_90+; so a graph without a skinny loop gets its tile loop timed overlapping too,
+    and no more), each of `stagger`, each of `leads` (how many loop iterations ahead its weight slabs are
+    sent to L2) and each of `wide_x` (steps of two slabs, X's fragments in 16-byte loads; where that does
+    not apply the source repeats and is dropped). Without L2 prefetches (lead 0) the skinny loop is also
+    tried with `unprefetched_threads` (more warps, more loads in flight).
     `skinny` None: SKINNY, unless the environment switches the skinny loop off (MDSL_CUDA_SKINNY=0)."""
     if skinny is None:
         switched_off = os.environ.get("MDSL_CUDA_SKINNY", "").strip().lower() in ("0", "false", "off", "no")
         skinny = (False,) if switched_off else SKINNY
-    return [CudaOptions(stages=s, threads=t, skinny=k, cluster=c, overlap=o, stagger=g, lead=d, stage_x=x, wide_x=v)
-            for k in skinny for c in (clusters if k else (1,)) for o in (overlap if k else (False,))
+    return [CudaOptions(stages=s, threads=t, skinny=k, overlap=o, stagger=g, lead=d, wide_x=v)
+            for k in skinny for o in (overlap if k else (False,))
             for g in (stagger if k else (False,)) for d in (leads if k else (2,))
-            for x in (stage_x if k else (False,)) for v in (wide_x if k else (False,))
+            for v in (wide_x if k else (False,))
             for t in (*threads, *(unprefetched_threads if k and d == 0 else ())) for s in stages]
 
 
@@ -233,8 +222,7 @@ def emitted_variants(candidates, space, arch: str, spaces=None, names=None) -> l
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdsl")
-    return Path(root) / "autotune"
+    return _cache_dir("autotune")
 
 
 def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions],
@@ -254,7 +242,7 @@ def store(key: str, result: TuneResult, device: str) -> Optional[Path]:
              "options": attrs.asdict(result.variant.options), "us": result.us}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1).encode())
+        write_atomic(path, json.dumps(entry, sort_keys=True, indent=1).encode())
     except OSError as e:
         warnings.warn(f"mdsl: could not write the autotune cache entry {path}: {e}", stacklevel=2)
         return None

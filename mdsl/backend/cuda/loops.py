@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 
 import attrs
 
-from mdsl.backend.cuda.source import CodeWriter, Namer, Operand, contiguous_strides, offset
+from mdsl.backend.cuda.source import CodeWriter, Operand, offset
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
-
-
-BLOCK_UNROLL = 4
+from mdsl.lowering.grid import BLOCK_UNROLL, without
+from mdsl.lowering.index import broadcast_strides
+from mdsl.lowering.names import Namer
 
 
 @attrs.frozen
@@ -63,11 +63,6 @@ class Threads:
         with w.block(f"for (int o0 = {start}; o0 < {n}; o0 += {step})"):
             w(f"const int o = o0 + {group};", f"const int lane = {'0' if lanes == 1 else f'threadIdx.x % {lanes}'};")
             yield
-
-
-def blocks_for(n: int, per_block: int) -> int:
-    """Blocks for a grid-wide loop over n items (the loops stride, so the grid may be smaller)."""
-    return max(1, min(math.ceil(n / per_block), 65535))
 
 
 def load_float(op: Operand, off: str) -> str:
@@ -115,9 +110,7 @@ def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list,
 def _lacking_dims(space: tuple, shape: tuple) -> str:
     """A C expression that is 0 exactly where index i's coordinates are 0 along the dims of `space`
     that an array of `shape` is broadcast along."""
-    pad = len(space) - len(shape)
-    strides = [s if (d < pad or shape[d - pad] == 1) else 0 for d, s in enumerate(contiguous_strides(space))]
-    return offset("i", space, Operand("", "", space, tuple(strides)))
+    return offset("i", space, Operand("", "", space, broadcast_strides(space, shape)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,22 +130,13 @@ class Fold:
 SUM = Fold("0.0f", "v + x", "mdsl::Sum()")
 MAX = Fold("mdsl::neg_inf()", "fmaxf(v, x)", "mdsl::Max()")
 SUM_OF_SQUARES = Fold("0.0f", "fmaf(x, x, v)", "mdsl::Sum()")
-
-
-def without(seq: tuple, dim: int) -> tuple:
-    return tuple(s for d, s in enumerate(seq) if d != dim)
+#: the lowering's folds by name (mdsl.lowering.skinny.ROW_FOLDS)
+FOLDS = {"sum": SUM, "max": MAX, "sum_of_squares": SUM_OF_SQUARES}
 
 
 def row_view(op: Operand, dim: int) -> Operand:
     """The operand seen as rows: one element per row, `dim` removed (its first element)."""
     return op.viewed(without(op.shape, dim), without(op.strides, dim))
-
-
-def group_lanes(length: int, spare: int) -> int:
-    """Lanes per row: a power of two, at most 32, at most the row's length and at most `spare` (the
-    threads available per row)."""
-    want = max(1, min(32, length, spare))
-    return 1 << (want.bit_length() - 1)
 
 
 def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fold: Fold, lanes: int,

@@ -11,6 +11,7 @@ read (a corrupt one is compiled again, with a warning).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -20,10 +21,10 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import attrs
-
-from mdsl.backend.cuda.source import OP_MARKER
 from mdsl.errors import MdslError, UnsupportedError
+from mdsl.gpu.cache import cache_dir, write_atomic
+from mdsl.gpu.program import CompiledModule, parse_resources
+from mdsl.lowering.names import OP_MARKER
 
 DEFAULT_ARCH = "sm_90a"
 PROGRAM_NAME = "mdsl.cu"
@@ -39,32 +40,10 @@ class CompileError(MdslError):
         self.log, self.source, self.line = log, source, line
 
 
-@attrs.frozen
-class Resources:
-    registers: int
-    smem_bytes: int          # static shared memory (the dynamic part is the launch's)
-    stack_bytes: int
-    spill_store_bytes: int
-    spill_load_bytes: int
-
-
-@attrs.frozen
-class CompiledModule:
-    cubin: bytes
-    log: str
-    resources: dict          # kernel name -> Resources
-    arch: str
-
-
 def compile_arch(arch: Optional[str] = None) -> str:
     """The architecture to compile for: the one given (the runtime passes its device's), else
     `$MDSL_CUDA_ARCH`, else sm_90a (Hopper with its arch-specific features)."""
     return arch or os.environ.get("MDSL_CUDA_ARCH") or DEFAULT_ARCH
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mdsl")
-    return Path(root) / "cubin"
 
 
 def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> CompiledModule:
@@ -80,6 +59,12 @@ def compile_cuda(source: str, *, arch: Optional[str] = None, options: tuple = ()
         cubin, log = _compile(nvrtc, source, arch, options)
         _write_cache(key, cubin, log)
     return CompiledModule(cubin, log, parse_resources(log), arch)
+
+
+@functools.lru_cache(maxsize=256)
+def compile_source(source: str, arch: str) -> CompiledModule:
+    """`compile_cuda(source, arch=arch)`, once per process."""
+    return compile_cuda(source, arch=arch)
 
 
 def compile_ptx(source: str, *, arch: Optional[str] = None, options: tuple = ()) -> str:
@@ -188,25 +173,6 @@ def compile_error(source: str, log: str) -> CompileError:
                         f"  {PROGRAM_NAME}:{line}{more}\n{shown}", log=log, source=source, line=line)
 
 
-_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
-
-
-def parse_resources(log: str) -> dict:
-    """Kernel name -> Resources, from ptxas's verbose report in the NVRTC log."""
-    found: dict = {}
-    name, frame = None, (0, 0, 0)
-    for line in log.splitlines():
-        if m := _ENTRY.search(line):
-            name, frame = m.group(1), (0, 0, 0)
-        elif (m := _FRAME.search(line)) and name:
-            frame = tuple(int(g) for g in m.groups())
-        elif (m := _USED.search(line)) and name:
-            found[name] = Resources(int(m.group(1)), int(m.group(2) or 0), *frame)
-    return found
-
-
 # ---------------------------------------------------------------------------------------------
 # the disk cache
 
@@ -218,7 +184,7 @@ def _cache_key(source: str, arch: str, options: tuple, nvrtc) -> str:
 
 
 def _paths(key: str) -> tuple:
-    d = cache_dir()
+    d = cache_dir("cubin")
     return d / f"{key}.cubin", d / f"{key}.log"
 
 
@@ -239,23 +205,12 @@ def _read_cache(key: str) -> Optional[tuple]:
     return cubin, log
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _write_cache(key: str, cubin: bytes, log: str) -> None:
     cubin_path, log_path = _paths(key)
     try:
         cubin_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(log_path, log.encode())   # the log first: a cubin is only ever read with its log
-        _write_atomic(cubin_path, cubin)
+        write_atomic(log_path, log.encode())   # the log first: a cubin is only ever read with its log
+        write_atomic(cubin_path, cubin)
     except OSError as e:
         warnings.warn(f"mdsl: could not write the cubin cache ({e}); continuing without it", stacklevel=3)
 

@@ -380,41 +380,7 @@ template <> __device__ __forceinline__ float2 unpack<__nv_bfloat16>(unsigned bit
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
-// ---- thread-block clusters (sm_90+): a barrier over the cluster's blocks (arrive and wait apart, so that
-// work runs in between), and stores into another block's shared memory (distributed shared memory)
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
-// the address of `p` (this block's shared memory) in block `rank`'s shared memory
-__device__ __forceinline__ unsigned cluster_address(const void* p, unsigned rank) {
-  unsigned out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-               : "=r"(out) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ void cluster_store(unsigned address, float v) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(address), "f"(v) : "memory");
-}
-// bulk copies (the copy engine, no registers or per-thread requests) into this block's shared memory, counted
-// by an mbarrier's transaction bytes: one thread initializes it and expects the bytes, any thread waits
-__device__ __forceinline__ unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(shared_address(bar)), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbarrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(shared_address(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned phase) {
-  asm volatile("{\n .reg .pred done;\n waiting:\n"
-               " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               " @!done bra waiting;\n}\n" :: "r"(shared_address(bar)), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(bar)) : "memory");
-}
 // programmatic dependent launch: the previous kernel of the stream has finished and its writes are visible
 // (returns at once for a kernel launched without the programmatic attribute); the next kernel may launch
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
@@ -424,15 +390,13 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 // STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
 // that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
 // iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads (0: none). STRADDLE: a column group's
-// row may cross a 128-byte line (mdsl.backend.cuda.skinny.straddles): its prefetches take both lines.
-// STAGE_X (sm_90+): X's rows are copied into shared memory by bulk copies in XPARTS parts of K, each
-// completing its own mbarrier, and the slabs read their X fragments there (a slab first waits for its
-// part): the block's global requests in the loop are the weights' only. WIDE_X: a step ("slab" below) is
+// row may cross a 128-byte line (mdsl.lowering.skinny.straddles): its prefetches take both lines.
+// WIDE_X: a step ("slab" below) is
 // two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
 // second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
 // instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2, bool STRADDLE = false, bool STAGE_X = false, bool WIDE_X = false>
+          int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -445,9 +409,6 @@ struct Skinny {
   static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
   static constexpr int STEP = 16 / (VEC * MATS * SPAN) > 0 ? 16 / (VEC * MATS * SPAN) : 1;   // steps a warp loads at once
   static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
-  static constexpr int XLD = K + 8;                 // a staged row of X (SkinnyPlan.staged_x_bytes)
-  static constexpr int XPARTS = SLABS % 4 == 0 ? 4 : 1;   // SkinnyPlan.x_parts
-  static constexpr int XPART = K / XPARTS;          // elements of a row in one part
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
   static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K whole steps");
   static_assert(!WIDE_X || LDX % 8 == 0, "skinny: rows of X aligned to 16 bytes for WIDE_X");
@@ -475,12 +436,10 @@ struct Skinny {
     return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
   }
 
-  // a slab's loads from this thread's pointers (w: row ROWS t of its chunk; x: its rows of X at ROWS t, in device
-  // memory or, STAGE_X, in shared memory once the slab's part has landed); a slab past the end loads the
-  // last one again (its values unused): no predicates, no zeroing
+  // a slab's loads from this thread's pointers (w: row ROWS t of its chunk; x: its rows of X at ROWS t); a slab
+  // past the end loads the last one again (its values unused): no predicates, no zeroing
   template <bool CLAMP = true>
-  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab,
-                                              unsigned long long* parts) {
+  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
     const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16 * SPAN;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
@@ -488,49 +447,19 @@ struct Skinny {
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
     }
-    if constexpr (STAGE_X) {
-#if __CUDA_ARCH__ >= 900
-      mbarrier_wait(&parts[k / XPART], 0);
-#endif
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k, false);
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k, true);
-    }
+    for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k);
   }
 
-  // a row fragment of X: 8 bytes, or 16 (WIDE_X), from device memory (read-only path) or shared memory
-  static __device__ __forceinline__ void load_x(unsigned (&to)[2 * SPAN], const E* from, bool global) {
+  // a row fragment of X: 8 bytes, or 16 (WIDE_X), by the read-only path
+  static __device__ __forceinline__ void load_x(unsigned (&to)[2 * SPAN], const E* from) {
     if constexpr (WIDE_X) {
-      const uint4 v = global ? __ldg(reinterpret_cast<const uint4*>(from)) : *reinterpret_cast<const uint4*>(from);
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(from));
       to[0] = v.x; to[1] = v.y; to[2] = v.z; to[3] = v.w;
     } else {
-      const uint2 v = global ? __ldg(reinterpret_cast<const uint2*>(from)) : *reinterpret_cast<const uint2*>(from);
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(from));
       to[0] = v.x; to[1] = v.y;
     }
-  }
-
-  // STAGE_X: X's M rows of this block's K into `staged` (rows XLD apart), part by part in the order this
-  // block's walk reaches them, each part's copies completing its mbarrier. Every thread calls it (a barrier
-  // publishes the initialized mbarriers), after the wait for the previous kernel (it may have written X)
-  static __device__ __forceinline__ void stage_x(E* staged, unsigned long long* parts, const E* __restrict__ X) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {
-      for (int p = 0; p < XPARTS; ++p) mbarrier_init(&parts[p], 1);
-      mbarrier_init_fence();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int first = walked(0) * 16 * SPAN / XPART;
-      for (int q = 0; q < XPARTS; ++q) {
-        const int p = (first + q) % XPARTS;
-        mbarrier_expect_bytes(&parts[p], M * XPART * sizeof(E));
-        for (int r = 0; r < M; ++r)
-          bulk_copy_to_shared(staged + r * XLD + p * XPART, X + r * LDX + p * XPART, XPART * sizeof(E), &parts[p]);
-      }
-    }
-#endif
   }
 
   // lane (g, t)'s row ROWS t of its column group's first column in each weight (see `prefetch`)
@@ -615,10 +544,8 @@ struct Skinny {
 
   // acc = this warp's part of X W for each weight; fold(mt, x) sees every element x of X's rows mt * 8 + g
   // (g = lane / 4) in the block's K exactly once over the block (warps of the first column group only)
-  // (STAGE_X: X's fragments read from `staged`, each slab after its part's mbarrier in `parts`)
   template <typename F>
-  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS],
-                                             const E* staged, unsigned long long* parts, F fold) {
+  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold) {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
@@ -634,7 +561,7 @@ struct Skinny {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int row = mt * 8 + g < M ? mt * 8 + g : M - 1;
-      xs[mt] = STAGE_X ? staged + row * XLD + ROWS * t : X + row * LDX + ROWS * t;
+      xs[mt] = X + row * LDX + ROWS * t;
     }
     const E* lines[MATS];
     group_rows(lines, W);
@@ -646,7 +573,7 @@ struct Skinny {
     // Each iteration also sends the slabs of the one LEAD ahead to L2 (those up to it went before).
     Slab a[STEP], b[STEP];
 #pragma unroll
-    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW, parts);
+    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
 #pragma unroll
     for (int ahead = 1; ahead < LEAD; ++ahead) prefetch(lines, kw + 2 * ahead * STEP * KW);
     int slab = kw;
@@ -654,15 +581,15 @@ struct Skinny {
     for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
       prefetch(lines, slab + 2 * (LEAD > 0 ? LEAD : 1) * STEP * KW);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW, parts);   // within K
+      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
       step<true>(acc, a, slab, folds, fold);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW, parts);
+      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
       step<true>(acc, b, slab + STEP * KW, folds, fold);
     }
     if (slab < SLABS) {   // fewer than 2 STEP slabs left: a holds the first STEP of them
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW, parts);
+      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
       step<false>(acc, a, slab, folds, fold);
       step<false>(acc, b, slab + STEP * KW, folds, fold);
     }

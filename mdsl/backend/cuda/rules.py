@@ -20,21 +20,18 @@ from typing import Callable, Optional
 import attrs
 
 from mdsl.backend.cuda.block import emit_custom
-from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, blocks_for, emit_row_reduce,
-                                     emit_thread_graph, group_lanes, load_float, row_view, store_float, without)
-from mdsl.backend.cuda.mma import MMA_MIN_ARCH, mma_multiply, mma_store
-from mdsl.backend.cuda.options import arch_number
-from mdsl.backend.cuda.source import Operand, ctype, float_literal, offset
+from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
+                                     load_float, row_view, store_float)
+from mdsl.backend.cuda.mma import mma_class, mma_multiply, mma_store
+from mdsl.backend.cuda.source import Operand, element_ctype, float_literal, offset
 from mdsl.errors import UnsupportedError
-from mdsl.ir.graph import Node, ThreadGraph
+from mdsl.ir.graph import Node
 from mdsl.ir.ops import extend_op
+from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
+                                row_kernel_grid, without)
+from mdsl.lowering.mma import kernel_mma_dtype
 
-KERNEL_THREADS = 256  # threads per block of the standard kernels
 GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
-
-
-def _grid(n: int) -> tuple:
-    return (blocks_for(n, KERNEL_THREADS), 1, 1)
 
 
 def _grid_threads() -> Threads:
@@ -45,23 +42,18 @@ def _grid_threads() -> Threads:
 # element-wise operators
 
 
-def _alone(node: Node) -> ThreadGraph:
-    """The one-node thread graph of an element-wise node (mul(x, x) reads x once)."""
-    return ThreadGraph(list(dict.fromkeys(node.inputs)), [node], node.outputs)
-
-
 @attrs.frozen
 class Elementwise:
     expr: Callable  # (node, operand registers) -> C expression
 
     def block(self, b, node: Node) -> None:
-        tg = _alone(node)
+        tg = alone(node)
         emit_thread_graph(b.w, b.threads, b.namer, tg, [b.tile(v) for v in tg.inputs],
                           [b.tile(v) for v in node.outputs])
 
     def kernel(self, program, index: int, node: Node) -> None:
-        tg = _alone(node)
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        tg = alone(node)
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             emit_thread_graph(k.w, _grid_threads(), k.namer, tg, [k.inputs[node.inputs.index(v)] for v in tg.inputs],
                               k.outputs)
 
@@ -120,7 +112,7 @@ class Fused:
 
 class Matmul:
     def block(self, b, node: Node) -> None:
-        """On tensor cores where the operands allow (`mdsl.backend.cuda.mma`), else one thread per
+        """On tensor cores where the operands allow (`mdsl.lowering.mma`), else one thread per
         output element, its dot product over K read from the two tiles. A matmul whose sum the loop
         keeps in registers (`b.register_accumulated`) adds into its accumulator's fragments instead."""
         a, w, out = b.tile(node.inputs[0]), b.tile(node.inputs[1]), b.tile(node.output)
@@ -134,7 +126,7 @@ class Matmul:
                                                      lambda frags: mma_multiply(shape, frags, a, w, out.shape[:-2]))
                 return
             with b.w.block(""):
-                b.w(f"{shape.cls}::Fragments acc;", f"{shape.cls}::zero(acc);",
+                b.w(f"{mma_class(shape)}::Fragments acc;", f"{mma_class(shape)}::zero(acc);",
                     mma_multiply(shape, "acc", a, w, out.shape[:-2]), mma_store(shape, "acc", out))
             return
         self._scalar(b, a, w, out)
@@ -169,49 +161,25 @@ class Matmul:
                 ptrs.append(op.ptr if start == "0" else f"{op.ptr} + {start}")
             if batch:
                 k.w("const int batch = blockIdx.z;")
-            element = _mma_element(program, node)
+            element = kernel_mma_dtype(node, program.options, program.arch)
             if element is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile below)
-                k.w(f"mdsl::gemm_tile_mma<{element}, {m}, {n}, {k_len}>({', '.join(ptrs)});")
+                k.w(f"mdsl::gemm_tile_mma<{element_ctype(element)}, {m}, {n}, {k_len}>({', '.join(ptrs)});")
             else:
                 k.w(f"mdsl::gemm_tile<{m}, {n}, {k_len}>({', '.join(ptrs)});")
-
-
-def _mma_element(program, node: Node) -> Optional[str]:
-    """The C type of the fragments when a kernel-level matmul runs on tensor cores: both operands of
-    one 16-bit dtype, a target with mma.sync, and the option on."""
-    dtypes = {v.dtype.name for v in node.inputs}
-    if not program.options.mma or arch_number(program.arch) < MMA_MIN_ARCH or dtypes not in ({"f16"}, {"bf16"}):
-        return None
-    return ctype(node.inputs[0].dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # reductions and norms over one dim
 
 
-def _dim(node: Node) -> int:
-    return node.attr("dim") % node.inputs[0].type.rank
-
-
 def _block_lanes(b, src: Operand, dim: int) -> int:
-    rows = math.prod(without(src.shape, dim))
-    return group_lanes(src.shape[dim], -(-b.threads.block // rows))
-
-
-def _kernel_lanes(node: Node) -> int:
-    # a row of contiguous elements is read by a group of lanes side by side; when the rows are the
-    # contiguous ones (a reduction over a leading dim), one thread per row keeps neighbours together
-    shape, dim = node.inputs[0].shape, _dim(node)
-    return group_lanes(shape[dim], 32) if math.prod(shape[dim + 1:]) == 1 else 1
+    return block_lanes(b.threads.block, src.shape, dim)
 
 
 def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
     """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
-    lanes = _kernel_lanes(node)
-    rows = node.inputs[0].type.numel // node.inputs[0].shape[_dim(node)]
-    grid = (blocks_for(rows, KERNEL_THREADS // lanes), 1, 1)
-    with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
-        emit(k.w, _grid_threads(), node, k.inputs[0], k.outputs[0], lanes)
+    with program.kernel(index, node, grid=row_kernel_grid(node), threads=KERNEL_THREADS) as k:
+        emit(k.w, _grid_threads(), node, k.inputs[0], k.outputs[0], kernel_lanes(node))
 
 
 @attrs.frozen
@@ -220,7 +188,7 @@ class Reduction:
     mean: bool = False
 
     def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
-        dim = _dim(node)
+        dim = reduced_dim(node)
         rows = without(src.shape, dim)
         out_rows = row_view(out, dim) if node.attr("keepdim") else out
         value = f"v / {float_literal(src.shape[dim])}" if self.mean else "v"
@@ -230,7 +198,7 @@ class Reduction:
 
     def block(self, b, node: Node) -> None:
         src = b.tile(node.inputs[0])
-        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, _dim(node)))
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -240,7 +208,7 @@ class RmsNorm:
     """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
 
     def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
-        dim = _dim(node)
+        dim = reduced_dim(node)
         rows = without(src.shape, dim)
         length = src.shape[dim]
 
@@ -257,7 +225,7 @@ class RmsNorm:
 
     def block(self, b, node: Node) -> None:
         src = b.tile(node.inputs[0])
-        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, _dim(node)))
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -303,7 +271,7 @@ class Concat:
         self._emit(b.w, b.threads, node, [b.tile(v) for v in node.inputs], b.tile(node.output))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             self._emit(k.w, _grid_threads(), node, k.inputs, k.outputs[0])
 
 
@@ -311,7 +279,7 @@ class Split:
     def kernel(self, program, index: int, node: Node) -> None:
         src = node.inputs[0]
         dim = node.attr("dim") % src.type.rank
-        with program.kernel(index, node, grid=_grid(src.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(src.type.numel), threads=KERNEL_THREADS) as k:
             x = k.inputs[0]
             with _grid_threads().each(k.w, src.type.numel):
                 k.w(f"const int c = {_coordinate(x.shape, dim)};")
@@ -322,7 +290,7 @@ class Split:
 class Transpose:
     def kernel(self, program, index: int, node: Node) -> None:
         perm = node.attr("perm")
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             x, out = k.inputs[0], k.outputs[0]
             permuted = x.viewed(out.shape, tuple(x.strides[p] for p in perm))
             with _grid_threads().each(k.w, node.output.type.numel):
@@ -452,8 +420,9 @@ class AccumulateRescaled(_Rescaling):
         now, nxt = self._maxima(b, node)
         rows, cols = acc.shape[-2:] if len(acc.shape) >= 2 else (1, acc.shape[-1])
         with b.w.block(""):
-            b.w(f"{shape.cls}::Fragments product;", f"{shape.cls}::zero(product);", multiply("product"))
-            with b.w.block(f"{shape.cls}::each({running}, product, [&](float& acc, float x, int batch, int row, int col)"):
+            cls = mma_class(shape)
+            b.w(f"{cls}::Fragments product;", f"{cls}::zero(product);", multiply("product"))
+            with b.w.block(f"{cls}::each({running}, product, [&](float& acc, float x, int batch, int row, int col)"):
                 b.w(f"const int flat = (batch * {rows} + row) * {cols} + col;  // element of {list(acc.shape)}")
                 b.w(*self._rescaled(b, node, now, "acc", "flat", acc.shape, "x"))
             b.w(");")

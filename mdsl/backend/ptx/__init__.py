@@ -10,8 +10,11 @@ the rows: `rows.py`), streamed combines (`streamed.py`), hoisted loop-invariant 
 `skinny.py`).
 Importing it loads neither llvmlite.binding nor the CUDA libraries."""
 from mdsl.backend.ptx.codegen import PtxProgram, emit_llvm
-from mdsl.backend.ptx.compile import (AssembledModule, PtxCompileError, PtxModule, assemble, assembler, compile_ptx,
-                                      llvm_to_ptx, ptx_target)
+from mdsl.backend.ptx.compile import (PtxCompileError, PtxModule, assemble, assembler, compile_ptx, llvm_to_ptx,
+                                      ptx_target)
+from mdsl.gpu.generators import CodeGenerator, register
 
-__all__ = ["PtxProgram", "emit_llvm", "AssembledModule", "PtxCompileError", "PtxModule", "assemble", "assembler",
-           "compile_ptx", "llvm_to_ptx", "ptx_target"]
+register(CodeGenerator("ptx", emit_llvm, lambda program, arch: compile_ptx(program.llvm_ir, arch)))
+
+__all__ = ["PtxProgram", "emit_llvm", "PtxCompileError", "PtxModule", "assemble", "assembler", "compile_ptx",
+           "llvm_to_ptx", "ptx_target"]

@@ -1,28 +1,8 @@
-"""The kernel of a graph-defined (`custom`) op as LLVM IR: its block graph lowered exactly as the CUDA
-backend lowers it (`mdsl.backend.cuda.block.lower`: schedule, layout, memory plan, and the choices the
-`CudaOptions` allow: block matmuls on tensor cores, `accum(matmul)` sums kept in the mma's registers,
-the cp.async pipeline's depth, loop chains kept in the registers of the warps owning their rows
-(`rows.py`), element-wise folding loops streamed from device memory (`streamed.py`) and loop-invariant
-nodes hoisted), following the same timeline (mdsl/backend/cuda/block.py):
-
-    streamed: each thread folds its accumulator elements over the loop from device memory; barrier;
-        each post-loop stage; the outputs stored
-    else:
-    accumulators start empty (in registers: zeroed fragments or row registers); loop-invariant tiles
-    are loaded; hoisted stages (barrier first)
-    pipelined: iterations 0 .. stages-2's tiles are issued (cp.async), one commit group each
-    for each of the `forloop` iterations:
-        pipelined: iteration it+stages-1's tiles are issued (after the barrier below where the loop
-        ends in row registers); wait for iteration it's group
-        else: the iteration's input tiles are loaded
-        barrier
-        each loop stage (accumulator updates included); barrier, but after trailing stages in registers
-    accumulators that need it are finalized, sums in registers stored to their tiles; barrier
-    each post-loop stage; barrier
-    the output tiles are stored where their omap puts them
-
-The copy into a ring slot is issued one iteration after the slot was last read, behind a barrier
-every thread passed after reading it, so a slot is never overwritten while read.
+"""A custom kernel written as LLVM IR: the lowered form (mdsl.lowering.kernel: the block graph's plans
+and the kernel's steps, in order) written step by step, each block-level node by its op's rule (`ptx`, or
+`rows.RULES` for the nodes in row registers) on the shared-memory tiles: the same timeline as the CUDA
+backend's (mdsl/backend/cuda/block.py). Each block finds its slices of the device tensors from its grid
+coordinates (imap and omap) and the iteration's tile from the loop counter (fmap).
 """
 from __future__ import annotations
 
@@ -32,17 +12,19 @@ from typing import Optional
 
 import attrs
 
-from mdsl.backend.cuda.block import Lowered, lower
-from mdsl.backend.cuda.mma import MmaShape
-from mdsl.backend.cuda.options import OVERLAP_MIN_ARCH, arch_number
-from mdsl.backend.cuda.rows import trailing_stages
+from mdsl.backend.ptx import rows
 from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.rows import RowKernel
-from mdsl.backend.ptx.skinny import emit_skinny, has_rules
+from mdsl.backend.ptx.skinny import emit_skinny
 from mdsl.backend.ptx.streamed import emit_streamed
 from mdsl.ir.graph import BlockGraph, Node
+from mdsl.lowering import kernel as steps
+from mdsl.lowering.block import Lowered
+from mdsl.lowering.index import part_extent, part_steps, vector_space, vector_strides
+from mdsl.lowering.kernel import FOLDED, ROWS, CustomKernel, lower_custom
+from mdsl.lowering.mma import MmaShape
 from mdsl.passes.layout import scratch_name
 
 _AXES = "xyz"
@@ -56,6 +38,7 @@ class BlockKernel:
 
     def __init__(self, fn: KernelFunction, smem, bg: BlockGraph, lowered: Lowered):
         self.fn = fn
+        self.smem = smem
         self.bg = bg
         self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
         self.loop_counter = None
@@ -63,6 +46,8 @@ class BlockKernel:
         self.lowered = lowered
         self.tiles: dict = {}
         self.register_accumulators: dict = {}  # matmul output name -> (its accumulator, its fragments)
+        self.rows: Optional[RowKernel] = None   # the row registers' state, where the lowering keeps rows there
+        self.parts: dict = {}                   # block input name -> the block's part of its device tensor
         memory = lowered.memory
         for t in memory.lifetimes:
             tile = self.layout.tiles[t.name]
@@ -73,11 +58,8 @@ class BlockKernel:
         return self.tiles[var.name]
 
     def block_index(self, axis: int):
-        """The block's coordinate along a grid axis of the block graph (a cluster's blocks, consecutive
-        along x, share one)."""
-        index = self.fn.sreg(f"ctaid.{_AXES[axis]}")
-        cluster = self.lowered.cluster
-        return self.fn.b.udiv(index, i32(cluster)) if axis == 0 and cluster > 1 else index
+        """The block's coordinate along a grid axis of the block graph."""
+        return self.fn.sreg(f"ctaid.{_AXES[axis]}")
 
     def scratch(self, node: Node) -> Array:
         return self.tiles[scratch_name(node)]
@@ -92,125 +74,148 @@ class BlockKernel:
 
 
 def emit_custom(program, index: int, node: Node) -> None:
-    options = program.options
-    bg = node.body if options.threads is None else attrs.evolve(node.body, threads=options.threads)
-    types, arch = tuple(v.type for v in node.inputs), arch_number(program.arch)
-    lowered = lower(bg, types, options, arch, skinny=options.skinny)
-    if lowered.skinny is not None and not has_rules(bg, lowered.skinny):
-        lowered = lower(bg, types, options, arch)
-    schedule, memory = lowered.schedule, lowered.memory
-    overlap = options.overlap and arch >= OVERLAP_MIN_ARCH
-    with program.kernel(index, node, grid=bg.grid, threads=bg.threads, smem=lowered.smem_bytes,
-                        cluster=lowered.cluster, overlap=overlap) as scope:
+    kernel = lower_custom(node, program.options, program.arch)
+    bg = kernel.body
+    with program.kernel(index, node, grid=kernel.grid, threads=kernel.threads, smem=kernel.smem_bytes,
+                        overlap=kernel.overlap) as scope:
         fn = scope.fn
-        smem = fn.shared_pointer(program.mb.dynamic_smem())
-        bk = BlockKernel(fn, smem, bg, lowered)
-        if overlap and lowered.skinny is None:   # (the skinny loop prefetches its first slabs before waiting)
+        bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, kernel.lowered)
+        if kernel.waits_first:
             fn.wait_for_previous_kernel()   # launched to overlap it: no global memory touched before
             fn.let_next_kernel_launch()
-        rk = RowKernel(bk, lowered.rows) if lowered.rows is not None else None
-        in_rows = lowered.rows.nodes if lowered.rows is not None else frozenset()
-        streamed = lowered.streamed or ()
-        read = {v.name for i in streamed for v in bg.nodes[i].inputs}   # from device memory
-        if lowered.skinny is not None:   # every input streamed from device memory
-            read = {inp.var.name for inp in bg.inputs}
-        parts = {inp.var.name: _input_part(bk, inp, tensor) for inp, tensor in zip(bg.inputs, scope.inputs)
-                 if inp.var.name in bk.tiles or inp.var.name in read}
-        if lowered.skinny is not None:
-            scratch = fn.b.gep(smem, [i32(lowered.scratch_offset)], inbounds=True, source_etype=I8)
-            emit_skinny(bk, bg, lowered.skinny, parts, scratch)
-            for stage in schedule.post:
-                _stage(bk, stage)
-            _store_outputs(bk, scope)
-            return
-        loaded = [inp for inp in bg.inputs if inp.var.name in parts]
-        per_iteration = [inp for inp in loaded if inp.fmap is not None]
-        if streamed:
-            emit_streamed(bk, bg, list(streamed), parts)
-            fn.barrier()
-            for stage in schedule.post:
-                _stage(bk, stage)
-            _store_outputs(bk, scope)
-            return
-        accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]  # those in registers too: their scratch
-        for acc in accumulators:
-            if bg.nodes.index(acc) in in_rows:
-                acc.opdef.rules["ptx_rows"].init(rk, acc)
-            else:
-                _rule(acc).init(bk, acc)
-        in_registers = _register_accumulators(bk)
-        for inp in loaded:
-            if inp.fmap is None:
-                _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
-        if schedule.pre:   # loop-invariant nodes, once before the loop
-            fn.barrier()
-            for stage in schedule.pre:
-                _stage(bk, stage)
-        stages = memory.stages
-        rings = {inp.var.name: bk.tile(inp.var) for inp in per_iteration if inp.var.name in memory.slot_bytes}
-        for ahead in range(stages - 1 if rings else 0):
-            _issue(bk, per_iteration, parts, rings, ahead)
-        # the loop's last stages in registers need no barrier after them; then, pipelined, the next
-        # copies are issued behind the barrier that opens an iteration, into the slot the last one read
-        # (every thread is past it), so that one barrier an iteration is enough (as the CUDA backend)
-        free = trailing_stages(schedule, lowered.rows)
-        issue_late = bool(rings) and free > 0 and len(rings) == len(per_iteration)
-        barrier_free = set(range(len(schedule.loop) - free, len(schedule.loop)))
-        if not issue_late:
-            barrier_free.discard(len(schedule.loop) - 1)   # the last stage's barrier closes the iteration
-        with fn.loop(i32(0), bg.forloop, 1) as it:
-            bk.loop_counter = it
-            if issue_late:
-                fn.copy_async_wait(stages - 2)   # this iteration's copies are done (this thread's)
-            elif rings:
-                _issue(bk, per_iteration, parts, rings, fn.b.add(it, i32(stages - 1)))
-                fn.copy_async_wait(stages - 1)
-            else:
-                for inp in per_iteration:
-                    _load(bk, inp, parts[inp.var.name], bk.tile(inp.var))
-            fn.barrier()
-            if issue_late:
-                _issue(bk, per_iteration, parts, rings, fn.b.add(it, i32(stages - 1)))
-            for name, ring in rings.items():
-                bk.tiles[name] = _slot(bk, name, ring, it)
-            for k, stage in enumerate(schedule.loop):
-                _stage(bk, stage, rk, barrier=k not in barrier_free)
-        bk.loop_counter = None
-        bk.tiles.update(rings)
-        if rings:
-            fn.copy_async_wait(0)
-        finishing = [acc for i, acc in enumerate(bg.nodes) if acc.opdef.is_accumulator and i not in in_rows
-                     and i not in lowered.register_accumulated and _rule(acc).finalize is not None]
-        for acc in finishing:
-            fn.marker_for(acc)
-            _rule(acc).finalize(bk, acc)
-        for acc_index, matmul_index in lowered.register_accumulated.items():
-            acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
-            fn.marker_for(acc)
-            bk.block_mma(matmul).store(in_registers[matmul.output.name], bk.tile(acc.output))
-        row_accumulators = lowered.rows.accumulators(bg) if lowered.rows is not None else []
-        for i in row_accumulators:
-            fn.marker_for(bg.nodes[i])
-            rk.store(bg.nodes[i].output, bk.tile(bg.nodes[i].output))
-        if finishing or lowered.register_accumulated or row_accumulators:
-            fn.barrier()
-        for stage in schedule.post:
+        if kernel.lowered.rows is not None:
+            bk.rows = RowKernel(bk, kernel.lowered.rows)
+        tensors = dict(zip((inp.var.name for inp in bg.inputs), scope.inputs))
+        bk.parts = {inp.var.name: _input_part(bk, inp, tensors[inp.var.name]) for inp in kernel.parts}
+        for step in kernel.steps:
+            STEPS[type(step)](bk, kernel, scope, step)
+
+
+def _skinny(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.SkinnyLoop) -> None:
+    scratch = bk.fn.b.gep(bk.smem, [i32(kernel.lowered.scratch_offset)], inbounds=True, source_etype=I8)
+    emit_skinny(bk, kernel.body, kernel.lowered.skinny, bk.parts, scratch)
+
+
+def _streamed(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.StreamedLoop) -> None:
+    emit_streamed(bk, kernel.body, step.nodes, bk.parts)
+
+
+def _barrier(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Barrier) -> None:
+    bk.fn.barrier()
+
+
+def _init_accumulators(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.InitAccumulators) -> None:
+    for i, in_rows in step.nodes:
+        acc = bk.bg.nodes[i]
+        if in_rows:
+            rows.RULES[acc.op].init(bk.rows, acc)
+        else:
+            _rule(acc).init(bk, acc)
+
+
+def _register_accumulators(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.RegisterAccumulators) -> None:
+    """The zeroed fragments of each sum kept in registers."""
+    for acc_index, matmul_index in step.pairs:
+        matmul = bk.bg.nodes[matmul_index]
+        bk.register_accumulators[matmul.output.name] = (bk.bg.nodes[acc_index], bk.block_mma(matmul).zeroed())
+
+
+def _load_once(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.LoadOnce) -> None:
+    for inp in step.inputs:
+        _load(bk, inp, bk.parts[inp.var.name], bk.tile(inp.var))
+
+
+def _hoisted(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Hoisted) -> None:
+    bk.fn.barrier()
+    for stage in step.stages:
+        _stage(bk, stage)
+
+
+def _prologue(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Prologue) -> None:
+    rings = {inp.var.name: bk.tile(inp.var) for inp in step.inputs}
+    for ahead in range(step.ahead):
+        _issue(bk, step.inputs, rings, ahead)
+
+
+def _loop(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Loop) -> None:
+    fn, depth = bk.fn, step.depth
+    rings = {name: bk.tiles[name] for name in step.rings}
+    with fn.loop(i32(0), step.forloop, 1) as it:
+        bk.loop_counter = it
+        if step.issue_late:
+            fn.copy_async_wait(depth - 2)   # this iteration's copies are done (this thread's)
+        elif rings:
+            _issue(bk, step.inputs, rings, fn.b.add(it, i32(depth - 1)))
+            fn.copy_async_wait(depth - 1)
+        else:
+            for inp in step.inputs:
+                _load(bk, inp, bk.parts[inp.var.name], bk.tile(inp.var))
+        fn.barrier()
+        if step.issue_late:
+            _issue(bk, step.inputs, rings, fn.b.add(it, i32(depth - 1)))
+        for name, ring in rings.items():
+            bk.tiles[name] = _slot(bk, name, ring, it)
+        for stage in step.stages:
             _stage(bk, stage)
-        _store_outputs(bk, scope)
+    bk.loop_counter = None
+    bk.tiles.update(rings)
+
+
+def _finish(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Finish) -> None:
+    fn, bg = bk.fn, bk.bg
+    if step.pipelined:
+        fn.copy_async_wait(0)
+    for i in step.finalized:
+        fn.marker_for(bg.nodes[i])
+        _rule(bg.nodes[i]).finalize(bk, bg.nodes[i])
+    for acc_index, matmul_index in step.register_stores:
+        acc, matmul = bg.nodes[acc_index], bg.nodes[matmul_index]
+        fn.marker_for(acc)
+        bk.block_mma(matmul).store(bk.register_accumulators[matmul.output.name][1], bk.tile(acc.output))
+    for i in step.row_stores:
+        fn.marker_for(bg.nodes[i])
+        bk.rows.store(bg.nodes[i].output, bk.tile(bg.nodes[i].output))
+    if step.barrier:
+        fn.barrier()
+
+
+def _post_stage(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.Stage) -> None:
+    _stage(bk, step)
+
+
+def _outputs(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.StoreOutputs) -> None:
+    _store_outputs(bk, scope)
+
+
+STEPS = {steps.SkinnyLoop: _skinny, steps.StreamedLoop: _streamed, steps.Barrier: _barrier,
+          steps.InitAccumulators: _init_accumulators, steps.RegisterAccumulators: _register_accumulators,
+          steps.LoadOnce: _load_once, steps.Hoisted: _hoisted, steps.Prologue: _prologue, steps.Loop: _loop,
+          steps.Finish: _finish, steps.Stage: _post_stage, steps.StoreOutputs: _outputs}
+
+
+def _rule(node: Node):
+    return node.opdef.rules["ptx"]
+
+
+def _stage(bk: BlockKernel, stage: steps.Stage) -> None:
+    for i, how in stage.nodes:
+        node = bk.bg.nodes[i]
+        bk.fn.marker_for(node)
+        if how == FOLDED:
+            continue   # folded by its matmul, in the fragments' registers
+        if how == ROWS:
+            rows.RULES[node.op].emit(bk.rows, node)   # in the registers of the warps owning its rows
+            continue
+        rule = _rule(node)
+        (rule.update if node.opdef.is_accumulator else rule.block)(bk, node)
+    if stage.barrier:
+        bk.fn.barrier()
 
 
 def _store_outputs(bk: BlockKernel, scope) -> None:
     for out, tensor in zip(bk.bg.outputs, scope.outputs):
         _copy_loop(bk, _part(bk, tensor, out.omap, list(out.var.shape)), bk.tile(out.var), out.var.shape,
                    bk.layout.vectors[out.var.name])
-
-
-def _register_accumulators(bk: BlockKernel) -> dict:
-    """The zeroed fragments of each sum kept in registers; matmul output name -> fragments."""
-    for acc_index, matmul_index in bk.lowered.register_accumulated.items():
-        matmul = bk.bg.nodes[matmul_index]
-        bk.register_accumulators[matmul.output.name] = (bk.bg.nodes[acc_index], bk.block_mma(matmul).zeroed())
-    return {name: frags for name, (_, frags) in bk.register_accumulators.items()}
 
 
 def _slot(bk: BlockKernel, name: str, ring: Array, iteration) -> Array:
@@ -224,7 +229,7 @@ def _slot(bk: BlockKernel, name: str, ring: Array, iteration) -> Array:
     return attrs.evolve(ring, ptr=ptr)
 
 
-def _issue(bk: BlockKernel, inputs: list, parts: dict, rings: dict, iteration) -> None:
+def _issue(bk: BlockKernel, inputs: tuple, rings: dict, iteration) -> None:
     """cp.async copies of iteration `iteration`'s input tiles into their slot, as one group (an empty
     one past the last iteration, so that every iteration waits for the same count)."""
     fn = bk.fn
@@ -232,7 +237,7 @@ def _issue(bk: BlockKernel, inputs: list, parts: dict, rings: dict, iteration) -
     def copies() -> None:
         for inp in inputs:
             slot = _slot(bk, inp.var.name, rings[inp.var.name], iteration)
-            _load(bk, inp, parts[inp.var.name], slot, iteration, asynchronous=True)
+            _load(bk, inp, bk.parts[inp.var.name], slot, iteration, asynchronous=True)
 
     if isinstance(iteration, int):
         if iteration < bk.bg.forloop:
@@ -243,40 +248,19 @@ def _issue(bk: BlockKernel, inputs: list, parts: dict, rings: dict, iteration) -
     fn.copy_async_commit()
 
 
-def _rule(node: Node):
-    return node.opdef.rules["ptx"]
-
-
-def _stage(bk: BlockKernel, stage, rk: Optional[RowKernel] = None, barrier: bool = True) -> None:
-    for i in stage.nodes:
-        node = bk.bg.nodes[i]
-        bk.fn.marker_for(node)
-        if i in bk.lowered.register_accumulated:
-            continue   # folded by its matmul, in the fragments' registers
-        if rk is not None and i in rk.plan.nodes:
-            node.opdef.rules["ptx_rows"].emit(rk, node)   # in the registers of the warps owning its rows
-            continue
-        rule = _rule(node)
-        (rule.update if node.opdef.is_accumulator else rule.block)(bk, node)
-    if barrier:
-        bk.fn.barrier()
-
-
 def _part(bk: BlockKernel, tensor: Array, dim_map: tuple, extent: list) -> Array:
     """The block's part of a device tensor: slices of `extent` along the mapped dims, picked by the
     grid coordinates."""
     fn = bk.fn
     start = None
-    for g, d in enumerate(dim_map):
-        if d is not None:
-            term = fn.b.mul(bk.block_index(g), i32(extent[d] * tensor.strides[d]))
-            start = term if start is None else fn.b.add(start, term)
+    for g, step in part_steps(dim_map, extent, tensor.strides):
+        term = fn.b.mul(bk.block_index(g), i32(step))
+        start = term if start is None else fn.b.add(start, term)
     return tensor if start is None else Array(fn.address(tensor, start), tensor.dtype, tensor.shape, tensor.strides)
 
 
 def _input_part(bk: BlockKernel, inp, tensor: Array) -> Array:
-    extent = [n * (bk.bg.forloop if d == inp.fmap else 1) for d, n in enumerate(inp.var.shape)]
-    return _part(bk, tensor, inp.imap, extent)
+    return _part(bk, tensor, inp.imap, part_extent(inp.var.shape, inp.fmap, bk.bg.forloop))
 
 
 def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: int, src_step=None,
@@ -285,13 +269,11 @@ def _copy_loop(bk: BlockKernel, dst: Array, src: Array, shape: tuple, vector: in
     up to COPY_BATCH vectors before it writes them, so that its loads are in flight together (with
     cp.async when `asynchronous`: same dtypes, 4 to 16 bytes, nothing passes through registers)."""
     fn, b = bk.fn, bk.fn.b
-    shape = shape or (1,)
-    space = shape[:-1] + (shape[-1] // vector,)
+    space = vector_space(shape, vector)
     n, threads = math.prod(space), bk.threads.block
 
     def vectors(op: Array) -> Array:
-        strides = op.strides or (1,)
-        return op.viewed(space, strides[:-1] + (strides[-1] * vector,))
+        return op.viewed(space, vector_strides(op.strides, vector))
 
     def source(i):
         at = fn.offset(i, space, vectors(src))

@@ -1,9 +1,9 @@
-"""LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as
-reshape gets an alias instead), launched in the graph's order: the CUDA backend's kernels
-(mdsl/backend/cuda/codegen.py), the same launches and interface with the runtime, written with
-llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op it runs (and each
-block-level op inside a custom kernel with its own), kept as a comment in the PTX, which compile
-errors point back through.
+"""LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as reshape
+gets an alias instead), launched in the graph's order: the kernels the CUDA backend writes as C++
+(mdsl/backend/cuda/codegen.py), with the same launches and interface with the runtime (mdsl.gpu.program),
+written with llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op
+it runs (and each block-level op inside a custom kernel with its own), kept as a comment in the PTX, which
+compile errors point back through.
 """
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from typing import Iterator, Optional
 import attrs
 
 import mdsl.backend.ptx.rules  # noqa: F401 - attaches the ptx rules to the registry
-from mdsl.backend.cuda.codegen import KernelLaunch, _check_sizes
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.cuda.source import Namer
 from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
-from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import KernelGraph, Node
-from mdsl.passes.fusion import fuse_kernel_graph
+from mdsl.lowering import program as lowering_program
+from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.program import lower_graph
 
 
 @attrs.frozen
@@ -46,54 +44,34 @@ class KernelScope:
     outputs: list
 
 
-class ProgramBuilder:
+class ProgramBuilder(lowering_program.ProgramBuilder):
     def __init__(self, graph: KernelGraph, arch: str, options: Optional[CudaOptions] = None):
-        self.graph = graph
-        self.arch = arch
-        self.options = options or CudaOptions()
+        super().__init__(graph, arch, options)
         self.mb = ModuleBuilder(graph.name)
-        self.kernel_names = Namer()
-        self.launches: list = []
-        self.aliases: dict = {}
 
     @contextlib.contextmanager
     def kernel(self, index: int, node: Node, *, grid: tuple, threads: int, smem: int = 0,
-               cluster: int = 1, overlap: bool = False) -> Iterator[KernelScope]:
-        """Write the kernel implementing `node`; the body is the caller's. `cluster` > 1: each block of
-        `grid` becomes that many consecutive blocks along x, one thread-block cluster (its size in the
-        PTX, `.reqnctapercluster`, as the CUDA backend's __cluster_dims__: a plain launch makes them).
-        `overlap`: the body waits for the previous kernel (griddepcontrol.wait) before it touches memory,
-        and the launch lets it start before that kernel ends (`KernelLaunch.overlap`)."""
-        name = self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
+               overlap: bool = False) -> Iterator[KernelScope]:
+        """Write the kernel implementing `node`; the body is the caller's. `overlap`: the body waits for the
+        previous kernel (griddepcontrol.wait) before it touches memory, and the launch lets it start before
+        that kernel ends (`KernelLaunch.overlap`)."""
+        name = self.kernel_name(node)
         values = list(node.inputs) + list(node.outputs)
         fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
-        if cluster > 1:
-            for axis, size in zip("xyz", (cluster, 1, 1)):
-                self.mb.annotate(fn.fn, f"cluster_dim_{axis}", size)
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
         scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
         fn.marker_for(node)
         yield scope
         fn.finish()
-        launched = (grid[0] * cluster, *grid[1:])
-        self.launches.append(KernelLaunch(name, tuple(launched), (threads, 1, 1), smem, tuple(v.name for v in values),
-                                          index, overlap))
-
-    def alias(self, name: str, of: str) -> None:
-        self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
+        self.record_launch(name, index, node, grid, threads, smem, overlap)
 
 
 def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[CudaOptions] = None) -> PtxProgram:
     """One LLVM module implementing `graph` for `arch`, and how to launch its kernels, with the fast
-    paths `options` allows (the CUDA backend's switches; none given: `CudaOptions.from_env()`)."""
-    _check_sizes(graph)
-    lowered = fuse_kernel_graph(graph)
+    paths `options` allows (the lowering's switches; none given: `CudaOptions.from_env()`)."""
+    lowered = lower_graph(graph)
     options = options if options is not None else CudaOptions.from_env()
     program = ProgramBuilder(lowered, arch, options)
-    for index, node in enumerate(lowered.nodes):
-        rule = node.opdef.rules.get("ptx")
-        if rule is None:
-            raise UnsupportedError(f"the PTX backend has no rule for {node.op}", loc=node.loc)
-        rule.kernel(program, index, node)
+    program.write_nodes("ptx", "PTX")
     return PtxProgram(program.mb.text(), tuple(program.launches), tuple(program.aliases.items()), lowered, arch,
                       options)

@@ -33,11 +33,12 @@ from typing import Optional
 
 import attrs
 
-from mdsl.backend.cuda.nvrtc import Resources, _write_atomic, parse_resources
-from mdsl.backend.cuda.nvrtc import cache_dir as cubin_cache_dir
-from mdsl.backend.cuda.source import OP_MARKER
 from mdsl.backend.ptx.llvm import TRIPLE
 from mdsl.errors import MdslError, UnsupportedError
+from mdsl.gpu.cache import write_atomic
+from mdsl.gpu.cache import cache_dir as _cache_dir
+from mdsl.gpu.program import CompiledModule, parse_resources
+from mdsl.lowering.names import OP_MARKER
 
 PTX_FEATURES = "+ptx80"          # PTX ISA 8.0: LLVM 17 and later
 OLD_LLVM_PTX_FEATURES = "+ptx78"  # LLVM 16 (the first with sm_90)
@@ -69,26 +70,18 @@ class PtxModule:
 
     def load(self):
         """The module loaded by the driver (JIT-compiled for the current device); needs a GPU."""
-        from mdsl.backend.cuda import runtime
+        from mdsl.gpu import driver
 
-        runtime.require_gpu("loading a PTX module")
-        err, handle = runtime.driver.cuModuleLoadData(self.ptx.encode() + b"\0")
+        driver.require_gpu("loading a PTX module")
+        err, handle = driver.driver.cuModuleLoadData(self.ptx.encode() + b"\0")
         if not err:
             return handle
-        driver_error = runtime._error_text(err)
+        driver_error = driver.error_text(err)
         assembled = _assembly_log(self.ptx, self.arch)
         if assembled is not None:
             raise error_from_log(f"the driver could not load the PTX ({driver_error})", assembled, self.ptx, "PTX")
         raise PtxCompileError(f"the driver could not load the PTX: {driver_error} (no ptxas or nvJitLink here to "
                               "say where)", text=self.ptx)
-
-
-@attrs.frozen
-class AssembledModule:
-    cubin: bytes
-    log: str
-    resources: dict          # kernel name -> Resources
-    arch: str
 
 
 def ptx_target(arch: Optional[str] = None) -> str:
@@ -243,7 +236,7 @@ def assembler() -> Optional[str]:
     return "nvJitLink" if _nvjitlink() else "ptxas" if ptxas_path() else None
 
 
-def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None) -> AssembledModule:
+def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None) -> CompiledModule:
     """The PTX assembled for `arch` with ptxas's resource report (by `tool`, default `assembler()`),
     or PtxCompileError."""
     cpu = ptx_target(arch)
@@ -258,7 +251,7 @@ def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None
                                     "CUDA toolkit")
     if not ok:
         raise error_from_log(f"{tool} rejected the generated PTX", log, ptx, "PTX")
-    return AssembledModule(cubin, log, parse_resources(log), cpu)
+    return CompiledModule(cubin, log, parse_resources(log), cpu)
 
 
 @functools.lru_cache(maxsize=64)
@@ -352,7 +345,7 @@ def error_from_log(what: str, log: str, text: str, kind: str) -> PtxCompileError
 
 
 def cache_dir() -> Path:
-    return cubin_cache_dir().parent / "ptx"
+    return _cache_dir("ptx")
 
 
 def _cache_key(llvm_ir: str, cpu: str) -> str:
@@ -388,10 +381,10 @@ def _write_cache(key: str, ptx: str) -> None:
     path = cache_dir() / f"{key}.ptx"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, f"{_CACHE_HEADER}{_digest(ptx)}\n{ptx}".encode())
+        write_atomic(path, f"{_CACHE_HEADER}{_digest(ptx)}\n{ptx}".encode())
     except OSError as e:
         warnings.warn(f"mdsl: could not write the PTX cache ({e}); continuing without it", stacklevel=3)
 
 
-__all__ = ["PtxCompileError", "PtxModule", "AssembledModule", "Resources", "assemble", "assembler", "compile_ptx",
+__all__ = ["PtxCompileError", "PtxModule", "assemble", "assembler", "compile_ptx",
            "llvm_to_ptx", "ptx_target", "error_from_log"]

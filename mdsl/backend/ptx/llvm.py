@@ -21,10 +21,11 @@ import attrs
 import numpy as np
 from llvmlite import ir
 
-from mdsl.backend.cuda.source import OP_MARKER, contiguous_strides, describe
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.irtext import Builder, Function, Module, Value, ref
 from mdsl.ir.graph import Node
+from mdsl.lowering.index import contiguous_strides, merged_dims
+from mdsl.lowering.names import OP_MARKER, describe
 
 TRIPLE = "nvptx64-nvidia-cuda"   # the data layout is the target machine's, set when compiling
 GLOBAL = 1   # address spaces
@@ -105,24 +106,6 @@ class Array:
     @property
     def etype(self) -> ir.Type:
         return ELEMENT_TYPES[self.dtype]
-
-
-def merged_dims(shape: tuple, operand_shape: tuple, operand_strides: tuple) -> list:
-    """(loop size, operand stride) per dim of a loop over `shape`, outermost first: the operand is
-    aligned to the right of the loop and broadcast along its dims of size 1; dims of size 1 are
-    dropped and neighbours that are contiguous with each other merged."""
-    pad = len(shape) - len(operand_shape)
-    dims: list = []
-    for d, size in enumerate(shape):
-        if size == 1:
-            continue
-        k = d - pad
-        stride = operand_strides[k] if k >= 0 and operand_shape[k] != 1 else 0
-        if dims and dims[-1][1] == stride * size:
-            dims[-1] = (dims[-1][0] * size, stride)
-        else:
-            dims.append((size, stride))
-    return dims
 
 
 _INTEGER_FOLDS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -488,9 +471,9 @@ class KernelFunction:
     # -- index arithmetic and memory --------------------------------------------------------------
 
     def offset(self, index: ir.Value, shape: tuple, operand: Array) -> ir.Value:
-        """The offset in `operand` of element `index` of a row-major loop over `shape` (see merged_dims).
-        For index x + c with c a multiple of the inner dims' size (an unrolled loop's later bodies),
-        that is x's offset (computed once in a basic block) plus a constant."""
+        """The offset in `operand` of element `index` of a row-major loop over `shape`
+        (mdsl.lowering.index.merged_dims). For index x + c with c a multiple of the inner dims' size (an
+        unrolled loop's later bodies), that is x's offset (computed once in a basic block) plus a constant."""
         dims = tuple(merged_dims(shape, operand.shape, operand.strides))
         base, constant = _constant_part(index)
         inner = math.prod(size for size, _ in dims[1:])

@@ -11,12 +11,13 @@ from typing import Callable, Iterator
 
 import attrs
 
-from mdsl.backend.cuda.loops import BLOCK_UNROLL, without
-
-ROW_UNROLL = 4   # a row's loops: the CUDA backend's `#pragma unroll 4` (and nvcc's own unrolling)
-from mdsl.backend.ptx.llvm import Array, KernelFunction, contiguous_strides, f32, i32
+from mdsl.backend.ptx.llvm import Array, KernelFunction, f32, i32
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
+from mdsl.lowering.grid import BLOCK_UNROLL, without
+from mdsl.lowering.index import broadcast_strides
+
+ROW_UNROLL = 4   # a row's loops: the CUDA backend's `#pragma unroll 4` (and nvcc's own unrolling)
 
 
 @attrs.frozen
@@ -138,8 +139,7 @@ def weighted_sum(fn: KernelFunction, a, wa, x, wx):
 def _lacking_dims(fn: KernelFunction, i, space: tuple, shape: tuple):
     """A value that is 0 exactly where i's coordinates are 0 along the dims of `space` that an array
     of `shape` is broadcast along; None when there are none."""
-    pad = len(space) - len(shape)
-    strides = [s if (d < pad or shape[d - pad] == 1) else 0 for d, s in enumerate(contiguous_strides(space))]
+    strides = broadcast_strides(space, shape)
     if not any(s for d, s in enumerate(strides) if space[d] != 1):
         return None
     return fn.offset(i, space, Array(None, "f32", space, tuple(strides)))
@@ -162,6 +162,8 @@ class Fold:
 SUM = Fold(0.0, lambda fn, v, x: fn.b.fadd(v, x), lambda fn, a, b: fn.b.fadd(a, b))
 MAX = Fold(float("-inf"), lambda fn, v, x: fn.call_math("maxnum", v, x), lambda fn, a, b: fn.call_math("maxnum", a, b))
 SUM_OF_SQUARES = Fold(0.0, lambda fn, v, x: fn.call_math("fma", x, x, v), lambda fn, a, b: fn.b.fadd(a, b))
+#: the lowering's folds by name (mdsl.lowering.skinny.ROW_FOLDS)
+FOLDS = {"sum": SUM, "max": MAX, "sum_of_squares": SUM_OF_SQUARES}
 
 
 def row_view(op: Array, dim: int) -> Array:

@@ -1,5 +1,5 @@
 """Block-level matmuls on tensor cores as LLVM IR: the CUDA backend's `mdsl::BlockMma` (prelude; which
-matmuls qualify: mdsl/backend/cuda/mma.py) with the same warp and fragment decomposition, so that both
+matmuls qualify: mdsl.lowering.mma) with the same warp and fragment decomposition, so that both
 backends sum the same products in the same order per mma.sync.
 
 C = A B for BATCH matrices (A: BATCH x M x K, B: BATCH x K x N, C: BATCH x M x N) by the block's warps:
@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 from llvmlite import ir
 
-from mdsl.backend.cuda.mma import MmaShape, _batch_stride
 from mdsl.backend.ptx.llvm import F32, I16, I32, Array, KernelFunction, Var, f32, i32
+from mdsl.lowering.mma import MmaShape, batch_stride
 
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 FLOAT_PAIR = ir.VectorType(F32, 2)
@@ -89,7 +89,7 @@ class BlockMma:
         order, as the CUDA backend's): a K step issues an mma per tile, independent of each other."""
         fn, b = self.fn, self.fn.b
         m, n, k = self.shape.m, self.shape.n, self.shape.k
-        sa, sw = _batch_stride(a, out_batch), _batch_stride(w, out_batch)
+        sa, sw = batch_stride(a, out_batch), batch_stride(w, out_batch)
         lda, ldw = a.strides[-2], w.strides[-2]
         tiles = []
         two_t = b.mul(self.t, i32(2))
@@ -178,7 +178,7 @@ class BlockMma:
             return None
         return terms[0] if len(terms) == 1 else b.and_(terms[0], terms[1])
 
-    def _along_row(self, p: Array, r, row_start, c, batch_stride: int, guard_k: bool):
+    def _along_row(self, p: Array, r, row_start, c, matrix_stride: int, guard_k: bool):
         """Elements (r, c) and (r, c + 1) of A (row r starts at offset `row_start`) as a pair of the
         mma's type (c is even)."""
         fn, b = self.fn, self.fn.b
@@ -186,7 +186,7 @@ class BlockMma:
         guard_rows = rows % MMA_M != 0
         at = b.add(row_start, c)
         inside = self._inside(r, rows, guard_rows, c, cols, guard_k)
-        paired = p.strides[0] % 2 == 0 and cols % 2 == 0 and batch_stride % 2 == 0   # (r, c) starts an aligned pair
+        paired = p.strides[0] % 2 == 0 and cols % 2 == 0 and matrix_stride % 2 == 0   # (r, c) starts an aligned pair
         if paired and p.dtype == self.dtype:   # one 4-byte word
             return self._load_at(p, at, inside, I32)
         if paired and p.dtype == "f32":        # one 8-byte word, rounded to the pair in one instruction
@@ -249,7 +249,7 @@ class BlockMma:
     def store(self, frags: list, out: Array) -> None:
         """C = frags, rounded to C's type."""
         fn, b = self.fn, self.fn.b
-        sc, ldc = _batch_stride(out, out.shape[:-2]), out.strides[-2]
+        sc, ldc = batch_stride(out, out.shape[:-2]), out.strides[-2]
 
         def put(var: Var, value, batch, row, col) -> None:
             at = b.add(b.mul(row, i32(ldc)), col)

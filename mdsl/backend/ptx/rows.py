@@ -1,6 +1,6 @@
-"""Row-resident lowering as LLVM IR: the CUDA backend's chains of a loop body kept in the tensor cores'
-registers (mdsl/backend/cuda/rows.py, whose `plan_rows` decides which nodes qualify: both backends
-lower the same nodes this way), written by each op's `ptx_rows` rule.
+"""Row-resident chains as LLVM IR: the loop nodes the lowering keeps in the tensor cores' registers
+(mdsl.lowering.rows, which says which and how the values are laid out), written by each op's rule in
+`RULES`.
 
 Warp w owns the 16-row tiles w, w + warps, ... of the block's rows and every column of them, in the
 mma's C-fragment layout: lane l (g = l / 4, t = l % 4) holds rows g and g + 8 of a tile, columns 2t and
@@ -20,14 +20,13 @@ from typing import Callable, Optional
 
 import attrs
 
-from mdsl.backend.cuda.mma import _batch_stride
-from mdsl.backend.cuda import rows as cuda_rows
-from mdsl.backend.cuda.rows import VECTOR, RowPlan
 from mdsl.backend.ptx.llvm import Array, Var, f32, i32
 from mdsl.backend.ptx.loops import MAX, SUM, Fold, chain_values, rescale, weighted_sum
 from mdsl.backend.ptx.mma import BlockMma
-from mdsl.ir.graph import Node, ThreadGraph
-from mdsl.ir.ops import OPS, extend_op
+from mdsl.ir.graph import Node
+from mdsl.lowering.grid import thread_graph
+from mdsl.lowering.mma import batch_stride
+from mdsl.lowering.rows import ELEMENTWISE_OPS, VECTOR, RowPlan
 
 
 @attrs.frozen
@@ -210,14 +209,8 @@ def _all(b, conditions: list):
     return out
 
 
-def _thread_graph(node: Node) -> ThreadGraph:
-    if node.op == "fused":
-        return node.body
-    return ThreadGraph(list(dict.fromkeys(node.inputs)), [node], node.outputs)
-
-
 # ---------------------------------------------------------------------------------------------
-# the rules (the CUDA backend's `cuda_rows` rules decide what they are given)
+# the rules
 
 
 class RowsElementwise:
@@ -225,7 +218,7 @@ class RowsElementwise:
 
     def emit(self, rk: RowKernel, node: Node) -> None:
         cols = rk.plan.values[node.output.name]
-        tg = _thread_graph(node)
+        tg = thread_graph(node)
         outer_inputs = node.inputs if node.op == "fused" else tg.inputs   # a lone op's graph reads each var once
         out = tg.outputs[0].name
 
@@ -263,7 +256,7 @@ class RowsMatmul:
         n, k = node.output.shape[-1], a.shape[-1]
         batch = tuple(node.output.shape[:-2])
         bt = rk.bk.tile(wv)
-        sb = _batch_stride(bt, batch)
+        sb = batch_stride(bt, batch)
 
         def matrix(op: Array, stride: int, tile: RowTile, shape: tuple) -> Array:
             start = fn.address(op, b.mul(tile.batch, i32(stride))) if stride else op.ptr
@@ -296,7 +289,7 @@ class RowsMatmul:
                 yield 8 * kk, pairs
             return
         at = rk.bk.tile(a)
-        sa = _batch_stride(at, batch)
+        sa = batch_stride(at, batch)
         a_at = matrix(at, sa, tile, (g.rows, k))
         lda = at.strides[-2]
         ldmatrix = at.dtype == mma.dtype and lda % 8 == 0 and g.rows % 16 == 0 and k % 16 == 0
@@ -383,13 +376,11 @@ class RowsSumRescaled(RowsRescaled):
 
 
 # ---------------------------------------------------------------------------------------------
-# registration: the same ops as the CUDA backend's `cuda_rows`
+# registration
 
-_ELEMENTWISE_OPS = tuple(name for name, opdef in OPS.items()
-                        if isinstance(opdef.rules.get("cuda_rows"), cuda_rows.RowsElementwise))
-
-_RULES = {
-    **{op: RowsElementwise() for op in _ELEMENTWISE_OPS},
+#: op -> its rule: the ops of mdsl.lowering.rows.ROW_RULES
+RULES = {
+    **{op: RowsElementwise() for op in ELEMENTWISE_OPS},
     "matmul": RowsMatmul(),
     "max": RowsReduction(MAX),
     "sum": RowsReduction(SUM),
@@ -399,6 +390,3 @@ _RULES = {
     "accum_rescale": RowsRescaled(),
     "accum_sum_rescale": RowsSumRescaled(),
 }
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, ptx_rows=_rule)

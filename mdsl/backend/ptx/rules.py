@@ -1,5 +1,6 @@
-"""The PTX rule of every operator, attached to its registry entry as `ptx=` (the CUDA backend's
-rules, mdsl/backend/cuda/rules.py, written as LLVM IR instead of C++; the same kernels).
+"""The PTX rule of every operator, attached to its registry entry as `ptx=`: the same kernels as the CUDA
+backend's rules (mdsl/backend/cuda/rules.py) write, with the same grids, lanes and tensor-core choices
+(mdsl.lowering.grid, mdsl.lowering.mma), as LLVM IR.
 
 A rule has the methods its operator's levels call for:
 
@@ -8,7 +9,7 @@ A rule has the methods its operator's levels call for:
 * accumulators have `init(bk, node)`, `update(bk, node)` (once per loop iteration) and `finalize`
   (a method, or None when the running value is already the result); those the lowering may keep in
   a matmul's mma fragments (accum, accum_rescale) have `fold_product(bk, node, mma, running, multiply)`;
-* a block matmul runs on tensor cores where the CUDA lowering chose mma.sync (`mdsl.backend.ptx.mma`),
+* a block matmul runs on tensor cores where the lowering chose mma.sync (`mdsl.backend.ptx.mma`),
   a kernel-level one of 16-bit operands as a tensor-core tile with a cp.async ring (`_gemm_tile_mma`);
 * `value(fn, node, args)` gives an element-wise op's f32 value from its operands' f32 values.
 
@@ -22,11 +23,6 @@ from typing import Callable, Optional
 import attrs
 from llvmlite import ir
 
-from mdsl.backend.cuda.loops import blocks_for, without
-from mdsl.backend.cuda.mma import MmaShape
-# the CUDA backend's choices, shared so that both backends launch the same kernels
-from mdsl.backend.cuda.rules import KERNEL_THREADS, _alone, _block_lanes, _dim, _grid, _kernel_lanes, _mma_element
-from mdsl.backend.cuda.source import ctype
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
@@ -34,9 +30,11 @@ from mdsl.backend.ptx.loops import (MAX, ROW_UNROLL, SUM, SUM_OF_SQUARES, Fold, 
                                     emit_thread_graph, rescale, row_view, unrolled_loop, weighted_sum)
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.errors import UnsupportedError
-from mdsl.ir.dtypes import dtype_from_name
 from mdsl.ir.graph import Node
 from mdsl.ir.ops import extend_op
+from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
+                                row_kernel_grid, without)
+from mdsl.lowering.mma import MmaShape, kernel_mma_dtype
 
 GEMM_TILE = 64            # the standard matmul kernel: a 64 x 64 tile of the product per block,
 GEMM_K_STEP = 16          # K walked 16 at a time through shared memory,
@@ -55,6 +53,10 @@ def _grid_threads() -> Threads:
     return Threads(KERNEL_THREADS, grid=True)
 
 
+def _block_lanes(bk, src: Array, dim: int) -> int:
+    return block_lanes(bk.threads.block, src.shape, dim)
+
+
 # ---------------------------------------------------------------------------------------------
 # element-wise operators
 
@@ -67,12 +69,12 @@ class Elementwise:
         return self.compute(fn, node, args)
 
     def block(self, bk, node: Node) -> None:
-        tg = _alone(node)
+        tg = alone(node)
         emit_thread_graph(bk.fn, bk.threads, tg, [bk.tile(v) for v in tg.inputs], [bk.tile(v) for v in node.outputs])
 
     def kernel(self, program, index: int, node: Node) -> None:
-        tg = _alone(node)
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        tg = alone(node)
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             emit_thread_graph(k.fn, _grid_threads(), tg, [k.inputs[node.inputs.index(v)] for v in tg.inputs],
                               k.outputs)
 
@@ -205,7 +207,7 @@ class Matmul:
             fn = k.fn
             z = fn.sreg("ctaid.z") if batch else None
             a, w, out = (_batch_start(fn, op, batch, z) for op in (k.inputs[0], k.inputs[1], k.outputs[0]))
-            if _mma_element(program, node) is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile)
+            if kernel_mma_dtype(node, program.options, program.arch) is not None:   # MDSL_CUDA_MMA=0: the scalar tile
                 _gemm_tile_mma(fn, program, m, n, k_len, a, w, out)
             else:
                 _gemm_tile(fn, program, m, n, k_len, a, w, out)
@@ -286,7 +288,7 @@ def _gemm_tile_mma(fn: KernelFunction, program, m: int, n: int, k_len: int, a: A
                 copies()
         fn.copy_async_commit()
 
-    shape = MmaShape(ctype(dtype_from_name(dtype)), 1, tile, tile, step, GEMM_THREADS // 32)
+    shape = MmaShape(dtype, 1, tile, tile, step, GEMM_THREADS // 32)
     mma = BlockMma(fn, shape, dtype)
     acc = mma.zeroed()
     for s in range(stages - 1):
@@ -362,11 +364,8 @@ def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array
 
 def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
     """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
-    lanes = _kernel_lanes(node)
-    rows = node.inputs[0].type.numel // node.inputs[0].shape[_dim(node)]
-    grid = (blocks_for(rows, KERNEL_THREADS // lanes), 1, 1)
-    with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
-        emit(k.fn, _grid_threads(), node, k.inputs[0], k.outputs[0], lanes)
+    with program.kernel(index, node, grid=row_kernel_grid(node), threads=KERNEL_THREADS) as k:
+        emit(k.fn, _grid_threads(), node, k.inputs[0], k.outputs[0], kernel_lanes(node))
 
 
 def _first_lane(fn: KernelFunction, in_range, lane):
@@ -379,7 +378,7 @@ class Reduction:
     mean: bool = False
 
     def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
-        dim = _dim(node)
+        dim = reduced_dim(node)
         rows = without(src.shape, dim)
         out_rows = row_view(out, dim) if node.attr("keepdim") else out
 
@@ -392,7 +391,7 @@ class Reduction:
 
     def block(self, bk, node: Node) -> None:
         src = bk.tile(node.inputs[0])
-        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, _dim(node)))
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -402,7 +401,7 @@ class RmsNorm:
     """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
 
     def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
-        dim = _dim(node)
+        dim = reduced_dim(node)
         rows = without(src.shape, dim)
         length = src.shape[dim]
         b = fn.b
@@ -421,7 +420,7 @@ class RmsNorm:
 
     def block(self, bk, node: Node) -> None:
         src = bk.tile(node.inputs[0])
-        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, _dim(node)))
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -475,7 +474,7 @@ class Concat:
         self._emit(bk.fn, bk.threads, node, [bk.tile(v) for v in node.inputs], bk.tile(node.output))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             self._emit(k.fn, _grid_threads(), node, k.inputs, k.outputs[0])
 
 
@@ -483,7 +482,7 @@ class Split:
     def kernel(self, program, index: int, node: Node) -> None:
         src = node.inputs[0]
         dim = node.attr("dim") % src.type.rank
-        with program.kernel(index, node, grid=_grid(src.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(src.type.numel), threads=KERNEL_THREADS) as k:
             fn, x = k.fn, k.inputs[0]
             with _grid_threads().each(fn, src.type.numel) as i:
                 c = _coordinate(fn, i, x.shape, dim)
@@ -495,7 +494,7 @@ class Split:
 class Transpose:
     def kernel(self, program, index: int, node: Node) -> None:
         perm = node.attr("perm")
-        with program.kernel(index, node, grid=_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
+        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             fn, x, out = k.fn, k.inputs[0], k.outputs[0]
             permuted = x.viewed(out.shape, tuple(x.strides[p] for p in perm))
             with _grid_threads().each(fn, node.output.type.numel) as i:

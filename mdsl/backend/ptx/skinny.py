@@ -1,6 +1,6 @@
-"""The skinny loop as LLVM IR: the CUDA backend's `mdsl::Skinny` (its prelude) for the block graphs that
-`mdsl.backend.cuda.skinny.skinny_plan` qualifies (the loop's shape: mdsl.ir.skinny), with the same load
-schedule, fragment layout and partial-sum meeting, so that both backends sum the same products in the
+"""The skinny loop as LLVM IR: the loop the lowering plans (mdsl.lowering.skinny, which says which block
+graphs qualify and describes the load schedule), written as the CUDA prelude's `mdsl::Skinny` writes it,
+with the same fragment layout and partial-sum meeting, so that both backends sum the same products in the
 same order:
 
 * lane (g, t) of a warp holds chunk g (VEC columns) of rows 4t .. 4t + 3 of each 16-row slab of a weight,
@@ -13,18 +13,14 @@ same order:
 * each warp's sums into shared memory (f32), met in a fixed order after one barrier; the row
   accumulators of X (accum_rms's sum of squares) folded from the X fragments the mmas read, by the warps
   of the first column group, each row's folds met over the quad, then over the warps;
-* with `CudaOptions.cluster` = C > 1 (the plan's `cluster`): each block of the grid is C consecutive
-  blocks along x, one thread-block cluster (`.reqnctapercluster`), block r streaming the r-th run of K;
-  each block's sums go into slot r of the first block's shared memory (`mapa`, `st.shared::cluster`,
-  between cluster barriers), the others leave, and the first adds the slots in rank order;
-* with `CudaOptions.overlap` (the plan's `overlap`, programmatic dependent launch): the kernel sends its
-  first slabs to L2, then waits for the previous kernel (`griddepcontrol.wait`) before it touches global
-  memory and lets the next one launch; `KernelLaunch.overlap` has the runtime launch it to overlap;
-* with `CudaOptions.stagger` (the plan's `stagger`): block b walks its slabs from slab b SLABS / blocks
-  on, wrapping around, so that the blocks do not read the same rows at the same moment;
-* with `CudaOptions.wide_x` (the plan's `wide_x`): a warp's step ("slab" below) spans two 16-row slabs of
-  K, lane t's rows 8t .. 8t + 7: 8 weight rows a weight, X's fragments of both slabs in one 16-byte load
-  (words 2h, 2h + 1 for the mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's).
+* with the plan's `overlap` (programmatic dependent launch): the kernel sends its first slabs to L2, then
+  waits for the previous kernel (`griddepcontrol.wait`) before it touches global memory and lets the next
+  one launch; `KernelLaunch.overlap` has the runtime launch it to overlap;
+* with the plan's `stagger`: block b walks its slabs from slab b SLABS / blocks on, wrapping around, so
+  that the blocks do not read the same rows at the same moment;
+* with the plan's `wide_x`: a warp's step ("slab" below) spans two 16-row slabs of K, lane t's rows 8t ..
+  8t + 7: 8 weight rows a weight, X's fragments of both slabs in one 16-byte load (words 2h, 2h + 1 for the
+  mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's).
 """
 from __future__ import annotations
 
@@ -32,12 +28,12 @@ import contextlib
 
 from llvmlite import ir
 
-from mdsl.backend.cuda.skinny import SkinnyPlan, scratch_bytes, straddles
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
-from mdsl.backend.ptx.loops import SUM, SUM_OF_SQUARES
+from mdsl.backend.ptx.loops import FOLDS
 from mdsl.ir.graph import BlockGraph
-from mdsl.ir.ops import extend_op
-from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, REGISTER_BUFFER, SLAB
+from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SLAB
+from mdsl.lowering.kernel import FINALIZED
+from mdsl.lowering.skinny import ROW_FOLDS, SkinnyPlan, scratch_bytes, straddles
 
 _WORD_STRUCTS = {4: ir.LiteralStructType([I32] * 4), 2: ir.LiteralStructType([I32] * 2)}
 LOW_HALVES, HIGH_HALVES = 0x5410, 0x7632   # __byte_perm selectors: (a.lo, b.lo), (a.hi, b.hi)
@@ -47,8 +43,7 @@ class SkinnyLoop:
     """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC, ..., WIDE_X>` with the
     same constants (SPAN: `span`, ROWS: `rows`), each thread's pointers, and the code of its members."""
 
-    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int, k: int):
-        """`k`: the K this block streams (the block graph's, or a cluster's block's run of it)."""
+    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int):
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
         self.bk, self.fn, self.shape, self.warps, self.skinny = bk, fn, shape, warps, skinny
@@ -56,11 +51,11 @@ class SkinnyLoop:
         self.mats, self.mt = len(shape.weights), -(-shape.m // 8)
         self.group = min(shape.chunks(), GROUP_CHUNKS)
         self.groups = shape.groups()
-        self.kw_warps = warps // self.groups
-        self.span = 2 if skinny.wide_x else 1   # 16-row slabs of K in one step of a warp
-        self.rows = 4 * self.span               # rows of a step each lane loads, from row `rows` t
-        self.slabs, self.words = k // (SLAB * self.span), self.vec // 2   # slabs: the steps of the block's K
-        self.step = max(1, REGISTER_BUFFER // (self.vec * self.mats * self.span))
+        self.kw_warps = skinny.warps_along_k(warps)
+        self.span = skinny.span                 # 16-row slabs of K in one step of a warp
+        self.rows = skinny.lane_rows            # rows of a step each lane loads, from row `rows` t
+        self.slabs, self.words = skinny.steps, self.vec // 2   # slabs: the steps of the block's K
+        self.step = skinny.step
         x = parts[shape.x]
         self.dtype = x.dtype
         self.etype = ELEMENT_TYPES[x.dtype]
@@ -278,25 +273,17 @@ def _when(fn, cond):
 def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -> None:
     """The loop: each warp's streamed part, its partial sums met in shared memory (at `part_ptr`) into the
     accumulators' tiles, and the row accumulators' folds into theirs, then finalized by their own rules
-    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement). In a cluster, each block
-    streams its run of K and the blocks' sums meet in the first block."""
+    (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement)."""
     fn, b = bk.fn, bk.fn.b
-    shape, warps, cluster = skinny.shape, bg.threads // 32, skinny.cluster
-    k, rank = shape.k // cluster, None
-    if cluster > 1:
-        _cluster_barrier(fn, "arrive.relaxed")   # waited for before the first store into another block
-        rank = b.urem(fn.sreg("ctaid.x"), i32(cluster))
-        parts = {**parts, **{name: _from(fn, parts[name], b.mul(rank, i32(k * stride)))
-                             for name, stride in ((shape.x, parts[shape.x].strides[-1]),
-                                                  *((w, parts[w].strides[0]) for w in shape.weights))}}
-    loop = SkinnyLoop(bk, skinny, parts, warps, k)
-    mats, kw, mt_tiles = loop.mats, loop.kw_warps, loop.mt
+    shape, warps = skinny.shape, bg.threads // 32
+    loop = SkinnyLoop(bk, skinny, parts, warps)
+    mats, mt_tiles = loop.mats, loop.mt
     for i in shape.rows:
         bg.nodes[i].opdef.rules["ptx"].init(bk, bg.nodes[i])
     part = Array(part_ptr, "f32", (scratch_bytes(skinny, warps) // 4,), (1,))
     acc = [[[[fn.var(f32(0.0)) for _ in range(4)] for _ in range(loop.words)] for _ in range(mt_tiles)]
            for _ in range(mats)]
-    row_folds = [bg.nodes[i].opdef.rules["ptx_skinny"] for i in shape.rows]
+    row_folds = [_fold(bg.nodes[i]) for i in shape.rows]
     folds = [(fold, [fn.var(f32(fold.identity)) for _ in range(mt_tiles)]) for fold in row_folds]
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
         loop.prefetch(loop.kw, start=True)   # the warp's first two register buffers' slabs: changes no value
@@ -304,7 +291,6 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         fn.let_next_kernel_launch()
     loop.run(acc, folds)
     loop.store_part(acc, part)
-    rows_base = mats * kw * shape.m * skinny.part_row()
     for r, (fold, running) in enumerate(folds):
         fn.marker_for(bg.nodes[shape.rows[r]])
         for mt in range(mt_tiles):
@@ -317,15 +303,11 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
                 b.and_(first_lane, b.icmp_unsigned("<", row, i32(shape.m)))
             with fn.when(inside):
                 at = b.add(b.mul(loop.warp, i32(MAX_ROWS)), row)
-                fn.store_float(part, b.add(at, i32(rows_base + r * warps * MAX_ROWS)), v)
+                fn.store_float(part, b.add(at, i32(skinny.row_folds_at(r, warps))), v)
     fn.barrier()
-    sums = _WarpSums(bk, bg, shape, part, kw, warps, rows_base, skinny.part_row())
-    if cluster == 1:
-        sums.into_tiles()
-    else:
-        _meet_in_cluster(bk, bg, skinny, sums, part, rank, rows_base + len(shape.rows) * warps * MAX_ROWS)
+    _sums_into_tiles(bk, bg, skinny, part, warps)
     fn.barrier()
-    finishing = [i for i in shape.rows if bg.nodes[i].opdef.rules["ptx"].finalize is not None]
+    finishing = [i for i in shape.rows if bg.nodes[i].op in FINALIZED]
     for i in finishing:
         fn.marker_for(bg.nodes[i])
         bg.nodes[i].opdef.rules["ptx"].finalize(bk, bg.nodes[i])
@@ -333,129 +315,40 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         fn.barrier()
 
 
-def _from(fn, array: Array, offset) -> Array:
-    """The array from element `offset` on (a cluster's block's run of K)."""
-    return Array(fn.address(array, offset), array.dtype, array.shape, array.strides)
+def _fold(node):
+    """The fold of a row accumulator of X (mdsl.lowering.skinny.ROW_FOLDS)."""
+    return FOLDS[ROW_FOLDS[node.op]]
 
 
-class _WarpSums:
-    """The block's sums over its warps' partials (a fixed order), put by `emit` wherever they go: the
-    accumulators' tiles, or a slot of the cluster's meeting area."""
-
-    def __init__(self, bk, bg: BlockGraph, shape, part: Array, kw: int, warps: int, rows_base: int, row: int):
-        self.bk, self.bg, self.shape, self.part, self.row = bk, bg, shape, part, row   # row: SkinnyPlan.part_row
-        self.kw, self.warps, self.rows_base = kw, warps, rows_base
-
-    def emit(self, sum_to, fold_to) -> None:
-        """sum_to(mat, element of M x N, value) and fold_to(row accumulator's position, its node, value)
-        put each sum where it goes (fold_to runs on the thread of the row, threadIdx.x < M)."""
-        bk, shape, part = self.bk, self.shape, self.part
-        fn, b = bk.fn, bk.fn.b
-        size = shape.m * shape.n
-        for mat, i in enumerate(shape.sums):
-            fn.marker_for(self.bg.nodes[i])
-
-            def element(e, mat=mat) -> None:
-                total = f32(0.0)
-                # e's place in a warp's padded rows
-                at = b.add(b.mul(b.udiv(e, i32(shape.n)), i32(self.row)), b.urem(e, i32(shape.n)))
-                for w in range(self.kw):   # the warps' partial sums, in a fixed order
-                    total = b.fadd(total, fn.load_float(part, b.add(at, i32((mat * self.kw + w) * shape.m * self.row))))
-                sum_to(mat, e, total)
-
-            bk.threads.for_each(fn, size, element)
-        tid = fn.sreg("tid.x")
-        for r, i in enumerate(shape.rows):
-            node = self.bg.nodes[i]
-            fold = node.opdef.rules["ptx_skinny"]
-            fn.marker_for(node)
-            first = self.rows_base + r * self.warps * MAX_ROWS
-            with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
-                v = fn.load_float(part, b.add(tid, i32(first)))
-                for w in range(1, self.warps):
-                    v = fold.combine(fn, v, fn.load_float(part, b.add(tid, i32(first + w * MAX_ROWS))))
-                fold_to(r, node, v)
-
-    def into_tiles(self) -> None:
-        bk, shape = self.bk, self.shape
-
-        def sum_to(mat: int, e, value) -> None:
-            tile = bk.tile(self.bg.nodes[shape.sums[mat]].output)
-            bk.fn.store_float(tile, bk.fn.offset(e, (shape.m, shape.n), tile), value)
-
-        self.emit(sum_to, lambda r, node, value: _fold_into_tile(bk, node, value))
-
-
-def _fold_into_tile(bk, node, value) -> None:
-    """A row accumulator's value (on the thread of its row) combined into its tile."""
-    fn, tid = bk.fn, bk.fn.sreg("tid.x")
-    tile = bk.tile(node.output)
-    at = fn.offset(tid, tuple(tile.shape), tile)
-    fn.store_float(tile, at, node.opdef.rules["ptx_skinny"].combine(fn, fn.load_float(tile, at), value))
-
-
-def _meet_in_cluster(bk, bg: BlockGraph, skinny: SkinnyPlan, sums: _WarpSums, part: Array, rank,
-                     meeting_offset: int) -> None:
-    """Each block's sums over its warps into its slot of the first block's meeting area (distributed
-    shared memory); the other blocks leave, the first adds the slots in rank order into the tiles."""
+def _sums_into_tiles(bk, bg: BlockGraph, skinny: SkinnyPlan, part: Array, warps: int) -> None:
+    """The block's sums over its warps' partials, in a fixed order, into the accumulators' tiles, and the
+    row accumulators' folds over the warps combined into theirs (on the thread of each row)."""
     fn, b = bk.fn, bk.fn.b
-    shape, cluster = skinny.shape, skinny.cluster
-    slot, rows_at, size = skinny.slot_floats(), len(shape.weights) * shape.m * shape.n, shape.m * shape.n
-    tid = fn.sreg("tid.x")
-    _cluster_barrier(fn, "wait.acquire")   # every block of the cluster has started: block 0's memory is there
-    mine = fn.address(part, b.add(b.mul(rank, i32(slot)), i32(meeting_offset)))
-    to = b.asm(ir.FunctionType(I32, [I32, I32]), "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r",
-               [b.ptrtoint(mine, I32), i32(0)], True)   # this block's slot in block 0's shared memory
-    sums.emit(lambda mat, e, value: _cluster_store(fn, b.add(to, b.mul(b.add(e, i32(mat * size)), i32(4))), value),
-              lambda r, node, value: _cluster_store(fn, b.add(to, b.mul(b.add(tid, i32(rows_at + r * MAX_ROWS)),
-                                                                          i32(4))), value))
-    _cluster_barrier(fn, "arrive.release")   # this block's stores, seen by block 0 after its wait
-    with fn.when(b.icmp_unsigned("!=", rank, i32(0))):   # block 0 alone runs the epilogue
-        b.ret_void()
-    _cluster_barrier(fn, "wait.acquire")
-    meeting = _from(fn, part, i32(meeting_offset))
+    shape = skinny.shape
+    kw, row, size = skinny.warps_along_k(warps), skinny.part_row(), shape.m * shape.n
     for mat, i in enumerate(shape.sums):
-        tile = bk.tile(bg.nodes[i].output)
         fn.marker_for(bg.nodes[i])
 
-        def element(e, mat=mat, tile=tile) -> None:
-            total = fn.load_float(meeting, b.add(e, i32(mat * size)))
-            for q in range(1, cluster):   # the blocks' sums in rank order
-                total = b.fadd(total, fn.load_float(meeting, b.add(e, i32(q * slot + mat * size))))
+        def element(e, mat=mat) -> None:
+            total = f32(0.0)
+            # e's place in a warp's padded rows
+            at = b.add(b.mul(b.udiv(e, i32(shape.n)), i32(row)), b.urem(e, i32(shape.n)))
+            for w in range(kw):   # the warps' partial sums, in a fixed order
+                total = b.fadd(total, fn.load_float(part, b.add(at, i32((mat * kw + w) * shape.m * row))))
+            tile = bk.tile(bg.nodes[shape.sums[mat]].output)
             fn.store_float(tile, fn.offset(e, (shape.m, shape.n), tile), total)
 
         bk.threads.for_each(fn, size, element)
+    tid = fn.sreg("tid.x")
     for r, i in enumerate(shape.rows):
         node = bg.nodes[i]
-        fold = node.opdef.rules["ptx_skinny"]
+        fold = _fold(node)
         fn.marker_for(node)
+        first = skinny.row_folds_at(r, warps)
         with fn.when(b.icmp_unsigned("<", tid, i32(shape.m))):
-            v = fn.load_float(meeting, b.add(tid, i32(rows_at + r * MAX_ROWS)))
-            for q in range(1, cluster):
-                v = fold.combine(fn, v, fn.load_float(meeting, b.add(tid, i32(q * slot + rows_at + r * MAX_ROWS))))
-            _fold_into_tile(bk, node, v)
-
-
-def _cluster_barrier(fn, what: str) -> None:
-    """barrier.cluster.<what> (arrive.relaxed, arrive.release, wait.acquire): every thread. Not `.aligned`:
-    the second arrive follows branches on the thread (as the CUDA backend's, the same SASS)."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), []), f"barrier.cluster.{what};", "~{memory}", [], True)
-
-
-def _cluster_store(fn, address, value) -> None:
-    """st.shared::cluster.f32 at a distributed shared memory address (from mapa)."""
-    fn.b.asm(ir.FunctionType(ir.VoidType(), [I32, value.type]), "st.shared::cluster.f32 [$0], $1;",
-             "r,f,~{memory}", [address, value], True)
-
-
-def has_rules(bg: BlockGraph, skinny: SkinnyPlan) -> bool:
-    """Whether this backend has the rules the plan needs: a `ptx_skinny` fold for each row accumulator."""
-    return all("ptx_skinny" in bg.nodes[i].opdef.rules for i in skinny.shape.rows)
-
-
-#: a row accumulator of X folded from the fragments the mmas read (the CUDA backend's `cuda_skinny`):
-#: its fold, which combines by sum (the warps' and lanes' folds meet in any grouping)
-_RULES = {"accum_sum": SUM, "accum_mean": SUM, "accum_rms": SUM_OF_SQUARES}
-
-for _name, _fold in _RULES.items():
-    extend_op(_name, ptx_skinny=_fold)
+            v = fn.load_float(part, b.add(tid, i32(first)))
+            for w in range(1, warps):
+                v = fold.combine(fn, v, fn.load_float(part, b.add(tid, i32(first + w * MAX_ROWS))))
+            tile = bk.tile(node.output)
+            at = fn.offset(tid, tuple(tile.shape), tile)
+            fn.store_float(tile, at, fold.combine(fn, fn.load_float(tile, at), v))

@@ -1,30 +1,26 @@
-"""Streamed accumulation as LLVM IR: a loop whose body only folds input tiles element by element (a
-split's combine) run by each thread over its elements straight from device memory, in registers, as
-the CUDA backend's mdsl/backend/cuda/streamed.py (whose `streamed_accumulators` decides when: both
-backends stream the same loops). Each accumulator op's `ptx_streamed` rule gives its running state and
-its step; every iteration's loads are independent, so they are in flight together."""
+"""Streamed accumulation as LLVM IR: the loops the lowering streams (mdsl.lowering.streamed, which says
+which), each thread folding its accumulator elements over the iterations straight from device memory, in
+registers, by each op's rule in `RULES` (its running state and its step); every iteration's loads are
+independent, so they are in flight together."""
 from __future__ import annotations
 
 import math
 
 import attrs
 
-from mdsl.backend.cuda.streamed import FULL_UNROLL
 from mdsl.backend.ptx.llvm import Array, f32, i32
 from mdsl.backend.ptx.loops import rescale, weighted_sum
 from mdsl.ir.graph import BlockGraph
-from mdsl.ir.ops import extend_op
-
-ROLLED_UNROLL = 8   # a longer loop: this many iterations a trip (CUDA: #pragma unroll 8)
+from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL
 
 
-def emit_streamed(bk, bg: BlockGraph, nodes: list, parts: dict) -> None:
+def emit_streamed(bk, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
     """Each accumulator folded over the loop by the threads owning its elements, into its tile."""
     fn, b = bk.fn, bk.fn.b
     inputs = {i.var.name: i for i in bg.inputs}
     for index in nodes:
         node = bg.nodes[index]
-        rule = node.opdef.rules["ptx_streamed"]
+        rule = RULES[node.op]
         tile = bk.tile(node.output)
         shape = tuple(tile.shape)
         fn.marker_for(node)
@@ -88,11 +84,9 @@ class Rescaling:
         return [weighted_sum(fn, acc, rescale(fn, top, nxt), x, rescale(fn, m, nxt)), nxt]
 
 
-_RULES = {
+#: op -> its rule: the ops of mdsl.lowering.streamed.STREAMED_RULES
+RULES = {
     "accum": Folding(0.0, lambda fn, acc, x: fn.b.fadd(acc, x)),
     "accum_max": Folding(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),
     "accum_rescale": Rescaling(),
 }
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, ptx_streamed=_rule)

@@ -21,9 +21,10 @@ import attrs
 
 import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules (each operator's `expr`) to the registry
 from mdsl.backend.cuda.loops import emit_chain
-from mdsl.backend.cuda.source import CodeWriter, Namer
+from mdsl.backend.cuda.source import CodeWriter
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
+from mdsl.lowering.names import Namer
 from mdsl.megakernel.epilogues import has_residual, is_additive, products
 from mdsl.megakernel.layers import extend_layer_op, get_layer_op
 from mdsl.megakernel.runtime.plan import Kind, TaskPlan

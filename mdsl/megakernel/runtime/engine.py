@@ -21,8 +21,11 @@ import attrs
 import numpy as np
 
 from mdsl.backend.cuda import runtime
-from mdsl.backend.cuda.runtime import CudaError, DeviceArray, NoGPUError, _check, _cu_stream, driver
 from mdsl.errors import MdslError, ShapeError
+from mdsl.gpu.arrays import DeviceArray
+from mdsl.gpu.driver import CudaError, NoGPUError, driver
+from mdsl.gpu.driver import check as _check
+from mdsl.gpu.driver import cu_stream as _cu_stream
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.config import DEFAULT_MAX_SEQ, ModelConfig
 from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import attrs
 
-from mdsl.backend.cuda.nvrtc import _write_atomic as write_atomic
+from mdsl.gpu.cache import write_atomic
 
 
 @attrs.frozen

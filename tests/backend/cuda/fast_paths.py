@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.ir.dtypes import bf16, f16
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 
 #: name -> options: the default fast paths and each of them switched off (or set otherwise)
@@ -91,7 +91,7 @@ def ragged_attention(dtype) -> Graph:
 
 def row_attention(dtype) -> Graph:
     """Online softmax whose whole loop body stays in the registers of the warps owning the rows
-    (mdsl.backend.cuda.rows): batched tiles of 40 rows (ragged: the last 16-row tile is half padding)
+    (mdsl.lowering.rows): batched tiles of 40 rows (ragged: the last 16-row tile is half padding)
     on 2 warps, 24 keys an iteration (the P.V product's K an odd number of 8-column groups), its
     denominator by accum_sum_rescale, the running maximum an output too."""
     g = Graph(f"row_attention_{dtype.name}")
@@ -129,7 +129,7 @@ def flash_decoding(dtype) -> Graph:
 
 
 def split_combine(dtype) -> Graph:
-    """A combine of 5 splits (mdsl.backend.cuda.streamed): per-split maxima, rescaled partial sums of
+    """A combine of 5 splits (mdsl.lowering.streamed): per-split maxima, rescaled partial sums of
     ragged rows (3 x 24 per block), a plain sum, folded straight from device memory; then an epilogue."""
     g = Graph(f"split_combine_{dtype.name}")
     m, x, y = g.input("m", (6, 5), dtype), g.input("x", (6, 120), dtype), g.input("y", (6, 120), dtype)

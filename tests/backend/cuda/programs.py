@@ -64,7 +64,7 @@ def _shared_guided_with(key: str, name: str, accepts) -> KernelGraph:
 
 @functools.cache
 def skinny_programs() -> dict:
-    """Programs whose first kernel takes the skinny loop (mdsl.backend.cuda.skinny): the benchmark plans of
+    """Programs whose first kernel takes the skinny loop (mdsl.lowering.skinny): the benchmark plans of
     RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
     (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel
     after), 5 rows of X over 65 slabs (the last slabs past the steady loop), 48 columns a block (rows of 96

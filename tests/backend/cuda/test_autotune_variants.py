@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mdsl.backend.cuda import autotune
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
+from mdsl.lowering.options import CudaOptions
 from mdsl.search import variants as V
 from tests.search.small_plans import small_plan
 

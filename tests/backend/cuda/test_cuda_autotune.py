@@ -8,7 +8,7 @@ import pytest
 
 from mdsl.backend.cuda import autotune
 from mdsl.backend.cuda.autotune import TuneResult, Variant, cache_key, load, parameter_space, store, variants
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import fast_path_graphs
 
 DEVICE = "NVIDIA H200"
@@ -19,8 +19,7 @@ def test_the_parameter_space_crosses_depths_and_block_sizes():
     assert space == [CudaOptions(stages=2), CudaOptions(stages=3), CudaOptions(stages=2, threads=128),
                      CudaOptions(stages=3, threads=128)]
     assert all(o.mma and o.register_accumulators for o in parameter_space())
-    skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.STAGE_X)
-                    * len(autotune.WIDE_X))
+    skinny_kinds = len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.WIDE_X)
     unprefetched = skinny_kinds * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
     assert len(parameter_space()) == len(autotune.STAGES) * (
         len(autotune.THREADS) * (1 + skinny_kinds * len(autotune.LEADS)) + unprefetched)

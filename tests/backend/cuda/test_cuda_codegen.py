@@ -8,12 +8,13 @@ import sys
 import pytest
 
 from mdsl.backend.cuda import emit_cuda
-from mdsl.backend.cuda.source import OP_MARKER, Namer, Operand, c_identifier, float_literal, offset
+from mdsl.backend.cuda.source import Operand, float_literal, offset
 from mdsl.errors import UnsupportedError
 from mdsl.ir import OPS, BLOCK, KERNEL, THREAD, f16
 from mdsl.ir.text import parse_graph
-from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.block import lower
+from mdsl.lowering.names import OP_MARKER, Namer, c_identifier
+from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.programs import example_kernels

@@ -9,14 +9,14 @@ import re
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16, f32
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
+from tests.backend.acceptance import assert_compiles_clean, compiled
 from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.cuda.programs import example_kernels, guided_plans
-from tests.backend.cuda.test_cuda_acceptance import assert_compiles_clean, compiled
 from tests.gpu.harness import with_dtype
 from tests.shared import disassembled as disassemble
 

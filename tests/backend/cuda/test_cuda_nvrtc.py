@@ -9,8 +9,9 @@ import pytest
 
 from mdsl.backend.cuda import CompileError, compile_cuda, emit_cuda, compile_arch
 from mdsl.backend.cuda import nvrtc
-from mdsl.backend.cuda.nvrtc import Resources, cache_dir, parse_resources
-from mdsl.backend.cuda.source import OP_MARKER
+from mdsl.gpu.cache import cache_dir
+from mdsl.gpu.program import Resources, parse_resources
+from mdsl.lowering.names import OP_MARKER
 from tests.strategies import example_graphs
 
 ACCUM_RMS = "%rms: f32[8, 1] = accum_rms(%tb) {eps=1e-05}"
@@ -71,14 +72,14 @@ def test_a_compile_error_shows_the_source_and_the_op():
 
 
 def _entries() -> list:
-    return sorted(p.name for p in cache_dir().iterdir()) if cache_dir().exists() else []
+    return sorted(p.name for p in cache_dir("cubin").iterdir()) if cache_dir("cubin").exists() else []
 
 
 @pytest.mark.timeout(60)
 def test_cache_hit(monkeypatch, tmp_path):
     monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
     first = compile_cuda(TINY)
-    assert cache_dir() == tmp_path / "cubin"
+    assert cache_dir("cubin") == tmp_path / "cubin"
     assert [p.rsplit(".", 1)[1] for p in _entries()] == ["cubin", "log"]
 
     def no_compile(*args):
@@ -95,7 +96,7 @@ def test_cache_hit(monkeypatch, tmp_path):
 def test_a_corrupt_entry_is_compiled_again(monkeypatch, tmp_path):
     monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
     good = compile_cuda(TINY)
-    (cubin,) = cache_dir().glob("*.cubin")
+    (cubin,) = cache_dir("cubin").glob("*.cubin")
     cubin.write_bytes(b"garbage")
     with pytest.warns(UserWarning, match="corrupt cubin cache entry"):
         again = compile_cuda(TINY)

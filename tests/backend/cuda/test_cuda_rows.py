@@ -1,7 +1,7 @@
-"""Row-resident lowering (mdsl.backend.cuda.rows), without a GPU: which loop nodes stay in the warps'
-registers, what leaves the chain and why, the tiles that then need no shared memory, and the code:
-tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests run
-these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
+"""Row-resident chains (mdsl.lowering.rows, written by mdsl.backend.cuda.rows), without a GPU: which loop nodes
+stay in the warps' registers, what leaves the chain and why, the tiles that then need no shared memory, and
+the code: tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests
+run these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
 from __future__ import annotations
 
 import re
@@ -9,11 +9,11 @@ import re
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.cuda.rows import VECTOR, plan_rows
 from mdsl.ir.dtypes import f16
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.rows import VECTOR
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan

@@ -1,23 +1,21 @@
-"""The skinny loop (mdsl.backend.cuda.skinny), without a GPU: which block graphs qualify, the code it
-writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for sm_90a with
-no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch, the
-autotuner's space, the K split over a thread-block cluster and the launch overlapping the previous
-kernel. tests/gpu/test_gpu_skinny.py runs every program here against the float64 reference (the PTX
-backend's port of the loop has its own tests under tests/backend/ptx)."""
+"""The skinny loop (mdsl.lowering.skinny, written by mdsl.backend.cuda.skinny), without a GPU: which block graphs
+qualify, the code it writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for
+sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch,
+the autotuner's space and the launch overlapping the previous kernel. tests/gpu/test_gpu_skinny.py runs every
+program here against the float64 reference (the PTX backend's port of the loop has its own tests under
+tests/backend/ptx)."""
 from __future__ import annotations
 
 import itertools
 import re
 
-import attrs
-
 import pytest
 
 from mdsl.backend.cuda import autotune, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path, sass_opcodes
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.errors import UnsupportedError
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
 from mdsl.search import guided
 from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
 from tests.shared import disassembled as disassemble
@@ -115,8 +113,7 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     space = autotune.parameter_space()
     trimmed = autotune.parameter_space(stages=autotune.VARIANT_STAGES)
     assert {o.skinny for o in space} == {o.skinny for o in trimmed} == {False, True}
-    skinny_kinds = (len(autotune.CLUSTERS) * len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS)
-                    * len(autotune.STAGE_X) * len(autotune.WIDE_X))
+    skinny_kinds = len(autotune.OVERLAP) * len(autotune.STAGGER) * len(autotune.LEADS) * len(autotune.WIDE_X)
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     unprefetched = skinny_kinds // len(autotune.LEADS) * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
     assert len(space) == len(autotune.STAGES) * (len(autotune.THREADS) * per_stage_and_threads + unprefetched)
@@ -125,73 +122,20 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
-        skinny = {(v.options.threads, v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead,
-                   v.options.stage_x, v.options.wide_x) for v in tried if v.candidate == k and v.options.skinny}
-        assert skinny == {(t, c, o, g, d, x, y) for d in autotune.LEADS
+        skinny = {(v.options.threads, v.options.overlap, v.options.stagger, v.options.lead, v.options.wide_x)
+                  for v in tried if v.candidate == k and v.options.skinny}
+        assert skinny == {(t, o, g, d, y) for d in autotune.LEADS
                           for t in (*autotune.THREADS, *(autotune.UNPREFETCHED_THREADS if d == 0 else ()))
-                          for c in autotune.CLUSTERS for o in autotune.OVERLAP for g in autotune.STAGGER
-                          for x in autotune.STAGE_X for y in autotune.WIDE_X}
+                          for o in autotune.OVERLAP for g in autotune.STAGGER for y in autotune.WIDE_X}
     # gqa does not qualify: its tile loop again (dropped), unless overlapping its predecessor
-    assert {(v.options.cluster, v.options.overlap, v.options.stagger, v.options.lead, v.options.stage_x,
-             v.options.wide_x) for v in tried if v.candidate == 1 and v.options.skinny} == {(1, True, False, 2, False, False)}
+    assert {(v.options.overlap, v.options.stagger, v.options.lead, v.options.wide_x)
+            for v in tried if v.candidate == 1 and v.options.skinny} == {(True, False, 2, False)}
 
 
 def test_switched_off_in_the_environment_the_autotuner_does_not_try_it(monkeypatch):
     monkeypatch.setenv("MDSL_CUDA_SKINNY", "0")
     assert {o.skinny for o in autotune.parameter_space()} == {False}
     assert {o.skinny for o in autotune.parameter_space(skinny=(True,))} == {True}   # asked for: given
-
-
-# ---- the K split over a thread-block cluster (CudaOptions.cluster)
-
-def test_a_cluster_splits_the_k_and_its_sums_meet_in_the_first_block():
-    graph = skinny_programs()["rms_norm_linear_bs8_64_columns"]   # 96 blocks of 64 columns
-    alone = emit_cuda(graph, arch="sm_90a", options=SKINNY)
-    split = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, cluster=4))
-    (one,), (four,) = alone.launches, split.launches
-    assert four.grid == (4 * one.grid[0], *one.grid[1:]) and four.block == one.block
-    kernel = split.source[split.source.index("extern \"C\" __global__"):]
-    assert kernel.startswith("extern \"C\" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(128, 1)")
-    assert "__cluster_dims__" not in alone.source
-    assert "mdsl::Skinny<__half, 16, 64, 1024, 4096, 6144, 4, 1, 8>::run(" in kernel   # a quarter of K a block
-    assert "g_w + (blockIdx.x / 4) * 64" in kernel and "g_matmul + (blockIdx.x / 4) * 64" in kernel
-    assert "g_x + skinny_rank * 1024" in kernel and "g_w_part + skinny_rank * 6291456" in kernel
-    meeting = kernel[kernel.index("mdsl::cluster_wait()"):]
-    assert meeting.index("cluster_store(") < meeting.index("mdsl::cluster_arrive();") \
-        < meeting.index("if (skinny_rank != 0) return;") < meeting.index("sqrtf(")
-    # the first block's meeting area: a slot of 16 x 64 sums and 16 row folds for each of the 4 blocks
-    assert four.smem_bytes - one.smem_bytes == 4 * 4 * (16 * 64 + 16)
-
-
-@pytest.mark.parametrize("graph, arch", [("rms_norm_linear_5_rows_65_slabs", "sm_90a"),   # 65 slabs: no even split
-                                         ("rms_norm_linear_bs8_64_columns", "sm_80")])   # no clusters before sm_90
-def test_where_a_cluster_cannot_split_the_k_the_loop_is_not_split(graph, arch):
-    graph = skinny_programs()[graph]
-    split = emit_cuda(graph, arch=arch, options=CudaOptions(skinny=True, cluster=4)).source
-    assert split == emit_cuda(graph, arch=arch, options=SKINNY).source and "::run(skinny_acc" in split
-
-
-def test_the_cluster_size_is_an_option_and_an_environment_switch():
-    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1", "MDSL_CUDA_CLUSTER": "4"}) == CudaOptions(skinny=True, cluster=4)
-    with pytest.raises(UnsupportedError, match="clusters of 3 blocks"):
-        CudaOptions(cluster=3)
-
-
-@needs_nvdisasm
-@pytest.mark.parametrize("cluster", [2, 4])
-@pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns",
-                                  "gated_mlp", "gated_mlp_split"])
-def test_a_clustered_loop_compiles_without_spills_three_blocks_an_sm(name, cluster):
-    """The cluster barrier and the stores into the first block's shared memory in the SASS; at most 168
-    registers at 128 threads, so that three blocks fit an SM (65536 registers): 96 blocks in clusters of
-    4 are 384, one wave on 132 SMs."""
-    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=CudaOptions(skinny=True, cluster=cluster))
-    module = compile_cuda(program.source, arch="sm_90a")
-    first = module.resources[program.launches[0].name]
-    assert first.spill_store_bytes == 0 and first.spill_load_bytes == 0 and first.stack_bytes == 0, module.log
-    assert first.registers <= 168 and program.launches[0].block == (128, 1, 1)
-    sass = disassemble(module.cubin)
-    assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass and "HMMA.16816.F32" in sass
 
 
 # ---- overlapping the previous kernel (CudaOptions.overlap: programmatic dependent launch)
@@ -238,14 +182,13 @@ _GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LD|ST|LDGSTS|ATOM|ATOMG|RED)\b")
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("cluster", [1, 4])
 @pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8_64_columns", "gated_mlp", "gqa"])
-def test_in_the_sass_no_global_access_comes_before_the_wait(name, cluster):
+def test_in_the_sass_no_global_access_comes_before_the_wait(name):
     """griddepcontrol.wait is ACQBULK, launch_dependents PREEXIT: in a skinny kernel the L2 prefetches
     (CCTL.E.PF2) of the first slabs come before the wait, every global load, copy and store after it; in
     the tile kernels (gqa: attention and its combine) the wait comes first."""
     graph = guided_plan("gqa.gqa") if name == "gqa" else skinny_programs()[name]
-    program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, cluster=cluster, overlap=True))
+    program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, overlap=True))
     module = compile_cuda(program.source, arch="sm_90a")
     kernels = _sass_by_kernel(module.cubin)
     assert set(kernels) == {launch.name for launch in program.launches}
@@ -319,7 +262,7 @@ def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spil
 def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
     """48 columns a block: 96-byte rows at multiples of 32 bytes cross lines; 64 (128 bytes at multiples of
     128) and 32 (64 bytes in 8-byte loads, at multiples of 64) do not."""
-    from mdsl.backend.cuda.skinny import straddles
+    from mdsl.lowering.skinny import straddles
     from mdsl.ir.skinny import skinny_shape
     from mdsl.ir.text import parse_graph
     from tests.ir.skinny_texts import rms_norm_linear
@@ -333,42 +276,6 @@ def test_prefetches_take_both_lines_where_a_group_s_row_crosses_one():
     assert re.search(r"mdsl::Skinny<[^>]*, false, 2, true>::run\(", source)
 
 
-# ---- X staged in shared memory by bulk copies (CudaOptions.stage_x)
-
-@pytest.mark.parametrize("name", ["rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns", "gated_mlp",
-                                  "rms_norm_linear_5_rows_65_slabs"])
-def test_a_staged_x_is_copied_in_parts_by_the_bulk_copy_engine(name):
-    """stage_x: the block's X rows (K + 8 elements apart) in shared memory before the partial sums, copied
-    by cp.async.bulk under one mbarrier a part (4 parts where K is 4 runs of whole slabs, else 1; 65 slabs:
-    1), after the wait for the previous kernel; the loop reads X's fragments from shared memory, so its
-    global loads are the weights' only. No spills; sm_80 has no bulk copies: unstaged."""
-    graph = skinny_programs()[name]
-    options = CudaOptions(skinny=True, overlap=True, stage_x=True)
-    plain, program = emit_cuda(graph, arch="sm_90a", options=attrs.evolve(options, stage_x=False)), \
-        emit_cuda(graph, arch="sm_90a", options=options)
-    _, lowered = _lowered(graph, options)
-    plan = lowered.skinny
-    assert plan.stage_x and plan.x_parts() == (1 if "65_slabs" in name else 4)
-    k = plan.shape.k
-    staged = -(-(plan.shape.m * (k + 8) * 2) // 16) * 16 + 8 * plan.x_parts()
-    assert program.launches[0].smem_bytes == plain.launches[0].smem_bytes + staged
-    kernel = program.source[program.source.index("extern \"C\" __global__"):]
-    assert kernel.index("mdsl::wait_for_previous_kernel()") < kernel.index("::stage_x(")
-    assert re.search(r"mdsl::Skinny<[^>]*, true>::run\(", kernel)
-    module = compile_cuda(program.source, arch="sm_90a")
-    first = module.resources[program.launches[0].name]
-    assert first.spill_store_bytes == 0 and first.stack_bytes == 0, module.log
-    if nvdisasm_path() is not None:
-        ops = sass_opcodes(disassemble(module.cubin))
-        assert ops.get("UBLKCP", 0) >= 1 and ops.get("SYNCS", 0) >= 1
-        mats = len(plan.shape.weights)
-        plain_sass = sass_opcodes(disassemble(compile_cuda(plain.source, arch="sm_90a").cubin))
-        assert ops.get("LDG", 0) < plain_sass.get("LDG", 0)   # X's fragment loads gone
-        assert ops.get("LDG", 0) >= 2 * 4 * mats
-    assert "stage_x" not in emit_cuda(graph, arch="sm_80", options=options).source.split("extern \"C\" __global__")[1]
-    assert CudaOptions.from_env({"MDSL_CUDA_STAGE_X": "1"}) == CudaOptions(stage_x=True)
-
-
 # ---- steps of two slabs, X's fragments in 16-byte loads (CudaOptions.wide_x)
 
 @pytest.mark.parametrize("name", ["rms_norm_linear_bs8", "rms_norm_linear_bs8_64_columns", "gated_mlp"])
@@ -379,7 +286,7 @@ def test_wide_x_loads_x_in_16_bytes_and_halves_its_loads(name):
     graph = skinny_programs()[name]
     narrow = emit_cuda(graph, arch="sm_90a", options=SKINNY)
     wide = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, wide_x=True))
-    assert re.search(r"mdsl::Skinny<[^>]*, false, 2, false, false, true>::run\(", wide.source)
+    assert re.search(r"mdsl::Skinny<[^>]*, false, 2, false, true>::run\(", wide.source)
     assert _lowered(graph, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x
     odd = skinny_programs()["rms_norm_linear_5_rows_65_slabs"]
     assert not _lowered(odd, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x

@@ -8,7 +8,7 @@ import pytest
 
 from mdsl.backend.cuda import autotune, compile_cuda, emit_cuda
 from mdsl.backend.cuda import nvrtc
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.options import CudaOptions
 from mdsl.search.cost import gpu_estimate
 from mdsl.search.dims import Labels
 from mdsl.search.guided import Choice, lift

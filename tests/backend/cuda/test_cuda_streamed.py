@@ -1,12 +1,12 @@
-"""Streamed accumulation (mdsl.backend.cuda.streamed), without a GPU: which loops fold their inputs
-straight from device memory, the code (no shared-memory copies, no barrier inside the fold), the
-switch. The GPU tests run these programs against the reference (tests/gpu/test_gpu_fast_paths.py and
-the guided plans of the attention examples)."""
+"""Streamed accumulation (mdsl.lowering.streamed, written by mdsl.backend.cuda.streamed), without a GPU: which
+loops fold their inputs straight from device memory, the code (no shared-memory copies, no barrier inside the
+fold), the switch. The GPU tests run these programs against the reference (tests/gpu/test_gpu_fast_paths.py
+and the guided plans of the attention examples)."""
 from __future__ import annotations
 
 from mdsl.backend.cuda import emit_cuda
-from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.options import CudaOptions
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan
 

@@ -9,8 +9,8 @@ import functools
 import json
 from pathlib import Path
 
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.ir.graph import KernelGraph
+from mdsl.lowering.options import CudaOptions
 from mdsl.search.plan import Plan
 from tests.backend.cuda.fast_paths import OPTION_SETS
 

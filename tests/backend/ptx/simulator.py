@@ -53,8 +53,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mdsl.backend.cuda.runtime import _from_device_bits, _to_device_bits
 from mdsl.backend.ptx import PtxProgram
+from mdsl.gpu.arrays import from_device_bits, to_device_bits
 from mdsl.ir.dtypes import DType
 from mdsl.ir.graph import KernelGraph
 
@@ -598,7 +598,7 @@ def _aligned(nbytes: int, dtype) -> np.ndarray:
 
 
 def _to_host(x: np.ndarray, dtype: DType) -> np.ndarray:
-    values = _to_device_bits(x, dtype).reshape(-1)    # as the runtime uploads it (bf16 rounded to nearest even)
+    values = to_device_bits(x, dtype).reshape(-1)    # as the runtime uploads it (bf16 rounded to nearest even)
     out = _aligned(values.nbytes, values.dtype)
     out[:] = values
     return out
@@ -634,7 +634,7 @@ def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait")
             kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
             _run_launch(kernel, [a.ctypes.data for a in args], launch, cluster_size(program.llvm_ir, launch.name),
                         copies)
-    return [_from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
+    return [from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
 
 
 @contextlib.contextmanager

@@ -9,12 +9,12 @@ import pytest
 
 from mdsl.backend.cuda import emit_cuda
 from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
-from mdsl.backend.cuda.block import lower
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.ptx.llvm import OP_MARKER, merged_dims
 from mdsl.errors import UnsupportedError
 from mdsl.ir import BLOCK, KERNEL, OPS, THREAD, bf16, f16, f32
 from mdsl.ir.ops import get_op
+from mdsl.lowering.block import lower
+from mdsl.lowering.names import OP_MARKER
+from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
@@ -36,17 +36,6 @@ def test_every_operator_has_a_ptx_rule_for_each_of_its_levels(name):
     for level in op.levels:
         for method in _METHODS[level]:
             assert callable(getattr(rule, method, None)), f"{name}'s ptx rule cannot emit it at the {level} level"
-
-
-def test_merged_dims_drop_unit_dims_merge_contiguous_ones_and_broadcast():
-    # a contiguous operand of the loop's shape: one dim of stride 1
-    assert merged_dims((4, 8, 16), (4, 8, 16), (128, 16, 1)) == [(512, 1)]
-    # broadcast along the rows (an operand of one row) and along a leading dim it lacks
-    assert merged_dims((4, 8, 16), (1, 16), (16, 1)) == [(32, 0), (16, 1)]
-    assert merged_dims((4, 8, 16), (8, 16), (16, 1)) == [(4, 0), (128, 1)]
-    # a padded tile: rows of 16 elements, 20 apart; unit dims vanish
-    assert merged_dims((1, 8, 16), (1, 8, 16), (160, 20, 1)) == [(8, 20), (16, 1)]
-    assert merged_dims((), (), ()) == []
 
 
 @pytest.mark.timeout(60)

@@ -14,16 +14,14 @@ import attrs
 import pytest
 
 from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.block import lower
 from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_instructions
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
-from mdsl.ir import OPS
 from mdsl.ir.dtypes import bf16, f16, f32
+from mdsl.lowering.block import lower
+from mdsl.lowering.options import CudaOptions
+from tests.backend.acceptance import assembled_module, assert_assembles_clean
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
-from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans
-from tests.backend.ptx.test_ptx_acceptance import assembled_module, assert_assembles_clean
 from tests.gpu.harness import with_dtype
 from tests.shared import disassembled
 
@@ -75,14 +73,6 @@ def test_emit_llvm_reads_the_environment_when_given_no_options(monkeypatch):
     for key in options_env(CudaOptions()):
         monkeypatch.delenv(key)
     assert "mma.sync.aligned.m16n8k16" in emit_llvm(graph).llvm_ir
-
-
-def test_every_lowering_of_the_cuda_backend_has_its_ptx_rules():
-    """The CUDA lowering decides which nodes are row-resident or streamed (by its `cuda_rows` and
-    `cuda_streamed` rules); the PTX backend must be able to write each of them."""
-    for opdef in OPS.values():
-        for cuda, ptx in (("cuda_rows", "ptx_rows"), ("cuda_streamed", "ptx_streamed")):
-            assert (cuda in opdef.rules) == (ptx in opdef.rules), f"{opdef.name}: {cuda} without {ptx} or back"
 
 
 def _matmul_programs() -> dict:

@@ -1,14 +1,13 @@
-"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs
-under every option set (hoisting and streamed combines off among them), the benchmark cases' searched
-plans and the split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each
-switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
-environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU
-tests' harness; the loaded modules report no spills. The skinny loop (`CudaOptions.skinny`) runs on the
-fifth session's tuned skinny plans (RMSNorm + Linear at batch 1 and 8, Gated MLP), alone, with its K
-split over thread-block clusters of 2 and 4 blocks, overlapping the previous kernel, with staggered
-walks over K and in steps of two slabs (`CudaOptions.wide_x`, with the L2 lead of 2 or none), and on every
-benchmark plan (those it does not qualify keep the tile loop); every benchmark plan's kernels launched to
-overlap their predecessors (`CudaOptions.overlap`).
+"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs under
+every option set (hoisting and streamed combines off among them), the benchmark cases' searched plans and the
+split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each switched off, built
+by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the environment, as the
+autotuner's runs do) and compared with the reference interpreter by the GPU tests' harness; the loaded modules
+report no spills. The skinny loop (`CudaOptions.skinny`) runs on the autotuner's skinny plans (RMSNorm +
+Linear at batch 1 and 8, Gated MLP), alone, overlapping the previous kernel, with staggered walks over K and
+in steps of two slabs (`CudaOptions.wide_x`, with the L2 lead of 2 or none), and on every benchmark plan
+(those it does not qualify keep the tile loop); every benchmark plan's kernels launched to overlap their
+predecessors (`CudaOptions.overlap`).
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -17,8 +16,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from mdsl.backend.cuda.options import CudaOptions
-from mdsl.backend.cuda.runtime import has_gpu
+from mdsl.gpu import has_gpu
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
 from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
 
@@ -38,9 +37,9 @@ def _use(monkeypatch, options_name: str, sets: dict = EVERY_OPTION_SET) -> None:
 
 
 def _use_options(monkeypatch, options: CudaOptions) -> None:
-    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_CLUSTER": str(options.cluster),
-              "MDSL_CUDA_OVERLAP": str(int(options.overlap)), "MDSL_CUDA_STAGGER": str(int(options.stagger)),
-              "MDSL_CUDA_LEAD": str(options.lead), "MDSL_CUDA_WIDE_X": str(int(options.wide_x))}
+    skinny = {"MDSL_CUDA_SKINNY": str(int(options.skinny)), "MDSL_CUDA_OVERLAP": str(int(options.overlap)),
+              "MDSL_CUDA_STAGGER": str(int(options.stagger)), "MDSL_CUDA_LEAD": str(options.lead),
+              "MDSL_CUDA_WIDE_X": str(int(options.wide_x))}
     for key, value in {**options_env(options), **skinny}.items():
         monkeypatch.setenv(key, value)
 
@@ -86,21 +85,19 @@ def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monke
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
-@pytest.mark.parametrize("cluster, overlap, stagger, lead, wide_x",
-                         [(1, False, False, 2, False), (2, False, False, 2, False), (4, False, False, 2, False),
-                          (1, True, False, 2, False), (4, True, False, 2, False), (1, False, True, 2, False),
-                          (1, True, True, 2, False), (1, True, True, 2, True), (1, True, False, 0, True)])
+@pytest.mark.parametrize("overlap, stagger, lead, wide_x",
+                         [(False, False, 2, False), (True, False, 2, False), (False, True, 2, False),
+                          (True, True, 2, False), (True, True, 2, True), (True, False, 0, True)])
 @pytest.mark.parametrize("name", sorted(tuned_skinny_plans()))
-def test_tuned_skinny_plan_through_ptx(name, cluster, overlap, stagger, lead, wide_x, monkeypatch, ptx_backend):
+def test_tuned_skinny_plan_through_ptx(name, overlap, stagger, lead, wide_x, monkeypatch, ptx_backend):
     """The skinny loop (weights streamed into registers, mma.sync with W as the A operand) at the
-    benchmark's sizes, as the autotuner picked it for the CUDA backend, its K split over clusters of
-    2 and 4 blocks (the sums met in the first block's shared memory), launched to overlap the previous
+    benchmark's sizes, as the autotuner picked it for the CUDA backend, launched to overlap the previous
     kernel (programmatic dependent launch), with staggered walks over K, and in steps of two slabs
     (wide_x) with the L2 lead of 2 or none, against float64."""
     graph, options = tuned_skinny_plans()[name]
-    options = attrs.evolve(options, cluster=cluster, overlap=overlap, stagger=stagger, lead=lead, wide_x=wide_x)
+    options = attrs.evolve(options, overlap=overlap, stagger=stagger, lead=lead, wide_x=wide_x)
     _use_options(monkeypatch, options)
-    _check(ptx_backend, graph, f"ptx-skinny:{name}:cluster {cluster}" + (":overlap" if overlap else "") +
+    _check(ptx_backend, graph, f"ptx-skinny:{name}" + (":overlap" if overlap else "") +
            (":stagger" if stagger else "") + (f":lead {lead}" if lead != 2 else "") + (":wide_x" if wide_x else ""),
            f"the tuned skinny plan of {name} through the PTX backend with options {options}")
 

@@ -19,11 +19,11 @@ import pytest
 from mdsl import f16, f32
 from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.cuda.nvrtc import nvdisasm_path
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import assembler, emit_llvm
+from mdsl.lowering.options import CudaOptions
+from tests.backend.acceptance import assembled_module
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import benchmark_plans, lora_tuned, tuned_plans
-from tests.backend.ptx.test_ptx_acceptance import assembled_module
 from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 
 pytestmark = pytest.mark.shared_compile_cache   # PTX and cubins compiled once per session (tests/shared.py)

@@ -11,10 +11,10 @@ import functools
 import numpy as np
 import pytest
 
-from mdsl.backend.cuda.options import CudaOptions
 from mdsl.backend.ptx import emit_llvm
 from mdsl.backend.ptx.llvm import KernelFunction
 from mdsl.ir import bf16, f16, f32, i32
+from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
@@ -199,7 +199,7 @@ def test_split_attention_copies_that_land_as_soon_as_issued():
 @pytest.mark.timeout(120)
 def test_a_long_streamed_combine_is_a_loop():
     """A combine of 36 splits (over FULL_UNROLL: a loop, 4 iterations a trip) folded from device memory."""
-    from mdsl.backend.cuda.streamed import FULL_UNROLL
+    from mdsl.lowering.streamed import FULL_UNROLL
 
     g = Graph("long_combine")
     m, x = g.input("m", (4, 36), f32), g.input("x", (4, 36 * 8), f32)

@@ -1,14 +1,15 @@
-"""The lowering options of the CUDA backend: which fast paths the emitted code takes.
+"""The lowering options: which fast paths the emitted code takes, the same for both backends (the names
+keep the CUDA backend's, where they began).
 
-Every fast path can be switched off, by the caller (`CudaOptions(...)` given to `emit_cuda`) or, where
-the caller gives none, by the environment, so that a run on a GPU can compare a new path with the old
-one without changing code:
+Every fast path can be switched off, by the caller (`CudaOptions(...)` given to `emit_cuda` or
+`emit_llvm`) or, where the caller gives none, by the environment, so that a run on a GPU can compare a
+new path with the old one without changing code:
 
     MDSL_CUDA_MMA=0         block-level matmuls as scalar FMA loops instead of tensor-core mma.sync
     MDSL_CUDA_REGACC=0      accum(matmul(..)) kept in shared memory instead of the mma's registers
     MDSL_CUDA_STAGES=n      per-iteration input tiles loaded n deep with cp.async (1: synchronous loads)
     MDSL_CUDA_THREADS=n     threads per block of custom kernels (default: the block graph's own)
-    MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled, as before)
+    MDSL_CUDA_UNROLL=n      unrolling of block-level element loops (1: rolled)
     MDSL_CUDA_STREAM=0      loops that only fold input tiles element-wise (split combines) through shared
                             memory instead of each thread folding its elements from device memory (`streamed.py`)
     MDSL_CUDA_HOIST=0       loop-invariant block nodes computed every iteration instead of once before the loop
@@ -17,17 +18,10 @@ one without changing code:
     MDSL_CUDA_SKINNY=1      loops of matmuls of at most 16 rows stream their weights from device memory into
                             registers (`skinny.py`) instead of through shared-memory tiles (off by default: the
                             autotuner tries both; MDSL_CUDA_SKINNY=0 keeps it from trying the skinny loop)
-    MDSL_CUDA_CLUSTER=n     a skinny loop's K split over the n blocks of a thread-block cluster (sm_90+; 1, 2,
-                            4 or 8; the partial sums meet in the first block's shared memory): n times the
-                            blocks, each streaming 1/n of the weights, so that the grid covers every SM
     MDSL_CUDA_STAGGER=1     each block of a skinny loop walks its K from its own starting slab (wrapping around),
                             so that the blocks do not read the same rows of X and the weights at the same moment
     MDSL_CUDA_LEAD=n        a skinny loop sends the weight slabs of the loop iteration n ahead to L2 (default 2;
                             0: no L2 prefetches): the DRAM bytes in flight per SM, without registers
-    MDSL_CUDA_STAGE_X=1     a skinny loop (sm_90+) has X's rows copied into shared memory by the bulk-copy engine
-                            (cp.async.bulk, four parts, each completing an mbarrier) instead of loading its
-                            fragments from L2 at every slab (off by default; measured slower on the H200, so
-                            the autotuner does not try it; the PTX backend ignores it and loads X as before)
     MDSL_CUDA_WIDE_X=1      a skinny loop's warps step over two slabs of K at once, lane t's mma rows 8t .. 8t + 7,
                             so that X's fragments of both come in one 16-byte load (each X load touches one line
                             per row of X: half the lines, half the loads)
@@ -50,7 +44,6 @@ DEFAULT_STAGES = 3
 MAX_THREADS = 1024
 DEFAULT_UNROLL = 4
 UNROLLS = (1, 2, 4, 8)
-CLUSTER_SIZES = (1, 2, 4, 8)   # portable thread-block cluster sizes
 OVERLAP_MIN_ARCH = 90          # programmatic dependent launch (griddepcontrol)
 MAX_LEAD = 8                   # loop iterations a skinny loop's L2 prefetches run ahead of its loads
 
@@ -73,12 +66,6 @@ def _check_unroll(instance, attribute, value: int) -> None:
                                hint="set MDSL_CUDA_UNROLL (or CudaOptions.unroll) to 1, 2, 4 or 8")
 
 
-def _check_cluster(instance, attribute, value: int) -> None:
-    if value not in CLUSTER_SIZES:
-        raise UnsupportedError(f"clusters of {value} blocks: use one of {', '.join(map(str, CLUSTER_SIZES))}",
-                               hint="set MDSL_CUDA_CLUSTER (or CudaOptions.cluster) to 1, 2, 4 or 8")
-
-
 def _check_lead(instance, attribute, value: int) -> None:
     if not 0 <= value <= MAX_LEAD:
         raise UnsupportedError(f"an L2 prefetch lead of {value} iterations: use 0 (no prefetches) to {MAX_LEAD}",
@@ -96,11 +83,9 @@ class CudaOptions:
     hoist: bool = True                     # loop-invariant block nodes once, before the loop
     stream: bool = True                    # element-wise folding loops straight from device memory (streamed.py)
     skinny: bool = False                   # matmuls of <= 16 rows stream their weights into registers (skinny.py)
-    cluster: int = attrs.field(default=1, validator=_check_cluster)  # blocks of a cluster splitting a skinny K
     overlap: bool = False                  # custom kernels launched to overlap their predecessor (griddepcontrol)
     stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
     lead: int = attrs.field(default=2, validator=_check_lead)  # skinny loop iterations its L2 prefetches run ahead
-    stage_x: bool = False                  # a skinny loop's X copied into shared memory by bulk copies (sm_90+)
     wide_x: bool = False                   # a skinny loop's steps of two slabs, X's fragments in 16-byte loads
 
     @classmethod
@@ -117,11 +102,9 @@ class CudaOptions:
                    hoist=_flag(env, "MDSL_CUDA_HOIST", default.hoist),
                    stream=_flag(env, "MDSL_CUDA_STREAM", default.stream),
                    skinny=_flag(env, "MDSL_CUDA_SKINNY", default.skinny),
-                   cluster=_integer(env, "MDSL_CUDA_CLUSTER", default.cluster),
                    overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
                    stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger),
                    lead=_integer(env, "MDSL_CUDA_LEAD", default.lead),
-                   stage_x=_flag(env, "MDSL_CUDA_STAGE_X", default.stage_x),
                    wide_x=_flag(env, "MDSL_CUDA_WIDE_X", default.wide_x))
 
 

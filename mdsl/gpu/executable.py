@@ -1,0 +1,325 @@
+"""Executables: a compiled program loaded on one GPU, ready to launch.
+
+Host launch overhead matters (a decode step is many small kernels): an `Executable` prepares once
+whatever does not change between calls (kernel handles, launch configurations, one block of parameter
+pointers per launch, intermediate buffers), so a call reads its arguments' pointers, writes them into
+those blocks and calls cuLaunchKernel per kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Optional, Sequence
+
+import attrs
+
+from mdsl.errors import DTypeError, ShapeError
+from mdsl.gpu.arrays import ArgumentError, DeviceArray, View, device_view, is_torch_tensor, launch_stream
+from mdsl.gpu.driver import CudaError, check, cu_stream, driver, error_text, get_device, require_gpu
+from mdsl.ir.graph import KernelGraph
+from mdsl.ir.types import TensorType
+
+_STATIC_SMEM_LIMIT = 48 * 1024   # dynamic shared memory beyond this needs the kernel's opt-in
+
+
+# ---------------------------------------------------------------------------------------------
+# where each value of a compiled program lives
+
+@attrs.frozen
+class BufferPlan:
+    """How a program's values map onto memory. Values joined by aliases (views such as reshape) share
+    one buffer; each buffer is a *slot* of the parameter block the launches point into.
+
+    `bindings`: (slot, argument index) for slots that hold an argument's pointer (inputs first, then
+    outputs). `scratch`: (slot, bytes) for intermediates, allocated once. `copies`: (destination,
+    source argument index, bytes) for outputs whose value lives in another argument's buffer (an output
+    that is an input, or a view of one, or the same value returned twice). `launch_slots`: per launch,
+    the slot of each of its arguments."""
+
+    slots: int
+    bindings: tuple
+    scratch: tuple
+    copies: tuple
+    launch_slots: tuple
+
+
+def _value_types(graph: KernelGraph) -> dict:
+    types = {v.name: v.type for v in graph.inputs}
+    for node in graph.nodes:
+        types.update((v.name, v.type) for v in node.outputs)
+    return types
+
+
+def plan_buffers(graph: KernelGraph, launches: Sequence, aliases: Sequence) -> BufferPlan:
+    types = _value_types(graph)
+    parent: dict = {}
+
+    def find(name: str) -> str:
+        if name not in types:
+            raise ValueError(f"the program of {graph.name} names %{name}, which is not one of its values")
+        while parent.get(name, name) != name:
+            name = parent[name]
+        return name
+
+    for view, base in aliases:
+        view_root, base_root = find(view), find(base)
+        if types[view].nbytes != types[base].nbytes:
+            raise ValueError(f"%{view} ({types[view]}) cannot alias %{base} ({types[base]}): their sizes differ")
+        if view_root != base_root:
+            parent[view_root] = base_root
+
+    n_in = len(graph.inputs)
+    home: dict = {}   # buffer (alias root) -> the argument whose memory it is
+    for k, v in enumerate(graph.inputs):
+        home.setdefault(find(v.name), k)
+    copies = []
+    for k, v in enumerate(graph.outputs):
+        root = find(v.name)
+        if root in home:
+            copies.append((n_in + k, home[root], types[v.name].nbytes))
+        else:
+            home[root] = n_in + k
+
+    slot_of: dict = {}
+    bindings, scratch = [], []
+
+    def slot(name: str) -> int:
+        root = find(name)
+        if root not in slot_of:
+            slot_of[root] = len(slot_of)
+            if root in home:
+                bindings.append((slot_of[root], home[root]))
+            else:
+                size = max(t.nbytes for n, t in types.items() if find(n) == root)
+                scratch.append((slot_of[root], size))
+        return slot_of[root]
+
+    launch_slots = tuple(tuple(slot(a) for a in launch.args) for launch in launches)
+    return BufferPlan(len(slot_of), tuple(bindings), tuple(scratch), tuple(copies), launch_slots)
+
+
+def _dim3(value) -> tuple:
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+# ---------------------------------------------------------------------------------------------
+# executables
+
+class Executable:
+    """A compiled mugraph loaded on one GPU, ready to launch.
+
+    `exe(inputs, outputs=None, stream=None)` checks every argument (count, shape, dtype, device,
+    layout, alignment) before launching anything, runs the program's kernels in order on the stream,
+    and returns the outputs: those passed in, or new ones (torch tensors when the inputs are torch
+    tensors, DeviceArrays otherwise). `run_pointers` is the unchecked path for callers that manage
+    memory themselves. Intermediate buffers are allocated once, so calls that overlap on different
+    streams must use different Executables.
+    """
+
+    def __init__(self, program, module, *, device: int = 0):
+        """`program`: a code generator's program (mdsl.gpu.program); `module`: its compiled module."""
+        self._scratch: list = []
+        self._module_handle = None
+        self._dev = get_device(device)
+        self.device = device
+        self.program = program
+        self.module = module
+        self.graph: KernelGraph = program.graph
+        self.name = self.graph.name
+        self.input_types = tuple(v.type for v in self.graph.inputs)
+        self.output_types = tuple(v.type for v in self.graph.outputs)
+        self._input_names = tuple(v.name for v in self.graph.inputs)
+        # what errors call each argument, made once: a call formats nothing unless it fails
+        self._input_labels = tuple(f"argument {n} of {self.name}" for n in self._input_names)
+        self._output_labels = tuple(f"output {k} of {self.name}" for k in range(len(self.output_types)))
+        self._lock = threading.Lock()
+        self._torch_device = None
+        plan = plan_buffers(self.graph, program.launches, program.aliases)
+        self._bindings = plan.bindings
+        self._copies = plan.copies
+        self._ptrs = (ctypes.c_uint64 * max(1, plan.slots))()
+        load = getattr(module, "load", None)   # a PTX module is JIT-compiled by the driver as it loads
+        self._module_handle = load() if load is not None else \
+            check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
+        self._param_blocks = []
+        self._launches = tuple(self._prepare(launch, slots) for launch, slots in zip(program.launches,
+                                                                                     plan.launch_slots))
+        for slot, size in plan.scratch:
+            self._ptrs[slot] = self._allocate_scratch(size)
+
+    def _prepare(self, launch, slots: tuple) -> tuple:
+        """The fixed arguments of cuLaunchKernel for one launch (everything but the stream)."""
+        function = check(driver.cuModuleGetFunction(self._module_handle, launch.name.encode()),
+                          f"cuModuleGetFunction({launch.name})")
+        grid, block, smem = _dim3(launch.grid), _dim3(launch.block), int(launch.smem_bytes)
+        if smem > self._dev.max_smem:
+            raise CudaError(f"kernel {launch.name} of {self.name} needs {smem} bytes of shared memory; the "
+                            f"device allows {self._dev.max_smem}")
+        if smem > _STATIC_SMEM_LIMIT:
+            check(driver.cuFuncSetAttribute(
+                function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                f"allowing {launch.name} {smem} bytes of dynamic shared memory")
+        base, width = ctypes.addressof(self._ptrs), ctypes.sizeof(ctypes.c_uint64)
+        block_of_params = (ctypes.c_void_p * max(1, len(slots)))(*[base + width * s for s in slots])
+        self._param_blocks.append(block_of_params)   # cuLaunchKernel reads it at each launch
+        config = overlapping_launch(grid, block, smem) if getattr(launch, "overlap", False) else None
+        return (function, *grid, *block, smem, ctypes.addressof(block_of_params) if slots else None, config)
+
+    def _allocate_scratch(self, size: int) -> int:
+        if not size:
+            return 0
+        ptr = int(check(driver.cuMemAlloc(size), f"allocating {size} bytes for the intermediates of {self.name}"))
+        self._scratch.append(ptr)
+        # NaN in every float dtype: a kernel that reads what no kernel wrote shows in the results
+        check(driver.cuMemsetD8(ptr, 0xFF, size), "cuMemsetD8")
+        return ptr
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def __call__(self, inputs: Sequence, outputs: Optional[Sequence] = None, stream=None) -> tuple:
+        if len(inputs) != len(self.input_types):
+            raise ArgumentError(f"{self.name} takes {len(self.input_types)} input(s), got {len(inputs)}",
+                                hint=f"call it with ({', '.join(self._input_names)})")
+        handle = launch_stream(inputs, stream)
+        views = [device_view(x, label, handle) for x, label in zip(inputs, self._input_labels)]
+        return self.launch_views(views, outputs, handle, torch_outputs=any(is_torch_tensor(x) for x in inputs))
+
+    def launch_views(self, views: Sequence[View], outputs: Optional[Sequence], stream: int, *,
+                     torch_outputs: bool = False, inputs_checked: bool = False) -> tuple:
+        """Launch on arguments already adapted by `device_view` (the frontend's path, which looks the
+        executable up by its inputs' shapes, dtypes and device, so that they are `inputs_checked`)."""
+        if not inputs_checked:
+            for view, want, label in zip(views, self.input_types, self._input_labels):
+                self._check_view(view, want, label)
+        if outputs is None:
+            outputs = self._new_outputs(stream, torch_outputs)
+            out_views = [device_view(o, "output", stream) for o in outputs]
+        else:
+            if len(outputs) != len(self.output_types):
+                raise ArgumentError(f"{self.name} has {len(self.output_types)} output(s), got {len(outputs)} to "
+                                    "write into", hint="pass one array per output, or none to have them allocated")
+            out_views = [device_view(o, label, stream) for o, label in zip(outputs, self._output_labels)]
+            for view, want, label in zip(out_views, self.output_types, self._output_labels):
+                self._check_view(view, want, label)
+        self.run_pointers([v.ptr for v in views], [v.ptr for v in out_views], stream)
+        for o in outputs:
+            if type(o) is DeviceArray:
+                o.stream = stream   # its contents are ready once this stream gets there
+        return tuple(outputs)
+
+    def _check_view(self, view: View, want: TensorType, what: str) -> None:
+        if view.shape != want.shape:
+            raise ShapeError(f"{what} has shape {list(view.shape)}, but this executable was compiled "
+                             f"for {list(want.shape)}",
+                             hint="an mdsl.kernel compiles a new executable for new shapes; call it rather than "
+                                  "an Executable built for other shapes")
+        if view.dtype is not want.dtype:
+            raise DTypeError(f"{what} is {view.dtype.long_name}, but this executable was compiled for "
+                             f"{want.dtype.long_name}", hint=f"convert it to {want.dtype.long_name} first")
+        if view.device != self.device:
+            raise ArgumentError(f"{what} is on GPU {view.device}, but this executable is loaded on "
+                                f"GPU {self.device}", hint="move every argument to the same GPU")
+
+    def _new_outputs(self, stream: int, torch_outputs: bool) -> list:
+        if not torch_outputs:
+            return [DeviceArray(t.shape, t.dtype, stream=stream, device=self.device) for t in self.output_types]
+        torch = sys.modules["torch"]
+        if self._torch_device is None:
+            self._torch_device = torch.device("cuda", self.device)
+        return [torch.empty(t.shape, dtype=getattr(torch, t.dtype.long_name), device=self._torch_device)
+                for t in self.output_types]
+
+    def run_pointers(self, inputs: Sequence[int], outputs: Sequence[int], stream: int = 0) -> None:
+        """Launch on raw device pointers, unchecked: the fast path for callers that own their memory."""
+        arguments = (*inputs, *outputs)
+        on_stream = cu_stream(stream)
+        self._dev.activate()
+        launch = driver.cuLaunchKernel
+        with self._lock:   # the parameter blocks are shared: fill and launch as one step
+            ptrs = self._ptrs
+            for slot, k in self._bindings:
+                ptrs[slot] = arguments[k]
+            for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches:
+                if config is None:
+                    (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, on_stream, params, 0)
+                else:   # programmatic dependent launch: may start while the stream's previous kernel runs
+                    config.hStream = on_stream
+                    (err,) = driver.cuLaunchKernelEx(config, function, params, 0)
+                if err:
+                    raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
+        for dst, src, size in self._copies:
+            check(driver.cuMemcpyDtoDAsync(arguments[dst], arguments[src], size, on_stream), "cuMemcpyDtoDAsync")
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the intermediates and unload the module (also done when the Executable is collected)."""
+        if driver is None:
+            return
+        for ptr in self._scratch:
+            driver.cuMemFree(ptr)
+        self._scratch = []
+        if self._module_handle is not None:
+            driver.cuModuleUnload(self._module_handle)
+            self._module_handle = None
+
+    def __enter__(self) -> "Executable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # the interpreter is shutting down
+            pass
+
+    def __repr__(self) -> str:
+        return (f"<mdsl Executable {self.name}: {len(self._launches)} launch(es) on GPU {self.device}, "
+                f"{len(self.input_types)} input(s), {len(self.output_types)} output(s)>")
+
+
+def overlapping_launch(grid: tuple, block: tuple, smem: int):
+    """The cuLaunchKernelEx configuration of a kernel that waits for its predecessor itself
+    (`KernelLaunch.overlap`): programmatic stream serialization lets it start before the stream's previous
+    kernel ends, once that one lets it (griddepcontrol.launch_dependents). The stream is set per launch."""
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
+
+
+#: an empty kernel as PTX (ISA 7.0, any GPU since sm_50): the driver compiles it as it loads it
+EMPTY_KERNEL_PTX = ".version 7.0\n.target sm_50\n.address_size 64\n\n.visible .entry mdsl_empty()\n{\n\tret;\n}\n"
+
+
+class EmptyKernel:
+    """An empty kernel (one block of 32 threads, no parameters) launched by the same cuLaunchKernel call
+    as `Executable.run_pointers`: what a launch costs by itself, for benchmarks. `launcher(stream)`."""
+
+    def __init__(self, device: int = 0):
+        require_gpu("launching an empty kernel")
+        self._dev = get_device(device)
+        self._dev.activate()
+        self._module = check(driver.cuModuleLoadData(EMPTY_KERNEL_PTX.encode() + b"\0"), "loading the empty kernel")
+        self._function = check(driver.cuModuleGetFunction(self._module, b"mdsl_empty"),
+                               "cuModuleGetFunction(mdsl_empty)")
+
+    def __call__(self, stream: int = 0) -> None:
+        (err,) = driver.cuLaunchKernel(self._function, 1, 1, 1, 32, 1, 1, 0, cu_stream(stream), None, 0)
+        if err:
+            raise CudaError(f"launching the empty kernel failed: {error_text(err)}")
+
+    def close(self) -> None:
+        if self._module is not None and driver is not None:
+            driver.cuModuleUnload(self._module)
+            self._module = None

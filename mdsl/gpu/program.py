@@ -1,0 +1,62 @@
+"""What a code generator hands the runtime, and what its compiler reports.
+
+A *program* is a code generator's output for one kernel graph: `source` (the text it compiles), `launches`
+(`KernelLaunch`, in execution order), `aliases` ((value name, aliased value name): views that need no
+kernel, such as reshape) and `graph` (the kernel graph it implements). Every pointer a kernel takes is a
+contiguous row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte
+aligned. A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
+whose `load()` gives the driver's module handle (PTX that the driver compiles as it loads it).
+"""
+from __future__ import annotations
+
+import re
+
+import attrs
+
+
+@attrs.frozen
+class KernelLaunch:
+    name: str                # the kernel's (entry function's) name
+    grid: tuple              # (x, y, z)
+    block: tuple             # (threads, 1, 1)
+    smem_bytes: int          # dynamic shared memory (more than 48 KB: the runtime raises the kernel's limit)
+    args: tuple              # kernel-graph value names passed as pointers, in parameter order
+    node_index: int          # the kernel-graph node it implements
+    overlap: bool = False    # launched with programmatic stream serialization: it waits for its predecessor
+                             # (griddepcontrol.wait) before touching memory, so it may start before that ends
+
+
+@attrs.frozen
+class Resources:
+    registers: int
+    smem_bytes: int          # static shared memory (the dynamic part is the launch's)
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@attrs.frozen
+class CompiledModule:
+    cubin: bytes
+    log: str
+    resources: dict          # kernel name -> Resources
+    arch: str
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_resources(log: str) -> dict:
+    """Kernel name -> Resources, from ptxas's verbose report (in NVRTC's log, or nvJitLink's, or its own)."""
+    found: dict = {}
+    name, frame = None, (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            name, frame = m.group(1), (0, 0, 0)
+        elif (m := _FRAME.search(line)) and name:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _USED.search(line)) and name:
+            found[name] = Resources(int(m.group(1)), int(m.group(2) or 0), *frame)
+    return found

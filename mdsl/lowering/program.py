@@ -1,0 +1,63 @@
+"""A kernel graph as both backends emit it: sizes checked (indices are 32-bit), the bodies of custom
+nodes fused (thread-graph fusion), one kernel per kernel-level node in the graph's order (a view such as
+reshape gets an alias instead), recorded as the launches (mdsl.gpu.program) the runtime makes."""
+from __future__ import annotations
+
+from typing import Optional
+
+from mdsl.errors import UnsupportedError
+from mdsl.gpu.program import KernelLaunch
+from mdsl.ir.graph import KernelGraph, Node
+from mdsl.lowering.names import Namer
+from mdsl.lowering.options import CudaOptions
+from mdsl.passes.fusion import fuse_kernel_graph
+
+MAX_ELEMENTS = 2**31 - 1  # indices are 32-bit
+
+
+def check_sizes(graph: KernelGraph) -> None:
+    values = list(graph.inputs) + [v for n in graph.nodes for v in n.outputs]
+    for v in values:
+        if v.type.numel > MAX_ELEMENTS:
+            raise UnsupportedError(f"%{v.name} ({v.type}) has more than 2^31 - 1 elements",
+                                   hint="the kernels index tensors with 32-bit integers; split the tensor")
+
+
+def lower_graph(graph: KernelGraph) -> KernelGraph:
+    """The graph whose nodes the backends write, one kernel (or alias) each."""
+    check_sizes(graph)
+    return fuse_kernel_graph(graph)
+
+
+class ProgramBuilder:
+    """What both backends' program builders share: the graph, the target and the options, the kernels'
+    names, and the launches and aliases recorded as the kernels are written (each backend adds its own
+    `kernel(...)`, which writes a kernel and records its launch)."""
+
+    def __init__(self, graph: KernelGraph, arch: str, options: Optional[CudaOptions] = None):
+        self.graph = graph
+        self.arch = arch
+        self.options = options or CudaOptions()
+        self.kernel_names = Namer()
+        self.launches: list = []
+        self.aliases: dict = {}
+
+    def kernel_name(self, node: Node) -> str:
+        """The name of the kernel implementing `node` (unique among the program's kernels)."""
+        return self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
+
+    def record_launch(self, name: str, index: int, node: Node, grid: tuple, threads: int, smem: int,
+                      overlap: bool) -> None:
+        args = tuple(v.name for v in (*node.inputs, *node.outputs))
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap))
+
+    def alias(self, name: str, of: str) -> None:
+        self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
+
+    def write_nodes(self, rule_key: str, backend: str) -> None:
+        """Each node's kernel (or alias) by its op's rule for this backend (`rule_key` in the registry)."""
+        for index, node in enumerate(self.graph.nodes):
+            rule = node.opdef.rules.get(rule_key)
+            if rule is None:
+                raise UnsupportedError(f"the {backend} backend has no rule for {node.op}", loc=node.loc)
+            rule.kernel(self, index, node)
