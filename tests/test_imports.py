@@ -22,9 +22,6 @@ KNOWN_CYCLES = (
     ("mdsl.ir.graph", "mdsl.ir.text", "mdsl.ir.validate"),
     # the megakernel's numpy task bodies and fused bodies, each using the other's
     ("mdsl.megakernel.fused_bodies", "mdsl.megakernel.task_bodies"),
-    # the megakernel runtime's plan, engine, source and task bodies
-    ("mdsl.megakernel.runtime.bodies", "mdsl.megakernel.runtime.engine", "mdsl.megakernel.runtime.plan",
-     "mdsl.megakernel.runtime.source"),
 )
 #: packages whose private names nobody outside imports, and which import no private name from elsewhere
 PRIVATE_CHECKED = ("mdsl.backend", "mdsl.lowering", "mdsl.gpu")
