@@ -1,12 +1,12 @@
 """The megakernel's task bodies, generated: one `cuda_task` rule per (fused) layer op, attached to its
-layer-op registry entry, writes the CUDA of the device task kinds the op's tasks lower to (plan.py's
+layer-op registry entry, writes the CUDA of the device task kinds the op's tasks lower to (task_plan.py's
 `device` rule of the same entry), and `generate_bodies` assembles them for a plan: the body functions and
 `run_task` (the compute warps' dispatch on the task's kind).
 
 A linear op's body (`LinearBody`) is generated whole: the input row it loads (the residual stream
 rms-normalised by the op's norm weight, or an activation buffer), the weight matrices a column multiplies
 (rows concatenated, as q|k|v, or paired, as gate and up), the dot products (gemv.cuh's `task_gemv`) and
-the op's element-wise epilogue (mdsl.megakernel.epilogues: a thread graph of mdsl's operators), written by
+the op's element-wise epilogue (mdsl.megakernel.modelgraph.epilogues: a thread graph of mdsl's operators), written by
 the CUDA backend's rule table (each operator's `expr`, as in every superoptimized kernel) with each
 result rounded to the model's dtype where PyTorch's eager ops round it; then the store (a buffer, or the
 residual stream). Under tensor parallelism a residual op's partial products leave unrounded, and the
@@ -24,9 +24,9 @@ from mdsl.backend.cuda.loops import emit_chain
 from mdsl.backend.cuda.source import CodeWriter, Namer
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
-from mdsl.megakernel.epilogues import has_residual, is_additive, products
-from mdsl.megakernel.layers import extend_layer_op, get_layer_op
-from mdsl.megakernel.runtime.plan import Kind, TaskPlan
+from mdsl.megakernel.modelgraph.epilogues import has_residual, is_additive, products
+from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.runtime.task_plan import Kind, TaskPlan
 
 @attrs.frozen
 class Matrix:

@@ -1,7 +1,7 @@
 """The megakernel's CUDA C++: the model's constants, the CUDA backend's prelude (its element-type
 conversions and warp reductions, shared with every superoptimized kernel), the runtime in device.cu and
 the headers it includes (one concern each: sync, loads, residual, gemv, attention, sampling, worker),
-and the task bodies generated for the plan's layer ops (bodies.py), compiled with NVRTC for sm_90a.
+and the task bodies generated for the plan's layer ops (cuda_bodies.py), compiled with NVRTC for sm_90a.
 
 The headers are expanded in place (`runtime_source`), so that the source text NVRTC compiles, and the
 compile cache keys, are the whole kernel."""
@@ -16,10 +16,10 @@ import attrs
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f32
-from mdsl.megakernel.runtime.bodies import generate_bodies, residual_columns
-from mdsl.megakernel.runtime.options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions
-from mdsl.megakernel.runtime.plan import Kind, TaskPlan
+from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, residual_columns
+from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions
 from mdsl.megakernel.runtime.profile import BODY_MARKS
+from mdsl.megakernel.runtime.task_plan import Kind, TaskPlan
 
 KERNEL_NAME = "mdsl_megakernel"
 THREADS = 256                    # device.cu's NT: the compute warps' threads
@@ -182,7 +182,8 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
         raise ValueError(f"the megakernel merges 1 to {MAX_SPLITS} attention splits per kv head, not {plan.splits}")
     if s.head_dim > THREADS:
         raise UnsupportedError(f"the megakernel merges a head's {s.head_dim} values one a compute thread, of which "
-                               f"it has {THREADS}", hint="run the model with the CPU simulator (mdsl.megakernel.simulator)")
+                               f"it has {THREADS}",
+                               hint="run the model with the CPU simulator (mdsl.megakernel.taskgraph.simulator)")
     eighths = 0 if options.weights_first == 0 else max(1, round(options.weights_first * 8))   # of the pass's loads
     two_pass = {_KIND_OF_NAME[name] for name in options.second_pass_kinds}
     early_bytes = EARLY_BUFFER_BYTES if two_pass else 0
