@@ -1,5 +1,5 @@
 // Matrix-vector products: a linear task's input row (normalised or not) into shared memory, and its weight
-// rows' dot products with it, LOADS 16-byte weight loads a lane in flight. Part of device.cu (source.py
+// rows' dot products with it, LOADS 16-byte weight loads a lane in flight. Part of device.cu (kernel_source.py
 // expands it in place).
 
 namespace mk {
@@ -211,7 +211,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
             v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
                                                             : ld_shared16(early_slot(u * R + r));
         ahead = false;
-      } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
+      } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished
+                                  // (registers: see kernel_source.py)
         load_row();
         load(0, EARLY);
         finish_row();

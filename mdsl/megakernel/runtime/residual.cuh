@@ -1,7 +1,7 @@
 // The residual stream: h (layers 0..L) and mid (0..L-1), rows of T that the linears read. Under tensor
 // parallelism (WORLD > 1) an o-proj or down-proj tile makes this rank's f32 partial of its rows, puts it to
 // the peers as flagged words and sums the ranks' partials of its rows itself (the relay, below), so that a
-// reader loads one row, as on one GPU. Part of device.cu (source.py expands it in place).
+// reader loads one row, as on one GPU. Part of device.cu (kernel_source.py expands it in place).
 
 namespace mk {
 
