@@ -30,7 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (design.md)
+COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (mdsl.search.cost.H200)
 CONTEXT = 1024
 VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
     "default": {},

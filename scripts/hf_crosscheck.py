@@ -7,10 +7,10 @@ both and compare the tokens and every step's logits.
 Needs torch and transformers, which mdsl never depends on: run it from a separate environment that
 has them plus attrs and numpy, with the repository on the path:
 
-    python3 -m venv /work/hfenv
-    /work/hfenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
-    /work/hfenv/bin/pip install transformers safetensors numpy attrs
-    PYTHONPATH=. /work/hfenv/bin/python scripts/hf_crosscheck.py [--steps 32] [--dtype float32|bfloat16]
+    python3 -m venv ~/hfenv
+    ~/hfenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+    ~/hfenv/bin/pip install transformers safetensors numpy attrs
+    PYTHONPATH=. ~/hfenv/bin/python scripts/hf_crosscheck.py [--steps 32] [--dtype float32|bfloat16]
 
 `--write-golden tests/megakernel/hf_golden.json` records transformers' tokens and logits for tiny
 checkpoints written by mdsl's own writer from `pattern_weights` (integer-hash weights, identical on

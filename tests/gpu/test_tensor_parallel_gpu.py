@@ -1,4 +1,4 @@
-"""The tensor-parallel megakernel on 2 GPUs (issue 8): greedy generation over two ranks (one process per
+"""The tensor-parallel megakernel on 2 GPUs: greedy generation over two ranks (one process per
 GPU, each reading only its slices of the checkpoint, the residual stream all-reduced and the LM head's
 bests gathered through NVSHMEM inside the kernels) is token-identical to the single-GPU megakernel on the
 same checkpoint, for tiny Llama-3 and Qwen3 models in f32 and bf16 (in bf16 up to a tie within 2 bf16

@@ -79,7 +79,7 @@ def test_one_gpu_sums_like_ranks_when_asked():
 
 
 def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
-    """The epilogue runs one column after another: a residual read there was a global round trip each.
+    """The epilogue runs one column after another: a residual read there would be a global round trip each.
     Each thread loads its columns' residual just before the input row, in the row's first half (which
     runs once the task's inputs are complete, even for a task handed over early), and leaves it in shared
     memory."""

@@ -159,8 +159,8 @@ def qwen3_8b_rank_plan():
 @pytest.mark.slow
 def test_an_input_rows_loads_are_all_in_flight_before_its_first_store():
     """A rank's QKV input row: 16 elements of h and of the norm weights a thread, loaded before the first
-    shared store (one memory round trip; a store between them kept the next element's generic loads behind
-    it: 16 round trips)."""
+    shared store (one memory round trip; a store between them would keep the next element's generic loads
+    behind it: 16 round trips)."""
     text = generate_source(qwen3_8b_rank_plan()).text.replace("__device__ void qkv_task(",
                                                               "__device__ __noinline__ void qkv_task(")
     sass = disassemble(compile_cuda(text, arch="sm_90a").cubin).splitlines()

@@ -156,8 +156,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
     for (int i = 0; i < ITEMS; ++i)
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        // a row of the tile either way (first < end): a null row guarded by its own test was reported by
-        // compute-sanitizer as copied (a rank's 31-row o-proj tile, its warp 7's second row past the tile)
+        // a row of the tile either way (first < end): compute-sanitizer reports a null row guarded by its own
+        // test as copied (a rank's 31-row o-proj tile, its warp 7's second row past the tile)
         const bool in_tile = first + i < end;
         const T* wr = row(in_tile ? first + i : first, j);
 #pragma unroll

@@ -119,8 +119,8 @@ class KindOp:
 # attention positions per split at least (device.cu's MIN_CHUNK), unless a plan asks for fewer: a short
 # context is one split, whose softmax weights are relative to the true maximum as in transformers' fused attention
 MIN_CHUNK = 64
-# ... with more than 16 splits (at least 64 would leave half of 32 splits empty at context 1024; measured
-# faster on a rank of Qwen3-8B over two GPUs, whose 4 kv heads take 32 splits)
+# ... with more than 16 splits: at least 64 would leave half of 32 splits empty at context 1024 (a rank of
+# Qwen3-8B over two GPUs, whose 4 kv heads take 32 splits; `benchmarks/decode.py --variants` compares them)
 WIDE_MIN_CHUNK = 32
 
 
