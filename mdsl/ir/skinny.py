@@ -21,7 +21,7 @@ LOADS = (8, 4)            # columns one load of a weight row covers: 16 bytes, e
 GROUP_CHUNKS = 8          # chunks a warp covers (fewer: its other lanes duplicate them)
 REGISTER_BUFFER = 16      # 16-bit elements a thread's register buffer holds per row of a slab
 # blocks of a thread-block cluster that may split one block's K (sm_90+) that the cost model and the autotuner
-# consider: none, as the split loop is slower than the unsplit one (docs/tried-earlier.md)
+# consider: none, as the split loop is slower than the unsplit one (docs/performance.md, "Tried and rejected")
 CLUSTERS = (1,)
 
 
