@@ -45,7 +45,7 @@ __device__ __forceinline__ void stream_put(const Params& p, T* single, float* pa
 // The relay of a peer's word of a residual-stream row, polled (relaxed, at system scope: a peer's store)
 // until it carries `tag` (its step + 1; the host zeroes the words before a launch). A word is rewritten only
 // by the peer's tile of the next step, which cannot start before this rank's step is done
-// (TENSOR_PARALLEL.md). NaN once the watchdog stops the launch.
+// (docs/design.md, "Tensor parallelism"). NaN once the watchdog stops the launch.
 __device__ __forceinline__ float relay_word(const Params& p, const unsigned long long* at, unsigned tag) {
   unsigned long long since = 0;
   for (unsigned round = 1;; ++round) {
