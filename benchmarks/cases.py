@@ -1,4 +1,4 @@
-"""The ten benchmark cases of the design (Mirage's kernel set, fp16): name -> kernel specification."""
+"""The ten benchmark cases (Mirage's kernel set, fp16): name -> kernel specification."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +15,7 @@ def _example(name: str):
 
 
 def cases() -> dict:
-    """Case name -> KernelFunction, in the design's order."""
+    """Case name -> KernelFunction, in the order of Mirage's kernel set."""
     gqa, qknorm, rnl = _example("gqa"), _example("qknorm"), _example("rms_norm_linear")
     lora, gated, ntrans = _example("lora"), _example("gated_mlp"), _example("ntrans")
     batched = {"gqa": gqa.make_gqa, "qknorm": qknorm.make_qknorm,

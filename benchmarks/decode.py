@@ -30,7 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (design.md)
+COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (mdsl.search.cost.H200)
 CONTEXT = 1024
 VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
     "default": {},
@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def random_weights(torch, config, device: str = "cuda") -> dict:
     """bf16 weights named as in the checkpoints: matrices N(0, 0.02^2), norms near 1; on the GPU."""
-    from mdsl.megakernel.runtime.engine import weight_names
+    from mdsl.megakernel.runtime.megakernel_engine import weight_names
 
     h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
     shapes = {"q_proj": (config.num_heads * d, h), "k_proj": (config.num_kv_heads * d, h),
@@ -171,10 +171,10 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
     """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
     per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
     bytes), and a trace of two steps on every rank."""
+    from mdsl.megakernel.parallel.gpu_group import RankSpec, TensorParallelGroup, shard_config
     from mdsl.megakernel.runtime.profile import (cross_rank_hops, idle_by_predecessor, layer_phases, peer_overlap,
                                                  summary, write_rank_traces)
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.tp import RankSpec, TensorParallelGroup, shard_config
 
     shard = decoder_shape(shard_config(config, args.tp))
     floor = shard.weight_bytes() / COPY_BANDWIDTH
@@ -390,7 +390,7 @@ def median(values: list) -> float:
 def variant_options(variant: str, world: int = 1):
     """A variant's MegakernelOptions, with the defaults of `world` ranks where it leaves them open (a rank's
     shapes on one GPU, --rank-of, take a rank's defaults, which one GPU's would not)."""
-    from mdsl.megakernel.runtime.options import MegakernelOptions
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 
     return MegakernelOptions(**VARIANTS[variant]).for_world(world)
 
@@ -435,14 +435,14 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
     import attrs
 
     from mdsl.ir.dtypes import bf16
-    from mdsl.megakernel.config import config_from_dict
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
     from mdsl.megakernel.runtime.models import MODELS
     from mdsl.megakernel.runtime.shape import decoder_shape
 
     config = attrs.evolve(config_from_dict(MODELS[name]), dtype=bf16)
     if args.rank_of > 1:
-        from mdsl.megakernel.runtime.tp import shard_config
+        from mdsl.megakernel.parallel.gpu_group import shard_config
         config = shard_config(config, args.rank_of)
     shape = decoder_shape(config)
     floor = shape.weight_bytes() / COPY_BANDWIDTH

@@ -12,7 +12,7 @@ runtime's unchecked fast path, and the same launches captured in a CUDA graph) a
 (the attention cases), eager captured in a CUDA graph, torch.compile (default mode and
 max-autotune-no-cudagraphs). All of them run on the same f16 inputs on the GPU.
 
-Method (.library/device/METHOD.md):
+Method:
 * Inputs: random (never zeros), drawn on the GPU from a seed per case, in N sets with N × (bytes the
   case reads and writes) >= 2 × L2, so that no set is still in L2 when its turn comes; every call takes
   the next set. CUDA-graph contenders capture one graph per set.
@@ -103,7 +103,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="See the module docstring (and benchmarks/README.md) for the method.")
     p.add_argument("--cases", type=_case_list, default=None,
-                   help="comma-separated case names (default: all ten, in the design's order)")
+                   help="comma-separated case names (default: all ten, in the order of benchmarks/cases.py)")
     p.add_argument("--reps", type=_positive_int, default=200,
                    help="timed samples per contender (each a batch of --batch calls); the median is reported")
     p.add_argument("--batch", type=_positive_int, default=10, help="back-to-back calls per timed sample")
@@ -187,7 +187,7 @@ def _case_list(text: str) -> list:
 
 
 def case_names() -> list:
-    """The ten cases, in the design's order (no tracing)."""
+    """The ten cases, in the order of benchmarks/cases.py (no tracing)."""
     batched = [f"{name}_bs{bs}" for name in ("gqa", "qknorm", "rms_norm_linear", "ntrans") for bs in (1, 8)]
     return batched + ["lora", "gated_mlp"]
 
@@ -392,7 +392,7 @@ def derive(case: dict) -> dict:
     out = {"best_baseline": best_baseline, "best_baseline_s": baselines.get(best_baseline),
            "mdsl_best": best_mdsl, "mdsl_s": mdsl.get(best_mdsl), "speedup": None,
            "speedups": {}, "floor_fraction": None, "achieved_bytes_per_s": None, "ptx_over_cuda": None}
-    if mdsl.get("mdsl") and mdsl.get("mdsl_ptx"):   # issue 6: the PTX backend within 10% of the CUDA one
+    if mdsl.get("mdsl") and mdsl.get("mdsl_ptx"):   # the PTX backend's time over the CUDA backend's
         out["ptx_over_cuda"] = mdsl["mdsl_ptx"] / mdsl["mdsl"]
     if best_baseline:
         out["speedups"] = {n: baselines[best_baseline] / t for n, t in mdsl.items()}

@@ -93,9 +93,9 @@ def make_requests(vocab: int, count: int, lengths: tuple, seed: int) -> list:
 
 def random_checkpoint(name: str, folder: str) -> None:
     """Random weights at the shapes of a model of mdsl.megakernel.runtime.models, saved in its dtype."""
-    from mdsl.megakernel.architectures import step_function
-    from mdsl.megakernel.checkpoint import random_weights, save_checkpoint
-    from mdsl.megakernel.config import config_from_dict
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.modelgraph.checkpoint import random_weights, save_checkpoint
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
     from mdsl.megakernel.runtime.models import MODELS
 
     raw = MODELS[name]
@@ -276,7 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.provenance import provenance
-    from mdsl.megakernel.config import load_config
+    from mdsl.megakernel.modelgraph.model_config import load_config
     from mdsl.megakernel.runtime.models import MODELS
 
     out = Path(args.out)

@@ -18,7 +18,7 @@ from mdsl.frontend.kernel import KernelFunction, kernel
 from mdsl.frontend.tensor import Tensor, TensorSpec
 from mdsl.frontend.tracer import BlockBuilder, block_graph
 from mdsl.ir.dtypes import bf16, f16, f32, i32
-from mdsl.megakernel.model import ModelFunction, model
+from mdsl.megakernel.modelgraph.model import ModelFunction, model
 from mdsl.serving import LLM, SamplingParams
 
 __version__ = "0.1.0"

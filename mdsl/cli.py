@@ -38,7 +38,7 @@ from mdsl.errors import MdslError
 from mdsl.frontend.kernel import KernelFunction
 from mdsl.ir import dot, serialize
 from mdsl.ir.graph import KernelGraph
-from mdsl.megakernel.runtime.cli import add_generate_command
+from mdsl.megakernel.generate_cli import add_generate_command
 from mdsl.search.config import SearchConfig
 from mdsl.server.cli import add_serve_command
 

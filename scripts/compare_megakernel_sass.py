@@ -45,10 +45,10 @@ def configurations() -> dict:
     import attrs
 
     from mdsl.ir.dtypes import bf16
-    from mdsl.megakernel.config import config_from_dict
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from mdsl.megakernel.parallel.gpu_group import shard_config
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
     from mdsl.megakernel.runtime.models import MODELS as SHAPES
-    from mdsl.megakernel.runtime.options import MegakernelOptions
-    from mdsl.megakernel.runtime.tp import shard_config
     from tests.megakernel.tiny import tiny_model
 
     def full(model):
@@ -86,9 +86,9 @@ def build(config, max_seq: int, world: int, plan_kwargs: dict, options):
     import attrs
 
     from mdsl.backend.cuda.nvrtc import compile_cuda
-    from mdsl.megakernel.runtime.plan import build_plan, for_ranks
+    from mdsl.megakernel.runtime.kernel_source import KERNEL_NAME, generate_source
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
+    from mdsl.megakernel.runtime.task_plan import build_plan, for_ranks
 
     plan = for_ranks(build_plan(decoder_shape(config), workers=132, max_seq=max_seq, **plan_kwargs), world)
     for preload in (None, False) if options.attention_preload is None else (options.attention_preload,):
@@ -103,7 +103,7 @@ def dump(out: Path, names) -> None:
     import attrs
 
     from mdsl.backend.cuda.nvrtc import disassemble
-    from mdsl.megakernel.runtime.source import KERNEL_NAME
+    from mdsl.megakernel.runtime.kernel_source import KERNEL_NAME
 
     out.mkdir(parents=True, exist_ok=True)
     chosen = configurations()

@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
-# Everything a session checks on the GPU machine, in ONE call that installs nothing (device time is
-# scarce and a fresh machine takes a minute to start):
+# Every check and measurement of the GPU machine, in ONE command that installs nothing (a fresh machine
+# takes a minute to start, so one command does it all):
 #   1. the GPU tests (every program through the CUDA and PTX backends, the CUDA fast paths on and off,
 #      the megakernel against transformers), without -x so that one failure does not hide the others;
 #   2. the autotuner's kernels compiled in parallel (plans and tuning variants from the carried .plans/);
 #   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
 #   3b. (STAGES=profile) Nsight Compute reports of mdsl's kernel of each PROFILE_CASES case;
-#   3c. (STAGES=probe) per-SM weight streaming: loads against a cp.async.bulk ring (benchmarks/stream_probe.py),
-#       and what a staged tile's copy costs the issuing warp and a release (benchmarks/copy_probe.py);
-#   3d. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
+#   3c. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
 #   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
-# STAGES="precompile kernels" runs a subset (device calls are limited to 10 minutes each).
-# Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, session.tar.gz (everything).
+# STAGES="precompile kernels" runs a subset.
+# Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, all.tar.gz (everything).
 #
-#   device run: bash scripts/gpu_session.sh          (carry: [".plans"])
+#   bash scripts/gpu_session.sh          (with the plan cache .plans/ from the CPU machine beside it)
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -27,13 +25,12 @@ export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
 # a snapshot (git archive HEAD, no .git) names its commit in a COMMIT file: the harness records that one
 [ -f COMMIT ] && export MDSL_COMMIT="$(cat COMMIT)"
-# (tenth session: every GPU test but the tensor-parallel file's took 282 s with 14 workers, beside that
-# file's 226 s with 6; at 240 s the stage was cut)
+# the GPU tests take up to about 5 minutes: the tensor-parallel file with 6 workers beside the rest with 14
 TESTS_LIMIT="${TESTS_LIMIT:-300}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
 KERNEL_ARGS="${KERNEL_ARGS:---no-compile}"   # e.g. KERNEL_ARGS=" " to include torch.compile (default and max-autotune)
-# with torch.compile the kernels stage needs about 450 s (at 380, the 320 s --time-limit fell before Gated
-# MLP's torch.compile contenders, the run's last, in the seventh session); without, 190
+# with torch.compile the kernels stage needs about 450 s (its --time-limit, 60 s less, must leave room for the
+# last case's torch.compile contenders); without, 190
 case " $KERNEL_ARGS " in *" --no-compile "*) KERNELS_LIMIT="${KERNELS_LIMIT:-190}";; *) KERNELS_LIMIT="${KERNELS_LIMIT:-450}";; esac
 STAGES="${STAGES:-tests precompile kernels decode}"   # profile: on request
 SUMMARY="$OUT/summary.txt"
@@ -64,9 +61,8 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
 # tensor-parallel file's (pytest node ids; default: the whole file). -v, the passes filtered
 # out: a run cut at its limit still names the tests that failed.
 # The tensor-parallel tests (a minute or more each: one GPU's engine and every rank's) run beside the
-# others from the start in their own pytest, so that the stage's limit does not fall on them.
-# (no -q: with the -v below it cancelled out, and a cut run named no test; seventeenth session. The
-# tensor-parallel file, 25 tests of 1-2 minutes, needs TESTS_LIMIT=420 or so at 8 workers)
+# others from the start in their own pytest, so that the stage's limit does not fall on them. No -q: it
+# cancels -v out, and a run cut at its limit would name no test.
 TESTS_CMD="$PY -m pytest -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" bash -c "
     $TESTS_CMD -v ${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py} -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
@@ -90,7 +86,7 @@ cp "$OUT/all/kernels/results.md" "$OUT/kernels.md" 2>/dev/null
 # kernels stage wrote; run that stage first): the full section set, the SASS with its stall samples, a text report
 PROFILE_CASES="${PROFILE_CASES:-rms_norm_linear_bs1,rms_norm_linear_bs8,gated_mlp}"
 profile() {
-    local dir="$OUT/all/profile"   # in session.tar.gz: a call returns few files
+    local dir="$OUT/all/profile"   # in all.tar.gz, with the other large files
     mkdir -p "$dir"
     for case in ${PROFILE_CASES//,/ }; do
         ncu --clock-control none --set full --import-source no --kernel-name "regex:^${case}_" \
@@ -104,28 +100,22 @@ profile() {
 }
 stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR="$PWD/.plans" bash -c "$(declare -f profile); OUT='$OUT' PY=$PY PROFILE_CASES='$PROFILE_CASES' profile"
 
-# (STAGES=probe) a block per SM streaming its own weights: the compute warps' loads against the megakernel's
-# cp.async.bulk ring at several sub-tile sizes (benchmarks/stream_probe.py); then what a staged tile's bulk
-# copy costs the warps around it: the issuing warp's time, and a release's with the copy in flight
-# (benchmarks/copy_probe.py)
-stage probe "${PROBE_LIMIT:-120}" "$OUT/all/probe.log" bash -c "$PY benchmarks/stream_probe.py && $PY benchmarks/copy_probe.py"
-grep -E '^\||blocks' "$OUT/all/probe.log" > "$OUT/probe.txt" 2>/dev/null
 # (STAGES=tpprobe, 2 GPUs or more) one-way latency between two GPUs of the megakernel's put-with-signal
 # against flagged words (scripts/tp_probe.py)
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-# (by default the defaults)
+# the engine's default options only; DECODE_ARGS="--variants ..." adds the kept options' other values
 DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
 TP_VARIANTS="${TP_VARIANTS:-default}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
 grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
 # (STAGES=rank) one rank's shapes of 2 GPUs run on one GPU, without its all-reduces (benchmarks/decode.py
-# --rank-of 2): a rank-local change measured where two GPUs are not at hand
+# --rank-of 2): measures a change to a rank's kernel on a machine with one GPU
 RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
 stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
 grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/rank.txt" 2>/dev/null
 
-tar -czf "$OUT/session.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
+tar -czf "$OUT/all.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"

@@ -7,10 +7,10 @@ both and compare the tokens and every step's logits.
 Needs torch and transformers, which mdsl never depends on: run it from a separate environment that
 has them plus attrs and numpy, with the repository on the path:
 
-    python3 -m venv /work/hfenv
-    /work/hfenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
-    /work/hfenv/bin/pip install transformers safetensors numpy attrs
-    PYTHONPATH=. /work/hfenv/bin/python scripts/hf_crosscheck.py [--steps 32] [--dtype float32|bfloat16]
+    python3 -m venv ~/hfenv
+    ~/hfenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+    ~/hfenv/bin/pip install transformers safetensors numpy attrs
+    PYTHONPATH=. ~/hfenv/bin/python scripts/hf_crosscheck.py [--steps 32] [--dtype float32|bfloat16]
 
 `--write-golden tests/megakernel/hf_golden.json` records transformers' tokens and logits for tiny
 checkpoints written by mdsl's own writer from `pattern_weights` (integer-hash weights, identical on
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import transformers
 
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import load_weights, pattern_weights, save_checkpoint
-from mdsl.megakernel.config import config_from_dict, load_config
-from mdsl.megakernel.reference import ReferenceModel
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import load_weights, pattern_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import config_from_dict, load_config
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,

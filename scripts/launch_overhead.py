@@ -3,7 +3,7 @@ the raw driver launch it is built on and torch's own launch, for a tiny element-
 time is a couple of microseconds, so the host side is what gets measured).
 
 Run on a GPU machine from the repository root: `PYTHONPATH=. python3 scripts/launch_overhead.py [calls]`.
-Nothing is asserted: the numbers are for reading (user-demands.md, item 12).
+Nothing is asserted: the numbers are for reading.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Task-graph statistics of full-size decode steps (no weights needed): tasks, events, waits and bytes per
 task for the Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (bf16), for the H200's 132 SMs. By default the
-graph the GPU runtime runs: fused (mdsl.megakernel.fusion), tiled as the device tiles, implied waits
+graph the GPU runtime runs: fused (mdsl.megakernel.taskgraph.layer_fusion), tiled as the device tiles, implied waits
 dropped; `--unfused` adds the per-op task graph for comparison.
 
     .venv/bin/python scripts/megakernel_taskgraph_stats.py [--sms 132] [--positions 2048] [--models llama-3.2-1b]
@@ -11,14 +11,14 @@ import argparse
 import time
 from collections import defaultdict
 
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.fusion import fuse
-from mdsl.megakernel.partition import build_task_graph
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from mdsl.megakernel.runtime.models import MODELS
-from mdsl.megakernel.runtime.plan import attention_splits, device_partition
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.taskgraph import PartitionConfig, without_implied_waits
+from mdsl.megakernel.runtime.task_plan import attention_splits, device_partition
+from mdsl.megakernel.taskgraph.layer_fusion import fuse
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig, without_implied_waits
 
 
 def task_graphs(config, sms: int, unfused: bool) -> dict:

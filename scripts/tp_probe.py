@@ -70,7 +70,7 @@ MODES = {"signal": 0, "fence-signal": 1, "flagged": 2}
 def worker(rank: int, world: int, queue, results, rounds: int, sizes: list) -> None:
     from mdsl.backend.cuda import runtime
     from mdsl.backend.cuda.runtime import _check, driver
-    from mdsl.megakernel.runtime import nvshmem
+    from mdsl.megakernel.parallel import nvshmem
 
     try:
         runtime._device(rank)

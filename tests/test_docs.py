@@ -94,7 +94,7 @@ def _exists(doc: Path, token: str) -> bool:
         return bool(list(ROOT.glob(token))) if "*" in token else (ROOT / token).exists()
     if (doc.parent / token).exists():   # a link relative to the document
         return True
-    # a file named by its tail (`runtime/plan.py`, `rows.py`): some path in the repository ends with it
+    # a file named by its tail (`runtime/task_plan.py`, `rows.py`): some path in the repository ends with it
     return any(p.as_posix().endswith("/" + token.lstrip("./")) for p in ROOT.glob("**/" + token.split("/")[-1]))
 
 

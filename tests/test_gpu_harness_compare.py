@@ -1,6 +1,6 @@
 """The GPU harness's comparison (runs without a GPU): what agrees with the reference and what does not,
 infinities included (an f16 result past 65504 is an infinity where it is stored, on the GPU and in the
-reference alike; seed 3902276456 drew such an output in the gated MLP example, twentieth session)."""
+reference alike; seed 3902276456 draws such an output in the gated MLP example)."""
 from __future__ import annotations
 
 import numpy as np

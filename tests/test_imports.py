@@ -20,8 +20,6 @@ KNOWN_CYCLES = (
      "mdsl.search.worker"),
     # the graph's printer and validator, and the graph's use of them
     ("mdsl.ir.graph", "mdsl.ir.text", "mdsl.ir.validate"),
-    # the megakernel's numpy task bodies and fused bodies, each using the other's
-    ("mdsl.megakernel.fused_bodies", "mdsl.megakernel.task_bodies"),
 )
 #: packages whose private names nobody outside imports, and which import no private name from elsewhere
 PRIVATE_CHECKED = ("mdsl.backend", "mdsl.lowering", "mdsl.gpu")

@@ -16,10 +16,10 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 import mdsl
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.runtime.plan import build_plan
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.runtime.kernel_source import generate_source
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import generate_source
+from mdsl.megakernel.runtime.task_plan import build_plan
 from tests.megakernel.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +31,10 @@ import json, sys
 from pathlib import Path
 import mdsl
 assert Path(mdsl.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), mdsl.__file__
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.runtime.plan import build_plan
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.runtime.kernel_source import generate_source
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import generate_source
+from mdsl.megakernel.runtime.task_plan import build_plan
 config = config_from_dict(json.loads(sys.argv[2]))
 print(len(generate_source(build_plan(decoder_shape(config), workers=8, max_seq=config.max_positions)).text))
 """

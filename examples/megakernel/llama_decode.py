@@ -17,13 +17,13 @@ import tempfile
 import numpy as np
 
 import mdsl
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import load_weights, random_weights, save_checkpoint
-from mdsl.megakernel.config import config_from_dict, load_config
-from mdsl.megakernel.partition import build_task_graph
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.simulator import Simulator
-from mdsl.megakernel.taskgraph import PartitionConfig
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import load_weights, random_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import config_from_dict, load_config
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.simulator import Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,

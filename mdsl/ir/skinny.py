@@ -21,8 +21,7 @@ LOADS = (8, 4)            # columns one load of a weight row covers: 16 bytes, e
 GROUP_CHUNKS = 8          # chunks a warp covers (fewer: its other lanes duplicate them)
 REGISTER_BUFFER = 16      # 16-bit elements a thread's register buffer holds per row of a slab
 # blocks of a thread-block cluster that may split one block's K (sm_90+) that the cost model and the autotuner
-# consider: none. Measured on the H200 (sixth session, the autotuner's report): 96-block rms_norm_linear in
-# clusters of 4 (384 blocks) took 20.3 us at batch 1 and 31.2 us at batch 8, against 17.3 and 21.0 unsplit
+# consider: none, as the split loop is slower than the unsplit one (docs/performance.md, "Tried and rejected")
 CLUSTERS = (1,)
 
 

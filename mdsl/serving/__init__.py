@@ -1,6 +1,6 @@
 """Serving many requests at once: continuous batching over a paged KV cache, per-request sampling and
 streamed tokens. `LLM` is the host engine; it speaks the protocol of `mdsl.serving.protocol` to a
-device: the CPU device (`mdsl.serving.cpu`, numpy) today, the megakernel later."""
+device: the CPU device (`mdsl.serving.cpu`, numpy); a GPU device (the megakernel) is not built."""
 from mdsl.serving.engine import LLM, RequestHandle, RequestOutput, ServingStats
 from mdsl.serving.params import SamplingParams, ServingError
 

@@ -3,7 +3,7 @@
 It does what the megakernel's in-kernel scheduler is specified to do (docs/design.md, "Serving"):
 cancel, grow pages (preempting the youngest request when the pool is empty), admit, run every running
 request one position, sample, stream, retire. Each request's position runs alone through the model
-graph's op references (mdsl.megakernel.layers) with its KV cache gathered from its pages, so its
+graph's op references (mdsl.megakernel.modelgraph.layers) with its KV cache gathered from its pages, so its
 logits are bit-identical to `ReferenceModel`'s whatever else is in the batch: no batched matmul whose
 summation order could depend on the batch."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.layers import StepContext
-from mdsl.megakernel.model import TOKENS, ModelGraph
+from mdsl.megakernel.modelgraph.layers import StepContext
+from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.serving.params import ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, FREE, HAS_TOKEN, MAX_STOP, PREEMPTED, REASON_CANCELLED,
                                    REASON_LENGTH, REASON_NONE, REASON_STOP, RUNNING, SERVING, STOPPED,

@@ -21,8 +21,8 @@ import attrs
 import numpy as np
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.checkpoint import load_model
-from mdsl.megakernel.config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
+from mdsl.megakernel.modelgraph.checkpoint import load_model
+from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STATUSES, STOPPED,

@@ -1,7 +1,7 @@
 """What the GPU tests share: fresh inputs, the reference, the run on the GPU and a failure report that
 explains itself (the person who reads it may have nothing but the log).
 
-Method (.library/device/METHOD.md): fresh random inputs every run (never zeros), rounded to each
+Method: fresh random inputs every run (never zeros), rounded to each
 input's dtype; the reference is mdsl's interpreter in float64 on those same rounded inputs, storing
 every kernel-level tensor rounded to its dtype as the GPU does (so only in-kernel arithmetic may
 differ); outputs are poisoned with NaN before the run; ‖gpu − ref‖ / ‖ref‖ must be within the dtype's
@@ -29,7 +29,7 @@ from mdsl.ir.types import Var
 TOLERANCES = {"f32": 1e-4, "f16": 3e-3, "bf16": 1e-2}
 TF32_TOLERANCE = 1e-3   # f32 matrix products may run on tensor cores in tf32
 
-#: The run's seed: fresh each session unless MDSL_GPU_SEED repeats one (every report prints it).
+#: The run's seed: fresh for each run unless MDSL_GPU_SEED repeats one (every report prints it).
 SEED = int(os.environ.get("MDSL_GPU_SEED") or secrets.randbits(31))
 #: Where failing programs are written (scripts/gpu_check.sh sets it); none: not written.
 ARTIFACTS = os.environ.get("MDSL_GPU_ARTIFACTS")
@@ -39,7 +39,7 @@ _I32_POISON = -(2**31) + 7
 
 
 def rng_for(test_id: str) -> np.random.Generator:
-    """A generator per test, derived from the session seed, so that one seed reproduces one test."""
+    """A generator per test, derived from the run's seed, so that one seed reproduces one test."""
     digest = hashlib.sha256(f"{SEED}:{test_id}".encode()).digest()
     return np.random.default_rng(int.from_bytes(digest[:8], "big"))
 

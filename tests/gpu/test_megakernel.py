@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.runtime.plan import Kind
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from mdsl.megakernel.runtime.models import LLAMA_3_2_1B
+from mdsl.megakernel.runtime.task_plan import Kind
 from tests.gpu.harness import SEED
 
 pytestmark = pytest.mark.gpu
@@ -138,8 +138,8 @@ def divergence_report(ours, theirs, logits, prompt) -> str:
 @pytest.fixture(scope="module")
 def tiny_engines(torch, transformers, tmp_path_factory):
     """(engine, transformers model) per (arch, dtype, MLP activation, MegakernelOptions fields), built once."""
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
-    from mdsl.megakernel.runtime.options import MegakernelOptions
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 
     built, folders = {}, {}
 
@@ -316,7 +316,7 @@ def test_profile_orders_every_task_after_its_producers(tiny_engines, tmp_path, o
 
 def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
     """Random bf16 weights of Llama-3.2-1B's shapes, used in place from the transformers model."""
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
 
     raw = {k: v for k, v in LLAMA_3_2_1B.items() if k not in ("torch_dtype",)}
     torch.manual_seed(SEED)

@@ -1,4 +1,4 @@
-"""The tensor-parallel megakernel on 2 GPUs (issue 8): greedy generation over two ranks (one process per
+"""The tensor-parallel megakernel on 2 GPUs: greedy generation over two ranks (one process per
 GPU, each reading only its slices of the checkpoint, the residual stream all-reduced and the LM head's
 bests gathered through NVSHMEM inside the kernels) is token-identical to the single-GPU megakernel on the
 same checkpoint, for tiny Llama-3 and Qwen3 models in f32 and bf16 (in bf16 up to a tie within 2 bf16
@@ -28,7 +28,7 @@ def _gpus() -> int:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from mdsl.megakernel.runtime import nvshmem
+    from mdsl.megakernel.parallel import nvshmem
 
     if _gpus() < 2 or not nvshmem.available():
         pytest.skip("tensor parallelism needs 2 GPUs and NVSHMEM (nvidia-nvshmem-cu13)")
@@ -67,10 +67,10 @@ VARIANTS = {"default": {}, "splits": SPLITS, "weights-half": {"weights_first": 0
     ("qwen3", "bf16", "one-gpus-defaults"), ("qwen3", "bf16", "preload-splits"), ("llama3", "bf16", "no-preload")],
     ids=lambda v: v if isinstance(v, str) else None)
 def test_two_ranks_generate_the_single_gpu_tokens(checkpoints, arch, dtype_name, variant, tmp_path):
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
-    from mdsl.megakernel.runtime.options import MegakernelOptions
+    from mdsl.megakernel.parallel.gpu_group import TensorParallelGroup
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
     from mdsl.megakernel.runtime.profile import write_rank_traces
-    from mdsl.megakernel.runtime.tp import TensorParallelGroup
 
     folder, model, torch = checkpoints(arch, dtype_name)
     options = VARIANTS[variant]
@@ -140,9 +140,9 @@ def test_two_ranks_compute_the_bits_of_one_gpu_summing_as_they_do(checkpoints, a
     slice of the row reduced alone, the slices added in rank order), with the ranks' attention splits,
     computes the two GPUs' bits: the same tokens, with no tie rule, whatever the seed (bf16, where the
     default one GPU may part from two on a near-tie)."""
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
-    from mdsl.megakernel.runtime.options import MegakernelOptions
-    from mdsl.megakernel.runtime.tp import TensorParallelGroup
+    from mdsl.megakernel.parallel.gpu_group import TensorParallelGroup
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 
     folder, _, _ = checkpoints(arch, dtype_name)
     split = dict(SPLITS)   # several splits at these short contexts, the same on both GPU counts
@@ -161,7 +161,7 @@ def test_two_ranks_compute_the_bits_of_one_gpu_summing_as_they_do(checkpoints, a
 @pytest.mark.timeout(300)
 def test_mdsl_generate_with_tp_prints_the_single_gpu_tokens(checkpoints, capsys, tmp_path):
     from mdsl.cli import main
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
 
     folder, _, _ = checkpoints("qwen3", "f32")
     single = MegakernelEngine.from_pretrained(folder, max_seq=64)
@@ -183,7 +183,7 @@ def test_torchrun_starts_the_ranks_and_rank_0_prints_the_tokens(checkpoints, tmp
     import subprocess
     import sys
 
-    from mdsl.megakernel.runtime.engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
 
     folder, _, _ = checkpoints("llama3", "bf16")
     single = MegakernelEngine.from_pretrained(folder, max_seq=64)

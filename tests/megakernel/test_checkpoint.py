@@ -8,11 +8,12 @@ import pytest
 
 from mdsl.errors import CheckpointError, DTypeError, ParseError, ShapeError
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import IGNORED_TENSORS, load_model, load_weights, open_pretrained, save_checkpoint
-from mdsl.megakernel.config import load_config
-from mdsl.megakernel.safetensors import (INDEX_FILE, SafetensorsFile, bf16_bits_to_f32, f32_to_bf16_bits,
-                                         open_checkpoint, write_safetensors)
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import (IGNORED_TENSORS, load_model, load_weights, open_pretrained,
+                                                   save_checkpoint)
+from mdsl.megakernel.modelgraph.model_config import load_config
+from mdsl.megakernel.modelgraph.safetensors import (INDEX_FILE, SafetensorsFile, bf16_bits_to_f32, f32_to_bf16_bits,
+                                                    open_checkpoint, write_safetensors)
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
 

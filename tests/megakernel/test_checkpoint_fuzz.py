@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mdsl.errors import MdslError
-from mdsl.megakernel.checkpoint import open_pretrained, save_checkpoint
-from mdsl.megakernel.config import eos_token_ids, load_config
-from mdsl.megakernel.safetensors import (INDEX_FILE, SINGLE_FILE, open_checkpoint, write_checkpoint_files,
-                                         write_safetensors)
+from mdsl.megakernel.modelgraph.checkpoint import open_pretrained, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import eos_token_ids, load_config
+from mdsl.megakernel.modelgraph.safetensors import (INDEX_FILE, SINGLE_FILE, open_checkpoint, write_checkpoint_files,
+                                                    write_safetensors)
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None,

@@ -5,7 +5,7 @@ import pytest
 
 from mdsl.errors import CheckpointError, DTypeError, ParseError, UnsupportedError
 from mdsl.ir.dtypes import bf16, f32
-from mdsl.megakernel.config import config_from_dict, eos_token_ids, load_config
+from mdsl.megakernel.modelgraph.model_config import config_from_dict, eos_token_ids, load_config
 from tests.megakernel.tiny import tiny_config_dict
 
 

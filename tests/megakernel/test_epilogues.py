@@ -5,10 +5,10 @@ import pytest
 
 from mdsl.errors import ValidationError
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.config import ACTIVATIONS
-from mdsl.megakernel.epilogues import PRODUCT, RESIDUAL_ADD, epilogue_of, evaluate, gated, has_residual, is_additive, \
-    products
-from mdsl.megakernel.layers import get_layer_op
+from mdsl.megakernel.modelgraph.epilogues import (PRODUCT, RESIDUAL_ADD, epilogue_of, evaluate, gated, has_residual,
+                                                   is_additive, products)
+from mdsl.megakernel.modelgraph.layers import get_layer_op
+from mdsl.megakernel.modelgraph.model_config import ACTIVATIONS
 
 RNG = np.random.default_rng(7)
 

@@ -1,4 +1,4 @@
-"""The megakernel's fusion pass (mdsl.megakernel.fusion: model graph -> model graph) and the implied-wait
+"""The megakernel's fusion pass (mdsl.megakernel.taskgraph.layer_fusion: model graph -> model graph) and the implied-wait
 pass (task graph -> task graph): which ops fold where, what is left alone, and that the fused graph, cut into tasks and run by the
 simulator under random interleavings, computes the reference forward of the unfused graph."""
 import importlib.util
@@ -11,15 +11,15 @@ import pytest
 
 import mdsl
 from mdsl.errors import ShapeError
-from mdsl.megakernel.architectures import sampling_decode
-from mdsl.megakernel.fusion import fuse
-from mdsl.megakernel.layers import get_layer_op
-from mdsl.megakernel.partition import build_task_graph, chunked_split_range, split_positions_bound
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.simulator import Simulator
-from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
-from mdsl.ir.types import TensorType
 from mdsl.ir.dtypes import f32
+from mdsl.ir.types import TensorType
+from mdsl.megakernel.modelgraph.architectures import sampling_decode
+from mdsl.megakernel.modelgraph.layers import get_layer_op
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.taskgraph.layer_fusion import fuse
+from mdsl.megakernel.taskgraph.partition import build_task_graph, chunked_split_range, split_positions_bound
+from mdsl.megakernel.taskgraph.simulator import Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
 from tests.megakernel.test_model import Cfg
 from tests.megakernel.tiny import tiny_model
 
@@ -181,7 +181,7 @@ def test_chunked_splits_cover_each_position_once_within_their_declared_box(posit
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_the_task_graph_the_gpu_tables_are_lowered_from_computes_the_reference(arch, monkeypatch):
-    from mdsl.megakernel.runtime import plan as plan_module
+    from mdsl.megakernel.runtime import task_plan as plan_module
     from mdsl.megakernel.runtime.shape import decoder_shape
 
     monkeypatch.setattr(plan_module, "MIN_CHUNK", 2)   # several non-empty splits at these short contexts

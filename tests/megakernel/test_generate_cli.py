@@ -11,7 +11,7 @@ import pytest
 
 from mdsl.backend.cuda.runtime import has_gpu
 from mdsl.cli import main
-from mdsl.megakernel.checkpoint import save_checkpoint
+from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
 no_gpu = pytest.mark.skipif(has_gpu(), reason="checks the behaviour without a GPU")

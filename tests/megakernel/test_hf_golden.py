@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mdsl.megakernel.checkpoint import load_model, pattern_weights, save_checkpoint
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.partition import build_task_graph
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.simulator import Simulator
-from mdsl.megakernel.taskgraph import PartitionConfig
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import load_model, pattern_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.simulator import Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig
 
 GOLDEN = json.loads((Path(__file__).parent / "hf_golden.json").read_text())
 

@@ -4,8 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from mdsl.megakernel.layers import (StepContext, attend, get_layer_op, rope_inv_freq, sample_token, sample_uniform)
-from mdsl.megakernel.partition import split_range
+from mdsl.megakernel.modelgraph.layers import (StepContext, attend, get_layer_op, rope_inv_freq, sample_token,
+                                               sample_uniform)
+from mdsl.megakernel.taskgraph.partition import split_range
 
 HEADS = {"q_heads": 4, "kv_heads": 2, "head_dim": 8}
 

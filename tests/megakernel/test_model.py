@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 import mdsl
+import mdsl.megakernel.taskgraph.numpy_bodies  # noqa: F401  (attaches the `task_bodies` rules)
+import mdsl.megakernel.taskgraph.partition  # noqa: F401  (attaches the `tasks` rules)
 from mdsl.errors import ParseError, ShapeError, TraceError, ValidationError
 from mdsl.ir.dtypes import f32
-from mdsl.megakernel.architectures import sampling_decode
-from mdsl.megakernel.fusion import fuse
-from mdsl.megakernel.layers import LAYER_OPS
-from mdsl.megakernel.model import parse_model_graph, print_model_graph
-import mdsl.megakernel.partition  # noqa: F401  (attaches the `tasks` rules)
-from mdsl.megakernel.reference import ReferenceModel
-import mdsl.megakernel.task_bodies  # noqa: F401  (attaches the `task_bodies` rules)
+from mdsl.megakernel.modelgraph.architectures import sampling_decode
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS
+from mdsl.megakernel.modelgraph.model import parse_model_graph, print_model_graph
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from tests.megakernel.tiny import tiny_model
 
 

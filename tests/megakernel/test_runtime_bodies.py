@@ -1,4 +1,4 @@
-"""The megakernel's generated task bodies (runtime/bodies.py): each plan kind's body written from its layer
+"""The megakernel's generated task bodies (runtime/cuda_bodies.py): each plan kind's body written from its layer
 op's rule and epilogue, the operators' code from the CUDA backend's rule table, eager rounding on one GPU,
 partial sums under tensor parallelism, and the dispatch covering the plan's kinds."""
 import re
@@ -9,10 +9,10 @@ import pytest
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16
 from mdsl.ir.text import parse
-from mdsl.megakernel.layers import get_layer_op
-from mdsl.megakernel.runtime.bodies import generate_bodies, linear_bodies, residual_columns
-from mdsl.megakernel.runtime.plan import Kind, build_plan, for_ranks
+from mdsl.megakernel.modelgraph.layers import get_layer_op
+from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, linear_bodies, residual_columns
 from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.task_plan import Kind, build_plan, for_ranks
 from tests.megakernel.test_runtime_source import assert_fits, compile_plan
 from tests.megakernel.tiny import tiny_model
 
@@ -79,7 +79,7 @@ def test_one_gpu_sums_like_ranks_when_asked():
 
 
 def test_the_residual_is_loaded_with_the_input_row_not_in_the_epilogue():
-    """The epilogue runs one column after another: a residual read there was a global round trip each.
+    """The epilogue runs one column after another: a residual read there would be a global round trip each.
     Each thread loads its columns' residual just before the input row, in the row's first half (which
     runs once the task's inputs are complete, even for a task handed over early), and leaves it in shared
     memory."""

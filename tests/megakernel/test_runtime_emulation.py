@@ -1,7 +1,7 @@
 """The megakernel's task tables executed on the CPU by a numpy mirror of device.cu's task bodies and
 worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
-ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.reference) of
+ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
 the same tiny Llama-3 and Qwen3 models, with the prompt prefilled as steps of the same launch; a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
 arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.epilogues import epilogue_of, evaluate
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.runtime.plan import Kind, build_plan, check_plan
+from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
 
@@ -36,7 +36,7 @@ class Emulator:
         self.head = self.w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
 
     def layer(self, layer, name):
-        from mdsl.megakernel.runtime.engine import layer_weight_name
+        from mdsl.megakernel.runtime.megakernel_engine import layer_weight_name
 
         return self.w[layer_weight_name(layer, name)]
 
@@ -213,8 +213,8 @@ def test_the_mlp_activation_follows_the_config(hidden_act):
 def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit):
     """Several splits at these short contexts: MIN_CHUNK lowered, or a plan's own min_chunk (the engine's
     attention_min_chunk)."""
-    from mdsl.megakernel.runtime import plan as plan_module
-    from mdsl.megakernel.runtime.source import generate_source
+    from mdsl.megakernel.runtime import task_plan as plan_module
+    from mdsl.megakernel.runtime.kernel_source import generate_source
 
     if not explicit:
         monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)

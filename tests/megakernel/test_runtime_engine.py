@@ -6,10 +6,10 @@ import pytest
 
 from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
-from mdsl.megakernel.checkpoint import save_checkpoint
-from mdsl.megakernel.config import eos_token_ids
-from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup, weight_names
-from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
+from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import eos_token_ids
+from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, RankGroup, weight_names
+from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
@@ -66,9 +66,9 @@ def test_mdsl_generate_rejects_bad_token_ids(checkpoint, capsys):
 
 def generate_source_for(options: MegakernelOptions):
     """The kernel a tiny Llama-3 engine builds with `options` (its plan's attention splits theirs)."""
-    from mdsl.megakernel.runtime.plan import build_plan
+    from mdsl.megakernel.runtime.kernel_source import generate_source
     from mdsl.megakernel.runtime.shape import decoder_shape
-    from mdsl.megakernel.runtime.source import generate_source
+    from mdsl.megakernel.runtime.task_plan import build_plan
 
     config, _, _ = tiny_model("llama3")
     plan = build_plan(decoder_shape(config), workers=8, max_seq=24, splits=options.attention_splits,
@@ -150,9 +150,9 @@ def test_decode_benchmark_says_it_needs_a_gpu(tmp_path, capsys):
 
 def test_compile_model_runs_only_the_builtin_decoders():
     from mdsl.errors import UnsupportedError
-    from mdsl.megakernel.architectures import sampling_decode, step_function
-    from mdsl.megakernel.model import model
-    from mdsl.megakernel.runtime.engine import compile_model
+    from mdsl.megakernel.modelgraph.architectures import sampling_decode, step_function
+    from mdsl.megakernel.modelgraph.model import model
+    from mdsl.megakernel.runtime.megakernel_engine import compile_model
 
     config, _, weights = tiny_model("qwen3")
 

@@ -4,7 +4,7 @@ import attrs
 import pytest
 
 from mdsl.errors import MdslError
-from mdsl.megakernel.runtime.options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions, OptionError
+from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions, OptionError
 
 
 def test_the_options_are_few_and_frozen():

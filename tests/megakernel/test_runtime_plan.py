@@ -10,13 +10,13 @@ import pytest
 import mdsl
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16
-from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.modelgraph.architectures import sampling_decode
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.runtime import task_plan as plan_module
 from mdsl.megakernel.runtime.models import MODELS
-from mdsl.megakernel.architectures import sampling_decode
-from mdsl.megakernel.runtime import plan as plan_module
-from mdsl.megakernel.runtime.plan import (EMBEDDING, MIN_ROWS_PER_TILE, Event, Kind, PlanError, build_plan,
-                                          check_plan, plan_model, tiles)
 from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from mdsl.megakernel.runtime.task_plan import (EMBEDDING, MIN_ROWS_PER_TILE, Event, Kind, PlanError, build_plan,
+                                               check_plan, plan_model, tiles)
 from tests.megakernel.tiny import tiny_model
 
 
@@ -189,8 +189,8 @@ def test_full_size_plans_follow_the_rules(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_ranks_tables_are_pinned(name):
-    from mdsl.megakernel.runtime.plan import for_ranks
-    from mdsl.megakernel.runtime.tp import shard_config
+    from mdsl.megakernel.parallel.gpu_group import shard_config
+    from mdsl.megakernel.runtime.task_plan import for_ranks
 
     shape = decoder_shape(shard_config(config_from_dict(MODELS[name]), 2))
     plan = for_ranks(build_plan(shape, workers=132, max_seq=2048), 2)
@@ -207,7 +207,7 @@ def test_unsupported_models_are_refused_with_the_reason():
 
 
 def test_rope_tables_match_the_reference_rotation():
-    from mdsl.megakernel.layers import rope_cos_sin
+    from mdsl.megakernel.modelgraph.layers import rope_cos_sin
 
     config, _, _ = tiny_model("llama3")
     shape = decoder_shape(config)
@@ -237,7 +237,7 @@ def _tiny_decoder_with(change):
 
     @mdsl.model
     def changed(m, cfg):
-        from mdsl.megakernel.architectures import _decoder
+        from mdsl.megakernel.modelgraph.architectures import _decoder
 
         logits = _decoder(m, config)
         return change(m, logits)

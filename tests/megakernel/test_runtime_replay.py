@@ -4,10 +4,10 @@ body times come from a profile's records."""
 import numpy as np
 import pytest
 
-from mdsl.megakernel.runtime.plan import build_plan
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.replay import body_times, measured_hops, replay
 from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.task_plan import build_plan
 from tests.megakernel.tiny import tiny_model
 
 

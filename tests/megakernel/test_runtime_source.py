@@ -11,14 +11,14 @@ import pytest
 
 from mdsl.backend.cuda.nvrtc import compile_cuda, compile_ptx, disassemble
 from mdsl.ir.dtypes import bf16, f32
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.runtime.engine import OPTION_HINTS
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, THREADS, KernelOptionError,
+                                                   generate_source, runtime_source)
+from mdsl.megakernel.runtime.megakernel_engine import OPTION_HINTS
+from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.models import MODELS
-from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
-from mdsl.megakernel.runtime.plan import build_plan
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, THREADS, KernelOptionError,
-                                            generate_source, runtime_source)
+from mdsl.megakernel.runtime.task_plan import build_plan
 from tests.megakernel.tiny import tiny_model
 
 H200_SMS = 132
@@ -65,7 +65,7 @@ def test_tiny_models_compile_without_spills(arch, dtype):
 
 
 def test_the_device_code_is_headers_of_one_concern_each():
-    """device.cu includes its headers, which source.py expands in place (the compile cache's key is the whole
+    """device.cu includes its headers, which kernel_source.py expands in place (the compile cache's key is the whole
     text); no file over ~400 lines, at most 8 `if constexpr` branches in all."""
     files = [RUNTIME / "device.cu", *sorted(RUNTIME.glob("*.cuh"))]
     included = re.findall(r'^#include "(\w+\.cuh)"$', files[0].read_text(), re.MULTILINE)
@@ -119,7 +119,7 @@ def test_a_scheduler_warp_feeds_the_compute_warps_through_named_barriers():
 
 
 def test_the_parameter_block_layout_is_shared():
-    from mdsl.megakernel.runtime.engine import Params
+    from mdsl.megakernel.runtime.megakernel_engine import Params
 
     config, _, _ = tiny_model("qwen3")
     text = generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24)).text
@@ -149,8 +149,8 @@ def qwen3_8b_plan(max_seq=1200):
 @functools.cache
 def qwen3_8b_rank_plan():
     """The plan of one of two tensor-parallel ranks of Qwen3-8B (bf16), built once for the tests below."""
-    from mdsl.megakernel.runtime.plan import for_ranks
-    from mdsl.megakernel.runtime.tp import shard_config
+    from mdsl.megakernel.parallel.gpu_group import shard_config
+    from mdsl.megakernel.runtime.task_plan import for_ranks
 
     config = shard_config(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16), 2)
     return for_ranks(build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1200), 2)
@@ -159,8 +159,8 @@ def qwen3_8b_rank_plan():
 @pytest.mark.slow
 def test_an_input_rows_loads_are_all_in_flight_before_its_first_store():
     """A rank's QKV input row: 16 elements of h and of the norm weights a thread, loaded before the first
-    shared store (one memory round trip; a store between them kept the next element's generic loads behind
-    it: 16 round trips)."""
+    shared store (one memory round trip; a store between them would keep the next element's generic loads
+    behind it: 16 round trips)."""
     text = generate_source(qwen3_8b_rank_plan()).text.replace("__device__ void qkv_task(",
                                                               "__device__ __noinline__ void qkv_task(")
     sass = disassemble(compile_cuda(text, arch="sm_90a").cubin).splitlines()
@@ -227,7 +227,7 @@ def test_an_early_task_copies_its_next_pass_into_shared_memory_while_it_waits():
     """second_pass_kinds: an early gate/up task issues its first pass of weight loads into registers, then the
     next pass's 16 chunks a thread as cp.async copies into the early buffer (beside the tasks' shared memory),
     then waits and loads its row. Without a second pass nothing is reserved."""
-    from mdsl.megakernel.runtime.source import EARLY_BUFFER_BYTES
+    from mdsl.megakernel.runtime.kernel_source import EARLY_BUFFER_BYTES
 
     plan = tiny_bf16_plan()
     one = generate_source(plan, MegakernelOptions(second_pass_kinds=()))
@@ -244,8 +244,8 @@ def test_an_early_task_copies_its_next_pass_into_shared_memory_while_it_waits():
 def test_rank_sums_is_one_gpus_and_keeps_its_running_sums_after_the_residual():
     """rank_sums keeps the slices' running sums after the residual in shared memory, compiles without
     spills, and is refused on a rank's plan."""
-    from mdsl.megakernel.runtime.bodies import residual_columns
-    from mdsl.megakernel.runtime.plan import for_ranks
+    from mdsl.megakernel.runtime.cuda_bodies import residual_columns
+    from mdsl.megakernel.runtime.task_plan import for_ranks
 
     plan = tiny_bf16_plan()
     plain, summed = generate_source(plan), generate_source(plan, MegakernelOptions(rank_sums=2))
@@ -260,7 +260,7 @@ def test_attention_preload_keeps_its_rows_after_the_tasks_shared_memory():
     """attention_preload: ATTN_PRELOAD on, its split's key and value rows counted in the task's shared memory
     after the rest (ATTN_PRELOAD_OFFSET), the copies issued before the wait for its inputs in the PTX; refused
     where they do not fit, and left out by default there."""
-    from mdsl.megakernel.runtime.source import attention_floats, attention_preload_offset, shared_memory_bytes
+    from mdsl.megakernel.runtime.kernel_source import attention_floats, attention_preload_offset, shared_memory_bytes
 
     plan = tiny_bf16_plan()
     shape = plan.shape

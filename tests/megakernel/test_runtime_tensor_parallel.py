@@ -7,14 +7,14 @@ import pytest
 from mdsl.backend.cuda.nvrtc import compile_cuda
 from mdsl.errors import ShapeError
 from mdsl.ir.dtypes import bf16
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.runtime import nvshmem
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.parallel import nvshmem
+from mdsl.megakernel.parallel.gpu_group import shard_config
+from mdsl.megakernel.runtime.kernel_source import KERNEL_NAME, generate_source
 from mdsl.megakernel.runtime.models import MODELS
-from mdsl.megakernel.runtime.plan import (CROSS_RANK_KINDS, RELAYED_KINDS, REMOTE, Kind, build_plan, check_plan,
-                                          for_ranks)
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.source import KERNEL_NAME, generate_source
-from mdsl.megakernel.runtime.tp import shard_config
+from mdsl.megakernel.runtime.task_plan import (CROSS_RANK_KINDS, RELAYED_KINDS, REMOTE, Kind, build_plan, check_plan,
+                                               for_ranks)
 from tests.megakernel.test_runtime_source import assert_fits
 from tests.megakernel.tiny import tiny_model
 
@@ -111,7 +111,7 @@ def test_qwen3_8b_ranks_defaults_compile_without_spills():
 def test_a_rank_spec_reaches_the_rank_processes_intact():
     import pickle
 
-    from mdsl.megakernel.runtime.tp import RankSpec
+    from mdsl.megakernel.parallel.gpu_group import RankSpec
 
     config, _, _ = tiny_model("qwen3")
     spec = RankSpec(attrs.evolve(config, dtype=bf16), 2, folder="/checkpoint")
@@ -139,8 +139,8 @@ def test_the_ranks_trace_names_waits_for_peers_and_puts(tmp_path):
     import gzip
     import json
 
+    from mdsl.megakernel.parallel.gpu_group import peer_traffic
     from mdsl.megakernel.runtime.profile import TaskRecord, write_rank_traces
-    from mdsl.megakernel.runtime.tp import peer_traffic
 
     _, plan = _rank_plan("llama3")
     peers = peer_traffic(plan)
@@ -188,7 +188,7 @@ def test_ranks_are_aligned_on_their_samplers_and_overlap_is_measured():
 
 
 def test_the_launchers_variables_name_this_processs_rank():
-    from mdsl.megakernel.runtime.tp import launched_rank
+    from mdsl.megakernel.parallel.gpu_group import launched_rank
 
     assert launched_rank({}) is None
     assert launched_rank({"RANK": "0", "WORLD_SIZE": "1"}) is None          # one process: nothing to join
@@ -203,7 +203,7 @@ def test_the_file_rendezvous_hands_rank_0s_id_over_and_ignores_an_old_file(tmp_p
     import threading
     import time
 
-    from mdsl.megakernel.runtime.tp import FileRendezvous, TensorParallelError
+    from mdsl.megakernel.parallel.gpu_group import FileRendezvous, TensorParallelError
 
     path = tmp_path / "job.uid"
     path.write_bytes(b"o" * 128)

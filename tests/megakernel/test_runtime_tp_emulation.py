@@ -12,12 +12,12 @@ test is tests/gpu/test_tensor_parallel_gpu.py.)"""
 import numpy as np
 import pytest
 
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.runtime.plan import RELAYED_KINDS, Kind, build_plan, check_plan, for_ranks
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.parallel.gpu_group import shard_config
+from mdsl.megakernel.parallel.tensor_parallel import tensor_parallel
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.tp import shard_config
-from mdsl.megakernel.tensor_parallel import tensor_parallel
+from mdsl.megakernel.runtime.task_plan import RELAYED_KINDS, Kind, build_plan, check_plan, for_ranks
 from tests.megakernel.test_runtime_emulation import Emulator
 from tests.megakernel.tiny import tiny_model
 

@@ -6,11 +6,11 @@ import attrs
 import numpy as np
 import pytest
 
-from mdsl.megakernel.architectures import sampling_decode
-from mdsl.megakernel.partition import build_task_graph
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.simulator import SimulationError, Simulator
-from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph
+from mdsl.megakernel.modelgraph.architectures import sampling_decode
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.simulator import SimulationError, Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph
 from tests.megakernel.tiny import tiny_model
 
 PROMPT = [5, 17, 3]

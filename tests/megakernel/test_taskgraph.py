@@ -7,8 +7,8 @@ import attrs
 import pytest
 
 from mdsl.errors import ValidationError
-from mdsl.megakernel.partition import build_task_graph, column_tiles
-from mdsl.megakernel.taskgraph import ACTIVATION, SCRATCH, Event, PartitionConfig, TaskGraph
+from mdsl.megakernel.taskgraph.partition import build_task_graph, column_tiles
+from mdsl.megakernel.taskgraph.tasks import ACTIVATION, SCRATCH, Event, PartitionConfig, TaskGraph
 from tests.megakernel.tiny import tiny_model
 
 WIDE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 from mdsl.errors import ParseError, ShapeError, ValidationError
-from mdsl.megakernel.architectures import sampling_decode, step_function
-from mdsl.megakernel.checkpoint import load_weights, read_weights, save_checkpoint
-from mdsl.megakernel.config import load_config
-from mdsl.megakernel.partition import build_task_graph
-from mdsl.megakernel.reference import ReferenceModel
-from mdsl.megakernel.safetensors import SafetensorsFile, open_checkpoint, write_safetensors
-from mdsl.megakernel.simulator import SimulationError, Simulator
-from mdsl.megakernel.taskgraph import PartitionConfig
-from mdsl.megakernel.tensor_parallel import (Split, TensorParallelReference, TensorParallelTaskGraph,
-                                             _check_puts, build_tensor_parallel_task_graph, load_rank_weights,
-                                             tensor_parallel)
-from mdsl.megakernel.tp_simulator import TensorParallelSimulator, _Message, _Rank
+from mdsl.megakernel.modelgraph.architectures import sampling_decode, step_function
+from mdsl.megakernel.modelgraph.checkpoint import load_weights, read_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import load_config
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.modelgraph.safetensors import SafetensorsFile, open_checkpoint, write_safetensors
+from mdsl.megakernel.parallel.tensor_parallel import (Split, TensorParallelReference, TensorParallelTaskGraph,
+                                                      _check_puts, build_tensor_parallel_task_graph, load_rank_weights,
+                                                      tensor_parallel)
+from mdsl.megakernel.parallel.tp_simulator import TensorParallelSimulator, _Message, _Rank
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.simulator import SimulationError, Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
 
 PROMPT = [5, 17, 3]

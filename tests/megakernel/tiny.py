@@ -1,7 +1,7 @@
 """Tiny Llama-3 and Qwen3 configurations and random weights for the megakernel tests."""
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import random_weights
-from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import random_weights
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
 ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve_http import ServerProcess
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import random_weights, save_checkpoint
-from mdsl.megakernel.config import config_from_dict
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import random_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from tests.megakernel.tiny import tiny_config_dict
 
 pytest.importorskip("uvicorn")

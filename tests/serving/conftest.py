@@ -7,10 +7,10 @@ import time
 import attrs
 import pytest
 
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.checkpoint import random_weights, save_checkpoint
-from mdsl.megakernel.config import config_from_dict
-from mdsl.megakernel.reference import ReferenceModel
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import random_weights, save_checkpoint
+from mdsl.megakernel.modelgraph.model_config import config_from_dict
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from tests.megakernel.tiny import tiny_config_dict
 
 POSITIONS = 64

@@ -1,15 +1,15 @@
 // Attention: a split of a kv head's cached positions (its q heads' scores, softmax statistics and weighted
-// values), and the merge of a kv head's splits by the split that finishes last. Part of device.cu (source.py
+// values), and the merge of a kv head's splits by the split that finishes last. Part of device.cu (kernel_source.py
 // expands it in place).
 
 namespace mk {
 
 // attention's q heads in shared memory: dimension d of a head at q_at(d), each score lane's span of the head
-// followed by Q_PAD unused floats (source.q_stride), so that the lanes of one position read different banks
+// followed by Q_PAD unused floats (kernel_source.q_stride), so that the lanes of one position read different banks
 constexpr int Q_SPAN = D / ATTN_LANES;   // a score lane's dimensions of a head
 __device__ __forceinline__ int q_at(int d) { return d + d / Q_SPAN * Q_PAD; }
 static_assert(D - 1 + (ATTN_LANES - 1) * Q_PAD < Q_STRIDE && Q_STRIDE % 4 == 0 && Q_SPAN % 4 == 0,
-              "source.q_stride holds every lane's padded span, 16-byte aligned");
+              "kernel_source.q_stride holds every lane's padded span, 16-byte aligned");
 
 // one head (D values) through the optional rms norm and RoPE at `pos`, by one warp, into out (f32; a q head,
 // Q_LAYOUT, at q_at). The head, its norm weights and the position's cos / sin are loaded together: one memory
@@ -53,7 +53,7 @@ __device__ void prepare_head(const T* x, const T* norm, const Params& p, long lo
   __syncwarp();
 }
 
-// Positions [lo, hi) of split `split` at position `pos` (plan.attention_range): at least MIN_CHUNK
+// Positions [lo, hi) of split `split` at position `pos` (task_plan.attention_range): at least MIN_CHUNK
 // positions a split, so a short context is one split, whose softmax weights are relative to the true
 // maximum as in transformers' fused attention. lo > hi for a split past the end (it has no positions).
 __device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
@@ -173,11 +173,11 @@ __device__ __forceinline__ void merge_heads(const Params& p, int layer, int g) {
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out; the kv
 // head's split that finishes last in this step also merges its heads (no combine task: one dependency hop
 // less a layer).
-// ATTN_PRELOAD (source.py): the split's cached key and value rows (all but the new position's) copied into
+// ATTN_PRELOAD (kernel_source.py): the split's cached key and value rows (all but the new position's) copied into
 // shared memory with cp.async as the task starts, before it waits for its inputs (attention is then an early
 // kind: the copies fly through the QKV phase's end and the hop), so that the scores and the weighted values
 // read shared memory instead of waiting on L2 or DRAM. Their place: ATTN_PRELOAD_OFFSET, after the task's
-// other shared memory (source.attention_floats counts it), 16-byte aligned.
+// other shared memory (kernel_source.attention_floats counts it), 16-byte aligned.
 __device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, long long lo, int count, long long pos,
                                                 T* kbuf, T* vbuf) {
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));

@@ -1,5 +1,5 @@
 // Matrix-vector products: a linear task's input row (normalised or not) into shared memory, and its weight
-// rows' dot products with it, LOADS 16-byte weight loads a lane in flight. Part of device.cu (source.py
+// rows' dot products with it, LOADS 16-byte weight loads a lane in flight. Part of device.cu (kernel_source.py
 // expands it in place).
 
 namespace mk {
@@ -156,8 +156,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
     for (int i = 0; i < ITEMS; ++i)
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        // a row of the tile either way (first < end): a null row guarded by its own test was reported by
-        // compute-sanitizer as copied (a rank's 31-row o-proj tile, its warp 7's second row past the tile)
+        // a row of the tile either way (first < end): compute-sanitizer reports a null row guarded by its own
+        // test as copied (a rank's 31-row o-proj tile, its warp 7's second row past the tile)
         const bool in_tile = first + i < end;
         const T* wr = row(in_tile ? first + i : first, j);
 #pragma unroll
@@ -211,7 +211,8 @@ __device__ __forceinline__ void gemv(int begin, int end, const float* xs, Row ro
             v[r][u] = w[r] == nullptr || c0 + 32 * u >= CH ? make_uint4(0, 0, 0, 0)
                                                             : ld_shared16(early_slot(u * R + r));
         ahead = false;
-      } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished (registers: see source.py)
+      } else if (row_pending) {   // EARLY of the pass's U loads before the row is finished
+                                  // (registers: see kernel_source.py)
         load_row();
         load(0, EARLY);
         finish_row();

@@ -1,7 +1,7 @@
 // Weight loads and the copies that run ahead of a task: 16-byte loads past L1 (the weights are read-only for
 // the whole launch), and cp.async copies into shared memory, in flight without registers: an early task's
 // second pass of weight loads (EARLY_PASSES > 1) and attention's preloaded key and value rows (ATTN_PRELOAD).
-// Part of device.cu (source.py expands it in place).
+// Part of device.cu (kernel_source.py expands it in place).
 
 namespace mk {
 

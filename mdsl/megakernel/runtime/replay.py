@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mdsl.megakernel.runtime.plan import TaskPlan
 from mdsl.megakernel.runtime.profile import TaskRecord
+from mdsl.megakernel.runtime.task_plan import TaskPlan
 
 SLOTS = 2   # sync.cuh's SLOTS
 
@@ -122,11 +122,11 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    from mdsl.megakernel.config import config_from_dict
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
     from mdsl.megakernel.runtime.models import MODELS
-    from mdsl.megakernel.runtime.plan import build_plan
     from mdsl.megakernel.runtime.profile import read_trace
     from mdsl.megakernel.runtime.shape import decoder_shape
+    from mdsl.megakernel.runtime.task_plan import build_plan
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("trace")

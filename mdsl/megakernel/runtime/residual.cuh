@@ -1,7 +1,7 @@
 // The residual stream: h (layers 0..L) and mid (0..L-1), rows of T that the linears read. Under tensor
 // parallelism (WORLD > 1) an o-proj or down-proj tile makes this rank's f32 partial of its rows, puts it to
 // the peers as flagged words and sums the ranks' partials of its rows itself (the relay, below), so that a
-// reader loads one row, as on one GPU. Part of device.cu (source.py expands it in place).
+// reader loads one row, as on one GPU. Part of device.cu (kernel_source.py expands it in place).
 
 namespace mk {
 
@@ -45,7 +45,7 @@ __device__ __forceinline__ void stream_put(const Params& p, T* single, float* pa
 // The relay of a peer's word of a residual-stream row, polled (relaxed, at system scope: a peer's store)
 // until it carries `tag` (its step + 1; the host zeroes the words before a launch). A word is rewritten only
 // by the peer's tile of the next step, which cannot start before this rank's step is done
-// (TENSOR_PARALLEL.md). NaN once the watchdog stops the launch.
+// (docs/design.md, "Tensor parallelism"). NaN once the watchdog stops the launch.
 __device__ __forceinline__ float relay_word(const Params& p, const unsigned long long* at, unsigned tag) {
   unsigned long long since = 0;
   for (unsigned round = 1;; ++round) {

@@ -1,5 +1,5 @@
 // The LM head's tiles (logits and each tile's best token) and the sampler: greedy, temperature (Gumbel-max) or
-// nucleus sampling, the stop conditions, and the next step's embedding row. Part of device.cu (source.py
+// nucleus sampling, the stop conditions, and the next step's embedding row. Part of device.cu (kernel_source.py
 // expands it in place).
 
 namespace mk {

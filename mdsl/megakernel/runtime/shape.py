@@ -7,8 +7,8 @@ import numpy as np
 
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f32
-from mdsl.megakernel.config import ModelConfig
-from mdsl.megakernel.layers import rope_inv_freq
+from mdsl.megakernel.modelgraph.layers import rope_inv_freq
+from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 SUPPORTED_DTYPES = (bf16, f32)
 # a layer's weights, by their short Hugging Face names (q_norm, k_norm: Qwen3's only)
@@ -86,7 +86,8 @@ def decoder_shape(config: ModelConfig) -> DecoderShape:
         problems.append(f"head_dim ({config.head_dim}) rows of the KV cache are not a multiple of 16 bytes")
     if problems:
         raise UnsupportedError("the megakernel cannot run this model: " + "; ".join(problems),
-                               hint="the reference forward (mdsl.megakernel.reference) runs any built-in model")
+                               hint="the reference forward (mdsl.megakernel.modelgraph.reference) runs any "
+                                    "built-in model")
     return DecoderShape(config)
 
 

@@ -1,5 +1,5 @@
 // The worker loop: the scheduler warp takes this worker's tasks in order and waits for their inputs; the
-// compute warps run them and signal their events. Part of device.cu (source.py expands it in place).
+// compute warps run them and signal their events. Part of device.cu (kernel_source.py expands it in place).
 
 namespace mk {
 

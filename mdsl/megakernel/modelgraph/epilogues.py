@@ -3,7 +3,7 @@ from its dot products, written as thread graphs of the superoptimizer's operator
 
 One definition for every executor: the CPU simulator's task bodies evaluate it (`evaluate`), the
 megakernel's CUDA task bodies are generated from it through the CUDA backend's rule table
-(runtime/bodies.py), and the tests hold both to the unfused layer ops' references. An epilogue's inputs
+(runtime/cuda_bodies.py), and the tests hold both to the unfused layer ops' references. An epilogue's inputs
 are named by what they hold: one product per weight matrix a column multiplies (`product`, or `gate` and
 `up`) and, for the residual ops, `residual`; its one output is the column's value. Evaluated `eagerly`
 for a dtype, every node's result is rounded to it, as PyTorch's eager ops round each result: how the
@@ -23,7 +23,7 @@ from mdsl.errors import ValidationError
 from mdsl.ir.dtypes import DType, round_to_dtype
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.text import parse
-from mdsl.megakernel.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
 
 
 def _thread_graph(text: str) -> ThreadGraph:

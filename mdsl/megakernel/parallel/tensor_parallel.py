@@ -33,13 +33,13 @@ from attrs import field
 
 from mdsl.errors import ShapeError, UnsupportedError, ValidationError
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.checkpoint import load_weights
-from mdsl.megakernel.collectives import RankStepContext
-from mdsl.megakernel.layers import extend_layer_op, get_layer_op
-from mdsl.megakernel.model import TOKENS, LayerNode, ModelGraph
-from mdsl.megakernel.partition import build_task_graph
-from mdsl.megakernel.reference import Generation, check_steps, initial_states
-from mdsl.megakernel.taskgraph import PartitionConfig, RegionIndex, TaskGraph
+from mdsl.megakernel.modelgraph.checkpoint import load_weights
+from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.model import TOKENS, LayerNode, ModelGraph
+from mdsl.megakernel.modelgraph.reference import Generation, check_steps, initial_states
+from mdsl.megakernel.parallel.collectives import RankStepContext
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig, RegionIndex, TaskGraph
 
 
 @attrs.frozen

@@ -22,10 +22,10 @@ import attrs
 
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.layers import extend_layer_op, get_layer_op
-from mdsl.megakernel.model import TOKENS, ModelGraph
-from mdsl.megakernel.taskgraph import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
-                                       TaskGraph, build_events)
+from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
+from mdsl.megakernel.taskgraph.tasks import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
+                                             TaskGraph, build_events)
 
 
 @attrs.frozen
@@ -222,7 +222,7 @@ def _sample_tasks(node, config):
     return [TaskSpec("sample", (), (full(logits),), (full(node.output), full(tokens, dynamic=True)))], []
 
 
-# fused ops (mdsl.megakernel.fusion); tile entries as above, plus:
+# fused ops (mdsl.megakernel.taskgraph.layer_fusion); tile entries as above, plus:
 # * rope_attention.partial: `kv_head`, `split`, `splits`, `min_chunk` (positions by chunked_split_range;
 #   the split holding the position appends it to the cache, so every split declares the cache write);
 #   rope_attention.combine: `head`, one query head.

@@ -3,8 +3,8 @@ each, with the weights named as in their Hugging Face checkpoints."""
 from __future__ import annotations
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.config import ModelConfig
-from mdsl.megakernel.model import ModelFunction, model
+from mdsl.megakernel.modelgraph.model import ModelFunction, model
+from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
 def _decoder(m, cfg: ModelConfig):

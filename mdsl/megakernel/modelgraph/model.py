@@ -27,7 +27,7 @@ from mdsl.frontend.source import caller_loc, frame_loc
 from mdsl.ir.dtypes import DType, f32, i32
 from mdsl.ir.text import _comment_loc, _loc_comment, _Parser, format_attrs
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.layers import get_layer_op
+from mdsl.megakernel.modelgraph.layers import get_layer_op
 
 TOKENS = "tokens"   # the name of the token-history state every model graph has
 

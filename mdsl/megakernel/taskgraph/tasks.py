@@ -172,7 +172,7 @@ class TaskGraph:
 
     def terminal_tasks(self) -> tuple:
         """The tasks that write the next token: the end of a step."""
-        from mdsl.megakernel.model import TOKENS
+        from mdsl.megakernel.modelgraph.model import TOKENS
 
         return tuple(t.id for t in self.tasks if any(r.buffer == TOKENS for r in t.writes))
 

@@ -23,12 +23,12 @@ from typing import Optional, Sequence, Union
 import attrs
 
 from mdsl.errors import ValidationError
-from mdsl.megakernel.collectives import RankStepContext
-from mdsl.megakernel.model import TOKENS
-from mdsl.megakernel.reference import Generation, check_steps
-from mdsl.megakernel.simulator import SimulationError, Simulator
-from mdsl.megakernel.taskgraph import RegionIndex
-from mdsl.megakernel.tensor_parallel import TensorParallelTaskGraph, ranks_generation
+from mdsl.megakernel.modelgraph.model import TOKENS
+from mdsl.megakernel.modelgraph.reference import Generation, check_steps
+from mdsl.megakernel.parallel.collectives import RankStepContext
+from mdsl.megakernel.parallel.tensor_parallel import TensorParallelTaskGraph, ranks_generation
+from mdsl.megakernel.taskgraph.simulator import SimulationError, Simulator
+from mdsl.megakernel.taskgraph.tasks import RegionIndex
 
 
 @attrs.frozen

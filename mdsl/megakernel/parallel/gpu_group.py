@@ -1,7 +1,7 @@
 """Tensor-parallel decoding on the GPUs of one host: one process per GPU, each running the megakernel on
-its shard of the model (mdsl.megakernel.tensor_parallel's Megatron split: its query and KV heads, its MLP
+its shard of the model (mdsl.megakernel.parallel.tensor_parallel's Megatron split: its query and KV heads, its MLP
 columns, its vocabulary slice), the residual stream all-reduced and the LM head's bests gathered inside
-the kernels through NVSHMEM (device.cu's top comment, residual.cuh; runtime/nvshmem.py).
+the kernels through NVSHMEM (device.cu's top comment, residual.cuh; nvshmem.py).
 
     group = TensorParallelGroup.from_pretrained("path/to/checkpoint", world=2, max_seq=2048)
     tokens = group.generate([1, 2, 3], max_new_tokens=32)     # every rank makes the same tokens
@@ -27,8 +27,8 @@ from typing import Callable, Optional, Sequence
 import attrs
 
 from mdsl.errors import MdslError
-from mdsl.megakernel.config import ModelConfig
-from mdsl.megakernel.runtime.options import MegakernelOptions
+from mdsl.megakernel.modelgraph.model_config import ModelConfig
+from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 
 _START_TIMEOUT_S = 600     # compiling and loading a rank (a large checkpoint from disk) may take minutes
 _RUN_TIMEOUT_S = 600
@@ -41,8 +41,8 @@ class TensorParallelError(MdslError):
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     """One rank's model: 1/world of the query heads, KV heads, MLP columns and vocabulary. A world size
     that does not divide them gets tensor_parallel's error, naming the op and the sizes allowed."""
-    from mdsl.megakernel.architectures import step_function
-    from mdsl.megakernel.tensor_parallel import tensor_parallel
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.parallel.tensor_parallel import tensor_parallel
 
     tensor_parallel(step_function(config).trace(config), world)   # raises a ShapeError naming what does not split
     return attrs.evolve(config, num_heads=config.num_heads // world, num_kv_heads=config.num_kv_heads // world,
@@ -51,8 +51,8 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
 
 def rank_weights(config: ModelConfig, folder: str, rank: int, world: int) -> dict:
     """Rank's weights from a checkpoint folder, reading only its slices of the split tensors."""
-    from mdsl.megakernel.architectures import step_function
-    from mdsl.megakernel.tensor_parallel import load_rank_weights, tensor_parallel
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.parallel.tensor_parallel import load_rank_weights, tensor_parallel
 
     return load_rank_weights(tensor_parallel(step_function(config).trace(config), world), folder, rank)
 
@@ -75,7 +75,8 @@ def peer_traffic(plan) -> list:
     """Per task of a rank's plan: (waits for other ranks' tiles, puts its own to them), for the trace. A
     signalled event says both; a relayed tile (o-proj, down-proj) puts its partials to the peers and waits for
     its peers' words of its rows (in its body)."""
-    from mdsl.megakernel.runtime.plan import RELAYED_KINDS   # (the driving process imports no runtime module early)
+    # (the driving process imports no runtime module early)
+    from mdsl.megakernel.runtime.task_plan import RELAYED_KINDS
 
     traffic = []
     for task, waits, signals in zip(plan.tasks, plan.waits, plan.signals):
@@ -89,8 +90,8 @@ def build_rank_engine(rank: int, device: int, spec: RankSpec, exchange: Callable
     """Join NVSHMEM as `rank` on GPU `device` and build the rank's engine. `exchange(uid)`: rank 0 passes
     its NVSHMEM id (bytes) and every rank gets rank 0's back."""
     from mdsl.backend.cuda import runtime
-    from mdsl.megakernel.runtime import nvshmem
-    from mdsl.megakernel.runtime.engine import MegakernelEngine, RankGroup
+    from mdsl.megakernel.parallel import nvshmem
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, RankGroup
 
     for name, value in nvshmem.SAFE_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
@@ -214,7 +215,7 @@ class TensorParallelGroup:
     """`world` rank processes (rank r on GPU r), each with its shard and its megakernel."""
 
     def __init__(self, spec: RankSpec):
-        from mdsl.megakernel.runtime import nvshmem
+        from mdsl.megakernel.parallel import nvshmem
 
         if spec.world < 2:
             raise TensorParallelError(f"tensor parallelism needs at least 2 ranks, got {spec.world}")
@@ -242,7 +243,7 @@ class TensorParallelGroup:
     @staticmethod
     def spec_from_pretrained(folder: str, world: int, *, max_seq: Optional[int] = None,
                              options: MegakernelOptions = MegakernelOptions()) -> RankSpec:
-        from mdsl.megakernel.config import eos_token_ids, load_config
+        from mdsl.megakernel.modelgraph.model_config import eos_token_ids, load_config
 
         config = load_config(folder)
         if max_seq:

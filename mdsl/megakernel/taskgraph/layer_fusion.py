@@ -9,7 +9,7 @@ the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`.
 
 Each fused op is a layer op of its own (layers.py: shape rule and reference; partition.py: tasks;
-fused_bodies.py: task bodies). Rules are attached to the op that anchors a pattern (`fuse=` on linear and
+numpy_bodies.py: task bodies). Rules are attached to the op that anchors a pattern (`fuse=` on linear and
 rope, the registry pattern); a rule returns the fused node and the nodes it replaces. A chain is fused
 only where its intermediate values have no other reader; a norm is folded into each linear that reads it
 and dropped once nothing reads it any more. The fused node keeps the last replaced node's place (every
@@ -23,8 +23,8 @@ from typing import Optional
 import attrs
 
 from mdsl.errors import MdslError, ValidationError
-from mdsl.megakernel.layers import extend_layer_op, get_layer_op
-from mdsl.megakernel.model import LayerNode, ModelGraph
+from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.model import LayerNode, ModelGraph
 
 
 @attrs.frozen

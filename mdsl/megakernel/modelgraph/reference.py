@@ -9,8 +9,8 @@ import attrs
 import numpy as np
 
 from mdsl.errors import ShapeError
-from mdsl.megakernel.layers import StepContext
-from mdsl.megakernel.model import TOKENS, ModelGraph
+from mdsl.megakernel.modelgraph.layers import StepContext
+from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 
 
 @attrs.frozen

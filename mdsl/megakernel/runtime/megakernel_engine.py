@@ -6,7 +6,7 @@ steps whose next token is the prompt's; the host sees only the finished tokens).
     tokens = engine.generate([1, 2, 3], max_new_tokens=32)              # greedy
     tokens = engine.generate(ids, 32, temperature=0.7, top_p=0.9, seed=1)
 
-The kernel's few choices are a `MegakernelOptions` (options.py); every one left None takes its default for
+The kernel's few choices are a `MegakernelOptions` (megakernel_options.py); every one left None takes its default for
 the configuration (one GPU, or a rank of a tensor-parallel job).
 
 Nothing here touches the CUDA driver before `has_gpu()` says there is a GPU.
@@ -27,14 +27,13 @@ from mdsl.gpu.driver import CudaError, NoGPUError, driver
 from mdsl.gpu.driver import check as _check
 from mdsl.gpu.driver import cu_stream as _cu_stream
 from mdsl.ir.dtypes import f32, i32
-from mdsl.megakernel.config import DEFAULT_MAX_SEQ, ModelConfig
-from mdsl.megakernel.runtime.options import MegakernelOptions, OptionError
-from mdsl.megakernel.runtime.plan import TaskPlan, build_plan, for_ranks, plan_model
+from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, ModelConfig
+from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, KernelOptionError,
+                                                   generate_source)
+from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name,
-                                           rope_tables)
-from mdsl.megakernel.runtime.source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, KernelOptionError,
-                                            generate_source)
+from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name, rope_tables)
+from mdsl.megakernel.runtime.task_plan import TaskPlan, build_plan, for_ranks, plan_model
 
 _STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -42,7 +41,7 @@ _STATE_STUCK = slice(6, 11)
 _NO_STOP = 2**31 - 1
 _STATIC_SMEM_LIMIT = 48 * 1024
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
-                "generate_source), or run the model on the CPU (mdsl.megakernel.reference, .simulator)")
+                "generate_source), or run the model on the CPU (mdsl.megakernel.modelgraph.reference, .simulator)")
 def weight_names(config: ModelConfig) -> list:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
@@ -91,7 +90,7 @@ class MegakernelEngine:
     DeviceArrays: used in place). `options`: the kernel's choices (MegakernelOptions; what is None there
     takes its default for this configuration: one GPU, or a rank of `ranks.world`). `max_seq`: the KV cache's
     positions (default: the model's, at most DEFAULT_MAX_SEQ). `ranks`: one rank of a tensor-parallel job
-    (mdsl.megakernel.runtime.tp builds these): `config` and `weights` are then the rank's shard, and every
+    (mdsl.megakernel.parallel.gpu_group builds these): `config` and `weights` are then the rank's shard, and every
     rank must call `run` with the same arguments."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, options: MegakernelOptions = MegakernelOptions(),
@@ -99,7 +98,7 @@ class MegakernelEngine:
                  ranks: Optional[RankGroup] = None):
         if not isinstance(options, MegakernelOptions):
             raise OptionError(f"options is a {type(options).__name__}, not a MegakernelOptions",
-                              hint="pass options=MegakernelOptions(...) (mdsl.megakernel.runtime.options)")
+                              hint="pass options=MegakernelOptions(...) (mdsl.megakernel.runtime.megakernel_options)")
         options = options.for_world(ranks.world if ranks is not None else 1)
         _require_gpu()
         self.options = options
@@ -170,7 +169,7 @@ class MegakernelEngine:
         """From a Hugging Face checkpoint folder (config.json and *.safetensors; the model graph checks
         every tensor's name, shape and dtype). EOS tokens come from config.json / generation_config.json.
         `options`: the kernel's (MegakernelOptions)."""
-        from mdsl.megakernel.checkpoint import open_pretrained
+        from mdsl.megakernel.modelgraph.checkpoint import open_pretrained
 
         checkpoint = open_pretrained(folder, max_seq)   # the whole checkpoint checked, no tensor data read yet
         _require_gpu()
@@ -451,8 +450,8 @@ def compile_model(model_fn, config: ModelConfig, weights, *, max_seq: Optional[i
     graph must be one of them (up to its last op: argmax, or sample, whose settings become
     generate's defaults)."""
     from mdsl.errors import UnsupportedError
-    from mdsl.megakernel.architectures import step_function
-    from mdsl.megakernel.checkpoint import load_weights
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.modelgraph.checkpoint import load_weights
 
     graph = model_fn.trace(config)
     # the device's lowering rules refuse the first op they cannot run, with its line in the step function

@@ -79,8 +79,8 @@ def check_request(args: argparse.Namespace) -> tuple:
     tensor unaccounted for; no tensor data is read), the prompt against the vocabulary, its length and
     the tokens to generate against the KV cache, the world size against the model, the profile's path.
     Returns (the opened checkpoint, the prompt's token ids, the tokenizer or None)."""
-    from mdsl.megakernel.checkpoint import open_pretrained
-    from mdsl.megakernel.config import DEFAULT_MAX_SEQ
+    from mdsl.megakernel.modelgraph.checkpoint import open_pretrained
+    from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ
 
     checkpoint = open_pretrained(args.model)
     config = checkpoint.config
@@ -108,7 +108,7 @@ def check_request(args: argparse.Namespace) -> tuple:
                          hint="generate fewer tokens (--max-new-tokens), or give a larger --max-seq (at most the "
                               f"model's {config.max_positions})")
     if args.tp > 1:
-        from mdsl.megakernel.runtime.tp import shard_config
+        from mdsl.megakernel.parallel.gpu_group import shard_config
 
         try:
             shard_config(config, args.tp)
@@ -125,7 +125,7 @@ def check_request(args: argparse.Namespace) -> tuple:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from mdsl.megakernel.runtime.engine import MegakernelEngine, _require_gpu
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, _require_gpu
     from mdsl.megakernel.runtime.profile import write_trace
 
     _, prompt_ids, tokenizer = check_request(args)
@@ -149,8 +149,8 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
+    from mdsl.megakernel.parallel.gpu_group import TensorParallelGroup, engine_info, join_launched, launched_rank
     from mdsl.megakernel.runtime.profile import write_rank_traces, write_trace
-    from mdsl.megakernel.runtime.tp import TensorParallelGroup, engine_info, join_launched, launched_rank
 
     if launched_rank() is not None:   # torchrun / mpirun started this process as one rank: run it, rank 0 prints
         group = TensorParallelGroup.spec_from_pretrained(args.model, args.tp, max_seq=args.max_seq)

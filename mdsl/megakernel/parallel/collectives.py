@@ -36,15 +36,15 @@ import attrs
 import numpy as np
 from attrs import field
 
-import mdsl.megakernel.task_bodies  # noqa: F401  (the bodies of the ops reused here)
+import mdsl.megakernel.taskgraph.numpy_bodies  # noqa: F401  (the bodies of the ops reused here)
 from mdsl.errors import ShapeError, UnsupportedError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.ops import AttrSpec
 from mdsl.ir.types import TensorType
-from mdsl.megakernel.layers import (LayerOpDef, StepContext, extend_layer_op, get_layer_op, register_layer_op,
-                                    store_next_token)
-from mdsl.megakernel.partition import TaskSpec, argmax_scratch, column_tiles, columns, full
-from mdsl.megakernel.taskgraph import SCRATCH, Buffer, Region
+from mdsl.megakernel.modelgraph.layers import (LayerOpDef, StepContext, extend_layer_op, get_layer_op,
+                                               register_layer_op, store_next_token)
+from mdsl.megakernel.taskgraph.partition import TaskSpec, argmax_scratch, column_tiles, columns, full
+from mdsl.megakernel.taskgraph.tasks import SCRATCH, Buffer, Region
 
 
 @attrs.frozen
@@ -116,8 +116,9 @@ def _single_rank_reference(op: str, over_ranks):
     def reference(xs, a, ctx):
         if a["world_size"] != 1:
             raise UnsupportedError(f"{op} combines the values of {a['world_size']} ranks; one rank's inputs do "
-                                   "not determine it", hint="run tensor-parallel graphs with "
-                                                            "mdsl.megakernel.tensor_parallel.TensorParallelReference")
+                                   "not determine it",
+                                   hint="run tensor-parallel graphs with "
+                                        "mdsl.megakernel.parallel.tensor_parallel.TensorParallelReference")
         return over_ranks([xs], a, [ctx])[0]
 
     return reference

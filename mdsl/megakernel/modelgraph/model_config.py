@@ -13,7 +13,7 @@ import attrs
 
 from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
-from mdsl.megakernel.safetensors import json_kind, read_json_file, shown
+from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}

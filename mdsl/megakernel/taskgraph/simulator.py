@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-import mdsl.megakernel.task_bodies  # noqa: F401  (attaches the task bodies to the registry)
+import mdsl.megakernel.taskgraph.numpy_bodies  # noqa: F401  (attaches the task bodies to the registry)
 from mdsl.errors import MdslError
-from mdsl.megakernel.layers import StepContext
-from mdsl.megakernel.model import TOKENS
-from mdsl.megakernel.reference import Generation, check_steps, initial_states
-from mdsl.megakernel.taskgraph import ACTIVATION, SCRATCH, WEIGHT, RegionIndex, TaskGraph
+from mdsl.megakernel.modelgraph.layers import StepContext
+from mdsl.megakernel.modelgraph.model import TOKENS
+from mdsl.megakernel.modelgraph.reference import Generation, check_steps, initial_states
+from mdsl.megakernel.taskgraph.tasks import ACTIVATION, SCRATCH, WEIGHT, RegionIndex, TaskGraph
 
 
 class SimulationError(MdslError):

@@ -2,7 +2,7 @@
 lowered from the model's TaskGraph.
 
 `build_plan` traces the built-in decoder (`plan_model` takes any model graph), fuses it
-(mdsl.megakernel.fusion: one op per device task kind), cuts it into the device's tiles
+(mdsl.megakernel.taskgraph.layer_fusion: one op per device task kind), cuts it into the device's tiles
 (`device_partition`), drops waits that others imply (taskgraph.without_implied_waits) and lowers it
 (`lower_task_graph`): each op's `device` rule (attached to its layer-op registry entry, below) turns its
 tasks into table rows (Kind, layer, begin, end, and the device buffer ranges the row reads and writes);
@@ -22,7 +22,7 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 (through the embedding) for that sampling task: a buffer is never rewritten while a task of the
 previous step still reads it. `check_plan` verifies these rules.
 
-Task kinds (each one's device body: runtime/bodies.py, generated from the op's `cuda_task` rule):
+Task kinds (each one's device body: cuda_bodies.py, generated from the op's `cuda_task` rule):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions; the
@@ -46,14 +46,14 @@ import numpy as np
 
 from mdsl.errors import UnsupportedError
 from mdsl.ir.types import TensorType
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.fusion import fuse
-from mdsl.megakernel.layers import extend_layer_op
-from mdsl.megakernel.model import TOKENS, ModelGraph
-from mdsl.megakernel.partition import balanced_tiles, build_task_graph
-from mdsl.megakernel.runtime.options import MAX_SPLITS
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.layers import extend_layer_op
+from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
+from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
 from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
-from mdsl.megakernel.taskgraph import PartitionConfig, TaskGraph, without_implied_waits
+from mdsl.megakernel.taskgraph.layer_fusion import fuse
+from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
 
 
 class Kind(enum.IntEnum):
@@ -119,8 +119,8 @@ class KindOp:
 # attention positions per split at least (device.cu's MIN_CHUNK), unless a plan asks for fewer: a short
 # context is one split, whose softmax weights are relative to the true maximum as in transformers' fused attention
 MIN_CHUNK = 64
-# ... with more than 16 splits (at least 64 would leave half of 32 splits empty at context 1024; measured
-# faster on a rank of Qwen3-8B over two GPUs, whose 4 kv heads take 32 splits)
+# ... with more than 16 splits: at least 64 would leave half of 32 splits empty at context 1024 (a rank of
+# Qwen3-8B over two GPUs, whose 4 kv heads take 32 splits; `benchmarks/decode.py --variants` compares them)
 WIDE_MIN_CHUNK = 32
 
 
@@ -142,7 +142,7 @@ class TaskPlan:
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
     # KindOp per task kind present: the (fused) layer op whose tasks it runs, the source of its generated
-    # body (runtime/bodies.py); every layer's op of a kind is the same, with the same attributes
+    # body (cuda_bodies.py); every layer's op of a kind is the same, with the same attributes
     kind_ops: tuple = ()
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
 
@@ -257,7 +257,7 @@ def build_plan(shape: DecoderShape, *, workers: int, max_seq: int, splits: Optio
 
 def plan_model(graph: ModelGraph, shape: DecoderShape, *, workers: int, max_seq: int,
                splits: Optional[int] = None, min_chunk: Optional[int] = None) -> TaskPlan:
-    """The device tables of a model graph: fused (mdsl.megakernel.fusion), cut into the device's tiles,
+    """The device tables of a model graph: fused (mdsl.megakernel.taskgraph.layer_fusion), cut into the device's tiles,
     waits implied by others dropped, and lowered (`lower_task_graph`). A graph the device cannot run gets
     an UnsupportedError naming the op and its line. (A sampling graph's settings are generate()'s.)"""
     splits = splits or attention_splits(shape, workers, max_seq)
@@ -368,10 +368,10 @@ class _Binding:
     def refuse(self, node, why: str) -> UnsupportedError:
         return UnsupportedError(
             f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
-            hint="it runs the Llama-3 / Qwen3 decoder, fused by mdsl.megakernel.fusion.fuse into embedding, "
-                 "norm_linear (q|k|v), rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and "
+            hint="it runs the Llama-3 / Qwen3 decoder, fused by mdsl.megakernel.taskgraph.layer_fusion.fuse into "
+                 "embedding, norm_linear (q|k|v), rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and "
                  "lm_head_argmax / lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
-                 "(mdsl.megakernel.simulator) runs any model graph")
+                 "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
 
     def layer(self, node, var) -> int:
         """The layer index in a weight's or a cache's name (model.layers.<i>. / k_cache.<i>)."""

@@ -402,7 +402,7 @@ _layer("sample", 2, _token_infer("sample"), _sample_ref,
 
 
 # ---------------------------------------------------------------------------------------------
-# fused ops (made by mdsl.megakernel.fusion): each is the composition of the ops above it folds, so
+# fused ops (made by mdsl.megakernel.taskgraph.layer_fusion): each is the composition of the ops above it folds, so
 # its reference is theirs applied in turn; the task graph then has one hop per fused op, not per op.
 
 def _norm_linear_infer(types, a):

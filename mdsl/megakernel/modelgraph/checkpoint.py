@@ -12,10 +12,10 @@ import numpy as np
 
 from mdsl.errors import CheckpointError, DTypeError, ParseError, ShapeError
 from mdsl.ir.dtypes import round_to_dtype
-from mdsl.megakernel.architectures import step_function
-from mdsl.megakernel.config import ModelConfig, eos_token_ids, load_config
-from mdsl.megakernel.model import ModelFunction, ModelGraph
-from mdsl.megakernel.safetensors import open_checkpoint, write_checkpoint_files
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.model import ModelFunction, ModelGraph
+from mdsl.megakernel.modelgraph.model_config import ModelConfig, eos_token_ids, load_config
+from mdsl.megakernel.modelgraph.safetensors import open_checkpoint, write_checkpoint_files
 
 
 @attrs.frozen
@@ -92,7 +92,7 @@ def check_weights(graph: ModelGraph, located: dict, folder: str) -> None:
                 "num_hidden_layers in config.json" if have - want else
                 "config.json does not describe this checkpoint (its architecture or tie_word_embeddings), or the "
                 "tensors belong to another model; tensors a checkpoint may hold unread: "
-                "mdsl.megakernel.checkpoint.IGNORED_TENSORS")
+                "mdsl.megakernel.modelgraph.checkpoint.IGNORED_TENSORS")
         listed = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
         raise CheckpointError(f"checkpoint {folder} has {len(unused)} tensor(s) that {graph.name} does not use: "
                               f"{listed}", hint=hint)

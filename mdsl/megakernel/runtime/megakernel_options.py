@@ -95,10 +95,10 @@ class MegakernelOptions:
     def for_world(self, world: int) -> "MegakernelOptions":
         """These options with the defaults of `world` ranks where they are None. Under tensor parallelism a
         linear task issues its whole first pass of weight loads with its input row (`weights_first` 1; on one
-        GPU none: measured best on each), and an early o-proj task has its second pass in flight too (a rank's
-        o-proj tile is then on chip whole while it waits for attention; one GPU's tile is twice as large, and
-        its second pass measured slower). benchmarks/decode.py --rank-of N gives a rank's defaults to a rank's
-        shapes on one GPU."""
+        GPU none: the faster of the two on each), and an early o-proj task has its second pass in flight too (a
+        rank's o-proj tile is then on chip whole while it waits for attention; one GPU's tile is twice as large,
+        and runs faster without). benchmarks/decode.py --variants measures the other values, and --rank-of N
+        gives a rank's defaults to a rank's shapes on one GPU."""
         if world > 1 and self.rank_sums != 1:
             raise OptionError(f"MegakernelOptions.rank_sums {self.rank_sums} under tensor parallelism ({world} ranks)",
                               hint="rank_sums makes one GPU compute the ranks' sums; leave it 1 for the ranks")

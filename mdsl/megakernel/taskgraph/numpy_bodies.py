@@ -1,0 +1,241 @@
+"""Numpy task bodies: what one task of each kind computes on its tile, in float32, the semantics the GPU
+task bodies implement too (the runtime's task plan lowers these tasks to its table rows). Attached to the
+layer ops' registry entries as `task_bodies` ({kind: body}), the fused ops' (taskgraph.layer_fusion) as
+well as the unfused; a body is `body(task, node, buffers, ctx)` and writes its outputs into `buffers`
+(name -> array). The tiles are documented with the ops' rules in partition.py."""
+from __future__ import annotations
+
+import numpy as np
+
+from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
+from mdsl.megakernel.modelgraph.layers import (activation, attend, extend_layer_op, rms_normalize, rope_cos_sin,
+                                               rotate_heads, sample_token, sample_uniform, store_next_token)
+from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
+                                                 weight_rows)
+
+
+def _cols(task) -> tuple:
+    return task.tile_value("col_start"), task.tile_value("col_stop")
+
+
+def _embedding(task, node, buf, ctx):
+    a, b = _cols(task)
+    tokens, table = (buf[v.name] for v in node.inputs)
+    buf[node.output.name][0, a:b] = table[int(tokens[ctx.position]), a:b]
+
+
+def _rms_norm(task, node, buf, ctx):
+    x, w = (buf[v.name] for v in node.inputs)
+    buf[node.output.name][:] = rms_normalize(x, w, node.attr_dict["eps"])
+
+
+def _linear(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, *ws = node.inputs
+    row = buf[x.name].astype(np.float32)
+    out = buf[node.output.name]
+    for i, r0, r1, col in weight_rows(ws, a, b):
+        out[0, col:col + r1 - r0] = row[0] @ buf[ws[i].name][r0:r1].T
+
+
+def _head_slices(task, node):
+    a = node.attr_dict
+    h, d = task.tile_value("head"), a["head_dim"]
+    kind = "q" if h < a["q_heads"] else "k" if h < a["q_heads"] + a["kv_heads"] else "v"
+    return kind, slice(h * d, (h + 1) * d)
+
+
+def _head_rms_norm(task, node, buf, ctx):
+    kind, cols = _head_slices(task, node)
+    qkv, wq, wk = node.inputs
+    head = buf[qkv.name][0, cols]
+    if kind != "v":
+        head = rms_normalize(head, buf[(wq if kind == "q" else wk).name], node.attr_dict["eps"])
+    buf[node.output.name][0, cols] = head
+
+
+def _rope(task, node, buf, ctx):
+    kind, cols = _head_slices(task, node)
+    head = buf[node.inputs[0].name][0, cols]
+    if kind != "v":
+        cos, sin = rope_cos_sin(node.attr_dict, ctx.position)
+        head = rotate_heads(head, cos, sin)
+    buf[node.output.name][0, cols] = head
+
+
+def _attention_partial(task, node, buf, ctx):
+    a = node.attr_dict
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    group = hq // hkv
+    h, s, splits = task.tile_value("kv_head"), task.tile_value("split"), task.tile_value("splits")
+    qkv, k_cache, v_cache = node.inputs
+    row = buf[qkv.name][0]
+    q = row[h * group * d:(h + 1) * group * d].reshape(group, d)
+    k_new = row[(hq + h) * d:(hq + h + 1) * d]
+    v_new = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
+    pos = ctx.position
+    start, stop = split_range(pos, s, splits)
+    keys = buf[k_cache.name][start:stop, h].copy()
+    values = buf[v_cache.name][start:stop, h].copy()
+    if stop == pos + 1:   # the split holding this step's position: its key and value are new
+        keys[-1], values[-1] = k_new, v_new
+    if s == splits - 1:
+        buf[k_cache.name][pos, h], buf[v_cache.name][pos, h] = k_new, v_new
+    part_out, part_lse = attention_scratch(node)
+    heads = slice(h * group, (h + 1) * group)
+    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, keys, values)
+
+
+def _attention_combine(task, node, buf, ctx):
+    a = node.attr_dict
+    group, d = a["q_heads"] // a["kv_heads"], a["head_dim"]
+    h = task.tile_value("kv_head")
+    part_out, part_lse = attention_scratch(node)
+    heads = slice(h * group, (h + 1) * group)
+    lse = buf[part_lse][:, heads]                     # [splits, group]
+    weight = np.exp(lse - lse.max(axis=0, keepdims=True)).astype(np.float32)
+    merged = (weight[:, :, None] * buf[part_out][:, heads]).sum(axis=0) / weight.sum(axis=0)[:, None]
+    buf[node.output.name][0, h * group * d:(h + 1) * group * d] = merged.reshape(-1)
+
+
+def _act_mul(task, node, buf, ctx):
+    a, b = _cols(task)
+    gu = buf[node.inputs[0].name]
+    half = node.output.shape[1]
+    buf[node.output.name][0, a:b] = activation(node.attr_dict["act"], gu[0, a:b]) * gu[0, half + a:half + b]
+
+
+def _add(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, y = (buf[v.name] for v in node.inputs)
+    buf[node.output.name][0, a:b] = x[0, a:b] + y[0, a:b]
+
+
+def _argmax_partial(task, node, buf, ctx):
+    a, b = _cols(task)
+    j = task.tile_value("slot")
+    tile = buf[node.inputs[0].name][0, a:b]
+    best = int(np.argmax(tile))
+    values, indices = argmax_scratch(node)
+    buf[values][j], buf[indices][j] = tile[best], a + best
+
+
+def emit_token(node, buf, ctx, token: int) -> None:
+    """The token into the node's last output and the token history (its state operand)."""
+    buf[node.outputs[-1].name][0] = token
+    store_next_token(buf[node.inputs[node.opdef.state_inputs[0]].name], token, ctx)
+
+
+def argmax_reduce(task, node, buf, ctx):
+    values, indices = argmax_scratch(node)
+    emit_token(node, buf, ctx, int(buf[indices][int(np.argmax(buf[values]))]))
+
+
+def _sample(task, node, buf, ctx):
+    a = node.attr_dict
+    token = sample_token(buf[node.inputs[0].name], a["temperature"], a["top_p"], sample_uniform(a["seed"], ctx.position))
+    emit_token(node, buf, ctx, token)
+
+
+# the fused layer ops
+def _normed_input(node, buf) -> np.ndarray:
+    """rms_norm of the node's first operand by its second (the fused ops' norm weight)."""
+    x, norm = node.inputs[0], node.inputs[1]
+    return rms_normalize(buf[x.name], buf[norm.name], node.attr_dict["eps"])
+
+
+def linear_columns(row: np.ndarray, weights, buf, start: int, stop: int) -> np.ndarray:
+    """Columns start..stop of row @ concat(weights).T (weights [out, in], fused along their rows)."""
+    return np.concatenate([row.reshape(-1).astype(np.float32) @ buf[weights[i].name][r0:r1].T
+                           for i, r0, r1, _ in weight_rows(weights, start, stop)])
+
+
+def _norm_linear(task, node, buf, ctx):
+    a, b = _cols(task)
+    buf[node.output.name][0, a:b] = linear_columns(_normed_input(node, buf), node.inputs[2:], buf, a, b)
+
+
+def _norm_gate_up(task, node, buf, ctx):
+    a, b = _cols(task)
+    row = _normed_input(node, buf)
+    graph = epilogue_of(node.op, node.attr_dict)
+    columns = {name: linear_columns(row, (w,), buf, a, b) for name, w in zip(products(graph), node.inputs[2:])}
+    buf[node.output.name][0, a:b] = evaluate(graph, columns)
+
+
+def _linear_residual(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, residual, *ws = node.inputs
+    graph = epilogue_of(node.op, node.attr_dict)
+    (product,) = products(graph)
+    buf[node.output.name][0, a:b] = evaluate(graph, {
+        product: linear_columns(buf[x.name], ws, buf, a, b), "residual": buf[residual.name][0, a:b]})
+
+
+def _rope_attention_partial(task, node, buf, ctx):
+    a = node.attr_dict
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    group = hq // hkv
+    h, s = task.tile_value("kv_head"), task.tile_value("split")
+    qkv, k_cache, v_cache, *norms = node.inputs
+    row = buf[qkv.name][0].astype(np.float32)
+    pos = ctx.position
+    cos, sin = rope_cos_sin(a, pos)
+
+    def prepare(heads: np.ndarray, norm) -> np.ndarray:   # q/k norm, then RoPE
+        if norm is not None:
+            heads = rms_normalize(heads, buf[norm.name], a["eps"])
+        return rotate_heads(heads, cos, sin)
+
+    q_norm, k_norm = norms if norms else (None, None)
+    q = prepare(row[h * group * d:(h + 1) * group * d].reshape(group, d), q_norm)
+    start, stop = chunked_split_range(pos, s, task.tile_value("splits"), task.tile_value("min_chunk"))
+    if start <= pos < stop:   # this split holds the newest position: it appends the key and value
+        buf[k_cache.name][pos, h] = prepare(row[(hq + h) * d:(hq + h + 1) * d].reshape(1, d), k_norm)[0]
+        buf[v_cache.name][pos, h] = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
+    part_out, part_lse = attention_scratch(node)
+    heads = slice(h * group, (h + 1) * group)
+    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, buf[k_cache.name][start:stop, h],
+                                                               buf[v_cache.name][start:stop, h])
+
+
+def _rope_attention_combine(task, node, buf, ctx):
+    head, d = task.tile_value("head"), node.attr_dict["head_dim"]
+    part_out, part_lse = attention_scratch(node)
+    lse = buf[part_lse][:, head]                               # [splits]; an empty split has -inf
+    weight = np.exp(lse - lse.max()).astype(np.float32)
+    merged = (weight[:, None] * buf[part_out][:, head]).sum(axis=0) / weight.sum()
+    buf[node.output.name][0, head * d:(head + 1) * d] = merged
+
+
+def _lm_head(task, node, buf, ctx):
+    a, b = _cols(task)
+    logits = linear_columns(_normed_input(node, buf), node.inputs[2:3], buf, a, b)
+    buf[node.outputs[0].name][0, a:b] = logits
+    best = int(np.argmax(logits))   # the lowest index on ties, as argmax
+    values, indices = argmax_scratch(node)
+    j = task.tile_value("slot")
+    buf[values][j], buf[indices][j] = logits[best], a + best
+
+
+def _lm_head_sample(task, node, buf, ctx):
+    a = node.attr_dict
+    u = sample_uniform(a["seed"], ctx.position)
+    emit_token(node, buf, ctx, sample_token(buf[node.outputs[0].name], a["temperature"], a["top_p"], u))
+
+
+_BODIES = {
+    "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
+    "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
+    "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
+    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add},
+    "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
+    "norm_linear": {"norm_linear": _norm_linear}, "norm_gate_up": {"norm_gate_up": _norm_gate_up},
+    "linear_residual": {"linear_residual": _linear_residual},
+    "rope_attention": {"rope_attention.partial": _rope_attention_partial,
+                       "rope_attention.combine": _rope_attention_combine},
+    "lm_head_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
+    "lm_head_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
+}
+for _op, _bodies in _BODIES.items():
+    extend_layer_op(_op, task_bodies=_bodies)
