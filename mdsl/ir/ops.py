@@ -130,6 +130,11 @@ class OpDef:
         return self.is_elementwise and self.arity == 1 and not self.attr_specs
 
     @property
+    def is_binary(self) -> bool:
+        """An element-wise function of two operands, numpy-broadcast (add, sub, mul, div)."""
+        return self.is_elementwise and self.arity == 2
+
+    @property
     def is_graph_defined(self) -> bool:
         return self.body_level is not None
 
