@@ -268,7 +268,6 @@ _UNARY: dict[str, tuple[Callable, str]] = {
 }
 
 
-
 def unary_op(name: str, fn: Callable, doc: str) -> OpDef:
     """The entry of an element-wise function of one operand and no attributes (`is_unary`), at every level,
     of a float operand's type; `fn` is its numpy semantics."""

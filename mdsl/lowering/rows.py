@@ -235,6 +235,15 @@ for _name, _rule in {
     ROW_RULES.register(_name, _rule)
 
 
+def backend_table(consumer: str, rule_type: type, where: str, elementwise) -> RuleTable:
+    """A backend's table of its rules of the ops a chain may hold: it needs one for every op of `ROW_RULES`
+    (`elementwise`: its rule of every element-wise op and fused chain, by their category), with `emit(rk,
+    node)`, and an accumulator's with `init(rk, node)` too."""
+    return RuleTable(consumer, rule_type, where, needs=lambda op: op.name in ROW_RULES,
+                     provides=lambda op: ("init", "emit") if op.is_accumulator else ("emit",),
+                     by_category=lambda op: elementwise if is_elementwise_chain(op) else None)
+
+
 def _loop_nodes(schedule) -> list:
     return sorted(i for stage in schedule.loop for i in stage.nodes)
 

@@ -54,6 +54,12 @@ STREAMED_RULES.register("accum_max", Folding())
 STREAMED_RULES.register("accum_rescale", Rescaling())
 
 
+def backend_table(consumer: str, rule_type: type, where: str) -> RuleTable:
+    """A backend's table of its folds: one for every op of `STREAMED_RULES`, with `start` and `step`."""
+    return RuleTable(consumer, rule_type, where, needs=lambda op: op.name in STREAMED_RULES,
+                     provides=lambda op: ("start", "step"))
+
+
 def streamed_accumulators(bg: BlockGraph, schedule) -> Optional[list]:
     """The loop's nodes (indices) when every one is an accumulator whose rule accepts it and that folds
     block inputs only, and the loop has more than one iteration; else None."""

@@ -61,7 +61,8 @@ LAYER_TABLES = (EPILOGUE_RULES, FUSION_RULES, TASK_RULES, TASK_BODIES, DEVICE_RU
 def test_every_table_is_checked_here():
     assert {id(t) for t in TABLES} == {id(t) for t in OPERATOR_TABLES + LAYER_TABLES}, \
         "a rule table this test does not know: add it to OPERATOR_TABLES or LAYER_TABLES"
-    assert all(t.registry is ops.OPS for t in OPERATOR_TABLES) and all(t.registry is LAYER_OPS for t in LAYER_TABLES)
+    assert all(t.registry is ops.OPS for t in OPERATOR_TABLES)
+    assert all(t.registry is LAYER_OPS for t in LAYER_TABLES)
 
 
 @pytest.mark.parametrize("table", OPERATOR_TABLES + LAYER_TABLES, ids=lambda t: t.consumer)
@@ -79,7 +80,8 @@ def test_the_tables_need_what_the_registry_says():
     assert CUDA_RULES.provides(ops.OPS["exp"]) == ("kernel", "block", "expr")
     assert PTX_RULES.provides(ops.OPS["exp"]) == ("kernel", "block", "value")
     assert PTX_RULES.provides(ops.OPS["accum_rescale"]) == ("init", "update", "finalize", "fold_product")
-    assert CUDA_RULES.provides(ops.OPS["custom"]) == ("kernel",) and CUDA_RULES.provides(ops.OPS["fused"]) == ("block",)
+    assert CUDA_RULES.provides(ops.OPS["custom"]) == ("kernel",)
+    assert CUDA_RULES.provides(ops.OPS["fused"]) == ("block",)
     # the fast paths hold every element-wise op by its category, and each backend writes what they hold
     assert {name for name, op in ops.OPS.items() if op.is_elementwise} | {"fused"} <= set(ROW_RULES)
     assert set(CUDA_ROW_RULES) == set(PTX_ROW_RULES) == set(ROW_RULES)
@@ -227,7 +229,8 @@ def _custom_kernels():
     x = g.input("x", (64, 256), f32)
     g.op(SOFTSIGN, x)
     b = g.block(grid=(4,), forloop=4, threads=128)
-    b.output(b.op("accum", b.op("mul_scalar", b.op(SOFTSIGN, b.input(x, imap=(0,), fmap=1)), value=0.5)), omap=(0,))
+    scaled = b.op("mul_scalar", b.op(SOFTSIGN, b.input(x, imap=(0,), fmap=1)), value=0.5)
+    b.output(b.op("accum", scaled), omap=(0,))
     b.done()
     q, k, v = g.input("q", (2, 32, 32), f16), g.input("k", (2, 32, 48), f16), g.input("v", (2, 48, 32), f16)
     b = g.block(grid=(2,), forloop=2, threads=64)

@@ -10,7 +10,7 @@ import attrs
 from mdsl.backend.cuda.source import Operand, offset
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.rules import RuleTable
-from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, STREAMED_RULES
+from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, backend_table
 
 
 def emit_streamed(b, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
@@ -69,9 +69,8 @@ class Rescaling(StreamedFold):
 
 
 #: op -> its rule: every op of mdsl.lowering.streamed.STREAMED_RULES
-CUDA_STREAMED_RULES: RuleTable[StreamedFold] = RuleTable(
-    "CUDA backend's streamed loops", StreamedFold, "mdsl.backend.cuda.streamed (CUDA_STREAMED_RULES)",
-    needs=lambda op: op.name in STREAMED_RULES, provides=lambda op: ("start", "step"))
+CUDA_STREAMED_RULES: RuleTable[StreamedFold] = backend_table(
+    "CUDA backend's streamed loops", StreamedFold, "mdsl.backend.cuda.streamed (CUDA_STREAMED_RULES)")
 for _name, _rule in {
     "accum": Folding("0.0f", "acc + x"),
     "accum_max": Folding("mdsl::neg_inf()", "fmaxf(acc, x)"),

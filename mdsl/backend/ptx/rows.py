@@ -27,7 +27,7 @@ from mdsl.ir.graph import Node
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.grid import thread_graph
 from mdsl.lowering.mma import batch_stride
-from mdsl.lowering.rows import ROW_RULES, VECTOR, RowPlan, is_elementwise_chain
+from mdsl.lowering.rows import VECTOR, RowPlan, backend_table
 
 
 @attrs.frozen
@@ -384,13 +384,9 @@ class RowsSumRescaled(RowsRescaled):
 # ---------------------------------------------------------------------------------------------
 # registration
 
-_ELEMENTWISE = RowsElementwise()
-
 #: op -> its rule: every op of mdsl.lowering.rows.ROW_RULES (the element-wise ones by their category)
-PTX_ROW_RULES: RuleTable[RowsRule] = RuleTable(
-    "PTX backend's row-resident chains", RowsRule, "mdsl.backend.ptx.rows (PTX_ROW_RULES)",
-    needs=lambda op: op.name in ROW_RULES, provides=lambda op: ("init", "emit") if op.is_accumulator else ("emit",),
-    by_category=lambda op: _ELEMENTWISE if is_elementwise_chain(op) else None)
+PTX_ROW_RULES: RuleTable[RowsRule] = backend_table("PTX backend's row-resident chains", RowsRule,
+                                                  "mdsl.backend.ptx.rows (PTX_ROW_RULES)", RowsElementwise())
 for _name, _rule in {
     "matmul": RowsMatmul(),
     "max": RowsReduction(MAX),

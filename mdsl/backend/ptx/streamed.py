@@ -12,7 +12,7 @@ from mdsl.backend.ptx.llvm import Array, f32, i32
 from mdsl.backend.ptx.loops import rescale, weighted_sum
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.rules import RuleTable
-from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, STREAMED_RULES
+from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, backend_table
 
 
 def emit_streamed(bk, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
@@ -91,9 +91,8 @@ class Rescaling(StreamedFold):
 
 
 #: op -> its rule: every op of mdsl.lowering.streamed.STREAMED_RULES
-PTX_STREAMED_RULES: RuleTable[StreamedFold] = RuleTable(
-    "PTX backend's streamed loops", StreamedFold, "mdsl.backend.ptx.streamed (PTX_STREAMED_RULES)",
-    needs=lambda op: op.name in STREAMED_RULES, provides=lambda op: ("start", "step"))
+PTX_STREAMED_RULES: RuleTable[StreamedFold] = backend_table(
+    "PTX backend's streamed loops", StreamedFold, "mdsl.backend.ptx.streamed (PTX_STREAMED_RULES)")
 for _name, _rule in {
     "accum": Folding(0.0, lambda fn, acc, x: fn.b.fadd(acc, x)),
     "accum_max": Folding(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),

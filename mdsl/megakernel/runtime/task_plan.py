@@ -542,7 +542,8 @@ class DeviceRule:
 
 #: the ops the device runs: the built-in decoders' fused ops (another graph is refused, naming the op)
 DEVICE_RULES: RuleTable[DeviceRule] = RuleTable("megakernel's device tables", DeviceRule,
-                                                "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)", registry=LAYER_OPS)
+                                                "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
+                                                registry=LAYER_OPS)
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
                    "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
