@@ -11,9 +11,8 @@
 """
 from mdsl.errors import (DTypeError, MdslError, ParseError, ShapeError, TraceError, UnsupportedError,
                          ValidationError)
-from mdsl.frontend.functions import (add, cast, chunk, clamp, concat, div, exp, gelu, matmul, max, mean, mul, neg,
-                                     permute, power, reciprocal, relu, reshape, rms_norm, rsqrt, sigmoid, silu,
-                                     softmax, split, sqrt, square, sub, sum, transpose)
+from mdsl.frontend.functions import *  # noqa: F401,F403 - the operator functions (PUBLIC_FUNCTIONS)
+from mdsl.frontend.functions import PUBLIC_FUNCTIONS as _OPERATOR_FUNCTIONS
 from mdsl.frontend.kernel import KernelFunction, kernel
 from mdsl.frontend.tensor import Tensor, TensorSpec
 from mdsl.frontend.tracer import BlockBuilder, block_graph
@@ -25,8 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MdslError", "DTypeError", "ParseError", "ShapeError", "TraceError", "UnsupportedError", "ValidationError",
-    "add", "cast", "chunk", "clamp", "concat", "div", "exp", "gelu", "matmul", "max", "mean", "mul", "neg",
-    "permute", "power", "reciprocal", "relu", "reshape", "rms_norm", "rsqrt", "sigmoid", "silu", "softmax",
-    "split", "sqrt", "square", "sub", "sum", "transpose", "KernelFunction", "kernel", "Tensor", "TensorSpec",
+    *_OPERATOR_FUNCTIONS, "KernelFunction", "kernel", "Tensor", "TensorSpec",
     "BlockBuilder", "block_graph", "bf16", "f16", "f32", "i32", "ModelFunction", "model", "LLM", "SamplingParams",
 ]

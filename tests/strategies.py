@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mdsl.errors import SourceLoc
 from mdsl.ir import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph, bf16, f16, f32, i32
-from mdsl.ir.ops import get_op
+from mdsl.ir.ops import OPS, get_op
 from mdsl.ir.text import parse_graph
 from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import (SMEM_LIMIT_BYTES, input_tile_type, shared_memory_peak, validate_block_graph,
@@ -25,9 +25,9 @@ from mdsl.ir.validate import (SMEM_LIMIT_BYTES, input_tile_type, shared_memory_p
 DIMS = (1, 2, 3, 4, 6, 8, 12, 16)   # tensor dims are products of small factors
 MAX_NUMEL = 4096                     # keeps every tile of a custom kernel within shared memory
 FLOAT_DTYPES = (f16, bf16, f32)
-UNARY = ("exp", "silu", "gelu", "relu", "sigmoid", "sqrt", "rsqrt", "square", "neg", "reciprocal")
-BINARY = ("add", "sub", "mul", "div")
-ACCUMULATORS = ("accum", "accum_sum", "accum_mean", "accum_rms", "accum_max", "accum_rescale", "accum_sum_rescale")
+UNARY = tuple(name for name, op in OPS.items() if op.is_unary)              # in the registry's order
+BINARY = tuple(name for name, op in OPS.items() if op.is_binary)
+ACCUMULATORS = tuple(name for name, op in OPS.items() if op.is_accumulator)
 
 # names that look like keywords or numbers: the printer and parser must not care
 NAME_STEMS = ("t", "x", "acc", "in", "out", "return", "kernel", "block", "inf", "nan", "v.1", "_", "a_b.c", "T")

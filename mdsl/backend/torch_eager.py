@@ -1,12 +1,28 @@
 """Kernel graphs run op by op with PyTorch: the "PyTorch eager" baseline that `mdsl optimize` times a
-plan against on a GPU. Each operator's entry gains a `torch` rule; torch is imported only when a graph
-runs (it is never a dependency of mdsl)."""
+plan against on a GPU. Each kernel-level operator has a rule in `TORCH_RULES`; torch is imported only
+when a graph runs (it is never a dependency of mdsl)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+import attrs
 
 from mdsl.ir.graph import KernelGraph
-from mdsl.ir.ops import OPS, extend_op
+from mdsl.ir.ops import KERNEL
+from mdsl.ir.rules import RuleTable
+
+
+@attrs.frozen
+class TorchRule:
+    """An operator as PyTorch calls: `run(torch, input tensors, attrs dict)` -> its output tensors."""
+
+    run: Callable
+
+
+#: graph-defined operators have no rule: a graph with one is not run op by op
+TORCH_RULES: RuleTable[TorchRule] = RuleTable(
+    "PyTorch eager baseline", TorchRule, "mdsl.backend.torch_eager (TORCH_RULES)",
+    needs=lambda op: KERNEL in op.levels and not op.is_graph_defined)
 
 
 def _rms_norm(t, xs, a):
@@ -20,7 +36,7 @@ def _split(t, xs, a):
 
 _DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
 
-_RULES = {
+for _name, _rule in {
     "exp": lambda t, xs, a: [t.exp(xs[0])],
     "silu": lambda t, xs, a: [t.nn.functional.silu(xs[0])],
     "gelu": lambda t, xs, a: [t.nn.functional.gelu(xs[0])],
@@ -49,14 +65,13 @@ _RULES = {
     "split": _split,
     "reshape": lambda t, xs, a: [xs[0].reshape(a["shape"])],
     "transpose": lambda t, xs, a: [xs[0].permute(a["perm"]).contiguous()],
-}
-for _name, _rule in _RULES.items():
-    extend_op(_name, torch=_rule)
+}.items():
+    TORCH_RULES.register(_name, TorchRule(_rule))
 
 
 def supports(graph: KernelGraph) -> bool:
     """Whether every node of the graph has a torch rule (graph-defined ops have none)."""
-    return all("torch" in OPS[n.op].rules for n in graph.nodes)
+    return all(n.op in TORCH_RULES for n in graph.nodes)
 
 
 def torch_program(graph: KernelGraph):
@@ -64,7 +79,7 @@ def torch_program(graph: KernelGraph):
     work (rule lookup, attributes) is done once, here."""
     import torch
 
-    steps = [(OPS[n.op].rules["torch"], [v.name for v in n.inputs], [v.name for v in n.outputs], n.attr_dict)
+    steps = [(TORCH_RULES[n.op].run, [v.name for v in n.inputs], [v.name for v in n.outputs], n.attr_dict)
              for n in graph.nodes]
     in_names, out_names = [v.name for v in graph.inputs], [v.name for v in graph.outputs]
 

@@ -1,10 +1,12 @@
 """The `mdsl.*` operator functions and the Python operators of symbolic tensors.
 
-Each function checks its operands and binds one registry operator (or a short composition, e.g.
-softmax). Python scalars become the scalar forms of the operators (`x * 2` is `mul_scalar`).
+Each function checks its operands and binds one registry operator (`bind`), or a short composition
+(softmax). Python scalars become the scalar forms of the operators (`x * 2` is `mul_scalar`). Every public
+function of this module but `bind` is an operator function, exported as `mdsl.<name>` (`PUBLIC_FUNCTIONS`).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Sequence, Union
@@ -18,13 +20,14 @@ from mdsl.ir.dtypes import DType
 from mdsl.ir.ops import norm_dim
 
 
-def _bind(op: str, tensors: Sequence, **attrs):
+def bind(op: str, tensors: Sequence, **attrs) -> list:
+    """Record registry operator `op` on traced tensors with attributes `attrs`: its outputs."""
     tensors = [as_symbolic(t, f"operand {i} of {op}") for i, t in enumerate(tensors)]
     return common_tracer(tensors, op).bind(op, tensors, attrs)
 
 
 def _one(op: str, tensors: Sequence, **attrs) -> SymbolicTensor:
-    return _bind(op, tensors, **attrs)[0]
+    return bind(op, tensors, **attrs)[0]
 
 
 def _is_scalar(value) -> bool:
@@ -242,7 +245,7 @@ def split(x, split_size_or_sizes, dim: int = 0) -> tuple:
         sizes = [min(step, n - i) for i in range(0, n, step)]
     else:
         sizes = [int(s) for s in split_size_or_sizes]
-    return _bind("split", [x], sizes=sizes, dim=d)
+    return bind("split", [x], sizes=sizes, dim=d)
 
 
 def chunk(x, chunks: int, dim: int = 0) -> tuple:
@@ -343,9 +346,11 @@ def _array_function(self, func, types, args, kwargs):
     raise _numpy_error(func.__name__, self)
 
 
-PUBLIC_FUNCTIONS = ("exp", "silu", "gelu", "relu", "sigmoid", "sqrt", "rsqrt", "square", "neg", "reciprocal",
-                    "clamp", "cast", "add", "sub", "mul", "div", "power", "matmul", "sum", "mean", "max",
-                    "rms_norm", "softmax", "concat", "split", "chunk", "reshape", "permute", "transpose")
+#: the operator functions, in the order they are defined: every public function of this module but `bind`
+PUBLIC_FUNCTIONS = tuple(name for name, value in list(globals().items())
+                         if inspect.isfunction(value) and value.__module__ == __name__
+                         and not name.startswith("_") and name != "bind")
+__all__ = list(PUBLIC_FUNCTIONS)   # what `from mdsl.frontend.functions import *` gives: mdsl.<name>
 
 
 def _install_operators() -> None:

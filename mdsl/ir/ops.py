@@ -1,9 +1,11 @@
-"""The operator registry: one entry per operator, holding everything mdsl knows about it.
+"""The operator registry: one entry per operator, saying what it is.
 
-An entry carries the levels it may appear at (kernel, block, thread), its attributes, its
-shape/dtype rule and its reference semantics in numpy. Later layers add their rules to the same
-entry (abstract expression, finite-field semantics, code emitters) through `extend_op`, so that adding
-an operator never means editing a switch statement elsewhere.
+An entry carries the levels it may appear at (kernel, block, thread), its category, its attributes,
+its shape/dtype rule and its reference semantics in numpy. What a later layer does with an operator
+(its abstract expression, its finite-field meaning, each backend's code) is that layer's rule, kept in
+the layer's own table (`mdsl.ir.rules.RuleTable`), so that adding an operator never means editing a
+switch statement elsewhere. Lists of operators are read from the registry (`category`, `is_unary`, ...),
+never copied by hand.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class AttrSpec:
                 return value if isinstance(value, DType) else dtype_from_name(str(value))
             if self.kind == "op":
                 known = OPS.get(value) if isinstance(value, str) else None
-                if known is None or known.category != "elementwise" or known.arity != 1 or known.attr_specs:
+                if known is None or not known.is_unary:
                     raise ValidationError(f"attribute {self.name}={short_repr(value)} of {op} must name an element-wise "
                                           "operator of one operand and no attributes",
                                           hint=f"one of {', '.join(unary_operator_names())}")
@@ -111,7 +113,7 @@ class OpDef:
     reference: Optional[Callable] = None   # (arrays, attrs dict) -> list of arrays; accumulators: (per-iteration input lists, attrs)
     body_level: Optional[str] = None       # graph-defined ops: the level of their body
     doc: str = ""
-    rules: dict = attrs.field(factory=dict)  # rules added by later layers (abstract expression, emitters, ...)
+    rules: dict = attrs.field(factory=dict)  # mdsl.search's rules (`extend_op`), until it has tables of its own
 
     @property
     def is_accumulator(self) -> bool:
@@ -120,6 +122,17 @@ class OpDef:
     @property
     def is_elementwise(self) -> bool:
         return self.category == "elementwise"
+
+    @property
+    def is_unary(self) -> bool:
+        """An element-wise function of one operand and no attributes (exp, silu, ...): what an `op`
+        attribute may name, and an uninterpreted function of the abstract expressions."""
+        return self.is_elementwise and self.arity == 1 and not self.attr_specs
+
+    @property
+    def is_binary(self) -> bool:
+        """An element-wise function of two operands, numpy-broadcast (add, sub, mul, div)."""
+        return self.is_elementwise and self.arity == 2
 
     @property
     def is_graph_defined(self) -> bool:
@@ -160,6 +173,11 @@ def register(op: OpDef) -> OpDef:
     return op
 
 
+def unregister(name: str) -> None:
+    """Remove an operator (one made for a test; its rules are removed from their tables separately)."""
+    OPS.pop(name, None)
+
+
 def get_op(name: str) -> OpDef:
     op = OPS.get(name)
     if op is None:
@@ -169,12 +187,12 @@ def get_op(name: str) -> OpDef:
 
 def unary_operator_names() -> list:
     """The element-wise operators of one operand and no attributes (what an `op` attribute may name)."""
-    return sorted(name for name, op in OPS.items()
-                  if op.category == "elementwise" and op.arity == 1 and not op.attr_specs)
+    return sorted(name for name, op in OPS.items() if op.is_unary)
 
 
 def extend_op(name: str, **rules: Any) -> None:
-    """Attach later layers' rules (e.g. abstract=..., cuda=...) to an operator's entry."""
+    """Attach mdsl.search's rules (dims=..., lift=..., split=...) to an operator's entry. Every other layer
+    keeps its rules in a table of its own (`mdsl.ir.rules.RuleTable`); so will the search."""
     get_op(name).rules.update(rules)
 
 
@@ -249,9 +267,15 @@ _UNARY: dict[str, tuple[Callable, str]] = {
     "reciprocal": (lambda x: 1.0 / x, "1 / x"),
 }
 
+
+def unary_op(name: str, fn: Callable, doc: str) -> OpDef:
+    """The entry of an element-wise function of one operand and no attributes (`is_unary`), at every level,
+    of a float operand's type; `fn` is its numpy semantics."""
+    return OpDef(name, "elementwise", ALL_LEVELS, 1, (), _same_type(name), lambda xs, a: [fn(xs[0])], doc=doc)
+
+
 for _name, (_fn, _doc) in _UNARY.items():
-    register(OpDef(_name, "elementwise", ALL_LEVELS, 1, (), _same_type(_name),
-                   (lambda fn: lambda xs, a: [fn(xs[0])])(_fn), doc=_doc))
+    register(unary_op(_name, _fn, _doc))
 
 _SCALAR_UNARY = {
     "mul_scalar": (("value", "float"), lambda x, a: x * x.dtype.type(a["value"]), "x * value"),

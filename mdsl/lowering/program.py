@@ -8,9 +8,12 @@ from typing import Optional
 from mdsl.errors import UnsupportedError
 from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
+from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
+from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
 from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
+from mdsl.passes.schedule import REGISTER_ACCUMULATORS
 
 MAX_ELEMENTS = 2**31 - 1  # indices are 32-bit
 
@@ -21,6 +24,23 @@ def check_sizes(graph: KernelGraph) -> None:
         if v.type.numel > MAX_ELEMENTS:
             raise UnsupportedError(f"%{v.name} ({v.type}) has more than 2^31 - 1 elements",
                                    hint="the kernels index tensors with 32-bit integers; split the tensor")
+
+
+def rule_methods(op: OpDef, thread: str) -> tuple:
+    """The methods a backend's rule of `op` has for the levels `op` appears at: `kernel` (its kernel, or an
+    alias), `block` (its code on tiles; an accumulator's `init`, `update` and `finalize`, and `fold_product`
+    where the lowering may fold a matmul's product into its registers) and `thread` (the name of the
+    backend's method giving an element-wise op's value on registers)."""
+    methods = []
+    if KERNEL in op.levels:
+        methods.append("kernel")
+    if BLOCK in op.levels:
+        methods += ["init", "update", "finalize"] if op.is_accumulator else ["block"]
+        if op.name in REGISTER_ACCUMULATORS:
+            methods.append("fold_product")
+    if THREAD in op.levels:
+        methods.append(thread)
+    return tuple(methods)
 
 
 def lower_graph(graph: KernelGraph) -> KernelGraph:
@@ -54,10 +74,7 @@ class ProgramBuilder:
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
 
-    def write_nodes(self, rule_key: str, backend: str) -> None:
-        """Each node's kernel (or alias) by its op's rule for this backend (`rule_key` in the registry)."""
+    def write_nodes(self, rules: RuleTable) -> None:
+        """Each node's kernel (or alias) by its op's rule in the backend's table `rules`."""
         for index, node in enumerate(self.graph.nodes):
-            rule = node.opdef.rules.get(rule_key)
-            if rule is None:
-                raise UnsupportedError(f"the {backend} backend has no rule for {node.op}", loc=node.loc)
-            rule.kernel(self, index, node)
+            rules.lookup(node.op, node.loc).kernel(self, index, node)

@@ -16,8 +16,9 @@ column group n of row tile j: row g + (e / 2) * 8, column 8 n + 2 t + e % 2) or 
 rows g and g + 8 of row tile j, the same on the 4 lanes of a quad).
 
 `plan_rows` decides which loop nodes qualify: each op's rule in `ROW_RULES` says when it accepts a node,
-given the values already in registers, and how many columns its value has. Each backend writes the
-accepted nodes with its own rule of the same op (mdsl.backend.cuda.rows, mdsl.backend.ptx.rows).
+given the values already in registers, and how many columns its value has (every element-wise op, and a
+fused chain of them, by its category). Each backend writes the accepted nodes with its own rule of the
+same op (mdsl.backend.cuda.rows, mdsl.backend.ptx.rows).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from typing import Optional
 import attrs
 
 from mdsl.ir.graph import BlockGraph, Node
+from mdsl.ir.ops import THREAD, OpDef
+from mdsl.ir.rules import RuleTable
 from mdsl.passes.layout import scratch_name
 
 VECTOR = None   # the `cols` of a row vector
@@ -111,11 +114,20 @@ class RowContext:
                 and shape[-1] in (1, out_shape[-1]))
 
 
-class Elementwise:
-    """An element-wise op (or a fused chain of them) on row-resident values, reading tiles that
-    broadcast to its shape as it goes."""
+class RowRule:
+    """Whether an op's node can be held in row registers: `accepts(ctx, node)` is its value's column
+    count (VECTOR for a row vector), or False; `reduces`: whether it reduces rows (then the chain pays
+    even where some warps idle)."""
 
     reduces = False
+
+    def accepts(self, ctx: RowContext, node: Node):
+        raise NotImplementedError
+
+
+class Elementwise(RowRule):
+    """An element-wise op (or a fused chain of them) on row-resident values, reading tiles that
+    broadcast to its shape as it goes."""
 
     def accepts(self, ctx: RowContext, node: Node):
         if len(node.outputs) != 1 or not any(ctx.in_registers(v) for v in node.inputs):
@@ -135,7 +147,7 @@ class Elementwise:
         return cols
 
 
-class Reduction:
+class Reduction(RowRule):
     """max / sum / mean of each row (the last dim, kept): the thread's elements, then its quad."""
 
     reduces = True
@@ -149,11 +161,9 @@ class Reduction:
         return VECTOR
 
 
-class Matmul:
+class Matmul(RowRule):
     """A tensor-core matmul whose product stays in registers: A from the registers of a row-resident
     matrix or from a tile, B from a tile."""
-
-    reduces = False
 
     def accepts(self, ctx: RowContext, node: Node):
         a, w = node.inputs
@@ -167,22 +177,18 @@ class Matmul:
         return out[-1]
 
 
-class Accumulate:
+class Accumulate(RowRule):
     """accum / accum_max of a row-resident value: the running value in registers for the whole loop."""
-
-    reduces = False
 
     def accepts(self, ctx: RowContext, node: Node):
         (x,) = node.inputs
         return ctx.values[x.name] if ctx.in_registers(x) else False
 
 
-class Rescaled:
+class Rescaled(RowRule):
     """Online softmax's accum_rescale(x, m) in registers: the running value relative to the running
     maximum M of m (a row vector, also in registers); each iteration M' = max(M, m) and
     acc <- acc * exp(M - M') + x * exp(m - M'), as the tile rule does."""
-
-    reduces = False
 
     def accepts(self, ctx: RowContext, node: Node):
         x, m = node.inputs
@@ -206,13 +212,17 @@ class SumRescaled(Rescaled):
         return VECTOR
 
 
-#: the element-wise ops a chain may hold
-ELEMENTWISE_OPS = ("exp", "silu", "gelu", "relu", "sigmoid", "sqrt", "rsqrt", "square", "neg", "reciprocal",
-                   "mul_scalar", "add_scalar", "pow_scalar", "clamp", "cast", "add", "sub", "mul", "div", "fused")
+def is_elementwise_chain(op: OpDef) -> bool:
+    """An element-wise op, or a fused chain of them (a graph-defined op whose body is a thread graph)."""
+    return op.is_elementwise or op.body_level == THREAD
 
-#: op -> its rule: the ops a chain may hold
-ROW_RULES = {
-    **{op: Elementwise() for op in ELEMENTWISE_OPS},
+
+_ELEMENTWISE = Elementwise()
+
+#: op -> its rule: the ops a chain may hold (every element-wise one by its category)
+ROW_RULES: RuleTable[RowRule] = RuleTable("row-resident lowering", RowRule, "mdsl.lowering.rows (ROW_RULES)",
+                                          by_category=lambda op: _ELEMENTWISE if is_elementwise_chain(op) else None)
+for _name, _rule in {
     "matmul": Matmul(),
     "max": Reduction(),
     "sum": Reduction(),
@@ -221,7 +231,17 @@ ROW_RULES = {
     "accum_max": Accumulate(),
     "accum_rescale": Rescaled(),
     "accum_sum_rescale": SumRescaled(),
-}
+}.items():
+    ROW_RULES.register(_name, _rule)
+
+
+def backend_table(consumer: str, rule_type: type, where: str, elementwise) -> RuleTable:
+    """A backend's table of its rules of the ops a chain may hold: it needs one for every op of `ROW_RULES`
+    (`elementwise`: its rule of every element-wise op and fused chain, by their category), with `emit(rk,
+    node)`, and an accumulator's with `init(rk, node)` too."""
+    return RuleTable(consumer, rule_type, where, needs=lambda op: op.name in ROW_RULES,
+                     provides=lambda op: ("init", "emit") if op.is_accumulator else ("emit",),
+                     by_category=lambda op: elementwise if is_elementwise_chain(op) else None)
 
 
 def _loop_nodes(schedule) -> list:

@@ -47,6 +47,7 @@ from typing import Optional
 import attrs
 
 from mdsl.ir.graph import BlockGraph
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, REGISTER_BUFFER, SLAB, SkinnyShape, skinny_shape
 from mdsl.lowering.options import OVERLAP_MIN_ARCH
 
@@ -54,9 +55,12 @@ SKINNY_MIN_ARCH = 80   # mma.sync and ld.global.nc.L1::no_allocate
 ELEMENTS = ("f16", "bf16")
 LINE = 128   # bytes of an L2 line: what one prefetch.global.L2 brings
 
-#: a row accumulator of X folded from the fragments the mmas read -> its fold, which combines by sum (the
-#: warps' and lanes' folds meet in any grouping)
-ROW_FOLDS = {"accum_sum": "sum", "accum_mean": "sum", "accum_rms": "sum_of_squares"}
+#: a row accumulator of X folded from the fragments the mmas read -> the name of its fold (each backend's
+#: `FOLDS`), which combines by sum (the warps' and lanes' folds meet in any grouping)
+ROW_FOLDS: RuleTable[str] = RuleTable("skinny loop's row folds", str, "mdsl.lowering.skinny (ROW_FOLDS)")
+ROW_FOLDS.register("accum_sum", "sum")
+ROW_FOLDS.register("accum_mean", "sum")
+ROW_FOLDS.register("accum_rms", "sum_of_squares")
 
 
 @attrs.frozen

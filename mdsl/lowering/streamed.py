@@ -17,19 +17,27 @@ from __future__ import annotations
 from typing import Optional
 
 from mdsl.ir.graph import BlockGraph, Node
+from mdsl.ir.rules import RuleTable
 
 FULL_UNROLL = 32   # loops up to this long are unrolled fully (every iteration's loads in flight together)
 ROLLED_UNROLL = 8  # a longer loop: this many iterations a trip
 
 
-class Folding:
+class StreamedRule:
+    """An accumulator a streamed loop may fold: `accepts(node)` says whether this node qualifies."""
+
+    def accepts(self, node: Node) -> bool:
+        raise NotImplementedError
+
+
+class Folding(StreamedRule):
     """accum / accum_max: the running value folds x, of its shape."""
 
     def accepts(self, node: Node) -> bool:
         return tuple(node.inputs[0].shape) == tuple(node.output.shape)
 
 
-class Rescaling:
+class Rescaling(StreamedRule):
     """accum_rescale(x, m): the running value relative to the running maximum of m (broadcast to x)."""
 
     def accepts(self, node: Node) -> bool:
@@ -39,7 +47,17 @@ class Rescaling:
 
 
 #: op -> its rule: the accumulators a streamed loop may fold
-STREAMED_RULES = {"accum": Folding(), "accum_max": Folding(), "accum_rescale": Rescaling()}
+STREAMED_RULES: RuleTable[StreamedRule] = RuleTable("streamed lowering", StreamedRule,
+                                                    "mdsl.lowering.streamed (STREAMED_RULES)")
+STREAMED_RULES.register("accum", Folding())
+STREAMED_RULES.register("accum_max", Folding())
+STREAMED_RULES.register("accum_rescale", Rescaling())
+
+
+def backend_table(consumer: str, rule_type: type, where: str) -> RuleTable:
+    """A backend's table of its folds: one for every op of `STREAMED_RULES`, with `start` and `step`."""
+    return RuleTable(consumer, rule_type, where, needs=lambda op: op.name in STREAMED_RULES,
+                     provides=lambda op: ("start", "step"))
 
 
 def streamed_accumulators(bg: BlockGraph, schedule) -> Optional[list]:

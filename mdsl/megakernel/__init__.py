@@ -5,7 +5,7 @@ runtime (`runtime`: task tables, the generated CUDA, the host engine) and, besid
 (`parallel`). `generate_cli` is `mdsl generate`. This module hands on the model-graph and task-graph API."""
 from mdsl.megakernel.modelgraph.architectures import llama3_decode, qwen3_decode, sampling_decode, step_function
 from mdsl.megakernel.modelgraph.checkpoint import LoadedModel, load_model, load_weights
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS, StepContext, extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, StepContext, get_layer_op
 from mdsl.megakernel.modelgraph.model import (LayerNode, ModelBuilder, ModelFunction, ModelGraph, model,
                                               parse_model_graph, print_model_graph)
 from mdsl.megakernel.modelgraph.model_config import ModelConfig, RopeConfig, config_from_dict, load_config
@@ -17,8 +17,8 @@ from mdsl.megakernel.taskgraph.tasks import (Buffer, Event, PartitionConfig, Reg
 
 __all__ = [
     "LoadedModel", "load_model", "load_weights", "llama3_decode", "qwen3_decode", "sampling_decode", "step_function",
-    "ModelConfig", "RopeConfig", "config_from_dict", "load_config", "LAYER_OPS", "StepContext", "extend_layer_op",
-    "get_layer_op", "LayerNode", "ModelBuilder", "ModelFunction", "ModelGraph", "model", "build_task_graph", "Buffer",
+    "ModelConfig", "RopeConfig", "config_from_dict", "load_config", "LAYER_OPS", "StepContext", "get_layer_op",
+    "LayerNode", "ModelBuilder", "ModelFunction", "ModelGraph", "model", "build_task_graph", "Buffer",
     "Event", "PartitionConfig", "Region", "Task", "TaskGraph", "Wait", "fuse", "parse_model_graph",
     "print_model_graph", "without_implied_waits", "TensorParallelPlan", "load_rank_weights", "tensor_parallel",
 ]

@@ -12,8 +12,9 @@ is identity and terms are cheap dict keys. The constructors below canonicalise w
 (flatten and sort add/mul, fold constants, merge nested sums, drop sums over 1), so that many queries
 are settled by comparing terms, without z3.
 
-Every operator in `mdsl.ir.ops.OPS` gets a rule `rule(args, node, forloop) -> output terms`, attached
-with `extend_op(name, abstract=rule)` when this module is imported.
+Every operator in `mdsl.ir.ops.OPS` has a rule (`AbstractRule`: its inputs' terms -> its outputs'),
+in this module's table `ABSTRACT_RULES`. An element-wise operator of one operand and no attributes
+(`OpDef.is_unary`) is an uninterpreted function of its name, unless it has a rule of its own (exp, neg).
 
 Two rules deliberately compute less than the operator does, for online softmax. A max subtracted
 inside an exponent does not change what softmax computes (it cancels between numerator and
@@ -23,18 +24,32 @@ decides whether a candidate is correct.
 """
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Sequence
 
-from mdsl.errors import ParseError, UnsupportedError
-from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph
-from mdsl.ir.ops import extend_op, get_op
+import attrs
 
-UNARY_HEADS = frozenset({"exp", "sqrt", "rsqrt", "silu", "gelu", "relu", "sigmoid", "square", "reciprocal", "neg"})
+from mdsl.errors import ParseError
+from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph
+from mdsl.ir.ops import OPS
+from mdsl.ir.rules import RuleTable
+
 REDUCTION_HEADS = frozenset({"sum", "max", "rms"})
 COMMUTATIVE_HEADS = frozenset({"add", "mul"})
+
+
+def is_unary_head(head: str) -> bool:
+    """Whether `head` is an element-wise function of one term: an operator of the registry that is unary
+    (`OpDef.is_unary`: exp, sqrt, silu, ..., neg)."""
+    op = OPS.get(head)
+    return op is not None and op.is_unary
+
+
+def unary_heads() -> frozenset:
+    return frozenset(name for name, op in OPS.items() if op.is_unary)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,8 +196,8 @@ def div(x: Term, y: Term) -> Term:
 def unary(head: str, x: Term) -> Term:
     """An element-wise function applied to x: exp, sqrt, rsqrt, silu, gelu, relu, sigmoid, square,
     reciprocal or neg."""
-    if head not in UNARY_HEADS:
-        raise ValueError(f"{head} is not a unary head ({', '.join(sorted(UNARY_HEADS))})")
+    if not is_unary_head(head):
+        raise ValueError(f"{head} is not a unary head ({', '.join(sorted(unary_heads()))})")
     return neg(x) if head == "neg" else Term(head, (x,))
 
 
@@ -233,7 +248,7 @@ def rebuild(term: Term, args: Sequence[Term]) -> Term:
         return (add if head == "add" else mul)(*args)
     if head == "div":
         return div(*args)
-    if head in UNARY_HEADS:
+    if is_unary_head(head):
         return unary(head, *args)
     if head in REDUCTION_HEADS:
         return reduction(head, param, *args)
@@ -363,7 +378,7 @@ class _Parser:
         elif name == "div":
             x, y = self.terms()
             out = div(x, y)
-        elif name in UNARY_HEADS:
+        elif is_unary_head(name):
             out = unary(name, self.term())
         else:
             raise ParseError(f"term {self.text!r}: unknown head {name!r}")
@@ -381,9 +396,14 @@ def parse_term(text: str) -> Term:
 
 
 # ---------------------------------------------------------------------------------------------
-# per-operator rules: rule(args, node, forloop) -> one term per output
+# per-operator rules
 
-Rule = Callable[[tuple, Node, int], tuple]
+@attrs.frozen
+class AbstractRule:
+    """An operator's abstract expression: `terms(args, node, forloop)` gives one term per output of
+    `node` from its inputs' terms `args` (`forloop`: the block graph's R)."""
+
+    terms: Callable[[tuple, Node, int], tuple]
 
 
 def strip_max_subtraction(t: Term) -> Term:
@@ -398,8 +418,10 @@ def _exp(args, node, forloop):
     return (unary("exp", strip_max_subtraction(args[0])),)
 
 
-def _elementwise(head: str) -> Rule:
-    return lambda args, node, forloop: (unary(head, args[0]),)
+@functools.lru_cache(maxsize=None)
+def function(head: str) -> AbstractRule:
+    """The rule of a unary operator: the uninterpreted function `head` of its operand."""
+    return AbstractRule(lambda args, node, forloop: (unary(head, args[0]),))
 
 
 def _size(node: Node, dim: int, operand: int = 0) -> int:
@@ -420,7 +442,7 @@ def _matmul(args, node, forloop):
     return (add(*(reduction("sum", k, mul(x, y)) for x, y, k in pieces)),)
 
 
-def _reduce(head: str) -> Rule:
+def _reduce(head: str) -> Callable:
     return lambda args, node, forloop: (reduction(head, _size(node, node.attr("dim")), args[0]),)
 
 
@@ -482,7 +504,7 @@ def _fused(args, node, forloop):
     return tuple(terms[v.name] for v in node.body.outputs)
 
 
-def _accumulate(head: str, over_last: bool, scale: Callable = None) -> Rule:
+def _accumulate(head: str, over_last: bool, scale: Callable = None) -> Callable:
     """Accumulators reduce over the R loop iterations (times the tile's last dim when they reduce
     it). The rescaling accumulators' second operand (the running max) is dropped: see the module
     docstring."""
@@ -493,8 +515,11 @@ def _accumulate(head: str, over_last: bool, scale: Callable = None) -> Rule:
     return rule
 
 
-_RULES: dict[str, Rule] = {
-    **{name: _elementwise(name) for name in UNARY_HEADS if name != "exp"},
+ABSTRACT_RULES: RuleTable[AbstractRule] = RuleTable(
+    "abstract-expression pass", AbstractRule, "mdsl.passes.abstract (ABSTRACT_RULES)", needs=lambda op: True,
+    by_category=lambda op: function(op.name) if op.is_unary else None)
+
+for _name, _rule in {
     "exp": _exp,
     "mul_scalar": lambda args, node, forloop: (mul(args[0], const(node.attr("value"))),),
     "add_scalar": lambda args, node, forloop: (add(args[0], const(node.attr("value"))),),
@@ -523,10 +548,8 @@ _RULES: dict[str, Rule] = {
     "accum_max": _accumulate("max", False),
     "accum_rescale": _accumulate("sum", False),
     "accum_sum_rescale": _accumulate("sum", True),
-}
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, abstract=_rule)
+}.items():
+    ABSTRACT_RULES.register(_name, AbstractRule(_rule))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,11 +557,7 @@ for _name, _rule in _RULES.items():
 
 def node_terms(node: Node, args: Sequence[Term], forloop: int = 1) -> tuple:
     """The terms of `node`'s outputs given its inputs' terms; `forloop` is the block graph's R."""
-    rule = get_op(node.op).rules.get("abstract")
-    if rule is None:
-        raise UnsupportedError(f"operator {node.op} has no abstract-expression rule",
-                               hint="register one with extend_op(name, abstract=rule) in mdsl.passes.abstract")
-    outs = tuple(rule(tuple(args), node, forloop))
+    outs = tuple(ABSTRACT_RULES.lookup(node.op, node.loc).terms(tuple(args), node, forloop))
     assert len(outs) == len(node.outputs), f"{node.op}: the rule gave {len(outs)} terms for {len(node.outputs)} outputs"
     return outs
 

@@ -3,7 +3,7 @@
 One test draws primes q and p = 2q + 1 (q < 2^24, so p < 2^25), an element ω of order q in Z_p and a
 secret that keys the test's random oracles. A value is an int64 array of shape tensor shape + (2,):
 `[..., 0]` holds the residue mod p (the value itself), `[..., 1]` the residue mod q (what an exp
-reads). Each operator has a rule, registered with `extend_op(name, finite_field=FieldRule(...))`:
+reads). Each operator but the graph-defined ones has a rule (`FieldRule`) in `FIELD_RULES`:
 
 * add, sub, mul, neg, sums and matmuls are exact in both residues; div and reciprocal multiply by the
   modular inverse, with inverse(0) := 0 (Fermat's x^(m-2); deterministic, so both programs see the same
@@ -43,10 +43,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import attrs
 import numpy as np
 
-from mdsl.errors import ShapeError, UnsupportedError
+from mdsl.errors import ShapeError
 from mdsl.ir import evaluate
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node
-from mdsl.ir.ops import OpDef, extend_op
+from mdsl.ir.ops import OpDef
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
 
 #: q is drawn from [2^23, 2^24), so p = 2q + 1 < 2^25 and a product of two residues fits 50 bits.
@@ -359,6 +360,11 @@ def _oracle(key: Callable) -> FieldRule:
     return _elementwise(lambda f, x, a: f.oracle(key(a), x), lambda d, a: FRESH)
 
 
+def oracle(name: str) -> FieldRule:
+    """The rule of a unary operator without a field meaning: the test's random oracle keyed by `name`."""
+    return _oracle(lambda a: name)
+
+
 def _times_oracle(key: str) -> FieldRule:
     """x · g(x) with g an oracle (silu = x·σ(x), gelu = x·Φ(x))."""
     return _elementwise(lambda f, x, a: f.mul(x, f.oracle(key, x)), lambda d, a: _times(d, FRESH))
@@ -436,12 +442,16 @@ def _same(d: Deg, a) -> Deg:
     return d
 
 
-_RULES: dict[str, FieldRule] = {
+FIELD_RULES: RuleTable[FieldRule] = RuleTable("finite-field verifier", FieldRule,
+                                               "mdsl.passes.finite_field (FIELD_RULES)",
+                                               needs=lambda op: not op.is_graph_defined)
+
+for _name, _rule in {
     "exp": attrs.evolve(_elementwise(lambda f, x, a: f.exp(x), lambda d, a: FRESH), reads_q=(0,)),
     "silu": _times_oracle("sigmoid"),
     "gelu": _times_oracle("gelu"),
-    "relu": _oracle(lambda a: "relu"),
-    "sigmoid": _oracle(lambda a: "sigmoid"),
+    "relu": oracle("relu"),
+    "sigmoid": oracle("sigmoid"),
     "sqrt": _elementwise(lambda f, x, a: f.sqrt(x), lambda d, a: FRESH),
     "rsqrt": _elementwise(lambda f, x, a: f.inverse(f.sqrt(x)), lambda d, a: _over((0, 0), FRESH)),
     "square": _elementwise(lambda f, x, a: f.mul(x, x), lambda d, a: _power_degree(d, 2)),
@@ -480,18 +490,12 @@ _RULES: dict[str, FieldRule] = {
     "accum_sum_rescale": attrs.evolve(_accumulator(
         lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),
         lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r)), reads_q=(1,)),
-}
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, finite_field=_rule)
+}.items():
+    FIELD_RULES.register(_name, _rule)
 
 
 def field_rule(opdef: OpDef) -> FieldRule:
-    rule = opdef.rules.get("finite_field")
-    if rule is None:
-        raise UnsupportedError(f"{opdef.name} has no finite-field rule, so the verifier cannot evaluate it",
-                               hint="register one with extend_op(name, finite_field=FieldRule(...))")
-    return rule
+    return FIELD_RULES.lookup(opdef.name)
 
 
 # ---------------------------------------------------------------------------------------------

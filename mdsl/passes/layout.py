@@ -21,13 +21,14 @@ tile is copied without conversion).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import attrs
 
 from mdsl.ir.dtypes import DType, f32
 from mdsl.ir.dump import dump_ir
 from mdsl.ir.graph import BlockGraph, Node
-from mdsl.ir.ops import extend_op
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import output_tensor_type
 from mdsl.passes.plan_dump import dump_plan
@@ -85,6 +86,13 @@ def scratch_name(node: Node) -> str:
     return f"{node.outputs[0].name}#scratch"
 
 
+@attrs.frozen
+class ScratchRule:
+    """An accumulator's scratch tile in shared memory: `tile(node)` is its type."""
+
+    tile: Callable[[Node], TensorType]
+
+
 def _running_maximum(node: Node) -> TensorType:
     # two buffers of the scale's shape: iteration i reads one and writes the other, so no barrier
     # separates the rescale of the sum from the update of the maximum
@@ -92,17 +100,20 @@ def _running_maximum(node: Node) -> TensorType:
     return TensorType((2,) + scale.shape, f32)
 
 
-for _name in ("accum_rescale", "accum_sum_rescale"):
-    extend_op(_name, smem_scratch=_running_maximum)
+#: the operators whose nodes need a scratch tile (the rescaling accumulators' running maximum)
+SCRATCH_RULES: RuleTable[ScratchRule] = RuleTable("shared-memory layout's scratch tiles", ScratchRule,
+                                                  "mdsl.passes.layout (SCRATCH_RULES)")
+SCRATCH_RULES.register("accum_rescale", ScratchRule(_running_maximum))
+SCRATCH_RULES.register("accum_sum_rescale", ScratchRule(_running_maximum))
 
 
 def scratch_tiles(bg: BlockGraph) -> dict:
     """Scratch name -> the node that needs it and its type."""
     out = {}
     for node in bg.nodes:
-        rule = node.opdef.rules.get("smem_scratch")
+        rule = SCRATCH_RULES.get(node.op)
         if rule is not None:
-            out[scratch_name(node)] = (node, rule(node))
+            out[scratch_name(node)] = (node, rule.tile(node))
     return out
 
 

@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Optional
 
 import z3
 
-from mdsl.passes.abstract import (COMMUTATIVE_HEADS, UNARY_HEADS, Term, rebuild, strip_max_subtraction, subterms,
-                                  unary)
+from mdsl.passes.abstract import (COMMUTATIVE_HEADS, Term, rebuild, strip_max_subtraction, subterms, unary,
+                                  unary_heads)
 
 DEFAULT_RLIMIT = 300_000      # valid queries of the benchmark kernels use about 10 000
 DEFAULT_TIMEOUT_MS = 2_000
@@ -149,7 +149,8 @@ class _Encoding:
         I, R, B = z3.IntSort(ctx), z3.RealSort(ctx), z3.BoolSort(ctx)
         ints = [I] * len(primes)
         self.fn = {name: z3.Function(name, T, T, T) for name in ("add", "mul", "div", "concat")}
-        self.fn.update({name: z3.Function(name, T, T) for name in UNARY_HEADS})
+        self.unary = sorted(unary_heads())
+        self.fn.update({name: z3.Function(name, T, T) for name in self.unary})
         self.fn.update({"pow": z3.Function("pow", R, T, T), "clamp": z3.Function("clamp", R, R, T, T),
                         "rms": z3.Function("rms", I, T, T)})
         self.fn.update({name: z3.Function(name, *ints, T, T) for name in _SIZED_HEADS})
@@ -179,7 +180,7 @@ class _Encoding:
         for name in ("add", "mul", "div", "concat"):           # (3)-(6), and concat's pieces
             top = sub(f[name](a, b), y)
             out.append(self._forall([a, b, y], z3.Implies(top, z3.And(sub(a, y), sub(b, y))), top))
-        for name in sorted(UNARY_HEADS):                        # (7)-(12), and neg, rsqrt, ...
+        for name in self.unary:                                 # (7)-(12), and neg, rsqrt, ...
             top = sub(f[name](a), y)
             out.append(self._forall([a, y], z3.Implies(top, sub(a, y)), top))
         for params, app in (([e1], f["pow"](e1, a)), ([e1, e2], f["clamp"](e1, e2, a)),   # (13)

@@ -1,20 +1,16 @@
-"""The lowering both backends emit (mdsl.lowering), without a GPU: its index arithmetic, its rule tables
-against each backend's emitter tables (every op the lowering may hand a backend has its rule there, and
-nothing more), every kind of step written by each backend, and the steps of a kernel of each loop kind."""
+"""The lowering both backends emit (mdsl.lowering), without a GPU: its index arithmetic, every kind of step
+written by each backend, and the steps of a kernel of each loop kind (its rule tables against the
+backends': tests/ir/test_rule_tables.py)."""
 from __future__ import annotations
 
 import importlib
 
 import pytest
 
-from mdsl.ir.ops import OPS
 from mdsl.lowering import kernel as steps
 from mdsl.lowering.index import broadcast_strides, merged_dims
-from mdsl.lowering.kernel import FINALIZED, lower_custom
+from mdsl.lowering.kernel import lower_custom
 from mdsl.lowering.options import CudaOptions
-from mdsl.lowering.rows import ROW_RULES
-from mdsl.lowering.skinny import ROW_FOLDS
-from mdsl.lowering.streamed import STREAMED_RULES
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.ptx.plans import rms_norm_linear_skinny, split_attention
 
@@ -40,34 +36,6 @@ def test_broadcast_strides_are_nonzero_along_the_broadcast_dims_only():
     assert broadcast_strides((4, 8, 16), (8, 16)) == (128, 0, 0)
     assert broadcast_strides((4, 8, 16), (4, 1, 16)) == (0, 16, 0)
     assert broadcast_strides((4, 8), (4, 8)) == (0, 0)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_every_row_resident_op_has_the_backend_s_rule(backend):
-    rules = _backend(backend, "rows").RULES
-    assert set(rules) == set(ROW_RULES)
-    for op, rule in rules.items():
-        assert callable(getattr(rule, "emit", None)), f"{backend}: {op}'s row rule cannot write it"
-        if OPS[op].is_accumulator:
-            assert callable(getattr(rule, "init", None)), f"{backend}: {op}'s row rule cannot start it"
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_every_streamed_accumulator_has_the_backend_s_rule(backend):
-    rules = _backend(backend, "streamed").RULES
-    assert set(rules) == set(STREAMED_RULES)
-    assert all(callable(rule.start) and callable(rule.step) for rule in rules.values())
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_every_skinny_row_fold_and_finalized_accumulator_is_the_backend_s(backend):
-    folds = _backend(backend, "loops").FOLDS
-    assert set(ROW_FOLDS.values()) <= set(folds)
-    _backend(backend, "rules")   # attaches the backend's rules to the registry
-    for name, opdef in OPS.items():
-        if opdef.is_accumulator:
-            finalize = opdef.rules[backend].finalize
-            assert (finalize is not None) == (name in FINALIZED), f"{backend}: {name}'s last step"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -383,13 +383,3 @@ def test_stream_handles():
     with pytest.raises(ArgumentError, match="cannot use a str as a CUDA stream"):
         runtime.stream_handle("default")
     assert runtime.launch_stream([np.ones(2)]) == 0
-
-
-def test_every_kernel_level_op_has_a_pytorch_eager_rule():
-    # mdsl optimize times plans next to PyTorch eager through these rules (torch itself is optional)
-    import mdsl.backend.torch_eager  # noqa: F401 - attaches the rules
-    from mdsl.ir.ops import KERNEL, OPS
-
-    missing = [name for name, op in OPS.items()
-               if KERNEL in op.levels and not op.is_graph_defined and "torch" not in op.rules]
-    assert not missing

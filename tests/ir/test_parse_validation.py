@@ -10,7 +10,7 @@ import pytest
 import mdsl
 from mdsl import Tensor, f32
 from mdsl.errors import MdslError, ParseError, ShapeError, SourceLoc, ValidationError
-from mdsl.frontend.functions import _one as bind_op
+from mdsl.frontend.functions import bind
 from mdsl.ir.serialize import from_json, loads, to_json
 from mdsl.ir.text import parse, print_graph
 from mdsl.ir.types import MAX_ELEMENTS, MAX_RANK
@@ -114,7 +114,7 @@ def _one_op_graph(op: str, attrs: dict):
 @pytest.mark.parametrize("op,attrs,message", BAD_ATTRIBUTES)
 def test_bad_attributes_are_rejected_by_tracing_text_and_json(op, attrs, message):
     with pytest.raises(MdslError) as traced:  # the tracer: bind normalizes the attributes and infers the types
-        mdsl.kernel(lambda x: bind_op(op, [x], **attrs)).trace(Tensor[4, f32])
+        mdsl.kernel(lambda x: bind(op, [x], **attrs)[0]).trace(Tensor[4, f32])
     assert message in traced.value.message and traced.value.hint, str(traced.value)
     text = print_graph(_one_op_graph(op, attrs))
     e = _text_error(text)

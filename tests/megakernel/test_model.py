@@ -104,10 +104,10 @@ def test_tracing_errors():
         cold.trace(Cfg())
 
 
-def test_every_layer_op_has_every_rule():
+def test_every_layer_op_has_a_shape_rule_and_a_reference():
+    # its rules in the later layers' tables: tests/ir/test_rule_tables.py
     for name, op in LAYER_OPS.items():
         assert op.infer is not None and op.reference is not None, name
-        assert callable(op.rules["tasks"]) and op.rules["task_bodies"], name
 
 
 def test_builtin_graphs_have_the_architecture_ops():

@@ -9,7 +9,7 @@ import pytest
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16
 from mdsl.ir.text import parse
-from mdsl.megakernel.modelgraph.layers import get_layer_op
+from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, EpilogueRule, gated
 from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, linear_bodies, residual_columns
 from mdsl.megakernel.runtime.shape import decoder_shape
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, for_ranks
@@ -108,7 +108,7 @@ NOT_ADDITIVE = parse("""thread {
 
 
 def test_tensor_parallel_refuses_an_epilogue_its_ranks_cannot_split(monkeypatch):
-    monkeypatch.setitem(get_layer_op("linear_residual").rules, "epilogue", lambda a: NOT_ADDITIVE)
+    monkeypatch.setitem(EPILOGUE_RULES, "linear_residual", EpilogueRule(lambda a: NOT_ADDITIVE))
     plan = tiny_plan()
     assert "const float r_out = round_t(r_residual * r_product);" in function(generate_bodies(plan), "down_task")
     with pytest.raises(UnsupportedError, match="DOWN epilogue is not additive|OPROJ epilogue is not additive"):
@@ -116,8 +116,7 @@ def test_tensor_parallel_refuses_an_epilogue_its_ranks_cannot_split(monkeypatch)
 
 
 def test_an_epilogue_must_read_what_the_body_computes(monkeypatch):
-    monkeypatch.setitem(get_layer_op("norm_linear").rules, "epilogue",
-                        lambda a: get_layer_op("norm_gate_up").rules["epilogue"]({"act": "silu"}))
+    monkeypatch.setitem(EPILOGUE_RULES, "norm_linear", EpilogueRule(lambda a: gated("silu")))
     with pytest.raises(UnsupportedError, match="QKV epilogue reads 2 product"):
         generate_bodies(tiny_plan())
 

@@ -1,6 +1,6 @@
 """A custom kernel written as CUDA C++: the lowered form (mdsl.lowering.kernel: the block graph's plans
 and the kernel's steps, in order) written step by step, each block-level node by its op's rule (`cuda`,
-or `rows.RULES` for the nodes in row registers) on the shared-memory tiles. Each block finds its slices
+or `rows.CUDA_ROW_RULES` for the nodes in row registers) on the shared-memory tiles. Each block finds its slices
 of the device tensors from its grid coordinates (imap and omap) and the iteration's tile from the loop
 counter (fmap).
 """
@@ -15,6 +15,7 @@ from mdsl.backend.cuda import rows
 from mdsl.backend.cuda.loops import Threads
 from mdsl.backend.cuda.mma import mma_class, mma_store
 from mdsl.backend.cuda.rows import RowKernel
+from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.skinny import emit_skinny
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype, offset
 from mdsl.backend.cuda.streamed import emit_streamed
@@ -115,7 +116,7 @@ def _init_accumulators(b: BlockKernel, kernel: CustomKernel, scope, step: steps.
         acc = b.bg.nodes[i]
         if in_rows:
             b.w(f"// %{acc.output.name}: in the registers of the warps owning its rows")
-            rows.RULES[acc.op].init(b.rows, acc)
+            rows.CUDA_ROW_RULES[acc.op].init(b.rows, acc)
         else:
             _rule(acc).init(b, acc)
 
@@ -212,7 +213,7 @@ STEPS = {steps.SkinnyLoop: _skinny, steps.StreamedLoop: _streamed, steps.Barrier
 
 
 def _rule(node: Node):
-    return node.opdef.rules["cuda"]
+    return CUDA_RULES[node.op]
 
 
 def _stage(b: BlockKernel, stage: steps.Stage) -> None:
@@ -224,7 +225,7 @@ def _stage(b: BlockKernel, stage: steps.Stage) -> None:
             continue
         if how == ROWS:
             b.w("// (in the registers of the warps owning its rows)")
-            rows.RULES[node.op].emit(b.rows, node)
+            rows.CUDA_ROW_RULES[node.op].emit(b.rows, node)
             continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(b, node)

@@ -8,9 +8,9 @@ view of another value (its buffer, reinterpreted): no kernel writes it. A kernel
 dynamic shared memory needs its limit raised before launch
 (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
 
-Code is written by the operators' rules (`mdsl.backend.cuda.rules`, one per operator, attached to
-the registry); this module frames the kernels: names, signatures, launch records and the comment
-naming the mugraph op above each part (`OP_MARKER`, which compile errors point back through).
+Code is written by the operators' rules (`mdsl.backend.cuda.rules`, one per operator, in `CUDA_RULES`);
+this module frames the kernels: names, signatures, launch records and the comment naming the mugraph op
+above each part (`OP_MARKER`, which compile errors point back through).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Iterator, Optional
 
 import attrs
 
-import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules to the registry
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
+from mdsl.backend.cuda.rules import CUDA_RULES   # the table, filled by that module
 from mdsl.backend.cuda.source import CodeWriter, Operand, ctype
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.lowering import program as lowering_program
@@ -86,5 +86,5 @@ def emit_cuda(graph: KernelGraph, *, arch: str = "sm_90a", options: Optional[Cud
     fast paths `options` allows (none given: `CudaOptions.from_env()`)."""
     lowered = lower_graph(graph)
     program = ProgramBuilder(lowered, arch, options if options is not None else CudaOptions.from_env())
-    program.write_nodes("cuda", "CUDA")
+    program.write_nodes(CUDA_RULES)
     return CudaProgram(program.source(), tuple(program.launches), tuple(program.aliases.items()), lowered)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import attrs
 
+from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.source import CodeWriter, Operand, offset
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
@@ -101,7 +102,7 @@ def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list,
         reg[var.name] = local(f"r_{var.name}")
         w(f"const float {reg[var.name]} = {wrap(expr)};")
     for node in tg.nodes:
-        expr = node.opdef.rules["cuda"].expr(node, [reg[v.name] for v in node.inputs])
+        expr = CUDA_RULES[node.op].expr(node, [reg[v.name] for v in node.inputs])
         reg[node.output.name] = local(f"r_{node.output.name}")
         w(f"const float {reg[node.output.name]} = {wrap(expr)};")
     return reg

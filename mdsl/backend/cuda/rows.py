@@ -1,6 +1,6 @@
 """Row-resident chains as C++: the loop nodes the lowering keeps in the tensor cores' registers
 (mdsl.lowering.rows, which says which and how the values are laid out), written by each op's rule in
-`RULES` on the registers of `mdsl::RowMma` (prelude). A *matrix* is `float x[RT][TN][4]`, a *row vector*
+`CUDA_ROW_RULES` on the registers of `mdsl::RowMma` (prelude). A *matrix* is `float x[RT][TN][4]`, a *row vector*
 `float x[RT][2]`.
 """
 from __future__ import annotations
@@ -13,10 +13,11 @@ import attrs
 from mdsl.backend.cuda.loops import MAX, SUM, Fold, emit_chain, load_float
 from mdsl.backend.cuda.source import Operand, element_ctype, float_literal, offset
 from mdsl.ir.graph import Node
+from mdsl.ir.rules import RuleTable
 from mdsl.lowering.grid import thread_graph
 from mdsl.lowering.mma import batch_stride
 from mdsl.lowering.names import Namer
-from mdsl.lowering.rows import ELEMENTWISE_OPS, VECTOR, RowPlan
+from mdsl.lowering.rows import VECTOR, RowPlan, backend_table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +131,12 @@ class RowKernel:
 # the rules
 
 
-class RowsElementwise:
+class RowsRule:
+    """An op's code on row-resident values: `emit(rk, node)`; an accumulator's also `init(rk, node)`,
+    which declares its running value before the loop."""
+
+
+class RowsElementwise(RowsRule):
     """An element-wise op (or a fused chain of them) on row-resident values, reading tiles that
     broadcast to its shape as it goes."""
 
@@ -150,7 +156,7 @@ class RowsElementwise:
 
 
 @attrs.frozen
-class RowsReduction:
+class RowsReduction(RowsRule):
     """max / sum / mean of each row (the last dim, kept): the thread's elements, then its quad."""
 
     fold: Fold
@@ -184,7 +190,7 @@ def _row_fold(rk: RowKernel, fold: Fold, src: str, cols: int, out: str, divisor:
     rk.close(tb)
 
 
-class RowsMatmul:
+class RowsMatmul(RowsRule):
     """A tensor-core matmul whose product stays in registers: A from the registers of a row-resident
     matrix or from a tile, B from a tile."""
 
@@ -207,7 +213,7 @@ class RowsMatmul:
 
 
 @attrs.frozen
-class RowsAccumulate:
+class RowsAccumulate(RowsRule):
     """accum / accum_max of a row-resident value: the running value in registers for the whole loop."""
 
     identity: str
@@ -229,7 +235,7 @@ class RowsAccumulate:
         rk.close(tb, *loops)
 
 
-class RowsRescaled:
+class RowsRescaled(RowsRule):
     """Online softmax's accum_rescale(x, m) in registers: the running value relative to the running
     maximum M of m (a row vector, also in registers); each iteration M' = max(M, m) and
     acc <- acc * exp(M - M') + x * exp(m - M'), as the tile rule does (`rules._Rescaling`)."""
@@ -284,9 +290,10 @@ class RowsSumRescaled(RowsRescaled):
 # ---------------------------------------------------------------------------------------------
 # registration: the ops a chain may hold
 
-#: op -> its rule: the ops of mdsl.lowering.rows.ROW_RULES
-RULES = {
-    **{op: RowsElementwise() for op in ELEMENTWISE_OPS},
+#: op -> its rule: every op of mdsl.lowering.rows.ROW_RULES (the element-wise ones by their category)
+CUDA_ROW_RULES: RuleTable[RowsRule] = backend_table("CUDA backend's row-resident chains", RowsRule,
+                                                  "mdsl.backend.cuda.rows (CUDA_ROW_RULES)", RowsElementwise())
+for _name, _rule in {
     "matmul": RowsMatmul(),
     "max": RowsReduction(MAX),
     "sum": RowsReduction(SUM),
@@ -295,4 +302,5 @@ RULES = {
     "accum_max": RowsAccumulate("mdsl::neg_inf()", "fmaxf({acc}, {x})"),
     "accum_rescale": RowsRescaled(),
     "accum_sum_rescale": RowsSumRescaled(),
-}
+}.items():
+    CUDA_ROW_RULES.register(_name, _rule)

@@ -1,16 +1,5 @@
-"""The CUDA rule of every operator, attached to its registry entry as `cuda=`.
-
-A rule is an object with the methods its operator's levels call for:
-
-* `kernel(program, index, node)` writes the `__global__` function of a kernel-level node (or records
-  an alias for a view);
-* `block(b, node)` writes a block-level node's code on shared-memory tiles (b: `block.BlockKernel`);
-* accumulators have `init(b, node)`, `update(b, node)` (once per loop iteration) and `finalize`
-  (a method, or None when the running value is already the result);
-* `expr(node, args)` gives an element-wise op's value as a C expression of its operands' f32
-  registers, for thread graphs (and every element-wise loop).
-
-All arithmetic is f32; values are rounded to their dtype where they are stored.
+"""The CUDA rule of every operator (`rule_table.CudaRule`), registered in `CUDA_RULES`: what each method
+writes is said there. All arithmetic is f32; values are rounded to their dtype where they are stored.
 """
 from __future__ import annotations
 
@@ -23,10 +12,10 @@ from mdsl.backend.cuda.block import emit_custom
 from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
                                      load_float, row_view, store_float)
 from mdsl.backend.cuda.mma import mma_class, mma_multiply, mma_store
+from mdsl.backend.cuda.rule_table import CUDA_RULES, CudaRule
 from mdsl.backend.cuda.source import Operand, element_ctype, float_literal, offset
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node
-from mdsl.ir.ops import extend_op
 from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
                                 row_kernel_grid, without)
 from mdsl.lowering.mma import kernel_mma_dtype
@@ -43,7 +32,7 @@ def _grid_threads() -> Threads:
 
 
 @attrs.frozen
-class Elementwise:
+class Elementwise(CudaRule):
     expr: Callable  # (node, operand registers) -> C expression
 
     def block(self, b, node: Node) -> None:
@@ -98,7 +87,7 @@ _ELEMENTWISE = {
 }
 
 
-class Fused:
+class Fused(CudaRule):
     """A block-level thread graph: the whole chain per element, in registers."""
 
     def block(self, b, node: Node) -> None:
@@ -110,7 +99,7 @@ class Fused:
 # matmul
 
 
-class Matmul:
+class Matmul(CudaRule):
     def block(self, b, node: Node) -> None:
         """On tensor cores where the operands allow (`mdsl.lowering.mma`), else one thread per
         output element, its dot product over K read from the two tiles. A matmul whose sum the loop
@@ -122,7 +111,7 @@ class Matmul:
             if entry is not None:
                 acc, running = entry
                 # the accumulator's rule folds this iteration's product into its running fragments
-                acc.opdef.rules["cuda"].fold_product(b, acc, shape, running,
+                CUDA_RULES[acc.op].fold_product(b, acc, shape, running,
                                                      lambda frags: mma_multiply(shape, frags, a, w, out.shape[:-2]))
                 return
             with b.w.block(""):
@@ -183,7 +172,7 @@ def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
 
 
 @attrs.frozen
-class Reduction:
+class Reduction(CudaRule):
     fold: Fold
     mean: bool = False
 
@@ -204,7 +193,7 @@ class Reduction:
         _row_kernel(program, index, node, self._emit)
 
 
-class RmsNorm:
+class RmsNorm(CudaRule):
     """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
 
     def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
@@ -258,7 +247,7 @@ def _shifted(space: tuple, piece: Operand, dim: int, start: int) -> str:
     return at if start == 0 else f"{at} - {start * piece.strides[dim]}"
 
 
-class Concat:
+class Concat(CudaRule):
     def _emit(self, w, threads: Threads, node: Node, ins: list, out: Operand) -> None:
         dim = node.attr("dim") % node.output.type.rank
         space = out.shape
@@ -275,7 +264,7 @@ class Concat:
             self._emit(k.w, _grid_threads(), node, k.inputs, k.outputs[0])
 
 
-class Split:
+class Split(CudaRule):
     def kernel(self, program, index: int, node: Node) -> None:
         src = node.inputs[0]
         dim = node.attr("dim") % src.type.rank
@@ -287,7 +276,7 @@ class Split:
                         f"{piece.at(_shifted(x.shape, piece, dim, start))} = {x.at('i')};")
 
 
-class Transpose:
+class Transpose(CudaRule):
     def kernel(self, program, index: int, node: Node) -> None:
         perm = node.attr("perm")
         with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
@@ -297,14 +286,14 @@ class Transpose:
                 k.w(f"{out.at('i')} = {x.at(offset('i', out.shape, permuted))};")
 
 
-class Reshape:
+class Reshape(CudaRule):
     """A view of the same row-major elements: no kernel, an alias."""
 
     def kernel(self, program, index: int, node: Node) -> None:
         program.alias(node.output.name, node.inputs[0].name)
 
 
-class Custom:
+class Custom(CudaRule):
     def kernel(self, program, index: int, node: Node) -> None:
         emit_custom(program, index, node)
 
@@ -319,7 +308,7 @@ def _fill(b, tile: Operand, value: str) -> None:
 
 
 @attrs.frozen
-class Accumulate:
+class Accumulate(CudaRule):
     """Element-wise: the running value and the tile have one shape."""
 
     identity: str
@@ -356,7 +345,7 @@ def _row_finalize(template: str) -> Callable:
 
 
 @attrs.frozen
-class AccumulateRows:
+class AccumulateRows(CudaRule):
     """Over the iterations and the tile's last dim: a group of lanes folds each row of the tile."""
 
     fold: Fold
@@ -373,7 +362,7 @@ class AccumulateRows:
                         lambda w: w(f"if (o < {math.prod(acc.shape)} && lane == 0) {at} += v;"))
 
 
-class _Rescaling:
+class _Rescaling(CudaRule):
     """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
     running maximum of m (per element of m's shape). Each iteration, with M' = max(M, m):
     acc <- acc * exp(M - M') + x * exp(m - M'). That equals the definition, sum_i exp(m_i - max m) x_i,
@@ -455,7 +444,7 @@ class AccumulateRowsRescaled(_Rescaling):
 # ---------------------------------------------------------------------------------------------
 # registration
 
-_RULES = {
+for _name, _rule in {
     **_ELEMENTWISE,
     "matmul": Matmul(),
     "sum": Reduction(SUM),
@@ -475,7 +464,5 @@ _RULES = {
     "accum_rms": AccumulateRows(SUM_OF_SQUARES, _row_finalize("sqrtf({acc} / {count} + {eps})")),
     "accum_rescale": AccumulateRescaled(),
     "accum_sum_rescale": AccumulateRowsRescaled(),
-}
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, cuda=_rule)
+}.items():
+    CUDA_RULES.register(_name, _rule)

@@ -4,6 +4,7 @@ met in shared memory into the accumulators' tiles, and the row accumulators' fol
 from __future__ import annotations
 
 from mdsl.backend.cuda.loops import FOLDS
+from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.source import element_ctype, offset
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.skinny import MAX_ROWS
@@ -31,7 +32,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     for i in plan.rows:
-        bg.nodes[i].opdef.rules["cuda"].init(b, bg.nodes[i])
+        CUDA_RULES[bg.nodes[i].op].init(b, bg.nodes[i])
     part = b.namer("s_skinny_part")
     w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
     w(f"const {element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
@@ -63,7 +64,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     finishing = [i for i in plan.rows if bg.nodes[i].op in FINALIZED]
     for i in finishing:
         w.op(bg.nodes[i])
-        bg.nodes[i].opdef.rules["cuda"].finalize(b, bg.nodes[i])
+        CUDA_RULES[bg.nodes[i].op].finalize(b, bg.nodes[i])
     if finishing:
         w("__syncthreads();")
 

@@ -1,6 +1,6 @@
 """Streamed accumulation as C++: the loops the lowering streams (mdsl.lowering.streamed, which says
 which), each thread folding its accumulator elements over the iterations from device memory in
-registers, by each op's rule in `RULES` (its start value and its step)."""
+registers, by each op's rule in `CUDA_STREAMED_RULES` (its start value and its step)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import attrs
 
 from mdsl.backend.cuda.source import Operand, offset
 from mdsl.ir.graph import BlockGraph
-from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL
+from mdsl.ir.rules import RuleTable
+from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, backend_table
 
 
 def emit_streamed(b, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
@@ -17,7 +18,7 @@ def emit_streamed(b, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
     inputs = {i.var.name: i for i in bg.inputs}
     for i in nodes:
         node = bg.nodes[i]
-        rule = RULES[node.op]
+        rule = CUDA_STREAMED_RULES[node.op]
         tile = b.tile(node.output)
         shape = tuple(tile.shape)
         b.w.op(node)
@@ -36,8 +37,13 @@ def emit_streamed(b, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
             b.w(f"{tile.at(offset('i', shape, tile))} = mdsl::from_float<{tile.ctype}>(acc);")
 
 
+class StreamedFold:
+    """An accumulator folded by each thread over the iterations in registers: `start()` its running
+    state, `step(...)` one iteration's fold."""
+
+
 @attrs.frozen
-class Folding:
+class Folding(StreamedFold):
     """accum / accum_max: `acc` folds x."""
 
     identity: str
@@ -50,7 +56,7 @@ class Folding:
         return [f"const float x = {values[0]};", f"acc = {self.fold};"]
 
 
-class Rescaling:
+class Rescaling(StreamedFold):
     """accum_rescale(x, m): acc relative to the running maximum `top` of m, as `rules._Rescaling`."""
 
     def start(self) -> list:
@@ -62,9 +68,12 @@ class Rescaling:
                 "acc = acc * mdsl::rescale(top, next) + x * mdsl::rescale(m, next);", "top = next;"]
 
 
-#: op -> its rule: the ops of mdsl.lowering.streamed.STREAMED_RULES
-RULES = {
+#: op -> its rule: every op of mdsl.lowering.streamed.STREAMED_RULES
+CUDA_STREAMED_RULES: RuleTable[StreamedFold] = backend_table(
+    "CUDA backend's streamed loops", StreamedFold, "mdsl.backend.cuda.streamed (CUDA_STREAMED_RULES)")
+for _name, _rule in {
     "accum": Folding("0.0f", "acc + x"),
     "accum_max": Folding("mdsl::neg_inf()", "fmaxf(acc, x)"),
     "accum_rescale": Rescaling(),
-}
+}.items():
+    CUDA_STREAMED_RULES.register(_name, _rule)

@@ -1,6 +1,6 @@
 """A custom kernel written as LLVM IR: the lowered form (mdsl.lowering.kernel: the block graph's plans
 and the kernel's steps, in order) written step by step, each block-level node by its op's rule (`ptx`, or
-`rows.RULES` for the nodes in row registers) on the shared-memory tiles: the same timeline as the CUDA
+`rows.PTX_ROW_RULES` for the nodes in row registers) on the shared-memory tiles: the same timeline as the CUDA
 backend's (mdsl/backend/cuda/block.py). Each block finds its slices of the device tensors from its grid
 coordinates (imap and omap) and the iteration's tile from the loop counter (fmap).
 """
@@ -17,6 +17,7 @@ from mdsl.backend.ptx.llvm import I8, ITEMSIZE, Array, KernelFunction, i32
 from mdsl.backend.ptx.loops import Threads
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.rows import RowKernel
+from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.backend.ptx.skinny import emit_skinny
 from mdsl.backend.ptx.streamed import emit_streamed
 from mdsl.ir.graph import BlockGraph, Node
@@ -108,7 +109,7 @@ def _init_accumulators(bk: BlockKernel, kernel: CustomKernel, scope, step: steps
     for i, in_rows in step.nodes:
         acc = bk.bg.nodes[i]
         if in_rows:
-            rows.RULES[acc.op].init(bk.rows, acc)
+            rows.PTX_ROW_RULES[acc.op].init(bk.rows, acc)
         else:
             _rule(acc).init(bk, acc)
 
@@ -194,7 +195,7 @@ STEPS = {steps.SkinnyLoop: _skinny, steps.StreamedLoop: _streamed, steps.Barrier
 
 
 def _rule(node: Node):
-    return node.opdef.rules["ptx"]
+    return PTX_RULES[node.op]
 
 
 def _stage(bk: BlockKernel, stage: steps.Stage) -> None:
@@ -204,7 +205,7 @@ def _stage(bk: BlockKernel, stage: steps.Stage) -> None:
         if how == FOLDED:
             continue   # folded by its matmul, in the fragments' registers
         if how == ROWS:
-            rows.RULES[node.op].emit(bk.rows, node)   # in the registers of the warps owning its rows
+            rows.PTX_ROW_RULES[node.op].emit(bk.rows, node)   # in the registers of the warps owning its rows
             continue
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(bk, node)

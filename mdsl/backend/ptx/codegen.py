@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 
 import attrs
 
-import mdsl.backend.ptx.rules  # noqa: F401 - attaches the ptx rules to the registry
 from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
+from mdsl.backend.ptx.rules import PTX_RULES   # the table, filled by that module
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.lowering import program as lowering_program
 from mdsl.lowering.options import CudaOptions
@@ -72,6 +72,6 @@ def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[Cuda
     lowered = lower_graph(graph)
     options = options if options is not None else CudaOptions.from_env()
     program = ProgramBuilder(lowered, arch, options)
-    program.write_nodes("ptx", "PTX")
+    program.write_nodes(PTX_RULES)
     return PtxProgram(program.mb.text(), tuple(program.launches), tuple(program.aliases.items()), lowered, arch,
                       options)

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import attrs
 
 from mdsl.backend.ptx.llvm import Array, KernelFunction, f32, i32
+from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
 from mdsl.lowering.grid import BLOCK_UNROLL, without
@@ -121,7 +122,7 @@ def chain_values(fn: KernelFunction, tg: ThreadGraph, inputs: list) -> dict:
     """One element of a thread graph in f32 registers, from its inputs' values: value name -> value."""
     reg = {var.name: value for var, value in zip(tg.inputs, inputs)}
     for node in tg.nodes:
-        reg[node.output.name] = node.opdef.rules["ptx"].value(fn, node, [reg[v.name] for v in node.inputs])
+        reg[node.output.name] = PTX_RULES[node.op].value(fn, node, [reg[v.name] for v in node.inputs])
     return reg
 
 

@@ -1,6 +1,6 @@
 """Row-resident chains as LLVM IR: the loop nodes the lowering keeps in the tensor cores' registers
 (mdsl.lowering.rows, which says which and how the values are laid out), written by each op's rule in
-`RULES`.
+`PTX_ROW_RULES`.
 
 Warp w owns the 16-row tiles w, w + warps, ... of the block's rows and every column of them, in the
 mma's C-fragment layout: lane l (g = l / 4, t = l % 4) holds rows g and g + 8 of a tile, columns 2t and
@@ -24,9 +24,10 @@ from mdsl.backend.ptx.llvm import Array, Var, f32, i32
 from mdsl.backend.ptx.loops import MAX, SUM, Fold, chain_values, rescale, weighted_sum
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.ir.graph import Node
+from mdsl.ir.rules import RuleTable
 from mdsl.lowering.grid import thread_graph
 from mdsl.lowering.mma import batch_stride
-from mdsl.lowering.rows import ELEMENTWISE_OPS, VECTOR, RowPlan
+from mdsl.lowering.rows import VECTOR, RowPlan, backend_table
 
 
 @attrs.frozen
@@ -213,7 +214,12 @@ def _all(b, conditions: list):
 # the rules
 
 
-class RowsElementwise:
+class RowsRule:
+    """An op's code on row-resident values: `emit(rk, node)`; an accumulator's also `init(rk, node)`,
+    which declares its running value before the loop."""
+
+
+class RowsElementwise(RowsRule):
     """An element-wise op (or a fused chain) on row-resident values, reading broadcast tiles as it goes."""
 
     def emit(self, rk: RowKernel, node: Node) -> None:
@@ -230,7 +236,7 @@ class RowsElementwise:
 
 
 @attrs.frozen
-class RowsReduction:
+class RowsReduction(RowsRule):
     """max / sum / mean of each row (the last dim, kept): the lane's elements, then its quad."""
 
     fold: Fold
@@ -244,7 +250,7 @@ class RowsReduction:
             lambda tile: rk.row_fold(self.fold, held[tile.j], cols, cols if self.mean else None))
 
 
-class RowsMatmul:
+class RowsMatmul(RowsRule):
     """A tensor-core matmul whose product stays in registers: A from the registers of a row-resident
     matrix (packed to the mma's type) or from a tile (ldmatrix where whole aligned 16 x 16 pieces
     allow), B from a tile (`BlockMma.b_fragment`: ldmatrix.trans where it allows)."""
@@ -307,7 +313,7 @@ class RowsMatmul:
 
 
 @attrs.frozen
-class RowsAccumulate:
+class RowsAccumulate(RowsRule):
     """accum / accum_max of a row-resident value: the running value in registers for the whole loop."""
 
     identity: float
@@ -330,7 +336,7 @@ class RowsAccumulate:
         rk.each_tile(body)
 
 
-class RowsRescaled:
+class RowsRescaled(RowsRule):
     """Online softmax's accum_rescale(x, m) in registers: the running value relative to the running
     maximum M of m (a row vector); each iteration M' = max(M, m) and acc <- acc exp(M - M') +
     x exp(m - M'), as the tile rule does."""
@@ -378,9 +384,10 @@ class RowsSumRescaled(RowsRescaled):
 # ---------------------------------------------------------------------------------------------
 # registration
 
-#: op -> its rule: the ops of mdsl.lowering.rows.ROW_RULES
-RULES = {
-    **{op: RowsElementwise() for op in ELEMENTWISE_OPS},
+#: op -> its rule: every op of mdsl.lowering.rows.ROW_RULES (the element-wise ones by their category)
+PTX_ROW_RULES: RuleTable[RowsRule] = backend_table("PTX backend's row-resident chains", RowsRule,
+                                                  "mdsl.backend.ptx.rows (PTX_ROW_RULES)", RowsElementwise())
+for _name, _rule in {
     "matmul": RowsMatmul(),
     "max": RowsReduction(MAX),
     "sum": RowsReduction(SUM),
@@ -389,4 +396,5 @@ RULES = {
     "accum_max": RowsAccumulate(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),
     "accum_rescale": RowsRescaled(),
     "accum_sum_rescale": RowsSumRescaled(),
-}
+}.items():
+    PTX_ROW_RULES.register(_name, _rule)

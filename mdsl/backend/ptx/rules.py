@@ -1,19 +1,8 @@
-"""The PTX rule of every operator, attached to its registry entry as `ptx=`: the same kernels as the CUDA
-backend's rules (mdsl/backend/cuda/rules.py) write, with the same grids, lanes and tensor-core choices
-(mdsl.lowering.grid, mdsl.lowering.mma), as LLVM IR.
-
-A rule has the methods its operator's levels call for:
-
-* `kernel(program, index, node)` writes the kernel of a kernel-level node (or records an alias);
-* `block(bk, node)` writes a block-level node's code on shared-memory tiles (bk: `block.BlockKernel`);
-* accumulators have `init(bk, node)`, `update(bk, node)` (once per loop iteration) and `finalize`
-  (a method, or None when the running value is already the result); those the lowering may keep in
-  a matmul's mma fragments (accum, accum_rescale) have `fold_product(bk, node, mma, running, multiply)`;
-* a block matmul runs on tensor cores where the lowering chose mma.sync (`mdsl.backend.ptx.mma`),
-  a kernel-level one of 16-bit operands as a tensor-core tile with a cp.async ring (`_gemm_tile_mma`);
-* `value(fn, node, args)` gives an element-wise op's f32 value from its operands' f32 values.
-
-All arithmetic is f32; values are rounded to their dtype where they are stored.
+"""The PTX rule of every operator (`rule_table.PtxRule`), registered in `PTX_RULES`: the same kernels as
+the CUDA backend's rules write, with the same grids, lanes and tensor-core choices (mdsl.lowering.grid,
+mdsl.lowering.mma), as LLVM IR. A block matmul runs on tensor cores where the lowering chose mma.sync
+(`mdsl.backend.ptx.mma`), a kernel-level one of 16-bit operands as a tensor-core tile with a cp.async ring
+(`_gemm_tile_mma`). All arithmetic is f32; values are rounded to their dtype where they are stored.
 """
 from __future__ import annotations
 
@@ -29,9 +18,9 @@ from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFun
 from mdsl.backend.ptx.loops import (MAX, ROW_UNROLL, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce,
                                     emit_thread_graph, rescale, row_view, unrolled_loop, weighted_sum)
 from mdsl.backend.ptx.mma import BlockMma
+from mdsl.backend.ptx.rule_table import PTX_RULES, PtxRule
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node
-from mdsl.ir.ops import extend_op
 from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
                                 row_kernel_grid, without)
 from mdsl.lowering.mma import MmaShape, kernel_mma_dtype
@@ -62,7 +51,7 @@ def _block_lanes(bk, src: Array, dim: int) -> int:
 
 
 @attrs.frozen
-class Elementwise:
+class Elementwise(PtxRule):
     compute: Callable  # (fn, node, f32 operand values) -> f32 value
 
     def value(self, fn: KernelFunction, node: Node, args: list):
@@ -134,7 +123,7 @@ _ELEMENTWISE = {
 }
 
 
-class Fused:
+class Fused(PtxRule):
     """A block-level thread graph: the whole chain per element, in registers."""
 
     def block(self, bk, node: Node) -> None:
@@ -155,7 +144,7 @@ def _batch_start(fn: KernelFunction, op: Array, batch: tuple, index) -> Array:
     return Array(fn.address(op, start), op.dtype, op.shape[-2:], op.strides[-2:])
 
 
-class Matmul:
+class Matmul(PtxRule):
     def block(self, bk, node: Node) -> None:
         """On tensor cores where the operands allow (`mdsl.backend.ptx.mma`, the CUDA backend's
         choice), else one thread per output element, its dot product over K read from the two
@@ -169,7 +158,7 @@ class Matmul:
         if entry is not None:
             acc, running = entry
             # the accumulator's rule folds this iteration's product into its running fragments
-            acc.opdef.rules["ptx"].fold_product(bk, acc, mma, running,
+            PTX_RULES[acc.op].fold_product(bk, acc, mma, running,
                                                 lambda frags: mma.multiply(frags, a, w, out.shape[:-2]))
             return
         frags = mma.zeroed()
@@ -373,7 +362,7 @@ def _first_lane(fn: KernelFunction, in_range, lane):
 
 
 @attrs.frozen
-class Reduction:
+class Reduction(PtxRule):
     fold: Fold
     mean: bool = False
 
@@ -397,7 +386,7 @@ class Reduction:
         _row_kernel(program, index, node, self._emit)
 
 
-class RmsNorm:
+class RmsNorm(PtxRule):
     """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
 
     def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
@@ -453,7 +442,7 @@ def _shifted(fn: KernelFunction, i, space: tuple, piece: Array, dim: int, start:
     return at if start == 0 else fn.b.sub(at, i32(start * piece.strides[dim]))
 
 
-class Concat:
+class Concat(PtxRule):
     def _emit(self, fn: KernelFunction, threads: Threads, node: Node, ins: list, out: Array) -> None:
         dim = node.attr("dim") % node.output.type.rank
         space = out.shape
@@ -478,7 +467,7 @@ class Concat:
             self._emit(k.fn, _grid_threads(), node, k.inputs, k.outputs[0])
 
 
-class Split:
+class Split(PtxRule):
     def kernel(self, program, index: int, node: Node) -> None:
         src = node.inputs[0]
         dim = node.attr("dim") % src.type.rank
@@ -491,7 +480,7 @@ class Split:
                     value, fn.address(piece, _shifted(fn, i, x.shape, piece, dim, start))))
 
 
-class Transpose:
+class Transpose(PtxRule):
     def kernel(self, program, index: int, node: Node) -> None:
         perm = node.attr("perm")
         with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
@@ -501,14 +490,14 @@ class Transpose:
                 fn.b.store(fn.load(x, fn.offset(i, out.shape, permuted)), fn.address(out, i))
 
 
-class Reshape:
+class Reshape(PtxRule):
     """A view of the same row-major elements: no kernel, an alias."""
 
     def kernel(self, program, index: int, node: Node) -> None:
         program.alias(node.output.name, node.inputs[0].name)
 
 
-class Custom:
+class Custom(PtxRule):
     def kernel(self, program, index: int, node: Node) -> None:
         emit_custom(program, index, node)
 
@@ -523,7 +512,7 @@ def _fill(bk, tile: Array, value) -> None:
 
 
 @attrs.frozen
-class Accumulate:
+class Accumulate(PtxRule):
     """Element-wise: the running value and the tile have one shape."""
 
     identity: float
@@ -573,7 +562,7 @@ def _rms(fn, node, value, count):
 
 
 @attrs.frozen
-class AccumulateRows:
+class AccumulateRows(PtxRule):
     """Over the iterations and the tile's last dim: a group of lanes folds each row of the tile."""
 
     fold: Fold
@@ -594,7 +583,7 @@ class AccumulateRows:
         emit_row_reduce(fn, bk.threads, x, last, self.fold, _block_lanes(bk, x, last), finish)
 
 
-class _Rescaling:
+class _Rescaling(PtxRule):
     """Online softmax's accumulators, inputs (x, m): the running value is kept relative to M, the
     running maximum of m. Each iteration, with M' = max(M, m): acc <- acc exp(M - M') + x exp(m - M').
     M is double-buffered in the scratch tile (iteration `it` reads buffer it % 2, writes the other),
@@ -699,7 +688,7 @@ class AccumulateRowsRescaled(_Rescaling):
 # ---------------------------------------------------------------------------------------------
 # registration
 
-_RULES = {
+for _name, _rule in {
     **_ELEMENTWISE,
     "matmul": Matmul(),
     "sum": Reduction(SUM),
@@ -719,7 +708,5 @@ _RULES = {
     "accum_rms": AccumulateRows(SUM_OF_SQUARES, _row_finalize(_rms)),
     "accum_rescale": AccumulateRescaled(),
     "accum_sum_rescale": AccumulateRowsRescaled(),
-}
-
-for _name, _rule in _RULES.items():
-    extend_op(_name, ptx=_rule)
+}.items():
+    PTX_RULES.register(_name, _rule)

@@ -30,6 +30,7 @@ from llvmlite import ir
 
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
 from mdsl.backend.ptx.loops import FOLDS
+from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SLAB
 from mdsl.lowering.kernel import FINALIZED
@@ -279,7 +280,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     loop = SkinnyLoop(bk, skinny, parts, warps)
     mats, mt_tiles = loop.mats, loop.mt
     for i in shape.rows:
-        bg.nodes[i].opdef.rules["ptx"].init(bk, bg.nodes[i])
+        PTX_RULES[bg.nodes[i].op].init(bk, bg.nodes[i])
     part = Array(part_ptr, "f32", (scratch_bytes(skinny, warps) // 4,), (1,))
     acc = [[[[fn.var(f32(0.0)) for _ in range(4)] for _ in range(loop.words)] for _ in range(mt_tiles)]
            for _ in range(mats)]
@@ -310,7 +311,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     finishing = [i for i in shape.rows if bg.nodes[i].op in FINALIZED]
     for i in finishing:
         fn.marker_for(bg.nodes[i])
-        bg.nodes[i].opdef.rules["ptx"].finalize(bk, bg.nodes[i])
+        PTX_RULES[bg.nodes[i].op].finalize(bk, bg.nodes[i])
     if finishing:
         fn.barrier()
 

@@ -1,6 +1,6 @@
 """Streamed accumulation as LLVM IR: the loops the lowering streams (mdsl.lowering.streamed, which says
 which), each thread folding its accumulator elements over the iterations straight from device memory, in
-registers, by each op's rule in `RULES` (its running state and its step); every iteration's loads are
+registers, by each op's rule in `PTX_STREAMED_RULES` (its running state and its step); every iteration's loads are
 independent, so they are in flight together."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import attrs
 from mdsl.backend.ptx.llvm import Array, f32, i32
 from mdsl.backend.ptx.loops import rescale, weighted_sum
 from mdsl.ir.graph import BlockGraph
-from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL
+from mdsl.ir.rules import RuleTable
+from mdsl.lowering.streamed import FULL_UNROLL, ROLLED_UNROLL, backend_table
 
 
 def emit_streamed(bk, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
@@ -20,7 +21,7 @@ def emit_streamed(bk, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
     inputs = {i.var.name: i for i in bg.inputs}
     for index in nodes:
         node = bg.nodes[index]
-        rule = RULES[node.op]
+        rule = PTX_STREAMED_RULES[node.op]
         tile = bk.tile(node.output)
         shape = tuple(tile.shape)
         fn.marker_for(node)
@@ -57,8 +58,13 @@ def emit_streamed(bk, bg: BlockGraph, nodes: tuple, parts: dict) -> None:
         bk.threads.for_each(fn, math.prod(shape), element)
 
 
+class StreamedFold:
+    """An accumulator folded by each thread over the iterations in registers: `start()` its running
+    state, `step(...)` one iteration's fold."""
+
+
 @attrs.frozen
-class Folding:
+class Folding(StreamedFold):
     """accum / accum_max: the running value folds x."""
 
     identity: float
@@ -71,7 +77,7 @@ class Folding:
         return [self.fold(fn, state[0], values[0])]
 
 
-class Rescaling:
+class Rescaling(StreamedFold):
     """accum_rescale(x, m): the running value relative to the running maximum of m (state: value, maximum)."""
 
     def start(self) -> list:
@@ -84,9 +90,12 @@ class Rescaling:
         return [weighted_sum(fn, acc, rescale(fn, top, nxt), x, rescale(fn, m, nxt)), nxt]
 
 
-#: op -> its rule: the ops of mdsl.lowering.streamed.STREAMED_RULES
-RULES = {
+#: op -> its rule: every op of mdsl.lowering.streamed.STREAMED_RULES
+PTX_STREAMED_RULES: RuleTable[StreamedFold] = backend_table(
+    "PTX backend's streamed loops", StreamedFold, "mdsl.backend.ptx.streamed (PTX_STREAMED_RULES)")
+for _name, _rule in {
     "accum": Folding(0.0, lambda fn, acc, x: fn.b.fadd(acc, x)),
     "accum_max": Folding(float("-inf"), lambda fn, acc, x: fn.call_math("maxnum", acc, x)),
     "accum_rescale": Rescaling(),
-}
+}.items():
+    PTX_STREAMED_RULES.register(_name, _rule)

@@ -9,21 +9,22 @@ are named by what they hold: one product per weight matrix a column multiplies (
 for a dtype, every node's result is rounded to it, as PyTorch's eager ops round each result: how the
 megakernel matches transformers token for token in bf16.
 
-Attached to the layer ops as `epilogue` rules (extend_layer_op), so a fused op and its epilogue are one
-registry entry.
+Each fused linear op's epilogue is its rule in `EPILOGUE_RULES`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
+import attrs
 import numpy as np
 
 from mdsl.errors import ValidationError
 from mdsl.ir.dtypes import DType, round_to_dtype
 from mdsl.ir.graph import ThreadGraph
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.text import parse
-from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 
 
 def _thread_graph(text: str) -> ThreadGraph:
@@ -57,20 +58,28 @@ def gated(act: str) -> ThreadGraph:
 }}""")
 
 
-# per layer op: its attributes -> its epilogue
-EPILOGUES = {"norm_linear": lambda a: PRODUCT, "norm_gate_up": lambda a: gated(a["act"]),
-             "linear_residual": lambda a: RESIDUAL_ADD, "lm_head_argmax": lambda a: PRODUCT,
-             "lm_head_sample": lambda a: PRODUCT}
-for _op, _rule in EPILOGUES.items():
-    extend_layer_op(_op, epilogue=_rule)
+@attrs.frozen
+class EpilogueRule:
+    """A fused linear op's epilogue: `graph(attrs)`, its thread graph for the op's attribute dict."""
+
+    graph: Callable[[Mapping], ThreadGraph]
+
+
+EPILOGUE_RULES: RuleTable[EpilogueRule] = RuleTable("fused linears' epilogues", EpilogueRule,
+                                                    "mdsl.megakernel.modelgraph.epilogues (EPILOGUE_RULES)",
+                                                    registry=LAYER_OPS)
+for _op, _graph in {"norm_linear": lambda a: PRODUCT, "norm_gate_up": lambda a: gated(a["act"]),
+                    "linear_residual": lambda a: RESIDUAL_ADD, "lm_head_argmax": lambda a: PRODUCT,
+                    "lm_head_sample": lambda a: PRODUCT}.items():
+    EPILOGUE_RULES.register(_op, EpilogueRule(_graph))
 
 
 def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:
     """The epilogue of a layer op applied with `attrs` (its attribute dict)."""
-    rule = get_layer_op(op).rules.get("epilogue")
+    rule = EPILOGUE_RULES.get(op)
     if rule is None:
         raise ValidationError(f"the layer op {op} has no epilogue")
-    return rule(attrs)
+    return rule.graph(attrs)
 
 
 def products(graph: ThreadGraph) -> tuple:

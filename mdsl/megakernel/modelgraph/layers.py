@@ -1,7 +1,8 @@
 """The layer-op registry of model graphs: one entry per layer op, holding its attributes, its shape
-rule and its numpy reference semantics. Later layers attach their rules to the same entry with
-`extend_layer_op` (the task graph's `tasks` rule, the simulator's `task_body`, the runtime's emitters),
-the same pattern as `mdsl.ir.ops`.
+rule and its numpy reference semantics. What a later layer does with an op is that layer's rule, in its
+own table over this registry (`mdsl.ir.rules.RuleTable`, as for `mdsl.ir.ops`): the task graph's
+`partition.TASK_RULES` and `numpy_bodies.TASK_BODIES`, the fusion pass's, the runtime's, the tensor-parallel
+split's.
 
 A decode step works on one token: activations are rows `f32[1, N]`, computed in float32 whatever the
 weights' dtype. The current position is not a tensor but the step's `StepContext`. Ops may update
@@ -11,7 +12,7 @@ token into the token history that the next step's embedding reads.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import attrs
 import numpy as np
@@ -55,11 +56,6 @@ def get_layer_op(name: str) -> LayerOpDef:
     if op is None:
         raise UnsupportedError(f"unknown layer op {name!r}", hint=f"known layer ops: {', '.join(sorted(LAYER_OPS))}")
     return op
-
-
-def extend_layer_op(name: str, **rules: Any) -> None:
-    """Attach later layers' rules (tasks=..., task_body=..., cuda=...) to a layer op's entry."""
-    get_layer_op(name).rules.update(rules)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Layer ops of tensor-parallel model graphs: communication between ranks and the vocabulary-split
-embedding. Each is one entry of the layer-op registry holding its shape rule, its numpy semantics
-over ranks (`over_ranks`: (inputs per rank, attrs, contexts per rank) -> outputs per rank), its
-`tasks` rule, its numpy `task_bodies` and, for the tasks that send, its `puts` rule (kind ->
-(task, node) -> Puts): what a task writes into other ranks' memory.
+embedding. Each is one entry of the layer-op registry holding its shape rule, with its rules in the
+task graph's tables (`partition.TASK_RULES`, `numpy_bodies.TASK_BODIES`) and, for a collective, in
+`COLLECTIVE_RULES`: its numpy semantics over ranks (`over_ranks`: (inputs per rank, attrs, contexts per
+rank) -> outputs per rank) and, for the tasks that send, its `puts` (kind -> (task, node) -> Puts): what
+a task writes into other ranks' memory.
 
 Every rank runs the same model graph and task graph on its own shard of the weights; the rank is a
 runtime value (`RankStepContext.rank`), as it will be a kernel parameter on the GPU.
@@ -30,20 +31,22 @@ the task graph is the same on every rank.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
 from attrs import field
 
-import mdsl.megakernel.taskgraph.numpy_bodies  # noqa: F401  (the bodies of the ops reused here)
 from mdsl.errors import ShapeError, UnsupportedError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.ops import AttrSpec
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType
-from mdsl.megakernel.modelgraph.layers import (LayerOpDef, StepContext, extend_layer_op, get_layer_op,
-                                               register_layer_op, store_next_token)
-from mdsl.megakernel.taskgraph.partition import TaskSpec, argmax_scratch, column_tiles, columns, full
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, LayerOpDef, StepContext, get_layer_op, register_layer_op,
+                                               store_next_token)
+from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES, TaskBodies
+from mdsl.megakernel.taskgraph.partition import (TASK_RULES, TaskRule, TaskSpec, argmax_scratch, column_tiles,
+                                                 columns, full)
 from mdsl.megakernel.taskgraph.tasks import SCRATCH, Buffer, Region
 
 
@@ -128,14 +131,31 @@ _WORLD = (AttrSpec("world_size", "int"),)
 _TILED = (*_WORLD, AttrSpec("tile_columns", "int", 0))   # columns per sent tile; 0: the partition's column tiles
 
 
-def _register(name: str, arity: int, infer, over_ranks, doc: str, state_inputs: tuple = (), attr_specs=_TILED,
-              **rules) -> None:
-    """A collective's registry entry: attributes, shape rule, semantics over ranks, and the rules of
-    later layers (tasks, puts, task_bodies)."""
+@attrs.frozen
+class CollectiveRule:
+    """A collective's meaning over ranks: `over_ranks(inputs per rank, attrs, contexts per rank)` -> outputs
+    per rank; `puts[kind](task, node)`: what a task of that kind writes into other ranks' memory."""
+
+    over_ranks: Callable
+    puts: Mapping = field(factory=dict)
+
+
+#: the ops that combine the ranks' values (what tensor_parallel runs over all ranks at once)
+COLLECTIVE_RULES: RuleTable[CollectiveRule] = RuleTable("collectives over ranks", CollectiveRule,
+                                                        "mdsl.megakernel.parallel.collectives (COLLECTIVE_RULES)",
+                                                        registry=LAYER_OPS)
+
+
+def _register(name: str, arity: int, infer, over_ranks, doc: str, *, tasks: Callable, task_bodies: Mapping,
+              puts: Mapping, state_inputs: tuple = (), attr_specs=_TILED) -> None:
+    """A collective's registry entry (attributes, shape rule, its reference on one rank) and its rules:
+    semantics over ranks and puts, tasks, task bodies."""
     register_layer_op(LayerOpDef(name=name, arity=arity, attr_specs=attr_specs, infer=infer,
                                  reference=_single_rank_reference(name, over_ranks), state_inputs=state_inputs,
                                  doc=doc))
-    extend_layer_op(name, over_ranks=over_ranks, **rules)
+    COLLECTIVE_RULES.register(name, CollectiveRule(over_ranks, puts))
+    TASK_RULES.register(name, TaskRule(tasks))
+    TASK_BODIES.register(name, TaskBodies(task_bodies))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +326,7 @@ def _tp_argmax_reduce(task, node, buf, ctx):
 _register("tp_argmax", 2, _tp_argmax_infer, _tp_argmax_over_ranks, "the most likely token over every rank's "
           "vocabulary shard, stored after the position", state_inputs=(1,), attr_specs=_WORLD, tasks=_tp_argmax_tasks,
           puts={"tp_argmax.send": _tp_argmax_puts},
-          task_bodies={"argmax.partial": get_layer_op("argmax").rules["task_bodies"]["argmax.partial"],
+          task_bodies={"argmax.partial": TASK_BODIES["argmax"].bodies["argmax.partial"],
                        "tp_argmax.send": _tp_argmax_send, "tp_argmax.reduce": _tp_argmax_reduce})
 
 
@@ -329,7 +349,7 @@ def _vocab_embedding_ref(xs, a, ctx):
 
 
 def _vocab_embedding_tasks(node, config):
-    specs, scratch = get_layer_op("embedding").rules["tasks"](node, config)
+    specs, scratch = TASK_RULES["embedding"].split(node, config)
     return [attrs.evolve(s, kind="vocab_embedding") for s in specs], scratch
 
 
@@ -343,5 +363,5 @@ def _vocab_embedding_body(task, node, buf, ctx):
 register_layer_op(LayerOpDef(name="vocab_embedding", arity=2, infer=get_layer_op("embedding").infer,
                              reference=_vocab_embedding_ref,
                              doc="the token's row of this rank's vocabulary shard, or zeros"))
-extend_layer_op("vocab_embedding", tasks=_vocab_embedding_tasks,
-                task_bodies={"vocab_embedding": _vocab_embedding_body})
+TASK_RULES.register("vocab_embedding", TaskRule(_vocab_embedding_tasks))
+TASK_BODIES.register("vocab_embedding", TaskBodies({"vocab_embedding": _vocab_embedding_body}))

@@ -5,8 +5,7 @@ own shard of the weights.
     weights_r = load_rank_weights(plan, folder, r)   # only rank r's slices are read from disk
     tp = build_tensor_parallel_task_graph(plan, PartitionConfig(...))
 
-The split follows Megatron-LM, chosen per op by its `shard` rule (attached to the layer-op registry)
-from the layouts of its inputs:
+The split follows Megatron-LM, chosen per op by its rule in `SHARD_RULES` from the layouts of its inputs:
 
 * fused projections of a replicated row (q|k|v, gate|up) split by output columns: each weight's rows
   are dealt out evenly, so rank r holds query heads, KV heads, gate and up columns r * n / N ..;
@@ -25,19 +24,20 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 import numpy as np
 from attrs import field
 
 from mdsl.errors import ShapeError, UnsupportedError, ValidationError
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
 from mdsl.megakernel.modelgraph.checkpoint import load_weights
-from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, get_layer_op
 from mdsl.megakernel.modelgraph.model import TOKENS, LayerNode, ModelGraph
 from mdsl.megakernel.modelgraph.reference import Generation, check_steps, initial_states
-from mdsl.megakernel.parallel.collectives import RankStepContext
+from mdsl.megakernel.parallel.collectives import COLLECTIVE_RULES, RankStepContext
 from mdsl.megakernel.taskgraph.partition import build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, RegionIndex, TaskGraph
 
@@ -154,11 +154,11 @@ class _Sharder:
     def run(self) -> "_Sharder":
         for node in self.graph.nodes:
             self.node = node
-            rule = node.opdef.rules.get("shard")
+            rule = SHARD_RULES.get(node.op)
             if rule is None:
                 raise UnsupportedError(f"layer op {node.op} has no tensor-parallel rule", loc=node.loc,
                                        hint="tensor parallelism splits the ops of the built-in Llama-3 / Qwen3 decoders")
-            for var, out in zip(node.outputs, rule(node, self)):
+            for var, out in zip(node.outputs, rule.split(node, self)):
                 self.values[var.name] = out
         return self
 
@@ -252,11 +252,22 @@ def _shard_sample(node, s):
     return [(s.same(logits, tokens), REPLICATED)]
 
 
-_SHARD_RULES = {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
-                "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
-                "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax, "sample": _shard_sample}
-for _op, _rule in _SHARD_RULES.items():
-    extend_layer_op(_op, shard=_rule)
+@attrs.frozen
+class ShardRule:
+    """How an op is split over the ranks: `split(node, sharder)` gives each output's (rank's value, layout)."""
+
+    split: Callable
+
+
+#: the unfused ops of the built-in decoders (another graph is refused, naming the op)
+SHARD_RULES: RuleTable[ShardRule] = RuleTable("tensor-parallel split", ShardRule,
+                                              "mdsl.megakernel.parallel.tensor_parallel (SHARD_RULES)",
+                                              registry=LAYER_OPS)
+for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
+                   "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
+                   "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax,
+                   "sample": _shard_sample}.items():
+    SHARD_RULES.register(_op, ShardRule(_rule))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +324,7 @@ class TensorParallelPlan:
 
     def summary(self) -> str:
         split = sum(axis is not None for _, axis in self.weight_axes)
-        comm = [n.op for n in self.graph.nodes if "over_ranks" in n.opdef.rules]
+        comm = [n.op for n in self.graph.nodes if n.op in COLLECTIVE_RULES]
         ops = ", ".join(f"{op} x{comm.count(op)}" for op in sorted(set(comm)))
         per_rank = self.graph.weight_bytes()
         return (f"{self.source.name} over {self.world_size} ranks: {split} of {len(self.weight_axes)} weights split, "
@@ -398,8 +409,8 @@ class TensorParallelReference:
             values = [{**w, **st} for w, st in zip(self.weights, states)]
             for node in graph.nodes:
                 inputs = [[v[x.name] for x in node.inputs] for v in values]
-                over_ranks = node.opdef.rules.get("over_ranks")
-                outs = over_ranks(inputs, node.attr_dict, ctxs) if over_ranks else \
+                collective = COLLECTIVE_RULES.get(node.op)
+                outs = collective.over_ranks(inputs, node.attr_dict, ctxs) if collective else \
                     [node.opdef.reference(xs, node.attr_dict, ctx) for xs, ctx in zip(inputs, ctxs)]
                 for v, out in zip(values, outs):
                     v.update({x.name: o for x, o in zip(node.outputs, out)})
@@ -562,7 +573,8 @@ def build_tensor_parallel_task_graph(plan: TensorParallelPlan,
     local = build_task_graph(plan.graph, config)
     raw = []
     for t in local.tasks:
-        rule = plan.graph.nodes[t.node].opdef.rules.get("puts", {}).get(t.kind)
+        collective = COLLECTIVE_RULES.get(plan.graph.nodes[t.node].op)
+        rule = collective.puts.get(t.kind) if collective else None
         raw.append(tuple(rule(t, plan.graph.nodes[t.node])) if rule else ())
     entries = [(t.id, put.peer, dst) for t, puts in zip(local.tasks, raw) for put in puts for _, dst in put.regions]
     landing = RegionIndex((i, dst) for i, (_, _, dst) in enumerate(entries))

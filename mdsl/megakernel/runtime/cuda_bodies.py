@@ -1,6 +1,6 @@
-"""The megakernel's task bodies, generated: one `cuda_task` rule per (fused) layer op, attached to its
-layer-op registry entry, writes the CUDA of the device task kinds the op's tasks lower to (task_plan.py's
-`device` rule of the same entry), and `generate_bodies` assembles them for a plan: the body functions and
+"""The megakernel's task bodies, generated: one rule per (fused) layer op in `CUDA_TASK_RULES` writes the
+CUDA of the device task kinds the op's tasks lower to (the op's rule in task_plan.py's `DEVICE_RULES`), and
+`generate_bodies` assembles them for a plan: the body functions and
 `run_task` (the compute warps' dispatch on the task's kind).
 
 A linear op's body (`LinearBody`) is generated whole: the input row it loads (the residual stream
@@ -15,19 +15,19 @@ Attention and the sampler call the runtime's own device functions (attention.cuh
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 
-import mdsl.backend.cuda.rules  # noqa: F401 - attaches the cuda rules (each operator's `expr`) to the registry
-from mdsl.backend.cuda.loops import emit_chain
+from mdsl.backend.cuda.loops import emit_chain   # each operator's `expr` (the backend's CUDA_RULES)
 from mdsl.backend.cuda.source import CodeWriter
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
+from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
-from mdsl.megakernel.modelgraph.epilogues import has_residual, is_additive, products
-from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
-from mdsl.megakernel.runtime.task_plan import Kind, TaskPlan
+from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, has_residual, is_additive, products
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS
+from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, Kind, TaskPlan
 
 @attrs.frozen
 class Matrix:
@@ -153,10 +153,22 @@ _RUNTIME_CALLS = {
     Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
 }
 
+@attrs.frozen
+class CudaTaskRule:
+    """A device kind's body from a layer op: `body(kind, epilogue)` is its `LinearBody` (the op's epilogue
+    graph, or None where it has none), or None where the runtime's own function runs it."""
+
+    body: Callable
+
+
+#: every op with a rule in task_plan.DEVICE_RULES but the embedding (absorbed by the sampler)
+CUDA_TASK_RULES: RuleTable[CudaTaskRule] = RuleTable(
+    "megakernel's CUDA task bodies", CudaTaskRule, "mdsl.megakernel.runtime.cuda_bodies (CUDA_TASK_RULES)",
+    registry=LAYER_OPS, needs=lambda op: op.name in DEVICE_RULES and op.name != "embedding")
 for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "linear_residual": _linear_residual,
                    "rope_attention": lambda kind, epilogue: None, "lm_head_argmax": _lm_head,
                    "lm_head_sample": _lm_head}.items():
-    extend_layer_op(_op, cuda_task=_rule)
+    CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,14 +360,14 @@ def write_dispatch(w: CodeWriter, calls: list) -> None:
 
 
 def linear_bodies(plan: TaskPlan) -> list:
-    """The plan's linear kinds' bodies, by the `cuda_task` rule of each kind's layer op."""
+    """The plan's linear kinds' bodies, by the rule of each kind's layer op in `CUDA_TASK_RULES`."""
     bodies = []
     for k in plan.kind_ops:
-        rule = get_layer_op(k.op).rules.get("cuda_task")
+        rule = CUDA_TASK_RULES.get(k.op)
         if rule is None:
             raise UnsupportedError(f"the layer op {k.op} has no CUDA task body rule (its {k.kind.name} tasks)")
-        epilogue = get_layer_op(k.op).rules.get("epilogue")
-        body = rule(k.kind, epilogue(k.attr_dict) if epilogue is not None else None)
+        epilogue = EPILOGUE_RULES.get(k.op)
+        body = rule.body(k.kind, epilogue.graph(k.attr_dict) if epilogue is not None else None)
         if body is not None:
             bodies.append(body)
     return bodies

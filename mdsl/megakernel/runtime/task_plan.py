@@ -4,7 +4,7 @@ lowered from the model's TaskGraph.
 `build_plan` traces the built-in decoder (`plan_model` takes any model graph), fuses it
 (mdsl.megakernel.taskgraph.layer_fusion: one op per device task kind), cuts it into the device's tiles
 (`device_partition`), drops waits that others imply (taskgraph.without_implied_waits) and lowers it
-(`lower_task_graph`): each op's `device` rule (attached to its layer-op registry entry, below) turns its
+(`lower_task_graph`): each op's rule in `DEVICE_RULES` (below) turns its
 tasks into table rows (Kind, layer, begin, end, and the device buffer ranges the row reads and writes);
 the TaskGraph's events become the device's (one per distinct set of producer rows). The embedding's tasks
 are absorbed: the device's sampling task writes the next step's embedding row, so the tasks that waited
@@ -22,7 +22,7 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 (through the embedding) for that sampling task: a buffer is never rewritten while a task of the
 previous step still reads it. `check_plan` verifies these rules.
 
-Task kinds (each one's device body: cuda_bodies.py, generated from the op's `cuda_task` rule):
+Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule in `CUDA_TASK_RULES`):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions; the
@@ -39,15 +39,16 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 import numpy as np
 
 from mdsl.errors import UnsupportedError
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType
 from mdsl.megakernel.modelgraph.architectures import step_function
-from mdsl.megakernel.modelgraph.layers import extend_layer_op
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
 from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
@@ -282,10 +283,10 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     row_of: dict = {}     # task id -> row index; absent: absorbed
     kind_ops: dict = {}   # Kind -> the KindOp its rows come from
     for index, node in enumerate(graph.nodes):
-        rule = node.opdef.rules.get("device")
+        rule = DEVICE_RULES.get(node.op)
         if rule is None:
             raise binding.refuse(node, "it has no device lowering")
-        for task, row in zip(by_node.get(index, []), rule(node, by_node.get(index, []), binding)):
+        for task, row in zip(by_node.get(index, []), rule.rows(node, by_node.get(index, []), binding)):
             if row is not None:
                 row_of[task.id] = len(rows)
                 rows.append(row)
@@ -531,11 +532,23 @@ def _lm_head_rows(node, tasks, bind):
     return rows
 
 
+@attrs.frozen
+class DeviceRule:
+    """How a fused layer op's tasks become table rows: `rows(node, tasks, binding)`, one row per task, or
+    None for a task the device absorbs."""
+
+    rows: Callable
+
+
+#: the ops the device runs: the built-in decoders' fused ops (another graph is refused, naming the op)
+DEVICE_RULES: RuleTable[DeviceRule] = RuleTable("megakernel's device tables", DeviceRule,
+                                                "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
+                                                registry=LAYER_OPS)
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
                    "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
                    "lm_head_sample": _lm_head_rows}.items():
-    extend_layer_op(_op, device=_rule)
+    DEVICE_RULES.register(_op, DeviceRule(_rule))
 
 
 def _writers(tasks) -> dict:

@@ -9,8 +9,8 @@ the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`.
 
 Each fused op is a layer op of its own (layers.py: shape rule and reference; partition.py: tasks;
-numpy_bodies.py: task bodies). Rules are attached to the op that anchors a pattern (`fuse=` on linear and
-rope, the registry pattern); a rule returns the fused node and the nodes it replaces. A chain is fused
+numpy_bodies.py: task bodies). A rule of `FUSION_RULES` belongs to the op that anchors a pattern (linear,
+rope); it returns the fused node and the nodes it replaces. A chain is fused
 only where its intermediate values have no other reader; a norm is folded into each linear that reads it
 and dropped once nothing reads it any more. The fused node keeps the last replaced node's place (every
 operand is defined before it) and the anchor's source location.
@@ -18,12 +18,13 @@ operand is defined before it) and the anchor's source location.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 
 from mdsl.errors import MdslError, ValidationError
-from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.ir.rules import RuleTable
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, get_layer_op
 from mdsl.megakernel.modelgraph.model import LayerNode, ModelGraph
 
 
@@ -111,8 +112,18 @@ def _fuse_rope(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
     return Fusion(fused, tuple(sorted(replaces)))
 
 
-extend_layer_op("linear", fuse=_fuse_linear)
-extend_layer_op("rope", fuse=_fuse_rope)
+@attrs.frozen
+class FusionRule:
+    """The patterns anchored at an op: `fuse(index, node, uses)` is a `Fusion`, or None where none applies."""
+
+    fuse: Callable
+
+
+FUSION_RULES: RuleTable[FusionRule] = RuleTable("task-graph fusion pass", FusionRule,
+                                                "mdsl.megakernel.taskgraph.layer_fusion (FUSION_RULES)",
+                                                registry=LAYER_OPS)
+FUSION_RULES.register("linear", FusionRule(_fuse_linear))
+FUSION_RULES.register("rope", FusionRule(_fuse_rope))
 
 
 def fuse(graph: ModelGraph) -> ModelGraph:
@@ -122,10 +133,10 @@ def fuse(graph: ModelGraph) -> ModelGraph:
     placed: dict = {}     # index of a fusion's last replaced node -> the fused node
     gone: set = set()
     for index, node in enumerate(graph.nodes):
-        rule = node.opdef.rules.get("fuse")
+        rule = FUSION_RULES.get(node.op)
         if rule is None or index in gone:
             continue
-        fusion = rule(index, node, uses)
+        fusion = rule.fuse(index, node, uses)
         if fusion is None or gone.intersection(fusion.replaces):
             continue
         gone.update(fusion.replaces)

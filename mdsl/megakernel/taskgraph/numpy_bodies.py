@@ -1,14 +1,18 @@
 """Numpy task bodies: what one task of each kind computes on its tile, in float32, the semantics the GPU
-task bodies implement too (the runtime's task plan lowers these tasks to its table rows). Attached to the
-layer ops' registry entries as `task_bodies` ({kind: body}), the fused ops' (taskgraph.layer_fusion) as
-well as the unfused; a body is `body(task, node, buffers, ctx)` and writes its outputs into `buffers`
-(name -> array). The tiles are documented with the ops' rules in partition.py."""
+task bodies implement too (the runtime's task plan lowers these tasks to its table rows). Every layer op,
+fused (taskgraph.layer_fusion) or not, has its bodies in `TASK_BODIES` ({kind: body}); a body is
+`body(task, node, buffers, ctx)` and writes its outputs into `buffers` (name -> array). The tiles are
+documented with the ops' rules in partition.py."""
 from __future__ import annotations
 
+from typing import Mapping
+
+import attrs
 import numpy as np
 
+from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
-from mdsl.megakernel.modelgraph.layers import (activation, attend, extend_layer_op, rms_normalize, rope_cos_sin,
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, rms_normalize, rope_cos_sin,
                                                rotate_heads, sample_token, sample_uniform, store_next_token)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
                                                  weight_rows)
@@ -224,7 +228,18 @@ def _lm_head_sample(task, node, buf, ctx):
     emit_token(node, buf, ctx, sample_token(buf[node.outputs[0].name], a["temperature"], a["top_p"], u))
 
 
-_BODIES = {
+@attrs.frozen
+class TaskBodies:
+    """A layer op's task bodies: `bodies[kind]` computes one task of that kind."""
+
+    bodies: Mapping
+
+
+#: every layer op has them (the CPU simulators run any graph)
+TASK_BODIES: RuleTable[TaskBodies] = RuleTable("task bodies (numpy)", TaskBodies,
+                                               "mdsl.megakernel.taskgraph.numpy_bodies (TASK_BODIES)",
+                                               registry=LAYER_OPS, needs=lambda op: True)
+for _op, _bodies in {
     "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
     "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
@@ -236,6 +251,5 @@ _BODIES = {
                        "rope_attention.combine": _rope_attention_combine},
     "lm_head_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
     "lm_head_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
-}
-for _op, _bodies in _BODIES.items():
-    extend_layer_op(_op, task_bodies=_bodies)
+}.items():
+    TASK_BODIES.register(_op, TaskBodies(_bodies))

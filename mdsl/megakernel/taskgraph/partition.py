@@ -1,5 +1,5 @@
-"""Partitioning a model graph into a task graph: each layer op's `tasks` rule (attached to its registry
-entry) cuts the op into tiles; `build_task_graph` collects them and links them by events.
+"""Partitioning a model graph into a task graph: each layer op's rule in `TASK_RULES` cuts the op into
+tiles; `build_task_graph` collects them and links them by events.
 
 Tiles per op (the `tile` entries a task body reads):
 * column ops (embedding, linear, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
@@ -21,8 +21,9 @@ from typing import Callable
 import attrs
 
 from mdsl.ir.dtypes import f32, i32
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.modelgraph.layers import extend_layer_op, get_layer_op
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.taskgraph.tasks import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
                                              TaskGraph, build_events)
@@ -296,16 +297,27 @@ def _lm_head_tasks(final_kind: str, reads_logits: bool):
     return rule
 
 
-_TASK_RULES: dict[str, Callable] = {
+@attrs.frozen
+class TaskRule:
+    """How a layer op is cut into tasks: `split(node, config)` is its `TaskSpec`s and the scratch buffers
+    they use."""
+
+    split: Callable
+
+
+#: every layer op has one
+TASK_RULES: RuleTable[TaskRule] = RuleTable("task-graph partition", TaskRule,
+                                            "mdsl.megakernel.taskgraph.partition (TASK_RULES)", registry=LAYER_OPS,
+                                            needs=lambda op: True)
+for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
-}
-for _name, _rule in _TASK_RULES.items():
-    extend_layer_op(_name, tasks=_rule)
+}.items():
+    TASK_RULES.register(_name, TaskRule(_rule))
 
 
 def build_task_graph(graph: ModelGraph, config: PartitionConfig = PartitionConfig()) -> TaskGraph:
@@ -315,7 +327,7 @@ def build_task_graph(graph: ModelGraph, config: PartitionConfig = PartitionConfi
     specs = []
     for index, node in enumerate(graph.nodes):
         buffers += [Buffer(v.name, v.type, ACTIVATION) for v in node.outputs]
-        node_specs, scratch = get_layer_op(node.op).rules["tasks"](node, config)
+        node_specs, scratch = TASK_RULES.lookup(node.op, node.loc).split(node, config)
         buffers += scratch
         specs += [(s.kind, index, node.op, s.tile, s.reads, s.writes) for s in node_specs]
     assert buffers[len(graph.weights)].name == TOKENS

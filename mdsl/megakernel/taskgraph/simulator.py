@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-import mdsl.megakernel.taskgraph.numpy_bodies  # noqa: F401  (attaches the task bodies to the registry)
 from mdsl.errors import MdslError
 from mdsl.megakernel.modelgraph.layers import StepContext
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.megakernel.modelgraph.reference import Generation, check_steps, initial_states
+from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES
 from mdsl.megakernel.taskgraph.tasks import ACTIVATION, SCRATCH, WEIGHT, RegionIndex, TaskGraph
 
 
@@ -67,7 +67,7 @@ class Simulator:
         self.requirements = _requirements(graph)
         self.events = {e.id: e for e in graph.events}
         self.terminal = set(graph.terminal_tasks())
-        self.bodies = [self.model.nodes[t.node].opdef.rules["task_bodies"][t.kind] for t in graph.tasks]
+        self.bodies = [TASK_BODIES[self.model.nodes[t.node].op].bodies[t.kind] for t in graph.tasks]
         self.tasks_run = 0
 
     def _buffers(self, prompt_ids: Sequence[int]) -> dict:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 
 from mdsl.ir import bf16, f16, f32, i32
-from mdsl.ir.ops import BLOCK, KERNEL, THREAD
+from mdsl.ir.ops import BLOCK, KERNEL, OPS, THREAD
 from tests.backend.cuda.builder import Graph
 
 DTYPES = (f16, bf16, f32)
-UNARY = ("exp", "silu", "gelu", "relu", "sigmoid", "sqrt", "rsqrt", "square", "neg", "reciprocal")
-BINARY = ("add", "sub", "mul", "div")
+UNARY = tuple(name for name, op in OPS.items() if op.is_unary)
+BINARY = tuple(name for name, op in OPS.items() if op.is_binary)
 WITH_ATTRS = (("mul_scalar", {"value": 0.5}), ("add_scalar", {"value": -1.25}), ("pow_scalar", {"exponent": 3.0}),
               ("clamp", {"min": -0.5, "max": float("inf")}), ("cast", {"dtype": f32}), ("cast", {"dtype": f16}),
               ("cast", {"dtype": bf16}))

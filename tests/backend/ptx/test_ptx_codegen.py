@@ -1,4 +1,4 @@
-"""LLVM IR emission of the PTX backend: one rule per operator, the CUDA backend's launches and aliases,
+"""LLVM IR emission of the PTX backend: the CUDA backend's launches and aliases,
 the NVVM features the kernels are made of (address spaces, special registers, barriers, warp
 shuffles, 16-bit conversions, 16-byte vector accesses) and the op markers."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 from mdsl.backend.cuda import emit_cuda
 from mdsl.backend.ptx import emit_llvm, llvm_to_ptx
+from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.errors import UnsupportedError
-from mdsl.ir import BLOCK, KERNEL, OPS, THREAD, bf16, f16, f32
-from mdsl.ir.ops import get_op
+from mdsl.ir import bf16, f16, f32
 from mdsl.lowering.block import lower
 from mdsl.lowering.names import OP_MARKER
 from mdsl.lowering.options import CudaOptions
@@ -20,23 +20,6 @@ from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.backend.cuda.programs import example_kernels
 from tests.strategies import example_graphs
-
-_METHODS = {KERNEL: ("kernel",), BLOCK: ("block",), THREAD: ("value",)}
-_ACCUMULATOR_METHODS = ("init", "update", "finalize")
-
-
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_every_operator_has_a_ptx_rule_for_each_of_its_levels(name):
-    op = OPS[name]
-    rule = op.rules.get("ptx")
-    assert rule is not None, f"{name} has no ptx rule (extend_op({name!r}, ptx=...))"
-    if op.is_accumulator:
-        assert all(hasattr(rule, m) for m in _ACCUMULATOR_METHODS)
-        return
-    for level in op.levels:
-        for method in _METHODS[level]:
-            assert callable(getattr(rule, method, None)), f"{name}'s ptx rule cannot emit it at the {level} level"
-
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["gqa.gqa_flash", "rms_norm_linear.rms_norm_linear_fused"])
@@ -134,7 +117,7 @@ def test_kernel_level_matmul_tiles_through_static_shared_memory():
 def test_an_operator_without_a_ptx_rule_is_refused(monkeypatch):
     g = Graph("no_rule")
     g.op("exp", g.input("x", (8,), f32))
-    monkeypatch.delitem(get_op("exp").rules, "ptx")
+    monkeypatch.delitem(PTX_RULES, "exp")
     with pytest.raises(UnsupportedError, match="the PTX backend has no rule for exp"):
         emit_llvm(g.build())
 

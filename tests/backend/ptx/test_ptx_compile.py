@@ -13,10 +13,9 @@ from mdsl.backend.cuda import runtime
 from mdsl.backend.ptx import PtxCompileError, PtxModule, assemble, compile_ptx, emit_llvm, llvm_to_ptx, ptx_target
 from mdsl.backend.ptx import compile as ptx_compile
 from mdsl.backend.ptx.llvm import F32
-from mdsl.backend.ptx.rules import Elementwise
+from mdsl.backend.ptx.rules import PTX_RULES, Elementwise
 from mdsl.cli import make_parser
 from mdsl.errors import MdslError, UnsupportedError
-from mdsl.ir.ops import get_op
 from tests.backend.cuda.builder import Graph
 
 
@@ -81,7 +80,7 @@ def _bogus_exp(fn, node, args):
 def test_ptxas_errors_show_the_ptx_and_the_op(monkeypatch):
     if ptx_compile.assembler() is None:
         pytest.skip("neither nvJitLink nor ptxas is installed here")
-    monkeypatch.setitem(get_op("exp").rules, "ptx", Elementwise(_bogus_exp))
+    monkeypatch.setitem(PTX_RULES, "exp", Elementwise(_bogus_exp))
     ptx = compile_ptx(emit_llvm(small_graph()).llvm_ir).ptx
     with pytest.raises(PtxCompileError) as info:
         assemble(ptx)
