@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mdsl.errors import UnsupportedError
 from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
@@ -14,17 +13,6 @@ from mdsl.lowering.names import Namer
 from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
 from mdsl.passes.schedule import REGISTER_ACCUMULATORS
-
-MAX_ELEMENTS = 2**31 - 1  # indices are 32-bit
-
-
-def check_sizes(graph: KernelGraph) -> None:
-    values = list(graph.inputs) + [v for n in graph.nodes for v in n.outputs]
-    for v in values:
-        if v.type.numel > MAX_ELEMENTS:
-            raise UnsupportedError(f"%{v.name} ({v.type}) has more than 2^31 - 1 elements",
-                                   hint="the kernels index tensors with 32-bit integers; split the tensor")
-
 
 def rule_methods(op: OpDef, thread: str) -> tuple:
     """The methods a backend's rule of `op` has for the levels `op` appears at: `kernel` (its kernel, or an
@@ -44,8 +32,8 @@ def rule_methods(op: OpDef, thread: str) -> tuple:
 
 
 def lower_graph(graph: KernelGraph) -> KernelGraph:
-    """The graph whose nodes the backends write, one kernel (or alias) each."""
-    check_sizes(graph)
+    """The graph whose nodes the backends write, one kernel (or alias) each. (Every tensor of a graph
+    has at most 2^31 - 1 elements, `mdsl.ir.types.check_shape`: the kernels' 32-bit indices reach it.)"""
     return fuse_kernel_graph(graph)
 
 
