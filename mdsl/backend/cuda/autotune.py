@@ -48,9 +48,8 @@ THREADS = (None, 256)               # None: each block graph's own
 SKINNY = (False, True)              # the skinny loop (matmuls of <= 16 rows, skinny.py) where it qualifies
 OVERLAP = (False, True)             # custom kernels launched to overlap their predecessors (sm_90+), with the skinny options
 STAGGER = (False, True)             # the skinny loop's blocks walking K from staggered slabs
-# loop iterations the skinny loop's L2 prefetches run ahead of its loads (0: none). On the H200 (seventh
-# session) 4 was slower than 2 in every case (rms_norm_linear_bs8 20.4 against 19.1 us); none was faster with 8
-# warps a block at batch 1 (16.6 against 17.4 us) and slower with 4
+# loop iterations the skinny loop's L2 prefetches run ahead of its loads (0: none; a lead of 4 is in
+# docs/tried-kernels.md)
 LEADS = (2, 0)
 WIDE_X = (False, True)              # the skinny loop's steps of two slabs, X's fragments in 16-byte loads
 # more warps where the skinny loop sends nothing to L2 ahead (lead 0): its bytes in flight are then the
