@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from typing import Callable, Iterator, Optional
 
 import attrs
@@ -35,7 +36,7 @@ from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import input_tile_type, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.dims import Labels
+from mdsl.search.dims import Labels, Zip
 
 LOOP, POST = "loop", "post"
 _LOOPABLE = frozenset({"matmul", "sum", "mean", "max", "rms_norm"})
@@ -540,6 +541,8 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig, *, max_spl
         out_labels = ls if out_labels is None else out_labels & ls
     contracted = labels.contracted_labels()
     free = sorted(l for l in (out_labels or ()) if l not in contracted)
+    zipped = _zipped_outputs(graph, labels, set(contracted) | (out_labels or set()))
+    free += [zipped] if zipped is not None else []
     loops = [None] + sorted(l for l, kinds in contracted.items() if kinds <= _LOOPABLE)
     for loop in loops:
         n_loop = labels.size(loop) if loop is not None else 1
@@ -558,6 +561,21 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig, *, max_spl
                                 yield Choice(tuple(zip(grid_labels, factors)), loop, forloop, split, threads)
 
 
+def _zipped_outputs(graph: KernelGraph, labels: Labels, taken: set) -> Optional[Zip]:
+    """The outputs' last-dim labels as one grid group, where outputs differ in them (independent products
+    of one input: q, k and v; gate and up), or None. Each member is free (no operator contracts it, and
+    it is not a label every output has), and no value of the program carries two members: each block
+    then computes its slice of each output."""
+    members = tuple(dict.fromkeys(labels.label(v.name, v.type.rank - 1) for v in graph.outputs if v.type.rank
+                                  and v.shape[-1] > 1))
+    if len(members) < 2 or any(m in taken for m in members):
+        return None
+    values = (*graph.inputs, *(o for n in graph.nodes for o in n.outputs))
+    if any(sum(labels.label(v.name, d) in members for d in range(v.type.rank)) > 1 for v in values):
+        return None
+    return Zip(members)
+
+
 def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: int = 2) -> list:
     if not looping:
         return [1]
@@ -565,21 +583,74 @@ def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: in
     return [r for r in config.forloop_ranges if r >= min_forloop and n % r == 0 and 8 <= n // r <= 512]
 
 
-def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
-    """Candidates derived from the program's structure, cheapest first by the cost model. With the
-    search's `stats`, it stops lifting at the search's deadline (and ranks what it has)."""
+@attrs.frozen
+class LiftResult:
+    """What lifting a program under every choice gave: its distinct candidates, cheapest first by the cost
+    model, and why the other choices did not lift (normalised reason -> (count, one message))."""
+
+    candidates: tuple
+    failures: dict
+    complete: bool        # every choice was tried (not stopped by the work budget or the time cap)
+
+
+def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, *, work: str = "guided",
+             limit: int = 48, probe: bool = False, **space) -> LiftResult:
+    """Every choice of `choices(graph, ..., **space)` lifted; each lifting costs one step of the search's
+    work budget under the name `work` (`stats.work`), and lifting stops when it is spent or at the
+    search's deadline (`complete` is then False).
+
+    With `probe`, the choices of one *structure* (loop label, grid labels, split or not, threads) are
+    lifted only if the one with the smallest tiles lifts: whether a structure lifts depends on the
+    program and the structure, and its tiles' shared memory only grows with their size. (A part of a
+    program, searched with many others, is lifted so.)"""
     labels = Labels(graph)
     found: dict = {}
-    for choice in choices(graph, labels, config):
-        if stats is not None and stats.out_of_time():
-            stats.count("stopped", "guided: time")
-            break
-        try:
-            candidate = lift(graph, choice, labels)
-        except CannotLift:
-            if stats is not None:
-                stats.count("pruned", "guided: does not lift")
-            continue
-        found.setdefault(candidate.key, candidate)
-    ranked = sorted(found.values(), key=estimate)
-    yield from ranked[:limit]
+    failures: dict = {}
+    complete = True
+    groups: dict = {}
+    for choice in choices(graph, labels, config, **space):
+        key = (choice.loop, tuple(label for label, _ in choice.grid), choice.split > 1, choice.threads)
+        groups.setdefault(key if probe else len(groups), []).append(choice)
+    for group in groups.values():
+        if probe and len(group) > 1:
+            smallest = min(group, key=lambda c: _tile_volume(c, labels))
+            group = [smallest] + [c for c in group if c is not smallest]
+        for k, choice in enumerate(group):
+            if stats is not None and (stats.out_of_time() or not stats.work(work)):
+                stats.count("stopped", f"{work}: {'time' if stats.out_of_time() else 'work'}")
+                return LiftResult(tuple(sorted(found.values(), key=estimate)[:limit]), failures, False)
+            try:
+                candidate = lift(graph, choice, labels)
+            except CannotLift as e:
+                reason = _normalised(str(e))
+                count, message = failures.get(reason, (0, str(e)))
+                skipped = len(group) if probe and k == 0 else 1   # a probe that fails stands for its structure
+                failures[reason] = (count + skipped, message)
+                if stats is not None:
+                    stats.count("pruned", f"{work}: does not lift", skipped)
+                if skipped > 1:
+                    break
+                continue
+            found.setdefault(candidate.key, candidate)
+    ranked = sorted(found.values(), key=estimate)   # stable: equal costs in the choices' order
+    return LiftResult(tuple(ranked[:limit]), failures, complete)
+
+
+def _tile_volume(choice: Choice, labels: Labels) -> float:
+    """The elements of a block's tile along the choice's grid and loop labels (smaller: less shared memory)."""
+    volume = math.prod(labels.size(label) / parts for label, parts in choice.grid)
+    if choice.loop is not None:
+        volume *= labels.size(choice.loop) / (choice.split * choice.forloop)
+    return volume
+
+
+def _normalised(message: str) -> str:
+    """A CannotLift message without its value names and numbers, so that one reason counts once."""
+    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"%[\w.]+", "%v", message.split(" (largest:")[0]))
+
+
+def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
+    """Candidates derived from the program's structure, cheapest first by the cost model. With the
+    search's `stats`, it stops lifting when its work budget is spent or at the search's deadline (and
+    ranks what it has)."""
+    yield from lift_all(graph, config, stats, limit=limit).candidates

@@ -96,12 +96,72 @@ class Evidence:
 
 
 @attrs.frozen
+class Fallback:
+    """What a generator yields for a candidate to verify only if another one, `primary` (its structural
+    key), is not verified: a second choice that is worth its verification only where the first fails
+    (`mdsl.search.partition` yields its best assembly, then these)."""
+
+    graph: KernelGraph
+    primary: str
+
+
+@attrs.frozen
 class Candidate:
     """A verified mugraph (or the original program) and its estimated cost."""
 
     graph: KernelGraph
     cost: Cost
     evidence: Evidence
+
+
+@attrs.frozen
+class Boundary:
+    """One kernel boundary: the kernels on either side (the original's operators they compute), the
+    tensors that cross it, and why it is there."""
+
+    before: str
+    after: str
+    tensors: str
+    reason: str
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Boundary":
+        if not isinstance(data, dict) or set(data) != {f.name for f in attrs.fields(cls)} \
+                or not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(f"a boundary has the string fields {[f.name for f in attrs.fields(cls)]}")
+        return cls(**data)
+
+    def describe(self) -> str:
+        crossing = f" ({self.tensors})" if self.tensors else ""
+        return f"{self.before} | {self.after}{crossing}: {self.reason}"
+
+
+@attrs.frozen
+class Family:
+    """Where a plan belongs: its family dim (described), the size it was searched at, the sizes it
+    re-targets to, and, for a re-targeted plan, the size it came from."""
+
+    dim: str
+    size: int
+    sizes: tuple
+    source: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return {"dim": self.dim, "size": self.size, "sizes": list(self.sizes), "source": self.source}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Family":
+        sizes = tuple(int(s) for s in data["sizes"])
+        return cls(str(data["dim"]), int(data["size"]), sizes, None if data["source"] is None else int(data["source"]))
+
+    def describe(self) -> str:
+        covered = ", ".join(map(str, self.sizes)) or "no other size"
+        origin = f"re-targeted from the plan searched at {self.source}; " if self.source is not None else ""
+        return (f"{origin}{self.dim} = {self.size}; the plan re-targets to {covered} "
+                "(each verified at its own size when first used)")
 
 
 @attrs.frozen
@@ -116,6 +176,25 @@ class Plan:
     config: SearchConfig
     mdsl_version: str
     cache_path: Optional[str] = attrs.field(default=None, eq=False)  # set when read from the plan cache
+    explanation: tuple = ()            # Boundary: why each kernel boundary is left (mdsl.search.explain)
+    family: Optional[Family] = None    # the sizes of the leading dim it serves (mdsl.search.family)
+
+    @property
+    def provisional(self) -> bool:
+        """The time cap (or a dead worker) cut the search short: the plan is the best so far, not the
+        search's answer, and a later `optimize` searches again (the cache serves it meanwhile)."""
+        return self.stats.timed_out or bool(self.stats.by_reason("rejected").get("worker died"))
+
+    def explain(self) -> str:
+        """Why the plan's kernel boundaries are there, one line each (what would have to change to remove
+        them); a plan of one kernel has none."""
+        kernels = self.cost.launches
+        head = f"{self.original.name}: {kernels} kernel(s), where the original launches {self.original_cost.launches}"
+        if self.provisional:
+            head += f" (provisional: the search's {self.config.budget_s:g} s cap cut it short)"
+        if not self.explanation:
+            return head + ("; no kernel boundary is left" if kernels <= 1 else "")
+        return "\n".join([head + "; kernel boundaries left:"] + [f"  {b.describe()}" for b in self.explanation])
 
     @property
     def is_original(self) -> bool:
@@ -143,6 +222,8 @@ class Plan:
         # a program that only returns its inputs launches nothing: its estimate is 0 and no ratio exists
         reach = (f"the estimate reaches {100 * floor.seconds / cost.seconds:.3g}% of it" if cost.seconds > 0
                  else "the plan launches no kernel")
+        if self.provisional:
+            what += "; provisional (the search was cut short: a later optimize searches again)"
         lines = [f"mdsl {self.mdsl_version} plan for kernel {self.original.name}, {self.config.arch}: {what}",
                  f"cost:     {cost}",
                  f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; {reach}",
@@ -152,6 +233,8 @@ class Plan:
         if self.alternatives:
             costs = ", ".join(f"{_us(c.cost.seconds)} ({c.cost.launches} launch(es))" for c in self.alternatives)
             lines.append(f"also:     {costs}")
+        if self.family is not None:
+            lines.append(f"family:   {self.family.describe()}")
         if self.cache_path is not None:
             lines.append(f"cached:   {self.cache_path}")
         return lines
@@ -167,7 +250,9 @@ class Plan:
         return {"mdsl_plan": SCHEMA, "mdsl_version": self.mdsl_version, "config": attrs.asdict(self.config),
                 "original": serialize.to_json(self.original), "chosen": _candidate_json(self.chosen),
                 "floor": attrs.asdict(self.floor), "stats": self.stats.to_json(),
-                "alternatives": [_candidate_json(c) for c in self.alternatives]}
+                "alternatives": [_candidate_json(c) for c in self.alternatives],
+                "explanation": [b.to_json() for b in self.explanation],
+                "family": None if self.family is None else self.family.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
@@ -178,7 +263,9 @@ class Plan:
         chosen = _candidate(data["chosen"])
         return cls(original, chosen.graph, chosen.cost, Floor(**data["floor"]), chosen.evidence,
                    SearchStats.from_json(data["stats"]), tuple(_candidate(c) for c in data["alternatives"]),
-                   _config(data["config"]), str(data["mdsl_version"]))
+                   _config(data["config"]), str(data["mdsl_version"]),
+                   explanation=tuple(Boundary.from_json(b) for b in data.get("explanation", [])),
+                   family=None if data.get("family") is None else Family.from_json(data["family"]))
 
 
 def _us(seconds: float) -> str:

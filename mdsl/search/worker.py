@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Optional
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.plan import Evidence
+from mdsl.search.screen import screen
 
 _state: dict = {}
 
@@ -42,6 +43,8 @@ def init(verifier: Callable, original_text: str, shared_dir: Optional[str] = Non
     from mdsl.passes import verify as default  # (imported here: a custom verifier may not need it)
 
     _state["shares"] = shared_dir is not None and verifier is default.verify
+    # the default verifier's candidates go through the reduced-instance screen first (mdsl.search.screen)
+    _state["screen"] = verifier is default.verify
     if _state["shares"]:
         default.ORIGINAL_RUNS.share(shared_dir)
 
@@ -61,10 +64,15 @@ def prepare() -> None:
 
 
 def verify(candidate_text: str, tests: int, seed: int) -> tuple:
-    """(Evidence, this worker's pid). A verifier that raises rejects the candidate, with the reason."""
+    """(Evidence, this worker's pid). A verifier that raises rejects the candidate, with the reason. With
+    the default verifier, a candidate that fails the reduced-instance screen is rejected before the
+    full-size tests."""
     start = time.perf_counter()
     try:
         candidate = serialize.loads(candidate_text)
+        failure = screen(_state["original"], candidate, seed) if _state.get("screen") else None
+        if failure is not None:
+            return Evidence.failure(failure, seed, time.perf_counter() - start), os.getpid()
         verification = _state["verifier"](_state["original"], candidate, tests=tests, seed=seed)
         evidence = Evidence.of(verification, seed, time.perf_counter() - start)
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
