@@ -17,7 +17,9 @@ the cost model and verified in parallel worker processes; the best verified ones
   same for any number of workers and any speed. The wall-clock budget is a safety cap: a search it cuts
   short returns the best verified result so far, and its plan is provisional (`Plan.provisional`).
 * A generator may yield a `Fallback`: a candidate verified only if the one it stands in for is not
-  (decided when that one's outcome is merged, so in order too).
+  (decided when that one's outcome is merged, so in order too). Once MAX_REJECTED candidates of one
+  structure (the same operators in the same kernels) are rejected, the others of that structure are
+  not verified: an overflow or a rule that fails one of them fails them all.
 * Generation yields the CPU to verification: while every worker is busy and `config.workers`
   candidates already wait, the engine waits for a worker instead of asking for more (on a machine
   with as many cores as workers, an enumerator running beside them would slow every verification).
@@ -82,6 +84,10 @@ DEFAULT_GENERATORS = (("guided", "mdsl.search.guided"), ("partition", "mdsl.sear
                       ("exhaustive", "mdsl.search.enumerate"))
 
 _MAX_PENDING = 10_000   # candidates waiting for a worker; beyond it generation waits for verification
+#: Rejections of candidates of one structure (the same operators in the same kernels, under other grids
+#: and loops) after which the others of that structure are not verified: what fails one of them, an
+#: overflow or a rule that does not hold, fails them all.
+MAX_REJECTED = 2
 _POLL_S = 0.1           # the longest a wait blocks, so that the deadline and progress are noticed promptly
 _STOP_GRACE_S = 2.0     # idle workers get this long to exit before they are terminated
 _WIND_DOWN_S = 2.0      # kept from the budget for stopping the workers and assembling the plan, so that
@@ -259,6 +265,7 @@ class _Search:
         self.kept: list = []           # sorted ranks of the best verified candidates, at most top_k
         self.verified: dict = {}       # key -> Candidate, for the kept ranks
         self.outcomes: dict = {}       # key -> what became of a candidate (for the plan's explanation)
+        self.rejected: dict = {}       # structure -> its candidates rejected (merged so far)
         self.broken = False            # a worker died: no more verification
         self.shared_dir = ""           # the workers' runs of the original
         self.executor: Optional[cf.ProcessPoolExecutor] = None
@@ -399,7 +406,7 @@ class _Search:
             self.outcomes[key] = "the search's work budget ran out before it was verified"
             return
         self.pending.append(_Entry(self.admitted, _rank(cost, key), cost,
-                                   attrs.evolve(candidate, name=self.original.name), primary))
+                                   attrs.evolve(candidate, name=self.original.name), primary, _structure(candidate)))
         self.admitted += 1
 
     def _invalid(self, name: str, key: Optional[str], reason: str, detail: str) -> None:
@@ -415,11 +422,16 @@ class _Search:
         itself = Evidence(True, "the original program itself", 0, 0.0, math.nan, math.nan, self.config.seed)
         self._keep(rank, Candidate(self.original, cost, itself))
 
-    def _cannot_reach(self, rank: tuple) -> bool:
-        """Whether a candidate of this rank is out of the top k already kept. Decided on the candidates
-        merged so far (a prefix of the admission order), it stays true once more are merged: the k-th
-        kept rank only improves."""
-        return len(self.kept) >= self.config.top_k and rank > self.kept[-1]
+    def _cannot_reach(self, entry: "_Entry") -> Optional[str]:
+        """Why a candidate need not be verified, or None: it is out of the top k already kept, or its
+        structure's first MAX_REJECTED candidates were rejected. Decided on the candidates merged so far
+        (a prefix of the admission order), it stays so once more are merged: the k-th kept rank only
+        improves, and rejections only add up."""
+        if len(self.kept) >= self.config.top_k and entry.rank > self.kept[-1]:
+            return _CANNOT_REACH
+        if self.rejected.get(entry.structure, 0) >= MAX_REJECTED:
+            return _REJECTED_BEFORE
+        return None
 
     def _fill(self) -> None:
         """Submit waiting candidates in admission order while a worker is free; a fallback waits until
@@ -437,8 +449,9 @@ class _Search:
                     self.done[entry.number] = (entry, _NOT_NEEDED)
                     continue
             del self.pending[at]
-            if self._cannot_reach(entry.rank):
-                self.done[entry.number] = (entry, _CANNOT_REACH)
+            passed_over = self._cannot_reach(entry)
+            if passed_over:
+                self.done[entry.number] = (entry, passed_over)
                 continue
             self._submit(entry)
 
@@ -479,18 +492,25 @@ class _Search:
             if order:
                 order.remove(number)
             self.merged = number + 1
+            passed_over = outcome if outcome in (_CANNOT_REACH, _REJECTED_BEFORE) else self._cannot_reach(entry)
             if outcome is _NOT_NEEDED:
                 self.stats.count(SKIPPED, "its first choice was verified")
                 self.outcomes[entry.key] = "a candidate it stands in for was verified"
-            elif outcome is _CANNOT_REACH or self._cannot_reach(entry.rank):
+            elif passed_over is _CANNOT_REACH:
                 self.stats.count(SKIPPED, "cannot reach the top k")
                 self.outcomes[entry.key] = "verified candidates the cost model ranks higher fill the top k"
+            elif passed_over is _REJECTED_BEFORE:
+                self.stats.count(SKIPPED, _REJECTED_BEFORE)
+                self.outcomes[entry.key] = (f"not verified: {MAX_REJECTED} candidates of its structure (the same "
+                                            "operators in each kernel) failed verification")
             elif outcome is _DIED:
                 self.stats.count(REJECTED, "worker died")
                 self.outcomes[entry.key] = "a worker process died before it was verified"
                 self.log.write("rejected", key=entry.key, cost_s=entry.cost.seconds, reason="worker died")
             else:
                 evidence, pid = outcome
+                if not evidence.equivalent:
+                    self.rejected[entry.structure] = self.rejected.get(entry.structure, 0) + 1
                 self._verified(entry.rank, Candidate(entry.graph, entry.cost, evidence), pid)
 
     def _worker_died(self, error: Exception) -> None:
@@ -533,6 +553,7 @@ class _Entry:
     cost: Cost
     graph: KernelGraph
     primary: Optional[str] = None   # a fallback's: verified only if this candidate is not
+    structure: tuple = ()           # `_structure` of its graph
 
     @property
     def key(self) -> str:
@@ -541,7 +562,15 @@ class _Entry:
 
 _CANNOT_REACH = "cannot reach the top k"   # outcomes of a candidate that was not verified
 _NOT_NEEDED = "its primary was verified"
+_REJECTED_BEFORE = "candidates of its structure were rejected"
 _DIED = "worker died"
+
+
+def _structure(graph: KernelGraph) -> tuple:
+    """A mugraph's operators kernel by kernel (a custom kernel's block operators sorted, casts left out):
+    what candidates lifted under other grids and loops share."""
+    return tuple((n.op, tuple(sorted(m.op for m in n.body.nodes if m.op != "cast"))) if n.body is not None
+                 else (n.op, ()) for n in graph.nodes)
 
 
 def _worse_than(cost: Cost, original: Cost) -> Optional[str]:

@@ -8,7 +8,8 @@ takes a proportionally smaller or larger tile of rows), lowering the result agai
 (`mdsl.backend.cuda.emit_cuda`, which refuses what its code generator cannot build) and verifying it at
 its own size with the search's verifier, seed and tests: no search. It applies where the resize is
 exact: every tile of the label divides into the new size (a grid that splits the rows p ways needs
-p | M'), no constant encodes the label's size (a lifted mean's 1/M), and the original resized is,
+p | M'), no constant of a mugraph that the original lacks encodes the label's size (a lifted mean's
+1/M), and the original resized is,
 value for value, the program traced at M' (a broadcast dim of size 1 tied to the rows at M = 1 is not).
 
 `family_sizes` says which of FAMILY_SIZES a plan re-targets to (resized, validated and lowered; each
@@ -59,7 +60,11 @@ def _resized(plan: Plan, size: int) -> Optional[list]:
         return None
     label = found[0]
     old = plan.original.outputs[0].shape[0]
-    if any(encodes_size(float_constants(graphs), n) for n in labels.extents()[label]):
+    # a constant of a mugraph that the original does not have may be the family size read another way
+    # (a lifted mean's 1/M); the original's own constants stay what they are at any size
+    own = set(float_constants([plan.original]))
+    derived = [c for c in float_constants(graphs[1:]) if c not in own]
+    if any(encodes_size(derived, n) for n in labels.extents()[label]):
         return None
 
     def new_extent(l, n):
