@@ -231,9 +231,9 @@ class _Drawer:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def operand(self, two_d: bool = True) -> str:
-        """A live value, most often the newest (a chain), sometimes an older one (a DAG)."""
-        pool = [v for v in self.live if len(self.p.shapes[v]) == 2] if two_d else self.live
+    def operand(self) -> str:
+        """A live [rows, hidden] value, most often the newest (a chain), sometimes an older one (a DAG)."""
+        pool = [v for v in self.live if len(self.p.shapes[v]) == 2 and self.p.shapes[v][1] >= min(HIDDEN)]
         if len(pool) > 1 and self.rng.random() < 0.3:
             return pool[int(self.rng.integers(0, len(pool) - 1))]
         return pool[-1]
@@ -252,7 +252,7 @@ class _Drawer:
 
     def out_width(self, d: int) -> int:
         """A matmul's output width: a hidden size, small enough that one weight stays at most 8192 x 8192."""
-        return int(self.rng.choice([h for h in HIDDEN if h * d <= 8192 * 8192]))
+        return int(self.rng.choice([h for h in HIDDEN if h * d <= max(HIDDEN) ** 2]))
 
     # -- kinds of steps ----------------------------------------------------------------------------
 
@@ -328,13 +328,16 @@ class _Drawer:
     def _split(self) -> None:
         x = self.operand()
         d = self.width(x)
-        self.emit("split", [x], [(self.p.rows, d // 2)] * 2, 1, sizes=(d // 2, d // 2))
+        if d >= 2 * min(HIDDEN):   # halves of a hidden size at least
+            self.emit("split", [x], [(self.p.rows, d // 2)] * 2, 1, sizes=(d // 2, d // 2))
 
     def _concat(self) -> None:
         x = self.operand()
-        others = [v for v in self.live if v != x and len(self.p.shapes[v]) == 2]
-        y = others[-1] if others else x
-        self.emit("concat", [x, y], [(self.p.rows, self.width(x) + self.width(y))], 1)
+        others = [v for v in self.live if v != x and len(self.p.shapes[v]) == 2
+                  and self.width(v) >= min(HIDDEN) and self.width(x) + self.width(v) <= max(HIDDEN)]
+        if others:
+            y = others[-1]
+            self.emit("concat", [x, y], [(self.p.rows, self.width(x) + self.width(y))], 1)
 
     def _reshape(self) -> None:
         """Heads: [rows, d] as [rows, 2, d/2], normalised per head, and back."""

@@ -16,7 +16,7 @@ from typing import Optional
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.cost import kernel_costs
 from mdsl.search.plan import Boundary
-from mdsl.search.partition import DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE
+from mdsl.search.partition import DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.stats import SearchStats
 
 _VIEWS = frozenset({"reshape"})   # operators that launch no kernel (mdsl.search.cost)
@@ -27,12 +27,15 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     """The boundaries of `chosen`, a plan for `original`, with their reasons. `outcomes`: candidate key
     -> what the search did with it (verified, rejected and why, skipped and why)."""
     record = stats.partition or {}
+    unchanged = chosen.key == original.key
+    if record:   # the partition's spans index its order of the nodes
+        original = ordered(original)
     n = len(original.nodes)
-    runs = _runs(original, chosen, record)
+    runs = _runs(original, chosen, record, unchanged)
     out = []
     kernels = [(i, j) for i, j in runs if any(node.op not in _VIEWS for node in original.nodes[i:j])]
     for i, j in kernels:
-        launches = _launches(original, chosen, (i, j), record)
+        launches = 1 if unchanged else _launches(original, chosen, (i, j), record)
         for _ in range(launches - 1):
             out.append(Boundary(_ops(original, i, j, "partial results of "), _ops(original, i, j, "the combine of "),
                                 "", "a split loop: the blocks of the first kernel each reduce a slice of the loop's "
@@ -44,10 +47,10 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     return tuple(out)
 
 
-def _runs(original: KernelGraph, chosen: KernelGraph, record: dict) -> list:
+def _runs(original: KernelGraph, chosen: KernelGraph, record: dict, unchanged: bool) -> list:
     """The plan's runs of the original's operators, in order."""
     n = len(original.nodes)
-    if chosen.key == original.key:
+    if unchanged:
         return [(i, i + 1) for i in range(n)]
     spans = record.get("assemblies", {}).get(chosen.key)
     if spans is None:
@@ -64,7 +67,7 @@ def _runs(original: KernelGraph, chosen: KernelGraph, record: dict) -> list:
 def _launches(original: KernelGraph, chosen: KernelGraph, run: tuple, record: dict) -> int:
     """Kernels the plan spends on a run: one per operator left apart; a fused run's candidate's."""
     i, j = run
-    if j - i == 1 or chosen.key == original.key:
+    if j - i == 1:
         return 1
     if (i, j) == (0, len(original.nodes)) and chosen.key not in record.get("assemblies", {}):
         return len(kernel_costs(chosen))

@@ -14,6 +14,9 @@ re-accumulates them) by per-operator lifting rules:
   squares, and the combine takes r = sqrt(mean of the means + eps): accum_rms's `split` rule);
 * softmax over L feeding a contraction over L becomes online softmax: exp(s - max) is computed
   against each chunk's own maximum and the accumulators rescale (accum_rescale, accum_sum_rescale);
+* a loop-invariant value (one without the loop label: a bias, a gate, a weight read whole) that meets
+  a value after the loop is brought there by accum_max, which gives an invariant tile back (an
+  epilogue: a bias added to a product, a second product of an accumulated one);
 * everything else runs per tile, in the loop or after it.
 
 Each choice that lifts yields a candidate; candidates come out cheapest first by the cost model, and
@@ -197,8 +200,20 @@ def _same_phase(lvs) -> str:
     return phases.pop()
 
 
+def _after_loop(b: _Builder, lvs: list, kernel_vars) -> list:
+    """Plain operands of one operator, where some come after the loop and the others are loop-invariant
+    (their values lack the loop label: a bias, a gate, a weight read whole), all after the loop: an
+    invariant tile is the same every iteration, so its accum_max over the iterations is the tile itself
+    (an epilogue reads it there). Unchanged where the phases agree or a loop operand varies along the
+    loop (the other rules decide: x - max over the loop is online softmax's shift)."""
+    if len({lv.phase for lv in lvs}) == 1 or not all(lv.plain for lv in lvs) \
+            or any(lv.phase == LOOP and b.has_loop_label(v) for lv, v in zip(lvs, kernel_vars)):
+        return lvs
+    return [Lifted(b.accumulate("accum_max", [lv.var]), POST) if lv.phase == LOOP else lv for lv in lvs]
+
+
 def _lift_elementwise(b: _Builder, node: Node) -> Lifted:
-    lvs = [b.value(v) for v in node.inputs]
+    lvs = _after_loop(b, [b.value(v) for v in node.inputs], node.inputs)
     attributes = node.attr_dict
     if all(lv.plain for lv in lvs) and len({lv.phase for lv in lvs}) == 1:
         return Lifted(b.emit(node.op, [lv.var for lv in lvs], **attributes), lvs[0].phase)
@@ -238,6 +253,7 @@ def _lift_matmul(b: _Builder, node: Node) -> Lifted:
         return _contract(b, b.emit("matmul", [a.var, w.var]), modified)
     if not (a.plain and w.plain):
         raise CannotLift("matmul of a value with a pending rescale or division")
+    a, w = _after_loop(b, [a, w], node.inputs)
     phase = _same_phase((a, w))
     return Lifted(b.emit("matmul", [a.var, w.var]), phase)
 

@@ -1,7 +1,8 @@
 """Partial fusion: a program cut into parts, each part superoptimized by the guided generator's lifting
 rules, and the cheapest combination kept.
 
-**Parts** are runs of consecutive operators in the program's (topological) order: a contiguous run is
+**Parts** are runs of consecutive operators in a topological order of the program that keeps chains
+together (`ordered`: a consumer right after its producer where it can be): a contiguous run is
 convex (no path leaves it and comes back), so it can be replaced by kernels that read what it reads and
 write what the rest of the program reads of it. A part has 2 to MAX_PART_NODES operators, all with a
 block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a layout
@@ -111,6 +112,25 @@ def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGrap
     return KernelGraph(f"{graph.name}_part{start}_{stop}", list(inputs.values()), nodes, outputs)
 
 
+def ordered(graph: KernelGraph) -> KernelGraph:
+    """The program's nodes in a topological order that keeps chains together, so that a producer and
+    its consumers can be one run: next comes the ready node that reads the most recently computed value
+    (a node with a block-level rule before one without, then the program's own order). A program
+    traced breadth first (a value used by a layout change and by an element-wise op) then has its
+    element-wise op beside its producer."""
+    producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+    needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
+    done: dict = {}   # node index -> its position in the new order
+    order = []
+    while len(order) < len(graph.nodes):
+        ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
+        pick = max(ready, key=lambda i: (max((done[p] for p in needs[i]), default=-1),
+                                         graph.nodes[i].opdef.rules.get("lift") is not None, -i))
+        done[pick] = len(order)
+        order.append(pick)
+    return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])
+
+
 def _connected(nodes) -> bool:
     """Whether the nodes form one group through the values they pass or share."""
     group = list(range(len(nodes)))
@@ -139,6 +159,7 @@ class Partition:
     """One program's parts, their candidates and the best combination (see the module docstring)."""
 
     def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats):
+        graph = ordered(graph)
         self.graph, self.config, self.stats = graph, config, stats
         self.n = len(graph.nodes)
         self.single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
