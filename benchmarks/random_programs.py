@@ -208,14 +208,15 @@ class _Drawer:
     OPS = {"matmul": 1, "products": 2, "unary": 1, "scalar": 1, "binary": 1, "rowscale": 2, "rms_norm": 1,
            "layer_norm": 7, "softmax": 5, "router": 8, "split": 1, "concat": 1, "reshape": 3, "transpose": 3}
 
-    def __init__(self, seed: int, index: int):
+    def __init__(self, seed: int, index: int, rows: Sequence[int] = ROWS, hidden: Sequence[int] = HIDDEN):
         self.rng = np.random.default_rng([seed, index])
-        rows = int(self.rng.choice(ROWS))
+        self.hidden = tuple(hidden)
+        rows = int(self.rng.choice(rows))
         self.p = RandomProgram(f"random_s{seed}_{index}", rows)
         self.target = int(self.rng.integers(MIN_OPS, MAX_OPS + 1))
         self.unary = _unary_ops()
         self.consumed: set = set()
-        self.live = [self.p.input((rows, int(self.rng.choice(HIDDEN))), "activation")]
+        self.live = [self.p.input((rows, int(self.rng.choice(self.hidden))), "activation")]
 
     def draw(self) -> RandomProgram:
         tries = 0
@@ -233,7 +234,7 @@ class _Drawer:
 
     def operand(self) -> str:
         """A live [rows, hidden] value, most often the newest (a chain), sometimes an older one (a DAG)."""
-        pool = [v for v in self.live if len(self.p.shapes[v]) == 2 and self.p.shapes[v][1] >= min(HIDDEN)]
+        pool = [v for v in self.live if len(self.p.shapes[v]) == 2 and self.p.shapes[v][1] >= min(self.hidden)]
         if len(pool) > 1 and self.rng.random() < 0.3:
             return pool[int(self.rng.integers(0, len(pool) - 1))]
         return pool[-1]
@@ -252,7 +253,7 @@ class _Drawer:
 
     def out_width(self, d: int) -> int:
         """A matmul's output width: a hidden size, small enough that one weight stays at most 8192 x 8192."""
-        return int(self.rng.choice([h for h in HIDDEN if h * d <= max(HIDDEN) ** 2]))
+        return int(self.rng.choice([h for h in self.hidden if h * d <= max(self.hidden) ** 2]))
 
     # -- kinds of steps ----------------------------------------------------------------------------
 
@@ -328,13 +329,13 @@ class _Drawer:
     def _split(self) -> None:
         x = self.operand()
         d = self.width(x)
-        if d >= 2 * min(HIDDEN):   # halves of a hidden size at least
+        if d >= 2 * min(self.hidden):   # halves of a hidden size at least
             self.emit("split", [x], [(self.p.rows, d // 2)] * 2, 1, sizes=(d // 2, d // 2))
 
     def _concat(self) -> None:
         x = self.operand()
         others = [v for v in self.live if v != x and len(self.p.shapes[v]) == 2
-                  and self.width(v) >= min(HIDDEN) and self.width(x) + self.width(v) <= max(HIDDEN)]
+                  and self.width(v) >= min(self.hidden) and self.width(x) + self.width(v) <= max(self.hidden)]
         if others:
             y = others[-1]
             self.emit("concat", [x, y], [(self.p.rows, self.width(x) + self.width(y))], 1)
@@ -357,9 +358,10 @@ class _Drawer:
         self.emit("transpose", [s], [(rows, d)], 1)
 
 
-def draw(seed: int, index: int) -> RandomProgram:
-    """Program `index` of run `seed`: the same program for the same pair, on any machine."""
-    return _Drawer(seed, index).draw()
+def draw(seed: int, index: int, rows: Sequence[int] = ROWS, hidden: Sequence[int] = HIDDEN) -> RandomProgram:
+    """Program `index` of run `seed`: the same program for the same pair, on any machine. `rows` and
+    `hidden` are the sizes drawn from (the tests draw small ones)."""
+    return _Drawer(seed, index, rows, hidden).draw()
 
 
 # ---------------------------------------------------------------------------------------------

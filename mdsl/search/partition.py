@@ -114,18 +114,18 @@ def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGrap
 
 def ordered(graph: KernelGraph) -> KernelGraph:
     """The program's nodes in a topological order that keeps chains together, so that a producer and
-    its consumers can be one run: next comes the ready node that reads the most recently computed value
-    (a node with a block-level rule before one without, then the program's own order). A program
-    traced breadth first (a value used by a layout change and by an element-wise op) then has its
-    element-wise op beside its producer."""
+    its consumers can be one run: next comes a ready node with a block-level rule before one without
+    (a layout change waits while it can), then the one that reads the most recently computed value,
+    then the program's own order. A program traced breadth first (a value used by a layout change and
+    by an element-wise op, or by two products) then has its fusible consumers beside their producer."""
     producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
     done: dict = {}   # node index -> its position in the new order
     order = []
     while len(order) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
-        pick = max(ready, key=lambda i: (max((done[p] for p in needs[i]), default=-1),
-                                         graph.nodes[i].opdef.rules.get("lift") is not None, -i))
+        pick = max(ready, key=lambda i: (graph.nodes[i].opdef.rules.get("lift") is not None,
+                                         max((done[p] for p in needs[i]), default=-1), -i))
         done[pick] = len(order)
         order.append(pick)
     return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])
