@@ -117,10 +117,13 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
         return part["reason"]
     if status == SCREENED_OUT:
         return f"its fused candidates failed verification on a reduced instance: {part['reason']}"
+    what = "time cap" if record.get("stopped") == "time" else "work budget"
     if status == NOT_TRIED:
-        what = "time cap" if record.get("stopped") == "time" else "work budget"
         return f"the search's {what} ran out before the part joining them was tried"
     assert status == FUSED and span is not None
+    if not part.get("complete", True):
+        return (f"the search's {what} ran out while the part joining them was lifted (its best fused kernel so "
+                f"far is estimated at {part['fused_s'] * 1e6:.3g} us)")
     assemblies = record.get("assemblies", {})
     best = next(iter(assemblies), None)   # the partition's best plan; the others are its fallbacks
     if best is not None and any(i <= span[0] and span[1] <= j for i, j in assemblies[best]):

@@ -83,6 +83,7 @@ class _Part:
     program: KernelGraph
     status: str = NOT_TRIED
     reason: str = ""
+    complete: bool = False        # every grid and loop choice was lifted (the budget did not cut it short)
     options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
 
     @property
@@ -196,6 +197,7 @@ class Partition:
                           probe=True, max_split=PART_MAX_SPLIT)
         if not result.complete:
             self.stopped = "time" if self.stats.out_of_time() else "work"
+        part.complete = result.complete
         part.options = [[g, estimate(g), None] for g in result.candidates]
         if part.options:
             part.status = FUSED
@@ -269,7 +271,7 @@ class Partition:
             if part is None:
                 continue
             option = part.current()
-            parts[part.span] = {"status": part.status, "reason": part.reason,
+            parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
                                 "fused_s": option[1].seconds if option is not None else None,
                                 "launches": option[1].launches if option is not None else None,
                                 "apart_s": sum(s.seconds for s in self.single[i:j])}

@@ -10,7 +10,7 @@ Two consumers:
 **Joint labels.** Every dim of every value of the graphs (the original, then each candidate), at every
 level, gets a label (union-find, as `mdsl.search.dims.Labels` does for one kernel graph): each
 operator's `dims` rule at the kernel, block and thread level (accumulators included) ties the dims it
-keeps; a custom node ties each operand's dims to its block input's tile dims and each block output's
+keeps (but an operand's dim of size 1 where operands broadcast: it may be a bias's row); a custom node ties each operand's dims to its block input's tile dims and each block output's
 tile dims to its result's; a fused node does the same with its thread graph; and every graph's inputs
 and outputs are tied to the original's, which they read and return. A label's *extents* are the sizes
 of its dims: a tensor's, and its tiles' (the tensor divided by the grid parts and loop iterations that
@@ -87,8 +87,12 @@ class JointLabels:
                 self._add(scope, v)
             if node.body is None:
                 facts = node.opdef.rules["dims"](node)
+                # an operand's dim of size 1 may be a broadcast (a bias's row) as well as an index of size
+                # 1 (a tile's one row): tied, it would resize with the index; other facts tie the index
+                broadcasts = len(node.inputs) > 1 and (node.opdef.is_elementwise or node.opdef.is_accumulator)
                 for (i, d), (j, e) in facts.same:
-                    self._union((scope, node.inputs[i].name, d), (scope, node.outputs[j].name, e))
+                    if not (broadcasts and node.inputs[i].shape[d] == 1):
+                        self._union((scope, node.inputs[i].name, d), (scope, node.outputs[j].name, e))
                 for (i, d), (j, e) in facts.joint:
                     self._union((scope, node.inputs[i].name, d), (scope, node.inputs[j].name, e))
                 continue
