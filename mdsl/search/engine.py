@@ -17,7 +17,9 @@ the cost model and verified in parallel worker processes; the best verified ones
   same for any number of workers and any speed. The wall-clock budget is a safety cap: a search it cuts
   short returns the best verified result so far, and its plan is provisional (`Plan.provisional`).
 * A generator may yield a `Fallback`: a candidate verified only if the one it stands in for is not
-  (decided when that one's outcome is merged, so in order too). Once MAX_REJECTED candidates of one
+  (decided when that one's outcome is merged, so in order too); and an `Assembly`, a candidate made of
+  replaced parts, which is verified part by part (`worker.verify_parts`: each replacement against the
+  sub-program it replaces; the whole is equivalent by substitution, its bound the sum of the parts'). Once MAX_REJECTED candidates of one
   structure (the same operators in the same kernels) are rejected, the others of that structure are
   not verified: an overflow or a rule that fails one of them fails them all.
 * Generation yields the CPU to verification: while every worker is busy and `config.workers`
@@ -35,8 +37,9 @@ the cost model and verified in parallel worker processes; the best verified ones
   only asked for their next candidate before the deadline, so they must yield (or poll
   `stats.out_of_time()`) now and then.
 * The worker processes start when the first candidate goes to verification, and make the original's
-  side of the tests then (`worker.prepare`; at large shapes its runs take gigabytes): a search that
-  verifies nothing starts no process and makes no run.
+  side of the tests when the first whole-program candidate does (`worker.prepare`; at large shapes its
+  runs take gigabytes): a search that verifies nothing starts no process and makes no run, and one
+  that verifies only assemblies runs only their parts' originals.
 * Whatever ends a search (its end, the budget, an error, KeyboardInterrupt), its workers are stopped
   and its temporary directory removed before the result or the exception leaves `search`.
 * At its end the search explains the best plan's kernel boundaries (`mdsl.search.explain`) from what
@@ -71,7 +74,7 @@ from mdsl.search.cache import PlanCache
 from mdsl.search import explain
 from mdsl.search.config import VERIFY_STEPS, SearchConfig
 from mdsl.search.cost import Cost, estimate, roofline_floor
-from mdsl.search.plan import Candidate, Evidence, Fallback, Plan, mdsl_version
+from mdsl.search.plan import Assembly, Candidate, Evidence, Fallback, Plan, mdsl_version
 from mdsl.search.progress import StatusLine
 from mdsl.search.stats import (DUPLICATE, ERRORS, GENERATED, INVALID, REJECTED, SKIPPED, VERIFIED,
                                SearchStats)
@@ -269,6 +272,7 @@ class _Search:
         self.broken = False            # a worker died: no more verification
         self.shared_dir = ""           # the workers' runs of the original
         self.executor: Optional[cf.ProcessPoolExecutor] = None
+        self.prepared = False          # the workers were asked to make the original's runs
         self._last_progress = self.start
 
     def run(self, generators: list) -> SearchResult:
@@ -370,8 +374,10 @@ class _Search:
         return True
 
     def _admit(self, number: int, name: str, candidate) -> None:
-        primary = None
-        if isinstance(candidate, Fallback):
+        primary, parts = None, ()
+        if isinstance(candidate, Assembly):
+            candidate, primary, parts = candidate.graph, candidate.primary, tuple(candidate.parts)
+        elif isinstance(candidate, Fallback):
             candidate, primary = candidate.graph, candidate.primary
         if not isinstance(candidate, KernelGraph):
             self._invalid(name, None, "not a kernel graph", type(candidate).__name__)
@@ -379,9 +385,10 @@ class _Search:
             self.stats.count(DUPLICATE, name)
         else:
             self.seen.add(candidate.key)
-            self._rank_valid(number, name, candidate, primary)
+            self._rank_valid(number, name, candidate, primary, parts)
 
-    def _rank_valid(self, number: int, name: str, candidate: KernelGraph, primary: Optional[str] = None) -> None:
+    def _rank_valid(self, number: int, name: str, candidate: KernelGraph, primary: Optional[str] = None,
+                    parts: tuple = ()) -> None:
         key = candidate.key
         try:
             validate_kernel_graph(candidate)
@@ -406,7 +413,8 @@ class _Search:
             self.outcomes[key] = "the search's work budget ran out before it was verified"
             return
         self.pending.append(_Entry(self.admitted, _rank(cost, key), cost,
-                                   attrs.evolve(candidate, name=self.original.name), primary, _structure(candidate)))
+                                   attrs.evolve(candidate, name=self.original.name), primary, _structure(candidate),
+                                   parts))
         self.admitted += 1
 
     def _invalid(self, name: str, key: Optional[str], reason: str, detail: str) -> None:
@@ -456,18 +464,24 @@ class _Search:
             self._submit(entry)
 
     def _submit(self, entry: "_Entry") -> None:
-        first = self.executor is None
-        if first:  # the first candidate: now the workers, and the original's runs, are worth their cost
+        if self.executor is None:  # the first candidate: now the workers are worth their cost
             self.executor = _start_workers(self.config, self.verifier, self.original, self.shared_dir)
-            # This starts the first worker: a wait for the forkserver to have preloaded mdsl, which a
+        prepare = not entry.parts and not self.prepared
+        if prepare:  # the first whole-program candidate: now the original's runs are worth their cost
+            self.prepared = True
+            # This may start the first worker: a wait for the forkserver to have preloaded mdsl, which a
             # signal may cut short (not held: it can take seconds). A worker the server forks after
             # that ends when this process does (each worker watches it).
             self.executor.submit(worker.prepare)
         with _signals_held():  # the other submissions may start workers, which must not be cut short
-            for _ in range(self.config.workers - 1 if first else 0):
+            for _ in range(self.config.workers - 1 if prepare else 0):
                 self.executor.submit(worker.prepare)
-            future = self.executor.submit(worker.verify, worker.graph_text(entry.graph), self.config.verify_tests,
-                                          self.config.seed)
+            if entry.parts:
+                pairs = [(worker.graph_text(sub), worker.graph_text(replacement)) for sub, replacement in entry.parts]
+                future = self.executor.submit(worker.verify_parts, pairs, self.config.verify_tests, self.config.seed)
+            else:
+                future = self.executor.submit(worker.verify, worker.graph_text(entry.graph), self.config.verify_tests,
+                                              self.config.seed)
         self.in_flight[future] = entry
 
     def _collect(self, done: Iterable) -> None:
@@ -554,6 +568,7 @@ class _Entry:
     graph: KernelGraph
     primary: Optional[str] = None   # a fallback's: verified only if this candidate is not
     structure: tuple = ()           # `_structure` of its graph
+    parts: tuple = ()               # an assembly's (sub-program, replacement) pairs: verified part by part
 
     @property
     def key(self) -> str:

@@ -28,13 +28,16 @@ never costs more than the original, and a part never has more kernels than opera
 one kernel, or two for a split loop, from at least two operators).
 
 **Soundness.** The assembled program (each part replaced by its candidate) is yielded to the search
-engine as a whole-program candidate, which the verifier checks against the whole original at full
-size, as every candidate. Were each part checked against its sub-program instead, the whole would
-follow by substitution (a part equal to the sub-program it replaces, as a function of the values it
-reads, leaves every later value unchanged); the whole-program check needs no such argument, and its
-float tests see the values a part really receives. The screens use randomness of their own (the
-seed's child `screen.SCREEN_KEY`), so the candidates this generator chooses depend on no draw of the
-whole-program tests: the verifier's bound holds for them as for any candidate.
+engine as an `Assembly`, which the verifier checks part by part at full size: each replacement
+against the sub-program it replaces, on inputs of the sub-program's own, with the finite-field and
+float tests of any candidate. The whole is then equivalent by substitution: every operator outside
+the parts is the original's, and a replacement equal to its sub-program as a function of the values
+it reads leaves every later value unchanged. A part's tests pass a wrong replacement with probability
+at most its bound, so the assembly's bound is the sum of its parts' (a union bound). The operators
+left apart (often the largest products) are not evaluated at all, and the original's runs are the
+parts', not the whole program's. The screens use randomness of their own (the seed's child
+`screen.SCREEN_KEY`), so the candidates this generator chooses depend on no draw of the full-size
+tests: the verifier's bound holds for them as for any candidate.
 
 After the best assembly come fallbacks (the best combination without one of its fused parts), which
 the verifier may accept where the best fails at full size. What the generator learned of every part
@@ -53,7 +56,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import Cost, estimate
 from mdsl.search.guided import lift_all
-from mdsl.search.plan import Fallback
+from mdsl.search.plan import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
 
@@ -336,8 +339,8 @@ def _renamed(candidate: KernelGraph, program: KernelGraph, taken: set) -> list:
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None
              ) -> Iterator[KernelGraph]:
     """The best combination of fused parts, then up to FALLBACKS combinations each without one of its
-    fused parts, as `Fallback`s (verified only if the best is not); nothing where no part fuses. Records
-    what it learned in `stats.partition`."""
+    fused parts (verified only if the best is not), each an `Assembly` (verified part by part); nothing
+    where no part fuses. Records what it learned in `stats.partition`."""
     stats = stats if stats is not None else SearchStats()
     if len(graph.nodes) < 2:
         return
@@ -358,9 +361,9 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
             validate_kernel_graph(candidate)
             if candidate.key not in assemblies:
                 assemblies[candidate.key] = [[i, j] for i, j, o in plan if o is not None]
-                candidates.append(candidate)
+                parts = tuple((partition.parts[i, j].program, o[0]) for i, j, o in plan if o is not None)
+                primary = candidates[0].graph.key if candidates else None
+                candidates.append(Assembly(candidate, parts, primary))
     finally:   # also when the search stops it early: the explanation reads what it learned
         stats.partition = partition.record(assemblies)
-    if candidates:
-        yield candidates[0]
-        yield from (Fallback(c, candidates[0].key) for c in candidates[1:])
+    yield from candidates

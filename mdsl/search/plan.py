@@ -26,6 +26,7 @@ from mdsl.search.stats import SearchStats
 SCHEMA = 1
 _FLOAT_EVIDENCE = ("false_pass_probability", "float_rel_error", "float_bound", "seconds")
 _EXACT_EVIDENCE = {"equivalent": bool, "reason": str, "finite_field_tests": int, "seed": int}
+_OPTIONAL_INT_EVIDENCE = ("parts",)
 
 
 def _nan_equal(x: float) -> object:
@@ -45,6 +46,7 @@ class Evidence:
     float_bound: float = attrs.field(eq=_nan_equal)
     seed: int
     seconds: float = attrs.field(default=0.0, eq=False)   # verification time, which varies run to run
+    parts: int = 0   # verified part by part: how many fused parts (each against its sub-program); 0: whole
 
     @classmethod
     def of(cls, verification: Any, seed: int, seconds: float) -> "Evidence":
@@ -76,6 +78,9 @@ class Evidence:
         for name in _FLOAT_EVIDENCE:
             if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float, str))):
                 raise ValueError(f"evidence field {name!r} must be a number, got {data[name]!r}")
+        for name in _OPTIONAL_INT_EVIDENCE:
+            if name in data and type(data[name]) is not int:
+                raise ValueError(f"evidence field {name!r} must be an int, got {data[name]!r}")
         return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
 
     @property
@@ -90,7 +95,9 @@ class Evidence:
             return f"not verified ({self.reason})"
         if not self.equivalent:
             return f"not equivalent ({self.reason})"
-        return (f"{self.finite_field_tests} finite-field tests (false-pass probability <= "
+        whole = (f" of each of its {self.parts} fused part(s) against the operators it replaces" if self.parts
+                 else "")
+        return (f"{self.finite_field_tests} finite-field tests{whole} (false-pass probability <= "
                 f"{self.false_pass_probability:.1e}), float relative error {self.float_rel_error:.2e} "
                 f"(bound {self.float_bound:.1e})")
 
@@ -98,11 +105,24 @@ class Evidence:
 @attrs.frozen
 class Fallback:
     """What a generator yields for a candidate to verify only if another one, `primary` (its structural
-    key), is not verified: a second choice that is worth its verification only where the first fails
-    (`mdsl.search.partition` yields its best assembly, then these)."""
+    key), is not verified: a second choice that is worth its verification only where the first fails."""
 
     graph: KernelGraph
     primary: str
+
+
+@attrs.frozen
+class Assembly:
+    """What a generator yields for a whole-program candidate made of replaced parts: `parts` pairs each
+    sub-program (a run of the original's operators as a program of its own) with the mugraph that
+    replaces it in `graph`; every other operator of `graph` is the original's. The verifier checks
+    each replacement against its sub-program, and the whole is equivalent by substitution.
+    `primary`: as a Fallback's, or None (`mdsl.search.partition` yields its best assembly, then
+    fallbacks standing in for it)."""
+
+    graph: KernelGraph
+    parts: tuple
+    primary: Optional[str] = None
 
 
 @attrs.frozen

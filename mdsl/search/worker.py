@@ -20,6 +20,8 @@ import time
 import types
 from typing import Callable, Iterator, Optional
 
+import attrs
+
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.plan import Evidence
@@ -75,6 +77,33 @@ def verify(candidate_text: str, tests: int, seed: int) -> tuple:
             return Evidence.failure(failure, seed, time.perf_counter() - start), os.getpid()
         verification = _state["verifier"](_state["original"], candidate, tests=tests, seed=seed)
         evidence = Evidence.of(verification, seed, time.perf_counter() - start)
+    except Exception as e:  # a verifier bug must not end the search; the reason says what happened
+        evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
+    return evidence, os.getpid()
+
+
+def verify_parts(parts: list, tests: int, seed: int) -> tuple:
+    """(Evidence, this worker's pid) of an assembled candidate verified part by part: `parts` holds
+    (sub-program, replacement) pairs as JSON text; each replacement is checked against its sub-program
+    by the search's verifier, and the whole is equivalent by substitution (the rest of it is the
+    original's operators). The bound is the union bound over the parts; the first failure rejects."""
+    start = time.perf_counter()
+    bound, worst, outcomes = 0.0, None, []
+    try:
+        for k, (original_text, candidate_text) in enumerate(parts):
+            original, candidate = serialize.loads(original_text), serialize.loads(candidate_text)
+            v = Evidence.of(_state["verifier"](original, candidate, tests=tests, seed=seed), seed, 0.0)
+            ops = ", ".join(n.op for n in original.nodes)
+            if not v.equivalent:
+                return attrs.evolve(v, reason=f"part {k + 1} of {len(parts)} ({ops}): {v.reason}",
+                                    seconds=time.perf_counter() - start, parts=len(parts)), os.getpid()
+            bound += v.false_pass_probability
+            if worst is None or v.float_rel_error / v.float_bound > worst.float_rel_error / worst.float_bound:
+                worst = v
+            outcomes.append(f"part {k + 1} ({ops}): {v.reason}")
+        evidence = Evidence(True, "; ".join(outcomes), worst.finite_field_tests, min(1.0, bound),
+                            worst.float_rel_error, worst.float_bound, seed, time.perf_counter() - start,
+                            parts=len(parts))
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
         evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
     return evidence, os.getpid()

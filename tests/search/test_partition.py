@@ -13,7 +13,7 @@ from mdsl.search import partition
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.engine import search
-from mdsl.search.plan import Fallback
+from mdsl.search.plan import Assembly
 from mdsl.search.stats import SearchStats
 
 # the default generators but the exhaustive one (its states would dominate these tests' time)
@@ -103,7 +103,7 @@ def test_horizontal_fusion_computes_both_products_in_one_kernel():
     graph = _horizontal()
     stats = SearchStats()
     best, *_ = partition.generate(graph, CONFIG, stats)
-    (fused,) = [n for n in best.nodes if n.body is not None]
+    (fused,) = [n for n in best.graph.nodes if n.body is not None]
     assert [n.op for n in fused.body.nodes].count("matmul") == 2 and len(fused.outputs) == 2
 
 
@@ -150,11 +150,14 @@ def test_fallbacks_leave_out_one_fused_part_each_and_wait_for_the_best():
 
     stats = SearchStats()
     best, *fallbacks = partition.generate(two_parts.graph, CONFIG, stats)
-    assert isinstance(best, KernelGraph) and fallbacks
-    assert all(isinstance(f, Fallback) and f.primary == best.key for f in fallbacks)
+    assert isinstance(best, Assembly) and best.primary is None and fallbacks
+    assert all(isinstance(f, Assembly) and f.primary == best.graph.key for f in fallbacks)
     spans = {key: set(map(tuple, s)) for key, s in stats.partition["assemblies"].items()}
-    assert len(spans[best.key]) == 2
-    assert all(spans[best.key] - spans[f.graph.key] for f in fallbacks)   # each without a part of the best
+    assert len(spans[best.graph.key]) == len(best.parts) == 2
+    assert all(spans[best.graph.key] - spans[f.graph.key] for f in fallbacks)   # each without a part of the best
+    for sub, replacement in best.parts:   # each part's replacement reads and returns what its sub-program does
+        assert [v.type for v in replacement.inputs] == [v.type for v in sub.inputs]
+        assert [v.name for v in replacement.outputs] == [v.name for v in sub.outputs]
 
 
 def test_a_part_that_fails_its_screen_gives_way_to_its_next_candidate(monkeypatch):
