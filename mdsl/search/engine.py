@@ -74,7 +74,8 @@ from mdsl.search.cache import PlanCache
 from mdsl.search import explain
 from mdsl.search.config import VERIFY_STEPS, SearchConfig
 from mdsl.search.cost import Cost, estimate, roofline_floor
-from mdsl.search.plan import Assembly, Candidate, Evidence, Fallback, Plan, mdsl_version
+from mdsl.search.plan import Candidate, Evidence, Plan, mdsl_version
+from mdsl.search.records import Assembly, Fallback
 from mdsl.search.progress import StatusLine
 from mdsl.search.stats import (DUPLICATE, ERRORS, GENERATED, INVALID, REJECTED, SKIPPED, VERIFIED,
                                SearchStats)
@@ -208,15 +209,40 @@ def _with_family(plan: Plan, default: bool) -> Plan:
 
 def _family_member(store: PlanCache, family: str, graph: KernelGraph, searcher: dict) -> Optional[Plan]:
     """A plan of the program at another size re-targeted to `graph` and verified there, or None."""
-    from mdsl.search.family import retarget
-
     for key in reversed(store.members(family)):
         member = store.load_key(key, searcher)
         if member is not None and member.family is not None and not member.provisional:
-            plan = retarget(member, graph)
+            plan = _retargeted(member, graph)
             if plan is not None:
                 return plan
     return None
+
+
+def _retargeted(member: Plan, graph: KernelGraph) -> Optional[Plan]:
+    """`member`'s chosen mugraph re-targeted to `graph` (`mdsl.search.family.retarget`) and verified at
+    that size with the member's seed and tests (the original kept as the alternative), or None."""
+    from mdsl.search.family import member_family, retarget
+
+    chosen = retarget(member, graph)
+    if chosen is None:
+        return None
+    start = time.perf_counter()
+    config = member.config
+    itself = Evidence(True, "the original program itself", 0, 0.0, math.nan, math.nan, config.seed)
+    stats = SearchStats(done=True)
+    if chosen.key == graph.key:
+        evidence, alternatives = itself, ()
+    else:
+        evidence = Evidence.of(default_verifier()(graph, chosen, tests=config.verify_tests, seed=config.seed),
+                               config.seed, time.perf_counter() - start)
+        if not evidence.equivalent:
+            return None
+        stats.count(VERIFIED)
+        alternatives = (Candidate(graph, estimate(graph), itself),)
+    stats.elapsed_s = time.perf_counter() - start
+    return Plan(graph, chosen, estimate(chosen), roofline_floor(graph), evidence, stats, alternatives, config,
+                member.mdsl_version, explanation=member.explanation,
+                family=member_family(member, graph.outputs[0].shape[0]))
 
 
 def _merged(new: Plan, old: Plan) -> Plan:

@@ -15,8 +15,8 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.cost import kernel_costs
-from mdsl.search.plan import Boundary
 from mdsl.search.partition import DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
+from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
 
 _VIEWS = frozenset({"reshape"})   # operators that launch no kernel (mdsl.search.cost)

@@ -12,22 +12,20 @@ p | M'), no constant of a mugraph that the original lacks encodes the label's si
 1/M), and the original resized is,
 value for value, the program traced at M' (a broadcast dim of size 1 tied to the rows at M = 1 is not).
 
-`family_sizes` says which of FAMILY_SIZES a plan re-targets to (resized, validated and lowered; each
-is verified when it is first used); `retarget` builds the plan for one of them.
+`family_of` says which of FAMILY_SIZES a plan (a `mdsl.search.plan.Plan`) re-targets to (resized,
+validated and lowered; each is verified when it is first used); `retarget` re-targets its chosen
+mugraph to one of them, which `mdsl.search.engine.optimize` verifies and stores as that size's plan.
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import attrs
 
 from mdsl.errors import MdslError
 from mdsl.ir.graph import KernelGraph
-from mdsl.search.cost import estimate
-from mdsl.search.plan import Candidate, Evidence, Family, Plan
+from mdsl.search.records import Family
 from mdsl.search.resize import CannotResize, JointLabels, encodes_size, float_constants
-from mdsl.search.stats import SearchStats
 
 #: The sizes of the family dim a plan's coverage is reported for (LLM decode and small prefill batches).
 FAMILY_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -51,7 +49,7 @@ def family_label(labels: JointLabels) -> Optional[tuple]:
     return label, f"dim 0 of %{carrier.name}"
 
 
-def _resized(plan: Plan, size: int) -> Optional[list]:
+def _resized(plan, size: int) -> Optional[list]:
     """[original, chosen, *alternatives] at `size` of the family dim, or None where the resize is not exact."""
     graphs = [plan.original, plan.graph, *(c.graph for c in plan.alternatives)]
     labels = JointLabels(graphs)
@@ -97,7 +95,7 @@ def _valid(graph: KernelGraph) -> bool:
     return True
 
 
-def family_of(plan: Plan, sizes: tuple = FAMILY_SIZES) -> Optional[Family]:
+def family_of(plan, sizes: tuple = FAMILY_SIZES) -> Optional[Family]:
     """The plan's family: the sizes of `sizes` its chosen mugraph re-targets to (resized, validated,
     lowered); None where the program has no family dim."""
     labels = JointLabels([plan.original, plan.graph])
@@ -115,10 +113,10 @@ def family_of(plan: Plan, sizes: tuple = FAMILY_SIZES) -> Optional[Family]:
     return Family(found[1], here, tuple(covered))
 
 
-def retarget(plan: Plan, graph: KernelGraph, verifier: Optional[Callable] = None) -> Optional[Plan]:
-    """The plan for `graph`, the plan's program at another size of its family dim: the chosen mugraph
-    re-targeted, lowered and verified at that size (the original kept as the alternative); None where
-    it does not re-target or fails verification (the caller then searches)."""
+def retarget(plan, graph: KernelGraph) -> Optional[KernelGraph]:
+    """The plan's chosen mugraph re-targeted to `graph`, the plan's program at another size of its family
+    dim: resized, validated and lowered (not yet verified: the caller verifies it at that size, see
+    `mdsl.search.engine.optimize`); None where it does not re-target."""
     size = graph.outputs[0].shape[0] if graph.outputs and graph.outputs[0].type.rank else None
     if size is None or plan.family is None:
         return None
@@ -126,26 +124,10 @@ def retarget(plan: Plan, graph: KernelGraph, verifier: Optional[Callable] = None
     if resized is None or attrs.evolve(resized[0], name=graph.name) != graph:
         return None
     chosen = attrs.evolve(resized[1], name=graph.name)
-    if not (_valid(chosen) and _lowers(chosen, plan.config.arch)):
-        return None
-    if verifier is None:
-        from mdsl.passes.verify import verify as verifier
-    start = time.perf_counter()
-    config = plan.config
-    if chosen.key == graph.key:
-        evidence = Evidence(True, "the original program itself", 0, 0.0, float("nan"), float("nan"), config.seed)
-    else:
-        evidence = Evidence.of(verifier(graph, chosen, tests=config.verify_tests, seed=config.seed), config.seed,
-                               time.perf_counter() - start)
-        if not evidence.equivalent:
-            return None
-    itself = Evidence(True, "the original program itself", 0, 0.0, float("nan"), float("nan"), config.seed)
-    alternatives = () if chosen.key == graph.key else (Candidate(graph, estimate(graph), itself),)
-    stats = SearchStats(counts={"verified": {"": 1}} if chosen.key != graph.key else {}, done=True)
-    stats.elapsed_s = time.perf_counter() - start
-    family = Family(plan.family.dim, size, tuple(s for s in (plan.family.size, *plan.family.sizes) if s != size),
-                    source=plan.family.size)
-    from mdsl.search.cost import roofline_floor
+    return chosen if _valid(chosen) and _lowers(chosen, plan.config.arch) else None
 
-    return Plan(graph, chosen, estimate(chosen), roofline_floor(graph), evidence, stats, alternatives, config,
-                plan.mdsl_version, explanation=plan.explanation, family=family)
+
+def member_family(plan, size: int) -> Family:
+    """The family of the plan re-targeted to `size`: the same dim and sizes, that size's."""
+    family = plan.family
+    return Family(family.dim, size, tuple(s for s in (family.size, *family.sizes) if s != size), source=family.size)

@@ -56,7 +56,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import Cost, estimate
 from mdsl.search.guided import lift_all
-from mdsl.search.plan import Assembly
+from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
 

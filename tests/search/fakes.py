@@ -11,7 +11,7 @@ import types
 
 from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import KernelGraph, Node, make_var
-from mdsl.search.plan import Fallback
+from mdsl.search.records import Fallback
 
 SHAPE = (8, 16)
 

@@ -58,7 +58,7 @@ def test_sizes_the_plan_does_not_cover_and_other_programs_are_searched(tmp_path)
     log = tmp_path / "other.jsonl"
     optimize(layer(8, hidden=128), CONFIG, cache=cache, log_path=log)   # the same structure, another hidden size
     assert "start" in events(log) and "family_hit" not in events(log)
-    assert retarget(searched, layer(8, hidden=128)) is None
+    assert retarget(searched, layer(8, hidden=128)) is None   # the same structure, not the same program
 
 
 def test_a_plan_without_a_leading_dim_has_no_family():

@@ -13,7 +13,7 @@ from mdsl.search import partition
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.engine import search
-from mdsl.search.plan import Assembly
+from mdsl.search.records import Assembly
 from mdsl.search.stats import SearchStats
 
 # the default generators but the exhaustive one (its states would dominate these tests' time)
