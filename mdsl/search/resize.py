@@ -10,7 +10,8 @@ Two consumers:
 **Joint labels.** Every dim of every value of the graphs (the original, then each candidate), at every
 level, gets a label (union-find, as `mdsl.search.dims.Labels` does for one kernel graph): each
 operator's `dims` rule at the kernel, block and thread level (accumulators included) ties the dims it
-keeps (but an operand's dim of size 1 where operands broadcast: it may be a bias's row); a custom node ties each operand's dims to its block input's tile dims and each block output's
+keeps (an operand's dim of size 1 where operands broadcast only where its label is an index of the
+program, some dim of it longer than 1: otherwise it is a broadcast, a bias's row); a custom node ties each operand's dims to its block input's tile dims and each block output's
 tile dims to its result's; a fused node does the same with its thread graph; and every graph's inputs
 and outputs are tied to the original's, which they read and return. A label's *extents* are the sizes
 of its dims: a tensor's, and its tiles' (the tensor divided by the grid parts and loop iterations that
@@ -62,6 +63,7 @@ class JointLabels:
         self.graphs = list(graphs)
         self.parent: dict = {}
         self.extent: dict = {}
+        self.weak: list = []   # (operand dim, result dim) pairs of size 1 where operands broadcast
         for g, graph in enumerate(self.graphs):
             scope = (g,)
             for v in graph.inputs:
@@ -72,6 +74,7 @@ class JointLabels:
                     self._tie_values((0,), a, scope, b)
                 for a, b in zip(self.graphs[0].outputs, graph.outputs):
                     self._tie_values((0,), a, scope, b)
+        self._tie_weak()
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -88,11 +91,14 @@ class JointLabels:
             if node.body is None:
                 facts = node.opdef.rules["dims"](node)
                 # an operand's dim of size 1 may be a broadcast (a bias's row) as well as an index of size
-                # 1 (a tile's one row): tied, it would resize with the index; other facts tie the index
+                # 1 (a tile's one row): such a pair is tied once the rest shows which (`_tie_weak`)
                 broadcasts = len(node.inputs) > 1 and (node.opdef.is_elementwise or node.opdef.is_accumulator)
                 for (i, d), (j, e) in facts.same:
-                    if not (broadcasts and node.inputs[i].shape[d] == 1):
-                        self._union((scope, node.inputs[i].name, d), (scope, node.outputs[j].name, e))
+                    pair = ((scope, node.inputs[i].name, d), (scope, node.outputs[j].name, e))
+                    if broadcasts and node.inputs[i].shape[d] == 1:
+                        self.weak.append(pair)
+                    else:
+                        self._union(*pair)
                 for (i, d), (j, e) in facts.joint:
                     self._union((scope, node.inputs[i].name, d), (scope, node.inputs[j].name, e))
                 continue
@@ -105,6 +111,22 @@ class JointLabels:
                 self._tie_values(scope, a, inner, b)
             for a, b in zip(outs, node.outputs):
                 self._tie_values(inner, a, scope, b)
+
+    def _tie_weak(self) -> None:
+        """Tie each operand dim of size 1 to its result's dim where the operand's label is an index of the
+        program (some dim of it is longer than 1: a tile's one row); one whose every dim is 1 is a
+        broadcast (a bias's row) and stays apart. Ties can make other labels indices: until none changes."""
+        changed = True
+        while changed:
+            changed = False
+            longest: dict = {}
+            for key, n in self.extent.items():
+                root = self._find(key)
+                longest[root] = max(longest.get(root, 1), n)
+            for a, b in self.weak:
+                if self._find(a) != self._find(b) and longest[self._find(a)] > 1:
+                    self._union(a, b)
+                    changed = True
 
     def _tie_values(self, scope_a: tuple, a: Var, scope_b: tuple, b: Var) -> None:
         for d in range(min(a.type.rank, b.type.rank)):

@@ -11,7 +11,7 @@ import mdsl
 from mdsl import Tensor, f16
 from mdsl.search.cache import PlanCache
 from mdsl.search.config import SearchConfig
-from mdsl.search.engine import optimize
+from mdsl.search.engine import optimize, search
 from mdsl.search.family import family_of, retarget
 
 CONFIG = SearchConfig(budget_s=60, workers=1, exhaustive=False, min_blocks=1, work=2000)
@@ -89,3 +89,22 @@ def test_coverage_is_what_resizes_validates_and_lowers():
     family = family_of(plan, sizes=(1, 4, 8, 12, 64))
     assert 8 not in family.sizes and set(family.sizes) <= {1, 4, 12, 64}
     assert family_of(attrs.evolve(plan, graph=plan.original), sizes=(3, 5)).sizes == (3, 5)   # unfused: any size
+
+
+def test_attention_re_targets_to_more_heads_through_its_rescaling_accumulators():
+    from tests.examples_util import load_example
+    from tests.search import fakes
+
+    graph = load_example("gqa").make_gqa(1, kv_len=256, queries=16, head_dim=16).graph   # 2 kv heads
+    plan = search(graph, attrs.evolve(CONFIG, top_k=2), generators=[guided_first], verifier=fakes.verify).plan()
+    assert not plan.is_original and any(n.op == "accum_rescale" for k in plan.graph.nodes if k.body
+                                        for n in k.body.nodes)
+    assert {4, 8, 16} <= set(family_of(plan).sizes)
+
+
+def guided_first(graph, config):
+    """The guided generator's cheapest candidate with online softmax (its loop walks the keys)."""
+    from mdsl.search.guided import generate
+
+    yield next(c for c in generate(graph, config) if any(n.op == "accum_rescale" for k in c.nodes if k.body
+                                                          for n in k.body.nodes))
