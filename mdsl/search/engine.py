@@ -50,7 +50,6 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import contextlib
-import heapq
 import importlib
 import inspect
 import json

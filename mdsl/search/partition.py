@@ -54,7 +54,7 @@ from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.types import Var
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
-from mdsl.search.cost import Cost, estimate
+from mdsl.search.cost import estimate
 from mdsl.search.guided import lift_all
 from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
@@ -153,10 +153,6 @@ def _connected(nodes) -> bool:
                 if j is not None:
                     group[find(i)] = find(j)
     return len({find(i) for i in range(len(nodes))}) == 1
-
-
-def _cost_key(cost: Cost) -> tuple:
-    return cost.seconds, cost.launches
 
 
 class Partition:
