@@ -3,6 +3,8 @@
     mdsl optimize examples/rms_norm_linear.py                  # search every @mdsl.kernel in the file
     mdsl optimize examples/rms_norm_linear.py:rms_norm_linear  # one of them
     mdsl optimize FILE --budget 30 --seed 1 --workers 4 --no-cache --log search.jsonl
+    mdsl optimize FILE --explain                               # why each kernel boundary is left
+    mdsl optimize FILE --work 20000                            # a larger work budget
     mdsl optimize FILE --format json|dot                       # the chosen mugraphs
     mdsl optimize FILE --trace-only                            # the traced graphs, no search
     mdsl optimize FILE --backend ptx                           # the GPU check compiles through llvmlite's PTX
@@ -163,7 +165,8 @@ def _optimize(args: argparse.Namespace) -> int:
         print(FORMATS[args.format]([k.graph for k in kernels]))
         return EXIT_OK
     config = SearchConfig(**{name: value for name, value in (("budget_s", args.budget), ("seed", args.seed),
-                                                             ("workers", args.workers)) if value is not None})
+                                                             ("workers", args.workers), ("work", args.work))
+                             if value is not None})
     plans = [k.optimize(config=config, cache=not args.no_cache, progress=True, log_path=args.log) for k in kernels]
     if args.format != "text":
         print(FORMATS[args.format]([p.graph for p in plans]))
@@ -171,6 +174,8 @@ def _optimize(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for i, plan in enumerate(plans):
         print(("\n" if i else "") + str(plan))  # each plan: its header comments, then its mugraph
+        if args.explain:
+            print("\n".join(f"# {line}" for line in ["explain:", *plan.explain().splitlines()]))
         report = _run_on_gpu(plan, args.backend)
         if report is not None:
             print("\n".join(report.lines()))
@@ -235,7 +240,14 @@ def make_parser() -> argparse.ArgumentParser:
                      help="text (default: each plan's header as # comments, then its mugraph in the textual IR), "
                           "json (the chosen mugraphs, one per line) or dot (Graphviz)")
     opt.add_argument("--budget", type=_positive(float), metavar="SECONDS",
-                     help="wall-clock budget of each search; the best plan found by then is returned (default 120)")
+                     help="wall-clock cap of each search: a search it cuts short returns the best plan so far, "
+                          "stored as provisional and searched again by the next run (default 120)")
+    opt.add_argument("--work", type=_positive(int), metavar="STEPS",
+                     help="work budget of each search: steps each generator and the verification queue may "
+                          "take (liftings, enumeration states, 100 per candidate verified); the plan depends on "
+                          "it and not on the machine's speed (default 10000)")
+    opt.add_argument("--explain", action="store_true",
+                     help="after each plan, say why each kernel boundary left in it could not be removed")
     opt.add_argument("--seed", type=int, help="the seed all of the search's randomness derives from (default 0)")
     opt.add_argument("--workers", type=_positive(int), help="processes that verify candidates (default: one per core)")
     opt.add_argument("--no-cache", action="store_true", help="search even if a cached plan exists (and do not store it)")

@@ -7,6 +7,14 @@ arch, mdsl's version and which generators and verifier searched. An entry is
 `{"mdsl_plan_cache": SCHEMA, "key": ..., "plan": Plan.to_json(), "digest": content_digest(plan)}`,
 written atomically (a temp file in the same directory, then os.replace) once the plan prints.
 
+A *family index* (`families/<family key>.json`, `{"mdsl_plan_family": SCHEMA, "family": ..., "keys": [...]}`)
+lists the plans searched for one program at different sizes of its leading dim (`mdsl.search.family`):
+the family key hashes what the plan key does with every shape left out. `optimize` reads it where
+the requested size has no plan of its own, re-targets a member's plan (`family.retarget`: lowered and
+verified at the new size, no search) and stores the result under the requested key. A member is read
+through `load_key`, which checks everything `load` does, the requested program aside (the re-target
+compares the member's program, resized, with it).
+
 An entry is untrusted data (a shared disk, a half-synced folder, a faulty older mdsl, a hand edit),
 so reading one checks, before anything is served: that it is a regular file of at most
 MAX_ENTRY_BYTES (read no further), its schema, key and content digest, that its plan parses and
@@ -38,6 +46,9 @@ SCHEMA = 2
 #: The largest entry read: a plan with its alternatives takes tens of kilobytes; anything near this is
 #: not a plan, and is not read into memory to find out.
 MAX_ENTRY_BYTES = 64 << 20
+
+#: Plans a family index lists at most (the newest kept).
+MAX_MEMBERS = 16
 
 #: Digests of plans this process stored or rechecked: the same content needs no second finite-field test.
 _TRUSTED: set = set()
@@ -74,6 +85,70 @@ class PlanCache:
             "searcher": searcher or {},
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    def family_key(self, graph: KernelGraph, config: SearchConfig, searcher: Optional[dict] = None) -> str:
+        """The key of the program's family: its plan key's material with every shape left out (ranks and
+        dtypes kept), so that the program at any size of any dim has it; a member is a program only once
+        its resized original equals the requested one (`family.retarget`)."""
+        def shapeless(v) -> list:
+            return [v.name, v.type.rank, v.dtype.name]
+
+        structure = {"inputs": [shapeless(v) for v in graph.inputs], "outputs": [shapeless(v) for v in graph.outputs],
+                     "nodes": [[n.op, [[k, repr(a)] for k, a in n.attrs], [shapeless(v) for v in n.inputs],
+                                [shapeless(v) for v in n.outputs], n.body is not None] for n in graph.nodes]}
+        material = {"schema": SCHEMA, "family": structure, "config": config.cache_fields(), "arch": config.arch,
+                    "mdsl_version": mdsl_version(), "searcher": searcher or {}}
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    def family_path(self, family: str) -> Path:
+        return self.root / "families" / f"{family}.json"
+
+    def members(self, family: str) -> list:
+        """The plan keys the family index lists (none where it is missing; a bad index warns and is deleted)."""
+        path = self.family_path(family)
+        seen = None
+        try:
+            seen = os.stat(path, follow_symlinks=False)
+            data = json.loads(_read_bounded(path))
+            if not isinstance(data, dict) or data.get("mdsl_plan_family") != SCHEMA or data.get("family") != family \
+                    or not isinstance(data.get("keys"), list) \
+                    or not all(isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)
+                               for k in data["keys"]):
+                raise CorruptEntry("not a family index of this family")
+            return list(data["keys"])
+        except FileNotFoundError:
+            return []
+        except Exception as e:   # untrusted data: whatever is wrong, the family starts over
+            self._reject(path, seen, f"{type(e).__name__}: {e}")
+            return []
+
+    def add_member(self, family: str, key: str) -> None:
+        """List `key` in the family's index (written atomically; at most MAX_MEMBERS, newest last)."""
+        keys = [k for k in self.members(family) if k != key][-(MAX_MEMBERS - 1):] + [key]
+        path = self.family_path(family)
+        text = json.dumps({"mdsl_plan_family": SCHEMA, "family": family, "keys": keys}, sort_keys=True, indent=1)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, text)
+        except OSError as e:
+            warnings.warn(f"mdsl: could not write the plan family index {path}: {e}", stacklevel=2)
+
+    def load_key(self, key: str, searcher: Optional[dict] = None) -> Optional[Plan]:
+        """The stored plan under `key` whatever program it is for, or None; checked as `load` checks, and
+        its original must be the program `key` stands for (with this plan's config and `searcher`)."""
+        path = self.path(key)
+        seen = None
+        try:
+            seen = os.stat(path, follow_symlinks=False)
+            plan = _read_entry(_read_bounded(path), key, None)
+            if self.key(plan.original, plan.config, searcher) != key:
+                raise CorruptEntry("its original program is not the one its key stands for")
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            self._reject(path, seen, f"{type(e).__name__}: {e}")
+            return None
+        return attrs.evolve(plan, cache_path=str(path))
 
     def load(self, key: str, graph: KernelGraph) -> Optional[Plan]:
         """The stored plan for `graph` under `key`, or None. An entry that fails any check warns, naming
@@ -149,7 +224,7 @@ def _read_bounded(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def _read_entry(text: str, key: str, graph: KernelGraph) -> Plan:
+def _read_entry(text: str, key: str, graph: Optional[KernelGraph]) -> Plan:
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("mdsl_plan_cache") != SCHEMA:
         raise CorruptEntry(f"not a plan cache entry of schema {SCHEMA}")
@@ -163,7 +238,7 @@ def _read_entry(text: str, key: str, graph: KernelGraph) -> Plan:
     plan = Plan.from_json(data["plan"])  # every graph parses and validates
     if plan.mdsl_version != mdsl_version():
         raise CorruptEntry(f"it was verified by mdsl {plan.mdsl_version}, not by this mdsl {mdsl_version()}")
-    if plan.original != graph:
+    if graph is not None and plan.original != graph:
         raise CorruptEntry("its original program differs from the requested one")
     if digest not in _TRUSTED:
         problem = recheck(plan)

@@ -1,4 +1,12 @@
-"""What a search may explore and how long it may take. Part of the result cache's key."""
+"""What a search may explore and how long it may take. Part of the result cache's key.
+
+A search's result depends on its work budget (`work`), never on how fast the machine ran it: each
+consumer of work (the guided generator's liftings, the partition generator's liftings and screens, the
+exhaustive generator's states, and the candidates admitted to verification, each counted as
+`VERIFY_STEPS` steps) may take `work` steps of its own, in an order that does not depend on time. The
+wall-clock `budget_s` is only a safety cap: a search it cuts short returns the best plan so far, marked
+provisional (`Plan.provisional`), which the plan cache serves until a later `optimize` searches again.
+"""
 from __future__ import annotations
 
 import math
@@ -18,14 +26,23 @@ def _finite_positive(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a finite number of seconds > 0, got {value!r}")
 
 
+#: Steps of the "verify" allowance one candidate admitted to verification takes (so that the default work
+#: budget admits work // VERIFY_STEPS candidates).
+VERIFY_STEPS = 100
+
+
 @attrs.frozen
 class SearchConfig:
-    # wall clock; the best verified result so far is returned then
+    # the wall-clock cap; the best verified result so far is returned then, as a provisional plan
     budget_s: float = attrs.field(default=120.0, validator=_finite_positive)
+    # steps of work each consumer may take (liftings, screens, enumeration states, VERIFY_STEPS per
+    # candidate verified): what makes a search's result the same on a loaded machine as on a quiet one
+    work: int = attrs.field(default=10_000, validator=v.ge(1))
     # worker processes that verify candidates; the result does not depend on it
     workers: int = attrs.field(factory=_default_workers, eq=False, validator=v.ge(1))
     seed: int = 0                       # all randomness (verification inputs, primes, oracles) derives from it
     guided: bool = True                 # propose block graphs from the target's structure first
+    partition: bool = True              # then fuse parts of the program where no one kernel computes all of it
     exhaustive: bool = True             # then enumerate block graphs in canonical order
     max_block_ops: int = 7              # ops in one enumerated block graph (accumulators included)
     forloop_ranges: tuple = (1, 2, 4, 8, 16, 32, 64, 128)

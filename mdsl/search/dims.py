@@ -7,6 +7,7 @@ attention). The guided search splits free labels across the grid and loops over 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import attrs
@@ -84,10 +85,33 @@ def _opaque(node: Node) -> DimFacts:
     return DimFacts()
 
 
+def _accumulator(node: Node) -> DimFacts:
+    """Accumulators keep every dim but a last dim they reduce to 1; a rescale operand broadcasts."""
+    out = node.outputs[0].shape
+    same, contracted = [], []
+    for i, v in enumerate(node.inputs):
+        for d, n in enumerate(v.shape):
+            if n == out[d]:
+                same.append(((i, d), (0, d)))
+            elif i == 0:
+                contracted.append((0, d, node.op))
+    return DimFacts(tuple(same), (), tuple(contracted))
+
+
 _RULES = {"matmul": _matmul, "sum": _reduction, "mean": _reduction, "max": _reduction, "rms_norm": _rms_norm,
           "transpose": _transpose, "concat": _concat, "split": _split, "reshape": _opaque}
 for _name, _op in OPS.items():
-    extend_op(_name, dims=_RULES.get(_name, _aligned if _op.is_elementwise else _opaque))
+    extend_op(_name, dims=_RULES.get(_name, _aligned if _op.is_elementwise
+                                     else _accumulator if _op.is_accumulator else _opaque))
+
+
+@attrs.frozen
+class Zip:
+    """Labels of different tensors that one grid dim splits together, each tensor along its own: horizontal
+    fusion of independent products of one input (the columns of q, k and v, each block computing its
+    slice of each). No value carries two of them."""
+
+    labels: tuple
 
 
 class Labels:
@@ -130,12 +154,17 @@ class Labels:
         return self._find((var_name, dim))
 
     def size(self, label) -> int:
+        """A label's size; a Zip's, the greatest common divisor of its members' (what a grid may split)."""
+        if isinstance(label, Zip):
+            return math.gcd(*(self.sizes[member] for member in label.labels))
         return self.sizes[label]
 
     def dim_of(self, var, label) -> Optional[int]:
-        """The dim of `var` that carries `label` (None if none; the first if several)."""
+        """The dim of `var` that carries `label` (for a Zip: one of its members; None if none; the first if
+        several)."""
+        members = label.labels if isinstance(label, Zip) else (label,)
         for d in range(var.type.rank):
-            if self.label(var.name, d) == label and var.shape[d] > 1:
+            if self.label(var.name, d) in members and var.shape[d] > 1:
                 return d
         return None
 

@@ -44,9 +44,9 @@ subexpression of the other). Terms forget indices and some axioms hold only with
 product with a factor constant along the sum), so a closed program is also run once, as one block,
 in float64 against the program, at reduced sizes (``numerics``; `_Screen` says which, and counts
 under ``unscreened`` the programs it leaves to the verifier). The search ends when every frame is
-done, after ``max_states`` states or ``budget_s / 2`` seconds of its own work (the consumer's time
-between candidates does not count), or at the search's deadline, which every z3 query also stops at;
-the reason is counted under ``stopped``.
+done, after ``max_states`` states (the config's work budget: a count, so that where it stops does not
+depend on the machine's speed), or at the search's deadline (the wall-clock cap), which every z3
+query also stops at; the reason is counted under ``stopped``.
 """
 from __future__ import annotations
 
@@ -70,14 +70,15 @@ from mdsl.passes.abstract import Term, abstract_terms, node_terms, subterms, var
 from mdsl.passes.subexpr import OutOfTime, SubexprChecker
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.dims import DimFacts, Labels
+from mdsl.search.dims import Labels
+from mdsl.search.resize import elements as _elements, encodes_size, float_constants, seen_attributes
 from mdsl.search.stats import PRUNED, SearchStats
 
 #: The smallest chunk of the loop label one iteration works on (smaller dims allow two iterations).
 MIN_LOOP_CHUNK = 8
-#: States explored per second of budget (about what a core manages on small programs): the
-#: deterministic bound on the search, which ends sooner on time if z3 is slow.
-STATES_PER_SECOND = 250
+#: Each z3 query's wall-clock limit: a safety only. The deterministic resource limit (`subexpr.DEFAULT_RLIMIT`)
+#: decides every query, so that what is pruned does not depend on how busy the machine is.
+Z3_TIMEOUT_MS = 60_000
 
 
 class _OutOfBudget(Exception):
@@ -106,24 +107,11 @@ def _var_labels(labels: Labels, v: Var) -> tuple:
     return tuple(labels.label(v.name, d) if n > 1 else None for d, n in enumerate(v.shape))
 
 
-def _accumulator_facts(node: Node) -> DimFacts:
-    """Accumulators keep every dim but a last dim they reduce to 1; a rescale operand broadcasts."""
-    out = node.outputs[0].shape
-    same, contracted = [], []
-    for i, v in enumerate(node.inputs):
-        for d, n in enumerate(v.shape):
-            if n == out[d]:
-                same.append(((i, d), (0, d)))
-            elif i == 0:
-                contracted.append((0, d, node.op))
-    return DimFacts(tuple(same), (), tuple(contracted))
-
-
 def _result_labels(node: Node, operands: list, contracted: frozenset, loop) -> Optional[tuple]:
     """The labels of `node`'s result, or None when its dims do not line up. `loop` is the label the
     for-loop walks (None without a loop)."""
     opdef = node.opdef
-    facts = _accumulator_facts(node) if opdef.is_accumulator else opdef.rules["dims"](node)
+    facts = opdef.rules["dims"](node)
     out = node.outputs[0].shape
     result: list = [None] * len(out)
     for (i, d), (_, e) in facts.same:
@@ -267,25 +255,12 @@ def _idempotent(op: OpDef) -> bool:
     return out.shape == tile.shape and np.array_equal(out, tile)
 
 
-def _seen_attributes(graph) -> dict:
-    """(attribute name, kind) -> the values the program uses (scalars, eps, clamp bounds, dtypes)."""
-    seen: dict = {}
-    for node in graph.nodes:
-        specs = {s.name: s for s in node.opdef.attr_specs}
-        for name, value in node.attrs:
-            seen.setdefault((name, specs[name].kind), {})[value] = None
-        if node.body is not None:
-            for key, values in _seen_attributes(node.body).items():
-                seen.setdefault(key, {}).update(values)
-    return seen
-
-
 class _Attributes:
     """The attribute choices of an operator on operands of a given rank: every dim for `dim`, both
     values of a flag, and for the rest the values the program itself uses (or the default)."""
 
     def __init__(self, graph: KernelGraph):
-        self.seen = {key: tuple(values) for key, values in _seen_attributes(graph).items()}
+        self.seen = {key: tuple(values) for key, values in seen_attributes(graph).items()}
         self.cache: dict = {}
 
     def choices(self, op: OpDef, rank: int) -> list:
@@ -383,13 +358,11 @@ class Program:
 
 
 class _Budget:
-    """States and seconds of the generator's own work; the search's deadline."""
+    """The generator's states (at most `max_states`) and the search's deadline (the wall-clock cap)."""
 
-    def __init__(self, max_states: int, seconds: float, stats: SearchStats):
-        self.max_states, self.seconds, self.stats = max_states, seconds, stats
+    def __init__(self, max_states: int, stats: SearchStats):
+        self.max_states, self.stats = max_states, stats
         self.states = 0
-        self.used_s = 0.0
-        self.resumed = time.perf_counter()
 
     def tick(self) -> None:
         """One more state."""
@@ -403,20 +376,8 @@ class _Budget:
             raise _OutOfBudget("time")
 
     def time_left(self) -> float:
-        """Seconds of work left: of the generator's own, and before the search's deadline."""
-        left = self.seconds - self.elapsed()
-        if self.stats.deadline is not None:
-            left = min(left, self.stats.deadline - time.monotonic())
-        return left
-
-    def elapsed(self) -> float:
-        return self.used_s + time.perf_counter() - self.resumed
-
-    def pause(self) -> None:
-        self.used_s += time.perf_counter() - self.resumed
-
-    def resume(self) -> None:
-        self.resumed = time.perf_counter()
+        """Seconds before the search's deadline."""
+        return math.inf if self.stats.deadline is None else self.stats.deadline - time.monotonic()
 
 
 class _Matcher:
@@ -425,7 +386,7 @@ class _Matcher:
     def __init__(self, targets: list, time_left: Optional[Callable[[], float]] = None):
         self.targets = [t.term for t in targets]
         self.time_left = time_left
-        self.forward = [SubexprChecker([t], time_left=time_left) for t in self.targets]
+        self.forward = [SubexprChecker([t], time_left=time_left, timeout_ms=Z3_TIMEOUT_MS) for t in self.targets]
         self.backward: dict = {}
 
     def matches(self, term: Term, k: int) -> bool:
@@ -433,7 +394,7 @@ class _Matcher:
         if term is target:
             return True
         if term not in self.backward:
-            self.backward[term] = SubexprChecker([term], time_left=self.time_left)
+            self.backward[term] = SubexprChecker([term], time_left=self.time_left, timeout_ms=Z3_TIMEOUT_MS)
         return self.forward[k].is_subexpression(term) and self.backward[term].is_subexpression(target)
 
 
@@ -772,18 +733,10 @@ def _sizes_in_constants(graph: KernelGraph, labels: Labels) -> set:
     """The labels whose size n a float attribute of the program may stand for (n, 1/n, √n or 1/√n: a sum
     times 1/n for a mean, a 1/√d attention scale). They keep their size in the screen, where a
     candidate that reads the size itself (a mean) would otherwise differ from the program."""
-    constants = [abs(float(v)) for (_, kind), values in _seen_attributes(graph).items() if kind == "float"
-                 for v in values if v]
+    constants = float_constants([graph])
     every = {labels.label(v.name, d) for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs))
              for d in range(v.type.rank)}
-    return {label for label in every if labels.size(label) > 1 and any(
-        math.isclose(c, f) for c in constants
-        for f in (labels.size(label), 1 / labels.size(label), math.sqrt(labels.size(label)),
-                  1 / math.sqrt(labels.size(label))))}
-
-
-def _elements(graph: KernelGraph) -> int:
-    return sum(v.type.numel for v in (*graph.inputs, *(o for n in graph.nodes for o in n.outputs)))
+    return {label for label in every if encodes_size(constants, labels.size(label))}
 
 
 class _Instance:
@@ -900,14 +853,15 @@ def _instances(problem: _Problem, program: Program, budget: "_Budget", stats: Se
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None, *,
              max_states: Optional[int] = None, prune: bool = True) -> Iterator[KernelGraph]:
     """Candidates of one custom kernel for the whole program, in canonical order (see the module
-    docstring). `max_states` bounds the states explored (default: STATES_PER_SECOND per second of
-    budget); `prune=False` turns the abstract-expression check off (to measure what it prunes)."""
+    docstring). `max_states` bounds the states explored (default: the config's work budget);
+    `prune=False` turns the abstract-expression check off (to measure what it prunes)."""
     stats = stats if stats is not None else SearchStats()
     problem = _Problem(graph, config)
     if not problem.supported():
         return
-    budget = _Budget(max_states or int(STATES_PER_SECOND * config.budget_s), config.budget_s / 2, stats)
-    checker = SubexprChecker([t.term for t in problem.targets], time_left=budget.time_left) if prune else None
+    budget = _Budget(max_states or config.work, stats)
+    checker = SubexprChecker([t.term for t in problem.targets], time_left=budget.time_left,
+                             timeout_ms=Z3_TIMEOUT_MS) if prune else None
     matcher = _Matcher(problem.targets, budget.time_left)
     screen = _Screen(problem, config.seed, stats)
     try:
@@ -917,10 +871,7 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
                 if screen.passes(program) is False:
                     stats.count(PRUNED, "numerics")
                     continue
-                for candidate in _instances(problem, program, budget, stats):
-                    budget.pause()
-                    yield candidate
-                    budget.resume()
+                yield from _instances(problem, program, budget, stats)
     except _OutOfBudget as e:
         stats.count("stopped", f"enumerate: {e}")
     except OutOfTime:

@@ -14,6 +14,9 @@ re-accumulates them) by per-operator lifting rules:
   squares, and the combine takes r = sqrt(mean of the means + eps): accum_rms's `split` rule);
 * softmax over L feeding a contraction over L becomes online softmax: exp(s - max) is computed
   against each chunk's own maximum and the accumulators rescale (accum_rescale, accum_sum_rescale);
+* a loop-invariant value (one without the loop label: a bias, a gate, a weight read whole) that meets
+  a value after the loop is brought there by accum_max, which gives an invariant tile back (an
+  epilogue: a bias added to a product, a second product of an accumulated one);
 * everything else runs per tile, in the loop or after it.
 
 Each choice that lifts yields a candidate; candidates come out cheapest first by the cost model, and
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from typing import Callable, Iterator, Optional
 
 import attrs
@@ -35,7 +39,7 @@ from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import input_tile_type, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.dims import Labels
+from mdsl.search.dims import Labels, Zip
 
 LOOP, POST = "loop", "post"
 _LOOPABLE = frozenset({"matmul", "sum", "mean", "max", "rms_norm"})
@@ -196,8 +200,20 @@ def _same_phase(lvs) -> str:
     return phases.pop()
 
 
+def _after_loop(b: _Builder, lvs: list, kernel_vars) -> list:
+    """Plain operands of one operator, where some come after the loop and the others are loop-invariant
+    (their values lack the loop label: a bias, a gate, a weight read whole), all after the loop: an
+    invariant tile is the same every iteration, so its accum_max over the iterations is the tile itself
+    (an epilogue reads it there). Unchanged where the phases agree or a loop operand varies along the
+    loop (the other rules decide: x - max over the loop is online softmax's shift)."""
+    if len({lv.phase for lv in lvs}) == 1 or not all(lv.plain for lv in lvs) \
+            or any(lv.phase == LOOP and b.has_loop_label(v) for lv, v in zip(lvs, kernel_vars)):
+        return lvs
+    return [Lifted(b.accumulate("accum_max", [lv.var]), POST) if lv.phase == LOOP else lv for lv in lvs]
+
+
 def _lift_elementwise(b: _Builder, node: Node) -> Lifted:
-    lvs = [b.value(v) for v in node.inputs]
+    lvs = _after_loop(b, [b.value(v) for v in node.inputs], node.inputs)
     attributes = node.attr_dict
     if all(lv.plain for lv in lvs) and len({lv.phase for lv in lvs}) == 1:
         return Lifted(b.emit(node.op, [lv.var for lv in lvs], **attributes), lvs[0].phase)
@@ -237,6 +253,7 @@ def _lift_matmul(b: _Builder, node: Node) -> Lifted:
         return _contract(b, b.emit("matmul", [a.var, w.var]), modified)
     if not (a.plain and w.plain):
         raise CannotLift("matmul of a value with a pending rescale or division")
+    a, w = _after_loop(b, [a, w], node.inputs)
     phase = _same_phase((a, w))
     return Lifted(b.emit("matmul", [a.var, w.var]), phase)
 
@@ -540,6 +557,8 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig, *, max_spl
         out_labels = ls if out_labels is None else out_labels & ls
     contracted = labels.contracted_labels()
     free = sorted(l for l in (out_labels or ()) if l not in contracted)
+    zipped = _zipped_outputs(graph, labels, set(contracted) | (out_labels or set()))
+    free += [zipped] if zipped is not None else []
     loops = [None] + sorted(l for l, kinds in contracted.items() if kinds <= _LOOPABLE)
     for loop in loops:
         n_loop = labels.size(loop) if loop is not None else 1
@@ -558,6 +577,21 @@ def choices(graph: KernelGraph, labels: Labels, config: SearchConfig, *, max_spl
                                 yield Choice(tuple(zip(grid_labels, factors)), loop, forloop, split, threads)
 
 
+def _zipped_outputs(graph: KernelGraph, labels: Labels, taken: set) -> Optional[Zip]:
+    """The outputs' last-dim labels as one grid group, where outputs differ in them (independent products
+    of one input: q, k and v; gate and up), or None. Each member is free (no operator contracts it, and
+    it is not a label every output has), and no value of the program carries two members: each block
+    then computes its slice of each output."""
+    members = tuple(dict.fromkeys(labels.label(v.name, v.type.rank - 1) for v in graph.outputs if v.type.rank
+                                  and v.shape[-1] > 1))
+    if len(members) < 2 or any(m in taken for m in members):
+        return None
+    values = (*graph.inputs, *(o for n in graph.nodes for o in n.outputs))
+    if any(sum(labels.label(v.name, d) in members for d in range(v.type.rank)) > 1 for v in values):
+        return None
+    return Zip(members)
+
+
 def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: int = 2) -> list:
     if not looping:
         return [1]
@@ -565,21 +599,74 @@ def _forloop_ranges(n: int, looping: bool, config: SearchConfig, min_forloop: in
     return [r for r in config.forloop_ranges if r >= min_forloop and n % r == 0 and 8 <= n // r <= 512]
 
 
-def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
-    """Candidates derived from the program's structure, cheapest first by the cost model. With the
-    search's `stats`, it stops lifting at the search's deadline (and ranks what it has)."""
+@attrs.frozen
+class LiftResult:
+    """What lifting a program under every choice gave: its distinct candidates, cheapest first by the cost
+    model, and why the other choices did not lift (normalised reason -> (count, one message))."""
+
+    candidates: tuple
+    failures: dict
+    complete: bool        # every choice was tried (not stopped by the work budget or the time cap)
+
+
+def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, *, work: str = "guided",
+             limit: int = 48, probe: bool = False, **space) -> LiftResult:
+    """Every choice of `choices(graph, ..., **space)` lifted; each lifting costs one step of the search's
+    work budget under the name `work` (`stats.work`), and lifting stops when it is spent or at the
+    search's deadline (`complete` is then False).
+
+    With `probe`, the choices of one *structure* (loop label, grid labels, split or not, threads) are
+    lifted only if the one with the smallest tiles lifts: whether a structure lifts depends on the
+    program and the structure, and its tiles' shared memory only grows with their size. (A part of a
+    program, searched with many others, is lifted so.)"""
     labels = Labels(graph)
     found: dict = {}
-    for choice in choices(graph, labels, config):
-        if stats is not None and stats.out_of_time():
-            stats.count("stopped", "guided: time")
-            break
-        try:
-            candidate = lift(graph, choice, labels)
-        except CannotLift:
-            if stats is not None:
-                stats.count("pruned", "guided: does not lift")
-            continue
-        found.setdefault(candidate.key, candidate)
-    ranked = sorted(found.values(), key=estimate)
-    yield from ranked[:limit]
+    failures: dict = {}
+    complete = True
+    groups: dict = {}
+    for choice in choices(graph, labels, config, **space):
+        key = (choice.loop, tuple(label for label, _ in choice.grid), choice.split > 1, choice.threads)
+        groups.setdefault(key if probe else len(groups), []).append(choice)
+    for group in groups.values():
+        if probe and len(group) > 1:
+            smallest = min(group, key=lambda c: _tile_volume(c, labels))
+            group = [smallest] + [c for c in group if c is not smallest]
+        for k, choice in enumerate(group):
+            if stats is not None and (stats.out_of_time() or not stats.work(work)):
+                stats.count("stopped", f"{work}: {'time' if stats.out_of_time() else 'work'}")
+                return LiftResult(tuple(sorted(found.values(), key=estimate)[:limit]), failures, False)
+            try:
+                candidate = lift(graph, choice, labels)
+            except CannotLift as e:
+                reason = _normalised(str(e))
+                count, message = failures.get(reason, (0, str(e)))
+                skipped = len(group) if probe and k == 0 else 1   # a probe that fails stands for its structure
+                failures[reason] = (count + skipped, message)
+                if stats is not None:
+                    stats.count("pruned", f"{work}: does not lift", skipped)
+                if skipped > 1:
+                    break
+                continue
+            found.setdefault(candidate.key, candidate)
+    ranked = sorted(found.values(), key=estimate)   # stable: equal costs in the choices' order
+    return LiftResult(tuple(ranked[:limit]), failures, complete)
+
+
+def _tile_volume(choice: Choice, labels: Labels) -> float:
+    """The elements of a block's tile along the choice's grid and loop labels (smaller: less shared memory)."""
+    volume = math.prod(labels.size(label) / parts for label, parts in choice.grid)
+    if choice.loop is not None:
+        volume *= labels.size(choice.loop) / (choice.split * choice.forloop)
+    return volume
+
+
+def _normalised(message: str) -> str:
+    """A CannotLift message without its value names and numbers, so that one reason counts once."""
+    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"%[\w.]+", "%v", message.split(" (largest:")[0]))
+
+
+def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
+    """Candidates derived from the program's structure, cheapest first by the cost model. With the
+    search's `stats`, it stops lifting when its work budget is spent or at the search's deadline (and
+    ranks what it has)."""
+    yield from lift_all(graph, config, stats, limit=limit).candidates

@@ -21,11 +21,13 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import Cost, Floor, KernelCost, estimate
+from mdsl.search.records import Boundary, Family
 from mdsl.search.stats import SearchStats
 
 SCHEMA = 1
 _FLOAT_EVIDENCE = ("false_pass_probability", "float_rel_error", "float_bound", "seconds")
 _EXACT_EVIDENCE = {"equivalent": bool, "reason": str, "finite_field_tests": int, "seed": int}
+_OPTIONAL_INT_EVIDENCE = ("parts",)
 
 
 def _nan_equal(x: float) -> object:
@@ -45,6 +47,7 @@ class Evidence:
     float_bound: float = attrs.field(eq=_nan_equal)
     seed: int
     seconds: float = attrs.field(default=0.0, eq=False)   # verification time, which varies run to run
+    parts: int = 0   # verified part by part: how many fused parts (each against its sub-program); 0: whole
 
     @classmethod
     def of(cls, verification: Any, seed: int, seconds: float) -> "Evidence":
@@ -76,6 +79,9 @@ class Evidence:
         for name in _FLOAT_EVIDENCE:
             if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float, str))):
                 raise ValueError(f"evidence field {name!r} must be a number, got {data[name]!r}")
+        for name in _OPTIONAL_INT_EVIDENCE:
+            if name in data and type(data[name]) is not int:
+                raise ValueError(f"evidence field {name!r} must be an int, got {data[name]!r}")
         return cls(**{k: float(v) if k in _FLOAT_EVIDENCE else v for k, v in data.items()})
 
     @property
@@ -90,7 +96,9 @@ class Evidence:
             return f"not verified ({self.reason})"
         if not self.equivalent:
             return f"not equivalent ({self.reason})"
-        return (f"{self.finite_field_tests} finite-field tests (false-pass probability <= "
+        whole = (f" of each of its {self.parts} fused part(s) against the operators it replaces" if self.parts
+                 else "")
+        return (f"{self.finite_field_tests} finite-field tests{whole} (false-pass probability <= "
                 f"{self.false_pass_probability:.1e}), float relative error {self.float_rel_error:.2e} "
                 f"(bound {self.float_bound:.1e})")
 
@@ -116,6 +124,25 @@ class Plan:
     config: SearchConfig
     mdsl_version: str
     cache_path: Optional[str] = attrs.field(default=None, eq=False)  # set when read from the plan cache
+    explanation: tuple = ()            # Boundary: why each kernel boundary is left (mdsl.search.explain)
+    family: Optional[Family] = None    # the sizes of the leading dim it serves (mdsl.search.family)
+
+    @property
+    def provisional(self) -> bool:
+        """The time cap (or a dead worker) cut the search short: the plan is the best so far, not the
+        search's answer, and a later `optimize` searches again (the cache serves it meanwhile)."""
+        return self.stats.timed_out or bool(self.stats.by_reason("rejected").get("worker died"))
+
+    def explain(self) -> str:
+        """Why the plan's kernel boundaries are there, one line each (what would have to change to remove
+        them); a plan of one kernel has none."""
+        kernels = self.cost.launches
+        head = f"{self.original.name}: {kernels} kernel(s), where the original launches {self.original_cost.launches}"
+        if self.provisional:
+            head += f" (provisional: the search's {self.config.budget_s:g} s cap cut it short)"
+        if not self.explanation:
+            return head + ("; no kernel boundary is left" if kernels <= 1 else "")
+        return "\n".join([head + "; kernel boundaries left:"] + [f"  {b.describe()}" for b in self.explanation])
 
     @property
     def is_original(self) -> bool:
@@ -143,6 +170,8 @@ class Plan:
         # a program that only returns its inputs launches nothing: its estimate is 0 and no ratio exists
         reach = (f"the estimate reaches {100 * floor.seconds / cost.seconds:.3g}% of it" if cost.seconds > 0
                  else "the plan launches no kernel")
+        if self.provisional:
+            what += "; provisional (the search was cut short: a later optimize searches again)"
         lines = [f"mdsl {self.mdsl_version} plan for kernel {self.original.name}, {self.config.arch}: {what}",
                  f"cost:     {cost}",
                  f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; {reach}",
@@ -152,6 +181,8 @@ class Plan:
         if self.alternatives:
             costs = ", ".join(f"{_us(c.cost.seconds)} ({c.cost.launches} launch(es))" for c in self.alternatives)
             lines.append(f"also:     {costs}")
+        if self.family is not None:
+            lines.append(f"family:   {self.family.describe()}")
         if self.cache_path is not None:
             lines.append(f"cached:   {self.cache_path}")
         return lines
@@ -167,7 +198,9 @@ class Plan:
         return {"mdsl_plan": SCHEMA, "mdsl_version": self.mdsl_version, "config": attrs.asdict(self.config),
                 "original": serialize.to_json(self.original), "chosen": _candidate_json(self.chosen),
                 "floor": attrs.asdict(self.floor), "stats": self.stats.to_json(),
-                "alternatives": [_candidate_json(c) for c in self.alternatives]}
+                "alternatives": [_candidate_json(c) for c in self.alternatives],
+                "explanation": [b.to_json() for b in self.explanation],
+                "family": None if self.family is None else self.family.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
@@ -178,7 +211,9 @@ class Plan:
         chosen = _candidate(data["chosen"])
         return cls(original, chosen.graph, chosen.cost, Floor(**data["floor"]), chosen.evidence,
                    SearchStats.from_json(data["stats"]), tuple(_candidate(c) for c in data["alternatives"]),
-                   _config(data["config"]), str(data["mdsl_version"]))
+                   _config(data["config"]), str(data["mdsl_version"]),
+                   explanation=tuple(Boundary.from_json(b) for b in data.get("explanation", [])),
+                   family=None if data.get("family") is None else Family.from_json(data["family"]))
 
 
 def _us(seconds: float) -> str:

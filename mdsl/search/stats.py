@@ -1,8 +1,12 @@
 """Search statistics: counters by category and reason, shared by the engine and the generators.
 
 A generator that accepts a `stats` keyword is handed the search's `SearchStats` and reports its
-pruning there, e.g. `stats.count("pruned", "abstract-expression")`. A generator that does long
-stretches of work without yielding may poll `stats.out_of_time()` and return early.
+pruning there, e.g. `stats.count("pruned", "abstract-expression")`. It spends the search's work
+budget there too: `stats.work("guided")` takes one step of the guided generator's allowance and says
+False once it is spent (each consumer, generators and the verification queue alike, has its own
+allowance of `SearchConfig.work` steps, so that what one consumer does never depends on how fast
+another one ran). A generator that does long stretches of work without yielding may poll
+`stats.out_of_time()` (the wall-clock cap) and return early.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ VERIFIED = "verified"        # accepted by the verifier
 REJECTED = "rejected"        # by the verifier's reason
 SKIPPED = "skipped"          # not verified: cannot reach the top k, the budget ran out, a worker died
 ERRORS = "errors"            # generators that raised, by generator
+WORK = "work"                # steps of the work budget spent, by consumer
 _ORDER = (GENERATED, DUPLICATE, INVALID, PRUNED, VERIFIED, REJECTED, SKIPPED, ERRORS)
 
 
@@ -32,6 +37,10 @@ class SearchStats:
     done: bool = False
     deadline: Optional[float] = attrs.field(default=None, eq=False, repr=False)  # time.monotonic()
     listener: Optional[Callable[[], None]] = attrs.field(default=None, eq=False, repr=False)  # called on each count
+    work_limit: Optional[int] = attrs.field(default=None, eq=False, repr=False)  # steps each consumer may take
+    # what the partition generator learned of the program's parts (`mdsl.search.partition`), for the
+    # plan's explanation
+    partition: Optional[dict] = attrs.field(default=None, eq=False, repr=False)
 
     def count(self, category: str, reason: str = "", n: int = 1) -> None:
         if not n:
@@ -40,6 +49,15 @@ class SearchStats:
         reasons[reason] = reasons.get(reason, 0) + n
         if self.listener is not None:
             self.listener()
+
+    def work(self, consumer: str, n: int = 1) -> bool:
+        """Spend `n` steps of `consumer`'s work allowance; False (and nothing spent) once they would
+        exceed it. Without a limit every step is granted (and counted)."""
+        used = self.counts.get(WORK, {}).get(consumer, 0)
+        if self.work_limit is not None and used + n > self.work_limit:
+            return False
+        self.count(WORK, consumer, n)
+        return True
 
     def by_reason(self, category: str) -> dict:
         return dict(self.counts.get(category, {}))

@@ -20,9 +20,12 @@ import time
 import types
 from typing import Callable, Iterator, Optional
 
+import attrs
+
 from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.plan import Evidence
+from mdsl.search.screen import screen
 
 _state: dict = {}
 
@@ -42,6 +45,8 @@ def init(verifier: Callable, original_text: str, shared_dir: Optional[str] = Non
     from mdsl.passes import verify as default  # (imported here: a custom verifier may not need it)
 
     _state["shares"] = shared_dir is not None and verifier is default.verify
+    # the default verifier's candidates go through the reduced-instance screen first (mdsl.search.screen)
+    _state["screen"] = verifier is default.verify
     if _state["shares"]:
         default.ORIGINAL_RUNS.share(shared_dir)
 
@@ -61,12 +66,44 @@ def prepare() -> None:
 
 
 def verify(candidate_text: str, tests: int, seed: int) -> tuple:
-    """(Evidence, this worker's pid). A verifier that raises rejects the candidate, with the reason."""
+    """(Evidence, this worker's pid). A verifier that raises rejects the candidate, with the reason. With
+    the default verifier, a candidate that fails the reduced-instance screen is rejected before the
+    full-size tests."""
     start = time.perf_counter()
     try:
         candidate = serialize.loads(candidate_text)
+        failure = screen(_state["original"], candidate, seed) if _state.get("screen") else None
+        if failure is not None:
+            return Evidence.failure(failure, seed, time.perf_counter() - start), os.getpid()
         verification = _state["verifier"](_state["original"], candidate, tests=tests, seed=seed)
         evidence = Evidence.of(verification, seed, time.perf_counter() - start)
+    except Exception as e:  # a verifier bug must not end the search; the reason says what happened
+        evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
+    return evidence, os.getpid()
+
+
+def verify_parts(parts: list, tests: int, seed: int) -> tuple:
+    """(Evidence, this worker's pid) of an assembled candidate verified part by part: `parts` holds
+    (sub-program, replacement) pairs as JSON text; each replacement is checked against its sub-program
+    by the search's verifier, and the whole is equivalent by substitution (the rest of it is the
+    original's operators). The bound is the union bound over the parts; the first failure rejects."""
+    start = time.perf_counter()
+    bound, worst, outcomes = 0.0, None, []
+    try:
+        for k, (original_text, candidate_text) in enumerate(parts):
+            original, candidate = serialize.loads(original_text), serialize.loads(candidate_text)
+            v = Evidence.of(_state["verifier"](original, candidate, tests=tests, seed=seed), seed, 0.0)
+            ops = ", ".join(n.op for n in original.nodes)
+            if not v.equivalent:
+                return attrs.evolve(v, reason=f"part {k + 1} of {len(parts)} ({ops}): {v.reason}",
+                                    seconds=time.perf_counter() - start, parts=len(parts)), os.getpid()
+            bound += v.false_pass_probability
+            if worst is None or v.float_rel_error / v.float_bound > worst.float_rel_error / worst.float_bound:
+                worst = v
+            outcomes.append(f"part {k + 1} ({ops}): {v.reason}")
+        evidence = Evidence(True, "; ".join(outcomes), worst.finite_field_tests, min(1.0, bound),
+                            worst.float_rel_error, worst.float_bound, seed, time.perf_counter() - start,
+                            parts=len(parts))
     except Exception as e:  # a verifier bug must not end the search; the reason says what happened
         evidence = Evidence.failure(f"the verifier raised {type(e).__name__}: {e}", seed, time.perf_counter() - start)
     return evidence, os.getpid()

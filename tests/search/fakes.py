@@ -5,11 +5,13 @@ The verifiers run in worker processes, so they are module-level functions (pickl
 from __future__ import annotations
 
 import itertools
+import random
 import time
 import types
 
 from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import KernelGraph, Node, make_var
+from mdsl.search.records import Fallback
 
 SHAPE = (8, 16)
 
@@ -134,3 +136,25 @@ def verify_never(original, candidate, *, tests=3, seed=0):
 def verify_broken(original, candidate, *, tests=3, seed=0):
     raise ValueError("verifier bug")
 
+
+
+def verify_never_equal(original, candidate, *, tests=3, seed=0):
+    """Rejects every candidate."""
+    return _result(False, "never equal", tests)
+
+
+def verify_jittery(original, candidate, *, tests=3, seed=0):
+    """`verify` after a random pause (fresh randomness each call: workers finish in any order)."""
+    time.sleep(random.SystemRandom().uniform(0.0, 0.05))
+    return verify(original, candidate, tests=tests, seed=seed)
+
+
+def with_fallbacks(graph, config):
+    """Twelve candidates (every other one rejected), then one fallback standing in for a rejected
+    candidate (verified) and one for a verified candidate (not verified), then two of the structure
+    of a rejected one (x * s, then exp): the second of them is not verified."""
+    yield from many(graph, config)
+    yield Fallback(chain(3.0, 3.0), REJECTED.key)
+    yield Fallback(chain(4.0, 4.0), FAST.key)
+    yield with_exp(chain(5.0))
+    yield with_exp(chain(7.0))

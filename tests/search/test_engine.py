@@ -16,7 +16,7 @@ import pytest
 
 import mdsl
 from mdsl import Tensor, f16
-from mdsl.search.config import SearchConfig
+from mdsl.search.config import VERIFY_STEPS, SearchConfig
 from mdsl.search.engine import search
 from mdsl.search.progress import StatusLine
 from mdsl.search.stats import SearchStats
@@ -105,11 +105,23 @@ def test_generators_report_pruning_through_the_stats_hook():
 
 
 @pytest.mark.timeout(30)
-def test_the_budget_stops_an_endless_generator_and_returns_the_best_so_far():
+def test_the_work_budget_stops_an_endless_generator_whatever_the_time():
     fakes.CLOSED.clear()
-    result = search(fakes.ORIGINAL, SearchConfig(budget_s=1.5, workers=1, top_k=3), generators=[fakes.forever],
-                    verifier=fakes.verify)
-    assert result.stats.timed_out and result.stats.done
+    config = SearchConfig(budget_s=30, workers=1, top_k=3, work=20 * VERIFY_STEPS)
+    result = search(fakes.ORIGINAL, config, generators=[fakes.forever], verifier=fakes.verify)
+    assert not result.stats.timed_out and not result.plan().provisional
+    assert fakes.CLOSED == [True]
+    assert result.stats.by_reason("work") == {"verify": 20 * VERIFY_STEPS}   # 20 candidates admitted, no more
+    assert result.stats.by_reason("skipped")["work budget"] == 1
+    assert result.best.graph.key == fakes.FAST.key
+
+
+@pytest.mark.timeout(30)
+def test_the_time_cap_stops_an_endless_generator_and_returns_the_best_so_far_as_provisional():
+    fakes.CLOSED.clear()
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=1.5, workers=1, top_k=3, work=10**9),
+                    generators=[fakes.forever], verifier=fakes.verify)
+    assert result.stats.timed_out and result.stats.done and result.plan().provisional
     assert fakes.CLOSED == [True]                  # the engine closed the generator
     assert result.best.graph.key == fakes.FAST.key  # the first candidate, x * 2.0
     assert result.stats.total("skipped") > 0       # most candidates could not reach the top 3
@@ -271,7 +283,7 @@ def test_a_script_that_searches_at_its_top_level_works_without_a_main_guard(tmp_
     # multiprocessing would import the script again in each worker, which would search again there
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent("""\
-        from mdsl.search.config import SearchConfig
+        from mdsl.search.config import VERIFY_STEPS, SearchConfig
         from mdsl.search.engine import search
         from tests.search import fakes
 

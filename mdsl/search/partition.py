@@ -1,0 +1,365 @@
+"""Partial fusion: a program cut into parts, each part superoptimized by the guided generator's lifting
+rules, and the cheapest combination kept.
+
+**Parts** are runs of consecutive operators in a topological order of the program that keeps chains
+together (`ordered`: a consumer right after its producer where it can be): a contiguous run is
+convex (no path leaves it and comes back), so it can be replaced by kernels that read what it reads and
+write what the rest of the program reads of it. A part has 2 to MAX_PART_NODES operators, all with a
+block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a layout
+op such as split, concat, transpose or reshape ends a part), connected through the tensors they pass
+or share (a shared input joins independent products of it into one kernel: q, k and v). Each part is
+a program of its own, the *sub-program*, whose inputs are the values it reads from outside and whose
+outputs are the values read after it (or returned).
+
+**Superoptimizing a part**: `guided.lift_all` lifts the sub-program under every grid/loop choice, so
+the lifting rules apply per part: an element-wise chain runs in its producer's epilogue or consumer's
+prologue (it lifts into the same block graph), a norm's statistics fold into the next matmul's loop
+(accum_rms), softmax into online softmax, a contraction is split across blocks (split-K, split-KV),
+outputs with different last-dim labels share one grid dim (horizontal fusion), and per-row scalars
+(a reduction's keepdim result) are computed in the block of the matmul they scale.
+
+**The combination**: a dynamic program over the node order picks, for the whole program, the parts
+and single operators whose estimated costs (`mdsl.search.cost.estimate`, additive over kernels) sum
+to the least. A part's candidates are screened lazily, cheapest first: only those the best
+combination uses are checked (`mdsl.search.screen`, a finite-field test on a reduced instance of the
+sub-program), a failed one gives way to its next candidate, and the program is solved again until
+every part it uses has passed. Leaving every operator apart is always a combination, so the result
+never costs more than the original, and a part never has more kernels than operators (a lifting makes
+one kernel, or two for a split loop, from at least two operators).
+
+**Soundness.** The assembled program (each part replaced by its candidate) is yielded to the search
+engine as an `Assembly`, which the verifier checks part by part at full size: each replacement
+against the sub-program it replaces, on inputs of the sub-program's own, with the finite-field and
+float tests of any candidate. The whole is then equivalent by substitution: every operator outside
+the parts is the original's, and a replacement equal to its sub-program as a function of the values
+it reads leaves every later value unchanged. A part's tests pass a wrong replacement with probability
+at most its bound, so the assembly's bound is the sum of its parts' (a union bound). The operators
+left apart (often the largest products) are not evaluated at all, and the original's runs are the
+parts', not the whole program's. The screens use randomness of their own (the seed's child
+`screen.SCREEN_KEY`), so the candidates this generator chooses depend on no draw of the full-size
+tests: the verifier's bound holds for them as for any candidate.
+
+After the best assembly come fallbacks (the best combination without one of its fused parts), which
+the verifier may accept where the best fails at full size. What the generator learned of every part
+(why it did not fuse: an op without a block-level rule, the shared memory a tile needs, a failed
+screen, the cost model, the budget) is recorded in `stats.partition` for the plan's explanation.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import attrs
+
+from mdsl.ir.graph import KernelGraph, Node
+from mdsl.ir.types import Var
+from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate
+from mdsl.search.guided import lift_all
+from mdsl.search.records import Assembly
+from mdsl.search.screen import screen
+from mdsl.search.stats import SearchStats
+
+#: Operators in one part at most (parts are tried shortest first; longer ones rarely lift).
+MAX_PART_NODES = 8
+#: A part's cheapest lifted candidates kept for the combination.
+PART_CANDIDATES = 4
+#: Work steps (`SearchConfig.work`, the "partition" allowance) one reduced-instance screen costs; lifting
+#: one choice costs one.
+SCREEN_STEPS = 20
+#: Assemblies yielded after the best, each without one of its fused parts.
+FALLBACKS = 2
+#: The splits of a part's loop label across blocks: at most this many (parts are searched many at a time).
+PART_MAX_SPLIT = 16
+
+_UNSCREENED = "not screened"   # a candidate's screen verdict when the budget ended first
+
+# what the record says of a part
+FUSED, UNLIFTABLE, DISCONNECTED, NO_LIFT, SCREENED_OUT, NOT_TRIED = (
+    "fused", "unliftable", "disconnected", "no lift", "screened out", "not tried")
+
+
+@attrs.define
+class _Part:
+    start: int
+    stop: int
+    program: KernelGraph
+    status: str = NOT_TRIED
+    reason: str = ""
+    complete: bool = False        # every grid and loop choice was lifted (the budget did not cut it short)
+    options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
+
+    @property
+    def span(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    def current(self) -> Optional[list]:
+        """The cheapest candidate that has neither failed its screen nor been left unscreened."""
+        return next((o for o in self.options if o[2] is None or o[2] is True), None)
+
+
+def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGraph]:
+    """Nodes start..stop-1 as a program: inputs the values they read from outside (in order of first use),
+    outputs the values they define that later nodes read or the program returns (None if none)."""
+    nodes = graph.nodes[start:stop]
+    defined = {v.name for n in nodes for v in n.outputs}
+    inputs: dict = {}
+    for n in nodes:
+        for v in n.inputs:
+            if v.name not in defined:
+                inputs.setdefault(v.name, v)
+    read_after = {v.name for n in (*graph.nodes[:start], *graph.nodes[stop:]) for v in n.inputs}
+    read_after |= {v.name for v in graph.outputs}
+    outputs = [v for n in nodes for v in n.outputs if v.name in read_after]
+    if not outputs:
+        return None
+    return KernelGraph(f"{graph.name}_part{start}_{stop}", list(inputs.values()), nodes, outputs)
+
+
+def ordered(graph: KernelGraph) -> KernelGraph:
+    """The program's nodes in a topological order that keeps chains together, so that a producer and
+    its consumers can be one run: next comes a ready node with a block-level rule before one without
+    (a layout change waits while it can), then the one that reads the most recently computed value,
+    then the program's own order. A program traced breadth first (a value used by a layout change and
+    by an element-wise op, or by two products) then has its fusible consumers beside their producer."""
+    producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+    needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
+    done: dict = {}   # node index -> its position in the new order
+    order = []
+    while len(order) < len(graph.nodes):
+        ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
+        pick = max(ready, key=lambda i: (graph.nodes[i].opdef.rules.get("lift") is not None,
+                                         max((done[p] for p in needs[i]), default=-1), -i))
+        done[pick] = len(order)
+        order.append(pick)
+    return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])
+
+
+def _connected(nodes) -> bool:
+    """Whether the nodes form one group through the values they pass or share."""
+    group = list(range(len(nodes)))
+
+    def find(i):
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    first_reader: dict = {}
+    producer = {v.name: i for i, n in enumerate(nodes) for v in n.outputs}
+    for i, n in enumerate(nodes):
+        for v in n.inputs:
+            for j in (producer.get(v.name), first_reader.setdefault(v.name, i)):
+                if j is not None:
+                    group[find(i)] = find(j)
+    return len({find(i) for i in range(len(nodes))}) == 1
+
+
+class Partition:
+    """One program's parts, their candidates and the best combination (see the module docstring)."""
+
+    def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats):
+        graph = ordered(graph)
+        self.graph, self.config, self.stats = graph, config, stats
+        self.n = len(graph.nodes)
+        self.single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
+        self.parts: dict = {}
+        self.stopped = ""   # "work" or "time" when the search's allowance or cap ended the analysis
+
+    # -- the parts -------------------------------------------------------------------------------
+
+    def analyse(self) -> None:
+        """Every part, shortest first (each fusion of two operators before the longer ones)."""
+        for length in range(2, min(MAX_PART_NODES, self.n) + 1):
+            for start in range(0, self.n - length + 1):
+                part = self._part(start, start + length)
+                if part is not None and part.status == NOT_TRIED and not self.stopped:
+                    self._lift(part)
+
+    def _part(self, start: int, stop: int) -> Optional[_Part]:
+        if (start, stop) in self.parts:
+            return self.parts[start, stop]
+        nodes = self.graph.nodes[start:stop]
+        program = subprogram(self.graph, start, stop)
+        part = _Part(start, stop, program) if program is not None else None
+        if part is not None:
+            blocked = next((n for n in nodes if n.opdef.rules.get("lift") is None), None)
+            if blocked is not None:
+                part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
+            elif not _connected(nodes):
+                part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
+        self.parts[start, stop] = part
+        return part
+
+    def _lift(self, part: _Part) -> None:
+        result = lift_all(part.program, self.config, self.stats, work="partition", limit=PART_CANDIDATES,
+                          probe=True, max_split=PART_MAX_SPLIT)
+        if not result.complete:
+            self.stopped = "time" if self.stats.out_of_time() else "work"
+        part.complete = result.complete
+        part.options = [[g, estimate(g), None] for g in result.candidates]
+        if part.options:
+            part.status = FUSED
+        elif result.complete:
+            part.status, part.reason = NO_LIFT, _no_lift_reason(result.failures)
+
+    # -- the combination ---------------------------------------------------------------------------
+
+    def best(self, excluded: frozenset = frozenset()) -> list:
+        """[(start, stop, option or None)] covering every node, the least total estimated cost; parts in
+        `excluded` ((start, stop) pairs) are left out."""
+        inf = (float("inf"), 0)
+        best = [(0.0, 0)] + [inf] * self.n
+        back: list = [None] * (self.n + 1)
+        for j in range(1, self.n + 1):
+            s = self.single[j - 1]
+            best[j], back[j] = (best[j - 1][0] + s.seconds, best[j - 1][1] + s.launches), (j - 1, None)
+            for i in range(max(0, j - MAX_PART_NODES), j - 1):
+                part = self.parts.get((i, j))
+                option = part.current() if part is not None and (i, j) not in excluded else None
+                if option is None:
+                    continue
+                total = (best[i][0] + option[1].seconds, best[i][1] + option[1].launches)
+                if total < best[j]:
+                    best[j], back[j] = total, (i, option)
+        out, j = [], self.n
+        while j > 0:
+            i, option = back[j]
+            out.append((i, j, option))
+            j = i
+        return out[::-1]
+
+    def screened_best(self, excluded: frozenset = frozenset()) -> list:
+        """`best`, after screening the candidates it uses (a failed one gives way to the part's next)."""
+        while True:
+            combination = self.best(excluded)
+            pending = [(i, j, o) for i, j, o in combination if o is not None and o[2] is None]
+            if not pending:
+                return combination
+            for i, j, option in pending:
+                part = self.parts[i, j]
+                if self.stopped or self.stats.out_of_time() or not self.stats.work("partition", SCREEN_STEPS):
+                    self.stopped = self.stopped or ("time" if self.stats.out_of_time() else "work")
+                    option[2] = _UNSCREENED
+                    failure = (f"the search's {'time cap' if self.stopped == 'time' else 'work budget'} ran out "
+                               "before its fused candidate was screened")
+                else:
+                    failure = screen(part.program, option[0], self.config.seed)
+                    option[2] = True if failure is None else failure
+                if failure is not None and part.current() is None:
+                    part.status, part.reason = SCREENED_OUT, failure
+
+    def assemble(self, combination: list) -> KernelGraph:
+        """The program with each chosen part replaced by its candidate (kernel-level names kept unique)."""
+        taken = {v.name for v in self.graph.inputs} | {v.name for n in self.graph.nodes for v in n.outputs}
+        nodes: list = []
+        for i, j, option in combination:
+            if option is None:
+                nodes.extend(self.graph.nodes[i:j])
+            else:
+                nodes.extend(_renamed(option[0], self.parts[i, j].program, taken))
+        return KernelGraph(self.graph.name, self.graph.inputs, nodes, self.graph.outputs)
+
+    # -- the record --------------------------------------------------------------------------------
+
+    def record(self, assemblies: dict) -> dict:
+        """What the plan's explanation reads: per analysed part its status and reason, the best fused
+        option's cost, and which parts each yielded assembly used."""
+        parts = {}
+        for (i, j), part in self.parts.items():
+            if part is None:
+                continue
+            option = part.current()
+            parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
+                                "fused_s": option[1].seconds if option is not None else None,
+                                "launches": option[1].launches if option is not None else None,
+                                "apart_s": sum(s.seconds for s in self.single[i:j])}
+        return {"nodes": [_describe(n) for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
+                "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,
+                "single_s": [s.seconds for s in self.single]}
+
+
+def _lone(graph: KernelGraph, i: int) -> KernelGraph:
+    """Node i alone as a program (a node whose outputs nothing reads)."""
+    node = graph.nodes[i]
+    ins = list({v.name: v for v in node.inputs}.values())
+    return KernelGraph(f"{graph.name}_node{i}", ins, [node], list(node.outputs))
+
+
+def _unliftable(node: Node) -> str:
+    what = "a layout change" if node.opdef.category == "layout" else f"a {node.opdef.category} operator"
+    return f"{node.op} %{node.outputs[0].name} is {what} without a block-level rule: it runs as a kernel of its own"
+
+
+def _no_lift_reason(failures: dict) -> str:
+    """The reason most choices gave; for shared memory, the least any choice needs."""
+    if not failures:
+        return "no grid or loop choice exists for it"
+    smem = [m for _, m in failures.values() if "of shared memory" in m]
+    if smem:
+        least = min(float(m.split("need ")[1].split(" KB")[0]) for m in smem)
+        return (f"its tiles need at least {least:.0f} KB of shared memory per block under every grid and loop "
+                f"choice that lifts it, over the {SMEM_LIMIT_BYTES // 1024} KB limit")
+    count, message = max(failures.values(), key=lambda cm: cm[0])
+    total = sum(c for c, _ in failures.values())
+    return f"no grid or loop choice lifts it ({count} of {total}: {message})"
+
+
+def _describe(node: Node) -> str:
+    return f"{node.op} %{node.outputs[0].name}" if node.outputs else node.op
+
+
+def _renamed(candidate: KernelGraph, program: KernelGraph, taken: set) -> list:
+    """The candidate's nodes, each value it defines that its program does not return renamed apart from
+    `taken` (which grows)."""
+    keep = {v.name for v in program.outputs}
+    names: dict = {}
+    for n in candidate.nodes:
+        for v in n.outputs:
+            if v.name in keep:
+                continue
+            name, k = v.name, 0
+            while name in taken:
+                k += 1
+                name = f"{v.name}_{k}"
+            taken.add(name)
+            names[v.name] = name
+
+    def rename(v: Var) -> Var:
+        return Var(names[v.name], v.type) if v.name in names else v
+
+    return [attrs.evolve(n, inputs=[rename(v) for v in n.inputs], outputs=[rename(v) for v in n.outputs])
+            for n in candidate.nodes]
+
+
+def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None
+             ) -> Iterator[KernelGraph]:
+    """The best combination of fused parts, then up to FALLBACKS combinations each without one of its
+    fused parts (verified only if the best is not), each an `Assembly` (verified part by part); nothing
+    where no part fuses. Records what it learned in `stats.partition`."""
+    stats = stats if stats is not None else SearchStats()
+    if len(graph.nodes) < 2:
+        return
+    partition = Partition(graph, config, stats)
+    assemblies: dict = {}
+    try:
+        partition.analyse()
+        combination = partition.screened_best()
+        fused = [(i, j) for i, j, o in combination if o is not None]
+        plans = [combination] if fused else []
+        for span in fused[:FALLBACKS] if len(fused) > 1 else ():
+            other = partition.screened_best(frozenset({span}))
+            if any(o is not None for _, _, o in other):
+                plans.append(other)
+        candidates = []
+        for plan in plans:
+            candidate = partition.assemble(plan)
+            validate_kernel_graph(candidate)
+            if candidate.key not in assemblies:
+                assemblies[candidate.key] = [[i, j] for i, j, o in plan if o is not None]
+                parts = tuple((partition.parts[i, j].program, o[0]) for i, j, o in plan if o is not None)
+                primary = candidates[0].graph.key if candidates else None
+                candidates.append(Assembly(candidate, parts, primary))
+    finally:   # also when the search stops it early: the explanation reads what it learned
+        stats.partition = partition.record(assemblies)
+    yield from candidates

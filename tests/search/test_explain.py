@@ -1,0 +1,106 @@
+"""`Plan.explain()` and `mdsl optimize --explain`: why each kernel boundary left in a plan is there,
+recorded during the search and stored with the plan."""
+from __future__ import annotations
+
+import attrs
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16, f32
+from mdsl.cli import main
+from mdsl.search import partition
+from mdsl.search.cache import PlanCache
+from mdsl.search.config import SearchConfig
+from mdsl.search.dims import Labels
+from mdsl.search.engine import optimize, search
+from mdsl.search.explain import boundaries
+from mdsl.search.guided import Choice, lift
+from mdsl.search.stats import SearchStats
+from tests.search import fakes
+
+CONFIG = SearchConfig(budget_s=60, workers=1, exhaustive=False, min_blocks=1)
+
+
+def _layout():
+    @mdsl.kernel
+    def layout(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
+        return mdsl.silu(mdsl.transpose(x @ w, 0, 1)) * 2.0
+    return layout.graph
+
+
+def _whole_row():
+    @mdsl.kernel
+    def centred(x: Tensor[4, 131072, f32]):
+        return x - mdsl.mean(x, dim=-1, keepdim=True)   # 512 KB a row: no block holds one
+    return centred.graph
+
+
+@pytest.mark.timeout(60)
+def test_a_layout_change_is_a_boundary_of_its_own():
+    plan = search(_layout(), CONFIG).plan()
+    text = plan.explain()
+    assert f"{plan.cost.launches} kernel(s), where the original launches {plan.original_cost.launches}" in text
+    assert len(plan.explanation) == plan.cost.launches - 1 >= 1
+    assert all("transpose %transpose is a layout change without a block-level rule" in b.reason
+               for b in plan.explanation)
+    assert any("%matmul" in b.tensors for b in plan.explanation)
+
+
+@pytest.mark.timeout(60)
+def test_a_row_too_long_for_shared_memory_says_how_much_it_needs():
+    plan = search(_whole_row(), CONFIG).plan()
+    (boundary,) = plan.explanation
+    assert "of shared memory per block" in boundary.reason and "over the 227 KB limit" in boundary.reason
+    assert boundary.before == "mean %mean" and boundary.after == "sub %sub"
+
+
+@pytest.mark.timeout(60)
+def test_a_fused_plan_the_verifier_rejects_is_named_as_the_reason():
+    plan = search(_layout(), CONFIG, generators=[partition.generate], verifier=fakes.verify_never_equal).plan()
+    assert plan.is_original
+    reasons = [b.reason for b in plan.explanation]
+    assert any(r.startswith("the plan that fused them was not kept: verification rejected it: part 1 of ")
+               and r.endswith("never equal") for r in reasons), reasons
+
+
+@pytest.mark.timeout(60)
+def test_a_spent_work_budget_is_named_as_the_reason():
+    plan = search(_layout(), attrs.evolve(CONFIG, work=3), generators=[partition.generate],
+                  verifier=fakes.verify).plan()
+    assert plan.is_original
+    assert any("the search's work budget ran out" in b.reason for b in plan.explanation), plan.explain()
+
+
+def test_a_split_loop_and_its_combine_are_explained():
+    @mdsl.kernel
+    def gemv(x: Tensor[1, 1024, f16], w: Tensor[1024, 64, f16]):
+        return mdsl.silu(x @ w)
+
+    graph = gemv.graph
+    labels = Labels(graph)
+    k = labels.label(graph.inputs[0].name, 1)
+    split = lift(graph, Choice(((labels.label(graph.outputs[0].name, 1), 8),), k, forloop=4, split=4), labels)
+    assert len(split.nodes) == 2
+    (boundary,) = boundaries(graph, split, SearchStats(), {})
+    assert boundary.reason.startswith("a split loop") and boundary.before.startswith("partial results of matmul")
+
+
+@pytest.mark.timeout(60)
+def test_the_explanation_is_stored_with_the_plan_and_read_back(tmp_path):
+    cache = PlanCache(tmp_path)
+    graph = _layout()
+    plan = optimize(graph, CONFIG, cache=cache)
+    again = optimize(graph, CONFIG, cache=cache)
+    assert again.cache_path is not None and again.explanation == plan.explanation != ()
+    assert again.explain() == plan.explain()
+
+
+@pytest.mark.timeout(120)
+def test_mdsl_optimize_explain_prints_the_reasons(tmp_path, capsys):
+    source = tmp_path / "layout.py"
+    source.write_text("import mdsl\nfrom mdsl import Tensor, f16\n\n\n@mdsl.kernel\n"
+                      "def layout(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):\n"
+                      "    return mdsl.silu(mdsl.transpose(x @ w, 0, 1)) * 2.0\n")
+    assert main(["optimize", str(source), "--explain", "--workers", "1", "--no-cache", "--work", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "# explain:" in out and "is a layout change without a block-level rule" in out

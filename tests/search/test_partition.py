@@ -1,0 +1,176 @@
+"""Partial fusion (mdsl/search/partition.py): programs that no one kernel computes are cut into parts,
+each fused by the guided lifting rules, and the combination is verified as a whole. IR in, plan out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.ir.graph import KernelGraph
+from mdsl.search import partition
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate
+from mdsl.search.engine import search
+from mdsl.search.records import Assembly
+from mdsl.search.stats import SearchStats
+
+# the default generators but the exhaustive one (its states would dominate these tests' time)
+CONFIG = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1)
+
+
+def _layout_epilogue():
+    @mdsl.kernel
+    def epilogue(x: Tensor[16, 8, f16], w: Tensor[16, 64, f16], b: Tensor[1, 64, f16]):
+        t = mdsl.transpose(x, 0, 1)                      # a layout change: a kernel of its own
+        return mdsl.silu(t @ w + b) * 2.0                # the bias, silu and scale: the product's epilogue
+    return epilogue.graph
+
+
+def _norm_matmul():
+    @mdsl.kernel
+    def norm_matmul(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
+        return mdsl.transpose(mdsl.rms_norm(x) @ w, 0, 1)   # the rms folds into the product's loop
+    return norm_matmul.graph
+
+
+def _horizontal():
+    @mdsl.kernel
+    def qk(x: Tensor[8, 64, f16], wq: Tensor[64, 32, f16], wk: Tensor[64, 16, f16]):
+        h = mdsl.rms_norm(x)
+        return mdsl.transpose(h @ wq, 0, 1), h @ wk          # two products of one input: one kernel
+    return qk.graph
+
+
+def _row_scalar():
+    @mdsl.kernel
+    def row_scalar(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
+        s = mdsl.max(x, dim=-1, keepdim=True)                # a per-row scalar scaling the product
+        return mdsl.transpose((x @ w) * s, 0, 1)
+    return row_scalar.graph
+
+
+def _softmax():
+    @mdsl.kernel
+    def scores(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
+        return mdsl.transpose(mdsl.softmax((x @ w) * 0.125, dim=-1), 0, 1)
+    return scores.graph
+
+
+def _split_gate():
+    @mdsl.kernel
+    def split_gate(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16]):
+        gate, up = mdsl.split(x @ w, [32, 32], dim=-1)       # a layout change between product and gate
+        return mdsl.silu(gate) * up
+    return split_gate.graph
+
+
+FAMILIES = {"epilogue": (_layout_epilogue, {"silu", "add", "matmul"}),
+            "norm_matmul": (_norm_matmul, {"matmul"}),
+            "horizontal": (_horizontal, {"matmul"}),
+            "row_scalar": (_row_scalar, {"max", "matmul"}),
+            "softmax": (_softmax, {"exp", "matmul"}),
+            "split_gate": (_split_gate, {"silu", "mul"})}
+
+
+def _fused_ops(graph: KernelGraph) -> set:
+    return {m.op for n in graph.nodes if n.body is not None for m in n.body.nodes}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_program_no_one_kernel_computes_is_fused_part_by_part_and_verified(name):
+    make, fused_ops = FAMILIES[name]
+    graph = make()
+    result = search(graph, CONFIG)
+    plan = result.plan()
+    assert plan.cost.launches < plan.original_cost.launches, str(plan)
+    assert plan.cost.seconds < plan.original_cost.seconds
+    assert plan.graph.key in result.stats.partition["assemblies"]   # the partition generator's combination
+    assert fused_ops <= _fused_ops(plan.graph)
+    if name == "norm_matmul":   # the norm in the product's kernel: whole rows, or its statistics in the loop
+        assert _fused_ops(plan.graph) & {"rms_norm", "accum_rms"}
+    assert plan.evidence.equivalent and plan.evidence.finite_field_tests == CONFIG.verify_tests
+    # and it computes the program (float64, fresh inputs)
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    for got, want in zip(run_kernel_graph(plan.graph, inputs), run_kernel_graph(graph, inputs)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_horizontal_fusion_computes_both_products_in_one_kernel():
+    graph = _horizontal()
+    stats = SearchStats()
+    best, *_ = partition.generate(graph, CONFIG, stats)
+    (fused,) = [n for n in best.graph.nodes if n.body is not None]
+    assert [n.op for n in fused.body.nodes].count("matmul") == 2 and len(fused.outputs) == 2
+
+
+def test_a_subprogram_reads_what_its_nodes_read_and_returns_what_later_nodes_read():
+    graph = partition.ordered(_layout_epilogue())
+    ops = [n.op for n in graph.nodes]
+    assert ops == ["transpose", "matmul", "add", "silu", "mul_scalar"]
+    part = partition.subprogram(graph, 1, 3)
+    assert [v.name for v in part.inputs] == [graph.nodes[0].outputs[0].name, "w", "b"]
+    assert [v.name for v in part.outputs] == [graph.nodes[2].outputs[0].name]   # the add, which silu reads
+    assert partition.subprogram(graph, 1, 5).outputs == graph.outputs
+
+
+def test_the_node_order_keeps_a_consumer_beside_its_producer():
+    @mdsl.kernel
+    def breadth_first(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], g: Tensor[8, 64, f16]):
+        h = x @ w
+        t = mdsl.transpose(h, 0, 1)      # traced before the gate that also reads h
+        return t, h * g
+
+    ops = [n.op for n in partition.ordered(breadth_first.graph).nodes]
+    assert ops == ["matmul", "mul", "transpose"]
+
+
+def test_the_combination_never_costs_more_than_the_operators_apart():
+    graph = _split_gate()
+    part = partition.Partition(graph, CONFIG, SearchStats())
+    part.analyse()
+    combination = part.screened_best()
+    assembled = part.assemble(combination)
+    assert estimate(assembled).seconds <= estimate(graph).seconds
+    assert estimate(assembled).launches <= estimate(graph).launches
+    nothing = part.best(excluded=frozenset(part.parts))   # every part excluded: the operators apart
+    assert all(option is None for _, _, option in nothing)
+    assert part.assemble(nothing).key == partition.ordered(graph).key
+
+
+def test_fallbacks_leave_out_one_fused_part_each_and_wait_for_the_best():
+    @mdsl.kernel
+    def two_parts(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], v: Tensor[64, 32, f16]):
+        h = mdsl.silu(x @ w) * 2.0
+        t = mdsl.transpose(h, 0, 1)
+        return mdsl.relu(mdsl.transpose(t, 0, 1) @ v) + 1.0
+
+    stats = SearchStats()
+    best, *fallbacks = partition.generate(two_parts.graph, CONFIG, stats)
+    assert isinstance(best, Assembly) and best.primary is None and fallbacks
+    assert all(isinstance(f, Assembly) and f.primary == best.graph.key for f in fallbacks)
+    spans = {key: set(map(tuple, s)) for key, s in stats.partition["assemblies"].items()}
+    assert len(spans[best.graph.key]) == len(best.parts) == 2
+    assert all(spans[best.graph.key] - spans[f.graph.key] for f in fallbacks)   # each without a part of the best
+    for sub, replacement in best.parts:   # each part's replacement reads and returns what its sub-program does
+        assert [v.type for v in replacement.inputs] == [v.type for v in sub.inputs]
+        assert [v.name for v in replacement.outputs] == [v.name for v in sub.outputs]
+
+
+def test_a_part_that_fails_its_screen_gives_way_to_its_next_candidate(monkeypatch):
+    graph = _norm_matmul()
+    calls = []
+
+    def first_fails(original, candidate, seed, key=None):
+        calls.append(candidate.key)
+        return "differs" if len(calls) == 1 else None
+
+    monkeypatch.setattr(partition, "screen", first_fails)
+    part = partition.Partition(graph, CONFIG, SearchStats())
+    part.analyse()
+    combination = part.screened_best()
+    used = [option for _, _, option in combination if option is not None]
+    assert len(calls) == 2 and used and used[0][0].key == calls[1] != calls[0]

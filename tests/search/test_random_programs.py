@@ -1,0 +1,98 @@
+"""Programs the search has never seen (benchmarks/random_programs.py): the generator is a function of its
+seed, and on small random programs the search's plan never has more kernels or a higher estimated time
+than the original, and computes it."""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+import mdsl
+from benchmarks import random_programs as rp
+from mdsl import Tensor, f16
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.ir.validate import validate_kernel_graph
+from mdsl.search import partition
+from mdsl.search.config import SearchConfig
+from mdsl.search.cost import estimate
+from mdsl.search.engine import search
+from mdsl.search.stats import SearchStats
+
+SMALL = dict(rows=(1, 2, 4), hidden=(16, 32))   # the LLM shapes' structure at a test's sizes
+
+
+def test_a_seed_and_an_index_decide_the_program():
+    first = [rp.draw(7, i).source() for i in range(20)]
+    assert first == [rp.draw(7, i).source() for i in range(20)]
+    assert first != [rp.draw(8, i).source() for i in range(20)]
+    assert len(set(first)) == 20
+
+
+def test_programs_trace_to_valid_graphs_of_3_to_12_operators_over_llm_shapes():
+    kinds = set()
+    for i in range(40):
+        program = rp.draw(3, i)
+        graph = program.kernel().graph
+        validate_kernel_graph(graph)
+        assert rp.MIN_OPS <= len(graph.nodes) <= rp.MAX_OPS, program.source()
+        assert program.rows in rp.ROWS and graph.inputs[0].shape[1] in rp.HIDDEN
+        assert all(v.type.rank <= 3 and v.type.numel <= max(rp.HIDDEN) ** 2 for v in graph.inputs)
+        kinds |= {n.opdef.category for n in graph.nodes}
+    assert kinds >= {"matmul", "elementwise", "reduction", "norm", "layout"}
+
+
+def test_the_float_check_passes_the_program_itself_and_fails_another_function():
+    def make(activation):
+        @mdsl.kernel(name="layer")
+        def layer(x: Tensor[4, 32, f16], w0: Tensor[32, 16, f16]):
+            return activation(x @ w0)
+        return layer.graph
+
+    program = rp.RandomProgram("layer", 4, roles={"x": "activation", "w0": "weight"})
+    graph = make(mdsl.silu)
+    plan = search(graph, SearchConfig(budget_s=30, workers=1), generators=[]).plan()
+    inputs = rp.float_inputs(program, graph, 0)
+    assert rp.float_check(plan, inputs)[0]
+    assert not rp.float_check(attrs.evolve(plan, graph=make(mdsl.gelu)), inputs)[0]
+
+
+def test_the_summary_counts_fusions_failures_and_overruns():
+    rows = [{"kernels_before": 5, "kernels_after": 2, "estimate_before_us": 9.0, "estimate_after_us": 4.0,
+             "search_s": 10.0, "over_cap_s": 0.0, "provisional": False, "float_ok": True, "fused": True,
+             "boundaries": ["transpose %t is a layout change without a block-level rule"]},
+            {"kernels_before": 3, "kernels_after": 3, "estimate_before_us": 5.0, "estimate_after_us": 5.0,
+             "search_s": 126.0, "over_cap_s": 6.0, "provisional": True, "float_ok": True, "fused": False,
+             "boundaries": ["the search's time cap ran out before the part joining them was tried"]}]
+    summary = rp.summarise(rows, 120.0)
+    assert summary["fused"] == 1 and summary["fused_fraction"] == 0.5 and summary["over_cap"] == 1
+    assert summary["kernels_removed_histogram"] == {"0": 1, "3": 1} and summary["worse"] == 0
+    assert summary["boundary_reasons"] == {"layout op": 1, "time cap": 1}
+
+
+@pytest.mark.parametrize("index", range(24))
+def test_the_partition_combination_never_costs_more_than_the_original(index):
+    graph = rp.draw(5, index, **SMALL).kernel().graph
+    generated = [a.graph for a in partition.generate(graph, SearchConfig(min_blocks=1), SearchStats())]
+    for candidate in generated:
+        validate_kernel_graph(candidate)
+        assert estimate(candidate).launches <= estimate(graph).launches
+    if generated:   # the best combination: never dearer than the operators apart
+        assert estimate(generated[0]).seconds <= estimate(graph).seconds
+
+
+@pytest.mark.timeout(300)
+def test_plans_of_random_programs_are_never_worse_than_the_original_and_compute_it():
+    config = SearchConfig(budget_s=120, workers=2, exhaustive=False, min_blocks=1)
+    fused = 0
+    for index in range(6):
+        program = rp.draw(11, index, **SMALL)
+        graph = program.kernel().graph
+        plan = search(graph, config).plan()
+        assert plan.cost.launches <= plan.original_cost.launches, program.source()
+        assert plan.cost.seconds <= plan.original_cost.seconds, program.source()
+        assert plan.evidence.equivalent and not plan.provisional
+        fused += plan.cost.launches < plan.original_cost.launches
+        inputs = rp.float_inputs(program, graph, 1)
+        for got, want in zip(run_kernel_graph(plan.graph, inputs), run_kernel_graph(graph, inputs)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert fused >= 3
