@@ -113,7 +113,6 @@ class OpDef:
     reference: Optional[Callable] = None   # (arrays, attrs dict) -> list of arrays; accumulators: (per-iteration input lists, attrs)
     body_level: Optional[str] = None       # graph-defined ops: the level of their body
     doc: str = ""
-    rules: dict = attrs.field(factory=dict)  # mdsl.search's rules (`extend_op`), until it has tables of its own
 
     @property
     def is_accumulator(self) -> bool:
@@ -188,12 +187,6 @@ def get_op(name: str) -> OpDef:
 def unary_operator_names() -> list:
     """The element-wise operators of one operand and no attributes (what an `op` attribute may name)."""
     return sorted(name for name, op in OPS.items() if op.is_unary)
-
-
-def extend_op(name: str, **rules: Any) -> None:
-    """Attach mdsl.search's rules (dims=..., lift=..., split=...) to an operator's entry. Every other layer
-    keeps its rules in a table of its own (`mdsl.ir.rules.RuleTable`); so will the search."""
-    get_op(name).rules.update(rules)
 
 
 # ---------------------------------------------------------------------------------------------

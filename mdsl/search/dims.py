@@ -1,6 +1,6 @@
 """Dimension labels: which tensor dims of a kernel graph are "the same index".
 
-Each operator's entry gains a `dims` rule that relates its operands' dims to its results' dims and
+Each operator's rule in `DIMS_RULES` relates its operands' dims to its results' dims and
 names the dims it contracts. Joining these facts over a graph (union-find) labels every (tensor, dim)
 pair; a label is an index of the program (rows, columns, the k of a matmul, the KV length of
 attention). The guided search splits free labels across the grid and loops over a contracted one.
@@ -8,12 +8,13 @@ attention). The guided search splits free labels across the grid and loops over 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import attrs
 
 from mdsl.ir.graph import KernelGraph, Node
-from mdsl.ir.ops import OPS, extend_op
+from mdsl.ir.rules import RuleTable
 
 
 @attrs.frozen
@@ -100,9 +101,13 @@ def _accumulator(node: Node) -> DimFacts:
 
 _RULES = {"matmul": _matmul, "sum": _reduction, "mean": _reduction, "max": _reduction, "rms_norm": _rms_norm,
           "transpose": _transpose, "concat": _concat, "split": _split, "reshape": _opaque}
-for _name, _op in OPS.items():
-    extend_op(_name, dims=_RULES.get(_name, _aligned if _op.is_elementwise
-                                     else _accumulator if _op.is_accumulator else _opaque))
+#: op -> node -> its DimFacts; an op without its own rule: aligned if element-wise, an accumulator's rule if
+#: an accumulator, else opaque
+DIMS_RULES: RuleTable[Callable] = RuleTable(
+    "dimension labels", Callable, "mdsl.search.dims (DIMS_RULES)", needs=lambda op: True,
+    by_category=lambda op: _aligned if op.is_elementwise else _accumulator if op.is_accumulator else _opaque)
+for _name, _rule in _RULES.items():
+    DIMS_RULES.register(_name, _rule)
 
 
 @attrs.frozen
@@ -126,7 +131,7 @@ class Labels:
         for node in graph.nodes:
             for v in node.outputs:
                 self._add(v)
-            facts = node.opdef.rules["dims"](node)
+            facts = DIMS_RULES[node.op](node)
             for (i, d), (j, e) in facts.same:
                 self._union((node.inputs[i].name, d), (node.outputs[j].name, e))
             for (i, d), (j, e) in facts.joint:

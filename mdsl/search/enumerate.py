@@ -70,7 +70,7 @@ from mdsl.passes.abstract import Term, abstract_terms, node_terms, subterms, var
 from mdsl.passes.subexpr import OutOfTime, SubexprChecker
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.dims import Labels
+from mdsl.search.dims import DIMS_RULES, Labels
 from mdsl.search.resize import elements as _elements, encodes_size, float_constants, seen_attributes
 from mdsl.search.stats import PRUNED, SearchStats
 
@@ -111,7 +111,7 @@ def _result_labels(node: Node, operands: list, contracted: frozenset, loop) -> O
     """The labels of `node`'s result, or None when its dims do not line up. `loop` is the label the
     for-loop walks (None without a loop)."""
     opdef = node.opdef
-    facts = opdef.rules["dims"](node)
+    facts = DIMS_RULES[node.op](node)
     out = node.outputs[0].shape
     result: list = [None] * len(out)
     for (i, d), (_, e) in facts.same:

@@ -34,7 +34,8 @@ import attrs
 from mdsl.errors import MdslError
 from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
-from mdsl.ir.ops import OPS, extend_op, get_op
+from mdsl.ir.ops import get_op
+from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
 from mdsl.ir.validate import input_tile_type, validate_kernel_graph
 from mdsl.search.config import SearchConfig
@@ -168,7 +169,7 @@ class _Builder:
 
     def run(self) -> None:
         for node in self.graph.nodes:
-            rule = node.opdef.rules.get("lift")
+            rule = LIFT_RULES.get(node.op)
             if rule is None:
                 raise CannotLift(f"{node.op} does not lift into a block graph")
             self.current = node
@@ -297,9 +298,9 @@ def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
 
 _CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
                    "norm": _lift_rms_norm}
-for _name, _op in OPS.items():
-    if _op.category in _CATEGORY_RULES:
-        extend_op(_name, lift=_CATEGORY_RULES[_op.category])
+#: op -> (builder, node) -> Lifted, by the op's category
+LIFT_RULES: RuleTable[Callable] = RuleTable("guided lifting", Callable, "mdsl.search.guided (LIFT_RULES)",
+                                            by_category=lambda op: _CATEGORY_RULES.get(op.category))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,12 +388,13 @@ _SPLIT_RULES = {"accum": SplitRule(_keep_accumulator, _same_accumulator),
                 "accum_max": SplitRule(_keep_accumulator, _same_accumulator),
                 "accum_rescale": SplitRule(_keep_accumulator, _same_accumulator),
                 "accum_rms": SplitRule(_mean_square_partial, _rms_of_mean_squares)}
+SPLIT_RULES: RuleTable[SplitRule] = RuleTable("split loops' combine", SplitRule, "mdsl.search.guided (SPLIT_RULES)")
 for _name, _rule in _SPLIT_RULES.items():
-    extend_op(_name, split=_rule)
+    SPLIT_RULES.register(_name, _rule)
 
 
 def _split_rule(a: Accumulation) -> SplitRule:
-    rule = a.node.opdef.rules.get("split")
+    rule = SPLIT_RULES.get(a.node.op)
     if rule is None:
         raise CannotLift(f"{a.node.op}'s partial results cannot be combined")
     return rule

@@ -55,7 +55,7 @@ from mdsl.ir.types import Var
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.guided import lift_all
+from mdsl.search.guided import LIFT_RULES, lift_all
 from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
@@ -128,7 +128,7 @@ def ordered(graph: KernelGraph) -> KernelGraph:
     order = []
     while len(order) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
-        pick = max(ready, key=lambda i: (graph.nodes[i].opdef.rules.get("lift") is not None,
+        pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None,
                                          max((done[p] for p in needs[i]), default=-1), -i))
         done[pick] = len(order)
         order.append(pick)
@@ -183,7 +183,7 @@ class Partition:
         program = subprogram(self.graph, start, stop)
         part = _Part(start, stop, program) if program is not None else None
         if part is not None:
-            blocked = next((n for n in nodes if n.opdef.rules.get("lift") is None), None)
+            blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
             if blocked is not None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
             elif not _connected(nodes):

@@ -37,7 +37,7 @@ from mdsl.errors import MdslError
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.types import Var
 from mdsl.ir.validate import input_tile_type, output_tensor_type, validate_kernel_graph
-from mdsl.search import dims as _dims  # noqa: F401 - registers every operator's `dims` rule
+from mdsl.search.dims import DIMS_RULES
 
 
 class CannotResize(Exception):
@@ -89,7 +89,7 @@ class JointLabels:
             for v in node.outputs:
                 self._add(scope, v)
             if node.body is None:
-                facts = node.opdef.rules["dims"](node)
+                facts = DIMS_RULES[node.op](node)
                 # an operand's dim of size 1 may be a broadcast (a bias's row) as well as an index of size
                 # 1 (a tile's one row): such a pair is tied once the rest shows which (`_tie_weak`)
                 broadcasts = len(node.inputs) > 1 and (node.opdef.is_elementwise or node.opdef.is_accumulator)

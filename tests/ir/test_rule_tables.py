@@ -47,13 +47,16 @@ from mdsl.passes.abstract import ABSTRACT_RULES, output_terms, parse_term, unary
 from mdsl.passes.finite_field import FIELD_RULES, oracle
 from mdsl.passes.layout import SCRATCH_RULES
 from mdsl.passes.verify import verify
+from mdsl.search.dims import DIMS_RULES
+from mdsl.search.guided import LIFT_RULES, SPLIT_RULES
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx import simulator
 from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
 
 #: every table, by its consumer: the operators' (the megakernel's below)
 OPERATOR_TABLES = (ABSTRACT_RULES, FIELD_RULES, SCRATCH_RULES, ROW_RULES, STREAMED_RULES, ROW_FOLDS, CUDA_RULES,
-                   CUDA_ROW_RULES, CUDA_STREAMED_RULES, PTX_RULES, PTX_ROW_RULES, PTX_STREAMED_RULES, TORCH_RULES)
+                   CUDA_ROW_RULES, CUDA_STREAMED_RULES, PTX_RULES, PTX_ROW_RULES, PTX_STREAMED_RULES, TORCH_RULES,
+                   DIMS_RULES, LIFT_RULES, SPLIT_RULES)
 LAYER_TABLES = (EPILOGUE_RULES, FUSION_RULES, TASK_RULES, TASK_BODIES, DEVICE_RULES, CUDA_TASK_RULES, SHARD_RULES,
                 COLLECTIVE_RULES)
 
