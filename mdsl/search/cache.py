@@ -20,7 +20,7 @@ so reading one checks, before anything is served: that it is a regular file of a
 MAX_ENTRY_BYTES (read no further), its schema, key and content digest, that its plan parses and
 validates, was verified by this mdsl version for the requested program, and passes
 `mdsl.search.plan.recheck` (claims that fit each candidate, costs, one finite-field test of every
-candidate with fresh randomness). An entry that fails is reported once (a warning naming the file and
+candidate with fresh randomness, on a reduced instance where one exists). An entry that fails is reported once (a warning naming the file and
 why), deleted, and searched again by `optimize`, which stores the new plan in its place. A plan this
 process wrote or has rechecked is not rechecked again (`_TRUSTED`, by digest).
 """

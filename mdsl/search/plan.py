@@ -237,18 +237,26 @@ def content_digest(data: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # a stored plan, checked again before it is served
 
+#: The most elements a reduced instance of a stored plan's pair of graphs may hold for its re-check.
+RECHECK_ELEMENTS = 1 << 22
+
+
 def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
     """Why `plan`, read back from storage, must not be served as verified, or None.
 
     Each candidate (the chosen mugraph and every alternative: the GPU autotuner may pick any of them)
     must claim a passed verification that fits it (the original program alone needs none), read and
     return tensors of the original's types, cost what the cost model estimates, and pass one
-    finite-field test against the original at full size, with randomness of its own (`seed`; None:
-    fresh from the OS, so that no stored graph can be fitted to it). Sizes are not reduced: a mugraph
-    that differs from its original only in elements a smaller problem does not have (a tile offset, a
-    split point) would pass at a reduced size. One test costs one evaluation of each program in the
-    field, a fraction of the search's verification of the same candidates, and passes a wrong
-    candidate with probability about its degree over q < 2^24 (`mdsl.passes.verify`)."""
+    finite-field test against the original, with randomness of its own (`seed`; None: fresh from the OS,
+    so that no stored graph can be fitted to it). The test runs on a reduced instance of the pair where one
+    exists (`mdsl.search.resize.reduced`: both graphs shrunk by the same factor per label, the same grids,
+    loops and maps), else at full size. It re-checks what the content digest cannot: a plan whose
+    computation was changed and its digest recomputed. A changed operator, attribute, map or wiring
+    changes the function at the reduced sizes too, and is caught with probability about 1 - degree / q
+    (q > 2^23, `mdsl.passes.verify`); a change visible only in elements a smaller problem lacks (a tile
+    offset, a split point) is not, which is why the search's own verification runs at full size. At the
+    reduced sizes the test costs milliseconds where a full-size one costs an evaluation of each program
+    (seconds for weights of 8192 x 8192)."""
     candidates = [("the chosen mugraph", plan.chosen)]
     candidates += [(f"alternative {i}", c) for i, c in enumerate(plan.alternatives, 1)]
     for name, candidate in candidates:
@@ -279,24 +287,41 @@ def _claim_problem(original: KernelGraph, candidate: Candidate) -> Optional[str]
 
 def _field_problem(original: KernelGraph, candidates: list, seed: Optional[int]) -> Optional[str]:
     from mdsl.passes.finite_field import Field, run_in_field   # (not mdsl.passes.verify: no z3 on this path)
+    from mdsl.search.resize import elements, reduced
 
     others = {}
     for name, candidate in candidates:
         if candidate.graph.key != original.key:
             others.setdefault(candidate.graph.key, (name, candidate.graph))
-    if not others:
-        return None
     rng = np.random.default_rng(seed)
-    field = Field.draw(rng)
-    inputs = [field.random(v.shape, rng) for v in original.inputs]
+    full_size = None   # (inputs, field, the original's outputs) at full size, made once if a pair has no reduction
+
+    def differs(first: KernelGraph, second: KernelGraph, inputs: list, field, expected=None) -> Optional[str]:
+        expected = run_in_field(first, inputs, field) if expected is None else expected
+        for k, (want, got) in enumerate(zip(expected, run_in_field(second, inputs, field))):
+            differ = int(np.sum(want[..., 0] != got[..., 0]))
+            if differ:
+                return f"its output {k} differs from the original's in {differ} of {want[..., 0].size} element(s)"
+        return None
+
     try:
-        expected = run_in_field(original, inputs, field)
         for name, graph in others.values():
-            for k, (want, got) in enumerate(zip(expected, run_in_field(graph, inputs, field))):
-                differ = int(np.sum(want[..., 0] != got[..., 0]))
-                if differ:
-                    return (f"{name} fails a finite-field re-check (p = {field.p}): its output {k} differs from "
-                            f"the original's in {differ} of {want[..., 0].size} element(s)")
+            pair = reduced([original, graph])
+            if pair is not None and sum(elements(g) for g in pair) <= RECHECK_ELEMENTS:
+                field = Field.draw(rng)
+                small = pair[0]
+                problem = differs(small, pair[1], [field.random(v.shape, rng) for v in small.inputs], field)
+                where = "on a reduced instance"
+            else:
+                if full_size is None:
+                    field = Field.draw(rng)
+                    inputs = [field.random(v.shape, rng) for v in original.inputs]
+                    full_size = (inputs, field, run_in_field(original, inputs, field))
+                inputs, field, expected = full_size
+                problem = differs(original, graph, inputs, field, expected)
+                where = "at full size"
+            if problem:
+                return f"{name} fails a finite-field re-check {where} (p = {field.p}): {problem}"
     except MdslError as e:  # every verified candidate has a field semantics
         return f"a candidate cannot be evaluated in a finite field: {e.message}"
     return None
