@@ -181,7 +181,9 @@ class KernelFunction:
 
     def optimize(self, *args, config=None, cache=True, progress=None, log_path=None):
         """The best verified plan for these arguments' shapes (as in `.trace`; none: the annotated
-        signature), from the plan cache or a search (`mdsl.search.engine.optimize`). No GPU needed."""
+        signature), from the plan cache or a search (`mdsl.search.engine.optimize`). No GPU needed.
+        `progress`: None (a status line on stderr while it searches, when stderr is a terminal), True
+        (always), False (never), or a callable given the search's `SearchStats` now and then."""
         # imported here: the frontend must not pull in the search (and its processes) at import time
         from mdsl.search.config import SearchConfig
         from mdsl.search.engine import optimize

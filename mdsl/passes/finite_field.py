@@ -1,4 +1,4 @@
-"""The finite-field semantics of the mugraph: the exact half of the verifier (design.md, "Verification").
+"""The finite-field semantics of the mugraph: the exact half of the verifier (docs/design.md, section "Verification").
 
 One test draws primes q and p = 2q + 1 (q < 2^24, so p < 2^25), an element ω of order q in Z_p and a
 secret that keys the test's random oracles. A value is an int64 array of shape tensor shape + (2,):

@@ -1,4 +1,4 @@
-"""The verifier: is a candidate mugraph equivalent to the original program? (design.md, "Verification")
+"""The verifier: is a candidate mugraph equivalent to the original program? (docs/design.md, section "Verification")
 
 Two tests, both required:
 

@@ -34,18 +34,18 @@ class Device:
     smem_per_sm: int = 228 * 1024
     threads_per_sm: int = 2048
     max_blocks_per_sm: int = 8   # what registers usually allow a block of tensor-core tiles
-    step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (measured on the H200: a
-                                 # 9-step attention iteration ~2.2 us, a 3-step GEMV iteration ~0.5 us)
+    step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (fitted to the H200's
+                                 # attention iterations of 9 steps and GEMV iterations of 3)
     sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
-    # what one busy SM's skinny loop draws (weights and X together), fitted to the H200's tuner (fifth session,
-    # 2026-11-30: 96-block rms_norm_linear 15.9 us with 128 and with 256 threads, 64-block gated_mlp 28.6 us);
-    # a fit, not a cause: the sixth session's clusters (3 blocks on most SMs) were slower, not faster
+    # what one busy SM's skinny loop draws (weights and X together), fitted to the H200 autotuner's times of
+    # rms_norm_linear (96 blocks, 128 or 256 threads) and gated_mlp (64 blocks) (docs/results/kernels.json);
+    # a fit, not a cause: more blocks per SM (clusters, 3 on most SMs) do not draw more (docs/tried-kernels.md)
     skinny_sm_bytes_per_s: float = 40e9
     sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
-    # Fitted to the H200's autotuning of rms_norm_linear_bs8 (2026-11-29, docs/kernel_bench_2026-11-29c.json):
-    # one block of 8 warps drew 17-21 GB/s whatever its tile (19 GB/s with 192-byte rows, 21 with 128),
-    # 4 warps 13.5 GB/s; tiles with rows of 48/64/96 bytes drew proportionally less (11/11/17 GB/s per SM).
-    # `estimate` keeps its own 64 bytes, a part of the stored plans' costs.
+    # Fitted to the H200 autotuner's times of rms_norm_linear_bs8's tiles (docs/results/kernels.json): a
+    # block's draw grows with its warps and not with its tile, except that tiles whose rows are shorter
+    # than `dram_run_bytes` draw proportionally less. (`estimate` weighs runs against 64 bytes of its own:
+    # its costs are part of the stored plans.)
     warp_dram_bytes_per_s: float = 3e9
     dram_run_bytes: int = 128
     registers_per_sm: int = 65536
@@ -53,7 +53,8 @@ class Device:
                                          # through L2 at `sm_bytes_per_s`: tens of KB a block overflow L1)
 
 
-#: Measured on the H200 test machine (design.md): 4.25 TB/s copy, ~750 TFLOP/s bf16.
+#: The H200 as measured on the test machine (docs/design.md, section "Search"): 4.25 TB/s device-to-device
+#: copy, ~750 TFLOP/s bf16.
 H200 = Device("NVIDIA H200", 132, 4.25e12, 750e12, 60 * 2**20, SMEM_LIMIT_BYTES, 2.0e-6, 10e12, 1.0e-6, 120e9)
 
 #: Layout operators that are views of their input: no kernel, no traffic.
@@ -267,9 +268,9 @@ def _block_work(graph: BlockGraph, device: Device) -> tuple:
     return loop_s, post_s, loop_steps, post_steps
 
 
-#: `estimate_registers`' model, fitted to ptxas's reports for sm_90a (NVRTC, 2026-11-29): row-resident
-#: attention tiles of 16x64 + 16x64 per warp took 185 registers, 16x128 + 16x64 took 253, larger ones
-#: spilled 700-3200 bytes; the block-tiled GEMVs (rms_norm_linear, gated_mlp) 64-110.
+#: `estimate_registers`' model, fitted to ptxas's reports for sm_90a (NVRTC) of row-resident attention
+#: tiles (16x64 + 16x64 per warp fits the registers, 16x128 + 16x64 just fits, larger ones spill) and of
+#: the block-tiled GEMVs (rms_norm_linear, gated_mlp), which need far fewer.
 _BASE_REGISTERS = 60
 _REGISTERS_PER_FLOAT = 2    # a product's element, its transformed copy and the next mma's operand
 
@@ -365,8 +366,7 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
 
 #: registers a thread of the skinny loop takes: two register buffers of loads (64), addresses, X's fragments,
 #: the accumulators, the fold; more with a second 8-row tile of X (its fragments and accumulators in every
-#: buffer). ptxas for sm_90a, 2026-11-30: 135 at 2 rows and 167 at 16 rows with one weight, 124 at 8 rows
-#: with two, 158-168 at 16 rows under 128 or 256 threads
+#: buffer). Fitted to ptxas's reports for sm_90a of the skinny loops of one and two weights at 2 to 16 rows.
 _SKINNY_BASE_REGISTERS = 128
 _SKINNY_REGISTERS_PER_TILE = 32   # each 8-row tile of X past the first
 

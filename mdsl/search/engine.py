@@ -55,6 +55,7 @@ import inspect
 import json
 import math
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -147,7 +148,8 @@ def search(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, generat
     `stats` keyword are handed the search's SearchStats); default: `default_generators(config)`.
     `verifier`: `verify(original, candidate, *, tests, seed)` as mdsl.passes.verify.verify (the
     default); it runs in worker processes, so it must be picklable (a module-level function).
-    `progress`: None (silent), True (a status line on stderr) or a callable given the SearchStats.
+    `progress`: True (a status line on stderr, `mdsl.search.progress.StatusLine`), False (none), None (the
+    default: a status line when stderr is a terminal) or a callable given the SearchStats.
     `log_path`: a file the search appends its events to, as JSON lines.
     """
     validate_kernel_graph(graph)
@@ -256,15 +258,31 @@ def _merged(new: Plan, old: Plan) -> Plan:
                         alternatives=tuple(others[:new.config.top_k - 1]), explanation=explanation)
 
 
+def cache_location(graph: KernelGraph, config: SearchConfig = SearchConfig(), *,
+                   cache: Union[bool, PlanCache] = True, generators: Optional[Sequence[Generator]] = None,
+                   verifier: Optional[Callable] = None) -> Optional[Path]:
+    """The file in which `optimize` (same arguments) keeps the plan for `graph` (None: no cache). It
+    exists once a plan is stored there."""
+    entry = _cache_entry(graph, config, cache, generators, verifier)
+    return None if entry is None else entry[0].path(entry[1])
+
+
 def cached_plan(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache: Union[bool, PlanCache] = True,
                 generators: Optional[Sequence[Generator]] = None,
                 verifier: Optional[Callable] = None) -> Optional[Plan]:
     """The plan `optimize` would answer from the plan cache (same arguments), or None where it would
     search. Searches nothing."""
+    entry = _cache_entry(graph, config, cache, generators, verifier)
+    return None if entry is None else entry[0].load(entry[1], graph)
+
+
+def _cache_entry(graph: KernelGraph, config: SearchConfig, cache: Union[bool, PlanCache],
+                 generators: Optional[Sequence[Generator]], verifier: Optional[Callable]) -> Optional[tuple]:
+    """(the plan cache, the key of `graph`'s entry there) as `optimize` would use them, or None: no cache."""
     store = PlanCache() if cache is True else cache or None
     if store is None:
         return None
-    return store.load(store.key(graph, config, searcher=_searcher_identity(generators, verifier)), graph)
+    return store, store.key(graph, config, searcher=_searcher_identity(generators, verifier))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,10 +297,11 @@ class _Search:
         # every count refreshes the progress display (at most every _POLL_S), so that it moves
         # while a generator works between two candidates
         wind_down = min(_WIND_DOWN_S, 0.1 * config.budget_s)
-        self.stats = SearchStats(deadline=self.start + config.budget_s - wind_down, listener=self._report,
-                                 work_limit=config.work)
-        self.signature = _signature(original)
         self.original_cost = estimate(original)
+        self.stats = SearchStats(deadline=self.start + config.budget_s - wind_down, listener=self._report,
+                                 work_limit=config.work, kernel=original.name, budget_s=config.budget_s,
+                                 original_seconds=self.original_cost.seconds)
+        self.signature = _signature(original)
         self.seen = {original.key}
         self.admitted = 0              # candidates admitted to verification so far: the next one's number
         self.pending: list = []        # admitted, not yet submitted: _Entry, in admission order
@@ -666,6 +685,10 @@ def _call(gen: Generator, graph: KernelGraph, config: SearchConfig, stats: Searc
 
 
 def _display(progress: Progress) -> Optional[Callable]:
+    """The progress display `progress` asks for: None, a status line when stderr is a terminal (so that a
+    search started by hand shows one, and one inside a test suite, a pipe or a log is silent)."""
+    if progress is None:
+        progress = sys.stderr.isatty()
     if progress is True:
         return StatusLine()
     return progress or None

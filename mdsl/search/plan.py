@@ -157,9 +157,14 @@ class Plan:
         return estimate(self.original)
 
     def __str__(self) -> str:
-        return "\n".join([*(f"# {line}" for line in self.header()), print_graph(self.graph)])
+        return self.text()
 
-    def header(self) -> list:
+    def text(self, verbose: bool = False) -> str:
+        """The header as `#` comments, then the chosen mugraph in the textual IR; `verbose`: the header
+        with the search's full statistics and each alternative's cost."""
+        return "\n".join([*(f"# {line}" for line in self.header(verbose)), print_graph(self.graph)])
+
+    def header(self, verbose: bool = False) -> list:
         floor, cost, original = self.floor, self.cost, self.original_cost
         if self.is_original:
             what = "the original program (no faster equivalent mugraph was found)"
@@ -176,11 +181,13 @@ class Plan:
                  f"cost:     {cost}",
                  f"floor:    {_us(floor.seconds)}, {floor.bound}-bound; {reach}",
                  f"verified: {self.evidence.describe()}",
-                 f"search:   {self._search_line()}",
-                 f"          {self.stats.counts_summary()}"]
+                 f"search:   {self._search_line()}"]
+        if verbose:
+            lines.append(f"          {self.stats.counts_summary()}")
         if self.alternatives:
-            costs = ", ".join(f"{_us(c.cost.seconds)} ({c.cost.launches} launch(es))" for c in self.alternatives)
-            lines.append(f"also:     {costs}")
+            lines.append(f"also:     {self._alternatives_line()}")
+            if verbose:
+                lines.append(f"          {_cost_groups(self.alternatives)}")
         if self.family is not None:
             lines.append(f"family:   {self.family.describe()}")
         if self.cache_path is not None:
@@ -189,8 +196,20 @@ class Plan:
 
     def _search_line(self) -> str:
         ending = f"stopped by its {self.config.budget_s:g} s budget" if self.stats.timed_out else "finished"
-        return (f"{ending} after {self.stats.elapsed_s:.1f} s (seed {self.config.seed}); kept "
-                f"{len(self.alternatives) + 1} verified (top_k {self.config.top_k})")
+        return (f"{ending} after {self.stats.elapsed_s:.1f} s (seed {self.config.seed}): "
+                f"{self.stats.total('generated')} candidates, {self.stats.total('verified')} verified, "
+                f"{len(self.alternatives) + 1} kept (top_k {self.config.top_k})")
+
+    def _alternatives_line(self) -> str:
+        """The other candidates kept, summarised: how many, the range of their estimates and launches."""
+        n = len(self.alternatives)
+        us = _span([c.cost.seconds * 1e6 for c in self.alternatives], lambda x: f"{x:.3g}")
+        launches = [c.cost.launches for c in self.alternatives]
+        kernels = f"{_span(launches, str)} launch{'es' if max(launches) > 1 else ''}"
+        if n == 1:
+            return f"1 other candidate kept, {us} us in {kernels}; the GPU autotuner times it too"
+        each = "" if " to " in us + kernels else "each "
+        return f"{n} other candidates kept, {each}{us} us in {kernels}; the GPU autotuner times them too"
 
     # -- JSON ------------------------------------------------------------------------------------
 
@@ -218,6 +237,22 @@ class Plan:
 
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
+
+
+def _span(values: list, show) -> str:
+    """`low to high` of the values as `show` writes them, or the one value when they all look alike."""
+    low, high = show(min(values)), show(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
+def _cost_groups(candidates) -> str:
+    """Each distinct (estimate, launches) of `candidates` once, best first, with how many share it."""
+    groups: dict = {}
+    for c in candidates:
+        key = (_us(c.cost.seconds), c.cost.launches)
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(f"{t} ({n} launch{'es' if n > 1 else ''})" + (f" x{k}" if k > 1 else "")
+                     for (t, n), k in groups.items())
 
 
 def mdsl_version() -> str:

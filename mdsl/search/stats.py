@@ -41,6 +41,10 @@ class SearchStats:
     # what the partition generator learned of the program's parts (`mdsl.search.partition`), for the
     # plan's explanation
     partition: Optional[dict] = attrs.field(default=None, eq=False, repr=False)
+    # what the counts are measured against, for a progress display (`mdsl.search.progress`)
+    kernel: str = attrs.field(default="", eq=False, repr=False)                        # the program's name
+    budget_s: Optional[float] = attrs.field(default=None, eq=False, repr=False)        # the wall-clock cap
+    original_seconds: Optional[float] = attrs.field(default=None, eq=False, repr=False)  # its estimate
 
     def count(self, category: str, reason: str = "", n: int = 1) -> None:
         if not n:

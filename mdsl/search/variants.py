@@ -52,8 +52,7 @@ class VariantSpace:
     combine_blocks: int = 128     # a split variant's combine kernel is also tried with at least this many blocks
     max_loop_tile: int = 128      # elements of the loop label an iteration takes, at most (see `_fits`)
     # split variants preferred (`_preferred`): their first kernel fills the SMs about 1-4 times over and copies
-    # at most this many bytes an iteration (measured on the H200, gated_mlp split 2/4: 64 KB an
-    # iteration 27 us, 128 KB 40-42 us; rms_norm_linear: 64-80 KB the best of its variants)
+    # at most this many bytes an iteration (more is slower on the H200: docs/tried-kernels.md)
     split_waves: tuple = (0.9, 4)
     max_iteration_bytes: int = 80 * 1024
     min_split_loop_tile: int = 64  # and take at least this much of the loop label an iteration (4 mma k-steps)
@@ -186,11 +185,11 @@ def _preferred(graph: KernelGraph, choice, labels, space: "VariantSpace", sms: i
 
 def _fits(choice, labels, space: "VariantSpace", resident: frozenset = frozenset()) -> bool:
     """Whether an iteration's tile along the loop label is at most `space.max_loop_tile` long, where
-    that tile stays in registers (`resident`). Measured on the H200 (attention, rows kept in the mma
-    registers): 64 keys an iteration was best, 256 or 512 keys a thread's row of scores no longer fits
-    its registers, which the estimate does not model. Where the loop label is only contracted (the k of
-    a GEMV) the tile's length does not reach the registers: ptxas reports 75-89 registers and no spills
-    for rms_norm_linear and gated_mlp with 512-long k tiles, and longer tiles put more bytes in flight."""
+    that tile stays in registers (`resident`): in attention, whose rows stay in the mma registers, a
+    thread's row of scores outgrows its registers beyond that, which the estimate does not model (longer
+    tiles are slower on the H200: docs/tried-kernels.md). Where the loop label is only contracted (the k
+    of a GEMV) the tile's length does not reach the registers: ptxas reports no spills for
+    rms_norm_linear and gated_mlp with 512-long k tiles, and longer tiles put more bytes in flight."""
     if choice.loop is None or choice.loop not in resident:
         return True
     return labels.size(choice.loop) // (choice.split * choice.forloop) <= space.max_loop_tile
@@ -205,8 +204,8 @@ def _register_resident_labels(graph: KernelGraph, labels) -> frozenset:
 
 def _combine_widths(choice, space: "VariantSpace") -> list:
     """The combine kernel's extra split factors to try for a split choice: none, and the powers of two
-    that give it at least `space.combine_blocks` blocks (measured on the H200: a combine of 8 blocks
-    looping over 16-32 splits cost more than the attention before it)."""
+    that give it at least `space.combine_blocks` blocks: a combine of a few blocks, each looping over
+    many splits, costs more than the attention before it (docs/tried-kernels.md)."""
     if choice.split <= 1:
         return [1]
     blocks = math.prod(parts for _, parts in choice.grid)

@@ -1,7 +1,6 @@
 """The search engine with fake generators and verifiers (tests/search/fakes.py)."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -18,8 +17,6 @@ import mdsl
 from mdsl import Tensor, f16
 from mdsl.search.config import VERIFY_STEPS, SearchConfig
 from mdsl.search.engine import search
-from mdsl.search.progress import StatusLine
-from mdsl.search.stats import SearchStats
 from tests.search import fakes
 
 QUICK = SearchConfig(budget_s=30, workers=1)
@@ -228,34 +225,6 @@ def test_progress_is_reported_until_done():
            progress=lambda stats: seen.append((stats.done, stats.total("generated"))))
     assert seen[-1] == (True, 8)
     assert [done for done, _ in seen].count(True) == 1
-
-
-def test_status_line_prints_a_line_now_and_then_when_not_a_terminal():
-    stream = io.StringIO()
-    line = StatusLine(stream)
-    stats = SearchStats()
-    stats.count("generated", "guided", 3)
-    line(stats)               # within the interval: nothing
-    stats.done = True
-    line(stats)               # the final state always
-    assert stream.getvalue() == "mdsl search: 0.0s, 3 candidates (guided 3)\n"
-
-
-def test_status_line_rewrites_itself_on_a_terminal():
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    stream = Terminal()
-    line = StatusLine(stream, interval_s=0.0)
-    stats = SearchStats()
-    stats.count("generated", "guided", 12)
-    line(stats)
-    stats.done = True
-    line(stats)
-    first, final = stream.getvalue().split("\r")[1:]
-    assert first.startswith("mdsl search: 0.0s, 12 candidates") and final.endswith("\n")
-    assert "\n" not in first
 
 
 @pytest.mark.timeout(30)

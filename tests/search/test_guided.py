@@ -134,7 +134,7 @@ def test_a_grid_over_a_contracted_label_is_not_offered():
 
 
 def test_an_accumulator_without_a_split_rule_refuses_a_split_loop():
-    # accum_sum's partial results have no combine rule (no lifting emits it today): a split is refused
+    # accum_sum's partial results have no combine rule (no lifting emits one): a split is refused
     from mdsl.ir.dtypes import f32
     from mdsl.ir.graph import Node
     from mdsl.ir.types import TensorType, Var

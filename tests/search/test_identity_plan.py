@@ -64,7 +64,7 @@ def test_a_plan_that_does_not_print_is_not_stored(tmp_path, monkeypatch):
     plan = _plan(KernelGraph("k", (x,), (), (x,)), KernelGraph("k", (x,), (), (x,)))
     cache = PlanCache(tmp_path)
 
-    def broken(self):
+    def broken(self, verbose=False):
         raise ZeroDivisionError("float division by zero")
 
     monkeypatch.setattr(Plan, "header", broken)

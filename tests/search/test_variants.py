@@ -348,7 +348,7 @@ def test_the_estimate_of_a_skinny_loop_split_over_clusters():
     alone, clustered = (_skinny_cluster_fit(node, skinny_shape(node.body), c, H200) for c in (1, 4))
     # 96 blocks leave 36 SMs idle; in clusters of 4, 384 blocks (3 on most SMs) each stream a quarter of the K
     assert (alone.blocks, alone.per_sm, alone.cluster, clustered.blocks, clustered.per_sm) == (96, 1, 1, 384, 3)
-    # the H200 timed the clusters slower (sixth session): the estimate considers only mdsl.ir.skinny.CLUSTERS
+    # clusters are slower on the H200 (docs/tried-kernels.md): the estimate considers only mdsl.ir.skinny.CLUSTERS
     assert gpu_estimate(wide, skinny=True).kernels[0] == alone
 
 

@@ -156,8 +156,8 @@ def optimization() -> str:
 #: values are allocas, promoted to registers (sroa: without it every running value is local memory);
 #: branches on constants and values computed once the IR is built are folded (sccp), what that leaves
 #: unused goes (dead_code_elimination), and the small blocks of guards become selects (simplify_cfg).
-#: Not InstCombine: it took 40-80% of PTX generation for 2-4% fewer SASS instructions, most of it
-#: integer arithmetic on constants, which the builder now folds as it writes (llvm.FoldingBuilder);
+#: Not InstCombine: it costs much of PTX generation for few fewer SASS instructions (docs/tried-kernels.md),
+#: most of them integer arithmetic on constants, which the builder folds as it writes (llvm.FoldingBuilder);
 #: ptxas optimises the rest (benchmarks/compile_time.py --sass compares the two).
 LEAN_PIPELINE = ("always_inliner", "global_dead_code_eliminate", "sroa", "sccp", "dead_code_elimination",
                  "simplify_cfg")

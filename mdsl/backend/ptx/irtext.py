@@ -3,8 +3,9 @@ instruction builder whose methods have llvmlite.ir's IRBuilder signatures (the s
 and mathlib use), so that the code writing the kernels reads the same.
 
 Why not llvmlite.ir: building its objects (name uniquing per value) and printing them (str.format per
-operand, on every print) were ~60% of PTX generation. Here an instruction is one f-string when it is
-written, a value is its type and its reference (`%tN`), and printing the module joins lines.
+operand, on every print) would dominate PTX generation (docs/tried-kernels.md). Here an instruction is
+one f-string when it is written, a value is its type and its reference (`%tN`), and printing the module
+joins lines.
 Types and constants stay llvmlite.ir's (`ir.Constant`, `ir.IntType`...): their text is cached.
 """
 from __future__ import annotations
