@@ -71,7 +71,6 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.ir.validate import validate_kernel_graph
 from mdsl.search import worker
 from mdsl.search.cache import PlanCache
-from mdsl.search import explain
 from mdsl.search.config import VERIFY_STEPS, SearchConfig
 from mdsl.search.cost import Cost, estimate, roofline_floor
 from mdsl.search.plan import Candidate, Evidence, Plan, mdsl_version
@@ -384,6 +383,9 @@ class _Search:
         self.stats.done = True
         self._report(force=True)
         candidates = tuple(self.verified[_key(rank)] for rank in self.kept)
+        # imported here: explain reads the partition generator's records, and a plan served from the cache
+        # (the GPU's read path) imports no generator
+        from mdsl.search import explain
         explanation = explain.boundaries(self.original, candidates[0].graph, self.stats, self.outcomes)
         self.log.write("done", timed_out=self.stats.timed_out, best=candidates[0].graph.key,
                        best_cost_s=candidates[0].cost.seconds, kept=[c.graph.key for c in candidates],
