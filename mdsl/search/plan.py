@@ -221,9 +221,9 @@ def _us(seconds: float) -> str:
 
 
 def mdsl_version() -> str:
-    import mdsl  # the package's __init__ imports the frontend, which imports search lazily
+    from mdsl._version import __version__
 
-    return mdsl.__version__
+    return __version__
 
 
 def content_digest(data: dict) -> str:
