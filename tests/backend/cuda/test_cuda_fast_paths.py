@@ -16,7 +16,7 @@ from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assert_compiles_clean, compiled
 from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
-from tests.backend.cuda.programs import example_kernels, guided_plans
+from tests.backend.cuda.programs import example_kernels, guided_plan, matmul_benchmark_names
 from tests.gpu.harness import with_dtype
 from tests.shared import disassembled as disassemble
 
@@ -54,25 +54,29 @@ def test_emit_cuda_reads_the_environment_when_given_no_options(monkeypatch):
     assert "mdsl::BlockMma<__half" in emit_cuda(graph).source
 
 
-def _matmul_programs() -> dict:
+def _matmul_program_names() -> list:
     """Programs with matmuls on 16-bit operands: the fast-path set, the hand-written fused examples
-    and the guided plans of the benchmarks whose plan has a block-level one."""
-    out = {name: graph for name, graph in fast_path_graphs().items()
-           if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes) or name.startswith("kernel_")}
-    for name, graph in example_kernels().items():
-        if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes):
-            out[f"example {name}"] = graph
-    for name, plan in guided_plans().items():
-        if any(n.op == "matmul" for c in plan.custom_nodes() for n in c.body.nodes):
-            out[f"guided plan of {name}"] = plan
-    return out
+    and the guided plans of the benchmarks with a matmul (named here, searched on first use)."""
+    out = [name for name, graph in fast_path_graphs().items()
+           if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes) or name.startswith("kernel_")]
+    out += [f"example {name}" for name, graph in example_kernels().items()
+            if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes)]
+    return out + [f"guided plan of {name}" for name in matmul_benchmark_names()]
+
+
+def _matmul_program(name: str):
+    if name.startswith("example "):
+        return example_kernels()[name.removeprefix("example ")]
+    if name.startswith("guided plan of "):
+        return guided_plan(name.removeprefix("guided plan of "))
+    return fast_path_graphs()[name]
 
 
 @needs_nvdisasm
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", sorted(_matmul_programs()))
+@pytest.mark.parametrize("name", sorted(_matmul_program_names()))
 def test_block_matmuls_run_on_tensor_cores_and_only_when_asked(name):
-    graph = _matmul_programs()[name]
+    graph = _matmul_program(name)
     fast = sass_opcodes(disassemble(compiled(emit_cuda(graph, options=CudaOptions()).source).cubin))
     assert fast.get("HMMA", 0) > 0, f"no HMMA in the SASS of {name}"
     # with mma off no kernel calls the tensor-core templates (the prelude's, uninstantiated, make no SASS:

@@ -21,7 +21,7 @@ from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assembled_module, assert_assembles_clean
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans
+from tests.backend.ptx.plans import EVERY_OPTION_SET, case_names, matmul_case_names, plan_graph, stored_plans
 from tests.gpu.harness import with_dtype
 from tests.shared import disassembled
 
@@ -75,13 +75,19 @@ def test_emit_llvm_reads_the_environment_when_given_no_options(monkeypatch):
     assert "mma.sync.aligned.m16n8k16" in emit_llvm(graph).llvm_ir
 
 
-def _matmul_programs() -> dict:
-    """Programs with 16-bit matmuls: the fast-path set and the benchmark cases' searched plans with a
-    block-level one (the examples and guided plans: test_ptx_acceptance assembles them)."""
-    programs = {**fast_path_graphs(), **{f"searched plan of {name}": plan for name, plan in benchmark_plans().items()}}
-    return {name: graph for name, graph in programs.items()
-            if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes)
-            or any(n.op == "matmul" for n in graph.nodes)}
+def _matmul_program_names() -> list:
+    """Programs with 16-bit matmuls: the fast-path set and the benchmark cases' searched plans with one
+    (named here, built on first use; the examples and guided plans: test_acceptance assembles them)."""
+    names = [name for name, graph in fast_path_graphs().items()
+             if any(n.op == "matmul" for c in graph.custom_nodes() for n in c.body.nodes)
+             or any(n.op == "matmul" for n in graph.nodes)]
+    return names + [f"searched plan of {case}" for case in matmul_case_names()]
+
+
+def _matmul_program(name: str):
+    if name.startswith("searched plan of "):
+        return plan_graph(name.removeprefix("searched plan of "))
+    return fast_path_graphs()[name]
 
 
 def _kernel_plans(program) -> list:
@@ -109,9 +115,9 @@ def _tensor_core_kernels(program) -> set:
 
 @needs_nvdisasm
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", sorted(_matmul_programs()))
+@pytest.mark.parametrize("name", sorted(_matmul_program_names()))
 def test_tensor_cores_in_exactly_the_kernels_the_cuda_lowering_chose(name):
-    graph = _matmul_programs()[name]
+    graph = _matmul_program(name)
     program, fast = _ptx_opcodes(graph, BOTH)
     with_hmma = {k for k, ops in fast.items() if ops.get("HMMA", 0)}
     assert with_hmma, f"no HMMA in the SASS of {name}"
@@ -124,7 +130,7 @@ def test_tensor_cores_in_exactly_the_kernels_the_cuda_lowering_chose(name):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["ragged_matmuls_bf16", "kernel_matmuls_f16", "searched plan of lora"])
 def test_tensor_cores_where_the_cuda_backends_sass_has_them(name):
-    graph = _matmul_programs()[name]
+    graph = _matmul_program(name)
     _, ptx = _ptx_opcodes(graph, BOTH)
     cuda = _cuda_opcodes(graph, BOTH)
     assert {k for k, ops in ptx.items() if ops.get("HMMA", 0)} == {k for k, ops in cuda.items() if ops.get("HMMA", 0)}
@@ -248,16 +254,16 @@ _PLAN_SWITCHES = ("default", "no-rows", "no-hoist", "no-stream")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+@pytest.mark.parametrize("name", case_names())
 def test_benchmark_plans_assemble_clean(name):
     options = {o: EVERY_OPTION_SET[o] for o in (_PLAN_SWITCHES if name == REPRESENTATIVE_PLAN else ["default"])}
-    _assembles_clean_under(benchmark_plans()[name], options)
+    _assembles_clean_under(plan_graph(name), options)
 
 
 def test_the_representatives_take_every_lowering():
     """What makes them representative: between them, every lowering the options switch is taken."""
     taken = set()
-    for graph in [fast_path_graphs()[name] for name in REPRESENTATIVES] + [benchmark_plans()[REPRESENTATIVE_PLAN]]:
+    for graph in [fast_path_graphs()[name] for name in REPRESENTATIVES] + [plan_graph(REPRESENTATIVE_PLAN)]:
         for node in graph.custom_nodes():
             lowered = lower(node.body, tuple(v.type for v in node.inputs), BOTH)
             taken |= {name for name, on in (("mma", lowered.mma), ("register_accumulators", lowered.register_accumulated),
@@ -267,9 +273,10 @@ def test_the_representatives_take_every_lowering():
 
 
 def test_every_benchmark_case_has_a_plan_here():
-    from benchmarks.kernels import case_names
+    from benchmarks import kernels
 
-    assert sorted(benchmark_plans()) == sorted(case_names())
+    assert case_names() == sorted(kernels.case_names())
+    assert sorted(stored_plans()) in ([], case_names())   # a checkout's stored plans: every case's, or none
 
 
 def _main_loop_events(graph, monkeypatch) -> list:

@@ -19,7 +19,7 @@ import pytest
 from mdsl.gpu import has_gpu
 from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
+from tests.backend.ptx.plans import EVERY_OPTION_SET, case_names, plan_graph, split_attention, tuned_skinny_plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
 
@@ -63,10 +63,10 @@ _PLAN_OPTIONS = ("default",) + FALLBACKS + ("no-hoist", "no-stream")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)
-@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+@pytest.mark.parametrize("name", case_names())
 def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options)
-    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+    _check(ptx_backend, plan_graph(name), f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
@@ -78,10 +78,10 @@ _TUNED_OPTIONS = {"threads-256-pipeline-2": CudaOptions(threads=256, stages=2),
 
 
 @pytest.mark.parametrize("options", sorted(_TUNED_OPTIONS))
-@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+@pytest.mark.parametrize("name", case_names())
 def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options, _TUNED_OPTIONS)
-    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+    _check(ptx_backend, plan_graph(name), f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
