@@ -66,3 +66,18 @@ def kernel_opcodes(cubin: bytes) -> dict:
 def kernels_with(cubin: bytes, opcode: str) -> set:
     """The kernels whose SASS has the opcode (HMMA, LDGSTS, LDSM, ...)."""
     return {kernel for kernel, ops in kernel_opcodes(cubin).items() if ops.get(opcode, 0)}
+
+
+def kernel_body(backend: str, program, name: str) -> str:
+    """One kernel's code: its CUDA function up to the next kernel, or its LLVM IR function."""
+    if backend == "cuda":
+        source = program.source
+        start = source.index(f"{name}(")
+        end = source.find('extern "C"', start)
+        return source[start:end if end >= 0 else len(source)]
+    start = program.llvm_ir.index(f'define ptx_kernel void @"{name}"')
+    return program.llvm_ir[start:program.llvm_ir.index("\n}\n", start)]
+
+
+#: a barrier across the block, as each backend's code writes it
+BARRIER = {"cuda": "__syncthreads()", "ptx": 'call void @"llvm.nvvm.barrier0"()'}

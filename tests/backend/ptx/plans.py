@@ -12,13 +12,8 @@ from pathlib import Path
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.options import CudaOptions
 from mdsl.search.plan import Plan
-from tests.backend.cuda.fast_paths import OPTION_SETS
 
 PLANS = Path(__file__).resolve().parents[3] / ".plans" / "plans"
-
-#: every switch of the lowerings, one at a time: the CUDA tests' sets and the two that only the split
-#: plans' kernels take (hoisting and streamed combines)
-EVERY_OPTION_SET = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
 
 
 def _benchmarks() -> dict:

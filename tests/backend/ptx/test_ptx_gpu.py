@@ -18,8 +18,8 @@ import pytest
 
 from mdsl.gpu import has_gpu
 from mdsl.lowering.options import CudaOptions
-from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import EVERY_OPTION_SET, case_names, plan_graph, split_attention, tuned_skinny_plans
+from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, FALLBACKS, fast_path_graphs, options_env
+from tests.backend.ptx.plans import case_names, plan_graph, split_attention, tuned_skinny_plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
 
