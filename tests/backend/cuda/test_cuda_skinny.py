@@ -1,9 +1,9 @@
 """The skinny loop (mdsl.lowering.skinny, written by mdsl.backend.cuda.skinny), without a GPU: which block graphs
 qualify, the code it writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for
-sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch,
-the autotuner's space and the launch overlapping the previous kernel. tests/gpu/test_gpu_skinny.py runs every
-program here against the float64 reference (the PTX backend's port of the loop has its own tests under
-tests/backend/ptx)."""
+sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the
+autotuner's space and the launch overlapping the previous kernel. The switch, as the PTX backend's:
+tests/backend/test_skinny_loop.py. tests/gpu/test_gpu_skinny.py runs every program here against the float64
+reference (the PTX backend's port of the loop has its own tests under tests/backend/ptx)."""
 from __future__ import annotations
 
 import itertools
@@ -68,14 +68,6 @@ def test_the_code_streams_without_a_barrier_in_the_loop_and_reduces_over_the_war
     assert "sqrtf(s_accum_rms[i] / 4096.0f + 1e-06f)" in kernel  # then finalized by its own rule
     gated = emit_cuda(skinny_program("gated_mlp"), options=SKINNY).source
     assert "mdsl::Skinny<__half, 8, 32, 4096, 4096, 4096, 4, 2, 4>::run(" in gated
-
-
-def test_off_by_default_and_switched_by_the_environment(monkeypatch):
-    graph = skinny_program("rms_norm_linear_bs8")
-    assert "Skinny<" not in emit_cuda(graph, options=CudaOptions()).source
-    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1"}) == SKINNY
-    monkeypatch.setenv("MDSL_CUDA_SKINNY", "1")
-    assert emit_cuda(graph).source == emit_cuda(graph, options=SKINNY).source
 
 
 @pytest.mark.parametrize("threads", [None, 256])

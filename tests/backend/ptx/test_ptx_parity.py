@@ -22,9 +22,9 @@ from mdsl.backend.cuda.nvrtc import nvdisasm_path
 from mdsl.backend.ptx import assembler, emit_llvm
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assembled_module
+from tests.backend.backends import kernel_instructions
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import case_names, lora_tuned, plan_graph, tuned_plans
-from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 
 pytestmark = pytest.mark.shared_compile_cache   # PTX and cubins compiled once per session (tests/shared.py)
 
