@@ -2,7 +2,7 @@
 SASS of the assembled cubin) in exactly the kernels where the CUDA backend's SASS has them, and every
 benchmark case's plan (.plans, else its guided plan) assembling clean under the switches of the lowerings
 it takes. What both backends share: tests/backend/test_fast_paths.py. The simulator checks the numbers
-(test_ptx_simulated.py); the GPU test (test_ptx_gpu.py) runs the same programs on the device."""
+(test_ptx_simulated.py); the GPU tests (test_ptx_gpu.py, tests/gpu) run the same programs on the device."""
 from __future__ import annotations
 
 import pytest
