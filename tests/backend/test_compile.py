@@ -41,6 +41,7 @@ def small_graph(name: str = "small"):
 class Compiler:
     """What the cache tests need of a backend's compiler."""
 
+    backend: str
     code: object            # () -> the code compiled
     compile: object         # (code, **other) -> the compiled module
     other: dict             # keyword arguments that make another cache entry
@@ -51,11 +52,18 @@ class Compiler:
 
 
 COMPILERS = {
-    "cuda": Compiler(lambda: TINY, compile_cuda, {"options": ("-DX=1",)}, (nvrtc, "_compile"), "cubin", "cubin",
+    "cuda": Compiler("cuda", lambda: TINY, compile_cuda, {"options": ("-DX=1",)}, (nvrtc, "_compile"), "cubin", "cubin",
                      lambda module: module.cubin),
-    "ptx": Compiler(lambda: emit_llvm(small_graph()).llvm_ir, compile_ptx, {"arch": "sm_80"},
+    "ptx": Compiler("ptx", lambda: emit_llvm(small_graph()).llvm_ir, compile_ptx, {"arch": "sm_80"},
                     (ptx_compile, "llvm_to_ptx"), "ptx", "PTX", lambda module: module),
 }
+
+
+@pytest.fixture(params=EMITTERS)
+def compiler(request, monkeypatch, tmp_path) -> Compiler:
+    """A backend's compiler, its cache in the test's own directory."""
+    monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
+    return COMPILERS[request.param]
 
 
 def _entries(compiler: Compiler) -> list:
@@ -70,14 +78,11 @@ def _entry(compiler: Compiler):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", EMITTERS)
-def test_a_second_compile_is_answered_by_the_cache(backend, monkeypatch, tmp_path):
-    monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
-    compiler = COMPILERS[backend]
+def test_a_second_compile_is_answered_by_the_cache(compiler, monkeypatch, tmp_path):
     code = compiler.code()
     first = compiler.compile(code)
     assert cache_dir(compiler.entries) == tmp_path / compiler.entries
-    if backend == "cuda":
+    if compiler.backend == "cuda":
         assert [p.rsplit(".", 1)[1] for p in _entries(compiler)] == ["cubin", "log"]   # the log beside the cubin
     else:
         assert _entry(compiler).read_text().startswith("// mdsl ptx cache, sha256 ")   # its checksum first
@@ -96,15 +101,12 @@ CORRUPT = {"cuda": lambda data: b"garbage", "ptx": lambda data: data[:-40]}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", EMITTERS)
-def test_a_corrupt_entry_is_compiled_again(backend, monkeypatch, tmp_path):
-    monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
-    compiler = COMPILERS[backend]
+def test_a_corrupt_entry_is_compiled_again(compiler, monkeypatch):
     code = compiler.code()
     good = compiler.compile(code)
     entry = _entry(compiler)
     data = entry.read_bytes()
-    entry.write_bytes(CORRUPT[backend](data))
+    entry.write_bytes(CORRUPT[compiler.backend](data))
     with pytest.warns(UserWarning, match=f"corrupt {compiler.word} cache entry"):
         again = compiler.compile(code)
     assert compiler.product(again) == compiler.product(good)
@@ -115,10 +117,7 @@ def test_a_corrupt_entry_is_compiled_again(backend, monkeypatch, tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", EMITTERS)
-def test_entries_are_written_atomically(backend, monkeypatch, tmp_path):
-    monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
-    compiler = COMPILERS[backend]
+def test_entries_are_written_atomically(compiler, monkeypatch):
     real_replace = os.replace
 
     def crash_on_entry(src, dst):
@@ -129,11 +128,11 @@ def test_entries_are_written_atomically(backend, monkeypatch, tmp_path):
     monkeypatch.setattr(os, "replace", crash_on_entry)
     with pytest.warns(UserWarning, match=f"could not write the {compiler.word} cache"):
         module = compiler.compile(compiler.code())
-    assert module.cubin.startswith(b"\x7fELF") if backend == "cuda" else ".entry small_exp(" in module.ptx
+    assert module.cubin.startswith(b"\x7fELF") if compiler.backend == "cuda" else ".entry small_exp(" in module.ptx
     assert [p for p in _entries(compiler) if not p.endswith(".log")] == []   # no entry, no temporary file left
     monkeypatch.setattr(os, "replace", real_replace)
     compiler.compile(compiler.code())
-    assert len(_entries(compiler)) == {"cuda": 2, "ptx": 1}[backend]   # (a cubin's log beside it)
+    assert len(_entries(compiler)) == {"cuda": 2, "ptx": 1}[compiler.backend]   # (a cubin's log beside it)
 
 
 ACCUM_RMS = "%rms: f32[8, 1] = accum_rms(%tb) {eps=1e-05}"
