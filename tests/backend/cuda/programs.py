@@ -68,24 +68,6 @@ _SEARCHED = {
 }
 
 
-def _skinny_program(name: str) -> KernelGraph:
-    from mdsl.ir.dtypes import bf16, f16
-    from mdsl.ir.text import parse_graph
-    from tests.gpu.harness import with_dtype
-    from tests.ir.skinny_texts import rms_norm_linear
-
-    if name in _SEARCHED:
-        return shared_graph(f"skinny-program-{name}", lambda: _guided_with(*_SEARCHED[name]))
-    if name == "rms_norm_linear_bs8_bf16":
-        return with_dtype(guided_plan(_RNL8), f16, bf16)
-    if name == "rms_norm_linear_5_rows_65_slabs":   # a partial 8-row tile, K = 1040: 65 slabs of 16, not a
-        return parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5))   # whole number of a warp's steps
-    if name == "rms_norm_linear_48_columns":
-        return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
-    return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,
-                        "gated_mlp": "gated_mlp.gated_mlp"}[name])
-
-
 #: programs whose first kernel takes the skinny loop (mdsl.lowering.skinny): the benchmark plans of
 #: RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
 #: (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel after),
@@ -99,7 +81,21 @@ SKINNY_PROGRAMS = ("gated_mlp", "gated_mlp_split", "rms_norm_linear_48_columns",
 @functools.cache
 def skinny_program(name: str) -> KernelGraph:
     """One of SKINNY_PROGRAMS, built on first use (most are searched: tests/shared.py)."""
-    return _skinny_program(name)
+    from mdsl.ir.dtypes import bf16, f16
+    from mdsl.ir.text import parse_graph
+    from tests.gpu.harness import with_dtype
+    from tests.ir.skinny_texts import rms_norm_linear
+
+    if name in _SEARCHED:
+        return shared_graph(f"skinny-program-{name}", lambda: _guided_with(*_SEARCHED[name]))
+    if name == "rms_norm_linear_bs8_bf16":
+        return with_dtype(guided_plan(_RNL8), f16, bf16)
+    if name == "rms_norm_linear_5_rows_65_slabs":   # K = 1040: 65 slabs of 16, not a whole number of steps
+        return parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5))
+    if name == "rms_norm_linear_48_columns":
+        return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
+    return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,
+                        "gated_mlp": "gated_mlp.gated_mlp"}[name])
 
 
 def skinny_programs() -> dict:
