@@ -9,6 +9,7 @@
 
     print(rms_norm_linear.graph)     # the traced kernel graph
 """
+from mdsl._version import __version__
 from mdsl.errors import (DTypeError, MdslError, ParseError, ShapeError, TraceError, UnsupportedError,
                          ValidationError)
 from mdsl.frontend.functions import *  # noqa: F401,F403 - the operator functions (PUBLIC_FUNCTIONS)
@@ -19,8 +20,6 @@ from mdsl.frontend.tracer import BlockBuilder, block_graph
 from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.megakernel.modelgraph.model import ModelFunction, model
 from mdsl.serving import LLM, SamplingParams
-
-__version__ = "0.1.0"
 
 __all__ = [
     "MdslError", "DTypeError", "ParseError", "ShapeError", "TraceError", "UnsupportedError", "ValidationError",

@@ -9,9 +9,12 @@ directory of the session's own (`shared_dir`, made by tests/conftest.py, removed
 * the SASS of cubins (`disassembled`): nvdisasm takes most of a second for any cubin, and the SASS
   tests read the same cubins (the CUDA backend's kernels against the PTX backend's, a program under
   several option sets that emit the same code).
+* mugraphs that searches find (`shared_graph`): the guided plans the tests take, each searched by the
+  first process that needs it, on first use (never while the tests are collected).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -30,6 +33,15 @@ def shared_dir() -> Optional[Path]:
     return Path(path) if path else None
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` into `path`, atomically: another process reads the whole text or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def disassembled(cubin: bytes) -> str:
     """`mdsl.backend.cuda.nvrtc.disassemble(cubin)`, once per suite for each cubin."""
     key = hashlib.sha256(cubin).hexdigest()
@@ -46,41 +58,28 @@ def disassembled(cubin: bytes) -> str:
     if sass is None:
         sass = disassemble(cubin)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(sass)
-            os.replace(tmp, path)   # atomically: another worker reads the whole text or none
+            _write_atomically(path, sass)
     _SASS[key] = sass
     return sass
 
 
 def shared_graph(key: str, compute):
-    """`compute()`, a mugraph (a search's result, say), once per session: the processes of the session
-    read it from the shared directory (its JSON form, mdsl.ir.serialize, which parses back to an equal
-    graph) once one of them has computed it. `key` names it (a file name)."""
+    """`compute()`, a mugraph (a search's result, say), once per session: the first process of the session
+    to ask computes it while the others wait, and they read it from the shared directory (its JSON form,
+    mdsl.ir.serialize, which parses back to an equal graph). `key` names it (a file name)."""
     from mdsl.ir import serialize
 
     root = shared_dir()
-    path = root / "graphs" / f"{key}.json" if root else None
-    if path is not None:
+    if root is None:
+        return compute()
+    path = root / "graphs" / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or when its process dies
         try:
             return serialize.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             pass
-    graph = compute()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(serialize.dumps(graph))
-        os.replace(tmp, path)
-    return graph
-
-
-def in_turns(items: list) -> list:
-    """The items in the order this process should compute them when every process of the session needs all
-    of them at once (test collection): the xdist workers of odd number take them from the end, the others
-    from the start, and each finds what the other has done in the shared directory (`shared_graph`)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return list(items)[::-1] if worker[2:].isdigit() and int(worker[2:]) % 2 else list(items)
+        graph = compute()
+        _write_atomically(path, serialize.dumps(graph))
+        return graph

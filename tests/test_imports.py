@@ -12,21 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mdsl"
 
-#: cycles outside the backends, known and owned elsewhere: the modules of each strongly connected component
-#: (a component that is part of one of these is known too; each is xfail until its owners break it)
-KNOWN_CYCLES = (
-    # search/plan.py imports the package (for its version), whose __init__ imports the frontend
-    ("mdsl", "mdsl.frontend.kernel", "mdsl.search.cache", "mdsl.search.engine", "mdsl.search.plan",
-     "mdsl.search.worker"),
-    # the graph's printer and validator, and the graph's use of them
-    ("mdsl.ir.graph", "mdsl.ir.text", "mdsl.ir.validate"),
-)
 #: packages whose private names nobody outside imports, and which import no private name from elsewhere
 PRIVATE_CHECKED = ("mdsl.backend", "mdsl.lowering", "mdsl.gpu")
-
-
-def _known(component: tuple) -> bool:
-    return any(set(component) <= set(known) for known in KNOWN_CYCLES)
 
 
 def _module_name(path: Path) -> str:
@@ -132,17 +119,17 @@ def test_the_graph_sees_module_and_function_level_imports():
     assert "mdsl.backend.cuda" not in graph["mdsl.gpu.generators"]             # named in a string only
 
 
+def test_the_cycles_are_the_strongly_connected_components():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}
+    assert cycles(graph) == [("a", "b", "c")]
+    assert _path(graph, "b") == ["b", "c", "a", "b"]
+
+
 def test_no_import_cycles_inside_mdsl():
     graph = import_graph()
-    found = [c for c in cycles(graph) if not _known(c)]
+    found = cycles(graph)
     assert not found, "import cycles inside mdsl:\n" + "\n".join(
         f"  {' -> '.join(_path(graph, c[0]))}  (component: {', '.join(c)})" for c in found)
-
-
-@pytest.mark.parametrize("cycle", KNOWN_CYCLES, ids=lambda c: " ".join(c))
-@pytest.mark.xfail(strict=True, reason="a known import cycle outside the backends, owned elsewhere")
-def test_known_cycle_is_gone(cycle):
-    assert not [c for c in cycles(import_graph()) if set(c) <= set(cycle)]
 
 
 @pytest.mark.parametrize("importer, imported", [("mdsl.backend.ptx", "mdsl.backend.cuda"),

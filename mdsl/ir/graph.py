@@ -20,6 +20,7 @@ from attrs import field
 
 from mdsl.errors import SourceLoc
 from mdsl.ir.ops import get_op
+from mdsl.ir.printer import print_block_graph, print_graph, print_thread_graph
 from mdsl.ir.types import TensorType, Var
 
 GridMap = tuple  # three entries (grid x, y, z), each a tensor dim or None
@@ -98,8 +99,6 @@ class KernelGraph:
         return [n for n in self.nodes if n.body is not None]
 
     def __str__(self) -> str:
-        from mdsl.ir.text import print_graph  # printing lives in its own module
-
         return print_graph(self)
 
 
@@ -143,8 +142,6 @@ class BlockGraph:
         return post
 
     def __str__(self) -> str:
-        from mdsl.ir.text import print_block_graph
-
         return print_block_graph(self)
 
 
@@ -159,8 +156,6 @@ class ThreadGraph:
         return structural_key(self)
 
     def __str__(self) -> str:
-        from mdsl.ir.text import print_thread_graph
-
         return print_thread_graph(self)
 
 

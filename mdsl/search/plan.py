@@ -256,9 +256,9 @@ def _cost_groups(candidates) -> str:
 
 
 def mdsl_version() -> str:
-    import mdsl  # the package's __init__ imports the frontend, which imports search lazily
+    from mdsl._version import __version__
 
-    return mdsl.__version__
+    return __version__
 
 
 def content_digest(data: dict) -> str:

@@ -10,17 +10,13 @@ import functools
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from mdsl.backend.ptx import assembler
 from mdsl.ir import OPS, f16
 from tests.backend.acceptance import assert_compiles_clean
+from tests.backend.backends import BACKENDS, needs_assembler
 from tests.backend.cuda.coverage import coverage_graphs, used_ops
 from tests.backend.cuda.programs import benchmark_names, example_kernels, guided_plan
 from tests.gpu.coverage import coverage_graphs as combination_graphs
 from tests.strategies import example_graphs, kernel_graphs
-
-needs_assembler = pytest.mark.skipif(assembler() is None, reason="neither nvJitLink nor ptxas is installed: "
-                                     "pip install nvidia-nvjitlink, or put the CUDA toolkit's ptxas on PATH")
-BACKENDS = ["cuda", pytest.param("ptx", marks=needs_assembler)]
 
 pytestmark = pytest.mark.shared_compile_cache   # a program's code compiled once per session (tests/shared.py)
 

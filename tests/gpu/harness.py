@@ -147,8 +147,8 @@ def run(executable: runtime.Executable, inputs: Sequence[np.ndarray]) -> list:
 
 
 def check_graph(graph: KernelGraph, test_id: str, *, positive: Sequence[int] = (), what: Optional[str] = None,
-                tol: Optional[float] = None) -> None:
-    """Run `graph` on the GPU on fresh inputs and compare every output with the reference."""
+                tol: Optional[float] = None) -> runtime.Executable:
+    """Run `graph` on the GPU on fresh inputs and compare every output with the reference; the executable."""
     what = what or f"{graph.name} [{test_id}]"
     inputs = random_inputs(graph, rng_for(test_id), positive)
     want = reference(graph, inputs)
@@ -158,6 +158,7 @@ def check_graph(graph: KernelGraph, test_id: str, *, positive: Sequence[int] = (
     executable = build(graph, what)
     got = run(executable, inputs)
     compare(executable, got, want, tol if tol is not None else tolerance(graph), what)
+    return executable
 
 
 # ---------------------------------------------------------------------------------------------

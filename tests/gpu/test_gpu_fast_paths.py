@@ -1,7 +1,8 @@
 """The fast paths of both backends (conftest runs each test once per backend) on the GPU against the
 reference, each switched on and off: the
 fast-path programs (ragged and batched tensor-core matmuls, sums in registers, pipelines of every
-depth, other block sizes) under every option set, and every example program (as written, and the
+depth, other block sizes, hoisting and streamed combines off) under every option set, their loaded modules
+reporting no spills, and every example program (as written, and the
 guided plan of each specification) with each fast path off, so that a run shows both settings of
 every switch correct (the default settings run in test_gpu_examples and test_gpu_coverage)."""
 from __future__ import annotations
@@ -10,22 +11,25 @@ import pytest
 
 import mdsl
 from mdsl.search.guided import generate
-from tests.backend.cuda.fast_paths import FALLBACKS, OPTION_SETS, fast_path_graphs, options_env
+from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, FALLBACKS, fast_path_graphs, options_env
 from tests.examples_util import EXAMPLES, load_example
 from tests.gpu.harness import check_graph
 
 
 def _use(monkeypatch, options_name: str) -> None:
-    for key, value in options_env(OPTION_SETS[options_name]).items():
+    for key, value in options_env(EVERY_OPTION_SET[options_name]).items():
         monkeypatch.setenv(key, value)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", sorted(OPTION_SETS))
+@pytest.mark.parametrize("options", sorted(EVERY_OPTION_SET))
 @pytest.mark.parametrize("name", sorted(fast_path_graphs()))
 def test_fast_path_program_on_the_gpu(name, options, monkeypatch):
     _use(monkeypatch, options)
-    check_graph(fast_path_graphs()[name], f"fast-path:{name}:{options}", what=f"{name} with options {options}")
+    what = f"{name} with options {options}"
+    executable = check_graph(fast_path_graphs()[name], f"fast-path:{name}:{options}", what=what)
+    for kernel, r in executable.module.resources.items():   # as the loaded module reports them
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{what}: {kernel}: {r}"
 
 
 def _examples() -> list:

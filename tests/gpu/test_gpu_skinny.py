@@ -1,6 +1,6 @@
 """The skinny loop on the GPU (mdsl.lowering.skinny): the benchmark plans of RMSNorm+Linear at batch 1 and 8
 and of Gated MLP, at the benchmark's sizes, and the coverage programs beside them
-(tests/backend/cuda/programs.skinny_programs), with the block's own threads and with 256, and launched to
+(tests/backend/cuda/programs.SKINNY_PROGRAMS), with the block's own threads and with 256, and launched to
 overlap the previous kernel, against the float64 reference on fresh inputs, and walking K from staggered
 slabs; kernels overlapping their predecessors in chains (skinny ones, and the tile kernels of the other
 benchmark plans); and the autotuner times the skinny loop beside the tile loop, all correct.
@@ -16,7 +16,7 @@ from mdsl import gpu as runtime
 from mdsl.backend.cuda import autotune
 from mdsl.ir.text import parse_graph
 from mdsl.lowering.options import CudaOptions, arch_number
-from tests.backend.cuda.programs import guided_plan, skinny_programs
+from tests.backend.cuda.programs import SKINNY_PROGRAMS, guided_plan, skinny_program
 from tests.gpu.harness import compare, poisoned, random_inputs, reference, rng_for, run, tolerance, upload
 from tests.ir.skinny_texts import rms_norm_linear
 
@@ -27,9 +27,9 @@ from tests.ir.skinny_texts import rms_norm_linear
     (None, False, True, 2, False), (256, True, True, 2, False), (None, True, True, 4, False),
     (256, False, False, 0, False), (None, True, True, 2, True), (256, True, True, 0, True),
     (None, False, True, 2, True), (384, True, False, 0, True)])
-@pytest.mark.parametrize("name", sorted(skinny_programs()))
+@pytest.mark.parametrize("name", SKINNY_PROGRAMS)
 def test_the_skinny_loop_computes_the_program(name, threads, overlap, stagger, lead, wide_x):
-    graph = skinny_programs()[name]
+    graph = skinny_program(name)
     what = (f"{name}, skinny loop, {threads or 'own'} threads, overlap {overlap}, staggered {stagger}, "
             f"L2 prefetch lead {lead}, wide X {wide_x}")
     test_id = f"skinny:{name}:{threads}" + (":overlap" if overlap else "") + (":stagger" if stagger else "") + \
@@ -95,7 +95,7 @@ def test_tile_kernels_overlapping_their_predecessors_compute_the_program(name):
 @pytest.mark.parametrize("name", ["rms_norm_linear_bs1", "rms_norm_linear_bs8", "gated_mlp"])
 def test_the_autotuner_times_the_skinny_loop_beside_the_tile_loop(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
-    graph = skinny_programs()[name]
+    graph = skinny_program(name)
     space = autotune.parameter_space(stages=(3,), threads=(None,))
     result = autotune.autotune([graph], graph, space=space, samples=5, calls=3, cache=False)
     report = "\n".join(result.lines())

@@ -1,5 +1,5 @@
 """Block graphs with a skinny loop (mdsl.ir.skinny) in the textual IR, shared by the IR tests and the CUDA
-backend's programs (tests/backend/cuda/programs.skinny_programs)."""
+backend's programs (tests/backend/cuda/programs.SKINNY_PROGRAMS)."""
 from __future__ import annotations
 
 _RNL = """kernel rnl_{m}_rows(%x: f16[{m}, {k}], %w: f16[{k}, {cols}]) {{

@@ -23,6 +23,10 @@ OPTION_SETS = {
     "no-rows": CudaOptions(rows=False),
 }
 
+#: every switch of the lowerings, one at a time: the sets above and the two that only split plans' kernels
+#: take (hoisting and streamed combines)
+EVERY_OPTION_SET = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
+
 #: the option sets that each switch one fast path off (what a GPU run falls back to)
 FALLBACKS = ("no-mma", "no-register-accumulators", "synchronous-loads", "rolled-loops", "no-rows")
 

@@ -10,7 +10,7 @@ from mdsl.search import guided
 from tests.backend.cuda.coverage import coverage_graphs
 from tests.examples_util import NAMES
 from tests.examples_util import example_kernels as kernels_of
-from tests.shared import in_turns, shared_graph
+from tests.shared import shared_graph
 from tests.strategies import example_graphs
 
 
@@ -29,19 +29,17 @@ def benchmark_names() -> list:
     return [name for name, graph in example_kernels().items() if not graph.custom_nodes()]
 
 
+def matmul_benchmark_names() -> list:
+    """The benchmarks whose specification has a matmul: the tests of their plans' matmuls take these
+    names without searching the plans first (and fail on a plan without one)."""
+    return [name for name in benchmark_names() if any(n.op == "matmul" for n in example_kernels()[name].nodes)]
+
+
 @functools.cache
 def guided_plan(name: str) -> KernelGraph:
-    """The best guided plan of a benchmark (computed once per session: the search takes seconds; the
-    session's processes share it, tests/shared.py)."""
+    """The best guided plan of a benchmark, searched on first use (the search takes seconds) by one of the
+    session's processes, which share it (tests/shared.py)."""
     return shared_graph(f"guided-plan-{name}", lambda: next(guided.generate(example_kernels()[name])))
-
-
-def guided_plans() -> dict:
-    """Benchmark name -> its best guided plan, for every benchmark (the xdist workers, which all collect
-    the tests that need them, search them in turns: tests/shared.py)."""
-    for name in in_turns(benchmark_names()):
-        guided_plan(name)
-    return {name: guided_plan(name) for name in benchmark_names()}
 
 
 def block_graphs() -> dict:
@@ -57,41 +55,49 @@ def _guided_with(name: str, accepts) -> KernelGraph:
     return next(g for g in guided.generate(example_kernels()[name]) if accepts(g.custom_nodes()[0].body))
 
 
-def _shared_guided_with(key: str, name: str, accepts) -> KernelGraph:
-    """`_guided_with`, once per session (`key`: the program's name in skinny_programs; tests/shared.py)."""
-    return shared_graph(f"skinny-program-{key}", lambda: _guided_with(name, accepts))
+def _columns(n: int):
+    return lambda bg: bg.nodes[-1].output.shape[-1] == n and len(bg.inputs) == 2
+
+
+_RNL8 = "rms_norm_linear.rms_norm_linear_bs8"
+#: skinny programs that are the first guided mugraph of a benchmark whose first kernel the test accepts
+_SEARCHED = {
+    "rms_norm_linear_bs8_64_columns": (_RNL8, lambda bg: _columns(64)(bg) and bg.grid[1] == 1),
+    "rms_norm_linear_bs8_24_columns": (_RNL8, lambda bg: _columns(24)(bg) and bg.grid[1] == 1),
+    "gated_mlp_split": ("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
+}
+
+
+#: programs whose first kernel takes the skinny loop (mdsl.lowering.skinny): the benchmark plans of
+#: RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
+#: (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel after),
+#: 5 rows of X over 65 slabs (the last slabs past the steady loop), 48 columns a block (rows of 96 bytes
+#: crossing lines: prefetches of both)
+SKINNY_PROGRAMS = ("gated_mlp", "gated_mlp_split", "rms_norm_linear_48_columns", "rms_norm_linear_5_rows_65_slabs",
+                   "rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_24_columns",
+                   "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16")
 
 
 @functools.cache
-def skinny_programs() -> dict:
-    """Programs whose first kernel takes the skinny loop (mdsl.lowering.skinny): the benchmark plans of
-    RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
-    (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel
-    after), 5 rows of X over 65 slabs (the last slabs past the steady loop), 48 columns a block (rows of 96
-    bytes crossing lines: prefetches of both)."""
+def skinny_program(name: str) -> KernelGraph:
+    """One of SKINNY_PROGRAMS, built on first use (most are searched: tests/shared.py)."""
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
     from tests.gpu.harness import with_dtype
     from tests.ir.skinny_texts import rms_norm_linear
 
-    rnl8 = "rms_norm_linear.rms_norm_linear_bs8"
-    columns = lambda n: lambda bg: bg.nodes[-1].output.shape[-1] == n and len(bg.inputs) == 2  # noqa: E731
-    searched = {   # first guided mugraphs of other shapes, searched in turns by the xdist workers (tests/shared.py)
-        "rms_norm_linear_bs8_64_columns": (rnl8, lambda bg: columns(64)(bg) and bg.grid[1] == 1),
-        "rms_norm_linear_bs8_24_columns": (rnl8, lambda bg: columns(24)(bg) and bg.grid[1] == 1),
-        "gated_mlp_split": ("gated_mlp.gated_mlp", lambda bg: bg.grid[1] == 2),
-    }
-    found = {key: _shared_guided_with(key, *searched[key]) for key in in_turns(searched)}
-    return {
-        "rms_norm_linear_bs1": guided_plan("rms_norm_linear.rms_norm_linear"),
-        "rms_norm_linear_bs8": guided_plan(rnl8),
-        "gated_mlp": guided_plan("gated_mlp.gated_mlp"),
-        "rms_norm_linear_bs8_bf16": with_dtype(guided_plan(rnl8), f16, bf16),
-        "rms_norm_linear_bs8_64_columns": found["rms_norm_linear_bs8_64_columns"],
-        "rms_norm_linear_bs8_24_columns": found["rms_norm_linear_bs8_24_columns"],
-        "gated_mlp_split": found["gated_mlp_split"],
-        # 5 rows of X (a partial 8-row tile), K = 1040: 65 slabs of 16, not a whole number of a warp's steps
-        "rms_norm_linear_5_rows_65_slabs": parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5)),
-        "rms_norm_linear_48_columns": parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16)),
-    }
+    if name in _SEARCHED:
+        return shared_graph(f"skinny-program-{name}", lambda: _guided_with(*_SEARCHED[name]))
+    if name == "rms_norm_linear_bs8_bf16":
+        return with_dtype(guided_plan(_RNL8), f16, bf16)
+    if name == "rms_norm_linear_5_rows_65_slabs":   # K = 1040: 65 slabs of 16, not a whole number of steps
+        return parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5))
+    if name == "rms_norm_linear_48_columns":
+        return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
+    return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,
+                        "gated_mlp": "gated_mlp.gated_mlp"}[name])
 
+
+def skinny_programs() -> dict:
+    """Name -> program, for every one of SKINNY_PROGRAMS."""
+    return {name: skinny_program(name) for name in SKINNY_PROGRAMS}

@@ -1,9 +1,9 @@
-"""CUDA C++ emission: the program's launches and aliases, readable source."""
+"""CUDA C++ emission: readable source (one translation unit, the ops' markers, names from the user's values),
+literals and index arithmetic, tiles in their own dtype where f32 does not fit. What both backends emit
+alike: tests/backend/test_codegen.py."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -11,51 +11,9 @@ from mdsl.backend.cuda import emit_cuda
 from mdsl.backend.cuda.source import Operand, float_literal, offset
 from mdsl.ir import f16
 from mdsl.ir.text import parse_graph
-from mdsl.lowering.block import lower
 from mdsl.lowering.names import OP_MARKER, Namer, c_identifier
-from mdsl.lowering.options import CudaOptions
-from mdsl.passes.fusion import fuse_kernel_graph
 from tests.backend.cuda.builder import Graph
-from tests.backend.cuda.programs import example_kernels
 from tests.strategies import EXAMPLES, example_graphs
-
-@pytest.mark.timeout(60)
-def test_launches_follow_the_graph():
-    graph = example_kernels()["gqa.gqa_flash"]
-    program = emit_cuda(graph)
-    assert program.graph == fuse_kernel_graph(graph)
-    assert [l.node_index for l in program.launches] == [0, 1]
-    assert program.aliases == ()
-    for launch, node in zip(program.launches, program.graph.nodes):
-        body = node.body
-        assert launch.grid == body.grid and launch.block == (body.threads, 1, 1)
-        assert launch.args == tuple(v.name for v in (*node.inputs, *node.outputs))
-        memory = lower(body, tuple(v.type for v in node.inputs), CudaOptions.from_env()).memory
-        assert launch.smem_bytes == memory.total
-        assert f'extern "C" __global__ void __launch_bounds__({body.threads}, 1)\n{launch.name}(' in program.source
-    assert [l.name for l in program.launches] == ["gqa_flash_bs1_accum_rescale", "gqa_flash_bs1_div"]
-
-
-@pytest.mark.timeout(60)
-def test_standard_kernels_and_views():
-    graph = example_graphs()["layout"]
-    program = emit_cuda(graph)
-    ops = [graph.nodes[l.node_index].op for l in program.launches]
-    assert ops == ["split", "concat", "transpose", "cast", "clamp", "mean", "rms_norm", "sub", "cast"]
-    assert program.aliases == (("d", "c"),)           # reshape: a view, no kernel
-    transpose = program.launches[2]
-    assert transpose.args == ("d", "e")               # the view's own name; the runtime resolves it
-    split = program.launches[0]
-    assert split.args == ("x", "a", "b") and split.block == (256, 1, 1)
-
-
-@pytest.mark.timeout(60)
-def test_a_view_of_a_view_aliases_the_original():
-    g = Graph("views")
-    x = g.input("x", (4, 6), f16)
-    y = g.op("reshape", g.op("reshape", x, shape=(24,)), shape=(6, 4))
-    program = emit_cuda(g.build([g.op("neg", y)]))
-    assert program.aliases == (("reshape", "x"), ("reshape_1", "x"))
 
 
 @pytest.mark.timeout(60)
@@ -100,13 +58,6 @@ def test_index_arithmetic():
     assert offset("i", (16, 128), Operand.contiguous("g", "float", (16, 1))) == "i / 128"   # broadcast
     assert offset("i", (4, 6, 8), Operand.contiguous("g", "float", (4, 1, 8))) == "i / 48 * 8 + i % 8"
     assert offset("i", (8,), Operand.contiguous("g", "float", ())) == "0"
-
-
-@pytest.mark.timeout(60)
-def test_importing_the_backend_loads_no_cuda_library():
-    code = ("import sys, mdsl, mdsl.backend.cuda, mdsl.backend.cuda.codegen; "
-            "assert not [m for m in sys.modules if m.startswith('cuda')], sorted(sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.timeout(60)

@@ -1,15 +1,11 @@
 """Row-resident chains (mdsl.lowering.rows, written by mdsl.backend.cuda.rows), without a GPU: which loop nodes
 stay in the warps' registers, what leaves the chain and why, the tiles that then need no shared memory, and
-the code: tensor cores fed by ldmatrix and from registers, one barrier an iteration, no spills. The GPU tests
-run these programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
+the CUDA code: the switch, loop-invariant nodes hoisted before the loop. What both backends' code does
+(one barrier an iteration, ldmatrix, no spills): tests/backend/test_rows.py. The GPU tests run these
+programs against the reference under every option set (tests/gpu/test_gpu_fast_paths.py)."""
 from __future__ import annotations
 
-import re
-
-import pytest
-
-from mdsl.backend.cuda import compile_cuda, emit_cuda
-from mdsl.backend.cuda.nvrtc import nvdisasm_path, sass_opcodes
+from mdsl.backend.cuda import emit_cuda
 from mdsl.ir.dtypes import f16
 from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
@@ -17,12 +13,6 @@ from mdsl.lowering.rows import VECTOR
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.fast_paths import fast_path_graphs
 from tests.backend.cuda.programs import guided_plan
-from tests.shared import disassembled as disassemble
-
-pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
-
-needs_nvdisasm = pytest.mark.skipif(nvdisasm_path() is None, reason="nvdisasm is not installed "
-                                    "(pip install nvidia-cuda-nvdisasm): the SASS cannot be read")
 
 
 def _custom(graph, k: int = 0):
@@ -91,45 +81,6 @@ def test_switched_off_by_the_option_and_the_environment(monkeypatch):
     assert CudaOptions.from_env({"MDSL_CUDA_ROWS": "off"}) == CudaOptions(rows=False)
 
 
-def _loop_body(source: str, kernel: str) -> str:
-    body = source[source.index(kernel + "("):]
-    start = body.index("for (int it = 0;")
-    return body[start:body.index("copy_async_wait<0>", start)]
-
-
-@pytest.mark.parametrize("name", ["flash_decoding_f16", "row_attention_bf16"])
-def test_one_barrier_an_iteration_and_copies_behind_it(name):
-    program = emit_cuda(fast_path_graphs()[name])
-    body = _loop_body(program.source, program.launches[0].name)
-    assert body.count("__syncthreads()") == 1
-    # the next tiles are issued after the barrier that opens the iteration
-    assert body.index("__syncthreads()") < body.index("copy_async<16>")
-    assert re.search(r"copy_async_wait<1>", body)   # 3 stages: the copies of the next iteration stay in flight
-
-
-@needs_nvdisasm
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["flash_decoding_f16", "row_attention_bf16"])
-def test_tensor_cores_fed_by_ldmatrix_and_no_spills(name):
-    module = compile_cuda(emit_cuda(fast_path_graphs()[name]).source)
-    ops = sass_opcodes(disassemble(module.cubin))
-    assert ops.get("HMMA", 0) > 0
-    assert ops.get("LDSM", 0) > 0, "no ldmatrix in the SASS"
-    for resources in module.resources.values():
-        assert resources.spill_store_bytes == 0 and resources.spill_load_bytes == 0 and resources.stack_bytes == 0
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["gqa.gqa", "gqa.gqa_bs8", "qknorm.qknorm", "qknorm.qknorm_bs8"])
-def test_the_attention_plans_take_it_and_compile_clean(name):
-    graph = guided_plan(name)
-    bg, types = _custom(graph)
-    assert lower(bg, types).rows is not None
-    module = compile_cuda(emit_cuda(graph).source)
-    for resources in module.resources.values():
-        assert resources.spill_store_bytes == 0 and resources.stack_bytes == 0
-
-
 def test_loop_invariant_nodes_run_once_before_the_loop(monkeypatch):
     graph = fast_path_graphs()["flash_decoding_f16"]
     program = emit_cuda(graph)
@@ -143,9 +94,3 @@ def test_loop_invariant_nodes_run_once_before_the_loop(monkeypatch):
     assert kernel.index("mul_scalar(") > kernel.index("for (int it = 0;")
 
 
-@needs_nvdisasm
-@pytest.mark.timeout(120)
-def test_tile_matmuls_load_whole_b_fragments_with_ldmatrix():
-    """The GEMV-like plans' B tiles (weights, 16-byte rows) go to the mma by ldmatrix.trans, not 16-bit loads."""
-    module = compile_cuda(emit_cuda(guided_plan("rms_norm_linear.rms_norm_linear")).source)
-    assert sass_opcodes(disassemble(module.cubin)).get("LDSM", 0) > 0

@@ -1,9 +1,9 @@
 """The skinny loop (mdsl.lowering.skinny, written by mdsl.backend.cuda.skinny), without a GPU: which block graphs
 qualify, the code it writes (no shared-memory tiles for X and the weights, no barrier in the loop), NVRTC for
-sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the switch,
-the autotuner's space and the launch overlapping the previous kernel. tests/gpu/test_gpu_skinny.py runs every
-program here against the float64 reference (the PTX backend's port of the loop has its own tests under
-tests/backend/ptx)."""
+sm_90a with no spills, the SASS (128-bit non-allocating weight loads, tensor cores, no cp.async), the
+autotuner's space and the launch overlapping the previous kernel. The switch, as the PTX backend's:
+tests/backend/test_skinny_loop.py. tests/gpu/test_gpu_skinny.py runs every program here against the float64
+reference (the PTX backend's port of the loop has its own tests under tests/backend/ptx)."""
 from __future__ import annotations
 
 import itertools
@@ -17,7 +17,7 @@ from mdsl.errors import UnsupportedError
 from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
 from mdsl.search import guided
-from tests.backend.cuda.programs import example_kernels, guided_plan, skinny_programs
+from tests.backend.cuda.programs import SKINNY_PROGRAMS, example_kernels, guided_plan, skinny_program
 from tests.shared import disassembled as disassemble
 
 pytestmark = pytest.mark.shared_compile_cache   # a program's cubin compiled once per session (tests/shared.py)
@@ -32,9 +32,9 @@ def _lowered(graph, options=SKINNY, k: int = 0):
     return node.body, lower(node.body, tuple(v.type for v in node.inputs), options, skinny=options.skinny)
 
 
-@pytest.mark.parametrize("name", sorted(skinny_programs()))
+@pytest.mark.parametrize("name", SKINNY_PROGRAMS)
 def test_the_first_kernel_qualifies_and_keeps_no_input_tile(name):
-    bg, lowered = _lowered(skinny_programs()[name])
+    bg, lowered = _lowered(skinny_program(name))
     assert lowered.skinny is not None
     placed = {t.name for t in lowered.memory.lifetimes}
     assert not placed & {i.var.name for i in bg.inputs}     # X and the weights come from device memory
@@ -47,7 +47,7 @@ def test_what_does_not_qualify_keeps_the_tile_loop():
     split = next(g for g in _guided("rms_norm_linear.rms_norm_linear_bs8") if len(g.custom_nodes()) == 2)
     for graph in (split, guided_plan("lora.lora"), guided_plan("gqa.gqa")):
         assert _lowered(graph)[1].skinny is None
-    graph = skinny_programs()["rms_norm_linear_bs8"]
+    graph = skinny_program("rms_norm_linear_bs8")
     assert _lowered(graph, CudaOptions())[1].skinny is None
     node = graph.custom_nodes()[0]
     assert lower(node.body, tuple(v.type for v in node.inputs), SKINNY).skinny is None   # not asked: not taken
@@ -59,29 +59,21 @@ def _guided(name):
 
 
 def test_the_code_streams_without_a_barrier_in_the_loop_and_reduces_over_the_warps():
-    source = emit_cuda(skinny_programs()["rms_norm_linear_bs8"], options=SKINNY).source
+    source = emit_cuda(skinny_program("rms_norm_linear_bs8"), options=SKINNY).source
     kernel = source[source.index("extern \"C\" __global__"):]
     assert "mdsl::Skinny<__half, 16, 32, 4096, 4096, 6144, 4, 1, 4>::run(" in kernel
     loop = kernel[kernel.index("::run("):kernel.index("::store_part(")]
     assert "__syncthreads" not in loop and "copy_async" not in kernel
     assert "fmaf(x, x, v)" in loop                              # accum_rms folded from X's fragments
     assert "sqrtf(s_accum_rms[i] / 4096.0f + 1e-06f)" in kernel  # then finalized by its own rule
-    gated = emit_cuda(skinny_programs()["gated_mlp"], options=SKINNY).source
+    gated = emit_cuda(skinny_program("gated_mlp"), options=SKINNY).source
     assert "mdsl::Skinny<__half, 8, 32, 4096, 4096, 4096, 4, 2, 4>::run(" in gated
 
 
-def test_off_by_default_and_switched_by_the_environment(monkeypatch):
-    graph = skinny_programs()["rms_norm_linear_bs8"]
-    assert "Skinny<" not in emit_cuda(graph, options=CudaOptions()).source
-    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1"}) == SKINNY
-    monkeypatch.setenv("MDSL_CUDA_SKINNY", "1")
-    assert emit_cuda(graph).source == emit_cuda(graph, options=SKINNY).source
-
-
 @pytest.mark.parametrize("threads", [None, 256])
-@pytest.mark.parametrize("name", sorted(skinny_programs()))
+@pytest.mark.parametrize("name", SKINNY_PROGRAMS)
 def test_it_compiles_for_sm_90a_without_spills(name, threads):
-    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=CudaOptions(skinny=True, threads=threads))
+    program = emit_cuda(skinny_program(name), arch="sm_90a", options=CudaOptions(skinny=True, threads=threads))
     module = compile_cuda(program.source, arch="sm_90a")
     first = module.resources[program.launches[0].name]
     assert first.spill_store_bytes == 0 and first.spill_load_bytes == 0 and first.stack_bytes == 0, module.log
@@ -97,7 +89,7 @@ def test_the_sass_streams_the_weights_past_l1_in_wide_loads(name, load):
     """16-byte loads where a block's columns are whole 64-column groups; the benchmark plans' 32 columns
     a block take 8-byte loads instead, every lane a distinct 4-column chunk (16-byte loads would leave
     half the lanes loading copies: the same bytes in flight for twice the registers)."""
-    program = emit_cuda(skinny_programs()[name], arch="sm_90a", options=SKINNY)
+    program = emit_cuda(skinny_program(name), arch="sm_90a", options=SKINNY)
     sass = disassemble(compile_cuda(program.source, arch="sm_90a").cubin)
     wide = sass.count(load)
     mats = 2 if name.startswith("gated") else 1
@@ -117,8 +109,8 @@ def test_the_autotuner_tries_it_once_per_block_size_where_it_applies():
     per_stage_and_threads = 1 + skinny_kinds   # the tile loop; each skinny one
     unprefetched = skinny_kinds // len(autotune.LEADS) * autotune.LEADS.count(0) * len(autotune.UNPREFETCHED_THREADS)
     assert len(space) == len(autotune.STAGES) * (len(autotune.THREADS) * per_stage_and_threads + unprefetched)
-    rnl, gqa, wide = (skinny_programs()["rms_norm_linear_bs8"], guided_plan("gqa.gqa"),
-                      skinny_programs()["rms_norm_linear_bs8_64_columns"])
+    rnl, gqa, wide = (skinny_program("rms_norm_linear_bs8"), guided_plan("gqa.gqa"),
+                      skinny_program("rms_norm_linear_bs8_64_columns"))
     emitted = autotune.emitted_variants([rnl, gqa, wide], space, "sm_90a", [space, space, trimmed])
     tried = [v for v, problem in emitted if not problem]
     for k in (0, 2):
@@ -152,7 +144,7 @@ def test_an_overlapping_tile_kernel_waits_first():
 
 
 def test_an_overlapping_kernel_prefetches_then_waits_before_touching_memory():
-    graph = skinny_programs()["rms_norm_linear_bs8_64_columns"]
+    graph = skinny_program("rms_norm_linear_bs8_64_columns")
     program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, overlap=True))
     assert [launch.overlap for launch in program.launches] == [True]
     kernel = program.source[program.source.index("extern \"C\" __global__"):]
@@ -187,7 +179,7 @@ def test_in_the_sass_no_global_access_comes_before_the_wait(name):
     """griddepcontrol.wait is ACQBULK, launch_dependents PREEXIT: in a skinny kernel the L2 prefetches
     (CCTL.E.PF2) of the first slabs come before the wait, every global load, copy and store after it; in
     the tile kernels (gqa: attention and its combine) the wait comes first."""
-    graph = guided_plan("gqa.gqa") if name == "gqa" else skinny_programs()[name]
+    graph = guided_plan("gqa.gqa") if name == "gqa" else skinny_program(name)
     program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, overlap=True))
     module = compile_cuda(program.source, arch="sm_90a")
     kernels = _sass_by_kernel(module.cubin)
@@ -217,7 +209,7 @@ def test_the_runtime_launches_an_overlapping_kernel_with_programmatic_serializat
 
 @pytest.mark.parametrize("name", ["rms_norm_linear_bs8_64_columns", "rms_norm_linear_5_rows_65_slabs", "gated_mlp"])
 def test_a_staggered_loop_compiles_without_spills(name):
-    graph = skinny_programs()[name]
+    graph = skinny_program(name)
     program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, stagger=True))
     kernel = program.source[program.source.index("extern \"C\" __global__"):]
     assert re.search(r"mdsl::Skinny<[^>]*, true>::run\(", kernel)
@@ -234,7 +226,7 @@ def test_a_staggered_loop_compiles_without_spills(name):
 def test_a_longer_prefetch_lead_sends_more_slabs_ahead_and_compiles_without_spills(name):
     """lead 4: the loop prefetches the slabs of the iteration 4 ahead, and iterations 1-3 before it (the
     default 2: iteration 1 before, 2 ahead); the defaulted template arguments appear only when changed."""
-    graph = skinny_programs()[name]
+    graph = skinny_program(name)
     default = emit_cuda(graph, arch="sm_90a", options=SKINNY).source
     program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, lead=4))
     assert re.search(r"mdsl::Skinny<[^>]*, false, 4>::run\(", program.source)
@@ -283,12 +275,12 @@ def test_wide_x_loads_x_in_16_bytes_and_halves_its_loads(name):
     """wide_x: the loop's X fragments are 16-byte loads (LDG.E.128.CONSTANT, L1-allocating: the weights' are
     .NA), half as many X loads as 8-byte ones, the weights' loads as wide as before; no spills. Where the
     block's K is not whole pairs of slabs (65 slabs), the plan keeps 16-row steps."""
-    graph = skinny_programs()[name]
+    graph = skinny_program(name)
     narrow = emit_cuda(graph, arch="sm_90a", options=SKINNY)
     wide = emit_cuda(graph, arch="sm_90a", options=CudaOptions(skinny=True, wide_x=True))
     assert re.search(r"mdsl::Skinny<[^>]*, false, 2, false, true>::run\(", wide.source)
     assert _lowered(graph, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x
-    odd = skinny_programs()["rms_norm_linear_5_rows_65_slabs"]
+    odd = skinny_program("rms_norm_linear_5_rows_65_slabs")
     assert not _lowered(odd, CudaOptions(skinny=True, wide_x=True))[1].skinny.wide_x
     module = compile_cuda(wide.source, arch="sm_90a")
     first = module.resources[wide.launches[0].name]

@@ -12,31 +12,48 @@ from pathlib import Path
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.options import CudaOptions
 from mdsl.search.plan import Plan
-from tests.backend.cuda.fast_paths import OPTION_SETS
 
 PLANS = Path(__file__).resolve().parents[3] / ".plans" / "plans"
 
-#: every switch of the lowerings, one at a time: the CUDA tests' sets and the two that only the split
-#: plans' kernels take (hoisting and streamed combines)
-EVERY_OPTION_SET = {**OPTION_SETS, "no-hoist": CudaOptions(hoist=False), "no-stream": CudaOptions(stream=False)}
+
+def _benchmarks() -> dict:
+    """Case name (the benchmark specification's graph name: gqa_bs1, lora, ...) -> the benchmark's name
+    among the examples' kernels (tests/backend/cuda/programs.py)."""
+    from tests.backend.cuda.programs import benchmark_names, example_kernels
+
+    return {example_kernels()[name].name: name for name in benchmark_names()}
+
+
+def case_names() -> list:
+    """The benchmark cases, sorted (tests parametrised by them need no plan while they are collected)."""
+    return sorted(_benchmarks())
+
+
+def matmul_case_names() -> list:
+    """The benchmark cases whose specification has a matmul."""
+    from tests.backend.cuda.programs import matmul_benchmark_names
+
+    return sorted(case for case, name in _benchmarks().items() if name in matmul_benchmark_names())
 
 
 @functools.cache
-def benchmark_plans() -> dict:
-    """Case name (the plan's graph name: gqa_bs1, lora, ...) -> the plan's kernel graph."""
+def stored_plans() -> dict:
+    """Case name -> the kernel graph of the checkout's stored plan ({} in a checkout without them)."""
     out = {}
     for path in sorted(PLANS.glob("*.json")):
         plan = Plan.from_json(json.loads(path.read_text(encoding="utf-8"))["plan"])   # parses and validates
         out[plan.graph.name] = plan.graph
-    if not out:
-        from tests.backend.cuda.programs import benchmark_names, guided_plan
-
-        out = {graph.name: graph for graph in map(guided_plan, benchmark_names())}
     return out
 
 
-def plan_graph(name: str) -> KernelGraph:
-    return benchmark_plans()[name]
+def plan_graph(case: str) -> KernelGraph:
+    """The plan of a benchmark case: the stored one, or in a checkout without stored plans its guided plan
+    (searched on first use)."""
+    if stored_plans():
+        return stored_plans()[case]
+    from tests.backend.cuda.programs import guided_plan
+
+    return guided_plan(_benchmarks()[case])
 
 
 def split_attention(qknorm: bool, heads: int = 1, queries: int = 32, kv_len: int = 256, splits: int = 4,

@@ -1,6 +1,7 @@
-"""PTX from LLVM IR: the target and PTX version, the disk cache (hits, corrupt entries), assembly by
-nvJitLink and by ptxas, errors that show the failing line and the mugraph op, and the choice of
-backend per call (runtime, @mdsl.kernel, the CLI) without touching the driver."""
+"""PTX from LLVM IR: the target and PTX version, the optimisation level, assembly by nvJitLink and by
+ptxas, ptxas's errors that show the failing line and the mugraph op, and the choice of backend per call
+(runtime, @mdsl.kernel, the CLI) without touching the driver. The disk cache and LLVM's errors, as the
+CUDA backend's: tests/backend/test_compile.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,40 +17,13 @@ from mdsl.backend.ptx.llvm import F32
 from mdsl.backend.ptx.rules import PTX_RULES, Elementwise
 from mdsl.cli import make_parser
 from mdsl.errors import MdslError, UnsupportedError
-from tests.backend.cuda.builder import Graph
-
-
-def small_graph(name: str = "small"):
-    g = Graph(name)
-    x = g.input("x", (8, 96), mdsl.f16)
-    g.op("exp", g.op("add", x, g.input("row", (96,), mdsl.f16)))
-    return g.build()
+from tests.backend.test_compile import small_graph
 
 
 def test_targets_and_ptx_version():
     assert ptx_target("sm_90a") == "sm_90" and ptx_target("sm_100a") == "sm_100" and ptx_target("sm_80") == "sm_80"
     ptx = llvm_to_ptx(emit_llvm(small_graph()).llvm_ir, "sm_90a")
     assert "\n.version 8.0\n.target sm_90\n.address_size 64\n" in ptx
-
-
-def test_the_cache_answers_the_second_compile(monkeypatch):
-    source = emit_llvm(small_graph()).llvm_ir
-    first = compile_ptx(source)
-    monkeypatch.setattr(ptx_compile, "llvm_to_ptx", lambda *a: pytest.fail("compiled again despite the cache"))
-    assert compile_ptx(source) == first
-    files = list(ptx_compile.cache_dir().glob("*.ptx"))
-    assert len(files) == 1 and files[0].read_text().startswith("// mdsl ptx cache, sha256 ")
-
-
-def test_a_corrupt_cache_entry_is_compiled_again():
-    source = emit_llvm(small_graph()).llvm_ir
-    good = compile_ptx(source)
-    (entry,) = ptx_compile.cache_dir().glob("*.ptx")
-    text = entry.read_text()
-    entry.write_text(text.replace("ex2", "ex3") if "ex2" in text else text[:-40])  # truncated or altered
-    with pytest.warns(UserWarning, match="corrupt PTX cache entry"):
-        again = compile_ptx(source)
-    assert again == good and entry.read_text() == text
 
 
 def test_the_optimisation_level_is_checked(monkeypatch):
@@ -88,17 +62,6 @@ def test_ptxas_errors_show_the_ptx_and_the_op(monkeypatch):
     assert "rejected the generated PTX" in message and "bogus.instruction" in message
     assert "in the code of the mugraph op: %exp: f16[8, 96] = exp(%add)" in message
     assert f"> {info.value.line:5d} | " in message and "PTX line" in message
-
-
-def test_llvm_errors_show_the_ir_and_the_op():
-    source = emit_llvm(small_graph()).llvm_ir
-    exp_start = source.index("mugraph: %exp")
-    broken = source[:exp_start] + source[exp_start:].replace(" fmul ", " fmul_bogus ", 1)
-    with pytest.raises(PtxCompileError) as info:
-        llvm_to_ptx(broken)
-    message = str(info.value)
-    assert "llvmlite rejected the generated LLVM IR" in message and "fmul_bogus" in message
-    assert "in the code of the mugraph op: %exp: f16[8, 96] = exp(%add)" in message
 
 
 def test_error_from_a_log_without_a_line():

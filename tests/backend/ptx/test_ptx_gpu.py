@@ -1,13 +1,13 @@
-"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the fast-path programs under
-every option set (hoisting and streamed combines off among them), the benchmark cases' searched plans and the
-split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each switched off, built
-by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the environment, as the
-autotuner's runs do) and compared with the reference interpreter by the GPU tests' harness; the loaded modules
+"""The PTX backend's fast paths on the GPU (marked `gpu`, skipped without one): the benchmark cases' searched
+plans and the split plans' structure (tests/backend/ptx/plans.py) with the default fast paths and each
+switched off, built by `runtime.compile_graph(..., backend="ptx")` (which reads the options from the
+environment, as the autotuner's runs do) and compared with the reference interpreter by the GPU tests' harness; the loaded modules
 report no spills. The skinny loop (`CudaOptions.skinny`) runs on the autotuner's skinny plans (RMSNorm +
 Linear at batch 1 and 8, Gated MLP), alone, overlapping the previous kernel, with staggered walks over K and
 in steps of two slabs (`CudaOptions.wide_x`, with the L2 lead of 2 or none), and on every benchmark plan
 (those it does not qualify keep the tile loop); every benchmark plan's kernels launched to overlap their
-predecessors (`CudaOptions.overlap`).
+predecessors (`CudaOptions.overlap`). The fast-path programs under every option set run through both
+backends in tests/gpu/test_gpu_fast_paths.py.
 
     MDSL_GPU_BACKENDS=ptx .venv/bin/python -m pytest -q -p no:cacheprovider tests/backend/ptx/test_ptx_gpu.py
 """
@@ -18,8 +18,8 @@ import pytest
 
 from mdsl.gpu import has_gpu
 from mdsl.lowering.options import CudaOptions
-from tests.backend.cuda.fast_paths import FALLBACKS, fast_path_graphs, options_env
-from tests.backend.ptx.plans import EVERY_OPTION_SET, benchmark_plans, split_attention, tuned_skinny_plans
+from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, FALLBACKS, options_env
+from tests.backend.ptx.plans import case_names, plan_graph, split_attention, tuned_skinny_plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no NVIDIA GPU and driver on this machine")]
 
@@ -51,22 +51,14 @@ def _check(harness, graph, test_id: str, what: str) -> None:
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{what}: {name}: {r}"
 
 
-@pytest.mark.parametrize("options", sorted(EVERY_OPTION_SET))
-@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
-def test_fast_path_program_through_ptx(name, options, monkeypatch, ptx_backend):
-    _use(monkeypatch, options)
-    _check(ptx_backend, fast_path_graphs()[name], f"ptx-fast-path:{name}:{options}",
-           f"{name} through the PTX backend with options {options}")
-
-
 _PLAN_OPTIONS = ("default",) + FALLBACKS + ("no-hoist", "no-stream")
 
 
 @pytest.mark.parametrize("options", _PLAN_OPTIONS)
-@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+@pytest.mark.parametrize("name", case_names())
 def test_benchmark_plan_through_ptx(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options)
-    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+    _check(ptx_backend, plan_graph(name), f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 
@@ -78,10 +70,10 @@ _TUNED_OPTIONS = {"threads-256-pipeline-2": CudaOptions(threads=256, stages=2),
 
 
 @pytest.mark.parametrize("options", sorted(_TUNED_OPTIONS))
-@pytest.mark.parametrize("name", sorted(benchmark_plans()))
+@pytest.mark.parametrize("name", case_names())
 def test_benchmark_plan_through_ptx_at_the_tuned_block_size(name, options, monkeypatch, ptx_backend):
     _use(monkeypatch, options, _TUNED_OPTIONS)
-    _check(ptx_backend, benchmark_plans()[name], f"ptx-plan:{name}:{options}",
+    _check(ptx_backend, plan_graph(name), f"ptx-plan:{name}:{options}",
            f"the searched plan of {name} through the PTX backend with options {options}")
 
 

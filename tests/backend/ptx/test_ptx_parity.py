@@ -22,9 +22,9 @@ from mdsl.backend.cuda.nvrtc import nvdisasm_path
 from mdsl.backend.ptx import assembler, emit_llvm
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assembled_module
+from tests.backend.backends import kernel_instructions
 from tests.backend.cuda.builder import Graph
-from tests.backend.ptx.plans import benchmark_plans, lora_tuned, tuned_plans
-from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
+from tests.backend.ptx.plans import case_names, lora_tuned, plan_graph, tuned_plans
 
 pytestmark = pytest.mark.shared_compile_cache   # PTX and cubins compiled once per session (tests/shared.py)
 
@@ -39,7 +39,7 @@ needs_tools = pytest.mark.skipif(assembler() is None or nvdisasm_path() is None,
 
 @functools.lru_cache(maxsize=64)
 def both_backends(case: str, option_name: str) -> tuple:
-    graph, options = benchmark_plans()[case], OPTIONS[option_name]
+    graph, options = plan_graph(case), OPTIONS[option_name]
     cuda = kernel_instructions(compile_cuda(emit_cuda(graph, arch=ARCH, options=options).source, arch=ARCH).cubin)
     ptx = kernel_instructions(assembled_module(emit_llvm(graph, arch=ARCH, options=options).llvm_ir)[1].cubin)
     # (the PTX cubin may hold subroutines beside the kernels: the division's slow path)
@@ -69,7 +69,7 @@ def assert_same_paths(where: str, theirs: list, ours: list) -> None:
 
 @needs_tools
 @pytest.mark.parametrize("option_name", list(OPTIONS))
-@pytest.mark.parametrize("case", sorted(benchmark_plans()))
+@pytest.mark.parametrize("case", case_names())
 def test_ptx_kernels_take_the_cuda_kernels_paths(case, option_name):
     cuda, ptx = both_backends(case, option_name)
     for kernel, theirs in cuda.items():
@@ -118,11 +118,11 @@ def assert_waits_before_global_access(where: str, theirs: list, ours: list) -> N
 
 
 @needs_tools
-@pytest.mark.parametrize("case", sorted(benchmark_plans()))
+@pytest.mark.parametrize("case", case_names())
 def test_overlapping_kernels_wait_before_touching_memory(case):
     """CudaOptions.overlap (programmatic dependent launch): every custom kernel launched to overlap its
     predecessor, as the CUDA backend's, waiting for it before any global access."""
-    graph, options = benchmark_plans()[case], CudaOptions(overlap=True)
+    graph, options = plan_graph(case), CudaOptions(overlap=True)
     cuda_program, program = emit_cuda(graph, arch=ARCH, options=options), emit_llvm(graph, arch=ARCH, options=options)
     assert [(launch.name, launch.overlap) for launch in program.launches] == \
         [(launch.name, launch.overlap) for launch in cuda_program.launches]

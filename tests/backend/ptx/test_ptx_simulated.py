@@ -17,9 +17,9 @@ from mdsl.ir import bf16, f16, f32, i32
 from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.coverage import coverage_graphs
-from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
+from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, OPTION_SETS, fast_path_graphs
 from tests.backend.ptx import simulator
-from tests.backend.ptx.plans import EVERY_OPTION_SET, split_attention
+from tests.backend.ptx.plans import split_attention
 from tests.gpu.coverage import coverage_graphs as combination_graphs
 from tests.gpu.harness import random_inputs, reference, relative_error, tolerance
 

@@ -1,6 +1,7 @@
 """The PTX backend's skinny loop (mdsl/backend/ptx/skinny.py, the CUDA backend's `mdsl::Skinny`):
 
-* which kernels take it: those `skinny_plan` qualifies, under `CudaOptions(skinny=True)` only;
+* which kernels take it (those `skinny_plan` qualifies, under `CudaOptions(skinny=True)` only):
+  tests/backend/test_skinny_loop.py, with the CUDA backend's;
 * its numbers on the CPU simulator (tests/backend/ptx/simulator.py executes the streamed loads, the byte
   permutes and mma.sync as the PTX ISA defines them) against the reference, over the shapes that change
   its code: X of 2, 3 and 16 rows (one or two 8-row tiles, rows past M), one or two column groups, 16-
@@ -29,9 +30,9 @@ from mdsl.backend.cuda import compile_cuda, emit_cuda
 from mdsl.backend.ptx import emit_llvm
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assembled_module
+from tests.backend.backends import kernel_instructions
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny, tuned_skinny_plans
-from tests.backend.ptx.test_ptx_fast_paths import kernel_instructions
 from tests.backend.ptx.test_ptx_parity import (ARCH, assert_same_paths, assert_waits_before_global_access, count_matching,
                                                needs_tools, tuned_modules)
 from tests.backend.ptx.test_ptx_simulated import check_simulated
@@ -76,19 +77,6 @@ SIMULATED = {
 
 def _options(threads) -> CudaOptions:
     return CudaOptions(skinny=True, threads=threads)
-
-
-def test_only_the_skinny_option_takes_the_skinny_loop():
-    graph = rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640)
-    assert STREAMED in emit_llvm(graph, options=SKINNY).llvm_ir
-    assert STREAMED not in emit_llvm(graph, options=CudaOptions()).llvm_ir
-
-
-def test_a_block_graph_that_does_not_qualify_keeps_the_tile_loop():
-    """X of 17 rows (over MAX_ROWS): the tile loop, as the CUDA backend's."""
-    graph = rms_norm_linear_skinny(17, 2, columns=128, blocks=2, k=256)
-    assert STREAMED not in emit_llvm(graph, options=SKINNY).llvm_ir
-    assert "Skinny<" not in emit_cuda(graph, options=SKINNY).source
 
 
 @needs_simulator

@@ -1,0 +1,39 @@
+"""The skinny loop (mdsl.lowering.skinny) through both backends, without a GPU: taken under
+`CudaOptions(skinny=True)` only (given, or from the environment), and never where the block graph does not
+qualify. Each backend's loop: tests/backend/cuda/test_cuda_skinny.py (the code, NVRTC, the SASS, the
+autotuner) and tests/backend/ptx/test_ptx_skinny.py (the simulator, the SASS against the CUDA kernels')."""
+from __future__ import annotations
+
+import pytest
+
+from mdsl.lowering.options import CudaOptions
+from tests.backend.backends import EMITTERS, emit
+from tests.backend.cuda.programs import skinny_program
+from tests.backend.ptx.plans import rms_norm_linear_skinny
+
+SKINNY = CudaOptions(skinny=True)
+#: what each backend's code has where a kernel runs the skinny loop: CUDA's template, the PTX backend's
+#: weight loads that bypass L1
+MARKER = {"cuda": "Skinny<", "ptx": "ld.global.nc.L1::no_allocate"}
+#: programs whose first kernel qualifies: the benchmark plan of RMSNorm + Linear at batch 8, and a small
+#: one (2 rows, 64 columns a block, K = 640)
+QUALIFYING = {"rms_norm_linear_bs8": lambda: skinny_program("rms_norm_linear_bs8"),
+              "small": lambda: rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640)}
+
+
+@pytest.mark.parametrize("name", sorted(QUALIFYING))
+@pytest.mark.parametrize("backend", EMITTERS)
+def test_only_the_skinny_option_takes_the_skinny_loop(backend, name, monkeypatch):
+    graph = QUALIFYING[name]()
+    assert MARKER[backend] in emit(backend, graph, SKINNY).source
+    assert MARKER[backend] not in emit(backend, graph, CudaOptions()).source   # off by default
+    assert CudaOptions.from_env({"MDSL_CUDA_SKINNY": "1"}) == SKINNY
+    monkeypatch.setenv("MDSL_CUDA_SKINNY", "1")
+    assert emit(backend, graph).source == emit(backend, graph, SKINNY).source
+
+
+@pytest.mark.parametrize("backend", EMITTERS)
+def test_a_block_graph_that_does_not_qualify_keeps_the_tile_loop(backend):
+    """X of 17 rows (over MAX_ROWS)."""
+    graph = rms_norm_linear_skinny(17, 2, columns=128, blocks=2, k=256)
+    assert MARKER[backend] not in emit(backend, graph, SKINNY).source
