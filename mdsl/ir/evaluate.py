@@ -36,15 +36,21 @@ from mdsl.ir.validate import input_tile_type, output_tensor_type
 Env = dict  # value name -> value
 
 #: Blocks run together hold at most about this many elements (tiles of one iteration, and every
-#: iteration's accumulator inputs): 256 MiB of finite-field values (two int64 residues each).
-CHUNK_ELEMENTS = 2 ** 24
+#: iteration's accumulator inputs): 32 MiB of finite-field values (two int64 residues each).
+CHUNK_ELEMENTS = 2 ** 21
+#: A semantics may hold a large input narrower than its arithmetic (int32 residues, float16 or float32
+#: values under float32 or float64) and widen at most about this many of its elements at a time where
+#: an operator reads it in pieces (a matmul, by blocks of its output; a block graph, by tiles): 16 MiB
+#: of int64 or float64.
+WIDEN_ELEMENTS = 2 ** 21
 
 
 class Semantics(Protocol):
     """What values mean: how they are made, checked and computed."""
 
     def take_input(self, var: Var, array: Any) -> np.ndarray:
-        """A kernel graph's input as a value (a copy: the caller's array is never aliased)."""
+        """A kernel graph's input as a value: the caller's array, read-only, where it already holds values
+        of this semantics (a large input is not copied), else a converted copy. Nothing writes into it."""
 
     def store(self, var: Var, value: np.ndarray) -> np.ndarray:
         """A kernel-level tensor as device memory holds it (e.g. rounded to its dtype)."""
@@ -133,11 +139,22 @@ def run_kernel_graph(graph: KernelGraph, inputs: Sequence, sem: Semantics) -> li
     if len(inputs) != len(graph.inputs):
         raise ShapeError(f"kernel graph {graph.name} takes {len(graph.inputs)} input(s), got {len(inputs)}")
     env: Env = {var.name: sem.store(var, sem.take_input(var, array)) for var, array in zip(graph.inputs, inputs)}
-    for node in graph.nodes:
+    returned = {v.name for v in graph.outputs}
+    last_read = {v.name: i for i, node in enumerate(graph.nodes) for v in node.inputs}
+    for i, node in enumerate(graph.nodes):
         _eval_nodes(sem, (node,), env)
         for var in node.outputs:
             env[var.name] = sem.store(var, env[var.name])
-    return [env[v.name] for v in graph.outputs]
+        # a value no later node reads is dropped now: at large shapes intermediates take gigabytes
+        for var in (*node.inputs, *node.outputs):
+            if last_read.get(var.name, -1) <= i and var.name not in returned:
+                env.pop(var.name, None)
+    return [_own(sem.convert(env[v.name])) for v in graph.outputs]
+
+
+def _own(value: np.ndarray) -> np.ndarray:
+    """An output as the caller's own array: a copy where it is (a view of) an input, which is read-only."""
+    return value if value.flags.writeable else value.copy()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +274,7 @@ def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, bl
     index = [_block_index(inp.imap, blocks) for inp in bg.inputs]
     collected: list = [[] for _ in plan.accumulators]
     # indexing copies: each block's own tile, as in shared memory
-    invariant: Env = {inp.var.name: view[where + slices[0]]
+    invariant: Env = {inp.var.name: sem.convert(view[where + slices[0]])
                       for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices)
                       if inp.fmap is None}
     _eval_nodes(sem, plan.invariant_nodes, invariant, lead)
@@ -265,7 +282,7 @@ def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, bl
         env: Env = dict(invariant)  # rules never write into their operands, so sharing these is safe
         for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices):
             if inp.fmap is not None:
-                env[inp.var.name] = view[where + slices[i]]
+                env[inp.var.name] = sem.convert(view[where + slices[i]])
         _eval_nodes(sem, plan.iteration_nodes, env, lead)
         for node, per_iteration in zip(plan.accumulators, collected):
             per_iteration.append(_aligned(node, _args(env, node)))
@@ -281,7 +298,7 @@ def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, bl
 
 def run_block_graph(bg: BlockGraph, inputs: Sequence, sem: Semantics) -> list:
     """Evaluate a custom kernel on the whole tensors it reads; returns the tensors it writes."""
-    inputs = [sem.convert(a) for a in inputs]
+    inputs = [np.asarray(a) for a in inputs]   # held as given: a block converts the tiles it reads
     plan = BlockPlan(bg, [sem.shape(a) for a in inputs])
     plan.check_writes(bg)
     outputs = [sem.empty(t) for t in plan.out_types]

@@ -1,9 +1,12 @@
 """The finite-field semantics of the mugraph: the exact half of the verifier (docs/design.md, section "Verification").
 
 One test draws primes q and p = 2q + 1 (q < 2^24, so p < 2^25), an element ω of order q in Z_p and a
-secret that keys the test's random oracles. A value is an int64 array of shape tensor shape + (2,):
+secret that keys the test's random oracles. A value is an integer array of shape tensor shape + (2,):
 `[..., 0]` holds the residue mod p (the value itself), `[..., 1]` the residue mod q (what an exp
-reads). Each operator but the graph-defined ones has a rule (`FieldRule`) in `FIELD_RULES`:
+reads). What an operator computes is int64; an input may be held as int32 (`Field.random_input`: 4 or
+8 bytes an element rather than 16, which at large shapes is the difference between gigabytes and a
+few hundred megabytes), and every rule reads either. Each operator but the graph-defined ones has a
+rule (`FieldRule`) in `FIELD_RULES`:
 
 * add, sub, mul, neg, sums and matmuls are exact in both residues; div and reciprocal multiply by the
   modular inverse, with inverse(0) := 0 (Fermat's x^(m-2); deterministic, so both programs see the same
@@ -45,6 +48,7 @@ import numpy as np
 
 from mdsl.errors import ShapeError
 from mdsl.ir import evaluate
+from mdsl.ir.evaluate import WIDEN_ELEMENTS
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node
 from mdsl.ir.ops import OpDef
 from mdsl.ir.rules import RuleTable
@@ -52,6 +56,8 @@ from mdsl.ir.types import TensorType, Var
 
 #: q is drawn from [2^23, 2^24), so p = 2q + 1 < 2^25 and a product of two residues fits 50 bits.
 Q_RANGE = (2 ** 23, 2 ** 24)
+#: Random residues are drawn this many at a time (int64 draws, kept as int32).
+DRAW_ELEMENTS = 2 ** 20
 _EXP_SPLIT = 12          # exp tables: ω^t = LOW[t mod 2^12] · HIGH[t >> 12], two tables of 2^12 entries
 _HALF = 13               # matmul: one operand's residues split into a 13-bit low half and a high half below 2^12
 MATMUL_CHUNK = 2 ** 15   # K per float64 product: 2^15 terms below 2^13 · 2^25 = 2^38 sum below 2^53, exact in float64
@@ -132,7 +138,7 @@ def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
     """a @ b mod m for residues below 2^25 and K <= MATMUL_CHUNK, with float64 BLAS: the smaller operand is
     split in halves, whose products with the other one are exact (the sums stay below 2^53), and
     recombined in int64. Both halves go through one product (a's stacked as rows, b's as columns), so
-    the larger operand (a weight matrix, say) is converted and read once."""
+    the larger operand (a weight matrix, say) is converted and read once per piece of K."""
     split_a = a.size <= b.size
     axis = -2 if split_a else -1
     part = a if split_a else b
@@ -145,11 +151,15 @@ def _exact_matmul(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
 
 
 def matmul_mod(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
-    """Batched a @ b mod m, exact for residues below 2^25 and any K (chunks of MATMUL_CHUNK)."""
+    """Batched a @ b mod m, exact for residues below 2^25 and any K: in pieces of K of at most MATMUL_CHUNK,
+    small enough that the larger operand's piece, converted to float64, has about WIDEN_ELEMENTS
+    elements (sums of exact products mod m: the pieces do not change the result)."""
     k = a.shape[-1]
-    total = _exact_matmul(a[..., :MATMUL_CHUNK], b[..., :MATMUL_CHUNK, :], m)
-    for start in range(MATMUL_CHUNK, k, MATMUL_CHUNK):
-        stop = start + MATMUL_CHUNK
+    per_k = max(a.size, b.size) // max(1, k)   # the larger operand's elements per index of K
+    step = max(1, min(MATMUL_CHUNK, WIDEN_ELEMENTS // max(1, per_k)))
+    total = _exact_matmul(a[..., :step], b[..., :step, :], m)
+    for start in range(step, k, step):
+        stop = start + step
         total = (total + _exact_matmul(a[..., start:stop], b[..., start:stop, :], m)) % m
     return total
 
@@ -189,7 +199,27 @@ class Field:
 
     def random(self, shape: tuple, rng: np.random.Generator) -> np.ndarray:
         """Uniformly random residues: u in Z_p outside exponents, v in Z_q inside them."""
-        return np.stack([rng.integers(0, self.p, shape), rng.integers(0, self.q, shape)], axis=-1)
+        return self.random_input(shape, rng).astype(np.int64)
+
+    def random_input(self, shape: tuple, rng: np.random.Generator, q_read: bool = True,
+                     q_drawn: bool = True) -> np.ndarray:
+        """`random`'s residues (the same draws: all the p-residues, then all the q-residues, drawn in
+        pieces of DRAW_ELEMENTS) held as int32. Without `q_read`, where nothing reads the q-residues,
+        the p-residues are held once and read as both (the residue axis has stride 0); without
+        `q_drawn` the q-residues are not drawn at all, which leaves `rng` elsewhere: for an input
+        after which nothing is drawn from it."""
+        size = math.prod(shape)
+        held = np.empty((size, 2 if q_read else 1), dtype=np.int32)
+        for k, m in enumerate((self.p, self.q)):
+            if k == 1 and not (q_read or q_drawn):
+                break
+            for start in range(0, size, DRAW_ELEMENTS):
+                draws = rng.integers(0, m, min(DRAW_ELEMENTS, size - start))
+                if k < held.shape[1]:
+                    held[start:start + len(draws), k] = draws
+        if not q_read:
+            held = np.lib.stride_tricks.as_strided(held, (size, 2), (held.strides[0], 0), writeable=False)
+        return held.reshape(tuple(shape) + (2,))
 
     # -- arithmetic ------------------------------------------------------------------------------
 
@@ -206,11 +236,12 @@ class Field:
 
     def _per_residue(self, op: Callable, a, b) -> np.ndarray:
         """op(a, b) mod p in the p-residues and mod q in the q-residues. Each residue on its own, with a
-        scalar modulus: numpy's inner loops then run along the tensor rather than along the pair."""
+        scalar modulus: numpy's inner loops then run along the tensor rather than along the pair. In
+        int64 whatever the operands hold (a product of two residues takes 50 bits)."""
         a, b = np.asarray(a), np.asarray(b)
         out = np.empty(np.broadcast_shapes(a.shape, b.shape), dtype=np.int64)
         for k, m in enumerate((self.p, self.q)):
-            np.remainder(op(a[..., k], b[..., k]), m, out=out[..., k])
+            np.remainder(op(a[..., k], b[..., k], dtype=np.int64), m, out=out[..., k])
         return out
 
     def add(self, a, b):
@@ -227,7 +258,7 @@ class Field:
         so that many add up in int64 without overflow, and no product is reduced on its own."""
         total = None
         for n, (a, b) in enumerate(pairs, 1):
-            term = np.multiply(a, b)
+            term = np.multiply(a, b, dtype=np.int64)
             total = term if total is None else np.add(total, term, out=total if total.shape == term.shape else None)
             if n % (1 << 13) == 0:
                 total %= self.modulus
@@ -238,7 +269,7 @@ class Field:
 
     def _pow(self, x: np.ndarray, exponents: np.ndarray) -> np.ndarray:
         """x^e per residue (square and multiply; exponents holds e for mod p and e for mod q)."""
-        result, base, e = np.ones_like(x), x % self.modulus, np.array(exponents, dtype=np.int64)
+        result, base, e = np.ones_like(x, dtype=np.int64), x % self.modulus, np.array(exponents, dtype=np.int64)
         while np.any(e > 0):
             result = np.where(e & 1, result * base % self.modulus, result)
             base, e = base * base % self.modulus, e >> 1
@@ -258,7 +289,7 @@ class Field:
         return y if n >= 0 else self.inverse(y)
 
     def sum(self, x, axis: int, keepdims: bool = False):
-        return np.sum(x, axis=axis, keepdims=keepdims) % self.modulus
+        return np.sum(x, axis=axis, keepdims=keepdims, dtype=np.int64) % self.modulus
 
     def mean(self, x, axis: int, keepdims: bool = False):
         return self.mul(self.sum(x, axis, keepdims), self.rational(Fraction(1, x.shape[axis])))
@@ -412,9 +443,18 @@ def _stack(its, k: int = 0) -> np.ndarray:
     return np.stack([it[k] for it in its])
 
 
+def _iteration_sum(f: Field, its, k: int = 0) -> np.ndarray:
+    """Σ over the iterations of their input k, added one at a time rather than stacked (the iterations of
+    a large block graph take tens of megabytes): int64 sums of residues below 2^25, exact for 2^38 terms."""
+    total = np.array(its[0][k], dtype=np.int64)
+    for it in its[1:]:
+        total = np.add(total, it[k], out=total if total.shape == np.shape(it[k]) else None)
+    return total % f.modulus
+
+
 def _row_sums(f: Field, its) -> np.ndarray:
     """Sum over the iterations and the tile's last dim (kept)."""
-    return f.sum(f.sum(_stack(its), axis=0), axis=-2, keepdims=True)
+    return f.sum(_iteration_sum(f, its), axis=-2, keepdims=True)
 
 
 def _row_mean(f: Field, its) -> np.ndarray:
@@ -479,7 +519,7 @@ for _name, _rule in {
     "split": FieldRule(_split, lambda ds, ts, a, loop: [ds[0]] * len(a["sizes"])),
     "reshape": _elementwise(lambda f, x, a: x.reshape(tuple(a["shape"]) + (2,)), _same),
     "transpose": _elementwise(lambda f, x, a: np.transpose(x, tuple(a["perm"]) + (x.ndim - 1,)), _same),
-    "accum": _accumulator(lambda f, its, a: f.sum(_stack(its), axis=0), lambda ds, r, t: _sum_of(ds[0], r)),
+    "accum": _accumulator(lambda f, its, a: _iteration_sum(f, its), lambda ds, r, t: _sum_of(ds[0], r)),
     "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
     "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
     "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH),
@@ -531,6 +571,15 @@ def q_residues_read(graph: KernelGraph) -> frozenset:
     return frozenset(read)
 
 
+_RESIDUE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def inputs_q_read(graph: KernelGraph) -> list:
+    """For each input of the graph, whether its q-residues may be read (`q_residues_read`)."""
+    read = q_residues_read(graph)
+    return [v.name in read for v in graph.inputs]
+
+
 @attrs.frozen
 class FieldSemantics:
     """`mdsl.ir.evaluate`'s walk over values in one test's field. With `q_read` (the names from
@@ -541,17 +590,21 @@ class FieldSemantics:
     q_read: Optional[frozenset] = None
 
     def take_input(self, var: Var, array) -> np.ndarray:
-        array = np.array(array, dtype=np.int64)
+        array = self.convert(array)
         if array.shape != var.shape + (2,):
             raise ShapeError(f"the field value of input %{var.name} must have shape "
                                    f"{list(var.shape + (2,))}, got {list(array.shape)}")
+        array = array.view()
+        array.flags.writeable = False
         return array
 
     def store(self, var: Var, value: np.ndarray) -> np.ndarray:
         return value
 
     def convert(self, value) -> np.ndarray:
-        return np.asarray(value, dtype=np.int64)
+        """int32 and int64 residues as they are (an input held narrow is not widened whole)."""
+        value = np.asarray(value)
+        return value if value.dtype in _RESIDUE_DTYPES else value.astype(np.int64)
 
     def shape(self, value: np.ndarray) -> tuple:
         return value.shape[:-1]

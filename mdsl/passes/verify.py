@@ -39,8 +39,14 @@ Randomness. Test t's primes, ω, oracle secret and inputs come from child t of t
 `SeedSequence` (the float test's inputs from child `tests`, the large-input test's from `tests` + 1),
 never from the candidate. So the bound holds for any candidate that is fixed independently of those
 draws, even when many candidates share one seed (a search gives all of them its own seed), and the
-original's side of every test (inputs, outputs, the float tests' references, bounds and scale) is
+original's side of every test (its outputs, the float tests' references, bounds and scale) is
 computed once per process per (original, seed, test) and reused (`ORIGINAL_RUNS`): a candidate costs only its own evaluations.
+
+Memory. The inputs are not kept between evaluations but drawn again from the generator's state for
+each (the same values every time), so that a process holds one test's inputs at a time: int32
+residues, with q-residues only where the program reads them, or float values in the narrowest type
+that holds them (float16 for f16), each drawn in pieces and widened in pieces where an operator reads
+it. A weight of 8192 x 8192 then costs 256 MB in the finite-field tests rather than gigabytes.
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ from mdsl.errors import ValidationError
 from mdsl.ir.dtypes import round_to_dtype
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.types import Var
-from mdsl.passes.finite_field import Field, degrees, run_in_field
+from mdsl.passes.finite_field import DRAW_ELEMENTS, Field, degrees, inputs_q_read, run_in_field
 
 #: Relative error allowed in the float test, by output dtype. The candidate's arithmetic is float32 and
 #: every device tensor is rounded to its dtype, so the error is a few unit roundoffs u of the storage
@@ -136,23 +142,40 @@ def _read_only(arrays: list) -> list:
     return arrays
 
 
+def _generator(state: dict) -> np.random.Generator:
+    """A generator in the bit-generator state `state` (`Generator.bit_generator.state`)."""
+    bits = getattr(np.random, state["bit_generator"])()
+    bits.state = state
+    return np.random.Generator(bits)
+
+
 @attrs.frozen(eq=False)
 class _FieldRun:
-    """One finite-field test's field and inputs, and the original's outputs on them."""
+    """One finite-field test's field and the original's outputs on its inputs. The inputs are not kept:
+    at large shapes they take hundreds of megabytes a test; each evaluation draws them again from
+    `state`, the generator's state after the field's draws (the same residues every time)."""
 
     field: Field
-    inputs: list    # residues as int32 (p < 2^25): half the memory of int64, which evaluation copies them to
+    state: dict
     expected: list
 
     @classmethod
     def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FieldRun":
         field = Field.draw(rng)
-        inputs = [field.random(v.shape, rng).astype(np.int32) for v in original.inputs]
-        return cls(field, _read_only(inputs), _read_only(run_in_field(original, inputs, field)))
+        run = cls(field, rng.bit_generator.state, [])
+        expected = run_in_field(original, run.inputs(original), field)
+        return attrs.evolve(run, expected=_read_only(expected))
+
+    def inputs(self, graph: KernelGraph) -> list:
+        """The test's inputs, as `graph` reads them: int32 residues, the q-residues only where it reads
+        them (`Field.random_input`; those of the last input not even drawn, as nothing after them is)."""
+        rng, last = _generator(self.state), len(graph.inputs) - 1
+        return [self.field.random_input(v.shape, rng, q_read, q_read or k < last)
+                for k, (v, q_read) in enumerate(zip(graph.inputs, inputs_q_read(graph)))]
 
     def failure(self, candidate: KernelGraph) -> Optional[str]:
         """Why the candidate's outputs differ from the original's (p-residues), or None."""
-        got = run_in_field(candidate, self.inputs, self.field)
+        got = run_in_field(candidate, self.inputs(candidate), self.field)
         for k, (a, b, var) in enumerate(zip(self.expected, got, candidate.outputs)):
             differ = int(np.sum(a[..., 0] != b[..., 0]))
             if differ:
@@ -160,16 +183,28 @@ class _FieldRun:
         return None
 
 
-def _float_draw(var: Var, rng: np.random.Generator) -> np.ndarray:
-    return rng.standard_normal(var.shape) if var.dtype.is_float else rng.integers(-8, 8, var.shape)
+#: The numpy type a float test holds an input of each dtype in (float32 for those numpy has none of).
+_HELD = {"f16": np.float16}
 
 
-def _float_input(var: Var, draw: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """A float test's input: the draw times `scale` (floats only), as the input's dtype holds it."""
-    if not var.dtype.is_float:
-        return draw.astype(np.int32)
-    # float32 holds every float dtype's values exactly, in half the memory of float64
-    return round_to_dtype(draw * scale, var.dtype).reshape(var.shape).astype(np.float32)
+def _float_inputs(variables: tuple, state: dict, scale: float) -> list:
+    """A float test's inputs: for each variable, standard normal draws (integers in [-8, 8) for an
+    integer one) from the generator in `state`, times `scale` (floats only), as its dtype holds them,
+    in the narrowest numpy type that holds its values exactly (`_HELD`: float16 for f16, a quarter of
+    float64's memory). Drawn in pieces of DRAW_ELEMENTS (the same draws as at once), so that no
+    float64 copy of a large input is ever whole; evaluation widens them where it reads them."""
+    rng, out = _generator(state), []
+    for var in variables:
+        held = np.empty(var.shape, dtype=_HELD.get(var.dtype.name, np.float32) if var.dtype.is_float else np.int32)
+        flat = held.reshape(-1)
+        for start in range(0, flat.size, DRAW_ELEMENTS):
+            n = min(DRAW_ELEMENTS, flat.size - start)
+            if var.dtype.is_float:
+                flat[start:start + n] = round_to_dtype(rng.standard_normal(n) * scale, var.dtype).reshape(n)
+            else:
+                flat[start:start + n] = rng.integers(-8, 8, n)
+        out.append(held)
+    return out
 
 
 def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> float:
@@ -184,14 +219,17 @@ def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> f
 
 @attrs.frozen(eq=False)
 class _FloatRun:
-    """The float test's inputs, the original's float64 outputs (the reference), which of their elements
-    are judged and the relative error each output is allowed.
+    """The original's float64 outputs (the reference) on the float test's inputs, which of their elements
+    are judged and the relative error each output is allowed. The inputs are not kept: each evaluation
+    draws them again (`_float_inputs`) from `state`, the generator's state before their draws, for the
+    original's input variables `variables`.
 
     Elements where the original itself is not finite, in float64 or at the target precision, are not
     judged: a candidate must never overflow where the original does not, and cannot be blamed where
     the original does too."""
 
-    inputs: list
+    variables: tuple
+    state: dict
     reference: list
     judged: list
     bounds: list
@@ -200,36 +238,38 @@ class _FloatRun:
     @classmethod
     def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FloatRun":
         """The float test: standard normal inputs."""
-        return cls._at(original, [_float_draw(v, rng) for v in original.inputs], 1.0)
+        return cls._at(original, rng.bit_generator.state, 1.0)
 
     @classmethod
     def large(cls, original: KernelGraph, rng: np.random.Generator) -> Optional["_FloatRun"]:
         """The large-input float test: at the largest of LARGE_SCALES under which the original's outputs
         are finite at the target precision and LARGE_HEADROOM below their dtype's largest value (None
         where no scale is)."""
-        draws = [_float_draw(v, rng) for v in original.inputs]
+        state = rng.bit_generator.state
         for scale in LARGE_SCALES:
-            run = cls._at(original, draws, scale)
+            run = cls._at(original, state, scale)
             if all(np.all(where) and np.max(np.abs(ref), initial=0.0) * LARGE_HEADROOM <= var.dtype.largest
                    for var, ref, where in zip(original.outputs, run.reference, run.judged)):
                 return run
         return None
 
     @classmethod
-    def _at(cls, original: KernelGraph, draws: list, scale: float) -> "_FloatRun":
-        inputs = [_float_input(v, d, scale) for v, d in zip(original.inputs, draws)]
+    def _at(cls, original: KernelGraph, state: dict, scale: float) -> "_FloatRun":
+        variables = tuple(original.inputs)
+        inputs = _float_inputs(variables, state, scale)
         with np.errstate(all="ignore"):  # overflow is what this test looks for: it is reported, not warned
             reference = run_kernel_graph(original, inputs, precision="float64")
             own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
         judged = [np.isfinite(ref) & np.isfinite(mine) for ref, mine in zip(reference, own)]
         bounds = [max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * _rel_error(mine, ref, where))
                   for var, ref, mine, where in zip(original.outputs, reference, own, judged)]
-        return cls(_read_only(inputs), _read_only(reference), _read_only(judged), bounds, scale)
+        return cls(variables, state, _read_only(reference), _read_only(judged), bounds, scale)
 
     def test(self, candidate: KernelGraph) -> tuple:
         """(worst relative error, its bound, None) or (error, bound, why the candidate fails)."""
+        inputs = _float_inputs(self.variables, self.state, self.scale)
         with np.errstate(all="ignore"):
-            got = run_kernel_graph(candidate, self.inputs, precision="float32", round_storage=True)
+            got = run_kernel_graph(candidate, inputs, precision="float32", round_storage=True)
         name = "float test" if self.scale == 1.0 else f"float test on inputs scaled by {self.scale:g}"
         worst = (-1.0, 0.0, 0.0)
         for k, (ref, cand, judged, bound, var) in enumerate(zip(self.reference, got, self.judged, self.bounds,
@@ -253,7 +293,7 @@ SHARED_WAIT_S = 900.0
 class _OriginalRuns:
     """The original's runs, made once per process for each (original, seed, test): a search verifies
     every candidate against one original with one seed, so a candidate costs only its own evaluations.
-    Only one (original, seed) is kept: at benchmark shapes its inputs take a gigabyte or more.
+    Only one (original, seed) is kept (a search has one of each).
 
     Processes that `share` a directory (a search's workers) make each run once between them: the
     first to claim a run (a file created exclusively) makes it and writes it there (atomically), the

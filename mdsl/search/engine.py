@@ -38,7 +38,7 @@ the cost model and verified in parallel worker processes; the best verified ones
   `stats.out_of_time()`) now and then.
 * The worker processes start when the first candidate goes to verification, and make the original's
   side of the tests when the first whole-program candidate does (`worker.prepare`; at large shapes its
-  runs take gigabytes): a search that verifies nothing starts no process and makes no run, and one
+  runs are dear): a search that verifies nothing starts no process and makes no run, and one
   that verifies only assemblies runs only their parts' originals.
 * Whatever ends a search (its end, the budget, an error, KeyboardInterrupt), its workers are stopped
   and its temporary directory removed before the result or the exception leaves `search`.

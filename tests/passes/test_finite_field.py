@@ -111,6 +111,9 @@ def test_matmul_is_exact(field, rng, monkeypatch):
     assert got.reshape(6, 5, 2).tolist() == want
     monkeypatch.setattr(ff, "MATMUL_CHUNK", 16)  # the chunked path for long K
     np.testing.assert_array_equal(field.matmul(a, b), got)
+    monkeypatch.setattr(ff, "WIDEN_ELEMENTS", 20)  # pieces of K short enough for a bounded float64 copy
+    np.testing.assert_array_equal(field.matmul(a, b), got)
+    np.testing.assert_array_equal(field.matmul(a.astype(np.int32), b.astype(np.int32)), got)  # narrow operands
 
 
 @pytest.mark.parametrize("rows", [1, 3])  # the left operand smaller, then larger, than the right: either is split
