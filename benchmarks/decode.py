@@ -28,7 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent.parent) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (mdsl.search.cost.H200)
 CONTEXT = 1024

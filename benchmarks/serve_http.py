@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent.parent) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STARTUP_S = 600           # loading a large checkpoint
 

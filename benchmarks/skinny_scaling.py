@@ -14,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:

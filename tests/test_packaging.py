@@ -42,12 +42,13 @@ print(len(generate_source(build_plan(decoder_shape(config), workers=8, max_seq=c
 
 def _installed_location() -> Path:
     """Where the installed distribution's `mdsl` package is: the folder an editable install points at, or
-    the one its files were copied to."""
-    try:
-        dist = metadata.distribution("mdsl")
-    except metadata.PackageNotFoundError:
+    the one its files were copied to. The installed distribution is the one an installer recorded
+    (its INSTALLER file): a build leaves an `mdsl.egg-info` in the checkout too, which is not one."""
+    installed = [d for d in metadata.distributions(name="mdsl") if d.read_text("INSTALLER") is not None]
+    if not installed:
         pytest.fail("mdsl is not installed: the suite tests the installed package (pip install \".[test]\"), "
                     "or a working tree that PYTHONPATH names")
+    dist = installed[0]
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
     if direct.get("dir_info", {}).get("editable"):
         return Path(unquote(urlparse(direct["url"]).path)).resolve() / "mdsl"
