@@ -344,3 +344,63 @@ def test_the_installed_library_loads_without_a_gpu(monkeypatch):
     assert cublas.status_text(lib, 7).startswith("CUBLAS_STATUS_INVALID_VALUE (")
     assert all(hasattr(lib, name) for name in ("cublasGemmEx", "cublasGemmStridedBatchedEx",
                                                "cublasSetWorkspace_v2", "cublasSetStream_v2", "cublasCreate_v2"))
+
+
+# ---------------------------------------------------------------------------------------------
+# in an Executable
+
+class HostDriver:
+    """The driver calls of an Executable on host memory: allocations are numpy buffers the emulated cuBLAS
+    reads and writes (memset fills them), kernel launches are recorded in the emulation's log."""
+
+    def __init__(self, lib: EmulatedCublas):
+        self.lib, self.held = lib, []
+
+    def cuMemAlloc(self, size):
+        buffer = np.zeros(size // 4, np.float32)
+        self.held.append(buffer)
+        return 0, self.lib.buffer(buffer)
+
+    def cuMemsetD8(self, ptr, value, size):
+        self.lib.buffers[ptr].view(np.uint8)[:] = value
+        return (0,)
+
+    def cuModuleGetFunction(self, module, name):
+        return 0, name.decode()
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.lib.calls.append(("launch", function, stream))
+        return (0,)
+
+    def cuMemFree(self, ptr):
+        return (0,)
+
+    def cuModuleUnload(self, module):
+        return (0,)
+
+
+def test_an_executable_runs_the_matmul_in_cublas_between_its_kernels(fake, monkeypatch):
+    from types import SimpleNamespace
+
+    from mdsl.gpu import executable
+
+    g = Graph("chain")
+    x, w = g.input("x", (4, 8), f32), g.input("w", (8, 3), f32)
+    y = g.op("exp", g.op("matmul", g.op("exp", x), w))
+    program = emit_cuda(g.build([y]), options=CudaOptions())
+    host = HostDriver(fake)
+    monkeypatch.setattr(executable, "driver", host)
+    monkeypatch.setattr(cublas, "driver", host)
+    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
+                                                                                  activate=lambda: None))
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
+    assert exe.library_launches == ("chain_matmul",)
+    e_buffer, product = host.held[:2]   # the intermediates, in the order the launches first use them
+    e_buffer[:] = np.arange(32, dtype=np.float32) / 8   # what the exp kernel would have written
+    weights, out = np.linspace(-1, 1, 24, dtype=np.float32), np.zeros(12, np.float32)
+    exe.run_pointers([fake.buffer(np.zeros(32, np.float32)), fake.buffer(weights)], [fake.buffer(out)], stream=5)
+    log = [call[:2] if call[0] in ("launch", "stream") else call[0] for call in fake.calls]
+    assert log == ["create", ("launch", "chain_exp"), ("stream", 5), "workspace", "gemm", ("launch", "chain_exp_1")]
+    want = e_buffer.reshape(4, 8).astype(np.float64) @ weights.reshape(8, 3)
+    np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
