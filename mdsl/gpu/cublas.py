@@ -1,5 +1,5 @@
 """cuBLAS for the launches the lowering marks as library GEMMs (`KernelLaunch.library`, mdsl.lowering.gemm):
-plain matmuls, which cuBLAS runs several times faster than a generic kernel.
+plain matmuls, for which cuBLAS has kernels tuned per GPU and shape.
 
 The library is the `nvidia-cublas` wheel's (or a CUDA toolkit's), found by cuda.pathfinder as the runtime
 finds NVRTC and nvJitLink, and called through ctypes. Where it cannot be loaded, or cannot start on a GPU,
@@ -11,8 +11,11 @@ an executable runs its own kernel for each such launch instead, after one warnin
   to the product's dtype (f32 operands without TF32: the default math mode).
 * Per device: one handle, created with the device's primary context current (the one the runtime
   uses), and a lock (setting the stream and calling are one step). Per (device, stream): a workspace of
-  WORKSPACE_BYTES, so that GEMMs on different streams never share scratch memory; a GEMM on another
+  WORKSPACE_BYTES, so that GEMMs on different streams never share scratch memory (none on a stream being
+  captured into a CUDA graph before it ran a GEMM: allocating would end the capture); a GEMM on another
   stream than the last sets the stream and then the workspace again (cublasSetStream_v2 resets it).
+* A call passes prebuilt ctypes objects (`gemm_arguments`), the operands' pointers as views of the
+  executable's parameter slots: nothing is converted or allocated per call.
   Handles and workspaces live as long as the process.
 * Every cuBLAS status is checked: a failure is a `CublasError` naming the call.
 """
@@ -25,7 +28,7 @@ from typing import Callable, Optional
 
 import attrs
 
-from mdsl.gpu.driver import CudaError, check, driver, get_device
+from mdsl.gpu.driver import CudaError, check, cu_stream, driver, get_device
 from mdsl.gpu.program import LibraryGemm
 
 #: the workspace of each (device, stream): what cuBLAS asks for on Hopper (and what PyTorch gives it)
@@ -152,16 +155,23 @@ class Context:
         self.workspaces: dict = {}   # stream handle -> device pointer
 
     def use_stream(self, stream: int) -> None:
-        """Make `stream` the handle's stream, with its own workspace (call with the lock held)."""
+        """Make `stream` the handle's stream, with its own workspace (call with the lock held). A stream being
+        captured into a CUDA graph, that has none yet, gets none (an allocation would end the capture):
+        cuBLAS then runs the algorithms that need no workspace."""
         workspace = self.workspaces.get(stream)
-        if workspace is None:
+        if workspace is None and not _capturing(stream):
             workspace = int(check(driver.cuMemAlloc(WORKSPACE_BYTES),
                                   f"allocating the {WORKSPACE_BYTES >> 20} MiB cuBLAS workspace on GPU {self.ordinal}"))
             self.workspaces[stream] = workspace
         check_status(self.lib, self.lib.cublasSetStream_v2(self.handle, stream or None), "cublasSetStream_v2")
-        check_status(self.lib, self.lib.cublasSetWorkspace_v2(self.handle, workspace, WORKSPACE_BYTES),
-                     "cublasSetWorkspace_v2")
+        check_status(self.lib, self.lib.cublasSetWorkspace_v2(self.handle, workspace, WORKSPACE_BYTES if workspace
+                                                              else 0), "cublasSetWorkspace_v2")
         self.stream = stream
+
+
+def _capturing(stream: int) -> bool:
+    status = check(driver.cuStreamIsCapturing(cu_stream(stream)), "cuStreamIsCapturing")
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 _CONTEXTS: dict = {}       # device ordinal -> Context, or None where cuBLAS did not start there

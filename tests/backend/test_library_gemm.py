@@ -198,10 +198,18 @@ class EmulatedCublas:
 
 
 class FakeDriver:
-    """cuMemAlloc as the workspaces take it: distinct addresses, none touched."""
+    """cuMemAlloc as the workspaces take it: distinct addresses, none touched; streams in `captured` are
+    being captured into a CUDA graph."""
+
+    class CUstreamCaptureStatus:
+        CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_CAPTURE_STATUS_ACTIVE = 0, 1
 
     def __init__(self):
         self.allocated: list = []
+        self.captured: set = set()
+
+    def cuStreamIsCapturing(self, stream):
+        return 0, int(stream in self.captured)
 
     def cuMemAlloc(self, size):
         self.allocated.append(size)
@@ -217,6 +225,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cublas, "_WARNED", set())
     monkeypatch.setattr(cublas, "get_device", lambda ordinal: None)
     monkeypatch.setattr(cublas, "driver", drv)
+    monkeypatch.setattr(cublas, "cu_stream", lambda handle: handle)
     lib.driver = drv
     return lib
 
@@ -285,6 +294,21 @@ def test_each_stream_gets_its_own_workspace_set_after_the_stream(fake):
     np.testing.assert_array_equal(c, np.full((2, 4), 3.0))
 
 
+def test_a_stream_being_captured_gets_no_workspace_until_it_runs_uncaptured(fake):
+    step = cublas.gemm_step(LibraryGemm("f16", 3, 9, 7), 0, (ctypes.c_uint64 * 3)(), (0, 1, 2), "mm")
+    fake.driver.captured.add(9)
+    fake.gemm_status = 13   # the product itself is not what this test is about
+    with pytest.raises(cublas.CublasError):
+        step(9)
+    assert ("workspace", None, 0) in fake.calls and fake.driver.allocated == []
+    fake.driver.captured.clear()
+    with pytest.raises(cublas.CublasError):
+        step(0)
+    with pytest.raises(cublas.CublasError):
+        step(9)
+    assert fake.driver.allocated == [cublas.WORKSPACE_BYTES] * 2
+
+
 def test_a_failed_gemm_is_an_error_naming_the_call(fake):
     fake.gemm_status = 13
     step = cublas.gemm_step(LibraryGemm("f16", 3, 9, 7, 5, 0, 63, 27), 0, (ctypes.c_uint64 * 3)(), (0, 1, 2),
@@ -349,11 +373,12 @@ def test_the_installed_library_loads_without_a_gpu(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # in an Executable
 
-class HostDriver:
+class HostDriver(FakeDriver):
     """The driver calls of an Executable on host memory: allocations are numpy buffers the emulated cuBLAS
     reads and writes (memset fills them), kernel launches are recorded in the emulation's log."""
 
     def __init__(self, lib: EmulatedCublas):
+        super().__init__()
         self.lib, self.held = lib, []
 
     def cuMemAlloc(self, size):

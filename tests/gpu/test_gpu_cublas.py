@@ -1,7 +1,7 @@
 """Plain matmuls through cuBLAS on a GPU (mdsl.gpu.cublas): f16, bf16 and f32, one product and batches
 (each operand batched, one left matrix for every batch, a batch folded into the rows), M = 1, 3 and 64 with
-N and K not multiples of 8, products that read and write intermediates, on both backends and on a stream of
-torch's; through the public call path (`kernel(*torch_tensors)`, plan searched) too. Every output is
+N and K not multiples of 8, products that read and write intermediates, on both backends, on a stream of
+torch's and captured in a CUDA graph; through the public call path (`kernel(*torch_tensors)`, plan searched) too. Every output is
 checked against float64 numpy on the same rounded inputs (NaN-poisoned outputs where mdsl does not
 allocate them), f32 at f32's tolerance (no TF32), and every matmul is checked to have run in cuBLAS; then
 the fallbacks: cuBLAS missing, and MDSL_CUDA_CUBLAS=0's option, run mdsl's kernel with the same results."""
@@ -95,6 +95,21 @@ def test_a_torch_stream_gets_its_own_workspace(torch):
     assert stream.cuda_stream in cublas.context(0).workspaces
     compare(executable, [g.float().cpu().numpy().astype(np.float64) for g in got], want, TOLERANCES["f16"],
             "on a torch stream")
+
+
+def test_a_call_captured_in_a_cuda_graph_replays(torch):
+    graph = products(f16)
+    inputs = random_inputs(graph, rng_for("cublas-cuda-graph"))
+    executable = compile_graph(graph)
+    tensors = [torch.from_numpy(x).to("cuda", torch.float16) for x in inputs]
+    outputs = [torch.full(v.shape, float("nan"), dtype=torch.float16, device="cuda") for v in graph.outputs]
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):   # a fresh stream, captured: its GEMMs get no workspace
+        executable(tensors, outputs)
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    compare(executable, [o.float().cpu().numpy().astype(np.float64) for o in outputs], reference(graph, inputs),
+            TOLERANCES["f16"], "captured in a CUDA graph")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
