@@ -3,7 +3,7 @@
 Host launch overhead matters (a decode step is many small kernels): an `Executable` prepares once
 whatever does not change between calls (kernel handles, launch configurations, one block of parameter
 pointers per launch, intermediate buffers), so a call reads its arguments' pointers, writes them into
-those blocks and calls cuLaunchKernel per kernel.
+those blocks and calls cuLaunchKernel per kernel (or cuBLAS, for a library GEMM: mdsl.gpu.cublas).
 """
 from __future__ import annotations
 
