@@ -3,7 +3,7 @@
 Host launch overhead matters (a decode step is many small kernels): an `Executable` prepares once
 whatever does not change between calls (kernel handles, launch configurations, one block of parameter
 pointers per launch, intermediate buffers), so a call reads its arguments' pointers, writes them into
-those blocks and calls cuLaunchKernel per kernel.
+those blocks and calls cuLaunchKernel per kernel (or cuBLAS, for a library GEMM: mdsl.gpu.cublas).
 """
 from __future__ import annotations
 
@@ -148,9 +148,20 @@ class Executable:
                                                                                      plan.launch_slots))
         for slot, size in plan.scratch:
             self._ptrs[slot] = self._allocate_scratch(size)
+        #: the launches that a library runs instead of their kernels (cuBLAS GEMMs)
+        self.library_launches = tuple(launch.name for launch, step in zip(program.launches, self._launches)
+                                      if type(step) is not tuple)
 
-    def _prepare(self, launch, slots: tuple) -> tuple:
-        """The fixed arguments of cuLaunchKernel for one launch (everything but the stream)."""
+    def _prepare(self, launch, slots: tuple):
+        """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
+        library GEMM that cuBLAS runs here, its call (`step(stream)`, mdsl.gpu.cublas)."""
+        library = getattr(launch, "library", None)
+        if library is not None:
+            from mdsl.gpu import cublas
+
+            step = cublas.gemm_step(library, self.device, self._ptrs, slots, f"{launch.name} of {self.name}")
+            if step is not None:
+                return step
         function = check(driver.cuModuleGetFunction(self._module_handle, launch.name.encode()),
                           f"cuModuleGetFunction({launch.name})")
         grid, block, smem = _dim3(launch.grid), _dim3(launch.block), int(launch.smem_bytes)
@@ -241,7 +252,11 @@ class Executable:
             ptrs = self._ptrs
             for slot, k in self._bindings:
                 ptrs[slot] = arguments[k]
-            for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches:
+            for step in self._launches:
+                if type(step) is not tuple:   # a library call (mdsl.gpu.cublas)
+                    step(stream)
+                    continue
+                function, gx, gy, gz, bx, by, bz, smem, params, config = step
                 if config is None:
                     (err,) = launch(function, gx, gy, gz, bx, by, bz, smem, on_stream, params, 0)
                 else:   # programmatic dependent launch: may start while the stream's previous kernel runs

@@ -2,7 +2,9 @@
 
 A *program* is a code generator's output for one kernel graph: `source` (the text it compiles), `launches`
 (`KernelLaunch`, in execution order), `aliases` ((value name, aliased value name): views that need no
-kernel, such as reshape) and `graph` (the kernel graph it implements). Every pointer a kernel takes is a
+kernel, such as reshape) and `graph` (the kernel graph it implements). A launch with a `library` GEMM
+(`LibraryGemm`: a plain matmul) is run by cuBLAS where the runtime can load it (mdsl.gpu.cublas), else by
+its kernel, which the program has all the same. Every pointer a kernel takes is a
 contiguous row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte
 aligned. A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
 whose `load()` gives the driver's module handle (PTX that the driver compiles as it loads it).
@@ -10,8 +12,26 @@ whose `load()` gives the driver's module handle (PTX that the driver compiles as
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import attrs
+
+
+@attrs.frozen
+class LibraryGemm:
+    """A plain matmul as a BLAS library runs it: C = A @ B for `batch` row-major matrices, A m x k, B k x n and
+    C m x n, each stored contiguously (leading dims k, n and n), the i-th of each `stride_*` elements after
+    the first (0: one matrix for every batch). Operands and product are `dtype` ("f16", "bf16" or "f32");
+    products are summed in f32 and the sum rounded to `dtype` once (what the verifier's bounds assume)."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    stride_a: int = 0
+    stride_b: int = 0
+    stride_c: int = 0
 
 
 @attrs.frozen
@@ -24,6 +44,7 @@ class KernelLaunch:
     node_index: int          # the kernel-graph node it implements
     overlap: bool = False    # launched with programmatic stream serialization: it waits for its predecessor
                              # (griddepcontrol.wait) before touching memory, so it may start before that ends
+    library: Optional[LibraryGemm] = None   # the same product as a library GEMM (args: A, B, C)
 
 
 @attrs.frozen

@@ -29,6 +29,8 @@ new path with the old one without changing code:
                             previous one before touching memory (programmatic dependent launch, griddepcontrol);
                             a skinny kernel sends its first weight slabs to L2 before that wait: launch and
                             ramp-up overlap the previous kernel's tail (off by default; the autotuner tries both)
+    MDSL_CUDA_CUBLAS=0      kernel-level matmuls run mdsl's own GEMM kernel instead of cuBLAS (`gemm.py`; the
+                            kernel is in the program either way: it runs where cuBLAS cannot be loaded)
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class CudaOptions:
     stagger: bool = False                  # skinny blocks start their walk over K at staggered slabs
     lead: int = attrs.field(default=2, validator=_check_lead)  # skinny loop iterations its L2 prefetches run ahead
     wide_x: bool = False                   # a skinny loop's steps of two slabs, X's fragments in 16-byte loads
+    library_gemm: bool = True              # kernel-level matmuls through cuBLAS where it loads (gemm.py)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping] = None) -> "CudaOptions":
@@ -105,7 +108,8 @@ class CudaOptions:
                    overlap=_flag(env, "MDSL_CUDA_OVERLAP", default.overlap),
                    stagger=_flag(env, "MDSL_CUDA_STAGGER", default.stagger),
                    lead=_integer(env, "MDSL_CUDA_LEAD", default.lead),
-                   wide_x=_flag(env, "MDSL_CUDA_WIDE_X", default.wide_x))
+                   wide_x=_flag(env, "MDSL_CUDA_WIDE_X", default.wide_x),
+                   library_gemm=_flag(env, "MDSL_CUDA_CUBLAS", default.library_gemm))
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:

@@ -1,6 +1,7 @@
 """A kernel graph as both backends emit it: sizes checked (indices are 32-bit), the bodies of custom
 nodes fused (thread-graph fusion), one kernel per kernel-level node in the graph's order (a view such as
-reshape gets an alias instead), recorded as the launches (mdsl.gpu.program) the runtime makes."""
+reshape gets an alias instead), recorded as the launches (mdsl.gpu.program) the runtime makes; a plain
+matmul's launch also as the library GEMM the runtime runs in its place where it can (`gemm`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,6 +10,7 @@ from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
 from mdsl.ir.rules import RuleTable
+from mdsl.lowering.gemm import library_gemm
 from mdsl.lowering.names import Namer
 from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
@@ -57,7 +59,8 @@ class ProgramBuilder:
     def record_launch(self, name: str, index: int, node: Node, grid: tuple, threads: int, smem: int,
                       overlap: bool) -> None:
         args = tuple(v.name for v in (*node.inputs, *node.outputs))
-        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap))
+        library = library_gemm(node) if self.options.library_gemm else None
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap, library))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original

@@ -337,12 +337,15 @@ def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stre
     an output that lives in another argument's buffer is copied after."""
     from mdsl.backend.cuda import emit_cuda
     from mdsl.gpu import executable
+    from mdsl.lowering.options import CudaOptions
 
     x, w = make_var("x", (4, 8), f32), make_var("w", (8, 2), f32)
     n1, e = node("exp", [x], "e")
     n2, y = node("matmul", [e, w], "y")
     n3, r = node("reshape", [x], "r", shape=(8, 4))    # a view of an input, returned: a copy
-    program = emit_cuda(KernelGraph("g", [x, w], [n1, n2, n3], [y, r]), arch="sm_90a")
+    # mdsl's own kernel for the matmul (tests/backend/test_library_gemm.py: its cuBLAS call instead)
+    program = emit_cuda(KernelGraph("g", [x, w], [n1, n2, n3], [y, r]), arch="sm_90a",
+                        options=CudaOptions(library_gemm=False))
     fake = RecordingDriver({launch.name: len(launch.args) for launch in program.launches})
     monkeypatch.setattr(executable, "driver", fake)
     monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,

@@ -1,0 +1,53 @@
+"""Which kernels are library GEMMs: a kernel-level matmul that no custom kernel absorbed, of one float dtype
+a BLAS library sums in f32 (f16, bf16, f32), whose operands' batch dims are each the product's or none
+(a broadcast that is neither, [4, 1, m, k] @ [3, k, n], keeps mdsl's own kernel). Its launch carries the
+product as a `LibraryGemm` (mdsl.gpu.program), which the runtime hands to cuBLAS where it can.
+
+Every kernel-level value is a contiguous row-major tensor of at most 2^31 - 1 elements (so every size and
+batch count fits cuBLAS's 32-bit ints), so a matrix's leading dim is its row length and
+consecutive matrices of a batch are a matrix apart. Where the right operand is one matrix for every batch,
+the batch is folded into the rows of the left one ([b, m, k] @ [k, n] is one [b m, k] @ [k, n] product).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from mdsl.gpu.program import LibraryGemm
+from mdsl.ir.graph import Node
+
+#: the dtypes a library GEMM takes (operands and product alike), each summed in f32
+GEMM_DTYPES = ("f16", "bf16", "f32")
+
+
+def _batch_stride(shape: tuple, batch: tuple) -> Optional[int]:
+    """Elements between an operand's consecutive matrices over the product's batch dims `batch`: 0 when it
+    has one matrix (its batch dims, if any, are all 1), a matrix when its batch dims are the product's
+    (leading 1s aside), else None."""
+    own = tuple(shape[:-2])
+    if math.prod(own) == 1:
+        return 0
+    padded = (1,) * (len(batch) - len(own)) + own
+    return math.prod(shape[-2:]) if padded == tuple(batch) else None
+
+
+def library_gemm(node: Node) -> Optional[LibraryGemm]:
+    """The library GEMM that computes kernel-level `node`, or None where it is not one."""
+    if node.op != "matmul":
+        return None
+    dtypes = {v.dtype.name for v in (*node.inputs, *node.outputs)}
+    if len(dtypes) != 1 or not dtypes <= set(GEMM_DTYPES):
+        return None
+    a, b, c = node.inputs[0].shape, node.inputs[1].shape, node.output.shape
+    (m, k), n = a[-2:], b[-1]
+    batch = tuple(c[:-2])
+    strides = [_batch_stride(shape, batch) for shape in (a, b)]
+    if None in strides:
+        return None
+    stride_a, stride_b = strides
+    count = math.prod(batch)
+    if stride_b == 0 and count > 1:   # one right matrix for every batch: the batch is more rows of the left
+        m, count = m * count, 1
+    if count == 1:
+        return LibraryGemm(dtypes.pop(), m, n, k)
+    return LibraryGemm(dtypes.pop(), m, n, k, count, stride_a, stride_b, m * n)

@@ -1,0 +1,142 @@
+"""Plain matmuls through cuBLAS on a GPU (mdsl.gpu.cublas): f16, bf16 and f32, one product and batches
+(each operand batched, one left matrix for every batch, a batch folded into the rows), M = 1, 3 and 64 with
+N and K not multiples of 8, products that read and write intermediates, on both backends, on a stream of
+torch's and captured in a CUDA graph; through the public call path (`kernel(*torch_tensors)`, plan searched) too. Every output is
+checked against float64 numpy on the same rounded inputs (NaN-poisoned outputs where mdsl does not
+allocate them), f32 at f32's tolerance (no TF32), and every matmul is checked to have run in cuBLAS; then
+the fallbacks: cuBLAS missing, and MDSL_CUDA_CUBLAS=0's option, run mdsl's kernel with the same results."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl.gpu import BACKENDS, compile_graph, cublas
+from mdsl.ir.dtypes import bf16, f16, f32
+from mdsl.lowering.options import CudaOptions
+from tests.backend.cuda.builder import Graph
+from tests.gpu.harness import TOLERANCES, compare, random_inputs, reference, rng_for, run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.shared_compile_cache]
+
+DTYPES = [f16, bf16, f32]
+#: (left shape, right shape): M = 1, 3, 64 with odd N and K; batches of each kind
+PRODUCTS = [((1, 77), (77, 45)), ((3, 100), (100, 72)), ((64, 129), (129, 33)),
+            ((3, 5, 33), (3, 33, 20)), ((5, 33), (3, 33, 20)), ((2, 3, 40), (40, 24))]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    assert torch.cuda.is_available(), "torch cannot see the GPU that the CUDA driver reports"
+    return torch
+
+
+def products(dtype):
+    """Every product of PRODUCTS, and silu(x @ w) @ w2 (cuBLAS writing an intermediate, a kernel reading it,
+    cuBLAS reading the kernel's output), each an output."""
+    g = Graph(f"gemms_{dtype.name}")
+    for k, (a_shape, b_shape) in enumerate(PRODUCTS):
+        g.outputs.append(g.op("matmul", g.input(f"a{k}", a_shape, dtype), g.input(f"b{k}", b_shape, dtype)))
+    x, w, w2 = g.input("x", (3, 40), dtype), g.input("w", (40, 24), dtype), g.input("w2", (24, 17), dtype)
+    g.outputs.append(g.op("matmul", g.op("silu", g.op("matmul", x, w)), w2))
+    return g.build(g.outputs)
+
+
+def check(graph, test_id: str, **compile_args):
+    inputs = random_inputs(graph, rng_for(test_id))
+    executable = compile_graph(graph, **compile_args)
+    compare(executable, run(executable, inputs), reference(graph, inputs), TOLERANCES[graph.inputs[0].dtype.name],
+            f"{graph.name} [{test_id}]")
+    return executable
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_plain_matmuls_run_in_cublas(dtype, backend):
+    graph = products(dtype)
+    executable = check(graph, f"cublas-{dtype.name}-{backend}", backend=backend)
+    matmuls = sum(node.op == "matmul" for node in graph.nodes)
+    assert len(executable.library_launches) == matmuls, executable.library_launches
+
+
+def test_without_cublas_mdsl_s_kernels_run_after_one_warning(monkeypatch):
+    import cuda.pathfinder
+
+    def not_found(name):
+        raise cuda.pathfinder.DynamicLibNotFoundError(f"lib{name} is not here")
+
+    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
+    monkeypatch.setattr(cublas, "_LIBRARY", {})
+    monkeypatch.setattr(cublas, "_CONTEXTS", {})
+    monkeypatch.setattr(cublas, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="cuBLAS could not be loaded"):
+        executable = check(products(f16), "no-cublas")
+    assert executable.library_launches == ()
+
+
+def test_the_option_off_runs_mdsl_s_kernels():
+    executable = check(products(bf16), "cublas-off", options=CudaOptions(library_gemm=False))
+    assert executable.library_launches == ()
+
+
+def test_a_torch_stream_gets_its_own_workspace(torch):
+    graph = products(f16)
+    inputs = random_inputs(graph, rng_for("cublas-stream"))
+    want = reference(graph, inputs)
+    executable = compile_graph(graph)
+    stream = torch.cuda.Stream()
+    tensors = [torch.from_numpy(x).to("cuda", torch.float16) for x in inputs]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        for _ in range(2):   # the stream set once, then kept
+            got = executable(tensors)
+    stream.synchronize()
+    assert stream.cuda_stream in cublas.context(0).workspaces
+    compare(executable, [g.float().cpu().numpy().astype(np.float64) for g in got], want, TOLERANCES["f16"],
+            "on a torch stream")
+
+
+def test_a_call_captured_in_a_cuda_graph_replays(torch):
+    graph = products(f16)
+    inputs = random_inputs(graph, rng_for("cublas-cuda-graph"))
+    executable = compile_graph(graph)
+    tensors = [torch.from_numpy(x).to("cuda", torch.float16) for x in inputs]
+    outputs = [torch.full(v.shape, float("nan"), dtype=torch.float16, device="cuda") for v in graph.outputs]
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):   # a fresh stream, captured: its GEMMs get no workspace
+        executable(tensors, outputs)
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    compare(executable, [o.float().cpu().numpy().astype(np.float64) for o in outputs], reference(graph, inputs),
+            TOLERANCES["f16"], "captured in a CUDA graph")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 77), (77, 45)), ((2, 64, 33), (2, 33, 20))])
+def test_the_public_call_path_runs_an_unfused_matmul_in_cublas(torch, monkeypatch, dtype, a_shape, b_shape):
+    made = []
+
+    def spy(*args, **kwargs):
+        step = real(*args, **kwargs)
+        made.append(step)
+        return step
+
+    real = cublas.gemm_step
+    monkeypatch.setattr(cublas, "gemm_step", spy)
+
+    @mdsl.kernel
+    def mm(x, w):
+        return x @ w
+
+    rng = rng_for(f"public-{dtype.name}-{len(a_shape)}")
+    host = [rng.standard_normal(s).astype(np.float32) for s in (a_shape, b_shape)]
+    tdtype = getattr(torch, dtype.long_name)
+    x, w = (torch.from_numpy(h).to("cuda", tdtype) for h in host)
+    a64, b64 = (t.double().cpu().numpy() for t in (x, w))   # the inputs as rounded to the dtype
+    got = mm(x, w)
+    assert made and all(step is not None for step in made), "the matmul did not run in cuBLAS"
+    want = np.matmul(a64, b64)
+    got64 = got.double().cpu().numpy()
+    error = float(np.linalg.norm(got64 - want) / np.linalg.norm(want))
+    assert np.isfinite(got64).all() and error <= TOLERANCES[dtype.name], f"relative error {error:.2e}"
