@@ -40,8 +40,8 @@ CUBLAS_GEMM_DEFAULT = -1
 #: cudaDataType of each dtype a library GEMM takes
 CUDA_DTYPES = {"f16": 2, "bf16": 14, "f32": 0}
 
-_MISSING_HINT = ("pip install nvidia-cublas (mdsl's dependency; a CUDA toolkit's libcublas is found too); until "
-                 "then plain matmuls run mdsl's own GEMM kernel, which is several times slower")
+_MISSING_HINT = ("pip install \"mdsl[cublas]\" (the nvidia-cublas wheel; a CUDA toolkit's libcublas is found too): "
+                 "mdsl's own GEMM kernel is several times slower")
 
 
 class CublasError(CudaError):

@@ -351,7 +351,7 @@ def test_a_missing_library_falls_back_with_one_warning_and_touches_no_gpu(monkey
     monkeypatch.setattr(cublas, "_WARNED", set())
     monkeypatch.setattr(cublas, "get_device", no_gpu)
     with pytest.warns(RuntimeWarning, match=r"cuBLAS could not be loaded .*libcublas.so.13 not found.*"
-                                            r"own GEMM kernel.*pip install nvidia-cublas"):
+                                            r'own GEMM kernel.*pip install "mdsl\[cublas\]"'):
         assert cublas.library() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
