@@ -14,7 +14,7 @@ For each case (CASES: small kernels, where the host side of a call matters most)
   divided by the launches (no host time in it).
 And once per run, the floors a call is built on: an empty kernel launched through cuda.bindings as mdsl
 launches its kernels (runtime.EmptyKernel), the same launch through ctypes straight into libcuda, and
-torch.empty of a small tensor.
+torch.empty / torch.empty_like of a small tensor.
 
 Method: host time is time.perf_counter around a batch of --calls back-to-back calls, synchronized after
 the batch and outside the timed part; a batch is short enough that the launch queue never fills, so the
@@ -156,6 +156,8 @@ def floors(args, torch, runtime) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     out["torch_empty"] = host_time(lambda: torch.empty((8, 4096), dtype=torch.float16, device=device),
                                    args.calls, args.samples, sync)
+    like = torch.empty((8, 4096), dtype=torch.float16, device=device)
+    out["torch_empty_like"] = host_time(lambda: torch.empty_like(like), args.calls, args.samples, sync)
     return out
 
 
@@ -220,7 +222,8 @@ def render_markdown(results: dict) -> str:
     lines += ["", "| floor | host µs per call |", "|---|---:|",
               f"| empty kernel, cuLaunchKernel through cuda.bindings | {_us(fl.get('empty_launch_cuda_bindings'))} |",
               f"| empty kernel, cuLaunchKernel through ctypes | {_us(fl.get('empty_launch_ctypes'))} |",
-              f"| torch.empty((8, 4096), f16) | {_us(fl.get('torch_empty'))} |"]
+              f"| torch.empty((8, 4096), f16) | {_us(fl.get('torch_empty'))} |",
+              f"| torch.empty_like(an (8, 4096) f16 tensor) | {_us(fl.get('torch_empty_like'))} |"]
     return "\n".join(lines) + "\n"
 
 

@@ -202,15 +202,18 @@ class KernelFunction:
         `__dlpack__`) run the optimized program on the GPU: `out` (one array, or a tuple with one per
         output) receives the results, `stream` orders the launches (default: torch's current stream for
         torch tensors, else the legacy default stream), `backend` picks the code generator ("cuda": CUDA
-        C++ by NVRTC; "ptx": PTX by llvmlite). Host arrays (numpy, CPU torch) run through the numpy
-        reference interpreter. Inside another kernel's trace, the call records this kernel's operations
-        there (its graph is inlined)."""
+        C++ by NVRTC; "ptx": PTX by llvmlite). The first GPU call with a given signature (each array's
+        type, shape, dtype, device and layout; out= and stream= given or not) checks everything and
+        compiles; a repeated one reads the data pointers, allocates the outputs and launches
+        (mdsl.gpu.calls). Host arrays (numpy, CPU torch) run through the numpy reference interpreter.
+        Inside another kernel's trace, the call records this kernel's operations there (its graph is
+        inlined)."""
         if kwargs:
             args = self._positional(args, kwargs)
         if self._calls:   # a GPU call with this signature was checked before: read, allocate, launch
             try:
                 prepared = self._calls.get(call_key(args, out, stream, backend))
-            except (AttributeError, TypeError):   # not only torch tensors and DeviceArrays
+            except Exception:   # not only torch tensors and DeviceArrays: the checked path says what is wrong
                 prepared = None
             if prepared is not None:
                 try:

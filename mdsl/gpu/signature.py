@@ -22,7 +22,7 @@ def as_outputs(out) -> tuple:
 def call_key(args: Sequence, out, stream, backend: str) -> tuple:
     """A call's key: the backend, whether a stream is given (the stream itself is read at every call),
     the signatures of its out= arrays and of its arguments (`signature`'s, written out: this runs at every
-    call). AttributeError or TypeError (an unhashable part) where an argument's checks are made at every
-    call."""
+    call). An exception (AttributeError, or TypeError for an unhashable part) where an argument's checks
+    are made at every call."""
     return (backend, stream is None, None if out is None else signature(as_outputs(out)),
             *[(type(v), v.shape, v.dtype, v.is_cuda, v.get_device(), v.is_contiguous()) for v in args])

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 import mdsl
-from mdsl import Tensor, f16, f32
+from mdsl import Tensor, f16
 from mdsl.backend.cuda import runtime
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu import arrays, driver as gpu_driver, executable
@@ -256,21 +256,22 @@ def norm_linear(x, w):
 # host time per call, with the launch stubbed
 
 def _per_call_us(fn, calls: int, repeats: int) -> float:
-    """The fastest of `repeats` runs of `calls` calls, in µs per call (the least disturbed by other work)."""
+    """The fastest of `repeats` runs of `calls` calls, in µs of this thread's CPU time per call (the least
+    disturbed by other work on a shared machine)."""
     for _ in range(200):
         fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
+        samples.append((time.thread_time() - start) / calls * 1e6)
     return min(samples)
 
 
 def measure_host_path(calls: int = 20000, repeats: int = 5) -> list:
     """[(label, µs per call)]: the public call path's host time on stand-in torch tensors, with the driver's
-    launch a no-op (what is left is mdsl's own Python, torch's allocation stand-in and the recorder)."""
+    launch a no-op: mdsl's own Python, plus the stand-ins' cost, which the last row gives alone."""
     rows = []
     with pytest.MonkeyPatch.context() as monkeypatch, \
             compiled_on_fakes(monkeypatch, add, scale_add, norm_linear, record=False) as rig:
@@ -287,6 +288,15 @@ def measure_host_path(calls: int = 20000, repeats: int = 5) -> list:
             launches = sum(len(exe.program.launches) for k in (add, scale_add, norm_linear)
                            for exe in k._executables.values() if label.startswith(k.name + "("))
             rows.append((f"{label}, {launches} launch(es)", _per_call_us(call, calls, repeats)))
+
+        def stand_ins():   # what a call of add(x, y) spends outside mdsl: the tensor attributes it reads too
+            for t in (x, y):
+                t.shape, t.dtype, t.is_cuda, t.get_device(), t.is_contiguous(), t.data_ptr()
+            rig.torch._C._cuda_getCurrentRawStream(0)
+            rig.torch.empty((4, 64), dtype=h, device=("cuda", 0)).data_ptr()
+            rig.driver.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, 0)
+
+        rows.append(("the stand-ins alone, as add(x, y) uses them", _per_call_us(stand_ins, calls, repeats)))
     return rows
 
 # ---------------------------------------------------------------------------------------------
@@ -461,6 +471,32 @@ def test_arrays_read_through_their_protocols_are_checked_at_every_call(rig, monk
     assert len(rig.driver.launches()) == 2
 
 
+def test_an_argument_whose_signature_cannot_be_read_gets_the_checked_path_s_error(rig):
+    class Odd:
+        is_cuda, shape, dtype = True, (4, 64), "float16"
+
+        def get_device(self):
+            return 0
+
+        def is_contiguous(self):
+            raise RuntimeError("this layout has no contiguity")
+
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y)
+    with pytest.raises(ArgumentError, match="argument x is a Odd, not a GPU array"):
+        add(Odd(), y)
+
+
+def test_the_key_holds_each_argument_s_signature():
+    from mdsl.gpu.signature import call_key, signature
+
+    h = FakeTorch().float16
+    args = (FakeTensor((4, 64), h), FakeTensor((64,), h, device=1, strides=(2,)))
+    assert call_key(args, None, None, "cuda")[3:] == signature(args)
+    assert signature(args)[1] == (FakeTensor, (64,), h, True, 1, False)
+    assert call_key(args, args[0], 7, "ptx")[:3] == ("ptx", False, signature(args[:1]))
+
+
 def test_host_arrays_still_run_on_the_interpreter_after_a_gpu_call(rig):
     import numpy as np
 
@@ -470,10 +506,49 @@ def test_host_arrays_still_run_on_the_interpreter_after_a_gpu_call(rig):
     np.testing.assert_array_equal(add(a, a), a + a)
 
 
+# ---------------------------------------------------------------------------------------------
+# on a GPU, with torch: the same path for real
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runtime.has_gpu(), reason="no NVIDIA GPU and driver on this machine")
+def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(add, "_executables", {})
+    monkeypatch.setattr(add, "_calls", {})
+    monkeypatch.setattr(add, "_gpu_graph", lambda specs, arch: add.trace(*specs))   # no search: the traced graph
+
+    def pair():
+        return [torch.randn(4, 64, device="cuda", dtype=torch.float16) for _ in range(2)]
+
+    results = []
+    for _ in range(3):
+        x, y = pair()
+        z = add(x, y)
+        torch.testing.assert_close(z, x + y)
+        results.append(z)
+    assert len({z.data_ptr() for z in results}) == 3 and len(add._calls) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # torch's current stream, read at every call
+        x, y = pair()
+        z = add(x, y)
+    side.synchronize()
+    torch.testing.assert_close(z, x + y)
+    out = torch.full((4, 64), float("nan"), device="cuda", dtype=torch.float16)
+    for _ in range(2):
+        x, y = pair()
+        assert add(x, y, out=out, stream=torch.cuda.current_stream()) is out
+        torch.testing.assert_close(out, x + y)
+    with pytest.raises(ArgumentError, match="argument x is not contiguous"):
+        add(torch.randn(64, 4, device="cuda", dtype=torch.float16).t(), y)
+    with pytest.raises(ArgumentError, match="not 16-byte aligned"):
+        add(torch.randn(257, device="cuda", dtype=torch.float16)[1:].reshape(4, 64), y)
+
+
 def test_host_time_per_call_is_printed(capsys):
     rows = measure_host_path(calls=2000, repeats=3)
     with capsys.disabled():
-        print("\nhost time per call (µs), launch stubbed, fastest of 3 x 2000 calls:")
+        print("\nhost CPU time per call (µs), launch stubbed, fastest of 3 x 2000 calls:")
         for label, micros in rows:
             print(f"  {micros:8.2f}  {label}")
     assert [label for label, _ in rows][0].startswith("add(x, y)")
@@ -481,7 +556,7 @@ def test_host_time_per_call_is_printed(capsys):
 
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
-    print(f"host time per call (µs), launch stubbed, fastest of 5 x {calls} calls:")
+    print(f"host CPU time per call (µs), launch stubbed, fastest of 5 x {calls} calls:")
     for label, micros in measure_host_path(calls):
         print(f"  {micros:8.2f}  {label}")
 
