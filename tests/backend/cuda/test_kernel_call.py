@@ -395,6 +395,17 @@ def test_each_signature_gets_its_own_executable(rig):
     assert checks(rig) == before and len(norm_linear._calls) == 3
 
 
+def test_the_prepared_calls_kept_per_kernel_are_bounded(rig, monkeypatch):
+    from mdsl.frontend import kernel as frontend
+
+    monkeypatch.setattr(frontend, "_MAX_PREPARED_CALLS", 2)
+    w = FakeTensor((256, 64), rig.torch.float16)
+    for rows in (1, 2, 3, 1):
+        assert norm_linear(FakeTensor((rows, 256), rig.torch.float16), w).shape == (rows, 64)
+        assert len(norm_linear._calls) <= 2
+    assert rig.compile.calls == 3, "an executable was compiled again: only prepared calls are dropped"
+
+
 def test_out_is_written_and_returned_and_checked_once_per_signature(rig):
     x, y = halves(rig, (4, 64), (4, 64))
     out = FakeTensor((4, 64), rig.torch.float16)
