@@ -125,15 +125,15 @@ def gpu_time(torch, launch: Callable, launches: int, replays: int = 50) -> dict:
             "launches": launches}
 
 
-def _ctypes_launcher(runtime, empty) -> Callable:
-    """The empty kernel's launch through ctypes straight into libcuda (no cuda.bindings in between)."""
+def _ctypes_launcher(empty) -> Callable:
+    """The empty kernel's launch on the legacy default stream through ctypes straight into libcuda (no
+    cuda.bindings in between)."""
     lib = ctypes.CDLL("libcuda.so.1")
     fn = lib.cuLaunchKernel
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     fn.restype = ctypes.c_int
     function = int(empty._function)
-    stream = int(runtime.driver.CUstream(0))
-    return lambda: fn(function, 1, 1, 1, 32, 1, 1, 0, stream, None, None)
+    return lambda: fn(function, 1, 1, 1, 32, 1, 1, 0, None, None, None)
 
 
 def floors(args, torch, runtime) -> dict:
@@ -144,7 +144,7 @@ def floors(args, torch, runtime) -> dict:
     try:
         out["empty_launch_cuda_bindings"] = host_time(lambda: empty(0), args.calls, args.samples, sync)
         try:
-            launch = _ctypes_launcher(runtime, empty)
+            launch = _ctypes_launcher(empty)
             if launch():
                 raise RuntimeError("cuLaunchKernel through ctypes returned an error")
             out["empty_launch_ctypes"] = host_time(launch, args.calls, args.samples, sync)
