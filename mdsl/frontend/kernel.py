@@ -12,6 +12,7 @@ from mdsl.errors import DTypeError, MdslError, ShapeError, TraceError
 from mdsl.frontend.source import caller_frame, caller_loc
 from mdsl.frontend.tensor import TensorSpec
 from mdsl.frontend.tracer import _ACTIVE_KERNEL_TRACERS, KernelTracer, SymbolicTensor, common_tracer, sanitize_name
+from mdsl.gpu.signature import as_outputs, call_key
 from mdsl.ir.dtypes import dtype_of_array
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.ops import KERNEL
@@ -44,6 +45,7 @@ def _to_host(value) -> np.ndarray:
 
 
 _STORAGE = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32}
+_MAX_PREPARED_CALLS = 256   # GPU call signatures kept per kernel; past them the cache starts again
 
 
 class KernelFunction:
@@ -63,6 +65,7 @@ class KernelFunction:
         self._graphs: dict = {}
         self._tracing: set = set()      # signatures being traced now (a kernel that calls itself)
         self._executables: dict = {}   # ((shape, dtype name, device) per argument, backend) -> runtime.Executable
+        self._calls: dict = {}         # mdsl.gpu.signature.call_key -> mdsl.gpu.calls.PreparedCall
         self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
@@ -199,11 +202,26 @@ class KernelFunction:
         `__dlpack__`) run the optimized program on the GPU: `out` (one array, or a tuple with one per
         output) receives the results, `stream` orders the launches (default: torch's current stream for
         torch tensors, else the legacy default stream), `backend` picks the code generator ("cuda": CUDA
-        C++ by NVRTC; "ptx": PTX by llvmlite). Host arrays (numpy, CPU torch) run through the numpy
-        reference interpreter. Inside another kernel's trace, the call records this kernel's operations
-        there (its graph is inlined)."""
+        C++ by NVRTC; "ptx": PTX by llvmlite). The first GPU call with a given signature (each array's
+        type, shape, dtype, device and layout; out= and stream= given or not) checks everything and
+        compiles; a repeated one reads the data pointers, allocates the outputs and launches
+        (mdsl.gpu.calls). Host arrays (numpy, CPU torch) run through the numpy reference interpreter.
+        Inside another kernel's trace, the call records this kernel's operations there (its graph is
+        inlined)."""
         if kwargs:
             args = self._positional(args, kwargs)
+        if self._calls:   # a GPU call with this signature was checked before: read, allocate, launch
+            try:
+                prepared = self._calls.get(call_key(args, out, stream, backend))
+            except Exception:   # not only torch tensors and DeviceArrays: the checked path says what is wrong
+                prepared = None
+            if prepared is not None:
+                try:
+                    results = prepared(args, out, stream)
+                except MdslError as e:
+                    raise e.with_loc(caller_loc())
+                if results is not None:
+                    return results
         if any(isinstance(a, SymbolicTensor) for a in args):
             if out is not None or stream is not None:
                 raise TraceError(f"kernel {self.name} called inside a trace with out= or stream=", loc=caller_loc(),
@@ -249,24 +267,34 @@ class KernelFunction:
         return results[0] if len(results) == 1 else results
 
     def _run_on_gpu(self, args: Sequence, out, stream, backend: str = "cuda"):
+        """The checked call: every argument adapted and checked, the executable looked up (compiled on a
+        miss), the launch; then, under the call's key, what a repeated call needs (mdsl.gpu.calls)."""
         # imported here: `import mdsl` must not load cuda.bindings (nor torch)
         from mdsl.backend.cuda import runtime
+        from mdsl.gpu.calls import PreparedCall
 
         runtime.check_backend(backend)
         runtime.require_gpu()
         self._check_arity(args)
         handle = runtime.launch_stream(args, stream)
         views = [runtime.device_view(a, label, handle) for a, label in zip(args, self._arg_labels)]
-        key = (tuple((v.shape, v.dtype.name, v.device) for v in views), backend)
-        executable = self._executables.get(key)
+        for view, label in zip(views, self._arg_labels):
+            if view.device != views[0].device:
+                raise runtime.ArgumentError(f"{label} is on GPU {view.device}, but argument {self.params[0].name} "
+                                            f"is on GPU {views[0].device}", hint="move every argument to the same GPU")
+        exe_key = (tuple((v.shape, v.dtype.name, v.device) for v in views), backend)
+        executable = self._executables.get(exe_key)
         if executable is None:
-            executable = self._executables[key] = self._compile(views, backend)
-        if out is None:
-            results = executable.launch_views(views, None, handle, inputs_checked=True,
-                                              torch_outputs=any(runtime.is_torch_tensor(a) for a in args))
-        else:
-            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            results = executable.launch_views(views, outputs, handle, inputs_checked=True)
+            executable = self._executables[exe_key] = self._compile(views, backend)
+        outputs = None if out is None else as_outputs(out)
+        torch_outputs = out is None and any(runtime.is_torch_tensor(a) for a in args)
+        results = executable.launch_views(views, outputs, handle, inputs_checked=True, torch_outputs=torch_outputs)
+        prepared = PreparedCall.of(executable, args, outputs, stream_given=stream is not None,
+                                   torch_outputs=torch_outputs)
+        if prepared is not None:   # only torch tensors and DeviceArrays, whose signatures are keys
+            if len(self._calls) >= _MAX_PREPARED_CALLS:
+                self._calls.clear()
+            self._calls[call_key(args, out, stream, backend)] = prepared
         return results[0] if len(results) == 1 else results
 
     def _compile(self, views: Sequence, backend: str = "cuda"):

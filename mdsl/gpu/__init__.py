@@ -1,6 +1,7 @@
 """The GPU runtime: the CUDA driver (`driver`), device arrays and the array protocols of other libraries
-(`arrays`, `dlpack`), executables that launch a compiled program's kernels (`executable`), what a code
-generator hands the runtime (`program`), the on-disk compile cache (`cache`), and the code generators by
+(`arrays`, `dlpack`), executables that launch a compiled program's kernels (`executable`), calls checked
+once per argument signature and then only launched (`signature`, `calls`), what a code generator hands
+the runtime (`program`), the on-disk compile cache (`cache`), and the code generators by
 backend name (`generators`: `compile_graph`). It imports no backend: backends register their code
 generators with it.
 

@@ -58,10 +58,11 @@ def _consumer_stream(value: Optional[int]) -> Optional[int]:
     return None if value == -1 else 0 if value in (None, 1) else value
 
 
-def _torch_stream(device: int) -> int:
+def torch_stream_reader():
+    """The function from a device ordinal to the handle of torch's current stream there."""
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton uses: no Stream object made
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return raw if raw is not None else lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +176,7 @@ def device_view(value, what: str, stream: int = 0) -> View:
     is the stream the value will be used on (producers that say where their data is ready are
     ordered before it)."""
     if type(value) is DeviceArray:
-        if value.stream != stream:   # its data is ready on its own stream
-            get_device(value.device).order(stream, value.stream)
+        value.order_before(stream)
         return View(value.ptr, value.shape, value.dtype, value.device)
     if is_torch_tensor(value):
         return _torch_view(value, what)
@@ -196,7 +196,7 @@ def launch_stream(values: Sequence, stream=None) -> int:
         return stream_handle(stream)
     for value in values:
         if is_torch_tensor(value) and value.is_cuda:
-            return _torch_stream(value.get_device())
+            return torch_stream_reader()(value.get_device())
     return 0
 
 
@@ -278,6 +278,21 @@ class DeviceArray:
     @property
     def size(self) -> int:
         return TensorType(self.shape, self.dtype).numel
+
+    # what torch tensors say of themselves, so that a call's signature reads both alike (mdsl.gpu.calls)
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def get_device(self) -> int:
+        return self.device
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def order_before(self, stream: int) -> None:
+        """Make `stream` wait for the work pending on this array (its data is ready on its own stream)."""
+        if self.stream != stream:
+            get_device(self.device).order(stream, self.stream)
 
     @property
     def __cuda_array_interface__(self) -> dict:

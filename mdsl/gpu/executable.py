@@ -135,7 +135,7 @@ class Executable:
         self._input_labels = tuple(f"argument {n} of {self.name}" for n in self._input_names)
         self._output_labels = tuple(f"output {k} of {self.name}" for k in range(len(self.output_types)))
         self._lock = threading.Lock()
-        self._torch_device = None
+        self._torch_outputs = None   # (torch.empty, (shape, torch dtype, torch device) per output)
         plan = plan_buffers(self.graph, program.launches, program.aliases)
         self._bindings = plan.bindings
         self._copies = plan.copies
@@ -205,7 +205,7 @@ class Executable:
             for view, want, label in zip(views, self.input_types, self._input_labels):
                 self._check_view(view, want, label)
         if outputs is None:
-            outputs = self._new_outputs(stream, torch_outputs)
+            outputs = self.new_outputs(stream, torch_outputs)
             out_views = [device_view(o, "output", stream) for o in outputs]
         else:
             if len(outputs) != len(self.output_types):
@@ -233,18 +233,29 @@ class Executable:
             raise ArgumentError(f"{what} is on GPU {view.device}, but this executable is loaded on "
                                 f"GPU {self.device}", hint="move every argument to the same GPU")
 
-    def _new_outputs(self, stream: int, torch_outputs: bool) -> list:
+    def new_outputs(self, stream: int, torch_outputs: bool) -> list:
+        """Fresh output arrays: torch tensors (with `torch_outputs`), else DeviceArrays ordered on `stream`."""
         if not torch_outputs:
             return [DeviceArray(t.shape, t.dtype, stream=stream, device=self.device) for t in self.output_types]
-        torch = sys.modules["torch"]
-        if self._torch_device is None:
-            self._torch_device = torch.device("cuda", self.device)
-        return [torch.empty(t.shape, dtype=getattr(torch, t.dtype.long_name), device=self._torch_device)
-                for t in self.output_types]
+        empty, specs = self.torch_outputs()
+        return [empty(shape, dtype=dtype, device=device) for shape, dtype, device in specs]
+
+    def torch_outputs(self) -> tuple:
+        """(torch.empty, (shape, torch dtype, torch device) per output): how to allocate the outputs as torch
+        tensors, looked up once."""
+        if self._torch_outputs is None:
+            torch = sys.modules["torch"]
+            device = torch.device("cuda", self.device)
+            self._torch_outputs = (torch.empty, tuple((t.shape, getattr(torch, t.dtype.long_name), device)
+                                                      for t in self.output_types))
+        return self._torch_outputs
 
     def run_pointers(self, inputs: Sequence[int], outputs: Sequence[int], stream: int = 0) -> None:
         """Launch on raw device pointers, unchecked: the fast path for callers that own their memory."""
-        arguments = (*inputs, *outputs)
+        self.launch((*inputs, *outputs), stream)
+
+    def launch(self, arguments: Sequence[int], stream: int = 0) -> None:
+        """`run_pointers` on the inputs' pointers followed by the outputs'."""
         on_stream = cu_stream(stream)
         self._dev.activate()
         launch = driver.cuLaunchKernel
