@@ -24,6 +24,7 @@ from mdsl.backend.cuda import runtime
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu import arrays, driver as gpu_driver, executable
 from mdsl.gpu.arrays import ArgumentError, DeviceArray
+from mdsl.lowering.options import CudaOptions
 
 MiB = 1 << 20
 
@@ -200,7 +201,8 @@ def install(monkeypatch, *kernels, record: bool = True) -> Rig:
         monkeypatch.setattr(module, "cu_stream", lambda handle: ("stream", handle))
 
     def compile_graph(graph, *, arch=None, device=0, backend="cuda", options=None):
-        program = emit_cuda(graph, arch="sm_90a")
+        # kernels only: the stand-in driver launches kernels, and cuBLAS is not among the stand-ins
+        program = emit_cuda(graph, arch="sm_90a", options=CudaOptions(library_gemm=False))
         fake.arity.update({launch.name: len(launch.args) for launch in program.launches})
         return executable.Executable(program, SimpleNamespace(load=lambda: "module"), device=device)
 
