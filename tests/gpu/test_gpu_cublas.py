@@ -61,12 +61,10 @@ def test_plain_matmuls_run_in_cublas(dtype, backend):
 
 
 def test_without_cublas_mdsl_s_kernels_run_after_one_warning(monkeypatch):
-    import cuda.pathfinder
+    def not_found():   # cuBLAS's lookup only: NVRTC, which the same process loads, must still be found
+        raise OSError("libcublas.so.13: cannot open shared object file")
 
-    def not_found(name):
-        raise cuda.pathfinder.DynamicLibNotFoundError(f"lib{name} is not here")
-
-    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
+    monkeypatch.setattr(cublas, "_open", not_found)
     monkeypatch.setattr(cublas, "_LIBRARY", {})
     monkeypatch.setattr(cublas, "_CONTEXTS", {})
     monkeypatch.setattr(cublas, "_WARNED", set())
