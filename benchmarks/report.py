@@ -13,6 +13,8 @@ table):
     docs/results/decode_tp.json      benchmarks/decode.py --tp 2 --out DIR    (DIR/decode_results.json)
     docs/results/search_times.json   benchmarks/search_times.py --json FILE
     docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
+    docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
+    docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
 
 A missing input gives its section a line saying so. Floors are the roofline of the H200 that the cost
@@ -39,7 +41,7 @@ from mdsl.search.cost import H200  # noqa: E402
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
-INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times")
+INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -194,6 +196,48 @@ def kernels_section(data: Optional[dict]) -> list:
               "CUDA backend's time.", ""]
     if (RESULTS / "kernels.png").exists():
         lines += ["![speed-up over the best PyTorch baseline, per case](results/kernels.png)", ""]
+    return lines
+
+
+def gemm_section(data: Optional[dict]) -> list:
+    lines = ["## Plain matmuls a plan leaves unfused", ""]
+    if data is None:
+        return lines + _missing("gemm")
+    dtype = (data.get("meta") or {}).get("dtype", "?")
+    lines += [run_line(data.get("meta")), "",
+              f"µs per call of [M, K] @ [K, N] in {dtype}, host time included (20 back-to-back calls between CUDA "
+              "events, inputs rotated past the L2): mdsl's executable running the product through cuBLAS, the "
+              "same program on mdsl's own GEMM kernel, and torch.matmul; floor: bytes / 4.25 TB/s.", ""]
+    rows = []
+    for r in data.get("rows") or []:
+        floor = 2 * (r["m"] * r["k"] + r["k"] * r["n"] + r["m"] * r["n"]) / H200.dram_bytes_per_s
+        rows.append([r["m"], r["k"], r["n"], _us(floor), *(f"{r[c]:.1f}" if r.get(c) else "-"
+                                                          for c in ("cublas_us", "kernel_us", "torch_us")),
+                     _times(r["kernel_us"] / r["cublas_us"]) if r.get("cublas_us") and r.get("kernel_us") else "-"])
+    lines += _table(["M", "K", "N", "floor µs", "cuBLAS", "mdsl kernel", "torch", "cuBLAS over kernel"], rows,
+                    right=0) + [""]
+    return lines
+
+
+def call_section(data: Optional[dict]) -> list:
+    lines = ["## Host time of a kernel call", ""]
+    if data is None:
+        return lines + _missing("call_overhead")
+    lines += [run_line(data.get("meta")), "",
+              "µs of host time per call, back to back (median of batches of calls): the public path "
+              "`k(*torch_tensors)` (outputs allocated by the call) and with `out=`, the unchecked launch of the "
+              "same executable, and the kernel's own GPU time; below, the floors a call is built on.", ""]
+    rows = []
+    for name, c in (data.get("cases") or {}).items():
+        rows.append([name, c.get("launches", "-"), *(f"{c[k]['median_us']:.1f}" if c.get(k) else "-"
+                                                    for k in ("public", "public_out", "unchecked", "gpu"))])
+    lines += _table(["case", "launches", "public", "public, out=", "unchecked", "GPU"], rows) + [""]
+    labels = {"empty_launch_cuda_bindings": "an empty kernel, cuLaunchKernel through cuda.bindings",
+              "empty_launch_ctypes": "an empty kernel, cuLaunchKernel through ctypes",
+              "torch_empty": "torch.empty of an (8, 4096) f16 tensor",
+              "torch_empty_like": "torch.empty_like of the same"}
+    floors = data.get("floors") or {}
+    lines += _table(["floor", "µs"], [[labels.get(k, k), f"{v['median_us']:.1f}"] for k, v in floors.items()]) + [""]
     return lines
 
 
@@ -369,6 +413,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += tp_section(results.get("decode_tp"))
     lines += search_section(results.get("search_times"))
     lines += compile_section(results.get("compile_times"))
+    lines += gemm_section(results.get("gemm"))
+    lines += call_section(results.get("call_overhead"))
     lines += tried_section(tried_rows(docs))
     return "\n".join(lines).rstrip("\n") + "\n"
 
