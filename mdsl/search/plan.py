@@ -294,11 +294,17 @@ def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
     (seconds for weights of 8192 x 8192)."""
     candidates = [("the chosen mugraph", plan.chosen)]
     candidates += [(f"alternative {i}", c) for i, c in enumerate(plan.alternatives, 1)]
+    return recheck_candidates(plan.original, candidates, seed)
+
+
+def recheck_candidates(original: KernelGraph, candidates: list, seed: Optional[int] = None) -> Optional[str]:
+    """`recheck` of stored candidates of `original` ((name, Candidate) pairs: a plan's, or the tuning
+    variants stored beside it, mdsl.search.variants), or None."""
     for name, candidate in candidates:
-        problem = _claim_problem(plan.original, candidate)
+        problem = _claim_problem(original, candidate)
         if problem:
             return f"{name} {problem}"
-    return _field_problem(plan.original, candidates, seed)
+    return _field_problem(original, candidates, seed)
 
 
 def _types(variables) -> list:

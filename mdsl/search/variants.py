@@ -19,8 +19,10 @@ flight per SM, blocks resident per SM. So, from a plan:
    with their evidence.
 
 The result is stored beside the plan in the plan cache, `<root>/variants/<plan key>.json`, written
-atomically and validated when read (an entry that does not fit warns and is ignored), so plan files
-are untouched. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a GPU
+atomically with a content digest and validated when read as a plan is (bounded read, digest, every
+variant's claims, and a finite-field re-check of each against the original: `mdsl.search.plan.recheck`;
+the GPU autotuner may run any of them), so plan files are untouched; an entry that does not fit warns
+and is ignored. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a GPU
 machine without z3 only reads what a CPU machine computed.
 """
 from __future__ import annotations
@@ -34,11 +36,11 @@ from typing import Callable, Iterator, Optional, Sequence
 import attrs
 
 from mdsl.ir.graph import KernelGraph
-from mdsl.search.cache import PlanCache, _write_atomic
+from mdsl.search.cache import PlanCache, _read_bounded, _write_atomic
 from mdsl.search.cost import H200, estimate, gpu_estimate
-from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json
+from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json, content_digest, recheck_candidates
 
-SCHEMA = 1
+SCHEMA = 2
 DEFAULT_LIMIT = 8
 
 
@@ -316,9 +318,11 @@ def store(cache: PlanCache, plan: Plan, found: Sequence[TuningVariant], limit: i
              "original_key": plan.original.key, "limit": limit, "complete": complete,
              "variants": [{"describe": v.describe, "gpu_seconds": v.gpu_seconds, **_candidate_json(v.candidate)}
                           for v in found]}
+    entry["digest"] = content_digest(entry)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1, allow_nan=False))
+        _TRUSTED.add(entry["digest"])
     except OSError as e:
         warnings.warn(f"mdsl: could not write the variants entry {path}: {e}", stacklevel=2)
         return None
@@ -337,8 +341,11 @@ def load(cache: PlanCache, plan: Plan) -> Optional[tuple]:
         return None
     path = entry_path(cache, key)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_bounded(path)
     except FileNotFoundError:
+        return None
+    except Exception as e:
+        warnings.warn(f"mdsl: ignoring the variants entry {path}: {type(e).__name__}: {e}", stacklevel=2)
         return None
     try:
         return _read_entry(text, key, plan)
@@ -351,6 +358,9 @@ def _read_entry(text: str, key: str, plan: Plan) -> tuple:
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("mdsl_plan_variants") != SCHEMA:
         raise CorruptVariants(f"not a variants entry of schema {SCHEMA}")
+    digest = data.pop("digest", None)
+    if digest != content_digest(data):
+        raise CorruptVariants("it does not match its content digest: it was changed after it was written")
     if data.get("plan_key") != key or data.get("plan_graph_key") != plan.graph.key \
             or data.get("original_key") != plan.original.key:
         raise CorruptVariants("it belongs to another plan")
@@ -377,7 +387,17 @@ def _read_entry(text: str, key: str, plan: Plan) -> tuple:
     complete = data.get("complete", False)
     if not isinstance(complete, bool):
         raise CorruptVariants(f"its completeness {complete!r} is not a boolean")
+    if digest not in _TRUSTED:   # what the digest cannot catch: a changed variant with its digest recomputed
+        problem = recheck_candidates(plan.original, [(f"variant {i} ({v.describe})", v.candidate)
+                                                     for i, v in enumerate(found, 1)])
+        if problem:
+            raise CorruptVariants(problem)
+        _TRUSTED.add(digest)
     return found, limit, complete
+
+
+#: Digests of the entries this process wrote or re-checked: read again, they are not re-checked.
+_TRUSTED: set = set()
 
 
 def _signature(graph: KernelGraph) -> tuple:

@@ -15,6 +15,7 @@ from mdsl.search.config import SearchConfig
 from mdsl.search.cost import H200, gpu_estimate
 from mdsl.search.dims import Labels
 from mdsl.search.guided import Choice, choices, lift
+from mdsl.search.plan import content_digest
 from tests.examples_util import load_example
 from tests.search.small_plans import small_plan
 
@@ -145,6 +146,70 @@ DAMAGES = {
 
 def _each_variant(entry, change):
     return {**entry, "variants": [change(v) for v in entry["variants"]]}
+
+
+_SWAPS = {"div": "mul", "mul": "add"}   # in this order: (x - max) -> (x + max) would be a softmax's own shift
+
+
+def _swap_an_operator(value):
+    """The graph JSON `value` with one arithmetic operator replaced by another of the same shapes (what a bug, a
+    half-synced file or an edit could leave): the first div, else the first mul, anywhere in its nesting."""
+    for old, new in _SWAPS.items():
+        done = []
+
+        def walk(v):
+            if isinstance(v, dict):
+                if not done and v.get("op") == old:
+                    done.append(old)
+                    return {**v, "op": new}
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            return v
+
+        out = walk(value)
+        if done:
+            return out
+    raise AssertionError("the variant has no div or mul to change")
+
+
+#: changes whose digest is recomputed: each is caught by the check of its own kind, not by the digest
+SEALED = {**DAMAGES, "an operator": lambda e: {**e, "variants": [{**e["variants"][0], "graph": _swap_an_operator(
+    e["variants"][0]["graph"])}, *e["variants"][1:]]}}
+SEALED.pop("not json")
+
+
+def _sealed(entry: dict) -> dict:
+    entry = {k: v for k, v in entry.items() if k != "digest"}
+    return {**entry, "digest": content_digest(entry)}
+
+
+@pytest.mark.parametrize("damage", sorted(SEALED))
+def test_a_changed_entry_with_its_digest_recomputed_is_not_served(gqa, damage):
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    try:
+        path.write_text(json.dumps(_sealed(SEALED[damage](json.loads(good)))))
+        why = "finite-field re-check" if damage == "an operator" else "ignoring the variants entry"
+        with pytest.warns(UserWarning, match=why):
+            assert V.load(cache, plan) is None
+    finally:
+        path.write_text(good)
+    assert V.load(cache, plan) == (found, 4, True)
+
+
+def test_an_entry_changed_after_it_was_written_fails_its_digest(gqa):
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    try:
+        entry = json.loads(good)
+        path.write_text(json.dumps({**entry, "limit": entry["limit"] + 1}))
+        with pytest.warns(UserWarning, match="content digest"):
+            assert V.load(cache, plan) is None
+    finally:
+        path.write_text(good)
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))

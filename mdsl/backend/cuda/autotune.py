@@ -421,7 +421,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from mdsl.backend.cuda import runtime
     from mdsl.search.cache import PlanCache, default_dir
-    from mdsl.search.plan import Plan
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("entries", nargs="*", type=Path)
@@ -434,8 +433,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("autotune: no GPU on this machine")
         return 2
     for path in args.entries or sorted((default_dir() / "plans").glob("*.json")):
-        plan = attrs.evolve(Plan.from_json(json.loads(path.read_text(encoding="utf-8"))["plan"]), cache_path=str(path))
-        todo = tuning_set(plan, args.candidates, args.variants, PlanCache(path.parent.parent))
+        cache = PlanCache(path.parent.parent)
+        plan = cache.load_key(path.stem)   # checked as every read of the cache is (a failing entry warns)
+        if plan is None:
+            print(f"== {path.name}: skipped, not a plan cache entry that passes its checks")
+            continue
+        todo = tuning_set(plan, args.candidates, args.variants, cache)
         result = autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, samples=args.samples,
                           cache=args.cache)
         print(f"== {plan.original.name} ({path.name})", *result.lines(), sep="\n")
