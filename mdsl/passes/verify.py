@@ -61,26 +61,11 @@ from typing import Any, Callable, Optional, Union
 import attrs
 import numpy as np
 
-from mdsl.backend.reference import run_kernel_graph
 from mdsl.errors import ValidationError
-from mdsl.ir.dtypes import round_to_dtype
 from mdsl.ir.graph import KernelGraph
-from mdsl.ir.types import Var
-from mdsl.passes.finite_field import DRAW_ELEMENTS, Field, degrees, inputs_q_read, run_in_field
-
-#: Relative error allowed in the float test, by output dtype. The candidate's arithmetic is float32 and
-#: every device tensor is rounded to its dtype, so the error is a few unit roundoffs u of the storage
-#: dtype, amplified mildly by the computation: f32 (u = 2^-24 ≈ 6e-8; a length-K float32 dot product
-#: errs by about √K·u, 4e-6 at K = 4096), f16 (u = 2^-11 ≈ 4.9e-4; ~20u covers a chain of stored
-#: intermediates), bf16 (u = 2^-8 ≈ 3.9e-3; ~10u). i32 outputs come from exact float casts.
-FLOAT_BOUNDS = {"f32": 1e-5, "f16": 1e-2, "bf16": 4e-2, "i32": 1e-5}
-#: A candidate may also be as inaccurate as the original is at the same precision, times this.
-ORIGINAL_SLACK = 4.0
-#: The large-input float test's input scales, largest first (products of two inputs grow by the square).
-LARGE_SCALES = (16.0, 8.0, 4.0, 2.0)
-#: Its scale must keep the original's float64 outputs this many times below the output dtype's largest
-#: finite value, so that a correct candidate rounding differently does not overflow where it does not.
-LARGE_HEADROOM = 64.0
+from mdsl.passes.finite_field import Field, degrees, inputs_q_read, run_in_field
+from mdsl.passes.float_check import (FLOAT_BOUNDS, LARGE_HEADROOM, LARGE_SCALES, ORIGINAL_SLACK, FloatRun,  # noqa: F401
+                                     describe_output, generator, read_only)
 
 
 @attrs.frozen
@@ -124,29 +109,10 @@ def degree_bound(original: KernelGraph, candidate: KernelGraph) -> int:
     return d_out + max(largest_a, largest_b)
 
 
-def _describe(k: int, var: Var) -> str:
-    return f"output {k} (%{var.name})"
-
-
 def _rng(seed: int, test: int) -> np.random.Generator:
     """Test `test`'s randomness: the seed's child number `test` (the float test's is number `tests`),
     drawn from the seed alone, never from a candidate."""
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(test,)))
-
-
-def _read_only(arrays: list) -> list:
-    """Cached runs serve every later verification: nothing may write into them."""
-    arrays = [np.asarray(a) for a in arrays]  # (an evaluation may give a numpy scalar)
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
-
-
-def _generator(state: dict) -> np.random.Generator:
-    """A generator in the bit-generator state `state` (`Generator.bit_generator.state`)."""
-    bits = getattr(np.random, state["bit_generator"])()
-    bits.state = state
-    return np.random.Generator(bits)
 
 
 @attrs.frozen(eq=False)
@@ -164,12 +130,12 @@ class _FieldRun:
         field = Field.draw(rng)
         run = cls(field, rng.bit_generator.state, [])
         expected = run_in_field(original, run.inputs(original), field)
-        return attrs.evolve(run, expected=_read_only(expected))
+        return attrs.evolve(run, expected=read_only(expected))
 
     def inputs(self, graph: KernelGraph) -> list:
         """The test's inputs, as `graph` reads them: int32 residues, the q-residues only where it reads
         them (`Field.random_input`; those of the last input not even drawn, as nothing after them is)."""
-        rng, last = _generator(self.state), len(graph.inputs) - 1
+        rng, last = generator(self.state), len(graph.inputs) - 1
         return [self.field.random_input(v.shape, rng, q_read, q_read or k < last)
                 for k, (v, q_read) in enumerate(zip(graph.inputs, inputs_q_read(graph)))]
 
@@ -179,110 +145,8 @@ class _FieldRun:
         for k, (a, b, var) in enumerate(zip(self.expected, got, candidate.outputs)):
             differ = int(np.sum(a[..., 0] != b[..., 0]))
             if differ:
-                return f"{_describe(k, var)} differs in {differ} of {a[..., 0].size} element(s)"
+                return f"{describe_output(k, var)} differs in {differ} of {a[..., 0].size} element(s)"
         return None
-
-
-#: The numpy type a float test holds an input of each dtype in (float32 for those numpy has none of).
-_HELD = {"f16": np.float16}
-
-
-def _float_inputs(variables: tuple, state: dict, scale: float) -> list:
-    """A float test's inputs: for each variable, standard normal draws (integers in [-8, 8) for an
-    integer one) from the generator in `state`, times `scale` (floats only), as its dtype holds them,
-    in the narrowest numpy type that holds its values exactly (`_HELD`: float16 for f16, a quarter of
-    float64's memory). Drawn in pieces of DRAW_ELEMENTS (the same draws as at once), so that no
-    float64 copy of a large input is ever whole; evaluation widens them where it reads them."""
-    rng, out = _generator(state), []
-    for var in variables:
-        held = np.empty(var.shape, dtype=_HELD.get(var.dtype.name, np.float32) if var.dtype.is_float else np.int32)
-        flat = held.reshape(-1)
-        for start in range(0, flat.size, DRAW_ELEMENTS):
-            n = min(DRAW_ELEMENTS, flat.size - start)
-            if var.dtype.is_float:
-                flat[start:start + n] = round_to_dtype(rng.standard_normal(n) * scale, var.dtype).reshape(n)
-            else:
-                flat[start:start + n] = rng.integers(-8, 8, n)
-        out.append(held)
-    return out
-
-
-def _rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> float:
-    """‖value − reference‖ / ‖reference‖ over the elements `where`; inf if value is not finite there."""
-    value, reference = value[where], reference[where]
-    if not np.all(np.isfinite(value)):
-        return math.inf
-    scale = float(np.linalg.norm(reference))
-    diff = float(np.linalg.norm(value - reference))
-    return diff / scale if scale > 0 else diff
-
-
-@attrs.frozen(eq=False)
-class _FloatRun:
-    """The original's float64 outputs (the reference) on the float test's inputs, which of their elements
-    are judged and the relative error each output is allowed. The inputs are not kept: each evaluation
-    draws them again (`_float_inputs`) from `state`, the generator's state before their draws, for the
-    original's input variables `variables`.
-
-    Elements where the original itself is not finite, in float64 or at the target precision, are not
-    judged: a candidate must never overflow where the original does not, and cannot be blamed where
-    the original does too."""
-
-    variables: tuple
-    state: dict
-    reference: list
-    judged: list
-    bounds: list
-    scale: float = 1.0   # the inputs' scale: 1 in the float test, one of LARGE_SCALES in the large one
-
-    @classmethod
-    def of(cls, original: KernelGraph, rng: np.random.Generator) -> "_FloatRun":
-        """The float test: standard normal inputs."""
-        return cls._at(original, rng.bit_generator.state, 1.0)
-
-    @classmethod
-    def large(cls, original: KernelGraph, rng: np.random.Generator) -> Optional["_FloatRun"]:
-        """The large-input float test: at the largest of LARGE_SCALES under which the original's outputs
-        are finite at the target precision and LARGE_HEADROOM below their dtype's largest value (None
-        where no scale is)."""
-        state = rng.bit_generator.state
-        for scale in LARGE_SCALES:
-            run = cls._at(original, state, scale)
-            if all(np.all(where) and np.max(np.abs(ref), initial=0.0) * LARGE_HEADROOM <= var.dtype.largest
-                   for var, ref, where in zip(original.outputs, run.reference, run.judged)):
-                return run
-        return None
-
-    @classmethod
-    def _at(cls, original: KernelGraph, state: dict, scale: float) -> "_FloatRun":
-        variables = tuple(original.inputs)
-        inputs = _float_inputs(variables, state, scale)
-        with np.errstate(all="ignore"):  # overflow is what this test looks for: it is reported, not warned
-            reference = run_kernel_graph(original, inputs, precision="float64")
-            own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
-        judged = [np.isfinite(ref) & np.isfinite(mine) for ref, mine in zip(reference, own)]
-        bounds = [max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * _rel_error(mine, ref, where))
-                  for var, ref, mine, where in zip(original.outputs, reference, own, judged)]
-        return cls(variables, state, _read_only(reference), _read_only(judged), bounds, scale)
-
-    def test(self, candidate: KernelGraph) -> tuple:
-        """(worst relative error, its bound, None) or (error, bound, why the candidate fails)."""
-        inputs = _float_inputs(self.variables, self.state, self.scale)
-        with np.errstate(all="ignore"):
-            got = run_kernel_graph(candidate, inputs, precision="float32", round_storage=True)
-        name = "float test" if self.scale == 1.0 else f"float test on inputs scaled by {self.scale:g}"
-        worst = (-1.0, 0.0, 0.0)
-        for k, (ref, cand, judged, bound, var) in enumerate(zip(self.reference, got, self.judged, self.bounds,
-                                                                candidate.outputs)):
-            error = _rel_error(cand, ref, judged)
-            if math.isinf(error):
-                return error, bound, (f"{name}: {_describe(k, var)} is inf or NaN where the original's is "
-                                      f"finite (it overflows in {var.dtype.long_name} or on the way there)")
-            if error > bound:
-                return error, bound, (f"{name}: {_describe(k, var)} has relative error {error:.2e}, over "
-                                      f"the {bound:.2e} allowed for {var.dtype.long_name}")
-            worst = max(worst, (error / bound, error, bound))
-        return worst[1], worst[2], None
 
 
 _ELSEWHERE = object()   # a shared run that another process has claimed and not yet written
@@ -310,7 +174,7 @@ class _OriginalRuns:
         self.shared = None if directory is None else Path(directory)
 
     def get(self, make: Callable, original: KernelGraph, seed: int, test: int, wait: bool = True) -> Any:
-        """`make(original, rng)` (_FieldRun.of, _FloatRun.of or _FloatRun.large) with the randomness of
+        """`make(original, rng)` (_FieldRun.of, FloatRun.of or FloatRun.large) with the randomness of
         test number `test`. Without `wait`, a run that another process is making is `_ELSEWHERE`."""
         if self.key != (original.key, seed):
             self.key, self.runs = (original.key, seed), {}
@@ -356,7 +220,7 @@ def _frozen(run: Any) -> Any:
     if run is not None:
         for value in attrs.astuple(run, recurse=False):
             if isinstance(value, list):
-                _read_only(value)
+                read_only(value)
     return run
 
 
@@ -367,7 +231,7 @@ def prepare(original: KernelGraph, *, tests: int = 3, seed: int = 0) -> None:
     """Make the original's side of `verify(original, ..., tests=tests, seed=seed)` now (a search's
     worker does, while the first candidates are generated): first the runs no other process sharing
     ORIGINAL_RUNS' directory has claimed, then those the others make."""
-    runs = [(_FieldRun.of, t) for t in range(tests)] + [(_FloatRun.of, tests), (_FloatRun.large, tests + 1)]
+    runs = [(_FieldRun.of, t) for t in range(tests)] + [(FloatRun.of, tests), (FloatRun.large, tests + 1)]
     for make, test in runs:
         ORIGINAL_RUNS.get(make, original, seed, test, wait=False)
     for make, test in runs:
@@ -395,10 +259,10 @@ def verify(original: KernelGraph, candidate: KernelGraph, *, tests: int = 3, see
                                        f"{failure}", t + 1, 0.0)
         probability *= min(1.0, degree / run.field.q)
 
-    error, bound, failure = ORIGINAL_RUNS.get(_FloatRun.of, original, seed, tests).test(candidate)
+    error, bound, failure = ORIGINAL_RUNS.get(FloatRun.of, original, seed, tests).test(candidate)
     if failure:
         return Verification(False, failure, tests, 0.0, error, bound)
-    large = ORIGINAL_RUNS.get(_FloatRun.large, original, seed, tests + 1)
+    large = ORIGINAL_RUNS.get(FloatRun.large, original, seed, tests + 1)
     if large is None:
         large_note = "no input scale keeps the original finite, so no large-input test"
     else:

@@ -282,8 +282,9 @@ def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
     Each candidate (the chosen mugraph and every alternative: the GPU autotuner may pick any of them)
     must claim a passed verification that fits it (the original program alone needs none), read and
     return tensors of the original's types, cost what the cost model estimates, and pass one
-    finite-field test against the original, with randomness of its own (`seed`; None: fresh from the OS,
-    so that no stored graph can be fitted to it). The test runs on a reduced instance of the pair where one
+    finite-field test and the float tests (`mdsl.passes.float_check`: normal and scaled inputs) against
+    the original, with randomness of its own (`seed`; None: fresh from the OS, so that no stored graph
+    can be fitted to it). The test runs on a reduced instance of the pair where one
     exists (`mdsl.search.resize.reduced`: both graphs shrunk by the same factor per label, the same grids,
     loops and maps), else at full size. It re-checks what the content digest cannot: a plan whose
     computation was changed and its digest recomputed. A changed operator, attribute, map or wiring
@@ -291,7 +292,8 @@ def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
     (q > 2^23, `mdsl.passes.verify`); a change visible only in elements a smaller problem lacks (a tile
     offset, a split point) is not, which is why the search's own verification runs at full size. At the
     reduced sizes the test costs milliseconds where a full-size one costs an evaluation of each program
-    (seconds for weights of 8192 x 8192)."""
+    (seconds for weights of 8192 x 8192). The float tests catch what the field cannot: a change that keeps
+    the rational function and breaks its numerics (a softmax's maximum added rather than subtracted)."""
     candidates = [("the chosen mugraph", plan.chosen)]
     candidates += [(f"alternative {i}", c) for i, c in enumerate(plan.alternatives, 1)]
     return recheck_candidates(plan.original, candidates, seed)
@@ -328,6 +330,7 @@ def _claim_problem(original: KernelGraph, candidate: Candidate) -> Optional[str]
 
 def _field_problem(original: KernelGraph, candidates: list, seed: Optional[int]) -> Optional[str]:
     from mdsl.passes.finite_field import Field, run_in_field   # (not mdsl.passes.verify: no z3 on this path)
+    from mdsl.passes.float_check import FloatRun
     from mdsl.search.resize import elements, reduced
 
     others = {}
@@ -345,13 +348,24 @@ def _field_problem(original: KernelGraph, candidates: list, seed: Optional[int])
                 return f"its output {k} differs from the original's in {differ} of {want[..., 0].size} element(s)"
         return None
 
+    def inexact(first: KernelGraph, second: KernelGraph) -> Optional[str]:
+        # the float tests, on normal and on scaled inputs: what the field cannot see (a softmax without
+        # its maximum subtracted is the same rational function, and overflows)
+        for run in (FloatRun.of(first, rng), FloatRun.large(first, rng)):
+            if run is not None:
+                failure = run.test(second)[2]
+                if failure:
+                    return failure
+        return None
+
     try:
         for name, graph in others.values():
             pair = reduced([original, graph])
             if pair is not None and sum(elements(g) for g in pair) <= RECHECK_ELEMENTS:
                 field = Field.draw(rng)
                 small = pair[0]
-                problem = differs(small, pair[1], [field.random(v.shape, rng) for v in small.inputs], field)
+                problem = differs(small, pair[1], [field.random(v.shape, rng) for v in small.inputs], field) \
+                    or inexact(small, pair[1])
                 where = "on a reduced instance"
             else:
                 if full_size is None:
@@ -359,10 +373,10 @@ def _field_problem(original: KernelGraph, candidates: list, seed: Optional[int])
                     inputs = [field.random(v.shape, rng) for v in original.inputs]
                     full_size = (inputs, field, run_in_field(original, inputs, field))
                 inputs, field, expected = full_size
-                problem = differs(original, graph, inputs, field, expected)
+                problem = differs(original, graph, inputs, field, expected) or inexact(original, graph)
                 where = "at full size"
             if problem:
-                return f"{name} fails a finite-field re-check {where} (p = {field.p}): {problem}"
+                return f"{name} fails a re-check {where} (finite field p = {field.p}, then floats): {problem}"
     except MdslError as e:  # every verified candidate has a field semantics
         return f"a candidate cannot be evaluated in a finite field: {e.message}"
     return None

@@ -20,7 +20,7 @@ flight per SM, blocks resident per SM. So, from a plan:
 
 The result is stored beside the plan in the plan cache, `<root>/variants/<plan key>.json`, written
 atomically with a content digest and validated when read as a plan is (bounded read, digest, every
-variant's claims, and a finite-field re-check of each against the original: `mdsl.search.plan.recheck`;
+variant's claims, and a re-check of each against the original (finite field and floats): `mdsl.search.plan.recheck`;
 the GPU autotuner may run any of them), so plan files are untouched; an entry that does not fit warns
 and is ignored. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a GPU
 machine without z3 only reads what a CPU machine computed.
@@ -272,8 +272,6 @@ def verify(plan: Plan, proposals: Sequence[Proposal], *, budget_s: float = Varia
            workers: Optional[int] = None, progress=None) -> list:
     """The proposals the search's verifier accepts, as TuningVariants in the proposals' order. Each is
     verified as a searched candidate is: `engine.search` with the plan's seed and number of tests."""
-    from mdsl.search.engine import search
-
     return verify_all(plan, proposals, budget_s=budget_s, workers=workers, progress=progress)[0]
 
 

@@ -16,6 +16,7 @@ from mdsl import Tensor, f16
 from mdsl.backend.reference import run_kernel_graph
 from mdsl.errors import ValidationError
 from mdsl.ir import KernelGraph, Node, Var, get_op, validate_kernel_graph
+from mdsl.passes import float_check
 from mdsl.passes import verify as verifier
 from mdsl.passes.verify import degree_bound, verify
 from tests.strategies import kernel_graphs
@@ -375,13 +376,13 @@ def test_the_originals_side_is_computed_once_per_original_seed_and_test(monkeypa
     runs = verifier._OriginalRuns()
     monkeypatch.setattr(verifier, "ORIGINAL_RUNS", runs)
     evaluated = []  # for every evaluation: was it the original's?
-    for name in ("run_in_field", "run_kernel_graph"):
-        run = getattr(verifier, name)
-        monkeypatch.setattr(verifier, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
+    for module, name in ((verifier, "run_in_field"), (float_check, "run_kernel_graph")):
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
     original, candidate = graphs(rms_norm_linear)
     first = verify(original, candidate, seed=4)
     assert (runs.misses, runs.hits) == (TESTS + 2, 0)
-    large = runs.runs[verifier._FloatRun.large, TESTS + 1]
+    large = runs.runs[float_check.FloatRun.large, TESTS + 1]
     assert large.scale == verifier.LARGE_SCALES[0]
     # a field run per test; float64 and float32 in the float test and at the large test's scale
     assert evaluated.count(True) == TESTS + 4
@@ -401,9 +402,9 @@ def test_processes_sharing_a_directory_make_each_original_run_once(tmp_path, mon
     original, candidate = graphs(rms_norm_linear)
     alone = verify(original, candidate, seed=4)
     evaluated = []  # for every evaluation: was it the original's?
-    for name in ("run_in_field", "run_kernel_graph"):
-        run = getattr(verifier, name)
-        monkeypatch.setattr(verifier, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
+    for module, name in ((verifier, "run_in_field"), (float_check, "run_kernel_graph")):
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda g, *a, run=run, **k: evaluated.append(g is original) or run(g, *a, **k))
     first, second, late = verifier._OriginalRuns(), verifier._OriginalRuns(), verifier._OriginalRuns()
     for runs in (first, second, late):
         runs.share(tmp_path)
@@ -435,7 +436,7 @@ def overflowing_exp(n=8):
 
 def test_a_softmax_without_its_maximum_is_caught_by_the_large_input_test_alone():
     original, unsafe = mutant("attention_without_max")
-    normal = verifier._FloatRun.of(original, np.random.default_rng(0))
+    normal = float_check.FloatRun.of(original, np.random.default_rng(0))
     assert normal.test(unsafe)[2] is None   # standard-normal logits stay in float32's range
     result = verify(original, unsafe, tests=TESTS)
     assert result.reason.startswith(f"float test on inputs scaled by {verifier.LARGE_SCALES[0]:g}"), result.reason
@@ -444,7 +445,7 @@ def test_a_softmax_without_its_maximum_is_caught_by_the_large_input_test_alone()
 @pytest.mark.parametrize("name", ["gqa_flash_block_combine", "gqa_flash_kernel_combine", "qknorm_fused"])
 def test_online_softmax_passes_the_large_input_test(name):
     original, candidate = graphs(CORRECT[name])
-    large = verifier._FloatRun.large(original, np.random.default_rng(0))
+    large = float_check.FloatRun.large(original, np.random.default_rng(0))
     assert large is not None and large.scale == verifier.LARGE_SCALES[0]
     error, bound, failure = large.test(candidate)
     assert failure is None and error <= bound
@@ -455,7 +456,7 @@ def test_no_large_input_test_where_every_scale_overflows_the_original():
     def high_power(x: Tensor[8, 8, f16]):
         return mdsl.square(mdsl.square(mdsl.square(x)) * x) * 1000.0   # 1000·x^18: inf in f16 at x = 2
 
-    assert verifier._FloatRun.large(high_power.graph, np.random.default_rng(0)) is None
+    assert float_check.FloatRun.large(high_power.graph, np.random.default_rng(0)) is None
     result = verify(high_power.graph, high_power.graph)
     assert result.equivalent and "no large-input test" in result.reason
 

@@ -17,6 +17,7 @@ from mdsl import Tensor, f16
 from mdsl.backend.reference import interpreter, run_kernel_graph
 from mdsl.ir import evaluate
 from mdsl.passes import finite_field as ff
+from mdsl.passes import float_check
 from mdsl.passes import verify as verifier
 from mdsl.passes.finite_field import Field, inputs_q_read, run_in_field
 from tests.strategies import kernel_graphs
@@ -46,7 +47,7 @@ def test_narrow_inputs_are_the_same_draws():
     field = Field.draw(rng)
     state = rng.bit_generator.state
     wide = [field.random((3, 5), rng), field.random((4,), rng)]
-    again = verifier._generator(state)
+    again = float_check.generator(state)
     narrow = [field.random_input((3, 5), again), field.random_input((4,), again, q_read=False)]
     assert [a.dtype for a in narrow] == [np.int32, np.int32]
     np.testing.assert_array_equal(narrow[0], wide[0])
@@ -55,9 +56,9 @@ def test_narrow_inputs_are_the_same_draws():
     np.testing.assert_array_equal(narrow[1][..., 1], wide[1][..., 0])
     assert narrow[1].strides[-1] == 0 and not narrow[1].flags.writeable
     # without q_drawn the q-residues are not drawn: what is drawn next comes earlier in the stream
-    skipped = verifier._generator(state)
+    skipped = float_check.generator(state)
     field.random_input((3, 5), skipped, q_read=False, q_drawn=False)
-    after_p = verifier._generator(state)
+    after_p = float_check.generator(state)
     after_p.integers(0, field.p, 15)
     assert skipped.integers(0, 2 ** 30) == after_p.integers(0, 2 ** 30)
 
@@ -69,7 +70,7 @@ def test_narrow_and_p_only_inputs_change_no_output(graph, seed, chunk):
     field = Field.draw(rng)
     state = rng.bit_generator.state
     wide = [field.random(v.shape, rng) for v in graph.inputs]
-    again = verifier._generator(state)
+    again = float_check.generator(state)
     narrow = [field.random_input(v.shape, again, q_read) for v, q_read in zip(graph.inputs, inputs_q_read(graph))]
     with pytest.MonkeyPatch.context() as patch:
         if chunk is not None:   # matmuls in short pieces of K
@@ -131,7 +132,7 @@ def test_the_runs_keep_no_inputs_and_draw_the_same_ones_again():
     field = Field.draw(rng)
     np.testing.assert_array_equal(first[1][..., 0], [field.random(v.shape, rng) for v in original.inputs][1][..., 0])
     # what a run keeps is output-sized (16 x 128 residue pairs at most), not input-sized (256 x 128)
-    float_run = verifier._FloatRun.of(original, verifier._rng(3, 3))
+    float_run = float_check.FloatRun.of(original, verifier._rng(3, 3))
     kept = [v for r in (run, float_run) for field_value in attrs.astuple(r, recurse=False)
             for v in (field_value if isinstance(field_value, (list, tuple)) else [field_value])]
     assert max(v.size for v in kept if isinstance(v, np.ndarray)) == 16 * 128 * 2

@@ -102,7 +102,7 @@ def test_a_div_edited_into_a_mul_is_not_served_and_the_entry_is_searched_again(s
     cache, path = _cache(tmp_path, json.dumps(data))
     _refused(cache, path, "content digest")
     cache, path = _cache(tmp_path, _with_digest(data))
-    _refused(cache, path, "the chosen mugraph fails a finite-field re-check")
+    _refused(cache, path, "the chosen mugraph fails a re-check")
     # optimize searches again (no second warning: the entry is gone) and stores a plan that is served
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -317,3 +317,47 @@ def test_the_entry_is_json_with_a_digest_of_its_plan(stored):
     data = json.loads(stored)
     assert set(data) == {"mdsl_plan_cache", "key", "plan", "digest"}
     assert data["digest"] == content_digest(data["plan"]) and len(data["digest"]) == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# a change the field cannot see: the float tests of the re-check
+
+def _softmax_shift_added(value):
+    """A plan's JSON with its softmax's maximum added rather than subtracted (every `sub` whose second operand
+    is a `max`'s output becomes an `add`): the same rational function, which overflows on large logits."""
+    if isinstance(value, dict):
+        if value.get("kind") == "block" or "nodes" in value:
+            maxima = {out for n in value.get("nodes", []) if n.get("op") == "max" for out in _outputs(n)}
+            for n in value.get("nodes", []):
+                if n.get("op") == "sub" and _inputs(n)[1] in maxima:
+                    n["op"] = "add"
+        for v in value.values():
+            _softmax_shift_added(v)
+    elif isinstance(value, list):
+        for v in value:
+            _softmax_shift_added(v)
+    return value
+
+
+def _inputs(node: dict) -> list:
+    return [v if isinstance(v, str) else v["name"] for v in node["inputs"]]
+
+
+def _outputs(node: dict) -> list:
+    return [v if isinstance(v, str) else v["name"] for v in node["outputs"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_softmax_with_its_maximum_added_passes_the_field_and_fails_the_floats(tmp_path):
+    from mdsl.search.plan import Plan
+    from tests.search.small_plans import small_plan
+
+    plan, _ = small_plan("gqa", tmp_path)
+    data = plan.to_json()
+    before = json.dumps(data, sort_keys=True)
+    _softmax_shift_added(data["chosen"]["graph"])
+    assert json.dumps(data, sort_keys=True) != before, "the chosen mugraph has no max-subtracting softmax"
+    forged = Plan.from_json(data)
+    problem = recheck(forged, seed=3)
+    assert problem is not None and "float test" in problem, problem
+    assert recheck(plan, seed=3) is None

@@ -191,7 +191,7 @@ def test_a_changed_entry_with_its_digest_recomputed_is_not_served(gqa, damage):
     good = path.read_text()
     try:
         path.write_text(json.dumps(_sealed(SEALED[damage](json.loads(good)))))
-        why = "finite-field re-check" if damage == "an operator" else "ignoring the variants entry"
+        why = "fails a re-check" if damage == "an operator" else "ignoring the variants entry"
         with pytest.warns(UserWarning, match=why):
             assert V.load(cache, plan) is None
     finally:
