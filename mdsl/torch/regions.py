@@ -25,7 +25,7 @@ from torch.fx.passes.tools_common import stable_topological_sort
 from mdsl.errors import MdslError
 from mdsl.frontend.kernel import KernelFunction
 from mdsl.frontend.tensor import TensorSpec
-from mdsl.frontend.tracer import KernelTracer, SymbolicTensor, sanitize_name
+from mdsl.frontend.tracer import KernelTracer, sanitize_name
 from mdsl.ir.types import MAX_ELEMENTS
 from mdsl.search.config import SearchConfig
 from mdsl.torch.aten import aten_name, rule_of
@@ -226,11 +226,7 @@ def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_
 
 def _region(name: str, nodes: Sequence[Node], search: SearchConfig) -> Region:
     members = set(nodes)
-    inputs: list = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in members and a not in inputs:
-                inputs.append(a)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     steps = tuple((n, n.target, n.args, n.kwargs) for n in nodes)
     region = Region(name, steps, inputs, outputs, tuple(_spec(_example(a)) for a in inputs))
