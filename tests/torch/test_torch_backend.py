@@ -1,0 +1,120 @@
+"""torch.compile(model, backend="mdsl") on CPU tensors (regions through the reference interpreter): the
+transformers Llama and Qwen3 decoder layers with tiny configs and random weights, and hand-written MLP and
+attention blocks, match eager; `mdsl.torch.explain` lists their regions, plans and what torch keeps."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="mdsl.torch needs PyTorch (the test extra installs its CPU build)")
+
+import mdsl.torch  # noqa: E402
+from mdsl.search.config import SearchConfig  # noqa: E402
+
+#: a search small enough for the suite: the plans it finds are still verified ones
+SEARCH = SearchConfig(budget_s=20.0, work=200, workers=1, partition=False, exhaustive=False)
+
+
+def _compare(model, *inputs, rtol=1e-4, atol=1e-4, **kwargs):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(*inputs, **kwargs)
+        got = torch.compile(model, backend=mdsl.torch.compiler(SEARCH))(*inputs, **kwargs)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dim=64, hidden=128, act=torch.nn.GELU):
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(dim, hidden), act(), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+class Attention(torch.nn.Module):
+    """Multi-head self-attention written out (no fused kernel), with a LayerNorm torch keeps."""
+
+    def __init__(self, dim=64, heads=2):
+        super().__init__()
+        self.heads, self.norm = heads, torch.nn.LayerNorm(dim)
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        weights = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        return x + self.out((weights @ v).transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("act", [torch.nn.GELU, torch.nn.SiLU, torch.nn.ReLU, torch.nn.Sigmoid])
+def test_an_mlp_block_matches_eager(act):
+    torch.manual_seed(0)
+    _compare(MLP(act=act).eval(), torch.randn(2, 8, 64))
+
+
+def test_an_attention_block_matches_eager_and_torch_keeps_its_layer_norm():
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 8, 64)
+    _compare(model, x)
+    report = mdsl.torch.explain(model, x, search=SEARCH)
+    assert report.regions and any("aten._softmax.default" in r.aten_ops for r in report.regions)
+    assert any(o.aten == "aten.native_layer_norm.default" for o in report.left_to_torch)
+
+
+def test_a_bf16_mlp_matches_eager_within_bf16_tolerance():
+    torch.manual_seed(0)
+    _compare(MLP(act=torch.nn.SiLU).eval().to(torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16),
+             rtol=3e-2, atol=3e-2)
+
+
+def test_with_gradients_the_forward_runs_in_mdsl_and_the_backward_in_torch():
+    torch.manual_seed(0)
+    model, x = MLP(act=torch.nn.SiLU), torch.randn(2, 8, 64)
+    torch._dynamo.reset()
+    expected = model(x).sum()
+    expected.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got = torch.compile(model, backend=mdsl.torch.compiler(SEARCH))(x).sum()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-4)
+
+
+def _decoder_layer(family: str, attention: str):
+    transformers = pytest.importorskip("transformers", reason="the decoder layers come from transformers")
+    module = getattr(transformers.models, family.lower())
+    modeling = getattr(module, f"modeling_{family.lower()}")
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_hidden_layers=1, vocab_size=128, max_position_embeddings=64)
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    layer = getattr(modeling, f"{family}DecoderLayer")(config, 0).eval()
+    rope = getattr(modeling, f"{family}RotaryEmbedding")(config)
+    x = torch.randn(1, 8, 64)
+    return layer, x, rope(x, torch.arange(8)[None])
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_transformers_decoder_layers_match_eager_and_explain_lists_their_regions(family, attention):
+    layer, x, position_embeddings = _decoder_layer(family, attention)
+    _compare(layer, x, position_embeddings=position_embeddings, attention_mask=None)
+    report = mdsl.torch.explain(layer, x, position_embeddings=position_embeddings, attention_mask=None,
+                                search=SEARCH)
+    ops = [op for r in report.regions for op in r.aten_ops]
+    assert {"aten.mm.default", "aten.rsqrt.default", "aten.silu.default", "aten.cat.default"} <= set(ops)
+    assert all(r.kernels_after <= r.kernels_before for r in report.regions)
+    text = str(report)
+    assert "mdsl_region_0" in text and "plan:" in text
+    if attention == "eager":   # the whole layer, attention included, is mdsl's
+        assert "aten._softmax.default" in ops and report.left_to_torch == ()
+    else:                      # torch's fused attention stays with torch, and says so
+        assert len(report.regions) == 2
+        assert [o.aten for o in report.left_to_torch] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+        assert "no mapping for" in text
