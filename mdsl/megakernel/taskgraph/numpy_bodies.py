@@ -14,8 +14,8 @@ from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, rms_normalize, rope_cos_sin,
                                                rotate_heads, sample_token, sample_uniform, store_next_token)
-from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, bias_ranges, chunked_split_range,
-                                                 split_range, weight_rows)
+from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
+                                                 weight_rows)
 
 
 def _cols(task) -> tuple:
@@ -46,7 +46,7 @@ def _add_bias(task, node, buf, ctx):
     a, b = _cols(task)
     x, *bs = node.inputs
     out = buf[node.output.name]
-    for i, r0, r1, col in bias_ranges(bs, a, b):
+    for i, r0, r1, col in weight_rows(bs, a, b):
         out[0, col:col + r1 - r0] = buf[x.name][0, col:col + r1 - r0] + buf[bs[i].name][r0:r1]
 
 

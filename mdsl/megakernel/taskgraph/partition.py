@@ -83,7 +83,7 @@ def _row_tasks(node, config):
 
 def weight_rows(weights, start: int, stop: int) -> list:
     """(weight index, first row, end row, first output column) of each weight that output columns
-    start..stop of a fused linear fall in."""
+    start..stop of a fused linear fall in (or of each bias vector of add_bias, concatenated alike)."""
     out, base = [], 0
     for i, w in enumerate(weights):
         n = w.shape[0]
@@ -109,22 +109,10 @@ def _linear_tasks(node, config):
     return [spec for _, _, spec in weight_row_tasks("linear", (full(x),), ws, node.output, config)], []
 
 
-def bias_ranges(biases, start: int, stop: int) -> list:
-    """(bias index, first element, end element, first output column) of each bias vector that output columns
-    start..stop of add_bias fall in (the vectors concatenated)."""
-    out, base = [], 0
-    for i, b in enumerate(biases):
-        lo, hi = max(start, base), min(stop, base + b.shape[0])
-        if lo < hi:
-            out.append((i, lo - base, hi - base, lo))
-        base += b.shape[0]
-    return out
-
-
 def _add_bias_tasks(node, config):
     x, *bs = node.inputs
     return [TaskSpec("add_bias", _col_tile(a, b),
-                     (columns(x, a, b), *(Region(bs[i].name, ((r0, r1),)) for i, r0, r1, _ in bias_ranges(bs, a, b))),
+                     (columns(x, a, b), *(Region(bs[i].name, ((r0, r1),)) for i, r0, r1, _ in weight_rows(bs, a, b))),
                      (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
 
 
