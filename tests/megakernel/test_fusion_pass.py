@@ -102,7 +102,7 @@ def test_fused_ops_check_their_operands():
 DEVICE_LIKE = PartitionConfig(num_sms=7, kv_splits=3, min_columns=8, attention_min_chunk=2)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", [PartitionConfig(num_sms=8, column_align=4), DEVICE_LIKE,
                                     PartitionConfig(num_sms=3, kv_splits=1, column_align=4)])
 def test_the_fused_task_graph_computes_the_reference_forward(arch, config):

@@ -131,7 +131,7 @@ def _round_trips(graph):
     assert [n.loc for n in back.nodes] == [n.loc for n in graph.nodes]
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_the_text_form_round_trips(arch):
     config, graph, _ = tiny_model(arch)
     _round_trips(graph)

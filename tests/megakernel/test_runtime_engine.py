@@ -148,7 +148,7 @@ def test_decode_benchmark_says_it_needs_a_gpu(tmp_path, capsys):
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
 
 
-def test_compile_model_runs_only_the_builtin_decoders():
+def test_compile_model_lowers_by_rule_and_refuses_what_the_device_does_not_hold():
     from mdsl.errors import UnsupportedError
     from mdsl.megakernel.modelgraph.architectures import sampling_decode, step_function
     from mdsl.megakernel.modelgraph.model import model

@@ -16,7 +16,7 @@ from tests.megakernel.tiny import tiny_model
 PROMPT = [5, 17, 3]
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("num_sms,kv_splits", [(8, None), (16, 3), (5, 1)])
 def test_simulator_matches_reference_under_random_interleavings(arch, num_sms, kv_splits):
     config, graph, weights = tiny_model(arch, seed=7)

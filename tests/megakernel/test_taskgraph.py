@@ -43,7 +43,7 @@ def test_column_tiles_cover_and_fill(n, sms, align):
     assert len(tiles) >= min(n, sms)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_events_wait_for_exactly_the_tiles_read(arch):
     _, graph, _ = tiny_model(arch)
     tg = build_task_graph(graph, PartitionConfig(num_sms=6, column_align=4, kv_splits=2))

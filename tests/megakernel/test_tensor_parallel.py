@@ -36,9 +36,11 @@ def _tp(arch, world_size, seed=1, **overrides):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize(("arch", "act"), [("llama3", "silu"), ("qwen3", "silu"), ("llama3", "gelu")])
+@pytest.mark.parametrize(("arch", "act"), [("llama3", "silu"), ("qwen2", "silu"), ("qwen3", "silu"),
+                                         ("llama3", "gelu")])
 def test_n_rank_simulation_equals_the_single_rank_model(arch, act, world_size):
-    graph, weights, plan, rank_weights = _tp(arch, world_size, hidden_act=act)
+    # (seed 1 of the tiny Qwen2 repeats one token: a weak comparison)
+    graph, weights, plan, rank_weights = _tp(arch, world_size, seed=4 if arch == "qwen2" else 1, hidden_act=act)
     assert {n.attr_dict["act"] for n in graph.nodes if n.op == "act_mul"} == {act}
     reference = ReferenceModel(graph, weights).generate(PROMPT, NEW_TOKENS)
     single = Simulator(build_task_graph(graph, PARTITION), weights).generate(PROMPT, NEW_TOKENS, workers=3, seed=1)

@@ -1,9 +1,9 @@
-"""Tiny Llama-3 and Qwen3 configurations and random weights for the megakernel tests."""
+"""Tiny Llama-3, Qwen2 and Qwen3 configurations and random weights for the megakernel tests."""
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import random_weights
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
-ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:

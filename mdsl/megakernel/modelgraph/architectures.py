@@ -1,5 +1,6 @@
-"""Built-in step functions: Llama-3 (LlamaForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step
-each, with the weights named as in their Hugging Face checkpoints."""
+"""Built-in step functions: Llama-3 (LlamaForCausalLM), Qwen2 / Qwen2.5 (Qwen2ForCausalLM) and Qwen3
+(Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
+They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
 
 from mdsl.errors import UnsupportedError
@@ -8,7 +9,8 @@ from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
 def _decoder(m, cfg: ModelConfig):
-    """The decoder shared by Llama-3 and Qwen3; Qwen3 adds an rms_norm of each query and key head."""
+    """The decoder shared by Llama-3, Qwen2 and Qwen3; Qwen2 adds biases to the q|k|v projection, Qwen3 an
+    rms_norm of each query and key head."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -19,6 +21,11 @@ def _decoder(m, cfg: ModelConfig):
         qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
                        m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
                        m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
+        if cfg.qkv_bias:
+            biases = [m.weight(p + f"self_attn.{proj}.bias", [heads * d])
+                      for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
+                                          ("v_proj", cfg.num_kv_heads))]
+            qkv = m.add_bias(qkv, *biases)
         if cfg.qk_norm:
             qkv = m.head_rms_norm(qkv, m.weight(p + "self_attn.q_norm.weight", [d]),
                                   m.weight(p + "self_attn.k_norm.weight", [d]), eps=cfg.rms_norm_eps, **heads)
@@ -42,6 +49,12 @@ def llama3_decode(m, cfg: ModelConfig):
     return logits, m.argmax(logits)
 
 
+@model(name="qwen2")
+def qwen2_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
 @model(name="qwen3")
 def qwen3_decode(m, cfg: ModelConfig):
     logits = _decoder(m, cfg)
@@ -57,7 +70,7 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "qwen3": qwen3_decode}
+STEP_FUNCTIONS = {"llama3": llama3_decode, "qwen2": qwen2_decode, "qwen3": qwen3_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

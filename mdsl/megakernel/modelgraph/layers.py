@@ -151,6 +151,29 @@ def _linear_ref(xs, a, ctx):
     return [np.concatenate([x.astype(np.float32) @ w.astype(np.float32).T for w in ws], axis=1)]
 
 
+# add_bias: a projection's biases added to its output row, one bias vector per weight of the (fused)
+# projection, concatenated as its weights are (Qwen2's q|k|v biases)
+
+def _add_bias_infer(types, a):
+    x, *bs = types
+    if not bs:
+        raise ShapeError("add_bias takes a row and at least one bias vector")
+    n = _require_row("add_bias", x, "the input")
+    for i, b in enumerate(bs):
+        _require_float("add_bias", b, f"bias {i}")
+        if b.rank != 1:
+            raise ShapeError(f"add_bias: bias {i} must be a vector [N], got {b}")
+    width = sum(b.shape[0] for b in bs)
+    if width != n:
+        raise ShapeError(f"add_bias: the biases cover {width} columns of a row of {n}")
+    return (_row(n),)
+
+
+def _add_bias_ref(xs, a, ctx):
+    x, *bs = xs
+    return [(x.astype(np.float32) + np.concatenate([b.astype(np.float32) for b in bs])[None, :]).astype(np.float32)]
+
+
 # head_rms_norm: Qwen3's q/k norm, an rms_norm over each query and key head of the fused q|k|v row
 # (value heads pass through)
 
@@ -381,6 +404,8 @@ _layer("embedding", 2, _embedding_infer, _embedding_ref, doc="the table row of t
 _layer("rms_norm", 2, _rms_norm_infer, _rms_norm_ref, (AttrSpec("eps", "float"),),
        doc="x * rsqrt(mean(x^2) + eps) * w over the row")
 _layer("linear", None, _linear_infer, _linear_ref, doc="x @ concat(weights).T; weights are [out, in]")
+_layer("add_bias", None, _add_bias_infer, _add_bias_ref,
+       doc="x + concat(biases): a projection's biases, one vector per weight, concatenated as the weights are")
 _layer("head_rms_norm", 3, _head_rms_norm_infer, _head_rms_norm_ref, (*_HEADS, AttrSpec("eps", "float")),
        doc="rms_norm of each query and key head (Qwen3 q/k norm)")
 _layer("rope", 1, _rope_infer, _rope_ref, (*_HEADS, *_ROPE_ATTRS),

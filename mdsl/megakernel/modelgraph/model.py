@@ -305,6 +305,10 @@ class ModelBuilder:
     def linear(self, x: Var, *weights: Var) -> Var:
         return self.apply("linear", x, *weights)[0]
 
+    def add_bias(self, x: Var, *biases: Var) -> Var:
+        """x + concat(biases): a (fused) projection's biases, one vector per weight, in the weights' order."""
+        return self.apply("add_bias", x, *biases)[0]
+
     def head_rms_norm(self, qkv: Var, q_weight: Var, k_weight: Var, *, eps: float, **heads: int) -> Var:
         return self.apply("head_rms_norm", qkv, q_weight, k_weight, eps=eps, **heads)[0]
 

@@ -1,4 +1,5 @@
-"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen3ForCausalLM).
+"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -15,7 +16,7 @@ from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
 from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
 # transformers' ACT2FN names -> the mdsl operator computing the same function
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
@@ -48,7 +49,7 @@ def _positions(n: Any) -> int:
 
 @attrs.frozen
 class ModelConfig:
-    architecture: str          # "llama3" | "qwen3"
+    architecture: str          # "llama3" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,6 +67,11 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.architecture == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the query, key and value projections (Qwen2's, which its config.json does not flag)."""
+        return self.architecture == "qwen2"
 
     def with_max_positions(self, n: int) -> "ModelConfig":
         """A shorter KV cache than the model allows (decode tests and small engines)."""

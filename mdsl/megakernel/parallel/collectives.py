@@ -44,6 +44,7 @@ from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, LayerOpDef, StepContext, get_layer_op, register_layer_op,
                                                store_next_token)
+from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, NotOnDevice
 from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES, TaskBodies
 from mdsl.megakernel.taskgraph.partition import (TASK_RULES, TaskRule, TaskSpec, argmax_scratch, column_tiles,
                                                  columns, full)
@@ -156,6 +157,13 @@ def _register(name: str, arity: int, infer, over_ranks, doc: str, *, tasks: Call
     COLLECTIVE_RULES.register(name, CollectiveRule(over_ranks, puts))
     TASK_RULES.register(name, TaskRule(tasks))
     TASK_BODIES.register(name, TaskBodies(task_bodies))
+    DEVICE_RULES.register(name, NotOnDevice(ON_THE_DEVICE))
+
+
+# a tensor-parallel rank's device tables are those of its shard's decoder with the ranks' exchanges built into
+# their task kinds (task_plan.for_ranks), not lowered from the split graph's collectives
+ON_THE_DEVICE = ("a rank's megakernel exchanges the residual stream's partials inside the o-proj and down-proj tasks "
+                 "and the LM head's bests through the sampler (task_plan.for_ranks); it has no task kind of its own")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,3 +373,4 @@ register_layer_op(LayerOpDef(name="vocab_embedding", arity=2, infer=get_layer_op
                              doc="the token's row of this rank's vocabulary shard, or zeros"))
 TASK_RULES.register("vocab_embedding", TaskRule(_vocab_embedding_tasks))
 TASK_BODIES.register("vocab_embedding", TaskBodies({"vocab_embedding": _vocab_embedding_body}))
+DEVICE_RULES.register("vocab_embedding", NotOnDevice(ON_THE_DEVICE))

@@ -132,7 +132,7 @@ class _Sharder:
         local, layout = self.local(var)
         if layout != REPLICATED:
             raise UnsupportedError(f"{self.node.op} needs every rank to hold all of {var.name}, which is {layout}",
-                                   loc=self.node.loc, hint="only the ops of Llama-3 / Qwen3 decoders are split")
+                                   loc=self.node.loc, hint="the op's rule in SHARD_RULES says which layouts it splits")
         return local
 
     def emit(self, op: str, *inputs: Var, **attrs_given) -> Var:
@@ -155,9 +155,11 @@ class _Sharder:
         for node in self.graph.nodes:
             self.node = node
             rule = SHARD_RULES.get(node.op)
-            if rule is None:
-                raise UnsupportedError(f"layer op {node.op} has no tensor-parallel rule", loc=node.loc,
-                                       hint="tensor parallelism splits the ops of the built-in Llama-3 / Qwen3 decoders")
+            if not isinstance(rule, ShardRule):
+                raise UnsupportedError(f"layer op {node.op} has no tensor-parallel rule"
+                                       + (f": {rule.reason}" if rule is not None else ""), loc=node.loc,
+                                       hint="tensor parallelism splits the unfused layer ops that have a rule in "
+                                            "SHARD_RULES (mdsl.megakernel.parallel.tensor_parallel)")
             for var, out in zip(node.outputs, rule.split(node, self)):
                 self.values[var.name] = out
         return self
@@ -185,6 +187,19 @@ def _shard_linear(node, s):
         return [s.all_reduce(s.same(row, *(s.weight(w, 1) for w in ws)))]
     raise UnsupportedError(f"linear of {x.name}, split as {layout}: a projection reads a replicated row or one "
                            "split into a single part", loc=node.loc)
+
+
+def _shard_add_bias(node, s):
+    """A projection's biases, split as its output row is: each bias vector's elements as its part's columns."""
+    row, layout = s.local(node.inputs[0])
+    biases = node.inputs[1:]
+    if layout == REPLICATED:
+        return [(s.same(row, *(s.weight(b, None) for b in biases)), REPLICATED)]
+    if isinstance(layout, Split) and layout.parts == tuple(b.shape[0] for b in biases):
+        return [(s.same(row, *(s.weight(b, 0) for b in biases)), layout)]
+    raise UnsupportedError(f"add_bias of {node.inputs[0].name}, split as {layout}, by biases of "
+                           f"{[b.shape[0] for b in biases]} elements: the biases must be the parts of the split row",
+                           loc=node.loc, hint="give one bias per weight of the projection that made the row")
 
 
 def qkv_layout(a: dict) -> Split:
@@ -252,22 +267,38 @@ def _shard_sample(node, s):
     return [(s.same(logits, tokens), REPLICATED)]
 
 
+class ShardLowering:
+    """A layer op's rule in `SHARD_RULES`: a `ShardRule`, or `NotSharded` with the reason."""
+
+
 @attrs.frozen
-class ShardRule:
+class ShardRule(ShardLowering):
     """How an op is split over the ranks: `split(node, sharder)` gives each output's (rank's value, layout)."""
 
     split: Callable
 
 
-#: the unfused ops of the built-in decoders (another graph is refused, naming the op)
-SHARD_RULES: RuleTable[ShardRule] = RuleTable("tensor-parallel split", ShardRule,
-                                              "mdsl.megakernel.parallel.tensor_parallel (SHARD_RULES)",
-                                              registry=LAYER_OPS)
+@attrs.frozen
+class NotSharded(ShardLowering):
+    """An op that `tensor_parallel` does not split, and why (it refuses a graph holding one)."""
+
+    reason: str
+
+
+#: every layer op: the unfused ops split, the fused ops and the collectives say why they do not
+SHARD_RULES: RuleTable[ShardLowering] = RuleTable("tensor-parallel split", ShardLowering,
+                                                  "mdsl.megakernel.parallel.tensor_parallel (SHARD_RULES)",
+                                                  registry=LAYER_OPS, needs=lambda op: True)
 for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
                    "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
                    "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax,
-                   "sample": _shard_sample}.items():
+                   "sample": _shard_sample, "add_bias": _shard_add_bias}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
+for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "lm_head_argmax", "lm_head_sample"):
+    SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
+                                         "the split (layer_fusion.fuse)"))
+for _op in ("all_reduce", "all_gather", "tp_argmax", "vocab_embedding"):
+    SHARD_RULES.register(_op, NotSharded("the split makes it: it is already one rank's op"))
 
 
 # ---------------------------------------------------------------------------------------------

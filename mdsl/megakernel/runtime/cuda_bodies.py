@@ -27,7 +27,7 @@ from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
 from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, has_residual, is_additive, products
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
-from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, Kind, TaskPlan
+from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, Kind, TaskPlan
 
 @attrs.frozen
 class Matrix:
@@ -161,13 +161,15 @@ class CudaTaskRule:
     body: Callable
 
 
-#: every op with a rule in task_plan.DEVICE_RULES but the embedding (absorbed by the sampler)
+#: every op that task_plan.DEVICE_RULES lowers to rows (a DeviceRule)
 CUDA_TASK_RULES: RuleTable[CudaTaskRule] = RuleTable(
     "megakernel's CUDA task bodies", CudaTaskRule, "mdsl.megakernel.runtime.cuda_bodies (CUDA_TASK_RULES)",
-    registry=LAYER_OPS, needs=lambda op: op.name in DEVICE_RULES and op.name != "embedding")
+    registry=LAYER_OPS, needs=lambda op: isinstance(DEVICE_RULES.get(op.name), DeviceRule))
 for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "linear_residual": _linear_residual,
-                   "rope_attention": lambda kind, epilogue: None, "lm_head_argmax": _lm_head,
-                   "lm_head_sample": _lm_head}.items():
+                   # attention.cuh's attention_task; the embedding's tasks are absorbed (sampling.cuh's sample_task
+                   # writes the next step's row)
+                   "rope_attention": lambda kind, epilogue: None, "embedding": lambda kind, epilogue: None,
+                   "lm_head_argmax": _lm_head, "lm_head_sample": _lm_head}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
 
 

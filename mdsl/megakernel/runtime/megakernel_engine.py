@@ -27,13 +27,15 @@ from mdsl.gpu.driver import CudaError, NoGPUError, driver
 from mdsl.gpu.driver import check as _check
 from mdsl.gpu.driver import cu_stream as _cu_stream
 from mdsl.ir.dtypes import f32, i32
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.model import ModelFunction, ModelGraph
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, ModelConfig
 from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, KernelOptionError,
                                                    generate_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name, rope_tables)
-from mdsl.megakernel.runtime.task_plan import TaskPlan, build_plan, for_ranks, plan_model
+from mdsl.megakernel.runtime.task_plan import TaskPlan, for_ranks, plan_model
 
 _STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
 _STATE_STOP, _STATE_GENERATED, _STATE_BAD_TOKEN = 2, 3, 5   # bad token, the watchdog's report (5 words)
@@ -49,6 +51,23 @@ def weight_names(config: ModelConfig) -> list:
     for layer in range(config.num_layers):
         names += [layer_weight_name(layer, w) for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
     return names
+
+
+def trace_at(model: ModelFunction, config: ModelConfig, max_seq: int) -> ModelGraph:
+    """The step function's graph with a KV cache (and token history) of the engine's `max_seq` positions."""
+    return model.trace(config, max_positions=max_seq)
+
+
+def device_plan(config: ModelConfig, graph: Optional[ModelGraph], *, workers: int, max_seq: int,
+                options: MegakernelOptions, world: int = 1) -> TaskPlan:
+    """The task tables an engine runs: lowered from `graph` (a step function traced at `max_seq` positions;
+    None: the built-in step function of the config's architecture) by the layer ops' rules
+    (task_plan.plan_model), for one GPU or a rank of `world` (`config` and `graph` then the rank's shard's).
+    An op the device cannot run is an UnsupportedError naming it and its line in the step function."""
+    if graph is None:
+        graph = trace_at(step_function(config), config, max_seq)
+    return for_ranks(plan_model(graph, decoder_shape(config), workers=workers, max_seq=max_seq,
+                                splits=options.attention_splits, min_chunk=options.attention_min_chunk), world)
 
 
 def _ctype(c_type: str):
@@ -91,11 +110,12 @@ class MegakernelEngine:
     takes its default for this configuration: one GPU, or a rank of `ranks.world`). `max_seq`: the KV cache's
     positions (default: the model's, at most DEFAULT_MAX_SEQ). `ranks`: one rank of a tensor-parallel job
     (mdsl.megakernel.parallel.gpu_group builds these): `config` and `weights` are then the rank's shard, and every
-    rank must call `run` with the same arguments."""
+    rank must call `run` with the same arguments. `model`: the `@mdsl.model` step function whose traced graph
+    the task tables are lowered from (default: the built-in one of the config's architecture)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping, *, options: MegakernelOptions = MegakernelOptions(),
                  max_seq: Optional[int] = None, device: int = 0, eos_token_ids: Sequence[int] = (),
-                 ranks: Optional[RankGroup] = None):
+                 ranks: Optional[RankGroup] = None, model: Optional[ModelFunction] = None):
         if not isinstance(options, MegakernelOptions):
             raise OptionError(f"options is a {type(options).__name__}, not a MegakernelOptions",
                               hint="pass options=MegakernelOptions(...) (mdsl.megakernel.runtime.megakernel_options)")
@@ -114,9 +134,9 @@ class MegakernelEngine:
         dev = runtime._device(device)
         self.workers = int(options.workers or _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.handle), "reading the SM count"))
-        self.plan: TaskPlan = for_ranks(build_plan(self.shape, workers=self.workers, max_seq=self.max_seq,
-                                                   splits=options.attention_splits,
-                                                   min_chunk=options.attention_min_chunk), self.world)
+        self.graph: ModelGraph = trace_at(model or step_function(config), config, self.max_seq)
+        self.plan: TaskPlan = device_plan(config, self.graph, workers=self.workers, max_seq=self.max_seq,
+                                          options=options, world=self.world)
 
         def generate(preload: Optional[bool]):
             try:
@@ -438,34 +458,23 @@ class MegakernelEngine:
             pass
 
 
-def _structure(graph) -> str:
-    """The model graph's key without its last op (argmax or sample: the engine's sampler does both)."""
-    return attrs.evolve(graph, nodes=graph.nodes[:-1], outputs=(graph.logits, graph.logits)).key
-
-
-def compile_model(model_fn, config: ModelConfig, weights, *, max_seq: Optional[int] = None, device: int = 0,
-                  eos_token_ids: Sequence[int] = ()) -> MegakernelEngine:
-    """An engine for an `@mdsl.model` step function: `weights` a checkpoint folder or name -> array.
-    The megakernel's task tables are those of the built-in Llama-3 / Qwen3 decoders, so the traced
-    graph must be one of them (up to its last op: argmax, or sample, whose settings become
-    generate's defaults)."""
-    from mdsl.errors import UnsupportedError
-    from mdsl.megakernel.modelgraph.architectures import step_function
+def compile_model(model_fn: ModelFunction, config: ModelConfig, weights, *, max_seq: Optional[int] = None,
+                  device: int = 0, eos_token_ids: Sequence[int] = ()) -> MegakernelEngine:
+    """An engine for an `@mdsl.model` step function: `weights` a checkpoint folder or name -> array. The task
+    tables are lowered from its traced graph by the layer ops' rules; the first op the device cannot run is
+    refused, with its line in the step function, before a GPU is needed. A last op `sample`'s settings become
+    generate's defaults."""
     from mdsl.megakernel.modelgraph.checkpoint import load_weights
 
-    graph = model_fn.trace(config)
-    # the device's lowering rules refuse the first op they cannot run, with its line in the step function
-    plan_model(graph, decoder_shape(config), workers=1, max_seq=graph.max_positions)
-    builtin = step_function(config).trace(config, max_positions=graph.max_positions)
-    if _structure(graph) != _structure(builtin):
-        raise UnsupportedError(f"model {graph.name} is not the built-in {config.architecture} decoder that the "
-                               "megakernel runs (same ops, weights and shapes up to the final argmax/sample)",
-                               hint="run it with the reference forward or the CPU simulator, or use "
-                                    "mdsl.megakernel.step_function(config)")
+    positions = int(max_seq or min(config.max_positions, DEFAULT_MAX_SEQ))
+    graph = trace_at(model_fn, config, positions)
+    # the lowering on one worker: what the device cannot run is refused here, on any machine
+    device_plan(config, graph, workers=1, max_seq=positions, options=MegakernelOptions())
     _require_gpu()
     if isinstance(weights, (str, os.PathLike)):
         weights = load_weights(graph, os.fspath(weights))
-    engine = MegakernelEngine(config, weights, max_seq=max_seq, device=device, eos_token_ids=eos_token_ids)
+    engine = MegakernelEngine(config, weights, max_seq=positions, device=device, eos_token_ids=eos_token_ids,
+                              model=model_fn)
     last = graph.nodes[-1]
     if last.op == "sample":
         engine.sampling = {k: last.attr_dict[k] for k in ("temperature", "top_p", "seed")}

@@ -284,8 +284,8 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     kind_ops: dict = {}   # Kind -> the KindOp its rows come from
     for index, node in enumerate(graph.nodes):
         rule = DEVICE_RULES.get(node.op)
-        if rule is None:
-            raise binding.refuse(node, "it has no device lowering")
+        if not isinstance(rule, DeviceRule):
+            raise binding.refuse(node, "it has no device lowering" + (f": {rule.reason}" if rule is not None else ""))
         for task, row in zip(by_node.get(index, []), rule.rows(node, by_node.get(index, []), binding)):
             if row is not None:
                 row_of[task.id] = len(rows)
@@ -369,9 +369,10 @@ class _Binding:
     def refuse(self, node, why: str) -> UnsupportedError:
         return UnsupportedError(
             f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
-            hint="it runs the Llama-3 / Qwen3 decoder, fused by mdsl.megakernel.taskgraph.layer_fusion.fuse into "
-                 "embedding, norm_linear (q|k|v), rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and "
-                 "lm_head_argmax / lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
+            hint="the device runs the layer ops with a DeviceRule in DEVICE_RULES (mdsl.megakernel.runtime.task_plan) "
+                 "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear (q|k|v), "
+                 "rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
+                 "lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
 
     def layer(self, node, var) -> int:
@@ -532,23 +533,57 @@ def _lm_head_rows(node, tasks, bind):
     return rows
 
 
+class DeviceLowering:
+    """A layer op's rule in `DEVICE_RULES`: a `DeviceRule`, or `NotOnDevice` with the reason."""
+
+
 @attrs.frozen
-class DeviceRule:
+class DeviceRule(DeviceLowering):
     """How a fused layer op's tasks become table rows: `rows(node, tasks, binding)`, one row per task, or
-    None for a task the device absorbs."""
+    None for a task the device absorbs. Its device body is the op's rule in cuda_bodies.CUDA_TASK_RULES."""
 
     rows: Callable
 
 
-#: the ops the device runs: the built-in decoders' fused ops (another graph is refused, naming the op)
-DEVICE_RULES: RuleTable[DeviceRule] = RuleTable("megakernel's device tables", DeviceRule,
-                                                "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
-                                                registry=LAYER_OPS)
+@attrs.frozen
+class NotOnDevice(DeviceLowering):
+    """A layer op that no device task kind runs as it stands, and why: `plan_model` refuses a graph that
+    keeps one after fusion, naming it and its line (the CPU simulator runs it)."""
+
+    reason: str
+
+
+#: every layer op has a rule: the fused ops of the decoders' task kinds lower to rows, every other op says why it
+#: does not (the collectives register theirs in mdsl.megakernel.parallel.collectives)
+DEVICE_RULES: RuleTable[DeviceLowering] = RuleTable("megakernel's device tables", DeviceLowering,
+                                                    "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
+                                                    registry=LAYER_OPS, needs=lambda op: True)
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
                    "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
                    "lm_head_sample": _lm_head_rows}.items():
     DEVICE_RULES.register(_op, DeviceRule(_rule))
+# the unfused ops: the device runs each only inside the fused op that layer_fusion.fuse makes of it
+for _op, _reason in {
+    "rms_norm": "the device normalises a row only as the input of the projections that read it (fused into "
+                "norm_linear, norm_gate_up or the LM head); this norm feeds no projection",
+    "linear": "the device runs a projection of the normalised residual stream (norm_linear, norm_gate_up, the LM "
+              "head) or one added to the residual stream (linear_residual); this one is neither",
+    "head_rms_norm": "the device normalises query and key heads only inside attention (fused into rope_attention "
+                     "when RoPE and attention follow it alone)",
+    "rope": "the device applies RoPE only inside attention (fused into rope_attention when attention alone reads "
+            "it)",
+    "attention": "the device's attention applies RoPE to its query and key heads (rope_attention); this attention "
+                 "reads no rope",
+    "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
+                "bias operand)",
+    "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "
+               "(norm_gate_up)",
+    "add": "the device adds only a projection's output to the residual stream (linear_residual)",
+    "argmax": "the device picks the token only from the LM head's logits of a normalised row (lm_head_argmax)",
+    "sample": "the device samples the token only from the LM head's logits of a normalised row (lm_head_sample)",
+}.items():
+    DEVICE_RULES.register(_op, NotOnDevice(_reason))
 
 
 def _writers(tasks) -> dict:

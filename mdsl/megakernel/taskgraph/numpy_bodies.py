@@ -42,6 +42,14 @@ def _linear(task, node, buf, ctx):
         out[0, col:col + r1 - r0] = row[0] @ buf[ws[i].name][r0:r1].T
 
 
+def _add_bias(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, *bs = node.inputs
+    out = buf[node.output.name]
+    for i, r0, r1, col in weight_rows(bs, a, b):
+        out[0, col:col + r1 - r0] = buf[x.name][0, col:col + r1 - r0] + buf[bs[i].name][r0:r1]
+
+
 def _head_slices(task, node):
     a = node.attr_dict
     h, d = task.tile_value("head"), a["head_dim"]
@@ -241,7 +249,7 @@ TASK_BODIES: RuleTable[TaskBodies] = RuleTable("task bodies (numpy)", TaskBodies
                                                registry=LAYER_OPS, needs=lambda op: True)
 for _op, _bodies in {
     "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
-    "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
+    "add_bias": {"add_bias": _add_bias}, "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
     "act_mul": {"act_mul": _act_mul}, "add": {"add": _add},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},

@@ -2,7 +2,7 @@
 tiles; `build_task_graph` collects them and links them by events.
 
 Tiles per op (the `tile` entries a task body reads):
-* column ops (embedding, linear, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
+* column ops (embedding, linear, add_bias, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
   output columns; widths chosen so that a wide op has at least `num_sms` tiles.
 * rms_norm: `row` (decode has one row: one task).
 * head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
@@ -83,7 +83,7 @@ def _row_tasks(node, config):
 
 def weight_rows(weights, start: int, stop: int) -> list:
     """(weight index, first row, end row, first output column) of each weight that output columns
-    start..stop of a fused linear fall in."""
+    start..stop of a fused linear fall in (or of each bias vector of add_bias, concatenated alike)."""
     out, base = [], 0
     for i, w in enumerate(weights):
         n = w.shape[0]
@@ -107,6 +107,13 @@ def weight_row_tasks(kind: str, shared_reads: tuple, ws, output: Var, config) ->
 def _linear_tasks(node, config):
     x, *ws = node.inputs
     return [spec for _, _, spec in weight_row_tasks("linear", (full(x),), ws, node.output, config)], []
+
+
+def _add_bias_tasks(node, config):
+    x, *bs = node.inputs
+    return [TaskSpec("add_bias", _col_tile(a, b),
+                     (columns(x, a, b), *(Region(bs[i].name, ((r0, r1),)) for i, r0, r1, _ in weight_rows(bs, a, b))),
+                     (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
 
 
 def _per_head_tasks(node, config):
@@ -311,7 +318,7 @@ TASK_RULES: RuleTable[TaskRule] = RuleTable("task-graph partition", TaskRule,
                                             needs=lambda op: True)
 for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
-    "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
+    "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
