@@ -60,7 +60,7 @@ def test_every_layer_op_has_every_megakernel_rule():
 
 
 def _task_graphs():
-    for arch in ("llama3", "qwen2", "qwen3"):
+    for arch in ("llama3", "mistral", "qwen2", "qwen3"):
         config, graph, _ = tiny_model(arch, num_attention_heads=8, num_key_value_heads=4)
         sampling = sampling_decode(arch, temperature=0.7, seed=1).trace(config)
         for g in (graph, fuse(graph), sampling, fuse(sampling), tensor_parallel(graph, 2).graph,

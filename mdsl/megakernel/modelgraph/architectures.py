@@ -1,5 +1,5 @@
-"""Built-in step functions: Llama-3 (LlamaForCausalLM), Qwen2 / Qwen2.5 (Qwen2ForCausalLM) and Qwen3
-(Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
+"""Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Qwen2 / Qwen2.5
+(Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
 def _decoder(m, cfg: ModelConfig):
-    """The decoder shared by Llama-3, Qwen2 and Qwen3; Qwen2 adds biases to the q|k|v projection, Qwen3 an
-    rms_norm of each query and key head."""
+    """The decoder shared by Llama-3, Mistral, Qwen2 and Qwen3; Mistral's attention reads a sliding window of
+    positions, Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm of each query and key head."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -31,7 +31,10 @@ def _decoder(m, cfg: ModelConfig):
                                   m.weight(p + "self_attn.k_norm.weight", [d]), eps=cfg.rms_norm_eps, **heads)
         qkv = m.rope(qkv, **heads, **cfg.rope.attrs())
         k_cache, v_cache = m.kv_cache(i, cfg.num_kv_heads, d)
-        attn = m.attention(qkv, k_cache, v_cache, **heads)
+        if cfg.sliding_window:
+            attn = m.scaled_attention(qkv, k_cache, v_cache, window=cfg.sliding_window, **heads)
+        else:
+            attn = m.attention(qkv, k_cache, v_cache, **heads)
         x = m.add(x, m.linear(attn, m.weight(p + "self_attn.o_proj.weight", [h, cfg.num_heads * d])))
         normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
         gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
@@ -45,6 +48,12 @@ def _decoder(m, cfg: ModelConfig):
 
 @model(name="llama3")
 def llama3_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="mistral")
+def mistral_decode(m, cfg: ModelConfig):
     logits = _decoder(m, cfg)
     return logits, m.argmax(logits)
 
@@ -70,7 +79,7 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "qwen2": qwen2_decode, "qwen3": qwen3_decode}
+STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "qwen2": qwen2_decode, "qwen3": qwen3_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

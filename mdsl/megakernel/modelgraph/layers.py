@@ -269,13 +269,16 @@ def _attention_infer(types, a):
     return (_row(a["q_heads"] * a["head_dim"]),)
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray):
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float = 0.0, softcap: float = 0.0):
     """Softmax attention of q [G, D] over keys/values [T, D]: (output [G, D], log-sum-exp [G]); an empty
-    range gives zeros and -inf (a weight of zero in the combine)."""
+    range gives zeros and -inf (a weight of zero in the combine). Scores are scaled by `scale` (0:
+    1/sqrt(D)) and, with `softcap` > 0, soft-capped to softcap * tanh(score / softcap) (Gemma-2)."""
     g, d = q.shape
     if keys.shape[0] == 0:
         return np.zeros((g, d), np.float32), np.full(g, -np.inf, np.float32)
-    scores = (q.astype(np.float32) @ keys.astype(np.float32).T) * np.float32(1.0 / math.sqrt(d))
+    scores = (q.astype(np.float32) @ keys.astype(np.float32).T) * np.float32(scale or 1.0 / math.sqrt(d))
+    if softcap:
+        scores = (np.tanh(scores / np.float32(softcap)) * np.float32(softcap)).astype(np.float32)
     top = scores.max(axis=1, keepdims=True)
     p = np.exp(scores - top)
     total = p.sum(axis=1, keepdims=True)
@@ -293,6 +296,44 @@ def _attention_ref(xs, a, ctx):
     for h in range(a["kv_heads"]):
         rows = slice(h * group, (h + 1) * group)
         out[rows], _ = attend(q[rows], k_cache[:pos + 1, h], v_cache[:pos + 1, h])
+    return [out.reshape(1, -1)]
+
+
+# scaled_attention: attention over the last `window` positions only (Mistral's sliding window; 0: every
+# position), scores scaled by `scale` (0: 1/sqrt(head_dim); Gemma-2's query_pre_attn_scalar^-0.5) and
+# soft-capped by `softcap` (0: none; Gemma-2's attn_logit_softcapping)
+
+_ATTENTION_OPTIONS = (AttrSpec("window", "int", 0), AttrSpec("scale", "float", 0.0, minimum=0.0),
+                      AttrSpec("softcap", "float", 0.0, minimum=0.0))
+
+
+def _scaled_attention_infer(types, a):
+    if a["window"] < 0:
+        raise ShapeError(f"scaled_attention: window must be >= 0 (0: every position), got {a['window']}")
+    return _attention_infer(types, a)
+
+
+def window_start(a: dict, position: int) -> int:
+    """The first position attention at `position` reads: position - window + 1 (0 without a window)."""
+    window = a.get("window", 0)
+    return max(0, position - window + 1) if window else 0
+
+
+def attention_options(a: dict) -> dict:
+    """`attend`'s scale and softcap of an attention op's attributes (the defaults for plain attention)."""
+    return {"scale": a.get("scale", 0.0), "softcap": a.get("softcap", 0.0)}
+
+
+def _scaled_attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache = xs
+    q, k, v = split_heads(qkv.astype(np.float32), a)
+    pos = ctx.position
+    k_cache[pos], v_cache[pos] = k, v
+    group, lo = a["q_heads"] // a["kv_heads"], window_start(a, pos)
+    out = np.empty_like(q)
+    for h in range(a["kv_heads"]):
+        rows = slice(h * group, (h + 1) * group)
+        out[rows], _ = attend(q[rows], k_cache[lo:pos + 1, h], v_cache[lo:pos + 1, h], **attention_options(a))
     return [out.reshape(1, -1)]
 
 
@@ -412,6 +453,9 @@ _layer("rope", 1, _rope_infer, _rope_ref, (*_HEADS, *_ROPE_ATTRS),
        doc="rotary embedding of query and key heads at the current position")
 _layer("attention", 3, _attention_infer, _attention_ref, _HEADS, state_inputs=(1, 2),
        doc="append k, v to the cache; causal grouped-query attention over 0..position")
+_layer("scaled_attention", 3, _scaled_attention_infer, _scaled_attention_ref, (*_HEADS, *_ATTENTION_OPTIONS),
+       state_inputs=(1, 2), doc="attention (append k, v; grouped queries) over the last `window` positions (0: all), "
+                                "scores scaled by `scale` (0: 1/sqrt(head_dim)) and soft-capped by `softcap` (0: none)")
 _ACT = AttrSpec("act", "op", "silu")
 _layer("act_mul", 1, _act_mul_infer, _act_mul_ref, (_ACT,),
        doc="act(gate) * up over the gate|up row (a gated MLP; act: an element-wise operator, silu for SwiGLU)")
@@ -478,6 +522,17 @@ def _rope_attention_ref(xs, a, ctx):
     return _attention_ref([qkv, k_cache, v_cache], a, ctx)
 
 
+def _rope_scaled_attention_infer(types, a):
+    (qkv,) = _rope_infer(types[:1], a)
+    return _scaled_attention_infer((qkv, *types[1:]), a)
+
+
+def _rope_scaled_attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache = xs
+    (qkv,) = _rope_ref([qkv], a, ctx)
+    return _scaled_attention_ref([qkv, k_cache, v_cache], a, ctx)
+
+
 def _lm_head_infer(name: str):
     def infer(types, a):
         x, norm, head, tokens = types
@@ -506,6 +561,9 @@ _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,
        (*_HEADS, *_ROPE_ATTRS, AttrSpec("eps", "float", 0.0)), state_inputs=(1, 2),
        doc="optional q/k head rms_norm (weights as operands 4 and 5, eps), RoPE, the KV-cache append and attention")
+_layer("rope_scaled_attention", 3, _rope_scaled_attention_infer, _rope_scaled_attention_ref,
+       (*_HEADS, *_ROPE_ATTRS, *_ATTENTION_OPTIONS), state_inputs=(1, 2),
+       doc="RoPE, the KV-cache append and scaled_attention (a window, a query scale, soft-capped scores)")
 _layer("lm_head_argmax", 4, _lm_head_infer("argmax"), _lm_head_ref(_argmax_ref), (_EPS,), state_inputs=(3,),
        doc="(logits, token): rms_norm, the LM head and argmax, the token stored after the position")
 _layer("lm_head_sample", 4, _lm_head_infer("sample"), _lm_head_ref(_sample_ref), (_EPS, *_SAMPLING),

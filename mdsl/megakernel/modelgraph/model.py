@@ -318,6 +318,13 @@ class ModelBuilder:
     def attention(self, qkv: Var, k_cache: Var, v_cache: Var, **heads: int) -> Var:
         return self.apply("attention", qkv, k_cache, v_cache, **heads)[0]
 
+    def scaled_attention(self, qkv: Var, k_cache: Var, v_cache: Var, *, window: int = 0, scale: float = 0.0,
+                         softcap: float = 0.0, **heads: int) -> Var:
+        """Attention over the last `window` positions (0: all), scores scaled by `scale` (0: 1/sqrt(head_dim))
+        and soft-capped by `softcap` (0: none)."""
+        return self.apply("scaled_attention", qkv, k_cache, v_cache, window=window, scale=scale, softcap=softcap,
+                          **heads)[0]
+
     def act_mul(self, gate_up: Var, act: str = "silu") -> Var:
         """act(gate) * up over the gate|up row; `act` names an element-wise operator (mdsl.ir.ops)."""
         return self.apply("act_mul", gate_up, act=act)[0]

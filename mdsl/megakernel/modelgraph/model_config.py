@@ -1,5 +1,5 @@
-"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM).
+"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -16,7 +16,10 @@ from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
 from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+# the architectures whose config's sliding_window applies to every layer (Qwen2's only with use_sliding_window)
+_SLIDING_WINDOW = ("mistral",)
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
 # transformers' ACT2FN names -> the mdsl operator computing the same function
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
@@ -49,7 +52,7 @@ def _positions(n: Any) -> int:
 
 @attrs.frozen
 class ModelConfig:
-    architecture: str          # "llama3" | "qwen2" | "qwen3"
+    architecture: str          # a value of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +66,7 @@ class ModelConfig:
     max_positions: int
     dtype: DType = f32
     hidden_act: str = "silu"   # the gated MLP's activation: an element-wise operator of mdsl.ir.ops
+    sliding_window: int = 0    # attention reads the last sliding_window positions (0: every position)
 
     @property
     def qk_norm(self) -> bool:
@@ -200,7 +204,9 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
         intermediate_size=f.integer("intermediate_size"), num_layers=f.integer("num_hidden_layers"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope=_rope(f), tie_word_embeddings=f.flag("tie_word_embeddings"),
-        max_positions=f.integer("max_position_embeddings"), dtype=_dtype(f), hidden_act=ACTIVATIONS[act])
+        max_positions=f.integer("max_position_embeddings"), dtype=_dtype(f), hidden_act=ACTIVATIONS[act],
+        sliding_window=f.integer("sliding_window") if arch in _SLIDING_WINDOW and raw.get("sliding_window") is not None
+        else 0)
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:

@@ -208,7 +208,7 @@ def qkv_layout(a: dict) -> Split:
 
 
 def _shard_heads(node, s):
-    """head_rms_norm, rope and attention: each rank works on its query heads and their KV heads."""
+    """head_rms_norm, rope and (scaled_)attention: each rank works on its query heads and their KV heads."""
     a = node.attr_dict
     qkv, *rest = node.inputs
     row, layout = s.local(qkv)
@@ -217,7 +217,7 @@ def _shard_heads(node, s):
                                "parallel projection", loc=node.loc)
     heads = {"q_heads": s.split(a["q_heads"], f"the {a['q_heads']} query heads", heads=True),
              "kv_heads": s.split(a["kv_heads"], f"the {a['kv_heads']} KV heads", heads=True)}
-    if node.op == "attention":
+    if node.op in ("attention", "scaled_attention"):
         caches = [s.state(c, (c.shape[0], heads["kv_heads"], c.shape[2])) for c in rest]
         return [(s.same(row, *caches, **heads), Split((a["q_heads"] * a["head_dim"],)))]
     return [(s.same(row, *(s.weight(w, None) for w in rest), **heads), layout)]
@@ -292,9 +292,10 @@ SHARD_RULES: RuleTable[ShardLowering] = RuleTable("tensor-parallel split", Shard
 for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
                    "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
                    "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax,
-                   "sample": _shard_sample, "add_bias": _shard_add_bias}.items():
+                   "sample": _shard_sample, "add_bias": _shard_add_bias, "scaled_attention": _shard_heads}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
-for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "lm_head_argmax", "lm_head_sample"):
+for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "rope_scaled_attention",
+            "lm_head_argmax", "lm_head_sample"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
                                          "the split (layer_fusion.fuse)"))
 for _op in ("all_reduce", "all_gather", "tp_argmax", "vocab_embedding"):

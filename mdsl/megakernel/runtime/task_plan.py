@@ -575,6 +575,9 @@ for _op, _reason in {
             "it)",
     "attention": "the device's attention applies RoPE to its query and key heads (rope_attention); this attention "
                  "reads no rope",
+    "scaled_attention": "the device attends only after RoPE (rope_attention); this attention reads no rope",
+    "rope_scaled_attention": "the device's attention body (rope_attention) reads every position with scores scaled "
+                             "by 1/sqrt(head_dim); it has no sliding window, query scale or logit soft-capping",
     "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
                 "bias operand)",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "

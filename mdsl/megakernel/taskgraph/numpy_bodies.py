@@ -12,8 +12,9 @@ import numpy as np
 
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, rms_normalize, rope_cos_sin,
-                                               rotate_heads, sample_token, sample_uniform, store_next_token)
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, attention_options, rms_normalize,
+                                               rope_cos_sin, rotate_heads, sample_token, sample_uniform,
+                                               store_next_token, window_start)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
                                                  weight_rows)
 
@@ -86,7 +87,8 @@ def _attention_partial(task, node, buf, ctx):
     k_new = row[(hq + h) * d:(hq + h + 1) * d]
     v_new = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
     pos = ctx.position
-    start, stop = split_range(pos, s, splits)
+    lo = window_start(a, pos)
+    start, stop = (lo + p for p in split_range(pos - lo, s, splits))
     keys = buf[k_cache.name][start:stop, h].copy()
     values = buf[v_cache.name][start:stop, h].copy()
     if stop == pos + 1:   # the split holding this step's position: its key and value are new
@@ -95,7 +97,7 @@ def _attention_partial(task, node, buf, ctx):
         buf[k_cache.name][pos, h], buf[v_cache.name][pos, h] = k_new, v_new
     part_out, part_lse = attention_scratch(node)
     heads = slice(h * group, (h + 1) * group)
-    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, keys, values)
+    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, keys, values, **attention_options(a))
 
 
 def _attention_combine(task, node, buf, ctx):
@@ -201,14 +203,16 @@ def _rope_attention_partial(task, node, buf, ctx):
 
     q_norm, k_norm = norms if norms else (None, None)
     q = prepare(row[h * group * d:(h + 1) * group * d].reshape(group, d), q_norm)
-    start, stop = chunked_split_range(pos, s, task.tile_value("splits"), task.tile_value("min_chunk"))
+    lo = window_start(a, pos)
+    start, stop = (lo + p for p in chunked_split_range(pos - lo, s, task.tile_value("splits"),
+                                                       task.tile_value("min_chunk")))
     if start <= pos < stop:   # this split holds the newest position: it appends the key and value
         buf[k_cache.name][pos, h] = prepare(row[(hq + h) * d:(hq + h + 1) * d].reshape(1, d), k_norm)[0]
         buf[v_cache.name][pos, h] = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
     part_out, part_lse = attention_scratch(node)
     heads = slice(h * group, (h + 1) * group)
     buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, buf[k_cache.name][start:stop, h],
-                                                               buf[v_cache.name][start:stop, h])
+                                                               buf[v_cache.name][start:stop, h], **attention_options(a))
 
 
 def _rope_attention_combine(task, node, buf, ctx):
@@ -257,6 +261,9 @@ for _op, _bodies in {
     "linear_residual": {"linear_residual": _linear_residual},
     "rope_attention": {"rope_attention.partial": _rope_attention_partial,
                        "rope_attention.combine": _rope_attention_combine},
+    "scaled_attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
+    "rope_scaled_attention": {"rope_attention.partial": _rope_attention_partial,
+                              "rope_attention.combine": _rope_attention_combine},
     "lm_head_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
     "lm_head_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
 }.items():

@@ -8,7 +8,7 @@ Tiles per op (the `tile` entries a task body reads):
 * head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
   heads, which are copied through).
 * attention.partial: `kv_head`, `split`, `splits`: one KV head's queries over one of `splits` ranges of
-  positions 0..position, anchored at the position (the last split holds it and appends this step's key
+  positions 0..position (scaled_attention: of its window's positions), anchored at the position (the last split holds it and appends this step's key
   and value to the cache); writes per-split outputs and log-sum-exps to scratch.
   attention.combine: `kv_head`: merges the splits of one KV head's queries.
 * argmax.reduce, sample: no tile entries (one task over the partial results / all logits).
@@ -285,6 +285,19 @@ def _rope_attention_tasks(node, config):
     return specs, scratch
 
 
+def _rope_scaled_attention_tasks(node, config):
+    """rope_attention's tasks; a split's positions start at the window's first position, so each split may
+    read any cached position (its cache regions are whole)."""
+    specs, scratch = _rope_attention_tasks(node, config)
+    caches = {c.name: c for c in node.inputs[1:3]}
+
+    def whole(region: Region) -> Region:
+        return full(caches[region.buffer], dynamic=True) if region.buffer in caches else region
+
+    return [attrs.evolve(s, reads=tuple(map(whole, s.reads)), writes=tuple(map(whole, s.writes))) for s in specs], \
+        scratch
+
+
 def _lm_head_tasks(final_kind: str, reads_logits: bool):
     def rule(node, config):
         x, norm, head, tokens = node.inputs
@@ -319,6 +332,7 @@ TASK_RULES: RuleTable[TaskRule] = RuleTable("task-graph partition", TaskRule,
 for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
+    "scaled_attention": _attention_tasks, "rope_scaled_attention": _rope_scaled_attention_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),

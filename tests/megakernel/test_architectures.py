@@ -1,0 +1,126 @@
+"""The architectures added in Python only (Mistral, Phi-3, Gemma-2, Qwen3-MoE): each one's reference forward,
+the CPU simulator of its task graph (fused and unfused) token for token over 16+ steps in float32, the
+tensor-parallel simulation where its ops split, a checkpoint round trip under its Hugging Face names, and
+the GPU planner's refusal naming the op it has no device body for and the line of the step function.
+(test_hf_architectures.py holds the reference forwards to transformers' own model classes.)"""
+import random
+
+import attrs
+import numpy as np
+import pytest
+
+from mdsl.errors import UnsupportedError
+from mdsl.megakernel.modelgraph.architectures import step_function
+from mdsl.megakernel.modelgraph.checkpoint import load_model, save_checkpoint
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.megakernel.parallel.tensor_parallel import (TensorParallelReference, build_tensor_parallel_task_graph,
+                                                      tensor_parallel)
+from mdsl.megakernel.parallel.tp_simulator import TensorParallelSimulator
+from mdsl.megakernel.runtime.megakernel_engine import compile_model
+from mdsl.megakernel.runtime.shape import decoder_shape
+from mdsl.megakernel.runtime.task_plan import plan_model
+from mdsl.megakernel.taskgraph.layer_fusion import fuse
+from mdsl.megakernel.taskgraph.partition import build_task_graph
+from mdsl.megakernel.taskgraph.simulator import Simulator
+from mdsl.megakernel.taskgraph.tasks import PartitionConfig
+from tests.megakernel.tiny import tiny_config_dict, tiny_model
+
+PROMPT = [5, 17, 3]
+STEPS = 17                       # new tokens: positions 0..18, well past the tiny sliding windows
+PARTITIONS = (PartitionConfig(num_sms=6, kv_splits=3, min_columns=8, attention_min_chunk=2),
+              PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
+HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}   # splits over 1, 2 and 4 ranks
+
+
+def _simulated_equals_reference(graph, weights, seed: int = 0):
+    want = ReferenceModel(graph, weights).generate(PROMPT, STEPS)
+    assert len(set(want.tokens)) > 3, want.tokens   # a varied sequence: a weak comparison otherwise
+    for g in (graph, fuse(graph)):
+        for k, partition in enumerate(PARTITIONS):
+            got = Simulator(build_task_graph(g, partition), weights).generate(
+                PROMPT, STEPS, workers=4, seed=seed + k, dispatch=("queue", "round_robin")[k % 2])
+            assert got.tokens == want.tokens
+            np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    return want
+
+
+def _tensor_parallel_equals_reference(graph, weights, world_size: int):
+    plan = tensor_parallel(graph, world_size)
+    rank_weights = [plan.shard_weights(weights, r) for r in range(world_size)]
+    want = ReferenceModel(graph, weights).generate(PROMPT, STEPS)
+    over_ranks = TensorParallelReference(plan, rank_weights).generate(PROMPT, STEPS)
+    sim = TensorParallelSimulator(build_tensor_parallel_task_graph(plan, PARTITIONS[1]), rank_weights)
+    rng = random.Random(world_size)
+    got = sim.generate(PROMPT, STEPS, seed=rng.randrange(1 << 30), workers=[rng.randint(1, 4) for _ in range(world_size)])
+    assert got.tokens == over_ranks.tokens == want.tokens
+    for logits in (got.logits, over_ranks.logits):
+        np.testing.assert_allclose(logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def _round_trip(tmp_path, arch: str, graph, weights, **overrides):
+    save_checkpoint(str(tmp_path), tiny_config_dict(arch, **overrides), weights)
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.architecture == arch and loaded.graph.key == graph.key
+    assert set(loaded.weights) == set(weights)
+    for name, w in weights.items():
+        np.testing.assert_array_equal(loaded.weights[name], w)
+    got, want = (ReferenceModel(g, w).generate(PROMPT, 4) for g, w in ((loaded.graph, loaded.weights), (graph, weights)))
+    assert got.tokens == want.tokens
+    np.testing.assert_array_equal(got.logits, want.logits)
+
+
+def _refused(config, graph, weights, op: str, reason: str, line: str):
+    with pytest.raises(UnsupportedError, match=f"cannot run {op} .*{reason}") as e:
+        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    assert e.value.loc.file.endswith("architectures.py")
+    text = str(e.value)
+    assert line in text and "^^^" in text
+    with pytest.raises(UnsupportedError, match=op):   # before any GPU is needed
+        compile_model(step_function(config), config, weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistral: Llama-style, attention over the last sliding_window positions
+
+def _mistral(**overrides):
+    return tiny_model("mistral", seed=2, **overrides)
+
+
+def test_mistral_reads_only_its_sliding_window():
+    config, graph, weights = _mistral()
+    assert config.sliding_window == 5
+    attention = [n for n in graph.nodes if n.op == "scaled_attention"]
+    assert len(attention) == config.num_layers and all(n.attr_dict["window"] == 5 for n in attention)
+    assert [n.op for n in fuse(graph).nodes].count("rope_scaled_attention") == config.num_layers
+    want = _simulated_equals_reference(graph, weights)
+    # the window matters: the same weights with full attention differ once the sequence outgrows it ...
+    full = attrs.evolve(config, sliding_window=0)
+    unwindowed = ReferenceModel(step_function(full).trace(full), weights).generate(PROMPT, STEPS)
+    assert np.allclose(unwindowed.logits[:5], want.logits[:5], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(unwindowed.logits[5:], want.logits[5:], rtol=1e-3, atol=1e-3)
+    # ... and a window as long as the sequence is full attention
+    _, wide, _ = _mistral(sliding_window=24)
+    np.testing.assert_allclose(ReferenceModel(wide, weights).generate(PROMPT, STEPS).logits, unwindowed.logits,
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mistral_over_tensor_parallel_ranks(world_size):
+    _, graph, weights = _mistral(**HEADS)
+    _tensor_parallel_equals_reference(graph, weights, world_size)
+
+
+def test_a_mistral_checkpoint_round_trips(tmp_path):
+    _, graph, weights = _mistral()
+    _round_trip(tmp_path, "mistral", graph, weights)
+
+
+def test_mistral_without_a_window_is_the_llama_decoder():
+    config, graph, _ = _mistral(sliding_window=None)
+    assert config.sliding_window == 0 and "scaled_attention" not in {n.op for n in graph.nodes}
+
+
+def test_mistral_is_refused_for_the_gpu_naming_its_windowed_attention():
+    config, graph, weights = _mistral()
+    _refused(config, graph, weights, "rope_scaled_attention", "no sliding window",
+             "attn = m.scaled_attention(qkv, k_cache, v_cache, window=cfg.sliding_window, **heads)")
