@@ -124,3 +124,63 @@ def test_mistral_is_refused_for_the_gpu_naming_its_windowed_attention():
     config, graph, weights = _mistral()
     _refused(config, graph, weights, "rope_scaled_attention", "no sliding window",
              "attn = m.scaled_attention(qkv, k_cache, v_cache, window=cfg.sliding_window, **heads)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Phi-3: the q|k|v and gate|up projections one weight each in the checkpoint, a sliding window
+
+def _phi3(**overrides):
+    return tiny_model("phi3", seed=1, **overrides)
+
+
+def test_phi3_reads_its_fused_projections_as_the_fused_rows():
+    config, graph, weights = _phi3()
+    assert config.fused_projections and config.sliding_window == 7
+    names = {w.name for w in graph.weights}
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= names
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
+    _simulated_equals_reference(graph, weights, seed=5)
+    # the same computation as the decoder with the projections split: Mistral's on the split weights
+    mistral = tiny_config_dict("mistral", sliding_window=7)
+    split = dict(weights)
+    for i in range(config.num_layers):
+        p, (q, kv, inter) = f"model.layers.{i}.", (config.num_heads * 8, config.num_kv_heads * 8, 48)
+        qkv, gate_up = split.pop(p + "self_attn.qkv_proj.weight"), split.pop(p + "mlp.gate_up_proj.weight")
+        split.update({p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
+                      p + "self_attn.v_proj.weight": qkv[q + kv:], p + "mlp.gate_proj.weight": gate_up[:inter],
+                      p + "mlp.up_proj.weight": gate_up[inter:]})
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    other = config_from_dict(mistral)
+    np.testing.assert_allclose(ReferenceModel(step_function(other).trace(other), split).generate(PROMPT, STEPS).logits,
+                               ReferenceModel(graph, weights).generate(PROMPT, STEPS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_phi3_checkpoint_round_trips(tmp_path):
+    _, graph, weights = _phi3()
+    _round_trip(tmp_path, "phi3", graph, weights)
+
+
+@pytest.mark.parametrize("rope", [{"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                                    "long_factor": [2.0] * 4}},
+                                  {"partial_rotary_factor": 0.5},
+                                  {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.75}}])
+def test_phi3_rope_variants_are_refused_by_the_config(rope):
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    with pytest.raises(UnsupportedError, match="longrope|partial_rotary_factor") as e:
+        config_from_dict(tiny_config_dict("phi3", **rope))
+    assert e.value.hint
+
+
+@pytest.mark.parametrize("window", [7, None])
+def test_phi3_is_refused_for_the_gpu_naming_its_fused_weights(window):
+    """The device reads the q|k|v projection as the q_proj, k_proj and v_proj weights (by their names)."""
+    config, graph, weights = _phi3(sliding_window=window)
+    _refused(config, graph, weights, "norm_linear", "qkv_proj.weight.*the device reads .*q_proj.weight",
+             'qkv = m.linear(normed, m.weight(p + "self_attn.qkv_proj.weight"')
+
+
+def test_phi3_is_not_split_over_ranks_with_a_clear_error():
+    """A fused q|k|v weight's rows dealt out evenly would hand a rank the wrong heads: the split refuses it."""
+    _, graph, _ = _phi3(**HEADS)
+    with pytest.raises(UnsupportedError, match="q\\|k\\|v row of a column-parallel projection"):
+        tensor_parallel(graph, 2)

@@ -22,7 +22,9 @@ STEPS = 17
 
 def _hf_model(raw: dict):
     cls = raw["architectures"][0]
-    config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**raw)
+    # (special token ids inside the tiny vocabulary)
+    config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**{"pad_token_id": 0, "bos_token_id": 1,
+                                                                           "eos_token_id": 2, **raw})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = getattr(transformers, cls)(config).eval()
@@ -70,3 +72,9 @@ def _compare(tmp_path, raw: dict, tensors=_checkpoint_tensors):
 def test_mistral_matches_transformers(tmp_path):
     loaded = _compare(tmp_path, tiny_config_dict("mistral"))
     assert loaded.config.sliding_window == 5
+
+
+@pytest.mark.parametrize("window", [7, None])
+def test_phi3_matches_transformers(tmp_path, window):
+    loaded = _compare(tmp_path, tiny_config_dict("phi3", sliding_window=window))
+    assert loaded.config.fused_projections and loaded.config.sliding_window == (window or 0)

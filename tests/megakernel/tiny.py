@@ -1,10 +1,10 @@
-"""Tiny Llama-3, Mistral, Qwen2 and Qwen3 configurations and random weights for the megakernel tests."""
+"""Tiny Llama-3, Mistral, Phi-3, Qwen2 and Qwen3 configurations and random weights for the megakernel tests."""
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import random_weights
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
-ARCHITECTURES = {"llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
@@ -15,8 +15,8 @@ def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
     if arch == "llama3":
         raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-    if arch == "mistral":
-        raw["sliding_window"] = 5   # (decode runs well past it)
+    if arch in ("mistral", "phi3"):
+        raw["sliding_window"] = 5 if arch == "mistral" else 7   # (decode runs well past it)
     raw.update(overrides)
     return raw
 

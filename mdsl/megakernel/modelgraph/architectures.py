@@ -1,4 +1,5 @@
-"""Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Qwen2 / Qwen2.5
+"""Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Phi-3 (Phi3ForCausalLM),
+Qwen2 / Qwen2.5
 (Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
@@ -9,8 +10,10 @@ from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
 def _decoder(m, cfg: ModelConfig):
-    """The decoder shared by Llama-3, Mistral, Qwen2 and Qwen3; Mistral's attention reads a sliding window of
-    positions, Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm of each query and key head."""
+    """The decoder shared by Llama-3, Mistral, Phi-3, Qwen2 and Qwen3; Mistral's (and Phi-3's) attention reads a
+    sliding window of positions, Phi-3's checkpoint holds the q|k|v and gate|up projections as one weight each
+    (the fused rows are the q|k|v and gate|up rows), Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm
+    of each query and key head."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -18,9 +21,12 @@ def _decoder(m, cfg: ModelConfig):
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         normed = m.rms_norm(x, m.weight(p + "input_layernorm.weight", [h]), cfg.rms_norm_eps)
-        qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
-                       m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
-                       m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
+        if cfg.fused_projections:
+            qkv = m.linear(normed, m.weight(p + "self_attn.qkv_proj.weight", [(cfg.num_heads + 2 * cfg.num_kv_heads) * d, h]))
+        else:
+            qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
+                           m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
+                           m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
         if cfg.qkv_bias:
             biases = [m.weight(p + f"self_attn.{proj}.bias", [heads * d])
                       for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
@@ -37,8 +43,11 @@ def _decoder(m, cfg: ModelConfig):
             attn = m.attention(qkv, k_cache, v_cache, **heads)
         x = m.add(x, m.linear(attn, m.weight(p + "self_attn.o_proj.weight", [h, cfg.num_heads * d])))
         normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
-        gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
-                           m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
+        if cfg.fused_projections:
+            gate_up = m.linear(normed, m.weight(p + "mlp.gate_up_proj.weight", [2 * cfg.intermediate_size, h]))
+        else:
+            gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
+                               m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
         x = m.add(x, m.linear(m.act_mul(gate_up, cfg.hidden_act), m.weight(p + "mlp.down_proj.weight", [h, cfg.intermediate_size])))
     x = m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps)
     head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
@@ -54,6 +63,12 @@ def llama3_decode(m, cfg: ModelConfig):
 
 @model(name="mistral")
 def mistral_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="phi3")
+def phi3_decode(m, cfg: ModelConfig):
     logits = _decoder(m, cfg)
     return logits, m.argmax(logits)
 
@@ -79,7 +94,8 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "qwen2": qwen2_decode, "qwen3": qwen3_decode}
+STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "qwen2": qwen2_decode,
+                  "qwen3": qwen3_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

@@ -1,5 +1,5 @@
 """Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM).
+Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -16,10 +16,10 @@ from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
 from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # the architectures whose config's sliding_window applies to every layer (Qwen2's only with use_sliding_window)
-_SLIDING_WINDOW = ("mistral",)
+_SLIDING_WINDOW = ("mistral", "phi3")
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
 # transformers' ACT2FN names -> the mdsl operator computing the same function
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
@@ -76,6 +76,11 @@ class ModelConfig:
     def qkv_bias(self) -> bool:
         """Biases on the query, key and value projections (Qwen2's, which its config.json does not flag)."""
         return self.architecture == "qwen2"
+
+    @property
+    def fused_projections(self) -> bool:
+        """The checkpoint holds one qkv_proj and one gate_up_proj weight per layer (Phi-3's)."""
+        return self.architecture == "phi3"
 
     def with_max_positions(self, n: int) -> "ModelConfig":
         """A shorter KV cache than the model allows (decode tests and small engines)."""
@@ -144,12 +149,18 @@ def _rope(f: _Fields) -> RopeConfig:
     scaling = f.mapping("rope_scaling")
     if not scaling.raw:
         scaling = params
+    for fields in (f, params):
+        if fields.raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedError(f"{f.source}: {fields.prefix}partial_rotary_factor "
+                                   f"{shown(fields.raw['partial_rotary_factor'])} is not supported",
+                                   hint="mdsl's rope turns every dimension of a head (partial_rotary_factor 1.0)")
     kind = scaling.text("rope_type", scaling.raw.get("type") or "default")
     if kind == "default":
         return RopeConfig(theta)
     if kind != "llama3":
         raise UnsupportedError(f"{f.source}: rope_scaling type {shown(kind)} is not supported",
-                               hint="mdsl supports plain rope_theta and rope_type 'llama3'")
+                               hint="mdsl supports plain rope_theta and rope_type 'llama3' (not Phi-3's 'longrope' "
+                                    "of its long-context variants)")
     low, high = scaling.number("low_freq_factor"), scaling.number("high_freq_factor")
     if not low < high:
         raise scaling.error("high_freq_factor", f"larger than low_freq_factor ({low})", high)
