@@ -184,3 +184,54 @@ def test_phi3_is_not_split_over_ranks_with_a_clear_error():
     _, graph, _ = _phi3(**HEADS)
     with pytest.raises(UnsupportedError, match="q\\|k\\|v row of a column-parallel projection"):
         tensor_parallel(graph, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma-2: scaled embeddings, (1 + weight) norms before and after attention and the MLP, GeGLU, query scaling,
+# soft-capped scores and logits, a sliding window on every other layer
+
+def _gemma2(**overrides):
+    return tiny_model("gemma2", seed=3, **overrides)
+
+
+def test_gemma2_runs_in_the_simulator_as_in_the_reference_forward():
+    config, graph, weights = _gemma2(num_hidden_layers=3)
+    assert config.sliding_layers == (True, False, True) and config.attention_scale == 12 ** -0.5
+    windows = [n.attr_dict["window"] for n in graph.nodes if n.op == "scaled_attention"]
+    assert windows == [4, 0, 4]
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("rms_norm_1p") == 4 * 3 + 1 and ops[1] == "scale" and ops[-2] == "softcap"
+    want = _simulated_equals_reference(graph, weights, seed=11)
+    # each Gemma-2 feature changes the forward: the soft-caps, the query scale, the window
+    for change in ({"final_logit_softcapping": None}, {"attn_logit_softcapping": None},
+                   {"query_pre_attn_scalar": 8}, {"layer_types": ["full_attention"] * 3}):
+        _, other, _ = _gemma2(num_hidden_layers=3, **change)
+        assert not np.allclose(ReferenceModel(other, weights).generate(PROMPT, STEPS).logits, want.logits,
+                               rtol=1e-3, atol=1e-3), change
+    assert np.abs(want.logits).max() < 3.0   # capped at final_logit_softcapping
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gemma2_over_tensor_parallel_ranks(world_size):
+    _, graph, weights = _gemma2(**HEADS)
+    _tensor_parallel_equals_reference(graph, weights, world_size)
+
+
+def test_a_gemma2_checkpoint_round_trips(tmp_path):
+    _, graph, weights = _gemma2()
+    _round_trip(tmp_path, "gemma2", graph, weights)
+
+
+@pytest.mark.parametrize(("change", "message"), [({"hidden_activation": "relu"}, "hidden_activation"),
+                                                 ({"layer_types": ["full_attention"]}, "layer_types")])
+def test_gemma2_config_errors(change, message):
+    from mdsl.errors import MdslError
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    with pytest.raises(MdslError, match=message) as e:
+        config_from_dict(tiny_config_dict("gemma2", **change))
+    assert e.value.hint
+
+
+def test_gemma2_is_refused_for_the_gpu_naming_its_scaled_embedding():
+    config, graph, weights = _gemma2()
+    _refused(config, graph, weights, "scale", "scales a row by a constant", "x = m.scale(m.embedding(embed)")

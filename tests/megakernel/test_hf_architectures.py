@@ -78,3 +78,10 @@ def test_mistral_matches_transformers(tmp_path):
 def test_phi3_matches_transformers(tmp_path, window):
     loaded = _compare(tmp_path, tiny_config_dict("phi3", sliding_window=window))
     assert loaded.config.fused_projections and loaded.config.sliding_window == (window or 0)
+
+
+def test_gemma2_matches_transformers(tmp_path):
+    # (untied: the tiny tied model's scaled embedding of a token points its logits back at the token)
+    loaded = _compare(tmp_path, tiny_config_dict("gemma2", num_hidden_layers=3, tie_word_embeddings=False))
+    assert loaded.config.sliding_layers == (True, False, True)
+    assert loaded.config.attn_softcap == 2.0 and loaded.config.final_softcap == 3.0

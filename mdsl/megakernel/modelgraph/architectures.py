@@ -1,8 +1,10 @@
 """Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Phi-3 (Phi3ForCausalLM),
-Qwen2 / Qwen2.5
+Gemma-2 (Gemma2ForCausalLM), Qwen2 / Qwen2.5
 (Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
+
+import math
 
 from mdsl.errors import UnsupportedError
 from mdsl.megakernel.modelgraph.model import ModelFunction, model
@@ -85,6 +87,37 @@ def qwen3_decode(m, cfg: ModelConfig):
     return logits, m.argmax(logits)
 
 
+@model(name="gemma2")
+def gemma2_decode(m, cfg: ModelConfig):
+    """Gemma-2: embeddings times sqrt(hidden), RMSNorms scaled by (1 + weight) before and after attention and
+    the MLP, a GeGLU MLP (tanh-approximate GELU), queries scaled by query_pre_attn_scalar^-0.5, soft-capped
+    attention scores and logits, a sliding window on the layers layer_types names."""
+    h, d, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps
+    heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
+    embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
+    x = m.scale(m.embedding(embed), math.sqrt(h))
+    for i in range(cfg.num_layers):
+        def w(name: str, *shape: int):
+            return m.weight(f"model.layers.{i}.{name}.weight", list(shape))
+
+        qkv = m.linear(m.rms_norm_1p(x, w("input_layernorm", h), eps), w("self_attn.q_proj", cfg.num_heads * d, h),
+                       w("self_attn.k_proj", cfg.num_kv_heads * d, h), w("self_attn.v_proj", cfg.num_kv_heads * d, h))
+        k_cache, v_cache = m.kv_cache(i, cfg.num_kv_heads, d)
+        attn = m.scaled_attention(m.rope(qkv, **heads, **cfg.rope.attrs()), k_cache, v_cache, window=cfg.window(i),
+                                  scale=cfg.attention_scale, softcap=cfg.attn_softcap, **heads)
+        out = m.linear(attn, w("self_attn.o_proj", h, cfg.num_heads * d))
+        x = m.add(x, m.rms_norm_1p(out, w("post_attention_layernorm", h), eps))
+        gate_up = m.linear(m.rms_norm_1p(x, w("pre_feedforward_layernorm", h), eps),
+                           w("mlp.gate_proj", cfg.intermediate_size, h), w("mlp.up_proj", cfg.intermediate_size, h))
+        out = m.linear(m.geglu(gate_up), w("mlp.down_proj", h, cfg.intermediate_size))
+        x = m.add(x, m.rms_norm_1p(out, w("post_feedforward_layernorm", h), eps))
+    head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
+    logits = m.linear(m.rms_norm_1p(x, m.weight("model.norm.weight", [h]), eps), head)
+    if cfg.final_softcap:
+        logits = m.softcap(logits, cfg.final_softcap)
+    return logits, m.argmax(logits)
+
+
 def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0, seed: int = 0) -> ModelFunction:
     """The built-in model of an architecture with seeded temperature/top-p sampling instead of argmax."""
     def step(m, cfg: ModelConfig):
@@ -94,8 +127,8 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "qwen2": qwen2_decode,
-                  "qwen3": qwen3_decode}
+STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "gemma2": gemma2_decode,
+                  "qwen2": qwen2_decode, "qwen3": qwen3_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

@@ -372,6 +372,47 @@ def _add_ref(xs, a, ctx):
     return [(xs[0].astype(np.float32) + xs[1].astype(np.float32)).astype(np.float32)]
 
 
+# Gemma-2's ops: rms_norm_1p (its norm scales by 1 + weight), geglu (its MLP's tanh-approximate GELU gate), and
+# two element-wise ops of a row: scale (its embeddings times sqrt(hidden)) and softcap (its final logits capped)
+
+def _rms_norm_1p_ref(xs, a, ctx):
+    x, w = xs
+    return [rms_normalize(x, np.float32(1.0) + w.astype(np.float32), a["eps"])]
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (transformers' gelu_pytorch_tanh), in float32."""
+    x = np.asarray(x, np.float32)
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))).astype(np.float32)
+
+
+def _geglu_ref(xs, a, ctx):
+    gu = xs[0].astype(np.float32)
+    half = gu.shape[1] // 2
+    return [(gelu_tanh(gu[:, :half]) * gu[:, half:]).astype(np.float32)]
+
+
+def _row_infer(name: str):
+    def infer(types, a):
+        return (_row(_require_row(name, types[0], "the input")),)
+
+    return infer
+
+
+def scale_row(x: np.ndarray, a: dict) -> np.ndarray:
+    return (x.astype(np.float32) * np.float32(a["factor"])).astype(np.float32)
+
+
+def softcap_row(x: np.ndarray, a: dict) -> np.ndarray:
+    cap = np.float32(a["cap"])
+    return (np.tanh(x.astype(np.float32) / cap) * cap).astype(np.float32)
+
+
+#: the element-wise ops of a row: op -> its function of (row, attrs)
+ROW_FUNCTIONS = {"scale": scale_row, "softcap": softcap_row}
+
+
 # argmax and sample: the next token, also written into the token history after the current position
 # (unless that position still holds a prompt token)
 
@@ -460,6 +501,14 @@ _ACT = AttrSpec("act", "op", "silu")
 _layer("act_mul", 1, _act_mul_infer, _act_mul_ref, (_ACT,),
        doc="act(gate) * up over the gate|up row (a gated MLP; act: an element-wise operator, silu for SwiGLU)")
 _layer("add", 2, _add_infer, _add_ref, doc="element-wise sum (residual)")
+_layer("rms_norm_1p", 2, _rms_norm_infer, _rms_norm_1p_ref, (AttrSpec("eps", "float"),),
+       doc="x * rsqrt(mean(x^2) + eps) * (1 + w) over the row (Gemma's RMSNorm)")
+_layer("geglu", 1, _act_mul_infer, _geglu_ref,
+       doc="gelu_tanh(gate) * up over the gate|up row (Gemma's MLP, GELU's tanh approximation)")
+_layer("scale", 1, _row_infer("scale"), lambda xs, a, ctx: [scale_row(xs[0], a)], (AttrSpec("factor", "float"),),
+       doc="x * factor (Gemma's embeddings times sqrt(hidden))")
+_layer("softcap", 1, _row_infer("softcap"), lambda xs, a, ctx: [softcap_row(xs[0], a)],
+       (AttrSpec("cap", "float", minimum=1e-30),), doc="cap * tanh(x / cap) (Gemma-2's logit soft-capping)")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
 _layer("sample", 2, _token_infer("sample"), _sample_ref,

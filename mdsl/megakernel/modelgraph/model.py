@@ -329,6 +329,21 @@ class ModelBuilder:
         """act(gate) * up over the gate|up row; `act` names an element-wise operator (mdsl.ir.ops)."""
         return self.apply("act_mul", gate_up, act=act)[0]
 
+    def rms_norm_1p(self, x: Var, weight: Var, eps: float) -> Var:
+        """rms_norm scaled by (1 + weight) (Gemma's RMSNorm)."""
+        return self.apply("rms_norm_1p", x, weight, eps=eps)[0]
+
+    def geglu(self, gate_up: Var) -> Var:
+        """gelu_tanh(gate) * up over the gate|up row."""
+        return self.apply("geglu", gate_up)[0]
+
+    def scale(self, x: Var, factor: float) -> Var:
+        return self.apply("scale", x, factor=factor)[0]
+
+    def softcap(self, x: Var, cap: float) -> Var:
+        """cap * tanh(x / cap)."""
+        return self.apply("softcap", x, cap=cap)[0]
+
     def add(self, x: Var, y: Var) -> Var:
         return self.apply("add", x, y)[0]
 

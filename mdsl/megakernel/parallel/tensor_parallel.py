@@ -229,8 +229,14 @@ def _shard_act_mul(node, s):
         return [(s.same(row), REPLICATED)]
     if isinstance(layout, Split) and len(layout.parts) == 2 and layout.parts[0] == layout.parts[1]:
         return [(s.same(row), Split(layout.parts[:1]))]
-    raise UnsupportedError(f"act_mul reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
+    raise UnsupportedError(f"{node.op} reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
                            loc=node.loc)
+
+
+def _shard_elementwise(node, s):
+    """An element-wise op of a row, split as its operand is."""
+    row, layout = s.local(node.inputs[0])
+    return [(s.same(row), layout)]
 
 
 def _shard_add(node, s):
@@ -292,7 +298,9 @@ SHARD_RULES: RuleTable[ShardLowering] = RuleTable("tensor-parallel split", Shard
 for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
                    "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
                    "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax,
-                   "sample": _shard_sample, "add_bias": _shard_add_bias, "scaled_attention": _shard_heads}.items():
+                   "sample": _shard_sample, "add_bias": _shard_add_bias, "scaled_attention": _shard_heads,
+                   "rms_norm_1p": _shard_rms_norm, "geglu": _shard_act_mul, "scale": _shard_elementwise,
+                   "softcap": _shard_elementwise}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
 for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "rope_scaled_attention",
             "lm_head_argmax", "lm_head_sample"):

@@ -12,8 +12,8 @@ import numpy as np
 
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, attention_options, rms_normalize,
-                                               rope_cos_sin, rotate_heads, sample_token, sample_uniform,
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options, rms_normalize,
+                                               rope_cos_sin, gelu_tanh, rotate_heads, sample_token, sample_uniform,
                                                store_next_token, window_start)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
                                                  weight_rows)
@@ -117,6 +117,22 @@ def _act_mul(task, node, buf, ctx):
     gu = buf[node.inputs[0].name]
     half = node.output.shape[1]
     buf[node.output.name][0, a:b] = activation(node.attr_dict["act"], gu[0, a:b]) * gu[0, half + a:half + b]
+
+
+def _rms_norm_1p(task, node, buf, ctx):
+    (buf[node.output.name][:],) = node.opdef.reference([buf[v.name] for v in node.inputs], node.attr_dict, ctx)
+
+
+def _geglu(task, node, buf, ctx):
+    a, b = _cols(task)
+    gu = buf[node.inputs[0].name]
+    half = node.output.shape[1]
+    buf[node.output.name][0, a:b] = gelu_tanh(gu[0, a:b]) * gu[0, half + a:half + b]
+
+
+def _elementwise(task, node, buf, ctx):
+    a, b = _cols(task)
+    buf[node.output.name][0, a:b] = ROW_FUNCTIONS[node.op](buf[node.inputs[0].name][0, a:b], node.attr_dict)
 
 
 def _add(task, node, buf, ctx):
@@ -255,7 +271,8 @@ for _op, _bodies in {
     "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
     "add_bias": {"add_bias": _add_bias}, "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
-    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add},
+    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add}, "rms_norm_1p": {"rms_norm_1p": _rms_norm_1p},
+    "geglu": {"geglu": _geglu}, "scale": {"scale": _elementwise}, "softcap": {"softcap": _elementwise},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
     "norm_linear": {"norm_linear": _norm_linear}, "norm_gate_up": {"norm_gate_up": _norm_gate_up},
     "linear_residual": {"linear_residual": _linear_residual},

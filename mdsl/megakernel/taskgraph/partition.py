@@ -2,9 +2,9 @@
 tiles; `build_task_graph` collects them and links them by events.
 
 Tiles per op (the `tile` entries a task body reads):
-* column ops (embedding, linear, add_bias, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
+* column ops (embedding, linear, add_bias, act_mul, geglu, scale, softcap, add, argmax.partial): `col_start`, `col_stop`, a range of
   output columns; widths chosen so that a wide op has at least `num_sms` tiles.
-* rms_norm: `row` (decode has one row: one task).
+* rms_norm, rms_norm_1p: `row` (decode has one row: one task).
 * head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
   heads, which are copied through).
 * attention.partial: `kv_head`, `split`, `splits`: one KV head's queries over one of `splits` ranges of
@@ -196,8 +196,14 @@ def _attention_tasks(node, config):
 def _act_mul_tasks(node, config):
     gu, out = node.inputs[0], node.output
     half = out.shape[1]
-    return [TaskSpec("act_mul", _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
+    return [TaskSpec(node.op, _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
                      (columns(out, a, b),)) for a, b in column_tiles(half, config)], []
+
+
+def _elementwise_tasks(node, config):
+    x = node.inputs[0]
+    return [TaskSpec(node.op, _col_tile(a, b), (columns(x, a, b),), (columns(node.output, a, b),))
+            for a, b in column_tiles(node.output.shape[1], config)], []
 
 
 def _add_tasks(node, config):
@@ -333,6 +339,7 @@ for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "scaled_attention": _attention_tasks, "rope_scaled_attention": _rope_scaled_attention_tasks,
+    "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
