@@ -235,3 +235,85 @@ def test_gemma2_config_errors(change, message):
 def test_gemma2_is_refused_for_the_gpu_naming_its_scaled_embedding():
     config, graph, weights = _gemma2()
     _refused(config, graph, weights, "scale", "scales a row by a constant", "x = m.scale(m.embedding(embed)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-MoE: top-k softmax routing over E experts; only the picked experts' weights are read
+
+def _qwen3_moe(**overrides):
+    return tiny_model("qwen3_moe", seed=1, **overrides)
+
+
+def _picked_experts(graph, weights) -> list:
+    """Per step, per layer, the experts the reference forward's router picks."""
+    routers = [n for n in graph.nodes if n.op == "moe_router"]
+    picked = []
+    reference = ReferenceModel(graph, weights)
+    from mdsl.megakernel.modelgraph.layers import StepContext
+    from mdsl.megakernel.modelgraph.reference import initial_states
+    states = initial_states(graph, PROMPT)
+    for pos in range(len(PROMPT) - 1 + STEPS):
+        values = {**reference.weights, **states}
+        for node in graph.nodes:
+            outs = node.opdef.reference([values[v.name] for v in node.inputs], node.attr_dict,
+                                        StepContext(pos, len(PROMPT)))
+            values.update({v.name: out for v, out in zip(node.outputs, outs)})
+        picked.append([tuple(np.flatnonzero(values[r.output.name].reshape(-1))) for r in routers])
+    return picked
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_runs_in_the_simulator_reading_only_the_picked_experts(norm_topk_prob):
+    config, graph, weights = _qwen3_moe(norm_topk_prob=norm_topk_prob)
+    assert [n.op for n in graph.nodes].count("moe_experts") == config.num_layers
+    _simulated_equals_reference(graph, weights, seed=7)
+    picked = _picked_experts(graph, weights)
+    assert all(len(layer) == config.experts_per_token for step in picked for layer in step)
+    assert len({layer for step in picked for layer in step}) > 3    # the choice changes with the token
+    expected = {}
+    for step in picked:
+        for layer, experts in enumerate(step):
+            for e in experts:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                    expected[name] = expected.get(name, 0) + weights[name].size * 4
+    for g in (graph, fuse(graph)):
+        sim = Simulator(build_task_graph(g, PARTITIONS[0]), weights)
+        sim.generate(PROMPT, STEPS, workers=3, seed=2)
+        read = {n: b for n, b in sim.weight_bytes_read.items() if ".mlp.experts." in n}
+        assert read == expected
+        # the router and the dense weights are read at every step
+        steps = len(PROMPT) - 1 + STEPS
+        assert sim.weight_bytes_read["model.layers.1.mlp.gate.weight"] == steps * weights[
+            "model.layers.1.mlp.gate.weight"].size * 4
+    # top_k of E experts' bytes per layer and step, not all E
+    per_expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+    assert sum(expected.values()) == steps * config.num_layers * config.experts_per_token * per_expert
+
+
+def test_qwen3_moe_dense_layers_and_routing():
+    config, graph, _ = _qwen3_moe(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert config.dense_layers == (0, 2, 3) and [config.sparse(i) for i in range(4)] == [False, True, False, False]
+    assert [n.op for n in graph.nodes].count("moe_experts") == 1
+    from mdsl.megakernel.modelgraph.layers import route
+    logits = np.array([0.5, 2.0, -1.0, 2.0, 1.0], np.float32)
+    r = route(logits, 2, True).reshape(-1)
+    assert list(np.flatnonzero(r)) == [1, 3] and np.isclose(r.sum(), 1.0)
+    p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    np.testing.assert_allclose(route(logits, 3, False).reshape(-1)[[1, 3, 4]], p[[1, 3, 4]], rtol=1e-6)
+
+
+def test_a_qwen3_moe_checkpoint_round_trips(tmp_path):
+    _, graph, weights = _qwen3_moe()
+    _round_trip(tmp_path, "qwen3_moe", graph, weights)
+
+
+def test_qwen3_moe_is_refused_for_the_gpu_and_over_ranks():
+    config, graph, weights = _qwen3_moe()
+    # the first op the device cannot run: the norm that only the router and the experts read
+    _refused(config, graph, weights, "rms_norm", "this norm feeds no projection",
+             'normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight"')
+    from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, NotOnDevice
+    assert all(isinstance(DEVICE_RULES[op], NotOnDevice) for op in ("moe_router", "moe_experts"))
+    with pytest.raises(UnsupportedError, match="moe_router .*mixture of experts is not split"):
+        tensor_parallel(graph, 2)

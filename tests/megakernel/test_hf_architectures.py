@@ -85,3 +85,26 @@ def test_gemma2_matches_transformers(tmp_path):
     loaded = _compare(tmp_path, tiny_config_dict("gemma2", num_hidden_layers=3, tie_word_embeddings=False))
     assert loaded.config.sliding_layers == (True, False, True)
     assert loaded.config.attn_softcap == 2.0 and loaded.config.final_softcap == 3.0
+
+
+def _per_expert_tensors(model) -> dict:
+    """transformers 5 holds a layer's experts as two stacked tensors; the Hub's checkpoints (and mdsl's
+    mapping) name each expert's gate, up and down weight."""
+    out = {}
+    for name, t in _checkpoint_tensors(model).items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = t[e, :inter], t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_matches_transformers(tmp_path, norm_topk_prob):
+    loaded = _compare(tmp_path, tiny_config_dict("qwen3_moe", norm_topk_prob=norm_topk_prob), _per_expert_tensors)
+    assert loaded.config.num_experts == 6 and loaded.config.experts_per_token == 2

@@ -1,5 +1,5 @@
 """Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Phi-3 (Phi3ForCausalLM),
-Gemma-2 (Gemma2ForCausalLM), Qwen2 / Qwen2.5
+Gemma-2 (Gemma2ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Qwen2 / Qwen2.5
 (Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ def _decoder(m, cfg: ModelConfig):
     """The decoder shared by Llama-3, Mistral, Phi-3, Qwen2 and Qwen3; Mistral's (and Phi-3's) attention reads a
     sliding window of positions, Phi-3's checkpoint holds the q|k|v and gate|up projections as one weight each
     (the fused rows are the q|k|v and gate|up rows), Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm
-    of each query and key head."""
+    of each query and key head, Qwen3-MoE a mixture of experts for the MLP of its sparse layers."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -45,6 +45,9 @@ def _decoder(m, cfg: ModelConfig):
             attn = m.attention(qkv, k_cache, v_cache, **heads)
         x = m.add(x, m.linear(attn, m.weight(p + "self_attn.o_proj.weight", [h, cfg.num_heads * d])))
         normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
+        if cfg.sparse(i):
+            x = m.add(x, _experts(m, cfg, normed, p))
+            continue
         if cfg.fused_projections:
             gate_up = m.linear(normed, m.weight(p + "mlp.gate_up_proj.weight", [2 * cfg.intermediate_size, h]))
         else:
@@ -55,6 +58,16 @@ def _decoder(m, cfg: ModelConfig):
     head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
     logits = m.linear(x, head)
     return logits
+
+
+def _experts(m, cfg: ModelConfig, normed, p: str):
+    """Qwen3-MoE's sparse MLP: the router picks experts_per_token of num_experts; only their weights are read."""
+    h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    routing = m.moe_router(normed, m.weight(p + "mlp.gate.weight", [e, h]), top_k=cfg.experts_per_token,
+                           norm_topk_prob=cfg.norm_topk_prob)
+    weights = [m.weight(p + f"mlp.experts.{k}.{proj}.weight", shape) for proj, shape in
+               (("gate_proj", [inter, h]), ("up_proj", [inter, h]), ("down_proj", [h, inter])) for k in range(e)]
+    return m.moe_experts(normed, routing, *weights, act=cfg.hidden_act)
 
 
 @model(name="llama3")
@@ -83,6 +96,12 @@ def qwen2_decode(m, cfg: ModelConfig):
 
 @model(name="qwen3")
 def qwen3_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="qwen3_moe")
+def qwen3_moe_decode(m, cfg: ModelConfig):
     logits = _decoder(m, cfg)
     return logits, m.argmax(logits)
 
@@ -128,7 +147,7 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
 
 
 STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "gemma2": gemma2_decode,
-                  "qwen2": qwen2_decode, "qwen3": qwen3_decode}
+                  "qwen2": qwen2_decode, "qwen3": qwen3_decode, "qwen3_moe": qwen3_moe_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

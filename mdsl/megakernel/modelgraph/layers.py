@@ -413,6 +413,73 @@ def softcap_row(x: np.ndarray, a: dict) -> np.ndarray:
 ROW_FUNCTIONS = {"scale": scale_row, "softcap": softcap_row}
 
 
+# a sparse mixture of experts (Qwen3-MoE): moe_router picks the top_k of E experts for the row (softmax over
+# the router's logits, the top_k probabilities renormalised with norm_topk_prob) as a routing row [1, E], zero
+# for the experts not picked; moe_experts sums routing[e] * down_e(act(gate_e x) * up_e x) over the picked
+# experts only (operands: x, the routing row, then E gate, E up and E down weights)
+
+def _moe_router_infer(types, a):
+    x, router = types
+    h = _require_row("moe_router", x, "the input")
+    if router.rank != 2 or router.shape[1] != h:
+        raise ShapeError(f"moe_router: the router weight must be [experts, {h}], got {router}")
+    if not 1 <= a["top_k"] <= router.shape[0]:
+        raise ShapeError(f"moe_router: top_k must be 1..{router.shape[0]} (the experts), got {a['top_k']}")
+    return (_row(router.shape[0]),)
+
+
+def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> np.ndarray:
+    """The routing row of the router's logits [E]: softmax, the top_k largest (the lower index on ties),
+    renormalised to sum to 1 with norm_topk_prob; zero elsewhere."""
+    z = logits.reshape(-1).astype(np.float32)
+    p = np.exp(z - z.max())
+    p = (p / p.sum()).astype(np.float32)
+    picked = np.argsort(-p, kind="stable")[:top_k]
+    out = np.zeros_like(p)
+    out[picked] = p[picked] / p[picked].sum() if norm_topk_prob else p[picked]
+    return out[None, :].astype(np.float32)
+
+
+def _moe_router_ref(xs, a, ctx):
+    x, router = xs
+    return [route(x.astype(np.float32) @ router.astype(np.float32).T, a["top_k"], a["norm_topk_prob"])]
+
+
+def expert_weights(weights, experts: int) -> tuple:
+    """moe_experts' weight operands as (gates, ups, downs), E of each."""
+    return weights[:experts], weights[experts:2 * experts], weights[2 * experts:]
+
+
+def _moe_experts_infer(types, a):
+    x, routing, *ws = types
+    h = _require_row("moe_experts", x, "the input")
+    experts = _require_row("moe_experts", routing, "the routing row")
+    if len(ws) != 3 * experts:
+        raise ShapeError(f"moe_experts: {experts} experts need {3 * experts} weights (gates, ups, downs), got {len(ws)}")
+    gates, ups, downs = expert_weights(ws, experts)
+    inter = gates[0].shape[0] if gates[0].rank == 2 else -1
+    for what, group, shape in (("gate", gates, (inter, h)), ("up", ups, (inter, h)), ("down", downs, (h, inter))):
+        for e, w in enumerate(group):
+            _require_float("moe_experts", w, f"expert {e}'s {what} weight")
+            _require_shape("moe_experts", w, f"expert {e}'s {what} weight", shape)
+    return (_row(h),)
+
+
+def expert_output(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: str) -> np.ndarray:
+    x = x.reshape(-1).astype(np.float32)
+    hidden = activation(act, x @ gate.astype(np.float32).T) * (x @ up.astype(np.float32).T)
+    return (hidden @ down.astype(np.float32).T).astype(np.float32)
+
+
+def _moe_experts_ref(xs, a, ctx):
+    x, routing, *ws = xs
+    gates, ups, downs = expert_weights(ws, routing.shape[1])
+    out = np.zeros(x.shape[1], np.float32)
+    for e in np.flatnonzero(routing.reshape(-1)):
+        out += routing[0, e] * expert_output(x, gates[e], ups[e], downs[e], a["act"])
+    return [out[None, :]]
+
+
 # argmax and sample: the next token, also written into the token history after the current position
 # (unless that position still holds a prompt token)
 
@@ -509,6 +576,12 @@ _layer("scale", 1, _row_infer("scale"), lambda xs, a, ctx: [scale_row(xs[0], a)]
        doc="x * factor (Gemma's embeddings times sqrt(hidden))")
 _layer("softcap", 1, _row_infer("softcap"), lambda xs, a, ctx: [softcap_row(xs[0], a)],
        (AttrSpec("cap", "float", minimum=1e-30),), doc="cap * tanh(x / cap) (Gemma-2's logit soft-capping)")
+_layer("moe_router", 2, _moe_router_infer, _moe_router_ref,
+       (AttrSpec("top_k", "int"), AttrSpec("norm_topk_prob", "bool", False)),
+       doc="the routing row [1, E]: softmax of x @ router.T, its top_k kept (renormalised with norm_topk_prob)")
+_layer("moe_experts", None, _moe_experts_infer, _moe_experts_ref, (_ACT,),
+       doc="sum over the experts the routing row picks of routing[e] * down_e(act(gate_e x) * up_e x); operands: "
+           "x, routing, E gate, E up, E down weights")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
 _layer("sample", 2, _token_infer("sample"), _sample_ref,

@@ -344,6 +344,14 @@ class ModelBuilder:
         """cap * tanh(x / cap)."""
         return self.apply("softcap", x, cap=cap)[0]
 
+    def moe_router(self, x: Var, router: Var, *, top_k: int, norm_topk_prob: bool = False) -> Var:
+        """The routing row [1, E]: the top_k of softmax(x @ router.T), zero elsewhere."""
+        return self.apply("moe_router", x, router, top_k=top_k, norm_topk_prob=norm_topk_prob)[0]
+
+    def moe_experts(self, x: Var, routing: Var, *weights: Var, act: str = "silu") -> Var:
+        """The picked experts' gated MLPs weighted by the routing row; weights: E gate, E up, E down."""
+        return self.apply("moe_experts", x, routing, *weights, act=act)[0]
+
     def add(self, x: Var, y: Var) -> Var:
         return self.apply("add", x, y)[0]
 

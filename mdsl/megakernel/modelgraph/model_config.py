@@ -1,5 +1,5 @@
 """Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
-Phi3ForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
+Phi3ForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -17,7 +17,8 @@ from mdsl.ir.dtypes import DType, bf16, f16, f32
 from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
-                 "Gemma2ForCausalLM": "gemma2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Gemma2ForCausalLM": "gemma2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 # the architectures whose config's sliding_window applies to every layer (Qwen2's only with use_sliding_window)
 _SLIDING_WINDOW = ("mistral", "phi3", "gemma2")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -72,10 +73,19 @@ class ModelConfig:
     attention_scale: float = 0.0             # scores times this (0: 1/sqrt(head_dim))
     attn_softcap: float = 0.0                # attention scores soft-capped (0: not)
     final_softcap: float = 0.0               # the logits soft-capped (0: not)
+    num_experts: int = 0                     # a sparse mixture of experts' E (0: dense MLPs)
+    experts_per_token: int = 0               # its top_k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple = ()                 # the layers with a dense MLP in a mixture-of-experts model
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "qwen3_moe")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def qkv_bias(self) -> bool:
@@ -227,7 +237,7 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
     if head_dim % 2:
         raise f.error("head_dim", "even (rotary embeddings turn pairs of dims)", head_dim)
     layers = f.integer("num_hidden_layers")
-    gemma = _gemma2(f, layers) if arch == "gemma2" else {}
+    gemma = _gemma2(f, layers) if arch == "gemma2" else _moe(f, layers) if arch == "qwen3_moe" else {}
     return ModelConfig(
         architecture=arch, vocab_size=f.integer("vocab_size"), hidden_size=hidden,
         intermediate_size=f.integer("intermediate_size"), num_layers=layers,
@@ -251,6 +261,21 @@ def _gemma2(f: _Fields, layers: int) -> dict:
     return {"sliding_layers": tuple(t == "sliding_attention" for t in types),
             "attention_scale": f.number("query_pre_attn_scalar", 256) ** -0.5,
             "attn_softcap": cap("attn_logit_softcapping"), "final_softcap": cap("final_logit_softcapping")}
+
+
+def _moe(f: _Fields, layers: int) -> dict:
+    """Qwen3-MoE's fields: E experts, top_k of them per token, their intermediate size, whether the top_k
+    probabilities are renormalised, and which layers keep a dense MLP (mlp_only_layers, decoder_sparse_step)."""
+    experts = f.integer("num_experts")
+    top_k = f.integer("num_experts_per_tok")
+    if top_k > experts:
+        raise f.error("num_experts_per_tok", f"at most num_experts ({experts})", top_k)
+    step, only = f.integer("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise f.error("mlp_only_layers", "a list of layer indices", only)
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": f.flag("norm_topk_prob"),
+            "moe_intermediate_size": f.integer("moe_intermediate_size"), "dense_layers": dense}
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:

@@ -306,6 +306,9 @@ for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", 
             "lm_head_argmax", "lm_head_sample"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
                                          "the split (layer_fusion.fuse)"))
+for _op in ("moe_router", "moe_experts"):
+    SHARD_RULES.register(_op, NotSharded("a mixture of experts is not split over ranks (neither by expert nor "
+                                         "within each expert's projections)"))
 for _op in ("all_reduce", "all_gather", "tp_argmax", "vocab_embedding"):
     SHARD_RULES.register(_op, NotSharded("the split makes it: it is already one rank's op"))
 

@@ -584,6 +584,9 @@ for _op, _reason in {
              "element-wise operator, and mdsl.ir.ops has exact GELU only)",
     "scale": "no device task body scales a row by a constant (the device's embedding copies the table row)",
     "softcap": "no device task body soft-caps a row (the LM head's epilogue passes its products through)",
+    "moe_router": "no device task body routes a row to experts (the top-k of a softmax over the router's logits)",
+    "moe_experts": "no device task body runs a mixture of experts (the experts a routing row picks, their weights "
+                   "read by the device's tasks only where picked)",
     "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
                 "bias operand)",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "

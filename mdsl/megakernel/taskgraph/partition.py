@@ -12,6 +12,8 @@ Tiles per op (the `tile` entries a task body reads):
   and value to the cache); writes per-split outputs and log-sum-exps to scratch.
   attention.combine: `kv_head`: merges the splits of one KV head's queries.
 * argmax.reduce, sample: no tile entries (one task over the partial results / all logits).
+* moe_router: `row` (one task). moe.up: `expert`, `col_start`, `col_stop`: hidden columns of one expert;
+  moe.down: `col_start`, `col_stop`: output columns summed over the experts the routing row picks.
 """
 from __future__ import annotations
 
@@ -206,6 +208,35 @@ def _elementwise_tasks(node, config):
             for a, b in column_tiles(node.output.shape[1], config)], []
 
 
+def moe_scratch(node) -> str:
+    """The scratch buffer of a moe_experts node: each expert's hidden row act(gate x) * up x, [E, inter]."""
+    return f"{node.output.name}.expert_hidden"
+
+
+def _moe_experts_tasks(node, config):
+    """moe.up: one expert's hidden columns (its gate and up rows); moe.down: output columns from every picked
+    expert's down rows. Every task reads the routing row: a task of an expert it does not pick reads none of
+    that expert's weights."""
+    x, routing, *ws = node.inputs
+    experts = routing.shape[1]
+    gates, ups, downs = ws[:experts], ws[experts:2 * experts], ws[2 * experts:]
+    inter = gates[0].shape[0]
+    hidden = moe_scratch(node)
+    specs = []
+    for e in range(experts):
+        for a, b in column_tiles(inter, config):
+            specs.append(TaskSpec("moe.up", (("expert", e), *_col_tile(a, b)),
+                                  (full(x), full(routing), *(Region(w.name, ((a, b), (0, w.shape[1])))
+                                                             for w in (gates[e], ups[e]))),
+                                  (Region(hidden, ((e, e + 1), (a, b))),)))
+    for a, b in column_tiles(node.output.shape[1], config):
+        specs.append(TaskSpec("moe.down", _col_tile(a, b),
+                              (full(routing), Region(hidden, ((0, experts), (0, inter))),
+                               *(Region(w.name, ((a, b), (0, inter))) for w in downs)),
+                              (columns(node.output, a, b),)))
+    return specs, [Buffer(hidden, TensorType((experts, inter), f32), SCRATCH)]
+
+
 def _add_tasks(node, config):
     x, y = node.inputs
     return [TaskSpec("add", _col_tile(a, b), (columns(x, a, b), columns(y, a, b)), (columns(node.output, a, b),))
@@ -339,6 +370,7 @@ for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "scaled_attention": _attention_tasks, "rope_scaled_attention": _rope_scaled_attention_tasks,
+    "moe_router": _row_tasks, "moe_experts": _moe_experts_tasks,
     "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
