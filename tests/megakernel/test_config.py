@@ -42,7 +42,7 @@ def test_hidden_act_names_an_operator(hidden_act, op):
 
 
 @pytest.mark.parametrize("change,error,words", [
-    ({"architectures": ["MistralForCausalLM"]}, UnsupportedError, "MistralForCausalLM"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, UnsupportedError, "GPTNeoXForCausalLM"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedError, "yarn"),
     ({"attention_bias": True}, UnsupportedError, "attention_bias"),
     ({"hidden_act": "gelu_pytorch_tanh"}, UnsupportedError, "gelu_pytorch_tanh"),

@@ -60,12 +60,18 @@ def test_every_layer_op_has_every_megakernel_rule():
 
 
 def _task_graphs():
-    for arch in ("llama3", "qwen2", "qwen3"):
+    for arch in ("llama3", "mistral", "phi3", "qwen2", "qwen3"):
         config, graph, _ = tiny_model(arch, num_attention_heads=8, num_key_value_heads=4)
         sampling = sampling_decode(arch, temperature=0.7, seed=1).trace(config)
-        for g in (graph, fuse(graph), sampling, fuse(sampling), tensor_parallel(graph, 2).graph,
-                  tensor_parallel(sampling, 2).graph):
+        split = () if config.fused_projections else (tensor_parallel(graph, 2).graph, tensor_parallel(sampling, 2).graph)
+        for g in (graph, fuse(graph), sampling, fuse(sampling), *split):
             yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
+    config, graph, _ = tiny_model("gemma2", num_attention_heads=8, num_key_value_heads=4)
+    for g in (graph, fuse(graph), tensor_parallel(graph, 2).graph):
+        yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
+    config, graph, _ = tiny_model("qwen3_moe")   # (not split over ranks)
+    for g in (graph, fuse(graph)):
+        yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
 
 
 def test_the_numpy_bodies_cover_every_task_kind_the_partitions_make():

@@ -1,9 +1,11 @@
-"""Tiny Llama-3, Qwen2 and Qwen3 configurations and random weights for the megakernel tests."""
+"""Tiny Llama-3, Mistral, Phi-3, Gemma-2, Qwen2, Qwen3 and Qwen3-MoE configurations and random weights for the megakernel tests."""
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import random_weights
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
-ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
@@ -14,6 +16,14 @@ def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
     if arch == "llama3":
         raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    if arch in ("mistral", "phi3"):
+        raw["sliding_window"] = 5 if arch == "mistral" else 7   # (decode runs well past it)
+    if arch == "gemma2":   # (soft-caps low enough to bend the tiny model's scores and logits)
+        raw.update(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=12,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=4)
+    if arch == "qwen3_moe":
+        raw.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                   mlp_only_layers=[], decoder_sparse_step=1)
     raw.update(overrides)
     return raw
 

@@ -1,7 +1,10 @@
-"""Built-in step functions: Llama-3 (LlamaForCausalLM), Qwen2 / Qwen2.5 (Qwen2ForCausalLM) and Qwen3
-(Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
+"""Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Phi-3 (Phi3ForCausalLM),
+Gemma-2 (Gemma2ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Qwen2 / Qwen2.5
+(Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
+
+import math
 
 from mdsl.errors import UnsupportedError
 from mdsl.megakernel.modelgraph.model import ModelFunction, model
@@ -9,8 +12,10 @@ from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
 def _decoder(m, cfg: ModelConfig):
-    """The decoder shared by Llama-3, Qwen2 and Qwen3; Qwen2 adds biases to the q|k|v projection, Qwen3 an
-    rms_norm of each query and key head."""
+    """The decoder shared by Llama-3, Mistral, Phi-3, Qwen2 and Qwen3; Mistral's (and Phi-3's) attention reads a
+    sliding window of positions, Phi-3's checkpoint holds the q|k|v and gate|up projections as one weight each
+    (the fused rows are the q|k|v and gate|up rows), Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm
+    of each query and key head, Qwen3-MoE a mixture of experts for the MLP of its sparse layers."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -18,9 +23,12 @@ def _decoder(m, cfg: ModelConfig):
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         normed = m.rms_norm(x, m.weight(p + "input_layernorm.weight", [h]), cfg.rms_norm_eps)
-        qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
-                       m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
-                       m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
+        if cfg.fused_projections:
+            qkv = m.linear(normed, m.weight(p + "self_attn.qkv_proj.weight", [(cfg.num_heads + 2 * cfg.num_kv_heads) * d, h]))
+        else:
+            qkv = m.linear(normed, m.weight(p + "self_attn.q_proj.weight", [cfg.num_heads * d, h]),
+                           m.weight(p + "self_attn.k_proj.weight", [cfg.num_kv_heads * d, h]),
+                           m.weight(p + "self_attn.v_proj.weight", [cfg.num_kv_heads * d, h]))
         if cfg.qkv_bias:
             biases = [m.weight(p + f"self_attn.{proj}.bias", [heads * d])
                       for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads),
@@ -31,11 +39,20 @@ def _decoder(m, cfg: ModelConfig):
                                   m.weight(p + "self_attn.k_norm.weight", [d]), eps=cfg.rms_norm_eps, **heads)
         qkv = m.rope(qkv, **heads, **cfg.rope.attrs())
         k_cache, v_cache = m.kv_cache(i, cfg.num_kv_heads, d)
-        attn = m.attention(qkv, k_cache, v_cache, **heads)
+        if cfg.sliding_window:
+            attn = m.scaled_attention(qkv, k_cache, v_cache, window=cfg.sliding_window, **heads)
+        else:
+            attn = m.attention(qkv, k_cache, v_cache, **heads)
         x = m.add(x, m.linear(attn, m.weight(p + "self_attn.o_proj.weight", [h, cfg.num_heads * d])))
         normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight", [h]), cfg.rms_norm_eps)
-        gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
-                           m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
+        if cfg.sparse(i):
+            x = m.add(x, _experts(m, cfg, normed, p))
+            continue
+        if cfg.fused_projections:
+            gate_up = m.linear(normed, m.weight(p + "mlp.gate_up_proj.weight", [2 * cfg.intermediate_size, h]))
+        else:
+            gate_up = m.linear(normed, m.weight(p + "mlp.gate_proj.weight", [cfg.intermediate_size, h]),
+                               m.weight(p + "mlp.up_proj.weight", [cfg.intermediate_size, h]))
         x = m.add(x, m.linear(m.act_mul(gate_up, cfg.hidden_act), m.weight(p + "mlp.down_proj.weight", [h, cfg.intermediate_size])))
     x = m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps)
     head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
@@ -43,8 +60,30 @@ def _decoder(m, cfg: ModelConfig):
     return logits
 
 
+def _experts(m, cfg: ModelConfig, normed, p: str):
+    """Qwen3-MoE's sparse MLP: the router picks experts_per_token of num_experts; only their weights are read."""
+    h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    routing = m.moe_router(normed, m.weight(p + "mlp.gate.weight", [e, h]), top_k=cfg.experts_per_token,
+                           norm_topk_prob=cfg.norm_topk_prob)
+    weights = [m.weight(p + f"mlp.experts.{k}.{proj}.weight", shape) for proj, shape in
+               (("gate_proj", [inter, h]), ("up_proj", [inter, h]), ("down_proj", [h, inter])) for k in range(e)]
+    return m.moe_experts(normed, routing, *weights, act=cfg.hidden_act)
+
+
 @model(name="llama3")
 def llama3_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="mistral")
+def mistral_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="phi3")
+def phi3_decode(m, cfg: ModelConfig):
     logits = _decoder(m, cfg)
     return logits, m.argmax(logits)
 
@@ -61,6 +100,43 @@ def qwen3_decode(m, cfg: ModelConfig):
     return logits, m.argmax(logits)
 
 
+@model(name="qwen3_moe")
+def qwen3_moe_decode(m, cfg: ModelConfig):
+    logits = _decoder(m, cfg)
+    return logits, m.argmax(logits)
+
+
+@model(name="gemma2")
+def gemma2_decode(m, cfg: ModelConfig):
+    """Gemma-2: embeddings times sqrt(hidden), RMSNorms scaled by (1 + weight) before and after attention and
+    the MLP, a GeGLU MLP (tanh-approximate GELU), queries scaled by query_pre_attn_scalar^-0.5, soft-capped
+    attention scores and logits, a sliding window on the layers layer_types names."""
+    h, d, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps
+    heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
+    embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
+    x = m.scale(m.embedding(embed), math.sqrt(h))
+    for i in range(cfg.num_layers):
+        def w(name: str, *shape: int):
+            return m.weight(f"model.layers.{i}.{name}.weight", list(shape))
+
+        qkv = m.linear(m.rms_norm_1p(x, w("input_layernorm", h), eps), w("self_attn.q_proj", cfg.num_heads * d, h),
+                       w("self_attn.k_proj", cfg.num_kv_heads * d, h), w("self_attn.v_proj", cfg.num_kv_heads * d, h))
+        k_cache, v_cache = m.kv_cache(i, cfg.num_kv_heads, d)
+        attn = m.scaled_attention(m.rope(qkv, **heads, **cfg.rope.attrs()), k_cache, v_cache, window=cfg.window(i),
+                                  scale=cfg.attention_scale, softcap=cfg.attn_softcap, **heads)
+        out = m.linear(attn, w("self_attn.o_proj", h, cfg.num_heads * d))
+        x = m.add(x, m.rms_norm_1p(out, w("post_attention_layernorm", h), eps))
+        gate_up = m.linear(m.rms_norm_1p(x, w("pre_feedforward_layernorm", h), eps),
+                           w("mlp.gate_proj", cfg.intermediate_size, h), w("mlp.up_proj", cfg.intermediate_size, h))
+        out = m.linear(m.geglu(gate_up), w("mlp.down_proj", h, cfg.intermediate_size))
+        x = m.add(x, m.rms_norm_1p(out, w("post_feedforward_layernorm", h), eps))
+    head = embed if cfg.tie_word_embeddings else m.weight("lm_head.weight", [cfg.vocab_size, h])
+    logits = m.linear(m.rms_norm_1p(x, m.weight("model.norm.weight", [h]), eps), head)
+    if cfg.final_softcap:
+        logits = m.softcap(logits, cfg.final_softcap)
+    return logits, m.argmax(logits)
+
+
 def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0, seed: int = 0) -> ModelFunction:
     """The built-in model of an architecture with seeded temperature/top-p sampling instead of argmax."""
     def step(m, cfg: ModelConfig):
@@ -70,7 +146,8 @@ def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "qwen2": qwen2_decode, "qwen3": qwen3_decode}
+STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "gemma2": gemma2_decode,
+                  "qwen2": qwen2_decode, "qwen3": qwen3_decode, "qwen3_moe": qwen3_moe_decode}
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:

@@ -269,13 +269,16 @@ def _attention_infer(types, a):
     return (_row(a["q_heads"] * a["head_dim"]),)
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray):
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float = 0.0, softcap: float = 0.0):
     """Softmax attention of q [G, D] over keys/values [T, D]: (output [G, D], log-sum-exp [G]); an empty
-    range gives zeros and -inf (a weight of zero in the combine)."""
+    range gives zeros and -inf (a weight of zero in the combine). Scores are scaled by `scale` (0:
+    1/sqrt(D)) and, with `softcap` > 0, soft-capped to softcap * tanh(score / softcap) (Gemma-2)."""
     g, d = q.shape
     if keys.shape[0] == 0:
         return np.zeros((g, d), np.float32), np.full(g, -np.inf, np.float32)
-    scores = (q.astype(np.float32) @ keys.astype(np.float32).T) * np.float32(1.0 / math.sqrt(d))
+    scores = (q.astype(np.float32) @ keys.astype(np.float32).T) * np.float32(scale or 1.0 / math.sqrt(d))
+    if softcap:
+        scores = (np.tanh(scores / np.float32(softcap)) * np.float32(softcap)).astype(np.float32)
     top = scores.max(axis=1, keepdims=True)
     p = np.exp(scores - top)
     total = p.sum(axis=1, keepdims=True)
@@ -293,6 +296,44 @@ def _attention_ref(xs, a, ctx):
     for h in range(a["kv_heads"]):
         rows = slice(h * group, (h + 1) * group)
         out[rows], _ = attend(q[rows], k_cache[:pos + 1, h], v_cache[:pos + 1, h])
+    return [out.reshape(1, -1)]
+
+
+# scaled_attention: attention over the last `window` positions only (Mistral's sliding window; 0: every
+# position), scores scaled by `scale` (0: 1/sqrt(head_dim); Gemma-2's query_pre_attn_scalar^-0.5) and
+# soft-capped by `softcap` (0: none; Gemma-2's attn_logit_softcapping)
+
+_ATTENTION_OPTIONS = (AttrSpec("window", "int", 0), AttrSpec("scale", "float", 0.0, minimum=0.0),
+                      AttrSpec("softcap", "float", 0.0, minimum=0.0))
+
+
+def _scaled_attention_infer(types, a):
+    if a["window"] < 0:
+        raise ShapeError(f"scaled_attention: window must be >= 0 (0: every position), got {a['window']}")
+    return _attention_infer(types, a)
+
+
+def window_start(a: dict, position: int) -> int:
+    """The first position attention at `position` reads: position - window + 1 (0 without a window)."""
+    window = a.get("window", 0)
+    return max(0, position - window + 1) if window else 0
+
+
+def attention_options(a: dict) -> dict:
+    """`attend`'s scale and softcap of an attention op's attributes (the defaults for plain attention)."""
+    return {"scale": a.get("scale", 0.0), "softcap": a.get("softcap", 0.0)}
+
+
+def _scaled_attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache = xs
+    q, k, v = split_heads(qkv.astype(np.float32), a)
+    pos = ctx.position
+    k_cache[pos], v_cache[pos] = k, v
+    group, lo = a["q_heads"] // a["kv_heads"], window_start(a, pos)
+    out = np.empty_like(q)
+    for h in range(a["kv_heads"]):
+        rows = slice(h * group, (h + 1) * group)
+        out[rows], _ = attend(q[rows], k_cache[lo:pos + 1, h], v_cache[lo:pos + 1, h], **attention_options(a))
     return [out.reshape(1, -1)]
 
 
@@ -329,6 +370,114 @@ def _add_infer(types, a):
 
 def _add_ref(xs, a, ctx):
     return [(xs[0].astype(np.float32) + xs[1].astype(np.float32)).astype(np.float32)]
+
+
+# Gemma-2's ops: rms_norm_1p (its norm scales by 1 + weight), geglu (its MLP's tanh-approximate GELU gate), and
+# two element-wise ops of a row: scale (its embeddings times sqrt(hidden)) and softcap (its final logits capped)
+
+def _rms_norm_1p_ref(xs, a, ctx):
+    x, w = xs
+    return [rms_normalize(x, np.float32(1.0) + w.astype(np.float32), a["eps"])]
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (transformers' gelu_pytorch_tanh), in float32."""
+    x = np.asarray(x, np.float32)
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))).astype(np.float32)
+
+
+def _geglu_ref(xs, a, ctx):
+    gu = xs[0].astype(np.float32)
+    half = gu.shape[1] // 2
+    return [(gelu_tanh(gu[:, :half]) * gu[:, half:]).astype(np.float32)]
+
+
+def _row_infer(name: str):
+    def infer(types, a):
+        return (_row(_require_row(name, types[0], "the input")),)
+
+    return infer
+
+
+def scale_row(x: np.ndarray, a: dict) -> np.ndarray:
+    return (x.astype(np.float32) * np.float32(a["factor"])).astype(np.float32)
+
+
+def softcap_row(x: np.ndarray, a: dict) -> np.ndarray:
+    cap = np.float32(a["cap"])
+    return (np.tanh(x.astype(np.float32) / cap) * cap).astype(np.float32)
+
+
+#: the element-wise ops of a row: op -> its function of (row, attrs)
+ROW_FUNCTIONS = {"scale": scale_row, "softcap": softcap_row}
+
+
+# a sparse mixture of experts (Qwen3-MoE): moe_router picks the top_k of E experts for the row (softmax over
+# the router's logits, the top_k probabilities renormalised with norm_topk_prob) as a routing row [1, E], zero
+# for the experts not picked; moe_experts sums routing[e] * down_e(act(gate_e x) * up_e x) over the picked
+# experts only (operands: x, the routing row, then E gate, E up and E down weights)
+
+def _moe_router_infer(types, a):
+    x, router = types
+    h = _require_row("moe_router", x, "the input")
+    if router.rank != 2 or router.shape[1] != h:
+        raise ShapeError(f"moe_router: the router weight must be [experts, {h}], got {router}")
+    if not 1 <= a["top_k"] <= router.shape[0]:
+        raise ShapeError(f"moe_router: top_k must be 1..{router.shape[0]} (the experts), got {a['top_k']}")
+    return (_row(router.shape[0]),)
+
+
+def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> np.ndarray:
+    """The routing row of the router's logits [E]: softmax, the top_k largest (the lower index on ties),
+    renormalised to sum to 1 with norm_topk_prob; zero elsewhere."""
+    z = logits.reshape(-1).astype(np.float32)
+    p = np.exp(z - z.max())
+    p = (p / p.sum()).astype(np.float32)
+    picked = np.argsort(-p, kind="stable")[:top_k]
+    out = np.zeros_like(p)
+    out[picked] = p[picked] / p[picked].sum() if norm_topk_prob else p[picked]
+    return out[None, :].astype(np.float32)
+
+
+def _moe_router_ref(xs, a, ctx):
+    x, router = xs
+    return [route(x.astype(np.float32) @ router.astype(np.float32).T, a["top_k"], a["norm_topk_prob"])]
+
+
+def expert_weights(weights, experts: int) -> tuple:
+    """moe_experts' weight operands as (gates, ups, downs), E of each."""
+    return weights[:experts], weights[experts:2 * experts], weights[2 * experts:]
+
+
+def _moe_experts_infer(types, a):
+    x, routing, *ws = types
+    h = _require_row("moe_experts", x, "the input")
+    experts = _require_row("moe_experts", routing, "the routing row")
+    if len(ws) != 3 * experts:
+        raise ShapeError(f"moe_experts: {experts} experts need {3 * experts} weights (gates, ups, downs), got {len(ws)}")
+    gates, ups, downs = expert_weights(ws, experts)
+    inter = gates[0].shape[0] if gates[0].rank == 2 else -1
+    for what, group, shape in (("gate", gates, (inter, h)), ("up", ups, (inter, h)), ("down", downs, (h, inter))):
+        for e, w in enumerate(group):
+            _require_float("moe_experts", w, f"expert {e}'s {what} weight")
+            _require_shape("moe_experts", w, f"expert {e}'s {what} weight", shape)
+    return (_row(h),)
+
+
+def expert_output(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: str) -> np.ndarray:
+    x = x.reshape(-1).astype(np.float32)
+    hidden = activation(act, x @ gate.astype(np.float32).T) * (x @ up.astype(np.float32).T)
+    return (hidden @ down.astype(np.float32).T).astype(np.float32)
+
+
+def _moe_experts_ref(xs, a, ctx):
+    x, routing, *ws = xs
+    gates, ups, downs = expert_weights(ws, routing.shape[1])
+    out = np.zeros(x.shape[1], np.float32)
+    for e in np.flatnonzero(routing.reshape(-1)):
+        out += routing[0, e] * expert_output(x, gates[e], ups[e], downs[e], a["act"])
+    return [out[None, :]]
 
 
 # argmax and sample: the next token, also written into the token history after the current position
@@ -412,10 +561,27 @@ _layer("rope", 1, _rope_infer, _rope_ref, (*_HEADS, *_ROPE_ATTRS),
        doc="rotary embedding of query and key heads at the current position")
 _layer("attention", 3, _attention_infer, _attention_ref, _HEADS, state_inputs=(1, 2),
        doc="append k, v to the cache; causal grouped-query attention over 0..position")
+_layer("scaled_attention", 3, _scaled_attention_infer, _scaled_attention_ref, (*_HEADS, *_ATTENTION_OPTIONS),
+       state_inputs=(1, 2), doc="attention (append k, v; grouped queries) over the last `window` positions (0: all), "
+                                "scores scaled by `scale` (0: 1/sqrt(head_dim)) and soft-capped by `softcap` (0: none)")
 _ACT = AttrSpec("act", "op", "silu")
 _layer("act_mul", 1, _act_mul_infer, _act_mul_ref, (_ACT,),
        doc="act(gate) * up over the gate|up row (a gated MLP; act: an element-wise operator, silu for SwiGLU)")
 _layer("add", 2, _add_infer, _add_ref, doc="element-wise sum (residual)")
+_layer("rms_norm_1p", 2, _rms_norm_infer, _rms_norm_1p_ref, (AttrSpec("eps", "float"),),
+       doc="x * rsqrt(mean(x^2) + eps) * (1 + w) over the row (Gemma's RMSNorm)")
+_layer("geglu", 1, _act_mul_infer, _geglu_ref,
+       doc="gelu_tanh(gate) * up over the gate|up row (Gemma's MLP, GELU's tanh approximation)")
+_layer("scale", 1, _row_infer("scale"), lambda xs, a, ctx: [scale_row(xs[0], a)], (AttrSpec("factor", "float"),),
+       doc="x * factor (Gemma's embeddings times sqrt(hidden))")
+_layer("softcap", 1, _row_infer("softcap"), lambda xs, a, ctx: [softcap_row(xs[0], a)],
+       (AttrSpec("cap", "float", minimum=1e-30),), doc="cap * tanh(x / cap) (Gemma-2's logit soft-capping)")
+_layer("moe_router", 2, _moe_router_infer, _moe_router_ref,
+       (AttrSpec("top_k", "int"), AttrSpec("norm_topk_prob", "bool", False)),
+       doc="the routing row [1, E]: softmax of x @ router.T, its top_k kept (renormalised with norm_topk_prob)")
+_layer("moe_experts", None, _moe_experts_infer, _moe_experts_ref, (_ACT,),
+       doc="sum over the experts the routing row picks of routing[e] * down_e(act(gate_e x) * up_e x); operands: "
+           "x, routing, E gate, E up, E down weights")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
 _layer("sample", 2, _token_infer("sample"), _sample_ref,
@@ -478,6 +644,17 @@ def _rope_attention_ref(xs, a, ctx):
     return _attention_ref([qkv, k_cache, v_cache], a, ctx)
 
 
+def _rope_scaled_attention_infer(types, a):
+    (qkv,) = _rope_infer(types[:1], a)
+    return _scaled_attention_infer((qkv, *types[1:]), a)
+
+
+def _rope_scaled_attention_ref(xs, a, ctx):
+    qkv, k_cache, v_cache = xs
+    (qkv,) = _rope_ref([qkv], a, ctx)
+    return _scaled_attention_ref([qkv, k_cache, v_cache], a, ctx)
+
+
 def _lm_head_infer(name: str):
     def infer(types, a):
         x, norm, head, tokens = types
@@ -506,6 +683,9 @@ _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,
        (*_HEADS, *_ROPE_ATTRS, AttrSpec("eps", "float", 0.0)), state_inputs=(1, 2),
        doc="optional q/k head rms_norm (weights as operands 4 and 5, eps), RoPE, the KV-cache append and attention")
+_layer("rope_scaled_attention", 3, _rope_scaled_attention_infer, _rope_scaled_attention_ref,
+       (*_HEADS, *_ROPE_ATTRS, *_ATTENTION_OPTIONS), state_inputs=(1, 2),
+       doc="RoPE, the KV-cache append and scaled_attention (a window, a query scale, soft-capped scores)")
 _layer("lm_head_argmax", 4, _lm_head_infer("argmax"), _lm_head_ref(_argmax_ref), (_EPS,), state_inputs=(3,),
        doc="(logits, token): rms_norm, the LM head and argmax, the token stored after the position")
 _layer("lm_head_sample", 4, _lm_head_infer("sample"), _lm_head_ref(_sample_ref), (_EPS, *_SAMPLING),

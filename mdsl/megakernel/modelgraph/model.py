@@ -318,9 +318,39 @@ class ModelBuilder:
     def attention(self, qkv: Var, k_cache: Var, v_cache: Var, **heads: int) -> Var:
         return self.apply("attention", qkv, k_cache, v_cache, **heads)[0]
 
+    def scaled_attention(self, qkv: Var, k_cache: Var, v_cache: Var, *, window: int = 0, scale: float = 0.0,
+                         softcap: float = 0.0, **heads: int) -> Var:
+        """Attention over the last `window` positions (0: all), scores scaled by `scale` (0: 1/sqrt(head_dim))
+        and soft-capped by `softcap` (0: none)."""
+        return self.apply("scaled_attention", qkv, k_cache, v_cache, window=window, scale=scale, softcap=softcap,
+                          **heads)[0]
+
     def act_mul(self, gate_up: Var, act: str = "silu") -> Var:
         """act(gate) * up over the gate|up row; `act` names an element-wise operator (mdsl.ir.ops)."""
         return self.apply("act_mul", gate_up, act=act)[0]
+
+    def rms_norm_1p(self, x: Var, weight: Var, eps: float) -> Var:
+        """rms_norm scaled by (1 + weight) (Gemma's RMSNorm)."""
+        return self.apply("rms_norm_1p", x, weight, eps=eps)[0]
+
+    def geglu(self, gate_up: Var) -> Var:
+        """gelu_tanh(gate) * up over the gate|up row."""
+        return self.apply("geglu", gate_up)[0]
+
+    def scale(self, x: Var, factor: float) -> Var:
+        return self.apply("scale", x, factor=factor)[0]
+
+    def softcap(self, x: Var, cap: float) -> Var:
+        """cap * tanh(x / cap)."""
+        return self.apply("softcap", x, cap=cap)[0]
+
+    def moe_router(self, x: Var, router: Var, *, top_k: int, norm_topk_prob: bool = False) -> Var:
+        """The routing row [1, E]: the top_k of softmax(x @ router.T), zero elsewhere."""
+        return self.apply("moe_router", x, router, top_k=top_k, norm_topk_prob=norm_topk_prob)[0]
+
+    def moe_experts(self, x: Var, routing: Var, *weights: Var, act: str = "silu") -> Var:
+        """The picked experts' gated MLPs weighted by the routing row; weights: E gate, E up, E down."""
+        return self.apply("moe_experts", x, routing, *weights, act=act)[0]
 
     def add(self, x: Var, y: Var) -> Var:
         return self.apply("add", x, y)[0]

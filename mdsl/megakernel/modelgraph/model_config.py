@@ -1,5 +1,5 @@
-"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM).
+"""Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
+Phi3ForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -16,7 +16,12 @@ from mdsl.errors import CheckpointError, DTypeError, UnsupportedError
 from mdsl.ir.dtypes import DType, bf16, f16, f32
 from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, shown
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+                 "Gemma2ForCausalLM": "gemma2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+# the architectures whose config's sliding_window applies to every layer (Qwen2's only with use_sliding_window)
+_SLIDING_WINDOW = ("mistral", "phi3", "gemma2")
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 _DTYPES = {"float32": f32, "float16": f16, "bfloat16": bf16}
 # transformers' ACT2FN names -> the mdsl operator computing the same function
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid"}
@@ -49,7 +54,7 @@ def _positions(n: Any) -> int:
 
 @attrs.frozen
 class ModelConfig:
-    architecture: str          # "llama3" | "qwen2" | "qwen3"
+    architecture: str          # a value of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,15 +68,38 @@ class ModelConfig:
     max_positions: int
     dtype: DType = f32
     hidden_act: str = "silu"   # the gated MLP's activation: an element-wise operator of mdsl.ir.ops
+    sliding_window: int = 0    # attention reads the last sliding_window positions (0: every position)
+    sliding_layers: Optional[tuple] = None   # per layer, whether the window applies (None: every layer's does)
+    attention_scale: float = 0.0             # scores times this (0: 1/sqrt(head_dim))
+    attn_softcap: float = 0.0                # attention scores soft-capped (0: not)
+    final_softcap: float = 0.0               # the logits soft-capped (0: not)
+    num_experts: int = 0                     # a sparse mixture of experts' E (0: dense MLPs)
+    experts_per_token: int = 0               # its top_k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple = ()                 # the layers with a dense MLP in a mixture-of-experts model
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "qwen3_moe")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def qkv_bias(self) -> bool:
         """Biases on the query, key and value projections (Qwen2's, which its config.json does not flag)."""
         return self.architecture == "qwen2"
+
+    @property
+    def fused_projections(self) -> bool:
+        """The checkpoint holds one qkv_proj and one gate_up_proj weight per layer (Phi-3's)."""
+        return self.architecture == "phi3"
+
+    def window(self, layer: int) -> int:
+        """The positions layer `layer`'s attention reads back (0: every position)."""
+        return self.sliding_window if self.sliding_layers is None or self.sliding_layers[layer] else 0
 
     def with_max_positions(self, n: int) -> "ModelConfig":
         """A shorter KV cache than the model allows (decode tests and small engines)."""
@@ -140,12 +168,18 @@ def _rope(f: _Fields) -> RopeConfig:
     scaling = f.mapping("rope_scaling")
     if not scaling.raw:
         scaling = params
+    for fields in (f, params):
+        if fields.raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedError(f"{f.source}: {fields.prefix}partial_rotary_factor "
+                                   f"{shown(fields.raw['partial_rotary_factor'])} is not supported",
+                                   hint="mdsl's rope turns every dimension of a head (partial_rotary_factor 1.0)")
     kind = scaling.text("rope_type", scaling.raw.get("type") or "default")
     if kind == "default":
         return RopeConfig(theta)
     if kind != "llama3":
         raise UnsupportedError(f"{f.source}: rope_scaling type {shown(kind)} is not supported",
-                               hint="mdsl supports plain rope_theta and rope_type 'llama3'")
+                               hint="mdsl supports plain rope_theta and rope_type 'llama3' (not Phi-3's 'longrope' "
+                                    "of its long-context variants)")
     low, high = scaling.number("low_freq_factor"), scaling.number("high_freq_factor")
     if not low < high:
         raise scaling.error("high_freq_factor", f"larger than low_freq_factor ({low})", high)
@@ -182,7 +216,14 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
         if f.flag(flag):
             raise UnsupportedError(f"{source}: {flag}=true is not supported", hint="mdsl's built-in models have no "
                                                                                   "biases and full attention")
-    act = f.text("hidden_act", "silu")
+    if arch == "gemma2":
+        act = f.text("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedError(f"{source}: hidden_activation {shown(act)} is not supported for Gemma-2",
+                                   hint="mdsl's Gemma-2 MLP computes gelu_pytorch_tanh (geglu)")
+        act = "silu"   # (unused: the Gemma-2 step function gates by geglu)
+    else:
+        act = f.text("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise UnsupportedError(f"{source}: hidden_act {shown(act)} is not supported",
                                hint=f"mdsl computes {', '.join(sorted(ACTIVATIONS))} (transformers' names)")
@@ -195,12 +236,46 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
     head_dim = f.integer("head_dim", hidden // heads)
     if head_dim % 2:
         raise f.error("head_dim", "even (rotary embeddings turn pairs of dims)", head_dim)
+    layers = f.integer("num_hidden_layers")
+    gemma = _gemma2(f, layers) if arch == "gemma2" else _moe(f, layers) if arch == "qwen3_moe" else {}
     return ModelConfig(
         architecture=arch, vocab_size=f.integer("vocab_size"), hidden_size=hidden,
-        intermediate_size=f.integer("intermediate_size"), num_layers=f.integer("num_hidden_layers"),
+        intermediate_size=f.integer("intermediate_size"), num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope=_rope(f), tie_word_embeddings=f.flag("tie_word_embeddings"),
-        max_positions=f.integer("max_position_embeddings"), dtype=_dtype(f), hidden_act=ACTIVATIONS[act])
+        max_positions=f.integer("max_position_embeddings"), dtype=_dtype(f), hidden_act=ACTIVATIONS[act],
+        sliding_window=f.integer("sliding_window") if arch in _SLIDING_WINDOW and raw.get("sliding_window") is not None
+        else 0, **gemma)
+
+
+def _gemma2(f: _Fields, layers: int) -> dict:
+    """Gemma-2's fields: query_pre_attn_scalar, the two soft-caps, and which layers' attention is windowed
+    (layer_types; by default every other layer from the first, as transformers')."""
+    types = f.get("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise f.error("layer_types", f"a list of {layers} entries, each one of {', '.join(_LAYER_TYPES)}", types)
+
+    def cap(key: str) -> float:
+        return f.number(key) if f.raw.get(key) is not None else 0.0
+
+    return {"sliding_layers": tuple(t == "sliding_attention" for t in types),
+            "attention_scale": f.number("query_pre_attn_scalar", 256) ** -0.5,
+            "attn_softcap": cap("attn_logit_softcapping"), "final_softcap": cap("final_logit_softcapping")}
+
+
+def _moe(f: _Fields, layers: int) -> dict:
+    """Qwen3-MoE's fields: E experts, top_k of them per token, their intermediate size, whether the top_k
+    probabilities are renormalised, and which layers keep a dense MLP (mlp_only_layers, decoder_sparse_step)."""
+    experts = f.integer("num_experts")
+    top_k = f.integer("num_experts_per_tok")
+    if top_k > experts:
+        raise f.error("num_experts_per_tok", f"at most num_experts ({experts})", top_k)
+    step, only = f.integer("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise f.error("mlp_only_layers", "a list of layer indices", only)
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": f.flag("norm_topk_prob"),
+            "moe_intermediate_size": f.integer("moe_intermediate_size"), "dense_layers": dense}
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:

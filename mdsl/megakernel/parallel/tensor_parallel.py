@@ -208,7 +208,7 @@ def qkv_layout(a: dict) -> Split:
 
 
 def _shard_heads(node, s):
-    """head_rms_norm, rope and attention: each rank works on its query heads and their KV heads."""
+    """head_rms_norm, rope and (scaled_)attention: each rank works on its query heads and their KV heads."""
     a = node.attr_dict
     qkv, *rest = node.inputs
     row, layout = s.local(qkv)
@@ -217,7 +217,7 @@ def _shard_heads(node, s):
                                "parallel projection", loc=node.loc)
     heads = {"q_heads": s.split(a["q_heads"], f"the {a['q_heads']} query heads", heads=True),
              "kv_heads": s.split(a["kv_heads"], f"the {a['kv_heads']} KV heads", heads=True)}
-    if node.op == "attention":
+    if node.op in ("attention", "scaled_attention"):
         caches = [s.state(c, (c.shape[0], heads["kv_heads"], c.shape[2])) for c in rest]
         return [(s.same(row, *caches, **heads), Split((a["q_heads"] * a["head_dim"],)))]
     return [(s.same(row, *(s.weight(w, None) for w in rest), **heads), layout)]
@@ -229,8 +229,14 @@ def _shard_act_mul(node, s):
         return [(s.same(row), REPLICATED)]
     if isinstance(layout, Split) and len(layout.parts) == 2 and layout.parts[0] == layout.parts[1]:
         return [(s.same(row), Split(layout.parts[:1]))]
-    raise UnsupportedError(f"act_mul reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
+    raise UnsupportedError(f"{node.op} reads {node.inputs[0].name} split as {layout}; it needs a gate|up row",
                            loc=node.loc)
+
+
+def _shard_elementwise(node, s):
+    """An element-wise op of a row, split as its operand is."""
+    row, layout = s.local(node.inputs[0])
+    return [(s.same(row), layout)]
 
 
 def _shard_add(node, s):
@@ -292,11 +298,17 @@ SHARD_RULES: RuleTable[ShardLowering] = RuleTable("tensor-parallel split", Shard
 for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "linear": _shard_linear,
                    "head_rms_norm": _shard_heads, "rope": _shard_heads, "attention": _shard_heads,
                    "act_mul": _shard_act_mul, "add": _shard_add, "argmax": _shard_argmax,
-                   "sample": _shard_sample, "add_bias": _shard_add_bias}.items():
+                   "sample": _shard_sample, "add_bias": _shard_add_bias, "scaled_attention": _shard_heads,
+                   "rms_norm_1p": _shard_rms_norm, "geglu": _shard_act_mul, "scale": _shard_elementwise,
+                   "softcap": _shard_elementwise}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
-for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "lm_head_argmax", "lm_head_sample"):
+for _op in ("norm_linear", "norm_gate_up", "linear_residual", "rope_attention", "rope_scaled_attention",
+            "lm_head_argmax", "lm_head_sample"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
                                          "the split (layer_fusion.fuse)"))
+for _op in ("moe_router", "moe_experts"):
+    SHARD_RULES.register(_op, NotSharded("a mixture of experts is not split over ranks (neither by expert nor "
+                                         "within each expert's projections)"))
 for _op in ("all_reduce", "all_gather", "tp_argmax", "vocab_embedding"):
     SHARD_RULES.register(_op, NotSharded("the split makes it: it is already one rank's op"))
 

@@ -575,6 +575,18 @@ for _op, _reason in {
             "it)",
     "attention": "the device's attention applies RoPE to its query and key heads (rope_attention); this attention "
                  "reads no rope",
+    "scaled_attention": "the device attends only after RoPE (rope_attention); this attention reads no rope",
+    "rope_scaled_attention": "the device's attention body (rope_attention) reads every position with scores scaled "
+                             "by 1/sqrt(head_dim); it has no sliding window, query scale or logit soft-capping",
+    "rms_norm_1p": "no device task body normalises by (1 + weight) (Gemma's RMSNorm); the device's norms scale by "
+                   "the weight itself",
+    "geglu": "no device task body computes GELU's tanh approximation (the gated MLP's epilogue takes an mdsl "
+             "element-wise operator, and mdsl.ir.ops has exact GELU only)",
+    "scale": "no device task body scales a row by a constant (the device's embedding copies the table row)",
+    "softcap": "no device task body soft-caps a row (the LM head's epilogue passes its products through)",
+    "moe_router": "no device task body routes a row to experts (the top-k of a softmax over the router's logits)",
+    "moe_experts": "no device task body runs a mixture of experts (the experts a routing row picks, their weights "
+                   "read by the device's tasks only where picked)",
     "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
                 "bias operand)",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "

@@ -6,7 +6,8 @@ the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse
 * rms_norm into the linear(s) that read it: `norm_linear` (q|k|v), `norm_gate_up` (with act(gate) * up),
   `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token);
 * a residual add into the linear it adds: `linear_residual` (o-proj, down-proj);
-* the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`.
+* the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`; RoPE and the append
+  into scaled_attention (a window, a query scale, soft-capping): `rope_scaled_attention`.
 
 Each fused op is a layer op of its own (layers.py: shape rule and reference; partition.py: tasks;
 numpy_bodies.py: task bodies). A rule of `FUSION_RULES` belongs to the op that anchors a pattern (linear,
@@ -95,12 +96,20 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
     return None
 
 
+_HEAD_ATTRS = ("q_heads", "kv_heads", "head_dim")
+
+
 def _fuse_rope(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
-    attention = uses.only_reader(node.output, ("attention",))
+    attention = uses.only_reader(node.output, ("attention", "scaled_attention"))
     if attention is None or attention[1].inputs[0] != node.output or \
-            any(pair not in node.attrs for pair in attention[1].attrs):   # heads as rope's
+            any(pair not in node.attrs for pair in attention[1].attrs if pair[0] in _HEAD_ATTRS):   # heads as rope's
         return None
     j, att = attention
+    if att.op == "scaled_attention":   # (its window, scale and softcap; no head norm folded)
+        options = tuple(pair for pair in att.attrs if pair[0] not in _HEAD_ATTRS)
+        fused = _fused("rope_scaled_attention", (node.inputs[0], *att.inputs[1:]), att.outputs,
+                       node.attrs + options, att)
+        return Fusion(fused, (index, j))
     qkv, replaces, norms, eps = node.inputs[0], [index, j], (), ()
     head_norm = uses.producing(qkv, "head_rms_norm")
     if head_norm is not None and uses.only_reader(qkv, ("rope",)) is not None and \

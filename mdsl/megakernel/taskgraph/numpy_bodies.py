@@ -12,10 +12,12 @@ import numpy as np
 
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, activation, attend, rms_normalize, rope_cos_sin,
-                                               rotate_heads, sample_token, sample_uniform, store_next_token)
-from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, split_range,
-                                                 weight_rows)
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options,
+                                               expert_weights, rms_normalize,
+                                               rope_cos_sin, gelu_tanh, rotate_heads, sample_token, sample_uniform,
+                                               store_next_token, window_start)
+from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, moe_scratch,
+                                                 split_range, weight_rows)
 
 
 def _cols(task) -> tuple:
@@ -86,7 +88,8 @@ def _attention_partial(task, node, buf, ctx):
     k_new = row[(hq + h) * d:(hq + h + 1) * d]
     v_new = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
     pos = ctx.position
-    start, stop = split_range(pos, s, splits)
+    lo = window_start(a, pos)
+    start, stop = (lo + p for p in split_range(pos - lo, s, splits))
     keys = buf[k_cache.name][start:stop, h].copy()
     values = buf[v_cache.name][start:stop, h].copy()
     if stop == pos + 1:   # the split holding this step's position: its key and value are new
@@ -95,7 +98,7 @@ def _attention_partial(task, node, buf, ctx):
         buf[k_cache.name][pos, h], buf[v_cache.name][pos, h] = k_new, v_new
     part_out, part_lse = attention_scratch(node)
     heads = slice(h * group, (h + 1) * group)
-    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, keys, values)
+    buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, keys, values, **attention_options(a))
 
 
 def _attention_combine(task, node, buf, ctx):
@@ -115,6 +118,51 @@ def _act_mul(task, node, buf, ctx):
     gu = buf[node.inputs[0].name]
     half = node.output.shape[1]
     buf[node.output.name][0, a:b] = activation(node.attr_dict["act"], gu[0, a:b]) * gu[0, half + a:half + b]
+
+
+def _geglu(task, node, buf, ctx):
+    a, b = _cols(task)
+    gu = buf[node.inputs[0].name]
+    half = node.output.shape[1]
+    buf[node.output.name][0, a:b] = gelu_tanh(gu[0, a:b]) * gu[0, half + a:half + b]
+
+
+def _elementwise(task, node, buf, ctx):
+    a, b = _cols(task)
+    buf[node.output.name][0, a:b] = ROW_FUNCTIONS[node.op](buf[node.inputs[0].name][0, a:b], node.attr_dict)
+
+
+def _by_reference(task, node, buf, ctx):
+    """A one-task op: its reference on the whole operands."""
+    outs = node.opdef.reference([buf[v.name] for v in node.inputs], node.attr_dict, ctx)
+    for v, out in zip(node.outputs, outs):
+        buf[v.name][:] = out
+
+
+def _picked(node, buf) -> np.ndarray:
+    return buf[node.inputs[1].name].reshape(-1)
+
+
+def _moe_up(task, node, buf, ctx):
+    e = task.tile_value("expert")
+    if _picked(node, buf)[e] == 0:     # not picked: none of its weights is read
+        return
+    a, b = _cols(task)
+    x, routing, *ws = node.inputs
+    gates, ups, _ = expert_weights(ws, routing.shape[1])
+    row = buf[x.name].reshape(-1).astype(np.float32)
+    buf[moe_scratch(node)][e, a:b] = activation(node.attr_dict["act"], row @ buf[gates[e].name][a:b].T) * \
+        (row @ buf[ups[e].name][a:b].T)
+
+
+def _moe_down(task, node, buf, ctx):
+    a, b = _cols(task)
+    routing = _picked(node, buf)
+    _, _, downs = expert_weights(node.inputs[2:], routing.size)
+    out = np.zeros(b - a, np.float32)
+    for e in np.flatnonzero(routing):
+        out += routing[e] * (buf[moe_scratch(node)][e] @ buf[downs[e].name][a:b].T)
+    buf[node.output.name][0, a:b] = out
 
 
 def _add(task, node, buf, ctx):
@@ -201,14 +249,16 @@ def _rope_attention_partial(task, node, buf, ctx):
 
     q_norm, k_norm = norms if norms else (None, None)
     q = prepare(row[h * group * d:(h + 1) * group * d].reshape(group, d), q_norm)
-    start, stop = chunked_split_range(pos, s, task.tile_value("splits"), task.tile_value("min_chunk"))
+    lo = window_start(a, pos)
+    start, stop = (lo + p for p in chunked_split_range(pos - lo, s, task.tile_value("splits"),
+                                                       task.tile_value("min_chunk")))
     if start <= pos < stop:   # this split holds the newest position: it appends the key and value
         buf[k_cache.name][pos, h] = prepare(row[(hq + h) * d:(hq + h + 1) * d].reshape(1, d), k_norm)[0]
         buf[v_cache.name][pos, h] = row[(hq + hkv + h) * d:(hq + hkv + h + 1) * d]
     part_out, part_lse = attention_scratch(node)
     heads = slice(h * group, (h + 1) * group)
     buf[part_out][s, heads], buf[part_lse][s, heads] = attend(q, buf[k_cache.name][start:stop, h],
-                                                               buf[v_cache.name][start:stop, h])
+                                                               buf[v_cache.name][start:stop, h], **attention_options(a))
 
 
 def _rope_attention_combine(task, node, buf, ctx):
@@ -251,12 +301,17 @@ for _op, _bodies in {
     "embedding": {"embedding": _embedding}, "rms_norm": {"rms_norm": _rms_norm}, "linear": {"linear": _linear},
     "add_bias": {"add_bias": _add_bias}, "head_rms_norm": {"head_rms_norm": _head_rms_norm}, "rope": {"rope": _rope},
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
-    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add},
+    "act_mul": {"act_mul": _act_mul}, "add": {"add": _add}, "rms_norm_1p": {"rms_norm_1p": _by_reference},
+    "moe_router": {"moe_router": _by_reference}, "moe_experts": {"moe.up": _moe_up, "moe.down": _moe_down},
+    "geglu": {"geglu": _geglu}, "scale": {"scale": _elementwise}, "softcap": {"softcap": _elementwise},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
     "norm_linear": {"norm_linear": _norm_linear}, "norm_gate_up": {"norm_gate_up": _norm_gate_up},
     "linear_residual": {"linear_residual": _linear_residual},
     "rope_attention": {"rope_attention.partial": _rope_attention_partial,
                        "rope_attention.combine": _rope_attention_combine},
+    "scaled_attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
+    "rope_scaled_attention": {"rope_attention.partial": _rope_attention_partial,
+                              "rope_attention.combine": _rope_attention_combine},
     "lm_head_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
     "lm_head_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
 }.items():

@@ -2,16 +2,18 @@
 tiles; `build_task_graph` collects them and links them by events.
 
 Tiles per op (the `tile` entries a task body reads):
-* column ops (embedding, linear, add_bias, act_mul, add, argmax.partial): `col_start`, `col_stop`, a range of
+* column ops (embedding, linear, add_bias, act_mul, geglu, scale, softcap, add, argmax.partial): `col_start`, `col_stop`, a range of
   output columns; widths chosen so that a wide op has at least `num_sms` tiles.
-* rms_norm: `row` (decode has one row: one task).
+* rms_norm, rms_norm_1p: `row` (decode has one row: one task).
 * head_rms_norm, rope: `head`, a head of the fused q|k|v row (query heads, then key heads, then value
   heads, which are copied through).
 * attention.partial: `kv_head`, `split`, `splits`: one KV head's queries over one of `splits` ranges of
-  positions 0..position, anchored at the position (the last split holds it and appends this step's key
+  positions 0..position (scaled_attention: of its window's positions), anchored at the position (the last split holds it and appends this step's key
   and value to the cache); writes per-split outputs and log-sum-exps to scratch.
   attention.combine: `kv_head`: merges the splits of one KV head's queries.
 * argmax.reduce, sample: no tile entries (one task over the partial results / all logits).
+* moe_router: `row` (one task). moe.up: `expert`, `col_start`, `col_stop`: hidden columns of one expert;
+  moe.down: `col_start`, `col_stop`: output columns summed over the experts the routing row picks.
 """
 from __future__ import annotations
 
@@ -196,8 +198,43 @@ def _attention_tasks(node, config):
 def _act_mul_tasks(node, config):
     gu, out = node.inputs[0], node.output
     half = out.shape[1]
-    return [TaskSpec("act_mul", _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
+    return [TaskSpec(node.op, _col_tile(a, b), (columns(gu, a, b), columns(gu, half + a, half + b)),
                      (columns(out, a, b),)) for a, b in column_tiles(half, config)], []
+
+
+def _elementwise_tasks(node, config):
+    x = node.inputs[0]
+    return [TaskSpec(node.op, _col_tile(a, b), (columns(x, a, b),), (columns(node.output, a, b),))
+            for a, b in column_tiles(node.output.shape[1], config)], []
+
+
+def moe_scratch(node) -> str:
+    """The scratch buffer of a moe_experts node: each expert's hidden row act(gate x) * up x, [E, inter]."""
+    return f"{node.output.name}.expert_hidden"
+
+
+def _moe_experts_tasks(node, config):
+    """moe.up: one expert's hidden columns (its gate and up rows); moe.down: output columns from every picked
+    expert's down rows. Every task reads the routing row: a task of an expert it does not pick reads none of
+    that expert's weights."""
+    x, routing, *ws = node.inputs
+    experts = routing.shape[1]
+    gates, ups, downs = ws[:experts], ws[experts:2 * experts], ws[2 * experts:]
+    inter = gates[0].shape[0]
+    hidden = moe_scratch(node)
+    specs = []
+    for e in range(experts):
+        for a, b in column_tiles(inter, config):
+            specs.append(TaskSpec("moe.up", (("expert", e), *_col_tile(a, b)),
+                                  (full(x), full(routing), *(Region(w.name, ((a, b), (0, w.shape[1])))
+                                                             for w in (gates[e], ups[e]))),
+                                  (Region(hidden, ((e, e + 1), (a, b))),)))
+    for a, b in column_tiles(node.output.shape[1], config):
+        specs.append(TaskSpec("moe.down", _col_tile(a, b),
+                              (full(routing), Region(hidden, ((0, experts), (0, inter))),
+                               *(Region(w.name, ((a, b), (0, inter))) for w in downs)),
+                              (columns(node.output, a, b),)))
+    return specs, [Buffer(hidden, TensorType((experts, inter), f32), SCRATCH)]
 
 
 def _add_tasks(node, config):
@@ -285,6 +322,19 @@ def _rope_attention_tasks(node, config):
     return specs, scratch
 
 
+def _rope_scaled_attention_tasks(node, config):
+    """rope_attention's tasks; a split's positions start at the window's first position, so each split may
+    read any cached position (its cache regions are whole)."""
+    specs, scratch = _rope_attention_tasks(node, config)
+    caches = {c.name: c for c in node.inputs[1:3]}
+
+    def whole(region: Region) -> Region:
+        return full(caches[region.buffer], dynamic=True) if region.buffer in caches else region
+
+    return [attrs.evolve(s, reads=tuple(map(whole, s.reads)), writes=tuple(map(whole, s.writes))) for s in specs], \
+        scratch
+
+
 def _lm_head_tasks(final_kind: str, reads_logits: bool):
     def rule(node, config):
         x, norm, head, tokens = node.inputs
@@ -319,6 +369,9 @@ TASK_RULES: RuleTable[TaskRule] = RuleTable("task-graph partition", TaskRule,
 for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
+    "scaled_attention": _attention_tasks, "rope_scaled_attention": _rope_scaled_attention_tasks,
+    "moe_router": _row_tasks, "moe_experts": _moe_experts_tasks,
+    "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),

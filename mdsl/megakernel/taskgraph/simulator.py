@@ -28,6 +28,20 @@ from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES
 from mdsl.megakernel.taskgraph.tasks import ACTIVATION, SCRATCH, WEIGHT, RegionIndex, TaskGraph
 
 
+class _Lookups:
+    """A task's view of the buffers that notes the names its body looks up."""
+
+    def __init__(self, buf: dict):
+        self.buf, self.names = buf, set()
+
+    def __getitem__(self, name: str):
+        self.names.add(name)
+        return self.buf[name]
+
+    def __setitem__(self, name: str, value) -> None:
+        self.buf[name] = value
+
+
 class SimulationError(MdslError):
     """The task graph broke the runtime's rules: a deadlock or a task run before its inputs."""
 
@@ -64,11 +78,17 @@ class Simulator:
         self.graph = graph
         self.model = graph.model
         self.weights = {b.name: np.asarray(weights[b.name], np.float32) for b in graph.buffers if b.kind == WEIGHT}
+        self._itemsize = {b.name: b.type.nbytes // max(1, b.type.numel) for b in graph.buffers if b.kind == WEIGHT}
         self.requirements = _requirements(graph)
         self.events = {e.id: e for e in graph.events}
         self.terminal = set(graph.terminal_tasks())
         self.bodies = [TASK_BODIES[self.model.nodes[t.node].op].bodies[t.kind] for t in graph.tasks]
         self.tasks_run = 0
+        # bytes of each weight read: a task's declared box of a weight, counted where its body looked the weight up
+        # (a mixture of experts' task reads no weight of an expert the routing row does not pick)
+        self.weight_bytes_read: dict = defaultdict(int)
+        self._weight_reads = [[(r.buffer, r.numel * self._itemsize[r.buffer]) for r in t.reads
+                               if r.buffer in self._itemsize] for t in graph.tasks]
 
     def _buffers(self, prompt_ids: Sequence[int]) -> dict:
         buf = dict(self.weights)
@@ -110,8 +130,12 @@ class Simulator:
             elif job[2] == "wait":
                 step, tid, _ = job
                 self._check_inputs(step, tid, done)
-                self.bodies[tid](self.graph.tasks[tid], self.model.nodes[self.graph.tasks[tid].node], buf,
+                lookups = _Lookups(buf)
+                self.bodies[tid](self.graph.tasks[tid], self.model.nodes[self.graph.tasks[tid].node], lookups,
                                  StepContext(step, len(prompt_ids)))
+                for name, nbytes in self._weight_reads[tid]:
+                    if name in lookups.names:
+                        self.weight_bytes_read[name] += nbytes
                 self.tasks_run += 1
                 if tid in self.terminal:
                     logits[step] = buf[self.model.logits.name].reshape(-1).copy()
