@@ -86,8 +86,8 @@ class CpuDevice:
         self._program = [(STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
                          for n in self.nodes]
         # past the last node that writes a KV cache only the rows whose logits are wanted are computed
-        self._narrow_at = 1 + max(i for i, n in enumerate(self.nodes)
-                                  if any(v.name in self.kv for v in n.inputs))
+        self._narrow_at = 1 + max((i for i, n in enumerate(self.nodes) if any(v.name in self.kv for v in n.inputs)),
+                                  default=-1)
         pool = self.state["pool"]
         pool["num_pages"], pool["page_size"], pool["free_count"] = shape.num_pages, shape.page_size, shape.num_pages
         self.state["free_pages"][:] = np.arange(shape.num_pages, dtype=np.int32)[::-1]   # page 0 on top
@@ -101,8 +101,8 @@ class CpuDevice:
         self._held = False
         self._stop = False
         self.error: Optional[BaseException] = None
-        # position -> logits rows, per request id, while `record_logits` (tests compare them)
-        # (every row's logits are computed then, not only those that sample)
+        # position -> logits rows, per request id, while `record_logits` (tests compare them); every row's
+        # logits are computed then, not only those of the rows that sample
         self.record_logits = False
         self.logits: dict = {}
         self._thread = threading.Thread(target=self._run, name="mdsl-cpu-device", daemon=True)

@@ -192,11 +192,12 @@ class LLM:
     max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the
     oldest first when they are more than the budget), then chunks of prompts, oldest first, each as long
     as the budget leaves, so that a long prompt spans several steps beside the decode tokens instead of
-    stalling them. The default, 256, is about where a step's linear layers stop being bound by reading the
-    weights and become bound by the tensor cores on a Hopper GPU (its bf16 FLOP/s over its HBM bytes/s is
-    about 200, and a step does 2 FLOP per weight element per token): fewer tokens leave the tensor cores
-    idle while a prompt is read, more lengthen every step that decode requests share with a prompt chunk.
-    It also exceeds the default max_batch, so every decode token runs at every step."""
+    stalling them. The default, 256, is the power of two just past the row count at which a step's linear
+    layers stop being bound by reading the weights and become bound by the tensor cores on a Hopper GPU: a
+    step does 2 FLOP per token on each 2-byte bf16 weight, i.e. as many FLOP per weight byte as it has
+    tokens, and an H200's bf16 FLOP/s over its HBM bytes/s is about 200. Fewer tokens leave the tensor
+    cores idle while a prompt is read; more lengthen every step that decode requests share with a prompt
+    chunk. It also exceeds the default max_batch, so every decode token runs at every step."""
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
