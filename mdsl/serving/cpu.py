@@ -1,11 +1,12 @@
 """The CPU device: the device side of the serving protocol in numpy, one step at a time in a thread.
 
 It does what the megakernel's in-kernel scheduler is specified to do (docs/design.md, "Serving"):
-cancel, grow pages (preempting the youngest request when the pool is empty), admit, run every running
-request one position, sample, stream, retire. Each request's position runs alone through the model
-graph's op references (mdsl.megakernel.modelgraph.layers) with its KV cache gathered from its pages, so its
-logits are bit-identical to `ReferenceModel`'s whatever else is in the batch: no batched matmul whose
-summation order could depend on the batch."""
+cancel, plan the step's tokens within its budget (every decode token, then chunks of prompts), give them
+pages (preempting the youngest request when the pool is empty), admit, run the step, sample, stream,
+retire. The step's tokens run as one forward over their rows (mdsl.serving.steprules): each linear a
+product over all the rows, each chunk's KV append at once, attention over each request's pages with the
+causal mask. Every row gets the bits its position gets alone in `ReferenceModel`, whatever else is in
+the step and however its prompt is chunked."""
 from __future__ import annotations
 
 import math
@@ -15,13 +16,13 @@ from typing import Callable, Optional
 import numpy as np
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.modelgraph.layers import StepContext
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.serving.params import ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, FREE, HAS_TOKEN, MAX_STOP, PREEMPTED, REASON_CANCELLED,
                                    REASON_LENGTH, REASON_NONE, REASON_STOP, RUNNING, SERVING, STOPPED,
                                    WAS_PREEMPTED, ServingShape, device_region, kv_pool_shape)
 from mdsl.serving.sampling import sample
+from mdsl.serving.steprules import STEP_RULES, StepBatch
 
 IDLE_WAIT_S = 0.05     # the longest an idle device sleeps between looks at the queue and the control words
 
@@ -56,6 +57,7 @@ def serving_nodes(graph: ModelGraph) -> tuple:
     caches = tuple(s for s in graph.states if s.name != TOKENS)
     names = {s.name for s in caches}
     for n in nodes:
+        STEP_RULES.lookup(n.op)
         for i in n.opdef.state_inputs:
             if n.inputs[i].name not in names:
                 raise UnsupportedError(f"layer op {n.op} updates {n.inputs[i].name}, which serving does not page",
@@ -80,10 +82,12 @@ class CpuDevice:
         region = device_region(shape)
         self.state = region.views(region.allocate())
         self.kv = {s.name: np.zeros(kv_pool_shape(shape, *s.shape[1:]), np.float32) for s in caches}
-        # per node: its reference, attributes, operand names, which operands are paged caches, result names
-        self._program = [(n.opdef.reference, n.attr_dict, [v.name for v in n.inputs],
-                          [i for i, v in enumerate(n.inputs) if v.name in self.kv], [v.name for v in n.outputs])
+        # per node: its step rule, attributes, operand names, result names
+        self._program = [(STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
                          for n in self.nodes]
+        # past the last node that writes a KV cache only the rows whose logits are wanted are computed
+        self._narrow_at = 1 + max((i for i, n in enumerate(self.nodes) if any(v.name in self.kv for v in n.inputs)),
+                                  default=-1)
         pool = self.state["pool"]
         pool["num_pages"], pool["page_size"], pool["free_count"] = shape.num_pages, shape.page_size, shape.num_pages
         self.state["free_pages"][:] = np.arange(shape.num_pages, dtype=np.int32)[::-1]   # page 0 on top
@@ -97,7 +101,8 @@ class CpuDevice:
         self._held = False
         self._stop = False
         self.error: Optional[BaseException] = None
-        # position -> logits rows, per request id, while `record_logits` (tests compare them)
+        # position -> logits rows, per request id, while `record_logits` (tests compare them); every row's
+        # logits are computed then, not only those of the rows that sample
         self.record_logits = False
         self.logits: dict = {}
         self._thread = threading.Thread(target=self._run, name="mdsl-cpu-device", daemon=True)
@@ -174,23 +179,24 @@ class CpuDevice:
         self._notify_host()
 
     def _step(self) -> bool:
-        entries, control = self.state["entries"], self.host["control"]
+        control = self.host["control"]
         self._tell_host = False
         worked = self._cancel()
-        if not self._grow_pages():     # a step that had to preempt admits nothing
-            worked = self._admit() or worked
-        running = np.flatnonzero(entries["state"] == RUNNING)
-        for e in running:
-            self._advance(int(e))
-        control["running"] = len(running)
-        if len(running):
+        plan, preempted = self._give_pages(self._plan(self._by_age(RUNNING), self.shape.max_tokens_per_step),
+                                           may_preempt=True)
+        if not preempted:              # a step that had to preempt admits nothing
+            worked = self._admit(plan) or worked
+        rows = self._run_step(plan)
+        control["running"], control["step_tokens"] = len(plan), rows
+        if plan:
             control["steps"] += 1
-            control["peak_running"] = max(int(control["peak_running"][0]), len(running))
+            control["tokens"] += rows
+            control["peak_running"] = max(int(control["peak_running"][0]), len(plan))
         control["free_pages"] = self.state["pool"]["free_count"][0]
         self._check_pool()
         if self._tell_host:
             self._notify_host()
-        return worked or len(running) > 0
+        return worked or len(plan) > 0
 
     # ---- the scheduler's parts
 
@@ -206,36 +212,65 @@ class CpuDevice:
                 found = True
         return found
 
-    def _grow_pages(self) -> bool:
-        """A page for every running request whose next position starts one, oldest first; when none is
-        free, the youngest running request is preempted (perhaps the one in need). Whether any was."""
-        entries, pool = self.state["entries"], self.state["pool"]
-        preempted = False
-        for e in self._by_age(RUNNING):
-            if entries["state"][e] != RUNNING or entries["context"][e] < entries["num_pages"][e] * self.shape.page_size:
-                continue
-            while pool["free_count"][0] == 0:
-                victim = self._by_age(RUNNING)[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim == e:
-                    break
-            if entries["state"][e] == RUNNING:
-                self._take_page(e)
-        return preempted
+    def _plan(self, candidates: list, budget: int) -> list:
+        """(entry, tokens) pairs for `candidates` (running entries, oldest first) within `budget` tokens:
+        every decode token first (an entry whose only known token to run is the one it sampled last), then
+        chunks of the others' known tokens (a prompt, or what a preempted request recomputes), oldest
+        first, each as long as the budget leaves."""
+        pending = {e: self._known(e) - int(self.state["entries"]["context"][e]) for e in candidates}
+        plan = []
+        for e in [e for e in candidates if pending[e] == 1] + [e for e in candidates if pending[e] > 1]:
+            n = min(pending[e], budget)
+            if n == 0:
+                break
+            plan.append((e, n))
+            budget -= n
+        return plan
 
-    def _admit(self) -> bool:
-        """Preempted requests (oldest first), then the queue in order, while an entry and the pages for
-        the request's known tokens are free; the first that cannot be admitted stops admission."""
+    def _give_pages(self, plan: list, may_preempt: bool) -> tuple:
+        """Pages for the planned tokens, oldest entry first: (the plan as it can run, whether it preempted).
+        A chunk whose pages cannot all be had shrinks to the positions its pages hold; an entry whose next
+        position has no page and finds none free preempts the youngest running entry (perhaps itself) when
+        `may_preempt`, and otherwise waits for a later step."""
+        entries, pool, ps = self.state["entries"], self.state["pool"], self.shape.page_size
+        granted, preempted = {}, False
+        for e, n in sorted(plan, key=lambda chunk: int(entries["arrival"][chunk[0]])):
+            while entries["state"][e] == RUNNING:
+                room = int(entries["num_pages"][e]) * ps - int(entries["context"][e])
+                if room >= n:
+                    break
+                if pool["free_count"][0]:
+                    self._take_page(e)
+                elif room or not may_preempt:
+                    n = room
+                    break
+                else:    # the victim is younger than every entry served before e: none of them loses its pages
+                    self._preempt(self._by_age(RUNNING)[-1])
+                    preempted = True
+            if entries["state"][e] == RUNNING and n:
+                granted[e] = n
+        return [(e, granted[e]) for e, _ in plan if e in granted], preempted
+
+    def _admit(self, plan: list) -> bool:
+        """Preempted requests (oldest first), then the queue in order, while an entry is free and the free
+        pages cover the request's known tokens; the first that cannot be admitted stops admission. Each
+        admitted request's first chunk joins `plan` within what the step's budget leaves."""
         entries, pool = self.state["entries"], self.state["pool"]
+        budget = self.shape.max_tokens_per_step - sum(n for _, n in plan)
         admitted = False
-        for e in self._by_age(PREEMPTED):
-            known = entries["request"]["prompt_len"][e] + entries["generated"][e]
-            if pool["free_count"][0] < self._pages_for(known):
-                return admitted
+
+        def start(e: int) -> None:
+            nonlocal budget, admitted
             entries["state"][e] = RUNNING
-            self._take_page(e)
+            chunk, _ = self._give_pages(self._plan([e], budget), may_preempt=False)
+            plan.extend(chunk)
+            budget -= sum(n for _, n in chunk)
             admitted = True
+
+        for e in self._by_age(PREEMPTED):
+            if pool["free_count"][0] < self._pages_for(self._known(e)):
+                return admitted
+            start(e)
         control, queue = self.host["control"], self.host["queue"]
         while True:
             k = int(control["queue_taken"][0])
@@ -255,25 +290,46 @@ class CpuDevice:
             e = int(free[0])
             entries["request"][e] = req
             entries["arrival"][e], entries["context"][e], entries["generated"][e] = k, 0, 0
-            entries["state"][e] = RUNNING
             n = int(req["prompt_len"])
             self.state["history"][e, :n] = self.host["prompts"][req["handle"], :n]
             control["queue_taken"] = k + 1             # the slot is copied: the host may reuse it
             self._tell_host = True
-            self._take_page(e)
-            admitted = True
+            start(e)
 
-    def _advance(self, e: int) -> None:
-        """Run entry e's next position; past its known tokens, sample and stream the next one."""
+    def _run_step(self, plan: list) -> int:
+        """Write the step (its header, chunks and rows), run it, advance each chunk's entry and sample where
+        a chunk ends at the entry's last known token. Returns the step's rows."""
+        entries, history = self.state["entries"], self.state["history"]
+        step, chunks, rows = self.state["step"], self.state["chunks"], self.state["rows"]
+        r = samples = 0
+        for c, (e, n) in enumerate(plan):
+            first = int(entries["context"][e])
+            sampled = int(first + n == self._known(e))
+            chunks[c] = (e, first, n, r, sampled, 0)
+            rows["token"][r:r + n] = history[e, first:first + n]
+            rows["position"][r:r + n] = np.arange(first, first + n)
+            rows["chunk"][r:r + n] = c
+            r, samples = r + n, samples + sampled
+        step["num_chunks"], step["num_rows"], step["num_samples"] = len(plan), r, samples
+        if not plan:
+            return 0
+        logits = self._forward(step[0], chunks[:len(plan)], rows[:r])
+        for e, first, n, row, sampled, _ in chunks[:len(plan)].tolist():
+            entries["context"][e] = first + n
+            if self.record_logits:
+                per = self.logits.setdefault(int(entries["request"]["request_id"][e]), {})
+                for i in range(n):
+                    per.setdefault(first + i, []).append(logits[row + i])
+            if sampled:
+                self._choose(e, logits[row + n - 1], first + n - 1)
+        return r
+
+    def _choose(self, e: int, logits: np.ndarray, pos: int) -> None:
+        """Entry e's next token from the logits at `pos`, its last known position: sample it, stream it,
+        and retire the entry on a stop token or at max_new_tokens."""
         entries = self.state["entries"]
         req = entries["request"][e]
-        pos, prompt_len, generated = int(entries["context"][e]), int(req["prompt_len"]), int(entries["generated"][e])
-        logits = self._forward(e, pos, prompt_len)
-        if self.record_logits:
-            self.logits.setdefault(int(req["request_id"]), {}).setdefault(pos, []).append(logits)
-        entries["context"][e] = pos + 1
-        if pos + 1 < prompt_len + generated:          # the next token is known: the prompt's, or one recomputed
-            return
+        generated = int(entries["generated"][e])
         token = sample(logits, temperature=float(req["temperature"]), top_k=int(req["top_k"]),
                        top_p=float(req["top_p"]), seed=int(req["seed"]), position=pos)
         self.state["history"][e, pos + 1] = token
@@ -288,24 +344,28 @@ class CpuDevice:
         if reason:
             self._release(e)
 
-    def _forward(self, e: int, pos: int, prompt_len: int) -> np.ndarray:
-        """The logits at `pos` of entry e: the graph's op references on this request's row alone, each KV
-        cache operand gathered from its pages (rows laid out as the contiguous cache's) and the row the op
-        writes at `pos` put back into its page."""
-        ps = self.shape.page_size
-        table = self.state["page_table"][e]
-        n, page, row = pos // ps + 1, table[pos // ps], pos % ps
-        ctx = StepContext(pos, prompt_len)
-        values = dict(self.weights)
-        values[TOKENS] = self.state["history"][e]
-        for reference, attrs, names, caches, results in self._program:
-            ins = [values[name] if i not in caches else
-                   self.kv[name][table[:n]].reshape(n * ps, *self.kv[name].shape[2:]) for i, name in enumerate(names)]
-            outs = reference(ins, attrs, ctx)
-            for i in caches:
-                self.kv[names[i]][page, row] = ins[i][pos]
+    def _forward(self, step, chunks, rows) -> dict:
+        """The step's forward over its rows: row -> logits, for the rows whose chunk samples there (every
+        row while `record_logits`). Each node's step rule takes all the rows at once; the KV cache operands
+        are the page pools, which the attention rule reads and appends through the chunks' page tables."""
+        batch = StepBatch(rows["token"].astype(np.int64), rows["position"].astype(np.int64),
+                          tuple(tuple(int(c[f]) for f in ("entry", "start", "count", "row")) for c in chunks),
+                          self.state["page_table"], self.shape.page_size)
+        keep = (np.arange(len(rows)) if self.record_logits else
+                (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1].astype(np.int64))
+        values = {**self.weights, **self.kv, TOKENS: batch.tokens}
+        produced: set = set()
+        for i, (rule, attrs, names, results) in enumerate(self._program):
+            if i == self._narrow_at and len(keep) < len(rows):
+                if not len(keep):
+                    return {}
+                values.update({name: values[name][keep] for name in produced})
+                batch = batch.rows(keep)
+            outs = rule([values[name] for name in names], attrs, batch)
             values.update(zip(results, outs))
-        return np.asarray(values[self.graph.logits.name], np.float32).reshape(-1)
+            produced.update(results)
+        logits = np.asarray(values[self.graph.logits.name], np.float32)
+        return dict(zip(keep.tolist(), logits))
 
     # ---- pages, entries, records
 
@@ -313,6 +373,11 @@ class CpuDevice:
         entries = self.state["entries"]
         found = np.flatnonzero(entries["state"] == state)
         return [int(e) for e in found[np.argsort(entries["arrival"][found], kind="stable")]]
+
+    def _known(self, e: int) -> int:
+        """Entry e's known tokens: its prompt and the tokens it produced."""
+        entries = self.state["entries"]
+        return int(entries["request"]["prompt_len"][e]) + int(entries["generated"][e])
 
     def _pages_for(self, tokens) -> int:
         return -(-int(tokens) // self.shape.page_size)

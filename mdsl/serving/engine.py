@@ -25,8 +25,8 @@ from mdsl.megakernel.modelgraph.checkpoint import load_model
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
-from mdsl.serving.protocol import (FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS, STATUSES, STOPPED,
-                                   WAS_PREEMPTED, ServingShape, host_region)
+from mdsl.serving.protocol import (DEFAULT_MAX_TOKENS_PER_STEP, FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS,
+                                   STATUSES, STOPPED, WAS_PREEMPTED, ServingShape, host_region)
 from mdsl.serving.tokenizer import Tokenizer
 
 PUMP_WAIT_S = 0.05      # the longest the host thread sleeps between looks at the ring
@@ -51,8 +51,9 @@ class RequestOutput:
 @attrs.frozen
 class ServingStats:
     """The device's control words (its status, steps run, preemptions, running requests in the last step
-    and at the peak, free pages), the requests published in the queue that the device has not taken yet,
-    and the requests the host holds back until the queue has room."""
+    and at the peak, free pages, token rows run in all steps and in the last), the requests published in
+    the queue that the device has not taken yet, and the requests the host holds back until the queue has
+    room."""
 
     status: str
 
@@ -64,6 +65,8 @@ class ServingStats:
     num_pages: int
     host_pending: int
     queued: int
+    tokens: int
+    step_tokens: int
 
 
 class RequestHandle:
@@ -184,10 +187,21 @@ class LLM:
     page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default
     the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
     by default enough for every batch slot at max_seq (nothing is ever preempted). device: "cpu" (numpy;
-    "gpu", the megakernel, is not built yet). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer)."""
+    "gpu", the megakernel, is not built yet). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
+
+    max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the
+    oldest first when they are more than the budget), then chunks of prompts, oldest first, each as long
+    as the budget leaves, so that a long prompt spans several steps beside the decode tokens instead of
+    stalling them. The default, 256, is the power of two just past the row count at which a step's linear
+    layers stop being bound by reading the weights and become bound by the tensor cores on a Hopper GPU: a
+    step does 2 FLOP per token on each 2-byte bf16 weight, i.e. as many FLOP per weight byte as it has
+    tokens, and an H200's bf16 FLOP/s over its HBM bytes/s is about 200. Fewer tokens leave the tensor
+    cores idle while a prompt is read; more lengthen every step that decode requests share with a prompt
+    chunk. It also exceeds the default max_batch, so every decode token runs at every step."""
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
-                 kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu"):
+                 kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
         if device == "gpu":
             raise UnsupportedError("the GPU serving device is not built yet",
                                    hint="use device='cpu'; MegakernelEngine runs one request at a time on a GPU")
@@ -195,6 +209,8 @@ class LLM:
             raise ServingError(f"device must be 'cpu' or 'gpu', got {device!r}")
         _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
         _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
+        _positive("max_tokens_per_step", max_tokens_per_step,
+                  f"the tokens a step runs (decode tokens plus prompt chunks), e.g. {DEFAULT_MAX_TOKENS_PER_STEP}")
         config = load_config(model_dir)
         if max_seq is None:
             max_seq = min(config.max_positions, DEFAULT_MAX_SEQ)
@@ -206,7 +222,7 @@ class LLM:
         self.config, self.model_dir = loaded.config, model_dir
         self.eos_token_ids = tuple(eos_token_ids(model_dir))
         num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
-        self.shape = ServingShape(max_batch, page_size, num_pages, max_seq)
+        self.shape = ServingShape(max_batch, page_size, num_pages, max_seq, max_tokens_per_step)
         region = host_region(self.shape)
         self._host = region.views(region.allocate())
         self.tokenizer = Tokenizer(model_dir)
@@ -278,8 +294,9 @@ class LLM:
         c = self._host["control"][0]
         with self._lock:
             pending, queued = len(self._pending), self._published - int(c["queue_taken"])
-        return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]), int(c["peak_running"]),
-                            int(c["free_pages"]), self.shape.num_pages, pending, queued)
+        return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]),
+                            int(c["peak_running"]), int(c["free_pages"]), self.shape.num_pages, pending, queued,
+                            int(c["tokens"]), int(c["step_tokens"]))
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what is unfinished, stop the device and the host thread."""

@@ -7,8 +7,9 @@ cannot disagree on a field's place. docs/design.md ("Serving") gives the protoco
 
 Host memory (pinned and device-mapped on a GPU; `host_region`): the control words, the request queue,
 the token ring, a cancel flag and a prompt row per request handle. Device memory (`device_region`):
-the batch's entries, their page tables and token histories, the page pool's free list. The KV pool
-itself is the model's (`kv_pool_shape`).
+the batch's entries, their page tables and token histories, the page pool's free list, and the step's
+work: its chunks (a run of consecutive positions of one request) and its token rows, which the
+scheduler writes and the compute tasks read. The KV pool itself is the model's (`kv_pool_shape`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ SCALARS = {"int": "<i4", "unsigned int": "<u4", "long long": "<i8", "unsigned lo
 REGION_ALIGN = 128               # every array of a region starts on its own 128-byte line (a GPU L2 line)
 
 MAX_STOP = 16                    # stop token ids per request (the user's, plus the checkpoint's EOS)
+DEFAULT_MAX_TOKENS_PER_STEP = 256   # the LLM's default token budget of a step (its docstring says why)
 
 # entry states (ENTRY.state)
 FREE, RUNNING, PREEMPTED = 0, 1, 2
@@ -147,10 +149,12 @@ CONTROL = Layout("Control", [
     Field("queue_taken", U64),       # queue slots the device has consumed: the host may reuse those
     Field("steps", U64),             # steps that ran at least one request
     Field("preemptions", U64),
+    Field("tokens", U64),            # token rows run (prompt, recomputed and decode positions), all steps
     Field("status", U32),            # STARTING | SERVING | STOPPED | FAILED
     Field("running", U32),           # entries that ran in the last step
     Field("peak_running", U32),
     Field("free_pages", U32),        # the pool's free pages after the last step
+    Field("step_tokens", U32),       # token rows of the last step (at most max_tokens_per_step)
 ], "the control block: the host's words, then the device's")
 
 ENTRY = Layout("Entry", [
@@ -168,17 +172,42 @@ POOL = Layout("Pool", [
     Field("pad", U32),
 ], "the KV page pool's header")
 
-LAYOUTS = (REQUEST, QUEUE_SLOT, RING_RECORD, CONTROL, ENTRY, POOL)
+STEP = Layout("Step", [
+    Field("num_chunks", U32),        # chunks[0 .. num_chunks): at most one per running entry
+    Field("num_rows", U32),          # rows[0 .. num_rows): the step's tokens, at most max_tokens_per_step
+    Field("num_samples", U32),       # chunks whose last row samples the entry's next token
+    Field("pad", U32),
+], "the step's header: the scheduler writes it, with chunks and rows, before the step's compute tasks")
+
+CHUNK = Layout("Chunk", [
+    Field("entry", U32),             # the entry (batch slot) whose positions these are
+    Field("start", U32),             # its first position: the entry's context before the step
+    Field("count", U32),             # positions start .. start + count - 1, one row each
+    Field("row", U32),               # its first row in the step's rows; its rows are consecutive
+    Field("sample", U32),            # 1: its last row's logits choose the entry's next token
+    Field("pad", U32),
+], "one request's run of consecutive positions in a step: one decode token, or a chunk of its prompt "
+   "(or of the known tokens it recomputes after a preemption)")
+
+STEP_ROW = Layout("StepRow", [
+    Field("token", I32),             # the token at that position (the entry's history)
+    Field("position", U32),          # its position in its sequence (RoPE's, the causal mask's)
+    Field("chunk", U32),             # its chunk's index in chunks
+], "one token row of a step: a row of every linear's GEMM over the step's tokens")
+
+LAYOUTS = (REQUEST, QUEUE_SLOT, RING_RECORD, CONTROL, ENTRY, POOL, STEP, CHUNK, STEP_ROW)
 
 
 @attrs.frozen
 class ServingShape:
-    """The sizes both sides agree on: batch slots, pages, positions, queue and ring capacities."""
+    """The sizes both sides agree on: batch slots, pages, positions, the step's token budget, queue and
+    ring capacities."""
 
     max_batch: int
     page_size: int
     num_pages: int
     max_seq: int
+    max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP
 
     @property
     def queue_slots(self) -> int:
@@ -277,6 +306,9 @@ def device_region(shape: ServingShape) -> Region:
         Array("history", I32, (shape.max_batch, shape.max_seq)),  # prompt and produced tokens per entry
         Array("pool", POOL, (1,)),
         Array("free_pages", I32, (shape.num_pages,)),
+        Array("step", STEP, (1,)),
+        Array("chunks", CHUNK, (shape.max_batch,)),
+        Array("rows", STEP_ROW, (shape.max_tokens_per_step,)),
     ])
 
 
@@ -296,7 +328,7 @@ def c_declarations(shape: ServingShape) -> str:
                  "STATUS_STOPPED": STOPPED, "STATUS_FAILED": FAILED, "MAX_BATCH": shape.max_batch,
                  "PAGE_SIZE": shape.page_size, "NUM_PAGES": shape.num_pages, "SERVE_MAX_SEQ": shape.max_seq,
                  "QUEUE_SLOTS": shape.queue_slots, "RING_RECORDS": shape.ring_records, "HANDLES": shape.handles,
-                 "PAGES_PER_REQUEST": shape.pages_per_request}
+                 "PAGES_PER_REQUEST": shape.pages_per_request, "MAX_TOKENS_PER_STEP": shape.max_tokens_per_step}
     parts = [f"constexpr long long {k} = {v};" for k, v in constants.items()]
     parts += [layout.c_struct() for layout in LAYOUTS]
     parts += [host_region(shape).c_offsets(), device_region(shape).c_offsets()]

@@ -14,6 +14,7 @@ from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from tests.megakernel.tiny import tiny_config_dict
 
 POSITIONS = 64
+LONG_POSITIONS = 320        # prompts of up to 300 tokens and their new tokens
 
 
 @attrs.frozen(eq=False)
@@ -27,8 +28,8 @@ class Checkpoint:
         return ReferenceModel(self.graph, self.weights)
 
 
-def write_checkpoint(folder, arch: str, seed: int = 0) -> Checkpoint:
-    raw = tiny_config_dict(arch, max_position_embeddings=POSITIONS)
+def write_checkpoint(folder, arch: str, seed: int = 0, positions: int = POSITIONS) -> Checkpoint:
+    raw = tiny_config_dict(arch, max_position_embeddings=positions)
     config = config_from_dict(raw)
     graph = step_function(config).trace(config)
     weights = random_weights(graph, seed, scale=0.3)
@@ -39,6 +40,12 @@ def write_checkpoint(folder, arch: str, seed: int = 0) -> Checkpoint:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict:
     return {arch: write_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ("llama3", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def long_checkpoints(tmp_path_factory) -> dict:
+    return {arch: write_checkpoint(tmp_path_factory.mktemp(f"{arch}-long"), arch, positions=LONG_POSITIONS)
+            for arch in ("llama3", "qwen3")}
 
 
 def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
