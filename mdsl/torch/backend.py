@@ -1,41 +1,102 @@
 """The dynamo backend `torch.compile(model, backend="mdsl")`.
 
 Dynamo hands the backend a graph of torch calls; AOTAutograd (`aot_autograd`) turns it into a functional
-graph of aten operators with example values, which `mdsl.torch.regions.partition` cuts into mdsl regions.
-Each region runs as an mdsl kernel (its optimized plan on CUDA tensors, the reference interpreter on CPU
-tensors); every other node runs as torch's own eager operator. A backward pass, where inputs need
-gradients, runs as torch's own operators too: mdsl computes forward passes only.
+graph of aten operators with example values, which `mdsl.torch.regions.partition` cuts into mdsl regions,
+each called as a torch operator (its optimized plan on CUDA tensors, the reference interpreter on CPU
+tensors). Inductor (`torch._inductor.compile_fx.compile_fx`) compiles the graph that calls them: it fuses
+the operators mdsl leaves (layer norm, fused attention, integer ops) and calls each region as an opaque
+extern kernel. Where Inductor fails on a graph, or there is nothing left for it to compile, the graph
+runs as torch's eager operators, and `mdsl.torch.explain` says so. A backward pass, where inputs need
+gradients, runs as torch's eager operators: mdsl computes forward passes only.
+
+A symbolic dim (torch.compile's default dynamic shapes make a dim symbolic when a second size arrives)
+that is the leading dim of every region tensor it appears in leaves the region in mdsl: the region's
+kernel is traced per size at run time, so that one compiled graph serves every batch size.
 """
 from __future__ import annotations
 
+import copy
+import operator
+import time
+import warnings
 from typing import Callable, Optional
 
+import attrs
+import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from mdsl.search.config import SearchConfig
-from mdsl.torch.regions import partition
+from mdsl.torch.regions import _computes_tensors, partition
 
 #: The search a region's kernel runs on its first CUDA call (the plan cache answers later ones): short,
 #: since a model has many regions; `compiler(search=...)` asks for a longer one.
 DEFAULT_SEARCH = SearchConfig(budget_s=30.0, work=2_000)
 
 
+@attrs.frozen
+class Handoff:
+    """What compiled the part of a graph that mdsl's regions leave: "inductor" or "eager" (torch's own
+    operators, with the reason in `reason`), the number of operators it got, and its compile time."""
+
+    compiler: str
+    ops: int
+    seconds: float
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.compiler == "inductor":
+            return f"Inductor compiled {self.ops} op(s) around the regions in {self.seconds:.3g} s"
+        return f"{self.ops} op(s) run as torch's eager operators: {self.reason}"
+
+
 def _eager(gm, example_inputs):
     return make_boxed_func(gm.forward)
 
 
-def compiler(search: Optional[SearchConfig] = None, *, on_graph: Optional[Callable] = None) -> Callable:
-    """A dynamo backend whose regions are searched with `search` (default `DEFAULT_SEARCH`);
-    `on_graph(partitioned)` sees each aten graph's `mdsl.torch.regions.Partitioned` (what `explain` reads).
+def _left_ops(gm) -> int:
+    """The graph's operators that compute tensors outside mdsl's regions."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+               and "mdsl_region" not in n.meta and _computes_tensors(n))
+
+
+def _hand_off(gm, example_inputs, inductor: bool):
+    """The compiled graph (a boxed function) and its `Handoff`."""
+    ops = _left_ops(gm)
+    if not inductor:
+        return make_boxed_func(gm.forward), Handoff("eager", ops, 0.0, "compiled with inductor=False")
+    if ops == 0:
+        return make_boxed_func(gm.forward), Handoff("eager", ops, 0.0, "mdsl's regions compute the whole graph")
+    from torch._inductor.compile_fx import compile_fx
+
+    fallback = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    start = time.perf_counter()
+    try:
+        compiled = compile_fx(gm, example_inputs)
+    except Exception as e:   # Inductor's own failure, on a graph eager torch runs: the documented fallback
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        reason = f"Inductor failed ({type(e).__name__}: {message})"
+        warnings.warn(f"mdsl backend: {reason}; the operators mdsl leaves run as torch's eager operators",
+                      stacklevel=2)
+        return make_boxed_func(fallback.forward), Handoff("eager", ops, 0.0, reason)
+    return make_boxed_func(compiled), Handoff("inductor", ops, time.perf_counter() - start)
+
+
+def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True,
+             on_graph: Optional[Callable] = None) -> Callable:
+    """A dynamo backend whose regions are searched with `search` (default `DEFAULT_SEARCH`) and whose
+    other operators Inductor compiles (`inductor=False`: torch's eager operators run them, which skips
+    Inductor's C++/Triton compile); `on_graph(partitioned)` sees each aten graph's
+    `mdsl.torch.regions.Partitioned` with its `Handoff` (what `explain` reads).
     `torch.compile(model, backend="mdsl")` is `compiler()`."""
     config = DEFAULT_SEARCH if search is None else search
 
     def forward(gm, example_inputs):
         partitioned = partition(gm, config)
+        compiled, handoff = _hand_off(partitioned.module, example_inputs, inductor)
         if on_graph is not None:
-            on_graph(partitioned)
-        return make_boxed_func(partitioned.module.forward)
+            on_graph(attrs.evolve(partitioned, handoff=handoff))
+        return compiled
 
     def backend(gm, example_inputs, **kwargs):
         return aot_autograd(fw_compiler=forward, bw_compiler=_eager)(gm, example_inputs, **kwargs)

@@ -10,6 +10,10 @@ CPU tensors the reference interpreter.
 An operator's name is the kernel's name and a digest of where it is defined (module, qualified name,
 parameters), so that it is the same in every process that defines the kernel the same way; another
 kernel of the same name and digest (a kernel defined again) gets a numbered name of its own.
+
+The "mdsl" backend's regions are operators of this library too (`region_op`): `region_<digest>(Tensor[]
+tensors, SymInt[] sizes) -> Tensor[]`, named by a digest of what the region computes, so that Inductor
+(whose compiled graphs are cached across processes) calls them as opaque extern kernels.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from mdsl.torch.dtypes import host_results, torch_dtype
 _LIBRARY = torch.library.Library("mdsl", "FRAGMENT")
 #: op name -> the CustomOp registered under it
 _REGISTERED: dict = {}
+#: region op name -> the callable its CPU and CUDA implementations run (the latest region of that digest)
+_REGIONS: dict = {}
 
 
 class CustomOp:
@@ -97,3 +103,17 @@ def custom_op(kernel: KernelFunction) -> CustomOp:
     torch.library.register_fake(f"mdsl::{name}", _fake(kernel), lib=_LIBRARY)
     op = _REGISTERED[name] = CustomOp(kernel, name)
     return op
+
+
+def region_op(name: str, run, fake):
+    """The operator `torch.ops.mdsl.<name>(tensors, sizes)` (a region of the "mdsl" backend): `run(tensors,
+    sizes)` computes its results, `fake(tensors, sizes)` their shapes and dtypes. A name is a digest of
+    what the region computes, so that a region defined again (a model compiled again) reuses its operator."""
+    if name not in _REGIONS:
+        _LIBRARY.define(f"{name}(Tensor[] tensors, SymInt[] sizes) -> Tensor[]")
+        _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CPU")
+        _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CUDA")
+        torch.library.register_fake(f"mdsl::{name}", lambda tensors, sizes: list(_REGIONS[name][1](tensors, sizes)),
+                                    lib=_LIBRARY)
+    _REGIONS[name] = (run, fake)
+    return getattr(torch.ops.mdsl, name).default

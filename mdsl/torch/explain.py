@@ -51,12 +51,13 @@ class LeftToTorch:
 
 @attrs.frozen
 class Report:
-    """The regions of every graph the backend received, and the operators left to torch (what keeps the
-    regions apart)."""
+    """The regions of every graph the backend received, the operators left to torch (what keeps the
+    regions apart), and what compiled them in each graph (`handoffs`: `mdsl.torch.backend.Handoff`s)."""
 
     graphs: int
     regions: tuple
     left_to_torch: tuple
+    handoffs: tuple = ()
 
     def __str__(self) -> str:
         lines = [f"mdsl backend: {self.graphs} graph(s), {len(self.regions)} mdsl region(s), "
@@ -65,16 +66,18 @@ class Report:
         if self.left_to_torch:
             lines.append("left to torch:")
             lines += [f"    {o}" for o in self.left_to_torch]
+        lines += [f"graph {k}: {h}" if self.graphs > 1 else str(h) for k, h in enumerate(self.handoffs)]
         return "\n".join(lines)
 
 
-def explain(model, *inputs, search: Optional[SearchConfig] = None, **kwargs) -> Report:
-    """Compile `model` (a module or function) with the "mdsl" backend, run it once on `inputs` (and keyword
-    `kwargs`) without gradients, and report its regions with their plans (searched with `search`, default
-    the backend's) and the operators left to torch with the reason for each."""
+def explain(model, *inputs, search: Optional[SearchConfig] = None, inductor: bool = True, **kwargs) -> Report:
+    """Compile `model` (a module or function) with the "mdsl" backend (`inductor` as in
+    `mdsl.torch.compiler`), run it once on `inputs` (and keyword `kwargs`) without gradients, and report
+    its regions with their plans (searched with `search`, default the backend's), the operators left to
+    torch with the reason for each, and what compiled those."""
     config = DEFAULT_SEARCH if search is None else search
     graphs: list = []
-    compiled = torch.compile(model, backend=compiler(config, on_graph=graphs.append))
+    compiled = torch.compile(model, backend=compiler(config, inductor=inductor, on_graph=graphs.append))
     with torch.no_grad():
         compiled(*inputs, **kwargs)
     regions = []
@@ -88,4 +91,5 @@ def explain(model, *inputs, search: Optional[SearchConfig] = None, **kwargs) -> 
                 plan.cost.launches, plan.original_cost.seconds, plan.cost.seconds, plan.provisional))
     left = Counter(entry for partitioned in graphs for entry in partitioned.left.values())
     return Report(len(graphs), tuple(regions),
-                  tuple(LeftToTorch(aten, reason, n) for (aten, reason), n in sorted(left.items())))
+                  tuple(LeftToTorch(aten, reason, n) for (aten, reason), n in sorted(left.items())),
+                  tuple(partitioned.handoff for partitioned in graphs))

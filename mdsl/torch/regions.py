@@ -1,18 +1,25 @@
 """FX graphs of aten operators cut into regions that mdsl computes, and each region as an mdsl kernel.
 
 A node is supported when the mapping table (`mdsl.torch.aten`) has its overload, every tensor it reads
-and writes is an f16/bf16/f32 tensor of static shape and rank >= 1, the entry's condition holds, and the
-lowering applied to traced tensors of those types gives torch's own result types (mdsl's shape and dtype
-rules: torch promotes mixed dtypes, mdsl asks for a cast). torch's `CapabilityBasedPartitioner` groups
+and writes is an f16/bf16/f32 tensor of rank >= 1 whose only symbolic dim (if any) is its leading one,
+the entry's condition holds, and the lowering applied to traced tensors of those types gives torch's own
+result types (mdsl's shape and dtype rules: torch promotes mixed dtypes, mdsl asks for a cast). Conditions
+and that check see symbolic sizes as the sizes of the example that dynamo compiles for (their hints), so
+they add no guard to the compiled graph. torch's `CapabilityBasedPartitioner` groups
 supported nodes into maximal regions that keep the graph acyclic; a region that only moves data (views,
-transposes, copies) stays with torch, where it costs nothing. Each region becomes a `RegionKernel` (a
-`KernelFunction` whose body replays the region's nodes through the table) called from the graph in the
-region's place.
+transposes, copies) stays with torch, where it costs nothing. Each region becomes a torch operator
+(`mdsl.torch.custom_ops.region_op`) called from the graph in the region's place, on the region's tensors
+and the symbolic sizes its nodes read. At run time the sizes are numbers: each distinct set of them has
+its own `RegionKernel` (a `KernelFunction` whose body replays the region's nodes through the table), so
+one compiled graph serves every size of a symbolic batch or token dim, each size's plan coming from the
+plan cache (a shape family re-targets a plan found at another size without a search).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import operator
+from collections import Counter
 from typing import Optional, Sequence
 
 import attrs
@@ -29,7 +36,13 @@ from mdsl.frontend.tracer import KernelTracer, sanitize_name
 from mdsl.ir.types import MAX_ELEMENTS
 from mdsl.search.config import SearchConfig
 from mdsl.torch.aten import aten_name, rule_of
+from mdsl.torch.custom_ops import region_op
 from mdsl.torch.dtypes import host_results, mdsl_dtype
+
+
+#: views whose values a region replays without their strides
+_VALUE_OPS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+              torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 
 def _example(value):
@@ -37,27 +50,70 @@ def _example(value):
     return value.meta.get("val") if isinstance(value, Node) else value
 
 
+def _hint(size) -> Optional[int]:
+    """A size as a number: an int, or a symbolic size's value in the example (None where it has none)."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else None
+    return None
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, torch.SymInt)
+
+
 def _spec_problem(value, what: str) -> Optional[str]:
     """Why an example value is no tensor mdsl holds, or None."""
     if not isinstance(value, torch.Tensor):
         return f"{what} is a {type(value).__name__} computed at run time, not a tensor"
-    if any(not isinstance(d, int) for d in value.shape):
-        return f"{what} has a symbolic shape {list(value.shape)} (compile with dynamic=False to specialise)"
+    shape = [_hint(d) for d in value.shape]
+    if any(d is None for d in shape):
+        return f"{what} has a size known only at run time (data-dependent) in {list(value.shape)}"
+    if any(not isinstance(d, int) for d in value.shape[1:]):
+        return (f"{what} has the symbolic shape {list(value.shape)} (mdsl specialises only a symbolic leading "
+                f"dim per size; mark the others static)")
     if mdsl_dtype(value.dtype) is None or not value.dtype.is_floating_point:
         return f"{what} is {str(value.dtype).replace('torch.', '')} (mdsl computes f16, bf16 and f32)"
     if value.dim() == 0:
         return f"{what} is a 0-dim tensor"
-    if value.numel() == 0 or value.numel() > MAX_ELEMENTS:
-        return f"{what} has {value.numel()} elements"
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0 or numel > MAX_ELEMENTS:
+        return f"{what} has {numel} elements"
     return None
 
 
 def _spec(value: torch.Tensor) -> TensorSpec:
-    return TensorSpec(tuple(int(d) for d in value.shape), mdsl_dtype(value.dtype))
+    return TensorSpec(tuple(_hint(d) for d in value.shape), mdsl_dtype(value.dtype))
+
+
+@attrs.frozen
+class _Example:
+    """A tensor as a rule's condition sees it: its shape in numbers (symbolic sizes as their hints)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _hinted(value):
+    """An FX argument as conditions see it: tensors as `_Example`s, symbolic sizes as numbers."""
+    value = _example(value)
+    if isinstance(value, torch.Tensor):
+        return _Example(tuple(_hint(d) for d in value.shape), value.dtype, value.device)
+    return _hint(value) if _is_size(value) else value
 
 
 def _results(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _computes_tensors(node: Node) -> bool:
+    """Whether an FX node's results are tensors (not sizes computed from symbolic sizes)."""
+    return any(isinstance(v, torch.Tensor) for v in _results(node.meta.get("val")))
 
 
 def unsupported_reason(node: Node) -> Optional[str]:
@@ -72,6 +128,10 @@ def unsupported_reason(node: Node) -> Optional[str]:
     if rule is None:
         return f"no mapping for {aten_name(node.target)}"
     for a in node.all_input_nodes:
+        if _is_size(_example(a)):
+            if _hint(_example(a)) is None:
+                return f"operand {a.name} is a size known only at run time (data-dependent)"
+            continue
         problem = _spec_problem(_example(a), f"operand {a.name}")
         if problem:
             return problem
@@ -80,7 +140,7 @@ def unsupported_reason(node: Node) -> Optional[str]:
                                 else f"result {k}")
         if problem:
             return problem
-    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _example)
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _hinted)
     reason = rule.condition(args, kwargs)
     if reason:
         return reason
@@ -91,7 +151,8 @@ def _lowering_problem(node: Node) -> Optional[str]:
     """Why the node's lowering, applied to traced tensors of its operands' types, fails or gives other
     types than torch's, or None."""
     tracer = KernelTracer("check")
-    traced = {a: tracer.add_input(sanitize_name(a.name), _spec(_example(a)).type) for a in node.all_input_nodes}
+    traced = {a: _hint(_example(a)) if _is_size(_example(a)) else
+              tracer.add_input(sanitize_name(a.name), _spec(_example(a)).type) for a in node.all_input_nodes}
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: traced[a])
     try:
         got = _results(rule_of(node.target).lower(args, kwargs))
@@ -124,12 +185,14 @@ def _computes(node: Node) -> bool:
 
 
 class RegionKernel(KernelFunction):
-    """The mdsl kernel of a region: its body replays the region's nodes through the mapping table. Its
-    plans come from searches of the backend's configuration (only the target arch is the caller's)."""
+    """The mdsl kernel of a region at given values of the symbolic sizes it reads (`sizes`): its body
+    replays the region's nodes through the mapping table. Its plans come from searches of the backend's
+    configuration (only the target arch is the caller's)."""
 
-    def __init__(self, region: "Region", search: SearchConfig):
+    def __init__(self, region: "Region", search: SearchConfig, sizes: tuple = ()):
         def body(*tensors):
             env = dict(zip(region.inputs, tensors))
+            env.update(zip(region.sizes, sizes))
             for node, target, node_args, node_kwargs in region.steps:
                 args, kwargs = torch.fx.node.map_arg((node_args, node_kwargs), env.__getitem__)
                 env[node] = args[0][args[1]] if target is operator.getitem else rule_of(target).lower(args, kwargs)
@@ -152,15 +215,24 @@ class RegionKernel(KernelFunction):
 class Region:
     """A maximal group of supported nodes: its nodes in graph order with their targets and arguments
     (`steps`, kept as they are when the region is found: the graph's nodes are replaced by the region's
-    call), the values it reads (`inputs`) and those read outside it (`outputs`), the example types of the
-    inputs, and its kernel."""
+    call), the tensors it reads (`inputs`), the symbolic sizes its nodes read (`sizes`), the values read
+    outside it (`outputs`), the example types of the inputs (symbolic sizes as in the example), the
+    backend's search, and its torch operator. `calls` counts the calls that ran mdsl's kernel, by
+    `size_key` (the empty tuple where nothing is symbolic); `replays` those that ran torch's operators
+    because the kernel does not trace at those sizes (`replay_reasons` says why)."""
 
     name: str
     steps: tuple
     inputs: list
+    sizes: list
     outputs: list
     specs: tuple = ()
-    kernel: Optional[RegionKernel] = None
+    search: Optional[SearchConfig] = None
+    op: object = None
+    kernels: dict = attrs.field(factory=dict)
+    calls: Counter = attrs.field(factory=Counter)
+    replays: Counter = attrs.field(factory=Counter)
+    replay_reasons: dict = attrs.field(factory=dict)
 
     @property
     def nodes(self) -> list:
@@ -170,39 +242,81 @@ class Region:
     def aten_ops(self) -> list:
         return [aten_name(target) for _, target, _, _ in self.steps if target is not operator.getitem]
 
+    @property
+    def example_sizes(self) -> tuple:
+        """The values of `sizes` in the example the graph was compiled for."""
+        return tuple(_hint(_example(s)) for s in self.sizes)
+
+    def kernel_at(self, sizes: tuple) -> RegionKernel:
+        """The region's kernel at these values of its symbolic sizes."""
+        kernel = self.kernels.get(sizes)
+        if kernel is None:
+            kernel = self.kernels[sizes] = RegionKernel(self, self.search, sizes)
+        return kernel
+
+    @property
+    def kernel(self) -> RegionKernel:
+        """The kernel at the example's sizes."""
+        return self.kernel_at(self.example_sizes)
+
     def graph(self):
-        """The region's traced kernel graph."""
+        """The region's traced kernel graph at the example's sizes."""
         return self.kernel.trace(*self.specs)
 
-    def __call__(self, *tensors):
+    def __call__(self, tensors, sizes=()) -> tuple:
         """The region's results on torch tensors: CUDA tensors through the kernel's GPU path (torch's
-        current stream, outputs from torch's allocator), CPU tensors through the reference interpreter."""
+        current stream, outputs from torch's allocator), CPU tensors through the reference interpreter.
+        At sizes where the kernel does not trace (a lowering that the example's sizes allowed refuses
+        them), torch's own operators compute them."""
+        sizes = tuple(int(s) for s in sizes)
+        kernel = self.kernel_at(sizes)
+        key = self.size_key(tensors, sizes)
+        try:
+            graph = kernel.trace(*tensors)
+        except MdslError as e:
+            self.replays[key] += 1
+            self.replay_reasons.setdefault(key, e.message)
+            return tuple(r.clone(memory_format=torch.contiguous_format) for r in self.replay(tensors, sizes))
+        self.calls[key] += 1
         if tensors and tensors[0].is_cuda:
-            results = _results(self.kernel(*(t.contiguous() for t in tensors)))
+            tensors = tuple(t.contiguous() for t in tensors)
+            results = _results(kernel(*tensors))
             # a result that is an argument unchanged (a region returning what it reads) must not alias it
             return tuple(r.clone() if any(r is t for t in tensors) else r for r in results)
-        return tuple(host_results(self.kernel(*tensors), self.graph()))
+        return tuple(host_results(kernel(*tensors), graph))
 
+    def size_key(self, tensors, sizes) -> tuple:
+        """The leading size of each input whose leading dim is symbolic, then the values of `sizes`."""
+        leading = tuple(int(t.shape[0]) for t, a in zip(tensors, self.inputs)
+                        if not isinstance(_example(a).shape[0], int))
+        return leading + tuple(sizes)
 
-class RegionModule(torch.nn.Module):
-    """A region as a submodule of the graph module that calls it."""
+    def replay(self, tensors, sizes=()) -> tuple:
+        """The region's nodes run as torch's own operators (on fake tensors: its results' shapes). Views
+        run as reshapes: the region reads values, and its operands' strides may differ from the example's
+        (Inductor lays tensors out its own way)."""
+        env = dict(zip(self.inputs, tensors))
+        env.update(zip(self.sizes, sizes))
+        for node, target, node_args, node_kwargs in self.steps:
+            args, kwargs = torch.fx.node.map_arg((node_args, node_kwargs), env.__getitem__)
+            env[node] = _VALUE_OPS.get(target, target)(*args, **kwargs)
+        return tuple(env[n] for n in self.outputs)
 
-    def __init__(self, region: Region):
-        super().__init__()
-        self.region = region
-
-    def forward(self, *tensors):
-        return self.region(*tensors)
+    def fake(self, tensors, sizes=()) -> tuple:
+        """The shapes and dtypes of the region's results (contiguous, as the kernel returns them)."""
+        return tuple(r.new_empty(r.shape) for r in self.replay(tensors, sizes))
 
 
 @attrs.frozen
 class Partitioned:
-    """An aten graph module with its regions replaced by calls of their kernels (`module`), the regions,
-    and why each node left to torch is (FX node name -> (aten name, reason))."""
+    """An aten graph module with its regions replaced by calls of their operators (`module`), the
+    regions, why each node left to torch is (FX node name -> (aten name, reason)), and what compiled the
+    rest (`handoff`, set by the backend)."""
 
     module: GraphModule
     regions: tuple
     left: dict
+    handoff: object = None
 
 
 def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_") -> Partitioned:
@@ -213,11 +327,11 @@ def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_
     groups = [sorted(p.nodes, key=order.__getitem__) for p in partitioner.propose_partitions()]
     groups = sorted((g for g in groups if any(_computes(n) for n in g)), key=lambda g: order[g[0]])
     left = {n.name: (aten_name(n.target), reason) for n, reason in support.reasons.items()
-            if n.op == "call_function" and n.target is not operator.getitem}
+            if n.op == "call_function" and n.target is not operator.getitem and _computes_tensors(n)}
     regions = tuple(_region(f"{prefix}{k}", group, search) for k, group in enumerate(groups))
     renamed: dict = {}   # an earlier region's output -> the getitem of its call that replaces it
     for region in regions:
-        renamed.update(_replace(gm, region, [renamed.get(a, a) for a in region.inputs]))
+        renamed.update(_replace(gm, region, [renamed.get(a, a) for a in (*region.inputs, *region.sizes)]))
     stable_topological_sort(gm)
     gm.graph.lint()
     gm.recompile()
@@ -226,23 +340,40 @@ def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_
 
 def _region(name: str, nodes: Sequence[Node], search: SearchConfig) -> Region:
     members = set(nodes)
-    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    reads = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    inputs = [a for a in reads if not _is_size(_example(a))]
+    sizes = [a for a in reads if _is_size(_example(a))]
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     steps = tuple((n, n.target, n.args, n.kwargs) for n in nodes)
-    region = Region(name, steps, inputs, outputs, tuple(_spec(_example(a)) for a in inputs))
-    region.kernel = RegionKernel(region, search)
+    region = Region(name, steps, inputs, sizes, outputs, tuple(_spec(_example(a)) for a in inputs), search)
+    region.op = region_op(f"region_{_digest(region)}", region, region.fake)
     return region
 
 
+def _digest(region: Region) -> str:
+    """A digest of what the region computes: its operators and constants, how its nodes connect, its
+    operands' types (symbolic sizes by name) and the search. Regions alike share an operator."""
+    index = {n: f"in{k}" for k, n in enumerate(region.inputs)}
+    index.update({n: f"size{k}" for k, n in enumerate(region.sizes)})
+    index.update({n: f"n{k}" for k, n in enumerate(region.nodes)})
+    lines = [f"{index[a]}: {list(_example(a).shape)} {_example(a).dtype}" for a in region.inputs]
+    for node, target, args, kwargs in region.steps:
+        args, kwargs = torch.fx.node.map_arg((args, kwargs), index.__getitem__)
+        lines.append(f"{index[node]} = {aten_name(target)}{args!r} {kwargs!r}")
+    lines.append(f"return {[index[n] for n in region.outputs]} search {region.search!r}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 def _replace(gm: GraphModule, region: Region, operands: list) -> dict:
-    """The region's nodes replaced by one call of its module on `operands` (its inputs as the graph now
-    holds them) and one getitem per output; returns output node -> its getitem."""
-    gm.add_submodule(region.name, RegionModule(region))
+    """The region's nodes replaced by one call of its operator on `operands` (its inputs as the graph now
+    holds them, then its sizes) and one getitem per output; returns output node -> its getitem."""
     graph = gm.graph
     nodes = region.nodes
     members = set(nodes)
+    tensors, sizes = operands[:len(region.inputs)], operands[len(region.inputs):]
     with graph.inserting_after(nodes[-1]):
-        call = graph.call_module(region.name, tuple(operands))
+        call = graph.call_function(region.op, (list(tensors), list(sizes)))
+    call.meta["mdsl_region"] = region.name
     anchor, items = call, {}
     for k, out in enumerate(region.outputs):
         with graph.inserting_after(anchor):

@@ -1,7 +1,7 @@
 """mdsl inside PyTorch on a GPU: a kernel as a torch custom operator called on CUDA tensors, captured in a
 torch.cuda.graph and replayed on new data, and on a side stream of torch's; torch.compile(backend="mdsl")
 on a hand-written MLP and a transformers Llama decoder layer (tiny, random weights) on CUDA tensors,
-compared with eager."""
+compared with eager, and one compiled graph of the MLP serving batch sizes 1 to 64."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +112,27 @@ def test_the_backend_runs_a_llama_decoder_layer_on_cuda_tensors(torch):
     x = torch.randn(1, 32, 256, device="cuda", dtype=torch.bfloat16)
     position_embeddings = tuple(t.to(torch.bfloat16) for t in rope(x, torch.arange(32, device="cuda")[None]))
     _compare(torch, layer, x, position_embeddings=position_embeddings, attention_mask=None, tolerance=5e-2)
+
+
+def test_one_compiled_graph_serves_every_batch_size_on_cuda_tensors(torch):
+    import torch.fx.experimental._config as fx_config
+
+    import mdsl.torch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.SiLU(), torch.nn.Linear(512, 256))
+    model = model.eval().to("cuda", torch.float16)
+    graphs: list = []
+    compiled = torch.compile(model, backend=mdsl.torch.compiler(SEARCH, on_graph=graphs.append))
+    sizes = [16, 1, 2, 8, 64]
+    # the batch dim marked dynamic from the first call; size-oblivious sizes keep torch from specialising 1
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        for k, m in enumerate(sizes):
+            x = torch.randn(m, 256, device="cuda", dtype=torch.float16)
+            if k == 0:
+                torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), rtol=3e-2, atol=3e-2)
+    (graph,) = graphs
+    (region,) = graph.regions
+    assert {key[0] for key in region.calls} == set(sizes) and not region.replays

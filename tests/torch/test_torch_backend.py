@@ -1,6 +1,7 @@
-"""torch.compile(model, backend="mdsl") on CPU tensors (regions through the reference interpreter): the
-transformers Llama and Qwen3 decoder layers with tiny configs and random weights, and hand-written MLP and
-attention blocks, match eager; `mdsl.torch.explain` lists their regions, plans and what torch keeps."""
+"""torch.compile(model, backend="mdsl") on CPU tensors (regions through the reference interpreter, the
+rest compiled by Inductor to C++): the transformers Llama and Qwen3 decoder layers with tiny configs and
+random weights, and hand-written MLP and attention blocks, match eager; `mdsl.torch.explain` lists their
+regions, plans, what torch keeps and what compiled it."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,27 @@ def test_an_attention_block_matches_eager_and_torch_keeps_its_layer_norm():
     report = mdsl.torch.explain(model, x, search=SEARCH)
     assert report.regions and any("aten._softmax.default" in r.aten_ops for r in report.regions)
     assert any(o.aten == "aten.native_layer_norm.default" for o in report.left_to_torch)
+    (handoff,) = report.handoffs   # the layer norm is Inductor's, around mdsl's regions
+    assert handoff.compiler == "inductor" and handoff.ops >= 1 and "Inductor compiled" in str(report)
+
+
+def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(monkeypatch):
+    import torch._inductor.compile_fx as inductor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(inductor, "compile_fx", broken)
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 8, 64)
+    with pytest.warns(UserWarning, match="Inductor failed"):
+        _compare(model, x)
+        report = mdsl.torch.explain(model, x, search=SEARCH)
+    (handoff,) = report.handoffs
+    assert handoff.compiler == "eager" and "RuntimeError: no C++ compiler" in handoff.reason
+    assert "run as torch's eager operators: Inductor failed" in str(report)
+    off = mdsl.torch.explain(model, x, search=SEARCH, inductor=False)
+    assert off.handoffs[0].compiler == "eager" and "inductor=False" in off.handoffs[0].reason
 
 
 def test_a_bf16_mlp_matches_eager_within_bf16_tolerance():
@@ -70,9 +92,9 @@ def test_a_bf16_mlp_matches_eager_within_bf16_tolerance():
              rtol=3e-2, atol=3e-2)
 
 
-def test_with_gradients_the_forward_runs_in_mdsl_and_the_backward_in_torch():
+def test_with_gradients_the_forward_runs_in_mdsl_and_inductor_and_the_backward_in_torch():
     torch.manual_seed(0)
-    model, x = MLP(act=torch.nn.SiLU), torch.randn(2, 8, 64)
+    model, x = Attention(), torch.randn(2, 8, 64)
     torch._dynamo.reset()
     expected = model(x).sum()
     expected.backward()
@@ -112,9 +134,10 @@ def test_transformers_decoder_layers_match_eager_and_explain_lists_their_regions
     assert all(r.kernels_after <= r.kernels_before for r in report.regions)
     text = str(report)
     assert "mdsl_region_0" in text and "plan:" in text
-    if attention == "eager":   # the whole layer, attention included, is mdsl's
+    if attention == "eager":   # the whole layer, attention included, is mdsl's: nothing for Inductor
         assert "aten._softmax.default" in ops and report.left_to_torch == ()
-    else:                      # torch's fused attention stays with torch, and says so
+        assert report.handoffs[0].compiler == "eager" and "whole graph" in report.handoffs[0].reason
+    else:                      # torch's fused attention stays with torch (Inductor), and says so
         assert len(report.regions) == 2
         assert [o.aten for o in report.left_to_torch] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"]
-        assert "no mapping for" in text
+        assert "no mapping for" in text and report.handoffs[0].compiler == "inductor"
