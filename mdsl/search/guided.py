@@ -296,11 +296,28 @@ def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
     return Lifted(x.var, LOOP, divisor=b.accumulate("accum_rms", [x.var], eps=eps))
 
 
+def _lift_concat(b: _Builder, node: Node) -> Lifted:
+    """A concat of tiles that each hold their operand's whole extent along the concat dim: neither the
+    grid nor the loop splits that dim (of an operand or of the result), so the block's concat is the
+    tile of the result."""
+    lvs = _after_loop(b, [b.value(v) for v in node.inputs], node.inputs)
+    if not all(lv.plain for lv in lvs):
+        raise CannotLift("concat of a value with a pending rescale or division")
+    phase = _same_phase(lvs)
+    dim = node.attr("dim") % node.outputs[0].type.rank
+    split = {b.choice.loop} | {m for label, parts in b.choice.grid if parts > 1
+                               for m in (label.labels if isinstance(label, Zip) else (label,))}
+    if any(b.labels.label(v.name, dim) in split for v in (*node.inputs, node.outputs[0])):
+        raise CannotLift("concat along a dim that the grid or the loop splits")
+    return Lifted(b.emit("concat", [lv.var for lv in lvs], dim=dim), phase)
+
+
 _CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
                    "norm": _lift_rms_norm}
 #: op -> (builder, node) -> Lifted, by the op's category
 LIFT_RULES: RuleTable[Callable] = RuleTable("guided lifting", Callable, "mdsl.search.guided (LIFT_RULES)",
                                             by_category=lambda op: _CATEGORY_RULES.get(op.category))
+LIFT_RULES.register("concat", _lift_concat)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.guided import LIFT_RULES, lift_all
+from mdsl.search.layout import MOVABLE, Wrapped, boundary_views
 from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
@@ -87,6 +88,7 @@ class _Part:
     status: str = NOT_TRIED
     reason: str = ""
     complete: bool = False        # every grid and loop choice was lifted (the budget did not cut it short)
+    wrapped: Optional[Wrapped] = None   # its layout changes moved to its boundary (`layout.boundary_views`)
     options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
 
     @property
@@ -184,7 +186,9 @@ class Partition:
         part = _Part(start, stop, program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
-            if blocked is not None:
+            if blocked is not None and blocked.op in MOVABLE:
+                part.wrapped = boundary_views(program)
+            if blocked is not None and part.wrapped is None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
             elif not _connected(nodes):
                 part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
@@ -192,12 +196,15 @@ class Partition:
         return part
 
     def _lift(self, part: _Part) -> None:
-        result = lift_all(part.program, self.config, self.stats, work="partition", limit=PART_CANDIDATES,
-                          probe=True, max_split=PART_MAX_SPLIT)
+        wrapped, program = part.wrapped, part.program
+        result = lift_all(program if wrapped is None else wrapped.core, self.config, self.stats, work="partition",
+                          limit=PART_CANDIDATES, probe=True, max_split=PART_MAX_SPLIT)
         if not result.complete:
             self.stopped = "time" if self.stats.out_of_time() else "work"
         part.complete = result.complete
-        part.options = [[g, estimate(g), None] for g in result.candidates]
+        found = result.candidates if wrapped is None else \
+            [attrs.evolve(program, nodes=wrapped.around(g)) for g in result.candidates]
+        part.options = [[g, estimate(g), None] for g in found]
         if part.options:
             part.status = FUSED
         elif result.complete:
