@@ -65,9 +65,11 @@ from mdsl.search.stats import SearchStats
 MAX_PART_NODES = 8
 #: A part's cheapest lifted candidates kept for the combination.
 PART_CANDIDATES = 4
-#: Work steps (`SearchConfig.work`, the "partition" allowance) one reduced-instance screen costs; lifting
-#: one choice costs one.
+#: Work steps one reduced-instance screen costs (of the SCREEN_WORK allowance: the screens have their own,
+#: so that an analysis that spends the "partition" allowance, one step per choice lifted, still has the
+#: parts it found screened and combined).
 SCREEN_STEPS = 20
+SCREEN_WORK = "partition screens"
 #: Assemblies yielded after the best, each without one of its fused parts.
 FALLBACKS = 2
 #: The splits of a part's loop label across blocks: at most this many (parts are searched many at a time).
@@ -245,10 +247,11 @@ class Partition:
                 return combination
             for i, j, option in pending:
                 part = self.parts[i, j]
-                if self.stopped or self.stats.out_of_time() or not self.stats.work("partition", SCREEN_STEPS):
-                    self.stopped = self.stopped or ("time" if self.stats.out_of_time() else "work")
+                late = self.stats.out_of_time()
+                if late or not self.stats.work(SCREEN_WORK, SCREEN_STEPS):
+                    self.stopped = self.stopped or ("time" if late else "work")
                     option[2] = _UNSCREENED
-                    failure = (f"the search's {'time cap' if self.stopped == 'time' else 'work budget'} ran out "
+                    failure = (f"the search's {'time cap' if late else 'work budget'} ran out "
                                "before its fused candidate was screened")
                 else:
                     failure = screen(part.program, option[0], self.config.seed)

@@ -174,3 +174,18 @@ def test_a_part_that_fails_its_screen_gives_way_to_its_next_candidate(monkeypatc
     combination = part.screened_best()
     used = [option for _, _, option in combination if option is not None]
     assert len(calls) == 2 and used and used[0][0].key == calls[1] != calls[0]
+
+
+def test_an_analysis_cut_short_by_its_work_allowance_still_screens_and_combines_what_it_found():
+    @mdsl.kernel
+    def chain(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16], g: Tensor[8, 32, f16]):
+        t = mdsl.transpose(mdsl.exp(x), 0, 1)
+        return mdsl.silu(mdsl.rms_norm(x) @ w) * g, t
+
+    config = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1, work=40)
+    stats = SearchStats(work_limit=config.work)
+    best, *_ = partition.generate(chain.graph, config, stats)
+    assert stats.partition["stopped"] == "work"                  # the liftings spent their allowance
+    assert stats.counts["work"]["partition screens"] > 0         # the screens have theirs
+    assert isinstance(best, Assembly) and best.parts
+    assert estimate(best.graph).launches < estimate(chain.graph).launches
