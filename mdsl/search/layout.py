@@ -9,8 +9,8 @@ leaves the part as it was:
   operators commute with it (each element is computed from the elements at its own position), so a
   reshape moves back past the element-wise operators that produce its operand, toward the inputs, and
   forward past the element-wise operators that read its result, toward the outputs. The other operands
-  of a moved operator are reshaped with it: one of the same shape as a whole, a broadcast row (leading
-  dims 1) where the reshape only splits or merges trailing dims that the row covers.
+  of a moved operator are reshaped with it: one of the same shape as a whole, a broadcast one (a bias
+  row, a per-row scalar) where it has all of the dims the reshape regroups or none of them.
 * **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
@@ -22,7 +22,6 @@ elements); the verifier checks the assembled candidate against the sub-program r
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import attrs
@@ -252,8 +251,9 @@ def _restores(first: Node, second: Node) -> bool:
 def _carried(shape: tuple, full: tuple, target: tuple, node: Node, forward: bool) -> Optional[tuple]:
     """The shape of an operand of `full`'s shape (broadcast to it) carried through `node`'s layout change
     from `full` to `target` (`forward`: undoing it, from its result's layout to its operand's): the
-    target itself for an operand of the full shape, a broadcast row's counterpart for a reshape of
-    trailing dims it covers or for a transpose, else None."""
+    target itself for an operand of the full shape; for a transpose, its dims permuted; for a reshape,
+    the dims it keeps with the regrouped ones (all of them, or 1s where the operand is broadcast along
+    all of them: a bias row, a per-row scalar); else None."""
     shape, full, target = tuple(shape), tuple(full), tuple(target)
     if shape == full:
         return target
@@ -262,13 +262,14 @@ def _carried(shape: tuple, full: tuple, target: tuple, node: Node, forward: bool
     if node.op == "transpose":
         perm = _inverse_perm(_perm(node)) if forward else _perm(node)
         return tuple(shape[p] for p in perm)
-    # a reshape: the operand's leading 1s stay ones, its trailing dims (equal to the full shape's) regroup
-    lead = next((i for i, s in enumerate(shape) if s != 1), len(shape))
-    tail = math.prod(full[lead:])
-    for cut in range(len(target) + 1):
-        if math.prod(target[cut:]) == tail and all(s == f for s, f in zip(shape[lead:], full[lead:])) \
-                and math.prod(full[:lead]) == math.prod(target[:cut]):
-            return (1,) * cut + target[cut:]
+    # a reshape keeps the dims before the first it changes and regroups the rest: an operand keeps its
+    # dims there (a broadcast row's 1s too) and is carried where it has all of the rest or none of it
+    kept = next((i for i, (f, t) in enumerate(zip(full, target)) if f != t), min(len(full), len(target)))
+    rest = shape[kept:]
+    if rest == full[kept:]:
+        return shape[:kept] + target[kept:]
+    if all(s == 1 for s in rest):
+        return shape[:kept] + (1,) * (len(target) - kept)
     return None
 
 

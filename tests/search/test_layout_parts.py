@@ -92,3 +92,17 @@ def test_a_concat_of_whole_rows_lifts_into_its_operands_kernel():
     (kernel,) = plan.graph.nodes
     assert "concat" in [n.op for n in kernel.body.nodes] and plan.evidence.equivalent
     _same_function(joined.graph, plan.graph)
+
+
+def test_broadcast_operands_move_with_a_reshape_that_regroups_all_or_none_of_their_dims():
+    @mdsl.kernel
+    def scaled(x: Tensor[8, 64, f16], s: Tensor[8, 1, f16], b: Tensor[1, 64, f16]):
+        h = mdsl.reshape((x * s) + b, 8, 2, 32)             # a per-row scalar and a bias row, then heads
+        return mdsl.reshape(mdsl.rms_norm(h), 8, 64)
+
+    wrapped = boundary_views(scaled.graph)
+    assert wrapped is not None and _ops(wrapped.core) == ["mul", "add", "rms_norm"]
+    shapes = {n.inputs[0].name: n.outputs[0].shape for n in wrapped.leading}
+    assert shapes == {"x": (8, 2, 32), "s": (8, 1, 1), "b": (1, 2, 32)}
+    _same_function(scaled.graph, KernelGraph(scaled.graph.name, scaled.graph.inputs,
+                                             wrapped.around(wrapped.core), scaled.graph.outputs))
