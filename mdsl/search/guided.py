@@ -638,6 +638,10 @@ def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
     lifted only if the one with the smallest tiles lifts: whether a structure lifts depends on the
     program and the structure, and its tiles' shared memory only grows with their size. (A part of a
     program, searched with many others, is lifted so.)"""
+    blocked = next((n for n in graph.nodes if LIFT_RULES.get(n.op) is None), None)
+    if blocked is not None:   # no choice lifts it: every lifting would stop at this operator
+        message = f"{blocked.op} does not lift into a block graph"
+        return LiftResult((), {_normalised(message): (1, message)}, True)
     labels = Labels(graph)
     found: dict = {}
     failures: dict = {}
@@ -687,5 +691,13 @@ def _normalised(message: str) -> str:
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
     """Candidates derived from the program's structure, cheapest first by the cost model. With the
     search's `stats`, it stops lifting when its work budget is spent or at the search's deadline (and
-    ranks what it has)."""
-    yield from lift_all(graph, config, stats, limit=limit).candidates
+    ranks what it has). A program whose layout changes move to its boundary (`mdsl.search.layout`) is
+    lifted as its core, with the views around it."""
+    from mdsl.search.layout import boundary_views   # (it reads this module's LIFT_RULES)
+
+    wrapped = boundary_views(graph)
+    if wrapped is None:
+        yield from lift_all(graph, config, stats, limit=limit).candidates
+        return
+    for core in lift_all(wrapped.core, config, stats, limit=limit).candidates:
+        yield attrs.evolve(graph, nodes=wrapped.around(core))

@@ -106,3 +106,29 @@ def test_broadcast_operands_move_with_a_reshape_that_regroups_all_or_none_of_the
     assert shapes == {"x": (8, 2, 32), "s": (8, 1, 1), "b": (1, 2, 32)}
     _same_function(scaled.graph, KernelGraph(scaled.graph.name, scaled.graph.inputs,
                                              wrapped.around(wrapped.core), scaled.graph.outputs))
+
+
+def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():
+    from mdsl.search import guided
+
+    graph = _heads()
+    first = next(guided.generate(graph, CONFIG))
+    assert [n.op for n in first.nodes if n.body is None] == ["reshape"] * 3    # x, b and the result: views
+    assert sum(n.body is not None for n in first.nodes) == 1
+    _same_function(graph, first)
+
+
+def test_a_program_with_an_operator_no_rule_lifts_costs_no_lifting():
+    from mdsl.search import guided
+    from mdsl.search.stats import SearchStats
+
+    @mdsl.kernel
+    def halves(x: Tensor[8, 64, f16]):
+        a, b = mdsl.split(mdsl.exp(x), [32, 32], dim=-1)
+        return a * b
+
+    stats = SearchStats(work_limit=CONFIG.work)
+    result = guided.lift_all(halves.graph, CONFIG, stats)
+    assert result.candidates == () and result.complete
+    assert list(result.failures.values())[0][1] == "split does not lift into a block graph"
+    assert not stats.counts.get("work")
