@@ -124,16 +124,25 @@ def ordered(graph: KernelGraph) -> KernelGraph:
     """The program's nodes in a topological order that keeps chains together, so that a producer and
     its consumers can be one run: next comes a ready node with a block-level rule before one without
     (a layout change waits while it can), then the one that reads the most recently computed value,
-    then the program's own order. A program traced breadth first (a value used by a layout change and
-    by an element-wise op, or by two products) then has its fusible consumers beside their producer."""
+    then a sibling of the last node placed (an operator of its category reading a value it reads: two
+    element-wise ops of one input, one kernel between them), then the program's own order. A program
+    traced breadth first (a value used by a layout change and by an element-wise op, or by two
+    products) then has its fusible consumers beside their producer."""
     producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
     done: dict = {}   # node index -> its position in the new order
     order = []
+
+    def sibling(i: int) -> bool:
+        last = graph.nodes[order[-1]] if order else None
+        node = graph.nodes[i]
+        return last is not None and last.opdef.category == node.opdef.category and \
+            bool({v.name for v in last.inputs} & {v.name for v in node.inputs})
+
     while len(order) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
         pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None,
-                                         max((done[p] for p in needs[i]), default=-1), -i))
+                                         max((done[p] for p in needs[i]), default=-1), sibling(i), -i))
         done[pick] = len(order)
         order.append(pick)
     return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])

@@ -189,3 +189,16 @@ def test_an_analysis_cut_short_by_its_work_allowance_still_screens_and_combines_
     assert stats.counts["work"]["partition screens"] > 0         # the screens have theirs
     assert isinstance(best, Assembly) and best.parts
     assert estimate(best.graph).launches < estimate(chain.graph).launches
+
+
+def test_element_wise_siblings_of_one_input_are_ordered_together_and_fused():
+    @mdsl.kernel
+    def siblings(x: Tensor[4, 64, f16], b: Tensor[1, 64, f16], w: Tensor[64, 256, f16], g: Tensor[4, 64, f16]):
+        return x * b, x @ w, x * g          # the product is traced between the two scalings of x
+
+    ordered = partition.ordered(siblings.graph)
+    assert [n.op for n in ordered.nodes] == ["mul", "mul", "matmul"]
+    part = partition.Partition(siblings.graph, CONFIG, SearchStats())
+    part.analyse()
+    assert part.parts[0, 2].status == partition.FUSED
+    assert any(o is not None and i <= 0 and 2 <= j for i, j, o in part.screened_best())   # one kernel has both
