@@ -410,6 +410,7 @@ def _boundary_kind(reason: str) -> str:
     """A boundary reason's kind, for the summary (its first words, without numbers)."""
     for key, kind in (("layout change", "layout op"), ("shared memory", "shared memory"),
                       ("share no tensor", "independent kernels"), ("faster apart", "cost model: faster apart"),
+                      ("different parts", "cost model: other parts cheaper"),
                       ("split loop", "split loop + combine"), ("budget", "budget"), ("time cap", "time cap"),
                       ("reduced instance", "screen failed"), ("not kept", "fused plan not kept"),
                       ("no grid or loop choice", "does not lift"), ("parts of at most", "part too long")):

@@ -1,7 +1,7 @@
 """What a search may explore and how long it may take. Part of the result cache's key.
 
 A search's result depends on its work budget (`work`), never on how fast the machine ran it: each
-consumer of work (the guided generator's liftings, the partition generator's liftings and screens, the
+consumer of work (the guided generator's liftings, the partition generator's liftings, its screens, the
 exhaustive generator's states, and the candidates admitted to verification, each counted as
 `VERIFY_STEPS` steps) may take `work` steps of its own, in an order that does not depend on time. The
 wall-clock `budget_s` is only a safety cap: a search it cuts short returns the best plan so far, marked

@@ -126,11 +126,15 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
                 f"far is estimated at {part['fused_s'] * 1e6:.3g} us)")
     assemblies = record.get("assemblies", {})
     best = next(iter(assemblies), None)   # the partition's best plan; the others are its fallbacks
+    outcome = outcomes.get(best, "it was not verified") if best is not None else None
     if best is not None and any(i <= span[0] and span[1] <= j for i, j in assemblies[best]):
-        outcome = outcomes.get(best, "it was not verified")
         if outcome != "verified":
             return f"the plan that fused them was not kept: {outcome}"
     apart = _run_seconds(record, first) + _run_seconds(record, second)
+    if part["fused_s"] < apart:   # cheaper fused, but the best combination cuts between them
+        kept = "" if outcome in (None, "verified") else f"; that plan was not kept: {outcome}"
+        return (f"the search's best combination puts them in different parts, which the cost model estimates "
+                f"cheaper in all than this part fused ({part['fused_s'] * 1e6:.3g} us){kept}")
     return (f"the cost model estimates them faster apart ({apart * 1e6:.3g} us) than fused "
             f"({part['fused_s'] * 1e6:.3g} us)")
 

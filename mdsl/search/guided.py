@@ -296,11 +296,28 @@ def _lift_rms_norm(b: _Builder, node: Node) -> Lifted:
     return Lifted(x.var, LOOP, divisor=b.accumulate("accum_rms", [x.var], eps=eps))
 
 
+def _lift_concat(b: _Builder, node: Node) -> Lifted:
+    """A concat of tiles that each hold their operand's whole extent along the concat dim: neither the
+    grid nor the loop splits that dim (of an operand or of the result), so the block's concat is the
+    tile of the result."""
+    lvs = _after_loop(b, [b.value(v) for v in node.inputs], node.inputs)
+    if not all(lv.plain for lv in lvs):
+        raise CannotLift("concat of a value with a pending rescale or division")
+    phase = _same_phase(lvs)
+    dim = node.attr("dim") % node.outputs[0].type.rank
+    split = {b.choice.loop} | {m for label, parts in b.choice.grid if parts > 1
+                               for m in (label.labels if isinstance(label, Zip) else (label,))}
+    if any(b.labels.label(v.name, dim) in split for v in (*node.inputs, node.outputs[0])):
+        raise CannotLift("concat along a dim that the grid or the loop splits")
+    return Lifted(b.emit("concat", [lv.var for lv in lvs], dim=dim), phase)
+
+
 _CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
                    "norm": _lift_rms_norm}
 #: op -> (builder, node) -> Lifted, by the op's category
 LIFT_RULES: RuleTable[Callable] = RuleTable("guided lifting", Callable, "mdsl.search.guided (LIFT_RULES)",
                                             by_category=lambda op: _CATEGORY_RULES.get(op.category))
+LIFT_RULES.register("concat", _lift_concat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,6 +638,10 @@ def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
     lifted only if the one with the smallest tiles lifts: whether a structure lifts depends on the
     program and the structure, and its tiles' shared memory only grows with their size. (A part of a
     program, searched with many others, is lifted so.)"""
+    blocked = next((n for n in graph.nodes if LIFT_RULES.get(n.op) is None), None)
+    if blocked is not None:   # no choice lifts it: every lifting would stop at this operator
+        message = f"{blocked.op} does not lift into a block graph"
+        return LiftResult((), {_normalised(message): (1, message)}, True)
     labels = Labels(graph)
     found: dict = {}
     failures: dict = {}
@@ -670,5 +691,13 @@ def _normalised(message: str) -> str:
 def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, limit: int = 48) -> Iterator[KernelGraph]:
     """Candidates derived from the program's structure, cheapest first by the cost model. With the
     search's `stats`, it stops lifting when its work budget is spent or at the search's deadline (and
-    ranks what it has)."""
-    yield from lift_all(graph, config, stats, limit=limit).candidates
+    ranks what it has). A program whose layout changes move to its boundary (`mdsl.search.layout`) is
+    lifted as its core, with the views around it."""
+    from mdsl.search.layout import boundary_views   # (it reads this module's LIFT_RULES)
+
+    wrapped = boundary_views(graph)
+    if wrapped is None:
+        yield from lift_all(graph, config, stats, limit=limit).candidates
+        return
+    for core in lift_all(wrapped.core, config, stats, limit=limit).candidates:
+        yield attrs.evolve(graph, nodes=wrapped.around(core))

@@ -56,6 +56,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.guided import LIFT_RULES, lift_all
+from mdsl.search.layout import MOVABLE, Wrapped, boundary_views
 from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
@@ -64,9 +65,11 @@ from mdsl.search.stats import SearchStats
 MAX_PART_NODES = 8
 #: A part's cheapest lifted candidates kept for the combination.
 PART_CANDIDATES = 4
-#: Work steps (`SearchConfig.work`, the "partition" allowance) one reduced-instance screen costs; lifting
-#: one choice costs one.
+#: Work steps one reduced-instance screen costs (of the SCREEN_WORK allowance: the screens have their own,
+#: so that an analysis that spends the "partition" allowance, one step per choice lifted, still has the
+#: parts it found screened and combined).
 SCREEN_STEPS = 20
+SCREEN_WORK = "partition screens"
 #: Assemblies yielded after the best, each without one of its fused parts.
 FALLBACKS = 2
 #: The splits of a part's loop label across blocks: at most this many (parts are searched many at a time).
@@ -87,6 +90,7 @@ class _Part:
     status: str = NOT_TRIED
     reason: str = ""
     complete: bool = False        # every grid and loop choice was lifted (the budget did not cut it short)
+    wrapped: Optional[Wrapped] = None   # its layout changes moved to its boundary (`layout.boundary_views`)
     options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
 
     @property
@@ -120,16 +124,25 @@ def ordered(graph: KernelGraph) -> KernelGraph:
     """The program's nodes in a topological order that keeps chains together, so that a producer and
     its consumers can be one run: next comes a ready node with a block-level rule before one without
     (a layout change waits while it can), then the one that reads the most recently computed value,
-    then the program's own order. A program traced breadth first (a value used by a layout change and
-    by an element-wise op, or by two products) then has its fusible consumers beside their producer."""
+    then a sibling of the last node placed (an operator of its category reading a value it reads: two
+    element-wise ops of one input, one kernel between them), then the program's own order. A program
+    traced breadth first (a value used by a layout change and by an element-wise op, or by two
+    products) then has its fusible consumers beside their producer."""
     producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
     done: dict = {}   # node index -> its position in the new order
     order = []
+
+    def sibling(i: int) -> bool:
+        last = graph.nodes[order[-1]] if order else None
+        node = graph.nodes[i]
+        return last is not None and last.opdef.category == node.opdef.category and \
+            bool({v.name for v in last.inputs} & {v.name for v in node.inputs})
+
     while len(order) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
         pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None,
-                                         max((done[p] for p in needs[i]), default=-1), -i))
+                                         max((done[p] for p in needs[i]), default=-1), sibling(i), -i))
         done[pick] = len(order)
         order.append(pick)
     return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])
@@ -184,7 +197,9 @@ class Partition:
         part = _Part(start, stop, program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
-            if blocked is not None:
+            if blocked is not None and blocked.op in MOVABLE:
+                part.wrapped = boundary_views(program)
+            if blocked is not None and part.wrapped is None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
             elif not _connected(nodes):
                 part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
@@ -192,12 +207,15 @@ class Partition:
         return part
 
     def _lift(self, part: _Part) -> None:
-        result = lift_all(part.program, self.config, self.stats, work="partition", limit=PART_CANDIDATES,
-                          probe=True, max_split=PART_MAX_SPLIT)
+        wrapped, program = part.wrapped, part.program
+        result = lift_all(program if wrapped is None else wrapped.core, self.config, self.stats, work="partition",
+                          limit=PART_CANDIDATES, probe=True, max_split=PART_MAX_SPLIT)
         if not result.complete:
             self.stopped = "time" if self.stats.out_of_time() else "work"
         part.complete = result.complete
-        part.options = [[g, estimate(g), None] for g in result.candidates]
+        found = result.candidates if wrapped is None else \
+            [attrs.evolve(program, nodes=wrapped.around(g)) for g in result.candidates]
+        part.options = [[g, estimate(g), None] for g in found]
         if part.options:
             part.status = FUSED
         elif result.complete:
@@ -238,10 +256,11 @@ class Partition:
                 return combination
             for i, j, option in pending:
                 part = self.parts[i, j]
-                if self.stopped or self.stats.out_of_time() or not self.stats.work("partition", SCREEN_STEPS):
-                    self.stopped = self.stopped or ("time" if self.stats.out_of_time() else "work")
+                late = self.stats.out_of_time()
+                if late or not self.stats.work(SCREEN_WORK, SCREEN_STEPS):
+                    self.stopped = self.stopped or ("time" if late else "work")
                     option[2] = _UNSCREENED
-                    failure = (f"the search's {'time cap' if self.stopped == 'time' else 'work budget'} ran out "
+                    failure = (f"the search's {'time cap' if late else 'work budget'} ran out "
                                "before its fused candidate was screened")
                 else:
                     failure = screen(part.program, option[0], self.config.seed)

@@ -104,3 +104,18 @@ def test_mdsl_optimize_explain_prints_the_reasons(tmp_path, capsys):
     assert main(["optimize", str(source), "--explain", "--workers", "1", "--no-cache", "--work", "300"]) == 0
     out = capsys.readouterr().out
     assert "# explain:" in out and "is a layout change without a block-level rule" in out
+
+
+def test_a_pair_cheaper_fused_that_the_best_combination_cuts_is_not_called_faster_apart():
+    from mdsl.search.explain import _part_reason
+
+    # the best combination fuses 0:2 and 2:4; the pair 1:3 alone would be cheaper fused than apart
+    record = {"assemblies": {"best": [[0, 2], [2, 4]]}, "single_s": [2e-6] * 4, "parts": {}, "stopped": ""}
+    part = {"status": partition.FUSED, "reason": "", "complete": True, "fused_s": 3e-6, "launches": 1}
+    outcomes = {"best": "the search's time cap ran out before it was verified"}
+    reason = _part_reason(part, record, outcomes, SearchStats(), (1, 2), (2, 3), (1, 3))
+    assert "faster apart" not in reason and "best combination puts them in different parts" in reason
+    assert reason.endswith("that plan was not kept: the search's time cap ran out before it was verified")
+    part["fused_s"] = 5e-6
+    assert "faster apart (4 us) than fused (5 us)" in _part_reason(part, record, outcomes, SearchStats(),
+                                                                    (1, 2), (2, 3), (1, 3))

@@ -143,10 +143,10 @@ def test_the_combination_never_costs_more_than_the_operators_apart():
 
 def test_fallbacks_leave_out_one_fused_part_each_and_wait_for_the_best():
     @mdsl.kernel
-    def two_parts(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], v: Tensor[64, 32, f16]):
+    def two_parts(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], v: Tensor[8, 32, f16]):
         h = mdsl.silu(x @ w) * 2.0
-        t = mdsl.transpose(h, 0, 1)
-        return mdsl.relu(mdsl.transpose(t, 0, 1) @ v) + 1.0
+        t = mdsl.transpose(h, 0, 1)                      # a transpose no other one undoes: a kernel between
+        return mdsl.relu(t @ v) + 1.0
 
     stats = SearchStats()
     best, *fallbacks = partition.generate(two_parts.graph, CONFIG, stats)
@@ -174,3 +174,31 @@ def test_a_part_that_fails_its_screen_gives_way_to_its_next_candidate(monkeypatc
     combination = part.screened_best()
     used = [option for _, _, option in combination if option is not None]
     assert len(calls) == 2 and used and used[0][0].key == calls[1] != calls[0]
+
+
+def test_an_analysis_cut_short_by_its_work_allowance_still_screens_and_combines_what_it_found():
+    @mdsl.kernel
+    def chain(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16], g: Tensor[8, 32, f16]):
+        t = mdsl.transpose(mdsl.exp(x), 0, 1)
+        return mdsl.silu(mdsl.rms_norm(x) @ w) * g, t
+
+    config = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1, work=40)
+    stats = SearchStats(work_limit=config.work)
+    best, *_ = partition.generate(chain.graph, config, stats)
+    assert stats.partition["stopped"] == "work"                  # the liftings spent their allowance
+    assert stats.counts["work"]["partition screens"] > 0         # the screens have theirs
+    assert isinstance(best, Assembly) and best.parts
+    assert estimate(best.graph).launches < estimate(chain.graph).launches
+
+
+def test_element_wise_siblings_of_one_input_are_ordered_together_and_fused():
+    @mdsl.kernel
+    def siblings(x: Tensor[4, 64, f16], b: Tensor[1, 64, f16], w: Tensor[64, 256, f16], g: Tensor[4, 64, f16]):
+        return x * b, x @ w, x * g          # the product is traced between the two scalings of x
+
+    ordered = partition.ordered(siblings.graph)
+    assert [n.op for n in ordered.nodes] == ["mul", "mul", "matmul"]
+    part = partition.Partition(siblings.graph, CONFIG, SearchStats())
+    part.analyse()
+    assert part.parts[0, 2].status == partition.FUSED
+    assert any(o is not None and i <= 0 and 2 <= j for i, j, o in part.screened_best())   # one kernel has both

@@ -1,0 +1,303 @@
+"""Layout changes inside a part: moved to its boundary or cancelled, so that the rest lifts into one kernel.
+
+A layout operator has no block-level rule (`guided.LIFT_RULES`), so a part that contains one does not
+lift as it is. Two rewrites take most of them out of a part's interior, and what they cannot take out
+leaves the part as it was:
+
+* **A view moves to the boundary.** A reshape launches nothing (`cost._VIEWS`): one that reads a part's
+  input, or whose result only leaves the part, is a view around the kernel, not in it. Element-wise
+  operators commute with it (each element is computed from the elements at its own position), so a
+  reshape moves back past the element-wise operators that produce its operand, toward the inputs, and
+  forward past the element-wise operators that read its result, toward the outputs. The other operands
+  of a moved operator are reshaped with it: one of the same shape as a whole, a broadcast one (a bias
+  row, a per-row scalar) where it has all of the dims the reshape regroups or none of them.
+* **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
+  transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
+  name. A transpose of a value whose moved dims all have size 1 is a reshape.
+
+The result (`boundary_views`) is the part's views on its inputs, a *core* without layout operators,
+and the views of the core's results that the part returns; the core is what the lifting rules see. Each
+rewrite computes the same function as the sub-program it came from (reshapes and transposes only move
+elements); the verifier checks the assembled candidate against the sub-program regardless.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from mdsl.ir.graph import KernelGraph, Node
+from mdsl.ir.ops import get_op
+from mdsl.ir.types import Var
+from mdsl.search.guided import LIFT_RULES
+
+#: The layout operators these rewrites move or cancel.
+MOVABLE = frozenset({"reshape", "transpose"})
+_ROUNDS = 64   # rewrites per part at most (each moves one operator one step or cancels a pair)
+
+
+@attrs.frozen
+class Wrapped:
+    """A part as views on its inputs, a core without layout operators and views of the core's results."""
+
+    leading: tuple    # reshape nodes reading the part's inputs
+    core: KernelGraph
+    trailing: tuple   # reshape nodes whose results the part returns
+
+    def around(self, lifted: KernelGraph) -> list:
+        """The part's nodes with the core replaced by `lifted` (a candidate for the core)."""
+        return [*self.leading, *lifted.nodes, *self.trailing]
+
+
+class _Rewrite:
+    def __init__(self, graph: KernelGraph):
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.inputs = {v.name for v in graph.inputs}
+        self.outputs = {v.name for v in graph.outputs}
+        self.taken = self.inputs | {v.name for n in graph.nodes for v in n.outputs}
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def producer(self, name: str) -> Optional[Node]:
+        return next((n for n in self.nodes if any(v.name == name for v in n.outputs)), None)
+
+    def readers(self, name: str) -> list:
+        return [n for n in self.nodes if any(v.name == name for v in n.inputs)]
+
+    def private(self, name: str) -> bool:
+        """Whether the value is read by one node and not returned."""
+        return name not in self.outputs and len(self.readers(name)) == 1
+
+    def layout(self, op: str, x: Var, target: tuple, perm: Optional[tuple], out: Optional[Var] = None) -> Node:
+        """A reshape of x to `target`, or a transpose by `perm` (a reshape where it moves only size-1 dims)."""
+        if perm is not None and [x.shape[p] for p in perm if x.shape[p] > 1] != [s for s in x.shape if s > 1]:
+            return self._node("transpose", x, target, out, perm=tuple(perm))
+        return self._node("reshape", x, target, out, shape=tuple(target))
+
+    def _node(self, op: str, x: Var, target: tuple, out: Optional[Var], **attributes) -> Node:
+        out = out if out is not None else Var(self.fresh(f"{x.name}_{op}"), x.type.with_shape(list(target)))
+        return Node(op, [x], [out], get_op(op).normalize_attrs(attributes))
+
+    def replace(self, old: Node, new: list) -> None:
+        at = self.nodes.index(old)
+        self.nodes[at:at + 1] = new
+
+    # -- the rewrites ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Reshapes back toward the inputs first, then layout changes forward toward the outputs (a
+        reshape already on an input stays there), cancelling the pairs that meet."""
+        for _ in range(_ROUNDS):
+            if not self._back():
+                break
+        for _ in range(_ROUNDS):
+            if not (self._cancel() or self._forward()):
+                break
+        self._topological()
+        self._drop_dead()
+
+    def _cancel(self) -> bool:
+        """L2(L1(x)) = x: the pair removed, x's producer renamed to L2's result (its only reader is L1)."""
+        for second in self.nodes:
+            if second.op not in MOVABLE:
+                continue
+            first = self.producer(second.inputs[0].name)
+            if first is None or first.op not in MOVABLE or not self.private(first.outputs[0].name):
+                continue
+            x, out = first.inputs[0], second.outputs[0]
+            if x.shape != out.shape or not _restores(first, second):
+                continue
+            source = self.producer(x.name)
+            if source is not None and self.private(x.name) and len(source.outputs) == 1:
+                self.nodes.remove(first)
+                self.replace(second, [])
+                self.replace(source, [attrs.evolve(source, outputs=[Var(out.name, source.outputs[0].type)])])
+                return True
+            if out.name in self.outputs:
+                continue   # x is an input or read elsewhere, and the part returns the pair's result by its name
+            self.nodes.remove(first)
+            self.replace(second, [])
+            self.nodes = [attrs.evolve(n, inputs=[x if v.name == out.name else v for v in n.inputs]) for n in self.nodes]
+            return True
+        return False
+
+    def _forward(self) -> bool:
+        """E(L(a), b) = L(E(a, L^-1(b))) for an element-wise E reading a layout change's result (L kept for
+        its other readers)."""
+        for node in self.nodes:
+            if node.op not in MOVABLE or (node.op == "reshape" and node.inputs[0].name in self.inputs):
+                continue   # a view of an input is at the boundary already
+            u = node.outputs[0]
+            for reader in self.readers(u.name):
+                if not _elementwise(reader) or reader.outputs[0].shape != u.shape:
+                    continue
+                if node.op == "transpose" and not self.private(u.name):
+                    continue   # a transpose is a kernel: moved only where it is not kept as well
+                operands = self._operands(reader, u, node)
+                if operands is None:
+                    continue
+                before, ins = operands
+                a = node.inputs[0]
+                out = reader.outputs[0]
+                moved = attrs.evolve(reader, inputs=ins,
+                                     outputs=[Var(self.fresh(out.name), out.type.with_shape(list(a.shape)))])
+                after = self.layout(node.op, moved.outputs[0], out.shape, _perm(node), out)
+                self.replace(reader, [*before, moved, after])
+                return True
+        return False
+
+    def _operands(self, reader: Node, u: Var, node: Node) -> Optional[tuple]:
+        """The reader's operands in the layout before `node` (layout nodes to add for the others), or None."""
+        a = node.inputs[0]
+        before, ins = [], []
+        for v in reader.inputs:
+            if v.name == u.name:
+                ins.append(a)
+                continue
+            shape = _carried(v.shape, u.shape, a.shape, node, forward=True)
+            if shape is None:
+                return None
+            if tuple(shape) == tuple(v.shape):
+                ins.append(v)
+                continue
+            inverse = _inverse_perm(_perm(node)) if node.op == "transpose" else None
+            before.append(self.layout(node.op, v, shape, inverse))
+            if before[-1].op != "reshape":
+                return None   # a transpose of another operand would be another kernel
+            ins.append(before[-1].outputs[0])
+        return before, ins
+
+    def _back(self) -> bool:
+        """R(E(a, b)) = E(R(a), R(b)) for a reshape R of an element-wise E's private result."""
+        for node in self.nodes:
+            if node.op != "reshape":
+                continue
+            v = node.inputs[0]
+            source = self.producer(v.name)
+            if source is None or not _elementwise(source) or not self.private(v.name):
+                continue
+            target = node.outputs[0].shape
+            before, ins = [], []
+            for w in source.inputs:
+                shape = _carried(w.shape, v.shape, target, node, forward=False)
+                if shape is None:
+                    break
+                if tuple(shape) == tuple(w.shape):
+                    ins.append(w)
+                    continue
+                before.append(self.layout("reshape", w, shape, None))
+                ins.append(before[-1].outputs[0])
+            else:
+                moved = attrs.evolve(source, inputs=ins, outputs=[node.outputs[0]])
+                self.nodes.remove(source)
+                self.replace(node, [*before, moved])
+                return True
+        return False
+
+    # -- tidying -----------------------------------------------------------------------------------
+
+    def _topological(self) -> None:
+        defined = set(self.inputs)
+        order, left = [], list(self.nodes)
+        while left:
+            ready = next(n for n in left if all(v.name in defined for v in n.inputs))
+            left.remove(ready)
+            order.append(ready)
+            defined.update(v.name for v in ready.outputs)
+        self.nodes = order
+
+    def _drop_dead(self) -> None:
+        while True:
+            read = {v.name for n in self.nodes for v in n.inputs} | self.outputs
+            live = [n for n in self.nodes if any(v.name in read for v in n.outputs)]
+            if len(live) == len(self.nodes):
+                return
+            self.nodes = live
+
+
+def _elementwise(node: Node) -> bool:
+    return node.opdef.is_elementwise and len(node.outputs) == 1
+
+
+def _perm(node: Node) -> Optional[tuple]:
+    return tuple(node.attr("perm")) if node.op == "transpose" else None
+
+
+def _inverse_perm(perm: tuple) -> tuple:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return tuple(inverse)
+
+
+def _restores(first: Node, second: Node) -> bool:
+    """Whether second(first(x)) is x (shapes already agree)."""
+    if first.op == "reshape" and second.op == "reshape":
+        return True
+    if first.op == "transpose" and second.op == "transpose":
+        return tuple(_perm(first)[p] for p in _perm(second)) == tuple(range(len(_perm(first))))
+    return False
+
+
+def _carried(shape: tuple, full: tuple, target: tuple, node: Node, forward: bool) -> Optional[tuple]:
+    """The shape of an operand of `full`'s shape (broadcast to it) carried through `node`'s layout change
+    from `full` to `target` (`forward`: undoing it, from its result's layout to its operand's): the
+    target itself for an operand of the full shape; for a transpose, its dims permuted; for a reshape,
+    the dims it keeps with the regrouped ones (all of them, or 1s where the operand is broadcast along
+    all of them: a bias row, a per-row scalar); else None."""
+    shape, full, target = tuple(shape), tuple(full), tuple(target)
+    if shape == full:
+        return target
+    if len(shape) != len(full) or any(s not in (1, f) for s, f in zip(shape, full)):
+        return None
+    if node.op == "transpose":
+        perm = _inverse_perm(_perm(node)) if forward else _perm(node)
+        return tuple(shape[p] for p in perm)
+    # a reshape keeps the dims before the first it changes and regroups the rest: an operand keeps its
+    # dims there (a broadcast row's 1s too) and is carried where it has all of the rest or none of it
+    kept = next((i for i, (f, t) in enumerate(zip(full, target)) if f != t), min(len(full), len(target)))
+    rest = shape[kept:]
+    if rest == full[kept:]:
+        return shape[:kept] + target[kept:]
+    if all(s == 1 for s in rest):
+        return shape[:kept] + (1,) * (len(target) - kept)
+    return None
+
+
+def boundary_views(graph: KernelGraph) -> Optional[Wrapped]:
+    """The sub-program `graph` as views, a core without layout operators and views (see the module
+    docstring), or None where a layout operator stays inside (or there was none to move)."""
+    if not any(n.op in MOVABLE for n in graph.nodes):
+        return None
+    r = _Rewrite(graph)
+    r.run()
+    inputs = {v.name for v in graph.inputs}
+    leading = [n for n in r.nodes if n.op == "reshape" and n.inputs[0].name in inputs]
+    trailing = []
+    for n in reversed(r.nodes):   # reshapes whose results only the part returns (or other such reshapes read)
+        if n.op == "reshape" and n not in leading and all(m in trailing for m in r.readers(n.outputs[0].name)):
+            trailing.append(n)
+    trailing.reverse()
+    core = [n for n in r.nodes if n not in leading and n not in trailing]
+    if not core or any(LIFT_RULES.get(n.op) is None for n in core):
+        return None
+    defined = {v.name for n in core for v in n.outputs}
+    ins: dict = {}
+    for n in core:
+        for v in n.inputs:
+            if v.name not in defined:
+                ins.setdefault(v.name, v)
+    needed = {v.name for n in trailing for v in n.inputs} | {v.name for v in graph.outputs}
+    outs = [v for n in core for v in n.outputs if v.name in needed]
+    if not outs:
+        return None
+    return Wrapped(tuple(leading), KernelGraph(f"{graph.name}_core", list(ins.values()), core, outs), tuple(trailing))

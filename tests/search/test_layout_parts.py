@@ -1,0 +1,134 @@
+"""Layout changes inside a part (mdsl/search/layout.py): views moved to the part's boundary, inverse
+transposes cancelled, so that the rest lifts into one kernel. IR in, core and plan out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mdsl
+from mdsl import Tensor, f16
+from mdsl.backend.reference import run_kernel_graph
+from mdsl.ir.graph import KernelGraph
+from mdsl.search.config import SearchConfig
+from mdsl.search.engine import search
+from mdsl.search.layout import boundary_views
+
+CONFIG = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1)
+
+
+def _transposed_scale():
+    @mdsl.kernel
+    def transposed_scale(x: Tensor[8, 64, f16]):
+        t = mdsl.transpose(mdsl.rms_norm(x), 0, 1)       # scaled in the transposed layout, then back
+        return mdsl.transpose(t * 0.5, 0, 1)
+    return transposed_scale.graph
+
+
+def _heads():
+    @mdsl.kernel
+    def heads(x: Tensor[8, 64, f16], b: Tensor[1, 64, f16]):
+        h = mdsl.reshape(mdsl.sigmoid(x), 8, 2, 32)       # two heads, normalised each
+        return mdsl.reshape(mdsl.rms_norm(h), 8, 64) + b
+    return heads.graph
+
+
+def _ops(graph: KernelGraph) -> list:
+    return [n.op for n in graph.nodes]
+
+
+def _same_function(a: KernelGraph, b: KernelGraph) -> None:
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(v.shape) for v in a.inputs]
+    for got, want in zip(run_kernel_graph(b, inputs), run_kernel_graph(a, inputs)):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_inverse_transposes_around_elementwise_ops_cancel():
+    graph = _transposed_scale()
+    wrapped = boundary_views(graph)
+    assert wrapped is not None and not wrapped.leading and not wrapped.trailing
+    assert _ops(wrapped.core) == ["rms_norm", "mul_scalar"]
+    assert [v.name for v in wrapped.core.outputs] == [v.name for v in graph.outputs]
+    _same_function(graph, wrapped.core)
+
+
+def test_a_reshape_moves_to_the_inputs_and_its_inverse_to_the_outputs():
+    graph = _heads()
+    wrapped = boundary_views(graph)
+    assert wrapped is not None
+    assert _ops(wrapped.core) == ["sigmoid", "rms_norm", "add"]
+    assert {n.inputs[0].name for n in wrapped.leading} == {"x", "b"}          # views of the inputs
+    assert [n.outputs[0].name for n in wrapped.trailing] == [v.name for v in graph.outputs]
+    assert all(n.op == "reshape" for n in (*wrapped.leading, *wrapped.trailing))
+    _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
+
+
+def test_a_reshape_a_contraction_reads_stays_and_the_part_is_left_alone():
+    @mdsl.kernel
+    def merged(x: Tensor[8, 2, 32, f16], w: Tensor[64, 16, f16]):
+        return mdsl.reshape(mdsl.rms_norm(x), 8, 64) @ w   # the product contracts the merged dim
+
+    assert boundary_views(merged.graph) is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("make", [_transposed_scale, _heads], ids=["transposes", "heads"])
+def test_a_part_with_layout_changes_becomes_one_verified_kernel(make):
+    graph = make()
+    plan = search(graph, CONFIG).plan()
+    assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
+    assert plan.evidence.equivalent and plan.evidence.finite_field_tests == CONFIG.verify_tests
+    assert sum(n.body is not None for n in plan.graph.nodes) == 1
+    _same_function(graph, plan.graph)
+
+
+def test_a_concat_of_whole_rows_lifts_into_its_operands_kernel():
+    @mdsl.kernel
+    def joined(x: Tensor[8, 64, f16], g: Tensor[8, 32, f16]):
+        return mdsl.concat([mdsl.rms_norm(x), mdsl.silu(g)], dim=-1)   # rows joined in the block
+
+    plan = search(joined.graph, CONFIG).plan()
+    assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
+    (kernel,) = plan.graph.nodes
+    assert "concat" in [n.op for n in kernel.body.nodes] and plan.evidence.equivalent
+    _same_function(joined.graph, plan.graph)
+
+
+def test_broadcast_operands_move_with_a_reshape_that_regroups_all_or_none_of_their_dims():
+    @mdsl.kernel
+    def scaled(x: Tensor[8, 64, f16], s: Tensor[8, 1, f16], b: Tensor[1, 64, f16]):
+        h = mdsl.reshape((x * s) + b, 8, 2, 32)             # a per-row scalar and a bias row, then heads
+        return mdsl.reshape(mdsl.rms_norm(h), 8, 64)
+
+    wrapped = boundary_views(scaled.graph)
+    assert wrapped is not None and _ops(wrapped.core) == ["mul", "add", "rms_norm"]
+    shapes = {n.inputs[0].name: n.outputs[0].shape for n in wrapped.leading}
+    assert shapes == {"x": (8, 2, 32), "s": (8, 1, 1), "b": (1, 2, 32)}
+    _same_function(scaled.graph, KernelGraph(scaled.graph.name, scaled.graph.inputs,
+                                             wrapped.around(wrapped.core), scaled.graph.outputs))
+
+
+def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():
+    from mdsl.search import guided
+
+    graph = _heads()
+    first = next(guided.generate(graph, CONFIG))
+    assert [n.op for n in first.nodes if n.body is None] == ["reshape"] * 3    # x, b and the result: views
+    assert sum(n.body is not None for n in first.nodes) == 1
+    _same_function(graph, first)
+
+
+def test_a_program_with_an_operator_no_rule_lifts_costs_no_lifting():
+    from mdsl.search import guided
+    from mdsl.search.stats import SearchStats
+
+    @mdsl.kernel
+    def halves(x: Tensor[8, 64, f16]):
+        a, b = mdsl.split(mdsl.exp(x), [32, 32], dim=-1)
+        return a * b
+
+    stats = SearchStats(work_limit=CONFIG.work)
+    result = guided.lift_all(halves.graph, CONFIG, stats)
+    assert result.candidates == () and result.complete
+    assert list(result.failures.values())[0][1] == "split does not lift into a block graph"
+    assert not stats.counts.get("work")
