@@ -95,7 +95,7 @@ def split_attention(qknorm: bool, heads: int = 1, queries: int = 32, kv_len: int
 def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks: int = 96, k: int = 4096,
                            dtype=None) -> KernelGraph:
     """RMSNorm + Linear as one kernel of `blocks` blocks, each a slice of the weight's columns over a loop of
-    `forloop` K tiles: the tuning variants the autotuner ran the skinny loop on in the fifth session's
+    `forloop` K tiles: the tuning variants the autotuner runs the skinny loop on in the
     kernel benchmark (rms_norm_linear_bs1: 2 rows, 96 blocks x 8 iterations; bs8: 16 rows, 96 x 64), op
     for op; smaller shapes for the CPU simulator."""
     from mdsl.ir.dtypes import f16
@@ -114,7 +114,7 @@ def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks:
 
 def gated_mlp_skinny(rows: int = 8, k: int = 4096, columns: int = 4096, blocks: int = 64, splits: int = 2,
                      forloop: int = 32, dtype=None) -> KernelGraph:
-    """Gated MLP as the fifth session's tuned variant (64 x 2 blocks x 32 iterations, then 128 blocks
+    """Gated MLP as the autotuner's tuned variant (64 x 2 blocks x 32 iterations, then 128 blocks
     combining the 2 K splits with silu and the gate's product), op for op: the first kernel is a skinny
     loop of two weights."""
     from mdsl.ir.dtypes import f16, f32
@@ -140,8 +140,8 @@ def gated_mlp_skinny(rows: int = 8, k: int = 4096, columns: int = 4096, blocks: 
     return g.build(outputs=[g.nodes[-1].outputs[0]])
 
 
-#: the fifth session's skinny-loop picks of the autotuner (name -> graph, options), as the kernel
-#: benchmark ran them on the CUDA backend and, since, on the PTX backend
+#: the autotuner's skinny-loop picks in the kernel benchmark (name -> graph, options), on the CUDA and the
+#: PTX backend
 def tuned_skinny_plans() -> dict:
     return {"rms_norm_linear_bs1": (rms_norm_linear_skinny(2, 8), CudaOptions(skinny=True)),
             "rms_norm_linear_bs8": (rms_norm_linear_skinny(16, 64), CudaOptions(skinny=True, threads=256)),
@@ -149,7 +149,7 @@ def tuned_skinny_plans() -> dict:
 
 
 def lora_tuned(rows: int = 16, k: int = 256, columns: int = 4096, rank: int = 16) -> KernelGraph:
-    """LoRA as the fifth session's tuned variant (2 x 256 blocks of 8 rows and 16 columns, one iteration),
+    """LoRA as the autotuner's tuned variant (2 x 256 blocks of 8 rows and 16 columns, one iteration),
     op for op: X W and (X A) B on 4 warps that hold 2 mma tiles a matmul (half the warps have none)."""
     from mdsl.ir.dtypes import f16
     from tests.backend.cuda.builder import Graph
@@ -168,6 +168,6 @@ def lora_tuned(rows: int = 16, k: int = 256, columns: int = 4096, rank: int = 16
 
 
 def tuned_plans() -> dict:
-    """The fifth session's tuned picks the PTX backend was slowest on (name -> graph, options): the skinny
+    """The autotuner's tuned picks the PTX backend is slowest on (name -> graph, options): the skinny
     ones and LoRA's (its default pipeline depth 2, which a loop of one iteration does not use)."""
     return {**tuned_skinny_plans(), "lora": (lora_tuned(), CudaOptions(stages=2))}

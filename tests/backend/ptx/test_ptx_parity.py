@@ -4,8 +4,8 @@ every benchmark case's plan (.plans, else its guided plan), under the default op
 and each PTX kernel must take the CUDA kernel's paths: global loads of inputs through the read-only
 data path (LDG...CONSTANT, from `!invariant.load`), exp as one MUFU.EX2 (CUDA's expf, not a
 polynomial: no FRND / F2I), converted stores of whole vectors (no 16-bit global stores where CUDA has
-none), and at most 10% more SASS instructions than the CUDA kernel; the same for the fifth session's
-tuned picks the PTX backend ran slower (tests/backend/ptx/plans.py: skinny loops, LoRA), with no spills
+none), and at most 10% more SASS instructions than the CUDA kernel; the same for the autotuner's
+tuned picks the PTX backend runs slower (tests/backend/ptx/plans.py: skinny loops, LoRA), with no spills
 and at most 10% more registers; and, launched to overlap their predecessors (CudaOptions.overlap), the
 same waits for the previous kernel with no global access before them. Plus IR-level checks of the row loops' unrolling, of the vector stores
 and of the mma K loops of warps that lack their last tile."""
@@ -88,7 +88,7 @@ def tuned_modules(name: str) -> tuple:
 @needs_tools
 @pytest.mark.parametrize("name", sorted(tuned_plans()))
 def test_tuned_plans_take_the_cuda_kernels_paths(name):
-    """The picks of the fifth session's tuner that the PTX backend ran slower than the CUDA backend
+    """The autotuner's picks that the PTX backend runs slower than the CUDA backend
     (skinny loops, LoRA): the same paths, no spills, at most MORE_REGISTERS times the registers."""
     cuda, ptx, theirs, ours = tuned_modules(name)
     for kernel in theirs:

@@ -7,7 +7,7 @@
   its code: X of 2, 3 and 16 rows (one or two 8-row tiles, rows past M), one or two column groups, 16-
   and 8-byte loads, a warp's lanes duplicating chunks, two weights, the steady loop with and without
   the last slabs after it, row accumulators (accum_rms, accum_sum) and none, f16 and bf16;
-* its SASS against the CUDA backend's on the fifth session's tuned skinny plans (RMSNorm + Linear at
+* its SASS against the CUDA backend's on the autotuner's tuned skinny plans (RMSNorm + Linear at
   batch 1 and 8, Gated MLP, at the benchmark's sizes): the same 16-byte no-allocate weight loads, mmas,
   X's 8-byte loads, byte permutes, L2 prefetches, barriers and shuffles (test_ptx_parity.py checks the
   data paths, spills, registers and instruction counts of the same kernels);
