@@ -693,9 +693,9 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
     search's `stats`, it stops lifting when its work budget is spent or at the search's deadline (and
     ranks what it has). A program whose layout changes move to its boundary (`mdsl.search.layout`) is
     lifted as its core, with the views around it."""
-    from mdsl.search.layout import boundary_views   # (it reads this module's LIFT_RULES)
+    from mdsl.search.layout import boundary_views
 
-    wrapped = boundary_views(graph)
+    wrapped = boundary_views(graph, LIFT_RULES)
     if wrapped is None:
         yield from lift_all(graph, config, stats, limit=limit).candidates
         return

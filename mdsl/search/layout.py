@@ -29,7 +29,6 @@ import attrs
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import get_op
 from mdsl.ir.types import Var
-from mdsl.search.guided import LIFT_RULES
 
 #: The layout operators these rewrites move or cancel.
 MOVABLE = frozenset({"reshape", "transpose"})
@@ -273,9 +272,11 @@ def _carried(shape: tuple, full: tuple, target: tuple, node: Node, forward: bool
     return None
 
 
-def boundary_views(graph: KernelGraph) -> Optional[Wrapped]:
+def boundary_views(graph: KernelGraph, lift_rules) -> Optional[Wrapped]:
     """The sub-program `graph` as views, a core without layout operators and views (see the module
-    docstring), or None where a layout operator stays inside (or there was none to move)."""
+    docstring), or None where a layout operator stays inside (or there was none to move). `lift_rules`:
+    the block-level rules (`guided.LIFT_RULES`, which the caller passes: guided reads this module), which
+    every operator of the core must have."""
     if not any(n.op in MOVABLE for n in graph.nodes):
         return None
     r = _Rewrite(graph)
@@ -288,7 +289,7 @@ def boundary_views(graph: KernelGraph) -> Optional[Wrapped]:
             trailing.append(n)
     trailing.reverse()
     core = [n for n in r.nodes if n not in leading and n not in trailing]
-    if not core or any(LIFT_RULES.get(n.op) is None for n in core):
+    if not core or any(lift_rules.get(n.op) is None for n in core):
         return None
     defined = {v.name for n in core for v in n.outputs}
     ins: dict = {}

@@ -198,7 +198,7 @@ class Partition:
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
             if blocked is not None and blocked.op in MOVABLE:
-                part.wrapped = boundary_views(program)
+                part.wrapped = boundary_views(program, LIFT_RULES)
             if blocked is not None and part.wrapped is None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
             elif not _connected(nodes):

@@ -11,6 +11,7 @@ from mdsl.backend.reference import run_kernel_graph
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.config import SearchConfig
 from mdsl.search.engine import search
+from mdsl.search.guided import LIFT_RULES
 from mdsl.search.layout import boundary_views
 
 CONFIG = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1)
@@ -45,7 +46,7 @@ def _same_function(a: KernelGraph, b: KernelGraph) -> None:
 
 def test_inverse_transposes_around_elementwise_ops_cancel():
     graph = _transposed_scale()
-    wrapped = boundary_views(graph)
+    wrapped = boundary_views(graph, LIFT_RULES)
     assert wrapped is not None and not wrapped.leading and not wrapped.trailing
     assert _ops(wrapped.core) == ["rms_norm", "mul_scalar"]
     assert [v.name for v in wrapped.core.outputs] == [v.name for v in graph.outputs]
@@ -54,7 +55,7 @@ def test_inverse_transposes_around_elementwise_ops_cancel():
 
 def test_a_reshape_moves_to_the_inputs_and_its_inverse_to_the_outputs():
     graph = _heads()
-    wrapped = boundary_views(graph)
+    wrapped = boundary_views(graph, LIFT_RULES)
     assert wrapped is not None
     assert _ops(wrapped.core) == ["sigmoid", "rms_norm", "add"]
     assert {n.inputs[0].name for n in wrapped.leading} == {"x", "b"}          # views of the inputs
@@ -68,7 +69,7 @@ def test_a_reshape_a_contraction_reads_stays_and_the_part_is_left_alone():
     def merged(x: Tensor[8, 2, 32, f16], w: Tensor[64, 16, f16]):
         return mdsl.reshape(mdsl.rms_norm(x), 8, 64) @ w   # the product contracts the merged dim
 
-    assert boundary_views(merged.graph) is None
+    assert boundary_views(merged.graph, LIFT_RULES) is None
 
 
 @pytest.mark.timeout(120)
@@ -100,7 +101,7 @@ def test_broadcast_operands_move_with_a_reshape_that_regroups_all_or_none_of_the
         h = mdsl.reshape((x * s) + b, 8, 2, 32)             # a per-row scalar and a bias row, then heads
         return mdsl.reshape(mdsl.rms_norm(h), 8, 64)
 
-    wrapped = boundary_views(scaled.graph)
+    wrapped = boundary_views(scaled.graph, LIFT_RULES)
     assert wrapped is not None and _ops(wrapped.core) == ["mul", "add", "rms_norm"]
     shapes = {n.inputs[0].name: n.outputs[0].shape for n in wrapped.leading}
     assert shapes == {"x": (8, 2, 32), "s": (8, 1, 1), "b": (1, 2, 32)}
