@@ -15,6 +15,8 @@ table):
     docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
+    docs/results/random_programs_seed<S>.json
+                                     benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
 
 A missing input gives its section a line saying so. Floors are the roofline of the H200 that the cost
@@ -50,11 +52,14 @@ MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen
 # inputs
 
 def load_results(results: Path = RESULTS) -> dict:
-    """Input name -> its parsed JSON (None where the file is missing)."""
+    """Input name -> its parsed JSON (None where the file is missing); "random_programs": the runs of
+    benchmarks/random_programs.py, one file per seed, in seed order."""
     out = {}
     for name in INPUTS:
         path = results / f"{name}.json"
         out[name] = json.loads(path.read_text()) if path.exists() else None
+    runs = [json.loads(p.read_text()) for p in results.glob("random_programs_seed*.json")]
+    out["random_programs"] = sorted(runs, key=lambda r: (r.get("meta") or {}).get("seed", 0))
     return out
 
 
@@ -216,6 +221,27 @@ def gemm_section(data: Optional[dict]) -> list:
                      _times(r["kernel_us"] / r["cublas_us"]) if r.get("cublas_us") and r.get("kernel_us") else "-"])
     lines += _table(["M", "K", "N", "floor µs", "cuBLAS", "mdsl kernel", "torch", "cuBLAS over kernel"], rows,
                     right=0) + [""]
+    return lines
+
+
+def random_programs_section(runs: list) -> list:
+    lines = ["## Programs the search has never seen", ""]
+    if not runs:
+        return lines + ["No results: no `docs/results/random_programs_seed<S>.json`.", ""]
+    lines += ["`benchmarks/random_programs.py`: programs drawn from the operator registry by seed (chains and DAGs of "
+              "3-12 operators over LLM-layer shapes), each searched cold under the budget; fused: a plan with fewer "
+              "kernels than the program; float check: the plan against float64 on fresh inputs.", ""]
+    rows = []
+    for run in runs:
+        meta, summary = run.get("meta") or {}, run.get("summary") or {}
+        rows.append([meta.get("seed", "?"), summary.get("programs", "-"), summary.get("fused", "-"),
+                     _percent(summary["fused_fraction"]) if "fused_fraction" in summary else "-",
+                     summary.get("float_failures", "-"), summary.get("provisional", "-"), summary.get("over_cap", "-"),
+                     f"{summary['budget_s']:g}" if "budget_s" in summary else "-",
+                     f"{summary['search_s_median']:.1f}" if "search_s_median" in summary else "-"])
+    lines += _table(["seed", "programs", "fused", "fraction", "float failures", "cut by the cap", "over cap > 5 s",
+                     "budget s", "median search s"], rows) + [""]
+    lines += [f"Seed {(r.get('meta') or {}).get('seed', '?')}: " + run_line(r.get("meta")) for r in runs] + [""]
     return lines
 
 
@@ -413,6 +439,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += tp_section(results.get("decode_tp"))
     lines += search_section(results.get("search_times"))
     lines += compile_section(results.get("compile_times"))
+    lines += random_programs_section(results.get("random_programs") or [])
     lines += gemm_section(results.get("gemm"))
     lines += call_section(results.get("call_overhead"))
     lines += tried_section(tried_rows(docs))
