@@ -317,3 +317,15 @@ def test_qwen3_moe_is_refused_for_the_gpu_and_over_ranks():
     assert all(isinstance(DEVICE_RULES[op], NotOnDevice) for op in ("moe_router", "moe_experts"))
     with pytest.raises(UnsupportedError, match="moe_router .*mixture of experts is not split"):
         tensor_parallel(graph, 2)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral", "qwen3_moe"])
+def test_an_architectures_sampling_model_is_its_greedy_model_up_to_the_last_op(arch):
+    """sampling_decode builds each architecture's own forward (Gemma-2's is not the shared decoder's), then samples."""
+    from mdsl.megakernel.modelgraph.architectures import sampling_decode
+
+    config, greedy, _ = tiny_model(arch)
+    sampling = sampling_decode(arch, temperature=0.7, top_p=0.9, seed=3).trace(config)
+    assert [n.op for n in sampling.nodes[:-1]] == [n.op for n in greedy.nodes[:-1]]
+    assert (greedy.nodes[-1].op, sampling.nodes[-1].op) == ("argmax", "sample")
+    assert sampling.weights == greedy.weights

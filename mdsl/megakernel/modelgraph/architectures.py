@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from mdsl.errors import UnsupportedError
-from mdsl.megakernel.modelgraph.model import ModelFunction, model
+from mdsl.megakernel.modelgraph.model import ModelFunction
 from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 
@@ -70,44 +70,7 @@ def _experts(m, cfg: ModelConfig, normed, p: str):
     return m.moe_experts(normed, routing, *weights, act=cfg.hidden_act)
 
 
-@model(name="llama3")
-def llama3_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="mistral")
-def mistral_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="phi3")
-def phi3_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="qwen2")
-def qwen2_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="qwen3")
-def qwen3_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="qwen3_moe")
-def qwen3_moe_decode(m, cfg: ModelConfig):
-    logits = _decoder(m, cfg)
-    return logits, m.argmax(logits)
-
-
-@model(name="gemma2")
-def gemma2_decode(m, cfg: ModelConfig):
+def _gemma2(m, cfg: ModelConfig):
     """Gemma-2: embeddings times sqrt(hidden), RMSNorms scaled by (1 + weight) before and after attention and
     the MLP, a GeGLU MLP (tanh-approximate GELU), queries scaled by query_pre_attn_scalar^-0.5, soft-capped
     attention scores and logits, a sliding window on the layers layer_types names."""
@@ -134,25 +97,48 @@ def gemma2_decode(m, cfg: ModelConfig):
     logits = m.linear(m.rms_norm_1p(x, m.weight("model.norm.weight", [h]), eps), head)
     if cfg.final_softcap:
         logits = m.softcap(logits, cfg.final_softcap)
-    return logits, m.argmax(logits)
+    return logits
+
+
+#: each built-in architecture's logits of one decode step
+_LOGITS = {"llama3": _decoder, "mistral": _decoder, "phi3": _decoder, "qwen2": _decoder, "qwen3": _decoder,
+           "qwen3_moe": _decoder, "gemma2": _gemma2}
+
+
+def _logits_of(architecture: str):
+    logits_of = _LOGITS.get(architecture)
+    if logits_of is None:
+        raise UnsupportedError(f"no built-in model for architecture {architecture!r}",
+                               hint=f"built in: {', '.join(_LOGITS)}")
+    return logits_of
+
+
+def _greedy(architecture: str) -> ModelFunction:
+    """The built-in model of an architecture: its logits, then the argmax."""
+    logits_of = _logits_of(architecture)
+
+    def step(m, cfg: ModelConfig):
+        logits = logits_of(m, cfg)
+        return logits, m.argmax(logits)
+
+    return ModelFunction(step, architecture)
 
 
 def sampling_decode(architecture: str, *, temperature: float, top_p: float = 1.0, seed: int = 0) -> ModelFunction:
     """The built-in model of an architecture with seeded temperature/top-p sampling instead of argmax."""
+    logits_of = _logits_of(architecture)
+
     def step(m, cfg: ModelConfig):
-        logits = _decoder(m, cfg)
+        logits = logits_of(m, cfg)
         return logits, m.sample(logits, temperature=temperature, top_p=top_p, seed=seed)
 
     return ModelFunction(step, f"{architecture}_sampling")
 
 
-STEP_FUNCTIONS = {"llama3": llama3_decode, "mistral": mistral_decode, "phi3": phi3_decode, "gemma2": gemma2_decode,
-                  "qwen2": qwen2_decode, "qwen3": qwen3_decode, "qwen3_moe": qwen3_moe_decode}
+STEP_FUNCTIONS = {architecture: _greedy(architecture) for architecture in _LOGITS}
+llama3_decode, qwen3_decode = STEP_FUNCTIONS["llama3"], STEP_FUNCTIONS["qwen3"]
 
 
 def step_function(cfg: ModelConfig) -> ModelFunction:
-    fn = STEP_FUNCTIONS.get(cfg.architecture)
-    if fn is None:
-        raise UnsupportedError(f"no built-in model for architecture {cfg.architecture!r}",
-                               hint=f"built in: {', '.join(STEP_FUNCTIONS)}")
-    return fn
+    _logits_of(cfg.architecture)   # an unknown one is refused, naming those built in
+    return STEP_FUNCTIONS[cfg.architecture]
