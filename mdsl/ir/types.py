@@ -65,6 +65,16 @@ class Var:
         return f"%{self.name}"
 
 
+def fresh_name(base: str, taken: set) -> str:
+    """`base`, or `base_1`, `base_2`, ...: the first not in `taken`, which it joins."""
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
 def check_shape(shape, dtype: DType, what: str = "a tensor") -> None:
     """Raise ShapeError unless `shape` is a tensor shape mdsl can hold: at most MAX_RANK dims, each a
     positive int, at most MAX_ELEMENTS elements. The tracer, the validator and both parsers call this."""

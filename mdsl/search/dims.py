@@ -119,7 +119,25 @@ class Zip:
     labels: tuple
 
 
-class Labels:
+class UnionFind:
+    """Union-find over `parent` (key -> parent key; a root is its own parent), with path halving; a union
+    makes the smaller root the representative, so labels are deterministic."""
+
+    parent: dict
+
+    def _find(self, key):
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def _union(self, a, b) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+class Labels(UnionFind):
     """Union-find over (value name, dim) pairs of one kernel graph."""
 
     def __init__(self, graph: KernelGraph):
@@ -143,17 +161,6 @@ class Labels:
         for d, size in enumerate(var.shape):
             self.parent[(var.name, d)] = (var.name, d)
             self.sizes[(var.name, d)] = size
-
-    def _find(self, key):
-        while self.parent[key] != key:
-            self.parent[key] = self.parent[self.parent[key]]
-            key = self.parent[key]
-        return key
-
-    def _union(self, a, b) -> None:
-        ra, rb = self._find(a), self._find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
 
     def label(self, var_name: str, dim: int):
         return self._find((var_name, dim))

@@ -64,7 +64,7 @@ from mdsl.errors import MdslError
 from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
 from mdsl.ir.ops import BLOCK, OPS, OpDef
-from mdsl.ir.types import TensorType, Var
+from mdsl.ir.types import TensorType, Var, fresh_name
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, input_tile_type, shared_memory_peak, validate_kernel_graph
 from mdsl.passes.abstract import Term, abstract_terms, node_terms, subterms, var
 from mdsl.passes.subexpr import OutOfTime, SubexprChecker
@@ -653,15 +653,6 @@ def _count_operand_tuples(n: int, op: _Operator, newest: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # from programs to kernel graphs
 
-def _fresh(base: str, taken: set) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
-
-
 def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int,
                   graph: Optional[KernelGraph] = None) -> KernelGraph:
     """The kernel graph of one program under one grid (not validated); `graph`: the program at other
@@ -673,14 +664,14 @@ def _kernel_graph(problem: _Problem, program: Program, grid: Grid, threads: int,
         tensor, labels = graph.inputs[i], problem.input_labels[slot]
         fmap = labels.index(frame.loop) if frame.loop in labels else None
         imap = grid.map_of(labels)
-        tile = Var(_fresh(tensor.name, taken), input_tile_type(tensor.type, grid.dims, frame.forloop, imap, fmap))
+        tile = Var(fresh_name(tensor.name, taken), input_tile_type(tensor.type, grid.dims, frame.forloop, imap, fmap))
         inputs.append(BlockInput(tile, imap, fmap))
         values.append(tile)
     nodes = []
     for step in program.steps:
         args = [values[i] for i in step.operands]
         (out_type,) = OPS[step.op].infer_types(tuple(a.type for a in args), step.attrs)
-        values.append(Var(_fresh(step.op, taken), out_type))
+        values.append(Var(fresh_name(step.op, taken), out_type))
         nodes.append(Node(step.op, args, [values[-1]], step.attrs))
     outputs = [BlockOutput(values[i], grid.map_of(program.labels[i])) for i in program.outputs]
     body = BlockGraph(grid.dims, threads, frame.forloop, inputs, nodes, outputs)

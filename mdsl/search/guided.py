@@ -36,7 +36,7 @@ from mdsl.ir.dtypes import f32
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node
 from mdsl.ir.ops import get_op
 from mdsl.ir.rules import RuleTable
-from mdsl.ir.types import TensorType, Var
+from mdsl.ir.types import TensorType, Var, fresh_name
 from mdsl.ir.validate import input_tile_type, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
@@ -104,12 +104,7 @@ class _Builder:
     # -- values ----------------------------------------------------------------------------------
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}_{k}"
-        self.names.add(name)
-        return name
+        return fresh_name(base, self.names)
 
     def make(self, op: str, inputs: list, base: Optional[str] = None, **attributes) -> Node:
         """A node of `op` on `inputs` with a fresh output name (from `base`, else the op) and its inferred

@@ -28,7 +28,7 @@ import attrs
 
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import get_op
-from mdsl.ir.types import Var
+from mdsl.ir.types import Var, fresh_name
 
 #: The layout operators these rewrites move or cancel.
 MOVABLE = frozenset({"reshape", "transpose"})
@@ -59,12 +59,7 @@ class _Rewrite:
     # -- helpers ---------------------------------------------------------------------------------
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
+        return fresh_name(base, self.taken)
 
     def producer(self, name: str) -> Optional[Node]:
         return next((n for n in self.nodes if any(v.name == name for v in n.outputs)), None)

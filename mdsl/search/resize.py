@@ -37,7 +37,7 @@ from mdsl.errors import MdslError
 from mdsl.ir.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, Node, ThreadGraph
 from mdsl.ir.types import Var
 from mdsl.ir.validate import input_tile_type, output_tensor_type, validate_kernel_graph
-from mdsl.search.dims import DIMS_RULES
+from mdsl.search.dims import DIMS_RULES, UnionFind
 
 
 class CannotResize(Exception):
@@ -55,7 +55,7 @@ def _body_vars(body) -> tuple:
     return list(body.inputs), list(body.outputs)
 
 
-class JointLabels:
+class JointLabels(UnionFind):
     """Union-find over (scope, value name, dim) of `graphs` (the original first). A scope is a tuple:
     (graph index,) for a kernel graph, extended by the node index of each body it is inside."""
 
@@ -131,17 +131,6 @@ class JointLabels:
     def _tie_values(self, scope_a: tuple, a: Var, scope_b: tuple, b: Var) -> None:
         for d in range(min(a.type.rank, b.type.rank)):
             self._union((scope_a, a.name, d), (scope_b, b.name, d))
-
-    def _find(self, key):
-        while self.parent[key] != key:
-            self.parent[key] = self.parent[self.parent[key]]
-            key = self.parent[key]
-        return key
-
-    def _union(self, a, b) -> None:
-        ra, rb = self._find(a), self._find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
 
     # -- reading -----------------------------------------------------------------------------------
 
