@@ -6,7 +6,7 @@ kernel benchmark times and the kernel's own GPU time.
 
 For each case (CASES: small kernels, where the host side of a call matters most):
 * public: `k(*tensors)` back to back, the outputs allocated by the call (torch tensors); and
-  `k(*tensors, out=out)`. The first call searches a plan (--budget seconds at most; the plan cache answers
+  `k(*tensors, out=out)`. A case's opening call searches a plan (--budget seconds at most; the plan cache answers
   later runs), compiles and checks; the calls timed are the repeated ones, with the same signature.
 * unchecked: `Executable.run_pointers` on the same executable, the launch benchmarks/kernels.py times as
   its mdsl contender (no argument checks, no allocation).
@@ -75,7 +75,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per timed batch")
     p.add_argument("--samples", type=int, default=40, help="timed batches per measurement")
     p.add_argument("--graph-calls", type=int, default=20, help="launches per CUDA graph for the GPU time")
-    p.add_argument("--budget", type=float, default=30.0, help="search budget (s) of a case's first call")
+    p.add_argument("--budget", type=float, default=30.0, help="search budget (s) of a case's opening call")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
                    help="output directory (default: $OUT when set, else ./bench_out)")
     return p.parse_args(argv)
@@ -167,7 +167,7 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     sync = torch.cuda.synchronize
     optimize = type(kernel).optimize
 
-    def bounded(*arrays, config):   # the first call's search, within --budget
+    def bounded(*arrays, config):   # the opening call's search, within --budget
         return optimize(kernel, *arrays, config=attrs.evolve(config, budget_s=args.budget))
 
     kernel.optimize = bounded
@@ -177,7 +177,7 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
                for shape, dtype in specs]
     rec: dict = {"inputs": [[list(shape), dtype] for shape, dtype in specs]}
     start = time.perf_counter()
-    with warnings.catch_warnings():   # where the search cannot run, the first call says so once
+    with warnings.catch_warnings():   # where the search cannot run, the opening call says so once
         warnings.simplefilter("ignore")
         first = kernel(*tensors)
     sync()

@@ -3,7 +3,7 @@ C++ by NVRTC to an sm_90a cubin; LLVM IR by llvmlite to PTX for sm_90, assembled
 into kernels that, by the compiler's own report, spill nothing, use no stack, fit in shared memory and
 launch with the block size they were written for. Each compile happens once per process (the same code
 recurs across the tests: a program under the default options, an option set that changes nothing in it);
-other processes find it in the session's compile caches (tests/shared.py)."""
+other processes find it in the test run's compile caches (tests/shared.py)."""
 from __future__ import annotations
 
 import functools

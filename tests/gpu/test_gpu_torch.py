@@ -126,7 +126,7 @@ def test_one_compiled_graph_serves_every_batch_size_on_cuda_tensors(torch):
     graphs: list = []
     compiled = torch.compile(model, backend=mdsl.torch.compiler(SEARCH, on_graph=graphs.append))
     sizes = [16, 1, 2, 8, 64]
-    # the batch dim marked dynamic from the first call; size-oblivious sizes keep torch from specialising 1
+    # the batch dim marked dynamic from the start; size-oblivious sizes keep torch from specialising 1
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         for k, m in enumerate(sizes):
             x = torch.randn(m, 256, device="cuda", dtype=torch.float16)

@@ -71,7 +71,7 @@ def test_a_llama_decoder_layer_serves_batch_sizes_1_to_64_from_one_graph():
     layer = modeling_llama.LlamaDecoderLayer(config, 0).eval()
     position_embeddings = modeling_llama.LlamaRotaryEmbedding(config)(torch.randn(1, 8, 64), torch.arange(8)[None])
     sizes = [4, 1, 2, 7, 64]
-    # the batch dim marked dynamic from the first call; size-oblivious sizes keep torch from specialising 1
+    # the batch dim marked dynamic from the start; size-oblivious sizes keep torch from specialising 1
     with fx_config.patch(backed_size_oblivious=True):
         (graph,) = _run_sizes(layer, sizes, lambda b: torch.randn(b, 8, 64), mark=True,
                               position_embeddings=position_embeddings, attention_mask=None)

@@ -38,7 +38,7 @@ def matmul_benchmark_names() -> list:
 @functools.cache
 def guided_plan(name: str) -> KernelGraph:
     """The best guided plan of a benchmark, searched on first use (the search takes seconds) by one of the
-    session's processes, which share it (tests/shared.py)."""
+    test run's processes, which share it (tests/shared.py)."""
     return shared_graph(f"guided-plan-{name}", lambda: next(guided.generate(example_kernels()[name])))
 
 

@@ -326,7 +326,7 @@ def test_a_repeated_call_checks_and_compiles_nothing_and_launches_on_its_own_poi
     assert after_first == (3, 1, 1)   # two inputs and the output checked, the stream chosen, one compile
     x2, y2 = halves(rig, (4, 64), (4, 64))
     second = add(x2, y2)
-    assert checks(rig) == after_first, "the second call with the same signature was checked or compiled again"
+    assert checks(rig) == after_first, "a repeated call with the same signature was checked or compiled again"
     assert len(add._calls) == 1 and len(add._executables) == 1
     (_, _, stream1, ptrs1), (_, _, stream2, ptrs2) = rig.driver.launches()
     assert ptrs1 == [x.data_ptr(), y.data_ptr(), first.data_ptr()]
