@@ -78,15 +78,12 @@ def serve(args: argparse.Namespace) -> int:
     from mdsl.server.chat import ChatTemplate
     from mdsl.serving import LLM
 
-    if args.gpu_memory_fraction is not None:
-        raise UnsupportedError("--gpu-memory-fraction sizes the GPU device's KV cache, and the GPU serving device "
-                               "is not built yet", hint="size the KV cache with --kv-cache-bytes")
     prometheus_client.disable_created_metrics()     # no *_created sample beside every counter and histogram
     template = ChatTemplate.load(args.model) if os.path.isdir(args.model) else None
     sock = _listen(args.host, args.port)
     try:
         llm = LLM(args.model, max_batch=args.max_batch, max_seq=args.max_seq, kv_cache_bytes=args.kv_cache_bytes,
-                  device=args.device)
+                  device=args.device, gpu_memory_fraction=args.gpu_memory_fraction)
     except BaseException:
         sock.close()
         raise
@@ -137,7 +134,7 @@ def add_serve_command(commands) -> None:
     cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     cmd.add_argument("--port", type=_port, default=8000, help="the port (default 8000; 0: a free one, printed)")
     cmd.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                     help="cpu (numpy, for small checkpoints: the default while the GPU device is not built) or gpu")
+                     help="cpu (numpy, for small checkpoints; the default) or gpu")
     cmd.add_argument("--max-batch", type=_positive_int, default=64, metavar="N",
                      help="requests decoded together (default 64)")
     cmd.add_argument("--max-seq", type=_positive_int, metavar="N",
@@ -145,8 +142,8 @@ def add_serve_command(commands) -> None:
     cmd.add_argument("--kv-cache-bytes", type=_positive_int, metavar="BYTES",
                      help="the KV-cache page pool's size (default: room for every batch slot at max-seq)")
     cmd.add_argument("--gpu-memory-fraction", type=float, metavar="F",
-                     help="the GPU device's share of GPU memory for the KV cache (not available yet: the GPU "
-                          "device is not built)")
+                     help="with --device gpu: the share of the GPU's memory the engine may take; the KV cache gets "
+                          "what the weights and activations leave of it")
     cmd.add_argument("--api-key", default=os.environ.get("MDSL_API_KEY"), metavar="KEY",
                      help="the key /v1/ requests must send as 'Authorization: Bearer KEY' (default: "
                           "$MDSL_API_KEY; unset: no key)")

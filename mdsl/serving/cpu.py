@@ -78,16 +78,13 @@ class CpuDevice:
                  notify_host: Callable[[], None]):
         self.graph, self.shape, self.host = graph, shape, host
         self.nodes, caches = serving_nodes(graph)
-        self.weights = {w.name: np.asarray(weights[w.name], np.float32) for w in graph.weights}
         region = device_region(shape)
         self.state = region.views(region.allocate())
-        self.kv = {s.name: np.zeros(kv_pool_shape(shape, *s.shape[1:]), np.float32) for s in caches}
-        # per node: its step rule, attributes, operand names, result names
-        self._program = [(STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
-                         for n in self.nodes]
         # past the last node that writes a KV cache only the rows whose logits are wanted are computed
-        self._narrow_at = 1 + max((i for i, n in enumerate(self.nodes) if any(v.name in self.kv for v in n.inputs)),
+        names = {s.name for s in caches}
+        self._narrow_at = 1 + max((i for i, n in enumerate(self.nodes) if any(v.name in names for v in n.inputs)),
                                   default=-1)
+        self._prepare(weights, caches)
         pool = self.state["pool"]
         pool["num_pages"], pool["page_size"], pool["free_count"] = shape.num_pages, shape.page_size, shape.num_pages
         self.state["free_pages"][:] = np.arange(shape.num_pages, dtype=np.int32)[::-1]   # page 0 on top
@@ -106,6 +103,14 @@ class CpuDevice:
         self.record_logits = False
         self.logits: dict = {}
         self._thread = threading.Thread(target=self._run, name="mdsl-cpu-device", daemon=True)
+
+    def _prepare(self, weights: dict, caches: tuple) -> None:
+        """The weights, the KV pools and the program (per node: its step rule, attributes, operand names,
+        result names) where the forward runs: numpy arrays here."""
+        self.weights = {w.name: np.asarray(weights[w.name], np.float32) for w in self.graph.weights}
+        self.kv = {s.name: np.zeros(kv_pool_shape(self.shape, *s.shape[1:]), np.float32) for s in caches}
+        self._program = [(STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
+                         for n in self.nodes]
 
     # ---- what the host engine calls
 

@@ -186,8 +186,10 @@ class LLM:
     max_batch: requests in flight on the device at once (running, or preempted and waiting to recompute).
     page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default
     the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
-    by default enough for every batch slot at max_seq (nothing is ever preempted). device: "cpu" (numpy;
-    "gpu", the megakernel, is not built yet). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
+    by default enough for every batch slot at max_seq (nothing is ever preempted); on the GPU,
+    gpu_memory_fraction gives it that share of the GPU's memory less what is in use, the weights and the
+    activations. device: "cpu" (numpy) or
+    "gpu" (the step's forward and the KV pool on the GPU, mdsl.serving.gpu). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
 
     max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the
     oldest first when they are more than the budget), then chunks of prompts, oldest first, each as long
@@ -201,11 +203,8 @@ class LLM:
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
-                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP):
-        if device == "gpu":
-            raise UnsupportedError("the GPU serving device is not built yet",
-                                   hint="use device='cpu'; MegakernelEngine runs one request at a time on a GPU")
-        if device != "cpu":
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, gpu_memory_fraction: Optional[float] = None):
+        if device not in ("cpu", "gpu"):
             raise ServingError(f"device must be 'cpu' or 'gpu', got {device!r}")
         _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
         _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
@@ -219,6 +218,21 @@ class LLM:
             raise ServingError(f"max_seq {max_seq} exceeds the model's {config.max_positions} positions",
                                hint="max_position_embeddings in config.json is the most a request can use")
         loaded = load_model(model_dir, max_positions=max_seq)
+        if gpu_memory_fraction is not None:
+            if device != "gpu":
+                raise ServingError("gpu_memory_fraction sizes the GPU device's KV cache; this engine runs on the "
+                                   f"{device} device", hint="pass device='gpu', or size the cache with kv_cache_bytes")
+            if not 0 < gpu_memory_fraction <= 1 or kv_pages is not None or kv_cache_bytes is not None:
+                raise ServingError(f"gpu_memory_fraction must be in (0, 1] and given alone, got {gpu_memory_fraction}"
+                                   f" (kv_pages {kv_pages}, kv_cache_bytes {kv_cache_bytes})",
+                                   hint="e.g. gpu_memory_fraction=0.9 for nine tenths of the GPU's memory")
+            from mdsl.serving.gpu import kv_cache_budget
+
+            kv_cache_bytes = kv_cache_budget(loaded.graph, gpu_memory_fraction, max_tokens_per_step)
+            if kv_cache_bytes <= 0:
+                raise ServingError(f"gpu_memory_fraction {gpu_memory_fraction} leaves no memory for the KV cache "
+                                   "after what is in use, the weights and the activations",
+                                   hint="raise it, or free GPU memory")
         self.config, self.model_dir = loaded.config, model_dir
         self.eos_token_ids = tuple(eos_token_ids(model_dir))
         num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
@@ -235,7 +249,12 @@ class LLM:
         self._next_id = 0
         self._closed = False
         self._pump_bell = Doorbell()
-        self.device = CpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+        if device == "gpu":
+            from mdsl.serving.gpu import GpuDevice
+
+            self.device = GpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+        else:
+            self.device = CpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
         self._pump = threading.Thread(target=self._serve, name="mdsl-serving-host", daemon=True)
         self.device.start()
         self._pump.start()

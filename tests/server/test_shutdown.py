@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+from mdsl.gpu import has_gpu
 from tests.server.conftest import start_server, write_checkpoint
 
 
@@ -77,8 +78,8 @@ def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path)
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--gpu-memory-fraction", "0.9"], "not built yet"),
-    (["--device", "gpu"], "not built yet"),
+    (["--gpu-memory-fraction", "0.9"], "sizes the GPU device's KV cache"),
+    *([] if has_gpu() else [(["--device", "gpu"], "needs an NVIDIA GPU")]),
     (["--max-batch", "0"], "positive integer"),
     (["--port", "70000"], "[0, 65535]"),
     (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),          # an address of no interface here

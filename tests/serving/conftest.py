@@ -28,8 +28,8 @@ class Checkpoint:
         return ReferenceModel(self.graph, self.weights)
 
 
-def write_checkpoint(folder, arch: str, seed: int = 0, positions: int = POSITIONS) -> Checkpoint:
-    raw = tiny_config_dict(arch, max_position_embeddings=positions)
+def write_checkpoint(folder, arch: str, seed: int = 0, positions: int = POSITIONS, **overrides) -> Checkpoint:
+    raw = tiny_config_dict(arch, max_position_embeddings=positions, **overrides)
     config = config_from_dict(raw)
     graph = step_function(config).trace(config)
     weights = random_weights(graph, seed, scale=0.3)

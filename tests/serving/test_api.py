@@ -12,7 +12,7 @@ import pytest
 
 import mdsl
 from mdsl import LLM, SamplingParams
-from mdsl.errors import MdslError, UnsupportedError
+from mdsl.errors import MdslError
 from mdsl.serving import ServingError
 from mdsl.serving.cpu import CpuDevice
 from mdsl.serving.protocol import MAX_STOP
@@ -39,7 +39,6 @@ def test_the_top_level_exports():
     ({"max_seq": 1000}, ServingError, "exceeds"), ({"kv_pages": 0}, ServingError, "kv_pages"),
     ({"kv_pages": 4, "kv_cache_bytes": 10**6}, ServingError, "not both"),
     ({"kv_cache_bytes": 100}, ServingError, "holds no page"), ({"device": "tpu"}, ServingError, "device"),
-    ({"device": "gpu"}, UnsupportedError, "not built yet"),
 ])
 def test_bad_engine_settings_raise_mdsl_errors(checkpoints, kwargs, error, words):
     with pytest.raises(error, match=words):

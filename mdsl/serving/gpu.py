@@ -1,0 +1,438 @@
+"""The GPU serving device (`LLM(..., device="gpu")`): the CPU device's scheduler on the host, each step's
+forward on the GPU.
+
+The scheduler (cancel, plan, pages, admit, sample, stream, retire) is the CPU device's, unchanged: it
+runs in the device thread over the same device-region views, so admission, paging and preemption are
+those the CI tests prove. What moves to the GPU is the step's forward and the KV pool: the weights (in
+the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] float32 per cache, as the
+CPU device's) and the float32 activations live in device memory, and every layer op of the step function
+runs as kernels over all the step's token rows (mdsl/serving/step_kernels.cu), by its rule in
+`GPU_STEP_RULES` (one rule per op, the GPU twin of mdsl.serving.steprules.STEP_RULES). Linear layers with
+16-bit weights run on tensor cores (mma.sync), the others on the CUDA cores. A step uploads its rows
+(token, position, entry) and the page tables, runs the program, and reads back the logits of the rows
+that sample; a step of a shape (rows, rows that sample) seen before replays the program as a CUDA graph.
+
+Every kernel keeps a row's reductions in an order fixed by the row alone (step_kernels.cu says how), so a
+request's logits are bit-identical whatever else shares its steps and however its prompt is chunked.
+
+The scheduler runs on the host, so each step costs a host round trip; the megakernel's in-kernel
+scheduler over the same protocol (docs/design.md, "Serving") removes it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Optional
+
+import attrs
+import numpy as np
+
+from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import bf16, f16, f32, i32
+from mdsl.ir.rules import RuleTable
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, rope_cos_sin
+from mdsl.megakernel.modelgraph.model import TOKENS
+from mdsl.serving.cpu import CpuDevice
+from mdsl.serving.protocol import kv_pool_shape
+
+SOURCE = Path(__file__).with_name("step_kernels.cu")
+THREADS = 256                    # threads of a row-wise kernel's block
+ATTENTION_THREADS = 128          # step_kernels.cu's TILE
+GROUPS, MAX_DIM = (1, 2, 4, 8, 16), 256   # step_kernels.cu's attention kernels: query heads per KV head, head dim
+HEADS_PER_BLOCK = 8              # head_rms_norm: one warp a head
+LINEAR_WARPS = 8                 # linear: one warp an output column at a time
+MMA_WARPS = 8                    # linear_mma: a block's warps, each a slice of k
+_SUFFIX = {f32: "f32", bf16: "bf16", f16: "f16"}
+
+
+@attrs.frozen
+class Operand:
+    """A value of the step on the device: its pointer, its shape ([rows, width] for activations, the
+    weight's own shape for weights) and dtype."""
+
+    ptr: int
+    shape: tuple
+    dtype: object
+    name: str = ""
+
+    @property
+    def width(self) -> int:
+        return int(self.shape[-1])
+
+
+@attrs.frozen(eq=False)
+class GpuBatch:
+    """What a rule knows of the step besides its operands: its row count, the device arrays of each row's
+    token, position and entry, the page table, and the device running it."""
+
+    rows: int
+    tokens: int
+    positions: int
+    entries: int
+    page_table: int
+    device: "GpuDevice"
+
+
+#: layer op -> rule(operands, results, attrs, GpuBatch): launches the op's kernel(s) over the batch's rows,
+#: writing the results' device buffers
+GPU_STEP_RULES: RuleTable[Callable] = RuleTable("GPU serving device", Callable, "mdsl.serving.gpu (GPU_STEP_RULES)",
+                                                registry=LAYER_OPS)
+
+
+def _weighted(name: str, weight: Operand) -> str:
+    suffix = _SUFFIX.get(weight.dtype)
+    if suffix is None:
+        raise UnsupportedError(f"the GPU serving device has no {name} kernel for {weight.dtype} weights",
+                               hint="serve a float32, bfloat16 or float16 checkpoint")
+    return f"{name}_{suffix}"
+
+
+def _ints(*values) -> list:
+    return [ctypes.c_int(int(v)) for v in values]
+
+
+def _embedding(xs, outs, a, b):
+    tokens, table = xs
+    b.device.launch(_weighted("embedding", table), (b.rows,), THREADS,
+                    [_p(outs[0]), ctypes.c_void_p(b.tokens), _p(table), *_ints(table.width)])
+
+
+def _rms_norm(xs, outs, a, b, one_plus: int = 0):
+    x, w = xs
+    b.device.launch(_weighted("rms_norm", w), (b.rows,), THREADS,
+                    [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus)])
+
+
+def tensor_core_dtype(k: int, weights) -> Optional[object]:
+    """The 16-bit dtype of a linear whose weights all share one and whose input width k is a multiple of
+    16: it runs on tensor cores (step_kernels.cu's linear_mma); None: on the CUDA cores."""
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) == 1 and k % 16 == 0 and next(iter(dtypes)) in (bf16, f16):
+        return next(iter(dtypes))
+    return None
+
+
+def _linear(xs, outs, a, b):
+    x, *ws = xs
+    dev, offset = b.device, 0
+    mma = tensor_core_dtype(x.width, ws)
+    if mma is not None:
+        hi, lo = dev.split_buffers(x.width, mma)
+        count = b.rows * x.width
+        dev.launch(_weighted("split_rows", ws[0]), (max(1, min(-(-count // THREADS), 4 * dev.sms)),), THREADS,
+                   [ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(x), ctypes.c_longlong(count)])
+    for w in ws:
+        n = int(w.shape[0])
+        if mma is not None:
+            dev.launch(_weighted("linear_mma", w), (-(-n // 16),), MMA_WARPS * 32,
+                       [_p(outs[0]), ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(w),
+                        *_ints(b.rows, x.width, n, outs[0].width, offset)])
+        else:
+            blocks = max(1, min(-(-n // LINEAR_WARPS), 4 * dev.sms))
+            dev.launch(_weighted("linear", w), (blocks,), LINEAR_WARPS * 32,
+                       [_p(outs[0]), _p(x), _p(w), *_ints(b.rows, x.width, n, outs[0].width, offset)])
+        offset += n
+
+
+def _add_bias(xs, outs, a, b):
+    x = xs[0]
+    bias = b.device.joined(xs[1:])
+    b.device.launch(_weighted("add_bias", bias), (b.rows,), THREADS, [_p(outs[0]), _p(x), _p(bias), *_ints(x.width)])
+
+
+def _head_rms_norm(xs, outs, a, b):
+    x, wq, wk = xs
+    heads = a["q_heads"] + 2 * a["kv_heads"]
+    b.device.launch(_weighted("head_rms_norm", wq), (b.rows, -(-heads // HEADS_PER_BLOCK)), HEADS_PER_BLOCK * 32,
+                    [_p(outs[0]), _p(x), _p(wq), _p(wk), *_ints(a["q_heads"], a["kv_heads"], a["head_dim"]),
+                     ctypes.c_float(a["eps"])])
+
+
+def _rope(xs, outs, a, b):
+    cos, sin = b.device.rope_tables(a)
+    b.device.launch("rope", (b.rows,), THREADS,
+                    [_p(outs[0]), _p(xs[0]), ctypes.c_void_p(cos), ctypes.c_void_p(sin), ctypes.c_void_p(b.positions),
+                     *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
+
+
+def _attention(xs, outs, a, b):
+    qkv, k_pool, v_pool = xs
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    if hq // hkv not in GROUPS or d > MAX_DIM:
+        raise UnsupportedError(f"the GPU serving device's attention takes {list(GROUPS)} query heads per KV head "
+                               f"and head_dim up to {MAX_DIM}; this model has {hq // hkv} and {d}")
+    dev = b.device
+    ps, pages = dev.shape.page_size, dev.shape.pages_per_request
+    dev.launch("kv_append", (b.rows,), THREADS,
+               [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
+                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
+    dev.launch(f"attention_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
+               [_p(outs[0]), _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
+                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), ctypes.c_float(1.0 / np.sqrt(d)),
+                ctypes.c_float(0.0), *_ints(0)])
+
+
+_ACTIVATIONS = {"silu": 0}
+
+
+def _act_mul(xs, outs, a, b):
+    act = _ACTIVATIONS.get(a["act"])
+    if act is None:
+        raise UnsupportedError(f"the GPU serving device has no kernel for the activation {a['act']!r}",
+                               hint=f"its act_mul kernel computes {sorted(_ACTIVATIONS)}")
+    b.device.launch("act_mul", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
+
+
+def _add(xs, outs, a, b):
+    b.device.launch("add", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), _p(xs[1]), *_ints(xs[0].width)])
+
+
+def _p(operand: Operand) -> ctypes.c_void_p:
+    return ctypes.c_void_p(operand.ptr)
+
+
+for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear, "add_bias": _add_bias,
+                   "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention, "act_mul": _act_mul,
+                   "add": _add}.items():
+    GPU_STEP_RULES.register(_op, _rule)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source() -> str:
+    return SOURCE.read_text()
+
+
+class GpuDevice(CpuDevice):
+    """The serving device with its forward on a GPU (`ordinal`); the scheduler is the CPU device's."""
+
+    def __init__(self, *args, ordinal: int = 0, **kwargs):
+        self.ordinal = ordinal
+        super().__init__(*args, **kwargs)
+
+    # ---- set-up: weights, pools, buffers, kernels
+
+    def _prepare(self, weights: dict, caches: tuple) -> None:
+        from mdsl.backend.cuda.nvrtc import compile_source
+        from mdsl.gpu.arrays import DeviceArray
+        from mdsl.gpu.driver import check, driver, get_device, require_gpu, target_arch
+
+        require_gpu("the GPU serving device (device='gpu')")
+        for n in self.nodes:
+            if n.op not in GPU_STEP_RULES:
+                raise UnsupportedError(f"the GPU serving device has no kernel for layer op {n.op}",
+                                       hint="serve the model on device='cpu'")
+        self._driver, self._check = driver, check
+        self._device = get_device(self.ordinal)
+        self.sms = self._device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self._arrays: list = []
+
+        def array(values: Optional[np.ndarray], shape: tuple, dtype) -> int:
+            a = DeviceArray.from_numpy(values, dtype, device=self.ordinal) if values is not None else \
+                DeviceArray(shape, dtype, device=self.ordinal)
+            if values is None:
+                check(driver.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
+            self._arrays.append(a)
+            return a.ptr
+
+        self._new_array = array
+        rows, shape = self.shape.max_tokens_per_step, self.shape
+        self.values: dict = {}
+        self._vectors: dict = {}         # host copies of the 1-d weights (norms, biases)
+        for w in self.graph.weights:
+            host = np.asarray(weights[w.name], np.float32)
+            self.values[w.name] = Operand(array(host, host.shape, w.dtype), tuple(host.shape), w.dtype, w.name)
+            if host.ndim == 1:
+                self._vectors[w.name] = host
+        for s in caches:
+            pool = kv_pool_shape(shape, *s.shape[1:])
+            self.values[s.name] = Operand(array(None, pool, f32), pool, f32)
+        # every value a node produces: a [max_tokens_per_step, width] float32 buffer, and its copy of the rows
+        # that go on past the narrowing (gathered there)
+        self._buffers: dict = {}
+        self._narrowed: dict = {}
+        for n in self.nodes:
+            for v in n.outputs:
+                width = int(v.shape[-1])
+                self._buffers[v.name] = Operand(array(None, (rows, width), f32), (rows, width), f32)
+        self._tokens = array(None, (rows,), i32)
+        self._positions = array(None, (rows,), i32)
+        self._row_entries = array(None, (rows,), i32)
+        self._keep = array(None, (rows,), i32)
+        self._page_table = array(None, (shape.max_batch, shape.pages_per_request), i32)
+        self._ropes: dict = {}
+        self._joined: dict = {}
+        self._read_past_narrowing = {v.name for n in self.nodes[self._narrow_at:] for v in n.inputs}
+        self._program = [(GPU_STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
+                         for n in self.nodes]
+        module = compile_source(kernel_source(), target_arch(self.ordinal))
+        self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
+        self._functions: dict = {}
+        self._stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        # what the rules read besides the values, made before any capture: the rope tables, the joined
+        # biases, and the narrowed copies of the values read past the narrowing
+        for n in self.nodes:
+            if n.op == "rope":
+                self.rope_tables(n.attr_dict)
+            elif n.op == "add_bias":
+                self.joined([self.values[v.name] for v in n.inputs[1:]])
+        before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
+        self._splits: dict = {}
+        for n in self.nodes:
+            if n.op == "linear":
+                k = int(n.inputs[0].shape[-1])
+                dtype = tensor_core_dtype(k, [self.values[v.name] for v in n.inputs[1:]])
+                if dtype is not None and (k, dtype) not in self._splits:
+                    self._splits[k, dtype] = (array(None, (rows, k), dtype), array(None, (rows, k), dtype))
+        for name in sorted(self._read_past_narrowing & before):
+            b = self._buffers[name]
+            self._narrowed[name] = Operand(array(None, b.shape, f32), b.shape, f32)
+        check(driver.cuCtxSynchronize(), "uploading the weights")   # (copied on the default stream)
+        self._seen: set = set()          # the (rows, kept rows) of the steps run so far
+        self._graphs: "OrderedDict" = OrderedDict()   # (rows, kept rows) -> the step's program as a CUDA graph
+
+    # ---- what the rules use
+
+    def launch(self, name: str, grid: tuple, block: int, args: list) -> None:
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = self._check(
+                self._driver.cuModuleGetFunction(self._module, name.encode()), f"cuModuleGetFunction({name})")
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        gx, gy = (grid + (1,))[:2]
+        self._check(self._driver.cuLaunchKernel(function, gx, gy, 1, block, 1, 1, 0, self._stream,
+                                                ctypes.addressof(params), 0),
+                    f"launching {name}")
+
+    def rope_tables(self, a: dict) -> tuple:
+        """Device tables of cos and sin [max_seq, head_dim] for the rope attributes `a`, as the reference
+        computes them per position."""
+        key = tuple(sorted(a.items()))
+        if key not in self._ropes:
+            pairs = [rope_cos_sin(a, p) for p in range(self.shape.max_seq)]
+            cos = np.stack([c for c, _ in pairs]).astype(np.float32)
+            sin = np.stack([s for _, s in pairs]).astype(np.float32)
+            self._ropes[key] = (self._new_array(cos, cos.shape, f32), self._new_array(sin, sin.shape, f32))
+        return self._ropes[key]
+
+    def split_buffers(self, k: int, dtype) -> tuple:
+        """The device buffers of the hi and lo halves of [rows, k] input rows for a tensor-core linear."""
+        return self._splits[k, dtype]
+
+    def joined(self, parts: list) -> Operand:
+        """One device vector of the weight vectors `parts` end to end (a fused projection's biases)."""
+        key = tuple(p.name for p in parts)
+        if key not in self._joined:
+            dtype = parts[0].dtype
+            if any(p.dtype is not dtype for p in parts):
+                raise UnsupportedError(f"the GPU serving device adds the biases {list(key)} of one dtype only")
+            host = np.concatenate([self._vectors[name] for name in key])
+            self._joined[key] = Operand(self._new_array(host, host.shape, dtype), host.shape, dtype)
+        return self._joined[key]
+
+    # ---- the step
+
+    def _upload(self, ptr: int, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, np.int32)
+        if values.nbytes:   # (from pageable memory: returns once the values are staged)
+            self._check(self._driver.cuMemcpyHtoDAsync(ptr, values.ctypes.data, values.nbytes, self._stream),
+                        "cuMemcpyHtoDAsync")
+
+    def _forward(self, step, chunks, rows) -> dict:
+        """The step's forward on the GPU: row -> logits for the rows whose chunk samples there (every row
+        while `record_logits`). A step whose (rows, kept rows) ran before replays its program as a CUDA
+        graph (captured at its second occurrence): a decode step's hundreds of launches cost one."""
+        from mdsl.gpu.driver import get_device
+
+        get_device(self.ordinal)          # this thread's context
+        n = len(rows)
+        keep = (np.arange(n) if self.record_logits else
+                (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1].astype(np.int64))
+        self._upload(self._tokens, rows["token"])
+        self._upload(self._positions, rows["position"])
+        self._upload(self._row_entries, np.repeat(chunks["entry"].astype(np.int32), chunks["count"].astype(np.int64)))
+        self._upload(self._page_table, self.state["page_table"])
+        self._upload(self._keep, keep)
+        key = (n, len(keep))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            self._check(self._driver.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
+            logits = self._logits_of(key)
+        elif key in self._seen and self.capture:
+            logits = self._capture(key)
+        else:
+            self._seen.add(key)
+            logits = self._run_program(*key)
+        if logits is None:
+            self._sync()
+            return {}
+        out = np.empty((len(keep), logits.width), np.float32)
+        self._check(self._driver.cuMemcpyDtoHAsync(out.ctypes.data, logits.ptr, out.nbytes, self._stream),
+                    "reading the logits")
+        self._sync()
+        return dict(zip(keep.tolist(), out))
+
+    #: steps that ran before replay as CUDA graphs (a test turns it off to compare)
+    capture = True
+    MAX_GRAPHS = 64
+
+    def _sync(self) -> None:
+        self._check(self._driver.cuStreamSynchronize(self._stream), "running the step")
+
+    def _run_program(self, n: int, kept: int) -> Optional[Operand]:
+        """Launch the step's kernels for n rows of which `kept` go on past the narrowing; the logits'
+        buffer (None when no row samples)."""
+        values = dict(self.values)
+        values[TOKENS] = None
+        batch = GpuBatch(n, self._tokens, self._positions, self._row_entries, self._page_table, self)
+        for i, (rule, attrs_, names, results) in enumerate(self._program):
+            if i == self._narrow_at and kept < n:
+                if not kept:
+                    return None
+                for name in self._narrowed:
+                    self.launch("gather", (kept,), THREADS,
+                                [_p(self._narrowed[name]), _p(values[name]), ctypes.c_void_p(self._keep),
+                                 *_ints(values[name].width)])
+                    values[name] = self._narrowed[name]
+                batch = attrs.evolve(batch, rows=kept)
+            outs = [self._buffers[r] for r in results]
+            rule([values[name] for name in names], outs, attrs_, batch)
+            values.update(zip(results, outs))
+        return values[self.graph.logits.name]
+
+    def _logits_of(self, key: tuple) -> Optional[Operand]:
+        return self._buffers[self.graph.logits.name] if key[1] else None
+
+    def _capture(self, key: tuple) -> Optional[Operand]:
+        """Capture the program for `key` as a graph, keep it (the least recently used goes past
+        MAX_GRAPHS) and launch it."""
+        d, check = self._driver, self._check
+        check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        try:
+            logits = self._run_program(*key)
+        finally:
+            captured = check(d.cuStreamEndCapture(self._stream), "cuStreamEndCapture")
+        graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
+        check(d.cuGraphDestroy(captured), "cuGraphDestroy")
+        self._graphs[key] = graph
+        if len(self._graphs) > self.MAX_GRAPHS:
+            _, old = self._graphs.popitem(last=False)
+            check(d.cuGraphExecDestroy(old), "cuGraphExecDestroy")
+        check(d.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
+        return logits
+
+
+def kv_cache_budget(graph, fraction: float, max_tokens_per_step: int, ordinal: int = 0) -> int:
+    """The KV pool's bytes when the GPU device may take `fraction` of the GPU's memory: that share, less
+    the memory already in use, the weights and the step's activation buffers."""
+    from mdsl.gpu.driver import check, driver, get_device, require_gpu
+
+    require_gpu("sizing the KV cache by gpu_memory_fraction")
+    get_device(ordinal)
+    free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+    weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
+    activations = 2 * 4 * max_tokens_per_step * sum(int(v.shape[-1]) for n in graph.nodes for v in n.outputs)
+    return int(fraction * total) - (total - free) - weights - activations

@@ -1,0 +1,514 @@
+// The GPU serving device's step kernels (mdsl/serving/gpu.py): one kernel per layer op of the unfused step
+// function, each over all the token rows of a step at once ([rows, N] float32 activations, several
+// requests side by side), weights in the checkpoint's dtype W (float, __nv_bfloat16 or __half; each kernel
+// is instantiated for the three as NAME_f32, NAME_bf16, NAME_f16).
+//
+// Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
+// runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
+// same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
+// tree, and attention walks the row's own causal range in key tiles anchored at the range's first
+// position. So a request's logits are bit-identical whatever shares its steps and however its prompt is
+// chunked.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace serve {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+constexpr int WARP = 32;
+#define INF __int_as_float(0x7f800000)   // +infinity (NVRTC has no <cmath>)
+
+// sum over a warp by a fixed xor tree; lane 0's result is the one used (lanes may differ in the last bit)
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// sum over the block: each warp's tree, then the warps' sums in warp order; every thread gets the result
+__device__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  __syncthreads();   // red may still be read by the previous reduction
+  if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < int(blockDim.x) / WARP; ++w) total += red[w];
+  return total;
+}
+
+// ---- embedding: out[r] = table[tokens[r]]
+
+template <typename W>
+__device__ void embedding(float* out, const int* tokens, const W* table, int width) {
+  const int r = blockIdx.x;
+  const W* row = table + (long long)tokens[r] * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) out[(long long)r * width + i] = to_f(row[i]);
+}
+
+// ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block a row
+
+template <typename W>
+__device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus) {
+  __shared__ float red[32];
+  const long long base = (long long)blockIdx.x * width;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(x[base + i], x[base + i], ss);
+  const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
+  for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    const float scale = one_plus ? 1.0f + to_f(w[i]) : to_f(w[i]);
+    out[base + i] = __fmul_rn(__fmul_rn(x[base + i], inv), scale);
+  }
+}
+
+// ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (w [n, k], Hugging Face layout)
+// A warp takes one weight row (an output column) at a time and every row of the step, ROWS rows at once: each
+// 16-byte vector of weights is loaded once per ROWS rows. Lane l sums the vectors l, l + 32, ... of the row
+// in order, then the warp's xor tree: the same order for every row, however many rows the step has.
+
+constexpr int ROWS = 8;
+
+template <typename W>
+__device__ __forceinline__ void load_vec(const W* p, float* v);
+template <>
+__device__ __forceinline__ void load_vec<float>(const float* p, float* v) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+template <>
+__device__ __forceinline__ void load_vec<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&a);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(e[j]);
+}
+template <>
+__device__ __forceinline__ void load_vec<__half>(const __half* p, float* v) {
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const __half* e = reinterpret_cast<const __half*>(&a);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __half2float(e[j]);
+}
+
+template <typename W>
+__device__ void linear(float* out, const float* x, const W* w, int rows, int k, int n, int out_width, int offset) {
+  constexpr int VEC = 16 / sizeof(W);
+  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+  const bool vectors = k % VEC == 0;   // (a property of the weight, never of the step)
+  for (int c = blockIdx.x * warps + threadIdx.x / WARP; c < n; c += gridDim.x * warps) {
+    const W* wr = w + (long long)c * k;
+    for (int r0 = 0; r0 < rows; r0 += ROWS) {
+      float acc[ROWS];
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+      if (vectors) {
+        for (int v0 = lane * VEC; v0 < k; v0 += WARP * VEC) {
+          float wv[VEC];
+          load_vec<W>(wr + v0, wv);
+#pragma unroll
+          for (int i = 0; i < ROWS; ++i) {
+            if (r0 + i < rows) {
+              const float* xr = x + (long long)(r0 + i) * k + v0;
+#pragma unroll
+              for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], xr[j], acc[i]);
+            }
+          }
+        }
+      } else {
+        for (int j = lane; j < k; j += WARP) {
+          const float wv = to_f(wr[j]);
+#pragma unroll
+          for (int i = 0; i < ROWS; ++i)
+            if (r0 + i < rows) acc[i] = fmaf(wv, x[(long long)(r0 + i) * k + j], acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        const float s = warp_sum(acc[i]);
+        if (lane == 0 && r0 + i < rows) out[(long long)(r0 + i) * out_width + offset + c] = s;
+      }
+    }
+  }
+}
+
+// ---- linear on tensor cores (16-bit weights, k a multiple of 16): mma.sync m16n8k16 with the weight rows as A
+// (16 output columns) and the input rows as B (8 rows), f32 accumulators. The float32 input rows are split
+// once into x = hi + lo, both in W (split_rows), and each product runs twice, hi then lo: the input keeps
+// about 16 bits of its mantissa where rounding it to W would keep 8. A block takes 16 output columns; its
+// MMA_WARPS warps each take a fixed slice of k (by k alone) and the block sums the slices in warp order, so a
+// row's result depends on k and its own values only.
+
+constexpr int MMA_WARPS = 8;
+constexpr int MMA_GROUPS = 8;    // row groups of 8 a pass (64 rows)
+
+template <typename W>
+__device__ void split_rows(W* hi, W* lo, const float* x, long long count);
+template <>
+__device__ void split_rows<__nv_bfloat16>(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* x, long long count) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+    hi[i] = h;
+    lo[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+  }
+}
+template <>
+__device__ void split_rows<__half>(__half* hi, __half* lo, const float* x, long long count) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+    const __half h = __float2half_rn(x[i]);
+    hi[i] = h;
+    lo[i] = __float2half_rn(x[i] - __half2float(h));
+  }
+}
+
+template <typename W>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ unsigned ld32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+template <typename W>
+__device__ void linear_mma(float* out, const W* x_hi, const W* x_lo, const W* w, int rows, int k, int n,
+                           int out_width, int offset) {
+  __shared__ float part[MMA_WARPS][MMA_GROUPS][4][WARP];
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, group = lane >> 2, tig = lane & 3;
+  const int c0 = blockIdx.x * 16 + group, c1 = c0 + 8;
+  const W* w0 = w + (long long)(c0 < n ? c0 : n - 1) * k;   // (columns past n load a real row; never stored)
+  const W* w1 = w + (long long)(c1 < n ? c1 : n - 1) * k;
+  const int steps = k / 16, per = (steps + MMA_WARPS - 1) / MMA_WARPS;
+  const int s0 = warp * per, s1 = s0 + per < steps ? s0 + per : steps;
+  for (int r0 = 0; r0 < rows; r0 += MMA_GROUPS * 8) {
+    float acc[MMA_GROUPS][4];
+#pragma unroll
+    for (int g = 0; g < MMA_GROUPS; ++g)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[g][j] = 0.0f;
+#pragma unroll 2
+    for (int s = s0; s < s1; ++s) {
+      const int kk = s * 16 + tig * 2;
+      const unsigned a[4] = {ld32(w0 + kk), ld32(w1 + kk), ld32(w0 + kk + 8), ld32(w1 + kk + 8)};
+#pragma unroll
+      for (int g = 0; g < MMA_GROUPS; ++g) {
+        if (r0 + g * 8 < rows) {   // (warp-uniform)
+          const int r = r0 + g * 8 + group;
+          const long long at = (long long)(r < rows ? r : rows - 1) * k + kk;
+          const unsigned hi[2] = {ld32(x_hi + at), ld32(x_hi + at + 8)};
+          const unsigned lo[2] = {ld32(x_lo + at), ld32(x_lo + at + 8)};
+          mma_16816<W>(acc[g], a, hi);
+          mma_16816<W>(acc[g], a, lo);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < MMA_GROUPS; ++g)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) part[warp][g][j][lane] = acc[g][j];
+    __syncthreads();
+    // warp g sums row group g's slices in warp order; accumulator j of lane (group, tig) is column
+    // group + 8 (j / 2) of the tile, row tig * 2 + j % 2 of the group
+    for (int g = warp; g < MMA_GROUPS; g += MMA_WARPS) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float total = part[0][g][j][lane];
+        for (int v = 1; v < MMA_WARPS; ++v) total += part[v][g][j][lane];
+        const int c = blockIdx.x * 16 + group + 8 * (j / 2), r = r0 + g * 8 + tig * 2 + j % 2;
+        if (c < n && r < rows) out[(long long)r * out_width + offset + c] = total;
+      }
+    }
+    __syncthreads();   // part is rewritten by the next pass
+  }
+}
+
+// ---- add_bias: out[r, c] = x[r, c] + b[c]
+
+template <typename W>
+__device__ void add_bias(float* out, const float* x, const W* b, int width) {
+  const long long base = (long long)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = __fadd_rn(x[base + i], to_f(b[i]));
+}
+
+// ---- head_rms_norm: an rms_norm over each query head (weight wq) and key head (weight wk) of the q|k|v row;
+// value heads are copied. One warp a head: grid (rows, heads / warps per block).
+
+template <typename W>
+__device__ void head_rms_norm(float* out, const float* x, const W* wq, const W* wk, int q_heads, int kv_heads,
+                              int dim, float eps) {
+  const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP;
+  const int h = blockIdx.y * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (h >= heads) return;
+  const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
+  if (h >= q_heads + kv_heads) {
+    for (int d = lane; d < dim; d += WARP) out[base + d] = x[base + d];
+    return;
+  }
+  const W* w = h < q_heads ? wq : wk;
+  float ss = 0.0f;
+  for (int d = lane; d < dim; d += WARP) ss = fmaf(x[base + d], x[base + d], ss);
+  const float inv = 1.0f / sqrtf(__shfl_sync(0xffffffffu, warp_sum(ss), 0) / float(dim) + eps);
+  for (int d = lane; d < dim; d += WARP) out[base + d] = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
+}
+
+// ---- rope: the query and key heads rotated (rotate-half form) by the row's position's cos and sin (tables
+// [positions, dim] computed on the host as the reference computes them); value heads copied
+
+__device__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
+                     const int* positions, int q_heads, int kv_heads, int dim) {
+  const int heads = q_heads + 2 * kv_heads, half = dim / 2;
+  const long long base = (long long)blockIdx.x * heads * dim;
+  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
+  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
+  for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) {
+    const int h = i / dim, d = i % dim;
+    if (h >= q_heads + kv_heads) {
+      out[base + i] = x[base + i];
+    } else {
+      const float rotated = d < half ? -x[base + i + half] : x[base + i - half];
+      out[base + i] = __fadd_rn(__fmul_rn(x[base + i], c[d]), __fmul_rn(rotated, s[d]));
+    }
+  }
+}
+
+// ---- the KV append: each row's key and value heads into its request's page at its position
+// (pools [pages, page_size, kv_heads, dim]); grid (rows)
+
+__device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const int* positions, const int* entries,
+                          const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
+                          int dim) {
+  const int r = blockIdx.x, pos = positions[r];
+  const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
+  const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
+  const long long base = (long long)r * (q_heads + 2 * kv_heads) * dim;
+  for (int i = threadIdx.x; i < kv_heads * dim; i += blockDim.x) {
+    k_pool[slot + i] = qkv[base + q_heads * dim + i];
+    v_pool[slot + i] = qkv[base + (q_heads + kv_heads) * dim + i];
+  }
+}
+
+// ---- attention of one row's query heads of one KV head group over the row's causal range (window start ..
+// its position) of its request's pages: grid (rows, kv_heads), TILE threads. Keys in tiles of TILE at
+// positions lo, lo + TILE, ...: thread t scores key lo + tile + t for every query head of the group; the
+// tile's maximum and sum are block reductions of fixed shape (masked keys count as exact zeros); the
+// running output is rescaled per tile (online softmax) and thread t accumulates dims t, t + TILE, ... over
+// the tile's keys in order.
+
+constexpr int TILE = 128;
+constexpr int MAX_DIM = 256;     // head dim
+constexpr int DIMS = MAX_DIM / TILE;
+
+template <int G>   // query heads per KV head
+__device__ void attention(float* out, const float* qkv, const float* k_pool, const float* v_pool,
+                          const int* positions, const int* entries, const int* page_table, int pages_per_request,
+                          int page_size, int q_heads, int kv_heads, int dim, float scale, float softcap,
+                          int window) {
+  __shared__ float q[G][MAX_DIM];
+  __shared__ float p[G][TILE];
+  __shared__ float red[G][TILE / WARP];
+  const int r = blockIdx.x, h = blockIdx.y, t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+  const int heads = q_heads + 2 * kv_heads;
+  const int pos = positions[r];
+  const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const int* table = page_table + (long long)entries[r] * pages_per_request;
+  const float* row = qkv + (long long)r * heads * dim;
+  for (int i = t; i < G * dim; i += TILE) q[i / dim][i % dim] = row[(h * G + i / dim) * dim + i % dim];
+  float m[G], l[G], acc[G][DIMS];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INF;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) acc[g][i] = 0.0f;
+  }
+  __syncthreads();
+  for (int first = lo; first <= pos; first += TILE) {
+    const int j = first + t;
+    const bool valid = j <= pos;
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = -INF;
+    if (valid) {
+      const float* key = k_pool + ((long long)table[j / page_size] * page_size + j % page_size) * kv_heads * dim +
+                         (long long)h * dim;
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = 0.0f;
+      for (int d = 0; d < dim; ++d) {
+        const float kd = key[d];
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[g] = fmaf(q[g][d], kd, s[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        s[g] *= scale;
+        if (softcap > 0.0f) s[g] = tanhf(s[g] / softcap) * softcap;
+      }
+    }
+    // the tile's maximum per query head
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float v = warp_max(s[g]);
+      if (lane == 0) red[g][warp] = v;
+    }
+    __syncthreads();
+    float scaled[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float top = m[g];
+#pragma unroll
+      for (int w = 0; w < TILE / WARP; ++w) top = fmaxf(top, red[g][w]);
+      scaled[g] = m[g] == -INF ? 0.0f : __expf(m[g] - top);   // the running sums' rescale
+      m[g] = top;
+      p[g][t] = valid ? __expf(s[g] - top) : 0.0f;
+    }
+    __syncthreads();
+    // the tile's sums (every thread reads the same p in the same order) and the weighted values
+    const int count = pos - first + 1 < TILE ? pos - first + 1 : TILE;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int jj = 0; jj < count; ++jj) sum += p[g][jj];
+      l[g] = fmaf(l[g], scaled[g], sum);
+    }
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) {
+      const int d = t + i * TILE;
+      if (d < dim) {
+        float tile[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) tile[g] = 0.0f;
+        for (int jj = 0; jj < count; ++jj) {
+          const int key = first + jj;
+          const float vd = v_pool[((long long)table[key / page_size] * page_size + key % page_size) * kv_heads * dim +
+                                  (long long)h * dim + d];
+#pragma unroll
+          for (int g = 0; g < G; ++g) tile[g] = fmaf(p[g][jj], vd, tile[g]);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g][i] = fmaf(acc[g][i], scaled[g], tile[g]);
+      }
+    }
+    __syncthreads();   // p and red are rewritten by the next tile
+  }
+#pragma unroll
+  for (int i = 0; i < DIMS; ++i) {
+    const int d = t + i * TILE;
+    if (d < dim) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) out[((long long)r * q_heads + h * G + g) * dim + d] = acc[g][i] / l[g];
+    }
+  }
+}
+
+// ---- element-wise ops of a row
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]; act 0: silu, 1: GELU's tanh approximation
+__device__ void act_mul(float* out, const float* gu, int half, int act) {
+  const long long in = (long long)blockIdx.x * 2 * half, o = (long long)blockIdx.x * half;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float g = gu[in + i];
+    float a;
+    if (act == 0) {
+      a = silu(g);
+    } else {
+      const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      a = 0.5f * g * (1.0f + tanhf(inner));
+    }
+    out[o + i] = __fmul_rn(a, gu[in + half + i]);
+  }
+}
+
+__device__ void add(float* out, const float* x, const float* y, int width) {
+  const long long base = (long long)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = __fadd_rn(x[base + i], y[base + i]);
+}
+
+// the rows `keep` of x, in order (past the last KV write only the rows that sample go on)
+__device__ void gather(float* out, const float* x, const int* keep, int width) {
+  const long long from = (long long)keep[blockIdx.x] * width, to = (long long)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) out[to + i] = x[from + i];
+}
+
+}  // namespace serve
+
+// NAME_SUFFIX: serve::NAME for weights of type TYPE (ARGS name it W)
+#define WEIGHTED(NAME, SUFFIX, TYPE, PARAMS, ARGS) \
+  extern "C" __global__ void NAME##_##SUFFIX PARAMS {  \
+    using W = TYPE;                                    \
+    serve::NAME<W> ARGS;                               \
+  }
+#define EVERY_DTYPE(NAME, PARAMS, ARGS)         \
+  WEIGHTED(NAME, f32, float, PARAMS, ARGS)      \
+  WEIGHTED(NAME, bf16, __nv_bfloat16, PARAMS, ARGS) \
+  WEIGHTED(NAME, f16, __half, PARAMS, ARGS)
+
+EVERY_DTYPE(embedding, (float* out, const int* tokens, const void* table, int width),
+            (out, tokens, static_cast<const W*>(table), width))
+EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus),
+            (out, x, static_cast<const W*>(w), width, eps, one_plus))
+EVERY_DTYPE(linear, (float* out, const float* x, const void* w, int rows, int k, int n, int out_width, int offset),
+            (out, x, static_cast<const W*>(w), rows, k, n, out_width, offset))
+// the tensor-core linear and its input split, for the 16-bit weights
+#define SIXTEEN_BIT(NAME, PARAMS, ARGS)         \
+  WEIGHTED(NAME, bf16, __nv_bfloat16, PARAMS, ARGS) \
+  WEIGHTED(NAME, f16, __half, PARAMS, ARGS)
+SIXTEEN_BIT(split_rows, (void* hi, void* lo, const float* x, long long count),
+            (static_cast<W*>(hi), static_cast<W*>(lo), x, count))
+SIXTEEN_BIT(linear_mma, (float* out, const void* x_hi, const void* x_lo, const void* w, int rows, int k, int n,
+                         int out_width, int offset),
+            (out, static_cast<const W*>(x_hi), static_cast<const W*>(x_lo), static_cast<const W*>(w), rows, k, n,
+             out_width, offset))
+EVERY_DTYPE(add_bias, (float* out, const float* x, const void* b, int width), (out, x, static_cast<const W*>(b), width))
+EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const void* wk, int q_heads, int kv_heads,
+                            int dim, float eps),
+            (out, x, static_cast<const W*>(wq), static_cast<const W*>(wk), q_heads, kv_heads, dim, eps))
+
+extern "C" __global__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
+                                const int* positions, int q_heads, int kv_heads, int dim) {
+  serve::rope(out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim);
+}
+extern "C" __global__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const int* positions,
+                                     const int* entries, const int* page_table, int pages_per_request, int page_size,
+                                     int q_heads, int kv_heads, int dim) {
+  serve::kv_append(k_pool, v_pool, qkv, positions, entries, page_table, pages_per_request, page_size, q_heads,
+                   kv_heads, dim);
+}
+// attention for G query heads per KV head: 1, 2, 4, 8 or 16 (mdsl/serving/gpu.py checks)
+#define ATTENTION(G)                                                                                              \
+  extern "C" __global__ void __launch_bounds__(serve::TILE) attention_##G(                                        \
+      float* out, const float* qkv, const float* k_pool, const float* v_pool, const int* positions,              \
+      const int* entries, const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads, \
+      int dim, float scale, float softcap, int window) {                                                          \
+    serve::attention<G>(out, qkv, k_pool, v_pool, positions, entries, page_table, pages_per_request, page_size,   \
+                        q_heads, kv_heads, dim, scale, softcap, window);                                           \
+  }
+ATTENTION(1)
+ATTENTION(2)
+ATTENTION(4)
+ATTENTION(8)
+ATTENTION(16)
+extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
+extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
+extern "C" __global__ void gather(float* out, const float* x, const int* keep, int width) {
+  serve::gather(out, x, keep, width);
+}

@@ -1,0 +1,151 @@
+"""The GPU serving device (`LLM(..., device="gpu")`) on tiny Llama-3 and Qwen3 checkpoints (float32 and
+bfloat16 weights): its logits agree with the CPU device's (the reference's bits, which match transformers)
+within float32 rounding and its greedy tokens equal them up to a near-tie; a request's logits are
+bit-identical whatever shares its steps, when it arrives and however its prompt is chunked; seeded sampling
+repeats; a full page pool preempts and recomputes without changing a token."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mdsl import LLM, SamplingParams
+from mdsl.gpu import has_gpu
+from tests.serving.conftest import drive, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no GPU")]
+
+VOCAB = 96
+TIE = 1e-3          # a top-2 logit margin within this is a near-tie that rounding may break either way
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    out = {}
+    for arch in ("llama3", "qwen3"):
+        for dtype in ("float32", "bfloat16"):
+            folder = tmp_path_factory.mktemp(f"{arch}-{dtype}")
+            out[arch, dtype] = write_checkpoint(folder, arch, positions=320, torch_dtype=dtype)
+    return out
+
+
+def random_prompts(rng, n: int, low: int = 1, high: int = 20) -> list:
+    return [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(low, high + 1)))] for _ in range(n)]
+
+
+def arrivals_of(rng, prompts: list, params: list, steps: int) -> dict:
+    arrivals: dict = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        arrivals.setdefault(int(rng.integers(0, steps)), []).append((i, prompt, p))
+    return arrivals
+
+
+def served(folder: str, device: str, arrivals: dict, capture: bool = True, **kwargs) -> tuple:
+    """(key -> RequestOutput, key -> {position: [logits rows]}, peak running) of `arrivals` driven step by step
+    (on the GPU, with steps replayed as CUDA graphs or not)."""
+    with LLM(folder, device=device, **kwargs) as llm:
+        llm.device.record_logits = True
+        llm.device.capture = capture
+        handles = drive(llm, arrivals)
+        outputs = {k: h.result() for k, h in handles.items()}
+        logits = {k: llm.device.logits.pop(out.request_id) for k, out in outputs.items()}
+        return outputs, logits, llm.stats().peak_running
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_32_requests_agree_with_the_cpu_device(checkpoints, arch, dtype):
+    ckpt = checkpoints[arch, dtype]
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, 32)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(3, 13, 32)]
+    arrivals = arrivals_of(rng, prompts, params, 40)
+    gpu, gpu_logits, peak = served(ckpt.folder, "gpu", arrivals, max_batch=32, page_size=4)
+    cpu, cpu_logits, _ = served(ckpt.folder, "cpu", arrivals, max_batch=32, page_size=4)
+    assert peak >= 8
+    agreed = 0
+    for i in range(32):
+        ours, theirs = gpu[i].token_ids, cpu[i].token_ids
+        n = len(prompts[i])
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            row = cpu_logits[i][n - 1 + k][0]
+            mine = gpu_logits[i][n - 1 + k][0]
+            scale = float(np.max(np.abs(row)))
+            np.testing.assert_allclose(mine, row, rtol=0, atol=2e-5 * max(1.0, scale) * 8, err_msg=f"request {i}")
+            if a != b:     # only a near-tie in the CPU device's logits may break the other way
+                top2 = np.sort(row)[-2:]
+                assert top2[1] - top2[0] <= TIE * max(1.0, scale), (i, k, a, b, top2)
+                break
+            agreed += 1
+        else:
+            assert ours == theirs
+    assert agreed >= 0.9 * sum(len(o.token_ids) for o in cpu.values())
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoints, arch):
+    ckpt = checkpoints[arch, "bfloat16"]
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 24, 1, 300)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 9, 24)]
+    arrivals = arrivals_of(rng, prompts, params, 30)
+    batched, batched_logits, peak = served(ckpt.folder, "gpu", arrivals, max_batch=24, page_size=16,
+                                           max_tokens_per_step=256)
+    assert peak >= 4
+    chunked, chunked_logits, _ = served(ckpt.folder, "gpu", arrivals_of(np.random.default_rng(5), prompts, params, 60),
+                                        max_batch=24, page_size=16, max_tokens_per_step=7)
+    with LLM(ckpt.folder, device="gpu", max_batch=1, page_size=16) as llm:
+        llm.device.record_logits = True
+        for i in range(0, 24, 3):
+            out = llm.submit(prompts[i], params[i]).result()
+            alone = llm.device.logits.pop(out.request_id)
+            assert out.token_ids == batched[i].token_ids == chunked[i].token_ids
+            assert sorted(alone) == sorted(batched_logits[i]) == sorted(chunked_logits[i])
+            for pos, (row,) in alone.items():
+                (b,), (c,) = batched_logits[i][pos], chunked_logits[i][pos]
+                assert np.array_equal(row, b) and np.array_equal(row, c), (i, pos)
+
+
+def test_seeded_sampling_repeats_whatever_shares_the_steps(checkpoints):
+    ckpt = checkpoints["qwen3", "float32"]
+    rng = np.random.default_rng(6)
+    settings = [dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.7), dict(temperature=1.3, top_k=20)]
+    prompts = random_prompts(rng, 6)
+    sampled = [SamplingParams(seed=200 + i, max_new_tokens=10, **settings[i % 3]) for i in range(6)]
+    fillers = random_prompts(rng, 10)
+    first = arrivals_of(rng, prompts + fillers, sampled + [SamplingParams(max_new_tokens=5)] * 10, 12)
+    second = arrivals_of(rng, prompts, sampled, 3)
+    a, _, _ = served(ckpt.folder, "gpu", first, max_batch=16, page_size=4)
+    b, _, _ = served(ckpt.folder, "gpu", second, max_batch=16, page_size=4)
+    assert [a[i].token_ids for i in range(6)] == [b[i].token_ids for i in range(6)]
+    assert len({a[i].token_ids for i in range(6)}) > 1
+
+
+def test_a_full_page_pool_preempts_and_recomputes_the_same_tokens(checkpoints):
+    ckpt = checkpoints["llama3", "float32"]
+    rng = np.random.default_rng(7)
+    prompts = random_prompts(rng, 12, 8, 24)
+    params = [SamplingParams(max_new_tokens=12) for _ in prompts]
+    arrivals = arrivals_of(rng, prompts, params, 4)
+    with LLM(ckpt.folder, device="gpu", max_batch=12, page_size=4, kv_pages=24) as llm:
+        handles = drive(llm, arrivals)
+        outputs = {k: h.result() for k, h in handles.items()}
+        assert llm.stats().preemptions > 0
+        assert llm.stats().free_pages == llm.stats().num_pages
+    roomy, _, _ = served(ckpt.folder, "gpu", {0: [(i, p, s) for i, (p, s) in enumerate(zip(prompts, params))]},
+                         max_batch=12, page_size=4)
+    for i in range(12):
+        assert outputs[i].token_ids == roomy[i].token_ids, i
+
+
+def test_the_pool_is_sized_from_a_share_of_the_gpus_memory(checkpoints):
+    from mdsl.gpu.driver import check, driver, get_device
+
+    ckpt = checkpoints["qwen3", "float32"]
+    get_device(0)
+    _, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+    with LLM(ckpt.folder, device="gpu", max_batch=4, gpu_memory_fraction=0.25) as llm:
+        page_bytes = 2 * 2 * 2 * 8 * 4 * llm.shape.page_size    # layers x (k, v) x kv heads x head_dim x float32
+        # (what other processes hold changes between the two looks at the free memory: bounds only)
+        assert 4 * llm.shape.pages_per_request < llm.shape.num_pages
+        assert llm.shape.num_pages * page_bytes <= 0.25 * total
+        assert len(llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4)).result().token_ids) == 4
