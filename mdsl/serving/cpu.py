@@ -326,17 +326,21 @@ class CpuDevice:
                 for i in range(n):
                     per.setdefault(first + i, []).append(logits[row + i])
             if sampled:
-                self._choose(e, logits[row + n - 1], first + n - 1)
+                self._choose(e, self._token(e, logits, row + n - 1, first + n - 1), first + n - 1)
         return r
 
-    def _choose(self, e: int, logits: np.ndarray, pos: int) -> None:
-        """Entry e's next token from the logits at `pos`, its last known position: sample it, stream it,
-        and retire the entry on a stop token or at max_new_tokens."""
+    def _token(self, e: int, logits: dict, row: int, pos: int) -> int:
+        """Entry e's next token, sampled from the logits of `row` (at `pos`, its last known position)."""
+        req = self.state["entries"]["request"][e]
+        return sample(logits[row], temperature=float(req["temperature"]), top_k=int(req["top_k"]),
+                      top_p=float(req["top_p"]), seed=int(req["seed"]), position=pos)
+
+    def _choose(self, e: int, token: int, pos: int) -> None:
+        """Entry e's next token `token`, after `pos`: stream it, and retire the entry on a stop token or at
+        max_new_tokens."""
         entries = self.state["entries"]
         req = entries["request"][e]
         generated = int(entries["generated"][e])
-        token = sample(logits, temperature=float(req["temperature"]), top_k=int(req["top_k"]),
-                       top_p=float(req["top_p"]), seed=int(req["seed"]), position=pos)
         self.state["history"][e, pos + 1] = token
         entries["generated"][e] = generated + 1
         if token in req["stop_ids"][:req["num_stop"]]:

@@ -107,11 +107,18 @@ def _rms_norm(xs, outs, a, b, one_plus: int = 0):
 
 def tensor_core_dtype(k: int, weights) -> Optional[object]:
     """The 16-bit dtype of a linear whose weights all share one and whose input width k is a multiple of
-    16: it runs on tensor cores (step_kernels.cu's linear_mma); None: on the CUDA cores."""
+    32: it runs on tensor cores (step_kernels.cu's linear_mma); None: on the CUDA cores."""
     dtypes = {w.dtype for w in weights}
-    if len(dtypes) == 1 and k % 16 == 0 and next(iter(dtypes)) in (bf16, f16):
+    if len(dtypes) == 1 and k % 32 == 0 and next(iter(dtypes)) in (bf16, f16):
         return next(iter(dtypes))
     return None
+
+
+def mma_splits(n: int, k: int, sms: int) -> int:
+    """The blocks over which a tensor-core linear of n columns splits k: enough 16-column tiles for two
+    blocks an SM, each warp of a block keeping at least one 32-k chunk; by n and k alone, never the rows."""
+    tiles = -(-n // 16)
+    return max(1, min(8, -(-2 * sms // tiles), k // 32 // MMA_WARPS))
 
 
 def _linear(xs, outs, a, b):
@@ -126,9 +133,13 @@ def _linear(xs, outs, a, b):
     for w in ws:
         n = int(w.shape[0])
         if mma is not None:
-            dev.launch(_weighted("linear_mma", w), (-(-n // 16),), MMA_WARPS * 32,
-                       [_p(outs[0]), ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(w),
+            splits = mma_splits(n, x.width, dev.sms)
+            dev.launch(_weighted("linear_mma", w), (-(-n // 16), splits), MMA_WARPS * 32,
+                       [_p(outs[0]), ctypes.c_void_p(dev.partials), ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(w),
                         *_ints(b.rows, x.width, n, outs[0].width, offset)])
+            if splits > 1:
+                dev.launch("sum_splits", (max(1, min(-(-b.rows * n // THREADS), 4 * dev.sms)),), THREADS,
+                           [_p(outs[0]), ctypes.c_void_p(dev.partials), *_ints(splits, b.rows, n, outs[0].width, offset)])
         else:
             blocks = max(1, min(-(-n // LINEAR_WARPS), 4 * dev.sms))
             dev.launch(_weighted("linear", w), (blocks,), LINEAR_WARPS * 32,
@@ -279,12 +290,19 @@ class GpuDevice(CpuDevice):
                 self.joined([self.values[v.name] for v in n.inputs[1:]])
         before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
         self._splits: dict = {}
+        partials = 1
         for n in self.nodes:
             if n.op == "linear":
-                k = int(n.inputs[0].shape[-1])
-                dtype = tensor_core_dtype(k, [self.values[v.name] for v in n.inputs[1:]])
+                k, ws = int(n.inputs[0].shape[-1]), [self.values[v.name] for v in n.inputs[1:]]
+                dtype = tensor_core_dtype(k, ws)
                 if dtype is not None and (k, dtype) not in self._splits:
                     self._splits[k, dtype] = (array(None, (rows, k), dtype), array(None, (rows, k), dtype))
+                for w in ws if dtype is not None else ():
+                    splits = mma_splits(int(w.shape[0]), k, self.sms)
+                    partials = max(partials, splits * rows * int(w.shape[0]) if splits > 1 else 1)
+        self.partials = array(None, (partials,), f32)   # split-k partials of one linear at a time
+        self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
+        self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
             b = self._buffers[name]
             self._narrowed[name] = Operand(array(None, b.shape, f32), b.shape, f32)
@@ -365,14 +383,32 @@ class GpuDevice(CpuDevice):
         else:
             self._seen.add(key)
             logits = self._run_program(*key)
+        self._device_tokens = {}
         if logits is None:
             self._sync()
             return {}
+        # greedy requests' tokens are chosen on the device; the logits come back for the rows sampled on the
+        # host (and every row while record_logits)
+        row_entries = np.repeat(chunks["entry"], chunks["count"])[keep]
+        greedy = self.state["entries"]["request"]["temperature"][row_entries] == 0
+        best = np.empty(len(keep), np.int32)
+        if greedy.any():
+            self.launch("argmax_rows", (len(keep),), 1024, [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width)])
+            self._check(self._driver.cuMemcpyDtoHAsync(best.ctypes.data, self._best, best.nbytes, self._stream),
+                        "reading the greedy tokens")
+        wanted = np.arange(len(keep)) if self.record_logits else np.flatnonzero(~greedy)
         out = np.empty((len(keep), logits.width), np.float32)
-        self._check(self._driver.cuMemcpyDtoHAsync(out.ctypes.data, logits.ptr, out.nbytes, self._stream),
-                    "reading the logits")
+        row_bytes = logits.width * 4
+        for i in wanted.tolist():
+            self._check(self._driver.cuMemcpyDtoHAsync(out[i].ctypes.data, logits.ptr + i * row_bytes, row_bytes,
+                                                       self._stream), "reading the logits")
         self._sync()
-        return dict(zip(keep.tolist(), out))
+        self._device_tokens = {int(r): int(t) for r, t, g in zip(keep.tolist(), best.tolist(), greedy) if g}
+        return {int(keep[i]): out[i] for i in wanted.tolist()}
+
+    def _token(self, e: int, logits: dict, row: int, pos: int) -> int:
+        token = self._device_tokens.get(row)
+        return super()._token(e, logits, row, pos) if token is None else token
 
     #: steps that ran before replay as CUDA graphs (a test turns it off to compare)
     capture = True

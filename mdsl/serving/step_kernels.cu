@@ -140,12 +140,15 @@ __device__ void linear(float* out, const float* x, const W* w, int rows, int k, 
   }
 }
 
-// ---- linear on tensor cores (16-bit weights, k a multiple of 16): mma.sync m16n8k16 with the weight rows as A
+// ---- linear on tensor cores (16-bit weights, k a multiple of 32): mma.sync m16n8k16 with the weight rows as A
 // (16 output columns) and the input rows as B (8 rows), f32 accumulators. The float32 input rows are split
 // once into x = hi + lo, both in W (split_rows), and each product runs twice, hi then lo: the input keeps
-// about 16 bits of its mantissa where rounding it to W would keep 8. A block takes 16 output columns; its
-// MMA_WARPS warps each take a fixed slice of k (by k alone) and the block sums the slices in warp order, so a
-// row's result depends on k and its own values only.
+// about 16 bits of its mantissa where rounding it to W would keep 8.
+// Each lane loads 16 contiguous bytes of a weight row and of an input row per 32 k: the mma's k order is a
+// permutation of memory's (the same for both operands, so the sum is the product's), which lets every load
+// be a 16-byte one. k splits over `splits` blocks of a 16-column tile (partials summed in split order by
+// sum_splits) and over each block's MMA_WARPS warps (summed in warp order): both fixed by n and k alone, so a
+// row's result depends on its own values only, whatever rows share the step.
 
 constexpr int MMA_WARPS = 8;
 constexpr int MMA_GROUPS = 8;    // row groups of 8 a pass (64 rows)
@@ -170,73 +173,138 @@ __device__ void split_rows<__half>(__half* hi, __half* lo, const float* x, long 
 }
 
 template <typename W>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1);
 template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                         unsigned a3, unsigned b0, unsigned b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                  unsigned b0, unsigned b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned ld32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
+__device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// 32 k of one 16-column tile and one row group: the weight rows' vectors w0 (column group) and w1 (column
+// group + 8), the input row's hi and lo vectors; lane (group, tig) holds k tig * 8 .. tig * 8 + 7 of the 32
 template <typename W>
-__device__ void linear_mma(float* out, const W* x_hi, const W* x_lo, const W* w, int rows, int k, int n,
+__device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 hi, uint4 lo) {
+  mma_16816<W>(d, w0.x, w1.x, w0.y, w1.y, hi.x, hi.y);
+  mma_16816<W>(d, w0.x, w1.x, w0.y, w1.y, lo.x, lo.y);
+  mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, hi.z, hi.w);
+  mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, lo.z, lo.w);
+}
+
+// out (splits == 1) or part[blockIdx.y] (rows x n) = the block's share of x @ w.T for columns blockIdx.x * 16 ..
+template <typename W>
+__device__ void linear_mma(float* out, float* part, const W* x_hi, const W* x_lo, const W* w, int rows, int k, int n,
                            int out_width, int offset) {
-  __shared__ float part[MMA_WARPS][MMA_GROUPS][4][WARP];
+  __shared__ float red[MMA_WARPS][MMA_GROUPS][4][WARP];
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, group = lane >> 2, tig = lane & 3;
   const int c0 = blockIdx.x * 16 + group, c1 = c0 + 8;
-  const W* w0 = w + (long long)(c0 < n ? c0 : n - 1) * k;   // (columns past n load a real row; never stored)
-  const W* w1 = w + (long long)(c1 < n ? c1 : n - 1) * k;
-  const int steps = k / 16, per = (steps + MMA_WARPS - 1) / MMA_WARPS;
-  const int s0 = warp * per, s1 = s0 + per < steps ? s0 + per : steps;
+  const W* w0 = w + (long long)(c0 < n ? c0 : n - 1) * k + tig * 8;   // (columns past n load a real row; never stored)
+  const W* w1 = w + (long long)(c1 < n ? c1 : n - 1) * k + tig * 8;
+  // this block's and this warp's 32-k chunks
+  const int chunks = k / 32, splits = gridDim.y;
+  const int per_block = (chunks + splits - 1) / splits, b0 = blockIdx.y * per_block;
+  const int b1 = b0 + per_block < chunks ? b0 + per_block : chunks;
+  const int per_warp = (per_block + MMA_WARPS - 1) / MMA_WARPS, s0 = b0 + warp * per_warp;
+  const int s1 = s0 + per_warp < b1 ? s0 + per_warp : b1;
   for (int r0 = 0; r0 < rows; r0 += MMA_GROUPS * 8) {
     float acc[MMA_GROUPS][4];
 #pragma unroll
     for (int g = 0; g < MMA_GROUPS; ++g)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[g][j] = 0.0f;
-#pragma unroll 2
-    for (int s = s0; s < s1; ++s) {
-      const int kk = s * 16 + tig * 2;
-      const unsigned a[4] = {ld32(w0 + kk), ld32(w1 + kk), ld32(w0 + kk + 8), ld32(w1 + kk + 8)};
+    int s = s0;
+    for (; s + 1 < s1; s += 2) {   // two chunks' weights in flight at once
+      const uint4 wa0 = ld16(w0 + s * 32), wa1 = ld16(w1 + s * 32);
+      const uint4 wb0 = ld16(w0 + s * 32 + 32), wb1 = ld16(w1 + s * 32 + 32);
 #pragma unroll
       for (int g = 0; g < MMA_GROUPS; ++g) {
         if (r0 + g * 8 < rows) {   // (warp-uniform)
           const int r = r0 + g * 8 + group;
-          const long long at = (long long)(r < rows ? r : rows - 1) * k + kk;
-          const unsigned hi[2] = {ld32(x_hi + at), ld32(x_hi + at + 8)};
-          const unsigned lo[2] = {ld32(x_lo + at), ld32(x_lo + at + 8)};
-          mma_16816<W>(acc[g], a, hi);
-          mma_16816<W>(acc[g], a, lo);
+          const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
+          const uint4 ha = ld16(x_hi + at), la = ld16(x_lo + at), hb = ld16(x_hi + at + 32), lb = ld16(x_lo + at + 32);
+          mma_32<W>(acc[g], wa0, wa1, ha, la);
+          mma_32<W>(acc[g], wb0, wb1, hb, lb);
+        }
+      }
+    }
+    if (s < s1) {
+      const uint4 wa0 = ld16(w0 + s * 32), wa1 = ld16(w1 + s * 32);
+#pragma unroll
+      for (int g = 0; g < MMA_GROUPS; ++g) {
+        if (r0 + g * 8 < rows) {
+          const int r = r0 + g * 8 + group;
+          const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
+          mma_32<W>(acc[g], wa0, wa1, ld16(x_hi + at), ld16(x_lo + at));
         }
       }
     }
 #pragma unroll
     for (int g = 0; g < MMA_GROUPS; ++g)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) part[warp][g][j][lane] = acc[g][j];
+      for (int j = 0; j < 4; ++j) red[warp][g][j][lane] = acc[g][j];
     __syncthreads();
     // warp g sums row group g's slices in warp order; accumulator j of lane (group, tig) is column
     // group + 8 (j / 2) of the tile, row tig * 2 + j % 2 of the group
     for (int g = warp; g < MMA_GROUPS; g += MMA_WARPS) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float total = part[0][g][j][lane];
-        for (int v = 1; v < MMA_WARPS; ++v) total += part[v][g][j][lane];
+        float total = red[0][g][j][lane];
+        for (int v = 1; v < MMA_WARPS; ++v) total += red[v][g][j][lane];
         const int c = blockIdx.x * 16 + group + 8 * (j / 2), r = r0 + g * 8 + tig * 2 + j % 2;
-        if (c < n && r < rows) out[(long long)r * out_width + offset + c] = total;
+        if (c < n && r < rows) {
+          if (splits == 1) out[(long long)r * out_width + offset + c] = total;
+          else part[((long long)blockIdx.y * rows + r) * n + c] = total;
+        }
       }
     }
-    __syncthreads();   // part is rewritten by the next pass
+    __syncthreads();   // red is rewritten by the next pass
+  }
+}
+
+// out[r, offset + c] = the splits' partials of (r, c) summed in split order
+__device__ void sum_splits(float* out, const float* part, int splits, int rows, int n, int out_width, int offset) {
+  const long long count = (long long)rows * n;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+    float total = part[i];
+    for (int v = 1; v < splits; ++v) total += part[v * count + i];
+    out[(i / n) * out_width + offset + i % n] = total;
+  }
+}
+
+// ---- argmax of each row (the first maximum): the greedy requests' tokens, chosen on the device
+
+__device__ void argmax_rows(int* best, const float* x, int width) {
+  __shared__ float value[32];
+  __shared__ int index[32];
+  const long long base = (long long)blockIdx.x * width;
+  float v = -INF;
+  int at = 0x7fffffff;
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    if (x[base + i] > v) { v = x[base + i]; at = i; }   // (a thread's indices ascend: its first maximum)
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oat = __shfl_xor_sync(0xffffffffu, at, o);
+    if (ov > v || (ov == v && oat < at)) { v = ov; at = oat; }
+  }
+  if (threadIdx.x % WARP == 0) { value[threadIdx.x / WARP] = v; index[threadIdx.x / WARP] = at; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < int(blockDim.x) / WARP; ++w)
+      if (value[w] > v || (value[w] == v && index[w] < at)) { v = value[w]; at = index[w]; }
+    best[blockIdx.x] = at;
   }
 }
 
@@ -474,9 +542,9 @@ EVERY_DTYPE(linear, (float* out, const float* x, const void* w, int rows, int k,
   WEIGHTED(NAME, f16, __half, PARAMS, ARGS)
 SIXTEEN_BIT(split_rows, (void* hi, void* lo, const float* x, long long count),
             (static_cast<W*>(hi), static_cast<W*>(lo), x, count))
-SIXTEEN_BIT(linear_mma, (float* out, const void* x_hi, const void* x_lo, const void* w, int rows, int k, int n,
-                         int out_width, int offset),
-            (out, static_cast<const W*>(x_hi), static_cast<const W*>(x_lo), static_cast<const W*>(w), rows, k, n,
+SIXTEEN_BIT(linear_mma, (float* out, float* part, const void* x_hi, const void* x_lo, const void* w, int rows, int k,
+                         int n, int out_width, int offset),
+            (out, part, static_cast<const W*>(x_hi), static_cast<const W*>(x_lo), static_cast<const W*>(w), rows, k, n,
              out_width, offset))
 EVERY_DTYPE(add_bias, (float* out, const float* x, const void* b, int width), (out, x, static_cast<const W*>(b), width))
 EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const void* wk, int q_heads, int kv_heads,
@@ -509,6 +577,11 @@ ATTENTION(8)
 ATTENTION(16)
 extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
 extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
+extern "C" __global__ void sum_splits(float* out, const float* part, int splits, int rows, int n, int out_width,
+                                      int offset) {
+  serve::sum_splits(out, part, splits, rows, n, out_width, offset);
+}
+extern "C" __global__ void argmax_rows(int* best, const float* x, int width) { serve::argmax_rows(best, x, width); }
 extern "C" __global__ void gather(float* out, const float* x, const int* keep, int width) {
   serve::gather(out, x, keep, width);
 }
