@@ -12,6 +12,9 @@ gradients, runs as torch's eager operators: mdsl computes forward passes only.
 A symbolic dim (torch.compile's default dynamic shapes make a dim symbolic when a second size arrives)
 that is the leading dim of every region tensor it appears in leaves the region in mdsl: the region's
 kernel is traced per size at run time, so that one compiled graph serves every batch size.
+
+dynamo's and functorch's helpers are imported where a graph is compiled: importing this module (as
+`mdsl.torch.compiler` and `DEFAULT_SEARCH` do) loads torch but not them.
 """
 from __future__ import annotations
 
@@ -23,8 +26,6 @@ from typing import Callable, Optional
 
 import attrs
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from mdsl.search.config import SearchConfig
 from mdsl.torch.regions import _computes_tensors, partition
@@ -51,6 +52,8 @@ class Handoff:
 
 
 def _eager(gm, example_inputs):
+    from functorch.compile import make_boxed_func
+
     return make_boxed_func(gm.forward)
 
 
@@ -62,6 +65,8 @@ def _left_ops(gm) -> int:
 
 def _hand_off(gm, example_inputs, inductor: bool):
     """The compiled graph (a boxed function) and its `Handoff`."""
+    from functorch.compile import make_boxed_func
+
     ops = _left_ops(gm)
     if not inductor:
         return make_boxed_func(gm.forward), Handoff("eager", ops, 0.0, "compiled with inductor=False")
@@ -99,6 +104,8 @@ def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True,
         return compiled
 
     def backend(gm, example_inputs, **kwargs):
+        from torch._dynamo.backends.common import aot_autograd
+
         return aot_autograd(fw_compiler=forward, bw_compiler=_eager)(gm, example_inputs, **kwargs)
 
     return backend
@@ -106,3 +113,12 @@ def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True,
 
 #: what `backend="mdsl"` names
 mdsl_backend = compiler()
+
+
+def register_backend() -> None:
+    """Register `mdsl_backend` with dynamo as "mdsl", unless dynamo knows that name already (from the
+    entry point, which it loads on lookup, or an earlier registration)."""
+    import torch._dynamo
+
+    if "mdsl" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(mdsl_backend, name="mdsl")

@@ -13,14 +13,14 @@ from mdsl.megakernel.taskgraph.simulator import Simulator
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig
 from tests.megakernel.tiny import ARCHITECTURES, tiny_config_dict
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
-
 PROMPT = [5, 17, 3]
 STEPS = 17
 
 
 def _hf_model(raw: dict):
+    # (imported here, not at collection: torch and transformers take seconds to import)
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
     cls = raw["architectures"][0]
     # (special token ids inside the tiny vocabulary)
     config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**{"pad_token_id": 0, "bos_token_id": 1,
@@ -51,7 +51,9 @@ def _checkpoint_tensors(model) -> dict:
 
 
 def _compare(tmp_path, raw: dict, tensors=_checkpoint_tensors):
-    model = _hf_model(raw)
+    model = _hf_model(raw)   # (it skips the test where transformers or torch is missing)
+    import torch
+
     save_checkpoint(str(tmp_path), raw, tensors(model))
     loaded = load_model(str(tmp_path))
     ours = ReferenceModel(loaded.graph, loaded.weights).generate(PROMPT, STEPS)

@@ -13,11 +13,15 @@ import pytest
 from mdsl import SamplingParams
 from tests.server.conftest import API_KEY, EOS, metric_values
 
-openai = pytest.importorskip("openai")
+
+@pytest.fixture(scope="module")
+def openai():
+    # (imported when a test runs, not at collection: the client package takes half a second to import)
+    return pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(openai, server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
         yield c
 
@@ -117,7 +121,7 @@ def test_a_stop_token_ends_the_request_and_adds_no_text(client, offline):
     assert choice.text == offline.tokenizer.decode(ref.token_ids[:3])
 
 
-def test_fifty_concurrent_streams_each_receive_exactly_the_engines_tokens(server, offline):
+def test_fifty_concurrent_streams_each_receive_exactly_the_engines_tokens(openai, server, offline):
     rng = np.random.default_rng(7)
     requests = []
     for i in range(50):

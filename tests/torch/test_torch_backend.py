@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="mdsl.torch needs PyTorch (the test extra installs its CPU build)")
-
-import mdsl.torch  # noqa: E402
-from mdsl.search.config import SearchConfig  # noqa: E402
+from mdsl.search.config import SearchConfig
 
 #: a search small enough for the suite: the plans it finds are still verified ones
 SEARCH = SearchConfig(budget_s=20.0, work=200, workers=1, partition=False, exhaustive=False)
 
 
-def _compare(model, *inputs, rtol=1e-4, atol=1e-4, **kwargs):
+def _compare(torch, model, *inputs, rtol=1e-4, atol=1e-4, **kwargs):
+    import mdsl.torch
+
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(*inputs, **kwargs)
@@ -25,41 +24,21 @@ def _compare(model, *inputs, rtol=1e-4, atol=1e-4, **kwargs):
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
 
 
-class MLP(torch.nn.Module):
-    def __init__(self, dim=64, hidden=128, act=torch.nn.GELU):
-        super().__init__()
-        self.up, self.act, self.down = torch.nn.Linear(dim, hidden), act(), torch.nn.Linear(hidden, dim)
+@pytest.mark.parametrize("act", ["GELU", "SiLU", "ReLU", "Sigmoid"])
+def test_an_mlp_block_matches_eager(torch, act):
+    from tests.torch.models import MLP
 
-    def forward(self, x):
-        return x + self.down(self.act(self.up(x)))
-
-
-class Attention(torch.nn.Module):
-    """Multi-head self-attention written out (no fused kernel), with a LayerNorm torch keeps."""
-
-    def __init__(self, dim=64, heads=2):
-        super().__init__()
-        self.heads, self.norm = heads, torch.nn.LayerNorm(dim)
-        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        weights = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
-        return x + self.out((weights @ v).transpose(1, 2).reshape(b, s, d))
-
-
-@pytest.mark.parametrize("act", [torch.nn.GELU, torch.nn.SiLU, torch.nn.ReLU, torch.nn.Sigmoid])
-def test_an_mlp_block_matches_eager(act):
     torch.manual_seed(0)
-    _compare(MLP(act=act).eval(), torch.randn(2, 8, 64))
+    _compare(torch, MLP(act=getattr(torch.nn, act)).eval(), torch.randn(2, 8, 64))
 
 
-def test_an_attention_block_matches_eager_and_torch_keeps_its_layer_norm():
+def test_an_attention_block_matches_eager_and_torch_keeps_its_layer_norm(torch):
+    import mdsl.torch
+    from tests.torch.models import Attention
+
     torch.manual_seed(0)
     model, x = Attention().eval(), torch.randn(2, 8, 64)
-    _compare(model, x)
+    _compare(torch, model, x)
     report = mdsl.torch.explain(model, x, search=SEARCH)
     assert report.regions and any("aten._softmax.default" in r.aten_ops for r in report.regions)
     assert any(o.aten == "aten.native_layer_norm.default" for o in report.left_to_torch)
@@ -67,8 +46,11 @@ def test_an_attention_block_matches_eager_and_torch_keeps_its_layer_norm():
     assert handoff.compiler == "inductor" and handoff.ops >= 1 and "Inductor compiled" in str(report)
 
 
-def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(monkeypatch):
+def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(torch, monkeypatch):
     import torch._inductor.compile_fx as inductor
+
+    import mdsl.torch
+    from tests.torch.models import Attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
@@ -77,7 +59,7 @@ def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(monkeyp
     torch.manual_seed(0)
     model, x = Attention().eval(), torch.randn(2, 8, 64)
     with pytest.warns(UserWarning, match="Inductor failed"):
-        _compare(model, x)
+        _compare(torch, model, x)
         report = mdsl.torch.explain(model, x, search=SEARCH)
     (handoff,) = report.handoffs
     assert handoff.compiler == "eager" and "RuntimeError: no C++ compiler" in handoff.reason
@@ -86,13 +68,18 @@ def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(monkeyp
     assert off.handoffs[0].compiler == "eager" and "inductor=False" in off.handoffs[0].reason
 
 
-def test_a_bf16_mlp_matches_eager_within_bf16_tolerance():
+def test_a_bf16_mlp_matches_eager_within_bf16_tolerance(torch):
+    from tests.torch.models import MLP
+
     torch.manual_seed(0)
-    _compare(MLP(act=torch.nn.SiLU).eval().to(torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16),
+    _compare(torch, MLP(act=torch.nn.SiLU).eval().to(torch.bfloat16), torch.randn(2, 8, 64, dtype=torch.bfloat16),
              rtol=3e-2, atol=3e-2)
 
 
-def test_with_gradients_the_forward_runs_in_mdsl_and_inductor_and_the_backward_in_torch():
+def test_with_gradients_the_forward_runs_in_mdsl_and_inductor_and_the_backward_in_torch(torch):
+    import mdsl.torch
+    from tests.torch.models import Attention
+
     torch.manual_seed(0)
     model, x = Attention(), torch.randn(2, 8, 64)
     torch._dynamo.reset()
@@ -107,7 +94,7 @@ def test_with_gradients_the_forward_runs_in_mdsl_and_inductor_and_the_backward_i
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-4)
 
 
-def _decoder_layer(family: str, attention: str):
+def _decoder_layer(torch, family: str, attention: str):
     transformers = pytest.importorskip("transformers", reason="the decoder layers come from transformers")
     module = getattr(transformers.models, family.lower())
     modeling = getattr(module, f"modeling_{family.lower()}")
@@ -124,9 +111,11 @@ def _decoder_layer(family: str, attention: str):
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_transformers_decoder_layers_match_eager_and_explain_lists_their_regions(family, attention):
-    layer, x, position_embeddings = _decoder_layer(family, attention)
-    _compare(layer, x, position_embeddings=position_embeddings, attention_mask=None)
+def test_transformers_decoder_layers_match_eager_and_explain_lists_their_regions(torch, family, attention):
+    import mdsl.torch
+
+    layer, x, position_embeddings = _decoder_layer(torch, family, attention)
+    _compare(torch, layer, x, position_embeddings=position_embeddings, attention_mask=None)
     report = mdsl.torch.explain(layer, x, position_embeddings=position_embeddings, attention_mask=None,
                                 search=SEARCH)
     ops = [op for r in report.regions for op in r.aten_ops]

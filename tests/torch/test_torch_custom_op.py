@@ -6,11 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="mdsl.torch needs PyTorch (the test extra installs its CPU build)")
-
-import mdsl  # noqa: E402
-import mdsl.torch  # noqa: E402
-from mdsl.errors import MdslError  # noqa: E402
+import mdsl
+from mdsl.errors import MdslError
 
 
 @mdsl.kernel
@@ -23,43 +20,50 @@ def two_results(x):
     return mdsl.silu(x), mdsl.sum(x, dim=-1, keepdim=True)
 
 
-def _torch_norm_matmul(x, w):
+@pytest.fixture
+def custom_op(torch):
+    import mdsl.torch
+
+    return mdsl.torch.custom_op
+
+
+def _torch_norm_matmul(torch, x, w):
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6) @ w
 
 
-def test_the_operator_runs_the_kernel_on_cpu_tensors():
-    op = mdsl.torch.custom_op(norm_matmul)
+def test_the_operator_runs_the_kernel_on_cpu_tensors(torch, custom_op):
+    op = custom_op(norm_matmul)
     x, w = torch.randn(4, 64), torch.randn(64, 32)
     got = op(x, w)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.shape == (4, 32)
     np.testing.assert_allclose(got.numpy(), norm_matmul(x.numpy(), w.numpy()), rtol=1e-6)
-    torch.testing.assert_close(got, _torch_norm_matmul(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _torch_norm_matmul(torch, x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_one_kernel_one_operator_and_another_kernel_of_that_name_gets_its_own():
-    op = mdsl.torch.custom_op(norm_matmul)
-    assert mdsl.torch.custom_op(norm_matmul) is op
+def test_one_kernel_one_operator_and_another_kernel_of_that_name_gets_its_own(torch, custom_op):
+    op = custom_op(norm_matmul)
+    assert custom_op(norm_matmul) is op
     assert op.name.startswith("norm_matmul_") and getattr(torch.ops.mdsl, op.name).default is op.op
 
     @mdsl.kernel(name="norm_matmul")
     def other(x, w):
         return x @ w
 
-    assert mdsl.torch.custom_op(other).name != op.name
+    assert custom_op(other).name != op.name
 
 
-def test_several_results_come_back_as_a_tuple_in_their_dtypes():
-    op = mdsl.torch.custom_op(two_results)
+def test_several_results_come_back_as_a_tuple_in_their_dtypes(torch, custom_op):
+    op = custom_op(two_results)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     act, total = op(x)
     assert act.dtype == total.dtype == torch.bfloat16 and act.shape == (3, 16) and total.shape == (3, 1)
     torch.testing.assert_close(act, torch.nn.functional.silu(x.float()).bfloat16(), rtol=1e-2, atol=1e-2)
 
 
-def test_the_fake_implementation_gives_the_traced_shapes_and_dtypes():
+def test_the_fake_implementation_gives_the_traced_shapes_and_dtypes(torch, custom_op):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    op = mdsl.torch.custom_op(norm_matmul)
+    op = custom_op(norm_matmul)
     with FakeTensorMode():
         out = op(torch.empty(7, 64, dtype=torch.float16), torch.empty(64, 48, dtype=torch.float16))
         assert isinstance(out, FakeTensor) and out.shape == (7, 48) and out.dtype == torch.float16
@@ -67,16 +71,16 @@ def test_the_fake_implementation_gives_the_traced_shapes_and_dtypes():
             op(torch.empty(7, 64), torch.empty(32, 48))
 
 
-def test_torchs_operator_checks_pass():
-    op = mdsl.torch.custom_op(norm_matmul)
+def test_torchs_operator_checks_pass(torch, custom_op):
+    op = custom_op(norm_matmul)
     results = torch.library.opcheck(op.op, (torch.randn(4, 64), torch.randn(64, 32)))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
-def test_torch_compile_captures_the_operator_in_one_graph():
+def test_torch_compile_captures_the_operator_in_one_graph(torch, custom_op):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    op = mdsl.torch.custom_op(norm_matmul)
+    op = custom_op(norm_matmul)
     counter = CompileCounterWithBackend("aot_eager")
 
     def model(x, w):
@@ -84,13 +88,13 @@ def test_torch_compile_captures_the_operator_in_one_graph():
 
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     x, w = torch.randn(5, 64), torch.randn(64, 16)
-    torch.testing.assert_close(compiled(x, w), torch.relu(_torch_norm_matmul(x, w)) * 2.0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(x, w), torch.relu(_torch_norm_matmul(torch, x, w)) * 2.0, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
     targets = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
     assert any(op.name in t for t in targets), targets
 
 
-def test_what_is_not_a_kernel_is_refused_with_a_hint():
+def test_what_is_not_a_kernel_is_refused_with_a_hint(custom_op):
     with pytest.raises(MdslError, match="takes an @mdsl.kernel") as e:
-        mdsl.torch.custom_op(lambda x: x)
+        custom_op(lambda x: x)
     assert "decorate" in e.value.hint

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="mdsl.torch needs PyTorch (the test extra installs its CPU build)")
-
-import torch.fx.experimental._config as fx_config  # noqa: E402
-
-import mdsl.torch  # noqa: E402
-from mdsl.search.config import SearchConfig  # noqa: E402
+from mdsl.search.config import SearchConfig
 
 SEARCH = SearchConfig(budget_s=20.0, work=200, workers=1, partition=False, exhaustive=False)
 
@@ -19,8 +14,10 @@ def _first(value):
     return value[0] if isinstance(value, tuple) else value
 
 
-def _run_sizes(model, sizes, make_input, *, mark=False, **kwargs):
+def _run_sizes(torch, model, sizes, make_input, *, mark=False, **kwargs):
     """Compile `model` once and call it at each size; returns the graphs the backend compiled."""
+    import mdsl.torch
+
     torch._dynamo.reset()
     graphs: list = []
     compiled = torch.compile(model, backend=mdsl.torch.compiler(SEARCH, on_graph=graphs.append))
@@ -38,21 +35,14 @@ def _leading_sizes(region) -> set:
     return {key[0] for key in region.calls}
 
 
-class MLP(torch.nn.Module):
-    def __init__(self, dim=32, hidden=64):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+def test_an_mlp_under_default_dynamic_shapes_serves_every_batch_size_from_one_graph(torch):
+    from tests.torch.models import MLP
 
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.silu(self.up(x)))
-
-
-def test_an_mlp_under_default_dynamic_shapes_serves_every_batch_size_from_one_graph():
     torch.manual_seed(0)
     sizes = [2, 3, 5, 8, 16, 33, 64]
     # the first size compiles a static graph, the second a dynamic one (torch's automatic dynamic shapes);
     # every later size runs that graph
-    graphs = _run_sizes(MLP().eval(), sizes, lambda m: torch.randn(m, 32))
+    graphs = _run_sizes(torch, MLP(dim=32, hidden=64, act=torch.nn.SiLU).eval(), sizes, lambda m: torch.randn(m, 32))
     static, dynamic = graphs
     (region,) = dynamic.regions
     assert any(not isinstance(a.meta["val"].shape[0], int) for a in region.inputs)   # the batch is symbolic
@@ -60,7 +50,9 @@ def test_an_mlp_under_default_dynamic_shapes_serves_every_batch_size_from_one_gr
     assert not region.replays and dynamic.left == {}
 
 
-def test_a_llama_decoder_layer_serves_batch_sizes_1_to_64_from_one_graph():
+def test_a_llama_decoder_layer_serves_batch_sizes_1_to_64_from_one_graph(torch):
+    import torch.fx.experimental._config as fx_config
+
     transformers = pytest.importorskip("transformers", reason="the decoder layer comes from transformers")
     from transformers.models.llama import modeling_llama
 
@@ -73,7 +65,7 @@ def test_a_llama_decoder_layer_serves_batch_sizes_1_to_64_from_one_graph():
     sizes = [4, 1, 2, 7, 64]
     # the batch dim marked dynamic from the start; size-oblivious sizes keep torch from specialising 1
     with fx_config.patch(backed_size_oblivious=True):
-        (graph,) = _run_sizes(layer, sizes, lambda b: torch.randn(b, 8, 64), mark=True,
+        (graph,) = _run_sizes(torch, layer, sizes, lambda b: torch.randn(b, 8, 64), mark=True,
                               position_embeddings=position_embeddings, attention_mask=None)
     assert len(graph.regions) == 2 and graph.handoff.compiler == "inductor"   # torch's fused attention
     for region in graph.regions:
@@ -81,7 +73,9 @@ def test_a_llama_decoder_layer_serves_batch_sizes_1_to_64_from_one_graph():
         assert _leading_sizes(region) == set(sizes) and not region.replays
 
 
-def test_a_node_with_a_symbolic_dim_other_than_the_leading_one_stays_with_torch_and_says_why():
+def test_a_node_with_a_symbolic_dim_other_than_the_leading_one_stays_with_torch_and_says_why(torch):
+    import mdsl.torch
+
     def fn(x, w):
         return torch.nn.functional.silu(x.transpose(0, 1) @ w)
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="mdsl.torch needs PyTorch (the test extra installs its CPU build)")
-
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
-
-import mdsl.torch  # noqa: E402,F401
-from mdsl.search.config import SearchConfig  # noqa: E402
-from mdsl.torch.regions import partition  # noqa: E402
+from mdsl.search.config import SearchConfig
 
 SEARCH = SearchConfig(budget_s=20.0, work=200, workers=1)
 
 
-def _partitioned(fn, *inputs):
+def _partitioned(torch, fn, *inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mdsl.torch.regions import partition
+
     gm = make_fx(fn)(*inputs)
     expected = fn(*inputs)
     result = partition(gm, SEARCH)
@@ -32,12 +30,12 @@ def _called(result) -> list:
     return [n.meta["mdsl_region"] for n in result.module.graph.nodes if "mdsl_region" in n.meta]
 
 
-def test_an_unmapped_operator_splits_a_chain_into_two_regions():
+def test_an_unmapped_operator_splits_a_chain_into_two_regions(torch):
     def fn(x, w):
         h = torch.tanh(torch.nn.functional.silu(x @ w) * 2.0)
         return torch.exp(h) + 1.0
 
-    result = _partitioned(fn, torch.randn(4, 8), torch.randn(8, 16))
+    result = _partitioned(torch, fn, torch.randn(4, 8), torch.randn(8, 16))
     assert [r.aten_ops for r in result.regions] == [["aten.mm.default", "aten.silu.default", "aten.mul.Tensor"],
                                                    ["aten.exp.default", "aten.add.Tensor"]]
     assert list(result.left.values()) == [("aten.tanh.default", "no mapping for aten.tanh.default")]
@@ -45,49 +43,49 @@ def test_an_unmapped_operator_splits_a_chain_into_two_regions():
     assert all(str(n.target) != "aten.mm.default" for n in result.module.graph.nodes)
 
 
-def test_a_graph_that_mdsl_computes_whole_is_one_region():
+def test_a_graph_that_mdsl_computes_whole_is_one_region(torch):
     def fn(x, w1, w2):
         h = torch.nn.functional.gelu(x @ w1)
         return torch.softmax(h @ w2, dim=-1), h.mean(dim=-1, keepdim=True)
 
-    result = _partitioned(fn, torch.randn(4, 8), torch.randn(8, 16), torch.randn(16, 8))
+    result = _partitioned(torch, fn, torch.randn(4, 8), torch.randn(8, 16), torch.randn(16, 8))
     (region,) = result.regions
     assert len(region.inputs) == 3 and len(region.outputs) == 2 and result.left == {}
     assert "aten._softmax.default" in region.aten_ops
 
 
 @pytest.mark.parametrize("fn, reason", [
-    (lambda x: torch.exp(x.double()), "float64"),
-    (lambda x: torch.exp(x * x.bfloat16()), "different dtypes"),
-    (lambda x: torch.exp(x[:, ::2]), "step 2"),
-    (lambda x: torch.exp(torch.nn.functional.gelu(x, approximate="tanh")), "approximate='tanh'"),
-    (lambda x: torch.exp(x.sum()), "0-dim"),
+    (lambda torch, x: torch.exp(x.double()), "float64"),
+    (lambda torch, x: torch.exp(x * x.bfloat16()), "different dtypes"),
+    (lambda torch, x: torch.exp(x[:, ::2]), "step 2"),
+    (lambda torch, x: torch.exp(torch.nn.functional.gelu(x, approximate="tanh")), "approximate='tanh'"),
+    (lambda torch, x: torch.exp(x.sum()), "0-dim"),
 ])
-def test_each_node_left_to_torch_says_why(fn, reason):
-    result = _partitioned(fn, torch.randn(4, 8))
+def test_each_node_left_to_torch_says_why(torch, fn, reason):
+    result = _partitioned(torch, lambda x: fn(torch, x), torch.randn(4, 8))
     assert any(reason in why for _, why in result.left.values()), result.left
 
 
-def test_a_region_that_only_moves_data_stays_with_torch():
-    result = _partitioned(lambda x: x.t().reshape(2, 16).permute(1, 0), torch.randn(4, 8))
+def test_a_region_that_only_moves_data_stays_with_torch(torch):
+    result = _partitioned(torch, lambda x: x.t().reshape(2, 16).permute(1, 0), torch.randn(4, 8))
     assert result.regions == () and _called(result) == []
 
 
-def test_layout_and_slices_around_arithmetic_lower_to_mdsl():
+def test_layout_and_slices_around_arithmetic_lower_to_mdsl(torch):
     def rotate_half(x):
         half = x.shape[-1] // 2
         return torch.cat([-x[..., half:], x[..., :half]], dim=-1) * 0.5 + x.unsqueeze(0).expand(3, -1, -1)[1]
 
-    result = _partitioned(rotate_half, torch.randn(4, 8))
+    result = _partitioned(torch, rotate_half, torch.randn(4, 8))
     assert len(result.regions) >= 1 and result.left == {}
 
 
-def test_regions_alike_trace_to_the_same_program():
+def test_regions_alike_trace_to_the_same_program(torch):
     def fn(x, w1, w2):
         a = torch.tanh(torch.relu(x @ w1))
         return torch.tanh(torch.relu(a @ w2))
 
-    result = _partitioned(fn, torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8))
+    result = _partitioned(torch, fn, torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8))
     first, second = result.regions
     assert first.graph().key == second.graph().key
     assert first.op is second.op and _called(result) == ["mdsl_region_0", "mdsl_region_1"]
