@@ -1,0 +1,194 @@
+"""The serving engine on a GPU (`LLM(device="gpu")`), in-process, random bf16 weights at a benchmark model's
+shapes (mdsl.megakernel.runtime.models):
+
+  (a) decode step time against the batch size at a context, beside the bandwidth floor (the weights plus
+      every request's cached keys and values, as the device stores them, over 4.25 TB/s);
+  (b) an offline run: --requests requests with seeded prompt lengths and output lengths, submitted at once;
+      output tokens per second;
+  (c) an online run per --rates rate: the same requests arriving as a Poisson process; time to first token
+      and time per output token, p50 and p99.
+
+    python3 benchmarks/serve.py --model qwen3-0.6b --out $OUT
+    python3 benchmarks/serve.py --model qwen3-0.6b --parts a --batches 1,8,32,64 --context 1024
+
+A decode step is timed over the steps in which every request of the batch decodes: the B requests'
+prompts (context - 1 tokens each) are read first, then each produces --decode-tokens tokens; the step
+time is the wall time between the moment every request has its first token and the moment all are done,
+over the steps the device ran meanwhile. Greedy, `ignore_eos`. Files: serve.json (with the run's
+provenance) and serve.md (the tables, also printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.serve_http import _percentile, random_checkpoint  # noqa: E402
+
+BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.md)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b", help="a model of mdsl.megakernel.runtime.models (random weights)")
+    ap.add_argument("--parts", default="a,b,c", help="which of a (decode steps), b (offline), c (online)")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=1024, help="(a) the requests' context at their decode steps")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="(a) tokens each request produces")
+    ap.add_argument("--requests", type=int, default=256, help="(b, c) requests")
+    ap.add_argument("--prompt-len", default="32:1024", help="(b, c) prompt lengths LO:HI, seeded uniform")
+    ap.add_argument("--output-len", default="32:512", help="(b, c) output lengths LO:HI, seeded uniform")
+    ap.add_argument("--rates", default="4,16,64", help="(c) Poisson arrival rates, requests per second")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=".", help="folder for serve.json and serve.md")
+    return ap.parse_args(argv)
+
+
+def _range(text: str) -> tuple:
+    low, _, high = text.partition(":")
+    return int(low), int(high)
+
+
+def workload(args, vocab: int) -> list:
+    """(prompt, output length) per request, seeded."""
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    (p0, p1), (o0, o1) = _range(args.prompt_len), _range(args.output_len)
+    return [([int(t) for t in rng.integers(0, vocab, int(rng.integers(p0, p1 + 1)))], int(rng.integers(o0, o1 + 1)))
+            for _ in range(args.requests)]
+
+
+def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
+    """(a): the step time while `batch` requests at `context` decode together."""
+    import numpy as np
+
+    from mdsl import SamplingParams
+
+    rng = np.random.default_rng(seed + batch)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    handles = [llm.submit([int(t) for t in rng.integers(0, vocab, context - 1)], params) for _ in range(batch)]
+    while not all(h.poll()[0] for h in handles):
+        time.sleep(0.0005)
+    start, steps0 = time.perf_counter(), llm.stats().steps
+    for h in handles:
+        h.result()
+    seconds, steps = time.perf_counter() - start, llm.stats().steps - steps0
+    return {"batch": batch, "context": context, "steps": steps, "step_s": seconds / max(1, steps)}
+
+
+def run_requests(llm, requests: list, arrivals: list) -> list:
+    """Submit request i at arrivals[i] seconds from now; per request its start, token times and count."""
+    from mdsl import SamplingParams
+
+    records: list = [None] * len(requests)
+    origin = time.perf_counter()
+
+    def client(i):
+        prompt, n = requests[i]
+        delay = origin + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        start, times = time.perf_counter(), []
+        for _ in llm.submit(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)):
+            times.append(time.perf_counter())
+        records[i] = {"start": start, "times": times, "expected": n}
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records
+
+
+def summary(name: str, records: list) -> dict:
+    wall = max(r["times"][-1] for r in records) - min(r["start"] for r in records)
+    tokens = sum(len(r["times"]) for r in records)
+    ttft = [r["times"][0] - r["start"] for r in records]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in records if len(r["times"]) > 1]
+    return {"run": name, "requests": len(records), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall, "short": sum(len(r["times"]) != r["expected"] for r in records),
+            "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+            "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99)}
+
+
+def tables(result: dict) -> str:
+    lines = []
+    if result.get("decode"):
+        lines += [f"Decode steps, {result['model']} (random bf16 weights), GPU serving device:", "",
+                  "| batch | context | step | floor | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
+        for d in result["decode"]:
+            lines.append(f"| {d['batch']} | {d['context']} | {d['step_s'] * 1e3:.2f} ms | {d['floor_s'] * 1e3:.3f} ms | "
+                         f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} |")
+        lines.append("")
+    if result.get("runs"):
+        def ms(v):
+            return f"{v * 1e3:.1f} ms"
+
+        lines += ["| run | requests | output tokens | wall | tokens/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | short |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["runs"]:
+            lines.append(f"| {r['run']} | {r['requests']} | {r['output_tokens']} | {r['wall_s']:.1f} s | "
+                         f"{r['output_tokens_per_s']:.0f} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
+                         f"{ms(r['tpot_p50_s'])} | {ms(r['tpot_p99_s'])} | {r['short']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import numpy as np
+
+    from mdsl import LLM
+    from mdsl.megakernel.runtime.models import MODELS
+    from mdsl.serving.cpu import kv_bytes_per_token
+
+    args = parse_args(argv)
+    parts = set(args.parts.split(","))
+    raw = MODELS[args.model]
+    result = {"meta": provenance("serve.py", sys.argv[1:] if argv is None else argv, gpu=True), "model": args.model,
+              "decode": [], "runs": []}
+    with tempfile.TemporaryDirectory() as folder:
+        print(f"writing random weights at {args.model}'s shapes", flush=True)
+        random_checkpoint(args.model, folder)
+        requests = workload(args, raw["vocab_size"])
+        max_seq = max(args.context + args.decode_tokens, *(len(p) + n for p, n in requests))
+        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq) as llm:
+            graph = llm.device.graph
+            weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
+            per_token = kv_bytes_per_token(graph)
+            llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
+            if "a" in parts:
+                for batch in (int(b) for b in args.batches.split(",")):
+                    d = decode_steps(llm, batch, args.context, args.decode_tokens, raw["vocab_size"], args.seed)
+                    d["floor_s"] = (weights + batch * args.context * per_token) / BANDWIDTH
+                    result["decode"].append(d)
+                    print(d, flush=True)
+            if "b" in parts:
+                result["runs"].append(summary("offline", run_requests(llm, requests, [0.0] * len(requests))))
+                print(result["runs"][-1], flush=True)
+            if "c" in parts:
+                rng = np.random.default_rng(args.seed + 1)
+                for rate in (float(r) for r in args.rates.split(",")):
+                    arrivals = list(np.cumsum(rng.exponential(1.0 / rate, len(requests))))
+                    result["runs"].append(summary(f"online {rate:g}/s", run_requests(llm, requests, arrivals)))
+                    print(result["runs"][-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(result, indent=1))
+    text = tables(result)
+    (out / "serve.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
