@@ -2,8 +2,8 @@
 machine; nothing is downloaded: the checkpoints are tiny random models made with save_pretrained).
 
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
-  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; and for Llama-3 MLPs whose
-  hidden_act is gelu or relu (the generated gate/up bodies' epilogue);
+  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; for Llama-3 MLPs whose
+  hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -50,24 +50,29 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+# per architecture: transformers' class prefix (<prefix>Config, <prefix>ForCausalLM) and the config's fields
+# beside TINY
+HF_MODELS = {
+    "llama3": ("Llama", dict(rope_theta=500000.0, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen3": ("Qwen3", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),   # q|k|v biases
+}
+
+
 def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str = "silu"):
-    """A tiny random transformers model (norm weights away from 1, so a misplaced one shows), on the GPU."""
+    """A tiny random transformers model (norm weights away from 1, so a misplaced one shows; biases away
+    from 0), on the GPU."""
     torch.manual_seed(seed)
-    if arch == "llama3":
-        config = transformers.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=False, hidden_act=hidden_act,
-                                          architectures=["LlamaForCausalLM"],
-                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 32})
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen3Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act=hidden_act,
-                                          architectures=["Qwen3ForCausalLM"])
-        model = transformers.Qwen3ForCausalLM(config)
+    prefix, fields = HF_MODELS[arch]
+    config = getattr(transformers, f"{prefix}Config")(**TINY, **fields, hidden_act=hidden_act,
+                                                       architectures=[f"{prefix}ForCausalLM"])
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():
-        for _, p in model.named_parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(0.3 * torch.randn_like(p) if name.endswith(".bias") else 1.0 + 0.2 * torch.randn_like(p))
     return model.to(device="cuda", dtype=dtype).eval()
 
 
@@ -180,6 +185,15 @@ def test_greedy_generation_is_token_identical_to_transformers(torch, tiny_engine
     engine, model = tiny_engines(arch, dtype_name)
     ours = assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
     # a second launch starts from fresh events and state
+    assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_qwen2_with_its_qkv_biases_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Qwen2's q|k|v biases, added to the projection's products in its epilogue (norm_linear_bias)."""
+    engine, model = tiny_engines("qwen2", dtype_name)
+    assert engine.plan.op_of(Kind.QKV).op == "norm_linear_bias"
+    ours = assert_token_identical(torch, engine, model, f"qwen2 {dtype_name}", dtype_name == "bf16")
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
 
 

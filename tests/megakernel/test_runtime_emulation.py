@@ -2,7 +2,7 @@
 worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
-the same tiny Llama-3 and Qwen3 models, with the prompt prefilled as steps of the same launch; a
+the same tiny Llama-3, Qwen3 and Qwen2 (q|k|v biases) models, with the prompt prefilled as steps of the same launch; a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
 arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
 splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate
+from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
-from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
@@ -90,16 +90,18 @@ class Emulator:
             held[w] += self.workers
 
     def epilogue(self, kind, **inputs):
-        """The kind's layer-op epilogue, each value rounded to the model's dtype (as the generated bodies)."""
+        """The kind's layer-op epilogue, rounded to the model's dtype as the generated bodies round it."""
         k = self.plan.op_of(kind)
-        return evaluate(epilogue_of(k.op, k.attr_dict), inputs, self.s.dtype)
+        return evaluate_op(k.op, k.attr_dict, inputs, self.s.dtype)
 
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step
         if t.kind is Kind.QKV:
             x = self.norm(b["h"][t.layer], self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
-            b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x)
+            biases = {"bias": np.concatenate([self.layer(t.layer, n) for n in QKV_BIASES])[t.begin:t.end]} \
+                if s.qkv_bias else {}
+            b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x, **biases)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
             done = self.split_counts.get((t.layer, t.begin), 0) + 1   # the kv head's last split of the step merges
@@ -182,7 +184,7 @@ class Emulator:
 
 
 @pytest.mark.parametrize("workers", [1, 3, 17])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2"])
 def test_the_tables_compute_the_reference_forward(arch, workers):
     config, graph, weights = tiny_model(arch, seed=3)
     plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
@@ -235,8 +237,9 @@ def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, expli
     assert tuple(got) == want.tokens
 
 
-def test_bf16_rounding_follows_the_tables_without_nan():
-    config, graph, weights = tiny_model("llama3", seed=2)
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_bf16_rounding_follows_the_tables_without_nan(arch):
+    config, graph, weights = tiny_model(arch, seed=2)
     config = attrs.evolve(config, dtype=bf16)
     rounded = {k: round_to_dtype(np.asarray(v, np.float32), config.dtype) for k, v in weights.items()}
     plan = build_plan(decoder_shape(config), workers=9, max_seq=config.max_positions)

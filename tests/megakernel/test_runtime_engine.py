@@ -24,7 +24,7 @@ def checkpoint(tmp_path):
 
 
 def test_weight_names_are_the_model_graphs():
-    for arch in ("llama3", "qwen3"):
+    for arch in ("llama3", "qwen3", "qwen2"):
         config, graph, _ = tiny_model(arch)
         assert sorted(weight_names(config)) == sorted(w.name for w in graph.weights)
 

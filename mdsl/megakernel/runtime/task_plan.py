@@ -23,7 +23,7 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 previous step still reads it. `check_plan` verifies these rules.
 
 Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule in `CUDA_TASK_RULES`):
-  QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
+  QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l) (+ b_qkv: Qwen2's biases)
   ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions; the
            split of a kv head that finishes last merges the splits' partials of its query heads into the
@@ -51,7 +51,7 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
+from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape, layer_weight_name
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
@@ -370,7 +370,8 @@ class _Binding:
         return UnsupportedError(
             f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
             hint="the device runs the layer ops with a DeviceRule in DEVICE_RULES (mdsl.megakernel.runtime.task_plan) "
-                 "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear (q|k|v), "
+                 "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear or "
+                 "norm_linear_bias (q|k|v), "
                  "rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
                  "lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
@@ -431,6 +432,9 @@ def _weight_types(shape: DecoderShape) -> dict:
                  "down_proj": (s.hidden, s.intermediate), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
     shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,),
               "lm_head.weight": (s.vocab, s.hidden)}
+    if s.qkv_bias:
+        per_layer.update({"q_bias": (s.attention_width,), "k_bias": (s.kv_heads * s.head_dim,),
+                          "v_bias": (s.kv_heads * s.head_dim,)})
     shapes.update({layer_weight_name(layer, w): dims for layer in range(s.layers) for w, dims in per_layer.items()})
     return {name: TensorType(dims, s.dtype) for name, dims in shapes.items()}
 
@@ -461,6 +465,8 @@ def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, 
 
 _norm_linear_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
                                       weights=("input_layernorm", "q_proj", "k_proj", "v_proj"))
+_norm_linear_bias_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
+                                           weights=("input_layernorm", "q_proj", "k_proj", "v_proj", *QKV_BIASES))
 _norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, source="mid", output="act",
                                        weights=("post_attention_layernorm", "gate_proj", "up_proj"))
 
@@ -559,6 +565,7 @@ DEVICE_RULES: RuleTable[DeviceLowering] = RuleTable("megakernel's device tables"
                                                     "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
                                                     registry=LAYER_OPS, needs=lambda op: True)
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
+                   "norm_linear_bias": _norm_linear_bias_rows,
                    "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
                    "lm_head_sample": _lm_head_rows}.items():
@@ -587,8 +594,8 @@ for _op, _reason in {
     "moe_router": "no device task body routes a row to experts (the top-k of a softmax over the router's logits)",
     "moe_experts": "no device task body runs a mixture of experts (the experts a routing row picks, their weights "
                    "read by the device's tasks only where picked)",
-    "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
-                "bias operand)",
+    "add_bias": "the device adds biases only to the q|k|v projection of a normalised row, in its epilogue "
+                "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "
                "(norm_gate_up)",
     "add": "the device adds only a projection's output to the residual stream (linear_residual)",
