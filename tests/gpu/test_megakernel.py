@@ -3,7 +3,8 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
 
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
   Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; for Llama-3 MLPs whose
-  hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases);
+  hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases) and
+  Mistral (its sliding window, and a window as long as the KV cache);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -36,6 +37,7 @@ NEW_TOKENS = 32
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
             initializer_range=0.15, bos_token_id=1)   # no EOS: both sides generate every token
+SLIDING_WINDOW = 8   # (of the 37 positions of PROMPT and NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,10 @@ HF_MODELS = {
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
     "qwen3": ("Qwen3", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "qwen2": ("Qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),   # q|k|v biases
+    # attention over the last SLIDING_WINDOW positions of the prompt's and the new tokens', or a window as
+    # long as the model's positions (plain causal attention: longer than the engines' KV cache)
+    "mistral": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW)),
+    "mistral_long_window": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=128)),
 }
 
 
@@ -195,6 +201,18 @@ def test_qwen2_with_its_qkv_biases_is_token_identical_to_transformers(torch, tin
     assert engine.plan.op_of(Kind.QKV).op == "norm_linear_bias"
     ours = assert_token_identical(torch, engine, model, f"qwen2 {dtype_name}", dtype_name == "bf16")
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("arch", ["mistral", "mistral_long_window"])
+def test_mistral_with_its_sliding_window_is_token_identical_to_transformers(torch, tiny_engines, arch, dtype_name):
+    """Mistral's attention reads the last SLIDING_WINDOW positions only (the kernel's WINDOW section); a window
+    as long as the KV cache is plain causal attention, the kernel without the section."""
+    engine, model = tiny_engines(arch, dtype_name)
+    windowed = arch == "mistral"
+    assert engine.plan.attention_window == (SLIDING_WINDOW if windowed else 0)
+    assert ("constexpr int WINDOW = " in engine.source) == windowed
+    assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

@@ -184,7 +184,7 @@ class Emulator:
 
 
 @pytest.mark.parametrize("workers", [1, 3, 17])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral"])
 def test_the_tables_compute_the_reference_forward(arch, workers):
     config, graph, weights = tiny_model(arch, seed=3)
     plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
@@ -211,23 +211,28 @@ def test_the_mlp_activation_follows_the_config(hidden_act):
     assert not np.allclose(silu.logits[-1], want.logits[-1])   # the activation mattered
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 @pytest.mark.parametrize(("min_chunk", "explicit"), [(1, False), (4, False), (32, False), (3, True)])
-def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit):
+def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit, arch):
     """Several splits at these short contexts: MIN_CHUNK lowered, or a plan's own min_chunk (the engine's
-    attention_min_chunk)."""
+    attention_min_chunk); over every position, or Mistral's sliding window of the last 5."""
     from mdsl.megakernel.runtime import task_plan as plan_module
     from mdsl.megakernel.runtime.kernel_source import generate_source
 
     if not explicit:
         monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)
-    config, graph, weights = tiny_model("qwen3", seed=1)
+    config, graph, weights = tiny_model(arch, seed=1)
     plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions,
                       min_chunk=min_chunk if explicit else None)
     assert plan.splits > 4 and plan.min_chunk == min_chunk   # empty splits early on must weigh nothing
-    assert f"constexpr int MIN_CHUNK = {min_chunk};" in generate_source(plan).text
+    assert plan.attention_window == config.sliding_window
+    text = generate_source(plan).text
+    assert f"constexpr int MIN_CHUNK = {min_chunk};" in text
+    assert ("constexpr int WINDOW = 5;" in text) == (arch == "mistral")
     for position in range(config.max_positions):
         ranges = [plan.attention_range(position, k) for k in range(plan.splits)]
-        assert ranges[0][0] == 0 and max(hi for _, hi in ranges) == position + 1
+        first = max(0, position + 1 - plan.attention_window) if plan.attention_window else 0
+        assert ranges[0][0] == first and max(hi for _, hi in ranges) == position + 1
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert sum(lo <= position < hi for lo, hi in ranges) == 1
         assert all(hi - lo <= plan.max_chunk for lo, hi in ranges)

@@ -188,6 +188,9 @@ for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "
                    "lm_head_argmax": _lm_head, "lm_head_sample": _lm_head}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
 CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lambda plan: frozenset({"QKV_BIAS"})))
+# attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache
+CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
+    lambda kind, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
 
 
 # ---------------------------------------------------------------------------------------------
