@@ -4,7 +4,7 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
   Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; for Llama-3 MLPs whose
   hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases) and
-  Mistral (its sliding window, and a window as long as the KV cache);
+  Mistral (its sliding window, and a window as long as the KV cache) and Phi-3 (its fused weights);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -64,6 +64,9 @@ HF_MODELS = {
     # long as the model's positions (plain causal attention: longer than the engines' KV cache)
     "mistral": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW)),
     "mistral_long_window": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=128)),
+    # fused qkv_proj and gate_up_proj weights, a sliding window (token ids inside the tiny vocabulary)
+    "phi3": ("Phi3", dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+                          pad_token_id=0, eos_token_id=2)),
 }
 
 
@@ -213,6 +216,15 @@ def test_mistral_with_its_sliding_window_is_token_identical_to_transformers(torc
     assert engine.plan.attention_window == (SLIDING_WINDOW if windowed else 0)
     assert ("constexpr int WINDOW = " in engine.source) == windowed
     assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_phi3_with_its_fused_weights_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Phi-3's qkv_proj and gate_up_proj uploaded once each, the device's q, k and v (gate and up) weights
+    pointing into them; its sliding window."""
+    engine, model = tiny_engines("phi3", dtype_name)
+    assert engine.plan.op_of(Kind.GATEUP).op == "norm_gate_up" and engine.plan.attention_window == SLIDING_WINDOW
+    assert_token_identical(torch, engine, model, f"phi3 {dtype_name}", dtype_name == "bf16")
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

@@ -2,7 +2,8 @@
 worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
-the same tiny Llama-3, Qwen3 and Qwen2 (q|k|v biases) models, with the prompt prefilled as steps of the same launch; a
+the same tiny Llama-3, Qwen3, Qwen2 (q|k|v biases), Mistral (a sliding window) and Phi-3 (fused weights, a
+sliding window) models, with the prompt prefilled as steps of the same launch; a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
 arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
 splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
@@ -16,7 +17,7 @@ import pytest
 from mdsl.ir.dtypes import bf16, round_to_dtype
 from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
-from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, rope_tables
+from mdsl.megakernel.runtime.shape import FUSED_WEIGHTS, QKV_BIASES, decoder_shape, layer_weight_name, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
@@ -36,9 +37,15 @@ class Emulator:
         self.head = self.w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
 
     def layer(self, layer, name):
-        from mdsl.megakernel.runtime.megakernel_engine import layer_weight_name
-
-        return self.w[layer_weight_name(layer, name)]
+        """A layer's weight by its short name; a part of a fused weight (Phi-3's) is its rows of it."""
+        fused = next((f for f, parts in FUSED_WEIGHTS.items() if name in parts), None)
+        if fused is None or layer_weight_name(layer, name) in self.w:
+            return self.w[layer_weight_name(layer, name)]
+        s, parts = self.s, FUSED_WEIGHTS[fused]
+        rows = {"q_proj": s.attention_width, "k_proj": s.kv_heads * s.head_dim, "v_proj": s.kv_heads * s.head_dim,
+                "gate_proj": s.intermediate, "up_proj": s.intermediate}
+        first = sum(rows[p] for p in parts[:parts.index(name)])
+        return self.w[layer_weight_name(layer, fused)][first:first + rows[name]]
 
     def norm(self, x, weight, eps):
         r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
@@ -184,7 +191,7 @@ class Emulator:
 
 
 @pytest.mark.parametrize("workers", [1, 3, 17])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral", "phi3"])
 def test_the_tables_compute_the_reference_forward(arch, workers):
     config, graph, weights = tiny_model(arch, seed=3)
     plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)

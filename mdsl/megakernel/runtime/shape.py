@@ -16,13 +16,30 @@ LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 # Qwen2's biases of the q, k and v projections, by short name (their tensors: self_attn.q_proj.bias, ...)
 QKV_BIASES = ("q_bias", "k_bias", "v_bias")
+# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (the engine points the device's
+# weight pointers into it)
+FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def as_checkpoint_holds(config: ModelConfig, weights) -> tuple:
+    """Short weight names as the checkpoint of `config` holds them: with fused projections, the parts of
+    each fused weight (FUSED_WEIGHTS) by that weight, in its first part's place."""
+    if not config.fused_projections:
+        return tuple(weights)
+    out: list = []
+    for w in weights:
+        name = next((fused for fused, parts in FUSED_WEIGHTS.items() if w in parts), w)
+        if name not in out:
+            out.append(name)
+    return tuple(out)
 
 
 def layer_tensors(config: ModelConfig) -> tuple:
-    """The short names of the tensors of a layer the device reads, in the order the engine uploads them:
-    LAYER_WEIGHTS (q_norm and k_norm where the model has them), then its q|k|v biases."""
-    weights = tuple(w for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm"))
-    return weights + (QKV_BIASES if config.qkv_bias else ())
+    """The short names of the tensors of a layer the device reads, as the checkpoint holds them, in the order
+    the engine uploads them: LAYER_WEIGHTS (q_norm and k_norm where the model has them), then its q|k|v
+    biases."""
+    weights = [w for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+    return as_checkpoint_holds(config, weights) + (QKV_BIASES if config.qkv_bias else ())
 
 
 def layer_weight_name(layer: int, short: str) -> str:
@@ -30,7 +47,8 @@ def layer_weight_name(layer: int, short: str) -> str:
     if short in QKV_BIASES:
         return f"model.layers.{layer}.self_attn.{short[0]}_proj.bias"
     where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+             "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
     middle = f"{where[short]}." if short in where else ""
     return f"model.layers.{layer}.{middle}{short}.weight"
 

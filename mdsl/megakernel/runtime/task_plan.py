@@ -52,7 +52,7 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape, layer_weight_name
+from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape, as_checkpoint_holds, layer_weight_name
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
@@ -443,6 +443,8 @@ def _weight_types(shape: DecoderShape) -> dict:
                  "down_proj": (s.hidden, s.intermediate), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
     shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,),
               "lm_head.weight": (s.vocab, s.hidden)}
+    if s.config.fused_projections:
+        per_layer.update({"qkv_proj": (s.qkv_rows, s.hidden), "gate_up_proj": (2 * s.intermediate, s.hidden)})
     if s.qkv_bias:
         per_layer.update({"q_bias": (s.attention_width,), "k_bias": (s.kv_heads * s.head_dim,),
                           "v_bias": (s.kv_heads * s.head_dim,)})
@@ -463,10 +465,11 @@ def _embedding_rows(node, tasks, bind):
 
 
 def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, output: str):
-    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers)."""
+    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers); the
+    weights as the checkpoint holds them (Phi-3's fused ones: FUSED_WEIGHTS)."""
     x, norm = node.inputs[:2]
     layer = bind.layer(node, norm)
-    bind.weights(node, node.inputs[1:], [(layer, w) for w in weights])
+    bind.weights(node, node.inputs[1:], [(layer, w) for w in as_checkpoint_holds(bind.shape.config, weights)])
     bind.attrs(node, {"eps": bind.shape.eps})
     src = bind.read(node, x, f"{source}{layer}")
     out = bind.define(node, node.output, f"{output}{layer}")

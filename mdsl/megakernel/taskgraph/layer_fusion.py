@@ -84,7 +84,7 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
                            eps + t.attrs, node)
             return Fusion(fused, (index, j))
         gated = uses.only_reader(node.output, ("act_mul",))
-        if gated is not None and len(ws) == 2 and ws[0].shape == ws[1].shape:
+        if gated is not None and (len(ws) == 2 and ws[0].shape == ws[1].shape or len(ws) == 1):   # (gate|up: one)
             j, g = gated
             return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), g.outputs, eps + g.attrs, node), (index, j))
         biased = uses.only_reader(node.output, ("add_bias",))

@@ -13,9 +13,9 @@ import numpy as np
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options,
-                                               expert_weights, rms_normalize,
-                                               rope_cos_sin, gelu_tanh, rotate_heads, sample_token, sample_uniform,
-                                               split_biases, store_next_token, window_start)
+                                               expert_weights, gate_up_rows, gelu_tanh, rms_normalize, rope_cos_sin,
+                                               rotate_heads, sample_token, sample_uniform, split_biases,
+                                               store_next_token, window_start)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, moe_scratch,
                                                  split_range, weight_rows)
 
@@ -229,7 +229,8 @@ def _norm_gate_up(task, node, buf, ctx):
     a, b = _cols(task)
     row = _normed_input(node, buf)
     graph = epilogue_of(node.op, node.attr_dict)
-    columns = {name: linear_columns(row, (w,), buf, a, b) for name, w in zip(products(graph), node.inputs[2:])}
+    columns = {name: row.reshape(-1).astype(np.float32) @ buf[w.name][r0:r1].T
+               for name, (w, r0, r1) in zip(products(graph), gate_up_rows(node.inputs[2:], a, b))}
     buf[node.output.name][0, a:b] = evaluate(graph, columns)
 
 

@@ -25,7 +25,7 @@ import attrs
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS, split_biases
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, gate_up_rows, split_biases
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.taskgraph.tasks import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
                                              TaskGraph, build_events)
@@ -288,9 +288,10 @@ def _norm_linear_bias_tasks(node, config):
 
 
 def _norm_gate_up_tasks(node, config):
-    x, norm, gate, up = node.inputs
+    x, norm, *ws = node.inputs
     return [TaskSpec("norm_gate_up", _col_tile(a, b),
-                     (full(x), full(norm), *(Region(w.name, ((a, b), (0, w.shape[1]))) for w in (gate, up))),
+                     (full(x), full(norm), *(Region(w.name, ((r0, r1), (0, w.shape[1])))
+                                             for w, r0, r1 in gate_up_rows(ws, a, b))),
                      (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
 
 
