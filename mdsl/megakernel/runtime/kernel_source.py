@@ -55,8 +55,8 @@ PARAMS = (
 
 # The runtime's optional sections: the lines between `#if MK_<NAME>` and `#else` (or `#endif`) are the kernel's
 # where a task body needs the section (cuda_bodies.runtime_sections), those between `#else` and `#endif`
-# where none does; the directives themselves never reach the source, so a decoder that needs no section
-# compiles the text it compiled before the sections were written.
+# where none does; the directives themselves never reach the source, so the kernel of a decoder that needs
+# no section is the runtime's text without them, byte for byte (the golden digests of Llama-3's and Qwen3's).
 SECTIONS = {
     "QKV_BIAS": "LayerWeights' pointers to the q, k and v projections' biases (Qwen2)",
     "WINDOW": "attention over the last WINDOW positions only (a sliding window shorter than the KV cache)",
