@@ -7,7 +7,6 @@
 * Qwen2 (q|k|v biases) runs in the reference forward, the CPU simulator and tensor parallelism on the CPU,
   and lowers to the GPU's tables, its biases in the q|k|v projection's epilogue; an add_bias that the
   device cannot fold into it is refused naming add_bias and the line of the step function, with a caret;
-* Mistral lowers with its sliding window (the device's attention reads the window's positions only);
 * the tiny configurations' device tables, source and layout keep their digests
   (scripts/dump_megakernel_plans.py golden).
 """
@@ -28,7 +27,6 @@ from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from mdsl.megakernel.parallel.tensor_parallel import SHARD_RULES, NotSharded, ShardRule, tensor_parallel
 from mdsl.megakernel.runtime.cuda_bodies import CUDA_TASK_RULES
-from mdsl.megakernel.runtime.kernel_source import generate_source
 from mdsl.megakernel.runtime.megakernel_engine import compile_model, device_plan
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 from mdsl.megakernel.runtime.shape import decoder_shape
@@ -195,26 +193,6 @@ def test_a_qwen2_checkpoint_loads_with_its_biases(tmp_path):
     assert loaded.config.architecture == "qwen2" and loaded.graph.key == graph.key
     assert ReferenceModel(loaded.graph, loaded.weights).generate(PROMPT, 4).tokens == \
         ReferenceModel(graph, weights).generate(PROMPT, 4).tokens
-
-
-def test_mistral_lowers_to_the_gpu_with_its_sliding_window():
-    """Attention reads the window's positions only (the WINDOW section); a window as long as the KV cache is
-    plain causal attention, the kernel of a model without one."""
-    config, graph, weights = tiny_model("mistral")
-    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
-    check_plan(plan)
-    assert plan.op_of(Kind.ATTN).op == "rope_scaled_attention" and plan.attention_window == config.sliding_window == 5
-    text = generate_source(plan).text
-    assert "constexpr int WINDOW = 5;" in text and "pos + 1 - WINDOW" in text
-    with pytest.raises(NoGPUError):
-        compile_model(step_function(config), config, weights)
-    sources = []
-    for window in (24, None):   # the KV cache's 24 positions, or no sliding window
-        config, graph, _ = tiny_model("mistral", sliding_window=window)
-        plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
-        assert plan.attention_window == 0
-        sources.append(generate_source(plan).text)
-    assert "WINDOW" not in sources[0] and sources[0] == sources[1]
 
 
 def _dump_script():
