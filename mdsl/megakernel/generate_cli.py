@@ -187,7 +187,8 @@ def _generate_tensor_parallel(args, prompt_ids, tokenizer, options) -> int:
 def add_generate_command(commands) -> None:
     """The `generate` subcommand, added to mdsl's command line (mdsl/cli.py)."""
     gen = commands.add_parser(
-        "generate", help="generate tokens from a Llama-3 / Qwen3 checkpoint with the megakernel (needs a GPU)",
+        "generate", help="generate tokens from a Llama-3, Qwen3, Qwen2, Mistral or Phi-3 checkpoint with the megakernel "
+                                "(needs a GPU)",
         description="Load a Hugging Face checkpoint folder (config.json, *.safetensors), prefill the prompt and "
                     "decode inside one launch of mdsl's persistent megakernel, and print the new token ids.")
     gen.add_argument("--model", required=True, metavar="DIR", help="the checkpoint folder")

@@ -2,8 +2,9 @@
 machine; nothing is downloaded: the checkpoints are tiny random models made with save_pretrained).
 
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
-  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; and for Llama-3 MLPs whose
-  hidden_act is gelu or relu (the generated gate/up bodies' epilogue);
+  Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; for Llama-3 MLPs whose
+  hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases) and
+  Mistral (its sliding window, and a window as long as the KV cache) and Phi-3 (its fused weights);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -36,6 +37,7 @@ NEW_TOKENS = 32
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
             initializer_range=0.15, bos_token_id=1)   # no EOS: both sides generate every token
+SLIDING_WINDOW = 8   # (of the 37 positions of PROMPT and NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +52,36 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+# per architecture: transformers' class prefix (<prefix>Config, <prefix>ForCausalLM) and the config's fields
+# beside TINY
+HF_MODELS = {
+    "llama3": ("Llama", dict(rope_theta=500000.0, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen3": ("Qwen3", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),   # q|k|v biases
+    # attention over the last SLIDING_WINDOW positions of the prompt's and the new tokens', or a window as
+    # long as the model's positions (plain causal attention: longer than the engines' KV cache)
+    "mistral": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW)),
+    "mistral_long_window": ("Mistral", dict(rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=128)),
+    # fused qkv_proj and gate_up_proj weights, a sliding window (token ids inside the tiny vocabulary)
+    "phi3": ("Phi3", dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+                          pad_token_id=0, eos_token_id=2)),
+}
+
+
 def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str = "silu"):
-    """A tiny random transformers model (norm weights away from 1, so a misplaced one shows), on the GPU."""
+    """A tiny random transformers model (norm weights away from 1, so a misplaced one shows; biases away
+    from 0), on the GPU."""
     torch.manual_seed(seed)
-    if arch == "llama3":
-        config = transformers.LlamaConfig(**TINY, rope_theta=500000.0, tie_word_embeddings=False, hidden_act=hidden_act,
-                                          architectures=["LlamaForCausalLM"],
-                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 32})
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen3Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act=hidden_act,
-                                          architectures=["Qwen3ForCausalLM"])
-        model = transformers.Qwen3ForCausalLM(config)
+    prefix, fields = HF_MODELS[arch]
+    config = getattr(transformers, f"{prefix}Config")(**TINY, **fields, hidden_act=hidden_act,
+                                                       architectures=[f"{prefix}ForCausalLM"])
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():
-        for _, p in model.named_parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(0.3 * torch.randn_like(p) if name.endswith(".bias") else 1.0 + 0.2 * torch.randn_like(p))
     return model.to(device="cuda", dtype=dtype).eval()
 
 
@@ -181,6 +195,36 @@ def test_greedy_generation_is_token_identical_to_transformers(torch, tiny_engine
     ours = assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
     # a second launch starts from fresh events and state
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_qwen2_with_its_qkv_biases_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Qwen2's q|k|v biases, added to the projection's products in its epilogue (norm_linear_bias)."""
+    engine, model = tiny_engines("qwen2", dtype_name)
+    assert engine.plan.op_of(Kind.QKV).op == "norm_linear_bias"
+    ours = assert_token_identical(torch, engine, model, f"qwen2 {dtype_name}", dtype_name == "bf16")
+    assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+@pytest.mark.parametrize("arch", ["mistral", "mistral_long_window"])
+def test_mistral_with_its_sliding_window_is_token_identical_to_transformers(torch, tiny_engines, arch, dtype_name):
+    """Mistral's attention reads the last SLIDING_WINDOW positions only (the kernel's WINDOW section); a window
+    as long as the KV cache is plain causal attention, the kernel without the section."""
+    engine, model = tiny_engines(arch, dtype_name)
+    windowed = arch == "mistral"
+    assert engine.plan.attention_window == (SLIDING_WINDOW if windowed else 0)
+    assert ("constexpr int WINDOW = " in engine.source) == windowed
+    assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_phi3_with_its_fused_weights_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Phi-3's qkv_proj and gate_up_proj uploaded once each, the device's q, k and v (gate and up) weights
+    pointing into them; its sliding window."""
+    engine, model = tiny_engines("phi3", dtype_name)
+    assert engine.plan.op_of(Kind.GATEUP).op == "norm_gate_up" and engine.plan.attention_window == SLIDING_WINDOW
+    assert_token_identical(torch, engine, model, f"phi3 {dtype_name}", dtype_name == "bf16")
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

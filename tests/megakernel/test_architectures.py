@@ -1,7 +1,8 @@
 """The architectures added in Python only (Mistral, Phi-3, Gemma-2, Qwen3-MoE): each one's reference forward,
 the CPU simulator of its task graph (fused and unfused) token for token over 16+ steps in float32, the
 tensor-parallel simulation where its ops split, a checkpoint round trip under its Hugging Face names, and
-the GPU planner's refusal naming the op it has no device body for and the line of the step function.
+the GPU planner's tables (Mistral, Phi-3) or its refusal naming the op it has no device body for and the
+line of the step function (Gemma-2, Qwen3-MoE).
 (test_hf_architectures.py holds the reference forwards to transformers' own model classes.)"""
 import random
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from mdsl.errors import UnsupportedError
+from mdsl.gpu.driver import NoGPUError
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import load_model, save_checkpoint
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
@@ -18,7 +20,8 @@ from mdsl.megakernel.parallel.tensor_parallel import (TensorParallelReference, b
 from mdsl.megakernel.parallel.tp_simulator import TensorParallelSimulator
 from mdsl.megakernel.runtime.megakernel_engine import compile_model
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.task_plan import plan_model
+from mdsl.megakernel.runtime.kernel_source import generate_source
+from mdsl.megakernel.runtime.task_plan import Kind, check_plan, plan_model
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import build_task_graph
 from mdsl.megakernel.taskgraph.simulator import Simulator
@@ -120,10 +123,36 @@ def test_mistral_without_a_window_is_the_llama_decoder():
     assert config.sliding_window == 0 and "scaled_attention" not in {n.op for n in graph.nodes}
 
 
-def test_mistral_is_refused_for_the_gpu_naming_its_windowed_attention():
+def test_mistral_lowers_to_the_gpu_reading_only_its_window():
+    """The device's attention reads the window's positions (the kernel's WINDOW section); a window as long
+    as the KV cache is plain causal attention, the kernel of a model without one."""
     config, graph, weights = _mistral()
-    _refused(config, graph, weights, "rope_scaled_attention", "no sliding window",
-             "attn = m.scaled_attention(qkv, k_cache, v_cache, window=cfg.sliding_window, **heads)")
+    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(plan)
+    assert plan.op_of(Kind.ATTN).op == "rope_scaled_attention" and plan.attention_window == config.sliding_window == 5
+    text = generate_source(plan).text
+    assert "constexpr int WINDOW = 5;" in text and "pos + 1 - WINDOW" in text
+    with pytest.raises(NoGPUError):   # lowered on any machine; then it needs the GPU
+        compile_model(step_function(config), config, weights)
+    sources = []
+    for window in (24, None):   # the KV cache's 24 positions, or no sliding window
+        config, graph, _ = _mistral(sliding_window=window)
+        plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+        assert plan.attention_window == 0
+        sources.append(generate_source(plan).text)
+    assert "WINDOW" not in sources[0] and sources[0] == sources[1]
+
+
+@pytest.mark.parametrize("option", [{"softcap": 2.0}, {"scale": 0.3}])
+def test_a_windowed_attention_with_its_own_scale_or_soft_cap_is_refused_for_the_gpu(option):
+    """The device's attention scales scores by 1/sqrt(head_dim) and does not soft-cap them (Gemma-2's)."""
+    config, graph, _ = _mistral()
+    graph = attrs.evolve(graph, nodes=tuple(
+        attrs.evolve(n, attrs=n.opdef.normalize_attrs({**n.attr_dict, **option})) if n.op == "scaled_attention"
+        else n for n in graph.nodes))
+    with pytest.raises(UnsupportedError, match="cannot run rope_scaled_attention .*does not soft-cap them") as e:
+        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    assert e.value.loc.file.endswith("architectures.py") and "m.scaled_attention(" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,11 +201,19 @@ def test_phi3_rope_variants_are_refused_by_the_config(rope):
 
 
 @pytest.mark.parametrize("window", [7, None])
-def test_phi3_is_refused_for_the_gpu_naming_its_fused_weights(window):
-    """The device reads the q|k|v projection as the q_proj, k_proj and v_proj weights (by their names)."""
+def test_phi3_lowers_to_the_gpu_reading_its_fused_weights(window):
+    """The device reads the checkpoint's qkv_proj and gate_up_proj (the engine points its q, k, v and gate,
+    up weights into their rows: test_runtime_engine.py), and attention reads Phi-3's window."""
     config, graph, weights = _phi3(sliding_window=window)
-    _refused(config, graph, weights, "norm_linear", "qkv_proj.weight.*the device reads .*q_proj.weight",
-             'qkv = m.linear(normed, m.weight(p + "self_attn.qkv_proj.weight"')
+    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(plan)
+    fused = fuse(graph)
+    reads = {n.op: [v.name for v in n.inputs[2:]] for n in fused.nodes if n.op in ("norm_linear", "norm_gate_up")}
+    assert reads == {"norm_linear": ["model.layers.1.self_attn.qkv_proj.weight"],
+                     "norm_gate_up": ["model.layers.1.mlp.gate_up_proj.weight"]}
+    assert plan.attention_window == (window or 0)
+    with pytest.raises(NoGPUError):
+        compile_model(step_function(config), config, weights)
 
 
 def test_phi3_is_not_split_over_ranks_with_a_clear_error():

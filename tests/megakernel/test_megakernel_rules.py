@@ -5,7 +5,8 @@
   op the device lowers, a tensor-parallel split or the reason it has none);
 * a step function written by a user that computes the built-in decoder lowers to the built-in's tables;
 * Qwen2 (q|k|v biases) runs in the reference forward, the CPU simulator and tensor parallelism on the CPU,
-  and the GPU planner refuses it naming add_bias and the line of the step function, with a caret;
+  and lowers to the GPU's tables, its biases in the q|k|v projection's epilogue; an add_bias that the
+  device cannot fold into it is refused naming add_bias and the line of the step function, with a caret;
 * the tiny configurations' device tables, source and layout keep their digests
   (scripts/dump_megakernel_plans.py golden).
 """
@@ -29,7 +30,8 @@ from mdsl.megakernel.runtime.cuda_bodies import CUDA_TASK_RULES
 from mdsl.megakernel.runtime.megakernel_engine import compile_model, device_plan
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, NotOnDevice, build_plan, plan_model
+from mdsl.megakernel.runtime.task_plan import (DEVICE_RULES, DeviceRule, Kind, NotOnDevice, build_plan, check_plan,
+                                               plan_model)
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES
 from mdsl.megakernel.taskgraph.partition import TASK_RULES, build_task_graph
@@ -97,6 +99,8 @@ def my_decoder(m, cfg):
 
         qkv = m.linear(m.rms_norm(x, w("input_layernorm", h), cfg.rms_norm_eps), w("self_attn.q_proj", hq * d, h),
                        w("self_attn.k_proj", hkv * d, h), w("self_attn.v_proj", hkv * d, h))
+        if cfg.qkv_bias:   # (one bias vector for the three weights: not the device's q|k|v biases)
+            qkv = m.add_bias(qkv, m.weight(f"model.layers.{i}.self_attn.qkv_bias", [(hq + 2 * hkv) * d]))
         if cfg.qk_norm:
             qkv = m.head_rms_norm(qkv, w("self_attn.q_norm", d), w("self_attn.k_norm", d), eps=cfg.rms_norm_eps,
                                   **heads)
@@ -147,7 +151,7 @@ def test_qwen2_runs_in_the_simulator_as_in_the_reference_forward():
     want = ReferenceModel(graph, weights).generate(PROMPT, 6)
     assert len(set(want.tokens)) > 1
     fused = fuse(graph)
-    assert [n.op for n in fused.nodes[1:4]] == ["norm_linear", "add_bias", "rope_attention"]
+    assert [n.op for n in fused.nodes[1:3]] == ["norm_linear_bias", "rope_attention"]
     for g in (graph, fused):
         got = Simulator(build_task_graph(g, PartitionConfig(num_sms=6, kv_splits=2, min_columns=8,
                                                             attention_min_chunk=2)), weights).generate(
@@ -159,15 +163,27 @@ def test_qwen2_runs_in_the_simulator_as_in_the_reference_forward():
     assert not np.allclose(ReferenceModel(graph, unbiased).generate(PROMPT, 6).logits, want.logits)
 
 
-def test_qwen2_is_refused_for_the_gpu_naming_add_bias_and_its_line():
+def test_qwen2_lowers_to_the_gpu_with_its_biases_in_the_qkv_epilogue():
     config, graph, weights = _qwen2()
-    with pytest.raises(UnsupportedError, match="cannot run add_bias .*no device task body adds a bias") as e:
-        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
-    assert e.value.loc.file.endswith("architectures.py")
-    text = str(e.value)
-    assert "qkv = m.add_bias(qkv, *biases)" in text and "^^^" in text
-    with pytest.raises(UnsupportedError, match="add_bias"):   # before any GPU is needed
+    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(plan)
+    assert plan.op_of(Kind.QKV).op == "norm_linear_bias"
+    with pytest.raises(NoGPUError):   # lowered on any machine; then it needs the GPU
         compile_model(step_function(config), config, weights)
+
+
+def test_an_add_bias_the_device_cannot_fold_is_refused_naming_it_and_its_line():
+    """One bias vector for the three q|k|v weights is no bias per weight: norm_linear_bias does not take it."""
+    config, _, _ = _qwen2()
+    graph = my_decoder.trace(config, max_positions=24)
+    assert "add_bias" in [n.op for n in fuse(graph).nodes]
+    with pytest.raises(UnsupportedError, match=r"cannot run add_bias .*adds biases only to the q\|k\|v projection") as e:
+        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    assert e.value.loc.file.endswith("test_megakernel_rules.py")
+    text = str(e.value)
+    assert "qkv = m.add_bias(qkv, m.weight(" in text and "^^^" in text
+    with pytest.raises(UnsupportedError, match="add_bias"):   # before any GPU is needed
+        compile_model(my_decoder, config, {})
 
 
 def test_a_qwen2_checkpoint_loads_with_its_biases(tmp_path):

@@ -2,7 +2,8 @@
 worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
-the same tiny Llama-3 and Qwen3 models, with the prompt prefilled as steps of the same launch; a
+the same tiny Llama-3, Qwen3, Qwen2 (q|k|v biases), Mistral (a sliding window) and Phi-3 (fused weights, a
+sliding window) models, with the prompt prefilled as steps of the same launch; a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
 arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
 splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate
+from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
-from mdsl.megakernel.runtime.shape import decoder_shape, rope_tables
+from mdsl.megakernel.runtime.shape import FUSED_WEIGHTS, QKV_BIASES, decoder_shape, layer_weight_name, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
@@ -36,9 +37,15 @@ class Emulator:
         self.head = self.w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
 
     def layer(self, layer, name):
-        from mdsl.megakernel.runtime.megakernel_engine import layer_weight_name
-
-        return self.w[layer_weight_name(layer, name)]
+        """A layer's weight by its short name; a part of a fused weight (Phi-3's) is its rows of it."""
+        fused = next((f for f, parts in FUSED_WEIGHTS.items() if name in parts), None)
+        if fused is None or layer_weight_name(layer, name) in self.w:
+            return self.w[layer_weight_name(layer, name)]
+        s, parts = self.s, FUSED_WEIGHTS[fused]
+        rows = {"q_proj": s.attention_width, "k_proj": s.kv_heads * s.head_dim, "v_proj": s.kv_heads * s.head_dim,
+                "gate_proj": s.intermediate, "up_proj": s.intermediate}
+        first = sum(rows[p] for p in parts[:parts.index(name)])
+        return self.w[layer_weight_name(layer, fused)][first:first + rows[name]]
 
     def norm(self, x, weight, eps):
         r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
@@ -90,16 +97,18 @@ class Emulator:
             held[w] += self.workers
 
     def epilogue(self, kind, **inputs):
-        """The kind's layer-op epilogue, each value rounded to the model's dtype (as the generated bodies)."""
+        """The kind's layer-op epilogue, rounded to the model's dtype as the generated bodies round it."""
         k = self.plan.op_of(kind)
-        return evaluate(epilogue_of(k.op, k.attr_dict), inputs, self.s.dtype)
+        return evaluate_op(k.op, k.attr_dict, inputs, self.s.dtype)
 
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step
         if t.kind is Kind.QKV:
             x = self.norm(b["h"][t.layer], self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
-            b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x)
+            biases = {"bias": np.concatenate([self.layer(t.layer, n) for n in QKV_BIASES])[t.begin:t.end]} \
+                if s.qkv_bias else {}
+            b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x, **biases)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
             done = self.split_counts.get((t.layer, t.begin), 0) + 1   # the kv head's last split of the step merges
@@ -182,7 +191,7 @@ class Emulator:
 
 
 @pytest.mark.parametrize("workers", [1, 3, 17])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral", "phi3"])
 def test_the_tables_compute_the_reference_forward(arch, workers):
     config, graph, weights = tiny_model(arch, seed=3)
     plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
@@ -209,23 +218,28 @@ def test_the_mlp_activation_follows_the_config(hidden_act):
     assert not np.allclose(silu.logits[-1], want.logits[-1])   # the activation mattered
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 @pytest.mark.parametrize(("min_chunk", "explicit"), [(1, False), (4, False), (32, False), (3, True)])
-def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit):
+def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, explicit, arch):
     """Several splits at these short contexts: MIN_CHUNK lowered, or a plan's own min_chunk (the engine's
-    attention_min_chunk)."""
+    attention_min_chunk); over every position, or Mistral's sliding window of the last 5."""
     from mdsl.megakernel.runtime import task_plan as plan_module
     from mdsl.megakernel.runtime.kernel_source import generate_source
 
     if not explicit:
         monkeypatch.setattr(plan_module, "MIN_CHUNK", min_chunk)
-    config, graph, weights = tiny_model("qwen3", seed=1)
+    config, graph, weights = tiny_model(arch, seed=1)
     plan = build_plan(decoder_shape(config), workers=64, max_seq=config.max_positions,
                       min_chunk=min_chunk if explicit else None)
     assert plan.splits > 4 and plan.min_chunk == min_chunk   # empty splits early on must weigh nothing
-    assert f"constexpr int MIN_CHUNK = {min_chunk};" in generate_source(plan).text
+    assert plan.attention_window == config.sliding_window
+    text = generate_source(plan).text
+    assert f"constexpr int MIN_CHUNK = {min_chunk};" in text
+    assert ("constexpr int WINDOW = 5;" in text) == (arch == "mistral")
     for position in range(config.max_positions):
         ranges = [plan.attention_range(position, k) for k in range(plan.splits)]
-        assert ranges[0][0] == 0 and max(hi for _, hi in ranges) == position + 1
+        first = max(0, position + 1 - plan.attention_window) if plan.attention_window else 0
+        assert ranges[0][0] == first and max(hi for _, hi in ranges) == position + 1
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert sum(lo <= position < hi for lo, hi in ranges) == 1
         assert all(hi - lo <= plan.max_chunk for lo, hi in ranges)
@@ -235,8 +249,9 @@ def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, expli
     assert tuple(got) == want.tokens
 
 
-def test_bf16_rounding_follows_the_tables_without_nan():
-    config, graph, weights = tiny_model("llama3", seed=2)
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_bf16_rounding_follows_the_tables_without_nan(arch):
+    config, graph, weights = tiny_model(arch, seed=2)
     config = attrs.evolve(config, dtype=bf16)
     rounded = {k: round_to_dtype(np.asarray(v, np.float32), config.dtype) for k, v in weights.items()}
     plan = build_plan(decoder_shape(config), workers=9, max_seq=config.max_positions)

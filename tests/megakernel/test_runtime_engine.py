@@ -2,13 +2,15 @@
 a clear error before touching the driver; what needs no GPU (names, EOS ids, arguments) works."""
 import json
 
+import numpy as np
 import pytest
 
 from mdsl.backend.cuda.runtime import NoGPUError, has_gpu
 from mdsl.cli import main
 from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
 from mdsl.megakernel.modelgraph.model_config import eos_token_ids
-from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, RankGroup, weight_names
+from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, Params, RankGroup, weight_names
+from mdsl.megakernel.runtime.shape import LAYER_WEIGHTS, QKV_BIASES, decoder_shape, layer_weight_name
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
@@ -24,9 +26,50 @@ def checkpoint(tmp_path):
 
 
 def test_weight_names_are_the_model_graphs():
-    for arch in ("llama3", "qwen3"):
+    for arch in ("llama3", "qwen3", "qwen2", "mistral", "phi3"):
         config, graph, _ = tiny_model(arch)
         assert sorted(weight_names(config)) == sorted(w.name for w in graph.weights)
+
+
+def _layer_table(arch: str) -> tuple:
+    """(the device's per-layer pointer table as the engine fills it, the tensors it uploads by name), with
+    stand-in addresses (1 << 32 apart) for the uploads; no GPU."""
+    config, _, _ = tiny_model(arch)
+    engine = object.__new__(MegakernelEngine)
+    engine.shape, engine.max_seq, engine.params = decoder_shape(config), 24, Params()
+    uploaded, arrays = {}, []
+
+    def weight(weights, name, shape):
+        uploaded[name] = (len(uploaded) + 1) << 32
+        return uploaded[name]
+
+    engine._weight, engine._zeros = weight, lambda count, dtype: 0
+    engine._array = lambda values, dtype: arrays.append(values) or 0
+    engine._upload_weights({})
+    return arrays[-1].view(np.uint64).reshape(config.num_layers, -1), uploaded
+
+
+def test_phi3s_fused_weights_are_uploaded_once_and_bound_in_place():
+    """The device's q, k, v (gate, up) weight pointers point into Phi-3's qkv_proj (gate_up_proj) rows."""
+    table, uploaded = _layer_table("phi3")
+    s = decoder_shape(tiny_model("phi3")[0])
+    parts = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert not any(n.rsplit(".", 2)[-2] in parts for n in uploaded)
+    for layer, row in enumerate(table):
+        qkv, gate_up = (uploaded[layer_weight_name(layer, w)] for w in ("qkv_proj", "gate_up_proj"))
+        wq, wk, wv, _, wg, wu = (int(x) for x in row[:6])
+        assert (wq, wk, wv) == (qkv, qkv + 4 * s.attention_width * s.hidden,
+                                qkv + 4 * (s.attention_width + s.kv_heads * s.head_dim) * s.hidden)
+        assert (wg, wu) == (gate_up, gate_up + 4 * s.intermediate * s.hidden)
+    assert table.shape[1] == len(LAYER_WEIGHTS) + 2   # the weights and the two caches: no biases
+
+
+def test_qwen2s_biases_follow_the_caches_in_the_layer_table():
+    """sync.cuh's LayerWeights under its QKV_BIAS section: bq, bk, bv after the caches."""
+    table, uploaded = _layer_table("qwen2")
+    assert table.shape[1] == len(LAYER_WEIGHTS) + 2 + 3
+    for layer, row in enumerate(table):
+        assert [int(x) for x in row[-3:]] == [uploaded[layer_weight_name(layer, b)] for b in QKV_BIASES]
 
 
 def test_eos_ids_come_from_the_generation_config_first(checkpoint):

@@ -1,5 +1,5 @@
-"""The megakernel's CUDA C++ compiles with NVRTC to an sm_90a cubin without spills, for tiny Llama-3 and
-Qwen3 models (f32 and bf16) and the Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes; the host's view of
+"""The megakernel's CUDA C++ compiles with NVRTC to an sm_90a cubin without spills, for tiny Llama-3,
+Qwen3, Qwen2, Mistral and Phi-3 models (f32 and bf16) and the Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes; the host's view of
 the kernel's parameter block agrees with the device's; the device code is headers of one concern each."""
 import ctypes
 import functools
@@ -52,8 +52,9 @@ def tiny_bf16_plan(arch="qwen3", **kwargs):
     return build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=8, max_seq=24, **kwargs)
 
 
-@pytest.mark.parametrize(("arch", "dtype"), [("llama3", f32), ("llama3", bf16), ("qwen3", f32), ("qwen3", bf16)],
-                         ids=str)
+@pytest.mark.parametrize(("arch", "dtype"), [("llama3", f32), ("llama3", bf16), ("qwen3", f32), ("qwen3", bf16),
+                                             ("qwen2", f32), ("qwen2", bf16), ("mistral", f32), ("mistral", bf16),
+                                             ("phi3", f32), ("phi3", bf16)], ids=str)
 def test_tiny_models_compile_without_spills(arch, dtype):
     config, _, _ = tiny_model(arch)
     shape = decoder_shape(attrs.evolve(config, dtype=dtype))

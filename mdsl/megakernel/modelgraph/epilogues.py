@@ -38,12 +38,18 @@ PRODUCT = _thread_graph("""thread {
   out %product
 }""")
 
-RESIDUAL_ADD = _thread_graph("""thread {
+def _plus(operand: str) -> ThreadGraph:
+    """operand + product: a residual add, or a projection's bias."""
+    return _thread_graph(f"""thread {{
   in %product: f32[1]
-  in %residual: f32[1]
-  %out: f32[1] = add(%residual, %product)
+  in %{operand}: f32[1]
+  %out: f32[1] = add(%{operand}, %product)
   out %out
-}""")
+}}""")
+
+
+RESIDUAL_ADD = _plus("residual")
+BIASED = _plus("bias")
 
 
 @functools.cache
@@ -60,9 +66,12 @@ def gated(act: str) -> ThreadGraph:
 
 @attrs.frozen
 class EpilogueRule:
-    """A fused linear op's epilogue: `graph(attrs)`, its thread graph for the op's attribute dict."""
+    """A fused linear op's epilogue: `graph(attrs)`, its thread graph for the op's attribute dict.
+    `rounded_once`: the epilogue is one PyTorch op with its product (addmm's x @ W.T + b, computed in f32),
+    so its value is rounded to the model's dtype once, not each node's as eager ops round them."""
 
     graph: Callable[[Mapping], ThreadGraph]
+    rounded_once: bool = False
 
 
 EPILOGUE_RULES: RuleTable[EpilogueRule] = RuleTable("fused linears' epilogues", EpilogueRule,
@@ -72,6 +81,7 @@ for _op, _graph in {"norm_linear": lambda a: PRODUCT, "norm_gate_up": lambda a: 
                     "linear_residual": lambda a: RESIDUAL_ADD, "lm_head_argmax": lambda a: PRODUCT,
                     "lm_head_sample": lambda a: PRODUCT}.items():
     EPILOGUE_RULES.register(_op, EpilogueRule(_graph))
+EPILOGUE_RULES.register("norm_linear_bias", EpilogueRule(lambda a: BIASED, rounded_once=True))
 
 
 def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:
@@ -82,13 +92,30 @@ def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:
     return rule.graph(attrs)
 
 
+#: the epilogue inputs that are no product: the residual stream's column, the projection's bias
+OPERANDS = ("residual", "bias")
+
+
 def products(graph: ThreadGraph) -> tuple:
     """The names of the epilogue's product inputs, in order: one per weight matrix a column multiplies."""
-    return tuple(v.name for v in graph.inputs if v.name != "residual")
+    return tuple(v.name for v in graph.inputs if v.name not in OPERANDS)
 
 
 def has_residual(graph: ThreadGraph) -> bool:
     return any(v.name == "residual" for v in graph.inputs)
+
+
+def has_bias(graph: ThreadGraph) -> bool:
+    return any(v.name == "bias" for v in graph.inputs)
+
+
+def evaluate_op(op: str, attrs: Mapping, inputs: Mapping[str, np.ndarray], dtype: DType) -> np.ndarray:
+    """The epilogue of a layer op over arrays of columns, rounded to `dtype` as the model rounds it: each
+    node's result (eager ops), or once (an op whose rule says `rounded_once`)."""
+    if EPILOGUE_RULES.lookup(op).rounded_once:
+        value = evaluate(epilogue_of(op, attrs), inputs)
+        return round_to_dtype(value, dtype).astype(np.float32).reshape(value.shape)
+    return evaluate(epilogue_of(op, attrs), inputs, dtype)
 
 
 def evaluate(graph: ThreadGraph, inputs: Mapping[str, np.ndarray], dtype: Optional[DType] = None) -> np.ndarray:

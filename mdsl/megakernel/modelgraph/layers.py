@@ -603,10 +603,47 @@ def _norm_linear_ref(xs, a, ctx):
     return _linear_ref([rms_normalize(x, norm, a["eps"]), *ws], a, ctx)
 
 
+def split_biases(operands) -> tuple:
+    """norm_linear_bias's operands after the input and the norm as (weights, biases): as many bias vectors
+    as weight matrices, each with its weight's rows."""
+    count = len(operands) // 2
+    return tuple(operands[:count]), tuple(operands[count:])
+
+
+def _norm_linear_bias_infer(types, a):
+    x, norm, *rest = types
+    ws, bs = split_biases(rest)
+    if not ws or len(rest) % 2 or any(w.rank != 2 or b.rank != 1 or b.shape[0] != w.shape[0] for w, b in zip(ws, bs)):
+        raise ShapeError(f"norm_linear_bias takes the input, the norm weight, the weight matrices and one bias per "
+                         f"matrix with its rows; got {[str(t) for t in types]}")
+    (row,) = _norm_linear_infer((x, norm, *ws), a)
+    return _add_bias_infer((row, *bs), a)
+
+
+def _norm_linear_bias_ref(xs, a, ctx):
+    x, norm, *rest = xs
+    ws, bs = split_biases(rest)
+    return _add_bias_ref([*_norm_linear_ref([x, norm, *ws], a, ctx), *bs], a, ctx)
+
+
+def gate_up_rows(weights, start: int, stop: int) -> tuple:
+    """(weight, first row, end row) of the gate's and the up projection's rows of gated columns start..stop:
+    rows of a gate and an up weight, or of one weight holding the gate's rows, then the up's (Phi-3's
+    gate_up_proj)."""
+    if len(weights) == 2:
+        return tuple((w, start, stop) for w in weights)
+    (w,) = weights
+    half = w.shape[0] // 2
+    return (w, start, stop), (w, half + start, half + stop)
+
+
 def _norm_gate_up_infer(types, a):
-    x, norm, gate, up = types
-    if gate.shape != up.shape:
-        raise ShapeError(f"norm_gate_up: the gate and up weights must have one shape, got {gate} and {up}")
+    x, norm, *ws = types
+    if len(ws) == 2 and ws[0].shape != ws[1].shape:
+        raise ShapeError(f"norm_gate_up: the gate and up weights must have one shape, got {ws[0]} and {ws[1]}")
+    if len(ws) not in (1, 2):
+        raise ShapeError(f"norm_gate_up takes the input, the norm weight and a gate and an up weight (or one gate|up "
+                         f"weight); got {len(types)} operands")
     return _act_mul_infer(_norm_linear_infer(types, a), a)
 
 
@@ -676,8 +713,12 @@ def _lm_head_ref(token_ref):
 _EPS = AttrSpec("eps", "float")
 _layer("norm_linear", None, _norm_linear_infer, _norm_linear_ref, (_EPS,),
        doc="rms_norm(x, norm) @ concat(weights).T: a linear reading the normalised row (q|k|v)")
-_layer("norm_gate_up", 4, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS, _ACT),
-       doc="act(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): a gated MLP's first half (SwiGLU: act = silu)")
+_layer("norm_linear_bias", None, _norm_linear_bias_infer, _norm_linear_bias_ref, (_EPS,),
+       doc="rms_norm(x, norm) @ concat(weights).T + concat(biases): a biased linear reading the normalised row "
+           "(Qwen2's q|k|v); operands: x, norm, the weights, then one bias per weight")
+_layer("norm_gate_up", None, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS, _ACT),
+       doc="act(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): a gated MLP's first half (SwiGLU: act = silu); "
+           "operands: x, norm, the gate and the up weight, or one weight of the gate's rows then the up's")
 _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
        doc="residual + x @ concat(weights).T: a linear with the residual add in its epilogue")
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,

@@ -56,11 +56,21 @@ __device__ void prepare_head(const T* x, const T* norm, const Params& p, long lo
 // Positions [lo, hi) of split `split` at position `pos` (task_plan.attention_range): at least MIN_CHUNK
 // positions a split, so a short context is one split, whose softmax weights are relative to the true
 // maximum as in transformers' fused attention. lo > hi for a split past the end (it has no positions).
+#if MK_WINDOW
+// The positions are the last WINDOW up to pos (a sliding window), chunked from the window's first.
+__device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
+  const long long first = pos + 1 > WINDOW ? pos + 1 - WINDOW : 0, n = pos + 1 - first;
+  const long long even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
+  lo = first + split * chunk;
+  hi = lo + chunk < pos + 1 ? lo + chunk : pos + 1;
+}
+#else
 __device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
   const long long n = pos + 1, even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
   lo = split * chunk;
   hi = lo + chunk < n ? lo + chunk : n;
 }
+#endif
 
 // Lane s's split: its scale (its maximum's against the top one), and every lane the scales' weighted sum of
 // the splits' sums, from one head's partials `part` (at most 32 splits): a warp's shuffles, the same bits in

@@ -25,7 +25,7 @@ from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
-from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, has_residual, is_additive, products
+from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, has_bias, has_residual, is_additive, products
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, Kind, TaskPlan
 
@@ -104,6 +104,8 @@ class LinearBody:
     sink: object            # ToBuffer | ToStream; None: only the epilogue, a functor `function` the runtime calls
     epilogue: ThreadGraph
     layered: bool = True    # the weights are the task's layer's (else: the kernel's own, as the LM head)
+    biases: tuple = ()      # Matrix per matrix (one row each), concatenated as they are: the epilogue's `bias`
+    rounded: bool = True    # each epilogue value rounded to T (eager ops), else only the stored result
 
     @property
     def products(self) -> int:
@@ -118,6 +120,13 @@ def _norm_linear(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
     return LinearBody(kind, "qkv_task", "H", _layer_matrices(("wq", "HQ * D"), ("wk", "HKV * D"), ("wv", "HKV * D")),
                       False, NormedStream("p.hs", "t.layer", "w.ln1"),
                       ToBuffer("(p.qkvs + (long long)t.layer * QKV)"), epilogue)
+
+
+def _norm_linear_bias(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
+    """Qwen2's q|k|v with its biases (LayerWeights' bq, bk, bv: the QKV_BIAS section), the bias added to the
+    product in f32 and the sum rounded once, as transformers' addmm."""
+    return attrs.evolve(_norm_linear(kind, epilogue), rounded=False,
+                        biases=_layer_matrices(("bq", "HQ * D"), ("bk", "HKV * D"), ("bv", "HKV * D")))
 
 
 def _norm_gate_up(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
@@ -153,12 +162,19 @@ _RUNTIME_CALLS = {
     Kind.SAMPLE: "return sample_task(p, t, step, pos, red);",
 }
 
+def _no_sections(plan: TaskPlan) -> frozenset:
+    return frozenset()
+
+
 @attrs.frozen
 class CudaTaskRule:
     """A device kind's body from a layer op: `body(kind, epilogue)` is its `LinearBody` (the op's epilogue
-    graph, or None where it has none), or None where the runtime's own function runs it."""
+    graph, or None where it has none), or None where the runtime's own function runs it. `sections(plan)`:
+    the runtime's optional sections the body needs (kernel_source.SECTIONS), none for the decoders that
+    need none, whose kernel stays the text it is without them."""
 
     body: Callable
+    sections: Callable[[TaskPlan], frozenset] = _no_sections
 
 
 #: every op that task_plan.DEVICE_RULES lowers to rows (a DeviceRule)
@@ -171,6 +187,10 @@ for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "
                    "rope_attention": lambda kind, epilogue: None, "embedding": lambda kind, epilogue: None,
                    "lm_head_argmax": _lm_head, "lm_head_sample": _lm_head}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
+CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lambda plan: frozenset({"QKV_BIAS"})))
+# attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache
+CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
+    lambda kind, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +206,24 @@ def emit_epilogue(w: CodeWriter, graph: ThreadGraph, inputs: dict, *, rounded: b
     return reg[graph.outputs[0].name]
 
 
-def _starts(body: LinearBody) -> list:
+def _starts(matrices: tuple) -> list:
     """C++: the first output column of each matrix whose rows are concatenated."""
     starts, first = [], "0"
-    for m in body.matrices:
+    for m in matrices:
         starts.append(first)
         first = m.rows if first == "0" else f"{first} + {m.rows}"
     return starts
+
+
+def _concatenated(matrices: tuple, at: Callable[[str, str], str]) -> str:
+    """C++: what output column r reads of the matrix (or vector) whose rows hold it, the matrices'
+    rows concatenated: `at(pointer, row)` of its row, as a nested choice over them."""
+    choice = None
+    for start, m in reversed(list(zip(_starts(matrices), matrices))):
+        row = at(m.pointer, f"(r - ({start}))" if start != "0" else "r")
+        end = m.rows if start == "0" else f"{start} + {m.rows}"
+        choice = row if choice is None else f"r < ({end}) ? {row} : {choice}"
+    return choice
 
 
 def _row_expression(body: LinearBody) -> str:
@@ -202,13 +233,7 @@ def _row_expression(body: LinearBody) -> str:
         for j in reversed(range(len(body.matrices) - 1)):
             pointer = f"(j == {j} ? {body.matrices[j].pointer} : {pointer})"
         return f"{pointer} + (long long)r * ({body.k})"
-    choice = None
-    for start, m in reversed(list(zip(_starts(body), body.matrices))):
-        row = f"{m.pointer} + (long long)(r - ({start})) * ({body.k})" if start != "0" else \
-            f"{m.pointer} + (long long)r * ({body.k})"
-        end = m.rows if start == "0" else f"{start} + {m.rows}"
-        choice = row if choice is None else f"r < ({end}) ? {row} : {choice}"
-    return choice
+    return _concatenated(body.matrices, lambda pointer, row: f"{pointer} + (long long){row} * ({body.k})")
 
 
 def _epilogue_inputs(body: LinearBody, world: int) -> dict:
@@ -217,6 +242,11 @@ def _epilogue_inputs(body: LinearBody, world: int) -> dict:
         raise UnsupportedError(f"the {body.kind.name} epilogue reads {len(names)} product(s), its body makes "
                                f"{body.products}", hint="one product per matrix a column multiplies")
     inputs = {name: f"acc[{j}]" for j, name in enumerate(names)}
+    if has_bias(body.epilogue) != bool(body.biases):
+        raise UnsupportedError(f"the {body.kind.name} epilogue reads {'a' if has_bias(body.epilogue) else 'no'} bias; "
+                               f"its body has {len(body.biases)} bias vector(s)", hint="one bias per matrix, or none")
+    if body.biases:
+        inputs["bias"] = f"mdsl::to_float({_concatenated(body.biases, lambda pointer, row: f'{pointer}[{row}]')})"
     if has_residual(body.epilogue):
         if not isinstance(body.sink, ToStream):
             raise UnsupportedError(f"the {body.kind.name} epilogue reads a residual its output is not added to")
@@ -304,7 +334,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
     if body.sink is None:   # the LM head: its logit functor, for the runtime's lmhead_task
         with w.block(f"struct {body.function}"):
             with w.block("__device__ __forceinline__ float operator()(const float* acc) const"):
-                value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=True)
+                value = emit_epilogue(w, body.epilogue, _epilogue_inputs(body, world), rounded=body.rounded)
                 w(f"return {value};")
         w.lines[-1] += ";"
         return
@@ -322,7 +352,7 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
         w(f"task_gemv<{k}, {body.products}>(t, ready, work, [&](int r, int j) {{ return {_row_expression(body)}; }},")
         w.depth += 4
         with w.block("[&](int r, const float* acc)"):
-            value = emit_epilogue(w, body.epilogue, inputs, rounded=not partial and not by_ranks)
+            value = emit_epilogue(w, body.epilogue, inputs, rounded=body.rounded and not partial and not by_ranks)
             w(f"rank_sums_row[r - t.begin] = 0.0f + {value};" if by_ranks else body.sink.store(value))
         w.lines[-1] += ","
         # the input row in two halves (task_gemv issues the first weight loads between them: WEIGHTS_FIRST,
@@ -373,6 +403,11 @@ def linear_bodies(plan: TaskPlan) -> list:
         if body is not None:
             bodies.append(body)
     return bodies
+
+
+def runtime_sections(plan: TaskPlan) -> frozenset:
+    """The runtime's optional sections the plan's task bodies need (their rules' `sections`)."""
+    return frozenset().union(*(CUDA_TASK_RULES.lookup(k.op).sections(plan) for k in plan.kind_ops))
 
 
 def generate_bodies(plan: TaskPlan, rank_sums: int = 1) -> str:

@@ -34,7 +34,8 @@ from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, P
                                                    generate_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import (LAYER_WEIGHTS, DecoderShape, decoder_shape, layer_weight_name, rope_tables)
+from mdsl.megakernel.runtime.shape import (FUSED_WEIGHTS, LAYER_WEIGHTS, QKV_BIASES, DecoderShape, decoder_shape,
+                                           layer_tensors, layer_weight_name, rope_tables)
 from mdsl.megakernel.runtime.task_plan import TaskPlan, for_ranks, plan_model
 
 _STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
@@ -49,7 +50,7 @@ def weight_names(config: ModelConfig) -> list:
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for layer in range(config.num_layers):
-        names += [layer_weight_name(layer, w) for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+        names += [layer_weight_name(layer, w) for w in layer_tensors(config)]
     return names
 
 
@@ -250,15 +251,24 @@ class MegakernelEngine:
         shapes = {"q_proj": (s.attention_width, h), "k_proj": (s.kv_heads * d, h), "v_proj": (s.kv_heads * d, h),
                   "o_proj": (h, s.attention_width), "gate_proj": (s.intermediate, h), "up_proj": (s.intermediate, h),
                   "down_proj": (h, s.intermediate), "input_layernorm": (h,), "post_attention_layernorm": (h,),
-                  "q_norm": (d,), "k_norm": (d,)}
+                  "q_norm": (d,), "k_norm": (d,), "q_bias": (s.attention_width,), "k_bias": (s.kv_heads * d,),
+                  "v_bias": (s.kv_heads * d,), "qkv_proj": (s.qkv_rows, h), "gate_up_proj": (2 * s.intermediate, h)}
         cache = self.max_seq * s.kv_heads * d
         k_cache, v_cache = (self._zeros(s.layers * cache, s.dtype) for _ in range(2))
         rows = []
         for layer in range(s.layers):
-            ptrs = [self._weight(weights, layer_weight_name(layer, w), shapes[w])
-                    if s.qk_norm or w not in ("q_norm", "k_norm") else 0 for w in LAYER_WEIGHTS]
+            # sync.cuh's LayerWeights: the weights (null where the model has none), the caches, then the
+            # biases where it has them (its QKV_BIAS section)
+            ptrs = {w: self._weight(weights, layer_weight_name(layer, w), shapes[w]) for w in layer_tensors(s.config)}
+            for fused, parts in FUSED_WEIGHTS.items():   # (Phi-3) a part's pointer: its rows in the fused weight
+                if fused in ptrs:
+                    at = ptrs[fused]
+                    for part in parts:
+                        ptrs[part] = at
+                        at += shapes[part][0] * h * s.dtype.itemsize
             offset = layer * cache * s.dtype.itemsize
-            rows.append(ptrs + [k_cache + offset, v_cache + offset])
+            rows.append([ptrs.get(w, 0) for w in LAYER_WEIGHTS] + [k_cache + offset, v_cache + offset] +
+                        [ptrs[b] for b in QKV_BIASES if b in ptrs])
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
 
     def _allocate(self) -> None:

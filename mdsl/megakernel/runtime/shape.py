@@ -1,5 +1,5 @@
 """What the megakernel's generated code needs to know of a decoder model (a `ModelConfig` of the
-built-in Llama-3 / Qwen3 definitions): its dimensions, dtype and normalisation, plus RoPE's tables."""
+built-in decoder definitions): its dimensions, dtype and normalisation, plus RoPE's tables."""
 from __future__ import annotations
 
 import attrs
@@ -14,19 +14,48 @@ SUPPORTED_DTYPES = (bf16, f32)
 # a layer's weights, by their short Hugging Face names (q_norm, k_norm: Qwen3's only)
 LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+# Qwen2's biases of the q, k and v projections, by short name (their tensors: self_attn.q_proj.bias, ...)
+QKV_BIASES = ("q_bias", "k_bias", "v_bias")
+# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (the engine points the device's
+# weight pointers into it)
+FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def as_checkpoint_holds(config: ModelConfig, weights) -> tuple:
+    """Short weight names as the checkpoint of `config` holds them: with fused projections, the parts of
+    each fused weight (FUSED_WEIGHTS) by that weight, in its first part's place."""
+    if not config.fused_projections:
+        return tuple(weights)
+    out: list = []
+    for w in weights:
+        name = next((fused for fused, parts in FUSED_WEIGHTS.items() if w in parts), w)
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def layer_tensors(config: ModelConfig) -> tuple:
+    """The short names of the tensors of a layer the device reads, as the checkpoint holds them, in the order
+    the engine uploads them: LAYER_WEIGHTS (q_norm and k_norm where the model has them), then its q|k|v
+    biases."""
+    weights = [w for w in LAYER_WEIGHTS if config.qk_norm or w not in ("q_norm", "k_norm")]
+    return as_checkpoint_holds(config, weights) + (QKV_BIASES if config.qkv_bias else ())
 
 
 def layer_weight_name(layer: int, short: str) -> str:
-    """The Hugging Face name of a layer's weight (the built-in model definitions use the same)."""
+    """The Hugging Face name of a layer's weight or bias (the built-in model definitions use the same)."""
+    if short in QKV_BIASES:
+        return f"model.layers.{layer}.self_attn.{short[0]}_proj.bias"
     where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+             "q_norm": "self_attn", "k_norm": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+             "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
     middle = f"{where[short]}." if short in where else ""
     return f"model.layers.{layer}.{middle}{short}.weight"
 
 
 @attrs.frozen
 class DecoderShape:
-    """A Llama-3 / Qwen3 decoder. `dtype` is the weights' and the activations' (every op computes in
+    """A decoder the megakernel runs. `dtype` is the weights' and the activations' (every op computes in
     f32 and rounds to it where the Hugging Face model does)."""
 
     config: ModelConfig
@@ -40,6 +69,7 @@ class DecoderShape:
     vocab = property(lambda self: self.config.vocab_size)
     eps = property(lambda self: self.config.rms_norm_eps)
     qk_norm = property(lambda self: self.config.qk_norm)
+    qkv_bias = property(lambda self: self.config.qkv_bias)
 
     @property
     def dtype(self) -> DType:
@@ -60,7 +90,8 @@ class DecoderShape:
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads: every matrix and norm once, one embedding row."""
         per_layer = (self.qkv_rows * self.hidden + self.hidden * self.attention_width
-                     + 3 * self.hidden * self.intermediate + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0))
+                     + 3 * self.hidden * self.intermediate + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+                     + (self.qkv_rows if self.qkv_bias else 0))
         return (self.layers * per_layer + self.vocab * self.hidden + 3 * self.hidden) * self.dtype.itemsize
 
     def __str__(self) -> str:

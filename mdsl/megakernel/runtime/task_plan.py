@@ -23,8 +23,9 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 previous step still reads it. `check_plan` verifies these rules.
 
 Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule in `CUDA_TASK_RULES`):
-  QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l)
-  ATTN     kv head `begin`, split `end` of the positions: q/k norm, RoPE, the KV cache append (by the
+  QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l) (+ b_qkv: Qwen2's biases)
+  ATTN     kv head `begin`, split `end` of the positions (the last `window` of them where the model has a
+           sliding window): q/k norm, RoPE, the KV cache append (by the
            split holding the newest position), partial softmax-weighted sums over its positions; the
            split of a kv head that finishes last merges the splits' partials of its query heads into the
            attention output (the task graph's combine tasks are absorbed into it)
@@ -51,7 +52,7 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import DecoderShape, layer_weight_name
+from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape, as_checkpoint_holds, layer_weight_name
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
@@ -154,16 +155,26 @@ class TaskPlan:
         raise KeyError(f"the plan has no {kind.name} tasks")
 
     @property
+    def attention_window(self) -> int:
+        """The positions attention reads back where that is fewer than the KV cache holds (a sliding window:
+        the device's WINDOW section), else 0: every position."""
+        window = dict(self.op_of(Kind.ATTN).attrs).get("window", 0) if any(k.kind is Kind.ATTN for k in self.kind_ops) \
+            else 0
+        return window if 0 < window < self.max_seq else 0
+
+    @property
     def max_chunk(self) -> int:
         """The most positions one attention split covers (device.cu's chunk rule)."""
-        return max(self.min_chunk, -(-self.max_seq // self.splits))
+        return max(self.min_chunk, -(-(self.attention_window or self.max_seq) // self.splits))
 
     def attention_range(self, position: int, split: int) -> tuple:
-        """Positions [lo, hi) of a split at `position`: equal chunks of at least min_chunk from 0, so
-        that the split holding `position` (the one that appends it to the KV cache) is the last
-        non-empty one."""
-        chunk = max(self.min_chunk, -(-(position + 1) // self.splits))
-        return min(split * chunk, position + 1), min(split * chunk + chunk, position + 1)
+        """Positions [lo, hi) of a split at `position`: equal chunks of at least min_chunk from the first
+        position attention reads (0, or the window's first), so that the split holding `position` (the one
+        that appends it to the KV cache) is the last non-empty one."""
+        first = max(0, position + 1 - self.attention_window) if self.attention_window else 0
+        n = position + 1 - first
+        chunk = max(self.min_chunk, -(-n // self.splits))
+        return first + min(split * chunk, n), first + min(split * chunk + chunk, n)
 
     def tables(self) -> tuple:
         """(tasks int32 [n, 8], waits int32 [m, 2], signals int32 [k]): what the device reads.
@@ -370,7 +381,8 @@ class _Binding:
         return UnsupportedError(
             f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
             hint="the device runs the layer ops with a DeviceRule in DEVICE_RULES (mdsl.megakernel.runtime.task_plan) "
-                 "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear (q|k|v), "
+                 "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear or "
+                 "norm_linear_bias (q|k|v), "
                  "rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
                  "lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
@@ -431,6 +443,11 @@ def _weight_types(shape: DecoderShape) -> dict:
                  "down_proj": (s.hidden, s.intermediate), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
     shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,),
               "lm_head.weight": (s.vocab, s.hidden)}
+    if s.config.fused_projections:
+        per_layer.update({"qkv_proj": (s.qkv_rows, s.hidden), "gate_up_proj": (2 * s.intermediate, s.hidden)})
+    if s.qkv_bias:
+        per_layer.update({"q_bias": (s.attention_width,), "k_bias": (s.kv_heads * s.head_dim,),
+                          "v_bias": (s.kv_heads * s.head_dim,)})
     shapes.update({layer_weight_name(layer, w): dims for layer in range(s.layers) for w, dims in per_layer.items()})
     return {name: TensorType(dims, s.dtype) for name, dims in shapes.items()}
 
@@ -448,10 +465,11 @@ def _embedding_rows(node, tasks, bind):
 
 
 def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, output: str):
-    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers)."""
+    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers); the
+    weights as the checkpoint holds them (Phi-3's fused ones: FUSED_WEIGHTS)."""
     x, norm = node.inputs[:2]
     layer = bind.layer(node, norm)
-    bind.weights(node, node.inputs[1:], [(layer, w) for w in weights])
+    bind.weights(node, node.inputs[1:], [(layer, w) for w in as_checkpoint_holds(bind.shape.config, weights)])
     bind.attrs(node, {"eps": bind.shape.eps})
     src = bind.read(node, x, f"{source}{layer}")
     out = bind.define(node, node.output, f"{output}{layer}")
@@ -461,16 +479,24 @@ def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, 
 
 _norm_linear_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
                                       weights=("input_layernorm", "q_proj", "k_proj", "v_proj"))
+_norm_linear_bias_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
+                                           weights=("input_layernorm", "q_proj", "k_proj", "v_proj", *QKV_BIASES))
 _norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, source="mid", output="act",
                                        weights=("post_attention_layernorm", "gate_proj", "up_proj"))
 
 
 def _rope_attention_rows(node, tasks, bind):
+    return _attention_rows(node, tasks, bind, {"eps": bind.shape.eps} if bind.shape.qk_norm else {})
+
+
+def _attention_rows(node, tasks, bind, options: dict):
+    """ATTN rows of rope_attention or rope_scaled_attention, whose attributes beside the heads and RoPE's are
+    `options` (the model's)."""
     s = bind.shape
     qkv_var, k_cache, v_cache, *norms = node.inputs
     layer = bind.layer(node, k_cache)
     bind.attrs(node, {"q_heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, **s.config.rope.attrs(),
-                      **({"eps": s.eps} if s.qk_norm else {})})
+                      **options})
     bind.weights(node, norms, [(layer, w) for w in ("q_norm", "k_norm") if s.qk_norm])
     for var, name in ((k_cache, f"k_cache.{layer}"), (v_cache, f"v_cache.{layer}")):
         bind.state(node, var, name, (bind.max_seq, s.kv_heads, s.head_dim))
@@ -494,6 +520,16 @@ def _rope_attention_rows(node, tasks, bind):
             (Access(attn, g * s.group * d, (g + 1) * s.group * d),)
         rows.append(PlannedTask(Kind.ATTN, layer, g, split, reads, writes))
     return rows
+
+
+def _rope_scaled_attention_rows(node, tasks, bind):
+    """rope_attention's rows over the last `window` positions (TaskPlan.attention_window: the WINDOW section
+    of the device's attention); the device scales scores by 1/sqrt(head_dim) and does not soft-cap them."""
+    a = node.attr_dict
+    if a["scale"] or a["softcap"]:
+        raise bind.refuse(node, f"the device's attention scales its scores by 1/sqrt(head_dim) and does not "
+                                f"soft-cap them; this one's scale is {a['scale']} and its softcap {a['softcap']}")
+    return _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(bind.layer(node, node.inputs[1]))})
 
 
 def _linear_residual_rows(node, tasks, bind):
@@ -559,7 +595,9 @@ DEVICE_RULES: RuleTable[DeviceLowering] = RuleTable("megakernel's device tables"
                                                     "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
                                                     registry=LAYER_OPS, needs=lambda op: True)
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
-                   "rope_attention": _rope_attention_rows, "linear_residual": _linear_residual_rows,
+                   "norm_linear_bias": _norm_linear_bias_rows,
+                   "rope_attention": _rope_attention_rows, "rope_scaled_attention": _rope_scaled_attention_rows,
+                   "linear_residual": _linear_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
                    "lm_head_sample": _lm_head_rows}.items():
     DEVICE_RULES.register(_op, DeviceRule(_rule))
@@ -576,8 +614,6 @@ for _op, _reason in {
     "attention": "the device's attention applies RoPE to its query and key heads (rope_attention); this attention "
                  "reads no rope",
     "scaled_attention": "the device attends only after RoPE (rope_attention); this attention reads no rope",
-    "rope_scaled_attention": "the device's attention body (rope_attention) reads every position with scores scaled "
-                             "by 1/sqrt(head_dim); it has no sliding window, query scale or logit soft-capping",
     "rms_norm_1p": "no device task body normalises by (1 + weight) (Gemma's RMSNorm); the device's norms scale by "
                    "the weight itself",
     "geglu": "no device task body computes GELU's tanh approximation (the gated MLP's epilogue takes an mdsl "
@@ -587,8 +623,8 @@ for _op, _reason in {
     "moe_router": "no device task body routes a row to experts (the top-k of a softmax over the router's logits)",
     "moe_experts": "no device task body runs a mixture of experts (the experts a routing row picks, their weights "
                    "read by the device's tasks only where picked)",
-    "add_bias": "no device task body adds a bias to a projection's output (the q|k|v projection's epilogue has no "
-                "bias operand)",
+    "add_bias": "the device adds biases only to the q|k|v projection of a normalised row, in its epilogue "
+                "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "
                "(norm_gate_up)",
     "add": "the device adds only a projection's output to the residual stream (linear_residual)",

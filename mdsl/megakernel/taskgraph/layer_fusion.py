@@ -3,8 +3,9 @@
 Unfused, every op of a model graph is a hop of the task graph: a single-task rms_norm that every tile of
 the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse` folds
 
-* rms_norm into the linear(s) that read it: `norm_linear` (q|k|v), `norm_gate_up` (with act(gate) * up),
-  `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token);
+* rms_norm into the linear(s) that read it: `norm_linear` (q|k|v; `norm_linear_bias` with the projection's
+  add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up), `lm_head_argmax` / `lm_head_sample`
+  (the final norm, the LM head and the token);
 * a residual add into the linear it adds: `linear_residual` (o-proj, down-proj);
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`; RoPE and the append
   into scaled_attention (a window, a query scale, soft-capping): `rope_scaled_attention`.
@@ -83,9 +84,15 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
                            eps + t.attrs, node)
             return Fusion(fused, (index, j))
         gated = uses.only_reader(node.output, ("act_mul",))
-        if gated is not None and len(ws) == 2 and ws[0].shape == ws[1].shape:
+        if gated is not None and (len(ws) == 2 and ws[0].shape == ws[1].shape or len(ws) == 1):   # (gate|up: one)
             j, g = gated
             return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), g.outputs, eps + g.attrs, node), (index, j))
+        biased = uses.only_reader(node.output, ("add_bias",))
+        if biased is not None and biased[1].inputs[0] == node.output and \
+                [b.shape[0] for b in biased[1].inputs[1:]] == [w.shape[0] for w in ws]:
+            j, b = biased
+            return Fusion(_fused("norm_linear_bias", (raw, norm_weight, *ws, *b.inputs[1:]), b.outputs, eps, node),
+                          (index, j))
         return Fusion(_fused("norm_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
     add = uses.only_reader(node.output, ("add",))
     if add is not None:

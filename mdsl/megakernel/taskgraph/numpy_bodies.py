@@ -13,8 +13,8 @@ import numpy as np
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options,
-                                               expert_weights, rms_normalize,
-                                               rope_cos_sin, gelu_tanh, rotate_heads, sample_token, sample_uniform,
+                                               expert_weights, gate_up_rows, gelu_tanh, rms_normalize, rope_cos_sin,
+                                               rotate_heads, sample_token, sample_uniform, split_biases,
                                                store_next_token, window_start)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, moe_scratch,
                                                  split_range, weight_rows)
@@ -215,11 +215,22 @@ def _norm_linear(task, node, buf, ctx):
     buf[node.output.name][0, a:b] = linear_columns(_normed_input(node, buf), node.inputs[2:], buf, a, b)
 
 
+def _norm_linear_bias(task, node, buf, ctx):
+    a, b = _cols(task)
+    ws, bs = split_biases(node.inputs[2:])
+    graph = epilogue_of(node.op, node.attr_dict)
+    (product,) = products(graph)
+    bias = np.concatenate([buf[bs[i].name][r0:r1] for i, r0, r1, _ in weight_rows(bs, a, b)])
+    buf[node.output.name][0, a:b] = evaluate(graph, {product: linear_columns(_normed_input(node, buf), ws, buf, a, b),
+                                                     "bias": bias})
+
+
 def _norm_gate_up(task, node, buf, ctx):
     a, b = _cols(task)
     row = _normed_input(node, buf)
     graph = epilogue_of(node.op, node.attr_dict)
-    columns = {name: linear_columns(row, (w,), buf, a, b) for name, w in zip(products(graph), node.inputs[2:])}
+    columns = {name: row.reshape(-1).astype(np.float32) @ buf[w.name][r0:r1].T
+               for name, (w, r0, r1) in zip(products(graph), gate_up_rows(node.inputs[2:], a, b))}
     buf[node.output.name][0, a:b] = evaluate(graph, columns)
 
 
@@ -305,7 +316,8 @@ for _op, _bodies in {
     "moe_router": {"moe_router": _by_reference}, "moe_experts": {"moe.up": _moe_up, "moe.down": _moe_down},
     "geglu": {"geglu": _geglu}, "scale": {"scale": _elementwise}, "softcap": {"softcap": _elementwise},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
-    "norm_linear": {"norm_linear": _norm_linear}, "norm_gate_up": {"norm_gate_up": _norm_gate_up},
+    "norm_linear": {"norm_linear": _norm_linear}, "norm_linear_bias": {"norm_linear_bias": _norm_linear_bias},
+    "norm_gate_up": {"norm_gate_up": _norm_gate_up},
     "linear_residual": {"linear_residual": _linear_residual},
     "rope_attention": {"rope_attention.partial": _rope_attention_partial,
                        "rope_attention.combine": _rope_attention_combine},

@@ -25,7 +25,7 @@ import attrs
 from mdsl.ir.dtypes import f32, i32
 from mdsl.ir.rules import RuleTable
 from mdsl.ir.types import TensorType, Var
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, gate_up_rows, split_biases
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.taskgraph.tasks import (ACTIVATION, SCRATCH, STATE, WEIGHT, Buffer, PartitionConfig, Region,
                                              TaskGraph, build_events)
@@ -279,10 +279,19 @@ def _norm_linear_tasks(node, config):
     return [spec for _, _, spec in weight_row_tasks("norm_linear", (full(x), full(norm)), ws, node.output, config)], []
 
 
+def _norm_linear_bias_tasks(node, config):
+    x, norm, *rest = node.inputs
+    ws, bs = split_biases(rest)
+    return [attrs.evolve(spec, reads=(*spec.reads, *(Region(bs[i].name, ((r0, r1),)) for i, r0, r1, _ in
+                                                     weight_rows(bs, a, b))))
+            for a, b, spec in weight_row_tasks("norm_linear_bias", (full(x), full(norm)), ws, node.output, config)], []
+
+
 def _norm_gate_up_tasks(node, config):
-    x, norm, gate, up = node.inputs
+    x, norm, *ws = node.inputs
     return [TaskSpec("norm_gate_up", _col_tile(a, b),
-                     (full(x), full(norm), *(Region(w.name, ((a, b), (0, w.shape[1]))) for w in (gate, up))),
+                     (full(x), full(norm), *(Region(w.name, ((r0, r1), (0, w.shape[1])))
+                                             for w, r0, r1 in gate_up_rows(ws, a, b))),
                      (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
 
 
@@ -373,7 +382,7 @@ for _name, _rule in {
     "moe_router": _row_tasks, "moe_experts": _moe_experts_tasks,
     "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
-    "norm_linear": _norm_linear_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
+    "norm_linear": _norm_linear_tasks, "norm_linear_bias": _norm_linear_bias_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
 }.items():
