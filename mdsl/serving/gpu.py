@@ -125,17 +125,12 @@ def _linear(xs, outs, a, b):
     x, *ws = xs
     dev, offset = b.device, 0
     mma = tensor_core_dtype(x.width, ws)
-    if mma is not None:
-        hi, lo = dev.split_buffers(x.width, mma)
-        count = b.rows * x.width
-        dev.launch(_weighted("split_rows", ws[0]), (max(1, min(-(-count // THREADS), 4 * dev.sms)),), THREADS,
-                   [ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(x), ctypes.c_longlong(count)])
     for w in ws:
         n = int(w.shape[0])
         if mma is not None:
             splits = mma_splits(n, x.width, dev.sms)
             dev.launch(_weighted("linear_mma", w), (-(-n // 16), splits), MMA_WARPS * 32,
-                       [_p(outs[0]), ctypes.c_void_p(dev.partials), ctypes.c_void_p(hi), ctypes.c_void_p(lo), _p(w),
+                       [_p(outs[0]), ctypes.c_void_p(dev.partials), _p(x), _p(w),
                         *_ints(b.rows, x.width, n, outs[0].width, offset)])
             if splits > 1:
                 dev.launch("sum_splits", (max(1, min(-(-b.rows * n // THREADS), 4 * dev.sms)),), THREADS,
@@ -289,14 +284,11 @@ class GpuDevice(CpuDevice):
             elif n.op == "add_bias":
                 self.joined([self.values[v.name] for v in n.inputs[1:]])
         before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
-        self._splits: dict = {}
         partials = 1
         for n in self.nodes:
             if n.op == "linear":
                 k, ws = int(n.inputs[0].shape[-1]), [self.values[v.name] for v in n.inputs[1:]]
                 dtype = tensor_core_dtype(k, ws)
-                if dtype is not None and (k, dtype) not in self._splits:
-                    self._splits[k, dtype] = (array(None, (rows, k), dtype), array(None, (rows, k), dtype))
                 for w in ws if dtype is not None else ():
                     splits = mma_splits(int(w.shape[0]), k, self.sms)
                     partials = max(partials, splits * rows * int(w.shape[0]) if splits > 1 else 1)
@@ -333,10 +325,6 @@ class GpuDevice(CpuDevice):
             sin = np.stack([s for _, s in pairs]).astype(np.float32)
             self._ropes[key] = (self._new_array(cos, cos.shape, f32), self._new_array(sin, sin.shape, f32))
         return self._ropes[key]
-
-    def split_buffers(self, k: int, dtype) -> tuple:
-        """The device buffers of the hi and lo halves of [rows, k] input rows for a tensor-core linear."""
-        return self._splits[k, dtype]
 
     def joined(self, parts: list) -> Operand:
         """One device vector of the weight vectors `parts` end to end (a fused projection's biases)."""

@@ -141,9 +141,9 @@ __device__ void linear(float* out, const float* x, const W* w, int rows, int k, 
 }
 
 // ---- linear on tensor cores (16-bit weights, k a multiple of 32): mma.sync m16n8k16 with the weight rows as A
-// (16 output columns) and the input rows as B (8 rows), f32 accumulators. The float32 input rows are split
-// once into x = hi + lo, both in W (split_rows), and each product runs twice, hi then lo: the input keeps
-// about 16 bits of its mantissa where rounding it to W would keep 8.
+// (16 output columns) and the input rows as B (8 rows), f32 accumulators. Each float32 input value is split
+// in registers as it is loaded into x = hi + lo, both in W, and each product runs twice, hi then lo: the
+// input keeps about 16 bits of its mantissa where rounding it to W would keep 8.
 // Each lane loads 16 contiguous bytes of a weight row and of an input row per 32 k: the mma's k order is a
 // permutation of memory's (the same for both operands, so the sum is the product's), which lets every load
 // be a 16-byte one. k splits over `splits` blocks of a 16-column tile (partials summed in split order by
@@ -153,23 +153,36 @@ __device__ void linear(float* out, const float* x, const W* w, int rows, int k, 
 constexpr int MMA_WARPS = 8;
 constexpr int MMA_GROUPS = 8;    // row groups of 8 a pass (64 rows)
 
+// x = hi + lo for 8 float32 values, packed as two 16-byte vectors of W pairs
 template <typename W>
-__device__ void split_rows(W* hi, W* lo, const float* x, long long count);
+__device__ __forceinline__ unsigned pack2(float a, float b);
 template <>
-__device__ void split_rows<__nv_bfloat16>(__nv_bfloat16* hi, __nv_bfloat16* lo, const float* x, long long count) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
-    hi[i] = h;
-    lo[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
-  }
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
 }
 template <>
-__device__ void split_rows<__half>(__half* hi, __half* lo, const float* x, long long count) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-    const __half h = __float2half_rn(x[i]);
-    hi[i] = h;
-    lo[i] = __float2half_rn(x[i] - __half2float(h));
+__device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <typename W>
+__device__ __forceinline__ float low_of(unsigned packed, int half) {
+  const W* e = reinterpret_cast<const W*>(&packed);
+  return to_f(e[half]);
+}
+template <typename W>
+__device__ __forceinline__ void split8(const float* x, uint4& hi, uint4& lo) {
+  const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
+  const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  unsigned h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[i] = pack2<W>(v[2 * i], v[2 * i + 1]);
+    l[i] = pack2<W>(v[2 * i] - low_of<W>(h[i], 0), v[2 * i + 1] - low_of<W>(h[i], 1));
   }
+  hi = make_uint4(h[0], h[1], h[2], h[3]);
+  lo = make_uint4(l[0], l[1], l[2], l[3]);
 }
 
 template <typename W>
@@ -206,7 +219,7 @@ __device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 
 
 // out (splits == 1) or part[blockIdx.y] (rows x n) = the block's share of x @ w.T for columns blockIdx.x * 16 ..
 template <typename W>
-__device__ void linear_mma(float* out, float* part, const W* x_hi, const W* x_lo, const W* w, int rows, int k, int n,
+__device__ void linear_mma(float* out, float* part, const float* x, const W* w, int rows, int k, int n,
                            int out_width, int offset) {
   __shared__ float red[MMA_WARPS][MMA_GROUPS][4][WARP];
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, group = lane >> 2, tig = lane & 3;
@@ -234,7 +247,9 @@ __device__ void linear_mma(float* out, float* part, const W* x_hi, const W* x_lo
         if (r0 + g * 8 < rows) {   // (warp-uniform)
           const int r = r0 + g * 8 + group;
           const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
-          const uint4 ha = ld16(x_hi + at), la = ld16(x_lo + at), hb = ld16(x_hi + at + 32), lb = ld16(x_lo + at + 32);
+          uint4 ha, la, hb, lb;
+          split8<W>(x + at, ha, la);
+          split8<W>(x + at + 32, hb, lb);
           mma_32<W>(acc[g], wa0, wa1, ha, la);
           mma_32<W>(acc[g], wb0, wb1, hb, lb);
         }
@@ -247,7 +262,9 @@ __device__ void linear_mma(float* out, float* part, const W* x_hi, const W* x_lo
         if (r0 + g * 8 < rows) {
           const int r = r0 + g * 8 + group;
           const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
-          mma_32<W>(acc[g], wa0, wa1, ld16(x_hi + at), ld16(x_lo + at));
+          uint4 ha, la;
+          split8<W>(x + at, ha, la);
+          mma_32<W>(acc[g], wa0, wa1, ha, la);
         }
       }
     }
@@ -536,16 +553,13 @@ EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, flo
             (out, x, static_cast<const W*>(w), width, eps, one_plus))
 EVERY_DTYPE(linear, (float* out, const float* x, const void* w, int rows, int k, int n, int out_width, int offset),
             (out, x, static_cast<const W*>(w), rows, k, n, out_width, offset))
-// the tensor-core linear and its input split, for the 16-bit weights
+// the tensor-core linear, for the 16-bit weights
 #define SIXTEEN_BIT(NAME, PARAMS, ARGS)         \
   WEIGHTED(NAME, bf16, __nv_bfloat16, PARAMS, ARGS) \
   WEIGHTED(NAME, f16, __half, PARAMS, ARGS)
-SIXTEEN_BIT(split_rows, (void* hi, void* lo, const float* x, long long count),
-            (static_cast<W*>(hi), static_cast<W*>(lo), x, count))
-SIXTEEN_BIT(linear_mma, (float* out, float* part, const void* x_hi, const void* x_lo, const void* w, int rows, int k,
-                         int n, int out_width, int offset),
-            (out, part, static_cast<const W*>(x_hi), static_cast<const W*>(x_lo), static_cast<const W*>(w), rows, k, n,
-             out_width, offset))
+SIXTEEN_BIT(linear_mma, (float* out, float* part, const float* x, const void* w, int rows, int k, int n, int out_width,
+                         int offset),
+            (out, part, x, static_cast<const W*>(w), rows, k, n, out_width, offset))
 EVERY_DTYPE(add_bias, (float* out, const float* x, const void* b, int width), (out, x, static_cast<const W*>(b), width))
 EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const void* wk, int q_heads, int kv_heads,
                             int dim, float eps),

@@ -87,22 +87,21 @@ def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoint
     rng = np.random.default_rng(4)
     prompts = random_prompts(rng, 24, 1, 300)
     params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 9, 24)]
-    arrivals = arrivals_of(rng, prompts, params, 30)
-    batched, batched_logits, peak = served(ckpt.folder, "gpu", arrivals, max_batch=24, page_size=16,
-                                           max_tokens_per_step=256)
-    assert peak >= 4
-    chunked, chunked_logits, _ = served(ckpt.folder, "gpu", arrivals_of(np.random.default_rng(5), prompts, params, 60),
-                                        max_batch=24, page_size=16, max_tokens_per_step=7)
+    runs = {}
+    for seed, budget in enumerate((256, 64, 7, 1)):
+        arrivals = arrivals_of(np.random.default_rng(10 + seed), prompts, params, 30)
+        runs[budget] = served(ckpt.folder, "gpu", arrivals, max_batch=24, page_size=16, max_tokens_per_step=budget)
+    assert runs[256][2] >= 4
     with LLM(ckpt.folder, device="gpu", max_batch=1, page_size=16) as llm:
         llm.device.record_logits = True
         for i in range(0, 24, 3):
             out = llm.submit(prompts[i], params[i]).result()
             alone = llm.device.logits.pop(out.request_id)
-            assert out.token_ids == batched[i].token_ids == chunked[i].token_ids
-            assert sorted(alone) == sorted(batched_logits[i]) == sorted(chunked_logits[i])
-            for pos, (row,) in alone.items():
-                (b,), (c,) = batched_logits[i][pos], chunked_logits[i][pos]
-                assert np.array_equal(row, b) and np.array_equal(row, c), (i, pos)
+            for budget, (outputs, logits, _) in runs.items():
+                assert outputs[i].token_ids == out.token_ids, (i, budget)
+                assert sorted(logits[i]) == sorted(alone), (i, budget)
+                for pos, (row,) in alone.items():
+                    assert np.array_equal(row, logits[i][pos][0]), (i, budget, pos)
 
 
 def test_seeded_sampling_repeats_whatever_shares_the_steps(checkpoints):
@@ -149,3 +148,17 @@ def test_the_pool_is_sized_from_a_share_of_the_gpus_memory(checkpoints):
         assert 4 * llm.shape.pages_per_request < llm.shape.num_pages
         assert llm.shape.num_pages * page_bytes <= 0.25 * total
         assert len(llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4)).result().token_ids) == 4
+
+
+def test_steps_replayed_as_graphs_give_the_bits_of_launched_steps(checkpoints):
+    ckpt = checkpoints["llama3", "bfloat16"]
+    rng = np.random.default_rng(8)
+    prompts = random_prompts(rng, 10)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(4, 16, 10)]
+    arrivals = arrivals_of(rng, prompts, params, 10)
+    replayed, replayed_logits, _ = served(ckpt.folder, "gpu", arrivals, max_batch=10, page_size=4)
+    launched, launched_logits, _ = served(ckpt.folder, "gpu", arrivals, capture=False, max_batch=10, page_size=4)
+    for i in range(10):
+        assert replayed[i].token_ids == launched[i].token_ids
+        for pos, rows in launched_logits[i].items():
+            assert all(np.array_equal(a, b) for a, b in zip(rows, replayed_logits[i][pos])), (i, pos)
