@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
+import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
@@ -45,6 +47,8 @@ HEADS_PER_BLOCK = 8              # head_rms_norm: one warp a head
 LINEAR_WARPS = 8                 # linear: one warp an output column at a time
 MMA_WARPS = 8                    # linear_mma: a block's warps, each a slice of k
 _SUFFIX = {f32: "f32", bf16: "bf16", f16: "f16"}
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -301,6 +305,8 @@ class GpuDevice(CpuDevice):
         check(driver.cuCtxSynchronize(), "uploading the weights")   # (copied on the default stream)
         self._seen: set = set()          # the (rows, kept rows) of the steps run so far
         self._graphs: "OrderedDict" = OrderedDict()   # (rows, kept rows) -> the step's program as a CUDA graph
+        self._uncaptured: set = set()    # the shapes whose capture failed
+        self.replays = 0                 # steps run as graph replays
 
     # ---- what the rules use
 
@@ -364,9 +370,10 @@ class GpuDevice(CpuDevice):
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
+            self.replays += 1
             self._check(self._driver.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
             logits = self._logits_of(key)
-        elif key in self._seen and self.capture:
+        elif key in self._seen and self.capture and key not in self._uncaptured:
             logits = self._capture(key)
         else:
             self._seen.add(key)
@@ -431,14 +438,33 @@ class GpuDevice(CpuDevice):
 
     def _capture(self, key: tuple) -> Optional[Operand]:
         """Capture the program for `key` as a graph, keep it (the least recently used goes past
-        MAX_GRAPHS) and launch it."""
+        MAX_GRAPHS) and launch it. A capture that fails leaves the shape to run launched."""
+        from mdsl.gpu.driver import CudaError, error_text
+
         d, check = self._driver, self._check
-        check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-              "cuStreamBeginCapture")
+        collecting = gc.isenabled()
+        # no collection meanwhile: one could free a closed engine's device memory, on the default stream,
+        # inside this thread's capture
+        gc.disable()
         try:
-            logits = self._run_program(*key)
+            check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                  "cuStreamBeginCapture")
+            try:
+                logits, failure = self._run_program(*key), None
+            except CudaError as e:
+                logits, failure = None, e
+            err, captured = d.cuStreamEndCapture(self._stream)
         finally:
-            captured = check(d.cuStreamEndCapture(self._stream), "cuStreamEndCapture")
+            if collecting:
+                gc.enable()
+        if failure is not None or err != d.CUresult.CUDA_SUCCESS:
+            if captured:
+                d.cuGraphDestroy(captured)
+            self._seen.discard(key)
+            self._uncaptured.add(key)
+            _log.warning("the GPU serving device could not capture a step of %d rows as a CUDA graph (%s); its "
+                         "steps run launched", key[0], failure or error_text(err))
+            return self._run_program(*key)
         graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
         check(d.cuGraphDestroy(captured), "cuGraphDestroy")
         self._graphs[key] = graph

@@ -41,13 +41,16 @@ def arrivals_of(rng, prompts: list, params: list, steps: int) -> dict:
 
 def served(folder: str, device: str, arrivals: dict, capture: bool = True, **kwargs) -> tuple:
     """(key -> RequestOutput, key -> {position: [logits rows]}, peak running) of `arrivals` driven step by step
-    (on the GPU, with steps replayed as CUDA graphs or not)."""
+    (on the GPU, with steps replayed as CUDA graphs or not: none fails to capture)."""
     with LLM(folder, device=device, **kwargs) as llm:
         llm.device.record_logits = True
         llm.device.capture = capture
         handles = drive(llm, arrivals)
         outputs = {k: h.result() for k, h in handles.items()}
         logits = {k: llm.device.logits.pop(out.request_id) for k, out in outputs.items()}
+        if device == "gpu":
+            assert not llm.device._uncaptured
+            assert (llm.device.replays > 0) == capture
         return outputs, logits, llm.stats().peak_running
 
 
