@@ -20,9 +20,10 @@ table):
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
 
-A missing input gives its section a line saying so (OPTIONAL ones: a benchmark that has not run yet). Floors are the roofline of the H200 that the cost
-model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25 TB/s copy rate, flops over 750 TFLOP/s.
-`headlines()` gives the figures the README states; tests/test_docs.py holds the README to them.
+A missing input gives its section a line saying so (OPTIONAL ones: a benchmark that has not run yet). Floors
+are the roofline of the H200 that the cost model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25
+TB/s copy rate, flops over 750 TFLOP/s. `headlines()` gives the figures the README states; tests/test_docs.py
+holds the README to them.
 """
 from __future__ import annotations
 
@@ -278,7 +279,8 @@ def torch_compile_section(data: Optional[dict]) -> list:
     lines += [run_line(meta), "",
               f"transformers' Qwen3ForCausalLM of Qwen3-0.6B's shapes ({meta.get('layers', '?')} layers, random bf16 "
               f"weights), batch 1, torch {meta.get('torch', '?')}: ms per call, host time included (median of "
-              f"{meta.get('samples', '?')} samples of {meta.get('batch', '?')} back-to-back calls between CUDA events), "
+              f"{meta.get('samples', '?')} samples of {meta.get('batch', '?')} back-to-back calls between CUDA "
+              "events), "
               "each contender compiled in the same process on the same inputs; speed-up: Inductor's default "
               "mode's time over the contender's; L2 error: the logits against eager's. mdsl: "
               "`torch.compile(backend=\"mdsl\")`, its calls replaying a CUDA graph (mdsl-no-graphs: without).", ""]

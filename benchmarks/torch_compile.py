@@ -1,8 +1,8 @@
 """torch.compile on a transformers Qwen3-0.6B-shaped model (random bf16 weights): eager against Inductor's
 modes and the "mdsl" backend, for one decode step and one prefill.
 
-    python benchmarks/torch_compile.py [--layers 28] [--contenders eager,inductor,...] [--budget 20]
-                                       [--work 400] [--time-limit 480] [--out DIR]
+    python benchmarks/torch_compile.py [--layers 28] [--contenders eager,inductor,...] [--budget 120]
+                                       [--work 20000] [--time-limit 480] [--out DIR]
     python benchmarks/torch_compile.py --plans-only [--layers 2]   # no GPU: search the regions' plans
 
 The model is transformers' `Qwen3ForCausalLM` built from a config written here (Qwen3-0.6B's shapes: hidden
@@ -43,8 +43,10 @@ mdsl's plans come from the plan cache (`MDSL_CACHE_DIR`; unset: a fresh director
 plan is missing, from a search on the machine (16 CPU cores on the H200: the search needs z3; without it
 a region runs its traced program unoptimized, and the notes say so). `--plans-only` fills the cache
 without a GPU: it compiles both workloads with the mdsl backend on CPU tensors (the regions on the
-reference interpreter) and searches each distinct region's plan with the same configuration; regions
-alike share a plan, so two layers give every distinct region of 28.
+reference interpreter), searches each distinct region's plan with the same configuration and compiles
+it into the cubin cache (NVRTC, no GPU needed); regions alike share a plan, so two layers give every
+distinct region of 28. Carry that cache to the GPU machine with the same --budget, --work, --context
+and --batch (they shape the regions' programs and key their plans).
 
 Writes torch_compile.json (with `provenance.py`'s meta) and torch_compile.md under --out (default $OUT,
 else ./bench_out), after every contender; prints the table.
@@ -64,7 +66,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
@@ -96,8 +98,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     p.add_argument("--batch", type=int, default=8, help="back-to-back calls per timed sample")
     p.add_argument("--samples", type=int, default=30, help="timed samples per contender")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds a region's plan search may take at most")
-    p.add_argument("--work", type=int, default=400, help="a region search's work budget (SearchConfig.work)")
+    p.add_argument("--budget", type=float, default=120.0, help="seconds a region's plan search may take at most")
+    p.add_argument("--work", type=int, default=20_000, help="a region search's work budget (SearchConfig.work)")
     p.add_argument("--time-limit", type=float, default=480.0,
                    help="seconds from the start after which no contender starts (it is recorded as skipped)")
     p.add_argument("--plans-only", action="store_true",
@@ -107,8 +109,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.contenders = _names(args.contenders, CONTENDERS, "contender")
     args.workloads = _names(args.workloads, WORKLOADS, "workload")
-    if args.batch < WARMUP_CALLS:
-        p.error(f"--batch must be at least {WARMUP_CALLS}: the cache holds --context + --batch positions")
+    if min(args.batch, args.samples, args.layers, args.context, args.prefill) < 1:
+        p.error("--batch, --samples, --layers, --context and --prefill must be at least 1")
     return args
 
 
@@ -491,16 +493,34 @@ def run_plans_only(args, torch, transformers) -> dict:
             seen.add(region.op)
             start = time.perf_counter()
             plan = region.kernel.optimize(*region.specs)
-            rows.append({"workload": name, "region": str(region.op), "aten_ops": len(region.aten_ops),
-                         "kernels_before": plan.original_cost.launches, "kernels_after": plan.cost.launches,
-                         "estimate_us": plan.cost.seconds * 1e6, "provisional": plan.provisional,
-                         "seconds": time.perf_counter() - start})
-            print(json.dumps(rows[-1]), flush=True)
+            row = {"workload": name, "region": str(region.op), "aten_ops": len(region.aten_ops),
+                   "kernels_before": plan.original_cost.launches, "kernels_after": plan.cost.launches,
+                   "estimate_us": plan.cost.seconds * 1e6, "provisional": plan.provisional,
+                   "search_s": time.perf_counter() - start}
+            start = time.perf_counter()
+            row["precompiled"] = precompile(plan, config.arch)
+            row["compile_s"] = time.perf_counter() - start
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     provisional = sum(r["provisional"] for r in rows)
     print(f"{len(rows)} distinct region(s) planned into {os.environ['MDSL_CACHE_DIR']}"
           + (f"; {provisional} provisional (cut by --budget: a GPU run without z3 cannot search them again)"
              if provisional else ""))
     return {"regions": rows}
+
+
+def precompile(plan, arch: str) -> str:
+    """Compile the plan's CUDA program into the cubin cache as the GPU run's first call will ("ok"), or
+    say why not (that run compiles it then)."""
+    from mdsl.errors import MdslError
+    from mdsl.gpu.generators import generator
+
+    cuda = generator("cuda")
+    try:
+        cuda.compile(cuda.emit(plan.graph, arch=arch), arch)
+    except MdslError as e:
+        return _first_line(e)
+    return "ok"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
