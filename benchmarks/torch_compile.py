@@ -36,7 +36,7 @@ bf16 weights upcast); a contender passes where its L2 error is within max(2e-2, 
 --samples batches of --batch back-to-back calls between two CUDA events, as a user calls the model (host
 time included), after the warm-up; the median per call is reported, with the 10th and 90th percentiles.
 A contender that fails is recorded with its error and the others still run; one that would start after
---time-limit seconds is recorded as skipped. Order: decode and prefill of eager, inductor and mdsl first,
+--time-limit seconds is recorded as skipped, and one still running when the run is killed as cut. Order: decode and prefill of eager, inductor and mdsl first,
 then max-autotune, reduce-overhead and mdsl-no-graphs.
 
 mdsl's plans come from the plan cache (`MDSL_CACHE_DIR`; unset: a fresh directory) or, where a region's
@@ -450,6 +450,8 @@ def run_gpu(args, torch, transformers, started: float) -> dict:
                                                             f"{args.time_limit:g} s"}
                 continue
             print(f"== {workload} / {name} (at {elapsed:.0f} s)", flush=True)
+            entry[name] = {"status": "cut", "error": f"started at {elapsed:.0f} s; the run ended before it finished"}
+            write_outputs(results, args.out)   # what a run killed now leaves
             try:
                 rec = measure(torch, workloads[workload], name, model, references[workload], args)
                 rec["status"] = verdict(rec, results["workloads"][workload]["bf16_floor"])
