@@ -15,13 +15,15 @@ table):
     docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
+    docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
 
-A missing input gives its section a line saying so. Floors are the roofline of the H200 that the cost
-model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25 TB/s copy rate, flops over 750 TFLOP/s.
-`headlines()` gives the figures the README states; tests/test_docs.py holds the README to them.
+A missing input gives its section a line saying so (OPTIONAL ones: a benchmark that has not run yet). Floors
+are the roofline of the H200 that the cost model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25
+TB/s copy rate, flops over 750 TFLOP/s. `headlines()` gives the figures the README states; tests/test_docs.py
+holds the README to them.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
+#: inputs whose section says so while their benchmark has not run yet
+OPTIONAL = ("torch_compile",)
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -55,7 +59,7 @@ def load_results(results: Path = RESULTS) -> dict:
     """Input name -> its parsed JSON (None where the file is missing); "random_programs": the runs of
     benchmarks/random_programs.py, one file per seed, in seed order."""
     out = {}
-    for name in INPUTS:
+    for name in INPUTS + OPTIONAL:
         path = results / f"{name}.json"
         out[name] = json.loads(path.read_text()) if path.exists() else None
     runs = [json.loads(p.read_text()) for p in results.glob("random_programs_seed*.json")]
@@ -267,6 +271,38 @@ def call_section(data: Optional[dict]) -> list:
     return lines
 
 
+def torch_compile_section(data: Optional[dict]) -> list:
+    lines = ["## torch.compile: the mdsl backend against Inductor", ""]
+    if data is None:
+        return lines + ["No results: `benchmarks/torch_compile.py` has not run into docs/results/ yet.", ""]
+    meta = data.get("meta") or {}
+    lines += [run_line(meta), "",
+              f"transformers' Qwen3ForCausalLM of Qwen3-0.6B's shapes ({meta.get('layers', '?')} layers, random bf16 "
+              f"weights), batch 1, torch {meta.get('torch', '?')}: ms per call, host time included (median of "
+              f"{meta.get('samples', '?')} samples of {meta.get('batch', '?')} back-to-back calls between CUDA "
+              "events), "
+              "each contender compiled in the same process on the same inputs; speed-up: Inductor's default "
+              "mode's time over the contender's; L2 error: the logits against eager's. mdsl: "
+              "`torch.compile(backend=\"mdsl\")`, its calls replaying a CUDA graph (mdsl-no-graphs: without).", ""]
+    rows = []
+    for workload, w in (data.get("workloads") or {}).items():
+        base = (w.get("contenders", {}).get("inductor") or {}).get("ms")
+        for name, c in (w.get("contenders") or {}).items():
+            ms = c.get("ms")
+            rows.append([workload, name, f"{ms:.3f}" if ms else "-", _times(base / ms) if base and ms else "-",
+                         f"{c['compile_s']:.1f}" if "compile_s" in c else "-",
+                         f"{c['l2_rel_err']:.1e}" if c.get("l2_rel_err") is not None else "-",
+                         {True: "yes", False: "no"}.get(c.get("argmax_match"), "-"),
+                         c.get("status", "-") if c.get("status") != "error" else
+                         "error: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
+    lines += _table(["workload", "contender", "ms", "speed-up", "compile s", "L2 error", "argmax", "verdict"], rows,
+                    right=2, last_left=True) + [""]
+    lines += [f"{workload}: {w.get('what', '')}; bf16's own L2 error (eager against float32) "
+              f"{w['bf16_floor']:.1e}." if w.get("bf16_floor") is not None else f"{workload}: {w.get('what', '')}."
+              for workload, w in (data.get("workloads") or {}).items()] + [""]
+    return lines
+
+
 def decode_section(data: Optional[dict]) -> list:
     lines = ["## Decode: the megakernel against PyTorch", ""]
     if data is None:
@@ -442,6 +478,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += random_programs_section(results.get("random_programs") or [])
     lines += gemm_section(results.get("gemm"))
     lines += call_section(results.get("call_overhead"))
+    lines += torch_compile_section(results.get("torch_compile"))
     lines += tried_section(tried_rows(docs))
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -459,8 +459,17 @@ def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
         v = a.node.outputs[0]
         nodes2.extend(rule.combine(b, a, tile_of, f"{v.name}_total"))
         totals[v.name] = nodes2[-1].outputs[0]
+    widened: dict = {}   # an operand of another float dtype than a total's, cast to f32 once
     for n in post_nodes:
-        nodes2.append(_retyped(n, [totals.get(v.name, v) for v in n.inputs]))
+        inputs = [totals.get(v.name, v) for v in n.inputs]
+        if any(u.type.dtype == f32 for u in inputs):
+            for k, u in enumerate(inputs):
+                if u.type.dtype != f32 and u.type.dtype.is_float:
+                    if u.name not in widened:
+                        nodes2.append(_cast_node(u, f32, f"{u.name}_f32"))
+                        widened[u.name] = nodes2[-1].outputs[0]
+                    inputs[k] = widened[u.name]
+        nodes2.append(_retyped(n, inputs))
         totals[n.outputs[0].name] = nodes2[-1].outputs[0]
     outputs2 = []
     for v, kv in zip(outs, graph.outputs):

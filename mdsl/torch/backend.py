@@ -15,6 +15,14 @@ kernel is traced per size at run time, so that one compiled graph serves every b
 
 dynamo's and functorch's helpers are imported where a graph is compiled: importing this module (as
 `mdsl.torch.compiler` and `DEFAULT_SEARCH` do) loads torch but not them.
+
+An inference graph (no input needs gradients) keeps its writes to its inputs (a static KV cache's update,
+as Inductor keeps them), and where its inputs are CUDA tensors of static shapes and every input it writes
+is one of dynamo's static inputs (parameters, buffers, tensors marked with
+`torch._dynamo.mark_static_address`), its calls replay one CUDA graph of the whole compiled graph, mdsl's
+regions and Inductor's kernels together (`mdsl.torch.cuda_graphs`): a small model's decode step, hundreds
+of short kernels, then costs the host one graph launch instead of one launch per kernel.
+`compiler(cuda_graphs=False)` launches the kernels one by one, as the graph's code calls them.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import attrs
 import torch
 
 from mdsl.search.config import SearchConfig
+from mdsl.torch.cuda_graphs import graphed, mutated_inputs
 from mdsl.torch.regions import _computes_tensors, partition
 
 #: The search a region's kernel runs on its first CUDA call (the plan cache answers later ones): short,
@@ -38,17 +47,22 @@ DEFAULT_SEARCH = SearchConfig(budget_s=30.0, work=2_000)
 @attrs.frozen
 class Handoff:
     """What compiled the part of a graph that mdsl's regions leave: "inductor" or "eager" (torch's own
-    operators, with the reason in `reason`), the number of operators it got, and its compile time."""
+    operators, with the reason in `reason`), the number of operators it got, and its compile time;
+    `cuda_graph`: whether the graph's calls replay a CUDA graph, or why not (empty where its inputs are not
+    CUDA tensors or none was asked for)."""
 
     compiler: str
     ops: int
     seconds: float
     reason: str = ""
+    cuda_graph: str = ""
 
     def __str__(self) -> str:
         if self.compiler == "inductor":
-            return f"Inductor compiled {self.ops} op(s) around the regions in {self.seconds:.3g} s"
-        return f"{self.ops} op(s) run as torch's eager operators: {self.reason}"
+            text = f"Inductor compiled {self.ops} op(s) around the regions in {self.seconds:.3g} s"
+        else:
+            text = f"{self.ops} op(s) run as torch's eager operators: {self.reason}"
+        return f"{text}; {self.cuda_graph}" if self.cuda_graph else text
 
 
 def _eager(gm, example_inputs):
@@ -87,26 +101,46 @@ def _hand_off(gm, example_inputs, inductor: bool):
     return make_boxed_func(compiled), Handoff("inductor", ops, time.perf_counter() - start)
 
 
-def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True,
+def _static_inputs() -> tuple:
+    """Positions of the graph's inputs that dynamo knows to keep their addresses (parameters, buffers,
+    tensors marked static), as AOTAutograd records them for the graph being compiled."""
+    from torch._guards import TracingContext
+
+    metadata = getattr(TracingContext.try_get(), "fw_metadata", None)
+    return tuple(getattr(metadata, "static_input_indices", None) or ())
+
+
+def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True, cuda_graphs: bool = True,
              on_graph: Optional[Callable] = None) -> Callable:
     """A dynamo backend whose regions are searched with `search` (default `DEFAULT_SEARCH`) and whose
     other operators Inductor compiles (`inductor=False`: torch's eager operators run them, which skips
-    Inductor's C++/Triton compile); `on_graph(partitioned)` sees each aten graph's
-    `mdsl.torch.regions.Partitioned` with its `Handoff` (what `explain` reads).
+    Inductor's C++/Triton compile); an inference graph on CUDA tensors replays a CUDA graph where that
+    computes what its calls compute (`cuda_graphs=False`: never); `on_graph(partitioned)` sees each aten
+    graph's `mdsl.torch.regions.Partitioned` with its `Handoff` (what `explain` reads).
     `torch.compile(model, backend="mdsl")` is `compiler()`."""
     config = DEFAULT_SEARCH if search is None else search
 
-    def forward(gm, example_inputs):
+    def forward(gm, example_inputs, inference: bool = False):
+        # read first: Inductor's own AOTAutograd pass replaces the tracing context's metadata
+        static = _static_inputs() if inference and cuda_graphs else ()
         partitioned = partition(gm, config)
+        written = mutated_inputs(partitioned.module.graph)   # before Inductor, which may rewrite the graph
         compiled, handoff = _hand_off(partitioned.module, example_inputs, inductor)
+        if inference and cuda_graphs:
+            compiled, note = graphed(compiled, example_inputs, static, written)
+            handoff = attrs.evolve(handoff, cuda_graph=note)
         if on_graph is not None:
             on_graph(attrs.evolve(partitioned, handoff=handoff))
         return compiled
 
+    def inference(gm, example_inputs):
+        return forward(gm, example_inputs, inference=True)
+
     def backend(gm, example_inputs, **kwargs):
         from torch._dynamo.backends.common import aot_autograd
 
-        return aot_autograd(fw_compiler=forward, bw_compiler=_eager)(gm, example_inputs, **kwargs)
+        return aot_autograd(fw_compiler=forward, bw_compiler=_eager, inference_compiler=inference,
+                            keep_inference_input_mutations=True)(gm, example_inputs, **kwargs)
 
     return backend
 

@@ -1,7 +1,8 @@
 """mdsl inside PyTorch on a GPU: a kernel as a torch custom operator called on CUDA tensors, captured in a
 torch.cuda.graph and replayed on new data, and on a side stream of torch's; torch.compile(backend="mdsl")
 on a hand-written MLP and a transformers Llama decoder layer (tiny, random weights) on CUDA tensors,
-compared with eager, and one compiled graph of the MLP serving batch sizes 1 to 64."""
+compared with eager, one compiled graph of the MLP serving batch sizes 1 to 64, and a tiny transformers
+Qwen3's decode steps on a static KV cache replaying the backend's CUDA graph, new tokens each step."""
 from __future__ import annotations
 
 import pytest
@@ -136,3 +137,43 @@ def test_one_compiled_graph_serves_every_batch_size_on_cuda_tensors(torch):
     (graph,) = graphs
     (region,) = graph.regions
     assert {key[0] for key in region.calls} == set(sizes) and not region.replays
+
+
+def test_a_qwen3_decode_step_replays_a_cuda_graph_and_matches_eager_step_after_step(torch, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the model comes from transformers")
+    import mdsl.torch
+
+    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3ForCausalLM(config)
+    model = model.to(torch.bfloat16).eval()
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(graph), replay(graph))[1])
+    caches = [transformers.StaticCache(config=config, max_cache_len=32) for _ in range(2)]
+    graphs: list = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=mdsl.torch.compiler(SEARCH, on_graph=graphs.append), fullgraph=True)
+    kept = []
+    with torch.no_grad():
+        prompt = torch.randint(0, 256, (1, 16), device="cuda")
+        for cache in caches:   # the same context in both caches, filled eagerly
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for step in range(6):   # a new token each step: the graph's copy of the input changes
+            token = torch.randint(0, 256, (1, 1), device="cuda")
+            want = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+            got = compiled(input_ids=token, past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+            kept.append((got, want))
+        for got, want in kept:   # a later replay leaves the results of earlier steps as they were
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+        for eager, ours in zip(caches[0].layers, caches[1].layers):   # the graph wrote the cache in place
+            assert int(ours.cumulative_length) == int(eager.cumulative_length) == 22
+            torch.testing.assert_close(ours.keys, eager.keys, rtol=5e-2, atol=5e-2)
+            torch.testing.assert_close(ours.values, eager.values, rtol=5e-2, atol=5e-2)
+    (graph,) = graphs
+    assert graph.handoff.cuda_graph == "its calls replay a CUDA graph"
+    assert len(replays) == 4   # steps 3 to 6 (the first compiles, the second warms the graph's stream)

@@ -110,3 +110,24 @@ def test_an_f32_program_squares_without_a_cast():
     (want,) = run_kernel_graph(rnl32.graph, inputs, precision="float64")
     (got,) = run_kernel_graph(candidate, inputs, precision="float64")
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12
+
+
+def test_a_split_total_beside_an_operand_of_the_programs_dtype_is_widened_not_refused():
+    # RMSNorm's tail as transformers writes it: the norm in f32, cast to bf16, times a bf16 weight; split
+    # over the mean's dim, the combine's f32 values meet the bf16 weight, which is cast up to f32 to meet them
+    import mdsl
+    from mdsl import Tensor, bf16, f32
+
+    @mdsl.kernel
+    def norm_tail(squares: Tensor[1, 1, 1024, f32], x: Tensor[1, 1, 1024, f32], weight: Tensor[1024, bf16]):
+        return weight * mdsl.cast(x * mdsl.rsqrt(mdsl.mean(squares, dim=2, keepdim=True) + 1e-6), bf16)
+
+    graph = norm_tail.graph
+    labels = Labels(graph)
+    candidate = lift(graph, Choice((), labels.label(graph.inputs[0].name, 2), forloop=64, split=2), labels)
+    validate_kernel_graph(candidate)
+    rng = np.random.default_rng(3)
+    inputs = [rng.random(v.shape) + 0.5 for v in graph.inputs]
+    (want,) = run_kernel_graph(graph, inputs, precision="float64")
+    (got,) = run_kernel_graph(candidate, inputs, precision="float64")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12

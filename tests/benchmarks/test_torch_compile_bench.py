@@ -1,0 +1,94 @@
+"""benchmarks/torch_compile.py without a GPU: its options, the order contenders run in, the verdict on a
+contender's error, its table and docs/performance.md's section, and the decode workload's step set back to
+its position (a tiny transformers Qwen3 on CPU tensors)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import report
+from benchmarks import torch_compile as bench
+
+
+def test_the_defaults_are_the_acceptance_run():
+    args = bench.parse_args([])
+    assert (args.layers, args.context, args.prefill) == (28, 512, 512)
+    assert args.contenders == list(bench.CONTENDERS) and args.workloads == ["decode", "prefill"]
+    assert bench.parse_args(["--contenders", "mdsl,eager", "--workloads", "prefill"]).contenders == ["mdsl", "eager"]
+    with pytest.raises(SystemExit, match="unknown contender"):
+        bench.parse_args(["--contenders", "tensorrt"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "0"])
+
+
+def test_the_comparison_runs_first_and_eager_leads_each_workload():
+    order = bench.schedule(["decode", "prefill"], list(bench.CONTENDERS))
+    assert order[:6] == [("decode", "eager"), ("decode", "inductor"), ("decode", "mdsl"),
+                         ("prefill", "eager"), ("prefill", "inductor"), ("prefill", "mdsl")]
+    assert sorted(order) == sorted((w, c) for w in ("decode", "prefill") for c in bench.CONTENDERS)
+    # eager's logits are the reference: its step is scheduled even where it is not timed
+    assert bench.schedule(["prefill"], ["mdsl"]) == [("prefill", "eager"), ("prefill", "mdsl")]
+
+
+def test_a_contender_passes_within_bf16s_tolerance():
+    assert bench.verdict({"l2_rel_err": 1e-2, "finite": True}, floor=3e-3) == "ok"
+    assert bench.verdict({"l2_rel_err": 3e-2, "finite": True}, floor=3e-3) == \
+        "wrong: L2 relative error 3.00e-02 over 2.0e-02"
+    assert bench.verdict({"l2_rel_err": 3e-2, "finite": True}, floor=2e-2) == "ok"   # bf16's own error is larger
+    assert bench.verdict({"l2_rel_err": 0.0, "finite": False}, floor=None) == "wrong: non-finite logits"
+
+
+def _results() -> dict:
+    ok = {"status": "ok", "ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.2, "compile_s": 40.0, "max_abs_err": 0.02,
+          "max_rel_err": 0.004, "l2_rel_err": 0.006, "argmax_match": True, "fullgraph": True}
+    return {"schema": 1, "meta": {"date": "2026-12-03T00:00:00+00:00", "command": "benchmarks/torch_compile.py",
+                                  "mdsl_commit": "abcdef1", "gpu": {"name": "NVIDIA H200"}, "layers": 28,
+                                  "samples": 30, "batch": 8, "torch": "2.11.0", "transformers": "5.17.0"},
+            "workloads": {"decode": {"what": "one token", "bf16_floor": 3e-3, "contenders": {
+                "eager": {**ok, "ms": 8.0}, "inductor": ok,
+                "mdsl": {**ok, "ms": 0.5, "mdsl": {"graphs": 1, "regions": 57, "distinct_regions": 5,
+                                                   "region_ops": 900, "left_to_torch": 200, "replays": 0,
+                                                   "handoffs": ["Inductor compiled 200 op(s) around the regions "
+                                                                "in 30 s; its calls replay a CUDA graph"]}},
+                "max-autotune": {"status": "error", "error": "RuntimeError: out of | memory"},
+                "reduce-overhead": {"status": "skipped", "error": "not started: 500 s past"}}}}}
+
+
+def test_the_table_shows_times_speed_ups_errors_and_what_went_wrong():
+    table = bench.markdown(_results())
+    lines = table.splitlines()
+    assert "| inductor | 2.000 | 1.900–2.200 | 1.00× | 40.0 | 2.0e-02 | 4.0e-03 | 6.0e-03 | yes | ok |  |" in lines
+    mdsl_row = next(line for line in lines if line.startswith("| mdsl |"))
+    assert "| 4.00× |" in mdsl_row and "57 regions (5 distinct)" in mdsl_row and "replay a CUDA graph" in mdsl_row
+    error_row = next(line for line in lines if line.startswith("| max-autotune |"))
+    assert "| — | — | — |" in error_row and "out of \\| memory" in error_row
+    assert "bf16's own error (eager bf16 against float32, L2): 3.0e-03" in table
+
+
+def test_the_performance_page_has_the_section_with_or_without_results():
+    missing = report.torch_compile_section(None)
+    assert missing[0] == "## torch.compile: the mdsl backend against Inductor" and "has not run" in missing[2]
+    text = "\n".join(report.torch_compile_section(_results()))
+    assert text.count("\nRun: 2026-12-03, NVIDIA H200, commit `abcdef1`") == 1
+    assert "| decode | mdsl | 0.500 | 4.00× | 40.0 | 6.0e-03 | yes | ok |" in text
+    assert "| decode | max-autotune | - | - | - | - | - | error: RuntimeError: out of \\| memory |" in text
+    assert "decode: one token; bf16's own L2 error (eager against float32) 3.0e-03." in text
+
+
+def test_the_decode_step_is_set_back_to_its_position():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval().to(torch.bfloat16)
+    decode = bench.Decode(torch, transformers, model, context=10, calls=3)
+    assert decode.length == 13 and decode.cache.layers[0].keys.shape[2] == 13
+    with torch.no_grad():
+        decode.reset()
+        first = decode.call(model)
+        second = decode.call(model)   # the next position: another step
+        decode.reset()
+        again = decode.call(model)
+    assert [int(layer.cumulative_length) for layer in decode.cache.layers] == [11, 11]
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert not torch.equal(second, first)
