@@ -16,6 +16,7 @@ table):
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
+    docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
@@ -47,7 +48,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile",)
+OPTIONAL = ("torch_compile", "serve")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -303,6 +304,34 @@ def torch_compile_section(data: Optional[dict]) -> list:
     return lines
 
 
+def serve_section(data: Optional[dict]) -> list:
+    lines = ["## Serving many requests on the GPU", ""]
+    if data is None:
+        return lines + ["No results: `benchmarks/serve.py` has not run into docs/results/ yet.", ""]
+    model = MODEL_NAMES.get(data.get("model"), data.get("model"))
+    lines += [run_line(data.get("meta")), "",
+              f"`LLM(device=\"gpu\")` on {model}'s shapes (random bf16 weights): the host scheduler, one kernel "
+              "per layer op over the step's rows, steps of a repeated shape replayed as CUDA graphs. Decode step "
+              "time while every request of the batch decodes at the context; the floor is the weights plus "
+              "every request's cached keys and values (float32, as the device keeps them) over 4.25 TB/s.", ""]
+    rows = [[d["batch"], d["context"], f"{d['step_s'] * 1e3:.2f}", f"{d['floor_s'] * 1e3:.3f}",
+             _percent(d["floor_s"] / d["step_s"]), f"{d['batch'] / d['step_s']:.0f}"] for d in data.get("decode") or []]
+    if rows:
+        lines += _table(["batch", "context", "step ms", "floor ms", "of floor", "tokens/s"], rows) + [""]
+    runs = data.get("runs") or []
+    if runs:
+        lines += ["Whole runs (seeded prompt and output lengths; `offline`: all submitted at once, `online R/s`: "
+                  "Poisson arrivals): output tokens per second, time to first token (TTFT) and per output token "
+                  "(TPOT); `short`: requests that streamed fewer tokens than asked.", ""]
+        lines += _table(["run", "requests", "output tokens", "wall s", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+                         "TPOT p50 ms", "TPOT p99 ms", "short"],
+                        [[r["run"], r["requests"], r["output_tokens"], f"{r['wall_s']:.1f}",
+                          f"{r['output_tokens_per_s']:.0f}",
+                          *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
+                          r["short"]] for r in runs]) + [""]
+    return lines
+
+
 def decode_section(data: Optional[dict]) -> list:
     lines = ["## Decode: the megakernel against PyTorch", ""]
     if data is None:
@@ -455,6 +484,12 @@ def headlines(results: dict) -> dict:
     search = results.get("search_times")
     if search:
         h["search_longest"] = f"{max(r['seconds'] for r in search['rows']):.1f} s"
+    serve = results.get("serve")
+    if serve and serve.get("decode"):
+        steps = sorted(serve["decode"], key=lambda d: d["batch"])
+        h["serve_step_one"] = f"{steps[0]['step_s'] * 1e3:.1f} ms"
+        h["serve_step_most"] = f"{steps[-1]['step_s'] * 1e3:.1f} ms"
+        h["serve_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
     return h
 
 
@@ -479,6 +514,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += call_section(results.get("call_overhead"))
     lines += torch_compile_section(results.get("torch_compile"))
+    lines += serve_section(results.get("serve"))
     lines += tried_section(tried_rows(docs))
     return "\n".join(lines).rstrip("\n") + "\n"
 
