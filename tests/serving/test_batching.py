@@ -189,3 +189,22 @@ def test_max_batch_bounds_the_requests_running_together(checkpoints):
         assert max(running) == 3 == llm.stats().peak_running
     reference = ckpt.reference()
     assert [h.result().token_ids for h in handles] == [reference.generate(p, 5).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("damage", ["duplicate", "lost", "out of range"])
+def test_a_damaged_page_pool_stops_the_device(checkpoints, damage):
+    from mdsl.serving.params import ServingError
+
+    with LLM(checkpoints["llama3"].folder, max_batch=2, page_size=4) as llm:
+        llm.device.hold()
+        state = llm.device.state
+        free = state["free_pages"]
+        if damage == "duplicate":
+            free[0] = free[1]
+        elif damage == "lost":
+            state["pool"]["free_count"] = int(state["pool"]["free_count"][0]) - 1
+        else:
+            free[0] = llm.shape.num_pages
+        with pytest.raises(ServingError, match="lost or duplicated"):
+            llm.device.step()
+        llm.device.resume()          # the device thread finds the damage too, and stops
