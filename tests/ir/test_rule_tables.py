@@ -49,6 +49,7 @@ from mdsl.passes.layout import SCRATCH_RULES
 from mdsl.passes.verify import verify
 from mdsl.search.dims import DIMS_RULES
 from mdsl.search.guided import LIFT_RULES, SPLIT_RULES
+from mdsl.serving.gpu import GPU_STEP_RULES
 from mdsl.serving.steprules import STEP_RULES
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx import simulator
@@ -59,7 +60,7 @@ OPERATOR_TABLES = (ABSTRACT_RULES, FIELD_RULES, SCRATCH_RULES, ROW_RULES, STREAM
                    CUDA_ROW_RULES, CUDA_STREAMED_RULES, PTX_RULES, PTX_ROW_RULES, PTX_STREAMED_RULES, TORCH_RULES,
                    DIMS_RULES, LIFT_RULES, SPLIT_RULES)
 LAYER_TABLES = (EPILOGUE_RULES, FUSION_RULES, TASK_RULES, TASK_BODIES, DEVICE_RULES, CUDA_TASK_RULES, SHARD_RULES,
-                COLLECTIVE_RULES, STEP_RULES)
+                COLLECTIVE_RULES, STEP_RULES, GPU_STEP_RULES)
 
 
 def test_every_table_is_checked_here():
