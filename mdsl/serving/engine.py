@@ -180,8 +180,9 @@ def _positive(name: str, value, hint: str) -> int:
 
 
 class LLM:
-    """A serving engine over a Llama-3 or Qwen3 checkpoint folder (config.json, *.safetensors, and
-    optionally generation_config.json for the EOS tokens and tokenizer.json for text prompts).
+    """A serving engine over a Llama-3, Qwen3, Qwen2, Mistral, Phi-3 or Gemma-2 checkpoint folder (config.json,
+    *.safetensors, and optionally generation_config.json for the EOS tokens and tokenizer.json for text
+    prompts).
 
     max_batch: requests in flight on the device at once (running, or preempted and waiting to recompute).
     page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default

@@ -34,7 +34,7 @@ import numpy as np
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.ir.rules import RuleTable
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS, rope_cos_sin
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope_cos_sin
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.serving.cpu import CpuDevice
 from mdsl.serving.protocol import kv_pool_shape
@@ -178,13 +178,15 @@ def _attention(xs, outs, a, b):
     dev.launch("kv_append", (b.rows,), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
+    options = attention_options(a)
     dev.launch(f"attention_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
                [_p(outs[0]), _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
-                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), ctypes.c_float(1.0 / np.sqrt(d)),
-                ctypes.c_float(0.0), *_ints(0)])
+                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d),
+                ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"]),
+                *_ints(a.get("window", 0))])
 
 
-_ACTIVATIONS = {"silu": 0}
+_ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)
 
 
 def _act_mul(xs, outs, a, b):
@@ -193,6 +195,18 @@ def _act_mul(xs, outs, a, b):
         raise UnsupportedError(f"the GPU serving device has no kernel for the activation {a['act']!r}",
                                hint=f"its act_mul kernel computes {sorted(_ACTIVATIONS)}")
     b.device.launch("act_mul", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
+
+
+def _geglu(xs, outs, a, b):
+    b.device.launch("act_mul", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
+
+
+def _mapped(kind: int, param: str):
+    def rule(xs, outs, a, b):
+        b.device.launch("map_rows", (b.rows,), THREADS,
+                        [_p(outs[0]), _p(xs[0]), *_ints(xs[0].width, kind), ctypes.c_float(a[param])])
+
+    return rule
 
 
 def _add(xs, outs, a, b):
@@ -204,8 +218,10 @@ def _p(operand: Operand) -> ctypes.c_void_p:
 
 
 for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear, "add_bias": _add_bias,
-                   "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention, "act_mul": _act_mul,
-                   "add": _add}.items():
+                   "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention,
+                   "scaled_attention": _attention, "act_mul": _act_mul, "add": _add,
+                   "rms_norm_1p": lambda xs, outs, a, b: _rms_norm(xs, outs, a, b, one_plus=1), "geglu": _geglu,
+                   "scale": _mapped(0, "factor"), "softcap": _mapped(1, "cap")}.items():
     GPU_STEP_RULES.register(_op, _rule)
 
 

@@ -507,7 +507,8 @@ __device__ void attention(float* out, const float* qkv, const float* k_pool, con
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]; act 0: silu, 1: GELU's tanh approximation
+// act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]; act 0: silu, 1: GELU's tanh approximation (geglu),
+// 2: exact (erf) GELU
 __device__ void act_mul(float* out, const float* gu, int half, int act) {
   const long long in = (long long)blockIdx.x * 2 * half, o = (long long)blockIdx.x * half;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -515,12 +516,22 @@ __device__ void act_mul(float* out, const float* gu, int half, int act) {
     float a;
     if (act == 0) {
       a = silu(g);
-    } else {
+    } else if (act == 1) {
       const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
       a = 0.5f * g * (1.0f + tanhf(inner));
+    } else {
+      a = 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
     }
     out[o + i] = __fmul_rn(a, gu[in + half + i]);
   }
+}
+
+// an element-wise function of a row: kind 0, x * param (scaled embeddings); 1, param * tanh(x / param)
+// (soft-capped logits)
+__device__ void map_rows(float* out, const float* x, int width, int kind, float param) {
+  const long long base = (long long)blockIdx.x * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    out[base + i] = kind == 0 ? __fmul_rn(x[base + i], param) : __fmul_rn(tanhf(__fdiv_rn(x[base + i], param)), param);
 }
 
 __device__ void add(float* out, const float* x, const float* y, int width) {
@@ -591,6 +602,9 @@ ATTENTION(8)
 ATTENTION(16)
 extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
 extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
+extern "C" __global__ void map_rows(float* out, const float* x, int width, int kind, float param) {
+  serve::map_rows(out, x, width, kind, param);
+}
 extern "C" __global__ void sum_splits(float* out, const float* part, int splits, int rows, int n, int out_width,
                                       int offset) {
   serve::sum_splits(out, part, splits, rows, n, out_width, offset);

@@ -27,7 +27,8 @@ import attrs
 import numpy as np
 
 from mdsl.ir.rules import RuleTable
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attend, rms_normalize, rope_cos_sin, rotate_heads
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, rms_normalize, rope_cos_sin,
+                                              rotate_heads, window_start)
 
 
 @attrs.frozen(eq=False)
@@ -109,10 +110,12 @@ def _attention(xs, a, batch):
         keys = k_pool[table[:n]].reshape(n * ps, *k_pool.shape[2:])
         values = v_pool[table[:n]].reshape(n * ps, *v_pool.shape[2:])
         for i in range(count):
-            causal = start + i + 1                           # the prefix and the chunk's keys up to row i
+            # the prefix and the chunk's keys up to row i, from the window's start (scaled_attention's)
+            lo, causal = window_start(a, start + i), start + i + 1
             for h in range(a["kv_heads"]):
                 g = slice(h * group, (h + 1) * group)
-                out[row + i, g], _ = attend(q[row + i, g], keys[:causal, h], values[:causal, h])
+                out[row + i, g], _ = attend(q[row + i, g], keys[lo:causal, h], values[lo:causal, h],
+                                            **attention_options(a))
     return [out.reshape(out.shape[0], -1)]
 
 
@@ -128,5 +131,7 @@ def _rms_norm(xs, a, batch):
 
 for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear, "add_bias": _as_reference("add_bias"),
                    "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention,
-                   "act_mul": _as_reference("act_mul"), "add": _as_reference("add")}.items():
+                   "scaled_attention": _attention, "act_mul": _as_reference("act_mul"), "add": _as_reference("add"),
+                   "rms_norm_1p": _as_reference("rms_norm_1p"), "geglu": _as_reference("geglu"), "scale": _as_reference("scale"),
+                   "softcap": _as_reference("softcap")}.items():
     STEP_RULES.register(_op, _rule)

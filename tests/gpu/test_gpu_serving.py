@@ -1,8 +1,9 @@
-"""The GPU serving device (`LLM(..., device="gpu")`) on tiny Llama-3 and Qwen3 checkpoints (float32 and
-bfloat16 weights): its logits agree with the CPU device's (the reference's bits, which match transformers)
-within float32 rounding and its greedy tokens equal them up to a near-tie; a request's logits are
-bit-identical whatever shares its steps, when it arrives and however its prompt is chunked; seeded sampling
-repeats; a full page pool preempts and recomputes without changing a token."""
+"""The GPU serving device (`LLM(..., device="gpu")`) on tiny checkpoints (float32 and bfloat16 weights):
+for Llama-3, Qwen3, Qwen2, Mistral, Phi-3 and Gemma-2, its logits agree with the CPU device's (the
+reference's bits, which match transformers) within float32 rounding and its greedy tokens equal them up to
+a near-tie; a request's logits are bit-identical whatever shares its steps, when it arrives and however its
+prompt is chunked; seeded sampling repeats; a full page pool preempts and recomputes without changing a
+token."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,14 +19,22 @@ VOCAB = 96
 TIE = 1e-3          # a top-2 logit margin within this is a near-tie that rounding may break either way
 
 
+class Checkpoints(dict):
+    """(architecture, dtype) -> a tiny random checkpoint, written when first asked for."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, key):
+        arch, dtype = key
+        self[key] = write_checkpoint(self.factory.mktemp(f"{arch}-{dtype}"), arch, positions=320, torch_dtype=dtype)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    out = {}
-    for arch in ("llama3", "qwen3"):
-        for dtype in ("float32", "bfloat16"):
-            folder = tmp_path_factory.mktemp(f"{arch}-{dtype}")
-            out[arch, dtype] = write_checkpoint(folder, arch, positions=320, torch_dtype=dtype)
-    return out
+    return Checkpoints(tmp_path_factory)
 
 
 def random_prompts(rng, n: int, low: int = 1, high: int = 20) -> list:
@@ -55,7 +64,7 @@ def served(folder: str, device: str, arrivals: dict, capture: bool = True, **kwa
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral", "phi3", "gemma2"])
 def test_32_requests_agree_with_the_cpu_device(checkpoints, arch, dtype):
     ckpt = checkpoints[arch, dtype]
     rng = np.random.default_rng(3)
