@@ -15,7 +15,7 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.cost import kernel_costs
-from mdsl.search.partition import DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
+from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
 
@@ -113,7 +113,7 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
     if part is None:
         return "a kernel boundary the program itself draws (an operator whose results nothing reads)"
     status = part["status"]
-    if status in (UNLIFTABLE, DISCONNECTED, NO_LIFT):
+    if status in (UNLIFTABLE, DISCONNECTED, NO_LIFT, DEAR):
         return part["reason"]
     if status == SCREENED_OUT:
         return f"its fused candidates failed verification on a reduced instance: {part['reason']}"
