@@ -113,8 +113,11 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
     if part is None:
         return "a kernel boundary the program itself draws (an operator whose results nothing reads)"
     status = part["status"]
-    if status in (UNLIFTABLE, DISCONNECTED, NO_LIFT, DEAR):
+    if status in (UNLIFTABLE, DISCONNECTED, NO_LIFT):
         return part["reason"]
+    if status == DEAR:
+        ended = "the search's time cap ran out" if stats.timed_out else "the search ended"
+        return f"{ended} before the part joining them was tried: {part['reason']}"
     if status == SCREENED_OUT:
         return f"its fused candidates failed verification on a reduced instance: {part['reason']}"
     what = "time cap" if record.get("stopped") == "time" else "work budget"

@@ -223,8 +223,8 @@ class Partition:
                 part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
             elif self.max_flops is not None and estimate(program).flops > self.max_flops:
                 part.status = DEAR
-                part.reason = (f"parts dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP here) are tried "
-                               "after the cheap ones, and the search ended before they were")
+                part.reason = (f"it is dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP), so it comes "
+                               "after the cheap parts")
         self.parts[start, stop] = part
         return part
 
