@@ -5,9 +5,10 @@ the cost model and verified in parallel worker processes; the best verified ones
   With the default generators, a candidate the cost model estimates no faster than the original, or
   with more kernels, is not verified: it could never be the plan (given generators, such as the tuning
   variants', have every candidate verified).
-* Generators run in order (guided, then partition, then exhaustive: `DEFAULT_GENERATORS`); each
-  candidate admitted to verification gets the next number, and the workers take them in that order:
-  the guided generator's proposals first, cheapest first. The reduced-instance screen
+* Generators run in order (the cheap parts of a program dear to verify whole, then guided, then
+  partition, then exhaustive: `DEFAULT_GENERATORS`); each candidate admitted to verification gets
+  the next number, and the workers take them in that order: a dear program's cheap partial fusions
+  first (a search its cap cuts still has them), then the guided generator's proposals, cheapest first. The reduced-instance screen
   (`mdsl.search.screen`) rejects a wrong candidate cheaply before its full-size tests.
 * **Results do not depend on the machine's load.** What is generated depends on the work budget
   (`SearchConfig.work`: each generator's own steps, and `VERIFY_STEPS` per candidate admitted), never
@@ -82,9 +83,10 @@ from mdsl.search.stats import (DUPLICATE, ERRORS, GENERATED, INVALID, REJECTED, 
 Generator = Callable[..., Iterable[KernelGraph]]   # generate(graph, config[, stats=...])
 Progress = Union[None, bool, Callable[[SearchStats], None]]
 
-#: (config flag, module): the default generators, in order, each module's `generate`
-DEFAULT_GENERATORS = (("guided", "mdsl.search.guided"), ("partition", "mdsl.search.partition"),
-                      ("exhaustive", "mdsl.search.enumerate"))
+#: (config flag, module, function): the default generators, in order
+DEFAULT_GENERATORS = (("partition", "mdsl.search.partition", "generate_cheap"),
+                      ("guided", "mdsl.search.guided", "generate"), ("partition", "mdsl.search.partition", "generate"),
+                      ("exhaustive", "mdsl.search.enumerate", "generate"))
 
 _MAX_PENDING = 10_000   # candidates waiting for a worker; beyond it generation waits for verification
 #: Rejections of candidates of one structure (the same operators in the same kernels, under other grids
@@ -116,13 +118,13 @@ class SearchResult:
 
 
 def default_generators(config: SearchConfig) -> list:
-    """The generators that exist, of those the config enables (guided first)."""
+    """The generators that exist, of those the config enables, in `DEFAULT_GENERATORS` order."""
     out = []
-    for flag, module in DEFAULT_GENERATORS:
+    for flag, module, function in DEFAULT_GENERATORS:
         if not getattr(config, flag):
             continue
         try:
-            out.append(importlib.import_module(module).generate)
+            out.append(getattr(importlib.import_module(module), function))
         except ModuleNotFoundError as e:
             if e.name == "z3":  # e.g. a GPU machine without z3-solver: search with the other generators
                 warnings.warn(f"mdsl search: {module} needs z3-solver, which is not installed; skipping it",
@@ -317,6 +319,8 @@ class _Search:
         self.executor: Optional[cf.ProcessPoolExecutor] = None
         self.prepared = False          # the workers were asked to make the original's runs
         self._last_progress = self.start
+        self._looping = False          # inside _loop: a generator's counts may merge and submit (`_pump`)
+        self._pumping = False
 
     def run(self, generators: list) -> SearchResult:
         self.log.write("start", key=self.original.key, cost_s=self.original_cost.seconds,
@@ -343,6 +347,13 @@ class _Search:
         return self._finish()
 
     def _loop(self, stream: Iterator) -> None:
+        self._looping = True
+        try:
+            self._generate_and_verify(stream)
+        finally:
+            self._looping = False
+
+    def _generate_and_verify(self, stream: Iterator) -> None:
         generating = True
         while not self.stats.out_of_time():
             self._collect([f for f in self.in_flight if f.done()])
@@ -358,6 +369,7 @@ class _Search:
                 return
             self._report()
         self.stats.timed_out = True
+        self._collect([f for f in self.in_flight if f.done()])   # verified before the cap: it counts
         self._merge(final=True)   # what was verified counts, in admission order; the rest is cut
         for entry in (*self.pending, *self.in_flight.values()):
             self.outcomes[entry.key] = "the search's time cap ran out before it was verified"
@@ -375,9 +387,26 @@ class _Search:
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
         self.stats.elapsed_s = now - self.start
-        if self.progress is not None and (force or now - self._last_progress >= _POLL_S):
+        if force or now - self._last_progress >= _POLL_S:
             self._last_progress = now
-            self.progress(self.stats)
+            self._pump()
+            if self.progress is not None:
+                self.progress(self.stats)
+
+    def _pump(self) -> None:
+        """While a generator works between two candidates (it counts as it goes, and each count reports):
+        the finished verifications merged and the waiting candidates given to free workers, so that a
+        long enumeration neither idles the workers nor holds back what they verified. Merging and
+        submitting follow admission order wherever they happen, so the result is the same."""
+        if not self._looping or self._pumping:
+            return
+        self._pumping = True
+        try:
+            self._collect([f for f in self.in_flight if f.done()])
+            self._merge()
+            self._fill()
+        finally:
+            self._pumping = False
 
     def _finish(self) -> SearchResult:
         self.stats.done = True

@@ -15,7 +15,7 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.search.cost import kernel_costs
-from mdsl.search.partition import DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
+from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
 
@@ -115,6 +115,9 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
     status = part["status"]
     if status in (UNLIFTABLE, DISCONNECTED, NO_LIFT):
         return part["reason"]
+    if status == DEAR:
+        ended = "the search's time cap ran out" if stats.timed_out else "the search ended"
+        return f"{ended} before the part joining them was tried: {part['reason']}"
     if status == SCREENED_OUT:
         return f"its fused candidates failed verification on a reduced instance: {part['reason']}"
     what = "time cap" if record.get("stopped") == "time" else "work budget"

@@ -43,6 +43,16 @@ After the best assembly come fallbacks (the best combination without one of its 
 the verifier may accept where the best fails at full size. What the generator learned of every part
 (why it did not fuse: an op without a block-level rule, the shared memory a tile needs, a failed
 screen, the cost model, the budget) is recorded in `stats.partition` for the plan's explanation.
+
+**Cheap parts first** (`generate_cheap`, the search's first generator). Verifying a candidate costs
+what running its program at full size in the field costs: seconds per GFLOP on a CPU. A program of
+more than DEAR_FLOPS (large products) can take longer to verify whole than the search's time cap,
+and the guided generator's whole-program candidates, verified first, would then leave a cut search
+with nothing fused. For such a program the same analysis runs first over its cheap parts only (at
+most CHEAP_PART_FLOPS each: element-wise chains, norms, softmax, small products), and their best
+combination is verified part by part before any whole-program candidate: a cut search still returns
+it, and a search that runs its course ranks it with the rest. Its record stands until the full
+analysis (`generate`) records its own, which keeps the cheap assemblies and what it did not reach.
 """
 from __future__ import annotations
 
@@ -65,11 +75,15 @@ from mdsl.search.stats import SearchStats
 MAX_PART_NODES = 8
 #: A part's cheapest lifted candidates kept for the combination.
 PART_CANDIDATES = 4
-#: Work steps one reduced-instance screen costs (of the SCREEN_WORK allowance: the screens have their own,
-#: so that an analysis that spends the "partition" allowance, one step per choice lifted, still has the
-#: parts it found screened and combined).
+#: Work steps one reduced-instance screen costs (of the "partition screens" allowance: the screens have
+#: their own, so that an analysis that spends the "partition" allowance, one step per choice lifted, still
+#: has the parts it found screened and combined).
 SCREEN_STEPS = 20
-SCREEN_WORK = "partition screens"
+#: A program of more floating-point work than this is dear to verify whole (a full-size test runs it in the
+#: field: seconds per GFLOP on a CPU); its cheap parts are fused and verified first (`generate_cheap`).
+DEAR_FLOPS = 2 ** 30
+#: A part of at most this much floating-point work is cheap to verify.
+CHEAP_PART_FLOPS = DEAR_FLOPS // 8
 #: Assemblies yielded after the best, each without one of its fused parts.
 FALLBACKS = 2
 #: The splits of a part's loop label across blocks: at most this many (parts are searched many at a time).
@@ -78,8 +92,8 @@ PART_MAX_SPLIT = 16
 _UNSCREENED = "not screened"   # a candidate's screen verdict when the budget ended first
 
 # what the record says of a part
-FUSED, UNLIFTABLE, DISCONNECTED, NO_LIFT, SCREENED_OUT, NOT_TRIED = (
-    "fused", "unliftable", "disconnected", "no lift", "screened out", "not tried")
+FUSED, UNLIFTABLE, DISCONNECTED, NO_LIFT, SCREENED_OUT, NOT_TRIED, DEAR = (
+    "fused", "unliftable", "disconnected", "no lift", "screened out", "not tried", "dear")
 
 
 @attrs.define
@@ -171,9 +185,13 @@ def _connected(nodes) -> bool:
 class Partition:
     """One program's parts, their candidates and the best combination (see the module docstring)."""
 
-    def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats):
+    def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats, *,
+                 max_flops: Optional[int] = None, work: str = "partition"):
+        """`max_flops`: parts of more floating-point work are left out (`generate_cheap`); `work`: the
+        work allowance its liftings spend (its screens spend `work` + " screens")."""
         graph = ordered(graph)
         self.graph, self.config, self.stats = graph, config, stats
+        self.max_flops, self.work, self.screen_work = max_flops, work, f"{work} screens"
         self.n = len(graph.nodes)
         self.single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
         self.parts: dict = {}
@@ -203,12 +221,16 @@ class Partition:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
             elif not _connected(nodes):
                 part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
+            elif self.max_flops is not None and estimate(program).flops > self.max_flops:
+                part.status = DEAR
+                part.reason = (f"it is dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP), so it comes "
+                               "after the cheap parts")
         self.parts[start, stop] = part
         return part
 
     def _lift(self, part: _Part) -> None:
         wrapped, program = part.wrapped, part.program
-        result = lift_all(program if wrapped is None else wrapped.core, self.config, self.stats, work="partition",
+        result = lift_all(program if wrapped is None else wrapped.core, self.config, self.stats, work=self.work,
                           limit=PART_CANDIDATES, probe=True, max_split=PART_MAX_SPLIT)
         if not result.complete:
             self.stopped = "time" if self.stats.out_of_time() else "work"
@@ -257,7 +279,7 @@ class Partition:
             for i, j, option in pending:
                 part = self.parts[i, j]
                 late = self.stats.out_of_time()
-                if late or not self.stats.work(SCREEN_WORK, SCREEN_STEPS):
+                if late or not self.stats.work(self.screen_work, SCREEN_STEPS):
                     self.stopped = self.stopped or ("time" if late else "work")
                     option[2] = _UNSCREENED
                     failure = (f"the search's {'time cap' if late else 'work budget'} ran out "
@@ -355,11 +377,25 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
              ) -> Iterator[KernelGraph]:
     """The best combination of fused parts, then up to FALLBACKS combinations each without one of its
     fused parts (verified only if the best is not), each an `Assembly` (verified part by part); nothing
-    where no part fuses. Records what it learned in `stats.partition`."""
+    where no part fuses. Records what it learned in `stats.partition` (with what `generate_cheap`
+    recorded before it that this analysis did not reach)."""
     stats = stats if stats is not None else SearchStats()
     if len(graph.nodes) < 2:
         return
-    partition = Partition(graph, config, stats)
+    yield from _assemblies(Partition(graph, config, stats), stats)
+
+
+def generate_cheap(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None
+                   ) -> Iterator[KernelGraph]:
+    """For a program of more than DEAR_FLOPS: `generate` over its parts of at most CHEAP_PART_FLOPS
+    (its own work allowances, "cheap parts" and "cheap parts screens"); nothing for another program."""
+    stats = stats if stats is not None else SearchStats()
+    if len(graph.nodes) < 2 or estimate(graph).flops <= DEAR_FLOPS:
+        return
+    yield from _assemblies(Partition(graph, config, stats, max_flops=CHEAP_PART_FLOPS, work="cheap parts"), stats)
+
+
+def _assemblies(partition: Partition, stats: SearchStats) -> Iterator[KernelGraph]:
     assemblies: dict = {}
     try:
         partition.analyse()
@@ -380,5 +416,20 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
                 primary = candidates[0].graph.key if candidates else None
                 candidates.append(Assembly(candidate, parts, primary))
     finally:   # also when the search stops it early: the explanation reads what it learned
-        stats.partition = partition.record(assemblies)
+        stats.partition = _merged_record(partition.record(assemblies), stats.partition)
     yield from candidates
+
+
+def _merged_record(record: dict, earlier: Optional[dict]) -> dict:
+    """`record` with what an earlier analysis of the same program (`generate_cheap`'s) found that it does
+    not have: that one's assemblies after its own (the first is the analysis' best), and its parts where
+    this one has none or did not try them."""
+    if not earlier:
+        return record
+    assemblies = {**record["assemblies"], **{k: v for k, v in earlier["assemblies"].items()
+                                             if k not in record["assemblies"]}}
+    parts = dict(record["parts"])
+    for span, part in earlier["parts"].items():
+        if span not in parts or (parts[span]["status"] == NOT_TRIED and part["status"] != DEAR):
+            parts[span] = part
+    return {**record, "assemblies": assemblies, "parts": parts}

@@ -279,3 +279,23 @@ def test_progress_moves_while_a_generator_works_between_candidates():
     search(fakes.ORIGINAL, QUICK, generators=[thorough], verifier=fakes.verify,
            progress=lambda stats: pruned.append(stats.total("pruned")))
     assert any(0 < n < 30 for n in pruned) and pruned[-1] == 30
+
+
+@pytest.mark.timeout(30)
+def test_a_verification_finished_while_a_generator_works_is_kept_when_the_cap_cuts_it():
+    # the generator yields one candidate, then works (counting, never yielding) until the cap: the worker
+    # verifies the candidate meanwhile, and the cut search's plan is it, not the original
+    merged = []
+
+    def grinding(graph, config, stats):
+        yield fakes.FAST
+        while not stats.out_of_time():
+            time.sleep(0.01)
+            stats.count("pruned", "slowly")
+            merged.append(stats.total("verified"))
+
+    result = search(fakes.ORIGINAL, SearchConfig(budget_s=6, workers=1), generators=[grinding],
+                    verifier=fakes.verify)
+    assert result.stats.timed_out and result.plan().provisional
+    assert result.best.graph.key == fakes.FAST.key and result.stats.total("verified") == 1
+    assert merged[0] == 0 and merged[-1] == 1   # merged while the generator worked, before the cap

@@ -119,3 +119,15 @@ def test_a_pair_cheaper_fused_that_the_best_combination_cuts_is_not_called_faste
     part["fused_s"] = 5e-6
     assert "faster apart (4 us) than fused (5 us)" in _part_reason(part, record, outcomes, SearchStats(),
                                                                     (1, 2), (2, 3), (1, 3))
+
+
+def test_a_part_dear_to_verify_that_the_cap_cut_off_is_explained():
+    from tests.search.test_partition import _dear
+
+    graph = _dear()
+    stats = SearchStats()
+    (cheap,) = partition.generate_cheap(graph, CONFIG, stats)
+    stats.timed_out = True   # the cap ran out before the full partition analysis
+    (boundary,) = boundaries(graph, cheap.graph, stats, {cheap.graph.key: "verified"})
+    assert "time cap ran out before the part joining them was tried: it is dear to verify" in boundary.reason
+    assert boundary.before.startswith("max") and boundary.after.startswith("matmul")

@@ -2,6 +2,7 @@
 each fused by the guided lifting rules, and the combination is verified as a whole. IR in, plan out."""
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -202,3 +203,37 @@ def test_element_wise_siblings_of_one_input_are_ordered_together_and_fused():
     part.analyse()
     assert part.parts[0, 2].status == partition.FUSED
     assert any(o is not None and i <= 0 and 2 <= j for i, j, o in part.screened_best())   # one kernel has both
+
+
+def _dear():
+    @mdsl.kernel
+    def dear(x: Tensor[64, 8192, f16], w: Tensor[8192, 4096, f16]):
+        return mdsl.softmax(x, dim=-1) @ w           # a 4.3-GFLOP product after a cheap softmax
+    return dear.graph
+
+
+def test_a_program_dear_to_verify_has_its_cheap_parts_fused_first():
+    graph = _dear()
+    assert estimate(graph).flops > partition.DEAR_FLOPS
+    stats = SearchStats()
+    (best,) = list(partition.generate_cheap(graph, CONFIG, stats))
+    assert isinstance(best, Assembly) and best.parts
+    assert estimate(best.graph).launches < estimate(graph).launches
+    assert all(estimate(sub).flops <= partition.CHEAP_PART_FLOPS for sub, _ in best.parts)
+    assert "matmul" in {n.op for n in best.graph.nodes}    # the product is left as it was
+    record = stats.partition
+    assert list(record["assemblies"]) == [best.graph.key]
+    dear = [p for p in record["parts"].values() if p["status"] == partition.DEAR]
+    assert dear and all("dear to verify" in p["reason"] for p in dear)
+    assert stats.by_reason("work").get("cheap parts", 0) > 0 and "partition" not in stats.by_reason("work")
+
+    # the full analysis, cut at once by its work allowance, keeps the cheap assembly in its record
+    list(partition.generate(graph, attrs.evolve(CONFIG, work=1), stats))
+    assert best.graph.key in stats.partition["assemblies"]
+    assert {s for s, p in record["parts"].items() if p["status"] == partition.FUSED} <= \
+        {s for s, p in stats.partition["parts"].items() if p["status"] == partition.FUSED}
+
+
+def test_a_program_cheap_to_verify_gets_no_early_partial_fusion():
+    stats = SearchStats()
+    assert list(partition.generate_cheap(_softmax(), CONFIG, stats)) == [] and stats.partition is None
