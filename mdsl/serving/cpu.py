@@ -91,6 +91,7 @@ class CpuDevice:
         self.state["page_table"][:] = -1
         host["control"]["free_pages"] = shape.num_pages
         self._written = 0                 # ring records written
+        self._requests: dict = {}         # entry -> (arrival, request id, stop ids, max_new_tokens)
         self._tell_host = False
         self._notify_host = notify_host
         self._bell = Doorbell()
@@ -339,19 +340,32 @@ class CpuDevice:
         """Entry e's next token `token`, after `pos`: stream it, and retire the entry on a stop token or at
         max_new_tokens."""
         entries = self.state["entries"]
-        req = entries["request"][e]
+        request_id, stops, max_new = self._request_of(e)
         generated = int(entries["generated"][e])
         self.state["history"][e, pos + 1] = token
         entries["generated"][e] = generated + 1
-        if token in req["stop_ids"][:req["num_stop"]]:
+        if token in stops:
             reason = REASON_STOP
-        elif generated + 1 >= req["max_new_tokens"]:
+        elif generated + 1 >= max_new:
             reason = REASON_LENGTH
         else:
             reason = REASON_NONE
-        self._emit(req["request_id"], token, pos + 1, HAS_TOKEN | (FINISHED if reason else 0), reason)
+        self._emit(request_id, token, pos + 1, HAS_TOKEN | (FINISHED if reason else 0), reason)
         if reason:
             self._release(e)
+
+    def _request_of(self, e: int) -> tuple:
+        """(request id, stop ids, max_new_tokens) of the request in entry e, read from its entry once per
+        request (a numpy record's fields cost microseconds each, at every token of every request)."""
+        entries = self.state["entries"]
+        arrival = int(entries["arrival"][e])
+        known = self._requests.get(e)
+        if known is None or known[0] != arrival:
+            req = entries["request"][e]
+            known = self._requests[e] = (arrival, int(req["request_id"]),
+                                         frozenset(int(t) for t in req["stop_ids"][:int(req["num_stop"])]),
+                                         int(req["max_new_tokens"]))
+        return known[1:]
 
     def _forward(self, step, chunks, rows) -> dict:
         """The step's forward over its rows: row -> logits, for the rows whose chunk samples there (every
@@ -446,8 +460,9 @@ class CpuDevice:
     def _check_pool(self) -> None:
         """Every page is either free or in exactly one admitted request's page table."""
         entries, pool = self.state["entries"], self.state["pool"]
-        held = [self.state["page_table"][e, :entries["num_pages"][e]] for e in range(self.shape.max_batch)]
-        pages = np.concatenate([self.state["free_pages"][:pool["free_count"][0]], *held])
+        table = self.state["page_table"]
+        held = table[np.arange(table.shape[1])[None, :] < entries["num_pages"][:, None]]
+        pages = np.concatenate([self.state["free_pages"][:pool["free_count"][0]], held])
         n = self.shape.num_pages     # (a count per page: linear time, where sorting them took most of a step)
         if len(pages) != n or pages.min(initial=0) < 0 or pages.max(initial=0) >= n or \
                 not np.all(np.bincount(pages, minlength=n) == 1):
