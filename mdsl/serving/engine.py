@@ -20,7 +20,6 @@ from typing import Optional, Sequence, Union
 import attrs
 import numpy as np
 
-from mdsl.errors import UnsupportedError
 from mdsl.megakernel.modelgraph.checkpoint import load_model
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
@@ -189,8 +188,8 @@ class LLM:
     the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
     by default enough for every batch slot at max_seq (nothing is ever preempted); on the GPU,
     gpu_memory_fraction gives it that share of the GPU's memory less what is in use, the weights and the
-    activations. device: "cpu" (numpy) or
-    "gpu" (the step's forward and the KV pool on the GPU, mdsl.serving.gpu). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
+    activations. device: "cpu" (numpy) or "gpu" (the step's forward and the KV pool on the GPU,
+    mdsl.serving.gpu). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
 
     max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the
     oldest first when they are more than the budget), then chunks of prompts, oldest first, each as long

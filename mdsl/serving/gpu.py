@@ -138,7 +138,8 @@ def _linear(xs, outs, a, b):
                         *_ints(b.rows, x.width, n, outs[0].width, offset)])
             if splits > 1:
                 dev.launch("sum_splits", (max(1, min(-(-b.rows * n // THREADS), 4 * dev.sms)),), THREADS,
-                           [_p(outs[0]), ctypes.c_void_p(dev.partials), *_ints(splits, b.rows, n, outs[0].width, offset)])
+                           [_p(outs[0]), ctypes.c_void_p(dev.partials),
+                            *_ints(splits, b.rows, n, outs[0].width, offset)])
         else:
             blocks = max(1, min(-(-n // LINEAR_WARPS), 4 * dev.sms))
             dev.launch(_weighted("linear", w), (blocks,), LINEAR_WARPS * 32,
@@ -295,7 +296,8 @@ class GpuDevice(CpuDevice):
         module = compile_source(kernel_source(), target_arch(self.ordinal))
         self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
         self._functions: dict = {}
-        self._stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        self._stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
+                             "cuStreamCreate")
         # what the rules read besides the values, made before any capture: the rope tables, the joined
         # biases, and the narrowed copies of the values read past the narrowing
         for n in self.nodes:
@@ -404,7 +406,8 @@ class GpuDevice(CpuDevice):
         greedy = self.state["entries"]["request"]["temperature"][row_entries] == 0
         best = np.empty(len(keep), np.int32)
         if greedy.any():
-            self.launch("argmax_rows", (len(keep),), 1024, [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width)])
+            self.launch("argmax_rows", (len(keep),), 1024,
+                        [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width)])
             self._check(self._driver.cuMemcpyDtoHAsync(best.ctypes.data, self._best, best.nbytes, self._stream),
                         "reading the greedy tokens")
         wanted = np.arange(len(keep)) if self.record_logits else np.flatnonzero(~greedy)

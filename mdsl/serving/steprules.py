@@ -129,9 +129,10 @@ def _rms_norm(xs, a, batch):
     return [rms_normalize(xs[0], xs[1], a["eps"])]
 
 
-for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear, "add_bias": _as_reference("add_bias"),
-                   "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention,
-                   "scaled_attention": _attention, "act_mul": _as_reference("act_mul"), "add": _as_reference("add"),
-                   "rms_norm_1p": _as_reference("rms_norm_1p"), "geglu": _as_reference("geglu"), "scale": _as_reference("scale"),
+for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear,
+                   "add_bias": _as_reference("add_bias"), "head_rms_norm": _head_rms_norm, "rope": _rope,
+                   "attention": _attention, "scaled_attention": _attention, "act_mul": _as_reference("act_mul"),
+                   "add": _as_reference("add"), "rms_norm_1p": _as_reference("rms_norm_1p"),
+                   "geglu": _as_reference("geglu"), "scale": _as_reference("scale"),
                    "softcap": _as_reference("softcap")}.items():
     STEP_RULES.register(_op, _rule)
