@@ -1,6 +1,7 @@
 """Serving many requests at once: continuous batching over a paged KV cache, per-request sampling and
 streamed tokens. `LLM` is the host engine; it speaks the protocol of `mdsl.serving.protocol` to a
-device: the CPU device (`mdsl.serving.cpu`, numpy); a GPU device (the megakernel) is not built."""
+device: the CPU device (`mdsl.serving.cpu`, numpy) or the GPU device (`mdsl.serving.gpu`: the same scheduler on
+the host, each step's forward on the GPU); the megakernel's in-kernel scheduler is not built yet."""
 from mdsl.serving.engine import LLM, RequestHandle, RequestOutput, ServingStats
 from mdsl.serving.params import SamplingParams, ServingError
 
