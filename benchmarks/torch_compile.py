@@ -27,7 +27,7 @@ the graph, again without it, which the notes say): `eager`; `inductor` (torch.co
 `mdsl` (backend `mdsl.torch.compiler(SearchConfig(budget_s=--budget, work=--work))`, whose inference graphs
 replay CUDA graphs); `mdsl-no-graphs` (the same with `cuda_graphs=False`). dynamo is reset before each.
 
-Method. Compile and warm-up: the first call (compile time: tracing, mdsl's region searches and kernel
+Method. Compile and warm-up: the opening call (compile time: tracing, mdsl's region searches and kernel
 compiles, Inductor's compile and autotuning) and the next two (a CUDA graph's recording), wall clock.
 Correctness: the fourth call's logits against eager's (bf16, same model and inputs): the largest absolute
 difference, that over the largest eager logit, the L2 norm of the difference over eager's, and whether
@@ -512,7 +512,7 @@ def run_plans_only(args, torch, transformers) -> dict:
 
 
 def precompile(plan, arch: str) -> str:
-    """Compile the plan's CUDA program into the cubin cache as the GPU run's first call will ("ok"), or
+    """Compile the plan's CUDA program into the cubin cache as the GPU run's opening call will ("ok"), or
     say why not (that run compiles it then)."""
     from mdsl.errors import MdslError
     from mdsl.gpu.generators import generator
