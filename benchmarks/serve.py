@@ -69,21 +69,29 @@ def workload(args, vocab: int) -> list:
 
 
 def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
-    """(a): the step time while `batch` requests at `context` decode together."""
+    """(a): the step time while `batch` requests at `context` decode together, over `tokens` steps; then,
+    over as many more, the time of each layer op in a step (GpuDevice.profile_ops)."""
     import numpy as np
 
     from mdsl import SamplingParams
 
     rng = np.random.default_rng(seed + batch)
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=2 * tokens, ignore_eos=True)
     handles = [llm.submit([int(t) for t in rng.integers(0, vocab, context - 1)], params) for _ in range(batch)]
-    while not all(h.poll()[0] for h in handles):
-        time.sleep(0.0005)
-    start, steps0 = time.perf_counter(), llm.stats().steps
+
+    def until(count):
+        while not all(len(h.poll()[0]) >= count or h.poll()[1] is not None for h in handles):
+            time.sleep(0.0002)
+        return time.perf_counter(), llm.stats().steps
+
+    start, steps0 = until(1)
+    end, steps1 = until(tokens)
+    llm.device.profile_ops(True)
     for h in handles:
         h.result()
-    seconds, steps = time.perf_counter() - start, llm.stats().steps - steps0
-    return {"batch": batch, "context": context, "steps": steps, "step_s": seconds / max(1, steps)}
+    ops = llm.device.profile_ops(False)
+    return {"batch": batch, "context": context, "steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
+            "ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
 
 
 def run_requests(llm, requests: list, arrivals: list) -> list:
@@ -131,6 +139,17 @@ def tables(result: dict) -> str:
             lines.append(f"| {d['batch']} | {d['context']} | {d['step_s'] * 1e3:.2f} ms | {d['floor_s'] * 1e3:.3f} ms | "
                          f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} |")
         lines.append("")
+        ops = sorted({op for d in result["decode"] for op in d.get("ops_us", {})},
+                     key=lambda op: -max(d.get("ops_us", {}).get(op, 0.0) for d in result["decode"]))
+        if ops:
+            lines += ["Where a decode step's time goes (GpuDevice.profile_ops: µs per step of each layer op, all "
+                      "layers, in the replayed graph):", "",
+                      "| batch | " + " | ".join(ops) + " | sum |", "|---|" + "---|" * (len(ops) + 1)]
+            for d in result["decode"]:
+                us = d.get("ops_us", {})
+                lines.append(f"| {d['batch']} | " + " | ".join(f"{us.get(op, 0.0):.0f}" for op in ops) +
+                             f" | {sum(us.values()):.0f} |")
+            lines.append("")
     if result.get("runs"):
         def ms(v):
             return f"{v * 1e3:.1f} ms"

@@ -9,7 +9,9 @@
 #   3c. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
-#   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU.
+#   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU;
+#   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, its benchmark,
+#      and the HTTP load test.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
 # Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, all.tar.gz (everything).
@@ -116,6 +118,19 @@ grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode
 RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
 stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
 grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/rank.txt" 2>/dev/null
+
+# (STAGES=sanitize) compute-sanitizer's memcheck over the GPU serving device on a tiny checkpoint: many
+# requests, contexts of several attention splits, a pool small enough to preempt
+stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY scripts/serve_check.py
+# (STAGES=serve) the GPU serving device's benchmark (benchmarks/serve.py): step times by batch with the
+# op profile, offline and online runs; SERVE_ARGS picks the model and parts
+stage serve "${SERVE_LIMIT:-300}" "$OUT/serve.log" $PY benchmarks/serve.py ${SERVE_ARGS:---model qwen3-0.6b} \
+    --out "$OUT/serve"
+# (STAGES=servehttp) the HTTP load test against the offline engine (benchmarks/serve_http.py)
+stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/serve_http.log" $PY benchmarks/serve_http.py \
+    ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
+    --out "$OUT/serve_http"
 
 tar -czf "$OUT/all.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"

@@ -41,8 +41,10 @@ from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 THREADS = 256                    # threads of a row-wise kernel's block
-ATTENTION_THREADS = 128          # step_kernels.cu's TILE
-GROUPS, MAX_DIM = (1, 2, 4, 8, 16), 256   # step_kernels.cu's attention kernels: query heads per KV head, head dim
+ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
+MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
+GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
+MAX_SPLITS = 16                  # attention: key ranges a row's causal range is cut into, at most
 HEADS_PER_BLOCK = 8              # head_rms_norm: one warp a head
 LINEAR_WARPS = 8                 # linear: one warp an output column at a time
 MMA_WARPS = 8                    # linear_mma: a block's warps, each a slice of k
@@ -168,23 +170,41 @@ def _rope(xs, outs, a, b):
                      *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
 
 
+def attention_split(max_seq: int) -> int:
+    """The keys of one block of a row's attention: 256, or more where max_seq needs more than MAX_SPLITS
+    ranges of 256; by the engine's shape alone, so a row's split points are fixed by its own range."""
+    return max(256, 128 * -(-max_seq // (128 * MAX_SPLITS)))
+
+
+def _attention_kernel(a: dict) -> str:
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    dv = 1 if d <= 128 else 2
+    if hq % hkv or hq // hkv not in GROUPS[dv] or d > MAX_DIM or d % 4:
+        raise UnsupportedError(f"the GPU serving device's attention takes head_dim a multiple of 4 up to {MAX_DIM} "
+                               f"and {list(GROUPS[dv])} query heads per KV head at that dim; this model has "
+                               f"head_dim {d} and {hq} query heads over {hkv} KV heads",
+                               hint="serve the model on device='cpu'")
+    return f"attention_{hq // hkv}_{dv}"
+
+
 def _attention(xs, outs, a, b):
     qkv, k_pool, v_pool = xs
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
-    if hq // hkv not in GROUPS or d > MAX_DIM:
-        raise UnsupportedError(f"the GPU serving device's attention takes {list(GROUPS)} query heads per KV head "
-                               f"and head_dim up to {MAX_DIM}; this model has {hq // hkv} and {d}")
+    kernel = _attention_kernel(a)
     dev = b.device
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
     dev.launch("kv_append", (b.rows,), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
-    dev.launch(f"attention_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
-               [_p(outs[0]), _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
+    split = attention_split(dev.shape.max_seq)
+    splits = -(-dev.shape.max_seq // split)
+    dev.launch(kernel, (b.rows, hkv, splits), ATTENTION_THREADS,
+               [_p(outs[0]), ctypes.c_void_p(dev.attention_partials), ctypes.c_void_p(dev.attention_arrivals),
+                _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d),
                 ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"]),
-                *_ints(a.get("window", 0))])
+                *_ints(a.get("window", 0), split, splits)])
 
 
 _ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)
@@ -291,8 +311,8 @@ class GpuDevice(CpuDevice):
         self._ropes: dict = {}
         self._joined: dict = {}
         self._read_past_narrowing = {v.name for n in self.nodes[self._narrow_at:] for v in n.inputs}
-        self._program = [(GPU_STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
-                         for n in self.nodes]
+        self._program = [(GPU_STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs],
+                          n.op) for n in self.nodes]
         module = compile_source(kernel_source(), target_arch(self.ordinal))
         self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
         self._functions: dict = {}
@@ -315,6 +335,15 @@ class GpuDevice(CpuDevice):
                     splits = mma_splits(int(w.shape[0]), k, self.sms)
                     partials = max(partials, splits * rows * int(w.shape[0]) if splits > 1 else 1)
         self.partials = array(None, (partials,), f32)   # split-k partials of one linear at a time
+        # attention's per-split partials (dim values, max, sum per row, query head and split) and the count
+        # of each row's and KV head's splits done, of one attention at a time
+        heads = [n.attr_dict for n in self.nodes if n.op in ("attention", "scaled_attention")]
+        splits = -(-shape.max_seq // attention_split(shape.max_seq))
+        for a in heads:
+            _attention_kernel(a)   # (refused here, before any step, where no kernel fits)
+        self.attention_partials = array(None, (max([rows * a["q_heads"] * splits * (a["head_dim"] + 2)
+                                                    for a in heads] or [1]),), f32)
+        self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
@@ -325,6 +354,8 @@ class GpuDevice(CpuDevice):
         self._graphs: "OrderedDict" = OrderedDict()   # (rows, kept rows) -> the step's program as a CUDA graph
         self._uncaptured: set = set()    # the shapes whose capture failed
         self.replays = 0                 # steps run as graph replays
+        self._profile: Optional[dict] = None   # op -> [seconds, steps] while profile_ops runs
+        self._profiled: dict = {}        # (rows, kept rows) -> (graph with an event after each op, its events)
 
     # ---- what the rules use
 
@@ -334,8 +365,8 @@ class GpuDevice(CpuDevice):
             function = self._functions[name] = self._check(
                 self._driver.cuModuleGetFunction(self._module, name.encode()), f"cuModuleGetFunction({name})")
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        gx, gy = (grid + (1,))[:2]
-        self._check(self._driver.cuLaunchKernel(function, gx, gy, 1, block, 1, 1, 0, self._stream,
+        gx, gy, gz = (grid + (1, 1))[:3]
+        self._check(self._driver.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, 0, self._stream,
                                                 ctypes.addressof(params), 0),
                     f"launching {name}")
 
@@ -386,7 +417,9 @@ class GpuDevice(CpuDevice):
         self._upload(self._keep, keep)
         key = (n, len(keep))
         graph = self._graphs.get(key)
-        if graph is not None:
+        if self._profile is not None and key in self._graphs:
+            logits = self._run_profiled(key)
+        elif graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
             self._check(self._driver.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
@@ -431,13 +464,14 @@ class GpuDevice(CpuDevice):
     def _sync(self) -> None:
         self._check(self._driver.cuStreamSynchronize(self._stream), "running the step")
 
-    def _run_program(self, n: int, kept: int) -> Optional[Operand]:
+    def _run_program(self, n: int, kept: int, mark: Optional[Callable] = None) -> Optional[Operand]:
         """Launch the step's kernels for n rows of which `kept` go on past the narrowing; the logits'
-        buffer (None when no row samples)."""
+        buffer (None when no row samples). `mark(op)` follows each op's launches."""
+        mark = mark or (lambda op: None)
         values = dict(self.values)
         values[TOKENS] = None
         batch = GpuBatch(n, self._tokens, self._positions, self._row_entries, self._page_table, self)
-        for i, (rule, attrs_, names, results) in enumerate(self._program):
+        for i, (rule, attrs_, names, results, op) in enumerate(self._program):
             if i == self._narrow_at and kept < n:
                 if not kept:
                     return None
@@ -446,11 +480,58 @@ class GpuDevice(CpuDevice):
                                 [_p(self._narrowed[name]), _p(values[name]), ctypes.c_void_p(self._keep),
                                  *_ints(values[name].width)])
                     values[name] = self._narrowed[name]
+                mark("gather")
                 batch = attrs.evolve(batch, rows=kept)
             outs = [self._buffers[r] for r in results]
             rule([values[name] for name in names], outs, attrs_, batch)
+            mark(op)
             values.update(zip(results, outs))
         return values[self.graph.logits.name]
+
+    # ---- where a step's time goes
+
+    def profile_ops(self, on: bool) -> dict:
+        """Start (on) or stop timing each layer op of the steps that replay a CUDA graph: such a step then
+        replays a twin of its graph with an event recorded after each op's kernels, so the times are
+        those of the replayed program (no launch gaps of the host). Returns op -> (microseconds per step,
+        steps timed) of the steps timed since the start; the greedy argmax and the copies are not in it."""
+        times, self._profile = self._profile or {}, ({} if on else None)
+        return {op: (1e6 * seconds / steps, steps) for op, (seconds, steps) in times.items()}
+
+    def _run_profiled(self, key: tuple) -> Optional[Operand]:
+        d, check = self._driver, self._check
+        if key not in self._profiled:
+            events: list = []
+
+            def mark(op):
+                event = check(d.cuEventCreate(0), "cuEventCreate")
+                check(d.cuEventRecordWithFlags(event, self._stream, d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
+                      "cuEventRecordWithFlags")
+                events.append((op, event))
+
+            start = check(d.cuEventCreate(0), "cuEventCreate")
+            check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                  "cuStreamBeginCapture")
+            check(d.cuEventRecordWithFlags(start, self._stream, d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
+                  "cuEventRecordWithFlags")
+            self._run_program(*key, mark=mark)
+            captured = check(d.cuStreamEndCapture(self._stream), "cuStreamEndCapture")
+            graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
+            check(d.cuGraphDestroy(captured), "cuGraphDestroy")
+            self._profiled[key] = (graph, start, events)
+        graph, start, events = self._profiled[key]
+        check(d.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
+        self._sync()
+        before = start
+        for op, event in events:
+            ms = check(d.cuEventElapsedTime(before, event), "cuEventElapsedTime")
+            seconds, steps = self._profile.get(op, (0.0, 0))
+            self._profile[op] = (seconds + ms / 1e3, steps)
+            before = event
+        for op in {op for op, _ in events}:
+            seconds, steps = self._profile[op]
+            self._profile[op] = (seconds, steps + 1)
+        return self._logits_of(key)
 
     def _logits_of(self, key: tuple) -> Optional[Operand]:
         return self._buffers[self.graph.logits.name] if key[1] else None

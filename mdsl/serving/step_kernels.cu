@@ -6,8 +6,8 @@
 // Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
-// tree, and attention walks the row's own causal range in key tiles anchored at the range's first
-// position. So a request's logits are bit-identical whatever shares its steps and however its prompt is
+// tree, and attention splits the row's own causal range into key ranges anchored at the range's first
+// position and folds them in order. So a request's logits are bit-identical whatever shares its steps and however its prompt is
 // chunked.
 
 #include <cuda_bf16.h>
@@ -391,115 +391,194 @@ __device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const 
 }
 
 // ---- attention of one row's query heads of one KV head group over the row's causal range (window start ..
-// its position) of its request's pages: grid (rows, kv_heads), TILE threads. Keys in tiles of TILE at
-// positions lo, lo + TILE, ...: thread t scores key lo + tile + t for every query head of the group; the
-// tile's maximum and sum are block reductions of fixed shape (masked keys count as exact zeros); the
-// running output is rescaled per tile (online softmax) and thread t accumulates dims t, t + TILE, ... over
-// the tile's keys in order.
+// its position) of its request's pages, split over blocks: grid (rows, kv_heads, max_splits), ATT_WARPS warps.
+// The range is cut into splits of `split` keys anchored at its first position (split s: keys lo + s * split
+// ..), so which keys a split holds depends on the row alone. Within a split, warp w takes the w-th quarter
+// of the keys and walks them in chunks of C keys in order: lane l holds dims 4l .. 4l + 3 (and 128 on) of
+// each key and query, a score is the warp's xor-tree sum, and the warp keeps an online softmax (running
+// max, sum and weighted values). The block then folds its warps in warp order into the split's partial
+// (max, sum, weighted values per query head); the block of the row and KV head that finishes last folds
+// the splits' partials in split order into the output. Every order is fixed by the row: the result is
+// the same whatever rows share the step, however many splits run at once.
 
-constexpr int TILE = 128;
-constexpr int MAX_DIM = 256;     // head dim
-constexpr int DIMS = MAX_DIM / TILE;
+constexpr int ATT_WARPS = 4;
+constexpr int ATT_THREADS = ATT_WARPS * WARP;
+constexpr int MAX_DIM = 256;     // head dim: at most two float4 a lane
 
-template <int G>   // query heads per KV head
-__device__ void attention(float* out, const float* qkv, const float* k_pool, const float* v_pool,
-                          const int* positions, const int* entries, const int* page_table, int pages_per_request,
-                          int page_size, int q_heads, int kv_heads, int dim, float scale, float softcap,
-                          int window) {
-  __shared__ float q[G][MAX_DIM];
-  __shared__ float p[G][TILE];
-  __shared__ float red[G][TILE / WARP];
-  const int r = blockIdx.x, h = blockIdx.y, t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-  const int heads = q_heads + 2 * kv_heads;
+template <int G, int DV>   // query heads per KV head; float4 vectors a lane holds of a head (dim <= 128 * DV)
+__device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const float* k_pool,
+                          const float* v_pool, const int* positions, const int* entries, const int* page_table,
+                          int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
+                          float softcap, int window, int split, int max_splits) {
+  constexpr int C = DV == 1 && G <= 4 ? 8 : G * DV <= 8 ? 4 : 2;   // keys a warp has in flight (registers allow)
+  __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
+  __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
+  __shared__ int last;
+  const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int pos = positions[r];
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const int splits = (pos - lo) / split + 1;
+  if (s >= splits) return;
+  const int first = lo + s * split, end = min(pos + 1, first + split);       // keys [first, end)
+  const int quarter = (split + ATT_WARPS - 1) / ATT_WARPS;
+  const int k0 = first + warp * quarter, k1 = min(end, k0 + quarter);
   const int* table = page_table + (long long)entries[r] * pages_per_request;
+  const int heads = q_heads + 2 * kv_heads;
   const float* row = qkv + (long long)r * heads * dim;
-  for (int i = t; i < G * dim; i += TILE) q[i / dim][i % dim] = row[(h * G + i / dim) * dim + i % dim];
-  float m[G], l[G], acc[G][DIMS];
+  float4 q[G][DV], acc[G][DV];
+  float m[G], l[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = -INF;
     l[g] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DIMS; ++i) acc[g][i] = 0.0f;
+    for (int i = 0; i < DV; ++i) {
+      const int d = 4 * lane + 128 * i;
+      q[g][i] = d < dim ? *reinterpret_cast<const float4*>(row + (h * G + g) * dim + d) : make_float4(0, 0, 0, 0);
+      acc[g][i] = make_float4(0, 0, 0, 0);
+    }
   }
-  __syncthreads();
-  for (int first = lo; first <= pos; first += TILE) {
-    const int j = first + t;
-    const bool valid = j <= pos;
-    float s[G];
+  const long long stride = (long long)kv_heads * dim;
+  for (int j0 = k0; j0 < k1; j0 += C) {
+    float4 kv[C][DV];
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = -INF;
-    if (valid) {
-      const float* key = k_pool + ((long long)table[j / page_size] * page_size + j % page_size) * kv_heads * dim +
-                         (long long)h * dim;
+    for (int c = 0; c < C; ++c) {
+      const int j = j0 + c;
+      const long long at = ((long long)table[(j < k1 ? j : j0) / page_size] * page_size + (j < k1 ? j : j0) % page_size) *
+                           stride + (long long)h * dim;
 #pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = 0.0f;
-      for (int d = 0; d < dim; ++d) {
-        const float kd = key[d];
-#pragma unroll
-        for (int g = 0; g < G; ++g) s[g] = fmaf(q[g][d], kd, s[g]);
+      for (int i = 0; i < DV; ++i) {
+        const int d = 4 * lane + 128 * i;
+        kv[c][i] = j < k1 && d < dim ? *reinterpret_cast<const float4*>(k_pool + at + d) : make_float4(0, 0, 0, 0);
       }
+    }
+    float sc[C][G];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        s[g] *= scale;
-        if (softcap > 0.0f) s[g] = tanhf(s[g] / softcap) * softcap;
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DV; ++i) {
+          dot = fmaf(q[g][i].x, kv[c][i].x, dot);
+          dot = fmaf(q[g][i].y, kv[c][i].y, dot);
+          dot = fmaf(q[g][i].z, kv[c][i].z, dot);
+          dot = fmaf(q[g][i].w, kv[c][i].w, dot);
+        }
+        float v = __shfl_sync(0xffffffffu, warp_sum(dot), 0) * scale;
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        sc[c][g] = j0 + c < k1 ? v : -INF;
+      }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {   // the values of the chunk's keys, reusing the keys' registers
+      const int j = j0 + c;
+      const long long at = ((long long)table[(j < k1 ? j : j0) / page_size] * page_size + (j < k1 ? j : j0) % page_size) *
+                           stride + (long long)h * dim;
+#pragma unroll
+      for (int i = 0; i < DV; ++i) {
+        const int d = 4 * lane + 128 * i;
+        kv[c][i] = j < k1 && d < dim ? *reinterpret_cast<const float4*>(v_pool + at + d) : make_float4(0, 0, 0, 0);
       }
     }
-    // the tile's maximum per query head
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float v = warp_max(s[g]);
-      if (lane == 0) red[g][warp] = v;
-    }
-    __syncthreads();
-    float scaled[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float top = m[g];
 #pragma unroll
-      for (int w = 0; w < TILE / WARP; ++w) top = fmaxf(top, red[g][w]);
-      scaled[g] = m[g] == -INF ? 0.0f : __expf(m[g] - top);   // the running sums' rescale
+      for (int c = 0; c < C; ++c) top = fmaxf(top, sc[c][g]);
+      const float rescale = m[g] == -INF ? 0.0f : __expf(m[g] - top);
       m[g] = top;
-      p[g][t] = valid ? __expf(s[g] - top) : 0.0f;
-    }
-    __syncthreads();
-    // the tile's sums (every thread reads the same p in the same order) and the weighted values
-    const int count = pos - first + 1 < TILE ? pos - first + 1 : TILE;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
       float sum = 0.0f;
-      for (int jj = 0; jj < count; ++jj) sum += p[g][jj];
-      l[g] = fmaf(l[g], scaled[g], sum);
-    }
+      float4 tile[DV];
 #pragma unroll
-    for (int i = 0; i < DIMS; ++i) {
-      const int d = t + i * TILE;
-      if (d < dim) {
-        float tile[G];
+      for (int i = 0; i < DV; ++i) tile[i] = make_float4(0, 0, 0, 0);
 #pragma unroll
-        for (int g = 0; g < G; ++g) tile[g] = 0.0f;
-        for (int jj = 0; jj < count; ++jj) {
-          const int key = first + jj;
-          const float vd = v_pool[((long long)table[key / page_size] * page_size + key % page_size) * kv_heads * dim +
-                                  (long long)h * dim + d];
+      for (int c = 0; c < C; ++c) {
+        const float p = sc[c][g] == -INF ? 0.0f : __expf(sc[c][g] - top);
+        sum += p;
 #pragma unroll
-          for (int g = 0; g < G; ++g) tile[g] = fmaf(p[g][jj], vd, tile[g]);
+        for (int i = 0; i < DV; ++i) {
+          tile[i].x = fmaf(p, kv[c][i].x, tile[i].x);
+          tile[i].y = fmaf(p, kv[c][i].y, tile[i].y);
+          tile[i].z = fmaf(p, kv[c][i].z, tile[i].z);
+          tile[i].w = fmaf(p, kv[c][i].w, tile[i].w);
         }
+      }
+      l[g] = fmaf(l[g], rescale, sum);
 #pragma unroll
-        for (int g = 0; g < G; ++g) acc[g][i] = fmaf(acc[g][i], scaled[g], tile[g]);
+      for (int i = 0; i < DV; ++i) {
+        acc[g][i].x = fmaf(acc[g][i].x, rescale, tile[i].x);
+        acc[g][i].y = fmaf(acc[g][i].y, rescale, tile[i].y);
+        acc[g][i].z = fmaf(acc[g][i].z, rescale, tile[i].z);
+        acc[g][i].w = fmaf(acc[g][i].w, rescale, tile[i].w);
       }
     }
-    __syncthreads();   // p and red are rewritten by the next tile
   }
+  // the warps folded in warp order into the split's partial: [row, q head, split] of (dim values, max, sum)
 #pragma unroll
-  for (int i = 0; i < DIMS; ++i) {
-    const int d = t + i * TILE;
-    if (d < dim) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) out[((long long)r * q_heads + h * G + g) * dim + d] = acc[g][i] / l[g];
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      wm[warp][g] = m[g];
+      wl[warp][g] = l[g];
     }
+#pragma unroll
+    for (int i = 0; i < DV; ++i) wacc[warp][g][lane + WARP * i] = acc[g][i];
+  }
+  __syncthreads();
+  const int record = dim + 2;
+  for (int e = threadIdx.x; e < G * DV * WARP; e += ATT_THREADS) {
+    const int g = e / (DV * WARP), v = e % (DV * WARP), d = 4 * (v % WARP) + 128 * (v / WARP);
+    float top = -INF;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w) top = fmaxf(top, wm[w][g]);
+    float sum = 0.0f;
+    float4 total = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w) {
+      if (wm[w][g] == -INF) continue;   // a warp without keys
+      const float f = __expf(wm[w][g] - top);
+      sum = fmaf(wl[w][g], f, sum);
+      const float4 a = wacc[w][g][v];
+      total.x = fmaf(a.x, f, total.x);
+      total.y = fmaf(a.y, f, total.y);
+      total.z = fmaf(a.z, f, total.z);
+      total.w = fmaf(a.w, f, total.w);
+    }
+    float* rec = part + (((long long)r * q_heads + h * G + g) * max_splits + s) * record;
+    if (d < dim) *reinterpret_cast<float4*>(rec + d) = total;
+    if (v == 0) {
+      rec[dim] = top;
+      rec[dim + 1] = sum;
+    }
+  }
+  // the last of the row's splits to finish (of this KV head) folds them in split order
+  if (splits > 1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int* count = arrivals + (long long)r * kv_heads + h;
+      last = atomicAdd(count, 1) == splits - 1;
+      if (last) *count = 0;   // ready for the next step
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  } else {
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
+    const int g = e / dim, d = e % dim;
+    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
+    float top = -INF;
+    for (int k = 0; k < splits; ++k) top = fmaxf(top, __ldcg(recs + k * record + dim));
+    float sum = 0.0f, total = 0.0f;
+    for (int k = 0; k < splits; ++k) {
+      const float mk = __ldcg(recs + k * record + dim);
+      if (mk == -INF) continue;
+      const float f = __expf(mk - top);
+      sum = fmaf(__ldcg(recs + k * record + dim + 1), f, sum);
+      total = fmaf(__ldcg(recs + k * record + d), f, total);
+    }
+    out[((long long)r * q_heads + h * G + g) * dim + d] = total / sum;
   }
 }
 
@@ -586,20 +665,25 @@ extern "C" __global__ void kv_append(float* k_pool, float* v_pool, const float* 
   serve::kv_append(k_pool, v_pool, qkv, positions, entries, page_table, pages_per_request, page_size, q_heads,
                    kv_heads, dim);
 }
-// attention for G query heads per KV head: 1, 2, 4, 8 or 16 (mdsl/serving/gpu.py checks)
-#define ATTENTION(G)                                                                                              \
-  extern "C" __global__ void __launch_bounds__(serve::TILE) attention_##G(                                        \
-      float* out, const float* qkv, const float* k_pool, const float* v_pool, const int* positions,              \
-      const int* entries, const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads, \
-      int dim, float scale, float softcap, int window) {                                                          \
-    serve::attention<G>(out, qkv, k_pool, v_pool, positions, entries, page_table, pages_per_request, page_size,   \
-                        q_heads, kv_heads, dim, scale, softcap, window);                                           \
+// attention for G query heads per KV head (1, 2, 4, 8 or 16) and head dims up to 128 * DV (mdsl/serving/gpu.py
+// checks)
+#define ATTENTION(G, DV)                                                                                           \
+  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV(                          \
+      float* out, float* part, int* arrivals, const float* qkv, const float* k_pool, const float* v_pool,        \
+      const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, int split, int max_splits) {     \
+    serve::attention<G, DV>(out, part, arrivals, qkv, k_pool, v_pool, positions, entries, page_table,            \
+                            pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window, split,  \
+                            max_splits);                                                                          \
   }
-ATTENTION(1)
-ATTENTION(2)
-ATTENTION(4)
-ATTENTION(8)
-ATTENTION(16)
+ATTENTION(1, 1)
+ATTENTION(2, 1)
+ATTENTION(4, 1)
+ATTENTION(8, 1)
+ATTENTION(16, 1)
+ATTENTION(1, 2)
+ATTENTION(2, 2)
+ATTENTION(4, 2)
 extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
 extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
 extern "C" __global__ void map_rows(float* out, const float* x, int width, int kind, float param) {

@@ -23,7 +23,7 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
-    expected |= {f"attention_{g}" for g in GROUPS}
+    expected |= {f"attention_{g}_{dv}" for dv, groups in GROUPS.items() for g in groups}
     expected |= {"rope", "kv_append", "act_mul", "add", "gather", "sum_splits", "argmax_rows", "map_rows"}
     assert set(resources) == expected
     for name, r in resources.items():

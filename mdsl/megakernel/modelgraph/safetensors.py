@@ -98,7 +98,8 @@ def _is_int(value: Any) -> bool:
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    # (one pass: astype then << makes two, 3-10x slower on a large checkpoint)
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -259,23 +260,22 @@ class SafetensorsFile:
 def write_safetensors(path: str, tensors: dict, dtypes: Optional[dict] = None,
                       metadata: Optional[dict] = None) -> None:
     """Write `tensors` (name -> array) to `path` atomically; `dtypes` maps a name to "f32" | "f16" |
-    "bf16" (default: f16 for float16 arrays, else f32)."""
+    "bf16" (default: f16 for float16 arrays, else f32). A bf16 tensor may be given as its values or as its
+    uint16 bit patterns. Tensors are encoded one at a time as they are written, so a large checkpoint
+    needs no second copy of itself in memory."""
     dtypes = dtypes or {}
     header: dict = {}
-    blobs = []
+    kinds = {}
     offset = 0
     for name, array in tensors.items():
         kind = dtypes.get(name) or ("f16" if np.asarray(array).dtype == np.float16 else "f32")
-        if kind == "bf16":
-            data = f32_to_bf16_bits(np.asarray(array, np.float32)).astype("<u2").tobytes()
-        elif kind in ("f16", "f32"):
-            data = np.ascontiguousarray(array, dtype="<f2" if kind == "f16" else "<f4").tobytes()
-        else:
+        if kind not in _ITEMSIZE:
             raise DTypeError(f"cannot write tensor {name} as {kind!r}", hint="use f32, f16 or bf16")
+        size = int(np.prod(np.shape(array), dtype=np.int64)) * _ITEMSIZE[kind]
         header[name] = {"dtype": {"f32": "F32", "f16": "F16", "bf16": "BF16"}[kind],
-                        "shape": list(np.shape(array)), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
+                        "shape": list(np.shape(array)), "data_offsets": [offset, offset + size]}
+        kinds[name] = kind
+        offset += size
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -284,9 +284,21 @@ def write_safetensors(path: str, tensors: dict, dtypes: Optional[dict] = None,
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for blob in blobs:
-            f.write(blob)
+        for name, array in tensors.items():
+            f.write(_encoded(array, kinds[name]).data)
     os.replace(tmp, path)
+
+
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def _encoded(array, kind: str) -> np.ndarray:
+    """A tensor's little-endian bytes as stored for `kind`, as a contiguous array."""
+    if kind == "bf16":
+        array = np.asarray(array)
+        bits = array if array.dtype == np.uint16 else f32_to_bf16_bits(np.asarray(array, np.float32))
+        return np.ascontiguousarray(bits, dtype="<u2").reshape(-1)
+    return np.ascontiguousarray(array, dtype="<f2" if kind == "f16" else "<f4").reshape(-1)
 
 
 def write_checkpoint_files(folder: str, tensors: dict, dtypes: Optional[dict] = None, shards: int = 1) -> list:
