@@ -120,33 +120,87 @@ def tensor_core_dtype(k: int, weights) -> Optional[object]:
     return None
 
 
-def mma_splits(n: int, k: int, sms: int) -> int:
-    """The blocks over which a tensor-core linear of n columns splits k: enough 16-column tiles for two
-    blocks an SM, each warp of a block keeping at least one 32-k chunk; by n and k alone, never the rows."""
-    tiles = -(-n // 16)
+def mma_splits(tiles: int, k: int, sms: int) -> int:
+    """The blocks over which a tensor-core linear of `tiles` 16-column tiles splits k: enough for two
+    blocks an SM, each warp of a block keeping at least one 32-k chunk; by the weights alone, never the rows."""
     return max(1, min(8, -(-2 * sms // tiles), k // 32 // MMA_WARPS))
 
 
-def _linear(xs, outs, a, b):
+MAX_PARTS = 4                    # step_kernels.cu's: weights side by side in one linear launch
+
+
+class _Parts(ctypes.Structure):   # step_kernels.cu's serve::Parts
+    _fields_ = [("w", ctypes.c_void_p * MAX_PARTS), ("start", ctypes.c_int * (MAX_PARTS + 1)), ("count", ctypes.c_int)]
+
+
+class _TileStarts(ctypes.Structure):   # step_kernels.cu's serve::TileStarts
+    _fields_ = [("start", ctypes.c_int * (MAX_PARTS + 1))]
+
+
+def _starts(sizes: list) -> list:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out + [out[-1]] * (MAX_PARTS + 1 - len(out))
+
+
+def linear_launches(k: int, weights: list) -> list:
+    """The launches of a linear over `weights` side by side: (weights, tensor-core dtype or None, 16-column
+    tiles), up to MAX_PARTS weights of one dtype each."""
+    launches, i = [], 0
+    while i < len(weights):
+        group = [weights[i]]
+        while i + len(group) < len(weights) and len(group) < MAX_PARTS and \
+                weights[i + len(group)].dtype is weights[i].dtype:
+            group.append(weights[i + len(group)])
+        i += len(group)
+        launches.append((group, tensor_core_dtype(k, group), sum(-(-int(w.shape[0]) // 16) for w in group)))
+    return launches
+
+
+def _linear(xs, outs, a, b, residual: Optional[Operand] = None):
     x, *ws = xs
     dev, offset = b.device, 0
-    mma = tensor_core_dtype(x.width, ws)
-    for w in ws:
-        n = int(w.shape[0])
+    res = ctypes.c_void_p(residual.ptr if residual is not None else None)
+    for group, mma, tiles in linear_launches(x.width, ws):
+        sizes = [int(w.shape[0]) for w in group]
+        parts = _Parts((ctypes.c_void_p * MAX_PARTS)(*[w.ptr for w in group]),
+                       (ctypes.c_int * (MAX_PARTS + 1))(*_starts(sizes)), len(group))
         if mma is not None:
-            splits = mma_splits(n, x.width, dev.sms)
-            dev.launch(_weighted("linear_mma", w), (-(-n // 16), splits), MMA_WARPS * 32,
-                       [_p(outs[0]), ctypes.c_void_p(dev.partials), _p(x), _p(w),
-                        *_ints(b.rows, x.width, n, outs[0].width, offset)])
-            if splits > 1:
-                dev.launch("sum_splits", (max(1, min(-(-b.rows * n // THREADS), 4 * dev.sms)),), THREADS,
-                           [_p(outs[0]), ctypes.c_void_p(dev.partials),
-                            *_ints(splits, b.rows, n, outs[0].width, offset)])
+            starts = _TileStarts((ctypes.c_int * (MAX_PARTS + 1))(*_starts([-(-n // 16) for n in sizes])))
+            dev.launch(_weighted("linear_mma", group[0]), (tiles, mma_splits(tiles, x.width, dev.sms)), MMA_WARPS * 32,
+                       [_p(outs[0]), ctypes.c_void_p(dev.partials), ctypes.c_void_p(dev.linear_arrivals), _p(x), parts,
+                        starts, res, *_ints(b.rows, x.width, outs[0].width, offset)])
         else:
-            blocks = max(1, min(-(-n // LINEAR_WARPS), 4 * dev.sms))
-            dev.launch(_weighted("linear", w), (blocks,), LINEAR_WARPS * 32,
-                       [_p(outs[0]), _p(x), _p(w), *_ints(b.rows, x.width, n, outs[0].width, offset)])
-        offset += n
+            blocks = max(1, min(-(-sum(sizes) // LINEAR_WARPS), 4 * dev.sms))
+            dev.launch(_weighted("linear", group[0]), (blocks,), LINEAR_WARPS * 32,
+                       [_p(outs[0]), _p(x), parts, res, *_ints(b.rows, x.width, outs[0].width, offset)])
+        offset += sum(sizes)
+
+
+def _linear_add(xs, outs, a, b):
+    """A linear and the add right after it that alone reads its result: the add's other operand (last of
+    xs) is the linear's residual."""
+    _linear(xs[:-1], outs, a, b, residual=xs[-1])
+
+
+def residual_adds(nodes: list, narrow_at: int, kept: set) -> dict:
+    """linear node index -> the other operand's name of the add right after it, for each linear whose
+    result only that add reads (and not past the step: `kept`), both on one side of the narrowing: the
+    pair runs as one launch, the sum in the linear's epilogue (x + y in float32 either way round)."""
+    readers: dict = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers[v.name] = readers.get(v.name, 0) + 1
+    fused = {}
+    for i, (n, add) in enumerate(zip(nodes, nodes[1:])):
+        if n.op != "linear" or add.op != "add" or i + 1 == narrow_at:
+            continue
+        out = n.outputs[0].name
+        names = [v.name for v in add.inputs]
+        if readers.get(out) == 1 and out not in kept and names.count(out) == 1:
+            fused[i] = names[1 - names.index(out)]
+    return fused
 
 
 def _add_bias(xs, outs, a, b):
@@ -311,8 +365,7 @@ class GpuDevice(CpuDevice):
         self._ropes: dict = {}
         self._joined: dict = {}
         self._read_past_narrowing = {v.name for n in self.nodes[self._narrow_at:] for v in n.inputs}
-        self._program = [(GPU_STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs],
-                          n.op) for n in self.nodes]
+        self._program = self._lower()
         module = compile_source(kernel_source(), target_arch(self.ordinal))
         self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
         self._functions: dict = {}
@@ -326,15 +379,17 @@ class GpuDevice(CpuDevice):
             elif n.op == "add_bias":
                 self.joined([self.values[v.name] for v in n.inputs[1:]])
         before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
-        partials = 1
+        partials, tiles = 1, 1
         for n in self.nodes:
             if n.op == "linear":
-                k, ws = int(n.inputs[0].shape[-1]), [self.values[v.name] for v in n.inputs[1:]]
-                dtype = tensor_core_dtype(k, ws)
-                for w in ws if dtype is not None else ():
-                    splits = mma_splits(int(w.shape[0]), k, self.sms)
-                    partials = max(partials, splits * rows * int(w.shape[0]) if splits > 1 else 1)
-        self.partials = array(None, (partials,), f32)   # split-k partials of one linear at a time
+                k = int(n.inputs[0].shape[-1])
+                for _, mma, count in linear_launches(k, [self.values[v.name] for v in n.inputs[1:]]):
+                    if mma is not None:
+                        partials = max(partials, mma_splits(count, k, self.sms) * rows * count * 16)
+                        tiles = max(tiles, count)
+        # a tensor-core linear's split-k partials and the count of each tile's splits done, of one at a time
+        self.partials = array(None, (partials,), f32)
+        self.linear_arrivals = array(None, (tiles,), i32)
         # attention's per-split partials (dim values, max, sum per row, query head and split) and the count
         # of each row's and KV head's splits done, of one attention at a time
         heads = [n.attr_dict for n in self.nodes if n.op in ("attention", "scaled_attention")]
@@ -356,6 +411,23 @@ class GpuDevice(CpuDevice):
         self.replays = 0                 # steps run as graph replays
         self._profile: Optional[dict] = None   # op -> [seconds, steps] while profile_ops runs
         self._profiled: dict = {}        # (rows, kept rows) -> (graph with an event after each op, its events)
+
+    def _lower(self) -> list:
+        """The step's program: per node, (rule, attributes, operand names, result names, op), a linear and
+        the add after it fused (residual_adds; the add's entry is None)."""
+        kept = {self.graph.logits.name}
+        fused = residual_adds(self.nodes, self._narrow_at, kept)
+        program: list = []
+        for i, n in enumerate(self.nodes):
+            names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
+            if i in fused:
+                program.append((_linear_add, n.attr_dict, names + [fused[i]], [v.name for v in self.nodes[i + 1].outputs],
+                                "linear+add"))
+            elif i - 1 in fused:
+                program.append(None)
+            else:
+                program.append((GPU_STEP_RULES[n.op], n.attr_dict, names, results, n.op))
+        return program
 
     # ---- what the rules use
 
@@ -471,7 +543,7 @@ class GpuDevice(CpuDevice):
         values = dict(self.values)
         values[TOKENS] = None
         batch = GpuBatch(n, self._tokens, self._positions, self._row_entries, self._page_table, self)
-        for i, (rule, attrs_, names, results, op) in enumerate(self._program):
+        for i, entry in enumerate(self._program):
             if i == self._narrow_at and kept < n:
                 if not kept:
                     return None
@@ -482,6 +554,9 @@ class GpuDevice(CpuDevice):
                     values[name] = self._narrowed[name]
                 mark("gather")
                 batch = attrs.evolve(batch, rows=kept)
+            if entry is None:     # (an add fused into the linear before it)
+                continue
+            rule, attrs_, names, results, op = entry
             outs = [self._buffers[r] for r in results]
             rule([values[name] for name in names], outs, attrs_, batch)
             mark(op)

@@ -70,10 +70,20 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
   }
 }
 
-// ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (w [n, k], Hugging Face layout)
+// ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (+ residual[r, offset + c]) for the columns c of up
+// to MAX_PARTS weights side by side (a fused projection's q|k|v, gate|up: one launch), w [n, k] in the Hugging
+// Face layout. The residual is the add that follows the linear in the step function (the residual stream's
+// x + W y), fused where the linear's result has no other reader.
 // A warp takes one weight row (an output column) at a time and every row of the step, ROWS rows at once: each
 // 16-byte vector of weights is loaded once per ROWS rows. Lane l sums the vectors l, l + 32, ... of the row
 // in order, then the warp's xor tree: the same order for every row, however many rows the step has.
+
+constexpr int MAX_PARTS = 4;
+struct Parts {              // weights side by side: part i holds columns [start[i], start[i + 1]); start[count ..] = all
+  const void* w[MAX_PARTS];
+  int start[MAX_PARTS + 1];
+  int count;
+};
 
 constexpr int ROWS = 8;
 
@@ -100,12 +110,23 @@ __device__ __forceinline__ void load_vec<__half>(const __half* p, float* v) {
 }
 
 template <typename W>
-__device__ void linear(float* out, const float* x, const W* w, int rows, int k, int n, int out_width, int offset) {
+__device__ __forceinline__ void linear(float* out, const float* x, const Parts& parts, const float* residual, int rows, int k,
+                       int out_width, int offset) {
   constexpr int VEC = 16 / sizeof(W);
-  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP, n = parts.start[MAX_PARTS];   // (padded: every column)
   const bool vectors = k % VEC == 0;   // (a property of the weight, never of the step)
   for (int c = blockIdx.x * warps + threadIdx.x / WARP; c < n; c += gridDim.x * warps) {
-    const W* wr = w + (long long)c * k;
+    // the column's weight (its arrays indexed by constants only: an index known at run time would copy the
+    // parameter to local memory)
+    const void* wp = parts.w[0];
+    int start = 0;
+#pragma unroll
+    for (int i = 1; i < MAX_PARTS; ++i)
+      if (i < parts.count && c >= parts.start[i]) {
+        wp = parts.w[i];
+        start = parts.start[i];
+      }
+    const W* wr = static_cast<const W*>(wp) + (long long)(c - start) * k;
     for (int r0 = 0; r0 < rows; r0 += ROWS) {
       float acc[ROWS];
 #pragma unroll
@@ -134,7 +155,10 @@ __device__ void linear(float* out, const float* x, const W* w, int rows, int k, 
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) {
         const float s = warp_sum(acc[i]);
-        if (lane == 0 && r0 + i < rows) out[(long long)(r0 + i) * out_width + offset + c] = s;
+        if (lane == 0 && r0 + i < rows) {
+          const long long at = (long long)(r0 + i) * out_width + offset + c;
+          out[at] = residual ? residual[at] + s : s;
+        }
       }
     }
   }
@@ -146,12 +170,17 @@ __device__ void linear(float* out, const float* x, const W* w, int rows, int k, 
 // input keeps about 16 bits of its mantissa where rounding it to W would keep 8.
 // Each lane loads 16 contiguous bytes of a weight row and of an input row per 32 k: the mma's k order is a
 // permutation of memory's (the same for both operands, so the sum is the product's), which lets every load
-// be a 16-byte one. k splits over `splits` blocks of a 16-column tile (partials summed in split order by
-// sum_splits) and over each block's MMA_WARPS warps (summed in warp order): both fixed by n and k alone, so a
-// row's result depends on its own values only, whatever rows share the step.
+// be a 16-byte one. k splits over `splits` blocks of a 16-column tile and over each block's MMA_WARPS warps
+// (summed in warp order); the block of a tile that finishes last sums the splits' partials in split order
+// and writes the tile. Both splits are fixed by the weights' n and k alone, so a row's result depends on its
+// own values only, whatever rows share the step. A 16-column tile lies within one weight (each weight's
+// columns start a tile).
 
 constexpr int MMA_WARPS = 8;
 constexpr int MMA_GROUPS = 8;    // row groups of 8 a pass (64 rows)
+struct TileStarts {              // the first 16-column tile of each part, and the tiles' count last
+  int start[MAX_PARTS + 1];
+};
 
 // x = hi + lo for 8 float32 values, packed as two 16-byte vectors of W pairs
 template <typename W>
@@ -217,13 +246,31 @@ __device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 
   mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, lo.z, lo.w);
 }
 
-// out (splits == 1) or part[blockIdx.y] (rows x n) = the block's share of x @ w.T for columns blockIdx.x * 16 ..
+// out = x @ w.T (+ residual) for the 16 columns of tile blockIdx.x: with splits, through part[split] (rows x
+// tiles * 16) and the last block's sum of them
 template <typename W>
-__device__ void linear_mma(float* out, float* part, const float* x, const W* w, int rows, int k, int n,
-                           int out_width, int offset) {
+__device__ __forceinline__ void linear_mma(float* out, float* part, int* arrivals, const float* x, const Parts& parts,
+                           const int* tile_start, const float* residual, int rows, int k, int out_width, int offset) {
   __shared__ float red[MMA_WARPS][MMA_GROUPS][4][WARP];
+  __shared__ int last;
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, group = lane >> 2, tig = lane & 3;
-  const int c0 = blockIdx.x * 16 + group, c1 = c0 + 8;
+  // this tile's weight: its pointer, first column in the output, columns and first tile (constant indices)
+  const void* wp = parts.w[0];
+  int start = 0, end = parts.start[1], first_tile = 0;
+#pragma unroll
+  for (int i = 1; i < MAX_PARTS; ++i)
+    if (i < parts.count && int(blockIdx.x) >= tile_start[i]) {
+      wp = parts.w[i];
+      start = parts.start[i];
+      end = parts.start[i + 1];
+      first_tile = tile_start[i];
+    }
+  const int n = end - start;                                     // this weight's columns
+  const int t0 = (blockIdx.x - first_tile) * 16;                 // the tile's first column in the weight
+  const int col0 = start + t0;                                   // ... in the output
+  const int width = tile_start[MAX_PARTS] * 16;                  // a partial's row: every tile's columns
+  const W* w = static_cast<const W*>(wp);
+  const int c0 = t0 + group, c1 = c0 + 8;
   const W* w0 = w + (long long)(c0 < n ? c0 : n - 1) * k + tig * 8;   // (columns past n load a real row; never stored)
   const W* w1 = w + (long long)(c1 < n ? c1 : n - 1) * k + tig * 8;
   // this block's and this warp's 32-k chunks
@@ -280,24 +327,39 @@ __device__ void linear_mma(float* out, float* part, const float* x, const W* w, 
       for (int j = 0; j < 4; ++j) {
         float total = red[0][g][j][lane];
         for (int v = 1; v < MMA_WARPS; ++v) total += red[v][g][j][lane];
-        const int c = blockIdx.x * 16 + group + 8 * (j / 2), r = r0 + g * 8 + tig * 2 + j % 2;
-        if (c < n && r < rows) {
-          if (splits == 1) out[(long long)r * out_width + offset + c] = total;
-          else part[((long long)blockIdx.y * rows + r) * n + c] = total;
+        const int c = group + 8 * (j / 2), r = r0 + g * 8 + tig * 2 + j % 2;
+        if (t0 + c < n && r < rows) {
+          if (splits == 1) {
+            const long long at = (long long)r * out_width + offset + col0 + c;
+            out[at] = residual ? residual[at] + total : total;
+          } else {
+            part[((long long)blockIdx.y * rows + r) * width + blockIdx.x * 16 + c] = total;
+          }
         }
       }
     }
     __syncthreads();   // red is rewritten by the next pass
   }
-}
-
-// out[r, offset + c] = the splits' partials of (r, c) summed in split order
-__device__ void sum_splits(float* out, const float* part, int splits, int rows, int n, int out_width, int offset) {
-  const long long count = (long long)rows * n;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
-    float total = part[i];
-    for (int v = 1; v < splits; ++v) total += part[v * count + i];
-    out[(i / n) * out_width + offset + i % n] = total;
+  if (splits == 1) return;
+  // the tile's last block to finish sums the splits' partials in split order
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(arrivals + blockIdx.x, 1) == splits - 1;
+    if (last) arrivals[blockIdx.x] = 0;   // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int cols = n - t0 < 16 ? n - t0 : 16;
+  for (int e = threadIdx.x; e < rows * 16; e += blockDim.x) {
+    const int r = e / 16, c = e % 16;
+    if (c >= cols) continue;
+    const long long from = (long long)r * width + blockIdx.x * 16 + c, step = (long long)rows * width;
+    float total = __ldcg(part + from);
+    for (int v = 1; v < splits; ++v) total += __ldcg(part + v * step + from);
+    const long long at = (long long)r * out_width + offset + col0 + c;
+    out[at] = residual ? residual[at] + total : total;
   }
 }
 
@@ -641,15 +703,16 @@ EVERY_DTYPE(embedding, (float* out, const int* tokens, const void* table, int wi
             (out, tokens, static_cast<const W*>(table), width))
 EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus),
             (out, x, static_cast<const W*>(w), width, eps, one_plus))
-EVERY_DTYPE(linear, (float* out, const float* x, const void* w, int rows, int k, int n, int out_width, int offset),
-            (out, x, static_cast<const W*>(w), rows, k, n, out_width, offset))
+EVERY_DTYPE(linear, (float* out, const float* x, serve::Parts parts, const float* residual, int rows, int k,
+                     int out_width, int offset),
+            (out, x, parts, residual, rows, k, out_width, offset))
 // the tensor-core linear, for the 16-bit weights
 #define SIXTEEN_BIT(NAME, PARAMS, ARGS)         \
   WEIGHTED(NAME, bf16, __nv_bfloat16, PARAMS, ARGS) \
   WEIGHTED(NAME, f16, __half, PARAMS, ARGS)
-SIXTEEN_BIT(linear_mma, (float* out, float* part, const float* x, const void* w, int rows, int k, int n, int out_width,
-                         int offset),
-            (out, part, x, static_cast<const W*>(w), rows, k, n, out_width, offset))
+SIXTEEN_BIT(linear_mma, (float* out, float* part, int* arrivals, const float* x, serve::Parts parts,
+                         serve::TileStarts tiles, const float* residual, int rows, int k, int out_width, int offset),
+            (out, part, arrivals, x, parts, tiles.start, residual, rows, k, out_width, offset))
 EVERY_DTYPE(add_bias, (float* out, const float* x, const void* b, int width), (out, x, static_cast<const W*>(b), width))
 EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const void* wk, int q_heads, int kv_heads,
                             int dim, float eps),
@@ -688,10 +751,6 @@ extern "C" __global__ void act_mul(float* out, const float* gu, int half, int ac
 extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
 extern "C" __global__ void map_rows(float* out, const float* x, int width, int kind, float param) {
   serve::map_rows(out, x, width, kind, param);
-}
-extern "C" __global__ void sum_splits(float* out, const float* part, int splits, int rows, int n, int out_width,
-                                      int offset) {
-  serve::sum_splits(out, part, splits, rows, n, out_width, offset);
 }
 extern "C" __global__ void argmax_rows(int* best, const float* x, int width) { serve::argmax_rows(best, x, width); }
 extern "C" __global__ void gather(float* out, const float* x, const int* keep, int width) {

@@ -126,7 +126,7 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
         ops = llm.device.profile_ops(False)
         nodes = {n.op for n in llm.device.nodes}
     assert profiled == plain
-    assert nodes <= set(ops) <= nodes | {"gather"}
+    assert nodes - {"add"} <= set(ops) <= nodes | {"gather", "linear+add"}   # (adds run in the linears before them)
     assert all(us > 0 and steps > 0 for us, steps in ops.values())
 
 

@@ -24,7 +24,7 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}" for dv, groups in GROUPS.items() for g in groups}
-    expected |= {"rope", "kv_append", "act_mul", "add", "gather", "sum_splits", "argmax_rows", "map_rows"}
+    expected |= {"rope", "kv_append", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
     assert set(resources) == expected
     for name, r in resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
@@ -34,3 +34,56 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
 def test_without_a_gpu_the_gpu_device_says_so(checkpoints):
     with pytest.raises(NoGPUError):
         LLM(checkpoints["llama3"].folder, device="gpu")
+
+
+def _graph(arch: str):
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from tests.megakernel.tiny import tiny_config_dict
+
+    config = config_from_dict(tiny_config_dict(arch))
+    return step_function(config).trace(config)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "gemma2"])
+def test_each_residual_add_runs_in_the_linear_before_it(arch):
+    """The o-proj's and down-proj's adds fuse into them (Llama); Gemma-2's post-norms sit between the linear
+    and the add, so nothing fuses there; never across the narrowing."""
+    from mdsl.serving.gpu import residual_adds
+
+    graph = _graph(arch)
+    nodes = list(graph.nodes)
+    narrow_at = 1 + max(i for i, n in enumerate(nodes) if n.op in ("attention", "scaled_attention"))
+    fused = residual_adds(nodes, narrow_at, {graph.logits.name})
+    layers = sum(n.op in ("attention", "scaled_attention") for n in nodes)
+    if arch == "llama3":
+        assert len(fused) == 2 * layers
+    else:
+        assert not fused
+    for i, other in fused.items():
+        linear, add = nodes[i], nodes[i + 1]
+        assert (linear.op, add.op) == ("linear", "add") and i + 1 != narrow_at
+        assert {v.name for v in add.inputs} == {linear.outputs[0].name, other}
+        assert sum(v.name == linear.outputs[0].name for n in nodes for v in n.inputs) == 1
+    # the same graph with its narrowing just past a linear: that pair stays apart
+    first = min(fused) if fused else None
+    if first is not None:
+        assert first not in residual_adds(nodes, first + 1, {graph.logits.name})
+
+
+def test_a_linears_weights_run_side_by_side_in_launches_of_one_dtype():
+    import attrs
+
+    from mdsl.ir.dtypes import bf16, f32
+    from mdsl.serving.gpu import MAX_PARTS, Operand, linear_launches
+
+    def w(n, dtype=bf16):
+        return Operand(0, (n, 64), dtype)
+
+    qkv = [w(40), w(8), w(8)]
+    assert linear_launches(64, qkv) == [(qkv, bf16, 3 + 1 + 1)]
+    assert linear_launches(48, qkv) == [(qkv, None, 5)]          # k not a multiple of 32: the CUDA cores
+    six = [w(16)] * 6
+    assert [len(g) for g, _, _ in linear_launches(64, six)] == [MAX_PARTS, 6 - MAX_PARTS]
+    mixed = [w(16), attrs.evolve(w(16), dtype=f32), w(16)]
+    assert [(len(g), d) for g, d, _ in linear_launches(64, mixed)] == [(1, bf16), (1, None), (1, bf16)]
