@@ -396,7 +396,7 @@ class GpuDevice(CpuDevice):
         splits = -(-shape.max_seq // attention_split(shape.max_seq))
         for a in heads:
             _attention_kernel(a)   # (refused here, before any step, where no kernel fits)
-        self.attention_partials = array(None, (max([rows * a["q_heads"] * splits * (a["head_dim"] + 2)
+        self.attention_partials = array(None, (max([rows * a["q_heads"] * splits * (a["head_dim"] + 4)
                                                     for a in heads] or [1]),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows

@@ -575,7 +575,7 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
       }
     }
   }
-  // the warps folded in warp order into the split's partial: [row, q head, split] of (dim values, max, sum)
+  // the warps folded in warp order into the split's partial: [row, q head, split] of (dim values, max, sum, pad)
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if (lane == 0) {
@@ -586,7 +586,7 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
     for (int i = 0; i < DV; ++i) wacc[warp][g][lane + WARP * i] = acc[g][i];
   }
   __syncthreads();
-  const int record = dim + 2;
+  const int record = dim + 4;   // (dim values, max, sum, padding: 16-byte aligned records)
   for (int e = threadIdx.x; e < G * DV * WARP; e += ATT_THREADS) {
     const int g = e / (DV * WARP), v = e % (DV * WARP), d = 4 * (v % WARP) + 128 * (v / WARP);
     float top = -INF;
