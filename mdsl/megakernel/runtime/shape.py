@@ -20,8 +20,8 @@ LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 QKV_BIASES = ("q_bias", "k_bias", "v_bias")
 # ... and the kernel's own: the embedding table, the final norm, the LM head (the table itself where tied)
 KERNEL_WEIGHTS = ("embed", "final_norm", "lm_head")
-# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (the engine points the device's
-# weight pointers into it)
+# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (its checkpoint's tensors; the planner
+# fills the device's slots with rows of them as it fills any slot, from the weight the op reads)
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
