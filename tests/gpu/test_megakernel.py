@@ -11,7 +11,9 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
   per SM the bodies never overlap and each starts after its inputs were ready (the scheduler warp's wait);
   every worker runs exactly its share of the task indices;
 * the engine's options at their other values (attention splits, the weight loads with the input row, the
-  second pass, sums as ranks make them, attention's preload, fewer workers) generate the default's tokens.
+  second pass, sums as ranks make them, attention's preload, fewer workers) generate the default's tokens;
+* a user's own architecture (examples/megakernel/parallel_block.py: a parallel attention + MLP block with weights
+  of its own names) generates its numpy reference forward's greedy tokens, f32 and bf16.
 
 Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 """
@@ -234,6 +236,42 @@ def test_other_mlp_activations_are_token_identical_to_transformers(torch, tiny_e
     engine, model = tiny_engines("llama3", dtype_name, hidden_act=hidden_act)
     assert engine.plan.op_of(Kind.GATEUP).attr_dict["act"] == hidden_act
     assert_token_identical(torch, engine, model, f"llama3 {dtype_name} {hidden_act}", dtype_name == "bf16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_users_parallel_block_runs_on_the_megakernel_as_its_reference_forward(dtype):
+    """examples/megakernel/parallel_block.py's model, a user's own architecture (weights of its own names, one
+    norm read by attention and the MLP, a GELU-gated MLP, x + (o_proj(attn) + mlp) in that order, tied
+    embeddings), compiled by compile_model: its greedy tokens are its numpy reference forward's (in bf16, up to
+    a tie within bf16's rounding: the reference computes in f32), and its logits after the reference's tokens
+    are the reference's within the dtype's tolerance."""
+    from mdsl.megakernel.modelgraph.reference import ReferenceModel
+    from mdsl.megakernel.runtime.megakernel_engine import compile_model
+    from tests.megakernel.tiny import parallel_block_example
+
+    example = parallel_block_example()
+    prompt, new = [1, 7, 42, 5], 24
+    for seed in range(SEED % 1000, SEED % 1000 + 8):   # (a random model that repeats one token is a weak check)
+        config, graph, weights = example.build(layers=2, positions=len(prompt) + new, dtype=dtype, seed=seed)
+        reference = ReferenceModel(graph, weights).generate(prompt, new)
+        if len(set(reference.tokens)) > 3:
+            break
+    assert len(set(reference.tokens)) > 3, f"the reference repeats itself ({reference.tokens}) from seed {SEED}"
+    engine = compile_model(example.parallel_block, config, weights, max_seq=config.max_positions)
+    kinds = {k.kind: k for k in engine.plan.kind_ops}
+    assert (kinds[Kind.OPROJ].op, kinds[Kind.DOWN].op) == ("linear", "linear_add_residual")
+    assert kinds[Kind.GATEUP].stream("row") == ("h", 0) and kinds[Kind.GATEUP].attr_dict["act"] == "gelu"
+    tokens = engine.generate(prompt, new, eos_token_ids=())
+    compared = example.compared_tokens(engine, tokens, reference, prompt, dtype == "bfloat16")
+    if compared < new:
+        warnings.warn(f"seed {seed}: the parallel block in {dtype} is the reference's for {compared} tokens, then "
+                      f"a bf16 tie: megakernel {tokens}, reference {list(reference.tokens)}")
+    engine.run(prompt + list(reference.tokens[:-1]), 1, eos_token_ids=())
+    ours, theirs = engine.last_logits(), reference.logits[-1]
+    error = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    print(f"parallel block, {dtype}, seed {seed}: {compared} of {new} tokens compared, the reference's; largest "
+          f"logit difference at the last step {np.abs(ours - theirs).max():.3g} (relative {error:.3g})")
+    assert error < (1e-3 if dtype == "float32" else 5e-2), f"seed {seed}: relative logit error {error:.3g}"
 
 
 def test_stops_are_decided_on_the_gpu(tiny_engines):

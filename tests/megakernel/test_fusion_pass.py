@@ -66,7 +66,7 @@ def shared_norm(m, cfg):
     x = m.add(m.add(a, b), m.add(h, twice))                          # h is read by an add: the norm stays
     gate_up = m.linear(x, m.weight("gate", [12, cfg.hidden]), m.weight("up", [12, cfg.hidden]))
     x = m.add(x, m.linear(m.act_mul(gate_up), m.weight("down", [cfg.hidden, 12])))
-    logits = m.linear(m.add(x, twice), table)
+    logits = m.linear(m.add(x, twice), table)                          # down's two adds: linear_add_residual
     return logits, m.argmax(logits)
 
 
@@ -75,7 +75,7 @@ def test_partial_patterns_fuse_only_where_nothing_else_reads_the_intermediate():
     fused = fuse(graph)
     ops = [n.op for n in fused.nodes]
     assert ops == ["embedding", "rms_norm", "norm_linear", "norm_linear", "linear", "add", "add", "add",
-                   "linear", "act_mul", "linear_residual", "add", "linear", "argmax"]
+                   "linear", "act_mul", "linear_add_residual", "linear", "argmax"]
     assert fused.nodes[2].inputs[:2] == graph.nodes[1].inputs   # the raw row and the norm weight
     rng = np.random.default_rng(1)
     weights = {w.name: rng.standard_normal(w.shape).astype(np.float32) for w in graph.weights}

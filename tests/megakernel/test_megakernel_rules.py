@@ -37,7 +37,7 @@ from mdsl.megakernel.taskgraph.numpy_bodies import TASK_BODIES
 from mdsl.megakernel.taskgraph.partition import TASK_RULES, build_task_graph
 from mdsl.megakernel.taskgraph.simulator import Simulator
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig
-from tests.megakernel.tiny import tiny_config_dict, tiny_model
+from tests.megakernel.tiny import parallel_block_example, tiny_config_dict, tiny_model
 
 PROMPT = [5, 17, 3]
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +56,9 @@ def test_every_layer_op_has_every_megakernel_rule():
         shard = SHARD_RULES.get(name)
         assert isinstance(shard, (ShardRule, NotSharded)), f"{name}: no tensor-parallel split and no reason"
         assert isinstance(shard, ShardRule) or shard.reason.strip(), name
-    # the fused linears' element-wise epilogues, which the numpy and CUDA bodies both evaluate
-    for name in ("norm_linear", "norm_gate_up", "linear_residual", "lm_head_argmax", "lm_head_sample"):
+    # the device's linears' element-wise epilogues, which the numpy and CUDA bodies both evaluate
+    for name in ("linear", "norm_linear", "norm_gate_up", "linear_residual", "linear_add_residual", "lm_head_argmax",
+                 "lm_head_sample"):
         assert name in EPILOGUE_RULES, name
 
 
@@ -72,6 +73,9 @@ def _task_graphs():
     for g in (graph, fuse(graph), tensor_parallel(graph, 2).graph):
         yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
     config, graph, _ = tiny_model("qwen3_moe")   # (not split over ranks)
+    for g in (graph, fuse(graph)):
+        yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
+    _, graph, _ = parallel_block_example().build(layers=2, positions=24)   # a user's: linear_add_residual
     for g in (graph, fuse(graph)):
         yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
 

@@ -3,7 +3,8 @@ worker loop: worker w of W takes the task indices w, w + W, ... in order, a task
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
 the same tiny Llama-3, Qwen3, Qwen2 (q|k|v biases), Mistral (a sliding window) and Phi-3 (fused weights, a
-sliding window) models, with the prompt prefilled as steps of the same launch; a
+sliding window) models, with the prompt prefilled as steps of the same launch (and of a user's parallel block:
+tests/megakernel/test_parallel_block.py); a
 deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
 arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
 splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
@@ -17,14 +18,15 @@ import pytest
 from mdsl.ir.dtypes import bf16, round_to_dtype
 from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
-from mdsl.megakernel.runtime.shape import FUSED_WEIGHTS, QKV_BIASES, decoder_shape, layer_weight_name, rope_tables
+from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
 
 class Emulator:
     """device.cu's Params and bodies in numpy (f32 math, values rounded to the model's dtype where the
-    kernel rounds them)."""
+    kernel rounds them), its weights those the plan binds to the device's slots (TaskPlan.weights), its
+    bodies' residual-stream rows those the plan's kinds read and write (KindOp.streams)."""
 
     def __init__(self, plan, config, weights, workers: int, rng):
         self.plan, self.s, self.rng, self.workers = plan, plan.shape, rng, workers
@@ -34,18 +36,20 @@ class Emulator:
         self.cos, self.sin = rope_tables(s, plan.max_seq)
         self.k_cache = np.zeros((s.layers, plan.max_seq, s.kv_heads, s.head_dim), np.float32)
         self.v_cache = np.zeros_like(self.k_cache)
-        self.head = self.w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+        self.head = self.layer(None, "lm_head")
 
-    def layer(self, layer, name):
-        """A layer's weight by its short name; a part of a fused weight (Phi-3's) is its rows of it."""
-        fused = next((f for f, parts in FUSED_WEIGHTS.items() if name in parts), None)
-        if fused is None or layer_weight_name(layer, name) in self.w:
-            return self.w[layer_weight_name(layer, name)]
-        s, parts = self.s, FUSED_WEIGHTS[fused]
-        rows = {"q_proj": s.attention_width, "k_proj": s.kv_heads * s.head_dim, "v_proj": s.kv_heads * s.head_dim,
-                "gate_proj": s.intermediate, "up_proj": s.intermediate}
-        first = sum(rows[p] for p in parts[:parts.index(name)])
-        return self.w[layer_weight_name(layer, fused)][first:first + rows[name]]
+    def layer(self, layer, slot):
+        """The device's weight slot of a layer (None: the kernel's own): the rows of the graph weight the plan
+        binds to it (a part of a fused weight: its rows of it), or None where it binds none."""
+        bound = self.plan.weight(slot, layer)
+        if bound is None:
+            return None
+        return self.w[bound.name][bound.row:bound.row + self.s.slot_shape(slot)[0]]
+
+    def stream(self, kind, role, layer):
+        """The residual-stream row that the kind's body reads or writes as `role` at a task's layer, or None."""
+        found = self.plan.op_of(kind).stream(role)
+        return None if found is None else self.buf[found[0]][layer + found[1]]
 
     def norm(self, x, weight, eps):
         r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
@@ -70,7 +74,7 @@ class Emulator:
                     "act": np.zeros((s.layers, s.intermediate), np.float32),
                     "parts": np.zeros((s.layers, s.heads, plan.splits, s.head_dim + 2), np.float32),
                     "logits": np.zeros(s.vocab, np.float32), "best": [None] * plan.lm_tiles}
-        self.buf["h"][0] = self.w["model.embed_tokens.weight"][tokens[0]]
+        self.buf["h"][0] = self.layer(None, "embed")[tokens[0]]
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
         self.split_counts = {}
         events = plan.initial_events().astype(np.int64)
@@ -104,10 +108,10 @@ class Emulator:
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step
         if t.kind is Kind.QKV:
-            x = self.norm(b["h"][t.layer], self.layer(t.layer, "input_layernorm"), s.eps)
+            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "input_layernorm"), s.eps)
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
             biases = {"bias": np.concatenate([self.layer(t.layer, n) for n in QKV_BIASES])[t.begin:t.end]} \
-                if s.qkv_bias else {}
+                if self.layer(t.layer, "q_bias") is not None else {}
             b["qkv"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=w[t.begin:t.end] @ x, **biases)
         elif t.kind is Kind.ATTN:
             self.attention(t.layer, t.begin, t.end, pos)
@@ -116,20 +120,19 @@ class Emulator:
             if done == self.plan.splits * (step + 1):
                 for head in range(t.begin * s.group, (t.begin + 1) * s.group):
                     self.combine(t.layer, head)
-        elif t.kind is Kind.OPROJ:
-            o = self.layer(t.layer, "o_proj")[t.begin:t.end] @ b["attn"][t.layer]
-            b["mid"][t.layer, t.begin:t.end] = self.epilogue(t.kind, product=o, residual=b["h"][t.layer, t.begin:t.end])
+        elif t.kind in (Kind.OPROJ, Kind.DOWN):
+            weight, source = ("o_proj", "attn") if t.kind is Kind.OPROJ else ("down_proj", "act")
+            product = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
+            operands = {role: self.stream(t.kind, role, t.layer)[t.begin:t.end] for role in ("residual", "addend")
+                        if self.stream(t.kind, role, t.layer) is not None}
+            self.stream(t.kind, "out", t.layer)[t.begin:t.end] = self.epilogue(t.kind, product=product, **operands)
         elif t.kind is Kind.GATEUP:
-            x = self.norm(b["mid"][t.layer], self.layer(t.layer, "post_attention_layernorm"), s.eps)
+            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
             b["act"][t.layer, t.begin:t.end] = self.epilogue(
                 t.kind, gate=self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x,
                 up=self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
-        elif t.kind is Kind.DOWN:
-            d = self.layer(t.layer, "down_proj")[t.begin:t.end] @ b["act"][t.layer]
-            b["h"][t.layer + 1, t.begin:t.end] = self.epilogue(t.kind, product=d,
-                                                               residual=b["mid"][t.layer, t.begin:t.end])
         elif t.kind is Kind.LMHEAD:
-            x = self.norm(b["h"][s.layers], self.w["model.norm.weight"], s.eps)
+            x = self.norm(b["h"][s.layers], self.layer(None, "final_norm"), s.eps)
             logits = self.epilogue(t.kind, product=self.head[t.begin:t.end] @ x)
             b["logits"][t.begin:t.end] = logits
             b["best"][k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)] = \
@@ -150,8 +153,7 @@ class Emulator:
         d, group = s.head_dim, s.group
         qkv = b["qkv"][layer]
         lo, hi = self.plan.attention_range(pos, split)
-        qn = self.layer(layer, "q_norm") if s.qk_norm else None
-        kn = self.layer(layer, "k_norm") if s.qk_norm else None
+        qn, kn = self.layer(layer, "q_norm"), self.layer(layer, "k_norm")
         q = np.stack([self.prepare_head(qkv[h * d:(h + 1) * d], qn, pos) for h in range(g * group, (g + 1) * group)])
         if lo <= pos < hi:   # the split holding the newest position appends it to the cache
             k_row = s.attention_width + g * d
@@ -173,7 +175,7 @@ class Emulator:
         return self.buf["best"]
 
     def next_embedding(self, token) -> None:
-        self.buf["h"][0] = self.w["model.embed_tokens.weight"][token]
+        self.buf["h"][0] = self.layer(None, "embed")[token]
 
     def sample(self, step, pos):
         value, token = max(self.bests(), key=lambda vi: (vi[0], -vi[1]))

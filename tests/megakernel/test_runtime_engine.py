@@ -11,6 +11,7 @@ from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
 from mdsl.megakernel.modelgraph.model_config import eos_token_ids
 from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine, Params, RankGroup, weight_names
 from mdsl.megakernel.runtime.shape import LAYER_WEIGHTS, QKV_BIASES, decoder_shape, layer_weight_name
+from mdsl.megakernel.runtime.task_plan import build_plan
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
 from tests.megakernel.tiny import tiny_config_dict, tiny_model
@@ -37,6 +38,7 @@ def _layer_table(arch: str) -> tuple:
     config, _, _ = tiny_model(arch)
     engine = object.__new__(MegakernelEngine)
     engine.shape, engine.max_seq, engine.params = decoder_shape(config), 24, Params()
+    engine.plan = build_plan(engine.shape, workers=4, max_seq=24)
     uploaded, arrays = {}, []
 
     def weight(weights, name, shape):

@@ -262,16 +262,35 @@ def test_an_op_without_a_device_lowering_is_refused_with_its_line():
     assert "x = m.add(x, x)" in str(e.value)
 
 
+def _with_weight(graph, suffix: str, **changes):
+    """The graph with its weight whose name ends with `suffix` changed (a new name, type)."""
+    def change(v):
+        return attrs.evolve(v, **changes) if v.name.endswith(suffix) else v
+
+    return attrs.evolve(graph, weights=tuple(map(change, graph.weights)), nodes=tuple(
+        attrs.evolve(n, inputs=tuple(map(change, n.inputs))) for n in graph.nodes))
+
+
 def test_a_graph_that_differs_from_the_decoder_is_refused_naming_the_difference():
     config, graph = _tiny_decoder_with(lambda m, logits: (logits, m.argmax(logits)))
     shape = decoder_shape(config)
     plan_model(graph, shape, workers=4, max_seq=24)   # the decoder itself lowers
     with pytest.raises(UnsupportedError, match="the model's 0.5"):
         plan_model(graph, decoder_shape(attrs.evolve(config, rms_norm_eps=0.5)), workers=4, max_seq=24)
-    def rename(v):
-        return attrs.evolve(v, name="my.o_proj") if v.name.endswith("o_proj.weight") else v
+    o_proj = next(w for w in graph.weights if w.name.endswith("o_proj.weight"))
+    wrong = _with_weight(graph, "o_proj.weight", type=attrs.evolve(o_proj.type, dtype=bf16))
+    with pytest.raises(UnsupportedError, match=r"linear_residual .*o_proj\.weight: bf16.* where the device reads "
+                                               r"o_proj of layer 0: 32 rows of f32"):
+        plan_model(wrong, shape, workers=4, max_seq=24)
 
-    renamed = attrs.evolve(graph, weights=tuple(map(rename, graph.weights)), nodes=tuple(
-        attrs.evolve(n, inputs=tuple(map(rename, n.inputs))) for n in graph.nodes))
-    with pytest.raises(UnsupportedError, match=r"linear_residual .*my\.o_proj"):
-        plan_model(renamed, shape, workers=4, max_seq=24)
+
+def test_weights_are_bound_by_the_part_they_play_not_by_name():
+    """A weight of any name fills the device slot of the op that reads it: the engine uploads it by that name."""
+    config, graph = _tiny_decoder_with(lambda m, logits: (logits, m.argmax(logits)))
+    shape = decoder_shape(config)
+    renamed = _with_weight(graph, "o_proj.weight", name="my.o_proj")
+    plan = plan_model(renamed, shape, workers=4, max_seq=24)
+    check_plan(plan)
+    assert plan.weight("o_proj", 0).name == "my.o_proj" and plan.weight("o_proj", 0).row == 0
+    assert plan.weight("lm_head").name == "lm_head.weight" and plan.weight("q_norm", 0) is None
+    assert plan.tables()[0].tolist() == plan_model(graph, shape, workers=4, max_seq=24).tables()[0].tolist()

@@ -1,4 +1,10 @@
-"""Tiny Llama-3, Mistral, Phi-3, Gemma-2, Qwen2, Qwen3 and Qwen3-MoE configurations and random weights for the megakernel tests."""
+"""Tiny Llama-3, Mistral, Phi-3, Gemma-2, Qwen2, Qwen3 and Qwen3-MoE configurations and random weights for the
+megakernel tests, and examples/megakernel/parallel_block.py (a user's own architecture) as a module."""
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import random_weights
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
@@ -33,3 +39,15 @@ def tiny_model(arch: str = "llama3", seed: int = 0, **overrides):
     config = config_from_dict(tiny_config_dict(arch, **overrides))
     graph = step_function(config).trace(config)
     return config, graph, random_weights(graph, seed, scale=0.3)
+
+
+@functools.cache
+def parallel_block_example():
+    """examples/megakernel/parallel_block.py as a module: its step function `parallel_block`, `build(layers,
+    positions, dtype, seed)` -> (config, graph, weights), and its check of the GPU megakernel's tokens."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "megakernel" / "parallel_block.py"
+    spec = importlib.util.spec_from_file_location("parallel_block_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

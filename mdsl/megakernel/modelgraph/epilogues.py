@@ -5,11 +5,12 @@ One definition for every executor: the CPU simulator's task bodies evaluate it (
 megakernel's CUDA task bodies are generated from it through the CUDA backend's rule table
 (runtime/cuda_bodies.py), and the tests hold both to the unfused layer ops' references. An epilogue's inputs
 are named by what they hold: one product per weight matrix a column multiplies (`product`, or `gate` and
-`up`) and, for the residual ops, `residual`; its one output is the column's value. Evaluated `eagerly`
+`up`) and, for the residual ops, `residual` (and `addend`, a row added to the product before the residual);
+its one output is the column's value. Evaluated `eagerly`
 for a dtype, every node's result is rounded to it, as PyTorch's eager ops round each result: how the
 megakernel matches transformers token for token in bf16.
 
-Each fused linear op's epilogue is its rule in `EPILOGUE_RULES`.
+Each linear op's epilogue (the fused ones', and a plain linear's: its product) is its rule in `EPILOGUE_RULES`.
 """
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def _plus(operand: str) -> ThreadGraph:
 
 RESIDUAL_ADD = _plus("residual")
 BIASED = _plus("bias")
+# residual + (addend + product): the inner add first, as a parallel block's x + (o_proj(attn) + mlp) (rounded
+# after each add, as eager ops round them)
+ADD_THEN_RESIDUAL = _thread_graph("""thread {
+  in %product: f32[1]
+  in %addend: f32[1]
+  in %residual: f32[1]
+  %sum: f32[1] = add(%addend, %product)
+  %out: f32[1] = add(%residual, %sum)
+  out %out
+}""")
 
 
 @functools.cache
@@ -77,8 +88,9 @@ class EpilogueRule:
 EPILOGUE_RULES: RuleTable[EpilogueRule] = RuleTable("fused linears' epilogues", EpilogueRule,
                                                     "mdsl.megakernel.modelgraph.epilogues (EPILOGUE_RULES)",
                                                     registry=LAYER_OPS)
-for _op, _graph in {"norm_linear": lambda a: PRODUCT, "norm_gate_up": lambda a: gated(a["act"]),
-                    "linear_residual": lambda a: RESIDUAL_ADD, "lm_head_argmax": lambda a: PRODUCT,
+for _op, _graph in {"linear": lambda a: PRODUCT, "norm_linear": lambda a: PRODUCT,
+                    "norm_gate_up": lambda a: gated(a["act"]), "linear_residual": lambda a: RESIDUAL_ADD,
+                    "linear_add_residual": lambda a: ADD_THEN_RESIDUAL, "lm_head_argmax": lambda a: PRODUCT,
                     "lm_head_sample": lambda a: PRODUCT}.items():
     EPILOGUE_RULES.register(_op, EpilogueRule(_graph))
 EPILOGUE_RULES.register("norm_linear_bias", EpilogueRule(lambda a: BIASED, rounded_once=True))
@@ -92,8 +104,9 @@ def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:
     return rule.graph(attrs)
 
 
-#: the epilogue inputs that are no product: the residual stream's column, the projection's bias
-OPERANDS = ("residual", "bias")
+#: the epilogue inputs that are no product: the residual stream's column, the projection's bias, a row added to
+#: the product before the residual
+OPERANDS = ("residual", "bias", "addend")
 
 
 def products(graph: ThreadGraph) -> tuple:
@@ -107,6 +120,10 @@ def has_residual(graph: ThreadGraph) -> bool:
 
 def has_bias(graph: ThreadGraph) -> bool:
     return any(v.name == "bias" for v in graph.inputs)
+
+
+def has_addend(graph: ThreadGraph) -> bool:
+    return any(v.name == "addend" for v in graph.inputs)
 
 
 def evaluate_op(op: str, attrs: Mapping, inputs: Mapping[str, np.ndarray], dtype: DType) -> np.ndarray:

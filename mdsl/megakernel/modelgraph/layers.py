@@ -662,6 +662,19 @@ def _linear_residual_ref(xs, a, ctx):
     return _add_ref([residual, _linear_ref([x, *ws], a, ctx)[0]], a, ctx)
 
 
+def _linear_add_residual_infer(types, a):
+    x, addend, residual, *ws = types
+    (out,) = _linear_infer((x, *ws), a)
+    (out,) = _add_infer((addend, out), a)
+    return _add_infer((residual, out), a)
+
+
+def _linear_add_residual_ref(xs, a, ctx):
+    x, addend, residual, *ws = xs
+    (out,) = _add_ref([addend, _linear_ref([x, *ws], a, ctx)[0]], a, ctx)
+    return _add_ref([residual, out], a, ctx)
+
+
 def _rope_attention_infer(types, a):
     qkv, k_cache, v_cache, *norms = types
     if len(norms) not in (0, 2):
@@ -721,6 +734,9 @@ _layer("norm_gate_up", None, _norm_gate_up_infer, _norm_gate_up_ref, (_EPS, _ACT
            "operands: x, norm, the gate and the up weight, or one weight of the gate's rows then the up's")
 _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
        doc="residual + x @ concat(weights).T: a linear with the residual add in its epilogue")
+_layer("linear_add_residual", None, _linear_add_residual_infer, _linear_add_residual_ref,
+       doc="residual + (addend + x @ concat(weights).T): a linear with two adds in its epilogue, the inner one first "
+           "(a parallel block's x + (o_proj(attn) + mlp)); operands: x, addend, residual, the weights")
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,
        (*_HEADS, *_ROPE_ATTRS, AttrSpec("eps", "float", 0.0)), state_inputs=(1, 2),
        doc="optional q/k head rms_norm (weights as operands 4 and 5, eps), RoPE, the KV-cache append and attention")

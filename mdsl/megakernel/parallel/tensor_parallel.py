@@ -302,8 +302,8 @@ for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "
                    "rms_norm_1p": _shard_rms_norm, "geglu": _shard_act_mul, "scale": _shard_elementwise,
                    "softcap": _shard_elementwise}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
-for _op in ("norm_linear", "norm_linear_bias", "norm_gate_up", "linear_residual", "rope_attention", "rope_scaled_attention",
-            "lm_head_argmax", "lm_head_sample"):
+for _op in ("norm_linear", "norm_linear_bias", "norm_gate_up", "linear_residual", "linear_add_residual",
+            "rope_attention", "rope_scaled_attention", "lm_head_argmax", "lm_head_sample"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
                                          "the split (layer_fusion.fuse)"))
 for _op in ("moe_router", "moe_experts"):

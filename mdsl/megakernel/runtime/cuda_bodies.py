@@ -25,9 +25,10 @@ from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
-from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, has_bias, has_residual, is_additive, products
+from mdsl.megakernel.modelgraph.epilogues import (EPILOGUE_RULES, has_addend, has_bias, has_residual, is_additive,
+                                                  products)
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
-from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, Kind, TaskPlan
+from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, Kind, KindOp, TaskPlan
 
 @attrs.frozen
 class Matrix:
@@ -83,7 +84,7 @@ class ToStream:
     parts: str      # this rank's partials (tensor parallelism)
     relay: str      # the peers' flagged words (tensor parallelism)
     layer: str
-    residual: str   # C++: column r of the residual (h_at / mid_at)
+    residual: Optional[str]   # C++: column r of the residual (h_at / mid_at), or None: the epilogue adds none
 
     def store(self, value: str) -> str:
         return f"stream_put(p, {self.single}, {self.parts}, {self.relay}, {self.layer}, r, {value}, tag);"
@@ -106,6 +107,7 @@ class LinearBody:
     layered: bool = True    # the weights are the task's layer's (else: the kernel's own, as the LM head)
     biases: tuple = ()      # Matrix per matrix (one row each), concatenated as they are: the epilogue's `bias`
     rounded: bool = True    # each epilogue value rounded to T (eager ops), else only the stored result
+    addend: Optional[str] = None   # C++: column r of the row the epilogue adds before the residual (its `addend`)
 
     @property
     def products(self) -> int:
@@ -116,38 +118,67 @@ def _layer_matrices(*fields_rows: tuple) -> tuple:
     return tuple(Matrix(f"w.{field}", rows) for field, rows in fields_rows)
 
 
-def _norm_linear(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
-    return LinearBody(kind, "qkv_task", "H", _layer_matrices(("wq", "HQ * D"), ("wk", "HKV * D"), ("wv", "HKV * D")),
-                      False, NormedStream("p.hs", "t.layer", "w.ln1"),
-                      ToBuffer("(p.qkvs + (long long)t.layer * QKV)"), epilogue)
+# the residual stream's rows (task_plan.STREAMS): the buffer, this rank's partials and the peers' flagged words
+# (tensor parallelism), and the device function reading column r of a layer's row (residual.cuh)
+_STREAM_BUFFERS = {"h": ("p.hs", "p.h_parts", "p.h_relay", "h_at"),
+                   "mid": ("p.mids", "p.mid_parts", "p.mid_relay", "mid_at")}
 
 
-def _norm_linear_bias(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
+def _stream_layer(offset: int) -> str:
+    return "t.layer" if offset == 0 else f"t.layer + {offset}"
+
+
+def _stream_column(stream: Optional[tuple]) -> Optional[str]:
+    """C++: column r of the residual-stream row `stream` ((family, layer offset); None: none)."""
+    if stream is None:
+        return None
+    family, offset = stream
+    return f"{_STREAM_BUFFERS[family][3]}(p, {_stream_layer(offset)}, r)"
+
+
+def _normed_stream(k: KindOp, norm: str) -> NormedStream:
+    """The residual-stream row the kind normalises (its "row" stream: h, or mid) by the `norm` weights."""
+    family, offset = k.stream("row")
+    return NormedStream(_STREAM_BUFFERS[family][0], _stream_layer(offset), norm)
+
+
+def _norm_linear(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
+    return LinearBody(k.kind, "qkv_task", "H", _layer_matrices(("wq", "HQ * D"), ("wk", "HKV * D"), ("wv", "HKV * D")),
+                      False, _normed_stream(k, "w.ln1"), ToBuffer("(p.qkvs + (long long)t.layer * QKV)"), epilogue)
+
+
+def _norm_linear_bias(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
     """Qwen2's q|k|v with its biases (LayerWeights' bq, bk, bv: the QKV_BIAS section), the bias added to the
     product in f32 and the sum rounded once, as transformers' addmm."""
-    return attrs.evolve(_norm_linear(kind, epilogue), rounded=False,
+    return attrs.evolve(_norm_linear(k, epilogue), rounded=False,
                         biases=_layer_matrices(("bq", "HQ * D"), ("bk", "HKV * D"), ("bv", "HKV * D")))
 
 
-def _norm_gate_up(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
-    return LinearBody(kind, "gateup_task", "H", _layer_matrices(("wg", "I"), ("wu", "I")), True,
-                      NormedStream("p.mids", "t.layer", "w.ln2"),
-                      ToBuffer("(p.acts + (long long)t.layer * I)"), epilogue)
+def _norm_gate_up(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
+    """act(gate) * up of a normalised row: the residual stream's mid (a sequential block) or h (a parallel
+    block, whose attention normalises the same row)."""
+    return LinearBody(k.kind, "gateup_task", "H", _layer_matrices(("wg", "I"), ("wu", "I")), True,
+                      _normed_stream(k, "w.ln2"), ToBuffer("(p.acts + (long long)t.layer * I)"), epilogue)
 
 
-def _linear_residual(kind: Kind, epilogue: ThreadGraph) -> LinearBody:
-    if kind is Kind.OPROJ:
-        return LinearBody(kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
-                          Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"),
-                          ToStream("p.mids", "p.mid_parts", "p.mid_relay", "t.layer", "h_at(p, t.layer, r)"),
-                          epilogue)
-    return LinearBody(kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
-                      Activations("(p.acts + (long long)t.layer * I)", "I"),
-                      ToStream("p.hs", "p.h_parts", "p.h_relay", "t.layer + 1", "mid_at(p, t.layer, r)"),
-                      epilogue)
+def _projection(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
+    """The o-proj (OPROJ) or down-proj (DOWN) of linear, linear_residual and linear_add_residual: into the row of
+    the residual stream the plan says (its "out" stream), the epilogue's residual and addend the rows it reads as
+    those."""
+    family, offset = k.stream("out")
+    single, parts, relay, _ = _STREAM_BUFFERS[family]
+    sink = ToStream(single, parts, relay, _stream_layer(offset), _stream_column(k.stream("residual")))
+    addend = _stream_column(k.stream("addend"))
+    if k.kind is Kind.OPROJ:
+        return LinearBody(k.kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
+                          Activations("(p.attns + (long long)t.layer * HQ * D)", "HQ * D"), sink, epilogue,
+                          addend=addend)
+    return LinearBody(k.kind, "down_task", "I", _layer_matrices(("wd", "H")), False,
+                      Activations("(p.acts + (long long)t.layer * I)", "I"), sink, epilogue, addend=addend)
 
 
-def _lm_head(kind: Kind, epilogue: ThreadGraph) -> Optional[LinearBody]:
+def _lm_head(k: KindOp, epilogue: ThreadGraph) -> Optional[LinearBody]:
+    kind = k.kind
     if kind is Kind.SAMPLE:
         return None
     # sampling.cuh's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
@@ -168,8 +199,9 @@ def _no_sections(plan: TaskPlan) -> frozenset:
 
 @attrs.frozen
 class CudaTaskRule:
-    """A device kind's body from a layer op: `body(kind, epilogue)` is its `LinearBody` (the op's epilogue
-    graph, or None where it has none), or None where the runtime's own function runs it. `sections(plan)`:
+    """A device kind's body from a layer op: `body(kind_op, epilogue)` is its `LinearBody` (the plan's KindOp: the
+    kind, the op, its attributes and residual-stream rows; the op's epilogue graph, or None where it has none),
+    or None where the runtime's own function runs it. `sections(plan)`:
     the runtime's optional sections the body needs (kernel_source.SECTIONS), none for the decoders that
     need none, whose kernel stays the text it is without them."""
 
@@ -181,16 +213,17 @@ class CudaTaskRule:
 CUDA_TASK_RULES: RuleTable[CudaTaskRule] = RuleTable(
     "megakernel's CUDA task bodies", CudaTaskRule, "mdsl.megakernel.runtime.cuda_bodies (CUDA_TASK_RULES)",
     registry=LAYER_OPS, needs=lambda op: isinstance(DEVICE_RULES.get(op.name), DeviceRule))
-for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "linear_residual": _linear_residual,
+for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "linear": _projection,
+                   "linear_residual": _projection, "linear_add_residual": _projection,
                    # attention.cuh's attention_task; the embedding's tasks are absorbed (sampling.cuh's sample_task
                    # writes the next step's row)
-                   "rope_attention": lambda kind, epilogue: None, "embedding": lambda kind, epilogue: None,
+                   "rope_attention": lambda k, epilogue: None, "embedding": lambda k, epilogue: None,
                    "lm_head_argmax": _lm_head, "lm_head_sample": _lm_head}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
 CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lambda plan: frozenset({"QKV_BIAS"})))
 # attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache
 CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
-    lambda kind, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
+    lambda k, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,9 +281,14 @@ def _epilogue_inputs(body: LinearBody, world: int) -> dict:
     if body.biases:
         inputs["bias"] = f"mdsl::to_float({_concatenated(body.biases, lambda pointer, row: f'{pointer}[{row}]')})"
     if has_residual(body.epilogue):
-        if not isinstance(body.sink, ToStream):
+        if not isinstance(body.sink, ToStream) or body.sink.residual is None:
             raise UnsupportedError(f"the {body.kind.name} epilogue reads a residual its output is not added to")
         inputs["residual"] = body.sink.residual if world == 1 else f"(p.rank == 0 ? {body.sink.residual} : 0.0f)"
+    if has_addend(body.epilogue) != (body.addend is not None):
+        raise UnsupportedError(f"the {body.kind.name} epilogue reads {'an' if has_addend(body.epilogue) else 'no'} "
+                               f"addend; its body has {'one' if body.addend else 'none'}")
+    if body.addend is not None:   # (read in the epilogue; the residual alone is staged in shared memory)
+        inputs["addend"] = body.addend if world == 1 else f"(p.rank == 0 ? {body.addend} : 0.0f)"
     return inputs
 
 
@@ -307,12 +345,13 @@ def _write_rank_slices(w: CodeWriter, body: LinearBody, rank_sums: int, inputs: 
     same weight chunks in each lane, in the same order, reduced by the same shuffles), added in rank order to
     the running sum slice 0 left in shared memory; the last one stores the rounded sum, as the relay does."""
     slice_k = f"({body.k}) / {rank_sums}"
+    later = {**inputs, **{name: "0.0f" for name in ("residual", "addend") if name in inputs}}   # (slice 0's)
     for k in range(1, rank_sums):
         w(f"gemv<{slice_k}, {body.products}>(t.begin, t.end, work + {k} * ({slice_k}),")
         w.depth += 4
         w(f"[&](int r, int j) {{ return {_row_expression(body)} + {k} * ({slice_k}); }},")
         with w.block("[&](int r, const float* acc)"):
-            value = emit_epilogue(w, body.epilogue, {**inputs, "residual": "0.0f"}, rounded=False)
+            value = emit_epilogue(w, body.epilogue, later, rounded=False)
             w(f"const float sum = rank_sums_row[r - t.begin] + {value};")
             w(body.sink.store("sum") if k == rank_sums - 1 else "rank_sums_row[r - t.begin] = sum;")
         w.lines[-1] += ");"
@@ -399,7 +438,7 @@ def linear_bodies(plan: TaskPlan) -> list:
         if rule is None:
             raise UnsupportedError(f"the layer op {k.op} has no CUDA task body rule (its {k.kind.name} tasks)")
         epilogue = EPILOGUE_RULES.get(k.op)
-        body = rule.body(k.kind, epilogue.graph(k.attr_dict) if epilogue is not None else None)
+        body = rule.body(k, epilogue.graph(k.attr_dict) if epilogue is not None else None)
         if body is not None:
             bodies.append(body)
     return bodies

@@ -34,7 +34,7 @@ from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, P
                                                    generate_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import (FUSED_WEIGHTS, LAYER_WEIGHTS, QKV_BIASES, DecoderShape, decoder_shape,
+from mdsl.megakernel.runtime.shape import (KERNEL_WEIGHTS, LAYER_WEIGHTS, QKV_BIASES, DecoderShape, decoder_shape,
                                            layer_tensors, layer_weight_name, rope_tables)
 from mdsl.megakernel.runtime.task_plan import TaskPlan, for_ranks, plan_model
 
@@ -105,7 +105,8 @@ OPTION_HINTS = {"attention_preload": "a smaller max_seq, or more attention_split
 
 
 class MegakernelEngine:
-    """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, numpy (float32
+    """A decoder on one GPU, run by the persistent megakernel. `weights`: name -> array, by the model graph's
+    names (the plan binds each to the device's slots by the part it plays), numpy (float32
     values, rounded to the model's dtype on upload) or GPU arrays of the model's dtype (torch tensors,
     DeviceArrays: used in place). `options`: the kernel's choices (MegakernelOptions; what is None there
     takes its default for this configuration: one GPU, or a rank of `ranks.world`). `max_seq`: the KV cache's
@@ -229,7 +230,8 @@ class MegakernelEngine:
     def _weight(self, weights: Mapping, name: str, shape: tuple) -> int:
         if name not in weights:
             raise ShapeError(f"the weights have no tensor {name} (expected {list(shape)})",
-                             hint="pass every weight of the model, named as in its Hugging Face checkpoint")
+                             hint="pass every weight of the model graph by its name there (a built-in decoder's: "
+                                  "its Hugging Face checkpoint's)")
         value = weights[name]
         if isinstance(value, np.ndarray):
             if tuple(value.shape) != shape:
@@ -243,32 +245,32 @@ class MegakernelEngine:
         return view.ptr
 
     def _upload_weights(self, weights: Mapping) -> None:
-        s, p = self.shape, self.params
-        h, d = s.hidden, s.head_dim
-        p.embed = self._weight(weights, "model.embed_tokens.weight", (s.vocab, h))
-        p.final_norm = self._weight(weights, "model.norm.weight", (h,))
-        p.lm_head = p.embed if s.config.tie_word_embeddings else self._weight(weights, "lm_head.weight", (s.vocab, h))
-        shapes = {"q_proj": (s.attention_width, h), "k_proj": (s.kv_heads * d, h), "v_proj": (s.kv_heads * d, h),
-                  "o_proj": (h, s.attention_width), "gate_proj": (s.intermediate, h), "up_proj": (s.intermediate, h),
-                  "down_proj": (h, s.intermediate), "input_layernorm": (h,), "post_attention_layernorm": (h,),
-                  "q_norm": (d,), "k_norm": (d,), "q_bias": (s.attention_width,), "k_bias": (s.kv_heads * d,),
-                  "v_bias": (s.kv_heads * d,), "qkv_proj": (s.qkv_rows, h), "gate_up_proj": (2 * s.intermediate, h)}
-        cache = self.max_seq * s.kv_heads * d
+        """The weights the plan binds to the device's slots (TaskPlan.weights: the graph's weights by the part
+        they play), each uploaded once, by its name in the graph: a slot filled by part of a weight (Phi-3's
+        fused qkv_proj) points into its rows, and a weight in two slots (a tied LM head, one norm read by
+        attention and the MLP) is one upload."""
+        s, p, plan = self.shape, self.params, self.plan
+        uploaded: dict = {}
+
+        def pointer(slot: str, layer: Optional[int] = None) -> int:
+            bound = plan.weight(slot, layer)
+            if bound is None:   # (a slot the model leaves empty, as q_norm without q/k norms: null)
+                return 0
+            if bound.name not in uploaded:
+                uploaded[bound.name] = self._weight(weights, bound.name, bound.shape)
+            return uploaded[bound.name] + bound.offset(s.dtype.itemsize)
+
+        p.embed, p.final_norm, p.lm_head = (pointer(slot) for slot in KERNEL_WEIGHTS)
+        cache = self.max_seq * s.kv_heads * s.head_dim
         k_cache, v_cache = (self._zeros(s.layers * cache, s.dtype) for _ in range(2))
+        biased = any(w.slot in QKV_BIASES for w in plan.weights)
         rows = []
         for layer in range(s.layers):
             # sync.cuh's LayerWeights: the weights (null where the model has none), the caches, then the
             # biases where it has them (its QKV_BIAS section)
-            ptrs = {w: self._weight(weights, layer_weight_name(layer, w), shapes[w]) for w in layer_tensors(s.config)}
-            for fused, parts in FUSED_WEIGHTS.items():   # (Phi-3) a part's pointer: its rows in the fused weight
-                if fused in ptrs:
-                    at = ptrs[fused]
-                    for part in parts:
-                        ptrs[part] = at
-                        at += shapes[part][0] * h * s.dtype.itemsize
             offset = layer * cache * s.dtype.itemsize
-            rows.append([ptrs.get(w, 0) for w in LAYER_WEIGHTS] + [k_cache + offset, v_cache + offset] +
-                        [ptrs[b] for b in QKV_BIASES if b in ptrs])
+            rows.append([pointer(w, layer) for w in LAYER_WEIGHTS] + [k_cache + offset, v_cache + offset] +
+                        ([pointer(b, layer) for b in QKV_BIASES] if biased else []))
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
 
     def _allocate(self) -> None:

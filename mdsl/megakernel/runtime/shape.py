@@ -11,13 +11,17 @@ from mdsl.megakernel.modelgraph.layers import rope_inv_freq
 from mdsl.megakernel.modelgraph.model_config import ModelConfig
 
 SUPPORTED_DTYPES = (bf16, f32)
-# a layer's weights, by their short Hugging Face names (q_norm, k_norm: Qwen3's only)
+# The device's weight slots. A layer's (sync.cuh's LayerWeights, in its order), named by the short Hugging Face
+# names of the tensors the built-in decoders fill them with (q_norm, k_norm: Qwen3's only); the planner fills
+# each from the graph weight that plays its part (task_plan.BoundWeight), whatever its name.
 LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-# Qwen2's biases of the q, k and v projections, by short name (their tensors: self_attn.q_proj.bias, ...)
+# ... the biases of the q, k and v projections (Qwen2's: self_attn.q_proj.bias, ...), after the KV caches
 QKV_BIASES = ("q_bias", "k_bias", "v_bias")
-# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (the engine points the device's
-# weight pointers into it)
+# ... and the kernel's own: the embedding table, the final norm, the LM head (the table itself where tied)
+KERNEL_WEIGHTS = ("embed", "final_norm", "lm_head")
+# Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (its checkpoint's tensors; the planner
+# fills the device's slots with rows of them as it fills any slot, from the weight the op reads)
 FUSED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -86,6 +90,17 @@ class DecoderShape:
     @property
     def attention_width(self) -> int:
         return self.heads * self.head_dim
+
+    def slot_shape(self, slot: str) -> tuple:
+        """The shape of a device weight slot (LAYER_WEIGHTS, QKV_BIASES, KERNEL_WEIGHTS): [rows, columns] of a
+        matrix, [n] of a vector."""
+        h, d, kv = self.hidden, self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (self.attention_width, h), "k_proj": (kv, h), "v_proj": (kv, h),
+                "o_proj": (h, self.attention_width), "gate_proj": (self.intermediate, h),
+                "up_proj": (self.intermediate, h), "down_proj": (h, self.intermediate), "input_layernorm": (h,),
+                "post_attention_layernorm": (h,), "q_norm": (d,), "k_norm": (d,), "q_bias": (self.attention_width,),
+                "k_bias": (kv,), "v_bias": (kv,), "embed": (self.vocab, h), "final_norm": (h,),
+                "lm_head": (self.vocab, h)}[slot]
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads: every matrix and norm once, one embedding row."""

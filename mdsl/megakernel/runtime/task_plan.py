@@ -22,7 +22,9 @@ Every task of a step is an ancestor of the step's sampling task, and every task 
 (through the embedding) for that sampling task: a buffer is never rewritten while a task of the
 previous step still reads it. `check_plan` verifies these rules.
 
-Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule in `CUDA_TASK_RULES`):
+Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule in `CUDA_TASK_RULES`; the
+residual-stream rows a kind reads and writes, h_l or mid_l, are the plan's `KindOp.streams`, shown here for a
+sequential decoder's, Llama-3's):
   QKV      rows [begin, end) of [q; k; v] = W_qkv rms_norm(h_l) (+ b_qkv: Qwen2's biases)
   ATTN     kv head `begin`, split `end` of the positions (the last `window` of them where the model has a
            sliding window): q/k norm, RoPE, the KV cache append (by the
@@ -32,6 +34,8 @@ Task kinds (each one's device body: cuda_bodies.py, generated from the op's rule
   OPROJ    rows of mid_l = h_l + W_o attn
   GATEUP   rows of act_l = act(W_gate x) * (W_up x), x = rms_norm(mid_l) (SwiGLU: act = silu)
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
+           (a parallel block, x + (o_proj(attn) + mlp): GATEUP normalises h_l, OPROJ writes mid_l = W_o attn, DOWN
+           h_{l+1} = h_l + (mid_l + W_down act_l))
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
 """
@@ -47,12 +51,11 @@ import numpy as np
 
 from mdsl.errors import UnsupportedError
 from mdsl.ir.rules import RuleTable
-from mdsl.ir.types import TensorType
 from mdsl.megakernel.modelgraph.architectures import step_function
-from mdsl.megakernel.modelgraph.layers import LAYER_OPS
+from mdsl.megakernel.modelgraph.layers import LAYER_OPS, split_biases
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape, as_checkpoint_holds, layer_weight_name
+from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
@@ -112,6 +115,13 @@ class KindOp:
     kind: Kind
     op: str          # the layer op
     attrs: tuple     # its attributes, (name, value) pairs
+    # the residual-stream rows its body reads and writes, (role, "h" or "mid", layer offset from its task's):
+    # "row" (the normalised input), "residual" and "addend" (epilogue operands), "out"
+    streams: tuple = ()
+
+    def stream(self, role: str) -> Optional[tuple]:
+        """("h" or "mid", layer offset) of the residual-stream row it reads or writes as `role`, or None."""
+        return next(((family, offset) for r, family, offset in self.streams if r == role), None)
 
     @property
     def attr_dict(self) -> dict:
@@ -144,9 +154,14 @@ class TaskPlan:
     lm_tiles: int
     world: int = 1       # tensor-parallel ranks running this plan, each on its shard (`for_ranks`)
     # KindOp per task kind present: the (fused) layer op whose tasks it runs, the source of its generated
-    # body (cuda_bodies.py); every layer's op of a kind is the same, with the same attributes
+    # body (cuda_bodies.py); every layer's op of a kind is the same, with the same attributes and streams
     kind_ops: tuple = ()
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
+    weights: tuple = ()          # BoundWeight per device weight slot its rows read: what the engine uploads
+
+    def weight(self, slot: str, layer: Optional[int] = None) -> Optional["BoundWeight"]:
+        """The graph weight that fills a device weight slot (of `layer`; None: the kernel's own), or None."""
+        return next((w for w in self.weights if (w.slot, w.layer) == (slot, layer)), None)
 
     def op_of(self, kind: "Kind") -> "KindOp":
         for k in self.kind_ops:
@@ -297,18 +312,22 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
         rule = DEVICE_RULES.get(node.op)
         if not isinstance(rule, DeviceRule):
             raise binding.refuse(node, "it has no device lowering" + (f": {rule.reason}" if rule is not None else ""))
-        for task, row in zip(by_node.get(index, []), rule.rows(node, by_node.get(index, []), binding)):
+        binding.streams = []
+        made = rule.rows(node, by_node.get(index, []), binding)
+        for task, row in zip(by_node.get(index, []), made):
             if row is not None:
                 row_of[task.id] = len(rows)
                 rows.append(row)
-                kind_op = kind_ops.setdefault(row.kind, KindOp(row.kind, node.op, node.attrs))
-                if kind_op != KindOp(row.kind, node.op, node.attrs):
-                    raise binding.refuse(node, f"its {row.kind.name} tasks would share one device body with "
-                                               f"{kind_op.op} {dict(kind_op.attrs)}'s")
+                mine = KindOp(row.kind, node.op, node.attrs, tuple(binding.streams))
+                kind_op = kind_ops.setdefault(row.kind, mine)
+                if kind_op != mine:
+                    raise binding.refuse(node, f"its {row.kind.name} tasks ({node.op} {dict(node.attrs)}, rows "
+                                               f"{list(mine.streams)}) would share one device body with {kind_op.op} "
+                                               f"{dict(kind_op.attrs)}'s (rows {list(kind_op.streams)})")
     binding.finish(graph, rows)
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
                         kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
-                        min_chunk=binding.min_chunk)
+                        min_chunk=binding.min_chunk, weights=tuple(binding.bound.values()))
 
 
 _CROSS = "previous step's token"
@@ -365,43 +384,118 @@ def _link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits) -> T
 
 
 # ---------------------------------------------------------------------------------------------
-# device rules: rule(node, its tasks, binding) -> a PlannedTask per task (None: absorbed). The device
-# hard-wires the decoder: its buffers per layer (h, qkv, part, attn, mid, act), its weights by their
-# Hugging Face names, its constants from the DecoderShape. `_Binding` names each graph value's device
-# buffer and refuses a graph that differs.
+# device rules: rule(node, its tasks, binding) -> a PlannedTask per task (None: absorbed). The device keeps fixed
+# buffers per layer (h: the residual stream's row entering the layer, h[L] the last one's output; qkv, part,
+# attn; mid: a second row of the stream's width; act), weight slots (shape.py: LAYER_WEIGHTS and QKV_BIASES per
+# layer, KERNEL_WEIGHTS) and constants from the DecoderShape. `_Binding` places each graph value in a device
+# buffer by the data flow (a task's layer is that of the buffer its input comes from), fills each weight slot
+# from the graph weight that an op reads in its place, whatever its name (one weight's rows may fill several
+# slots: a fused q|k|v), records the residual-stream rows each kind's body reads and writes (KindOp.streams),
+# and refuses a graph the device cannot hold, naming the op.
+
+STREAMS = ("h", "mid")   # the residual stream's rows: h[l] enters layer l; mid[l] is the layer's other row
+_BUFFER = re.compile(r"([a-z]+)(\d+)$")
+
+
+@attrs.frozen
+class BoundWeight:
+    """A device weight slot and the graph weight that fills it: `slot` (shape.py's LAYER_WEIGHTS or QKV_BIASES
+    of layer `layer`, or KERNEL_WEIGHTS with layer None) is the rows from `row` on of the graph's weight `name`,
+    of shape `shape`."""
+
+    slot: str
+    layer: Optional[int]
+    name: str
+    row: int
+    shape: tuple
+
+    def offset(self, itemsize: int) -> int:
+        """Bytes from the start of the weight to the slot's first row."""
+        return self.row * int(np.prod(self.shape[1:], dtype=np.int64)) * itemsize
+
 
 class _Binding:
     def __init__(self, shape: DecoderShape, max_seq: int, splits: int, min_chunk: int):
         self.shape, self.max_seq, self.splits = shape, max_seq, splits
         self.min_chunk = min_chunk
         self.buffer_of: dict = {}    # graph value -> device buffer
-        self.weight_types = _weight_types(shape)
+        self.defined: set = set()    # device buffers written
+        self.bound: dict = {}        # (slot, layer) -> BoundWeight
+        self.state_of: dict = {}     # graph state -> device state
+        self.graph_state: dict = {}  # device state -> graph state
+        self.streams: list = []      # of the node being lowered: (role, stream, layer offset) its body reads, writes
 
     def refuse(self, node, why: str) -> UnsupportedError:
         return UnsupportedError(
             f"the megakernel's GPU runtime cannot run {node.op} {_outputs(node)}: {why}", loc=node.loc,
             hint="the device runs the layer ops with a DeviceRule in DEVICE_RULES (mdsl.megakernel.runtime.task_plan) "
                  "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear or "
-                 "norm_linear_bias (q|k|v), "
-                 "rope_attention, linear_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
-                 "lm_head_sample, over weights with their Hugging Face names; the CPU simulator "
+                 "norm_linear_bias (q|k|v of a normalised row), rope_attention or rope_scaled_attention, linear, "
+                 "linear_residual or linear_add_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
+                 "lm_head_sample, over weights of any name, bound by the part they play; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
 
-    def layer(self, node, var) -> int:
-        """The layer index in a weight's or a cache's name (model.layers.<i>. / k_cache.<i>)."""
-        match = re.match(r"(?:model\.layers\.|[kv]_cache\.)(\d+)(?:\.|$)", var.name)
-        if match is None or int(match.group(1)) >= self.shape.layers:
-            raise self.refuse(node, f"{var.name} is no weight or cache of one of its {self.shape.layers} layers")
-        return int(match.group(1))
+    def buffer(self, node, var, families: tuple) -> tuple:
+        """(family, layer) of the device buffer holding var, which must be one of `families`."""
+        buffer = self.buffer_of.get(var.name)
+        match = _BUFFER.match(buffer) if buffer is not None else None
+        if match is None or match.group(1) not in families:
+            want = " or ".join(f"{family}<layer>" for family in families)
+            raise self.refuse(node, f"it reads {var.name} ({buffer or 'a value the device does not keep'}) where "
+                                    f"the device reads {want}")
+        return match.group(1), int(match.group(2))
 
-    def weights(self, node, given, names) -> None:
-        want = [name if isinstance(name, str) else layer_weight_name(*name) for name in names]
-        got = [v.name for v in given]
-        if got != want:
-            raise self.refuse(node, f"it reads the weights {got}; the device reads {want} here")
-        for v in given:
-            if v.type != self.weight_types[v.name]:
-                raise self.refuse(node, f"{v.name} is {v.type}, the model's is {self.weight_types[v.name]}")
+    def layer(self, node, var, families: tuple) -> int:
+        """The layer of a task whose input var is in one of `families`: that of var's buffer."""
+        family, layer = self.buffer(node, var, families)
+        if layer >= self.shape.layers:
+            raise self.refuse(node, f"it reads {var.name} ({family}{layer}), the row after the model's last layer "
+                                    f"({self.shape.layers} layers): the LM head's input")
+        return layer
+
+    def stream(self, node, role: str, var, layer: int) -> str:
+        """The device row holding var, a row of the residual stream of `layer`, which the node's body reads as
+        its `role`; recorded in its kind's streams."""
+        family, at = self.buffer(node, var, STREAMS)
+        if at != layer:
+            raise self.refuse(node, f"its {role} {var.name} is {family}{at}, a row of layer {at}; the device reads "
+                                    f"the task's own layer's ({layer})")
+        self.streams.append((role, family, 0))
+        return f"{family}{at}"
+
+    def write_stream(self, node, var, layer: int) -> str:
+        """The device row that a projection of `layer` writes var into: the layer's mid, then the next layer's h
+        (recorded in its kind's streams)."""
+        for family, at in (("mid", layer), ("h", layer + 1)):
+            if f"{family}{at}" not in self.defined:
+                self.streams.append(("out", family, at - layer))
+                return self.define(node, var, f"{family}{at}")
+        raise self.refuse(node, f"the device keeps two rows of the residual stream's width a layer (mid{layer}, "
+                                f"h{layer + 1}), both written already")
+
+    def weights(self, node, given, slots: tuple, layer: Optional[int] = None) -> None:
+        """Fill the device's weight slots `slots` (of `layer`, or the kernel's own) with the rows of the weights
+        `given`, concatenated in order: each slot's rows must lie in one of them."""
+        s = self.shape
+        dims = [s.slot_shape(slot) for slot in slots]
+        have, need = sum(v.shape[0] for v in given), sum(d[0] for d in dims)
+        where = f"{', '.join(slots)}" + (f" of layer {layer}" if layer is not None else "")
+        if have != need or any(v.dtype != s.dtype for v in given):
+            raise self.refuse(node, f"it reads the weights {[f'{v.name}: {v.type}' for v in given]} where the device "
+                                    f"reads {where}: {need} rows of {s.dtype}")
+        starts = np.cumsum([0] + [v.shape[0] for v in given])
+        at = 0
+        for slot, d in zip(slots, dims):
+            i = int(np.searchsorted(starts, at, side="right")) - 1
+            v, row = given[i], at - int(starts[i])
+            if row + d[0] > v.shape[0] or tuple(v.shape[1:]) != d[1:]:
+                raise self.refuse(node, f"the device's {slot} ({list(d)}) is rows {at}..{at + d[0]} of its weights, "
+                                        f"which {v.name}: {v.type} does not hold whole")
+            bound = BoundWeight(slot, layer, v.name, row, tuple(v.shape))
+            if self.bound.setdefault((slot, layer), bound) != bound:
+                raise self.refuse(node, f"the device's {slot}{f' of layer {layer}' if layer is not None else ''} is "
+                                        f"{self.bound[slot, layer].name} already")
+            at += d[0]
 
     def attrs(self, node, want: dict) -> None:
         got = node.attr_dict
@@ -415,15 +509,24 @@ class _Binding:
             raise self.refuse(node, f"it reads {var.name} ({where}) where the device reads {buffer}")
         return buffer
 
-    def define(self, node, var, buffer: str) -> str:
-        if buffer in self.buffer_of.values():
-            raise self.refuse(node, f"the device's {buffer} is written twice")
+    def define(self, node, var, buffer: str, why: str = "") -> str:
+        """var is the device's `buffer`, written once a step (`why`: how the buffer's layer was chosen)."""
+        if buffer in self.defined:
+            raise self.refuse(node, f"the device's {buffer} is written twice" + (f" ({why})" if why else ""))
+        self.defined.add(buffer)
         self.buffer_of[var.name] = buffer
         return buffer
 
     def state(self, node, var, name: str, shape: tuple) -> None:
-        if var.name != name or var.shape != shape:
+        """The graph's state var is the device's state `name` (the token history, a layer's KV cache)."""
+        if var.shape != shape:
             raise self.refuse(node, f"it updates {var.name}: {var.type}; the device keeps {name} of shape {list(shape)}")
+        if self.state_of.setdefault(var.name, name) != name:
+            raise self.refuse(node, f"it updates {var.name} as the device's {name}; the device keeps it as "
+                                    f"{self.state_of[var.name]}")
+        if self.graph_state.setdefault(name, var.name) != var.name:
+            raise self.refuse(node, f"it updates {var.name} as the device's {name}, which holds "
+                                    f"{self.graph_state[name]}")
 
     def finish(self, graph, rows) -> None:
         if not rows or rows[-1].kind is not Kind.SAMPLE:
@@ -434,73 +537,62 @@ def _outputs(node) -> str:
     return ", ".join(map(str, node.outputs))
 
 
-def _weight_types(shape: DecoderShape) -> dict:
-    s = shape
-    per_layer = {"input_layernorm": (s.hidden,), "post_attention_layernorm": (s.hidden,),
-                 "q_proj": (s.attention_width, s.hidden), "k_proj": (s.kv_heads * s.head_dim, s.hidden),
-                 "v_proj": (s.kv_heads * s.head_dim, s.hidden), "o_proj": (s.hidden, s.attention_width),
-                 "gate_proj": (s.intermediate, s.hidden), "up_proj": (s.intermediate, s.hidden),
-                 "down_proj": (s.hidden, s.intermediate), "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
-    shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,),
-              "lm_head.weight": (s.vocab, s.hidden)}
-    if s.config.fused_projections:
-        per_layer.update({"qkv_proj": (s.qkv_rows, s.hidden), "gate_up_proj": (2 * s.intermediate, s.hidden)})
-    if s.qkv_bias:
-        per_layer.update({"q_bias": (s.attention_width,), "k_bias": (s.kv_heads * s.head_dim,),
-                          "v_bias": (s.kv_heads * s.head_dim,)})
-    shapes.update({layer_weight_name(layer, w): dims for layer in range(s.layers) for w, dims in per_layer.items()})
-    return {name: TensorType(dims, s.dtype) for name, dims in shapes.items()}
-
-
 def _columns(task) -> tuple:
     return task.tile_value("col_start"), task.tile_value("col_stop")
 
 
 def _embedding_rows(node, tasks, bind):
     tokens, table = node.inputs
-    bind.weights(node, (table,), ["model.embed_tokens.weight"])
+    bind.weights(node, (table,), ("embed",))
     bind.state(node, tokens, TOKENS, (bind.max_seq,))
     bind.define(node, node.output, EMBEDDING)
     return [None] * len(tasks)   # the previous step's SAMPLE writes the row (the host, step 0's)
 
 
-def _normed_rows(node, tasks, bind, *, kind: Kind, weights: tuple, source: str, output: str):
-    """QKV and GATEUP: rows of a linear over rms_norm(source) into output (layer-numbered buffers); the
-    weights as the checkpoint holds them (Phi-3's fused ones: FUSED_WEIGHTS)."""
-    x, norm = node.inputs[:2]
-    layer = bind.layer(node, norm)
-    bind.weights(node, node.inputs[1:], [(layer, w) for w in as_checkpoint_holds(bind.shape.config, weights)])
+def _normed_rows(node, tasks, bind, *, kind: Kind, norm: str, slots: tuple, output: str, biases: tuple = ()):
+    """QKV and GATEUP: rows of a linear over rms_norm(x) into the `output` buffer of x's layer, x a row of the
+    residual stream (h or mid); the norm weight fills slot `norm`, the weights' rows the `slots` in turn (a
+    weight each, or one for several: Phi-3's qkv_proj), the biases' rows (norm_linear_bias) the `biases`."""
+    x, norm_weight, *rest = node.inputs
+    layer = bind.layer(node, x, STREAMS)
+    src = bind.stream(node, "row", x, layer)
+    out = bind.define(node, node.output, f"{output}{layer}",
+                      f"its layer is that of the row it normalises, {x.name} ({src})")
+    ws, bs = split_biases(rest) if biases else (tuple(rest), ())
+    bind.weights(node, (norm_weight,), (norm,), layer)
+    bind.weights(node, ws, slots, layer)
+    if biases:
+        bind.weights(node, bs, biases, layer)
     bind.attrs(node, {"eps": bind.shape.eps})
-    src = bind.read(node, x, f"{source}{layer}")
-    out = bind.define(node, node.output, f"{output}{layer}")
     return [PlannedTask(kind, layer, a, b, (Access(src, 0, bind.shape.hidden),), (Access(out, a, b),))
             for a, b in map(_columns, tasks)]
 
 
-_norm_linear_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
-                                      weights=("input_layernorm", "q_proj", "k_proj", "v_proj"))
-_norm_linear_bias_rows = functools.partial(_normed_rows, kind=Kind.QKV, source="h", output="qkv",
-                                           weights=("input_layernorm", "q_proj", "k_proj", "v_proj", *QKV_BIASES))
-_norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, source="mid", output="act",
-                                       weights=("post_attention_layernorm", "gate_proj", "up_proj"))
+_QKV = ("q_proj", "k_proj", "v_proj")
+_norm_linear_rows = functools.partial(_normed_rows, kind=Kind.QKV, norm="input_layernorm", slots=_QKV, output="qkv")
+_norm_linear_bias_rows = functools.partial(_normed_rows, kind=Kind.QKV, norm="input_layernorm", slots=_QKV,
+                                           output="qkv", biases=QKV_BIASES)
+_norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, norm="post_attention_layernorm",
+                                       slots=("gate_proj", "up_proj"), output="act")
 
 
 def _rope_attention_rows(node, tasks, bind):
-    return _attention_rows(node, tasks, bind, {"eps": bind.shape.eps} if bind.shape.qk_norm else {})
+    return _attention_rows(node, tasks, bind, {})
 
 
 def _attention_rows(node, tasks, bind, options: dict):
     """ATTN rows of rope_attention or rope_scaled_attention, whose attributes beside the heads and RoPE's are
-    `options` (the model's)."""
+    `options` (the model's), and q/k norms' eps where it has them."""
     s = bind.shape
     qkv_var, k_cache, v_cache, *norms = node.inputs
-    layer = bind.layer(node, k_cache)
+    layer = bind.layer(node, qkv_var, ("qkv",))
     bind.attrs(node, {"q_heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, **s.config.rope.attrs(),
-                      **options})
-    bind.weights(node, norms, [(layer, w) for w in ("q_norm", "k_norm") if s.qk_norm])
+                      **options, **({"eps": s.eps} if norms else {})})
+    if norms:   # (the device normalises heads where a layer's q_norm and k_norm slots are filled)
+        bind.weights(node, norms, ("q_norm", "k_norm"), layer)
     for var, name in ((k_cache, f"k_cache.{layer}"), (v_cache, f"v_cache.{layer}")):
         bind.state(node, var, name, (bind.max_seq, s.kv_heads, s.head_dim))
-    qkv = bind.read(node, qkv_var, f"qkv{layer}")
+    qkv = f"qkv{layer}"
     attn = bind.define(node, node.output, f"attn{layer}")
     part, width, d = f"part{layer}", s.head_dim + 2, s.head_dim
     k_base, v_base = s.attention_width, s.attention_width + s.kv_heads * d
@@ -529,32 +621,45 @@ def _rope_scaled_attention_rows(node, tasks, bind):
     if a["scale"] or a["softcap"]:
         raise bind.refuse(node, f"the device's attention scales its scores by 1/sqrt(head_dim) and does not "
                                 f"soft-cap them; this one's scale is {a['scale']} and its softcap {a['softcap']}")
-    return _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(bind.layer(node, node.inputs[1]))})
+    layer = bind.layer(node, node.inputs[0], ("qkv",))
+    return _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(layer)})
+
+
+def _projection_rows(node, tasks, bind, operands: tuple = ()):
+    """OPROJ and DOWN: rows of a projection of a layer's attention output (o-proj) or gated activations
+    (down-proj) into a row of the residual stream's width (`write_stream`), with `operands` ((role, var): rows of
+    the same layer's residual stream) added in its epilogue."""
+    s = bind.shape
+    x, ws = node.inputs[0], node.inputs[1 + len(operands):]
+    family, layer = bind.buffer(node, x, ("attn", "act"))
+    kind, slot, width = (Kind.OPROJ, "o_proj", s.attention_width) if family == "attn" else \
+        (Kind.DOWN, "down_proj", s.intermediate)
+    bind.weights(node, ws, (slot,), layer)
+    reads = [bind.stream(node, role, var, layer) for role, var in operands]
+    out = bind.write_stream(node, node.output, layer)
+    src = f"{family}{layer}"
+    return [PlannedTask(kind, layer, a, b, (Access(src, 0, width), *(Access(r, a, b) for r in reads)),
+                        (Access(out, a, b),))
+            for a, b in map(_columns, tasks)]
+
+
+def _linear_rows(node, tasks, bind):
+    return _projection_rows(node, tasks, bind)
 
 
 def _linear_residual_rows(node, tasks, bind):
-    s = bind.shape
-    x, residual, *ws = node.inputs
-    layer = bind.layer(node, ws[0])
-    if ws[0].name.endswith(".o_proj.weight"):
-        kind, weight, src, res, out, width = Kind.OPROJ, "o_proj", f"attn{layer}", f"h{layer}", f"mid{layer}", \
-            s.attention_width
-    else:
-        kind, weight, src, res, out, width = Kind.DOWN, "down_proj", f"act{layer}", f"mid{layer}", f"h{layer + 1}", \
-            s.intermediate
-    bind.weights(node, ws, [(layer, weight)])
-    bind.read(node, x, src)
-    bind.read(node, residual, res)
-    bind.define(node, node.output, out)
-    return [PlannedTask(kind, layer, a, b, (Access(src, 0, width), Access(res, a, b)), (Access(out, a, b),))
-            for a, b in map(_columns, tasks)]
+    return _projection_rows(node, tasks, bind, (("residual", node.inputs[1]),))
+
+
+def _linear_add_residual_rows(node, tasks, bind):
+    return _projection_rows(node, tasks, bind, (("addend", node.inputs[1]), ("residual", node.inputs[2])))
 
 
 def _lm_head_rows(node, tasks, bind):
     s = bind.shape
     x, norm, head, tokens = node.inputs
-    bind.weights(node, (norm, head), ["model.norm.weight",
-                                      "model.embed_tokens.weight" if s.config.tie_word_embeddings else "lm_head.weight"])
+    bind.weights(node, (norm,), ("final_norm",))
+    bind.weights(node, (head,), ("lm_head",))
     bind.attrs(node, {"eps": s.eps})
     bind.state(node, tokens, TOKENS, (bind.max_seq,))
     h = bind.read(node, x, f"h{s.layers}")
@@ -597,7 +702,8 @@ DEVICE_RULES: RuleTable[DeviceLowering] = RuleTable("megakernel's device tables"
 for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
                    "norm_linear_bias": _norm_linear_bias_rows,
                    "rope_attention": _rope_attention_rows, "rope_scaled_attention": _rope_scaled_attention_rows,
-                   "linear_residual": _linear_residual_rows,
+                   "linear": _linear_rows, "linear_residual": _linear_residual_rows,
+                   "linear_add_residual": _linear_add_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
                    "lm_head_sample": _lm_head_rows}.items():
     DEVICE_RULES.register(_op, DeviceRule(_rule))
@@ -605,8 +711,6 @@ for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_row
 for _op, _reason in {
     "rms_norm": "the device normalises a row only as the input of the projections that read it (fused into "
                 "norm_linear, norm_gate_up or the LM head); this norm feeds no projection",
-    "linear": "the device runs a projection of the normalised residual stream (norm_linear, norm_gate_up, the LM "
-              "head) or one added to the residual stream (linear_residual); this one is neither",
     "head_rms_norm": "the device normalises query and key heads only inside attention (fused into rope_attention "
                      "when RoPE and attention follow it alone)",
     "rope": "the device applies RoPE only inside attention (fused into rope_attention when attention alone reads "
@@ -627,7 +731,8 @@ for _op, _reason in {
                 "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "
                "(norm_gate_up)",
-    "add": "the device adds only a projection's output to the residual stream (linear_residual)",
+    "add": "the device adds rows only in a projection's epilogue: its output to one row (linear_residual), or "
+           "to one row and the sum to another (linear_add_residual)",
     "argmax": "the device picks the token only from the LM head's logits of a normalised row (lm_head_argmax)",
     "sample": "the device samples the token only from the LM head's logits of a normalised row (lm_head_sample)",
 }.items():

@@ -6,7 +6,10 @@ the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse
 * rms_norm into the linear(s) that read it: `norm_linear` (q|k|v; `norm_linear_bias` with the projection's
   add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up), `lm_head_argmax` / `lm_head_sample`
   (the final norm, the LM head and the token);
-* a residual add into the linear it adds: `linear_residual` (o-proj, down-proj);
+* a residual add into the linear it adds: `linear_residual` (o-proj, down-proj); two adds, the linear's
+  output added to one row and the sum to another, `linear_add_residual` (a parallel block's
+  x + (o_proj(attn) + mlp): the second linear stays a plain `linear`), unless the outer add's other operand
+  is a linear that takes it as its own residual (then each linear gets one add: (x + o) + mlp);
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`; RoPE and the append
   into scaled_attention (a window, a query scale, soft-capping): `rope_scaled_attention`.
 
@@ -95,12 +98,34 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
                           (index, j))
         return Fusion(_fused("norm_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
     add = uses.only_reader(node.output, ("add",))
-    if add is not None:
-        j, a = add
-        residual = a.inputs[1] if a.inputs[0] == node.output else a.inputs[0]
-        if residual != node.output:
-            return Fusion(_fused("linear_residual", (x, residual, *ws), a.outputs, (), node), (index, j))
-    return None
+    if add is None:
+        return None
+    j, a = add
+    addend = _other(a, node.output)
+    if addend is None:
+        return None
+    outer = uses.only_reader(a.output, ("add",))
+    if outer is not None and not _carries(outer[1], a.output, uses):
+        k, b = outer
+        residual = _other(b, a.output)
+        if residual is not None:
+            return Fusion(_fused("linear_add_residual", (x, addend, residual, *ws), b.outputs, (), node),
+                          (index, j, k))
+    return Fusion(_fused("linear_residual", (x, addend, *ws), a.outputs, (), node), (index, j))
+
+
+def _other(add: LayerNode, var) -> Optional[object]:
+    """The operand of `add` beside var, or None where var is both."""
+    other = add.inputs[1] if add.inputs[0] == var else add.inputs[0]
+    return None if other == var else other
+
+
+def _carries(add: LayerNode, var, uses: _Uses) -> bool:
+    """Whether add's other operand (beside var) is a linear's output that add alone reads: that linear then
+    takes the add as its own residual (linear_residual), as (x + o_proj(attn)) + down_proj(act) is two."""
+    other = _other(add, var)
+    return other is not None and uses.producing(other, "linear") is not None and \
+        uses.only_reader(other, ("add",)) is not None
 
 
 _HEAD_ATTRS = ("q_heads", "kv_heads", "head_dim")

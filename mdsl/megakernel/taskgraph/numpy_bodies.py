@@ -243,6 +243,16 @@ def _linear_residual(task, node, buf, ctx):
         product: linear_columns(buf[x.name], ws, buf, a, b), "residual": buf[residual.name][0, a:b]})
 
 
+def _linear_add_residual(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, addend, residual, *ws = node.inputs
+    graph = epilogue_of(node.op, node.attr_dict)
+    (product,) = products(graph)
+    buf[node.output.name][0, a:b] = evaluate(graph, {
+        product: linear_columns(buf[x.name], ws, buf, a, b), "addend": buf[addend.name][0, a:b],
+        "residual": buf[residual.name][0, a:b]})
+
+
 def _rope_attention_partial(task, node, buf, ctx):
     a = node.attr_dict
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -319,6 +329,7 @@ for _op, _bodies in {
     "norm_linear": {"norm_linear": _norm_linear}, "norm_linear_bias": {"norm_linear_bias": _norm_linear_bias},
     "norm_gate_up": {"norm_gate_up": _norm_gate_up},
     "linear_residual": {"linear_residual": _linear_residual},
+    "linear_add_residual": {"linear_add_residual": _linear_add_residual},
     "rope_attention": {"rope_attention.partial": _rope_attention_partial,
                        "rope_attention.combine": _rope_attention_combine},
     "scaled_attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},

@@ -303,6 +303,14 @@ def _linear_residual_tasks(node, config):
     return specs, []
 
 
+def _linear_add_residual_tasks(node, config):
+    x, addend, residual, *ws = node.inputs
+    specs = []
+    for a, b, spec in weight_row_tasks("linear_add_residual", (full(x),), ws, node.output, config):
+        specs.append(attrs.evolve(spec, reads=(columns(addend, a, b), columns(residual, a, b), *spec.reads)))
+    return specs, []
+
+
 def _rope_attention_tasks(node, config):
     a = node.attr_dict
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -383,6 +391,7 @@ for _name, _rule in {
     "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_linear_bias": _norm_linear_bias_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
+    "linear_add_residual": _linear_add_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
 }.items():
