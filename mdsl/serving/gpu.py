@@ -41,6 +41,7 @@ from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 THREADS = 256                    # threads of a row-wise kernel's block
+NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
 MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
 GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
@@ -95,19 +96,24 @@ def _weighted(name: str, weight: Operand) -> str:
     return f"{name}_{suffix}"
 
 
+def _spread(rows: int, width: int) -> tuple:
+    """The grid of a row-wise element-wise kernel: (rows, blocks a row), a thread two elements or fewer."""
+    return rows, max(1, -(-width // (2 * THREADS)))
+
+
 def _ints(*values) -> list:
     return [ctypes.c_int(int(v)) for v in values]
 
 
 def _embedding(xs, outs, a, b):
     tokens, table = xs
-    b.device.launch(_weighted("embedding", table), (b.rows,), THREADS,
+    b.device.launch(_weighted("embedding", table), _spread(b.rows, table.width), THREADS,
                     [_p(outs[0]), ctypes.c_void_p(b.tokens), _p(table), *_ints(table.width)])
 
 
 def _rms_norm(xs, outs, a, b, one_plus: int = 0):
     x, w = xs
-    b.device.launch(_weighted("rms_norm", w), (b.rows,), THREADS,
+    b.device.launch(_weighted("rms_norm", w), (b.rows,), NORM_THREADS,
                     [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus)])
 
 
@@ -206,7 +212,8 @@ def residual_adds(nodes: list, narrow_at: int, kept: set) -> dict:
 def _add_bias(xs, outs, a, b):
     x = xs[0]
     bias = b.device.joined(xs[1:])
-    b.device.launch(_weighted("add_bias", bias), (b.rows,), THREADS, [_p(outs[0]), _p(x), _p(bias), *_ints(x.width)])
+    b.device.launch(_weighted("add_bias", bias), _spread(b.rows, x.width), THREADS,
+                    [_p(outs[0]), _p(x), _p(bias), *_ints(x.width)])
 
 
 def _head_rms_norm(xs, outs, a, b):
@@ -219,7 +226,7 @@ def _head_rms_norm(xs, outs, a, b):
 
 def _rope(xs, outs, a, b):
     cos, sin = b.device.rope_tables(a)
-    b.device.launch("rope", (b.rows,), THREADS,
+    b.device.launch("rope", _spread(b.rows, xs[0].width), THREADS,
                     [_p(outs[0]), _p(xs[0]), ctypes.c_void_p(cos), ctypes.c_void_p(sin), ctypes.c_void_p(b.positions),
                      *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
 
@@ -247,7 +254,7 @@ def _attention(xs, outs, a, b):
     kernel = _attention_kernel(a)
     dev = b.device
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
-    dev.launch("kv_append", (b.rows,), THREADS,
+    dev.launch("kv_append", _spread(b.rows, hkv * d), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
@@ -269,23 +276,23 @@ def _act_mul(xs, outs, a, b):
     if act is None:
         raise UnsupportedError(f"the GPU serving device has no kernel for the activation {a['act']!r}",
                                hint=f"its act_mul kernel computes {sorted(_ACTIVATIONS)}")
-    b.device.launch("act_mul", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
+    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
 
 
 def _geglu(xs, outs, a, b):
-    b.device.launch("act_mul", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
+    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
 
 
 def _mapped(kind: int, param: str):
     def rule(xs, outs, a, b):
-        b.device.launch("map_rows", (b.rows,), THREADS,
+        b.device.launch("map_rows", _spread(b.rows, xs[0].width), THREADS,
                         [_p(outs[0]), _p(xs[0]), *_ints(xs[0].width, kind), ctypes.c_float(a[param])])
 
     return rule
 
 
 def _add(xs, outs, a, b):
-    b.device.launch("add", (b.rows,), THREADS, [_p(outs[0]), _p(xs[0]), _p(xs[1]), *_ints(xs[0].width)])
+    b.device.launch("add", _spread(b.rows, xs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), _p(xs[1]), *_ints(xs[0].width)])
 
 
 def _p(operand: Operand) -> ctypes.c_void_p:
@@ -548,7 +555,7 @@ class GpuDevice(CpuDevice):
                 if not kept:
                     return None
                 for name in self._narrowed:
-                    self.launch("gather", (kept,), THREADS,
+                    self.launch("gather", _spread(kept, values[name].width), THREADS,
                                 [_p(self._narrowed[name]), _p(values[name]), ctypes.c_void_p(self._keep),
                                  *_ints(values[name].width)])
                     values[name] = self._narrowed[name]

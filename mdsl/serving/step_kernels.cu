@@ -22,6 +22,12 @@ __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 constexpr int WARP = 32;
 #define INF __int_as_float(0x7f800000)   // +infinity (NVRTC has no <cmath>)
 
+// A row-wise element-wise kernel runs on grid (rows, blocks a row): element i of a row is thread
+// ELEMENT's, then every ELEMENTS on. Spread over blocks, a thread has one or a few elements, so a row's
+// elements are loaded together rather than one memory round trip after another.
+#define ELEMENT (int(blockIdx.y * blockDim.x + threadIdx.x))
+#define ELEMENTS (int(gridDim.y * blockDim.x))
+
 // sum over a warp by a fixed xor tree; lane 0's result is the one used (lanes may differ in the last bit)
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -52,18 +58,20 @@ template <typename W>
 __device__ void embedding(float* out, const int* tokens, const W* table, int width) {
   const int r = blockIdx.x;
   const W* row = table + (long long)tokens[r] * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) out[(long long)r * width + i] = to_f(row[i]);
+  for (int i = ELEMENT; i < width; i += ELEMENTS) out[(long long)r * width + i] = to_f(row[i]);
 }
 
-// ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block a row
+// ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block (NORM_THREADS) a row
 
 template <typename W>
 __device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus) {
   __shared__ float red[32];
   const long long base = (long long)blockIdx.x * width;
   float ss = 0.0f;
+#pragma unroll 4
   for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(x[base + i], x[base + i], ss);
   const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
+#pragma unroll 4
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     const float scale = one_plus ? 1.0f + to_f(w[i]) : to_f(w[i]);
     out[base + i] = __fmul_rn(__fmul_rn(x[base + i], inv), scale);
@@ -246,6 +254,34 @@ __device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 
   mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, lo.z, lo.w);
 }
 
+// N consecutive 32-k chunks from chunk s of the tile's two column groups' weight rows (w0, w1) against the
+// row groups of the pass from row r0: the N chunks' weights are loaded before any is used (memory in
+// flight), and accumulated in chunk order
+constexpr int IN_FLIGHT = 4;
+template <typename W, int N>
+__device__ __forceinline__ void mma_chunks(float (&acc)[MMA_GROUPS][4], const W* w0, const W* w1, const float* x,
+                                           int s, int r0, int rows, int k, int group, int tig) {
+  uint4 wa[N], wb[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    wa[i] = ld16(w0 + (s + i) * 32);
+    wb[i] = ld16(w1 + (s + i) * 32);
+  }
+#pragma unroll
+  for (int g = 0; g < MMA_GROUPS; ++g) {
+    if (r0 + g * 8 < rows) {   // (warp-uniform)
+      const int r = r0 + g * 8 + group;
+      const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        uint4 hi, lo;
+        split8<W>(x + at + i * 32, hi, lo);
+        mma_32<W>(acc[g], wa[i], wb[i], hi, lo);
+      }
+    }
+  }
+}
+
 // out = x @ w.T (+ residual) for the 16 columns of tile blockIdx.x: with splits, through part[split] (rows x
 // tiles * 16) and the last block's sum of them
 template <typename W>
@@ -285,36 +321,14 @@ __device__ __forceinline__ void linear_mma(float* out, float* part, int* arrival
     for (int g = 0; g < MMA_GROUPS; ++g)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[g][j] = 0.0f;
+    // the warp's chunks in order, IN_FLIGHT chunks' weights loaded at once, then the shorter tail
     int s = s0;
-    for (; s + 1 < s1; s += 2) {   // two chunks' weights in flight at once
-      const uint4 wa0 = ld16(w0 + s * 32), wa1 = ld16(w1 + s * 32);
-      const uint4 wb0 = ld16(w0 + s * 32 + 32), wb1 = ld16(w1 + s * 32 + 32);
-#pragma unroll
-      for (int g = 0; g < MMA_GROUPS; ++g) {
-        if (r0 + g * 8 < rows) {   // (warp-uniform)
-          const int r = r0 + g * 8 + group;
-          const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
-          uint4 ha, la, hb, lb;
-          split8<W>(x + at, ha, la);
-          split8<W>(x + at + 32, hb, lb);
-          mma_32<W>(acc[g], wa0, wa1, ha, la);
-          mma_32<W>(acc[g], wb0, wb1, hb, lb);
-        }
-      }
+    for (; s + IN_FLIGHT <= s1; s += IN_FLIGHT) mma_chunks<W, IN_FLIGHT>(acc, w0, w1, x, s, r0, rows, k, group, tig);
+    if (s + 2 <= s1) {
+      mma_chunks<W, 2>(acc, w0, w1, x, s, r0, rows, k, group, tig);
+      s += 2;
     }
-    if (s < s1) {
-      const uint4 wa0 = ld16(w0 + s * 32), wa1 = ld16(w1 + s * 32);
-#pragma unroll
-      for (int g = 0; g < MMA_GROUPS; ++g) {
-        if (r0 + g * 8 < rows) {
-          const int r = r0 + g * 8 + group;
-          const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
-          uint4 ha, la;
-          split8<W>(x + at, ha, la);
-          mma_32<W>(acc[g], wa0, wa1, ha, la);
-        }
-      }
-    }
+    if (s < s1) mma_chunks<W, 1>(acc, w0, w1, x, s, r0, rows, k, group, tig);
 #pragma unroll
     for (int g = 0; g < MMA_GROUPS; ++g)
 #pragma unroll
@@ -371,6 +385,7 @@ __device__ void argmax_rows(int* best, const float* x, int width) {
   const long long base = (long long)blockIdx.x * width;
   float v = -INF;
   int at = 0x7fffffff;
+#pragma unroll 8
   for (int i = threadIdx.x; i < width; i += blockDim.x)
     if (x[base + i] > v) { v = x[base + i]; at = i; }   // (a thread's indices ascend: its first maximum)
   for (int o = 16; o > 0; o >>= 1) {
@@ -392,7 +407,7 @@ __device__ void argmax_rows(int* best, const float* x, int width) {
 template <typename W>
 __device__ void add_bias(float* out, const float* x, const W* b, int width) {
   const long long base = (long long)blockIdx.x * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = __fadd_rn(x[base + i], to_f(b[i]));
+  for (int i = ELEMENT; i < width; i += ELEMENTS) out[base + i] = __fadd_rn(x[base + i], to_f(b[i]));
 }
 
 // ---- head_rms_norm: an rms_norm over each query head (weight wq) and key head (weight wk) of the q|k|v row;
@@ -425,7 +440,7 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
   const long long base = (long long)blockIdx.x * heads * dim;
   const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
   const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
-  for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) {
+  for (int i = ELEMENT; i < heads * dim; i += ELEMENTS) {
     const int h = i / dim, d = i % dim;
     if (h >= q_heads + kv_heads) {
       out[base + i] = x[base + i];
@@ -437,7 +452,7 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
 }
 
 // ---- the KV append: each row's key and value heads into its request's page at its position
-// (pools [pages, page_size, kv_heads, dim]); grid (rows)
+// (pools [pages, page_size, kv_heads, dim])
 
 __device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const int* positions, const int* entries,
                           const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
@@ -446,7 +461,7 @@ __device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const 
   const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
   const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
   const long long base = (long long)r * (q_heads + 2 * kv_heads) * dim;
-  for (int i = threadIdx.x; i < kv_heads * dim; i += blockDim.x) {
+  for (int i = ELEMENT; i < kv_heads * dim; i += ELEMENTS) {
     k_pool[slot + i] = qkv[base + q_heads * dim + i];
     v_pool[slot + i] = qkv[base + (q_heads + kv_heads) * dim + i];
   }
@@ -652,7 +667,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 // 2: exact (erf) GELU
 __device__ void act_mul(float* out, const float* gu, int half, int act) {
   const long long in = (long long)blockIdx.x * 2 * half, o = (long long)blockIdx.x * half;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+  for (int i = ELEMENT; i < half; i += ELEMENTS) {
     const float g = gu[in + i];
     float a;
     if (act == 0) {
@@ -671,19 +686,19 @@ __device__ void act_mul(float* out, const float* gu, int half, int act) {
 // (soft-capped logits)
 __device__ void map_rows(float* out, const float* x, int width, int kind, float param) {
   const long long base = (long long)blockIdx.x * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
+  for (int i = ELEMENT; i < width; i += ELEMENTS)
     out[base + i] = kind == 0 ? __fmul_rn(x[base + i], param) : __fmul_rn(tanhf(__fdiv_rn(x[base + i], param)), param);
 }
 
 __device__ void add(float* out, const float* x, const float* y, int width) {
   const long long base = (long long)blockIdx.x * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = __fadd_rn(x[base + i], y[base + i]);
+  for (int i = ELEMENT; i < width; i += ELEMENTS) out[base + i] = __fadd_rn(x[base + i], y[base + i]);
 }
 
 // the rows `keep` of x, in order (past the last KV write only the rows that sample go on)
 __device__ void gather(float* out, const float* x, const int* keep, int width) {
   const long long from = (long long)keep[blockIdx.x] * width, to = (long long)blockIdx.x * width;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) out[to + i] = x[from + i];
+  for (int i = ELEMENT; i < width; i += ELEMENTS) out[to + i] = x[from + i];
 }
 
 }  // namespace serve
