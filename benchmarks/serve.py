@@ -85,12 +85,15 @@ def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: i
         return time.perf_counter(), llm.stats().steps
 
     start, steps0 = until(1)
+    replays0, preemptions0 = llm.device.replays, llm.stats().preemptions
     end, steps1 = until(tokens)
+    replays, preemptions = llm.device.replays - replays0, llm.stats().preemptions - preemptions0
     llm.device.profile_ops(True)
     for h in handles:
         h.result()
     ops = llm.device.profile_ops(False)
     return {"batch": batch, "context": context, "steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
+            "replayed": replays, "preemptions": preemptions,
             "ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
 
 

@@ -45,8 +45,8 @@ NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
 MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
 GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
-MAX_SPLITS = 16                  # attention: key ranges a row's causal range is cut into, at most
-HEADS_PER_BLOCK = 8              # head_rms_norm: one warp a head
+MAX_SPLITS = 32                  # attention: key ranges a row's causal range is cut into, at most
+HEADS_PER_BLOCK = 8              # head_rms_norm, head_norm_rope: one warp a head (NORM_ROPE_WARPS)
 LINEAR_WARPS = 8                 # linear: one warp an output column at a time
 MMA_WARPS = 8                    # linear_mma: a block's warps, each a slice of k
 _SUFFIX = {f32: "f32", bf16: "bf16", f16: "f16"}
@@ -190,23 +190,39 @@ def _linear_add(xs, outs, a, b):
     _linear(xs[:-1], outs, a, b, residual=xs[-1])
 
 
-def residual_adds(nodes: list, narrow_at: int, kept: set) -> dict:
-    """linear node index -> the other operand's name of the add right after it, for each linear whose
-    result only that add reads (and not past the step: `kept`), both on one side of the narrowing: the
-    pair runs as one launch, the sum in the linear's epilogue (x + y in float32 either way round)."""
+def fusible_pairs(nodes: list, narrow_at: int, kept: set, producer: str, consumer: str) -> list:
+    """The indices i where node i (op `producer`) and node i + 1 (op `consumer`) can run as one: the
+    consumer alone reads the producer's result (once; nothing past the step does: `kept`) and the two lie
+    on one side of the narrowing."""
     readers: dict = {}
     for n in nodes:
         for v in n.inputs:
             readers[v.name] = readers.get(v.name, 0) + 1
+    return [i for i, (n, m) in enumerate(zip(nodes, nodes[1:]))
+            if n.op == producer and m.op == consumer and i + 1 != narrow_at and n.outputs[0].name not in kept
+            and readers.get(n.outputs[0].name) == 1 and [v.name for v in m.inputs].count(n.outputs[0].name) == 1]
+
+
+def residual_adds(nodes: list, narrow_at: int, kept: set) -> dict:
+    """linear node index -> the other operand's name of the add right after it, for each linear whose
+    result only that add reads (fusible_pairs): the pair runs as one launch, the sum in the linear's
+    epilogue (x + y in float32 either way round)."""
     fused = {}
-    for i, (n, add) in enumerate(zip(nodes, nodes[1:])):
-        if n.op != "linear" or add.op != "add" or i + 1 == narrow_at:
-            continue
-        out = n.outputs[0].name
-        names = [v.name for v in add.inputs]
-        if readers.get(out) == 1 and out not in kept and names.count(out) == 1:
-            fused[i] = names[1 - names.index(out)]
+    for i in fusible_pairs(nodes, narrow_at, kept, "linear", "add"):
+        names = [v.name for v in nodes[i + 1].inputs]
+        fused[i] = names[1 - names.index(nodes[i].outputs[0].name)]
     return fused
+
+
+def _head_norm_rope(xs, outs, a, b):
+    """head_rms_norm then rope (attributes a = (the norm's, the rope's)) as one kernel."""
+    (norm, rope), (x, wq, wk) = a, xs
+    cos, sin = b.device.rope_tables(rope)
+    heads = rope["q_heads"] + 2 * rope["kv_heads"]
+    b.device.launch(_weighted("head_norm_rope", wq), (b.rows, -(-heads // HEADS_PER_BLOCK)), HEADS_PER_BLOCK * 32,
+                    [_p(outs[0]), _p(x), _p(wq), _p(wk), ctypes.c_void_p(cos), ctypes.c_void_p(sin),
+                     ctypes.c_void_p(b.positions), *_ints(rope["q_heads"], rope["kv_heads"], rope["head_dim"]),
+                     ctypes.c_float(norm["eps"])])
 
 
 def _add_bias(xs, outs, a, b):
@@ -232,9 +248,10 @@ def _rope(xs, outs, a, b):
 
 
 def attention_split(max_seq: int) -> int:
-    """The keys of one block of a row's attention: 256, or more where max_seq needs more than MAX_SPLITS
-    ranges of 256; by the engine's shape alone, so a row's split points are fixed by its own range."""
-    return max(256, 128 * -(-max_seq // (128 * MAX_SPLITS)))
+    """The keys of one block of a row's attention: 64 (a warp's 16 in two to four round trips), or a
+    multiple of 64 where max_seq needs more than MAX_SPLITS ranges of 64; by the engine's shape alone, so
+    a row's split points are fixed by its own range."""
+    return 64 * max(1, -(-max_seq // (64 * MAX_SPLITS)))
 
 
 def _attention_kernel(a: dict) -> str:
@@ -420,17 +437,22 @@ class GpuDevice(CpuDevice):
         self._profiled: dict = {}        # (rows, kept rows) -> (graph with an event after each op, its events)
 
     def _lower(self) -> list:
-        """The step's program: per node, (rule, attributes, operand names, result names, op), a linear and
-        the add after it fused (residual_adds; the add's entry is None)."""
+        """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and
+        the add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs;
+        the second node's entry is None)."""
         kept = {self.graph.logits.name}
         fused = residual_adds(self.nodes, self._narrow_at, kept)
+        norm_ropes = set(fusible_pairs(self.nodes, self._narrow_at, kept, "head_rms_norm", "rope"))
         program: list = []
         for i, n in enumerate(self.nodes):
             names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
+            after = [v.name for v in self.nodes[i + 1].outputs] if i + 1 < len(self.nodes) else []
             if i in fused:
-                program.append((_linear_add, n.attr_dict, names + [fused[i]], [v.name for v in self.nodes[i + 1].outputs],
-                                "linear+add"))
-            elif i - 1 in fused:
+                program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
+            elif i in norm_ropes:
+                program.append((_head_norm_rope, (n.attr_dict, self.nodes[i + 1].attr_dict), names, after,
+                                "head_rms_norm+rope"))
+            elif i - 1 in fused or i - 1 in norm_ropes:
                 program.append(None)
             else:
                 program.append((GPU_STEP_RULES[n.op], n.attr_dict, names, results, n.op))

@@ -20,6 +20,8 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 
 constexpr int WARP = 32;
+constexpr int NORM_ROPE_WARPS = 8;   // head_norm_rope: heads a block
+constexpr int MAX_HEAD_DIM = 256;
 #define INF __int_as_float(0x7f800000)   // +infinity (NVRTC has no <cmath>)
 
 // A row-wise element-wise kernel runs on grid (rows, blocks a row): element i of a row is thread
@@ -451,6 +453,38 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
   }
 }
 
+// ---- head_rms_norm then rope, fused where the norm's result is read by the rope alone: one warp a head
+// normalises it (as head_rms_norm) into shared memory and rotates it from there (as rope), with the same
+// arithmetic as the two kernels, so the same bits; value heads copied. Grid (rows, heads / warps per block).
+
+template <typename W>
+__device__ void head_norm_rope(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
+                               const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
+                               float eps) {
+  __shared__ float y[NORM_ROPE_WARPS][MAX_HEAD_DIM];
+  const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int h = blockIdx.y * NORM_ROPE_WARPS + warp;
+  if (h >= heads) return;
+  const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
+  if (h >= q_heads + kv_heads) {
+    for (int d = lane; d < dim; d += WARP) out[base + d] = x[base + d];
+    return;
+  }
+  const W* w = h < q_heads ? wq : wk;
+  float ss = 0.0f;
+  for (int d = lane; d < dim; d += WARP) ss = fmaf(x[base + d], x[base + d], ss);
+  const float inv = 1.0f / sqrtf(__shfl_sync(0xffffffffu, warp_sum(ss), 0) / float(dim) + eps);
+  for (int d = lane; d < dim; d += WARP) y[warp][d] = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
+  __syncwarp();
+  const int half = dim / 2;
+  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
+  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
+  for (int d = lane; d < dim; d += WARP) {
+    const float rotated = d < half ? -y[warp][d + half] : y[warp][d - half];
+    out[base + d] = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
+  }
+}
+
 // ---- the KV append: each row's key and value heads into its request's page at its position
 // (pools [pages, page_size, kv_heads, dim])
 
@@ -487,7 +521,7 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
                           const float* v_pool, const int* positions, const int* entries, const int* page_table,
                           int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
                           float softcap, int window, int split, int max_splits) {
-  constexpr int C = DV == 1 && G <= 4 ? 8 : G * DV <= 8 ? 4 : 2;   // keys a warp has in flight (registers allow)
+  constexpr int C = G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2;   // keys (and values) a warp has in flight, as registers allow
   __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
   __shared__ int last;
@@ -517,16 +551,18 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   }
   const long long stride = (long long)kv_heads * dim;
   for (int j0 = k0; j0 < k1; j0 += C) {
-    float4 kv[C][DV];
+    // the chunk's keys and values loaded together (one memory round trip a chunk)
+    float4 kc[C][DV], vc[C][DV];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int j = j0 + c;
-      const long long at = ((long long)table[(j < k1 ? j : j0) / page_size] * page_size + (j < k1 ? j : j0) % page_size) *
-                           stride + (long long)h * dim;
+      const int j = j0 + c < k1 ? j0 + c : j0;
+      const long long at = ((long long)table[j / page_size] * page_size + j % page_size) * stride + (long long)h * dim;
 #pragma unroll
       for (int i = 0; i < DV; ++i) {
         const int d = 4 * lane + 128 * i;
-        kv[c][i] = j < k1 && d < dim ? *reinterpret_cast<const float4*>(k_pool + at + d) : make_float4(0, 0, 0, 0);
+        const bool live = j0 + c < k1 && d < dim;
+        kc[c][i] = live ? *reinterpret_cast<const float4*>(k_pool + at + d) : make_float4(0, 0, 0, 0);
+        vc[c][i] = live ? *reinterpret_cast<const float4*>(v_pool + at + d) : make_float4(0, 0, 0, 0);
       }
     }
     float sc[C][G];
@@ -537,26 +573,15 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < DV; ++i) {
-          dot = fmaf(q[g][i].x, kv[c][i].x, dot);
-          dot = fmaf(q[g][i].y, kv[c][i].y, dot);
-          dot = fmaf(q[g][i].z, kv[c][i].z, dot);
-          dot = fmaf(q[g][i].w, kv[c][i].w, dot);
+          dot = fmaf(q[g][i].x, kc[c][i].x, dot);
+          dot = fmaf(q[g][i].y, kc[c][i].y, dot);
+          dot = fmaf(q[g][i].z, kc[c][i].z, dot);
+          dot = fmaf(q[g][i].w, kc[c][i].w, dot);
         }
         float v = __shfl_sync(0xffffffffu, warp_sum(dot), 0) * scale;
         if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
         sc[c][g] = j0 + c < k1 ? v : -INF;
       }
-#pragma unroll
-    for (int c = 0; c < C; ++c) {   // the values of the chunk's keys, reusing the keys' registers
-      const int j = j0 + c;
-      const long long at = ((long long)table[(j < k1 ? j : j0) / page_size] * page_size + (j < k1 ? j : j0) % page_size) *
-                           stride + (long long)h * dim;
-#pragma unroll
-      for (int i = 0; i < DV; ++i) {
-        const int d = 4 * lane + 128 * i;
-        kv[c][i] = j < k1 && d < dim ? *reinterpret_cast<const float4*>(v_pool + at + d) : make_float4(0, 0, 0, 0);
-      }
-    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float top = m[g];
@@ -574,10 +599,10 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
         sum += p;
 #pragma unroll
         for (int i = 0; i < DV; ++i) {
-          tile[i].x = fmaf(p, kv[c][i].x, tile[i].x);
-          tile[i].y = fmaf(p, kv[c][i].y, tile[i].y);
-          tile[i].z = fmaf(p, kv[c][i].z, tile[i].z);
-          tile[i].w = fmaf(p, kv[c][i].w, tile[i].w);
+          tile[i].x = fmaf(p, vc[c][i].x, tile[i].x);
+          tile[i].y = fmaf(p, vc[c][i].y, tile[i].y);
+          tile[i].z = fmaf(p, vc[c][i].z, tile[i].z);
+          tile[i].w = fmaf(p, vc[c][i].w, tile[i].w);
         }
       }
       l[g] = fmaf(l[g], rescale, sum);
@@ -733,6 +758,11 @@ EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const vo
                             int dim, float eps),
             (out, x, static_cast<const W*>(wq), static_cast<const W*>(wk), q_heads, kv_heads, dim, eps))
 
+EVERY_DTYPE(head_norm_rope, (float* out, const float* x, const void* wq, const void* wk, const float* cos_table,
+                             const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
+                             float eps),
+            (out, x, static_cast<const W*>(wq), static_cast<const W*>(wk), cos_table, sin_table, positions, q_heads,
+             kv_heads, dim, eps))
 extern "C" __global__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
                                 const int* positions, int q_heads, int kv_heads, int dim) {
   serve::rope(out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim);

@@ -102,8 +102,8 @@ def test_32_requests_agree_with_the_cpu_device(checkpoints, arch, dtype):
 
 @pytest.mark.parametrize("arch", ["llama3", "mistral", "gemma2"])
 def test_contexts_of_several_attention_splits_agree_with_the_cpu_device(tmp_path, arch):
-    """Contexts past one attention split (256 keys): the splits' partials folded in order (a sliding window
-    of 270 keys and Gemma-2's soft-capping included)."""
+    """Contexts of several attention splits (64 keys each at this max_seq): the splits' partials folded in
+    order (a sliding window of 270 keys and Gemma-2's soft-capping included)."""
     window = {} if arch == "llama3" else {"sliding_window": 270}
     ckpt = write_checkpoint(tmp_path, arch, positions=320, torch_dtype="float32", **window)
     rng = np.random.default_rng(5)
@@ -126,7 +126,8 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
         ops = llm.device.profile_ops(False)
         nodes = {n.op for n in llm.device.nodes}
     assert profiled == plain
-    assert nodes - {"add"} <= set(ops) <= nodes | {"gather", "linear+add"}   # (adds run in the linears before them)
+    # (ops fused with the one after them are timed together, as "a+b")
+    assert nodes == {op for name in ops if name != "gather" for op in name.split("+")}
     assert all(us > 0 and steps > 0 for us, steps in ops.values())
 
 

@@ -20,7 +20,7 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     from mdsl.backend.cuda.nvrtc import compile_cuda
 
     resources = compile_cuda(kernel_source(), arch="sm_90a").resources
-    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm")
+    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}" for dv, groups in GROUPS.items() for g in groups}
@@ -87,3 +87,25 @@ def test_a_linears_weights_run_side_by_side_in_launches_of_one_dtype():
     assert [len(g) for g, _, _ in linear_launches(64, six)] == [MAX_PARTS, 6 - MAX_PARTS]
     mixed = [w(16), attrs.evolve(w(16), dtype=f32), w(16)]
     assert [(len(g), d) for g, d, _ in linear_launches(64, mixed)] == [(1, bf16), (1, None), (1, bf16)]
+
+
+def test_a_head_norm_and_the_rope_after_it_run_as_one_in_every_layer():
+    from mdsl.serving.gpu import fusible_pairs
+
+    graph = _graph("qwen3")
+    nodes = list(graph.nodes)
+    pairs = fusible_pairs(nodes, len(nodes), {graph.logits.name}, "head_rms_norm", "rope")
+    assert len(pairs) == sum(n.op == "attention" for n in nodes)
+    assert all((nodes[i].op, nodes[i + 1].op) == ("head_rms_norm", "rope") for i in pairs)
+    # a result read past the step (kept) does not fuse, nor a pair the narrowing falls between
+    assert pairs[0] not in fusible_pairs(nodes, len(nodes), {nodes[pairs[0]].outputs[0].name}, "head_rms_norm", "rope")
+    assert pairs[0] not in fusible_pairs(nodes, pairs[0] + 1, {graph.logits.name}, "head_rms_norm", "rope")
+
+
+@pytest.mark.parametrize("max_seq", [1, 64, 65, 2048, 2049, 32768, 131072])
+def test_attention_splits_are_whole_warps_of_keys_and_at_most_max_splits(max_seq):
+    from mdsl.serving.gpu import MAX_SPLITS, attention_split
+
+    split = attention_split(max_seq)
+    assert split % 64 == 0 and -(-max_seq // split) <= MAX_SPLITS
+    assert split == 64 or -(-max_seq // (split - 64)) > MAX_SPLITS   # the smallest that fits
