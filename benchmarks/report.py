@@ -17,6 +17,7 @@ table):
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
+    docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
@@ -48,7 +49,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "serve")
+OPTIONAL = ("torch_compile", "serve", "serve_http")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -312,12 +313,22 @@ def serve_section(data: Optional[dict]) -> list:
     lines += [run_line(data.get("meta")), "",
               f"`LLM(device=\"gpu\")` on {model}'s shapes (random bf16 weights): the host scheduler, one kernel "
               "per layer op over the step's rows, steps of a repeated shape replayed as CUDA graphs. Decode step "
-              "time while every request of the batch decodes at the context; the floor is the weights plus "
-              "every request's cached keys and values (float32, as the device keeps them) over 4.25 TB/s.", ""]
-    rows = [[d["batch"], d["context"], f"{d['step_s'] * 1e3:.2f}", f"{d['floor_s'] * 1e3:.3f}",
-             _percent(d["floor_s"] / d["step_s"]), f"{d['batch'] / d['step_s']:.0f}"] for d in data.get("decode") or []]
+              "time while every request of the batch decodes (prompts of `prompt` tokens; the requests read "
+              "first decode further meanwhile: `mean context`); the floor is the weights plus every request's "
+              "cached keys and values (float32, as the device keeps them) over 4.25 TB/s.", ""]
+    decode = data.get("decode") or []
+    rows = [[d["batch"], d["context"], f"{d['mean_context']:.0f}" if "mean_context" in d else "-",
+             f"{d['step_s'] * 1e3:.2f}", f"{d['floor_s'] * 1e3:.3f}", _percent(d["floor_s"] / d["step_s"]),
+             f"{d['batch'] / d['step_s']:.0f}"] for d in decode]
     if rows:
-        lines += _table(["batch", "context", "step ms", "floor ms", "of floor", "tokens/s"], rows) + [""]
+        lines += _table(["batch", "prompt", "mean context", "step ms", "floor ms", "of floor", "tokens/s"], rows) + [""]
+    ops = sorted({op for d in decode for op in d.get("ops_us") or {}},
+                 key=lambda op: -max((d.get("ops_us") or {}).get(op, 0.0) for d in decode))
+    if ops:
+        lines += ["Where a step's time goes: each layer op's µs per step, all layers, timed by events in a twin of "
+                  "the step's CUDA graph (`GpuDevice.profile_ops`; `a+b`: two ops fused into one kernel).", ""]
+        lines += _table(["batch", *ops, "sum"], [[d["batch"], *(f"{(d.get('ops_us') or {}).get(op, 0.0):.0f}" for op in ops),
+                                               f"{sum((d.get('ops_us') or {}).values()):.0f}"] for d in decode]) + [""]
     runs = data.get("runs") or []
     if runs:
         lines += ["Whole runs (seeded prompt and output lengths; `offline`: all submitted at once, `online R/s`: "
@@ -329,6 +340,28 @@ def serve_section(data: Optional[dict]) -> list:
                           f"{r['output_tokens_per_s']:.0f}",
                           *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
                           r["short"]] for r in runs]) + [""]
+    return lines
+
+
+def serve_http_section(data: Optional[dict]) -> list:
+    lines = ["## Serving over HTTP", ""]
+    if data is None:
+        return lines + ["No results: `benchmarks/serve_http.py` has not run into docs/results/ yet.", ""]
+    meta, engine = data.get("meta") or {}, data.get("engine") or {}
+    lines += [run_line(meta), "",
+              f"`mdsl serve` (device `{engine.get('device', '?')}`, max_batch {engine.get('max_batch', '?')}) driven by "
+              f"concurrent streaming clients over /v1/completions, and the same requests through `LLM.submit` in one "
+              f"process (`offline`): token-id prompts of {data['prompt_len'][0]} to {data['prompt_len'][1]} tokens, "
+              f"{data['max_tokens']} greedy tokens each; each client sends its next request when its last one ends.", ""]
+    lines += _table(["path", "clients", "requests", "output tokens", "wall s", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+                     "TPOT p50 ms", "TPOT p99 ms", "errors"],
+                    [[r["mode"], r["clients"], r["requests"], r["output_tokens"], f"{r['wall_s']:.1f}",
+                      f"{r['output_tokens_per_s']:.0f}",
+                      *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
+                      r["errors"]] for r in data.get("runs") or []]) + [""]
+    if "http_over_offline" in data:
+        lines += [f"HTTP throughput over offline: {data['http_over_offline']:.3f}; requests whose tokens differ "
+                  f"between the two paths: {data.get('mismatched', '?')}.", ""]
     return lines
 
 
@@ -488,8 +521,13 @@ def headlines(results: dict) -> dict:
     if serve and serve.get("decode"):
         steps = sorted(serve["decode"], key=lambda d: d["batch"])
         h["serve_step_one"] = f"{steps[0]['step_s'] * 1e3:.1f} ms"
+        h["serve_floor_one"] = _percent(steps[0]["floor_s"] / steps[0]["step_s"])
         h["serve_step_most"] = f"{steps[-1]['step_s'] * 1e3:.1f} ms"
         h["serve_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
+    served = results.get("serve_http")
+    if served and "http_over_offline" in served:
+        h["serve_http_ratio"] = f"{served['http_over_offline']:.2f}×"
+        h["serve_http_tokens"] = f"{served['runs'][0]['output_tokens_per_s']:.0f}"
     return h
 
 
@@ -515,6 +553,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += call_section(results.get("call_overhead"))
     lines += torch_compile_section(results.get("torch_compile"))
     lines += serve_section(results.get("serve"))
+    lines += serve_http_section(results.get("serve_http"))
     lines += tried_section(tried_rows(docs))
     return "\n".join(lines).rstrip("\n") + "\n"
 

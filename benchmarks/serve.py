@@ -11,11 +11,12 @@ shapes (mdsl.megakernel.runtime.models):
     python3 benchmarks/serve.py --model qwen3-0.6b --out $OUT
     python3 benchmarks/serve.py --model qwen3-0.6b --parts a --batches 1,8,32,64 --context 1024
 
-A decode step is timed over the steps in which every request of the batch decodes: the B requests'
-prompts (context - 1 tokens each) are read first, then each produces --decode-tokens tokens; the step
-time is the wall time between the moment every request has its first token and the moment all are done,
-over the steps the device ran meanwhile. Greedy, `ignore_eos`. Files: serve.json (with the run's
-provenance) and serve.md (the tables, also printed).
+A decode step is timed over --decode-tokens steps in which every request of the batch decodes: the B
+requests' prompts (context - 1 tokens each) are read oldest first, a step's budget at a time, and the
+timing starts once the last has its first token; no request ends before the timing (and the op profile
+after it) does. The requests read first have decoded further meanwhile: the floor counts each request's
+cached keys and values at its mean context over the timed steps. Greedy, `ignore_eos`. Files: serve.json
+(with the run's provenance) and serve.md (the tables, also printed).
 """
 from __future__ import annotations
 
@@ -68,31 +69,53 @@ def workload(args, vocab: int) -> list:
             for _ in range(args.requests)]
 
 
+def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
+    """Tokens each request of (a) may produce: enough that none ends before the last one's prompt is read
+    (prompts are read oldest first, so the first request decodes while the others' prompts are read) and
+    the timed and profiled steps are over."""
+    return -(-batch * context // per_step) + batch + 2 * tokens + 8
+
+
 def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
-    """(a): the step time while `batch` requests at `context` decode together, over `tokens` steps; then,
-    over as many more, the time of each layer op in a step (GpuDevice.profile_ops)."""
+    """(a): the step time while `batch` requests decode together, prompts of `context` tokens, over `tokens`
+    steps from the moment the last prompt is read; then, over as many more, the time of each layer op in a
+    step (GpuDevice.profile_ops). Every request runs until both are over (then it is cancelled), so every
+    timed step has `batch` rows; the requests read first are further on, and `mean_context` (at the timed
+    steps' middle) is what the bandwidth floor counts."""
     import numpy as np
 
     from mdsl import SamplingParams
 
     rng = np.random.default_rng(seed + batch)
-    params = SamplingParams(max_new_tokens=2 * tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=decode_budget(llm.shape.max_tokens_per_step, batch, context, tokens),
+                            ignore_eos=True)
     handles = [llm.submit([int(t) for t in rng.integers(0, vocab, context - 1)], params) for _ in range(batch)]
 
-    def until(count):
-        while not all(len(h.poll()[0]) >= count or h.poll()[1] is not None for h in handles):
-            time.sleep(0.0002)
-        return time.perf_counter(), llm.stats().steps
+    def produced() -> list:
+        return [len(h.poll()[0]) for h in handles]
 
-    start, steps0 = until(1)
+    while min(produced()) < 1:
+        time.sleep(0.0002)
+    start, steps0 = time.perf_counter(), llm.stats().steps
     replays0, preemptions0 = llm.device.replays, llm.stats().preemptions
-    end, steps1 = until(tokens)
+    before = produced()
+    while llm.stats().steps < steps0 + tokens:
+        time.sleep(0.0002)
+    end, steps1 = time.perf_counter(), llm.stats().steps
+    after = produced()
     replays, preemptions = llm.device.replays - replays0, llm.stats().preemptions - preemptions0
     llm.device.profile_ops(True)
+    while llm.stats().steps < steps1 + tokens:
+        time.sleep(0.0002)
+    ops = llm.device.profile_ops(False)
+    if any(h.poll()[1] is not None for h in handles):
+        raise RuntimeError(f"a request of batch {batch} ended before the timed steps did (decode_budget is short)")
+    for h in handles:
+        h.cancel()
     for h in handles:
         h.result()
-    ops = llm.device.profile_ops(False)
-    return {"batch": batch, "context": context, "steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
+    return {"batch": batch, "context": context, "mean_context": context - 1 + float(np.mean(before + after)),
+            "steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
             "replayed": replays, "preemptions": preemptions,
             "ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
 
@@ -137,9 +160,10 @@ def tables(result: dict) -> str:
     lines = []
     if result.get("decode"):
         lines += [f"Decode steps, {result['model']} (random bf16 weights), GPU serving device:", "",
-                  "| batch | context | step | floor | % of floor | tokens/s |", "|---|---|---|---|---|---|"]
+                  "| batch | prompts | mean context | step | floor | % of floor | tokens/s |", "|---|---|---|---|---|---|---|"]
         for d in result["decode"]:
-            lines.append(f"| {d['batch']} | {d['context']} | {d['step_s'] * 1e3:.2f} ms | {d['floor_s'] * 1e3:.3f} ms | "
+            lines.append(f"| {d['batch']} | {d['context']} | {d['mean_context']:.0f} | {d['step_s'] * 1e3:.2f} ms | "
+                         f"{d['floor_s'] * 1e3:.3f} ms | "
                          f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} |")
         lines.append("")
         ops = sorted({op for d in result["decode"] for op in d.get("ops_us", {})},
@@ -172,6 +196,7 @@ def main(argv=None) -> int:
     from mdsl import LLM
     from mdsl.megakernel.runtime.models import MODELS
     from mdsl.serving.cpu import kv_bytes_per_token
+    from mdsl.serving.protocol import DEFAULT_MAX_TOKENS_PER_STEP
 
     args = parse_args(argv)
     parts = set(args.parts.split(","))
@@ -182,16 +207,19 @@ def main(argv=None) -> int:
         print(f"writing random weights at {args.model}'s shapes", flush=True)
         random_checkpoint(args.model, folder)
         requests = workload(args, raw["vocab_size"])
-        max_seq = max(args.context + args.decode_tokens, *(len(p) + n for p, n in requests))
-        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq) as llm:
+        batches = [int(b) for b in args.batches.split(",")]
+        per_step = DEFAULT_MAX_TOKENS_PER_STEP
+        decoded = max(decode_budget(per_step, b, args.context, args.decode_tokens) for b in batches)
+        max_seq = max(args.context + decoded, *(len(p) + n for p, n in requests))
+        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step) as llm:
             graph = llm.device.graph
             weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
             per_token = kv_bytes_per_token(graph)
             llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
             if "a" in parts:
-                for batch in (int(b) for b in args.batches.split(",")):
+                for batch in batches:
                     d = decode_steps(llm, batch, args.context, args.decode_tokens, raw["vocab_size"], args.seed)
-                    d["floor_s"] = (weights + batch * args.context * per_token) / BANDWIDTH
+                    d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
                     result["decode"].append(d)
                     print(d, flush=True)
             if "b" in parts:

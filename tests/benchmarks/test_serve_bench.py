@@ -20,8 +20,27 @@ def test_a_summary_counts_tokens_and_times_from_the_records():
 
 
 def test_the_tables_show_every_measurement():
-    result = {"model": "qwen3-0.6b", "decode": [{"batch": 8, "context": 1024, "steps": 31, "step_s": 0.004,
-                                                  "floor_s": 0.001}],
+    result = {"model": "qwen3-0.6b", "decode": [{"batch": 8, "context": 1024, "mean_context": 1040.4, "steps": 31,
+                                                  "step_s": 0.004, "floor_s": 0.001, "ops_us": {"linear": 1500.0}}],
               "runs": [S.summary("online 4/s", [{"start": 0.0, "times": [0.1, 0.2], "expected": 2}])]}
     text = S.tables(result)
-    assert "| 8 | 1024 | 4.00 ms | 1.000 ms | 25% | 2000 |" in text and "| online 4/s | 1 | 2 |" in text
+    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 |" in text and "| online 4/s | 1 | 2 |" in text
+    assert "| batch | linear | sum |" in text and "| 8 | 1500 | 1500 |" in text
+
+
+def test_every_timed_decode_step_has_the_whole_batch(tmp_path):
+    """decode_steps on the CPU device (its op profile stubbed): the prompts are read oldest first, so the
+    first requests decode while the last ones' prompts are read; none may end before the timed and profiled
+    steps are over, and all are cancelled after."""
+    from mdsl import LLM
+    from tests.serving.conftest import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path, "qwen3", positions=400, torch_dtype="float32")
+    batch, context, tokens = 6, 40, 5
+    with LLM(ckpt.folder, device="cpu", max_batch=8, max_seq=400, max_tokens_per_step=32) as llm:
+        llm.device.profile_ops = lambda on: {}
+        llm.device.replays = 0
+        d = S.decode_steps(llm, batch, context, tokens, 96, 0)
+        assert d["steps"] >= tokens and d["batch"] == batch
+        assert context < d["mean_context"] < context + S.decode_budget(32, batch, context, tokens)
+        assert llm.stats().running == 0 and llm.stats().peak_running == batch
