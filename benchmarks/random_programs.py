@@ -437,8 +437,27 @@ def run_one(program: RandomProgram, config, seed: int) -> dict:
         "verified": plan.evidence.describe(), "fused": after.launches < before.launches,
         "boundaries": [b.reason for b in plan.explanation],
         "family": None if plan.family is None else list(plan.family.sizes),
+        "plan_digest": plan_digest(plan),
         "source": program.source(),
     }
+
+
+def plan_digest(plan) -> str:
+    """A plan's identity: the hash of its graph's text form (the same plan prints the same text)."""
+    import hashlib
+
+    from mdsl.ir.printer import print_graph
+
+    return hashlib.sha256(print_graph(plan.graph).encode()).hexdigest()[:16]
+
+
+def same_plans(rows: list, other: list) -> dict:
+    """The programs of both runs whose searches both finished within the cap (neither provisional), and
+    those of them whose plans differ: a search's outcome must not depend on the machine's load."""
+    theirs = {r["program"]: r for r in other}
+    both = [r for r in rows if r["program"] in theirs and not r["provisional"] and not theirs[r["program"]]["provisional"]]
+    return {"compared": len(both),
+            "differ": [r["program"] for r in both if r.get("plan_digest") != theirs[r["program"]].get("plan_digest")]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,6 +618,10 @@ def markdown(meta: dict, rows: list, summary: dict) -> str:
              f"- kernels removed (before - after): "
              + ", ".join(f"{k}: {v}" for k, v in s["kernels_removed_histogram"].items()),
              "- kernel boundaries left, by reason: " + ", ".join(f"{k} {v}" for k, v in s["boundary_reasons"].items())]
+    if "same_as" in s:
+        lines.append(f"- against `{s['same_as']['file']}` (the same programs under another load): "
+                     f"{s['same_as']['compared']} finished in both, plans differ for "
+                     f"{', '.join(s['same_as']['differ']) or 'none'}")
     if "gpu_geomean_speedup_vs_best" in s:
         lines.append(f"- GPU: geomean speed-up over the best PyTorch baseline {s['gpu_geomean_speedup_vs_best']:.2f}x; "
                      f"slower than eager: {s['gpu_slower_than_eager']}")
@@ -636,6 +659,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile on the GPU")
     parser.add_argument("--out", help="where the JSON and Markdown go (default $OUT, else ./bench_out)")
     parser.add_argument("--print", dest="show", action="store_true", help="print the programs' sources and stop")
+    parser.add_argument("--same-as", help="another run's random_programs.json (same seed and budgets, another "
+                                          "machine load): report the finished programs whose plans differ")
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error("--count must be at least 1")
@@ -669,6 +694,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{' (provisional)' if row['provisional'] else ''}, float {'ok' if row['float_ok'] else 'FAIL'}",
               flush=True)
         summary = summarise(rows, args.budget)
+        if args.same_as:
+            summary["same_as"] = {"file": args.same_as, **same_plans(rows, json.loads(Path(args.same_as).read_text())["rows"])}
         meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
         (out_dir / "random_programs.json").write_text(json.dumps({"schema": SCHEMA, "meta": meta, "summary": summary,
                                                                   "rows": rows}, indent=1))

@@ -583,7 +583,7 @@ class GpuDevice(CpuDevice):
                     values[name] = self._narrowed[name]
                 mark("gather")
                 batch = attrs.evolve(batch, rows=kept)
-            if entry is None:     # (an add fused into the linear before it)
+            if entry is None:     # (the second op of a pair run as one, by the entry before it)
                 continue
             rule, attrs_, names, results, op = entry
             outs = [self._buffers[r] for r in results]

@@ -96,3 +96,24 @@ def test_plans_of_random_programs_are_never_worse_than_the_original_and_compute_
         for got, want in zip(run_kernel_graph(plan.graph, inputs), run_kernel_graph(graph, inputs)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert fused >= 3
+
+
+def test_two_runs_compare_the_plans_of_the_programs_both_finished():
+    def row(name, digest, provisional=False):
+        return {"program": name, "plan_digest": digest, "provisional": provisional}
+
+    quiet = [row("a", "1"), row("b", "2"), row("c", "3", provisional=True), row("d", "4")]
+    loaded = [row("a", "1"), row("b", "9"), row("c", "7"), row("e", "5")]
+    assert rp.same_plans(quiet, loaded) == {"compared": 2, "differ": ["b"]}
+
+
+def test_a_plans_digest_is_its_graphs_text():
+    program = rp.draw(0, 0)
+    graph = program.kernel().graph
+
+    class Plan:          # the digest reads the plan's graph only
+        def __init__(self, g):
+            self.graph = g
+
+    assert rp.plan_digest(Plan(graph)) == rp.plan_digest(Plan(program.kernel().graph))
+    assert rp.plan_digest(Plan(graph)) != rp.plan_digest(Plan(rp.draw(0, 1).kernel().graph))
