@@ -16,6 +16,7 @@ import time
 
 from cases import cases, describe_plan
 from provenance import provenance
+from random_programs import plan_digest
 
 from mdsl.search.config import SearchConfig
 
@@ -35,6 +36,7 @@ def run(name: str, kernel, config: SearchConfig) -> dict:
         "launches": plan.cost.launches, "estimate_us": round(plan.cost.seconds * 1e6, 2),
         "floor_us": round(plan.floor.seconds * 1e6, 2), "original": plan.is_original,
         "false_pass": plan.evidence.false_pass_probability, "plan": describe_plan(plan.graph),
+        "provisional": plan.provisional, "plan_digest": plan_digest(plan),
     }
 
 
