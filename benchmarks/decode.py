@@ -227,9 +227,9 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
             "idle_by_predecessor": idle}
 
 
-def torch_decode_step(torch, config, weights, position: int, device: str = "cuda"):
-    """A plain kernel-per-op decode step (the PyTorch baseline) at `position`, with its KV caches;
-    returns (step(token) -> next token, static input token tensor)."""
+def torch_decode_step(torch, config, weights, position: int, device: str = "cuda", batch: int = 1):
+    """A plain kernel-per-op decode step (the PyTorch baseline) of `batch` sequences at `position`, with
+    static KV caches [batch, kv heads, position + 1, head dim]: step(tokens [batch]) -> next tokens."""
     import torch.nn.functional as F
 
     c = config
@@ -239,8 +239,8 @@ def torch_decode_step(torch, config, weights, position: int, device: str = "cuda
     cos, sin = rope_tables(decoder_shape(c), position + 1)
     cos = torch.tensor(cos[position], device=device).repeat(2).to(torch.bfloat16)
     sin = torch.tensor(sin[position], device=device).repeat(2).to(torch.bfloat16)
-    caches = [(torch.randn(1, hkv, position + 1, d, device=device, dtype=torch.bfloat16),
-               torch.randn(1, hkv, position + 1, d, device=device, dtype=torch.bfloat16)) for _ in range(c.num_layers)]
+    caches = [(torch.randn(batch, hkv, position + 1, d, device=device, dtype=torch.bfloat16),
+               torch.randn(batch, hkv, position + 1, d, device=device, dtype=torch.bfloat16)) for _ in range(c.num_layers)]
     w = weights
     head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
 
@@ -254,20 +254,20 @@ def torch_decode_step(torch, config, weights, position: int, device: str = "cuda
         return x * cos + rotated * sin
 
     def step(token):
-        x = w["model.embed_tokens.weight"][token]                       # [1, H]
+        x = w["model.embed_tokens.weight"][token]                       # [batch, H]
         for layer in range(c.num_layers):
             p = f"model.layers.{layer}."
             n = norm(x, w[p + "input_layernorm.weight"])
-            q = F.linear(n, w[p + "self_attn.q_proj.weight"]).view(1, hq, 1, d)
-            k = F.linear(n, w[p + "self_attn.k_proj.weight"]).view(1, hkv, 1, d)
-            v = F.linear(n, w[p + "self_attn.v_proj.weight"]).view(1, hkv, 1, d)
+            q = F.linear(n, w[p + "self_attn.q_proj.weight"]).view(batch, hq, 1, d)
+            k = F.linear(n, w[p + "self_attn.k_proj.weight"]).view(batch, hkv, 1, d)
+            v = F.linear(n, w[p + "self_attn.v_proj.weight"]).view(batch, hkv, 1, d)
             if c.qk_norm:
                 q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
             q, k = rope(q), rope(k)
             k_cache, v_cache = caches[layer]
             k_cache[:, :, position:position + 1] = k
             v_cache[:, :, position:position + 1] = v
-            a = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True).reshape(1, hq * d)
+            a = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True).reshape(batch, hq * d)
             x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
             n = norm(x, w[p + "post_attention_layernorm.weight"])
             g = F.linear(n, w[p + "mlp.gate_proj.weight"])
@@ -279,8 +279,8 @@ def torch_decode_step(torch, config, weights, position: int, device: str = "cuda
     return step
 
 
-def time_torch_graph(torch, step, steps: int, repeats: int) -> list:
-    token = torch.zeros(1, dtype=torch.long, device="cuda")
+def time_torch_graph(torch, step, steps: int, repeats: int, batch: int = 1) -> list:
+    token = torch.zeros(batch, dtype=torch.long, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

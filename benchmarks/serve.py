@@ -1,8 +1,10 @@
 """The serving engine on a GPU (`LLM(device="gpu")`), in-process, random bf16 weights at a benchmark model's
 shapes (mdsl.megakernel.runtime.models):
 
-  (a) decode step time against the batch size at a context, beside the bandwidth floor (the weights plus
-      every request's cached keys and values, as the device stores them, over 4.25 TB/s);
+  (a) decode step time against the batch size at a context, and at batch 1 against the context, beside
+      the bandwidth floor (the weights plus every request's cached keys and values, as the device stores
+      them, over 4.25 TB/s) and PyTorch's kernel-per-op step at the same batch and context (bf16, static
+      KV caches, replayed as a CUDA graph: benchmarks/decode.py's baseline);
   (b) an offline run: --requests requests with seeded prompt lengths and output lengths, submitted at once;
       output tokens per second;
   (c) an online run per --rates rate: the same requests arriving as a Poisson process; time to first token
@@ -21,6 +23,7 @@ cached keys and values at its mean context over the timed steps. Greedy, `ignore
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -35,6 +38,7 @@ from benchmarks.provenance import provenance  # noqa: E402
 from benchmarks.serve_http import _percentile, random_checkpoint  # noqa: E402
 
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.md)
+PAGE_SIZE = 16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,7 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parts", default="a,b,c", help="which of a (decode steps), b (offline), c (online)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1024, help="(a) the requests' context at their decode steps")
-    ap.add_argument("--decode-tokens", type=int, default=32, help="(a) tokens each request produces")
+    ap.add_argument("--long-contexts", default="8192,32768",
+                    help="(a) also batch 1 at these prompt lengths (comma-separated; empty: none)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="(a) steps timed (and as many profiled)")
+    ap.add_argument("--no-torch", dest="torch", action="store_false",
+                    help="(a) skip PyTorch's decode step at the same batch and context (CUDA graph, static KV cache)")
     ap.add_argument("--requests", type=int, default=256, help="(b, c) requests")
     ap.add_argument("--prompt-len", default="32:1024", help="(b, c) prompt lengths LO:HI, seeded uniform")
     ap.add_argument("--output-len", default="32:512", help="(b, c) output lengths LO:HI, seeded uniform")
@@ -120,6 +128,38 @@ def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: i
             "ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
 
 
+def torch_baseline(model: str):
+    """step_s(batch, context): PyTorch's kernel-per-op decode step of `batch` sequences at `context`
+    (benchmarks/decode.py's, static KV caches, bf16), replayed as a CUDA graph; None without torch and a
+    GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import statistics
+
+    import attrs
+
+    from benchmarks.decode import random_weights, time_torch_graph, torch_decode_step
+    from mdsl.ir.dtypes import bf16
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from mdsl.megakernel.runtime.models import MODELS
+
+    config = attrs.evolve(config_from_dict(MODELS[model]), dtype=bf16)
+    weights = random_weights(torch, config)
+
+    def step_s(batch: int, context: int) -> float:
+        step = torch_decode_step(torch, config, weights, context - 1, batch=batch)
+        seconds = statistics.median(time_torch_graph(torch, step, 32, 5, batch=batch))
+        del step
+        torch.cuda.empty_cache()
+        return seconds
+
+    return step_s
+
+
 def run_requests(llm, requests: list, arrivals: list) -> list:
     """Submit request i at arrivals[i] seconds from now; per request its start, token times and count."""
     from mdsl import SamplingParams
@@ -160,11 +200,14 @@ def tables(result: dict) -> str:
     lines = []
     if result.get("decode"):
         lines += [f"Decode steps, {result['model']} (random bf16 weights), GPU serving device:", "",
-                  "| batch | prompts | mean context | step | floor | % of floor | tokens/s |", "|---|---|---|---|---|---|---|"]
+                  "| batch | prompts | mean context | step | floor | % of floor | tokens/s | PyTorch step | PyTorch / step |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for d in result["decode"]:
+            torch_ms = f"{d['torch_step_s'] * 1e3:.2f} ms" if d.get("torch_step_s") else "-"
+            ratio = f"{d['torch_step_s'] / d['step_s']:.2f}" if d.get("torch_step_s") else "-"
             lines.append(f"| {d['batch']} | {d['context']} | {d['mean_context']:.0f} | {d['step_s'] * 1e3:.2f} ms | "
                          f"{d['floor_s'] * 1e3:.3f} ms | "
-                         f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} |")
+                         f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} | {torch_ms} | {ratio} |")
         lines.append("")
         ops = sorted({op for d in result["decode"] for op in d.get("ops_us", {})},
                      key=lambda op: -max(d.get("ops_us", {}).get(op, 0.0) for d in result["decode"]))
@@ -207,18 +250,24 @@ def main(argv=None) -> int:
         print(f"writing random weights at {args.model}'s shapes", flush=True)
         random_checkpoint(args.model, folder)
         requests = workload(args, raw["vocab_size"])
-        batches = [int(b) for b in args.batches.split(",")]
+        # (batch, prompt length) of each decode measurement: the batches at --context, batch 1 at the long ones
+        points = [(int(b), args.context) for b in args.batches.split(",")] + \
+                 [(1, int(c)) for c in args.long_contexts.split(",") if c]
         per_step = DEFAULT_MAX_TOKENS_PER_STEP
-        decoded = max(decode_budget(per_step, b, args.context, args.decode_tokens) for b in batches)
-        max_seq = max(args.context + decoded, *(len(p) + n for p, n in requests))
-        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step) as llm:
+        spans = [(b, c + decode_budget(per_step, b, c, args.decode_tokens)) for b, c in points] if "a" in parts else []
+        max_seq = max([s for _, s in spans] + [len(p) + n for p, n in requests])
+        # pages for the most tokens any part holds at once (not every slot at max_seq: 64 x 32k would not fit)
+        whole = [args.max_batch * max(len(p) + n for p, n in requests)] if parts & {"b", "c"} else []
+        held = max([b * s for b, s in spans] + whole)
+        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
+                 kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE) as llm:
             graph = llm.device.graph
             weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
             per_token = kv_bytes_per_token(graph)
             llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
             if "a" in parts:
-                for batch in batches:
-                    d = decode_steps(llm, batch, args.context, args.decode_tokens, raw["vocab_size"], args.seed)
+                for batch, context in points:
+                    d = decode_steps(llm, batch, context, args.decode_tokens, raw["vocab_size"], args.seed)
                     d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
                     result["decode"].append(d)
                     print(d, flush=True)
@@ -231,6 +280,12 @@ def main(argv=None) -> int:
                     arrivals = list(np.cumsum(rng.exponential(1.0 / rate, len(requests))))
                     result["runs"].append(summary(f"online {rate:g}/s", run_requests(llm, requests, arrivals)))
                     print(result["runs"][-1], flush=True)
+        del llm
+    gc.collect()        # (the engine's device memory goes back before PyTorch's weights and caches are made)
+    baseline = torch_baseline(args.model) if args.torch and result["decode"] else None
+    for d in result["decode"] if baseline is not None else ():
+        d["torch_step_s"] = baseline(d["batch"], int(round(d["mean_context"])))
+        print(f"PyTorch, batch {d['batch']} at {d['mean_context']:.0f}: {d['torch_step_s'] * 1e3:.2f} ms", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(result, indent=1))

@@ -24,7 +24,9 @@ def test_the_tables_show_every_measurement():
                                                   "step_s": 0.004, "floor_s": 0.001, "ops_us": {"linear": 1500.0}}],
               "runs": [S.summary("online 4/s", [{"start": 0.0, "times": [0.1, 0.2], "expected": 2}])]}
     text = S.tables(result)
-    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 |" in text and "| online 4/s | 1 | 2 |" in text
+    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 | - | - |" in text and "| online 4/s | 1 | 2 |" in text
+    result["decode"][0]["torch_step_s"] = 0.006
+    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 | 6.00 ms | 1.50 |" in S.tables(result)
     assert "| batch | linear | sum |" in text and "| 8 | 1500 | 1500 |" in text
 
 
