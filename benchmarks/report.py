@@ -315,13 +315,17 @@ def serve_section(data: Optional[dict]) -> list:
               "per layer op over the step's rows, steps of a repeated shape replayed as CUDA graphs. Decode step "
               "time while every request of the batch decodes (prompts of `prompt` tokens; the requests read "
               "first decode further meanwhile: `mean context`); the floor is the weights plus every request's "
-              "cached keys and values (float32, as the device keeps them) over 4.25 TB/s.", ""]
+              "cached keys and values (float32, as the device keeps them) over 4.25 TB/s; `PyTorch ms`: its "
+              "kernel-per-op step at the same batch and context (bf16, static KV caches, a CUDA graph).", ""]
     decode = data.get("decode") or []
     rows = [[d["batch"], d["context"], f"{d['mean_context']:.0f}" if "mean_context" in d else "-",
              f"{d['step_s'] * 1e3:.2f}", f"{d['floor_s'] * 1e3:.3f}", _percent(d["floor_s"] / d["step_s"]),
-             f"{d['batch'] / d['step_s']:.0f}"] for d in decode]
+             f"{d['batch'] / d['step_s']:.0f}",
+             f"{d['torch_step_s'] * 1e3:.2f}" if d.get("torch_step_s") else "-",
+             _times(d["torch_step_s"] / d["step_s"], 2) if d.get("torch_step_s") else "-"] for d in decode]
     if rows:
-        lines += _table(["batch", "prompt", "mean context", "step ms", "floor ms", "of floor", "tokens/s"], rows) + [""]
+        lines += _table(["batch", "prompt", "mean context", "step ms", "floor ms", "of floor", "tokens/s",
+                         "PyTorch ms", "vs PyTorch"], rows) + [""]
     ops = sorted({op for d in decode for op in d.get("ops_us") or {}},
                  key=lambda op: -max((d.get("ops_us") or {}).get(op, 0.0) for d in decode))
     if ops:
