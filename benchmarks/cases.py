@@ -38,3 +38,24 @@ def describe_plan(graph) -> str:
         grid = "x".join(str(g) for g in node.body.grid if g > 1) or "1"
         parts.append(f"custom[grid {grid}, loop {node.body.forloop}: {ops.count('matmul')} matmul, {' '.join(key_ops)}]")
     return " ; ".join(parts)
+
+
+def search_cold(kernel, config, progress=None):
+    """The kernel's plan from a search in a plan cache of its own, so that no other case's plan answers
+    it (a case at another batch size would, as a member of its shape family: mdsl.search.family), then
+    copied into the default plan cache ($MDSL_CACHE_DIR) for the runs that read plans from there."""
+    import os
+    import shutil
+    import tempfile
+
+    from mdsl.search.cache import PlanCache, default_dir
+
+    with tempfile.TemporaryDirectory(prefix="mdsl-cold-") as tmp:
+        plan = kernel.optimize(config=config, cache=PlanCache(tmp), progress=progress)
+        shared = PlanCache(default_dir()).plans
+        shared.mkdir(parents=True, exist_ok=True)
+        for entry in PlanCache(tmp).plans.glob("*.json"):
+            staged = shared / f"{entry.name}.tmp{os.getpid()}"
+            shutil.copyfile(entry, staged)
+            os.replace(staged, shared / entry.name)     # (readers never see a half-written entry)
+    return plan

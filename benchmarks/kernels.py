@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script from anywhere, with or without mdsl installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cases import describe_plan  # noqa: E402 - needs ROOT on sys.path
+from benchmarks.cases import describe_plan, search_cold  # noqa: E402 - needs ROOT on sys.path
 from benchmarks.provenance import nvidia_smi, provenance  # noqa: E402
 
 SCHEMA = 1
@@ -231,7 +231,7 @@ def get_plan(kernel, config, on_miss: str, progress: bool = False) -> tuple:
                           f"{config.budget_s:g} s, arch {config.arch}); run --plans-only with the same "
                           "--budget first, or --on-miss search")
     print(f"   {kernel.name}: not in the plan cache: searching for up to {config.budget_s:g} s", flush=True)
-    return kernel.optimize(config=config, progress=progress or None), False
+    return search_cold(kernel, config, progress=progress or None), False
 
 
 def plan_record(plan, hit: bool) -> dict:
