@@ -382,23 +382,13 @@ def float_inputs(program: RandomProgram, graph, seed: int) -> list:
     return out
 
 
-def comparable(reference: np.ndarray, own: np.ndarray, dtype) -> np.ndarray:
-    """The elements an output is held to: where the exact (float64) value fits the output's dtype (an
-    exact 65545.5 is inf in f16, so a plan's inf there is its correct rounding) and the original at the
-    plan's precision is finite."""
-    from mdsl.ir.dtypes import round_to_dtype
-
-    with np.errstate(all="ignore"):
-        fits = np.isfinite(round_to_dtype(np.where(np.isfinite(reference), reference, 0.0), dtype))
-    return np.isfinite(reference) & fits & np.isfinite(own)
-
-
 def float_check(plan, inputs: list) -> tuple:
     """(passed, worst relative error, its bound): the plan in float32 with f16 storage against the
     original in float64, each output held to the verifier's bound for its dtype or ORIGINAL_SLACK times
-    the original's own error at that precision, over the elements `comparable` keeps; non-finite there
-    fails."""
+    the original's own error at that precision, over the elements the search's float test judges
+    (`mdsl.passes.float_check.judged_elements`); non-finite there fails."""
     from mdsl.backend.reference import run_kernel_graph
+    from mdsl.passes.float_check import judged_elements
     from mdsl.passes.verify import FLOAT_BOUNDS, ORIGINAL_SLACK
 
     with np.errstate(all="ignore"):
@@ -407,7 +397,7 @@ def float_check(plan, inputs: list) -> tuple:
         got = run_kernel_graph(plan.graph, inputs, precision="float32", round_storage=True)
     checks = []
     for var, ref, mine, cand in zip(plan.original.outputs, reference, own, got):
-        finite = comparable(ref, mine, var.dtype)
+        finite = judged_elements(ref, mine, var.dtype)
         if not np.all(np.isfinite(cand[finite])):
             return False, math.inf, FLOAT_BOUNDS[var.dtype.name]
         scale = max(float(np.linalg.norm(ref[finite])), 1e-300)

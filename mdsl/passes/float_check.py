@@ -104,6 +104,18 @@ def rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> fl
     return diff / scale if scale > 0 else diff
 
 
+def judged_elements(reference: np.ndarray, own: np.ndarray, dtype) -> np.ndarray:
+    """The elements of an output a candidate is judged on: where the original is finite in float64 and at
+    the target precision (`own`), and its exact value lies the dtype's error bound below the dtype's
+    largest value. Within that band an error the bound allows may round a value either side of the
+    overflow (an exact 65371 is 65472 in an f16 program that rounds a sum to f16 and inf in a candidate
+    that keeps it in float32): neither rounding is wrong, so neither is held to the other."""
+    with np.errstate(all="ignore"):
+        roomy = np.abs(np.where(np.isfinite(reference), reference, 0.0)) * (1.0 + FLOAT_BOUNDS[dtype.name]) \
+            <= dtype.largest
+    return np.isfinite(reference) & np.isfinite(own) & roomy
+
+
 @attrs.frozen(eq=False)
 class FloatRun:
     """The original's float64 outputs (the reference) on the float test's inputs, which of their elements
@@ -112,8 +124,9 @@ class FloatRun:
     original's input variables `variables`.
 
     Elements where the original itself is not finite, in float64 or at the target precision, are not
-    judged: a candidate must never overflow where the original does not, and cannot be blamed where
-    the original does too."""
+    judged (`judged_elements`), nor those within the error bound of the dtype's overflow: a candidate
+    must never overflow where the original does not by more than its error allows, and cannot be
+    blamed where the original does too."""
 
     variables: tuple
     state: dict
@@ -158,7 +171,7 @@ class FloatRun:
             if qualifies is not None and not qualifies(reference):
                 return None
             own = run_kernel_graph(original, inputs, precision="float32", round_storage=True)
-        judged = [np.isfinite(ref) & np.isfinite(mine) for ref, mine in zip(reference, own)]
+        judged = [judged_elements(ref, mine, var.dtype) for var, ref, mine in zip(original.outputs, reference, own)]
         bounds = [max(FLOAT_BOUNDS[var.dtype.name], ORIGINAL_SLACK * rel_error(mine, ref, where))
                   for var, ref, mine, where in zip(original.outputs, reference, own, judged)]
         return cls(variables, state, read_only(reference), read_only(judged), bounds, scale)

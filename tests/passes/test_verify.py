@@ -729,3 +729,12 @@ def test_a_candidate_may_be_as_inaccurate_as_the_original():
     result = verify(spec.graph, spec.graph)
     assert result.equivalent and result.float_rel_error > 0.05
     assert result.float_bound == pytest.approx(4 * result.float_rel_error)   # ORIGINAL_SLACK x its own error
+
+
+def test_a_candidate_may_round_across_the_overflow_within_its_error_bound():
+    """An exact 65371 (1% under f16's overflow) is 65472 in an f16 original and may be inf in a candidate
+    whose error the f16 bound allows; 60000 may not be."""
+    reference = np.array([65545.5, 65371.0, 60000.0, -65110.0, 1.0, np.inf, 2.0])
+    own = np.array([65472.0, 65472.0, 60000.0, -64384.0, 1.0, np.inf, np.inf])
+    judged = float_check.judged_elements(reference, own, f16)
+    assert judged.tolist() == [False, False, True, False, True, False, False]

@@ -117,9 +117,3 @@ def test_a_plans_digest_is_its_graphs_text():
 
     assert rp.plan_digest(Plan(graph)) == rp.plan_digest(Plan(program.kernel().graph))
     assert rp.plan_digest(Plan(graph)) != rp.plan_digest(Plan(rp.draw(0, 1).kernel().graph))
-
-
-def test_the_float_check_leaves_out_values_that_overflow_the_outputs_dtype():
-    reference = np.array([65545.5, 65500.0, 1.0, np.inf, 2.0])   # f16 rounds 65545.5 to inf, 65500 to 65504
-    own = np.array([65472.0, 65504.0, 1.0, np.inf, np.inf])
-    assert rp.comparable(reference, own, f16).tolist() == [False, True, True, False, False]
