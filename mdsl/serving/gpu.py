@@ -293,11 +293,13 @@ def _act_mul(xs, outs, a, b):
     if act is None:
         raise UnsupportedError(f"the GPU serving device has no kernel for the activation {a['act']!r}",
                                hint=f"its act_mul kernel computes {sorted(_ACTIVATIONS)}")
-    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
+    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS,
+                    [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
 
 
 def _geglu(xs, outs, a, b):
-    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
+    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS,
+                    [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
 
 
 def _mapped(kind: int, param: str):
@@ -309,7 +311,8 @@ def _mapped(kind: int, param: str):
 
 
 def _add(xs, outs, a, b):
-    b.device.launch("add", _spread(b.rows, xs[0].width), THREADS, [_p(outs[0]), _p(xs[0]), _p(xs[1]), *_ints(xs[0].width)])
+    b.device.launch("add", _spread(b.rows, xs[0].width), THREADS,
+                    [_p(outs[0]), _p(xs[0]), _p(xs[1]), *_ints(xs[0].width)])
 
 
 def _p(operand: Operand) -> ctypes.c_void_p:
@@ -614,12 +617,22 @@ class GpuDevice(CpuDevice):
                 events.append((op, event))
 
             start = check(d.cuEventCreate(0), "cuEventCreate")
-            check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-                  "cuStreamBeginCapture")
-            check(d.cuEventRecordWithFlags(start, self._stream, d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
-                  "cuEventRecordWithFlags")
-            self._run_program(*key, mark=mark)
-            captured = check(d.cuStreamEndCapture(self._stream), "cuStreamEndCapture")
+            collecting = gc.isenabled()
+            gc.disable()          # (as in _capture: no collection inside the capture)
+            try:
+                check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                      "cuStreamBeginCapture")
+                try:
+                    check(d.cuEventRecordWithFlags(start, self._stream,
+                                                   d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
+                          "cuEventRecordWithFlags")
+                    self._run_program(*key, mark=mark)
+                finally:          # (the stream leaves capture whatever failed)
+                    ended = d.cuStreamEndCapture(self._stream)
+            finally:
+                if collecting:
+                    gc.enable()
+            captured = check(ended, "cuStreamEndCapture")
             graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
             check(d.cuGraphDestroy(captured), "cuGraphDestroy")
             self._profiled[key] = (graph, start, events)

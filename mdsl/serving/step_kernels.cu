@@ -7,8 +7,8 @@
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
 // tree, and attention splits the row's own causal range into key ranges anchored at the range's first
-// position and folds them in order. So a request's logits are bit-identical whatever shares its steps and however its prompt is
-// chunked.
+// position and folds them in order. So a request's logits are bit-identical whatever shares its steps and
+// however its prompt is chunked.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -89,7 +89,8 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
 // in order, then the warp's xor tree: the same order for every row, however many rows the step has.
 
 constexpr int MAX_PARTS = 4;
-struct Parts {              // weights side by side: part i holds columns [start[i], start[i + 1]); start[count ..] = all
+// weights side by side: part i holds columns [start[i], start[i + 1]); start[count ..] is every column
+struct Parts {
   const void* w[MAX_PARTS];
   int start[MAX_PARTS + 1];
   int count;
@@ -120,10 +121,10 @@ __device__ __forceinline__ void load_vec<__half>(const __half* p, float* v) {
 }
 
 template <typename W>
-__device__ __forceinline__ void linear(float* out, const float* x, const Parts& parts, const float* residual, int rows, int k,
-                       int out_width, int offset) {
+__device__ __forceinline__ void linear(float* out, const float* x, const Parts& parts, const float* residual,
+                                       int rows, int k, int out_width, int offset) {
   constexpr int VEC = 16 / sizeof(W);
-  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP, n = parts.start[MAX_PARTS];   // (padded: every column)
+  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP, n = parts.start[MAX_PARTS];   // (every column)
   const bool vectors = k % VEC == 0;   // (a property of the weight, never of the step)
   for (int c = blockIdx.x * warps + threadIdx.x / WARP; c < n; c += gridDim.x * warps) {
     // the column's weight (its arrays indexed by constants only: an index known at run time would copy the
@@ -521,7 +522,8 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
                           const float* v_pool, const int* positions, const int* entries, const int* page_table,
                           int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
                           float softcap, int window, int split, int max_splits) {
-  constexpr int C = G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2;   // keys (and values) a warp has in flight, as registers allow
+  // keys (and values) a warp has in flight, as registers allow
+  constexpr int C = G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2;
   __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
   __shared__ int last;
