@@ -414,13 +414,17 @@ __device__ void add_bias(float* out, const float* x, const W* b, int width) {
 }
 
 // ---- head_rms_norm: an rms_norm over each query head (weight wq) and key head (weight wk) of the q|k|v row;
-// value heads are copied. One warp a head: grid (rows, heads / warps per block).
+// value heads are copied. One warp a head: grid (rows, heads / NORM_ROPE_WARPS). With ROPE the normalised
+// head goes through shared memory and is rotated from there as the rope kernel rotates it (head_norm_rope:
+// the two ops fused where the rope alone reads the norm; the same arithmetic, so the same bits).
 
-template <typename W>
-__device__ void head_rms_norm(float* out, const float* x, const W* wq, const W* wk, int q_heads, int kv_heads,
-                              int dim, float eps) {
-  const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP;
-  const int h = blockIdx.y * (blockDim.x / WARP) + threadIdx.x / WARP;
+template <typename W, bool ROPE>
+__device__ __forceinline__ void head_norm(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
+                                          const float* sin_table, const int* positions, int q_heads, int kv_heads,
+                                          int dim, float eps) {
+  __shared__ float y[ROPE ? NORM_ROPE_WARPS : 1][ROPE ? MAX_HEAD_DIM : 1];
+  const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int h = blockIdx.y * NORM_ROPE_WARPS + warp;
   if (h >= heads) return;
   const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
   if (h >= q_heads + kv_heads) {
@@ -431,7 +435,33 @@ __device__ void head_rms_norm(float* out, const float* x, const W* wq, const W* 
   float ss = 0.0f;
   for (int d = lane; d < dim; d += WARP) ss = fmaf(x[base + d], x[base + d], ss);
   const float inv = 1.0f / sqrtf(__shfl_sync(0xffffffffu, warp_sum(ss), 0) / float(dim) + eps);
-  for (int d = lane; d < dim; d += WARP) out[base + d] = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
+  for (int d = lane; d < dim; d += WARP) {
+    const float normed = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
+    if (ROPE) y[warp][d] = normed;
+    else out[base + d] = normed;
+  }
+  if (!ROPE) return;
+  __syncwarp();
+  const int half = dim / 2;
+  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
+  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
+  for (int d = lane; d < dim; d += WARP) {
+    const float rotated = d < half ? -y[warp][d + half] : y[warp][d - half];
+    out[base + d] = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
+  }
+}
+
+template <typename W>
+__device__ void head_rms_norm(float* out, const float* x, const W* wq, const W* wk, int q_heads, int kv_heads,
+                              int dim, float eps) {
+  head_norm<W, false>(out, x, wq, wk, nullptr, nullptr, nullptr, q_heads, kv_heads, dim, eps);
+}
+
+template <typename W>
+__device__ void head_norm_rope(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
+                               const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
+                               float eps) {
+  head_norm<W, true>(out, x, wq, wk, cos_table, sin_table, positions, q_heads, kv_heads, dim, eps);
 }
 
 // ---- rope: the query and key heads rotated (rotate-half form) by the row's position's cos and sin (tables
@@ -451,38 +481,6 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
       const float rotated = d < half ? -x[base + i + half] : x[base + i - half];
       out[base + i] = __fadd_rn(__fmul_rn(x[base + i], c[d]), __fmul_rn(rotated, s[d]));
     }
-  }
-}
-
-// ---- head_rms_norm then rope, fused where the norm's result is read by the rope alone: one warp a head
-// normalises it (as head_rms_norm) into shared memory and rotates it from there (as rope), with the same
-// arithmetic as the two kernels, so the same bits; value heads copied. Grid (rows, heads / warps per block).
-
-template <typename W>
-__device__ void head_norm_rope(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
-                               const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
-                               float eps) {
-  __shared__ float y[NORM_ROPE_WARPS][MAX_HEAD_DIM];
-  const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int h = blockIdx.y * NORM_ROPE_WARPS + warp;
-  if (h >= heads) return;
-  const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
-  if (h >= q_heads + kv_heads) {
-    for (int d = lane; d < dim; d += WARP) out[base + d] = x[base + d];
-    return;
-  }
-  const W* w = h < q_heads ? wq : wk;
-  float ss = 0.0f;
-  for (int d = lane; d < dim; d += WARP) ss = fmaf(x[base + d], x[base + d], ss);
-  const float inv = 1.0f / sqrtf(__shfl_sync(0xffffffffu, warp_sum(ss), 0) / float(dim) + eps);
-  for (int d = lane; d < dim; d += WARP) y[warp][d] = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
-  __syncwarp();
-  const int half = dim / 2;
-  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
-  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
-  for (int d = lane; d < dim; d += WARP) {
-    const float rotated = d < half ? -y[warp][d + half] : y[warp][d - half];
-    out[base + d] = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
   }
 }
 
