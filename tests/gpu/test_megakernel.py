@@ -420,3 +420,37 @@ def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
     assert np.isfinite(ours).all()
     assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
     assert run.tokens[0] == int(np.argmax(ours))
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_streamed_attention_rows_give_the_preloaded_rows_bits(dtype_name):
+    """One attention split over a prompt longer than the streaming ring (ATTN_STREAM stages of ROUND
+    positions: the ring wraps several times): the logits after the prompt and the greedy tokens after it are
+    bit-identical to those of the same plan with the split's rows preloaded (the same products in the same
+    order, read from the same shared memory)."""
+    from mdsl.megakernel.runtime.kernel_source import stream_round
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
+    from tests.megakernel.tiny import tiny_model
+
+    config, _, weights = tiny_model("qwen3", seed=SEED % 1000, max_position_embeddings=8192)
+    if dtype_name == "bf16":
+        config = attrs.evolve(config, dtype=bf16)
+    streamed = MegakernelEngine(config, weights, max_seq=8192,
+                                options=MegakernelOptions(attention_splits=1, attention_preload=False))
+    stages = int(streamed.source.split("constexpr int ATTN_STREAM = ")[1].split(";")[0])
+    assert stages >= 2, "the split's rows stream through a ring"
+    n = (stages + 3) * stream_round(streamed.plan) + 5   # the ring refilled past its end, a last round partly full
+    preloaded = MegakernelEngine(config, weights, max_seq=n + 16,
+                                 options=MegakernelOptions(attention_splits=1, attention_preload=True))
+    assert "constexpr bool ATTN_PRELOAD = true;" in preloaded.source
+    prompt = [int(t) for t in np.random.default_rng(SEED).integers(0, config.vocab_size, n)]
+    runs = []
+    for engine in (streamed, preloaded):
+        run = engine.run(prompt, 1, eos_token_ids=())
+        runs.append((run.tokens, engine.last_logits().copy(), engine.generate(prompt, 8, eos_token_ids=())))
+    (tokens_s, logits_s, gen_s), (tokens_p, logits_p, gen_p) = runs
+    assert np.isfinite(logits_s).all()
+    assert np.array_equal(logits_s.view(np.uint32), logits_p.view(np.uint32)), \
+        f"seed {SEED}: largest difference {np.abs(logits_s - logits_p).max():.3g}"
+    assert tokens_s == tokens_p and gen_s == gen_p

@@ -72,113 +72,6 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 }
 #endif
 
-// Lane s's split: its scale (its maximum's against the top one), and every lane the scales' weighted sum of
-// the splits' sums, from one head's partials `part` (at most 32 splits): a warp's shuffles, the same bits in
-// every warp
-struct SplitScales {
-  float scale, den;
-};
-__device__ __forceinline__ SplitScales split_scales(const float* part, int lane) {
-  const float m = lane < SPLITS ? __ldcg(part + lane * PART) : mdsl::neg_inf();
-  const float l = lane < SPLITS ? __ldcg(part + lane * PART + 1) : 0.0f;
-  float top = m;
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-  const float scale = lane < SPLITS ? mdsl::rescale(m, top) : 0.0f;
-  float den = scale * l;
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffffu, den, o);
-  return {scale, den};
-}
-
-// Merges the SPLITS partial results of one query head of a layer into its attention output, by the whole
-// block: lane s of every warp holds split s's maximum and sum, so that the top maximum, each split's scale and
-// the scales' weighted sum are a warp's shuffles, with no shared memory and no barrier; thread d (+ D) holds
-// its value of the first (second) half of the splits, loaded first, so that they land while the scales are
-// computed; the halves meet in shared memory (one barrier; none with at most 16 splits). Every warp computes
-// the same bits (xor shuffles). The partials were written by other blocks and are read from L2 (ld.cg: this
-// SM's L1 may hold an earlier step's).
-static_assert(SPLITS <= 32 && D <= NT, "a split's maximum and sum in each lane, a head's values one a thread");
-constexpr int COMBINE_GROUPS = SPLITS > 16 && 2 * D <= NT ? 2 : 1;          // threads per value
-constexpr int COMBINE_HELD = (SPLITS + COMBINE_GROUPS - 1) / COMBINE_GROUPS;   // values a thread holds
-__device__ __forceinline__ void combine_head(const Params& p, int layer, int head, float* sm) {
-  const float* part = p.parts + ((long long)layer * HQ + head) * SPLITS * PART;
-  T* out = p.attns + (long long)layer * HQ * D + (long long)head * D;
-  // the thread's index read here (volatile), not hoisted: the offsets derived from it, kept live from the
-  // kernel's start, spilled the tiny models' kernels
-  unsigned tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = int(tid % 32), d = int(tid % D), group = int(tid / D);
-  float values[COMBINE_HELD];
-#pragma unroll
-  for (int j = 0; j < COMBINE_HELD; ++j) {
-    const int s = group * COMBINE_HELD + j;
-    values[j] = group < COMBINE_GROUPS && s < SPLITS ? __ldcg(part + s * PART + 2 + d) : 0.0f;
-  }
-  const SplitScales scales = split_scales(part, lane);
-  const float scale = scales.scale, den = scales.den;
-  float num = 0.0f;
-#pragma unroll
-  for (int j = 0; j < COMBINE_HELD; ++j)
-    num = fmaf(__shfl_sync(0xffffffffu, scale, (group * COMBINE_HELD + j) % 32), values[j], num);
-  if constexpr (COMBINE_GROUPS == 2) {
-    if (group == 1) sm[d] = num;
-    compute_sync();
-    if (group == 0) out[d] = mdsl::from_float<T>((num + sm[d]) / den);
-  } else {
-    if (group == 0) out[d] = mdsl::from_float<T>(num / den);
-  }
-}
-
-// The merge of the G query heads of kv head g at once, each thread MERGE_EACH adjacent values of one head (a
-// warp within one head, so that lane s holds split s's maximum and sum of the warp's head, as in combine_head),
-// every load in flight together: merged one head after another (combine_head G times), each head's round trip
-// and barrier comes after the last's. The same chains of the same products as combine_head (its groups, then
-// their sum), so the same bits.
-constexpr int MERGE_EACH = G * D >= NT ? G * D / NT : 1;   // (1: compiled but not called)
-constexpr bool MERGE_AT_ONCE = G * D >= NT && G * D % NT == 0 && MERGE_EACH <= 2 &&
-                               D % (32 * MERGE_EACH) == 0;
-__device__ __forceinline__ void merge_heads(const Params& p, int layer, int g) {
-  unsigned tid;   // (read here, as in combine_head)
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = int(tid % 32), first = int(tid) * MERGE_EACH, h = first / D, d = first % D;
-  const float* part = p.parts + ((long long)layer * HQ + g * G + h) * SPLITS * PART;
-  T* out = p.attns + (long long)layer * HQ * D + (long long)(g * G + h) * D + d;
-  constexpr int SLOTS_HELD = COMBINE_GROUPS * COMBINE_HELD;
-  float values[SLOTS_HELD][MERGE_EACH];
-#pragma unroll
-  for (int s = 0; s < SLOTS_HELD; ++s) {
-    const float* at = part + s * PART + 2 + d;
-    if constexpr (MERGE_EACH == 2) {   // (PART and d even: 8-byte aligned)
-      const float2 v = s < SPLITS ? __ldcg(reinterpret_cast<const float2*>(at)) : make_float2(0.0f, 0.0f);
-      values[s][0] = v.x;
-      values[s][1] = v.y;
-    } else {
-      values[s][0] = s < SPLITS ? __ldcg(at) : 0.0f;
-    }
-  }
-  const SplitScales scales = split_scales(part, lane);
-  const float scale = scales.scale, den = scales.den;
-  float total[MERGE_EACH];
-#pragma unroll
-  for (int group = 0; group < COMBINE_GROUPS; ++group) {
-    float num[MERGE_EACH];
-#pragma unroll
-    for (int e = 0; e < MERGE_EACH; ++e) num[e] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < COMBINE_HELD; ++j) {
-      const int s = group * COMBINE_HELD + j;
-      const float weight = __shfl_sync(0xffffffffu, scale, s % 32);
-#pragma unroll
-      for (int e = 0; e < MERGE_EACH; ++e) num[e] = fmaf(weight, values[s][e], num[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < MERGE_EACH; ++e) total[e] = group == 0 ? num[e] : total[e] + num[e];
-  }
-#pragma unroll
-  for (int e = 0; e < MERGE_EACH; ++e) out[e] = mdsl::from_float<T>(total[e] / den);
-}
-
 // Attention of the G query heads of kv head g over split `split` of positions [0, pos]: q (and, in the
 // split holding pos, k) normed and rotated, k and v appended to the cache, partial softmax sums out; the kv
 // head's split that finishes last in this step also merges its heads (no combine task: one dependency hop
@@ -188,6 +81,42 @@ __device__ __forceinline__ void merge_heads(const Params& p, int layer, int g) {
 // kind: the copies fly through the QKV phase's end and the hop), so that the scores and the weighted values
 // read shared memory instead of waiting on L2 or DRAM. Their place: ATTN_PRELOAD_OFFSET, after the task's
 // other shared memory (kernel_source.attention_floats counts it), 16-byte aligned.
+// ATTN_STREAM (kernel_source.py, where the split's rows do not fit in shared memory: long contexts): the split's
+// cached rows pass through a ring of ATTN_STREAM stages in shared memory, a stage the ROUND positions of one round
+// of scores (or of weighted values), copied with cp.async ATTN_STREAM - 1 rounds ahead of their use: the keys'
+// first stages as the task starts, before it waits for its inputs (an early kind, as with ATTN_PRELOAD), the
+// values' while the softmax runs. So a split keeps ATTN_STREAM - 1 stages of rows in flight, where loading each
+// round's rows itself would keep one (an L2 or DRAM round trip every round). The products and their order are
+// those of the direct reads: the same bits.
+constexpr int ROUND = NT / ATTN_LANES;   // cached positions a round of scores
+constexpr int RING = ATTN_STREAM > 0 ? ATTN_STREAM : 1;       // the ring's stages (1: rows not streamed)
+constexpr int RING_PENDING = RING > 2 ? RING - 2 : 0;         // copy groups still in flight as a stage is read
+static_assert(ROUND % NW == 0, "a warp's weighted values continue from one round into the next in position order");
+__device__ __forceinline__ void stream_kv_rows(const T* cache, int g, long long lo, int count, long long pos,
+                                               int round, T* ring) {
+  constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
+  if (round * ROUND < count) {
+    T* stage = ring + round % RING * ROUND * D;
+#pragma unroll 1   // (one copy's addresses live at a time: unrolled, they spill the larger kernels)
+    for (int e = int(threadIdx.x); e < ROUND * KV_VECTORS; e += NT) {
+      const int r = e / KV_VECTORS, c = e % KV_VECTORS, i = round * ROUND + r;
+      const long long q = lo + i;
+      if (i < count && q != pos)   // (the new position's row: not in the cache yet)
+        copy_async(shared_address(stage + r * D + c * PER), cache + (q * HKV + g) * D + c * PER);
+    }
+  }
+  copies_commit();   // (an empty group past the last round: every thread commits as many groups)
+}
+
+// The ring's stage of `round` ready (this thread's copies, then the barrier: every thread's), and the stage of
+// the round before it, which every thread has read by that barrier, refilled with the rows RING - 1 rounds on
+__device__ __forceinline__ void next_stage(const T* cache, int g, long long lo, int count, long long pos, int round,
+                                           T* ring) {
+  copies_wait_pending<RING_PENDING>();
+  compute_sync();
+  stream_kv_rows(cache, g, lo, count, pos, round + RING - 1, ring);
+}
+
 __device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, long long lo, int count, long long pos,
                                                 T* kbuf, T* vbuf) {
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
@@ -217,10 +146,12 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   float* stats = scores + G * MAX_CHUNK;   // [G][2]
   T* kbuf = reinterpret_cast<T*>(reinterpret_cast<char*>(sm) + ATTN_PRELOAD_OFFSET);   // [MAX_CHUNK][D] (ATTN_PRELOAD)
   T* vbuf = kbuf + MAX_CHUNK * D;                                                       // [MAX_CHUNK][D]
-  if constexpr (ATTN_PRELOAD) {   // (an early kind then: its q, k and v rows are complete after the wait)
-    preload_kv_rows(w, g, lo, int(hi > lo ? hi - lo : 0), pos, kbuf, vbuf);
-    wait_inputs(ready);
-  }
+  T* ring = kbuf;                                                                       // (ATTN_STREAM)
+  const int count = int(hi > lo ? hi - lo : 0), rounds = (count + ROUND - 1) / ROUND;
+  // (an early kind where its rows are preloaded or streamed: its q, k and v rows are complete after the wait)
+  if constexpr (ATTN_PRELOAD) preload_kv_rows(w, g, lo, count, pos, kbuf, vbuf);
+  else for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.k_cache, g, lo, count, pos, r, ring);
+  wait_inputs(ready);
   for (int h = warp; h < G + (owner ? 1 : 0); h += NW) {
     if (h < G) prepare_head<true>(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * Q_STRIDE);
     else prepare_head<false>(qkv + HQ * D + g * D, w.kn, p, pos, tmp + warp * D, knew);
@@ -238,14 +169,14 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     }
   // scores: ATTN_LANES lanes per position, each its share of the key row as 16-byte vectors (all in flight
   // at once), the lanes' sums met by shuffles; rounds of NT / ATTN_LANES positions
-  const int count = int(hi > lo ? hi - lo : 0);
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
   constexpr int LANE_VECTORS = KV_VECTORS / ATTN_LANES;
   static_assert(KV_VECTORS % ATTN_LANES == 0 && 32 % ATTN_LANES == 0, "ATTN_LANES splits a key row evenly");
   const int sub = threadIdx.x % ATTN_LANES;
   const float* q_lane = qs + sub * Q_PAD;   // (q_at: this lane's span, padded)
-  for (int base = 0; base < count; base += NT / ATTN_LANES) {   // uniform over the block: shuffles are safe
-    const int i = base + threadIdx.x / ATTN_LANES;
+  for (int round = 0; round < rounds; ++round) {   // uniform over the block: shuffles and barriers are safe
+    if (ATTN_STREAM > 0) next_stage(w.k_cache, g, lo, count, pos, round, ring);
+    const int i = round * ROUND + threadIdx.x / ATTN_LANES;
     const long long q = lo + i;
     float acc[G];
 #pragma unroll
@@ -255,8 +186,10 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
 #pragma unroll
         for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d], knew[d], acc[h]);
     } else if (i < count) {
-      const uint4* kc = reinterpret_cast<const uint4*>(ATTN_PRELOAD ? kbuf + i * D : w.k_cache + (q * HKV + g) * D) +
-                        sub * LANE_VECTORS;
+      const T* key = ATTN_PRELOAD     ? kbuf + i * D
+                     : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
+                                       : w.k_cache + (q * HKV + g) * D;
+      const uint4* kc = reinterpret_cast<const uint4*>(key) + sub * LANE_VECTORS;
 #pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
       for (int c = 0; c < LANE_VECTORS; ++c) {
         const uint4 raw = kc[c];
@@ -280,6 +213,8 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   }
   compute_sync();
   mark(p, 1);
+  // the values' first stages fly while the softmax runs (every thread is done with the keys' ring)
+  for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.v_cache, g, lo, count, pos, r, ring);
   for (int h = warp; h < G; h += NW) {
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
@@ -303,10 +238,9 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
-#pragma unroll 8   // eight positions' value rows in flight at once
-  for (int i = warp; i < count; i += NW) {
+  // a position's weighted values into acc (its value row at vc)
+  auto weigh = [&](int i, const T* vc) {
     const long long q = lo + i;
-    const T* vc = ATTN_PRELOAD ? vbuf + i * D : w.v_cache + (q * HKV + g) * D;
     float v[DJ];
 #pragma unroll
     for (int j = 0; j < DJ; ++j) {
@@ -319,6 +253,17 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
 #pragma unroll
       for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
     }
+  };
+  // warp w takes positions w, w + NW, ... (the rounds' positions in order: the same chain of products however
+  // they are read)
+  for (int round = 0; round < rounds; ++round) {   // (uniform over the block)
+    if (ATTN_STREAM > 0) next_stage(w.v_cache, g, lo, count, pos, round, ring);
+    const int end = count < (round + 1) * ROUND ? count : (round + 1) * ROUND;
+#pragma unroll 8   // eight positions' value rows in flight at once
+    for (int i = round * ROUND + warp; i < end; i += NW)
+      weigh(i, ATTN_PRELOAD      ? vbuf + i * D
+               : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
+                                 : w.v_cache + ((lo + i) * HKV + g) * D);
   }
   float* sums = stats + 2 * G;          // [NW][G][D]
 #pragma unroll
@@ -368,6 +313,9 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   long long lo, hi;
   split_positions(pos, split, lo, hi);
   hi = hi < pos ? hi : pos;
+  // streamed rows: those of the ring's first pass only (the ring keeps ahead of the rest itself; a long split's
+  // every row would take the scheduler warp thousands of prefetches before it hands the task over)
+  if (ATTN_STREAM > 0 && hi - lo > ATTN_STREAM * ROUND) hi = lo + ATTN_STREAM * ROUND;
   constexpr int ROW_BYTES = D * int(sizeof(T)), LINE = 128, LINES = (ROW_BYTES + LINE - 1) / LINE;
   for (long long i = lane; i < (hi - lo) * LINES; i += 32) {
     const long long q = lo + i / LINES;

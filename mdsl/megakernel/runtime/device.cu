@@ -23,6 +23,7 @@
 #include "loads.cuh"
 #include "residual.cuh"
 #include "gemv.cuh"
+#include "merge.cuh"
 #include "attention.cuh"
 #include "sampling.cuh"
 

@@ -1,6 +1,6 @@
 """The megakernel's CUDA C++: the model's constants, the CUDA backend's prelude (its element-type
 conversions and warp reductions, shared with every superoptimized kernel), the runtime in device.cu and
-the headers it includes (one concern each: sync, loads, residual, gemv, attention, sampling, worker),
+the headers it includes (one concern each: sync, loads, residual, gemv, merge, attention, sampling, worker),
 and the task bodies generated for the plan's layer ops (cuda_bodies.py), compiled with NVRTC for sm_90a.
 
 The headers are expanded in place (`runtime_source`), so that the source text NVRTC compiles, and the
@@ -122,17 +122,43 @@ def linear_row_floats(plan: TaskPlan) -> int:
     return max(s.hidden, s.intermediate, s.attention_width)
 
 
-def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False) -> int:
+def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False, stream_stages: int = 0) -> int:
     """The largest task's shared memory: a linear's input row and its tile's residual, an attention
-    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums (with
-    `attention_preload`, then its split's cached key and value rows: device.cu's ATTN_PRELOAD_OFFSET), or
-    the merge's halves of a head; plus the block reductions' scratch."""
+    task's q heads, new k and v, per-warp scratch, scores, statistics and per-warp sums (then, with
+    `attention_preload`, its split's cached key and value rows, or with `stream_stages` the ring its rows
+    stream through: device.cu's ATTN_PRELOAD_OFFSET), or the merge's halves of a head; plus the block
+    reductions' scratch."""
     s = plan.shape
     linear = linear_row_floats(plan) + residual_columns(plan)
-    attention = attention_preload_offset(plan) // 4 if attention_preload else attention_floats(plan)
+    attention = attention_preload_offset(plan) // 4 if attention_preload or stream_stages else attention_floats(plan)
     if attention_preload:
         attention += 2 * plan.max_chunk * s.head_dim * s.dtype.itemsize // 4
+    elif stream_stages:
+        attention += stream_stages * stream_round(plan) * s.head_dim * s.dtype.itemsize // 4
     return 4 * (2 * WARPS + max(linear, attention, s.head_dim))
+
+
+# Attention's streamed rows (device.cu's ATTN_STREAM, where a split's rows are not preloaded): with S ring stages,
+# S - 1 rounds of rows are in flight while one is read. An SM's share of the copy bandwidth (4.25 TB/s over 132
+# SMs, 32 bytes a nanosecond) over a DRAM round trip under load (about 2 us) is 64 KB: the stages in flight
+# hold that much, where it fits.
+STREAM_BYTES = 64 * 1024
+
+
+def stream_round(plan: TaskPlan) -> int:
+    """Cached positions a round of attention's scores covers (device.cu's ROUND): a ring stage's rows."""
+    return THREADS // attention_lanes(plan)
+
+
+def stream_stages(plan: TaskPlan, early_bytes: int) -> int:
+    """The ring stages an attention split's rows stream through where they are not preloaded: enough for
+    STREAM_BYTES in flight, or as many (2 at least) as fit beside the rest; 0 (rows read where they lie) where
+    not even 2 fit."""
+    stage_bytes = stream_round(plan) * plan.shape.head_dim * plan.shape.dtype.itemsize
+    for stages in range(1 + -(-STREAM_BYTES // stage_bytes), 1, -1):
+        if shared_memory_bytes(plan, False, stages) + early_bytes <= SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
+            return stages
+    return 0
 
 
 # Attention's score lanes: 4 lanes share a cached position's key row, each with its share of the row's 16-byte
@@ -205,7 +231,8 @@ def _float_literal(x: float) -> str:
 def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptions()) -> MegakernelSource:
     """The kernel for `plan` under `options` (their defaults for the plan's world size: for_world). Its
     attention rows are preloaded (ATTN_PRELOAD) as `options.attention_preload` says, or with None where they
-    fit in shared memory beside the rest (a long max_seq's split may not); a linear task's first pass of weight
+    fit in shared memory beside the rest (a long max_seq's split may not); rows not preloaded stream through a
+    ring in shared memory (ATTN_STREAM: stream_stages); a linear task's first pass of weight
     loads issued with its input row in eighths of `weights_first` (the registers of both at once: the whole
     pass fits the largest kernels at the 168 registers of a 320-thread block, with none to spare); an early
     task of `second_pass_kinds` copies its second pass into the early buffer (EARLY_BUFFER_BYTES beside the
@@ -228,7 +255,8 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
     preload = options.attention_preload
     if preload is None:   # where the split's rows fit beside the rest
         preload = shared_memory_bytes(plan, True) + early_bytes <= SMEM_PER_BLOCK - STATIC_SMEM_RESERVE
-    base = shared_memory_bytes(plan, preload)
+    stages = 0 if preload else stream_stages(plan, early_bytes)
+    base = shared_memory_bytes(plan, preload, stages)
     if base + early_bytes > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
         raise KernelOptionError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at "
                                 f"max_seq {plan.max_seq}) do not fit in shared memory beside the rest",
@@ -254,6 +282,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
               "constexpr bool WEIGHTS_FIRST = WEIGHTS_FIRST_EIGHTHS > 0;",
               f"constexpr bool ATTN_PRELOAD = {'true' if preload else 'false'};",
+              f"constexpr int ATTN_STREAM = {stages};   // ring stages of attention's streamed rows (0: none)",
               f"constexpr int ATTN_PRELOAD_OFFSET = {attention_preload_offset(plan)};   // bytes from a task's memory",
               f"constexpr int EARLY_PASSES = {2 if early_bytes else 1};",
               f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in two_pass)};",

@@ -36,13 +36,22 @@ __device__ __forceinline__ void copy_async(unsigned slot, const T* p) {
 __device__ __forceinline__ void copies_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
+// attention's streamed rows (ATTN_STREAM): one commit group a ring stage, a stage complete for this thread
+// once at most PENDING later groups are outstanding
+__device__ __forceinline__ void copies_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void copies_wait_pending() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
 
 // ---- early tasks: the scheduler hands the task of an early kind (EARLY_KINDS: every kind with weight rows,
-// and attention when its rows are preloaded) to the compute warps before its inputs are complete; they issue
+// and attention when its rows are preloaded or streamed) to the compute warps before its inputs are complete; they issue
 // its first weight loads (or copies), then wait on the slot's ready barrier, `ready` (0: a task whose inputs
 // were complete when it was handed over), before they read its inputs.
 constexpr int EARLY_KINDS = (1 << KIND_QKV) | (1 << KIND_OPROJ) | (1 << KIND_GATEUP) | (1 << KIND_DOWN) |
-                            (1 << KIND_LMHEAD) | (ATTN_PRELOAD ? 1 << KIND_ATTN : 0);
+                            (1 << KIND_LMHEAD) | (ATTN_PRELOAD || ATTN_STREAM > 0 ? 1 << KIND_ATTN : 0);
 __device__ __forceinline__ void wait_inputs(int ready) {
   if (ready != 0) named_sync(ready, BLOCK);
 }

@@ -17,7 +17,7 @@ import attrs
 from mdsl.errors import MdslError
 
 # Attention splits per kv head at most: a split's maximum and sum in each lane of a warp, whose shuffles merge
-# them (attention.cuh's combine_head); plan.attention_splits fills the workers up to it.
+# them (merge.cuh's combine_head); plan.attention_splits fills the workers up to it.
 MAX_SPLITS = 32
 # The kinds that read weight rows, by name: every one is handed to the compute warps before its inputs are
 # complete (its first pass of weight loads issued while it waits); `second_pass_kinds` names some of them.
@@ -48,7 +48,8 @@ class MegakernelOptions:
     fill the workers), each of at least `attention_min_chunk` positions (None: 64, or 32 past 16 splits).
     `attention_preload`: an attention split copies its cached key and value rows into shared memory as it
     starts, before its inputs are complete, and reads them there (None: where they fit beside the rest and
-    the kernel does not spill with them). `weights_first`: the share (0 to 1) of a linear task's first pass
+    the kernel does not spill with them); rows not preloaded stream through a ring of shared memory, a few
+    rounds of them in flight. `weights_first`: the share (0 to 1) of a linear task's first pass
     of weight loads issued once its input row's loads are out, before the row is normalised, when the task
     was not handed over early. `second_pass_kinds`: the kinds (of WEIGHT_KIND_NAMES) whose early tasks also
     copy their second pass of weight loads into shared memory while the row is normalised. `rank_sums` (one
