@@ -1,21 +1,26 @@
 """Decode latency of the megakernel next to a PyTorch kernel-per-op decode step under a CUDA graph, for
-Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GPU, batch 1, context
-1024), with the fraction of the bandwidth floor (weight bytes / 4.25 TB/s) and one profiler trace.
+Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GPU, batch 1), at one or more
+contexts (`--contexts`, default 1024), with the fraction of the bandwidth floor and one profiler trace.
 
     python3 benchmarks/decode.py --quick --out $OUT          # about 2-3 minutes on the H200
     python3 benchmarks/decode.py --models llama-3.2-1b --steps 128 --repeats 5
+    python3 benchmarks/decode.py --models qwen3-8b,llama-3.2-1b --contexts 1024,32768
 
-The megakernel runs `steps` decode steps at positions 1023, 1024, ... in ONE launch (timed with CUDA
-events around the launch; the KV cache before position 1023 holds zeros: the work is the same); its
-per-token latency is that time / steps. It is measured once per runtime variant (`--variants`, the
-first one is the table's): "default" (the engine's defaults), and the kept options' other values (VARIANTS:
-MegakernelOptions fields); the profiled model's step is profiled under each (trace of the first, and per
-task kind the body time, the scheduler's wait and the part of it the compute warps sat idle). Under --quick
-the variants after the first run for the profiled model only. PyTorch runs one decode step at position
-1023 (SDPA over 1024 cached positions, enable_gqa) captured in a CUDA graph, replayed `steps` times
-between two events.
-Each model is independent: a failure is printed with its traceback and the others still run; the exit
-status is 1 when any failed.
+A row is one model at one context C. The megakernel runs `steps` decode steps at positions C - 1, C, ...
+in ONE launch (timed with CUDA events around the launch; its KV cache holds C + steps + 8 positions, those
+before C - 1 zeros: the work is the same); its per-token latency is that time / steps. It is measured once
+per runtime variant (`--variants`, the first one is the table's): "default" (the engine's defaults), and the
+kept options' other values (VARIANTS: MegakernelOptions fields); the profiled model's step is profiled under
+each, at every context (per task kind the body time, the scheduler's wait and the part of it the compute
+warps sat idle; the trace file of the first variant at the first context only). Under --quick the variants
+after the first run for the profiled model only. PyTorch runs one decode step at position C - 1 (SDPA over
+static caches of C positions, enable_gqa) captured in a CUDA graph, replayed `steps` times between two
+events. The floor of a row is the bytes one step at position C - 1 reads over 4.25 TB/s:
+the weights (`DecoderShape.weight_bytes`) plus the KV cache's keys and values of C positions in every layer
+(`kv_bytes`). --tp and --rank-of measure every context too (a rank's floor: its shard's weights and KV heads).
+Each model is independent, and each of its contexts: a failure is printed with its traceback and the others
+still run (a failure of PyTorch's step keeps the row's megakernel numbers); the exit status is 1 when any
+failed. A model's random weights are made once for all its contexts and freed before the next model's.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:   # run as a scr
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (mdsl.search.cost.H200)
-CONTEXT = 1024
+CONTEXT = 1024               # --contexts' default
 VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
     "default": {},
     # attention's cached rows read from L2 instead of preloaded into shared memory
@@ -59,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
     ap.add_argument("--quick", action="store_true",
                     help="32 steps, 2 repeats, the variants after the first only for the profiled model")
+    ap.add_argument("--contexts", default=str(CONTEXT),
+                    help="comma-separated contexts: a row per model and context, its timed steps from position "
+                         "context - 1 on and its floor counting the KV bytes of context positions (also under --tp "
+                         "and --rank-of; the profiled model's trace file at the first context only)")
     ap.add_argument("--trace-model", default="llama-3.2-1b", help="the model whose step is profiled")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated runtime variants, of {', '.join(VARIANTS)} (the first one is the table's)")
@@ -90,7 +99,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tp_variants = [s.strip() for s in args.tp_variants.split(",") if s.strip()] or args.variants[:1]
     if any(v not in VARIANTS for v in args.tp_variants):
         ap.error(f"--tp-variants takes some of {', '.join(VARIANTS)}, got {args.tp_variants}")
+    try:
+        args.contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--contexts takes comma-separated whole numbers, got {args.contexts!r}")
+    if not args.contexts or min(args.contexts) < 1 or len(set(args.contexts)) < len(args.contexts):
+        ap.error(f"--contexts takes distinct positive contexts, got {args.contexts}")
+    for name in args.models:
+        last, positions = max(args.contexts) + args.steps - 2, MODELS[name]["max_position_embeddings"]
+        if last >= positions:
+            ap.error(f"context {max(args.contexts)} and {args.steps} steps reach position {last}, past {name}'s "
+                     f"{positions} positions (max_position_embeddings)")
     return args
+
+
+def kv_bytes(shape, context: int) -> int:
+    """Bytes of the KV cache that a decode step at position `context` - 1 reads: the keys and values of
+    `context` positions in every layer, in the model's dtype (a shard's shape: one rank's KV heads)."""
+    return context * shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.dtype.itemsize
+
+
+def floor_seconds(shape, context: int) -> float:
+    """The bandwidth floor of one decode step at position `context` - 1: its weight and KV bytes over the
+    H200's copy rate."""
+    return (shape.weight_bytes() + kv_bytes(shape, context)) / COPY_BANDWIDTH
+
+
+def tagged(name: str, context: int, args) -> str:
+    """A model's name in the printed lines, with the context where more than one is measured."""
+    return name if len(args.contexts) == 1 else f"{name} @ {context}"
 
 
 def random_weights(torch, config, device: str = "cuda") -> dict:
@@ -168,36 +205,39 @@ def plot_rank_timeline(path: Path, per_rank: list, info: dict, layer: int, step:
     plt.close(fig)
 
 
-def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> dict:
-    """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant:
-    per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its shard's
-    bytes), and a trace of two steps on every rank."""
+def bench_tensor_parallel(config, name: str, args, out: Path, variant: str, context: int) -> dict:
+    """The megakernel over args.tp GPUs (random bf16 shards made on each GPU) under a runtime variant at a
+    context: per-token latency (the slowest rank's launch), each rank's fraction of its own floor (its
+    shard's weight and KV bytes), and a profile of two steps on every rank (its trace files and timeline
+    plot at the first context only)."""
     from mdsl.megakernel.parallel.gpu_group import RankSpec, TensorParallelGroup, shard_config
     from mdsl.megakernel.runtime.profile import (cross_rank_hops, idle_by_predecessor, layer_phases, peer_overlap,
                                                  summary, write_rank_traces)
     from mdsl.megakernel.runtime.shape import decoder_shape
 
     shard = decoder_shape(shard_config(config, args.tp))
-    floor = shard.weight_bytes() / COPY_BANDWIDTH
-    spec = RankSpec(config, args.tp, make_weights=random_rank_weights, max_seq=CONTEXT + args.steps + 8,
+    floor = floor_seconds(shard, context)
+    spec = RankSpec(config, args.tp, make_weights=random_rank_weights, max_seq=context + args.steps + 8,
                     options=variant_options(variant))
+    tag = tagged(name, context, args)
     t0 = time.perf_counter()
     with TensorParallelGroup(spec) as group:
-        print(f"[{name}] {args.tp} ranks ready in {time.perf_counter() - t0:.1f} s: {group.info[0]['tasks_per_step']} "
+        print(f"[{tag}] {args.tp} ranks ready in {time.perf_counter() - t0:.1f} s: {group.info[0]['tasks_per_step']} "
               f"tasks/step per rank, {shard.weight_bytes() / 1e9:.2f} GB of weights per rank", flush=True)
-        tokens = [1] * CONTEXT
-        group.run(tokens, args.steps, start=CONTEXT - 1, eos_token_ids=())   # warm-up
+        tokens = [1] * context
+        group.run(tokens, args.steps, start=context - 1, eos_token_ids=())   # warm-up
         samples = []
         for _ in range(args.repeats):
-            runs = group.run(tokens, args.steps, start=CONTEXT - 1, eos_token_ids=())
+            runs = group.run(tokens, args.steps, start=context - 1, eos_token_ids=())
             if any(run.steps != args.steps for run in runs):
                 raise RuntimeError(f"the ranks ran {[run.steps for run in runs]} steps, asked for {args.steps}")
             samples.append(max(run.seconds for run in runs) / args.steps)
-        print(f"[{name}] megakernel over {args.tp} GPUs ({variant}): {median(samples) * 1e3:.3f} ms/token "
+        print(f"[{tag}] megakernel over {args.tp} GPUs ({variant}): {median(samples) * 1e3:.3f} ms/token "
               f"({[round(s * 1e3, 3) for s in samples]})", flush=True)   # before the profile: a cut run keeps it
-        runs = group.run(tokens, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
+        runs = group.run(tokens, 2, start=context - 1, eos_token_ids=(), profile=True)
         info = group.info[0]
-        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if variant == args.tp_variants[0] else None
+        first = variant == args.tp_variants[0] and context == args.contexts[0]
+        trace = out / f"trace_{name}_tp{args.tp}_{variant}.json.gz" if first else None
         if trace is not None:   # one trace (3-4 MB compressed for Qwen3-8B)
             write_rank_traces(str(trace), [run.profile for run in runs], info["labels"], info["kinds"], info["peers"])
         steps_us = [profile_step_us(run.profile, info["tasks_per_step"]) for run in runs]
@@ -207,9 +247,9 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
         overlap = [peer_overlap(run.profile, info["tasks_per_step"], info["peers"]) for run in runs]
         hops = cross_rank_hops([run.profile for run in runs], info["kinds"], info["layers"], step=1)
         for rank, kinds in enumerate(by_kind):
-            print(f"[{name}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n{layer_table(phases[rank], kinds)}\n"
-                  f"{idle_table(idle[rank])}\n[{name}] rank {rank} communication: {overlap[rank]}", flush=True)
-        print(f"[{name}] all-reduce hops, a rank's last producer to a peer's first reader (µs, an upper bound: "
+            print(f"[{tag}] rank {rank} profile (2 steps):\n{phase_table(kinds)}\n{layer_table(phases[rank], kinds)}\n"
+                  f"{idle_table(idle[rank])}\n[{tag}] rank {rank} communication: {overlap[rank]}", flush=True)
+        print(f"[{tag}] all-reduce hops, a rank's last producer to a peer's first reader (µs, an upper bound: "
               f"profile.cross_rank_hops): {hops}", flush=True)
         if trace is not None:
             try:
@@ -218,10 +258,11 @@ def bench_tensor_parallel(config, name: str, args, out: Path, variant: str) -> d
             except ImportError:
                 print("(no matplotlib: no timeline plot)", flush=True)
     ms = median(samples) * 1e3
-    print(f"[{name}] {args.tp} GPUs ({variant}): profiled steps per rank {steps_us} µs; trace {trace or '-'}",
+    print(f"[{tag}] {args.tp} GPUs ({variant}): profiled steps per rank {steps_us} µs; trace {trace or '-'}",
           flush=True)
     return {"world": args.tp, "megakernel_ms": ms, "samples_ms": [s * 1e3 for s in samples],
-            "rank_weight_bytes": shard.weight_bytes(), "rank_floor_ms": floor * 1e3,
+            "rank_weight_bytes": shard.weight_bytes(), "rank_kv_bytes": kv_bytes(shard, context),
+            "rank_floor_ms": floor * 1e3,
             "fraction_of_rank_floor": floor / median(samples), "profiled_steps_us": steps_us, "trace": str(trace) if trace else None,
             "profile_by_kind": by_kind, "layer_phases": phases, "communication": overlap, "all_reduce_hops": hops,
             "idle_by_predecessor": idle}
@@ -305,24 +346,24 @@ def time_torch_graph(torch, step, steps: int, repeats: int, batch: int = 1) -> l
     return samples
 
 
-def time_megakernel(engine, steps: int, repeats: int) -> list:
-    tokens = [1] * CONTEXT        # positions 0..1022 are "in the cache"; the launch starts at 1023
-    engine.run(tokens, steps, start=CONTEXT - 1, eos_token_ids=())   # warm-up
+def time_megakernel(engine, steps: int, repeats: int, context: int) -> list:
+    tokens = [1] * context        # positions 0 .. context - 2 are "in the cache"; the launch starts at context - 1
+    engine.run(tokens, steps, start=context - 1, eos_token_ids=())   # warm-up
     samples = []
     for _ in range(repeats):
-        run = engine.run(tokens, steps, start=CONTEXT - 1, eos_token_ids=())
+        run = engine.run(tokens, steps, start=context - 1, eos_token_ids=())
         if run.steps != steps:
             raise RuntimeError(f"the megakernel ran {run.steps} steps, asked for {steps}")
         samples.append(run.seconds / steps)
     return samples
 
 
-def profile_step(engine, out: Path, name: str, variant: str, trace: bool) -> dict:
-    """Two profiled steps: per task kind the body, wait and exposed-wait times (µs summed over SMs),
-    and the trace file when `trace`."""
+def profile_step(engine, out: Path, name: str, variant: str, trace: bool, context: int) -> dict:
+    """Two profiled steps from position `context` - 1: per task kind the body, wait and exposed-wait times
+    (µs summed over SMs), and the trace file when `trace`."""
     from mdsl.megakernel.runtime.profile import idle_by_predecessor, layer_phases, summary, write_trace
 
-    run = engine.run([1] * CONTEXT, 2, start=CONTEXT - 1, eos_token_ids=(), profile=True)
+    run = engine.run([1] * context, 2, start=context - 1, eos_token_ids=(), profile=True)
     plan = engine.plan
     labels, kinds = [t.label() for t in plan.tasks], [t.kind.name.lower() for t in plan.tasks]
     result = {"tasks": len(run.profile), "step_us": profile_step_us(run.profile, len(plan.tasks)),
@@ -396,24 +437,28 @@ def variant_options(variant: str, world: int = 1):
     return MegakernelOptions(**VARIANTS[variant]).for_world(world)
 
 
-def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, floor: float) -> dict:
-    """One variant's engine: its per-token latency and, for the profiled model, its profile."""
+def bench_variant(engine_class, config, weights, variant: str, name: str, args, out: Path, context: int) -> dict:
+    """One variant's engine at a context: its per-token latency and, for the profiled model, its profile."""
+    from mdsl.megakernel.runtime.shape import decoder_shape
+
+    floor, tag = floor_seconds(decoder_shape(config), context), tagged(name, context, args)
     t0 = time.perf_counter()
     engine = engine_class(config, weights, options=variant_options(variant, args.rank_of),
-                          max_seq=CONTEXT + args.steps + 8)
-    print(f"[{name}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
+                          max_seq=context + args.steps + 8)
+    print(f"[{tag}] engine ({variant}: plan {len(engine.plan.tasks)} tasks/step, {engine.workers} workers, "
           f"compile, upload) in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        mk = time_megakernel(engine, args.steps, args.repeats)
-        print(f"[{name}] megakernel ({variant}): {median(mk) * 1e3:.3f} ms/token "
+        mk = time_megakernel(engine, args.steps, args.repeats, context)
+        print(f"[{tag}] megakernel ({variant}): {median(mk) * 1e3:.3f} ms/token "
               f"({[round(s * 1e3, 3) for s in mk]})", flush=True)
         measured = {"megakernel_ms": median(mk) * 1e3, "megakernel_samples_ms": [s * 1e3 for s in mk],
                     "megakernel_fraction_of_floor": floor / median(mk), "tasks_per_step": len(engine.plan.tasks),
                     "workers": engine.workers, "registers": engine.module.resources["mdsl_megakernel"].registers,
                     "smem_bytes": engine.smem_bytes}
         if name == args.trace_model:
-            measured["profile"] = profile_step(engine, out, name, variant, trace=variant == args.variants[0])
-            print(f"[{name}] profile ({variant}): steps {measured['profile']['step_us']} µs\n"
+            trace = variant == args.variants[0] and context == args.contexts[0]
+            measured["profile"] = profile_step(engine, out, name, variant, trace, context)
+            print(f"[{tag}] profile ({variant}): steps {measured['profile']['step_us']} µs\n"
                   f"{phase_table(measured['profile']['by_kind'])}\n"
                   f"{layer_table(measured['profile']['layer_phases'], measured['profile']['by_kind'])}\n"
                   f"{idle_table(measured['profile']['idle_by_predecessor'])}", flush=True)
@@ -432,7 +477,14 @@ def variants_of(name: str, args) -> list:
     return chosen
 
 
-def bench_model(torch, name: str, args, out: Path) -> dict:
+def failed_row(name: str, context: int, e: BaseException) -> dict:
+    return {"model": name, "context": context, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+
+
+def bench_model(torch, name: str, args, out: Path):
+    """A model's rows, one per context of args.contexts, each yielded once measured on one GPU (a
+    context's failure is its row's error; the other contexts still run). Its random weights are made once
+    and freed before the tensor-parallel runs of --tp, which add to the rows already yielded."""
     import attrs
 
     from mdsl.ir.dtypes import bf16
@@ -446,17 +498,40 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
         from mdsl.megakernel.parallel.gpu_group import shard_config
         config = shard_config(config, args.rank_of)
     shape = decoder_shape(config)
-    floor = shape.weight_bytes() / COPY_BANDWIDTH
     t0 = time.perf_counter()
     weights = random_weights(torch, config)
     torch.cuda.synchronize()
     print(f"[{name}] weights {shape.weight_bytes() / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f} s", flush=True)
-    result = {"model": name, "weight_bytes": shape.weight_bytes(), "floor_ms": floor * 1e3, "variants": {}}
+    rows = []
+    try:
+        for context in args.contexts:
+            try:
+                rows.append(bench_context(torch, MegakernelEngine, config, shape, weights, name, context, args, out))
+            except Exception as e:   # one context's failure must not hide the others' numbers
+                traceback.print_exc()
+                rows.append(failed_row(name, context, e))
+            torch.cuda.empty_cache()
+            yield rows[-1]
+    finally:
+        del weights
+        torch.cuda.empty_cache()
+    if args.tp > 1 and name in args.tp_models:
+        for row in rows:
+            if "error" not in row:
+                bench_tensor_parallel_row(row, config, name, args, out)
+
+
+def bench_context(torch, engine_class, config, shape, weights, name: str, context: int, args, out: Path) -> dict:
+    """One row: the megakernel under each variant of the model and PyTorch's step (not for --rank-of: a
+    shard is not a model) at one context."""
+    floor, tag = floor_seconds(shape, context), tagged(name, context, args)
+    result = {"model": name, "context": context, "weight_bytes": shape.weight_bytes(),
+              "kv_bytes": kv_bytes(shape, context), "floor_ms": floor * 1e3, "variants": {}}
     if args.rank_of > 1:
         result["rank_of"] = args.rank_of
     for variant in variants_of(name, args):
         try:
-            measured = bench_variant(MegakernelEngine, config, weights, variant, name, args, out, floor)
+            measured = bench_variant(engine_class, config, weights, variant, name, args, out, context)
         except Exception as e:   # a later variant's failure keeps the first one's numbers
             if variant == args.variants[0]:
                 raise
@@ -465,43 +540,56 @@ def bench_model(torch, name: str, args, out: Path) -> dict:
         result["variants"][variant] = measured
         if variant == args.variants[0]:
             result.update({k: v for k, v in measured.items() if k != "profile"}, variant=variant)
-    mk_ms = result["megakernel_ms"]
     if args.rank_of > 1:
-        del weights
-        torch.cuda.empty_cache()
         return result
     try:
-        step = torch_decode_step(torch, config, weights, CONTEXT - 1)
-        pt = time_torch_graph(torch, step, args.steps, args.repeats)
-        result.update(torch_graph_ms=median(pt) * 1e3, torch_graph_samples_ms=[s * 1e3 for s in pt],
-                      torch_fraction_of_floor=floor / median(pt), speedup_vs_torch_graph=median(pt) * 1e3 / mk_ms)
-        print(f"[{name}] PyTorch + CUDA graph: {median(pt) * 1e3:.3f} ms/token", flush=True)
-    finally:
-        del weights
-        torch.cuda.empty_cache()
-    if args.tp > 1 and name in args.tp_models:
-        result["tensor_parallel"] = {}
-        for variant in args.tp_variants:   # against one GPU under the same variant
-            try:
-                tp = bench_tensor_parallel(config, name, args, out, variant)
-            except Exception as e:   # (a variant the ranks cannot build: the other variants still run)
-                traceback.print_exc()
-                result["tensor_parallel"][variant] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-                print(f"[{name}] {args.tp} GPUs ({variant}) failed", flush=True)
-                continue
-            one = result["variants"][variant].get("megakernel_ms")
-            tp["one_gpu_ms"], tp["one_gpu_variant"] = one, variant
-            tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / one if one else None
-            result["tensor_parallel"][variant] = tp
-            print(f"[{name}] {args.tp} GPUs / 1 GPU ({variant}): {tp['megakernel_ms']:.3f} / {one:.3f} ms = "
-                  f"{tp['ratio_to_one_gpu']:.3f}" if one else f"[{name}] one GPU failed under {variant}", flush=True)
-        best = best_ratio(result)
-        if best is not None:   # the one that counts: the fastest N GPUs against the fastest one GPU of the run
-            result["tensor_parallel_best"] = best
-            print(f"[{name}] fastest {args.tp} GPUs / fastest 1 GPU of this run: {best['tp_variant']} "
-                  f"{best['tp_ms']:.3f} / {best['one_gpu_variant']} {best['one_gpu_ms']:.3f} ms = {best['ratio']:.3f}",
-                  flush=True)
+        pt = time_torch(torch, config, weights, context, args)
+    except Exception as e:   # the megakernel's numbers stay; the row counts as failed
+        traceback.print_exc()
+        result["torch_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        return result
+    result.update(torch_graph_ms=median(pt) * 1e3, torch_graph_samples_ms=[s * 1e3 for s in pt],
+                  torch_fraction_of_floor=floor / median(pt),
+                  speedup_vs_torch_graph=median(pt) * 1e3 / result["megakernel_ms"])
+    print(f"[{tag}] PyTorch + CUDA graph: {median(pt) * 1e3:.3f} ms/token", flush=True)
     return result
+
+
+def time_torch(torch, config, weights, context: int, args) -> list:
+    """PyTorch's step at position `context` - 1 under a CUDA graph (time_torch_graph), its static caches
+    freed after."""
+    step = torch_decode_step(torch, config, weights, context - 1)
+    try:
+        return time_torch_graph(torch, step, args.steps, args.repeats)
+    finally:
+        del step   # its caches: as large as the megakernel's at a long context
+        torch.cuda.empty_cache()
+
+
+def bench_tensor_parallel_row(result: dict, config, name: str, args, out: Path) -> None:
+    """The --tp runs of a row's model at its context, against one GPU under each variant."""
+    context, tag = result["context"], tagged(name, result["context"], args)
+    result["tensor_parallel"] = {}
+    for variant in args.tp_variants:   # against one GPU under the same variant
+        try:
+            tp = bench_tensor_parallel(config, name, args, out, variant, context)
+        except Exception as e:   # (a variant the ranks cannot build: the other variants still run)
+            traceback.print_exc()
+            result["tensor_parallel"][variant] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+            print(f"[{tag}] {args.tp} GPUs ({variant}) failed", flush=True)
+            continue
+        one = result["variants"][variant].get("megakernel_ms")
+        tp["one_gpu_ms"], tp["one_gpu_variant"] = one, variant
+        tp["ratio_to_one_gpu"] = tp["megakernel_ms"] / one if one else None
+        result["tensor_parallel"][variant] = tp
+        print(f"[{tag}] {args.tp} GPUs / 1 GPU ({variant}): {tp['megakernel_ms']:.3f} / {one:.3f} ms = "
+              f"{tp['ratio_to_one_gpu']:.3f}" if one else f"[{tag}] one GPU failed under {variant}", flush=True)
+    best = best_ratio(result)
+    if best is not None:   # the one that counts: the fastest N GPUs against the fastest one GPU of the run
+        result["tensor_parallel_best"] = best
+        print(f"[{tag}] fastest {args.tp} GPUs / fastest 1 GPU of this run: {best['tp_variant']} "
+              f"{best['tp_ms']:.3f} / {best['one_gpu_variant']} {best['one_gpu_ms']:.3f} ms = {best['ratio']:.3f}",
+              flush=True)
 
 
 def best_ratio(result: dict) -> Optional[dict]:
@@ -516,15 +604,26 @@ def best_ratio(result: dict) -> Optional[dict]:
             "ratio": tps[tp] / ones[one]}
 
 
+def contexts_of(results: list) -> list:
+    """The contexts of the rows, in their order (a row without one: CONTEXT's)."""
+    return list(dict.fromkeys(r.get("context", CONTEXT) for r in results))
+
+
 def table(results: list) -> str:
-    lines = ["| model (bf16, batch 1, context 1024) | weights | floor | megakernel | % of floor | PyTorch + CUDA graph "
-             "| % of floor | speed-up |", "|---|---|---|---|---|---|---|---|"]
+    """A row per model and context; a context column where the rows have more than one context, else the
+    context in the header. Floor: weights plus the KV bytes of the context (floor_seconds)."""
+    contexts = contexts_of(results)
+    many = len(contexts) > 1
+    first = "| model (bf16, batch 1) | context |" if many else f"| model (bf16, batch 1, context {contexts[0]}) |"
+    lines = [first + " weights | floor (weights + KV) | megakernel | % of floor | PyTorch + CUDA graph | % of floor "
+             "| speed-up |", "|---|" + "---|" * (8 if many else 7)]
     for r in results:
+        first = f"| {r['model']} |" + (f" {r.get('context', CONTEXT)} |" if many else "")
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"{first} failed: {r['error']} | | | | | | |")
             continue
         torch_ms = r.get("torch_graph_ms")
-        lines.append(f"| {r['model']} | {r['weight_bytes'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | "
+        lines.append(f"{first} {r['weight_bytes'] / 1e9:.2f} GB | {r['floor_ms']:.3f} ms | "
                      f"{r['megakernel_ms']:.3f} ms | {100 * r['megakernel_fraction_of_floor']:.0f}% | "
                      + (f"{torch_ms:.3f} ms | {100 * r['torch_fraction_of_floor']:.0f}% | "
                         f"{r['speedup_vs_torch_graph']:.2f}x |" if torch_ms else "- | - | - |"))
@@ -532,8 +631,10 @@ def table(results: list) -> str:
 
 
 def variant_table(results: list) -> str:
-    """Per model, the megakernel's ms/token and fraction of the floor under each runtime variant measured."""
+    """Per model (and context, where more than one), the megakernel's ms/token and fraction of the floor
+    under each runtime variant measured."""
     names = [v for v in VARIANTS if any(v in r.get("variants", {}) for r in results)]
+    many = len(contexts_of(results)) > 1
     lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in results:
         cells = []
@@ -541,7 +642,8 @@ def variant_table(results: list) -> str:
             m = r.get("variants", {}).get(name)
             cells.append("-" if m is None else f"failed: {m['error']}" if "error" in m else
                          f"{m['megakernel_ms']:.3f} ms ({100 * m['megakernel_fraction_of_floor']:.0f}%)")
-        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+        label = f"{r['model']} @ {r.get('context', CONTEXT)}" if many else r["model"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -562,28 +664,38 @@ def main(argv=None) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, steps {args.steps}, repeats {args.repeats}",
-          flush=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, steps {args.steps}, repeats {args.repeats}, "
+          f"contexts {args.contexts}", flush=True)
     from benchmarks.provenance import provenance
 
     meta = provenance("decode.py", sys.argv[1:] if argv is None else argv, gpu=True)
-    meta.update(torch=torch.__version__, steps=args.steps, repeats=args.repeats, context=CONTEXT,
+    meta.update(torch=torch.__version__, steps=args.steps, repeats=args.repeats, contexts=args.contexts,
                 trace_model=args.trace_model)
-    results, failed = [], False
+    results = []
+
+    def save():   # after each row: a run cut short keeps the rows measured
+        (out / "decode_results.json").write_text(json.dumps({"schema": 1, "meta": meta, "models": results}, indent=2))
+
+    failed = False
     for name in args.models:
+        rows = []
         try:
-            results.append(bench_model(torch, name, args, out))
-        except Exception as e:   # one model's failure must not hide the others' numbers
+            for row in bench_model(torch, name, args, out):
+                rows.append(row)
+                results.append(row)
+                save()
+        except Exception as e:   # (its weights not made: the other models still run)
             failed = True
             traceback.print_exc()
-            results.append({"model": name, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+            missing = [failed_row(name, c, e) for c in args.contexts[len(rows):]]
+            rows += missing
+            results += missing
         torch.cuda.empty_cache()
-        (out / "decode_results.json").write_text(json.dumps(   # after each: a run cut short keeps these
-            {"schema": 1, "meta": meta, "models": results}, indent=2))
-        print(table(results[-1:]), flush=True)
+        save()
+        print(table(rows), flush=True)
     print(table(results))
     print(variant_table(results))
-    return 1 if failed else 0
+    return 1 if failed or any("error" in r or "torch_error" in r for r in results) else 0
 
 
 if __name__ == "__main__":

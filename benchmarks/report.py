@@ -369,40 +369,66 @@ def serve_http_section(data: Optional[dict]) -> list:
     return lines
 
 
+def decode_floor_ms(row: dict) -> float:
+    """A decode row's floor in ms: its weight bytes plus the KV bytes a step reads (`kv_bytes`; rows written
+    before benchmarks/decode.py took --contexts carry none: weights only) over 4.25 TB/s."""
+    return (row["weight_bytes"] + row.get("kv_bytes", 0)) / H200.dram_bytes_per_s * 1e3
+
+
+def decode_contexts(data: dict) -> list:
+    """The contexts of a decode JSON's rows, in the run's order (a row without one: the run's single context,
+    `meta.context`, or 1024)."""
+    meta = data.get("meta") or {}
+    default = (meta.get("contexts") or [meta.get("context", 1024)])[0]
+    return list(dict.fromkeys([row_context(m, default) for m in data.get("models") or []] or [default]))
+
+
+def row_context(row: dict, default: int) -> int:
+    return row.get("context", default)
+
+
 def decode_section(data: Optional[dict]) -> list:
     lines = ["## Decode: the megakernel against PyTorch", ""]
     if data is None:
         return lines + _missing("decode")
     meta = data.get("meta") or {}
+    models = data.get("models") or []
+    contexts = decode_contexts(data)
+    many = len(contexts) > 1
+    floor = ("the weight bytes plus the KV cache bytes a step reads (keys and values of the context's positions "
+             "in every layer), over 4.25 TB/s" if any("kv_bytes" in m for m in models) else
+             "the weight bytes over 4.25 TB/s")
     lines += [run_line(meta), "",
-              f"Random bf16 weights, batch 1, context {meta.get('context', 1024)}: ms per token over "
-              f"{meta.get('steps', '?')} decode steps in one launch (median of {meta.get('repeats', '?')}), "
-              "against PyTorch's kernel-per-op step captured in a CUDA graph. Floor: the weight bytes over "
-              "4.25 TB/s.", ""]
+              f"Random bf16 weights, batch 1, context{'s' if many else ''} {', '.join(map(str, contexts))}: ms per "
+              f"token over {meta.get('steps', '?')} decode steps in one launch (median of {meta.get('repeats', '?')}), "
+              f"against PyTorch's kernel-per-op step captured in a CUDA graph. Floor: {floor}.", ""]
     rows = []
-    for m in data.get("models") or []:
+    for m in models:
+        first = [MODEL_NAMES.get(m["model"], m["model"])] + ([row_context(m, contexts[0])] if many else [])
         if "error" in m:
-            rows.append([MODEL_NAMES.get(m["model"], m["model"]), f"failed: {m['error']}", *["-"] * 6])
+            rows.append([*first, f"failed: {m['error']}", *["-"] * 6])
             continue
-        floor_ms = m["weight_bytes"] / H200.dram_bytes_per_s * 1e3
+        floor_ms = decode_floor_ms(m)
         torch_ms = m.get("torch_graph_ms")
-        rows.append([MODEL_NAMES.get(m["model"], m["model"]), f"{m['weight_bytes'] / 1e9:.2f} GB",
+        rows.append([*first, f"{m['weight_bytes'] / 1e9:.2f} GB",
                      f"{floor_ms:.3f} ms", f"{m['megakernel_ms']:.3f} ms", _percent(floor_ms / m["megakernel_ms"]),
                      f"{torch_ms:.3f} ms" if torch_ms else "-", _percent(floor_ms / torch_ms) if torch_ms else "-",
                      _times(torch_ms / m["megakernel_ms"]) if torch_ms else "-"])
-    lines += _table(["model", "weights", "floor", "megakernel", "% of floor", "PyTorch + CUDA graph", "% of floor",
-                     "speed-up"], rows) + [""]
+    lines += _table(["model", *(["context"] if many else []), "weights", "floor", "megakernel", "% of floor",
+                     "PyTorch + CUDA graph", "% of floor", "speed-up"], rows) + [""]
     trace = RESULTS / f"megakernel_trace_{meta.get('trace_model')}.json.gz"
     if trace.exists():
         lines += [f"The run's profile of {MODEL_NAMES.get(meta['trace_model'], meta['trace_model'])} (every SM's "
-                  f"tasks over two steps; open it at ui.perfetto.dev): `docs/results/{trace.name}`.", ""]
+                  f"tasks over two steps{f' at context {contexts[0]}' if many else ''}; open it at ui.perfetto.dev): "
+                  f"`docs/results/{trace.name}`.", ""]
     if (RESULTS / "decode.png").exists():
         lines += ["![ms per token against the floor](results/decode.png)", ""]
     return lines
 
 
 def tp_rows(data: dict) -> list:
-    """(model, the best N-GPU run against the best one-GPU run) of a decode JSON written under --tp."""
+    """(model, the best N-GPU run against the best one-GPU run) of a decode JSON written under --tp, a pair
+    per row (model and context)."""
     out = []
     for m in data.get("models") or []:
         runs = {v: r for v, r in (m.get("tensor_parallel") or {}).items() if r.get("megakernel_ms")}
@@ -413,24 +439,40 @@ def tp_rows(data: dict) -> list:
     return out
 
 
+def tp_floor_ms(run: dict) -> Optional[float]:
+    """A tensor-parallel run's floor per rank in ms: its shard's weight bytes plus the KV bytes a step reads
+    (benchmarks/decode.py writes `rank_weight_bytes` and `rank_kv_bytes`; results copied by hand,
+    `weight_bytes`); None without its weight bytes."""
+    weights = run.get("rank_weight_bytes") or run.get("weight_bytes")
+    if not weights:
+        return None
+    return (weights + (run.get("rank_kv_bytes") or 0)) / H200.dram_bytes_per_s * 1e3
+
+
 def tp_section(data: Optional[dict]) -> list:
     lines = ["## Decode over two GPUs (tensor parallelism)", ""]
     if data is None:
         return lines + _missing("decode_tp")
+    contexts = decode_contexts(data)
+    many = len(contexts) > 1
+    pairs = tp_rows(data)
+    what = ("weight bytes plus its KV bytes a step reads" if any(run.get("rank_kv_bytes") for _, run in pairs)
+            else "weight bytes")
     lines += [run_line(data.get("meta")), "",
               "One process per GPU, each with its shard of the heads, MLP columns and vocabulary; the residual "
-              "stream's partial sums relayed between the GPUs inside the kernel. Floor per rank: the shard's "
-              "weight bytes over 4.25 TB/s.", ""]
+              f"stream's partial sums relayed between the GPUs inside the kernel. Floor per rank: the shard's {what} "
+              "over 4.25 TB/s.", ""]
     rows = []
-    for m, run in tp_rows(data):
-        floor_ms = run["weight_bytes"] / H200.dram_bytes_per_s * 1e3 if run.get("weight_bytes") else None
-        rows.append([MODEL_NAMES.get(m["model"], m["model"]),
-                     f"{run['weight_bytes'] / 1e9:.2f} GB" if run.get("weight_bytes") else "-",
+    for m, run in pairs:
+        floor_ms = tp_floor_ms(run)
+        weights = run.get("rank_weight_bytes") or run.get("weight_bytes")
+        rows.append([MODEL_NAMES.get(m["model"], m["model"]), *([row_context(m, contexts[0])] if many else []),
+                     f"{weights / 1e9:.2f} GB" if weights else "-",
                      f"{floor_ms:.3f} ms" if floor_ms else "-", f"{run['one_gpu_ms']:.3f} ms",
                      f"{run['megakernel_ms']:.3f} ms", _percent(floor_ms / run["megakernel_ms"]) if floor_ms else "-",
                      _times(run["megakernel_ms"] / run["one_gpu_ms"], 3)])
-    lines += _table(["model", "weights per rank", "floor per rank", "1 GPU", "2 GPUs", "% of floor",
-                     "2 GPUs / 1 GPU"], rows) + [""]
+    lines += _table(["model", *(["context"] if many else []), "weights per rank", "floor per rank", "1 GPU", "2 GPUs",
+                     "% of floor", "2 GPUs / 1 GPU"], rows) + [""]
     if (RESULTS / "tp_timeline_qwen3-8b.png").exists():
         lines += ["![one layer of Qwen3-8B on both ranks: every SM's tasks, coloured by kind]"
                   "(results/tp_timeline_qwen3-8b.png)", ""]
@@ -501,17 +543,28 @@ def headlines(results: dict) -> dict:
         h["ptx_over_cuda"] = _span(ratios, lambda x: f"{x:.2f}", "×")
     decode = results.get("decode")
     if decode:
-        models = [m for m in decode.get("models") or [] if "error" not in m]
-        fractions = [m["weight_bytes"] / H200.dram_bytes_per_s * 1e3 / m["megakernel_ms"] for m in models]
-        h["decode_floor"] = _span(fractions, lambda x: f"{100 * x:.0f}", "%")
+        # the run's first context gives the figures by model; every row also its own, keyed by its context
+        first = decode_contexts(decode)[0]
+        rows = [m for m in decode.get("models") or [] if "error" not in m]
+        models = [m for m in rows if row_context(m, first) == first]
+        if models:
+            h["decode_floor"] = _span([decode_floor_ms(m) / m["megakernel_ms"] for m in models],
+                                      lambda x: f"{100 * x:.0f}", "%")
         speedups = [m["torch_graph_ms"] / m["megakernel_ms"] for m in models if m.get("torch_graph_ms")]
-        h["decode_speedups"] = _span(speedups, lambda x: f"{x:.2f}", "×")
+        if speedups:
+            h["decode_speedups"] = _span(speedups, lambda x: f"{x:.2f}", "×")
         for m in models:
             h[f"decode_ms_{m['model']}"] = f"{m['megakernel_ms']:.2f} ms"
+        for m in rows:
+            context = row_context(m, first)
+            h[f"decode_ms_{m['model']}_{context}"] = f"{m['megakernel_ms']:.2f} ms"
+            h[f"decode_floor_{m['model']}_{context}"] = _percent(decode_floor_ms(m) / m["megakernel_ms"])
     tp = results.get("decode_tp")
     if tp:
+        first = decode_contexts(tp)[0]
         for m, run in tp_rows(tp):
-            h[f"tp_ratio_{m['model']}"] = _times(run["megakernel_ms"] / run["one_gpu_ms"], 3)
+            if row_context(m, first) == first:
+                h[f"tp_ratio_{m['model']}"] = _times(run["megakernel_ms"] / run["one_gpu_ms"], 3)
     compile_times = results.get("compile_times")
     if compile_times:
         rows = compile_times["rows"]
@@ -571,16 +624,20 @@ def plot_decode(data: dict, path: Path) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed: no plot"
     models = [m for m in data.get("models") or [] if "error" not in m]
-    series = {"floor": [m["weight_bytes"] / H200.dram_bytes_per_s * 1e3 for m in models],
+    contexts = decode_contexts(data)
+    series = {"floor": [decode_floor_ms(m) for m in models],
               "megakernel": [m["megakernel_ms"] for m in models],
               "PyTorch + CUDA graph": [m.get("torch_graph_ms") or math.nan for m in models]}
+    labels = [MODEL_NAMES.get(m["model"], m["model"]) for m in models]
+    if len(contexts) > 1:   # a bar group per model and context
+        labels = [f"{label}\n{row_context(m, contexts[0])}" for label, m in zip(labels, models)]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     width = 0.8 / len(series)
     for k, (label, values) in enumerate(series.items()):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(models))]
         bars = ax.bar(xs, values, width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(models)), [MODEL_NAMES.get(m["model"], m["model"]) for m in models])
+    ax.set_xticks(range(len(models)), labels)
     ax.set_ylabel("ms per token")
     gpu = ((data.get("meta") or {}).get("gpu") or {}).get("name", "")
     ax.set_title(f"decode, batch 1, bf16{', ' + gpu if gpu else ''}", fontsize=9)
