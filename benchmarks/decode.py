@@ -40,7 +40,7 @@ COPY_BANDWIDTH = 4.25e12     # bytes/s, device-to-device copy on the H200 (mdsl.
 CONTEXT = 1024               # --contexts' default
 VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
     "default": {},
-    # attention's cached rows read from L2 instead of preloaded into shared memory
+    # attention's cached rows streamed through a ring of shared memory instead of preloaded whole
     "no-preload": {"attention_preload": False},
     # a linear task's whole first pass of weight loads with its input row (a rank's default), or none (one GPU's)
     "weights-first": {"weights_first": 1.0},
