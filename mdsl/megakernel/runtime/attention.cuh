@@ -195,12 +195,18 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
         const uint4 raw = kc[c];
         const T* e = reinterpret_cast<const T*>(&raw);
         const int d0 = (sub * LANE_VECTORS + c) * PER;
+        // the q values of the vector's dimensions as 16-byte loads (scalar loads of q bound the scores: one
+        // shared load a product); the products in dimension order, as before
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const float k = mdsl::to_float(e[j]);
+        for (int j4 = 0; j4 < PER / 4; ++j4)
 #pragma unroll
-          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
-        }
+          for (int h = 0; h < G; ++h) {
+            const float4 qv = *reinterpret_cast<const float4*>(q_lane + h * Q_STRIDE + d0 + 4 * j4);
+            acc[h] = fmaf(qv.x, mdsl::to_float(e[4 * j4 + 0]), acc[h]);
+            acc[h] = fmaf(qv.y, mdsl::to_float(e[4 * j4 + 1]), acc[h]);
+            acc[h] = fmaf(qv.z, mdsl::to_float(e[4 * j4 + 2]), acc[h]);
+            acc[h] = fmaf(qv.w, mdsl::to_float(e[4 * j4 + 3]), acc[h]);
+          }
       }
     }
 #pragma unroll
@@ -230,28 +236,39 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   }
   compute_sync();
   mark(p, 2);
-  // weighted values: warp w takes positions w, w + NW, ...; lane takes dims lane, lane + 32, ... of
-  // every head; the warps' sums meet in shared memory
-  constexpr int DJ = (D + 31) / 32;
-  float acc[G][DJ];
+  // weighted values: warp w takes positions w, w + NW, ...; lane takes the dimension pairs (2 lane, 2 lane + 1),
+  // (2 lane + 64, 2 lane + 65), ... of every head, each pair one load; the warps' sums meet in shared memory
+  constexpr int DP = (D / 2 + 31) / 32;   // dimension pairs a lane holds
+  struct alignas(2 * sizeof(T)) Pair { T a, b; };
+  float2 acc[G][DP];
 #pragma unroll
   for (int h = 0; h < G; ++h)
 #pragma unroll
-    for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
+    for (int j = 0; j < DP; ++j) acc[h][j] = make_float2(0.0f, 0.0f);
   // a position's weighted values into acc (its value row at vc)
   auto weigh = [&](int i, const T* vc) {
     const long long q = lo + i;
-    float v[DJ];
+    float2 v[DP];
 #pragma unroll
-    for (int j = 0; j < DJ; ++j) {
-      const int d = lane + 32 * j;
-      v[j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
+    for (int j = 0; j < DP; ++j) {
+      const int d = 2 * (lane + 32 * j);
+      if (d >= D) {
+        v[j] = make_float2(0.0f, 0.0f);
+      } else if (q == pos) {
+        v[j] = make_float2(vnew[d], vnew[d + 1]);
+      } else {
+        const Pair pair = *reinterpret_cast<const Pair*>(vc + d);
+        v[j] = make_float2(mdsl::to_float(pair.a), mdsl::to_float(pair.b));
+      }
     }
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       const float weight = scores[h * MAX_CHUNK + i];
 #pragma unroll
-      for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
+      for (int j = 0; j < DP; ++j) {
+        acc[h][j].x = fmaf(weight, v[j].x, acc[h][j].x);
+        acc[h][j].y = fmaf(weight, v[j].y, acc[h][j].y);
+      }
     }
   };
   // warp w takes positions w, w + NW, ... (the rounds' positions in order: the same chain of products however
@@ -269,8 +286,9 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
 #pragma unroll
   for (int h = 0; h < G; ++h)
 #pragma unroll
-    for (int j = 0; j < DJ; ++j)
-      if (lane + 32 * j < D) sums[(warp * G + h) * D + lane + 32 * j] = acc[h][j];
+    for (int j = 0; j < DP; ++j)
+      if (2 * (lane + 32 * j) < D)
+        *reinterpret_cast<float2*>(sums + (warp * G + h) * D + 2 * (lane + 32 * j)) = acc[h][j];
   compute_sync();
   mark(p, 3);
   float* part = p.parts + (long long)t.layer * HQ * SPLITS * PART;

@@ -228,11 +228,13 @@ def _float_literal(x: float) -> str:
     return f"{float(x)!r}f"
 
 
-def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptions()) -> MegakernelSource:
+def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptions(),
+                    stream: bool = True) -> MegakernelSource:
     """The kernel for `plan` under `options` (their defaults for the plan's world size: for_world). Its
     attention rows are preloaded (ATTN_PRELOAD) as `options.attention_preload` says, or with None where they
     fit in shared memory beside the rest (a long max_seq's split may not); rows not preloaded stream through a
-    ring in shared memory (ATTN_STREAM: stream_stages); a linear task's first pass of weight
+    ring in shared memory (ATTN_STREAM: stream_stages), or with `stream` False are read where they lie (the
+    engine's fallback where the ring's code spills a kernel at its register cap); a linear task's first pass of weight
     loads issued with its input row in eighths of `weights_first` (the registers of both at once: the whole
     pass fits the largest kernels at the 168 registers of a 320-thread block, with none to spare); an early
     task of `second_pass_kinds` copies its second pass into the early buffer (EARLY_BUFFER_BYTES beside the
@@ -255,7 +257,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
     preload = options.attention_preload
     if preload is None:   # where the split's rows fit beside the rest
         preload = shared_memory_bytes(plan, True) + early_bytes <= SMEM_PER_BLOCK - STATIC_SMEM_RESERVE
-    stages = 0 if preload else stream_stages(plan, early_bytes)
+    stages = 0 if preload or not stream else stream_stages(plan, early_bytes)
     base = shared_memory_bytes(plan, preload, stages)
     if base + early_bytes > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
         raise KernelOptionError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at "

@@ -140,18 +140,21 @@ class MegakernelEngine:
         self.plan: TaskPlan = device_plan(config, self.graph, workers=self.workers, max_seq=self.max_seq,
                                           options=options, world=self.world)
 
-        def generate(preload: Optional[bool]):
+        def generate(preload: Optional[bool], stream: bool):
             try:
-                return generate_source(self.plan, attrs.evolve(options, attention_preload=preload))
+                return generate_source(self.plan, attrs.evolve(options, attention_preload=preload), stream)
             except KernelOptionError as e:   # (what the options cannot judge without the plan's layout)
                 raise OptionError(str(e), hint=OPTION_HINTS[e.option]) from None
 
         self._arrays: list = []       # every DeviceArray the kernel points into, kept alive
         self._keep: list = []         # foreign GPU arrays used in place
         # the default's attention preload, where its rows fit (None), is dropped again if the kernel then spills
-        # (its registers beside the second pass's, at their cap in the tiny test models' kernels)
-        for preload in ((None, False) if options.attention_preload is None else (options.attention_preload,)):
-            source = generate(preload)
+        # (its registers beside the second pass's, at their cap in the tiny test models' kernels), and so are the
+        # streamed rows after it: the rows are then read where they lie
+        tries = {None: ((None, True), (False, True), (False, False)), True: ((True, True),),
+                 False: ((False, True), (False, False))}[options.attention_preload]
+        for preload, stream in tries:
+            source = generate(preload, stream)
             self.source = source.text
             self.smem_bytes = source.smem_bytes
             self.module = runtime.compile_source(source.text, runtime.target_arch(device))
@@ -165,7 +168,7 @@ class MegakernelEngine:
             registers, local_bytes = (_check(driver.cuFuncGetAttribute(attribute, self._function), "cuFuncGetAttribute")
                                       for attribute in (driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS,
                                                         driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES))
-            if not local_bytes or preload is False:
+            if not local_bytes or (preload, stream) == tries[-1]:
                 break
             driver.cuModuleUnload(self._module_handle)
         resources = f"{registers} registers, {local_bytes} bytes of local memory per thread"
