@@ -6,9 +6,11 @@
 // Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
-// tree, and attention splits the row's own causal range into key ranges anchored at the range's first
-// position and folds them in order. So a request's logits are bit-identical whatever shares its steps and
-// however its prompt is chunked.
+// tree, and attention splits the row's own causal range (window start .. position, n keys) into key ranges
+// anchored at the range's first position, of 64 keys, or of the multiple of 64 that makes ATT_MAX_SPLITS of
+// them or fewer where n is longer (split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS)))): a function of n
+// alone, never of max_seq or of the step; it folds them in order. So a request's logits are bit-identical
+// whatever shares its steps and however its prompt is chunked.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -501,34 +503,49 @@ __device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const 
 }
 
 // ---- attention of one row's query heads of one KV head group over the row's causal range (window start ..
-// its position) of its request's pages, split over blocks: grid (rows, kv_heads, max_splits), ATT_WARPS warps.
-// The range is cut into splits of `split` keys anchored at its first position (split s: keys lo + s * split
-// ..), so which keys a split holds depends on the row alone. Within a split, warp w takes the w-th quarter
-// of the keys and walks them in chunks of C keys in order: lane l holds dims 4l .. 4l + 3 (and 128 on) of
-// each key and query, a score is the warp's xor-tree sum, and the warp keeps an online softmax (running
-// max, sum and weighted values). The block then folds its warps in warp order into the split's partial
-// (max, sum, weighted values per query head); the block of the row and KV head that finishes last folds
-// the splits' partials in split order into the output. Every order is fixed by the row: the result is
-// the same whatever rows share the step, however many splits run at once.
+// its position) of its request's pages, split over blocks: grid (rows, kv_heads, blocks), ATT_WARPS warps,
+// where blocks is the most splits a range of the engine's max_seq takes (mdsl/serving/gpu.py).
+// The row's range of n keys is cut into splits of `split` keys anchored at its first position (split s: keys
+// lo + s * split ..), split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS))): 64 keys where that makes
+// ATT_MAX_SPLITS or fewer, else the multiple of 64 that does. Which keys a split holds depends on the row's
+// own range alone (never on max_seq or the step); a block past the row's splits returns at once. Within a
+// split, warp w takes the w-th quarter of the keys and walks them in chunks of C keys in order: lane l
+// holds dims 4l .. 4l + 3 (and 128 on) of each key and query, a score is the warp's xor-tree sum, and the
+// warp keeps an online softmax (running max, sum and weighted values). The block then folds its warps in
+// warp order into the split's partial (max, sum, weighted values per query head); the block of the row and
+// KV head that finishes last folds the splits' partials in split order into the output. Every order is
+// fixed by the row: the result is the same whatever rows share the step, however many splits run at once.
 
 constexpr int ATT_WARPS = 4;
 constexpr int ATT_THREADS = ATT_WARPS * WARP;
 constexpr int MAX_DIM = 256;     // head dim: at most two float4 a lane
+constexpr int ATT_SPLIT_KEYS = 64;   // a split's keys where the range allows (a warp's 16 in two to four chunks)
+// The most splits of a row's range. A long range at batch 1 needs many to read its pages at full bandwidth
+// (each warp has a chunk's keys in flight): a 32k-key range over 8 KV heads makes 8 * 64 = 512 blocks of 512
+// keys, one wave of the H200's 132 SMs at the 4 or 5 blocks an SM the registers of 2 or 4 query heads a KV
+// head allow, where 32 splits filled half of it and 128 would make two waves of the same keys. The partials
+// are sized for it: rows * q_heads * min(64, ceil(max_seq / 64)) * (dim + 4) floats (at 256 rows, 32 query
+// heads of 128 dims and max_seq 4096 or more: 277 MB), and the fold reads one record a split a value.
+constexpr int ATT_MAX_SPLITS = 64;
+constexpr float SKIPPED = -1.0f;     // the fold's weight of a split without scores (a weight is never negative)
 
 template <int G, int DV>   // query heads per KV head; float4 vectors a lane holds of a head (dim <= 128 * DV)
 __device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const float* k_pool,
                           const float* v_pool, const int* positions, const int* entries, const int* page_table,
                           int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
-                          float softcap, int window, int split, int max_splits) {
+                          float softcap, int window) {
   // keys (and values) a warp has in flight, as registers allow
   constexpr int C = G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2;
   __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
+  __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];   // (the fold's)
   __shared__ int last;
   const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int pos = positions[r];
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-  const int splits = (pos - lo) / split + 1;
+  const int n = pos - lo + 1, most = ATT_SPLIT_KEYS * ATT_MAX_SPLITS;
+  const int split = ATT_SPLIT_KEYS * max(1, (n + most - 1) / most), splits = (n + split - 1) / split;
+  const int max_splits = gridDim.z;   // (the partials' records a row and query head)
   if (s >= splits) return;
   const int first = lo + s * split, end = min(pos + 1, first + split);       // keys [first, end)
   const int quarter = (split + ATT_WARPS - 1) / ATT_WARPS;
@@ -667,20 +684,37 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   } else {
     __syncthreads();
   }
-  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
-    const int g = e / dim, d = e % dim;
+  // the fold, per query head: the splits' max (the lanes' maxima, then the warp's: a maximum is the same in
+  // any order), each split's weight exp(max_k - top) (SKIPPED: a split without scores) and the sum of
+  // the splits' sums by their weights in split order; then each value's sum of the splits' values by their
+  // weights in split order, over its head's sum: the weights computed once a head, not once a value
+  for (int g = warp; g < G; g += ATT_WARPS) {
     const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
     float top = -INF;
-    for (int k = 0; k < splits; ++k) top = fmaxf(top, __ldcg(recs + k * record + dim));
-    float sum = 0.0f, total = 0.0f;
-    for (int k = 0; k < splits; ++k) {
+    for (int k = lane; k < splits; k += WARP) top = fmaxf(top, __ldcg(recs + k * record + dim));
+    top = warp_max(top);
+    for (int k = lane; k < splits; k += WARP) {
       const float mk = __ldcg(recs + k * record + dim);
-      if (mk == -INF) continue;
-      const float f = __expf(mk - top);
-      sum = fmaf(__ldcg(recs + k * record + dim + 1), f, sum);
-      total = fmaf(__ldcg(recs + k * record + d), f, total);
+      weight[g][k] = mk == -INF ? SKIPPED : __expf(mk - top);
+      split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
     }
-    out[((long long)r * q_heads + h * G + g) * dim + d] = total / sum;
+    __syncwarp();
+    if (lane == 0) {
+      float sum = 0.0f;
+      for (int k = 0; k < splits; ++k)
+        if (weight[g][k] != SKIPPED) sum = fmaf(split_sum[g][k], weight[g][k], sum);
+      head_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
+    const int g = e / dim, d = e % dim;
+    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
+    float total = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < splits; ++k)
+      if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
+    out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
   }
 }
 
@@ -779,10 +813,9 @@ extern "C" __global__ void kv_append(float* k_pool, float* v_pool, const float* 
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV(                          \
       float* out, float* part, int* arrivals, const float* qkv, const float* k_pool, const float* v_pool,        \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
-      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, int split, int max_splits) {     \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {                              \
     serve::attention<G, DV>(out, part, arrivals, qkv, k_pool, v_pool, positions, entries, page_table,            \
-                            pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window, split,  \
-                            max_splits);                                                                          \
+                            pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window);        \
   }
 ATTENTION(1, 1)
 ATTENTION(2, 1)

@@ -102,7 +102,7 @@ def test_32_requests_agree_with_the_cpu_device(checkpoints, arch, dtype):
 
 @pytest.mark.parametrize("arch", ["llama3", "mistral", "gemma2"])
 def test_contexts_of_several_attention_splits_agree_with_the_cpu_device(tmp_path, arch):
-    """Contexts of several attention splits (64 keys each at this max_seq): the splits' partials folded in
+    """Contexts of several attention splits (64 keys each at these ranges): the splits' partials folded in
     order (a sliding window of 270 keys and Gemma-2's soft-capping included)."""
     window = {} if arch == "llama3" else {"sliding_window": 270}
     ckpt = write_checkpoint(tmp_path, arch, positions=320, torch_dtype="float32", **window)
@@ -113,6 +113,31 @@ def test_contexts_of_several_attention_splits_agree_with_the_cpu_device(tmp_path
     gpu = served(ckpt.folder, "gpu", arrivals, max_batch=6, page_size=16)
     cpu = served(ckpt.folder, "cpu", arrivals, max_batch=6, page_size=16)
     agree(gpu, cpu, prompts)
+
+
+def test_a_long_rows_splits_follow_its_own_range(tmp_path):
+    """Ranges past SPLIT_KEYS * MAX_SPLITS keys take longer splits (128 keys from 4097 keys on): a request
+    across that length agrees with the CPU device, and its logits are the same bits under engines of
+    different max_seq and step budgets, alone or beside other requests (the split is the row's own)."""
+    from mdsl.serving.gpu import MAX_SPLITS, SPLIT_KEYS
+
+    longest = SPLIT_KEYS * MAX_SPLITS + 64
+    ckpt = write_checkpoint(tmp_path, "llama3", positions=2 * longest, torch_dtype="float32")
+    rng = np.random.default_rng(12)
+    prompts = random_prompts(rng, 1, longest - 64, longest - 56) + random_prompts(rng, 3, 20, 200)
+    params = [SamplingParams(max_new_tokens=8)] * 4
+    alone = {0: [(0, prompts[0], params[0])]}
+    shared = {0: [(1, prompts[1], params[1])], 2: [(0, prompts[0], params[0]), (2, prompts[2], params[2])],
+              9: [(3, prompts[3], params[3])]}
+    short = served(ckpt.folder, "gpu", alone, max_batch=1, page_size=16, max_seq=longest)
+    roomy = served(ckpt.folder, "gpu", shared, max_batch=4, page_size=16, max_seq=2 * longest,
+                   max_tokens_per_step=61)
+    cpu = served(ckpt.folder, "cpu", alone, max_batch=1, page_size=16, max_seq=longest)
+    agree(short, cpu, prompts[:1])
+    assert short[0][0].token_ids == roomy[0][0].token_ids
+    assert sorted(short[1][0]) == sorted(roomy[1][0]) and max(short[1][0]) > SPLIT_KEYS * MAX_SPLITS
+    for pos, (row,) in short[1][0].items():
+        assert np.array_equal(row, roomy[1][0][pos][0]), pos
 
 
 def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):

@@ -102,10 +102,32 @@ def test_a_head_norm_and_the_rope_after_it_run_as_one_in_every_layer():
     assert pairs[0] not in fusible_pairs(nodes, pairs[0] + 1, {graph.logits.name}, "head_rms_norm", "rope")
 
 
-@pytest.mark.parametrize("max_seq", [1, 64, 65, 2048, 2049, 32768, 131072])
-def test_attention_splits_are_whole_warps_of_keys_and_at_most_max_splits(max_seq):
-    from mdsl.serving.gpu import MAX_SPLITS, attention_split
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1024, 4095, 4096, 4097, 8192, 8193, 32768, 131071])
+def test_a_rows_attention_splits_are_whole_warps_of_keys_and_at_most_max_splits(n):
+    from mdsl.serving.gpu import MAX_SPLITS, SPLIT_KEYS, attention_split
 
-    split = attention_split(max_seq)
-    assert split % 64 == 0 and -(-max_seq // split) <= MAX_SPLITS
-    assert split == 64 or -(-max_seq // (split - 64)) > MAX_SPLITS   # the smallest that fits
+    split, splits = attention_split(n)
+    assert split % SPLIT_KEYS == 0 and splits <= MAX_SPLITS and (splits - 1) * split < n <= splits * split
+    assert split == SPLIT_KEYS or -(-n // (split - SPLIT_KEYS)) > MAX_SPLITS   # the smallest that fits
+    if n <= SPLIT_KEYS * MAX_SPLITS:   # a range of 1024 keys takes 16 splits of 64, whatever max_seq is
+        assert (split, splits) == (SPLIT_KEYS, -(-n // SPLIT_KEYS))
+
+
+@pytest.mark.parametrize("max_seq", [1, 64, 65, 1000, 4096, 4097, 9000])
+def test_every_rows_splits_have_a_block(max_seq):
+    """The launch's blocks a row and KV head are the most splits any range up to max_seq takes (a longer
+    range's splits are longer, and may be fewer than a shorter one's)."""
+    from mdsl.serving.gpu import attention_blocks, attention_split
+
+    assert attention_blocks(max_seq) == max(attention_split(n)[1] for n in range(1, max_seq + 1))
+
+
+def test_the_kernels_split_constants_are_the_hosts():
+    import re
+
+    from mdsl.serving.gpu import ATTENTION_THREADS, MAX_SPLITS, SPLIT_KEYS
+
+    source = kernel_source()
+    for name, value in (("ATT_SPLIT_KEYS", SPLIT_KEYS), ("ATT_MAX_SPLITS", MAX_SPLITS)):
+        assert re.search(rf"constexpr int {name} = (\d+);", source).group(1) == str(value)
+    assert ATTENTION_THREADS == 4 * 32 and "constexpr int ATT_WARPS = 4;" in source
