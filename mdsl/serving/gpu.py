@@ -4,13 +4,14 @@ forward on the GPU.
 The scheduler (cancel, plan, pages, admit, sample, stream, retire) is the CPU device's, unchanged: it
 runs in the device thread over the same device-region views, so admission, paging and preemption are
 those the CI tests prove. What moves to the GPU is the step's forward and the KV pool: the weights (in
-the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] float32 per cache, as the
-CPU device's) and the float32 activations live in device memory, and every layer op of the step function
-runs as kernels over all the step's token rows (mdsl/serving/step_kernels.cu), by its rule in
-`GPU_STEP_RULES` (one rule per op, the GPU twin of mdsl.serving.steprules.STEP_RULES). Linear layers with
-16-bit weights run on tensor cores (mma.sync), the others on the CUDA cores. A step uploads its rows
-(token, position, entry) and the page tables, runs the program, and reads back the logits of the rows
-that sample; a step of a shape (rows, rows that sample) seen before replays the program as a CUDA graph.
+the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] per cache, in the
+checkpoint's dtype: the values the CPU device's float32 pools hold) and the float32 activations live in
+device memory, and every layer op of the step function runs as kernels over all the step's token rows
+(mdsl/serving/step_kernels.cu), by its rule in `GPU_STEP_RULES` (one rule per op, the GPU twin of
+mdsl.serving.steprules.STEP_RULES). Linear layers with 16-bit weights run on tensor cores (mma.sync), the
+others on the CUDA cores. A step uploads its rows (token, position, entry) and the page tables, runs the
+program, and reads back the logits of the rows that sample; a step of a shape (rows, rows that sample)
+seen before replays the program as a CUDA graph.
 
 Every kernel keeps a row's reductions in an order fixed by the row alone (step_kernels.cu says how), so a
 request's logits are bit-identical whatever else shares its steps and however its prompt is chunked.
@@ -289,10 +290,10 @@ def _attention_kernel(a: dict) -> str:
 def _attention(xs, outs, a, b):
     qkv, k_pool, v_pool = xs
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
-    kernel = _attention_kernel(a)
+    kernel = _weighted(_attention_kernel(a), k_pool)
     dev = b.device
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
-    dev.launch("kv_append", _spread(b.rows, hkv * d), THREADS,
+    dev.launch(_weighted("kv_append", k_pool), _spread(b.rows, hkv * d), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
@@ -392,9 +393,11 @@ class GpuDevice(CpuDevice):
             self.values[w.name] = Operand(array(host, host.shape, w.dtype), tuple(host.shape), w.dtype, w.name)
             if host.ndim == 1:
                 self._vectors[w.name] = host
-        for s in caches:
+        self._pools: dict = {}
+        for s in caches:   # (in the checkpoint's dtype: kv_append rounds the float32 keys and values to it)
             pool = kv_pool_shape(shape, *s.shape[1:])
-            self.values[s.name] = Operand(array(None, pool, f32), pool, f32)
+            self.values[s.name] = Operand(array(None, pool, self.kv_dtype), pool, self.kv_dtype, s.name)
+            self._pools[s.name] = self._arrays[-1]
         # every value a node produces: a [max_tokens_per_step, width] float32 buffer, and its copy of the rows
         # that go on past the narrowing (gathered there)
         self._buffers: dict = {}
@@ -512,6 +515,14 @@ class GpuDevice(CpuDevice):
             host = np.concatenate([self._vectors[name] for name in key])
             self._joined[key] = Operand(self._new_array(host, host.shape, dtype), host.shape, dtype)
         return self._joined[key]
+
+    def kv_pools(self) -> dict:
+        """Cache name -> a host copy of its KV pool's values (float32), between steps."""
+        from mdsl.gpu.driver import get_device
+
+        get_device(self.ordinal)
+        self._sync()
+        return {name: np.asarray(a.to_numpy(), np.float32) for name, a in self._pools.items()}
 
     # ---- the step
 

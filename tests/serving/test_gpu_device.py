@@ -20,11 +20,12 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     from mdsl.backend.cuda.nvrtc import compile_cuda
 
     resources = compile_cuda(kernel_source(), arch="sm_90a").resources
-    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope")
+    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
-    expected |= {f"attention_{g}_{dv}" for dv, groups in GROUPS.items() for g in groups}
-    expected |= {"rope", "kv_append", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
+    expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
+                 for s in ("f32", "bf16", "f16")}   # (pools of each dtype)
+    expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
     assert set(resources) == expected
     for name, r in resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
