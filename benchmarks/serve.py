@@ -3,8 +3,8 @@ shapes (mdsl.megakernel.runtime.models):
 
   (a) decode step time against the batch size at a context, and at batch 1 against the context, beside
       the bandwidth floor (the weights plus every request's cached keys and values, as the device stores
-      them, over 4.25 TB/s) and PyTorch's kernel-per-op step at the same batch and context (bf16, static
-      KV caches, replayed as a CUDA graph: benchmarks/decode.py's baseline);
+      them: bf16, the checkpoint's dtype, over 4.25 TB/s) and PyTorch's kernel-per-op step at the same
+      batch and context (bf16, static KV caches, replayed as a CUDA graph: benchmarks/decode.py's baseline);
   (b) an offline run: --requests requests with seeded prompt lengths and output lengths, submitted at once;
       output tokens per second;
   (c) an online run per --rates rate: the same requests arriving as a Poisson process; time to first token
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
                  kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE) as llm:
             graph = llm.device.graph
             weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
-            per_token = kv_bytes_per_token(graph)
+            per_token = kv_bytes_per_token(graph)         # (the GPU pools' bytes a position, in the weights' bf16)
             llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
             if "a" in parts:
                 for batch, context in points:

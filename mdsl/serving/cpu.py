@@ -5,8 +5,9 @@ cancel, plan the step's tokens within its budget (every decode token, then chunk
 pages (preempting the youngest request when the pool is empty), admit, run the step, sample, stream,
 retire. The step's tokens run as one forward over their rows (mdsl.serving.steprules): each linear a
 product over all the rows, each chunk's KV append at once, attention over each request's pages with the
-causal mask. Every row gets the bits its position gets alone in `ReferenceModel`, whatever else is in
-the step and however its prompt is chunked."""
+causal mask; the KV pools hold the checkpoint's dtype's values (`kv_dtype`). Every row gets the bits its
+position gets alone in `ReferenceModel` with that kv_dtype, whatever else is in the step and however its
+prompt is chunked."""
 from __future__ import annotations
 
 import math
@@ -16,6 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from mdsl.errors import UnsupportedError
+from mdsl.ir.dtypes import DType, f32
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.serving.params import ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, FREE, HAS_TOKEN, MAX_STOP, PREEMPTED, REASON_CANCELLED,
@@ -66,9 +68,18 @@ def serving_nodes(graph: ModelGraph) -> tuple:
     return nodes, caches
 
 
+def kv_dtype(graph: ModelGraph) -> DType:
+    """The dtype whose values a served model's KV pools hold: the checkpoint's (its weights'), as
+    transformers keeps its cache in the model's dtype; float32 where the weights' dtypes differ."""
+    dtypes = {w.dtype for w in graph.weights}
+    return dtypes.pop() if len(dtypes) == 1 else f32
+
+
 def kv_bytes_per_token(graph: ModelGraph) -> int:
-    """The CPU device's KV pool bytes per cached position (float32 rows of every cache)."""
-    return sum(4 * math.prod(s.shape[1:]) for s in serving_nodes(graph)[1])
+    """The KV pools' bytes per cached position: every cache's row in kv_dtype, as the GPU device holds
+    them (the CPU device holds the same values in float32 arrays). A byte budget gives either device the
+    same pages."""
+    return sum(kv_dtype(graph).itemsize * math.prod(s.shape[1:]) for s in serving_nodes(graph)[1])
 
 
 class CpuDevice:
@@ -78,6 +89,7 @@ class CpuDevice:
                  notify_host: Callable[[], None]):
         self.graph, self.shape, self.host = graph, shape, host
         self.nodes, caches = serving_nodes(graph)
+        self.kv_dtype = kv_dtype(graph)
         region = device_region(shape)
         self.state = region.views(region.allocate())
         # past the last node that writes a KV cache only the rows whose logits are wanted are computed
@@ -109,6 +121,7 @@ class CpuDevice:
         """The weights, the KV pools and the program (per node: its step rule, attributes, operand names,
         result names) where the forward runs: numpy arrays here."""
         self.weights = {w.name: np.asarray(weights[w.name], np.float32) for w in self.graph.weights}
+        # float32 arrays of kv_dtype values (numpy has no bfloat16): the step's attention rounds as it appends
         self.kv = {s.name: np.zeros(kv_pool_shape(self.shape, *s.shape[1:]), np.float32) for s in caches}
         self._program = [(STEP_RULES[n.op], n.attr_dict, [v.name for v in n.inputs], [v.name for v in n.outputs])
                          for n in self.nodes]
@@ -152,6 +165,10 @@ class CpuDevice:
         """One scheduler step; whether anything happened (a request ran, was admitted or retired)."""
         with self._step_lock:
             return self._step()
+
+    def kv_pools(self) -> dict:
+        """Cache name -> a copy of its KV pool's values (float32), between steps."""
+        return {name: pool.copy() for name, pool in self.kv.items()}
 
     def queued(self) -> int:
         """Requests published in the queue and not yet taken."""
@@ -373,7 +390,7 @@ class CpuDevice:
         are the page pools, which the attention rule reads and appends through the chunks' page tables."""
         batch = StepBatch(rows["token"].astype(np.int64), rows["position"].astype(np.int64),
                           tuple(tuple(int(c[f]) for f in ("entry", "start", "count", "row")) for c in chunks),
-                          self.state["page_table"], self.shape.page_size)
+                          self.state["page_table"], self.shape.page_size, self.kv_dtype)
         keep = (np.arange(len(rows)) if self.record_logits else
                 (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1].astype(np.int64))
         values = {**self.weights, **self.kv, TOKENS: batch.tokens}

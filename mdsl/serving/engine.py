@@ -185,10 +185,11 @@ class LLM:
 
     max_batch: requests in flight on the device at once (running, or preempted and waiting to recompute).
     page_size: tokens per KV-cache page. max_seq: positions per request (prompt plus new tokens; default
-    the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold,
-    by default enough for every batch slot at max_seq (nothing is ever preempted); on the GPU,
-    gpu_memory_fraction gives it that share of the GPU's memory less what is in use, the weights and the
-    activations. device: "cpu" (numpy) or "gpu" (the step's forward and the KV pool on the GPU,
+    the config's, at most 4096). The page pool holds kv_pages pages, or as many as kv_cache_bytes hold
+    (the keys and values in the checkpoint's dtype, as transformers' cache holds them: a bf16 checkpoint's
+    are rounded to bf16), by default enough for every batch slot at max_seq (nothing is ever preempted);
+    on the GPU, gpu_memory_fraction gives it that share of the GPU's memory less what is in use, the
+    weights and the activations. device: "cpu" (numpy) or "gpu" (the step's forward and the KV pool on the GPU,
     mdsl.serving.gpu). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
 
     max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the

@@ -4,13 +4,14 @@ forward on the GPU.
 The scheduler (cancel, plan, pages, admit, sample, stream, retire) is the CPU device's, unchanged: it
 runs in the device thread over the same device-region views, so admission, paging and preemption are
 those the CI tests prove. What moves to the GPU is the step's forward and the KV pool: the weights (in
-the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] float32 per cache, as the
-CPU device's) and the float32 activations live in device memory, and every layer op of the step function
-runs as kernels over all the step's token rows (mdsl/serving/step_kernels.cu), by its rule in
-`GPU_STEP_RULES` (one rule per op, the GPU twin of mdsl.serving.steprules.STEP_RULES). Linear layers with
-16-bit weights run on tensor cores (mma.sync), the others on the CUDA cores. A step uploads its rows
-(token, position, entry) and the page tables, runs the program, and reads back the logits of the rows
-that sample; a step of a shape (rows, rows that sample) seen before replays the program as a CUDA graph.
+the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] per cache, in the
+checkpoint's dtype: the values the CPU device's float32 pools hold) and the float32 activations live in
+device memory, and every layer op of the step function runs as kernels over all the step's token rows
+(mdsl/serving/step_kernels.cu), by its rule in `GPU_STEP_RULES` (one rule per op, the GPU twin of
+mdsl.serving.steprules.STEP_RULES). Linear layers with 16-bit weights run on tensor cores (mma.sync), the
+others on the CUDA cores. A step uploads its rows (token, position, entry) and the page tables, runs the
+program, and reads back the logits of the rows that sample; a step of a shape (rows, rows that sample)
+seen before replays the program as a CUDA graph.
 
 Every kernel keeps a row's reductions in an order fixed by the row alone (step_kernels.cu says how), so a
 request's logits are bit-identical whatever else shares its steps and however its prompt is chunked.
@@ -45,7 +46,8 @@ NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
 MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
 GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
-MAX_SPLITS = 32                  # attention: key ranges a row's causal range is cut into, at most
+SPLIT_KEYS = 64                  # attention: a split's keys where the range allows (step_kernels.cu's ATT_SPLIT_KEYS)
+MAX_SPLITS = 64                  # ... and the most splits of a row's range (its ATT_MAX_SPLITS, which says why 64)
 HEADS_PER_BLOCK = 8              # head_rms_norm, head_norm_rope: one warp a head (NORM_ROPE_WARPS)
 LINEAR_WARPS = 8                 # linear: one warp an output column at a time
 MMA_WARPS = 8                    # linear_mma: a block's warps, each a slice of k
@@ -247,11 +249,31 @@ def _rope(xs, outs, a, b):
                      *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
 
 
-def attention_split(max_seq: int) -> int:
-    """The keys of one block of a row's attention: 64 (a warp's 16 in two to four round trips), or a
-    multiple of 64 where max_seq needs more than MAX_SPLITS ranges of 64; by the engine's shape alone, so
-    a row's split points are fixed by its own range."""
-    return 64 * max(1, -(-max_seq // (64 * MAX_SPLITS)))
+def attention_split(n: int) -> tuple:
+    """(keys a split, splits) of a row whose causal range holds n keys, as step_kernels.cu's attention cuts
+    it: splits of SPLIT_KEYS keys, or of the multiple of SPLIT_KEYS that makes MAX_SPLITS of them or fewer
+    where n is longer. A function of the row's own range alone, so its split points (and bits) never depend
+    on max_seq or on the rows beside it, and a short range is never read in a few long splits."""
+    split = SPLIT_KEYS * max(1, -(-n // (SPLIT_KEYS * MAX_SPLITS)))
+    return split, -(-n // split)
+
+
+def attention_blocks(max_seq: int) -> int:
+    """The blocks of a row's attention per KV head (the launch's grid z, and the partials' records a row and
+    query head): the most splits a range of up to max_seq keys takes (attention_split), so every row's
+    splits have a block; a block past its row's splits returns at once."""
+    return min(MAX_SPLITS, -(-max_seq // SPLIT_KEYS))
+
+
+def attention_heads(nodes) -> list:
+    """The attributes of the attention ops among `nodes`."""
+    return [n.attr_dict for n in nodes if n.op in ("attention", "scaled_attention")]
+
+
+def attention_partials(heads: list, rows: int, max_seq: int) -> int:
+    """The floats of attention's per-split partials for `rows` rows: (dim values, max, sum, padding) per row,
+    query head and block, for the widest of the attention ops' attributes `heads`."""
+    return max([rows * a["q_heads"] * attention_blocks(max_seq) * (a["head_dim"] + 4) for a in heads] or [1])
 
 
 def _attention_kernel(a: dict) -> str:
@@ -268,21 +290,19 @@ def _attention_kernel(a: dict) -> str:
 def _attention(xs, outs, a, b):
     qkv, k_pool, v_pool = xs
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
-    kernel = _attention_kernel(a)
+    kernel = _weighted(_attention_kernel(a), k_pool)
     dev = b.device
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
-    dev.launch("kv_append", _spread(b.rows, hkv * d), THREADS,
+    dev.launch(_weighted("kv_append", k_pool), _spread(b.rows, hkv * d), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
-    split = attention_split(dev.shape.max_seq)
-    splits = -(-dev.shape.max_seq // split)
-    dev.launch(kernel, (b.rows, hkv, splits), ATTENTION_THREADS,
+    dev.launch(kernel, (b.rows, hkv, attention_blocks(dev.shape.max_seq)), ATTENTION_THREADS,
                [_p(outs[0]), ctypes.c_void_p(dev.attention_partials), ctypes.c_void_p(dev.attention_arrivals),
                 _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d),
                 ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"]),
-                *_ints(a.get("window", 0), split, splits)])
+                *_ints(a.get("window", 0))])
 
 
 _ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)
@@ -373,9 +393,11 @@ class GpuDevice(CpuDevice):
             self.values[w.name] = Operand(array(host, host.shape, w.dtype), tuple(host.shape), w.dtype, w.name)
             if host.ndim == 1:
                 self._vectors[w.name] = host
-        for s in caches:
+        self._pools: dict = {}
+        for s in caches:   # (in the checkpoint's dtype: kv_append rounds the float32 keys and values to it)
             pool = kv_pool_shape(shape, *s.shape[1:])
-            self.values[s.name] = Operand(array(None, pool, f32), pool, f32)
+            self.values[s.name] = Operand(array(None, pool, self.kv_dtype), pool, self.kv_dtype, s.name)
+            self._pools[s.name] = self._arrays[-1]
         # every value a node produces: a [max_tokens_per_step, width] float32 buffer, and its copy of the rows
         # that go on past the narrowing (gathered there)
         self._buffers: dict = {}
@@ -419,12 +441,10 @@ class GpuDevice(CpuDevice):
         self.linear_arrivals = array(None, (tiles,), i32)
         # attention's per-split partials (dim values, max, sum per row, query head and split) and the count
         # of each row's and KV head's splits done, of one attention at a time
-        heads = [n.attr_dict for n in self.nodes if n.op in ("attention", "scaled_attention")]
-        splits = -(-shape.max_seq // attention_split(shape.max_seq))
+        heads = attention_heads(self.nodes)
         for a in heads:
             _attention_kernel(a)   # (refused here, before any step, where no kernel fits)
-        self.attention_partials = array(None, (max([rows * a["q_heads"] * splits * (a["head_dim"] + 4)
-                                                    for a in heads] or [1]),), f32)
+        self.attention_partials = array(None, (attention_partials(heads, rows, shape.max_seq),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
@@ -495,6 +515,14 @@ class GpuDevice(CpuDevice):
             host = np.concatenate([self._vectors[name] for name in key])
             self._joined[key] = Operand(self._new_array(host, host.shape, dtype), host.shape, dtype)
         return self._joined[key]
+
+    def kv_pools(self) -> dict:
+        """Cache name -> a host copy of its KV pool's values (float32), between steps."""
+        from mdsl.gpu.driver import get_device
+
+        get_device(self.ordinal)
+        self._sync()
+        return {name: np.asarray(a.to_numpy(), np.float32) for name, a in self._pools.items()}
 
     # ---- the step
 
@@ -694,7 +722,7 @@ class GpuDevice(CpuDevice):
 
 def kv_cache_budget(graph, fraction: float, max_tokens_per_step: int, ordinal: int = 0) -> int:
     """The KV pool's bytes when the GPU device may take `fraction` of the GPU's memory: that share, less
-    the memory already in use, the weights and the step's activation buffers."""
+    the memory already in use, the weights, the step's activation buffers and attention's partials."""
     from mdsl.gpu.driver import check, driver, get_device, require_gpu
 
     require_gpu("sizing the KV cache by gpu_memory_fraction")
@@ -702,4 +730,5 @@ def kv_cache_budget(graph, fraction: float, max_tokens_per_step: int, ordinal: i
     free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
     weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
     activations = 2 * 4 * max_tokens_per_step * sum(int(v.shape[-1]) for n in graph.nodes for v in n.outputs)
-    return int(fraction * total) - (total - free) - weights - activations
+    partials = 4 * attention_partials(attention_heads(graph.nodes), max_tokens_per_step, graph.max_positions)
+    return int(fraction * total) - (total - free) - weights - activations - partials

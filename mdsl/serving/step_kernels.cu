@@ -1,14 +1,16 @@
 // The GPU serving device's step kernels (mdsl/serving/gpu.py): one kernel per layer op of the unfused step
 // function, each over all the token rows of a step at once ([rows, N] float32 activations, several
-// requests side by side), weights in the checkpoint's dtype W (float, __nv_bfloat16 or __half; each kernel
-// is instantiated for the three as NAME_f32, NAME_bf16, NAME_f16).
+// requests side by side), weights and the KV pools in the checkpoint's dtype W (float, __nv_bfloat16 or
+// __half; each kernel that reads them is instantiated for the three as NAME_f32, NAME_bf16, NAME_f16).
 //
 // Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
-// tree, and attention splits the row's own causal range into key ranges anchored at the range's first
-// position and folds them in order. So a request's logits are bit-identical whatever shares its steps and
-// however its prompt is chunked.
+// tree, and attention splits the row's own causal range (window start .. position, n keys) into key ranges
+// anchored at the range's first position, of 64 keys, or of the multiple of 64 that makes ATT_MAX_SPLITS of
+// them or fewer where n is longer (split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS)))): a function of n
+// alone, never of max_seq or of the step; it folds them in order. So a request's logits are bit-identical
+// whatever shares its steps and however its prompt is chunked.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -484,10 +486,21 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
   }
 }
 
-// ---- the KV append: each row's key and value heads into its request's page at its position
-// (pools [pages, page_size, kv_heads, dim])
+// ---- the KV append: each row's key and value heads into its request's page at its position (pools
+// [pages, page_size, kv_heads, dim] of W, the checkpoint's dtype: the float32 keys and values rounded to
+// nearest, ties to even, as torch's cache in the model's dtype holds them and the CPU device's pools do)
 
-__device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const int* positions, const int* entries,
+template <typename W>
+__device__ __forceinline__ W from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+template <typename W>
+__device__ void kv_append(W* k_pool, W* v_pool, const float* qkv, const int* positions, const int* entries,
                           const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
                           int dim) {
   const int r = blockIdx.x, pos = positions[r];
@@ -495,40 +508,97 @@ __device__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const 
   const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
   const long long base = (long long)r * (q_heads + 2 * kv_heads) * dim;
   for (int i = ELEMENT; i < kv_heads * dim; i += ELEMENTS) {
-    k_pool[slot + i] = qkv[base + q_heads * dim + i];
-    v_pool[slot + i] = qkv[base + (q_heads + kv_heads) * dim + i];
+    k_pool[slot + i] = from_f<W>(qkv[base + q_heads * dim + i]);
+    v_pool[slot + i] = from_f<W>(qkv[base + (q_heads + kv_heads) * dim + i]);
   }
 }
 
+// a lane's four values of a key or value (dims d .. d + 3) as attention loads them from pools of W: a float4
+// (16 bytes) of float pools, four 16-bit values (8 bytes) of the others, widened to a float4 where used
+template <typename W>
+struct Four {
+  using T = uint2;
+};
+template <>
+struct Four<float> {
+  using T = float4;
+};
+template <typename W>
+__device__ __forceinline__ typename Four<W>::T load4(const W* p);
+template <>
+__device__ __forceinline__ float4 load4<float>(const float* p) { return *reinterpret_cast<const float4*>(p); }
+template <>
+__device__ __forceinline__ uint2 load4<__nv_bfloat16>(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const uint2*>(p);
+}
+template <>
+__device__ __forceinline__ uint2 load4<__half>(const __half* p) { return *reinterpret_cast<const uint2*>(p); }
+template <typename W>
+__device__ __forceinline__ float4 widen(typename Four<W>::T v);
+template <>
+__device__ __forceinline__ float4 widen<float>(float4 v) { return v; }
+template <>
+__device__ __forceinline__ float4 widen<__nv_bfloat16>(uint2 v) {
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <>
+__device__ __forceinline__ float4 widen<__half>(uint2 v) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // ---- attention of one row's query heads of one KV head group over the row's causal range (window start ..
-// its position) of its request's pages, split over blocks: grid (rows, kv_heads, max_splits), ATT_WARPS warps.
-// The range is cut into splits of `split` keys anchored at its first position (split s: keys lo + s * split
-// ..), so which keys a split holds depends on the row alone. Within a split, warp w takes the w-th quarter
-// of the keys and walks them in chunks of C keys in order: lane l holds dims 4l .. 4l + 3 (and 128 on) of
-// each key and query, a score is the warp's xor-tree sum, and the warp keeps an online softmax (running
-// max, sum and weighted values). The block then folds its warps in warp order into the split's partial
-// (max, sum, weighted values per query head); the block of the row and KV head that finishes last folds
-// the splits' partials in split order into the output. Every order is fixed by the row: the result is
-// the same whatever rows share the step, however many splits run at once.
+// its position) of its request's pages, split over blocks: grid (rows, kv_heads, blocks), ATT_WARPS warps,
+// where blocks is the most splits a range of the engine's max_seq takes (mdsl/serving/gpu.py).
+// The row's range of n keys is cut into splits of `split` keys anchored at its first position (split s: keys
+// lo + s * split ..), split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS))): 64 keys where that makes
+// ATT_MAX_SPLITS or fewer, else the multiple of 64 that does. Which keys a split holds depends on the row's
+// own range alone (never on max_seq or the step); a block past the row's splits returns at once. Within a
+// split, warp w takes the w-th quarter of the keys and walks them in chunks of C keys in order, a chunk's
+// keys and values loaded together: lane l holds dims 4l .. 4l + 3 (and 128 on) of each key and query (the
+// keys' and values' W widened to float where used; a warp's load is 128 contiguous dims of a key, 512 bytes
+// of float pools, 256 of 16-bit ones), a score is the warp's xor-tree sum, and the warp keeps an online
+// softmax (running max, sum and weighted values). The block then folds its warps in warp order into the
+// split's partial (max, sum, weighted values per query head); the block of the row and KV head that
+// finishes last folds the splits' partials in split order into the output. Every order is fixed by the row:
+// the result is the same whatever rows share the step, however many splits run at once.
 
 constexpr int ATT_WARPS = 4;
 constexpr int ATT_THREADS = ATT_WARPS * WARP;
 constexpr int MAX_DIM = 256;     // head dim: at most two float4 a lane
+constexpr int ATT_SPLIT_KEYS = 64;   // a split's keys where the range allows (a warp's 16 in one to four chunks)
+// The most splits of a row's range. A long range at batch 1 needs many to read its pages at full bandwidth
+// (each warp has a chunk's keys in flight): a 32k-key range over 8 KV heads makes 8 * 64 = 512 blocks of 512
+// keys, one wave of the H200's 132 SMs at the 4 blocks an SM that the registers of 2 or 4 query heads a KV
+// head allow (16-bit pools), where 32 splits filled half of it and 128 would make two waves of the same
+// keys. The partials are sized for it: rows * q_heads * min(64, ceil(max_seq / 64)) * (dim + 4) floats (at
+// 256 rows, 32 query heads of 128 dims and max_seq 4096 or more: 277 MB), and the fold reads one record a
+// split a value.
+constexpr int ATT_MAX_SPLITS = 64;
+constexpr float SKIPPED = -1.0f;     // the fold's weight of a split without scores (a weight is never negative)
 
-template <int G, int DV>   // query heads per KV head; float4 vectors a lane holds of a head (dim <= 128 * DV)
-__device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const float* k_pool,
-                          const float* v_pool, const int* positions, const int* entries, const int* page_table,
-                          int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
-                          float softcap, int window, int split, int max_splits) {
-  // keys (and values) a warp has in flight, as registers allow
-  constexpr int C = G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2;
+// G query heads per KV head; DV float4s a lane holds of a head (dim <= 128 * DV); pools of W
+template <int G, int DV, typename W>
+__device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const W* k_pool, const W* v_pool,
+                          const int* positions, const int* entries, const int* page_table, int pages_per_request,
+                          int page_size, int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {
+  // keys (and values) a warp has in flight, as registers allow: twice as many of 16-bit pools (a key's
+  // values take half the registers until used), so that a warp reads as many bytes at once as of float pools
+  constexpr int C = (G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2) * (sizeof(W) == 2 && G * DV <= 8 ? 2 : 1);
+  using Raw = typename Four<W>::T;
   __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
+  __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];   // (the fold's)
   __shared__ int last;
   const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int pos = positions[r];
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-  const int splits = (pos - lo) / split + 1;
+  const int n = pos - lo + 1, most = ATT_SPLIT_KEYS * ATT_MAX_SPLITS;
+  const int split = ATT_SPLIT_KEYS * max(1, (n + most - 1) / most), splits = (n + split - 1) / split;
+  const int max_splits = gridDim.z;   // (the partials' records a row and query head)
   if (s >= splits) return;
   const int first = lo + s * split, end = min(pos + 1, first + split);       // keys [first, end)
   const int quarter = (split + ATT_WARPS - 1) / ATT_WARPS;
@@ -552,7 +622,7 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   const long long stride = (long long)kv_heads * dim;
   for (int j0 = k0; j0 < k1; j0 += C) {
     // the chunk's keys and values loaded together (one memory round trip a chunk)
-    float4 kc[C][DV], vc[C][DV];
+    Raw kc[C][DV], vc[C][DV];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int j = j0 + c < k1 ? j0 + c : j0;
@@ -561,8 +631,8 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
       for (int i = 0; i < DV; ++i) {
         const int d = 4 * lane + 128 * i;
         const bool live = j0 + c < k1 && d < dim;
-        kc[c][i] = live ? *reinterpret_cast<const float4*>(k_pool + at + d) : make_float4(0, 0, 0, 0);
-        vc[c][i] = live ? *reinterpret_cast<const float4*>(v_pool + at + d) : make_float4(0, 0, 0, 0);
+        kc[c][i] = live ? load4<W>(k_pool + at + d) : Raw{};
+        vc[c][i] = live ? load4<W>(v_pool + at + d) : Raw{};
       }
     }
     float sc[C][G];
@@ -573,10 +643,11 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < DV; ++i) {
-          dot = fmaf(q[g][i].x, kc[c][i].x, dot);
-          dot = fmaf(q[g][i].y, kc[c][i].y, dot);
-          dot = fmaf(q[g][i].z, kc[c][i].z, dot);
-          dot = fmaf(q[g][i].w, kc[c][i].w, dot);
+          const float4 key = widen<W>(kc[c][i]);
+          dot = fmaf(q[g][i].x, key.x, dot);
+          dot = fmaf(q[g][i].y, key.y, dot);
+          dot = fmaf(q[g][i].z, key.z, dot);
+          dot = fmaf(q[g][i].w, key.w, dot);
         }
         float v = __shfl_sync(0xffffffffu, warp_sum(dot), 0) * scale;
         if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
@@ -599,10 +670,11 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
         sum += p;
 #pragma unroll
         for (int i = 0; i < DV; ++i) {
-          tile[i].x = fmaf(p, vc[c][i].x, tile[i].x);
-          tile[i].y = fmaf(p, vc[c][i].y, tile[i].y);
-          tile[i].z = fmaf(p, vc[c][i].z, tile[i].z);
-          tile[i].w = fmaf(p, vc[c][i].w, tile[i].w);
+          const float4 value = widen<W>(vc[c][i]);
+          tile[i].x = fmaf(p, value.x, tile[i].x);
+          tile[i].y = fmaf(p, value.y, tile[i].y);
+          tile[i].z = fmaf(p, value.z, tile[i].z);
+          tile[i].w = fmaf(p, value.w, tile[i].w);
         }
       }
       l[g] = fmaf(l[g], rescale, sum);
@@ -667,20 +739,37 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   } else {
     __syncthreads();
   }
-  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
-    const int g = e / dim, d = e % dim;
+  // the fold, per query head: the splits' max (the lanes' maxima, then the warp's: a maximum is the same in
+  // any order), each split's weight exp(max_k - top) (SKIPPED: a split without scores) and the sum of
+  // the splits' sums by their weights in split order; then each value's sum of the splits' values by their
+  // weights in split order, over its head's sum: the weights computed once a head, not once a value
+  for (int g = warp; g < G; g += ATT_WARPS) {
     const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
     float top = -INF;
-    for (int k = 0; k < splits; ++k) top = fmaxf(top, __ldcg(recs + k * record + dim));
-    float sum = 0.0f, total = 0.0f;
-    for (int k = 0; k < splits; ++k) {
+    for (int k = lane; k < splits; k += WARP) top = fmaxf(top, __ldcg(recs + k * record + dim));
+    top = warp_max(top);
+    for (int k = lane; k < splits; k += WARP) {
       const float mk = __ldcg(recs + k * record + dim);
-      if (mk == -INF) continue;
-      const float f = __expf(mk - top);
-      sum = fmaf(__ldcg(recs + k * record + dim + 1), f, sum);
-      total = fmaf(__ldcg(recs + k * record + d), f, total);
+      weight[g][k] = mk == -INF ? SKIPPED : __expf(mk - top);
+      split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
     }
-    out[((long long)r * q_heads + h * G + g) * dim + d] = total / sum;
+    __syncwarp();
+    if (lane == 0) {
+      float sum = 0.0f;
+      for (int k = 0; k < splits; ++k)
+        if (weight[g][k] != SKIPPED) sum = fmaf(split_sum[g][k], weight[g][k], sum);
+      head_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
+    const int g = e / dim, d = e % dim;
+    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
+    float total = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < splits; ++k)
+      if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
+    out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
   }
 }
 
@@ -767,23 +856,26 @@ extern "C" __global__ void rope(float* out, const float* x, const float* cos_tab
                                 const int* positions, int q_heads, int kv_heads, int dim) {
   serve::rope(out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim);
 }
-extern "C" __global__ void kv_append(float* k_pool, float* v_pool, const float* qkv, const int* positions,
-                                     const int* entries, const int* page_table, int pages_per_request, int page_size,
-                                     int q_heads, int kv_heads, int dim) {
-  serve::kv_append(k_pool, v_pool, qkv, positions, entries, page_table, pages_per_request, page_size, q_heads,
-                   kv_heads, dim);
-}
+EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int* positions, const int* entries,
+                         const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
+                         int dim),
+            (static_cast<W*>(k_pool), static_cast<W*>(v_pool), qkv, positions, entries, page_table, pages_per_request,
+             page_size, q_heads, kv_heads, dim))
 // attention for G query heads per KV head (1, 2, 4, 8 or 16) and head dims up to 128 * DV (mdsl/serving/gpu.py
-// checks)
-#define ATTENTION(G, DV)                                                                                           \
-  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV(                          \
-      float* out, float* part, int* arrivals, const float* qkv, const float* k_pool, const float* v_pool,        \
+// checks), over pools of each W: attention_G_DV_SUFFIX
+#define ATTENTION_OF(G, DV, SUFFIX, TYPE)                                                                          \
+  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV##_##SUFFIX(                \
+      float* out, float* part, int* arrivals, const float* qkv, const void* k_pool, const void* v_pool,          \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
-      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, int split, int max_splits) {     \
-    serve::attention<G, DV>(out, part, arrivals, qkv, k_pool, v_pool, positions, entries, page_table,            \
-                            pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window, split,  \
-                            max_splits);                                                                          \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {                              \
+    serve::attention<G, DV, TYPE>(out, part, arrivals, qkv, static_cast<const TYPE*>(k_pool),                    \
+                                  static_cast<const TYPE*>(v_pool), positions, entries, page_table,              \
+                                  pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window); \
   }
+#define ATTENTION(G, DV)                   \
+  ATTENTION_OF(G, DV, f32, float)          \
+  ATTENTION_OF(G, DV, bf16, __nv_bfloat16) \
+  ATTENTION_OF(G, DV, f16, __half)
 ATTENTION(1, 1)
 ATTENTION(2, 1)
 ATTENTION(4, 1)

@@ -12,7 +12,8 @@ shares its steps:
   summed in an order that depends on how many rows share the product;
 - element-wise ops and the norms work along each row (numpy reduces a row the same whatever rows lie
   beside it), and RoPE takes each row's cos and sin at its own position;
-- attention appends the keys and values of a chunk's rows to the request's pages at once, then gives each
+- attention appends the keys and values of a chunk's rows to the request's pages at once (rounded to the
+  checkpoint's dtype, as transformers' cache and the reference with that kv_dtype hold them), then gives each
   query row the softmax over exactly its causal range (the cached prefix and the chunk's keys up to its
   own): the reference's reductions over that range. A masked product over the chunk's whole key range
   would not do: BLAS picks its kernels by the key count and numpy's pairwise sum changes its tree with the
@@ -26,25 +27,28 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from mdsl.ir.dtypes import DType, f32
 from mdsl.ir.rules import RuleTable
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, rms_normalize, rope_cos_sin,
-                                              rotate_heads, window_start)
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, cached, rms_normalize,
+                                              rope_cos_sin, rotate_heads, window_start)
 
 
 @attrs.frozen(eq=False)
 class StepBatch:
     """What a rule knows of the step besides its operands: each row's token and position, the chunks
-    (entry, first position, positions, first row) and the paged KV cache's page tables."""
+    (entry, first position, positions, first row), the paged KV cache's page tables, and the dtype whose
+    values the pools hold (the checkpoint's: keys and values are rounded to it as they are appended)."""
 
     tokens: np.ndarray
     positions: np.ndarray
     chunks: tuple
     page_table: np.ndarray
     page_size: int
+    kv_dtype: DType = f32
 
     def rows(self, keep: np.ndarray) -> "StepBatch":
         """The batch of rows `keep` only, past the last KV write (no chunk is left to attend)."""
-        return StepBatch(self.tokens[keep], self.positions[keep], (), self.page_table, self.page_size)
+        return StepBatch(self.tokens[keep], self.positions[keep], (), self.page_table, self.page_size, self.kv_dtype)
 
 
 #: layer op -> rule(operands with one row per step token, attrs, StepBatch) -> results, row for row. The
@@ -104,8 +108,9 @@ def _attention(xs, a, batch):
         table, end = batch.page_table[entry], start + count
         positions = np.arange(start, end)
         pages, slots = table[positions // ps], positions % ps
-        k_pool[pages, slots] = k[row:row + count]          # the chunk's KV append, all its rows at once
-        v_pool[pages, slots] = v[row:row + count]
+        # the chunk's KV append, all its rows at once, rounded as the reference's cache rounds them
+        k_pool[pages, slots] = cached(k[row:row + count], batch.kv_dtype)
+        v_pool[pages, slots] = cached(v[row:row + count], batch.kv_dtype)
         n = -(-end // ps)
         keys = k_pool[table[:n]].reshape(n * ps, *k_pool.shape[2:])
         values = v_pool[table[:n]].reshape(n * ps, *v_pool.shape[2:])

@@ -20,11 +20,12 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     from mdsl.backend.cuda.nvrtc import compile_cuda
 
     resources = compile_cuda(kernel_source(), arch="sm_90a").resources
-    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope")
+    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
-    expected |= {f"attention_{g}_{dv}" for dv, groups in GROUPS.items() for g in groups}
-    expected |= {"rope", "kv_append", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
+    expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
+                 for s in ("f32", "bf16", "f16")}   # (pools of each dtype)
+    expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
     assert set(resources) == expected
     for name, r in resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
@@ -102,10 +103,32 @@ def test_a_head_norm_and_the_rope_after_it_run_as_one_in_every_layer():
     assert pairs[0] not in fusible_pairs(nodes, pairs[0] + 1, {graph.logits.name}, "head_rms_norm", "rope")
 
 
-@pytest.mark.parametrize("max_seq", [1, 64, 65, 2048, 2049, 32768, 131072])
-def test_attention_splits_are_whole_warps_of_keys_and_at_most_max_splits(max_seq):
-    from mdsl.serving.gpu import MAX_SPLITS, attention_split
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1024, 4095, 4096, 4097, 8192, 8193, 32768, 131071])
+def test_a_rows_attention_splits_are_whole_warps_of_keys_and_at_most_max_splits(n):
+    from mdsl.serving.gpu import MAX_SPLITS, SPLIT_KEYS, attention_split
 
-    split = attention_split(max_seq)
-    assert split % 64 == 0 and -(-max_seq // split) <= MAX_SPLITS
-    assert split == 64 or -(-max_seq // (split - 64)) > MAX_SPLITS   # the smallest that fits
+    split, splits = attention_split(n)
+    assert split % SPLIT_KEYS == 0 and splits <= MAX_SPLITS and (splits - 1) * split < n <= splits * split
+    assert split == SPLIT_KEYS or -(-n // (split - SPLIT_KEYS)) > MAX_SPLITS   # the smallest that fits
+    if n <= SPLIT_KEYS * MAX_SPLITS:   # a range of 1024 keys takes 16 splits of 64, whatever max_seq is
+        assert (split, splits) == (SPLIT_KEYS, -(-n // SPLIT_KEYS))
+
+
+@pytest.mark.parametrize("max_seq", [1, 64, 65, 1000, 4096, 4097, 9000])
+def test_every_rows_splits_have_a_block(max_seq):
+    """The launch's blocks a row and KV head are the most splits any range up to max_seq takes (a longer
+    range's splits are longer, and may be fewer than a shorter one's)."""
+    from mdsl.serving.gpu import attention_blocks, attention_split
+
+    assert attention_blocks(max_seq) == max(attention_split(n)[1] for n in range(1, max_seq + 1))
+
+
+def test_the_kernels_split_constants_are_the_hosts():
+    import re
+
+    from mdsl.serving.gpu import ATTENTION_THREADS, MAX_SPLITS, SPLIT_KEYS
+
+    source = kernel_source()
+    for name, value in (("ATT_SPLIT_KEYS", SPLIT_KEYS), ("ATT_MAX_SPLITS", MAX_SPLITS)):
+        assert re.search(rf"constexpr int {name} = (\d+);", source).group(1) == str(value)
+    assert ATTENTION_THREADS == 4 * 32 and "constexpr int ATT_WARPS = 4;" in source

@@ -18,18 +18,21 @@ import attrs
 import numpy as np
 
 from mdsl.errors import DTypeError, ShapeError, UnsupportedError, ValidationError
-from mdsl.ir.dtypes import f32, i32
+from mdsl.ir.dtypes import DType, f32, i32, round_to_dtype
 from mdsl.ir.ops import AttrSpec, OpDef, get_op
 from mdsl.ir.types import TensorType
 
 
 @attrs.frozen
 class StepContext:
-    """What a step knows besides tensors: the position of its token, and the prompt's length (the
-    token after a prompt position is the prompt's own, never the sampled one)."""
+    """What a step knows besides tensors: the position of its token, the prompt's length (the token after
+    a prompt position is the prompt's own, never the sampled one), and the dtype whose values the KV caches
+    hold (keys and values are rounded to it as they are appended: float32, the megakernel's caches, or the
+    checkpoint's dtype, as transformers' cache and the serving engine's pools hold them)."""
 
     position: int
     prompt_length: int = 1
+    kv_dtype: DType = attrs.field(default=f32, kw_only=True)
 
 
 @attrs.frozen(eq=False)
@@ -286,11 +289,17 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float = 0
     return out.astype(np.float32), (top + np.log(total)).reshape(g).astype(np.float32)
 
 
+def cached(x: np.ndarray, kv_dtype: DType) -> np.ndarray:
+    """Float32 keys or values as a KV cache of kv_dtype values holds them: rounded to it (to nearest, ties
+    to even, as torch's and CUDA's conversions round)."""
+    return x if kv_dtype is f32 else round_to_dtype(x, kv_dtype)
+
+
 def _attention_ref(xs, a, ctx):
     qkv, k_cache, v_cache = xs
     q, k, v = split_heads(qkv.astype(np.float32), a)
     pos = ctx.position
-    k_cache[pos], v_cache[pos] = k, v
+    k_cache[pos], v_cache[pos] = cached(k, ctx.kv_dtype), cached(v, ctx.kv_dtype)
     group = a["q_heads"] // a["kv_heads"]
     out = np.empty_like(q)
     for h in range(a["kv_heads"]):
@@ -328,7 +337,7 @@ def _scaled_attention_ref(xs, a, ctx):
     qkv, k_cache, v_cache = xs
     q, k, v = split_heads(qkv.astype(np.float32), a)
     pos = ctx.position
-    k_cache[pos], v_cache[pos] = k, v
+    k_cache[pos], v_cache[pos] = cached(k, ctx.kv_dtype), cached(v, ctx.kv_dtype)
     group, lo = a["q_heads"] // a["kv_heads"], window_start(a, pos)
     out = np.empty_like(q)
     for h in range(a["kv_heads"]):

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 
 from mdsl.errors import ShapeError
+from mdsl.ir.dtypes import DType, f32
 from mdsl.megakernel.modelgraph.layers import StepContext
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 
@@ -40,10 +41,12 @@ def check_steps(graph: ModelGraph, prompt_ids: Sequence[int], max_new_tokens: in
 
 
 class ReferenceModel:
-    """`step()` runs one position; `generate()` prefills the prompt and decodes."""
+    """`step()` runs one position; `generate()` prefills the prompt and decodes. The KV caches hold
+    `kv_dtype` values: float32 (the megakernel's caches), or the checkpoint's dtype (transformers' cache and
+    the serving engine's pools: mdsl.serving.cpu.kv_dtype)."""
 
-    def __init__(self, graph: ModelGraph, weights: dict):
-        self.graph = graph
+    def __init__(self, graph: ModelGraph, weights: dict, kv_dtype: DType = f32):
+        self.graph, self.kv_dtype = graph, kv_dtype
         self.weights = {name: np.asarray(weights[name], np.float32) for name in (w.name for w in graph.weights)}
 
     def step(self, states: dict, ctx: StepContext):
@@ -60,7 +63,7 @@ class ReferenceModel:
         ctx_len = len(prompt_ids)
         logits = []
         for pos in range(steps):
-            row, _ = self.step(states, StepContext(pos, ctx_len))
+            row, _ = self.step(states, StepContext(pos, ctx_len, kv_dtype=self.kv_dtype))
             logits.append(row.reshape(-1))
         new = tuple(int(t) for t in states[TOKENS][ctx_len:ctx_len + max_new_tokens])
         return Generation(new, np.stack(logits) if logits else np.zeros((0, self.graph.logits.shape[1]), np.float32))

@@ -1,0 +1,69 @@
+"""The KV pools hold the checkpoint's dtype's values, as transformers' cache in the model's dtype does: a
+16-bit checkpoint's keys and values are rounded (to nearest, ties to even) as they are appended, on the CPU
+device as in the reference with that kv_dtype, so a request's logits are that reference's bits whatever
+the chunking and the batch; a byte budget counts the pools' 16-bit rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mdsl import LLM, SamplingParams
+from mdsl.ir.dtypes import bf16, f16, f32, round_to_dtype
+from mdsl.megakernel.modelgraph.layers import StepContext, get_layer_op
+from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.serving.cpu import kv_bytes_per_token, kv_dtype
+from tests.serving.conftest import drive, write_checkpoint
+
+VOCAB = 96
+DTYPES = {"bfloat16": bf16, "float16": f16}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma2"])
+def test_a_16_bit_checkpoints_requests_give_the_bits_of_the_reference_with_its_kv_dtype(tmp_path, arch, dtype):
+    ckpt = write_checkpoint(tmp_path, arch, positions=48, torch_dtype=dtype)
+    assert kv_dtype(ckpt.graph) is DTYPES[dtype]
+    rng = np.random.default_rng(14)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(1, 25)))] for _ in range(8)]
+    lengths = [int(n) for n in rng.integers(3, 12, 8)]
+    arrivals: dict = {}
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        arrivals.setdefault(int(rng.integers(0, 10)), []).append((i, prompt, SamplingParams(max_new_tokens=n)))
+    with LLM(ckpt.folder, max_batch=8, page_size=4, max_tokens_per_step=7) as llm:
+        llm.device.record_logits = True
+        handles = drive(llm, arrivals)
+        outputs = {i: h.result() for i, h in handles.items()}
+        logits = {i: llm.device.logits.pop(out.request_id) for i, out in outputs.items()}
+        pools = list(llm.device.kv_pools().values())
+    assert all(np.array_equal(round_to_dtype(pool, DTYPES[dtype]), pool) for pool in pools)
+    assert all(np.count_nonzero(pool) for pool in pools)
+    reference = ReferenceModel(ckpt.graph, ckpt.weights, kv_dtype=DTYPES[dtype])
+    unrounded = ReferenceModel(ckpt.graph, ckpt.weights)
+    differ = 0
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        generation = reference.generate(prompt, n)
+        assert outputs[i].token_ids == generation.tokens
+        for pos, row in enumerate(generation.logits):
+            assert np.array_equal(logits[i][pos][0], row), (i, pos)
+        differ += not np.array_equal(unrounded.generate(prompt, n).logits, generation.logits)
+    assert differ == len(prompts)      # (the rounding is there: a float32 cache gives other bits)
+
+
+def test_the_reference_rounds_what_it_caches_to_the_kv_dtype():
+    heads = {"q_heads": 2, "kv_heads": 1, "head_dim": 4}
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((1, 16)).astype(np.float32)
+    for dtype in (f32, bf16, f16):
+        k_cache, v_cache = np.zeros((4, 1, 4), np.float32), np.zeros((4, 1, 4), np.float32)
+        get_layer_op("attention").reference([qkv, k_cache, v_cache], heads, StepContext(2, kv_dtype=dtype))
+        assert np.array_equal(k_cache[2, 0], round_to_dtype(qkv[0, 8:12], dtype))
+        assert np.array_equal(v_cache[2, 0], round_to_dtype(qkv[0, 12:], dtype))
+        assert (dtype is f32) == np.array_equal(k_cache[2, 0], qkv[0, 8:12])
+
+
+def test_a_byte_budget_counts_the_pools_16_bit_rows(tmp_path):
+    ckpt = write_checkpoint(tmp_path, "llama3", torch_dtype="bfloat16")
+    per_token = 2 * 2 * 2 * 8 * 2       # layers x (k, v) x kv heads x head_dim x bfloat16
+    assert kv_bytes_per_token(ckpt.graph) == per_token
+    with LLM(ckpt.folder, page_size=4, kv_cache_bytes=per_token * 4 * 10 + 7) as llm:
+        assert llm.shape.num_pages == 10
