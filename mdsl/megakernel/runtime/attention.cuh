@@ -88,6 +88,10 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 // values' while the softmax runs. So a split keeps ATTN_STREAM - 1 stages of rows in flight, where loading each
 // round's rows itself would keep one (an L2 or DRAM round trip every round). The products and their order are
 // those of the direct reads: the same bits.
+// A layer's key (value) cache: kv head g's rows of positions 0 .. MAX_SEQ one after another, D values a row, so
+// that a split's rows are one contiguous range (DRAM pages read through, not a row in every one)
+__device__ __forceinline__ long long kv_row(long long q, int g) { return ((long long)g * MAX_SEQ + q) * D; }
+
 constexpr int ROUND = NT / ATTN_LANES;   // cached positions a round of scores
 constexpr int RING = ATTN_STREAM > 0 ? ATTN_STREAM : 1;       // the ring's stages (1: rows not streamed)
 constexpr int RING_PENDING = RING > 2 ? RING - 2 : 0;         // copy groups still in flight as a stage is read
@@ -102,7 +106,7 @@ __device__ __forceinline__ void stream_kv_rows(const T* cache, int g, long long 
       const int r = e / KV_VECTORS, c = e % KV_VECTORS, i = round * ROUND + r;
       const long long q = lo + i;
       if (i < count && q != pos)   // (the new position's row: not in the cache yet)
-        copy_async(shared_address(stage + r * D + c * PER), cache + (q * HKV + g) * D + c * PER);
+        copy_async(shared_address(stage + r * D + c * PER), cache + kv_row(q, g) + c * PER);
     }
   }
   copies_commit();   // (an empty group past the last round: every thread commits as many groups)
@@ -124,7 +128,7 @@ __device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, lo
     const int i = e / KV_VECTORS, c = e % KV_VECTORS;
     const long long q = lo + i;
     if (q == pos) continue;   // the new position's row: not in the cache yet (its split appends it)
-    const long long at = (q * HKV + g) * D + c * PER;
+    const long long at = kv_row(q, g) + c * PER;
     copy_async(shared_address(kbuf + i * D + c * PER), w.k_cache + at);
     copy_async(shared_address(vbuf + i * D + c * PER), w.v_cache + at);
   }
@@ -156,7 +160,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     if (h < G) prepare_head<true>(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * Q_STRIDE);
     else prepare_head<false>(qkv + HQ * D + g * D, w.kn, p, pos, tmp + warp * D, knew);
   }
-  const long long cache_row = (pos * HKV + g) * D;
+  const long long cache_row = kv_row(pos, g);
   if (owner)
     for (int d = threadIdx.x; d < D; d += NT) vnew[d] = mdsl::to_float(qkv[HQ * D + HKV * D + g * D + d]);
   if constexpr (ATTN_PRELOAD) copies_wait();   // this thread's rows; the barrier below, every thread's
@@ -188,25 +192,19 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     } else if (i < count) {
       const T* key = ATTN_PRELOAD     ? kbuf + i * D
                      : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
-                                       : w.k_cache + (q * HKV + g) * D;
+                                       : w.k_cache + kv_row(q, g);
       const uint4* kc = reinterpret_cast<const uint4*>(key) + sub * LANE_VECTORS;
 #pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
       for (int c = 0; c < LANE_VECTORS; ++c) {
         const uint4 raw = kc[c];
         const T* e = reinterpret_cast<const T*>(&raw);
         const int d0 = (sub * LANE_VECTORS + c) * PER;
-        // the q values of the vector's dimensions as 16-byte loads (scalar loads of q bound the scores: one
-        // shared load a product); the products in dimension order, as before
 #pragma unroll
-        for (int j4 = 0; j4 < PER / 4; ++j4)
+        for (int j = 0; j < PER; ++j) {
+          const float k = mdsl::to_float(e[j]);
 #pragma unroll
-          for (int h = 0; h < G; ++h) {
-            const float4 qv = *reinterpret_cast<const float4*>(q_lane + h * Q_STRIDE + d0 + 4 * j4);
-            acc[h] = fmaf(qv.x, mdsl::to_float(e[4 * j4 + 0]), acc[h]);
-            acc[h] = fmaf(qv.y, mdsl::to_float(e[4 * j4 + 1]), acc[h]);
-            acc[h] = fmaf(qv.z, mdsl::to_float(e[4 * j4 + 2]), acc[h]);
-            acc[h] = fmaf(qv.w, mdsl::to_float(e[4 * j4 + 3]), acc[h]);
-          }
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
+        }
       }
     }
 #pragma unroll
@@ -236,39 +234,28 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   }
   compute_sync();
   mark(p, 2);
-  // weighted values: warp w takes positions w, w + NW, ...; lane takes the dimension pairs (2 lane, 2 lane + 1),
-  // (2 lane + 64, 2 lane + 65), ... of every head, each pair one load; the warps' sums meet in shared memory
-  constexpr int DP = (D / 2 + 31) / 32;   // dimension pairs a lane holds
-  struct alignas(2 * sizeof(T)) Pair { T a, b; };
-  float2 acc[G][DP];
+  // weighted values: warp w takes positions w, w + NW, ...; lane takes dims lane, lane + 32, ... of
+  // every head; the warps' sums meet in shared memory
+  constexpr int DJ = (D + 31) / 32;
+  float acc[G][DJ];
 #pragma unroll
   for (int h = 0; h < G; ++h)
 #pragma unroll
-    for (int j = 0; j < DP; ++j) acc[h][j] = make_float2(0.0f, 0.0f);
+    for (int j = 0; j < DJ; ++j) acc[h][j] = 0.0f;
   // a position's weighted values into acc (its value row at vc)
   auto weigh = [&](int i, const T* vc) {
     const long long q = lo + i;
-    float2 v[DP];
+    float v[DJ];
 #pragma unroll
-    for (int j = 0; j < DP; ++j) {
-      const int d = 2 * (lane + 32 * j);
-      if (d >= D) {
-        v[j] = make_float2(0.0f, 0.0f);
-      } else if (q == pos) {
-        v[j] = make_float2(vnew[d], vnew[d + 1]);
-      } else {
-        const Pair pair = *reinterpret_cast<const Pair*>(vc + d);
-        v[j] = make_float2(mdsl::to_float(pair.a), mdsl::to_float(pair.b));
-      }
+    for (int j = 0; j < DJ; ++j) {
+      const int d = lane + 32 * j;
+      v[j] = d < D ? (q == pos ? vnew[d] : mdsl::to_float(vc[d])) : 0.0f;
     }
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       const float weight = scores[h * MAX_CHUNK + i];
 #pragma unroll
-      for (int j = 0; j < DP; ++j) {
-        acc[h][j].x = fmaf(weight, v[j].x, acc[h][j].x);
-        acc[h][j].y = fmaf(weight, v[j].y, acc[h][j].y);
-      }
+      for (int j = 0; j < DJ; ++j) acc[h][j] = fmaf(weight, v[j], acc[h][j]);
     }
   };
   // warp w takes positions w, w + NW, ... (the rounds' positions in order: the same chain of products however
@@ -280,15 +267,14 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     for (int i = round * ROUND + warp; i < end; i += NW)
       weigh(i, ATTN_PRELOAD      ? vbuf + i * D
                : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
-                                 : w.v_cache + ((lo + i) * HKV + g) * D);
+                                 : w.v_cache + kv_row(lo + i, g));
   }
   float* sums = stats + 2 * G;          // [NW][G][D]
 #pragma unroll
   for (int h = 0; h < G; ++h)
 #pragma unroll
-    for (int j = 0; j < DP; ++j)
-      if (2 * (lane + 32 * j) < D)
-        *reinterpret_cast<float2*>(sums + (warp * G + h) * D + 2 * (lane + 32 * j)) = acc[h][j];
+    for (int j = 0; j < DJ; ++j)
+      if (lane + 32 * j < D) sums[(warp * G + h) * D + lane + 32 * j] = acc[h][j];
   compute_sync();
   mark(p, 3);
   float* part = p.parts + (long long)t.layer * HQ * SPLITS * PART;
@@ -337,7 +323,7 @@ __device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, i
   constexpr int ROW_BYTES = D * int(sizeof(T)), LINE = 128, LINES = (ROW_BYTES + LINE - 1) / LINE;
   for (long long i = lane; i < (hi - lo) * LINES; i += 32) {
     const long long q = lo + i / LINES;
-    const long long offset = (q * HKV + g) * (long long)ROW_BYTES + (i % LINES) * LINE;
+    const long long offset = kv_row(q, g) * (long long)sizeof(T) + (i % LINES) * LINE;
     const char* k = reinterpret_cast<const char*>(w.k_cache) + offset;
     const char* v = reinterpret_cast<const char*>(w.v_cache) + offset;
     asm volatile("prefetch.global.L2 [%0];" :: "l"(k) : "memory");
