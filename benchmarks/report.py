@@ -315,7 +315,7 @@ def serve_section(data: Optional[dict]) -> list:
               "per layer op over the step's rows, steps of a repeated shape replayed as CUDA graphs. Decode step "
               "time while every request of the batch decodes (prompts of `prompt` tokens; the requests read "
               "first decode further meanwhile: `mean context`); the floor is the weights plus every request's "
-              "cached keys and values (float32, as the device keeps them) over 4.25 TB/s; `PyTorch ms`: its "
+              "cached keys and values (in the pools' dtype, the checkpoint's: bf16 here) over 4.25 TB/s; `PyTorch ms`: its "
               "kernel-per-op step at the same batch and context (bf16, static KV caches, a CUDA graph).", ""]
     decode = data.get("decode") or []
     rows = [[d["batch"], d["context"], f"{d['mean_context']:.0f}" if "mean_context" in d else "-",
