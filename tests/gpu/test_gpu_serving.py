@@ -260,14 +260,16 @@ def test_the_pool_is_sized_from_a_share_of_the_gpus_memory(checkpoints, dtype, i
 
     ckpt = checkpoints["qwen3", dtype]
     get_device(0)
-    _, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
-    with LLM(ckpt.folder, device="gpu", max_batch=4, gpu_memory_fraction=0.25) as llm:
+    free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+    # a share above what is in use now (the other test processes on this GPU hold some of it)
+    fraction = min(0.95, (total - free) / total + 0.1)
+    with LLM(ckpt.folder, device="gpu", max_batch=4, gpu_memory_fraction=fraction) as llm:
         # layers x (k, v) x kv heads x head_dim x the checkpoint's dtype
         page_bytes = 2 * 2 * 2 * 8 * itemsize * llm.shape.page_size
         assert sum(p.nbytes for p in llm.device._pools.values()) == llm.shape.num_pages * page_bytes
         # (what other processes hold changes between the two looks at the free memory: bounds only)
         assert 4 * llm.shape.pages_per_request < llm.shape.num_pages
-        assert llm.shape.num_pages * page_bytes <= 0.25 * total
+        assert llm.shape.num_pages * page_bytes <= fraction * total
         assert len(llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4)).result().token_ids) == 4
 
 
