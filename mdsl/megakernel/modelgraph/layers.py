@@ -27,7 +27,7 @@ from mdsl.ir.types import TensorType
 class StepContext:
     """What a step knows besides tensors: the position of its token, the prompt's length (the token after
     a prompt position is the prompt's own, never the sampled one), and the dtype whose values the KV caches
-    hold (keys and values are rounded to it as they are appended: float32, the megakernel's caches, or the
+    hold (keys and values are rounded to it as they are appended: float32, unrounded, by default, or the
     checkpoint's dtype, as transformers' cache and the serving engine's pools hold them)."""
 
     position: int

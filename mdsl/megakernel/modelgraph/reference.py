@@ -42,7 +42,7 @@ def check_steps(graph: ModelGraph, prompt_ids: Sequence[int], max_new_tokens: in
 
 class ReferenceModel:
     """`step()` runs one position; `generate()` prefills the prompt and decodes. The KV caches hold
-    `kv_dtype` values: float32 (the megakernel's caches), or the checkpoint's dtype (transformers' cache and
+    `kv_dtype` values: float32 (unrounded, the default), or the checkpoint's dtype (transformers' cache and
     the serving engine's pools: mdsl.serving.cpu.kv_dtype)."""
 
     def __init__(self, graph: ModelGraph, weights: dict, kv_dtype: DType = f32):
