@@ -370,8 +370,8 @@ def serve_http_section(data: Optional[dict]) -> list:
 
 
 def decode_floor_ms(row: dict) -> float:
-    """A decode row's floor in ms: its weight bytes plus the KV bytes a step reads (`kv_bytes`; rows written
-    before benchmarks/decode.py took --contexts carry none: weights only) over 4.25 TB/s."""
+    """A decode row's floor in ms: its weight bytes plus the KV bytes a step reads (`kv_bytes`; a row without
+    them counts its weights only) over 4.25 TB/s."""
     return (row["weight_bytes"] + row.get("kv_bytes", 0)) / H200.dram_bytes_per_s * 1e3
 
 

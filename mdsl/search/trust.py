@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from mdsl.gpu.cache import write_atomic
+
 SCHEMA = 1
 KEY_BYTES = 32
 KINDS = ("plan", "variants")
@@ -88,7 +90,7 @@ def trust(kind: str, digest: str) -> None:
             return
         path = record_path(kind, digest)
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        _write_atomic(path, _mac(key, kind, digest).encode())
+        write_atomic(path, _mac(key, kind, digest).encode())
         _evict(path.parent)
     except OSError as e:
         _warn_once(root, f"mdsl: could not record a checked plan in {root} ({e}): plan cache entries are "
@@ -189,17 +191,6 @@ def _read_fd(fd: int, size: int) -> bytes:
             break
         data += more
     return data
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _evict(records: Path) -> None:

@@ -12,11 +12,10 @@ import pytest
 
 from mdsl import LLM, SamplingParams
 from mdsl.gpu import has_gpu
-from tests.serving.conftest import drive, write_checkpoint
+from tests.serving.conftest import arrivals_of, drive, random_prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no GPU")]
 
-VOCAB = 96
 #: the GPU's logits within this share of a row's largest logit of the CPU device's: float32 rounding; with
 #: 16-bit pools also keys and values rounded to the neighbouring 16-bit value (the GPU's float32 keys differ
 #: from the CPU's in their last bits, which may fall on either side of a rounding boundary: a step of up to
@@ -41,17 +40,6 @@ class Checkpoints(dict):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     return Checkpoints(tmp_path_factory)
-
-
-def random_prompts(rng, n: int, low: int = 1, high: int = 20) -> list:
-    return [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(low, high + 1)))] for _ in range(n)]
-
-
-def arrivals_of(rng, prompts: list, params: list, steps: int) -> dict:
-    arrivals: dict = {}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        arrivals.setdefault(int(rng.integers(0, steps)), []).append((i, prompt, p))
-    return arrivals
 
 
 def served(folder: str, device: str, arrivals: dict, capture: bool = True, **kwargs) -> tuple:

@@ -56,6 +56,21 @@ def wait_until(condition, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.001)
 
 
+VOCAB = 96   # the tiny checkpoints' vocabulary (write_checkpoint)
+
+
+def random_prompts(rng, n: int, low: int = 1, high: int = 20) -> list:
+    return [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(low, high + 1)))] for _ in range(n)]
+
+
+def arrivals_of(rng, prompts: list, params: list, steps: int) -> dict:
+    """step -> [(key, prompt, params)]: each request arriving at a random step below `steps`."""
+    arrivals: dict = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        arrivals.setdefault(int(rng.integers(0, steps)), []).append((i, prompt, p))
+    return arrivals
+
+
 def drive(llm, arrivals: dict, max_steps: int = 5000) -> dict:
     """Hold the device and run its steps here: before step s, submit arrivals[s] (a list of (key, prompt,
     params)) and wait until the host has published them. Returns key -> handle once all are done."""

@@ -10,13 +10,8 @@ import pytest
 from mdsl import LLM, SamplingParams
 from mdsl.serving.protocol import FREE, PREEMPTED, RUNNING
 from mdsl.serving.sampling import allowed_tokens
-from tests.serving.conftest import drive, wait_until
+from tests.serving.conftest import drive, random_prompts, wait_until
 
-VOCAB = 96
-
-
-def random_prompts(rng, n: int, low: int = 1, high: int = 20) -> list:
-    return [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(low, high + 1)))] for _ in range(n)]
 
 
 def alone(folder: str, requests: list) -> list:

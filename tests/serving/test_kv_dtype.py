@@ -12,9 +12,8 @@ from mdsl.ir.dtypes import bf16, f16, f32, round_to_dtype
 from mdsl.megakernel.modelgraph.layers import StepContext, get_layer_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from mdsl.serving.cpu import kv_bytes_per_token, kv_dtype
-from tests.serving.conftest import drive, write_checkpoint
+from tests.serving.conftest import arrivals_of, drive, random_prompts, write_checkpoint
 
-VOCAB = 96
 DTYPES = {"bfloat16": bf16, "float16": f16}
 
 
@@ -24,11 +23,9 @@ def test_a_16_bit_checkpoints_requests_give_the_bits_of_the_reference_with_its_k
     ckpt = write_checkpoint(tmp_path, arch, positions=48, torch_dtype=dtype)
     assert kv_dtype(ckpt.graph) is DTYPES[dtype]
     rng = np.random.default_rng(14)
-    prompts = [[int(t) for t in rng.integers(0, VOCAB, int(rng.integers(1, 25)))] for _ in range(8)]
+    prompts = random_prompts(rng, 8, 1, 24)
     lengths = [int(n) for n in rng.integers(3, 12, 8)]
-    arrivals: dict = {}
-    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-        arrivals.setdefault(int(rng.integers(0, 10)), []).append((i, prompt, SamplingParams(max_new_tokens=n)))
+    arrivals = arrivals_of(rng, prompts, [SamplingParams(max_new_tokens=n) for n in lengths], 10)
     with LLM(ckpt.folder, max_batch=8, page_size=4, max_tokens_per_step=7) as llm:
         llm.device.record_logits = True
         handles = drive(llm, arrivals)
