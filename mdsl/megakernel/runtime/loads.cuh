@@ -36,14 +36,30 @@ __device__ __forceinline__ void copy_async(unsigned slot, const T* p) {
 __device__ __forceinline__ void copies_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
-// attention's streamed rows (ATTN_STREAM): one commit group a ring stage, a stage complete for this thread
-// once at most PENDING later groups are outstanding
-__device__ __forceinline__ void copies_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
+// ---- the bulk copy engine (TMA, 1-D): `bytes` contiguous bytes (16-byte aligned, a multiple of 16) from global
+// into shared memory by one instruction, complete when the mbarrier at `bar` has seen them land (its phase
+// then flips). Attention's streamed rows (ATTN_STREAM): one per ring stage, issued by one thread.
+__device__ __forceinline__ void barrier_init(unsigned bar) {   // one arrival a phase: the issuing thread's
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
 }
-template <int PENDING>
-__device__ __forceinline__ void copies_wait_pending() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+// the barrier inits visible to the bulk copy engine, and this block's earlier writes of shared memory through the
+// generic proxy (other tasks' use of the same bytes) ordered before the engine's writes
+__device__ __forceinline__ void bulk_fences() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+  asm volatile("{\n"
+               "  .reg .pred done;\n"
+               "wait_%=:\n"
+               "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+               "  @!done bra wait_%=;\n"
+               "}" :: "r"(bar), "r"(parity) : "memory");
 }
 
 // ---- early tasks: the scheduler hands the task of an early kind (EARLY_KINDS: every kind with weight rows,
