@@ -53,13 +53,19 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+__device__ __forceinline__ bool barrier_try(unsigned bar, unsigned parity) {
+  unsigned done;
   asm volatile("{\n"
-               "  .reg .pred done;\n"
-               "wait_%=:\n"
-               "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-               "  @!done bra wait_%=;\n"
-               "}" :: "r"(bar), "r"(parity) : "memory");
+               "  .reg .pred p;\n"
+               "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+               "  selp.u32 %0, 1, 0, p;\n"
+               "}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+// a copy that never lands (a protocol error) fails the launch after some seconds instead of hanging the GPU
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+  for (unsigned polls = 0; !barrier_try(bar, parity); ++polls)
+    if (polls == (1u << 26)) __trap();
 }
 
 // ---- early tasks: the scheduler hands the task of an early kind (EARLY_KINDS: every kind with weight rows,
