@@ -83,42 +83,50 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 // other shared memory (kernel_source.attention_floats counts it), 16-byte aligned.
 // ATTN_STREAM (kernel_source.py, where the split's rows do not fit in shared memory: long contexts): the split's
 // cached rows pass through a ring of ATTN_STREAM stages in shared memory, a stage the ROUND positions of one round
-// of scores (or of weighted values), copied with cp.async ATTN_STREAM - 1 rounds ahead of their use: the keys'
-// first stages as the task starts, before it waits for its inputs (an early kind, as with ATTN_PRELOAD), the
-// values' while the softmax runs. So a split keeps ATTN_STREAM - 1 stages of rows in flight, where loading each
-// round's rows itself would keep one (an L2 or DRAM round trip every round). The products and their order are
-// those of the direct reads: the same bits.
+// of scores (or of weighted values), copied ATTN_STREAM - 1 rounds ahead of their use: the keys' first stages as
+// the task starts, before it waits for its inputs (an early kind, as with ATTN_PRELOAD), the values' while the
+// softmax runs. A stage is one bulk copy (its rows are contiguous: kv_row), issued by one thread and awaited on the
+// stage's mbarrier: per-thread copies of 16 bytes kept too few bytes in flight for an SM's share of DRAM (about 12
+// GB/s a split, where gemv's loads reach 27). So a split keeps ATTN_STREAM - 1 stages of rows in flight, where
+// loading each round's rows itself would keep one. The products and their order are those of the direct reads:
+// the same bits.
 // A layer's key (value) cache: kv head g's rows of positions 0 .. MAX_SEQ one after another, D values a row, so
 // that a split's rows are one contiguous range (DRAM pages read through, not a row in every one)
 __device__ __forceinline__ long long kv_row(long long q, int g) { return ((long long)g * MAX_SEQ + q) * D; }
 
 constexpr int ROUND = NT / ATTN_LANES;   // cached positions a round of scores
 constexpr int RING = ATTN_STREAM > 0 ? ATTN_STREAM : 1;       // the ring's stages (1: rows not streamed)
-constexpr int RING_PENDING = RING > 2 ? RING - 2 : 0;         // copy groups still in flight as a stage is read
 static_assert(ROUND % NW == 0, "a warp's weighted values continue from one round into the next in position order");
-__device__ __forceinline__ void stream_kv_rows(const T* cache, int g, long long lo, int count, long long pos,
-                                               int round, T* ring) {
-  constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
-  if (round * ROUND < count) {
-    T* stage = ring + round % RING * ROUND * D;
-#pragma unroll 1   // (one copy's addresses live at a time: unrolled, they spill the larger kernels)
-    for (int e = int(threadIdx.x); e < ROUND * KV_VECTORS; e += NT) {
-      const int r = e / KV_VECTORS, c = e % KV_VECTORS, i = round * ROUND + r;
-      const long long q = lo + i;
-      if (i < count && q != pos)   // (the new position's row: not in the cache yet)
-        copy_async(shared_address(stage + r * D + c * PER), cache + kv_row(q, g) + c * PER);
-    }
+static_assert(RING <= 32 && D * sizeof(T) % 16 == 0, "a stage's phase is a bit of a word; its rows whole 16 bytes");
+__shared__ __align__(8) unsigned long long ring_full[RING];   // per stage: its bulk copy has landed
+
+// (thread 0, as a streamed split starts) the stages' barriers at their first phase
+__device__ __forceinline__ void ring_start() {
+  if (ATTN_STREAM > 0 && threadIdx.x == 0) {
+    for (int s = 0; s < RING; ++s) barrier_init(shared_address(ring_full + s));
+    bulk_fences();
   }
-  copies_commit();   // (an empty group past the last round: every thread commits as many groups)
 }
 
-// The ring's stage of `round` ready (this thread's copies, then the barrier: every thread's), and the stage of
-// the round before it, which every thread has read by that barrier, refilled with the rows RING - 1 rounds on
-__device__ __forceinline__ void next_stage(const T* cache, int g, long long lo, int count, long long pos, int round,
-                                           T* ring) {
-  copies_wait_pending<RING_PENDING>();
+// (thread 0) the rows of `round` (of the split's `count` from position lo) into its stage, where it has rows; the
+// new position's row is copied too, and not read (the split that holds it takes it from shared memory)
+__device__ __forceinline__ void stream_kv_rows(const T* cache, int g, long long lo, int count, int round, T* ring) {
+  if (threadIdx.x == 0 && round * ROUND < count) {
+    const int rows = count - round * ROUND < ROUND ? count - round * ROUND : ROUND;
+    bulk_copy(shared_address(ring + round % RING * ROUND * D), cache + kv_row(lo + round * ROUND, g),
+              unsigned(rows * D * sizeof(T)), shared_address(ring_full + round % RING));
+  }
+}
+
+// The stage of the round before `round`, which every thread has read by the barrier, refilled with the rows RING - 1
+// rounds on; then the stage of `round` awaited (its phase bit in `phases`, the same in every thread)
+__device__ __forceinline__ void next_stage(const T* cache, int g, long long lo, int count, int round, T* ring,
+                                           unsigned& phases) {
   compute_sync();
-  stream_kv_rows(cache, g, lo, count, pos, round + RING - 1, ring);
+  stream_kv_rows(cache, g, lo, count, round + RING - 1, ring);
+  const int s = round % RING;
+  barrier_wait(shared_address(ring_full + s), (phases >> s) & 1u);
+  phases ^= 1u << s;
 }
 
 __device__ __forceinline__ void preload_kv_rows(const LayerWeights& w, int g, long long lo, int count, long long pos,
@@ -153,8 +161,10 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   T* ring = kbuf;                                                                       // (ATTN_STREAM)
   const int count = int(hi > lo ? hi - lo : 0), rounds = (count + ROUND - 1) / ROUND;
   // (an early kind where its rows are preloaded or streamed: its q, k and v rows are complete after the wait)
+  unsigned phases = 0;   // (ATTN_STREAM) per ring stage, the parity of its next phase
   if constexpr (ATTN_PRELOAD) preload_kv_rows(w, g, lo, count, pos, kbuf, vbuf);
-  else for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.k_cache, g, lo, count, pos, r, ring);
+  else ring_start();
+  for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.k_cache, g, lo, count, r, ring);
   wait_inputs(ready);
   for (int h = warp; h < G + (owner ? 1 : 0); h += NW) {
     if (h < G) prepare_head<true>(qkv + (g * G + h) * D, w.qn, p, pos, tmp + warp * D, qs + h * Q_STRIDE);
@@ -166,11 +176,15 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   if constexpr (ATTN_PRELOAD) copies_wait();   // this thread's rows; the barrier below, every thread's
   compute_sync();
   mark(p, 0);
-  if (owner)
+  if (owner) {
     for (int d = threadIdx.x; d < D; d += NT) {
       w.k_cache[cache_row + d] = mdsl::from_float<T>(knew[d]);
       w.v_cache[cache_row + d] = mdsl::from_float<T>(vnew[d]);
     }
+    // the next steps' streamed splits read these rows with the bulk copy engine (the async proxy): the stores
+    // ordered before those reads, as the events' release and acquire order them for generic loads
+    if (ATTN_STREAM > 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
   // scores: ATTN_LANES lanes per position, each its share of the key row as 16-byte vectors (all in flight
   // at once), the lanes' sums met by shuffles; rounds of NT / ATTN_LANES positions
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
@@ -179,7 +193,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   const int sub = threadIdx.x % ATTN_LANES;
   const float* q_lane = qs + sub * Q_PAD;   // (q_at: this lane's span, padded)
   for (int round = 0; round < rounds; ++round) {   // uniform over the block: shuffles and barriers are safe
-    if (ATTN_STREAM > 0) next_stage(w.k_cache, g, lo, count, pos, round, ring);
+    if (ATTN_STREAM > 0) next_stage(w.k_cache, g, lo, count, round, ring, phases);
     const int i = round * ROUND + threadIdx.x / ATTN_LANES;
     const long long q = lo + i;
     float acc[G];
@@ -218,7 +232,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   compute_sync();
   mark(p, 1);
   // the values' first stages fly while the softmax runs (every thread is done with the keys' ring)
-  for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.v_cache, g, lo, count, pos, r, ring);
+  for (int r = 0; r < ATTN_STREAM - 1; ++r) stream_kv_rows(w.v_cache, g, lo, count, r, ring);
   for (int h = warp; h < G; h += NW) {
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
@@ -261,7 +275,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   // warp w takes positions w, w + NW, ... (the rounds' positions in order: the same chain of products however
   // they are read)
   for (int round = 0; round < rounds; ++round) {   // (uniform over the block)
-    if (ATTN_STREAM > 0) next_stage(w.v_cache, g, lo, count, pos, round, ring);
+    if (ATTN_STREAM > 0) next_stage(w.v_cache, g, lo, count, round, ring, phases);
     const int end = count < (round + 1) * ROUND ? count : (round + 1) * ROUND;
 #pragma unroll 8   // eight positions' value rows in flight at once
     for (int i = round * ROUND + warp; i < end; i += NW)

@@ -36,14 +36,36 @@ __device__ __forceinline__ void copy_async(unsigned slot, const T* p) {
 __device__ __forceinline__ void copies_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
-// attention's streamed rows (ATTN_STREAM): one commit group a ring stage, a stage complete for this thread
-// once at most PENDING later groups are outstanding
-__device__ __forceinline__ void copies_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
+// ---- the bulk copy engine (TMA, 1-D): `bytes` contiguous bytes (16-byte aligned, a multiple of 16) from global
+// into shared memory by one instruction, complete when the mbarrier at `bar` has seen them land (its phase
+// then flips). Attention's streamed rows (ATTN_STREAM): one per ring stage, issued by one thread.
+__device__ __forceinline__ void barrier_init(unsigned bar) {   // one arrival a phase: the issuing thread's
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
 }
-template <int PENDING>
-__device__ __forceinline__ void copies_wait_pending() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+// the barrier inits visible to the bulk copy engine, and this block's earlier writes of shared memory through the
+// generic proxy (other tasks' use of the same bytes) ordered before the engine's writes
+__device__ __forceinline__ void bulk_fences() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ bool barrier_try(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile("{\n"
+               "  .reg .pred p;\n"
+               "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+               "  selp.u32 %0, 1, 0, p;\n"
+               "}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+// a copy that never lands (a protocol error) fails the launch after some seconds instead of hanging the GPU
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+  for (unsigned polls = 0; !barrier_try(bar, parity); ++polls)
+    if (polls == (1u << 26)) __trap();
 }
 
 // ---- early tasks: the scheduler hands the task of an early kind (EARLY_KINDS: every kind with weight rows,
