@@ -198,28 +198,25 @@ struct StoreEpilogue {
   const TC* residual;
   int m, n;
 
-  __device__ __forceinline__ float extra(long long at, int col) const {
-    float v = 0.0f;
-    if (bias != nullptr) v += to_float(bias[col]);
-    if (residual != nullptr) v += to_float(residual[at]);
-    return v;
-  }
-
-  __device__ __forceinline__ void operator()(int row, int col, float v0, float v1) const {
+  // a pair of adjacent columns; FUSED: adds the bias and the residual where given
+  template <bool FUSED> __device__ __forceinline__ void store(int row, int col, float v0, float v1) const {
     if (row >= m || col >= n) return;
     const long long at = static_cast<long long>(row) * n + col;
-    v0 += extra(at, col);
-    if (col + 1 < n) v1 += extra(at + 1, col + 1);
-    if (col + 1 < n && n % 2 == 0) {   // an even row length keeps every pair aligned to its size
+    const bool pair = col + 1 < n;
+    if (FUSED) {
+      if (bias != nullptr) v0 += to_float(bias[col]), v1 += pair ? to_float(bias[col + 1]) : 0.0f;
+      if (residual != nullptr) v0 += to_float(residual[at]), v1 += pair ? to_float(residual[at + 1]) : 0.0f;
+    }
+    if (pair && n % 2 == 0) {   // an even row length keeps every pair aligned to its size
       if constexpr (Same<TC, float>::value) {
         *reinterpret_cast<float2*>(c + at) = make_float2(v0, v1);
       } else {
-        TC pair[2] = {from_float<TC>(v0), from_float<TC>(v1)};
-        *reinterpret_cast<unsigned*>(c + at) = *reinterpret_cast<const unsigned*>(pair);
+        TC both[2] = {from_float<TC>(v0), from_float<TC>(v1)};
+        *reinterpret_cast<unsigned*>(c + at) = *reinterpret_cast<const unsigned*>(both);
       }
     } else {
       c[at] = from_float<TC>(v0);
-      if (col + 1 < n) c[at + 1] = from_float<TC>(v1);
+      if (pair) c[at + 1] = from_float<TC>(v1);
     }
   }
 };
@@ -246,8 +243,12 @@ __device__ __forceinline__ void gemm_kernel(unsigned char* smem, const TensorMap
   }
   float acc[Tile::ACC];
   tile.consume(acc, warpgroup - 1, k_tiles, ring);
-  const StoreEpilogue<E, TC> store{c, bias, residual, m, n};
-  Tile::each(acc, warpgroup - 1, [&](int row, int col, float v0, float v1) { store(m0 + row, n0 + col, v0, v1); });
+  const StoreEpilogue<E, TC> out{c, bias, residual, m, n};
+  if (bias == nullptr && residual == nullptr) {   // the plain product's stores, without the fused loads' code
+    Tile::each(acc, warpgroup - 1, [&](int r, int col, float v0, float v1) { out.template store<false>(m0 + r, n0 + col, v0, v1); });
+  } else {
+    Tile::each(acc, warpgroup - 1, [&](int r, int col, float v0, float v1) { out.template store<true>(m0 + r, n0 + col, v0, v1); });
+  }
 }
 
 }  // namespace hopper
