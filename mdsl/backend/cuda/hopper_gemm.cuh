@@ -44,15 +44,17 @@ __device__ __forceinline__ void barrier_arrive(unsigned bar) {
 __device__ __forceinline__ void barrier_expect_bytes(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-// waits until the phase of parity `parity` has completed (try_wait suspends for a while before it fails)
+// waits until the phase of parity `parity` has completed (try_wait suspends for a while before it fails); a
+// wait of 2^30 failed tries (tens of seconds) never ends: it traps, so that the launch fails instead of hanging
 __device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
-  unsigned done;
+  unsigned done, tries = 0;
   do {
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
+    if (++tries == (1u << 30)) __trap();
   } while (!done);
 }
 
