@@ -87,7 +87,7 @@ template <int R> __device__ __forceinline__ void fence_registers(float (&acc)[R]
 // stride byte offset 1024 >> 4 (bits 32-45: from one 8-row group to the next), swizzle mode 1 = 128 bytes
 // (bits 62-63). The base offset (bits 49-51) is 0: tiles are 1024-byte aligned. The swizzle acts on address
 // bits, so the k16 step j of a stage starts 32 j bytes in: the descriptor plus 2 j.
-__device__ __forceinline__ unsigned long long descriptor(unsigned address) {
+constexpr __device__ __forceinline__ unsigned long long descriptor(unsigned address) {
   return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
