@@ -93,6 +93,8 @@ def markdown(meta: dict, rows: list) -> str:
             notes.append("cublas: cuBLAS did not load (mdsl's kernel ran)")
         if r.get("public_plan"):
             notes.append(f"public plan: {r['public_plan']}")
+        if r.get("wgmma_tile"):
+            notes.append(f"wgmma tile {r['wgmma_tile']}")
         notes = "; ".join(notes)
         lines.append(f"| {r['m']} | {r['k']} | {r['n']} | " + " | ".join(_us(r.get(f"{c}_us")) for c in CONTENDERS)
                      + f" | {speedup} | {share} | {notes} |")
@@ -132,8 +134,11 @@ def measure(m: int, k: int, n: int, args: argparse.Namespace) -> dict:
     if why_not:
         row["wgmma_error"] = why_not
     else:
+        from mdsl.backend.cuda import hopper_gemm
+
         transposed = {id(w): w.t().contiguous() for _, w in inputs}   # [N, K], as checkpoints store weights
         contenders["wgmma"] = lambda x, w: runtime.hopper_gemm(x, transposed[id(w)])
+        row["wgmma_tile"] = f"{hopper_gemm.BM}x{hopper_gemm.tile_n(m, n, hopper_gemm._sms(0))}"
     contenders["torch"] = torch.matmul
     if args.public:
         plan = mm.optimize(TensorSpec((m, k), dtype), TensorSpec((k, n), dtype),
