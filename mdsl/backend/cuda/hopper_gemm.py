@@ -8,8 +8,8 @@ W is an nn.Linear weight as checkpoints store it ([out, in]); A is the row-major
 
 * Configuration: the tile's width BN (128, 192 or 256; BM = 128, BK = 64) is the one that covers the product
   in the fewest waves of blocks over the GPU's SMs, weighted by how fast a tile of that width runs
-  (`tile_n`); a kernel per (operand dtype, C's dtype, BN), compiled by NVRTC for sm_90a (wgmma and setmaxnreg
-  need the arch-specific target) and cached like every cubin.
+  (`tile_n`); a kernel per (operand dtype, C's dtype, BN), compiled by NVRTC for sm_90a (wgmma needs the
+  arch-specific target) and cached like every cubin.
 * Tensor maps: one per operand, [rows, K] with K innermost, a BK x (BM or BN) box in 128-byte swizzled rows,
   zeros outside the tensor (`tensor_map_arguments`: pure, so the tests check it without a driver), encoded
   by the driver's cuTensorMapEncodeTiled and passed by value as `const __grid_constant__` kernel parameters.
@@ -295,8 +295,10 @@ def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional
     vr = _optional(residual, "residual", handle, (m, n), out_dtype)
     if m == 0 or n == 0:
         return out
-    sms = _sms(ordinal)
-    bn = tile_n(m, n, sms)
+    bn = tile_n(m, n, _sms(ordinal))
+    if -(-n // bn) > 65535:
+        raise UnsupportedError(f"N = {n}: the Hopper GEMM's grid walks N's tiles in its y dimension, at most 65535",
+                               hint="split W into parts of fewer rows")
     kernel = _kernel(ordinal, dtype, out_dtype, bn)
     map_a = _tensor_map(ordinal, va.ptr, tensor_map_arguments(m, k, dtype, BM))
     map_w = _tensor_map(ordinal, vw.ptr, tensor_map_arguments(n, k, dtype, bn))
