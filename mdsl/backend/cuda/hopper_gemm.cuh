@@ -247,9 +247,11 @@ __device__ __forceinline__ void gemm_kernel(unsigned char* smem, const TensorMap
   tile.consume(acc, warpgroup - 1, k_tiles, ring);
   const StoreEpilogue<E, TC> out{c, bias, residual, m, n};
   if (bias == nullptr && residual == nullptr) {   // the plain product's stores, without the fused loads' code
-    Tile::each(acc, warpgroup - 1, [&](int r, int col, float v0, float v1) { out.template store<false>(m0 + r, n0 + col, v0, v1); });
+    Tile::each(acc, warpgroup - 1,
+               [&](int r, int col, float v0, float v1) { out.template store<false>(m0 + r, n0 + col, v0, v1); });
   } else {
-    Tile::each(acc, warpgroup - 1, [&](int r, int col, float v0, float v1) { out.template store<true>(m0 + r, n0 + col, v0, v1); });
+    Tile::each(acc, warpgroup - 1,
+               [&](int r, int col, float v0, float v1) { out.template store<true>(m0 + r, n0 + col, v0, v1); });
   }
 }
 

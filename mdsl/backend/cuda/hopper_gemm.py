@@ -92,7 +92,8 @@ def kernel_source(dtype: str, out_dtype: str, bn: int) -> str:
         raise AssertionError(f"{HEADER.name} lost its marker line {_MARKER.strip()!r}")
     e, c = _CTYPES[dtype], _CTYPES[out_dtype]
     kernel = (f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(dtype, out_dtype, bn)}(\n'
-              "    const __grid_constant__ mdsl::hopper::TensorMap a, const __grid_constant__ mdsl::hopper::TensorMap w,\n"
+              "    const __grid_constant__ mdsl::hopper::TensorMap a,\n"
+              "    const __grid_constant__ mdsl::hopper::TensorMap w,\n"
               f"    {c}* c, const {e}* bias, const {c}* residual, int m, int n, int k) {{\n"
               "  extern __shared__ __align__(1024) unsigned char smem[];\n"
               f"  mdsl::hopper::gemm_kernel<{e}, {c}, {bn}>(smem, &a, &w, c, bias, residual, m, n, k);\n"
