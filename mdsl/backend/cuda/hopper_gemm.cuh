@@ -100,7 +100,7 @@ struct GemmTile {
   static constexpr int BM = 128, BN = BN_, BK = 64, CONSUMERS = 2;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = 196608 / STAGE_BYTES;   // 192 KiB of stages: 4 of BN 256 or 192, 6 of 128
+  static constexpr int STAGES = 204800 / STAGE_BYTES;   // 200 KiB of stages: 4 of BN 256, 5 of 192, 6 of 128
   static constexpr int BARRIERS = 2 * STAGES * 8;
   // + 1024: the dynamic shared memory's start is rounded up to the swizzle's 1024-byte period
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + BARRIERS + 1024;
