@@ -12,6 +12,7 @@
     mdsl optimize FILE --backend ptx                           # the GPU check compiles through llvmlite's PTX
     mdsl generate --model DIR --prompt-ids 1,2,3 --max-new-tokens 32   # the megakernel (GPU)
     mdsl serve --model DIR --port 8000                          # the OpenAI API over HTTP
+    mdsl cache check [--dir DIR] [--jobs N]                     # re-check every cached plan, trust those that pass
     mdsl version
 
 Errors in the user's program (an `MdslError`: shapes, dtypes, tracing) and in the command line are
@@ -34,6 +35,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator, Optional, Sequence
@@ -271,6 +273,44 @@ def _log_file(text: str) -> Path:
     return path
 
 
+def cache_check(args: argparse.Namespace) -> int:
+    with _stopped_by_signals():
+        try:
+            return _cache_check(args)
+        finally:  # however the command ends, it ends with its worker processes
+            from mdsl.search.worker import end_server
+
+            end_server()
+
+
+def _cache_check(args: argparse.Namespace) -> int:
+    from mdsl.search.cache import default_dir
+    from mdsl.search.cache_check import FAILED, check_cache
+
+    root = Path(args.dir) if args.dir is not None else default_dir()
+    if not root.is_dir():
+        raise CliError(f"no plan cache at {root}: no such folder (--dir names one; the default is $MDSL_CACHE_DIR, "
+                       f"else ~/.cache/mdsl)")
+    start = time.perf_counter()
+
+    def report(c) -> None:
+        timing = f" ({c.seconds:.1f} s)" if c.outcome != "skipped" else ""
+        why = (f": {c.reason}" + (" (deleted)" if c.deleted else "")) if c.reason else ""
+        print(f"{c.outcome:8} {c.kind:8} {c.path}{timing}{why}", flush=True)
+
+    results = check_cache(root, args.jobs, report)
+    counts = {o: sum(c.outcome == o for c in results) for o in ("passed", "failed", "skipped")}
+    kinds = {k: sum(c.kind == k for c in results) for k in ("plan", "variants")}
+    print(f"mdsl cache check {root}: {_count(len(results), 'entry', 'entries')} ({_count(kinds['plan'], 'plan')}, "
+          f"{_count(kinds['variants'], 'variants entry', 'variants entries')}): {counts['passed']} passed, "
+          f"{counts['failed']} failed, {counts['skipped']} skipped, {time.perf_counter() - start:.1f} s")
+    return EXIT_FAILED if any(c.outcome == FAILED for c in results) else EXIT_OK
+
+
+def _count(n: int, one: str, many: Optional[str] = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def version(args: argparse.Namespace) -> int:
     print(f"mdsl {__version__}")
     return EXIT_OK
@@ -320,6 +360,24 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_generate_command(commands)
     add_serve_command(commands)
+
+    cache = commands.add_parser("cache", help="work on the plan cache",
+                                description="Work on the plan cache ($MDSL_CACHE_DIR, default ~/.cache/mdsl).")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
+    check = cache_commands.add_parser(
+        "check", help="re-check every cached plan and tuning variant; trust those that pass, delete those that fail",
+        description="Re-check every entry of the plan cache (each plan and the tuning variants stored beside it: "
+                    "claims, costs, a finite-field test and the float tests of every candidate against the "
+                    "original program), as reading an entry does, in worker processes. An entry that passes is "
+                    "trusted: this user's mdsl reads it later without re-checking it (the record is kept in "
+                    "$MDSL_STATE_DIR, default ~/.local/state/mdsl, not in the cache). An entry that fails is "
+                    "deleted, so that the next search replaces it; one of another mdsl version is left alone. "
+                    "Run it once on a cache carried from another machine, before the first compile. Prints one "
+                    "line an entry and a summary; the exit status is 1 if an entry failed.")
+    check.add_argument("--dir", metavar="DIR", help="the cache folder (default: $MDSL_CACHE_DIR, else ~/.cache/mdsl)")
+    check.add_argument("--jobs", type=_positive(int), metavar="N",
+                       help="processes that re-check entries (default: one per CPU)")
+    check.set_defaults(run=cache_check)
 
     ver = commands.add_parser("version", help="print mdsl's version")
     ver.set_defaults(run=version)

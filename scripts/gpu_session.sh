@@ -11,7 +11,8 @@
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
 #   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU;
 #   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, its benchmark,
-#      and the HTTP load test.
+#      and the HTTP load test;
+#   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
 # Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, all.tar.gz (everything).
@@ -131,6 +132,14 @@ stage serve "${SERVE_LIMIT:-300}" "$OUT/serve.log" $PY benchmarks/serve.py ${SER
 stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
     --out "$OUT/serve_http"
+
+# (STAGES=torchbench) torch.compile with the mdsl backend against Inductor (benchmarks/torch_compile.py) on the plans
+# in .plans-torch (made on a CPU machine with the device's torch and transformers: --plans-only), each re-checked
+# once on all cores first (`mdsl cache check`: the benchmark's reads then find them trusted)
+TORCHBENCH_LIMIT="${TORCHBENCH_LIMIT:-540}"
+stage torchbench "$TORCHBENCH_LIMIT" "$OUT/torchbench.log" env MDSL_CACHE_DIR="$PWD/.plans-torch" bash -c \
+    "$PY -m mdsl cache check --jobs 16; $PY benchmarks/torch_compile.py --time-limit $(( TORCHBENCH_LIMIT - 90 )) \
+     ${TORCHBENCH_ARGS:-} --out '$OUT/torchbench'"
 
 tar -czf "$OUT/all.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"

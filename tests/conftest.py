@@ -42,6 +42,10 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):   # the controller (or the only process): the xdist workers inherit it
         config._mdsl_shared_dir = tempfile.mkdtemp(prefix="mdsl-tests-shared-")
         os.environ[SHARED_DIR_ENV] = config._mdsl_shared_dir
+        # the trust records (mdsl.search.trust) of what runs outside a test's own (module-scoped fixtures)
+        config._mdsl_state_dir = tempfile.mkdtemp(prefix="mdsl-tests-state-")
+        config._mdsl_state_before = os.environ.get("MDSL_STATE_DIR")
+        os.environ["MDSL_STATE_DIR"] = config._mdsl_state_dir
 
 
 def pytest_unconfigure(config):
@@ -49,14 +53,22 @@ def pytest_unconfigure(config):
     if shared:
         os.environ.pop(SHARED_DIR_ENV, None)
         shutil.rmtree(shared, ignore_errors=True)
+    state = getattr(config, "_mdsl_state_dir", None)
+    if state:
+        if config._mdsl_state_before is None:
+            os.environ.pop("MDSL_STATE_DIR", None)
+        else:
+            os.environ["MDSL_STATE_DIR"] = config._mdsl_state_before
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def _plan_cache_in_tmp(tmp_path_factory, monkeypatch, request):
-    """No test reads or writes the user's plan cache (~/.cache/mdsl). A module marked
-    `shared_compile_cache` shares the session's cubin and PTX caches (tests/shared.py)."""
+    """No test reads or writes the user's plan cache (~/.cache/mdsl) or trust records (~/.local/state/mdsl).
+    A module marked `shared_compile_cache` shares the session's cubin and PTX caches (tests/shared.py)."""
     root = tmp_path_factory.mktemp("mdsl-cache")
     monkeypatch.setenv("MDSL_CACHE_DIR", str(root))
+    monkeypatch.setenv("MDSL_STATE_DIR", str(tmp_path_factory.mktemp("mdsl-state")))
     if request.node.get_closest_marker("shared_compile_cache") and os.environ.get(SHARED_DIR_ENV):
         for name in ("cubin", "ptx"):   # mdsl.backend.cuda.nvrtc.cache_dir(), mdsl.backend.ptx.compile.cache_dir()
             shared = os.path.join(os.environ[SHARED_DIR_ENV], name)

@@ -22,7 +22,9 @@ validates, was verified by this mdsl version for the requested program, and pass
 `mdsl.search.plan.recheck` (claims that fit each candidate, costs, one finite-field test of every
 candidate with fresh randomness, on a reduced instance where one exists). An entry that fails is reported once (a warning naming the file and
 why), deleted, and searched again by `optimize`, which stores the new plan in its place. A plan this
-process wrote or has rechecked is not rechecked again (`_TRUSTED`, by digest).
+user's mdsl wrote or re-checked, in this process or an earlier one, is not re-checked again
+(`mdsl.search.trust`, by content digest; its other checks run on every read). `mdsl cache check`
+re-checks a whole cache at once (`mdsl.search.cache_check`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import attrs
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
+from mdsl.search import trust
 from mdsl.search.config import SearchConfig
 from mdsl.search.plan import Plan, content_digest, mdsl_version, recheck
 
@@ -50,9 +53,6 @@ MAX_ENTRY_BYTES = 64 << 20
 #: Plans a family index lists at most (the newest kept).
 MAX_MEMBERS = 16
 
-#: Digests of plans this process stored or rechecked: the same content needs no second finite-field test.
-_TRUSTED: set = set()
-
 
 def default_dir() -> Path:
     return Path(os.environ.get("MDSL_CACHE_DIR") or Path.home() / ".cache" / "mdsl")
@@ -60,6 +60,10 @@ def default_dir() -> Path:
 
 class CorruptEntry(Exception):
     """A cache entry that is not what its name promises."""
+
+
+class OtherVersion(CorruptEntry):
+    """An entry verified by another mdsl version (this one never looks it up: its key names that version)."""
 
 
 class PlanCache:
@@ -185,19 +189,25 @@ class PlanCache:
         except OSError as e:
             warnings.warn(f"mdsl: could not write the plan cache entry {path}: {e}", stacklevel=2)
             return None
-        _TRUSTED.add(digest)
+        trust.trust("plan", digest)
         return path
 
     def _reject(self, path: Path, seen: Optional[os.stat_result], why: str) -> None:
         """Report a bad entry and delete it, if it is still the file that was read (a concurrent
         writer's fresh entry stays), so that it is reported once and the next search replaces it."""
         warnings.warn(f"mdsl: ignoring the plan cache entry {path} (a new search replaces it): {why}", stacklevel=3)
-        try:
-            now = os.stat(path, follow_symlinks=False)
-            if seen is not None and _same_file(now, seen) and not stat.S_ISDIR(now.st_mode):
-                os.unlink(path)
-        except OSError:  # gone already, or not ours to delete: the next store replaces it or warns
-            pass
+        delete_if_unchanged(path, seen)
+
+
+def delete_if_unchanged(path: Path, seen: Optional[os.stat_result]) -> None:
+    """Delete the entry at `path` if it is still the file `seen` (a concurrent writer's fresh entry stays;
+    a folder is not an entry mdsl wrote)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+        if seen is not None and _same_file(now, seen) and not stat.S_ISDIR(now.st_mode):
+            os.unlink(path)
+    except OSError:  # gone already, or not ours to delete: the next store replaces it or warns
+        pass
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -224,7 +234,8 @@ def _read_bounded(path: Path) -> str:
     return data.decode("utf-8")
 
 
-def _read_entry(text: str, key: str, graph: Optional[KernelGraph]) -> Plan:
+def _read_entry(text: str, key: str, graph: Optional[KernelGraph], *, check: bool = False) -> Plan:
+    """The entry's plan, or CorruptEntry. `check`: re-check it even where this user's mdsl has."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("mdsl_plan_cache") != SCHEMA:
         raise CorruptEntry(f"not a plan cache entry of schema {SCHEMA}")
@@ -237,14 +248,14 @@ def _read_entry(text: str, key: str, graph: Optional[KernelGraph]) -> Plan:
         raise CorruptEntry("its plan does not match its content digest: it was changed after it was written")
     plan = Plan.from_json(data["plan"])  # every graph parses and validates
     if plan.mdsl_version != mdsl_version():
-        raise CorruptEntry(f"it was verified by mdsl {plan.mdsl_version}, not by this mdsl {mdsl_version()}")
+        raise OtherVersion(f"it was verified by mdsl {plan.mdsl_version}, not by this mdsl {mdsl_version()}")
     if graph is not None and plan.original != graph:
         raise CorruptEntry("its original program differs from the requested one")
-    if digest not in _TRUSTED:
+    if check or not trust.trusted("plan", digest):
         problem = recheck(plan)
         if problem:
             raise CorruptEntry(problem)
-        _TRUSTED.add(digest)
+        trust.trust("plan", digest)
     return plan
 
 

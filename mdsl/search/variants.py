@@ -20,10 +20,11 @@ flight per SM, blocks resident per SM. So, from a plan:
 
 The result is stored beside the plan in the plan cache, `<root>/variants/<plan key>.json`, written
 atomically with a content digest and validated when read as a plan is (bounded read, digest, every
-variant's claims, and a re-check of each against the original (finite field and floats): `mdsl.search.plan.recheck`;
-the GPU autotuner may run any of them), so plan files are untouched; an entry that does not fit warns
-and is ignored. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a GPU
-machine without z3 only reads what a CPU machine computed.
+variant's claims, and a re-check of each against the original (finite field and floats):
+`mdsl.search.plan.recheck`; the GPU autotuner may run any of them; not again for an entry this user's
+mdsl wrote or re-checked: `mdsl.search.trust`), so plan files are untouched; an entry that does not fit
+warns and is ignored. Reading (`tuning_candidates`) imports neither the generators nor the verifier: a
+GPU machine without z3 only reads what a CPU machine computed.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import attrs
 
 from mdsl.ir.graph import KernelGraph
+from mdsl.search import trust
 from mdsl.search.cache import PlanCache, _read_bounded, _write_atomic
 from mdsl.search.cost import H200, estimate, gpu_estimate
 from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json, content_digest, recheck_candidates
@@ -320,10 +322,10 @@ def store(cache: PlanCache, plan: Plan, found: Sequence[TuningVariant], limit: i
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, json.dumps(entry, sort_keys=True, indent=1, allow_nan=False))
-        _TRUSTED.add(entry["digest"])
     except OSError as e:
         warnings.warn(f"mdsl: could not write the variants entry {path}: {e}", stacklevel=2)
         return None
+    trust.trust("variants", entry["digest"])
     return path
 
 
@@ -352,7 +354,9 @@ def load(cache: PlanCache, plan: Plan) -> Optional[tuple]:
         return None
 
 
-def _read_entry(text: str, key: str, plan: Plan) -> tuple:
+def _read_entry(text: str, key: str, plan: Plan, *, check: bool = False) -> tuple:
+    """(variants, limit, complete) of the entry, or CorruptVariants. `check`: re-check the variants even
+    where this user's mdsl has."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("mdsl_plan_variants") != SCHEMA:
         raise CorruptVariants(f"not a variants entry of schema {SCHEMA}")
@@ -385,17 +389,15 @@ def _read_entry(text: str, key: str, plan: Plan) -> tuple:
     complete = data.get("complete", False)
     if not isinstance(complete, bool):
         raise CorruptVariants(f"its completeness {complete!r} is not a boolean")
-    if digest not in _TRUSTED:   # what the digest cannot catch: a changed variant with its digest recomputed
+    # what the digest cannot catch: a changed variant with its digest recomputed (`mdsl.search.trust`: an
+    # entry this user's mdsl wrote or re-checked is not re-checked again)
+    if check or not trust.trusted("variants", digest):
         problem = recheck_candidates(plan.original, [(f"variant {i} ({v.describe})", v.candidate)
                                                      for i, v in enumerate(found, 1)])
         if problem:
             raise CorruptVariants(problem)
-        _TRUSTED.add(digest)
+        trust.trust("variants", digest)
     return found, limit, complete
-
-
-#: Digests of the entries this process wrote or re-checked: read again, they are not re-checked.
-_TRUSTED: set = set()
 
 
 def _signature(graph: KernelGraph) -> tuple:
