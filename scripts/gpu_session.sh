@@ -12,6 +12,7 @@
 #   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU;
 #   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, its benchmark,
 #      and the HTTP load test;
+#   5b. (STAGES=gemm) benchmarks/gemm.py on GEMM_ARGS' shapes;
 #   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
@@ -132,6 +133,10 @@ stage serve "${SERVE_LIMIT:-300}" "$OUT/serve.log" $PY benchmarks/serve.py ${SER
 stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
     --out "$OUT/serve_http"
+
+# (STAGES=gemm) the GEMM benchmark's contenders (torch.matmul, the Hopper wgmma GEMM, ...) on GEMM_ARGS' shapes
+stage gemm "${GEMM_LIMIT:-200}" "$OUT/gemm.log" $PY benchmarks/gemm.py \
+    ${GEMM_ARGS:---rows 1024 --shapes 4096:6144,4096:4096,4096:24576,12288:4096} --out "$OUT/gemm"
 
 # (STAGES=torchbench) torch.compile with the mdsl backend against Inductor (benchmarks/torch_compile.py) on the plans
 # in .plans-torch (made on a CPU machine with the device's torch and transformers: --plans-only), each re-checked
