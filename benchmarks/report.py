@@ -14,6 +14,7 @@ table):
     docs/results/search_times.json   benchmarks/search_times.py --json FILE
     docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
+    docs/results/gemm_prefill.json   benchmarks/gemm.py --rows 1024,4096 --shapes K:N,... --out DIR  (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
@@ -49,7 +50,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "serve", "serve_http")
+OPTIONAL = ("torch_compile", "serve", "serve_http", "gemm_prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -227,6 +228,30 @@ def gemm_section(data: Optional[dict]) -> list:
                      _times(r["kernel_us"] / r["cublas_us"]) if r.get("cublas_us") and r.get("kernel_us") else "-"])
     lines += _table(["M", "K", "N", "floor µs", "cuBLAS", "mdsl kernel", "torch", "cuBLAS over kernel"], rows,
                     right=0) + [""]
+    return lines
+
+
+def gemm_prefill_section(data: Optional[dict]) -> list:
+    """Prompt-sized products (M in the thousands): the Hopper GEMM (TMA + wgmma) against torch.matmul."""
+    lines = ["## Prompt-sized matmuls: the Hopper GEMM against cuBLAS", ""]
+    if data is None:
+        return lines + _missing("gemm_prefill")
+    dtype = (data.get("meta") or {}).get("dtype", "?")
+    lines += [run_line(data.get("meta")), "",
+              f"µs per call of [M, K] @ [K, N] in {dtype}, host time included (20 back-to-back calls between CUDA "
+              "events, inputs rotated past the L2): mdsl's Hopper GEMM (`hopper_gemm`: TMA loads into a ring of "
+              "shared memory, wgmma, the tile width it picks) and torch.matmul (cuBLAS); floor: flops / 750 "
+              "TFLOP/s; share: torch's time over the Hopper GEMM's.", ""]
+    rows = []
+    for r in data.get("rows") or []:
+        if not (r.get("wgmma_us") and r.get("torch_us")):
+            continue
+        floor = 2 * r["m"] * r["k"] * r["n"] / H200.matmul_flops_per_s
+        rows.append([r["m"], r["k"], r["n"], _us(floor), f"{r['torch_us']:.1f}", f"{r['wgmma_us']:.1f}",
+                     _percent(r["torch_us"] / r["wgmma_us"]), r.get("wgmma_tile", "-"),
+                     _percent(floor * 1e6 / r["wgmma_us"])])
+    lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "share of torch", "tile",
+                     "Hopper GEMM % of floor"], rows, right=0) + [""]
     return lines
 
 
@@ -585,6 +610,11 @@ def headlines(results: dict) -> dict:
     if served and "http_over_offline" in served:
         h["serve_http_ratio"] = f"{served['http_over_offline']:.2f}×"
         h["serve_http_tokens"] = f"{served['runs'][0]['output_tokens_per_s']:.0f}"
+    prefill = [r for r in ((results.get("gemm_prefill") or {}).get("rows") or [])
+               if r.get("wgmma_us") and r.get("torch_us")]
+    if prefill:
+        shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
+        h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
     return h
 
 
@@ -607,6 +637,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += compile_section(results.get("compile_times"))
     lines += random_programs_section(results.get("random_programs") or [])
     lines += gemm_section(results.get("gemm"))
+    lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
     lines += torch_compile_section(results.get("torch_compile"))
     lines += serve_section(results.get("serve"))
