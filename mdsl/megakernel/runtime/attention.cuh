@@ -94,7 +94,7 @@ __device__ __forceinline__ void split_positions(long long pos, int split, long l
 // that a split's rows are one contiguous range (DRAM pages read through, not a row in every one)
 __device__ __forceinline__ long long kv_row(long long q, int g) { return ((long long)g * MAX_SEQ + q) * D; }
 
-constexpr int ROUND = NT / ATTN_LANES;   // cached positions a round of scores
+constexpr int ROUND = ROUND_SPANS * NT / ATTN_LANES;   // cached positions a round of scores (ROUND_SPANS a lane)
 constexpr int RING = ATTN_STREAM > 0 ? ATTN_STREAM : 1;       // the ring's stages (1: rows not streamed)
 static_assert(ROUND % NW == 0, "a warp's weighted values continue from one round into the next in position order");
 static_assert(RING <= 32 && D * sizeof(T) % 16 == 0, "a stage's phase is a bit of a word; its rows whole 16 bytes");
@@ -194,40 +194,43 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   const float* q_lane = qs + sub * Q_PAD;   // (q_at: this lane's span, padded)
   for (int round = 0; round < rounds; ++round) {   // uniform over the block: shuffles and barriers are safe
     if (ATTN_STREAM > 0) next_stage(w.k_cache, g, lo, count, round, ring, phases);
-    const int i = round * ROUND + threadIdx.x / ATTN_LANES;
-    const long long q = lo + i;
-    float acc[G];
+#pragma unroll   // a round's spans: their key rows in flight together
+    for (int span = 0; span < ROUND_SPANS; ++span) {
+      const int i = round * ROUND + span * (NT / ATTN_LANES) + threadIdx.x / ATTN_LANES;
+      const long long q = lo + i;
+      float acc[G];
 #pragma unroll
-    for (int h = 0; h < G; ++h) acc[h] = 0.0f;
-    if (i < count && q == pos) {   // the new key, from shared memory, in the cached keys' order
-      for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
+      for (int h = 0; h < G; ++h) acc[h] = 0.0f;
+      if (i < count && q == pos) {   // the new key, from shared memory, in the cached keys' order
+        for (int d = sub * (D / ATTN_LANES); d < (sub + 1) * (D / ATTN_LANES); ++d)
 #pragma unroll
-        for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d], knew[d], acc[h]);
-    } else if (i < count) {
-      const T* key = ATTN_PRELOAD     ? kbuf + i * D
-                     : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
-                                       : w.k_cache + kv_row(q, g);
-      const uint4* kc = reinterpret_cast<const uint4*>(key) + sub * LANE_VECTORS;
+          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d], knew[d], acc[h]);
+      } else if (i < count) {
+        const T* key = ATTN_PRELOAD     ? kbuf + i * D
+                       : ATTN_STREAM > 0 ? ring + (round % RING * ROUND + i % ROUND) * D
+                                         : w.k_cache + kv_row(q, g);
+        const uint4* kc = reinterpret_cast<const uint4*>(key) + sub * LANE_VECTORS;
 #pragma unroll   // every vector of the row in flight at once: one L2 round trip, not LANE_VECTORS / 4
-      for (int c = 0; c < LANE_VECTORS; ++c) {
-        const uint4 raw = kc[c];
-        const T* e = reinterpret_cast<const T*>(&raw);
-        const int d0 = (sub * LANE_VECTORS + c) * PER;
+        for (int c = 0; c < LANE_VECTORS; ++c) {
+          const uint4 raw = kc[c];
+          const T* e = reinterpret_cast<const T*>(&raw);
+          const int d0 = (sub * LANE_VECTORS + c) * PER;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const float k = mdsl::to_float(e[j]);
+          for (int j = 0; j < PER; ++j) {
+            const float k = mdsl::to_float(e[j]);
 #pragma unroll
-          for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
+            for (int h = 0; h < G; ++h) acc[h] = fmaf(q_lane[h * Q_STRIDE + d0 + j], k, acc[h]);
+          }
         }
       }
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int o = ATTN_LANES / 2; o > 0; o /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+      if (i < count && sub == 0)
+#pragma unroll
+        for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
     }
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int o = ATTN_LANES / 2; o > 0; o /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
-    if (i < count && sub == 0)
-#pragma unroll
-      for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
   }
   compute_sync();
   mark(p, 1);

@@ -145,9 +145,14 @@ def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False, stream_
 STREAM_BYTES = 64 * 1024
 
 
+# Cached positions a score lane takes a round (device.cu's ROUND_SPANS): a round's positions are a ring stage's rows,
+# and each round costs a block barrier and a stage's wait.
+ROUND_SPANS = 1
+
+
 def stream_round(plan: TaskPlan) -> int:
     """Cached positions a round of attention's scores covers (device.cu's ROUND): a ring stage's rows."""
-    return THREADS // attention_lanes(plan)
+    return ROUND_SPANS * THREADS // attention_lanes(plan)
 
 
 def stream_stages(plan: TaskPlan, early_bytes: int) -> int:
@@ -279,6 +284,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
     lines += [f"constexpr int {name} = {value};" for name, value in constants.items()]
     lines += [f"constexpr int ATTN_LANES = {attention_lanes(plan)};",
+              f"constexpr int ROUND_SPANS = {ROUND_SPANS};   // cached positions a score lane takes a round",
               f"constexpr int Q_STRIDE = {q_stride(plan)};   // floats between attention's q heads",
               f"constexpr int Q_PAD = {Q_PAD};",
               f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
