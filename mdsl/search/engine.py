@@ -127,9 +127,11 @@ def search_unavailable() -> Optional[str]:
     """Why the default search cannot run on this machine, or None. The exhaustive generator needs z3; a
     search without it finds other plans than its cache key promises (the key names the default
     generators), so `optimize` does not run one."""
-    if importlib.util.find_spec("z3") is None:
-        return "z3-solver, which the exhaustive generator needs, is not installed"
-    return None
+    try:
+        found = importlib.util.find_spec("z3") is not None
+    except (ImportError, ValueError):   # a finder that refuses it, or a module entry without a spec
+        found = False
+    return None if found else "z3-solver, which the exhaustive generator needs, is not installed"
 
 
 def default_generators(config: SearchConfig) -> list:
