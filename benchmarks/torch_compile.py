@@ -41,7 +41,8 @@ then max-autotune, reduce-overhead and mdsl-no-graphs.
 
 mdsl's plans come from the plan cache (`MDSL_CACHE_DIR`; unset: a fresh directory) or, where a region's
 plan is missing, from a search on the machine (16 CPU cores on the H200: the search needs z3; without it
-a region runs its traced program unoptimized, and the notes say so). `--plans-only` fills the cache
+a region whose plan is missing is left to Inductor at once, and the notes say how many operators that
+leaves). `--plans-only` fills the cache
 without a GPU: it compiles both workloads with the mdsl backend on CPU tensors (the regions on the
 reference interpreter), searches each distinct region's plan with the same configuration and compiles
 it into the cubin cache (NVRTC, no GPU needed); regions alike share a plan, so two layers give every
@@ -262,6 +263,8 @@ def mdsl_record(graphs: list) -> dict:
     return {"graphs": len(graphs), "regions": len(regions), "distinct_regions": len({r.op for r in regions}),
             "region_ops": sum(len(r.aten_ops) for r in regions),
             "left_to_torch": sum(1 for g in graphs for _ in g.left),
+            # operators of regions whose plan the cache lacks, where the search cannot run (no z3): Inductor's
+            "no_plan": sum(1 for g in graphs for _, reason in g.left.values() if "no plan for its region" in reason),
             "handoffs": [str(g.handoff) for g in graphs],
             "replays": sum(sum(r.replays.values()) for r in regions)}
 
@@ -357,6 +360,9 @@ def notes_of(rec: dict) -> str:
         m = rec["mdsl"]
         notes.append(f"{m['regions']} regions ({m['distinct_regions']} distinct), {m['left_to_torch']} ops left to "
                      f"torch; " + " / ".join(m["handoffs"]))
+        if m.get("no_plan"):
+            notes.append(f"{m['no_plan']} of those ops are in regions the plan cache has no plan for, which the "
+                         "search cannot make here (no z3)")
     notes += [w for w in rec.get("warnings") or [] if "unoptimized" in w or "CUDA graph" in w]
     return "; ".join(notes).replace("|", "\\|")
 

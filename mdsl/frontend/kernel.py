@@ -307,16 +307,19 @@ class KernelFunction:
         return runtime.compile_graph(self._gpu_graph(specs, arch), arch=arch, device=device, backend=backend)
 
     def _gpu_graph(self, specs: tuple, arch: str) -> KernelGraph:
-        """The optimized plan's graph, or the traced graph where the search cannot run (a module it
-        needs, such as z3, is not installed)."""
-        try:
-            from mdsl.search.config import SearchConfig
+        """The optimized plan's graph, or the traced graph where the plan cache has none and the search
+        cannot run (a module it needs, such as z3, is not installed)."""
+        from mdsl.search.config import SearchConfig
+        from mdsl.search.engine import SearchUnavailable
 
+        try:
             return self.optimize(*specs, config=SearchConfig(arch=arch)).graph
+        except SearchUnavailable as e:
+            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: {e.message}", stacklevel=4)
         except ModuleNotFoundError as e:
             warnings.warn(f"kernel {self.name}: running the traced program unoptimized: the search needs "
                           f"{e.name}, which is not installed", stacklevel=4)
-            return self.trace(*specs)
+        return self.trace(*specs)
 
 
 def frame_loc_of(fn: Callable):

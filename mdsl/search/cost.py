@@ -195,10 +195,39 @@ def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
 
 
 def estimate(graph: KernelGraph, device: Device = H200) -> Cost:
-    """The cost of running `graph` as one kernel launch per non-view node."""
+    """The cost of running `graph` as one kernel launch per non-view node. The kernels' times are summed
+    by `math.fsum`, correctly rounded: the builtin `sum` of floats rounds differently from one Python to
+    another (3.12 compensates its rounding, 3.11 does not), and a plan's costs are re-checked on whatever
+    machine reads it (`same_cost`)."""
     ks = kernel_costs(graph, device)
-    return Cost(sum(k.seconds for k in ks), sum(k.dram_bytes for k in ks), len(ks),
+    return Cost(math.fsum(k.seconds for k in ks), sum(k.dram_bytes for k in ks), len(ks),
                 max((k.smem_bytes for k in ks), default=0), sum(k.flops for k in ks), tuple(ks))
+
+
+#: How far apart two estimates of one graph's time may be and still agree: far above the rounding of a
+#: sum of a few hundred kernel times, far below any difference that could reorder candidates.
+SAME_COST_REL = 1e-9
+
+
+def same_cost(stored: Cost, estimated: Cost) -> bool:
+    """Whether `stored` (a cost read back from a plan) is `estimated` (the cost model's estimate of the
+    same graph): every count equal, every time equal up to rounding. A plan written by another Python
+    summed its kernels' times with other rounding (`estimate`), which is the same estimate."""
+    def same(a, b) -> bool:
+        if isinstance(a, float) or isinstance(b, float):
+            return isinstance(a, (int, float)) and isinstance(b, (int, float)) \
+                and math.isclose(a, b, rel_tol=SAME_COST_REL, abs_tol=0.0)
+        return type(a) is type(b) and a == b
+
+    if not (isinstance(stored, Cost) and isinstance(estimated, Cost)) or len(stored.kernels) != len(estimated.kernels):
+        return False
+    pairs = [(stored, estimated), *zip(stored.kernels, estimated.kernels)]
+    if not all(isinstance(k, KernelCost) for pair in pairs[1:] for k in pair):
+        return False
+    # a Cost's fields but its kernels, then each kernel's fields
+    return all(same(a, b) for s, e in pairs
+               for a, b in zip(attrs.astuple(s, recurse=False), attrs.astuple(e, recurse=False))
+               if not isinstance(a, tuple) or not isinstance(b, tuple))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import bisect
 import concurrent.futures as cf
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -117,6 +118,22 @@ class SearchResult:
                     tuple(others), self.config, mdsl_version(), explanation=self.explanation)
 
 
+class SearchUnavailable(MdslError):
+    """`optimize` needs a search of the default generators and this machine cannot run it (a module it
+    needs is not installed), and the plan cache has no plan for the program."""
+
+
+def search_unavailable() -> Optional[str]:
+    """Why the default search cannot run on this machine, or None. The exhaustive generator needs z3; a
+    search without it finds other plans than its cache key promises (the key names the default
+    generators), so `optimize` does not run one."""
+    try:
+        found = importlib.util.find_spec("z3") is not None
+    except (ImportError, ValueError):   # a finder that refuses it, or a module entry without a spec
+        found = False
+    return None if found else "z3-solver, which the exhaustive generator needs, is not installed"
+
+
 def default_generators(config: SearchConfig) -> list:
     """The generators that exist, of those the config enables, in `DEFAULT_GENERATORS` order."""
     out = []
@@ -168,7 +185,9 @@ def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache
     none, or a PlanCache), else re-targeted from a plan of the same program at another size of its
     leading dim (`mdsl.search.family`, default searcher only), else from a `search`, then stored in
     the cache. A provisional plan (its search was cut short by the time cap) is searched again, and
-    kept beside the new search's candidates where that one is cut short too."""
+    kept beside the new search's candidates where that one is cut short too. Where the default search
+    cannot run (`search_unavailable`), a provisional plan is served as it is, and a program without a
+    plan raises SearchUnavailable at once."""
     default = generators is None and verifier is None
     store = PlanCache() if cache is True else cache or None
     if store is None:
@@ -178,7 +197,8 @@ def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache
     key = store.key(graph, config, searcher=searcher)
     family = store.family_key(graph, config, searcher)
     plan = store.load(key, graph)
-    if plan is not None and not plan.provisional:
+    unavailable = search_unavailable() if generators is None else None
+    if plan is not None and (not plan.provisional or unavailable):
         with _EventLog(log_path, graph.name) as log:
             log.write("cache_hit", path=plan.cache_path)
         return plan
@@ -189,6 +209,11 @@ def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache
                 log.write("family_hit", source_size=member.family.source, size=member.family.size)
             store.store(key, member)
             return member
+    if unavailable:
+        raise SearchUnavailable(f"kernel {graph.name}: the plan cache {store.root} has no plan for it, and the "
+                                f"search cannot run here: {unavailable}",
+                                hint="pip install z3-solver, or carry a plan cache made where it is installed "
+                                     "(MDSL_CACHE_DIR; `mdsl cache check` it once)")
     found = search(graph, config, generators=generators, verifier=verifier, progress=progress,
                    log_path=log_path).plan()
     if plan is not None and found.provisional:

@@ -20,7 +20,7 @@ from mdsl.ir import serialize
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.search.config import SearchConfig
-from mdsl.search.cost import Cost, Floor, KernelCost, estimate
+from mdsl.search.cost import Cost, Floor, KernelCost, estimate, same_cost
 from mdsl.search.records import Boundary, Family
 from mdsl.search.stats import SearchStats
 
@@ -279,21 +279,22 @@ RECHECK_ELEMENTS = 1 << 22
 def recheck(plan: Plan, seed: Optional[int] = None) -> Optional[str]:
     """Why `plan`, read back from storage, must not be served as verified, or None.
 
-    Each candidate (the chosen mugraph and every alternative: the GPU autotuner may pick any of them)
-    must claim a passed verification that fits it (the original program alone needs none), read and
-    return tensors of the original's types, cost what the cost model estimates, and pass one
-    finite-field test and the float tests (`mdsl.passes.float_check`: normal and scaled inputs) against
-    the original, with randomness of its own (`seed`; None: fresh from the OS, so that no stored graph
-    can be fitted to it). The test runs on a reduced instance of the pair where one
-    exists (`mdsl.search.resize.reduced`: both graphs shrunk by the same factor per label, the same grids,
-    loops and maps), else at full size. It re-checks what the content digest cannot: a plan whose
-    computation was changed and its digest recomputed. A changed operator, attribute, map or wiring
-    changes the function at the reduced sizes too, and is caught with probability about 1 - degree / q
-    (q > 2^23, `mdsl.passes.verify`); a change visible only in elements a smaller problem lacks (a tile
-    offset, a split point) is not, which is why the search's own verification runs at full size. At the
-    reduced sizes the test costs milliseconds where a full-size one costs an evaluation of each program
-    (seconds for weights of 8192 x 8192). The float tests catch what the field cannot: a change that keeps
-    the rational function and breaks its numerics (a softmax's maximum added rather than subtracted)."""
+    Each candidate (the chosen mugraph and every alternative: the GPU autotuner may pick any of them) must
+    claim a passed verification that fits it (the original program alone needs none), read and return
+    tensors of the original's types, cost what the cost model estimates (to rounding:
+    `mdsl.search.cost.same_cost`), and pass one finite-field test and the float tests
+    (`mdsl.passes.float_check`: normal and scaled inputs) against the original, with randomness of its own
+    (`seed`; None: fresh from the OS, so that no stored graph can be fitted to it). The test runs on a
+    reduced instance of the pair where one exists (`mdsl.search.resize.reduced`: both graphs shrunk by the
+    same factor per label, the same grids, loops and maps), else at full size. It re-checks what the content
+    digest cannot: a plan whose computation was changed and its digest recomputed. A changed operator,
+    attribute, map or wiring changes the function at the reduced sizes too, and is caught with probability
+    about 1 - degree / q (q > 2^23, `mdsl.passes.verify`); a change visible only in elements a smaller
+    problem lacks (a tile offset, a split point) is not, which is why the search's own verification runs at
+    full size. At the reduced sizes the test costs milliseconds where a full-size one costs an evaluation of
+    each program (seconds for weights of 8192 x 8192). The float tests catch what the field cannot: a change
+    that keeps the rational function and breaks its numerics (a softmax's maximum added rather than
+    subtracted)."""
     candidates = [("the chosen mugraph", plan.chosen)]
     candidates += [(f"alternative {i}", c) for i, c in enumerate(plan.alternatives, 1)]
     return recheck_candidates(plan.original, candidates, seed)
@@ -323,7 +324,7 @@ def _claim_problem(original: KernelGraph, candidate: Candidate) -> Optional[str]
                                       or not 0.0 <= evidence.false_pass_probability <= 1.0):
         return (f"claims {evidence.finite_field_tests} finite-field test(s) with false-pass probability "
                 f"{evidence.false_pass_probability!r}, which is no verification, but is not the original program")
-    if estimate(graph) != candidate.cost:
+    if not same_cost(candidate.cost, estimate(graph)):
         return "has a cost other than the cost model's estimate"
     return None
 

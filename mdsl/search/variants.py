@@ -39,7 +39,7 @@ import attrs
 from mdsl.ir.graph import KernelGraph
 from mdsl.search import trust
 from mdsl.search.cache import PlanCache, _read_bounded, _write_atomic
-from mdsl.search.cost import H200, estimate, gpu_estimate
+from mdsl.search.cost import H200, estimate, gpu_estimate, same_cost
 from mdsl.search.plan import Candidate, Plan, _candidate, _candidate_json, content_digest, recheck_candidates
 
 SCHEMA = 2
@@ -378,7 +378,7 @@ def _read_entry(text: str, key: str, plan: Plan, *, check: bool = False) -> tupl
         e = c.evidence
         if not (e.equivalent and e.finite_field_tests >= plan.config.verify_tests and e.seed == plan.config.seed):
             raise CorruptVariants(f"a variant lacks the verification a plan candidate has ({e.describe()})")
-        if estimate(c.graph) != c.cost:
+        if not same_cost(c.cost, estimate(c.graph)):
             raise CorruptVariants("a variant's cost differs from the cost model's estimate")
         seconds = float(item["gpu_seconds"])
         if not (seconds > 0 and math.isfinite(seconds)):

@@ -9,6 +9,11 @@ extern kernel. Where Inductor fails on a graph, or there is nothing left for it 
 runs as torch's eager operators, and `mdsl.torch.explain` says so. A backward pass, where inputs need
 gradients, runs as torch's eager operators: mdsl computes forward passes only.
 
+On CUDA tensors each region's plan is looked up when the graph is partitioned. Where the plan cache has none
+and the search cannot run on the machine (z3 is not installed: `mdsl.search.engine.search_unavailable`),
+the region's operators are left to Inductor, with that reason in the report, at once: compiling never
+waits on a search that cannot find the plan the cache's key promises.
+
 A symbolic dim (torch.compile's default dynamic shapes make a dim symbolic when a second size arrives)
 that is the leading dim of every region tensor it appears in leaves the region in mdsl: the region's
 kernel is traced per size at run time, so that one compiled graph serves every batch size.
@@ -110,6 +115,17 @@ def _static_inputs() -> tuple:
     return tuple(getattr(metadata, "static_input_indices", None) or ())
 
 
+def _gpu_arch(example_inputs) -> Optional[str]:
+    """The arch of the GPU the graph's example tensors are on (the first CUDA one), or None: on the host,
+    regions run on the reference interpreter and need no plan."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            from mdsl.gpu.driver import target_arch
+
+            return target_arch(value.device.index or 0)
+    return None
+
+
 def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True, cuda_graphs: bool = True,
              on_graph: Optional[Callable] = None) -> Callable:
     """A dynamo backend whose regions are searched with `search` (default `DEFAULT_SEARCH`) and whose
@@ -123,7 +139,7 @@ def compiler(search: Optional[SearchConfig] = None, *, inductor: bool = True, cu
     def forward(gm, example_inputs, inference: bool = False):
         # read first: Inductor's own AOTAutograd pass replaces the tracing context's metadata
         static = _static_inputs() if inference and cuda_graphs else ()
-        partitioned = partition(gm, config)
+        partitioned = partition(gm, config, arch=_gpu_arch(example_inputs))
         written = mutated_inputs(partitioned.module.graph)   # before Inductor, which may rewrite the graph
         compiled, handoff = _hand_off(partitioned.module, example_inputs, inductor)
         if inference and cuda_graphs:

@@ -319,8 +319,12 @@ class Partitioned:
     handoff: object = None
 
 
-def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_") -> Partitioned:
-    """Cut `gm` (an aten graph with example values in `meta["val"]`) into mdsl regions, in place."""
+def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_", *,
+              arch: Optional[str] = None) -> Partitioned:
+    """Cut `gm` (an aten graph with example values in `meta["val"]`) into mdsl regions, in place.
+    `arch`: the GPU the graph runs on, where its regions' plans are looked up now: a region whose plan
+    the cache lacks and the search cannot make on this machine (`mdsl.search.engine.search_unavailable`)
+    is left to torch, with the reason, rather than run unoptimized."""
     support = _Support()
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -328,6 +332,8 @@ def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_
     groups = sorted((g for g in groups if any(_computes(n) for n in g)), key=lambda g: order[g[0]])
     left = {n.name: (aten_name(n.target), reason) for n, reason in support.reasons.items()
             if n.op == "call_function" and n.target is not operator.getitem and _computes_tensors(n)}
+    if arch is not None:
+        groups = [g for g in groups if not _without_plan(g, search, arch, left)]
     regions = tuple(_region(f"{prefix}{k}", group, search) for k, group in enumerate(groups))
     renamed: dict = {}   # an earlier region's output -> the getitem of its call that replaces it
     for region in regions:
@@ -338,7 +344,28 @@ def partition(gm: GraphModule, search: SearchConfig, prefix: str = "mdsl_region_
     return Partitioned(gm, regions, left)
 
 
-def _region(name: str, nodes: Sequence[Node], search: SearchConfig) -> Region:
+def _without_plan(nodes: Sequence[Node], search: SearchConfig, arch: str, left: dict) -> bool:
+    """Whether the group of nodes has no plan for `arch` that this machine can serve or search; if so,
+    each of its nodes that computes a tensor is added to `left` with the reason."""
+    from mdsl.search.engine import SearchUnavailable, search_unavailable
+
+    unavailable = search_unavailable()
+    if unavailable is None:
+        return False
+    region = _region("mdsl_region", nodes, search, operator_too=False)
+    try:
+        region.kernel.optimize(*region.specs, config=SearchConfig(arch=arch))
+    except SearchUnavailable:
+        reason = f"the plan cache has no plan for its region, and the search cannot run here ({unavailable})"
+        left.update({n.name: (aten_name(n.target), reason) for n in nodes
+                     if n.target is not operator.getitem and _computes_tensors(n)})
+        return True
+    except MdslError:   # a region that does not trace at the example's sizes: its calls replay torch's operators
+        pass
+    return False
+
+
+def _region(name: str, nodes: Sequence[Node], search: SearchConfig, operator_too: bool = True) -> Region:
     members = set(nodes)
     reads = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
     inputs = [a for a in reads if not _is_size(_example(a))]
@@ -346,7 +373,8 @@ def _region(name: str, nodes: Sequence[Node], search: SearchConfig) -> Region:
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     steps = tuple((n, n.target, n.args, n.kwargs) for n in nodes)
     region = Region(name, steps, inputs, sizes, outputs, tuple(_spec(_example(a)) for a in inputs), search)
-    region.op = region_op(f"region_{_digest(region)}", region, region.fake)
+    if operator_too:
+        region.op = region_op(f"region_{_digest(region)}", region, region.fake)
     return region
 
 

@@ -25,12 +25,15 @@ class RegionReport:
     seconds_before: float
     seconds_after: float
     provisional: bool
+    no_plan: str = ""      # why the region has no plan (it runs its traced program unoptimized)
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in Counter(self.aten_ops).items())
         plan = (f"{self.kernels_before} kernel(s) ({self.seconds_before * 1e6:.3g} us estimated) -> "
                 f"{self.kernels_after} ({self.seconds_after * 1e6:.3g} us)")
-        if self.provisional:
+        if self.no_plan:
+            plan = f"none ({self.no_plan}); its {self.kernels_before} kernel(s) run unoptimized"
+        elif self.provisional:
             plan += ", provisional (the search's time cap cut it short)"
         return (f"{self.name}: {len(self.aten_ops)} aten op(s): {ops}\n"
                 f"    reads {', '.join(self.inputs)}; writes {', '.join(self.outputs)}\n"
@@ -80,15 +83,24 @@ def explain(model, *inputs, search: Optional[SearchConfig] = None, inductor: boo
     compiled = torch.compile(model, backend=compiler(config, inductor=inductor, on_graph=graphs.append))
     with torch.no_grad():
         compiled(*inputs, **kwargs)
+    from mdsl.search.cost import estimate
+    from mdsl.search.engine import SearchUnavailable
+
     regions = []
     for partitioned in graphs:
         for region in partitioned.regions:
-            plan = region.kernel.optimize(*region.specs)
-            regions.append(RegionReport(
-                region.name if len(graphs) == 1 else f"graph {graphs.index(partitioned)} {region.name}",
-                tuple(region.aten_ops), tuple(str(s.type) for s in region.specs),
-                tuple(str(v.type) for v in region.graph().outputs), plan.original_cost.launches,
-                plan.cost.launches, plan.original_cost.seconds, plan.cost.seconds, plan.provisional))
+            name = region.name if len(graphs) == 1 else f"graph {graphs.index(partitioned)} {region.name}"
+            head = (name, tuple(region.aten_ops), tuple(str(s.type) for s in region.specs),
+                    tuple(str(v.type) for v in region.graph().outputs))
+            try:
+                plan = region.kernel.optimize(*region.specs)
+            except SearchUnavailable as e:
+                traced = estimate(region.graph())
+                regions.append(RegionReport(*head, traced.launches, traced.launches, traced.seconds, traced.seconds,
+                                            False, e.message))
+                continue
+            regions.append(RegionReport(*head, plan.original_cost.launches, plan.cost.launches,
+                                        plan.original_cost.seconds, plan.cost.seconds, plan.provisional))
     left = Counter(entry for partitioned in graphs for entry in partitioned.left.values())
     return Report(len(graphs), tuple(regions),
                   tuple(LeftToTorch(aten, reason, n) for (aten, reason), n in sorted(left.items())),

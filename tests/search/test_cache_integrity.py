@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import warnings
@@ -254,6 +255,20 @@ def test_a_wrong_graph_claiming_to_be_the_original_is_not_served(stored, tmp_pat
     node["op"] = "mul"
     cache, path = _cache(tmp_path, _with_digest(data))
     _refused(cache, path, "alternative 2 claims 0 finite-field test(s)")
+
+
+def test_an_entry_whose_times_another_python_rounded_is_served(stored, tmp_path):
+    """A plan's estimated times as another Python sums them (3.12's sum() of floats compensates its
+    rounding, 3.11's does not): the last bit of each candidate's time differs from this Python's estimate,
+    and the entry is still the same plan, re-checked and served where it was carried."""
+    data = json.loads(stored)
+    for candidate in [data["plan"]["chosen"], *data["plan"]["alternatives"]]:
+        candidate["cost"]["seconds"] = math.nextafter(candidate["cost"]["seconds"], math.inf)
+    cache, path = _cache(tmp_path, _with_digest(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = cached_plan(GRAPH, CONFIG, cache=cache, **LOOKUP)
+    assert plan is not None and plan.cache_path == str(path)
 
 
 def test_another_mdsl_versions_entry_is_not_served(stored, tmp_path):

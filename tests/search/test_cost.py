@@ -1,8 +1,10 @@
 """The cost model: roofline floors and the terms that rank candidates."""
+import math
+
 import attrs
 import pytest
 
-from mdsl.search.cost import H200, estimate, roofline_floor
+from mdsl.search.cost import H200, estimate, roofline_floor, same_cost
 from tests.examples_util import load_example
 
 example = load_example
@@ -48,3 +50,22 @@ def test_a_slower_device_gives_a_larger_estimate():
     g = example("gated_mlp").gated_mlp.graph
     slow = attrs.evolve(H200, dram_bytes_per_s=H200.dram_bytes_per_s / 2)
     assert estimate(g, slow).seconds > estimate(g, H200).seconds
+
+
+def test_the_estimate_sums_its_kernels_times_correctly_rounded():
+    """The same on every Python: the builtin sum() of floats rounds one way on 3.11 and another on 3.12."""
+    cost = estimate(example("gqa").make_gqa(1).graph)
+    assert len(cost.kernels) > 2 and cost.seconds == math.fsum(k.seconds for k in cost.kernels)
+
+
+def test_a_stored_cost_agrees_with_the_estimate_to_rounding_and_no_further():
+    cost = estimate(example("gated_mlp").gated_mlp.graph)
+    last_bit = attrs.evolve(cost, seconds=math.nextafter(cost.seconds, 0.0))
+    assert same_cost(cost, cost) and same_cost(last_bit, cost)
+    kernel = attrs.evolve(cost.kernels[0], seconds=math.nextafter(cost.kernels[0].seconds, 1.0))
+    assert same_cost(attrs.evolve(cost, kernels=(kernel, *cost.kernels[1:])), cost)
+    assert not same_cost(attrs.evolve(cost, seconds=cost.seconds * 0.999), cost)
+    assert not same_cost(attrs.evolve(cost, dram_bytes=cost.dram_bytes - 1), cost)
+    assert not same_cost(attrs.evolve(cost, launches=True), attrs.evolve(cost, launches=1))
+    assert not same_cost(attrs.evolve(cost, kernels=cost.kernels[1:]), cost)
+    assert not same_cost(attrs.evolve(cost, seconds=math.nan), cost)

@@ -68,6 +68,20 @@ def test_where_inductor_fails_the_rest_runs_eagerly_and_explain_says_why(torch, 
     assert off.handoffs[0].compiler == "eager" and "inductor=False" in off.handoffs[0].reason
 
 
+def test_explain_names_a_region_without_a_plan_where_the_search_cannot_run(torch, monkeypatch):
+    import mdsl.torch
+    from mdsl.search import engine
+    from tests.torch.models import MLP
+
+    monkeypatch.setattr(engine, "search_unavailable", lambda: "z3-solver is not installed")
+    monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("explain searched"))
+    torch.manual_seed(0)
+    report = mdsl.torch.explain(MLP(act=torch.nn.GELU).eval(), torch.randn(2, 8, 64), search=SEARCH)
+    assert report.regions and all(r.no_plan and r.kernels_after == r.kernels_before for r in report.regions)
+    assert "plan: none (kernel mdsl_region: the plan cache" in str(report)
+    assert "the search cannot run here: z3-solver is not installed)" in str(report)
+
+
 def test_a_bf16_mlp_matches_eager_within_bf16_tolerance(torch):
     from tests.torch.models import MLP
 

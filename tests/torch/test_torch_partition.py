@@ -89,3 +89,62 @@ def test_regions_alike_trace_to_the_same_program(torch):
     first, second = result.regions
     assert first.graph().key == second.graph().key
     assert first.op is second.op and _called(result) == ["mdsl_region_0", "mdsl_region_1"]
+
+
+NO_Z3 = "z3-solver, which the exhaustive generator needs, is not installed"
+
+
+def _chain(torch):
+    return (lambda x, w: torch.relu(x @ w) * 2.0), (torch.randn(4, 32), torch.randn(32, 16))
+
+
+def test_on_a_gpu_without_a_plan_or_a_search_a_region_is_left_to_torch_at_once(torch, monkeypatch):
+    """As on the GPU machine without z3 and a plan cache that lacks the region's plan: the region's
+    operators go to torch (Inductor) with the reason, and nothing is searched."""
+    from mdsl.search import engine
+
+    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("the partition searched"))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mdsl.torch.regions import partition
+
+    fn, inputs = _chain(torch)
+    result = partition(make_fx(fn)(*inputs), SEARCH, arch="sm_90a")
+    assert not result.regions and not _called(result)
+    reasons = {reason for _, reason in result.left.values()}
+    assert reasons == {f"the plan cache has no plan for its region, and the search cannot run here ({NO_Z3})"}
+    assert {aten for aten, _ in result.left.values()} >= {"aten.mm.default", "aten.relu.default"}
+    got = result.module(*inputs)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, fn(*inputs))
+
+
+def test_on_a_gpu_without_a_search_a_region_with_a_stored_plan_stays_in_mdsl(torch, monkeypatch):
+    import attrs
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mdsl.search import engine
+    from mdsl.search.cache import PlanCache
+    from mdsl.torch.regions import partition
+
+    fn, inputs = _chain(torch)
+    (region,) = partition(make_fx(fn)(*inputs), SEARCH).regions
+    graph, config = region.graph(), attrs.evolve(SEARCH, arch="sm_90a")
+    plan = engine.optimize(graph, config, cache=False, generators=[])   # the traced program, as its own plan
+    cache = PlanCache()
+    cache.store(cache.key(graph, config, searcher=engine._searcher_identity(None, None)), plan)
+    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("the partition searched"))
+    result = partition(make_fx(fn)(*inputs), SEARCH, arch="sm_90a")
+    assert len(result.regions) == 1 and not result.left
+
+
+def test_the_backend_looks_plans_up_for_the_gpu_its_examples_are_on(torch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mdsl.torch.backend import _gpu_arch
+
+    with FakeTensorMode():
+        on_gpu = torch.empty(2, 3, device="cuda")
+    assert _gpu_arch([torch.ones(2), on_gpu]) == "sm_90a"   # (no GPU here: the H200's arch)
+    assert _gpu_arch([torch.ones(2), 3]) is None
