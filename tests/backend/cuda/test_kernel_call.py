@@ -25,6 +25,7 @@ from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu import arrays, driver as gpu_driver, executable
 from mdsl.gpu.arrays import ArgumentError, DeviceArray
 from mdsl.lowering.options import CudaOptions
+from tests.backend.native_driver import CONTEXT, LAUNCH_PATHS, FakeFunction, use_launch_path
 
 MiB = 1 << 20
 
@@ -66,6 +67,11 @@ class FakeTensor:
     def is_contiguous(self) -> bool:
         return self._contiguous
 
+    def expand(self, shape) -> "FakeTensor":
+        """A view of this one-element tensor at `shape` (every stride 0), as an output template is made."""
+        assert self.shape == (), "only a one-element tensor is expanded here"
+        return FakeTensor(shape, self.dtype, device=self._device, ptr=self._ptr, strides=(0,) * len(shape))
+
 
 def _compact(shape) -> tuple:
     strides, step = [], 1
@@ -85,6 +91,7 @@ class FakeTorch(SimpleNamespace):
                          float64=FakeDType("float64", 8), Tensor=FakeTensor)
         self.current = {0: 0x5000, 1: 0x5100}   # device -> its current stream's handle
         self.empties = []
+        self.record = True   # keep the outputs made in `empties` (not when timing: they would pile up)
         self._C = SimpleNamespace(_cuda_getCurrentRawStream=lambda device: self.current[device])
 
     @classmethod
@@ -95,9 +102,14 @@ class FakeTorch(SimpleNamespace):
         return (kind, index)
 
     def empty(self, shape, *, dtype, device):
-        t = FakeTensor(shape, dtype, device=device[1])
-        self.empties.append(t)
-        return t
+        return FakeTensor(shape, dtype, device=device[1])
+
+    def empty_like(self, t):
+        """A fresh compact tensor of t's shape, dtype and device (the outputs a call allocates: `empties`)."""
+        new = FakeTensor(t.shape, t.dtype, device=t.get_device())
+        if self.record:
+            self.empties.append(new)
+        return new
 
 
 class FakeDriver:
@@ -114,7 +126,7 @@ class FakeDriver:
         self.next_pointer = 0x10000
 
     def cuModuleGetFunction(self, module, name):
-        return 0, name.decode()
+        return 0, FakeFunction(name.decode())
 
     def cuMemAlloc(self, size):
         self.next_pointer += 0x10000
@@ -157,12 +169,17 @@ class FakeDriver:
 
 class FakeDevice:
     max_smem = 227 * 1024
+    context = CONTEXT
 
     def __init__(self):
         self.orders = []
+        self.native = None   # the NativeDriver whose current context make_current sets
 
     def activate(self) -> None:
         pass
+
+    def make_current(self) -> None:
+        self.native.current = self.context
 
     def order(self, waiter: int, signaller: int) -> None:
         self.orders.append((waiter, signaller))
@@ -183,15 +200,18 @@ class Rig(SimpleNamespace):
     """Everything a test patched in, and the counters it reads."""
 
 
-def install(monkeypatch, *kernels, record: bool = True) -> Rig:
+def install(monkeypatch, *kernels, record: bool = True, launch_path: str = "c") -> Rig:
     """Run `kernel` on fakes: torch, the driver, the device, and a compiler that emits the traced graph's
     CUDA (no search, no NVRTC); count argument checks and compiles (`record`: and record the launches;
-    without it, the stand-ins cost as little as they can, for timing)."""
+    without it, the stand-ins cost as little as they can, for timing). The executables launch through
+    `launch_path` (tests/backend/native_driver.py)."""
     from mdsl.backend.cuda import emit_cuda
 
     torch = FakeTorch()
+    torch.record = record
     device = FakeDevice()
     fake = FakeDriver({}, record)
+    device.native = use_launch_path(monkeypatch, launch_path, fake, stub=not record)
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(arrays, "_TORCH_DTYPES", {})
     monkeypatch.setattr(gpu_driver, "has_gpu", lambda: True)
@@ -206,7 +226,7 @@ def install(monkeypatch, *kernels, record: bool = True) -> Rig:
         fake.arity.update({launch.name: len(launch.args) for launch in program.launches})
         return executable.Executable(program, SimpleNamespace(load=lambda: "module"), device=device)
 
-    rig = Rig(torch=torch, driver=fake, device=device, compile=Counter(compile_graph),
+    rig = Rig(torch=torch, driver=fake, device=device, native=device.native, compile=Counter(compile_graph),
               device_view=Counter(runtime.device_view), launch_stream=Counter(runtime.launch_stream))
     monkeypatch.setattr(runtime, "compile_graph", rig.compile)
     if record:
@@ -220,20 +240,23 @@ def install(monkeypatch, *kernels, record: bool = True) -> Rig:
 
 
 @contextlib.contextmanager
-def compiled_on_fakes(monkeypatch, *kernels, record: bool = True):
+def compiled_on_fakes(monkeypatch, *kernels, record: bool = True, launch_path: str = "c"):
     """`install`, with the kernels' executables and prepared calls the block's own: made on the fakes, and
     closed while the fakes are in place."""
     for kernel in kernels:
         monkeypatch.setattr(kernel, "_executables", {})
-        monkeypatch.setattr(kernel, "_calls", {}, raising=False)
-    rig = install(monkeypatch, *kernels, record=record)
+        monkeypatch.setattr(kernel, "_calls", {})
+        monkeypatch.setattr(kernel, "_last_call", None)
+    rig = install(monkeypatch, *kernels, record=record, launch_path=launch_path)
     try:
         yield rig
+        rig.native.check()
     finally:
         for kernel in kernels:
             for exe in kernel._executables.values():
                 exe.close()
             kernel._calls.clear()
+            kernel._last_call = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,40 +296,45 @@ def _per_call_us(fn, calls: int, repeats: int) -> float:
 
 def measure_host_path(calls: int = 20000, repeats: int = 5) -> list:
     """[(label, µs per call)]: the public call path's host time on stand-in torch tensors, with the driver's
-    launch a no-op: mdsl's own Python, plus the stand-ins' cost, which the last row gives alone."""
+    launch a no-op, through each launch path (the C launcher calling a compiled driver stub; cuda.bindings'
+    calls answered by the Python stand-in): mdsl's own Python, plus the stand-ins' cost, which the last row
+    gives alone (for the C launcher's path, whose driver stub costs nothing)."""
     rows = []
-    with pytest.MonkeyPatch.context() as monkeypatch, \
-            compiled_on_fakes(monkeypatch, add, scale_add, norm_linear, record=False) as rig:
-        h = rig.torch.float16
-        x, y, out = (FakeTensor((4, 64), h) for _ in range(3))
-        xb, w = FakeTensor((1, 4096), h), FakeTensor((4096, 4096), h)
-        cases = [("add(x, y): output allocated", lambda: add(x, y)),
-                 ("add(x, y, out=out)", lambda: add(x, y, out=out)),
-                 ("add(x, y, stream=7)", lambda: add(x, y, stream=7)),
-                 ("scale_add(x, y): output allocated", lambda: scale_add(x, y)),
-                 ("norm_linear(x, w): batch 1, output allocated", lambda: norm_linear(xb, w))]
-        for label, call in cases:
-            call()
-            launches = sum(len(exe.program.launches) for k in (add, scale_add, norm_linear)
-                           for exe in k._executables.values() if label.startswith(k.name + "("))
-            rows.append((f"{label}, {launches} launch(es)", _per_call_us(call, calls, repeats)))
+    for path in LAUNCH_PATHS:
+        with pytest.MonkeyPatch.context() as monkeypatch, \
+                compiled_on_fakes(monkeypatch, add, scale_add, norm_linear, record=False, launch_path=path) as rig:
+            h = rig.torch.float16
+            x, y, out = (FakeTensor((4, 64), h) for _ in range(3))
+            xb, w = FakeTensor((1, 4096), h), FakeTensor((4096, 4096), h)
+            cases = [("add(x, y): output allocated", lambda: add(x, y)),
+                     ("add(x, y, out=out)", lambda: add(x, y, out=out)),
+                     ("add(x, y, stream=7)", lambda: add(x, y, stream=7)),
+                     ("scale_add(x, y): output allocated", lambda: scale_add(x, y)),
+                     ("norm_linear(x, w): batch 1, output allocated", lambda: norm_linear(xb, w))]
+            for label, call in cases:
+                call()
+                launches = sum(len(exe.program.launches) for k in (add, scale_add, norm_linear)
+                               for exe in k._executables.values() if label.startswith(k.name + "("))
+                rows.append((f"{label}, {launches} launch(es), launched through {path}",
+                             _per_call_us(call, calls, repeats)))
+            if path == "c":
+                template = FakeTensor((), h).expand((4, 64))
 
-        def stand_ins():   # what a call of add(x, y) spends outside mdsl: the tensor attributes it reads too
-            for t in (x, y):
-                t.shape, t.dtype, t.is_cuda, t.get_device(), t.is_contiguous(), t.data_ptr()
-            rig.torch._C._cuda_getCurrentRawStream(0)
-            rig.torch.empty((4, 64), dtype=h, device=("cuda", 0)).data_ptr()
-            rig.driver.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, 0)
+                def stand_ins():   # what a call of add(x, y) spends outside mdsl: the tensor attributes it reads
+                    for t in (x, y):
+                        t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.data_ptr()
+                    rig.torch._C._cuda_getCurrentRawStream(0)
+                    rig.torch.empty_like(template).data_ptr()
 
-        rows.append(("the stand-ins alone, as add(x, y) uses them", _per_call_us(stand_ins, calls, repeats)))
+                rows.append(("the stand-ins alone, as add(x, y) uses them", _per_call_us(stand_ins, calls, repeats)))
     return rows
 
 # ---------------------------------------------------------------------------------------------
 # the prepared path
 
-@pytest.fixture
-def rig(monkeypatch):
-    with compiled_on_fakes(monkeypatch, add, norm_linear) as rig:
+@pytest.fixture(params=LAUNCH_PATHS)
+def rig(monkeypatch, request):
+    with compiled_on_fakes(monkeypatch, add, norm_linear, launch_path=request.param) as rig:
         yield rig
 
 
