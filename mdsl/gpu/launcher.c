@@ -7,8 +7,9 @@
    outputs that live in another argument's buffer. Python calls it through ctypes.PyDLL: the GIL is held
    throughout, so two threads never fill the same slots at once.
 
-   No Python header either: only a C compiler is needed. The structures below mirror cuda.h's; the test
-   tests/backend/cuda/test_launcher.py compares them with cuda.h where one is installed. */
+   No Python header either: only a C compiler is needed. The structures below mirror cuda.h's, under names
+   of their own (a file may include both); tests/backend/cuda/test_launcher.py compares them with cuda.h
+   where one is installed. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,7 +18,7 @@
 #define MDSL_LAUNCHER_ID "unversioned"
 #endif
 
-typedef int CUresult;
+typedef int Result;   /* CUresult */
 
 /* cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a union of 64 bytes */
 typedef struct {
@@ -39,11 +40,11 @@ typedef struct {
 
 enum { PROGRAMMATIC_STREAM_SERIALIZATION = 6 };   /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
 
-typedef CUresult (*LaunchKernel)(void *function, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t bx, uint32_t by,
+typedef Result (*LaunchKernel)(void *function, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t bx, uint32_t by,
                                  uint32_t bz, uint32_t shared_bytes, void *stream, void **params, void **extra);
-typedef CUresult (*LaunchKernelEx)(const LaunchConfig *config, void *function, void **params, void **extra);
-typedef CUresult (*MemcpyDtoDAsync)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
-typedef CUresult (*CtxGetCurrent)(void **context);
+typedef Result (*LaunchKernelEx)(const LaunchConfig *config, void *function, void **params, void **extra);
+typedef Result (*MemcpyDtoDAsync)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
+typedef Result (*CtxGetCurrent)(void **context);
 
 /* one kernel launch: everything but the stream, fixed when the executable is loaded */
 typedef struct {
@@ -95,7 +96,7 @@ int64_t mdsl_run(const uint64_t *call) {
     void *stream = (void *)(uintptr_t)call[1];
     const uint64_t *args = call + 2;
     void *current = NULL;
-    CUresult err = ((CtxGetCurrent)(uintptr_t)p->ctx_get_current)(&current);
+    Result err = ((CtxGetCurrent)(uintptr_t)p->ctx_get_current)(&current);
     if (err) return err;
     if ((uint64_t)(uintptr_t)current != p->context) return WRONG_CONTEXT;   /* Python makes it current, calls again */
     for (int64_t i = 0; i < p->n_bindings; i++)

@@ -122,12 +122,15 @@ def open_library(source: Path = SOURCE, directory: Optional[Path] = None):
     if path.exists():
         try:
             return _load(path, ident)
-        except (OSError, RuntimeError):   # truncated or foreign: built again below, replacing it atomically
+        except OSError:   # not a library (truncated, say): built again below, replacing it atomically
             pass
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler was found")
-    _build(compiler, source, ident, path)
+    try:
+        _build(compiler, source, ident, path)
+    except (OSError, subprocess.SubprocessError) as e:   # the compiler named cannot run
+        raise RuntimeError(f"{shlex.join(compiler)} cannot build it: {e}") from None
     try:
         return _load(path, ident)
     except OSError as e:
@@ -183,8 +186,8 @@ class NativeProgram:
     def __init__(self, lib, entries: dict, *, context: int, slots, bindings: Sequence, launches: Sequence,
                  copies: Sequence, arguments: int):
         """`slots`: the ctypes array the parameter blocks point into; `bindings`: (slot, argument index);
-        `launches`: (function, grid, block, shared bytes, overlap, address of the parameter block);
-        `copies`: (destination argument, source argument, bytes)."""
+        `launches`: (function, grid, block, shared bytes, overlap, address of the parameter block: the
+        caller keeps the blocks alive); `copies`: (destination argument, source argument, bytes)."""
         self._slots = slots
         self._bindings = (_i64 * max(1, 2 * len(bindings)))(*[v for pair in bindings for v in pair])
         self._launches = (Launch * max(1, len(launches)))(

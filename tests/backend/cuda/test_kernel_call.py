@@ -22,7 +22,7 @@ import mdsl
 from mdsl import Tensor, f16
 from mdsl.backend.cuda import runtime
 from mdsl.errors import DTypeError, ShapeError
-from mdsl.gpu import arrays, driver as gpu_driver, executable
+from mdsl.gpu import arrays, driver as gpu_driver, executable, launcher
 from mdsl.gpu.arrays import ArgumentError, DeviceArray
 from mdsl.lowering.options import CudaOptions
 from tests.backend.native_driver import CONTEXT, LAUNCH_PATHS, FakeFunction, use_launch_path
@@ -277,6 +277,11 @@ def norm_linear(x, w):
     return mdsl.rms_norm(x) @ w
 
 
+@mdsl.kernel
+def sum_and_product(x: Tensor[4, 64, f16], y: Tensor[4, 64, f16]):   # two outputs
+    return x + y, x * y
+
+
 # ---------------------------------------------------------------------------------------------
 # host time per call, with the launch stubbed
 
@@ -334,7 +339,14 @@ def measure_host_path(calls: int = 20000, repeats: int = 5) -> list:
 
 @pytest.fixture(params=LAUNCH_PATHS)
 def rig(monkeypatch, request):
-    with compiled_on_fakes(monkeypatch, add, norm_linear, launch_path=request.param) as rig:
+    with compiled_on_fakes(monkeypatch, add, norm_linear, sum_and_product, launch_path=request.param) as rig:
+        yield rig
+
+
+@pytest.fixture
+def c_rig(monkeypatch):
+    """The rig, launching through the C launcher only (for what only that path does)."""
+    with compiled_on_fakes(monkeypatch, add, launch_path="c") as rig:
         yield rig
 
 
@@ -528,6 +540,95 @@ def test_an_argument_whose_signature_cannot_be_read_gets_the_checked_path_s_erro
         add(Odd(), y)
 
 
+def test_a_call_of_torch_tensors_takes_the_generated_path_and_others_the_general_one(rig):
+    from mdsl.gpu.calls import PreparedCall
+
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y)
+    assert add._last_call.__name__ == "fast", "torch tensors in, outputs allocated: not the generated path"
+    add(x, y, stream=7)
+    assert isinstance(add._last_call, PreparedCall), "a stream given: the general prepared call"
+    out = FakeTensor((4, 64), rig.torch.float16)
+    add(x, y, out=out)
+    assert add._last_call.__name__ == "fast"
+    before = checks(rig)
+    for _ in range(2):   # each signature again: prepared (the last one tried first, the others looked up)
+        add(x, y)
+        add(x, y, stream=7)
+        assert add(x, y, out=out) is out
+    assert checks(rig) == before and len(add._calls) == 3
+    assert [c[3][2] for c in rig.driver.launches()][-3:-1] != [out.data_ptr()] * 2   # fresh outputs
+    assert rig.driver.launches()[-1][3] == [x.data_ptr(), y.data_ptr(), out.data_ptr()]
+
+
+def test_two_outputs_are_allocated_fresh_or_written_into_on_the_generated_path(rig):
+    x, y = halves(rig, (4, 64), (4, 64))
+    sum_and_product(x, y)
+    before = checks(rig)
+    s, p = sum_and_product(x, y)
+    assert checks(rig) == before and sum_and_product._last_call.__name__ == "fast"
+    (exe,) = sum_and_product._executables.values()
+    n = len(exe.program.launches)
+    assert sorted({ptr for c in rig.driver.launches()[-n:] for ptr in c[3]}) == \
+        sorted([x.data_ptr(), y.data_ptr(), s.data_ptr(), p.data_ptr()])
+    assert s is not p and s.data_ptr() != p.data_ptr()
+    outs = halves(rig, (4, 64), (4, 64))
+    assert sum_and_product(x, y, out=outs) == tuple(outs)
+    assert sum_and_product(x, y, out=list(outs)) == tuple(outs)
+    assert sorted({ptr for c in rig.driver.launches()[-n:] for ptr in c[3]}) == \
+        sorted([x.data_ptr(), y.data_ptr(), *(o.data_ptr() for o in outs)])
+    with pytest.raises(ArgumentError, match="has 2 output\\(s\\), got 1"):
+        sum_and_product(x, y, out=outs[0])
+    with pytest.raises(DTypeError, match="output 1 of .* is float32"):
+        sum_and_product(x, y, out=(outs[0], FakeTensor((4, 64), rig.torch.float32)))
+
+
+def test_a_misaligned_output_passed_in_is_refused_on_the_generated_path(rig):
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y, out=FakeTensor((4, 64), rig.torch.float16))
+    launched = len(rig.driver.launches())
+    with pytest.raises(ArgumentError, match="not 16-byte aligned"):
+        add(x, y, out=FakeTensor((4, 64), rig.torch.float16, ptr=0x7F0000000004))
+    assert len(rig.driver.launches()) == launched
+
+
+def test_a_context_made_current_elsewhere_is_made_the_executable_s_again(c_rig):
+    rig = c_rig
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y)
+    rig.native.current = 0xBAD   # as after another library made its own context current
+    z = add(x, y)
+    assert rig.native.current == CONTEXT
+    assert rig.driver.launches()[-1][3] == [x.data_ptr(), y.data_ptr(), z.data_ptr()]
+    assert len(rig.driver.launches()) == 2
+
+
+def test_a_failed_launch_raises_mdsl_s_error_naming_the_kernel(c_rig, monkeypatch):
+    from mdsl.errors import MdslError
+
+    monkeypatch.setattr(executable, "error_text", lambda err: f"CUresult {err}")
+    x, y = halves(c_rig, (4, 64), (4, 64))
+    add(x, y)
+    (name,) = {c[1] for c in c_rig.driver.launches()}
+    c_rig.native.errors[name] = 700
+    with pytest.raises(MdslError, match="launching a kernel of add failed: CUresult 700") as info:
+        add(x, y)
+    assert "test_kernel_call.py" in str(info.value), "the error does not point at the call"
+
+
+@pytest.mark.parametrize("arity, outputs", [(1, 1), (2, 1), (3, 2), (5, 3)])
+@pytest.mark.parametrize("out_given", [False, True])
+@pytest.mark.parametrize("native", [False, True])
+def test_the_generated_source_compiles_for_any_count(arity, outputs, out_given, native):
+    from mdsl.gpu.calls import fast_source
+
+    source = fast_source(arity, outputs, out_given, native)
+    compile(source, "<test>", "exec")
+    assert source.count(".data_ptr()") == arity + outputs
+    assert source.count("empty_like(") == (0 if out_given else outputs)
+    assert ("run(call)" in source) == native
+
+
 def test_the_key_holds_each_argument_s_signature():
     from mdsl.gpu.signature import call_key, signature
 
@@ -556,6 +657,7 @@ def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(add, "_executables", {})
     monkeypatch.setattr(add, "_calls", {})
+    monkeypatch.setattr(add, "_last_call", None)
     monkeypatch.setattr(add, "_gpu_graph", lambda specs, arch: add.trace(*specs))   # no search: the traced graph
 
     def pair():
@@ -568,6 +670,10 @@ def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
         torch.testing.assert_close(z, x + y)
         results.append(z)
     assert len({z.data_ptr() for z in results}) == 3 and len(add._calls) == 1
+    assert add._last_call.__name__ == "fast", "a repeated call of torch tensors did not take the generated path"
+    if launcher._compiler() is not None:
+        (exe,) = add._executables.values()
+        assert exe.native is not None, "the C launcher was not used, although a C compiler is here"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):   # torch's current stream, read at every call
