@@ -12,8 +12,8 @@ the stream, the data pointers, checks their alignment, allocates the outputs and
 Only torch tensors and `DeviceArray`s are prepared: other arrays (`__cuda_array_interface__`, DLPack)
 say where their data is ready through a protocol call, so each of their calls takes the checked path.
 
-The call a user makes most, torch tensors in and torch tensors out (allocated, or passed as out=) on torch's
-current stream, has a function of its own (`PreparedCall.fast`): Python source written for the
+The call a user makes most, torch tensors in and torch tensors out (allocated, or passed as out=), has a
+function of its own (`PreparedCall.fast`): Python source written for the
 signature's argument and output counts (`fast_source`), with no loop, no tuple of the signature, and the
 C launcher's call inlined, since every 100 ns of a generic loop counts against a launch that costs a few µs.
 """
@@ -72,10 +72,9 @@ class PreparedCall:
         self._arrays = tuple(k for k, a in enumerate(args) if type(a) is DeviceArray)
         self._out_arrays = () if outputs is None else tuple(k for k, o in enumerate(outputs) if type(o) is DeviceArray)
         #: this call as one generated function, `fast(args, out, stream, backend)`, where the arrays are all
-        #: torch tensors and no stream is given (None otherwise); it answers as the call does
+        #: torch tensors (None otherwise); it answers as the call does
         self.fast: Optional[Callable] = None
-        arrays = (*args, *(outputs or ()))
-        if not stream_given and args and all(is_torch_tensor(a) for a in arrays):
+        if args and all(is_torch_tensor(a) for a in (*args, *(outputs or ()))):
             self.fast = self._generate()
 
     @classmethod
@@ -91,7 +90,8 @@ class PreparedCall:
     def _generate(self) -> Callable:
         exe = self._executable
         names = {"BACKEND": self._backend, "DEVICE": self._device, "MISALIGNED": _MISALIGNED, "as_outputs": as_outputs,
-                 "current_stream": self._current_stream, "empty_like": self._empty_like, "launch": exe.launch}
+                 "current_stream": self._current_stream, "stream_handle": stream_handle, "ArgumentError": ArgumentError,
+                 "empty_like": self._empty_like, "launch": exe.launch}
         native = exe.native
         if native is not None:
             names.update(lock=exe._lock, call=native.call, run=native.run, failed=exe._native_failed)
@@ -101,7 +101,8 @@ class PreparedCall:
         for k, template in enumerate(self._templates or ()):
             names[f"T{k}"] = template
         namespace: dict = {}
-        exec(compile(fast_source(self._arity, len(exe.output_types), self._out_given, native is not None),
+        exec(compile(fast_source(self._arity, len(exe.output_types), self._out_given, self._stream_given,
+                                 native is not None),
                      f"<mdsl call of {exe.name}>", "exec"), names, namespace)
         return namespace["fast"]
 
@@ -165,17 +166,18 @@ def _guard(value: str, prefix: str, k: int) -> str:
             f"or {value}.get_device() != DEVICE or not {value}.is_contiguous()")
 
 
-def fast_source(arity: int, outputs: int, out_given: bool, native: bool) -> str:
+def fast_source(arity: int, outputs: int, out_given: bool, stream_given: bool, native: bool) -> str:
     """The source of `PreparedCall.fast` for `arity` torch tensors in and `outputs` out (passed as out=, or
-    allocated: torch.empty_like of the templates T0...), launched on torch's current stream through the C
-    launcher's call array (`native`) or `Executable.launch`. Names it reads: BACKEND, DEVICE, MISALIGNED,
-    as_outputs, current_stream, empty_like, launch, lock, call, run, failed; per argument k AKk (type), ASk
-    (shape), ADk (dtype); per output k OKk, OSk, ODk (out=) or Tk (its template)."""
+    allocated: torch.empty_like of the templates T0...), launched on the stream given (`stream_given`) or
+    torch's current one, through the C launcher's call array (`native`) or `Executable.launch`. Names it
+    reads: BACKEND, DEVICE, MISALIGNED, as_outputs, current_stream, stream_handle, ArgumentError, empty_like,
+    launch, lock, call, run, failed; per argument k AKk (type), ASk (shape), ADk (dtype); per output k OKk,
+    OSk, ODk (out=) or Tk (its template)."""
     a = [f"a{k}" for k in range(arity)]
     o = [f"o{k}" for k in range(outputs)]
     pa, po = [f"p{k}" for k in range(arity)], [f"q{k}" for k in range(outputs)]
     lines = ["def fast(args, out, stream, backend):",
-             f"    if stream is not None or backend != BACKEND or len(args) != {arity} or "
+             f"    if stream is {'' if stream_given else 'not '}None or backend != BACKEND or len(args) != {arity} or "
              f"out is {'' if out_given else 'not '}None:",
              "        return None",
              f"    {', '.join(a)}, = args"]
@@ -190,8 +192,11 @@ def fast_source(arity: int, outputs: int, out_given: bool, native: bool) -> str:
     if not out_given:
         lines += [f"    {v} = empty_like(T{k})" for k, v in enumerate(o)]
     lines += [f"    {p} = {v}.data_ptr()" for p, v in zip(po, o)]
-    lines += [f"    if ({' | '.join(checked)}) & MISALIGNED:", "        return None",
-              "    handle = current_stream(DEVICE)"]
+    lines += [f"    if ({' | '.join(checked)}) & MISALIGNED:", "        return None"]
+    if stream_given:
+        lines += ["    try:", "        handle = stream_handle(stream)", "    except ArgumentError:", "        return None"]
+    else:
+        lines += ["    handle = current_stream(DEVICE)"]
     if native:
         lines += ["    with lock:", "        call[1] = handle"]
         lines += [f"        call[{2 + k}] = {p}" for k, p in enumerate(pa + po)]

@@ -547,7 +547,12 @@ def test_a_call_of_torch_tensors_takes_the_generated_path_and_others_the_general
     add(x, y)
     assert add._last_call.__name__ == "fast", "torch tensors in, outputs allocated: not the generated path"
     add(x, y, stream=7)
-    assert isinstance(add._last_call, PreparedCall), "a stream given: the general prepared call"
+    assert add._last_call.__name__ == "fast"
+    d = DeviceArray.__new__(DeviceArray)   # a DeviceArray with no memory: never launched on here
+    d.shape, d.dtype, d.device, d.ptr, d.stream = (4, 64), f16, 0, 0x7F0000000000, 0
+    add(x, d)
+    assert isinstance(add._last_call, PreparedCall), "a DeviceArray: the general prepared call"
+    d.ptr = 0
     out = FakeTensor((4, 64), rig.torch.float16)
     add(x, y, out=out)
     assert add._last_call.__name__ == "fast"
@@ -556,7 +561,7 @@ def test_a_call_of_torch_tensors_takes_the_generated_path_and_others_the_general
         add(x, y)
         add(x, y, stream=7)
         assert add(x, y, out=out) is out
-    assert checks(rig) == before and len(add._calls) == 3
+    assert checks(rig) == before and len(add._calls) == 4
     assert [c[3][2] for c in rig.driver.launches()][-3:-1] != [out.data_ptr()] * 2   # fresh outputs
     assert rig.driver.launches()[-1][3] == [x.data_ptr(), y.data_ptr(), out.data_ptr()]
 
@@ -618,11 +623,12 @@ def test_a_failed_launch_raises_mdsl_s_error_naming_the_kernel(c_rig, monkeypatc
 
 @pytest.mark.parametrize("arity, outputs", [(1, 1), (2, 1), (3, 2), (5, 3)])
 @pytest.mark.parametrize("out_given", [False, True])
+@pytest.mark.parametrize("stream_given", [False, True])
 @pytest.mark.parametrize("native", [False, True])
-def test_the_generated_source_compiles_for_any_count(arity, outputs, out_given, native):
+def test_the_generated_source_compiles_for_any_count(arity, outputs, out_given, stream_given, native):
     from mdsl.gpu.calls import fast_source
 
-    source = fast_source(arity, outputs, out_given, native)
+    source = fast_source(arity, outputs, out_given, stream_given, native)
     compile(source, "<test>", "exec")
     assert source.count(".data_ptr()") == arity + outputs
     assert source.count("empty_like(") == (0 if out_given else outputs)
