@@ -156,21 +156,27 @@ def library():
 # the driver's entry points
 
 _ENTRIES: dict = {}
+#: the CUDA version whose entry points launcher.c declares (cuda.h of CUDA 12.0; the same in 13)
+ABI_VERSION = 12000
 
 
 def driver_entries() -> dict:
-    """Name -> address of each of ENTRY_POINTS (0 where the driver has none), as cuda.bindings resolves them:
-    its per-thread default stream versions where CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM asks for them."""
+    """Name -> address of each of ENTRY_POINTS (0 where the driver has none), in their CUDA 12.0 versions
+    (the prototypes launcher.c declares), resolved as cuda.bindings resolves its own: the per-thread
+    default stream versions where CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM asks for them."""
     if not _ENTRIES:
         from mdsl.gpu.driver import check, driver
 
-        version = check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        version = min(check(driver.cuDriverGetVersion(), "cuDriverGetVersion"), ABI_VERSION)
         flags = driver.CUdriverProcAddress_flags
         per_thread = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
         flag = flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if per_thread else \
             flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
         for name in ENTRY_POINTS:
-            err, address, _status = driver.cuGetProcAddress(name.encode(), version, flag)
+            try:
+                err, address, _status = driver.cuGetProcAddress(name.encode(), version, flag)
+            except Exception:   # an answer the bindings cannot read: the entry point is not used
+                err, address = 1, 0
             _ENTRIES[name] = int(address) if not err and address else 0
     return dict(_ENTRIES)
 

@@ -1,5 +1,7 @@
 """`@mdsl.kernel` called on GPU arrays, without a GPU: torch is a stand-in module (`FakeTorch`), the driver
-a recorder (`FakeDriver`), and compiling emits the traced graph's CUDA without NVRTC. What is checked:
+a recorder (`FakeDriver`, reached through cuda.bindings' calls or, on the C launcher's path, through
+tests/backend/native_driver.py's callbacks; each test runs on both paths), and compiling emits the traced
+graph's CUDA without NVRTC. What is checked:
 a repeated call with the same signature does no argument checking and no compiling, only reads pointers,
 allocates outputs and launches; a call whose signature differs (shape, dtype, strides, device) is
 checked again and refused with the same errors; outputs are fresh per call; out= and stream= work.
