@@ -283,18 +283,26 @@ def call_section(data: Optional[dict]) -> list:
     lines += [run_line(data.get("meta")), "",
               "µs of host time per call, back to back (median of batches of calls): the public path "
               "`k(*torch_tensors)` (outputs allocated by the call) and with `out=`, the unchecked launch of the "
-              "same executable, and the kernel's own GPU time; below, the floors a call is built on.", ""]
+              "same executable, the launch floor (as many empty kernels, launched the same way), the host "
+              "overhead (public minus the launch floor; issue 31's target: <= 5 µs) and the kernel's own GPU "
+              "time; below, the floors a call is built on.", ""]
     rows = []
     for name, c in (data.get("cases") or {}).items():
-        rows.append([name, c.get("launches", "-"), *(f"{c[k]['median_us']:.1f}" if c.get(k) else "-"
-                                                    for k in ("public", "public_out", "unchecked", "gpu"))])
-    lines += _table(["case", "launches", "public", "public, out=", "unchecked", "GPU"], rows) + [""]
+        overheads = [f"{c[k]:.1f}" if c.get(k) is not None else "-" for k in ("overhead_us", "overhead_out_us")]
+        rows.append([name, c.get("launches", "-"), c.get("launcher", "-"),
+                     *(f"{c[k]['median_us']:.1f}" if c.get(k) and "median_us" in c[k] else "-"
+                       for k in ("public", "public_out", "unchecked", "launch_floor")),
+                     *overheads, f"{c['gpu']['median_us']:.1f}" if c.get("gpu") else "-"])
+    lines += _table(["case", "launches", "launcher", "public", "public, out=", "unchecked", "launch floor",
+                     "host overhead", "overhead, out=", "GPU"], rows) + [""]
     labels = {"empty_launch_cuda_bindings": "an empty kernel, cuLaunchKernel through cuda.bindings",
+              "empty_launch_mdsl_c": "an empty kernel, through mdsl's C launcher",
               "empty_launch_ctypes": "an empty kernel, cuLaunchKernel through ctypes",
               "torch_empty": "torch.empty of an (8, 4096) f16 tensor",
               "torch_empty_like": "torch.empty_like of the same"}
     floors = data.get("floors") or {}
-    lines += _table(["floor", "µs"], [[labels.get(k, k), f"{v['median_us']:.1f}"] for k, v in floors.items()]) + [""]
+    lines += _table(["floor", "µs"], [[labels.get(k, k), f"{v['median_us']:.1f}" if "median_us" in v else "-"]
+                                      for k, v in floors.items()]) + [""]
     return lines
 
 

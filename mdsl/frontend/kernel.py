@@ -66,6 +66,7 @@ class KernelFunction:
         self._tracing: set = set()      # signatures being traced now (a kernel that calls itself)
         self._executables: dict = {}   # ((shape, dtype name, device) per argument, backend) -> runtime.Executable
         self._calls: dict = {}         # mdsl.gpu.signature.call_key -> mdsl.gpu.calls.PreparedCall
+        self._last_call = None         # the prepared call that answered last (its `fast` where it has one), tried first
         self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
@@ -210,18 +211,18 @@ class KernelFunction:
         inlined)."""
         if kwargs:
             args = self._positional(args, kwargs)
-        if self._calls:   # a GPU call with this signature was checked before: read, allocate, launch
+        prepared = self._last_call
+        if prepared is not None:   # a GPU call was checked before: this signature again reads, allocates, launches
             try:
-                prepared = self._calls.get(call_key(args, out, stream, backend))
-            except Exception:   # not only torch tensors and DeviceArrays: the checked path says what is wrong
-                prepared = None
-            if prepared is not None:
-                try:
-                    results = prepared(args, out, stream)
-                except MdslError as e:
-                    raise e.with_loc(caller_loc())
-                if results is not None:
-                    return results
+                results = prepared(args, out, stream, backend)
+                if results is None and len(self._calls) > 1:   # another signature checked before?
+                    prepared = self._prepared(args, out, stream, backend)
+                    if prepared is not None:
+                        results = prepared(args, out, stream, backend)
+            except MdslError as e:
+                raise e.with_loc(caller_loc())
+            if results is not None:
+                return results
         if any(isinstance(a, SymbolicTensor) for a in args):
             if out is not None or stream is not None:
                 raise TraceError(f"kernel {self.name} called inside a trace with out= or stream=", loc=caller_loc(),
@@ -239,6 +240,16 @@ class KernelFunction:
         outs = run_kernel_graph(graph, [_to_host(a) for a in args], precision="float32", round_storage=True)
         results = tuple(np.asarray(o).astype(_STORAGE[v.type.dtype.name]) for o, v in zip(outs, graph.outputs))
         return results[0] if len(results) == 1 else results
+
+    def _prepared(self, args: Sequence, out, stream, backend: str):
+        """The prepared call of this call's signature, made the one tried first; None where there is none."""
+        try:
+            prepared = self._calls.get(call_key(args, out, stream, backend))
+        except Exception:   # not only torch tensors and DeviceArrays: the checked path says what is wrong
+            return None
+        if prepared is not None:
+            self._last_call = prepared.fast or prepared
+        return prepared
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
         """The arguments in parameter order, from positional and named ones."""
@@ -290,11 +301,12 @@ class KernelFunction:
         torch_outputs = out is None and any(runtime.is_torch_tensor(a) for a in args)
         results = executable.launch_views(views, outputs, handle, inputs_checked=True, torch_outputs=torch_outputs)
         prepared = PreparedCall.of(executable, args, outputs, stream_given=stream is not None,
-                                   torch_outputs=torch_outputs)
+                                   torch_outputs=torch_outputs, backend=backend)
         if prepared is not None:   # only torch tensors and DeviceArrays, whose signatures are keys
             if len(self._calls) >= _MAX_PREPARED_CALLS:
                 self._calls.clear()
             self._calls[call_key(args, out, stream, backend)] = prepared
+            self._last_call = prepared.fast or prepared
         return results[0] if len(results) == 1 else results
 
     def _compile(self, views: Sequence, backend: str = "cuda"):

@@ -97,6 +97,12 @@ class Device:
             check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
             _THREAD.device = self.ordinal
 
+    def make_current(self) -> None:
+        """Make the context current whatever this thread's record says (another library may have made its
+        own current since)."""
+        check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        _THREAD.device = self.ordinal
+
     def order(self, waiter: int, signaller: int) -> None:
         """Make stream `waiter` wait for the work queued so far on stream `signaller`."""
         check(driver.cuEventRecord(self.event, cu_stream(signaller)), "cuEventRecord")

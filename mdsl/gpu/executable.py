@@ -3,18 +3,20 @@
 Host launch overhead matters (a decode step is many small kernels): an `Executable` prepares once
 whatever does not change between calls (kernel handles, launch configurations, one block of parameter
 pointers per launch, intermediate buffers), so a call reads its arguments' pointers, writes them into
-those blocks and calls cuLaunchKernel per kernel (or cuBLAS, for a library GEMM: mdsl.gpu.cublas).
+those blocks and launches: every kernel in one call of mdsl's C launcher (mdsl.gpu.launcher), else
+cuLaunchKernel through cuda.bindings per kernel (and cuBLAS, for a library GEMM: mdsl.gpu.cublas).
 """
 from __future__ import annotations
 
 import ctypes
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import attrs
 
 from mdsl.errors import DTypeError, ShapeError
+from mdsl.gpu import launcher
 from mdsl.gpu.arrays import ArgumentError, DeviceArray, View, device_view, is_torch_tensor, launch_stream
 from mdsl.gpu.driver import CudaError, check, cu_stream, driver, error_text, get_device, require_gpu
 from mdsl.ir.graph import KernelGraph
@@ -135,7 +137,7 @@ class Executable:
         self._input_labels = tuple(f"argument {n} of {self.name}" for n in self._input_names)
         self._output_labels = tuple(f"output {k} of {self.name}" for k in range(len(self.output_types)))
         self._lock = threading.Lock()
-        self._torch_outputs = None   # (torch.empty, (shape, torch dtype, torch device) per output)
+        self._torch_templates = None   # (torch.empty_like, a template per output): torch_templates()
         plan = plan_buffers(self.graph, program.launches, program.aliases)
         self._bindings = plan.bindings
         self._copies = plan.copies
@@ -151,6 +153,26 @@ class Executable:
         #: the launches that a library runs instead of their kernels (cuBLAS GEMMs)
         self.library_launches = tuple(launch.name for launch, step in zip(program.launches, self._launches)
                                       if type(step) is not tuple)
+        #: the launches as the C launcher runs them, or None: they go through cuda.bindings
+        self.native = self._native_program()
+
+    def _native_program(self) -> Optional[launcher.NativeProgram]:
+        """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
+        launcher is not available, a library runs some launch, the driver lacks an entry point it needs."""
+        if self.library_launches:
+            return None
+        lib = launcher.library()
+        if lib is None:
+            return None
+        entries = launcher.driver_entries()
+        overlap = any(step[-1] is not None for step in self._launches)
+        if not launcher.NativeProgram.supports(entries, overlap, bool(self._copies)):
+            return None
+        launches = [(function, (gx, gy, gz), (bx, by, bz), smem, config is not None, params)
+                    for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches]
+        return launcher.NativeProgram(lib, entries, context=int(self._dev.context), slots=self._ptrs,
+                                      bindings=self._bindings, launches=launches, copies=self._copies,
+                                      arguments=len(self.input_types) + len(self.output_types))
 
     def _prepare(self, launch, slots: tuple):
         """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
@@ -237,18 +259,20 @@ class Executable:
         """Fresh output arrays: torch tensors (with `torch_outputs`), else DeviceArrays ordered on `stream`."""
         if not torch_outputs:
             return [DeviceArray(t.shape, t.dtype, stream=stream, device=self.device) for t in self.output_types]
-        empty, specs = self.torch_outputs()
-        return [empty(shape, dtype=dtype, device=device) for shape, dtype, device in specs]
+        empty_like, templates = self.torch_templates()
+        return [empty_like(t) for t in templates]
 
-    def torch_outputs(self) -> tuple:
-        """(torch.empty, (shape, torch dtype, torch device) per output): how to allocate the outputs as torch
-        tensors, looked up once."""
-        if self._torch_outputs is None:
+    def torch_templates(self) -> tuple:
+        """(torch.empty_like, a template per output): a template is a tensor of the output's shape, dtype and
+        device that holds one element (expanded to the shape), and torch.empty_like of it a fresh compact
+        output, for less host time than torch.empty with the shape, dtype and device spelled out. Made once."""
+        if self._torch_templates is None:
             torch = sys.modules["torch"]
             device = torch.device("cuda", self.device)
-            self._torch_outputs = (torch.empty, tuple((t.shape, getattr(torch, t.dtype.long_name), device)
-                                                      for t in self.output_types))
-        return self._torch_outputs
+            self._torch_templates = (torch.empty_like, tuple(
+                torch.empty((), dtype=getattr(torch, t.dtype.long_name), device=device).expand(t.shape)
+                for t in self.output_types))
+        return self._torch_templates
 
     def run_pointers(self, inputs: Sequence[int], outputs: Sequence[int], stream: int = 0) -> None:
         """Launch on raw device pointers, unchecked: the fast path for callers that own their memory."""
@@ -256,6 +280,16 @@ class Executable:
 
     def launch(self, arguments: Sequence[int], stream: int = 0) -> None:
         """`run_pointers` on the inputs' pointers followed by the outputs'."""
+        native = self.native
+        if native is not None:
+            with self._lock:   # the slots and the call array are shared: fill and launch as one step
+                call = native.call
+                call[1] = stream
+                call[2:] = arguments
+                err = native.run(call)
+            if err:
+                self._native_failed(err, arguments, stream)
+            return
         on_stream = cu_stream(stream)
         self._dev.activate()
         launch = driver.cuLaunchKernel
@@ -277,6 +311,23 @@ class Executable:
                     raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
         for dst, src, size in self._copies:
             check(driver.cuMemcpyDtoDAsync(arguments[dst], arguments[src], size, on_stream), "cuMemcpyDtoDAsync")
+
+    def _native_failed(self, err: int, arguments: Sequence[int], stream: int) -> None:
+        """After the C launcher's error `err`: launch again once the executable's context is made current
+        (another library may have made its own current on this thread), else raise."""
+        if err == launcher.WRONG_CONTEXT:
+            self._dev.make_current()
+            with self._lock:
+                call = self.native.call
+                call[1] = stream
+                call[2:] = arguments
+                err = self.native.run(call)
+            if not err:
+                return
+            if err == launcher.WRONG_CONTEXT:
+                raise CudaError(f"launching the kernels of {self.name}: GPU {self.device}'s context does not stay "
+                                "current on this thread")
+        raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -330,7 +381,8 @@ EMPTY_KERNEL_PTX = ".version 7.0\n.target sm_50\n.address_size 64\n\n.visible .e
 
 class EmptyKernel:
     """An empty kernel (one block of 32 threads, no parameters) launched by the same cuLaunchKernel call
-    as `Executable.run_pointers`: what a launch costs by itself, for benchmarks. `launcher(stream)`."""
+    as `Executable.run_pointers` on its cuda.bindings path: what a launch costs by itself, for benchmarks.
+    `empty(stream)`; `empty.native(k)` launches it k times through the C launcher."""
 
     def __init__(self, device: int = 0):
         require_gpu("launching an empty kernel")
@@ -344,6 +396,29 @@ class EmptyKernel:
         (err,) = driver.cuLaunchKernel(self._function, 1, 1, 1, 32, 1, 1, 0, cu_stream(stream), None, 0)
         if err:
             raise CudaError(f"launching the empty kernel failed: {error_text(err)}")
+
+    def native(self, launches: int = 1) -> Optional[Callable]:
+        """`run(stream)`: `launches` of the empty kernel in one call of the C launcher, as an Executable of
+        that many kernels launches them (the same lock, call array and mdsl_run; no argument to write);
+        None where the launcher is not available."""
+        lib = launcher.library()
+        if lib is None:
+            return None
+        program = launcher.NativeProgram(lib, launcher.driver_entries(), context=int(self._dev.context),
+                                         slots=(ctypes.c_uint64 * 1)(), bindings=(), copies=(), arguments=0,
+                                         launches=[(self._function, (1, 1, 1), (32, 1, 1), 0, False, 0)] * launches)
+        lock = threading.Lock()
+
+        def run(stream: int = 0) -> None:
+            with lock:
+                call = program.call
+                call[1] = stream
+                call[2:] = ()
+                err = program.run(call)
+            if err:
+                raise CudaError(f"launching the empty kernel failed: {error_text(err)}")
+
+        return run
 
     def close(self) -> None:
         if self._module is not None and driver is not None:

@@ -21,6 +21,7 @@ from mdsl import gpu as runtime
 from mdsl.gpu import ArgumentError, NoGPUError, dlpack
 from mdsl.ir.graph import KernelGraph, Node, make_var
 from mdsl.ir.ops import get_op
+from tests.backend.native_driver import LAUNCH_PATHS, FakeFunction, fake_device, use_launch_path
 
 no_gpu = pytest.mark.skipif(runtime.has_gpu(), reason="this machine has a GPU (tests/gpu covers it)")
 
@@ -300,7 +301,7 @@ class RecordingDriver:
         self.calls, self.next_pointer, self.arity = [], 0x10000, arity   # kernel name -> its parameters
 
     def cuModuleGetFunction(self, module, name):
-        return 0, name.decode()
+        return 0, FakeFunction(name.decode())
 
     def cuMemAlloc(self, size):
         self.next_pointer += 0x10000
@@ -331,10 +332,12 @@ class RecordingDriver:
         return (0,)
 
 
-def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stream(monkeypatch):
-    """Executable.run_pointers, the launch path every call takes: each kernel gets its arguments' pointers
-    (inputs, outputs, and the intermediates allocated once), in the program's order, on the call's stream;
-    an output that lives in another argument's buffer is copied after."""
+@pytest.mark.parametrize("path", LAUNCH_PATHS)
+def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stream(monkeypatch, path):
+    """Executable.run_pointers, the launch path every call takes (through mdsl's C launcher, and through
+    cuda.bindings): each kernel gets its arguments' pointers (inputs, outputs, and the intermediates
+    allocated once), in the program's order, on the call's stream; an output that lives in another
+    argument's buffer is copied after."""
     from mdsl.backend.cuda import emit_cuda
     from mdsl.gpu import executable
     from mdsl.lowering.options import CudaOptions
@@ -347,12 +350,13 @@ def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stre
     program = emit_cuda(KernelGraph("g", [x, w], [n1, n2, n3], [y, r]), arch="sm_90a",
                         options=CudaOptions(library_gemm=False))
     fake = RecordingDriver({launch.name: len(launch.args) for launch in program.launches})
+    native = use_launch_path(monkeypatch, path, fake)
     monkeypatch.setattr(executable, "driver", fake)
-    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
-                                                                                  activate=lambda: None))
+    monkeypatch.setattr(executable, "get_device", lambda device: fake_device())
     monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
     module = SimpleNamespace(load=lambda: "module")
     exe = executable.Executable(program, module)
+    assert (exe.native is not None) == (path == "c")
     (scratch,) = [call[1] for call in fake.calls if call[0] == "alloc"]
     assert scratch == 4 * 8 * 4   # e, in f32
     fake.calls.clear()
@@ -365,6 +369,7 @@ def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stre
     assert all(call[5] == ("stream", 7) for call in launches)
     assert [(launch.grid, launch.block) for launch in program.launches] == [(call[2], call[3]) for call in launches]
     assert fake.calls[-1] == ("copy", 0x4000, 0x1000, 4 * 8 * 4, ("stream", 7))
+    native.check()
     exe.close()
 
 

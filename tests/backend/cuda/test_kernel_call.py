@@ -1,5 +1,7 @@
 """`@mdsl.kernel` called on GPU arrays, without a GPU: torch is a stand-in module (`FakeTorch`), the driver
-a recorder (`FakeDriver`), and compiling emits the traced graph's CUDA without NVRTC. What is checked:
+a recorder (`FakeDriver`, reached through cuda.bindings' calls or, on the C launcher's path, through
+tests/backend/native_driver.py's callbacks; each test runs on both paths), and compiling emits the traced
+graph's CUDA without NVRTC. What is checked:
 a repeated call with the same signature does no argument checking and no compiling, only reads pointers,
 allocates outputs and launches; a call whose signature differs (shape, dtype, strides, device) is
 checked again and refused with the same errors; outputs are fresh per call; out= and stream= work.
@@ -22,9 +24,10 @@ import mdsl
 from mdsl import Tensor, f16
 from mdsl.backend.cuda import runtime
 from mdsl.errors import DTypeError, ShapeError
-from mdsl.gpu import arrays, driver as gpu_driver, executable
+from mdsl.gpu import arrays, driver as gpu_driver, executable, launcher
 from mdsl.gpu.arrays import ArgumentError, DeviceArray
 from mdsl.lowering.options import CudaOptions
+from tests.backend.native_driver import CONTEXT, LAUNCH_PATHS, FakeFunction, use_launch_path
 
 MiB = 1 << 20
 
@@ -66,6 +69,11 @@ class FakeTensor:
     def is_contiguous(self) -> bool:
         return self._contiguous
 
+    def expand(self, shape) -> "FakeTensor":
+        """A view of this one-element tensor at `shape` (every stride 0), as an output template is made."""
+        assert self.shape == (), "only a one-element tensor is expanded here"
+        return FakeTensor(shape, self.dtype, device=self._device, ptr=self._ptr, strides=(0,) * len(shape))
+
 
 def _compact(shape) -> tuple:
     strides, step = [], 1
@@ -85,6 +93,7 @@ class FakeTorch(SimpleNamespace):
                          float64=FakeDType("float64", 8), Tensor=FakeTensor)
         self.current = {0: 0x5000, 1: 0x5100}   # device -> its current stream's handle
         self.empties = []
+        self.record = True   # keep the outputs made in `empties` (not when timing: they would pile up)
         self._C = SimpleNamespace(_cuda_getCurrentRawStream=lambda device: self.current[device])
 
     @classmethod
@@ -95,9 +104,14 @@ class FakeTorch(SimpleNamespace):
         return (kind, index)
 
     def empty(self, shape, *, dtype, device):
-        t = FakeTensor(shape, dtype, device=device[1])
-        self.empties.append(t)
-        return t
+        return FakeTensor(shape, dtype, device=device[1])
+
+    def empty_like(self, t):
+        """A fresh compact tensor of t's shape, dtype and device (the outputs a call allocates: `empties`)."""
+        new = FakeTensor(t.shape, t.dtype, device=t.get_device())
+        if self.record:
+            self.empties.append(new)
+        return new
 
 
 class FakeDriver:
@@ -114,7 +128,7 @@ class FakeDriver:
         self.next_pointer = 0x10000
 
     def cuModuleGetFunction(self, module, name):
-        return 0, name.decode()
+        return 0, FakeFunction(name.decode())
 
     def cuMemAlloc(self, size):
         self.next_pointer += 0x10000
@@ -157,12 +171,17 @@ class FakeDriver:
 
 class FakeDevice:
     max_smem = 227 * 1024
+    context = CONTEXT
 
     def __init__(self):
         self.orders = []
+        self.native = None   # the NativeDriver whose current context make_current sets
 
     def activate(self) -> None:
         pass
+
+    def make_current(self) -> None:
+        self.native.current = self.context
 
     def order(self, waiter: int, signaller: int) -> None:
         self.orders.append((waiter, signaller))
@@ -183,15 +202,18 @@ class Rig(SimpleNamespace):
     """Everything a test patched in, and the counters it reads."""
 
 
-def install(monkeypatch, *kernels, record: bool = True) -> Rig:
+def install(monkeypatch, *kernels, record: bool = True, launch_path: str = "c") -> Rig:
     """Run `kernel` on fakes: torch, the driver, the device, and a compiler that emits the traced graph's
     CUDA (no search, no NVRTC); count argument checks and compiles (`record`: and record the launches;
-    without it, the stand-ins cost as little as they can, for timing)."""
+    without it, the stand-ins cost as little as they can, for timing). The executables launch through
+    `launch_path` (tests/backend/native_driver.py)."""
     from mdsl.backend.cuda import emit_cuda
 
     torch = FakeTorch()
+    torch.record = record
     device = FakeDevice()
     fake = FakeDriver({}, record)
+    device.native = use_launch_path(monkeypatch, launch_path, fake, stub=not record)
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(arrays, "_TORCH_DTYPES", {})
     monkeypatch.setattr(gpu_driver, "has_gpu", lambda: True)
@@ -206,7 +228,7 @@ def install(monkeypatch, *kernels, record: bool = True) -> Rig:
         fake.arity.update({launch.name: len(launch.args) for launch in program.launches})
         return executable.Executable(program, SimpleNamespace(load=lambda: "module"), device=device)
 
-    rig = Rig(torch=torch, driver=fake, device=device, compile=Counter(compile_graph),
+    rig = Rig(torch=torch, driver=fake, device=device, native=device.native, compile=Counter(compile_graph),
               device_view=Counter(runtime.device_view), launch_stream=Counter(runtime.launch_stream))
     monkeypatch.setattr(runtime, "compile_graph", rig.compile)
     if record:
@@ -220,20 +242,23 @@ def install(monkeypatch, *kernels, record: bool = True) -> Rig:
 
 
 @contextlib.contextmanager
-def compiled_on_fakes(monkeypatch, *kernels, record: bool = True):
+def compiled_on_fakes(monkeypatch, *kernels, record: bool = True, launch_path: str = "c"):
     """`install`, with the kernels' executables and prepared calls the block's own: made on the fakes, and
     closed while the fakes are in place."""
     for kernel in kernels:
         monkeypatch.setattr(kernel, "_executables", {})
-        monkeypatch.setattr(kernel, "_calls", {}, raising=False)
-    rig = install(monkeypatch, *kernels, record=record)
+        monkeypatch.setattr(kernel, "_calls", {})
+        monkeypatch.setattr(kernel, "_last_call", None)
+    rig = install(monkeypatch, *kernels, record=record, launch_path=launch_path)
     try:
         yield rig
+        rig.native.check()
     finally:
         for kernel in kernels:
             for exe in kernel._executables.values():
                 exe.close()
             kernel._calls.clear()
+            kernel._last_call = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +277,11 @@ def scale_add(x: Tensor[4, 64, f16], y: Tensor[4, 64, f16]):
 @mdsl.kernel
 def norm_linear(x, w):
     return mdsl.rms_norm(x) @ w
+
+
+@mdsl.kernel
+def sum_and_product(x: Tensor[4, 64, f16], y: Tensor[4, 64, f16]):   # two outputs
+    return x + y, x * y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,40 +303,52 @@ def _per_call_us(fn, calls: int, repeats: int) -> float:
 
 def measure_host_path(calls: int = 20000, repeats: int = 5) -> list:
     """[(label, µs per call)]: the public call path's host time on stand-in torch tensors, with the driver's
-    launch a no-op: mdsl's own Python, plus the stand-ins' cost, which the last row gives alone."""
+    launch a no-op, through each launch path (the C launcher calling a compiled driver stub; cuda.bindings'
+    calls answered by the Python stand-in): mdsl's own Python, plus the stand-ins' cost, which the last row
+    gives alone (for the C launcher's path, whose driver stub costs nothing)."""
     rows = []
-    with pytest.MonkeyPatch.context() as monkeypatch, \
-            compiled_on_fakes(monkeypatch, add, scale_add, norm_linear, record=False) as rig:
-        h = rig.torch.float16
-        x, y, out = (FakeTensor((4, 64), h) for _ in range(3))
-        xb, w = FakeTensor((1, 4096), h), FakeTensor((4096, 4096), h)
-        cases = [("add(x, y): output allocated", lambda: add(x, y)),
-                 ("add(x, y, out=out)", lambda: add(x, y, out=out)),
-                 ("add(x, y, stream=7)", lambda: add(x, y, stream=7)),
-                 ("scale_add(x, y): output allocated", lambda: scale_add(x, y)),
-                 ("norm_linear(x, w): batch 1, output allocated", lambda: norm_linear(xb, w))]
-        for label, call in cases:
-            call()
-            launches = sum(len(exe.program.launches) for k in (add, scale_add, norm_linear)
-                           for exe in k._executables.values() if label.startswith(k.name + "("))
-            rows.append((f"{label}, {launches} launch(es)", _per_call_us(call, calls, repeats)))
+    for path in LAUNCH_PATHS:
+        with pytest.MonkeyPatch.context() as monkeypatch, \
+                compiled_on_fakes(monkeypatch, add, scale_add, norm_linear, record=False, launch_path=path) as rig:
+            h = rig.torch.float16
+            x, y, out = (FakeTensor((4, 64), h) for _ in range(3))
+            xb, w = FakeTensor((1, 4096), h), FakeTensor((4096, 4096), h)
+            cases = [("add(x, y): output allocated", lambda: add(x, y)),
+                     ("add(x, y, out=out)", lambda: add(x, y, out=out)),
+                     ("add(x, y, stream=7)", lambda: add(x, y, stream=7)),
+                     ("scale_add(x, y): output allocated", lambda: scale_add(x, y)),
+                     ("norm_linear(x, w): batch 1, output allocated", lambda: norm_linear(xb, w))]
+            for label, call in cases:
+                call()
+                launches = sum(len(exe.program.launches) for k in (add, scale_add, norm_linear)
+                               for exe in k._executables.values() if label.startswith(k.name + "("))
+                rows.append((f"{label}, {launches} launch(es), launched through {path}",
+                             _per_call_us(call, calls, repeats)))
+            if path == "c":
+                template = FakeTensor((), h).expand((4, 64))
 
-        def stand_ins():   # what a call of add(x, y) spends outside mdsl: the tensor attributes it reads too
-            for t in (x, y):
-                t.shape, t.dtype, t.is_cuda, t.get_device(), t.is_contiguous(), t.data_ptr()
-            rig.torch._C._cuda_getCurrentRawStream(0)
-            rig.torch.empty((4, 64), dtype=h, device=("cuda", 0)).data_ptr()
-            rig.driver.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, 0)
+                def stand_ins():   # what a call of add(x, y) spends outside mdsl: the tensor attributes it reads
+                    for t in (x, y):
+                        t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.data_ptr()
+                    rig.torch._C._cuda_getCurrentRawStream(0)
+                    rig.torch.empty_like(template).data_ptr()
 
-        rows.append(("the stand-ins alone, as add(x, y) uses them", _per_call_us(stand_ins, calls, repeats)))
+                rows.append(("the stand-ins alone, as add(x, y) uses them", _per_call_us(stand_ins, calls, repeats)))
     return rows
 
 # ---------------------------------------------------------------------------------------------
 # the prepared path
 
+@pytest.fixture(params=LAUNCH_PATHS)
+def rig(monkeypatch, request):
+    with compiled_on_fakes(monkeypatch, add, norm_linear, sum_and_product, launch_path=request.param) as rig:
+        yield rig
+
+
 @pytest.fixture
-def rig(monkeypatch):
-    with compiled_on_fakes(monkeypatch, add, norm_linear) as rig:
+def c_rig(monkeypatch):
+    """The rig, launching through the C launcher only (for what only that path does)."""
+    with compiled_on_fakes(monkeypatch, add, launch_path="c") as rig:
         yield rig
 
 
@@ -500,6 +542,101 @@ def test_an_argument_whose_signature_cannot_be_read_gets_the_checked_path_s_erro
         add(Odd(), y)
 
 
+def test_a_call_of_torch_tensors_takes_the_generated_path_and_others_the_general_one(rig):
+    from mdsl.gpu.calls import PreparedCall
+
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y)
+    assert add._last_call.__name__ == "fast", "torch tensors in, outputs allocated: not the generated path"
+    add(x, y, stream=7)
+    assert add._last_call.__name__ == "fast"
+    d = DeviceArray.__new__(DeviceArray)   # a DeviceArray with no memory: never launched on here
+    d.shape, d.dtype, d.device, d.ptr, d.stream = (4, 64), f16, 0, 0x7F0000000000, 0
+    add(x, d)
+    assert isinstance(add._last_call, PreparedCall), "a DeviceArray: the general prepared call"
+    d.ptr = 0
+    out = FakeTensor((4, 64), rig.torch.float16)
+    add(x, y, out=out)
+    assert add._last_call.__name__ == "fast"
+    before = checks(rig)
+    for _ in range(2):   # each signature again: prepared (the last one tried first, the others looked up)
+        add(x, y)
+        add(x, y, stream=7)
+        assert add(x, y, out=out) is out
+    assert checks(rig) == before and len(add._calls) == 4
+    assert [c[3][2] for c in rig.driver.launches()][-3:-1] != [out.data_ptr()] * 2   # fresh outputs
+    assert rig.driver.launches()[-1][3] == [x.data_ptr(), y.data_ptr(), out.data_ptr()]
+
+
+def test_two_outputs_are_allocated_fresh_or_written_into_on_the_generated_path(rig):
+    x, y = halves(rig, (4, 64), (4, 64))
+    sum_and_product(x, y)
+    before = checks(rig)
+    s, p = sum_and_product(x, y)
+    assert checks(rig) == before and sum_and_product._last_call.__name__ == "fast"
+    (exe,) = sum_and_product._executables.values()
+    n = len(exe.program.launches)
+    assert sorted({ptr for c in rig.driver.launches()[-n:] for ptr in c[3]}) == \
+        sorted([x.data_ptr(), y.data_ptr(), s.data_ptr(), p.data_ptr()])
+    assert s is not p and s.data_ptr() != p.data_ptr()
+    outs = halves(rig, (4, 64), (4, 64))
+    assert sum_and_product(x, y, out=outs) == tuple(outs)
+    assert sum_and_product(x, y, out=list(outs)) == tuple(outs)
+    assert sorted({ptr for c in rig.driver.launches()[-n:] for ptr in c[3]}) == \
+        sorted([x.data_ptr(), y.data_ptr(), *(o.data_ptr() for o in outs)])
+    with pytest.raises(ArgumentError, match="has 2 output\\(s\\), got 1"):
+        sum_and_product(x, y, out=outs[0])
+    with pytest.raises(DTypeError, match="output 1 of .* is float32"):
+        sum_and_product(x, y, out=(outs[0], FakeTensor((4, 64), rig.torch.float32)))
+
+
+def test_a_misaligned_output_passed_in_is_refused_on_the_generated_path(rig):
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y, out=FakeTensor((4, 64), rig.torch.float16))
+    launched = len(rig.driver.launches())
+    with pytest.raises(ArgumentError, match="not 16-byte aligned"):
+        add(x, y, out=FakeTensor((4, 64), rig.torch.float16, ptr=0x7F0000000004))
+    assert len(rig.driver.launches()) == launched
+
+
+def test_a_context_made_current_elsewhere_is_made_the_executable_s_again(c_rig):
+    rig = c_rig
+    x, y = halves(rig, (4, 64), (4, 64))
+    add(x, y)
+    rig.native.current = 0xBAD   # as after another library made its own context current
+    z = add(x, y)
+    assert rig.native.current == CONTEXT
+    assert rig.driver.launches()[-1][3] == [x.data_ptr(), y.data_ptr(), z.data_ptr()]
+    assert len(rig.driver.launches()) == 2
+
+
+def test_a_failed_launch_raises_mdsl_s_error_naming_the_kernel(c_rig, monkeypatch):
+    from mdsl.errors import MdslError
+
+    monkeypatch.setattr(executable, "error_text", lambda err: f"CUresult {err}")
+    x, y = halves(c_rig, (4, 64), (4, 64))
+    add(x, y)
+    (name,) = {c[1] for c in c_rig.driver.launches()}
+    c_rig.native.errors[name] = 700
+    with pytest.raises(MdslError, match="launching a kernel of add failed: CUresult 700") as info:
+        add(x, y)
+    assert "test_kernel_call.py" in str(info.value), "the error does not point at the call"
+
+
+@pytest.mark.parametrize("arity, outputs", [(1, 1), (2, 1), (3, 2), (5, 3)])
+@pytest.mark.parametrize("out_given", [False, True])
+@pytest.mark.parametrize("stream_given", [False, True])
+@pytest.mark.parametrize("native", [False, True])
+def test_the_generated_source_compiles_for_any_count(arity, outputs, out_given, stream_given, native):
+    from mdsl.gpu.calls import fast_source
+
+    source = fast_source(arity, outputs, out_given, stream_given, native)
+    compile(source, "<test>", "exec")
+    assert source.count(".data_ptr()") == arity + outputs
+    assert source.count("empty_like(") == (0 if out_given else outputs)
+    assert ("run(call)" in source) == native
+
+
 def test_the_key_holds_each_argument_s_signature():
     from mdsl.gpu.signature import call_key, signature
 
@@ -528,6 +665,7 @@ def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(add, "_executables", {})
     monkeypatch.setattr(add, "_calls", {})
+    monkeypatch.setattr(add, "_last_call", None)
     monkeypatch.setattr(add, "_gpu_graph", lambda specs, arch: add.trace(*specs))   # no search: the traced graph
 
     def pair():
@@ -540,6 +678,10 @@ def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
         torch.testing.assert_close(z, x + y)
         results.append(z)
     assert len({z.data_ptr() for z in results}) == 3 and len(add._calls) == 1
+    assert add._last_call.__name__ == "fast", "a repeated call of torch tensors did not take the generated path"
+    if launcher._compiler() is not None:
+        (exe,) = add._executables.values()
+        assert exe.native is not None, "the C launcher was not used, although a C compiler is here"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):   # torch's current stream, read at every call

@@ -1,0 +1,127 @@
+/* mdsl's launcher: an executable's kernels launched in one call from Python (mdsl/gpu/launcher.py).
+
+   Python fills one array per call, `call`: call[0] the address of the executable's Program (built once),
+   call[1] the stream, call[2...] the data pointers of its arguments (inputs, then outputs). mdsl_run writes
+   the pointers into the program's parameter slots, launches each kernel through the driver's own entry
+   points (resolved by Python, so that this file needs no CUDA header or library) and queues the copies of
+   outputs that live in another argument's buffer. Python calls it through ctypes.PyDLL: the GIL is held
+   throughout, so two threads never fill the same slots at once.
+
+   No Python header either: only a C compiler is needed. The structures below mirror cuda.h's, under names
+   of their own (a file may include both); tests/backend/cuda/test_launcher.py compares them with cuda.h
+   where one is installed. */
+#include <stddef.h>
+#include <stdint.h>
+
+/* MDSL_LAUNCHER_ID is defined by the build (-D): the hash of this file, which the loader checks */
+#ifndef MDSL_LAUNCHER_ID
+#define MDSL_LAUNCHER_ID "unversioned"
+#endif
+
+typedef int Result;   /* CUresult */
+
+/* cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a union of 64 bytes */
+typedef struct {
+    int32_t id;
+    int32_t pad;
+    union {
+        char bytes[64];
+        int32_t programmatic_stream_serialization_allowed;
+    } value;
+} LaunchAttribute;
+
+/* cuda.h's CUlaunchConfig */
+typedef struct {
+    uint32_t grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+    void *stream;
+    LaunchAttribute *attrs;
+    uint32_t num_attrs;
+} LaunchConfig;
+
+enum { PROGRAMMATIC_STREAM_SERIALIZATION = 6 };   /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+
+typedef Result (*LaunchKernel)(void *function, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t bx, uint32_t by,
+                                 uint32_t bz, uint32_t shared_bytes, void *stream, void **params, void **extra);
+typedef Result (*LaunchKernelEx)(const LaunchConfig *config, void *function, void **params, void **extra);
+typedef Result (*MemcpyDtoDAsync)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
+typedef Result (*CtxGetCurrent)(void **context);
+
+/* one kernel launch: everything but the stream, fixed when the executable is loaded */
+typedef struct {
+    uint64_t function;       /* CUfunction */
+    uint32_t grid[3];
+    uint32_t block[3];
+    uint32_t shared_bytes;
+    uint32_t overlap;        /* 1: launched with programmatic stream serialization (cuLaunchKernelEx) */
+    uint64_t params;         /* void **: one pointer per kernel parameter, into the slots */
+} Launch;
+
+/* an output whose value lives in another argument's buffer: copied after the launches */
+typedef struct {
+    int64_t dst, src;        /* argument indices */
+    uint64_t bytes;
+} Copy;
+
+typedef struct {
+    /* the driver's entry points */
+    uint64_t launch_kernel, launch_kernel_ex, memcpy_async, ctx_get_current;
+    uint64_t context;        /* CUcontext the launches need current */
+    uint64_t *slots;         /* the values the parameter blocks point at */
+    int64_t n_bindings;
+    const int64_t *bindings; /* n_bindings pairs (slot, argument index) */
+    int64_t n_launches;
+    const Launch *launches;
+    int64_t n_copies;
+    const Copy *copies;
+} Program;
+
+/* what mdsl_run returns besides 0 (success) and a positive CUresult (the failing call's) */
+enum { WRONG_CONTEXT = -1 };
+
+const char *mdsl_launcher_id(void) { return MDSL_LAUNCHER_ID; }
+
+int64_t mdsl_launcher_sizes(int64_t which) {
+    switch (which) {   /* the layouts Python builds, checked when the library is loaded */
+    case 0: return sizeof(Launch);
+    case 1: return sizeof(Copy);
+    case 2: return sizeof(Program);
+    case 3: return sizeof(LaunchConfig);
+    case 4: return sizeof(LaunchAttribute);
+    default: return -1;
+    }
+}
+
+int64_t mdsl_run(const uint64_t *call) {
+    const Program *p = (const Program *)(uintptr_t)call[0];
+    void *stream = (void *)(uintptr_t)call[1];
+    const uint64_t *args = call + 2;
+    void *current = NULL;
+    Result err = ((CtxGetCurrent)(uintptr_t)p->ctx_get_current)(&current);
+    if (err) return err;
+    if ((uint64_t)(uintptr_t)current != p->context) return WRONG_CONTEXT;   /* Python makes it current, calls again */
+    for (int64_t i = 0; i < p->n_bindings; i++)
+        p->slots[p->bindings[2 * i]] = args[p->bindings[2 * i + 1]];
+    for (int64_t i = 0; i < p->n_launches; i++) {
+        const Launch *l = &p->launches[i];
+        void *function = (void *)(uintptr_t)l->function;
+        void **params = (void **)(uintptr_t)l->params;
+        if (!l->overlap) {
+            err = ((LaunchKernel)(uintptr_t)p->launch_kernel)(function, l->grid[0], l->grid[1], l->grid[2],
+                                                              l->block[0], l->block[1], l->block[2],
+                                                              l->shared_bytes, stream, params, NULL);
+        } else {   /* may start while the stream's previous kernel runs, once that one lets it */
+            LaunchAttribute attribute = {PROGRAMMATIC_STREAM_SERIALIZATION, 0, {{0}}};
+            attribute.value.programmatic_stream_serialization_allowed = 1;
+            LaunchConfig config = {l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2],
+                                   l->shared_bytes, stream, &attribute, 1};
+            err = ((LaunchKernelEx)(uintptr_t)p->launch_kernel_ex)(&config, function, params, NULL);
+        }
+        if (err) return err;
+    }
+    for (int64_t i = 0; i < p->n_copies; i++) {
+        const Copy *c = &p->copies[i];
+        err = ((MemcpyDtoDAsync)(uintptr_t)p->memcpy_async)(args[c->dst], args[c->src], c->bytes, stream);
+        if (err) return err;
+    }
+    return 0;
+}

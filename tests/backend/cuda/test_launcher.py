@@ -1,0 +1,247 @@
+"""mdsl's C launcher (mdsl/gpu/launcher.c, mdsl.gpu.launcher) without a GPU: built once into the cache and
+loaded from there, built again over a file that is not a library, refused with a reason where there is no
+compiler (and then an Executable launches through cuda.bindings, with a warning); its structures match
+cuda.h's; run on a recording stand-in of the driver, it writes each launch's parameters, launches in order
+on the call's stream (with programmatic stream serialization where asked), copies aliased outputs, and
+answers the driver's errors and a context that is not current."""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mdsl.gpu import launcher
+from tests.backend.native_driver import CONTEXT, FakeFunction, NativeDriver
+
+needs_compiler = pytest.mark.skipif(launcher._compiler() is None, reason="no C compiler here")
+CUDA_H = Path("/usr/local/cuda/include/cuda.h")
+
+
+# ---------------------------------------------------------------------------------------------
+# building and loading
+
+@needs_compiler
+def test_the_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    lib = launcher.open_library(directory=tmp_path)
+    (built,) = tmp_path.glob("launcher-*.so")
+    assert built.name == f"launcher-{launcher.build_id(launcher.SOURCE.read_bytes())}.so"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+    assert lib.mdsl_launcher_id().decode() in built.name
+    monkeypatch.setattr(launcher, "_compiler", lambda: None)   # loading needs no compiler
+    assert launcher.open_library(directory=tmp_path).mdsl_launcher_id() == lib.mdsl_launcher_id()
+
+
+@needs_compiler
+def test_a_cached_file_that_is_not_a_library_is_built_again(tmp_path):
+    ident = launcher.build_id(launcher.SOURCE.read_bytes())
+    path = tmp_path / f"launcher-{ident}.so"
+    path.write_bytes(b"\x7fELF truncated")
+    lib = launcher.open_library(directory=tmp_path)
+    assert lib.mdsl_launcher_id().decode() == ident and path.stat().st_size > 1000
+
+
+def test_a_changed_source_is_another_build(tmp_path):
+    a, b = tmp_path / "a.c", tmp_path / "b.c"
+    a.write_text("int x;\n")
+    b.write_text("int y;\n")
+    assert launcher.build_id(a.read_bytes()) != launcher.build_id(b.read_bytes())
+
+
+def test_without_a_compiler_the_reason_is_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="no C compiler was found"):
+        launcher.open_library(directory=tmp_path)
+    monkeypatch.setattr(launcher, "_compiler", lambda: ["/nonexistent/cc"])
+    with pytest.raises(RuntimeError, match="cannot build it"):
+        launcher.open_library(directory=tmp_path)
+    monkeypatch.setattr(launcher, "_compiler", lambda: ["false"])
+    with pytest.raises(RuntimeError, match="false failed"):
+        launcher.open_library(directory=tmp_path)
+    assert not list(tmp_path.iterdir()), "a failed build left a file behind"
+
+
+def test_without_the_library_executables_launch_through_cuda_bindings_with_a_warning(tmp_path, monkeypatch):
+    from tests.backend.test_runtime_cpu import RecordingDriver
+    from mdsl.backend.cuda import emit_cuda
+    from mdsl.gpu import executable
+    from mdsl.ir.dtypes import f32
+    from mdsl.ir.graph import KernelGraph
+    from tests.backend.native_driver import fake_device
+    from tests.backend.test_runtime_cpu import make_var, node
+
+    monkeypatch.setenv("MDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launcher, "_STATE", {})
+    monkeypatch.setattr(launcher, "_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="C launcher is not available .*no C compiler.*Hint: install a C compiler"):
+        assert launcher.library() is None
+    launcher.library()   # warned once
+    x = make_var("x", (4, 8), f32)
+    n, e = node("exp", [x], "e")
+    program = emit_cuda(KernelGraph("g", [x], [n], [e]), arch="sm_90a")
+    fake = RecordingDriver({launch.name: len(launch.args) for launch in program.launches})
+    monkeypatch.setattr(executable, "driver", fake)
+    monkeypatch.setattr(executable, "get_device", lambda device: fake_device())
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
+    assert exe.native is None
+    exe.run_pointers([0x1000], [0x2000], stream=3)
+    assert [c[5] for c in fake.calls if c[0] == "launch"] == [("stream", 3)]
+    exe.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the structures
+
+@needs_compiler
+@pytest.mark.skipif(not CUDA_H.exists(), reason="no cuda.h here")
+def test_the_structures_are_cuda_h_s(tmp_path):
+    """The launch configuration and attribute the launcher passes to cuLaunchKernelEx, byte for byte, and
+    the attribute's id."""
+    check = tmp_path / "check.c"
+    check.write_text(f'''#include <stddef.h>
+#include <cuda.h>
+#include "{launcher.SOURCE}"
+#define SAME(a, b) _Static_assert(a == b, #a " != " #b)
+SAME(sizeof(LaunchConfig), sizeof(CUlaunchConfig));
+SAME(offsetof(LaunchConfig, grid_x), offsetof(CUlaunchConfig, gridDimX));
+SAME(offsetof(LaunchConfig, block_x), offsetof(CUlaunchConfig, blockDimX));
+SAME(offsetof(LaunchConfig, block_z), offsetof(CUlaunchConfig, blockDimZ));
+SAME(offsetof(LaunchConfig, shared_bytes), offsetof(CUlaunchConfig, sharedMemBytes));
+SAME(offsetof(LaunchConfig, stream), offsetof(CUlaunchConfig, hStream));
+SAME(offsetof(LaunchConfig, attrs), offsetof(CUlaunchConfig, attrs));
+SAME(offsetof(LaunchConfig, num_attrs), offsetof(CUlaunchConfig, numAttrs));
+SAME(sizeof(LaunchAttribute), sizeof(CUlaunchAttribute));
+SAME(offsetof(LaunchAttribute, value), offsetof(CUlaunchAttribute, value));
+SAME(sizeof(((LaunchAttribute *)0)->value), sizeof(CUlaunchAttributeValue));
+SAME(offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed), 0);
+SAME(PROGRAMMATIC_STREAM_SERIALIZATION, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+SAME(sizeof(Result), sizeof(CUresult));
+''')
+    result = subprocess.run([*launcher._compiler(), "-fsyntax-only", f"-I{CUDA_H.parent}", str(check)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# running a program
+
+class Recorder:
+    """cuda.bindings' launch and copy calls as the NativeDriver forwards them, recorded."""
+
+    def __init__(self, arity: dict):
+        self.arity, self.calls = arity, []
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        block = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        pointers = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(self.arity[function])]
+        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), smem, stream, pointers))
+        return (0,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
+        self.calls.append(("copy", dst, src, size, stream))
+        return (0,)
+
+
+@pytest.fixture
+def lib():
+    found = launcher.library()
+    if found is None:
+        pytest.skip("mdsl's C launcher cannot be built here")
+    return found
+
+
+def _program(lib, native, slots, params, overlap=(False, False)):
+    """Two kernels over three slots: k0(slot 0, slot 2), k1(slot 2, slot 1); arguments: input 0 -> slot 0,
+    output 1 -> slot 1; slot 2 an intermediate. Output 2 is a copy of input 0."""
+    k0, k1 = FakeFunction("k0"), FakeFunction("k1")
+    launches = [(k0, (3, 1, 1), (128, 1, 1), 0, overlap[0], ctypes.addressof(params[0])),
+                (k1, (2, 2, 1), (64, 2, 1), 50000, overlap[1], ctypes.addressof(params[1]))]
+    return launcher.NativeProgram(lib, native.entries, context=CONTEXT, slots=slots, bindings=[(0, 0), (1, 1)],
+                                  launches=launches, copies=[(2, 0, 4096)], arguments=3)
+
+
+def _blocks(slots, launch_slots):
+    width = ctypes.sizeof(ctypes.c_uint64)
+    return [(ctypes.c_void_p * len(s))(*[ctypes.addressof(slots) + width * k for k in s]) for s in launch_slots]
+
+
+def _run(program, stream, pointers):
+    call = program.call
+    call[1] = stream
+    call[2:] = pointers
+    return program.run(call)
+
+
+def test_a_program_writes_the_parameters_launches_in_order_and_copies(lib):
+    recorder = Recorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    slots = (ctypes.c_uint64 * 3)(0, 0, 0xABC000)
+    params = _blocks(slots, [(0, 2), (2, 1)])
+    program = _program(lib, native, slots, params)
+    assert _run(program, 0x77, [0x1000, 0x2000, 0x3000]) == 0
+    assert _run(program, 0, [0x4000, 0x5000, 0x6000]) == 0
+    native.check()
+    assert recorder.calls == [
+        ("launch", "k0", (3, 1, 1), (128, 1, 1), 0, ("stream", 0x77), [0x1000, 0xABC000]),
+        ("launch", "k1", (2, 2, 1), (64, 2, 1), 50000, ("stream", 0x77), [0xABC000, 0x2000]),
+        ("copy", 0x3000, 0x1000, 4096, ("stream", 0x77)),
+        ("launch", "k0", (3, 1, 1), (128, 1, 1), 0, ("stream", 0), [0x4000, 0xABC000]),
+        ("launch", "k1", (2, 2, 1), (64, 2, 1), 50000, ("stream", 0), [0xABC000, 0x5000]),
+        ("copy", 0x6000, 0x4000, 4096, ("stream", 0))]
+    assert not native.overlapped
+
+
+def test_an_overlapping_launch_asks_for_programmatic_stream_serialization(lib):
+    recorder = Recorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    slots = (ctypes.c_uint64 * 3)()
+    params = _blocks(slots, [(0, 2), (2, 1)])
+    program = _program(lib, native, slots, params, overlap=(False, True))
+    assert _run(program, 5, [0x1000, 0x2000, 0x3000]) == 0
+    native.check()
+    assert native.overlapped == [("k1", [(6, 1)])]   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: on
+    assert [c[1:6] for c in recorder.calls if c[0] == "launch"] == [
+        ("k0", (3, 1, 1), (128, 1, 1), 0, ("stream", 5)), ("k1", (2, 2, 1), (64, 2, 1), 50000, ("stream", 5))]
+
+
+def test_a_driver_error_stops_the_program_and_is_answered(lib):
+    recorder = Recorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    native.errors["k0"] = 700   # CUDA_ERROR_ILLEGAL_ADDRESS
+    slots = (ctypes.c_uint64 * 3)()
+    params = _blocks(slots, [(0, 2), (2, 1)])   # alive while the program runs: it holds their addresses
+    program = _program(lib, native, slots, params)
+    assert _run(program, 0, [0x1000, 0x2000, 0x3000]) == 700, native.failures
+    assert [c[1] for c in recorder.calls] == ["k0"], "the launcher went on after a failed launch"
+
+
+def test_a_context_that_is_not_current_is_answered_before_anything_is_written(lib):
+    recorder = Recorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    native.current = 0   # no context on this thread
+    slots = (ctypes.c_uint64 * 3)(7, 7, 7)
+    params = _blocks(slots, [(0, 2), (2, 1)])   # alive while the program runs: it holds their addresses
+    program = _program(lib, native, slots, params)
+    assert _run(program, 0, [0x1000, 0x2000, 0x3000]) == launcher.WRONG_CONTEXT
+    assert recorder.calls == [] and list(slots) == [7, 7, 7]
+
+
+def test_a_call_array_of_the_wrong_length_is_refused(lib):
+    native = NativeDriver(Recorder({}))
+    slots = (ctypes.c_uint64 * 3)()
+    params = _blocks(slots, [(0, 2), (2, 1)])   # alive while the program runs: it holds their addresses
+    program = _program(lib, native, slots, params)
+    with pytest.raises(ValueError):
+        program.call[2:] = [0x1000, 0x2000]
+
+
+def test_supports_needs_the_entry_points_a_program_calls():
+    everything = dict.fromkeys(launcher.ENTRY_POINTS, 0x1000)
+    assert launcher.NativeProgram.supports(everything, overlap=True, copies=True)
+    assert not launcher.NativeProgram.supports({**everything, "cuLaunchKernelEx": 0}, overlap=True, copies=False)
+    assert launcher.NativeProgram.supports({**everything, "cuLaunchKernelEx": 0}, overlap=False, copies=True)
+    assert not launcher.NativeProgram.supports({**everything, "cuMemcpyDtoDAsync": 0}, overlap=False, copies=True)
+    assert not launcher.NativeProgram.supports({**everything, "cuCtxGetCurrent": 0}, overlap=False, copies=False)
