@@ -340,6 +340,15 @@ def test_qwen3_moe_dense_layers_and_routing():
     np.testing.assert_allclose(route(logits, 3, False).reshape(-1)[[1, 3, 4]], p[[1, 3, 4]], rtol=1e-6)
 
 
+def test_a_qwen3_moe_config_may_name_its_experts_num_local_experts():
+    """transformers 5's save_pretrained writes num_local_experts; the Hub's configs num_experts."""
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+
+    raw = tiny_config_dict("qwen3_moe")
+    raw["num_local_experts"] = raw.pop("num_experts")
+    assert config_from_dict(raw).num_experts == 6
+
+
 def test_a_qwen3_moe_checkpoint_round_trips(tmp_path):
     _, graph, weights = _qwen3_moe()
     _round_trip(tmp_path, "qwen3_moe", graph, weights)

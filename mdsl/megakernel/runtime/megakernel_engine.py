@@ -47,6 +47,8 @@ _STATIC_SMEM_LIMIT = 48 * 1024
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
                 "generate_source), or run the model on the CPU (mdsl.megakernel.modelgraph.reference, .simulator)")
 def weight_names(config: ModelConfig) -> list:
+    if config.num_experts:   # (a mixture of experts' layers: the built-in step function's weights)
+        return [w.name for w in step_function(config).trace(config).weights]
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
