@@ -13,6 +13,7 @@ namespace mk {
 // count per layer, one acq_rel atomic a tile, as attention's merge counts its splits; `tag` is the step + 1.
 // Warp 0 takes the softmax over the MOE_E logits and the MOE_K largest probabilities (the lower expert on ties, as
 // torch.topk), renormalised to sum to 1 where MOE_NORM_TOPK; the ids and weights (rounded to T) in that order.
+static_assert(MOE_K <= 32, "one lane of warp 0 a picked expert");
 __device__ void route_experts(const Params& p, const Task& t, unsigned tag) {
   const LayerWeights& w = p.layers[t.layer];
   __shared__ int last_tile;
