@@ -277,24 +277,57 @@ def test_only_the_picked_experts_weights_are_read(torch, transformers, tiny_engi
     engine, model = tiny_engines("qwen3_moe_wide", "f32")
     ours = assert_token_identical(torch, engine, model, "qwen3_moe_wide f32", False)
     used = _routed_experts(torch, model, PROMPT + ours[:-1])
-    e = model.config.num_experts
-    assert all(len(experts) < e // 2 for experts in used.values()), used   # most experts go unread
+    assert all(len(experts) < model.config.num_experts // 2 for experts in used.values()), used   # most go unread
     model.save_pretrained(str(tmp_path), safe_serialization=True)
-    config = load_config(str(tmp_path))
+    nan = float("nan")
+    weights = per_expert_weights(model, lambda layer, x, value: value if x in used[layer] else
+                                 torch.full_like(value, nan))
+    poisoned = MegakernelEngine(load_config(str(tmp_path)), weights, max_seq=64)
+    assert poisoned.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+def per_expert_weights(model, value=lambda layer, expert, tensor: tensor) -> dict:
+    """A transformers 5 Qwen3-MoE model's weights by their checkpoint names, on its device: each expert's gate, up
+    and down weight a view of the stacked tensors (or `value(layer, expert, view)`)."""
     weights = {}
     for name, t in model.state_dict().items():
         if ".mlp.experts." not in name:
             weights[name] = t.detach()
             continue
-        prefix, layer = name[:name.index("gate_up_proj" if "gate_up" in name else "down_proj")], int(name.split(".")[2])
-        for x in range(e):
+        prefix, layer = name[:name.rindex(".") + 1], int(name.split(".")[2])
+        for x in range(t.shape[0]):
             parts = {"gate_proj": t[x, :t.shape[1] // 2], "up_proj": t[x, t.shape[1] // 2:]} if "gate_up" in name \
                 else {"down_proj": t[x]}
-            for proj, value in parts.items():
-                weights[f"{prefix}{x}.{proj}.weight"] = value.detach().contiguous() if x in used[layer] else \
-                    torch.full_like(value, float("nan")).contiguous()
-    poisoned = MegakernelEngine(config, weights, max_seq=64)
-    assert poisoned.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+            for proj, view in parts.items():
+                weights[f"{prefix}{x}.{proj}.weight"] = value(layer, x, view.detach()).contiguous()
+    return weights
+
+
+def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers):
+    """Two layers of Qwen3-30B-A3B's shapes (128 experts of 768 rows, 8 a token), random bf16 weights used in place
+    from the transformers model: 16 router tiles a layer, the 8 slots' gate/up tiles, the down tiles' 8 slots."""
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.models import QWEN3_30B_A3B
+
+    raw = {**{k: v for k, v in QWEN3_30B_A3B.items() if k != "torch_dtype"}, "num_hidden_layers": 2}
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**raw)).to(torch.bfloat16).eval()
+    config = attrs.evolve(config_from_dict(raw), dtype=bf16)
+    engine = MegakernelEngine(config, per_expert_weights(model), max_seq=64)
+    assert sum(t.kind is Kind.ROUTER for t in engine.plan.tasks) == 2 * 16
+    prompt = [151643, 791, 6460, 315, 9822, 374, 12366, 13]
+    run = engine.run(prompt, 1, eos_token_ids=())
+    ours = engine.last_logits()
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
+    scale = float(np.abs(theirs).max())
+    error = float(np.abs(ours - theirs).max()) / scale
+    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
+    print(f"Qwen3-30B-A3B shapes (2 layers), bf16: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}")
+    assert np.isfinite(ours).all()
+    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
+    assert run.tokens[0] == int(np.argmax(ours))
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
