@@ -1,10 +1,14 @@
 """Decode latency of the megakernel next to a PyTorch kernel-per-op decode step under a CUDA graph, for
 Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B shapes (random bf16 weights made on the GPU, batch 1), at one or more
-contexts (`--contexts`, default 1024), with the fraction of the bandwidth floor and one profiler trace.
+contexts (`--contexts`, default 1024), with the fraction of the bandwidth floor and one profiler trace; and,
+asked for by name, Qwen3-30B-A3B's (`--models qwen3-30b-a3b`: a mixture of 128 experts, 8 a token, in each of its
+48 layers; its floor counts the active weights, the router and the 8 picked experts' a layer, and PyTorch's step
+routes as transformers' grouped_mm experts do, reading the picked experts' weights only).
 
     python3 benchmarks/decode.py --quick --out $OUT          # about 2-3 minutes on the H200
     python3 benchmarks/decode.py --models llama-3.2-1b --steps 128 --repeats 5
     python3 benchmarks/decode.py --models qwen3-8b,llama-3.2-1b --contexts 1024,32768
+    python3 benchmarks/decode.py --models qwen3-30b-a3b --variants default --quick --out $OUT
 
 A row is one model at one context C. The megakernel runs `steps` decode steps at positions C - 1, C, ...
 in ONE launch (timed with CUDA events around the launch; its KV cache holds C + steps + 8 positions, those
@@ -56,10 +60,11 @@ VARIANTS = {   # the megakernel runtime's variants: MegakernelOptions fields
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from mdsl.megakernel.runtime.models import MODELS
+    from mdsl.megakernel.runtime.models import MODELS, MOE_MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated, of {', '.join(MODELS)} (the default) and {', '.join(MOE_MODELS)}")
     ap.add_argument("--steps", type=int, default=128, help="decode steps per timed launch / graph replays")
     ap.add_argument("--repeats", type=int, default=5, help="timed launches per contender (median reported)")
     ap.add_argument("--quick", action="store_true",
@@ -90,9 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps, args.repeats = 32, 2
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.tp_models = [m.strip() for m in args.tp_models.split(",") if m.strip()]
-    unknown = [m for m in args.models if m not in MODELS]
+    unknown = [m for m in args.models if m not in {**MODELS, **MOE_MODELS}]
     if unknown:
-        ap.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+        ap.error(f"unknown model(s) {unknown}; known: {', '.join({**MODELS, **MOE_MODELS})}")
     args.variants = [s.strip() for s in args.variants.split(",") if s.strip()]
     if not args.variants or any(s not in VARIANTS for s in args.variants):
         ap.error(f"--variants takes some of {', '.join(VARIANTS)}, got {args.variants}")
@@ -106,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.contexts or min(args.contexts) < 1 or len(set(args.contexts)) < len(args.contexts):
         ap.error(f"--contexts takes distinct positive contexts, got {args.contexts}")
     for name in args.models:
-        last, positions = max(args.contexts) + args.steps - 2, MODELS[name]["max_position_embeddings"]
+        last, positions = max(args.contexts) + args.steps - 2, {**MODELS, **MOE_MODELS}[name]["max_position_embeddings"]
         if last >= positions:
             ap.error(f"context {max(args.contexts)} and {args.steps} steps reach position {last}, past {name}'s "
                      f"{positions} positions (max_position_embeddings)")
@@ -142,13 +147,37 @@ def random_weights(torch, config, device: str = "cuda") -> dict:
               "lm_head": (config.vocab_size, h)}
     generator = torch.Generator(device=device).manual_seed(0)
     weights = {}
+    if config.num_experts:
+        weights.update(random_experts(torch, config, generator, device))
+        shapes["gate"] = (config.num_experts, h)   # the router
     for name in weight_names(config):
+        if name in weights:
+            continue
         shape = shapes[name.rsplit(".", 2)[-2]]
         if len(shape) == 1:
             w = 1.0 + 0.1 * torch.randn(shape, device=device, generator=generator)
         else:
             w = 0.02 * torch.randn(shape, device=device, generator=generator)
         weights[name] = w.to(torch.bfloat16)
+    return weights
+
+
+def random_experts(torch, config, generator, device: str) -> dict:
+    """A mixture of experts' weights, N(0, 0.02^2), per sparse layer stacked as transformers 5 holds them
+    (`mlp.experts.gate_up_proj` [E, 2 MI, H], `mlp.experts.down_proj` [E, H, MI]: PyTorch's grouped_mm step reads
+    them), and each expert's gate, up and down weight as the checkpoints name them: views of the stacked ones."""
+    e, mi, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    weights = {}
+    for layer in range(config.num_layers):
+        if not config.sparse(layer):
+            continue
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = (0.02 * torch.randn((e, 2 * mi, h), device=device, generator=generator)).to(torch.bfloat16)
+        down = (0.02 * torch.randn((e, h, mi), device=device, generator=generator)).to(torch.bfloat16)
+        weights[p + "gate_up_proj"], weights[p + "down_proj"] = gate_up, down
+        for x in range(e):
+            weights[f"{p}{x}.gate_proj.weight"], weights[f"{p}{x}.up_proj.weight"] = gate_up[x, :mi], gate_up[x, mi:]
+            weights[f"{p}{x}.down_proj.weight"] = down[x]
     return weights
 
 
@@ -294,6 +323,24 @@ def torch_decode_step(torch, config, weights, position: int, device: str = "cuda
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def experts(n, p):
+        """transformers' Qwen3MoeSparseMoeBlock with its grouped_mm experts (capturable: no host sync): softmax and
+        top-k in f32, the picked (token, expert) pairs sorted by expert, two grouped GEMMs that read the picked
+        experts' weights only, the weighted outputs summed per token."""
+        k, e = c.experts_per_token, c.num_experts
+        probs = torch.softmax(F.linear(n, w[p + "mlp.gate.weight"]), dim=-1, dtype=torch.float)
+        top, ids = torch.topk(probs, k, dim=-1)
+        if c.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        flat, perm = torch.sort(ids.reshape(-1))
+        offsets = torch.cumsum(torch.histc(flat.int(), bins=e, min=0, max=e - 1), dim=0, dtype=torch.int32)
+        picked = n[perm // k]
+        gate_up = torch._grouped_mm(picked, w[p + "mlp.experts.gate_up_proj"].transpose(-2, -1), offs=offsets)
+        g, u = gate_up.chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(g) * u, w[p + "mlp.experts.down_proj"].transpose(-2, -1), offs=offsets)
+        out = out * top.to(n.dtype).reshape(-1)[perm, None]
+        return out[torch.argsort(perm)].view(batch, k, -1).sum(dim=1)
+
     def step(token):
         x = w["model.embed_tokens.weight"][token]                       # [batch, H]
         for layer in range(c.num_layers):
@@ -311,6 +358,9 @@ def torch_decode_step(torch, config, weights, position: int, device: str = "cuda
             a = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True).reshape(batch, hq * d)
             x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
             n = norm(x, w[p + "post_attention_layernorm.weight"])
+            if c.sparse(layer):
+                x = x + experts(n, p)
+                continue
             g = F.linear(n, w[p + "mlp.gate_proj.weight"])
             u = F.linear(n, w[p + "mlp.up_proj.weight"])
             x = x + F.linear(F.silu(g) * u, w[p + "mlp.down_proj.weight"])
@@ -490,10 +540,10 @@ def bench_model(torch, name: str, args, out: Path):
     from mdsl.ir.dtypes import bf16
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
     from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
-    from mdsl.megakernel.runtime.models import MODELS
+    from mdsl.megakernel.runtime.models import MODELS, MOE_MODELS
     from mdsl.megakernel.runtime.shape import decoder_shape
 
-    config = attrs.evolve(config_from_dict(MODELS[name]), dtype=bf16)
+    config = attrs.evolve(config_from_dict({**MODELS, **MOE_MODELS}[name]), dtype=bf16)
     if args.rank_of > 1:
         from mdsl.megakernel.parallel.gpu_group import shard_config
         config = shard_config(config, args.rank_of)

@@ -14,6 +14,8 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
   second pass, sums as ranks make them, attention's preload, fewer workers) generate the default's tokens;
 * a user's own architecture (examples/megakernel/parallel_block.py: a parallel attention + MLP block with weights
   of its own names) generates its numpy reference forward's greedy tokens, f32 and bf16.
+* Qwen3-MoE (a mixture of experts, routed on the GPU inside the launch) is token-identical to transformers, f32 and
+  bf16, and reads only the picked experts' weights (every other expert's are NaN and the tokens stay the same).
 
 Run: python -m pytest -q -x -p no:cacheprovider tests/gpu/test_megakernel.py
 """
@@ -69,6 +71,14 @@ HF_MODELS = {
     # fused qkv_proj and gate_up_proj weights, a sliding window (token ids inside the tiny vocabulary)
     "phi3": ("Phi3", dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
                           pad_token_id=0, eos_token_id=2)),
+    # a mixture of experts: 8 experts of which a token takes 2 (their weights renormalised), the middle layer's MLP
+    # dense; and 128 experts without the renormalisation (test_only_the_picked_experts_weights_are_read)
+    "qwen3_moe": ("Qwen3Moe", dict(rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                   decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3_moe_wide": ("Qwen3Moe", dict(rope_theta=1000000.0, tie_word_embeddings=False, num_experts=128,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                                        decoder_sparse_step=1, mlp_only_layers=[1])),
 }
 
 
@@ -227,6 +237,97 @@ def test_phi3_with_its_fused_weights_is_token_identical_to_transformers(torch, t
     engine, model = tiny_engines("phi3", dtype_name)
     assert engine.plan.op_of(Kind.GATEUP).op == "norm_gate_up" and engine.plan.attention_window == SLIDING_WINDOW
     assert_token_identical(torch, engine, model, f"phi3 {dtype_name}", dtype_name == "bf16")
+
+
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_qwen3_moe_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Qwen3-MoE's sparse layers: the router's tiles (the last one routes: softmax, top-2, renormalised), the
+    picked experts' gate/up tiles per slot and their down-projection summed over the slots, inside the one
+    launch; a dense layer between the sparse ones."""
+    engine, model = tiny_engines("qwen3_moe", dtype_name)
+    kinds = {t.kind for t in engine.plan.tasks}
+    assert {Kind.ROUTER, Kind.EXPERT_UP, Kind.EXPERT_DOWN, Kind.GATEUP} <= kinds
+    assert "constexpr int MOE_E = 8;" in engine.source
+    ours = assert_token_identical(torch, engine, model, f"qwen3_moe {dtype_name}", dtype_name == "bf16")
+    assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours   # the router counters restart
+
+
+def _routed_experts(torch, model, sequence, margin: float = 1e-3) -> dict:
+    """Per sparse layer, the experts transformers' routers pick at some position of `sequence` (teacher-forced),
+    and those within `margin` (relative) of the last picked one's probability, which rounding may pick."""
+    with torch.no_grad():
+        out = model(torch.tensor([sequence], device="cuda"), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    sparse = [i for i in range(model.config.num_hidden_layers) if i not in model.config.mlp_only_layers]
+    used = {}
+    for layer, logits in zip(sparse, out.router_logits):
+        probs = torch.softmax(logits.float(), dim=-1)
+        kth = torch.topk(probs, k, dim=-1).values[:, -1:]
+        used[layer] = set(torch.nonzero(probs >= kth * (1 - margin))[:, 1].tolist())
+    return used
+
+
+def test_only_the_picked_experts_weights_are_read(torch, transformers, tiny_engines, tmp_path):
+    """128 experts, 2 a token: every expert that transformers' routers never pick over the sequence (nor nearly
+    pick) has NaN weights, and the megakernel still generates the same tokens, so it reads none of their bytes
+    (a NaN read would reach the logits: NaN times a zero weight is NaN)."""
+    from mdsl.megakernel.modelgraph.model_config import load_config
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+
+    engine, model = tiny_engines("qwen3_moe_wide", "f32")
+    ours = assert_token_identical(torch, engine, model, "qwen3_moe_wide f32", False)
+    used = _routed_experts(torch, model, PROMPT + ours[:-1])
+    assert all(len(experts) < model.config.num_experts // 2 for experts in used.values()), used   # most go unread
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    nan = float("nan")
+    weights = per_expert_weights(model, lambda layer, x, value: value if x in used[layer] else
+                                 torch.full_like(value, nan))
+    poisoned = MegakernelEngine(load_config(str(tmp_path)), weights, max_seq=64)
+    assert poisoned.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours
+
+
+def per_expert_weights(model, value=lambda layer, expert, tensor: tensor) -> dict:
+    """A transformers 5 Qwen3-MoE model's weights by their checkpoint names, on its device: each expert's gate, up
+    and down weight a view of the stacked tensors (or `value(layer, expert, view)`)."""
+    weights = {}
+    for name, t in model.state_dict().items():
+        if ".mlp.experts." not in name:
+            weights[name] = t.detach()
+            continue
+        prefix, layer = name[:name.rindex(".") + 1], int(name.split(".")[2])
+        for x in range(t.shape[0]):
+            parts = {"gate_proj": t[x, :t.shape[1] // 2], "up_proj": t[x, t.shape[1] // 2:]} if "gate_up" in name \
+                else {"down_proj": t[x]}
+            for proj, view in parts.items():
+                weights[f"{prefix}{x}.{proj}.weight"] = value(layer, x, view.detach()).contiguous()
+    return weights
+
+
+def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers):
+    """Two layers of Qwen3-30B-A3B's shapes (128 experts of 768 rows, 8 a token), random bf16 weights used in place
+    from the transformers model: 16 router tiles a layer, the 8 slots' gate/up tiles, the down tiles' 8 slots."""
+    from mdsl.megakernel.runtime.megakernel_engine import MegakernelEngine
+    from mdsl.megakernel.runtime.models import QWEN3_30B_A3B
+
+    raw = {**{k: v for k, v in QWEN3_30B_A3B.items() if k != "torch_dtype"}, "num_hidden_layers": 2}
+    torch.manual_seed(SEED)
+    with torch.device("cuda"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**raw)).to(torch.bfloat16).eval()
+    config = attrs.evolve(config_from_dict(raw), dtype=bf16)
+    engine = MegakernelEngine(config, per_expert_weights(model), max_seq=64)
+    assert sum(t.kind is Kind.ROUTER for t in engine.plan.tasks) == 2 * 16
+    prompt = [151643, 791, 6460, 315, 9822, 374, 12366, 13]
+    run = engine.run(prompt, 1, eos_token_ids=())
+    ours = engine.last_logits()
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
+    scale = float(np.abs(theirs).max())
+    error = float(np.abs(ours - theirs).max()) / scale
+    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
+    print(f"Qwen3-30B-A3B shapes (2 layers), bf16: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}")
+    assert np.isfinite(ours).all()
+    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
+    assert run.tokens[0] == int(np.argmax(ours))
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

@@ -340,20 +340,67 @@ def test_qwen3_moe_dense_layers_and_routing():
     np.testing.assert_allclose(route(logits, 3, False).reshape(-1)[[1, 3, 4]], p[[1, 3, 4]], rtol=1e-6)
 
 
+def test_a_qwen3_moe_config_may_name_its_experts_num_local_experts():
+    """transformers 5's save_pretrained writes num_local_experts; the Hub's configs num_experts."""
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+
+    raw = tiny_config_dict("qwen3_moe")
+    raw["num_local_experts"] = raw.pop("num_experts")
+    assert config_from_dict(raw).num_experts == 6
+
+
 def test_a_qwen3_moe_checkpoint_round_trips(tmp_path):
     _, graph, weights = _qwen3_moe()
     _round_trip(tmp_path, "qwen3_moe", graph, weights)
 
 
-def test_qwen3_moe_is_refused_for_the_gpu_and_over_ranks():
-    config, graph, weights = _qwen3_moe()
-    # the first op the device cannot run: the norm that only the router and the experts read
-    _refused(config, graph, weights, "rms_norm", "this norm feeds no projection",
-             'normed = m.rms_norm(x, m.weight(p + "post_attention_layernorm.weight"')
+def test_qwen3_moe_lowers_to_the_device_by_the_fused_ops_rules_and_is_refused_over_ranks():
+    config, graph, weights = _qwen3_moe(num_hidden_layers=3, mlp_only_layers=[1])
+    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(plan)
+    assert {k.kind: k.op for k in plan.kind_ops if k.op.startswith("norm_moe")} == {
+        Kind.ROUTER: "norm_moe_router", Kind.EXPERT_UP: "norm_moe_experts_residual",
+        Kind.EXPERT_DOWN: "norm_moe_experts_residual"}
+    assert {t.layer for t in plan.tasks if t.kind is Kind.ROUTER} == {0, 2}   # layer 1's MLP is dense
+    assert {t.layer for t in plan.tasks if t.kind is Kind.GATEUP} == {1}
+    # the up tiles cover every slot's hidden columns once (slot j's rows j * MI ..)
+    up = sorted((t.begin, t.end) for t in plan.tasks if t.kind is Kind.EXPERT_UP and t.layer == 0)
+    assert up[0][0] == 0 and up[-1][1] == config.experts_per_token * config.moe_intermediate_size
+    assert all(a[1] == b[0] for a, b in zip(up, up[1:]))
+    # each expert's gate, up and down weight fills its slot of the layer's expert table
+    for e in range(config.num_experts):
+        bound = plan.weight(f"expert_down.{e}", 2)
+        assert bound.name == f"model.layers.2.mlp.experts.{e}.down_proj.weight" and bound.row == 0
+    assert plan.weight("router", 0).name == "model.layers.0.mlp.gate.weight" and plan.weight("router", 1) is None
+    assert "constexpr int MOE_K = 2;" in generate_source(plan).text
     from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, NotOnDevice
     assert all(isinstance(DEVICE_RULES[op], NotOnDevice) for op in ("moe_router", "moe_experts"))
     with pytest.raises(UnsupportedError, match="moe_router .*mixture of experts is not split"):
         tensor_parallel(graph, 2)
+
+
+def test_a_mixture_of_experts_of_an_unnormalised_row_is_refused_for_the_gpu():
+    """The device's experts read a normalised row of the residual stream (norm_moe_experts_residual): a step function
+    whose experts read the row itself keeps moe_experts, which is refused naming its line."""
+    import mdsl
+
+    @mdsl.model
+    def unnormalised(m, cfg):
+        h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
+        x = m.embedding(embed)
+        routing = m.moe_router(m.rms_norm(x, m.weight("norm", [h]), cfg.rms_norm_eps), m.weight("gate", [e, h]),
+                               top_k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob)
+        weights = [m.weight(f"e{k}.{proj}", shape) for proj, shape in
+                   (("gate", [inter, h]), ("up", [inter, h]), ("down", [h, inter])) for k in range(e)]
+        x = m.add(x, m.moe_experts(x, routing, *weights))
+        logits = m.linear(m.rms_norm(x, m.weight("model.norm.weight", [h]), cfg.rms_norm_eps), embed)
+        return logits, m.argmax(logits)
+
+    config, _, _ = _qwen3_moe()
+    with pytest.raises(UnsupportedError, match="cannot run moe_experts .*routed by a moe_router") as e:
+        plan_model(unnormalised.trace(config, max_positions=24), decoder_shape(config), workers=4, max_seq=24)
+    assert "m.moe_experts(x, routing" in str(e.value)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mistral", "qwen3_moe"])

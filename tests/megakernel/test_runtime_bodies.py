@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from mdsl.errors import UnsupportedError
-from mdsl.ir.dtypes import bf16
+from mdsl.ir.dtypes import bf16, f32
 from mdsl.ir.text import parse
 from mdsl.megakernel.modelgraph.epilogues import EPILOGUE_RULES, EpilogueRule, gated
 from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, linear_bodies, residual_columns
@@ -127,12 +127,34 @@ def test_the_dispatch_covers_the_plans_kinds(arch):
     text = generate_bodies(plan)
     dispatch = function(text, "run_task")
     kinds = {k.kind for k in plan.kind_ops}
-    assert kinds == {t.kind for t in plan.tasks} == set(Kind)
+    assert kinds == {t.kind for t in plan.tasks} == set(Kind) - {Kind.ROUTER, Kind.EXPERT_UP, Kind.EXPERT_DOWN}
     assert set(re.findall(r"case KIND_(\w+):", dispatch)) == {k.name for k in kinds}
     assert {b.kind.name for b in linear_bodies(plan)} == {"QKV", "OPROJ", "GATEUP", "DOWN", "LMHEAD"}
     # q|k|v rows are concatenated: a tile may span all three matrices
     qkv = function(text, "qkv_task")
     assert "r < (HQ * D) ? w.wq + (long long)r * (H) : r < (HQ * D + HKV * D) ? w.wk" in qkv
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=str)
+def test_a_mixture_of_experts_body_reads_the_picked_experts_rows_and_compiles_without_spills(dtype):
+    """Qwen3-MoE (a dense layer between two sparse ones): the router's tiles route once the last is done, the
+    gate/up tiles find their slot's expert in the layer's table, the down tiles sum the slots (moe.cuh)."""
+    config, _, _ = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1], num_experts=8)
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=dtype)), workers=132, max_seq=24)
+    source, _, resources = compile_plan(plan)
+    assert_fits(source, resources)
+    text = generate_bodies(plan)
+    assert {b.kind.name for b in linear_bodies(plan)} == {"QKV", "OPROJ", "GATEUP", "DOWN", "LMHEAD", "ROUTER",
+                                                           "EXPERT_UP"}
+    up = function(text, "expert_up_task")
+    assert "const int expert = w.route_ids[slot];" in up
+    assert "(j == 0 ? gate : up) + (long long)(r - first) * (H)" in up
+    assert "route_experts(p, t, tag);" in function(text, "router_task")
+    dispatch = function(text, "run_task")
+    assert "case KIND_EXPERT_DOWN: expert_down_task(p, t, work, p.hs, t.layer + 1, [&](int r) { return mid_at(p, " \
+           "t.layer, r); });" in dispatch
+    for name, value in (("MOE_E", 8), ("MOE_K", 2), ("MOE_I", 16), ("KIND_ROUTER", 12)):
+        assert f"constexpr int {name} = {value};" in source.text
 
 
 def test_a_gelu_model_compiles_without_spills():

@@ -18,7 +18,7 @@ import pytest
 from mdsl.ir.dtypes import bf16, round_to_dtype
 from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
-from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, rope_tables
+from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, expert_slot, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
 from tests.megakernel.tiny import tiny_model
 
@@ -74,6 +74,12 @@ class Emulator:
                     "act": np.zeros((s.layers, s.intermediate), np.float32),
                     "parts": np.zeros((s.layers, s.heads, plan.splits, s.head_dim + 2), np.float32),
                     "logits": np.zeros(s.vocab, np.float32), "best": [None] * plan.lm_tiles}
+        if s.experts:   # a mixture of experts' buffers (LayerWeights' MOE section)
+            k, mi = s.experts_per_token, s.expert_intermediate
+            self.buf.update(router_logits=np.zeros((s.layers, s.experts), np.float32),
+                            route_ids=np.zeros((s.layers, k), np.int64), route_weights=np.zeros((s.layers, k), np.float32),
+                            expert_acts=np.zeros((s.layers, k * mi), np.float32))
+        self.router_counts = {}
         self.buf["h"][0] = self.layer(None, "embed")[tokens[0]]
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
         self.split_counts = {}
@@ -137,8 +143,45 @@ class Emulator:
             b["logits"][t.begin:t.end] = logits
             b["best"][k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)] = \
                 (float(logits.max()), t.begin + int(np.argmax(logits)))
+        elif t.kind in (Kind.ROUTER, Kind.EXPERT_UP, Kind.EXPERT_DOWN):
+            self.experts(t, step)
         else:
             self.sample(step, pos)
+
+    def experts(self, t, step):
+        """A mixture of experts' tasks (moe.cuh): the router's tiles (the last one of a step routes), the picked
+        experts' gate/up rows per slot, the down-projection summed over the slots in order."""
+        s, b = self.s, self.buf
+        k, mi = s.experts_per_token, s.expert_intermediate
+        if t.kind is Kind.EXPERT_DOWN:
+            acts = b["expert_acts"][t.layer]
+            total = np.zeros(t.end - t.begin, np.float32)
+            for j, (e, weight) in enumerate(zip(b["route_ids"][t.layer], b["route_weights"][t.layer])):
+                down = self.layer(t.layer, expert_slot("expert_down", int(e)))[t.begin:t.end]
+                total += self.round(self.round(down @ acts[j * mi:(j + 1) * mi]) * weight)
+            residual = self.stream(t.kind, "residual", t.layer)[t.begin:t.end]
+            self.stream(t.kind, "out", t.layer)[t.begin:t.end] = self.round(residual + self.round(total))
+            return
+        x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
+        if t.kind is Kind.EXPERT_UP:
+            slot = t.begin // mi
+            e = int(b["route_ids"][t.layer, slot])
+            rows = slice(t.begin - slot * mi, t.end - slot * mi)
+            b["expert_acts"][t.layer, t.begin:t.end] = self.epilogue(
+                t.kind, gate=self.layer(t.layer, expert_slot("expert_gate", e))[rows] @ x,
+                up=self.layer(t.layer, expert_slot("expert_up", e))[rows] @ x)
+            return
+        b["router_logits"][t.layer, t.begin:t.end] = self.epilogue(
+            t.kind, product=self.layer(t.layer, "router")[t.begin:t.end] @ x)
+        done = self.router_counts.get(t.layer, 0) + 1   # the layer's last router tile of the step routes
+        self.router_counts[t.layer] = done
+        if done == sum(u.kind is Kind.ROUTER and u.layer == t.layer for u in self.plan.tasks) * (step + 1):
+            z = b["router_logits"][t.layer]
+            p = np.exp(z - z.max()).astype(np.float32)
+            p = (p / p.sum()).astype(np.float32)
+            picked = np.argsort(-p, kind="stable")[:k]   # the lower expert on ties
+            weights = p[picked] / p[picked].sum() if s.config.norm_topk_prob else p[picked]
+            b["route_ids"][t.layer], b["route_weights"][t.layer] = picked, self.round(weights)
 
     def combine(self, layer, head):
         s, b = self.s, self.buf
@@ -205,6 +248,23 @@ def test_the_tables_compute_the_reference_forward(arch, workers):
     np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
 
 
+@pytest.mark.parametrize("workers", [1, 4, 13])
+@pytest.mark.parametrize(("norm_topk_prob", "layers"), [(True, {}), (False, {"num_hidden_layers": 3, "mlp_only_layers": [1]})])
+def test_the_tables_of_a_mixture_of_experts_compute_the_reference_forward(workers, norm_topk_prob, layers):
+    """Qwen3-MoE: the router's tiles (the last one routes), the picked experts' gate/up tiles per slot and the
+    down-projection summed over the slots; a dense layer between sparse ones (mlp_only_layers)."""
+    config, graph, weights = tiny_model("qwen3_moe", seed=2, num_experts=8, norm_topk_prob=norm_topk_prob, **layers)
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+    check_plan(plan)
+    kinds = {t.kind for t in plan.tasks}
+    assert {Kind.ROUTER, Kind.EXPERT_UP, Kind.EXPERT_DOWN} <= kinds and (Kind.GATEUP in kinds) == bool(layers)
+    prompt, new = [3, 17, 42, 5], 10
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, workers, np.random.default_rng(workers)).run(prompt, new)
+    assert tuple(got) == want.tokens and len(set(got)) > 3
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
 @pytest.mark.parametrize("hidden_act", ["gelu", "relu", "sigmoid"])
 def test_the_mlp_activation_follows_the_config(hidden_act):
     """config.json's hidden_act becomes the gate/up tasks' epilogue (the bodies the device generates)."""
@@ -251,7 +311,7 @@ def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, expli
     assert tuple(got) == want.tokens
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3_moe"])
 def test_bf16_rounding_follows_the_tables_without_nan(arch):
     config, graph, weights = tiny_model(arch, seed=2)
     config = attrs.evolve(config, dtype=bf16)

@@ -27,19 +27,19 @@ def checkpoint(tmp_path):
 
 
 def test_weight_names_are_the_model_graphs():
-    for arch in ("llama3", "qwen3", "qwen2", "mistral", "phi3"):
+    for arch in ("llama3", "qwen3", "qwen2", "mistral", "phi3", "qwen3_moe"):
         config, graph, _ = tiny_model(arch)
         assert sorted(weight_names(config)) == sorted(w.name for w in graph.weights)
 
 
-def _layer_table(arch: str) -> tuple:
+def _layer_table(arch: str, arrays: list = None, **overrides) -> tuple:
     """(the device's per-layer pointer table as the engine fills it, the tensors it uploads by name), with
-    stand-in addresses (1 << 32 apart) for the uploads; no GPU."""
-    config, _, _ = tiny_model(arch)
+    stand-in addresses (1 << 32 apart) for the uploads; no GPU. `arrays`: gets every array the engine uploads."""
+    config, _, _ = tiny_model(arch, **overrides)
     engine = object.__new__(MegakernelEngine)
     engine.shape, engine.max_seq, engine.params = decoder_shape(config), 24, Params()
     engine.plan = build_plan(engine.shape, workers=4, max_seq=24)
-    uploaded, arrays = {}, []
+    uploaded, arrays = {}, [] if arrays is None else arrays
 
     def weight(weights, name, shape):
         uploaded[name] = (len(uploaded) + 1) << 32
@@ -72,6 +72,28 @@ def test_qwen2s_biases_follow_the_caches_in_the_layer_table():
     assert table.shape[1] == len(LAYER_WEIGHTS) + 2 + 3
     for layer, row in enumerate(table):
         assert [int(x) for x in row[-3:]] == [uploaded[layer_weight_name(layer, b)] for b in QKV_BIASES]
+
+
+def test_a_mixture_of_experts_table_follows_the_caches_in_the_layer_table():
+    """sync.cuh's LayerWeights under its MOE section: the router, the expert table (every expert's gate, then up,
+    then down weight, each uploaded once), the routing buffers; null in a dense layer, whose MLP slots are filled."""
+    arrays = []
+    table, uploaded = _layer_table("qwen3_moe", arrays, num_hidden_layers=3, mlp_only_layers=[1])
+    config = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])[0]
+    e = config.num_experts
+    assert table.shape[1] == len(LAYER_WEIGHTS) + 2 + 7
+    experts = [a.view(np.uint64) for a in arrays[:-1] if a.size == 2 * 3 * e]
+    assert len(experts) == 2
+    for layer, row in enumerate(table):
+        moe = [int(x) for x in row[len(LAYER_WEIGHTS) + 2:]]
+        if layer == 1:
+            assert moe == [0] * 7 and int(row[LAYER_WEIGHTS.index("gate_proj")]) != 0
+            continue
+        assert moe[0] == uploaded[f"model.layers.{layer}.mlp.gate.weight"]
+        assert int(row[LAYER_WEIGHTS.index("gate_proj")]) == 0
+        pointers = experts.pop(0)
+        assert [int(x) for x in pointers] == [uploaded[f"model.layers.{layer}.mlp.experts.{x}.{proj}.weight"]
+                                              for proj in ("gate_proj", "up_proj", "down_proj") for x in range(e)]
 
 
 def test_eos_ids_come_from_the_generation_config_first(checkpoint):

@@ -42,9 +42,33 @@ def test_tiny_plans_follow_the_rules(arch, workers):
     kinds = [t.kind for t in plan.tasks]
     assert kinds[-1] is Kind.SAMPLE and kinds.count(Kind.SAMPLE) == 1
     # a layer's ops come in dependency order
-    first = {k: kinds.index(k) for k in Kind}
+    first = {k: kinds.index(k) for k in set(kinds)}
     assert first[Kind.QKV] < first[Kind.ATTN] < first[Kind.OPROJ] < first[Kind.GATEUP] < first[Kind.DOWN] \
         < first[Kind.LMHEAD] < first[Kind.SAMPLE]
+
+
+@pytest.mark.parametrize("workers", [1, 7, 132])
+def test_a_mixture_of_experts_plan_follows_the_rules(workers):
+    """Qwen3-MoE: the router's tiles, then the experts' gate/up tiles (waiting for every router tile: the last
+    one routes), then the down tiles (waiting for every gate/up tile: each sums every slot)."""
+    plan = tiny_plan("qwen3_moe", workers, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+    check_plan(plan)
+    kinds = [t.kind for t in plan.tasks]
+    assert kinds.index(Kind.OPROJ) < kinds.index(Kind.ROUTER) < kinds.index(Kind.EXPERT_UP) \
+        < kinds.index(Kind.EXPERT_DOWN) < kinds.index(Kind.QKV, kinds.index(Kind.EXPERT_DOWN))
+    assert Kind.GATEUP not in kinds and Kind.DOWN not in kinds
+    layer0 = [k for k, t in enumerate(plan.tasks) if t.layer == 0]
+    router = [k for k in layer0 if kinds[k] is Kind.ROUTER]
+    up = [k for k in layer0 if kinds[k] is Kind.EXPERT_UP]
+    for k in layer0:
+        producers = {p for e in plan.waits[k] for p in plan.events[e].producers}
+        if kinds[k] is Kind.EXPERT_UP:
+            assert producers == set(router)
+        elif kinds[k] is Kind.EXPERT_DOWN:
+            assert producers == set(up)
+    # the up tiles: about one per worker over the slots, every slot's rows covered once
+    assert len(up) == 4 * min(max(1, workers // 4), 32 // MIN_ROWS_PER_TILE)
+    assert sorted((plan.tasks[k].begin, plan.tasks[k].end) for k in up)[-1][1] == 4 * 32
 
 
 def test_consumers_wait_only_for_the_tiles_they_read():

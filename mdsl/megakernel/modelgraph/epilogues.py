@@ -94,6 +94,10 @@ for _op, _graph in {"linear": lambda a: PRODUCT, "norm_linear": lambda a: PRODUC
                     "lm_head_sample": lambda a: PRODUCT}.items():
     EPILOGUE_RULES.register(_op, EpilogueRule(_graph))
 EPILOGUE_RULES.register("norm_linear_bias", EpilogueRule(lambda a: BIASED, rounded_once=True))
+# a mixture of experts: the router's logits, and each picked expert's act(gate) * up (its down-projection's
+# weighted sum over the slots is the runtime's own: moe.cuh)
+EPILOGUE_RULES.register("norm_moe_router", EpilogueRule(lambda a: PRODUCT))
+EPILOGUE_RULES.register("norm_moe_experts_residual", EpilogueRule(lambda a: gated(a["act"])))
 
 
 def epilogue_of(op: str, attrs: Mapping) -> ThreadGraph:

@@ -489,6 +489,44 @@ def _moe_experts_ref(xs, a, ctx):
     return [out[None, :]]
 
 
+# ... fused (mdsl.megakernel.taskgraph.layer_fusion): norm_moe_router, the router of a normalised row;
+# norm_moe_experts_residual, residual + moe_experts(rms_norm(x), routing), the residual add in its epilogue
+
+def _norm_moe_router_infer(types, a):
+    x, norm, router = types
+    (row,) = _rms_norm_infer((x, norm), a)
+    return _moe_router_infer((row, router), a)
+
+
+def _norm_moe_router_ref(xs, a, ctx):
+    x, norm, router = xs
+    return _moe_router_ref([rms_normalize(x, norm, a["eps"]), router], a, ctx)
+
+
+def _norm_moe_experts_residual_infer(types, a):
+    x, norm, routing, residual, *ws = types
+    if not 1 <= a["top_k"] <= routing.shape[-1]:
+        raise ShapeError(f"norm_moe_experts_residual: top_k must be 1..{routing.shape[-1]} (the experts), "
+                         f"got {a['top_k']}")
+    (row,) = _rms_norm_infer((x, norm), a)
+    (out,) = _moe_experts_infer((row, routing, *ws), a)
+    return _add_infer((residual, out), a)
+
+
+def _norm_moe_experts_residual_ref(xs, a, ctx):
+    x, norm, routing, residual, *ws = xs
+    (out,) = _moe_experts_ref([rms_normalize(x, norm, a["eps"]), routing, *ws], a, ctx)
+    return _add_ref([residual, out], a, ctx)
+
+
+def routing_slots(routing: np.ndarray) -> np.ndarray:
+    """The experts a routing row picks, in the router's top-k order (the larger weight first, the lower index on
+    ties): slot j of the fused experts' tasks is the j-th of them."""
+    row = routing.reshape(-1)
+    picked = np.flatnonzero(row)
+    return picked[np.argsort(-row[picked], kind="stable")]
+
+
 # argmax and sample: the next token, also written into the token history after the current position
 # (unless that position still holds a prompt token)
 
@@ -591,6 +629,14 @@ _layer("moe_router", 2, _moe_router_infer, _moe_router_ref,
 _layer("moe_experts", None, _moe_experts_infer, _moe_experts_ref, (_ACT,),
        doc="sum over the experts the routing row picks of routing[e] * down_e(act(gate_e x) * up_e x); operands: "
            "x, routing, E gate, E up, E down weights")
+_layer("norm_moe_router", 3, _norm_moe_router_infer, _norm_moe_router_ref,
+       (AttrSpec("eps", "float"), AttrSpec("top_k", "int"), AttrSpec("norm_topk_prob", "bool", False)),
+       doc="moe_router of rms_norm(x, norm): the routing row of a normalised row (fused)")
+_layer("norm_moe_experts_residual", None, _norm_moe_experts_residual_infer, _norm_moe_experts_residual_ref,
+       (AttrSpec("eps", "float"), _ACT, AttrSpec("top_k", "int")),
+       doc="residual + moe_experts(rms_norm(x, norm), routing, ...): the mixture of experts of a normalised row with "
+           "the residual add (fused), the routing row from a router of `top_k` experts; operands: x, norm, routing, "
+           "residual, E gate, E up, E down weights")
 _layer("argmax", 2, _token_infer("argmax"), _argmax_ref, state_inputs=(1,),
        doc="the most likely token (lowest index on ties), stored after the position")
 _layer("sample", 2, _token_infer("sample"), _sample_ref,

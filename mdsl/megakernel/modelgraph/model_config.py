@@ -266,7 +266,9 @@ def _gemma2(f: _Fields, layers: int) -> dict:
 def _moe(f: _Fields, layers: int) -> dict:
     """Qwen3-MoE's fields: E experts, top_k of them per token, their intermediate size, whether the top_k
     probabilities are renormalised, and which layers keep a dense MLP (mlp_only_layers, decoder_sparse_step)."""
-    experts = f.integer("num_experts")
+    # (transformers 5 writes the experts as num_local_experts; the Hub's Qwen3-MoE configs as num_experts)
+    experts = f.integer("num_local_experts" if "num_experts" not in f.raw and "num_local_experts" in f.raw
+                        else "num_experts")
     top_k = f.integer("num_experts_per_tok")
     if top_k > experts:
         raise f.error("num_experts_per_tok", f"at most num_experts ({experts})", top_k)

@@ -309,6 +309,9 @@ for _op in ("norm_linear", "norm_linear_bias", "norm_gate_up", "linear_residual"
 for _op in ("moe_router", "moe_experts"):
     SHARD_RULES.register(_op, NotSharded("a mixture of experts is not split over ranks (neither by expert nor "
                                          "within each expert's projections)"))
+for _op in ("norm_moe_router", "norm_moe_experts_residual"):
+    SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph (a mixture of experts is not "
+                                         "split over ranks)"))
 for _op in ("all_reduce", "all_gather", "tp_argmax", "vocab_embedding"):
     SHARD_RULES.register(_op, NotSharded("the split makes it: it is already one rank's op"))
 

@@ -78,6 +78,15 @@ class ToBuffer:
 
 
 @attrs.frozen
+class ToFloats:
+    """A row of floats, each value rounded to the model's dtype (the router's logits)."""
+    row: str
+
+    def store(self, value: str) -> str:
+        return f"{self.row}[r] = round_t({value});"
+
+
+@attrs.frozen
 class ToStream:
     """Column r of a residual-stream layer; the epilogue's residual is the layer it adds to."""
     single: str
@@ -108,6 +117,9 @@ class LinearBody:
     biases: tuple = ()      # Matrix per matrix (one row each), concatenated as they are: the epilogue's `bias`
     rounded: bool = True    # each epilogue value rounded to T (eager ops), else only the stored result
     addend: Optional[str] = None   # C++: column r of the row the epilogue adds before the residual (its `addend`)
+    prologue: tuple = ()           # C++ statements before the products (after `w`): the names the matrices use
+    first_row: Optional[str] = None   # C++: the output column of the matrices' row 0 (None: column 0)
+    after: Optional[str] = None    # C++: a statement once the task's columns are stored (the router's routing)
 
     @property
     def products(self) -> int:
@@ -177,6 +189,40 @@ def _projection(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
                       Activations("(p.acts + (long long)t.layer * I)", "I"), sink, epilogue, addend=addend)
 
 
+def _norm_moe_router(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
+    """ROUTER: the router's rows of the normalised row, its logits rounded to T; the tile that finishes last
+    routes (moe.cuh's route_experts)."""
+    return LinearBody(k.kind, "router_task", "H", _layer_matrices(("router", "MOE_E")), False,
+                      _normed_stream(k, "w.ln2"), ToFloats("w.router_logits"), epilogue,
+                      after="route_experts(p, t, tag);")
+
+
+def _norm_moe_experts_residual(k: KindOp, epilogue: ThreadGraph) -> Optional[LinearBody]:
+    """EXPERT_UP: act(gate) * up of the normalised row for the expert in the task's slot (its rows slot * MOE_I +
+    row, the gate's and up's row `row` of that expert, found through the layer's expert table); EXPERT_DOWN is
+    moe.cuh's expert_down_task (_KIND_CALLS)."""
+    if k.kind is not Kind.EXPERT_UP:
+        return None
+    prologue = ("const int slot = t.begin / MOE_I, first = slot * MOE_I;",
+                "const int expert = w.route_ids[slot];   // (the routing is complete: no early handover)",
+                "const T* const gate = w.experts[expert];",
+                "const T* const up = w.experts[MOE_E + expert];")
+    return LinearBody(k.kind, "expert_up_task", "H", (Matrix("gate", "MOE_I"), Matrix("up", "MOE_I")), True,
+                      _normed_stream(k, "w.ln2"), ToBuffer("w.expert_acts"), epilogue, prologue=prologue,
+                      first_row="first")
+
+
+def _expert_down_call(k: KindOp) -> str:
+    """moe.cuh's expert_down_task into the kind's "out" row of the residual stream, adding its "residual" row."""
+    family, offset = k.stream("out")
+    return (f"expert_down_task(p, t, work, {_STREAM_BUFFERS[family][0]}, {_stream_layer(offset)}, "
+            f"[&](int r) {{ return {_stream_column(k.stream('residual'))}; }});")
+
+
+# the kinds whose bodies are the runtime's own device functions with the kind's residual-stream rows: the call
+_KIND_CALLS = {Kind.EXPERT_DOWN: _expert_down_call}
+
+
 def _lm_head(k: KindOp, epilogue: ThreadGraph) -> Optional[LinearBody]:
     kind = k.kind
     if kind is Kind.SAMPLE:
@@ -221,6 +267,9 @@ for _op, _rule in {"norm_linear": _norm_linear, "norm_gate_up": _norm_gate_up, "
                    "lm_head_argmax": _lm_head, "lm_head_sample": _lm_head}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
 CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lambda plan: frozenset({"QKV_BIAS"})))
+# a mixture of experts (the MOE section: LayerWeights' expert table and routing, moe.cuh)
+for _op, _rule in {"norm_moe_router": _norm_moe_router, "norm_moe_experts_residual": _norm_moe_experts_residual}.items():
+    CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule, lambda plan: frozenset({"MOE"})))
 # attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache
 CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
     lambda k, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
@@ -265,7 +314,8 @@ def _row_expression(body: LinearBody) -> str:
         pointer = body.matrices[-1].pointer
         for j in reversed(range(len(body.matrices) - 1)):
             pointer = f"(j == {j} ? {body.matrices[j].pointer} : {pointer})"
-        return f"{pointer} + (long long)r * ({body.k})"
+        row = "r" if body.first_row is None else f"(r - {body.first_row})"
+        return f"{pointer} + (long long){row} * ({body.k})"
     return _concatenated(body.matrices, lambda pointer, row: f"{pointer} + (long long){row} * ({body.k})")
 
 
@@ -381,6 +431,8 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
                  "float* red, unsigned tag)"):
         if body.layered:
             w("const LayerWeights& w = p.layers[t.layer];")
+        for line in body.prologue:
+            w(line)
         inputs = _write_residual_declaration(w, body, world)
         residual = inputs.pop("residual_load", None)
         w(body.source.declare())
@@ -415,6 +467,8 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
             _write_rank_slices(w, body, rank_sums, inputs)
         if partial:
             w(body.sink.relay_rows())
+        if body.after is not None:
+            w(body.after)
 
 
 def write_dispatch(w: CodeWriter, calls: list) -> None:
@@ -467,6 +521,8 @@ def generate_bodies(plan: TaskPlan, rank_sums: int = 1) -> str:
                           else f"lmhead_task(p, t, ready, pos, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))
+        elif kind in _KIND_CALLS:
+            calls.append((kind, _KIND_CALLS[kind](plan.op_of(kind))))
         else:
             raise UnsupportedError(f"no task body for the {kind.name} tasks of {plan.op_of(kind).op}")
     write_dispatch(w, calls)

@@ -60,6 +60,7 @@ PARAMS = (
 SECTIONS = {
     "QKV_BIAS": "LayerWeights' pointers to the q, k and v projections' biases (Qwen2)",
     "WINDOW": "attention over the last WINDOW positions only (a sliding window shorter than the KV cache)",
+    "MOE": "a mixture of experts' layers: LayerWeights' router, expert table and routing buffers, moe.cuh",
 }
 _DIRECTIVE = re.compile(r"#(if|else|endif)\b")
 _SECTION = re.compile(r"#if MK_(\w+)\n")
@@ -117,9 +118,32 @@ class KernelOptionError(ValueError):
 
 
 def linear_row_floats(plan: TaskPlan) -> int:
-    """The widest linear input row (f32): where a linear task's residual columns start (RESIDUAL_OFFSET)."""
+    """The widest linear input row (f32): where a linear task's residual columns start (RESIDUAL_OFFSET); with a
+    mixture of experts, an expert down-projection's slots' rows and their weighted products (moe.cuh)."""
     s = plan.shape
-    return max(s.hidden, s.intermediate, s.attention_width)
+    return max(s.hidden, s.intermediate, s.attention_width, expert_down_floats(plan))
+
+
+MOE_KINDS = (Kind.ROUTER, Kind.EXPERT_UP, Kind.EXPERT_DOWN)
+
+
+def expert_down_floats(plan: TaskPlan) -> int:
+    """The shared floats of the widest EXPERT_DOWN task (moe.cuh's expert_down_task): every slot's activation row,
+    then each slot's weighted product of the task's rows; 0 without a mixture of experts."""
+    s = plan.shape
+    rows = max((t.end - t.begin for t in plan.tasks if t.kind is Kind.EXPERT_DOWN), default=None)
+    return 0 if rows is None else s.experts_per_token * (s.expert_intermediate + rows)
+
+
+def _moe_constants(plan: TaskPlan) -> dict:
+    """The MOE section's constants: the experts, how many a token takes, their hidden width, whether their weights
+    are renormalised, the router's tiles per layer, and the kinds' numbers."""
+    s = plan.shape
+    layer = next(t.layer for t in plan.tasks if t.kind is Kind.ROUTER)
+    return {"MOE_E": s.experts, "MOE_K": s.experts_per_token, "MOE_I": s.expert_intermediate,
+            "MOE_NORM_TOPK": int(s.config.norm_topk_prob),
+            "MOE_ROUTER_TILES": sum(t.kind is Kind.ROUTER and t.layer == layer for t in plan.tasks),
+            **{f"KIND_{kind.name}": int(kind) for kind in MOE_KINDS}}
 
 
 def shared_memory_bytes(plan: TaskPlan, attention_preload: bool = False, stream_stages: int = 0) -> int:
@@ -276,11 +300,13 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
         "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": plan.min_chunk, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
         "LM_TILES": plan.lm_tiles, "WORLD": plan.world, "RESIDUAL_OFFSET": linear_row_floats(plan),
         "RESIDUAL_COLUMNS": max(residual_columns(plan), 1),
-        **{f"KIND_{kind.name}": int(kind) for kind in Kind},
+        **{f"KIND_{kind.name}": int(kind) for kind in Kind if kind not in MOE_KINDS},
     }
     sections = runtime_sections(plan)
     if "WINDOW" in sections:
         constants["WINDOW"] = plan.attention_window
+    if "MOE" in sections:
+        constants.update(_moe_constants(plan))
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
     lines += [f"constexpr int {name} = {value};" for name, value in constants.items()]
     lines += [f"constexpr int ATTN_LANES = {attention_lanes(plan)};",

@@ -72,8 +72,15 @@ __device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
 // and attention when its rows are preloaded or streamed) to the compute warps before its inputs are complete; they issue
 // its first weight loads (or copies), then wait on the slot's ready barrier, `ready` (0: a task whose inputs
 // were complete when it was handed over), before they read its inputs.
+#if MK_MOE
+// (and a mixture of experts' router; not its experts' tasks, whose weights are those the routing picks)
+constexpr int EARLY_KINDS = (1 << KIND_QKV) | (1 << KIND_OPROJ) | (1 << KIND_GATEUP) | (1 << KIND_DOWN) |
+                            (1 << KIND_LMHEAD) | (ATTN_PRELOAD || ATTN_STREAM > 0 ? 1 << KIND_ATTN : 0) |
+                            (1 << KIND_ROUTER);
+#else
 constexpr int EARLY_KINDS = (1 << KIND_QKV) | (1 << KIND_OPROJ) | (1 << KIND_GATEUP) | (1 << KIND_DOWN) |
                             (1 << KIND_LMHEAD) | (ATTN_PRELOAD || ATTN_STREAM > 0 ? 1 << KIND_ATTN : 0);
+#endif
 __device__ __forceinline__ void wait_inputs(int ready) {
   if (ready != 0) named_sync(ready, BLOCK);
 }

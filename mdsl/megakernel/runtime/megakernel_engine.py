@@ -34,8 +34,9 @@ from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, P
                                                    generate_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import (KERNEL_WEIGHTS, LAYER_WEIGHTS, QKV_BIASES, DecoderShape, decoder_shape,
-                                           layer_tensors, layer_weight_name, rope_tables)
+from mdsl.megakernel.runtime.shape import (EXPERT_PARTS, KERNEL_WEIGHTS, LAYER_WEIGHTS, MOE_WEIGHTS, QKV_BIASES,
+                                           DecoderShape, decoder_shape, expert_slot, layer_tensors, layer_weight_name,
+                                           rope_tables)
 from mdsl.megakernel.runtime.task_plan import TaskPlan, for_ranks, plan_model
 
 _STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
@@ -46,6 +47,8 @@ _STATIC_SMEM_LIMIT = 48 * 1024
 _NO_GPU_HINT = ("without a GPU, build the task tables and the CUDA source (mdsl.megakernel.runtime.build_plan, "
                 "generate_source), or run the model on the CPU (mdsl.megakernel.modelgraph.reference, .simulator)")
 def weight_names(config: ModelConfig) -> list:
+    if config.num_experts:   # (a mixture of experts' layers: the built-in step function's weights)
+        return [w.name for w in step_function(config).trace(config).weights]
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -185,6 +188,7 @@ class MegakernelEngine:
             raise CudaError(f"a megakernel worker block does not fit on an SM ({resources}, {self.smem_bytes} bytes "
                             "of shared memory)")
         self.params = Params()
+        self._router_done = None     # a mixture of experts' router counters (_expert_rows)
         self._upload_weights(weights)
         self._allocate()
 
@@ -254,9 +258,10 @@ class MegakernelEngine:
         attention and the MLP) is one upload."""
         s, p, plan = self.shape, self.params, self.plan
         uploaded: dict = {}
+        slots = {(w.slot, w.layer): w for w in plan.weights}   # (a mixture of experts binds thousands)
 
         def pointer(slot: str, layer: Optional[int] = None) -> int:
-            bound = plan.weight(slot, layer)
+            bound = slots.get((slot, layer))
             if bound is None:   # (a slot the model leaves empty, as q_norm without q/k norms: null)
                 return 0
             if bound.name not in uploaded:
@@ -267,14 +272,38 @@ class MegakernelEngine:
         cache = self.max_seq * s.kv_heads * s.head_dim
         k_cache, v_cache = (self._zeros(s.layers * cache, s.dtype) for _ in range(2))
         biased = any(w.slot in QKV_BIASES for w in plan.weights)
+        experts = self._expert_rows(pointer) if any(w.slot in MOE_WEIGHTS for w in plan.weights) else None
         rows = []
         for layer in range(s.layers):
             # sync.cuh's LayerWeights: the weights (null where the model has none), the caches, then the
-            # biases where it has them (its QKV_BIAS section)
+            # biases where it has them (its QKV_BIAS section), then a mixture of experts' (its MOE section)
             offset = layer * cache * s.dtype.itemsize
             rows.append([pointer(w, layer) for w in LAYER_WEIGHTS] + [k_cache + offset, v_cache + offset] +
-                        ([pointer(b, layer) for b in QKV_BIASES] if biased else []))
+                        ([pointer(b, layer) for b in QKV_BIASES] if biased else []) +
+                        (experts[layer] if experts is not None else []))
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
+
+    def _expert_rows(self, pointer) -> list:
+        """Per layer, LayerWeights' MOE section: the router, the expert table (the gates', ups' and downs' pointers:
+        only the rows of the experts a step's routing picks are read), the router's logits, the routing's ids and
+        weights, the slots' activations and the router's tile count (zeroed before each launch); null in a dense
+        layer."""
+        s = self.shape
+        k, mi, e = s.experts_per_token, s.expert_intermediate, s.experts
+        logits, weights = (self._zeros(s.layers * n, f32) for n in (e, k))
+        ids, self._router_done = self._zeros(s.layers * k, i32), self._zeros(s.layers, i32)
+        acts = self._zeros(s.layers * k * mi, s.dtype)
+        rows = []
+        for layer in range(s.layers):
+            router = pointer("router", layer)
+            if not router:
+                rows.append([0] * 7)
+                continue
+            table = self._array(np.array([pointer(expert_slot(part, x), layer) for part in EXPERT_PARTS
+                                          for x in range(e)], dtype=np.uint64).view(np.int32), i32)
+            rows.append([router, table, logits + 4 * layer * e, ids + 4 * layer * k, weights + 4 * layer * k,
+                         acts + layer * k * mi * s.dtype.itemsize, self._router_done + 4 * layer])
+        return rows
 
     def _allocate(self) -> None:
         s, plan, p = self.shape, self.plan, self.params
@@ -366,6 +395,8 @@ class MegakernelEngine:
         self._copy_in(p.events, self._initial_events)
         # the split counters count from 0 in every launch
         self._copy_in(p.attn_done, np.zeros(self.shape.layers * self.shape.kv_heads, dtype=np.int32))
+        if self._router_done is not None:   # (and a mixture of experts' router tiles)
+            self._copy_in(self._router_done, np.zeros(self.shape.layers, dtype=np.int32))
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
         initial_state[_STATE_STOP] = _NO_STOP
         self._copy_in(p.state, initial_state)

@@ -39,7 +39,9 @@ _LINEAR_PARTS = ("input row", "products out")
 _RESIDUAL_PARTS = (*_LINEAR_PARTS, "relay")
 BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_PARTS, "down": _RESIDUAL_PARTS,
               "lmhead": _LINEAR_PARTS,
-              "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out")}
+              "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out"),
+              # a mixture of experts' (moe.cuh): the router's products out include the last tile's routing
+              "router": _LINEAR_PARTS, "expert_up": _LINEAR_PARTS, "expert_down": ("slots' rows", "products out")}
 
 
 def body_parts(record: TaskRecord, kind: str) -> list:

@@ -18,6 +18,17 @@ LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                  "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 # ... the biases of the q, k and v projections (Qwen2's: self_attn.q_proj.bias, ...), after the KV caches
 QKV_BIASES = ("q_bias", "k_bias", "v_bias")
+# ... a mixture of experts' layer (the MOE section): the router, and per expert e its gate, up and down weight
+# (expert_slot: "expert_gate.<e>", ...; the engine points a per-layer table at them, gates, ups, downs)
+MOE_WEIGHTS = ("router",)
+EXPERT_PARTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def expert_slot(part: str, expert: int) -> str:
+    """The device weight slot of expert `expert`'s weight `part` (EXPERT_PARTS)."""
+    return f"{part}.{expert}"
+
+
 # ... and the kernel's own: the embedding table, the final norm, the LM head (the table itself where tied)
 KERNEL_WEIGHTS = ("embed", "final_norm", "lm_head")
 # Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (its checkpoint's tensors; the planner
@@ -75,6 +86,10 @@ class DecoderShape:
     qk_norm = property(lambda self: self.config.qk_norm)
     qkv_bias = property(lambda self: self.config.qkv_bias)
 
+    experts = property(lambda self: self.config.num_experts)
+    experts_per_token = property(lambda self: self.config.experts_per_token)
+    expert_intermediate = property(lambda self: self.config.moe_intermediate_size)
+
     @property
     def dtype(self) -> DType:
         return self.config.dtype
@@ -95,6 +110,12 @@ class DecoderShape:
         """The shape of a device weight slot (LAYER_WEIGHTS, QKV_BIASES, KERNEL_WEIGHTS): [rows, columns] of a
         matrix, [n] of a vector."""
         h, d, kv = self.hidden, self.head_dim, self.kv_heads * self.head_dim
+        part = slot.partition(".")[0]
+        if part in EXPERT_PARTS:
+            mi = self.expert_intermediate
+            return (h, mi) if part == "expert_down" else (mi, h)
+        if slot == "router":
+            return (self.experts, h)
         return {"q_proj": (self.attention_width, h), "k_proj": (kv, h), "v_proj": (kv, h),
                 "o_proj": (h, self.attention_width), "gate_proj": (self.intermediate, h),
                 "up_proj": (self.intermediate, h), "down_proj": (h, self.intermediate), "input_layernorm": (h,),
@@ -103,11 +124,16 @@ class DecoderShape:
                 "lm_head": (self.vocab, h)}[slot]
 
     def weight_bytes(self) -> int:
-        """Bytes of weights a decode step reads: every matrix and norm once, one embedding row."""
+        """Bytes of weights a decode step reads: every matrix and norm once, one embedding row; of a mixture of
+        experts' layer, its router and the weights of the experts_per_token experts it picks (the active ones)."""
         per_layer = (self.qkv_rows * self.hidden + self.hidden * self.attention_width
                      + 3 * self.hidden * self.intermediate + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
                      + (self.qkv_rows if self.qkv_bias else 0))
-        return (self.layers * per_layer + self.vocab * self.hidden + 3 * self.hidden) * self.dtype.itemsize
+        sparse = sum(self.config.sparse(layer) for layer in range(self.layers))
+        moe = (self.experts * self.hidden + self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+               - 3 * self.hidden * self.intermediate)   # (in place of the dense MLP)
+        return (self.layers * per_layer + sparse * moe + self.vocab * self.hidden + 3 * self.hidden) * \
+            self.dtype.itemsize
 
     def __str__(self) -> str:
         c = self.config
@@ -125,7 +151,8 @@ def decoder_shape(config: ModelConfig) -> DecoderShape:
         problems.append(f"num_attention_heads ({config.num_heads}) is not a multiple of num_key_value_heads "
                         f"({config.num_kv_heads})")
     for name, value in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size),
-                        ("num_attention_heads * head_dim", config.num_heads * config.head_dim)):
+                        ("num_attention_heads * head_dim", config.num_heads * config.head_dim),
+                        *((("moe_intermediate_size", config.moe_intermediate_size),) if config.num_experts else ())):
         if value % vec:
             problems.append(f"{name} ({value}) is not a multiple of {vec} (16-byte weight loads)")
     if config.head_dim * config.dtype.itemsize % 16:

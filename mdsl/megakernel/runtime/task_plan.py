@@ -38,6 +38,12 @@ sequential decoder's, Llama-3's):
            h_{l+1} = h_l + (mid_l + W_down act_l))
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
+A mixture of experts' layer (Qwen3-MoE), in place of GATEUP and DOWN:
+  ROUTER       rows (experts) of the router's logits W_router rms_norm(mid_l); the tile that finishes last
+               (a per-layer counter, as attention's merge) routes: softmax, top-k, the k expert ids and weights
+  EXPERT_UP    rows [j * MI + a, j * MI + b) of the slots' activations: act(W_gate,e x) * (W_up,e x) for the
+               expert e the router put in slot j (rows a..b of it), x = rms_norm(mid_l); only e's rows are read
+  EXPERT_DOWN  rows of h_{l+1} = mid_l + sum over the slots j, in order, of weight_j (W_down,e_j act_j)
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS, split_biases
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS
-from mdsl.megakernel.runtime.shape import QKV_BIASES, DecoderShape
+from mdsl.megakernel.runtime.shape import EXPERT_PARTS, QKV_BIASES, DecoderShape, expert_slot
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.megakernel.taskgraph.partition import balanced_tiles, build_task_graph
 from mdsl.megakernel.taskgraph.tasks import PartitionConfig, TaskGraph, without_implied_waits
@@ -70,6 +76,11 @@ class Kind(enum.IntEnum):
     DOWN = 5
     LMHEAD = 6
     SAMPLE = 7
+    # a mixture of experts' (numbered apart from the decoders' kinds: the kernel declares them only where a plan
+    # has them, kernel_source.py)
+    ROUTER = 12
+    EXPERT_UP = 13
+    EXPERT_DOWN = 14
 
 
 EMBEDDING = "h0"   # the residual stream's first buffer: the embedding row, written by the previous step
@@ -431,8 +442,9 @@ class _Binding:
             hint="the device runs the layer ops with a DeviceRule in DEVICE_RULES (mdsl.megakernel.runtime.task_plan) "
                  "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear or "
                  "norm_linear_bias (q|k|v of a normalised row), rope_attention or rope_scaled_attention, linear, "
-                 "linear_residual or linear_add_residual (o-proj, down-proj), norm_gate_up and lm_head_argmax / "
-                 "lm_head_sample, over weights of any name, bound by the part they play; the CPU simulator "
+                 "linear_residual or linear_add_residual (o-proj, down-proj), norm_gate_up, norm_moe_router and "
+                 "norm_moe_experts_residual (a mixture of experts) and lm_head_argmax / lm_head_sample, over weights "
+                 "of any name, bound by the part they play; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
 
     def buffer(self, node, var, families: tuple) -> tuple:
@@ -674,6 +686,77 @@ def _lm_head_rows(node, tasks, bind):
     return rows
 
 
+def _moe_attrs(node, bind) -> None:
+    """A mixture of experts' op: the kernel's constants (the experts, how many it picks, their hidden width) are
+    the config's, which the op's must equal."""
+    c = bind.shape.config
+    if not c.num_experts:
+        raise bind.refuse(node, "the model's config has no experts (num_experts), whose count, top-k and width "
+                                "the device's mixture of experts takes from it")
+    bind.attrs(node, {"eps": bind.shape.eps, "top_k": c.experts_per_token,
+                      **({"norm_topk_prob": c.norm_topk_prob} if "norm_topk_prob" in node.attr_dict else {})})
+
+
+def _norm_moe_router_rows(node, tasks, bind):
+    """ROUTER rows: the router's rows (experts) of a normalised row of the residual stream; the router's route task is
+    absorbed (the tile that finishes last routes: its readers wait for every tile)."""
+    s = bind.shape
+    x, norm_weight, router = node.inputs
+    _moe_attrs(node, bind)
+    layer = bind.layer(node, x, STREAMS)
+    src = bind.stream(node, "row", x, layer)
+    route = bind.define(node, node.output, f"route{layer}", f"its layer is that of the row it normalises, {x.name}")
+    bind.weights(node, (norm_weight,), ("post_attention_layernorm",), layer)
+    bind.weights(node, (router,), ("router",), layer)
+    rows = []
+    for t in tasks:
+        if t.kind == "moe_router.route":
+            rows.append(None)
+            continue
+        a, b = _columns(t)
+        # any tile may be the last, which routes (ordered by the layer's router counter, not by events)
+        rows.append(PlannedTask(Kind.ROUTER, layer, a, b, (Access(src, 0, s.hidden),),
+                                (Access(f"router_logits{layer}", a, b), Access(route, 0, 2 * s.experts_per_token))))
+    return rows
+
+
+def _norm_moe_experts_residual_rows(node, tasks, bind):
+    """EXPERT_UP rows per (slot, rows of the experts' hidden width), flattened to slot * MI + row, and EXPERT_DOWN
+    rows of the residual stream's width; each expert's gate, up and down weight fills its slot of the layer's
+    expert table (the engine's per-layer table of pointers: a task reads the rows of the expert the routing picked
+    only)."""
+    s = bind.shape
+    x, norm_weight, routing, residual, *ws = node.inputs
+    _moe_attrs(node, bind)
+    layer = bind.layer(node, x, STREAMS)
+    src = bind.stream(node, "row", x, layer)
+    if bind.buffer(node, routing, ("route",)) != ("route", layer):
+        raise bind.refuse(node, f"its routing row {routing.name} is not its own layer's ({layer}) router's")
+    experts, k, inter = s.experts, s.experts_per_token, s.expert_intermediate
+    if len(ws) != 3 * experts:
+        raise bind.refuse(node, f"it has {len(ws) // 3} experts; the model's config {experts}")
+    bind.weights(node, (norm_weight,), ("post_attention_layernorm",), layer)
+    for part, group in zip(EXPERT_PARTS, (ws[:experts], ws[experts:2 * experts], ws[2 * experts:])):
+        for e, w in enumerate(group):
+            bind.weights(node, (w,), (expert_slot(part, e),), layer)
+    res = bind.stream(node, "residual", residual, layer)
+    out = bind.write_stream(node, node.output, layer)
+    route, acts = f"route{layer}", f"expert_acts{layer}"
+    rows = []
+    for t in tasks:
+        a, b = _columns(t)
+        if t.kind == "moe.expert_up":
+            first = t.tile_value("slot") * inter
+            rows.append(PlannedTask(Kind.EXPERT_UP, layer, first + a, first + b,
+                                    (Access(src, 0, s.hidden), Access(route, 0, 2 * k)),
+                                    (Access(acts, first + a, first + b),)))
+        else:
+            rows.append(PlannedTask(Kind.EXPERT_DOWN, layer, a, b,
+                                    (Access(route, 0, 2 * k), Access(acts, 0, k * inter), Access(res, a, b)),
+                                    (Access(out, a, b),)))
+    return rows
+
+
 class DeviceLowering:
     """A layer op's rule in `DEVICE_RULES`: a `DeviceRule`, or `NotOnDevice` with the reason."""
 
@@ -705,7 +788,8 @@ for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_row
                    "linear": _linear_rows, "linear_residual": _linear_residual_rows,
                    "linear_add_residual": _linear_add_residual_rows,
                    "norm_gate_up": _norm_gate_up_rows, "lm_head_argmax": _lm_head_rows,
-                   "lm_head_sample": _lm_head_rows}.items():
+                   "lm_head_sample": _lm_head_rows, "norm_moe_router": _norm_moe_router_rows,
+                   "norm_moe_experts_residual": _norm_moe_experts_residual_rows}.items():
     DEVICE_RULES.register(_op, DeviceRule(_rule))
 # the unfused ops: the device runs each only inside the fused op that layer_fusion.fuse makes of it
 for _op, _reason in {
@@ -724,9 +808,9 @@ for _op, _reason in {
              "element-wise operator, and mdsl.ir.ops has exact GELU only)",
     "scale": "no device task body scales a row by a constant (the device's embedding copies the table row)",
     "softcap": "no device task body soft-caps a row (the LM head's epilogue passes its products through)",
-    "moe_router": "no device task body routes a row to experts (the top-k of a softmax over the router's logits)",
-    "moe_experts": "no device task body runs a mixture of experts (the experts a routing row picks, their weights "
-                   "read by the device's tasks only where picked)",
+    "moe_router": "the device routes only a normalised row of the residual stream (fused into norm_moe_router)",
+    "moe_experts": "the device runs a mixture of experts only over a normalised row of the residual stream, routed "
+                   "by a moe_router, its output added to the stream (fused into norm_moe_experts_residual)",
     "add_bias": "the device adds biases only to the q|k|v projection of a normalised row, in its epilogue "
                 "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "

@@ -12,6 +12,8 @@ the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse
   is a linear that takes it as its own residual (then each linear gets one add: (x + o) + mlp);
 * the q/k head norm, RoPE and the KV-cache append into attention: `rope_attention`; RoPE and the append
   into scaled_attention (a window, a query scale, soft-capping): `rope_scaled_attention`.
+* rms_norm into a mixture of experts' router (`norm_moe_router`) and experts, with the residual add of the
+  experts' output: `norm_moe_experts_residual`.
 
 Each fused op is a layer op of its own (layers.py: shape rule and reference; partition.py: tasks;
 numpy_bodies.py: task bodies). A rule of `FUSION_RULES` belongs to the op that anchors a pattern (linear,
@@ -153,6 +155,32 @@ def _fuse_rope(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
     return Fusion(fused, tuple(sorted(replaces)))
 
 
+def _fuse_moe_router(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
+    norm = uses.producing(node.inputs[0], "rms_norm")
+    if norm is None:
+        return None
+    raw, norm_weight = norm[1].inputs
+    return Fusion(_fused("norm_moe_router", (raw, norm_weight, node.inputs[1]), node.outputs,
+                         norm[1].attrs + node.attrs, node), (index,))
+
+
+def _fuse_moe_experts(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
+    """The experts of a normalised row, routed by a moe_router, whose output one add alone reads: residual +
+    experts (the router's top_k: the slots the fused op's tasks run)."""
+    x, routing, *ws = node.inputs
+    norm = uses.producing(x, "rms_norm")
+    router = uses.producing(routing, "moe_router")
+    add = uses.only_reader(node.output, ("add",))
+    residual = _other(add[1], node.output) if add is not None else None
+    if norm is None or router is None or residual is None:
+        return None
+    raw, norm_weight = norm[1].inputs
+    j, a = add
+    top_k = (("top_k", router[1].attr_dict["top_k"]),)
+    return Fusion(_fused("norm_moe_experts_residual", (raw, norm_weight, routing, residual, *ws), a.outputs,
+                         norm[1].attrs + node.attrs + top_k, node), (index, j))
+
+
 @attrs.frozen
 class FusionRule:
     """The patterns anchored at an op: `fuse(index, node, uses)` is a `Fusion`, or None where none applies."""
@@ -165,6 +193,8 @@ FUSION_RULES: RuleTable[FusionRule] = RuleTable("task-graph fusion pass", Fusion
                                                 registry=LAYER_OPS)
 FUSION_RULES.register("linear", FusionRule(_fuse_linear))
 FUSION_RULES.register("rope", FusionRule(_fuse_rope))
+FUSION_RULES.register("moe_router", FusionRule(_fuse_moe_router))
+FUSION_RULES.register("moe_experts", FusionRule(_fuse_moe_experts))
 
 
 def fuse(graph: ModelGraph) -> ModelGraph:

@@ -14,10 +14,10 @@ from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options,
                                                expert_weights, gate_up_rows, gelu_tanh, rms_normalize, rope_cos_sin,
-                                               rotate_heads, sample_token, sample_uniform, split_biases,
-                                               store_next_token, window_start)
-from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range, moe_scratch,
-                                                 split_range, weight_rows)
+                                               rotate_heads, route, routing_slots, sample_token, sample_uniform,
+                                               split_biases, store_next_token, window_start)
+from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range,
+                                                 moe_logits_scratch, moe_scratch, split_range, weight_rows)
 
 
 def _cols(task) -> tuple:
@@ -307,6 +307,46 @@ def _lm_head_sample(task, node, buf, ctx):
     emit_token(node, buf, ctx, sample_token(buf[node.outputs[0].name], a["temperature"], a["top_p"], u))
 
 
+def _moe_router_logits(task, node, buf, ctx):
+    a, b = _cols(task)
+    buf[moe_logits_scratch(node)][0, a:b] = linear_columns(_normed_input(node, buf), node.inputs[2:3], buf, a, b)
+
+
+def _moe_router_route(task, node, buf, ctx):
+    a = node.attr_dict
+    buf[node.output.name][:] = route(buf[moe_logits_scratch(node)], a["top_k"], a["norm_topk_prob"])
+
+
+def _slot_expert(task, node, buf):
+    """The expert of the task's slot (routing_slots' order), or None where the routing row picks fewer."""
+    slots = routing_slots(buf[node.inputs[2].name])
+    j = task.tile_value("slot")
+    return int(slots[j]) if j < len(slots) else None
+
+
+def _moe_expert_up(task, node, buf, ctx):
+    e = _slot_expert(task, node, buf)
+    if e is None:
+        return
+    a, b = _cols(task)
+    gates, ups, _ = expert_weights(node.inputs[4:], node.inputs[2].shape[1])
+    row = _normed_input(node, buf).reshape(-1).astype(np.float32)
+    graph = epilogue_of(node.op, node.attr_dict)
+    gate, up = products(graph)
+    buf[moe_scratch(node)][task.tile_value("slot"), a:b] = evaluate(
+        graph, {gate: row @ buf[gates[e].name][a:b].T, up: row @ buf[ups[e].name][a:b].T})
+
+
+def _moe_expert_down(task, node, buf, ctx):
+    a, b = _cols(task)
+    routing = buf[node.inputs[2].name].reshape(-1)
+    _, _, downs = expert_weights(node.inputs[4:], routing.size)
+    out = np.zeros(b - a, np.float32)
+    for j, e in enumerate(routing_slots(routing)):
+        out += routing[e] * (buf[moe_scratch(node)][j] @ buf[downs[e].name][a:b].T)
+    buf[node.output.name][0, a:b] = buf[node.inputs[3].name][0, a:b] + out
+
+
 @attrs.frozen
 class TaskBodies:
     """A layer op's task bodies: `bodies[kind]` computes one task of that kind."""
@@ -337,5 +377,7 @@ for _op, _bodies in {
                               "rope_attention.combine": _rope_attention_combine},
     "lm_head_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
     "lm_head_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
+    "norm_moe_router": {"moe_router.logits": _moe_router_logits, "moe_router.route": _moe_router_route},
+    "norm_moe_experts_residual": {"moe.expert_up": _moe_expert_up, "moe.expert_down": _moe_expert_down},
 }.items():
     TASK_BODIES.register(_op, TaskBodies(_bodies))

@@ -273,6 +273,12 @@ def _sample_tasks(node, config):
 #   rope_attention.combine: `head`, one query head.
 # * lm_head: `col_start`, `col_stop`, `slot`: logits columns and the tile's best (value, index) in slot;
 #   lm_head.argmax / lm_head.sample: no tile entries.
+# * moe_router.logits: `col_start`, `col_stop`: rows of the router (the logits of those experts);
+#   moe_router.route: no tile entries (the softmax, the top-k: the routing row).
+# * moe.expert_up: `slot`, `col_start`, `col_stop`: hidden columns of the slot-th expert the routing row picks
+#   (routing_slots: the router's top-k order); it may read the rows of any expert's gate and up weights (dynamic
+#   regions), the body reads the picked one's only. moe.expert_down: `col_start`, `col_stop`: output columns,
+#   the slots' down rows summed in slot order, plus the residual.
 
 def _norm_linear_tasks(node, config):
     x, norm, *ws = node.inputs
@@ -371,6 +377,50 @@ def _lm_head_tasks(final_kind: str, reads_logits: bool):
     return rule
 
 
+def moe_logits_scratch(node) -> str:
+    """The scratch row of a norm_moe_router node: the router's logits [1, E]."""
+    return f"{node.output.name}.logits"
+
+
+def _norm_moe_router_tasks(node, config):
+    x, norm, router = node.inputs
+    experts = router.shape[0]
+    logits = moe_logits_scratch(node)
+    specs = [TaskSpec("moe_router.logits", _col_tile(a, b),
+                      (full(x), full(norm), Region(router.name, ((a, b), (0, router.shape[1])))),
+                      (Region(logits, ((0, 1), (a, b))),)) for a, b in column_tiles(experts, config)]
+    specs.append(TaskSpec("moe_router.route", (), (Region(logits, ((0, 1), (0, experts))),), (full(node.output),)))
+    return specs, [Buffer(logits, TensorType((1, experts), f32), SCRATCH)]
+
+
+def expert_slot_tiles(inter: int, top_k: int, config: PartitionConfig) -> list:
+    """(slot, start, stop) of the fused experts' gate/up tiles: each slot's hidden columns cut into num_sms // top_k
+    tiles (one per worker over the slots together), as column ops are cut."""
+    per_slot = attrs.evolve(config, num_sms=max(1, config.num_sms // top_k))
+    return [(j, a, b) for j in range(top_k) for a, b in column_tiles(inter, per_slot)]
+
+
+def _norm_moe_experts_residual_tasks(node, config):
+    """moe.expert_up per (slot, hidden columns), moe.expert_down per output column range (module docstring)."""
+    x, norm, routing, residual, *ws = node.inputs
+    experts = routing.shape[1]
+    gates, ups, downs = ws[:experts], ws[experts:2 * experts], ws[2 * experts:]
+    inter, top_k = gates[0].shape[0], node.attr_dict["top_k"]
+    hidden = moe_scratch(node)
+    specs = []
+    for j, a, b in expert_slot_tiles(inter, top_k, config):
+        specs.append(TaskSpec("moe.expert_up", (("slot", j), *_col_tile(a, b)),
+                              (full(x), full(norm), full(routing),
+                               *(Region(w.name, ((a, b), (0, w.shape[1])), dynamic=True) for w in (*gates, *ups))),
+                              (Region(hidden, ((j, j + 1), (a, b))),)))
+    for a, b in column_tiles(node.output.shape[1], config):
+        specs.append(TaskSpec("moe.expert_down", _col_tile(a, b),
+                              (full(routing), Region(hidden, ((0, top_k), (0, inter))), columns(residual, a, b),
+                               *(Region(w.name, ((a, b), (0, inter)), dynamic=True) for w in downs)),
+                              (columns(node.output, a, b),)))
+    return specs, [Buffer(hidden, TensorType((top_k, inter), f32), SCRATCH)]
+
+
 @attrs.frozen
 class TaskRule:
     """How a layer op is cut into tasks: `split(node, config)` is its `TaskSpec`s and the scratch buffers
@@ -394,6 +444,7 @@ for _name, _rule in {
     "linear_add_residual": _linear_add_residual_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
+    "norm_moe_router": _norm_moe_router_tasks, "norm_moe_experts_residual": _norm_moe_experts_residual_tasks,
 }.items():
     TASK_RULES.register(_name, TaskRule(_rule))
 
