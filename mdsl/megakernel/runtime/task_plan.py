@@ -36,6 +36,9 @@ sequential decoder's, Llama-3's):
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
            (a parallel block, x + (o_proj(attn) + mlp): GATEUP normalises h_l, OPROJ writes mid_l = W_o attn, DOWN
            h_{l+1} = h_l + (mid_l + W_down act_l))
+           (a post-normed block, x + norm(W out) (Gemma-2's; linear_norm_residual): OPROJ and DOWN tiles write their
+           raw rows of mid_l and h_{l+1}, and the tile that finishes last rewrites the row as h_l + norm(mid_l),
+           mid_l + norm(h_{l+1}), before it signals)
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
 """

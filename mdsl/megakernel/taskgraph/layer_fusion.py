@@ -4,8 +4,12 @@ Unfused, every op of a model graph is a hop of the task graph: a single-task rms
 the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse` folds
 
 * rms_norm into the linear(s) that read it: `norm_linear` (q|k|v; `norm_linear_bias` with the projection's
-  add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up), `lm_head_argmax` / `lm_head_sample`
-  (the final norm, the LM head and the token);
+  add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up; `norm_geglu` with geglu),
+  `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token); rms_norm_1p (Gemma's, the
+  fused op's `unit_offset`) into `norm_1p_linear`, `norm_geglu` and `lm_head_1p_argmax` / `lm_head_1p_sample`,
+  these with the logits' softcap between the LM head and the token;
+* a linear whose output is normalised, then added to a row (Gemma-2's post-norms): `linear_norm_residual`;
+* an embedding times a constant (Gemma's): `scaled_embedding`;
 * a residual add into the linear it adds: `linear_residual` (o-proj, down-proj); two adds, the linear's
   output added to one row and the sum to another, `linear_add_residual` (a parallel block's
   x + (o_proj(attn) + mlp): the second linear stays a plain `linear`), unless the outer add's other operand
