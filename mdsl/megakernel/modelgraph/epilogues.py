@@ -84,7 +84,9 @@ _GELU_TANH_2K = 2.0 * (2.0 / np.pi) ** 0.5
 
 @functools.cache
 def geglu() -> ThreadGraph:
-    """A GeGLU MLP's gelu_tanh(gate) * up (Gemma's; transformers' gelu_pytorch_tanh, one op)."""
+    """A GeGLU MLP's gelu_tanh(gate) * up (Gemma's; transformers' gelu_pytorch_tanh, one op). PyTorch's bits but
+    in the far negative tail (gate below about -3), where its 0.5 x (1 + tanh) cancels and x sigmoid does not:
+    values of 1e-4 and less, which the down-proj's sums do not see."""
     return _thread_graph(f"""thread {{
   in %gate: f32[1]
   in %up: f32[1]
