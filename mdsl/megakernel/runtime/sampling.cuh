@@ -162,14 +162,9 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
 #if MK_EMBED_SCALE
     // the row times EMBED_SCALE (Gemma's sqrt(hidden), rounded to T as transformers' normalizer), rounded to T
-    if constexpr (WORLD > 1) {
-      if (row != nullptr)
-        for (int i = threadIdx.x; i < H; i += NT)
-          put_everywhere(p, p.hs, (long long)i, mdsl::from_float<T>(mdsl::to_float(row[i]) * EMBED_SCALE));
-    } else {
-      for (int i = threadIdx.x; i < H; i += NT)
-        p.hs[i] = mdsl::from_float<T>(row != nullptr ? mdsl::to_float(row[i]) * EMBED_SCALE : 0.0f);
-    }
+    static_assert(WORLD == 1, "a scaled embedding runs on one GPU (the engine refuses it under tensor parallelism)");
+    for (int i = threadIdx.x; i < H; i += NT)
+      p.hs[i] = mdsl::from_float<T>(row != nullptr ? mdsl::to_float(row[i]) * EMBED_SCALE : 0.0f);
 #else
     if constexpr (WORLD > 1) {   // the row whole, into h[0] here and on every peer
       if (row != nullptr)
