@@ -163,3 +163,5 @@ def test_gemma2s_bodies_round_as_transformers_rounds():
     assert "const float r_tanh = round_t(r_within_twice + -1.0f);" in logit
     with pytest.raises(UnsupportedError, match="tensor parallelism"):
         generate_bodies(for_ranks(plan, 2))
+    with pytest.raises(UnsupportedError, match="rank_sums"):
+        generate_bodies(plan, rank_sums=2)

@@ -426,6 +426,9 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
     one GPU computes the bits of that many (with the same attention splits)."""
     partial = _partial(body, world)
     by_ranks = _sums_like_ranks(body, world, rank_sums)
+    if body.row_norm is not None and by_ranks:
+        raise UnsupportedError(f"the {body.kind.name} rows normalised before their residual add are not summed as "
+                               "ranks sum them", hint="leave MegakernelOptions.rank_sums at 1 for this model")
     if partial and not is_additive(body.epilogue):
         raise UnsupportedError(f"the {body.kind.name} epilogue is not additive in its inputs, so tensor-parallel "
                                "ranks cannot apply it to their partial products",
