@@ -4,7 +4,9 @@ machine; nothing is downloaded: the checkpoints are tiny random models made with
 * greedy generation of 32 tokens is token-identical to transformers' greedy `generate`, for Llama-3 and
   Qwen3, f32 and bf16, with the prompt prefilled inside the same launch; for Llama-3 MLPs whose
   hidden_act is gelu or relu (the generated gate/up bodies' epilogue); for Qwen2 (its q|k|v biases) and
-  Mistral (its sliding window, and a window as long as the KV cache) and Phi-3 (its fused weights);
+  Mistral (its sliding window, and a window as long as the KV cache) and Phi-3 (its fused weights); for
+  Gemma-2 (scaled embeddings, (1 + weight) norms before and after attention and the MLP, GeGLU, soft-capped scores
+  and logits: against transformers' eager attention, the one that soft-caps);
 * a Llama-3.2-1B-shaped random bf16 model's logits agree with transformers' within bf16 tolerance;
 * EOS and max-token stops are decided on the GPU; sampling is seeded; a top-p of almost 0 is greedy;
 * the profile shows every task once, on real SMs, and never a task before the producers it waited for;
@@ -79,7 +81,18 @@ HF_MODELS = {
     "qwen3_moe_wide": ("Qwen3Moe", dict(rope_theta=1000000.0, tie_word_embeddings=False, num_experts=128,
                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                                         decoder_sparse_step=1, mlp_only_layers=[1])),
+    # scaled embeddings, (1 + weight) norms before and after attention and the MLP, GeGLU, its own query scale,
+    # soft-capped scores and logits (caps low enough to bend the tiny model's), a window on every other layer as
+    # long as the engines' KV cache (every layer's attention is then one device body); untied: the tiny tied
+    # model's scaled embedding of a token points its logits back at the token
+    "gemma2": ("Gemma2", dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=128,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=8.0,
+                              hidden_activation="gelu_pytorch_tanh", pad_token_id=0, eos_token_id=2)),
 }
+# transformers soft-caps attention scores in its eager attention only (sdpa drops the soft-cap)
+HF_ATTENTION = {"gemma2": "eager"}
+# the architectures whose RMSNorm scales by 1 + weight (their random norm weights lie around 0, not 1)
+UNIT_OFFSET_NORMS = ("gemma2",)
 
 
 def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str = "silu"):
@@ -89,11 +102,14 @@ def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str =
     prefix, fields = HF_MODELS[arch]
     config = getattr(transformers, f"{prefix}Config")(**TINY, **fields, hidden_act=hidden_act,
                                                        architectures=[f"{prefix}ForCausalLM"])
+    if arch in HF_ATTENTION:
+        config._attn_implementation = HF_ATTENTION[arch]
     model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    norm_center = 0.0 if arch in UNIT_OFFSET_NORMS else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(0.3 * torch.randn_like(p) if name.endswith(".bias") else 1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(0.3 * torch.randn_like(p) if name.endswith(".bias") else norm_center + 0.2 * torch.randn_like(p))
     return model.to(device="cuda", dtype=dtype).eval()
 
 
@@ -328,6 +344,22 @@ def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers
     assert np.isfinite(ours).all()
     assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
     assert run.tokens[0] == int(np.argmax(ours))
+
+
+def test_gemma2_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+    """Gemma-2 on the device by its ops' rules: the sampler's scaled embedding row (EMBED_SCALE), (1 + weight) norms
+    (NORM_1P, LM_HEAD_1P), the o-proj's and down-proj's rows normalised by their last tile before the residual add
+    (ROW_NORM), GeGLU in the gate/up epilogue, soft-capped scores rounded as eager attention rounds them (SOFTCAP)
+    under the model's query scale, the LM head's soft-capped logits; against transformers' eager attention."""
+    engine, model = tiny_engines("gemma2", dtype_name)
+    ops = {k.kind: k.op for k in engine.plan.kind_ops}
+    assert (ops[Kind.QKV], ops[Kind.OPROJ], ops[Kind.GATEUP], ops[Kind.DOWN], ops[Kind.LMHEAD]) == \
+        ("norm_1p_linear", "linear_norm_residual", "norm_geglu", "linear_norm_residual", "lm_head_1p_argmax")
+    assert engine.plan.attention_window == 0 and engine.plan.embedding_scale == TINY["hidden_size"] ** 0.5
+    for constant in ("SOFTCAP = 4.0f", "SCALE = 0.2041241452319315f", "EMBED_SCALE = 8.0f"):
+        assert f"constexpr float {constant};" in engine.source, constant
+    ours = assert_token_identical(torch, engine, model, f"gemma2 {dtype_name}", dtype_name == "bf16")
+    assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours   # (the last tiles' counters restart)
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

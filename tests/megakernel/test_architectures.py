@@ -144,15 +144,20 @@ def test_mistral_lowers_to_the_gpu_reading_only_its_window():
 
 
 @pytest.mark.parametrize("option", [{"softcap": 2.0}, {"scale": 0.3}])
-def test_a_windowed_attention_with_its_own_scale_or_soft_cap_is_refused_for_the_gpu(option):
-    """The device's attention scales scores by 1/sqrt(head_dim) and does not soft-cap them (Gemma-2's)."""
+def test_a_windowed_attention_with_its_own_scale_or_soft_cap_lowers_to_the_gpu(option):
+    """The device's attention scales scores by the op's scale (SCALE) and soft-caps them as eager attention does
+    (the SOFTCAP section: Gemma-2's)."""
     config, graph, _ = _mistral()
     graph = attrs.evolve(graph, nodes=tuple(
         attrs.evolve(n, attrs=n.opdef.normalize_attrs({**n.attr_dict, **option})) if n.op == "scaled_attention"
         else n for n in graph.nodes))
-    with pytest.raises(UnsupportedError, match="cannot run rope_scaled_attention .*does not soft-cap them") as e:
-        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
-    assert e.value.loc.file.endswith("architectures.py") and "m.scaled_attention(" in str(e.value)
+    plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(plan)
+    attention = plan.op_of(Kind.ATTN).attr_dict
+    assert {name: attention[name] for name in option} == option
+    text = generate_source(plan).text
+    assert ("constexpr float SOFTCAP = 2.0f;" in text) == ("softcap" in option)
+    assert f"constexpr float SCALE = {option.get('scale', config.head_dim ** -0.5)!r}f;" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,9 +274,28 @@ def test_gemma2_config_errors(change, message):
     assert e.value.hint
 
 
-def test_gemma2_is_refused_for_the_gpu_naming_its_scaled_embedding():
-    config, graph, weights = _gemma2()
-    _refused(config, graph, weights, "scale", "scales a row by a constant", "x = m.scale(m.embedding(embed)")
+def test_gemma2_lowers_to_the_gpu_by_its_ops_rules():
+    """Every Gemma-2 op has its device body where its window is at least the KV cache (every layer's attention
+    one device body): the scaled embedding (EMBED_SCALE), (1 + weight) norms (NORM_1P, LM_HEAD_1P), the o-proj's and
+    down-proj's rows normalised before their residual adds (ROW_NORM), soft-capped scores (SOFTCAP) and logits,
+    GeGLU; windows shorter than the KV cache on every other layer are refused naming the attention."""
+    config, graph, _ = _gemma2()
+    short = step_function(config).trace(config, max_positions=4)   # (the window: 4)
+    plan = plan_model(short, decoder_shape(config), workers=4, max_seq=4)
+    check_plan(plan)
+    ops = {k.kind: k.op for k in plan.kind_ops}
+    assert ops == {Kind.QKV: "norm_1p_linear", Kind.ATTN: "rope_scaled_attention", Kind.OPROJ: "linear_norm_residual",
+                   Kind.GATEUP: "norm_geglu", Kind.DOWN: "linear_norm_residual", Kind.LMHEAD: "lm_head_1p_argmax",
+                   Kind.SAMPLE: "lm_head_1p_argmax"}
+    assert plan.op_of(Kind.ATTN).attr_dict["window"] == 0 and plan.attention_window == 0
+    text = generate_source(plan).text
+    for constant in ("SOFTCAP = 2.0f", f"EMBED_SCALE = {float(np.float32(config.hidden_size ** 0.5))!r}f",
+                     f"SCALE = {12 ** -0.5!r}f"):
+        assert f"constexpr float {constant};" in text, constant
+    assert "norm_residual_row<NormedRow1p<H>>" in text and "StreamRow1p row" in text
+    with pytest.raises(UnsupportedError, match="cannot run rope_scaled_attention .*share one device body") as e:
+        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    assert e.value.loc.file.endswith("architectures.py") and "m.scaled_attention(" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------

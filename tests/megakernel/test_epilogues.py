@@ -55,3 +55,22 @@ def test_every_fused_linear_op_has_an_epilogue_and_others_say_so():
         assert epilogue_of(op, {"act": "silu", "eps": 1e-6}).outputs
     with pytest.raises(ValidationError, match="rope_attention has no epilogue"):
         epilogue_of("rope_attention", {})
+
+
+def test_gemmas_epilogues_round_only_what_pytorch_rounds():
+    """GeGLU's GELU (tanh approximation) and the LM head's soft-cap are written with mdsl's operators; evaluated
+    eagerly, the values inside one PyTorch op (`within`) stay in f32 and the op's result is rounded once."""
+    from mdsl.megakernel.modelgraph.layers import gelu_tanh, softcap_row
+
+    gate, up = _row(4096), _row(4096)
+    geglu = epilogue_of("norm_geglu", {"eps": 1e-6, "unit_offset": True})
+    np.testing.assert_allclose(evaluate(geglu, {"gate": gate, "up": up}), gelu_tanh(gate) * up, rtol=1e-5, atol=1e-5)
+    g, u = round_to_dtype(gate, bf16), round_to_dtype(up, bf16)
+    want = round_to_dtype(round_to_dtype(gelu_tanh(g), bf16) * u, bf16)
+    got = evaluate(geglu, {"gate": gate, "up": up}, bf16)
+    # the same bits but in the far negative tail, where PyTorch's 0.5 x (1 + tanh) cancels (x sigmoid does not)
+    body = np.abs(g) < 3
+    assert np.array_equal(got[body], want[body]) and np.allclose(got, want, rtol=0, atol=1e-3)
+    capped = epilogue_of("lm_head_1p_argmax", {"eps": 1e-6, "unit_offset": True, "softcap": 3.0})
+    np.testing.assert_allclose(evaluate(capped, {"product": gate}), softcap_row(gate, {"cap": 3.0}), atol=1e-5)
+    assert epilogue_of("lm_head_1p_argmax", {"eps": 1e-6, "unit_offset": True, "softcap": 0.0}) == PRODUCT

@@ -70,7 +70,8 @@ def _task_graphs():
         for g in (graph, fuse(graph), sampling, fuse(sampling), *split):
             yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
     config, graph, _ = tiny_model("gemma2", num_attention_heads=8, num_key_value_heads=4)
-    for g in (graph, fuse(graph), tensor_parallel(graph, 2).graph):
+    sampling = sampling_decode("gemma2", temperature=0.7, seed=1).trace(config)
+    for g in (graph, fuse(graph), tensor_parallel(graph, 2).graph, fuse(sampling)):
         yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
     config, graph, _ = tiny_model("qwen3_moe")   # (not split over ranks)
     for g in (graph, fuse(graph)):

@@ -161,3 +161,29 @@ def test_a_gelu_model_compiles_without_spills():
     source, _, resources = compile_plan(tiny_plan(hidden_act="gelu"))
     assert "erff(r_gate" in source.text
     assert_fits(source, resources)
+
+
+def test_gemma2s_bodies_round_as_transformers_rounds():
+    """Gemma-2's: GELU's tanh approximation computed in f32 and rounded once (transformers' one op), then the
+    product with up; the o-proj's raw rows rounded and left for the last tile's norm and residual add; its input
+    rows normalised by 1 + weight; the LM head's soft-capped logit rounded after each of its ops."""
+    config, _, _ = tiny_model("gemma2", sliding_window=24)
+    plan = build_plan(decoder_shape(attrs.evolve(config, dtype=bf16)), workers=16, max_seq=24)
+    text = generate_bodies(plan)
+    gate_up = function(text, "gateup_task")
+    assert "const float r_within_sigmoid = 1.0f / (1.0f + expf(-r_within_scaled));" in gate_up
+    assert "const float r_act = round_t(r_gate * r_within_sigmoid);" in gate_up
+    assert "const float r_out = round_t(r_act * r_up);" in gate_up and "StreamRow1p row" in gate_up
+    oproj = function(text, "oproj_task")
+    assert "stream_put(p, p.mids, p.mid_parts, p.mid_relay, t.layer, r, r_product, tag);" in oproj
+    tiles = sum(t.kind is Kind.OPROJ and t.layer == 0 for t in plan.tasks)
+    assert (f"norm_residual_row<NormedRow1p<H>>(p, p.mids + (long long)(t.layer) * H, w.pn_attn, [&](int r) "
+            f"{{ return h_at(p, t.layer, r); }}, 2 * t.layer + 0, {tiles}, tag, work, red);") in oproj
+    assert "w.pn_mlp, [&](int r) { return mid_at(p, t.layer, r); }, 2 * t.layer + 1" in function(text, "down_task")
+    logit = text[text.index("struct LmHeadLogit"):]
+    assert "const float r_scaled = round_t(r_product * 0.33333334f);" in logit
+    assert "const float r_tanh = round_t(r_within_twice + -1.0f);" in logit
+    with pytest.raises(UnsupportedError, match="tensor parallelism"):
+        generate_bodies(for_ranks(plan, 2))
+    with pytest.raises(UnsupportedError, match="rank_sums"):
+        generate_bodies(plan, rank_sums=2)

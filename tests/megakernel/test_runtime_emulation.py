@@ -51,9 +51,14 @@ class Emulator:
         found = self.plan.op_of(kind).stream(role)
         return None if found is None else self.buf[found[0]][layer + found[1]]
 
-    def norm(self, x, weight, eps):
+    def norm(self, x, weight, eps, unit_offset=False):
         r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
+        if unit_offset:   # (gemv.cuh's NormedRow1p: rounded once)
+            return self.round(x * np.float32(r) * (np.float32(1.0) + weight))
         return self.round(weight * self.round(x * np.float32(r)))
+
+    def unit_offset(self, kind) -> bool:
+        return bool(self.plan.op_of(kind).attr_dict.get("unit_offset"))
 
     def prepare_head(self, x, norm_weight, pos):
         if norm_weight is not None:
@@ -80,9 +85,11 @@ class Emulator:
                             route_ids=np.zeros((s.layers, k), np.int64), route_weights=np.zeros((s.layers, k), np.float32),
                             expert_acts=np.zeros((s.layers, k * mi), np.float32))
         self.router_counts = {}
-        self.buf["h"][0] = self.layer(None, "embed")[tokens[0]]
+        self.next_embedding(tokens[0])
         self.tokens, self.max_new, self.out, self.stop = list(tokens), max_new, [], None
         self.split_counts = {}
+        self.tile_counts = {}   # (kind, layer) -> tiles done (linear_norm_residual's last tile)
+        self.tiles = {kind: sum(u.kind is kind and u.layer == 0 for u in plan.tasks) for kind in (Kind.OPROJ, Kind.DOWN)}
         events = plan.initial_events().astype(np.int64)
         held = list(range(self.workers))   # worker w's next task index
         while True:
@@ -114,7 +121,8 @@ class Emulator:
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step
         if t.kind is Kind.QKV:
-            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "input_layernorm"), s.eps)
+            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "input_layernorm"), s.eps,
+                          self.unit_offset(t.kind))
             w = np.concatenate([self.layer(t.layer, n) for n in ("q_proj", "k_proj", "v_proj")])
             biases = {"bias": np.concatenate([self.layer(t.layer, n) for n in QKV_BIASES])[t.begin:t.end]} \
                 if self.layer(t.layer, "q_bias") is not None else {}
@@ -129,16 +137,27 @@ class Emulator:
         elif t.kind in (Kind.OPROJ, Kind.DOWN):
             weight, source = ("o_proj", "attn") if t.kind is Kind.OPROJ else ("down_proj", "act")
             product = self.layer(t.layer, weight)[t.begin:t.end] @ b[source][t.layer]
+            if self.plan.op_of(t.kind).op == "linear_norm_residual":   # raw rows; the last tile normalises the row
+                out = self.stream(t.kind, "out", t.layer)
+                out[t.begin:t.end] = self.round(product)
+                key = (t.kind, t.layer)
+                self.tile_counts[key] = self.tile_counts.get(key, 0) + 1
+                if self.tile_counts[key] == self.tiles[t.kind] * (step + 1):
+                    norm = self.layer(t.layer, "attn_post_norm" if t.kind is Kind.OPROJ else "mlp_post_norm")
+                    normed = self.norm(out.copy(), norm, s.eps, self.unit_offset(t.kind))
+                    out[:] = self.round(self.stream(t.kind, "residual", t.layer) + normed)
+                return
             operands = {role: self.stream(t.kind, role, t.layer)[t.begin:t.end] for role in ("residual", "addend")
                         if self.stream(t.kind, role, t.layer) is not None}
             self.stream(t.kind, "out", t.layer)[t.begin:t.end] = self.epilogue(t.kind, product=product, **operands)
         elif t.kind is Kind.GATEUP:
-            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps)
+            x = self.norm(self.stream(t.kind, "row", t.layer), self.layer(t.layer, "post_attention_layernorm"), s.eps,
+                          self.unit_offset(t.kind))
             b["act"][t.layer, t.begin:t.end] = self.epilogue(
                 t.kind, gate=self.layer(t.layer, "gate_proj")[t.begin:t.end] @ x,
                 up=self.layer(t.layer, "up_proj")[t.begin:t.end] @ x)
         elif t.kind is Kind.LMHEAD:
-            x = self.norm(b["h"][s.layers], self.layer(None, "final_norm"), s.eps)
+            x = self.norm(b["h"][s.layers], self.layer(None, "final_norm"), s.eps, self.unit_offset(t.kind))
             logits = self.epilogue(t.kind, product=self.head[t.begin:t.end] @ x)
             b["logits"][t.begin:t.end] = logits
             b["best"][k - next(i for i, u in enumerate(self.plan.tasks) if u.kind is Kind.LMHEAD)] = \
@@ -209,7 +228,20 @@ class Emulator:
                 part[:] = 0.0
                 part[0] = -np.inf
                 continue
-            scores = self.k_cache[layer, lo:hi, g] @ q[h] * np.float32(s.head_dim ** -0.5)
+            a = self.plan.op_of(Kind.ATTN).attr_dict
+            scale, cap = np.float32(a.get("scale") or s.head_dim ** -0.5), np.float32(a.get("softcap", 0.0))
+            if cap:   # (attention.cuh's SOFTCAP section: eager attention's roundings, its normalised weights)
+                scores = self.round(self.k_cache[layer, lo:hi, g] @ q[h])
+                scores = self.round(self.round(scores * scale) * (np.float32(1.0) / cap))
+                scores = self.round(self.round(np.tanh(scores)) * cap)
+                m = scores.max()
+                e = np.exp(scores - m)
+                weights = self.round(e / e.sum())
+                total = weights @ self.v_cache[layer, lo:hi, g]
+                split_sum = 1.0 if self.plan.splits == 1 else e.sum()
+                part[0], part[1], part[2:] = m, split_sum, total * split_sum
+                continue
+            scores = self.k_cache[layer, lo:hi, g] @ q[h] * scale
             m = scores.max()
             e = np.exp(scores - m)
             part[0], part[1], part[2:] = m, e.sum(), self.round(e) @ self.v_cache[layer, lo:hi, g]
@@ -218,7 +250,10 @@ class Emulator:
         return self.buf["best"]
 
     def next_embedding(self, token) -> None:
-        self.buf["h"][0] = self.layer(None, "embed")[token]
+        row = self.layer(None, "embed")[token]
+        if self.plan.embedding_scale:   # (sampling.cuh's EMBED_SCALE: the scale rounded to the dtype, then the row)
+            row = self.round(row * self.round(np.float32(self.plan.embedding_scale)))
+        self.buf["h"][0] = row
 
     def sample(self, step, pos):
         value, token = max(self.bests(), key=lambda vi: (vi[0], -vi[1]))
@@ -320,3 +355,39 @@ def test_bf16_rounding_follows_the_tables_without_nan(arch):
     got, logits = Emulator(plan, config, rounded, 9, np.random.default_rng(1)).run([4, 8], 6)
     assert len(got) == 6 and np.isfinite(logits).all()
     assert np.array_equal(logits, round_to_dtype(logits, config.dtype))
+
+
+# Gemma-2: its window as long as the KV cache (every layer's attention is then one device body), its scaled
+# embedding, (1 + weight) norms, soft-capped scores and logits, GeGLU, and the o-proj's and down-proj's rows
+# normalised by their last tile before the residual add
+def _gemma2(seed: int, **overrides):
+    return tiny_model("gemma2", seed=seed, sliding_window=24, **overrides)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 17])
+def test_gemma2_tables_compute_the_reference_forward(workers):
+    config, graph, weights = _gemma2(3)
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions)
+    check_plan(plan)
+    kinds = {k.kind: k for k in plan.kind_ops}
+    assert (kinds[Kind.OPROJ].op, kinds[Kind.DOWN].op, kinds[Kind.GATEUP].op) == \
+        ("linear_norm_residual", "linear_norm_residual", "norm_geglu")
+    assert kinds[Kind.LMHEAD].attr_dict["softcap"] == 3.0 and kinds[Kind.ATTN].attr_dict["softcap"] == 2.0
+    assert plan.embedding_scale == config.hidden_size ** 0.5
+    prompt, new = [3, 17, 42, 5], 8
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, workers, np.random.default_rng(workers)).run(prompt, new)
+    assert tuple(got) == want.tokens
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+
+
+def test_gemma2_bf16_rounding_follows_the_tables_without_nan():
+    config, graph, weights = _gemma2(2)
+    config = attrs.evolve(config, dtype=bf16)
+    rounded = {k: round_to_dtype(np.asarray(v, np.float32), config.dtype) for k, v in weights.items()}
+    for splits in (1, 3):   # (one split's weights are eager attention's; several merge their normalised sums)
+        plan = build_plan(decoder_shape(config), workers=9, max_seq=config.max_positions, splits=splits,
+                          min_chunk=2)
+        got, logits = Emulator(plan, config, rounded, 9, np.random.default_rng(1)).run([4, 8], 6)
+        assert len(got) == 6 and np.isfinite(logits).all() and np.abs(logits).max() <= 3.0
+        assert np.array_equal(logits, round_to_dtype(logits, config.dtype))

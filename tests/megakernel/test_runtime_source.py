@@ -97,6 +97,41 @@ def test_full_size_models_compile_without_spills(name):
     assert_fits(source, resources)
 
 
+# Gemma-2-2B's published shape (config.json; the weights of the tests are random)
+GEMMA_2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+# tests/gpu/test_megakernel.py's tiny Gemma-2 (its checkpoint's config.json, max_seq 64)
+GPU_TINY_GEMMA2 = {
+    "architectures": ["Gemma2ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "sliding_window": 128, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 4.0,
+    "final_logit_softcapping": 8.0, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_tests_tiny_gemma2_compiles_without_spills(dtype):
+    """Gemma-2's sections (EMBED_SCALE, NORM_1P, LM_HEAD_1P, ROW_NORM, SOFTCAP) in the kernel of the GPU test's model,
+    on an H200's workers."""
+    shape = decoder_shape(config_from_dict({**GPU_TINY_GEMMA2, "torch_dtype": dtype}))
+    source, _, resources = compile_plan(build_plan(shape, workers=H200_SMS, max_seq=64))
+    assert_fits(source, resources)
+    assert "norm_residual_row<NormedRow1p<H>>" in source.text and "constexpr float SOFTCAP = 4.0f;" in source.text
+
+
+@pytest.mark.slow
+def test_gemma2_2b_compiles_without_spills():
+    shape = decoder_shape(config_from_dict(GEMMA_2_2B))
+    source, _, resources = compile_plan(build_plan(shape, workers=H200_SMS, max_seq=4096))
+    assert_fits(source, resources)
+
+
 def test_the_runtime_uses_acquire_release_events_and_no_grid_barrier():
     config, _, _ = tiny_model("llama3")
     text = generate_source(build_plan(decoder_shape(config), workers=8, max_seq=24)).text

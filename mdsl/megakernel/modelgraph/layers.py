@@ -653,9 +653,17 @@ def _norm_linear_infer(types, a):
     return _linear_infer((row, *ws), a)
 
 
+def fused_normalize(x: np.ndarray, w: np.ndarray, a: dict) -> np.ndarray:
+    """A fused op's rms_norm of x by its norm weight w: scaled by w, or by 1 + w where the op's `unit_offset`
+    says so (rms_norm_1p, Gemma's)."""
+    if a.get("unit_offset"):
+        return _rms_norm_1p_ref([x, w], a, None)[0]
+    return rms_normalize(x, w, a["eps"])
+
+
 def _norm_linear_ref(xs, a, ctx):
     x, norm, *ws = xs
-    return _linear_ref([rms_normalize(x, norm, a["eps"]), *ws], a, ctx)
+    return _linear_ref([fused_normalize(x, norm, a), *ws], a, ctx)
 
 
 def split_biases(operands) -> tuple:
@@ -706,6 +714,10 @@ def _norm_gate_up_ref(xs, a, ctx):
     return _act_mul_ref(_norm_linear_ref(xs, a, ctx), a, ctx)
 
 
+def _norm_geglu_ref(xs, a, ctx):
+    return _geglu_ref(_norm_linear_ref(xs, a, ctx), a, ctx)
+
+
 def _linear_residual_infer(types, a):
     x, residual, *ws = types
     (out,) = _linear_infer((x, *ws), a)
@@ -728,6 +740,23 @@ def _linear_add_residual_ref(xs, a, ctx):
     x, addend, residual, *ws = xs
     (out,) = _add_ref([addend, _linear_ref([x, *ws], a, ctx)[0]], a, ctx)
     return _add_ref([residual, out], a, ctx)
+
+
+def _linear_norm_residual_infer(types, a):
+    x, residual, norm, *ws = types
+    (out,) = _linear_infer((x, *ws), a)
+    (out,) = _rms_norm_infer((out, norm), a)
+    return _add_infer((residual, out), a)
+
+
+def _linear_norm_residual_ref(xs, a, ctx):
+    x, residual, norm, *ws = xs
+    (out,) = _linear_ref([x, *ws], a, ctx)
+    return _add_ref([residual, fused_normalize(out, norm, a)], a, ctx)
+
+
+def _scaled_embedding_ref(xs, a, ctx):
+    return [scale_row(_embedding_ref(xs, a, ctx)[0], a)]
 
 
 def _rope_attention_infer(types, a):
@@ -773,6 +802,8 @@ def _lm_head_ref(token_ref):
     def reference(xs, a, ctx):
         x, norm, head, tokens = xs
         (logits,) = _norm_linear_ref([x, norm, head], a, ctx)
+        if a.get("softcap"):
+            logits = softcap_row(logits, {"cap": a["softcap"]})
         return [logits, *token_ref([logits, tokens], a, ctx)]
 
     return reference
@@ -792,6 +823,21 @@ _layer("linear_residual", None, _linear_residual_infer, _linear_residual_ref,
 _layer("linear_add_residual", None, _linear_add_residual_infer, _linear_add_residual_ref,
        doc="residual + (addend + x @ concat(weights).T): a linear with two adds in its epilogue, the inner one first "
            "(a parallel block's x + (o_proj(attn) + mlp)); operands: x, addend, residual, the weights")
+# the flavour of a fused norm: the weight w scales the normalised row as w (rms_norm), or with unit_offset as 1 + w
+# (rms_norm_1p, Gemma's); the ops named for rms_norm_1p have it set
+_UNIT_OFFSET = AttrSpec("unit_offset", "bool", False)
+_NORM = (_EPS, _UNIT_OFFSET)
+_layer("norm_1p_linear", None, _norm_linear_infer, _norm_linear_ref, (_EPS, AttrSpec("unit_offset", "bool", True)),
+       doc="rms_norm_1p(x, norm) @ concat(weights).T: norm_linear of a row normalised by 1 + norm (Gemma's q|k|v)")
+_layer("norm_geglu", None, _norm_gate_up_infer, _norm_geglu_ref, _NORM,
+       doc="gelu_tanh(n @ gate.T) * (n @ up.T), n = rms_norm(x, norm): a GeGLU MLP's first half (Gemma's); operands "
+           "as norm_gate_up's")
+_layer("linear_norm_residual", None, _linear_norm_residual_infer, _linear_norm_residual_ref, _NORM,
+       doc="residual + rms_norm(x @ concat(weights).T, norm): a linear whose output row is normalised before the "
+           "residual add (Gemma-2's post-attention and post-feedforward norms); operands: x, residual, norm, the "
+           "weights")
+_layer("scaled_embedding", 2, _embedding_infer, _scaled_embedding_ref, (AttrSpec("factor", "float"),),
+       doc="the table row of the token at the current position, times factor (Gemma's embeddings)")
 _layer("rope_attention", None, _rope_attention_infer, _rope_attention_ref,
        (*_HEADS, *_ROPE_ATTRS, AttrSpec("eps", "float", 0.0)), state_inputs=(1, 2),
        doc="optional q/k head rms_norm (weights as operands 4 and 5, eps), RoPE, the KV-cache append and attention")
@@ -802,3 +848,11 @@ _layer("lm_head_argmax", 4, _lm_head_infer("argmax"), _lm_head_ref(_argmax_ref),
        doc="(logits, token): rms_norm, the LM head and argmax, the token stored after the position")
 _layer("lm_head_sample", 4, _lm_head_infer("sample"), _lm_head_ref(_sample_ref), (_EPS, *_SAMPLING),
        state_inputs=(3,), doc="(logits, token): rms_norm, the LM head and seeded temperature/top-p sampling")
+# ... of a row normalised by 1 + the norm weight, the logits soft-capped to softcap * tanh(logit / softcap) where
+# softcap > 0 (Gemma-2's final_logit_softcapping)
+_LM_HEAD_1P = (_EPS, AttrSpec("unit_offset", "bool", True), AttrSpec("softcap", "float", 0.0, minimum=0.0))
+_layer("lm_head_1p_argmax", 4, _lm_head_infer("argmax"), _lm_head_ref(_argmax_ref), _LM_HEAD_1P, state_inputs=(3,),
+       doc="(logits, token): rms_norm_1p, the LM head (soft-capped where softcap > 0) and argmax")
+_layer("lm_head_1p_sample", 4, _lm_head_infer("sample"), _lm_head_ref(_sample_ref), (*_LM_HEAD_1P, *_SAMPLING),
+       state_inputs=(3,), doc="(logits, token): rms_norm_1p, the LM head (soft-capped where softcap > 0) and seeded "
+                              "temperature/top-p sampling")

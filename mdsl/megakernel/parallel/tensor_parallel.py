@@ -303,7 +303,8 @@ for _op, _rule in {"embedding": _shard_embedding, "rms_norm": _shard_rms_norm, "
                    "softcap": _shard_elementwise}.items():
     SHARD_RULES.register(_op, ShardRule(_rule))
 for _op in ("norm_linear", "norm_linear_bias", "norm_gate_up", "linear_residual", "linear_add_residual",
-            "rope_attention", "rope_scaled_attention", "lm_head_argmax", "lm_head_sample"):
+            "rope_attention", "rope_scaled_attention", "lm_head_argmax", "lm_head_sample", "norm_geglu",
+            "linear_norm_residual", "scaled_embedding", "norm_1p_linear", "lm_head_1p_argmax", "lm_head_1p_sample"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph; each rank's graph is fused after "
                                          "the split (layer_fusion.fuse)"))
 for _op in ("moe_router", "moe_experts"):

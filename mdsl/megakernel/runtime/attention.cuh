@@ -227,9 +227,19 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
       for (int h = 0; h < G; ++h)
 #pragma unroll
         for (int o = ATTN_LANES / 2; o > 0; o /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+#if MK_SOFTCAP
+      // soft-capped as eager attention computes them (transformers' one kernel for soft-capped scores): each op's
+      // result rounded to T, the division by the cap a product with its f32 reciprocal
+      if (i < count && sub == 0)
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+          scores[h * MAX_CHUNK + i] =
+              round_t(round_t(tanhf(round_t(round_t(round_t(acc[h]) * SCALE) * SOFTCAP_INVERSE))) * SOFTCAP);
+#else
       if (i < count && sub == 0)
 #pragma unroll
         for (int h = 0; h < G; ++h) scores[h * MAX_CHUNK + i] = acc[h] * SCALE;
+#endif
     }
   }
   compute_sync();
@@ -240,6 +250,15 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     float m = mdsl::neg_inf();
     for (int i = lane; i < count; i += 32) m = fmaxf(m, scores[h * MAX_CHUNK + i]);
     m = mdsl::group_reduce<32>(m, mdsl::Max());
+#if MK_SOFTCAP
+    // eager attention's softmax: the weights normalised in f32, then rounded to T; one split's partial is then the
+    // output (its sum stored as 1), several splits' are their sums times their weights' sum (merged as ever)
+    float l = 0.0f;
+    for (int i = lane; i < count; i += 32) l += expf(scores[h * MAX_CHUNK + i] - m);
+    l = mdsl::group_reduce<32>(l, mdsl::Sum());
+    for (int i = lane; i < count; i += 32) scores[h * MAX_CHUNK + i] = round_t(expf(scores[h * MAX_CHUNK + i] - m) / l);
+    if (lane == 0) { stats[2 * h] = m; stats[2 * h + 1] = SPLITS == 1 ? 1.0f : l; }
+#else
     float l = 0.0f;
     for (int i = lane; i < count; i += 32) {   // the sum in f32, the weights of the values rounded to T
       const float e = expf(scores[h * MAX_CHUNK + i] - m);   // (as flash / memory-efficient attention do)
@@ -248,6 +267,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
     }
     l = mdsl::group_reduce<32>(l, mdsl::Sum());
     if (lane == 0) { stats[2 * h] = m; stats[2 * h + 1] = l; }
+#endif
   }
   compute_sync();
   mark(p, 2);
@@ -301,7 +321,11 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
 #pragma unroll
     for (int k = 0; k < NW; ++k) total += sums[k * G * D + e];
     float* out = part + ((long long)(g * G + h) * SPLITS + split) * PART;
+#if MK_SOFTCAP
+    out[2 + d] = SPLITS == 1 ? total : total * stats[2 * h + 1];   // (the normalised weights' sum times their sum)
+#else
     out[2 + d] = total;
+#endif
     if (d == 0) { out[0] = stats[2 * h]; out[1] = stats[2 * h + 1]; }
   }
   __shared__ int last_split;

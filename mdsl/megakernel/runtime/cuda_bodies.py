@@ -20,13 +20,14 @@ from typing import Callable, Optional
 import attrs
 
 from mdsl.backend.cuda.loops import emit_chain   # each operator's `expr` (the backend's CUDA_RULES)
+from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.source import CodeWriter
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.names import Namer
 from mdsl.megakernel.modelgraph.epilogues import (EPILOGUE_RULES, has_addend, has_bias, has_residual, is_additive,
-                                                  products)
+                                                  products, within)
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS
 from mdsl.megakernel.runtime.task_plan import DEVICE_RULES, DeviceRule, Kind, KindOp, TaskPlan
 
@@ -38,13 +39,16 @@ class Matrix:
 
 @attrs.frozen
 class NormedStream:
-    """The input row: a residual-stream layer (h or mid) through rms_norm with `norm`'s weights."""
+    """The input row: a residual-stream layer (h or mid) through rms_norm with `norm`'s weights (or 1 + them:
+    `unit_offset`, gemv.cuh's StreamRow1p)."""
     single: str     # the buffer (p.hs / p.mids)
     layer: str
     norm: str
+    unit_offset: bool = False
 
     def declare(self) -> str:
-        return f"StreamRow row{{{{}}, {self.single}, {self.layer}, {self.norm}}};"
+        row = "StreamRow1p" if self.unit_offset else "StreamRow"
+        return f"{row} row{{{{}}, {self.single}, {self.layer}, {self.norm}}};"
 
     def load(self) -> str:
         return "row.load();"
@@ -104,6 +108,22 @@ class ToStream:
 
 
 @attrs.frozen
+class RowNorm:
+    """After its rows, the tile that finishes last normalises the whole output row and adds the residual to it
+    (residual.cuh's norm_residual_row: linear_norm_residual)."""
+    norm: str           # C++: the norm weights
+    unit_offset: bool   # the norm scales by 1 + weight
+    counter: str        # C++: the layer's counter (after attention's)
+    tiles: int          # the kind's tiles per layer
+
+    def call(self, sink: "ToStream", residual: str) -> str:
+        normed = "NormedRow1p<H>" if self.unit_offset else "NormedRow<H>"
+        row = f"{sink.single} + (long long)({sink.layer}) * H"
+        return (f"norm_residual_row<{normed}>(p, {row}, {self.norm}, [&](int r) {{ return {residual}; }}, "
+                f"{self.counter}, {self.tiles}, tag, work, red);")
+
+
+@attrs.frozen
 class LinearBody:
     kind: Kind
     function: str
@@ -120,6 +140,8 @@ class LinearBody:
     prologue: tuple = ()           # C++ statements before the products (after `w`): the names the matrices use
     first_row: Optional[str] = None   # C++: the output column of the matrices' row 0 (None: column 0)
     after: Optional[str] = None    # C++: a statement once the task's columns are stored (the router's routing)
+    row_norm: Optional[RowNorm] = None   # the output row normalised before its residual add (the residual: C++)
+    row_residual: Optional[str] = None
 
     @property
     def products(self) -> int:
@@ -151,7 +173,7 @@ def _stream_column(stream: Optional[tuple]) -> Optional[str]:
 def _normed_stream(k: KindOp, norm: str) -> NormedStream:
     """The residual-stream row the kind normalises (its "row" stream: h, or mid) by the `norm` weights."""
     family, offset = k.stream("row")
-    return NormedStream(_STREAM_BUFFERS[family][0], _stream_layer(offset), norm)
+    return NormedStream(_STREAM_BUFFERS[family][0], _stream_layer(offset), norm, k.attr_dict.get("unit_offset", False))
 
 
 def _norm_linear(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
@@ -223,14 +245,26 @@ def _expert_down_call(k: KindOp) -> str:
 _KIND_CALLS = {Kind.EXPERT_DOWN: _expert_down_call}
 
 
+def _normed_projection(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
+    """linear_norm_residual's o-proj or down-proj: its tiles' raw rows into the residual stream's row, then the
+    last tile's norm and residual add (RowNorm; the norm weights LayerWeights' pn_attn or pn_mlp: the ROW_NORM
+    section)."""
+    body = _projection(k, epilogue)
+    oproj = k.kind is Kind.OPROJ
+    return attrs.evolve(body, sink=attrs.evolve(body.sink, residual=None), row_residual=body.sink.residual,
+                        row_norm=RowNorm("w.pn_attn" if oproj else "w.pn_mlp", k.attr_dict["unit_offset"],
+                                         f"2 * t.layer + {0 if oproj else 1}", 0))
+
+
 def _lm_head(k: KindOp, epilogue: ThreadGraph) -> Optional[LinearBody]:
     kind = k.kind
     if kind is Kind.SAMPLE:
         return None
-    # sampling.cuh's lmhead_task loads the normalised row and keeps the tile's best token; the logit is this
-    # epilogue's (a functor)
+    # sampling.cuh's lmhead_task loads the normalised row (the LM_HEAD_1P section's where it scales by 1 + weight)
+    # and keeps the tile's best token; the logit is this epilogue's (a functor)
     return LinearBody(kind, "LmHeadLogit", "H", (Matrix("p.lm_head", "V"),), False,
-                      NormedStream("p.hs", "L", "p.final_norm"), None, epilogue, layered=False)
+                      NormedStream("p.hs", "L", "p.final_norm", k.attr_dict.get("unit_offset", False)), None, epilogue,
+                      layered=False)
 
 
 # the kinds whose bodies are the runtime's own device functions: the call, by kind
@@ -270,9 +304,20 @@ CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lam
 # a mixture of experts (the MOE section: LayerWeights' expert table and routing, moe.cuh)
 for _op, _rule in {"norm_moe_router": _norm_moe_router, "norm_moe_experts_residual": _norm_moe_experts_residual}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule, lambda plan: frozenset({"MOE"})))
-# attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache
+# attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache,
+# its scores soft-capped (SOFTCAP) where the op says so
 CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
-    lambda k, epilogue: None, lambda plan: frozenset({"WINDOW"}) if plan.attention_window else frozenset()))
+    lambda k, epilogue: None,
+    lambda plan: frozenset({"WINDOW"} if plan.attention_window else ()) |
+    frozenset({"SOFTCAP"} if plan.op_of(Kind.ATTN).attr_dict["softcap"] else ())))
+# Gemma-2's: its GeGLU MLP (the gate/up body, its epilogue GELU's tanh approximation), the norms of the o-proj's and
+# down-proj's output rows (the last tile's: ROW_NORM); its embedding's tasks are absorbed as the embedding's (the
+# scale: runtime_sections' EMBED_SCALE)
+CUDA_TASK_RULES.register("norm_geglu", CudaTaskRule(_norm_gate_up))
+for _op, _rule in {"norm_1p_linear": _norm_linear, "lm_head_1p_argmax": _lm_head, "lm_head_1p_sample": _lm_head}.items():
+    CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule))
+CUDA_TASK_RULES.register("linear_norm_residual", CudaTaskRule(_normed_projection, lambda plan: frozenset({"ROW_NORM"})))
+CUDA_TASK_RULES.register("scaled_embedding", CudaTaskRule(lambda k, epilogue: None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +329,23 @@ def emit_epilogue(w: CodeWriter, graph: ThreadGraph, inputs: dict, *, rounded: b
     expressions of its inputs; returns the register holding its output. The operators' code is the CUDA
     backend's (`emit_chain`: each operator's `expr`, as in every superoptimized kernel)."""
     wrap = (lambda e: f"round_t({e})") if rounded else (lambda e: e)
+    inside = within(graph)
+    if inside:   # (a function PyTorch computes in one op: its values inside the op are not rounded)
+        return _emit_within(w, graph, inputs, wrap, inside)
     reg = emit_chain(w, Namer(), graph, [inputs[v.name] for v in graph.inputs], wrap)
+    return reg[graph.outputs[0].name]
+
+
+def _emit_within(w: CodeWriter, graph: ThreadGraph, inputs: dict, wrap: Callable, inside: frozenset) -> str:
+    """emit_chain's statements, the values `inside` one PyTorch op left unwrapped."""
+    local, reg = Namer(), {}
+    for var in graph.inputs:
+        reg[var.name] = local(f"r_{var.name}")
+        w(f"const float {reg[var.name]} = {wrap(inputs[var.name])};")
+    for node in graph.nodes:
+        expr = CUDA_RULES[node.op].expr(node, [reg[v.name] for v in node.inputs])
+        reg[node.output.name] = local(f"r_{node.output.name}")
+        w(f"const float {reg[node.output.name]} = {expr if node.output.name in inside else wrap(expr)};")
     return reg[graph.outputs[0].name]
 
 
@@ -415,6 +476,9 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
     one GPU computes the bits of that many (with the same attention splits)."""
     partial = _partial(body, world)
     by_ranks = _sums_like_ranks(body, world, rank_sums)
+    if body.row_norm is not None and by_ranks:
+        raise UnsupportedError(f"the {body.kind.name} rows normalised before their residual add are not summed as "
+                               "ranks sum them", hint="leave MegakernelOptions.rank_sums at 1 for this model")
     if partial and not is_additive(body.epilogue):
         raise UnsupportedError(f"the {body.kind.name} epilogue is not additive in its inputs, so tensor-parallel "
                                "ranks cannot apply it to their partial products",
@@ -467,6 +531,11 @@ def write_linear_body(w: CodeWriter, body: LinearBody, world: int, rank_sums: in
             _write_rank_slices(w, body, rank_sums, inputs)
         if partial:
             w(body.sink.relay_rows())
+        if body.row_norm is not None:
+            if world > 1:
+                raise UnsupportedError(f"the {body.kind.name} rows normalised before their residual add are not "
+                                       "implemented under tensor parallelism", hint="run the model on one GPU")
+            w(body.row_norm.call(body.sink, body.row_residual))
         if body.after is not None:
             w(body.after)
 
@@ -499,8 +568,27 @@ def linear_bodies(plan: TaskPlan) -> list:
 
 
 def runtime_sections(plan: TaskPlan) -> frozenset:
-    """The runtime's optional sections the plan's task bodies need (their rules' `sections`)."""
-    return frozenset().union(*(CUDA_TASK_RULES.lookup(k.op).sections(plan) for k in plan.kind_ops))
+    """The runtime's optional sections the plan's task bodies need (their rules' `sections`; NORM_1P where a fused
+    norm scales by 1 + weight, its `unit_offset`, and LM_HEAD_1P where the LM head's does; EMBED_SCALE where the
+    sampler scales the embedding row it writes: a scaled_embedding, whose tasks have no kind)."""
+    sections = frozenset().union(*(CUDA_TASK_RULES.lookup(k.op).sections(plan) for k in plan.kind_ops))
+    if any(k.attr_dict.get("unit_offset") for k in plan.kind_ops):
+        sections |= {"NORM_1P"}
+    if any(k.kind is Kind.LMHEAD and k.attr_dict.get("unit_offset") for k in plan.kind_ops):
+        sections |= {"LM_HEAD_1P"}
+    if plan.embedding_scale:
+        sections |= {"EMBED_SCALE"}
+    return sections
+
+
+def _tiles_per_layer(plan: TaskPlan, kind: Kind) -> int:
+    """The tiles of a kind in one layer (every layer has as many)."""
+    counts = {}
+    for t in plan.tasks:
+        if t.kind is kind:
+            counts[t.layer] = counts.get(t.layer, 0) + 1
+    assert len(set(counts.values())) == 1, counts
+    return next(iter(counts.values()))
 
 
 def generate_bodies(plan: TaskPlan, rank_sums: int = 1) -> str:
@@ -508,7 +596,8 @@ def generate_bodies(plan: TaskPlan, rank_sums: int = 1) -> str:
     on one GPU, the residual kinds sum their products as that many ranks would (write_linear_body)."""
     w = CodeWriter()
     w("// ---- task bodies, generated by mdsl/megakernel/runtime/cuda_bodies.py from the plan's layer ops")
-    bodies = linear_bodies(plan)
+    bodies = [attrs.evolve(b, row_norm=attrs.evolve(b.row_norm, tiles=_tiles_per_layer(plan, b.kind)))
+              if b.row_norm is not None else b for b in linear_bodies(plan)]
     for body in bodies:
         write_linear_body(w, body, plan.world, rank_sums)
     calls = []

@@ -113,6 +113,35 @@ struct StreamRow {
   }
   __device__ __forceinline__ void finish(float* xs, float* red) const { row.finish(xs, red); }
 };
+#if MK_NORM_1P
+// NormedRow1p: xs[0 .. K) = rms_norm(x) * (1 + norm), the products in f32 and rounded once, as transformers'
+// Gemma RMSNorm computes them (a fused norm whose unit_offset is set); loaded as NormedRow is
+template <int K>
+struct NormedRow1p : NormedRow<K> {
+  __device__ __forceinline__ void finish(float* xs, float* red) const {
+    constexpr int PER = NormedRow<K>::PER;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss = fmaf(this->v[j], this->v[j], ss);
+    const float r = rsqrtf(block_sum(ss, red) / float(K) + EPS);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = compute_thread() + j * NT;
+      if (i < K) xs[i] = round_t(this->v[j] * r * (1.0f + this->weight[j]));
+    }
+    compute_sync();
+  }
+};
+// StreamRow's row through NormedRow1p
+struct StreamRow1p {
+  NormedRow1p<H> row;
+  const T* single; int layer; const T* norm;
+  __device__ __forceinline__ void load() {
+    row.load([&](int i) { return mdsl::to_float(single[(long long)layer * H + i]); }, norm);
+  }
+  __device__ __forceinline__ void finish(float* xs, float* red) const { row.finish(xs, red); }
+};
+#endif
 
 // Dot products of weight rows with xs. An item is ROWS rows (row(item, j) points at row j of it); each
 // warp takes ITEMS consecutive items at a time and keeps LOADS 16-byte loads per lane in flight before

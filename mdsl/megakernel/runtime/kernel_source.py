@@ -12,10 +12,11 @@ from functools import cache
 from pathlib import Path
 
 import attrs
+import numpy as np
 
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.errors import UnsupportedError
-from mdsl.ir.dtypes import bf16, f32
+from mdsl.ir.dtypes import bf16, f32, round_to_dtype
 from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, residual_columns, runtime_sections
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions
 from mdsl.megakernel.runtime.profile import BODY_MARKS
@@ -61,6 +62,13 @@ SECTIONS = {
     "QKV_BIAS": "LayerWeights' pointers to the q, k and v projections' biases (Qwen2)",
     "WINDOW": "attention over the last WINDOW positions only (a sliding window shorter than the KV cache)",
     "MOE": "a mixture of experts' layers: LayerWeights' router, expert table and routing buffers, moe.cuh",
+    "SOFTCAP": "attention's scores soft-capped to SOFTCAP * tanh(score / SOFTCAP), rounded as eager attention rounds "
+               "them (Gemma-2)",
+    "NORM_1P": "the input rows normalised by 1 + the norm weight (a fused norm's unit_offset: Gemma's RMSNorm)",
+    "LM_HEAD_1P": "the LM head's row normalised by 1 + the final norm's weight",
+    "ROW_NORM": "an o-proj's or down-proj's output row normalised, by its last tile, before its residual add "
+                "(linear_norm_residual: Gemma-2's post-norms), and LayerWeights' pointers to those norms",
+    "EMBED_SCALE": "the sampler's next embedding row times EMBED_SCALE (Gemma's embeddings)",
 }
 _DIRECTIVE = re.compile(r"#(if|else|endif)\b")
 _SECTION = re.compile(r"#if MK_(\w+)\n")
@@ -305,6 +313,16 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
     sections = runtime_sections(plan)
     if "WINDOW" in sections:
         constants["WINDOW"] = plan.attention_window
+    attention = dict(plan.op_of(Kind.ATTN).attrs)
+    scale = attention.get("scale") or s.head_dim ** -0.5   # (scaled_attention's own scale, else 1/sqrt(head_dim))
+    section_constants = []
+    if "SOFTCAP" in sections:
+        cap = attention["softcap"]
+        section_constants += [f"constexpr float SOFTCAP = {_float_literal(cap)};",
+                              f"constexpr float SOFTCAP_INVERSE = {_float_literal(np.float32(1.0) / np.float32(cap))};"]
+    if "EMBED_SCALE" in sections:   # (transformers' normalizer: sqrt(hidden) as a tensor of the model's dtype)
+        factor = round_to_dtype(np.array([plan.embedding_scale], np.float32), s.dtype)[0]
+        section_constants.append(f"constexpr float EMBED_SCALE = {_float_literal(factor)};")
     if "MOE" in sections:
         constants.update(_moe_constants(plan))
     lines = [f"// the model: {s}", "namespace mk {", f"using T = {_CUDA_TYPES[s.dtype]};"]
@@ -323,7 +341,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
               f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
               f"constexpr int EARLY_BYTES = {early_bytes};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
-              f"constexpr float SCALE = {_float_literal(s.head_dim ** -0.5)};", "}  // namespace mk"]
+              f"constexpr float SCALE = {_float_literal(scale)};", *section_constants, "}  // namespace mk"]
     runtime = runtime_source(sections).replace(BODIES_MARKER, generate_bodies(plan, options.rank_sums))
     text = "\n".join([INCLUDES, PRELUDE, *lines, runtime])
     return MegakernelSource(text, early_offset + early_bytes if early_bytes else base + sums_row)

@@ -26,7 +26,7 @@ from mdsl.gpu.arrays import DeviceArray
 from mdsl.gpu.driver import CudaError, NoGPUError, driver
 from mdsl.gpu.driver import check as _check
 from mdsl.gpu.driver import cu_stream as _cu_stream
-from mdsl.ir.dtypes import f32, i32
+from mdsl.ir.dtypes import f32, i32, round_to_dtype
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.model import ModelFunction, ModelGraph
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, ModelConfig
@@ -34,9 +34,9 @@ from mdsl.megakernel.runtime.kernel_source import (BLOCK_THREADS, KERNEL_NAME, P
                                                    generate_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions, OptionError
 from mdsl.megakernel.runtime.profile import TaskRecord
-from mdsl.megakernel.runtime.shape import (EXPERT_PARTS, KERNEL_WEIGHTS, LAYER_WEIGHTS, MOE_WEIGHTS, QKV_BIASES,
-                                           DecoderShape, decoder_shape, expert_slot, layer_tensors, layer_weight_name,
-                                           rope_tables)
+from mdsl.megakernel.runtime.shape import (EXPERT_PARTS, KERNEL_WEIGHTS, LAYER_WEIGHTS, MOE_WEIGHTS, POST_NORMS,
+                                           QKV_BIASES, DecoderShape, decoder_shape, expert_slot, layer_tensors,
+                                           layer_weight_name, rope_tables)
 from mdsl.megakernel.runtime.task_plan import TaskPlan, for_ranks, plan_model
 
 _STATE_WORDS = 12                # sync.cuh's STATE_*: 2 unused words, stop step, generated, next token,
@@ -272,14 +272,17 @@ class MegakernelEngine:
         cache = self.max_seq * s.kv_heads * s.head_dim
         k_cache, v_cache = (self._zeros(s.layers * cache, s.dtype) for _ in range(2))
         biased = any(w.slot in QKV_BIASES for w in plan.weights)
+        post_normed = any(w.slot in POST_NORMS for w in plan.weights)
         experts = self._expert_rows(pointer) if any(w.slot in MOE_WEIGHTS for w in plan.weights) else None
         rows = []
         for layer in range(s.layers):
             # sync.cuh's LayerWeights: the weights (null where the model has none), the caches, then the
-            # biases where it has them (its QKV_BIAS section), then a mixture of experts' (its MOE section)
+            # biases where it has them (its QKV_BIAS section), the output rows' norms (ROW_NORM), then a
+            # mixture of experts' (its MOE section)
             offset = layer * cache * s.dtype.itemsize
             rows.append([pointer(w, layer) for w in LAYER_WEIGHTS] + [k_cache + offset, v_cache + offset] +
                         ([pointer(b, layer) for b in QKV_BIASES] if biased else []) +
+                        ([pointer(n, layer) for n in POST_NORMS] if post_normed else []) +
                         (experts[layer] if experts is not None else []))
         p.layers = self._array(np.array(rows, dtype=np.uint64).view(np.int32), i32)
 
@@ -322,7 +325,7 @@ class MegakernelEngine:
         p.attns = self._zeros(s.layers * s.attention_width, s.dtype)
         p.acts = self._zeros(s.layers * s.intermediate, s.dtype)
         p.parts = self._zeros(s.layers * s.heads * plan.splits * (s.head_dim + 2), f32)
-        p.attn_done = self._zeros(s.layers * s.kv_heads, i32)
+        p.attn_done = self._zeros(self._counters, i32)
         self._logits = self._zeros(s.vocab, f32)
         p.logits = self._logits
         p.best_value = self._shared_zeros(self.world * plan.lm_tiles, f32)
@@ -394,7 +397,7 @@ class MegakernelEngine:
             self._copy_in(p.eos, np.array(eos, dtype=np.int32))
         self._copy_in(p.events, self._initial_events)
         # the split counters count from 0 in every launch
-        self._copy_in(p.attn_done, np.zeros(self.shape.layers * self.shape.kv_heads, dtype=np.int32))
+        self._copy_in(p.attn_done, np.zeros(self._counters, dtype=np.int32))
         if self._router_done is not None:   # (and a mixture of experts' router tiles)
             self._copy_in(self._router_done, np.zeros(self.shape.layers, dtype=np.int32))
         initial_state = np.zeros(_STATE_WORDS, dtype=np.int32)
@@ -448,6 +451,12 @@ class MegakernelEngine:
         h[0]."""
         s, p = self.shape, self.params
         row_bytes = s.hidden * s.dtype.itemsize
+        if self.plan.embedding_scale:   # the row times the scale, as the sampler writes the later ones
+            if self.ranks is not None:
+                raise MdslError("a scaled embedding is not implemented under tensor parallelism",
+                                hint="run the model on one GPU")
+            self._copy_in(p.hs, self._scaled_row(token))
+            return
         if self.ranks is None:
             _check(driver.cuMemcpyDtoDAsync(p.hs, p.embed + token * row_bytes, row_bytes, self._stream),
                    "cuMemcpyDtoDAsync")
@@ -459,6 +468,25 @@ class MegakernelEngine:
                                                 p.embed + local * row_bytes, row_bytes, self._stream),
                        "cuMemcpyDtoDAsync")
             _check(driver.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    def _scaled_row(self, token: int) -> np.ndarray:
+        """The token's embedding row times the plan's embedding_scale, rounded as sampling.cuh's EMBED_SCALE section
+        rounds it (the scale rounded to the model's dtype, then the product), as the device's dtype's bits."""
+        s = self.shape
+        storage = np.float32 if s.dtype is f32 else np.uint16
+        raw = self._copy_out(self.params.embed + token * s.hidden * s.dtype.itemsize, s.hidden, storage)
+        values = raw if s.dtype is f32 else (raw.astype(np.uint32) << 16).view(np.float32)
+        factor = round_to_dtype(np.array([self.plan.embedding_scale], np.float32), s.dtype)[0]
+        scaled = round_to_dtype(values.astype(np.float32) * np.float32(factor), s.dtype).astype(np.float32)
+        return scaled if s.dtype is f32 else (scaled.view(np.uint32) >> 16).astype(np.uint16)
+
+    @property
+    def _counters(self) -> int:
+        """attn_done's words: attention's split counters per (layer, kv head), then, where o-proj and down-proj
+        rows are normalised by their last tile (residual.cuh's ROW_NORM), two per layer for those."""
+        s = self.shape
+        post_normed = any(w.slot in POST_NORMS for w in self.plan.weights)
+        return s.layers * s.kv_heads + (2 * s.layers if post_normed else 0)
 
     @property
     def plan_tasks(self) -> int:

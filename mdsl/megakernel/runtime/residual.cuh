@@ -77,4 +77,31 @@ __device__ void relay_rows(const Params& p, T* single, const float* parts, const
   }
 }
 
+#if MK_ROW_NORM
+// A residual-stream row whose linear's output is normalised before its residual add (linear_norm_residual:
+// Gemma-2's post-attention and post-feedforward norms). The linear's tiles store their raw rows (rounded to T, as
+// transformers' linear output), then count themselves on the layer's counter (`counter`, after attention's
+// L * HKV split counters); the tile that finishes last, as attention's last split merges, replaces the whole row
+// by residual(i) + the row normalised by `norm` (`Normed`: NormedRow, or NormedRow1p), rounded to T. Its readers
+// wait for every tile, the last one's signal coming after the row's rewrite. `row`: other blocks' rows, read
+// from L2. `tag`: the step + 1.
+template <typename Normed, typename Residual>
+__device__ void norm_residual_row(const Params& p, T* row, const T* norm, Residual residual, int counter, int tiles,
+                                  unsigned tag, float* xs, float* red) {
+  __shared__ int last_tile;
+  compute_sync();   // the warps' lane 0 stored the tile's rows
+  if (threadIdx.x == 0) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(before) : "l"(p.attn_done + L * HKV + counter) : "memory");
+    last_tile = before + 1u == unsigned(tiles) * tag;
+  }
+  compute_sync();
+  if (!last_tile) return;
+  Normed normed;
+  normed.load([&](int i) { return mdsl::to_float(__ldcg(row + i)); }, norm);
+  normed.finish(xs, red);
+  for (int i = threadIdx.x; i < H; i += NT) row[i] = mdsl::from_float<T>(residual(i) + xs[i]);
+}
+#endif
 }  // namespace mk

@@ -51,7 +51,11 @@ __device__ void best_of_block(float& v, int& i, float* red) {
 template <typename Logit>
 __device__ void lmhead_task(const Params& p, const Task& t, int ready, long long pos, int tile, float* xs, float* red,
                             Logit logit_of) {
+#if MK_LM_HEAD_1P
+  StreamRow1p row{{}, p.hs, L, p.final_norm};   // (the final norm scales by 1 + weight)
+#else
   StreamRow row{{}, p.hs, L, p.final_norm};
+#endif
   float best_v = mdsl::neg_inf();
   int best_i = 0x7fffffff;
   const bool nucleus = p.temperature > 0.0 && p.top_p < 1.0;   // the sampler needs every logit first
@@ -156,6 +160,12 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
   if (going) {   // the next step's h: the token's embedding row (under TP, the rank holding it puts it)
     const int local = next_token - int(p.rank) * V;
     const T* row = 0 <= local && local < V ? p.embed + (long long)local * H : nullptr;
+#if MK_EMBED_SCALE
+    // the row times EMBED_SCALE (Gemma's sqrt(hidden), rounded to T as transformers' normalizer), rounded to T
+    static_assert(WORLD == 1, "a scaled embedding runs on one GPU (the engine refuses it under tensor parallelism)");
+    for (int i = threadIdx.x; i < H; i += NT)
+      p.hs[i] = mdsl::from_float<T>(row != nullptr ? mdsl::to_float(row[i]) * EMBED_SCALE : 0.0f);
+#else
     if constexpr (WORLD > 1) {   // the row whole, into h[0] here and on every peer
       if (row != nullptr)
         for (int i = threadIdx.x; i < H; i += NT) put_everywhere(p, p.hs, (long long)i, row[i]);
@@ -163,6 +173,7 @@ __device__ bool sample_task(const Params& p, const Task& t, long long step, long
       for (int i = threadIdx.x; i < H; i += NT)
         p.hs[i] = mdsl::from_float<T>(row != nullptr ? mdsl::to_float(row[i]) : 0.0f);
     }
+#endif
   }
   return going;
 }

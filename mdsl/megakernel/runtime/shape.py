@@ -29,6 +29,9 @@ def expert_slot(part: str, expert: int) -> str:
     return f"{part}.{expert}"
 
 
+# ... the norms of the o-proj's and the down-proj's output rows before their residual adds (Gemma-2's
+# post_attention_layernorm and post_feedforward_layernorm: linear_norm_residual), after the biases (the ROW_NORM section)
+POST_NORMS = ("attn_post_norm", "mlp_post_norm")
 # ... and the kernel's own: the embedding table, the final norm, the LM head (the table itself where tied)
 KERNEL_WEIGHTS = ("embed", "final_norm", "lm_head")
 # Phi-3's fused weights: each holds the rows of these LAYER_WEIGHTS in turn (its checkpoint's tensors; the planner
@@ -107,7 +110,7 @@ class DecoderShape:
         return self.heads * self.head_dim
 
     def slot_shape(self, slot: str) -> tuple:
-        """The shape of a device weight slot (LAYER_WEIGHTS, QKV_BIASES, KERNEL_WEIGHTS): [rows, columns] of a
+        """The shape of a device weight slot (LAYER_WEIGHTS, QKV_BIASES, POST_NORMS, KERNEL_WEIGHTS): [rows, columns] of a
         matrix, [n] of a vector."""
         h, d, kv = self.hidden, self.head_dim, self.kv_heads * self.head_dim
         part = slot.partition(".")[0]
@@ -120,7 +123,8 @@ class DecoderShape:
                 "o_proj": (h, self.attention_width), "gate_proj": (self.intermediate, h),
                 "up_proj": (self.intermediate, h), "down_proj": (h, self.intermediate), "input_layernorm": (h,),
                 "post_attention_layernorm": (h,), "q_norm": (d,), "k_norm": (d,), "q_bias": (self.attention_width,),
-                "k_bias": (kv,), "v_bias": (kv,), "embed": (self.vocab, h), "final_norm": (h,),
+                "k_bias": (kv,), "v_bias": (kv,), "attn_post_norm": (h,), "mlp_post_norm": (h,),
+                "embed": (self.vocab, h), "final_norm": (h,),
                 "lm_head": (self.vocab, h)}[slot]
 
     def weight_bytes(self) -> int:

@@ -45,6 +45,9 @@ struct LayerWeights {
 #if MK_QKV_BIAS
   const T* bq; const T* bk; const T* bv;   // the q|k|v projection's biases (Qwen2)
 #endif
+#if MK_ROW_NORM
+  const T* pn_attn; const T* pn_mlp;       // the o-proj's and down-proj's output norms (Gemma-2's post-norms)
+#endif
 #if MK_MOE
   // a mixture of experts' layer (null in a dense one): the router's weight [MOE_E][H]; a table of 3 MOE_E pointers,
   // the experts' gate, up and down weights; the router's logits [MOE_E] (rounded to T); the routing, MOE_K expert

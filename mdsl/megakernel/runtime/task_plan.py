@@ -36,6 +36,9 @@ sequential decoder's, Llama-3's):
   DOWN     rows of h_{l+1} = mid_l + W_down act_l
            (a parallel block, x + (o_proj(attn) + mlp): GATEUP normalises h_l, OPROJ writes mid_l = W_o attn, DOWN
            h_{l+1} = h_l + (mid_l + W_down act_l))
+           (a post-normed block, x + norm(W out) (Gemma-2's; linear_norm_residual): OPROJ and DOWN tiles write their
+           raw rows of mid_l and h_{l+1}, and the tile that finishes last rewrites the row as h_l + norm(mid_l),
+           mid_l + norm(h_{l+1}), before it signals)
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
 A mixture of experts' layer (Qwen3-MoE), in place of GATEUP and DOWN:
@@ -169,6 +172,7 @@ class TaskPlan:
     kind_ops: tuple = ()
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
     weights: tuple = ()          # BoundWeight per device weight slot its rows read: what the engine uploads
+    embedding_scale: float = 0.0   # the embedding row times this (0: the table's row as it is; Gemma's sqrt(hidden))
 
     def weight(self, slot: str, layer: Optional[int] = None) -> Optional["BoundWeight"]:
         """The graph weight that fills a device weight slot (of `layer`; None: the kernel's own), or None."""
@@ -324,12 +328,13 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
         if not isinstance(rule, DeviceRule):
             raise binding.refuse(node, "it has no device lowering" + (f": {rule.reason}" if rule is not None else ""))
         binding.streams = []
+        binding.kind_attrs = None
         made = rule.rows(node, by_node.get(index, []), binding)
         for task, row in zip(by_node.get(index, []), made):
             if row is not None:
                 row_of[task.id] = len(rows)
                 rows.append(row)
-                mine = KindOp(row.kind, node.op, node.attrs, tuple(binding.streams))
+                mine = KindOp(row.kind, node.op, binding.kind_attrs or node.attrs, tuple(binding.streams))
                 kind_op = kind_ops.setdefault(row.kind, mine)
                 if kind_op != mine:
                     raise binding.refuse(node, f"its {row.kind.name} tasks ({node.op} {dict(node.attrs)}, rows "
@@ -338,7 +343,8 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     binding.finish(graph, rows)
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
                         kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
-                        min_chunk=binding.min_chunk, weights=tuple(binding.bound.values()))
+                        min_chunk=binding.min_chunk, weights=tuple(binding.bound.values()),
+                        embedding_scale=binding.embedding_scale)
 
 
 _CROSS = "previous step's token"
@@ -435,6 +441,8 @@ class _Binding:
         self.state_of: dict = {}     # graph state -> device state
         self.graph_state: dict = {}  # device state -> graph state
         self.streams: list = []      # of the node being lowered: (role, stream, layer offset) its body reads, writes
+        self.kind_attrs = None       # ... and its attributes as its kind's body reads them (None: the node's)
+        self.embedding_scale = 0.0   # the embedding row's factor (scaled_embedding)
 
     def refuse(self, node, why: str) -> UnsupportedError:
         return UnsupportedError(
@@ -443,8 +451,9 @@ class _Binding:
                  "once mdsl.megakernel.taskgraph.layer_fusion.fuse has fused the graph: embedding, norm_linear or "
                  "norm_linear_bias (q|k|v of a normalised row), rope_attention or rope_scaled_attention, linear, "
                  "linear_residual or linear_add_residual (o-proj, down-proj), norm_gate_up, norm_moe_router and "
-                 "norm_moe_experts_residual (a mixture of experts) and lm_head_argmax / lm_head_sample, over weights "
-                 "of any name, bound by the part they play; the CPU simulator "
+                 "norm_moe_experts_residual (a mixture of experts) and lm_head_argmax / lm_head_sample, and Gemma's: "
+                 "scaled_embedding, norm_1p_linear, linear_norm_residual, norm_geglu, lm_head_1p_argmax / "
+                 "lm_head_1p_sample, over weights of any name, bound by the part they play; the CPU simulator "
                  "(mdsl.megakernel.taskgraph.simulator) runs any model graph")
 
     def buffer(self, node, var, families: tuple) -> tuple:
@@ -561,6 +570,13 @@ def _embedding_rows(node, tasks, bind):
     return [None] * len(tasks)   # the previous step's SAMPLE writes the row (the host, step 0's)
 
 
+def _scaled_embedding_rows(node, tasks, bind):
+    """The embedding's row times a factor, which the previous step's SAMPLE (the host, step 0's) multiplies it by
+    as it writes the row (TaskPlan.embedding_scale)."""
+    bind.embedding_scale = node.attr_dict["factor"]
+    return _embedding_rows(node, tasks, bind)
+
+
 def _normed_rows(node, tasks, bind, *, kind: Kind, norm: str, slots: tuple, output: str, biases: tuple = ()):
     """QKV and GATEUP: rows of a linear over rms_norm(x) into the `output` buffer of x's layer, x a row of the
     residual stream (h or mid); the norm weight fills slot `norm`, the weights' rows the `slots` in turn (a
@@ -586,6 +602,7 @@ _norm_linear_bias_rows = functools.partial(_normed_rows, kind=Kind.QKV, norm="in
                                            output="qkv", biases=QKV_BIASES)
 _norm_gate_up_rows = functools.partial(_normed_rows, kind=Kind.GATEUP, norm="post_attention_layernorm",
                                        slots=("gate_proj", "up_proj"), output="act")
+# (norm_geglu: the same rows; its epilogue gates by GELU's tanh approximation)
 
 
 def _rope_attention_rows(node, tasks, bind):
@@ -628,13 +645,14 @@ def _attention_rows(node, tasks, bind, options: dict):
 
 def _rope_scaled_attention_rows(node, tasks, bind):
     """rope_attention's rows over the last `window` positions (TaskPlan.attention_window: the WINDOW section
-    of the device's attention); the device scales scores by 1/sqrt(head_dim) and does not soft-cap them."""
-    a = node.attr_dict
-    if a["scale"] or a["softcap"]:
-        raise bind.refuse(node, f"the device's attention scales its scores by 1/sqrt(head_dim) and does not "
-                                f"soft-cap them; this one's scale is {a['scale']} and its softcap {a['softcap']}")
+    of the device's attention), the scores scaled by `scale` (kernel_source's SCALE) and soft-capped by `softcap`
+    (the SOFTCAP section). A window at least as long as the KV cache is every position: the kind's body reads
+    window 0, so that layers with and without such a window share it (Gemma-2's alternate layers)."""
     layer = bind.layer(node, node.inputs[0], ("qkv",))
-    return _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(layer)})
+    rows = _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(layer)})
+    if node.attr_dict["window"] >= bind.max_seq:
+        bind.kind_attrs = tuple((name, 0 if name == "window" else value) for name, value in node.attrs)
+    return rows
 
 
 def _projection_rows(node, tasks, bind, operands: tuple = ()):
@@ -653,6 +671,29 @@ def _projection_rows(node, tasks, bind, operands: tuple = ()):
     return [PlannedTask(kind, layer, a, b, (Access(src, 0, width), *(Access(r, a, b) for r in reads)),
                         (Access(out, a, b),))
             for a, b in map(_columns, tasks)]
+
+
+def _linear_norm_residual_rows(node, tasks, bind):
+    """OPROJ and DOWN of residual + rms_norm(linear): the tiles write the raw rows of the residual stream's row
+    (`write_stream`), and the tile that finishes last (a counter, as attention's last split merges) normalises the
+    whole row by the norm weight (slot attn_post_norm, or mlp_post_norm) and adds the residual to it in place
+    (residual.cuh's ROW_NORM section); the op's norm task is absorbed (its readers wait for the tiles). Any tile
+    may be the last, so each reads the whole residual row and writes the whole output row."""
+    s = bind.shape
+    x, residual, norm, *ws = node.inputs
+    family, layer = bind.buffer(node, x, ("attn", "act"))
+    kind, slot, width, norm_slot = (Kind.OPROJ, "o_proj", s.attention_width, "attn_post_norm") if family == "attn" \
+        else (Kind.DOWN, "down_proj", s.intermediate, "mlp_post_norm")
+    bind.weights(node, ws, (slot,), layer)
+    bind.weights(node, (norm,), (norm_slot,), layer)
+    bind.attrs(node, {"eps": s.eps})
+    res = bind.stream(node, "residual", residual, layer)
+    out = bind.write_stream(node, node.output, layer)
+    src = f"{family}{layer}"
+    tiles_ = [t for t in tasks if t.kind == node.op]
+    rows = {t.id: PlannedTask(kind, layer, a, b, (Access(src, 0, width), Access(res, 0, s.hidden)),
+                              (Access(out, 0, s.hidden),)) for t, (a, b) in zip(tiles_, map(_columns, tiles_))}
+    return [rows.get(t.id) for t in tasks]
 
 
 def _linear_rows(node, tasks, bind):
@@ -782,7 +823,11 @@ class NotOnDevice(DeviceLowering):
 DEVICE_RULES: RuleTable[DeviceLowering] = RuleTable("megakernel's device tables", DeviceLowering,
                                                     "mdsl.megakernel.runtime.task_plan (DEVICE_RULES)",
                                                     registry=LAYER_OPS, needs=lambda op: True)
-for _op, _rule in {"embedding": _embedding_rows, "norm_linear": _norm_linear_rows,
+for _op, _rule in {"embedding": _embedding_rows, "scaled_embedding": _scaled_embedding_rows,
+                   "norm_linear": _norm_linear_rows, "norm_geglu": _norm_gate_up_rows,
+                   "norm_1p_linear": _norm_linear_rows, "lm_head_1p_argmax": _lm_head_rows,
+                   "lm_head_1p_sample": _lm_head_rows,
+                   "linear_norm_residual": _linear_norm_residual_rows,
                    "norm_linear_bias": _norm_linear_bias_rows,
                    "rope_attention": _rope_attention_rows, "rope_scaled_attention": _rope_scaled_attention_rows,
                    "linear": _linear_rows, "linear_residual": _linear_residual_rows,
@@ -802,12 +847,12 @@ for _op, _reason in {
     "attention": "the device's attention applies RoPE to its query and key heads (rope_attention); this attention "
                  "reads no rope",
     "scaled_attention": "the device attends only after RoPE (rope_attention); this attention reads no rope",
-    "rms_norm_1p": "no device task body normalises by (1 + weight) (Gemma's RMSNorm); the device's norms scale by "
-                   "the weight itself",
-    "geglu": "no device task body computes GELU's tanh approximation (the gated MLP's epilogue takes an mdsl "
-             "element-wise operator, and mdsl.ir.ops has exact GELU only)",
-    "scale": "no device task body scales a row by a constant (the device's embedding copies the table row)",
-    "softcap": "no device task body soft-caps a row (the LM head's epilogue passes its products through)",
+    "rms_norm_1p": "the device normalises by (1 + weight) only as rms_norm does: the input of the projections "
+                   "that read it, or a projection's output before its residual add (linear_norm_residual)",
+    "geglu": "the device computes GeGLU only in the gate|up projection's epilogue of a normalised row (norm_geglu)",
+    "scale": "the device scales a row only as the embedding's (scaled_embedding: the sampler writes it scaled)",
+    "softcap": "the device soft-caps only the LM head's logits, in its epilogue (lm_head_argmax / lm_head_sample "
+               "with softcap)",
     "moe_router": "the device routes only a normalised row of the residual stream (fused into norm_moe_router)",
     "moe_experts": "the device runs a mixture of experts only over a normalised row of the residual stream, routed "
                    "by a moe_router, its output added to the stream (fused into norm_moe_experts_residual)",

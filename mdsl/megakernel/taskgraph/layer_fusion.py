@@ -4,8 +4,12 @@ Unfused, every op of a model graph is a hop of the task graph: a single-task rms
 the next linear waits for, separate rope / head-norm / residual-add tasks. `fuse` folds
 
 * rms_norm into the linear(s) that read it: `norm_linear` (q|k|v; `norm_linear_bias` with the projection's
-  add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up), `lm_head_argmax` / `lm_head_sample`
-  (the final norm, the LM head and the token);
+  add_bias, one bias per weight), `norm_gate_up` (with act(gate) * up; `norm_geglu` with geglu),
+  `lm_head_argmax` / `lm_head_sample` (the final norm, the LM head and the token); rms_norm_1p (Gemma's, the
+  fused op's `unit_offset`) into `norm_1p_linear`, `norm_geglu` and `lm_head_1p_argmax` / `lm_head_1p_sample`,
+  these with the logits' softcap between the LM head and the token;
+* a linear whose output is normalised, then added to a row (Gemma-2's post-norms): `linear_norm_residual`;
+* an embedding times a constant (Gemma's): `scaled_embedding`;
 * a residual add into the linear it adds: `linear_residual` (o-proj, down-proj); two adds, the linear's
   output added to one row and the sum to another, `linear_add_residual` (a parallel block's
   x + (o_proj(attn) + mlp): the second linear stays a plain `linear`), unless the outer add's other operand
@@ -75,23 +79,45 @@ def _fused(op: str, inputs: tuple, outputs: tuple, attr_pairs: tuple, anchor: La
     return LayerNode(op, inputs, outputs, get_layer_op(op).normalize_attrs(dict(attr_pairs)), anchor.loc)
 
 
+_NORMS = ("rms_norm", "rms_norm_1p")   # a fused op's norm: scaled by the weight, or by 1 + weight (unit_offset)
+
+
+def _norm_attrs(norm: LayerNode) -> tuple:
+    """The fused op's attributes of the norm it folds: eps, and unit_offset for rms_norm_1p."""
+    return norm.attrs + ((("unit_offset", True),) if norm.op == "rms_norm_1p" else ())
+
+
+def _producing_norm(var, uses: _Uses) -> Optional[tuple]:
+    return next((found for found in (uses.producing(var, op) for op in _NORMS) if found is not None), None)
+
+
 def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
     x, *ws = node.inputs
-    norm = uses.producing(x, "rms_norm")
+    norm = _producing_norm(x, uses)
     if norm is not None:
         _, norm_node = norm
         raw, norm_weight = norm_node.inputs
-        eps = norm_node.attrs
-        token = uses.only_reader(node.output, ("argmax", "sample"), as_output_too=True)
-        if token is not None and len(ws) == 1 and token[1].inputs[0] == node.output:
+        eps, one_plus = _norm_attrs(norm_node), norm_node.op == "rms_norm_1p"
+        logits, capped = node.output, ()
+        softcap = uses.only_reader(node.output, ("softcap",))   # (the LM head's logits soft-capped: Gemma-2's)
+        if softcap is not None and one_plus and len(ws) == 1:
+            logits, capped = softcap[1].output, (softcap[0],)
+            eps += (("softcap", softcap[1].attr_dict["cap"]),)
+        token = uses.only_reader(logits, ("argmax", "sample"), as_output_too=True)
+        if token is not None and len(ws) == 1 and token[1].inputs[0] == logits:
             j, t = token
-            fused = _fused(f"lm_head_{t.op}", (raw, norm_weight, ws[0], t.inputs[1]), (node.output, t.output),
-                           eps + t.attrs, node)
-            return Fusion(fused, (index, j))
-        gated = uses.only_reader(node.output, ("act_mul",))
+            fused = _fused(f"lm_head_{'1p_' if one_plus else ''}{t.op}", (raw, norm_weight, ws[0], t.inputs[1]),
+                           (logits, t.output), eps + t.attrs, node)
+            return Fusion(fused, (index, *capped, j))
+        if capped:
+            return None
+        gated = uses.only_reader(node.output, ("geglu",) if one_plus else ("act_mul", "geglu"))
         if gated is not None and (len(ws) == 2 and ws[0].shape == ws[1].shape or len(ws) == 1):   # (gate|up: one)
             j, g = gated
-            return Fusion(_fused("norm_gate_up", (raw, norm_weight, *ws), g.outputs, eps + g.attrs, node), (index, j))
+            op = "norm_gate_up" if g.op == "act_mul" else "norm_geglu"
+            return Fusion(_fused(op, (raw, norm_weight, *ws), g.outputs, eps + g.attrs, node), (index, j))
+        if one_plus:   # (q|k|v of a row normalised by 1 + weight: Gemma's)
+            return Fusion(_fused("norm_1p_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
         biased = uses.only_reader(node.output, ("add_bias",))
         if biased is not None and biased[1].inputs[0] == node.output and \
                 [b.shape[0] for b in biased[1].inputs[1:]] == [w.shape[0] for w in ws]:
@@ -99,6 +125,9 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
             return Fusion(_fused("norm_linear_bias", (raw, norm_weight, *ws, *b.inputs[1:]), b.outputs, eps, node),
                           (index, j))
         return Fusion(_fused("norm_linear", (raw, norm_weight, *ws), node.outputs, eps, node), (index,))
+    post_norm = next((found for found in (uses.only_reader(node.output, (op,)) for op in _NORMS) if found), None)
+    if post_norm is not None and post_norm[1].inputs[0] == node.output:
+        return _fuse_normed_residual(index, node, post_norm, uses)
     add = uses.only_reader(node.output, ("add",))
     if add is None:
         return None
@@ -114,6 +143,31 @@ def _fuse_linear(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
             return Fusion(_fused("linear_add_residual", (x, addend, residual, *ws), b.outputs, (), node),
                           (index, j, k))
     return Fusion(_fused("linear_residual", (x, addend, *ws), a.outputs, (), node), (index, j))
+
+
+def _fuse_normed_residual(index: int, node: LayerNode, post_norm: tuple, uses: _Uses) -> Optional[Fusion]:
+    """residual + norm(linear): a linear's output row normalised, then added to the residual stream (Gemma-2's
+    post-attention and post-feedforward norms): `linear_norm_residual`."""
+    i, norm = post_norm
+    add = uses.only_reader(norm.output, ("add",))
+    if add is None:
+        return None
+    j, a = add
+    residual = _other(a, norm.output)
+    if residual is None:
+        return None
+    x, *ws = node.inputs
+    return Fusion(_fused("linear_norm_residual", (x, residual, norm.inputs[1], *ws), a.outputs, _norm_attrs(norm),
+                         node), (index, i, j))
+
+
+def _fuse_scale(index: int, node: LayerNode, uses: _Uses) -> Optional[Fusion]:
+    """An embedding row times a constant (Gemma's embeddings times sqrt(hidden)): `scaled_embedding`."""
+    embedding = uses.producing(node.inputs[0], "embedding")
+    if embedding is None or uses.only_reader(node.inputs[0], ("scale",)) is None:
+        return None
+    i, e = embedding
+    return Fusion(_fused("scaled_embedding", e.inputs, node.outputs, node.attrs, e), (i, index))
 
 
 def _other(add: LayerNode, var) -> Optional[object]:
@@ -195,6 +249,7 @@ FUSION_RULES.register("linear", FusionRule(_fuse_linear))
 FUSION_RULES.register("rope", FusionRule(_fuse_rope))
 FUSION_RULES.register("moe_router", FusionRule(_fuse_moe_router))
 FUSION_RULES.register("moe_experts", FusionRule(_fuse_moe_experts))
+FUSION_RULES.register("scale", FusionRule(_fuse_scale))
 
 
 def fuse(graph: ModelGraph) -> ModelGraph:

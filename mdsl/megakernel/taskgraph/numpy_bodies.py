@@ -13,11 +13,12 @@ import numpy as np
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.epilogues import epilogue_of, evaluate, products
 from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, ROW_FUNCTIONS, activation, attend, attention_options,
-                                               expert_weights, gate_up_rows, gelu_tanh, rms_normalize, rope_cos_sin,
-                                               rotate_heads, route, routing_slots, sample_token, sample_uniform,
-                                               split_biases, store_next_token, window_start)
+                                               expert_weights, fused_normalize, gate_up_rows, gelu_tanh, rms_normalize,
+                                               rope_cos_sin, rotate_heads, route, routing_slots, sample_token,
+                                               sample_uniform, scale_row, split_biases, store_next_token, window_start)
 from mdsl.megakernel.taskgraph.partition import (argmax_scratch, attention_scratch, chunked_split_range,
-                                                 moe_logits_scratch, moe_scratch, split_range, weight_rows)
+                                                 moe_logits_scratch, moe_scratch, normed_output_scratch, split_range,
+                                                 weight_rows)
 
 
 def _cols(task) -> tuple:
@@ -28,6 +29,12 @@ def _embedding(task, node, buf, ctx):
     a, b = _cols(task)
     tokens, table = (buf[v.name] for v in node.inputs)
     buf[node.output.name][0, a:b] = table[int(tokens[ctx.position]), a:b]
+
+
+def _scaled_embedding(task, node, buf, ctx):
+    a, b = _cols(task)
+    tokens, table = (buf[v.name] for v in node.inputs)
+    buf[node.output.name][0, a:b] = scale_row(table[int(tokens[ctx.position]), a:b], node.attr_dict)
 
 
 def _rms_norm(task, node, buf, ctx):
@@ -199,9 +206,9 @@ def _sample(task, node, buf, ctx):
 
 # the fused layer ops
 def _normed_input(node, buf) -> np.ndarray:
-    """rms_norm of the node's first operand by its second (the fused ops' norm weight)."""
+    """rms_norm of the node's first operand by its second (the fused ops' norm weight, or 1 + it: unit_offset)."""
     x, norm = node.inputs[0], node.inputs[1]
-    return rms_normalize(buf[x.name], buf[norm.name], node.attr_dict["eps"])
+    return fused_normalize(buf[x.name], buf[norm.name], node.attr_dict)
 
 
 def linear_columns(row: np.ndarray, weights, buf, start: int, stop: int) -> np.ndarray:
@@ -253,6 +260,18 @@ def _linear_add_residual(task, node, buf, ctx):
         "residual": buf[residual.name][0, a:b]})
 
 
+def _linear_norm_residual(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, _, _, *ws = node.inputs
+    buf[normed_output_scratch(node)][0, a:b] = linear_columns(buf[x.name], ws, buf, a, b)
+
+
+def _linear_norm_residual_norm(task, node, buf, ctx):
+    _, residual, norm, *_ = node.inputs
+    normed = fused_normalize(buf[normed_output_scratch(node)], buf[norm.name], node.attr_dict)
+    buf[node.output.name][:] = buf[residual.name] + normed
+
+
 def _rope_attention_partial(task, node, buf, ctx):
     a = node.attr_dict
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
@@ -293,7 +312,9 @@ def _rope_attention_combine(task, node, buf, ctx):
 
 def _lm_head(task, node, buf, ctx):
     a, b = _cols(task)
-    logits = linear_columns(_normed_input(node, buf), node.inputs[2:3], buf, a, b)
+    graph = epilogue_of(node.op, node.attr_dict)   # (the product, or its soft-cap)
+    (product,) = products(graph)
+    logits = evaluate(graph, {product: linear_columns(_normed_input(node, buf), node.inputs[2:3], buf, a, b)})
     buf[node.outputs[0].name][0, a:b] = logits
     best = int(np.argmax(logits))   # the lowest index on ties, as argmax
     values, indices = argmax_scratch(node)
@@ -367,7 +388,12 @@ for _op, _bodies in {
     "geglu": {"geglu": _geglu}, "scale": {"scale": _elementwise}, "softcap": {"softcap": _elementwise},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
     "norm_linear": {"norm_linear": _norm_linear}, "norm_linear_bias": {"norm_linear_bias": _norm_linear_bias},
-    "norm_gate_up": {"norm_gate_up": _norm_gate_up},
+    "norm_gate_up": {"norm_gate_up": _norm_gate_up}, "norm_geglu": {"norm_geglu": _norm_gate_up},
+    "linear_norm_residual": {"linear_norm_residual": _linear_norm_residual,
+                             "linear_norm_residual.norm": _linear_norm_residual_norm},
+    "scaled_embedding": {"scaled_embedding": _scaled_embedding}, "norm_1p_linear": {"norm_linear": _norm_linear},
+    "lm_head_1p_argmax": {"lm_head": _lm_head, "lm_head.argmax": argmax_reduce},
+    "lm_head_1p_sample": {"lm_head": _lm_head, "lm_head.sample": _lm_head_sample},
     "linear_residual": {"linear_residual": _linear_residual},
     "linear_add_residual": {"linear_add_residual": _linear_add_residual},
     "rope_attention": {"rope_attention.partial": _rope_attention_partial,

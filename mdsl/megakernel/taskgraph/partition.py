@@ -74,7 +74,7 @@ def _col_tile(a: int, b: int) -> tuple:
 def _embedding_tasks(node, config):
     tokens, table = node.inputs
     out = node.output
-    return [TaskSpec("embedding", _col_tile(a, b),
+    return [TaskSpec(node.op, _col_tile(a, b),
                      (full(tokens, dynamic=True), Region(table.name, ((0, table.shape[0]), (a, b)), dynamic=True)),
                      (columns(out, a, b),)) for a, b in column_tiles(out.shape[1], config)], []
 
@@ -271,6 +271,8 @@ def _sample_tasks(node, config):
 # * rope_attention.partial: `kv_head`, `split`, `splits`, `min_chunk` (positions by chunked_split_range;
 #   the split holding the position appends it to the cache, so every split declares the cache write);
 #   rope_attention.combine: `head`, one query head.
+# * linear_norm_residual: `col_start`, `col_stop` (the linear's raw columns, into scratch); its `.norm` task:
+#   no tile entries (the whole row normalised and added to the residual).
 # * lm_head: `col_start`, `col_stop`, `slot`: logits columns and the tile's best (value, index) in slot;
 #   lm_head.argmax / lm_head.sample: no tile entries.
 # * moe_router.logits: `col_start`, `col_stop`: rows of the router (the logits of those experts);
@@ -295,7 +297,7 @@ def _norm_linear_bias_tasks(node, config):
 
 def _norm_gate_up_tasks(node, config):
     x, norm, *ws = node.inputs
-    return [TaskSpec("norm_gate_up", _col_tile(a, b),
+    return [TaskSpec(node.op, _col_tile(a, b),
                      (full(x), full(norm), *(Region(w.name, ((r0, r1), (0, w.shape[1])))
                                              for w, r0, r1 in gate_up_rows(ws, a, b))),
                      (columns(node.output, a, b),)) for a, b in column_tiles(node.output.shape[1], config)], []
@@ -315,6 +317,22 @@ def _linear_add_residual_tasks(node, config):
     for a, b, spec in weight_row_tasks("linear_add_residual", (full(x),), ws, node.output, config):
         specs.append(attrs.evolve(spec, reads=(columns(addend, a, b), columns(residual, a, b), *spec.reads)))
     return specs, []
+
+
+def normed_output_scratch(node) -> str:
+    """The scratch row of a linear_norm_residual node: the linear's output before its norm."""
+    return f"{node.output.name}.raw"
+
+
+def _linear_norm_residual_tasks(node, config):
+    """Column tiles of the linear's raw output row (scratch), then one task normalising the whole row and adding
+    it to the residual."""
+    x, residual, norm, *ws = node.inputs
+    raw = normed_output_scratch(node)
+    row = Var(raw, TensorType((1, node.output.shape[1]), f32))
+    specs = [spec for _, _, spec in weight_row_tasks(node.op, (full(x),), ws, row, config)]
+    specs.append(TaskSpec(f"{node.op}.norm", (), (full(row), full(residual), full(norm)), (full(node.output),)))
+    return specs, [Buffer(raw, row.type, SCRATCH)]
 
 
 def _rope_attention_tasks(node, config):
@@ -442,6 +460,10 @@ for _name, _rule in {
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_linear_bias": _norm_linear_bias_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
     "linear_add_residual": _linear_add_residual_tasks,
+    "norm_geglu": _norm_gate_up_tasks, "linear_norm_residual": _linear_norm_residual_tasks,
+    "norm_1p_linear": _norm_linear_tasks, "lm_head_1p_argmax": _lm_head_tasks("lm_head.argmax", False),
+    "lm_head_1p_sample": _lm_head_tasks("lm_head.sample", True),
+    "scaled_embedding": _embedding_tasks,
     "rope_attention": _rope_attention_tasks, "lm_head_argmax": _lm_head_tasks("lm_head.argmax", False),
     "lm_head_sample": _lm_head_tasks("lm_head.sample", True),
     "norm_moe_router": _norm_moe_router_tasks, "norm_moe_experts_residual": _norm_moe_experts_residual_tasks,
