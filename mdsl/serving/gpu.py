@@ -265,20 +265,6 @@ def attention_blocks(max_seq: int) -> int:
     return min(MAX_SPLITS, -(-max_seq // SPLIT_KEYS))
 
 
-#: attention blocks an SM holds at once (the registers of 2 or 4 query heads a KV head allow 4; step_kernels.cu)
-ATTENTION_BLOCKS_PER_SM = 4
-
-
-def attention_grid_z(rows: int, kv_heads: int, max_seq: int, sms: int) -> int:
-    """The attention launch's grid z for a step of `rows` rows: block z of a row and KV head takes the splits z,
-    z + Z, ... of the row's range. Every split has a block (Z = attention_blocks) while the rows are few; with
-    many rows, Z shrinks so the grid stays near two waves of the SMs instead of launching blocks without a
-    split (a 256-row step at Z = 64 is 131,072 blocks, most without one). A split's partial and the fold are the same
-    whichever block computes them: the bits do not depend on Z."""
-    wave = 2 * ATTENTION_BLOCKS_PER_SM * sms
-    return max(1, min(attention_blocks(max_seq), -(-wave // (rows * kv_heads))))
-
-
 def attention_heads(nodes) -> list:
     """The attributes of the attention ops among `nodes`."""
     return [n.attr_dict for n in nodes if n.op in ("attention", "scaled_attention")]
@@ -311,13 +297,12 @@ def _attention(xs, outs, a, b):
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
-    blocks = attention_blocks(dev.shape.max_seq)
-    dev.launch(kernel, (b.rows, hkv, attention_grid_z(b.rows, hkv, dev.shape.max_seq, dev.sms)), ATTENTION_THREADS,
+    dev.launch(kernel, (b.rows, hkv, attention_blocks(dev.shape.max_seq)), ATTENTION_THREADS,
                [_p(outs[0]), ctypes.c_void_p(dev.attention_partials), ctypes.c_void_p(dev.attention_arrivals),
                 _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d),
                 ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"]),
-                *_ints(a.get("window", 0), blocks)])
+                *_ints(a.get("window", 0))])
 
 
 _ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)

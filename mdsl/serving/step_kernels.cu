@@ -551,13 +551,12 @@ __device__ __forceinline__ float4 widen<__half>(uint2 v) {
 }
 
 // ---- attention of one row's query heads of one KV head group over the row's causal range (window start ..
-// its position) of its request's pages, split over blocks: grid (rows, kv_heads, Z), ATT_WARPS warps, block z
-// taking splits z, z + Z, ..., where Z is at most the most splits a range of the engine's max_seq takes (fewer
-// with many rows: mdsl/serving/gpu.py attention_grid_z).
+// its position) of its request's pages, split over blocks: grid (rows, kv_heads, blocks), ATT_WARPS warps,
+// where blocks is the most splits a range of the engine's max_seq takes (mdsl/serving/gpu.py).
 // The row's range of n keys is cut into splits of `split` keys anchored at its first position (split s: keys
 // lo + s * split ..), split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS))): 64 keys where that makes
 // ATT_MAX_SPLITS or fewer, else the multiple of 64 that does. Which keys a split holds depends on the row's
-// own range alone (never on max_seq, Z or the step); a block past the row's splits returns at once. Within a
+// own range alone (never on max_seq or the step); a block past the row's splits returns at once. Within a
 // split, warp w takes the w-th quarter of the keys and walks them in chunks of C keys in order, a chunk's
 // keys and values loaded together: lane l holds dims 4l .. 4l + 3 (and 128 on) of each key and query (the
 // keys' and values' W widened to float where used; a warp's load is 128 contiguous dims of a key, 512 bytes
@@ -582,15 +581,10 @@ constexpr int ATT_MAX_SPLITS = 64;
 constexpr float SKIPPED = -1.0f;     // the fold's weight of a split without scores (a weight is never negative)
 
 // G query heads per KV head; DV float4s a lane holds of a head (dim <= 128 * DV); pools of W
-// attention_split: split s of the row and KV head; returns the row's splits (the kernel's loop over a block's
-// splits: attention_of). Not inlined, so that the loop keeps only s live across a split's body, whose keys and
-// values take the registers (inlined into the loop, the 4-head 16-bit kernel spills at ptxas's 128).
 template <int G, int DV, typename W>
-__device__ __noinline__ int attention_split(int s, float* out, float* part, int* arrivals, const float* qkv,
-                                            const W* k_pool, const W* v_pool, const int* positions, const int* entries,
-                                            const int* page_table, int pages_per_request, int page_size, int q_heads,
-                                            int kv_heads, int dim, float scale, float softcap, int window,
-                                            int max_splits) {
+__device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const W* k_pool, const W* v_pool,
+                          const int* positions, const int* entries, const int* page_table, int pages_per_request,
+                          int page_size, int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {
   // keys (and values) a warp has in flight, as registers allow: twice as many of 16-bit pools (a key's
   // values take half the registers until used), so that a warp reads as many bytes at once as of float pools
   constexpr int C = (G * DV <= 2 ? 8 : G * DV <= 8 ? 4 : 2) * (sizeof(W) == 2 && G * DV <= 8 ? 2 : 1);
@@ -599,12 +593,13 @@ __device__ __noinline__ int attention_split(int s, float* out, float* part, int*
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
   __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];   // (the fold's)
   __shared__ int last;
-  const int r = blockIdx.x, h = blockIdx.y, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int pos = positions[r];
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const int n = pos - lo + 1, most = ATT_SPLIT_KEYS * ATT_MAX_SPLITS;
   const int split = ATT_SPLIT_KEYS * max(1, (n + most - 1) / most), splits = (n + split - 1) / split;
-  if (s >= splits) return splits;
+  const int max_splits = gridDim.z;   // (the partials' records a row and query head)
+  if (s >= splits) return;
   const int first = lo + s * split, end = min(pos + 1, first + split);       // keys [first, end)
   const int quarter = (split + ATT_WARPS - 1) / ATT_WARPS;
   const int k0 = first + warp * quarter, k1 = min(end, k0 + quarter);
@@ -739,7 +734,7 @@ __device__ __noinline__ int attention_split(int s, float* out, float* part, int*
       if (last) *count = 0;   // ready for the next step
     }
     __syncthreads();
-    if (!last) return splits;
+    if (!last) return;
     __threadfence();
   } else {
     __syncthreads();
@@ -776,24 +771,6 @@ __device__ __noinline__ int attention_split(int s, float* out, float* part, int*
       if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
     out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
   }
-  return splits;
-}
-
-// Attention of grid (rows, kv_heads, Z): block z of a row and KV head takes its splits z, z + Z, ... (Z from the
-// step's rows: mdsl/serving/gpu.py attention_grid_z, so that a many-row step launches no block without a split);
-// max_splits: the partials' records a row and query head. A split that does not fold ends at the count's
-// barriers, after its last read of the shared partials: the next split's writes come after them. Only the last
-// split to finish folds, and it is its block's last.
-template <int G, int DV, typename W>
-__device__ void attention_of(float* out, float* part, int* arrivals, const float* qkv, const W* k_pool,
-                             const W* v_pool, const int* positions, const int* entries, const int* page_table,
-                             int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
-                             float softcap, int window, int max_splits) {
-  for (int s = blockIdx.z;; s += gridDim.z)
-    if (s + int(gridDim.z) >= attention_split<G, DV, W>(s, out, part, arrivals, qkv, k_pool, v_pool, positions,
-                                                         entries, page_table, pages_per_request, page_size, q_heads,
-                                                         kv_heads, dim, scale, softcap, window, max_splits))
-      return;
 }
 
 // ---- element-wise ops of a row
@@ -885,18 +862,15 @@ EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int*
             (static_cast<W*>(k_pool), static_cast<W*>(v_pool), qkv, positions, entries, page_table, pages_per_request,
              page_size, q_heads, kv_heads, dim))
 // attention for G query heads per KV head (1, 2, 4, 8 or 16) and head dims up to 128 * DV (mdsl/serving/gpu.py
-// checks), over pools of each W: attention_G_DV_SUFFIX. (A minimum of 1 block an SM: under ptxas's default
-// heuristics the f32 one-head kernel keeps 8 bytes of stack across attention_split's call; with it, no kernel
-// spills, and the 2- and 4-head 16-bit ones stay within 128 registers, 4 blocks an SM.)
+// checks), over pools of each W: attention_G_DV_SUFFIX
 #define ATTENTION_OF(G, DV, SUFFIX, TYPE)                                                                          \
-  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS, 1) attention_##G##_##DV##_##SUFFIX(                \
+  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV##_##SUFFIX(                \
       float* out, float* part, int* arrivals, const float* qkv, const void* k_pool, const void* v_pool,          \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
-      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, int max_splits) {              \
-    serve::attention_of<G, DV, TYPE>(out, part, arrivals, qkv, static_cast<const TYPE*>(k_pool),                 \
-                                     static_cast<const TYPE*>(v_pool), positions, entries, page_table,           \
-                                     pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap,       \
-                                     window, max_splits);                                                        \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {                              \
+    serve::attention<G, DV, TYPE>(out, part, arrivals, qkv, static_cast<const TYPE*>(k_pool),                    \
+                                  static_cast<const TYPE*>(v_pool), positions, entries, page_table,              \
+                                  pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window); \
   }
 #define ATTENTION(G, DV)                   \
   ATTENTION_OF(G, DV, f32, float)          \

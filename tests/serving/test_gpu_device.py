@@ -123,23 +123,6 @@ def test_every_rows_splits_have_a_block(max_seq):
     assert attention_blocks(max_seq) == max(attention_split(n)[1] for n in range(1, max_seq + 1))
 
 
-@pytest.mark.parametrize("max_seq", [1, 100, 1024, 32768])
-def test_the_attention_grid_gives_every_split_a_block_and_shrinks_with_the_rows(max_seq):
-    """Block z of a row takes splits z, z + Z, ...: every split of every row is some block's, one row's
-    grid is a block a split (as many as its longest range takes), and many rows' grids stay near two waves."""
-    from mdsl.serving.gpu import ATTENTION_BLOCKS_PER_SM, attention_blocks, attention_grid_z, attention_split
-
-    sms, kv_heads = 132, 8
-    assert attention_grid_z(1, kv_heads, max_seq, sms) == attention_blocks(max_seq)
-    for rows in (1, 2, 8, 33, 64, 256, 4096):
-        z = attention_grid_z(rows, kv_heads, max_seq, sms)
-        assert 1 <= z <= attention_blocks(max_seq)
-        splits = attention_split(max_seq)[1]
-        assert sorted(s for b in range(z) for s in range(b, splits, z)) == list(range(splits))
-        if z < attention_blocks(max_seq):
-            assert rows * kv_heads * z >= 2 * ATTENTION_BLOCKS_PER_SM * sms > rows * kv_heads * (z - 1)
-
-
 def test_the_kernels_split_constants_are_the_hosts():
     import re
 
