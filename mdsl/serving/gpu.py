@@ -549,8 +549,9 @@ class GpuDevice(CpuDevice):
         self._upload(self._keep, keep)
         key = (n, len(keep))
         graph = self._graphs.get(key)
-        if self._profile is not None and key in self._graphs:
-            logits = self._run_profiled(key)
+        profile = self._profile   # (read once: profile_ops, on the host's thread, may stop it meanwhile)
+        if profile is not None and key in self._graphs:
+            logits = self._run_profiled(key, profile)
         elif graph is not None:
             self._graphs.move_to_end(key)
             self.replays += 1
@@ -633,7 +634,9 @@ class GpuDevice(CpuDevice):
         times, self._profile = self._profile or {}, ({} if on else None)
         return {op: (1e6 * seconds / steps, steps) for op, (seconds, steps) in times.items()}
 
-    def _run_profiled(self, key: tuple) -> Optional[Operand]:
+    def _run_profiled(self, key: tuple, profile: dict) -> Optional[Operand]:
+        """Replay `key`'s graph with its events, adding each op's time to `profile` (the dict profile_ops
+        started: stopped meanwhile, its times are simply not returned)."""
         d, check = self._driver, self._check
         if key not in self._profiled:
             events: list = []
@@ -670,12 +673,12 @@ class GpuDevice(CpuDevice):
         before = start
         for op, event in events:
             ms = check(d.cuEventElapsedTime(before, event), "cuEventElapsedTime")
-            seconds, steps = self._profile.get(op, (0.0, 0))
-            self._profile[op] = (seconds + ms / 1e3, steps)
+            seconds, steps = profile.get(op, (0.0, 0))
+            profile[op] = (seconds + ms / 1e3, steps)
             before = event
         for op in {op for op, _ in events}:
-            seconds, steps = self._profile[op]
-            self._profile[op] = (seconds, steps + 1)
+            seconds, steps = profile[op]
+            profile[op] = (seconds, steps + 1)
         return self._logits_of(key)
 
     def _logits_of(self, key: tuple) -> Optional[Operand]:
