@@ -36,7 +36,8 @@ bf16 weights upcast); a contender passes where its L2 error is within max(2e-2, 
 --samples batches of --batch back-to-back calls between two CUDA events, as a user calls the model (host
 time included), after the warm-up; the median per call is reported, with the 10th and 90th percentiles.
 A contender that fails is recorded with its error and the others still run; one that would start after
---time-limit seconds is recorded as skipped, and one still running when the run is killed as cut. Order: decode and prefill of eager, inductor and mdsl first,
+--time-limit seconds is recorded as skipped, and one still running when the run is killed as cut (30 s past
+the limit it prints every thread's stack). Order: decode and prefill of eager, inductor and mdsl first,
 then max-autotune, reduce-overhead and mdsl-no-graphs.
 
 mdsl's plans come from the plan cache (`MDSL_CACHE_DIR`; unset: a fresh directory) or, where a region's
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import gc
 import importlib.util
 import json
@@ -458,6 +460,9 @@ def run_gpu(args, torch, transformers, started: float) -> dict:
             print(f"== {workload} / {name} (at {elapsed:.0f} s)", flush=True)
             entry[name] = {"status": "cut", "error": f"started at {elapsed:.0f} s; the run ended before it finished"}
             write_outputs(results, args.out)   # what a run killed now leaves
+            # a contender still running 30 s past the limit prints every thread's stack (where a run killed
+            # at its limit spent its time)
+            faulthandler.dump_traceback_later(args.time_limit + 30 - elapsed)
             try:
                 rec = measure(torch, workloads[workload], name, model, references[workload], args)
                 rec["status"] = verdict(rec, results["workloads"][workload]["bf16_floor"])
@@ -466,6 +471,7 @@ def run_gpu(args, torch, transformers, started: float) -> dict:
                 rec = {"status": "error", "error": _first_line(e)}
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
+            faulthandler.cancel_dump_traceback_later()
             entry[name] = rec
             print(f"   {rec.get('status')}: " + (f"{rec['ms']:.3f} ms per call, compile {rec['compile_s']:.1f} s, "
                                                  f"L2 error {_err(rec.get('l2_rel_err'))}" if "ms" in rec else
