@@ -16,7 +16,8 @@
 #   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
-# Output under $OUT: summary.txt, tests.log, kernels.md, decode.txt, all.tar.gz (everything).
+# Output under $OUT (at most 8 files come back from a device call): summary.txt, tests.log, decode.txt (where the
+# decode stage ran), all.tar.gz (every log and every benchmark's results).
 #
 #   bash scripts/gpu_session.sh          (with the plan cache .plans/ from the CPU machine beside it)
 set -u
@@ -69,14 +70,18 @@ stage() {   # stage NAME LIMIT LOG COMMAND...: run with a hard limit, record rc 
 # cancels -v out, and a run cut at its limit would name no test.
 TESTS_CMD="$PY -m pytest -m gpu --maxfail=40 --timeout=240 -p no:cacheprovider -rfE"
 stage tests "$TESTS_LIMIT" "$OUT/tests.log" env MDSL_CACHE_DIR="$(mktemp -d)" bash -c "
-    $TESTS_CMD -v ${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py} -n ${TP_TEST_WORKERS:-6} > '$OUT/tests_tp.log' 2>&1 &
+    $TESTS_CMD -v ${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py} -n ${TP_TEST_WORKERS:-6} > '$OUT/all/tests_tp.log' 2>&1 &
     $TESTS_CMD -v ${GPU_TESTS:-tests/gpu tests/backend/ptx/test_ptx_gpu.py} --ignore=tests/gpu/test_tensor_parallel_gpu.py \
-        -n ${TEST_WORKERS:-14} | grep -vE ' PASSED '; wait; echo '== tensor-parallel tests'; cat '$OUT/tests_tp.log'"
+        -n ${TEST_WORKERS:-14} | tee '$OUT/all/tests_verbose.log' | grep -vE ' PASSED '; wait
+    echo '== tensor-parallel tests'; cat '$OUT/all/tests_tp.log'"
 grep -hE '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 40 >> "$SUMMARY"
-[ -f "$OUT/tests_tp.log" ] && ! grep -q '== tensor-parallel tests' "$OUT/tests.log" && {   # cut before the cat
+[ -f "$OUT/all/tests_verbose.log" ] && ! grep -qE '^=+ .* in [0-9.]+s' "$OUT/all/tests_verbose.log" && {   # cut
+    echo "tests (cut): $(grep -cE ' PASSED ' "$OUT/all/tests_verbose.log") passed before the cut"
+    grep -hE ' (FAILED|ERROR) ' "$OUT/all/tests_verbose.log"; } >> "$SUMMARY"
+[ -f "$OUT/all/tests_tp.log" ] && ! grep -qE '^=+ .* in [0-9.]+s' "$OUT/all/tests_tp.log" && {   # cut
     # (-v: each test's verdict is printed as it ends, so a cut run still names the ones that failed)
-    echo "tensor-parallel tests (cut): $(grep -cE ' PASSED ' "$OUT/tests_tp.log") passed before the cut"
-    grep -hE ' (FAILED|ERROR) ' "$OUT/tests_tp.log"; } >> "$SUMMARY"
+    echo "tensor-parallel tests (cut): $(grep -cE ' PASSED ' "$OUT/all/tests_tp.log") passed before the cut"
+    grep -hE ' (FAILED|ERROR) ' "$OUT/all/tests_tp.log"; } >> "$SUMMARY"
 
 # the autotuner's kernels compiled in parallel first (16 cores here), so that the benchmark's time goes to timing
 stage precompile "$PRECOMPILE_LIMIT" "$OUT/all/precompile.log" env MDSL_CACHE_DIR="$PWD/.plans" \
@@ -114,37 +119,37 @@ DECODE_ARGS="${DECODE_ARGS:---models qwen3-8b --variants default --trace-model q
 TP_VARIANTS="${TP_VARIANTS:-default}"
 [ "$GPUS" -ge 2 ] && DECODE_ARGS="$DECODE_ARGS --tp 2 --tp-variants $TP_VARIANTS"
 stage decode "$DECODE_LIMIT" "$OUT/all/decode.log" $PY benchmarks/decode.py --quick $DECODE_ARGS --out "$OUT/all/decode"
-grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
+[ -f "$OUT/all/decode.log" ] && grep -E '^\[|^\||Error|error' "$OUT/all/decode.log" | tail -n 150 > "$OUT/decode.txt"
 # (STAGES=rank) one rank's shapes of 2 GPUs run on one GPU, without its all-reduces (benchmarks/decode.py
 # --rank-of 2): measures a change to a rank's kernel on a machine with one GPU
 RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants default --trace-model qwen3-8b}"
 stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
-grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/rank.txt" 2>/dev/null
+[ -f "$OUT/all/rank.log" ] && grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/all/rank.txt"
 
 # (STAGES=sanitize) compute-sanitizer's memcheck over the GPU serving device on a tiny checkpoint: many
 # requests, contexts of several attention splits, a pool small enough to preempt
-stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY scripts/serve_check.py
 # (STAGES=serve) the GPU serving device's benchmark (benchmarks/serve.py): step times by batch with the
 # op profile, offline and online runs; SERVE_ARGS picks the model and parts
-stage serve "${SERVE_LIMIT:-300}" "$OUT/serve.log" $PY benchmarks/serve.py ${SERVE_ARGS:---model qwen3-0.6b} \
-    --out "$OUT/serve"
+stage serve "${SERVE_LIMIT:-300}" "$OUT/all/serve.log" $PY benchmarks/serve.py ${SERVE_ARGS:---model qwen3-0.6b} \
+    --out "$OUT/all/serve"
 # (STAGES=servehttp) the HTTP load test against the offline engine (benchmarks/serve_http.py)
-stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/serve_http.log" $PY benchmarks/serve_http.py \
+stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/all/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
-    --out "$OUT/serve_http"
+    --out "$OUT/all/serve_http"
 
 # (STAGES=gemm) the GEMM benchmark's contenders (torch.matmul, the Hopper wgmma GEMM, ...) on GEMM_ARGS' shapes
-stage gemm "${GEMM_LIMIT:-200}" "$OUT/gemm.log" $PY benchmarks/gemm.py \
-    ${GEMM_ARGS:---rows 1024 --shapes 4096:6144,4096:4096,4096:24576,12288:4096} --out "$OUT/gemm"
+stage gemm "${GEMM_LIMIT:-200}" "$OUT/all/gemm.log" $PY benchmarks/gemm.py \
+    ${GEMM_ARGS:---rows 1024 --shapes 4096:6144,4096:4096,4096:24576,12288:4096} --out "$OUT/all/gemm"
 
 # (STAGES=torchbench) torch.compile with the mdsl backend against Inductor (benchmarks/torch_compile.py) on the plans
 # in .plans-torch (made on a CPU machine with the device's torch and transformers: --plans-only), each re-checked
 # once on all cores first (`mdsl cache check`: the benchmark's reads then find them trusted)
 TORCHBENCH_LIMIT="${TORCHBENCH_LIMIT:-540}"
-stage torchbench "$TORCHBENCH_LIMIT" "$OUT/torchbench.log" env MDSL_CACHE_DIR="$PWD/.plans-torch" bash -c \
+stage torchbench "$TORCHBENCH_LIMIT" "$OUT/all/torchbench.log" env MDSL_CACHE_DIR="$PWD/.plans-torch" bash -c \
     "$PY -m mdsl cache check --jobs 16; $PY benchmarks/torch_compile.py --time-limit $(( TORCHBENCH_LIMIT - 90 )) \
-     ${TORCHBENCH_ARGS:-} --out '$OUT/torchbench'"
+     ${TORCHBENCH_ARGS:-} --out '$OUT/all/torchbench'"
 
 tar -czf "$OUT/all.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"
