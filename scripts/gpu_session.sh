@@ -13,7 +13,12 @@
 #   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, its benchmark,
 #      and the HTTP load test;
 #   5b. (STAGES=gemm) benchmarks/gemm.py on GEMM_ARGS' shapes;
-#   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch.
+#   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch;
+#   7. (STAGES="random call") random programs timed as a user calls them, on the plans carried in .plans-random
+#      (RANDOM_ARGS: the seed and count they were searched with), and the host time of a kernel call, on the
+#      plans carried in .plans-call (the device has no z3: a plan the cache lacks is not searched there).
+# A carried .mdsl-state (a copy of the state directory of the user who made and checked those plans:
+# mdsl.search.trust) lets the plans be served without re-checking each in every process.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
 # Output under $OUT (at most 8 files come back from a device call): summary.txt, tests.log, decode.txt (where the
@@ -30,6 +35,8 @@ export MDSL_GPU_ARTIFACTS="$OUT/all/failures"
 export MDSL_GPU_SEED="${MDSL_GPU_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
 # a snapshot (git archive HEAD, no .git) names its commit in a COMMIT file: the harness records that one
 [ -f COMMIT ] && export MDSL_COMMIT="$(cat COMMIT)"
+# the carried state directory's key must be this user's and closed to others, or mdsl.search.trust ignores it
+[ -f .mdsl-state/key ] && chmod 700 .mdsl-state && chmod 600 .mdsl-state/key && export MDSL_STATE_DIR="$PWD/.mdsl-state"
 # the GPU tests take up to about 5 minutes: the tensor-parallel file with 6 workers beside the rest with 14
 TESTS_LIMIT="${TESTS_LIMIT:-300}" DECODE_LIMIT="${DECODE_LIMIT:-280}"
 PRECOMPILE_LIMIT="${PRECOMPILE_LIMIT:-120}"
@@ -150,6 +157,15 @@ TORCHBENCH_LIMIT="${TORCHBENCH_LIMIT:-540}"
 stage torchbench "$TORCHBENCH_LIMIT" "$OUT/all/torchbench.log" env MDSL_CACHE_DIR="$PWD/.plans-torch" bash -c \
     "$PY -m mdsl cache check --jobs 16; $PY benchmarks/torch_compile.py --time-limit $(( TORCHBENCH_LIMIT - 90 )) \
      ${TORCHBENCH_ARGS:-} --out '$OUT/all/torchbench'"
+
+# (STAGES=random) the random programs of RANDOM_ARGS' seed timed on the GPU against PyTorch (their plans from
+# .plans-random, made by the same command on the CPU machine)
+stage random "${RANDOM_LIMIT:-400}" "$OUT/all/random.log" $PY benchmarks/random_programs.py ${RANDOM_ARGS:---seed 21 --count 30} \
+    --gpu --cache "$PWD/.plans-random" --out "$OUT/all/random"
+# (STAGES=call) the host time of a kernel call (its plans from .plans-call: benchmarks/call_overhead.py's cases
+# searched with its default --budget on the CPU machine)
+stage call "${CALL_LIMIT:-90}" "$OUT/all/call.log" env MDSL_CACHE_DIR="$PWD/.plans-call" \
+    $PY benchmarks/call_overhead.py --samples 15 --out "$OUT/all/call"
 
 tar -czf "$OUT/all.tar.gz" -C "$OUT" all && rm -rf "$OUT/all"
 echo "== summary"; cat "$SUMMARY"
