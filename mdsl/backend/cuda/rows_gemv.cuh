@@ -203,7 +203,8 @@ __device__ __forceinline__ void rows_gemv_kernel(unsigned char* smem, const uint
 
 // y[i] = partial[0][i] + partial[1][i] + ... + partial[slices - 1][i], in that order
 __device__ __forceinline__ void rows_reduce_kernel(const float* partial, float* y, int slices, long long count) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += (long long)gridDim.x * blockDim.x) {
+  const long long step = (long long)gridDim.x * blockDim.x;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count; i += step) {
     float sum = partial[i];
     for (int s = 1; s < slices; ++s) sum += partial[s * count + i];
     y[i] = sum;

@@ -54,7 +54,7 @@ FRAGMENT_ROW, FRAGMENT_COL = _fragment_map()
 
 def _check_weight_shape(n: int, k: int) -> None:
     if n % 16 or k % 16 or n < 16 or k < 16:
-        raise ShapeError(f"W is [{n}, {k}]: fragment order covers W with 16 x 16 blocks, so N and K are multiples of 16",
+        raise ShapeError(f"W is [{n}, {k}]: fragment order covers W with 16 x 16 blocks, N and K multiples of 16",
                          hint="pad W with zero rows and columns (and x with zero columns) up to multiples of 16")
 
 
@@ -62,12 +62,22 @@ def _permute(a, order):
     return a.permute(*order) if hasattr(a, "permute") else a.transpose(order)
 
 
+def _indices(a) -> tuple:
+    """FRAGMENT_ROW and FRAGMENT_COL as `a`'s indices: torch tensors on its device for a torch tensor."""
+    if hasattr(a, "permute"):
+        import torch
+
+        return (torch.as_tensor(FRAGMENT_ROW, device=a.device), torch.as_tensor(FRAGMENT_COL, device=a.device))
+    return FRAGMENT_ROW, FRAGMENT_COL
+
+
 def repack_for_mma(w):
     """W [N, K] (numpy or torch, any dtype) in fragment order: [N / 16, K / 16, 32, 8], a copy."""
     n, k = w.shape
     _check_weight_shape(n, k)
     blocks = _permute(w.reshape(n // 16, 16, k // 16, 16), (0, 2, 1, 3))   # [t, s, row, col]
-    return blocks[:, :, FRAGMENT_ROW, FRAGMENT_COL]
+    row, col = _indices(w)
+    return blocks[:, :, row, col]
 
 
 def unpack_from_mma(packed):
@@ -78,7 +88,8 @@ def unpack_from_mma(packed):
                          hint="pass repack_for_mma's result")
     blocks = packed.new_empty((t, s, 16, 16)) if hasattr(packed, "new_empty") else np.empty((t, s, 16, 16),
                                                                                             packed.dtype)
-    blocks[:, :, FRAGMENT_ROW, FRAGMENT_COL] = packed
+    row, col = _indices(packed)
+    blocks[:, :, row, col] = packed
     return _permute(blocks, (0, 2, 1, 3)).reshape(16 * t, 16 * s)
 
 
@@ -164,10 +175,12 @@ def _kernels(ordinal: int, mt: int, kslice: int) -> _Kernels:
     return _Kernels(ordinal, mt, kslice)
 
 
-def rows_gemv(x, packed, out=None, *, partial=None, mt: int = 1, kslice: int = KSLICE, stream=None):
+def rows_gemv(x, packed, out=None, *, partial=None, mt: int = 1, kslice: int = KSLICE, stream=None,
+              slices_only: bool = False):
     """y = x W^T on tensor cores: x [R, K] bf16 (R <= 64), `packed` = repack_for_mma(W) [N / 16, K / 16, 32, 8]
     bf16 on the GPU; y [R, N] f32 (`out`, or a new array like x). `partial` ([slices, R, N] f32) is the
-    slices' scratch, allocated when not given."""
+    slices' scratch, allocated when not given; `slices_only` stops there (out unwritten: `bandwidth` times the
+    weight stream alone)."""
     from mdsl.gpu.arrays import ArgumentError, DeviceArray, device_view, is_torch_tensor, launch_stream
     from mdsl.gpu.driver import CudaError, cu_stream, driver, error_text, require_gpu
     from mdsl.ir.dtypes import f32
@@ -212,6 +225,8 @@ def rows_gemv(x, packed, out=None, *, partial=None, mt: int = 1, kslice: int = K
                                    cu_stream(handle), ctypes.addressof(params), 0)
     if err:
         raise CudaError(f"launching {kernel_name(mt, kslice)} (R={rows} N={n} K={k}) failed: {error_text(err)}")
+    if slices_only:
+        return out
     count = rows * n
     reduce_args = (ctypes.c_void_p(vp.ptr), ctypes.c_void_p(vy.ptr), ctypes.c_int(plan.slices),
                    ctypes.c_longlong(count))
@@ -226,10 +241,11 @@ def rows_gemv(x, packed, out=None, *, partial=None, mt: int = 1, kslice: int = K
 
 
 def bandwidth(rows_list=(1, 8, 32, 64), n: int = 4096, k: int = 4096, mt: int = 1, kslice: int = KSLICE,
-              repeats: int = 50, peak: float = 4.25e12) -> list:
-    """(R, GB/s of weight bytes, fraction of `peak`) for each R: rows_gemv's products and reduction timed with
-    CUDA events over `repeats` calls (the weights 2 N K bytes a call; a bigger W than L2 in rotation so that
-    each call reads DRAM). Needs torch."""
+              repeats: int = 50, peak: float = 4.25e12, slices_only: bool = False) -> list:
+    """(R, GB/s of weight bytes, fraction of `peak`) for each R: rows_gemv's products and reduction (with
+    `slices_only`, the products alone) timed with CUDA events over `repeats` calls (the weights 2 N K bytes a
+    call; copies of W past L2's size in rotation so that each call reads DRAM), `repeats` calls captured in a CUDA
+    graph and replayed. Needs torch."""
     import torch
 
     copies = max(1, math.ceil(3 * 60e6 / (2 * n * k)))   # past H200's 60 MB of L2
@@ -240,12 +256,18 @@ def bandwidth(rows_list=(1, 8, 32, 64), n: int = 4096, k: int = 4096, mt: int = 
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
         out = torch.empty(rows, n, device="cuda")
         partial = torch.empty(launch_plan(rows, n, k, mt, kslice).slices, rows, n, device="cuda")
-        for i in range(3):
-            rows_gemv(x, ws[i % copies], out, partial=partial, mt=mt, kslice=kslice)
+        call = functools.partial(rows_gemv, x, out=out, partial=partial, mt=mt, kslice=kslice,
+                                 slices_only=slices_only)
+        call(ws[0])                      # compiled and loaded outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()   # replayed: no Python between the launches
+        with torch.cuda.graph(graph):
+            for i in range(repeats):
+                call(ws[i % copies])
+        graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(repeats):
-            rows_gemv(x, ws[i % copies], out, partial=partial, mt=mt, kslice=kslice)
+        graph.replay()
         end.record()
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3 / repeats
@@ -255,8 +277,10 @@ def bandwidth(rows_list=(1, 8, 32, 64), n: int = 4096, k: int = 4096, mt: int = 
 
 
 if __name__ == "__main__":   # python -m mdsl.backend.cuda.rows_gemv: the bandwidth table the tests do not assert
-    for shape in ((4096, 4096), (12288, 4096), (4096, 12288)):
+    for shape in ((4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)):   # Qwen3-8B's o, qkv, gate|up, down
         for mt in TILES:
-            for rows, gbs, frac in bandwidth(n=shape[0], k=shape[1], mt=mt):
-                print(f"N={shape[0]:6d} K={shape[1]:6d} MT={mt} R={rows:3d}: {gbs:7.0f} GB/s ({100 * frac:5.1f}% of "
-                      "4.25 TB/s)")
+            for slices_only in (False, True):
+                for rows, gbs, frac in bandwidth(n=shape[0], k=shape[1], mt=mt, slices_only=slices_only):
+                    print(f"N={shape[0]:6d} K={shape[1]:6d} MT={mt} R={rows:3d} "
+                          f"{'products      ' if slices_only else 'products + sum'}: {gbs:7.0f} GB/s "
+                          f"({100 * frac:5.1f}% of 4.25 TB/s)", flush=True)
