@@ -255,6 +255,21 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     return lines
 
 
+def _load(meta: dict) -> str:
+    """The machine's 1-minute load average as the run started and ended."""
+    start, end = (meta.get("load") or [None])[0], (meta.get("load_end") or [None])[0]
+    return "-" if start is None else f"{start:g}" + (f" -> {end:g}" if end is not None else "")
+
+
+def _same_as(same: Optional[dict]) -> str:
+    """--same-as: of the programs both runs finished within the cap, how many got the same plan."""
+    if not same:
+        return "-"
+    differ = same.get("differ") or []
+    name = Path(same.get("file", "?")).name
+    return f"{same['compared'] - len(differ)} of {same['compared']} the same ({name})"
+
+
 def random_programs_section(runs: list) -> list:
     lines = ["## Programs the search has never seen", ""]
     if not runs:
@@ -269,9 +284,10 @@ def random_programs_section(runs: list) -> list:
                      _percent(summary["fused_fraction"]) if "fused_fraction" in summary else "-",
                      summary.get("float_failures", "-"), summary.get("provisional", "-"), summary.get("over_cap", "-"),
                      f"{summary['budget_s']:g}" if "budget_s" in summary else "-",
-                     f"{summary['search_s_median']:.1f}" if "search_s_median" in summary else "-"])
+                     f"{summary['search_s_median']:.1f}" if "search_s_median" in summary else "-",
+                     _load(meta), _same_as(summary.get("same_as"))])
     lines += _table(["seed", "programs", "fused", "fraction", "float failures", "cut by the cap", "over cap > 5 s",
-                     "budget s", "median search s"], rows) + [""]
+                     "budget s", "median search s", "load (1 min)", "plans as another run's"], rows) + [""]
     lines += [f"Seed {(r.get('meta') or {}).get('seed', '?')}: " + run_line(r.get("meta")) for r in runs] + [""]
     return lines
 
