@@ -2,7 +2,7 @@
 fragment order): y = x W^T for R in (1, 3, 8, 17, 64) rows, N = 4096 and K = 4096 and 12288 (one and 12 K
 slices), both feature tiles a warp, against the float64 product of the same bf16 operands; a row's outputs
 bit-identical alone, inside 64 rows, at another place among them and with either tiles a warp; fragment order
-on torch tensors; DeviceArrays in and out; and the bandwidth function the lead's table comes from.
+on torch tensors; DeviceArrays in and out; and the bandwidth function (`python -m mdsl.backend.cuda.rows_gemv`'s table).
 
     pytest tests/gpu/test_gpu_rows_gemv.py -m gpu
     python -m mdsl.backend.cuda.rows_gemv        # GB/s of weight bytes at R = 1, 8, 32, 64
