@@ -16,6 +16,24 @@ from mdsl.gpu import launcher
 CONTEXT = 0xC0C0
 
 
+class LaunchRecorder:
+    """cuda.bindings' launch and copy calls, recorded (`calls`) and answered with success; `arity`: kernel name ->
+    its parameters, whose values a launch records."""
+
+    def __init__(self, arity: dict):
+        self.arity, self.calls = arity, []
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        block = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        pointers = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(self.arity[function])]
+        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), smem, stream, pointers))
+        return (0,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
+        self.calls.append(("copy", dst, src, size, stream))
+        return (0,)
+
+
 class FakeFunction(str):
     """A kernel handle as a stand-in cuModuleGetFunction returns it: its name, which int() turns into a
     handle the C launcher can pass back (`NativeDriver` turns it into the name again)."""

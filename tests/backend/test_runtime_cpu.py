@@ -21,7 +21,7 @@ from mdsl import gpu as runtime
 from mdsl.gpu import ArgumentError, NoGPUError, dlpack
 from mdsl.ir.graph import KernelGraph, Node, make_var
 from mdsl.ir.ops import get_op
-from tests.backend.native_driver import LAUNCH_PATHS, FakeFunction, fake_device, use_launch_path
+from tests.backend.native_driver import LAUNCH_PATHS, FakeFunction, LaunchRecorder, fake_device, use_launch_path
 
 no_gpu = pytest.mark.skipif(runtime.has_gpu(), reason="this machine has a GPU (tests/gpu covers it)")
 
@@ -291,14 +291,15 @@ def test_a_program_naming_an_unknown_value_is_refused():
 # launching, on a recording stand-in for the driver
 
 
-class RecordingDriver:
+class RecordingDriver(LaunchRecorder):
     """The driver calls an Executable makes, recorded; every call succeeds."""
 
     class CUfunction_attribute:
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = "max dynamic shared memory"
 
     def __init__(self, arity: dict):
-        self.calls, self.next_pointer, self.arity = [], 0x10000, arity   # kernel name -> its parameters
+        super().__init__(arity)
+        self.next_pointer = 0x10000
 
     def cuModuleGetFunction(self, module, name):
         return 0, FakeFunction(name.decode())
@@ -313,16 +314,6 @@ class RecordingDriver:
 
     def cuFuncSetAttribute(self, function, attribute, value):
         self.calls.append(("attribute", function, value))
-        return (0,)
-
-    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        block = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-        pointers = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(self.arity[function])]
-        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), smem, stream, pointers))
-        return (0,)
-
-    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
-        self.calls.append(("copy", dst, src, size, stream))
         return (0,)
 
     def cuMemFree(self, ptr):

@@ -319,6 +319,24 @@ def per_expert_weights(model, value=lambda layer, expert, tensor: tensor) -> dic
     return weights
 
 
+def assert_last_logits_agree(torch, engine, model, prompt: list, label: str):
+    """One step of the engine after `prompt` against transformers' logits of the same weights (bf16 at real
+    shapes: within 3% of the largest logit, cosine above 0.999) and its token the argmax of its own logits;
+    the run."""
+    run = engine.run(prompt, 1, eos_token_ids=())
+    ours = engine.last_logits()
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
+    scale = float(np.abs(theirs).max())
+    error = float(np.abs(ours - theirs).max()) / scale
+    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
+    print(f"{label}: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}")
+    assert np.isfinite(ours).all()
+    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
+    assert run.tokens[0] == int(np.argmax(ours))
+    return run
+
+
 def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers):
     """Two layers of Qwen3-30B-A3B's shapes (128 experts of 768 rows, 8 a token), random bf16 weights used in place
     from the transformers model: 16 router tiles a layer, the 8 slots' gate/up tiles, the down tiles' 8 slots."""
@@ -333,17 +351,7 @@ def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers
     engine = MegakernelEngine(config, per_expert_weights(model), max_seq=64)
     assert sum(t.kind is Kind.ROUTER for t in engine.plan.tasks) == 2 * 16
     prompt = [151643, 791, 6460, 315, 9822, 374, 12366, 13]
-    run = engine.run(prompt, 1, eos_token_ids=())
-    ours = engine.last_logits()
-    with torch.no_grad():
-        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
-    scale = float(np.abs(theirs).max())
-    error = float(np.abs(ours - theirs).max()) / scale
-    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
-    print(f"Qwen3-30B-A3B shapes (2 layers), bf16: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}")
-    assert np.isfinite(ours).all()
-    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
-    assert run.tokens[0] == int(np.argmax(ours))
+    assert_last_logits_agree(torch, engine, model, prompt, "Qwen3-30B-A3B shapes (2 layers), bf16")
 
 
 def test_gemma2_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
@@ -541,18 +549,8 @@ def test_llama_1b_shaped_logits_agree_with_transformers(torch, transformers):
     config = attrs.evolve(config_from_dict(LLAMA_3_2_1B), dtype=bf16)
     engine = MegakernelEngine(config, weights, max_seq=64)
     prompt = [128000, 791, 6460, 315, 9822, 374, 12366, 13]
-    run = engine.run(prompt, 1, eos_token_ids=())
-    ours = engine.last_logits()
-    with torch.no_grad():
-        theirs = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu().numpy()
-    scale = float(np.abs(theirs).max())
-    error = float(np.abs(ours - theirs).max()) / scale
-    cosine = float(ours @ theirs / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
-    print(f"Llama-3.2-1B shapes, bf16: max |logit diff| / max |logit| = {error:.3g}, cosine {cosine:.6f}, "
-          f"one launch of {run.steps} steps: {run.seconds * 1e3:.2f} ms")
-    assert np.isfinite(ours).all()
-    assert error < 3e-2 and cosine > 0.999, f"seed {SEED}: relative error {error:.3g}, cosine {cosine:.6f}"
-    assert run.tokens[0] == int(np.argmax(ours))
+    run = assert_last_logits_agree(torch, engine, model, prompt, "Llama-3.2-1B shapes, bf16")
+    print(f"one launch of {run.steps} steps: {run.seconds * 1e3:.2f} ms")
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])

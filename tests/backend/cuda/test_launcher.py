@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from mdsl.gpu import launcher
-from tests.backend.native_driver import CONTEXT, FakeFunction, NativeDriver
+from tests.backend.native_driver import CONTEXT, FakeFunction, LaunchRecorder, NativeDriver
 
 needs_compiler = pytest.mark.skipif(launcher._compiler() is None, reason="no C compiler here")
 CUDA_H = Path("/usr/local/cuda/include/cuda.h")
@@ -128,23 +128,6 @@ SAME(sizeof(Result), sizeof(CUresult));
 # ---------------------------------------------------------------------------------------------
 # running a program
 
-class Recorder:
-    """cuda.bindings' launch and copy calls as the NativeDriver forwards them, recorded."""
-
-    def __init__(self, arity: dict):
-        self.arity, self.calls = arity, []
-
-    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        block = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-        pointers = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(self.arity[function])]
-        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), smem, stream, pointers))
-        return (0,)
-
-    def cuMemcpyDtoDAsync(self, dst, src, size, stream):
-        self.calls.append(("copy", dst, src, size, stream))
-        return (0,)
-
-
 @pytest.fixture
 def lib():
     found = launcher.library()
@@ -176,7 +159,7 @@ def _run(program, stream, pointers):
 
 
 def test_a_program_writes_the_parameters_launches_in_order_and_copies(lib):
-    recorder = Recorder({"k0": 2, "k1": 2})
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
     native = NativeDriver(recorder)
     slots = (ctypes.c_uint64 * 3)(0, 0, 0xABC000)
     params = _blocks(slots, [(0, 2), (2, 1)])
@@ -195,7 +178,7 @@ def test_a_program_writes_the_parameters_launches_in_order_and_copies(lib):
 
 
 def test_an_overlapping_launch_asks_for_programmatic_stream_serialization(lib):
-    recorder = Recorder({"k0": 2, "k1": 2})
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
     native = NativeDriver(recorder)
     slots = (ctypes.c_uint64 * 3)()
     params = _blocks(slots, [(0, 2), (2, 1)])
@@ -208,7 +191,7 @@ def test_an_overlapping_launch_asks_for_programmatic_stream_serialization(lib):
 
 
 def test_a_driver_error_stops_the_program_and_is_answered(lib):
-    recorder = Recorder({"k0": 2, "k1": 2})
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
     native = NativeDriver(recorder)
     native.errors["k0"] = 700   # CUDA_ERROR_ILLEGAL_ADDRESS
     slots = (ctypes.c_uint64 * 3)()
@@ -219,7 +202,7 @@ def test_a_driver_error_stops_the_program_and_is_answered(lib):
 
 
 def test_a_context_that_is_not_current_is_answered_before_anything_is_written(lib):
-    recorder = Recorder({"k0": 2, "k1": 2})
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
     native = NativeDriver(recorder)
     native.current = 0   # no context on this thread
     slots = (ctypes.c_uint64 * 3)(7, 7, 7)
@@ -230,7 +213,7 @@ def test_a_context_that_is_not_current_is_answered_before_anything_is_written(li
 
 
 def test_a_call_array_of_the_wrong_length_is_refused(lib):
-    native = NativeDriver(Recorder({}))
+    native = NativeDriver(LaunchRecorder({}))
     slots = (ctypes.c_uint64 * 3)()
     params = _blocks(slots, [(0, 2), (2, 1)])   # alive while the program runs: it holds their addresses
     program = _program(lib, native, slots, params)
