@@ -344,7 +344,7 @@ class _Search:
         self.executor: Optional[cf.ProcessPoolExecutor] = None
         self.prepared = False          # the workers were asked to make the original's runs
         self._last_progress = self.start
-        self._looping = False          # inside _loop: a generator's counts may merge and submit (`_pump`)
+        self._generating = False       # inside a generator's step: its counts may merge and submit (`_pump`)
         self._pumping = False
 
     def run(self, generators: list) -> SearchResult:
@@ -359,7 +359,7 @@ class _Search:
             with _signals_held():
                 worker.start_server()   # it preloads mdsl while the generators work
             self._start_with_original()
-            self._loop(stream)
+            self._generate_and_verify(stream)
             finished = True
         finally:
             try:
@@ -370,13 +370,6 @@ class _Search:
                     _stop_workers(self.executor, _STOP_GRACE_S if calm else 0.0)
                 shared.cleanup()
         return self._finish()
-
-    def _loop(self, stream: Iterator) -> None:
-        self._looping = True
-        try:
-            self._generate_and_verify(stream)
-        finally:
-            self._looping = False
 
     def _generate_and_verify(self, stream: Iterator) -> None:
         generating = True
@@ -422,8 +415,10 @@ class _Search:
         """While a generator works between two candidates (it counts as it goes, and each count reports):
         the finished verifications merged and the waiting candidates given to free workers, so that a
         long enumeration neither idles the workers nor holds back what they verified. Merging and
-        submitting follow admission order wherever they happen, so the result is the same."""
-        if not self._looping or self._pumping:
+        submitting follow admission order wherever they happen, so the result is the same. Only a
+        generator's step pumps: a count made while a merge or a submission is half done (they count
+        too) must not start another, which would merge later candidates before the earlier one is kept."""
+        if not self._generating or self._pumping:
             return
         self._pumping = True
         try:
@@ -467,7 +462,11 @@ class _Search:
                 getattr(candidates, "close", lambda: None)()  # a stopped search closes its generator
 
     def _pull(self, stream: Iterator) -> bool:
-        item = next(stream, None)
+        self._generating = True
+        try:
+            item = next(stream, None)
+        finally:
+            self._generating = False
         if item is None:
             return False
         self._admit(*item)
