@@ -14,6 +14,7 @@ from typing import Optional
 import attrs
 
 from mdsl.ir.graph import BlockGraph
+from mdsl.ir.ops import THREAD
 
 MAX_ROWS = 16             # X's rows: two 8-column mma tiles
 SLAB = 16                 # rows of K a warp takes a step
@@ -27,13 +28,22 @@ CLUSTERS = (1,)
 
 @attrs.frozen
 class SkinnyShape:
-    x: str              # the input every loop matmul multiplies from the left
+    x: str              # the input the loop streams as its left operand
     weights: tuple      # the right operands' input names, one per matmul, in node order
     sums: tuple         # node index of each matmul's accum, in the weights' order
-    rows: tuple         # node indices of the other loop accumulators (of X, one value per row)
+    rows: tuple         # node indices of the other loop accumulators (of the operand, one value per row)
     m: int              # X's rows
     n: int              # the weights' columns (the block's)
     k: int              # the block's whole K (forloop x the tile's)
+    # node indices of the element-wise loop nodes that compute the operand from X, in node order (a
+    # prologue: `x * 2.0 @ w`, `silu(x) @ w`), applied to X's elements as they are loaded
+    prologue: tuple = ()
+    operand: str = ""   # the value every matmul and row accumulator reads: the prologue's last, or X ("")
+
+    @property
+    def left(self) -> str:
+        """The name of the matmuls' left operand: X itself, or the prologue's result."""
+        return self.operand or self.x
 
     def columns_per_load(self) -> Optional[int]:
         """8 (16-byte loads) unless 4 (8-byte loads) leave fewer of a warp's lanes duplicating others:
@@ -77,10 +87,11 @@ def _chunks_fit(chunks: int) -> bool:
 
 def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     """The block graph's skinny loop, or None: every loop node (before the accumulators close it) is a
-    2-D matmul of one input X (at most 16 rows, fmap along K, its last dim) by a 2-D input weight (fmap
-    along K, its first dim) read by nothing but one `accum`; that accum; or an accumulator of X giving one
-    value per row. Every input is X or a weight; the block's K is whole 16-row slabs; the weights' columns
-    whole 8-column chunks."""
+    2-D matmul of one operand (at most 16 rows, along K its last dim) by a 2-D input weight (fmap along K,
+    its first dim) read by nothing but one `accum`; that accum; an accumulator of the operand giving one
+    value per row; or an element-wise node of the prologue, which computes the operand from the input X
+    (fmap along K) alone (`prologue_of`). Every input is X or a weight; the block's K is whole 16-row
+    slabs; the weights' columns whole 8-column chunks."""
     post = bg.post_loop_vars()
     inputs = {i.var.name: i for i in bg.inputs}
     readers: dict = {}
@@ -91,31 +102,68 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     matmuls = [i for i in loop if bg.nodes[i].op == "matmul"]
     if not matmuls:
         return None
-    x = bg.nodes[matmuls[0]].inputs[0]
+    left = bg.nodes[matmuls[0]].inputs[0]
     weights, sums, covered = [], [], set()
     for i in matmuls:
         a, w = bg.nodes[i].inputs
         sum_of = readers.get(bg.nodes[i].output.name, [])
-        if a.name != x.name or not _streamed(inputs.get(w.name), 0) or len(sum_of) != 1 \
+        if a.name != left.name or not _streamed(inputs.get(w.name), 0) or len(sum_of) != 1 \
                 or bg.nodes[sum_of[0]].op != "accum":
             return None
         weights.append(w.name)
         sums.append(sum_of[0])
         covered |= {i, sum_of[0]}
-    rows = [i for i in loop if i not in covered]
+    others = [i for i in loop if i not in covered]
+    prologue = [i for i in others if not bg.nodes[i].opdef.is_accumulator]
+    x = prologue_of(bg, prologue, left.name) if prologue else left.name
+    if x is None:
+        return None
+    rows = [i for i in others if i not in prologue]
     for i in rows:
         node = bg.nodes[i]
-        if not node.opdef.is_accumulator or [v.name for v in node.inputs] != [x.name] \
-                or tuple(node.output.shape) != (x.shape[0], 1):
+        if [v.name for v in node.inputs] != [left.name] or tuple(node.output.shape) != (left.shape[0], 1):
             return None
-    if not _streamed(inputs.get(x.name), 1) or set(inputs) != {x.name, *weights}:
+    if not _streamed(inputs.get(x), 1) or set(inputs) != {x, *weights}:
         return None
-    m, kt = x.shape
+    m, kt = left.shape
     n = bg.nodes[matmuls[0]].output.shape[-1]
     if m > MAX_ROWS or (kt * bg.forloop) % SLAB or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
         return None
-    shape = SkinnyShape(x.name, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop)
+    shape = SkinnyShape(x, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop, tuple(prologue),
+                        left.name if prologue else "")
     return shape if shape.columns_per_load() is not None else None
+
+
+def prologue_of(bg: BlockGraph, prologue: list, operand: str) -> Optional[str]:
+    """The input X from which the loop nodes `prologue` (node indices, in node order) compute `operand`
+    element by element, or None: each is an element-wise operator (or a fused chain of them) of one
+    result shaped as the operand, reading X or the results of those before it, and each leads to the
+    operand (none is computed for nothing)."""
+    made = {bg.nodes[i].output.name: i for i in prologue}
+    if operand not in made:
+        return None
+    leaves: set = set()
+    shape = tuple(bg.nodes[made[operand]].output.shape)
+    for i in prologue:
+        node = bg.nodes[i]
+        elementwise = THREAD in node.opdef.levels or (node.op == "fused" and len(node.outputs) == 1)
+        if not elementwise or len(node.outputs) != 1 or tuple(node.output.shape) != shape or not node.inputs:
+            return None
+        for v in node.inputs:
+            if v.name not in made:
+                leaves.add(v.name)
+            elif made[v.name] >= i:
+                return None
+    x = next((i.var for i in bg.inputs if i.var.name in leaves), None)
+    if len(leaves) != 1 or x is None or tuple(x.shape) != shape:
+        return None
+    needed, frontier = set(), [operand]
+    while frontier:
+        name = frontier.pop()
+        if name in made and made[name] not in needed:
+            needed.add(made[name])
+            frontier += [v.name for v in bg.nodes[made[name]].inputs]
+    return x.name if needed == set(prologue) else None
 
 
 def _streamed(inp, fmap: int) -> bool:

@@ -19,11 +19,15 @@ flight while the other's mmas run); the rows of the steps `lead` iterations ahea
 accumulators of X (accum_rms's sum of squares) are folded from the X fragments the mmas read, by the
 warps of the first column group, each row's folds met over the quad, then over the warps.
 
-`skinny_plan` says whether a block graph qualifies: every loop node is a matmul of the one X input
-(fmap along K, at most 16 rows) by a weight input (fmap along K) whose only reader is its `accum`, that
-accum, or a row accumulator of X with a fold in `ROW_FOLDS` (accum_rms of RMSNorm+Linear). Nothing is
-hoisted, every input is X or a weight. The code after the loop (epilogues: the division by the rms,
-silu, the gate's product) is the block graph's own.
+`skinny_plan` says whether a block graph qualifies: every loop node is a matmul of the one operand
+(at most 16 rows) by a weight input (fmap along K) whose only reader is its `accum`, that accum, a row
+accumulator of the operand with a fold in `ROW_FOLDS` (accum_rms of RMSNorm+Linear), or an element-wise
+node of the *prologue*, which computes the operand from the X input (fmap along K) alone (`x * 2.0 @ w`,
+`rms_norm(silu(x)) @ w`). Nothing is hoisted, every input is X or a weight. The prologue runs on X's
+fragments as a slab's mmas take them, in f32, each value rounded to its dtype as its tile would hold it,
+so the products and the folds see the operand's values, and X's loads stay where the register buffers
+put them. The code after the loop (epilogues: the division by the rms, silu, the gate's product) is the
+block graph's own.
 
 The options (`CudaOptions`):
 
@@ -126,6 +130,10 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overla
         return None
     types = {i.var.name: t for i, t in zip(bg.inputs, tensor_types)}
     dtypes = {types[name].dtype.name for name in (shape.x, *shape.weights)}
+    if shape.prologue:   # the operand goes to the mmas in X's type; the values before it in any float type
+        dtypes.add(bg.nodes[shape.prologue[-1]].output.type.dtype.name)
+        if any(bg.nodes[i].output.type.dtype.name not in (*ELEMENTS, "f32") for i in shape.prologue):
+            return None
     if len(dtypes) != 1 or not dtypes <= set(ELEMENTS):
         return None
     if types[shape.x].shape[-1] % 4 or any(types[w].shape[-1] % shape.columns_per_load() for w in shape.weights):
@@ -137,10 +145,11 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overla
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
-    """The tiles the skinny loop does not need: its inputs' and the matmuls' products."""
+    """The tiles the skinny loop does not need: its inputs', the prologue's values and the matmuls' products."""
     shape = plan.shape
     products = {bg.nodes[i].inputs[0].name for i in shape.sums}
-    return frozenset({shape.x, *shape.weights} | products)
+    prologue = {bg.nodes[i].output.name for i in shape.prologue}
+    return frozenset({shape.x, *shape.weights} | products | prologue)
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:

@@ -7,7 +7,7 @@ import pytest
 
 from mdsl.ir.skinny import SkinnyShape, skinny_shape
 from mdsl.ir.text import parse_graph
-from tests.ir.skinny_texts import rms_norm_linear
+from tests.ir.skinny_texts import prologue_linear, rms_norm_linear
 
 GATED = """kernel gated(%x: f16[8, 4096], %w1: f16[4096, 4096], %w2: f16[4096, 4096]) {
   %mul: f16[8, 4096] = custom(%x, %w1, %w2) block(grid=[128, 1, 1], threads=128, forloop=32) {
@@ -59,6 +59,51 @@ def test_gated_mlp_streams_two_weights_and_no_row_accumulator():
 
 @pytest.mark.parametrize("text", [rms_norm_linear(17, 32), rms_norm_linear(16, 18), rms_norm_linear(16, 36), SQUARED])
 def test_more_than_16_rows_columns_no_load_covers_or_other_loop_work_are_not(text):
+    assert skinny_shape(_body(text)) is None
+
+
+def test_a_prologue_computes_the_operand_from_x_and_the_row_fold_reads_the_operand():
+    bg = _body(prologue_linear(8, 32))
+    shape = skinny_shape(bg)
+    names = [n.output.name for n in bg.nodes]
+    assert shape.x == "x" and shape.weights == ("w",) and shape.rows == (names.index("accum_rms"),)
+    assert [names[i] for i in shape.prologue] == ["mul_scalar", "silu"] and shape.operand == shape.left == "silu"
+    assert skinny_shape(_body(rms_norm_linear(8, 32))).left == "x"     # no prologue: the operand is X
+
+
+# the prologue's value read by the matmul, X itself by the row accumulator; a prologue of two inputs; a
+# prologue node whose value the matmul does not need
+_ROW_OF_X = prologue_linear(8, 32).replace("accum_rms(%silu)", "accum_rms(%x)")
+_TWO_INPUTS = """kernel k(%x: f16[8, 4096], %g: f16[8, 4096], %w: f16[4096, 3072]) {
+  %matmul: f16[8, 3072] = custom(%x, %g, %w) block(grid=[96, 1, 1], threads=128, forloop=32) {
+    in %x: f16[8, 128] imap=[-, -, -] fmap=1
+    in %g: f16[8, 128] imap=[-, -, -] fmap=1
+    in %w: f16[128, 32] imap=[1, -, -] fmap=0
+    %mul: f16[8, 128] = mul(%x, %g)
+    %matmul: f16[8, 32] = matmul(%mul, %w)
+    %accum: f16[8, 32] = accum(%matmul)
+    out %accum omap=[1, -, -]
+  }
+  return %matmul
+}"""
+_UNUSED = """kernel k(%x: f16[8, 4096], %w: f16[4096, 3072]) {
+  %matmul: f16[8, 3072] = custom(%x, %w) block(grid=[96, 1, 1], threads=128, forloop=32) {
+    in %x: f16[8, 128] imap=[-, -, -] fmap=1
+    in %w: f16[128, 32] imap=[1, -, -] fmap=0
+    %exp: f16[8, 128] = exp(%x)
+    %neg: f16[8, 128] = neg(%x)
+    %matmul: f16[8, 32] = matmul(%neg, %w)
+    %accum: f16[8, 32] = accum(%matmul)
+    %accum_sum: f16[8, 1] = accum_sum(%exp)
+    %add: f16[8, 32] = add(%accum, %accum_sum)
+    out %add omap=[1, -, -]
+  }
+  return %matmul
+}"""
+
+
+@pytest.mark.parametrize("text", [_ROW_OF_X, _TWO_INPUTS, _UNUSED])
+def test_a_prologue_must_compute_the_one_operand_from_x_alone(text):
     assert skinny_shape(_body(text)) is None
 
 

@@ -395,6 +395,17 @@ __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddep
 // two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
 // second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
 // instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i
+// the skinny loop's operand is X as loaded (NoPrologue), or a prologue's value of each element of X
+struct NoPrologue {
+  static constexpr bool ACTIVE = false;
+};
+template <typename L> struct Prologue {
+  static constexpr bool ACTIVE = true;
+  L f;
+  __device__ __forceinline__ float operator()(float x) const { return f(x); }
+};
+template <typename L> __device__ __forceinline__ Prologue<L> prologue(L f) { return Prologue<L>{f}; }
+
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
           int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false>
 struct Skinny {
@@ -494,7 +505,7 @@ struct Skinny {
       }
   }
 
-  static __device__ __forceinline__ void multiply(Acc& acc, const Slab& s) {
+  static __device__ __forceinline__ void multiply(Acc& acc, const Slab& s, const unsigned (&x)[MT][2 * SPAN]) {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
@@ -508,24 +519,37 @@ struct Skinny {
                                __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x7632)};
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const unsigned b[2] = {s.x[mt][2 * h], s.x[mt][2 * h + 1]};   // rows past M: a copy of row M - 1, never stored
+          const unsigned b[2] = {x[mt][2 * h], x[mt][2 * h + 1]};   // rows past M: a copy of row M - 1, never stored
           Mma<E>::run(acc[mat][mt][j], a, b);
         }
       }
   }
 
-  // one slab multiplied, X's elements folded (rows below M, warps of the first column group)
-  template <typename F>
-  static __device__ __forceinline__ void slab_step(Acc& acc, const Slab& s, bool folds, F& fold) {
+  // one slab multiplied, the operand's elements folded (rows below M, warps of the first column group); the
+  // operand is X's fragments, or (a prologue P) P's value of each of their elements, rounded to E
+  template <typename F, typename P>
+  static __device__ __forceinline__ void slab_step(Acc& acc, const Slab& s, bool folds, F& fold, P& pro) {
     const int g = threadIdx.x % 32 / 4;
-    multiply(acc, s);
+    unsigned x[MT][2 * SPAN];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int word = 0; word < 2 * SPAN; ++word) {
+        if constexpr (P::ACTIVE) {
+          const float2 v = unpack<E>(s.x[mt][word]);
+          x[mt][word] = pack<E>(pro(v.x), pro(v.y));
+        } else {
+          x[mt][word] = s.x[mt][word];
+        }
+      }
+    multiply(acc, s, x);
     if (folds) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt * 8 + g < M) {
 #pragma unroll
           for (int word = 0; word < 2 * SPAN; ++word) {
-            const float2 v = unpack<E>(s.x[mt][word]);
+            const float2 v = unpack<E>(x[mt][word]);
             fold(mt, v.x); fold(mt, v.y);
           }
         }
@@ -534,18 +558,20 @@ struct Skinny {
   }
 
   // the slabs first, first + KW, ... of a buffer: all of them (`whole`), else those that exist
-  template <bool WHOLE, typename F>
-  static __device__ __forceinline__ void step(Acc& acc, const Slab (&s)[STEP], int first, bool folds, F& fold) {
+  template <bool WHOLE, typename F, typename P>
+  static __device__ __forceinline__ void step(Acc& acc, const Slab (&s)[STEP], int first, bool folds, F& fold, P& pro) {
 #pragma unroll
     for (int q = 0; q < STEP; ++q) {
-      if (WHOLE || first + q * KW < SLABS) slab_step(acc, s[q], folds, fold);   // the same on the whole warp
+      if (WHOLE || first + q * KW < SLABS) slab_step(acc, s[q], folds, fold, pro);   // the same on the whole warp
     }
   }
 
-  // acc = this warp's part of X W for each weight; fold(mt, x) sees every element x of X's rows mt * 8 + g
-  // (g = lane / 4) in the block's K exactly once over the block (warps of the first column group only)
-  template <typename F>
-  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold) {
+  // acc = this warp's part of A W for each weight, A = X or its prologue's value P(X) element by element;
+  // fold(mt, a) sees every element a of A's rows mt * 8 + g (g = lane / 4) in the block's K exactly once over
+  // the block (warps of the first column group only)
+  template <typename F, typename P = NoPrologue>
+  static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold,
+                                             P pro = P()) {
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
@@ -582,16 +608,16 @@ struct Skinny {
       prefetch(lines, slab + 2 * (LEAD > 0 ? LEAD : 1) * STEP * KW);
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
-      step<true>(acc, a, slab, folds, fold);
+      step<true>(acc, a, slab, folds, fold, pro);
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
-      step<true>(acc, b, slab + STEP * KW, folds, fold);
+      step<true>(acc, b, slab + STEP * KW, folds, fold, pro);
     }
     if (slab < SLABS) {   // fewer than 2 STEP slabs left: a holds the first STEP of them
 #pragma unroll
       for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
-      step<false>(acc, a, slab, folds, fold);
-      step<false>(acc, b, slab + STEP * KW, folds, fold);
+      step<false>(acc, a, slab, folds, fold, pro);
+      step<false>(acc, b, slab + STEP * KW, folds, fold, pro);
     }
   }
 

@@ -3,7 +3,7 @@ qualify and describes the load schedule) as a call of `mdsl::Skinny` (prelude), 
 met in shared memory into the accumulators' tiles, and the row accumulators' folds into theirs."""
 from __future__ import annotations
 
-from mdsl.backend.cuda.loops import FOLDS
+from mdsl.backend.cuda.loops import FOLDS, emit_chain
 from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.source import element_ctype, offset
 from mdsl.ir.graph import BlockGraph
@@ -46,10 +46,11 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     for name, i in zip(folds, plan.rows):
         identity = _fold(bg.nodes[i]).identity
         w(f"float {name}[{mt}] = {{{', '.join([identity] * mt)}}};")
+    prologue = _prologue(b, bg, plan)
     with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, [&](int mt, float x)"):
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {_fold(bg.nodes[i]).step}; }}")
-    w(");", f"{cls}::store_part(skinny_acc, {part});")
+    w(f", {prologue});" if prologue else ");", f"{cls}::store_part(skinny_acc, {part});")
     for r, (name, i) in enumerate(zip(folds, plan.rows)):
         combine = _fold(bg.nodes[i]).combine
         w(f"// %{bg.nodes[i].output.name}: each warp's fold of its rows, over the quad's lanes")
@@ -67,6 +68,35 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
         CUDA_RULES[bg.nodes[i].op].finalize(b, bg.nodes[i])
     if finishing:
         w("__syncthreads();")
+
+
+def _prologue(b, bg: BlockGraph, plan) -> str:
+    """The prologue's functor (`mdsl::prologue` of a lambda: an element of X in f32 -> the operand's
+    element, each node's value rounded to its dtype as its tile would hold it), or "" where there is none."""
+    if not plan.prologue:
+        return ""
+    w = b.w
+    name = b.namer("skinny_prologue")
+    with w.block(f"const auto {name} = mdsl::prologue([](float x)"):
+        reg = {plan.x: "x"}
+        for i in plan.prologue:
+            node = bg.nodes[i]
+            w.op(node)
+            args = [reg[v.name] for v in node.inputs]
+            if node.op == "fused":   # a chain of element-wise ops in f32, rounded where it is stored
+                value = emit_chain(w, b.namer, node.body, args)[node.body.outputs[0].name]
+            else:
+                value = CUDA_RULES[node.op].expr(node, args)
+            reg[node.output.name] = b.namer(f"r_{node.output.name}")
+            w(f"const float {reg[node.output.name]} = {_rounded(value, node.output.type.dtype.name)};")
+        w(f"return {reg[plan.left]};")
+    w(");")
+    return name
+
+
+def _rounded(value: str, dtype: str) -> str:
+    """`value` (an f32 expression) rounded to `dtype` and back (as a tile of `dtype` holds it)."""
+    return value if dtype == "f32" else f"mdsl::to_float(mdsl::from_float<{element_ctype(dtype)}>({value}))"
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:

@@ -25,11 +25,12 @@ same order:
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Optional
 
 from llvmlite import ir
 
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, I32, I64, Array, f32, i32
-from mdsl.backend.ptx.loops import FOLDS
+from mdsl.backend.ptx.loops import FOLDS, chain_values
 from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.ir.graph import BlockGraph
 from mdsl.ir.skinny import GROUP_CHUNKS, MAX_ROWS, SLAB
@@ -44,10 +45,11 @@ class SkinnyLoop:
     """One block's skinny loop: `mdsl::Skinny<E, M, N, K, LDX, LDW, WARPS, MATS, VEC, ..., WIDE_X>` with the
     same constants (SPAN: `span`, ROWS: `rows`), each thread's pointers, and the code of its members."""
 
-    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int):
+    def __init__(self, bk, skinny: SkinnyPlan, parts: dict, warps: int, prologue: Optional[Callable] = None):
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
         self.bk, self.fn, self.shape, self.warps, self.skinny = bk, fn, shape, warps, skinny
+        self.prologue = prologue   # an element of X (f32) -> the operand's, or None: the operand is X
         self.vec = shape.columns_per_load()
         self.mats, self.mt = len(shape.weights), -(-shape.m // 8)
         self.group = min(shape.chunks(), GROUP_CHUNKS)
@@ -177,8 +179,11 @@ class SkinnyLoop:
         return [b.fpext(b.extract_element(pair, i32(e)), ir.FloatType()) for e in range(2)]
 
     def slab_step(self, acc: list, slab: tuple, folds: list) -> None:
-        """One slab multiplied; X's elements folded (rows below M, warps of the first column group)."""
+        """One slab multiplied; the operand's elements folded (rows below M, warps of the first column
+        group). The operand is X's fragments, or the prologue's value of each of their elements."""
         fn, b = self.fn, self.fn.b
+        if self.prologue is not None:
+            slab = (slab[0], [tuple(self._mapped(word) for word in words) for words in slab[1]])
         self.multiply(acc, slab)
         if not folds:
             return
@@ -191,6 +196,11 @@ class SkinnyLoop:
                     for fold, var in folds:
                         for value in values:
                             var[mt].set(fold.step(fn, var[mt].get(), value))
+
+    def _mapped(self, word):
+        """A word of two elements of X as the prologue maps them, rounded to X's type (cvt.rn)."""
+        lo, hi = self._unpack(word)
+        return self.fn.pack_floats(self.prologue(lo), self.prologue(hi), self.dtype)
 
     def steps(self, acc: list, slabs: list, first, whole: bool, folds: list) -> None:
         """The slabs first, first + KW, ... of a buffer: all of them (`whole`), else those that exist."""
@@ -277,7 +287,7 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
     (mdsl/backend/cuda/skinny.py's `emit_skinny`, statement for statement)."""
     fn, b = bk.fn, bk.fn.b
     shape, warps = skinny.shape, bg.threads // 32
-    loop = SkinnyLoop(bk, skinny, parts, warps)
+    loop = SkinnyLoop(bk, skinny, parts, warps, _prologue(fn, bg, shape))
     mats, mt_tiles = loop.mats, loop.mt
     for i in shape.rows:
         PTX_RULES[bg.nodes[i].op].init(bk, bg.nodes[i])
@@ -314,6 +324,29 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
         PTX_RULES[bg.nodes[i].op].finalize(bk, bg.nodes[i])
     if finishing:
         fn.barrier()
+
+
+def _prologue(fn, bg: BlockGraph, shape) -> Optional[Callable]:
+    """The prologue as a function of an element of X (f32) giving the operand's (each node's value rounded
+    to its dtype as its tile would hold it), or None where there is none (mdsl/backend/cuda/skinny.py's
+    `_prologue`)."""
+    if not shape.prologue:
+        return None
+
+    def value(x):
+        reg = {shape.x: x}
+        for i in shape.prologue:
+            node = bg.nodes[i]
+            args = [reg[v.name] for v in node.inputs]
+            if node.op == "fused":   # a chain of element-wise ops in f32, rounded where it is stored
+                v = chain_values(fn, node.body, args)[node.body.outputs[0].name]
+            else:
+                v = PTX_RULES[node.op].value(fn, node, args)
+            dtype = node.output.type.dtype.name
+            reg[node.output.name] = v if dtype == "f32" else fn.to_float(fn.from_float(v, dtype), dtype)
+        return reg[shape.left]
+
+    return value
 
 
 def _fold(node):

@@ -75,7 +75,7 @@ _SEARCHED = {
 #: crossing lines: prefetches of both)
 SKINNY_PROGRAMS = ("gated_mlp", "gated_mlp_split", "rms_norm_linear_48_columns", "rms_norm_linear_5_rows_65_slabs",
                    "rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_24_columns",
-                   "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16")
+                   "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16", "prologue_rms_norm_linear_bs8")
 
 
 @functools.cache
@@ -84,7 +84,7 @@ def skinny_program(name: str) -> KernelGraph:
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
     from tests.gpu.harness import with_dtype
-    from tests.ir.skinny_texts import rms_norm_linear
+    from tests.ir.skinny_texts import prologue_linear, rms_norm_linear
 
     if name in _SEARCHED:
         return shared_graph(f"skinny-program-{name}", lambda: _guided_with(*_SEARCHED[name]))
@@ -92,6 +92,8 @@ def skinny_program(name: str) -> KernelGraph:
         return with_dtype(guided_plan(_RNL8), f16, bf16)
     if name == "rms_norm_linear_5_rows_65_slabs":   # K = 1040: 65 slabs of 16, not a whole number of steps
         return parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5))
+    if name == "prologue_rms_norm_linear_bs8":   # rms_norm(silu(2 x)) @ w: the operand computed from X
+        return parse_graph(prologue_linear(8, 32))
     if name == "rms_norm_linear_48_columns":
         return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
     return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,

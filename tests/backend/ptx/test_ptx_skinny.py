@@ -57,6 +57,22 @@ def _row_sums(rows: int, k: int, columns: int, blocks: int, forloop: int, thread
     return g.build()
 
 
+def _prologue(rows: int, k: int, columns: int, blocks: int, forloop: int, dtype=f16, norm: bool = True) -> object:
+    """rms_norm(silu(2 x)) @ w (`norm`), else exp(x / 8) @ w: the operand computed from X by a prologue."""
+    g = Graph(f"skinny_prologue_{rows}x{k}x{columns}_{'norm' if norm else 'exp'}")
+    x, w = g.input("x", (rows, k), dtype), g.input("w", (k, columns), dtype)
+    b = g.block(grid=(blocks,), forloop=forloop)
+    xt, wt = b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)
+    if norm:
+        a = b.op("silu", b.op("mul_scalar", xt, value=2.0))
+        b.output(b.op("div", b.op("accum", b.op("matmul", a, wt)), b.op("accum_rms", a, eps=1e-6)), omap=(1,))
+    else:
+        a = b.op("exp", b.op("mul_scalar", xt, value=0.125))
+        b.output(b.op("accum", b.op("matmul", a, wt)), omap=(1,))
+    b.done()
+    return g.build()
+
+
 #: small skinny programs, each changing the loop's code: (graph, threads)
 SIMULATED = {
     # 2 rows, 64 columns a block (8 chunks of 16 bytes, one group), 4 warps along K; K = 640 a block:
@@ -72,6 +88,9 @@ SIMULATED = {
     # two weights (one slab a step), no row accumulator, then a second kernel
     "two-weights": (gated_mlp_skinny(rows=8, k=512, columns=128, blocks=2, splits=2, forloop=4), None),
     "row-sums": (_row_sums(6, 512, 128, 2, 4), None),
+    # a prologue computing the operand from X, with the row fold of its values and without a fold; bf16
+    "prologue-norm": (_prologue(5, 512, 128, 2, 4), None),
+    "prologue-exp-bf16": (_prologue(16, 384, 64, 2, 3, dtype=bf16, norm=False), None),
 }
 
 
