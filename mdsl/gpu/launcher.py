@@ -7,7 +7,8 @@ benchmarks/call_overhead.py measures both).
 The library is compiled at first use by the system C compiler (`$CC`, else cc, gcc or clang; no CUDA or
 Python header is needed) into the cache directory (mdsl.gpu.cache: `launcher/`), written atomically and
 checked when loaded (the build's identity, the layouts of its structures). Where it cannot be built or
-loaded, kernels launch through cuda.bindings, with a warning once (`library()` is None).
+loaded, kernels launch through cuda.bindings, with a warning once (`library()` is None). `cached_library`
+is that build (atomic, checked on load) for any small library of C or C++ source.
 """
 from __future__ import annotations
 
@@ -63,15 +64,21 @@ _STATE: dict = {}   # "lib": the loaded library, or None where it cannot be buil
 _STATE_LOCK = threading.Lock()
 
 
-def _compiler() -> Optional[list]:
-    named = os.environ.get("CC")
+def find_compiler(variable: str, names: Sequence[str]) -> Optional[list]:
+    """The compiler (its command line) that the environment variable `variable` names, else the first of
+    `names` on the PATH; None where there is none."""
+    named = os.environ.get(variable)
     if named:
         return shlex.split(named)
-    for name in ("cc", "gcc", "clang"):
+    for name in names:
         path = shutil.which(name)
         if path:
             return [path]
     return None
+
+
+def _compiler() -> Optional[list]:
+    return find_compiler("CC", ("cc", "gcc", "clang"))
 
 
 def build_id(source: bytes) -> str:
@@ -80,21 +87,49 @@ def build_id(source: bytes) -> str:
     return hashlib.sha256(material).hexdigest()[:20]
 
 
-def _build(compiler: list, source: Path, ident: str, path: Path) -> None:
-    """Compile `source` into `path`: into a temporary file beside it, renamed into place once complete."""
+def _build(compiler: list, source: bytes, language: str, path: Path, flags: Sequence[str]) -> None:
+    """Compile `source` (in `language`, "c" or "c++") into the shared library `path`: into a temporary file
+    beside it, renamed into place once complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".so")
     os.close(fd)
     try:
-        result = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", f'-DMDSL_LAUNCHER_ID="{ident}"', "-o", tmp,
-                                 str(source)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        result = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", *flags, "-o", tmp, "-x", language, "-"],
+                                input=source, capture_output=True, timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
-            raise RuntimeError(f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
+            message = result.stderr.decode(errors="replace").strip()[-2000:]
+            raise RuntimeError(f"{shlex.join(compiler)} failed: {message}")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def cached_library(source: bytes, path_of: Callable[[str], Path], load: Callable[[Path, str], object],
+                   compiler: Optional[list], *, language: str = "c", id_macro: str, flags: Sequence[str] = (),
+                   what: str = "C compiler"):
+    """The shared library built from `source`, whose identity is build_id(source): loaded from
+    path_of(identity) where a build is there (`load(path, identity)` checks it), else built there first by
+    `compiler` (with -D`id_macro`="identity", so that the library can say which build it is) and loaded.
+    RuntimeError saying why it cannot be had."""
+    ident = build_id(source)
+    path = path_of(ident)
+    if path.exists():
+        try:
+            return load(path, ident)
+        except OSError:   # not a library (truncated, say): built again below, replacing it atomically
+            pass
+    if compiler is None:
+        raise RuntimeError(f"no {what} was found")
+    try:
+        _build(compiler, source, language, path, [f'-D{id_macro}="{ident}"', *flags])
+    except (OSError, subprocess.SubprocessError) as e:   # the compiler named cannot run
+        raise RuntimeError(f"{shlex.join(compiler)} cannot build it: {e}") from None
+    try:
+        return load(path, ident)
+    except OSError as e:
+        raise RuntimeError(f"the library built at {path} cannot be loaded: {e}") from None
 
 
 def _load(path: Path, ident: str):
@@ -116,25 +151,9 @@ def _load(path: Path, ident: str):
 def open_library(source: Path = SOURCE, directory: Optional[Path] = None):
     """The launcher built from `source` in `directory` (default: the cache's `launcher/`), built there first
     where no valid build is; RuntimeError saying why it cannot be had."""
-    text = source.read_bytes()
-    ident = build_id(text)
-    path = (directory or cache_dir("launcher")) / f"launcher-{ident}.so"
-    if path.exists():
-        try:
-            return _load(path, ident)
-        except OSError:   # not a library (truncated, say): built again below, replacing it atomically
-            pass
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler was found")
-    try:
-        _build(compiler, source, ident, path)
-    except (OSError, subprocess.SubprocessError) as e:   # the compiler named cannot run
-        raise RuntimeError(f"{shlex.join(compiler)} cannot build it: {e}") from None
-    try:
-        return _load(path, ident)
-    except OSError as e:
-        raise RuntimeError(f"the library built at {path} cannot be loaded: {e}") from None
+    folder = directory or cache_dir("launcher")
+    return cached_library(source.read_bytes(), lambda ident: folder / f"launcher-{ident}.so", _load, _compiler(),
+                          id_macro="MDSL_LAUNCHER_ID")
 
 
 def library():

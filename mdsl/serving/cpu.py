@@ -19,11 +19,11 @@ import numpy as np
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import DType, f32
 from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
-from mdsl.serving.params import ServingError
 from mdsl.serving.protocol import (FAILED, FINISHED, FREE, HAS_TOKEN, MAX_STOP, PREEMPTED, REASON_CANCELLED,
                                    REASON_LENGTH, REASON_NONE, REASON_STOP, RUNNING, SERVING, STOPPED,
                                    WAS_PREEMPTED, ServingShape, device_region, kv_pool_shape)
 from mdsl.serving.sampling import sample
+from mdsl.serving.scheduler import broken_request, damaged_pool
 from mdsl.serving.steprules import STEP_RULES, StepBatch
 
 IDLE_WAIT_S = 0.05     # the longest an idle device sleeps between looks at the queue and the control words
@@ -336,16 +336,28 @@ class CpuDevice:
         step["num_chunks"], step["num_rows"], step["num_samples"] = len(plan), r, samples
         if not plan:
             return 0
-        logits = self._forward(step[0], chunks[:len(plan)], rows[:r])
-        for e, first, n, row, sampled, _ in chunks[:len(plan)].tolist():
+        tokens = self._run_chunks()
+        for c, (e, first, n, _, sampled, _) in enumerate(chunks[:len(plan)].tolist()):
             entries["context"][e] = first + n
+            if sampled:
+                self._choose(e, tokens[c], first + n - 1)
+        return r
+
+    def _run_chunks(self) -> list:
+        """The step the scheduler wrote (its header, chunks and rows), run: the forward over its rows, then the
+        token each chunk that samples chooses from its last row's logits. Returns the tokens by chunk (-1
+        where a chunk does not sample)."""
+        step = self.state["step"][0]
+        chunks = self.state["chunks"][:int(step["num_chunks"])]
+        logits = self._forward(step, chunks, self.state["rows"][:int(step["num_rows"])])
+        entries, tokens = self.state["entries"], []
+        for e, first, n, row, sampled, _ in chunks.tolist():
             if self.record_logits:
                 per = self.logits.setdefault(int(entries["request"]["request_id"][e]), {})
                 for i in range(n):
                     per.setdefault(first + i, []).append(logits[row + i])
-            if sampled:
-                self._choose(e, self._token(e, logits, row + n - 1, first + n - 1), first + n - 1)
-        return r
+            tokens.append(self._token(e, logits, row + n - 1, first + n - 1) if sampled else -1)
+        return tokens
 
     def _token(self, e: int, logits: dict, row: int, pos: int) -> int:
         """Entry e's next token, sampled from the logits of `row` (at `pos`, its last known position)."""
@@ -471,8 +483,7 @@ class CpuDevice:
         n, new = int(req["prompt_len"]), int(req["max_new_tokens"])
         if not (0 < n and 0 < new and n + new <= self.shape.max_seq and req["handle"] < self.shape.handles
                 and req["num_stop"] <= MAX_STOP and self._pages_for(n + new - 1) <= self.shape.num_pages):
-            raise ServingError(f"request {int(req['request_id'])} breaks the protocol: prompt_len {n}, max_new_tokens "
-                               f"{new}, handle {int(req['handle'])}, num_stop {int(req['num_stop'])}")
+            raise broken_request(req)
 
     def _check_pool(self) -> None:
         """Every page is either free or in exactly one admitted request's page table."""
@@ -483,4 +494,4 @@ class CpuDevice:
         n = self.shape.num_pages     # (a count per page: linear time, where sorting them took most of a step)
         if len(pages) != n or pages.min(initial=0) < 0 or pages.max(initial=0) >= n or \
                 not np.all(np.bincount(pages, minlength=n) == 1):
-            raise ServingError("the page pool lost or duplicated a page")
+            raise damaged_pool()

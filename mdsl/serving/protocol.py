@@ -318,18 +318,28 @@ def kv_pool_shape(shape: ServingShape, kv_heads: int, head_dim: int) -> tuple:
     return (shape.num_pages, shape.page_size, kv_heads, head_dim)
 
 
-def c_declarations(shape: ServingShape) -> str:
-    """Every layout as a C struct (with static_asserts of the host's offsets), the protocol's constants
-    and both regions' offsets: what a device's source includes."""
+def c_layouts() -> str:
+    """The protocol's part that no shape changes: its constants (MAX_STOP, entry states, record flags,
+    finish reasons, statuses) and every layout as a C struct (with static_asserts of the host's offsets).
+    What a build serving every shape includes: the scheduler's host build (mdsl.serving.scheduler)."""
     constants = {"MAX_STOP": MAX_STOP, "ENTRY_FREE": FREE, "ENTRY_RUNNING": RUNNING, "ENTRY_PREEMPTED": PREEMPTED,
                  "RECORD_HAS_TOKEN": HAS_TOKEN, "RECORD_FINISHED": FINISHED, "RECORD_PREEMPTED": WAS_PREEMPTED,
                  "REASON_NONE": REASON_NONE, "REASON_STOP": REASON_STOP, "REASON_LENGTH": REASON_LENGTH,
                  "REASON_CANCELLED": REASON_CANCELLED, "STATUS_STARTING": STARTING, "STATUS_SERVING": SERVING,
-                 "STATUS_STOPPED": STOPPED, "STATUS_FAILED": FAILED, "MAX_BATCH": shape.max_batch,
-                 "PAGE_SIZE": shape.page_size, "NUM_PAGES": shape.num_pages, "SERVE_MAX_SEQ": shape.max_seq,
-                 "QUEUE_SLOTS": shape.queue_slots, "RING_RECORDS": shape.ring_records, "HANDLES": shape.handles,
-                 "PAGES_PER_REQUEST": shape.pages_per_request, "MAX_TOKENS_PER_STEP": shape.max_tokens_per_step}
+                 "STATUS_STOPPED": STOPPED, "STATUS_FAILED": FAILED}
     parts = [f"constexpr long long {k} = {v};" for k, v in constants.items()]
     parts += [layout.c_struct() for layout in LAYOUTS]
+    return "\n".join(parts) + "\n"
+
+
+def c_declarations(shape: ServingShape) -> str:
+    """c_layouts, then the shape's sizes as constants (MAX_BATCH, PAGE_SIZE, ...) and both regions'
+    offsets: what a device's source includes."""
+    constants = {"MAX_BATCH": shape.max_batch, "PAGE_SIZE": shape.page_size, "NUM_PAGES": shape.num_pages,
+                 "SERVE_MAX_SEQ": shape.max_seq, "QUEUE_SLOTS": shape.queue_slots, "RING_RECORDS": shape.ring_records,
+                 "HANDLES": shape.handles, "PAGES_PER_REQUEST": shape.pages_per_request,
+                 "MAX_TOKENS_PER_STEP": shape.max_tokens_per_step}
+    parts = [c_layouts().rstrip("\n")]
+    parts += [f"constexpr long long {k} = {v};" for k, v in constants.items()]
     parts += [host_region(shape).c_offsets(), device_region(shape).c_offsets()]
     return "\n".join(parts) + "\n"

@@ -1,5 +1,5 @@
-"""Tiny Llama-3 and Qwen3 checkpoints for the serving tests, and a driver that runs the CPU device's steps
-by hand so that each request arrives at a chosen step."""
+"""Tiny Llama-3 and Qwen3 checkpoints for the serving tests, a driver that runs the CPU device's steps by
+hand so that each request arrives at a chosen step, and the choice of the CPU device's scheduler."""
 from __future__ import annotations
 
 import time
@@ -11,6 +11,7 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.checkpoint import random_weights, save_checkpoint
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
+from mdsl.serving import engine
 from tests.megakernel.tiny import tiny_config_dict
 
 POSITIONS = 64
@@ -46,6 +47,19 @@ def checkpoints(tmp_path_factory) -> dict:
 def long_checkpoints(tmp_path_factory) -> dict:
     return {arch: write_checkpoint(tmp_path_factory.mktemp(f"{arch}-long"), arch, positions=LONG_POSITIONS)
             for arch in ("llama3", "qwen3")}
+
+
+@pytest.fixture(params=["python", "native"])
+def scheduler(request, monkeypatch) -> str:
+    """The scheduler of the CPU devices that the test's engines make: CpuDevice's own (Python), or the
+    megakernel's C++ scheduler built for the host (tests/serving/native_scheduler.py; skipped where it
+    cannot be built)."""
+    if request.param == "native":
+        from tests.serving.native_scheduler import NativeSchedulerDevice, host_library
+
+        host_library()
+        monkeypatch.setattr(engine, "CpuDevice", NativeSchedulerDevice)
+    return request.param
 
 
 def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:

@@ -27,7 +27,7 @@ def assert_pool_full(llm) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_32_requests_arriving_at_random_steps_match_alone_and_the_reference_bit_for_bit(checkpoints, arch):
+def test_32_requests_arriving_at_random_steps_match_alone_and_the_reference_bit_for_bit(checkpoints, arch, scheduler):
     ckpt = checkpoints[arch]
     rng = np.random.default_rng(1)
     prompts = random_prompts(rng, 32)
@@ -57,7 +57,7 @@ def test_32_requests_arriving_at_random_steps_match_alone_and_the_reference_bit_
             assert np.array_equal(mine, row) and np.array_equal(lone, mine), (i, pos)
 
 
-def test_seeded_sampling_is_reproducible_and_does_not_depend_on_the_batch(checkpoints):
+def test_seeded_sampling_is_reproducible_and_does_not_depend_on_the_batch(checkpoints, scheduler):
     ckpt = checkpoints["qwen3"]
     rng = np.random.default_rng(2)
     settings = [dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.7), dict(temperature=1.3, top_k=20,
@@ -85,7 +85,7 @@ def test_seeded_sampling_is_reproducible_and_does_not_depend_on_the_batch(checkp
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_arrivals_into_a_small_pool_wait_or_are_preempted_and_finish_as_alone(checkpoints, seed):
+def test_random_arrivals_into_a_small_pool_wait_or_are_preempted_and_finish_as_alone(checkpoints, seed, scheduler):
     ckpt = checkpoints["llama3" if seed % 2 else "qwen3"]
     rng = np.random.default_rng(10 + seed)
     prompts = random_prompts(rng, 10, 2, 12)
@@ -112,7 +112,7 @@ def test_random_arrivals_into_a_small_pool_wait_or_are_preempted_and_finish_as_a
     assert [outs[i].token_ids for i in range(len(prompts))] == expected
 
 
-def test_cancel_ends_running_preempted_queued_and_held_requests_and_frees_their_pages(checkpoints):
+def test_cancel_ends_running_preempted_queued_and_held_requests_and_frees_their_pages(checkpoints, scheduler):
     ckpt = checkpoints["llama3"]
     prompts = random_prompts(np.random.default_rng(3), 9, 8, 8)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -151,7 +151,7 @@ def test_cancel_ends_running_preempted_queued_and_held_requests_and_frees_their_
     assert len(running.result().token_ids) > 0 and queued_head.result().token_ids == ()
 
 
-def test_streams_arrive_in_order_without_duplicates_across_preemptions(checkpoints):
+def test_streams_arrive_in_order_without_duplicates_across_preemptions(checkpoints, scheduler):
     ckpt = checkpoints["qwen3"]
     prompts = random_prompts(np.random.default_rng(4), 10, 4, 8)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -170,7 +170,7 @@ def test_streams_arrive_in_order_without_duplicates_across_preemptions(checkpoin
             assert out.token_ids == ckpt.reference().generate(prompt, 12).tokens
 
 
-def test_max_batch_bounds_the_requests_running_together(checkpoints):
+def test_max_batch_bounds_the_requests_running_together(checkpoints, scheduler):
     ckpt = checkpoints["llama3"]
     prompts = random_prompts(np.random.default_rng(5), 10)
     with LLM(ckpt.folder, max_batch=3, page_size=4) as llm:
@@ -187,7 +187,7 @@ def test_max_batch_bounds_the_requests_running_together(checkpoints):
 
 
 @pytest.mark.parametrize("damage", ["duplicate", "lost", "out of range"])
-def test_a_damaged_page_pool_stops_the_device(checkpoints, damage):
+def test_a_damaged_page_pool_stops_the_device(checkpoints, damage, scheduler):
     from mdsl.serving.params import ServingError
 
     with LLM(checkpoints["llama3"].folder, max_batch=2, page_size=4) as llm:

@@ -33,7 +33,7 @@ def served(folder: str, requests: list, **engine) -> tuple:
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_prompts_of_1_to_300_tokens_give_the_references_tokens_and_logits_under_every_chunk_size(long_checkpoints,
-                                                                                                  arch):
+                                                                                                  arch, scheduler):
     ckpt = long_checkpoints[arch]
     rng = np.random.default_rng(20)
     requests = [(prompt_of(rng, n), SamplingParams(max_new_tokens=6, ignore_eos=True)) for n in LENGTHS]
@@ -53,7 +53,7 @@ def test_prompts_of_1_to_300_tokens_give_the_references_tokens_and_logits_under_
         assert all(np.array_equal(rows[pos][0], ref[pos][0]) for rows, ref in zip(logits, first) for pos in rows)
 
 
-def test_seeded_top_k_top_p_tokens_do_not_depend_on_the_chunk_size(long_checkpoints):
+def test_seeded_top_k_top_p_tokens_do_not_depend_on_the_chunk_size(long_checkpoints, scheduler):
     ckpt = long_checkpoints["qwen3"]
     rng = np.random.default_rng(21)
     settings = [dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.7),
@@ -68,7 +68,7 @@ def test_seeded_top_k_top_p_tokens_do_not_depend_on_the_chunk_size(long_checkpoi
 
 
 def test_a_long_prompt_runs_in_chunks_beside_the_decode_tokens_and_every_request_matches_its_solo_run(
-        long_checkpoints):
+        long_checkpoints, scheduler):
     ckpt = long_checkpoints["llama3"]
     rng = np.random.default_rng(22)
     short = [prompt_of(rng, n) for n in (3, 9, 5, 12)]
@@ -115,7 +115,7 @@ def test_a_long_prompt_runs_in_chunks_beside_the_decode_tokens_and_every_request
 
 
 @pytest.mark.parametrize("length, steps", [(256, 4), (257, 5), (64, 1), (63, 1)])
-def test_a_prompt_takes_one_step_per_chunk(long_checkpoints, length, steps):
+def test_a_prompt_takes_one_step_per_chunk(long_checkpoints, length, steps, scheduler):
     prompt = prompt_of(np.random.default_rng(23), length)
     with LLM(long_checkpoints["qwen3"].folder, max_batch=4, max_tokens_per_step=64) as llm:
         out = llm.submit(prompt, SamplingParams(max_new_tokens=1)).result()
@@ -127,7 +127,7 @@ def test_a_prompt_takes_one_step_per_chunk(long_checkpoints, length, steps):
         assert (stats.steps, stats.tokens) == (2 * steps + 2, 2 * length + 2)
 
 
-def test_a_chunk_takes_the_pages_of_all_its_positions_at_once(long_checkpoints):
+def test_a_chunk_takes_the_pages_of_all_its_positions_at_once(long_checkpoints, scheduler):
     with LLM(long_checkpoints["llama3"].folder, max_batch=2, page_size=8, max_tokens_per_step=50) as llm:
         llm.device.hold()
         llm.submit(prompt_of(np.random.default_rng(24), 120), SamplingParams(max_new_tokens=2))
@@ -142,7 +142,7 @@ def test_a_chunk_takes_the_pages_of_all_its_positions_at_once(long_checkpoints):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_chunked_prompts_in_a_small_pool_wait_or_are_preempted_and_finish_as_alone(long_checkpoints, seed):
+def test_chunked_prompts_in_a_small_pool_wait_or_are_preempted_and_finish_as_alone(long_checkpoints, seed, scheduler):
     ckpt = long_checkpoints["qwen3" if seed % 2 else "llama3"]
     rng = np.random.default_rng(30 + seed)
     prompts = [prompt_of(rng, int(n)) for n in rng.integers(20, 90, 8)]
@@ -170,7 +170,7 @@ def test_chunked_prompts_in_a_small_pool_wait_or_are_preempted_and_finish_as_alo
     assert [outs[i].token_ids for i in range(len(prompts))] == expected
 
 
-def test_a_budget_below_the_decoding_requests_runs_the_oldest_first_and_stalls_none_for_good(checkpoints):
+def test_a_budget_below_the_decoding_requests_runs_the_oldest_first_and_stalls_none_for_good(checkpoints, scheduler):
     ckpt = checkpoints["llama3"]
     rng = np.random.default_rng(25)
     prompts = [prompt_of(rng, int(n)) for n in rng.integers(1, 10, 5)]
