@@ -201,7 +201,7 @@ class ServingEmulator(Slots):
             p = np.exp(scores - top)
             total = p.sum(axis=1, keepdims=True)
             weighted = self.round(p) @ values.astype(np.float32)
-            self.buf["parts"][layer, g, i] = np.concatenate([top, total, weighted], axis=1)
+            self.buf["parts"][g, i] = np.concatenate([top, total, weighted], axis=1)
             counts = self.serve["merge_counts"]
             counts[layer, r, g] += 1
             if counts[layer, r, g] == item["splits"]:    # the row's last item of the kv head merges, and resets
@@ -212,7 +212,7 @@ class ServingEmulator(Slots):
         """A row's splits of kv head g merged in split order: each split's sums scaled by exp(its max - the max);
         one split is attend's (p @ values) / sum exactly."""
         s, d = self.s, self.s.head_dim
-        parts = self.buf["parts"][layer, g, first:first + splits]
+        parts = self.buf["parts"][g, first:first + splits]
         top = parts[:, :, 0].max(axis=0)
         weighted = total = None
         for j in range(splits):

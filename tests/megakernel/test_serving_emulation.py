@@ -18,9 +18,10 @@ import pytest
 from mdsl import LLM, SamplingParams
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.runtime.serving_plan import (ATTN_ITEM, SERVING_LAYOUTS, check_serving_plan, plan_serving)
+from mdsl.megakernel.runtime.serving_plan import (ATTN_ITEM, SCHEDULE_EVENT, SERVING_LAYOUTS, STEP, check_serving_plan,
+                                                  plan_serving)
 from mdsl.megakernel.runtime.shape import decoder_shape
-from mdsl.megakernel.runtime.task_plan import Kind, PlanError
+from mdsl.megakernel.runtime.task_plan import Access, Kind, PlanError
 from mdsl.serving.protocol import ServingShape
 from tests.megakernel.serving_emulator import ServingEmulator
 from tests.megakernel.tiny import tiny_model
@@ -113,7 +114,8 @@ def test_the_tables_give_the_cpu_devices_tokens_and_logits_bit_for_bit(checkpoin
     assert (stats.preemptions > 0 and stats.peak_running >= 3) or budget == 1   # (one row a step: one at a time)
     for key, out in outputs.items():
         assert out.token_ids == want[key].token_ids and out.finish_reason == "length"
-        assert len(logits[key]) >= len(out.token_ids)
+        prompt_end = len(out.prompt_token_ids) - 1   # every token sampled once, at the position before it
+        assert sorted(logits[key]) == list(range(prompt_end, prompt_end + len(out.token_ids)))
         for pos, rows in logits[key].items():
             assert all(np.array_equal(row, want_logits[key][pos][0]) for row in rows), (key, pos)
     assert np.isfinite(emulator.k_pool).any()
@@ -212,6 +214,12 @@ def test_the_checker_catches_a_missing_wait_and_a_task_that_leads_nowhere():
         check_serving_plan(attrs.evolve(plan, waits=tuple(dropped)))
     with pytest.raises(PlanError, match="SCHEDULE"):
         check_serving_plan(attrs.evolve(plan, waits=((),) + plan.waits[1:]))
+    # a layer's ATTN task that waits for the step's tables only would rewrite the partials under a merge
+    k = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.ATTN and t.layer == 1)
+    tasks, waits = list(plan.tasks), list(plan.waits)
+    tasks[k], waits[k] = attrs.evolve(tasks[k], reads=(Access(STEP, 0, 1),)), (SCHEDULE_EVENT,)
+    with pytest.raises(PlanError, match="partials"):
+        check_serving_plan(attrs.evolve(plan, tasks=tuple(tasks), waits=tuple(waits)))
 
 
 @pytest.mark.parametrize(("arch", "overrides", "what"), [("gemma2", {"sliding_window": 64}, "linear_norm_residual|"

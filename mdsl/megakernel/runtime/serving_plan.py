@@ -89,6 +89,9 @@ SERVED_OPS = frozenset({"norm_linear", "norm_linear_bias", "rope_attention", "ro
 
 SCHEDULE_EVENT = 1   # the event SCHEDULE signals (event 0: the previous step's SAMPLE tasks)
 STEP = "step"        # the scheduler's tables of the step, as a buffer the tasks read (the protocol's and region's)
+# the ATTN items' partials: one buffer for every layer (at 256 rows of 64 splits, 8 kv heads of 4 query heads of 128
+# dims, 272 MB), since a layer's ATTN tasks follow the previous layer's merges (through its o-proj tiles)
+PARTS = "parts"
 
 
 @attrs.frozen
@@ -198,14 +201,14 @@ class ServingPlan:
         ])
 
     def activations(self) -> dict:
-        """The kernel's per-step buffers and their float32 shapes (rows first where a buffer has a row per step
+        """The kernel's per-step buffers and their shapes in elements (rows first where a buffer has a row per step
         row): the residual stream's rows, q|k|v, attention and MLP rows, the ATTN items' partials (per head of
-        the item's kv head: its maximum, sum and weighted values), the sampling rows' logits and their tiles'
-        bests (value, token)."""
+        the item's kv head: its maximum, sum and weighted values; one buffer for every layer), the sampling rows'
+        logits and their tiles' bests (value, token)."""
         s, r = self.shape, self.max_rows
         return {"h": (s.layers + 1, r, s.hidden), "mid": (s.layers, r, s.hidden), "qkv": (s.layers, r, s.qkv_rows),
                 "attn": (s.layers, r, s.attention_width), "act": (s.layers, r, s.intermediate),
-                "parts": (s.layers, s.kv_heads, self.max_items, s.group, s.head_dim + 2),
+                "parts": (s.kv_heads, self.max_items, s.group, s.head_dim + 2),
                 "logits": (self.serving.max_batch, s.vocab), "best": (self.serving.max_batch, self.lm_tiles, 2)}
 
     def c_declarations(self) -> str:
@@ -318,7 +321,7 @@ def _over_rows(task: PlannedTask, plan: ServingPlan) -> PlannedTask:
     elif task.kind is Kind.ATTN:
         g = task.begin
         reads = (*reads, Access(f"kv{task.layer}", g, g + 1))
-        writes = (Access(f"parts{task.layer}", g, g + 1), task.writes[-1])
+        writes = (Access(PARTS, g, g + 1), task.writes[-1])
     return attrs.evolve(task, reads=reads, writes=writes)
 
 
@@ -327,8 +330,10 @@ def check_serving_plan(plan: ServingPlan) -> None:
     previous step (event 0: every SAMPLE task, the step's last tasks); events count exactly the tasks that signal
     them; waits point backwards; every task's inputs are written by tasks it waits for (directly or through
     others), SCHEDULE's among them (the step's tables, h0); every kv head of every
-    layer has QKV tiles appending it; every (layer, kv head) has the U ATTN tasks 0 .. U - 1; and every task
-    leads to a SAMPLE task, so that no task of a step still reads what the next SCHEDULE rewrites."""
+    layer has QKV tiles appending it; every (layer, kv head) has the U ATTN tasks 0 .. U - 1, each of which
+    descends from every ATTN task of the previous layer's kv head (the partials' one buffer is rewritten only
+    once the previous layer's merges have read it); and every task leads to a SAMPLE task, so that no task of a
+    step still reads what the next SCHEDULE rewrites."""
     tasks, n, p = plan.tasks, len(plan.tasks), plan.samplers
     samplers = list(range(n - p, n))
     if tasks[0].kind is not Kind.SCHEDULE or any(t.kind is Kind.SCHEDULE for t in tasks[1:]):
@@ -375,19 +380,24 @@ def check_serving_plan(plan: ServingPlan) -> None:
     s = plan.shape
     appenders: dict = {}
     attention: dict = {}
-    for t in tasks:
+    for k, t in enumerate(tasks):
         if t.kind is Kind.QKV:
             for g in plan.appended_heads(t):
                 appenders[t.layer, g] = appenders.get((t.layer, g), 0) + 1
         elif t.kind is Kind.ATTN:
-            attention.setdefault((t.layer, t.begin), []).append(t.end)
+            attention.setdefault((t.layer, t.begin), []).append((t.end, k))
     for layer in range(s.layers):
         for g in range(s.kv_heads):
             if not appenders.get((layer, g)):
                 raise PlanError(f"no QKV tile of layer {layer} appends kv head {g}")
-            if sorted(attention.get((layer, g), [])) != list(range(plan.attention_tasks)):
+            if sorted(u for u, _ in attention.get((layer, g), [])) != list(range(plan.attention_tasks)):
                 raise PlanError(f"layer {layer}'s kv head {g} has ATTN tasks {attention.get((layer, g))}, not "
                                 f"0 .. {plan.attention_tasks - 1}")
+            for _, k in attention.get((layer, g), []) if layer else ():
+                early = [q for _, q in attention[layer - 1, g] if not ancestors[k] >> q & 1]
+                if early:
+                    raise PlanError(f"task {k} ({tasks[k].label()}) may write the partials while task {early[0]} "
+                                    f"({tasks[early[0]].label()}) of the previous layer merges from them")
     reaches = [k >= n - p for k in range(n)]
     for k in range(n - 1, 0, -1):
         if reaches[k]:
