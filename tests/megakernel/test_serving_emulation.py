@@ -238,6 +238,6 @@ def test_the_c_declarations_compile_with_the_hosts_sizes_and_offsets():
         pytest.skip("no host C++ compiler to check the offsets with offsetof")
     for layout in SERVING_LAYOUTS:
         assert f"static_assert(sizeof({layout.name}) == {layout.size}" in source
-    run = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-x", "c++", "-"], input="#include <cstddef>\n" + source,
-                         capture_output=True, text=True)
+    run = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-x", "c++", "-"],
+                         input="#include <cstddef>\n" + source, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
