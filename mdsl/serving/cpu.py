@@ -202,24 +202,59 @@ class CpuDevice:
         self._notify_host()
 
     def _step(self) -> bool:
-        control = self.host["control"]
-        self._tell_host = False
+        worked, rows = self._begin_step()
+        self._end_step(self._run_chunks() if rows else {})
+        self._flush_host()
+        return worked or rows > 0
+
+    def _begin_step(self) -> tuple:
+        """The scheduler's half before the forward: cancel, plan, pages, admit, and write the step's tables
+        (its header, chunks and rows). Returns (whether a request was admitted or retired, the step's rows)."""
         worked = self._cancel()
         plan, preempted = self._give_pages(self._plan(self._by_age(RUNNING), self.shape.max_tokens_per_step),
                                            may_preempt=True)
         if not preempted:              # a step that had to preempt admits nothing
             worked = self._admit(plan) or worked
-        rows = self._run_step(plan)
-        control["running"], control["step_tokens"] = len(plan), rows
-        if plan:
+        return worked, self._write_step(plan)
+
+    def _run_chunks(self) -> dict:
+        """The step the scheduler wrote, run: the forward over its rows, then the token each chunk that
+        samples chooses from its last row's logits. Returns chunk index -> token; every row's logits are
+        recorded while `record_logits`."""
+        step = self.state["step"][0]
+        chunks = self.state["chunks"][:int(step["num_chunks"])]
+        logits = self._forward(step, chunks, self.state["rows"][:int(step["num_rows"])])
+        if self.record_logits:
+            entries = self.state["entries"]
+            for e, first, n, row, _, _ in chunks.tolist():
+                per = self.logits.setdefault(int(entries["request"]["request_id"][e]), {})
+                for i in range(n):
+                    per.setdefault(first + i, []).append(logits[row + i])
+        return self._samples(logits)
+
+    def _end_step(self, tokens: dict) -> None:
+        """The scheduler's half after the forward, from the step's tables: advance each chunk's entry, take
+        the token `tokens[c]` of each chunk c that samples (stream it, retire the entry where it stops), and
+        update the control words."""
+        control, entries, step = self.host["control"], self.state["entries"], self.state["step"][0]
+        chunks, rows = self.state["chunks"][:int(step["num_chunks"])], int(step["num_rows"])
+        for c, (e, first, n, _, sampled, _) in enumerate(chunks.tolist()):
+            entries["context"][e] = first + n
+            if sampled:
+                self._choose(e, tokens[c], first + n - 1)
+        control["running"], control["step_tokens"] = len(chunks), rows
+        if len(chunks):
             control["steps"] += 1
             control["tokens"] += rows
-            control["peak_running"] = max(int(control["peak_running"][0]), len(plan))
+            control["peak_running"] = max(int(control["peak_running"][0]), len(chunks))
         control["free_pages"] = self.state["pool"]["free_count"][0]
         self._check_pool()
+
+    def _flush_host(self) -> None:
+        """Wake the host if a record was written or a queue slot taken since the last time."""
         if self._tell_host:
+            self._tell_host = False
             self._notify_host()
-        return worked or len(plan) > 0
 
     # ---- the scheduler's parts
 
@@ -319,9 +354,9 @@ class CpuDevice:
             self._tell_host = True
             start(e)
 
-    def _run_step(self, plan: list) -> int:
-        """Write the step (its header, chunks and rows), run it, advance each chunk's entry and sample where
-        a chunk ends at the entry's last known token. Returns the step's rows."""
+    def _write_step(self, plan: list) -> int:
+        """Write the step's header, chunks and rows for `plan` ((entry, tokens) pairs); a chunk samples where
+        it ends at the entry's last known token. Returns the step's rows."""
         entries, history = self.state["entries"], self.state["history"]
         step, chunks, rows = self.state["step"], self.state["chunks"], self.state["rows"]
         r = samples = 0
@@ -334,30 +369,14 @@ class CpuDevice:
             rows["chunk"][r:r + n] = c
             r, samples = r + n, samples + sampled
         step["num_chunks"], step["num_rows"], step["num_samples"] = len(plan), r, samples
-        if not plan:
-            return 0
-        tokens = self._run_chunks()
-        for c, (e, first, n, _, sampled, _) in enumerate(chunks[:len(plan)].tolist()):
-            entries["context"][e] = first + n
-            if sampled:
-                self._choose(e, tokens[c], first + n - 1)
         return r
 
-    def _run_chunks(self) -> list:
-        """The step the scheduler wrote (its header, chunks and rows), run: the forward over its rows, then the
-        token each chunk that samples chooses from its last row's logits. Returns the tokens by chunk (-1
-        where a chunk does not sample)."""
-        step = self.state["step"][0]
-        chunks = self.state["chunks"][:int(step["num_chunks"])]
-        logits = self._forward(step, chunks, self.state["rows"][:int(step["num_rows"])])
-        entries, tokens = self.state["entries"], []
-        for e, first, n, row, sampled, _ in chunks.tolist():
-            if self.record_logits:
-                per = self.logits.setdefault(int(entries["request"]["request_id"][e]), {})
-                for i in range(n):
-                    per.setdefault(first + i, []).append(logits[row + i])
-            tokens.append(self._token(e, logits, row + n - 1, first + n - 1) if sampled else -1)
-        return tokens
+    def _samples(self, logits: dict) -> dict:
+        """Chunk index -> the token its entry samples from its last row's `logits`, for the step's chunks
+        that sample."""
+        chunks = self.state["chunks"][:int(self.state["step"]["num_chunks"][0])]
+        return {c: self._token(e, logits, row + n - 1, first + n - 1)
+                for c, (e, first, n, row, sampled, _) in enumerate(chunks.tolist()) if sampled}
 
     def _token(self, e: int, logits: dict, row: int, pos: int) -> int:
         """Entry e's next token, sampled from the logits of `row` (at `pos`, its last known position)."""

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
-from mdsl.megakernel.modelgraph.epilogues import evaluate_op
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, expert_slot, rope_tables
 from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
+from tests.megakernel.emulation import Slots, run_workers
 from tests.megakernel.tiny import tiny_model
 
 
-class Emulator:
+class Emulator(Slots):
     """device.cu's Params and bodies in numpy (f32 math, values rounded to the model's dtype where the
     kernel rounds them), its weights those the plan binds to the device's slots (TaskPlan.weights), its
     bodies' residual-stream rows those the plan's kinds read and write (KindOp.streams)."""
@@ -37,19 +37,6 @@ class Emulator:
         self.k_cache = np.zeros((s.layers, plan.max_seq, s.kv_heads, s.head_dim), np.float32)
         self.v_cache = np.zeros_like(self.k_cache)
         self.head = self.layer(None, "lm_head")
-
-    def layer(self, layer, slot):
-        """The device's weight slot of a layer (None: the kernel's own): the rows of the graph weight the plan
-        binds to it (a part of a fused weight: its rows of it), or None where it binds none."""
-        bound = self.plan.weight(slot, layer)
-        if bound is None:
-            return None
-        return self.w[bound.name][bound.row:bound.row + self.s.slot_shape(slot)[0]]
-
-    def stream(self, kind, role, layer):
-        """The residual-stream row that the kind's body reads or writes as `role` at a task's layer, or None."""
-        found = self.plan.op_of(kind).stream(role)
-        return None if found is None else self.buf[found[0]][layer + found[1]]
 
     def norm(self, x, weight, eps, unit_offset=False):
         r = 1.0 / math.sqrt(float(np.mean(x.astype(np.float64) ** 2)) + eps)
@@ -90,33 +77,12 @@ class Emulator:
         self.split_counts = {}
         self.tile_counts = {}   # (kind, layer) -> tiles done (linear_norm_residual's last tile)
         self.tiles = {kind: sum(u.kind is kind and u.layer == 0 for u in plan.tasks) for kind in (Kind.OPROJ, Kind.DOWN)}
-        events = plan.initial_events().astype(np.int64)
-        held = list(range(self.workers))   # worker w's next task index
-        while True:
-            ready = []
-            for w, index in enumerate(held):
-                if index is None:
-                    continue
-                step, k = divmod(index, n_tasks)
-                if index >= steps * n_tasks or (self.stop is not None and step > self.stop):
-                    held[w] = None       # the worker leaves, as on the device
-                    continue
-                if all(events[e] >= plan.events[e].per_step * (step + 1) for e in plan.waits[k]):
-                    ready.append(w)
-            if not ready:
-                assert all(h is None for h in held), f"deadlock: every worker waits ({held})"
-                return self.out, self.buf["logits"].copy()
-            w = ready[self.rng.integers(len(ready))]
-            step, k = divmod(held[w], n_tasks)
-            self.execute(plan.tasks[k], step, k)
-            for e in plan.signals[k]:
-                events[e] += 1
-            held[w] += self.workers
 
-    def epilogue(self, kind, **inputs):
-        """The kind's layer-op epilogue, rounded to the model's dtype as the generated bodies round it."""
-        k = self.plan.op_of(kind)
-        return evaluate_op(k.op, k.attr_dict, inputs, self.s.dtype)
+        def last() -> int:   # the launch ends after `steps` steps, or after the step whose sampler stops it
+            return n_tasks * (steps if self.stop is None else min(steps, self.stop + 1)) - 1
+
+        run_workers(plan, self.workers, self.rng, lambda step, k: self.execute(plan.tasks[k], step, k), last)
+        return self.out, self.buf["logits"].copy()
 
     def execute(self, t, step, k):
         s, b, pos = self.s, self.buf, step

@@ -131,7 +131,8 @@ class NativeSchedulerDevice(CpuDevice):
         scheduler = self.scheduler
         scheduler.begin()
         scheduler.flush()            # what the ring has room for now: the host reads it during the forward
-        scheduler.end(self._run_chunks() if self.state["step"]["num_chunks"][0] else [])
+        chosen = self._run_chunks() if self.state["step"]["num_rows"][0] else {}
+        scheduler.end([chosen.get(c, -1) for c in range(int(self.state["step"]["num_chunks"][0]))])
         while scheduler.flush():
             if self._stop:
                 raise _Stop()

@@ -20,7 +20,7 @@ from mdsl.ir.dtypes import bf16, f32, round_to_dtype
 from mdsl.megakernel.runtime.cuda_bodies import generate_bodies, residual_columns, runtime_sections
 from mdsl.megakernel.runtime.megakernel_options import MAX_SPLITS, WEIGHT_KIND_NAMES, MegakernelOptions
 from mdsl.megakernel.runtime.profile import BODY_MARKS
-from mdsl.megakernel.runtime.task_plan import Kind, TaskPlan
+from mdsl.megakernel.runtime.task_plan import SERVING_KINDS, Kind, TaskPlan
 
 KERNEL_NAME = "mdsl_megakernel"
 THREADS = 256                    # device.cu's NT: the compute warps' threads
@@ -308,7 +308,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
         "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": plan.min_chunk, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
         "LM_TILES": plan.lm_tiles, "WORLD": plan.world, "RESIDUAL_OFFSET": linear_row_floats(plan),
         "RESIDUAL_COLUMNS": max(residual_columns(plan), 1),
-        **{f"KIND_{kind.name}": int(kind) for kind in Kind if kind not in MOE_KINDS},
+        **{f"KIND_{kind.name}": int(kind) for kind in Kind if kind not in MOE_KINDS + SERVING_KINDS},
     }
     sections = runtime_sections(plan)
     if "WINDOW" in sections:

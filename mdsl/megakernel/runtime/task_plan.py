@@ -41,6 +41,7 @@ sequential decoder's, Llama-3's):
            mid_l + norm(h_{l+1}), before it signals)
   LMHEAD   rows of logits = W_lm rms_norm(h_L) and the tile's best token
   SAMPLE   the token (greedy, temperature, top-p), stop conditions, next step's embedding row
+  SCHEDULE a serving step's boundary: the tables of serving steps of many rows only (serving_plan.py)
 A mixture of experts' layer (Qwen3-MoE), in place of GATEUP and DOWN:
   ROUTER       rows (experts) of the router's logits W_router rms_norm(mid_l); the tile that finishes last
                (a per-layer counter, as attention's merge) routes: softmax, top-k, the k expert ids and weights
@@ -79,6 +80,8 @@ class Kind(enum.IntEnum):
     DOWN = 5
     LMHEAD = 6
     SAMPLE = 7
+    # the serving tables' step boundary (serving_plan.py; the kernel declares it only where a plan has it)
+    SCHEDULE = 8
     # a mixture of experts' (numbered apart from the decoders' kinds: the kernel declares them only where a plan
     # has them, kernel_source.py)
     ROUTER = 12
@@ -86,6 +89,7 @@ class Kind(enum.IntEnum):
     EXPERT_DOWN = 14
 
 
+SERVING_KINDS = (Kind.SCHEDULE,)
 EMBEDDING = "h0"   # the residual stream's first buffer: the embedding row, written by the previous step
 
 
