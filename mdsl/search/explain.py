@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
-from mdsl.search.cost import kernel_costs
+from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
@@ -70,7 +70,7 @@ def _launches(original: KernelGraph, chosen: KernelGraph, run: tuple, record: di
     if j - i == 1:
         return 1
     if (i, j) == (0, len(original.nodes)) and chosen.key not in record.get("assemblies", {}):
-        return len(kernel_costs(chosen))
+        return estimate(chosen).launches
     part = record.get("parts", {}).get(f"{i}:{j}", {})
     return int(part.get("launches") or 1)
 
