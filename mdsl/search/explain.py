@@ -7,7 +7,8 @@ last): an operator without a block-level rule (a layout change), kernels that sh
 or loop choice lifting it (with the shared memory its tiles would need where that is why), a fused
 candidate that failed its reduced-instance screen, a whole plan that fused them and failed
 verification or was cut by the budget, or the cost model's estimate that they are faster apart. Inside
-one run, two kernels are a split loop and its combine.
+one run, two launches are a split loop and its combine (which qualify for one launch where they can:
+mdsl.lowering.onelaunch; then no boundary is between them).
 """
 from __future__ import annotations
 

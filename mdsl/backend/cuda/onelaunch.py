@@ -56,8 +56,8 @@ def _arrive(scope, kernel: OneLaunchKernel) -> tuple:
           f"if (combines) atomicExch({scope.counters} + ({group}), 0u);   // zero again for the next launch")
     w("if (!__syncthreads_or(combines)) return;   // (the same on every thread of the block)")
     if kernel.second.threads < kernel.first.threads:
-        w(f"if (threadIdx.x >= {kernel.second.threads}) return;   // K2's threads combine (a barrier does not "
-          "wait for exited threads)")
+        w(f"if (threadIdx.x >= {kernel.second.threads}) return;   // the combine's threads stay (a barrier does "
+          "not wait for exited threads)")
     names = []
     for axis in range(3):
         found = groups.coordinate(axis)
