@@ -4,7 +4,9 @@ fast-path programs (ragged and batched tensor-core matmuls, sums in registers, p
 depth, other block sizes, hoisting and streamed combines off) under every option set, their loaded modules
 reporting no spills, and every example program (as written, and the
 guided plan of each specification) with each fast path off, so that a run shows both settings of
-every switch correct (the default settings run in test_gpu_examples and test_gpu_coverage)."""
+every switch correct (the default settings run in test_gpu_examples and test_gpu_coverage); and split plans
+with their combine in the split's launch (mdsl.lowering.onelaunch): repeated calls against the reference,
+bit for bit against the two launches, and two executables on two streams at once."""
 from __future__ import annotations
 
 import pytest
