@@ -36,14 +36,17 @@ class BufferPlan:
     `bindings`: (slot, argument index) for slots that hold an argument's pointer (inputs first, then
     outputs). `scratch`: (slot, bytes) for intermediates, allocated once. `copies`: (destination,
     source argument index, bytes) for outputs whose value lives in another argument's buffer (an output
-    that is an input, or a view of one, or the same value returned twice). `launch_slots`: per launch,
-    the slot of each of its arguments."""
+    that is an input, or a view of one, or the same value returned twice). `counters`: (slot, bytes) for
+    the group counters of the launches that take them (`KernelLaunch.counters`: a split and its combine in
+    one launch), allocated once and zeroed: each launch leaves them zero. `launch_slots`: per launch, the
+    slot of each of its arguments (its counters' last)."""
 
     slots: int
     bindings: tuple
     scratch: tuple
     copies: tuple
     launch_slots: tuple
+    counters: tuple = ()
 
 
 def _value_types(graph: KernelGraph) -> dict:
@@ -97,8 +100,16 @@ def plan_buffers(graph: KernelGraph, launches: Sequence, aliases: Sequence) -> B
                 scratch.append((slot_of[root], size))
         return slot_of[root]
 
-    launch_slots = tuple(tuple(slot(a) for a in launch.args) for launch in launches)
-    return BufferPlan(len(slot_of), tuple(bindings), tuple(scratch), tuple(copies), launch_slots)
+    launch_slots, counters = [], []
+    for launch in launches:
+        slots = tuple(slot(a) for a in launch.args)
+        count = getattr(launch, "counters", 0)
+        if count:   # a buffer of its own after the values' (never a value: no name to share)
+            counters.append((len(slot_of) + len(counters), 4 * count))
+            slots += (counters[-1][0],)
+        launch_slots.append(slots)
+    return BufferPlan(len(slot_of) + len(counters), tuple(bindings), tuple(scratch), tuple(copies),
+                      tuple(launch_slots), tuple(counters))
 
 
 def _dim3(value) -> tuple:
@@ -116,8 +127,10 @@ class Executable:
     layout, alignment) before launching anything, runs the program's kernels in order on the stream,
     and returns the outputs: those passed in, or new ones (torch tensors when the inputs are torch
     tensors, DeviceArrays otherwise). `run_pointers` is the unchecked path for callers that manage
-    memory themselves. Intermediate buffers are allocated once, so calls that overlap on different
-    streams must use different Executables.
+    memory themselves. Intermediate buffers and the group counters of a split and its combine in one
+    launch (mdsl.lowering.onelaunch) are allocated once, so calls that overlap on different streams must use
+    different Executables (each has its own); calls one after another, on one stream or ordered across
+    streams, find the counters zero as the previous call left them.
     """
 
     def __init__(self, program, module, *, device: int = 0):
@@ -150,6 +163,8 @@ class Executable:
                                                                                      plan.launch_slots))
         for slot, size in plan.scratch:
             self._ptrs[slot] = self._allocate_scratch(size)
+        for slot, size in plan.counters:
+            self._ptrs[slot] = self._allocate_scratch(size, fill=0)
         #: the launches that a library runs instead of their kernels (cuBLAS GEMMs)
         self.library_launches = tuple(launch.name for launch, step in zip(program.launches, self._launches)
                                       if type(step) is not tuple)
@@ -200,13 +215,15 @@ class Executable:
         config = overlapping_launch(grid, block, smem) if getattr(launch, "overlap", False) else None
         return (function, *grid, *block, smem, ctypes.addressof(block_of_params) if slots else None, config)
 
-    def _allocate_scratch(self, size: int) -> int:
+    def _allocate_scratch(self, size: int, fill: int = 0xFF) -> int:
+        """`size` bytes of device memory, freed with the executable, each byte `fill`: 0xFF for the
+        intermediates (NaN in every float dtype: a kernel that reads what no kernel wrote shows in the
+        results), 0 for group counters (the count of a group's blocks that have arrived)."""
         if not size:
             return 0
         ptr = int(check(driver.cuMemAlloc(size), f"allocating {size} bytes for the intermediates of {self.name}"))
         self._scratch.append(ptr)
-        # NaN in every float dtype: a kernel that reads what no kernel wrote shows in the results
-        check(driver.cuMemsetD8(ptr, 0xFF, size), "cuMemsetD8")
+        check(driver.cuMemsetD8(ptr, fill, size), "cuMemsetD8")
         return ptr
 
     # -- calls -----------------------------------------------------------------------------------

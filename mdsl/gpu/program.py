@@ -6,7 +6,8 @@ kernel, such as reshape) and `graph` (the kernel graph it implements). A launch 
 (`LibraryGemm`: a plain matmul) is run by cuBLAS where the runtime can load it (mdsl.gpu.cublas), else by
 its kernel, which the program has all the same. Every pointer a kernel takes is a
 contiguous row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte
-aligned. A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
+aligned; a launch with `counters` takes one more, its group counters (a buffer of the runtime's, not a value of
+the graph). A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
 whose `load()` gives the driver's module handle (PTX that the driver compiles as it loads it).
 """
 from __future__ import annotations
@@ -45,6 +46,10 @@ class KernelLaunch:
     overlap: bool = False    # launched with programmatic stream serialization: it waits for its predecessor
                              # (griddepcontrol.wait) before touching memory, so it may start before that ends
     library: Optional[LibraryGemm] = None   # the same product as a library GEMM (args: A, B, C)
+    counters: int = 0        # a split and its combine in one launch (mdsl.lowering.onelaunch): it implements
+                             # node_index and the next node, and takes after `args` a pointer to this many
+                             # 32-bit counters, zero before each launch and after it (the runtime allocates
+                             # them zeroed once)
 
 
 @attrs.frozen

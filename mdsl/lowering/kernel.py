@@ -28,6 +28,10 @@ The copy into a ring slot is issued one iteration after the slot was last read, 
 thread passed after reading it, so a slot is never overwritten while read; where the loop's last stages
 are in registers, the next copies go behind the barrier that opens an iteration, so that one barrier an
 iteration is enough.
+
+A split and its combine that run as one kernel (mdsl.lowering.onelaunch) are two such kernels,
+`OneLaunchKernel`: the split's steps, the block's arrival at its group's counter, then in the group's last
+block the combine's steps, its block index the group's.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import attrs
 
 from mdsl.ir.graph import BlockGraph, Node
 from mdsl.lowering.block import Lowered, lower
+from mdsl.lowering.onelaunch import SplitPair
 from mdsl.lowering.options import OVERLAP_MIN_ARCH, CudaOptions, arch_number
 from mdsl.lowering.rows import trailing_stages
 
@@ -146,6 +151,34 @@ class CustomKernel:
         return self.lowered.smem_bytes
 
 
+@attrs.frozen
+class OneLaunchKernel:
+    """A split and its combine as one kernel (mdsl.lowering.onelaunch): K1's kernel on K1's grid and threads,
+    then, in the last block of each group to arrive, K2's kernel as the group's K2 block. K2 never waits for
+    a previous kernel (K1's wait, where it overlaps its predecessor, covers the launch)."""
+
+    pair: SplitPair
+    first: CustomKernel
+    second: CustomKernel
+
+    @property
+    def grid(self) -> tuple:
+        return self.first.grid
+
+    @property
+    def threads(self) -> int:
+        return self.first.threads
+
+    @property
+    def smem_bytes(self) -> int:
+        """K2's tiles reuse K1's shared memory (after the barrier that tells the block it combines)."""
+        return max(self.first.smem_bytes, self.second.smem_bytes)
+
+    @property
+    def overlap(self) -> bool:
+        return self.first.overlap
+
+
 def _stage(lowered: Lowered, stage, rows: bool = False, barrier: bool = True) -> Stage:
     def how(i: int) -> str:
         if i in lowered.register_accumulated:
@@ -179,6 +212,12 @@ def lower_custom(node: Node, options: CudaOptions, arch: str) -> CustomKernel:
     else:
         steps = _tile_loop(bg, lowered, parts, in_rows) + (*post, StoreOutputs())
     return CustomKernel(bg, lowered, overlap, overlap and lowered.skinny is None, parts, steps)
+
+
+def lower_pair(graph, pair: SplitPair, options: CudaOptions, arch: str) -> OneLaunchKernel:
+    """The one kernel of a split and its combine (`pair`, of the kernel graph `graph`)."""
+    first, second = graph.nodes[pair.first], graph.nodes[pair.second]
+    return OneLaunchKernel(pair, lower_custom(first, options, arch), lower_custom(second, options, arch))
 
 
 def _tile_loop(bg: BlockGraph, lowered: Lowered, parts: tuple, in_rows: frozenset) -> tuple:

@@ -31,6 +31,9 @@ new path with the old one without changing code:
                             ramp-up overlap the previous kernel's tail (off by default; the autotuner tries both)
     MDSL_CUDA_CUBLAS=0      kernel-level matmuls run mdsl's own GEMM kernel instead of cuBLAS (`gemm.py`; the
                             kernel is in the program either way: it runs where cuBLAS cannot be loaded)
+
+A split and its combine run as one launch wherever they qualify (`onelaunch.py`), with no switch: the same
+code of both kernels, the same results bit for bit, a launch fewer.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A kernel graph as both backends emit it: sizes checked (indices are 32-bit), the bodies of custom
 nodes fused (thread-graph fusion), one kernel per kernel-level node in the graph's order (a view such as
-reshape gets an alias instead), recorded as the launches (mdsl.gpu.program) the runtime makes; a plain
-matmul's launch also as the library GEMM the runtime runs in its place where it can (`gemm`)."""
+reshape gets an alias instead) but one for a split and its combine where they qualify (`onelaunch`),
+recorded as the launches (mdsl.gpu.program) the runtime makes; a plain matmul's launch also as the library
+GEMM the runtime runs in its place where it can (`gemm`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,6 +13,7 @@ from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.gemm import library_gemm
 from mdsl.lowering.names import Namer
+from mdsl.lowering.onelaunch import SplitPair, one_launch_pairs
 from mdsl.lowering.options import CudaOptions
 from mdsl.passes.fusion import fuse_kernel_graph
 from mdsl.passes.schedule import REGISTER_ACCUMULATORS
@@ -42,7 +44,8 @@ def lower_graph(graph: KernelGraph) -> KernelGraph:
 class ProgramBuilder:
     """What both backends' program builders share: the graph, the target and the options, the kernels'
     names, and the launches and aliases recorded as the kernels are written (each backend adds its own
-    `kernel(...)`, which writes a kernel and records its launch)."""
+    `kernel(...)`, which writes a kernel and records its launch, and `write_pair(pair)`, which writes a
+    split and its combine as one kernel, `mdsl.lowering.onelaunch`)."""
 
     def __init__(self, graph: KernelGraph, arch: str, options: Optional[CudaOptions] = None):
         self.graph = graph
@@ -57,15 +60,31 @@ class ProgramBuilder:
         return self.kernel_names(f"{self.graph.name}_{node.outputs[0].name}")
 
     def record_launch(self, name: str, index: int, node: Node, grid: tuple, threads: int, smem: int,
-                      overlap: bool) -> None:
-        args = tuple(v.name for v in (*node.inputs, *node.outputs))
-        library = library_gemm(node) if self.options.library_gemm else None
-        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap, library))
+                      overlap: bool, values: Optional[tuple] = None, counters: int = 0) -> None:
+        """The launch of kernel `name` implementing `node` (index `index`); `values`: its parameters' (default
+        the node's inputs, then its outputs); `counters`: the group counters it takes after them."""
+        values = (*node.inputs, *node.outputs) if values is None else values
+        args = tuple(v.name for v in values)
+        library = library_gemm(node) if self.options.library_gemm and not counters else None
+        self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap, library,
+                                          counters))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original
 
     def write_nodes(self, rules: RuleTable) -> None:
-        """Each node's kernel (or alias) by its op's rule in the backend's table `rules`."""
-        for index, node in enumerate(self.graph.nodes):
+        """Each node's kernel (or alias) by its op's rule in the backend's table `rules`; each pair of a
+        split and its combine that qualifies (`one_launch_pairs`) as one kernel, by `write_pair`."""
+        pairs = {pair.first: pair for pair in one_launch_pairs(self.graph, self.options.threads)}
+        index = 0
+        while index < len(self.graph.nodes):
+            if index in pairs:
+                self.write_pair(pairs[index])
+                index = pairs[index].second + 1
+                continue
+            node = self.graph.nodes[index]
             rules.lookup(node.op, node.loc).kernel(self, index, node)
+            index += 1
+
+    def write_pair(self, pair: SplitPair) -> None:
+        raise NotImplementedError

@@ -1,5 +1,6 @@
-"""The cost model: a mugraph's device-memory traffic, launches, shared memory and parallelism, and
-the time they imply on a target GPU. It ranks verified candidates before (and without) measurement,
+"""The cost model: a mugraph's device-memory traffic, launches (one per kernel, but one for a split and its
+combine where they qualify: mdsl.lowering.onelaunch), shared memory and parallelism, and the time they
+imply on a target GPU. It ranks verified candidates before (and without) measurement,
 and gives each program its roofline floor.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from mdsl.ir.graph import BlockGraph, KernelGraph, Node
 from mdsl.ir.skinny import CLUSTERS, MAX_ROWS, skinny_shape
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
+from mdsl.lowering.onelaunch import one_launch_pairs
 
 
 @attrs.frozen
@@ -185,22 +187,42 @@ def _library_cost(node: Node, device: Device) -> KernelCost:
     return KernelCost(node.op, dram, dram, flops, device.sms, 0, _kernel_time(device, dram, flops, device.sms))
 
 
+def combined(graph: KernelGraph) -> frozenset:
+    """Indices of the kernels that run in their predecessor's launch: the combines of the splits that
+    qualify for one launch (mdsl.lowering.onelaunch)."""
+    return frozenset(pair.second for pair in one_launch_pairs(graph))
+
+
 def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
+    """Each kernel's cost, in the graph's order. A combine run in its split's launch (`combined`) costs
+    its kernel's time without a launch: the last block of each of the split's groups runs the combine's
+    block as soon as it arrives, after the group's slowest block, so that the last group's combine starts
+    when the split's slowest block ends (the split's time) and the combines take, spread over the SMs as the
+    groups complete, what the combine's grid takes."""
+    return _kernel_costs(graph, device, combined(graph))
+
+
+def _kernel_costs(graph: KernelGraph, device: Device, combines: frozenset) -> list:
     out = []
-    for node in graph.nodes:
+    for index, node in enumerate(graph.nodes):
         if node.op in _VIEWS:
             continue
-        out.append(_custom_cost(node, device) if node.body is not None else _library_cost(node, device))
+        cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device)
+        if index in combines:
+            cost = attrs.evolve(cost, seconds=cost.seconds - device.launch_s)
+        out.append(cost)
     return out
 
 
 def estimate(graph: KernelGraph, device: Device = H200) -> Cost:
-    """The cost of running `graph` as one kernel launch per non-view node. The kernels' times are summed
-    by `math.fsum`, correctly rounded: the builtin `sum` of floats rounds differently from one Python to
+    """The cost of running `graph` as one kernel launch per non-view node, but one per split and its
+    combine where they qualify for one launch (`kernel_costs`). The kernels' times are summed by
+    `math.fsum`, correctly rounded: the builtin `sum` of floats rounds differently from one Python to
     another (3.12 compensates its rounding, 3.11 does not), and a plan's costs are re-checked on whatever
     machine reads it (`same_cost`)."""
-    ks = kernel_costs(graph, device)
-    return Cost(math.fsum(k.seconds for k in ks), sum(k.dram_bytes for k in ks), len(ks),
+    combines = combined(graph)
+    ks = _kernel_costs(graph, device, combines)
+    return Cost(math.fsum(k.seconds for k in ks), sum(k.dram_bytes for k in ks), len(ks) - len(combines),
                 max((k.smem_bytes for k in ks), default=0), sum(k.flops for k in ks), tuple(ks))
 
 
@@ -379,7 +401,7 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
     `skinny`: a kernel with a skinny loop (`mdsl.ir.skinny`) counts as the faster of its two lowerings
     (the autotuner times both: `CudaOptions.skinny`)."""
-    fits, seconds = [], 0.0
+    fits, seconds, combines = [], 0.0, combined(graph)
     for index, node in enumerate(graph.nodes):
         if node.op in _VIEWS:
             continue
@@ -389,6 +411,8 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
         fit = _kernel_fit(node, device, stages, registers(index) if registers is not None else None)
         streamed = _skinny_fit(node, device) if skinny else None
         fits.append(streamed if streamed is not None and streamed.seconds < fit.seconds else fit)
+        if index in combines:   # in its split's launch, after the group's slowest block (`kernel_costs`)
+            fits[-1] = attrs.evolve(fits[-1], seconds=fits[-1].seconds - device.launch_s)
         seconds += fits[-1].seconds
     return GpuEstimate(seconds, tuple(fits))
 

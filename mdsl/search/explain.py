@@ -7,14 +7,15 @@ last): an operator without a block-level rule (a layout change), kernels that sh
 or loop choice lifting it (with the shared memory its tiles would need where that is why), a fused
 candidate that failed its reduced-instance screen, a whole plan that fused them and failed
 verification or was cut by the budget, or the cost model's estimate that they are faster apart. Inside
-one run, two kernels are a split loop and its combine.
+one run, two launches are a split loop and its combine (which qualify for one launch where they can:
+mdsl.lowering.onelaunch; then no boundary is between them).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
-from mdsl.search.cost import kernel_costs
+from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
@@ -70,7 +71,7 @@ def _launches(original: KernelGraph, chosen: KernelGraph, run: tuple, record: di
     if j - i == 1:
         return 1
     if (i, j) == (0, len(original.nodes)) and chosen.key not in record.get("assemblies", {}):
-        return len(kernel_costs(chosen))
+        return estimate(chosen).launches
     part = record.get("parts", {}).get(f"{i}:{j}", {})
     return int(part.get("launches") or 1)
 

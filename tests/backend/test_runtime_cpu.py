@@ -279,6 +279,18 @@ def test_views_share_buffers_and_outputs_living_elsewhere_are_copied():
     assert plan.copies == ((1, 0, 128), (3, 2, 128))      # r <- x, the second v <- the first
 
 
+def test_group_counters_get_a_slot_of_their_own_after_the_launch_s_values():
+    x = make_var("x", (4, 8), f32)
+    n1, e = node("exp", [x], "e")
+    n2, y = node("neg", [e], "y")
+    graph = KernelGraph("g", [x], [n1, n2], [y])
+    pair = Launch("k", "x", "e", "y")
+    pair.counters = 3   # a split and its combine in one launch: 3 groups
+    plan = runtime.plan_buffers(graph, [pair], ())
+    assert plan.launch_slots == ((0, 1, 2, 3),) and plan.slots == 4
+    assert plan.counters == ((3, 3 * 4),) and plan.scratch == ((1, 4 * 8 * 4),)
+
+
 def test_a_program_naming_an_unknown_value_is_refused():
     x = make_var("x", (4,), f32)
     n1, e = node("exp", [x], "e")
@@ -360,6 +372,43 @@ def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stre
     assert all(call[5] == ("stream", 7) for call in launches)
     assert [(launch.grid, launch.block) for launch in program.launches] == [(call[2], call[3]) for call in launches]
     assert fake.calls[-1] == ("copy", 0x4000, 0x1000, 4 * 8 * 4, ("stream", 7))
+    native.check()
+    exe.close()
+
+
+@pytest.mark.parametrize("path", LAUNCH_PATHS)
+def test_a_split_and_its_combine_in_one_launch_get_their_counters_zeroed_once(monkeypatch, path):
+    """The counters of a split and its combine in one launch (mdsl.lowering.onelaunch): allocated once with
+    the executable, zeroed (the intermediates are filled with NaN), passed after the launch's tensors, the same
+    buffer at every call (each launch leaves it zero: no clearing per call)."""
+    from mdsl.backend.cuda import emit_cuda
+    from mdsl.gpu import executable
+    from tests.backend.ptx.plans import split_k
+
+    program = emit_cuda(split_k(), arch="sm_90a")
+    (launch,) = program.launches
+    assert launch.counters == 4
+
+    class Recording(RecordingDriver):
+        def cuMemsetD8(self, ptr, value, size):
+            self.calls.append(("memset", ptr, value, size))
+            return (0,)
+
+    fake = Recording({launch.name: len(launch.args) + 1})
+    native = use_launch_path(monkeypatch, path, fake)
+    monkeypatch.setattr(executable, "driver", fake)
+    monkeypatch.setattr(executable, "get_device", lambda device: fake_device())
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
+    memsets = {call[1]: (call[2], call[3]) for call in fake.calls if call[0] == "memset"}
+    fake.calls.clear()
+    for stream in (7, 8):
+        exe.run_pointers([0x1000, 0x2000], [0x3000], stream=stream)
+    first, second = [call[6] for call in fake.calls if call[0] == "launch"]
+    assert first == second and first[:2] == [0x1000, 0x2000] and first[3] == 0x3000
+    partials, counters = first[2], first[4]
+    assert memsets[counters] == (0, 4 * 4) and memsets[partials] == (0xFF, 8 * 128 * 4)
+    assert not any(call[0] == "memset" for call in fake.calls)   # nothing cleared per call
     native.check()
     exe.close()
 

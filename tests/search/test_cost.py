@@ -4,7 +4,7 @@ import math
 import attrs
 import pytest
 
-from mdsl.search.cost import H200, estimate, roofline_floor, same_cost
+from mdsl.search.cost import H200, estimate, gpu_estimate, kernel_costs, roofline_floor, same_cost
 from tests.examples_util import load_example
 
 example = load_example
@@ -69,3 +69,40 @@ def test_a_stored_cost_agrees_with_the_estimate_to_rounding_and_no_further():
     assert not same_cost(attrs.evolve(cost, launches=True), attrs.evolve(cost, launches=1))
     assert not same_cost(attrs.evolve(cost, kernels=cost.kernels[1:]), cost)
     assert not same_cost(attrs.evolve(cost, seconds=math.nan), cost)
+
+
+def _split_k_plan():
+    """`(x * 2.0) @ w` at x f16[4, 8192], w [8192, 2048], and the split-K plan the search finds first: a split
+    kernel of 64 x 2 blocks writing f32 partials, then a combine of 64 blocks."""
+    import mdsl
+    from mdsl import Tensor, f16
+    from mdsl.search import guided
+
+    @mdsl.kernel(name="scaled_matmul")
+    def scaled_matmul(x: Tensor[4, 8192, f16], w: Tensor[8192, 2048, f16]):
+        return (x * 2.0) @ w
+
+    original = scaled_matmul.graph
+    plan = next(guided.generate(original))
+    assert [n.body.grid for n in plan.custom_nodes()] == [(64, 2, 1), (64, 1, 1)]
+    return original, plan
+
+
+def test_a_split_and_its_combine_in_one_launch_cost_one_launch():
+    """The combine runs in its split's launch (mdsl.lowering.onelaunch): its kernel's time without a launch."""
+    _, plan = _split_k_plan()
+    cost = estimate(plan)
+    split, combine = cost.kernels
+    apart = kernel_costs(attrs.evolve(plan, nodes=plan.nodes[:1], outputs=plan.nodes[0].outputs))[0]
+    assert cost.launches == 1 and len(cost.kernels) == 2 and split == apart
+    alone = attrs.evolve(plan, inputs=plan.nodes[0].outputs, nodes=plan.nodes[1:])
+    assert combine.seconds == pytest.approx(estimate(alone).seconds - H200.launch_s)
+    fits = gpu_estimate(plan).kernels
+    assert fits[1].seconds == pytest.approx(gpu_estimate(alone).seconds - H200.launch_s)
+
+
+def test_the_split_k_plan_is_estimated_faster_than_the_program_as_written():
+    """Charged one launch, the skinny matmul's split-K plan beats the two element-wise and matmul kernels of
+    the program (which two launches of the plan did not)."""
+    original, plan = _split_k_plan()
+    assert estimate(plan).seconds < estimate(original).seconds < estimate(plan).seconds + H200.launch_s

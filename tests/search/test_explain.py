@@ -71,7 +71,9 @@ def test_a_spent_work_budget_is_named_as_the_reason():
     assert any("the search's work budget ran out" in b.reason for b in plan.explanation), plan.explain()
 
 
-def test_a_split_loop_and_its_combine_are_explained():
+def test_a_split_loop_and_its_combine_are_explained(monkeypatch):
+    from mdsl.search import cost
+
     @mdsl.kernel
     def gemv(x: Tensor[1, 1024, f16], w: Tensor[1024, 64, f16]):
         return mdsl.silu(x @ w)
@@ -81,6 +83,9 @@ def test_a_split_loop_and_its_combine_are_explained():
     k = labels.label(graph.inputs[0].name, 1)
     split = lift(graph, Choice(((labels.label(graph.outputs[0].name, 1), 8),), k, forloop=4, split=4), labels)
     assert len(split.nodes) == 2
+    # the combine runs in its split's launch (mdsl.lowering.onelaunch): no boundary between them
+    assert boundaries(graph, split, SearchStats(), {}) == ()
+    monkeypatch.setattr(cost, "one_launch_pairs", lambda graph, threads=None: ())   # as a pair that does not qualify
     (boundary,) = boundaries(graph, split, SearchStats(), {})
     assert boundary.reason.startswith("a split loop") and boundary.before.startswith("partial results of matmul")
 

@@ -141,8 +141,9 @@ def tuning_set(plan, limit: int = 3, variants: int = 8, cache=None) -> TuningSet
 
 def compiled_registers(graph: KernelGraph, arch: str = "sm_90a") -> Callable[[int], Optional[int]]:
     """For `mdsl.search.cost.gpu_estimate(registers=...)`: node index -> registers per thread (spilled ones
-    included) of that node's kernel as ptxas reported it for a cubin the cache already holds (the graph's
-    own block size, the tuning variants' pipeline depths), else None. Never compiles."""
+    included) of that node's kernel (of a split and its combine in one launch: their kernel's) as ptxas
+    reported it for a cubin the cache already holds (the graph's own block size, the tuning variants'
+    pipeline depths), else None. Never compiles."""
     from mdsl.backend.cuda.nvrtc import cached_resources
 
     for options in parameter_space(stages=VARIANT_STAGES, threads=(None,), skinny=(False,)):
@@ -152,8 +153,12 @@ def compiled_registers(graph: KernelGraph, arch: str = "sm_90a") -> Callable[[in
         except MdslError:   # a lowering the backend refuses, or no NVRTC to key the cache with
             continue
         if found is not None:
-            needed = {launch.node_index: found[launch.name].registers + -(-found[launch.name].spill_store_bytes // 4)
-                      for launch in program.launches if launch.name in found}
+            needed = {}
+            for launch in program.launches:
+                if launch.name in found:
+                    r = found[launch.name]
+                    nodes = (launch.node_index, launch.node_index + 1) if launch.counters else (launch.node_index,)
+                    needed.update((index, r.registers + -(-r.spill_store_bytes // 4)) for index in nodes)
             return needed.get
     return lambda index: None
 

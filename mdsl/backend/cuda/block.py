@@ -40,8 +40,9 @@ class BlockKernel:
     block's threads, the shared-memory tile of every value and the lowering's choices (which matmuls
     run on tensor cores, which accumulators live in their registers)."""
 
-    def __init__(self, scope, bg: BlockGraph, lowered: Lowered, arch: int):
+    def __init__(self, scope, bg: BlockGraph, lowered: Lowered, arch: int, block_index: Optional[tuple] = None):
         self.w: CodeWriter = scope.w
+        self._block_index = block_index   # per grid axis, a C expression; None: blockIdx
         self.namer = scope.namer
         self.bg = bg
         self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
@@ -59,8 +60,9 @@ class BlockKernel:
         return self.tiles[var.name]
 
     def block_index(self, axis: int) -> str:
-        """The block's coordinate along a grid axis of the block graph."""
-        return f"blockIdx.{_AXES[axis]}"
+        """The block's coordinate along a grid axis of the block graph: blockIdx's, or where the kernel is the
+        combine of a split in one launch, its group's (mdsl.backend.cuda.onelaunch)."""
+        return f"blockIdx.{_AXES[axis]}" if self._block_index is None else self._block_index[axis]
 
     def scratch(self, node: Node) -> Operand:
         return self.tiles[scratch_name(node)]
@@ -80,22 +82,33 @@ class BlockKernel:
             self.tiles[t.name] = Operand(name, c, layout.shape, layout.strides)
 
 
+def header(bg: BlockGraph) -> list:
+    """The block graph as the comment above its kernel."""
+    return [f"  {line}" for line in print_block_graph(bg).splitlines()]
+
+
 def emit_custom(program, index: int, node: Node) -> None:
     kernel = lower_custom(node, program.options, program.arch)
-    bg = kernel.body
-    header = [f"  {line}" for line in print_block_graph(bg).splitlines()]
     with program.kernel(index, node, grid=kernel.grid, threads=kernel.threads, smem=kernel.smem_bytes,
-                        comment=header, overlap=kernel.overlap) as scope:
-        b = BlockKernel(scope, bg, kernel.lowered, arch_number(program.arch))
-        if kernel.waits_first:
-            b.w("mdsl::wait_for_previous_kernel();   // launched to overlap it: no global memory touched before",
-                "mdsl::let_next_kernel_launch();")
-        if kernel.lowered.rows is not None:
-            b.rows = RowKernel(b, kernel.lowered.rows)
-        tensors = dict(zip((inp.var.name for inp in bg.inputs), scope.inputs))
-        b.parts = {inp.var.name: _input_part(b, inp, tensors[inp.var.name]) for inp in kernel.parts}
-        for step in kernel.steps:
-            STEPS[type(step)](b, kernel, scope, step)
+                        comment=header(kernel.body), overlap=kernel.overlap) as scope:
+        emit_body(program, kernel, scope)
+
+
+def emit_body(program, kernel: CustomKernel, scope, block_index: Optional[tuple] = None) -> None:
+    """A custom kernel's body on the operands of `scope` (its node's inputs and outputs). `block_index`: the
+    block's coordinates (C expressions) where the kernel is the combine of a split in one launch, which
+    waits for no previous kernel (the split did); None: blockIdx."""
+    bg = kernel.body
+    b = BlockKernel(scope, bg, kernel.lowered, arch_number(program.arch), block_index)
+    if kernel.waits_first and block_index is None:
+        b.w("mdsl::wait_for_previous_kernel();   // launched to overlap it: no global memory touched before",
+            "mdsl::let_next_kernel_launch();")
+    if kernel.lowered.rows is not None:
+        b.rows = RowKernel(b, kernel.lowered.rows)
+    tensors = dict(zip((inp.var.name for inp in bg.inputs), scope.inputs))
+    b.parts = {inp.var.name: _input_part(b, inp, tensors[inp.var.name]) for inp in kernel.parts}
+    for step in kernel.steps:
+        STEPS[type(step)](b, kernel, scope, step)
 
 
 def _skinny(b: BlockKernel, kernel: CustomKernel, scope, step: steps.SkinnyLoop) -> None:

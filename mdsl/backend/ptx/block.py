@@ -37,8 +37,10 @@ class BlockKernel:
     threads, the loop counter (inside the loop), the shared-memory tile of every value and the
     lowering's choices (which matmuls run on tensor cores, which sums live in their registers)."""
 
-    def __init__(self, fn: KernelFunction, smem, bg: BlockGraph, lowered: Lowered):
+    def __init__(self, fn: KernelFunction, smem, bg: BlockGraph, lowered: Lowered,
+                 block_index: Optional[tuple] = None):
         self.fn = fn
+        self._block_index = block_index   # per grid axis, a value; None: ctaid
         self.smem = smem
         self.bg = bg
         self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
@@ -59,8 +61,9 @@ class BlockKernel:
         return self.tiles[var.name]
 
     def block_index(self, axis: int):
-        """The block's coordinate along a grid axis of the block graph."""
-        return self.fn.sreg(f"ctaid.{_AXES[axis]}")
+        """The block's coordinate along a grid axis of the block graph: ctaid's, or where the kernel is the
+        combine of a split in one launch, its group's (mdsl.backend.ptx.onelaunch)."""
+        return self.fn.sreg(f"ctaid.{_AXES[axis]}") if self._block_index is None else self._block_index[axis]
 
     def scratch(self, node: Node) -> Array:
         return self.tiles[scratch_name(node)]
@@ -76,20 +79,26 @@ class BlockKernel:
 
 def emit_custom(program, index: int, node: Node) -> None:
     kernel = lower_custom(node, program.options, program.arch)
-    bg = kernel.body
     with program.kernel(index, node, grid=kernel.grid, threads=kernel.threads, smem=kernel.smem_bytes,
                         overlap=kernel.overlap) as scope:
-        fn = scope.fn
-        bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, kernel.lowered)
-        if kernel.waits_first:
-            fn.wait_for_previous_kernel()   # launched to overlap it: no global memory touched before
-            fn.let_next_kernel_launch()
-        if kernel.lowered.rows is not None:
-            bk.rows = RowKernel(bk, kernel.lowered.rows)
-        tensors = dict(zip((inp.var.name for inp in bg.inputs), scope.inputs))
-        bk.parts = {inp.var.name: _input_part(bk, inp, tensors[inp.var.name]) for inp in kernel.parts}
-        for step in kernel.steps:
-            STEPS[type(step)](bk, kernel, scope, step)
+        emit_body(program, kernel, scope)
+
+
+def emit_body(program, kernel: CustomKernel, scope, block_index: Optional[tuple] = None) -> None:
+    """A custom kernel's body on the arrays of `scope` (its node's inputs and outputs). `block_index`: the
+    block's coordinates (values) where the kernel is the combine of a split in one launch, which waits for
+    no previous kernel (the split did); None: ctaid."""
+    bg, fn = kernel.body, scope.fn
+    bk = BlockKernel(fn, fn.shared_pointer(program.mb.dynamic_smem()), bg, kernel.lowered, block_index)
+    if kernel.waits_first and block_index is None:
+        fn.wait_for_previous_kernel()   # launched to overlap it: no global memory touched before
+        fn.let_next_kernel_launch()
+    if kernel.lowered.rows is not None:
+        bk.rows = RowKernel(bk, kernel.lowered.rows)
+    tensors = dict(zip((inp.var.name for inp in bg.inputs), scope.inputs))
+    bk.parts = {inp.var.name: _input_part(bk, inp, tensors[inp.var.name]) for inp in kernel.parts}
+    for step in kernel.steps:
+        STEPS[type(step)](bk, kernel, scope, step)
 
 
 def _skinny(bk: BlockKernel, kernel: CustomKernel, scope, step: steps.SkinnyLoop) -> None:

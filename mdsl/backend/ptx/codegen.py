@@ -1,5 +1,6 @@
 """LLVM IR for a kernel graph: one module, one kernel (`.entry`) per kernel-level node (a view such as reshape
-gets an alias instead), launched in the graph's order: the kernels the CUDA backend writes as C++
+gets an alias instead; a split and its combine that qualify share one, `mdsl.lowering.onelaunch`), launched in
+the graph's order: the kernels the CUDA backend writes as C++
 (mdsl/backend/cuda/codegen.py), with the same launches and interface with the runtime (mdsl.gpu.program),
 written with llvmlite's types (`irtext`). Each kernel's code starts with the op marker naming the mugraph op
 it runs (and each block-level op inside a custom kernel with its own), kept as a comment in the PTX, which
@@ -13,6 +14,7 @@ from typing import Iterator, Optional
 import attrs
 
 from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
+from mdsl.backend.ptx.onelaunch import emit_one_launch
 from mdsl.backend.ptx.rules import PTX_RULES   # the table, filled by that module
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.lowering import program as lowering_program
@@ -37,11 +39,13 @@ class PtxProgram:
 
 @attrs.define
 class KernelScope:
-    """A kernel being written: its function and its parameters as Arrays (contiguous device tensors)."""
+    """A kernel being written: its function, its parameters as Arrays (contiguous device tensors) and, for
+    a split and its combine in one launch, the parameter pointing at the group counters."""
 
     fn: KernelFunction
     inputs: list
     outputs: list
+    counters: Optional[object] = None
 
 
 class ProgramBuilder(lowering_program.ProgramBuilder):
@@ -55,15 +59,27 @@ class ProgramBuilder(lowering_program.ProgramBuilder):
         """Write the kernel implementing `node`; the body is the caller's. `overlap`: the body waits for the
         previous kernel (griddepcontrol.wait) before it touches memory, and the launch lets it start before
         that kernel ends (`KernelLaunch.overlap`)."""
-        name = self.kernel_name(node)
-        values = list(node.inputs) + list(node.outputs)
-        fn = KernelFunction(self.mb, name, len(values), threads, read_only=len(node.inputs))
+        with self.function(self.kernel_name(node), index, node, node.inputs, node.outputs, (node,), grid=grid,
+                           threads=threads, smem=smem, overlap=overlap) as scope:
+            yield scope
+
+    @contextlib.contextmanager
+    def function(self, name: str, index: int, node: Node, inputs: tuple, outputs: tuple, nodes: tuple, *,
+                 grid: tuple, threads: int, smem: int, overlap: bool, counters: int = 0) -> Iterator[KernelScope]:
+        """Write the kernel `name` taking `inputs` (read only) and `outputs`, and `counters` group counters
+        after them, its code starting with the op markers of `nodes`; its launch is `node`'s (index `index`)."""
+        values = list(inputs) + list(outputs)
+        fn = KernelFunction(self.mb, name, len(values) + (1 if counters else 0), threads, read_only=len(inputs))
         arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
-        scope = KernelScope(fn, arrays[:len(node.inputs)], arrays[len(node.inputs):])
-        fn.marker_for(node)
+        scope = KernelScope(fn, arrays[:len(inputs)], arrays[len(inputs):], fn.params[-1] if counters else None)
+        for n in nodes:
+            fn.marker_for(n)
         yield scope
         fn.finish()
-        self.record_launch(name, index, node, grid, threads, smem, overlap)
+        self.record_launch(name, index, node, grid, threads, smem, overlap, tuple(values), counters)
+
+    def write_pair(self, pair) -> None:
+        emit_one_launch(self, pair)
 
 
 def emit_llvm(graph: KernelGraph, *, arch: str = "sm_90", options: Optional[CudaOptions] = None) -> PtxProgram:

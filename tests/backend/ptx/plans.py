@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.options import CudaOptions
@@ -171,3 +172,33 @@ def tuned_plans() -> dict:
     """The autotuner's tuned picks the PTX backend is slowest on (name -> graph, options): the skinny
     ones and LoRA's (its default pipeline depth 2, which a loop of one iteration does not use)."""
     return {**tuned_skinny_plans(), "lora": (lora_tuned(), CudaOptions(stages=2))}
+
+
+def split_k(rows: int = 4, k: int = 512, columns: int = 128, block_columns: int = 32, splits: int = 2,
+            forloop: int = 4, threads: int = 128, combine_columns: Optional[int] = None,
+            combine_threads: int = 128, scale: bool = False) -> KernelGraph:
+    """The search's split-K plan of `(x * 2.0) @ w` (times `s`, a scale per column, with `scale`), op for op:
+    a kernel of columns / block_columns x splits blocks, each a K slice of `forloop` iterations, writing f32
+    partial sums (the splits stacked along the rows: f32[splits * rows, columns]), then the combine of
+    columns / combine_columns blocks (default block_columns) summing each block's columns over the splits
+    (adding the bias's columns). At x f16[4, 8192], w [8192, 2048], 64 x 2 blocks of 16 iterations and a
+    combine of 64 blocks, it is what the search chooses (its first kernel a skinny loop where the lowering
+    takes one); smaller shapes for the CPU simulator."""
+    from mdsl.ir.dtypes import f16, f32
+    from tests.backend.cuda.builder import Graph
+
+    combine_columns = combine_columns or block_columns
+    g = Graph(f"split_k_{rows}x{k}x{columns}")
+    x, w = g.input("x", (rows, k), f16), g.input("w", (k, columns), f16)
+    b = g.block(grid=(columns // block_columns, splits), forloop=forloop, threads=threads)
+    xt, wt = b.input(x, imap=(None, 1), fmap=1), b.input(w, imap=(1, 0), fmap=0)
+    total = b.op("accum", b.op("matmul", b.op("mul_scalar", xt, value=2.0), wt))
+    b.output(b.op("cast", total, dtype=f32), omap=(1, 0))
+    (partials,) = b.done()
+    c = g.block(grid=(columns // combine_columns,), forloop=splits, threads=combine_threads)
+    split = c.input(partials, imap=(1,), fmap=0)
+    if scale:
+        split = c.op("mul", split, c.op("cast", c.input(g.input("s", (1, columns), f16), imap=(1,)), dtype=f32))
+    c.output(c.op("cast", c.op("accum", split), dtype=f16), omap=(1,))
+    c.done()
+    return g.build(outputs=[g.nodes[-1].outputs[0]])

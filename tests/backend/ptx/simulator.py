@@ -30,6 +30,15 @@ of how the backend builds their operands:
   `copies="issue"` they land when issued instead (a slot overwritten while another thread still reads
   it shows then). A copy never waited for by the end of the kernel is an error.
 
+A split and its combine in one launch (mdsl.lowering.onelaunch) meet at group counters:
+`atom.acq_rel.gpu.global.add.u32` and `atom.global.exch.b32` (inline asm) are host atomics on the counter
+(callbacks under a lock; no fence is needed where the blocks run one after another), `bar.red.or.pred`
+(`llvm.nvvm.barrier0.or`) a barrier that ors the block's votes, and a thread that returns before the kernel's
+end has exited: the block's barrier stops waiting for it (as `bar.sync` does not wait for exited threads).
+The counters a launch takes start zero and must be zero again when it ends. The blocks of a grid run one
+after another in the grid's order, or in its reverse or a shuffled order (`run`'s `order`), so that any
+block of a group may be the last to arrive.
+
 Each block has its own shared memory (the module's `mdsl_smem` becomes a callback's pointer). A kernel
 with a thread-block cluster (its `cluster_dim_x` annotation) runs a cluster's blocks together, on
 host threads of their own: `barrier.cluster.arrive` / `wait` are the ISA's phases (a thread's wait
@@ -225,6 +234,20 @@ _STREAMED_ASM = re.compile(r'asm sideeffect "ld\.global\.nc\.L1::no_allocate\.v(
 _PACK_ASM = re.compile(r'asm\s+(?:sideeffect\s+)?"cvt\.rn\.(f16|bf16)x2\.f32 \$0, \$1, \$2;", "=r,f,f"')
 _MMA_ASM = re.compile(r'asm sideeffect "mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16|bf16)\.\1\.f32 [^"]*", "[^"]*"')
 _CP_ASYNC = re.compile(r'"llvm\.nvvm\.cp\.async\.c[ag]\.shared\.global\.(4|8|16)"')
+# a group counter's atomics (inline asm: add of an immediate, exchange for an immediate): callbacks
+_ATOMIC_ASM = re.compile(r'call i32 asm sideeffect "atom\.(?:acq_rel\.gpu\.)?global\.(add)\.u32 \$0, \[\$1\], (\d+);", '
+                         r'"[^"]*"\((ptr \S+)\)|'
+                         r'call i32 asm sideeffect "atom\.global\.(exch)\.b32 \$0, \[\$1\], (\d+);", '
+                         r'"[^"]*"\((ptr \S+)\)')
+_ATOMIC_HELPERS = """
+declare i32 @sim_atom_add(ptr, i32)
+declare i32 @sim_atom_exch(ptr, i32)
+"""
+
+
+def _atomic_call(found: re.Match) -> str:
+    op, value, pointer = found.group(1, 2, 3) if found.group(1) else found.group(4, 5, 6)
+    return f"call i32 @sim_atom_{op}({pointer}, i32 {value})"
 
 
 def _bf16_constant(found: re.Match) -> str:
@@ -258,6 +281,8 @@ def host_ir(llvm_ir: str) -> str:
         line = line.replace("define ptx_kernel ", "define ")
         line = re.sub(r'llvm\.nvvm\.read\.ptx\.sreg\.(\w+)\.(\w)', r"sim_sreg_\1_\2", line)
         line = line.replace('"llvm.nvvm.barrier0"', '"sim_barrier"').replace('"llvm.nvvm.shfl.sync.bfly.f32"', '"sim_shfl"')
+        line = line.replace('"llvm.nvvm.barrier0.or"', '"sim_barrier_or"')
+        line = _ATOMIC_ASM.sub(_atomic_call, line)
         line = _MMA_ASM.sub(r"@sim_mma_\1", line)
         line = _PACK_ASM.sub(r"@sim_pack_\1", line)
         line = _STREAMED_ASM.sub(r"@sim_ld_nc_v\1", line)
@@ -281,7 +306,7 @@ def host_ir(llvm_ir: str) -> str:
         line = re.sub(r"\b0xR([0-9A-Fa-f]{4})\b", _bf16_constant, line)   # a bf16 constant as its bits
         out.append(line.replace("bfloat", "i16"))
     return "\n".join(out) + "\n" + _BF16_HELPERS + _MMA_HELPERS + _PACK_HELPERS + _LDMATRIX_HELPERS + _SATURATE_HELPER + \
-        _PERMUTE_HELPER + _STREAMED_HELPERS + _CLUSTER_HELPERS
+        _PERMUTE_HELPER + _STREAMED_HELPERS + _CLUSTER_HELPERS + _ATOMIC_HELPERS
 
 
 _LANE_GROUP, _LANE_THREAD = np.arange(32) // 4, np.arange(32) % 4   # a lane's group g and thread t in it
@@ -324,14 +349,7 @@ class _Barrier:
             phase = self._phase
             self._count += 1
             if self._count == self.parties:   # the last to arrive: the action, then the others go
-                if self._action is not None:
-                    try:
-                        self._action()
-                    except BaseException:
-                        self._break()
-                        raise
-                self._count, self._phase = 0, _Phase()
-                phase.open()
+                self._complete()
                 return
         if not phase.gate.acquire(timeout=-1 if self._timeout is None else self._timeout):
             with self._lock:
@@ -340,6 +358,26 @@ class _Barrier:
         phase.open()   # the next waiter's turn
         if phase.broken:
             raise threading.BrokenBarrierError
+
+    def _complete(self) -> None:
+        """The phase's action, then its waiters go (with the lock held)."""
+        phase = self._phase
+        if self._action is not None:
+            try:
+                self._action()
+            except BaseException:
+                self._break()
+                raise
+        self._count, self._phase = 0, _Phase()
+        phase.open()
+
+    def leave(self) -> None:
+        """A party exits: the barrier waits for one fewer (until `parties` is set again); a phase that waited
+        only for it completes."""
+        with self._lock:
+            self.parties -= 1
+            if self._count and self._count == self.parties and not self._broken:
+                self._complete()
 
     def _break(self) -> None:
         self._broken = self._phase.broken = True
@@ -354,7 +392,9 @@ class _Block:
     """The state the threads of one running block share."""
 
     def __init__(self, threads: int, copies: str):
+        self.threads = threads
         self.barrier = _Barrier(threads, timeout=BARRIER_TIMEOUT_S)
+        self.votes = np.zeros(threads, dtype=np.int32)   # each thread's vote at a bar.red.or
         self.warps = [_Barrier(min(32, threads - w), timeout=BARRIER_TIMEOUT_S) for w in range(0, threads, 32)]
         self.slots = np.zeros(threads, dtype=np.float32)
         self.errors: list = []
@@ -428,6 +468,31 @@ def _sreg(name: str):
 
 def _barrier() -> None:
     _LOCAL.block.barrier.wait()
+
+
+def _barrier_or(value: int) -> int:
+    """bar.red.or: a barrier of the block's (non-exited) threads; whether any of them voted non-zero."""
+    block, tid = _LOCAL.block, _LOCAL.coords["tid.x"]
+    block.votes[tid] = value != 0
+    block.barrier.wait()
+    result = int(block.votes.any())
+    block.barrier.wait()   # every thread has read the votes before any votes again
+    return result
+
+
+_ATOMICS = threading.Lock()
+
+
+def _atomic(update):
+    """A 32-bit atomic on global memory: the old value; the new one is update(old, operand)."""
+    def call(address: int, operand: int) -> int:
+        with _ATOMICS:
+            word = ctypes.c_uint32.from_address(address)
+            old = word.value
+            word.value = update(old, operand) & 0xFFFFFFFF
+        return old
+
+    return call
 
 
 def _shuffle(mask: int, value: float, lane_mask: int, clamp: int) -> float:
@@ -552,6 +617,11 @@ def _callbacks() -> dict:
     """Name -> (ctypes callback, kept alive here)."""
     made = {f"sim_sreg_{s.replace('.', '_')}": ctypes.CFUNCTYPE(ctypes.c_int32)(_sreg(s)) for s in _SREGS}
     made["sim_barrier"] = ctypes.CFUNCTYPE(None)(_guarded(_barrier))
+    made["sim_barrier_or"] = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32)(_guarded(_barrier_or))
+    made["sim_atom_add"] = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)(
+        _guarded(_atomic(lambda old, value: old + value)))
+    made["sim_atom_exch"] = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)(
+        _guarded(_atomic(lambda old, value: value)))
     made["sim_shfl"] = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int32, ctypes.c_float, ctypes.c_int32,
                                         ctypes.c_int32)(_guarded(_shuffle))
     made["sim_mma"] = ctypes.CFUNCTYPE(None, *[ctypes.c_int32] * 7, *[ctypes.c_float] * 4, ctypes.c_void_p)(
@@ -604,13 +674,21 @@ def _to_host(x: np.ndarray, dtype: DType) -> np.ndarray:
     return out
 
 
-def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait") -> list:
+#: the orders `run` runs a grid's blocks in: the grid's (x fastest), its reverse, or shuffled (a seed)
+ORDERS = ("grid", "reversed")
+
+
+def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait", order="grid") -> list:
     """Run the program's kernels in order on host buffers; the graph's outputs as float64 arrays.
     Intermediate buffers and the shared memory start filled with 0xFF bytes (NaN in every float
-    dtype), so that what no kernel wrote shows. `copies`: when cp.async copies land ("wait": at the
-    wait_group that covers them, the latest the ISA allows; "issue": at once)."""
+    dtype), so that what no kernel wrote shows; a launch's group counters start zero, and must end so.
+    `copies`: when cp.async copies land ("wait": at the wait_group that covers them, the latest the ISA
+    allows; "issue": at once). `order`: the order of each grid's blocks (one of ORDERS, or an int: the
+    seed of a shuffled order)."""
     if copies not in ("wait", "issue"):
         raise ValueError(f"copies={copies!r}: 'wait' or 'issue'")
+    if order not in ORDERS and not isinstance(order, int):
+        raise ValueError(f"order={order!r}: one of {ORDERS} or a seed")
     graph: KernelGraph = program.graph
     engine = _engine(program.llvm_ir)
     aliases = dict(program.aliases)
@@ -631,9 +709,15 @@ def run(program: PtxProgram, inputs: Sequence[np.ndarray], copies: str = "wait")
     with _one_cpu():
         for launch in program.launches:
             args = [buffer(a) for a in launch.args]
+            counters = np.zeros(launch.counters, dtype=np.uint32)
+            if launch.counters:
+                args.append(counters)
             kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(args))(engine.get_function_address(launch.name))
             _run_launch(kernel, [a.ctypes.data for a in args], launch, cluster_size(program.llvm_ir, launch.name),
-                        copies)
+                        copies, order)
+            if counters.any():
+                raise AssertionError(f"{launch.name} left {int((counters != 0).sum())} of its {launch.counters} group "
+                                     f"counters non-zero (the next launch would find them so): {counters.tolist()}")
     return [from_device_bits(buffer(v.name).reshape(v.shape), v.dtype).astype(np.float64) for v in graph.outputs]
 
 
@@ -663,21 +747,28 @@ def cluster_size(llvm_ir: str, kernel: str) -> int:
     return int(node.group(2)) if node else 1
 
 
-def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str) -> None:
-    """The launch's clusters of `cluster` blocks (consecutive along x) one after another, the blocks of a
-    cluster together, on one set of host threads (one per GPU thread of each block of a cluster); each
-    block with its own shared memory, filled with 0xFF bytes before it starts."""
+def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str, order="grid") -> None:
+    """The launch's clusters of `cluster` blocks (consecutive along x) one after another in `order` (`run`'s),
+    the blocks of a cluster together, on one set of host threads (one per GPU thread of each block of a
+    cluster); each block with its own shared memory, filled with 0xFF bytes before it starts."""
     threads = launch.block[0]
     grid = launch.grid
     if grid[0] % cluster:
         raise AssertionError(f"{launch.name}: a grid of {grid[0]} blocks along x is not whole clusters of {cluster}")
     blocks = [_Block(threads, copies) for _ in range(cluster)]
-    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(0, grid[0], cluster)]
+    sequence = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(0, grid[0], cluster)]
+    if order == "reversed":
+        sequence.reverse()
+    elif isinstance(order, int):
+        np.random.default_rng(order).shuffle(sequence)
     errors: list = []
     clusters: list = [_Cluster(cluster, threads)]   # the first cluster's: fresh shared memory, 0xFF bytes
 
     def next_cluster() -> None:
         clusters[0] = _Cluster(cluster, threads)   # fresh shared memory for the next cluster of blocks
+        for block in blocks:   # every thread of the next blocks is there from the start
+            block.barrier.parties = threads
+            block.votes[:] = 0
 
     # every thread done with a cluster of blocks before the next one starts (on its fresh shared memory)
     together = _Barrier(cluster * threads, action=next_cluster, timeout=BARRIER_TIMEOUT_S)
@@ -686,12 +777,14 @@ def _run_launch(kernel, pointers: list, launch, cluster: int, copies: str) -> No
         block = _LOCAL.block = blocks[rank]
         _LOCAL.rank = rank
         try:
-            for x, y, z in order:
+            for x, y, z in sequence:
                 _LOCAL.cluster, _LOCAL.arrive_phase, _LOCAL.wait_phase = clusters[0], 0, 0
                 _LOCAL.coords = {"tid.x": tid, "ntid.x": threads, "ctaid.x": x + rank, "ctaid.y": y, "ctaid.z": z,
                                  "nctaid.x": grid[0], "nctaid.y": grid[1], "nctaid.z": grid[2]}
                 _LOCAL.groups, _LOCAL.open_group = [], []
                 kernel(*pointers)
+                block.votes[tid] = 0
+                block.barrier.leave()   # exited: the block's barriers wait for the others only
                 if any(_LOCAL.groups) or _LOCAL.open_group:
                     raise AssertionError(f"thread {tid} of block {(x + rank, y, z)} ended with cp.async copies it "
                                          "never waited for")

@@ -53,10 +53,14 @@ def count_matching(instructions: list, pattern: str) -> int:
 
 
 def assert_same_paths(where: str, theirs: list, ours: list) -> None:
-    """A PTX kernel's SASS instructions against the CUDA kernel's: the same data paths, no more than
-    MORE_INSTRUCTIONS times as many instructions."""
-    assert not [op for op in ours if op.startswith("LDG.") and "CONSTANT" not in op], \
-        f"{where}: a global load outside the read-only data path"
+    """A PTX kernel's SASS instructions against the CUDA kernel's: the same data paths (global loads on the
+    read-only path but where the CUDA kernel's are not: a combine in its split's launch reads the partials the
+    launch wrote), no more than MORE_INSTRUCTIONS times as many instructions."""
+    def writable(instructions: list) -> int:
+        return len([op for op in instructions if op.startswith("LDG.") and "CONSTANT" not in op])
+
+    assert writable(ours) <= writable(theirs), \
+        f"{where}: {writable(ours)} global loads outside the read-only data path, CUDA {writable(theirs)}"
     if count_matching(theirs, r"MUFU\.EX2"):
         assert count_matching(ours, r"MUFU\.EX2") and not count_matching(ours, r"FRND.*|F2I.*"), \
             f"{where}: exp is not CUDA's expf (one MUFU.EX2)"
