@@ -4,7 +4,7 @@ schedules.
 The host build is the protocol's structs (c_layouts), scheduler.cuh and the C entry points of
 scheduler_host.cpp, compiled by the system C++ compiler (`$CXX`, else c++, g++ or clang++) into a shared
 library at first use, through mdsl.gpu.launcher's cached build (written atomically, checked on load), in
-the session's shared directory (tests/shared.py) so that every test process builds it once at most.
+the test run's shared directory (tests/shared.py) so that every test process builds it once at most.
 `NativeSchedulerDevice` is CpuDevice with its step's scheduling done by that library over the same views;
 its forward and sampling are CpuDevice's. It lives with the tests: the engine has no use for a host-side
 C++ scheduler, whose purpose is proving the megakernel's scheduler equal to the Python one.

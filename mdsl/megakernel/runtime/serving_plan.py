@@ -55,7 +55,8 @@ from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.model import ModelGraph
 from mdsl.megakernel.runtime.shape import DecoderShape
 from mdsl.megakernel.runtime.task_plan import (EMBEDDING, MAX_WAITS, Access, Kind, PlanError, PlannedTask, TaskPlan,
-                                               _producers, _writers, attention_splits, plan_model)
+                                               _producers, _writers, attention_splits, device_tables,
+                                               plan_model)
 from mdsl.megakernel.taskgraph.layer_fusion import fuse
 from mdsl.serving.protocol import I32, U32, Array, Field, Layout, Region, ServingShape
 
@@ -225,14 +226,7 @@ class ServingPlan:
     def tables(self) -> tuple:
         """(tasks int32 [n, 8], waits int32 [m, 2], signals int32 [k]), as TaskPlan.tables: a task row is kind,
         layer, begin, end, first wait, wait count, first signal, signal count; a wait row event, producers a step."""
-        rows, wait_rows, signal_rows = [], [], []
-        for task, waits, signals in zip(self.tasks, self.waits, self.signals):
-            rows.append((int(task.kind), task.layer, task.begin, task.end,
-                         len(wait_rows), len(waits), len(signal_rows), len(signals)))
-            wait_rows += [(e, self.events[e].per_step) for e in waits]
-            signal_rows += list(signals)
-        return (np.array(rows, dtype=np.int32).reshape(-1, 8), np.array(wait_rows, dtype=np.int32).reshape(-1, 2),
-                np.array(signal_rows or [0], dtype=np.int32))
+        return device_tables(self.tasks, self.waits, self.signals, self.events)
 
     def initial_events(self) -> np.ndarray:
         return np.array([e.initial for e in self.events], dtype=np.uint32)

@@ -215,14 +215,8 @@ class TaskPlan:
         A task row: kind, layer, begin, end, first wait, wait count, first signal, signal count;
         a wait row: event, producers per step. An event every rank signals has REMOTE set in its wait and
         signal rows (read at system scope; signalled on the peers too)."""
-        rows, wait_rows, signal_rows = [], [], []
-        for task, waits, signals in zip(self.tasks, self.waits, self.signals):
-            rows.append((int(task.kind), task.layer, task.begin, task.end,
-                         len(wait_rows), len(waits), len(signal_rows), len(signals)))
-            wait_rows += [(e | REMOTE if self.events[e].ranks > 1 else e, self.events[e].per_step) for e in waits]
-            signal_rows += [e | REMOTE if self.events[e].ranks > 1 else e for e in signals]
-        return (np.array(rows, dtype=np.int32).reshape(-1, 8), np.array(wait_rows, dtype=np.int32).reshape(-1, 2),
-                np.array(signal_rows or [0], dtype=np.int32))
+        return device_tables(self.tasks, self.waits, self.signals, self.events,
+                             lambda e: e | REMOTE if self.events[e].ranks > 1 else e)
 
     def initial_events(self) -> np.ndarray:
         return np.array([e.initial for e in self.events], dtype=np.uint32)
@@ -237,6 +231,20 @@ class TaskPlan:
 
 
 REMOTE = 1 << 30        # a signal row's flag: the event is signalled on every rank (device.cu's REMOTE)
+
+
+def device_tables(tasks, waits, signals, events, word=lambda e: e) -> tuple:
+    """(tasks int32 [n, 8], waits int32 [m, 2], signals int32 [k]) of tasks with their waits and signals
+    (event indices): a task row is kind, layer, begin, end, first wait, wait count, first signal, signal count;
+    a wait row the event's word, its producers per step. `word`: an event's index as the device reads it."""
+    rows, wait_rows, signal_rows = [], [], []
+    for task, task_waits, task_signals in zip(tasks, waits, signals):
+        rows.append((int(task.kind), task.layer, task.begin, task.end,
+                     len(wait_rows), len(task_waits), len(signal_rows), len(task_signals)))
+        wait_rows += [(word(e), events[e].per_step) for e in task_waits]
+        signal_rows += [word(e) for e in task_signals]
+    return (np.array(rows, dtype=np.int32).reshape(-1, 8), np.array(wait_rows, dtype=np.int32).reshape(-1, 2),
+            np.array(signal_rows or [0], dtype=np.int32))
 # Under tensor parallelism, the tasks whose outputs every rank reads: the residual stream's partial sums
 # (o-proj and down-proj tiles, and the sampler's next embedding row) and the LM head's tile bests.
 CROSS_RANK_KINDS = (Kind.OPROJ, Kind.DOWN, Kind.LMHEAD, Kind.SAMPLE)
