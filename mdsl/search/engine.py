@@ -123,15 +123,22 @@ class SearchUnavailable(MdslError):
     needs is not installed), and the plan cache has no plan for the program."""
 
 
-def search_unavailable() -> Optional[str]:
-    """Why the default search cannot run on this machine, or None. The exhaustive generator needs z3; a
-    search without it finds other plans than its cache key promises (the key names the default
-    generators), so `optimize` does not run one."""
+def has_z3() -> bool:
+    """Whether z3 (which the exhaustive generator needs) can be imported here."""
     try:
-        found = importlib.util.find_spec("z3") is not None
+        return importlib.util.find_spec("z3") is not None
     except (ImportError, ValueError):   # a finder that refuses it, or a module entry without a spec
-        found = False
-    return None if found else "z3-solver, which the exhaustive generator needs, is not installed"
+        return False
+
+
+def search_unavailable(config: Optional[SearchConfig] = None) -> Optional[str]:
+    """Why the default search (of `config`, default: the default config) cannot run on this machine, or
+    None. The exhaustive generator needs z3; a search without it finds other plans than its cache key
+    promises (the key names the config, whose generators include it), so `optimize` does not run one. A
+    config without the exhaustive generator needs no z3."""
+    if (config is not None and not config.exhaustive) or has_z3():
+        return None
+    return "z3-solver, which the exhaustive generator needs, is not installed"
 
 
 def default_generators(config: SearchConfig) -> list:
@@ -197,7 +204,7 @@ def optimize(graph: KernelGraph, config: SearchConfig = SearchConfig(), *, cache
     key = store.key(graph, config, searcher=searcher)
     family = store.family_key(graph, config, searcher)
     plan = store.load(key, graph)
-    unavailable = search_unavailable() if generators is None else None
+    unavailable = search_unavailable(config) if generators is None else None
     if plan is not None and (not plan.provisional or unavailable):
         with _EventLog(log_path, graph.name) as log:
             log.write("cache_hit", path=plan.cache_path)

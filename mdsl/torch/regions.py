@@ -349,7 +349,7 @@ def _without_plan(nodes: Sequence[Node], search: SearchConfig, arch: str, left: 
     each of its nodes that computes a tensor is added to `left` with the reason."""
     from mdsl.search.engine import SearchUnavailable, search_unavailable
 
-    unavailable = search_unavailable()
+    unavailable = search_unavailable(search)
     if unavailable is None:
         return False
     region = _region("mdsl_region", nodes, search, operator_too=False)

@@ -354,6 +354,7 @@ def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers
     assert_last_logits_agree(torch, engine, model, prompt, "Qwen3-30B-A3B shapes (2 layers), bf16")
 
 
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
 def test_gemma2_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
     """Gemma-2 on the device by its ops' rules: the sampler's scaled embedding row (EMBED_SCALE), (1 + weight) norms
     (NORM_1P, LM_HEAD_1P), the o-proj's and down-proj's rows normalised by their last tile before the residual add

@@ -11,7 +11,10 @@ import pytest
 from mdsl.search import engine
 from mdsl.search.cache import PlanCache
 from mdsl.search.engine import SearchUnavailable, optimize, search_unavailable
-from tests.search.small_plans import CONFIG, SMALL, two_guided
+from tests.search.small_plans import CONFIG as SMALL_CONFIG, SMALL, two_guided
+
+#: the small plans' config with the exhaustive generator, the one generator that needs z3
+CONFIG = attrs.evolve(SMALL_CONFIG, exhaustive=True)
 
 NO_Z3 = "z3-solver, which the exhaustive generator needs, is not installed"
 
@@ -19,7 +22,7 @@ NO_Z3 = "z3-solver, which the exhaustive generator needs, is not installed"
 @pytest.fixture
 def no_search(monkeypatch):
     """This process as a machine without z3: any search fails the test."""
-    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
 
     def search(*args, **kwargs):
         raise AssertionError("optimize searched where the search cannot run")
@@ -55,7 +58,7 @@ def test_a_stored_plan_is_served_provisional_or_not(tmp_path, monkeypatch, provi
     graph = SMALL["rms_norm_linear"]()
     cache = PlanCache(tmp_path)
     stored = _default_entry(cache, graph, provisional)
-    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
     monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("optimize searched"))
     plan = optimize(graph, CONFIG, cache=cache)
     assert plan.graph == stored.graph and plan.provisional == provisional
@@ -79,3 +82,13 @@ def test_a_kernels_gpu_path_runs_its_traced_program_where_no_plan_can_be_had(no_
     with pytest.warns(UserWarning, match="running the traced program unoptimized: .*search cannot run here: z3"):
         graph = kernel._gpu_graph(specs, "sm_90a")
     assert graph == kernel.trace(*specs)
+
+
+def test_a_config_without_the_exhaustive_generator_searches_without_z3(tmp_path, monkeypatch):
+    """Only the exhaustive generator needs z3: a config that leaves it out searches (its key names the
+    config), where the default config's search is refused."""
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
+    assert search_unavailable() == search_unavailable(CONFIG) == NO_Z3
+    assert search_unavailable(SMALL_CONFIG) is None
+    plan = optimize(SMALL["rms_norm_linear"](), SMALL_CONFIG, cache=PlanCache(tmp_path))
+    assert plan.graph is not None and list(tmp_path.rglob("*.json"))

@@ -4,6 +4,7 @@ random weights, and hand-written MLP and attention blocks, match eager; `mdsl.to
 regions, plans, what torch keeps and what compiled it."""
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from mdsl.search.config import SearchConfig
@@ -73,13 +74,14 @@ def test_explain_names_a_region_without_a_plan_where_the_search_cannot_run(torch
     from mdsl.search import engine
     from tests.torch.models import MLP
 
-    monkeypatch.setattr(engine, "search_unavailable", lambda: "z3-solver is not installed")
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
     monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("explain searched"))
     torch.manual_seed(0)
-    report = mdsl.torch.explain(MLP(act=torch.nn.GELU).eval(), torch.randn(2, 8, 64), search=SEARCH)
+    report = mdsl.torch.explain(MLP(act=torch.nn.GELU).eval(), torch.randn(2, 8, 64),
+                                search=attrs.evolve(SEARCH, exhaustive=True))   # (the one generator that needs z3)
     assert report.regions and all(r.no_plan and r.kernels_after == r.kernels_before for r in report.regions)
     assert "plan: none (kernel mdsl_region: the plan cache" in str(report)
-    assert "the search cannot run here: z3-solver is not installed)" in str(report)
+    assert "the search cannot run here: z3-solver, which the exhaustive generator needs, is not installed)" in str(report)
 
 
 def test_a_bf16_mlp_matches_eager_within_bf16_tolerance(torch):

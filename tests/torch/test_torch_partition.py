@@ -103,7 +103,7 @@ def test_on_a_gpu_without_a_plan_or_a_search_a_region_is_left_to_torch_at_once(t
     operators go to torch (Inductor) with the reason, and nothing is searched."""
     from mdsl.search import engine
 
-    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
     monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("the partition searched"))
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -133,7 +133,7 @@ def test_on_a_gpu_without_a_search_a_region_with_a_stored_plan_stays_in_mdsl(tor
     plan = engine.optimize(graph, config, cache=False, generators=[])   # the traced program, as its own plan
     cache = PlanCache()
     cache.store(cache.key(graph, config, searcher=engine._searcher_identity(None, None)), plan)
-    monkeypatch.setattr(engine, "search_unavailable", lambda: NO_Z3)
+    monkeypatch.setattr(engine, "has_z3", lambda: False)
     monkeypatch.setattr(engine, "search", lambda *a, **k: pytest.fail("the partition searched"))
     result = partition(make_fx(fn)(*inputs), SEARCH, arch="sm_90a")
     assert len(result.regions) == 1 and not result.left
