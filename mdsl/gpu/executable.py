@@ -100,11 +100,11 @@ def plan_buffers(graph: KernelGraph, launches: Sequence, aliases: Sequence) -> B
                 scratch.append((slot_of[root], size))
         return slot_of[root]
 
+    value_slots = [tuple(slot(a) for a in launch.args) for launch in launches]
     launch_slots, counters = [], []
-    for launch in launches:
-        slots = tuple(slot(a) for a in launch.args)
+    for launch, slots in zip(launches, value_slots):
         count = getattr(launch, "counters", 0)
-        if count:   # a buffer of its own after the values' (never a value: no name to share)
+        if count:   # a buffer of its own after every value's slot (never a value: no name to share)
             counters.append((len(slot_of) + len(counters), 4 * count))
             slots += (counters[-1][0],)
         launch_slots.append(slots)

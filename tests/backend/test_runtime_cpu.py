@@ -291,6 +291,23 @@ def test_group_counters_get_a_slot_of_their_own_after_the_launch_s_values():
     assert plan.counters == ((3, 3 * 4),) and plan.scratch == ((1, 4 * 8 * 4),)
 
 
+def test_group_counters_never_share_a_slot_with_a_later_launch_s_values():
+    """A pair followed by a kernel with values of its own: the counters' slot comes after every value's (a
+    counter slot numbered before the later values were would also be the slot of one of them, and the pair
+    would count its groups' arrivals in that value's memory)."""
+    x, w = make_var("x", (4, 8), f32), make_var("w", (8, 2), f32)
+    n1, e = node("exp", [x], "e")
+    n2, y = node("neg", [e], "y")
+    n3, z = node("matmul", [y, w], "z")
+    graph = KernelGraph("g", [x, w], [n1, n2, n3], [z])
+    pair = Launch("k", "x", "e", "y")
+    pair.counters = 2
+    plan = runtime.plan_buffers(graph, [pair, Launch("k3", "y", "w", "z")], ())
+    values = {s for slots in plan.launch_slots for s in slots} - {s for s, _ in plan.counters}
+    assert plan.counters == ((5, 2 * 4),) and values == {0, 1, 2, 3, 4} and plan.slots == 6
+    assert plan.launch_slots == ((0, 1, 2, 5), (2, 3, 4))
+
+
 def test_a_program_naming_an_unknown_value_is_refused():
     x = make_var("x", (4,), f32)
     n1, e = node("exp", [x], "e")

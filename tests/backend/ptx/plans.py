@@ -176,14 +176,15 @@ def tuned_plans() -> dict:
 
 def split_k(rows: int = 4, k: int = 512, columns: int = 128, block_columns: int = 32, splits: int = 2,
             forloop: int = 4, threads: int = 128, combine_columns: Optional[int] = None,
-            combine_threads: int = 128, scale: bool = False) -> KernelGraph:
+            combine_threads: int = 128, scale: bool = False, then_matmul: bool = False) -> KernelGraph:
     """The search's split-K plan of `(x * 2.0) @ w` (times `s`, a scale per column, with `scale`), op for op:
     a kernel of columns / block_columns x splits blocks, each a K slice of `forloop` iterations, writing f32
     partial sums (the splits stacked along the rows: f32[splits * rows, columns]), then the combine of
     columns / combine_columns blocks (default block_columns) summing each block's columns over the splits
     (adding the bias's columns). At x f16[4, 8192], w [8192, 2048], 64 x 2 blocks of 16 iterations and a
     combine of 64 blocks, it is what the search chooses (its first kernel a skinny loop where the lowering
-    takes one); smaller shapes for the CPU simulator."""
+    takes one); smaller shapes for the CPU simulator. `then_matmul`: the combine's output times a new input
+    v [columns, 64] after them, a kernel with values of its own."""
     from mdsl.ir.dtypes import f16, f32
     from tests.backend.cuda.builder import Graph
 
@@ -200,5 +201,7 @@ def split_k(rows: int = 4, k: int = 512, columns: int = 128, block_columns: int 
     if scale:
         split = c.op("mul", split, c.op("cast", c.input(g.input("s", (1, columns), f16), imap=(1,)), dtype=f32))
     c.output(c.op("cast", c.op("accum", split), dtype=f16), omap=(1,))
-    c.done()
-    return g.build(outputs=[g.nodes[-1].outputs[0]])
+    (out,) = c.done()
+    if not then_matmul:
+        return g.build(outputs=[out])
+    return g.build(outputs=[out, g.op("matmul", out, g.input("v", (columns, 64), f16))])
