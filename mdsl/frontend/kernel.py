@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import inspect
 import warnings
 from typing import Callable, Optional, Sequence
@@ -316,22 +317,49 @@ class KernelFunction:
         specs = tuple(TensorSpec(v.shape, v.dtype) for v in views)
         device = views[0].device if views else 0
         arch = runtime.target_arch(device)
-        return runtime.compile_graph(self._gpu_graph(specs, arch), arch=arch, device=device, backend=backend)
+        plan = self._gpu_plan(specs, arch)
+        if plan is None:
+            return runtime.compile_graph(self.trace(*specs), arch=arch, device=device, backend=backend)
+        graph, options = self._tuned(plan, device) if backend == "cuda" and _autotune_first_call() \
+            else (plan.graph, None)
+        return runtime.compile_graph(graph, arch=arch, device=device, backend=backend, options=options)
 
-    def _gpu_graph(self, specs: tuple, arch: str) -> KernelGraph:
-        """The optimized plan's graph, or the traced graph where the plan cache has none and the search
-        cannot run (a module it needs, such as z3, is not installed)."""
+    def _gpu_plan(self, specs: tuple, arch: str):
+        """The optimized plan, or None where the plan cache has none and the search cannot run (a module it
+        needs, such as z3, is not installed): the traced program then runs unoptimized."""
         from mdsl.search.config import SearchConfig
         from mdsl.search.engine import SearchUnavailable
 
         try:
-            return self.optimize(*specs, config=SearchConfig(arch=arch)).graph
+            return self.optimize(*specs, config=SearchConfig(arch=arch))
         except SearchUnavailable as e:
-            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: {e.message}", stacklevel=4)
+            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: {e.message}", stacklevel=5)
         except ModuleNotFoundError as e:
             warnings.warn(f"kernel {self.name}: running the traced program unoptimized: the search needs "
-                          f"{e.name}, which is not installed", stacklevel=4)
-        return self.trace(*specs)
+                          f"{e.name}, which is not installed", stacklevel=5)
+        return None
+
+    def _tuned(self, plan, device: int) -> tuple:
+        """(graph, CUDA options) of the fastest correct of the plan's candidates and the program as written
+        under a few lowering options, timed on the GPU (`autotune.first_call_set`; cached per device, so
+        that only the first call of a program on a machine tunes); the plan's choice as lowered by default
+        where no variant runs correctly."""
+        from mdsl.backend.cuda import autotune
+
+        todo = autotune.first_call_set(plan)
+        try:
+            best = autotune.autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, device=device,
+                                     samples=10, calls=5, budget_s=autotune.FIRST_CALL_BUDGET_S)
+        except MdslError as e:
+            warnings.warn(f"kernel {self.name}: running the plan's choice untuned: {e.message}", stacklevel=5)
+            return plan.graph, None
+        return best.graph, best.options
+
+
+def _autotune_first_call() -> bool:
+    """Whether a kernel's first GPU call tunes its plan (`Kernel._tuned`): yes, unless $MDSL_AUTOTUNE is 0
+    (the GPU tests, which check each plan's own lowering, and callers that tune ahead of time)."""
+    return os.environ.get("MDSL_AUTOTUNE", "").strip().lower() not in ("0", "false", "off", "no")
 
 
 def frame_loc_of(fn: Callable):

@@ -65,3 +65,10 @@ def pytest_collection_modifyitems(config, items):
     places = [k for k, item in enumerate(items) if rank(item) < len(_ORDER)]
     for k, item in zip(places, sorted((items[k] for k in places), key=rank)):
         items[k] = item
+
+
+@pytest.fixture(autouse=True)
+def _no_first_call_tuning(monkeypatch):
+    """A kernel's first GPU call runs its plan's choice as lowered by default: the GPU tests check each plan's
+    own lowering (tests/gpu/test_gpu_autotune.py tunes on purpose)."""
+    monkeypatch.setenv("MDSL_AUTOTUNE", "0")

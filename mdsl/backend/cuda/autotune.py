@@ -22,11 +22,13 @@ cache are plain Python (tested without a GPU).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import itertools
 import json
 import os
 import statistics
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -58,6 +60,14 @@ UNPREFETCHED_THREADS = (384,)
 SKINNY_LOOP = "::run(skinny_acc"   # in a kernel's source: the skinny loop was taken
 VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they are many)
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
+#: the lowering options a kernel's first GPU call times for each candidate (`first_call_set`): the tile loop
+#: with the default pipeline, and the skinny loop (where it qualifies) overlapping its predecessor, with L2
+#: prefetches and without them with X in 16-byte loads: few, since that call compiles each
+FIRST_CALL_SPACE = (CudaOptions(), CudaOptions(skinny=True, overlap=True),
+                    CudaOptions(skinny=True, overlap=True, lead=0, wide_x=True))
+#: seconds a first call's tuning measures for: past them the candidates' remaining options are not timed
+#: (each candidate's first option always is), so that a program of many candidates costs bounded time
+FIRST_CALL_BUDGET_S = 30.0
 
 
 @attrs.frozen
@@ -137,6 +147,18 @@ def tuning_set(plan, limit: int = 3, variants: int = 8, cache=None) -> TuningSet
     names = ["the plan's choice"] + [f"alternative {k}" for k in range(1, len(own))] + \
             [f"variant {k + 1}: {describe_grid(g)}" for k, g in enumerate(extra)]
     return TuningSet(tuple(own + extra), tuple([full] * len(own) + [trimmed] * len(extra)), tuple(names))
+
+
+def first_call_set(plan, limit: int = 3) -> TuningSet:
+    """What a kernel's first GPU call times (`mdsl.frontend.kernel`): the plan's best `limit` verified
+    candidates and the program as written (its unfused kernels, the library's matmuls among them: the
+    candidate that is never slower than running each op alone), each under FIRST_CALL_SPACE."""
+    own = plan_candidates(plan, limit)
+    names = ["the plan's choice"] + [f"alternative {k}" for k in range(1, len(own))]
+    if plan.original.key not in {g.key for g in own}:
+        own.append(plan.original)
+        names.append("the program as written")
+    return TuningSet(tuple(own), (FIRST_CALL_SPACE,) * len(own), tuple(names))
 
 
 def compiled_registers(graph: KernelGraph, arch: str = "sm_90a") -> Callable[[int], Optional[int]]:
@@ -287,9 +309,13 @@ def load(key: str, candidates: Sequence[KernelGraph], device: str,
 
 def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space: Optional[Sequence] = None,
              spaces: Optional[Sequence] = None, names: Optional[Sequence[str]] = None, device: int = 0,
-             samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True) -> TuneResult:
+             samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True,
+             budget_s: Optional[float] = None) -> TuneResult:
     """The fastest correct (candidate, options) on GPU `device` (callers check `runtime.has_gpu()`).
-    `spaces`: each candidate's own options (see `tuning_set`), else `space` for all."""
+    `spaces`: each candidate's own options (see `tuning_set`), else `space` for all. Every variant's
+    source is compiled first, on all cores (NVRTC releases the GIL), into the compile cache; each
+    candidate's first option is timed before any candidate's others, and with `budget_s`, options not
+    yet timed when that many seconds of measuring have passed are left out (reported so)."""
     from mdsl.backend.cuda import runtime
 
     runtime.require_gpu("autotuning on the GPU")
@@ -305,8 +331,21 @@ def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space:
     host = _inputs(original, seed)
     want = _reference(original, host)
     rotated = _rotated_inputs(original, host, device)
-    timings = [_measure(candidates[v.candidate], v, host, want, rotated, arch, device, samples, calls) if not problem
-               else Timing(v, None, problem) for v, problem in emitted_variants(candidates, space, arch, spaces, names)]
+    emitted = emitted_variants(candidates, space, arch, spaces, names)
+    _compile_all([(candidates[v.candidate], v.options) for v, problem in emitted if not problem], arch)
+    firsts = {}
+    for k, (v, _) in enumerate(emitted):
+        firsts.setdefault(v.candidate, k)
+    start, timings = time.monotonic(), {}
+    for k in sorted(range(len(emitted)), key=lambda k: (firsts[emitted[k][0].candidate] != k, k)):
+        v, problem = emitted[k]
+        if problem:
+            timings[k] = Timing(v, None, problem)
+        elif budget_s is not None and firsts[v.candidate] != k and time.monotonic() - start > budget_s:
+            timings[k] = Timing(v, None, f"not timed: the tuning's {budget_s:g} s had passed")
+        else:
+            timings[k] = _measure(candidates[v.candidate], v, host, want, rotated, arch, device, samples, calls)
+    timings = [timings[k] for k in range(len(emitted))]
     timed = [t for t in timings if t.us is not None]
     if not timed:
         raise MdslError("autotune: no variant ran correctly on the GPU:\n" + "\n".join(
@@ -316,6 +355,23 @@ def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space:
     if cache:
         store(key, result, name)
     return result
+
+
+def _compile_all(variants: Sequence, arch: str) -> None:
+    """Each (graph, options)'s CUDA source compiled into the compile cache, in threads (a failure is left
+    for the variant's own compile to report)."""
+    from mdsl.backend.cuda.nvrtc import compile_cuda
+
+    def compile_one(variant) -> None:
+        graph, options = variant
+        try:
+            compile_cuda(emit_cuda(graph, arch=arch, options=options).source, arch=arch)
+        except MdslError:
+            pass
+
+    if len(variants) > 1:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
+            list(pool.map(compile_one, variants))
 
 
 def _inputs(graph: KernelGraph, seed: int) -> list:

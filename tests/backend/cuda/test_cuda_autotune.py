@@ -110,3 +110,110 @@ def test_the_timing_rotates_over_input_copies_that_exceed_twice_the_l2():
     assert rotation_sets(2**20, l2) == 64                # small inputs: at most 64 copies
     assert rotation_sets(2**20, l2, cap_bytes=10 * 2**20) == 10   # within the memory cap
     assert rotation_sets(2**31, l2) == 1 and rotation_sets(0, l2) == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# a kernel's first GPU call
+
+
+def _small_plan():
+    from mdsl.search.engine import optimize
+    from tests.search.small_plans import CONFIG, SMALL, two_guided
+
+    return optimize(SMALL["rms_norm_linear"](), CONFIG, cache=False, generators=[two_guided])
+
+
+def test_a_first_call_times_the_plans_candidates_and_the_program_as_written():
+    import attrs
+
+    plan = _small_plan()
+    fused = attrs.evolve(plan, alternatives=tuple(a for a in plan.alternatives if a.graph.key != plan.original.key))
+    todo = autotune.first_call_set(fused)
+    assert todo.graphs[0] == plan.graph and todo.graphs[-1] == plan.original
+    assert todo.names[0] == "the plan's choice" and todo.names[-1] == "the program as written"
+    assert len(todo.graphs) == len(fused.alternatives) + 2 and set(todo.spaces) == {autotune.FIRST_CALL_SPACE}
+    assert autotune.first_call_set(plan).graphs.count(plan.original) == 1   # an alternative already: once
+    kept_as_written = attrs.evolve(plan, graph=plan.original, alternatives=())
+    assert autotune.first_call_set(kept_as_written).graphs == (plan.original,)   # timed once, not twice
+
+
+def _fake_gpu(monkeypatch, clock: list, seconds_per_variant: float) -> list:
+    """autotune's GPU steps replaced: each measured variant advances `clock` and is recorded in order."""
+    from mdsl.backend.cuda import runtime
+
+    measured = []
+
+    def measure(graph, variant, *args):
+        measured.append(variant)
+        clock[0] += seconds_per_variant
+        return autotune.Timing(variant, 10.0 + len(measured))
+
+    monkeypatch.setattr(runtime, "require_gpu", lambda *a: None)
+    monkeypatch.setattr(runtime, "target_arch", lambda device=0: "sm_90a")
+    monkeypatch.setattr(autotune, "_device_name", lambda device: DEVICE)
+    monkeypatch.setattr(autotune, "_inputs", lambda graph, seed: [])
+    monkeypatch.setattr(autotune, "_reference", lambda graph, host: [])
+    monkeypatch.setattr(autotune, "_rotated_inputs", lambda graph, host, device: [])
+    monkeypatch.setattr(autotune, "_compile_all", lambda variants, arch: None)
+    monkeypatch.setattr(autotune, "_measure", measure)
+    monkeypatch.setattr(autotune.time, "monotonic", lambda: clock[0])
+    return measured
+
+
+def test_each_candidates_first_option_is_timed_first_and_the_budget_bounds_the_rest(monkeypatch, cache_root):
+    candidates = list(fast_path_graphs().values())[:3]
+    space = [CudaOptions(stages=2), CudaOptions(stages=3), CudaOptions(stages=4)]
+    emitted = [v for v, problem in autotune.emitted_variants(candidates, space, "sm_90a") if not problem]
+    firsts = [next(v for v in emitted if v.candidate == k) for k in range(3)]
+    clock = [0.0]
+    measured = _fake_gpu(monkeypatch, clock, seconds_per_variant=1.0)
+    result = autotune.autotune(candidates, candidates[0], space=space, budget_s=4.5, cache=False)
+    assert measured[:3] == firsts                     # every candidate timed, before any second option
+    assert len(measured) == 5 < len(emitted)          # past 4.5 s, no more (each took 1 s)
+    assert result.variant == firsts[0] and result.us == 11.0
+    skipped = [t for t in result.timings if t.us is None]
+    assert len(skipped) == len(emitted) - 5 and all("4.5 s had passed" in t.problem for t in skipped)
+    measured.clear()
+    autotune.autotune(candidates, candidates[0], space=space, cache=False)   # no budget: every variant
+    assert sorted(measured, key=emitted.index) == emitted
+
+
+def test_a_kernels_first_call_compiles_the_tuned_choice_or_the_plans_when_tuning_fails(monkeypatch):
+    import warnings
+
+    from mdsl.backend.cuda import runtime
+    from mdsl.errors import MdslError
+    from tests.examples_util import load_example
+
+    monkeypatch.delenv("MDSL_AUTOTUNE", raising=False)
+    kernel = load_example("rms_norm_linear").make_rms_norm_linear(1, k=256, n=192)
+    plan = _small_plan()
+    compiled = []
+    monkeypatch.setattr(runtime, "target_arch", lambda device=0: "sm_90a")
+    monkeypatch.setattr(runtime, "compile_graph", lambda graph, **kw: compiled.append((graph, kw.get("options"))))
+    monkeypatch.setattr(kernel, "_gpu_plan", lambda specs, arch: plan)
+    tuned = TuneResult(plan.original, Variant(1, CudaOptions(skinny=True, overlap=True)), 3.0)
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **kw: tuned)
+    views = [attrs_view(v) for v in kernel.graph.inputs]
+    kernel._compile(views)
+    assert compiled[-1] == (plan.original, CudaOptions(skinny=True, overlap=True))
+
+    def fails(*a, **kw):
+        raise MdslError("autotune: no variant ran correctly on the GPU")
+
+    monkeypatch.setattr(autotune, "autotune", fails)
+    with pytest.warns(UserWarning, match="running the plan's choice untuned: autotune: no variant ran"):
+        kernel._compile(views)
+    assert compiled[-1] == (plan.graph, None)
+    monkeypatch.setenv("MDSL_AUTOTUNE", "0")          # tuning off: the plan's choice, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel._compile(views)
+    assert compiled[-1] == (plan.graph, None)
+
+
+def attrs_view(var):
+    """A stand-in for a checked argument's view: its shape, dtype and device."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=var.shape, dtype=var.dtype, device=0)

@@ -237,7 +237,7 @@ def install(monkeypatch, *kernels, record: bool = True, launch_path: str = "c") 
         monkeypatch.setattr(runtime, "launch_stream", rig.launch_stream)
     monkeypatch.setattr(runtime, "target_arch", lambda device=0: "sm_90a")
     for kernel in kernels:
-        monkeypatch.setattr(kernel, "_gpu_graph", lambda specs, arch, kernel=kernel: kernel.trace(*specs))
+        monkeypatch.setattr(kernel, "_gpu_plan", lambda specs, arch: None)   # no plan: the traced graph
     return rig
 
 
@@ -666,7 +666,7 @@ def test_on_the_gpu_each_repeated_call_computes_its_own_inputs(monkeypatch):
     monkeypatch.setattr(add, "_executables", {})
     monkeypatch.setattr(add, "_calls", {})
     monkeypatch.setattr(add, "_last_call", None)
-    monkeypatch.setattr(add, "_gpu_graph", lambda specs, arch: add.trace(*specs))   # no search: the traced graph
+    monkeypatch.setattr(add, "_gpu_plan", lambda specs, arch: None)   # no search: the traced graph
 
     def pair():
         return [torch.randn(4, 64, device="cuda", dtype=torch.float16) for _ in range(2)]
