@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import math
 import re
 import sys
@@ -65,8 +66,10 @@ def load_results(results: Path = RESULTS) -> dict:
     for name in INPUTS + OPTIONAL:
         path = results / f"{name}.json"
         out[name] = json.loads(path.read_text()) if path.exists() else None
-    runs = [json.loads(p.read_text()) for p in results.glob("random_programs_seed*.json")]
-    out["random_programs"] = sorted(runs, key=lambda r: (r.get("meta") or {}).get("seed", 0))
+    for key, pattern in (("random_programs", "random_programs_seed*.json"),
+                         ("random_programs_gpu", "random_programs_gpu_seed*.json")):
+        runs = [json.loads(p.read_text()) for p in results.glob(pattern)]
+        out[key] = sorted(runs, key=lambda r: (r.get("meta") or {}).get("seed", 0))
     return out
 
 
@@ -289,6 +292,40 @@ def random_programs_section(runs: list) -> list:
     lines += _table(["seed", "programs", "fused", "fraction", "float failures", "cut by the cap", "over cap > 5 s",
                      "budget s", "median search s", "load (1 min)", "plans as another run's"], rows) + [""]
     lines += [f"Seed {(r.get('meta') or {}).get('seed', '?')}: " + run_line(r.get("meta")) for r in runs] + [""]
+    return lines
+
+
+def random_programs_gpu_section(runs: list) -> list:
+    """The random programs timed on the GPU as a user calls them (`random_programs.py --gpu`): per run, the
+    summary and the programs mdsl's call loses on."""
+    lines = []
+    for run in runs:
+        meta, summary, rows = run.get("meta") or {}, run.get("summary") or {}, run.get("rows") or []
+        speedups = sorted(r["gpu"]["speedup_vs_best"] for r in rows if (r.get("gpu") or {}).get("speedup_vs_best"))
+        if not speedups:
+            continue
+        lines += [f"Seed {meta.get('seed', '?')}, on the GPU: " + run_line(meta), "",
+                  "Each program as a user calls it (`k(*torch_tensors)`, host time included, the plan from the plan "
+                  "cache; inputs rotated past the L2) against PyTorch eager, eager in a CUDA graph and torch.compile, "
+                  "every contender checked against float64 first; the plan replayed in a CUDA graph gives its GPU time "
+                  f"alone. Correct on the GPU: {len(speedups)} of {len(rows)}. Speed-up over the best PyTorch baseline: "
+                  f"geometric mean {summary.get('gpu_geomean_speedup_vs_best', float('nan')):.2f}x (issue 31's target: "
+                  f"1.3x), median {statistics.median(speedups):.2f}x, from {speedups[0]:.2f}x to {speedups[-1]:.2f}x; "
+                  f"slower than eager: {summary.get('gpu_slower_than_eager', '-')}. The programs slower than the best "
+                  "baseline by more than 20%, in µs:", ""]
+        table = []
+        for r in rows:
+            g = r.get("gpu") or {}
+            if not g.get("speedup_vs_best") or g["speedup_vs_best"] >= 0.8:
+                continue
+            slowest = max((g.get("mdsl_kernels_us") or {}).items(), key=lambda kv: kv[1], default=("-", 0))
+            table.append([r["program"], r["rows"], f"{r['kernels_before']} -> {r['kernels_after']}",
+                          f"{r['estimate_after_us']:.1f}", f"{g['mdsl_us']:.1f}",
+                          f"{g['mdsl_graph_us']:.1f}" if g.get("mdsl_graph_us") else "-",
+                          f"{min(g[k] for k in ('eager_us', 'cuda_graph_us', 'compile_us') if g.get(k)):.1f}",
+                          f"{g['speedup_vs_best']:.2f}x", f"{slowest[0]} {slowest[1]:.1f}"])
+        lines += _table(["program", "rows", "kernels", "est.", "mdsl call", "mdsl graph", "best PyTorch", "speed-up",
+                         "slowest kernel"], table, last_left=True) + [""]
     return lines
 
 
@@ -639,6 +676,11 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
+    for run in results.get("random_programs_gpu") or []:   # the last seed's figures
+        summary = run.get("summary") or {}
+        if "gpu_geomean_speedup_vs_best" in summary:
+            h["random_gpu_geomean"] = _times(summary["gpu_geomean_speedup_vs_best"])
+            h["random_gpu_fused"] = f"{summary['fused']} of {summary['programs']}"
     return h
 
 
@@ -660,6 +702,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += search_section(results.get("search_times"))
     lines += compile_section(results.get("compile_times"))
     lines += random_programs_section(results.get("random_programs") or [])
+    lines += random_programs_gpu_section(results.get("random_programs_gpu") or [])
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))

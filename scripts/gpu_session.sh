@@ -161,7 +161,7 @@ stage torchbench "$TORCHBENCH_LIMIT" "$OUT/all/torchbench.log" env MDSL_CACHE_DI
 # (STAGES=random) the random programs of RANDOM_ARGS' seed timed on the GPU against PyTorch (their plans from
 # .plans-random, made by the same command on the CPU machine)
 stage random "${RANDOM_LIMIT:-400}" "$OUT/all/random.log" $PY benchmarks/random_programs.py ${RANDOM_ARGS:---seed 31 --count 30} \
-    --gpu --cache "$PWD/.plans-random" --out "$OUT/all/random"
+    --gpu --cache .plans-random --out "$OUT/all/random"
 # (STAGES=call) the host time of a kernel call (its plans from .plans-call: benchmarks/call_overhead.py's cases
 # searched with its default --budget on the CPU machine)
 stage call "${CALL_LIMIT:-90}" "$OUT/all/call.log" env MDSL_CACHE_DIR="$PWD/.plans-call" \

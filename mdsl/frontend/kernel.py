@@ -68,6 +68,7 @@ class KernelFunction:
         self._executables: dict = {}   # ((shape, dtype name, device) per argument, backend) -> runtime.Executable
         self._calls: dict = {}         # mdsl.gpu.signature.call_key -> mdsl.gpu.calls.PreparedCall
         self._last_call = None         # the prepared call that answered last (its `fast` where it has one), tried first
+        self.tunings: list = []        # the autotune.TuneResult of each first GPU call that tuned, in call order
         self._arg_labels = tuple(f"kernel {self.name}: argument {p.name}" for p in self.params)
 
     def _read_annotations(self, scope: Optional[dict]) -> dict:
@@ -349,10 +350,11 @@ class KernelFunction:
         todo = autotune.first_call_set(plan)
         try:
             best = autotune.autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, device=device,
-                                     samples=10, calls=5, budget_s=autotune.FIRST_CALL_BUDGET_S)
+                                     samples=10, calls=5, budget_s=autotune.FIRST_CALL_BUDGET_S, checked=True)
         except MdslError as e:
             warnings.warn(f"kernel {self.name}: running the plan's choice untuned: {e.message}", stacklevel=5)
             return plan.graph, None
+        self.tunings.append(best)
         return best.graph, best.options
 
 

@@ -252,13 +252,15 @@ def cache_dir() -> Path:
 
 
 def cache_key(candidates: Sequence[KernelGraph], device: str, arch: str, space: Sequence[CudaOptions],
-              spaces: Optional[Sequence] = None) -> str:
+              spaces: Optional[Sequence] = None, checked: bool = False) -> str:
     from mdsl.search.plan import mdsl_version
 
     material = {"schema": SCHEMA, "programs": [print_graph(g) for g in candidates], "device": device, "arch": arch,
                 "space": [attrs.asdict(o) for o in space], "mdsl_version": mdsl_version()}
     if spaces is not None:
         material["spaces"] = [[attrs.asdict(o) for o in s] for s in spaces]
+    if checked:   # timed through the checked call: another ranking
+        material["checked"] = True
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
@@ -310,12 +312,13 @@ def load(key: str, candidates: Sequence[KernelGraph], device: str,
 def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space: Optional[Sequence] = None,
              spaces: Optional[Sequence] = None, names: Optional[Sequence[str]] = None, device: int = 0,
              samples: int = 30, calls: int = 10, seed: int = 0, cache: bool = True,
-             budget_s: Optional[float] = None) -> TuneResult:
+             budget_s: Optional[float] = None, checked: bool = False) -> TuneResult:
     """The fastest correct (candidate, options) on GPU `device` (callers check `runtime.has_gpu()`).
     `spaces`: each candidate's own options (see `tuning_set`), else `space` for all. Every variant's
     source is compiled first, on all cores (NVRTC releases the GIL), into the compile cache; each
     candidate's first option is timed before any candidate's others, and with `budget_s`, options not
-    yet timed when that many seconds of measuring have passed are left out (reported so)."""
+    yet timed when that many seconds of measuring have passed are left out (reported so). `checked`: time
+    the checked call (`_measure`), as a kernel's first call tunes."""
     from mdsl.backend.cuda import runtime
 
     runtime.require_gpu("autotuning on the GPU")
@@ -323,7 +326,7 @@ def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space:
     spaces = None if spaces is None else [list(s) for s in spaces]
     arch = runtime.target_arch(device)
     name = _device_name(device)
-    key = cache_key(candidates, name, arch, space, spaces)
+    key = cache_key(candidates, name, arch, space, spaces, checked)
     if cache:
         cached = load(key, candidates, name, names)
         if cached is not None:
@@ -344,7 +347,8 @@ def autotune(candidates: Sequence[KernelGraph], original: KernelGraph, *, space:
         elif budget_s is not None and firsts[v.candidate] != k and time.monotonic() - start > budget_s:
             timings[k] = Timing(v, None, f"not timed: the tuning's {budget_s:g} s had passed")
         else:
-            timings[k] = _measure(candidates[v.candidate], v, host, want, rotated, arch, device, samples, calls)
+            timings[k] = _measure(candidates[v.candidate], v, host, want, rotated, arch, device, samples, calls,
+                                  checked)
     timings = [timings[k] for k in range(len(emitted))]
     timed = [t for t in timings if t.us is not None]
     if not timed:
@@ -375,28 +379,46 @@ def _compile_all(variants: Sequence, arch: str) -> None:
 
 
 def _inputs(graph: KernelGraph, seed: int) -> list:
-    from mdsl.ir.dtypes import round_to_dtype
+    """The check's inputs: the verifier's float test's (standard normal draws, as the dtype holds them)."""
+    from mdsl.passes.float_check import float_inputs
 
-    rng = np.random.default_rng(seed)
-    return [round_to_dtype(rng.standard_normal(v.shape), v.dtype) for v in graph.inputs]
+    return float_inputs(tuple(graph.inputs), np.random.default_rng(seed).bit_generator.state, 1.0)
 
 
-def _reference(graph: KernelGraph, host: list) -> list:
+@attrs.frozen(eq=False)
+class Expected:
+    """What a variant's outputs are checked against, as the verifier's float test checks a candidate: the
+    program's float64 outputs, the elements judged (`float_check.judged_elements`: where the program as
+    written is finite in float64 and at its own precision, and not within the error bound of the dtype's
+    overflow; standard normal inputs overflow a long f16 chain, and there no result is wrong) and each
+    output's bound (the dtype's tolerance, or ORIGINAL_SLACK times the program's own error)."""
+
+    reference: list
+    judged: list
+    bounds: list
+
+    def problem(self, got: Sequence) -> Optional[str]:
+        """Why `got` is wrong, or None."""
+        from mdsl.passes.float_check import rel_error
+
+        for k, (g, ref, where, bound) in enumerate(zip(got, self.reference, self.judged, self.bounds)):
+            error = rel_error(np.asarray(g, dtype=np.float64), ref, where)
+            if not error <= bound:
+                return f"wrong output: output {k} has relative error {error:.2e} over {bound:.0e}"
+        return None
+
+
+def _reference(graph: KernelGraph, host: list) -> Expected:
     from mdsl.backend.reference import run_kernel_graph
+    from mdsl.passes.float_check import ORIGINAL_SLACK, judged_elements, rel_error
 
-    return [np.asarray(w, dtype=np.float64) for w in run_kernel_graph(graph, host, precision="float64",
-                                                                      round_storage=True)]
-
-
-def relative_error(got: Sequence, want: Sequence) -> float:
-    """The largest ||got - want|| / ||want|| over the outputs (inf where anything is not finite)."""
-    worst = 0.0
-    for g, w in zip(got, want):
-        g = np.asarray(g, dtype=np.float64)
-        if not np.all(np.isfinite(g)):
-            return float("inf")
-        worst = max(worst, float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300)))
-    return worst
+    with np.errstate(all="ignore"):   # an overflow of the program's own is what `judged` leaves out
+        reference = [np.asarray(r, dtype=np.float64) for r in run_kernel_graph(graph, host, precision="float64")]
+        own = run_kernel_graph(graph, host, precision="float32", round_storage=True)
+    judged = [judged_elements(ref, mine, var.dtype) for ref, mine, var in zip(reference, own, graph.outputs)]
+    bounds = [max(tolerance(graph), ORIGINAL_SLACK * rel_error(np.asarray(mine, dtype=np.float64), ref, where))
+              for ref, mine, where in zip(reference, own, judged)]
+    return Expected(reference, judged, bounds)
 
 
 def tolerance(graph: KernelGraph) -> float:
@@ -421,20 +443,25 @@ def _rotated_inputs(graph: KernelGraph, host: list, device: int) -> list:
 
 
 def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, device: int, samples: int,
-             calls: int) -> Timing:
-    """Checked on fresh inputs (the checked call), then timed over the rotated copies in turn."""
+             calls: int, checked: bool = False) -> Timing:
+    """Checked on fresh inputs (the checked call), then timed over the rotated copies in turn: through the
+    unchecked launch (`run_pointers`, as the kernel benchmark launches), or with `checked` the checked call
+    (its host time counts: a program whose library GEMMs launch from Python costs it more)."""
     from mdsl.backend.cuda import runtime
 
     try:
         executable = runtime.compile_graph(graph, arch=arch, device=device, options=variant.options)
         inputs = [runtime.DeviceArray.from_numpy(x, v.dtype, device=device) for x, v in zip(host, graph.inputs)]
         outputs = executable(inputs)
-        error = relative_error([o.to_numpy() for o in outputs], want)
-        if not error <= tolerance(graph):
-            return Timing(variant, None, f"wrong output: relative error {error:.2e} over {tolerance(graph):.0e}")
+        problem = want.problem([o.to_numpy() for o in outputs])
+        if problem:
+            return Timing(variant, None, problem)
+        turn = itertools.count()
+        if checked:   # as a kernel's call runs it: arguments checked, the executable's own launch path
+            return Timing(variant, _median_us(lambda: executable(rotated[next(turn) % len(rotated)], outputs),
+                                              samples, calls))
         pointers = [[a.ptr for a in copy] for copy in rotated]
         out = [o.ptr for o in outputs]
-        turn = itertools.count()
         return Timing(variant, _median_us(lambda: executable.run_pointers(pointers[next(turn) % len(pointers)], out, 0),
                                           samples, calls))
     except MdslError as e:
