@@ -92,7 +92,9 @@ class PreparedCall:
         names = {"BACKEND": self._backend, "DEVICE": self._device, "MISALIGNED": _MISALIGNED, "as_outputs": as_outputs,
                  "current_stream": self._current_stream, "stream_handle": stream_handle, "ArgumentError": ArgumentError,
                  "empty_like": self._empty_like, "launch": exe.launch}
-        native = exe.native
+        # inlined where the C launcher runs kernels only (with cuBLAS's GEMMs, Executable.launch takes the
+        # handle's lock and sets its stream)
+        native = exe.native if exe._library is None else None
         if native is not None:
             names.update(lock=exe._lock, call=native.call, run=native.run, failed=exe._native_failed)
         for prefix, signature in (("A", self._signature), ("O", self._out_signature or ())):

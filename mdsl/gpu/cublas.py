@@ -31,6 +31,8 @@ import attrs
 from mdsl.gpu.driver import CudaError, check, cu_stream, driver, get_device
 from mdsl.gpu.program import LibraryGemm
 
+#: a value no stream handle has: the handle's stream before one is set
+NO_STREAM = 2**64 - 1
 #: the workspace of each (device, stream): what cuBLAS asks for on Hopper (and what PyTorch gives it)
 WORKSPACE_BYTES = 32 * 2**20
 
@@ -152,6 +154,8 @@ class Context:
         self.lib, self.ordinal, self.handle = lib, ordinal, handle
         self.lock = threading.Lock()
         self.stream: Optional[int] = None
+        #: the handle's stream as the C launcher reads it (launcher.c's Gemm.handle_stream): NO_STREAM until set
+        self.stream_word = ctypes.c_uint64(NO_STREAM)
         self.workspaces: dict = {}   # stream handle -> device pointer
 
     def use_stream(self, stream: int) -> None:
@@ -167,6 +171,7 @@ class Context:
         check_status(self.lib, self.lib.cublasSetWorkspace_v2(self.handle, workspace, WORKSPACE_BYTES if workspace
                                                               else 0), "cublasSetWorkspace_v2")
         self.stream = stream
+        self.stream_word.value = stream
 
 
 def _capturing(stream: int) -> bool:
@@ -224,24 +229,55 @@ def gemm_arguments(gemm: LibraryGemm, handle, ptrs, slots: tuple) -> tuple:
             c, dtype, i(g.ldc), ll(g.stride_c), i(g.batch), *tail)
 
 
-def gemm_step(gemm: LibraryGemm, ordinal: int, ptrs, slots: tuple, what: str) -> Optional[Callable]:
-    """`step(stream)`: the product run by cuBLAS on GPU `ordinal` on the operands whose device pointers the
-    parameter block `ptrs` holds at `slots` (A, B, C) when it is called (`gemm_arguments`). None where
-    cuBLAS cannot run there (the caller launches its kernel)."""
-    ctx = context(ordinal)
-    if ctx is None:
-        return None
-    name = "cublasGemmEx" if gemm.batch == 1 else "cublasGemmStridedBatchedEx"
-    call, lock, arguments = getattr(ctx.lib, name), ctx.lock, gemm_arguments(gemm, ctx.handle, ptrs, slots)
+class GemmStep:
+    """A launch that cuBLAS runs: `step(stream)` from Python (`gemm_arguments`), and `native`, the same call as
+    the C launcher makes it (`native_gemm`); `context` is the device's cuBLAS (its lock serializes calls on the
+    handle)."""
 
-    def step(stream: int) -> None:
-        with lock:
+    __slots__ = ("context", "native", "_call", "_arguments", "_describe")
+
+    def __init__(self, gemm: LibraryGemm, ctx: Context, ptrs, slots: tuple, what: str):
+        name = "cublasGemmEx" if gemm.batch == 1 else "cublasGemmStridedBatchedEx"
+        self.context = ctx
+        self.native = native_gemm(gemm, ctx, slots)
+        self._call, self._arguments = getattr(ctx.lib, name), gemm_arguments(gemm, ctx.handle, ptrs, slots)
+        self._describe = f"{name} for {what} ({gemm.dtype}, m={gemm.m} n={gemm.n} k={gemm.k}, {gemm.batch} matrices)"
+
+    def __call__(self, stream: int) -> None:
+        ctx = self.context
+        with ctx.lock:
             if stream != ctx.stream:
                 ctx.use_stream(stream)
-            status = call(*arguments)
+            status = self._call(*self._arguments)
         if status:
-            raise CublasError(f"{name} for {what} ({gemm.dtype}, m={gemm.m} n={gemm.n} k={gemm.k}, {gemm.batch} "
-                              f"matrices) failed: {status_text(ctx.lib, status)}",
-                              hint="MDSL_CUDA_CUBLAS=0 runs mdsl's own GEMM kernel instead")
+            raise self.error(status)
 
-    return step
+    def error(self, status: int) -> CublasError:
+        return CublasError(f"{self._describe} failed: {status_text(self.context.lib, status)}",
+                           hint="MDSL_CUDA_CUBLAS=0 runs mdsl's own GEMM kernel instead")
+
+
+def gemm_step(gemm: LibraryGemm, ordinal: int, ptrs, slots: tuple, what: str) -> Optional[GemmStep]:
+    """The product run by cuBLAS on GPU `ordinal` on the operands whose device pointers the parameter block
+    `ptrs` holds at `slots` (A, B, C) when it is called. None where cuBLAS cannot run there (the caller
+    launches its kernel)."""
+    ctx = context(ordinal)
+    return None if ctx is None else GemmStep(gemm, ctx, ptrs, slots, what)
+
+
+def native_gemm(gemm: LibraryGemm, ctx: Context, slots: tuple):
+    """The C launcher's record of the call (launcher.c's Gemm): the entry point in the loaded library, the
+    handle, where the handle's stream is recorded, and the operands' slots."""
+    from mdsl.gpu.launcher import Gemm
+
+    g = column_major(gemm)
+    function = getattr(ctx.lib, "cublasGemmEx" if gemm.batch == 1 else "cublasGemmStridedBatchedEx")
+    # (0 where the library is not a loaded one: the executable then calls it from Python)
+    entry = ctypes.cast(function, ctypes.c_void_p).value if isinstance(function, ctypes._CFuncPtr) else 0
+    handle = ctx.handle.value if isinstance(ctx.handle, ctypes.c_void_p) else 0
+    return Gemm(entry=entry or 0, handle=handle or 0,
+                handle_stream=ctypes.addressof(ctx.stream_word), alpha=ctypes.addressof(_ONE),
+                beta=ctypes.addressof(_ZERO), stride_a=g.stride_a, stride_b=g.stride_b, stride_c=g.stride_c,
+                transa=g.transa, transb=g.transb, m=g.m, n=g.n, k=g.k, a_slot=slots[g.a_operand], lda=g.lda,
+                b_slot=slots[g.b_operand], ldb=g.ldb, c_slot=slots[2], ldc=g.ldc, dtype=CUDA_DTYPES[gemm.dtype],
+                compute=CUBLAS_COMPUTE_32F, algo=CUBLAS_GEMM_DEFAULT, batch=g.batch, pad=0)

@@ -150,6 +150,7 @@ class Executable:
         self._input_labels = tuple(f"argument {n} of {self.name}" for n in self._input_names)
         self._output_labels = tuple(f"output {k} of {self.name}" for k in range(len(self.output_types)))
         self._lock = threading.Lock()
+        self._library = None           # the cuBLAS Context whose GEMMs the C launcher runs (mdsl.gpu.cublas)
         self._torch_templates = None   # (torch.empty_like, a template per output): torch_templates()
         plan = plan_buffers(self.graph, program.launches, program.aliases)
         self._bindings = plan.bindings
@@ -173,18 +174,22 @@ class Executable:
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
         """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
-        launcher is not available, a library runs some launch, the driver lacks an entry point it needs."""
-        if self.library_launches:
+        launcher is not available, the driver lacks an entry point it needs. cuBLAS's GEMMs run in it too,
+        through the library's entry points, with the device's cuBLAS lock held (`library_lock`)."""
+        gemms = [step for step in self._launches if type(step) is not tuple]
+        if any(not (step.native.entry and step.native.handle) or step.context is not gemms[0].context
+               for step in gemms):
             return None
         lib = launcher.library()
         if lib is None:
             return None
         entries = launcher.driver_entries()
-        overlap = any(step[-1] is not None for step in self._launches)
+        overlap = any(step[-1] is not None for step in self._launches if type(step) is tuple)
         if not launcher.NativeProgram.supports(entries, overlap, bool(self._copies)):
             return None
-        launches = [(function, (gx, gy, gz), (bx, by, bz), smem, config is not None, params)
-                    for function, gx, gy, gz, bx, by, bz, smem, params, config in self._launches]
+        self._library = gemms[0].context if gemms else None
+        launches = [step.native if type(step) is not tuple else
+                    (step[0], step[1:4], step[4:7], step[7], step[9] is not None, step[8]) for step in self._launches]
         return launcher.NativeProgram(lib, entries, context=int(self._dev.context), slots=self._ptrs,
                                       bindings=self._bindings, launches=launches, copies=self._copies,
                                       arguments=len(self.input_types) + len(self.output_types))
@@ -299,11 +304,7 @@ class Executable:
         """`run_pointers` on the inputs' pointers followed by the outputs'."""
         native = self.native
         if native is not None:
-            with self._lock:   # the slots and the call array are shared: fill and launch as one step
-                call = native.call
-                call[1] = stream
-                call[2:] = arguments
-                err = native.run(call)
+            err = self._run_native(arguments, stream)
             if err:
                 self._native_failed(err, arguments, stream)
             return
@@ -329,21 +330,38 @@ class Executable:
         for dst, src, size in self._copies:
             check(driver.cuMemcpyDtoDAsync(arguments[dst], arguments[src], size, on_stream), "cuMemcpyDtoDAsync")
 
+    def _run_native(self, arguments: Sequence[int], stream: int) -> int:
+        """One run of the C launcher's program (its answer: 0, a CUresult or one of launcher's codes). The
+        slots and the call array are shared: they are filled and launched as one step. With cuBLAS's GEMMs the
+        handle's lock is held too (calls on the handle from other threads wait), and its stream is set first
+        where it is not the call's (the launcher has run nothing then)."""
+        ctx, native = self._library, self.native
+        with self._lock:
+            call = native.call
+            call[1] = stream
+            call[2:] = arguments
+            if ctx is None:
+                return native.run(call)
+            with ctx.lock:
+                err = native.run(call)
+                if err == launcher.LIBRARY_STREAM:
+                    ctx.use_stream(stream)
+                    err = native.run(call)
+                return err
+
     def _native_failed(self, err: int, arguments: Sequence[int], stream: int) -> None:
         """After the C launcher's error `err`: launch again once the executable's context is made current
         (another library may have made its own current on this thread), else raise."""
         if err == launcher.WRONG_CONTEXT:
             self._dev.make_current()
-            with self._lock:
-                call = self.native.call
-                call[1] = stream
-                call[2:] = arguments
-                err = self.native.run(call)
+            err = self._run_native(arguments, stream)
             if not err:
                 return
             if err == launcher.WRONG_CONTEXT:
                 raise CudaError(f"launching the kernels of {self.name}: GPU {self.device}'s context does not stay "
                                 "current on this thread")
+        if err <= launcher.LIBRARY_FAILED:
+            raise next(s for s in self._launches if type(s) is not tuple).error(launcher.LIBRARY_FAILED - err)
         raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
 
     # -- lifetime --------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
    call[1] the stream, call[2...] the data pointers of its arguments (inputs, then outputs). mdsl_run writes
    the pointers into the program's parameter slots, launches each kernel through the driver's own entry
    points (resolved by Python, so that this file needs no CUDA header or library) and queues the copies of
-   outputs that live in another argument's buffer. Python calls it through ctypes.PyDLL: the GIL is held
-   throughout, so two threads never fill the same slots at once.
+   outputs that live in another argument's buffer; a launch that cuBLAS runs (a library GEMM) is called through
+   the entry point Python resolved in the cuBLAS library. Python calls it through ctypes.PyDLL: the GIL is held
+   throughout, so two threads never fill the same slots at once (and Python holds the cuBLAS handle's lock
+   around a program with GEMMs).
 
    No Python header either: only a C compiler is needed. The structures below mirror cuda.h's, under names
    of their own (a file may include both); tests/backend/cuda/test_launcher.py compares them with cuda.h
@@ -46,7 +48,30 @@ typedef Result (*LaunchKernelEx)(const LaunchConfig *config, void *function, voi
 typedef Result (*MemcpyDtoDAsync)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
 typedef Result (*CtxGetCurrent)(void **context);
 
-/* one kernel launch: everything but the stream, fixed when the executable is loaded */
+/* cublas_api.h's cublasGemmEx and cublasGemmStridedBatchedEx (enums as int, cublasStatus_t as int) */
+typedef int (*GemmEx)(void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
+                      const void *a, int a_type, int lda, const void *b, int b_type, int ldb, const void *beta,
+                      void *c, int c_type, int ldc, int compute, int algo);
+typedef int (*GemmStridedBatchedEx)(void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
+                                    const void *a, int a_type, int lda, long long stride_a, const void *b,
+                                    int b_type, int ldb, long long stride_b, const void *beta, void *c, int c_type,
+                                    int ldc, long long stride_c, int batch, int compute, int algo);
+
+/* a product cuBLAS runs in a launch's place (mdsl.gpu.cublas): its call's arguments, the operands' pointers
+   read from the slots when it runs. The handle's stream is the one Python set last (`handle_stream`, which
+   Python updates whenever it sets one): a call on another stream is answered LIBRARY_STREAM before anything
+   runs, and Python sets the stream (with its workspace) and calls again. */
+typedef struct {
+    uint64_t entry;          /* cublasGemmEx (batch 1) or cublasGemmStridedBatchedEx */
+    uint64_t handle;         /* cublasHandle_t */
+    uint64_t handle_stream;  /* const uint64_t *: the stream the handle has */
+    uint64_t alpha, beta;    /* const float * */
+    int64_t stride_a, stride_b, stride_c;
+    int32_t transa, transb, m, n, k, a_slot, lda, b_slot, ldb, c_slot, ldc, dtype, compute, algo, batch, pad;
+} Gemm;
+
+/* one kernel launch: everything but the stream, fixed when the executable is loaded; or, with `gemm`, the
+   product cuBLAS runs in its place */
 typedef struct {
     uint64_t function;       /* CUfunction */
     uint32_t grid[3];
@@ -54,6 +79,7 @@ typedef struct {
     uint32_t shared_bytes;
     uint32_t overlap;        /* 1: launched with programmatic stream serialization (cuLaunchKernelEx) */
     uint64_t params;         /* void **: one pointer per kernel parameter, into the slots */
+    uint64_t gemm;           /* const Gemm *, or 0: a kernel */
 } Launch;
 
 /* an output whose value lives in another argument's buffer: copied after the launches */
@@ -75,8 +101,9 @@ typedef struct {
     const Copy *copies;
 } Program;
 
-/* what mdsl_run returns besides 0 (success) and a positive CUresult (the failing call's) */
-enum { WRONG_CONTEXT = -1 };
+/* what mdsl_run returns besides 0 (success) and a positive CUresult (the failing call's); a cuBLAS call's
+   failure is LIBRARY_FAILED - its cublasStatus_t */
+enum { WRONG_CONTEXT = -1, LIBRARY_STREAM = -2, LIBRARY_FAILED = -1000 };
 
 const char *mdsl_launcher_id(void) { return MDSL_LAUNCHER_ID; }
 
@@ -87,6 +114,7 @@ int64_t mdsl_launcher_sizes(int64_t which) {
     case 2: return sizeof(Program);
     case 3: return sizeof(LaunchConfig);
     case 4: return sizeof(LaunchAttribute);
+    case 5: return sizeof(Gemm);
     default: return -1;
     }
 }
@@ -99,10 +127,31 @@ int64_t mdsl_run(const uint64_t *call) {
     Result err = ((CtxGetCurrent)(uintptr_t)p->ctx_get_current)(&current);
     if (err) return err;
     if ((uint64_t)(uintptr_t)current != p->context) return WRONG_CONTEXT;   /* Python makes it current, calls again */
+    for (int64_t i = 0; i < p->n_launches; i++) {
+        const Gemm *g = (const Gemm *)(uintptr_t)p->launches[i].gemm;
+        if (g && *(const uint64_t *)(uintptr_t)g->handle_stream != call[1]) return LIBRARY_STREAM;
+    }
     for (int64_t i = 0; i < p->n_bindings; i++)
         p->slots[p->bindings[2 * i]] = args[p->bindings[2 * i + 1]];
     for (int64_t i = 0; i < p->n_launches; i++) {
         const Launch *l = &p->launches[i];
+        if (l->gemm) {
+            const Gemm *g = (const Gemm *)(uintptr_t)l->gemm;
+            void *handle = (void *)(uintptr_t)g->handle;
+            const void *alpha = (const void *)(uintptr_t)g->alpha, *beta = (const void *)(uintptr_t)g->beta;
+            const void *a = (const void *)(uintptr_t)p->slots[g->a_slot], *b = (const void *)(uintptr_t)p->slots[g->b_slot];
+            void *c = (void *)(uintptr_t)p->slots[g->c_slot];
+            int status = g->batch == 1
+                ? ((GemmEx)(uintptr_t)g->entry)(handle, g->transa, g->transb, g->m, g->n, g->k, alpha, a, g->dtype,
+                                                 g->lda, b, g->dtype, g->ldb, beta, c, g->dtype, g->ldc, g->compute,
+                                                 g->algo)
+                : ((GemmStridedBatchedEx)(uintptr_t)g->entry)(handle, g->transa, g->transb, g->m, g->n, g->k, alpha,
+                                                               a, g->dtype, g->lda, g->stride_a, b, g->dtype, g->ldb,
+                                                               g->stride_b, beta, c, g->dtype, g->ldc, g->stride_c,
+                                                               g->batch, g->compute, g->algo);
+            if (status) return LIBRARY_FAILED - status;
+            continue;
+        }
         void *function = (void *)(uintptr_t)l->function;
         void **params = (void **)(uintptr_t)l->params;
         if (!l->overlap) {

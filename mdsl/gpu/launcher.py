@@ -30,6 +30,8 @@ from mdsl.gpu.cache import cache_dir
 
 SOURCE = Path(__file__).with_name("launcher.c")
 WRONG_CONTEXT = -1   # mdsl_run's answer where the executable's context is not current on this thread
+LIBRARY_STREAM = -2  # ... where the cuBLAS handle's stream is not the call's (nothing has run)
+LIBRARY_FAILED = -1000   # ... minus a cublasStatus_t: a cuBLAS call failed
 _BUILD_TIMEOUT_S = 120
 _HINT = "install a C compiler (cc, gcc or clang), or name one in $CC"
 
@@ -38,7 +40,16 @@ _u32, _u64, _i64 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64
 
 class Launch(ctypes.Structure):
     _fields_ = [("function", _u64), ("grid", _u32 * 3), ("block", _u32 * 3), ("shared_bytes", _u32),
-                ("overlap", _u32), ("params", _u64)]
+                ("overlap", _u32), ("params", _u64), ("gemm", _u64)]
+
+
+class Gemm(ctypes.Structure):
+    """A product cuBLAS runs in a launch's place (launcher.c's Gemm; built by mdsl.gpu.cublas.native_gemm)."""
+    _fields_ = [("entry", _u64), ("handle", _u64), ("handle_stream", _u64), ("alpha", _u64), ("beta", _u64),
+                ("stride_a", _i64), ("stride_b", _i64), ("stride_c", _i64),
+                *((name, ctypes.c_int32) for name in ("transa", "transb", "m", "n", "k", "a_slot", "lda", "b_slot",
+                                                      "ldb", "c_slot", "ldc", "dtype", "compute", "algo", "batch",
+                                                      "pad"))]
 
 
 class Copy(ctypes.Structure):
@@ -52,7 +63,7 @@ class Program(ctypes.Structure):
 
 
 #: (which, the ctypes structure) for mdsl_launcher_sizes: the layouts both sides must agree on
-_LAYOUTS = ((0, Launch), (1, Copy), (2, Program))
+_LAYOUTS = ((0, Launch), (1, Copy), (2, Program), (5, Gemm))
 #: the driver's entry points a Program holds, by their cuda.h names
 ENTRY_POINTS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyDtoDAsync", "cuCtxGetCurrent")
 
@@ -212,12 +223,14 @@ class NativeProgram:
                  copies: Sequence, arguments: int):
         """`slots`: the ctypes array the parameter blocks point into; `bindings`: (slot, argument index);
         `launches`: (function, grid, block, shared bytes, overlap, address of the parameter block: the
-        caller keeps the blocks alive); `copies`: (destination argument, source argument, bytes)."""
+        caller keeps the blocks alive), or a `Gemm` (the caller keeps it alive) that cuBLAS runs in a
+        launch's place; `copies`: (destination argument, source argument, bytes)."""
         self._slots = slots
         self._bindings = (_i64 * max(1, 2 * len(bindings)))(*[v for pair in bindings for v in pair])
         self._launches = (Launch * max(1, len(launches)))(
-            *[Launch(int(f), tuple(grid), tuple(block), smem, int(overlap), params or 0)
-              for f, grid, block, smem, overlap, params in launches])
+            *[Launch(gemm=ctypes.addressof(step)) if isinstance(step, Gemm) else
+              Launch(int(step[0]), tuple(step[1]), tuple(step[2]), step[3], int(step[4]), step[5] or 0, 0)
+              for step in launches])
         self._copies = (Copy * max(1, len(copies)))(*[Copy(*c) for c in copies])
         self._program = Program(entries["cuLaunchKernel"], entries["cuLaunchKernelEx"], entries["cuMemcpyDtoDAsync"],
                                 entries["cuCtxGetCurrent"], context, ctypes.addressof(slots), len(bindings),

@@ -58,6 +58,7 @@ def test_plain_matmuls_run_in_cublas(dtype, backend):
     executable = check(graph, f"cublas-{dtype.name}-{backend}", backend=backend)
     matmuls = sum(node.op == "matmul" for node in graph.nodes)
     assert len(executable.library_launches) == matmuls, executable.library_launches
+    assert executable.native is not None, "cuBLAS's GEMMs and the kernels run from the C launcher"
 
 
 def test_without_cublas_mdsl_s_kernels_run_after_one_warning(monkeypatch):
@@ -138,3 +139,25 @@ def test_the_public_call_path_runs_an_unfused_matmul_in_cublas(torch, monkeypatc
     got64 = got.double().cpu().numpy()
     error = float(np.linalg.norm(got64 - want) / np.linalg.norm(want))
     assert np.isfinite(got64).all() and error <= TOLERANCES[dtype.name], f"relative error {error:.2e}"
+
+
+def test_two_streams_alternating_through_the_c_launcher_each_set_before_its_gemms(torch):
+    """The C launcher runs a program's GEMMs on the handle's stream only: a call on another stream has
+    Python set that stream (and its workspace) first. Calls alternating between two streams, each correct."""
+    graph = products(f16)
+    inputs = random_inputs(graph, rng_for("cublas-two-streams"))
+    want = reference(graph, inputs)
+    executable = compile_graph(graph)
+    assert executable.native is not None
+    tensors = [torch.from_numpy(x).to("cuda", torch.float16) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    results = []
+    for k in range(6):
+        with torch.cuda.stream(streams[k % 2]):
+            results.append(executable(tensors))
+        streams[k % 2].synchronize()   # one executable: its calls must not overlap
+    for got in results:
+        compare(executable, [g.float().cpu().numpy().astype(np.float64) for g in got], want, TOLERANCES["f16"],
+                "alternating streams")
+    assert {s.cuda_stream for s in streams} <= set(cublas.context(0).workspaces)

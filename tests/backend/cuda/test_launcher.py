@@ -228,3 +228,70 @@ def test_supports_needs_the_entry_points_a_program_calls():
     assert launcher.NativeProgram.supports({**everything, "cuLaunchKernelEx": 0}, overlap=False, copies=True)
     assert not launcher.NativeProgram.supports({**everything, "cuMemcpyDtoDAsync": 0}, overlap=False, copies=True)
     assert not launcher.NativeProgram.supports({**everything, "cuCtxGetCurrent": 0}, overlap=False, copies=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS's GEMMs in a program
+
+_I, _LL, _VP = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+_GEMM_EX = ctypes.CFUNCTYPE(_I, _VP, _I, _I, _I, _I, _I, _VP, _VP, _I, _I, _VP, _I, _I, _VP, _VP, _I, _I, _I, _I)
+_GEMM_STRIDED = ctypes.CFUNCTYPE(_I, _VP, _I, _I, _I, _I, _I, _VP, _VP, _I, _I, _LL, _VP, _I, _I, _LL, _VP, _VP, _I,
+                                 _I, _LL, _I, _I, _I)
+
+
+def _gemm_program(lib, native, recorder, status=0, batch=1):
+    """k0(slot 0, slot 2), then cuBLAS's product C (slot 3) of A (slot 2) and B (input 1 -> slot 1), then
+    k1(slot 3, slot 4 <- output 2); the handle's stream word starts unset."""
+    def gemm(*args):
+        recorder.calls.append(("gemm", args))
+        return status
+
+    entry = (_GEMM_EX if batch == 1 else _GEMM_STRIDED)(gemm)
+    stream_word, one, zero = ctypes.c_uint64(2**64 - 1), ctypes.c_float(1.0), ctypes.c_float(0.0)
+    record = launcher.Gemm(entry=ctypes.cast(entry, _VP).value, handle=0x4A4A, handle_stream=ctypes.addressof(stream_word),
+                           alpha=ctypes.addressof(one), beta=ctypes.addressof(zero), stride_a=11, stride_b=22,
+                           stride_c=33, transa=0, transb=0, m=3, n=4, k=5, a_slot=2, lda=3, b_slot=1, ldb=5,
+                           c_slot=3, ldc=3, dtype=2, compute=68, algo=-1, batch=batch, pad=0)
+    slots = (ctypes.c_uint64 * 5)(0, 0, 0xAAA000, 0xCCC000, 0)
+    params = _blocks(slots, [(0, 2), (3, 4)])
+    k0, k1 = FakeFunction("k0"), FakeFunction("k1")
+    program = launcher.NativeProgram(
+        lib, native.entries, context=CONTEXT, slots=slots, bindings=[(0, 0), (1, 1), (4, 2)],
+        launches=[(k0, (1, 1, 1), (32, 1, 1), 0, False, ctypes.addressof(params[0])), record,
+                  (k1, (1, 1, 1), (32, 1, 1), 0, False, ctypes.addressof(params[1]))], copies=[], arguments=3)
+    return program, stream_word, (entry, one, zero, record, slots, params)   # (kept alive by the caller)
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_a_gemm_runs_between_the_kernels_on_the_handle_s_stream(lib, batch):
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    program, stream_word, alive = _gemm_program(lib, native, recorder, batch=batch)
+    slots = alive[4]
+    before = list(slots)
+    assert _run(program, 0x77, [0x1000, 0x2000, 0x3000]) == launcher.LIBRARY_STREAM   # the handle has no stream
+    assert recorder.calls == [] and list(slots) == before, "the launcher ran before the handle's stream was checked"
+    stream_word.value = 0x77
+    assert _run(program, 0x77, [0x1000, 0x2000, 0x3000]) == 0
+    native.check()
+    assert [c[0] for c in recorder.calls] == ["launch", "gemm", "launch"]
+    assert recorder.calls[0][1] == "k0" and recorder.calls[2][1:] == ("k1", (1, 1, 1), (32, 1, 1), 0, ("stream", 0x77),
+                                                                      [0xCCC000, 0x3000])
+    args = recorder.calls[1][1]
+    alpha, beta = (ctypes.cast(args[k], ctypes.POINTER(ctypes.c_float))[0] for k in ((6, 13) if batch == 1 else (6, 15)))
+    assert (alpha, beta) == (1.0, 0.0)
+    if batch == 1:   # handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, ...
+        assert args[:6] == (0x4A4A, 0, 0, 3, 4, 5) and args[7:13] == (0xAAA000, 2, 3, 0x2000, 2, 5)
+        assert args[14:] == (0xCCC000, 2, 3, 68, -1)
+    else:            # ... A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batch, ...
+        assert args[:6] == (0x4A4A, 0, 0, 3, 4, 5) and args[7:15] == (0xAAA000, 2, 3, 11, 0x2000, 2, 5, 22)
+        assert args[16:] == (0xCCC000, 2, 3, 33, 6, 68, -1)
+
+
+def test_a_failed_gemm_stops_the_program_and_gives_its_status(lib):
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder)
+    program, stream_word, alive = _gemm_program(lib, native, recorder, status=13)
+    stream_word.value = 0
+    assert _run(program, 0, [0x1000, 0x2000, 0x3000]) == launcher.LIBRARY_FAILED - 13
+    assert [c[0] for c in recorder.calls] == ["launch", "gemm"], "the launcher went on after a failed GEMM"
