@@ -74,7 +74,7 @@ from mdsl.ir.validate import validate_kernel_graph
 from mdsl.search import worker
 from mdsl.search.cache import PlanCache
 from mdsl.search.config import VERIFY_STEPS, SearchConfig
-from mdsl.search.cost import Cost, estimate, roofline_floor
+from mdsl.search.cost import Cost, estimate, gpu_estimate, roofline_floor
 from mdsl.search.plan import Candidate, Evidence, Plan, mdsl_version
 from mdsl.search.records import Assembly, Fallback
 from mdsl.search.progress import StatusLine
@@ -285,7 +285,9 @@ def _merged(new: Plan, old: Plan) -> Plan:
     kept = {c.graph.key: c for c in (new.chosen, *new.alternatives)}
     for c in (old.chosen, *old.alternatives):
         kept.setdefault(c.graph.key, c)
-    best, *others = sorted(kept.values(), key=lambda c: _rank(c.cost, c.graph.key, c.graph.key == new.original.key))
+    best, *others = in_final_order(sorted(kept.values(), key=lambda c: _rank(c.cost, c.graph.key,
+                                                                              c.graph.key == new.original.key)),
+                                   new.original.key)
     explanation = new.explanation if best.graph.key == new.graph.key else old.explanation
     return attrs.evolve(new, graph=best.graph, cost=best.cost, evidence=best.evidence,
                         alternatives=tuple(others[:new.config.top_k - 1]), explanation=explanation)
@@ -438,7 +440,7 @@ class _Search:
     def _finish(self) -> SearchResult:
         self.stats.done = True
         self._report(force=True)
-        candidates = tuple(self.verified[_key(rank)] for rank in self.kept)
+        candidates = in_final_order(tuple(self.verified[_key(rank)] for rank in self.kept), self.original.key)
         # imported here: explain reads the partition generator's records, and a plan served from the cache
         # (the GPU's read path) imports no generator
         from mdsl.search import explain
@@ -705,6 +707,18 @@ def _worse_than(cost: Cost, original: Cost) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+def in_final_order(candidates: Sequence[Candidate], original_key: str) -> tuple:
+    """The kept candidates (best first by `_rank`) in the plan's order: the fused ones by the finer model of
+    the GPU (`cost.gpu_estimate`: waves, the serial chain of loop iterations, the bytes in flight, spills),
+    which tells apart what `estimate` ranks alike (one structure under other loop lengths and splits: a
+    split-KV loop of 32 iterations and one of 8 cost the same bytes and flops, and on the H200 52 and 30 µs),
+    their rank breaking ties; the program as written last (every fused candidate kept is estimated faster
+    than it)."""
+    place = {c.graph.key: k for k, c in enumerate(candidates)}
+    return tuple(sorted(candidates, key=lambda c: (c.graph.key == original_key,
+                                                   gpu_estimate(c.graph, skinny=True).seconds, place[c.graph.key])))
+
 
 def _rank(cost: Cost, key: str, original: bool = False) -> tuple:
     """The order of candidates: Cost's own order, then the original before an equal-cost candidate,
