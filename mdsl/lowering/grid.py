@@ -28,6 +28,8 @@ ROW_BLOCK_THREADS = 512   # the most lanes a row of a kernel-level reduction get
 FILL_THREADS = 128 * 1024  # threads that keep a GPU's memory system busy (about a thousand an SM of an H200)
 RESIDENT_ELEMENTS = 32    # the most elements of its row a lane of a norm keeps in registers
 VECTOR_BYTES = 16         # the widest load
+#: the kernel-level ops whose kernels walk rows (`kernel_row_loop`, launched on `row_kernel_grid`)
+ROW_OPS = frozenset({"sum", "mean", "max", "rms_norm"})
 
 
 def blocks_for(n: int, per_block: int) -> int:

@@ -1,7 +1,7 @@
 """Kernel-level reductions and norms (mdsl.lowering.grid.kernel_row_loop), without a GPU: the lowering's
 lanes, loads and grid for few long rows and many short ones, and both backends' kernels compiled for
-sm_90a with no spills, their SASS reading each row once in 16-byte loads where the row allows it. The
-kernels computed on the CPU: tests/backend/ptx/test_ptx_simulated.py (`test_row_kernels`); on the GPU:
+sm_90a with no spills, their SASS reading each row once in 16-byte loads where the row allows it, and the
+cost model's blocks for them. The kernels computed on the CPU: tests/backend/ptx/test_ptx_simulated.py (`test_row_kernels`); on the GPU:
 tests/gpu/test_gpu_ops.py (the `rows-` cases)."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from mdsl.ir import bf16, f16, f32
 from mdsl.ir.dtypes import DType
-from mdsl.lowering.grid import RowLoop, kernel_row_loop, row_kernel_grid
+from mdsl.lowering.grid import ROW_OPS, RowLoop, kernel_row_loop, row_kernel_grid
+from mdsl.search.cost import H200, kernel_costs
 from tests.backend.backends import BACKENDS, emit, kernel_instructions, module, needs_nvdisasm
 from tests.backend.cuda.builder import Graph
 
@@ -109,3 +110,23 @@ def test_the_sass_reads_rows_in_16_byte_loads_and_meets_the_warps_in_shared_memo
     assert loads == ["LDG.E.128.CONSTANT"] * _WIDE[case][0], loads
     assert sum(1 for i in stores if i.startswith("STG.E.128")) == _WIDE[case][1], stores
     assert sum(1 for i in instructions if i.startswith("BAR.SYNC")) == 2   # the warps' results met, then read
+
+
+@pytest.mark.parametrize("backend", ["cuda", "ptx"])
+def test_the_row_ops_are_the_ones_each_backend_lowers_as_rows(backend):
+    """ROW_OPS (which the cost model launches on `row_kernel_grid`) are the ops whose kernel-level rule is
+    a reduction or a norm."""
+    import importlib
+
+    rules = importlib.import_module(f"mdsl.backend.{backend}.rules")
+    table = rules.CUDA_RULES if backend == "cuda" else rules.PTX_RULES
+    row_rules = (rules.Reduction, rules.RmsNorm)
+    assert {op for op in ROW_OPS if isinstance(table[op], row_rules)} == ROW_OPS
+    assert all(not isinstance(table[op], row_rules) for op in table if op not in ROW_OPS)
+
+
+def test_the_cost_model_counts_the_row_kernels_blocks():
+    """8 rows take 8 blocks of the 132 SMs; 4096 rows fill the device."""
+    few, many = (kernel_costs(row_graph("rms_norm", shape, f16))[0] for shape in ((8, 8192), (4096, 128)))
+    assert (few.blocks, many.blocks) == (8, H200.sms)
+    assert few.seconds > H200.launch_s + few.dram_bytes / H200.dram_bytes_per_s
