@@ -163,13 +163,8 @@ def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fol
             w(f"float xs[{trips * vector}];")
         with w.block(f"if (o < {n_rows})"):
             with _each_chunk(w, loop, chunks):
-                at, element = _registers(loop)
-                if not loop.resident:
-                    w(f"float x_c[{vector}];")
-                w(f"mdsl::load_floats<{vector}>({at}, row + {_scaled('c', vector * stride)});")
-                w("#pragma unroll")
-                with w.block(f"for (int e = 0; e < {vector}; ++e)"):
-                    w(f"const float x = {element};", f"v = {fold.step};")
+                with _each_element(w, loop, "row", _scaled("c", vector * stride), read=True):
+                    w(f"v = {fold.step};")
         if lanes > WARP:
             w(f"v = mdsl::warps_reduce<{lanes}>(v, {fold.combine}, part);")
         elif lanes > 1:
@@ -186,14 +181,13 @@ def emit_row_map(w: CodeWriter, src: Operand, out: Operand, dim: int, loop: RowL
     out_row = row_view(out, dim)
     w(f"{out.ctype}* const out_row = {out.ptr} + ({offset('o', rows, out_row)});")
     with _each_chunk(w, loop, loop.chunks(length)):
-        _, element = _registers(loop)
-        if not loop.resident:
-            w(f"float x_c[{vector}];",
-              f"mdsl::load_floats<{vector}>(x_c, row + {_scaled('c', vector * src.strides[dim])});")
-        w(f"float y[{vector}];", "#pragma unroll")
-        with w.block(f"for (int e = 0; e < {vector}; ++e)"):
-            w(f"const float x = {element};", f"y[e] = {value('x')};")
-        w(f"mdsl::store_floats<{vector}>(out_row + {_scaled('c', vector * out.strides[dim])}, y);")
+        at = _scaled("c", vector * out.strides[dim])
+        if vector > 1:
+            w(f"float y[{vector}];")
+        with _each_element(w, loop, "row", _scaled("c", vector * src.strides[dim]), read=False):
+            w(f"y[e] = {value('x')};" if vector > 1 else f"out_row[{at}] = mdsl::from_float<{out.ctype}>({value('x')});")
+        if vector > 1:
+            w(f"mdsl::store_floats<{vector}>(out_row + {at}, y);")
 
 
 @contextlib.contextmanager
@@ -215,13 +209,27 @@ def _each_chunk(w: CodeWriter, loop: RowLoop, chunks: int) -> Iterator[None]:
             yield
 
 
-def _registers(loop: RowLoop) -> tuple:
-    """Where a chunk's elements are loaded to (a pointer) and element `e` of it: the lane's resident
-    registers at its load `k`, or the chunk's own."""
-    if loop.resident:
-        at = f"xs + {_scaled('k', loop.vector)}"
-        return at, f"xs[{_scaled('k', loop.vector)} + e]"
-    return "x_c", "x_c[e]"
+@contextlib.contextmanager
+def _each_element(w: CodeWriter, loop: RowLoop, row: str, index: str, read: bool) -> Iterator[None]:
+    """Inside `_each_chunk`: each element `x` of the chunk at `index` of `row` (its index in the chunk `e`).
+    `read`: the chunk is loaded (into the lane's registers `xs` where the loop keeps the row resident); else
+    it is taken from them, or loaded again where the loop does not keep it."""
+    vector, resident = loop.vector, loop.resident
+    held = f"xs[{_scaled('k', vector)} + e]" if vector > 1 else "xs[k]"
+    if vector == 1:
+        if resident and read:
+            w(f"{held} = mdsl::to_float({row}[{index}]);")
+        w(f"const float x = {held if resident else f'mdsl::to_float({row}[{index}])'};")
+        yield
+        return
+    if resident and read:
+        w(f"mdsl::load_floats<{vector}>(xs + {_scaled('k', vector)}, {row} + {index});")
+    elif not resident:
+        w(f"float x_c[{vector}];", f"mdsl::load_floats<{vector}>(x_c, {row} + {index});")
+    w("#pragma unroll")
+    with w.block(f"for (int e = 0; e < {vector}; ++e)"):
+        w(f"const float x = {held if resident else 'x_c[e]'};")
+        yield
 
 
 def _scaled(index: str, factor: int) -> str:
