@@ -120,13 +120,8 @@ def kernel_row_loop(node: Node) -> RowLoop:
     return row_loop(x.type.numel // length, length, x.dtype.itemsize)
 
 
-def kernel_lanes(node: Node) -> int:
-    """Lanes per row of a kernel-level reduction or norm (`kernel_row_loop`)."""
-    return kernel_row_loop(node).lanes
-
-
 def row_kernel_grid(node: Node) -> tuple:
-    """The grid of a kernel-level reduction or norm: `kernel_lanes` a row, `RowLoop.threads` a block."""
+    """The grid of a kernel-level reduction or norm: `kernel_row_loop`'s lanes a row, its threads a block."""
     loop = kernel_row_loop(node)
     rows = node.inputs[0].type.numel // node.inputs[0].shape[reduced_dim(node)]
     return (blocks_for(rows, loop.threads() // loop.lanes), 1, 1)

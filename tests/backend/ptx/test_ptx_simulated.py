@@ -125,6 +125,18 @@ def test_row_kernels(name, dtype):
     check_simulated(_row_kernels(_ROW_SHAPES[name], dtype), seed=11)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", (f16, f32), ids=lambda d: d.name)
+def test_row_kernels_over_a_leading_dim(dtype):
+    """A thread a row, the rows the contiguous ones: a norm's row of 16 kept in registers, one of 64 read again."""
+    g = Graph(f"leading_rows_{dtype.name}")
+    g.op("rms_norm", g.input("x", (8, 16, 32), dtype), dim=1, eps=1e-6)
+    y = g.input("y", (64, 8, 32), dtype)
+    g.op("rms_norm", y, dim=0, eps=1e-6)
+    g.op("max", y, dim=0, keepdim=True)
+    check_simulated(g.build(), seed=12)
+
+
 def test_row_kernels_that_skip_the_warps_combine_are_caught(monkeypatch):
     """A row of 512 lanes whose warps' results are not combined (each lane keeps its warp's) is wrong."""
     from mdsl.backend.ptx import loops
