@@ -14,6 +14,7 @@ from mdsl.ir.graph import BlockGraph, KernelGraph, Node
 from mdsl.ir.skinny import CLUSTERS, MAX_ROWS, skinny_shape
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
+from mdsl.lowering.grid import ROW_OPS, row_kernel_grid
 from mdsl.lowering.onelaunch import one_launch_pairs
 
 
@@ -181,10 +182,12 @@ def _custom_cost(node: Node, device: Device) -> KernelCost:
 
 
 def _library_cost(node: Node, device: Device) -> KernelCost:
+    """A kernel-level op's standard kernel: a reduction or norm on the grid the lowering gives it (a block
+    per row at least for few rows: `row_kernel_grid`), any other sized to fill the device."""
     dram = sum(v.type.nbytes for v in node.inputs) + sum(v.type.nbytes for v in node.outputs)
     flops = _node_flops(node)
-    # a library kernel sizes its own grid to fill the device
-    return KernelCost(node.op, dram, dram, flops, device.sms, 0, _kernel_time(device, dram, flops, device.sms))
+    blocks = min(row_kernel_grid(node)[0], device.sms) if node.op in ROW_OPS else device.sms
+    return KernelCost(node.op, dram, dram, flops, blocks, 0, _kernel_time(device, dram, flops, blocks))
 
 
 def combined(graph: KernelGraph) -> frozenset:

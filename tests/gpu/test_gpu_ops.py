@@ -1,5 +1,6 @@
 """Every kernel-level operator, alone (the backend's standard kernels), on the GPU against the
-reference, in f16, bf16 and f32, on regular and ragged shapes."""
+reference, in f16, bf16 and f32, on regular and ragged shapes; the reductions and norms also on few long
+rows and many short ones (the `rows-` cases)."""
 from __future__ import annotations
 
 import pytest
@@ -42,6 +43,12 @@ CASES = [
     ("rms_norm", "rms_norm", ((16, 256),), {"dim": -1, "eps": 1e-6}, ()),
     ("rms_norm-ragged", "rms_norm", ((7, 33),), {"dim": -1, "eps": 1e-5}, ()),
     ("rms_norm-middle-dim", "rms_norm", ((8, 16, 32),), {"dim": 1}, ()),
+    # few long rows (a block of lanes a row, 16-byte loads, the row kept in registers; a length not a multiple
+    # of 8; a row too long for the registers) and many short ones (a warp a row): mdsl.lowering.grid.row_loop
+    *[(f"rows-{op}-{name}", op, (shape,), {"dim": -1, **({"eps": 1e-6} if op == "rms_norm" else {})}, ())
+      for op in ("rms_norm", "sum", "mean", "max")
+      for name, shape in (("8x8192", (8, 8192)), ("8x8190", (8, 8190)), ("1x32768", (1, 32768)),
+                          ("4096x128", (4096, 128)), ("1024x8192", (1024, 8192)))],
     ("concat-dim1", "concat", ((16, 32), (16, 48)), {"dim": 1}, ()),
     ("concat-dim0-three", "concat", ((8, 32), (24, 32), (1, 32)), {"dim": 0}, ()),
     ("split-dim1", "split", ((16, 96),), {"sizes": (32, 64), "dim": 1}, ()),

@@ -19,9 +19,12 @@ from mdsl.backend.cuda.rule_table import CUDA_RULES
 from mdsl.backend.cuda.source import CodeWriter, Operand, offset
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
-from mdsl.lowering.grid import BLOCK_UNROLL, without
+from mdsl.lowering.grid import BLOCK_UNROLL, WARP, RowLoop, without
 from mdsl.lowering.index import broadcast_strides
 from mdsl.lowering.names import Namer
+
+
+ROW_UNROLL = 4   # a row's loop, where the row is not resident, unrolled this many times
 
 
 @attrs.frozen
@@ -140,21 +143,94 @@ def row_view(op: Operand, dim: int) -> Operand:
     return op.viewed(without(op.shape, dim), without(op.strides, dim))
 
 
-def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fold: Fold, lanes: int,
+def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fold: Fold, loop: RowLoop,
                     finish: Callable) -> None:
-    """For each row of `src` along `dim`, fold its elements into `v` across a group of lanes; then
-    finish(w) writes what the row gives, with `o` (the row), `v` (the folded value, on every lane of
-    the group), `lane` and `row` (a pointer to the row's first element) in scope."""
+    """For each row of `src` along `dim`, fold its elements into `v` across a group of lanes as `loop` says
+    (mdsl.lowering.grid.RowLoop: each lane's chunks in order, then the lanes by shuffles, then a group's
+    warps in order: a fixed order); then finish(w) writes what the row gives, with `o` (the row), `v` (the
+    folded value, on every lane of the group), `lane`, `row` (a pointer to the row's first element) and,
+    where the loop keeps the row resident, `xs` (the lane's elements, `emit_row_map` reads them) in scope."""
     rows = without(src.shape, dim)
     n_rows, length, stride = math.prod(rows), src.shape[dim], src.strides[dim]
+    lanes, vector = loop.lanes, loop.vector
+    chunks, trips = loop.chunks(length), loop.trips(length)
     with threads.each_group(w, n_rows, lanes):
+        if lanes > WARP:
+            w(f"__shared__ float part[{threads.block // WARP}];")
         w(f"float v = {fold.identity};",
           f"const {src.ctype}* const row = {src.ptr} + ({offset('o', rows, row_view(src, dim))});")
-        step = "j" if stride == 1 else f"j * {stride}"
+        if loop.resident:
+            w(f"float xs[{trips * vector}];")
         with w.block(f"if (o < {n_rows})"):
-            w("#pragma unroll 4")
-            with w.block(f"for (int j = lane; j < {length}; j += {lanes})"):
-                w(f"const float x = mdsl::to_float(row[{step}]);", f"v = {fold.step};")
-        if lanes > 1:
+            with _each_chunk(w, loop, chunks):
+                with _each_element(w, loop, "row", _scaled("c", vector * stride), read=True):
+                    w(f"v = {fold.step};")
+        if lanes > WARP:
+            w(f"v = mdsl::warps_reduce<{lanes}>(v, {fold.combine}, part);")
+        elif lanes > 1:
             w(f"v = mdsl::group_reduce<{lanes}>(v, {fold.combine});")
         finish(w)
+
+
+def emit_row_map(w: CodeWriter, src: Operand, out: Operand, dim: int, loop: RowLoop, value: Callable) -> None:
+    """Inside `emit_row_reduce`'s finish, on a row in range: each element of the lane's chunks of the row
+    written to `out` (of `src`'s shape) as value(x), a C expression of the element `x` (from the loop's
+    registers where it keeps the row resident, else read again)."""
+    rows, length = without(src.shape, dim), src.shape[dim]
+    vector = loop.vector
+    out_row = row_view(out, dim)
+    w(f"{out.ctype}* const out_row = {out.ptr} + ({offset('o', rows, out_row)});")
+    with _each_chunk(w, loop, loop.chunks(length)):
+        at = _scaled("c", vector * out.strides[dim])
+        if vector > 1:
+            w(f"float y[{vector}];")
+        with _each_element(w, loop, "row", _scaled("c", vector * src.strides[dim]), read=False):
+            w(f"y[e] = {value('x')};" if vector > 1 else f"out_row[{at}] = mdsl::from_float<{out.ctype}>({value('x')});")
+        if vector > 1:
+            w(f"mdsl::store_floats<{vector}>(out_row + {at}, y);")
+
+
+@contextlib.contextmanager
+def _each_chunk(w: CodeWriter, loop: RowLoop, chunks: int) -> Iterator[None]:
+    """A loop over the lane's chunks of a row (`c`, and where the loop keeps the row resident, `k`: the
+    lane's load counter, the loop unrolled fully); chunks past the row's end are skipped."""
+    if loop.resident:
+        w("#pragma unroll")
+        with w.block(f"for (int k = 0; k < {loop.trips(chunks * loop.vector)}; ++k)"):
+            w(f"const int c = lane + k * {loop.lanes};")
+            if chunks % loop.lanes:
+                with w.block(f"if (c < {chunks})"):
+                    yield
+            else:
+                yield
+    else:
+        w(f"#pragma unroll {ROW_UNROLL}")
+        with w.block(f"for (int c = lane; c < {chunks}; c += {loop.lanes})"):
+            yield
+
+
+@contextlib.contextmanager
+def _each_element(w: CodeWriter, loop: RowLoop, row: str, index: str, read: bool) -> Iterator[None]:
+    """Inside `_each_chunk`: each element `x` of the chunk at `index` of `row` (its index in the chunk `e`).
+    `read`: the chunk is loaded (into the lane's registers `xs` where the loop keeps the row resident); else
+    it is taken from them, or loaded again where the loop does not keep it."""
+    vector, resident = loop.vector, loop.resident
+    held = f"xs[{_scaled('k', vector)} + e]" if vector > 1 else "xs[k]"
+    if vector == 1:
+        if resident and read:
+            w(f"{held} = mdsl::to_float({row}[{index}]);")
+        w(f"const float x = {held if resident else f'mdsl::to_float({row}[{index}])'};")
+        yield
+        return
+    if resident and read:
+        w(f"mdsl::load_floats<{vector}>(xs + {_scaled('k', vector)}, {row} + {index});")
+    elif not resident:
+        w(f"float x_c[{vector}];", f"mdsl::load_floats<{vector}>(x_c, {row} + {index});")
+    w("#pragma unroll")
+    with w.block(f"for (int e = 0; e < {vector}; ++e)"):
+        w(f"const float x = {held if resident else 'x_c[e]'};")
+        yield
+
+
+def _scaled(index: str, factor: int) -> str:
+    return index if factor == 1 else f"{index} * {factor}"

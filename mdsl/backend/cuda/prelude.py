@@ -76,6 +76,52 @@ __device__ __forceinline__ float group_reduce(float v, Op op) {
   return v;
 }
 
+// the same over a group of G consecutive threads that are G / 32 whole warps: each warp's result through
+// `part` (shared, a float per warp of the block), combined in warp order on every thread of the group;
+// every thread of the block takes part (two barriers)
+template <int G, typename Op>
+__device__ __forceinline__ float warps_reduce(float v, Op op, float* part) {
+  constexpr int WARPS = G / 32;
+  v = group_reduce<32>(v, op);
+  const int warp = threadIdx.x / 32, first = warp / WARPS * WARPS;
+  if (threadIdx.x % 32 == 0) part[warp] = v;
+  __syncthreads();
+  v = part[first];
+#pragma unroll
+  for (int k = 1; k < WARPS; ++k) v = op(v, part[first + k]);
+  __syncthreads();  // every group has read `part` before it is written again
+  return v;
+}
+
+// V consecutive elements as floats, and back: one access (aligned to it) where V elements make a word
+template <int V, typename T>
+__device__ __forceinline__ void load_floats(float* x, const T* __restrict__ p) {
+  if constexpr (V == 1) {
+    x[0] = to_float(*p);
+  } else {
+    using W = typename Word<sizeof(T) * V>::type;
+    union { W word; T lanes[V]; } in;
+    in.word = *reinterpret_cast<const W*>(p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = to_float(in.lanes[j]);
+  }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_floats(T* __restrict__ p, const float* x) {
+  if constexpr (V == 1) {
+    *p = from_float<T>(x[0]);
+  } else if constexpr (sizeof(T) * V <= 16) {
+    using W = typename Word<sizeof(T) * V>::type;
+    union { W word; T lanes[V]; } out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.lanes[j] = from_float<T>(x[j]);
+    *reinterpret_cast<W*>(p) = out.word;
+  } else {
+    store_floats<V / 2>(p, x);
+    store_floats<V / 2>(p + V / 2, x + V / 2);
+  }
+}
+
 // ---- asynchronous copies (sm_80+): global -> shared without registers, waited for by group
 template <int BYTES>
 __device__ __forceinline__ void copy_async(void* dst, const void* src) {

@@ -9,15 +9,15 @@ from typing import Callable, Optional
 import attrs
 
 from mdsl.backend.cuda.block import emit_custom
-from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce, emit_thread_graph,
-                                     load_float, row_view, store_float)
+from mdsl.backend.cuda.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_map, emit_row_reduce,
+                                     emit_thread_graph, load_float, row_view, store_float)
 from mdsl.backend.cuda.mma import mma_class, mma_multiply, mma_store
 from mdsl.backend.cuda.rule_table import CUDA_RULES, CudaRule
 from mdsl.backend.cuda.source import Operand, element_ctype, float_literal, offset
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node
-from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
-                                row_kernel_grid, without)
+from mdsl.lowering.grid import (KERNEL_THREADS, RowLoop, alone, block_lanes, kernel_grid, kernel_row_loop,
+                                reduced_dim, row_kernel_grid, without)
 from mdsl.lowering.mma import kernel_mma_dtype
 
 GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
@@ -161,14 +161,17 @@ class Matmul(CudaRule):
 # reductions and norms over one dim
 
 
-def _block_lanes(b, src: Operand, dim: int) -> int:
-    return block_lanes(b.threads.block, src.shape, dim)
+def _block_rows(b, src: Operand, dim: int) -> RowLoop:
+    """A block-level reduction's rows: a group of lanes each, an element a load."""
+    return RowLoop(block_lanes(b.threads.block, src.shape, dim))
 
 
 def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
-    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
-    with program.kernel(index, node, grid=row_kernel_grid(node), threads=KERNEL_THREADS) as k:
-        emit(k.w, _grid_threads(), node, k.inputs[0], k.outputs[0], kernel_lanes(node))
+    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor, as the lowering
+    says (mdsl.lowering.grid.kernel_row_loop)."""
+    loop = kernel_row_loop(node)
+    with program.kernel(index, node, grid=row_kernel_grid(node), threads=loop.threads()) as k:
+        emit(k.w, Threads(loop.threads(), grid=True), node, k.inputs[0], k.outputs[0], loop)
 
 
 @attrs.frozen
@@ -176,27 +179,28 @@ class Reduction(CudaRule):
     fold: Fold
     mean: bool = False
 
-    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
+    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, loop: RowLoop) -> None:
         dim = reduced_dim(node)
         rows = without(src.shape, dim)
         out_rows = row_view(out, dim) if node.attr("keepdim") else out
         value = f"v / {float_literal(src.shape[dim])}" if self.mean else "v"
         finish = store_float(out_rows, offset("o", rows, out_rows), value)
-        emit_row_reduce(w, threads, src, dim, self.fold, lanes,
+        emit_row_reduce(w, threads, src, dim, self.fold, loop,
                         lambda w: w(f"if (o < {math.prod(rows)} && lane == 0) {finish}"))
 
     def block(self, b, node: Node) -> None:
         src = b.tile(node.inputs[0])
-        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, reduced_dim(node)))
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_rows(b, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
 
 
 class RmsNorm(CudaRule):
-    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
+    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes (from the
+    registers where the loop keeps the row resident)."""
 
-    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, lanes: int) -> None:
+    def _emit(self, w, threads: Threads, node: Node, src: Operand, out: Operand, loop: RowLoop) -> None:
         dim = reduced_dim(node)
         rows = without(src.shape, dim)
         length = src.shape[dim]
@@ -204,17 +208,13 @@ class RmsNorm(CudaRule):
         def finish(w) -> None:
             w(f"const float inv = 1.0f / sqrtf(v / {float_literal(length)} + {float_literal(node.attr('eps'))});")
             with w.block(f"if (o < {math.prod(rows)})"):
-                out_rows = row_view(out, dim)
-                w(f"{out.ctype}* const out_row = {out.ptr} + ({offset('o', rows, out_rows)});")
-                with w.block(f"for (int j = lane; j < {length}; j += {lanes})"):
-                    w(f"out_row[j * {out.strides[dim]}] = "
-                      f"mdsl::from_float<{out.ctype}>(mdsl::to_float(row[j * {src.strides[dim]}]) * inv);")
+                emit_row_map(w, src, out, dim, loop, lambda x: f"{x} * inv")
 
-        emit_row_reduce(w, threads, src, dim, SUM_OF_SQUARES, lanes, finish)
+        emit_row_reduce(w, threads, src, dim, SUM_OF_SQUARES, loop, finish)
 
     def block(self, b, node: Node) -> None:
         src = b.tile(node.inputs[0])
-        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_lanes(b, src, reduced_dim(node)))
+        self._emit(b.w, b.threads, node, src, b.tile(node.output), _block_rows(b, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -358,7 +358,7 @@ class AccumulateRows(CudaRule):
         acc, x = b.tile(node.output), b.tile(node.inputs[0])
         last = len(x.shape) - 1
         at = acc.at(offset("o", acc.shape, acc))  # the running value's shape is the rows' with a last dim of 1
-        emit_row_reduce(b.w, b.threads, x, last, self.fold, _block_lanes(b, x, last),
+        emit_row_reduce(b.w, b.threads, x, last, self.fold, _block_rows(b, x, last),
                         lambda w: w(f"if (o < {math.prod(acc.shape)} && lane == 0) {at} += v;"))
 
 
@@ -437,7 +437,7 @@ class AccumulateRowsRescaled(_Rescaling):
             with w.block(f"if (o < {math.prod(acc.shape)} && lane == 0)"):
                 w(*self._rescaled(b, node, now, at, "o", acc.shape, "v"))
 
-        emit_row_reduce(b.w, b.threads, x, last, SUM, _block_lanes(b, x, last), finish)
+        emit_row_reduce(b.w, b.threads, x, last, SUM, _block_rows(b, x, last), finish)
         self._update_maximum(b, node, now, nxt)
 
 

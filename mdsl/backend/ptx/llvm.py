@@ -529,6 +529,19 @@ class KernelFunction:
     def store_float(self, array: Array, offset: ir.Value, value: ir.Value) -> None:
         self.b.store(self.from_float(value, array.dtype), self.address(array, offset))
 
+    def load_floats(self, array: Array, offset: ir.Value, count: int) -> list:
+        """`count` consecutive elements as f32 values: one access (aligned to it, as the caller guarantees)."""
+        if count == 1:
+            return [self.load_float(array, offset)]
+        vector = self.b.load(self.address(array, offset), typ=_vector_type(array.etype, count),
+                             align=count * ITEMSIZE[array.dtype])
+        return [self.to_float(self.b.extract_element(vector, i32(j)), array.dtype) for j in range(count)]
+
+    def store_floats(self, array: Array, offset: ir.Value, values: list) -> None:
+        """f32 values at `offset` onwards, rounded to the array's dtype: one access of up to 16 bytes (the
+        caller guarantees the alignment), as `write_vector`."""
+        self.write_vector(array, offset, [self.from_float(v, array.dtype) for v in values])
+
     def to_float(self, value: ir.Value, dtype: str) -> ir.Value:
         if dtype == "f32":
             return value

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import attrs
 
-from mdsl.backend.ptx.llvm import Array, KernelFunction, f32, i32
+from mdsl.backend.ptx.llvm import F32, Array, KernelFunction, f32, i32
 from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
-from mdsl.lowering.grid import BLOCK_UNROLL, without
+from mdsl.lowering.grid import BLOCK_UNROLL, WARP, RowLoop, without
 from mdsl.lowering.index import broadcast_strides
 
 ROW_UNROLL = 4   # a row's loops: the CUDA backend's `#pragma unroll 4` (and nvcc's own unrolling)
@@ -181,21 +181,106 @@ def group_reduce(fn: KernelFunction, value, lanes: int, combine: Callable):
     return value
 
 
-def emit_row_reduce(fn: KernelFunction, threads: Threads, src: Array, dim: int, fold: Fold, lanes: int,
+@attrs.frozen
+class RowRead:
+    """A row that a group of lanes has read (`emit_row_reduce`): its index `o` and whether it is in range,
+    the lane, the row (a 1-D Array) and, where the loop keeps the row resident, the lane's elements (Vars,
+    load by load)."""
+
+    o: object
+    lane: object
+    row: Array
+    in_range: object
+    xs: Optional[list] = None
+
+
+def emit_row_reduce(fn: KernelFunction, threads: Threads, src: Array, dim: int, fold: Fold, loop: RowLoop,
                     finish: Callable) -> None:
-    """For each row of `src` along `dim`, fold its elements across a group of lanes; then
-    finish(o, v, lane, row) writes what the row gives (v: the folded value on every lane of the
-    group; row: the row as a 1-D Array)."""
+    """For each row of `src` along `dim`, fold its elements across a group of lanes as `loop` says
+    (mdsl.lowering.grid.RowLoop: each lane's chunks in order, then the lanes by shuffles, then a group's
+    warps in order: a fixed order); then finish(read, v) writes what the row gives (read: the `RowRead`;
+    v: the folded value on every lane of the group)."""
     rows = without(src.shape, dim)
     n_rows, length, stride = math.prod(rows), src.shape[dim], src.strides[dim]
+    vector = loop.vector
     b = fn.b
-    with threads.each_group(fn, n_rows, lanes) as (o, lane):
+    with threads.each_group(fn, n_rows, loop.lanes) as (o, lane):
         v = fn.var(f32(fold.identity))
         in_range = b.icmp_unsigned("<", o, i32(n_rows))
         start = fn.address(src, b.select(in_range, fn.offset(o, rows, row_view(src, dim)), i32(0)))
         row = Array(start, src.dtype, (length,), (stride,))
+        xs = [fn.var(f32(0.0)) for _ in range(loop.trips(length) * vector)] if loop.resident else None
+
+        def chunk(k, c) -> None:
+            for e, x in enumerate(_chunk_values(fn, row, c, vector)):
+                if xs is not None:
+                    xs[k * vector + e].set(x)
+                v.set(fold.step(fn, v.get(), x))
+
         with fn.when(in_range):
-            unrolled_loop(fn, lane, length, lanes, ROW_UNROLL, lambda j: v.set(fold.step(
-                fn, v.get(), fn.load_float(row, j if stride == 1 else b.mul(j, i32(stride))))))
-        value = group_reduce(fn, v.get(), lanes, fold.combine) if lanes > 1 else v.get()
-        finish(o, value, lane, row, in_range)
+            _each_chunk(fn, loop, length, lane, chunk)
+        value = v.get()
+        if loop.lanes > WARP:
+            value = warps_reduce(fn, value, loop.lanes, threads.block, fold.combine)
+        elif loop.lanes > 1:
+            value = group_reduce(fn, value, loop.lanes, fold.combine)
+        finish(RowRead(o, lane, row, in_range, xs), value)
+
+
+def emit_row_map(fn: KernelFunction, read: RowRead, out: Array, dim: int, loop: RowLoop, value: Callable) -> None:
+    """Inside `emit_row_reduce`'s finish, on a row in range: each element x of the lane's chunks of the row
+    written to `out` (of the source's shape) as value(x) (from the loop's registers where it keeps the row
+    resident, else read again)."""
+    b, row, vector = fn.b, read.row, loop.vector
+    rows, length = without(out.shape, dim), out.shape[dim]
+    out_row = Array(fn.address(out, fn.offset(read.o, rows, row_view(out, dim))), out.dtype, (length,),
+                    (out.strides[dim],))
+
+    def chunk(k, c) -> None:
+        xs = ([x.get() for x in read.xs[k * vector:(k + 1) * vector]] if read.xs is not None
+              else _chunk_values(fn, row, c, vector))
+        fn.store_floats(out_row, b.mul(c, i32(vector * out.strides[dim])), [value(x) for x in xs])
+
+    _each_chunk(fn, loop, length, read.lane, chunk)
+
+
+def _chunk_values(fn: KernelFunction, row: Array, c, vector: int) -> list:
+    """Chunk c of a row (`vector` consecutive elements, one load) as f32 values."""
+    at = c if vector * row.strides[0] == 1 else fn.b.mul(c, i32(vector * row.strides[0]))
+    return fn.load_floats(row, at, vector)
+
+
+def _each_chunk(fn: KernelFunction, loop: RowLoop, length: int, lane, body: Callable) -> None:
+    """body(k, c) for each chunk c of the lane's part of a row (k: the lane's load counter where the loop
+    keeps the row resident, written out; else None, in a loop unrolled ROW_UNROLL times); chunks past the
+    row's end are skipped."""
+    chunks, lanes = loop.chunks(length), loop.lanes
+    if not loop.resident:
+        unrolled_loop(fn, lane, chunks, lanes, ROW_UNROLL, lambda c: body(None, c))
+        return
+    for k in range(loop.trips(length)):
+        c = lane if k == 0 else fn.b.add(lane, i32(k * lanes))
+        if (k + 1) * lanes <= chunks:
+            body(k, c)
+        else:
+            with fn.when(fn.b.icmp_unsigned("<", c, i32(chunks))):
+                body(k, c)
+
+
+def warps_reduce(fn: KernelFunction, value, lanes: int, block: int, combine: Callable):
+    """Combine across a group of `lanes` consecutive threads that are whole warps: each warp's result
+    through a shared float per warp of the block, combined in warp order on every thread of the group;
+    every thread of the block takes part (two barriers)."""
+    b, tid = fn.b, fn.sreg("tid.x")
+    value = group_reduce(fn, value, WARP, combine)
+    part = Array(fn.mb.static_smem(f"{fn.fn.name}_part", F32, block // WARP), "f32", (block // WARP,), (1,))
+    warp, warps = b.udiv(tid, i32(WARP)), lanes // WARP
+    with fn.when(b.icmp_unsigned("==", b.urem(tid, i32(WARP)), i32(0))):
+        fn.store_float(part, warp, value)
+    fn.barrier()
+    first = b.mul(b.udiv(warp, i32(warps)), i32(warps))
+    value = fn.load_float(part, first)
+    for k in range(1, warps):
+        value = combine(fn, value, fn.load_float(part, b.add(first, i32(k))))
+    fn.barrier()   # every group has read its parts before they are written again
+    return value

@@ -15,14 +15,14 @@ from llvmlite import ir
 from mdsl.backend.ptx import mathlib
 from mdsl.backend.ptx.block import emit_custom
 from mdsl.backend.ptx.llvm import ELEMENT_TYPES, F32, ITEMSIZE, Array, KernelFunction, f32, i32
-from mdsl.backend.ptx.loops import (MAX, ROW_UNROLL, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_reduce,
-                                    emit_thread_graph, rescale, row_view, unrolled_loop, weighted_sum)
+from mdsl.backend.ptx.loops import (MAX, SUM, SUM_OF_SQUARES, Fold, Threads, emit_row_map, emit_row_reduce,
+                                    emit_thread_graph, rescale, row_view, weighted_sum)
 from mdsl.backend.ptx.mma import BlockMma
 from mdsl.backend.ptx.rule_table import PTX_RULES, PtxRule
 from mdsl.errors import UnsupportedError
 from mdsl.ir.graph import Node
-from mdsl.lowering.grid import (KERNEL_THREADS, alone, block_lanes, kernel_grid, kernel_lanes, reduced_dim,
-                                row_kernel_grid, without)
+from mdsl.lowering.grid import (KERNEL_THREADS, RowLoop, alone, block_lanes, kernel_grid, kernel_row_loop,
+                                reduced_dim, row_kernel_grid, without)
 from mdsl.lowering.mma import MmaShape, kernel_mma_dtype
 
 GEMM_TILE = 64            # the standard matmul kernel: a 64 x 64 tile of the product per block,
@@ -42,8 +42,9 @@ def _grid_threads() -> Threads:
     return Threads(KERNEL_THREADS, grid=True)
 
 
-def _block_lanes(bk, src: Array, dim: int) -> int:
-    return block_lanes(bk.threads.block, src.shape, dim)
+def _block_rows(bk, src: Array, dim: int) -> RowLoop:
+    """A block-level reduction's rows: a group of lanes each, an element a load."""
+    return RowLoop(block_lanes(bk.threads.block, src.shape, dim))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,9 +353,11 @@ def _gemm_tile(fn: KernelFunction, program, m: int, n: int, k_len: int, a: Array
 
 
 def _row_kernel(program, index: int, node: Node, emit: Callable) -> None:
-    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor."""
-    with program.kernel(index, node, grid=row_kernel_grid(node), threads=KERNEL_THREADS) as k:
-        emit(k.fn, _grid_threads(), node, k.inputs[0], k.outputs[0], kernel_lanes(node))
+    """A kernel-level reduction or norm: groups of lanes over the rows of the whole tensor, as the lowering
+    says (mdsl.lowering.grid.kernel_row_loop)."""
+    loop = kernel_row_loop(node)
+    with program.kernel(index, node, grid=row_kernel_grid(node), threads=loop.threads()) as k:
+        emit(k.fn, Threads(loop.threads(), grid=True), node, k.inputs[0], k.outputs[0], loop)
 
 
 def _first_lane(fn: KernelFunction, in_range, lane):
@@ -366,50 +369,46 @@ class Reduction(PtxRule):
     fold: Fold
     mean: bool = False
 
-    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
+    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, loop: RowLoop) -> None:
         dim = reduced_dim(node)
         rows = without(src.shape, dim)
         out_rows = row_view(out, dim) if node.attr("keepdim") else out
 
-        def finish(o, v, lane, row, in_range) -> None:
+        def finish(read, v) -> None:
             value = fn.b.fdiv(v, f32(src.shape[dim])) if self.mean else v
-            with fn.when(_first_lane(fn, in_range, lane)):
-                fn.store_float(out_rows, fn.offset(o, rows, out_rows), value)
+            with fn.when(_first_lane(fn, read.in_range, read.lane)):
+                fn.store_float(out_rows, fn.offset(read.o, rows, out_rows), value)
 
-        emit_row_reduce(fn, threads, src, dim, self.fold, lanes, finish)
+        emit_row_reduce(fn, threads, src, dim, self.fold, loop, finish)
 
     def block(self, bk, node: Node) -> None:
         src = bk.tile(node.inputs[0])
-        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, reduced_dim(node)))
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_rows(bk, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
 
 
 class RmsNorm(PtxRule):
-    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes."""
+    """x / sqrt(mean(x^2 over dim) + eps): a group of lanes per row folds the squares, then writes (from the
+    registers where the loop keeps the row resident)."""
 
-    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, lanes: int) -> None:
+    def _emit(self, fn: KernelFunction, threads: Threads, node: Node, src: Array, out: Array, loop: RowLoop) -> None:
         dim = reduced_dim(node)
-        rows = without(src.shape, dim)
         length = src.shape[dim]
         b = fn.b
 
-        def finish(o, v, lane, row, in_range) -> None:
+        def finish(read, v) -> None:
             mean = b.fadd(b.fdiv(v, f32(length)), f32(node.attr("eps")))
             inv = b.fdiv(f32(1.0), fn.call_math("sqrt", mean))
-            with fn.when(in_range):
-                out_rows = row_view(out, dim)
-                out_row = Array(fn.address(out, fn.offset(o, rows, out_rows)), out.dtype, (length,), (out.strides[dim],))
-                unrolled_loop(fn, lane, length, lanes, ROW_UNROLL, lambda j: fn.store_float(
-                    out_row, b.mul(j, i32(out.strides[dim])),
-                    b.fmul(fn.load_float(row, b.mul(j, i32(src.strides[dim]))), inv)))
+            with fn.when(read.in_range):
+                emit_row_map(fn, read, out, dim, loop, lambda x: b.fmul(x, inv))
 
-        emit_row_reduce(fn, threads, src, dim, SUM_OF_SQUARES, lanes, finish)
+        emit_row_reduce(fn, threads, src, dim, SUM_OF_SQUARES, loop, finish)
 
     def block(self, bk, node: Node) -> None:
         src = bk.tile(node.inputs[0])
-        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_lanes(bk, src, reduced_dim(node)))
+        self._emit(bk.fn, bk.threads, node, src, bk.tile(node.output), _block_rows(bk, src, reduced_dim(node)))
 
     def kernel(self, program, index: int, node: Node) -> None:
         _row_kernel(program, index, node, self._emit)
@@ -575,12 +574,12 @@ class AccumulateRows(PtxRule):
         fn, acc, x = bk.fn, bk.tile(node.output), bk.tile(node.inputs[0])
         last = len(x.shape) - 1
 
-        def finish(o, v, lane, row, in_range) -> None:
-            with fn.when(_first_lane(fn, in_range, lane)):
-                at = fn.offset(o, acc.shape, acc)  # the running value's shape is the rows' with a last dim of 1
+        def finish(read, v) -> None:
+            with fn.when(_first_lane(fn, read.in_range, read.lane)):
+                at = fn.offset(read.o, acc.shape, acc)  # the running value's shape is the rows' with a last dim of 1
                 fn.store_float(acc, at, fn.b.fadd(fn.load_float(acc, at), v))
 
-        emit_row_reduce(fn, bk.threads, x, last, self.fold, _block_lanes(bk, x, last), finish)
+        emit_row_reduce(fn, bk.threads, x, last, self.fold, _block_rows(bk, x, last), finish)
 
 
 class _Rescaling(PtxRule):
@@ -677,11 +676,11 @@ class AccumulateRowsRescaled(_Rescaling):
         now, nxt = self._maxima(bk, node)
         last = len(x.shape) - 1
 
-        def finish(o, v, lane, row, in_range) -> None:
-            with fn.when(_first_lane(fn, in_range, lane)):
-                self._fold_rescaled(bk, node, now, acc, fn.offset(o, acc.shape, acc), o, acc.shape, v)
+        def finish(read, v) -> None:
+            with fn.when(_first_lane(fn, read.in_range, read.lane)):
+                self._fold_rescaled(bk, node, now, acc, fn.offset(read.o, acc.shape, acc), read.o, acc.shape, v)
 
-        emit_row_reduce(fn, bk.threads, x, last, SUM, _block_lanes(bk, x, last), finish)
+        emit_row_reduce(fn, bk.threads, x, last, SUM, _block_rows(bk, x, last), finish)
         self._update_maximum(bk, node, now, nxt)
 
 

@@ -1,9 +1,10 @@
 """The PTX backend's kernels computed on the CPU (tests/backend/ptx/simulator.py: the same LLVM IR
 compiled for the host, one host thread per GPU thread) against the reference interpreter, on fresh
 random inputs, with the GPU tests' tolerances: every element-wise op and reduction in three dtypes,
-every accumulator, matmuls split every way, maps on 3-D grids, and the standard kernels; and the fast
-paths (tensor cores, sums in their registers, cp.async pipelines, unrolled loops) under each option
-set, with the simulator executing mma.sync and cp.async as the PTX ISA defines them."""
+reductions and norms over few long rows and many short ones, every accumulator, matmuls split every
+way, maps on 3-D grids, and the standard kernels; and the fast paths (tensor cores, sums in their
+registers, cp.async pipelines, unrolled loops) under each option set, with the simulator executing
+mma.sync and cp.async as the PTX ISA defines them."""
 from __future__ import annotations
 
 import functools
@@ -98,6 +99,52 @@ def _standard_kernels(dtype):
 @pytest.mark.parametrize("dtype", (f16, bf16), ids=lambda d: d.name)   # f32: the custom kernels' outputs
 def test_standard_kernels(dtype):
     check_simulated(_standard_kernels(dtype), seed=2)
+
+
+#: kernel-level reductions and norms (mdsl.lowering.grid.kernel_row_loop): few long rows (a block of 512
+#: lanes a row, 16-byte loads, the row resident; a row not a multiple of the widest load; a row read again),
+#: many short rows (a warp a row) and ragged ones
+_ROW_SHAPES = {"few-long": (8, 8192), "few-long-ragged": (8, 8190), "one-longer-than-registers": (1, 32768),
+               "many-short": (512, 128), "ragged": (40, 33), "middle": (2, 1000)}
+
+
+def _row_kernels(shape: tuple, dtype):
+    g = Graph(f"rows_{'x'.join(map(str, shape))}_{dtype.name}")
+    x = g.input("x", shape, dtype)
+    g.op("rms_norm", x, dim=-1, eps=1e-6)
+    for op in ("sum", "mean", "max"):
+        g.op(op, x, dim=-1, keepdim=op == "max")
+    return g.build()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, dtype", [(n, d) for n in sorted(_ROW_SHAPES) for d in (f16, f32)]
+                         + [("few-long-ragged", bf16), ("many-short", bf16)],   # bf16: its conversions differ
+                         ids=lambda p: p.name if hasattr(p, "long_name") else p)
+def test_row_kernels(name, dtype):
+    check_simulated(_row_kernels(_ROW_SHAPES[name], dtype), seed=11)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", (f16, f32), ids=lambda d: d.name)
+def test_row_kernels_over_a_leading_dim(dtype):
+    """A thread a row, the rows the contiguous ones: a norm's row of 16 kept in registers, one of 64 read again."""
+    g = Graph(f"leading_rows_{dtype.name}")
+    g.op("rms_norm", g.input("x", (8, 16, 32), dtype), dim=1, eps=1e-6)
+    y = g.input("y", (64, 8, 32), dtype)
+    g.op("rms_norm", y, dim=0, eps=1e-6)
+    g.op("max", y, dim=0, keepdim=True)
+    check_simulated(g.build(), seed=12)
+
+
+def test_row_kernels_that_skip_the_warps_combine_are_caught(monkeypatch):
+    """A row of 512 lanes whose warps' results are not combined (each lane keeps its warp's) is wrong."""
+    from mdsl.backend.ptx import loops
+
+    monkeypatch.setattr(loops, "warps_reduce", lambda fn, value, lanes, block, combine:
+                        loops.group_reduce(fn, value, loops.WARP, combine))
+    with pytest.raises(AssertionError, match="relative error"):
+        check_simulated(_row_kernels((8, 8192), f32), seed=11)
 
 
 def test_a_kernel_that_writes_nothing_is_caught():
