@@ -2,6 +2,8 @@
 into code: an element of a loop over a shape, located in an array that the loop reads or writes."""
 from __future__ import annotations
 
+import math
+
 
 def contiguous_strides(shape: tuple) -> tuple:
     out, step = [], 1
@@ -61,3 +63,14 @@ def vector_strides(strides: tuple, vector: int) -> tuple:
     """An array's strides in a copy's vectors of `vector` elements (see `vector_space`)."""
     strides = strides or (1,)
     return strides[:-1] + (strides[-1] * vector,)
+
+
+def element_batch(n: int, block: int, unroll: int) -> int:
+    """Elements of a block's loop over n that each thread takes a trip, every one loaded before any is
+    stored (both backends' element-wise chains on shared-memory tiles): a store to shared memory may alias
+    a later load, so the compiler keeps that load behind it, and a loop of one element at a time (unrolled
+    or not) waits a whole round trip per element. `unroll` where it divides a thread's trips, else their
+    largest common divisor; 1 where n is not whole trips of the block."""
+    if n % block:
+        return 1
+    return math.gcd(n // block, unroll)

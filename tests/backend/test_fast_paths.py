@@ -19,7 +19,7 @@ from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assert_compiles_clean
 from tests.backend.backends import (BACKENDS, BARRIER, EMITTERS, emit, has_mma, kernel_body, kernel_code,
-                                    kernels_with, module, needs_nvdisasm)
+                                    kernel_instructions, kernels_with, module, needs_nvdisasm)
 from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, OPTION_SETS, fast_path_graphs, options_env
 from tests.backend.cuda.programs import example_kernels
 from tests.backend.ptx.plans import matmul_case_names, plan_graph
@@ -203,6 +203,35 @@ def test_block_loops_unroll_as_asked(backend):
         # times unrolled, a loop of four bodies (the last three guarded)
         exp_calls = {u: c.count('call float @"mdsl_exp"') for u, c in code.items()}
         assert exp_calls[2] == exp_calls[1] + 1 and exp_calls[4] == exp_calls[1] + 3
+
+
+def _longest_run_of_loads(instructions: list, load: str, store: str) -> int:
+    """The most `load` instructions that follow one another with no `store` between them."""
+    longest = run = 0
+    for op in instructions:
+        if op.startswith(load):
+            run += 1
+            longest = max(longest, run)
+        elif op.startswith(store):
+            run = 0
+    return longest
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_operands_prologue_loads_a_threads_elements_before_it_stores_them(backend):
+    """neg(x) @ w and neg(x * b) @ w on 64x64 tiles: the prologue's loop over the shared-memory tiles
+    (32 elements a thread) loads `unroll` (4) elements of a thread before it stores the first, so that
+    four round trips to shared memory are in flight, not one (a store may alias a later load: the
+    compiler keeps them in the order written). The copies stay asynchronous (LDGSTS)."""
+    program = emit(backend, fast_path_graphs()["prologue_matmuls_f16"], DEFAULT)
+    cubin = module(backend, program).cubin
+    sass = kernel_instructions(cubin)
+    kernels = [name for name in sass if name.startswith("prologue_matmuls_f16")]
+    assert len(kernels) == 2
+    for kernel in kernels:
+        assert _longest_run_of_loads(sass[kernel], "LDS.U16", "STS") >= DEFAULT.unroll, kernel
+    assert kernels_with(cubin, "LDGSTS") >= set(kernels)
 
 
 #: programs that between them take every fast path (test_the_representatives_take_every_lowering): every

@@ -20,7 +20,7 @@ from mdsl.backend.cuda.source import CodeWriter, Operand, offset
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
 from mdsl.lowering.grid import BLOCK_UNROLL, WARP, RowLoop, without
-from mdsl.lowering.index import broadcast_strides
+from mdsl.lowering.index import broadcast_strides, element_batch
 from mdsl.lowering.names import Namer
 
 
@@ -56,6 +56,11 @@ class Threads:
         with w.block(f"for (int i = {self.first}; i < {n}; i += {self.count})"):
             yield
 
+    def batch(self, n: int) -> int:
+        """Elements of a loop over n that a thread takes a trip, loaded before any is stored
+        (`mdsl.lowering.index.element_batch`); 1 on a grid."""
+        return 1 if self.grid else element_batch(n, self.block, self.unroll)
+
     @contextlib.contextmanager
     def each_group(self, w: CodeWriter, n: int, lanes: int) -> Iterator[None]:
         """A loop giving each index `o` below n to a group of `lanes` consecutive threads (lane `lane`).
@@ -88,12 +93,36 @@ def emit_thread_graph(w: CodeWriter, threads: Threads, namer: Namer, tg: ThreadG
     lacks, so that each of its elements is written once."""
     space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
     n = math.prod(space)
+    batch = threads.batch(n)
+    if batch > 1:
+        _emit_batched(w, threads, namer, tg, ins, outs, space, batch)
+        return
     with threads.each(w, n):
         reg = emit_chain(w, Namer(namer.taken), tg, [load_float(op, offset("i", space, op)) for op in ins])
         for var, op in zip(tg.outputs, outs):
-            store = store_float(op, offset("i", space, op), reg[var.name])
-            lacking = _lacking_dims(space, op.shape)
-            w(f"if ({lacking} == 0) {store}" if lacking != "0" else store)
+            _store(w, space, op, "i", reg[var.name])
+
+
+def _emit_batched(w: CodeWriter, threads: Threads, namer: Namer, tg: ThreadGraph, ins: list, outs: list,
+                  space: tuple, batch: int) -> None:
+    """`batch` elements a thread a trip (indices `block` apart), every element's loads and values before
+    any store (`mdsl.lowering.index.element_batch` says why)."""
+    n = math.prod(space)
+    local = Namer(namer.taken | {"i"})
+    w("#pragma unroll 1")
+    with w.block(f"for (int i = threadIdx.x; i < {n}; i += {threads.block * batch})"):
+        index = [local("i") for _ in range(batch)]
+        w(*(f"const int {name} = i + {u * threads.block};" for u, name in enumerate(index)))
+        regs = [emit_chain(w, local, tg, [load_float(op, offset(name, space, op)) for op in ins]) for name in index]
+        for name, reg in zip(index, regs):
+            for var, op in zip(tg.outputs, outs):
+                _store(w, space, op, name, reg[var.name])
+
+
+def _store(w: CodeWriter, space: tuple, op: Operand, index: str, value: str) -> None:
+    store = store_float(op, offset(index, space, op), value)
+    lacking = _lacking_dims(space, op.shape, index)
+    w(f"if ({lacking} == 0) {store}" if lacking != "0" else store)
 
 
 def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list,
@@ -111,10 +140,10 @@ def emit_chain(w: CodeWriter, local: Namer, tg: ThreadGraph, inputs: list,
     return reg
 
 
-def _lacking_dims(space: tuple, shape: tuple) -> str:
-    """A C expression that is 0 exactly where index i's coordinates are 0 along the dims of `space`
+def _lacking_dims(space: tuple, shape: tuple, index: str = "i") -> str:
+    """A C expression that is 0 exactly where `index`'s coordinates are 0 along the dims of `space`
     that an array of `shape` is broadcast along."""
-    return offset("i", space, Operand("", "", space, broadcast_strides(space, shape)))
+    return offset(index, space, Operand("", "", space, broadcast_strides(space, shape)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from mdsl.backend.ptx.rule_table import PTX_RULES
 from mdsl.ir.graph import ThreadGraph
 from mdsl.ir.ops import broadcast_shapes
 from mdsl.lowering.grid import BLOCK_UNROLL, WARP, RowLoop, without
-from mdsl.lowering.index import broadcast_strides
+from mdsl.lowering.index import broadcast_strides, element_batch
 
 ROW_UNROLL = 4   # a row's loops: the CUDA backend's `#pragma unroll 4` (and nvcc's own unrolling)
 
@@ -52,6 +52,11 @@ class Threads:
                 body(i)
             return
         unrolled_loop(fn, fn.sreg("tid.x"), n, self.block, self.unroll, body)
+
+    def batch(self, n: int) -> int:
+        """Elements of a loop over n that a thread takes a trip, loaded before any is stored
+        (`mdsl.lowering.index.element_batch`); 1 on a grid or where the loop is rolled."""
+        return 1 if self.grid else element_batch(n, self.block, self.unroll)
 
     @contextlib.contextmanager
     def each_group(self, fn: KernelFunction, n: int, lanes: int) -> Iterator[tuple]:
@@ -104,8 +109,10 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
     coordinate 0 of the dims it lacks (each of its elements once)."""
     space = broadcast_shapes("fused", *(o.shape for o in ins + outs))
 
-    def element(i) -> None:
-        reg = chain_values(fn, tg, [fn.load_float(op, fn.offset(i, space, op)) for op in ins])
+    def values(i) -> dict:
+        return chain_values(fn, tg, [fn.load_float(op, fn.offset(i, space, op)) for op in ins])
+
+    def stores(i, reg: dict) -> None:
         for var, op in zip(tg.outputs, outs):
             at = fn.offset(i, space, op)
             lacking = _lacking_dims(fn, i, space, op.shape)
@@ -115,7 +122,16 @@ def emit_thread_graph(fn: KernelFunction, threads: Threads, tg: ThreadGraph, ins
                 with fn.when(fn.b.icmp_unsigned("==", lacking, i32(0))):
                     fn.store_float(op, at, reg[var.name])
 
-    threads.for_each(fn, math.prod(space), element)
+    n = math.prod(space)
+    batch = threads.batch(n)
+    if batch > 1:   # every element's loads and values before any store (mdsl.lowering.index.element_batch)
+        with fn.loop(fn.sreg("tid.x"), n, threads.block * batch) as i:
+            index = [i] + [fn.b.add(i, i32(u * threads.block)) for u in range(1, batch)]
+            regs = [values(j) for j in index]
+            for j, reg in zip(index, regs):
+                stores(j, reg)
+        return
+    threads.for_each(fn, n, lambda i: stores(i, values(i)))
 
 
 def chain_values(fn: KernelFunction, tg: ThreadGraph, inputs: list) -> dict:

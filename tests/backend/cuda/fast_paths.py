@@ -166,9 +166,28 @@ def narrow_rows(dtype) -> Graph:
     return g
 
 
+def prologue_matmuls(dtype) -> Graph:
+    """Matmuls of 64-row tiles whose X is computed in the loop by an element-wise prologue on its tile
+    (the random programs' `neg(x) @ w` and `neg(x * b) @ w`, b one row broadcast): pipelined, the prologue
+    a loop of 32 elements a thread over shared memory, its operand stored in f32."""
+    g = Graph(f"prologue_matmuls_{dtype.name}")
+    x, b, w = g.input("x", (64, 512), dtype), g.input("b", (1, 512), dtype), g.input("w", (512, 128), dtype)
+    k = g.block(grid=(2,), forloop=8, threads=128)
+    xt, wt = k.input(x, fmap=1), k.input(w, imap=(1,), fmap=0)   # [64, 64], [64, 64]
+    k.output(k.op("accum", k.op("matmul", k.op("neg", xt), wt)), omap=(1,))
+    k.done()
+    k = g.block(grid=(2,), forloop=8, threads=128)
+    xt, bt, wt = k.input(x, fmap=1), k.input(b, fmap=1), k.input(w, imap=(1,), fmap=0)
+    operand = k.fused([xt, bt], lambda t, p, q: [t.op("neg", t.op("mul", p, q))])[0]
+    k.output(k.op("accum", k.op("matmul", operand, wt)), omap=(1,))
+    k.done()
+    return g
+
+
 @functools.cache
 def fast_path_graphs() -> dict:
     both = [make(dtype) for dtype in (f16, bf16)
             for make in (ragged_matmuls, batched_matmuls, ragged_attention, kernel_matmuls, narrow_rows)]
     one = [row_attention(bf16), flash_decoding(f16), split_combine(f16)]   # each compiled under every option set: one dtype each
+    one.append(prologue_matmuls(f16))
     return {graph.name: graph for graph in (g.build() for g in both + one)}
