@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import functools
-import os
 import inspect
+import os
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -334,10 +334,10 @@ class KernelFunction:
         try:
             return self.optimize(*specs, config=SearchConfig(arch=arch))
         except SearchUnavailable as e:
-            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: {e.message}", stacklevel=5)
+            warnings.warn(f"kernel {self.name}: running the traced program unoptimized: {e.message}", stacklevel=4)
         except ModuleNotFoundError as e:
             warnings.warn(f"kernel {self.name}: running the traced program unoptimized: the search needs "
-                          f"{e.name}, which is not installed", stacklevel=5)
+                          f"{e.name}, which is not installed", stacklevel=4)
         return None
 
     def _tuned(self, plan, device: int) -> tuple:
@@ -352,7 +352,7 @@ class KernelFunction:
             best = autotune.autotune(todo.graphs, plan.original, spaces=todo.spaces, names=todo.names, device=device,
                                      samples=10, calls=5, budget_s=autotune.FIRST_CALL_BUDGET_S, checked=True)
         except MdslError as e:
-            warnings.warn(f"kernel {self.name}: running the plan's choice untuned: {e.message}", stacklevel=5)
+            warnings.warn(f"kernel {self.name}: running the plan's choice untuned: {e.message}", stacklevel=4)
             return plan.graph, None
         self.tunings.append(best)
         return best.graph, best.options
