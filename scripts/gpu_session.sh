@@ -17,6 +17,7 @@
 #   7. (STAGES="random call") random programs timed as a user calls them, on the plans carried in .plans-random
 #      (RANDOM_ARGS: the seed and count they were searched with), and the host time of a kernel call, on the
 #      plans carried in .plans-call (the device has no z3: a plan the cache lacks is not searched there).
+# A snapshot records its commit from a COMMIT file (`git rev-parse --short HEAD > COMMIT`, carried: it is ignored).
 # A carried .mdsl-state (a copy of the state directory of the user who made and checked those plans:
 # mdsl.search.trust) lets the plans be served without re-checking each in every process.
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
