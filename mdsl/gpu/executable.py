@@ -362,6 +362,9 @@ class Executable:
                                 "current on this thread")
         if err <= launcher.LIBRARY_FAILED:
             raise next(s for s in self._launches if type(s) is not tuple).error(launcher.LIBRARY_FAILED - err)
+        if err == launcher.LIBRARY_STREAM:   # set, and then not the handle's: another thread set its own
+            raise CudaError(f"launching the kernels of {self.name}: cuBLAS's handle did not keep the call's stream",
+                            hint="calls of executables with cuBLAS GEMMs serialize on the handle's lock; report this")
         raise CudaError(f"launching a kernel of {self.name} failed: {error_text(err)}")
 
     # -- lifetime --------------------------------------------------------------------------------
