@@ -313,6 +313,10 @@ def random_programs_gpu_section(runs: list) -> list:
                   f"1.3x), median {statistics.median(speedups):.2f}x, from {speedups[0]:.2f}x to {speedups[-1]:.2f}x; "
                   f"slower than eager: {summary.get('gpu_slower_than_eager', '-')}. The programs slower than the best "
                   "baseline by more than 20%, in µs:", ""]
+        first_calls = [r["gpu"]["first_call_s"] for r in rows if (r.get("gpu") or {}).get("first_call_s") is not None]
+        if first_calls:   # compile and, where the call tunes, its tuning (`kernel.tunings`)
+            lines += [f"A program's first call (compiling, tuning): median {statistics.median(first_calls):.1f} s, "
+                      f"longest {max(first_calls):.1f} s.", ""]
         table = []
         for r in rows:
             g = r.get("gpu") or {}
@@ -323,9 +327,10 @@ def random_programs_gpu_section(runs: list) -> list:
                           f"{r['estimate_after_us']:.1f}", f"{g['mdsl_us']:.1f}",
                           f"{g['mdsl_graph_us']:.1f}" if g.get("mdsl_graph_us") else "-",
                           f"{min(g[k] for k in ('eager_us', 'cuda_graph_us', 'compile_us') if g.get(k)):.1f}",
-                          f"{g['speedup_vs_best']:.2f}x", f"{slowest[0]} {slowest[1]:.1f}"])
+                          f"{g['speedup_vs_best']:.2f}x", f"{slowest[0]} {slowest[1]:.1f}",
+                          g.get("mdsl_choice", "-")])
         lines += _table(["program", "rows", "kernels", "est.", "mdsl call", "mdsl graph", "best PyTorch", "speed-up",
-                         "slowest kernel"], table, last_left=True) + [""]
+                         "slowest kernel", "tuned choice"], table, last_left=True) + [""]
     return lines
 
 

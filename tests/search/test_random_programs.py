@@ -117,3 +117,25 @@ def test_a_plans_digest_is_its_graphs_text():
 
     assert rp.plan_digest(Plan(graph)) == rp.plan_digest(Plan(program.kernel().graph))
     assert rp.plan_digest(Plan(graph)) != rp.plan_digest(Plan(rp.draw(0, 1).kernel().graph))
+
+
+def test_the_gpu_section_lists_the_programs_that_lose_with_their_slowest_kernel_and_first_calls():
+    from benchmarks import report
+
+    def row(name, speedup, first_call):
+        gpu = {"mdsl_us": 10.0 / speedup, "mdsl_graph_us": 8.0, "eager_us": 20.0, "cuda_graph_us": 10.0,
+               "compile_us": 30.0, "speedup_vs_best": speedup, "first_call_s": first_call,
+               "mdsl_kernels_us": {f"{name}_matmul": 7.5, f"{name}_rms_norm": 1.0}, "mdsl_choice": "candidate 0"}
+        return {"program": name, "rows": 4, "kernels_before": 3, "kernels_after": 2, "estimate_after_us": 5.0,
+                "gpu": gpu}
+
+    run = {"meta": {"seed": 5, "date": "2026-12-03T00:00:00", "command": "benchmarks/random_programs.py --seed 5 --gpu",
+                    "mdsl_commit": "abcdef1", "gpu": {"name": "NVIDIA H200"}},
+           "summary": {"gpu_geomean_speedup_vs_best": 0.9, "gpu_slower_than_eager": 0},
+           "rows": [row("fast", 1.5, 2.0), row("slow", 0.5, 6.0), {"program": "wrong", "rows": 1, "kernels_before": 2,
+                                                                    "kernels_after": 1, "estimate_after_us": 1.0,
+                                                                    "gpu": {"mdsl_us": None, "mdsl_error": "off"}}]}
+    text = "\n".join(report.random_programs_gpu_section([run]))
+    assert "Correct on the GPU: 2 of 3" in text and "geometric mean 0.90x" in text
+    assert "| slow |" in text and "| fast |" not in text and "slow_matmul 7.5" in text
+    assert "median 4.0 s, longest 6.0 s" in text
