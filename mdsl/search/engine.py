@@ -712,7 +712,7 @@ def in_final_order(candidates: Sequence[Candidate], original_key: str) -> tuple:
     """The kept candidates (best first by `_rank`) in the plan's order: the fused ones by the finer model of
     the GPU (`cost.gpu_estimate`: waves, the serial chain of loop iterations, the bytes in flight, spills),
     which tells apart what `estimate` ranks alike (one structure under other loop lengths and splits: a
-    split-KV loop of 32 iterations and one of 8 cost the same bytes and flops, and on the H200 52 and 30 µs),
+    split-KV loop of 32 iterations and one of 8 move the same bytes and flops, but not in the same time),
     their rank breaking ties; the program as written last (every fused candidate kept is estimated faster
     than it)."""
     place = {c.graph.key: k for k, c in enumerate(candidates)}

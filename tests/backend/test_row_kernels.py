@@ -14,7 +14,7 @@ from mdsl.search.cost import H200, kernel_costs
 from tests.backend.backends import BACKENDS, emit, kernel_instructions, module, needs_nvdisasm
 from tests.backend.cuda.builder import Graph
 
-pytestmark = pytest.mark.shared_compile_cache   # a program's code compiled once per session (tests/shared.py)
+pytestmark = pytest.mark.shared_compile_cache   # a program's code compiled once per test run (tests/shared.py)
 
 
 def row_graph(op: str, shape: tuple, dtype: DType, dim: int = -1):
