@@ -36,9 +36,12 @@ class SkinnyShape:
     n: int              # the weights' columns (the block's)
     k: int              # the block's whole K (forloop x the tile's)
     # node indices of the element-wise loop nodes that compute the operand from X, in node order (a
-    # prologue: `x * 2.0 @ w`, `silu(x) @ w`), applied to X's elements as they are loaded
+    # prologue: `x * 2.0 @ w`, `silu(x) @ w`, `(x - b) @ w`), applied to X's elements as they are loaded
     prologue: tuple = ()
     operand: str = ""   # the value every matmul and row accumulator reads: the prologue's last, or X ("")
+    # the inputs of one value per element of K ([1, K] or [K], broadcast along X's rows) the prologue reads,
+    # each loaded at the K of X's fragments (`b` of `(x - b) @ w`)
+    vectors: tuple = ()
 
     @property
     def left(self) -> str:
@@ -90,8 +93,8 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     2-D matmul of one operand (at most 16 rows, along K its last dim) by a 2-D input weight (fmap along K,
     its first dim) read by nothing but one `accum`; that accum; an accumulator of the operand giving one
     value per row; or an element-wise node of the prologue, which computes the operand from the input X
-    (fmap along K) alone (`prologue_of`). Every input is X or a weight; the block's K is whole 16-row
-    slabs; the weights' columns whole 8-column chunks."""
+    (fmap along K) and vectors along K (`prologue_of`). Every input is X, a weight or such a vector; the
+    block's K is whole 16-row slabs; the weights' columns whole 8-column chunks."""
     post = bg.post_loop_vars()
     inputs = {i.var.name: i for i in bg.inputs}
     readers: dict = {}
@@ -115,30 +118,33 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
         covered |= {i, sum_of[0]}
     others = [i for i in loop if i not in covered]
     prologue = [i for i in others if not bg.nodes[i].opdef.is_accumulator]
-    x = prologue_of(bg, prologue, left.name) if prologue else left.name
-    if x is None:
+    found = prologue_of(bg, prologue, left.name) if prologue else (left.name, ())
+    if found is None:
         return None
+    x, vectors = found
     rows = [i for i in others if i not in prologue]
     for i in rows:
         node = bg.nodes[i]
         if [v.name for v in node.inputs] != [left.name] or tuple(node.output.shape) != (left.shape[0], 1):
             return None
-    if not _streamed(inputs.get(x), 1) or set(inputs) != {x, *weights}:
+    if not _streamed(inputs.get(x), 1) or set(inputs) != {x, *weights, *vectors} or set(vectors) & {x, *weights}:
         return None
     m, kt = left.shape
     n = bg.nodes[matmuls[0]].output.shape[-1]
     if m > MAX_ROWS or (kt * bg.forloop) % SLAB or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
         return None
     shape = SkinnyShape(x, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop, tuple(prologue),
-                        left.name if prologue else "")
+                        left.name if prologue else "", vectors)
     return shape if shape.columns_per_load() is not None else None
 
 
-def prologue_of(bg: BlockGraph, prologue: list, operand: str) -> Optional[str]:
-    """The input X from which the loop nodes `prologue` (node indices, in node order) compute `operand`
-    element by element, or None: each is an element-wise operator (or a fused chain of them) of one
-    result shaped as the operand, reading X or the results of those before it, and each leads to the
-    operand (none is computed for nothing)."""
+def prologue_of(bg: BlockGraph, prologue: list, operand: str) -> Optional[tuple]:
+    """(X, vectors): the input X and the inputs of one value per element of K (`vectors`, in the block
+    graph's input order) from which the loop nodes `prologue` (node indices, in node order) compute
+    `operand` element by element, or None. Each node is an element-wise operator (or a fused chain of
+    them) of one result shaped as the operand, reading X, a vector or the results of those before it,
+    and each leads to the operand (none is computed for nothing). X is shaped as the operand; a vector is
+    shaped [1, K] or [K] with the operand's K, its loop dim (fmap) along K, and broadcast along X's rows."""
     made = {bg.nodes[i].output.name: i for i in prologue}
     if operand not in made:
         return None
@@ -154,8 +160,12 @@ def prologue_of(bg: BlockGraph, prologue: list, operand: str) -> Optional[str]:
                 leaves.add(v.name)
             elif made[v.name] >= i:
                 return None
-    x = next((i.var for i in bg.inputs if i.var.name in leaves), None)
-    if len(leaves) != 1 or x is None or tuple(x.shape) != shape:
+    read = [i for i in bg.inputs if i.var.name in leaves]
+    # X: the first shaped as the operand (of one row, a vector [1, K] is too: either may be X, the other
+    # broadcast over its one row)
+    x = next((i for i in read if tuple(i.var.shape) == shape), None)
+    vectors = tuple(i.var.name for i in read if i is not x)
+    if len(read) != len(leaves) or x is None or not all(_along_k(i, shape[-1]) for i in read if i is not x):
         return None
     needed, frontier = set(), [operand]
     while frontier:
@@ -163,7 +173,13 @@ def prologue_of(bg: BlockGraph, prologue: list, operand: str) -> Optional[str]:
         if name in made and made[name] not in needed:
             needed.add(made[name])
             frontier += [v.name for v in bg.nodes[made[name]].inputs]
-    return x.name if needed == set(prologue) else None
+    return (x.var.name, vectors) if needed == set(prologue) else None
+
+
+def _along_k(inp, kt: int) -> bool:
+    """Whether a block input is a vector along K of `kt` elements a tile: [1, kt] or [kt], its loop dim K."""
+    shape = tuple(inp.var.shape)
+    return shape in ((1, kt), (kt,)) and inp.fmap == len(shape) - 1
 
 
 def _streamed(inp, fmap: int) -> bool:

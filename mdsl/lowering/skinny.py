@@ -22,11 +22,14 @@ warps of the first column group, each row's folds met over the quad, then over t
 `skinny_plan` says whether a block graph qualifies: every loop node is a matmul of the one operand
 (at most 16 rows) by a weight input (fmap along K) whose only reader is its `accum`, that accum, a row
 accumulator of the operand with a fold in `ROW_FOLDS` (accum_rms of RMSNorm+Linear), or an element-wise
-node of the *prologue*, which computes the operand from the X input (fmap along K) alone (`x * 2.0 @ w`,
-`rms_norm(silu(x)) @ w`). Nothing is hoisted, every input is X or a weight. The prologue runs on X's
-fragments as a slab's mmas take them, in f32, each value rounded to its dtype as its tile would hold it,
-so the products and the folds see the operand's values, and X's loads stay where the register buffers
-put them. The code after the loop (epilogues: the division by the rms, silu, the gate's product) is the
+node of the *prologue*, which computes the operand from the X input (fmap along K) and from *vectors*,
+inputs of one value per element of K broadcast along X's rows ([1, K] or [K]: `x * 2.0 @ w`,
+`rms_norm(silu(x)) @ w`, `(x - b) @ w`, `(x * g) @ w`). Nothing is hoisted, every input is X, a weight or
+a vector. A vector's fragment is loaded beside X's, at the same K (lane t's elements ROWS t .. of the
+step, one load for all of X's rows), into the same register buffer. The prologue runs on X's fragments
+as a slab's mmas take them, in f32, each value rounded to its dtype as its tile would hold it, so the
+products and the folds see the operand's values, and X's loads stay where the register buffers put
+them. The code after the loop (epilogues: the division by the rms, silu, the gate's product) is the
 block graph's own.
 
 The options (`CudaOptions`):
@@ -118,29 +121,32 @@ class SkinnyPlan:
 def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overlap: bool = False,
                 stagger: bool = False, lead: int = 2, wide_x: bool = False) -> Optional[SkinnyPlan]:
     """The skinny plan of a block graph, or None where it does not qualify: its loop has the skinny
-    shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X and the weights share a 16-bit dtype,
-    their rows are 8- and 16-byte aligned, each row accumulator has a fold in `ROW_FOLDS`, and the
-    weights' 64-column groups divide among the warps. `overlap` where the arch has programmatic dependent
-    launch (sm_90+); `stagger` and `lead` as asked; `wide_x` where X's rows are 16-byte aligned and the
-    block's K is whole pairs of slabs."""
+    shape (`mdsl.ir.skinny.skinny_shape`) and nothing hoisted, X, the weights and the prologue's vectors
+    share a 16-bit dtype, the rows of X and the vectors are 8-byte aligned and the weights' aligned to a
+    load, each row accumulator has a fold in `ROW_FOLDS`, and the weights' 64-column groups divide among
+    the warps. `overlap` where the arch has programmatic dependent launch (sm_90+); `stagger` and `lead` as
+    asked; `wide_x` where the rows of X and the vectors are 16-byte aligned and the block's K is whole
+    pairs of slabs."""
     if arch < SKINNY_MIN_ARCH or schedule.pre or bg.threads % 32:
         return None
     shape = skinny_shape(bg)
     if shape is None or not shape.fits(bg.threads // 32):
         return None
     types = {i.var.name: t for i, t in zip(bg.inputs, tensor_types)}
-    dtypes = {types[name].dtype.name for name in (shape.x, *shape.weights)}
+    dtypes = {types[name].dtype.name for name in (shape.x, *shape.weights, *shape.vectors)}
     if shape.prologue:   # the operand goes to the mmas in X's type; the values before it in any float type
         dtypes.add(bg.nodes[shape.prologue[-1]].output.type.dtype.name)
         if any(bg.nodes[i].output.type.dtype.name not in (*ELEMENTS, "f32") for i in shape.prologue):
             return None
     if len(dtypes) != 1 or not dtypes <= set(ELEMENTS):
         return None
-    if types[shape.x].shape[-1] % 4 or any(types[w].shape[-1] % shape.columns_per_load() for w in shape.weights):
-        return None   # rows of X 8-byte aligned, of the weights aligned to a load
+    fragments = (shape.x, *shape.vectors)   # loaded 8 (wide_x: 16) bytes at a time from each row
+    if any(types[name].shape[-1] % 4 for name in fragments) or \
+            any(types[w].shape[-1] % shape.columns_per_load() for w in shape.weights):
+        return None
     if any(bg.nodes[i].op not in ROW_FOLDS for i in shape.rows):
         return None
-    wide_x = wide_x and types[shape.x].shape[-1] % 8 == 0 and shape.k % (2 * SLAB) == 0
+    wide_x = wide_x and all(types[name].shape[-1] % 8 == 0 for name in fragments) and shape.k % (2 * SLAB) == 0
     return SkinnyPlan(shape, dtypes.pop(), overlap and arch >= OVERLAP_MIN_ARCH, stagger, lead, wide_x)
 
 
@@ -149,7 +155,7 @@ def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
     shape = plan.shape
     products = {bg.nodes[i].inputs[0].name for i in shape.sums}
     prologue = {bg.nodes[i].output.name for i in shape.prologue}
-    return frozenset({shape.x, *shape.weights} | products | prologue)
+    return frozenset({shape.x, *shape.weights, *shape.vectors} | products | prologue)
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:

@@ -464,7 +464,7 @@ def _skinny_cluster_fit(node: Node, shape, cluster: int, device: Device) -> Kern
     in_flight = min(per_sm, resident) * shape.loads_in_flight(warps)
     active = min(blocks, device.sms)
     dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s)
-    x_bytes = shape.m * shape.k * 2 / cluster   # a block's X, from L2
+    x_bytes = (shape.m + len(shape.vectors)) * shape.k * 2 / cluster   # a block's X and vectors, from L2
     dram = per_sm * (t.useful + t.out_bytes) / blocks
     memory = max(dram / dram_rate, (dram + per_sm * x_bytes) / device.skinny_sm_bytes_per_s,
                  per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))

@@ -7,7 +7,7 @@ import pytest
 
 from mdsl.ir.skinny import SkinnyShape, skinny_shape
 from mdsl.ir.text import parse_graph
-from tests.ir.skinny_texts import prologue_linear, rms_norm_linear
+from tests.ir.skinny_texts import prologue_linear, rms_norm_linear, vector_prologue_linear
 
 GATED = """kernel gated(%x: f16[8, 4096], %w1: f16[4096, 4096], %w2: f16[4096, 4096]) {
   %mul: f16[8, 4096] = custom(%x, %w1, %w2) block(grid=[128, 1, 1], threads=128, forloop=32) {
@@ -104,6 +104,32 @@ _UNUSED = """kernel k(%x: f16[8, 4096], %w: f16[4096, 3072]) {
 
 @pytest.mark.parametrize("text", [_ROW_OF_X, _TWO_INPUTS, _UNUSED])
 def test_a_prologue_must_compute_the_one_operand_from_x_alone(text):
+    assert skinny_shape(_body(text)) is None
+
+
+def test_a_prologue_may_read_vectors_along_k_broadcast_over_the_rows():
+    """(x - b) @ w with b [1, K], rms_norm(x * g) @ w with g [K]; of one row, X and a [1, K] vector have one
+    shape: the first input is X, the other the vector."""
+    shape = skinny_shape(_body(vector_prologue_linear(4, 32)))
+    assert (shape.x, shape.vectors, shape.operand, shape.rows) == ("x", ("b",), "sub", ())
+    normed = skinny_shape(_body(vector_prologue_linear(16, 32, body="mul_rms", dtype="bf16", rank=1)))
+    assert (normed.x, normed.vectors, normed.operand, len(normed.rows)) == ("x", ("b",), "mul", 1)
+    one_row = skinny_shape(_body(vector_prologue_linear(1, 32, blocks=256, k=8192, forloop=64)))
+    assert (one_row.x, one_row.vectors) == ("x", ("b",))
+    assert skinny_shape(_body(rms_norm_linear(8, 32))).vectors == ()
+
+
+# a vector whose loop dim is not K (the same 128 elements in every iteration); one value per row of X ([M,
+# 1]); a vector the prologue does not read
+_NOT_ALONG_K = vector_prologue_linear(4, 32).replace("%b: f16[1, 4096]", "%b: f16[1, 128]").replace(
+    "in %b: f16[1, 128] imap=[-, -, -] fmap=1", "in %b: f16[1, 128] imap=[-, -, -] fmap=-")
+_PER_ROW = vector_prologue_linear(4, 32).replace("%b: f16[1, 4096]", "%b: f16[4, 1]").replace(
+    "in %b: f16[1, 128] imap=[-, -, -] fmap=1", "in %b: f16[4, 1] imap=[-, -, -] fmap=-")
+_VECTOR_UNUSED = vector_prologue_linear(4, 32).replace("%sub: f16[4, 128] = sub(%x, %b)", "%sub: f16[4, 128] = neg(%x)")
+
+
+@pytest.mark.parametrize("text", [_NOT_ALONG_K, _PER_ROW, _VECTOR_UNUSED])
+def test_a_vector_must_run_along_k_and_be_read_by_the_prologue(text):
     assert skinny_shape(_body(text)) is None
 
 

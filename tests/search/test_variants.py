@@ -417,6 +417,27 @@ def test_the_estimate_of_a_skinny_loop_split_over_clusters():
     assert gpu_estimate(wide, skinny=True).kernels[0] == alone
 
 
+def test_a_prologue_reading_a_vector_along_k_is_estimated_as_a_skinny_loop():
+    """(x - b) @ w at 4 rows, b [1, K]: each of the guided generator's first candidates (split-K, `sub` in the
+    split's loop) runs its first kernel as a skinny loop by the estimate, faster than as a tile loop."""
+    import itertools
+
+    import mdsl
+    from mdsl import Tensor, f16
+    from mdsl.search.guided import generate
+
+    @mdsl.kernel(name="sub_matmul")
+    def program(x: Tensor[4, 8192, f16], b: Tensor[1, 8192, f16], w: Tensor[8192, 2048, f16]):
+        return (x - b) @ w
+
+    candidates = list(itertools.islice(generate(program.graph, SearchConfig()), 8))
+    assert candidates
+    for graph in candidates:
+        assert "sub" in {n.op for n in graph.custom_nodes()[0].body.nodes}
+        skinny, tile = gpu_estimate(graph, skinny=True), gpu_estimate(graph)
+        assert skinny.kernels[0].lowering == "skinny" and skinny.seconds < tile.seconds, skinny.describe()
+
+
 def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight():
     from mdsl.ir.skinny import skinny_shape
 

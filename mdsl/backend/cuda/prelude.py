@@ -433,15 +433,8 @@ __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("gridd
 __device__ __forceinline__ void let_next_kernel_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 #endif
 
-// STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
-// that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
-// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads (0: none). STRADDLE: a column group's
-// row may cross a 128-byte line (mdsl.lowering.skinny.straddles): its prefetches take both lines.
-// WIDE_X: a step ("slab" below) is
-// two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
-// second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
-// instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i
-// the skinny loop's operand is X as loaded (NoPrologue), or a prologue's value of each element of X
+// the skinny loop's operand is X as loaded (NoPrologue), or a prologue's value of each element of X: f(x),
+// or f(x, v) where the loop has vectors along K (v: their values at x's k, one per vector)
 struct NoPrologue {
   static constexpr bool ACTIVE = false;
 };
@@ -449,11 +442,22 @@ template <typename L> struct Prologue {
   static constexpr bool ACTIVE = true;
   L f;
   __device__ __forceinline__ float operator()(float x) const { return f(x); }
+  __device__ __forceinline__ float operator()(float x, const float* v) const { return f(x, v); }
 };
 template <typename L> __device__ __forceinline__ Prologue<L> prologue(L f) { return Prologue<L>{f}; }
 
+// STAGGER: block b walks its slabs from slab b SLABS / blocks on, wrapping around (any order of K does), so
+// that the blocks do not all read the same rows of X and of the weights at the same moment. LEAD: the loop
+// iterations (2 STEP slabs of each warp) its L2 prefetches run ahead of its loads (0: none). STRADDLE: a column group's
+// row may cross a 128-byte line (mdsl.lowering.skinny.straddles): its prefetches take both lines.
+// WIDE_X: a step ("slab" below) is
+// two slabs of K, 32 rows, in which lane t's mma k indices of the first are rows 8t .. 8t + 3 and of the
+// second 8t + 4 .. 8t + 7: X's fragments of both come in one 16-byte load of row g at 8t (half the X load
+// instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i.
+// VECS: vectors along K the prologue reads (`(x - b) @ w`), each broadcast along X's rows: a fragment of
+// each at X's k in every slab, loaded as a row fragment of X is.
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false>
+          int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false, int VECS = 0>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -466,6 +470,7 @@ struct Skinny {
   static constexpr int WORDS = VEC / 2;             // 32-bit words a load brings: mmas per slab and weight
   static constexpr int STEP = 16 / (VEC * MATS * SPAN) > 0 ? 16 / (VEC * MATS * SPAN) : 1;   // steps a warp loads at once
   static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
+  static constexpr int VS = VECS > 0 ? VECS : 1;    // the vectors' arrays (of VECS 0: one, never loaded)
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
   static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K whole steps");
   static_assert(!WIDE_X || LDX % 8 == 0, "skinny: rows of X aligned to 16 bytes for WIDE_X");
@@ -476,6 +481,7 @@ struct Skinny {
   struct Slab {
     unsigned w[MATS][ROWS][WORDS];
     unsigned x[MT][2 * SPAN];   // X's row fragments: 4 (WIDE_X: 8) elements
+    unsigned v[VS][2 * SPAN];   // each vector's fragment at the same k
   };
 
   // the slab of K the walk's slab-th step reads (STAGGER: this block's walk starts part of the way in)
@@ -493,10 +499,11 @@ struct Skinny {
     return (threadIdx.x / 32) % GROUPS * GROUP + (threadIdx.x % 32 / 4) % GROUP;
   }
 
-  // a slab's loads from this thread's pointers (w: row ROWS t of its chunk; x: its rows of X at ROWS t); a slab
-  // past the end loads the last one again (its values unused): no predicates, no zeroing
+  // a slab's loads from this thread's pointers (w: row ROWS t of its chunk; x: its rows of X at ROWS t; v: each
+  // vector at ROWS t); a slab past the end loads the last one again (its values unused): no predicates, no zeroing
   template <bool CLAMP = true>
-  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS], int slab) {
+  static __device__ __forceinline__ void load(Slab& s, const E* const (&x)[MT], const E* const (&w)[MATS],
+                                              const E* const (&v)[VS], int slab) {
     const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16 * SPAN;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
@@ -506,6 +513,8 @@ struct Skinny {
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k);
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) load_x(s.v[i], v[i] + k);
   }
 
   // a row fragment of X: 8 bytes, or 16 (WIDE_X), by the read-only path
@@ -572,7 +581,8 @@ struct Skinny {
   }
 
   // one slab multiplied, the operand's elements folded (rows below M, warps of the first column group); the
-  // operand is X's fragments, or (a prologue P) P's value of each of their elements, rounded to E
+  // operand is X's fragments, or (a prologue P) P's value of each of their elements (and of the vectors' at
+  // their k), rounded to E
   template <typename F, typename P>
   static __device__ __forceinline__ void slab_step(Acc& acc, const Slab& s, bool folds, F& fold, P& pro) {
     const int g = threadIdx.x % 32 / 4;
@@ -581,7 +591,16 @@ struct Skinny {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int word = 0; word < 2 * SPAN; ++word) {
-        if constexpr (P::ACTIVE) {
+        if constexpr (P::ACTIVE && VECS > 0) {
+          const float2 v = unpack<E>(s.x[mt][word]);
+          float lo[VS], hi[VS];
+#pragma unroll
+          for (int i = 0; i < VECS; ++i) {
+            const float2 u = unpack<E>(s.v[i][word]);
+            lo[i] = u.x; hi[i] = u.y;
+          }
+          x[mt][word] = pack<E>(pro(v.x, lo), pro(v.y, hi));
+        } else if constexpr (P::ACTIVE) {
           const float2 v = unpack<E>(s.x[mt][word]);
           x[mt][word] = pack<E>(pro(v.x), pro(v.y));
         } else {
@@ -612,12 +631,13 @@ struct Skinny {
     }
   }
 
-  // acc = this warp's part of A W for each weight, A = X or its prologue's value P(X) element by element;
-  // fold(mt, a) sees every element a of A's rows mt * 8 + g (g = lane / 4) in the block's K exactly once over
-  // the block (warps of the first column group only)
+  // acc = this warp's part of A W for each weight, A = X or its prologue's value P(X) element by element
+  // (P(X, V): of X and the VECS vectors V along K); fold(mt, a) sees every element a of A's rows mt * 8 + g
+  // (g = lane / 4) in the block's K exactly once over the block (warps of the first column group only)
   template <typename F, typename P = NoPrologue>
   static __device__ __forceinline__ void run(Acc& acc, const E* __restrict__ X, const E* const (&W)[MATS], F fold,
-                                             P pro = P()) {
+                                             P pro = P(), const E* const* V = nullptr) {
+    static_assert(VECS == 0 || P::ACTIVE, "skinny: vectors along K are read by a prologue");
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat)
 #pragma unroll
@@ -630,11 +650,14 @@ struct Skinny {
     const bool folds = warp % GROUPS == 0;
     const E* xs[MT];
     const E* ws[MATS];
+    const E* vs[VS] = {};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int row = mt * 8 + g < M ? mt * 8 + g : M - 1;
       xs[mt] = X + row * LDX + ROWS * t;
     }
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) vs[i] = V[i] + ROWS * t;
     const E* lines[MATS];
     group_rows(lines, W);
 #pragma unroll
@@ -645,7 +668,7 @@ struct Skinny {
     // Each iteration also sends the slabs of the one LEAD ahead to L2 (those up to it went before).
     Slab a[STEP], b[STEP];
 #pragma unroll
-    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, kw + q * KW);
+    for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, vs, kw + q * KW);
 #pragma unroll
     for (int ahead = 1; ahead < LEAD; ++ahead) prefetch(lines, kw + 2 * ahead * STEP * KW);
     int slab = kw;
@@ -653,15 +676,15 @@ struct Skinny {
     for (; slab + (2 * STEP - 1) * KW < SLABS; slab += 2 * STEP * KW) {
       prefetch(lines, slab + 2 * (LEAD > 0 ? LEAD : 1) * STEP * KW);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, slab + (STEP + q) * KW);   // within K
+      for (int q = 0; q < STEP; ++q) load<false>(b[q], xs, ws, vs, slab + (STEP + q) * KW);   // within K
       step<true>(acc, a, slab, folds, fold, pro);
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, slab + (2 * STEP + q) * KW);
+      for (int q = 0; q < STEP; ++q) load(a[q], xs, ws, vs, slab + (2 * STEP + q) * KW);
       step<true>(acc, b, slab + STEP * KW, folds, fold, pro);
     }
     if (slab < SLABS) {   // fewer than 2 STEP slabs left: a holds the first STEP of them
 #pragma unroll
-      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, slab + (STEP + q) * KW);
+      for (int q = 0; q < STEP; ++q) load(b[q], xs, ws, vs, slab + (STEP + q) * KW);
       step<false>(acc, a, slab, folds, fold, pro);
       step<false>(acc, b, slab + STEP * KW, folds, fold, pro);
     }

@@ -37,6 +37,9 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     w(f"float* const {part} = reinterpret_cast<float*>(smem + {scratch_offset});")
     w(f"const {element}* const skinny_w[{mats}] = {{{', '.join(w_ptrs)}}};",
       f"{cls}::Acc skinny_acc;")
+    if plan.vectors:   # the prologue's vectors along K, loaded beside X
+        v_ptrs = ", ".join(parts[v].ptr for v in plan.vectors)
+        w(f"const {element}* const skinny_v[{len(plan.vectors)}] = {{{v_ptrs}}};")
     if skinny.overlap:   # no global memory touched above: the previous kernel may still be running
         w(f"{cls}::prefetch_start(skinny_w);   // changes no value: may run before the previous kernel ends",
           "mdsl::wait_for_previous_kernel();   // its writes are visible from here on",
@@ -50,7 +53,8 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     with w.block(f"{cls}::run(skinny_acc, {x_ptr}, skinny_w, [&](int mt, float x)"):
         for name, i in zip(folds, plan.rows):
             w(f"{{ float& v = {name}[mt]; v = {_fold(bg.nodes[i]).step}; }}")
-    w(f", {prologue});" if prologue else ");", f"{cls}::store_part(skinny_acc, {part});")
+    tail = f", {prologue}" + (", skinny_v" if plan.vectors else "") if prologue else ""
+    w(f"{tail});", f"{cls}::store_part(skinny_acc, {part});")
     for r, (name, i) in enumerate(zip(folds, plan.rows)):
         combine = _fold(bg.nodes[i]).combine
         w(f"// %{bg.nodes[i].output.name}: each warp's fold of its rows, over the quad's lanes")
@@ -71,14 +75,16 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
 
 
 def _prologue(b, bg: BlockGraph, plan) -> str:
-    """The prologue's functor (`mdsl::prologue` of a lambda: an element of X in f32 -> the operand's
-    element, each node's value rounded to its dtype as its tile would hold it), or "" where there is none."""
+    """The prologue's functor (`mdsl::prologue` of a lambda: an element of X in f32, and with vectors along
+    K their elements at its k (`v`, in `plan.vectors`' order) -> the operand's element, each node's value
+    rounded to its dtype as its tile would hold it), or "" where there is none."""
     if not plan.prologue:
         return ""
     w = b.w
     name = b.namer("skinny_prologue")
-    with w.block(f"const auto {name} = mdsl::prologue([](float x)"):
-        reg = {plan.x: "x"}
+    arguments = "float x, const float* v" if plan.vectors else "float x"
+    with w.block(f"const auto {name} = mdsl::prologue([]({arguments})"):
+        reg = {plan.x: "x", **{vector: f"v[{i}]" for i, vector in enumerate(plan.vectors)}}
         for i in plan.prologue:
             node = bg.nodes[i]
             w.op(node)
@@ -100,12 +106,13 @@ def _rounded(value: str, dtype: str) -> str:
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, WIDE_X), up to the last
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, WIDE_X, VECS), up to the last
     that differs from its default (so that the sources of plans without them stay as they were, and their
     cached kernels)."""
+    vectors = len(skinny.shape.vectors)
     tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
             ("true" if straddle else "false", straddle),
-            ("true" if skinny.wide_x else "false", skinny.wide_x)]
+            ("true" if skinny.wide_x else "false", skinny.wide_x), (str(vectors), vectors > 0)]
     while tail and not tail[-1][1]:
         tail.pop()
     return "".join(f", {text}" for text, _ in tail)

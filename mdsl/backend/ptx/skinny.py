@@ -20,7 +20,9 @@ same order:
   that the blocks do not read the same rows at the same moment;
 * with the plan's `wide_x`: a warp's step ("slab" below) spans two 16-row slabs of K, lane t's rows 8t ..
   8t + 7: 8 weight rows a weight, X's fragments of both slabs in one 16-byte load (words 2h, 2h + 1 for the
-  mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's).
+  mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's);
+* with a prologue reading vectors along K (`(x - b) @ w`): each vector's fragment at X's k (loaded as a
+  row of X is, one for all its rows) in every slab of the register buffers beside X's.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class SkinnyLoop:
         fn, b = bk.fn, bk.fn.b
         shape = skinny.shape
         self.bk, self.fn, self.shape, self.warps, self.skinny = bk, fn, shape, warps, skinny
-        self.prologue = prologue   # an element of X (f32) -> the operand's, or None: the operand is X
+        # (an element of X, [the vectors' elements at its k]) (f32) -> the operand's, or None: the operand is X
+        self.prologue = prologue
         self.vec = shape.columns_per_load()
         self.mats, self.mt = len(shape.weights), -(-shape.m // 8)
         self.group = min(shape.chunks(), GROUP_CHUNKS)
@@ -85,6 +88,7 @@ class SkinnyLoop:
             if (mt + 1) * 8 > shape.m:   # rows past M read row M - 1 (never stored)
                 row = b.select(b.icmp_unsigned("<", row, i32(shape.m)), row, i32(shape.m - 1))
             self.xs.append(fn.address(x, b.add(b.mul(row, i32(ldx)), rows_t)))
+        self.vs = [fn.address(parts[name], rows_t) for name in shape.vectors]   # one row each
         first_row = b.mul(rows_t, i32(self.ldw))
         self.ws, self.lines = [], []
         for name in shape.weights:
@@ -120,8 +124,8 @@ class SkinnyLoop:
         return self.fn.b.mul(self._walked(slab), i32(SLAB * self.span))
 
     def load(self, slab, clamp: bool = True) -> tuple:
-        """A slab's registers: (w[mat][row 0..rows - 1][word], x[mt] as a tuple of 2 span words); a slab
-        past the end loads the last one again (its values unused) when `clamp`."""
+        """A slab's registers: (w[mat][row 0..rows - 1][word], x[mt] as a tuple of 2 span words, v[vector]
+        as such a tuple); a slab past the end loads the last one again (its values unused) when `clamp`."""
         fn, b = self.fn, self.fn.b
         if clamp:
             slab = b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1))
@@ -130,11 +134,13 @@ class SkinnyLoop:
         for ws in self.ws:
             row = self._at(ws, b.mul(k, i32(self.ldw)))   # the next rows at constant offsets (immediates)
             w.append([self._streamed(self._at(row, i * self.ldw)) for i in range(self.rows)])
-        x, words = [], 2 * self.span
-        for xs in self.xs:   # read-only: ld.global.nc.v2 (wide_x: .v4, both slabs' fragments)
-            vector = b.load(self._at(xs, k), typ=ir.VectorType(I32, words), align=4 * words)
-            x.append(tuple(b.extract_element(vector, i32(e)) for e in range(words)))
-        return w, x
+        words = 2 * self.span
+
+        def fragment(at) -> tuple:   # read-only: ld.global.nc.v2 (wide_x: .v4, both slabs' fragments)
+            vector = b.load(self._at(at, k), typ=ir.VectorType(I32, words), align=4 * words)
+            return tuple(b.extract_element(vector, i32(e)) for e in range(words))
+
+        return w, [fragment(xs) for xs in self.xs], [fragment(vs) for vs in self.vs]
 
     def prefetch(self, first, start: bool = False) -> None:
         """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
@@ -160,7 +166,7 @@ class SkinnyLoop:
                              "=r,r,r", [a, c], False)
 
     def multiply(self, acc: list, slab: tuple) -> None:
-        w, x = slab
+        w, x = slab[:2]
         for mat in range(self.mats):
             for h in range(self.span):   # wide_x: the step's two slabs, rows 4h .. 4h + 3 of the lane's
                 for j in range(self.words):
@@ -180,10 +186,13 @@ class SkinnyLoop:
 
     def slab_step(self, acc: list, slab: tuple, folds: list) -> None:
         """One slab multiplied; the operand's elements folded (rows below M, warps of the first column
-        group). The operand is X's fragments, or the prologue's value of each of their elements."""
+        group). The operand is X's fragments, or the prologue's value of each of their elements (and of the
+        vectors' at their k)."""
         fn, b = self.fn, self.fn.b
         if self.prologue is not None:
-            slab = (slab[0], [tuple(self._mapped(word) for word in words) for words in slab[1]])
+            w, x, v = slab
+            slab = (w, [tuple(self._mapped(word, [vector[e] for vector in v]) for e, word in enumerate(words))
+                        for words in x], v)
         self.multiply(acc, slab)
         if not folds:
             return
@@ -197,10 +206,13 @@ class SkinnyLoop:
                         for value in values:
                             var[mt].set(fold.step(fn, var[mt].get(), value))
 
-    def _mapped(self, word):
-        """A word of two elements of X as the prologue maps them, rounded to X's type (cvt.rn)."""
+    def _mapped(self, word, vectors: list):
+        """A word of two elements of X as the prologue maps them (with the words of the vectors at their k),
+        rounded to X's type (cvt.rn)."""
         lo, hi = self._unpack(word)
-        return self.fn.pack_floats(self.prologue(lo), self.prologue(hi), self.dtype)
+        pairs = [self._unpack(v) for v in vectors]
+        return self.fn.pack_floats(self.prologue(lo, [p[0] for p in pairs]), self.prologue(hi, [p[1] for p in pairs]),
+                                   self.dtype)
 
     def steps(self, acc: list, slabs: list, first, whole: bool, folds: list) -> None:
         """The slabs first, first + KW, ... of a buffer: all of them (`whole`), else those that exist."""
@@ -237,22 +249,23 @@ class SkinnyLoop:
 
     def _buffer(self, slabs: list) -> list:
         """A register buffer carried across the loop (Vars), holding `slabs`."""
-        return [([[[self.fn.var(v) for v in row] for row in w] for w in ws], [[self.fn.var(v) for v in pair]
-                                                                             for pair in xs]) for ws, xs in slabs]
+        var = self.fn.var
+        return [([[[var(v) for v in row] for row in w] for w in ws], [[var(v) for v in pair] for pair in xs],
+                 [[var(v) for v in pair] for pair in vs]) for ws, xs, vs in slabs]
 
     @staticmethod
     def _read(buffered: list) -> list:
-        return [([[[v.get() for v in row] for row in w] for w in ws], [tuple(v.get() for v in pair) for pair in xs])
-                for ws, xs in buffered]
+        return [([[[v.get() for v in row] for row in w] for w in ws], [tuple(v.get() for v in pair) for pair in xs],
+                 [tuple(v.get() for v in pair) for pair in vs]) for ws, xs, vs in buffered]
 
     @staticmethod
     def _write(buffered: list, slabs: list) -> None:
-        for (ws, xs), (w_values, x_values) in zip(buffered, slabs):
+        for (ws, xs, vs), (w_values, x_values, v_values) in zip(buffered, slabs):
             for w, w_now in zip(ws, w_values):
                 for row, row_now in zip(w, w_now):
                     for var, value in zip(row, row_now):
                         var.set(value)
-            for pair, pair_now in zip(xs, x_values):
+            for pair, pair_now in zip(xs + vs, x_values + v_values):
                 for var, value in zip(pair, pair_now):
                     var.set(value)
 
@@ -327,14 +340,14 @@ def emit_skinny(bk, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, part_ptr) -
 
 
 def _prologue(fn, bg: BlockGraph, shape) -> Optional[Callable]:
-    """The prologue as a function of an element of X (f32) giving the operand's (each node's value rounded
-    to its dtype as its tile would hold it), or None where there is none (mdsl/backend/cuda/skinny.py's
-    `_prologue`)."""
+    """The prologue as a function of an element of X and the vectors' elements at its k (f32, in
+    `shape.vectors`' order) giving the operand's (each node's value rounded to its dtype as its tile would
+    hold it), or None where there is none (mdsl/backend/cuda/skinny.py's `_prologue`)."""
     if not shape.prologue:
         return None
 
-    def value(x):
-        reg = {shape.x: x}
+    def value(x, vectors):
+        reg = {shape.x: x, **dict(zip(shape.vectors, vectors))}
         for i in shape.prologue:
             node = bg.nodes[i]
             args = [reg[v.name] for v in node.inputs]

@@ -78,10 +78,13 @@ _SEARCHED = {
 #: RMSNorm+Linear at batch 1 and 8 and of Gated MLP, and coverage: bf16, 64 and 24 weight columns a block
 #: (one whole 64-column group; 6 chunks of 4, lanes duplicating), a split Gated MLP (a combine kernel after),
 #: 5 rows of X over 65 slabs (the last slabs past the steady loop), 48 columns a block (rows of 96 bytes
-#: crossing lines: prefetches of both)
+#: crossing lines: prefetches of both), prologues reading a vector along K: (x - b) @ w at one row, b [1, K]
+#: (the first kernel of benchmarks/random_programs.py's random_s31_7), and rms_norm(x * g) @ w in bf16 at 16
+#: rows, g [K]
 SKINNY_PROGRAMS = ("gated_mlp", "gated_mlp_split", "rms_norm_linear_48_columns", "rms_norm_linear_5_rows_65_slabs",
                    "rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_24_columns",
-                   "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16", "prologue_rms_norm_linear_bs8")
+                   "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16", "prologue_rms_norm_linear_bs8",
+                   "vector_prologue_linear_bs1", "vector_prologue_rms_norm_linear_bs16_bf16")
 
 
 @functools.cache
@@ -90,7 +93,7 @@ def skinny_program(name: str) -> KernelGraph:
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
     from tests.gpu.harness import with_dtype
-    from tests.ir.skinny_texts import prologue_linear, rms_norm_linear
+    from tests.ir.skinny_texts import prologue_linear, rms_norm_linear, vector_prologue_linear
 
     if name in _SEARCHED:
         return shared_graph(f"skinny-program-{name}", lambda: _guided_with(*_SEARCHED[name]))
@@ -100,6 +103,10 @@ def skinny_program(name: str) -> KernelGraph:
         return parse_graph(rms_norm_linear(5, 32, blocks=64, k=1040, forloop=5))
     if name == "prologue_rms_norm_linear_bs8":   # rms_norm(silu(2 x)) @ w: the operand computed from X
         return parse_graph(prologue_linear(8, 32))
+    if name == "vector_prologue_linear_bs1":   # (x - b) @ w, x and b [1, 8192], w [8192, 8192]
+        return parse_graph(vector_prologue_linear(1, 32, blocks=256, k=8192, forloop=64))
+    if name == "vector_prologue_rms_norm_linear_bs16_bf16":   # rms_norm(x * g) @ w, g [4096]
+        return parse_graph(vector_prologue_linear(16, 32, body="mul_rms", dtype="bf16", rank=1))
     if name == "rms_norm_linear_48_columns":
         return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
     return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,

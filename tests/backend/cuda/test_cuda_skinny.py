@@ -80,6 +80,30 @@ def test_it_compiles_for_sm_90a_without_spills(name, threads):
     assert first.registers <= 255
 
 
+@pytest.mark.parametrize("name", ["vector_prologue_linear_bs1", "vector_prologue_rms_norm_linear_bs16_bf16"])
+def test_a_prologue_reads_its_vectors_beside_x_and_compiles_without_spills(name):
+    """(x - b) @ w, rms_norm(x * g) @ w: the vector's pointer goes to the loop (VECS 1), the prologue takes its
+    element at X's k and rounds as the tile would; with 16-byte fragments, staggered and overlapping too,
+    no spills; in the SASS, a vector fragment's load per step beside X's (one row of X: as many)."""
+    graph = skinny_program(name)
+    vector = graph.custom_nodes()[0].body.inputs[1].var.name
+    for options in (SKINNY, CudaOptions(skinny=True, wide_x=True, stagger=True, overlap=True, lead=0)):
+        program = emit_cuda(graph, arch="sm_90a", options=options)
+        kernel = program.source[program.source.index("extern \"C\" __global__"):]
+        assert re.search(r"mdsl::Skinny<[^>]*, 1>::run\(skinny_acc, [^\n]*", kernel), kernel
+        assert re.search(rf"const __(half|nv_bfloat16)\* const skinny_v\[1\] = {{g_{vector}\w*}};", kernel), kernel
+        assert "mdsl::prologue([](float x, const float* v)" in kernel and ", skinny_prologue, skinny_v);" in kernel
+        assert re.search(r"mdsl::from_float<__(half|nv_bfloat16)>\(x [-*] v\[0\]\)", kernel), kernel
+        module = compile_cuda(program.source, arch="sm_90a")
+        first = module.resources[program.launches[0].name]
+        assert first.spill_store_bytes == 0 and first.spill_load_bytes == 0 and first.stack_bytes == 0, module.log
+        if nvdisasm_path() is not None and name.endswith("bs1") and not options.wide_x:
+            ops = re.findall(r"LDG\.E\.(?:NA\.)?\d+\.CONSTANT", disassemble(module.cubin))
+            x_and_vector, weights = ops.count("LDG.E.64.CONSTANT"), ops.count("LDG.E.NA.64.CONSTANT")
+            # a step: 4 rows of the weight, a fragment of X and one of b
+            assert x_and_vector > 0 and weights == 2 * x_and_vector, ops
+
+
 @needs_nvdisasm
 @pytest.mark.parametrize("name, load", [("rms_norm_linear_bs8_64_columns", "LDG.E.NA.128.CONSTANT"),
                                         ("rms_norm_linear_bs1", "LDG.E.NA.64.CONSTANT"),

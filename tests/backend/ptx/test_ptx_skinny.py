@@ -6,7 +6,9 @@
   permutes and mma.sync as the PTX ISA defines them) against the reference, over the shapes that change
   its code: X of 2, 3 and 16 rows (one or two 8-row tiles, rows past M), one or two column groups, 16-
   and 8-byte loads, a warp's lanes duplicating chunks, two weights, the steady loop with and without
-  the last slabs after it, row accumulators (accum_rms, accum_sum) and none, f16 and bf16;
+  the last slabs after it, row accumulators (accum_rms, accum_sum) and none, f16 and bf16, prologues of
+  X alone and of X and vectors along K (`(x - b) @ w`, `(x * g) @ w`), the vectors loaded at X's k (a
+  vector loaded at another k is caught);
 * its SASS against the CUDA backend's on the autotuner's tuned skinny plans (RMSNorm + Linear at
   batch 1 and 8, Gated MLP, at the benchmark's sizes): the same 16-byte no-allocate weight loads, mmas,
   X's 8-byte loads, byte permutes, L2 prefetches, barriers and shuffles (test_ptx_parity.py checks the
@@ -73,6 +75,22 @@ def _prologue(rows: int, k: int, columns: int, blocks: int, forloop: int, dtype=
     return g.build()
 
 
+def _vector_prologue(rows: int, k: int, columns: int, blocks: int, forloop: int, op: str, dtype=f16,
+                     rank: int = 2, norm: bool = False) -> object:
+    """(x op b) @ w, b a vector along K ([1, K], or [K] at `rank` 1) broadcast over X's rows; `norm`: with
+    the row fold of the operand (rms_norm(x op b) @ w)."""
+    g = Graph(f"skinny_vector_{op}_{rows}x{k}x{columns}_{dtype.name}_rank{rank}{'_norm' if norm else ''}")
+    x, w = g.input("x", (rows, k), dtype), g.input("w", (k, columns), dtype)
+    v = g.input("b", (1, k) if rank == 2 else (k,), dtype)
+    b = g.block(grid=(blocks,), forloop=forloop)
+    xt, wt = b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)
+    a = b.op(op, xt, b.input(v, imap=(None,), fmap=rank - 1))
+    s = b.op("accum", b.op("matmul", a, wt))
+    b.output(b.op("div", s, b.op("accum_rms", a, eps=1e-6)) if norm else s, omap=(1,))
+    b.done()
+    return g.build()
+
+
 #: small skinny programs, each changing the loop's code: (graph, threads)
 SIMULATED = {
     # 2 rows, 64 columns a block (8 chunks of 16 bytes, one group), 4 warps along K; K = 640 a block:
@@ -91,6 +109,12 @@ SIMULATED = {
     # a prologue computing the operand from X, with the row fold of its values and without a fold; bf16
     "prologue-norm": (_prologue(5, 512, 128, 2, 4), None),
     "prologue-exp-bf16": (_prologue(16, 384, 64, 2, 3, dtype=bf16, norm=False), None),
+    # a prologue reading a vector along K: (x - b) @ w and (x * g) @ w in f16 and bf16, b [1, K] and g [K];
+    # 16 rows (two tiles of X, one vector fragment for both) with the row fold of the operand
+    "vector-sub": (_vector_prologue(5, 512, 128, 2, 4, "sub"), None),
+    "vector-sub-bf16": (_vector_prologue(3, 384, 64, 2, 3, "sub", dtype=bf16), None),
+    "vector-mul": (_vector_prologue(4, 512, 64, 2, 4, "mul", rank=1), None),
+    "vector-mul-bf16-norm": (_vector_prologue(16, 384, 64, 2, 3, "mul", dtype=bf16, rank=1, norm=True), None),
 }
 
 
@@ -105,6 +129,27 @@ def test_skinny_loop_numbers_on_the_simulator(name):
     options = _options(threads)
     assert STREAMED in emit_llvm(graph, options=options).llvm_ir, f"{name}: not lowered as a skinny loop"
     check_simulated(graph, seed=11, options=options)
+
+
+@needs_simulator
+@pytest.mark.parametrize("name", ["vector-sub", "vector-mul-bf16-norm"])
+def test_a_vector_loaded_at_another_k_is_caught(name, monkeypatch):
+    """Each lane loading the vector's elements of lane t = 0 (its first 4 of every slab) instead of those at
+    its own X fragment's k gives other numbers than the reference: the tests above can fail."""
+    from mdsl.backend.ptx import skinny
+    from mdsl.backend.ptx.llvm import i32
+
+    built = skinny.SkinnyLoop.__init__
+
+    def misplaced(self, bk, plan, parts, warps, prologue=None):
+        built(self, bk, plan, parts, warps, prologue)
+        self.vs = [self.fn.address(parts[v], i32(0)) for v in plan.shape.vectors]
+
+    monkeypatch.setattr(skinny.SkinnyLoop, "__init__", misplaced)
+    graph, threads = SIMULATED[name]
+    assert STREAMED in emit_llvm(graph, options=_options(threads)).llvm_ir, f"{name}: not lowered as a skinny loop"
+    with pytest.raises(AssertionError, match="relative error"):
+        check_simulated(graph, seed=11, options=_options(threads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,10 +207,12 @@ def test_a_longer_prefetch_lead_on_the_simulator(name):
 #: programs run in steps of two slabs (CudaOptions.wide_x; every K here is whole 32-row pairs), each with
 #: what else changes its code: (program, options beside wide_x). M > 8; two weights (one step a buffer)
 #: with staggered walks; 8-byte loads (two steps a buffer) with a lead of 4; the row accumulators folding
-#: all 4 words of X's fragments, overlapping; lead 0 at an overlapping start (its prefetches alone)
+#: all 4 words of X's fragments, overlapping; lead 0 at an overlapping start (its prefetches alone); a
+#: prologue's vectors along K in 16-byte loads, overlapping, and staggered with a row fold
 WIDE = [("rows-2-tail", {}), ("rows-16-bf16-threads-256", {}), ("two-weights", {"stagger": True}),
         ("8-byte-loads", {"lead": 4}), ("row-sums", {"overlap": True}),
-        ("rows-3-two-groups", {"lead": 0, "overlap": True})]
+        ("rows-3-two-groups", {"lead": 0, "overlap": True}), ("vector-sub", {"overlap": True}),
+        ("vector-mul-bf16-norm", {"stagger": True})]
 
 
 @needs_simulator
