@@ -19,8 +19,10 @@ An entry is untrusted data (a shared disk, a half-synced folder, a faulty older 
 so reading one checks, before anything is served: that it is a regular file of at most
 MAX_ENTRY_BYTES (read no further), its schema, key and content digest, that its plan parses and
 validates, was verified by this mdsl version for the requested program, and passes
-`mdsl.search.plan.recheck` (claims that fit each candidate, costs, one finite-field test of every
-candidate with fresh randomness, on a reduced instance where one exists). An entry that fails is reported once (a warning naming the file and
+`mdsl.search.plan.recheck` (claims that fit each candidate, one finite-field test of every candidate
+with fresh randomness, on a reduced instance where one exists). Its costs are derived data: the plan is
+served re-priced by this mdsl's cost model (`mdsl.search.plan.repriced`), so a revised cost model keeps
+the cached plans. An entry that fails is reported once (a warning naming the file and
 why), deleted, and searched again by `optimize`, which stores the new plan in its place. A plan this
 user's mdsl wrote or re-checked, in this process or an earlier one, is not re-checked again
 (`mdsl.search.trust`, by content digest; its other checks run on every read). `mdsl cache check`
@@ -43,7 +45,7 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.search import trust
 from mdsl.search.config import SearchConfig
-from mdsl.search.plan import Plan, content_digest, mdsl_version, recheck
+from mdsl.search.plan import Plan, content_digest, mdsl_version, recheck, repriced
 
 SCHEMA = 2
 #: The largest entry read: a plan with its alternatives takes tens of kilobytes; anything near this is
@@ -256,7 +258,7 @@ def _read_entry(text: str, key: str, graph: Optional[KernelGraph], *, check: boo
         if problem:
             raise CorruptEntry(problem)
         trust.trust("plan", digest)
-    return plan
+    return repriced(plan)
 
 
 def _without_locs(graph):

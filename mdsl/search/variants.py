@@ -378,8 +378,9 @@ def _read_entry(text: str, key: str, plan: Plan, *, check: bool = False) -> tupl
         e = c.evidence
         if not (e.equivalent and e.finite_field_tests >= plan.config.verify_tests and e.seed == plan.config.seed):
             raise CorruptVariants(f"a variant lacks the verification a plan candidate has ({e.describe()})")
-        if not same_cost(c.cost, estimate(c.graph)):
-            raise CorruptVariants("a variant's cost differs from the cost model's estimate")
+        cost = estimate(c.graph)   # derived data: re-priced by this mdsl's cost model (plan.repriced)
+        if not same_cost(c.cost, cost):
+            c = attrs.evolve(c, cost=cost)
         seconds = float(item["gpu_seconds"])
         if not (seconds > 0 and math.isfinite(seconds)):
             raise CorruptVariants(f"a variant's estimate {seconds!r} is not a positive time")

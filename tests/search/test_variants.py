@@ -3,6 +3,7 @@ the GPU-aware estimate, verified through the engine, stored beside the plan and 
 from __future__ import annotations
 
 import json
+import warnings
 import math
 
 import attrs
@@ -177,6 +178,22 @@ def _swap_an_operator(value):
 SEALED = {**DAMAGES, "an operator": lambda e: {**e, "variants": [{**e["variants"][0], "graph": _swap_an_operator(
     e["variants"][0]["graph"])}, *e["variants"][1:]]}}
 SEALED.pop("not json")
+SEALED.pop("cost")   # derived data: re-priced on read, not refused
+
+
+def test_a_variants_stored_cost_is_re_priced(gqa):
+    """A variant's cost written by another cost model (its digest recomputed) is replaced by this mdsl's
+    estimate: the variants are served, each as the cost model prices it."""
+    plan, cache, found = gqa
+    path = V.entry_path(cache, V.plan_key(plan))
+    good = path.read_text()
+    try:
+        path.write_text(json.dumps(_sealed(DAMAGES["cost"](json.loads(good)))))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert V.load(cache, plan) == (found, 4, True)
+    finally:
+        path.write_text(good)
 
 
 def _sealed(entry: dict) -> dict:
