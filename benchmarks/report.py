@@ -386,14 +386,23 @@ def torch_compile_section(data: Optional[dict]) -> list:
                          f"{c['compile_s']:.1f}" if "compile_s" in c else "-",
                          f"{c['l2_rel_err']:.1e}" if c.get("l2_rel_err") is not None else "-",
                          {True: "yes", False: "no"}.get(c.get("argmax_match"), "-"),
+                         _regions(c.get("mdsl")),
                          c.get("status", "-") if c.get("status") != "error" else
                          "error: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
-    lines += _table(["workload", "contender", "ms", "speed-up", "compile s", "L2 error", "argmax", "verdict"], rows,
-                    right=2, last_left=True) + [""]
+    lines += _table(["workload", "contender", "ms", "speed-up", "compile s", "L2 error", "argmax", "mdsl regions",
+                     "verdict"], rows, right=2, last_left=True) + [""]
     lines += [f"{workload}: {w.get('what', '')}; bf16's own L2 error (eager against float32) "
               f"{w['bf16_floor']:.1e}." if w.get("bf16_floor") is not None else f"{workload}: {w.get('what', '')}."
               for workload, w in (data.get("workloads") or {}).items()] + [""]
     return lines
+
+
+def _regions(stats: Optional[dict]) -> str:
+    """An mdsl contender's regions: how many ran (distinct plans) and how many operators torch ran."""
+    if not stats:
+        return "-"
+    return (f"{stats.get('regions', 0)} ({stats.get('distinct_regions', 0)} distinct), "
+            f"{stats.get('left_to_torch', 0)} ops to torch")
 
 
 def serve_section(data: Optional[dict]) -> list:

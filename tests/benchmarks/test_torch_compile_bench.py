@@ -69,8 +69,8 @@ def test_the_performance_page_has_the_section_with_or_without_results():
     assert missing[0] == "## torch.compile: the mdsl backend against Inductor" and "has not run" in missing[2]
     text = "\n".join(report.torch_compile_section(_results()))
     assert text.count("\nRun: 2026-12-03, NVIDIA H200, commit `abcdef1`") == 1
-    assert "| decode | mdsl | 0.500 | 4.00× | 40.0 | 6.0e-03 | yes | ok |" in text
-    assert "| decode | max-autotune | - | - | - | - | - | error: RuntimeError: out of \\| memory |" in text
+    assert "| decode | mdsl | 0.500 | 4.00× | 40.0 | 6.0e-03 | yes | 57 (5 distinct), 200 ops to torch | ok |" in text
+    assert "| decode | max-autotune | - | - | - | - | - | - | error: RuntimeError: out of \\| memory |" in text
     assert "decode: one token; bf16's own L2 error (eager against float32) 3.0e-03." in text
 
 
