@@ -35,7 +35,8 @@ the argmax agrees; the scale of bf16's own error is eager bf16 against the same 
 bf16 weights upcast); a contender passes where its L2 error is within max(2e-2, twice that). Timing:
 --samples batches of --batch back-to-back calls between two CUDA events, as a user calls the model (host
 time included), after the warm-up; the median per call is reported, with the 10th and 90th percentiles.
-A contender that fails is recorded with its error and the others still run; one that would start after
+A contender that fails is recorded with its error, its warnings and what the mdsl backend made of the
+model until then (an Inductor failure it fell back from), and the others still run; one that would start after
 --time-limit seconds is recorded as skipped, and one still running when the run is killed as cut (30 s past
 the limit it prints every thread's stack). Order: decode and prefill of eager, inductor and mdsl first,
 then max-autotune, reduce-overhead and mdsl-no-graphs.
@@ -271,52 +272,60 @@ def mdsl_record(graphs: list) -> dict:
             "replays": sum(sum(r.replays.values()) for r in regions)}
 
 
-def measure(torch, workload, name: str, model, reference, args) -> dict:
-    """One contender on one workload: compile and warm-up, correctness, timing."""
+def measure(torch, workload, name: str, model, reference, args, rec: dict) -> dict:
+    """One contender on one workload: compile and warm-up, correctness, timing, recorded into `rec` as
+    they go, so that a contender that fails keeps its warnings and what the mdsl backend made of the
+    model (an Inductor failure the backend fell back from, say)."""
     torch._dynamo.reset()
     graphs: list = []
-    rec: dict = {"fullgraph": True}
+    rec["fullgraph"] = True
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
-        fn = make_contender(torch, name, model, args, graphs)
-        start = time.perf_counter()
-        workload.reset()
         try:
-            workload.call(fn)
-        except Exception as e:
-            if not _graph_break(torch, e):
-                raise
-            rec["fullgraph"] = False   # dynamo broke the graph: the contender runs as torch.compile allows
-            rec["graph_break"] = _first_line(e)
-            torch._dynamo.reset()
-            fn = make_contender(torch, name, model, args, graphs, fullgraph=False)
-            start = time.perf_counter()
-            workload.reset()
-            workload.call(fn)
-        torch.cuda.synchronize()
-        rec["compile_s"] = time.perf_counter() - start
-        for _ in range(WARMUP_CALLS - 1):
-            workload.reset()
-            workload.call(fn)
-        torch.cuda.synchronize()
-        rec["warmup_s"] = time.perf_counter() - start
-        workload.reset()
-        got = workload.call(fn)
-        torch.cuda.synchronize()
-        rec.update(errors(torch, got, reference))
-        del got
-        rec.update(timed(torch, workload, fn, args.batch, args.samples))
-    notes = list(dict.fromkeys(_first_line(w.message) for w in caught
-                               if not issubclass(w.category, (DeprecationWarning, FutureWarning))))
-    if notes:
-        rec["warnings"] = notes[:8]
-    if graphs:
-        rec["mdsl"] = mdsl_record(graphs)
-    del fn, graphs
+            _measure(torch, workload, name, model, reference, args, rec, graphs)
+        finally:
+            notes = list(dict.fromkeys(_first_line(w.message) for w in caught
+                                       if not issubclass(w.category, (DeprecationWarning, FutureWarning))))
+            if notes:
+                rec["warnings"] = notes[:8]
+            if graphs:
+                rec["mdsl"] = mdsl_record(graphs)
+    del graphs
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
     return rec
+
+
+def _measure(torch, workload, name: str, model, reference, args, rec: dict, graphs: list) -> None:
+    fn = make_contender(torch, name, model, args, graphs)
+    start = time.perf_counter()
+    workload.reset()
+    try:
+        workload.call(fn)
+    except Exception as e:
+        if not _graph_break(torch, e):
+            raise
+        rec["fullgraph"] = False   # dynamo broke the graph: the contender runs as torch.compile allows
+        rec["graph_break"] = _first_line(e)
+        torch._dynamo.reset()
+        fn = make_contender(torch, name, model, args, graphs, fullgraph=False)
+        start = time.perf_counter()
+        workload.reset()
+        workload.call(fn)
+    torch.cuda.synchronize()
+    rec["compile_s"] = time.perf_counter() - start
+    for _ in range(WARMUP_CALLS - 1):
+        workload.reset()
+        workload.call(fn)
+    torch.cuda.synchronize()
+    rec["warmup_s"] = time.perf_counter() - start
+    workload.reset()
+    got = workload.call(fn)
+    torch.cuda.synchronize()
+    rec.update(errors(torch, got, reference))
+    del got
+    rec.update(timed(torch, workload, fn, args.batch, args.samples))
 
 
 def _graph_break(torch, e: Exception) -> bool:
@@ -463,12 +472,13 @@ def run_gpu(args, torch, transformers, started: float) -> dict:
             # a contender still running 30 s past the limit prints every thread's stack (where a run killed
             # at its limit spent its time)
             faulthandler.dump_traceback_later(args.time_limit + 30 - elapsed)
+            rec: dict = {}
             try:
-                rec = measure(torch, workloads[workload], name, model, references[workload], args)
+                measure(torch, workloads[workload], name, model, references[workload], args, rec)
                 rec["status"] = verdict(rec, results["workloads"][workload]["bf16_floor"])
             except Exception as e:   # the other contenders are still worth measuring
                 traceback.print_exc()
-                rec = {"status": "error", "error": _first_line(e)}
+                rec.update(status="error", error=_first_line(e))
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
             faulthandler.cancel_dump_traceback_later()

@@ -107,7 +107,7 @@ def custom_op(kernel: KernelFunction) -> CustomOp:
 
 def region_op(name: str, run, fake):
     """The operator `torch.ops.mdsl.<name>(tensors, sizes)` (a region of the "mdsl" backend): `run(tensors,
-    sizes)` computes its results, `fake(tensors, sizes)` their shapes and dtypes. A name is a digest of
+    sizes)` computes its results, `fake(tensors, sizes)` their shapes, dtypes and strides. A name is a digest of
     what the region computes, so that a region defined again (a model compiled again) reuses its operator."""
     if name not in _REGIONS:
         _LIBRARY.define(f"{name}(Tensor[] tensors, SymInt[] sizes) -> Tensor[]")

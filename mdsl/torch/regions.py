@@ -13,6 +13,15 @@ and the symbolic sizes its nodes read. At run time the sizes are numbers: each d
 its own `RegionKernel` (a `KernelFunction` whose body replays the region's nodes through the table), so
 one compiled graph serves every size of a symbolic batch or token dim, each size's plan coming from the
 plan cache (a shape family re-targets a plan found at another size without a search).
+
+A region's results keep the layouts of the values they replace (`node.meta["val"]`): the graph's later
+operators were traced on those, and some depend on them (a view of a transposed result; an operator whose
+result follows its operand's layout, as an element-wise one or torch's fused attention does, then a view of
+that).
+A result that the example lays out other than row-major (a transposed one) is computed by the kernel in its
+memory order, a permute of it being the kernel's last step (where the region's own transpose made it, the
+two compose and the transpose is not computed), and returned as a view in the example's dim order; a
+row-major result is the kernel's own, as it is.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.tools_common import stable_topological_sort
 
+import mdsl.frontend.functions as F
 from mdsl.errors import MdslError
 from mdsl.frontend.kernel import KernelFunction
 from mdsl.frontend.tensor import TensorSpec
@@ -111,6 +121,39 @@ def _results(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
+def _layout(value: torch.Tensor) -> Optional[tuple]:
+    """The order of an example result's dims from outermost to innermost in memory, where that is not
+    their own (a transposed result), else None. A layout that is not dense (an expanded or a sliced
+    result) is read as torch's `empty_like` reads it: dense, in the same order."""
+    shape = [_hint(d) for d in value.shape]
+    strides = [_hint(s) for s in value.stride()]
+    if None in shape or None in strides:
+        return None
+    like = torch.empty_like(torch.empty_strided(shape, strides, device="meta"))
+    if like.is_contiguous():
+        return None
+    # dense dims tie on a stride only where one has size 1, whose place in memory is immaterial
+    return tuple(sorted(range(len(shape)), key=lambda d: (-like.stride(d), -shape[d])))
+
+
+def _inverse(order: tuple) -> tuple:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+def _laid_out(result: torch.Tensor, order: Optional[tuple]) -> torch.Tensor:
+    """A copy of `result` whose dims lie in memory in `order` (None: row-major)."""
+    if order is None:
+        return result.clone(memory_format=torch.contiguous_format)
+    return result.permute(order).clone(memory_format=torch.contiguous_format).permute(_inverse(order))
+
+
+def _empty_laid_out(like: torch.Tensor, order: Optional[tuple]) -> torch.Tensor:
+    """An empty tensor of `like`'s shape and dtype whose dims lie in memory in `order` (None: row-major)."""
+    if order is None:
+        return like.new_empty(like.shape)
+    return like.new_empty([like.shape[d] for d in order]).permute(_inverse(order))
+
+
 def _computes_tensors(node: Node) -> bool:
     """Whether an FX node's results are tensors (not sizes computed from symbolic sizes)."""
     return any(isinstance(v, torch.Tensor) for v in _results(node.meta.get("val")))
@@ -184,19 +227,65 @@ def _computes(node: Node) -> bool:
     return rule is not None and rule.computes
 
 
+_PERMUTES = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.t.default)
+
+
+def _permutation(target, args: tuple, rank: int) -> Optional[tuple]:
+    """The operand's dim behind each result dim of a transpose, permute or t step, else None."""
+    if target is torch.ops.aten.permute.default:
+        return tuple(d % rank for d in args[1])
+    if target not in _PERMUTES:
+        return None
+    perm = list(range(rank))
+    a, b = (0, rank - 1) if target is torch.ops.aten.t.default else (args[1] % rank, args[2] % rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+def _written(region: "Region") -> tuple:
+    """Per output of the region: (the value the kernel computes, the permutation of it that the kernel
+    returns, or None). An output laid out in memory in another order than its dims' (`kernel_layouts`)
+    is returned as its permutation into that order; where it is the region's own transpose of a value,
+    the two permutations compose, so that a transpose that the layout undoes is not computed at all."""
+    steps = {node: (target, args) for node, target, args, _ in region.steps}
+    written = []
+    for node, order in zip(region.outputs, region.kernel_layouts):
+        while order is not None and node in steps:
+            perm = _permutation(*steps[node], len(order))
+            if perm is None:
+                break
+            order, node = tuple(perm[d] for d in order), steps[node][1][0]
+            order = None if order == tuple(range(len(order))) else order
+        written.append((node, order))
+    return tuple(written)
+
+
+def _needed(steps: tuple, values) -> tuple:
+    """The steps that the values depend on, in their order."""
+    needed = set(values)
+    for node, _, args, kwargs in reversed(steps):
+        if node in needed:
+            torch.fx.node.map_arg((args, kwargs), needed.add)
+    return tuple(step for step in steps if step[0] in needed)
+
+
 class RegionKernel(KernelFunction):
     """The mdsl kernel of a region at given values of the symbolic sizes it reads (`sizes`): its body
-    replays the region's nodes through the mapping table. Its plans come from searches of the backend's
+    replays the region's nodes through the mapping table and returns its outputs, each laid out as
+    `Region.kernel_layouts` says (`_written`). Its plans come from searches of the backend's
     configuration (only the target arch is the caller's)."""
 
     def __init__(self, region: "Region", search: SearchConfig, sizes: tuple = ()):
+        written = _written(region)
+        steps = _needed(region.steps, [node for node, _ in written])
+
         def body(*tensors):
             env = dict(zip(region.inputs, tensors))
             env.update(zip(region.sizes, sizes))
-            for node, target, node_args, node_kwargs in region.steps:
+            for node, target, node_args, node_kwargs in steps:
                 args, kwargs = torch.fx.node.map_arg((node_args, node_kwargs), env.__getitem__)
                 env[node] = args[0][args[1]] if target is operator.getitem else rule_of(target).lower(args, kwargs)
-            return tuple(env[n] for n in region.outputs)
+            return tuple(env[node] if order is None else F.permute(env[node], list(order)) for node, order in written)
 
         # names that depend only on the region's position in its own program: regions alike (a model's
         # layers) trace to the same text, so one plan-cache entry serves them all
@@ -217,7 +306,11 @@ class Region:
     (`steps`, kept as they are when the region is found: the graph's nodes are replaced by the region's
     call), the tensors it reads (`inputs`), the symbolic sizes its nodes read (`sizes`), the values read
     outside it (`outputs`), the example types of the inputs (symbolic sizes as in the example), the
-    backend's search, and its torch operator. `calls` counts the calls that ran mdsl's kernel, by
+    backend's search, and its torch operator. `layouts`: per output, the order of its dims in memory
+    where the example's is not row-major (`_layout`), else None; `kernel_layouts`: those the kernel
+    writes (its result is that permutation of the output), else None: where the order moves a symbolic
+    leading dim inward, the kernel keeps its result row-major (one program's plans serve the sizes of its
+    leading dim) and torch copies it into the layout. `calls` counts the calls that ran mdsl's kernel, by
     `size_key` (the empty tuple where nothing is symbolic); `replays` those that ran torch's operators
     because the kernel does not trace at those sizes (`replay_reasons` says why)."""
 
@@ -228,6 +321,8 @@ class Region:
     outputs: list
     specs: tuple = ()
     search: Optional[SearchConfig] = None
+    layouts: tuple = ()
+    kernel_layouts: tuple = ()
     op: object = None
     kernels: dict = attrs.field(factory=dict)
     calls: Counter = attrs.field(factory=Counter)
@@ -264,10 +359,10 @@ class Region:
         return self.kernel.trace(*self.specs)
 
     def __call__(self, tensors, sizes=()) -> tuple:
-        """The region's results on torch tensors: CUDA tensors through the kernel's GPU path (torch's
-        current stream, outputs from torch's allocator), CPU tensors through the reference interpreter.
-        At sizes where the kernel does not trace (a lowering that the example's sizes allowed refuses
-        them), torch's own operators compute them."""
+        """The region's results on torch tensors, laid out as `layouts` says: CUDA tensors through the
+        kernel's GPU path (torch's current stream, outputs from torch's allocator), CPU tensors through
+        the reference interpreter. At sizes where the kernel does not trace (a lowering that the example's
+        sizes allowed refuses them), torch's own operators compute them."""
         sizes = tuple(int(s) for s in sizes)
         kernel = self.kernel_at(sizes)
         key = self.size_key(tensors, sizes)
@@ -276,14 +371,21 @@ class Region:
         except MdslError as e:
             self.replays[key] += 1
             self.replay_reasons.setdefault(key, e.message)
-            return tuple(r.clone(memory_format=torch.contiguous_format) for r in self.replay(tensors, sizes))
+            return tuple(_laid_out(r, order) for r, order in zip(self.replay(tensors, sizes), self.layouts))
         self.calls[key] += 1
         if tensors and tensors[0].is_cuda:
             tensors = tuple(t.contiguous() for t in tensors)
             results = _results(kernel(*tensors))
             # a result that is an argument unchanged (a region returning what it reads) must not alias it
-            return tuple(r.clone() if any(r is t for t in tensors) else r for r in results)
-        return tuple(host_results(kernel(*tensors), graph))
+            results = tuple(r.clone() if any(r is t for t in tensors) else r for r in results)
+        else:
+            results = host_results(kernel(*tensors), graph)
+        return self._from_kernel(results)
+
+    def _from_kernel(self, results) -> tuple:
+        """The kernel's results in the layouts of `layouts`: a view where the kernel wrote that order."""
+        return tuple(r if order is None else r.permute(_inverse(order)) if written is not None else
+                     _laid_out(r, order) for r, order, written in zip(results, self.layouts, self.kernel_layouts))
 
     def size_key(self, tensors, sizes) -> tuple:
         """The leading size of each input whose leading dim is symbolic, then the values of `sizes`."""
@@ -303,8 +405,8 @@ class Region:
         return tuple(env[n] for n in self.outputs)
 
     def fake(self, tensors, sizes=()) -> tuple:
-        """The shapes and dtypes of the region's results (contiguous, as the kernel returns them)."""
-        return tuple(r.new_empty(r.shape) for r in self.replay(tensors, sizes))
+        """The shapes, dtypes and layouts of the region's results (as `__call__` returns them)."""
+        return tuple(_empty_laid_out(r, order) for r, order in zip(self.replay(tensors, sizes), self.layouts))
 
 
 @attrs.frozen
@@ -372,7 +474,11 @@ def _region(name: str, nodes: Sequence[Node], search: SearchConfig, operator_too
     sizes = [a for a in reads if _is_size(_example(a))]
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     steps = tuple((n, n.target, n.args, n.kwargs) for n in nodes)
-    region = Region(name, steps, inputs, sizes, outputs, tuple(_spec(_example(a)) for a in inputs), search)
+    layouts = tuple(_layout(_example(n)) for n in outputs)
+    kernel_layouts = tuple(None if order is None or (order[0] != 0 and not isinstance(_example(n).shape[0], int))
+                           else order for n, order in zip(outputs, layouts))
+    region = Region(name, steps, inputs, sizes, outputs, tuple(_spec(_example(a)) for a in inputs), search,
+                    layouts, kernel_layouts)
     if operator_too:
         region.op = region_op(f"region_{_digest(region)}", region, region.fake)
     return region
@@ -380,7 +486,8 @@ def _region(name: str, nodes: Sequence[Node], search: SearchConfig, operator_too
 
 def _digest(region: Region) -> str:
     """A digest of what the region computes: its operators and constants, how its nodes connect, its
-    operands' types (symbolic sizes by name) and the search. Regions alike share an operator."""
+    operands' types (symbolic sizes by name), its results' layouts and the search. Regions alike share an
+    operator."""
     index = {n: f"in{k}" for k, n in enumerate(region.inputs)}
     index.update({n: f"size{k}" for k, n in enumerate(region.sizes)})
     index.update({n: f"n{k}" for k, n in enumerate(region.nodes)})
@@ -389,6 +496,8 @@ def _digest(region: Region) -> str:
         args, kwargs = torch.fx.node.map_arg((args, kwargs), index.__getitem__)
         lines.append(f"{index[node]} = {aten_name(target)}{args!r} {kwargs!r}")
     lines.append(f"return {[index[n] for n in region.outputs]} search {region.search!r}")
+    if any(order is not None for order in region.layouts):
+        lines.append(f"laid out {region.layouts} by the kernel {region.kernel_layouts}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 

@@ -1,7 +1,10 @@
 """benchmarks/torch_compile.py without a GPU: its options, the order contenders run in, the verdict on a
-contender's error, its table and docs/performance.md's section, and the decode workload's step set back to
+contender's error, what a contender that fails keeps, its table and docs/performance.md's section, and the decode workload's step set back to
 its position (a tiny transformers Qwen3 on CPU tensors)."""
 from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +38,26 @@ def test_a_contender_passes_within_bf16s_tolerance():
         "wrong: L2 relative error 3.00e-02 over 2.0e-02"
     assert bench.verdict({"l2_rel_err": 3e-2, "finite": True}, floor=2e-2) == "ok"   # bf16's own error is larger
     assert bench.verdict({"l2_rel_err": 0.0, "finite": False}, floor=None) == "wrong: non-finite logits"
+
+
+def test_a_contender_that_fails_keeps_its_warnings_and_what_the_mdsl_backend_made_of_the_model(monkeypatch):
+    torch = pytest.importorskip("torch")
+    handoff = "40 op(s) run as torch's eager operators: Inductor failed (ValueError: Cannot view a tensor)"
+
+    def contender(torch, name, model, args, graphs, fullgraph=True):
+        def call():
+            graphs.append(SimpleNamespace(regions=(), left={}, handoff=handoff))
+            warnings.warn("mdsl backend: Inductor failed (ValueError: Cannot view a tensor)")
+            raise RuntimeError("view size is not compatible with input tensor's size and stride")
+        return call
+
+    monkeypatch.setattr(bench, "make_contender", contender)
+    rec: dict = {}
+    with pytest.raises(RuntimeError, match="view size"):
+        bench.measure(torch, SimpleNamespace(reset=lambda: None, call=lambda fn: fn()), "mdsl", None, None, None, rec)
+    assert rec["mdsl"]["handoffs"] == [handoff] and "Inductor failed" in rec["warnings"][0]
+    rec.update(status="error", error="RuntimeError: view size is not compatible")
+    assert "Inductor failed (ValueError: Cannot view a tensor)" in bench.notes_of(rec)
 
 
 def _results() -> dict:
