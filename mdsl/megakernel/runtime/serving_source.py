@@ -11,8 +11,6 @@ The one-row constants are the base plan's; TASKS and LM_FIRST are the serving ta
 before its inputs are complete (no early kinds): the bodies' loads wait for them."""
 from __future__ import annotations
 
-import attrs
-
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.errors import UnsupportedError
 from mdsl.megakernel.runtime.cuda_bodies import runtime_sections
@@ -22,7 +20,6 @@ from mdsl.megakernel.runtime.kernel_source import (BODIES_MARKER, SMEM_PER_BLOCK
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 from mdsl.megakernel.runtime.serving_bodies import generate_serving_bodies
 from mdsl.megakernel.runtime.serving_plan import ServingPlan
-from mdsl.megakernel.runtime.task_plan import Kind
 from mdsl.serving.protocol import c_declarations
 from mdsl.serving.scheduler import scheduler_source
 
@@ -88,5 +85,4 @@ def generate_serving_source(plan: ServingPlan) -> MegakernelSource:
         raise UnsupportedError(f"the serving kernel needs {smem} bytes of shared memory per block ({floats} floats), "
                                f"an SM has {SMEM_PER_BLOCK - STATIC_SMEM_RESERVE}",
                                hint="a shorter max_seq narrows an attention item's scores")
-    assert plan.tasks[0].kind is Kind.SCHEDULE
-    return attrs.evolve(MegakernelSource(text, smem))
+    return MegakernelSource(text, smem)
