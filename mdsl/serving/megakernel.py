@@ -10,6 +10,7 @@ error. docs/design.md ("The megakernel's serving tables") describes the kernel.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 import time
@@ -100,6 +101,8 @@ class MegakernelDevice:
 
     def start(self) -> None:
         self._thread.start()
+        # a resident kernel left running would hold the process's exit (the context's teardown waits for it)
+        atexit.register(self.stop, 5.0)
 
     def wake(self) -> None:
         """Nothing: the kernel polls the queue, the cancel flags, the shutdown word and the ring's reads itself."""
@@ -153,13 +156,13 @@ class MegakernelDevice:
         try:
             get_device(self.device)
             control["status"] = SERVING
-            while True:
+            while not self._stopping:
                 self.kernel.launch(self._stream)
                 self.launches += 1
                 self._watch()
                 state = self.kernel.copy_out(self.kernel.params.state, 4 * STATE_WORDS, self._stream).view(np.int32)
                 workspace = self.kernel.copy_out(self.kernel.params.workspace, STATE.size, self._stream)
-                if not launch_ended(self.kernel.plan, state, workspace.view(STATE.dtype())[0]) or self._stopping:
+                if not launch_ended(self.kernel.plan, state, workspace.view(STATE.dtype())[0]):
                     break
             control["status"] = STOPPED
         except BaseException as e:   # the host turns it into an error on every unfinished request

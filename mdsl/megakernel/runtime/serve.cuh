@@ -201,7 +201,7 @@ __device__ bool flush(const Params& p, const sched::Serving& s, long long step) 
 
 // (thread 0) The step boundary: the previous step's end (each chunk that sampled takes its sampling row's token,
 // end_step, and the records go into the ring), then begin_step until a step has chunks to run, waiting for the host
-// while there is nothing to do: for a request in the queue, or the shutdown word. Returns whether step `step` runs;
+// while nothing is admitted: for a request in the queue, or the shutdown word. Returns whether step `step` runs;
 // where not (shutdown with nothing admitted or queued, an error, the launch's stop, or its last step: p.num_steps,
 // so that no event's count passes 32 bits), the launch stops after the previous step (STATE_STOP), the error in
 // STATE_SERVE_ERROR. `tokens`: a word per chunk.
@@ -229,7 +229,9 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
     };
     const auto shutdown = [&] { return sched::load_relaxed(&s.control->shutdown) != 0; };
     if (shutdown() && !admitted && !queued()) break;
-    if (!s.state->worked) going = wait_for_host(p, step, [&] { return queued() || shutdown(); });
+    // (an admitted request runs at the next begin_step: one preempted by itself, with the pool its own, is admitted
+    // again; with nothing admitted only the host brings work)
+    if (!admitted && !s.state->worked) going = wait_for_host(p, step, [&] { return queued() || shutdown(); });
   }
   if (error) p.state[STATE_SERVE_ERROR] = int(error);
   else if (going && step + 1 >= p.num_steps) p.state[STATE_LAUNCH_END] = 1;
