@@ -66,7 +66,7 @@ def params_of(arrivals: dict, key) -> SamplingParams:
 
 def agree_with_the_cpu(outputs: dict, cpu: tuple, dtype: str) -> None:
     """Every greedy token the CPU device's, or the first that differs at a near-tie of the CPU's logits (after which
-    the request goes its own way); most tokens agree."""
+    the request goes its own way); most tokens agree (in float32; bfloat16's rounded activations part sooner)."""
     want, logits = cpu
     agreed = total = 0
     for key, out in outputs.items():
@@ -82,7 +82,7 @@ def agree_with_the_cpu(outputs: dict, cpu: tuple, dtype: str) -> None:
             agreed += 1
         else:
             assert out.token_ids == theirs, key
-    assert agreed >= 0.8 * total, (agreed, total)
+    assert agreed >= (0.8 if dtype == "float32" else 0.5) * total, (agreed, total)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
