@@ -157,3 +157,52 @@ def test_without_a_gpu_the_megakernel_device_says_so(tmp_path):
     checkpoint = write_checkpoint(tmp_path, "qwen3")
     with pytest.raises(NoGPUError, match="device='megakernel'"):
         LLM(checkpoint.folder, device="megakernel")
+
+
+class _ScriptedKernel:
+    """A serving kernel whose launches end as `ends` says (state words, one list per launch)."""
+
+    def __init__(self, plan, ends: list):
+        self.plan, self.ends, self.launched = plan, list(ends), 0
+        self.params = Params()
+        self.params.state, self.params.workspace = 1, 2
+
+    def launch(self, stream) -> None:
+        self.launched += 1
+
+    def copy_out(self, address: int, nbytes: int, stream) -> np.ndarray:
+        if address == self.params.state:
+            return self.ends[self.launched - 1].view(np.uint8)
+        return np.zeros(nbytes, np.uint8)
+
+
+def _device_thread(monkeypatch, ends: list, stopping: bool = False):
+    """MegakernelDevice's thread run here over a scripted kernel: (the device, its control block)."""
+    from mdsl.gpu import driver
+    from mdsl.serving import megakernel
+    from mdsl.serving.protocol import host_region
+
+    monkeypatch.setattr(driver, "get_device", lambda device=0: None)
+    device = object.__new__(megakernel.MegakernelDevice)
+    region = host_region(SHAPE)
+    device.host, device.device, device.error, device.launches = region.views(region.allocate()), 0, None, 0
+    device.kernel, device._stopping, device._stream = _ScriptedKernel(dry_kernel().plan, ends), stopping, None
+    device._watch = lambda: None
+    woken = []
+    device._notify_host = lambda: woken.append(1)
+    device._run()
+    assert woken
+    return device, device.host["control"][0]
+
+
+def test_the_device_thread_launches_again_until_the_kernel_stops(monkeypatch):
+    from mdsl.serving.protocol import FAILED, STOPPED
+
+    ended = _state(**{str(STATE_LAUNCH_END): 1, str(STATE_STOP): 1})
+    device, control = _device_thread(monkeypatch, [ended, ended, _state(**{str(STATE_STOP): 4})])
+    assert device.launches == 3 and device.error is None and control["status"] == STOPPED
+    device, control = _device_thread(monkeypatch, [ended, _state(**{str(STATE_SERVE_ERROR): 2})])
+    assert device.launches == 2 and control["status"] == FAILED
+    assert isinstance(device.error, ServingError) and "lost or duplicated a page" in str(device.error)
+    device, control = _device_thread(monkeypatch, [ended], stopping=True)   # (the host's stop came first)
+    assert device.launches == 0 and control["status"] == STOPPED
