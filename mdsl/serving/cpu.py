@@ -85,6 +85,11 @@ def kv_bytes_per_token(graph: ModelGraph) -> int:
 class CpuDevice:
     """Serves requests from the host views (protocol.host_region) with the model graph and weights."""
 
+    @staticmethod
+    def host_memory(region) -> np.ndarray:
+        """The host region's memory (this device's thread shares the engine's address space)."""
+        return region.allocate()
+
     def __init__(self, graph: ModelGraph, weights: dict, shape: ServingShape, host: dict,
                  notify_host: Callable[[], None]):
         self.graph, self.shape, self.host = graph, shape, host

@@ -172,6 +172,22 @@ class RequestHandle:
                 _log.exception("a listener of request %d failed", self.request_id)
 
 
+DEVICES = ("cpu", "gpu", "megakernel")
+
+
+def _device_class(device: str):
+    """The class of the device named `device` (imported when asked for: the GPU's import the driver bindings)."""
+    if device == "gpu":
+        from mdsl.serving.gpu import GpuDevice
+
+        return GpuDevice
+    if device == "megakernel":
+        from mdsl.serving.megakernel import MegakernelDevice
+
+        return MegakernelDevice
+    return CpuDevice
+
+
 def _positive(name: str, value, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ServingError(f"{name} must be a positive integer, got {value!r}", hint=hint)
@@ -189,8 +205,9 @@ class LLM:
     (the keys and values in the checkpoint's dtype, as transformers' cache holds them: a bf16 checkpoint's
     are rounded to bf16), by default enough for every batch slot at max_seq (nothing is ever preempted);
     on the GPU, gpu_memory_fraction gives it that share of the GPU's memory less what is in use, the
-    weights and the activations. device: "cpu" (numpy) or "gpu" (the step's forward and the KV pool on the GPU,
-    mdsl.serving.gpu). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
+    weights and the activations. device: "cpu" (numpy), "gpu" (the step's forward and the KV pool on the GPU,
+    mdsl.serving.gpu) or "megakernel" (the scheduler and every step in one resident kernel on the GPU,
+    mdsl.serving.megakernel). `tokenizer` encodes and decodes text (mdsl.serving.tokenizer).
 
     max_tokens_per_step: the tokens one step runs: the decode token of every running request first (the
     oldest first when they are more than the budget), then chunks of prompts, oldest first, each as long
@@ -205,8 +222,8 @@ class LLM:
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
                  max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, gpu_memory_fraction: Optional[float] = None):
-        if device not in ("cpu", "gpu"):
-            raise ServingError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        if device not in DEVICES:
+            raise ServingError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
         _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
         _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
         _positive("max_tokens_per_step", max_tokens_per_step,
@@ -238,8 +255,9 @@ class LLM:
         self.eos_token_ids = tuple(eos_token_ids(model_dir))
         num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
         self.shape = ServingShape(max_batch, page_size, num_pages, max_seq, max_tokens_per_step)
+        device_class = _device_class(device)
         region = host_region(self.shape)
-        self._host = region.views(region.allocate())
+        self._host = region.views(device_class.host_memory(region))
         self.tokenizer = Tokenizer(model_dir)
         self._lock = threading.Lock()
         self._pending: deque = deque()         # submitted, not yet in the queue
@@ -250,12 +268,11 @@ class LLM:
         self._next_id = 0
         self._closed = False
         self._pump_bell = Doorbell()
-        if device == "gpu":
-            from mdsl.serving.gpu import GpuDevice
-
-            self.device = GpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+        if device == "megakernel":
+            self.device = device_class(loaded.config, loaded.graph, loaded.weights, self.shape, self._host,
+                                       self._pump_bell.ring)
         else:
-            self.device = CpuDevice(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+            self.device = device_class(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
         self._pump = threading.Thread(target=self._serve, name="mdsl-serving-host", daemon=True)
         self.device.start()
         self._pump.start()

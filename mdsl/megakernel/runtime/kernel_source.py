@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from functools import cache
 from pathlib import Path
+from typing import Optional
 
 import attrs
 import numpy as np
@@ -52,6 +53,10 @@ PARAMS = (
     ("long long", "prompt_len"), ("long long", "start_pos"), ("long long", "num_steps"), ("long long", "max_new"),
     ("long long", "num_eos"), ("double", "temperature"), ("double", "top_p"), ("unsigned long long", "seed"),
 )
+# the serving kernel's (the SERVE section) after them: the protocol's host region (pinned and mapped into the
+# device's address space) and device region, the scheduler's workspace (mdsl.serving.scheduler), and the step's
+# work (ServingPlan.region)
+SERVE_PARAMS = (("char*", "host"), ("char*", "device_state"), ("char*", "workspace"), ("char*", "serve"))
 
 
 # The runtime's optional sections: the lines between `#if MK_<NAME>` and `#else` (or `#endif`) are the kernel's
@@ -69,6 +74,8 @@ SECTIONS = {
     "ROW_NORM": "an o-proj's or down-proj's output row normalised, by its last tile, before its residual add "
                 "(linear_norm_residual: Gemma-2's post-norms), and LayerWeights' pointers to those norms",
     "EMBED_SCALE": "the sampler's next embedding row times EMBED_SCALE (Gemma's embeddings)",
+    "SERVE": "the serving tables' kernel (serving_source.py): SCHEDULE and the bodies over a step's rows (serve.cuh, "
+             "serve_attention.cuh, serve_sampling.cuh), the protocol's regions in Params (SERVE_PARAMS)",
 }
 _DIRECTIVE = re.compile(r"#(if|else|endif)\b")
 _SECTION = re.compile(r"#if MK_(\w+)\n")
@@ -103,15 +110,16 @@ def _resolve_sections(text: str, sections: frozenset) -> str:
 @cache
 def runtime_source(sections: frozenset = frozenset()) -> str:
     """device.cu with its headers expanded in place, its optional sections resolved (SECTIONS: `sections`
-    kept, the others dropped) and the Params struct written from PARAMS (the task bodies' place still
-    marked by BODIES_MARKER)."""
+    kept, the others dropped) and the Params struct written from PARAMS (and SERVE_PARAMS in the SERVE
+    section's kernel; the task bodies' place still marked by BODIES_MARKER)."""
     unknown = sorted(set(sections) - set(SECTIONS))
     assert not unknown, f"no runtime sections {unknown}"
     text = _INCLUDE.sub(lambda m: (_RUNTIME / m.group(1)).read_text(), (_RUNTIME / "device.cu").read_text())
     text = _resolve_sections(text, frozenset(sections))
-    fields = "\n".join(f"  {ctype} {name};" for ctype, name in PARAMS)
+    params = PARAMS + (SERVE_PARAMS if "SERVE" in sections else ())
+    fields = "\n".join(f"  {ctype} {name};" for ctype, name in params)
     struct = (f"{_PARAMS_MARKER}struct Params {{\n{fields}\n}};\n"
-              f"static_assert(sizeof(Params) == {8 * len(PARAMS)}, \"every Params field is 8 bytes\");\n")
+              f"static_assert(sizeof(Params) == {8 * len(params)}, \"every Params field is 8 bytes\");\n")
     assert text.count(BODIES_MARKER) == 1 and text.count(_PARAMS_MARKER) == 1 and not _INCLUDE.search(text)
     return text.replace(_PARAMS_MARKER, struct)
 
@@ -277,8 +285,37 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
     task of `second_pass_kinds` copies its second pass into the early buffer (EARLY_BUFFER_BYTES beside the
     rest, no registers); with `rank_sums` the o-proj and down-proj tiles sum their products as that many
     ranks do (bodies.write_linear_body). KernelOptionError where preloaded rows asked for do not fit."""
-    s = plan.shape
     options = options.for_world(plan.world)
+    layout = kernel_layout(plan, options, stream)
+    runtime = runtime_source(runtime_sections(plan)).replace(BODIES_MARKER, generate_bodies(plan, options.rank_sums))
+    text = "\n".join([INCLUDES, PRELUDE, *model_lines(plan, options, layout), runtime])
+    return MegakernelSource(text, layout.smem_bytes)
+
+
+@attrs.frozen
+class KernelLayout:
+    """What generate_source derives from a plan and its options before writing the kernel: the share of the
+    first pass with the input row (eighths), the kinds with a second pass and the early buffer's bytes, whether
+    attention's rows are preloaded or stream through `stages` ring stages, the tasks' shared memory (`base`) and
+    the early buffer's offset."""
+
+    eighths: int
+    two_pass: frozenset
+    early_bytes: int
+    preload: bool
+    stages: int
+    base: int
+    sums_row: int
+    early_offset: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.early_offset + self.early_bytes if self.early_bytes else self.base + self.sums_row
+
+
+def kernel_layout(plan: TaskPlan, options: MegakernelOptions, stream: bool = True) -> KernelLayout:
+    """generate_source's choices for `plan` under `options` (already for_world), checked."""
+    s = plan.shape
     if s.dtype not in _CUDA_TYPES:
         raise ValueError(f"the megakernel's element types are bf16 and f32, not {s.dtype}")
     if not 1 <= plan.splits <= MAX_SPLITS:
@@ -288,7 +325,7 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
                                f"it has {THREADS}",
                                hint="run the model with the CPU simulator (mdsl.megakernel.taskgraph.simulator)")
     eighths = 0 if options.weights_first == 0 else max(1, round(options.weights_first * 8))   # of the pass's loads
-    two_pass = {_KIND_OF_NAME[name] for name in options.second_pass_kinds}
+    two_pass = frozenset(_KIND_OF_NAME[name] for name in options.second_pass_kinds)
     early_bytes = EARLY_BUFFER_BYTES if two_pass else 0
     sums_row = 4 * residual_columns(plan) if options.rank_sums > 1 else 0   # running sums' floats, after the residual
     preload = options.attention_preload
@@ -300,12 +337,22 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
         raise KernelOptionError(f"attention_preload's key and value rows ({2 * plan.max_chunk} rows of a split at "
                                 f"max_seq {plan.max_seq}) do not fit in shared memory beside the rest",
                                 "attention_preload")
-    early_offset = _round_up(base + sums_row, _EARLY_ALIGN)
-    lm_first = next(k for k, t in enumerate(plan.tasks) if t.kind is Kind.LMHEAD)
+    return KernelLayout(eighths, two_pass, early_bytes, preload, stages, base, sums_row,
+                        _round_up(base + sums_row, _EARLY_ALIGN))
+
+
+def model_lines(plan: TaskPlan, options: MegakernelOptions, layout: KernelLayout, tasks: Optional[tuple] = None,
+                extra: tuple = ()) -> list:
+    """The kernel's constants (namespace mk): the model's, the plan's and the layout's; `tasks`: the task table
+    the kernel runs where it is not the plan's own (the serving tables: TASKS and LM_FIRST are theirs); `extra`
+    lines close the namespace's constants."""
+    s = plan.shape
+    tasks = plan.tasks if tasks is None else tasks
+    lm_first = next(k for k, t in enumerate(tasks) if t.kind is Kind.LMHEAD)
     constants = {
         "H": s.hidden, "I": s.intermediate, "HQ": s.heads, "HKV": s.kv_heads, "D": s.head_dim, "V": s.vocab,
         "L": s.layers, "QKV": s.qkv_rows, "SPLITS": plan.splits, "MAX_SEQ": plan.max_seq,
-        "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": plan.min_chunk, "TASKS": len(plan.tasks), "LM_FIRST": lm_first,
+        "MAX_CHUNK": plan.max_chunk, "MIN_CHUNK": plan.min_chunk, "TASKS": len(tasks), "LM_FIRST": lm_first,
         "LM_TILES": plan.lm_tiles, "WORLD": plan.world, "RESIDUAL_OFFSET": linear_row_floats(plan),
         "RESIDUAL_COLUMNS": max(residual_columns(plan), 1),
         **{f"KIND_{kind.name}": int(kind) for kind in Kind if kind not in MOE_KINDS + SERVING_KINDS},
@@ -331,17 +378,15 @@ def generate_source(plan: TaskPlan, options: MegakernelOptions = MegakernelOptio
               f"constexpr int ROUND_SPANS = {ROUND_SPANS};   // cached positions a score lane takes a round",
               f"constexpr int Q_STRIDE = {q_stride(plan)};   // floats between attention's q heads",
               f"constexpr int Q_PAD = {Q_PAD};",
-              f"constexpr int WEIGHTS_FIRST_EIGHTHS = {eighths};",
+              f"constexpr int WEIGHTS_FIRST_EIGHTHS = {layout.eighths};",
               "constexpr bool WEIGHTS_FIRST = WEIGHTS_FIRST_EIGHTHS > 0;",
-              f"constexpr bool ATTN_PRELOAD = {'true' if preload else 'false'};",
-              f"constexpr int ATTN_STREAM = {stages};   // ring stages of attention's streamed rows (0: none)",
+              f"constexpr bool ATTN_PRELOAD = {'true' if layout.preload else 'false'};",
+              f"constexpr int ATTN_STREAM = {layout.stages};   // ring stages of attention's streamed rows (0: none)",
               f"constexpr int ATTN_PRELOAD_OFFSET = {attention_preload_offset(plan)};   // bytes from a task's memory",
-              f"constexpr int EARLY_PASSES = {2 if early_bytes else 1};",
-              f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in two_pass)};",
-              f"constexpr int EARLY_OFFSET = {early_offset};   // the early buffer (EARLY_PASSES > 1)",
-              f"constexpr int EARLY_BYTES = {early_bytes};",
+              f"constexpr int EARLY_PASSES = {2 if layout.early_bytes else 1};",
+              f"constexpr int EARLY_PASS_KINDS = {sum(1 << int(k) for k in layout.two_pass)};",
+              f"constexpr int EARLY_OFFSET = {layout.early_offset};   // the early buffer (EARLY_PASSES > 1)",
+              f"constexpr int EARLY_BYTES = {layout.early_bytes};",
               f"constexpr float EPS = {_float_literal(s.eps)};",
-              f"constexpr float SCALE = {_float_literal(scale)};", *section_constants, "}  // namespace mk"]
-    runtime = runtime_source(sections).replace(BODIES_MARKER, generate_bodies(plan, options.rank_sums))
-    text = "\n".join([INCLUDES, PRELUDE, *lines, runtime])
-    return MegakernelSource(text, early_offset + early_bytes if early_bytes else base + sums_row)
+              f"constexpr float SCALE = {_float_literal(scale)};", *section_constants, *extra, "}  // namespace mk"]
+    return lines

@@ -15,6 +15,9 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
     wt.x &= ~REMOTE;
     const unsigned need = unsigned(wt.y) * unsigned(step + 1);
     unsigned long long since = 0;
+#if MK_SERVE
+    int idle_seen = 0;   // STATE_IDLE when the watchdog's clock started
+#endif
     unsigned spins = 0, seen;
     for (;;) {
       // both loads in flight at once (the acquire orders only what follows it): one round trip a poll
@@ -26,7 +29,20 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
         const unsigned long long now = globaltimer();
         if (since == 0) {
           since = now;
+#if MK_SERVE
+          idle_seen = ld_relaxed(p.state + STATE_IDLE);
+#endif
         } else if (now - since > WATCHDOG_NS) {   // a deadlock: report it, and every worker leaves
+#if MK_SERVE
+          // (unless the step boundary waits, or has waited meanwhile, for the host: for requests, or for room in
+          // the token ring; STATE_IDLE is odd while it waits, and counts its waits)
+          const int idle = ld_relaxed(p.state + STATE_IDLE);
+          if (idle != idle_seen || idle % 2 != 0) {
+            since = now;
+            idle_seen = idle;
+            continue;
+          }
+#endif
           if (atomicCAS(p.state + STATE_STUCK_TASK, 0, int(index % TASKS) + 1) == 0) {
             p.state[STATE_STUCK_STEP] = int(step);
             p.state[STATE_STUCK_EVENT] = wt.x;
@@ -75,8 +91,15 @@ __device__ void schedule(const Params& p, Slot* slots) {
       t = p.tasks[index % TASKS];
       if (p.profile != nullptr) taken = globaltimer();
       const long long pos = p.start_pos + step;
+#if MK_SERVE
+      // (the serving bodies load their inputs once they are complete: no early handover, and an ATTN task's keys
+      // are found through the page tables of the step's rows)
+      (void)pos;
+      (void)running_step;
+#else
       if (t.kind == KIND_ATTN) prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
       early = early_kind(t.kind) && step == running_step;
+#endif
       if (early) {
         if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
         if (lane == 0) slots[s] = Slot{t, index, pad, taken, 0, true, false};
