@@ -40,7 +40,8 @@ def checkpoints(tmp_path_factory) -> dict:
 
 def serve(folder: str, arrivals: dict, **engine) -> tuple:
     """`arrivals` (step -> [(key, prompt, params)]) served by the megakernel: each step's requests submitted once the
-    device has run that many steps (or has nothing in flight). (key -> RequestOutput, stats, the device)."""
+    device has run that many steps (or has nothing in flight). (key -> RequestOutput, the stats once the engine is
+    closed, the device)."""
     with LLM(folder, device="megakernel", **engine) as llm:
         handles: dict = {}
         for step in sorted(arrivals):
@@ -49,8 +50,7 @@ def serve(folder: str, arrivals: dict, **engine) -> tuple:
             for key, prompt, params in arrivals[step]:
                 handles[key] = llm.submit(prompt, params)
         outputs = {key: h.result(timeout=TIMEOUT) for key, h in handles.items()}
-        stats = llm.stats()
-    return outputs, stats, llm.device
+    return outputs, llm.stats(), llm.device   # after close: the kernel has stopped
 
 
 def alone(folder: str, arrivals: dict, **engine) -> dict:
