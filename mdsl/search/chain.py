@@ -48,6 +48,8 @@ class Work:
 @attrs.frozen
 class TileLoop:
     depth: int            # copies of each per-iteration input tile (1: each iteration loads, then computes)
+    waits: bool           # an iteration waits for its copies (a tile loop without a pipeline: not a loop
+                          # whose threads fold their elements straight from device memory)
     smem_bytes: int       # shared memory of one block
     iteration: Work       # every iteration
     once: Work            # hoisted before the loop, and after it: accumulators finalized, post-loop stages
@@ -78,8 +80,9 @@ def tile_loop(node: Node, stages: int) -> TileLoop:
     opening = 1 if schedule.loop else 0   # the barrier after the iteration's copies
     barriers = 1 if lowered.streamed is not None else opening + len(schedule.loop) - in_registers
     once = work(schedule.pre) + work(schedule.post)
-    depth = 1 if lowered.streamed is not None else lowered.memory.stages
-    return TileLoop(depth, lowered.smem_bytes, attrs.evolve(loop, stages=barriers),
+    streamed = lowered.streamed is not None
+    depth = 1 if streamed else lowered.memory.stages
+    return TileLoop(depth, depth == 1 and not streamed, lowered.smem_bytes, attrs.evolve(loop, stages=barriers),
                     attrs.evolve(once, stages=len(schedule.pre) + len(schedule.post) + 1))
 
 
@@ -93,9 +96,9 @@ def _unlowered(graph: BlockGraph) -> TileLoop:
         return sum((_node_work(graph, i, mma, None, warps) for stage in stage_list for i in stage.nodes
                     if i not in schedule.fused), Work())
 
-    return TileLoop(1, shared_memory_peak(graph), attrs.evolve(work(schedule.loop), stages=1 + len(schedule.loop)),
-                    attrs.evolve(work(schedule.pre) + work(schedule.post),
-                                 stages=len(schedule.pre) + len(schedule.post) + 1))
+    loop = attrs.evolve(work(schedule.loop), stages=1 + len(schedule.loop))
+    once = attrs.evolve(work(schedule.pre) + work(schedule.post), stages=len(schedule.pre) + len(schedule.post) + 1)
+    return TileLoop(1, True, shared_memory_peak(graph), loop, once)
 
 
 def _node_work(graph: BlockGraph, index: int, mma, rows, warps: int) -> Work:

@@ -283,7 +283,8 @@ class KernelFit:
     registers: int         # per thread, spilled ones included (compiled or estimated)
     memory_s: float        # the loads alone
     compute_s: float       # the work alone, but its barriers
-    latency_s: float       # the serial chain's barriers: rounds x (iterations x steps and the steps after)
+    latency_s: float       # the serial chain's barriers (rounds x (iterations x steps and the steps after))
+                           # and, without a pipeline, each iteration's wait for its copies
     seconds: float
     lowering: str = "tile"  # or "skinny": the weights streamed into registers (mdsl.ir.skinny)
     cluster: int = 1        # blocks of a thread-block cluster each block's K is split over (skinny only)
@@ -376,9 +377,9 @@ def _tile_fit(node: Node, device: Device, stages: int, registers: Optional[int] 
     iteration of them takes the longer of their copies, at what one SM's tile loop draws (its share of DRAM
     bandwidth at most), and a block's serial work (`mdsl.search.chain`: the barrier-separated stages, a
     thread's elements, a warp's dependent mma steps; the SM's tensor cores bound the matmuls too): the
-    pipeline overlaps them. Without a pipeline (one stage, or one iteration) the copies come first, then
-    the work. The work done once and the tiles loaded once add to the iterations; the replicated reads
-    served by L2 bound the whole."""
+    pipeline overlaps them. Without a pipeline (one stage, or one iteration) the copies come first, a
+    memory round trip after they are issued, then the work. The work done once and the tiles loaded once
+    add to the iterations; the replicated reads served by L2 bound the whole."""
     graph: BlockGraph = node.body
     t = _traffic(node, device, device.dram_run_bytes)
     loop = tile_loop(node, stages)
@@ -406,11 +407,15 @@ def _tile_fit(node: Node, device: Device, stages: int, registers: Optional[int] 
     copies, once_copies = together * loop_bytes / rate, together * once_bytes / rate
     each = work(loop.iteration) + loop.iteration.stages * device.step_s
     pipelined = loop.depth > 1 and graph.forloop > 1
-    iteration = max(copies, each) if pipelined else copies + each
+    # without a pipeline an iteration's copies come first, a memory round trip after they are issued (the
+    # other blocks on the SM work meanwhile), then the work
+    waiting = device.memory_latency_s / together if loop.waits else 0.0
+    iteration = max(copies, each) if pipelined else waiting + copies + each
     once = once_copies + work(loop.once) + loop.once.stages * device.step_s
     memory = rounds * (graph.forloop * copies + once_copies)
     compute = rounds * (graph.forloop * work(loop.iteration) + work(loop.once))
-    latency = rounds * (graph.forloop * loop.iteration.stages + loop.once.stages) * device.step_s
+    latency = rounds * (graph.forloop * (loop.iteration.stages * device.step_s + waiting)
+                        + loop.once.stages * device.step_s)
     l2 = per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active)
     seconds = max(rounds * (graph.forloop * iteration + once), l2) + device.launch_s
     return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop.iteration.stages, in_flight,

@@ -97,6 +97,17 @@ def test_a_pipelined_loop_overlaps_copies_and_work_and_an_unpipelined_one_adds_t
         unpipelined.memory_s + unpipelined.compute_s + unpipelined.latency_s)
 
 
+def test_an_unpipelined_iteration_waits_a_memory_round_trip_for_its_copies():
+    graph = gemv(loop=128)
+    slower_memory = attrs.evolve(H200, memory_latency_s=2 * H200.memory_latency_s)
+    unpipelined = gpu_estimate(graph, stages=1).kernels[0]
+    assert tile_loop(graph.nodes[0], 1).waits and not tile_loop(graph.nodes[0], 3).waits
+    waited = seconds(graph, slower_memory, stages=1) - seconds(graph, stages=1)
+    # 128 iterations, one block an SM: each iteration waits one round trip more
+    assert unpipelined.per_sm == 1 and waited == pytest.approx(128 * H200.memory_latency_s)
+    assert seconds(graph, slower_memory) == pytest.approx(seconds(graph))   # the pipeline covers it
+
+
 def test_a_copy_bound_loop_follows_what_an_sm_draws_and_a_chain_bound_one_does_not():
     copy_bound = gemv(loop=8, cols=32)      # 1024-long K tiles: 66 KB of copies an iteration
     chain_bound = gemv(loop=256, cols=32)   # 32-long K tiles: the barriers dominate
