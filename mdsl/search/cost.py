@@ -16,6 +16,7 @@ from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
 from mdsl.lowering.grid import ROW_OPS, row_kernel_grid
 from mdsl.lowering.onelaunch import one_launch_pairs
+from mdsl.search.chain import tile_loop
 
 
 @attrs.frozen
@@ -37,23 +38,30 @@ class Device:
     smem_per_sm: int = 228 * 1024
     threads_per_sm: int = 2048
     max_blocks_per_sm: int = 8   # what registers usually allow a block of tensor-core tiles
-    step_s: float = 0.18e-6      # one barrier-separated step of a loop iteration (fitted to the H200's
-                                 # attention iterations of 9 steps and GEMV iterations of 3)
-    sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best
+    # A tile loop's iteration on the H200 (`_tile_fit`): the block's serial chain of barrier-separated
+    # stages, each thread's elements of the stages' tile ops, each warp's chain of dependent mma steps; the
+    # values fitted to the kernels the H200's profiler and autotuner timed in docs/results
+    # (scripts/cost_vs_measured.py prints each against its estimate)
+    step_s: float = 0.24e-6      # one barrier-separated stage: the barrier and the stage's start
+    thread_element_s: float = 12e-9   # one element of a tile op on one thread (tile read, op, tile write)
+    mma_step_s: float = 27e-9    # one step of a warp's chain of dependent mma.sync, fragments from shared memory
+    # what one SM's tile loop draws from DRAM (cp.async copies into shared memory): 2 and 4 pipeline stages
+    # time alike (docs/results/kernels.json), so a draw, not the latency, bounds it
+    tile_sm_bytes_per_s: float = 32e9
+    sm_dram_bytes_per_s: float = 50e9  # what one SM's loads draw from DRAM at best (the skinny loop's)
     # what one busy SM's skinny loop draws (weights and X together), fitted to the H200 autotuner's times of
     # rms_norm_linear (96 blocks, 128 or 256 threads) and gated_mlp (64 blocks) (docs/results/kernels.json);
     # a fit, not a cause: more blocks per SM (clusters, 3 on most SMs) do not draw more (docs/tried-kernels.md)
     skinny_sm_bytes_per_s: float = 40e9
-    sm_elements_per_s: float = 25e9    # element-wise work on one SM (shared-memory tiles, ~10 instructions)
-    # Fitted to the H200 autotuner's times of rms_norm_linear_bs8's tiles (docs/results/kernels.json): a
-    # block's draw grows with its warps and not with its tile, except that tiles whose rows are shorter
-    # than `dram_run_bytes` draw proportionally less. (`estimate` weighs runs against 64 bytes of its own:
-    # its costs are part of the stored plans.)
-    warp_dram_bytes_per_s: float = 3e9
+    sm_elements_per_s: float = 25e9    # element-wise work on one SM (the skinny loop's epilogue)
+    # A tile whose rows are shorter than `dram_run_bytes` draws proportionally less. (`estimate` weighs runs
+    # against 64 bytes of its own: its costs are part of the stored plans.)
     dram_run_bytes: int = 128
     registers_per_sm: int = 65536
-    max_registers_per_thread: int = 255  # beyond it ptxas spills to local memory (which the SM draws
-                                         # through L2 at `sm_bytes_per_s`: tens of KB a block overflow L1)
+    max_registers_per_thread: int = 255  # beyond it ptxas spills to local memory
+    # an element step on registers spilled to local memory costs this many more (times the spilled share
+    # of the thread's registers): fitted to the H200's attention tiles of two row tiles a warp
+    spill_factor: float = 3.0
 
 
 #: The H200 as measured on the test machine (docs/design.md, section "Search"): 4.25 TB/s device-to-device
@@ -273,9 +281,10 @@ class KernelFit:
     in_flight_per_sm: int  # bytes of loads in flight on the busiest SM
     smem_bytes: int        # per block, with the pipeline's copies
     registers: int         # per thread, spilled ones included (compiled or estimated)
-    memory_s: float
-    compute_s: float
-    latency_s: float       # the serial chain: rounds x iterations x steps
+    memory_s: float        # the loads alone
+    compute_s: float       # the work alone, but its barriers
+    latency_s: float       # the serial chain's barriers (rounds x (iterations x steps and the steps after))
+                           # and, without a pipeline, each iteration's wait for its copies
     seconds: float
     lowering: str = "tile"  # or "skinny": the weights streamed into registers (mdsl.ir.skinny)
     cluster: int = 1        # blocks of a thread-block cluster each block's K is split over (skinny only)
@@ -294,16 +303,6 @@ class GpuEstimate:
 
 def _clustered(fit: "KernelFit") -> str:
     return f" in clusters of {fit.cluster}" if fit.cluster > 1 else ""
-
-
-def _pipelined_smem(graph: BlockGraph, loop_input_bytes: int, stages: int) -> tuple:
-    """(stages, shared memory per block): the deepest pipeline up to `stages` that fits, as the CUDA
-    backend chooses it (a loop of one iteration has nothing to prefetch)."""
-    peak = shared_memory_peak(graph)
-    stages = max(1, min(stages, graph.forloop))
-    while stages > 1 and peak + (stages - 1) * loop_input_bytes > SMEM_LIMIT_BYTES:
-        stages -= 1
-    return stages, peak + (stages - 1) * loop_input_bytes
 
 
 def _block_work(graph: BlockGraph, device: Device) -> tuple:
@@ -359,46 +358,79 @@ def estimate_registers(graph: BlockGraph) -> int:
     return _BASE_REGISTERS + _REGISTERS_PER_FLOAT * floats
 
 
-def _kernel_fit(node: Node, device: Device, stages: int, registers: Optional[int] = None) -> KernelFit:
+def _tile_bytes(node: Node, device: Device) -> tuple:
+    """(bytes of one iteration's tiles, of the tiles loaded once and the outputs) of one block, each read
+    weighted by how much of a DRAM burst its rows use (rows shorter than `dram_run_bytes` draw less)."""
+    graph: BlockGraph = node.body
+    loop = once = 0.0
+    for inp, tensor in zip(graph.inputs, node.inputs):
+        weighted = inp.var.type.nbytes / min(1.0, _contiguous_bytes(inp.var.type, tensor.type) / device.dram_run_bytes)
+        if inp.fmap is not None:
+            loop += weighted
+        else:
+            once += weighted
+    return loop, once + sum(v.type.nbytes for v in node.outputs) / graph.num_blocks
+
+
+def _tile_fit(node: Node, device: Device, stages: int, registers: Optional[int] = None) -> KernelFit:
+    """A tile loop on the GPU. Each SM runs `min(per_sm, resident)` blocks at once, `rounds` times over. An
+    iteration of them takes the longer of their copies, at what one SM's tile loop draws (its share of DRAM
+    bandwidth at most), and a block's serial work (`mdsl.search.chain`: the barrier-separated stages, a
+    thread's elements, a warp's dependent mma steps; the SM's tensor cores bound the matmuls too): the
+    pipeline overlaps them. Without a pipeline (one stage, or one iteration) the copies come first, a
+    memory round trip after they are issued, then the work. The work done once and the tiles loaded once
+    add to the iterations; the replicated reads served by L2 bound the whole."""
     graph: BlockGraph = node.body
     t = _traffic(node, device, device.dram_run_bytes)
+    loop = tile_loop(node, stages)
     blocks = graph.num_blocks
-    stages, smem = _pipelined_smem(graph, t.loop_input_bytes, stages)
     registers = estimate_registers(graph) if registers is None else registers
     allocated = -(-min(registers, device.max_registers_per_thread) // 8) * 8   # ptxas allocates by 8
-    resident = max(1, min(device.smem_per_sm // max(smem, 1), device.threads_per_sm // graph.threads,
+    resident = max(1, min(device.smem_per_sm // max(loop.smem_bytes, 1), device.threads_per_sm // graph.threads,
                           device.registers_per_sm // (allocated * graph.threads), device.max_blocks_per_sm))
     per_sm = -(-blocks // device.sms)
     rounds = -(-per_sm // resident)
     fill = blocks / (per_sm * device.sms)
-    in_flight = min(per_sm, resident) * stages * (t.loop_input_bytes or t.per_iteration)
-    # the busiest SM's share of the traffic, at the rate one SM draws: its share of DRAM bandwidth, what
-    # one SM's loads sustain, what its loads in flight cover of the latency (Little's law) and what its
-    # resident warps draw
+    together = min(per_sm, resident)
+    in_flight = together * loop.depth * (t.loop_input_bytes or t.per_iteration)
     active = min(blocks, device.sms)
-    warps = min(per_sm, resident) * graph.threads // 32
-    dram_rate = min(device.dram_bytes_per_s / active, device.sm_dram_bytes_per_s, in_flight / device.memory_latency_s,
-                    warps * device.warp_dram_bytes_per_s)
-    memory = max(per_sm * (t.useful + t.out_bytes) / blocks / dram_rate,
-                 per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active))
-    loop_s, post_s, loop_steps, post_steps = _block_work(graph, device)
-    # registers beyond the limit are stored and loaded again every iteration, by every thread
-    spill_s = max(0, registers - device.max_registers_per_thread) * 4 * 2 * graph.threads / device.sm_bytes_per_s
-    compute = per_sm * (graph.forloop * (loop_s + spill_s) + post_s)
-    latency = rounds * (graph.forloop * loop_steps + post_steps) * device.step_s
-    seconds = max(memory, compute) + latency + device.launch_s
-    return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop_steps, in_flight, smem, registers,
-                     memory, compute, latency, seconds)
+    rate = min(device.dram_bytes_per_s / active, device.tile_sm_bytes_per_s)
+    loop_bytes, once_bytes = _tile_bytes(node, device)
+    spilled = max(0, registers - device.max_registers_per_thread) / max(registers, 1)
+    sm_flops = device.matmul_flops_per_s / device.sms
+
+    def work(w) -> float:
+        serial = (w.elements * device.thread_element_s * (1 + device.spill_factor * spilled)
+                  + w.mma_steps * device.mma_step_s)
+        return max(serial, together * w.flops / sm_flops)
+
+    copies, once_copies = together * loop_bytes / rate, together * once_bytes / rate
+    each = work(loop.iteration) + loop.iteration.stages * device.step_s
+    pipelined = loop.depth > 1 and graph.forloop > 1
+    # without a pipeline an iteration's copies come first, a memory round trip after they are issued (the
+    # other blocks on the SM work meanwhile), then the work
+    waiting = device.memory_latency_s / together if loop.waits else 0.0
+    iteration = max(copies, each) if pipelined else waiting + copies + each
+    once = once_copies + work(loop.once) + loop.once.stages * device.step_s
+    memory = rounds * (graph.forloop * copies + once_copies)
+    compute = rounds * (graph.forloop * work(loop.iteration) + work(loop.once))
+    latency = rounds * (graph.forloop * (loop.iteration.stages * device.step_s + waiting)
+                        + loop.once.stages * device.step_s)
+    l2 = per_sm * t.l2 / blocks / min(device.sm_bytes_per_s, device.l2_bytes_per_s / active)
+    seconds = max(rounds * (graph.forloop * iteration + once), l2) + device.launch_s
+    return KernelFit(blocks, resident, per_sm, rounds, fill, graph.forloop, loop.iteration.stages, in_flight,
+                     loop.smem_bytes, registers, memory, compute, latency, seconds)
 
 
 def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
                  registers: Optional[Callable[[int], Optional[int]]] = None, skinny: bool = False) -> GpuEstimate:
     """A finer estimate than `estimate` of one mugraph's time on `device`, for choosing among mugraphs of
     one structure with other grids and loops: it counts waves (the busiest SM's blocks), blocks resident
-    per SM (shared memory with `stages` pipelined copies of the loop's tiles, threads, registers), the
-    bytes in flight that cover the memory latency, how contiguous the tiles' rows are, the serial chain
-    of loop iterations and the spills of a kernel that needs more registers than a thread has. Library
-    kernels and views count as `estimate` counts them.
+    per SM (the lowering's shared memory with up to `stages` pipelined copies of the loop's tiles,
+    threads, registers), what an SM's tile loop draws, how contiguous the tiles' rows are, the serial
+    work of a loop iteration (`mdsl.search.chain`), whether the pipeline overlaps it with the copies, and
+    the spills of a kernel that needs more registers than a thread has (`_tile_fit`). Library kernels and
+    views count as `estimate` counts them.
 
     `registers(node_index)`: the registers per thread (spilled ones included) of the compiled kernel of
     the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
@@ -411,7 +443,7 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
         if node.body is None or not isinstance(node.body, BlockGraph):
             seconds += _library_cost(node, device).seconds
             continue
-        fit = _kernel_fit(node, device, stages, registers(index) if registers is not None else None)
+        fit = _tile_fit(node, device, stages, registers(index) if registers is not None else None)
         streamed = _skinny_fit(node, device) if skinny else None
         fits.append(streamed if streamed is not None and streamed.seconds < fit.seconds else fit)
         if index in combines:   # in its split's launch, after the group's slowest block (`kernel_costs`)
