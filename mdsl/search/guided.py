@@ -482,7 +482,11 @@ def _split_kernels(b: _Builder, outs: list) -> KernelGraph:
     inputs2 = [BlockInput(t, imap, fmap) for t, imap, fmap in tiles2]
     if choice.combine_parts > 1:
         grid2, inputs2 = _refined(grid2, inputs2, choice.combine_parts)
-        nodes2 = _retyped_graph(nodes2, {i.var.name: i.var for i in inputs2})
+        try:
+            nodes2 = _retyped_graph(nodes2, {i.var.name: i.var for i in inputs2})
+        except MdslError as e:   # a node of the combine also reads along that dim what it does not split
+            raise CannotLift(f"the combining kernel's operators do not take {choice.combine_parts} times narrower "
+                             f"tiles: {e.message}") from None
         outputs2 = [BlockOutput(_renamed(nodes2, o.var), o.omap) for o in outputs2]
     phase2 = BlockGraph(grid2, choice.threads, choice.split, inputs2, nodes2, outputs2)
     n2 = Node("custom", partial_vars, list(graph.outputs), body=phase2)

@@ -476,3 +476,25 @@ def test_the_estimate_models_the_skinny_loop_where_asked_by_its_bytes_in_flight(
     assert fits[0].in_flight_per_sm == 2 * fits[1].in_flight_per_sm
     attention = gpu_estimate(_gqa_bs1(8, 4, 32), skinny=True)
     assert {f.lowering for f in attention.kernels} == {"tile"}    # not a weight stream
+
+
+def test_every_combine_width_of_every_gqa_choice_lifts_or_cannot_lift():
+    """A wider combining kernel whose operators also read, along the refined dim, a value the refinement
+    does not split (gqa's split-KV combine) is no candidate (CannotLift), never a shape error that ends
+    the proposing."""
+    from mdsl.search.config import SearchConfig
+    from mdsl.search.guided import CannotLift
+
+    graph = load_example("gqa").make_gqa(1).graph
+    labels = Labels(graph)
+    lifted = refused = 0
+    for choice in choices(graph, labels, SearchConfig(), max_split=64, min_forloop=1):
+        if choice.split < 2:
+            continue
+        for wider in (2, 4):
+            try:
+                lift(graph, attrs.evolve(choice, combine_parts=wider), labels)
+                lifted += 1
+            except CannotLift:
+                refused += 1
+    assert lifted and refused
