@@ -2,7 +2,7 @@
 
     python benchmarks/report.py            # write docs/performance.md
     python benchmarks/report.py --check    # exit 1 when docs/performance.md is not what this would write
-    python benchmarks/report.py --plot     # also draw docs/results/decode.png (needs matplotlib)
+    python benchmarks/report.py --plot     # also draw docs/results/decode.png and serve.png (needs matplotlib)
 
 Inputs (each written by its benchmark; the command is stored in the file's `meta` and printed above its
 table):
@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernels import BASELINES, LABELS, MDSL, derive  # noqa: E402
+from benchmarks.serve import device_of, launch_lines, points_of  # noqa: E402
 from mdsl.search.cost import H200  # noqa: E402
 
 DOCS = ROOT / "docs"
@@ -405,45 +406,73 @@ def _regions(stats: Optional[dict]) -> str:
             f"{stats.get('left_to_torch', 0)} ops to torch")
 
 
+DEVICE_TEXT = {"gpu": "`LLM(device=\"gpu\")` (the host scheduler, one kernel per layer op over the step's rows, steps "
+                      "of a repeated shape replayed as CUDA graphs)",
+               "megakernel": "`LLM(device=\"megakernel\")` (one resident kernel runs the scheduler and every step; "
+                             "requests through a pinned, mapped queue, tokens through a ring)"}
+
+
 def serve_section(data: Optional[dict]) -> list:
     lines = ["## Serving many requests on the GPU", ""]
     if data is None:
         return lines + ["No results: `benchmarks/serve.py` has not run into docs/results/ yet.", ""]
     model = MODEL_NAMES.get(data.get("model"), data.get("model"))
+    decode, runs = data.get("decode") or [], data.get("runs") or []
+    devices = list(dict.fromkeys([*(data.get("devices") or {}), *map(device_of, decode + runs)]))
+    measured = list(dict.fromkeys(map(device_of, decode)))
+    how = ("; the GPU device's is the wall time of the host's steps, the megakernel's the slope of the times the "
+           "host first sees each value of the kernel's step counter (`benchmarks/serve.py` says how)"
+           if "megakernel" in measured else "")
+    whose = ", the first device's" if len(measured) > 1 else ""
     lines += [run_line(data.get("meta")), "",
-              f"`LLM(device=\"gpu\")` on {model}'s shapes (random bf16 weights): the host scheduler, one kernel "
-              "per layer op over the step's rows, steps of a repeated shape replayed as CUDA graphs. Decode step "
-              "time while every request of the batch decodes (prompts of `prompt` tokens; the requests read "
-              "first decode further meanwhile: `mean context`); the floor is the weights plus every request's "
-              "cached keys and values (in the pools' dtype, the checkpoint's: bf16 here) over 4.25 TB/s; `PyTorch ms`: its "
-              "kernel-per-op step at the same batch and context (bf16, static KV caches, a CUDA graph).", ""]
-    decode = data.get("decode") or []
-    rows = [[d["batch"], d["context"], f"{d['mean_context']:.0f}" if "mean_context" in d else "-",
-             f"{d['step_s'] * 1e3:.2f}", f"{d['floor_s'] * 1e3:.3f}", _percent(d["floor_s"] / d["step_s"]),
-             f"{d['batch'] / d['step_s']:.0f}",
-             f"{d['torch_step_s'] * 1e3:.2f}" if d.get("torch_step_s") else "-",
-             _times(d["torch_step_s"] / d["step_s"], 2) if d.get("torch_step_s") else "-"] for d in decode]
+              f"{' and '.join(DEVICE_TEXT.get(d, f'`{d}`') for d in devices)} on {model}'s shapes (random bf16 "
+              f"weights){', one after the other in one process' if len(devices) > 1 else ''}. Decode step time while "
+              "every request of the batch decodes (prompts of `prompt` tokens; the requests read first decode "
+              f"further meanwhile: `mean context`{whose})"
+              f"{how}. The floor is the weights plus every request's cached keys and values (in the pools' dtype, "
+              "the checkpoint's: bf16 here) over 4.25 TB/s; `PyTorch ms`: its kernel-per-op step at the same batch "
+              "and context (bf16, static KV caches, a CUDA graph).", ""]
+    if data.get("devices"):
+        lines += launch_lines(data["devices"]) + [""]
+    rows = []
+    for (batch, context), by_device in points_of(decode).items():
+        first = next(iter(by_device.values()))
+        torch_s = next((d["torch_step_s"] for d in by_device.values() if d.get("torch_step_s")), None)
+        row = [batch, context, f"{first['mean_context']:.0f}" if "mean_context" in first else "-",
+               f"{first['floor_s'] * 1e3:.3f}"]
+        for name in measured:
+            d = by_device.get(name)
+            row += ([f"{d['step_s'] * 1e3:.2f}", _percent(d["floor_s"] / d["step_s"]), f"{batch / d['step_s']:.0f}"]
+                    if d else ["-"] * 3)
+        row.append(f"{torch_s * 1e3:.2f}" if torch_s else "-")
+        row += [_times(torch_s / by_device[n]["step_s"], 2) if torch_s and n in by_device else "-" for n in measured]
+        rows.append(row)
     if rows:
-        lines += _table(["batch", "prompt", "mean context", "step ms", "floor ms", "of floor", "tokens/s",
-                         "PyTorch ms", "vs PyTorch"], rows) + [""]
-    ops = sorted({op for d in decode for op in d.get("ops_us") or {}},
-                 key=lambda op: -max((d.get("ops_us") or {}).get(op, 0.0) for d in decode))
+        lines += _table(["batch", "prompt", "mean context", "floor ms",
+                         *(f"{n} {c}" for n in measured for c in ("ms", "of floor", "tokens/s")), "PyTorch ms",
+                         *(f"PyTorch / {n}" for n in measured)], rows) + [""]
+    if (RESULTS / "serve.png").exists():
+        lines += ["![decode step time by batch: each device, the floor, PyTorch](results/serve.png)", ""]
+    profiled = [d for d in decode if d.get("ops_us")]
+    ops = sorted({op for d in profiled for op in d["ops_us"]},
+                 key=lambda op: -max(d["ops_us"].get(op, 0.0) for d in profiled))
     if ops:
-        lines += ["Where a step's time goes: each layer op's µs per step, all layers, timed by events in a twin of "
-                  "the step's CUDA graph (`GpuDevice.profile_ops`; `a+b`: two ops fused into one kernel).", ""]
-        lines += _table(["batch", *ops, "sum"], [[d["batch"], *(f"{(d.get('ops_us') or {}).get(op, 0.0):.0f}" for op in ops),
-                                               f"{sum((d.get('ops_us') or {}).values()):.0f}"] for d in decode]) + [""]
-    runs = data.get("runs") or []
+        lines += ["Where the GPU device's step time goes: each layer op's µs per step, all layers, timed by events "
+                  "in a twin of the step's CUDA graph (`GpuDevice.profile_ops`; `a+b`: two ops fused into one "
+                  "kernel).", ""]
+        lines += _table(["batch", *ops, "sum"], [[d["batch"], *(f"{d['ops_us'].get(op, 0.0):.0f}" for op in ops),
+                                               f"{sum(d['ops_us'].values()):.0f}"] for d in profiled]) + [""]
     if runs:
+        order = list(dict.fromkeys(r["run"] for r in runs))
         lines += ["Whole runs (seeded prompt and output lengths; `offline`: all submitted at once, `online R/s`: "
                   "Poisson arrivals): output tokens per second, time to first token (TTFT) and per output token "
                   "(TPOT); `short`: requests that streamed fewer tokens than asked.", ""]
-        lines += _table(["run", "requests", "output tokens", "wall s", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
-                         "TPOT p50 ms", "TPOT p99 ms", "short"],
-                        [[r["run"], r["requests"], r["output_tokens"], f"{r['wall_s']:.1f}",
+        lines += _table(["run", "device", "requests", "output tokens", "wall s", "tokens/s", "TTFT p50 ms",
+                         "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "short"],
+                        [[r["run"], device_of(r), r["requests"], r["output_tokens"], f"{r['wall_s']:.1f}",
                           f"{r['output_tokens_per_s']:.0f}",
                           *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
-                          r["short"]] for r in runs]) + [""]
+                          r["short"]] for r in sorted(runs, key=lambda r: order.index(r["run"]))], right=2) + [""]
     return lines
 
 
@@ -675,12 +704,14 @@ def headlines(results: dict) -> dict:
     if search:
         h["search_longest"] = f"{max(r['seconds'] for r in search['rows']):.1f} s"
     serve = results.get("serve")
-    if serve and serve.get("decode"):
-        steps = sorted(serve["decode"], key=lambda d: d["batch"])
-        h["serve_step_one"] = f"{steps[0]['step_s'] * 1e3:.1f} ms"
-        h["serve_floor_one"] = _percent(steps[0]["floor_s"] / steps[0]["step_s"])
-        h["serve_step_most"] = f"{steps[-1]['step_s'] * 1e3:.1f} ms"
-        h["serve_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
+    for device, prefix in (("gpu", "serve"), ("megakernel", "serve_megakernel")):
+        steps = sorted((d for d in (serve or {}).get("decode") or () if device_of(d) == device),
+                       key=lambda d: d["batch"])
+        if steps:   # batch 1 and the largest batch, at the first context measured
+            h[f"{prefix}_step_one"] = f"{steps[0]['step_s'] * 1e3:.1f} ms"
+            h[f"{prefix}_floor_one"] = _percent(steps[0]["floor_s"] / steps[0]["step_s"])
+            h[f"{prefix}_step_most"] = f"{steps[-1]['step_s'] * 1e3:.1f} ms"
+            h[f"{prefix}_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
     served = results.get("serve_http")
     if served and "http_over_offline" in served:
         h["serve_http_ratio"] = f"{served['http_over_offline']:.2f}×"
@@ -760,14 +791,54 @@ def plot_decode(data: dict, path: Path) -> Optional[str]:
     return None
 
 
+def plot_serve(data: dict, path: Path) -> Optional[str]:
+    """Bars of decode step ms (floor, each device, PyTorch + CUDA graph) per batch and prompt length; None, or why
+    not drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    points = points_of(data.get("decode") or [])
+    if not points:
+        return "serve.json has no decode steps: no plot"
+    devices = list(dict.fromkeys(name for rows in points.values() for name in rows))
+
+    def first(rows: dict, key: str) -> float:
+        return next((d[key] * 1e3 for d in rows.values() if d.get(key)), math.nan)
+
+    series = {"floor": [first(rows, "floor_s") for rows in points.values()],
+              **{f"{name} device": [rows[name]["step_s"] * 1e3 if name in rows else math.nan
+                                    for rows in points.values()] for name in devices},
+              "PyTorch + CUDA graph": [first(rows, "torch_step_s") for rows in points.values()]}
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(points))]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    ax.set_xticks(range(len(points)), [f"batch {b}\nprompt {c}" for b, c in points], fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    model = MODEL_NAMES.get(data.get("model"), data.get("model"))
+    gpu = ((data.get("meta") or {}).get("gpu") or {}).get("name", "")
+    ax.set_title(f"serving decode steps, {model}, bf16{', ' + gpu if gpu else ''}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare with docs/performance.md instead of writing it")
-    ap.add_argument("--plot", action="store_true", help="also draw docs/results/decode.png (needs matplotlib)")
+    ap.add_argument("--plot", action="store_true",
+                    help="also draw docs/results/decode.png and serve.png (needs matplotlib)")
     args = ap.parse_args(argv)
     results = load_results()
-    if args.plot and results["decode"] is not None:
-        why = plot_decode(results["decode"], RESULTS / "decode.png")
+    for name, plot in (("decode", plot_decode), ("serve", plot_serve)) if args.plot else ():
+        why = plot(results[name], RESULTS / f"{name}.png") if results[name] is not None else None
         if why:
             print(why, file=sys.stderr)
     text = render(results)

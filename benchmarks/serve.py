@@ -1,5 +1,7 @@
-"""The serving engine on a GPU (`LLM(device="gpu")`), in-process, random bf16 weights at a benchmark model's
-shapes (mdsl.megakernel.runtime.models):
+"""The serving engine on a GPU, in-process, random bf16 weights at a benchmark model's shapes
+(mdsl.megakernel.runtime.models), on each --device one after the other: "gpu" (`LLM(device="gpu")`: the host
+scheduler, one kernel per layer op per step, steps of a repeated shape replayed as CUDA graphs) and "megakernel"
+(`LLM(device="megakernel")`: one resident kernel runs the scheduler and every step):
 
   (a) decode step time against the batch size at a context, and at batch 1 against the context, beside
       the bandwidth floor (the weights plus every request's cached keys and values, as the device stores
@@ -11,14 +13,29 @@ shapes (mdsl.megakernel.runtime.models):
       and time per output token, p50 and p99.
 
     python3 benchmarks/serve.py --model qwen3-0.6b --out $OUT
-    python3 benchmarks/serve.py --model qwen3-0.6b --parts a --batches 1,8,32,64 --context 1024
+    python3 benchmarks/serve.py --model qwen3-0.6b --device megakernel --parts a --batches 1,8,32,64 --context 1024
 
-A decode step is timed over --decode-tokens steps in which every request of the batch decodes: the B
-requests' prompts (context - 1 tokens each) are read oldest first, a step's budget at a time, and the
-timing starts once the last has its first token; no request ends before the timing (and the op profile
-after it) does. The requests read first have decoded further meanwhile: the floor counts each request's
-cached keys and values at its mean context over the timed steps. Greedy, `ignore_eos`. Files: serve.json
-(with the run's provenance) and serve.md (the tables, also printed).
+A decode step is timed while every request of the batch decodes: the B requests' prompts (context - 1 tokens
+each) are read oldest first, a step's budget at a time, and the timing starts once the last has its first token;
+no request ends before the timing (and the GPU device's op profile after it) does. The requests read first have
+decoded further meanwhile: the floor counts each request's cached keys and values at its mean context over the
+timed steps. Greedy, `ignore_eos`.
+
+The GPU device runs each step from the host: its step time is the wall time of --decode-tokens steps (the
+engine's step counter, `LLM.stats().steps`), then as many more are profiled op by op (GpuDevice.profile_ops).
+The megakernel device has no per-step host call to time. Its kernel writes the step counter (the control block's
+`steps`, in pinned host memory mapped into the GPU) at every step boundary; this process polls it without a
+lock every POLL_S, notes the time it first sees each value over 2 x --decode-tokens steps, and the step time is
+the least-squares slope of those times against the values. A sample is late by at most the poll's interval
+plus the time the engine's host thread holds the interpreter's lock (reading a step's ring records): the slope
+spreads that over every step of the window instead of putting it on the two ends. The step time includes any
+wait of the kernel for room in the token ring (four steps' records): the host reading the ring is part of
+serving on that device.
+
+Each device's launches are recorded: the GPU device's steps replayed as CUDA graphs (a host launch per step),
+the megakernel's kernel launches over the whole run (one, unless a run passes its steps_per_launch). Where a
+device cannot serve the model (an UnsupportedError), the results hold the reason and the run goes on. Files:
+serve.json (with the run's provenance), written after each device, and serve.md (the tables, also printed).
 """
 from __future__ import annotations
 
@@ -39,17 +56,31 @@ from benchmarks.serve_http import _percentile, random_checkpoint  # noqa: E402
 
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.md)
 PAGE_SIZE = 16
+DEVICES = ("gpu", "megakernel")
+POLL_S = 2e-5           # (a) the megakernel's step counter polled this often
+STALL_S = 60.0          # (a) a step counter that does not move for this long fails the measurement
+
+
+def _devices(text: str) -> list:
+    names = list(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
+    if not names or any(d not in DEVICES for d in names):
+        raise argparse.ArgumentTypeError(f"expected {', '.join(DEVICES)} or both, comma-separated; got {text!r}")
+    return names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-0.6b", help="a model of mdsl.megakernel.runtime.models (random weights)")
+    ap.add_argument("--device", type=_devices, default=list(DEVICES), metavar="DEVICES",
+                    help="the serving devices measured, one after the other in this process: gpu, megakernel or "
+                         "gpu,megakernel (the default)")
     ap.add_argument("--parts", default="a,b,c", help="which of a (decode steps), b (offline), c (online)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1024, help="(a) the requests' context at their decode steps")
     ap.add_argument("--long-contexts", default="8192,32768",
                     help="(a) also batch 1 at these prompt lengths (comma-separated; empty: none)")
-    ap.add_argument("--decode-tokens", type=int, default=32, help="(a) steps timed (and as many profiled)")
+    ap.add_argument("--decode-tokens", type=int, default=32,
+                    help="(a) steps timed on the GPU device (and as many profiled); on the megakernel, twice as many")
     ap.add_argument("--no-torch", dest="torch", action="store_false",
                     help="(a) skip PyTorch's decode step at the same batch and context (CUDA graph, static KV cache)")
     ap.add_argument("--requests", type=int, default=256, help="(b, c) requests")
@@ -80,14 +111,16 @@ def workload(args, vocab: int) -> list:
 def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
     """Tokens each request of (a) may produce: enough that none ends before the last one's prompt is read
     (prompts are read oldest first, so the first request decodes while the others' prompts are read) and
-    the timed and profiled steps are over."""
-    return -(-batch * context // per_step) + batch + 2 * tokens + 8
+    the timed and profiled steps are over, with 64 steps to spare for the host's late look at the first
+    tokens (a megakernel's step may be a fraction of a millisecond)."""
+    return -(-batch * context // per_step) + batch + 2 * tokens + 64
 
 
-def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
-    """(a): the step time while `batch` requests decode together, prompts of `context` tokens, over `tokens`
-    steps from the moment the last prompt is read; then, over as many more, the time of each layer op in a
-    step (GpuDevice.profile_ops). Every request runs until both are over (then it is cancelled), so every
+def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
+    """(a): the step time while `batch` requests decode together, prompts of `context` tokens, from the moment
+    the last prompt is read: on the GPU device over `tokens` steps, then over as many more the time of each
+    layer op in a step (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its step
+    counter (step_counter_slope). Every request runs until both are over (then it is cancelled), so every
     timed step has `batch` rows; the requests read first are further on, and `mean_context` (at the timed
     steps' middle) is what the bandwidth floor counts."""
     import numpy as np
@@ -104,28 +137,70 @@ def decode_steps(llm, batch: int, context: int, tokens: int, vocab: int, seed: i
 
     while min(produced()) < 1:
         time.sleep(0.0002)
-    start, steps0 = time.perf_counter(), llm.stats().steps
-    replays0, preemptions0 = llm.device.replays, llm.stats().preemptions
+    preemptions0 = llm.stats().preemptions
     before = produced()
-    while llm.stats().steps < steps0 + tokens:
-        time.sleep(0.0002)
-    end, steps1 = time.perf_counter(), llm.stats().steps
-    after = produced()
-    replays, preemptions = llm.device.replays - replays0, llm.stats().preemptions - preemptions0
-    llm.device.profile_ops(True)
-    while llm.stats().steps < steps1 + tokens:
-        time.sleep(0.0002)
-    ops = llm.device.profile_ops(False)
+    if device == "megakernel":
+        launches0 = llm.device.launches
+        step_s, steps = step_counter_slope(llm.device.host["control"], 2 * tokens)
+        after = produced()
+        timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0}
+    else:
+        start, steps0, replays0 = time.perf_counter(), llm.stats().steps, llm.device.replays
+        while llm.stats().steps < steps0 + tokens:
+            time.sleep(0.0002)
+        end, steps1 = time.perf_counter(), llm.stats().steps
+        after = produced()
+        timed = {"steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
+                 "replayed": llm.device.replays - replays0}
+    preemptions = llm.stats().preemptions - preemptions0
+    if device != "megakernel":
+        llm.device.profile_ops(True)
+        steps1 = llm.stats().steps
+        while llm.stats().steps < steps1 + tokens:
+            time.sleep(0.0002)
+        ops = llm.device.profile_ops(False)
+        timed["ops_us"] = {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}
     if any(h.poll()[1] is not None for h in handles):
         raise RuntimeError(f"a request of batch {batch} ended before the timed steps did (decode_budget is short)")
     for h in handles:
         h.cancel()
     for h in handles:
         h.result()
-    return {"batch": batch, "context": context, "mean_context": context - 1 + float(np.mean(before + after)),
-            "steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
-            "replayed": replays, "preemptions": preemptions,
-            "ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
+    return {"device": device, "batch": batch, "context": context,
+            "mean_context": context - 1 + float(np.mean(before + after)), **timed, "preemptions": preemptions}
+
+
+def step_counter_slope(control, count: int) -> tuple:
+    """(seconds per step, steps counted) of a device's step counter (`control["steps"]`, which the device
+    writes at each step boundary): from its next change, the time this process first sees each value until it
+    has moved `count` more, and the least-squares slope of those times against the values."""
+    def steps() -> int:
+        return int(control["steps"][0])
+
+    def wait_for(done) -> int:
+        deadline = time.perf_counter() + STALL_S
+        while not done(value := steps()):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the device's step counter stayed at {value} for {STALL_S:.0f} s (a device "
+                                   "without a running request: did the batch's requests end? decode_budget is short)")
+            time.sleep(POLL_S)
+        return value
+
+    first = steps()
+    value = wait_for(lambda s: s != first)
+    seen = [(time.perf_counter(), value)]
+    while seen[-1][1] < seen[0][1] + count:
+        value = wait_for(lambda s: s != seen[-1][1])
+        seen.append((time.perf_counter(), value))
+    return slope(seen), seen[-1][1] - seen[0][1]
+
+
+def slope(samples: list) -> float:
+    """The least-squares slope of the times against the counts of (time, count) samples."""
+    import numpy as np
+
+    times, counts = np.array(samples, dtype=np.float64).T
+    return float(np.polyfit(counts, times, 1)[0])
 
 
 def torch_baseline(model: str):
@@ -196,27 +271,68 @@ def summary(name: str, records: list) -> dict:
             "tpot_p50_s": _percentile(tpot, 50), "tpot_p99_s": _percentile(tpot, 99)}
 
 
+def device_of(row: dict) -> str:
+    """The device of a decode row or run ("gpu" where the results predate the megakernel's)."""
+    return row.get("device", "gpu")
+
+
+def points_of(decode: list) -> dict:
+    """(batch, prompt length) -> {device: its decode row}, in the order measured."""
+    points: dict = {}
+    for d in decode:
+        points.setdefault((d["batch"], d["context"]), {})[device_of(d)] = d
+    return points
+
+
+def launch_lines(devices: dict) -> list:
+    """Per device: its steps and what launched them, or why it could not serve the model."""
+    lines = []
+    for name, info in devices.items():
+        if "unsupported" in info:
+            lines.append(f"- {name}: cannot serve the model: {info['unsupported']}")
+        elif name == "megakernel":
+            lines.append(f"- megakernel: {info['launches']} kernel launch{'es' if info['launches'] != 1 else ''} "
+                         f"for the run's {info['steps']} steps (at most {info['steps_per_launch']} a launch)")
+        else:
+            lines.append(f"- {name}: {info['steps']} steps, {info['replayed']} of them replayed as a CUDA graph "
+                         "(a host launch each; the others launch each op's kernels)")
+    return lines
+
+
 def tables(result: dict) -> str:
     lines = []
-    if result.get("decode"):
-        lines += [f"Decode steps, {result['model']} (random bf16 weights), GPU serving device:", "",
-                  "| batch | prompts | mean context | step | floor | % of floor | tokens/s | PyTorch step | PyTorch / step |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for d in result["decode"]:
-            torch_ms = f"{d['torch_step_s'] * 1e3:.2f} ms" if d.get("torch_step_s") else "-"
-            ratio = f"{d['torch_step_s'] / d['step_s']:.2f}" if d.get("torch_step_s") else "-"
-            lines.append(f"| {d['batch']} | {d['context']} | {d['mean_context']:.0f} | {d['step_s'] * 1e3:.2f} ms | "
-                         f"{d['floor_s'] * 1e3:.3f} ms | "
-                         f"{100 * d['floor_s'] / d['step_s']:.0f}% | {d['batch'] / d['step_s']:.0f} | {torch_ms} | {ratio} |")
+    if result.get("devices"):
+        lines += ["Devices:", "", *launch_lines(result["devices"]), ""]
+    decode = result.get("decode") or []
+    if decode:
+        devices = list(dict.fromkeys(device_of(d) for d in decode))
+        lines += [f"Decode steps, {result['model']} (random bf16 weights); mean context and floor: the first "
+                  "device's:", "",
+                  "| batch | prompts | mean context | floor | " +
+                  " | ".join(f"{n} step | {n} % of floor | {n} tokens/s" for n in devices) + " | PyTorch step | " +
+                  " | ".join(f"PyTorch / {n}" for n in devices) + " |",
+                  "|---|---|---|---|" + "---|---|---|" * len(devices) + "---|" * (1 + len(devices))]
+        for (batch, context), rows in points_of(decode).items():
+            first = next(iter(rows.values()))
+            torch_s = next((d["torch_step_s"] for d in rows.values() if d.get("torch_step_s")), None)
+            cells = [str(batch), str(context), f"{first['mean_context']:.0f}", f"{first['floor_s'] * 1e3:.3f} ms"]
+            for n in devices:
+                d = rows.get(n)
+                cells += ([f"{d['step_s'] * 1e3:.2f} ms", f"{100 * d['floor_s'] / d['step_s']:.0f}%",
+                           f"{batch / d['step_s']:.0f}"] if d else ["-"] * 3)
+            cells.append(f"{torch_s * 1e3:.2f} ms" if torch_s else "-")
+            cells += [f"{torch_s / rows[n]['step_s']:.2f}" if torch_s and n in rows else "-" for n in devices]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-        ops = sorted({op for d in result["decode"] for op in d.get("ops_us", {})},
-                     key=lambda op: -max(d.get("ops_us", {}).get(op, 0.0) for d in result["decode"]))
+        profiled = [d for d in decode if d.get("ops_us")]
+        ops = sorted({op for d in profiled for op in d["ops_us"]},
+                     key=lambda op: -max(d["ops_us"].get(op, 0.0) for d in profiled))
         if ops:
-            lines += ["Where a decode step's time goes (GpuDevice.profile_ops: µs per step of each layer op, all "
-                      "layers, in the replayed graph):", "",
+            lines += ["Where the GPU device's decode step time goes (GpuDevice.profile_ops: µs per step of each layer "
+                      "op, all layers, in the replayed graph):", "",
                       "| batch | " + " | ".join(ops) + " | sum |", "|---|" + "---|" * (len(ops) + 1)]
-            for d in result["decode"]:
-                us = d.get("ops_us", {})
+            for d in profiled:
+                us = d["ops_us"]
                 lines.append(f"| {d['batch']} | " + " | ".join(f"{us.get(op, 0.0):.0f}" for op in ops) +
                              f" | {sum(us.values()):.0f} |")
             lines.append("")
@@ -224,28 +340,83 @@ def tables(result: dict) -> str:
         def ms(v):
             return f"{v * 1e3:.1f} ms"
 
-        lines += ["| run | requests | output tokens | wall | tokens/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | short |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in result["runs"]:
-            lines.append(f"| {r['run']} | {r['requests']} | {r['output_tokens']} | {r['wall_s']:.1f} s | "
-                         f"{r['output_tokens_per_s']:.0f} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
+        order = list(dict.fromkeys(r["run"] for r in result["runs"]))
+        lines += ["| run | device | requests | output tokens | wall | tokens/s | TTFT p50 | TTFT p99 | TPOT p50 | "
+                  "TPOT p99 | short |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(result["runs"], key=lambda r: order.index(r["run"])):
+            lines.append(f"| {r['run']} | {device_of(r)} | {r['requests']} | {r['output_tokens']} | "
+                         f"{r['wall_s']:.1f} s | {r['output_tokens_per_s']:.0f} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
                          f"{ms(r['tpot_p50_s'])} | {ms(r['tpot_p99_s'])} | {r['short']} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def measure(device: str, folder: str, engine: dict, args, parts: set, points: list, requests: list,
+            result: dict) -> None:
+    """Parts `parts` of the benchmark on one device (an LLM over the checkpoint in `folder` with `engine`'s
+    settings), into `result`: its decode rows, runs and launches."""
     import numpy as np
 
     from mdsl import LLM
     from mdsl.megakernel.runtime.models import MODELS
     from mdsl.serving.cpu import kv_bytes_per_token
+
+    vocab = MODELS[args.model]["vocab_size"]
+    print(f"== the {device} device", flush=True)
+    llm = LLM(folder, device=device, **engine)
+    try:
+        with llm:
+            graph = llm.device.graph
+            weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
+            per_token = kv_bytes_per_token(graph)         # (the GPU pools' bytes a position, in the weights' bf16)
+            llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
+            if "a" in parts:
+                for batch, context in points:
+                    d = decode_steps(llm, device, batch, context, args.decode_tokens, vocab, args.seed)
+                    d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
+                    result["decode"].append(d)
+                    print(d, flush=True)
+            if "b" in parts:
+                result["runs"].append({"device": device,
+                                       **summary("offline", run_requests(llm, requests, [0.0] * len(requests)))})
+                print(result["runs"][-1], flush=True)
+            if "c" in parts:
+                rng = np.random.default_rng(args.seed + 1)
+                for rate in (float(r) for r in args.rates.split(",")):
+                    arrivals = list(np.cumsum(rng.exponential(1.0 / rate, len(requests))))
+                    result["runs"].append({"device": device, **summary(f"online {rate:g}/s",
+                                                                        run_requests(llm, requests, arrivals))})
+                    print(result["runs"][-1], flush=True)
+    finally:
+        if device == "megakernel" and not llm.device.alive:
+            llm.device.close()     # (its module and memory go now: the device stays referenced until exit)
+    info = {"steps": llm.stats().steps}
+    if device == "megakernel":   # read once the kernel has stopped
+        info.update(launches=llm.device.launches, steps_per_launch=llm.device.kernel.steps_per_launch)
+    else:
+        info["replayed"] = llm.device.replays
+    result["devices"][device] = info
+
+
+def write(result: dict, out: Path) -> str:
+    """serve.json and serve.md in `out`; the tables' text."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(result, indent=1))
+    text = tables(result)
+    (out / "serve.md").write_text(text + "\n")
+    return text
+
+
+def main(argv=None) -> int:
+    from mdsl.errors import UnsupportedError
+    from mdsl.megakernel.runtime.models import MODELS
     from mdsl.serving.protocol import DEFAULT_MAX_TOKENS_PER_STEP
 
     args = parse_args(argv)
     parts = set(args.parts.split(","))
     raw = MODELS[args.model]
+    out = Path(args.out)
     result = {"meta": provenance("serve.py", sys.argv[1:] if argv is None else argv, gpu=True), "model": args.model,
-              "decode": [], "runs": []}
+              "devices": {}, "decode": [], "runs": []}
     with tempfile.TemporaryDirectory() as folder:
         print(f"writing random weights at {args.model}'s shapes", flush=True)
         random_checkpoint(args.model, folder)
@@ -259,39 +430,24 @@ def main(argv=None) -> int:
         # pages for the most tokens any part holds at once (not every slot at max_seq: 64 x 32k would not fit)
         whole = [args.max_batch * max(len(p) + n for p, n in requests)] if parts & {"b", "c"} else []
         held = max([b * s for b, s in spans] + whole)
-        with LLM(folder, device="gpu", max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
-                 kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE) as llm:
-            graph = llm.device.graph
-            weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
-            per_token = kv_bytes_per_token(graph)         # (the GPU pools' bytes a position, in the weights' bf16)
-            llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
-            if "a" in parts:
-                for batch, context in points:
-                    d = decode_steps(llm, batch, context, args.decode_tokens, raw["vocab_size"], args.seed)
-                    d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
-                    result["decode"].append(d)
-                    print(d, flush=True)
-            if "b" in parts:
-                result["runs"].append(summary("offline", run_requests(llm, requests, [0.0] * len(requests))))
-                print(result["runs"][-1], flush=True)
-            if "c" in parts:
-                rng = np.random.default_rng(args.seed + 1)
-                for rate in (float(r) for r in args.rates.split(",")):
-                    arrivals = list(np.cumsum(rng.exponential(1.0 / rate, len(requests))))
-                    result["runs"].append(summary(f"online {rate:g}/s", run_requests(llm, requests, arrivals)))
-                    print(result["runs"][-1], flush=True)
-        del llm
-    gc.collect()        # (the engine's device memory goes back before PyTorch's weights and caches are made)
+        engine = dict(max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
+                      kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE)
+        for device in args.device:
+            try:
+                measure(device, folder, engine, args, parts, points, requests, result)
+            except UnsupportedError as e:
+                result["devices"][device] = {"unsupported": str(e)}
+                print(f"the {device} device cannot serve {args.model}: {e}", flush=True)
+            gc.collect()    # (the device's memory goes back before the next device's or PyTorch's is made)
+            write(result, out)
     baseline = torch_baseline(args.model) if args.torch and result["decode"] else None
-    for d in result["decode"] if baseline is not None else ():
-        d["torch_step_s"] = baseline(d["batch"], int(round(d["mean_context"])))
-        print(f"PyTorch, batch {d['batch']} at {d['mean_context']:.0f}: {d['torch_step_s'] * 1e3:.2f} ms", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=1))
-    text = tables(result)
-    (out / "serve.md").write_text(text + "\n")
-    print(text)
+    for (batch, _), rows in points_of(result["decode"]).items() if baseline is not None else ():
+        context = int(round(sum(d["mean_context"] for d in rows.values()) / len(rows)))
+        seconds = baseline(batch, context)
+        for d in rows.values():
+            d["torch_step_s"] = seconds
+        print(f"PyTorch, batch {batch} at {context}: {seconds * 1e3:.2f} ms", flush=True)
+    print(write(result, out))
     return 0
 
 

@@ -270,7 +270,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "folder)")
     ap.add_argument("--url", help="a server already running (default: start mdsl serve on a free port)")
     ap.add_argument("--api-key", help="the running server's API key")
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="the started server's device (default cpu)")
+    ap.add_argument("--device", choices=("cpu", "gpu", "megakernel"), default="cpu",
+                    help="the started server's device (default cpu)")
     ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
     ap.add_argument("--requests", type=int, help="requests in all (default 4 per client)")
     ap.add_argument("--prompt-len", type=_lengths, default=(16, 256), metavar="LO:HI",
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
                                        if h["error"] is None and o["error"] is None)
             if runs[0]["output_tokens_per_s"] and runs[1]["output_tokens_per_s"]:
                 result["http_over_offline"] = runs[0]["output_tokens_per_s"] / runs[1]["output_tokens_per_s"]
-        meta = provenance("serve_http.py", sys.argv[1:] if argv is None else argv, gpu=args.device == "gpu")
+        meta = provenance("serve_http.py", sys.argv[1:] if argv is None else argv, gpu=args.device != "cpu")
         (out / "serve_http.json").write_text(json.dumps({**result, "meta": meta}, indent=2))
         text = table(runs)
         if "http_over_offline" in result:

@@ -10,8 +10,8 @@
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
 #   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU;
-#   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, its benchmark,
-#      and the HTTP load test;
+#   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, the serving
+#      benchmark of the GPU and megakernel devices, and the HTTP load test;
 #   5b. (STAGES=gemm) benchmarks/gemm.py on GEMM_ARGS' shapes;
 #   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch;
 #   7. (STAGES="random call") random programs timed as a user calls them, on the plans carried in .plans-random
@@ -23,7 +23,7 @@
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
 # Output under $OUT (at most 8 files come back from a device call): summary.txt, tests.log, decode.txt (where the
-# decode stage ran), all.tar.gz (every log and every benchmark's results).
+# decode stage ran), serve.md (where the serve stage ran), all.tar.gz (every log and every benchmark's results).
 #
 #   bash scripts/gpu_session.sh          (with the plan cache .plans/ from the CPU machine beside it)
 set -u
@@ -138,10 +138,13 @@ stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --q
 # requests, contexts of several attention splits, a pool small enough to preempt
 stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY scripts/serve_check.py
-# (STAGES=serve) the GPU serving device's benchmark (benchmarks/serve.py): step times by batch with the
-# op profile, offline and online runs; SERVE_ARGS picks the model and parts
-stage serve "${SERVE_LIMIT:-300}" "$OUT/all/serve.log" $PY benchmarks/serve.py ${SERVE_ARGS:---model qwen3-0.6b} \
-    --out "$OUT/all/serve"
+# (STAGES=serve) the serving benchmark (benchmarks/serve.py) of the GPU device and then the megakernel device, in
+# one process: step times by batch and context (the GPU device's op profile, the megakernel's launches), offline
+# and online runs; SERVE_ARGS picks the model, the parts, the devices (--device) and the requests (128 here: the
+# benchmark's default 256 take twice as long in each online run, 64 s at 4 requests/s on each device alone)
+stage serve "${SERVE_LIMIT:-480}" "$OUT/all/serve.log" $PY benchmarks/serve.py \
+    ${SERVE_ARGS:---model qwen3-0.6b --requests 128} --out "$OUT/all/serve"
+[ -f "$OUT/all/serve/serve.md" ] && cp "$OUT/all/serve/serve.md" "$OUT/serve.md"
 # (STAGES=servehttp) the HTTP load test against the offline engine (benchmarks/serve_http.py)
 stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/all/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \

@@ -3,6 +3,7 @@
     mdsl serve --model DIR                                   # http://127.0.0.1:8000/v1
     mdsl serve --model DIR --host 0.0.0.0 --port 8000 --max-batch 64 --api-key KEY
     mdsl serve --model DIR --port 0                          # a free port, printed on stdout
+    mdsl serve --model DIR --device megakernel               # every step in one resident kernel on the GPU
 
 The served model's name is the folder's name. Once the engine is loaded and the port is listening, one
 line on stdout says where: `mdsl serve: MODEL at http://HOST:PORT/v1 (...)`.
@@ -15,6 +16,7 @@ import signal
 import socket
 
 from mdsl.errors import UnsupportedError
+from mdsl.serving.engine import DEVICES
 
 EXIT_OK = 0
 INSTALL_HINT = "pip install 'mdsl[serve]'"
@@ -76,8 +78,13 @@ def serve(args: argparse.Namespace) -> int:
     from mdsl.server.api import ServedModel
     from mdsl.server.app import create_app
     from mdsl.server.chat import ChatTemplate
-    from mdsl.serving import LLM
+    from mdsl.serving import LLM, ServingError
 
+    if args.gpu_memory_fraction is not None and args.device != "gpu":
+        # (refused before the checkpoint is loaded: only the GPU device sizes its pool from the GPU's memory)
+        raise ServingError(f"--gpu-memory-fraction sizes the GPU device's KV cache; --device {args.device} takes "
+                           "its size from --kv-cache-bytes (default: room for every batch slot at --max-seq)",
+                           hint="pass --device gpu, or --kv-cache-bytes BYTES instead")
     prometheus_client.disable_created_metrics()     # no *_created sample beside every counter and histogram
     template = ChatTemplate.load(args.model) if os.path.isdir(args.model) else None
     sock = _listen(args.host, args.port)
@@ -133,8 +140,10 @@ def add_serve_command(commands) -> None:
     cmd.add_argument("--model", required=True, metavar="DIR", help="the checkpoint folder; its name is the model's")
     cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     cmd.add_argument("--port", type=_port, default=8000, help="the port (default 8000; 0: a free one, printed)")
-    cmd.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                     help="cpu (numpy, for small checkpoints; the default) or gpu")
+    cmd.add_argument("--device", choices=DEVICES, default="cpu",
+                     help="cpu (numpy, for small checkpoints; the default), gpu (the scheduler on the host, each "
+                          "step's kernels on the GPU) or megakernel (the scheduler and every step in one resident "
+                          "kernel on the GPU)")
     cmd.add_argument("--max-batch", type=_positive_int, default=64, metavar="N",
                      help="requests decoded together (default 64)")
     cmd.add_argument("--max-seq", type=_positive_int, metavar="N",
@@ -142,8 +151,8 @@ def add_serve_command(commands) -> None:
     cmd.add_argument("--kv-cache-bytes", type=_positive_int, metavar="BYTES",
                      help="the KV-cache page pool's size (default: room for every batch slot at max-seq)")
     cmd.add_argument("--gpu-memory-fraction", type=float, metavar="F",
-                     help="with --device gpu: the share of the GPU's memory the engine may take; the KV cache gets "
-                          "what the weights and activations leave of it")
+                     help="with --device gpu only: the share of the GPU's memory the engine may take; the KV cache "
+                          "gets what the weights and activations leave of it")
     cmd.add_argument("--api-key", default=os.environ.get("MDSL_API_KEY"), metavar="KEY",
                      help="the key /v1/ requests must send as 'Authorization: Bearer KEY' (default: "
                           "$MDSL_API_KEY; unset: no key)")

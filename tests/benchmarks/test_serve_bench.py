@@ -1,7 +1,26 @@
-"""benchmarks/serve.py without a GPU: the seeded workload, the summaries and the tables."""
+"""benchmarks/serve.py without a GPU: the arguments, the seeded workload, the summaries, the tables of both
+devices, the step counter's slope, the run over the devices (a fake measurement in place of the GPU's), and
+the decode measurement on the CPU device."""
 from __future__ import annotations
 
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
 from benchmarks import serve as S
+from mdsl.errors import UnsupportedError
+
+
+def test_the_devices_are_both_by_default_or_those_named():
+    assert S.parse_args([]).device == ["gpu", "megakernel"]
+    assert S.parse_args(["--device", "megakernel"]).device == ["megakernel"]
+    assert S.parse_args(["--device", "megakernel,gpu,gpu"]).device == ["megakernel", "gpu"]
+    for bad in ("cpu", "", "gpu,mega"):
+        with pytest.raises(SystemExit):
+            S.parse_args(["--device", bad])
 
 
 def test_the_workload_is_seeded_and_within_its_ranges():
@@ -19,21 +38,182 @@ def test_a_summary_counts_tokens_and_times_from_the_records():
     assert s["ttft_p50_s"] == 0.75 and s["tpot_p50_s"] == 1.25
 
 
-def test_the_tables_show_every_measurement():
-    result = {"model": "qwen3-0.6b", "decode": [{"batch": 8, "context": 1024, "mean_context": 1040.4, "steps": 31,
-                                                  "step_s": 0.004, "floor_s": 0.001, "ops_us": {"linear": 1500.0}}],
-              "runs": [S.summary("online 4/s", [{"start": 0.0, "times": [0.1, 0.2], "expected": 2}])]}
+def _decode(device: str, batch: int, step_s: float, **extra) -> dict:
+    return {"device": device, "batch": batch, "context": 1024, "mean_context": 1040.4, "steps": 31, "step_s": step_s,
+            "floor_s": 0.001, **extra}
+
+
+def _run(device: str, name: str, tpot: float) -> dict:
+    return {"device": device, **S.summary(name, [{"start": 0.0, "times": [0.1, 0.1 + tpot], "expected": 2}])}
+
+
+def test_the_tables_show_both_devices_side_by_side():
+    result = {"model": "qwen3-0.6b",
+              "devices": {"gpu": {"steps": 900, "replayed": 850},
+                          "megakernel": {"steps": 1200, "launches": 1, "steps_per_launch": 32537631}},
+              "decode": [_decode("gpu", 8, 0.004, ops_us={"linear": 1500.0}), _decode("megakernel", 8, 0.002)],
+              "runs": [_run("gpu", "offline", 0.2), _run("gpu", "online 4/s", 0.3),
+                       _run("megakernel", "offline", 0.1), _run("megakernel", "online 4/s", 0.15)]}
     text = S.tables(result)
-    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 | - | - |" in text and "| online 4/s | 1 | 2 |" in text
-    result["decode"][0]["torch_step_s"] = 0.006
-    assert "| 8 | 1024 | 1040 | 4.00 ms | 1.000 ms | 25% | 2000 | 6.00 ms | 1.50 |" in S.tables(result)
-    assert "| batch | linear | sum |" in text and "| 8 | 1500 | 1500 |" in text
+    assert ("| batch | prompts | mean context | floor | gpu step | gpu % of floor | gpu tokens/s | megakernel step "
+            "| megakernel % of floor | megakernel tokens/s | PyTorch step | PyTorch / gpu | PyTorch / megakernel |") \
+        in text
+    assert "| 8 | 1024 | 1040 | 1.000 ms | 4.00 ms | 25% | 2000 | 2.00 ms | 50% | 4000 | - | - | - |" in text
+    for d in result["decode"]:
+        d["torch_step_s"] = 0.006
+    assert "| 8 | 1024 | 1040 | 1.000 ms | 4.00 ms | 25% | 2000 | 2.00 ms | 50% | 4000 | 6.00 ms | 1.50 | 3.00 |" \
+        in S.tables(result)
+    # the op profile is the GPU device's only
+    assert "| batch | linear | sum |" in text and "| 8 | 1500 | 1500 |" in text and text.count("| 8 | 1500") == 1
+    # each run's devices on adjacent rows
+    runs = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith(("| offline", "| online"))]
+    assert runs == [["| offline", "gpu"], ["| offline", "megakernel"], ["| online 4/s", "gpu"],
+                    ["| online 4/s", "megakernel"]]
+    assert "- megakernel: 1 kernel launch for the run's 1200 steps" in text
+    assert "- gpu: 900 steps, 850 of them replayed as a CUDA graph" in text
 
 
-def test_every_timed_decode_step_has_the_whole_batch(tmp_path):
-    """decode_steps on the CPU device (its op profile stubbed): the prompts are read oldest first, so the
-    first requests decode while the last ones' prompts are read; none may end before the timed and profiled
-    steps are over, and all are cancelled after."""
+def test_a_device_without_results_shows_why_and_its_columns_stay_out():
+    result = {"model": "qwen3-0.6b", "devices": {"gpu": {"steps": 90, "replayed": 80},
+                                                 "megakernel": {"unsupported": "no body for X"}},
+              "decode": [_decode("gpu", 1, 0.002)], "runs": []}
+    text = S.tables(result)
+    assert "- megakernel: cannot serve the model: no body for X" in text
+    assert "megakernel step" not in text and "| 1 | 1024 | 1040 | 1.000 ms | 2.00 ms | 50% | 500 | - | - |" in text
+
+
+def test_results_from_before_the_megakernel_read_as_the_gpu_devices():
+    result = {"model": "qwen3-0.6b", "decode": [{k: v for k, v in _decode("gpu", 8, 0.004).items() if k != "device"}],
+              "runs": [S.summary("offline", [{"start": 0.0, "times": [0.1, 0.2], "expected": 2}])]}
+    text = S.tables(result)
+    assert "| 8 | 1024 | 1040 | 1.000 ms | 4.00 ms | 25% | 2000 | - | - |" in text
+    assert "| offline | gpu | 1 | 2 |" in text
+
+
+def test_the_slope_is_the_least_squares_time_per_count():
+    samples = [(10.0 + 0.002 * k + (0.0004 if k == 5 else 0.0), k) for k in range(100, 165)]
+    assert S.slope(samples) == pytest.approx(0.002, rel=0.01)
+    assert S.slope([(1.0, 3), (1.5, 4), (2.5, 6)]) == pytest.approx(0.5)
+
+
+def test_the_step_counter_is_followed_from_its_next_change_for_the_steps_asked():
+    control = np.zeros(1, dtype=[("steps", np.uint64)])
+    stop = threading.Event()
+
+    def device():
+        while not stop.is_set():
+            control["steps"][0] += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=device)
+    thread.start()
+    try:
+        step_s, steps = S.step_counter_slope(control, 20)
+    finally:
+        stop.set()
+        thread.join()
+    assert steps >= 20 and step_s > 0
+
+
+def test_a_stalled_step_counter_fails(monkeypatch):
+    monkeypatch.setattr(S, "STALL_S", 0.01)
+    with pytest.raises(RuntimeError, match="stayed at 7"):
+        S.step_counter_slope(np.full(1, 7, dtype=[("steps", np.uint64)]), 5)
+
+
+def test_the_run_measures_each_device_records_an_unsupported_one_and_writes_both(tmp_path, monkeypatch):
+    """main over both devices, each device's measurement faked: the GPU's rows, the megakernel refused; the
+    results are written after each device, and PyTorch's step (faked) is timed once per point."""
+    measured, torch_points = [], []
+
+    def measure(device, folder, engine, args, parts, points, requests, result):
+        measured.append(device)
+        if device == "megakernel":   # the GPU device's results are written already
+            assert json.loads((tmp_path / "serve.json").read_text())["devices"] == {"gpu": {"steps": 10, "replayed": 9}}
+            raise UnsupportedError("the serving kernel has no body for X")
+        for batch, context in points:
+            result["decode"].append(_decode(device, batch, 0.001 * batch))
+        result["runs"].append(_run(device, "offline", 0.1))
+        result["devices"][device] = {"steps": 10, "replayed": 9}
+
+    def torch_baseline(model):
+        return lambda batch, context: torch_points.append((batch, context)) or 0.005
+
+    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder: None)
+    monkeypatch.setattr(S, "measure", measure)
+    monkeypatch.setattr(S, "torch_baseline", torch_baseline)
+    assert S.main(["--batches", "1,8", "--long-contexts", "", "--requests", "4", "--out", str(tmp_path)]) == 0
+    assert measured == ["gpu", "megakernel"]
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert result["devices"] == {"gpu": {"steps": 10, "replayed": 9},
+                                 "megakernel": {"unsupported": "the serving kernel has no body for X"}}
+    assert [(d["device"], d["batch"], d["torch_step_s"]) for d in result["decode"]] == [("gpu", 1, 0.005),
+                                                                                       ("gpu", 8, 0.005)]
+    assert torch_points == [(1, 1040), (8, 1040)]
+    assert (tmp_path / "serve.md").read_text() == S.tables(result) + "\n"
+
+
+def test_both_devices_rows_share_one_pytorch_step_per_point(tmp_path, monkeypatch):
+    torch_points = []
+
+    def measure(device, folder, engine, args, parts, points, requests, result):
+        result["decode"].append({**_decode(device, 4, 0.002), "mean_context": 1040.0 if device == "gpu" else 1046.0})
+        result["devices"][device] = ({"steps": 10, "launches": 1, "steps_per_launch": 99} if device == "megakernel"
+                                     else {"steps": 10, "replayed": 9})
+
+    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder: None)
+    monkeypatch.setattr(S, "measure", measure)
+    monkeypatch.setattr(S, "torch_baseline", lambda model: lambda b, c: torch_points.append((b, c)) or 0.004)
+    S.main(["--batches", "4", "--long-contexts", "", "--requests", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert torch_points == [(4, 1043)] and [d["torch_step_s"] for d in result["decode"]] == [0.004, 0.004]
+
+
+def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
+    """main and measure end to end on a tiny Qwen3 (random weights at its shapes), each device played by the
+    CPU device (the GPU device's op profile and replays, the megakernel's launches and kernel stubbed): every
+    part's rows for both devices, each device's launches, the megakernel's kernel closed once it stopped."""
+    import mdsl
+    from mdsl.megakernel.runtime import models
+    from tests.megakernel.tiny import tiny_config_dict
+
+    closed = []
+
+    class OnTheCpu(mdsl.LLM):
+        def __init__(self, folder, device, **engine):
+            super().__init__(folder, device="cpu", **engine)
+            if device == "megakernel":
+                self.device.launches = 1
+                self.device.kernel = type("Kernel", (), {"steps_per_launch": 99})()
+                self.device.close = lambda: closed.append(self.device.alive)
+            else:
+                self.device.replays, self.device.profile_ops = 0, lambda on: {"linear": (12.5, 3)}
+
+    monkeypatch.setitem(models.MODELS, "tiny-qwen3", tiny_config_dict("qwen3", max_position_embeddings=512))
+    monkeypatch.setattr(mdsl, "LLM", OnTheCpu)
+    S.main(["--model", "tiny-qwen3", "--batches", "1,3", "--context", "20", "--long-contexts", "40",
+            "--decode-tokens", "3", "--requests", "5", "--prompt-len", "4:9", "--output-len", "2:5", "--rates", "200",
+            "--max-batch", "4", "--no-torch", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert [(d["device"], d["batch"], d["context"]) for d in result["decode"]] == [
+        (device, b, c) for device in ("gpu", "megakernel") for b, c in ((1, 20), (3, 20), (1, 40))]
+    assert all(d["ops_us"] == {"linear": 12.5} and d["steps"] >= 3 for d in result["decode"][:3])
+    assert all(d["launches"] == 0 and d["steps"] >= 6 for d in result["decode"][3:])
+    assert [(r["device"], r["run"], r["output_tokens"], r["short"]) for r in result["runs"]] == [
+        (device, run, sum(n for _, n in S.workload(S.parse_args(["--requests", "5", "--prompt-len", "4:9",
+                                                                 "--output-len", "2:5"]), 96)), 0)
+        for device in ("gpu", "megakernel") for run in ("offline", "online 200/s")]
+    gpu, megakernel = result["devices"]["gpu"], result["devices"]["megakernel"]
+    assert gpu["replayed"] == 0 and gpu["steps"] > 0 and megakernel["launches"] == 1 and megakernel["steps"] > 0
+    assert megakernel["steps_per_launch"] == 99 and closed == [False]
+    assert "| batch | prompts | mean context | floor | gpu step" in (tmp_path / "serve.md").read_text()
+
+
+@pytest.mark.parametrize("device", ["gpu", "megakernel"])
+def test_every_timed_decode_step_has_the_whole_batch(tmp_path, device):
+    """decode_steps on the CPU device (the GPU device's op profile and graph replays, the megakernel's launches
+    stubbed): the prompts are read oldest first, so the first requests decode while the last ones' prompts are
+    read; none may end before the timed (and profiled) steps are over, and all are cancelled after."""
     from mdsl import LLM
     from tests.serving.conftest import write_checkpoint
 
@@ -42,7 +222,58 @@ def test_every_timed_decode_step_has_the_whole_batch(tmp_path):
     with LLM(ckpt.folder, device="cpu", max_batch=8, max_seq=400, max_tokens_per_step=32) as llm:
         llm.device.profile_ops = lambda on: {}
         llm.device.replays = 0
-        d = S.decode_steps(llm, batch, context, tokens, 96, 0)
-        assert d["steps"] >= tokens and d["batch"] == batch
+        llm.device.launches = 1
+        d = S.decode_steps(llm, device, batch, context, tokens, 96, 0)
+        assert d["device"] == device and d["batch"] == batch
+        assert d["steps"] >= (2 * tokens if device == "megakernel" else tokens) and d["step_s"] > 0
+        assert ("launches" in d, "ops_us" in d) == ((True, False) if device == "megakernel" else (False, True))
         assert context < d["mean_context"] < context + S.decode_budget(32, batch, context, tokens)
         assert llm.stats().running == 0 and llm.stats().peak_running == batch
+
+
+def _both_devices() -> dict:
+    return {"model": "qwen3-0.6b", "meta": {"date": "2026-12-02T00:00:00+00:00", "command": "benchmarks/serve.py"},
+            "devices": {"gpu": {"steps": 900, "replayed": 850},
+                        "megakernel": {"steps": 1200, "launches": 1, "steps_per_launch": 32537631}},
+            "decode": [_decode("gpu", 1, 0.002, ops_us={"linear": 700.0}, torch_step_s=0.004),
+                       _decode("megakernel", 1, 0.001, torch_step_s=0.004),
+                       _decode("gpu", 64, 0.01, torch_step_s=0.006),
+                       _decode("megakernel", 64, 0.004, torch_step_s=0.006)],
+            "runs": [_run("gpu", "offline", 0.2), _run("megakernel", "offline", 0.1)]}
+
+
+def test_the_reports_serve_section_shows_both_devices():
+    from benchmarks import report
+
+    text = "\n".join(report.serve_section(_both_devices()))
+    assert "`LLM(device=\"gpu\")`" in text and "`LLM(device=\"megakernel\")`" in text
+    assert ("| batch | prompt | mean context | floor ms | gpu ms | gpu of floor | gpu tokens/s | megakernel ms | "
+            "megakernel of floor | megakernel tokens/s | PyTorch ms | PyTorch / gpu | PyTorch / megakernel |") in text
+    assert "| 1 | 1024 | 1040 | 1.000 | 2.00 | 50% | 500 | 1.00 | 100% | 1000 | 4.00 | 2.00× | 4.00× |" in text
+    assert "| 64 | 1024 | 1040 | 1.000 | 10.00 | 10% | 6400 | 4.00 | 25% | 16000 | 6.00 | 0.60× | 1.50× |" in text
+    assert "- megakernel: 1 kernel launch for the run's 1200 steps" in text
+    assert "| offline | gpu | 1 | 2 |" in text and "| offline | megakernel | 1 | 2 |" in text
+    assert "| batch | linear | sum |" in text and "| 1 | 700 | 700 |" in text
+
+
+def test_the_reports_serve_headlines_are_each_devices():
+    from benchmarks import report
+
+    h = report.headlines({"serve": _both_devices()})
+    assert (h["serve_step_one"], h["serve_step_most"], h["serve_floor_most"]) == ("2.0 ms", "10.0 ms", "10%")
+    assert (h["serve_megakernel_step_one"], h["serve_megakernel_step_most"]) == ("1.0 ms", "4.0 ms")
+    data = _both_devices()
+    data["devices"]["megakernel"] = {"unsupported": "no body for X"}
+    data["decode"] = [d for d in data["decode"] if d["device"] == "gpu"]
+    h = report.headlines({"serve": data})
+    assert h["serve_step_one"] == "2.0 ms" and "serve_megakernel_step_one" not in h
+    assert "- megakernel: cannot serve the model: no body for X" in report.serve_section(data)
+
+
+def test_the_reports_serve_plot_draws_both_devices(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import report
+
+    assert report.plot_serve(_both_devices(), tmp_path / "serve.png") is None
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert report.plot_serve({"decode": []}, tmp_path / "none.png") is not None

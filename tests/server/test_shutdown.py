@@ -79,7 +79,11 @@ def test_sigterm_finishes_or_cancels_running_streams_and_exits_0(bare, tmp_path)
 
 @pytest.mark.parametrize("args, words", [
     (["--gpu-memory-fraction", "0.9"], "sizes the GPU device's KV cache"),
-    *([] if has_gpu() else [(["--device", "gpu"], "needs an NVIDIA GPU")]),
+    (["--device", "megakernel", "--gpu-memory-fraction", "0.9"], "--device megakernel takes its size from "
+                                                                 "--kv-cache-bytes"),
+    (["--device", "tpu"], "invalid choice: 'tpu' (choose from"),
+    *([] if has_gpu() else [(["--device", "gpu"], "needs an NVIDIA GPU"),
+                            (["--device", "megakernel"], "needs an NVIDIA GPU")]),
     (["--max-batch", "0"], "positive integer"),
     (["--port", "70000"], "[0, 65535]"),
     (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1"),          # an address of no interface here
