@@ -134,10 +134,12 @@ RANK_ARGS="${RANK_ARGS:---models qwen3-8b --variants default --trace-model qwen3
 stage rank "${RANK_LIMIT:-200}" "$OUT/all/rank.log" $PY benchmarks/decode.py --quick --rank-of 2 $RANK_ARGS --out "$OUT/all/rank"
 [ -f "$OUT/all/rank.log" ] && grep -E '^\[|^\||Error|error' "$OUT/all/rank.log" | tail -n 150 > "$OUT/all/rank.txt"
 
-# (STAGES=sanitize) compute-sanitizer's memcheck over the GPU serving device on a tiny checkpoint: many
+# (STAGES=sanitize) compute-sanitizer's memcheck over each GPU serving device on a tiny checkpoint: many
 # requests, contexts of several attention splits, a pool small enough to preempt
 stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
-    $PY scripts/serve_check.py
+    $PY scripts/serve_check.py --device gpu
+stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize_megakernel.log" compute-sanitizer --tool memcheck \
+    --error-exitcode 3 $PY scripts/serve_check.py --device megakernel
 # (STAGES=serve) the serving benchmark (benchmarks/serve.py) of the GPU device and then the megakernel device, in
 # one process: step times by batch and context (the GPU device's op profile, the megakernel's launches), offline
 # and online runs; SERVE_ARGS picks the model, the parts, the devices (--device) and the requests (128 here: the
