@@ -305,7 +305,7 @@ def repriced(plan: Plan) -> Plan:
     plan's verified candidates rather than discarding them and searching again (a machine without z3 could
     not). The candidates keep the search's order: the chosen mugraph and its explanation are what the
     search's partition and verification found, and the GPU's first call times the leading candidates and
-    the program as written anyway (`mdsl.gpu.autotune`)."""
+    the program as written anyway (`mdsl.backend.cuda.autotune.first_call_set`)."""
     def price(c: Candidate) -> Candidate:
         cost = estimate(c.graph)
         return c if same_cost(c.cost, cost) else attrs.evolve(c, cost=cost)
