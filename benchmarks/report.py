@@ -775,11 +775,7 @@ def plot_decode(data: dict, path: Path) -> Optional[str]:
     if len(contexts) > 1:   # a bar group per model and context
         labels = [f"{label}\n{row_context(m, contexts[0])}" for label, m in zip(labels, models)]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    width = 0.8 / len(series)
-    for k, (label, values) in enumerate(series.items()):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(models))]
-        bars = ax.bar(xs, values, width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    _grouped_bars(ax, series, len(models), fontsize=7)
     ax.set_xticks(range(len(models)), labels)
     ax.set_ylabel("ms per token")
     gpu = ((data.get("meta") or {}).get("gpu") or {}).get("name", "")
@@ -789,6 +785,14 @@ def plot_decode(data: dict, path: Path) -> Optional[str]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+def _grouped_bars(ax, series: dict, groups: int, fontsize: int) -> None:
+    """One bar per series in each of `groups` groups, side by side, each labelled with its value."""
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(groups)]
+        ax.bar_label(ax.bar(xs, values, width, label=label), fmt="%.2f", fontsize=fontsize)
 
 
 def plot_serve(data: dict, path: Path) -> Optional[str]:
@@ -813,11 +817,7 @@ def plot_serve(data: dict, path: Path) -> Optional[str]:
                                     for rows in points.values()] for name in devices},
               "PyTorch + CUDA graph": [first(rows, "torch_step_s") for rows in points.values()]}
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
-    width = 0.8 / len(series)
-    for k, (label, values) in enumerate(series.items()):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(points))]
-        bars = ax.bar(xs, values, width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    _grouped_bars(ax, series, len(points), fontsize=6)
     ax.set_xticks(range(len(points)), [f"batch {b}\nprompt {c}" for b, c in points], fontsize=7)
     ax.set_ylabel("ms per decode step")
     model = MODEL_NAMES.get(data.get("model"), data.get("model"))

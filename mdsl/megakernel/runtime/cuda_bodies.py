@@ -158,7 +158,8 @@ _STREAM_BUFFERS = {"h": ("p.hs", "p.h_parts", "p.h_relay", "h_at"),
                    "mid": ("p.mids", "p.mid_parts", "p.mid_relay", "mid_at")}
 
 
-def _stream_layer(offset: int) -> str:
+def stream_layer(offset: int) -> str:
+    """C++: the layer index of a stream row `offset` layers past the task's (the serving bodies' too)."""
     return "t.layer" if offset == 0 else f"t.layer + {offset}"
 
 
@@ -167,13 +168,13 @@ def _stream_column(stream: Optional[tuple]) -> Optional[str]:
     if stream is None:
         return None
     family, offset = stream
-    return f"{_STREAM_BUFFERS[family][3]}(p, {_stream_layer(offset)}, r)"
+    return f"{_STREAM_BUFFERS[family][3]}(p, {stream_layer(offset)}, r)"
 
 
 def _normed_stream(k: KindOp, norm: str) -> NormedStream:
     """The residual-stream row the kind normalises (its "row" stream: h, or mid) by the `norm` weights."""
     family, offset = k.stream("row")
-    return NormedStream(_STREAM_BUFFERS[family][0], _stream_layer(offset), norm, k.attr_dict.get("unit_offset", False))
+    return NormedStream(_STREAM_BUFFERS[family][0], stream_layer(offset), norm, k.attr_dict.get("unit_offset", False))
 
 
 def _norm_linear(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
@@ -201,7 +202,7 @@ def _projection(k: KindOp, epilogue: ThreadGraph) -> LinearBody:
     those."""
     family, offset = k.stream("out")
     single, parts, relay, _ = _STREAM_BUFFERS[family]
-    sink = ToStream(single, parts, relay, _stream_layer(offset), _stream_column(k.stream("residual")))
+    sink = ToStream(single, parts, relay, stream_layer(offset), _stream_column(k.stream("residual")))
     addend = _stream_column(k.stream("addend"))
     if k.kind is Kind.OPROJ:
         return LinearBody(k.kind, "oproj_task", "HQ * D", _layer_matrices(("wo", "H")), False,
@@ -237,7 +238,7 @@ def _norm_moe_experts_residual(k: KindOp, epilogue: ThreadGraph) -> Optional[Lin
 def _expert_down_call(k: KindOp) -> str:
     """moe.cuh's expert_down_task into the kind's "out" row of the residual stream, adding its "residual" row."""
     family, offset = k.stream("out")
-    return (f"expert_down_task(p, t, work, {_STREAM_BUFFERS[family][0]}, {_stream_layer(offset)}, "
+    return (f"expert_down_task(p, t, work, {_STREAM_BUFFERS[family][0]}, {stream_layer(offset)}, "
             f"[&](int r) {{ return {_stream_column(k.stream('residual'))}; }});")
 
 

@@ -18,7 +18,7 @@ from mdsl.backend.cuda.source import CodeWriter
 from mdsl.errors import UnsupportedError
 from mdsl.megakernel.runtime.cuda_bodies import (Activations, LinearBody, NormedStream, ToBuffer, ToStream,
                                                  _epilogue_inputs, _row_expression, emit_epilogue, linear_bodies,
-                                                 write_dispatch, write_linear_body)
+                                                 stream_layer, write_dispatch, write_linear_body)
 from mdsl.megakernel.runtime.serving_plan import ServingPlan
 from mdsl.megakernel.runtime.task_plan import Kind, KindOp
 
@@ -29,16 +29,12 @@ _INPUTS = {Kind.OPROJ: ("p.attns", "HQ * D"), Kind.DOWN: ("p.acts", "I")}
 _STREAMS = {"h": "p.hs", "mid": "p.mids"}   # the residual stream's rows (task_plan.STREAMS)
 
 
-def _layer(offset: int) -> str:
-    return "t.layer" if offset == 0 else f"t.layer + {offset}"
-
-
 def _stream_value(stream: Optional[tuple]) -> Optional[str]:
     """C++: column r of the step row's residual-stream row `stream` ((family, layer offset)), as f32."""
     if stream is None:
         return None
     family, offset = stream
-    return f"mdsl::to_float(row_of({_STREAMS[family]}, {_layer(offset)}, row, H)[r])"
+    return f"mdsl::to_float(row_of({_STREAMS[family]}, {stream_layer(offset)}, row, H)[r])"
 
 
 def _refuse(body: LinearBody, why: str) -> UnsupportedError:
