@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,6 +59,7 @@ BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.m
 PAGE_SIZE = 16
 DEVICES = ("gpu", "megakernel")
 POLL_S = 2e-5           # (a) the megakernel's step counter polled this often
+PROFILED_STEPS = 16     # (a) the megakernel's steps run with its profile on (more than its ring holds)
 STALL_S = 60.0          # (a) a step counter that does not move for this long fails the measurement
 
 
@@ -112,15 +114,17 @@ def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
     """Tokens each request of (a) may produce: enough that none ends before the last one's prompt is read
     (prompts are read oldest first, so the first request decodes while the others' prompts are read) and
     the timed and profiled steps are over, with 64 steps to spare for the host's late look at the first
-    tokens (a megakernel's step may be a fraction of a millisecond)."""
-    return -(-batch * context // per_step) + batch + 2 * tokens + 64
+    tokens (a megakernel's step may be a fraction of a millisecond) and PROFILED_STEPS more for the megakernel's
+    profile."""
+    return -(-batch * context // per_step) + batch + 2 * tokens + 64 + PROFILED_STEPS
 
 
-def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int) -> dict:
+def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int,
+                 trace: Optional[Path] = None) -> dict:
     """(a): the step time while `batch` requests decode together, prompts of `context` tokens, from the moment
     the last prompt is read: on the GPU device over `tokens` steps, then over as many more the time of each
     layer op in a step (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its step
-    counter (step_counter_slope). Every request runs until both are over (then it is cancelled), so every
+    counter (step_counter_slope), then a profile of its tasks (kernel_profile; its trace into `trace`). Every request runs until both are over (then it is cancelled), so every
     timed step has `batch` rows; the requests read first are further on, and `mean_context` (at the timed
     steps' middle) is what the bandwidth floor counts."""
     import numpy as np
@@ -143,7 +147,8 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         launches0 = llm.device.launches
         step_s, steps = step_counter_slope(llm.device.host["control"], 2 * tokens)
         after = produced()
-        timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0}
+        timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0,
+                 **kernel_profile(llm.device, trace)}
     else:
         start, steps0, replays0 = time.perf_counter(), llm.stats().steps, llm.device.replays
         while llm.stats().steps < steps0 + tokens:
@@ -168,6 +173,42 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         h.result()
     return {"device": device, "batch": batch, "context": context,
             "mean_context": context - 1 + float(np.mean(before + after)), **timed, "preemptions": preemptions}
+
+
+def kernel_profile(device, trace: Optional[Path]) -> dict:
+    """The megakernel's tasks profiled over PROFILED_STEPS steps (MegakernelDevice.profile): of the last complete
+    step its ring holds, the step's span (first task taken to last body done, µs), SCHEDULE's body, and per kind
+    the layer's phase (profile.layer_phases: the median over layers of the phase's span, its median body and the
+    gap before it); that step's Perfetto trace into `trace`."""
+    from mdsl.megakernel.runtime.profile import layer_phases, write_trace
+
+    control = device.host["control"]
+    device.profile(True)
+    start = int(control["steps"][0])
+    wait_steps(control, start + PROFILED_STEPS)
+    device.profile(False)
+    wait_steps(control, int(control["steps"][0]) + 2)   # (no record is being written)
+    steps = device.profile_records()
+    if not steps:
+        return {}
+    labels, kinds, layers = device.profile_tasks()
+    records = steps[max(steps)]
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        write_trace(str(trace), records, labels, kinds)
+    schedule = [r for r in records if kinds[r.index % len(kinds)] == "schedule"]
+    return {"step_span_us": round((max(r.done_ns for r in records) - min(r.taken_ns for r in records)) / 1e3, 2),
+            "schedule_us": round(sum(r.done_ns - r.started_ns for r in schedule) / 1e3, 2),
+            "phases_us": layer_phases(records, kinds, layers, step=max(steps))}
+
+
+def wait_steps(control, count: int) -> None:
+    """Until the device's step counter reaches `count`."""
+    deadline = time.perf_counter() + STALL_S
+    while int(control["steps"][0]) < count:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the device's step counter stayed below {count} for {STALL_S:.0f} s")
+        time.sleep(POLL_S)
 
 
 def step_counter_slope(control, count: int) -> tuple:
@@ -324,6 +365,20 @@ def tables(result: dict) -> str:
             cells += [f"{torch_s / rows[n]['step_s']:.2f}" if torch_s and n in rows else "-" for n in devices]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        phased = [d for d in decode if d.get("phases_us")]
+        kinds = list(dict.fromkeys(k for d in phased for k in d["phases_us"]))
+        if kinds:
+            lines += ["Where the megakernel's decode step goes (its task profile, the last profiled step: the step's "
+                      "span, SCHEDULE's body, and per kind the layer's phase, median over layers: span / gap before "
+                      "it, µs):", "",
+                      "| batch | prompts | step span | schedule | " + " | ".join(kinds) + " |",
+                      "|---|---|---|---|" + "---|" * len(kinds)]
+            for d in phased:
+                ph = d["phases_us"]
+                lines.append(f"| {d['batch']} | {d['context']} | {d['step_span_us']:.0f} | {d['schedule_us']:.0f} | " +
+                             " | ".join(f"{ph[k].get('span_us', 0):.1f} / {ph[k].get('gap_us', 0):.1f}" if k in ph
+                                        else "-" for k in kinds) + " |")
+            lines.append("")
         profiled = [d for d in decode if d.get("ops_us")]
         ops = sorted({op for d in profiled for op in d["ops_us"]},
                      key=lambda op: -max(d["ops_us"].get(op, 0.0) for d in profiled))
@@ -371,7 +426,9 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
             llm.submit([1, 2, 3], None).result()          # kernels compiled and loaded
             if "a" in parts:
                 for batch, context in points:
-                    d = decode_steps(llm, device, batch, context, args.decode_tokens, vocab, args.seed)
+                    first = (batch, context) == points[0]   # (a trace of the first point's last profiled step)
+                    d = decode_steps(llm, device, batch, context, args.decode_tokens, vocab, args.seed,
+                                     Path(args.out) / f"trace-{device}-b{batch}-c{context}.json" if first else None)
                     d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
                     result["decode"].append(d)
                     print(d, flush=True)

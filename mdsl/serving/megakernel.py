@@ -23,8 +23,8 @@ from mdsl.errors import MdslError
 from mdsl.megakernel.modelgraph.model import ModelGraph
 from mdsl.megakernel.modelgraph.model_config import ModelConfig
 from mdsl.megakernel.runtime.serving_engine import (ERROR_BAD_LOGITS, HOST_STOP, STATE_BAD_TOKEN, STATE_LAUNCH_END,
-                                                    STATE_SERVE_ERROR, STATE_STOP, STATE_STUCK, STATE_WORDS,
-                                                    ServingKernel)
+                                                    STATE_PROFILE, STATE_SERVE_ERROR, STATE_STOP, STATE_STUCK,
+                                                    STATE_WORDS, ServingKernel)
 from mdsl.megakernel.runtime.serving_plan import ServingPlan
 from mdsl.serving.protocol import FAILED, SERVING, STOPPED, Region, ServingShape, device_region
 from mdsl.serving.scheduler import STATE, scheduler_error
@@ -110,17 +110,39 @@ class MegakernelDevice:
     def resume(self) -> None:
         """Nothing: the kernel is never held."""
 
-    def stop(self, timeout: float) -> None:
-        """Leave now, whatever is admitted: every worker leaves at its next wait (HOST_STOP in the stop word)."""
+    def _state_word(self, index: int, value: int) -> None:
+        """Write a state word of the running kernel (on a stream of its own, beside the kernel's)."""
         from mdsl.gpu.driver import check, driver
 
+        word = np.array([value], np.int32)
+        check(driver.cuMemcpyHtoDAsync(self.kernel.params.state + 4 * index, word.ctypes.data, 4, self._stop_stream),
+              "cuMemcpyHtoDAsync")
+        check(driver.cuStreamSynchronize(self._stop_stream), "cuStreamSynchronize")
+
+    def stop(self, timeout: float) -> None:
+        """Leave now, whatever is admitted: every worker leaves at its next wait (HOST_STOP in the stop word)."""
         self._stopping = True
         if self._thread.is_alive():
-            word = np.array([HOST_STOP], np.int32)
-            check(driver.cuMemcpyHtoDAsync(self.kernel.params.state + 4 * STATE_STOP, word.ctypes.data, 4,
-                                           self._stop_stream), "cuMemcpyHtoDAsync")
-            check(driver.cuStreamSynchronize(self._stop_stream), "cuStreamSynchronize")
+            self._state_word(STATE_STOP, HOST_STOP)
         self.join(timeout)
+
+    def profile(self, on: bool) -> None:
+        """Profile the kernel's tasks from now on (on) or no longer: their SMs and times go into a ring of the last
+        serving_source.PROFILE_STEPS steps (profile_records reads it)."""
+        self._state_word(STATE_PROFILE, int(on))
+
+    def profile_records(self) -> dict:
+        """{step of the launch: [TaskRecord]} of the ring's complete steps (profile.summary and layer_phases read
+        them with the plan's kinds and layers: profile_tasks). Read after profile(False) and a step or two, so that
+        no record is being written."""
+        k = self.kernel
+        return k.profile_records(k.copy_out(k.params.profile, k.layout()["profile"].nbytes, self._stop_stream))
+
+    def profile_tasks(self) -> tuple:
+        """(labels, kinds, layers) of a step's tasks, in the records' order."""
+        tasks = self.kernel.plan.tasks
+        return (tuple(t.label() for t in tasks), tuple(t.kind.name.lower() for t in tasks),
+                tuple(t.layer for t in tasks))
 
     def join(self, timeout: float) -> None:
         if self._thread.is_alive():

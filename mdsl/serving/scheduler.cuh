@@ -9,6 +9,8 @@
 // workspace_bytes(sizes) (bind_workspace), then at every step boundary, from one thread:
 //
 //   begin_step(s)          cancel, plan, pages, admit, write step/chunks/rows and the control words
+//                          (plan_step), then check the page pool (check_pool, which a block's threads
+//                          may share: pool_stamp, check_pool_part, pool_count)
 //   (the forward)          over step->num_rows rows, when step->num_chunks > 0; its sampler writes
 //                          tokens[c] for each chunk c whose sample is 1
 //   end_step(s, tokens)    advance the entries that ran, take the sampled tokens: histories, records,

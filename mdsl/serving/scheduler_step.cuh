@@ -190,34 +190,66 @@ SCHED inline unsigned write_step(const Serving& s, unsigned length, unsigned* ro
 }
 
 // Every page is either free or in exactly one entry's page table (CpuDevice._check_pool): each page met
-// is marked with this check's stamp, so a page met twice, or out of range, or a count other than
-// num_pages, is a lost or duplicated page.
-SCHED inline unsigned check_pool(const Serving& s) {
+// is marked with the check's stamp, so a page met twice, or out of range, or a count other than
+// num_pages, is a lost or duplicated page. The check is split so that any number of threads share it
+// (the megakernel's whole block: a pool of thousands of pages is thousands of dependent memory round
+// trips for one thread): pool_stamp (one thread), then check_pool_part(s, stamp, t, n) in each thread t
+// of n, then pool_count; check_pool runs the three in one thread.
+
+// (one thread) the check's stamp, before any part runs
+SCHED inline unsigned pool_stamp(const Serving& s) {
   State& st = *s.state;
   if (++st.stamp == 0) {   // the stamps wrapped: old marks could equal new ones
     for (unsigned p = 0; p < s.size.num_pages; ++p) s.marks[p] = 0;
     st.stamp = 1;
   }
-  unsigned long long met = 0;
+  return st.stamp;
+}
+
+// a page's mark swapped for the stamp; the old mark (a block's threads mark at once: an atomic exchange)
+SCHED inline unsigned swap_mark(unsigned* mark, unsigned stamp) {
+#if defined(__CUDA_ARCH__)
+  return atomicExch(mark, stamp);
+#else
+  unsigned old = *mark;
+  *mark = stamp;
+  return old;
+#endif
+}
+
+// thread t of n: pages t, t + n, ... of the free stack and of each entry's page table; false where one
+// is out of range or was met already
+SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, unsigned n) {
   unsigned free_count = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
   for (unsigned e = 0; e <= s.size.max_batch; ++e) {   // the free stack, then each entry's pages
     const int* pages = e == 0 ? s.free_pages : s.page_table + (unsigned long long)(e - 1) * s.size.pages_per_request;
-    unsigned n = e == 0 ? free_count : s.entries[e - 1].num_pages;
-    if (e > 0 && n > s.size.pages_per_request) n = s.size.pages_per_request;
-    for (unsigned i = 0; i < n; ++i) {
+    unsigned count = e == 0 ? free_count : s.entries[e - 1].num_pages;
+    if (e > 0 && count > s.size.pages_per_request) count = s.size.pages_per_request;
+    for (unsigned i = t; i < count; i += n) {
       int p = pages[i];
-      if (p < 0 || (unsigned)p >= s.size.num_pages || s.marks[p] == st.stamp) return fail(s, ERROR_POOL);
-      s.marks[p] = st.stamp;
+      if (p < 0 || (unsigned)p >= s.size.num_pages || swap_mark(s.marks + p, stamp) == stamp) return false;
     }
-    met += n;
   }
-  return met == s.size.num_pages ? OK : fail(s, ERROR_POOL);
+  return true;
+}
+
+// (one thread, after every part) OK where every part was and the pages met add up to num_pages
+SCHED inline unsigned pool_count(const Serving& s, bool parts_ok) {
+  unsigned long long met = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
+  for (unsigned e = 0; e < s.size.max_batch; ++e)
+    met += s.entries[e].num_pages < s.size.pages_per_request ? s.entries[e].num_pages : s.size.pages_per_request;
+  return parts_ok && met == s.size.num_pages ? OK : fail(s, ERROR_POOL);
+}
+
+SCHED inline unsigned check_pool(const Serving& s) {
+  unsigned stamp = pool_stamp(s);
+  return pool_count(s, check_pool_part(s, stamp, 0, 1));
 }
 
 // cancel, plan, pages (with preemption), admit (skipped in a step that preempted, so that an admission
-// is not undone at once), write the step, and the control words; then the pool's check, before the
-// forward reads the page tables. The caller runs the step's chunks when step->num_chunks > 0.
-SCHED inline unsigned begin_step(const Serving& s) {
+// is not undone at once), write the step, and the control words: begin_step without the pool's check
+// (the megakernel runs the check with its whole block after this).
+SCHED inline unsigned plan_step(const Serving& s) {
   State& st = *s.state;
   if (st.error) return st.error;
   if (st.flushed < st.staged) return fail(s, ERROR_UNFLUSHED);
@@ -246,6 +278,13 @@ SCHED inline unsigned begin_step(const Serving& s) {
     if (length > control.peak_running) store_relaxed(&control.peak_running, length);
     st.worked = 1;
   }
+  return OK;
+}
+
+// plan_step, then the pool's check, before the forward reads the page tables. The caller runs the step's
+// chunks when step->num_chunks > 0.
+SCHED inline unsigned begin_step(const Serving& s) {
+  if (unsigned error = plan_step(s)) return error;
   return check_pool(s);
 }
 
@@ -292,8 +331,15 @@ SCHED inline unsigned end_step(const Serving& s, const int* tokens) {
 // word); the next begin_step needs them all published.
 SCHED inline unsigned flush_records(const Serving& s) {
   State& st = *s.state;
+  // (ring_read lies in the host's memory: read again only once the room it gave is used up)
+  unsigned long long read = 0;
+  bool seen = false;
   for (; st.flushed < st.staged; ++st.flushed) {
-    if (st.written - load_acquire(&s.control->ring_read) >= s.size.ring_records) return st.staged - st.flushed;
+    if (!seen || st.written - read >= s.size.ring_records) {
+      read = load_acquire(&s.control->ring_read);
+      seen = true;
+    }
+    if (st.written - read >= s.size.ring_records) return st.staged - st.flushed;
     const RingRecord& r = s.staging[st.flushed];
     RingRecord& slot = s.ring[st.written % s.size.ring_records];
     slot.request_id = r.request_id;

@@ -184,6 +184,7 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
             super().__init__(folder, device="cpu", **engine)
             if device == "megakernel":
                 self.device.launches = 1
+                self.device.profile, self.device.profile_records = (lambda on: None), (lambda: {})
                 self.device.kernel = type("Kernel", (), {"steps_per_launch": 99})()
                 self.device.close = lambda: closed.append(self.device.alive)
             else:
@@ -223,6 +224,7 @@ def test_every_timed_decode_step_has_the_whole_batch(tmp_path, device):
         llm.device.profile_ops = lambda on: {}
         llm.device.replays = 0
         llm.device.launches = 1
+        llm.device.profile, llm.device.profile_records = (lambda on: None), (lambda: {})
         d = S.decode_steps(llm, device, batch, context, tokens, 96, 0)
         assert d["device"] == device and d["batch"] == batch
         assert d["steps"] >= (2 * tokens if device == "megakernel" else tokens) and d["step_s"] > 0
@@ -277,3 +279,51 @@ def test_the_reports_serve_plot_draws_both_devices(tmp_path):
     assert report.plot_serve(_both_devices(), tmp_path / "serve.png") is None
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert report.plot_serve({"decode": []}, tmp_path / "none.png") is not None
+
+
+def test_the_megakernels_profile_is_of_its_last_complete_step_and_shows_in_the_tables(tmp_path):
+    """kernel_profile: profile on for PROFILED_STEPS steps, off, then the ring's last complete step: its span,
+    SCHEDULE's body and the layer phases; the trace of that step; the tables' megakernel section."""
+    import numpy as np
+
+    from mdsl.megakernel.runtime.profile import TaskRecord
+
+    kinds = ("schedule", "qkv", "attn", "qkv", "attn", "lmhead")
+    layers = (0, 0, 0, 1, 1, 2)
+
+    class Control:
+        def __init__(self):
+            self.steps = 0
+
+        def __getitem__(self, name):
+            self.steps += 1     # (each look: a step later)
+            return np.array([self.steps])
+
+    class Device:
+        def __init__(self):
+            self.host, self.switched = {"control": Control()}, []
+
+        def profile(self, on):
+            self.switched.append((on, self.host["control"].steps))
+
+        def profile_records(self):
+            def step(s, t0):
+                return [TaskRecord(s * 6 + k, k, t0 + 1000 * k, t0 + 1000 * k + 100, t0 + 1000 * k + 200,
+                                   t0 + 1000 * k + 900) for k in range(6)]
+            return {3: step(3, 0), 4: step(4, 10_000)}
+
+        def profile_tasks(self):
+            return tuple(f"{k} L{l}" for k, l in zip(kinds, layers)), kinds, layers
+
+    device = Device()
+    trace = tmp_path / "t" / "trace.json"
+    profile = S.kernel_profile(device, trace)
+    (on, at_on), (off, at_off) = device.switched
+    assert on and not off and at_off - at_on >= S.PROFILED_STEPS
+    assert profile["step_span_us"] == 5.9 and profile["schedule_us"] == 0.7
+    assert profile["phases_us"]["qkv"]["span_us"] == 0.7 and profile["phases_us"]["qkv"]["gap_us"] == 0.3
+    assert json.loads(trace.read_text())["traceEvents"]
+    result = {"model": "qwen3-0.6b", "devices": {},
+              "decode": [{**_decode("megakernel", 1, 0.002), **profile}]}
+    text = S.tables(result)
+    assert "Where the megakernel's decode step goes" in text and "| 1 | 1024 | 6 | 1 | 0.7 / 0.3 |" in text

@@ -4,7 +4,8 @@ prompt tokens arriving at different steps, more than the batch holds, give the C
 near-tie of its logits) and each request's tokens alone, bit for bit, at budgets of 1, 7 and 64 rows a step; a pool
 small enough to preempt changes no token; seeded top-k / top-p requests repeat whatever shares their steps; a
 launch that ends at its step limit is followed by the next without a changed token; close() stops the kernel, with
-requests in flight too, and leaves every page free.
+requests in flight too, and leaves every page free; the task profile records whole steps; a damaged page pool stops
+the kernel.
 
     pytest tests/gpu/test_gpu_megakernel_serving.py -m gpu
 """
@@ -166,3 +167,51 @@ def test_close_stops_the_kernel_with_requests_in_flight_and_frees_every_page(che
         out = idle.submit([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)).result(timeout=TIMEOUT)
         assert len(out.token_ids) == 4
     assert not idle.device.alive and idle.device.error is None
+
+
+def test_the_profile_records_every_task_of_the_steps_it_was_on_for(checkpoints):
+    """MegakernelDevice.profile on while a request decodes, then off: the ring's complete steps hold every task of
+    the serving tables once, on an SM of the GPU, its times in order (taken, inputs ready, body started, done)."""
+    folder = checkpoints["qwen3", "bfloat16"].folder
+    with LLM(folder, device="megakernel", max_batch=2, page_size=4) as llm:
+        handle = llm.submit([1, 2, 3], SamplingParams(max_new_tokens=POSITIONS - 8, ignore_eos=True))
+        wait_until(lambda: len(handle.poll()[0]) > 1, TIMEOUT, "a token")
+        start = llm.stats().steps
+        llm.device.profile(True)
+        wait_until(lambda: llm.stats().steps >= start + 12, TIMEOUT, "12 steps")
+        llm.device.profile(False)
+        stop = llm.stats().steps
+        wait_until(lambda: llm.stats().steps >= stop + 2, TIMEOUT, "2 more steps")
+        steps = llm.device.profile_records()
+        labels, kinds, layers = llm.device.profile_tasks()
+        handle.cancel()
+    assert steps and len(labels) == len(kinds) == len(layers)
+    for step, records in steps.items():
+        assert [r.index for r in records] == [step * len(kinds) + k for k in range(len(kinds))]
+        for r in records:
+            assert 0 < r.taken_ns <= r.ready_ns <= r.started_ns <= r.done_ns and r.sm < 1024, r
+
+
+def test_a_damaged_page_pool_stops_the_kernel_at_its_next_step(checkpoints):
+    """A page put twice on the free stack (written into the device's memory while the kernel waits for work): the
+    block's pool check at the next step finds it, the kernel stops and the request fails with the pool's error."""
+    from mdsl.gpu.driver import check, driver
+    from mdsl.serving.params import ServingError
+    from mdsl.serving.protocol import device_region
+
+    folder = checkpoints["llama3", "float32"].folder
+    with LLM(folder, device="megakernel", max_batch=2, page_size=4) as llm:
+        first = llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)).result(timeout=TIMEOUT)
+        assert len(first.token_ids) == 4
+        wait_until(lambda: llm.stats().running == 0, TIMEOUT, "an idle kernel")
+        kernel = llm.device.kernel
+        at = kernel.params.device_state + device_region(llm.shape).offsets["free_pages"]
+        pages = np.zeros(2, np.int32)
+        check(driver.cuMemcpyDtoH(pages.ctypes.data, at, 8), "cuMemcpyDtoH")
+        pages[0] = pages[1]
+        check(driver.cuMemcpyHtoD(at, pages.ctypes.data, 8), "cuMemcpyHtoD")
+        handle = llm.submit([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        with pytest.raises(ServingError, match="lost or duplicated"):
+            handle.result(timeout=TIMEOUT)
+        wait_until(lambda: not llm.device.alive, TIMEOUT, "the kernel stopped")
+        assert isinstance(llm.device.error, ServingError)

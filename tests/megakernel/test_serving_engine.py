@@ -206,3 +206,28 @@ def test_the_device_thread_launches_again_until_the_kernel_stops(monkeypatch):
     assert isinstance(device.error, ServingError) and "lost or duplicated a page" in str(device.error)
     device, control = _device_thread(monkeypatch, [ended], stopping=True)   # (the host's stop came first)
     assert device.launches == 0 and control["status"] == STOPPED
+
+
+def test_the_profile_ring_gives_the_records_of_its_complete_steps():
+    """worker.cuh's serving profile: a ring of PROFILE_STEPS steps' records, each with its step + 1 beside its SM;
+    a step whose every task was recorded comes back with the records' indices step * tasks + task, a step the
+    kernel was still recording (or never recorded) does not."""
+    from mdsl.megakernel.runtime.kernel_source import PROFILE_WORDS
+    from mdsl.megakernel.runtime.serving_source import PROFILE_STEPS
+
+    kernel = dry_kernel()
+    tasks = len(kernel.plan.tasks)
+    assert kernel.layout()["profile"].nbytes == 8 * PROFILE_WORDS * PROFILE_STEPS * tasks
+    assert f"constexpr int PROFILE_STEPS = {PROFILE_STEPS};" in kernel.source.text
+    ring = np.zeros((PROFILE_STEPS * tasks, PROFILE_WORDS), np.uint64)
+    step = PROFILE_STEPS + 1                      # (its records at the ring's second step)
+    for task in range(tasks):
+        ring[tasks + task, :5] = [7 | (step + 1) << 32, 100 + task, 110 + task, 120 + task, 130 + task]
+    for task in range(tasks - 1):                 # the next step, one task short
+        ring[2 * tasks + task, :5] = [(step + 2) << 32, 1, 2, 3, 4]
+    steps = kernel.profile_records(ring.view(np.uint8).ravel())
+    assert list(steps) == [step] and len(steps[step]) == tasks
+    record = steps[step][5]
+    assert (record.index, record.sm, record.taken_ns, record.ready_ns, record.started_ns, record.done_ns) == (
+        step * tasks + 5, 7, 105, 115, 125, 135)
+    assert kernel.profile_records(np.zeros(ring.nbytes, np.uint8)) == {}

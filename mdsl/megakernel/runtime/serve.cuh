@@ -8,8 +8,9 @@ namespace mk {
 
 // the step boundary's state words (sync.cuh's two unused ones and its last): its waits for the host, counted twice
 // each (odd while it waits: the watchdog leaves the workers that wait meanwhile alone), the error that stopped the
-// launch (sched::ERROR_*, or ERROR_BAD_LOGITS), and 1 where the launch ended at its last step (the host launches again)
-constexpr int STATE_IDLE = 0, STATE_SERVE_ERROR = 1, STATE_LAUNCH_END = 11;
+// launch (sched::ERROR_*, or ERROR_BAD_LOGITS), and 1 where the launch ended at its last step (the host launches again);
+// and the host's: nonzero while the tasks are profiled (the decode kernel's generated-token word, unused here)
+constexpr int STATE_IDLE = 0, STATE_SERVE_ERROR = 1, STATE_LAUNCH_END = 11, STATE_PROFILE = 3;
 constexpr unsigned ERROR_BAD_LOGITS = 16;   // a sampling row's logits had no maximum (NaN)
 
 // ---- the protocol's step tables (the scheduler writes them at the step boundary) and the step's work
@@ -216,7 +217,7 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
     going = !error && flush(p, s, step);
   }
   while (going && !error && step + 1 < p.num_steps) {
-    error = sched::begin_step(s);
+    error = sched::plan_step(s);   // (the pool's check: schedule_task's block, once a step runs)
     if (error || !(going = flush(p, s, step))) break;
     if (s.step->num_chunks) return true;
     error = sched::end_step(s, tokens);   // (a step without chunks: its control words, as the CPU device's)
@@ -259,15 +260,42 @@ __device__ void plan_work(const Params& p, int* first) {
   work.num_samples = samples;
 }
 
-// SCHEDULE: the step boundary (thread 0), then the step's attention items (each row's splits in order, the rows in
-// order) and h0, each row's token's embedding row. false: the step does not run (the launch stops).
+// whether `value` holds in every compute thread (a compute barrier that and-reduces it)
+__device__ __forceinline__ bool compute_all(bool value) {
+  __syncwarp();
+  unsigned all;
+  asm volatile("{\n .reg .pred q, r;\n setp.ne.u32 q, %1, 0;\n bar.red.and.pred r, %2, %3, q;\n"
+               " selp.u32 %0, 1, 0, r;\n}" : "=r"(all) : "r"(unsigned(value)), "n"(BAR_COMPUTE), "n"(NT) : "memory");
+  return all != 0;
+}
+
+// (thread 0) the step does not run after all: the scheduler's error stops the launch after the previous step
+__device__ void stop_serving(const Params& p, long long step, unsigned error) {
+  p.state[STATE_SERVE_ERROR] = int(error);
+  atomicMin(p.state + STATE_STOP, int(step) - 1);
+}
+
+// SCHEDULE: the step boundary (thread 0), the page pool's check (the block: scheduler.cuh's check_pool, its pages
+// shared by the threads), then the step's attention items (each row's splits in order, the rows in order) and h0,
+// each row's token's embedding row. false: the step does not run (the launch stops).
 __device__ bool schedule_task(const Params& p, long long step, float* work) {
   __shared__ int runs;
+  __shared__ unsigned stamp;
   int* tokens = reinterpret_cast<int*>(work);   // [MAX_BATCH]: per chunk, its sampling row's token
   int* first = tokens + MAX_BATCH;              // [MAX_ROWS + 1]: each row's first item
+  const sched::Serving s = sched::serving_of_regions(p.host, p.device_state, p.workspace);
   if (threadIdx.x == 0) {
     runs = step_boundary(p, step, tokens);
-    if (runs) plan_work(p, first);
+    if (runs) stamp = sched::pool_stamp(s);
+  }
+  compute_sync();
+  if (!runs) return false;
+  const bool pages_ok = compute_all(sched::check_pool_part(s, stamp, threadIdx.x, NT));
+  if (threadIdx.x == 0) {
+    const unsigned error = sched::pool_count(s, pages_ok);
+    runs = !error;
+    if (error) stop_serving(p, step, error);
+    else plan_work(p, first);
   }
   compute_sync();
   if (!runs) return false;

@@ -24,9 +24,10 @@ from mdsl.errors import MdslError, ShapeError
 from mdsl.ir.dtypes import f32, i32
 from mdsl.megakernel.modelgraph.model import ModelGraph
 from mdsl.megakernel.modelgraph.model_config import ModelConfig
-from mdsl.megakernel.runtime.kernel_source import BLOCK_THREADS, KERNEL_NAME, PARAMS, SERVE_PARAMS
+from mdsl.megakernel.runtime.kernel_source import BLOCK_THREADS, KERNEL_NAME, PARAMS, PROFILE_WORDS, SERVE_PARAMS
+from mdsl.megakernel.runtime.profile import TaskRecord
 from mdsl.megakernel.runtime.serving_plan import ServingPlan, check_serving_plan, plan_serving
-from mdsl.megakernel.runtime.serving_source import generate_serving_source
+from mdsl.megakernel.runtime.serving_source import PROFILE_STEPS, generate_serving_source
 from mdsl.megakernel.runtime.shape import KERNEL_WEIGHTS, LAYER_WEIGHTS, QKV_BIASES, decoder_shape, rope_tables
 from mdsl.serving.protocol import FREE, ServingShape, device_region, kv_pool_shape
 from mdsl.serving.scheduler import workspace_bytes
@@ -35,6 +36,7 @@ from mdsl.serving.scheduler import workspace_bytes
 # token seen, the watchdog's report (task + 1, step, event, count, need), and the launch's end at its last step
 STATE_WORDS = 12
 STATE_IDLE, STATE_SERVE_ERROR, STATE_STOP, STATE_BAD_TOKEN, STATE_LAUNCH_END = 0, 1, 2, 5, 11
+STATE_PROFILE = 3            # the host's: nonzero while the tasks are profiled (serve.cuh)
 STATE_STUCK = slice(6, 11)
 NO_STOP = 2**31 - 1
 HOST_STOP = -2               # the host's stop: every worker leaves at its next wait
@@ -201,6 +203,7 @@ class ServingKernel:
         p.device_state = memory.upload("device_state", self.initial_device_state().view(np.int32), i32)
         p.workspace = memory.zeros("workspace", workspace_bytes(self.serving))
         p.serve = memory.zeros("serve", plan.region().size)
+        p.profile = memory.zeros("profile", 8 * PROFILE_WORDS * PROFILE_STEPS * len(plan.tasks))
         p.num_steps = self.steps_per_launch
 
     def initial_device_state(self) -> np.ndarray:
@@ -225,6 +228,23 @@ class ServingKernel:
         p = self.params
         return ((p.events, self.plan.initial_events()), (p.state, state),
                 (p.serve, np.zeros(self.plan.region().size, np.uint8)))
+
+    def profile_records(self, ring: np.ndarray) -> dict:
+        """The profile's ring (the `profile` buffer's bytes) as {step of its launch: [TaskRecord]}, each record's
+        index step * tasks + task (mdsl.megakernel.runtime.profile's), only the steps whose every task was
+        recorded."""
+        words = ring.view(np.uint64).reshape(-1, PROFILE_WORDS)
+        tasks = len(self.plan.tasks)
+        steps: dict = {}
+        for slot, rec in enumerate(words):
+            if not rec[0] >> 32 or not rec[1] or not rec[4]:
+                continue
+            step = int(rec[0] >> 32) - 1
+            steps.setdefault(step, []).append(
+                TaskRecord(step * tasks + slot % tasks, int(rec[0] & 0xFFFFFFFF), int(rec[1]), int(rec[2]),
+                           int(rec[3]), int(rec[4]), tuple(int(m) for m in rec[5:])))
+        return {step: sorted(records, key=lambda r: r.index) for step, records in sorted(steps.items())
+                if len(records) == tasks}
 
     def layout(self) -> dict:
         """name -> Allocation: every buffer the kernel points into."""

@@ -28,6 +28,9 @@ from mdsl.serving.scheduler import scheduler_source
 # eight at a time)
 ROW_GROUP = 8
 ROW_FLOATS = 40 * 1024
+# the profile's ring: the task records of the last PROFILE_STEPS steps (worker.cuh; the host picks the steps by
+# turning the profile on and off while the kernel runs)
+PROFILE_STEPS = 8
 # the one-row choices the serving kernel's constants are written with: its bodies load their inputs once they are
 # complete, and read attention's keys where they lie in the pool
 OPTIONS = MegakernelOptions(attention_preload=False, weights_first=0.0, second_pass_kinds=(), rank_sums=1)
@@ -73,6 +76,7 @@ def generate_serving_source(plan: ServingPlan) -> MegakernelSource:
              f"constexpr int SERVE_ROW_FLOATS = {serving_row_floats(plan)};   // a linear task's input rows",
              f"constexpr int ITEM_KEYS = {item_keys(plan)};   // an attention item's keys at most",
              f"constexpr int SERVE_WINDOW = {plan.attention_window};   // a row's keys at most (0: its whole range)",
+             f"constexpr int PROFILE_STEPS = {PROFILE_STEPS};   // the profile's ring of the last steps' records",
              f"__constant__ int APPEND_TILES[HKV] = {{{tiles}}};   // per kv head: the QKV tiles counting on it")
     lines = model_lines(base, options, layout, tasks=plan.tasks, extra=extra)
     runtime = runtime_source(runtime_sections(base) | {"SERVE"}).replace(BODIES_MARKER,

@@ -68,6 +68,17 @@ __device__ bool wait_for_inputs(const Params& p, const Task& t, long long index,
 // inputs are complete, as every other task is.
 __device__ __forceinline__ constexpr bool early_kind(int kind) { return ((EARLY_KINDS >> kind) & 1) != 0; }
 
+// whether the scheduler warp times the task it takes: the decode kernel's whole launch where it has a profile; the
+// serving kernel's while the host's STATE_PROFILE word asks (serve.cuh: its records go into a ring of the last
+// PROFILE_STEPS steps, so that a resident kernel's profile is of the steps the host chooses)
+__device__ __forceinline__ bool profiling(const Params& p) {
+#if MK_SERVE
+  return p.profile != nullptr && ld_relaxed(p.state + STATE_PROFILE) != 0;
+#else
+  return p.profile != nullptr;
+#endif
+}
+
 // The scheduler warp: take this worker's next task index (blockIdx.x + k * workers: any `workers` consecutive
 // tasks, such as a linear's tiles, go one to each worker; a worker takes its indices in increasing order, so
 // the smallest unfinished task has finished inputs and its worker reaches it: no deadlock while every worker
@@ -89,7 +100,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
     if (index < total) {
       const long long step = index / TASKS;
       t = p.tasks[index % TASKS];
-      if (p.profile != nullptr) taken = globaltimer();
+      if (profiling(p)) taken = globaltimer();
       const long long pos = p.start_pos + step;
 #if MK_SERVE
       // (the serving bodies load their inputs once they are complete: no early handover, and an ATTN task's keys
@@ -108,7 +119,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
       const bool inputs = wait_for_inputs(p, t, index, step, lane);
       if (!inputs) index = -1;
       else running_step = step;
-      if (p.profile != nullptr) ready = globaltimer();
+      if (profiling(p)) ready = globaltimer();
     } else {
       index = -1;
     }
@@ -163,9 +174,16 @@ __device__ void compute(const Params& p, const Slot* slots, float* red, float* w
         if (WORLD > 1 && (entry & REMOTE))
           for (int r = 1; r < WORLD; ++r) red_release_system(on_peer(p, p.events, (int(p.rank) + r) % WORLD) + e);
       }
+#if MK_SERVE
+      // (a ring of the last PROFILE_STEPS steps: the step + 1 beside the SM tells a slot's step, 0 none yet)
+      if (slot.taken_ns != 0) {
+        unsigned long long* rec = p.profile + (index % (PROFILE_STEPS * TASKS)) * PROFILE_WORDS;
+        rec[0] = sm_id() | (unsigned long long)(step + 1) << 32;
+#else
       if (p.profile != nullptr) {
         unsigned long long* rec = p.profile + index * PROFILE_WORDS;
         rec[0] = sm_id();
+#endif
         rec[1] = slot.taken_ns;
         // an early task's body starts, as the others', once its inputs are ready: at the scheduler's time (a
         // compute thread's %globaltimer read just after the ready barrier reads earlier than that)
