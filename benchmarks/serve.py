@@ -147,8 +147,7 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         launches0 = llm.device.launches
         step_s, steps = step_counter_slope(llm.device.host["control"], 2 * tokens)
         after = produced()
-        timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0,
-                 **kernel_profile(llm.device, trace)}
+        timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0}
     else:
         start, steps0, replays0 = time.perf_counter(), llm.stats().steps, llm.device.replays
         while llm.stats().steps < steps0 + tokens:
@@ -158,6 +157,10 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         timed = {"steps": steps1 - steps0, "step_s": (end - start) / max(1, steps1 - steps0),
                  "replayed": llm.device.replays - replays0}
     preemptions = llm.stats().preemptions - preemptions0
+
+    def short() -> bool:
+        return any(h.poll()[1] is not None for h in handles)
+
     if device != "megakernel":
         llm.device.profile_ops(True)
         steps1 = llm.stats().steps
@@ -165,8 +168,12 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
             time.sleep(0.0002)
         ops = llm.device.profile_ops(False)
         timed["ops_us"] = {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}
-    if any(h.poll()[1] is not None for h in handles):
+    if short():
         raise RuntimeError(f"a request of batch {batch} ended before the timed steps did (decode_budget is short)")
+    if device == "megakernel":
+        profile = kernel_profile(llm.device, trace)
+        if not short():   # (a profile of fewer rows than the batch is not kept)
+            timed.update(profile)
     for h in handles:
         h.cancel()
     for h in handles:

@@ -39,6 +39,8 @@ _LINEAR_PARTS = ("input row", "products out")
 _RESIDUAL_PARTS = (*_LINEAR_PARTS, "relay")
 BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_PARTS, "down": _RESIDUAL_PARTS,
               "lmhead": _LINEAR_PARTS,
+              # the serving kernel's step boundary (serve.cuh's schedule_task)
+              "schedule": ("previous step's end", "plan", "pool check", "attention items, embeddings"),
               "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out"),
               # a mixture of experts' (moe.cuh): the router's products out include the last tile's routing
               "router": _LINEAR_PARTS, "expert_up": _LINEAR_PARTS, "expert_down": ("slots' rows", "products out")}

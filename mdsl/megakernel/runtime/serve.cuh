@@ -145,8 +145,10 @@ __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, i
     }
 #pragma unroll
     for (int n = 0; n < NR; ++n)
+      if (n < nr) {   // (uniform over the warp)
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[n][r] = mdsl::group_reduce<32>(acc[n][r], mdsl::Sum());
+        for (int r = 0; r < R; ++r) acc[n][r] = mdsl::group_reduce<32>(acc[n][r], mdsl::Sum());
+      }
     if (lane == 0) {
 #pragma unroll
       for (int n = 0; n < NR; ++n)
@@ -157,16 +159,37 @@ __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, i
   }
 }
 
+// The weight rows of a warp's first pass of gemv_rows (its first ITEMS items, each's ROWS rows) into L2, so that
+// their loads, issued once the inputs are in shared memory, find them there: the inputs' loads and reductions
+// hide the rows' trip from memory. A lane prefetches every 32nd 128-byte line of the rows.
+template <int K, int ROWS, typename Row>
+__device__ __forceinline__ void prefetch_first_pass(int begin, int end, Row row) {
+  using G = RowsGemv<K, ROWS>;
+  constexpr int LINES = (K * int(sizeof(T)) + 127) / 128;
+  const int lane = threadIdx.x % 32, first = begin + threadIdx.x / 32 * G::ITEMS;
+#pragma unroll
+  for (int i = 0; i < G::ITEMS; ++i)
+    if (first + i < end)
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        for (int l = lane; l < LINES; l += 32)
+          asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(row(first + i, j)) + 128 * l));
+}
+
 // A linear task's columns for `count` rows (row_of_index(j): the j-th's index among the step's rows), RowsGemv's GROUP
 // rows at a time: each row's input into shared memory (input(row, xs + n * K), a row's own reductions, ending in a
-// compute barrier), then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0.
+// compute barrier), then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0. The first
+// pass's weight rows go to L2 before the first group's inputs load. The profile's mark: the first group's inputs
+// stored.
 template <int K, int ROWS, typename RowIndex, typename Input, typename Weights, typename Emit>
-__device__ __forceinline__ void rows_linear(const Task& t, int count, RowIndex row_of_index, Input input,
-                                            Weights weights, Emit emit, float* xs) {
+__device__ __forceinline__ void rows_linear(const Params& p, const Task& t, int count, RowIndex row_of_index,
+                                            Input input, Weights weights, Emit emit, float* xs) {
   constexpr int GROUP = RowsGemv<K, ROWS>::GROUP;
+  if (count > 0) prefetch_first_pass<K, ROWS>(t.begin, t.end, weights);
   for (int j0 = 0; j0 < count; j0 += GROUP) {   // (uniform over the block: the inputs' barriers)
     const int nr = count - j0 < GROUP ? count - j0 : GROUP;
     for (int n = 0; n < nr; ++n) input(row_of_index(j0 + n), xs + n * K);
+    if (j0 == 0) mark(p, 0);
     gemv_rows<K, ROWS>(t.begin, t.end, xs, nr, weights,
                        [&](int n, int r, const float* acc) { emit(j0 + n, row_of_index(j0 + n), r, acc); });
     compute_sync();   // every warp has read the group's inputs before the next group's are stored
@@ -216,6 +239,7 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
     error = p.state[STATE_BAD_TOKEN] ? ERROR_BAD_LOGITS : sched::end_step(s, tokens);
     going = !error && flush(p, s, step);
   }
+  mark(p, 0);
   while (going && !error && step + 1 < p.num_steps) {
     error = sched::plan_step(s);   // (the pool's check: schedule_task's block, once a step runs)
     if (error || !(going = flush(p, s, step))) break;
@@ -290,6 +314,7 @@ __device__ bool schedule_task(const Params& p, long long step, float* work) {
   }
   compute_sync();
   if (!runs) return false;
+  mark(p, 1);
   const bool pages_ok = compute_all(sched::check_pool_part(s, stamp, threadIdx.x, NT));
   if (threadIdx.x == 0) {
     const unsigned error = sched::pool_count(s, pages_ok);
@@ -299,6 +324,7 @@ __device__ bool schedule_task(const Params& p, long long step, float* work) {
   }
   compute_sync();
   if (!runs) return false;
+  mark(p, 2);
   const int rows = int(step_header(p).num_rows), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows; r += NW) {
     const RowSplits at = row_splits(step_rows(p)[r].position);

@@ -13,7 +13,7 @@ __device__ void lmhead_rows_task(const Params& p, const Task& t, int tile, float
   const int samples = int(serve_work(p).num_samples);
   const int* rows = sample_rows(p);
   rows_linear<H, 1>(
-      t, samples, [&](int j) { return rows[j]; },
+      p, t, samples, [&](int j) { return rows[j]; },
       [&](int row, float* x) { normed_row<H>(row_of(p.hs, L, row, H), p.final_norm, x, red); },
       [&](int r, int) { return p.lm_head + (long long)r * H; },
       [&](int j, int, int r, const float* acc) { p.logits[(long long)j * V + r] = logit_of(acc); }, xs);

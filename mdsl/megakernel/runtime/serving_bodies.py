@@ -85,7 +85,7 @@ def write_rows_body(w: CodeWriter, body: LinearBody, kind_op: KindOp) -> None:
         w("const LayerWeights& w = p.layers[t.layer];")
         w(f"rows_linear<{body.k}, {body.products}>(")
         w.depth += 4
-        w("t, int(step_header(p).num_rows), [](int j) { return j; },")
+        w("p, t, int(step_header(p).num_rows), [](int j) { return j; },")
         w(f"[&](int row, float* xs) {{ {_input(body)} }},")
         w(f"[&](int r, int j) {{ return {_row_expression(body)}; }},")
         with w.block("[&](int, int row, int r, const float* acc)"):

@@ -233,18 +233,16 @@ class ServingKernel:
         """The profile's ring (the `profile` buffer's bytes) as {step of its launch: [TaskRecord]}, each record's
         index step * tasks + task (mdsl.megakernel.runtime.profile's), only the steps whose every task was
         recorded."""
-        words = ring.view(np.uint64).reshape(-1, PROFILE_WORDS)
-        tasks = len(self.plan.tasks)
+        words = ring.view(np.uint64).reshape(-1, tasks := len(self.plan.tasks), PROFILE_WORDS)
         steps: dict = {}
-        for slot, rec in enumerate(words):
-            if not rec[0] >> 32 or not rec[1] or not rec[4]:
-                continue
-            step = int(rec[0] >> 32) - 1
-            steps.setdefault(step, []).append(
-                TaskRecord(step * tasks + slot % tasks, int(rec[0] & 0xFFFFFFFF), int(rec[1]), int(rec[2]),
-                           int(rec[3]), int(rec[4]), tuple(int(m) for m in rec[5:])))
-        return {step: sorted(records, key=lambda r: r.index) for step, records in sorted(steps.items())
-                if len(records) == tasks}
+        for slot in words:   # (a step of the ring: complete where every task has its step, taken and done times)
+            step = slot[0, 0] >> np.uint64(32)
+            if step and (slot[:, 0] >> np.uint64(32) == step).all() and slot[:, 1].all() and slot[:, 4].all():
+                step = int(step) - 1
+                steps[step] = [TaskRecord(step * tasks + k, int(rec[0] & 0xFFFFFFFF), int(rec[1]), int(rec[2]),
+                                          int(rec[3]), int(rec[4]), tuple(int(m) for m in rec[5:]))
+                               for k, rec in enumerate(slot.tolist())]
+        return dict(sorted(steps.items()))
 
     def layout(self) -> dict:
         """name -> Allocation: every buffer the kernel points into."""

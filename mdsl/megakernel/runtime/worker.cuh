@@ -119,7 +119,11 @@ __device__ void schedule(const Params& p, Slot* slots) {
       const bool inputs = wait_for_inputs(p, t, index, step, lane);
       if (!inputs) index = -1;
       else running_step = step;
-      if (profiling(p)) ready = globaltimer();
+#if MK_SERVE
+      if (taken != 0) ready = globaltimer();   // (the host may turn the profile off meanwhile)
+#else
+      if (p.profile != nullptr) ready = globaltimer();
+#endif
     } else {
       index = -1;
     }
