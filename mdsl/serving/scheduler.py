@@ -43,6 +43,9 @@ STATE = Layout("State", [
     Field("tell_host", U32),         # the step wrote a record or took a queue slot
     Field("error", U32),             # the first error (ERROR_*)
     Field("stamp", U32),             # the pool check's mark
+    Field("peak_running", U32),      # the control block's device words as last written
+    Field("pad", U32),
+    Field("queue_taken", U64), Field("steps", U64), Field("preemptions", U64), Field("tokens", U64),
     Field("bad_request", REQUEST),   # ERROR_REQUEST: the request
 ], "the scheduler's own state")
 

@@ -37,6 +37,11 @@ struct State {
   unsigned tell_host;           // this step wrote a record or took a queue slot: the host has news
   unsigned error;               // the first error (ERROR_*): the device stops
   unsigned stamp;               // check_pool's mark for this step
+  // the control block's device words as last written (the control block lies in the host's memory, where a
+  // read is a round trip over PCIe: the device reads its own copies)
+  unsigned peak_running;
+  unsigned pad;
+  unsigned long long queue_taken, steps, preemptions, tokens;
   Request bad_request;          // ERROR_REQUEST: the request its queue slot held
 };
 
@@ -236,7 +241,7 @@ SCHED inline unsigned preempt(const Serving& s, unsigned e) {
   if (unsigned error = free_pages(s, e)) return error;
   entry.state = ENTRY_PREEMPTED;
   entry.context = 0;
-  store_relaxed(&s.control->preemptions, s.control->preemptions + 1);
+  store_relaxed(&s.control->preemptions, ++s.state->preemptions);
   return stage(s, entry.request.request_id, -1, entry.request.prompt_len + entry.generated, RECORD_PREEMPTED,
                REASON_NONE);
 }

@@ -125,7 +125,7 @@ SCHED inline unsigned admit(const Serving& s, unsigned budget, unsigned* length)
     if (unsigned error = start(s, e, &budget, length)) return error;
   }
   for (unsigned i = 0; i < s.size.queue_slots; ++i) {
-    unsigned long long k = s.control->queue_taken;
+    unsigned long long k = s.state->queue_taken;
     QueueSlot& slot = s.queue[k % s.size.queue_slots];
     if (load_acquire(&slot.seq) != k + 1) return OK;
     const Request& r = slot.request;
@@ -134,7 +134,7 @@ SCHED inline unsigned admit(const Serving& s, unsigned budget, unsigned* length)
       return fail(s, ERROR_REQUEST);
     }
     if (load_relaxed(&s.cancel[r.handle])) {   // cancelled while queued: finished without an entry
-      store_release(&s.control->queue_taken, k + 1);
+      store_release(&s.control->queue_taken, s.state->queue_taken = k + 1);
       if (unsigned error = stage(s, r.request_id, -1, r.prompt_len, RECORD_FINISHED, REASON_CANCELLED)) return error;
       s.state->worked = 1;
       continue;
@@ -150,7 +150,7 @@ SCHED inline unsigned admit(const Serving& s, unsigned budget, unsigned* length)
     const int* prompt = s.prompts + (unsigned long long)r.handle * s.size.max_seq;
     int* history = s.history + (unsigned long long)e * s.size.max_seq;
     for (unsigned p = 0; p < r.prompt_len; ++p) history[p] = prompt[p];
-    store_release(&s.control->queue_taken, k + 1);   // the slot is copied: the host may reuse it
+    store_release(&s.control->queue_taken, s.state->queue_taken = k + 1);   // the slot is copied: the host may reuse it
     s.state->tell_host = 1;
     if (unsigned error = start(s, e, &budget, length)) return error;
   }
@@ -218,19 +218,27 @@ SCHED inline unsigned swap_mark(unsigned* mark, unsigned stamp) {
 }
 
 // thread t of n: pages t, t + n, ... of the free stack and of each entry's page table; false where one
-// is out of range or was met already
+// is out of range or was met already. (No early exit: PAGE_BATCH page numbers are loaded, then their marks
+// swapped, each batch's memory round trips in flight together.)
+constexpr unsigned PAGE_BATCH = 8;
 SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, unsigned n) {
   unsigned free_count = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
+  bool ok = true;
   for (unsigned e = 0; e <= s.size.max_batch; ++e) {   // the free stack, then each entry's pages
     const int* pages = e == 0 ? s.free_pages : s.page_table + (unsigned long long)(e - 1) * s.size.pages_per_request;
     unsigned count = e == 0 ? free_count : s.entries[e - 1].num_pages;
     if (e > 0 && count > s.size.pages_per_request) count = s.size.pages_per_request;
-    for (unsigned i = t; i < count; i += n) {
-      int p = pages[i];
-      if (p < 0 || (unsigned)p >= s.size.num_pages || swap_mark(s.marks + p, stamp) == stamp) return false;
+    for (unsigned i0 = t; i0 < count; i0 += PAGE_BATCH * n) {
+      int p[PAGE_BATCH];
+      for (unsigned k = 0; k < PAGE_BATCH; ++k) p[k] = i0 + k * n < count ? pages[i0 + k * n] : 0;
+      for (unsigned k = 0; k < PAGE_BATCH; ++k) {
+        if (i0 + k * n >= count) break;
+        if (p[k] < 0 || (unsigned)p[k] >= s.size.num_pages) ok = false;
+        else if (swap_mark(s.marks + p[k], stamp) == stamp) ok = false;
+      }
     }
   }
-  return true;
+  return ok;
 }
 
 // (one thread, after every part) OK where every part was and the pages met add up to num_pages
@@ -273,9 +281,9 @@ SCHED inline unsigned plan_step(const Serving& s) {
   store_relaxed(&control.running, length);
   store_relaxed(&control.step_tokens, rows);
   if (length) {
-    store_relaxed(&control.steps, control.steps + 1);
-    store_relaxed(&control.tokens, control.tokens + rows);
-    if (length > control.peak_running) store_relaxed(&control.peak_running, length);
+    store_relaxed(&control.steps, ++st.steps);
+    store_relaxed(&control.tokens, st.tokens += rows);
+    if (length > st.peak_running) store_relaxed(&control.peak_running, st.peak_running = length);
     st.worked = 1;
   }
   return OK;

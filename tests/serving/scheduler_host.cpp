@@ -46,7 +46,13 @@ long long mdsl_scheduler_state_layout(int which) {
     case 4: return offsetof(sched::State, tell_host);
     case 5: return offsetof(sched::State, error);
     case 6: return offsetof(sched::State, stamp);
-    case 7: return offsetof(sched::State, bad_request);
+    case 7: return offsetof(sched::State, peak_running);
+    case 8: return offsetof(sched::State, pad);
+    case 9: return offsetof(sched::State, queue_taken);
+    case 10: return offsetof(sched::State, steps);
+    case 11: return offsetof(sched::State, preemptions);
+    case 12: return offsetof(sched::State, tokens);
+    case 13: return offsetof(sched::State, bad_request);
     default: return -1;
   }
 }

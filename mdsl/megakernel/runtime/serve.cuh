@@ -249,7 +249,7 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
     bool admitted = false;
     for (unsigned e = 0; e < s.size.max_batch; ++e) admitted = admitted || s.entries[e].state != ENTRY_FREE;
     const auto queued = [&] {
-      const unsigned long long k = s.control->queue_taken;
+      const unsigned long long k = s.state->queue_taken;
       return sched::load_acquire(&s.queue[k % s.size.queue_slots].seq) == k + 1;
     };
     const auto shutdown = [&] { return sched::load_relaxed(&s.control->shutdown) != 0; };
