@@ -187,7 +187,7 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
     step its ring holds, the step's span (first task taken to last body done, µs), SCHEDULE's body, and per kind
     the layer's phase (profile.layer_phases: the median over layers of the phase's span, its median body and the
     gap before it); that step's Perfetto trace into `trace`."""
-    from mdsl.megakernel.runtime.profile import layer_phases, write_trace
+    from mdsl.megakernel.runtime.profile import SERVING_BODY_PARTS, layer_phases, write_trace
 
     control = device.host["control"]
     device.profile(True)
@@ -202,7 +202,7 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
     records = steps[max(steps)]
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
-        write_trace(str(trace), records, labels, kinds)
+        write_trace(str(trace), records, labels, kinds, SERVING_BODY_PARTS)
     schedule = [r for r in records if kinds[r.index % len(kinds)] == "schedule"]
     return {"step_span_us": round((max(r.done_ns for r in records) - min(r.taken_ns for r in records)) / 1e3, 2),
             "schedule_us": round(sum(r.done_ns - r.started_ns for r in schedule) / 1e3, 2),

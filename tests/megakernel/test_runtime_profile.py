@@ -163,3 +163,15 @@ def test_a_cross_rank_hop_is_half_the_two_directions_sum_whatever_the_clocks_off
     hops = cross_rank_hops([rank(10_000, 15_000), rank(12_000, 15_000, clock=700_000)], kinds, layers, step=1)
     assert hops == {"down->qkv": {"median_us": 4.0, "least_us": 4.0}}   # (3 + 5) / 2: an upper bound
     assert cross_rank_hops([rank(10_000, 15_000)], kinds, layers, step=1) == {}   # one rank: no hop
+
+
+def test_the_serving_kernels_linear_bodies_have_their_own_parts():
+    """A serving linear body passes three marks (its inputs, warp 0's products, warp 0's sums stored): four parts
+    under SERVING_BODY_PARTS; under the decode kernel's names (two parts) such a record has none."""
+    from mdsl.megakernel.runtime.profile import SERVING_BODY_PARTS, TaskRecord, body_parts
+
+    record = TaskRecord(0, 0, 0, 10, 20, 100, (30, 70, 80, 0))
+    assert body_parts(record, "qkv", SERVING_BODY_PARTS) == [
+        ("input row", 20, 30), ("weights and products (warp 0)", 30, 70), ("sums and stores (warp 0)", 70, 80),
+        ("the other warps, epilogue", 80, 100)]
+    assert body_parts(record, "qkv") == []

@@ -39,18 +39,23 @@ _LINEAR_PARTS = ("input row", "products out")
 _RESIDUAL_PARTS = (*_LINEAR_PARTS, "relay")
 BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_PARTS, "down": _RESIDUAL_PARTS,
               "lmhead": _LINEAR_PARTS,
-              # the serving kernel's step boundary (serve.cuh's schedule_task)
-              "schedule": ("previous step's end", "plan", "pool check", "attention items, embeddings"),
               "attn": ("q, k, v prepared", "scores", "softmax", "weighted values", "partials out"),
               # a mixture of experts' (moe.cuh): the router's products out include the last tile's routing
               "router": _LINEAR_PARTS, "expert_up": _LINEAR_PARTS, "expert_down": ("slots' rows", "products out")}
 
 
-def body_parts(record: TaskRecord, kind: str) -> list:
+# the serving kernel's (serve.cuh): a linear body over the step's rows marks its first group's inputs stored, then
+# warp 0's first pass of weights and products done and its sums stored; its step boundary marks its stages
+_SERVING_LINEAR = ("input row", "weights and products (warp 0)", "sums and stores (warp 0)", "the other warps, epilogue")
+SERVING_BODY_PARTS = {**BODY_PARTS, **{kind: _SERVING_LINEAR for kind in ("qkv", "oproj", "gateup", "down", "lmhead")},
+                      "schedule": ("previous step's end", "plan", "pool check", "attention items, embeddings")}
+
+
+def body_parts(record: TaskRecord, kind: str, parts: dict = BODY_PARTS) -> list:
     """(name, start ns, end ns) of each part of the record's body: started -> first mark -> ... -> done, the
     kind's first len(marks) + 1 part names (a body may pass fewer marks than its kind has: an o-proj's
     relay mark only under the relay). Empty where the kind has no parts or the body passed no mark."""
-    names = BODY_PARTS.get(kind)
+    names = parts.get(kind)
     marks = [m for m in record.marks if m]
     if not names or not marks or len(marks) >= len(names):
         return []
@@ -75,13 +80,14 @@ def _slice(name: str, category: str, track: int, start_ns: int, end_ns: int, ori
 
 def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str], *, pid: int = 0,
                  process: str = "mdsl megakernel", origin: Optional[int] = None,
-                 peers: Optional[Sequence[tuple]] = None) -> list:
+                 peers: Optional[Sequence[tuple]] = None, parts: dict = BODY_PARTS) -> list:
     """Chrome trace events: per task a 'wait' slice (taken -> ready, when it waited) on its SM's scheduler
     track and its body's slice (started -> done) on its SM's compute track; `labels`/`kinds` name the
     tasks of one step. Times in microseconds from `origin` (default: the first record). `pid`/`process`:
     the trace process the tracks belong to (one per GPU of a tensor-parallel job); `peers`, per task of a
     step, whether it waits for other ranks' tiles and whether it puts its own to them: such waits are
-    named 'wait for peers' and such bodies get the category '<kind>+put'."""
+    named 'wait for peers' and such bodies get the category '<kind>+put'. `parts`: the names of the bodies' parts
+    by kind (SERVING_BODY_PARTS for the serving kernel's)."""
     if not records:
         return []
     per_step = len(labels)
@@ -103,14 +109,15 @@ def trace_events(records: Sequence[TaskRecord], labels: Sequence[str], kinds: Se
         events.append(_slice(labels[task], f"{kinds[task]}+put" if puts else kinds[task], compute_track(r.sm),
                              r.started_ns, r.done_ns, origin,
                              {**args, "ready_to_start_us": max(0, r.started_ns - r.ready_ns) / 1e3}, pid))
-        for name, start, end in body_parts(r, kinds[task]):   # nested in the body's slice
+        for name, start, end in body_parts(r, kinds[task], parts):   # nested in the body's slice
             events.append(_slice(name, "part", compute_track(r.sm), start, end, origin, args, pid))
     return events
 
 
-def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str]) -> None:
+def write_trace(path: str, records: Sequence[TaskRecord], labels: Sequence[str], kinds: Sequence[str],
+                parts: dict = BODY_PARTS) -> None:
     """The trace as JSON at `path`, written atomically."""
-    data = json.dumps({"traceEvents": trace_events(records, labels, kinds), "displayTimeUnit": "ns"})
+    data = json.dumps({"traceEvents": trace_events(records, labels, kinds, parts=parts), "displayTimeUnit": "ns"})
     write_atomic(Path(os.path.abspath(path)), data.encode())
 
 

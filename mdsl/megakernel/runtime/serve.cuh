@@ -104,6 +104,10 @@ struct RowsGemv {
   static_assert(BY_MEMORY >= 1, "serving_source.py sizes SERVE_ROW_FLOATS for the widest input row");
 };
 
+// (thread 0) the profile's k-th mark of the body now (the serving kernel always has a profile buffer: mark()'s test of
+// it is not needed where a caller has no Params)
+__device__ __forceinline__ void mark_at(int k) { body_marks[k] = globaltimer(); }
+
 // Dot products of weight rows with `nr` input rows at once (row n at xs + n * K, nr <= GROUP): gemv's items, passes
 // and lanes, each weight load used by every row while it is in registers, and each (row, item) accumulated in one
 // order, the same whatever the other rows and their count: a row's bits are those it has alone. emit(n, item,
@@ -143,6 +147,7 @@ __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, i
             }
         }
     }
+    if (threadIdx.x == 0 && first == begin) mark_at(1);
 #pragma unroll
     for (int n = 0; n < NR; ++n)
       if (n < nr) {   // (uniform over the warp)
@@ -156,6 +161,7 @@ __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, i
         for (int i = 0; i < ITEMS; ++i)
           if (n < nr && first + i < end) emit(n, first + i, acc[n] + i * ROWS);
     }
+    if (threadIdx.x == 0 && first == begin) mark_at(2);
   }
 }
 
