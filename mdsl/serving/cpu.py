@@ -108,6 +108,7 @@ class CpuDevice:
         self.state["page_table"][:] = -1
         host["control"]["free_pages"] = shape.num_pages
         self._written = 0                 # ring records written
+        self._cancels_seen = 0            # the host's count of cancel flags at the last scan (_cancel)
         self._requests: dict = {}         # entry -> (arrival, request id, stop ids, max_new_tokens)
         self._tell_host = False
         self._notify_host = notify_host
@@ -264,8 +265,14 @@ class CpuDevice:
     # ---- the scheduler's parts
 
     def _cancel(self) -> bool:
+        """Where the host's count of cancel flags moved since the last look: every admitted entry whose flag is set,
+        its last record, then its pages and entry freed."""
         entries, cancel = self.state["entries"], self.host["cancel"]
         found = False
+        cancels = int(self.host["control"]["cancels"][0])
+        if cancels == self._cancels_seen:
+            return found
+        self._cancels_seen = cancels
         for e in np.flatnonzero(entries["state"] != FREE):
             req = entries["request"][e]
             if cancel[req["handle"]]:

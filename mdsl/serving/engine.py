@@ -415,6 +415,8 @@ class LLM:
                 handle._finish("cancelled")
                 return
             self._host["cancel"][handle._handle] = 1
+            control = self._host["control"]      # (after the flag: a device that sees the count sees the flag)
+            control["cancels"] = (int(control["cancels"][0]) + 1) & 0xFFFFFFFF
         self.device.wake()
 
     # ---- the host thread: the ring in, the queue out

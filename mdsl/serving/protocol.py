@@ -142,7 +142,8 @@ RING_RECORD = Layout("RingRecord", [
 CONTROL = Layout("Control", [
     # the host's words
     Field("shutdown", U32),          # 1: stop once no request is admitted
-    Field("host_pad", U32),
+    Field("cancels", U32),           # cancel flags set (the host counts each after its flag): a device scans the
+                                     # flags only when the count moved
     Field("ring_read", U64),         # ring records the host has read: the device may overwrite those
     Field("host_line", U64, 14),     # the device's words start on the next 128-byte line
     # the device's words

@@ -44,7 +44,7 @@ STATE = Layout("State", [
     Field("error", U32),             # the first error (ERROR_*)
     Field("stamp", U32),             # the pool check's mark
     Field("peak_running", U32),      # the control block's device words as last written
-    Field("pad", U32),
+    Field("cancels_seen", U32),      # the host's count of cancel flags at the last scan
     Field("queue_taken", U64), Field("steps", U64), Field("preemptions", U64), Field("tokens", U64),
     Field("bad_request", REQUEST),   # ERROR_REQUEST: the request
 ], "the scheduler's own state")

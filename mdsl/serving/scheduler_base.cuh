@@ -40,7 +40,7 @@ struct State {
   // the control block's device words as last written (the control block lies in the host's memory, where a
   // read is a round trip over PCIe: the device reads its own copies)
   unsigned peak_running;
-  unsigned pad;
+  unsigned cancels_seen;        // the host's count of cancel flags at the last scan of the admitted entries
   unsigned long long queue_taken, steps, preemptions, tokens;
   Request bad_request;          // ERROR_REQUEST: the request its queue slot held
 };
@@ -112,6 +112,16 @@ SCHED inline void store_release(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 #else
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#endif
+}
+
+SCHED inline unsigned load_acquire(const unsigned* p) {
+#if defined(__CUDA_ARCH__)
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif
 }
 

@@ -6,8 +6,13 @@
 
 namespace sched {
 
-// Every cancelled admitted entry, in entry order: its last record, then its pages and entry freed.
+// Where the host's count of cancel flags moved since the last look (one read of the host's memory a step, not
+// one per entry): every cancelled admitted entry, in entry order: its last record, then its pages and entry
+// freed. (The host counts a flag after setting it: the acquire load of the count orders the flags' loads.)
 SCHED inline unsigned cancel_admitted(const Serving& s) {
+  unsigned cancels = load_acquire(&s.control->cancels);
+  if (cancels == s.state->cancels_seen) return OK;
+  s.state->cancels_seen = cancels;
   for (unsigned e = 0; e < s.size.max_batch; ++e) {
     Entry& entry = s.entries[e];
     if (entry.state == ENTRY_FREE || !load_relaxed(&s.cancel[entry.request.handle])) continue;

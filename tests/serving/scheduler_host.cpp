@@ -47,7 +47,7 @@ long long mdsl_scheduler_state_layout(int which) {
     case 5: return offsetof(sched::State, error);
     case 6: return offsetof(sched::State, stamp);
     case 7: return offsetof(sched::State, peak_running);
-    case 8: return offsetof(sched::State, pad);
+    case 8: return offsetof(sched::State, cancels_seen);
     case 9: return offsetof(sched::State, queue_taken);
     case 10: return offsetof(sched::State, steps);
     case 11: return offsetof(sched::State, preemptions);

@@ -111,6 +111,7 @@ class Host:
         admitted = np.flatnonzero((entries["state"] != FREE) & (entries["request"]["request_id"] == rid))
         self.cancelled_in.append(int(entries["state"][admitted[0]]) if len(admitted) else "queue")
         self.views["cancel"][self.handle[rid]] = 1
+        self.views["control"]["cancels"] += 1
 
 
 def workload(rng, shape: ServingShape, n: int) -> tuple:
