@@ -171,14 +171,22 @@ SCHED inline unsigned long long pages_for(const Serving& s, unsigned long long t
 
 // entries in `state`, oldest (smallest arrival) first, into out; how many. Arrivals are distinct (a
 // request's submission number), so the order is the one a sort by arrival gives.
+// (The entries' states are read BATCH at a time before any is used: on the GPU one thread runs this, and
+// each read is a memory round trip that the insertion's stores would otherwise keep from overlapping.)
 SCHED inline unsigned by_age(const Serving& s, unsigned state, unsigned* out) {
+  constexpr unsigned BATCH = 8;
   unsigned n = 0;
-  for (unsigned e = 0; e < s.size.max_batch; ++e) {
-    if (s.entries[e].state != state) continue;
-    unsigned long long arrival = s.entries[e].arrival;
-    unsigned at = n++;
-    for (; at > 0 && s.entries[out[at - 1]].arrival > arrival; --at) out[at] = out[at - 1];
-    out[at] = e;
+  for (unsigned e0 = 0; e0 < s.size.max_batch; e0 += BATCH) {
+    unsigned states[BATCH];
+    for (unsigned k = 0; k < BATCH; ++k) states[k] = e0 + k < s.size.max_batch ? s.entries[e0 + k].state : ~0u;
+    for (unsigned k = 0; k < BATCH && e0 + k < s.size.max_batch; ++k) {
+      unsigned e = e0 + k;
+      if (states[k] != state) continue;
+      unsigned long long arrival = s.entries[e].arrival;
+      unsigned at = n++;
+      for (; at > 0 && s.entries[out[at - 1]].arrival > arrival; --at) out[at] = out[at - 1];
+      out[at] = e;
+    }
   }
   return n;
 }

@@ -222,26 +222,37 @@ SCHED inline unsigned swap_mark(unsigned* mark, unsigned stamp) {
 #endif
 }
 
-// thread t of n: pages t, t + n, ... of the free stack and of each entry's page table; false where one
-// is out of range or was met already. (No early exit: PAGE_BATCH page numbers are loaded, then their marks
-// swapped, each batch's memory round trips in flight together.)
+// thread t of n: pages t, t + n, ... of the free stack, and of the entries' page tables a share: the n
+// threads form groups of up to 32 (a warp on the GPU), group g taking entries g, g + groups, ... and its
+// threads their pages in turn; false where a page is out of range or was met already. (No early exit:
+// PAGE_BATCH page numbers are loaded, then their marks swapped, each batch's round trips in flight
+// together; an entry's page count is read by its group alone.)
 constexpr unsigned PAGE_BATCH = 8;
+SCHED inline bool mark_pages(const Serving& s, const int* pages, unsigned count, unsigned stamp, unsigned t,
+                             unsigned n) {
+  bool ok = true;
+  for (unsigned i0 = t; i0 < count; i0 += PAGE_BATCH * n) {
+    int p[PAGE_BATCH];
+    for (unsigned k = 0; k < PAGE_BATCH; ++k) p[k] = i0 + k * n < count ? pages[i0 + k * n] : 0;
+    for (unsigned k = 0; k < PAGE_BATCH; ++k) {
+      if (i0 + k * n >= count) break;
+      if (p[k] < 0 || (unsigned)p[k] >= s.size.num_pages) ok = false;
+      else if (swap_mark(s.marks + p[k], stamp) == stamp) ok = false;
+    }
+  }
+  return ok;
+}
+
 SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, unsigned n) {
   unsigned free_count = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
-  bool ok = true;
-  for (unsigned e = 0; e <= s.size.max_batch; ++e) {   // the free stack, then each entry's pages
-    const int* pages = e == 0 ? s.free_pages : s.page_table + (unsigned long long)(e - 1) * s.size.pages_per_request;
-    unsigned count = e == 0 ? free_count : s.entries[e - 1].num_pages;
-    if (e > 0 && count > s.size.pages_per_request) count = s.size.pages_per_request;
-    for (unsigned i0 = t; i0 < count; i0 += PAGE_BATCH * n) {
-      int p[PAGE_BATCH];
-      for (unsigned k = 0; k < PAGE_BATCH; ++k) p[k] = i0 + k * n < count ? pages[i0 + k * n] : 0;
-      for (unsigned k = 0; k < PAGE_BATCH; ++k) {
-        if (i0 + k * n >= count) break;
-        if (p[k] < 0 || (unsigned)p[k] >= s.size.num_pages) ok = false;
-        else if (swap_mark(s.marks + p[k], stamp) == stamp) ok = false;
-      }
-    }
+  bool ok = mark_pages(s, s.free_pages, free_count, stamp, t, n);
+  const unsigned lanes = n < 32 ? n : 32, groups = n / lanes;
+  if (t >= groups * lanes) return ok;   // (n not a multiple of 32: the last threads take no entry)
+  for (unsigned e = t / lanes; e < s.size.max_batch; e += groups) {
+    unsigned count = s.entries[e].num_pages;
+    if (count > s.size.pages_per_request) count = s.size.pages_per_request;
+    ok = mark_pages(s, s.page_table + (unsigned long long)e * s.size.pages_per_request, count, stamp, t % lanes,
+                    lanes) && ok;
   }
   return ok;
 }
@@ -249,8 +260,13 @@ SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, 
 // (one thread, after every part) OK where every part was and the pages met add up to num_pages
 SCHED inline unsigned pool_count(const Serving& s, bool parts_ok) {
   unsigned long long met = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
-  for (unsigned e = 0; e < s.size.max_batch; ++e)
-    met += s.entries[e].num_pages < s.size.pages_per_request ? s.entries[e].num_pages : s.size.pages_per_request;
+  constexpr unsigned BATCH = 8;   // (page counts read BATCH at a time: by_age says why)
+  for (unsigned e0 = 0; e0 < s.size.max_batch; e0 += BATCH) {
+    unsigned counts[BATCH];
+    for (unsigned k = 0; k < BATCH; ++k) counts[k] = e0 + k < s.size.max_batch ? s.entries[e0 + k].num_pages : 0;
+    for (unsigned k = 0; k < BATCH; ++k)
+      met += counts[k] < s.size.pages_per_request ? counts[k] : s.size.pages_per_request;
+  }
   return parts_ok && met == s.size.num_pages ? OK : fail(s, ERROR_POOL);
 }
 

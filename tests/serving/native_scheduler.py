@@ -51,6 +51,8 @@ def _load(path: Path, ident: str):
     for name in ("begin", "flush"):
         function = getattr(lib, f"mdsl_scheduler_{name}")
         function.argtypes, function.restype = [pointers, sizes], ctypes.c_uint32
+    lib.mdsl_scheduler_check_pool_split.argtypes = [pointers, sizes, ctypes.c_uint32]
+    lib.mdsl_scheduler_check_pool_split.restype = ctypes.c_uint32
     lib.mdsl_scheduler_end.argtypes = [pointers, sizes, ctypes.POINTER(ctypes.c_int32)]
     lib.mdsl_scheduler_end.restype = ctypes.c_uint32
     return lib
@@ -104,6 +106,10 @@ class NativeScheduler:
         """`tokens`: the sampled token by chunk (the chunks that do not sample: anything)."""
         self._tokens[:len(tokens)] = tokens
         self._check(self.lib.mdsl_scheduler_end(self._arrays, self._sizes, self._tokens))
+
+    def check_pool_split(self, threads: int) -> int:
+        """The pool's check shared by `threads` threads (run one after another): OK or ERROR_POOL."""
+        return self.lib.mdsl_scheduler_check_pool_split(self._arrays, self._sizes, threads)
 
     def flush(self) -> int:
         """Publishes what the ring has room for; the records still staged."""

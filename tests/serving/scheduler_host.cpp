@@ -69,6 +69,16 @@ unsigned mdsl_scheduler_end(void* const* arrays, const unsigned* sizes, const in
   return sched::end_step(serving(arrays, sizes), tokens);
 }
 
+// the pool's check as a block of `threads` threads shares it (the megakernel's schedule_task), the threads run one
+// after another: a valid interleaving, each page's mark swapped whole
+unsigned mdsl_scheduler_check_pool_split(void* const* arrays, const unsigned* sizes, unsigned threads) {
+  const sched::Serving s = serving(arrays, sizes);
+  const unsigned stamp = sched::pool_stamp(s);
+  bool ok = true;
+  for (unsigned t = 0; t < threads; ++t) ok = sched::check_pool_part(s, stamp, t, threads) && ok;
+  return sched::pool_count(s, ok);
+}
+
 unsigned mdsl_scheduler_flush(void* const* arrays, const unsigned* sizes) {
   return sched::flush_records(serving(arrays, sizes));
 }

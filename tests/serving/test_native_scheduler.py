@@ -287,3 +287,38 @@ def test_the_scheduler_compiles_for_sm_90a_in_one_thread_of_a_kernel_without_a_s
     resources = module.resources["serving_scheduler"]
     assert resources.stack_bytes == resources.spill_store_bytes == 0, resources
     assert "ld.acquire.sys.global.u64" in nvrtc.compile_ptx(source, arch="sm_90a")
+
+
+@pytest.mark.parametrize("damage", [None, "free twice", "held twice", "out of range", "lost"])
+def test_the_pool_check_shared_by_a_blocks_threads_answers_as_one_thread(checkpoints, damage):
+    """check_pool_part's split (the megakernel's SCHEDULE block: 256 threads, warps taking the entries' page tables)
+    over any number of threads finds what one thread's check_pool finds, on a pool with pages in several entries'
+    tables: OK on a sound pool; ERROR_POOL where a page is twice on the free stack, in two page tables, out of
+    range, or lost."""
+    host_library()
+    ckpt = checkpoints["llama3"]
+    shape = ServingShape(max_batch=5, page_size=2, num_pages=40, max_seq=32)
+    host = Host(shape, 0, 1.0)
+    device = host.device = NativeSchedulerDevice(ckpt.graph, ckpt.weights, shape, host.views, host.notify)
+    for rid in range(4):
+        host.submit(rid, np.arange(3 + 2 * rid, dtype=np.int32) % VOCAB,
+                    dict(request_id=rid, prompt_len=3 + 2 * rid, max_new_tokens=8, temperature=0.0, top_p=1.0))
+    host.publish()
+    for _ in range(3):
+        device.step()
+    state = device.state
+    held = np.flatnonzero(state["entries"]["num_pages"] > 0)
+    assert len(held) >= 2 and state["pool"]["free_count"][0] >= 2
+    first, second = (state["page_table"][e] for e in held[:2])
+    if damage == "free twice":
+        state["free_pages"][0] = state["free_pages"][1]
+    elif damage == "held twice":
+        first[0] = second[0]
+    elif damage == "out of range":
+        second[0] = shape.num_pages
+    elif damage == "lost":
+        state["pool"]["free_count"] -= 1
+    want = 0 if damage is None else scheduler.ERROR_POOL
+    for threads in (1, 3, 32, 64, 256, 288):
+        device.scheduler.state["error"] = 0
+        assert device.scheduler.check_pool_split(threads) == want, threads
