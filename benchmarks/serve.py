@@ -59,6 +59,8 @@ BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.m
 PAGE_SIZE = 16
 DEVICES = ("gpu", "megakernel")
 POLL_S = 2e-5           # (a) the megakernel's step counter polled this often
+# a device whose measurement did not finish (the run was cut at its time limit): its rows so far are kept
+INCOMPLETE = "the run ended before this device's measurements did: its rows so far"
 PROFILED_STEPS = 16     # (a) the megakernel's steps run with its profile on (more than its ring holds)
 STALL_S = 60.0          # (a) a step counter that does not move for this long fails the measurement
 
@@ -338,6 +340,8 @@ def launch_lines(devices: dict) -> list:
     for name, info in devices.items():
         if "unsupported" in info:
             lines.append(f"- {name}: cannot serve the model: {info['unsupported']}")
+        elif "incomplete" in info:
+            lines.append(f"- {name}: {info['incomplete']}")
         elif name == "megakernel":
             lines.append(f"- megakernel: {info['launches']} kernel launch{'es' if info['launches'] != 1 else ''} "
                          f"for the run's {info['steps']} steps (at most {info['steps_per_launch']} a launch)")
@@ -439,10 +443,12 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
                     d["floor_s"] = (weights + batch * d["mean_context"] * per_token) / BANDWIDTH
                     result["decode"].append(d)
                     print(d, flush=True)
+                    write(result, Path(args.out))   # (a run cut at its time limit keeps what it measured)
             if "b" in parts:
                 result["runs"].append({"device": device,
                                        **summary("offline", run_requests(llm, requests, [0.0] * len(requests)))})
                 print(result["runs"][-1], flush=True)
+                write(result, Path(args.out))
             if "c" in parts:
                 rng = np.random.default_rng(args.seed + 1)
                 for rate in (float(r) for r in args.rates.split(",")):
@@ -450,6 +456,7 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
                     result["runs"].append({"device": device, **summary(f"online {rate:g}/s",
                                                                         run_requests(llm, requests, arrivals))})
                     print(result["runs"][-1], flush=True)
+                    write(result, Path(args.out))
     finally:
         if device == "megakernel" and not llm.device.alive:
             llm.device.close()     # (its module and memory go now: the device stays referenced until exit)
@@ -463,10 +470,12 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
 
 def write(result: dict, out: Path) -> str:
     """serve.json and serve.md in `out`; the tables' text."""
+    from mdsl.gpu.cache import write_atomic
+
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=1))
+    write_atomic(out / "serve.json", json.dumps(result, indent=1).encode())
     text = tables(result)
-    (out / "serve.md").write_text(text + "\n")
+    write_atomic(out / "serve.md", (text + "\n").encode())
     return text
 
 
@@ -497,6 +506,7 @@ def main(argv=None) -> int:
         engine = dict(max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
                       kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE)
         for device in args.device:
+            result["devices"][device] = {"incomplete": INCOMPLETE}   # (until measure records its launches)
             try:
                 measure(device, folder, engine, args, parts, points, requests, result)
             except UnsupportedError as e:

@@ -327,3 +327,36 @@ def test_the_megakernels_profile_is_of_its_last_complete_step_and_shows_in_the_t
               "decode": [{**_decode("megakernel", 1, 0.002), **profile}]}
     text = S.tables(result)
     assert "Where the megakernel's decode step goes" in text and "| 1 | 1024 | 6 | 1 | 0.7 / 0.3 |" in text
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """serve.json is written after every decode point and run: where the run stops on its way (a time limit, an
+    error), the file holds the rows measured so far and the device it was on reads as incomplete."""
+    import mdsl
+    from mdsl.megakernel.runtime import models
+    from tests.megakernel.tiny import tiny_config_dict
+
+    class OnTheCpu(mdsl.LLM):
+        def __init__(self, folder, device, **engine):
+            super().__init__(folder, device="cpu", **engine)
+            self.device.replays, self.device.profile_ops = 0, lambda on: {"linear": (12.5, 3)}
+
+    calls = []
+
+    def decode_steps(llm, device, batch, context, *args, **kwargs):
+        calls.append(batch)
+        if len(calls) == 2:
+            raise RuntimeError("cut")
+        return {"device": device, "batch": batch, "context": context, "mean_context": float(context),
+                "steps": 3, "step_s": 0.001}
+
+    monkeypatch.setitem(models.MODELS, "tiny-qwen3", tiny_config_dict("qwen3", max_position_embeddings=512))
+    monkeypatch.setattr(mdsl, "LLM", OnTheCpu)
+    monkeypatch.setattr(S, "decode_steps", decode_steps)
+    with pytest.raises(RuntimeError, match="cut"):
+        S.main(["--model", "tiny-qwen3", "--device", "gpu", "--batches", "1,3", "--context", "20", "--long-contexts",
+                "", "--requests", "2", "--prompt-len", "4:9", "--output-len", "2:5", "--max-batch", "4", "--no-torch",
+                "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert [d["batch"] for d in result["decode"]] == [1] and result["devices"] == {"gpu": {"incomplete": S.INCOMPLETE}}
+    assert f"- gpu: {S.INCOMPLETE}" in (tmp_path / "serve.md").read_text()
