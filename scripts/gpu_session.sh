@@ -23,7 +23,7 @@
 # Each stage has a hard time limit (seconds, overridable) so that a hang costs that stage only;
 # STAGES="precompile kernels" runs a subset.
 # Output under $OUT (at most 8 files come back from a device call): summary.txt, tests.log, decode.txt (where the
-# decode stage ran), serve.md (where the serve stage ran), all.tar.gz (every log and every benchmark's results).
+# decode stage ran), serve.md and serve.json (where the serve stage ran), all.tar.gz (every log and every benchmark's results).
 #
 #   bash scripts/gpu_session.sh          (with the plan cache .plans/ from the CPU machine beside it)
 set -u
@@ -146,7 +146,7 @@ stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize_megakernel.log" compu
 # benchmark's default 256 take twice as long in each online run, 64 s at 4 requests/s on each device alone)
 stage serve "${SERVE_LIMIT:-480}" "$OUT/all/serve.log" $PY benchmarks/serve.py \
     ${SERVE_ARGS:---model qwen3-0.6b --requests 128} --out "$OUT/all/serve"
-[ -f "$OUT/all/serve/serve.md" ] && cp "$OUT/all/serve/serve.md" "$OUT/serve.md"
+[ -f "$OUT/all/serve/serve.md" ] && cp "$OUT/all/serve/serve.md" "$OUT/all/serve/serve.json" "$OUT/"
 # (STAGES=servehttp) the HTTP load test against the offline engine (benchmarks/serve_http.py)
 stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/all/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
