@@ -23,9 +23,9 @@ table):
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
 
-A missing input gives its section a line saying so (OPTIONAL ones: a benchmark that has not run yet). Floors
-are the roofline of the H200 that the cost model uses (`mdsl.search.cost.H200`): bytes over the measured 4.25
-TB/s copy rate, flops over 750 TFLOP/s. `headlines()` gives the figures the README states; tests/test_docs.py
+A missing input gives its section a line saying so; an OPTIONAL one (a benchmark that has not run yet) has no
+section. Floors are the roofline of the H200 that the cost model uses (`mdsl.search.cost.H200`): bytes over the
+measured 4.25 TB/s copy rate, flops over 750 TFLOP/s. `headlines()` gives the figures the README states; tests/test_docs.py
 holds the README to them.
 """
 from __future__ import annotations
@@ -431,9 +431,9 @@ def serve_section(data: Optional[dict]) -> list:
               f"further meanwhile: `mean context`{whose})"
               f"{how}. The floor is the weights plus every request's cached keys and values (in the pools' dtype, "
               "the checkpoint's: bf16 here) over 4.25 TB/s; `PyTorch ms`: its kernel-per-op step at the same batch "
-              "and context (bf16, static KV caches, a CUDA graph).", ""]
-    if data.get("devices"):
-        lines += launch_lines(data["devices"]) + [""]
+              "and context (bf16, static KV caches, a CUDA graph)." +
+              (" Launches: " + "; ".join(line[2:] for line in launch_lines(data["devices"])) + "."
+               if data.get("devices") else ""), ""]
     rows = []
     for (batch, context), by_device in points_of(decode).items():
         first = next(iter(by_device.values()))
@@ -453,26 +453,37 @@ def serve_section(data: Optional[dict]) -> list:
                          *(f"PyTorch / {n}" for n in measured)], rows) + [""]
     if (RESULTS / "serve.png").exists():
         lines += ["![decode step time by batch: each device, the floor, PyTorch](results/serve.png)", ""]
-    profiled = [d for d in decode if d.get("ops_us")]
+    profiled = [d for d in decode if d.get("ops_us") and d["context"] == decode[0]["context"]]
     ops = sorted({op for d in profiled for op in d["ops_us"]},
                  key=lambda op: -max(d["ops_us"].get(op, 0.0) for d in profiled))
     if ops:
-        lines += ["Where the GPU device's step time goes: each layer op's µs per step, all layers, timed by events "
-                  "in a twin of the step's CUDA graph (`GpuDevice.profile_ops`; `a+b`: two ops fused into one "
-                  "kernel).", ""]
+        lines += [f"Where the GPU device's step time goes at prompts of {decode[0]['context']}: each layer op's µs "
+                  "per step, all layers, timed by events in a twin of the step's CUDA graph "
+                  "(`GpuDevice.profile_ops`; `a+b`: two ops fused into one kernel; serve.json has the other "
+                  "prompts').", ""]
         lines += _table(["batch", *ops, "sum"], [[d["batch"], *(f"{d['ops_us'].get(op, 0.0):.0f}" for op in ops),
                                                f"{sum(d['ops_us'].values()):.0f}"] for d in profiled]) + [""]
     if runs:
-        order = list(dict.fromkeys(r["run"] for r in runs))
+        by_run: dict = {}
+        for r in runs:
+            by_run.setdefault(r["run"], {})[device_of(r)] = r
+        ran = list(dict.fromkeys(map(device_of, runs)))
+        columns = ("tokens/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "short")
+
+        def cells(r: Optional[dict]) -> list:
+            if r is None:
+                return ["-"] * len(columns)
+            return [f"{r['output_tokens_per_s']:.0f}",
+                    *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
+                    r["short"]]
+
         lines += ["Whole runs (seeded prompt and output lengths; `offline`: all submitted at once, `online R/s`: "
-                  "Poisson arrivals): output tokens per second, time to first token (TTFT) and per output token "
-                  "(TPOT); `short`: requests that streamed fewer tokens than asked.", ""]
-        lines += _table(["run", "device", "requests", "output tokens", "wall s", "tokens/s", "TTFT p50 ms",
-                         "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "short"],
-                        [[r["run"], device_of(r), r["requests"], r["output_tokens"], f"{r['wall_s']:.1f}",
-                          f"{r['output_tokens_per_s']:.0f}",
-                          *(f"{r[k] * 1e3:.1f}" for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")),
-                          r["short"]] for r in sorted(runs, key=lambda r: order.index(r["run"]))], right=2) + [""]
+                  "Poisson arrivals), each device's: output tokens per second, time to first token (TTFT) and per "
+                  "output token (TPOT); `short`: requests that streamed fewer tokens than asked.", ""]
+        lines += _table(["run", "requests", "output tokens", *(f"{n} {c}" for n in ran for c in columns)],
+                        [[name, next(iter(rs.values()))["requests"], next(iter(rs.values()))["output_tokens"],
+                          *(c for n in ran for c in cells(rs.get(n)))] for name, rs in by_run.items()],
+                        right=1) + [""]
     return lines
 
 
@@ -751,9 +762,10 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
-    lines += torch_compile_section(results.get("torch_compile"))
-    lines += serve_section(results.get("serve"))
-    lines += serve_http_section(results.get("serve_http"))
+    for name, section in (("torch_compile", torch_compile_section), ("serve", serve_section),
+                          ("serve_http", serve_http_section)):
+        if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
+            lines += section(results[name])
     lines += tried_section(tried_rows(docs))
     return "\n".join(lines).rstrip("\n") + "\n"
 

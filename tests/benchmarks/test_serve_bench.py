@@ -4,6 +4,7 @@ the decode measurement on the CPU device."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -253,8 +254,10 @@ def test_the_reports_serve_section_shows_both_devices():
             "megakernel of floor | megakernel tokens/s | PyTorch ms | PyTorch / gpu | PyTorch / megakernel |") in text
     assert "| 1 | 1024 | 1040 | 1.000 | 2.00 | 50% | 500 | 1.00 | 100% | 1000 | 4.00 | 2.00× | 4.00× |" in text
     assert "| 64 | 1024 | 1040 | 1.000 | 10.00 | 10% | 6400 | 4.00 | 25% | 16000 | 6.00 | 0.60× | 1.50× |" in text
-    assert "- megakernel: 1 kernel launch for the run's 1200 steps" in text
-    assert "| offline | gpu | 1 | 2 |" in text and "| offline | megakernel | 1 | 2 |" in text
+    assert "CUDA graph). Launches: gpu: " in text and "; megakernel: 1 kernel launch for the run's 1200 steps" in text
+    assert ("| run | requests | output tokens | gpu tokens/s | gpu TTFT p50 ms | gpu TTFT p99 ms | gpu TPOT p50 ms | "
+            "gpu TPOT p99 ms | gpu short | megakernel tokens/s |") in text
+    assert re.search(r"\| offline \| 1 \| 2 \| [0-9]+ \| [^|]+\| [^|]+\| [^|]+\| [^|]+\| 0 \| [0-9]+ \|", text)
     assert "| batch | linear | sum |" in text and "| 1 | 700 | 700 |" in text
 
 
@@ -269,7 +272,7 @@ def test_the_reports_serve_headlines_are_each_devices():
     data["decode"] = [d for d in data["decode"] if d["device"] == "gpu"]
     h = report.headlines({"serve": data})
     assert h["serve_step_one"] == "2.0 ms" and "serve_megakernel_step_one" not in h
-    assert "- megakernel: cannot serve the model: no body for X" in report.serve_section(data)
+    assert "; megakernel: cannot serve the model: no body for X." in "\n".join(report.serve_section(data))
 
 
 def test_the_reports_serve_plot_draws_both_devices(tmp_path):
