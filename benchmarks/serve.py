@@ -194,9 +194,10 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
     control = device.host["control"]
     device.profile(True)
     start = int(control["steps"][0])
-    wait_steps(control, start + PROFILED_STEPS)
+    wait_for_steps(control, lambda s: s >= start + PROFILED_STEPS)
     device.profile(False)
-    wait_steps(control, int(control["steps"][0]) + 2)   # (no record is being written)
+    stop = int(control["steps"][0])
+    wait_for_steps(control, lambda s: s >= stop + 2)   # (no record is being written)
     steps = device.profile_records()
     if not steps:
         return {}
@@ -211,36 +212,28 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
             "phases_us": layer_phases(records, kinds, layers, step=max(steps))}
 
 
-def wait_steps(control, count: int) -> None:
-    """Until the device's step counter reaches `count`."""
-    deadline = time.perf_counter() + STALL_S
-    while int(control["steps"][0]) < count:
+def wait_for_steps(control, done) -> int:
+    """The device's step counter (`control["steps"]`, which the device writes at each step boundary) polled every
+    POLL_S until done(value); that value. A counter that does not move for STALL_S fails."""
+    deadline, value = time.perf_counter() + STALL_S, int(control["steps"][0])
+    while not done(value):
         if time.perf_counter() > deadline:
-            raise RuntimeError(f"the device's step counter stayed below {count} for {STALL_S:.0f} s")
+            raise RuntimeError(f"the device's step counter stayed at {value} for {STALL_S:.0f} s (a device "
+                               "without a running request: did the batch's requests end? decode_budget is short)")
         time.sleep(POLL_S)
+        value = int(control["steps"][0])
+    return value
 
 
 def step_counter_slope(control, count: int) -> tuple:
-    """(seconds per step, steps counted) of a device's step counter (`control["steps"]`, which the device
-    writes at each step boundary): from its next change, the time this process first sees each value until it
-    has moved `count` more, and the least-squares slope of those times against the values."""
-    def steps() -> int:
-        return int(control["steps"][0])
-
-    def wait_for(done) -> int:
-        deadline = time.perf_counter() + STALL_S
-        while not done(value := steps()):
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"the device's step counter stayed at {value} for {STALL_S:.0f} s (a device "
-                                   "without a running request: did the batch's requests end? decode_budget is short)")
-            time.sleep(POLL_S)
-        return value
-
-    first = steps()
-    value = wait_for(lambda s: s != first)
+    """(seconds per step, steps counted) of a device's step counter: from its next change, the time this process
+    first sees each value until it has moved `count` more, and the least-squares slope of those times against the
+    values."""
+    first = int(control["steps"][0])
+    value = wait_for_steps(control, lambda s: s != first)
     seen = [(time.perf_counter(), value)]
     while seen[-1][1] < seen[0][1] + count:
-        value = wait_for(lambda s: s != seen[-1][1])
+        value = wait_for_steps(control, lambda s: s != seen[-1][1])
         seen.append((time.perf_counter(), value))
     return slope(seen), seen[-1][1] - seen[0][1]
 
