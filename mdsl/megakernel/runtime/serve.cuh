@@ -108,14 +108,14 @@ struct RowsGemv {
 // it is not needed where a caller has no Params)
 __device__ __forceinline__ void mark_at(int k) { body_marks[k] = globaltimer(); }
 
-// Dot products of weight rows with `nr` input rows at once (row n at xs + n * K, nr <= GROUP): gemv's items, passes
+// Dot products of weight rows with `nr` input rows at once (row n at xs + n * K, nr <= NR): gemv's items, passes
 // and lanes, each weight load used by every row while it is in registers, and each (row, item) accumulated in one
 // order, the same whatever the other rows and their count: a row's bits are those it has alone. emit(n, item,
 // acc[ROWS]) runs on lane 0.
-template <int K, int ROWS, typename Row, typename Emit>
+template <int K, int ROWS, int NR, typename Row, typename Emit>
 __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, int nr, Row row, Emit emit) {
   using G = RowsGemv<K, ROWS>;
-  constexpr int CH = G::CH, U = G::U, ITEMS = G::ITEMS, R = G::R, NR = G::GROUP;
+  constexpr int CH = G::CH, U = G::U, ITEMS = G::ITEMS, R = G::R;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int first = begin + warp * ITEMS; first < end; first += NW * ITEMS) {
     const T* w[R];
@@ -196,8 +196,11 @@ __device__ __forceinline__ void rows_linear(const Params& p, const Task& t, int 
     const int nr = count - j0 < GROUP ? count - j0 : GROUP;
     for (int n = 0; n < nr; ++n) input(row_of_index(j0 + n), xs + n * K);
     if (j0 == 0) mark(p, 0);
-    gemv_rows<K, ROWS>(t.begin, t.end, xs, nr, weights,
-                       [&](int n, int r, const float* acc) { emit(j0 + n, row_of_index(j0 + n), r, acc); });
+    const auto out = [&](int n, int r, const float* acc) { emit(j0 + n, row_of_index(j0 + n), r, acc); };
+    // (a lone row takes the one-row code: the group's accumulators and unrolled rows cost a lone row's products
+    // several times their time; a row's sums are the same in both)
+    if (nr == 1) gemv_rows<K, ROWS, 1>(t.begin, t.end, xs, nr, weights, out);
+    else gemv_rows<K, ROWS, GROUP>(t.begin, t.end, xs, nr, weights, out);
     compute_sync();   // every warp has read the group's inputs before the next group's are stored
   }
 }
