@@ -14,7 +14,7 @@ from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from mdsl.megakernel.runtime.kernel_source import KERNEL_NAME, PARAMS, SERVE_PARAMS, WARPS, runtime_source
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.serving_plan import build_serving_plan, plan_serving
-from mdsl.megakernel.runtime.serving_source import (ROW_FLOATS, ROW_GROUP, generate_serving_source, item_keys,
+from mdsl.megakernel.runtime.serving_source import (ROW_FLOATS, ROW_GROUP, generate_serving_source,
                                                     serving_row_floats, serving_shared_floats)
 from mdsl.megakernel.runtime.shape import decoder_shape
 from mdsl.megakernel.runtime.task_plan import Kind
@@ -56,7 +56,7 @@ def test_qwen3_8b_serving_kernel_compiles_without_spills():
     assert_fits(source, resources)
     # the down-projection's 12288-wide rows three at a time, the 4096-wide ones eight, in 160 KiB
     assert serving_row_floats(plan) == ROW_FLOATS and ROW_FLOATS // 12288 == 3 and ROW_FLOATS // 4096 >= ROW_GROUP
-    assert item_keys(plan) == 64 and plan.max_items == 256 * 64
+    assert plan.split_width(QWEN3_8B.max_seq) == 64 and plan.max_items == 256 * 64
 
 
 def test_the_serving_kernel_is_the_runtime_with_its_serve_section_and_the_serving_declarations():
@@ -72,7 +72,7 @@ def test_the_serving_kernel_is_the_runtime_with_its_serve_section_and_the_servin
     assert f"constexpr int LM_FIRST = {lm_first};" in text
     tiles = [plan.append_tiles(g) for g in range(plan.shape.kv_heads)]
     assert f"__constant__ int APPEND_TILES[HKV] = {{{', '.join(map(str, tiles))}}};" in text
-    assert f"constexpr int ITEM_KEYS = {item_keys(plan)};" in text and "constexpr int SERVE_WINDOW = 0;" in text
+    assert "constexpr int SERVE_WINDOW = 0;" in text
     # the serving bodies and dispatch, none of the one-row ones; no early handover, no one-row prefetch
     dispatch = text[text.index("bool run_task("):]
     for call in ("return schedule_task(p, step, work);", "qkv_task(p, t, work, red, step);",
@@ -102,6 +102,6 @@ def test_the_serving_kernels_shared_memory_holds_each_body():
     s = plan.shape
     assert floats["schedule"] == SHAPE.max_batch + SHAPE.max_tokens_per_step + 1
     assert floats["linear"] == min(ROW_GROUP * max(s.hidden, s.intermediate, s.attention_width), ROW_FLOATS)
-    assert floats["attention"] >= s.group * item_keys(plan) + WARPS * s.group * s.head_dim
-    # a row's splits: SPLIT_KEYS keys at these positions (at most MAX_ROW_SPLITS splits a row)
-    assert item_keys(plan) == plan.split_width(POSITIONS) == 64
+    # an attention item is a warp's: its scratch and q heads, whatever the keys of a split
+    assert floats["attention"] == WARPS * (s.group + 1) * s.head_dim
+    assert plan.split_width(POSITIONS) == 64

@@ -16,7 +16,7 @@ from mdsl.errors import UnsupportedError
 from mdsl.megakernel.runtime.cuda_bodies import runtime_sections
 from mdsl.megakernel.runtime.kernel_source import (BODIES_MARKER, SMEM_PER_BLOCK, STATIC_SMEM_RESERVE, WARPS,
                                                    MegakernelSource, kernel_layout, linear_row_floats, model_lines,
-                                                   q_stride, runtime_source)
+                                                   runtime_source)
 from mdsl.megakernel.runtime.megakernel_options import MegakernelOptions
 from mdsl.megakernel.runtime.serving_bodies import generate_serving_bodies
 from mdsl.megakernel.runtime.serving_plan import ServingPlan
@@ -43,21 +43,21 @@ def serving_row_floats(plan: ServingPlan) -> int:
     return max(widest, min(ROW_GROUP * widest, ROW_FLOATS))
 
 
-def item_keys(plan: ServingPlan) -> int:
-    """The most keys an attention item (one split of a row's range) has (ITEM_KEYS): the split width of the
-    longest range, max_seq positions or the sliding window's."""
-    return plan.split_width(plan.attention_window or plan.serving.max_seq)
-
-
 def serving_shared_floats(plan: ServingPlan) -> dict:
     """Each body's shared floats after the block reductions' scratch: a linear task's input rows (the LM head's
-    too), an ATTN item's q heads, scratch, scores, statistics and per-warp sums (serve_attention.cuh's
-    attention_items_task), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
+    too), an ATTN item's per-warp scratch and q heads (serve_attention.cuh's attention_items_task: an item is a
+    warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
     s = plan.shape
-    attention = (s.group * q_stride(plan.base) + WARPS * s.head_dim + s.group * item_keys(plan) + 2 * s.group
-                 + WARPS * s.group * s.head_dim)
+    attention = WARPS * (s.group + 1) * s.head_dim
     return {"linear": serving_row_floats(plan), "attention": attention, "append": 2 * WARPS * s.head_dim,
             "schedule": plan.serving.max_batch + plan.max_rows + 1}
+
+
+# what narrows each body's shared memory where it is the widest
+SHARED_HINTS = {"linear": "the model's widest linear input row does not fit; serve it on device='gpu'",
+                "attention": "the model's query heads per kv head and head_dim do not fit; serve it on device='gpu'",
+                "append": "the model's head_dim does not fit; serve it on device='gpu'",
+                "schedule": "a smaller max_batch or max_tokens_per_step narrows SCHEDULE's words"}
 
 
 def append_tiles(plan: ServingPlan) -> list:
@@ -67,14 +67,13 @@ def append_tiles(plan: ServingPlan) -> list:
 
 def generate_serving_source(plan: ServingPlan) -> MegakernelSource:
     """The serving kernel for `plan` and its dynamic shared memory per worker block. UnsupportedError where its
-    shared memory does not fit an SM (an attention item's scores at a long max_seq)."""
+    shared memory does not fit an SM."""
     base = plan.base
     options = OPTIONS.for_world(base.world)
     layout = kernel_layout(base, options, stream=False)
     tiles = ", ".join(str(n) for n in append_tiles(plan))
     extra = (f"constexpr int ROW_GROUP = {ROW_GROUP};   // rows a linear tile's pass of weight loads serves at most",
              f"constexpr int SERVE_ROW_FLOATS = {serving_row_floats(plan)};   // a linear task's input rows",
-             f"constexpr int ITEM_KEYS = {item_keys(plan)};   // an attention item's keys at most",
              f"constexpr int SERVE_WINDOW = {plan.attention_window};   // a row's keys at most (0: its whole range)",
              f"constexpr int PROFILE_STEPS = {PROFILE_STEPS};   // the profile's ring of the last steps' records",
              f"__constant__ int APPEND_TILES[HKV] = {{{tiles}}};   // per kv head: the QKV tiles counting on it")
@@ -88,5 +87,5 @@ def generate_serving_source(plan: ServingPlan) -> MegakernelSource:
     if smem > SMEM_PER_BLOCK - STATIC_SMEM_RESERVE:
         raise UnsupportedError(f"the serving kernel needs {smem} bytes of shared memory per block ({floats} floats), "
                                f"an SM has {SMEM_PER_BLOCK - STATIC_SMEM_RESERVE}",
-                               hint="a shorter max_seq narrows an attention item's scores")
+                               hint=SHARED_HINTS[max(floats, key=floats.get)])
     return MegakernelSource(text, smem)
