@@ -14,7 +14,7 @@ from mdsl.megakernel.modelgraph.model_config import config_from_dict
 from mdsl.megakernel.runtime.kernel_source import KERNEL_NAME, PARAMS, SERVE_PARAMS, WARPS, runtime_source
 from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.serving_plan import build_serving_plan, plan_serving
-from mdsl.megakernel.runtime.serving_source import (ROW_FLOATS, ROW_GROUP, generate_serving_source,
+from mdsl.megakernel.runtime.serving_source import (ROW_FLOATS, ROW_GROUP, attention_chunk, generate_serving_source,
                                                     serving_row_floats, serving_shared_floats)
 from mdsl.megakernel.runtime.shape import decoder_shape
 from mdsl.megakernel.runtime.task_plan import Kind
@@ -102,6 +102,7 @@ def test_the_serving_kernels_shared_memory_holds_each_body():
     s = plan.shape
     assert floats["schedule"] == SHAPE.max_batch + SHAPE.max_tokens_per_step + 1
     assert floats["linear"] == min(ROW_GROUP * max(s.hidden, s.intermediate, s.attention_width), ROW_FLOATS)
-    # an attention item is a warp's: its scratch and q heads, whatever the keys of a split
-    assert floats["attention"] == WARPS * (s.group + 1) * s.head_dim
+    # an attention item is a warp's: its scratch, q heads and a chunk of 32 value rows, whatever the keys of a split
+    assert attention_chunk(plan) == 32
+    assert floats["attention"] == WARPS * ((s.group + 1) * s.head_dim + 32 * s.head_dim * s.dtype.itemsize // 4)
     assert plan.split_width(POSITIONS) == 64

@@ -50,31 +50,63 @@ __device__ void append_kv(const Params& p, const Task& t, long long step, float*
   }
 }
 
-// Row `item.row`'s splits of kv head g merged into its attention columns in split order, each split's sums scaled by
-// exp(its maximum - the row's), a product and a sum each (no fused multiply-add: the serving emulator's arithmetic),
-// by the `count` threads from `first` (a warp). The partials were written by other warps: read from L2.
-__device__ void merge_row(const Params& p, int layer, int g, const AttnItem& item, int first, int count) {
+// Row `item.row`'s splits of kv head g merged into its attention columns by one warp: per head, lane j holds splits
+// j, j + 32, ... (their maxima and sums), the row's maximum and the splits' scales exp(maximum - the row's) by
+// shuffles, the scaled sums added over the lanes in a fixed tree; then lane l's dimensions (l * VL ...) summed over
+// the splits in split order, a product and a sum each. The partials were written by other warps: read from L2.
+constexpr int VL = (D + 31) / 32;   // a lane's value dimensions
+constexpr int SPLIT_LANES = (MAX_ROW_SPLITS + 31) / 32;
+__device__ void merge_row(const Params& p, int layer, int g, const AttnItem& item, int lane) {
   T* out = row_of(p.attns, layer, int(item.row), HQ * D) + g * G * D;
   const float* parts = p.parts + ((long long)g * MAX_ITEMS + item.first) * G * PART;
-  for (int e = first; e < G * D; e += count) {
-    const int h = e / D, d = e % D;
-    float top = mdsl::neg_inf();
-    for (unsigned j = 0; j < item.splits; ++j) top = fmaxf(top, __ldcg(parts + (j * G + h) * PART));
-    float weighted = 0.0f, total = 0.0f;
-    for (unsigned j = 0; j < item.splits; ++j) {
-      const float* part = parts + (j * G + h) * PART;
-      const float scale = expf(__ldcg(part) - top);
-      const float value = __fmul_rn(scale, __ldcg(part + 2 + d)), sum = __fmul_rn(scale, __ldcg(part + 1));
-      weighted = j == 0 ? value : __fadd_rn(weighted, value);
-      total = j == 0 ? sum : __fadd_rn(total, sum);
+  const int splits = int(item.splits);
+  for (int h = 0; h < G; ++h) {
+    float top = mdsl::neg_inf(), most[SPLIT_LANES], sums[SPLIT_LANES];
+#pragma unroll
+    for (int k = 0; k < SPLIT_LANES; ++k) {
+      const int j = lane + 32 * k;
+      most[k] = j < splits ? __ldcg(parts + (j * G + h) * PART) : mdsl::neg_inf();
+      sums[k] = j < splits ? __ldcg(parts + (j * G + h) * PART + 1) : 0.0f;
+      top = fmaxf(top, most[k]);
     }
-    out[e] = mdsl::from_float<T>(weighted / total);
+    top = mdsl::group_reduce<32>(top, mdsl::Max());
+    float scale[SPLIT_LANES], total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < SPLIT_LANES; ++k) {
+      scale[k] = lane + 32 * k < splits ? expf(most[k] - top) : 0.0f;
+      total = __fadd_rn(total, __fmul_rn(scale[k], sums[k]));
+    }
+    total = mdsl::group_reduce<32>(total, mdsl::Sum());
+    float weighted[VL] = {};
+#pragma unroll
+    for (int k = 0; k < SPLIT_LANES; ++k)
+      for (int j0 = 32 * k; j0 < splits && j0 < 32 * (k + 1); j0 += 8) {   // 8 splits' loads in flight at once
+        float v[8][VL];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int j = 0; j < VL; ++j)
+            v[u][j] = j0 + u < splits && lane * VL + j < D ? __ldcg(parts + ((j0 + u) * G + h) * PART + 2 + lane * VL + j)
+                                                         : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const float sc = __shfl_sync(0xffffffffu, scale[k], (j0 + u) % 32);
+          if (j0 + u < splits)
+#pragma unroll
+            for (int j = 0; j < VL; ++j) {
+              const float value = __fmul_rn(sc, v[u][j]);
+              weighted[j] = j0 + u == 0 ? value : __fadd_rn(weighted[j], value);
+            }
+        }
+      }
+#pragma unroll
+    for (int j = 0; j < VL; ++j)
+      if (lane * VL + j < D) out[h * D + lane * VL + j] = mdsl::from_float<T>(weighted[j] / total);
   }
 }
 
-// A lane's VL value dimensions (lane * VL ...) of a pool row, as one vector load where they fill a 4-, 8- or 16-byte
-// one (a warp's loads of a row then cover it contiguously).
-constexpr int VL = (D + 31) / 32;
+// A lane's VL value dimensions (lane * VL ...) of a value row (in the pool or staged in shared memory), as one vector
+// load where they fill a 4-, 8- or 16-byte one (a warp's loads of a row then cover it contiguously).
 __device__ __forceinline__ void load_value_span(const T* row, int lane, float* v) {
   constexpr int BYTES = VL * int(sizeof(T));
   const T* at = row + lane * VL;
@@ -107,22 +139,25 @@ __device__ __forceinline__ void prefetch_row(const T* row) {
 // ATTN (layer, kv head g = t.begin): the step's attention items t.end + ATTN_TASKS * (w + NW * n) on warp w, each
 // item a warp's alone (no block barrier: a block's warps run as many items at once). Per item the warp prefetches
 // its keys' and values' pool rows to L2, norms and rotates its row's G query heads (prepare_head), and runs the
-// split's keys in chunks of 32, a key a lane: the lane's scores (its key row's dot products in dimension order), an
-// online softmax per head (the chunk's maximum by shuffles, earlier sums rescaled by exp(old - new maximum), the sum
-// in f32 per lane and added over the lanes at the end, the values' weights rounded to T) and the weighted values,
-// lane l holding dimensions l * VL ... of every head, the chunk's keys in position order. Its partials [kv head]
-// [item][head] (maximum, sum, D values) are a function of the row and split alone. Then the item counts itself on its
-// (layer, row, kv head) merge counter; the warp that brings it to the row's splits merges them and sets it back to 0
-// (its last access this step: the next is a later step's, which descends from its SCHEDULE, which waits for this
-// step's every task).
+// split's keys in chunks of ATTN_CHUNK, a key a lane: the lane copies its key's value row into the warp's shared
+// memory (cp.async) while it scores its key row (dot products in dimension order); an online softmax per head (the
+// chunk's maximum by shuffles, earlier sums rescaled by exp(old - new maximum), the sum in f32 per lane and added
+// over the lanes at the end, the values' weights rounded to T); the staged values weighted, lane l holding
+// dimensions l * VL ... of every head, the chunk's keys in position order. Its partials [kv head][item][head]
+// (maximum, sum, D values) are a function of the row and split alone. Then the item counts itself on its (layer,
+// row, kv head) merge counter; the warp that brings it to the row's splits merges them and sets it back to 0 (its
+// last access this step: the next is a later step's, which descends from its SCHEDULE, which waits for this step's
+// every task).
 __device__ void attention_items_task(const Params& p, const Task& t, float* sm) {
   const int g = t.begin, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
-  float* tmp = sm + warp * (G + 1) * D;   // [NW][G + 1][D]: prepare_head's scratch, then the warp's q heads
-  float* qs = tmp + D;
   constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
   constexpr int KG = KV_VECTORS < 16 ? KV_VECTORS : 16;   // a key row's 16-byte vectors in flight at once
+  constexpr int WARP_FLOATS = (G + 1) * D + (ATTN_CHUNK * D * int(sizeof(T)) + 3) / 4;
   static_assert(KV_VECTORS % KG == 0, "a key row splits into groups of vectors evenly");
+  float* tmp = sm + warp * WARP_FLOATS;   // per warp: prepare_head's scratch [D], q heads [G][D], values [CHUNK][D]
+  float* qs = tmp + D;
+  T* values = reinterpret_cast<T*>(qs + G * D);
   const int items = int(serve_work(p).num_items);
   for (int i = t.end + ATTN_TASKS * warp; i < items; i += ATTN_TASKS * NW) {
     const AttnItem item = serve_items(p)[i];
@@ -144,14 +179,15 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
 #pragma unroll
       for (int j = 0; j < VL; ++j) acc[h][j] = 0.0f;
     }
-    for (int base = 0; base < count; base += 32) {   // (uniform over the warp: the shuffles below)
-      const int n = count - base < 32 ? count - base : 32;
-      long long at = 0;
+    for (int base = 0; base < count; base += ATTN_CHUNK) {   // (uniform over the warp: the shuffles below)
+      const int n = count - base < ATTN_CHUNK ? count - base : ATTN_CHUNK;
       float s[G];
 #pragma unroll
       for (int h = 0; h < G; ++h) s[h] = 0.0f;
       if (lane < n) {
-        at = pool_row(p, entry, item.lo + base + lane, g);
+        const long long at = pool_row(p, entry, item.lo + base + lane, g);
+        const T* vrow = w.v_cache + at;
+        for (int c = 0; c < KV_VECTORS; ++c) copy_async(shared_address(values + lane * D + c * PER), vrow + c * PER);
         const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + at);
         for (int c0 = 0; c0 < KV_VECTORS; c0 += KG) {
           uint4 raw[KG];
@@ -183,25 +219,23 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
 #pragma unroll
         for (int j = 0; j < VL; ++j) acc[h][j] *= alpha;
       }
-      for (int j0 = 0; j0 < n; j0 += 8) {   // 8 value rows in flight at once
-        float v[8][VL];
+      copies_wait();   // this lane's value row; the warp barrier, every lane's
+      __syncwarp();
+      for (int j0 = 0; j0 < n; j0 += 8) {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          const long long row_at = __shfl_sync(0xffffffffu, at, j0 + u);
-          if (j0 + u < n) load_value_span(w.v_cache + row_at, lane, v[u]);
-          else
-#pragma unroll
-            for (int j = 0; j < VL; ++j) v[u][j] = 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
+          float v[VL];
+          if (j0 + u < n) load_value_span(values + (j0 + u) * D, lane, v);
 #pragma unroll
           for (int h = 0; h < G; ++h) {
-            const float wt = __shfl_sync(0xffffffffu, weight[h], j0 + u);
+            const float wt = __shfl_sync(0xffffffffu, weight[h], (j0 + u) % 32);
+            if (j0 + u < n)
 #pragma unroll
-            for (int j = 0; j < VL; ++j) acc[h][j] = fmaf(wt, v[u][j], acc[h][j]);
+              for (int j = 0; j < VL; ++j) acc[h][j] = fmaf(wt, v[j], acc[h][j]);
           }
+        }
       }
+      __syncwarp();   // (the staged values: the next chunk's copies)
     }
     float* part = p.parts + ((long long)g * MAX_ITEMS + i) * G * PART;
 #pragma unroll
@@ -223,7 +257,7 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
       asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
     if (__shfl_sync(0xffffffffu, before + 1u == item.splits, 0)) {
       __threadfence();   // (the other warps' partials, acquired by lane 0)
-      merge_row(p, t.layer, g, item, lane, 32);
+      merge_row(p, t.layer, g, item, lane);
       if (lane == 0) *counter = 0u;
     }
     __syncwarp();   // (tmp and qs: the warp's next item)

@@ -43,12 +43,23 @@ def serving_row_floats(plan: ServingPlan) -> int:
     return max(widest, min(ROW_GROUP * widest, ROW_FLOATS))
 
 
+def attention_chunk(plan: ServingPlan) -> int:
+    """Keys an attention item's warp scores and stages at once (ATTN_CHUNK: a key a lane, its value row copied into
+    the warp's shared memory): 32, or the power of two under it whose value rows and q heads of every warp fit in
+    ROW_FLOATS (a wide head of float32 values)."""
+    s, width = plan.shape, plan.shape.dtype.itemsize
+    chunk = 32
+    while chunk > 1 and WARPS * (chunk * s.head_dim * width / 4 + (s.group + 1) * s.head_dim) > ROW_FLOATS:
+        chunk //= 2
+    return chunk
+
+
 def serving_shared_floats(plan: ServingPlan) -> dict:
     """Each body's shared floats after the block reductions' scratch: a linear task's input rows (the LM head's
-    too), an ATTN item's per-warp scratch and q heads (serve_attention.cuh's attention_items_task: an item is a
-    warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
+    too), an ATTN item's per-warp scratch, q heads and staged value rows (serve_attention.cuh's
+    attention_items_task: an item is a warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
     s = plan.shape
-    attention = WARPS * (s.group + 1) * s.head_dim
+    attention = WARPS * ((s.group + 1) * s.head_dim + -(-attention_chunk(plan) * s.head_dim * s.dtype.itemsize // 4))
     return {"linear": serving_row_floats(plan), "attention": attention, "append": 2 * WARPS * s.head_dim,
             "schedule": plan.serving.max_batch + plan.max_rows + 1}
 
@@ -74,6 +85,7 @@ def generate_serving_source(plan: ServingPlan) -> MegakernelSource:
     tiles = ", ".join(str(n) for n in append_tiles(plan))
     extra = (f"constexpr int ROW_GROUP = {ROW_GROUP};   // rows a linear tile's pass of weight loads serves at most",
              f"constexpr int SERVE_ROW_FLOATS = {serving_row_floats(plan)};   // a linear task's input rows",
+             f"constexpr int ATTN_CHUNK = {attention_chunk(plan)};   // an attention item's keys scored at once",
              f"constexpr int SERVE_WINDOW = {plan.attention_window};   // a row's keys at most (0: its whole range)",
              f"constexpr int PROFILE_STEPS = {PROFILE_STEPS};   // the profile's ring of the last steps' records",
              f"__constant__ int APPEND_TILES[HKV] = {{{tiles}}};   // per kv head: the QKV tiles counting on it")
