@@ -73,14 +73,18 @@ def test_the_serving_kernel_is_the_runtime_with_its_serve_section_and_the_servin
     tiles = [plan.append_tiles(g) for g in range(plan.shape.kv_heads)]
     assert f"__constant__ int APPEND_TILES[HKV] = {{{', '.join(map(str, tiles))}}};" in text
     assert "constexpr int SERVE_WINDOW = 0;" in text
-    # the serving bodies and dispatch, none of the one-row ones; no early handover, no one-row prefetch
+    # the serving bodies and dispatch, none of the one-row ones; the linear kinds and the LM head handed over early
+    # (their bodies wait on the slot's ready barrier), no one-row prefetch of attention's rows
     dispatch = text[text.index("bool run_task("):]
-    for call in ("return schedule_task(p, step, work);", "qkv_task(p, t, work, red, step);",
-                 "attention_items_task(p, t, work);", "lmhead_rows_task(p, t, k - LM_FIRST", "sample_rows_task(p, t"):
+    for call in ("return schedule_task(p, step, work);", "return qkv_task(p, t, ready, work, red, step);",
+                 "attention_items_task(p, t, work);", "return lmhead_rows_task(p, t, ready, k - LM_FIRST",
+                 "sample_rows_task(p, t"):
         assert call in dispatch, call
     assert "attention_task(p, t, ready" not in text and "sample_task(p, t, step" not in text
     assert "append_kv(p, t, step, work);" in text and "rows_linear<H, 2>(" in text
-    assert "prefetch_kv_rows(p.layers" not in text and "early = early_kind" not in text
+    assert "prefetch_kv_rows(p.layers" not in text and "early = early_kind(t.kind)" in text
+    early = re.search(r"constexpr int EARLY_KINDS = (.*?);", text, re.S).group(1)
+    assert "KIND_QKV" in early and "KIND_LMHEAD" in early and "if (!inputs_ready(ready)) return false;" in text
     struct = re.search(r"struct Params \{(.*?)\};", text, re.S).group(1)
     assert [line.split()[-1].rstrip(";") for line in struct.strip().splitlines()] == \
         [name for _, name in PARAMS + SERVE_PARAMS]

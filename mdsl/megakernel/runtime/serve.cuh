@@ -108,6 +108,15 @@ struct RowsGemv {
 // it is not needed where a caller has no Params)
 __device__ __forceinline__ void mark_at(int k) { body_marks[k] = globaltimer(); }
 
+// An early task's wait for its inputs (its slot's ready barrier, `ready`; 0: a task handed over with its inputs
+// complete): false where they never come (the launch stops meanwhile), and the body then writes nothing, so that the
+// step's rows and the KV pool stay as the last whole step left them.
+__device__ __forceinline__ bool inputs_ready(int ready) {
+  if (ready == 0) return true;
+  named_sync(ready, BLOCK);
+  return !early_failed[ready - BAR_READY];
+}
+
 // Dot products of weight rows with `nr` input rows at once (row n at xs + n * K, nr <= NR): gemv's items, passes
 // and lanes, each weight load used by every row while it is in registers, and each (row, item) accumulated in one
 // order, the same whatever the other rows and their count: a row's bits are those it has alone. emit(n, item,
@@ -185,13 +194,15 @@ __device__ __forceinline__ void prefetch_first_pass(int begin, int end, Row row)
 // A linear task's columns for `count` rows (row_of_index(j): the j-th's index among the step's rows), RowsGemv's GROUP
 // rows at a time: each row's input into shared memory (input(row, xs + n * K), a row's own reductions, ending in a
 // compute barrier), then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0. The first
-// pass's weight rows go to L2 before the first group's inputs load. The profile's mark: the first group's inputs
-// stored.
+// pass's weight rows go to L2 before the task waits for its inputs (an early task: `ready`, worker.cuh) and before the
+// first group's inputs load. False, and nothing written, where the inputs never come. The profile's mark: the first
+// group's inputs stored.
 template <int K, int ROWS, typename RowIndex, typename Input, typename Weights, typename Emit>
-__device__ __forceinline__ void rows_linear(const Params& p, const Task& t, int count, RowIndex row_of_index,
-                                            Input input, Weights weights, Emit emit, float* xs) {
+__device__ __forceinline__ bool rows_linear(const Params& p, const Task& t, int ready, int count,
+                                            RowIndex row_of_index, Input input, Weights weights, Emit emit, float* xs) {
   constexpr int GROUP = RowsGemv<K, ROWS>::GROUP;
   if (count > 0) prefetch_first_pass<K, ROWS>(t.begin, t.end, weights);
+  if (!inputs_ready(ready)) return false;
   for (int j0 = 0; j0 < count; j0 += GROUP) {   // (uniform over the block: the inputs' barriers)
     const int nr = count - j0 < GROUP ? count - j0 : GROUP;
     for (int n = 0; n < nr; ++n) input(row_of_index(j0 + n), xs + n * K);
@@ -203,6 +214,7 @@ __device__ __forceinline__ void rows_linear(const Params& p, const Task& t, int 
     else gemv_rows<K, ROWS, GROUP>(t.begin, t.end, xs, nr, weights, out);
     compute_sync();   // every warp has read the group's inputs before the next group's are stored
   }
+  return true;
 }
 
 // ---- SCHEDULE: the step boundary

@@ -9,14 +9,16 @@ namespace mk {
 // logit_of(acc) the LM head op's epilogue, into logits[j]; then each sampling row's best (value, token) of the
 // tile's columns, the first maximum, into best_value / best_index [j][tile].
 template <typename Logit>
-__device__ void lmhead_rows_task(const Params& p, const Task& t, int tile, float* xs, float* red, Logit logit_of) {
+__device__ bool lmhead_rows_task(const Params& p, const Task& t, int ready, int tile, float* xs, float* red,
+                                 Logit logit_of) {
   const int samples = int(serve_work(p).num_samples);
   const int* rows = sample_rows(p);
-  rows_linear<H, 1>(
-      p, t, samples, [&](int j) { return rows[j]; },
+  const bool inputs = rows_linear<H, 1>(
+      p, t, ready, samples, [&](int j) { return rows[j]; },
       [&](int row, float* x) { normed_row<H>(row_of(p.hs, L, row, H), p.final_norm, x, red); },
       [&](int r, int) { return p.lm_head + (long long)r * H; },
       [&](int j, int, int r, const float* acc) { p.logits[(long long)j * V + r] = logit_of(acc); }, xs);
+  if (!inputs) return false;
   for (int j = 0; j < samples; ++j) {   // (the block's own logits: stored before rows_linear's last barrier)
     float v = mdsl::neg_inf();
     int i = 0x7fffffff;
@@ -33,6 +35,7 @@ __device__ void lmhead_rows_task(const Params& p, const Task& t, int tile, float
       p.best_index[j * LM_TILES + tile] = i;
     }
   }
+  return true;
 }
 
 // ---- a request's token (temperature > 0): every thread reads the row's logits (from L2: other blocks wrote them)

@@ -6,6 +6,9 @@ input row and its epilogue, written by the CUDA backend's rule table) over the s
 residual stream's row of that step row, rms-normalised, or a row of an activation buffer), the epilogue's residual
 and addend read from that row's residual stream, the result stored into that row. serve.cuh's `rows_linear` runs a
 tile's columns over several rows a pass of weight loads, each (row, column) product in the order a row has alone.
+A linear task (and the LM head's) is handed over before its inputs are complete (an early kind: worker.cuh), so that
+its first pass's weight rows go to L2 while the block waits; its body returns false, having written nothing, where
+they never come.
 QKV's body then counts its columns on the append counters (serve_attention.cuh's `append_kv`); attention, the LM
 head and the samplers are the runtime's own functions (serve_attention.cuh, serve_sampling.cuh), SCHEDULE is
 serve.cuh's `schedule_task`.
@@ -80,12 +83,12 @@ def write_rows_body(w: CodeWriter, body: LinearBody, kind_op: KindOp) -> None:
             inputs[role] = _stream_value(kind_op.stream(role))
     w("", f"// {body.kind.name} over the step's rows: generated from the epilogue",
       *(f"//   {line}" for line in str(body.epilogue).splitlines()))
-    with w.block(f"__device__ void {body.function}(const Params& p, const Task& t, float* work, float* red, "
-                 "long long step)"):
+    with w.block(f"__device__ bool {body.function}(const Params& p, const Task& t, int ready, float* work, "
+                 "float* red, long long step)"):
         w("const LayerWeights& w = p.layers[t.layer];")
-        w(f"rows_linear<{body.k}, {body.products}>(")
+        w(f"const bool inputs = rows_linear<{body.k}, {body.products}>(")
         w.depth += 4
-        w("p, t, int(step_header(p).num_rows), [](int j) { return j; },")
+        w("p, t, ready, int(step_header(p).num_rows), [](int j) { return j; },")
         w(f"[&](int row, float* xs) {{ {_input(body)} }},")
         w(f"[&](int r, int j) {{ return {_row_expression(body)}; }},")
         with w.block("[&](int, int row, int r, const float* acc)"):
@@ -94,8 +97,10 @@ def write_rows_body(w: CodeWriter, body: LinearBody, kind_op: KindOp) -> None:
         w.lines[-1] += ","
         w("work);")
         w.depth -= 4
+        w("if (!inputs) return false;")
         if body.kind is Kind.QKV:
             w("append_kv(p, t, step, work);")
+        w("return true;")
 
 
 # the kinds whose bodies are the runtime's own functions (serve.cuh, serve_attention.cuh, serve_sampling.cuh)
@@ -116,10 +121,10 @@ def generate_serving_bodies(plan: ServingPlan) -> str:
         kind, body = kind_op.kind, linear.get(kind_op.kind)
         if kind is Kind.LMHEAD:   # its epilogue as the functor the runtime's lmhead_rows_task calls
             write_linear_body(w, body, 1)
-            calls.append((kind, f"lmhead_rows_task(p, t, k - LM_FIRST, work, red, {body.function}{{}});"))
+            calls.append((kind, f"return lmhead_rows_task(p, t, ready, k - LM_FIRST, work, red, {body.function}{{}});"))
         elif body is not None:
             write_rows_body(w, body, kind_op)
-            calls.append((kind, f"{body.function}(p, t, work, red, step);"))
+            calls.append((kind, f"return {body.function}(p, t, ready, work, red, step);"))
         elif kind in _RUNTIME_CALLS:
             calls.append((kind, _RUNTIME_CALLS[kind]))
         else:

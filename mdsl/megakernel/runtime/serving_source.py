@@ -7,8 +7,9 @@ and the bodies over a step's rows; the protocol's regions in Params), the task b
 of the one-row ones, and before the runtime the C declarations it runs over: the serving protocol's structs, sizes
 and region offsets (mdsl.serving.protocol.c_declarations), the scheduler (mdsl/serving/scheduler.cuh with its
 regions) and the serving tables' (ServingPlan.c_declarations: ServeWork, AttnItem, the serve region's offsets).
-The one-row constants are the base plan's; TASKS and LM_FIRST are the serving tables'. No task is handed over
-before its inputs are complete (no early kinds): the bodies' loads wait for them."""
+The one-row constants are the base plan's; TASKS and LM_FIRST are the serving tables'. The linear kinds and the LM
+head are early kinds (worker.cuh): handed over before their inputs are complete, their first weight rows prefetched
+to L2 while the block waits for them; the others are handed over with their inputs complete."""
 from __future__ import annotations
 
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE

@@ -106,6 +106,10 @@ __device__ __forceinline__ void compute_sync() { named_sync(BAR_COMPUTE, NT); }
 // task body (just after a compute barrier), so that the trace splits the body into its parts
 // (profile.BODY_PARTS names them, by kind)
 __shared__ unsigned long long body_marks[MARKS];
+#if MK_SERVE
+// per slot: an early task's inputs never come (the launch stops meanwhile): its serving body then writes nothing
+__shared__ bool early_failed[SLOTS];
+#endif
 __device__ __forceinline__ void mark(const Params& p, int k) {
   if (p.profile != nullptr && threadIdx.x == 0) body_marks[k] = globaltimer();
 }

@@ -103,14 +103,12 @@ __device__ void schedule(const Params& p, Slot* slots) {
       if (profiling(p)) taken = globaltimer();
       const long long pos = p.start_pos + step;
 #if MK_SERVE
-      // (the serving bodies load their inputs once they are complete: no early handover, and an ATTN task's keys
-      // are found through the page tables of the step's rows)
+      // (an ATTN task's keys are found through the page tables of the step's rows: its items prefetch them)
       (void)pos;
-      (void)running_step;
 #else
       if (t.kind == KIND_ATTN) prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
-      early = early_kind(t.kind) && step == running_step;
 #endif
+      early = early_kind(t.kind) && step == running_step;
       if (early) {
         if (k >= SLOTS) named_sync(BAR_EMPTY + s, BLOCK);   // the compute warps are done with slot s
         if (lane == 0) slots[s] = Slot{t, index, pad, taken, 0, true, false};
@@ -131,6 +129,9 @@ __device__ void schedule(const Params& p, Slot* slots) {
       if (lane == 0) {
         slots[s].ready_ns = ready;
         slots[s].failed = index < 0;
+#if MK_SERVE
+        early_failed[s] = index < 0;
+#endif
       }
       named_arrive(BAR_READY + s, BLOCK);
       stopping = index < 0;
