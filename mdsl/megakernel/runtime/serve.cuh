@@ -73,20 +73,69 @@ __device__ __forceinline__ RowSplits row_splits(unsigned pos) {
 
 // ---- linear kinds over the step's rows
 
-// xs[0 .. K) = rms_norm(x) * norm, rounded as the one-row bodies round it (gemv.cuh's NormedRow: a row's reductions
-// by itself); ends in a compute barrier
-template <int K>
-__device__ __forceinline__ void normed_row(const T* x, const T* norm, float* xs, float* red) {
-  NormedRow<K> row;
-  row.load([&](int i) { return mdsl::to_float(x[i]); }, norm);
-  row.finish(xs, red);
+// A step row's input, by one warp (a group's rows load and reduce side by side, each its own warp's: one memory round
+// trip and no block barrier a row): x's 16-byte vectors, lane l taking vectors l, l + 32, ..., 8 of them in flight at
+// once, as f32 into xs. normed_row then sums their squares (each lane's in its order, then the warp's shuffle tree),
+// and scales xs in place by rms_norm's factor and the norm's weights, rounded as the one-row bodies round them
+// (gemv.cuh's NormedRow).
+constexpr int INPUT_BATCH = 8;
+template <int K, typename Each>
+__device__ __forceinline__ void warp_row_vectors(const T* x, float* xs, Each each) {
+  static_assert(K % VEC == 0, "an input row is whole 16-byte vectors (so is each layer's row offset)");
+  constexpr int CHUNKS = K / VEC;
+  const int lane = threadIdx.x % 32;
+  const uint4* vectors = reinterpret_cast<const uint4*>(x);
+  for (int c0 = 0; c0 < CHUNKS; c0 += 32 * INPUT_BATCH) {
+    uint4 v[INPUT_BATCH];
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = c0 + lane + 32 * j;
+      v[j] = c < CHUNKS ? vectors[c] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = c0 + lane + 32 * j;
+      if (c < CHUNKS) {
+        const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float value = mdsl::to_float(e[k]);
+          xs[c * VEC + k] = value;
+          each(value);
+        }
+      }
+    }
+  }
 }
-// xs[0 .. K) = x as f32 (gemv.cuh's InputRow); ends in a compute barrier
 template <int K>
 __device__ __forceinline__ void input_row(const T* x, float* xs) {
-  InputRow<K> row;
-  row.load(x);
-  row.finish(xs);
+  warp_row_vectors<K>(x, xs, [](float) {});
+}
+template <int K>
+__device__ __forceinline__ void normed_row(const T* x, const T* norm, float* xs) {
+  float ss = 0.0f;
+  warp_row_vectors<K>(x, xs, [&](float value) { ss = fmaf(value, value, ss); });
+  const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(K) + EPS);
+  const int lane = threadIdx.x % 32;
+  const uint4* weights = reinterpret_cast<const uint4*>(norm);
+  constexpr int CHUNKS = K / VEC;
+  for (int c0 = 0; c0 < CHUNKS; c0 += 32 * INPUT_BATCH) {
+    uint4 wv[INPUT_BATCH];
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = c0 + lane + 32 * j;
+      wv[j] = c < CHUNKS ? weights[c] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = c0 + lane + 32 * j;
+      if (c < CHUNKS) {
+        const T* e = reinterpret_cast<const T*>(&wv[j]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) xs[c * VEC + k] = round_t(mdsl::to_float(e[k]) * round_t(xs[c * VEC + k] * r));
+      }
+    }
+  }
 }
 
 // gemv_rows' layout: gemv's chunks a lane takes a pass (U), items a warp takes at a time (ITEMS), and the rows one
@@ -192,8 +241,8 @@ __device__ __forceinline__ void prefetch_first_pass(int begin, int end, Row row)
 }
 
 // A linear task's columns for `count` rows (row_of_index(j): the j-th's index among the step's rows), RowsGemv's GROUP
-// rows at a time: each row's input into shared memory (input(row, xs + n * K), a row's own reductions, ending in a
-// compute barrier), then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0. The first
+// rows at a time: each row's input into shared memory by a warp (input(row, xs + n * K): input_row or normed_row),
+// then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0. The first
 // pass's weight rows go to L2 before the task waits for its inputs (an early task: `ready`, worker.cuh) and before the
 // first group's inputs load. False, and nothing written, where the inputs never come. The profile's mark: the first
 // group's inputs stored.
@@ -205,7 +254,8 @@ __device__ __forceinline__ bool rows_linear(const Params& p, const Task& t, int 
   if (!inputs_ready(ready)) return false;
   for (int j0 = 0; j0 < count; j0 += GROUP) {   // (uniform over the block: the inputs' barriers)
     const int nr = count - j0 < GROUP ? count - j0 : GROUP;
-    for (int n = 0; n < nr; ++n) input(row_of_index(j0 + n), xs + n * K);
+    for (int n = threadIdx.x / 32; n < nr; n += NW) input(row_of_index(j0 + n), xs + n * K);
+    compute_sync();   // every warp's rows are stored
     if (j0 == 0) mark(p, 0);
     const auto out = [&](int n, int r, const float* acc) { emit(j0 + n, row_of_index(j0 + n), r, acc); };
     // (a lone row takes the one-row code: the group's accumulators and unrolled rows cost a lone row's products

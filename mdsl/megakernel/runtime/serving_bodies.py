@@ -51,7 +51,7 @@ def _input(body: LinearBody) -> str:
     if isinstance(source, NormedStream):
         if source.unit_offset:
             raise _refuse(body, "its norm scales by 1 + weight")
-        return f"normed_row<{body.k}>(row_of({source.single}, {source.layer}, row, H), {source.norm}, xs, red);"
+        return f"normed_row<{body.k}>(row_of({source.single}, {source.layer}, row, H), {source.norm}, xs);"
     if isinstance(source, Activations) and body.kind in _INPUTS:
         buffer, width = _INPUTS[body.kind]
         assert buffer in source.row and width == source.width, (body.kind, source)
