@@ -186,10 +186,10 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
 
 def kernel_profile(device, trace: Optional[Path]) -> dict:
     """The megakernel's tasks profiled over PROFILED_STEPS steps (MegakernelDevice.profile): of the last complete
-    step its ring holds, the step's span (first task taken to last body done, µs), SCHEDULE's body, and per kind
-    the layer's phase (profile.layer_phases: the median over layers of the phase's span, its median body and the
-    gap before it); that step's Perfetto trace into `trace`."""
-    from mdsl.megakernel.runtime.profile import SERVING_BODY_PARTS, layer_phases, write_trace
+    step its ring holds, the step's span (first task taken to last body done, µs), SCHEDULE's body and its parts
+    (profile.SERVING_BODY_PARTS), and per kind the layer's phase (profile.layer_phases: the median over layers of the
+    phase's span, its median body and the gap before it); that step's Perfetto trace into `trace`."""
+    from mdsl.megakernel.runtime.profile import SERVING_BODY_PARTS, body_parts, layer_phases, write_trace
 
     control = device.host["control"]
     device.profile(True)
@@ -207,8 +207,13 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
         trace.parent.mkdir(parents=True, exist_ok=True)
         write_trace(str(trace), records, labels, kinds, SERVING_BODY_PARTS)
     schedule = [r for r in records if kinds[r.index % len(kinds)] == "schedule"]
+    parts: dict = {}
+    for r in schedule:
+        for name, begin, end in body_parts(r, "schedule", SERVING_BODY_PARTS):
+            parts[name] = parts.get(name, 0.0) + (end - begin) / 1e3
     return {"step_span_us": round((max(r.done_ns for r in records) - min(r.taken_ns for r in records)) / 1e3, 2),
             "schedule_us": round(sum(r.done_ns - r.started_ns for r in schedule) / 1e3, 2),
+            "schedule_parts_us": {name: round(us, 2) for name, us in parts.items()},
             "phases_us": layer_phases(records, kinds, layers, step=max(steps))}
 
 
@@ -373,13 +378,16 @@ def tables(result: dict) -> str:
         kinds = list(dict.fromkeys(k for d in phased for k in d["phases_us"]))
         if kinds:
             lines += ["Where the megakernel's decode step goes (its task profile, the last profiled step: the step's "
-                      "span, SCHEDULE's body, and per kind the layer's phase, median over layers: span / gap before "
-                      "it, µs):", "",
+                      "span, SCHEDULE's body (the previous step's end / plan / pool check / attention items and "
+                      "embeddings), and per kind the layer's phase, median over layers: span / gap before it, µs):",
+                      "",
                       "| batch | prompts | step span | schedule | " + " | ".join(kinds) + " |",
                       "|---|---|---|---|" + "---|" * len(kinds)]
             for d in phased:
                 ph = d["phases_us"]
-                lines.append(f"| {d['batch']} | {d['context']} | {d['step_span_us']:.0f} | {d['schedule_us']:.0f} | " +
+                parts = " / ".join(f"{us:.0f}" for us in d.get("schedule_parts_us", {}).values())
+                lines.append(f"| {d['batch']} | {d['context']} | {d['step_span_us']:.0f} | {d['schedule_us']:.0f}"
+                             f"{f' ({parts})' if parts else ''} | " +
                              " | ".join(f"{ph[k].get('span_us', 0):.1f} / {ph[k].get('gap_us', 0):.1f}" if k in ph
                                         else "-" for k in kinds) + " |")
             lines.append("")

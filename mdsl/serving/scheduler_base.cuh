@@ -137,6 +137,16 @@ SCHED inline unsigned load_relaxed(const unsigned* p) {
 }
 
 // the control block's statistics: relaxed stores the host reads whenever it likes
+// every earlier store ordered before every later one, as seen from the host too (the fence of a release pattern:
+// one fence, then relaxed flag stores, publishes a batch of records at the cost of one system-scope fence)
+SCHED inline void release_fence() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#else
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+
 SCHED inline void store_relaxed(unsigned* p, unsigned v) {
 #if defined(__CUDA_ARCH__)
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");

@@ -354,32 +354,34 @@ SCHED inline unsigned end_step(const Serving& s, const int* tokens) {
 }
 
 // Publish the staged records, in order, while the ring has room: record n goes into slot n % R once the
-// host has read record n - R (ring_read, an acquire load), its fields first and then seq = n + 1 with a
-// release store. Returns the records still staged: 0 once all are in the ring. The caller calls again
-// once the host has read more (on a GPU, spinning with __nanosleep while it checks shutdown and its stop
-// word); the next begin_step needs them all published.
+// host has read record n - R (ring_read, an acquire load), the fields of every record that fits first, then one
+// release fence and their seq = n + 1 words (relaxed stores: the fence orders the fields before them). Returns the
+// records still staged: 0 once all are in the ring. The caller calls again once the host has read more (on a GPU,
+// spinning with __nanosleep while it checks shutdown and its stop word); the next begin_step needs them all
+// published.
 SCHED inline unsigned flush_records(const Serving& s) {
   State& st = *s.state;
-  // (ring_read lies in the host's memory: read again only once the room it gave is used up)
-  unsigned long long read = 0;
-  bool seen = false;
-  for (; st.flushed < st.staged; ++st.flushed) {
-    if (!seen || st.written - read >= s.size.ring_records) {
-      read = load_acquire(&s.control->ring_read);
-      seen = true;
-    }
-    if (st.written - read >= s.size.ring_records) return st.staged - st.flushed;
-    const RingRecord& r = s.staging[st.flushed];
-    RingRecord& slot = s.ring[st.written % s.size.ring_records];
+  if (st.flushed >= st.staged) return 0;
+  // (ring_read lies in the host's memory: read once a call)
+  const unsigned long long read = load_acquire(&s.control->ring_read);
+  const unsigned long long room = s.size.ring_records - (st.written - read);
+  const unsigned n = st.staged - st.flushed < room ? st.staged - st.flushed : unsigned(room);
+  for (unsigned k = 0; k < n; ++k) {
+    const RingRecord& r = s.staging[st.flushed + k];
+    RingRecord& slot = s.ring[(st.written + k) % s.size.ring_records];
     slot.request_id = r.request_id;
     slot.token = r.token;
     slot.position = r.position;
     slot.flags = r.flags;
     slot.reason = r.reason;
-    store_release(&slot.seq, st.written + 1);
-    st.written += 1;
   }
-  return 0;
+  if (n == 0) return st.staged - st.flushed;
+  release_fence();
+  for (unsigned k = 0; k < n; ++k)
+    store_relaxed(&s.ring[(st.written + k) % s.size.ring_records].seq, st.written + k + 1);
+  st.written += n;
+  st.flushed += n;
+  return st.staged - st.flushed;
 }
 
 }  // namespace sched

@@ -311,8 +311,10 @@ def test_the_megakernels_profile_is_of_its_last_complete_step_and_shows_in_the_t
 
         def profile_records(self):
             def step(s, t0):
+                # (SCHEDULE's marks: its parts of 100, 200, 300 and 100 ns)
+                marks = {0: (t0 + 300, t0 + 500, t0 + 800)}
                 return [TaskRecord(s * 6 + k, k, t0 + 1000 * k, t0 + 1000 * k + 100, t0 + 1000 * k + 200,
-                                   t0 + 1000 * k + 900) for k in range(6)]
+                                   t0 + 1000 * k + 900, marks.get(k, ())) for k in range(6)]
             return {3: step(3, 0), 4: step(4, 10_000)}
 
         def profile_tasks(self):
@@ -324,12 +326,14 @@ def test_the_megakernels_profile_is_of_its_last_complete_step_and_shows_in_the_t
     (on, at_on), (off, at_off) = device.switched
     assert on and not off and at_off - at_on >= S.PROFILED_STEPS
     assert profile["step_span_us"] == 5.9 and profile["schedule_us"] == 0.7
+    assert profile["schedule_parts_us"] == {"previous step's end": 0.1, "plan": 0.2, "pool check": 0.3,
+                                            "attention items, embeddings": 0.1}
     assert profile["phases_us"]["qkv"]["span_us"] == 0.7 and profile["phases_us"]["qkv"]["gap_us"] == 0.3
     assert json.loads(trace.read_text())["traceEvents"]
     result = {"model": "qwen3-0.6b", "devices": {},
               "decode": [{**_decode("megakernel", 1, 0.002), **profile}]}
     text = S.tables(result)
-    assert "Where the megakernel's decode step goes" in text and "| 1 | 1024 | 6 | 1 | 0.7 / 0.3 |" in text
+    assert "Where the megakernel's decode step goes" in text and "| 1 | 1024 | 6 | 1 (0 / 0 / 0 / 0) | 0.7 / 0.3 |" in text
 
 
 def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
