@@ -335,24 +335,35 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
   return false;
 }
 
-// (thread 0) the step's work beside the protocol's tables: each row's first attention item (first[r], and first[rows]
-// the step's items) and the sampling rows (each sampling chunk's last row, in chunk order)
-__device__ void plan_work(const Params& p, int* first) {
+// The step's work beside the protocol's tables, by the block (a thread a row and a chunk: their records' loads side by
+// side), then thread 0's sums in shared memory: each row's first attention item (first[r], and first[rows] the step's
+// items) and the sampling rows (each sampling chunk's last row, in chunk order); `last` is scratch of a word a chunk.
+// Ends in a compute barrier.
+__device__ void plan_work(const Params& p, int* first, int* last) {
   const Step& step = step_header(p);
-  unsigned items = 0;
-  for (unsigned r = 0; r < step.num_rows; ++r) {
-    first[r] = int(items);
-    items += row_splits(step_rows(p)[r].position).splits;
-  }
-  first[step.num_rows] = int(items);
-  unsigned samples = 0;
-  for (unsigned c = 0; c < step.num_chunks; ++c) {
+  const int rows = int(step.num_rows), chunks = int(step.num_chunks);
+  for (int r = threadIdx.x; r < rows; r += NT) first[r] = int(row_splits(step_rows(p)[r].position).splits);
+  for (int c = threadIdx.x; c < chunks; c += NT) {
     const Chunk& chunk = step_chunks(p)[c];
-    if (chunk.sample) sample_rows(p)[samples++] = int(chunk.row + chunk.count - 1);
+    last[c] = chunk.sample ? int(chunk.row + chunk.count - 1) : -1;
   }
-  ServeWork& work = serve_work(p);
-  work.num_items = items;
-  work.num_samples = samples;
+  compute_sync();
+  if (threadIdx.x == 0) {
+    int items = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int splits = first[r];
+      first[r] = items;
+      items += splits;
+    }
+    first[rows] = items;
+    unsigned samples = 0;
+    for (int c = 0; c < chunks; ++c)
+      if (last[c] >= 0) sample_rows(p)[samples++] = last[c];
+    ServeWork& work = serve_work(p);
+    work.num_items = unsigned(items);
+    work.num_samples = samples;
+  }
+  compute_sync();
 }
 
 // whether `value` holds in every compute thread (a compute barrier that and-reduces it)
@@ -391,10 +402,10 @@ __device__ bool schedule_task(const Params& p, long long step, float* work) {
     const unsigned error = sched::pool_count(s, pages_ok);
     runs = !error;
     if (error) stop_serving(p, step, error);
-    else plan_work(p, first);
   }
   compute_sync();
   if (!runs) return false;
+  plan_work(p, first, tokens);   // (the previous step's tokens are taken: their words are free)
   mark(p, 2);
   const int rows = int(step_header(p).num_rows), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows; r += NW) {
