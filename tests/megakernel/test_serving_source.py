@@ -108,5 +108,5 @@ def test_the_serving_kernels_shared_memory_holds_each_body():
     assert floats["linear"] == min(ROW_GROUP * max(s.hidden, s.intermediate, s.attention_width), ROW_FLOATS)
     # an attention item is a warp's: its scratch, q heads and a chunk of 32 value rows, whatever the keys of a split
     assert attention_chunk(plan) == 32
-    assert floats["attention"] == WARPS * ((s.group + 1) * s.head_dim + 32 * s.head_dim * s.dtype.itemsize // 4)
+    assert floats["attention"] == WARPS * (2 * s.group * s.head_dim + 32 * s.head_dim * s.dtype.itemsize // 4)
     assert plan.split_width(POSITIONS) == 64

@@ -131,6 +131,63 @@ __device__ __forceinline__ void load_value_span(const T* row, int lane, float* v
   }
 }
 
+// The row's G query heads of a kv head (x: the first's D values), normed and rotated as attention.cuh's prepare_head
+// does one, every head's loads issued before any is used: out[h * D + d]; tmp holds G * D floats.
+__device__ __forceinline__ void prepare_q_heads(const T* x, const T* norm, const Params& p, long long pos, float* tmp,
+                                                float* out) {
+  const int lane = threadIdx.x % 32;
+  constexpr int PER = (D + 31) / 32;
+  const float* cs = p.rope_cos + pos * (D / 2);
+  const float* sn = p.rope_sin + pos * (D / 2);
+  float v[G][PER], weight[PER], c[PER], s[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + 32 * j, f = d % (D / 2);
+    const bool in = d < D;
+#pragma unroll
+    for (int h = 0; h < G; ++h) v[h][j] = in ? mdsl::to_float(x[h * D + d]) : 0.0f;
+    weight[j] = in && norm != nullptr ? mdsl::to_float(norm[d]) : 0.0f;
+    c[j] = in ? round_t(cs[f]) : 0.0f;
+    s[j] = in ? round_t(sn[f]) : 0.0f;
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss = fmaf(v[h][j], v[h][j], ss);
+    const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(D) + EPS);
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (lane + 32 * j < D) {
+        if (norm != nullptr) v[h][j] = round_t(weight[j] * round_t(v[h][j] * r));
+        tmp[h * D + lane + 32 * j] = v[h][j];
+      }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + 32 * j;
+      if (d < D) {
+        const float rotated = d < D / 2 ? -tmp[h * D + d + D / 2] : tmp[h * D + d - D / 2];
+        out[h * D + d] = round_t(round_t(v[h][j] * c[j]) + round_t(rotated * s[j]));
+      }
+    }
+  __syncwarp();
+}
+
+// A chunk's value rows (n keys from position lo, a key a lane): the lane's copied into the warp's staged values
+// (cp.async: in flight without registers)
+constexpr int KV_VECTORS = D * int(sizeof(T)) / 16;
+__device__ __forceinline__ void copy_values(const LayerWeights& w, const Params& p, unsigned entry, unsigned lo, int g,
+                                            int n, int lane, T* values) {
+  if (lane >= n) return;
+  constexpr int PER = 16 / int(sizeof(T));
+  const T* vrow = w.v_cache + pool_row(p, entry, lo + lane, g);
+  for (int c = 0; c < KV_VECTORS; ++c) copy_async(shared_address(values + lane * D + c * PER), vrow + c * PER);
+}
+
 // The L2 prefetch of one pool row (the bulk copy engine's: one instruction for its D values)
 __device__ __forceinline__ void prefetch_row(const T* row) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(row), "n"(D * int(sizeof(T))) : "memory");
@@ -138,25 +195,25 @@ __device__ __forceinline__ void prefetch_row(const T* row) {
 
 // ATTN (layer, kv head g = t.begin): the step's attention items t.end + ATTN_TASKS * (w + NW * n) on warp w, each
 // item a warp's alone (no block barrier: a block's warps run as many items at once). Per item the warp prefetches
-// its keys' and values' pool rows to L2, norms and rotates its row's G query heads (prepare_head), and runs the
-// split's keys in chunks of ATTN_CHUNK, a key a lane: the lane copies its key's value row into the warp's shared
-// memory (cp.async) while it scores its key row (dot products in dimension order); an online softmax per head (the
-// chunk's maximum by shuffles, earlier sums rescaled by exp(old - new maximum), the sum in f32 per lane and added
-// over the lanes at the end, the values' weights rounded to T); the staged values weighted, lane l holding
-// dimensions l * VL ... of every head, the chunk's keys in position order. Its partials [kv head][item][head]
-// (maximum, sum, D values) are a function of the row and split alone. Then the item counts itself on its (layer,
-// row, kv head) merge counter; the warp that brings it to the row's splits merges them and sets it back to 0 (its
-// last access this step: the next is a later step's, which descends from its SCHEDULE, which waits for this step's
-// every task).
+// its keys' and values' pool rows to L2, copies its first chunk's value rows, norms and rotates its row's G query
+// heads (prepare_q_heads) meanwhile, and runs the split's keys in chunks of ATTN_CHUNK, a key a lane: the lane's
+// value row copied into the warp's shared memory (cp.async) while it scores its key row (dot products in dimension
+// order); an online softmax per head (the chunk's maximum by shuffles, earlier sums rescaled by exp(old - new
+// maximum), the sum in f32 per lane and added over the lanes at the end, the values' weights rounded to T); the
+// staged values weighted, lane l holding dimensions l * VL ... of every head, the chunk's keys in position order.
+// Its partials [kv head][item][head] (maximum, sum, D values) are a function of the row and split alone. Then the
+// item counts itself on its (layer, row, kv head) merge counter; the warp that brings it to the row's splits merges
+// them and sets it back to 0 (its last access this step: the next is a later step's, which descends from its
+// SCHEDULE, which waits for this step's every task).
 __device__ void attention_items_task(const Params& p, const Task& t, float* sm) {
   const int g = t.begin, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
-  constexpr int KV_VECTORS = D * int(sizeof(T)) / 16, PER = 16 / int(sizeof(T));
+  constexpr int PER = 16 / int(sizeof(T));
   constexpr int KG = KV_VECTORS < 16 ? KV_VECTORS : 16;   // a key row's 16-byte vectors in flight at once
-  constexpr int WARP_FLOATS = (G + 1) * D + (ATTN_CHUNK * D * int(sizeof(T)) + 3) / 4;
+  constexpr int WARP_FLOATS = 2 * G * D + (ATTN_CHUNK * D * int(sizeof(T)) + 3) / 4;
   static_assert(KV_VECTORS % KG == 0, "a key row splits into groups of vectors evenly");
-  float* tmp = sm + warp * WARP_FLOATS;   // per warp: prepare_head's scratch [D], q heads [G][D], values [CHUNK][D]
-  float* qs = tmp + D;
+  float* tmp = sm + warp * WARP_FLOATS;   // per warp: prepare_q_heads' scratch [G][D], q heads [G][D], values [CHUNK][D]
+  float* qs = tmp + G * D;
   T* values = reinterpret_cast<T*>(qs + G * D);
   const int items = int(serve_work(p).num_items);
   for (int i = t.end + ATTN_TASKS * warp; i < items; i += ATTN_TASKS * NW) {
@@ -169,8 +226,9 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
       prefetch_row(w.k_cache + at);
       prefetch_row(w.v_cache + at);
     }
-    const T* qkv = row_of(p.qkvs, t.layer, int(item.row), QKV);
-    for (int h = 0; h < G; ++h) prepare_head<false>(qkv + (g * G + h) * D, w.qn, p, row.position, tmp, qs + h * D);
+    // the first chunk's value rows copied before the q heads are prepared: their trips from memory overlap
+    copy_values(w, p, entry, item.lo, g, count < ATTN_CHUNK ? count : ATTN_CHUNK, lane, values);
+    prepare_q_heads(row_of(p.qkvs, t.layer, int(item.row), QKV) + g * G * D, w.qn, p, row.position, tmp, qs);
     float m[G], l[G], acc[G][VL];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -184,11 +242,9 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
       float s[G];
 #pragma unroll
       for (int h = 0; h < G; ++h) s[h] = 0.0f;
+      if (base > 0) copy_values(w, p, entry, item.lo + base, g, n, lane, values);
       if (lane < n) {
-        const long long at = pool_row(p, entry, item.lo + base + lane, g);
-        const T* vrow = w.v_cache + at;
-        for (int c = 0; c < KV_VECTORS; ++c) copy_async(shared_address(values + lane * D + c * PER), vrow + c * PER);
-        const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + at);
+        const uint4* kc = reinterpret_cast<const uint4*>(w.k_cache + pool_row(p, entry, item.lo + base + lane, g));
         for (int c0 = 0; c0 < KV_VECTORS; c0 += KG) {
           uint4 raw[KG];
 #pragma unroll

@@ -50,7 +50,7 @@ def attention_chunk(plan: ServingPlan) -> int:
     ROW_FLOATS (a wide head of float32 values)."""
     s, width = plan.shape, plan.shape.dtype.itemsize
     chunk = 32
-    while chunk > 1 and WARPS * (chunk * s.head_dim * width / 4 + (s.group + 1) * s.head_dim) > ROW_FLOATS:
+    while chunk > 1 and WARPS * (chunk * s.head_dim * width / 4 + 2 * s.group * s.head_dim) > ROW_FLOATS:
         chunk //= 2
     return chunk
 
@@ -60,7 +60,7 @@ def serving_shared_floats(plan: ServingPlan) -> dict:
     too), an ATTN item's per-warp scratch, q heads and staged value rows (serve_attention.cuh's
     attention_items_task: an item is a warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
     s = plan.shape
-    attention = WARPS * ((s.group + 1) * s.head_dim + -(-attention_chunk(plan) * s.head_dim * s.dtype.itemsize // 4))
+    attention = WARPS * (2 * s.group * s.head_dim + -(-attention_chunk(plan) * s.head_dim * s.dtype.itemsize // 4))
     return {"linear": serving_row_floats(plan), "attention": attention, "append": 2 * WARPS * s.head_dim,
             "schedule": plan.serving.max_batch + plan.max_rows + 1}
 
