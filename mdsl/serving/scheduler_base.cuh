@@ -136,6 +136,23 @@ SCHED inline unsigned load_relaxed(const unsigned* p) {
 #endif
 }
 
+// a word of the page pool as memory holds it, for its check (past the SM's L1: the check is there to catch pages
+// damaged by anyone, the host's copies into device memory too)
+SCHED inline int load_checked(const int* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+SCHED inline unsigned load_checked(const unsigned* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
 // the control block's statistics: relaxed stores the host reads whenever it likes
 // every earlier store ordered before every later one, as seen from the host too (the fence of a release pattern:
 // one fence, then relaxed flag stores, publishes a batch of records at the cost of one system-scope fence)

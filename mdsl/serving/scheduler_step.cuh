@@ -233,7 +233,7 @@ SCHED inline bool mark_pages(const Serving& s, const int* pages, unsigned count,
   bool ok = true;
   for (unsigned i0 = t; i0 < count; i0 += PAGE_BATCH * n) {
     int p[PAGE_BATCH];
-    for (unsigned k = 0; k < PAGE_BATCH; ++k) p[k] = i0 + k * n < count ? pages[i0 + k * n] : 0;
+    for (unsigned k = 0; k < PAGE_BATCH; ++k) p[k] = i0 + k * n < count ? load_checked(pages + i0 + k * n) : 0;
     for (unsigned k = 0; k < PAGE_BATCH; ++k) {
       if (i0 + k * n >= count) break;
       if (p[k] < 0 || (unsigned)p[k] >= s.size.num_pages) ok = false;
@@ -244,12 +244,13 @@ SCHED inline bool mark_pages(const Serving& s, const int* pages, unsigned count,
 }
 
 SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, unsigned n) {
-  unsigned free_count = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
+  const unsigned held = load_checked(&s.pool->free_count);
+  const unsigned free_count = held < s.size.num_pages ? held : s.size.num_pages;
   bool ok = mark_pages(s, s.free_pages, free_count, stamp, t, n);
   const unsigned lanes = n < 32 ? n : 32, groups = n / lanes;
   if (t >= groups * lanes) return ok;   // (n not a multiple of 32: the last threads take no entry)
   for (unsigned e = t / lanes; e < s.size.max_batch; e += groups) {
-    unsigned count = s.entries[e].num_pages;
+    unsigned count = load_checked(&s.entries[e].num_pages);
     if (count > s.size.pages_per_request) count = s.size.pages_per_request;
     ok = mark_pages(s, s.page_table + (unsigned long long)e * s.size.pages_per_request, count, stamp, t % lanes,
                     lanes) && ok;
@@ -259,11 +260,13 @@ SCHED inline bool check_pool_part(const Serving& s, unsigned stamp, unsigned t, 
 
 // (one thread, after every part) OK where every part was and the pages met add up to num_pages
 SCHED inline unsigned pool_count(const Serving& s, bool parts_ok) {
-  unsigned long long met = s.pool->free_count < s.size.num_pages ? s.pool->free_count : s.size.num_pages;
+  const unsigned held = load_checked(&s.pool->free_count);
+  unsigned long long met = held < s.size.num_pages ? held : s.size.num_pages;
   constexpr unsigned BATCH = 8;   // (page counts read BATCH at a time: by_age says why)
   for (unsigned e0 = 0; e0 < s.size.max_batch; e0 += BATCH) {
     unsigned counts[BATCH];
-    for (unsigned k = 0; k < BATCH; ++k) counts[k] = e0 + k < s.size.max_batch ? s.entries[e0 + k].num_pages : 0;
+    for (unsigned k = 0; k < BATCH; ++k)
+      counts[k] = e0 + k < s.size.max_batch ? load_checked(&s.entries[e0 + k].num_pages) : 0;
     for (unsigned k = 0; k < BATCH; ++k)
       met += counts[k] < s.size.pages_per_request ? counts[k] : s.size.pages_per_request;
   }
