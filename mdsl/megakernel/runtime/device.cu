@@ -31,6 +31,7 @@
 #endif
 #if MK_SERVE
 #include "serve.cuh"
+#include "serve_rows.cuh"
 #include "serve_attention.cuh"
 #include "serve_sampling.cuh"
 #endif

@@ -44,7 +44,7 @@ BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_
               "router": _LINEAR_PARTS, "expert_up": _LINEAR_PARTS, "expert_down": ("slots' rows", "products out")}
 
 
-# the serving kernel's (serve.cuh): a linear body over the step's rows marks its first group's inputs stored, then
+# the serving kernel's (serve_rows.cuh): a linear body over the step's rows marks its first group's inputs stored, then
 # warp 0's first pass of weights and products done and its sums stored; its step boundary marks its stages
 _SERVING_LINEAR = ("input row", "weights and products (warp 0)", "sums and stores (warp 0)", "the other warps, epilogue")
 SERVING_BODY_PARTS = {**BODY_PARTS, **{kind: _SERVING_LINEAR for kind in ("qkv", "oproj", "gateup", "down", "lmhead")},

@@ -105,26 +105,18 @@ __device__ void merge_row(const Params& p, int layer, int g, const AttnItem& ite
   }
 }
 
-// A lane's VL value dimensions (lane * VL ...) of a value row (in the pool or staged in shared memory), as one vector
-// load where they fill a 4-, 8- or 16-byte one (a warp's loads of a row then cover it contiguously).
+// A lane's VL value dimensions (lane * VL ...) of a value row (in the pool or staged in shared memory): where D is a
+// multiple of 32, one load of the span (a warp's loads of a row cover it contiguously), its alignment the largest
+// power of two that divides its bytes, at most 16
+constexpr int SPAN_BYTES = VL * int(sizeof(T));
+constexpr int SPAN_ALIGN = (SPAN_BYTES & -SPAN_BYTES) < 16 ? (SPAN_BYTES & -SPAN_BYTES) : 16;
+struct alignas(SPAN_ALIGN) ValueSpan { T e[VL]; };
 __device__ __forceinline__ void load_value_span(const T* row, int lane, float* v) {
-  constexpr int BYTES = VL * int(sizeof(T));
   const T* at = row + lane * VL;
-  if constexpr (D % 32 == 0 && BYTES == 16) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(at);
-    const T* e = reinterpret_cast<const T*>(&raw);
+  if (D % 32 == 0) {
+    const ValueSpan span = *reinterpret_cast<const ValueSpan*>(at);
 #pragma unroll
-    for (int j = 0; j < VL; ++j) v[j] = mdsl::to_float(e[j]);
-  } else if constexpr (D % 32 == 0 && BYTES == 8) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(at);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < VL; ++j) v[j] = mdsl::to_float(e[j]);
-  } else if constexpr (D % 32 == 0 && BYTES == 4) {
-    const unsigned raw = *reinterpret_cast<const unsigned*>(at);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < VL; ++j) v[j] = mdsl::to_float(e[j]);
+    for (int j = 0; j < VL; ++j) v[j] = mdsl::to_float(span.e[j]);
   } else {
 #pragma unroll
     for (int j = 0; j < VL; ++j) v[j] = lane * VL + j < D ? mdsl::to_float(at[j]) : 0.0f;

@@ -4,7 +4,7 @@ step's rows, and `run_task`, the SERVE section's dispatch on the task's kind.
 A linear kind's body is its one-row body (cuda_bodies.py: the op's CUDA task rule gives its weight matrices, its
 input row and its epilogue, written by the CUDA backend's rule table) over the step's rows: per row its input (the
 residual stream's row of that step row, rms-normalised, or a row of an activation buffer), the epilogue's residual
-and addend read from that row's residual stream, the result stored into that row. serve.cuh's `rows_linear` runs a
+and addend read from that row's residual stream, the result stored into that row. serve_rows.cuh's `rows_linear` runs a
 tile's columns over several rows a pass of weight loads, each (row, column) product in the order a row has alone.
 A linear task (and the LM head's) is handed over before its inputs are complete (an early kind: worker.cuh), so that
 its first pass's weight rows go to L2 while the block waits; its body returns false, having written nothing, where
@@ -46,7 +46,7 @@ def _refuse(body: LinearBody, why: str) -> UnsupportedError:
 
 
 def _input(body: LinearBody) -> str:
-    """C++: the statement that stores step row `row`'s input row into xs (serve.cuh's normed_row or input_row)."""
+    """C++: the statement that stores step row `row`'s input row into xs (serve_rows.cuh's normed_row or input_row)."""
     source = body.source
     if isinstance(source, NormedStream):
         if source.unit_offset:

@@ -2,7 +2,7 @@
 runs a ServingPlan's tables, step after step, with the serving scheduler inside the launch.
 
 Its text is the one-row kernel's (kernel_source.py: the CUDA backend's prelude, the model's constants, device.cu and
-its headers) with the runtime's SERVE section kept (serve.cuh, serve_attention.cuh, serve_sampling.cuh: SCHEDULE
+its headers) with the runtime's SERVE section kept (serve.cuh, serve_rows.cuh, serve_attention.cuh, serve_sampling.cuh: SCHEDULE
 and the bodies over a step's rows; the protocol's regions in Params), the task bodies of serving_bodies.py in place
 of the one-row ones, and before the runtime the C declarations it runs over: the serving protocol's structs, sizes
 and region offsets (mdsl.serving.protocol.c_declarations), the scheduler (mdsl/serving/scheduler.cuh with its
@@ -24,7 +24,7 @@ from mdsl.megakernel.runtime.serving_plan import ServingPlan
 from mdsl.serving.protocol import c_declarations
 from mdsl.serving.scheduler import scheduler_source
 
-# Rows a pass of a linear tile's weight loads serves at most (serve.cuh's ROW_GROUP), and the shared memory their
+# Rows a pass of a linear tile's weight loads serves at most (serve_rows.cuh's ROW_GROUP), and the shared memory their
 # input rows may take (160 KiB: Qwen3-8B's down-projection rows of 12288 values three at a time, its 4096-wide rows
 # eight at a time)
 ROW_GROUP = 8
