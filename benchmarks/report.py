@@ -723,6 +723,15 @@ def headlines(results: dict) -> dict:
             h[f"{prefix}_floor_one"] = _percent(steps[0]["floor_s"] / steps[0]["step_s"])
             h[f"{prefix}_step_most"] = f"{steps[-1]['step_s'] * 1e3:.1f} ms"
             h[f"{prefix}_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
+            if steps[-1].get("schedule_us"):   # the step boundary's body in the largest batch's task profile
+                h[f"{prefix}_schedule_most"] = f"{steps[-1]['schedule_us'] / 1e3:.2f} ms"
+        offline = [r for r in (serve or {}).get("runs") or () if r.get("device") == device and r.get("run") == "offline"]
+        if offline:
+            h[f"{prefix}_offline_tokens"] = f"{offline[0]['output_tokens_per_s']:.0f}"
+    if "serve_step_one" in h and "serve_megakernel_step_one" in h:   # the megakernel over the GPU device, batch 1
+        one = [min((d for d in serve["decode"] if device_of(d) == device), key=lambda d: d["batch"])["step_s"]
+               for device in ("gpu", "megakernel")]
+        h["serve_megakernel_over_gpu_one"] = _times(one[0] / one[1], 2)
     served = results.get("serve_http")
     if served and "http_over_offline" in served:
         h["serve_http_ratio"] = f"{served['http_over_offline']:.2f}×"
