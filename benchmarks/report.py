@@ -725,7 +725,8 @@ def headlines(results: dict) -> dict:
             h[f"{prefix}_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
             if steps[-1].get("schedule_us"):   # the step boundary's body in the largest batch's task profile
                 h[f"{prefix}_schedule_most"] = f"{steps[-1]['schedule_us'] / 1e3:.2f} ms"
-        offline = [r for r in (serve or {}).get("runs") or () if r.get("device") == device and r.get("run") == "offline"]
+        offline = [r for r in (serve or {}).get("runs") or ()
+                   if r.get("device") == device and r.get("run") == "offline"]
         if offline:
             h[f"{prefix}_offline_tokens"] = f"{offline[0]['output_tokens_per_s']:.0f}"
     if "serve_step_one" in h and "serve_megakernel_step_one" in h:   # the megakernel over the GPU device, batch 1

@@ -1,7 +1,8 @@
 // The serving kernel's tables (the SERVE section; docs/design.md, "The megakernel's serving tables"): where the
-// protocol's step tables and the step's work are, the step rows' buffers, and SCHEDULE, the step boundary, which runs mdsl/serving/scheduler.cuh in one thread. Part of device.cu
-// (kernel_source.py expands it in place); serving_source.py puts the protocol's C declarations, the scheduler and
-// the serving tables' declarations (ServeWork, AttnItem, the serve region's offsets) before the runtime.
+// protocol's step tables and the step's work are, the step rows' buffers, and SCHEDULE, the step boundary, which
+// runs mdsl/serving/scheduler.cuh in one thread. Part of device.cu (kernel_source.py expands it in place);
+// serving_source.py puts the protocol's C declarations, the scheduler and the serving tables' declarations
+// (ServeWork, AttnItem, the serve region's offsets) before the runtime.
 
 namespace mk {
 

@@ -86,8 +86,8 @@ __device__ void merge_row(const Params& p, int layer, int g, const AttnItem& ite
         for (int u = 0; u < 8; ++u)
 #pragma unroll
           for (int j = 0; j < VL; ++j)
-            v[u][j] = j0 + u < splits && lane * VL + j < D ? __ldcg(parts + ((j0 + u) * G + h) * PART + 2 + lane * VL + j)
-                                                         : 0.0f;
+            v[u][j] = j0 + u < splits && lane * VL + j < D
+                          ? __ldcg(parts + ((j0 + u) * G + h) * PART + 2 + lane * VL + j) : 0.0f;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const float sc = __shfl_sync(0xffffffffu, scale[k], (j0 + u) % 32);
@@ -204,7 +204,8 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
   constexpr int KG = KV_VECTORS < 16 ? KV_VECTORS : 16;   // a key row's 16-byte vectors in flight at once
   constexpr int WARP_FLOATS = 2 * G * D + (ATTN_CHUNK * D * int(sizeof(T)) + 3) / 4;
   static_assert(KV_VECTORS % KG == 0, "a key row splits into groups of vectors evenly");
-  float* tmp = sm + warp * WARP_FLOATS;   // per warp: prepare_q_heads' scratch [G][D], q heads [G][D], values [CHUNK][D]
+  // per warp: prepare_q_heads' scratch [G][D], q heads [G][D], staged values [ATTN_CHUNK][D]
+  float* tmp = sm + warp * WARP_FLOATS;
   float* qs = tmp + G * D;
   T* values = reinterpret_cast<T*>(qs + G * D);
   const int items = int(serve_work(p).num_items);

@@ -2,9 +2,9 @@
 runs a ServingPlan's tables, step after step, with the serving scheduler inside the launch.
 
 Its text is the one-row kernel's (kernel_source.py: the CUDA backend's prelude, the model's constants, device.cu and
-its headers) with the runtime's SERVE section kept (serve.cuh, serve_rows.cuh, serve_attention.cuh, serve_sampling.cuh: SCHEDULE
-and the bodies over a step's rows; the protocol's regions in Params), the task bodies of serving_bodies.py in place
-of the one-row ones, and before the runtime the C declarations it runs over: the serving protocol's structs, sizes
+its headers) with the runtime's SERVE section kept (serve.cuh, serve_rows.cuh, serve_attention.cuh,
+serve_sampling.cuh: SCHEDULE and the bodies over a step's rows; the protocol's regions in Params), the task bodies of
+serving_bodies.py in place of the one-row ones, and before the runtime the C declarations it runs over: the serving protocol's structs, sizes
 and region offsets (mdsl.serving.protocol.c_declarations), the scheduler (mdsl/serving/scheduler.cuh with its
 regions) and the serving tables' (ServingPlan.c_declarations: ServeWork, AttnItem, the serve region's offsets).
 The one-row constants are the base plan's; TASKS and LM_FIRST are the serving tables'. The linear kinds and the LM
@@ -58,7 +58,8 @@ def attention_chunk(plan: ServingPlan) -> int:
 def serving_shared_floats(plan: ServingPlan) -> dict:
     """Each body's shared floats after the block reductions' scratch: a linear task's input rows (the LM head's
     too), an ATTN item's per-warp scratch, q heads and staged value rows (serve_attention.cuh's
-    attention_items_task: an item is a warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk and per row."""
+    attention_items_task: an item is a warp's), the KV append's per-warp scratch and key, SCHEDULE's words per chunk
+    and per row."""
     s = plan.shape
     attention = WARPS * (2 * s.group * s.head_dim + -(-attention_chunk(plan) * s.head_dim * s.dtype.itemsize // 4))
     return {"linear": serving_row_floats(plan), "attention": attention, "append": 2 * WARPS * s.head_dim,
