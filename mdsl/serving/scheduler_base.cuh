@@ -138,14 +138,8 @@ SCHED inline unsigned load_relaxed(const unsigned* p) {
 
 // a word of the page pool as memory holds it, for its check (past the SM's L1: the check is there to catch pages
 // damaged by anyone, the host's copies into device memory too)
-SCHED inline int load_checked(const int* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldcg(p);
-#else
-  return *p;
-#endif
-}
-SCHED inline unsigned load_checked(const unsigned* p) {
+template <typename Word>
+SCHED inline Word load_checked(const Word* p) {
 #if defined(__CUDA_ARCH__)
   return __ldcg(p);
 #else

@@ -7,13 +7,13 @@ namespace mk {
 // ---- linear kinds over the step's rows
 
 // A step row's input, by one warp (a group's rows load and reduce side by side, each its own warp's: one memory round
-// trip and no block barrier a row): x's 16-byte vectors, lane l taking vectors l, l + 32, ..., 8 of them in flight at
-// once, as f32 into xs. normed_row then sums their squares (each lane's in its order, then the warp's shuffle tree),
-// and scales xs in place by rms_norm's factor and the norm's weights, rounded as the one-row bodies round them
-// (gemv.cuh's NormedRow).
+// trip and no block barrier a row). warp_vectors: each(i, value) for the K values of x, lane l taking its 16-byte
+// vectors l, l + 32, ..., 8 of them in flight at once. input_row stores x as f32 into xs; normed_row also sums their
+// squares (each lane's in its order, then the warp's shuffle tree), then scales xs in place by rms_norm's factor and
+// the norm's weights, rounded as the one-row bodies round them (gemv.cuh's NormedRow).
 constexpr int INPUT_BATCH = 8;
 template <int K, typename Each>
-__device__ __forceinline__ void warp_row_vectors(const T* x, float* xs, Each each) {
+__device__ __forceinline__ void warp_vectors(const T* x, Each each) {
   static_assert(K % VEC == 0, "an input row is whole 16-byte vectors (so is each layer's row offset)");
   constexpr int CHUNKS = K / VEC;
   const int lane = threadIdx.x % 32;
@@ -31,44 +31,24 @@ __device__ __forceinline__ void warp_row_vectors(const T* x, float* xs, Each eac
       if (c < CHUNKS) {
         const T* e = reinterpret_cast<const T*>(&v[j]);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float value = mdsl::to_float(e[k]);
-          xs[c * VEC + k] = value;
-          each(value);
-        }
+        for (int k = 0; k < VEC; ++k) each(c * VEC + k, mdsl::to_float(e[k]));
       }
     }
   }
 }
 template <int K>
 __device__ __forceinline__ void input_row(const T* x, float* xs) {
-  warp_row_vectors<K>(x, xs, [](float) {});
+  warp_vectors<K>(x, [&](int i, float value) { xs[i] = value; });
 }
 template <int K>
 __device__ __forceinline__ void normed_row(const T* x, const T* norm, float* xs) {
   float ss = 0.0f;
-  warp_row_vectors<K>(x, xs, [&](float value) { ss = fmaf(value, value, ss); });
+  warp_vectors<K>(x, [&](int i, float value) {
+    xs[i] = value;
+    ss = fmaf(value, value, ss);
+  });
   const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(K) + EPS);
-  const int lane = threadIdx.x % 32;
-  const uint4* weights = reinterpret_cast<const uint4*>(norm);
-  constexpr int CHUNKS = K / VEC;
-  for (int c0 = 0; c0 < CHUNKS; c0 += 32 * INPUT_BATCH) {
-    uint4 wv[INPUT_BATCH];
-#pragma unroll
-    for (int j = 0; j < INPUT_BATCH; ++j) {
-      const int c = c0 + lane + 32 * j;
-      wv[j] = c < CHUNKS ? weights[c] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < INPUT_BATCH; ++j) {
-      const int c = c0 + lane + 32 * j;
-      if (c < CHUNKS) {
-        const T* e = reinterpret_cast<const T*>(&wv[j]);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) xs[c * VEC + k] = round_t(mdsl::to_float(e[k]) * round_t(xs[c * VEC + k] * r));
-      }
-    }
-  }
+  warp_vectors<K>(norm, [&](int i, float weight) { xs[i] = round_t(weight * round_t(xs[i] * r)); });
 }
 
 // gemv_rows' layout: gemv's chunks a lane takes a pass (U), items a warp takes at a time (ITEMS), and the rows one
