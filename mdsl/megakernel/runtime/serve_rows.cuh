@@ -82,7 +82,7 @@ __device__ __forceinline__ bool inputs_ready(int ready) {
 // Dot products of weight rows with `nr` input rows at once (row n at xs + n * K, nr <= NR): gemv's items, passes
 // and lanes, each weight load used by every row while it is in registers, and each (row, item) accumulated in one
 // order, the same whatever the other rows and their count: a row's bits are those it has alone. emit(n, item,
-// acc[ROWS]) runs on lane 0.
+// acc[ROWS]) runs on lane (n * ITEMS + i) % 32 of the warp, item the warp's i-th of its current ITEMS.
 template <int K, int ROWS, int NR, typename Row, typename Emit>
 __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, int nr, Row row, Emit emit) {
   using G = RowsGemv<K, ROWS>;
@@ -125,12 +125,24 @@ __device__ __forceinline__ void gemv_rows(int begin, int end, const float* xs, i
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[n][r] = mdsl::group_reduce<32>(acc[n][r], mdsl::Sum());
       }
-    if (lane == 0) {
+    // each (row, item) pair's epilogue on a lane of its own, lane n * ITEMS + i (the shuffle tree left every lane
+    // the sums; a select per pair, then one emit on every lane): the epilogues' loads and stores in flight together,
+    // not one after another on one lane
+    constexpr int PAIRS = NR * ITEMS;
 #pragma unroll
-      for (int n = 0; n < NR; ++n)
+    for (int q0 = 0; q0 < PAIRS; q0 += 32) {
+      const int q = q0 + lane, n = q / ITEMS, i = q % ITEMS;
+      float mine[ROWS];
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i)
-          if (n < nr && first + i < end) emit(n, first + i, acc[n] + i * ROWS);
+      for (int k = 0; k < ROWS; ++k) mine[k] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < NR; ++m)
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j)
+          if (m * ITEMS + j == q)
+#pragma unroll
+            for (int k = 0; k < ROWS; ++k) mine[k] = acc[m][j * ROWS + k];
+      if (q < PAIRS && n < nr && first + i < end) emit(n, first + i, mine);
     }
     if (threadIdx.x == 0 && first == begin) mark_at(2);
   }
@@ -155,7 +167,7 @@ __device__ __forceinline__ void prefetch_first_pass(int begin, int end, Row row)
 
 // A linear task's columns for `count` rows (row_of_index(j): the j-th's index among the step's rows), RowsGemv's GROUP
 // rows at a time: each row's input into shared memory by a warp (input(row, xs + n * K): input_row or normed_row),
-// then the group's products (gemv_rows); emit(j, row, column, acc) on a warp's lane 0. The first
+// then the group's products (gemv_rows); emit(j, row, column, acc) on a lane of the warp (gemv_rows). The first
 // pass's weight rows go to L2 before the task waits for its inputs (an early task: `ready`, worker.cuh) and before the
 // first group's inputs load. False, and nothing written, where the inputs never come. The profile's mark: the first
 // group's inputs stored.
