@@ -32,6 +32,7 @@
 #if MK_SERVE
 #include "serve.cuh"
 #include "serve_rows.cuh"
+#include "serve_tensor.cuh"
 #include "serve_attention.cuh"
 #include "serve_sampling.cuh"
 #endif

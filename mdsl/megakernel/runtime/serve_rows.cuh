@@ -36,20 +36,30 @@ __device__ __forceinline__ void warp_vectors(const T* x, Each each) {
     }
   }
 }
-template <int K>
-__device__ __forceinline__ void input_row(const T* x, float* xs) {
-  warp_vectors<K>(x, [&](int i, float value) { xs[i] = value; });
+// The row is stored as f32 (`float* xs`: gemv_rows' inputs) or as T (`Staged`: the tensor cores' A operand,
+// serve_tensor.cuh), the same values either way (each is a T value). A lane reads back only what it stored.
+struct Staged { T* row; };
+__device__ __forceinline__ void store_input(float* xs, int i, float value) { xs[i] = value; }
+__device__ __forceinline__ void store_input(Staged xs, int i, float value) { xs.row[i] = mdsl::from_float<T>(value); }
+__device__ __forceinline__ float stored_input(const float* xs, int i) { return xs[i]; }
+__device__ __forceinline__ float stored_input(Staged xs, int i) { return mdsl::to_float(xs.row[i]); }
+template <int K, typename X>
+__device__ __forceinline__ void input_row(const T* x, X xs) {
+  warp_vectors<K>(x, [&](int i, float value) { store_input(xs, i, value); });
 }
-template <int K>
-__device__ __forceinline__ void normed_row(const T* x, const T* norm, float* xs) {
+template <int K, typename X>
+__device__ __forceinline__ void normed_row(const T* x, const T* norm, X xs) {
   float ss = 0.0f;
   warp_vectors<K>(x, [&](int i, float value) {
-    xs[i] = value;
+    store_input(xs, i, value);
     ss = fmaf(value, value, ss);
   });
   const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(K) + EPS);
-  warp_vectors<K>(norm, [&](int i, float weight) { xs[i] = round_t(weight * round_t(xs[i] * r)); });
+  warp_vectors<K>(norm, [&](int i, float weight) { store_input(xs, i, round_t(weight * round_t(stored_input(xs, i) * r))); });
 }
+
+// rows_linear's two bodies, chosen by overload on the tag (serve_tensor.cuh: TensorRows<K>::FITS)
+template <bool TENSOR> struct Cores {};
 
 // gemv_rows' layout: gemv's chunks a lane takes a pass (U), items a warp takes at a time (ITEMS), and the rows one
 // pass of weight loads serves (GROUP): as many as their accumulators fit beside the loads' registers and their input
@@ -165,15 +175,16 @@ __device__ __forceinline__ void prefetch_first_pass(int begin, int end, Row row)
           asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(row(first + i, j)) + 128 * l));
 }
 
-// A linear task's columns for `count` rows (row_of_index(j): the j-th's index among the step's rows), RowsGemv's GROUP
-// rows at a time: each row's input into shared memory by a warp (input(row, xs + n * K): input_row or normed_row),
-// then the group's products (gemv_rows); emit(j, row, column, acc) on a lane of the warp (gemv_rows). The first
-// pass's weight rows go to L2 before the task waits for its inputs (an early task: `ready`, worker.cuh) and before the
-// first group's inputs load. False, and nothing written, where the inputs never come. The profile's mark: the first
-// group's inputs stored.
+// A linear task's columns for `count` rows on CUDA cores (row_of_index(j): the j-th's index among the step's rows),
+// RowsGemv's GROUP rows at a time: each row's input into shared memory as f32 by a warp (input(row, xs + n * K):
+// input_row or normed_row), then the group's products (gemv_rows); emit(j, row, column, acc) on a lane of the warp
+// (gemv_rows). The first pass's weight rows go to L2 before the task waits for its inputs (an early task: `ready`,
+// worker.cuh) and before the first group's inputs load. False, and nothing written, where the inputs never come.
+// The profile's mark: the first group's inputs stored.
 template <int K, int ROWS, typename RowIndex, typename Input, typename Weights, typename Emit>
-__device__ __forceinline__ bool rows_linear(const Params& p, const Task& t, int ready, int count,
-                                            RowIndex row_of_index, Input input, Weights weights, Emit emit, float* xs) {
+__device__ __forceinline__ bool rows_linear_on(Cores<false>, const Params& p, const Task& t, int ready, int count,
+                                               RowIndex row_of_index, Input input, Weights weights, Emit emit,
+                                               float* xs) {
   constexpr int GROUP = RowsGemv<K, ROWS>::GROUP;
   if (count > 0) prefetch_first_pass<K, ROWS>(t.begin, t.end, weights);
   if (!inputs_ready(ready)) return false;

@@ -15,7 +15,7 @@ __device__ bool lmhead_rows_task(const Params& p, const Task& t, int ready, int 
   const int* rows = sample_rows(p);
   const bool inputs = rows_linear<H, 1>(
       p, t, ready, samples, [&](int j) { return rows[j]; },
-      [&](int row, float* x) { normed_row<H>(row_of(p.hs, L, row, H), p.final_norm, x); },
+      [&](int row, RowsInput<H, 1> x) { normed_row<H>(row_of(p.hs, L, row, H), p.final_norm, x); },
       [&](int r, int) { return p.lm_head + (long long)r * H; },
       [&](int j, int, int r, const float* acc) { p.logits[(long long)j * V + r] = logit_of(acc); }, xs);
   if (!inputs) return false;

@@ -89,7 +89,7 @@ def write_rows_body(w: CodeWriter, body: LinearBody, kind_op: KindOp) -> None:
         w(f"const bool inputs = rows_linear<{body.k}, {body.products}>(")
         w.depth += 4
         w("p, t, ready, int(step_header(p).num_rows), [](int j) { return j; },")
-        w(f"[&](int row, float* xs) {{ {_input(body)} }},")
+        w(f"[&](int row, RowsInput<{body.k}, {body.products}> xs) {{ {_input(body)} }},")
         w(f"[&](int r, int j) {{ return {_row_expression(body)}; }},")
         with w.block("[&](int, int row, int r, const float* acc)"):
             value = emit_epilogue(w, body.epilogue, inputs, rounded=body.rounded)

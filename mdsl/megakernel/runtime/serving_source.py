@@ -24,9 +24,9 @@ from mdsl.megakernel.runtime.serving_plan import ServingPlan
 from mdsl.serving.protocol import c_declarations
 from mdsl.serving.scheduler import scheduler_source
 
-# Rows a pass of a linear tile's weight loads serves at most (serve_rows.cuh's ROW_GROUP), and the shared memory their
-# input rows may take (160 KiB: Qwen3-8B's down-projection rows of 12288 values three at a time, its 4096-wide rows
-# eight at a time)
+# Rows a pass of a linear tile's weight loads serves at most on CUDA cores (serve_rows.cuh's ROW_GROUP), and the shared
+# memory a linear task's input rows may take (160 KiB: on CUDA cores, Qwen3-8B's down-projection rows of 12288 values
+# three at a time, its 4096-wide rows eight at a time; on tensor cores, 64 rows of 1024 16-bit values, 16 of 4096)
 ROW_GROUP = 8
 ROW_FLOATS = 40 * 1024
 # the profile's ring: the task records of the last PROFILE_STEPS steps (worker.cuh; the host picks the steps by
@@ -38,9 +38,12 @@ OPTIONS = MegakernelOptions(attention_preload=False, weights_first=0.0, second_p
 
 
 def serving_row_floats(plan: ServingPlan) -> int:
-    """Shared floats of a linear task's input rows (SERVE_ROW_FLOATS): ROW_GROUP rows of the widest input, or what
-    ROW_FLOATS holds of them (one at least)."""
+    """Shared floats of a linear task's input rows (SERVE_ROW_FLOATS). 16-bit models: ROW_FLOATS, the staged rows of
+    the tensor cores' groups (serve_tensor.cuh: up to 64 rows of T, 16 at least, or the kind keeps CUDA cores);
+    float32 models: ROW_GROUP rows of the widest input, or what ROW_FLOATS holds of them (one at least)."""
     widest = linear_row_floats(plan.base)
+    if plan.shape.dtype.itemsize == 2:
+        return max(widest, ROW_FLOATS)
     return max(widest, min(ROW_GROUP * widest, ROW_FLOATS))
 
 
