@@ -105,6 +105,25 @@ def test_requests_give_the_cpu_devices_tokens_and_their_tokens_alone(checkpoints
     agree_with_the_cpu(outputs, on_the_cpu_device(folder, greedy, **engine), dtype)
 
 
+def test_rows_wide_enough_to_slice_k_among_warps_give_their_tokens_alone(tmp_path):
+    """A bfloat16 model whose linear tasks take the tensor cores' longer paths (serve_tensor.cuh): K of several runs
+    sliced among a task's warps (2 to 6 slices summed in shared memory), several 16-row tiles and, at 64 rows a
+    step, two groups of staged rows (the 1536-wide down-projection stages 48 at a time)."""
+    folder = write_checkpoint(tmp_path, "qwen3", seed=7, positions=POSITIONS, torch_dtype="bfloat16",
+                              hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                              num_key_value_heads=4, head_dim=64).folder
+    rng = np.random.default_rng(11)
+    arrivals = {step: [(key, prompt, SamplingParams(max_new_tokens=params.max_new_tokens, ignore_eos=True))
+                       for key, prompt, params in batch] for step, batch in requests(rng, 12, 4).items()}
+    engine = dict(max_batch=8, page_size=4, max_tokens_per_step=64)
+    outputs, stats, _ = serve(folder, arrivals, **engine)
+    assert stats.peak_running >= 2 and stats.status == "stopped"
+    solo = alone(folder, arrivals, **engine)
+    for key, out in outputs.items():
+        assert out.token_ids == solo[key], key
+    agree_with_the_cpu(outputs, on_the_cpu_device(folder, arrivals, **engine), "bfloat16")
+
+
 def test_a_pool_small_enough_to_preempt_changes_no_token(checkpoints):
     folder = checkpoints["qwen3", "float32"].folder
     rng = np.random.default_rng(11)
