@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -211,10 +212,17 @@ def kernel_profile(device, trace: Optional[Path]) -> dict:
     for r in schedule:
         for name, begin, end in body_parts(r, "schedule", SERVING_BODY_PARTS):
             parts[name] = parts.get(name, 0.0) + (end - begin) / 1e3
+    bodies: dict = {}   # kind -> part -> every task's time in it
+    for r in records:
+        kind = kinds[r.index % len(kinds)]
+        for name, begin, end in body_parts(r, kind, SERVING_BODY_PARTS) if kind != "schedule" else ():
+            bodies.setdefault(kind, {}).setdefault(name, []).append((end - begin) / 1e3)
     return {"step_span_us": round((max(r.done_ns for r in records) - min(r.taken_ns for r in records)) / 1e3, 2),
             "schedule_us": round(sum(r.done_ns - r.started_ns for r in schedule) / 1e3, 2),
             "schedule_parts_us": {name: round(us, 2) for name, us in parts.items()},
-            "phases_us": layer_phases(records, kinds, layers, step=max(steps))}
+            "phases_us": layer_phases(records, kinds, layers, step=max(steps)),
+            "body_parts_us": {kind: {name: round(float(statistics.median(us)), 2) for name, us in named.items()}
+                              for kind, named in bodies.items()}}
 
 
 def wait_for_steps(control, done) -> int:
@@ -390,6 +398,13 @@ def tables(result: dict) -> str:
                              f"{f' ({parts})' if parts else ''} | " +
                              " | ".join(f"{ph[k].get('span_us', 0):.1f} / {ph[k].get('gap_us', 0):.1f}" if k in ph
                                         else "-" for k in kinds) + " |")
+            lines.append("")
+            lines += ["Each kind's body in parts (median over the step's tasks, µs; a linear kind's marks are warp 0's, "
+                      "an attention task's its warp 0's first item's):", ""]
+            for d in phased:
+                for kind, named in d.get("body_parts_us", {}).items():
+                    lines.append(f"- batch {d['batch']}, prompts {d['context']}, {kind}: " +
+                                 ", ".join(f"{name} {us:.1f}" for name, us in named.items()))
             lines.append("")
         profiled = [d for d in decode if d.get("ops_us")]
         ops = sorted({op for d in profiled for op in d["ops_us"]},

@@ -196,7 +196,8 @@ __device__ __forceinline__ void prefetch_row(const T* row) {
 // Its partials [kv head][item][head] (maximum, sum, D values) are a function of the row and split alone. Then the
 // item counts itself on its (layer, row, kv head) merge counter; the warp that brings it to the row's splits merges
 // them and sets it back to 0 (its last access this step: the next is a later step's, which descends from its
-// SCHEDULE, which waits for this step's every task).
+// SCHEDULE, which waits for this step's every task). Profile marks (warp 0's first item): its tables read and rows
+// prefetched, its q heads, its keys and values, its partials out and counted.
 __device__ void attention_items_task(const Params& p, const Task& t, float* sm) {
   const int g = t.begin, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
@@ -221,7 +222,10 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
     }
     // the first chunk's value rows copied before the q heads are prepared: their trips from memory overlap
     copy_values(w, p, entry, item.lo, g, count < ATTN_CHUNK ? count : ATTN_CHUNK, lane, values);
+    const bool first = i == t.end;   // (the profile's marks: warp 0's first item, on thread 0)
+    if (first) mark(p, 0);
     prepare_q_heads(row_of(p.qkvs, t.layer, int(item.row), QKV) + g * G * D, w.qn, p, row.position, tmp, qs);
+    if (first) mark(p, 1);
     float m[G], l[G], acc[G][VL];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -286,6 +290,7 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
       }
       __syncwarp();   // (the staged values: the next chunk's copies)
     }
+    if (first) mark(p, 2);
     float* part = p.parts + ((long long)g * MAX_ITEMS + i) * G * PART;
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -304,6 +309,7 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
     unsigned before = 0;
     if (lane == 0)
       asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+    if (first) mark(p, 3);
     if (__shfl_sync(0xffffffffu, before + 1u == item.splits, 0)) {
       __threadfence();   // (the other warps' partials, acquired by lane 0)
       merge_row(p, t.layer, g, item, lane);
