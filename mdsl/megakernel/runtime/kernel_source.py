@@ -75,7 +75,8 @@ SECTIONS = {
                 "(linear_norm_residual: Gemma-2's post-norms), and LayerWeights' pointers to those norms",
     "EMBED_SCALE": "the sampler's next embedding row times EMBED_SCALE (Gemma's embeddings)",
     "SERVE": "the serving tables' kernel (serving_source.py): SCHEDULE and the bodies over a step's rows (serve.cuh, "
-             "serve_rows.cuh, serve_attention.cuh, serve_sampling.cuh), the protocol's regions in Params (SERVE_PARAMS)",
+             "serve_rows.cuh, serve_tensor.cuh, serve_attention.cuh, serve_sampling.cuh), the protocol's regions in "
+             "Params (SERVE_PARAMS)",
 }
 _DIRECTIVE = re.compile(r"#(if|else|endif)\b")
 _SECTION = re.compile(r"#if MK_(\w+)\n")

@@ -55,7 +55,9 @@ __device__ __forceinline__ void normed_row(const T* x, const T* norm, X xs) {
     ss = fmaf(value, value, ss);
   });
   const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(K) + EPS);
-  warp_vectors<K>(norm, [&](int i, float weight) { store_input(xs, i, round_t(weight * round_t(stored_input(xs, i) * r))); });
+  warp_vectors<K>(norm, [&](int i, float weight) {
+    store_input(xs, i, round_t(weight * round_t(stored_input(xs, i) * r)));
+  });
 }
 
 // rows_linear's two bodies, chosen by overload on the tag (serve_tensor.cuh: TensorRows<K>::FITS)

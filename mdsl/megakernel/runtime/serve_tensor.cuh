@@ -188,8 +188,8 @@ __device__ __forceinline__ bool rows_linear_on(Cores<true>, const Params& p, con
 }
 
 // A linear task's columns for `count` rows of the step (row_of_index(j): the j-th's index among the step's rows):
-// input(row, xs) stores a row's input (input_row or normed_row) into xs, a RowsInput<K, ROWS>, weights(item, j) is an item's j-th weight row,
-// emit(j, row, item, acc[ROWS]) its sums' epilogue. On tensor cores where T is 16-bit and 16 rows of K fit in
+// input(row, xs) stores a row's input (input_row or normed_row) into xs, a RowsInput<K, ROWS>; weights(item, j) is
+// an item's j-th weight row; emit(j, row, item, acc[ROWS]) its sums' epilogue. On tensor cores where T is 16-bit and 16 rows of K fit in
 // SERVE_ROW_FLOATS, else on CUDA cores (serve_rows.cuh); either way every row count takes the same body, so that a
 // row's sums are its own alone. An early task (`ready`: worker.cuh) waits for its inputs inside.
 template <int K, int ROWS> constexpr bool ON_TENSOR_CORES = TensorRows<K>::FITS && ROWS <= 2;

@@ -2,7 +2,7 @@
 runs a ServingPlan's tables, step after step, with the serving scheduler inside the launch.
 
 Its text is the one-row kernel's (kernel_source.py: the CUDA backend's prelude, the model's constants, device.cu and
-its headers) with the runtime's SERVE section kept (serve.cuh, serve_rows.cuh, serve_attention.cuh,
+its headers) with the runtime's SERVE section kept (serve.cuh, serve_rows.cuh, serve_tensor.cuh, serve_attention.cuh,
 serve_sampling.cuh: SCHEDULE and the bodies over a step's rows; the protocol's regions in Params), the task bodies of
 serving_bodies.py in place of the one-row ones, and before the runtime the C declarations it runs over: the serving protocol's structs, sizes
 and region offsets (mdsl.serving.protocol.c_declarations), the scheduler (mdsl/serving/scheduler.cuh with its
