@@ -18,8 +18,9 @@ struct TensorRows {
   static constexpr int K32 = (K + 31) / 32 * 32;
   static constexpr int KS = K32 % 64 == 0 ? K32 + 32 : K32;
   static constexpr int NB = K32 / 32;                 // 32-value blocks of K
-  static constexpr int U = NB < 8 ? NB : 8;           // blocks a run: a lane's weight loads in flight at once
+  static constexpr int U = NB < 8 ? NB : 8;           // blocks a run of a sliced K: a lane's loads in flight at once
   static constexpr int RUNS = (NB + U - 1) / U;
+  static constexpr int WHOLE = NB < 16 ? NB : 16;     // blocks a run of a whole K (a warp's loads its only overlap)
   static constexpr int FIT = int(SERVE_ROW_FLOATS * 4 / (KS * int(sizeof(T)))) / 16 * 16;
   static constexpr int GROUP = FIT < 64 ? FIT : 64;   // rows staged at once: MT tiles of 16
   static constexpr int MT = GROUP / 16;
@@ -46,27 +47,28 @@ __device__ __forceinline__ const T* tensor_weight_row(int begin, int end, int ti
 // One warp's unit: acc = the staged rows [0, 16 MT) times its tile's weight rows over slice s of S (its runs one after
 // another, each run's k-steps in order). Rows at or past nr are not read as a tile (an m tile wholly past them is
 // skipped; one partly past reads stale values into rows nobody emits).
-template <int K>
+template <int K, int U>
 __device__ __forceinline__ void tensor_unit(float (&acc)[TensorRows<K>::MT][4], const T* rows, int nr, const T* w,
                                             int s, int slices) {
   using R = TensorRows<K>;
+  constexpr int RUNS = (R::NB + U - 1) / U;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int m = 0; m < R::MT; ++m)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int run = s; run < R::RUNS; run += slices) {
-    uint4 b[R::U];
+  for (int run = s; run < RUNS; run += slices) {
+    uint4 b[U];
 #pragma unroll
-    for (int u = 0; u < R::U; ++u) {
-      const int k = (run * R::U + u) * 32 + 8 * t;
-      b[u] = w != nullptr && run * R::U + u < R::NB && k < K ? ld_weights(w + k) : zero;
+    for (int u = 0; u < U; ++u) {
+      const int k = (run * U + u) * 32 + 8 * t;
+      b[u] = w != nullptr && run * U + u < R::NB && k < K ? ld_weights(w + k) : zero;
     }
 #pragma unroll
-    for (int u = 0; u < R::U; ++u) {
-      const int k = (run * R::U + u) * 32 + 8 * t;
-      if (run * R::U + u < R::NB) {   // (uniform over the warp, as mma.sync needs)
+    for (int u = 0; u < U; ++u) {
+      const int k = (run * U + u) * 32 + 8 * t;
+      if (run * U + u < R::NB) {   // (uniform over the warp, as mma.sync needs)
 #pragma unroll
         for (int m = 0; m < R::MT; ++m)
           if (16 * m < nr) {
@@ -115,8 +117,11 @@ __device__ __forceinline__ void tensor_products(int begin, int end, T* rows, int
   for (int u0 = 0; u0 < tiles * slices; u0 += NW) {   // (uniform over the block)
     const int u = u0 + warp, tile = u / slices;
     float acc[R::MT][4];
-    if (u < tiles * slices)
-      tensor_unit<K>(acc, rows, nr, tensor_weight_row<ROWS>(begin, end, tile, row), u % slices, slices);
+    if (u < tiles * slices) {   // (a whole K's order is its blocks' whatever its runs: the run only sets the loads)
+      const T* w = tensor_weight_row<ROWS>(begin, end, tile, row);
+      if (slices == 1) tensor_unit<K, R::WHOLE>(acc, rows, nr, w, 0, 1);
+      else tensor_unit<K, R::U>(acc, rows, nr, w, u % slices, slices);
+    }
     if (first && threadIdx.x == 0 && u0 == 0) mark_at(1);
     if (slices == 1) {
       if (u < tiles) tensor_emit<K, ROWS>(acc, begin, end, tile, nr, emit);
