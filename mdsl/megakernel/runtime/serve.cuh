@@ -98,9 +98,9 @@ __device__ bool flush(const Params& p, const sched::Serving& s, long long step) 
   return sched::flush_records(s) == 0 || wait_for_host(p, step, [&] { return sched::flush_records(s) == 0; });
 }
 
-// (thread 0) The step boundary: the previous step's end (each chunk that sampled takes its sampling row's token,
-// end_step, and the records go into the ring), then begin_step until a step has chunks to run, waiting for the host
-// while nothing is admitted: for a request in the queue, or the shutdown word. Returns whether step `step` runs;
+// (thread 0) The step boundary: the previous step's end (each chunk that sampled has its sampling row's token in
+// `tokens`: end_step, and the records go into the ring), then begin_step until a step has chunks to run, waiting for
+// the host while nothing is admitted: for a request in the queue, or the shutdown word. Returns whether step `step` runs;
 // where not (shutdown with nothing admitted or queued, an error, the launch's stop, or its last step: p.num_steps,
 // so that no event's count passes 32 bits), the launch stops after the previous step (STATE_STOP), the error in
 // STATE_SERVE_ERROR. `tokens`: a word per chunk.
@@ -109,8 +109,6 @@ __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
   unsigned error = sched::OK;
   bool going = true;
   if (step > 0) {
-    const int samples = int(serve_work(p).num_samples);
-    for (int j = 0; j < samples; ++j) tokens[step_rows(p)[sample_rows(p)[j]].chunk] = chosen_tokens(p)[j];
     error = p.state[STATE_BAD_TOKEN] ? ERROR_BAD_LOGITS : sched::end_step(s, tokens);
     going = !error && flush(p, s, step);
   }
@@ -205,6 +203,11 @@ __device__ bool schedule_task(const Params& p, long long step, float* work) {
   // left L1 without them)
   prefetch_l1(s.entries, MAX_BATCH * sizeof(Entry));
   prefetch_l1(s.chunks, MAX_BATCH * sizeof(Chunk));
+  if (step > 0) {   // the previous step's tokens: chunk c of sampling row j takes chosen[j] (a thread a row)
+    const int samples = int(serve_work(p).num_samples);
+    for (int j = threadIdx.x; j < samples; j += NT)
+      tokens[step_rows(p)[sample_rows(p)[j]].chunk] = chosen_tokens(p)[j];
+  }
   compute_sync();
   if (threadIdx.x == 0) {
     runs = step_boundary(p, step, tokens);
