@@ -100,10 +100,10 @@ __device__ bool flush(const Params& p, const sched::Serving& s, long long step) 
 
 // (thread 0) The step boundary: the previous step's end (each chunk that sampled has its sampling row's token in
 // `tokens`: end_step, and the records go into the ring), then begin_step until a step has chunks to run, waiting for
-// the host while nothing is admitted: for a request in the queue, or the shutdown word. Returns whether step `step` runs;
-// where not (shutdown with nothing admitted or queued, an error, the launch's stop, or its last step: p.num_steps,
-// so that no event's count passes 32 bits), the launch stops after the previous step (STATE_STOP), the error in
-// STATE_SERVE_ERROR. `tokens`: a word per chunk.
+// the host while nothing is admitted: for a request in the queue, or the shutdown word. Returns whether step `step`
+// runs; where not (shutdown with nothing admitted or queued, an error, the launch's stop, or its last step:
+// p.num_steps, so that no event's count passes 32 bits), the launch stops after the previous step (STATE_STOP), the
+// error in STATE_SERVE_ERROR. `tokens`: a word per chunk.
 __device__ bool step_boundary(const Params& p, long long step, int* tokens) {
   const sched::Serving s = sched::serving_of_regions(p.host, p.device_state, p.workspace);
   unsigned error = sched::OK;
