@@ -63,6 +63,7 @@ POLL_S = 2e-5           # (a) the megakernel's step counter polled this often
 # a device whose measurement did not finish (the run was cut at its time limit): its rows so far are kept
 INCOMPLETE = "the run ended before this device's measurements did: its rows so far"
 PROFILED_STEPS = 16     # (a) the megakernel's steps run with its profile on (more than its ring holds)
+SPARE_STEPS = 256       # (a) steps a request has beyond the timed and profiled ones
 STALL_S = 60.0          # (a) a step counter that does not move for this long fails the measurement
 
 
@@ -116,10 +117,10 @@ def workload(args, vocab: int) -> list:
 def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
     """Tokens each request of (a) may produce: enough that none ends before the last one's prompt is read
     (prompts are read oldest first, so the first request decodes while the others' prompts are read) and
-    the timed and profiled steps are over, with 64 steps to spare for the host's late look at the first
-    tokens (a megakernel's step may be a fraction of a millisecond) and PROFILED_STEPS more for the megakernel's
-    profile."""
-    return -(-batch * context // per_step) + batch + 2 * tokens + 64 + PROFILED_STEPS
+    the timed and profiled steps are over, with SPARE_STEPS to spare for the host's late looks (at the first
+    tokens, between the timing and the profile: a megakernel's step may be a fraction of a millisecond) and
+    PROFILED_STEPS more for the megakernel's profile."""
+    return -(-batch * context // per_step) + batch + 2 * tokens + SPARE_STEPS + PROFILED_STEPS
 
 
 def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int,

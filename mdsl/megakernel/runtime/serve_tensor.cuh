@@ -104,6 +104,20 @@ __device__ __forceinline__ void tensor_emit(const float (&acc)[TensorRows<K>::MT
     }
 }
 
+// A unit's weight rows into L2 (its tile's 8 rows over its slice's runs of R::U blocks): lane t of a quad takes
+// every 4th 128-byte line of its row's runs
+template <int K, int ROWS, typename Row>
+__device__ __forceinline__ void tensor_prefetch(int begin, int end, int tile, int s, int slices, Row row) {
+  using R = TensorRows<K>;
+  const char* w = reinterpret_cast<const char*>(tensor_weight_row<ROWS>(begin, end, tile, row));
+  if (w == nullptr) return;
+  constexpr int RUN_BYTES = R::U * 32 * int(sizeof(T)), ROW_BYTES = K * int(sizeof(T));
+  const int t = threadIdx.x % 4;
+  for (int run = s; run < R::RUNS; run += slices)
+    for (int at = run * RUN_BYTES + 128 * t; at < (run + 1) * RUN_BYTES && at < ROW_BYTES; at += 4 * 128)
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(w + at));
+}
+
 // The task's columns for the staged rows [0, nr): units (tile, slice) a warp each, NW at a time; a sliced task's
 // units leave their sums in shared memory over the staged rows (every warp done with them), and each (row, item)
 // pair is then summed over its slices in slice order by a thread of its own. Profile marks (thread 0, `first`):
@@ -117,6 +131,9 @@ __device__ __forceinline__ void tensor_products(int begin, int end, T* rows, int
   for (int u0 = 0; u0 < tiles * slices; u0 += NW) {   // (uniform over the block)
     const int u = u0 + warp, tile = u / slices;
     float acc[R::MT][4];
+    // (a warp's next unit's rows into L2 meanwhile: its loads then wait on L2, not on memory)
+    const int next = u + NW;
+    if (next < tiles * slices) tensor_prefetch<K, ROWS>(begin, end, next / slices, next % slices, slices, row);
     if (u < tiles * slices) {   // (a whole K's order is its blocks' whatever its runs: the run only sets the loads)
       const T* w = tensor_weight_row<ROWS>(begin, end, tile, row);
       if (slices == 1) tensor_unit<K, R::WHOLE>(acc, rows, nr, w, 0, 1);
@@ -153,22 +170,6 @@ __device__ __forceinline__ void tensor_products(int begin, int end, T* rows, int
   }
 }
 
-// The weight rows of a warp's first unit (its tile's 8 rows over its slice's runs) into L2 before the task waits
-// for its inputs: lane t of a quad takes every 4th 128-byte line of its row's runs
-template <int K, int ROWS, typename Row>
-__device__ __forceinline__ void tensor_prefetch(int begin, int end, Row row) {
-  using R = TensorRows<K>;
-  const int tiles = ((end - begin) * ROWS + 7) / 8, slices = tensor_slices(tiles, R::RUNS);
-  const int u = threadIdx.x / 32, t = threadIdx.x % 4;
-  if (u >= tiles * slices) return;
-  const char* w = reinterpret_cast<const char*>(tensor_weight_row<ROWS>(begin, end, u / slices, row));
-  if (w == nullptr) return;
-  constexpr int RUN_BYTES = R::U * 32 * int(sizeof(T)), ROW_BYTES = K * int(sizeof(T));
-  for (int run = u % slices; run < R::RUNS; run += slices)
-    for (int at = run * RUN_BYTES + 128 * t; at < (run + 1) * RUN_BYTES && at < ROW_BYTES; at += 4 * 128)
-      asm volatile("prefetch.global.L2 [%0];" :: "l"(w + at));
-}
-
 // A linear task's columns for `count` rows on tensor cores: TensorRows' GROUP rows at a time staged as T by a warp a
 // row (input(row, Staged)), then the task's units over them (tensor_products). As gemv's body: the first units'
 // weight rows go to L2 before the task waits for its inputs; false, and nothing written, where they never come.
@@ -177,7 +178,10 @@ __device__ __forceinline__ bool rows_linear_on(Cores<true>, const Params& p, con
                                                RowIndex row_of_index, Input input, Weights weights, Emit emit,
                                                float* xs) {
   using R = TensorRows<K>;
-  if (count > 0) tensor_prefetch<K, ROWS>(t.begin, t.end, weights);
+  const int tiles = ((t.end - t.begin) * ROWS + 7) / 8, slices = tensor_slices(tiles, R::RUNS), u = threadIdx.x / 32;
+  // (a warp's first unit's weight rows into L2 before the task waits for its inputs)
+  if (count > 0 && u < tiles * slices)
+    tensor_prefetch<K, ROWS>(t.begin, t.end, u / slices, u % slices, slices, weights);
   if (!inputs_ready(ready)) return false;
   T* rows = reinterpret_cast<T*>(xs);
   for (int j0 = 0; j0 < count; j0 += R::GROUP) {   // (uniform over the block: the inputs' barriers)
@@ -194,9 +198,9 @@ __device__ __forceinline__ bool rows_linear_on(Cores<true>, const Params& p, con
 
 // A linear task's columns for `count` rows of the step (row_of_index(j): the j-th's index among the step's rows):
 // input(row, xs) stores a row's input (input_row or normed_row) into xs, a RowsInput<K, ROWS>; weights(item, j) is
-// an item's j-th weight row; emit(j, row, item, acc[ROWS]) its sums' epilogue. On tensor cores where T is 16-bit and 16 rows of K fit in
-// SERVE_ROW_FLOATS, else on CUDA cores (serve_rows.cuh); either way every row count takes the same body, so that a
-// row's sums are its own alone. An early task (`ready`: worker.cuh) waits for its inputs inside.
+// an item's j-th weight row; emit(j, row, item, acc[ROWS]) its sums' epilogue. On tensor cores where T is 16-bit and
+// 16 rows of K fit in SERVE_ROW_FLOATS, else on CUDA cores (serve_rows.cuh); either way every row count takes the
+// same body, so that a row's sums are its own alone. An early task (`ready`: worker.cuh) waits for its inputs inside.
 template <int K, int ROWS> constexpr bool ON_TENSOR_CORES = TensorRows<K>::FITS && ROWS <= 2;
 template <bool TENSOR> struct RowsInputOf { using type = float*; };
 template <> struct RowsInputOf<true> { using type = Staged; };
