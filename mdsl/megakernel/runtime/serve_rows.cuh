@@ -47,8 +47,40 @@ template <int K, typename X>
 __device__ __forceinline__ void input_row(const T* x, X xs) {
   warp_vectors<K>(x, [&](int i, float value) { store_input(xs, i, value); });
 }
+// (a row of one batch of vectors, K <= 32 * INPUT_BATCH * VEC: its values and the norm's weights loaded together,
+// one trip from memory, the row kept in registers; a longer row is stored, then read back to be scaled)
 template <int K, typename X>
 __device__ __forceinline__ void normed_row(const T* x, const T* norm, X xs) {
+  constexpr int CHUNKS = K / VEC;
+  if (CHUNKS <= 32 * INPUT_BATCH) {
+    const int lane = threadIdx.x % 32;
+    uint4 v[INPUT_BATCH], n[INPUT_BATCH];
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = lane + 32 * j;
+      v[j] = c < CHUNKS ? reinterpret_cast<const uint4*>(x)[c] : make_uint4(0, 0, 0, 0);
+      n[j] = c < CHUNKS ? reinterpret_cast<const uint4*>(norm)[c] : make_uint4(0, 0, 0, 0);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const T* e = reinterpret_cast<const T*>(&v[j]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) ss = fmaf(mdsl::to_float(e[k]), mdsl::to_float(e[k]), ss);
+    }
+    const float r = rsqrtf(mdsl::group_reduce<32>(ss, mdsl::Sum()) / float(K) + EPS);
+#pragma unroll
+    for (int j = 0; j < INPUT_BATCH; ++j) {
+      const int c = lane + 32 * j;
+      const T* e = reinterpret_cast<const T*>(&v[j]);
+      const T* w = reinterpret_cast<const T*>(&n[j]);
+      if (c < CHUNKS)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          store_input(xs, c * VEC + k, round_t(mdsl::to_float(w[k]) * round_t(mdsl::to_float(e[k]) * r)));
+    }
+    return;
+  }
   float ss = 0.0f;
   warp_vectors<K>(x, [&](int i, float value) {
     store_input(xs, i, value);
