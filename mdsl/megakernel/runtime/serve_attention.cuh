@@ -186,18 +186,18 @@ __device__ __forceinline__ void prefetch_row(const T* row) {
 }
 
 // ATTN (layer, kv head g = t.begin): the step's attention items t.end + ATTN_TASKS * (w + NW * n) on warp w, each
-// item a warp's alone (no block barrier: a block's warps run as many items at once). The task's tables go to L1 first.
-// Per item the warp copies its first chunk's value rows, norms and rotates its row's G query heads (prepare_q_heads)
-// meanwhile, prefetches its next item's keys' and values' pool rows to L2, and runs the split's keys in chunks of ATTN_CHUNK, a key a lane: the lane's
-// value row copied into the warp's shared memory (cp.async) while it scores its key row (dot products in dimension
-// order); an online softmax per head (the chunk's maximum by shuffles, earlier sums rescaled by exp(old - new
-// maximum), the sum in f32 per lane and added over the lanes at the end, the values' weights rounded to T); the
-// staged values weighted, lane l holding dimensions l * VL ... of every head, the chunk's keys in position order.
-// Its partials [kv head][item][head] (maximum, sum, D values) are a function of the row and split alone. Then the
-// item counts itself on its (layer, row, kv head) merge counter; the warp that brings it to the row's splits merges
-// them and sets it back to 0 (its last access this step: the next is a later step's, which descends from its
-// SCHEDULE, which waits for this step's every task). Profile marks (warp 0's first item): its tables read and rows
-// prefetched, its q heads, its keys and values, its partials out and counted.
+// item a warp's alone (no block barrier: a block's warps run as many items at once). The task's tables go to L1
+// first. Per item the warp copies its first chunk's value rows, norms and rotates its row's G query heads
+// (prepare_q_heads) meanwhile, prefetches its next item's keys' and values' pool rows to L2, and runs the split's keys
+// in chunks of ATTN_CHUNK, a key a lane: the lane's value row copied into the warp's shared memory (cp.async) while it
+// scores its key row (dot products in dimension order); an online softmax per head (the chunk's maximum by shuffles,
+// earlier sums rescaled by exp(old - new maximum), the sum in f32 per lane and added over the lanes at the end, the
+// values' weights rounded to T); the staged values weighted, lane l holding dimensions l * VL ... of every head, the
+// chunk's keys in position order. Its partials [kv head][item][head] (maximum, sum, D values) are a function of the
+// row and split alone. Then the item counts itself on its (layer, row, kv head) merge counter; the warp that brings
+// it to the row's splits merges them and sets it back to 0 (its last access this step: the next is a later step's,
+// which descends from its SCHEDULE, which waits for this step's every task). Profile marks (warp 0's first item): its
+// first chunk's copies issued, its q heads, its keys and values, its partials out and counted.
 __device__ void attention_items_task(const Params& p, const Task& t, float* sm) {
   const int g = t.begin, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
