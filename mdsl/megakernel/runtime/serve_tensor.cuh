@@ -18,9 +18,8 @@ struct TensorRows {
   static constexpr int K32 = (K + 31) / 32 * 32;
   static constexpr int KS = K32 % 64 == 0 ? K32 + 32 : K32;
   static constexpr int NB = K32 / 32;                 // 32-value blocks of K
-  static constexpr int U = NB < 8 ? NB : 8;           // blocks a run of a sliced K: a lane's loads in flight at once
+  static constexpr int U = NB < 16 ? NB : 16;         // blocks a run: a lane's weight loads in flight at once
   static constexpr int RUNS = (NB + U - 1) / U;
-  static constexpr int WHOLE = NB < 16 ? NB : 16;     // blocks a run of a whole K (a warp's loads its only overlap)
   static constexpr int FIT = int(SERVE_ROW_FLOATS * 4 / (KS * int(sizeof(T)))) / 16 * 16;
   static constexpr int GROUP = FIT < 64 ? FIT : 64;   // rows staged at once: MT tiles of 16
   static constexpr int MT = GROUP / 16;
@@ -47,11 +46,11 @@ __device__ __forceinline__ const T* tensor_weight_row(int begin, int end, int ti
 // One warp's unit: acc = the staged rows [0, 16 MT) times its tile's weight rows over slice s of S (its runs one after
 // another, each run's k-steps in order). Rows at or past nr are not read as a tile (an m tile wholly past them is
 // skipped; one partly past reads stale values into rows nobody emits).
-template <int K, int U>
+template <int K>
 __device__ __forceinline__ void tensor_unit(float (&acc)[TensorRows<K>::MT][4], const T* rows, int nr, const T* w,
                                             int s, int slices) {
   using R = TensorRows<K>;
-  constexpr int RUNS = (R::NB + U - 1) / U;
+  constexpr int U = R::U, RUNS = R::RUNS;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int m = 0; m < R::MT; ++m)
@@ -134,11 +133,8 @@ __device__ __forceinline__ void tensor_products(int begin, int end, T* rows, int
     // (a warp's next unit's rows into L2 meanwhile: its loads then wait on L2, not on memory)
     const int next = u + NW;
     if (next < tiles * slices) tensor_prefetch<K, ROWS>(begin, end, next / slices, next % slices, slices, row);
-    if (u < tiles * slices) {   // (a whole K's order is its blocks' whatever its runs: the run only sets the loads)
-      const T* w = tensor_weight_row<ROWS>(begin, end, tile, row);
-      if (slices == 1) tensor_unit<K, R::WHOLE>(acc, rows, nr, w, 0, 1);
-      else tensor_unit<K, R::U>(acc, rows, nr, w, u % slices, slices);
-    }
+    if (u < tiles * slices)
+      tensor_unit<K>(acc, rows, nr, tensor_weight_row<ROWS>(begin, end, tile, row), u % slices, slices);
     if (first && threadIdx.x == 0 && u0 == 0) mark_at(1);
     if (slices == 1) {
       if (u < tiles) tensor_emit<K, ROWS>(acc, begin, end, tile, nr, emit);
