@@ -57,23 +57,31 @@ __device__ __forceinline__ void tensor_unit(float (&acc)[TensorRows<K>::MT][4], 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  // (K a multiple of 32: every vector of a block is within K, and no lane's load needs its own test)
+  const auto within = [&](int k) { return K % 32 == 0 || k < K; };
+  const T* a_lo = rows + g * R::KS + 8 * t;
   for (int run = s; run < RUNS; run += slices) {
+    const int k0 = run * U * 32;
     uint4 b[U];
+    if (w != nullptr) {
+      const T* wk = w + k0 + 8 * t;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = (run * U + u) * 32 + 8 * t;
-      b[u] = w != nullptr && run * U + u < R::NB && k < K ? ld_weights(w + k) : zero;
+      for (int u = 0; u < U; ++u)
+        b[u] = run * U + u < R::NB && within(k0 + 32 * u + 8 * t) ? ld_weights(wk + 32 * u) : zero;
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) b[u] = zero;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = (run * U + u) * 32 + 8 * t;
       if (run * U + u < R::NB) {   // (uniform over the warp, as mma.sync needs)
+        const bool in = within(k0 + 32 * u + 8 * t);
 #pragma unroll
         for (int m = 0; m < R::MT; ++m)
           if (16 * m < nr) {
-            const T* a = rows + (16 * m + g) * R::KS + k;
-            const uint4 lo = k < K ? *reinterpret_cast<const uint4*>(a) : zero;
-            const uint4 hi = k < K ? *reinterpret_cast<const uint4*>(a + 8 * R::KS) : zero;
+            const T* a = a_lo + 16 * m * R::KS + k0 + 32 * u;
+            const uint4 lo = in ? *reinterpret_cast<const uint4*>(a) : zero;
+            const uint4 hi = in ? *reinterpret_cast<const uint4*>(a + 8 * R::KS) : zero;
             const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {b[u].x, b[u].y};
             const unsigned a1[4] = {lo.z, hi.z, lo.w, hi.w}, b1[2] = {b[u].z, b[u].w};
             mdsl::Mma<T>::run(acc[m], a0, b0);
