@@ -28,8 +28,8 @@ SHAPE = ServingShape(max_batch=5, page_size=4, num_pages=20, max_seq=POSITIONS, 
 QWEN3_8B = ServingShape(max_batch=64, page_size=16, num_pages=64 * 256, max_seq=4096, max_tokens_per_step=256)
 
 
-def tiny_plan(arch: str, dtype=f32, workers: int = H200_SMS, shape: ServingShape = SHAPE):
-    config, _, _ = tiny_model(arch, max_position_embeddings=POSITIONS)
+def tiny_plan(arch: str, dtype=f32, workers: int = H200_SMS, shape: ServingShape = SHAPE, **overrides):
+    config, _, _ = tiny_model(arch, max_position_embeddings=POSITIONS, **overrides)
     config = attrs.evolve(config, dtype=dtype)
     graph = step_function(config).trace(config, max_positions=shape.max_seq)
     return plan_serving(graph, decoder_shape(config), shape, workers=workers)
@@ -57,6 +57,24 @@ def test_qwen3_8b_serving_kernel_compiles_without_spills():
     # the down-projection's 12288-wide rows three at a time, the 4096-wide ones eight, in 160 KiB
     assert serving_row_floats(plan) == ROW_FLOATS and ROW_FLOATS // 12288 == 3 and ROW_FLOATS // 4096 >= ROW_GROUP
     assert plan.split_width(QWEN3_8B.max_seq) == 64 and plan.max_items == 256 * 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_the_serving_benchmarks_kernels_compile_without_spills(model):
+    """The engine refuses a kernel that spills: the benchmark models' serving kernels (bf16, 64 requests, 64 rows a
+    step: benchmarks/serve.py's) do not."""
+    config = attrs.evolve(config_from_dict(MODELS[model]), dtype=bf16)
+    shape = ServingShape(max_batch=64, page_size=16, num_pages=64 * 80, max_seq=1280, max_tokens_per_step=64)
+    source, resources = compiled(build_serving_plan(decoder_shape(config), shape, workers=H200_SMS))
+    assert_fits(source, resources)
+
+
+def test_a_model_wide_enough_to_slice_k_compiles_without_spills():
+    """tests/gpu/test_gpu_megakernel_serving.py's wide bf16 model (sliced K, several runs, two staged groups)."""
+    plan = tiny_plan("qwen3", bf16, shape=attrs.evolve(SHAPE, max_tokens_per_step=64), hidden_size=512,
+                     intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    assert_fits(*compiled(plan))
 
 
 def test_the_serving_kernel_is_the_runtime_with_its_serve_section_and_the_serving_declarations():
