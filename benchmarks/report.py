@@ -18,6 +18,8 @@ table):
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
+    docs/results/serve_megakernel.json
+                                     benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
@@ -52,7 +54,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "serve", "serve_http", "gemm_prefill")
+OPTIONAL = ("torch_compile", "serve", "serve_megakernel", "serve_http", "gemm_prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
 
@@ -412,8 +414,8 @@ DEVICE_TEXT = {"gpu": "`LLM(device=\"gpu\")` (the host scheduler, one kernel per
                              "requests through a pinned, mapped queue, tokens through a ring)"}
 
 
-def serve_section(data: Optional[dict]) -> list:
-    lines = ["## Serving many requests on the GPU", ""]
+def serve_section(data: Optional[dict], title: str = "Serving many requests on the GPU", plot: str = "serve") -> list:
+    lines = [f"## {title}", ""]
     if data is None:
         return lines + ["No results: `benchmarks/serve.py` has not run into docs/results/ yet.", ""]
     model = MODEL_NAMES.get(data.get("model"), data.get("model"))
@@ -451,8 +453,8 @@ def serve_section(data: Optional[dict]) -> list:
         lines += _table(["batch", "prompt", "mean context", "floor ms",
                          *(f"{n} {c}" for n in measured for c in ("ms", "of floor", "tokens/s")), "PyTorch ms",
                          *(f"PyTorch / {n}" for n in measured)], rows) + [""]
-    if (RESULTS / "serve.png").exists():
-        lines += ["![decode step time by batch: each device, the floor, PyTorch](results/serve.png)", ""]
+    if (RESULTS / f"{plot}.png").exists():
+        lines += [f"![decode step time by batch: each device, the floor, PyTorch](results/{plot}.png)", ""]
     profiled = [d for d in decode if d.get("ops_us") and d["context"] == decode[0]["context"]]
     ops = sorted({op for d in profiled for op in d["ops_us"]},
                  key=lambda op: -max(d["ops_us"].get(op, 0.0) for d in profiled))
@@ -733,6 +735,12 @@ def headlines(results: dict) -> dict:
         one = [min((d for d in serve["decode"] if device_of(d) == device), key=lambda d: d["batch"])["step_s"]
                for device in ("gpu", "megakernel")]
         h["serve_megakernel_over_gpu_one"] = _times(one[0] / one[1], 2)
+    alone = sorted(((results.get("serve_megakernel") or {}).get("decode") or ()), key=lambda d: d["batch"])
+    if alone:   # the megakernel device's own run: batch 1 and the largest batch at the first context measured
+        alone = [d for d in alone if d["context"] == alone[0]["context"]]
+        h["serve_megakernel_alone_step_one"] = f"{alone[0]['step_s'] * 1e3:.2f} ms"
+        h["serve_megakernel_alone_step_most"] = f"{alone[-1]['step_s'] * 1e3:.2f} ms"
+        h["serve_megakernel_alone_floor_most"] = _percent(alone[-1]["floor_s"] / alone[-1]["step_s"])
     served = results.get("serve_http")
     if served and "http_over_offline" in served:
         h["serve_http_ratio"] = f"{served['http_over_offline']:.2f}×"
@@ -772,8 +780,11 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
+    def serve_megakernel_section(data: dict) -> list:
+        return serve_section(data, "Serving: the megakernel device's decode steps, its own run", "serve_megakernel")
+
     for name, section in (("torch_compile", torch_compile_section), ("serve", serve_section),
-                          ("serve_http", serve_http_section)):
+                          ("serve_megakernel", serve_megakernel_section), ("serve_http", serve_http_section)):
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
     lines += tried_section(tried_rows(docs))
