@@ -217,7 +217,7 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
   prefetch_l1(step_chunks(p), header.num_chunks * sizeof(Chunk));
   if (t.end + ATTN_TASKS * warp + stride * lane < items)
     asm volatile("prefetch.global.L1 [%0];" :: "l"(serve_items(p) + t.end + ATTN_TASKS * warp + stride * lane));
-  // an item's pool rows into L2, a key a lane: the warp's first item's now, each next one's while the warp runs
+  // an item's pool rows into L2, a key a lane: the warp's first item's here, each next one's while the warp runs
   // the item before it
   const auto prefetch_rows = [&](int i) {
     if (i >= items) return;
