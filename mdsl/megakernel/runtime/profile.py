@@ -49,7 +49,7 @@ BODY_PARTS = {"qkv": _LINEAR_PARTS, "oproj": _RESIDUAL_PARTS, "gateup": _LINEAR_
 _SERVING_LINEAR = ("input row", "weights and products (warp 0)", "sums and stores (warp 0)", "the other warps, epilogue")
 # an ATTN task's marks are its warp 0's first item's
 SERVING_BODY_PARTS = {**BODY_PARTS, **{kind: _SERVING_LINEAR for kind in ("qkv", "oproj", "gateup", "down", "lmhead")},
-                      "attn": ("item's tables, first values copied", "q heads", "keys and values", "partials counted",
+                      "attn": ("item's tables, rows prefetched", "q heads", "keys and values", "partials counted",
                                "merge, the other items"),
                       "schedule": ("previous step's end", "plan", "pool check", "attention items, embeddings")}
 

@@ -168,12 +168,6 @@ __device__ void plan_work(const Params& p, int* first, int* last) {
   compute_sync();
 }
 
-// `bytes` from `p` into this SM's L1, a 128-byte line a compute thread
-__device__ __forceinline__ void prefetch_l1(const void* p, unsigned long long bytes) {
-  for (unsigned long long at = 128ull * threadIdx.x; at < bytes; at += 128ull * NT)
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(reinterpret_cast<const char*>(p) + at));
-}
-
 // whether `value` holds in every compute thread (a compute barrier that and-reduces it)
 __device__ __forceinline__ bool compute_all(bool value) {
   __syncwarp();
@@ -198,11 +192,6 @@ __device__ bool schedule_task(const Params& p, long long step, float* work) {
   int* tokens = reinterpret_cast<int*>(work);   // [MAX_BATCH]: per chunk, its sampling row's token
   int* first = tokens + MAX_BATCH;              // [MAX_ROWS + 1]: each row's first item
   const sched::Serving s = sched::serving_of_regions(p.host, p.device_state, p.workspace);
-  // the entries and the last step's chunks into this SM's L1 by the whole block, a line a thread, before thread 0
-  // walks them: its loads, each waiting on the one before, then find them there, not in L2 (the task's acquire
-  // left L1 without them)
-  prefetch_l1(s.entries, MAX_BATCH * sizeof(Entry));
-  prefetch_l1(s.chunks, MAX_BATCH * sizeof(Chunk));
   if (step > 0) {   // the previous step's tokens: chunk c of sampling row j takes chosen[j] (a thread a row)
     const int samples = int(serve_work(p).num_samples);
     for (int j = threadIdx.x; j < samples; j += NT)

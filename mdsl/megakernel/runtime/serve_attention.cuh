@@ -186,18 +186,18 @@ __device__ __forceinline__ void prefetch_row(const T* row) {
 }
 
 // ATTN (layer, kv head g = t.begin): the step's attention items t.end + ATTN_TASKS * (w + NW * n) on warp w, each
-// item a warp's alone (no block barrier: a block's warps run as many items at once). The task's tables go to L1
-// first. Per item the warp copies its first chunk's value rows, norms and rotates its row's G query heads
-// (prepare_q_heads) meanwhile, prefetches its next item's keys' and values' pool rows to L2, and runs the split's keys
-// in chunks of ATTN_CHUNK, a key a lane: the lane's value row copied into the warp's shared memory (cp.async) while it
-// scores its key row (dot products in dimension order); an online softmax per head (the chunk's maximum by shuffles,
-// earlier sums rescaled by exp(old - new maximum), the sum in f32 per lane and added over the lanes at the end, the
-// values' weights rounded to T); the staged values weighted, lane l holding dimensions l * VL ... of every head, the
-// chunk's keys in position order. Its partials [kv head][item][head] (maximum, sum, D values) are a function of the
-// row and split alone. Then the item counts itself on its (layer, row, kv head) merge counter; the warp that brings
-// it to the row's splits merges them and sets it back to 0 (its last access this step: the next is a later step's,
-// which descends from its SCHEDULE, which waits for this step's every task). Profile marks (warp 0's first item): its
-// first chunk's copies issued, its q heads, its keys and values, its partials out and counted.
+// item a warp's alone (no block barrier: a block's warps run as many items at once). Per item the warp prefetches
+// its keys' and values' pool rows to L2, copies its first chunk's value rows, norms and rotates its row's G query
+// heads (prepare_q_heads) meanwhile, and runs the split's keys in chunks of ATTN_CHUNK, a key a lane: the lane's
+// value row copied into the warp's shared memory (cp.async) while it scores its key row (dot products in dimension
+// order); an online softmax per head (the chunk's maximum by shuffles, earlier sums rescaled by exp(old - new
+// maximum), the sum in f32 per lane and added over the lanes at the end, the values' weights rounded to T); the
+// staged values weighted, lane l holding dimensions l * VL ... of every head, the chunk's keys in position order.
+// Its partials [kv head][item][head] (maximum, sum, D values) are a function of the row and split alone. Then the
+// item counts itself on its (layer, row, kv head) merge counter; the warp that brings it to the row's splits merges
+// them and sets it back to 0 (its last access this step: the next is a later step's, which descends from its
+// SCHEDULE, which waits for this step's every task). Profile marks (warp 0's first item): its tables read and rows
+// prefetched, its q heads, its keys and values, its partials out and counted.
 __device__ void attention_items_task(const Params& p, const Task& t, float* sm) {
   const int g = t.begin, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const LayerWeights& w = p.layers[t.layer];
@@ -209,39 +209,23 @@ __device__ void attention_items_task(const Params& p, const Task& t, float* sm) 
   float* tmp = sm + warp * WARP_FLOATS;
   float* qs = tmp + G * D;
   T* values = reinterpret_cast<T*>(qs + G * D);
-  const int items = int(serve_work(p).num_items), stride = ATTN_TASKS * NW;
-  // the step's rows and chunks, and the warp's items (a line a lane), into this SM's L1: an item's tables are a
-  // chain of loads, each waiting on the one before (item, row, chunk, page table)
-  const Step& header = step_header(p);
-  prefetch_l1(step_rows(p), header.num_rows * sizeof(StepRow));
-  prefetch_l1(step_chunks(p), header.num_chunks * sizeof(Chunk));
-  if (t.end + ATTN_TASKS * warp + stride * lane < items)
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(serve_items(p) + t.end + ATTN_TASKS * warp + stride * lane));
-  // an item's pool rows into L2, a key a lane: the warp's first item's here, each next one's while the warp runs
-  // the item before it
-  const auto prefetch_rows = [&](int i) {
-    if (i >= items) return;
-    const AttnItem item = serve_items(p)[i];
-    const unsigned entry = entry_of(p, step_rows(p)[item.row]);
-    for (int k = lane; k < int(item.hi - item.lo); k += 32) {
-      const long long at = pool_row(p, entry, item.lo + k, g);
-      prefetch_row(w.k_cache + at);
-      prefetch_row(w.v_cache + at);
-    }
-  };
-  prefetch_rows(t.end + ATTN_TASKS * warp);
-  for (int i = t.end + ATTN_TASKS * warp; i < items; i += stride) {
+  const int items = int(serve_work(p).num_items);
+  for (int i = t.end + ATTN_TASKS * warp; i < items; i += ATTN_TASKS * NW) {
     const AttnItem item = serve_items(p)[i];
     const StepRow row = step_rows(p)[item.row];
     const unsigned entry = entry_of(p, row);
     const int count = int(item.hi - item.lo);
+    for (int k = lane; k < count; k += 32) {
+      const long long at = pool_row(p, entry, item.lo + k, g);
+      prefetch_row(w.k_cache + at);
+      prefetch_row(w.v_cache + at);
+    }
     // the first chunk's value rows copied before the q heads are prepared: their trips from memory overlap
     copy_values(w, p, entry, item.lo, g, count < ATTN_CHUNK ? count : ATTN_CHUNK, lane, values);
     const bool first = i == t.end;   // (the profile's marks: warp 0's first item, on thread 0)
     if (first) mark(p, 0);
     prepare_q_heads(row_of(p.qkvs, t.layer, int(item.row), QKV) + g * G * D, w.qn, p, row.position, tmp, qs);
     if (first) mark(p, 1);
-    prefetch_rows(i + stride);
     float m[G], l[G], acc[G][VL];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
