@@ -133,6 +133,8 @@ template <int K, int ROWS, typename Row, typename Emit>
 __device__ __forceinline__ void tensor_products(int begin, int end, T* rows, int nr, Row row, Emit emit, bool first) {
   using R = TensorRows<K>;
   static_assert(ROWS == 1 || ROWS == 2, "a fragment's two columns are two items' or one item's products");
+  static_assert(NW * R::GROUP * 8 <= SERVE_ROW_FLOATS, "a sliced task's sums fit where its rows were staged");
+  // (the task's tiles and slices again, not passed in: kept live across the group loop they cost a spill)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = ((end - begin) * ROWS + 7) / 8;
   const int slices = tensor_slices(tiles, R::RUNS);
   for (int u0 = 0; u0 < tiles * slices; u0 += NW) {   // (uniform over the block)
