@@ -312,9 +312,16 @@ def compare(before: Path, after: Path) -> int:
     return 1 if differ else 0
 
 
+#: what the golden digests leave out: RoPE's tables are numpy's float32 powers and float64 cosines and sines,
+#: whose last bits follow the host CPU's SIMD level (X86_V3 and X86_V4 machines round some of them apart);
+#: test_rope_tables_match_the_reference_rotation (tests/megakernel/test_runtime_plan.py) checks their values
+UNPINNED = ("rope",)
+
+
 def digest_of(name: str, spec) -> str:
-    """The sha256 of a configuration's dump."""
-    return _digest(json.dumps(dump_one(name, spec), sort_keys=True))
+    """The sha256 of a configuration's dump, but its `UNPINNED` parts."""
+    dump = {k: v for k, v in dump_one(name, spec).items() if k not in UNPINNED}
+    return _digest(json.dumps(dump, sort_keys=True))
 
 
 def golden_digests() -> dict:
