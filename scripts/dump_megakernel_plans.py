@@ -21,7 +21,7 @@ shapes of Llama-3.2-1B, Qwen3-0.6B and Qwen3-8B (bf16, 132 workers) under benchm
 at its KV cache sizes and the engine's default 4096, a rank of Qwen3-8B over two GPUs and its shapes on one
 GPU (`--rank-of 2`), and scripts/compare_megakernel_sass.py's configurations. `compare` lists the
 configurations whose dumps differ (exit status 1 if any). `golden` writes (or with --check compares)
-tests/megakernel/megakernel_plans.sha256, the digests of the tiny configurations' dumps, which
+tests/megakernel/megakernel_plans.sha256, the digests of the tiny configurations' dumps (but `UNPINNED`), which
 tests/megakernel/test_megakernel_rules.py holds the current code to. Run `dump` in each checkout (this
 script on the PYTHONPATH of the one dumped).
 """

@@ -126,7 +126,8 @@ def _accepted(graph: KernelGraph, candidate: KernelGraph) -> bool:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: a search's time depends on the program drawn, and CI's time limit must not
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_accepted_candidates_of_both_generators_compute_the_program(graph):
     for generate in (guided.generate, exhaustive.generate):
