@@ -72,8 +72,32 @@ def _cuda(kernel: KernelFunction):
     return run
 
 
-def _fake(kernel: KernelFunction):
+def inductor_fallback(name: str) -> None:
+    """Make `torch.ops.mdsl.<name>` an extern kernel of Inductor's, as Inductor's implicit fallback makes an
+    operator it has no lowering for at its first call, with the layout constraint that fallback gives it
+    (the operator's tag, else Inductor's default for custom operators). Done before Inductor lowers the graph
+    (from the operator's fake implementation, which runs while torch.compile traces it): torch 2.12 and
+    earlier format each argument's IR for a log line on the implicit path whether or not anything logs it,
+    and a region's arguments print the whole graph above them, recursively, so that a 28-layer model took
+    minutes there before Inductor generated any code."""
+    import sys
+
+    lowering = sys.modules.get("torch._inductor.lowering")
+    op = getattr(torch.ops.mdsl, name).default
+    if lowering is None or op in lowering.lowerings:   # (no Inductor in this compile: nothing to prepare)
+        return
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+    except (ImportError, AttributeError):   # a torch without layout tags: Inductor's fallback takes none either
+        constraint = None
+    lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+
+
+def _fake(kernel: KernelFunction, name: str):
     def shapes(*tensors):
+        inductor_fallback(name)
         graph = kernel.trace(*tensors)
         return [tensors[0].new_empty(v.type.shape, dtype=torch_dtype(v.type.dtype)) for v in graph.outputs]
     return shapes
@@ -100,7 +124,7 @@ def custom_op(kernel: KernelFunction) -> CustomOp:
     _LIBRARY.define(f"{name}({params}) -> Tensor[]")
     _LIBRARY.impl(name, _cpu(kernel), "CPU")
     _LIBRARY.impl(name, _cuda(kernel), "CUDA")
-    torch.library.register_fake(f"mdsl::{name}", _fake(kernel), lib=_LIBRARY)
+    torch.library.register_fake(f"mdsl::{name}", _fake(kernel, name), lib=_LIBRARY)
     op = _REGISTERED[name] = CustomOp(kernel, name)
     return op
 
@@ -113,7 +137,10 @@ def region_op(name: str, run, fake):
         _LIBRARY.define(f"{name}(Tensor[] tensors, SymInt[] sizes) -> Tensor[]")
         _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CPU")
         _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CUDA")
-        torch.library.register_fake(f"mdsl::{name}", lambda tensors, sizes: list(_REGIONS[name][1](tensors, sizes)),
-                                    lib=_LIBRARY)
+        def fake(tensors, sizes):
+            inductor_fallback(name)
+            return list(_REGIONS[name][1](tensors, sizes))
+
+        torch.library.register_fake(f"mdsl::{name}", fake, lib=_LIBRARY)
     _REGIONS[name] = (run, fake)
     return getattr(torch.ops.mdsl, name).default
