@@ -98,3 +98,41 @@ def test_what_is_not_a_kernel_is_refused_with_a_hint(custom_op):
     with pytest.raises(MdslError, match="takes an @mdsl.kernel") as e:
         custom_op(lambda x: x)
     assert "decorate" in e.value.hint
+
+
+
+@mdsl.kernel
+def scaled_pair(x):
+    return mdsl.silu(x), mdsl.sum(x, dim=-1, keepdim=True)
+
+
+def test_under_inductor_the_operator_is_an_extern_kernel_registered_before_lowering(torch, custom_op, monkeypatch):
+    # Inductor's implicit fallback formats every argument's IR, recursively, for a log line (eagerly in torch
+    # <= 2.12): over a chain of mdsl operators that is the whole graph above each, which is why the operator is
+    # registered as a fallback from its fake implementation, before Inductor lowers the graph
+    import torch._inductor.exc as exc
+    import torch._inductor.lowering as lowering
+    from torch._inductor.compile_fx import compile_fx
+
+    def formatted(*args, **kwargs):
+        raise AssertionError("Inductor took the implicit-fallback path for an mdsl operator")
+
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(formatted))
+    op = custom_op(scaled_pair)
+    default = getattr(torch.ops.mdsl, op.name).default
+    registered_before = []
+
+    def backend(gm, example_inputs):
+        registered_before.append(default in lowering.lowerings)
+        return compile_fx(gm, example_inputs)
+
+    def model(x):
+        for _ in range(3):
+            a, b = op(x)
+            x = a * b
+        return x
+
+    x = torch.randn(4, 32)
+    got = torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+    assert registered_before == [True]
