@@ -11,6 +11,7 @@ table):
     docs/results/kernels.png         the same run's plot                      (DIR/results.png)
     docs/results/decode.json         benchmarks/decode.py --out DIR           (DIR/decode_results.json)
     docs/results/decode_tp.json      benchmarks/decode.py --tp 2 --out DIR    (DIR/decode_results.json)
+    docs/results/decode_moe.json     benchmarks/decode.py --models qwen3-30b-a3b --out DIR  (DIR/decode_results.json)
     docs/results/search_times.json   benchmarks/search_times.py --json FILE
     docs/results/compile_times.json  benchmarks/compile_time.py --json FILE
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
@@ -33,6 +34,7 @@ holds the README to them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import math
@@ -54,9 +56,10 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "serve", "serve_megakernel", "serve_http", "gemm_prefill")
+OPTIONAL = ("torch_compile", "serve", "serve_megakernel", "serve_http", "gemm_prefill", "decode_moe")
 TRIED_HEADER = ("idea", "measured effect")
-MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
+MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
+               "qwen3-30b-a3b": "Qwen3-30B-A3B"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,8 +393,8 @@ def torch_compile_section(data: Optional[dict]) -> list:
                          f"{c['l2_rel_err']:.1e}" if c.get("l2_rel_err") is not None else "-",
                          {True: "yes", False: "no"}.get(c.get("argmax_match"), "-"),
                          _regions(c.get("mdsl")),
-                         c.get("status", "-") if c.get("status") != "error" else
-                         "error: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
+                         c.get("status", "-") if c.get("status") not in ("error", "cut") else
+                         f"{c['status']}: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
     lines += _table(["workload", "contender", "ms", "speed-up", "compile s", "L2 error", "argmax", "mdsl regions",
                      "verdict"], rows, right=2, last_left=True) + [""]
     lines += [f"{workload}: {w.get('what', '')}; bf16's own L2 error (eager against float32) "
@@ -529,7 +532,9 @@ def row_context(row: dict, default: int) -> int:
     return row.get("context", default)
 
 
-def decode_section(data: Optional[dict]) -> list:
+def decode_section(data: Optional[dict], moe: Optional[dict] = None) -> list:
+    """The decode table; a mixture-of-experts run (`moe`, decode_moe.json: its own run, asked for by name) adds its
+    rows below the others and a line saying what its weights are."""
     lines = ["## Decode: the megakernel against PyTorch", ""]
     if data is None:
         return lines + _missing("decode")
@@ -545,7 +550,7 @@ def decode_section(data: Optional[dict]) -> list:
               f"token over {meta.get('steps', '?')} decode steps in one launch (median of {meta.get('repeats', '?')}), "
               f"against PyTorch's kernel-per-op step captured in a CUDA graph. Floor: {floor}.", ""]
     rows = []
-    for m in models:
+    for m in models + ((moe or {}).get("models") or []):
         first = [MODEL_NAMES.get(m["model"], m["model"])] + ([row_context(m, contexts[0])] if many else [])
         if "error" in m:
             rows.append([*first, f"failed: {m['error']}", *["-"] * 6])
@@ -558,6 +563,11 @@ def decode_section(data: Optional[dict]) -> list:
                      _times(torch_ms / m["megakernel_ms"]) if torch_ms else "-"])
     lines += _table(["model", *(["context"] if many else []), "weights", "floor", "megakernel", "% of floor",
                      "PyTorch + CUDA graph", "% of floor", "speed-up"], rows) + [""]
+    if moe:
+        names = ", ".join(MODEL_NAMES.get(m["model"], m["model"]) for m in moe.get("models") or [])
+        lines += [f"{names}: a mixture of 128 experts, 8 a token; its weights are the bytes a step reads (each layer's "
+                  f"attention, router and picked experts), as the megakernel reads only those and PyTorch's step "
+                  f"(transformers' grouped_mm experts) too; its own run:", "", run_line(moe.get("meta") or {}), ""]
     trace = RESULTS / f"megakernel_trace_{meta.get('trace_model')}.json.gz"
     if trace.exists():
         lines += [f"The run's profile of {MODEL_NAMES.get(meta['trace_model'], meta['trace_model'])} (every SM's "
@@ -771,7 +781,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
              "(`benchmarks/report.py` lists which file each benchmark writes), then "
              "`python benchmarks/report.py`. How the benchmarks measure: `benchmarks/README.md`.", ""]
     lines += kernels_section(results.get("kernels"))
-    lines += decode_section(results.get("decode"))
+    lines += decode_section(results.get("decode"), results.get("decode_moe"))
     lines += tp_section(results.get("decode_tp"))
     lines += search_section(results.get("search_times"))
     lines += compile_section(results.get("compile_times"))
@@ -780,11 +790,11 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
-    def serve_megakernel_section(data: dict) -> list:
-        return serve_section(data, "Serving: the megakernel device's decode steps, its own run", "serve_megakernel")
-
-    for name, section in (("torch_compile", torch_compile_section), ("serve", serve_section),
-                          ("serve_megakernel", serve_megakernel_section), ("serve_http", serve_http_section)):
+    sections = (("torch_compile", torch_compile_section), ("serve", serve_section),
+                ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
+                                                       title="Serving: the megakernel device's decode steps, its own run")),
+                ("serve_http", serve_http_section))
+    for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
     lines += tried_section(tried_rows(docs))
