@@ -137,10 +137,10 @@ def region_op(name: str, run, fake):
         _LIBRARY.define(f"{name}(Tensor[] tensors, SymInt[] sizes) -> Tensor[]")
         _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CPU")
         _LIBRARY.impl(name, lambda tensors, sizes: list(_REGIONS[name][0](tensors, sizes)), "CUDA")
-        def fake(tensors, sizes):
+        def shapes(tensors, sizes):
             inductor_fallback(name)
             return list(_REGIONS[name][1](tensors, sizes))
 
-        torch.library.register_fake(f"mdsl::{name}", fake, lib=_LIBRARY)
+        torch.library.register_fake(f"mdsl::{name}", shapes, lib=_LIBRARY)
     _REGIONS[name] = (run, fake)
     return getattr(torch.ops.mdsl, name).default
