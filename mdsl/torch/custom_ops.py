@@ -76,10 +76,10 @@ def inductor_fallback(name: str) -> None:
     """Make `torch.ops.mdsl.<name>` an extern kernel of Inductor's, as Inductor's implicit fallback makes an
     operator it has no lowering for at its first call, with the layout constraint that fallback gives it
     (the operator's tag, else Inductor's default for custom operators). Done before Inductor lowers the graph
-    (from the operator's fake implementation, which runs while torch.compile traces it): torch 2.12 and
-    earlier format each argument's IR for a log line on the implicit path whether or not anything logs it,
-    and a region's arguments print the whole graph above them, recursively, so that a 28-layer model took
-    minutes there before Inductor generated any code."""
+    (from the operator's fake implementation, which runs while torch.compile traces it): on the implicit
+    path torch 2.11 formats each argument's IR for a log line whether or not anything logs it (2.13 formats
+    it lazily), and a region's arguments print the whole graph above them, recursively, so that the compile of
+    a 28-layer model's decode step does not end there."""
     import sys
 
     lowering = sys.modules.get("torch._inductor.lowering")

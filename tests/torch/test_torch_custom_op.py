@@ -108,7 +108,7 @@ def scaled_pair(x):
 
 def test_under_inductor_the_operator_is_an_extern_kernel_registered_before_lowering(torch, custom_op, monkeypatch):
     # Inductor's implicit fallback formats every argument's IR, recursively, for a log line (eagerly in torch
-    # <= 2.12): over a chain of mdsl operators that is the whole graph above each, which is why the operator is
+    # 2.11): over a chain of mdsl operators that is the whole graph above each, which is why the operator is
     # registered as a fallback from its fake implementation, before Inductor lowers the graph
     import torch._inductor.exc as exc
     import torch._inductor.lowering as lowering
