@@ -5,7 +5,8 @@ directory of the session's own (`shared_dir`, made by tests/conftest.py, removed
   compiles the same source as another test (an option set that changes nothing in a program, the same
   plan in the CUDA and the PTX tests) finds its entry there instead of compiling it again. The entries
   are mdsl's own (keyed by the source, target, options and compiler version, written atomically,
-  checked when read); every other test has a cache directory of its own.
+  checked when read); every other test has a cache directory of its own. `compiled_once` compiles a
+  program there once for the whole session, whichever processes ask for it.
 * the SASS of cubins (`disassembled`): nvdisasm takes most of a second for any cubin, and the SASS
   tests read the same cubins (the CUDA backend's kernels against the PTX backend's, a program under
   several option sets that emit the same code).
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from mdsl.backend.cuda.nvrtc import disassemble
+from mdsl.backend.cuda.nvrtc import compile_cuda, disassemble
 
 SHARED_DIR_ENV = "MDSL_TEST_SHARED_DIR"
 _SASS: dict = {}
@@ -83,3 +84,28 @@ def shared_graph(key: str, compute):
         graph = compute()
         _write_atomically(path, serialize.dumps(graph))
         return graph
+
+
+def program_text(source: str) -> str:
+    """CUDA C++ `source` with its comment lines blank: the same program line for line (a comment is whitespace to
+    the compiler, and NVRTC makes the same cubin), so that sources that differ only in their comments (the model
+    named in a megakernel's header) are one cache entry. A comment line that ends in a backslash stays: the line
+    after it is part of the comment."""
+    return "\n".join("" if line.lstrip().startswith("//") and not line.endswith("\\") else line
+                     for line in source.split("\n"))
+
+
+def compiled_once(source: str, arch: str):
+    """`compile_cuda(program_text(source), arch=arch)`, once per session for each program: the first process to
+    ask compiles it while any other that asks meanwhile waits, and the others read it from the session's cubin
+    cache (the tests of a module marked `shared_compile_cache`; elsewhere each test compiles its own)."""
+    text = program_text(source)
+    root = shared_dir()
+    if root is None:
+        return compile_cuda(text, arch=arch)
+    key = hashlib.sha256((arch + "\n" + text).encode()).hexdigest()
+    path = root / "compiling" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or when its process dies
+        return compile_cuda(text, arch=arch)

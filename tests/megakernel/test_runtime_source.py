@@ -20,6 +20,12 @@ from mdsl.megakernel.runtime.models import MODELS
 from mdsl.megakernel.runtime.shape import decoder_shape
 from mdsl.megakernel.runtime.task_plan import build_plan
 from tests.megakernel.tiny import tiny_model
+from tests.shared import compiled_once
+
+# a kernel compiled once per session: several configurations here make the same program (an option at its
+# default, a tiny Qwen3 whose kernel is a tiny Llama-3's but for the model named in a comment), and one compile
+# of a full-size model's kernel takes seconds
+pytestmark = pytest.mark.shared_compile_cache
 
 H200_SMS = 132
 SMEM_LIMIT = 227 * 1024   # Hopper's opt-in shared memory per block
@@ -31,7 +37,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "mdsl" / "megakernel" / "runtime
 
 def compile_plan(plan, options=MegakernelOptions()):
     source = generate_source(plan, options)
-    module = compile_cuda(source.text, arch="sm_90a")
+    module = compiled_once(source.text, arch="sm_90a")
     return source, module, module.resources[KERNEL_NAME]
 
 
@@ -86,7 +92,7 @@ def test_attention_lanes_share_key_rows_without_spills():
     assert "constexpr int ATTN_LANES = 4;" in source.text   # 16 f32 values: 4 vectors of 16 bytes
     assert "constexpr int ATTN_LANES = 2;" in generate_source(attrs.evolve(plan, shape=decoder_shape(
         attrs.evolve(config, dtype=bf16)))).text   # 2 vectors: 2 lanes
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 @pytest.mark.slow
@@ -184,12 +190,14 @@ def qwen3_8b_plan(max_seq=1200):
 
 @functools.cache
 def qwen3_8b_rank_plan():
-    """The plan of one of two tensor-parallel ranks of Qwen3-8B (bf16), built once for the tests below."""
+    """The plan of one of two tensor-parallel ranks of Qwen3-8B (bf16) for the decode benchmark's 1064 positions,
+    built once for the tests below. Its default kernel is the one test_runtime_tensor_parallel.py checks the
+    engine's defaults of, compiled once for both."""
     from mdsl.megakernel.parallel.gpu_group import shard_config
     from mdsl.megakernel.runtime.task_plan import for_ranks
 
     config = shard_config(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16), 2)
-    return for_ranks(build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1200), 2)
+    return for_ranks(build_plan(decoder_shape(config), workers=H200_SMS, max_seq=1064), 2)
 
 
 @pytest.mark.slow
@@ -239,7 +247,7 @@ def test_weights_first_issues_a_linear_tasks_weight_loads_between_its_input_rows
     assert re.search(r"r+W+\|", _weight_row_and_barrier_order(half, "gateup_task"))
     assert not re.search(r"r+W", _weight_row_and_barrier_order(none, "gateup_task"))
     source = generate_source(plan, MegakernelOptions(weights_first=1.0))
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 @pytest.mark.slow
@@ -249,7 +257,7 @@ def test_qwen3_8b_compiles_without_spills_at_each_share_of_the_first_pass(world,
     at once), on one GPU and on a rank."""
     plan = qwen3_8b_rank_plan() if world == 2 else qwen3_8b_plan(4096)
     source = generate_source(plan, MegakernelOptions(weights_first=share))
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 def test_an_early_task_issues_its_weight_loads_before_waiting_for_its_inputs():
@@ -273,7 +281,7 @@ def test_an_early_task_copies_its_next_pass_into_shared_memory_while_it_waits():
     assert offset >= one.smem_bytes and offset % 128 == 0 and two.smem_bytes == offset + EARLY_BUFFER_BYTES
     order = _weight_row_and_barrier_order(two.text, "gateup_task")
     assert re.search(r"W{16}\|r+C+", order), order
-    assert_fits(two, compile_cuda(two.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(two, compiled_once(two.text, arch="sm_90a").resources[KERNEL_NAME])
     assert generate_source(plan, MegakernelOptions(second_pass_kinds="gateup")).text == two.text
 
 
@@ -286,7 +294,7 @@ def test_rank_sums_is_one_gpus_and_keeps_its_running_sums_after_the_residual():
     plan = tiny_bf16_plan()
     plain, summed = generate_source(plan), generate_source(plan, MegakernelOptions(rank_sums=2))
     assert summed.smem_bytes == plain.smem_bytes + 4 * residual_columns(plan)
-    assert_fits(summed, compile_cuda(summed.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(summed, compiled_once(summed.text, arch="sm_90a").resources[KERNEL_NAME])
     with pytest.raises(OptionError, match="rank_sums 2 under tensor parallelism") as info:
         generate_source(for_ranks(plan, 2), MegakernelOptions(rank_sums=2))
     assert "leave it 1" in info.value.hint
@@ -308,7 +316,7 @@ def test_attention_preload_keeps_its_rows_after_the_tasks_shared_memory():
     assert f"constexpr int ATTN_PRELOAD_OFFSET = {offset};" in preload.text
     assert offset % 16 == 0 and offset >= 4 * attention_floats(plan)
     assert shared_memory_bytes(plan, True) >= 4 * 2 * 8 + offset + rows >= shared_memory_bytes(plan)
-    assert_fits(preload, compile_cuda(preload.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(preload, compiled_once(preload.text, arch="sm_90a").resources[KERNEL_NAME])
     text = preload.text.replace("__device__ void attention_task(", "__device__ __noinline__ void attention_task(")
     lines = compile_ptx(text).splitlines()
     start = [k for k, line in enumerate(lines) if line.startswith(".func") and "attention_task" in line][-1]
@@ -332,7 +340,7 @@ def test_qwen3_8b_summing_like_two_ranks_compiles_without_spills():
     plan = build_plan(decoder_shape(attrs.evolve(config_from_dict(MODELS["qwen3-8b"]), dtype=bf16)),
                       workers=H200_SMS, max_seq=4096, splits=32, min_chunk=32)
     source = generate_source(plan, MegakernelOptions(rank_sums=2))
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 @pytest.mark.slow
@@ -347,7 +355,7 @@ def test_qwen3_8b_with_an_option_compiles_without_spills(world, options):
     preloaded, beside its default share of the first pass with the input row."""
     plan = qwen3_8b_rank_plan() if world == 2 else qwen3_8b_plan(4096)
     source = generate_source(plan, options)
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 def test_the_sass_comparison_names_each_configuration_and_what_differs(tmp_path, capsys):

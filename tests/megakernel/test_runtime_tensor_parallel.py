@@ -4,7 +4,6 @@ spills, and the NVSHMEM binding's structures. The GPU runs are in tests/gpu/test
 import attrs
 import pytest
 
-from mdsl.backend.cuda.nvrtc import compile_cuda
 from mdsl.errors import ShapeError
 from mdsl.ir.dtypes import bf16
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
@@ -17,6 +16,10 @@ from mdsl.megakernel.runtime.task_plan import (CROSS_RANK_KINDS, RELAYED_KINDS, 
                                                for_ranks)
 from tests.megakernel.test_runtime_source import assert_fits
 from tests.megakernel.tiny import tiny_model
+from tests.shared import compiled_once
+
+# Qwen3-8B's rank kernel is test_runtime_source.py's too: compiled once per session
+pytestmark = pytest.mark.shared_compile_cache
 
 
 def test_a_shard_holds_its_part_of_the_heads_columns_and_vocabulary():
@@ -92,7 +95,7 @@ def test_the_two_rank_kernel_relays_its_residual_stream_and_compiles_without_spi
 
     assert bodies(source.text).count("relay_rows(p, ") == 2   # the o-proj's and the down-proj's
     assert "relay_rows(p, " not in bodies(generate_source(single).text)
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 @pytest.mark.slow
@@ -105,7 +108,7 @@ def test_qwen3_8b_ranks_defaults_compile_without_spills():
     assert (plan.splits, plan.min_chunk) == (32, 32)
     source = generate_source(plan)
     assert "constexpr int WEIGHTS_FIRST_EIGHTHS = 8;" in source.text and "EARLY_PASSES = 2;" in source.text
-    assert_fits(source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME])
+    assert_fits(source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME])
 
 
 def test_a_rank_spec_reaches_the_rank_processes_intact():

@@ -7,7 +7,6 @@ import re
 import attrs
 import pytest
 
-from mdsl.backend.cuda.nvrtc import compile_cuda
 from mdsl.ir.dtypes import bf16, f32
 from mdsl.megakernel.modelgraph.architectures import step_function
 from mdsl.megakernel.modelgraph.model_config import config_from_dict
@@ -21,6 +20,11 @@ from mdsl.megakernel.runtime.task_plan import Kind
 from mdsl.serving.protocol import ServingShape
 from tests.megakernel.test_runtime_source import H200_SMS, assert_fits
 from tests.megakernel.tiny import tiny_model
+from tests.shared import compiled_once
+
+# a kernel compiled once per session: a tiny Qwen3's serving kernel is a tiny Llama-3's but for the model named in a
+# comment, and one compile takes seconds
+pytestmark = pytest.mark.shared_compile_cache
 
 POSITIONS = 64
 SHAPE = ServingShape(max_batch=5, page_size=4, num_pages=20, max_seq=POSITIONS, max_tokens_per_step=7)
@@ -37,7 +41,7 @@ def tiny_plan(arch: str, dtype=f32, workers: int = H200_SMS, shape: ServingShape
 
 def compiled(plan):
     source = generate_serving_source(plan)
-    return source, compile_cuda(source.text, arch="sm_90a").resources[KERNEL_NAME]
+    return source, compiled_once(source.text, arch="sm_90a").resources[KERNEL_NAME]
 
 
 @pytest.mark.parametrize(("arch", "dtype"), [("llama3", f32), ("llama3", bf16), ("qwen3", f32), ("qwen3", bf16),
