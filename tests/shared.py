@@ -6,7 +6,7 @@ directory of the session's own (`shared_dir`, made by tests/conftest.py, removed
   plan in the CUDA and the PTX tests) finds its entry there instead of compiling it again. The entries
   are mdsl's own (keyed by the source, target, options and compiler version, written atomically,
   checked when read); every other test has a cache directory of its own. `compiled_once` compiles a
-  program there once for the whole session, whichever processes ask for it.
+  program there once for the whole test run, whichever processes ask for it.
 * the SASS of cubins (`disassembled`): nvdisasm takes most of a second for any cubin, and the SASS
   tests read the same cubins (the CUDA backend's kernels against the PTX backend's, a program under
   several option sets that emit the same code).
@@ -96,8 +96,8 @@ def program_text(source: str) -> str:
 
 
 def compiled_once(source: str, arch: str):
-    """`compile_cuda(program_text(source), arch=arch)`, once per session for each program: the first process to
-    ask compiles it while any other that asks meanwhile waits, and the others read it from the session's cubin
+    """`compile_cuda(program_text(source), arch=arch)`, once per test run for each program: the first process to
+    ask compiles it while any other that asks meanwhile waits, and the others read it from the test run's shared cubin
     cache (the tests of a module marked `shared_compile_cache`; elsewhere each test compiles its own)."""
     text = program_text(source)
     root = shared_dir()

@@ -22,7 +22,7 @@ from mdsl.megakernel.runtime.task_plan import build_plan
 from tests.megakernel.tiny import tiny_model
 from tests.shared import compiled_once
 
-# a kernel compiled once per session: several configurations here make the same program (an option at its
+# a kernel compiled once per test run: several configurations here make the same program (an option at its
 # default, a tiny Qwen3 whose kernel is a tiny Llama-3's but for the model named in a comment), and one compile
 # of a full-size model's kernel takes seconds
 pytestmark = pytest.mark.shared_compile_cache

@@ -18,7 +18,7 @@ from tests.megakernel.test_runtime_source import assert_fits
 from tests.megakernel.tiny import tiny_model
 from tests.shared import compiled_once
 
-# Qwen3-8B's rank kernel is test_runtime_source.py's too: compiled once per session
+# Qwen3-8B's rank kernel is test_runtime_source.py's too: compiled once per test run
 pytestmark = pytest.mark.shared_compile_cache
 
 

@@ -22,7 +22,7 @@ from tests.megakernel.test_runtime_source import H200_SMS, assert_fits
 from tests.megakernel.tiny import tiny_model
 from tests.shared import compiled_once
 
-# a kernel compiled once per session: a tiny Qwen3's serving kernel is a tiny Llama-3's but for the model named in a
+# a kernel compiled once per test run: a tiny Qwen3's serving kernel is a tiny Llama-3's but for the model named in a
 # comment, and one compile takes seconds
 pytestmark = pytest.mark.shared_compile_cache
 
