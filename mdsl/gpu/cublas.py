@@ -6,7 +6,8 @@ finds NVRTC and nvJitLink, and called through ctypes. Where it cannot be loaded,
 an executable runs its own kernel for each such launch instead, after one warning.
 
 * The product: row-major C = A @ B is column-major C^T = B^T A^T, so cuBLAS gets B where it expects A and A
-  where it expects B, neither transposed, with the row lengths as leading dims (`column_major`).
+  where it expects B, neither transposed, with the row lengths as leading dims (`column_major`); a B read
+  from its transpose's buffer (`LibraryGemm.trans_b`) is cuBLAS's A transposed.
   `cublasGemmEx` (one product) or `cublasGemmStridedBatchedEx`, CUBLAS_COMPUTE_32F: f32 sums rounded once
   to the product's dtype (f32 operands without TF32: the default math mode).
 * Per device: one handle, created with the device's primary context current (the one the runtime
@@ -37,6 +38,7 @@ NO_STREAM = 2**64 - 1
 WORKSPACE_BYTES = 32 * 2**20
 
 CUBLAS_OP_N = 0
+CUBLAS_OP_T = 1
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 #: cudaDataType of each dtype a library GEMM takes
@@ -73,7 +75,11 @@ class ColumnMajorGemm:
 
 def column_major(gemm: LibraryGemm) -> ColumnMajorGemm:
     """Row-major C (m x n) = A (m x k) @ B (k x n) as cuBLAS computes it: C^T (n x m, leading dim n) =
-    B^T (n x k, leading dim n) @ A^T (k x m, leading dim k), both untransposed."""
+    B^T (n x k, leading dim n) @ A^T (k x m, leading dim k), both untransposed. With `trans_b` B's buffer
+    holds B^T row-major (n x k), which column-major is B (k x n, leading dim k): cuBLAS transposes it."""
+    if gemm.trans_b:
+        return ColumnMajorGemm(CUBLAS_OP_T, CUBLAS_OP_N, gemm.n, gemm.m, gemm.k,
+                               1, gemm.k, gemm.stride_b, 0, gemm.k, gemm.stride_a, gemm.n, gemm.stride_c, gemm.batch)
     return ColumnMajorGemm(CUBLAS_OP_N, CUBLAS_OP_N, gemm.n, gemm.m, gemm.k,
                            1, gemm.n, gemm.stride_b, 0, gemm.k, gemm.stride_a, gemm.n, gemm.stride_c, gemm.batch)
 

@@ -39,7 +39,8 @@ class BufferPlan:
     that is an input, or a view of one, or the same value returned twice). `counters`: (slot, bytes) for
     the group counters of the launches that take them (`KernelLaunch.counters`: a split and its combine in
     one launch), allocated once and zeroed: each launch leaves them zero. `launch_slots`: per launch, the
-    slot of each of its arguments (its counters' last)."""
+    slot of each of its arguments (its counters' last); `library_slots`: per launch, those of its library
+    GEMM's values where they are not its arguments' (`KernelLaunch.library_args`), else ()."""
 
     slots: int
     bindings: tuple
@@ -47,6 +48,7 @@ class BufferPlan:
     copies: tuple
     launch_slots: tuple
     counters: tuple = ()
+    library_slots: tuple = ()
 
 
 def _value_types(graph: KernelGraph) -> dict:
@@ -101,6 +103,7 @@ def plan_buffers(graph: KernelGraph, launches: Sequence, aliases: Sequence) -> B
         return slot_of[root]
 
     value_slots = [tuple(slot(a) for a in launch.args) for launch in launches]
+    library_slots = tuple(tuple(slot(a) for a in getattr(launch, "library_args", ())) for launch in launches)
     launch_slots, counters = [], []
     for launch, slots in zip(launches, value_slots):
         count = getattr(launch, "counters", 0)
@@ -109,7 +112,30 @@ def plan_buffers(graph: KernelGraph, launches: Sequence, aliases: Sequence) -> B
             slots += (counters[-1][0],)
         launch_slots.append(slots)
     return BufferPlan(len(slot_of) + len(counters), tuple(bindings), tuple(scratch), tuple(copies),
-                      tuple(launch_slots), tuple(counters))
+                      tuple(launch_slots), tuple(counters), library_slots)
+
+
+def elided_launches(graph: KernelGraph, launches: Sequence, plan: BufferPlan, by_library: Sequence[bool]) -> frozenset:
+    """The launches a run leaves out: each transpose of the last two dims (`mdsl.lowering.gemm.swaps_last_two`)
+    whose value no launch reads as it runs (`by_library[i]`: launch i runs its library GEMM, which reads its
+    `library_slots` where it has them) and no argument holds: a transpose whose every reader is a library GEMM
+    that reads the transpose's input instead (`LibraryGemm.trans_b`)."""
+    from mdsl.lowering.gemm import swaps_last_two
+
+    def reads(j: int) -> tuple:
+        if by_library[j] and plan.library_slots and plan.library_slots[j]:
+            return plan.library_slots[j]
+        return plan.launch_slots[j]
+
+    bound = {slot for slot, _ in plan.bindings}
+    out = set()
+    for i, launch in enumerate(launches):
+        if getattr(launch, "counters", 0) or not swaps_last_two(graph.nodes[launch.node_index]):
+            continue
+        value = plan.launch_slots[i][-1]
+        if value not in bound and not any(value in reads(j) for j in range(len(launches)) if j != i):
+            out.add(i)
+    return frozenset(out)
 
 
 def _dim3(value) -> tuple:
@@ -160,15 +186,19 @@ class Executable:
         self._module_handle = load() if load is not None else \
             check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
         self._param_blocks = []
-        self._launches = tuple(self._prepare(launch, slots) for launch, slots in zip(program.launches,
-                                                                                     plan.launch_slots))
+        steps = [self._prepare(launch, slots, library) for launch, slots, library in
+                 zip(program.launches, plan.launch_slots, plan.library_slots or [()] * len(plan.launch_slots))]
+        #: the launches a run leaves out: transposes whose only readers are library GEMMs reading their input
+        self.elided = tuple(program.launches[i].name for i in sorted(elided_launches(
+            self.graph, program.launches, plan, [type(step) is not tuple for step in steps])))
+        launches = [(launch, step) for launch, step in zip(program.launches, steps) if launch.name not in self.elided]
+        self._launches = tuple(step for _, step in launches)
         for slot, size in plan.scratch:
             self._ptrs[slot] = self._allocate_scratch(size)
         for slot, size in plan.counters:
             self._ptrs[slot] = self._allocate_scratch(size, fill=0)
         #: the launches that a library runs instead of their kernels (cuBLAS GEMMs)
-        self.library_launches = tuple(launch.name for launch, step in zip(program.launches, self._launches)
-                                      if type(step) is not tuple)
+        self.library_launches = tuple(launch.name for launch, step in launches if type(step) is not tuple)
         #: the launches as the C launcher runs them, or None: they go through cuda.bindings
         self.native = self._native_program()
 
@@ -194,14 +224,16 @@ class Executable:
                                       bindings=self._bindings, launches=launches, copies=self._copies,
                                       arguments=len(self.input_types) + len(self.output_types))
 
-    def _prepare(self, launch, slots: tuple):
+    def _prepare(self, launch, slots: tuple, library_slots: tuple = ()):
         """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
-        library GEMM that cuBLAS runs here, its call (`step(stream)`, mdsl.gpu.cublas)."""
+        library GEMM that cuBLAS runs here, its call (`step(stream)`, mdsl.gpu.cublas) on `library_slots`
+        where the launch has them (`KernelLaunch.library_args`), else on its own."""
         library = getattr(launch, "library", None)
         if library is not None:
             from mdsl.gpu import cublas
 
-            step = cublas.gemm_step(library, self.device, self._ptrs, slots, f"{launch.name} of {self.name}")
+            step = cublas.gemm_step(library, self.device, self._ptrs, library_slots or slots,
+                                    f"{launch.name} of {self.name}")
             if step is not None:
                 return step
         function = check(driver.cuModuleGetFunction(self._module_handle, launch.name.encode()),

@@ -4,7 +4,9 @@ A *program* is a code generator's output for one kernel graph: `source` (the tex
 (`KernelLaunch`, in execution order), `aliases` ((value name, aliased value name): views that need no
 kernel, such as reshape) and `graph` (the kernel graph it implements). A launch with a `library` GEMM
 (`LibraryGemm`: a plain matmul) is run by cuBLAS where the runtime can load it (mdsl.gpu.cublas), else by
-its kernel, which the program has all the same. Every pointer a kernel takes is a
+its kernel, which the program has all the same; a library GEMM may read an operand from the buffer of its
+transpose (`LibraryGemm.trans_b`, `KernelLaunch.library_args`), and a transpose that only such GEMMs read
+is then not launched (`mdsl.gpu.executable.elided_launches`). Every pointer a kernel takes is a
 contiguous row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte
 aligned; a launch with `counters` takes one more, its group counters (a buffer of the runtime's, not a value of
 the graph). A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
@@ -23,7 +25,9 @@ class LibraryGemm:
     """A plain matmul as a BLAS library runs it: C = A @ B for `batch` row-major matrices, A m x k, B k x n and
     C m x n, each stored contiguously (leading dims k, n and n), the i-th of each `stride_*` elements after
     the first (0: one matrix for every batch). Operands and product are `dtype` ("f16", "bf16" or "f32");
-    products are summed in f32 and the sum rounded to `dtype` once (what the verifier's bounds assume)."""
+    products are summed in f32 and the sum rounded to `dtype` once (what the verifier's bounds assume).
+    `trans_b`: B is read from the buffer of its transpose (n x k matrices, leading dim k), as a kernel graph's
+    `x @ transpose(w)` reads `w` itself (`mdsl.lowering.gemm`)."""
 
     dtype: str
     m: int
@@ -33,6 +37,7 @@ class LibraryGemm:
     stride_a: int = 0
     stride_b: int = 0
     stride_c: int = 0
+    trans_b: bool = False
 
 
 @attrs.frozen
@@ -50,6 +55,8 @@ class KernelLaunch:
                              # node_index and the next node, and takes after `args` a pointer to this many
                              # 32-bit counters, zero before each launch and after it (the runtime allocates
                              # them zeroed once)
+    library_args: tuple = () # the values the library GEMM reads and writes (A, B, C) where they are not `args`:
+                             # with `library.trans_b`, B's is the transpose's input
 
 
 @attrs.frozen

@@ -7,14 +7,19 @@ Every kernel-level value is a contiguous row-major tensor of at most 2^31 - 1 el
 batch count fits cuBLAS's 32-bit ints), so a matrix's leading dim is its row length and
 consecutive matrices of a batch are a matrix apart. Where the right operand is one matrix for every batch,
 the batch is folded into the rows of the left one ([b, m, k] @ [k, n] is one [b m, k] @ [k, n] product).
+
+A right operand that a kernel-level transpose of its last two dims made (`x @ transpose(w)`: a linear layer's
+weight, a key matrix) is read from the transpose's input with cuBLAS's transposed-operand flag (`trans_b`):
+the library needs no copy of it, and the runtime drops the transpose's launch where only such GEMMs read it.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from mdsl.gpu.program import LibraryGemm
 from mdsl.ir.graph import Node
+from mdsl.ir.types import Var
 
 #: the dtypes a library GEMM takes (operands and product alike), each summed in f32
 GEMM_DTYPES = ("f16", "bf16", "f32")
@@ -31,8 +36,19 @@ def _batch_stride(shape: tuple, batch: tuple) -> Optional[int]:
     return math.prod(shape[-2:]) if padded == tuple(batch) else None
 
 
-def library_gemm(node: Node) -> Optional[LibraryGemm]:
-    """The library GEMM that computes kernel-level `node`, or None where it is not one."""
+def swaps_last_two(node: Node) -> bool:
+    """Whether kernel-level `node` is a transpose of its operand's last two dims, the others in place."""
+    if node.op != "transpose" or node.body is not None:
+        return False
+    rank = len(node.inputs[0].shape)
+    return rank >= 2 and tuple(node.attr("perm")) == (*range(rank - 2), rank - 1, rank - 2)
+
+
+def library_gemm(node: Node, transposed: Callable[[Var], Optional[Var]] = lambda value: None) \
+        -> Optional[LibraryGemm]:
+    """The library GEMM that computes kernel-level `node`, or None where it is not one. `transposed(value)`:
+    the input of the transpose of the last two dims that made `value` (`swaps_last_two`), or None; where
+    it names one for the right operand, the GEMM reads that input (`trans_b`)."""
     if node.op != "matmul":
         return None
     dtypes = {v.dtype.name for v in (*node.inputs, *node.outputs)}
@@ -48,6 +64,7 @@ def library_gemm(node: Node) -> Optional[LibraryGemm]:
     count = math.prod(batch)
     if stride_b == 0 and count > 1:   # one right matrix for every batch: the batch is more rows of the left
         m, count = m * count, 1
+    trans_b = transposed(node.inputs[1]) is not None
     if count == 1:
-        return LibraryGemm(dtypes.pop(), m, n, k)
-    return LibraryGemm(dtypes.pop(), m, n, k, count, stride_a, stride_b, m * n)
+        return LibraryGemm(dtypes.pop(), m, n, k, trans_b=trans_b)
+    return LibraryGemm(dtypes.pop(), m, n, k, count, stride_a, stride_b, m * n, trans_b=trans_b)

@@ -11,7 +11,7 @@ from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
 from mdsl.ir.rules import RuleTable
-from mdsl.lowering.gemm import library_gemm
+from mdsl.lowering.gemm import library_gemm, swaps_last_two
 from mdsl.lowering.names import Namer
 from mdsl.lowering.onelaunch import SplitPair, one_launch_pairs
 from mdsl.lowering.options import CudaOptions
@@ -54,6 +54,8 @@ class ProgramBuilder:
         self.kernel_names = Namer()
         self.launches: list = []
         self.aliases: dict = {}
+        #: value name -> the input of the transpose of its last two dims that makes it (`swaps_last_two`)
+        self._transposed = {node.output.name: node.inputs[0] for node in graph.nodes if swaps_last_two(node)}
 
     def kernel_name(self, node: Node) -> str:
         """The name of the kernel implementing `node` (unique among the program's kernels)."""
@@ -65,9 +67,11 @@ class ProgramBuilder:
         the node's inputs, then its outputs); `counters`: the group counters it takes after them."""
         values = (*node.inputs, *node.outputs) if values is None else values
         args = tuple(v.name for v in values)
-        library = library_gemm(node) if self.options.library_gemm and not counters else None
+        library = library_gemm(node, lambda v: self._transposed.get(v.name)) \
+            if self.options.library_gemm and not counters else None
+        library_args = (args[0], self._transposed[args[1]].name, args[2]) if library and library.trans_b else ()
         self.launches.append(KernelLaunch(name, tuple(grid), (threads, 1, 1), smem, args, index, overlap, library,
-                                          counters))
+                                          counters, library_args))
 
     def alias(self, name: str, of: str) -> None:
         self.aliases[name] = self.aliases.get(of, of)  # a view of a view is a view of the original

@@ -107,6 +107,48 @@ def test_the_environment_switches_library_gemms_off():
     assert not CudaOptions.from_env({"MDSL_CUDA_CUBLAS": "0"}).library_gemm
 
 
+def _times_transposed(w_shape, perm, dtype=bf16, x_shape=None):
+    """x @ transpose(w, perm): a linear layer's product as a traced torch graph gives it (w: [out, in])."""
+    g = Graph("linear")
+    w = g.input("w", w_shape, dtype)
+    wt = g.op("transpose", w, perm=perm)
+    x = g.input("x", x_shape or (3, wt.shape[-2]), dtype)
+    g.op("matmul", x, wt)
+    return g.build()
+
+
+@pytest.mark.parametrize("backend", sorted(EMITTERS))
+def test_a_matmul_of_a_transposed_operand_reads_the_transpose_s_input(backend):
+    graph = _times_transposed((24, 40), (1, 0))
+    program = EMITTERS[backend](graph, options=CudaOptions())
+    transpose, matmul = program.launches
+    assert transpose.library is None and transpose.library_args == ()
+    assert matmul.library == LibraryGemm("bf16", 3, 24, 40, trans_b=True)
+    assert matmul.args == ("x", "transpose", "matmul")          # its kernel reads the transpose's value
+    assert matmul.library_args == ("x", "w", "matmul")          # cuBLAS reads the weight itself
+    off = EMITTERS[backend](graph, options=CudaOptions(library_gemm=False))
+    assert [(launch.library, launch.library_args) for launch in off.launches] == [(None, ()), (None, ())]
+
+
+@pytest.mark.parametrize("w_shape, perm, x_shape, want", [
+    ((5, 9, 7), (0, 2, 1), (5, 3, 7), LibraryGemm("bf16", 3, 9, 7, 5, 21, 63, 27, trans_b=True)),  # batched keys
+    ((9, 7), (1, 0), (5, 3, 7), LibraryGemm("bf16", 15, 9, 7, trans_b=True)),                     # rows folded
+    ((7, 5, 9), (1, 0, 2), (3, 7), None),        # another permutation: the transpose's value, untransposed
+])
+def test_only_a_swap_of_the_last_two_dims_is_read_transposed(w_shape, perm, x_shape, want):
+    g = Graph("t")
+    w = g.input("w", w_shape, bf16)
+    wt = g.op("transpose", w, perm=perm)
+    x = g.input("x", x_shape, bf16)
+    g.op("matmul", x, wt if len(wt.shape) == 3 or want is not None else g.op("reshape", wt, shape=(7, 45)))
+    graph = g.build()
+    (launch,) = [launch for launch in emit_cuda(graph, options=CudaOptions()).launches if launch.library]
+    if want is None:
+        assert not launch.library.trans_b and launch.library_args == ()
+    else:
+        assert launch.library == want and launch.library_args[1] == "w"
+
+
 # ---------------------------------------------------------------------------------------------
 # cuBLAS's column-major contract, emulated on host memory
 
@@ -255,6 +297,30 @@ def test_the_cublas_call_computes_the_row_major_product(fake, a_shape, b_shape, 
     step(0)
     tol = 1e-5 if dtype is np.float32 else 2e-3
     np.testing.assert_allclose(c.astype(np.float64), want, rtol=tol, atol=tol * math.sqrt(a_shape[-1]))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, perm", [
+    ((1, 64), (40, 64), (1, 0)), ((3, 77), (45, 77), (1, 0)), ((5, 3, 7), (9, 7), (1, 0)),
+    ((5, 3, 7), (5, 9, 7), (0, 2, 1)), ((2, 4, 1, 7), (2, 4, 9, 7), (0, 1, 3, 2)),
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: d.__name__)
+def test_the_cublas_call_reads_a_transposed_right_operand_from_its_source(fake, x_shape, w_shape, perm, dtype):
+    g = Graph("t")
+    w = g.input("w", w_shape, f32 if dtype is np.float32 else f16)
+    x = g.input("x", x_shape, f32 if dtype is np.float32 else f16)
+    g.op("matmul", x, g.op("transpose", w, perm=perm))
+    launch = next(launch for launch in emit_cuda(g.build(), options=CudaOptions()).launches if launch.library)
+    assert launch.library.trans_b
+    x_value, w_value = _operands(x_shape, w_shape, dtype, seed=sum(x_shape) * 7 + sum(w_shape))
+    want = np.matmul(x_value.astype(np.float64), np.transpose(w_value.astype(np.float64), perm))
+    c = np.full(want.shape, np.nan, dtype)
+    ptrs = (ctypes.c_uint64 * 3)()
+    step = cublas.gemm_step(launch.library, 0, ptrs, (2, 0, 1), "mm")   # slots of x, w (the source) and the product
+    for slot, array in zip((2, 0, 1), (x_value, w_value, c)):
+        ptrs[slot] = fake.buffer(array)
+    step(0)
+    tol = 1e-5 if dtype is np.float32 else 2e-3
+    np.testing.assert_allclose(c.astype(np.float64), want, rtol=tol, atol=tol * math.sqrt(x_shape[-1]))
 
 
 def test_the_gemm_arguments_follow_the_prototypes(fake):
@@ -429,3 +495,74 @@ def test_an_executable_runs_the_matmul_in_cublas_between_its_kernels(fake, monke
     assert log == ["create", ("launch", "chain_exp"), ("stream", 5), "workspace", "gemm", ("launch", "chain_exp_1")]
     want = e_buffer.reshape(4, 8).astype(np.float64) @ weights.reshape(8, 3)
     np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
+
+
+def _host_executable(fake, monkeypatch, graph):
+    from types import SimpleNamespace
+
+    from mdsl.gpu import executable
+
+    host = HostDriver(fake)
+    monkeypatch.setattr(executable, "driver", host)
+    monkeypatch.setattr(cublas, "driver", host)
+    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
+                                                                                  activate=lambda: None))
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    return executable.Executable(emit_cuda(graph, options=CudaOptions()), SimpleNamespace(load=lambda: "module")), host
+
+
+def test_a_transpose_only_cublas_reads_through_its_source_is_not_launched(fake, monkeypatch):
+    g = Graph("linear")
+    w, x = g.input("w", (3, 8), f32), g.input("x", (4, 8), f32)
+    y = g.op("exp", g.op("matmul", x, g.op("transpose", w, perm=(1, 0))))
+    exe, host = _host_executable(fake, monkeypatch, g.build([y]))
+    assert exe.elided == ("linear_transpose",) and exe.library_launches == ("linear_matmul",)
+    weights, inputs, out = (np.linspace(-1, 1, 24, dtype=np.float32), np.arange(32, dtype=np.float32) / 8,
+                            np.zeros(12, np.float32))
+    exe.run_pointers([fake.buffer(weights), fake.buffer(inputs)], [fake.buffer(out)], stream=5)
+    log = [call[:2] if call[0] in ("launch", "stream") else call[0] for call in fake.calls]
+    assert log == ["create", ("stream", 5), "workspace", "gemm", ("launch", "linear_exp")]
+    # the product, which the exp kernel reads, is x @ w^T computed from w itself (the transpose's buffer
+    # holds the intermediates' NaN fill: reading it would show)
+    product = next(b for b in host.held if b.size == 12)
+    want = inputs.reshape(4, 8).astype(np.float64) @ weights.reshape(3, 8).T
+    np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("also", ["a kernel reads it", "it is an output"])
+def test_a_transpose_read_otherwise_is_still_launched(fake, monkeypatch, also):
+    g = Graph("linear")
+    w, x = g.input("w", (3, 8), f32), g.input("x", (4, 8), f32)
+    wt = g.op("transpose", w, perm=(1, 0))
+    y = g.op("matmul", x, wt)
+    exe, _ = _host_executable(fake, monkeypatch, g.build([y, g.op("exp", wt)] if also == "a kernel reads it"
+                                                              else [y, wt]))
+    assert exe.elided == () and exe.library_launches == ("linear_matmul",)
+    outputs = [fake.buffer(np.zeros(12, np.float32)), fake.buffer(np.zeros(24, np.float32))]
+    exe.run_pointers([fake.buffer(np.zeros(24, np.float32)), fake.buffer(np.zeros(32, np.float32))], outputs, stream=5)
+    assert [call[1] for call in fake.calls if call[0] == "launch"][0] == "linear_transpose"
+
+
+def test_without_cublas_the_transpose_runs_for_the_matmul_s_own_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    from mdsl.gpu import executable
+
+    lib = EmulatedCublas()
+    host = HostDriver(lib)
+    monkeypatch.setattr(cublas, "_LIBRARY", {"lib": None})
+    monkeypatch.setattr(cublas, "_CONTEXTS", {})
+    monkeypatch.setattr(cublas, "_WARNED", {"library"})
+    monkeypatch.setattr(executable.launcher, "library", lambda: None)   # the launches go through the driver's calls
+    monkeypatch.setattr(executable, "driver", host)
+    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
+                                                                                  activate=lambda: None))
+    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
+    g = Graph("linear")
+    w, x = g.input("w", (3, 8), f32), g.input("x", (4, 8), f32)
+    y = g.op("matmul", x, g.op("transpose", w, perm=(1, 0)))
+    exe = executable.Executable(emit_cuda(g.build([y]), options=CudaOptions()), SimpleNamespace(load=lambda: "module"))
+    assert exe.elided == () and exe.library_launches == ()
+    exe.run_pointers([lib.buffer(np.zeros(24, np.float32)), lib.buffer(np.zeros(32, np.float32))],
+                     [lib.buffer(np.zeros(12, np.float32))], stream=5)
+    assert [call[1] for call in lib.calls] == ["linear_transpose", "linear_matmul"]

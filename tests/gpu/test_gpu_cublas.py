@@ -61,6 +61,29 @@ def test_plain_matmuls_run_in_cublas(dtype, backend):
     assert executable.native is not None, "cuBLAS's GEMMs and the kernels run from the C launcher"
 
 
+def transposed_products(dtype):
+    """x @ transpose(w) as a linear layer's traced graph has it (w: [out, in]), batched keys q @ transpose(k),
+    and a transposed weight that a kernel reads as well (exp of it: its transpose must still run)."""
+    g = Graph(f"transposed_{dtype.name}")
+    x, w = g.input("x", (3, 40), dtype), g.input("w", (24, 40), dtype)
+    g.outputs.append(g.op("matmul", x, g.op("transpose", w, perm=(1, 0))))
+    q, k = g.input("q", (4, 1, 32), dtype), g.input("k", (4, 9, 32), dtype)
+    g.outputs.append(g.op("matmul", q, g.op("transpose", k, perm=(0, 2, 1))))
+    x2, w2 = g.input("x2", (5, 24), dtype), g.input("w2", (17, 24), dtype)
+    shared = g.op("transpose", w2, perm=(1, 0))
+    g.outputs += [g.op("matmul", x2, shared), g.op("exp", shared)]
+    return g.build(g.outputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_a_transposed_right_operand_is_read_from_its_source(dtype, backend):
+    executable = check(transposed_products(dtype), f"cublas-transposed-{dtype.name}-{backend}", backend=backend)
+    assert len(executable.library_launches) == 3, executable.library_launches
+    # the weight's and the keys' transposes are left out; the one exp reads too still runs
+    assert len(executable.elided) == 2, executable.elided
+
+
 def test_without_cublas_mdsl_s_kernels_run_after_one_warning(monkeypatch):
     def not_found():   # cuBLAS's lookup only: NVRTC, which the same process loads, must still be found
         raise OSError("libcublas.so.13: cannot open shared object file")
