@@ -18,6 +18,8 @@ table):
     docs/results/gemm_prefill.json   benchmarks/gemm.py --rows 1024,4096 --shapes K:N,... --out DIR  (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
+    docs/results/torch_compile_prefill.json
+                                     benchmarks/torch_compile.py --workloads prefill --out DIR  (its own run)
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
@@ -56,7 +58,8 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "serve", "serve_megakernel", "serve_http", "gemm_prefill", "decode_moe")
+OPTIONAL = ("torch_compile", "torch_compile_prefill", "serve", "serve_megakernel", "serve_http", "gemm_prefill",
+            "decode_moe")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -370,12 +373,17 @@ def call_section(data: Optional[dict]) -> list:
     return lines
 
 
-def torch_compile_section(data: Optional[dict]) -> list:
+def torch_compile_section(data: Optional[dict], more: Sequence = ()) -> list:
+    """The torch.compile table of one run, or of several (`more`: runs of a workload of their own, each with its
+    run line; None where it has not run)."""
     lines = ["## torch.compile: the mdsl backend against Inductor", ""]
     if data is None:
         return lines + ["No results: `benchmarks/torch_compile.py` has not run into docs/results/ yet.", ""]
+    runs = [data, *(m for m in more if m is not None)]
     meta = data.get("meta") or {}
-    lines += [run_line(meta), "",
+    for r in runs:   # (a run's command names its workloads)
+        lines += [run_line(r.get("meta")), ""]
+    lines += [
               f"transformers' Qwen3ForCausalLM of Qwen3-0.6B's shapes ({meta.get('layers', '?')} layers, random bf16 "
               f"weights), batch 1, torch {meta.get('torch', '?')}: ms per call, host time included (median of "
               f"{meta.get('samples', '?')} samples of {meta.get('batch', '?')} back-to-back calls between CUDA "
@@ -384,7 +392,8 @@ def torch_compile_section(data: Optional[dict]) -> list:
               "mode's time over the contender's; L2 error: the logits against eager's. mdsl: "
               "`torch.compile(backend=\"mdsl\")`, its calls replaying a CUDA graph (mdsl-no-graphs: without).", ""]
     rows = []
-    for workload, w in (data.get("workloads") or {}).items():
+    workloads = {name: w for r in runs for name, w in (r.get("workloads") or {}).items()}
+    for workload, w in workloads.items():
         base = (w.get("contenders", {}).get("inductor") or {}).get("ms")
         for name, c in (w.get("contenders") or {}).items():
             ms = c.get("ms")
@@ -399,7 +408,7 @@ def torch_compile_section(data: Optional[dict]) -> list:
                      "verdict"], rows, right=2, last_left=True) + [""]
     lines += [f"{workload}: {w.get('what', '')}; bf16's own L2 error (eager against float32) "
               f"{w['bf16_floor']:.1e}." if w.get("bf16_floor") is not None else f"{workload}: {w.get('what', '')}."
-              for workload, w in (data.get("workloads") or {}).items()] + [""]
+              for workload, w in workloads.items()] + [""]
     return lines
 
 
@@ -760,6 +769,11 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
+    for run in (results.get("torch_compile"), results.get("torch_compile_prefill")):   # mdsl over Inductor's default
+        for workload, w in ((run or {}).get("workloads") or {}).items():
+            ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
+            if ms.get("inductor") and ms.get("mdsl"):
+                h[f"torch_compile_{workload}"] = _times(ms["inductor"] / ms["mdsl"])
     for run in results.get("random_programs_gpu") or []:   # the last seed's figures
         summary = run.get("summary") or {}
         if "gpu_geomean_speedup_vs_best" in summary:
@@ -790,7 +804,9 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
-    sections = (("torch_compile", torch_compile_section), ("serve", serve_section),
+    sections = (("torch_compile", functools.partial(torch_compile_section,
+                                                     more=(results.get("torch_compile_prefill"),))),
+                ("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
                 ("serve_http", serve_http_section))
