@@ -106,6 +106,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--work", type=int, default=20_000, help="a region search's work budget (SearchConfig.work)")
     p.add_argument("--time-limit", type=float, default=480.0,
                    help="seconds from the start after which no contender starts (it is recorded as skipped)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timing, N calls of each contender under torch.profiler: GPU time per kernel "
+                        "(its 25 costliest, µs per call) into the results")
     p.add_argument("--plans-only", action="store_true",
                    help="no GPU: search the mdsl regions' plans into the plan cache, time nothing")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
@@ -326,6 +329,41 @@ def _measure(torch, workload, name: str, model, reference, args, rec: dict, grap
     rec.update(errors(torch, got, reference))
     del got
     rec.update(timed(torch, workload, fn, args.batch, args.samples))
+    if args.profile:
+        rec["kernels"] = kernel_profile(torch, workload, fn, args.profile)
+
+
+#: kernels a profile keeps, costliest first
+PROFILED_KERNELS = 25
+
+
+def kernel_profile(torch, workload, fn, calls: int) -> list:
+    """`calls` calls of `fn` under torch.profiler (CUPTI: kernels launched through the driver, cuBLAS's and
+    those replayed from a CUDA graph included): per kernel name, its launches and GPU µs per call, the
+    PROFILED_KERNELS costliest, then the others summed into one row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    workload.reset()
+    workload.call(fn)   # (a call that starts nothing new inside the profile)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            workload.reset()
+            workload.call(fn)
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA and event.device_time_total:
+            count, us = totals.get(event.name, (0, 0.0))
+            totals[event.name] = (count + 1, us + event.device_time_total)
+    rows = sorted(({"kernel": name[:120], "launches_per_call": count / calls, "us_per_call": us / calls}
+                   for name, (count, us) in totals.items()), key=lambda r: -r["us_per_call"])
+    rest = rows[PROFILED_KERNELS:]
+    if rest:
+        rows = rows[:PROFILED_KERNELS] + [{"kernel": f"({len(rest)} others)",
+                                           "launches_per_call": sum(r["launches_per_call"] for r in rest),
+                                           "us_per_call": sum(r["us_per_call"] for r in rest)}]
+    return rows
 
 
 def _graph_break(torch, e: Exception) -> bool:
@@ -404,6 +442,12 @@ def markdown(results: dict) -> str:
                      rec.get("status", "?"), notes_of(rec)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        for name, rec in data["contenders"].items():   # (--profile) each contender's costliest kernels
+            if rec.get("kernels"):
+                lines += [f"{name}'s kernels (GPU µs per call, torch.profiler):", "",
+                          "| kernel | launches per call | µs per call |", "|---|---:|---:|"]
+                lines += [f"| `{r['kernel']}` | {r['launches_per_call']:g} | {r['us_per_call']:.1f} |"
+                          for r in rec["kernels"]] + [""]
     return "\n".join(lines)
 
 

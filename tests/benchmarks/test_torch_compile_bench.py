@@ -97,6 +97,64 @@ def test_the_performance_page_has_the_section_with_or_without_results():
     assert "decode: one token; bf16's own L2 error (eager against float32) 3.0e-03." in text
 
 
+def test_a_workload_s_own_run_joins_the_table_with_its_run_line():
+    prefill = _results()
+    prefill["meta"] = {**prefill["meta"], "mdsl_commit": "1234567", "command": "benchmarks/torch_compile.py "
+                                                                                "--workloads prefill"}
+    prefill["workloads"] = {"prefill": prefill["workloads"]["decode"]}
+    text = "\n".join(report.torch_compile_section(_results(), more=(prefill, None)))
+    assert text.count("\nRun: 2026-12-03, NVIDIA H200, commit `abcdef1`") == 1
+    assert "\nRun: 2026-12-03, NVIDIA H200, commit `1234567`, `python benchmarks/torch_compile.py --workloads " \
+           "prefill`" in text
+    assert "| decode | mdsl | 0.500 | 4.00× |" in text and "| prefill | mdsl | 0.500 | 4.00× |" in text
+    h = report.headlines({"torch_compile": _results(), "torch_compile_prefill": prefill})
+    assert (h["torch_compile_decode"], h["torch_compile_prefill"]) == ("4.00×", "4.00×")
+
+
+class _Event(SimpleNamespace):
+    pass
+
+
+def test_a_profile_keeps_the_costliest_kernels_per_call(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.profiler
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    # two calls: per call 3 launches of a GEMM (10 µs each), one transpose of 40 µs, 30 small kernels of 1 µs
+    events = ([_Event(name="gemm", device_type=cuda, device_time_total=10.0)] * 6
+              + [_Event(name="transpose", device_type=cuda, device_time_total=40.0)] * 2
+              + [_Event(name=f"k{i}", device_type=cuda, device_time_total=1.0) for i in range(30)] * 2
+              + [_Event(name="aten::mm", device_type=cpu, device_time_total=0.0)])
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    workload = SimpleNamespace(reset=lambda: None, call=lambda fn: calls.append(fn))
+    rows = bench.kernel_profile(torch, workload, "fn", calls=2)
+    assert len(calls) == 3   # one before the profile, two in it
+    assert rows[:2] == [{"kernel": "transpose", "launches_per_call": 1.0, "us_per_call": 40.0},
+                        {"kernel": "gemm", "launches_per_call": 3.0, "us_per_call": 30.0}]
+    assert len(rows) == bench.PROFILED_KERNELS + 1
+    assert rows[-1] == {"kernel": "(7 others)", "launches_per_call": 7.0, "us_per_call": 7.0}
+    results = _results()
+    results["workloads"]["decode"]["contenders"]["mdsl"]["kernels"] = rows
+    table = bench.markdown(results)
+    assert "mdsl's kernels (GPU µs per call, torch.profiler):" in table and "| `transpose` | 1 | 40.0 |" in table
+
+
 def test_the_decode_step_is_set_back_to_its_position():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
