@@ -189,12 +189,14 @@ class Executable:
         steps = [self._prepare(launch, slots, library) for launch, slots, library in
                  zip(program.launches, plan.launch_slots, plan.library_slots or [()] * len(plan.launch_slots))]
         #: the launches a run leaves out: transposes whose only readers are library GEMMs reading their input
-        self.elided = tuple(program.launches[i].name for i in sorted(elided_launches(
-            self.graph, program.launches, plan, [type(step) is not tuple for step in steps])))
+        elided = sorted(elided_launches(self.graph, program.launches, plan, [type(step) is not tuple for step in steps]))
+        self.elided = tuple(program.launches[i].name for i in elided)
         launches = [(launch, step) for launch, step in zip(program.launches, steps) if launch.name not in self.elided]
         self._launches = tuple(step for _, step in launches)
+        unread = {plan.launch_slots[i][-1] for i in elided}   # (their values: written and read by no launch)
         for slot, size in plan.scratch:
-            self._ptrs[slot] = self._allocate_scratch(size)
+            if slot not in unread:
+                self._ptrs[slot] = self._allocate_scratch(size)
         for slot, size in plan.counters:
             self._ptrs[slot] = self._allocate_scratch(size, fill=0)
         #: the launches that a library runs instead of their kernels (cuBLAS GEMMs)

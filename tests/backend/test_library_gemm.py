@@ -522,9 +522,10 @@ def test_a_transpose_only_cublas_reads_through_its_source_is_not_launched(fake, 
     exe.run_pointers([fake.buffer(weights), fake.buffer(inputs)], [fake.buffer(out)], stream=5)
     log = [call[:2] if call[0] in ("launch", "stream") else call[0] for call in fake.calls]
     assert log == ["create", ("stream", 5), "workspace", "gemm", ("launch", "linear_exp")]
-    # the product, which the exp kernel reads, is x @ w^T computed from w itself (the transpose's buffer
-    # holds the intermediates' NaN fill: reading it would show)
-    product = next(b for b in host.held if b.size == 12)
+    # the product, which the exp kernel reads, is x @ w^T computed from w itself; the transpose's value has no
+    # buffer (the intermediates allocated: the product's alone)
+    (product,) = host.held[:1]
+    assert product.size == 12 and [b.size for b in host.held[1:]] == [32 * 2**20 // 4]   # then cuBLAS's workspace
     want = inputs.reshape(4, 8).astype(np.float64) @ weights.reshape(3, 8).T
     np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
 
