@@ -10,7 +10,8 @@ the batch is folded into the rows of the left one ([b, m, k] @ [k, n] is one [b 
 
 A right operand that a kernel-level transpose of its last two dims made (`x @ transpose(w)`: a linear layer's
 weight, a key matrix) is read from the transpose's input with cuBLAS's transposed-operand flag (`trans_b`):
-the library needs no copy of it, and the runtime drops the transpose's launch where only such GEMMs read it.
+the library needs no copy of it, and the runtime drops the transpose's launch where only such GEMMs read it
+(`library_read_transposes`: what the cost model counts as free too).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 from typing import Callable, Optional
 
 from mdsl.gpu.program import LibraryGemm
-from mdsl.ir.graph import Node
+from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.types import Var
 
 #: the dtypes a library GEMM takes (operands and product alike), each summed in f32
@@ -68,3 +69,23 @@ def library_gemm(node: Node, transposed: Callable[[Var], Optional[Var]] = lambda
     if count == 1:
         return LibraryGemm(dtypes.pop(), m, n, k, trans_b=trans_b)
     return LibraryGemm(dtypes.pop(), m, n, k, count, stride_a, stride_b, m * n, trans_b=trans_b)
+
+
+def library_read_transposes(graph: KernelGraph) -> frozenset:
+    """Indices of `graph`'s transposes of the last two dims (`swaps_last_two`) that the graph does not return and
+    that only library GEMMs read, each as its right operand alone: those GEMMs read the transpose's input
+    (`trans_b`), and where cuBLAS runs them the transpose is not launched (`mdsl.gpu.executable.elided_launches`),
+    so the cost model counts it as free (a view)."""
+    made = {node.output.name: node.inputs[0] for node in graph.nodes if swaps_last_two(node)}
+    if not made:
+        return frozenset()
+    readers = graph.users()
+    returned = {v.name for v in graph.outputs}
+
+    def read_in_place(node: Node, name: str) -> bool:
+        return (node.body is None and len(node.inputs) == 2 and node.inputs[1].name == name
+                and node.inputs[0].name != name and library_gemm(node, lambda v: made.get(v.name)) is not None)
+
+    return frozenset(i for i, node in enumerate(graph.nodes) if swaps_last_two(node)
+                     and node.output.name not in returned and readers.get(node.output.name)
+                     and all(read_in_place(r, node.output.name) for r in readers[node.output.name]))

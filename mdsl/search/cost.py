@@ -1,5 +1,6 @@
 """The cost model: a mugraph's device-memory traffic, launches (one per kernel, but one for a split and its
-combine where they qualify: mdsl.lowering.onelaunch), shared memory and parallelism, and the time they
+combine where they qualify: mdsl.lowering.onelaunch; none for a view, nor for a transpose that cuBLAS reads in
+place: mdsl.lowering.gemm.library_read_transposes), shared memory and parallelism, and the time they
 imply on a target GPU. It ranks verified candidates before (and without) measurement,
 and gives each program its roofline floor.
 """
@@ -14,6 +15,7 @@ from mdsl.ir.graph import BlockGraph, KernelGraph, Node
 from mdsl.ir.skinny import CLUSTERS, MAX_ROWS, skinny_shape
 from mdsl.ir.types import TensorType
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
+from mdsl.lowering.gemm import library_read_transposes
 from mdsl.lowering.grid import ROW_OPS, row_kernel_grid
 from mdsl.lowering.onelaunch import one_launch_pairs
 from mdsl.search.chain import tile_loop
@@ -214,9 +216,9 @@ def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
 
 
 def _kernel_costs(graph: KernelGraph, device: Device, combines: frozenset) -> list:
-    out = []
+    out, in_place = [], library_read_transposes(graph)
     for index, node in enumerate(graph.nodes):
-        if node.op in _VIEWS:
+        if node.op in _VIEWS or index in in_place:   # (a transpose cuBLAS reads in place launches nothing)
             continue
         cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device)
         if index in combines:
@@ -436,9 +438,9 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
     `skinny`: a kernel with a skinny loop (`mdsl.ir.skinny`) counts as the faster of its two lowerings
     (the autotuner times both: `CudaOptions.skinny`)."""
-    fits, seconds, combines = [], 0.0, combined(graph)
+    fits, seconds, combines, in_place = [], 0.0, combined(graph), library_read_transposes(graph)
     for index, node in enumerate(graph.nodes):
-        if node.op in _VIEWS:
+        if node.op in _VIEWS or index in in_place:
             continue
         if node.body is None or not isinstance(node.body, BlockGraph):
             seconds += _library_cost(node, device).seconds

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
+from mdsl.lowering.gemm import library_read_transposes
 from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
@@ -34,7 +35,10 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     n = len(original.nodes)
     runs = _runs(original, chosen, record, unchanged)
     out = []
-    kernels = [(i, j) for i, j in runs if any(node.op not in _VIEWS for node in original.nodes[i:j])]
+    # the plan's transposes that cuBLAS reads in place launch nothing, as views (mdsl.search.cost)
+    in_place = {chosen.nodes[k].outputs[0].name for k in library_read_transposes(chosen)}
+    kernels = [(i, j) for i, j in runs
+               if any(node.op not in _VIEWS and node.outputs[0].name not in in_place for node in original.nodes[i:j])]
     for i, j in kernels:
         launches = 1 if unchanged else _launches(original, chosen, (i, j), record)
         for _ in range(launches - 1):

@@ -20,7 +20,8 @@ outputs with different last-dim labels share one grid dim (horizontal fusion), a
 
 **The combination**: a dynamic program over the node order picks, for the whole program, the parts
 and single operators whose estimated costs (`mdsl.search.cost.estimate`, additive over kernels) sum
-to the least. A part's candidates are screened lazily, cheapest first: only those the best
+to the least. A transpose that cuBLAS reads in place (`mdsl.lowering.gemm.library_read_transposes`) costs
+nothing apart; a fused part that reads its value pays for its kernel, which then has to run. A part's candidates are screened lazily, cheapest first: only those the best
 combination uses are checked (`mdsl.search.screen`, a finite-field test on a reduced instance of the
 sub-program), a failed one gives way to its next candidate, and the program is solved again until
 every part it uses has passed. Leaving every operator apart is always a combination, so the result
@@ -63,6 +64,7 @@ import attrs
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.types import Var
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
+from mdsl.lowering.gemm import library_read_transposes
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.guided import LIFT_RULES, lift_all
@@ -193,7 +195,13 @@ class Partition:
         self.graph, self.config, self.stats = graph, config, stats
         self.max_flops, self.work, self.screen_work = max_flops, work, f"{work} screens"
         self.n = len(graph.nodes)
-        self.single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
+        single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
+        # A transpose that cuBLAS reads in place (its readers are library GEMMs: mdsl.lowering.gemm) costs
+        # nothing left apart; a fused part that reads it needs it made, and pays its kernel (`_made`).
+        in_place = library_read_transposes(graph)
+        self.made_cost = {graph.nodes[i].outputs[0].name: single[i] for i in in_place}
+        self.single = [attrs.evolve(c, seconds=0.0, dram_bytes=0, launches=0, flops=0, kernels=())
+                       if i in in_place else c for i, c in enumerate(single)]
         self.parts: dict = {}
         self.stopped = ""   # "work" or "time" when the search's allowance or cap ended the analysis
 
@@ -259,7 +267,9 @@ class Partition:
                 option = part.current() if part is not None and (i, j) not in excluded else None
                 if option is None:
                     continue
-                total = (best[i][0] + option[1].seconds, best[i][1] + option[1].launches)
+                made = self._made(i, j)
+                total = (best[i][0] + option[1].seconds + sum(c.seconds for c in made),
+                         best[i][1] + option[1].launches + len(made))
                 if total < best[j]:
                     best[j], back[j] = total, (i, option)
         out, j = [], self.n
@@ -268,6 +278,14 @@ class Partition:
             out.append((i, j, option))
             j = i
         return out[::-1]
+
+    def _made(self, i: int, j: int) -> list:
+        """The costs of the transposes cuBLAS would read in place (`made_cost`) that nodes i .. j - 1 read:
+        fused into a part's kernel, they read the transpose's value, which must then be made."""
+        if not self.made_cost:
+            return []
+        names = {v.name for node in self.graph.nodes[i:j] for v in node.inputs if v.name in self.made_cost}
+        return [self.made_cost[name] for name in sorted(names)]
 
     def screened_best(self, excluded: frozenset = frozenset()) -> list:
         """`best`, after screening the candidates it uses (a failed one gives way to the part's next)."""

@@ -18,7 +18,7 @@ from mdsl.gpu.program import LibraryGemm
 from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.ir.graph import Node
 from mdsl.ir.types import TensorType, Var
-from mdsl.lowering.gemm import library_gemm
+from mdsl.lowering.gemm import library_gemm, library_read_transposes
 from mdsl.lowering.options import CudaOptions
 from tests.backend.cuda.builder import Graph
 from tests.backend.ptx.plans import rms_norm_linear_skinny
@@ -515,8 +515,11 @@ def test_a_transpose_only_cublas_reads_through_its_source_is_not_launched(fake, 
     g = Graph("linear")
     w, x = g.input("w", (3, 8), f32), g.input("x", (4, 8), f32)
     y = g.op("exp", g.op("matmul", x, g.op("transpose", w, perm=(1, 0))))
-    exe, host = _host_executable(fake, monkeypatch, g.build([y]))
+    graph = g.build([y])
+    exe, host = _host_executable(fake, monkeypatch, graph)
     assert exe.elided == ("linear_transpose",) and exe.library_launches == ("linear_matmul",)
+    # the cost model's view of the same graph (mdsl.lowering.gemm.library_read_transposes) agrees
+    assert [graph.nodes[k].op for k in library_read_transposes(graph)] == ["transpose"]
     weights, inputs, out = (np.linspace(-1, 1, 24, dtype=np.float32), np.arange(32, dtype=np.float32) / 8,
                             np.zeros(12, np.float32))
     exe.run_pointers([fake.buffer(weights), fake.buffer(inputs)], [fake.buffer(out)], stream=5)
@@ -536,9 +539,9 @@ def test_a_transpose_read_otherwise_is_still_launched(fake, monkeypatch, also):
     w, x = g.input("w", (3, 8), f32), g.input("x", (4, 8), f32)
     wt = g.op("transpose", w, perm=(1, 0))
     y = g.op("matmul", x, wt)
-    exe, _ = _host_executable(fake, monkeypatch, g.build([y, g.op("exp", wt)] if also == "a kernel reads it"
-                                                              else [y, wt]))
-    assert exe.elided == () and exe.library_launches == ("linear_matmul",)
+    graph = g.build([y, g.op("exp", wt)] if also == "a kernel reads it" else [y, wt])
+    exe, _ = _host_executable(fake, monkeypatch, graph)
+    assert exe.elided == () and exe.library_launches == ("linear_matmul",) and not library_read_transposes(graph)
     outputs = [fake.buffer(np.zeros(12, np.float32)), fake.buffer(np.zeros(24, np.float32))]
     exe.run_pointers([fake.buffer(np.zeros(24, np.float32)), fake.buffer(np.zeros(32, np.float32))], outputs, stream=5)
     assert [call[1] for call in fake.calls if call[0] == "launch"][0] == "linear_transpose"

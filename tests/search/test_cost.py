@@ -106,3 +106,35 @@ def test_the_split_k_plan_is_estimated_faster_than_the_program_as_written():
     the program (which two launches of the plan did not)."""
     original, plan = _split_k_plan()
     assert estimate(plan).seconds < estimate(original).seconds < estimate(plan).seconds + H200.launch_s
+
+
+def _linear(extra: str):
+    """x @ transpose(w) (w: [out, in], a linear layer's weight as a traced torch graph has it), and `extra`."""
+    from mdsl.ir.dtypes import bf16
+    from tests.backend.cuda.builder import Graph
+
+    g = Graph("linear")
+    x, w = g.input("x", (4, 512), bf16), g.input("w", (256, 512), bf16)
+    wt = g.op("transpose", w, perm=(1, 0))
+    outputs = [g.op("matmul", x, wt)]
+    if extra == "a kernel reads it":
+        outputs.append(g.op("exp", wt))
+    elif extra == "returned":
+        outputs.append(wt)
+    elif extra == "left operand":
+        outputs.append(g.op("matmul", wt, g.input("y", (256, 8), bf16)))
+    return g.build(outputs)
+
+
+def test_a_transpose_that_cublas_reads_in_place_costs_nothing():
+    alone = estimate(_linear("alone"))
+    assert alone.launches == 1 and [k.name for k in alone.kernels] == ["matmul"]
+    assert alone.dram_bytes == (4 * 512 + 256 * 512 + 4 * 256) * 2   # the weight read once, by the GEMM
+    assert gpu_estimate(_linear("alone")).seconds == pytest.approx(alone.seconds)
+
+
+@pytest.mark.parametrize("extra", ["a kernel reads it", "returned", "left operand"])
+def test_a_transpose_read_otherwise_is_a_kernel(extra):
+    cost = estimate(_linear(extra))
+    assert "transpose" in [k.name for k in cost.kernels]
+    assert cost.launches == {"a kernel reads it": 3, "returned": 2, "left operand": 3}[extra]

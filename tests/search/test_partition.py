@@ -237,3 +237,29 @@ def test_a_program_dear_to_verify_has_its_cheap_parts_fused_first():
 def test_a_program_cheap_to_verify_gets_no_early_partial_fusion():
     stats = SearchStats()
     assert list(partition.generate_cheap(_softmax(), CONFIG, stats)) == [] and stats.partition is None
+
+
+def test_a_transpose_cublas_reads_in_place_is_left_to_it_rather_than_made_for_a_fused_kernel():
+    """x @ transpose(w) + r (w: [out, in], a linear layer's weight and a residual, as a traced torch graph has
+    them): fusing the add into the product's kernel would need w's transpose made each call; left apart, cuBLAS
+    reads w in place and the transpose costs nothing, which the combination counts."""
+    from mdsl.ir.dtypes import bf16
+    from mdsl.lowering.gemm import library_read_transposes
+    from tests.backend.cuda.builder import Graph
+
+    g = Graph("linear_residual")
+    x, w, r = g.input("x", (1, 2048), bf16), g.input("w", (3072, 2048), bf16), g.input("r", (1, 3072), bf16)
+    y = g.op("add", g.op("matmul", x, g.op("transpose", w, perm=(1, 0))), r)
+    part = partition.Partition(g.build([y]), CONFIG, SearchStats())
+    (t,) = library_read_transposes(part.graph)
+    assert part.single[t].seconds == 0.0 and part.single[t].launches == 0
+    matmul = next(k for k, n in enumerate(part.graph.nodes) if n.op == "matmul")
+    made = part._made(matmul, matmul + 2)   # a fused product and add reads the transpose's value
+    assert [c.launches for c in made] == [1] and made[0].seconds > 0
+    assert part._made(t, t + 1) == []       # (the transpose itself reads w)
+    part.analyse()
+    fused = part.parts.get((matmul, matmul + 2))
+    assert fused is not None and fused.current() is not None, "the product and the add fuse into one kernel"
+    plan = part.assemble(part.screened_best())
+    # ... and yet the combination keeps the product a library GEMM that reads w in place
+    assert [n.op for n in plan.nodes] == ["transpose", "matmul", "add"] and library_read_transposes(plan)
