@@ -470,33 +470,6 @@ class HostDriver(FakeDriver):
         return (0,)
 
 
-def test_an_executable_runs_the_matmul_in_cublas_between_its_kernels(fake, monkeypatch):
-    from types import SimpleNamespace
-
-    from mdsl.gpu import executable
-
-    g = Graph("chain")
-    x, w = g.input("x", (4, 8), f32), g.input("w", (8, 3), f32)
-    y = g.op("exp", g.op("matmul", g.op("exp", x), w))
-    program = emit_cuda(g.build([y]), options=CudaOptions())
-    host = HostDriver(fake)
-    monkeypatch.setattr(executable, "driver", host)
-    monkeypatch.setattr(cublas, "driver", host)
-    monkeypatch.setattr(executable, "get_device", lambda device: SimpleNamespace(max_smem=227 * 1024,
-                                                                                  activate=lambda: None))
-    monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
-    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
-    assert exe.library_launches == ("chain_matmul",)
-    e_buffer, product = host.held[:2]   # the intermediates, in the order the launches first use them
-    e_buffer[:] = np.arange(32, dtype=np.float32) / 8   # what the exp kernel would have written
-    weights, out = np.linspace(-1, 1, 24, dtype=np.float32), np.zeros(12, np.float32)
-    exe.run_pointers([fake.buffer(np.zeros(32, np.float32)), fake.buffer(weights)], [fake.buffer(out)], stream=5)
-    log = [call[:2] if call[0] in ("launch", "stream") else call[0] for call in fake.calls]
-    assert log == ["create", ("launch", "chain_exp"), ("stream", 5), "workspace", "gemm", ("launch", "chain_exp_1")]
-    want = e_buffer.reshape(4, 8).astype(np.float64) @ weights.reshape(8, 3)
-    np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
-
-
 def _host_executable(fake, monkeypatch, graph):
     from types import SimpleNamespace
 
@@ -509,6 +482,22 @@ def _host_executable(fake, monkeypatch, graph):
                                                                                   activate=lambda: None))
     monkeypatch.setattr(executable, "cu_stream", lambda handle: ("stream", handle))
     return executable.Executable(emit_cuda(graph, options=CudaOptions()), SimpleNamespace(load=lambda: "module")), host
+
+
+def test_an_executable_runs_the_matmul_in_cublas_between_its_kernels(fake, monkeypatch):
+    g = Graph("chain")
+    x, w = g.input("x", (4, 8), f32), g.input("w", (8, 3), f32)
+    y = g.op("exp", g.op("matmul", g.op("exp", x), w))
+    exe, host = _host_executable(fake, monkeypatch, g.build([y]))
+    assert exe.library_launches == ("chain_matmul",)
+    e_buffer, product = host.held[:2]   # the intermediates, in the order the launches first use them
+    e_buffer[:] = np.arange(32, dtype=np.float32) / 8   # what the exp kernel would have written
+    weights, out = np.linspace(-1, 1, 24, dtype=np.float32), np.zeros(12, np.float32)
+    exe.run_pointers([fake.buffer(np.zeros(32, np.float32)), fake.buffer(weights)], [fake.buffer(out)], stream=5)
+    log = [call[:2] if call[0] in ("launch", "stream") else call[0] for call in fake.calls]
+    assert log == ["create", ("launch", "chain_exp"), ("stream", 5), "workspace", "gemm", ("launch", "chain_exp_1")]
+    want = e_buffer.reshape(4, 8).astype(np.float64) @ weights.reshape(8, 3)
+    np.testing.assert_allclose(product, want.reshape(-1), rtol=1e-6)
 
 
 def test_a_transpose_only_cublas_reads_through_its_source_is_not_launched(fake, monkeypatch):
