@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from mdsl.ir.graph import BlockGraph  # noqa: E402
-from mdsl.search.cost import _VIEWS, H200, estimate, gpu_estimate, kernel_costs  # noqa: E402
+from mdsl.search.cost import H200, estimate, gpu_estimate, kernel_costs, launched  # noqa: E402
 
 #: the GPU time of the shortest kernels the profiler reports (a split's copy: 1.0 to 1.5 us in the random
 #: programs): the launch's ramp on the GPU, which the models count in `launch_s` with the host's part
@@ -73,9 +73,8 @@ def _per_node(graph) -> tuple:
     """(node index -> estimate's KernelCost, node index -> gpu_estimate's KernelFit) of the non-view nodes."""
     costs, fits = iter(kernel_costs(graph)), iter(gpu_estimate(graph).kernels)
     by_cost, by_fit = {}, {}
-    for index, node in enumerate(graph.nodes):
-        if node.op in _VIEWS:
-            continue
+    for index in launched(graph):
+        node = graph.nodes[index]
         by_cost[index] = next(costs)
         if isinstance(node.body, BlockGraph):
             by_fit[index] = next(fits)

@@ -1,5 +1,5 @@
 """The cost model: a mugraph's device-memory traffic, launches (one per kernel, but one for a split and its
-combine where they qualify: mdsl.lowering.onelaunch; none for a view, nor for a transpose that cuBLAS reads in
+combine where they qualify: mdsl.lowering.onelaunch; none for a view (mdsl.lowering.views), nor for a transpose that cuBLAS reads in
 place: mdsl.lowering.gemm.library_read_transposes), shared memory and parallelism, and the time they
 imply on a target GPU. It ranks verified candidates before (and without) measurement,
 and gives each program its roofline floor.
@@ -18,6 +18,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
 from mdsl.lowering.gemm import library_read_transposes
 from mdsl.lowering.grid import ROW_OPS, row_kernel_grid
 from mdsl.lowering.onelaunch import one_launch_pairs
+from mdsl.lowering.views import is_view
 from mdsl.search.chain import tile_loop
 
 
@@ -71,7 +72,6 @@ class Device:
 H200 = Device("NVIDIA H200", 132, 4.25e12, 750e12, 60 * 2**20, SMEM_LIMIT_BYTES, 2.0e-6, 10e12, 1.0e-6, 120e9)
 
 #: Layout operators that are views of their input: no kernel, no traffic.
-_VIEWS = frozenset({"reshape"})
 
 
 @attrs.frozen
@@ -215,11 +215,17 @@ def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
     return _kernel_costs(graph, device, combined(graph))
 
 
+def launched(graph: KernelGraph) -> list:
+    """Indices of the nodes that launch a kernel: not views (`mdsl.lowering.views`), nor transposes that cuBLAS
+    reads in place (`mdsl.lowering.gemm.library_read_transposes`)."""
+    in_place = library_read_transposes(graph)
+    return [index for index, node in enumerate(graph.nodes) if not is_view(node) and index not in in_place]
+
+
 def _kernel_costs(graph: KernelGraph, device: Device, combines: frozenset) -> list:
-    out, in_place = [], library_read_transposes(graph)
-    for index, node in enumerate(graph.nodes):
-        if node.op in _VIEWS or index in in_place:   # (a transpose cuBLAS reads in place launches nothing)
-            continue
+    out = []
+    for index in launched(graph):
+        node = graph.nodes[index]
         cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device)
         if index in combines:
             cost = attrs.evolve(cost, seconds=cost.seconds - device.launch_s)
@@ -438,10 +444,9 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
     `skinny`: a kernel with a skinny loop (`mdsl.ir.skinny`) counts as the faster of its two lowerings
     (the autotuner times both: `CudaOptions.skinny`)."""
-    fits, seconds, combines, in_place = [], 0.0, combined(graph), library_read_transposes(graph)
-    for index, node in enumerate(graph.nodes):
-        if node.op in _VIEWS or index in in_place:
-            continue
+    fits, seconds, combines = [], 0.0, combined(graph)
+    for index in launched(graph):
+        node = graph.nodes[index]
         if node.body is None or not isinstance(node.body, BlockGraph):
             seconds += _library_cost(node, device).seconds
             continue

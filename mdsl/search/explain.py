@@ -16,12 +16,12 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.gemm import library_read_transposes
+from mdsl.lowering.views import is_view
 from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
 
-_VIEWS = frozenset({"reshape"})   # operators that launch no kernel (mdsl.search.cost)
 _SHOWN = 3                        # operators named per side of a boundary
 
 
@@ -38,7 +38,7 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     # the plan's transposes that cuBLAS reads in place launch nothing, as views (mdsl.search.cost)
     in_place = {chosen.nodes[k].outputs[0].name for k in library_read_transposes(chosen)}
     kernels = [(i, j) for i, j in runs
-               if any(node.op not in _VIEWS and node.outputs[0].name not in in_place for node in original.nodes[i:j])]
+               if any(not is_view(node) and node.outputs[0].name not in in_place for node in original.nodes[i:j])]
     for i, j in kernels:
         launches = 1 if unchanged else _launches(original, chosen, (i, j), record)
         for _ in range(launches - 1):
@@ -81,7 +81,7 @@ def _launches(original: KernelGraph, chosen: KernelGraph, run: tuple, record: di
 
 
 def _ops(graph: KernelGraph, i: int, j: int, prefix: str = "") -> str:
-    names = [f"{n.op} %{n.outputs[0].name}" for n in graph.nodes[i:j] if n.op not in _VIEWS]
+    names = [f"{n.op} %{n.outputs[0].name}" for n in graph.nodes[i:j] if not is_view(n)]
     more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return prefix + ", ".join(names[:_SHOWN]) + more
 

@@ -4,7 +4,7 @@ A layout operator has no block-level rule (`guided.LIFT_RULES`), so a part that 
 lift as it is. Two rewrites take most of them out of a part's interior, and what they cannot take out
 leaves the part as it was:
 
-* **A view moves to the boundary.** A reshape launches nothing (`cost._VIEWS`): one that reads a part's
+* **A view moves to the boundary.** A reshape launches nothing (`mdsl.lowering.views`): one that reads a part's
   input, or whose result only leaves the part, is a view around the kernel, not in it. Element-wise
   operators commute with it (each element is computed from the elements at its own position), so a
   reshape moves back past the element-wise operators that produce its operand, toward the inputs, and
@@ -29,6 +29,7 @@ import attrs
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import get_op
 from mdsl.ir.types import Var, fresh_name
+from mdsl.lowering.views import keeps_order
 
 #: The layout operators these rewrites move or cancel.
 MOVABLE = frozenset({"reshape", "transpose"})
@@ -73,7 +74,7 @@ class _Rewrite:
 
     def layout(self, op: str, x: Var, target: tuple, perm: Optional[tuple], out: Optional[Var] = None) -> Node:
         """A reshape of x to `target`, or a transpose by `perm` (a reshape where it moves only size-1 dims)."""
-        if perm is not None and [x.shape[p] for p in perm if x.shape[p] > 1] != [s for s in x.shape if s > 1]:
+        if perm is not None and not keeps_order(x.shape, perm):
             return self._node("transpose", x, target, out, perm=tuple(perm))
         return self._node("reshape", x, target, out, shape=tuple(target))
 

@@ -19,6 +19,7 @@ from mdsl.ir.graph import Node
 from mdsl.lowering.grid import (KERNEL_THREADS, RowLoop, alone, block_lanes, kernel_grid, kernel_row_loop,
                                 reduced_dim, row_kernel_grid, without)
 from mdsl.lowering.mma import kernel_mma_dtype
+from mdsl.lowering.views import is_view
 
 GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
 
@@ -278,6 +279,9 @@ class Split(CudaRule):
 
 class Transpose(CudaRule):
     def kernel(self, program, index: int, node: Node) -> None:
+        if is_view(node):   # (only size-1 dims move: the same row-major elements)
+            program.alias(node.output.name, node.inputs[0].name)
+            return
         perm = node.attr("perm")
         with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             x, out = k.inputs[0], k.outputs[0]

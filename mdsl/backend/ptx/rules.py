@@ -24,6 +24,7 @@ from mdsl.ir.graph import Node
 from mdsl.lowering.grid import (KERNEL_THREADS, RowLoop, alone, block_lanes, kernel_grid, kernel_row_loop,
                                 reduced_dim, row_kernel_grid, without)
 from mdsl.lowering.mma import MmaShape, kernel_mma_dtype
+from mdsl.lowering.views import is_view
 
 GEMM_TILE = 64            # the standard matmul kernel: a 64 x 64 tile of the product per block,
 GEMM_K_STEP = 16          # K walked 16 at a time through shared memory,
@@ -481,6 +482,9 @@ class Split(PtxRule):
 
 class Transpose(PtxRule):
     def kernel(self, program, index: int, node: Node) -> None:
+        if is_view(node):   # (only size-1 dims move: the same row-major elements)
+            program.alias(node.output.name, node.inputs[0].name)
+            return
         perm = node.attr("perm")
         with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
             fn, x, out = k.fn, k.inputs[0], k.outputs[0]
