@@ -21,7 +21,8 @@ outputs with different last-dim labels share one grid dim (horizontal fusion), a
 **The combination**: a dynamic program over the node order picks, for the whole program, the parts
 and single operators whose estimated costs (`mdsl.search.cost.estimate`, additive over kernels) sum
 to the least. A transpose that cuBLAS reads in place (`mdsl.lowering.gemm.library_read_transposes`) costs
-nothing apart; a fused part that reads its value pays for its kernel, which then has to run. A part's candidates are screened lazily, cheapest first: only those the best
+nothing apart; a fused part that reads its value pays for its kernel, which then has to run (two such parts
+both pay it). A part's candidates are screened lazily, cheapest first: only those the best
 combination uses are checked (`mdsl.search.screen`, a finite-field test on a reduced instance of the
 sub-program), a failed one gives way to its next candidate, and the program is solved again until
 every part it uses has passed. Leaving every operator apart is always a combination, so the result
