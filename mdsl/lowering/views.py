@@ -8,6 +8,7 @@ from mdsl.ir.graph import Node
 
 
 def is_view(node: Node) -> bool:
+    """Whether kernel-level `node` is a view: a reshape, or a transpose that `keeps_order`."""
     if node.op == "reshape":
         return True
     if node.op != "transpose" or node.body is not None:
