@@ -123,7 +123,7 @@ def elided_launches(graph: KernelGraph, launches: Sequence, plan: BufferPlan, by
     from mdsl.lowering.gemm import swaps_last_two
 
     def reads(j: int) -> tuple:
-        if by_library[j] and plan.library_slots and plan.library_slots[j]:
+        if by_library[j] and plan.library_slots[j]:
             return plan.library_slots[j]
         return plan.launch_slots[j]
 
@@ -187,7 +187,7 @@ class Executable:
             check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
         self._param_blocks = []
         steps = [self._prepare(launch, slots, library) for launch, slots, library in
-                 zip(program.launches, plan.launch_slots, plan.library_slots or [()] * len(plan.launch_slots))]
+                 zip(program.launches, plan.launch_slots, plan.library_slots)]
         #: the launches a run leaves out: transposes whose only readers are library GEMMs reading their input
         elided = sorted(elided_launches(self.graph, program.launches, plan, [type(step) is not tuple for step in steps]))
         self.elided = tuple(program.launches[i].name for i in elided)
