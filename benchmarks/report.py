@@ -20,6 +20,8 @@ table):
     docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
     docs/results/torch_compile_prefill.json
                                      benchmarks/torch_compile.py --workloads prefill --out DIR  (its own run)
+    docs/results/torch_compile_graphs.json
+                                     benchmarks/torch_compile.py --contenders eager,reduce-overhead --out DIR
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
@@ -58,7 +60,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "torch_compile_prefill", "serve", "serve_megakernel", "serve_http", "gemm_prefill",
+OPTIONAL = ("torch_compile", "torch_compile_prefill", "torch_compile_graphs", "serve", "serve_megakernel", "serve_http", "gemm_prefill",
             "decode_moe")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
@@ -374,41 +376,48 @@ def call_section(data: Optional[dict]) -> list:
 
 
 def torch_compile_section(data: Optional[dict], more: Sequence = ()) -> list:
-    """The torch.compile table of one run, or of several (`more`: runs of a workload of their own, each with its
-    run line; None where it has not run)."""
+    """The torch.compile table of one run, or of several (`more`: further runs, each of the workloads and
+    contenders its command names; None where it has not run). Rows name their run; a speed-up is over the
+    same run's Inductor default mode, so a run without it has none."""
     lines = ["## torch.compile: the mdsl backend against Inductor", ""]
     if data is None:
         return lines + ["No results: `benchmarks/torch_compile.py` has not run into docs/results/ yet.", ""]
     runs = [data, *(m for m in more if m is not None)]
     meta = data.get("meta") or {}
-    for r in runs:   # (a run's command names its workloads)
-        lines += [run_line(r.get("meta")), ""]
-    lines += [
+    for i, r in enumerate(runs, 1):   # (a run's command names its workloads and contenders)
+        lines += [f"{run_line(r.get('meta'))} Its rows: run {i}."]
+    lines += ["",
               f"transformers' Qwen3ForCausalLM of Qwen3-0.6B's shapes ({meta.get('layers', '?')} layers, random bf16 "
               f"weights), batch 1, torch {meta.get('torch', '?')}: ms per call, host time included (median of "
               f"{meta.get('samples', '?')} samples of {meta.get('batch', '?')} back-to-back calls between CUDA "
               "events), "
-              "each contender compiled in the same process on the same inputs; speed-up: Inductor's default "
-              "mode's time over the contender's; L2 error: the logits against eager's. mdsl: "
-              "`torch.compile(backend=\"mdsl\")`, its calls replaying a CUDA graph (mdsl-no-graphs: without).", ""]
-    rows = []
-    workloads = {name: w for r in runs for name, w in (r.get("workloads") or {}).items()}
-    for workload, w in workloads.items():
-        base = (w.get("contenders", {}).get("inductor") or {}).get("ms")
-        for name, c in (w.get("contenders") or {}).items():
-            ms = c.get("ms")
-            rows.append([workload, name, f"{ms:.3f}" if ms else "-", _times(base / ms) if base and ms else "-",
-                         f"{c['compile_s']:.1f}" if "compile_s" in c else "-",
-                         f"{c['l2_rel_err']:.1e}" if c.get("l2_rel_err") is not None else "-",
-                         {True: "yes", False: "no"}.get(c.get("argmax_match"), "-"),
-                         _regions(c.get("mdsl")),
-                         c.get("status", "-") if c.get("status") not in ("error", "cut") else
-                         f"{c['status']}: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
-    lines += _table(["workload", "contender", "ms", "speed-up", "compile s", "L2 error", "argmax", "mdsl regions",
-                     "verdict"], rows, right=2, last_left=True) + [""]
+              "each contender of a run compiled in the same process on the same inputs; speed-up: the same run's "
+              "Inductor default mode's time over the contender's; GPU ms: the kernels' time per call under "
+              "torch.profiler (runs with --profile); L2 error: the logits against eager's. mdsl: "
+              "`torch.compile(backend=\"mdsl\")`, its calls replaying a CUDA graph (mdsl-no-graphs: without); "
+              "reduce-overhead: Inductor with CUDA graphs.", ""]
+    rows, whats = [], {}
+    for i, r in enumerate(runs, 1):
+        for workload, w in (r.get("workloads") or {}).items():
+            whats.setdefault(workload, w)
+            base = (w.get("contenders", {}).get("inductor") or {}).get("ms")
+            for name, c in (w.get("contenders") or {}).items():
+                ms = c.get("ms")
+                kernels = c.get("kernels")
+                gpu = sum(k.get("us_per_call", 0) for k in kernels) / 1e3 if kernels else None
+                rows.append([str(i), workload, name, f"{ms:.3f}" if ms else "-",
+                             _times(base / ms) if base and ms else "-", f"{gpu:.3f}" if gpu else "-",
+                             f"{c['compile_s']:.1f}" if "compile_s" in c else "-",
+                             f"{c['l2_rel_err']:.1e}" if c.get("l2_rel_err") is not None else "-",
+                             {True: "yes", False: "no"}.get(c.get("argmax_match"), "-"),
+                             _regions(c.get("mdsl")),
+                             c.get("status", "-") if c.get("status") not in ("error", "cut") else
+                             f"{c['status']}: " + str(c.get("error", ""))[:120].replace("|", "\\|")])
+    lines += _table(["run", "workload", "contender", "ms", "speed-up", "GPU ms", "compile s", "L2 error", "argmax",
+                     "mdsl regions", "verdict"], rows, right=3, last_left=True) + [""]
     lines += [f"{workload}: {w.get('what', '')}; bf16's own L2 error (eager against float32) "
               f"{w['bf16_floor']:.1e}." if w.get("bf16_floor") is not None else f"{workload}: {w.get('what', '')}."
-              for workload, w in workloads.items()] + [""]
+              for workload, w in whats.items()] + [""]
     return lines
 
 
@@ -769,11 +778,15 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
-    for run in (results.get("torch_compile"), results.get("torch_compile_prefill")):   # mdsl over Inductor's default
+    for run in (results.get("torch_compile"), results.get("torch_compile_prefill"),
+                results.get("torch_compile_graphs")):   # mdsl over Inductor's default in one run; each one's ms
         for workload, w in ((run or {}).get("workloads") or {}).items():
             ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
             if ms.get("inductor") and ms.get("mdsl"):
                 h[f"torch_compile_{workload}"] = _times(ms["inductor"] / ms["mdsl"])
+            for name, t in ms.items():
+                if t:
+                    h[f"torch_compile_{workload}_ms_{name}"] = f"{t:.2f} ms"
     for run in results.get("random_programs_gpu") or []:   # the last seed's figures
         summary = run.get("summary") or {}
         if "gpu_geomean_speedup_vs_best" in summary:
@@ -805,7 +818,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
     sections = (("torch_compile", functools.partial(torch_compile_section,
-                                                     more=(results.get("torch_compile_prefill"),))),
+                                                     more=(results.get("torch_compile_prefill"),
+                                                           results.get("torch_compile_graphs")))),
                 ("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
