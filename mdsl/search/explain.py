@@ -130,8 +130,8 @@ def _part_reason(part: Optional[dict], record: dict, outcomes: dict, stats: Sear
         return f"the search's {what} ran out before the part joining them was tried"
     assert status == FUSED and span is not None
     if not part.get("complete", True):
-        return (f"the search's {what} ran out while the part joining them was lifted (its best fused kernel so "
-                f"far is estimated at {part['fused_s'] * 1e6:.3g} us)")
+        return (f"the search's {what} ran out before the part joining them was lifted under every choice (its "
+                f"best fused kernel so far is estimated at {part['fused_s'] * 1e6:.3g} us)")
     assemblies = record.get("assemblies", {})
     best = next(iter(assemblies), None)   # the partition's best plan; the others are its fallbacks
     outcome = outcomes.get(best, "it was not verified") if best is not None else None

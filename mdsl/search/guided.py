@@ -637,7 +637,7 @@ class LiftResult:
 
 
 def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=None, *, work: str = "guided",
-             limit: int = 48, probe: bool = False, **space) -> LiftResult:
+             limit: int = 48, probe: bool = False, probes_only: bool = False, **space) -> LiftResult:
     """Every choice of `choices(graph, ..., **space)` lifted; each lifting costs one step of the search's
     work budget under the name `work` (`stats.work`), and lifting stops when it is spent or at the
     search's deadline (`complete` is then False).
@@ -645,7 +645,10 @@ def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
     With `probe`, the choices of one *structure* (loop label, grid labels, split or not, threads) are
     lifted only if the one with the smallest tiles lifts: whether a structure lifts depends on the
     program and the structure, and its tiles' shared memory only grows with their size. (A part of a
-    program, searched with many others, is lifted so.)"""
+    program, searched with many others, is lifted so.) With `probes_only` as well, only those smallest
+    tiles are lifted: a candidate per structure that lifts, at a step or so per structure where every
+    choice costs hundreds; `complete` then says every structure was probed, and no candidate means that
+    no choice lifts."""
     blocked = next((n for n in graph.nodes if LIFT_RULES.get(n.op) is None), None)
     if blocked is not None:   # no choice lifts it: every lifting would stop at this operator
         message = f"{blocked.op} does not lift into a block graph"
@@ -662,7 +665,7 @@ def lift_all(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats=No
         if probe and len(group) > 1:
             smallest = min(group, key=lambda c: _tile_volume(c, labels))
             group = [smallest] + [c for c in group if c is not smallest]
-        for k, choice in enumerate(group):
+        for k, choice in enumerate(group[:1] if probe and probes_only else group):
             if stats is not None and (stats.out_of_time() or not stats.work(work)):
                 stats.count("stopped", f"{work}: {'time' if stats.out_of_time() else 'work'}")
                 return LiftResult(tuple(sorted(found.values(), key=estimate)[:limit]), failures, False)

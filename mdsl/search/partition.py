@@ -11,7 +11,8 @@ or share (a shared input joins independent products of it into one kernel: q, k 
 a program of its own, the *sub-program*, whose inputs are the values it reads from outside and whose
 outputs are the values read after it (or returned).
 
-**Superoptimizing a part**: `guided.lift_all` lifts the sub-program under every grid/loop choice, so
+**Superoptimizing a part**: `guided.lift_all` lifts the sub-program under each structure's smallest tiles
+(a probe), and the parts the best combination uses under every grid/loop choice (`Partition.analyse`), so
 the lifting rules apply per part: an element-wise chain runs in its producer's epilogue or consumer's
 prologue (it lifts into the same block graph), a norm's statistics fold into the next matmul's loop
 (accum_rms), softmax into online softmax, a contraction is split across blocks (split-K, split-KV),
@@ -107,6 +108,7 @@ class _Part:
     status: str = NOT_TRIED
     reason: str = ""
     complete: bool = False        # every grid and loop choice was lifted (the budget did not cut it short)
+    refined: bool = False         # lifted under every choice, not only each structure's probe
     wrapped: Optional[Wrapped] = None   # its layout changes moved to its boundary (`layout.boundary_views`)
     options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
 
@@ -209,12 +211,28 @@ class Partition:
     # -- the parts -------------------------------------------------------------------------------
 
     def analyse(self) -> None:
-        """Every part, shortest first (each fusion of two operators before the longer ones)."""
+        """Every part probed, shortest first (each fusion of two operators before the longer ones), then
+        refined: the parts of the best combination lifted under every choice, the combination solved
+        again, until it uses refined parts only; then the other parts that lift, those whose probes save
+        the most against their operators apart first."""
         for length in range(2, min(MAX_PART_NODES, self.n) + 1):
             for start in range(0, self.n - length + 1):
                 part = self._part(start, start + length)
                 if part is not None and part.status == NOT_TRIED and not self.stopped:
-                    self._lift(part)
+                    self._lift(part, refine=False)
+        while not self.stopped:
+            pending = [self.parts[i, j] for i, j, option in self.best()
+                       if option is not None and not self.parts[i, j].refined]
+            if not pending:
+                break
+            for part in pending:
+                if not self.stopped:
+                    self._lift(part, refine=True)
+        rest = sorted((p for p in self.parts.values() if p is not None and p.status == FUSED and not p.refined),
+                      key=lambda p: (self._apart(p) - p.options[0][1].seconds, p.stop - p.start), reverse=True)
+        for part in rest:
+            if not self.stopped:
+                self._lift(part, refine=True)
 
     def _part(self, start: int, stop: int) -> Optional[_Part]:
         if (start, stop) in self.parts:
@@ -237,20 +255,31 @@ class Partition:
         self.parts[start, stop] = part
         return part
 
-    def _lift(self, part: _Part) -> None:
+    def _apart(self, part: _Part) -> float:
+        """The part's operators' estimated seconds, each a kernel of its own."""
+        return sum(s.seconds for s in self.single[part.start:part.stop])
+
+    def _lift(self, part: _Part, refine: bool) -> None:
+        """Lift the part under each structure's probe (`guided.lift_all`'s probes_only), or, to `refine`
+        it, under every choice; its options are the cheapest PART_CANDIDATES of what either found."""
         wrapped, program = part.wrapped, part.program
         result = lift_all(program if wrapped is None else wrapped.core, self.config, self.stats, work=self.work,
-                          limit=PART_CANDIDATES, probe=True, max_split=PART_MAX_SPLIT)
+                          limit=PART_CANDIDATES, probe=True, probes_only=not refine, max_split=PART_MAX_SPLIT)
         if not result.complete:
             self.stopped = "time" if self.stats.out_of_time() else "work"
-        part.complete = result.complete
         found = result.candidates if wrapped is None else \
             [attrs.evolve(program, nodes=wrapped.around(g)) for g in result.candidates]
-        part.options = [[g, estimate(g), None] for g in found]
-        if part.options:
-            part.status = FUSED
-        elif result.complete:
-            part.status, part.reason = NO_LIFT, _no_lift_reason(result.failures)
+        if not found and not part.options:   # no probe lifts: neither does any other choice
+            part.complete = result.complete
+            if result.complete:
+                part.status, part.reason = NO_LIFT, _no_lift_reason(result.failures)
+            return
+        keys = {g.key for g in found}
+        found = [*found, *(o[0] for o in part.options if o[0].key not in keys)]
+        part.options = sorted(([g, estimate(g), None] for g in found), key=lambda o: o[1])[:PART_CANDIDATES]
+        part.status = FUSED
+        part.refined = part.refined or refine
+        part.complete = refine and result.complete
 
     # -- the combination ---------------------------------------------------------------------------
 
@@ -333,7 +362,7 @@ class Partition:
             parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
                                 "fused_s": option[1].seconds if option is not None else None,
                                 "launches": option[1].launches if option is not None else None,
-                                "apart_s": sum(s.seconds for s in self.single[i:j])}
+                                "apart_s": self._apart(part)}
         return {"nodes": [_describe(n) for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
                 "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,
                 "single_s": [s.seconds for s in self.single]}

@@ -263,3 +263,38 @@ def test_a_transpose_cublas_reads_in_place_is_left_to_it_rather_than_made_for_a_
     plan = part.assemble(part.screened_best())
     # ... and yet the combination keeps the product a library GEMM that reads w in place
     assert [n.op for n in plan.nodes] == ["transpose", "matmul", "add"] and library_read_transposes(plan)
+
+
+def _residual_norms():
+    @mdsl.kernel
+    def residual_norms(x: Tensor[64, 256, f16], y: Tensor[64, 256, f16], w: Tensor[1, 256, f16]):
+        h = x + y                                        # two residual adds, each with an rms norm spelled out
+        n = h * mdsl.rsqrt(mdsl.mean(h * h, dim=-1, keepdim=True) + 1e-6) * w
+        g = n + x
+        return g * mdsl.rsqrt(mdsl.mean(g * g, dim=-1, keepdim=True) + 1e-6) * w
+    return residual_norms.graph
+
+
+def test_probes_reach_the_long_parts_that_lifting_every_choice_of_the_short_ones_would_not():
+    # lifting every choice of each two-operator part costs ~100-300 steps apiece: 1000 steps would end at
+    # parts of three operators; a probe per structure reaches every length, and the combination's parts
+    # are then lifted under every choice
+    graph = _residual_norms()
+    config = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1, work=1000)
+    part = partition.Partition(graph, config, SearchStats(work_limit=config.work))
+    part.analyse()
+    assert part.stopped == "work"
+    combination = part.screened_best()
+    fused = [(i, j) for i, j, option in combination if option is not None]
+    assert fused == [(0, 7), (7, 14)]                             # a residual add and its norm: one kernel each
+    assert all(part.parts[span].refined for span in fused)
+
+
+def test_with_work_to_spare_every_part_that_lifts_is_lifted_under_every_choice():
+    graph = _residual_norms()
+    part = partition.Partition(graph, CONFIG, SearchStats(work_limit=CONFIG.work))
+    part.analyse()
+    assert not part.stopped
+    lifted = [p for p in part.parts.values() if p is not None and p.status == partition.FUSED]
+    assert lifted and all(p.refined and p.complete for p in lifted)
+    assert all(p.complete for p in part.parts.values() if p is not None and p.status == partition.NO_LIFT)
