@@ -17,11 +17,8 @@ table):
     docs/results/gemm.json           benchmarks/gemm.py --out DIR             (DIR/gemm.json)
     docs/results/gemm_prefill.json   benchmarks/gemm.py --rows 1024,4096 --shapes K:N,... --out DIR  (DIR/gemm.json)
     docs/results/call_overhead.json  benchmarks/call_overhead.py --out DIR    (DIR/call_overhead.json)
-    docs/results/torch_compile.json  benchmarks/torch_compile.py --out DIR    (DIR/torch_compile.json)
-    docs/results/torch_compile_prefill.json
-                                     benchmarks/torch_compile.py --workloads prefill --out DIR  (its own run)
-    docs/results/torch_compile_graphs.json
-                                     benchmarks/torch_compile.py --contenders eager,reduce-overhead --out DIR
+    docs/results/torch_compile*.json benchmarks/torch_compile.py [--workloads W] [--contenders C] --out DIR
+                                     (DIR/torch_compile.json; one file a run, each its own name)
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
@@ -60,7 +57,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("torch_compile", "torch_compile_prefill", "torch_compile_graphs", "serve", "serve_megakernel", "serve_http", "gemm_prefill",
+OPTIONAL = ("serve", "serve_megakernel", "serve_http", "gemm_prefill",
             "decode_moe")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
@@ -72,7 +69,8 @@ MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen
 
 def load_results(results: Path = RESULTS) -> dict:
     """Input name -> its parsed JSON (None where the file is missing); "random_programs": the runs of
-    benchmarks/random_programs.py, one file per seed, in seed order."""
+    benchmarks/random_programs.py, one file per seed, in seed order; "torch_compile": the runs of
+    benchmarks/torch_compile.py, in date order."""
     out = {}
     for name in INPUTS + OPTIONAL:
         path = results / f"{name}.json"
@@ -81,6 +79,8 @@ def load_results(results: Path = RESULTS) -> dict:
                          ("random_programs_gpu", "random_programs_gpu_seed*.json")):
         runs = [json.loads(p.read_text()) for p in results.glob(pattern)]
         out[key] = sorted(runs, key=lambda r: (r.get("meta") or {}).get("seed", 0))
+    runs = [json.loads(p.read_text()) for p in results.glob("torch_compile*.json")]
+    out["torch_compile"] = sorted(runs, key=lambda r: (r.get("meta") or {}).get("date", ""))
     return out
 
 
@@ -375,15 +375,14 @@ def call_section(data: Optional[dict]) -> list:
     return lines
 
 
-def torch_compile_section(data: Optional[dict], more: Sequence = ()) -> list:
-    """The torch.compile table of one run, or of several (`more`: further runs, each of the workloads and
-    contenders its command names; None where it has not run). Rows name their run; a speed-up is over the
-    same run's Inductor default mode, so a run without it has none."""
+def torch_compile_section(runs: Sequence[dict]) -> list:
+    """The torch.compile table of its runs (each of the workloads and contenders its command names).
+    Rows name their run; a speed-up is over the same run's Inductor default mode, so a run without it has
+    none."""
     lines = ["## torch.compile: the mdsl backend against Inductor", ""]
-    if data is None:
+    if not runs:
         return lines + ["No results: `benchmarks/torch_compile.py` has not run into docs/results/ yet.", ""]
-    runs = [data, *(m for m in more if m is not None)]
-    meta = data.get("meta") or {}
+    meta = runs[0].get("meta") or {}
     for i, r in enumerate(runs, 1):   # (a run's command names its workloads and contenders)
         lines += [f"{run_line(r.get('meta'))} Its rows: run {i}."]
     lines += ["",
@@ -778,9 +777,8 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
-    for run in (results.get("torch_compile"), results.get("torch_compile_prefill"),
-                results.get("torch_compile_graphs")):   # mdsl over Inductor's default in one run; each one's ms
-        for workload, w in ((run or {}).get("workloads") or {}).items():
+    for run in results.get("torch_compile") or []:   # mdsl over Inductor's default in one run, each one's ms: the latest
+        for workload, w in (run.get("workloads") or {}).items():
             ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
             if ms.get("inductor") and ms.get("mdsl"):
                 h[f"torch_compile_{workload}"] = _times(ms["inductor"] / ms["mdsl"])
@@ -817,10 +815,9 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     lines += gemm_section(results.get("gemm"))
     lines += gemm_prefill_section(results.get("gemm_prefill"))
     lines += call_section(results.get("call_overhead"))
-    sections = (("torch_compile", functools.partial(torch_compile_section,
-                                                     more=(results.get("torch_compile_prefill"),
-                                                           results.get("torch_compile_graphs")))),
-                ("serve", serve_section),
+    if results.get("torch_compile"):
+        lines += torch_compile_section(results["torch_compile"])
+    sections = (("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
                 ("serve_http", serve_http_section))

@@ -88,9 +88,9 @@ def test_the_table_shows_times_speed_ups_errors_and_what_went_wrong():
 
 
 def test_the_performance_page_has_the_section_with_or_without_results():
-    missing = report.torch_compile_section(None)
+    missing = report.torch_compile_section([])
     assert missing[0] == "## torch.compile: the mdsl backend against Inductor" and "has not run" in missing[2]
-    text = "\n".join(report.torch_compile_section(_results()))
+    text = "\n".join(report.torch_compile_section([_results()]))
     assert text.count("\nRun: 2026-12-03, NVIDIA H200, commit `abcdef1`") == 1
     assert "| 1 | decode | mdsl | 0.500 | 4.00× | - | 40.0 | 6.0e-03 | yes | 57 (5 distinct), 200 ops to torch | ok |" \
         in text
@@ -103,12 +103,12 @@ def test_a_workload_s_own_run_joins_the_table_with_its_run_line():
     prefill["meta"] = {**prefill["meta"], "mdsl_commit": "1234567", "command": "benchmarks/torch_compile.py "
                                                                                 "--workloads prefill"}
     prefill["workloads"] = {"prefill": prefill["workloads"]["decode"]}
-    text = "\n".join(report.torch_compile_section(_results(), more=(prefill, None)))
+    text = "\n".join(report.torch_compile_section([_results(), prefill]))
     assert text.count("\nRun: 2026-12-03, NVIDIA H200, commit `abcdef1`") == 1
     assert "\nRun: 2026-12-03, NVIDIA H200, commit `1234567`, `python benchmarks/torch_compile.py --workloads " \
            "prefill`" in text
     assert "| 1 | decode | mdsl | 0.500 | 4.00× |" in text and "| 2 | prefill | mdsl | 0.500 | 4.00× |" in text
-    h = report.headlines({"torch_compile": _results(), "torch_compile_prefill": prefill})
+    h = report.headlines({"torch_compile": [_results(), prefill]})
     assert (h["torch_compile_decode"], h["torch_compile_prefill"]) == ("4.00×", "4.00×")
     assert (h["torch_compile_decode_ms_mdsl"], h["torch_compile_prefill_ms_eager"]) == ("0.50 ms", "8.00 ms")
 
@@ -120,12 +120,17 @@ def test_a_later_run_of_the_same_workload_adds_rows_without_a_speed_up_it_lacks_
         "eager": {"status": "ok", "ms": 9.0}, "reduce-overhead": {"status": "ok", "ms": 0.25, "compile_s": 20.0,
                                                                   "kernels": [{"us_per_call": 150.0},
                                                                               {"us_per_call": 50.0}]}}
-    text = "\n".join(report.torch_compile_section(_results(), more=(None, graphs)))
+    text = "\n".join(report.torch_compile_section([_results(), graphs]))
     assert "| 1 | decode | mdsl | 0.500 | 4.00× |" in text   # the first run's rows stay
     assert "| 2 | decode | reduce-overhead | 0.250 | - | 0.200 | 20.0 |" in text
     assert "commit `7654321`, `python benchmarks/torch_compile.py`. Its rows: run 2." in text
-    h = report.headlines({"torch_compile": _results(), "torch_compile_graphs": graphs})
+    h = report.headlines({"torch_compile": [_results(), graphs]})
     assert h["torch_compile_decode"] == "4.00×" and h["torch_compile_decode_ms_reduce-overhead"] == "0.25 ms"
+    later = _results()
+    later["workloads"]["decode"]["contenders"]["mdsl"] = {**later["workloads"]["decode"]["contenders"]["mdsl"],
+                                                          "ms": 0.25}
+    h = report.headlines({"torch_compile": [_results(), graphs, later]})   # the latest run's figures
+    assert (h["torch_compile_decode"], h["torch_compile_decode_ms_mdsl"]) == ("8.00×", "0.25 ms")
 
 
 class _Event(SimpleNamespace):
