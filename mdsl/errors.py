@@ -25,7 +25,10 @@ class SourceLoc:
     def source_line(self) -> Optional[str]:
         if self.file not in linecache.cache and not _may_read(self.file):
             return None
-        text = linecache.getline(self.file, self.line)
+        try:
+            text = linecache.getline(self.file, self.line)
+        except (OSError, ValueError):   # a name no file can have (a NUL byte, an unencodable character)
+            return None
         return text.rstrip("\n") if text else None
 
     def render(self) -> str:

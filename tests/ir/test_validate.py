@@ -361,3 +361,12 @@ def test_error_renders_the_source_line():
     text = str(err)
     assert text.splitlines()[0].startswith(f"{__file__}:3:1: matmul")
     assert "^^^^" in text
+
+
+@pytest.mark.parametrize("file", ["model\x00.py", "model\udfa9.py"])
+def test_an_error_at_a_location_no_file_can_have_still_prints(file):
+    # a location read from a user's JSON (mdsl.ir.serialize) may name anything; its message must still print
+    loc = SourceLoc(file, 3, 0, 4)
+    err = raises(ShapeError, "declared", loc, validate_kernel_graph,
+                 KernelGraph("g", [X, W], [node("matmul", [X, W], [var("y", (4, 5))], loc=loc)], [var("y", (4, 5))]))
+    assert "matmul" in str(err) and loc.render() == ""
