@@ -76,8 +76,8 @@ from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
 
 #: Operators in one part at most: a residual add, a norm spelled out in its element-wise steps and its scale
-#: make ten (each part is probed before any is lifted under every choice, so long parts cost little).
-MAX_PART_NODES = 12
+#: make ten (each part is probed before any is lifted under every choice, so the long parts are reached).
+MAX_PART_NODES = 10
 #: A part's cheapest lifted candidates kept for the combination.
 PART_CANDIDATES = 4
 #: Work steps one reduced-instance screen costs (of the "partition screens" allowance: the screens have

@@ -291,7 +291,12 @@ def test_probes_reach_the_long_parts_that_lifting_every_choice_of_the_short_ones
 
 
 def test_with_work_to_spare_every_part_that_lifts_is_lifted_under_every_choice():
-    graph = _residual_norms()
+    @mdsl.kernel
+    def residual_norm(x: Tensor[64, 256, f16], y: Tensor[64, 256, f16]):
+        h = x + y
+        return h * mdsl.rsqrt(mdsl.mean(h * h, dim=-1, keepdim=True) + 1e-6)
+
+    graph = residual_norm.graph
     part = partition.Partition(graph, CONFIG, SearchStats(work_limit=CONFIG.work))
     part.analyse()
     assert not part.stopped
