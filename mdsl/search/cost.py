@@ -1,8 +1,8 @@
 """The cost model: a mugraph's device-memory traffic, launches (one per kernel, but one for a split and its
-combine where they qualify: mdsl.lowering.onelaunch; none for a view (mdsl.lowering.views), nor for a transpose that cuBLAS reads in
-place: mdsl.lowering.gemm.library_read_transposes), shared memory and parallelism, and the time they
-imply on a target GPU. It ranks verified candidates before (and without) measurement,
-and gives each program its roofline floor.
+combine where they qualify: mdsl.lowering.onelaunch; none for a view (mdsl.lowering.views), nor for a
+transpose that cuBLAS reads in place: mdsl.lowering.gemm.library_read_transposes), shared memory and
+parallelism, and the time they imply on a target GPU. It ranks verified candidates before (and without)
+measurement, and gives each program its roofline floor.
 """
 from __future__ import annotations
 
@@ -70,8 +70,6 @@ class Device:
 #: The H200 as measured on the test machine (docs/design.md, section "Search"): 4.25 TB/s device-to-device
 #: copy, ~750 TFLOP/s bf16.
 H200 = Device("NVIDIA H200", 132, 4.25e12, 750e12, 60 * 2**20, SMEM_LIMIT_BYTES, 2.0e-6, 10e12, 1.0e-6, 120e9)
-
-#: Layout operators that are views of their input: no kernel, no traffic.
 
 
 @attrs.frozen

@@ -276,8 +276,8 @@ class Partition:
                 part.status, part.reason = NO_LIFT, _no_lift_reason(result.failures)
             return
         keys = {g.key for g in found}
-        found = [*found, *(o[0] for o in part.options if o[0].key not in keys)]
-        part.options = sorted(([g, estimate(g), None] for g in found), key=lambda o: o[1])[:PART_CANDIDATES]
+        options = [[g, estimate(g), None] for g in found] + [o for o in part.options if o[0].key not in keys]
+        part.options = sorted(options, key=lambda o: o[1])[:PART_CANDIDATES]
         part.status = FUSED
         part.refined = part.refined or refine
         part.complete = refine and result.complete
