@@ -8,10 +8,10 @@ the checkpoint's dtype), the page pools ([pages, page_size, kv heads, head dim] 
 checkpoint's dtype: the values the CPU device's float32 pools hold) and the float32 activations live in
 device memory, and every layer op of the step function runs as kernels over all the step's token rows
 (mdsl/serving/step_kernels.cu), by its rule in `GPU_STEP_RULES` (one rule per op, the GPU twin of
-mdsl.serving.steprules.STEP_RULES). Linear layers with 16-bit weights run on tensor cores (mma.sync), the
-others on the CUDA cores. A step uploads its rows (token, position, entry) and the page tables, runs the
-program, and reads back the logits of the rows that sample; a step of a shape (rows, rows that sample)
-seen before replays the program as a CUDA graph.
+mdsl.serving.steprules.STEP_RULES). Linear layers with 16-bit weights run on tensor cores (wgmma and TMA on
+a Hopper GPU: mdsl.serving.gpu_wgmma; mma.sync elsewhere), the others on the CUDA cores. A step uploads its
+rows (token, position, entry) and the page tables, runs the program, and reads back the logits of the rows
+that sample; a step of a shape (rows, rows that sample) seen before replays the program as a CUDA graph.
 
 Every kernel keeps a row's reductions in an order fixed by the row alone (step_kernels.cu says how), so a
 request's logits are bit-identical whatever else shares its steps and however its prompt is chunked.
@@ -174,7 +174,9 @@ def _linear(xs, outs, a, b, residual: Optional[Operand] = None):
         sizes = [int(w.shape[0]) for w in group]
         parts = _Parts((ctypes.c_void_p * MAX_PARTS)(*[w.ptr for w in group]),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_starts(sizes)), len(group))
-        if mma is not None:
+        if mma is not None and dev.wgmma is not None:
+            dev.wgmma.launch(outs[0], x, group, residual, b.rows, offset)
+        elif mma is not None:
             starts = _TileStarts((ctypes.c_int * (MAX_PARTS + 1))(*_starts([-(-n // 16) for n in sizes])))
             dev.launch(_weighted("linear_mma", group[0]), (tiles, mma_splits(tiles, x.width, dev.sms)), MMA_WARPS * 32,
                        [_p(outs[0]), ctypes.c_void_p(dev.partials), ctypes.c_void_p(dev.linear_arrivals), _p(x), parts,
@@ -428,14 +430,22 @@ class GpuDevice(CpuDevice):
             elif n.op == "add_bias":
                 self.joined([self.values[v.name] for v in n.inputs[1:]])
         before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
-        partials, tiles = 1, 1
+        partials, tiles, tensor_core = 1, 1, []
         for n in self.nodes:
             if n.op == "linear":
                 k = int(n.inputs[0].shape[-1])
-                for _, mma, count in linear_launches(k, [self.values[v.name] for v in n.inputs[1:]]):
+                for group, mma, count in linear_launches(k, [self.values[v.name] for v in n.inputs[1:]]):
                     if mma is not None:
                         partials = max(partials, mma_splits(count, k, self.sms) * rows * count * 16)
                         tiles = max(tiles, count)
+                        tensor_core.append((k, [int(w.shape[0]) for w in group]))
+        # on a Hopper GPU the tensor-core linears run on wgmma (mdsl.serving.gpu_wgmma), elsewhere on mma.sync
+        self.wgmma = None
+        if tensor_core and target_arch(self.ordinal) == "sm_90a":
+            from mdsl.serving.gpu_wgmma import WgmmaLinears, scratch
+
+            partials, tiles = scratch(tensor_core, rows, self.sms)
+            self.wgmma = WgmmaLinears(self, max(k for k, _ in tensor_core))
         # a tensor-core linear's split-k partials and the count of each tile's splits done, of one at a time
         self.partials = array(None, (partials,), f32)
         self.linear_arrivals = array(None, (tiles,), i32)

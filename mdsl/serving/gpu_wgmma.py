@@ -1,0 +1,182 @@
+"""The GPU serving device's linears with 16-bit weights on a Hopper GPU (compute capability 9.0): wgmma and
+TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend on the step). Elsewhere the
+mma.sync linear of step_kernels.cu runs them.
+
+A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (128-column tiles of the weights side by side,
+tiles of RN rows, k splits), after `split_rows` (the input rows as 16-bit hi and lo rows, read by TMA) where
+RN is 64 or more. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row
+computes 8 padded rows, not 64 or 128); the k splits come from the weights alone (`wgmma_splits`).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from mdsl.backend.cuda.hopper_gemm import HEADER, _MARKER, encode_tensor_map, tensor_map_arguments, wgmma_source
+from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
+from mdsl.ir.dtypes import bf16, f16
+
+SOURCE = Path(__file__).with_name("linear_wgmma.cuh")
+ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
+FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
+BK = 64                           # k a stage
+THREADS = 384                     # a producer warpgroup and two consumers
+TMA_ROWS = 64                     # linear_wgmma.cuh's Ring::TMA_ROWS: from this RN the rows come through TMA
+SPLIT_THREADS = 256
+MAX_PARTS = 4                     # linear_wgmma.cuh's: weights side by side in one launch
+STAGE_SPACE = 196608              # linear_wgmma.cuh's Ring: shared memory for the stages
+MIN_STEPS = 4                     # k steps a split runs at least (its ring's pipeline needs a few)
+_NAMES = {bf16: "bf16", f16: "f16"}
+_CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+
+
+def row_tile(rows: int) -> int:
+    """RN for a step of `rows` rows: the smallest row tile that holds them, else the largest."""
+    return next((rn for rn in ROW_TILES if rn >= rows), ROW_TILES[-1])
+
+
+def stages(rn: int) -> int:
+    return min(8, STAGE_SPACE // (FEATURES * BK * 2 + 2 * rn * BK * 2))
+
+
+def smem_bytes(rn: int) -> int:
+    """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, and the slack that aligns them to 1024."""
+    return stages(rn) * (FEATURES * BK * 2 + 2 * rn * BK * 2) + 16 * stages(rn) + 1024
+
+
+def wgmma_splits(tiles: int, k: int, sms: int) -> int:
+    """The blocks over which a linear of `tiles` 128-column tiles splits k: enough for two blocks an SM at
+    one row tile, each at least MIN_STEPS of the 64-wide k steps (fewer where k is short), every split
+    non-empty; by the weights alone, never the rows."""
+    steps = -(-k // BK)
+    splits = max(1, min(-(-2 * sms // tiles), steps // MIN_STEPS))
+    per = -(-steps // splits)
+    return -(-steps // per)
+
+
+def kernel_name(dtype: str, rn: int) -> str:
+    return f"linear_wgmma_{dtype}_{rn}"
+
+
+@functools.cache
+def kernel_source() -> str:
+    """The module: the prelude, hopper_gemm.cuh with the wgmma instructions of every row tile, this linear,
+    and its kernels for bf16 and f16 weights at each row tile, with `split_rows`."""
+    header = HEADER.read_text()
+    if _MARKER not in header:
+        raise AssertionError(f"{HEADER.name} lost its marker line {_MARKER.strip()!r}")
+    instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
+    kernels = [f'extern "C" __global__ void split_rows_{d}({ctype}* hi, {ctype}* lo, const float* x, int k) '
+               f"{{ mdsl::serve_tc::split_rows(hi, lo, x, k); }}\n" for d, ctype in _CTYPES.items()]
+    kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(d, rn)}(\n'
+                "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
+                "    const __grid_constant__ mdsl::hopper::TensorMap hi, const __grid_constant__ mdsl::hopper::TensorMap lo,\n"
+                "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
+                "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset) {\n"
+                "  extern __shared__ __align__(1024) unsigned char smem[];\n"
+                f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &hi, &lo, x, out, part, arrivals, residual, "
+                "parts, rows, k, out_width, offset);\n}\n"
+                for d, ctype in _CTYPES.items() for rn in ROW_TILES]
+    return (INCLUDES + PRELUDE + header.replace(_MARKER, _MARKER + instructions) + "\n" + SOURCE.read_text() + "\n"
+            + "".join(kernels))
+
+
+class _Parts(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Parts
+    _fields_ = [("start", ctypes.c_int * (MAX_PARTS + 1)), ("tile", ctypes.c_int * (MAX_PARTS + 1)),
+                ("count", ctypes.c_int)]
+
+
+def _cumulative(sizes: list) -> list:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out + [out[-1]] * (MAX_PARTS + 1 - len(out))
+
+
+def tiles_of(sizes: list) -> int:
+    return sum(-(-n // FEATURES) for n in sizes)
+
+
+def scratch(linears: list, rows: int, sms: int) -> tuple:
+    """(partial floats, arrival counters) the linears [(k, [weight columns, ...]), ...] need at `rows` rows."""
+    partials, arrivals = 1, 1
+    row_tiles = -(-rows // ROW_TILES[-1])
+    for k, sizes in linears:
+        tiles = tiles_of(sizes)
+        splits = wgmma_splits(tiles, k, sms)
+        if splits > 1:
+            partials = max(partials, splits * rows * tiles * FEATURES)
+        arrivals = max(arrivals, row_tiles * tiles)
+    return partials, arrivals
+
+
+class WgmmaLinears:
+    """The wgmma linear's kernels, loaded on the device's GPU, the 16-bit hi and lo copies of a step's input
+    rows, and the tensor maps of the weights and of those copies (encoded once each)."""
+
+    def __init__(self, device, widest: int):
+        from mdsl.backend.cuda.nvrtc import compile_source
+
+        self.device = device
+        d, check = device._driver, device._check
+        module = compile_source(kernel_source(), "sm_90a")
+        self.module = check(d.cuModuleLoadData(module.cubin), "loading the wgmma linears")
+        self.functions: dict = {}
+        for name in _CTYPES:
+            self.functions[f"split_rows_{name}"] = check(
+                d.cuModuleGetFunction(self.module, f"split_rows_{name}".encode()), "cuModuleGetFunction")
+            for rn in ROW_TILES:
+                f = check(d.cuModuleGetFunction(self.module, kernel_name(name, rn).encode()), "cuModuleGetFunction")
+                check(d.cuFuncSetAttribute(f, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           smem_bytes(rn)), f"allowing {kernel_name(name, rn)} its shared memory")
+                self.functions[kernel_name(name, rn)] = f
+        # the input rows' hi and lo copies, [rows, k] at any k up to the widest (2 bytes a value)
+        self.rows = device.shape.max_tokens_per_step
+        self.hi = device._new_array(None, (self.rows * widest,), bf16)
+        self.lo = device._new_array(None, (self.rows * widest,), bf16)
+        self._maps: dict = {}
+        self._blank = (ctypes.c_ubyte * 128)()
+
+    def _map(self, address: int, rows: int, k: int, dtype: str, box: int):
+        key = (address, rows, k, dtype, box)
+        found = self._maps.get(key)
+        if found is None:
+            found = self._maps[key] = encode_tensor_map(tensor_map_arguments(rows, k, dtype, box), address)
+        return found
+
+    def launch(self, out, x, weights: list, residual, rows: int, offset: int) -> None:
+        """out[:, offset + ...] = x @ [weights side by side].T (+ residual) over the step's `rows` rows."""
+        dev = self.device
+        name = _NAMES[weights[0].dtype]
+        k = x.width
+        rn = row_tile(rows)
+        sizes = [int(w.shape[0]) for w in weights]
+        tiles = tiles_of(sizes)
+        maps = (ctypes.c_ubyte * (128 * MAX_PARTS))()
+        for i, w in enumerate(weights):
+            ctypes.memmove(ctypes.addressof(maps) + 128 * i,
+                           self._map(w.ptr, int(w.shape[0]), k, name, FEATURES).getPtr(), 128)
+        # the rows' maps, read from TMA_ROWS rows a tile (below, the kernel takes two unused blank ones)
+        if rn >= TMA_ROWS:
+            hi, lo = (ctypes.c_ubyte.from_address(self._map(a, self.rows, k, name, rn).getPtr())
+                      for a in (self.hi, self.lo))
+            split = [ctypes.c_void_p(self.hi), ctypes.c_void_p(self.lo), ctypes.c_void_p(x.ptr), ctypes.c_int(k)]
+            self._launch(f"split_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
+                         split)
+        else:
+            hi = lo = self._blank
+        parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(sizes)),
+                       (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative([-(-n // FEATURES) for n in sizes])),
+                       len(weights))
+        args = [maps, hi, lo, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
+                ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
+                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset))]
+        self._launch(kernel_name(name, rn), (tiles, -(-rows // rn), wgmma_splits(tiles, k, dev.sms)), THREADS,
+                     smem_bytes(rn), args)
+
+    def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:
+        dev = self.device
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        dev._check(dev._driver.cuLaunchKernel(self.functions[name], *grid, block, 1, 1, smem, dev._stream,
+                                              ctypes.addressof(params), 0), f"launching {name}")

@@ -1,0 +1,277 @@
+// The GPU serving device's linear on Hopper's tensor cores (sm_90a): out[r, offset + c] = sum_k x[r, k] w[c, k]
+// (+ residual[r, offset + c]) for the columns c of up to MAX_PARTS weights side by side, with wgmma and TMA
+// (mdsl/backend/cuda/hopper_gemm.cuh's mbarriers, tensor-map loads, descriptors and fences).
+//
+// The weights are wgmma's A operand (64 output columns a consumer warpgroup, 128 a block) and the step's rows
+// its B operand (RN rows a block: 8 for a decode step of one row, up to 128), so a step of few rows computes
+// few padded products. Each float32 input value is split as it is staged into x = hi + lo, both 16-bit, and
+// every k16 step runs two wgmmas into the same f32 sums, hi then lo, as the mma.sync linear does
+// (step_kernels.cu): the input keeps about 16 bits of its mantissa.
+//
+// Batch invariance: a row's sums are the same sequence of wgmmas over k whatever RN, the row's place in its
+// tile and the other rows (wgmma's f32 sums of one output do not depend on the instruction's n, nor on the
+// row's position: checked on the H200 by tests/gpu/test_gpu_serving_wgmma.py); k splits over `splits`
+// blocks (gridDim.z) by the weights alone (the host's wgmma_splits), each a contiguous range of 64-wide
+// k steps, and the tile's last block to finish sums the splits' partials in split order.
+//
+// A block: a producer warpgroup and two consumer warpgroups (64 weight columns each). For each 64-wide k
+// step the producer's first thread loads the weight tile (128 x 64) with TMA, which fills columns past the
+// weight's rows and k past its width with zeros, into a ring of STAGES stages, and the rows' hi and lo tiles
+// (RN x 64 each) come beside it: up to 32 rows the producer's 128 threads split and store them in the
+// 128-byte swizzled layout TMA writes (no launch before the linear's, which a decode step would pay in every
+// linear); from 64 rows `split_rows` has written them to memory beforehand and TMA loads them (staging 128
+// rows by the producer's threads is slower than the tensor cores).
+
+namespace mdsl {
+namespace serve_tc {
+
+using namespace mdsl::hopper;
+
+constexpr int MAX_PARTS = 4;
+constexpr int FEATURES = 128;   // output columns a block: 64 a consumer warpgroup
+constexpr int BK = 64;          // k a stage: one 128-byte swizzled row of 16-bit values
+constexpr int THREADS = 384;
+
+// the weights' tensor maps and where each weight's columns go: part i's columns are output columns
+// start[i] .. start[i + 1] - 1 and blocks (x) tile[i] .. tile[i + 1] - 1; tile[MAX_PARTS] is every tile's count
+struct WeightMaps {
+  TensorMap map[MAX_PARTS];
+};
+struct Parts {
+  int start[MAX_PARTS + 1];
+  int tile[MAX_PARTS + 1];
+  int count;
+};
+
+// x = hi + lo, each rounded to W: grid (rows, blocks a row), one row of k values a blockIdx.x
+template <typename W>
+__device__ __forceinline__ void split_rows(W* hi, W* lo, const float* x, int k) {
+  const long long base = static_cast<long long>(blockIdx.x) * k;
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < k; i += gridDim.y * blockDim.x) {
+    const float v = x[base + i];
+    const W h = from_float<W>(v);
+    hi[base + i] = h;
+    lo[base + i] = from_float<W>(v - to_float(h));
+  }
+}
+
+template <int RN> struct Ring {
+  static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles loaded by TMA (else stored by the producer)
+  static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
+  static constexpr int STAGE_BYTES = W_BYTES + 2 * X_BYTES;
+  static constexpr int FIT = 196608 / STAGE_BYTES;
+  static constexpr int STAGES = FIT < 8 ? FIT : 8;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
+  static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
+  static_assert(RN % 8 == 0 && RN <= 256 && X_BYTES % 1024 == 0, "RN: a multiple of 8 rows, 1024-byte tiles");
+
+  unsigned base;
+  __device__ __forceinline__ unsigned w_tile(int s) const { return base + s * STAGE_BYTES; }
+  __device__ __forceinline__ unsigned hi_tile(int s) const { return w_tile(s) + W_BYTES; }
+  __device__ __forceinline__ unsigned lo_tile(int s) const { return hi_tile(s) + X_BYTES; }
+  __device__ __forceinline__ unsigned full(int s) const { return base + STAGES * STAGE_BYTES + 8 * s; }
+  __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * STAGES; }
+};
+
+__device__ __forceinline__ void store_shared(unsigned address, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// by the producer warpgroup's 128 threads: rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63, as hi + lo into two
+// RN x 64 tiles of W: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's 128-byte swizzle
+// (k is a multiple of 32, so a chunk lies wholly inside or outside it)
+template <typename W, int RN>
+__device__ __forceinline__ void stage_rows(unsigned hi, unsigned lo, const float* x, int r0, int rows, int k0,
+                                           int k) {
+  for (int c = threadIdx.x; c < RN * 8; c += 128) {
+    const int r = c / 8, chunk = c % 8, kk = k0 + 8 * chunk;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (r0 + r < rows && kk < k) {
+      const float4* from = reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk);
+      const float4 a = from[0], b = from[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    __align__(16) W h[8];
+    __align__(16) W l[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      h[i] = from_float<W>(v[i]);
+      l[i] = from_float<W>(v[i] - to_float(h[i]));
+    }
+    const unsigned at = r * 128 + 16 * (chunk ^ (r % 8));
+    store_shared(hi + at, *reinterpret_cast<const uint4*>(h));
+    store_shared(lo + at, *reinterpret_cast<const uint4*>(l));
+  }
+  // the generic proxy's stores made visible to wgmma's reads (the async proxy) before the stage is full
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <typename W, int RN>
+__device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* hi,
+                                       const TensorMap* lo, const float* x, float* out, float* part, int* arrivals,
+                                       const float* residual, const Parts& parts, int rows, int k, int out_width,
+                                       int offset) {
+  using R = Ring<RN>;
+  const R ring{(smem_address(smem) + 1023u) & ~1023u};
+  __shared__ int last;
+  // this block's weight (constant indices: the parts' fields stay in the parameter space)
+  int p = 0, first_tile = 0, start = 0, end = parts.start[1];
+#pragma unroll
+  for (int i = 1; i < MAX_PARTS; ++i)
+    if (i < parts.count && int(blockIdx.x) >= parts.tile[i]) {
+      p = i;
+      first_tile = parts.tile[i];
+      start = parts.start[i];
+      end = parts.start[i + 1];
+    }
+  const int f0 = (blockIdx.x - first_tile) * FEATURES;   // the tile's first column in the weight
+  const int n = end - start;                              // the weight's columns
+  const int col0 = start + f0;                            // ... the tile's first in the output
+  const int r0 = blockIdx.y * RN;
+  const int steps = (k + BK - 1) / BK, splits = gridDim.z;
+  const int per = (steps + splits - 1) / splits, s0 = blockIdx.z * per;
+  const int s1 = s0 + per < steps ? s0 + per : steps;
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < R::STAGES; ++s) {
+      // the expect-tx arrival of the stage's TMA bytes, and each producer thread's once it stored its rows
+      barrier_init(ring.full(s), R::TMA_ROWS ? 1 : 1 + 128);
+      barrier_init(ring.empty(s), 2 * 4);   // each consumer warp, once its wgmmas have read the stage
+    }
+    barrier_init_fence();
+    tma_prefetch(&weights.map[p]);
+    if (R::TMA_ROWS) tma_prefetch(hi), tma_prefetch(lo);
+  }
+  __syncthreads();
+  float acc[R::ACC];
+#pragma unroll
+  for (int i = 0; i < R::ACC; ++i) acc[i] = 0.0f;
+  int stage = 0;
+  unsigned phase = 0;
+  if (warpgroup == 0 && R::TMA_ROWS) {
+    if (threadIdx.x == 0) {
+      for (int s = s0; s < s1; ++s) {
+        barrier_wait(ring.empty(stage), phase ^ 1);
+        barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
+        tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+        tma_load(ring.hi_tile(stage), hi, ring.full(stage), s * BK, r0);
+        tma_load(ring.lo_tile(stage), lo, ring.full(stage), s * BK, r0);
+        if (++stage == R::STAGES) stage = 0, phase ^= 1;
+      }
+    }
+  } else if (warpgroup == 0) {
+    for (int s = s0; s < s1; ++s) {
+      barrier_wait(ring.empty(stage), phase ^ 1);
+      if (threadIdx.x == 0) {
+        barrier_expect_bytes(ring.full(stage), R::W_BYTES);
+        tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+      }
+      stage_rows<W, RN>(ring.hi_tile(stage), ring.lo_tile(stage), x, r0, rows, s * BK, k);
+      barrier_arrive(ring.full(stage));
+      if (++stage == R::STAGES) stage = 0, phase ^= 1;
+    }
+  } else {
+    const unsigned columns = (warpgroup - 1) * 64 * BK * 2;   // this warpgroup's 64 rows of the weight tile
+    const bool signals = threadIdx.x % 32 == 0;
+    int previous = -1;
+    for (int s = s0; s < s1; ++s) {
+      barrier_wait(ring.full(stage), phase);
+      const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dh = descriptor(ring.hi_tile(stage)),
+                               dl = descriptor(ring.lo_tile(stage));
+      fence_registers(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < BK / 16; ++j) {
+        Wgmma<W, RN>::mma(acc, dw + 2 * j, dh + 2 * j);
+        Wgmma<W, RN>::mma(acc, dw + 2 * j, dl + 2 * j);
+      }
+      wgmma_commit();
+      fence_registers(acc);
+      if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
+        wgmma_wait<1>();
+        fence_registers(acc);
+        if (signals) barrier_arrive(ring.empty(previous));
+      }
+      previous = stage;
+      if (++stage == R::STAGES) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    if (previous >= 0 && signals) barrier_arrive(ring.empty(previous));
+    // wgmma's f32 layout: per 8-row group j, thread (warp w, g = lane / 4, q = lane % 4) of the warpgroup holds
+    // columns 16 w + g and 16 w + g + 8 of its 64, rows 8 j + 2 q and 8 j + 2 q + 1
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const int c = (warpgroup - 1) * 64 + (t / 32) * 16 + lane / 4, q = 2 * (lane % 4);
+    const int width = parts.tile[MAX_PARTS] * FEATURES;   // a partial's row: every tile's columns
+#pragma unroll
+    for (int j = 0; j < RN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
+        if (f0 + cc < n && r < rows) {
+          const float v = acc[4 * j + e];
+          if (splits == 1) {
+            const long long at = static_cast<long long>(r) * out_width + offset + col0 + cc;
+            out[at] = residual ? residual[at] + v : v;
+          } else {
+            part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.x * FEATURES + cc] = v;
+          }
+        }
+      }
+    }
+  }
+  if (splits == 1) return;
+  // the tile's last block to finish sums the splits' partials in split order
+  __threadfence();
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(arrivals + tile, 1) == splits - 1;
+    if (last) arrivals[tile] = 0;   // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // the tile's RN x 128 sums as float4s of 4 columns, VECS / THREADS or so a thread: every load of one split
+  // in flight before any is added (the splits one after another would wait out an L2 latency per value)
+  constexpr int VECS = RN * FEATURES / 4, PER = (VECS + THREADS - 1) / THREADS;
+  const int width = parts.tile[MAX_PARTS] * FEATURES;
+  const long long step = static_cast<long long>(rows) * width;
+  float4 total[PER];
+  long long from[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int e = threadIdx.x + i * THREADS, r = r0 + 4 * e / FEATURES;
+    from[i] = e < VECS && r < rows ? static_cast<long long>(r) * width + blockIdx.x * FEATURES + 4 * e % FEATURES : -1;
+    total[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + from[i])) : make_float4(0, 0, 0, 0);
+  }
+  for (int v = 1; v < splits; ++v) {
+    float4 more[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      more[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + v * step + from[i])) : make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      total[i].x += more[i].x;
+      total[i].y += more[i].y;
+      total[i].z += more[i].z;
+      total[i].w += more[i].w;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    if (from[i] < 0) continue;
+    const int e = threadIdx.x + i * THREADS, r = r0 + 4 * e / FEATURES, cc = 4 * e % FEATURES;
+    const float sums[4] = {total[i].x, total[i].y, total[i].z, total[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (f0 + cc + j >= n) break;
+      const long long at = static_cast<long long>(r) * out_width + offset + col0 + cc + j;
+      out[at] = residual ? residual[at] + sums[j] : sums[j];
+    }
+  }
+}
+
+}  // namespace serve_tc
+}  // namespace mdsl

@@ -1,0 +1,99 @@
+"""The GPU serving device's wgmma linear (mdsl/serving/linear_wgmma.cuh, mdsl.serving.gpu_wgmma) on the H200:
+out = x @ [weights side by side].T (+ residual) agrees with float64 within the hi + lo split's rounding, for
+ragged column counts, k not a multiple of the 64-wide stage, every row tile and split; and a row's result is
+bit-identical whatever the step's row count and the row's place in it (the batch invariance the serving
+device promises, which rests on wgmma's sums not depending on the instruction's n)."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from mdsl.gpu import has_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no GPU")]
+
+
+def _hopper() -> bool:
+    from mdsl.gpu.driver import get_device
+
+    return get_device(0).capability == (9, 0)
+
+
+class _Device:
+    """What WgmmaLinears reads of the serving device: the driver, a stream, the step's row budget, the SMs,
+    device arrays, and the split partials and arrival counters."""
+
+    def __init__(self, rows: int, linears: list):
+        from mdsl.gpu.arrays import DeviceArray
+        from mdsl.gpu.driver import check, driver, get_device
+        from mdsl.ir.dtypes import f32, i32
+        from mdsl.serving.gpu_wgmma import scratch
+
+        get_device(0)
+        self._driver, self._check, self._arrays = driver, check, []
+        self.sms = get_device(0)._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.shape = types.SimpleNamespace(max_tokens_per_step=rows)
+        self._stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+
+        def array(values, shape, dtype):
+            a = DeviceArray.from_numpy(values, dtype) if values is not None else DeviceArray(shape, dtype)
+            if values is None:
+                check(driver.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
+            self._arrays.append(a)
+            return a.ptr
+
+        self._new_array = array
+        partials, arrivals = scratch(linears, rows, self.sms)
+        self.partials = array(None, (partials,), f32)
+        self.linear_arrivals = array(None, (arrivals,), i32)
+
+
+def _operand(ptr, shape, dtype):
+    from mdsl.serving.gpu import Operand
+
+    return Operand(ptr, tuple(shape), dtype)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k,sizes", [(352, [200, 72, 72]), (1024, [512]), (64, [40, 130]), (4096, [384, 128])])
+def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_step(k, sizes):
+    if not _hopper():
+        pytest.skip("wgmma needs a compute capability 9.0 GPU")
+    from mdsl.gpu.driver import check, driver
+    from mdsl.ir.dtypes import bf16, f32, round_to_dtype
+    from mdsl.serving.gpu_wgmma import WgmmaLinears, row_tile, wgmma_splits
+
+    rng = np.random.default_rng(k)
+    max_rows = 256
+    dev = _Device(max_rows, [(k, sizes)])
+    linears = WgmmaLinears(dev, k)
+    weights = [round_to_dtype(rng.standard_normal((n, k)).astype(np.float32), bf16) for n in sizes]
+    w_ops = [_operand(dev._new_array(w, w.shape, bf16), w.shape, bf16) for w in weights]
+    x = rng.standard_normal((max_rows, k)).astype(np.float32)
+    width = sum(sizes) + 8   # (the linear writes columns offset .. offset + sum(sizes) - 1 of wider rows)
+    residual = rng.standard_normal((max_rows, width)).astype(np.float32)
+    x_op = _operand(dev._new_array(x, x.shape, f32), x.shape, f32)
+    r_op = _operand(dev._new_array(residual, residual.shape, f32), residual.shape, f32)
+    out = _operand(dev._new_array(None, (max_rows, width), f32), (max_rows, width), f32)
+    expected = x.astype(np.float64) @ np.concatenate(weights).astype(np.float64).T
+    results = {}
+    for rows in (1, 7, 8, 9, 33, 100, 128, 129, 256):
+        for with_residual in (False, True):
+            check(driver.cuMemsetD8(out.ptr, 0, max_rows * width * 4), "cuMemsetD8")
+            linears.launch(out, x_op, w_ops, r_op if with_residual else None, rows, offset=4)
+            check(driver.cuStreamSynchronize(dev._stream), "the linear")
+            got = np.empty((max_rows, width), np.float32)
+            check(driver.cuMemcpyDtoH(got.ctypes.data, out.ptr, got.nbytes), "cuMemcpyDtoH")
+            block = got[:rows, 4:4 + sum(sizes)].astype(np.float64)
+            want = expected[:rows] + (residual[:rows, 4:4 + sum(sizes)] if with_residual else 0.0)
+            scale = np.abs(expected[:rows]).max()
+            assert np.abs(block - want).max() <= 2e-5 * scale, (rows, with_residual, row_tile(rows))
+            # the columns the linear does not own, and the rows past the step's, are untouched
+            assert not got[:, :4].any() and not got[:, 4 + sum(sizes):].any() and not got[rows:].any()
+            if not with_residual:
+                results[rows] = got[:rows, 4:4 + sum(sizes)].copy()
+    assert wgmma_splits(-(-sum(sizes) // 128), k, dev.sms) >= 1
+    for rows, got in results.items():   # bit for bit: row r alike in every step that holds it
+        assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows

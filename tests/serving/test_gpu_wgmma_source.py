@@ -1,0 +1,88 @@
+"""The GPU serving device's wgmma linear without a GPU: every kernel compiles for sm_90a without spills and
+fits an SM, its SASS runs wgmma of each row tile's width on stages of a TMA-loaded weight tile and the rows'
+hi and lo tiles (stored by the producer up to 32 rows, loaded by TMA from 64), the host's constants are the kernel's, and the row tiles and k splits are the ones
+batch invariance needs (splits from the weights alone, never empty). Running it:
+tests/gpu/test_gpu_serving_wgmma.py, and the serving device's tests on an H200."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mdsl.serving import gpu_wgmma as G
+
+H200_SMS = 132
+H200_SMEM = 232448          # the opt-in dynamic shared memory of a block
+SM_REGISTERS = 65536
+
+
+@pytest.fixture(scope="module")
+def module():
+    from mdsl.backend.cuda.nvrtc import compile_cuda
+
+    return compile_cuda(G.kernel_source(), arch="sm_90a")
+
+
+@pytest.mark.timeout(180)
+def test_every_kernel_compiles_for_sm_90a_without_spills_and_one_block_fits_an_sm(module):
+    expected = {G.kernel_name(d, rn) for d in ("bf16", "f16") for rn in G.ROW_TILES}
+    expected |= {"split_rows_bf16", "split_rows_f16"}
+    assert set(module.resources) == expected
+    for name, r in module.resources.items():
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
+        if name.startswith("linear_wgmma"):
+            rn = int(name.rsplit("_", 1)[1])
+            assert r.registers * G.THREADS <= SM_REGISTERS, (name, r)
+            assert G.smem_bytes(rn) + r.smem_bytes <= H200_SMEM, (name, r)
+    # ptxas serializes wgmmas it cannot prove independent of the code around them, and warns
+    assert "warning" not in module.log.lower() and "Performance" not in module.log, module.log
+
+
+@pytest.mark.timeout(180)
+def test_the_sass_runs_two_wgmmas_a_k16_step_on_staged_rows_and_a_tma_loaded_weight_tile(module):
+    from mdsl.backend.cuda.nvrtc import nvdisasm_path
+    from tests.shared import disassembled
+
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = disassembled(module.cubin)
+    for rn in G.ROW_TILES:
+        name = G.kernel_name("bf16", rn)
+        body = sass.split(f".text.{name}:")[1].split(".text.")[0]
+        wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
+        assert wgmmas == [f"64x{rn}x16"] * (2 * G.BK // 16), (rn, wgmmas)   # hi and lo per k16 step
+        if rn >= G.TMA_ROWS:   # the weight tile and the rows' hi and lo tiles by TMA
+            assert len(re.findall(r"UTMALDG\.2D", body)) == 3, rn
+        else:                  # the weight tile by TMA, the rows' chunks stored and made visible to wgmma
+            assert len(re.findall(r"UTMALDG\.2D", body)) == 1, rn
+            assert len(re.findall(r"STS\.128", body)) >= 2 and "FENCE.VIEW.ASYNC.S" in body, rn
+
+
+def test_the_host_constants_are_the_kernels():
+    source = G.SOURCE.read_text()
+    for name, value in (("MAX_PARTS", G.MAX_PARTS), ("FEATURES", G.FEATURES), ("BK", G.BK), ("THREADS", G.THREADS)):
+        assert re.search(rf"constexpr int {name} = (\d+);", source).group(1) == str(value)
+    assert f"constexpr bool TMA_ROWS = RN >= {G.TMA_ROWS};" in source
+    assert f"int FIT = {G.STAGE_SPACE} / STAGE_BYTES" in source
+
+
+def test_a_row_tile_holds_the_steps_rows_up_to_the_largest():
+    assert [G.row_tile(r) for r in (1, 8, 9, 16, 17, 64, 65, 128, 129, 256)] == \
+        [8, 8, 16, 16, 32, 64, 128, 128, 128, 128]
+
+
+@pytest.mark.parametrize("tiles,k", [(1, 64), (3, 328), (4, 1024), (48, 4096), (192, 4096), (32, 12288), (8, 100)])
+def test_the_k_splits_are_never_empty_and_each_runs_enough_steps(tiles, k):
+    splits = G.wgmma_splits(tiles, k, H200_SMS)
+    steps = -(-k // G.BK)
+    per = -(-steps // splits)
+    assert 1 <= splits <= steps and (splits - 1) * per < steps   # the kernel's last split has a step
+    assert splits == 1 or per >= G.MIN_STEPS
+    assert splits * tiles >= min(2 * H200_SMS, tiles * max(1, steps // G.MIN_STEPS)) // 2
+
+
+def test_the_scratch_covers_the_partials_and_arrivals_of_the_largest_step():
+    partials, arrivals = G.scratch([(4096, [4096, 1024, 1024]), (12288, [4096])], 256, H200_SMS)
+    qkv = G.wgmma_splits(48, 4096, H200_SMS) * 256 * 48 * G.FEATURES
+    down = G.wgmma_splits(32, 12288, H200_SMS) * 256 * 32 * G.FEATURES
+    assert partials == max(qkv, down) and arrivals == 2 * 48
