@@ -23,6 +23,7 @@ table):
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
+    docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
@@ -49,6 +50,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernels import BASELINES, LABELS, MDSL, derive  # noqa: E402
+from benchmarks.prefill import tables as prefill_tables  # noqa: E402
 from benchmarks.serve import device_of, launch_lines, points_of  # noqa: E402
 from mdsl.search.cost import H200  # noqa: E402
 
@@ -58,7 +60,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_http", "gemm_prefill",
-            "decode_moe")
+            "decode_moe", "prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -267,6 +269,23 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "share of torch", "tile",
                      "Hopper GEMM % of floor"], rows, right=0) + [""]
     return lines
+
+
+def prefill_section(data: dict) -> list:
+    """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it."""
+    rows = data.get("rows") or []
+    device = rows[0]["device"] if rows else "gpu"
+    lines = ["## Time to first token", "", run_line(data.get("meta")), "",
+             f"`LLM(device=\"{device}\")` reading one prompt of random tokens (random bf16 weights at each model's "
+             "shapes) in steps of its token budget (`steps`: the prompt's steps), then sampling one greedy token: "
+             "the wall time from `submit` to that token, median of 3 after one unmeasured run; PyTorch: "
+             "transformers' model over the same checkpoint (bf16, SDPA) running the prompt as one forward pass "
+             "(`logits_to_keep=1`) and reading back the argmax, median of 3 after two warm-up passes, in the same "
+             "process; `same token`: the two first tokens agree (random weights can tie). The floor is the prompt's "
+             "arithmetic over 750 TFLOP/s: 2 FLOP per weight of the layers' linears a token, the LM head once, "
+             "causal attention's 4 x head_dim FLOP per query head and (query, key) pair (the weights' bytes over "
+             "4.25 TB/s where that is more). Below, each layer op's time over the prompt's steps.", ""]
+    return lines + prefill_tables(data).splitlines() + [""]
 
 
 def _load(meta: dict) -> str:
@@ -777,6 +796,13 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
+    for r in (results.get("prefill") or {}).get("rows") or []:   # time to first token, by model and prompt length
+        key = f"prefill_{r['model']}_{r['prompt']}"
+        h[f"{key}_ms"] = f"{r['ttft_s'] * 1e3:.1f} ms"
+        h[f"{key}_floor"] = _percent(r["floor_s"] / r["ttft_s"])
+        if r.get("torch_s"):
+            h[f"{key}_torch_ms"] = f"{r['torch_s'] * 1e3:.1f} ms"
+            h[f"{key}_over_torch"] = _times(r["ttft_s"] / r["torch_s"])
     for run in results.get("torch_compile") or []:   # mdsl over Inductor's default in one run, each one's ms: the latest
         for workload, w in (run.get("workloads") or {}).items():
             ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
@@ -820,7 +846,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     sections = (("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
-                ("serve_http", serve_http_section))
+                ("serve_http", serve_http_section), ("prefill", prefill_section))
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])

@@ -13,6 +13,7 @@
 #   5. (STAGES="sanitize serve servehttp") the GPU serving device under compute-sanitizer, the serving
 #      benchmark of the GPU and megakernel devices, and the HTTP load test;
 #   5b. (STAGES=gemm) benchmarks/gemm.py on GEMM_ARGS' shapes;
+#   5c. (STAGES=prefill) time to first token of the GPU serving device against PyTorch's forward pass;
 #   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch;
 #   7. (STAGES="random call") random programs timed as a user calls them, on the plans carried in .plans-random
 #      (RANDOM_ARGS: the seed and count they were searched with), and the host time of a kernel call, on the
@@ -151,6 +152,11 @@ stage serve "${SERVE_LIMIT:-480}" "$OUT/all/serve.log" $PY benchmarks/serve.py \
 stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/all/serve_http.log" $PY benchmarks/serve_http.py \
     ${SERVE_HTTP_ARGS:---model qwen3-8b --device gpu --clients 64 --requests 256 --max-tokens 128 --offline} \
     --out "$OUT/all/serve_http"
+
+# (STAGES=prefill) time to first token (benchmarks/prefill.py): prompts of 128, 1024 and 4096 tokens on the three
+# models by the GPU serving device and by transformers' forward pass; about 4 minutes
+stage prefill "${PREFILL_LIMIT:-360}" "$OUT/all/prefill.log" $PY benchmarks/prefill.py ${PREFILL_ARGS:-} \
+    --out "$OUT/all/prefill"
 
 # (STAGES=gemm) the GEMM benchmark's contenders (torch.matmul, the Hopper wgmma GEMM, ...) on GEMM_ARGS' shapes
 stage gemm "${GEMM_LIMIT:-200}" "$OUT/all/gemm.log" $PY benchmarks/gemm.py \
