@@ -13,7 +13,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from mdsl.backend.cuda.hopper_gemm import HEADER, _MARKER, encode_tensor_map, tensor_map_arguments, wgmma_source
+from mdsl.backend.cuda.hopper_gemm import encode_tensor_map, header_source, tensor_map_arguments, wgmma_source
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f16
 
@@ -63,9 +63,6 @@ def kernel_name(dtype: str, rn: int) -> str:
 def kernel_source() -> str:
     """The module: the prelude, hopper_gemm.cuh with the wgmma instructions of every row tile, this linear,
     and its kernels for bf16 and f16 weights at each row tile, with `split_rows`."""
-    header = HEADER.read_text()
-    if _MARKER not in header:
-        raise AssertionError(f"{HEADER.name} lost its marker line {_MARKER.strip()!r}")
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
     kernels = [f'extern "C" __global__ void split_rows_{d}({ctype}* hi, {ctype}* lo, const float* x, int k) '
                f"{{ mdsl::serve_tc::split_rows(hi, lo, x, k); }}\n" for d, ctype in _CTYPES.items()]
@@ -78,8 +75,7 @@ def kernel_source() -> str:
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &hi, &lo, x, out, part, arrivals, residual, "
                 "parts, rows, k, out_width, offset);\n}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
-    return (INCLUDES + PRELUDE + header.replace(_MARKER, _MARKER + instructions) + "\n" + SOURCE.read_text() + "\n"
-            + "".join(kernels))
+    return INCLUDES + PRELUDE + header_source(instructions) + "\n" + SOURCE.read_text() + "\n" + "".join(kernels)
 
 
 class _Parts(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Parts

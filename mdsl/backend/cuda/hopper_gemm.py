@@ -87,9 +87,6 @@ def kernel_source(dtype: str, out_dtype: str, bn: int) -> str:
     if dtype not in INPUT_DTYPES or out_dtype not in OUTPUT_DTYPES or bn not in TILE_NS:
         raise UnsupportedError(f"no Hopper GEMM for {dtype} operands, a {out_dtype} product and {bn}-column tiles",
                                hint=f"operands {INPUT_DTYPES}, products {OUTPUT_DTYPES}, tiles {TILE_NS}")
-    header = HEADER.read_text()
-    if _MARKER not in header:
-        raise AssertionError(f"{HEADER.name} lost its marker line {_MARKER.strip()!r}")
     e, c = _CTYPES[dtype], _CTYPES[out_dtype]
     kernel = (f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(dtype, out_dtype, bn)}(\n'
               "    const __grid_constant__ mdsl::hopper::TensorMap a,\n"
@@ -98,7 +95,16 @@ def kernel_source(dtype: str, out_dtype: str, bn: int) -> str:
               "  extern __shared__ __align__(1024) unsigned char smem[];\n"
               f"  mdsl::hopper::gemm_kernel<{e}, {c}, {bn}>(smem, &a, &w, c, bias, residual, m, n, k);\n"
               "}\n")
-    return INCLUDES + PRELUDE + header.replace(_MARKER, _MARKER + wgmma_source(dtype, bn)) + "\n" + kernel
+    return INCLUDES + PRELUDE + header_source(wgmma_source(dtype, bn)) + "\n" + kernel
+
+
+def header_source(instructions: str) -> str:
+    """hopper_gemm.cuh with the `Wgmma` specializations `instructions` (wgmma_source's) where its marker stands:
+    the building blocks (mbarriers, TMA loads, descriptors, fences, GemmTile) for a translation unit."""
+    header = HEADER.read_text()
+    if _MARKER not in header:
+        raise AssertionError(f"{HEADER.name} lost its marker line {_MARKER.strip()!r}")
+    return header.replace(_MARKER, _MARKER + instructions)
 
 
 # ---------------------------------------------------------------------------------------------
