@@ -37,6 +37,7 @@ def row_tile(rows: int) -> int:
 
 
 def stages(rn: int) -> int:
+    """Ring<RN>::STAGES: the stages of a weight tile and the rows' hi and lo tiles that fit STAGE_SPACE (8 at most)."""
     return min(8, STAGE_SPACE // (FEATURES * BK * 2 + 2 * rn * BK * 2))
 
 
@@ -68,7 +69,8 @@ def kernel_source() -> str:
                f"{{ mdsl::serve_tc::split_rows(hi, lo, x, k); }}\n" for d, ctype in _CTYPES.items()]
     kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(d, rn)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
-                "    const __grid_constant__ mdsl::hopper::TensorMap hi, const __grid_constant__ mdsl::hopper::TensorMap lo,\n"
+                "    const __grid_constant__ mdsl::hopper::TensorMap hi,\n"
+                "    const __grid_constant__ mdsl::hopper::TensorMap lo,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
                 "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"

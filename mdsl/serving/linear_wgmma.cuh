@@ -250,7 +250,8 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     float4 more[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i)
-      more[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + v * step + from[i])) : make_float4(0, 0, 0, 0);
+      more[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + v * step + from[i]))
+                             : make_float4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       total[i].x += more[i].x;
