@@ -136,6 +136,32 @@ _BASE = multiprocessing.get_context("forkserver" if "forkserver" in multiprocess
                                     else "spawn")
 
 
+#: the thread pools of the BLAS libraries numpy may use (OpenBLAS, MKL or Accelerate) and of OpenMP: one
+#: thread each in a worker, whose parallelism is the pool of workers. With the default (a thread per core in
+#: every process), the workers' BLAS threads spin against each other: two workers on two cores took 28-35 s
+#: for a gqa_bs8 candidate that one takes 6-8 s to verify, and gqa_bs8's search ran into its time cap.
+SINGLE_THREADED = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS",
+                                          "VECLIB_MAXIMUM_THREADS")}
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """The environment a worker process (or the forkserver it forks from) starts with: this process's, with
+    single-threaded BLAS. Set only while the process starts, so this process's own environment is as it was."""
+    with _ENVIRON_LOCK:
+        saved = {name: os.environ.get(name) for name in SINGLE_THREADED}
+        os.environ.update(SINGLE_THREADED)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
     main = sys.modules["__main__"]
@@ -149,7 +175,7 @@ def _main_module_hidden() -> Iterator[None]:
 class _WorkerProcess(_BASE.Process):
     @staticmethod
     def _Popen(process_obj):
-        with _main_module_hidden():
+        with _main_module_hidden(), _worker_environment():
             return _BASE.Process._Popen(process_obj)
 
 
@@ -167,7 +193,8 @@ def start_server() -> None:
     """Start the forkserver (where workers start through one) without waiting for it: it preloads
     mdsl, which takes a second or so, while the search generates its first candidates."""
     if context().get_start_method() == "forkserver":
-        multiprocessing.forkserver.ensure_running()
+        with _worker_environment():
+            multiprocessing.forkserver.ensure_running()
 
 
 def end_server() -> None:
