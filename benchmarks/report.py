@@ -275,12 +275,13 @@ def prefill_section(data: dict) -> list:
     """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it."""
     rows = data.get("rows") or []
     device = rows[0]["device"] if rows else "gpu"
+    repeats = len(rows[0]["runs_s"]) if rows else "?"
     lines = ["## Time to first token", "", run_line(data.get("meta")), "",
              f"`LLM(device=\"{device}\")` reading one prompt of random tokens (random bf16 weights at each model's "
              "shapes) in steps of its token budget (`steps`: the prompt's steps), then sampling one greedy token: "
-             "the wall time from `submit` to that token, median of 3 after one unmeasured run; PyTorch: "
+             f"the wall time from `submit` to that token, median of {repeats} after one unmeasured run; PyTorch: "
              "transformers' model over the same checkpoint (bf16, SDPA) running the prompt as one forward pass "
-             "(`logits_to_keep=1`) and reading back the argmax, median of 3 after two warm-up passes, in the same "
+             f"(`logits_to_keep=1`) and reading back the argmax, median of {repeats} after two warm-up passes, in the same "
              "process; `same token`: the two first tokens agree (random weights can tie). The floor is the prompt's "
              "arithmetic over 750 TFLOP/s: 2 FLOP per weight of the layers' linears a token, the LM head once, "
              "causal attention's 4 x head_dim FLOP per query head and (query, key) pair (the weights' bytes over "
