@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import provenance, write_outputs  # noqa: E402
 from benchmarks.serve_http import random_checkpoint  # noqa: E402
 
 FLOPS = 750e12          # bf16 dense tensor-core rate of the H200 (METHOD.md)
@@ -234,13 +233,8 @@ def tables(result: dict) -> str:
 
 
 def write(result: dict, out: Path) -> str:
-    from mdsl.gpu.cache import write_atomic
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "prefill.json", json.dumps(result, indent=1).encode())
-    text = tables(result)
-    write_atomic(out / "prefill.md", (text + "\n").encode())
-    return text
+    """prefill.json and prefill.md in `out`; the tables' text."""
+    return write_outputs(out, "prefill", result, tables(result))
 
 
 def main(argv=None) -> int:

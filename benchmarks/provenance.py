@@ -56,3 +56,16 @@ def provenance(script: str, argv: Sequence[str], gpu: bool = False) -> dict:
         smi = nvidia_smi()
         meta["gpu"] = {"name": smi.get("smi_name"), **smi} if smi else None
     return meta
+
+
+def write_outputs(out: Path, stem: str, result: dict, text: str) -> str:
+    """`result` as out/STEM.json (with its meta) and the tables `text` as out/STEM.md, each written atomically
+    (a run cut short leaves the files of its last write whole); returns the text."""
+    import json
+
+    from mdsl.gpu.cache import write_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / f"{stem}.json", json.dumps(result, indent=1).encode())
+    write_atomic(out / f"{stem}.md", (text + "\n").encode())
+    return text

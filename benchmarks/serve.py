@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from typing import Optional
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import provenance, write_outputs  # noqa: E402
 from benchmarks.serve_http import _percentile, random_checkpoint  # noqa: E402
 
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.md)
@@ -487,13 +486,7 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
 
 def write(result: dict, out: Path) -> str:
     """serve.json and serve.md in `out`; the tables' text."""
-    from mdsl.gpu.cache import write_atomic
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "serve.json", json.dumps(result, indent=1).encode())
-    text = tables(result)
-    write_atomic(out / "serve.md", (text + "\n").encode())
-    return text
+    return write_outputs(out, "serve", result, tables(result))
 
 
 def main(argv=None) -> int:
