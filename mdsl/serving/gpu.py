@@ -41,11 +41,18 @@ from mdsl.serving.cpu import CpuDevice
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
+ATTENTION_MMA_SOURCE = Path(__file__).with_name("attention_mma.cuh")   # (appended to SOURCE)
 THREADS = 256                    # threads of a row-wise kernel's block
 NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
 MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
 GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
+MMA_DIM = 128                    # attention_mma.cuh: head dims (a multiple of 8) up to AMMA_DIM ...
+MMA_GROUPS = (1, 2, 4, 8, 16)    # ... query heads per KV head (dividing its 64 M rows) ...
+MMA_ROWS = 64                    # ... the (row, query head) pairs of a tile (AMMA_ROWS) ...
+MMA_SMEM = 69632                 # ... its shared memory (AMMA_SMEM) ...
+MMA_SPLIT_KEYS = 128             # ... a split's keys where the range allows (AMMA_SPLIT_KEYS) ...
+MMA_UNIT = 8                     # ... and the most splits of an item (AMMA_UNIT)
 SPLIT_KEYS = 64                  # attention: a split's keys where the range allows (step_kernels.cu's ATT_SPLIT_KEYS)
 MAX_SPLITS = 64                  # ... and the most splits of a row's range (its ATT_MAX_SPLITS, which says why 64)
 HEADS_PER_BLOCK = 8              # head_rms_norm, head_norm_rope: one warp a head (NORM_ROPE_WARPS)
@@ -251,12 +258,13 @@ def _rope(xs, outs, a, b):
                      *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
 
 
-def attention_split(n: int) -> tuple:
+def attention_split(n: int, keys: int = SPLIT_KEYS) -> tuple:
     """(keys a split, splits) of a row whose causal range holds n keys, as step_kernels.cu's attention cuts
-    it: splits of SPLIT_KEYS keys, or of the multiple of SPLIT_KEYS that makes MAX_SPLITS of them or fewer
-    where n is longer. A function of the row's own range alone, so its split points (and bits) never depend
-    on max_seq or on the rows beside it, and a short range is never read in a few long splits."""
-    split = SPLIT_KEYS * max(1, -(-n // (SPLIT_KEYS * MAX_SPLITS)))
+    it: splits of `keys` keys (attention_mma.cuh's: MMA_SPLIT_KEYS), or of the multiple of them that makes
+    MAX_SPLITS of them or fewer where n is longer. A function of the row's own range alone, so its split
+    points (and bits) never depend on max_seq or on the rows beside it, and a short range is never read in a
+    few long splits."""
+    split = keys * max(1, -(-n // (keys * MAX_SPLITS)))
     return split, -(-n // split)
 
 
@@ -278,8 +286,20 @@ def attention_partials(heads: list, rows: int, max_seq: int) -> int:
     return max([rows * a["q_heads"] * attention_blocks(max_seq) * (a["head_dim"] + 4) for a in heads] or [1])
 
 
-def _attention_kernel(a: dict) -> str:
+def on_tensor_cores(a: dict, kv_dtype, arch: str) -> bool:
+    """Whether the attention of attributes `a` over pools of kv_dtype runs on tensor cores (attention_mma.cuh)
+    on a GPU of `arch`: 16-bit pools, head dims a multiple of 8 up to MMA_DIM, query heads a KV head dividing
+    MMA_ROWS, compute capability 8.0 or later. A choice by the model and the GPU alone, so every row of a
+    model's steps runs the one arithmetic."""
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    return (kv_dtype in (bf16, f16) and d % 8 == 0 and d <= MMA_DIM and hq % hkv == 0
+            and hq // hkv in MMA_GROUPS and int(arch[3:5]) >= 80)
+
+
+def _attention_kernel(a: dict, kv_dtype=f32, arch: str = "sm_90a") -> str:
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    if on_tensor_cores(a, kv_dtype, arch):
+        return f"attention_mma_{hq // hkv}"
     dv = 1 if d <= 128 else 2
     if hq % hkv or hq // hkv not in GROUPS[dv] or d > MAX_DIM or d % 4:
         raise UnsupportedError(f"the GPU serving device's attention takes head_dim a multiple of 4 up to {MAX_DIM} "
@@ -289,22 +309,73 @@ def _attention_kernel(a: dict) -> str:
     return f"attention_{hq // hkv}_{dv}"
 
 
+def tile_rows(a: dict) -> int:
+    """The rows of one of attention_mma's tiles for attributes `a`: its M rows over the query heads a KV head."""
+    return MMA_ROWS // (a["q_heads"] // a["kv_heads"])
+
+
+def attention_items(positions: np.ndarray, starts: np.ndarray, counts: np.ndarray, rows: int, window: int,
+                    unit: int = 1) -> np.ndarray:
+    """attention_mma's work of a step: (first row, rows, first split, end split) per item, int32 [items, 4].
+    The step's chunks (rows starts[i] .. starts[i] + counts[i], in row order, covering the step) are cut into
+    tiles of up to `rows` rows; a tile takes every split any of its rows has (attention_split of each row's
+    own range, window start .. its position, in splits of MMA_SPLIT_KEYS), `unit` consecutive splits an item
+    (fewer in its last)."""
+    counts = np.asarray(counts, np.int64)
+    per = -(-counts // rows)
+    chunk = np.repeat(np.arange(len(counts)), per)
+    k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    first = np.asarray(starts, np.int64)[chunk] + k * rows
+    size = np.minimum(rows, counts[chunk] - k * rows)
+    positions = np.asarray(positions, np.int64)
+    lo = np.maximum(positions - window + 1, 0) if window > 0 else np.zeros_like(positions)
+    n = positions - lo + 1
+    split = MMA_SPLIT_KEYS * np.maximum(1, -(-n // (MMA_SPLIT_KEYS * MAX_SPLITS)))
+    splits = np.maximum.reduceat(-(-n // split), first) if len(first) else np.zeros(0, np.int64)
+    groups = -(-splits // unit)
+    tile = np.repeat(np.arange(len(first)), groups)
+    s = unit * (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
+    return np.stack([first[tile], size[tile], s, np.minimum(s + unit, splits[tile])], axis=1).astype(np.int32)
+
+
+def item_unit(splits: int, kv_heads: int, grid: int) -> int:
+    """The splits an item takes (attention_items' unit) for a step of `splits` tile splits: as many as leave
+    about two items a block of the persistent grid, from 1 to MMA_UNIT."""
+    return int(min(MMA_UNIT, max(1, splits * kv_heads // (2 * grid))))
+
+
+def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
+    """The most items attention_items gives a step of up to `rows` rows and `max_batch` requests."""
+    r = tile_rows(a)
+    tiles = min(rows, -(-rows // r) + min(rows, max_batch))
+    return tiles * attention_blocks(max_seq)
+
+
 def _attention(xs, outs, a, b):
     qkv, k_pool, v_pool = xs
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
-    kernel = _weighted(_attention_kernel(a), k_pool)
     dev = b.device
+    kernel = _weighted(_attention_kernel(a, k_pool.dtype, dev.arch), k_pool)
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
     dev.launch(_weighted("kv_append", k_pool), _spread(b.rows, hkv * d), THREADS,
                [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
                 ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
     options = attention_options(a)
-    dev.launch(kernel, (b.rows, hkv, attention_blocks(dev.shape.max_seq)), ATTENTION_THREADS,
-               [_p(outs[0]), ctypes.c_void_p(dev.attention_partials), ctypes.c_void_p(dev.attention_arrivals),
-                _p(qkv), _p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
-                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d),
-                ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"]),
-                *_ints(a.get("window", 0))])
+    scale, softcap = ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"])
+    window, blocks = a.get("window", 0), attention_blocks(dev.shape.max_seq)
+    pools = [_p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
+             ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), scale, softcap, *_ints(window)]
+    partials = ctypes.c_void_p(dev.attention_partials)
+    if on_tensor_cores(a, k_pool.dtype, dev.arch):
+        items, count, _ = dev.attention_work[(tile_rows(a), window, hkv)]
+        dev.launch(kernel, (dev.attention_grid,), ATTENTION_THREADS,
+                   [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(count), *_ints(blocks)],
+                   smem=MMA_SMEM)
+        dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
+                   [_p(outs[0]), partials, ctypes.c_void_p(b.positions), *_ints(hq, d, window, blocks)])
+    else:
+        dev.launch(kernel, (b.rows, hkv, blocks), ATTENTION_THREADS,
+                   [_p(outs[0]), partials, ctypes.c_void_p(dev.attention_arrivals), _p(qkv), *pools])
 
 
 _ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)
@@ -351,7 +422,7 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
 
 @functools.lru_cache(maxsize=None)
 def kernel_source() -> str:
-    return SOURCE.read_text()
+    return SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text()
 
 
 class GpuDevice(CpuDevice):
@@ -376,6 +447,7 @@ class GpuDevice(CpuDevice):
         self._driver, self._check = driver, check
         self._device = get_device(self.ordinal)
         self.sms = self._device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.arch = target_arch(self.ordinal)
         self._arrays: list = []
 
         def array(values: Optional[np.ndarray], shape: tuple, dtype) -> int:
@@ -417,7 +489,7 @@ class GpuDevice(CpuDevice):
         self._joined: dict = {}
         self._read_past_narrowing = {v.name for n in self.nodes[self._narrow_at:] for v in n.inputs}
         self._program = self._lower()
-        module = compile_source(kernel_source(), target_arch(self.ordinal))
+        module = compile_source(kernel_source(), self.arch)
         self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
         self._functions: dict = {}
         self._stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
@@ -453,9 +525,19 @@ class GpuDevice(CpuDevice):
         # of each row's and KV head's splits done, of one attention at a time
         heads = attention_heads(self.nodes)
         for a in heads:
-            _attention_kernel(a)   # (refused here, before any step, where no kernel fits)
+            _attention_kernel(a, self.kv_dtype, self.arch)   # (refused here, before any step, where none fits)
+        # attention_mma's work of each step, per (tile rows, window) of the attention ops on tensor cores:
+        # its items and their count, written by the step before its program runs
+        self.attention_work: dict = {}
+        for a in heads:
+            key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
+            if on_tensor_cores(a, self.kv_dtype, self.arch) and key not in self.attention_work:
+                most = most_items(a, rows, shape.max_batch, shape.max_seq)
+                self.attention_work[key] = (array(None, (most, 4), i32), array(None, (1,), i32), most)
         self.attention_partials = array(None, (attention_partials(heads, rows, shape.max_seq),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
+        self.attention_grid = self.sms * self._blocks_per_sm(
+            f"attention_mma_{MMA_GROUPS[-1]}_bf16", ATTENTION_THREADS, MMA_SMEM) if self.attention_work else 1
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
@@ -493,14 +575,27 @@ class GpuDevice(CpuDevice):
 
     # ---- what the rules use
 
-    def launch(self, name: str, grid: tuple, block: int, args: list) -> None:
+    def _function(self, name: str, smem: int = 0):
         function = self._functions.get(name)
         if function is None:
-            function = self._functions[name] = self._check(
-                self._driver.cuModuleGetFunction(self._module, name.encode()), f"cuModuleGetFunction({name})")
+            d = self._driver
+            function = self._functions[name] = self._check(d.cuModuleGetFunction(self._module, name.encode()),
+                                                           f"cuModuleGetFunction({name})")
+            if smem > 48 * 1024:
+                self._check(d.cuFuncSetAttribute(
+                    function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                    f"allowing {name} its shared memory")
+        return function
+
+    def _blocks_per_sm(self, name: str, block: int, smem: int) -> int:
+        return max(1, self._check(self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            self._function(name, smem), block, smem), f"the occupancy of {name}"))
+
+    def launch(self, name: str, grid: tuple, block: int, args: list, smem: int = 0) -> None:
+        function = self._function(name, smem)
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         gx, gy, gz = (grid + (1, 1))[:3]
-        self._check(self._driver.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, 0, self._stream,
+        self._check(self._driver.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, smem, self._stream,
                                                 ctypes.addressof(params), 0),
                     f"launching {name}")
 
@@ -557,6 +652,15 @@ class GpuDevice(CpuDevice):
         self._upload(self._row_entries, np.repeat(chunks["entry"].astype(np.int32), chunks["count"].astype(np.int64)))
         self._upload(self._page_table, self.state["page_table"])
         self._upload(self._keep, keep)
+        starts = chunks["row"].astype(np.int64)
+        for (tile, window, kv_heads), (items, count, most) in self.attention_work.items():
+            work = attention_items(rows["position"], starts, chunks["count"], tile, window)
+            unit = item_unit(int(np.sum(work[:, 3] - work[:, 2])), kv_heads, self.attention_grid)
+            if unit > 1:
+                work = attention_items(rows["position"], starts, chunks["count"], tile, window, unit)
+            assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
+            self._upload(items, work)
+            self._upload(count, np.array([len(work)]))
         key = (n, len(keep))
         graph = self._graphs.get(key)
         profile = self._profile   # (read once: profile_ops, on the host's thread, may stop it meanwhile)

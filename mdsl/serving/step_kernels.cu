@@ -580,6 +580,50 @@ constexpr int ATT_SPLIT_KEYS = 64;   // a split's keys where the range allows (a
 constexpr int ATT_MAX_SPLITS = 64;
 constexpr float SKIPPED = -1.0f;     // the fold's weight of a split without scores (a weight is never negative)
 
+// The fold of a row's splits for the G query heads h * G .. of KV head h, by the block's ATT_WARPS warps, once
+// every split's partial is in `part` (records of (dim values, max, sum, padding) per row, query head and split
+// of max_splits): out = the sum of the splits' values by their weights exp(max_k - top) in split order, over
+// the sum of their sums likewise. Both attention kernels end with it, so a row's fold is one arithmetic.
+template <int G>
+__device__ void fold_splits(float* out, const float* part, int r, int h, int q_heads, int dim, int splits,
+                            int max_splits) {
+  __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, record = dim + 4;
+  // the fold, per query head: the splits' max (the lanes' maxima, then the warp's: a maximum is the same in
+  // any order), each split's weight exp(max_k - top) (SKIPPED: a split without scores) and the sum of
+  // the splits' sums by their weights in split order; then each value's sum of the splits' values by their
+  // weights in split order, over its head's sum: the weights computed once a head, not once a value
+  for (int g = warp; g < G; g += ATT_WARPS) {
+    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
+    float top = -INF;
+    for (int k = lane; k < splits; k += WARP) top = fmaxf(top, __ldcg(recs + k * record + dim));
+    top = warp_max(top);
+    for (int k = lane; k < splits; k += WARP) {
+      const float mk = __ldcg(recs + k * record + dim);
+      weight[g][k] = mk == -INF ? SKIPPED : __expf(mk - top);
+      split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      float sum = 0.0f;
+      for (int k = 0; k < splits; ++k)
+        if (weight[g][k] != SKIPPED) sum = fmaf(split_sum[g][k], weight[g][k], sum);
+      head_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
+    const int g = e / dim, d = e % dim;
+    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
+    float total = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < splits; ++k)
+      if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
+    out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
+  }
+  __syncthreads();   // (the shared weights are free for the next fold)
+}
+
 // G query heads per KV head; DV float4s a lane holds of a head (dim <= 128 * DV); pools of W
 template <int G, int DV, typename W>
 __device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const W* k_pool, const W* v_pool,
@@ -591,7 +635,6 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   using Raw = typename Four<W>::T;
   __shared__ float wm[ATT_WARPS][G], wl[ATT_WARPS][G];
   __shared__ float4 wacc[ATT_WARPS][G][DV * WARP];
-  __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];   // (the fold's)
   __shared__ int last;
   const int r = blockIdx.x, h = blockIdx.y, s = blockIdx.z, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int pos = positions[r];
@@ -739,38 +782,7 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
   } else {
     __syncthreads();
   }
-  // the fold, per query head: the splits' max (the lanes' maxima, then the warp's: a maximum is the same in
-  // any order), each split's weight exp(max_k - top) (SKIPPED: a split without scores) and the sum of
-  // the splits' sums by their weights in split order; then each value's sum of the splits' values by their
-  // weights in split order, over its head's sum: the weights computed once a head, not once a value
-  for (int g = warp; g < G; g += ATT_WARPS) {
-    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
-    float top = -INF;
-    for (int k = lane; k < splits; k += WARP) top = fmaxf(top, __ldcg(recs + k * record + dim));
-    top = warp_max(top);
-    for (int k = lane; k < splits; k += WARP) {
-      const float mk = __ldcg(recs + k * record + dim);
-      weight[g][k] = mk == -INF ? SKIPPED : __expf(mk - top);
-      split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
-    }
-    __syncwarp();
-    if (lane == 0) {
-      float sum = 0.0f;
-      for (int k = 0; k < splits; ++k)
-        if (weight[g][k] != SKIPPED) sum = fmaf(split_sum[g][k], weight[g][k], sum);
-      head_sum[g] = sum;
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
-    const int g = e / dim, d = e % dim;
-    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
-    float total = 0.0f;
-#pragma unroll 8
-    for (int k = 0; k < splits; ++k)
-      if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
-    out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
-  }
+  fold_splits<G>(out, part, r, h, q_heads, dim, splits, max_splits);
 }
 
 // ---- element-wise ops of a row

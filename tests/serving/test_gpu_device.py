@@ -3,12 +3,13 @@ its step kernels compile for the H200 without spills, and without a GPU `device=
 behaviour on a GPU is tests/gpu/test_gpu_serving.py's."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mdsl import LLM
 from mdsl.gpu import has_gpu
 from mdsl.gpu.driver import NoGPUError
-from mdsl.serving.gpu import GPU_STEP_RULES, GROUPS, kernel_source
+from mdsl.serving.gpu import GPU_STEP_RULES, GROUPS, MMA_GROUPS, kernel_source
 from mdsl.serving.steprules import STEP_RULES
 
 
@@ -25,6 +26,8 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
                  for s in ("f32", "bf16", "f16")}   # (pools of each dtype)
+    expected |= {f"attention_mma_{g}_{s}" for g in MMA_GROUPS for s in ("bf16", "f16")}   # (16-bit pools)
+    expected |= {f"attention_fold_{g}" for g in MMA_GROUPS}
     expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
     assert set(resources) == expected
     for name, r in resources.items():
@@ -132,3 +135,58 @@ def test_the_kernels_split_constants_are_the_hosts():
     for name, value in (("ATT_SPLIT_KEYS", SPLIT_KEYS), ("ATT_MAX_SPLITS", MAX_SPLITS)):
         assert re.search(rf"constexpr int {name} = (\d+);", source).group(1) == str(value)
     assert ATTENTION_THREADS == 4 * 32 and "constexpr int ATT_WARPS = 4;" in source
+
+
+def test_the_tensor_core_attentions_constants_are_the_hosts():
+    import re
+
+    from mdsl.serving.gpu import MMA_DIM, MMA_ROWS, MMA_SMEM, MMA_SPLIT_KEYS, MMA_UNIT
+
+    source = kernel_source()
+
+    def constant(name):
+        return int(re.search(rf"constexpr int {name} = (\d+)", source).group(1))
+
+    assert 16 * constant("AMMA_WARPS") == MMA_ROWS and constant("AMMA_DIM") == MMA_DIM
+    keys, stride = constant("AMMA_KEYS"), MMA_DIM + 8
+    assert MMA_SMEM == 2 * 2 * keys * stride * 2   # keys and values, two stages, 16-bit
+    assert constant("AMMA_SPLIT_KEYS") == MMA_SPLIT_KEYS and constant("AMMA_UNIT") == MMA_UNIT
+
+
+def _step(rng, max_batch: int, rows: int, max_seq: int):
+    """Random chunks of a step: (positions, starts, counts) of up to max_batch requests and `rows` rows."""
+    counts = rng.multinomial(rows - max_batch, np.ones(max_batch) / max_batch) + 1 if rows >= max_batch else \
+        np.ones(rows, np.int64)
+    counts = counts[counts > 0]
+    starts = np.cumsum(counts) - counts
+    ends = [int(rng.integers(c, max_seq + 1)) for c in counts]
+    positions = np.concatenate([np.arange(e - c, e) for e, c in zip(ends, counts)])
+    return positions, starts, counts
+
+
+@pytest.mark.parametrize("group, window, unit", [(1, 0, 1), (4, 0, 1), (16, 0, 3), (2, 100, 8)])
+def test_attention_items_give_every_row_each_of_its_splits_once_within_the_bound(group, window, unit):
+    """Each row of a step is in one tile of its own chunk, its tile's items hold each of the row's splits once
+    (attention_split of its own range), at most `unit` an item, and no step has more items than most_items
+    (the device buffer)."""
+    from mdsl.serving.gpu import MMA_SPLIT_KEYS, attention_items, attention_split, most_items, tile_rows
+
+    a = {"q_heads": 2 * group, "kv_heads": 2}
+    rng = np.random.default_rng(group + window)
+    for rows, max_batch, max_seq in ((256, 8, 9000), (64, 64, 300), (5, 3, 70), (256, 64, 4200)):
+        positions, starts, counts = _step(rng, max_batch, rows, max_seq)
+        items = attention_items(positions, starts, counts, tile_rows(a), window, unit)
+        assert len(items) <= most_items(a, rows, max_batch, max_seq)
+        chunk_of = np.repeat(np.arange(len(counts)), counts)
+        seen = {}
+        for first, size, s0, s1 in items.tolist():
+            assert 1 <= size <= tile_rows(a) and len(set(chunk_of[first:first + size])) == 1
+            assert 1 <= s1 - s0 <= unit
+            for r in range(first, first + size):
+                assert not seen.setdefault(r, set()) & set(range(s0, s1)), r
+                seen[r] |= set(range(s0, s1))
+        assert sorted(seen) == list(range(len(positions)))
+        for r, splits in seen.items():
+            pos = int(positions[r])
+            lo = max(0, pos - window + 1) if window else 0
+            assert set(range(attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1])) <= splits, r

@@ -1,0 +1,349 @@
+// The GPU serving device's attention on tensor cores (mdsl/serving/gpu.py picks it for 16-bit KV pools and
+// head dims up to 128, a multiple of 8): appended to step_kernels.cu, whose split rule and fold it shares.
+//
+// A block takes a tile of up to 64 / G consecutive rows of one request (the rows of one prompt chunk, or one
+// decode row) and one KV head's G query heads: 64 (row, query head) pairs, the M rows of mma.sync's m16n8k16,
+// 16 a warp. For split s, each row's keys are those attention_split gives it (its own range, cut by its own
+// n), walked in blocks of 64 keys at absolute positions 64b .. 64b + 63: the block's scores S = Q K^T and
+// P V run on tensor cores, and each M row keeps an online softmax (running max, sum and weighted values)
+// over the blocks. A key outside the row's own range is masked for it: no score, a weight of exactly zero,
+// and a block without a key of the row leaves its max, sum and values as they were (rescaled by exactly 1).
+// So what a row computes depends on its own range alone, never on the rows beside it in the tile nor on the
+// tile's blocks it does not take part in: its bits are the same whatever its chunk and whatever shares the
+// step. The float32 queries and weights keep the linears' hi + lo split in W (two products a k16 step, hi
+// then lo), the keys and values are the pool's W. The split's partial (values, max, sum) goes to the records
+// the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits) in a launch of its
+// own, every row and KV head a block (folded by the block of a tile's last split, a tile's rows wait on one
+// another's folds).
+//
+// The items of a step come from the host (mdsl/serving/gpu.py attention_items): a tile and up to AMMA_UNIT of
+// its consecutive splits, taken one after another (the queries loaded once, the next block's keys and values
+// loading while a block runs, across the splits' boundaries too); the grid is persistent, each block taking
+// items x KV heads in turn, so a step's launch size never depends on its rows' positions. How splits are
+// grouped into items changes which block computes a split, never what it computes.
+
+namespace serve {
+
+constexpr int AMMA_WARPS = 4;                      // (ATT_THREADS: fold_splits runs on the same block)
+constexpr int AMMA_ROWS = 16 * AMMA_WARPS;         // M rows (row, query head) of a tile
+constexpr int AMMA_KEYS = 64;                      // keys of a block
+constexpr int AMMA_DIM = 128;                      // the largest head dim
+constexpr int AMMA_STRIDE = AMMA_DIM + 8;          // a key's row in shared memory, in W: the padding puts the
+                                                   // 8 rows of an ldmatrix in 8 different 16-byte bank groups
+constexpr int AMMA_STAGE = AMMA_KEYS * AMMA_STRIDE;   // W of one block's keys (or values)
+constexpr int AMMA_SMEM = 2 * 2 * AMMA_STAGE * 2;     // bytes: keys and values, two stages, 16-bit W
+// A row's splits: attention_split's rule with splits of 128 keys where that makes ATT_MAX_SPLITS or fewer.
+// Longer splits mean fewer partials to write and fold over a prompt (the CUDA-core kernel's 64 keys write
+// and fold twice as many), shorter ones more blocks at once for a short context at batch 1 (each split a
+// block's chain of key blocks); a long range keeps ATT_MAX_SPLITS splits to spread over the SMs.
+constexpr int AMMA_SPLIT_KEYS = 128;
+constexpr int AMMA_UNIT = 8;                       // the most splits of a block's item (a tile's consecutive
+                                                   // splits, one softmax after another, the queries loaded once)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool live) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(global), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// hi + lo of two float32 values, each packed as a pair of W
+template <typename W>
+__device__ __forceinline__ void split2(float a, float b, unsigned& hi, unsigned& lo) {
+  hi = pack2<W>(a, b);
+  lo = pack2<W>(a - low_of<W>(hi, 0), b - low_of<W>(hi, 1));
+}
+
+template <int G, typename W>
+__device__ void attention_mma(float* part, const float* qkv, const W* k_pool, const W* v_pool, const int* positions,
+                              const int* entries, const int* page_table, int pages_per_request, int page_size,
+                              int q_heads, int kv_heads, int dim, float scale, float softcap, int window,
+                              const int4* items, const int* item_count, int max_splits) {
+  constexpr int R = AMMA_ROWS / G;   // rows of a tile
+  extern __shared__ __align__(16) unsigned char amma_smem[];
+  W* const keys = reinterpret_cast<W*>(amma_smem);   // [stage][key][AMMA_STRIDE]
+  W* const values = keys + 2 * AMMA_STAGE;
+  // the unit's splits: each row's keys of each (first, end; empty where the row has fewer splits), the keys
+  // any row takes (lo_key, hi_key)
+  __shared__ int first_of[AMMA_UNIT][R], end_of[AMMA_UNIT][R], lo_key[AMMA_UNIT], hi_key[AMMA_UNIT];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, quad = lane / 4, t = lane % 4;
+  const int kd = (dim + 15) / 16;            // k16 steps of the head dim (its chunks past dim are zeros)
+  const int heads = q_heads + 2 * kv_heads;
+  const long long stride = (long long)kv_heads * dim;
+  const int total = *item_count * kv_heads;
+  for (int v = blockIdx.x; v < total; v += gridDim.x) {
+    const int4 item = items[v / kv_heads];
+    const int h = v % kv_heads, row0 = item.x, rows = item.y, s0 = item.z, units = item.w - item.z;
+    // each row's keys of splits s0 .. s0 + units - 1 (attention_split of its own range)
+    if (threadIdx.x < R) {
+      const int i = threadIdx.x;
+      int lo = 0, split = 1, splits = 0, pos = -1;
+      if (i < rows) {
+        pos = positions[row0 + i];
+        lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const int n = pos - lo + 1, most = AMMA_SPLIT_KEYS * ATT_MAX_SPLITS;
+        split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
+        splits = (n + split - 1) / split;
+      }
+      for (int u = 0; u < units; ++u) {
+        const bool live = s0 + u < splits;
+        first_of[u][i] = live ? lo + (s0 + u) * split : 0;
+        end_of[u][i] = live ? min(pos + 1, lo + (s0 + u + 1) * split) : 0;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < units) {
+      const int u = threadIdx.x;
+      int lo = 0x7fffffff, hi = 0;
+      for (int i = 0; i < rows; ++i)
+        if (end_of[u][i] > first_of[u][i]) {
+          lo = min(lo, first_of[u][i]);
+          hi = max(hi, end_of[u][i]);
+        }
+      lo_key[u] = hi > 0 ? lo : 0;
+      hi_key[u] = hi;
+    }
+    __syncthreads();
+    // the unit's steps in order: each split's blocks of 64 keys that hold a key of some row; the first at or
+    // after block b of split u ((units, 0) past the last)
+    auto step_from = [&](int u, int b) {
+      for (; u < units; ++u, b = 0) {
+        for (b = max(b, lo_key[u] / AMMA_KEYS); b * AMMA_KEYS < hi_key[u]; ++b)
+          for (int i = 0; i < rows; ++i)
+            if (end_of[u][i] > first_of[u][i] && first_of[u][i] < (b + 1) * AMMA_KEYS && end_of[u][i] > b * AMMA_KEYS)
+              return make_int2(u, b);
+      }
+      return make_int2(units, 0);
+    };
+    const int* table = page_table + (long long)entries[row0] * pages_per_request;
+    // step k's keys and values into stage st: the split's keys from the pages, zeros elsewhere (past the head
+    // dim too), so a masked key's value is finite and its zero weight adds exactly zero
+    auto load = [&](int2 step, int st) {
+      const int u = step.x, b = step.y, chunks = 2 * kd;   // (16-byte chunks of a key's row)
+      for (int c = threadIdx.x; c < AMMA_KEYS * chunks; c += ATT_THREADS) {
+        const int key = c / chunks, ch = c % chunks, j = b * AMMA_KEYS + key;
+        const bool live = j >= lo_key[u] && j < hi_key[u] && 8 * ch < dim;
+        const long long at =
+            live ? ((long long)table[j / page_size] * page_size + j % page_size) * stride + (long long)h * dim + 8 * ch
+                 : 0;
+        cp_async16(keys + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, k_pool + at, live);
+        cp_async16(values + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, v_pool + at, live);
+      }
+      cp_async_commit();
+    };
+    int2 step = step_from(0, 0);
+    if (step.x < units) load(step, 0);
+    // this thread's two M rows (quad and quad + 8 of the warp's 16): their tile row and query head
+    int mrow[2], mhead[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 16 * warp + quad + 8 * e;
+      mrow[e] = m / G;
+      mhead[e] = m % G;
+    }
+    const bool working = 16 * warp < rows * G;   // the warp has M rows of the tile's rows
+    // the queries as A fragments, hi and lo: a k16 step's registers hold (row quad, dims 2t, 2t + 1),
+    // (quad + 8, 2t ..), (quad, 2t + 8 ..), (quad + 8, 2t + 8 ..)
+    unsigned qh[AMMA_DIM / 16][4], ql[AMMA_DIM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < AMMA_DIM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e = r % 2, d = 16 * kk + 2 * t + 8 * (r / 2);
+        float2 x = make_float2(0.0f, 0.0f);
+        if (kk < kd && d < dim && mrow[e] < rows)
+          x = *reinterpret_cast<const float2*>(qkv + (long long)(row0 + mrow[e]) * heads * dim +
+                                               (long long)(h * G + mhead[e]) * dim + d);
+        split2<W>(x.x, x.y, qh[kk][r], ql[kk][r]);
+      }
+    float m[2], l[2], acc[AMMA_DIM / 8][4];
+    int first[2], end[2];
+    for (int st = 0, u_before = -1; step.x < units; st ^= 1) {
+      const int u = step.x, b = step.y;
+      const int2 next = step_from(u, b + 1);
+      if (u != u_before) {   // a split's first block: a fresh softmax
+        u_before = u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          m[e] = -INF;
+          l[e] = 0.0f;
+          first[e] = mrow[e] < rows ? first_of[u][mrow[e]] : 0;
+          end[e] = mrow[e] < rows ? end_of[u][mrow[e]] : 0;
+        }
+#pragma unroll
+        for (int nt = 0; nt < AMMA_DIM / 8; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
+      }
+      if (next.x < units) {
+        load(next, st ^ 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      if (working) {
+        const W* ks = keys + st * AMMA_STAGE;
+        const W* vs = values + st * AMMA_STAGE;
+        // S = Q K^T: n8 tiles of keys; ldmatrix's four matrices are keys 16u .. + 7 and 16u + 8 .. + 7, dims
+        // 16kk .. + 7 and + 8 .. + 15 (B fragments of n tiles 2u and 2u + 1)
+        float sc[AMMA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sc[nt][r] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < AMMA_DIM / 16; ++kk) {
+          if (kk >= kd) break;
+#pragma unroll
+          for (int n = 0; n < AMMA_KEYS / 16; ++n) {
+            unsigned kb[4];
+            ldsm4(kb, ks + (16 * n + lane % 8 + 8 * (lane / 16)) * AMMA_STRIDE + 16 * kk + 8 * ((lane / 8) % 2));
+            mma_16816<W>(sc[2 * n], qh[kk][0], qh[kk][1], qh[kk][2], qh[kk][3], kb[0], kb[1]);
+            mma_16816<W>(sc[2 * n], ql[kk][0], ql[kk][1], ql[kk][2], ql[kk][3], kb[0], kb[1]);
+            mma_16816<W>(sc[2 * n + 1], qh[kk][0], qh[kk][1], qh[kk][2], qh[kk][3], kb[2], kb[3]);
+            mma_16816<W>(sc[2 * n + 1], ql[kk][0], ql[kk][1], ql[kk][2], ql[kk][3], kb[2], kb[3]);
+          }
+        }
+        // the online softmax of each M row: masked scores, the block's max (the quad's four lanes hold a row),
+        // weights, their sum in a fixed order, and the rescale of what came before
+        float rescale[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float top = m[e];
+#pragma unroll
+          for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int j = b * AMMA_KEYS + 8 * nt + 2 * t + c;
+              float x = sc[nt][2 * e + c] * scale;
+              if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
+              x = j >= first[e] && j < end[e] ? x : -INF;
+              sc[nt][2 * e + c] = x;
+              top = fmaxf(top, x);
+            }
+          top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+          top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+          rescale[e] = top == m[e] ? 1.0f : m[e] == -INF ? 0.0f : __expf(m[e] - top);
+          float sum = 0.0f;
+#pragma unroll
+          for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float x = sc[nt][2 * e + c];
+              const float p = x == -INF ? 0.0f : __expf(x - top);
+              sc[nt][2 * e + c] = p;
+              sum += p;
+            }
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          l[e] = fmaf(l[e], rescale[e], sum);
+          m[e] = top;
+        }
+#pragma unroll
+        for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
+          acc[nt][0] *= rescale[0];
+          acc[nt][1] *= rescale[0];
+          acc[nt][2] *= rescale[1];
+          acc[nt][3] *= rescale[1];
+        }
+        // P V: the weights' C fragments are the A fragments of k16 steps of keys; ldmatrix.trans's four
+        // matrices are keys 16j .. + 7 and + 8 .. + 15, dims 16n .. + 7 and + 8 .. + 15
+#pragma unroll
+        for (int j = 0; j < AMMA_KEYS / 16; ++j) {
+          unsigned ph[4], pl[4];
+          split2<W>(sc[2 * j][0], sc[2 * j][1], ph[0], pl[0]);
+          split2<W>(sc[2 * j][2], sc[2 * j][3], ph[1], pl[1]);
+          split2<W>(sc[2 * j + 1][0], sc[2 * j + 1][1], ph[2], pl[2]);
+          split2<W>(sc[2 * j + 1][2], sc[2 * j + 1][3], ph[3], pl[3]);
+#pragma unroll
+          for (int n = 0; n < AMMA_DIM / 16; ++n) {
+            if (n >= kd) break;
+            unsigned vb[4];
+            ldsm4_trans(vb, vs + (16 * j + lane % 8 + 8 * ((lane / 8) % 2)) * AMMA_STRIDE + 16 * n + 8 * (lane / 16));
+            mma_16816<W>(acc[2 * n], ph[0], ph[1], ph[2], ph[3], vb[0], vb[1]);
+            mma_16816<W>(acc[2 * n], pl[0], pl[1], pl[2], pl[3], vb[0], vb[1]);
+            mma_16816<W>(acc[2 * n + 1], ph[0], ph[1], ph[2], ph[3], vb[2], vb[3]);
+            mma_16816<W>(acc[2 * n + 1], pl[0], pl[1], pl[2], pl[3], vb[2], vb[3]);
+          }
+        }
+        // a split's last block: its partial for each M row with keys in it, [row, q head, split] of (dim
+        // values, max, sum, pad)
+        if (next.x != u) {
+          const int record = dim + 4;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (end[e] <= first[e]) continue;
+            float* rec =
+                part + (((long long)(row0 + mrow[e]) * q_heads + h * G + mhead[e]) * max_splits + s0 + u) * record;
+#pragma unroll
+            for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
+              const int d = 8 * nt + 2 * t;
+              if (d < dim) *reinterpret_cast<float2*>(rec + d) = make_float2(acc[nt][2 * e], acc[nt][2 * e + 1]);
+            }
+            if (t == 0) {
+              rec[dim] = m[e];
+              rec[dim + 1] = l[e];
+            }
+          }
+        }
+      }
+      __syncthreads();   // (the stage is read: the next load may overwrite it)
+      step = next;
+    }
+  }
+}
+
+// the fold of each row's splits once attention_mma's partials are all written: grid (rows, kv heads), a
+// block of ATT_THREADS (fold_splits)
+template <int G>
+__device__ void attention_fold(float* out, const float* part, const int* positions, int q_heads, int dim, int window,
+                               int max_splits) {
+  const int r = blockIdx.x, h = blockIdx.y, pos = positions[r];
+  const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const int n = pos - lo + 1, most = AMMA_SPLIT_KEYS * ATT_MAX_SPLITS;
+  const int split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
+  fold_splits<G>(out, part, r, h, q_heads, dim, (n + split - 1) / split, max_splits);
+}
+
+}  // namespace serve
+
+// attention on tensor cores for G query heads per KV head (1, 2, 4, 8 or 16), 16-bit pools:
+// attention_mma_G_SUFFIX
+#define ATTENTION_MMA_OF(G, SUFFIX, TYPE)                                                                        \
+  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_mma_##G##_##SUFFIX(                \
+      float* part, const float* qkv, const void* k_pool, const void* v_pool,                                   \
+      const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,   \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, const int4* items,           \
+      const int* item_count, int max_splits) {                                                                 \
+    serve::attention_mma<G, TYPE>(part, qkv, static_cast<const TYPE*>(k_pool),                                 \
+                                  static_cast<const TYPE*>(v_pool), positions, entries, page_table,            \
+                                  pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window, \
+                                  items, item_count, max_splits);                                              \
+  }
+#define ATTENTION_MMA(G)                                                                                     \
+  ATTENTION_MMA_OF(G, bf16, __nv_bfloat16)                                                                   \
+  ATTENTION_MMA_OF(G, f16, __half)                                                                           \
+  extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_fold_##G(                        \
+      float* out, const float* part, const int* positions, int q_heads, int dim, int window, int max_splits) { \
+    serve::attention_fold<G>(out, part, positions, q_heads, dim, window, max_splits);                        \
+  }
+ATTENTION_MMA(1)
+ATTENTION_MMA(2)
+ATTENTION_MMA(4)
+ATTENTION_MMA(8)
+ATTENTION_MMA(16)
