@@ -9,7 +9,8 @@ checkpoint's dtype: the values the CPU device's float32 pools hold) and the floa
 device memory, and every layer op of the step function runs as kernels over all the step's token rows
 (mdsl/serving/step_kernels.cu), by its rule in `GPU_STEP_RULES` (one rule per op, the GPU twin of
 mdsl.serving.steprules.STEP_RULES). Linear layers with 16-bit weights run on tensor cores (wgmma and TMA on
-a Hopper GPU: mdsl.serving.gpu_wgmma; mma.sync elsewhere), the others on the CUDA cores. A step uploads its
+a Hopper GPU: mdsl.serving.gpu_wgmma; mma.sync elsewhere), and attention over 16-bit pools too
+(attention_mma.cuh: tiles of a chunk's rows, mma.sync); the others run on the CUDA cores. A step uploads its
 rows (token, position, entry) and the page tables, runs the program, and reads back the logits of the rows
 that sample; a step of a shape (rows, rows that sample) seen before replays the program as a CUDA graph.
 
