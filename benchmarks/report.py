@@ -526,6 +526,18 @@ def serve_section(data: Optional[dict], title: str = "Serving many requests on t
                         [[name, next(iter(rs.values()))["requests"], next(iter(rs.values()))["output_tokens"],
                           *(c for n in ran for c in cells(rs.get(n)))] for name, rs in by_run.items()],
                         right=1) + [""]
+    mixed = data.get("mixed") or []
+    if mixed:
+        lines += ["A prompt arriving while requests decode: the decoders' time per output token (TPOT, their median) "
+                  "over a window before it arrives and while it is read (its submission to its first token: the "
+                  "steps carry its chunks beside their decode tokens), the worst decoder's, and the prompt's time to "
+                  "first token.", ""]
+        lines += _table(["device", "decoders", "their prompts", "prompt", "steps", "TPOT before ms",
+                         "TPOT while read ms", "worst ms", "ratio", "worst ratio", "prompt's TTFT ms"],
+                        [[r["device"], r["batch"], r["decode_prompt"], r["prompt"], r["steps"],
+                          f"{r['tpot_before_s'] * 1e3:.2f}", f"{r['tpot_mixed_s'] * 1e3:.2f}",
+                          f"{r['tpot_mixed_worst_s'] * 1e3:.2f}", _times(r["ratio"], 2), _times(r["ratio_worst"], 2),
+                          f"{r['ttft_s'] * 1e3:.1f}"] for r in mixed]) + [""]
     return lines
 
 

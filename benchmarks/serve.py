@@ -10,7 +10,11 @@ scheduler, one kernel per layer op per step, steps of a repeated shape replayed 
   (b) an offline run: --requests requests with seeded prompt lengths and output lengths, submitted at once;
       output tokens per second;
   (c) an online run per --rates rate: the same requests arriving as a Poisson process; time to first token
-      and time per output token, p50 and p99.
+      and time per output token, p50 and p99;
+  (d) a mixed run: --mixed-batch requests decoding (prompts of --mixed-decode-prompt tokens), then one prompt
+      of --mixed-prompt tokens arriving: the decoders' time per output token over --mixed-window tokens
+      before it arrives and while it is read (from its submission to its first token: steps that carry its
+      chunks beside their decode tokens), and its time to first token.
 
     python3 benchmarks/serve.py --model qwen3-0.6b --out $OUT
     python3 benchmarks/serve.py --model qwen3-0.6b --device megakernel --parts a --batches 1,8,32,64 --context 1024
@@ -79,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", type=_devices, default=list(DEVICES), metavar="DEVICES",
                     help="the serving devices measured, one after the other in this process: gpu, megakernel or "
                          "gpu,megakernel (the default)")
-    ap.add_argument("--parts", default="a,b,c", help="which of a (decode steps), b (offline), c (online)")
+    ap.add_argument("--parts", default="a,b,c,d", help="which of a (decode steps), b (offline), c (online), d (mixed)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1024, help="(a) the requests' context at their decode steps")
     ap.add_argument("--long-contexts", default="8192,32768",
@@ -92,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", default="32:1024", help="(b, c) prompt lengths LO:HI, seeded uniform")
     ap.add_argument("--output-len", default="32:512", help="(b, c) output lengths LO:HI, seeded uniform")
     ap.add_argument("--rates", default="4,16,64", help="(c) Poisson arrival rates, requests per second")
+    ap.add_argument("--mixed-batch", type=int, default=32, help="(d) the requests decoding when the prompt arrives")
+    ap.add_argument("--mixed-decode-prompt", type=int, default=128, help="(d) their prompts' tokens")
+    ap.add_argument("--mixed-prompt", type=int, default=4096, help="(d) the arriving prompt's tokens")
+    ap.add_argument("--mixed-window", type=int, default=32, help="(d) the decoders' tokens timed before it arrives")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=".", help="folder for serve.json and serve.md")
@@ -183,6 +191,78 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         h.result()
     return {"device": device, "batch": batch, "context": context,
             "mean_context": context - 1 + float(np.mean(before + after)), **timed, "preemptions": preemptions}
+
+
+def mixed_budget(per_step: int, batch: int, prompt: int, window: int) -> int:
+    """(d) tokens each decoder may produce: its first tokens, the undisturbed window, one a step while the
+    prompt is read (its chunks take what the decoders leave of a step's budget), and SPARE_STEPS."""
+    return 8 + window + -(-prompt // max(1, per_step - batch)) + SPARE_STEPS
+
+
+def mean_gap(times: list, start: float, end: float) -> Optional[float]:
+    """The mean of the gaps between consecutive token times of `times` that overlap (start, end): the time per
+    output token over that span (a gap the span cuts counts whole); None where no gap does."""
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, window: int, vocab: int,
+              seed: int) -> dict:
+    """(d): `batch` requests decode (prompts of `decode_prompt` tokens); once each has produced 8 tokens, their
+    next `window` tokens are the undisturbed ones; then a prompt of `prompt` tokens arrives, and every decoder's
+    tokens from then until the prompt's first token are the mixed ones. Per decoder its mean gap over each span
+    (mean_gap); the ratio of the medians, and of the worst decoder's mixed gap to the median undisturbed one."""
+    import numpy as np
+
+    from mdsl import SamplingParams
+
+    rng = np.random.default_rng(seed + 2)
+    params = SamplingParams(max_new_tokens=mixed_budget(llm.shape.max_tokens_per_step, batch, prompt, window),
+                            ignore_eos=True)
+    handles = [llm.submit([int(t) for t in rng.integers(0, vocab, decode_prompt)], params) for _ in range(batch)]
+    times: list = [[] for _ in handles]
+
+    def follow(i):
+        for _ in handles[i]:
+            times[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(batch)]
+    for t in threads:
+        t.start()
+
+    def wait_for(counts: list) -> float:
+        deadline = time.perf_counter() + STALL_S
+        while any(len(ts) < c for ts, c in zip(times, counts)):
+            if time.perf_counter() > deadline or any(h.done() for h in handles):
+                raise RuntimeError(f"(d) the decoders stopped before producing {counts} tokens")
+            time.sleep(0.0002)
+        return time.perf_counter()
+
+    begin = wait_for([8] * batch)
+    end = wait_for([len(ts) + window for ts in times])
+    steps0 = llm.stats().steps
+    submitted = time.perf_counter()
+    arriving = llm.submit([int(t) for t in rng.integers(0, vocab, prompt)], SamplingParams(max_new_tokens=1,
+                                                                                           ignore_eos=True))
+    next(iter(arriving))
+    first = time.perf_counter()
+    steps = llm.stats().steps - steps0
+    short = any(h.done() for h in handles)
+    for h in handles:
+        h.cancel()
+    for t in threads:
+        t.join()
+    if short:
+        raise RuntimeError("(d) a decoder ended before the prompt's first token (mixed_budget is short)")
+    before = [mean_gap(ts, begin, end) for ts in times]
+    during = [mean_gap(ts, submitted, first) for ts in times]
+    if None in before or None in during:
+        raise RuntimeError("(d) a decoder produced no token across a span")
+    undisturbed, mixed = statistics.median(before), statistics.median(during)
+    return {"device": device, "batch": batch, "decode_prompt": decode_prompt, "prompt": prompt, "window": window,
+            "tpot_before_s": undisturbed, "tpot_mixed_s": mixed, "tpot_mixed_worst_s": max(during),
+            "ratio": mixed / undisturbed, "ratio_worst": max(during) / undisturbed, "ttft_s": first - submitted,
+            "steps": steps}
 
 
 def kernel_profile(device, trace: Optional[Path]) -> dict:
@@ -429,6 +509,18 @@ def tables(result: dict) -> str:
             lines.append(f"| {r['run']} | {device_of(r)} | {r['requests']} | {r['output_tokens']} | "
                          f"{r['wall_s']:.1f} s | {r['output_tokens_per_s']:.0f} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
                          f"{ms(r['tpot_p50_s'])} | {ms(r['tpot_p99_s'])} | {r['short']} |")
+    if result.get("mixed"):
+        lines += [""] if lines and lines[-1] else []
+        lines += ["A prompt arriving while requests decode: the decoders' time per output token (their median, and "
+                  "the worst decoder's) over the window before it arrives and while it is read, and its time to "
+                  "first token:", "",
+                  "| device | decoders | their prompts | prompt | steps | TPOT before | TPOT while read | worst | "
+                  "ratio | worst ratio | prompt's TTFT |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["mixed"]:
+            lines.append(f"| {r['device']} | {r['batch']} | {r['decode_prompt']} | {r['prompt']} | {r['steps']} | "
+                         f"{r['tpot_before_s'] * 1e3:.2f} ms | {r['tpot_mixed_s'] * 1e3:.2f} ms | "
+                         f"{r['tpot_mixed_worst_s'] * 1e3:.2f} ms | {r['ratio']:.2f} | {r['ratio_worst']:.2f} | "
+                         f"{r['ttft_s'] * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 
@@ -473,6 +565,12 @@ def measure(device: str, folder: str, engine: dict, args, parts: set, points: li
                                                                         run_requests(llm, requests, arrivals))})
                     print(result["runs"][-1], flush=True)
                     write(result, Path(args.out))
+            if "d" in parts:
+                result.setdefault("mixed", []).append(
+                    mixed_run(llm, device, args.mixed_batch, args.mixed_decode_prompt, args.mixed_prompt,
+                              args.mixed_window, vocab, args.seed))
+                print(result["mixed"][-1], flush=True)
+                write(result, Path(args.out))
     finally:
         if device == "megakernel" and not llm.device.alive:
             llm.device.close()     # (its module and memory go now: the device stays referenced until exit)
@@ -496,6 +594,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     parts = set(args.parts.split(","))
+    if "d" in parts and args.mixed_batch + 1 > args.max_batch:
+        raise SystemExit(f"--mixed-batch {args.mixed_batch} and the arriving prompt need --max-batch of at least "
+                         f"{args.mixed_batch + 1} (it is {args.max_batch})")
     raw = MODELS[args.model]
     out = Path(args.out)
     result = {"meta": provenance("serve.py", sys.argv[1:] if argv is None else argv, gpu=True), "model": args.model,
@@ -512,6 +613,12 @@ def main(argv=None) -> int:
         max_seq = max([s for _, s in spans] + [len(p) + n for p, n in requests])
         # pages for the most tokens any part holds at once (not every slot at max_seq: 64 x 32k would not fit)
         whole = [args.max_batch * max(len(p) + n for p, n in requests)] if parts & {"b", "c"} else []
+        if "d" in parts:   # (d) the decoders to the end of their budget, and the arriving prompt
+            mixed = args.mixed_decode_prompt + mixed_budget(per_step, args.mixed_batch, args.mixed_prompt,
+                                                            args.mixed_window)
+            spans.append((args.mixed_batch, mixed))
+            whole.append(args.mixed_batch * mixed + args.mixed_prompt + 1)
+            max_seq = max(max_seq, mixed, args.mixed_prompt + 1)
         held = max([b * s for b, s in spans] + whole)
         engine = dict(max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
                       kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE)

@@ -143,8 +143,9 @@ stage sanitize "${SANITIZE_LIMIT:-240}" "$OUT/all/sanitize_megakernel.log" compu
     --error-exitcode 3 $PY scripts/serve_check.py --device megakernel
 # (STAGES=serve) the serving benchmark (benchmarks/serve.py) of the GPU device and then the megakernel device, in
 # one process: step times by batch and context (the GPU device's op profile, the megakernel's launches), offline
-# and online runs; SERVE_ARGS picks the model, the parts, the devices (--device) and the requests (128 here: the
-# benchmark's default 256 take twice as long in each online run, 64 s at 4 requests/s on each device alone)
+# and online runs, a prompt arriving while requests decode; SERVE_ARGS picks the model, the parts, the devices
+# (--device) and the requests (128 here: the benchmark's default 256 take twice as long in each online run, 64 s
+# at 4 requests/s on each device alone)
 stage serve "${SERVE_LIMIT:-480}" "$OUT/all/serve.log" $PY benchmarks/serve.py \
     ${SERVE_ARGS:---model qwen3-0.6b --requests 128} --out "$OUT/all/serve"
 [ -f "$OUT/all/serve/serve.md" ] && cp "$OUT/all/serve/serve.md" "$OUT/all/serve/serve.json" "$OUT/"

@@ -305,6 +305,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       __syncthreads();   // (the stage is read: the next load may overwrite it)
       step = next;
     }
+    __syncthreads();   // (every thread is past the item's steps: the next item may rewrite its ranges)
   }
 }
 

@@ -26,6 +26,7 @@ import ctypes
 import functools
 import gc
 import logging
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
@@ -294,7 +295,7 @@ def on_tensor_cores(a: dict, kv_dtype, arch: str) -> bool:
     model's steps runs the one arithmetic."""
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
     return (kv_dtype in (bf16, f16) and d % 8 == 0 and d <= MMA_DIM and hq % hkv == 0
-            and hq // hkv in MMA_GROUPS and int(arch[3:5]) >= 80)
+            and hq // hkv in MMA_GROUPS and int(re.match(r"sm_(\d+)", arch).group(1)) >= 80)
 
 
 def _attention_kernel(a: dict, kv_dtype=f32, arch: str = "sm_90a") -> str:

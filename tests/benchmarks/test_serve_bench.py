@@ -195,7 +195,8 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
     monkeypatch.setattr(mdsl, "LLM", OnTheCpu)
     S.main(["--model", "tiny-qwen3", "--batches", "1,3", "--context", "20", "--long-contexts", "40",
             "--decode-tokens", "3", "--requests", "5", "--prompt-len", "4:9", "--output-len", "2:5", "--rates", "200",
-            "--max-batch", "4", "--no-torch", "--out", str(tmp_path)])
+            "--max-batch", "4", "--mixed-batch", "2", "--mixed-decode-prompt", "5", "--mixed-prompt", "300",
+            "--mixed-window", "3", "--no-torch", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serve.json").read_text())
     assert [(d["device"], d["batch"], d["context"]) for d in result["decode"]] == [
         (device, b, c) for device in ("gpu", "megakernel") for b, c in ((1, 20), (3, 20), (1, 40))]
@@ -209,6 +210,11 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
     assert gpu["replayed"] == 0 and gpu["steps"] > 0 and megakernel["launches"] == 1 and megakernel["steps"] > 0
     assert megakernel["steps_per_launch"] == 99 and closed == [False]
     assert "| batch | prompts | mean context | floor | gpu step" in (tmp_path / "serve.md").read_text()
+    mixed = result["mixed"]
+    assert [(r["device"], r["batch"], r["prompt"]) for r in mixed] == [("gpu", 2, 300), ("megakernel", 2, 300)]
+    assert all(r["steps"] >= 2 and 0 < r["tpot_before_s"] and r["tpot_mixed_s"] <= r["tpot_mixed_worst_s"]
+               and r["ttft_s"] > 0 for r in mixed)
+    assert "| device | decoders | their prompts | prompt | steps | TPOT before" in (tmp_path / "serve.md").read_text()
 
 
 @pytest.mark.parametrize("device", ["gpu", "megakernel"])
@@ -363,8 +369,31 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "decode_steps", decode_steps)
     with pytest.raises(RuntimeError, match="cut"):
         S.main(["--model", "tiny-qwen3", "--device", "gpu", "--batches", "1,3", "--context", "20", "--long-contexts",
-                "", "--requests", "2", "--prompt-len", "4:9", "--output-len", "2:5", "--max-batch", "4", "--no-torch",
-                "--out", str(tmp_path)])
+                "", "--requests", "2", "--prompt-len", "4:9", "--output-len", "2:5", "--max-batch", "4", "--parts",
+                "a,b,c", "--no-torch", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serve.json").read_text())
     assert [d["batch"] for d in result["decode"]] == [1] and result["devices"] == {"gpu": {"incomplete": S.INCOMPLETE}}
     assert f"- gpu: {S.INCOMPLETE}" in (tmp_path / "serve.md").read_text()
+
+
+def test_the_mean_gap_counts_every_gap_that_overlaps_the_span():
+    times = [0.0, 1.0, 3.0, 6.0, 10.0]
+    assert S.mean_gap(times, 0.5, 2.0) == (1.0 + 2.0) / 2      # (0, 1) and (1, 3) overlap (0.5, 2)
+    assert S.mean_gap(times, 3.0, 6.0) == 3.0                  # only (3, 6)
+    assert S.mean_gap(times, 10.0, 12.0) is None and S.mean_gap([1.0], 0.0, 2.0) is None
+
+
+def test_the_mixed_run_needs_room_for_its_decoders_and_the_prompt():
+    with pytest.raises(SystemExit, match="max-batch"):
+        S.main(["--parts", "d", "--mixed-batch", "64", "--max-batch", "64"])
+
+
+def test_the_reports_serve_section_shows_the_mixed_run():
+    from benchmarks import report
+
+    data = {"meta": None, "model": "qwen3-0.6b", "decode": [], "runs": [], "devices": {},
+            "mixed": [{"device": "gpu", "batch": 32, "decode_prompt": 128, "prompt": 4096, "window": 32, "steps": 19,
+                       "tpot_before_s": 0.01, "tpot_mixed_s": 0.015, "tpot_mixed_worst_s": 0.02, "ratio": 1.5,
+                       "ratio_worst": 2.0, "ttft_s": 0.4}]}
+    text = "\n".join(report.serve_section(data))
+    assert "| gpu | 32 | 128 | 4096 | 19 | 10.00 | 15.00 | 20.00 | 1.50× | 2.00× | 400.0 |" in text

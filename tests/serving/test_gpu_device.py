@@ -190,3 +190,19 @@ def test_attention_items_give_every_row_each_of_its_splits_once_within_the_bound
             pos = int(positions[r])
             lo = max(0, pos - window + 1) if window else 0
             assert set(range(attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1])) <= splits, r
+
+
+def test_attention_runs_on_tensor_cores_for_16_bit_pools_of_head_dims_up_to_128_from_sm_80():
+    from mdsl.ir.dtypes import bf16, f16, f32
+    from mdsl.serving.gpu import _attention_kernel, on_tensor_cores
+
+    a = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
+    assert all(on_tensor_cores(a, dtype, arch) for dtype, arch in ((bf16, "sm_90a"), (f16, "sm_80"), (bf16, "sm_100")))
+    assert _attention_kernel(a, bf16, "sm_90a") == "attention_mma_4"
+    # float32 pools, a head dim past 128 or not a multiple of 8, a GPU before sm_80, 32 query heads a KV head:
+    # the CUDA-core kernel
+    for other, dtype, arch in ((a, f32, "sm_90a"), (dict(a, head_dim=256), bf16, "sm_90a"),
+                               (dict(a, head_dim=12), bf16, "sm_90a"), (a, bf16, "sm_75")):
+        assert not on_tensor_cores(other, dtype, arch)
+        assert _attention_kernel(other, dtype, arch).startswith("attention_")
+    assert not on_tensor_cores({"q_heads": 32, "kv_heads": 1, "head_dim": 64}, bf16, "sm_90a")
