@@ -187,20 +187,23 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
     assert all(us > 0 and steps > 0 for us, steps in ops.values())
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoints, arch):
-    ckpt = checkpoints[arch, "bfloat16"]
-    rng = np.random.default_rng(4)
-    prompts = random_prompts(rng, 24, 1, 300)
-    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 9, 24)]
+def chunked_runs(folder: str, prompts: list, params: list, seed: int, steps: int) -> dict:
+    """max_tokens_per_step -> served(...) of the requests arriving at random steps below `steps` (another
+    arrival order for each budget), at budgets of 256, 64, 7 and 1 tokens a step."""
     runs = {}
-    for seed, budget in enumerate((256, 64, 7, 1)):
-        arrivals = arrivals_of(np.random.default_rng(10 + seed), prompts, params, 30)
-        runs[budget] = served(ckpt.folder, "gpu", arrivals, max_batch=24, page_size=16, max_tokens_per_step=budget)
-    assert runs[256][2] >= 4
-    with LLM(ckpt.folder, device="gpu", max_batch=1, page_size=16) as llm:
+    for k, budget in enumerate((256, 64, 7, 1)):
+        arrivals = arrivals_of(np.random.default_rng(seed + k), prompts, params, steps)
+        runs[budget] = served(folder, "gpu", arrivals, max_batch=len(prompts), page_size=16,
+                              max_tokens_per_step=budget)
+    return runs
+
+
+def same_bits_alone(folder: str, prompts: list, params: list, runs: dict, requests) -> None:
+    """Each of `requests` run alone gives the tokens, and every position's logits bit for bit, of every run
+    of `runs` (chunked_runs)."""
+    with LLM(folder, device="gpu", max_batch=1, page_size=16) as llm:
         llm.device.record_logits = True
-        for i in range(0, 24, 3):
+        for i in requests:
             out = llm.submit(prompts[i], params[i]).result()
             alone = llm.device.logits.pop(out.request_id)
             for budget, (outputs, logits, _) in runs.items():
@@ -208,6 +211,17 @@ def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoint
                 assert sorted(logits[i]) == sorted(alone), (i, budget)
                 for pos, (row,) in alone.items():
                     assert np.array_equal(row, logits[i][pos][0]), (i, budget, pos)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoints, arch):
+    ckpt = checkpoints[arch, "bfloat16"]
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 24, 1, 300)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 9, 24)]
+    runs = chunked_runs(ckpt.folder, prompts, params, 10, 30)
+    assert runs[256][2] >= 4
+    same_bits_alone(ckpt.folder, prompts, params, runs, range(0, 24, 3))
 
 
 def test_seeded_sampling_repeats_whatever_shares_the_steps(checkpoints):

@@ -9,7 +9,7 @@ import pytest
 
 from mdsl import LLM, SamplingParams
 from mdsl.gpu import has_gpu
-from tests.gpu.test_gpu_serving import agree, served
+from tests.gpu.test_gpu_serving import agree, chunked_runs, same_bits_alone, served
 from tests.serving.conftest import arrivals_of, random_prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no GPU")]
@@ -30,20 +30,10 @@ def test_tensor_core_attention_agrees_and_keeps_a_requests_bits(tmp_path, arch, 
     rng = np.random.default_rng(21)
     prompts = random_prompts(rng, 8, 1, 300)
     params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(8, 17, 8)]
-    runs = {}
-    for seed, budget in enumerate((256, 64, 7, 1)):
-        arrivals = arrivals_of(np.random.default_rng(30 + seed), prompts, params, 12)
-        runs[budget] = served(ckpt.folder, "gpu", arrivals, max_batch=8, page_size=16, max_tokens_per_step=budget)
+    runs = chunked_runs(ckpt.folder, prompts, params, 30, 12)
     cpu = served(ckpt.folder, "cpu", arrivals_of(np.random.default_rng(30), prompts, params, 12), max_batch=8,
                  page_size=16)
     agree(runs[256], cpu, prompts, "bfloat16")   # (float16's rounding is the finer)
     with LLM(ckpt.folder, device="gpu", max_batch=1, page_size=16) as llm:
         assert llm.device.attention_work, "the tensor-core attention is not in use"
-        llm.device.record_logits = True
-        for i in (0, 3, 6):
-            out = llm.submit(prompts[i], params[i]).result()
-            alone = llm.device.logits.pop(out.request_id)
-            for budget, (outputs, logits, _) in runs.items():
-                assert outputs[i].token_ids == out.token_ids, (i, budget)
-                for pos, (row,) in alone.items():
-                    assert np.array_equal(row, logits[i][pos][0]), (i, budget, pos)
+    same_bits_alone(ckpt.folder, prompts, params, runs, (0, 3, 6))
