@@ -1,20 +1,22 @@
 // The GPU serving device's attention on tensor cores (mdsl/serving/gpu.py picks it for 16-bit KV pools and
-// head dims up to 128, a multiple of 8): appended to step_kernels.cu, whose split rule and fold it shares.
+// head dims up to 128, a multiple of 8): appended to step_kernels.cu, whose split rule (with longer
+// splits) and fold it shares.
 //
 // A block takes a tile of up to 64 / G consecutive rows of one request (the rows of one prompt chunk, or one
 // decode row) and one KV head's G query heads: 64 (row, query head) pairs, the M rows of mma.sync's m16n8k16,
-// 16 a warp. For split s, each row's keys are those attention_split gives it (its own range, cut by its own
-// n), walked in blocks of 64 keys at absolute positions 64b .. 64b + 63: the block's scores S = Q K^T and
-// P V run on tensor cores, and each M row keeps an online softmax (running max, sum and weighted values)
-// over the blocks. A key outside the row's own range is masked for it: no score, a weight of exactly zero,
-// and a block without a key of the row leaves its max, sum and values as they were (rescaled by exactly 1).
+// 16 a warp. For split s, each row's keys are those attention_split(n, AMMA_SPLIT_KEYS) gives it (its own
+// range, cut by its own n), walked in blocks of 64 keys at absolute positions 64b .. 64b + 63: the block's
+// scores S = Q K^T and P V run on tensor cores, and each M row keeps an online softmax (running max, sum and
+// weighted values) over the blocks. A key outside the row's own range is masked for it: no score, a weight
+// of exactly zero, and a block without a key of the row leaves its max, sum and values as they were
+// (rescaled by exactly 1).
 // So what a row computes depends on its own range alone, never on the rows beside it in the tile nor on the
 // tile's blocks it does not take part in: its bits are the same whatever its chunk and whatever shares the
 // step. The float32 queries and weights keep the linears' hi + lo split in W (two products a k16 step, hi
 // then lo), the keys and values are the pool's W. The split's partial (values, max, sum) goes to the records
 // the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits) in a launch of its
-// own, every row and KV head a block (folded by the block of a tile's last split, a tile's rows wait on one
-// another's folds).
+// own, every row and KV head a block (the block of a tile's last split folding them would fold the tile's
+// rows one after another).
 //
 // The items of a step come from the host (mdsl/serving/gpu.py attention_items): a tile and up to AMMA_UNIT of
 // its consecutive splits, taken one after another (the queries loaded once, the next block's keys and values
@@ -130,7 +132,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       return make_int2(units, 0);
     };
     const int* table = page_table + (long long)entries[row0] * pages_per_request;
-    // step k's keys and values into stage st: the split's keys from the pages, zeros elsewhere (past the head
+    // a step's keys and values into stage st: the split's keys from the pages, zeros elsewhere (past the head
     // dim too), so a masked key's value is finite and its zero weight adds exactly zero
     auto load = [&](int2 step, int st) {
       const int u = step.x, b = step.y, chunks = 2 * kd;   // (16-byte chunks of a key's row)

@@ -347,7 +347,8 @@ def item_unit(splits: int, kv_heads: int, grid: int) -> int:
 
 
 def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
-    """The most items attention_items gives a step of up to `rows` rows and `max_batch` requests."""
+    """The most items attention_items gives a step of up to `rows` rows and `max_batch` requests: its tiles
+    times attention_blocks(max_seq) (the CUDA-core rule's most splits, at least the tensor-core rule's)."""
     r = tile_rows(a)
     tiles = min(rows, -(-rows // r) + min(rows, max_batch))
     return tiles * attention_blocks(max_seq)
@@ -528,8 +529,8 @@ class GpuDevice(CpuDevice):
         heads = attention_heads(self.nodes)
         for a in heads:
             _attention_kernel(a, self.kv_dtype, self.arch)   # (refused here, before any step, where none fits)
-        # attention_mma's work of each step, per (tile rows, window) of the attention ops on tensor cores:
-        # its items and their count, written by the step before its program runs
+        # attention_mma's work of each step, per (tile rows, window, KV heads) of the attention ops on tensor
+        # cores: its items and their count, written by the step before its program runs
         self.attention_work: dict = {}
         for a in heads:
             key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
@@ -538,6 +539,8 @@ class GpuDevice(CpuDevice):
                 self.attention_work[key] = (array(None, (most, 4), i32), array(None, (1,), i32), most)
         self.attention_partials = array(None, (attention_partials(heads, rows, shape.max_seq),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
+        # the persistent grid: the blocks an SM holds (every attention_mma kernel's registers and shared memory
+        # are alike) times the SMs
         self.attention_grid = self.sms * self._blocks_per_sm(
             f"attention_mma_{MMA_GROUPS[-1]}_bf16", ATTENTION_THREADS, MMA_SMEM) if self.attention_work else 1
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
