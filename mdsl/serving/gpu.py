@@ -316,24 +316,32 @@ def tile_rows(a: dict) -> int:
     return MMA_ROWS // (a["q_heads"] // a["kv_heads"])
 
 
-def attention_items(positions: np.ndarray, starts: np.ndarray, counts: np.ndarray, rows: int, window: int,
-                    unit: int = 1) -> np.ndarray:
-    """attention_mma's work of a step: (first row, rows, first split, end split) per item, int32 [items, 4].
-    The step's chunks (rows starts[i] .. starts[i] + counts[i], in row order, covering the step) are cut into
-    tiles of up to `rows` rows; a tile takes every split any of its rows has (attention_split of each row's
-    own range, window start .. its position, in splits of MMA_SPLIT_KEYS), `unit` consecutive splits an item
-    (fewer in its last)."""
-    counts = np.asarray(counts, np.int64)
-    per = -(-counts // rows)
-    chunk = np.repeat(np.arange(len(counts)), per)
-    k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
-    first = np.asarray(starts, np.int64)[chunk] + k * rows
-    size = np.minimum(rows, counts[chunk] - k * rows)
+def attention_tiles(positions: np.ndarray, starts: np.ndarray, counts: np.ndarray, rows: int,
+                    window: int) -> tuple:
+    """(first row, rows, splits) of each of attention_mma's tiles of a step, int64 arrays: the step's chunks
+    (rows starts[i] .. starts[i] + counts[i], in row order, covering the step) cut into tiles of up to `rows`
+    rows, each with the most splits any of its rows has (attention_split of the row's own range, window
+    start .. its position, in splits of MMA_SPLIT_KEYS)."""
+    counts, starts = np.asarray(counts, np.int64), np.asarray(starts, np.int64)
+    if counts.max(initial=0) <= rows:   # a chunk a tile (decode rows, short chunks): the common step
+        first, size = starts, counts
+    else:
+        per = -(-counts // rows)
+        chunk = np.repeat(np.arange(len(counts)), per)
+        k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+        first = starts[chunk] + k * rows
+        size = np.minimum(rows, counts[chunk] - k * rows)
     positions = np.asarray(positions, np.int64)
-    lo = np.maximum(positions - window + 1, 0) if window > 0 else np.zeros_like(positions)
-    n = positions - lo + 1
+    n = positions + 1 - (np.maximum(positions - window + 1, 0) if window > 0 else 0)
     split = MMA_SPLIT_KEYS * np.maximum(1, -(-n // (MMA_SPLIT_KEYS * MAX_SPLITS)))
     splits = np.maximum.reduceat(-(-n // split), first) if len(first) else np.zeros(0, np.int64)
+    return first, size, splits
+
+
+def attention_items(tiles: tuple, unit: int = 1) -> np.ndarray:
+    """attention_mma's work of a step from its tiles (attention_tiles): (first row, rows, first split, end
+    split) per item, int32 [items, 4], `unit` consecutive splits of a tile an item (fewer in its last)."""
+    first, size, splits = tiles
     groups = -(-splits // unit)
     tile = np.repeat(np.arange(len(first)), groups)
     s = unit * (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
@@ -659,10 +667,8 @@ class GpuDevice(CpuDevice):
         self._upload(self._keep, keep)
         starts = chunks["row"].astype(np.int64)
         for (tile, window, kv_heads), (items, count, most) in self.attention_work.items():
-            work = attention_items(rows["position"], starts, chunks["count"], tile, window)
-            unit = item_unit(int(np.sum(work[:, 3] - work[:, 2])), kv_heads, self.attention_grid)
-            if unit > 1:
-                work = attention_items(rows["position"], starts, chunks["count"], tile, window, unit)
+            tiles = attention_tiles(rows["position"], starts, chunks["count"], tile, window)
+            work = attention_items(tiles, item_unit(int(tiles[2].sum()), kv_heads, self.attention_grid))
             assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
             self._upload(items, work)
             self._upload(count, np.array([len(work)]))

@@ -169,13 +169,14 @@ def test_attention_items_give_every_row_each_of_its_splits_once_within_the_bound
     """Each row of a step is in one tile of its own chunk, its tile's items hold each of the row's splits once
     (attention_split of its own range), at most `unit` an item, and no step has more items than most_items
     (the device buffer)."""
-    from mdsl.serving.gpu import MMA_SPLIT_KEYS, attention_items, attention_split, most_items, tile_rows
+    from mdsl.serving.gpu import MMA_SPLIT_KEYS, attention_items, attention_split, attention_tiles, most_items, \
+        tile_rows
 
     a = {"q_heads": 2 * group, "kv_heads": 2}
     rng = np.random.default_rng(group + window)
     for rows, max_batch, max_seq in ((256, 8, 9000), (64, 64, 300), (5, 3, 70), (256, 64, 4200)):
         positions, starts, counts = _step(rng, max_batch, rows, max_seq)
-        items = attention_items(positions, starts, counts, tile_rows(a), window, unit)
+        items = attention_items(attention_tiles(positions, starts, counts, tile_rows(a), window), unit)
         assert len(items) <= most_items(a, rows, max_batch, max_seq)
         chunk_of = np.repeat(np.arange(len(counts)), counts)
         seen = {}
