@@ -354,6 +354,15 @@ def item_unit(splits: int, kv_heads: int, grid: int) -> int:
     return int(min(MMA_UNIT, max(1, splits * kv_heads // (2 * grid))))
 
 
+def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int, kv_heads: int,
+               grid: int) -> np.ndarray:
+    """attention_mma's items of a step of rows at `positions` in `chunks` (the scheduler's records: each
+    chunk's first row and row count), for tiles of `tile` rows, a sliding `window` (0: none), `kv_heads` KV
+    heads and a persistent grid of `grid` blocks."""
+    tiles = attention_tiles(positions, chunks["row"], chunks["count"], tile, window)
+    return attention_items(tiles, item_unit(int(tiles[2].sum()), kv_heads, grid))
+
+
 def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
     """The most items attention_items gives a step of up to `rows` rows and `max_batch` requests: its tiles
     times attention_blocks(max_seq) (the CUDA-core rule's most splits, at least the tensor-core rule's)."""
@@ -665,10 +674,8 @@ class GpuDevice(CpuDevice):
         self._upload(self._row_entries, np.repeat(chunks["entry"].astype(np.int32), chunks["count"].astype(np.int64)))
         self._upload(self._page_table, self.state["page_table"])
         self._upload(self._keep, keep)
-        starts = chunks["row"].astype(np.int64)
         for (tile, window, kv_heads), (items, count, most) in self.attention_work.items():
-            tiles = attention_tiles(rows["position"], starts, chunks["count"], tile, window)
-            work = attention_items(tiles, item_unit(int(tiles[2].sum()), kv_heads, self.attention_grid))
+            work = step_items(rows["position"], chunks, tile, window, kv_heads, self.attention_grid)
             assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
             self._upload(items, work)
             self._upload(count, np.array([len(work)]))

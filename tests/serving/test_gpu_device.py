@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mdsl import LLM
+from mdsl import LLM, SamplingParams
 from mdsl.gpu import has_gpu
 from mdsl.gpu.driver import NoGPUError
 from mdsl.serving.gpu import GPU_STEP_RULES, GROUPS, MMA_GROUPS, kernel_source
@@ -207,3 +207,48 @@ def test_attention_runs_on_tensor_cores_for_16_bit_pools_of_head_dims_up_to_128_
         assert not on_tensor_cores(other, dtype, arch)
         assert _attention_kernel(other, dtype, arch).startswith("attention_")
     assert not on_tensor_cores({"q_heads": 32, "kv_heads": 1, "head_dim": 64}, bf16, "sm_90a")
+
+
+@pytest.mark.parametrize("arch, budget", [("llama3", 7), ("mistral", 64)])
+def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_the_bound(tmp_path, monkeypatch, arch,
+                                                                                     budget):
+    """The tensor-core attention's work list (step_items) of every step the scheduler runs (requests of up to
+    300 tokens arriving at random steps, chunked prompts beside decode rows, Mistral's sliding window): its
+    tiles lie within one chunk each, every row has each of its splits once, and no step has more items than
+    the device buffer holds (most_items)."""
+    from mdsl.serving.cpu import CpuDevice
+    from mdsl.serving.gpu import MMA_SPLIT_KEYS, attention_heads, attention_split, most_items, step_items, tile_rows
+    from tests.serving.conftest import arrivals_of, drive, random_prompts, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path, arch, positions=320, sliding_window=150) if arch == "mistral" else \
+        write_checkpoint(tmp_path, arch, positions=320)
+    steps = []
+    forward = CpuDevice._forward
+
+    def checked(self, step, chunks, rows):
+        for a in attention_heads(self.nodes):
+            window = a.get("window", 0)
+            items = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
+            assert len(items) <= most_items(a, self.shape.max_tokens_per_step, self.shape.max_batch,
+                                            self.shape.max_seq)
+            chunk_of = np.repeat(np.arange(len(chunks)), chunks["count"])
+            seen: dict = {}
+            for first, size, s0, s1 in items.tolist():
+                assert 1 <= size <= tile_rows(a) and len(set(chunk_of[first:first + size])) == 1
+                for r in range(first, first + size):
+                    assert not seen.setdefault(r, set()) & set(range(s0, s1)), r
+                    seen[r] |= set(range(s0, s1))
+            for r, pos in enumerate(rows["position"].tolist()):
+                lo = max(0, pos - window + 1) if window else 0
+                assert set(range(attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1])) <= seen[r], (r, pos)
+            steps.append(len(rows))
+        return forward(self, step, chunks, rows)
+
+    monkeypatch.setattr(CpuDevice, "_forward", checked)
+    rng = np.random.default_rng(17)
+    prompts = random_prompts(rng, 10, 1, 300)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 12, 10)]
+    with LLM(ckpt.folder, device="cpu", max_batch=6, page_size=16, max_tokens_per_step=budget) as llm:
+        handles = drive(llm, arrivals_of(rng, prompts, params, 20))
+        assert all(h.result().token_ids for h in handles.values())
+    assert max(steps) > 1 and len(steps) > 20
