@@ -238,20 +238,22 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
             time.sleep(0.0002)
         return time.perf_counter()
 
-    begin = wait_for([8] * batch)
-    end = wait_for([len(ts) + window for ts in times])
-    steps0 = llm.stats().steps
-    submitted = time.perf_counter()
-    arriving = llm.submit([int(t) for t in rng.integers(0, vocab, prompt)], SamplingParams(max_new_tokens=1,
-                                                                                           ignore_eos=True))
-    next(iter(arriving))
-    first = time.perf_counter()
-    steps = llm.stats().steps - steps0
-    short = any(h.done() for h in handles)
-    for h in handles:
-        h.cancel()
-    for t in threads:
-        t.join()
+    try:
+        begin = wait_for([8] * batch)
+        end = wait_for([len(ts) + window for ts in times])
+        steps0 = llm.stats().steps
+        submitted = time.perf_counter()
+        arriving = llm.submit([int(t) for t in rng.integers(0, vocab, prompt)],
+                              SamplingParams(max_new_tokens=1, ignore_eos=True))
+        next(iter(arriving))
+        first = time.perf_counter()
+        steps = llm.stats().steps - steps0
+        short = any(h.done() for h in handles)
+    finally:   # (the decoders end with the run, however it ends)
+        for h in handles:
+            h.cancel()
+        for t in threads:
+            t.join()
     if short:
         raise RuntimeError("(d) a decoder ended before the prompt's first token (mixed_budget is short)")
     before = [mean_gap(ts, begin, end) for ts in times]
