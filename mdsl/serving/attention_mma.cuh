@@ -12,8 +12,9 @@
 // (rescaled by exactly 1).
 // So what a row computes depends on its own range alone, never on the rows beside it in the tile nor on the
 // tile's blocks it does not take part in: its bits are the same whatever its chunk and whatever shares the
-// step. The float32 queries and weights keep the linears' hi + lo split in W (two products a k16 step, hi
-// then lo), the keys and values are the pool's W. The split's partial (values, max, sum) goes to the records
+// step. The float32 queries and weights are split as x = hi + lo, both in W, and each product runs twice, hi
+// then lo (they keep about 16 bits of their mantissa, as attention's float32 reference needs); the keys and
+// values are the pool's W. The split's partial (values, max, sum) goes to the records
 // the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits) in a launch of its
 // own, every row and KV head a block (the block of a tile's last split folding them would fold the tile's
 // rows one after another).
@@ -61,6 +62,12 @@ __device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
+}
+
+template <typename W>
+__device__ __forceinline__ float low_of(unsigned packed, int half) {
+  const W* e = reinterpret_cast<const W*>(&packed);
+  return to_f(e[half]);
 }
 
 // hi + lo of two float32 values, each packed as a pair of W

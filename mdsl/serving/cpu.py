@@ -5,9 +5,10 @@ cancel, plan the step's tokens within its budget (every decode token, then chunk
 pages (preempting the youngest request when the pool is empty), admit, run the step, sample, stream,
 retire. The step's tokens run as one forward over their rows (mdsl.serving.steprules): each linear a
 product over all the rows, each chunk's KV append at once, attention over each request's pages with the
-causal mask; the KV pools hold the checkpoint's dtype's values (`kv_dtype`). Every row gets the bits its
-position gets alone in `ReferenceModel` with that kv_dtype, whatever else is in the step and however its
-prompt is chunked."""
+causal mask; the KV pools hold the checkpoint's dtype's values (`kv_dtype`), and a 16-bit checkpoint's
+linears read their inputs rounded to it, as the GPU's tensor cores do. Every row gets the bits its position
+gets alone in `ReferenceModel` with that kv_dtype and operand_dtype, whatever else is in the step and however
+its prompt is chunked."""
 from __future__ import annotations
 
 import math
@@ -94,7 +95,8 @@ class CpuDevice:
                  notify_host: Callable[[], None]):
         self.graph, self.shape, self.host = graph, shape, host
         self.nodes, caches = serving_nodes(graph)
-        self.kv_dtype = kv_dtype(graph)
+        # the checkpoint's dtype: the pools' values, and a linear's input as its product reads it
+        self.kv_dtype = self.operand_dtype = kv_dtype(graph)
         region = device_region(shape)
         self.state = region.views(region.allocate())
         # past the last node that writes a KV cache only the rows whose logits are wanted are computed
@@ -433,7 +435,7 @@ class CpuDevice:
         are the page pools, which the attention rule reads and appends through the chunks' page tables."""
         batch = StepBatch(rows["token"].astype(np.int64), rows["position"].astype(np.int64),
                           tuple(tuple(int(c[f]) for f in ("entry", "start", "count", "row")) for c in chunks),
-                          self.state["page_table"], self.shape.page_size, self.kv_dtype)
+                          self.state["page_table"], self.shape.page_size, self.kv_dtype, self.operand_dtype)
         keep = (np.arange(len(rows)) if self.record_logits else
                 (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1].astype(np.int64))
         values = {**self.weights, **self.kv, TOKENS: batch.tokens}

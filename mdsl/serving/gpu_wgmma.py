@@ -2,9 +2,9 @@
 TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend on the step). Elsewhere the
 mma.sync linear of step_kernels.cu runs them.
 
-A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (128-column tiles of the weights side by side,
-tiles of RN rows, k splits), after `split_rows` (the input rows as 16-bit hi and lo rows, read by TMA) where
-RN is 64 or more. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row
+A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
+side by side, k split blocks: 1 where the tiles alone fill the GPU, `in_block`), after `round_rows` (the input rows rounded to 16 bits, read by TMA) where RN is
+64 or more. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row
 computes 8 padded rows, not 64 or 128); the k splits come from the weights alone (`wgmma_splits`).
 """
 from __future__ import annotations
@@ -37,13 +37,15 @@ def row_tile(rows: int) -> int:
 
 
 def stages(rn: int) -> int:
-    """Ring<RN>::STAGES: the stages of a weight tile and the rows' hi and lo tiles that fit STAGE_SPACE (8 at most)."""
-    return min(8, STAGE_SPACE // (FEATURES * BK * 2 + 2 * rn * BK * 2))
+    """Ring<RN>::STAGES: the stages of a weight tile and the rows' tile that fit STAGE_SPACE beside the tile's
+    running sums (8 at most)."""
+    return min(8, (STAGE_SPACE - rn * FEATURES * 4) // (FEATURES * BK * 2 + rn * BK * 2))
 
 
 def smem_bytes(rn: int) -> int:
-    """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, and the slack that aligns them to 1024."""
-    return stages(rn) * (FEATURES * BK * 2 + 2 * rn * BK * 2) + 16 * stages(rn) + 1024
+    """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, the tile's running sums and the slack that
+    aligns them to 1024."""
+    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2) + 16 * stages(rn) + rn * FEATURES * 4 + 1024
 
 
 def wgmma_splits(tiles: int, k: int, sms: int) -> int:
@@ -56,6 +58,14 @@ def wgmma_splits(tiles: int, k: int, sms: int) -> int:
     return -(-steps // per)
 
 
+def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
+    """The grid's blocks a tile's k splits run in: one each (the tile's last block adds their partials) at one
+    row tile, where the weights' bytes bound the step and the splits spread them over the SMs, or while the
+    step's tiles are fewer than the SMs; else 1, the splits one after another in the tile's block (no partials
+    to write and read back: the same additions in the same order, so the same bits)."""
+    return splits if row_tiles == 1 or tiles * row_tiles < sms else 1
+
+
 def kernel_name(dtype: str, rn: int) -> str:
     return f"linear_wgmma_{dtype}_{rn}"
 
@@ -63,19 +73,18 @@ def kernel_name(dtype: str, rn: int) -> str:
 @functools.cache
 def kernel_source() -> str:
     """The module: the prelude, hopper_gemm.cuh with the wgmma instructions of every row tile, this linear,
-    and its kernels for bf16 and f16 weights at each row tile, with `split_rows`."""
+    and its kernels for bf16 and f16 weights at each row tile, with `round_rows`."""
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
-    kernels = [f'extern "C" __global__ void split_rows_{d}({ctype}* hi, {ctype}* lo, const float* x, int k) '
-               f"{{ mdsl::serve_tc::split_rows(hi, lo, x, k); }}\n" for d, ctype in _CTYPES.items()]
+    kernels = [f'extern "C" __global__ void round_rows_{d}({ctype}* rounded, const float* x, int k) '
+               f"{{ mdsl::serve_tc::round_rows(rounded, x, k); }}\n" for d, ctype in _CTYPES.items()]
     kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(d, rn)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
-                "    const __grid_constant__ mdsl::hopper::TensorMap hi,\n"
-                "    const __grid_constant__ mdsl::hopper::TensorMap lo,\n"
+                "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
-                "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset) {\n"
+                "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset, int splits) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
-                f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &hi, &lo, x, out, part, arrivals, residual, "
-                "parts, rows, k, out_width, offset);\n}\n"
+                f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
+                "parts, rows, k, out_width, offset, splits);\n}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
     return INCLUDES + PRELUDE + header_source(instructions) + "\n" + SOURCE.read_text() + "\n" + "".join(kernels)
 
@@ -110,8 +119,8 @@ def scratch(linears: list, rows: int, sms: int) -> tuple:
 
 
 class WgmmaLinears:
-    """The wgmma linear's kernels, loaded on the device's GPU, the 16-bit hi and lo copies of a step's input
-    rows, and the tensor maps of the weights and of those copies (encoded once each)."""
+    """The wgmma linear's kernels, loaded on the device's GPU, the 16-bit copy of a step's input rows, and the
+    tensor maps of the weights and of that copy (encoded once each)."""
 
     def __init__(self, device, widest: int):
         from mdsl.backend.cuda.nvrtc import compile_source
@@ -122,17 +131,16 @@ class WgmmaLinears:
         self.module = check(d.cuModuleLoadData(module.cubin), "loading the wgmma linears")
         self.functions: dict = {}
         for name in _CTYPES:
-            self.functions[f"split_rows_{name}"] = check(
-                d.cuModuleGetFunction(self.module, f"split_rows_{name}".encode()), "cuModuleGetFunction")
+            self.functions[f"round_rows_{name}"] = check(
+                d.cuModuleGetFunction(self.module, f"round_rows_{name}".encode()), "cuModuleGetFunction")
             for rn in ROW_TILES:
                 f = check(d.cuModuleGetFunction(self.module, kernel_name(name, rn).encode()), "cuModuleGetFunction")
                 check(d.cuFuncSetAttribute(f, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                            smem_bytes(rn)), f"allowing {kernel_name(name, rn)} its shared memory")
                 self.functions[kernel_name(name, rn)] = f
-        # the input rows' hi and lo copies, [rows, k] at any k up to the widest (2 bytes a value)
+        # the input rows rounded, [rows, k] at any k up to the widest (2 bytes a value)
         self.rows = device.shape.max_tokens_per_step
-        self.hi = device._new_array(None, (self.rows * widest,), bf16)
-        self.lo = device._new_array(None, (self.rows * widest,), bf16)
+        self.rounded = device._new_array(None, (self.rows * widest,), bf16)
         self._maps: dict = {}
         self._blank = (ctypes.c_ubyte * 128)()
 
@@ -155,23 +163,22 @@ class WgmmaLinears:
         for i, w in enumerate(weights):
             ctypes.memmove(ctypes.addressof(maps) + 128 * i,
                            self._map(w.ptr, int(w.shape[0]), k, name, FEATURES).getPtr(), 128)
-        # the rows' maps, read from TMA_ROWS rows a tile (below, the kernel takes two unused blank ones)
+        # the rows' map, read from TMA_ROWS rows a tile (below, the kernel takes an unused blank one)
         if rn >= TMA_ROWS:
-            hi, lo = (ctypes.c_ubyte.from_address(self._map(a, self.rows, k, name, rn).getPtr())
-                      for a in (self.hi, self.lo))
-            split = [ctypes.c_void_p(self.hi), ctypes.c_void_p(self.lo), ctypes.c_void_p(x.ptr), ctypes.c_int(k)]
-            self._launch(f"split_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
-                         split)
+            rounded = ctypes.c_ubyte.from_address(self._map(self.rounded, self.rows, k, name, rn).getPtr())
+            self._launch(f"round_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
+                         [ctypes.c_void_p(self.rounded), ctypes.c_void_p(x.ptr), ctypes.c_int(k)])
         else:
-            hi = lo = self._blank
+            rounded = self._blank
         parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(sizes)),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative([-(-n // FEATURES) for n in sizes])),
                        len(weights))
-        args = [maps, hi, lo, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
+        splits, row_tiles = wgmma_splits(tiles, k, dev.sms), -(-rows // rn)
+        args = [maps, rounded, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
-                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset))]
-        self._launch(kernel_name(name, rn), (tiles, -(-rows // rn), wgmma_splits(tiles, k, dev.sms)), THREADS,
-                     smem_bytes(rn), args)
+                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits))]
+        self._launch(kernel_name(name, rn), (row_tiles, tiles, split_blocks(tiles, row_tiles, splits, dev.sms)),
+                     THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:
         dev = self.device

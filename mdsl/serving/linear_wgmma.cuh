@@ -4,23 +4,28 @@
 //
 // The weights are wgmma's A operand (64 output columns a consumer warpgroup, 128 a block) and the step's rows
 // its B operand (RN rows a block: 8 for a decode step of one row, up to 128), so a step of few rows computes
-// few padded products. Each float32 input value is split as it is staged into x = hi + lo, both 16-bit, and
-// every k16 step runs two wgmmas into the same f32 sums, hi then lo, as the mma.sync linear does
-// (step_kernels.cu): the input keeps about 16 bits of its mantissa.
+// few padded products. Each float32 input value is rounded to W as it is staged (step_kernels.cu's
+// `operand`: the linear's input as every kernel of it reads it), one wgmma a k16 step.
 //
 // Batch invariance: a row's sums are the same sequence of wgmmas over k whatever RN, the row's place in its
 // tile and the other rows (wgmma's f32 sums of one output do not depend on the instruction's n, nor on the
-// row's position: checked on the H200 by tests/gpu/test_gpu_serving_wgmma.py); k splits over `splits`
-// blocks (gridDim.z) by the weights alone (the host's wgmma_splits), each a contiguous range of 64-wide
-// k steps, and the tile's last block to finish sums the splits' partials in split order.
+// row's position: checked on the H200 by tests/gpu/test_gpu_serving_wgmma.py); k splits into `splits`
+// contiguous ranges of 64-wide k steps by the weights alone (the host's wgmma_splits), each summed from zero,
+// and the splits' sums are added in split order. Where the step's tiles are too few to fill the GPU the
+// splits run in blocks of their own (grid z) and the tile's last block to finish adds their partials; where
+// the tiles fill it (many rows) one block runs a tile's splits one after another and adds each as it ends,
+// with no partials to write and read back: the same f32 additions either way.
+//
+// Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
+// run together and its bytes come from memory once a step, not once a row tile.
 //
 // A block: a producer warpgroup and two consumer warpgroups (64 weight columns each). For each 64-wide k
 // step the producer's first thread loads the weight tile (128 x 64) with TMA, which fills columns past the
-// weight's rows and k past its width with zeros, into a ring of STAGES stages, and the rows' hi and lo tiles
-// (RN x 64 each) come beside it: up to 32 rows the producer's 128 threads split and store them in the
-// 128-byte swizzled layout TMA writes (no launch before the linear's, which a decode step would pay in every
-// linear); from 64 rows `split_rows` has written them to memory beforehand and TMA loads them (staging 128
-// rows by the producer's threads is slower than the tensor cores).
+// weight's rows and k past its width with zeros, into a ring of STAGES stages, and the rows' tile (RN x 64)
+// comes beside it: up to 32 rows the producer's 128 threads round and store them in the 128-byte swizzled
+// layout TMA writes (no launch before the linear's, which a decode step would pay in every linear); from 64
+// rows `round_rows` has written them to memory beforehand and TMA loads them (staging 128 rows by the
+// producer's threads is slower than the tensor cores).
 
 namespace mdsl {
 namespace serve_tc {
@@ -43,34 +48,33 @@ struct Parts {
   int count;
 };
 
-// x = hi + lo, each rounded to W: grid (rows, blocks a row), one row of k values a blockIdx.x
+// x rounded to W: grid (rows, blocks a row), one row of k values a blockIdx.x
 template <typename W>
-__device__ __forceinline__ void split_rows(W* hi, W* lo, const float* x, int k) {
+__device__ __forceinline__ void round_rows(W* rounded, const float* x, int k) {
   const long long base = static_cast<long long>(blockIdx.x) * k;
-  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < k; i += gridDim.y * blockDim.x) {
-    const float v = x[base + i];
-    const W h = from_float<W>(v);
-    hi[base + i] = h;
-    lo[base + i] = from_float<W>(v - to_float(h));
-  }
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < k; i += gridDim.y * blockDim.x)
+    rounded[base + i] = from_float<W>(x[base + i]);
 }
 
 template <int RN> struct Ring {
   static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles loaded by TMA (else stored by the producer)
   static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
-  static constexpr int STAGE_BYTES = W_BYTES + 2 * X_BYTES;
-  static constexpr int FIT = 196608 / STAGE_BYTES;
+  static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
+  // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages: registers for them
+  // beside the accumulators would spill at RN = 128
+  static constexpr int TOTAL_BYTES = RN * FEATURES * 4;
+  static constexpr int FIT = (196608 - TOTAL_BYTES) / STAGE_BYTES;
   static constexpr int STAGES = FIT < 8 ? FIT : 8;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + TOTAL_BYTES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
   static_assert(RN % 8 == 0 && RN <= 256 && X_BYTES % 1024 == 0, "RN: a multiple of 8 rows, 1024-byte tiles");
 
   unsigned base;
   __device__ __forceinline__ unsigned w_tile(int s) const { return base + s * STAGE_BYTES; }
-  __device__ __forceinline__ unsigned hi_tile(int s) const { return w_tile(s) + W_BYTES; }
-  __device__ __forceinline__ unsigned lo_tile(int s) const { return hi_tile(s) + X_BYTES; }
+  __device__ __forceinline__ unsigned x_tile(int s) const { return w_tile(s) + W_BYTES; }
   __device__ __forceinline__ unsigned full(int s) const { return base + STAGES * STAGE_BYTES + 8 * s; }
   __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * STAGES; }
+  __device__ __forceinline__ unsigned totals() const { return base + STAGES * STAGE_BYTES + 16 * STAGES; }
 };
 
 __device__ __forceinline__ void store_shared(unsigned address, uint4 v) {
@@ -78,12 +82,11 @@ __device__ __forceinline__ void store_shared(unsigned address, uint4 v) {
                : "memory");
 }
 
-// by the producer warpgroup's 128 threads: rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63, as hi + lo into two
-// RN x 64 tiles of W: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's 128-byte swizzle
+// by the producer warpgroup's 128 threads: rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63, rounded into an
+// RN x 64 tile of W: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's 128-byte swizzle
 // (k is a multiple of 32, so a chunk lies wholly inside or outside it)
 template <typename W, int RN>
-__device__ __forceinline__ void stage_rows(unsigned hi, unsigned lo, const float* x, int r0, int rows, int k0,
-                                           int k) {
+__device__ __forceinline__ void stage_rows(unsigned tile, const float* x, int r0, int rows, int k0, int k) {
   for (int c = threadIdx.x; c < RN * 8; c += 128) {
     const int r = c / 8, chunk = c % 8, kk = k0 + 8 * chunk;
     float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -93,25 +96,19 @@ __device__ __forceinline__ void stage_rows(unsigned hi, unsigned lo, const float
       v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
     __align__(16) W h[8];
-    __align__(16) W l[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      h[i] = from_float<W>(v[i]);
-      l[i] = from_float<W>(v[i] - to_float(h[i]));
-    }
-    const unsigned at = r * 128 + 16 * (chunk ^ (r % 8));
-    store_shared(hi + at, *reinterpret_cast<const uint4*>(h));
-    store_shared(lo + at, *reinterpret_cast<const uint4*>(l));
+    for (int i = 0; i < 8; ++i) h[i] = from_float<W>(v[i]);
+    store_shared(tile + r * 128 + 16 * (chunk ^ (r % 8)), *reinterpret_cast<const uint4*>(h));
   }
   // the generic proxy's stores made visible to wgmma's reads (the async proxy) before the stage is full
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 template <typename W, int RN>
-__device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* hi,
-                                       const TensorMap* lo, const float* x, float* out, float* part, int* arrivals,
+__device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
+                                       const float* x, float* out, float* part, int* arrivals,
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
-                                       int offset) {
+                                       int offset, int splits) {
   using R = Ring<RN>;
   const R ring{(smem_address(smem) + 1023u) & ~1023u};
   __shared__ int last;
@@ -119,19 +116,21 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   int p = 0, first_tile = 0, start = 0, end = parts.start[1];
 #pragma unroll
   for (int i = 1; i < MAX_PARTS; ++i)
-    if (i < parts.count && int(blockIdx.x) >= parts.tile[i]) {
+    if (i < parts.count && int(blockIdx.y) >= parts.tile[i]) {
       p = i;
       first_tile = parts.tile[i];
       start = parts.start[i];
       end = parts.start[i + 1];
     }
-  const int f0 = (blockIdx.x - first_tile) * FEATURES;   // the tile's first column in the weight
+  const int f0 = (blockIdx.y - first_tile) * FEATURES;   // the tile's first column in the weight
   const int n = end - start;                              // the weight's columns
   const int col0 = start + f0;                            // ... the tile's first in the output
-  const int r0 = blockIdx.y * RN;
-  const int steps = (k + BK - 1) / BK, splits = gridDim.z;
-  const int per = (steps + splits - 1) / splits, s0 = blockIdx.z * per;
-  const int s1 = s0 + per < steps ? s0 + per : steps;
+  const int r0 = blockIdx.x * RN;
+  // the block's splits: one (blockIdx.z) of a grid of `splits`, or every one in order (`in_block`)
+  const bool in_block = gridDim.z == 1 && splits > 1;
+  const int steps = (k + BK - 1) / BK, per = (steps + splits - 1) / splits;
+  const int v0 = in_block ? 0 : blockIdx.z, v1 = in_block ? splits : blockIdx.z + 1;
+  const int s0 = v0 * per, s1 = v1 * per < steps ? v1 * per : steps;
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < R::STAGES; ++s) {
@@ -141,7 +140,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     }
     barrier_init_fence();
     tma_prefetch(&weights.map[p]);
-    if (R::TMA_ROWS) tma_prefetch(hi), tma_prefetch(lo);
+    if (R::TMA_ROWS) tma_prefetch(rounded);
   }
   __syncthreads();
   float acc[R::ACC];
@@ -155,8 +154,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         barrier_wait(ring.empty(stage), phase ^ 1);
         barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
         tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
-        tma_load(ring.hi_tile(stage), hi, ring.full(stage), s * BK, r0);
-        tma_load(ring.lo_tile(stage), lo, ring.full(stage), s * BK, r0);
+        tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
         if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
     }
@@ -167,38 +165,48 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         barrier_expect_bytes(ring.full(stage), R::W_BYTES);
         tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
       }
-      stage_rows<W, RN>(ring.hi_tile(stage), ring.lo_tile(stage), x, r0, rows, s * BK, k);
+      stage_rows<W, RN>(ring.x_tile(stage), x, r0, rows, s * BK, k);
       barrier_arrive(ring.full(stage));
       if (++stage == R::STAGES) stage = 0, phase ^= 1;
     }
   } else {
     const unsigned columns = (warpgroup - 1) * 64 * BK * 2;   // this warpgroup's 64 rows of the weight tile
     const bool signals = threadIdx.x % 32 == 0;
-    int previous = -1;
-    for (int s = s0; s < s1; ++s) {
-      barrier_wait(ring.full(stage), phase);
-      const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dh = descriptor(ring.hi_tile(stage)),
-                               dl = descriptor(ring.lo_tile(stage));
-      fence_registers(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < BK / 16; ++j) {
-        Wgmma<W, RN>::mma(acc, dw + 2 * j, dh + 2 * j);
-        Wgmma<W, RN>::mma(acc, dw + 2 * j, dl + 2 * j);
-      }
-      wgmma_commit();
-      fence_registers(acc);
-      if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
-        wgmma_wait<1>();
+    // in_block: the splits' sums folded in split order as they complete, total = ((p0 + p1) + p2) ..., the
+    // f32 additions of the last block's fold below, so the same bits as a grid of splits; consumer thread t's
+    // i-th sum at total[i * 256 + t] (consecutive threads, consecutive banks)
+    float* const total = reinterpret_cast<float*>(smem + (ring.totals() - smem_address(smem))) + threadIdx.x - 128;
+    for (int v = v0; v < v1; ++v) {
+      int previous = -1;
+      const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
+      for (int s = v * per; s < end; ++s) {
+        barrier_wait(ring.full(stage), phase);
+        const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dx = descriptor(ring.x_tile(stage));
         fence_registers(acc);
-        if (signals) barrier_arrive(ring.empty(previous));
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) Wgmma<W, RN>::mma(acc, dw + 2 * j, dx + 2 * j);
+        wgmma_commit();
+        fence_registers(acc);
+        if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
+          wgmma_wait<1>();
+          fence_registers(acc);
+          if (signals) barrier_arrive(ring.empty(previous));
+        }
+        previous = stage;
+        if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
-      previous = stage;
-      if (++stage == R::STAGES) stage = 0, phase ^= 1;
+      wgmma_wait<0>();
+      fence_registers(acc);
+      if (previous >= 0 && signals) barrier_arrive(ring.empty(previous));
+      if (in_block) {
+#pragma unroll
+        for (int i = 0; i < R::ACC; ++i) {
+          total[i * 256] = v == 0 ? acc[i] : total[i * 256] + acc[i];
+          acc[i] = 0.0f;
+        }
+      }
     }
-    wgmma_wait<0>();
-    fence_registers(acc);
-    if (previous >= 0 && signals) barrier_arrive(ring.empty(previous));
     // wgmma's f32 layout: per 8-row group j, thread (warp w, g = lane / 4, q = lane % 4) of the warpgroup holds
     // columns 16 w + g and 16 w + g + 8 of its 64, rows 8 j + 2 q and 8 j + 2 q + 1
     const int t = threadIdx.x % 128, lane = t % 32;
@@ -210,18 +218,18 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       for (int e = 0; e < 4; ++e) {
         const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
         if (f0 + cc < n && r < rows) {
-          const float v = acc[4 * j + e];
-          if (splits == 1) {
+          const float v = in_block ? total[(4 * j + e) * 256] : acc[4 * j + e];
+          if (splits == 1 || in_block) {
             const long long at = static_cast<long long>(r) * out_width + offset + col0 + cc;
             out[at] = residual ? residual[at] + v : v;
           } else {
-            part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.x * FEATURES + cc] = v;
+            part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.y * FEATURES + cc] = v;
           }
         }
       }
     }
   }
-  if (splits == 1) return;
+  if (splits == 1 || in_block) return;
   // the tile's last block to finish sums the splits' partials in split order
   __threadfence();
   __syncthreads();
@@ -243,7 +251,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int e = threadIdx.x + i * THREADS, r = r0 + 4 * e / FEATURES;
-    from[i] = e < VECS && r < rows ? static_cast<long long>(r) * width + blockIdx.x * FEATURES + 4 * e % FEATURES : -1;
+    from[i] = e < VECS && r < rows ? static_cast<long long>(r) * width + blockIdx.y * FEATURES + 4 * e % FEATURES : -1;
     total[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + from[i])) : make_float4(0, 0, 0, 0);
   }
   for (int v = 1; v < splits; ++v) {

@@ -21,6 +21,18 @@ __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 
+// an input value of a linear with weights in W as the product reads it: rounded to W (to nearest, ties to
+// even) for 16-bit weights, as the tensor cores take their operands and as transformers' model in that dtype
+// holds its activations; unchanged for float32 weights
+template <typename W>
+__device__ __forceinline__ float operand(float x);
+template <>
+__device__ __forceinline__ float operand<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float operand<__nv_bfloat16>(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+template <>
+__device__ __forceinline__ float operand<__half>(float x) { return __half2float(__float2half_rn(x)); }
+
 constexpr int WARP = 32;
 constexpr int NORM_ROPE_WARPS = 8;   // head_norm_rope: heads a block
 constexpr int MAX_HEAD_DIM = 256;
@@ -85,7 +97,8 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
 // ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (+ residual[r, offset + c]) for the columns c of up
 // to MAX_PARTS weights side by side (a fused projection's q|k|v, gate|up: one launch), w [n, k] in the Hugging
 // Face layout. The residual is the add that follows the linear in the step function (the residual stream's
-// x + W y), fused where the linear's result has no other reader.
+// x + W y), fused where the linear's result has no other reader. With 16-bit weights each input value is
+// rounded to W first (`operand`), as on the tensor cores, so every kernel of a linear takes the same operands.
 // A warp takes one weight row (an output column) at a time and every row of the step, ROWS rows at once: each
 // 16-byte vector of weights is loaded once per ROWS rows. Lane l sums the vectors l, l + 32, ... of the row
 // in order, then the warp's xor tree: the same order for every row, however many rows the step has.
@@ -153,7 +166,7 @@ __device__ __forceinline__ void linear(float* out, const float* x, const Parts& 
             if (r0 + i < rows) {
               const float* xr = x + (long long)(r0 + i) * k + v0;
 #pragma unroll
-              for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], xr[j], acc[i]);
+              for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], operand<W>(xr[j]), acc[i]);
             }
           }
         }
@@ -162,7 +175,7 @@ __device__ __forceinline__ void linear(float* out, const float* x, const Parts& 
           const float wv = to_f(wr[j]);
 #pragma unroll
           for (int i = 0; i < ROWS; ++i)
-            if (r0 + i < rows) acc[i] = fmaf(wv, x[(long long)(r0 + i) * k + j], acc[i]);
+            if (r0 + i < rows) acc[i] = fmaf(wv, operand<W>(x[(long long)(r0 + i) * k + j]), acc[i]);
         }
       }
 #pragma unroll
@@ -178,9 +191,8 @@ __device__ __forceinline__ void linear(float* out, const float* x, const Parts& 
 }
 
 // ---- linear on tensor cores (16-bit weights, k a multiple of 32): mma.sync m16n8k16 with the weight rows as A
-// (16 output columns) and the input rows as B (8 rows), f32 accumulators. Each float32 input value is split
-// in registers as it is loaded into x = hi + lo, both in W, and each product runs twice, hi then lo: the
-// input keeps about 16 bits of its mantissa where rounding it to W would keep 8.
+// (16 output columns) and the input rows as B (8 rows), f32 accumulators. Each float32 input value is rounded
+// to W in registers as it is loaded (`operand`: the linear's input as every kernel of it reads it).
 // Each lane loads 16 contiguous bytes of a weight row and of an input row per 32 k: the mma's k order is a
 // permutation of memory's (the same for both operands, so the sum is the product's), which lets every load
 // be a 16-byte one. k splits over `splits` blocks of a 16-column tile and over each block's MMA_WARPS warps
@@ -195,7 +207,7 @@ struct TileStarts {              // the first 16-column tile of each part, and t
   int start[MAX_PARTS + 1];
 };
 
-// x = hi + lo for 8 float32 values, packed as two 16-byte vectors of W pairs
+// 8 float32 values rounded to W, packed as a 16-byte vector of W pairs
 template <typename W>
 __device__ __forceinline__ unsigned pack2(float a, float b);
 template <>
@@ -209,22 +221,9 @@ __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
   return *reinterpret_cast<const unsigned*>(&h);
 }
 template <typename W>
-__device__ __forceinline__ float low_of(unsigned packed, int half) {
-  const W* e = reinterpret_cast<const W*>(&packed);
-  return to_f(e[half]);
-}
-template <typename W>
-__device__ __forceinline__ void split8(const float* x, uint4& hi, uint4& lo) {
+__device__ __forceinline__ uint4 round8(const float* x) {
   const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
-  const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  unsigned h[4], l[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    h[i] = pack2<W>(v[2 * i], v[2 * i + 1]);
-    l[i] = pack2<W>(v[2 * i] - low_of<W>(h[i], 0), v[2 * i + 1] - low_of<W>(h[i], 1));
-  }
-  hi = make_uint4(h[0], h[1], h[2], h[3]);
-  lo = make_uint4(l[0], l[1], l[2], l[3]);
+  return make_uint4(pack2<W>(a.x, a.y), pack2<W>(a.z, a.w), pack2<W>(b.x, b.y), pack2<W>(b.z, b.w));
 }
 
 template <typename W>
@@ -250,13 +249,11 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], unsigned a0, un
 __device__ __forceinline__ uint4 ld16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // 32 k of one 16-column tile and one row group: the weight rows' vectors w0 (column group) and w1 (column
-// group + 8), the input row's hi and lo vectors; lane (group, tig) holds k tig * 8 .. tig * 8 + 7 of the 32
+// group + 8), the input row's vector xv; lane (group, tig) holds k tig * 8 .. tig * 8 + 7 of the 32
 template <typename W>
-__device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 hi, uint4 lo) {
-  mma_16816<W>(d, w0.x, w1.x, w0.y, w1.y, hi.x, hi.y);
-  mma_16816<W>(d, w0.x, w1.x, w0.y, w1.y, lo.x, lo.y);
-  mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, hi.z, hi.w);
-  mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, lo.z, lo.w);
+__device__ __forceinline__ void mma_32(float (&d)[4], uint4 w0, uint4 w1, uint4 xv) {
+  mma_16816<W>(d, w0.x, w1.x, w0.y, w1.y, xv.x, xv.y);
+  mma_16816<W>(d, w0.z, w1.z, w0.w, w1.w, xv.z, xv.w);
 }
 
 // N consecutive 32-k chunks from chunk s of the tile's two column groups' weight rows (w0, w1) against the
@@ -279,9 +276,7 @@ __device__ __forceinline__ void mma_chunks(float (&acc)[MMA_GROUPS][4], const W*
       const long long at = (long long)(r < rows ? r : rows - 1) * k + s * 32 + tig * 8;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        uint4 hi, lo;
-        split8<W>(x + at + i * 32, hi, lo);
-        mma_32<W>(acc[g], wa[i], wb[i], hi, lo);
+        mma_32<W>(acc[g], wa[i], wb[i], round8<W>(x + at + i * 32));
       }
     }
   }

@@ -9,7 +9,8 @@ shares its steps:
 - a linear multiplies the rows by the weight as a stack of one-row products (numpy's matmul over
   [rows, 1, K]: per row the gemv the reference's one-row product makes), never as one [rows, K] GEMM,
   whose kernel and blocking OpenBLAS chooses by the row count, so that a row's dot products would be
-  summed in an order that depends on how many rows share the product;
+  summed in an order that depends on how many rows share the product; a 16-bit checkpoint's linear
+  first rounds its input to that dtype (`operand_dtype`), as the GPU's tensor cores take it;
 - element-wise ops and the norms work along each row (numpy reduces a row the same whatever rows lie
   beside it), and RoPE takes each row's cos and sin at its own position;
 - attention appends the keys and values of a chunk's rows to the request's pages at once (rounded to the
@@ -29,15 +30,16 @@ import numpy as np
 
 from mdsl.ir.dtypes import DType, f32
 from mdsl.ir.rules import RuleTable
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, cached, rms_normalize,
-                                              rope_cos_sin, rotate_heads, window_start)
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, cached, operand,
+                                              rms_normalize, rope_cos_sin, rotate_heads, window_start)
 
 
 @attrs.frozen(eq=False)
 class StepBatch:
     """What a rule knows of the step besides its operands: each row's token and position, the chunks
-    (entry, first position, positions, first row), the paged KV cache's page tables, and the dtype whose
-    values the pools hold (the checkpoint's: keys and values are rounded to it as they are appended)."""
+    (entry, first position, positions, first row), the paged KV cache's page tables, the dtype whose
+    values the pools hold (the checkpoint's: keys and values are rounded to it as they are appended) and
+    the one a linear's input is rounded to (the checkpoint's: StepContext.operand_dtype)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -45,10 +47,12 @@ class StepBatch:
     page_table: np.ndarray
     page_size: int
     kv_dtype: DType = f32
+    operand_dtype: DType = f32
 
     def rows(self, keep: np.ndarray) -> "StepBatch":
         """The batch of rows `keep` only, past the last KV write (no chunk is left to attend)."""
-        return StepBatch(self.tokens[keep], self.positions[keep], (), self.page_table, self.page_size, self.kv_dtype)
+        return StepBatch(self.tokens[keep], self.positions[keep], (), self.page_table, self.page_size, self.kv_dtype,
+                         self.operand_dtype)
 
 
 #: layer op -> rule(operands with one row per step token, attrs, StepBatch) -> results, row for row. The
@@ -77,6 +81,7 @@ def _embedding(xs, a, batch):
 
 def _linear(xs, a, batch):
     x, *ws = xs
+    x = operand(np.asarray(x, np.float32), batch.operand_dtype)
     return [np.concatenate([rows_times(x, w) for w in ws], axis=1)]
 
 

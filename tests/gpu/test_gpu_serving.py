@@ -1,7 +1,7 @@
 """The GPU serving device (`LLM(..., device="gpu")`) on tiny checkpoints (float32 and bfloat16 weights):
 for Llama-3, Qwen3, Qwen2, Mistral, Phi-3 and Gemma-2, its logits agree with the CPU device's (the
-reference's bits, which match transformers) within float32 rounding, and within a 16-bit pool's rounding
-of the keys and values for 16-bit checkpoints, and its greedy tokens equal them up to a near-tie; its
+reference's bits, which match transformers) within float32 rounding, and within the 16-bit roundings of the
+keys, values and linears' inputs for 16-bit checkpoints, and its greedy tokens equal them up to a near-tie; its
 16-bit pools hold the CPU device's values; a request's logits are bit-identical whatever shares its steps,
 when it arrives and however its prompt is chunked; seeded sampling repeats; a full page pool preempts and
 recomputes without changing a token."""
@@ -16,11 +16,11 @@ from tests.serving.conftest import arrivals_of, drive, random_prompts, write_che
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="no GPU")]
 
-#: the GPU's logits within this share of a row's largest logit of the CPU device's: float32 rounding; with
-#: 16-bit pools also keys and values rounded to the neighbouring 16-bit value (the GPU's float32 keys differ
-#: from the CPU's in their last bits, which may fall on either side of a rounding boundary: a step of up to
-#: 2^-7 of the value in bfloat16), which moves these tiny models' logits by up to about 3% (emulated on the
-#: CPU with keys and values off by 3e-5 of their value before the rounding)
+#: the GPU's logits within this share of a row's largest logit of the CPU device's: float32 rounding; with a
+#: 16-bit checkpoint also keys, values and linears' inputs rounded to the neighbouring 16-bit value (the
+#: GPU's float32 values differ from the CPU's in their last bits, which may fall on either side of a rounding
+#: boundary: a step of up to 2^-7 of the value in bfloat16), which moves these tiny models' logits by up to
+#: about 3% (emulated on the CPU with every value off by 3e-5 of itself before its rounding)
 TOLERANCE = {"float32": 1.6e-4, "bfloat16": 2.0 ** -4}
 
 

@@ -1,7 +1,8 @@
 """The GPU serving device's wgmma linear (mdsl/serving/linear_wgmma.cuh, mdsl.serving.gpu_wgmma) on the H200:
-out = x @ [weights side by side].T (+ residual) agrees with float64 within the hi + lo split's rounding, for
-ragged column counts, k not a multiple of the 64-wide stage, every row tile and split; and a row's result is
-bit-identical whatever the step's row count and the row's place in it (the batch invariance the serving
+out = x @ [weights side by side].T (+ residual), x rounded to the weights' bf16, agrees with float64 within
+float32 summation, for ragged column counts, k not a multiple of the 64-wide stage, every row tile and split;
+and a row's result is bit-identical whatever the step's row count and the row's place in it, its k splits in
+blocks of their own or one after another in one block (the batch invariance the serving
 device promises, which rests on wgmma's sums not depending on the instruction's n)."""
 from __future__ import annotations
 
@@ -57,13 +58,14 @@ def _operand(ptr, shape, dtype):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("k,sizes", [(352, [200, 72, 72]), (1024, [512]), (64, [40, 130]), (4096, [384, 128])])
+@pytest.mark.parametrize("k,sizes", [(352, [200, 72, 72]), (1024, [512]), (64, [40, 130]), (4096, [384, 128]),
+                                     (1024, [4096, 4096, 2048])])
 def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_step(k, sizes):
     if not _hopper():
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     from mdsl.gpu.driver import check, driver
     from mdsl.ir.dtypes import bf16, f32, round_to_dtype
-    from mdsl.serving.gpu_wgmma import WgmmaLinears, row_tile, wgmma_splits
+    from mdsl.serving.gpu_wgmma import WgmmaLinears, row_tile, split_blocks, wgmma_splits
 
     rng = np.random.default_rng(k)
     max_rows = 256
@@ -77,7 +79,8 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
     x_op = _operand(dev._new_array(x, x.shape, f32), x.shape, f32)
     r_op = _operand(dev._new_array(residual, residual.shape, f32), residual.shape, f32)
     out = _operand(dev._new_array(None, (max_rows, width), f32), (max_rows, width), f32)
-    expected = x.astype(np.float64) @ np.concatenate(weights).astype(np.float64).T
+    # the product's operand: x rounded to the weights' dtype (a value on the other side would be off by 2^-8)
+    expected = round_to_dtype(x, bf16).astype(np.float64) @ np.concatenate(weights).astype(np.float64).T
     results = {}
     for rows in (1, 7, 8, 9, 33, 100, 128, 129, 256):
         for with_residual in (False, True):
@@ -94,6 +97,10 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
             assert not got[:, :4].any() and not got[:, 4 + sum(sizes):].any() and not got[rows:].any()
             if not with_residual:
                 results[rows] = got[:rows, 4:4 + sum(sizes)].copy()
-    assert wgmma_splits(-(-sum(sizes) // 128), k, dev.sms) >= 1
+    tiles = -(-sum(sizes) // 128)
+    splits = wgmma_splits(tiles, k, dev.sms)
+    if sum(sizes) > 8192:   # (the splits in blocks of their own at a few rows, in one block at 256: same bits)
+        assert splits > 1 and split_blocks(tiles, 1, splits, dev.sms) == splits
+        assert split_blocks(tiles, -(-256 // row_tile(256)), splits, dev.sms) == 1
     for rows, got in results.items():   # bit for bit: row r alike in every step that holds it
         assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows

@@ -1,6 +1,6 @@
 """The GPU serving device's wgmma linear without a GPU: every kernel compiles for sm_90a without spills and
-fits an SM, its SASS runs wgmma of each row tile's width on stages of a TMA-loaded weight tile and the rows'
-hi and lo tiles (stored by the producer up to 32 rows, loaded by TMA from 64), the host's constants are the
+fits an SM, its SASS runs one wgmma of each row tile's width a k16 step on stages of a TMA-loaded weight tile
+and the rows' rounded tile (stored by the producer up to 32 rows, loaded by TMA from 64), the host's constants are the
 kernel's, and the row tiles and k splits are the ones batch invariance needs (splits from the weights alone,
 never empty). Running it: tests/gpu/test_gpu_serving_wgmma.py, and the serving device's tests on an H200."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ def module():
 @pytest.mark.timeout(180)
 def test_every_kernel_compiles_for_sm_90a_without_spills_and_one_block_fits_an_sm(module):
     expected = {G.kernel_name(d, rn) for d in ("bf16", "f16") for rn in G.ROW_TILES}
-    expected |= {"split_rows_bf16", "split_rows_f16"}
+    expected |= {"round_rows_bf16", "round_rows_f16"}
     assert set(module.resources) == expected
     for name, r in module.resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
@@ -39,7 +39,7 @@ def test_every_kernel_compiles_for_sm_90a_without_spills_and_one_block_fits_an_s
 
 
 @pytest.mark.timeout(180)
-def test_the_sass_runs_two_wgmmas_a_k16_step_on_staged_rows_and_a_tma_loaded_weight_tile(module):
+def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weight_tile(module):
     from mdsl.backend.cuda.nvrtc import nvdisasm_path
     from tests.shared import disassembled
 
@@ -50,9 +50,9 @@ def test_the_sass_runs_two_wgmmas_a_k16_step_on_staged_rows_and_a_tma_loaded_wei
         name = G.kernel_name("bf16", rn)
         body = sass.split(f".text.{name}:")[1].split(".text.")[0]
         wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
-        assert wgmmas == [f"64x{rn}x16"] * (2 * G.BK // 16), (rn, wgmmas)   # hi and lo per k16 step
-        if rn >= G.TMA_ROWS:   # the weight tile and the rows' hi and lo tiles by TMA
-            assert len(re.findall(r"UTMALDG\.2D", body)) == 3, rn
+        assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16), (rn, wgmmas)   # one per k16 step
+        if rn >= G.TMA_ROWS:   # the weight tile and the rows' tile by TMA
+            assert len(re.findall(r"UTMALDG\.2D", body)) == 2, rn
         else:                  # the weight tile by TMA, the rows' chunks stored and made visible to wgmma
             assert len(re.findall(r"UTMALDG\.2D", body)) == 1, rn
             assert len(re.findall(r"STS\.128", body)) >= 2 and "FENCE.VIEW.ASYNC.S" in body, rn
@@ -63,7 +63,7 @@ def test_the_host_constants_are_the_kernels():
     for name, value in (("MAX_PARTS", G.MAX_PARTS), ("FEATURES", G.FEATURES), ("BK", G.BK), ("THREADS", G.THREADS)):
         assert re.search(rf"constexpr int {name} = (\d+);", source).group(1) == str(value)
     assert f"constexpr bool TMA_ROWS = RN >= {G.TMA_ROWS};" in source
-    assert f"int FIT = {G.STAGE_SPACE} / STAGE_BYTES" in source
+    assert f"int FIT = ({G.STAGE_SPACE} - TOTAL_BYTES) / STAGE_BYTES" in source
 
 
 def test_a_row_tile_holds_the_steps_rows_up_to_the_largest():
@@ -86,3 +86,12 @@ def test_the_scratch_covers_the_partials_and_arrivals_of_the_largest_step():
     qkv = G.wgmma_splits(48, 4096, H200_SMS) * 256 * 48 * G.FEATURES
     down = G.wgmma_splits(32, 12288, H200_SMS) * 256 * 32 * G.FEATURES
     assert partials == max(qkv, down) and arrivals == 2 * 48
+
+
+def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_or_too_few_tiles_else_in_one_block():
+    # (8B's o, qkv and gate|up projections: 32, 48 and 192 tiles, k 4096)
+    for tiles in (32, 48, 192):
+        splits = G.wgmma_splits(tiles, 4096, H200_SMS)
+        assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                      # a decode step
+        assert G.split_blocks(tiles, 8, splits, H200_SMS) == (1 if 8 * tiles >= H200_SMS else splits)
+    assert G.split_blocks(48, 2, 6, H200_SMS) == 6 and G.split_blocks(192, 2, 2, H200_SMS) == 1

@@ -1,7 +1,8 @@
 """The KV pools hold the checkpoint's dtype's values, as transformers' cache in the model's dtype does: a
-16-bit checkpoint's keys and values are rounded (to nearest, ties to even) as they are appended, on the CPU
-device as in the reference with that kv_dtype, so a request's logits are that reference's bits whatever
-the chunking and the batch; a byte budget counts the pools' 16-bit rows."""
+16-bit checkpoint's keys and values are rounded (to nearest, ties to even) as they are appended, and its
+linears' inputs before their products, on the CPU device as in the reference with that kv_dtype and
+operand_dtype, so a request's logits are that reference's bits whatever the chunking and the batch; a byte
+budget counts the pools' 16-bit rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,16 +35,29 @@ def test_a_16_bit_checkpoints_requests_give_the_bits_of_the_reference_with_its_k
         pools = list(llm.device.kv_pools().values())
     assert all(np.array_equal(round_to_dtype(pool, DTYPES[dtype]), pool) for pool in pools)
     assert all(np.count_nonzero(pool) for pool in pools)
-    reference = ReferenceModel(ckpt.graph, ckpt.weights, kv_dtype=DTYPES[dtype])
-    unrounded = ReferenceModel(ckpt.graph, ckpt.weights)
+    reference = ReferenceModel(ckpt.graph, ckpt.weights, kv_dtype=DTYPES[dtype], operand_dtype=DTYPES[dtype])
+    unrounded = [ReferenceModel(ckpt.graph, ckpt.weights),
+                 ReferenceModel(ckpt.graph, ckpt.weights, kv_dtype=DTYPES[dtype]),
+                 ReferenceModel(ckpt.graph, ckpt.weights, operand_dtype=DTYPES[dtype])]
     differ = 0
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         generation = reference.generate(prompt, n)
         assert outputs[i].token_ids == generation.tokens
         for pos, row in enumerate(generation.logits):
             assert np.array_equal(logits[i][pos][0], row), (i, pos)
-        differ += not np.array_equal(unrounded.generate(prompt, n).logits, generation.logits)
-    assert differ == len(prompts)      # (the rounding is there: a float32 cache gives other bits)
+        differ += all(not np.array_equal(u.generate(prompt, n).logits, generation.logits) for u in unrounded)
+    assert differ == len(prompts)      # (both roundings are there: without either, other bits)
+
+
+def test_the_reference_rounds_a_linears_input_to_the_operand_dtype():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 24)).astype(np.float32)
+    w = round_to_dtype(rng.standard_normal((5, 24)).astype(np.float32), bf16)
+    for dtype in (f32, bf16, f16):
+        (got,) = get_layer_op("linear").reference([x, w], {}, StepContext(0, operand_dtype=dtype))
+        want = round_to_dtype(x, dtype).astype(np.float64) @ w.astype(np.float64).T
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert (dtype is f32) == np.allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-6, atol=1e-6)
 
 
 def test_the_reference_rounds_what_it_caches_to_the_kv_dtype():

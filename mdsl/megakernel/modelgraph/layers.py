@@ -26,13 +26,17 @@ from mdsl.ir.types import TensorType
 @attrs.frozen
 class StepContext:
     """What a step knows besides tensors: the position of its token, the prompt's length (the token after
-    a prompt position is the prompt's own, never the sampled one), and the dtype whose values the KV caches
+    a prompt position is the prompt's own, never the sampled one), the dtype whose values the KV caches
     hold (keys and values are rounded to it as they are appended: float32, unrounded, by default, or the
-    checkpoint's dtype, as transformers' cache and the serving engine's pools hold them)."""
+    checkpoint's dtype, as transformers' cache and the serving engine's pools hold them), and the dtype a
+    linear's input row is rounded to before its product (float32, unrounded, by default, or a 16-bit
+    checkpoint's dtype: the serving engine's tensor cores take 16-bit operands, as transformers' model in
+    that dtype holds its activations)."""
 
     position: int
     prompt_length: int = 1
     kv_dtype: DType = attrs.field(default=f32, kw_only=True)
+    operand_dtype: DType = attrs.field(default=f32, kw_only=True)
 
 
 @attrs.frozen(eq=False)
@@ -151,7 +155,8 @@ def _linear_infer(types, a):
 
 def _linear_ref(xs, a, ctx):
     x, *ws = xs
-    return [np.concatenate([x.astype(np.float32) @ w.astype(np.float32).T for w in ws], axis=1)]
+    x = operand(x.astype(np.float32), ctx.operand_dtype)
+    return [np.concatenate([x @ w.astype(np.float32).T for w in ws], axis=1)]
 
 
 # add_bias: a projection's biases added to its output row, one bias vector per weight of the (fused)
@@ -293,6 +298,12 @@ def cached(x: np.ndarray, kv_dtype: DType) -> np.ndarray:
     """Float32 keys or values as a KV cache of kv_dtype values holds them: rounded to it (to nearest, ties
     to even, as torch's and CUDA's conversions round)."""
     return x if kv_dtype is f32 else round_to_dtype(x, kv_dtype)
+
+
+def operand(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """A linear's float32 input as its product reads it with operands of `dtype`: rounded to it (to nearest,
+    ties to even), or unchanged for float32."""
+    return x if dtype is f32 else round_to_dtype(x, dtype)
 
 
 def _attention_ref(xs, a, ctx):

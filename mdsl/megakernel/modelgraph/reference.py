@@ -43,10 +43,11 @@ def check_steps(graph: ModelGraph, prompt_ids: Sequence[int], max_new_tokens: in
 class ReferenceModel:
     """`step()` runs one position; `generate()` prefills the prompt and decodes. The KV caches hold
     `kv_dtype` values: float32 (unrounded, the default), or the checkpoint's dtype (transformers' cache and
-    the serving engine's pools: mdsl.serving.cpu.kv_dtype)."""
+    the serving engine's pools: mdsl.serving.cpu.kv_dtype); a linear's input is rounded to `operand_dtype`
+    (float32: unrounded, the default; the serving engine rounds to a 16-bit checkpoint's dtype)."""
 
-    def __init__(self, graph: ModelGraph, weights: dict, kv_dtype: DType = f32):
-        self.graph, self.kv_dtype = graph, kv_dtype
+    def __init__(self, graph: ModelGraph, weights: dict, kv_dtype: DType = f32, operand_dtype: DType = f32):
+        self.graph, self.kv_dtype, self.operand_dtype = graph, kv_dtype, operand_dtype
         self.weights = {name: np.asarray(weights[name], np.float32) for name in (w.name for w in graph.weights)}
 
     def step(self, states: dict, ctx: StepContext):
@@ -63,7 +64,7 @@ class ReferenceModel:
         ctx_len = len(prompt_ids)
         logits = []
         for pos in range(steps):
-            row, _ = self.step(states, StepContext(pos, ctx_len, kv_dtype=self.kv_dtype))
+            row, _ = self.step(states, StepContext(pos, ctx_len, kv_dtype=self.kv_dtype, operand_dtype=self.operand_dtype))
             logits.append(row.reshape(-1))
         new = tuple(int(t) for t in states[TOKENS][ctx_len:ctx_len + max_new_tokens])
         return Generation(new, np.stack(logits) if logits else np.zeros((0, self.graph.logits.shape[1]), np.float32))
