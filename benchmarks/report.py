@@ -22,6 +22,9 @@ table):
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
+    docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a --batches 1,32
+                                     --long-contexts '' --no-torch --out DIR  (DIR/serve.json; its mixed run
+                                     goes with the time to first token, the rest stays in the file)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
     docs/results/random_programs_seed<S>.json
@@ -59,7 +62,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("serve", "serve_megakernel", "serve_http", "gemm_prefill",
+OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
             "decode_moe", "prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
@@ -271,8 +274,9 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     return lines
 
 
-def prefill_section(data: dict) -> list:
-    """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it."""
+def prefill_section(data: dict, mixed: Optional[dict] = None) -> list:
+    """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it; then,
+    from `mixed` (a benchmarks/serve.py run with part d), a long prompt read while requests decode."""
     rows = data.get("rows") or []
     device = rows[0]["device"] if rows else "gpu"
     repeats = len(rows[0]["runs_s"]) if rows else "?"
@@ -286,7 +290,12 @@ def prefill_section(data: dict) -> list:
              "arithmetic over 750 TFLOP/s: 2 FLOP per weight of the layers' linears a token, the LM head once, "
              "causal attention's 4 x head_dim FLOP per query head and (query, key) pair (the weights' bytes over "
              "4.25 TB/s where that is more). Below, each layer op's time over the prompt's steps.", ""]
-    return lines + prefill_tables(data).splitlines() + [""]
+    lines += prefill_tables(data).splitlines() + [""]
+    if mixed and mixed.get("mixed"):
+        model = MODEL_NAMES.get(mixed.get("model"), mixed.get("model"))
+        lines += [run_line(mixed.get("meta")), "", f"On {model}'s shapes (its decode steps in the same file):", ""]
+        lines += mixed_lines(mixed["mixed"])
+    return lines
 
 
 def _load(meta: dict) -> str:
@@ -526,19 +535,24 @@ def serve_section(data: Optional[dict], title: str = "Serving many requests on t
                         [[name, next(iter(rs.values()))["requests"], next(iter(rs.values()))["output_tokens"],
                           *(c for n in ran for c in cells(rs.get(n)))] for name, rs in by_run.items()],
                         right=1) + [""]
-    mixed = data.get("mixed") or []
-    if mixed:
-        lines += ["A prompt arriving while requests decode: the decoders' time per output token (TPOT, their median) "
-                  "over a window before it arrives and while it is read (its submission to its first token: the "
-                  "steps carry its chunks beside their decode tokens), the worst decoder's, and the prompt's time to "
-                  "first token.", ""]
-        lines += _table(["device", "decoders", "their prompts", "prompt", "steps", "TPOT before ms",
-                         "TPOT while read ms", "worst ms", "ratio", "worst ratio", "prompt's TTFT ms"],
-                        [[r["device"], r["batch"], r["decode_prompt"], r["prompt"], r["steps"],
-                          f"{r['tpot_before_s'] * 1e3:.2f}", f"{r['tpot_mixed_s'] * 1e3:.2f}",
-                          f"{r['tpot_mixed_worst_s'] * 1e3:.2f}", _times(r["ratio"], 2), _times(r["ratio_worst"], 2),
-                          f"{r['ttft_s'] * 1e3:.1f}"] for r in mixed]) + [""]
+    lines += mixed_lines(data.get("mixed") or [])
     return lines
+
+
+def mixed_lines(mixed: list) -> list:
+    """The table of benchmarks/serve.py's mixed runs (part d): a long prompt read while requests decode."""
+    if not mixed:
+        return []
+    lines = ["A prompt arriving while requests decode: the decoders' time per output token (TPOT, their median) "
+             "over a window before it arrives and while it is read (its submission to its first token: the "
+             "steps carry its chunks beside their decode tokens), the worst decoder's, and the prompt's time to "
+             "first token.", ""]
+    return lines + _table(["device", "decoders", "their prompts", "prompt", "steps", "TPOT before ms",
+                           "TPOT while read ms", "worst ms", "ratio", "worst ratio", "prompt's TTFT ms"],
+                          [[r["device"], r["batch"], r["decode_prompt"], r["prompt"], r["steps"],
+                            f"{r['tpot_before_s'] * 1e3:.2f}", f"{r['tpot_mixed_s'] * 1e3:.2f}",
+                            f"{r['tpot_mixed_worst_s'] * 1e3:.2f}", _times(r["ratio"], 2), _times(r["ratio_worst"], 2),
+                            f"{r['ttft_s'] * 1e3:.1f}"] for r in mixed]) + [""]
 
 
 def serve_http_section(data: Optional[dict]) -> list:
@@ -816,6 +830,10 @@ def headlines(results: dict) -> dict:
         if r.get("torch_s"):
             h[f"{key}_torch_ms"] = f"{r['torch_s'] * 1e3:.1f} ms"
             h[f"{key}_over_torch"] = _times(r["ttft_s"] / r["torch_s"])
+    for r in (results.get("serve_qwen3-8b") or {}).get("mixed") or []:   # a long prompt read while requests decode
+        h["mixed_tpot_before"] = f"{r['tpot_before_s'] * 1e3:.1f} ms"
+        h["mixed_tpot_while"] = f"{r['tpot_mixed_s'] * 1e3:.1f} ms"
+        h["mixed_ratio"] = _times(r["ratio_worst"], 2)
     for run in results.get("torch_compile") or []:   # mdsl over Inductor's default in one run, each one's ms: the latest
         for workload, w in (run.get("workloads") or {}).items():
             ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
@@ -859,7 +877,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     sections = (("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
-                ("serve_http", serve_http_section), ("prefill", prefill_section))
+                ("serve_http", serve_http_section),
+                ("prefill", functools.partial(prefill_section, mixed=results.get("serve_qwen3-8b"))))
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
