@@ -26,7 +26,6 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import provenance, write_outputs  # noqa: E402
-from benchmarks.serve_http import random_checkpoint  # noqa: E402
+from benchmarks.serve_http import random_checkpoint, scratch_folder  # noqa: E402
 
 FLOPS = 750e12          # bf16 dense tensor-core rate of the H200 (METHOD.md)
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s
@@ -167,7 +166,7 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     if args.max_tokens_per_step:
         engine["max_tokens_per_step"] = args.max_tokens_per_step
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
+    with scratch_folder("mdsl-weights-") as folder:
         print(f"writing random weights at {name}'s shapes", flush=True)
         random_checkpoint(name, folder)
         llm = LLM(folder, device=args.device, **engine)

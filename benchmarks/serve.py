@@ -47,7 +47,6 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import provenance, write_outputs  # noqa: E402
-from benchmarks.serve_http import _percentile, random_checkpoint  # noqa: E402
+from benchmarks.serve_http import _percentile, random_checkpoint, scratch_folder  # noqa: E402
 
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s (METHOD.md)
 PAGE_SIZE = 16
@@ -603,7 +602,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     result = {"meta": provenance("serve.py", sys.argv[1:] if argv is None else argv, gpu=True), "model": args.model,
               "devices": {}, "decode": [], "runs": []}
-    with tempfile.TemporaryDirectory() as folder:
+    with scratch_folder("mdsl-weights-") as folder:
         print(f"writing random weights at {args.model}'s shapes", flush=True)
         random_checkpoint(args.model, folder)
         requests = workload(args, raw["vocab_size"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -90,6 +91,22 @@ def make_requests(vocab: int, count: int, lengths: tuple, seed: int) -> list:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, size=int(rng.integers(lengths[0], lengths[1] + 1)))]
             for _ in range(count)]
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str):
+    """A temporary folder, removed however the run ends: on an exception, and on SIGTERM (`timeout`'s
+    signal, which would otherwise end the process with a model's random weights, gigabytes, left on disk)."""
+    main = threading.current_thread() is threading.main_thread()   # (only the main thread sets handlers)
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+            yield folder
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def random_checkpoint(name: str, folder: str, seed: int = 0) -> None:
@@ -298,8 +315,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="serve_http-"))
-    try:
+    with scratch_folder("serve_http-") as scratch_name:
+        scratch = Path(scratch_name)
         folder = args.model
         if args.model in MODELS and not os.path.isdir(args.model):
             vocab = MODELS[args.model]["vocab_size"]
@@ -349,8 +366,6 @@ def main(argv=None) -> int:
         print(text)
         failed = any(r["errors"] for r in runs) or result.get("mismatched", 0)
         return 1 if failed else 0
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

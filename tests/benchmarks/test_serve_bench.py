@@ -397,3 +397,27 @@ def test_the_reports_serve_section_shows_the_mixed_run():
                        "ratio_worst": 2.0, "ttft_s": 0.4}]}
     text = "\n".join(report.serve_section(data))
     assert "| gpu | 32 | 128 | 4096 | 19 | 10.00 | 15.00 | 20.00 | 1.50× | 2.00× | 400.0 |" in text
+
+
+def test_the_weights_folder_is_removed_when_timeout_ends_the_run(tmp_path):
+    """SIGTERM (what `timeout` sends) ends a benchmark inside scratch_folder with its folder removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(S.__file__).resolve().parents[1]
+    code = ("import sys, time\n"
+            f"sys.path.insert(0, {str(root)!r})\n"
+            "from benchmarks.serve_http import scratch_folder\n"
+            f"with scratch_folder('mdsl-weights-') as folder:\n"
+            "    open(folder + '/weights', 'wb').write(b'x' * 1000)\n"
+            "    print(folder, flush=True)\n"
+            "    time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    folder = child.stdout.readline().strip()
+    assert os.path.exists(os.path.join(folder, "weights"))
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not os.path.exists(folder)
