@@ -67,6 +67,11 @@ class Semantics(Protocol):
     def accumulate(self, node: Node, iterations: list) -> list:
         """An accumulator, given for each loop iteration the list of its inputs (with the block axis)."""
 
+    def fold(self, node: Node) -> Optional[Any]:
+        """An accumulator's running form, where the semantics has one that gives `accumulate`'s result:
+        an object whose `add(inputs)` takes each iteration's inputs in turn and whose `result()` gives the
+        outputs, so that the blocks need not hold every iteration's inputs; None: `accumulate` it is."""
+
     def empty(self, type_: TensorType) -> np.ndarray:
         """A block graph's output tensor before the blocks write it (poisoned, where possible)."""
 
@@ -204,18 +209,21 @@ def _iteration_slices(tile_shape: tuple, fmap: Optional[int], forloop: int) -> l
     return out
 
 
-def _elements_per_block(bg: BlockGraph) -> int:
-    """What one block holds at once: its tiles of one iteration and every iteration's accumulator inputs."""
+def _elements_per_block(bg: BlockGraph, folded: Sequence[bool] = ()) -> int:
+    """What one block holds at once: its tiles of one iteration, and every iteration's inputs of each
+    accumulator but those `folded` (in the order of the block graph's accumulators), which hold one."""
     tiles = sum(i.var.type.numel for i in bg.inputs) + sum(v.type.numel for n in bg.nodes for v in n.outputs)
-    kept = sum(v.type.numel for n in bg.nodes if n.opdef.is_accumulator for v in n.inputs)
-    return tiles + bg.forloop * kept
+    accumulators = [n for n in bg.nodes if n.opdef.is_accumulator]
+    folded = list(folded) + [False] * (len(accumulators) - len(folded))
+    kept = sum(v.type.numel * (1 if f else bg.forloop) for n, f in zip(accumulators, folded) for v in n.inputs)
+    return tiles + kept
 
 
 class BlockPlan:
     """What does not change from block to block, computed once from the shapes of the tensors read:
     the split of the nodes (as they run on values with a block axis) into those that run once before
     the loop (loop-invariant), in each iteration and after the loop, the slices of each loop
-    iteration's tiles, and the blocks, run `chunk` at a time."""
+    iteration's tiles, and the blocks, run `chunk(folded)` at a time."""
 
     def __init__(self, bg: BlockGraph, input_shapes: Sequence[tuple]):
         if len(input_shapes) != len(bg.inputs):
@@ -252,7 +260,11 @@ class BlockPlan:
         # (x, y, z), x varying fastest; blocks write disjoint parts, so the order cannot change the result
         x, y, z = bg.grid
         self.blocks = [(bx, by, bz) for bz, by, bx in itertools.product(range(z), range(y), range(x))]
-        self.chunk = max(1, CHUNK_ELEMENTS // max(1, _elements_per_block(bg)))
+        self.bg = bg
+
+    def chunk(self, folded: Sequence[bool] = ()) -> int:
+        """The blocks run together: as many as hold about CHUNK_ELEMENTS (`_elements_per_block`)."""
+        return max(1, CHUNK_ELEMENTS // max(1, _elements_per_block(self.bg, folded)))
 
     def check_writes(self, bg: BlockGraph) -> None:
         """Every output element is written exactly once. Valid omaps (`output_tensor_type`) give each
@@ -267,12 +279,15 @@ class BlockPlan:
                                   f"and {more * o.var.type.numel} written more than once under omap {list(o.omap)}")
 
 
-def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, blocks: np.ndarray) -> list:
+def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, blocks: np.ndarray,
+                folded: Sequence[bool]) -> list:
     """`blocks` (rows of x, y, z) side by side along the block axis: the for-loop over their input tiles,
-    the accumulators, then the nodes after the loop. `reads` are the inputs' grid views."""
+    the accumulators (each `folded` one by its running form, iteration by iteration; the others given
+    every iteration's inputs at the end), then the nodes after the loop. `reads` are the inputs' grid
+    views."""
     lead = (len(blocks),)
     index = [_block_index(inp.imap, blocks) for inp in bg.inputs]
-    collected: list = [[] for _ in plan.accumulators]
+    collected: list = [sem.fold(node) if f else [] for node, f in zip(plan.accumulators, folded)]
     # indexing copies: each block's own tile, as in shared memory
     invariant: Env = {inp.var.name: sem.convert(view[where + slices[0]])
                       for inp, view, where, slices in zip(bg.inputs, reads, index, plan.iteration_slices)
@@ -285,11 +300,13 @@ def _run_blocks(sem: Semantics, bg: BlockGraph, plan: BlockPlan, reads: list, bl
                 env[inp.var.name] = sem.convert(view[where + slices[i]])
         _eval_nodes(sem, plan.iteration_nodes, env, lead)
         for node, per_iteration in zip(plan.accumulators, collected):
-            per_iteration.append(_aligned(node, _args(env, node)))
+            add = per_iteration.append if isinstance(per_iteration, list) else per_iteration.add
+            add(_aligned(node, _args(env, node)))
     env = {}  # only accumulated values survive the loop
     for node, per_iteration in zip(plan.accumulators, collected):
         try:
-            _bind(sem, env, node.outputs, sem.accumulate(node, per_iteration), lead)
+            values = sem.accumulate(node, per_iteration) if isinstance(per_iteration, list) else per_iteration.result()
+            _bind(sem, env, node.outputs, values, lead)
         except MdslError as e:
             raise e.with_loc(node.loc)
     _eval_nodes(sem, plan.post_nodes, env, lead)
@@ -306,9 +323,12 @@ def run_block_graph(bg: BlockGraph, inputs: Sequence, sem: Semantics) -> list:
     # views of the fresh (contiguous) outputs: writing through them writes the outputs
     writes = [_grid_view(out, t.shape, o.omap, bg.grid) for out, t, o in zip(outputs, plan.out_types, bg.outputs)]
     blocks = np.array(plan.blocks, dtype=np.intp).reshape(-1, 3)
-    for start in range(0, len(blocks), plan.chunk):
-        chunk = blocks[start:start + plan.chunk]
-        tiles = _run_blocks(sem, bg, plan, reads, chunk)
+    fold = getattr(sem, "fold", None)
+    folded = [fold is not None and fold(node) is not None for node in plan.accumulators]
+    step = plan.chunk(folded)
+    for start in range(0, len(blocks), step):
+        chunk = blocks[start:start + step]
+        tiles = _run_blocks(sem, bg, plan, reads, chunk, folded)
         for view, o, tile in zip(writes, bg.outputs, tiles):
             view[_block_index(o.omap, chunk)] = tile
     return outputs

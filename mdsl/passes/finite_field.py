@@ -347,6 +347,10 @@ class FieldRule:
     reads_q: tuple = ()                        # inputs whose q-residues it reads, whatever its outputs feed
     apply_p_only: Optional[Callable] = None    # as apply, for outputs whose q-residues nothing reads: it
     # computes their p-residues only (q-residues 0), where that saves real work
+    # an accumulator's running form: fold(field, attrs, p_only) -> an object whose add(inputs) takes one
+    # iteration's inputs and whose result() gives apply's outputs (their p-residues alone with p_only), so
+    # that a block graph need not hold every iteration's inputs; None where it cannot fold (or not p_only)
+    fold: Optional[Callable] = None
 
 
 FRESH: Deg = (1, 0)  # an oracle or exp value: a fresh variable in the bound's model
@@ -473,9 +477,84 @@ def _accum_rms(f: Field, its, a):
     return f.sqrt(f.add(_row_mean(f, squares), f.scalar(a["eps"])))
 
 
-def _accumulator(fn: Callable, degree: Callable) -> FieldRule:
-    """fn(field, iterations, attrs); degree(input degrees, loop range, the tile's type)."""
-    return FieldRule(lambda f, its, a: [fn(f, its, a)], lambda ds, ts, a, loop: [degree(ds, loop, ts[0])])
+def _accumulator(fn: Callable, degree: Callable, fold: Optional[Callable] = None) -> FieldRule:
+    """fn(field, iterations, attrs); degree(input degrees, loop range, the tile's type); fold: FieldRule.fold."""
+    return FieldRule(lambda f, its, a: [fn(f, its, a)], lambda ds, ts, a, loop: [degree(ds, loop, ts[0])],
+                     fold=fold)
+
+
+class _SumFold:
+    """accum, accum_sum, accum_mean, accum_rms as a running sum of the iterations' residues (of their
+    squares for accum_rms): the int64 sum of residues below 2^25 that `_iteration_sum` makes, so the same
+    values in both residues."""
+
+    def __init__(self, f: Field, op: str, a: dict):
+        self.f, self.op, self.a = f, op, a
+        self.total, self.count, self.width = None, 0, 0
+
+    def add(self, its: list) -> None:
+        x = its[0]
+        if self.op == "accum_rms":
+            x = self.f.mul(x, x)
+        self.total = np.array(x, dtype=np.int64) if self.total is None else self.total + x
+        self.count, self.width = self.count + 1, x.shape[-2]
+
+    def result(self) -> list:
+        f, total = self.f, self.total % self.f.modulus
+        if self.op == "accum":
+            return [total]
+        rows = f.sum(total, axis=-2, keepdims=True)
+        if self.op == "accum_sum":
+            return [rows]
+        mean = f.mul(rows, f.rational(Fraction(1, self.count * self.width)))
+        return [mean if self.op == "accum_mean" else f.sqrt(f.add(mean, f.scalar(self.a["eps"])))]
+
+
+class _MaxFold:
+    """accum_max: the maximum so far under the test's order; an equal one later does not replace it, as
+    `Field.max` takes the first of equal maxima."""
+
+    def __init__(self, f: Field):
+        self.salt, self.best, self.rank = f.salt("max"), None, None
+
+    def add(self, its: list) -> None:
+        x = its[0]
+        rank = mix(x[..., 0], self.salt)
+        if self.best is None:
+            self.best, self.rank = np.array(x, dtype=np.int64), rank
+            return
+        later = rank > self.rank
+        self.best, self.rank = np.where(later[..., None], x, self.best), np.where(later, rank, self.rank)
+
+    def result(self) -> list:
+        return [self.best]
+
+
+class _RescaledFold:
+    """accum_rescale and accum_sum_rescale, p-residues only: Σ_i exp(m_i − M)·x_i = ω^(−M) Σ_i ω^(m_i)·x_i
+    mod p (exp's p-residue is ω to the power of the argument's q-residue, and ω has order q), with the
+    maximum M of the m_i found as `_MaxFold` finds it; the sum reduced every 2^13 terms, as
+    `Field.sum_of_products` reduces it."""
+
+    def __init__(self, f: Field, rows: bool):
+        self.f, self.rows, self.top, self.total, self.count = f, rows, _MaxFold(f), None, 0
+
+    def add(self, its: list) -> None:
+        x, m = its
+        if self.rows:
+            x = self.f.sum(x, axis=-2, keepdims=True)
+        self.top.add([m])
+        term = np.multiply(self.f.exp(m)[..., 0], x[..., 0], dtype=np.int64)
+        self.total = term if self.total is None else self.total + term
+        self.count += 1
+        if self.count % (1 << 13) == 0:
+            self.total %= self.f.p
+
+    def result(self) -> list:
+        f = self.f
+        scale = f.exp(f.neg(self.top.best))[..., 0]
+        p = self.total % f.p * scale % f.p
+        return [np.stack([p, np.zeros_like(p)], axis=-1)]
 
 
 def _same(d: Deg, a) -> Deg:
@@ -519,17 +598,25 @@ for _name, _rule in {
     "split": FieldRule(_split, lambda ds, ts, a, loop: [ds[0]] * len(a["sizes"])),
     "reshape": _elementwise(lambda f, x, a: x.reshape(tuple(a["shape"]) + (2,)), _same),
     "transpose": _elementwise(lambda f, x, a: np.transpose(x, tuple(a["perm"]) + (x.ndim - 1,)), _same),
-    "accum": _accumulator(lambda f, its, a: _iteration_sum(f, its), lambda ds, r, t: _sum_of(ds[0], r)),
-    "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
-    "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1])),
-    "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH),
-    "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, t: ds[0]),
-    # (the rescaling accumulators exponentiate their maxima, input 1)
+    "accum": _accumulator(lambda f, its, a: _iteration_sum(f, its), lambda ds, r, t: _sum_of(ds[0], r),
+                          lambda f, a, p_only: _SumFold(f, "accum", a)),
+    "accum_sum": _accumulator(lambda f, its, a: _row_sums(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1]),
+                              lambda f, a, p_only: _SumFold(f, "accum_sum", a)),
+    "accum_mean": _accumulator(lambda f, its, a: _row_mean(f, its), lambda ds, r, t: _sum_of(ds[0], r * t.shape[-1]),
+                               lambda f, a, p_only: _SumFold(f, "accum_mean", a)),
+    "accum_rms": _accumulator(_accum_rms, lambda ds, r, t: FRESH, lambda f, a, p_only: _SumFold(f, "accum_rms", a)),
+    "accum_max": _accumulator(lambda f, its, a: f.max(_stack(its), axis=0), lambda ds, r, t: ds[0],
+                              lambda f, a, p_only: _MaxFold(f)),
+    # (the rescaling accumulators exponentiate their maxima, input 1; they fold where only their outputs'
+    # p-residues are read: exp's q-residue is a hash of its p-residue, which no running form gives)
     "accum_rescale": attrs.evolve(_accumulator(lambda f, its, a: _rescaled_sum(f, its, [it[0] for it in its]),
-                                               lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r)), reads_q=(1,)),
+                                               lambda ds, r, t: _sum_of(_times(ds[0], FRESH), r),
+                                               lambda f, a, p_only: _RescaledFold(f, False) if p_only else None),
+                                  reads_q=(1,)),
     "accum_sum_rescale": attrs.evolve(_accumulator(
         lambda f, its, a: _rescaled_sum(f, its, f.sum(_stack(its), axis=-2, keepdims=True)),
-        lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r)), reads_q=(1,)),
+        lambda ds, r, t: _sum_of(_times(_sum_of(ds[0], t.shape[-1]), FRESH), r),
+        lambda f, a, p_only: _RescaledFold(f, True) if p_only else None), reads_q=(1,)),
 }.items():
     FIELD_RULES.register(_name, _rule)
 
@@ -618,6 +705,15 @@ class FieldSemantics:
 
     def accumulate(self, node: Node, iterations: list) -> list:
         return field_rule(node.opdef).apply(self.field, iterations, node.attr_dict)
+
+    def fold(self, node: Node):
+        """The accumulator's running form (FieldRule.fold), or None: p-residues only where nothing reads
+        its outputs' q-residues (known only with `q_read`)."""
+        rule = field_rule(node.opdef)
+        if rule.fold is None:
+            return None
+        p_only = self.q_read is not None and not any(v.name in self.q_read for v in node.outputs)
+        return rule.fold(self.field, node.attr_dict, p_only)
 
     def empty(self, type_: TensorType) -> np.ndarray:
         return np.full(type_.shape + (2,), -1, dtype=np.int64)  # no residue is negative

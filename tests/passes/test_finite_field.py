@@ -212,6 +212,34 @@ def test_every_operator_has_a_finite_field_rule():
     assert all(isinstance(FIELD_RULES[name], FieldRule) for name, op in OPS.items() if not op.is_graph_defined)
 
 
+@pytest.mark.parametrize("op", ["accum", "accum_sum", "accum_mean", "accum_rms", "accum_max", "accum_rescale",
+                                "accum_sum_rescale"])
+def test_every_accumulators_running_form_gives_what_its_rule_gives_all_iterations_at_once(field, rng, op):
+    """FieldRule.fold, iteration by iteration, against `apply` on every iteration's inputs: both residues
+    (the rescaling accumulators: their p-residues, which they alone fold); ties in the maximum included
+    (every other iteration repeats an earlier one's maxima, q-residues changed)."""
+    rule = FIELD_RULES[op]
+    a = {"eps": 1e-6} if op == "accum_rms" else {}
+    iterations = []
+    for i in range(70):
+        x = field.random((3, 2, 5), rng)
+        m = field.random((3, 2, 1), rng)
+        if i % 2 and iterations:
+            m = iterations[-1][-1].copy()
+            m[..., 1] = rng.integers(0, field.q, m.shape[:-1])
+        iterations.append([x, m] if op.endswith("rescale") else [m if op == "accum_max" else x])
+    p_only = op.endswith("rescale")
+    assert rule.fold(field, a, False) is None if p_only else rule.fold(field, a, False) is not None
+    fold = rule.fold(field, a, p_only)
+    for it in iterations:
+        fold.add(it)
+    (got,), (want,) = fold.result(), rule.apply(field, iterations, a)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got[..., 0], want[..., 0])
+    if not p_only:
+        np.testing.assert_array_equal(got, want)
+
+
 def exact_program(n: int = 4):
     """Every operator that is exact in the field, on small integers: float64 computes it exactly too."""
     @mdsl.kernel(name="exact")
