@@ -365,11 +365,12 @@ class _Budget:
         self.states = 0
 
     def tick(self) -> None:
-        """One more state."""
+        """One more state (and a poll of the search: its counts reach it only when a frame ends)."""
         self.states += 1
         if self.states > self.max_states:
             raise _OutOfBudget("states")
         self.check_time()
+        self.stats.poll()
 
     def check_time(self) -> None:
         if self.time_left() <= 0:

@@ -54,6 +54,13 @@ class SearchStats:
         if self.listener is not None:
             self.listener()
 
+    def poll(self) -> None:
+        """Call the listener without counting: a generator that keeps its counts to itself for a while
+        (the enumerator's prunes, a frame at a time) lets the search merge finished verifications and
+        hand waiting candidates to free workers meanwhile."""
+        if self.listener is not None:
+            self.listener()
+
     def work(self, consumer: str, n: int = 1) -> bool:
         """Spend `n` steps of `consumer`'s work allowance; False (and nothing spent) once they would
         exceed it. Without a limit every step is granted (and counted)."""

@@ -249,6 +249,14 @@ def test_the_work_budget_bounds_the_states_whatever_the_time():
     assert stats.by_reason("states")["enumerate"] == 41
 
 
+@pytest.mark.timeout(60)
+def test_every_state_polls_the_search_so_that_it_verifies_while_the_enumeration_runs():
+    polls = []
+    stats = SearchStats(listener=lambda: polls.append(1))
+    list(generate(lora(), SearchConfig(max_block_ops=7), stats, max_states=50))
+    assert len(polls) >= 51   # a poll a state, besides the counts (the prunes come a frame at a time)
+
+
 @pytest.mark.timeout(30)
 def test_the_search_deadline_stops_it():
     stats = SearchStats(deadline=time.monotonic())
