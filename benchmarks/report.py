@@ -286,7 +286,7 @@ def prefill_section(data: dict, mixed: Optional[dict] = None) -> list:
              f"the wall time from `submit` to that token, median of {repeats} after one unmeasured run; PyTorch: "
              "transformers' model over the same checkpoint (bf16, SDPA) running the prompt as one forward pass "
              f"(`logits_to_keep=1`) and reading back the argmax, median of {repeats} after two warm-up passes, in the same "
-             "process; `same token`: the two first tokens agree (random weights can tie). The floor is the prompt's "
+             "process; `same token`: the two first tokens agree (random weights can tie; `no (2nd)`: the engine's token is PyTorch's runner-up). The floor is the prompt's "
              "arithmetic over 750 TFLOP/s: 2 FLOP per weight of the layers' linears a token, the LM head once, "
              "causal attention's 4 x head_dim FLOP per query head and (query, key) pair (the weights' bytes over "
              "4.25 TB/s where that is more). Below, each layer op's time over the prompt's steps.", ""]

@@ -39,10 +39,16 @@ def test_the_tables_show_each_prompt_beside_pytorch_and_the_op_profile():
         {"model": "m", "prompt": 128, "device": "gpu", "steps": 1, "floor_s": 0.001, "ttft_s": 0.004,
          "torch_s": 0.002, "same_token": True, "ops_us": {"linear": 2000.0, "attention": 500.0}},
         {"model": "m", "prompt": 1024, "device": "gpu", "steps": 4, "floor_s": 0.01, "ttft_s": 0.02,
-         "ops_us": {"attention": 9000.0}}]}
+         "ops_us": {"attention": 9000.0}},
+        {"model": "m", "prompt": 256, "device": "gpu", "steps": 1, "floor_s": 0.002, "ttft_s": 0.004,
+         "torch_s": 0.004, "same_token": False, "torch_runner_up": True},
+        {"model": "m", "prompt": 512, "device": "gpu", "steps": 2, "floor_s": 0.002, "ttft_s": 0.004,
+         "torch_s": 0.004, "same_token": False, "torch_runner_up": False}]}
     text = P.tables(result)
     assert "| m | 128 | 1 | 1.0 | 4.0 | 25% | 2.0 | 2.00× | yes |" in text
     assert "| m | 1024 | 4 | 10.0 | 20.0 | 50% | - | - | - |" in text
+    assert "| m | 256 | 1 | 2.0 | 4.0 | 50% | 4.0 | 1.00× | no (2nd) |" in text   # PyTorch's runner-up: a near-tie
+    assert "| m | 512 | 2 | 2.0 | 4.0 | 50% | 4.0 | 1.00× | no |" in text
     # the op profile of each model's longest prompt
     assert "| model | prompt | attention | sum |" in text and "| m | 1024 | 9.00 | 9.00 |" in text
     assert "| m | 128 | 0.50" not in text
