@@ -340,7 +340,8 @@ def make_parser() -> argparse.ArgumentParser:
                           "stored as provisional and searched again by the next run (default 120)")
     opt.add_argument("--work", type=_positive(int), metavar="STEPS",
                      help="work budget of each search: steps each generator and the verification queue may "
-                          "take (liftings, enumeration states, 100 per candidate verified); the plan depends on "
+                          "take (liftings, enumeration states and their z3 queries' resource units at 5000 a "
+                          "step, 100 per candidate verified); the plan depends on "
                           "it and not on the machine's speed (default 10000)")
     opt.add_argument("--explain", action="store_true",
                      help="after each plan, say why each kernel boundary left in it could not be removed")

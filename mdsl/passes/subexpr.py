@@ -65,6 +65,7 @@ class SubexprStats:
     unknown: int = 0        # z3: out of rlimit or time; pruned all the same
     seconds: float = 0.0    # time spent in is_subexpression
     z3_seconds: float = 0.0
+    rlimit: int = 0         # z3's resource units spent by the queries: their work, the same on any machine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +316,7 @@ class SubexprChecker:
         self._destabilised: dict = {}
         self._signatures: dict = {}
         self._encoding: Optional[_Encoding] = None
+        self._rlimit_counts: dict = {}   # id(context) -> its rlimit count after the last query
 
     def is_subexpression(self, term: Term) -> bool:
         start = time.perf_counter()
@@ -378,6 +380,7 @@ class SubexprChecker:
         solver.add(enc.sub(goal, goal), z3.Not(enc.sub(enc.expr(term), goal)))
         result = solver.check()
         self.stats.z3_calls += 1
+        self.stats.rlimit += self._rlimit_spent(solver, enc.ctx)
         self.stats.z3_seconds += time.perf_counter() - start
         if result == z3.unsat:
             self.stats.proved += 1
@@ -389,6 +392,16 @@ class SubexprChecker:
             raise OutOfTime("the time ran out during a z3 query")
         self.stats.unknown += 1        # out of rlimit or time
         return False
+
+    def _rlimit_spent(self, solver, ctx) -> int:
+        """The resource units of the query just made: the growth of its context's count (z3 keeps one a
+        context, and the checker's context runs one query at a time)."""
+        statistics = solver.statistics()
+        count = next((int(statistics.get_key_value(k)) for k in statistics.keys() if k == "rlimit count"), None)
+        if count is None:   # a z3 without the statistic: the units are not known
+            return 0
+        spent, self._rlimit_counts[id(ctx)] = count - self._rlimit_counts.get(id(ctx), 0), count
+        return spent
 
     def _timeout_ms(self) -> tuple:
         """(the query's wall-clock limit in ms, whether the caller's time left sets it); OutOfTime when

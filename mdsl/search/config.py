@@ -35,8 +35,9 @@ VERIFY_STEPS = 100
 class SearchConfig:
     # the wall-clock cap; the best verified result so far is returned then, as a provisional plan
     budget_s: float = attrs.field(default=120.0, validator=_finite_positive)
-    # steps of work each consumer may take (liftings, screens, enumeration states, VERIFY_STEPS per
-    # candidate verified): what makes a search's result the same on a loaded machine as on a quiet one
+    # steps of work each consumer may take (liftings, screens, enumeration states and their z3 queries'
+    # resource units, VERIFY_STEPS per candidate verified): what makes a search's result the same on a
+    # loaded machine as on a quiet one
     work: int = attrs.field(default=10_000, validator=v.ge(1))
     # worker processes that verify candidates; the result does not depend on it
     workers: int = attrs.field(factory=_default_workers, eq=False, validator=v.ge(1))

@@ -79,10 +79,16 @@ MIN_LOOP_CHUNK = 8
 #: Each z3 query's wall-clock limit: a safety only. The deterministic resource limit (`subexpr.DEFAULT_RLIMIT`)
 #: decides every query, so that what is pruned does not depend on how busy the machine is.
 Z3_TIMEOUT_MS = 60_000
+#: z3 resource units (`SubexprStats.rlimit`) a step of the work budget grants the enumeration's
+#: abstract-expression queries: a state costs one step and the queries their units, so that a program
+#: whose states each need long queries ends by its work budget, not by the wall-clock cap, the same on any
+#: machine. The ten benchmark kernels' whole enumerations spend at most 24 M units (ntrans), under half
+#: of the 50 M a budget of 10,000 steps grants.
+SOLVER_UNITS_PER_STEP = 5_000
 
 
 class _OutOfBudget(Exception):
-    """The state or time budget ran out."""
+    """The state, solver or time budget ran out."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,17 +364,22 @@ class Program:
 
 
 class _Budget:
-    """The generator's states (at most `max_states`) and the search's deadline (the wall-clock cap)."""
+    """The generator's states (at most `max_states`), its z3 queries' resource units (at most
+    `max_states` x SOLVER_UNITS_PER_STEP, as `solver_units()` counts them) and the search's deadline (the
+    wall-clock cap)."""
 
     def __init__(self, max_states: int, stats: SearchStats):
         self.max_states, self.stats = max_states, stats
         self.states = 0
+        self.solver_units: Callable[[], int] = lambda: 0
 
     def tick(self) -> None:
         """One more state (and a poll of the search: its counts reach it only when a frame ends)."""
         self.states += 1
         if self.states > self.max_states:
             raise _OutOfBudget("states")
+        if self.solver_units() > self.max_states * SOLVER_UNITS_PER_STEP:
+            raise _OutOfBudget("solver")
         self.check_time()
         self.stats.poll()
 
@@ -389,6 +400,10 @@ class _Matcher:
         self.time_left = time_left
         self.forward = [SubexprChecker([t], time_left=time_left, timeout_ms=Z3_TIMEOUT_MS) for t in self.targets]
         self.backward: dict = {}
+
+    def rlimit(self) -> int:
+        """The z3 resource units its checkers' queries spent."""
+        return sum(c.stats.rlimit for c in (*self.forward, *self.backward.values()))
 
     def matches(self, term: Term, k: int) -> bool:
         target = self.targets[k]
@@ -855,6 +870,7 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
     checker = SubexprChecker([t.term for t in problem.targets], time_left=budget.time_left,
                              timeout_ms=Z3_TIMEOUT_MS) if prune else None
     matcher = _Matcher(problem.targets, budget.time_left)
+    budget.solver_units = lambda: matcher.rlimit() + (checker.stats.rlimit if checker is not None else 0)
     screen = _Screen(problem, config.seed, stats)
     try:
         for frame in problem.frames:

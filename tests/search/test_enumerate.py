@@ -233,7 +233,8 @@ def test_the_abstract_expression_check_removes_states_but_no_candidate():
 
 
 @pytest.mark.timeout(30)
-def test_the_state_budget_ends_a_large_space():
+def test_the_state_budget_ends_a_large_space(monkeypatch):
+    monkeypatch.setattr(E, "SOLVER_UNITS_PER_STEP", 10 ** 9)   # (the states alone: the queries' units below)
     stats = SearchStats()
     candidates = list(generate(lora(), SearchConfig(max_block_ops=7), stats, max_states=50))
     assert stats.by_reason("stopped") == {"enumerate: states": 1}
@@ -242,15 +243,32 @@ def test_the_state_budget_ends_a_large_space():
 
 
 @pytest.mark.timeout(60)
-def test_the_work_budget_bounds_the_states_whatever_the_time():
+def test_the_work_budget_bounds_the_states_whatever_the_time(monkeypatch):
+    monkeypatch.setattr(E, "SOLVER_UNITS_PER_STEP", 10 ** 9)
     stats = SearchStats()
     list(generate(lora(), SearchConfig(max_block_ops=7, work=40, budget_s=1.0), stats))
     assert stats.by_reason("stopped") == {"enumerate: states": 1}   # a wall-clock budget plays no part
     assert stats.by_reason("states")["enumerate"] == 41
 
 
+@pytest.mark.timeout(120)
+def test_the_z3_queries_resource_units_count_as_work_and_end_it_the_same_way_each_time(monkeypatch):
+    """A state costs a step and its abstract-expression queries their z3 resource units: with few units a
+    step, the enumeration ends by them, at the same state in every run (the units are z3's deterministic
+    count, not time), before the states run out."""
+    monkeypatch.setattr(E, "SOLVER_UNITS_PER_STEP", 20)
+    runs = []
+    for _ in range(2):
+        stats = SearchStats()
+        keys = [c.key for c in generate(lora(), SearchConfig(max_block_ops=7, work=2000), stats)]
+        runs.append((keys, stats.by_reason("states"), stats.by_reason("stopped")))
+    assert runs[0] == runs[1]
+    assert runs[0][2] == {"enumerate: solver": 1} and runs[0][1]["enumerate"] < 2000
+
+
 @pytest.mark.timeout(60)
-def test_every_state_polls_the_search_so_that_it_verifies_while_the_enumeration_runs():
+def test_every_state_polls_the_search_so_that_it_verifies_while_the_enumeration_runs(monkeypatch):
+    monkeypatch.setattr(E, "SOLVER_UNITS_PER_STEP", 10 ** 9)
     polls = []
     stats = SearchStats(listener=lambda: polls.append(1))
     list(generate(lora(), SearchConfig(max_block_ops=7), stats, max_states=50))
