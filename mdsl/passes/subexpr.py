@@ -395,13 +395,15 @@ class SubexprChecker:
 
     def _rlimit_spent(self, solver, ctx) -> int:
         """The resource units of the query just made: the growth of its context's count (z3 keeps one a
-        context, and the checker's context runs one query at a time)."""
+        context, and the checker's context runs one query at a time; a count below the last one is a
+        solver's own, all this query's)."""
         statistics = solver.statistics()
         count = next((int(statistics.get_key_value(k)) for k in statistics.keys() if k == "rlimit count"), None)
         if count is None:   # a z3 without the statistic: the units are not known
             return 0
-        spent, self._rlimit_counts[id(ctx)] = count - self._rlimit_counts.get(id(ctx), 0), count
-        return spent
+        last = self._rlimit_counts.get(id(ctx), 0)
+        self._rlimit_counts[id(ctx)] = count
+        return count - last if count >= last else count
 
     def _timeout_ms(self) -> tuple:
         """(the query's wall-clock limit in ms, whether the caller's time left sets it); OutOfTime when

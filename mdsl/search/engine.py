@@ -12,10 +12,11 @@ the cost model and verified in parallel worker processes; the best verified ones
   (`mdsl.search.screen`) rejects a wrong candidate cheaply before its full-size tests.
 * **Results do not depend on the machine's load.** What is generated depends on the work budget
   (`SearchConfig.work`: each generator's own steps, the enumerator's z3 queries counted in z3's own
-  resource units, and `VERIFY_STEPS` per candidate admitted), never on time. Outcomes are merged in admission order whatever order the workers finish them in, and a
-  candidate is passed over only when it cannot enter the top k of the candidates merged before it (a
-  decision that more merged results never reverse), so that what is kept, counted and logged is the
-  same for any number of workers and any speed. The wall-clock budget is a safety cap: a search it cuts
+  resource units, and `VERIFY_STEPS` per candidate admitted), never on time. Outcomes are merged in
+  admission order whatever order the workers finish them in, and a candidate is passed over only when
+  it cannot enter the top k of the candidates merged before it (a decision that more merged results
+  never reverse), so that what is kept, counted and logged is the same for any number of workers and
+  any speed. The wall-clock budget is a safety cap: a search it cuts
   short returns the best verified result so far, and its plan is provisional (`Plan.provisional`).
 * A generator may yield a `Fallback`: a candidate verified only if the one it stands in for is not
   (decided when that one's outcome is merged, so in order too); and an `Assembly`, a candidate made of
