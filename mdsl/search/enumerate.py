@@ -400,10 +400,11 @@ class _Matcher:
         self.time_left = time_left
         self.forward = [SubexprChecker([t], time_left=time_left, timeout_ms=Z3_TIMEOUT_MS) for t in self.targets]
         self.backward: dict = {}
+        self.spent = 0   # the z3 resource units its checkers' queries spent (kept as they go: a budget reads it
+        # at every state, and the backward checkers are one a term)
 
     def rlimit(self) -> int:
-        """The z3 resource units its checkers' queries spent."""
-        return sum(c.stats.rlimit for c in (*self.forward, *self.backward.values()))
+        return self.spent
 
     def matches(self, term: Term, k: int) -> bool:
         target = self.targets[k]
@@ -411,7 +412,12 @@ class _Matcher:
             return True
         if term not in self.backward:
             self.backward[term] = SubexprChecker([term], time_left=self.time_left, timeout_ms=Z3_TIMEOUT_MS)
-        return self.forward[k].is_subexpression(term) and self.backward[term].is_subexpression(target)
+        forward, backward = self.forward[k], self.backward[term]
+        before = forward.stats.rlimit + backward.stats.rlimit
+        try:
+            return forward.is_subexpression(term) and backward.is_subexpression(target)
+        finally:
+            self.spent += forward.stats.rlimit + backward.stats.rlimit - before
 
 
 class _Search:
