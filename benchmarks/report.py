@@ -22,10 +22,11 @@ table):
     docs/results/serve.json          benchmarks/serve.py --out DIR            (DIR/serve.json)
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
-    docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a --batches 1,32
-                                     --long-contexts '' --no-torch --out DIR  (DIR/serve.json; its mixed run
-                                     goes with the time to first token, the rest stays in the file)
+    docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a
+                                     --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json;
+                                     its mixed run goes with the time to first token)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
+    docs/results/serve_linears.json  benchmarks/serve_linears.py --out DIR    (DIR/serve_linears.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
@@ -63,7 +64,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
-            "decode_moe", "prefill")
+            "decode_moe", "prefill", "serve_linears")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -271,6 +272,30 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
                      _percent(floor * 1e6 / r["wgmma_us"])])
     lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "share of torch", "tile",
                      "Hopper GEMM % of floor"], rows, right=0) + [""]
+    return lines
+
+
+def serve_linears_section(data: dict) -> list:
+    """The GPU serving device's linears on their own, by model, layer op and row count."""
+    lines = ["## Serving: the GPU device's linears", "", run_line(data.get("meta")), "",
+             "µs per launch of the GPU serving device's linear (`mdsl.serving.gpu_wgmma`: wgmma, the weights by TMA, "
+             "the step's rows as the n of the instruction) for each linear of a layer (q|k|v and gate|up side by side "
+             "in one launch, o and down with the residual added) and the LM head, at a step's row count (decode "
+             "steps of 1 to 64 requests, prompt chunks of 128 and 256 tokens), each launch's output checked against "
+             "float64 first; the launches replayed from a CUDA graph, weights rotated past twice the L2 "
+             "(`benchmarks/serve_linears.py`); blocks: the launch's grid. Floor: the bf16 weights and the float32 "
+             "rows in and out over 4.25 TB/s, or the products over 750 TFLOP/s; torch: `torch.nn.functional.linear` "
+             "on the same rows in bf16 (cuBLAS), replayed the same way.", ""]
+    rows = [[MODEL_NAMES.get(r["model"], r["model"]), r["op"], r["rows"], r["k"], r["n"], r["blocks"],
+             f"{r['floor_us']:.1f}", f"{r['mdsl_us']:.1f}", _percent(r["floor_us"] / r["mdsl_us"]),
+             f"{r['torch_us']:.1f}", _times(r["torch_us"] / r["mdsl_us"], 2)]
+            for r in data.get("rows") or [] if r.get("mdsl_us") and r.get("torch_us")]
+    failed = [r for r in data.get("rows") or [] if r.get("failed")]
+    lines += _table(["model", "op", "rows", "k", "n", "blocks", "floor µs", "mdsl µs", "mdsl % of floor", "torch µs",
+                     "torch / mdsl"], rows, right=2) + [""]
+    if failed:
+        named = ", ".join(f"{r['model']} {r['op']} at {r['rows']} rows" for r in failed)
+        lines += [f"Failed the float64 check: {named}.", ""]
     return lines
 
 
@@ -808,6 +833,13 @@ def headlines(results: dict) -> dict:
         one = [min((d for d in serve["decode"] if device_of(d) == device), key=lambda d: d["batch"])["step_s"]
                for device in ("gpu", "megakernel")]
         h["serve_megakernel_over_gpu_one"] = _times(one[0] / one[1], 2)
+    steps = sorted(((results.get("serve_qwen3-8b") or {}).get("decode") or ()), key=lambda d: d["batch"])
+    if steps:   # Qwen3-8B on the GPU device: batch 1 and the largest batch at the first context measured
+        steps = [d for d in steps if d["context"] == steps[0]["context"]]
+        h["serve_8b_step_one"] = f"{steps[0]['step_s'] * 1e3:.2f} ms"
+        h["serve_8b_floor_one"] = _percent(steps[0]["floor_s"] / steps[0]["step_s"])
+        h["serve_8b_step_most"] = f"{steps[-1]['step_s'] * 1e3:.2f} ms"
+        h["serve_8b_floor_most"] = _percent(steps[-1]["floor_s"] / steps[-1]["step_s"])
     alone = sorted(((results.get("serve_megakernel") or {}).get("decode") or ()), key=lambda d: d["batch"])
     if alone:   # the megakernel device's own run: batch 1 and the largest batch at the first context measured
         alone = [d for d in alone if d["context"] == alone[0]["context"]]
@@ -877,6 +909,9 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     sections = (("serve", serve_section),
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
+                ("serve_qwen3-8b", functools.partial(serve_section, plot="serve_qwen3-8b",
+                                                     title="Serving Qwen3-8B: the GPU device's decode steps")),
+                ("serve_linears", serve_linears_section),
                 ("serve_http", serve_http_section),
                 ("prefill", functools.partial(prefill_section, mixed=results.get("serve_qwen3-8b"))))
     for name, section in sections:

@@ -26,7 +26,8 @@ THREADS = 384                     # a producer warpgroup and two consumers
 TMA_ROWS = 64                     # linear_wgmma.cuh's Ring::TMA_ROWS: from this RN the rows come through TMA
 SPLIT_THREADS = 256
 MAX_PARTS = 4                     # linear_wgmma.cuh's: weights side by side in one launch
-STAGE_SPACE = 196608              # linear_wgmma.cuh's Ring: shared memory for the stages
+STAGE_SPACE = 196608              # linear_wgmma.cuh's: shared memory for a block's stages, one block an SM
+PAIRED_SPACE = 113664             # ... two blocks an SM (below the largest row tile: `resident`)
 MIN_STEPS = 4                     # k steps a split runs at least (its ring's pipeline needs a few)
 _NAMES = {bf16: "bf16", f16: "f16"}
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
@@ -37,24 +38,37 @@ def row_tile(rows: int) -> int:
     return next((rn for rn in ROW_TILES if rn >= rows), ROW_TILES[-1])
 
 
+def resident(rn: int) -> int:
+    """Blocks of row tile RN an SM holds (Ring<RN>::PAIRED): two below the largest row tile, where a step has
+    one row tile and the weights' bytes bound it, so that a linear's blocks (at most 2 x SMs: wgmma_splits)
+    run in one wave; one at the largest, whose steps' many row tiles are bound by the tensor cores."""
+    return 2 if rn < ROW_TILES[-1] else 1
+
+
+def _totals(rn: int) -> int:
+    """Ring<RN>::TOTAL_BYTES: the in-block splits' running sums, which only a step of several row tiles has."""
+    return 0 if resident(rn) == 2 else rn * FEATURES * 4
+
+
 def stages(rn: int) -> int:
-    """Ring<RN>::STAGES: the stages of a weight tile and the rows' tile that fit STAGE_SPACE beside the tile's
-    running sums (8 at most)."""
-    return min(8, (STAGE_SPACE - rn * FEATURES * 4) // (FEATURES * BK * 2 + rn * BK * 2))
+    """Ring<RN>::STAGES: the stages of a weight tile and the rows' tile that fit the block's share of shared
+    memory beside the tile's running sums (8 at most)."""
+    space = PAIRED_SPACE if resident(rn) == 2 else STAGE_SPACE
+    return min(8, (space - _totals(rn)) // (FEATURES * BK * 2 + rn * BK * 2))
 
 
 def smem_bytes(rn: int) -> int:
     """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, the tile's running sums and the slack that
     aligns them to 1024."""
-    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2) + 16 * stages(rn) + rn * FEATURES * 4 + 1024
+    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2) + 16 * stages(rn) + _totals(rn) + 1024
 
 
 def wgmma_splits(tiles: int, k: int, sms: int) -> int:
-    """The blocks over which a linear of `tiles` 128-column tiles splits k: enough for two blocks an SM at
-    one row tile, each at least MIN_STEPS of the 64-wide k steps (fewer where k is short), every split
-    non-empty; by the weights alone, never the rows."""
+    """The blocks over which a linear of `tiles` 128-column tiles splits k: as many as two blocks an SM hold
+    at one row tile (never more: the grid is one wave), each at least MIN_STEPS of the 64-wide k steps (fewer
+    where k is short), every split non-empty; by the weights alone, never the rows."""
     steps = -(-k // BK)
-    splits = max(1, min(-(-2 * sms // tiles), steps // MIN_STEPS))
+    splits = max(1, min(2 * sms // tiles, steps // MIN_STEPS))
     per = -(-steps // splits)
     return -(-steps // per)
 
@@ -78,7 +92,7 @@ def kernel_source() -> str:
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
     kernels = [f'extern "C" __global__ void round_rows_{d}({ctype}* rounded, const float* x, int k) '
                f"{{ mdsl::serve_tc::round_rows(rounded, x, k); }}\n" for d, ctype in _CTYPES.items()]
-    kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {kernel_name(d, rn)}(\n'
+    kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, {resident(rn)}) {kernel_name(d, rn)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
@@ -186,3 +200,36 @@ class WgmmaLinears:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         dev._check(dev._driver.cuLaunchKernel(self.functions[name], *grid, block, 1, 1, smem, dev._stream,
                                               ctypes.addressof(params), 0), f"launching {name}")
+
+
+class Standalone:
+    """What WgmmaLinears reads of the serving device, without one: the driver, a stream (`stream`, a CUDA
+    stream handle, else a new one), the step's row budget, the SMs, device arrays, and the split partials and
+    arrival counters that the `linears` [(k, [weight columns, ...]), ...] need at `rows` rows. The linear's
+    GPU test and its benchmark (benchmarks/serve_linears.py) run it on this."""
+
+    def __init__(self, rows: int, linears: list, stream: int = 0):
+        import types
+
+        from mdsl.gpu.arrays import DeviceArray
+        from mdsl.gpu.driver import check, cu_stream, driver, get_device
+        from mdsl.ir.dtypes import f32, i32
+
+        device = get_device(0)
+        self._driver, self._check, self._arrays = driver, check, []
+        self.sms = device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.shape = types.SimpleNamespace(max_tokens_per_step=rows)
+        self._stream = cu_stream(stream) if stream else check(driver.cuStreamCreate(0), "cuStreamCreate")
+        self._array_type = DeviceArray
+        partials, arrivals = scratch(linears, rows, self.sms)
+        self.partials = self._new_array(None, (partials,), f32)
+        self.linear_arrivals = self._new_array(None, (arrivals,), i32)
+
+    def _new_array(self, values, shape: tuple, dtype) -> int:
+        """A device array kept alive with this object (zeros where `values` is None); its address."""
+        d = self._driver
+        a = self._array_type.from_numpy(values, dtype) if values is not None else self._array_type(shape, dtype)
+        if values is None:
+            self._check(d.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
+        self._arrays.append(a)
+        return a.ptr

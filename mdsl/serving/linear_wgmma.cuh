@@ -36,6 +36,9 @@ constexpr int MAX_PARTS = 4;
 constexpr int FEATURES = 128;   // output columns a block: 64 a consumer warpgroup
 constexpr int BK = 64;          // k a stage: one 128-byte swizzled row of 16-bit values
 constexpr int THREADS = 384;
+constexpr int ROW_TILE_MAX = 128;     // the largest row tile (the host's ROW_TILES[-1])
+constexpr int STAGE_SPACE = 196608;   // shared memory for a block's stages, one block an SM
+constexpr int PAIRED_SPACE = 113664;  // ... two blocks an SM (each block's 1 KB reserve and alignment slack left)
 
 // the weights' tensor maps and where each weight's columns go: part i's columns are output columns
 // start[i] .. start[i + 1] - 1 and blocks (x) tile[i] .. tile[i + 1] - 1; tile[MAX_PARTS] is every tile's count
@@ -58,12 +61,15 @@ __device__ __forceinline__ void round_rows(W* rounded, const float* x, int k) {
 
 template <int RN> struct Ring {
   static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles loaded by TMA (else stored by the producer)
+  // below ROW_TILE_MAX rows a step holds one row tile, its weights' bytes bound it, and two blocks an SM keep
+  // its splits (2 x SMs blocks at most: the host's wgmma_splits) in one wave: half the shared memory each
+  static constexpr bool PAIRED = RN < ROW_TILE_MAX;
   static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
-  // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages: registers for them
-  // beside the accumulators would spill at RN = 128
-  static constexpr int TOTAL_BYTES = RN * FEATURES * 4;
-  static constexpr int FIT = (196608 - TOTAL_BYTES) / STAGE_BYTES;
+  // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages (registers for them
+  // beside the accumulators would spill at RN = 128); only a step of several row tiles runs splits in-block
+  static constexpr int TOTAL_BYTES = PAIRED ? 0 : RN * FEATURES * 4;
+  static constexpr int FIT = ((PAIRED ? PAIRED_SPACE : STAGE_SPACE) - TOTAL_BYTES) / STAGE_BYTES;
   static constexpr int STAGES = FIT < 8 ? FIT : 8;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + TOTAL_BYTES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
@@ -82,27 +88,45 @@ __device__ __forceinline__ void store_shared(unsigned address, uint4 v) {
                : "memory");
 }
 
-// by the producer warpgroup's 128 threads: rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63, rounded into an
-// RN x 64 tile of W: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's 128-byte swizzle
-// (k is a multiple of 32, so a chunk lies wholly inside or outside it)
-template <typename W, int RN>
-__device__ __forceinline__ void stage_rows(unsigned tile, const float* x, int r0, int rows, int k0, int k) {
-  for (int c = threadIdx.x; c < RN * 8; c += 128) {
-    const int r = c / 8, chunk = c % 8, kk = k0 + 8 * chunk;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (r0 + r < rows && kk < k) {
-      const float4* from = reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk);
-      const float4 a = from[0], b = from[1];
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    }
-    __align__(16) W h[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = from_float<W>(v[i]);
-    store_shared(tile + r * 128 + 16 * (chunk ^ (r % 8)), *reinterpret_cast<const uint4*>(h));
-  }
-  // the generic proxy's stores made visible to wgmma's reads (the async proxy) before the stage is full
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+__device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
 }
+
+// a producer thread's share of one stage's rows (RN x 64 values of x as float4s, float4 f of the tile to
+// thread f % 128: a warp's loads cover whole 128-byte lines, so that the blocks, which all read the same rows
+// at about the same time, ask the L2 for each line as few times as possible), loaded from memory a stage ahead
+// of its store, so that the load's latency passes while the producer waits for the stage to be free
+template <int RN> struct StagedRows {
+  static constexpr int VECS = RN * BK / 4, PER = (VECS + 127) / 128;
+  float4 v[PER];
+
+  // rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63 (zeros past the step's rows and past k: k is a multiple of
+  // 32, so a float4 lies wholly inside or outside it)
+  __device__ __forceinline__ void load(const float* x, int r0, int rows, int k0, int k) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int f = threadIdx.x + 128 * i, r = f / (BK / 4), kk = k0 + 4 * (f % (BK / 4));
+      v[i] = f < VECS && r0 + r < rows && kk < k
+                 ? *reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk)
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
+  // rounded to W into an RN x 64 tile: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's
+  // 128-byte swizzle; a float4 is half a chunk
+  template <typename W> __device__ __forceinline__ void store(unsigned tile) const {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int f = threadIdx.x + 128 * i, r = f / (BK / 4), q = f % (BK / 4);
+      if (f >= VECS) break;
+      __align__(8) W h[4] = {from_float<W>(v[i].x), from_float<W>(v[i].y), from_float<W>(v[i].z),
+                             from_float<W>(v[i].w)};
+      store_shared(tile + r * 128 + 16 * ((q / 2) ^ (r % 8)) + 8 * (q % 2), *reinterpret_cast<const uint2*>(h));
+    }
+    // the generic proxy's stores made visible to wgmma's reads (the async proxy) before the stage is full
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+};
 
 template <typename W, int RN>
 __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
@@ -159,14 +183,17 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       }
     }
   } else if (warpgroup == 0) {
+    StagedRows<RN> staged;
+    if (s0 < s1) staged.load(x, r0, rows, s0 * BK, k);
     for (int s = s0; s < s1; ++s) {
       barrier_wait(ring.empty(stage), phase ^ 1);
       if (threadIdx.x == 0) {
         barrier_expect_bytes(ring.full(stage), R::W_BYTES);
         tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
       }
-      stage_rows<W, RN>(ring.x_tile(stage), x, r0, rows, s * BK, k);
+      staged.template store<W>(ring.x_tile(stage));
       barrier_arrive(ring.full(stage));
+      if (s + 1 < s1) staged.load(x, r0, rows, (s + 1) * BK, k);
       if (++stage == R::STAGES) stage = 0, phase ^= 1;
     }
   } else {
@@ -244,22 +271,24 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   // the tile's RN x 128 sums as float4s of 4 columns, VECS / THREADS or so a thread: every load of one split
   // in flight before any is added (the splits one after another would wait out an L2 latency per value)
   constexpr int VECS = RN * FEATURES / 4, PER = (VECS + THREADS - 1) / THREADS;
+  constexpr int ROWS_APART = THREADS * 4 / FEATURES;   // between a thread's consecutive float4s
   const int width = parts.tile[MAX_PARTS] * FEATURES;
   const long long step = static_cast<long long>(rows) * width;
+  // thread t's i-th float4: row r0 + t / 32 + ROWS_APART i, columns 4 (t % 32) .. + 3 of the tile (recomputed
+  // where used: registers for every offset beside the sums spill at RN = 64)
+  const int r1 = r0 + threadIdx.x / (FEATURES / 4), cc = 4 * (threadIdx.x % (FEATURES / 4));
+  const float* const first = part + static_cast<long long>(r1) * width + blockIdx.y * FEATURES + cc;
+  auto held = [&](int i) { return threadIdx.x + i * THREADS < VECS && r1 + ROWS_APART * i < rows; };
+  auto at = [&](int i) { return static_cast<long long>(ROWS_APART * i) * width; };
   float4 total[PER];
-  long long from[PER];
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int e = threadIdx.x + i * THREADS, r = r0 + 4 * e / FEATURES;
-    from[i] = e < VECS && r < rows ? static_cast<long long>(r) * width + blockIdx.y * FEATURES + 4 * e % FEATURES : -1;
-    total[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + from[i])) : make_float4(0, 0, 0, 0);
-  }
+  for (int i = 0; i < PER; ++i)
+    total[i] = held(i) ? __ldcg(reinterpret_cast<const float4*>(first + at(i))) : make_float4(0, 0, 0, 0);
   for (int v = 1; v < splits; ++v) {
     float4 more[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i)
-      more[i] = from[i] >= 0 ? __ldcg(reinterpret_cast<const float4*>(part + v * step + from[i]))
-                             : make_float4(0, 0, 0, 0);
+      more[i] = held(i) ? __ldcg(reinterpret_cast<const float4*>(first + v * step + at(i))) : make_float4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       total[i].x += more[i].x;
@@ -270,8 +299,8 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   }
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    if (from[i] < 0) continue;
-    const int e = threadIdx.x + i * THREADS, r = r0 + 4 * e / FEATURES, cc = 4 * e % FEATURES;
+    if (!held(i)) continue;
+    const int r = r1 + ROWS_APART * i;
     const float sums[4] = {total[i].x, total[i].y, total[i].z, total[i].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -6,8 +6,6 @@ blocks of their own or one after another in one block (the batch invariance the 
 device promises, which rests on wgmma's sums not depending on the instruction's n)."""
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -20,35 +18,6 @@ def _hopper() -> bool:
     from mdsl.gpu.driver import get_device
 
     return get_device(0).capability == (9, 0)
-
-
-class _Device:
-    """What WgmmaLinears reads of the serving device: the driver, a stream, the step's row budget, the SMs,
-    device arrays, and the split partials and arrival counters."""
-
-    def __init__(self, rows: int, linears: list):
-        from mdsl.gpu.arrays import DeviceArray
-        from mdsl.gpu.driver import check, driver, get_device
-        from mdsl.ir.dtypes import f32, i32
-        from mdsl.serving.gpu_wgmma import scratch
-
-        get_device(0)
-        self._driver, self._check, self._arrays = driver, check, []
-        self.sms = get_device(0)._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        self.shape = types.SimpleNamespace(max_tokens_per_step=rows)
-        self._stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
-
-        def array(values, shape, dtype):
-            a = DeviceArray.from_numpy(values, dtype) if values is not None else DeviceArray(shape, dtype)
-            if values is None:
-                check(driver.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
-            self._arrays.append(a)
-            return a.ptr
-
-        self._new_array = array
-        partials, arrivals = scratch(linears, rows, self.sms)
-        self.partials = array(None, (partials,), f32)
-        self.linear_arrivals = array(None, (arrivals,), i32)
 
 
 def _operand(ptr, shape, dtype):
@@ -65,11 +34,11 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     from mdsl.gpu.driver import check, driver
     from mdsl.ir.dtypes import bf16, f32, round_to_dtype
-    from mdsl.serving.gpu_wgmma import WgmmaLinears, row_tile, split_blocks, wgmma_splits
+    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, row_tile, split_blocks, wgmma_splits
 
     rng = np.random.default_rng(k)
     max_rows = 256
-    dev = _Device(max_rows, [(k, sizes)])
+    dev = Standalone(max_rows, [(k, sizes)])
     linears = WgmmaLinears(dev, k)
     weights = [round_to_dtype(rng.standard_normal((n, k)).astype(np.float32), bf16) for n in sizes]
     w_ops = [_operand(dev._new_array(w, w.shape, bf16), w.shape, bf16) for w in weights]
