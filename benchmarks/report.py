@@ -23,8 +23,7 @@ table):
     docs/results/serve_megakernel.json
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
     docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a
-                                     --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json;
-                                     its mixed run goes with the time to first token)
+                                     --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/serve_linears.json  benchmarks/serve_linears.py --out DIR    (DIR/serve_linears.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
@@ -299,9 +298,9 @@ def serve_linears_section(data: dict) -> list:
     return lines
 
 
-def prefill_section(data: dict, mixed: Optional[dict] = None) -> list:
-    """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it; then,
-    from `mixed` (a benchmarks/serve.py run with part d), a long prompt read while requests decode."""
+def prefill_section(data: dict) -> list:
+    """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it (a long
+    prompt read while requests decode: the serving sections' mixed runs)."""
     rows = data.get("rows") or []
     device = rows[0]["device"] if rows else "gpu"
     repeats = len(rows[0]["runs_s"]) if rows else "?"
@@ -316,10 +315,6 @@ def prefill_section(data: dict, mixed: Optional[dict] = None) -> list:
              "causal attention's 4 x head_dim FLOP per query head and (query, key) pair (the weights' bytes over "
              "4.25 TB/s where that is more). Below, each layer op's time over the prompt's steps.", ""]
     lines += prefill_tables(data).splitlines() + [""]
-    if mixed and mixed.get("mixed"):
-        model = MODEL_NAMES.get(mixed.get("model"), mixed.get("model"))
-        lines += [run_line(mixed.get("meta")), "", f"On {model}'s shapes (its decode steps in the same file):", ""]
-        lines += mixed_lines(mixed["mixed"])
     return lines
 
 
@@ -913,7 +908,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                                                      title="Serving Qwen3-8B: the GPU device's decode steps")),
                 ("serve_linears", serve_linears_section),
                 ("serve_http", serve_http_section),
-                ("prefill", functools.partial(prefill_section, mixed=results.get("serve_qwen3-8b"))))
+                ("prefill", prefill_section))
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
