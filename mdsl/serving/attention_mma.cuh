@@ -140,17 +140,32 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
     };
     const int* table = page_table + (long long)entries[row0] * pages_per_request;
     // a step's keys and values into stage st: the split's keys from the pages, zeros elsewhere (past the head
-    // dim too), so a masked key's value is finite and its zero weight adds exactly zero
+    // dim too), so a masked key's value is finite and its zero weight adds exactly zero. Thread t copies
+    // 16-byte chunk t % 16 of keys t / 16, + 8, ..., + 56 of the block: its chunk is fixed and its keys' pages
+    // follow one from the next by adding 8 to an offset (no division a chunk), and it reads the page table
+    // for all of them before its first copy (the copies are the block's one round trip to memory)
+    constexpr int CHUNKS = AMMA_DIM / 8, KEY_STEP = ATT_THREADS / CHUNKS, PER = AMMA_KEYS / KEY_STEP;
+    static_assert(ATT_THREADS % CHUNKS == 0 && AMMA_KEYS % KEY_STEP == 0, "a thread's chunk is fixed");
+    const int ch = threadIdx.x % CHUNKS, key0 = threadIdx.x / CHUNKS;
+    const bool copies = ch < 2 * kd, inside = 8 * ch < dim;   // (the chunks past 2 kd: never read)
     auto load = [&](int2 step, int st) {
-      const int u = step.x, b = step.y, chunks = 2 * kd;   // (16-byte chunks of a key's row)
-      for (int c = threadIdx.x; c < AMMA_KEYS * chunks; c += ATT_THREADS) {
-        const int key = c / chunks, ch = c % chunks, j = b * AMMA_KEYS + key;
-        const bool live = j >= lo_key[u] && j < hi_key[u] && 8 * ch < dim;
-        const long long at =
-            live ? ((long long)table[j / page_size] * page_size + j % page_size) * stride + (long long)h * dim + 8 * ch
-                 : 0;
-        cp_async16(keys + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, k_pool + at, live);
-        cp_async16(values + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, v_pool + at, live);
+      const int u = step.x, j0 = step.y * AMMA_KEYS + key0;
+      if (copies) {
+        int page = j0 / page_size, offset = j0 - page * page_size;
+        long long at[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int j = j0 + KEY_STEP * i;
+          at[i] = inside && j >= lo_key[u] && j < hi_key[u] ? (long long)table[page] * page_size + offset : -1;
+          for (offset += KEY_STEP; offset >= page_size; offset -= page_size) ++page;
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int key = key0 + KEY_STEP * i;
+          const long long from = at[i] < 0 ? 0 : at[i] * stride + (long long)h * dim + 8 * ch;
+          cp_async16(keys + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, k_pool + from, at[i] >= 0);
+          cp_async16(values + st * AMMA_STAGE + key * AMMA_STRIDE + 8 * ch, v_pool + from, at[i] >= 0);
+        }
       }
       cp_async_commit();
     };
