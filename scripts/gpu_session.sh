@@ -14,6 +14,7 @@
 #      benchmark of the GPU and megakernel devices, and the HTTP load test;
 #   5b. (STAGES=gemm) benchmarks/gemm.py on GEMM_ARGS' shapes;
 #   5c. (STAGES=prefill) time to first token of the GPU serving device against PyTorch's forward pass;
+#   5d. (STAGES=linears) the GPU serving device's linears against their floors and cuBLAS;
 #   6. (STAGES=torchbench) torch.compile with the mdsl backend against Inductor, on the plans carried in .plans-torch;
 #   7. (STAGES="random call") random programs timed as a user calls them, on the plans carried in .plans-random
 #      (RANDOM_ARGS: the seed and count they were searched with), and the host time of a kernel call, on the
@@ -158,6 +159,11 @@ stage servehttp "${SERVE_HTTP_LIMIT:-400}" "$OUT/all/serve_http.log" $PY benchma
 # models by the GPU serving device and by transformers' forward pass; about 4 minutes
 stage prefill "${PREFILL_LIMIT:-360}" "$OUT/all/prefill.log" $PY benchmarks/prefill.py ${PREFILL_ARGS:-} \
     --out "$OUT/all/prefill"
+
+# (STAGES=linears) the GPU serving device's linears at the models' decode and prompt-chunk rows
+# (benchmarks/serve_linears.py); under a minute
+stage linears "${LINEARS_LIMIT:-150}" "$OUT/all/serve_linears.log" $PY benchmarks/serve_linears.py \
+    ${LINEARS_ARGS:---models qwen3-8b --rows 1,8,32,64,256} --out "$OUT/all/serve_linears"
 
 # (STAGES=gemm) the GEMM benchmark's contenders (torch.matmul, the Hopper wgmma GEMM, ...) on GEMM_ARGS' shapes
 stage gemm "${GEMM_LIMIT:-200}" "$OUT/all/gemm.log" $PY benchmarks/gemm.py \
