@@ -83,11 +83,6 @@ template <int RN> struct Ring {
   __device__ __forceinline__ unsigned totals() const { return base + STAGES * STAGE_BYTES + 16 * STAGES; }
 };
 
-__device__ __forceinline__ void store_shared(unsigned address, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
 __device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
 }
