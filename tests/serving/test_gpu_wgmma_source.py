@@ -103,3 +103,14 @@ def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_or_too_few_ti
         assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                      # a decode step
         assert G.split_blocks(tiles, 8, splits, H200_SMS) == (1 if 8 * tiles >= H200_SMS else splits)
     assert G.split_blocks(48, 2, 6, H200_SMS) == 6 and G.split_blocks(192, 2, 2, H200_SMS) == 1
+
+
+def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
+    # a ring of two blocks an SM has no room for the in-block splits' running sums (Ring::TOTAL_BYTES = 0): the
+    # host must never ask a paired row tile for them
+    for rows in (1, 8, 9, 32, 33, 64, 65, 128, 129, 256, 512):
+        rn = G.row_tile(rows)
+        for tiles, k in ((1, 64), (32, 4096), (48, 4096), (192, 4096), (32, 12288), (1187, 4096)):
+            splits = G.wgmma_splits(tiles, k, H200_SMS)
+            if splits > 1 and G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) == 1:
+                assert G.resident(rn) == 1 and G._totals(rn) == rn * G.FEATURES * 4, (rows, tiles, k)
