@@ -279,8 +279,8 @@ def serve_linears_section(data: dict) -> list:
     lines = ["## Serving: the GPU device's linears", "", run_line(data.get("meta")), "",
              "µs per launch of the GPU serving device's linear (`mdsl.serving.gpu_wgmma`: wgmma, the weights by TMA, "
              "the step's rows as the n of the instruction) for each linear of a layer (q|k|v and gate|up side by side "
-             "in one launch, o and down with the residual added) and the LM head, at a step's row count (decode "
-             "steps of 1 to 64 requests, prompt chunks of 128 and 256 tokens), each launch's output checked against "
+             "in one launch, o and down with the residual added) and the LM head, at each of the run's row counts (a "
+             "decode step's requests, a prompt chunk's tokens), each launch's output checked against "
              "float64 first; the launches replayed from a CUDA graph, weights rotated past twice the L2 "
              "(`benchmarks/serve_linears.py`); blocks: the launch's grid. Floor: the bf16 weights and the float32 "
              "rows in and out over 4.25 TB/s, or the products over 750 TFLOP/s; torch: `torch.nn.functional.linear` "
