@@ -67,7 +67,7 @@ def bench_model(torch, name: str, config: dict, rows_list: list, samples: int) -
     from mdsl.gpu.driver import l2_bytes
     from mdsl.ir.dtypes import bf16, f32
     from mdsl.serving.gpu import Operand
-    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, row_tile, split_blocks, tiles_of, wgmma_splits
+    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, launch_grid, row_tile
 
     linears = layer_linears(config)
     most = max(rows_list)
@@ -99,12 +99,10 @@ def bench_model(torch, name: str, config: dict, rows_list: list, samples: int) -
             torch.cuda.synchronize()
             want = xb[:rows].double() @ joined[0].double().T + (residual[:rows].double() if with_residual else 0)
             error = (out[:rows].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+            grid, splits = launch_grid(rows, sizes, k, dev.sms)
             row = {"model": name, "op": op, "rows": rows, "k": k, "n": n, "residual": with_residual,
                    "floor_us": floor_us(rows, k, n, with_residual), "error": error,
-                   "row_tile": row_tile(rows), "splits": wgmma_splits(tiles_of(sizes), k, dev.sms),
-                   "blocks": tiles_of(sizes) * split_blocks(tiles_of(sizes), -(-rows // row_tile(rows)),
-                                                           wgmma_splits(tiles_of(sizes), k, dev.sms), dev.sms)
-                   * -(-rows // row_tile(rows))}
+                   "row_tile": row_tile(rows), "splits": splits, "blocks": grid[0] * grid[1] * grid[2]}
             if error > 1e-4:
                 row["failed"] = f"max error {error:.2e} of the largest value (float64 on the rounded rows)"
             else:

@@ -323,8 +323,7 @@ def run_block_graph(bg: BlockGraph, inputs: Sequence, sem: Semantics) -> list:
     # views of the fresh (contiguous) outputs: writing through them writes the outputs
     writes = [_grid_view(out, t.shape, o.omap, bg.grid) for out, t, o in zip(outputs, plan.out_types, bg.outputs)]
     blocks = np.array(plan.blocks, dtype=np.intp).reshape(-1, 3)
-    fold = getattr(sem, "fold", None)
-    folded = [fold is not None and fold(node) is not None for node in plan.accumulators]
+    folded = [sem.fold(node) is not None for node in plan.accumulators]
     step = plan.chunk(folded)
     for start in range(0, len(blocks), step):
         chunk = blocks[start:start + step]

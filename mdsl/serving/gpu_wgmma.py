@@ -81,6 +81,14 @@ def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
     return splits if row_tiles == 1 or tiles * row_tiles < sms else 1
 
 
+def launch_grid(rows: int, sizes: list, k: int, sms: int) -> tuple:
+    """((row tiles, weight tiles, split blocks), k splits) of a launch over `rows` rows of weights of `sizes`
+    columns side by side, with k wide inputs."""
+    tiles, rn = tiles_of(sizes), row_tile(rows)
+    splits, row_tiles = wgmma_splits(tiles, k, sms), -(-rows // rn)
+    return (row_tiles, tiles, split_blocks(tiles, row_tiles, splits, sms)), splits
+
+
 def kernel_name(dtype: str, rn: int) -> str:
     return f"linear_wgmma_{dtype}_{rn}"
 
@@ -173,7 +181,6 @@ class WgmmaLinears:
         k = x.width
         rn = row_tile(rows)
         sizes = [int(w.shape[0]) for w in weights]
-        tiles = tiles_of(sizes)
         maps = (ctypes.c_ubyte * (128 * MAX_PARTS))()
         for i, w in enumerate(weights):
             ctypes.memmove(ctypes.addressof(maps) + 128 * i,
@@ -188,12 +195,11 @@ class WgmmaLinears:
         parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(sizes)),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative([-(-n // FEATURES) for n in sizes])),
                        len(weights))
-        splits, row_tiles = wgmma_splits(tiles, k, dev.sms), -(-rows // rn)
+        grid, splits = launch_grid(rows, sizes, k, dev.sms)
         args = [maps, rounded, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
                 parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits))]
-        self._launch(kernel_name(name, rn), (row_tiles, tiles, split_blocks(tiles, row_tiles, splits, dev.sms)),
-                     THREADS, smem_bytes(rn), args)
+        self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:
         dev = self.device
@@ -211,7 +217,6 @@ class Standalone:
     def __init__(self, rows: int, linears: list, stream: int = 0):
         import types
 
-        from mdsl.gpu.arrays import DeviceArray
         from mdsl.gpu.driver import check, cu_stream, driver, get_device
         from mdsl.ir.dtypes import f32, i32
 
@@ -220,16 +225,16 @@ class Standalone:
         self.sms = device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.shape = types.SimpleNamespace(max_tokens_per_step=rows)
         self._stream = cu_stream(stream) if stream else check(driver.cuStreamCreate(0), "cuStreamCreate")
-        self._array_type = DeviceArray
         partials, arrivals = scratch(linears, rows, self.sms)
         self.partials = self._new_array(None, (partials,), f32)
         self.linear_arrivals = self._new_array(None, (arrivals,), i32)
 
     def _new_array(self, values, shape: tuple, dtype) -> int:
         """A device array kept alive with this object (zeros where `values` is None); its address."""
-        d = self._driver
-        a = self._array_type.from_numpy(values, dtype) if values is not None else self._array_type(shape, dtype)
+        from mdsl.gpu.arrays import DeviceArray
+
+        a = DeviceArray.from_numpy(values, dtype) if values is not None else DeviceArray(shape, dtype)
         if values is None:
-            self._check(d.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
+            self._check(self._driver.cuMemsetD8(a.ptr, 0, max(1, a.nbytes)), "cuMemsetD8")
         self._arrays.append(a)
         return a.ptr

@@ -114,3 +114,13 @@ def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
             splits = G.wgmma_splits(tiles, k, H200_SMS)
             if splits > 1 and G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) == 1:
                 assert G.resident(rn) == 1 and G._totals(rn) == rn * G.FEATURES * 4, (rows, tiles, k)
+
+
+@pytest.mark.parametrize("rows,k,sizes,grid,splits", [
+    (1, 4096, [4096, 1024, 1024], (1, 48, 5), 5),            # Qwen3-8B's q|k|v at a decode step: one wave
+    (1, 4096, [12288, 12288], (1, 192, 1), 1),               # gate|up: its tiles fill the wave alone
+    (256, 4096, [4096, 1024, 1024], (2, 48, 5), 5),          # two row tiles, too few to fill the SMs: grid splits
+    (256, 1024, [4096, 4096, 2048], (2, 80, 1), 3),          # ... enough: the splits in the tile's block
+])
+def test_a_launchs_grid_is_row_tiles_by_weight_tiles_by_split_blocks(rows, k, sizes, grid, splits):
+    assert G.launch_grid(rows, sizes, k, H200_SMS) == (grid, splits)

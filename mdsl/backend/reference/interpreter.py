@@ -76,6 +76,11 @@ class FloatSemantics:
     def accumulate(self, node: Node, iterations: list) -> list:
         return node.opdef.reference(iterations, node.attr_dict)
 
+    def fold(self, node: Node) -> None:
+        """No running form: the reference accumulates every iteration's inputs at once (its float sums in
+        the reference's own order)."""
+        return None
+
     def empty(self, type_: TensorType) -> np.ndarray:
         return np.full(type_.shape, np.nan, dtype=self.ftype)  # NaN poison: an unwritten element shows
 
