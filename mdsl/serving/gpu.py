@@ -52,9 +52,11 @@ GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head
 MMA_DIM = 128                    # attention_mma.cuh: head dims (a multiple of 8) up to AMMA_DIM ...
 MMA_GROUPS = (1, 2, 4, 8, 16)    # ... query heads per KV head (dividing its 64 M rows) ...
 MMA_ROWS = 64                    # ... the (row, query head) pairs of a tile (AMMA_ROWS) ...
-MMA_SMEM = 69632                 # ... its shared memory (AMMA_SMEM) ...
+MMA_SMEM = 69632                 # ... its shared memory (AMMA_SMEM; a solo tile's kernel AMMA_SOLO_SMEM) ...
+MMA_SOLO_SMEM = 98304
 MMA_SPLIT_KEYS = 128             # ... a split's keys where the range allows (AMMA_SPLIT_KEYS) ...
-MMA_UNIT = 8                     # ... and the most splits of an item (AMMA_UNIT)
+MMA_UNIT = 8                     # ... the most splits of an item (AMMA_UNIT) ...
+MMA_TILE_WARPS = 4               # ... and its warps (AMMA_WARPS)
 SPLIT_KEYS = 64                  # attention: a split's keys where the range allows (step_kernels.cu's ATT_SPLIT_KEYS)
 MAX_SPLITS = 64                  # ... and the most splits of a row's range (its ATT_MAX_SPLITS, which says why 64)
 HEADS_PER_BLOCK = 8              # head_rms_norm, head_norm_rope: one warp a head (NORM_ROPE_WARPS)
@@ -338,29 +340,61 @@ def attention_tiles(positions: np.ndarray, starts: np.ndarray, counts: np.ndarra
     return first, size, splits
 
 
-def attention_items(tiles: tuple, unit: int = 1) -> np.ndarray:
+def attention_items(tiles: tuple, unit=1) -> np.ndarray:
     """attention_mma's work of a step from its tiles (attention_tiles): (first row, rows, first split, end
-    split) per item, int32 [items, 4], `unit` consecutive splits of a tile an item (fewer in its last)."""
+    split) per item, int32 [items, 4], `unit` consecutive splits of a tile an item (fewer in its last); `unit`
+    is one count for every tile or an array of one per tile."""
     first, size, splits = tiles
+    unit = np.broadcast_to(np.asarray(unit, np.int64), np.shape(first))
     groups = -(-splits // unit)
     tile = np.repeat(np.arange(len(first)), groups)
-    s = unit * (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
-    return np.stack([first[tile], size[tile], s, np.minimum(s + unit, splits[tile])], axis=1).astype(np.int32)
+    s = unit[tile] * (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
+    return np.stack([first[tile], size[tile], s, np.minimum(s + unit[tile], splits[tile])], axis=1).astype(np.int32)
 
 
 def item_unit(splits: int, kv_heads: int, grid: int) -> int:
-    """The splits an item takes (attention_items' unit) for a step of `splits` tile splits: as many as leave
-    about two items a block of the persistent grid, from 1 to MMA_UNIT."""
+    """The splits an item of a shared tile takes (attention_items' unit) for a step of `splits` tile splits:
+    as many as leave about two items a block of the persistent grid, from 1 to MMA_UNIT."""
     return int(min(MMA_UNIT, max(1, splits * kv_heads // (2 * grid))))
 
 
+def solo(size, tile: int):
+    """Whether tiles of `size` rows (of at most `tile`) can run solo (attention_solo): their M rows one
+    warp's, rows at most a quarter of a tile (a decode row, a short chunk)."""
+    return MMA_TILE_WARPS * np.asarray(size, np.int64) <= tile
+
+
+def solo_tiles(tiles: tuple, tile: int, kv_heads: int, grid: int) -> np.ndarray:
+    """Which of a step's tiles run solo: those that can, where their splits (times the KV heads) outnumber
+    the grid's blocks. Fewer take a block each in attention_mma (each split's keys loaded by the block's four
+    warps, a block ahead) rather than a warp each; either way a split's arithmetic is the same."""
+    first, size, splits = tiles
+    can = solo(size, tile)
+    return can & (int(np.sum(splits[can])) * kv_heads > grid)
+
+
+def tile_units(tiles: tuple, tile: int, kv_heads: int, grid: int) -> np.ndarray:
+    """The splits of each of a step's tiles an item takes. A solo tile's run one a warp of the block: as many
+    as spread the step's solo splits over the grid, up to its MMA_TILE_WARPS warps. A shared tile: item_unit's
+    count."""
+    first, size, splits = tiles
+    alone = solo_tiles(tiles, tile, kv_heads, grid)
+    spread = -(-int(np.sum(splits[alone])) * kv_heads // grid)
+    return np.where(alone, min(MMA_TILE_WARPS, max(1, spread)), item_unit(int(np.sum(splits)), kv_heads, grid))
+
+
 def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int, kv_heads: int,
-               grid: int) -> np.ndarray:
-    """attention_mma's items of a step of rows at `positions` in `chunks` (the scheduler's records: each
-    chunk's first row and row count), for tiles of `tile` rows, a sliding `window` (0: none), `kv_heads` KV
-    heads and a persistent grid of `grid` blocks."""
+               grid: int) -> tuple:
+    """(items, solo items) of attention's kernels for a step of rows at `positions` in `chunks` (the
+    scheduler's records: each chunk's first row and row count), for tiles of `tile` rows, a sliding `window`
+    (0: none), `kv_heads` KV heads and a persistent grid of `grid` blocks: the solo tiles' items first
+    (attention_solo's), then the shared tiles' (attention_mma's)."""
     tiles = attention_tiles(positions, chunks["row"], chunks["count"], tile, window)
-    return attention_items(tiles, item_unit(int(tiles[2].sum()), kv_heads, grid))
+    alone = solo_tiles(tiles, tile, kv_heads, grid)
+    units = tile_units(tiles, tile, kv_heads, grid)
+    items = attention_items(tiles, units)
+    routed = np.repeat(alone, -(-tiles[2] // units))   # (attention_items' items of each tile, in tile order)
+    return np.concatenate([items[routed], items[~routed]]), int(routed.sum())
 
 
 def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
@@ -387,10 +421,12 @@ def _attention(xs, outs, a, b):
              ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), scale, softcap, *_ints(window)]
     partials = ctypes.c_void_p(dev.attention_partials)
     if on_tensor_cores(a, k_pool.dtype, dev.arch):
-        items, count, _ = dev.attention_work[(tile_rows(a), window, hkv)]
-        dev.launch(kernel, (dev.attention_grid,), ATTENTION_THREADS,
-                   [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(count), *_ints(blocks)],
-                   smem=MMA_SMEM)
+        # the solo tiles' items (ranges[0] .. ranges[1]) and the shared tiles' (ranges[1] .. ranges[2])
+        items, ranges, _ = dev.attention_work[(tile_rows(a), window, hkv)]
+        for name, at, smem in ((kernel.replace("_mma_", "_solo_"), 0, MMA_SOLO_SMEM), (kernel, 4, MMA_SMEM)):
+            dev.launch(name, (dev.attention_grid,), ATTENTION_THREADS,
+                       [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(ranges + at),
+                        *_ints(blocks)], smem=smem)
         dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
                    [_p(outs[0]), partials, ctypes.c_void_p(b.positions), *_ints(hq, d, window, blocks)])
     else:
@@ -553,13 +589,14 @@ class GpuDevice(CpuDevice):
             key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
             if on_tensor_cores(a, self.kv_dtype, self.arch) and key not in self.attention_work:
                 most = most_items(a, rows, shape.max_batch, shape.max_seq)
-                self.attention_work[key] = (array(None, (most, 4), i32), array(None, (1,), i32), most)
+                self.attention_work[key] = (array(None, (most, 4), i32), array(None, (3,), i32), most)
         self.attention_partials = array(None, (attention_partials(heads, rows, shape.max_seq),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
-        # the persistent grid: the blocks an SM holds (every attention_mma kernel's registers and shared memory
-        # are alike) times the SMs
-        self.attention_grid = self.sms * self._blocks_per_sm(
-            f"attention_mma_{MMA_GROUPS[-1]}_bf16", ATTENTION_THREADS, MMA_SMEM) if self.attention_work else 1
+        # the persistent grid: the blocks an SM holds (of each G alike; the fewer of attention_mma and
+        # attention_solo) times the SMs
+        self.attention_grid = self.sms * min(
+            self._blocks_per_sm(f"attention_{kind}_{MMA_GROUPS[-1]}_bf16", ATTENTION_THREADS, smem)
+            for kind, smem in (("mma", MMA_SMEM), ("solo", MMA_SOLO_SMEM))) if self.attention_work else 1
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
@@ -675,10 +712,10 @@ class GpuDevice(CpuDevice):
         self._upload(self._page_table, self.state["page_table"])
         self._upload(self._keep, keep)
         for (tile, window, kv_heads), (items, count, most) in self.attention_work.items():
-            work = step_items(rows["position"], chunks, tile, window, kv_heads, self.attention_grid)
+            work, alone = step_items(rows["position"], chunks, tile, window, kv_heads, self.attention_grid)
             assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
             self._upload(items, work)
-            self._upload(count, np.array([len(work)]))
+            self._upload(count, np.array([0, alone, len(work)], np.int32))
         key = (n, len(keep))
         graph = self._graphs.get(key)
         profile = self._profile   # (read once: profile_ops, on the host's thread, may stop it meanwhile)

@@ -76,9 +76,11 @@ def wgmma_splits(tiles: int, k: int, sms: int) -> int:
 def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
     """The grid's blocks a tile's k splits run in: one each (the tile's last block adds their partials) at one
     row tile, where the weights' bytes bound the step and the splits spread them over the SMs, or while the
-    step's tiles are fewer than the SMs; else 1, the splits one after another in the tile's block (no partials
-    to write and read back: the same additions in the same order, so the same bits)."""
-    return splits if row_tiles == 1 or tiles * row_tiles < sms else 1
+    step's tiles fill at most half the SMs (the splits at least double the blocks at work); else 1, the
+    splits one after another in the tile's block (no partials to write and read back: the same additions in
+    the same order, so the same bits). Between half and all of the SMs, writing and folding the partials
+    costs more than the idle SMs (as Qwen3-8B's q|k|v at 256 rows: 96 tiles; docs/tried.md)."""
+    return splits if row_tiles == 1 or 2 * tiles * row_tiles <= sms else 1
 
 
 def launch_grid(rows: int, sizes: list, k: int, sms: int) -> tuple:

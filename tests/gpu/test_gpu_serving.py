@@ -42,12 +42,17 @@ def checkpoints(tmp_path_factory) -> dict:
     return Checkpoints(tmp_path_factory)
 
 
-def served(folder: str, device: str, arrivals: dict, capture: bool = True, **kwargs) -> tuple:
+def served(folder: str, device: str, arrivals: dict, capture: bool = True, attention_grid: int = 0,
+           **kwargs) -> tuple:
     """(key -> RequestOutput, key -> {position: [logits rows]}, peak running) of `arrivals` driven step by step
-    (on the GPU, with steps replayed as CUDA graphs or not: none fails to capture)."""
+    (on the GPU, with steps replayed as CUDA graphs or not: none fails to capture). `attention_grid`: the
+    tensor-core attention's persistent grid in place of the GPU's (a few blocks, so that a step's decode
+    rows outnumber them and run solo: attention_solo)."""
     with LLM(folder, device=device, **kwargs) as llm:
         llm.device.record_logits = True
         llm.device.capture = capture
+        if attention_grid:
+            llm.device.attention_grid = attention_grid
         handles = drive(llm, arrivals)
         outputs = {k: h.result() for k, h in handles.items()}
         logits = {k: llm.device.logits.pop(out.request_id) for k, out in outputs.items()}
@@ -189,12 +194,14 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
 
 def chunked_runs(folder: str, prompts: list, params: list, seed: int, steps: int) -> dict:
     """max_tokens_per_step -> served(...) of the requests arriving at random steps below `steps` (another
-    arrival order for each budget), at budgets of 256, 64, 7 and 1 tokens a step."""
+    arrival order for each budget), at budgets of 256, 64, 7 and 1 tokens a step; at 7 and 1 on a tensor-core
+    attention grid of 2 blocks, so that its decode rows and short chunks run solo (one split a warp) where the
+    others' run in a block each."""
     runs = {}
     for k, budget in enumerate((256, 64, 7, 1)):
         arrivals = arrivals_of(np.random.default_rng(seed + k), prompts, params, steps)
         runs[budget] = served(folder, "gpu", arrivals, max_batch=len(prompts), page_size=16,
-                              max_tokens_per_step=budget)
+                              max_tokens_per_step=budget, attention_grid=2 if budget < 64 else 0)
     return runs
 
 

@@ -26,7 +26,8 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
                  for s in ("f32", "bf16", "f16")}   # (pools of each dtype)
-    expected |= {f"attention_mma_{g}_{s}" for g in MMA_GROUPS for s in ("bf16", "f16")}   # (16-bit pools)
+    expected |= {f"attention_{kind}_{g}_{s}" for kind in ("mma", "solo") for g in MMA_GROUPS
+                 for s in ("bf16", "f16")}   # (16-bit pools)
     expected |= {f"attention_fold_{g}" for g in MMA_GROUPS}
     expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
     assert set(resources) == expected
@@ -140,16 +141,19 @@ def test_the_kernels_split_constants_are_the_hosts():
 def test_the_tensor_core_attentions_constants_are_the_hosts():
     import re
 
-    from mdsl.serving.gpu import MMA_DIM, MMA_ROWS, MMA_SMEM, MMA_SPLIT_KEYS, MMA_UNIT
+    from mdsl.serving.gpu import MMA_DIM, MMA_ROWS, MMA_SMEM, MMA_SOLO_SMEM, MMA_SPLIT_KEYS, MMA_TILE_WARPS, \
+        MMA_UNIT
 
     source = kernel_source()
 
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+)", source).group(1))
 
-    assert 16 * constant("AMMA_WARPS") == MMA_ROWS and constant("AMMA_DIM") == MMA_DIM
+    assert 16 * constant("AMMA_WARPS") == MMA_ROWS and constant("AMMA_WARPS") == MMA_TILE_WARPS
+    assert constant("AMMA_DIM") == MMA_DIM
     keys, stride = constant("AMMA_KEYS"), MMA_DIM + 8
     assert MMA_SMEM == 2 * 2 * keys * stride * 2   # keys and values, two stages, 16-bit
+    assert MMA_SOLO_SMEM == MMA_TILE_WARPS * constant("AMMA_RING") * keys * 64 * 2   # a ring of halves a warp
     assert constant("AMMA_SPLIT_KEYS") == MMA_SPLIT_KEYS and constant("AMMA_UNIT") == MMA_UNIT
 
 
@@ -193,6 +197,40 @@ def test_attention_items_give_every_row_each_of_its_splits_once_within_the_bound
             assert set(range(attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1])) <= splits, r
 
 
+def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_and_come_first():
+    """A tile whose M rows fit one warp (a decode row; rows x query heads a KV head <= 16) runs solo, one
+    split a warp, where the step's such splits (times the KV heads) outnumber the grid's blocks: its items
+    hold as many splits as spread them over the grid, up to the block's MMA_TILE_WARPS warps. Otherwise, and
+    for a wider tile (a prompt chunk), items of item_unit's count. The solo tiles' items come first
+    (attention_solo's, then attention_mma's)."""
+    from mdsl.serving.gpu import MMA_TILE_WARPS, attention_items, attention_tiles, item_unit, step_items, \
+        tile_rows, tile_units
+
+    a = {"q_heads": 8, "kv_heads": 2}                      # 4 query heads a KV head: tiles of 16 rows
+    tile = tile_rows(a)
+    # a decode row at position 1000 (8 splits of 128 keys), a 4-row chunk (solo) and a 40-row chunk (shared)
+    positions = np.concatenate([[1000], np.arange(496, 500), np.arange(900, 940)])
+    starts, counts = np.array([0, 1, 5]), np.array([1, 4, 40])
+    chunks = np.zeros(3, [("row", np.int64), ("count", np.int64)])
+    chunks["row"], chunks["count"] = starts, counts
+    tiles = attention_tiles(positions, starts, counts, tile, 0)
+    assert tiles[1].tolist() == [1, 4, 16, 16, 8] and tiles[2].tolist() == [8, 4, 8, 8, 8]
+    # 12 solo splits x 2 KV heads: 6 a block of a grid of 4, so the block's 4 warps; 3 on a grid of 8; on a
+    # grid of 24 or more blocks, a block each in attention_mma
+    for grid, spread in ((4, MMA_TILE_WARPS), (8, 3), (23, 2), (24, None), (100, None)):
+        shared = item_unit(int(tiles[2].sum()), a["kv_heads"], grid)
+        units = tile_units(tiles, tile, a["kv_heads"], grid)
+        assert units.tolist() == [spread or shared] * 2 + [shared] * 3, grid
+        items = attention_items(tiles, units)
+        ordered, alone = step_items(positions, chunks, tile, 0, a["kv_heads"], grid)
+        assert sorted(map(tuple, ordered.tolist())) == sorted(map(tuple, items.tolist()))
+        assert alone == (0 if spread is None else len(items[items[:, 1] <= 4]))
+        assert max(ordered[:alone, 1], default=0) <= 4 and min(ordered[alone:, 1]) > 4 if spread else alone == 0
+    decode = attention_items(tiles, tile_units(tiles, tile, a["kv_heads"], 4))
+    decode = decode[decode[:, 0] == 0]
+    assert decode[:, 2].tolist() == [0, 4] and decode[:, 3].tolist() == [4, 8]
+
+
 def test_attention_runs_on_tensor_cores_for_16_bit_pools_of_head_dims_up_to_128_from_sm_80():
     from mdsl.ir.dtypes import bf16, f16, f32
     from mdsl.serving.gpu import _attention_kernel, on_tensor_cores
@@ -228,7 +266,9 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
     def checked(self, step, chunks, rows):
         for a in attention_heads(self.nodes):
             window = a.get("window", 0)
-            items = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
+            items, alone = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
+            can = 4 * items[:, 1] <= tile_rows(a)   # (solo tiles first, or none solo)
+            assert can[:alone].all() and (alone == 0 or not can[alone:].any())
             assert len(items) <= most_items(a, self.shape.max_tokens_per_step, self.shape.max_batch,
                                             self.shape.max_seq)
             chunk_of = np.repeat(np.arange(len(chunks)), chunks["count"])

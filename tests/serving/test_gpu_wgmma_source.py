@@ -96,13 +96,15 @@ def test_the_scratch_covers_the_partials_and_arrivals_of_the_largest_step():
     assert partials == max(qkv, down) and arrivals == 2 * 48
 
 
-def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_or_too_few_tiles_else_in_one_block():
+def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_or_few_tiles_else_in_one_block():
     # (8B's o, qkv and gate|up projections: 32, 48 and 192 tiles, k 4096)
     for tiles in (32, 48, 192):
         splits = G.wgmma_splits(tiles, 4096, H200_SMS)
         assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                      # a decode step
-        assert G.split_blocks(tiles, 8, splits, H200_SMS) == (1 if 8 * tiles >= H200_SMS else splits)
-    assert G.split_blocks(48, 2, 6, H200_SMS) == 6 and G.split_blocks(192, 2, 2, H200_SMS) == 1
+        assert G.split_blocks(tiles, 8, splits, H200_SMS) == (1 if 2 * 8 * tiles > H200_SMS else splits)
+    # at 256 rows (two row tiles): o's 64 tiles fill under half the SMs, q|k|v's 96 more
+    assert G.split_blocks(32, 2, 8, H200_SMS) == 8 and G.split_blocks(48, 2, 5, H200_SMS) == 1
+    assert G.split_blocks(192, 2, 2, H200_SMS) == 1 and G.split_blocks(66, 1, 4, H200_SMS) == 4
 
 
 def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
@@ -119,7 +121,8 @@ def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
 @pytest.mark.parametrize("rows,k,sizes,grid,splits", [
     (1, 4096, [4096, 1024, 1024], (1, 48, 5), 5),            # Qwen3-8B's q|k|v at a decode step: one wave
     (1, 4096, [12288, 12288], (1, 192, 1), 1),               # gate|up: its tiles fill the wave alone
-    (256, 4096, [4096, 1024, 1024], (2, 48, 5), 5),          # two row tiles, too few to fill the SMs: grid splits
+    (256, 4096, [4096, 1024, 1024], (2, 48, 1), 5),          # two row tiles, over half the SMs: in the block
+    (256, 4096, [4096], (2, 32, 8), 8),                      # o's: half the SMs or fewer: grid splits
     (256, 1024, [4096, 4096, 2048], (2, 80, 1), 3),          # ... enough: the splits in the tile's block
 ])
 def test_a_launchs_grid_is_row_tiles_by_weight_tiles_by_split_blocks(rows, k, sizes, grid, splits):
