@@ -26,6 +26,8 @@ table):
                                      --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/serve_linears.json  benchmarks/serve_linears.py --out DIR    (DIR/serve_linears.json)
+    docs/results/serve_linears_prefill.json
+                                     benchmarks/serve_linears.py --rows 256,512 --out DIR  (DIR/serve_linears.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
@@ -63,7 +65,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
-            "decode_moe", "prefill", "serve_linears")
+            "decode_moe", "prefill", "serve_linears", "serve_linears_prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -274,9 +276,9 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     return lines
 
 
-def serve_linears_section(data: dict) -> list:
+def serve_linears_section(data: dict, title: str = "Serving: the GPU device's linears") -> list:
     """The GPU serving device's linears on their own, by model, layer op and row count."""
-    lines = ["## Serving: the GPU device's linears", "", run_line(data.get("meta")), "",
+    lines = [f"## {title}", "", run_line(data.get("meta")), "",
              "µs per launch of the GPU serving device's linear (`mdsl.serving.gpu_wgmma`: wgmma, the weights by TMA, "
              "the step's rows as the n of the instruction) for each linear of a layer (q|k|v and gate|up side by side "
              "in one launch, o and down with the residual added) and the LM head, at each of the run's row counts (a "
@@ -907,6 +909,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                 ("serve_qwen3-8b", functools.partial(serve_section, plot="serve_qwen3-8b",
                                                      title="Serving Qwen3-8B: the GPU device's decode steps")),
                 ("serve_linears", serve_linears_section),
+                ("serve_linears_prefill", functools.partial(
+                    serve_linears_section, title="Serving: the GPU device's linears at a prompt chunk's rows")),
                 ("serve_http", serve_http_section),
                 ("prefill", prefill_section))
     for name, section in sections:

@@ -38,7 +38,7 @@ def spans(text: str) -> list:
 def test_performance_md_is_what_the_report_writes():
     expected = report.render()
     assert (ROOT / "docs" / "performance.md").read_text() == expected, "run: python benchmarks/report.py"
-    assert expected.count("\n") < 460
+    assert expected.count("\n") < 500
 
 
 def test_every_benchmark_has_its_results_and_each_table_names_its_run():
