@@ -22,12 +22,13 @@
 // The items of a step come from the host (mdsl/serving/gpu.py attention_items): a tile and up to AMMA_UNIT of
 // its consecutive splits; the grid is persistent, each block taking items x KV heads in turn, so a step's
 // launch size never depends on its rows' positions. A tile whose M rows fill one warp at most (a decode row,
-// a chunk of a few rows) runs solo: each warp takes its own splits of the item, one block of keys and then
-// its values at a time in its own quarter of the shared memory, so the four warps stream four splits at once
-// (such a tile's items hold AMMA_WARPS splits). A wider tile runs shared: its warps take its M rows, and the
-// item's splits are taken one after another, every block of keys and values loaded once for all of them,
-// the next loading while a block runs (across the splits' boundaries too). How splits are grouped into
-// items, and which warp runs one, changes where a split is computed, never what it computes.
+// a chunk of a few rows) can run solo (attention_solo, where the host sends it: gpu.py solo_tiles): each warp
+// takes its own split of the item (up to AMMA_WARPS splits an item), streaming the halves of a block's keys
+// and then of its values through a ring in its own quarter of the shared memory, so the four warps read
+// four splits at once. Any tile can run shared (attention_mma): its warps take its M rows, and the item's
+// splits are taken one after another, every block of keys and values loaded once for all of them, the next
+// loading while a block runs (across the splits' boundaries too). How splits are grouped into items, and
+// which kernel and warp run one, changes where a split is computed, never what it computes.
 
 namespace serve {
 
@@ -92,7 +93,7 @@ __device__ __forceinline__ void split2(float a, float b, unsigned& hi, unsigned&
 // zeros elsewhere (past the head dim too), so a masked key's value is finite and its zero weight adds exactly
 // zero. Thread idx copies chunk idx % CHUNKS of keys idx / CHUNKS, + THREADS / CHUNKS, ... of the block: its
 // chunk is fixed and its keys' pages follow one from the next by adding to an offset (no division a chunk),
-// and it reads the page table for eight keys before their copies (the copies are one round trip to memory)
+// and it reads the page table for a batch of its keys (eight; four of a half) before their copies
 template <int THREADS, int CHUNKS, int POOLS, typename W>
 __device__ __forceinline__ void copy_block(W* const (&dst)[POOLS], const W* const (&src)[POOLS], int idx, int b,
                                            int c0, int lo, int hi, const int* table, int page_size,

@@ -3,7 +3,7 @@ TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend 
 mma.sync linear of step_kernels.cu runs them.
 
 A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
-side by side, k split blocks: 1 past one row tile once the tiles fill the GPU, `split_blocks`), after
+side by side, k split blocks: 1 past one row tile once the tiles fill over half the GPU, `split_blocks`), after
 `round_rows` (the input rows rounded to 16 bits, read by TMA) where RN is 64 or more. RN is the smallest of
 ROW_TILES that holds the step's rows (a decode step of one row computes 8 padded rows, not 64 or 128); the k
 splits come from the weights alone (`wgmma_splits`).

@@ -11,10 +11,10 @@
 // tile and the other rows (wgmma's f32 sums of one output do not depend on the instruction's n, nor on the
 // row's position: checked on the H200 by tests/gpu/test_gpu_serving_wgmma.py); k splits into `splits`
 // contiguous ranges of 64-wide k steps by the weights alone (the host's wgmma_splits), each summed from zero,
-// and the splits' sums are added in split order. Where the step's tiles are too few to fill the GPU the
+// and the splits' sums are added in split order. Where the step's tiles fill half the GPU or less the
 // splits run in blocks of their own (grid z) and the tile's last block to finish adds their partials; where
-// the tiles fill it (many rows) one block runs a tile's splits one after another and adds each as it ends,
-// with no partials to write and read back: the same f32 additions either way.
+// they fill more (many rows) one block runs a tile's splits one after another and adds each as it ends,
+// with no partials to write and read back: the same f32 additions either way (the host's split_blocks).
 //
 // Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
 // run together and its bytes come from memory once a step, not once a row tile.
