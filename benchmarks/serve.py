@@ -210,7 +210,10 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
     """(d): `batch` requests decode (prompts of `decode_prompt` tokens); once each has produced 8 tokens, their
     next `window` tokens are the undisturbed ones; then a prompt of `prompt` tokens arrives, and every decoder's
     tokens from then until the prompt's first token are the mixed ones. Per decoder its mean gap over each span
-    (mean_gap); the ratio of the medians, and of the worst decoder's mixed gap to the median undisturbed one."""
+    (mean_gap); the ratio of the medians, and of the worst decoder's mixed gap to the median undisturbed one.
+    On the GPU device a prompt of the same length then arrives again, each layer op of the steps from its
+    arrival to its first token timed (profile_ops: µs a step, `ops_us`), apart from the timed span: where a
+    mixed step's time goes."""
     import numpy as np
 
     from mdsl import SamplingParams
@@ -247,6 +250,13 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
         next(iter(arriving))
         first = time.perf_counter()
         steps = llm.stats().steps - steps0
+        ops = {}
+        if device != "megakernel":   # (its decoders' SPARE_STEPS outlast a second reading of the prompt)
+            llm.device.profile_ops(True)
+            again = llm.submit([int(t) for t in rng.integers(0, vocab, prompt)],
+                               SamplingParams(max_new_tokens=1, ignore_eos=True))
+            next(iter(again))
+            ops = llm.device.profile_ops(False)
         short = any(h.done() for h in handles)
     finally:   # (the decoders end with the run, however it ends)
         for h in handles:
@@ -263,7 +273,9 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
     return {"device": device, "batch": batch, "decode_prompt": decode_prompt, "prompt": prompt, "window": window,
             "tpot_before_s": undisturbed, "tpot_mixed_s": mixed, "tpot_mixed_worst_s": max(during),
             "ratio": mixed / undisturbed, "ratio_worst": max(during) / undisturbed, "ttft_s": first - submitted,
-            "steps": steps}
+            "steps": steps,
+            **({"ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
+               if ops else {})}
 
 
 def kernel_profile(device, trace: Optional[Path]) -> dict:
@@ -522,6 +534,10 @@ def tables(result: dict) -> str:
                          f"{r['tpot_before_s'] * 1e3:.2f} ms | {r['tpot_mixed_s'] * 1e3:.2f} ms | "
                          f"{r['tpot_mixed_worst_s'] * 1e3:.2f} ms | {r['ratio']:.2f} | {r['ratio_worst']:.2f} | "
                          f"{r['ttft_s'] * 1e3:.1f} ms |")
+        for r in result["mixed"]:
+            if r.get("ops_us"):
+                lines += ["", f"Where a step that reads the prompt goes ({r['device']}, the prompt read again, µs a "
+                          "step): " + ", ".join(f"{op} {us:.0f}" for op, us in r["ops_us"].items()) + "."]
     return "\n".join(lines)
 
 

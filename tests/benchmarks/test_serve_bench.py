@@ -214,7 +214,11 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
     assert [(r["device"], r["batch"], r["prompt"]) for r in mixed] == [("gpu", 2, 300), ("megakernel", 2, 300)]
     assert all(r["steps"] >= 2 and 0 < r["tpot_before_s"] and r["tpot_mixed_s"] <= r["tpot_mixed_worst_s"]
                and r["ttft_s"] > 0 for r in mixed)
+    # the GPU device's op profile of the steps that read the prompt again (the stub's), none of the megakernel's
+    assert mixed[0]["ops_us"] == {"linear": 12.5} and "ops_us" not in mixed[1]
     assert "| device | decoders | their prompts | prompt | steps | TPOT before" in (tmp_path / "serve.md").read_text()
+    assert "Where a step that reads the prompt goes (gpu, the prompt read again, µs a step): linear 12." in \
+        (tmp_path / "serve.md").read_text()
 
 
 @pytest.mark.parametrize("device", ["gpu", "megakernel"])
