@@ -224,8 +224,11 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
         items = attention_items(tiles, units)
         ordered, alone = step_items(positions, chunks, tile, 0, a["kv_heads"], grid)
         assert sorted(map(tuple, ordered.tolist())) == sorted(map(tuple, items.tolist()))
-        assert alone == (0 if spread is None else len(items[items[:, 1] <= 4]))
-        assert max(ordered[:alone, 1], default=0) <= 4 and min(ordered[alone:, 1]) > 4 if spread else alone == 0
+        if spread is None:
+            assert alone == 0
+        else:
+            assert alone == len(items[items[:, 1] <= 4])
+            assert ordered[:alone, 1].max() <= 4 and ordered[alone:, 1].min() > 4
     decode = attention_items(tiles, tile_units(tiles, tile, a["kv_heads"], 4))
     decode = decode[decode[:, 0] == 0]
     assert decode[:, 2].tolist() == [0, 4] and decode[:, 3].tolist() == [4, 8]
