@@ -373,12 +373,11 @@ def solo_tiles(tiles: tuple, tile: int, kv_heads: int, grid: int) -> np.ndarray:
     return can & (int(np.sum(splits[can])) * kv_heads > grid)
 
 
-def tile_units(tiles: tuple, tile: int, kv_heads: int, grid: int) -> np.ndarray:
-    """The splits of each of a step's tiles an item takes. A solo tile's run one a warp of the block: as many
-    as spread the step's solo splits over the grid, up to its MMA_TILE_WARPS warps. A shared tile: item_unit's
-    count."""
+def tile_units(tiles: tuple, alone: np.ndarray, kv_heads: int, grid: int) -> np.ndarray:
+    """The splits of each of a step's tiles an item takes, `alone` the tiles that run solo (solo_tiles). A
+    solo tile's run one a warp of the block: as many as spread the step's solo splits over the grid, up to its
+    MMA_TILE_WARPS warps. A shared tile: item_unit's count."""
     first, size, splits = tiles
-    alone = solo_tiles(tiles, tile, kv_heads, grid)
     spread = -(-int(np.sum(splits[alone])) * kv_heads // grid)
     return np.where(alone, min(MMA_TILE_WARPS, max(1, spread)), item_unit(int(np.sum(splits)), kv_heads, grid))
 
@@ -391,7 +390,7 @@ def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int
     (attention_solo's), then the shared tiles' (attention_mma's)."""
     tiles = attention_tiles(positions, chunks["row"], chunks["count"], tile, window)
     alone = solo_tiles(tiles, tile, kv_heads, grid)
-    units = tile_units(tiles, tile, kv_heads, grid)
+    units = tile_units(tiles, alone, kv_heads, grid)
     items = attention_items(tiles, units)
     routed = np.repeat(alone, -(-tiles[2] // units))   # (attention_items' items of each tile, in tile order)
     return np.concatenate([items[routed], items[~routed]]), int(routed.sum())

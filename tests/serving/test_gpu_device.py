@@ -204,7 +204,7 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
     for a wider tile (a prompt chunk), items of item_unit's count. The solo tiles' items come first
     (attention_solo's, then attention_mma's)."""
     from mdsl.serving.gpu import MMA_TILE_WARPS, attention_items, attention_tiles, item_unit, step_items, \
-        tile_rows, tile_units
+        solo_tiles, tile_rows, tile_units
 
     a = {"q_heads": 8, "kv_heads": 2}                      # 4 query heads a KV head: tiles of 16 rows
     tile = tile_rows(a)
@@ -219,7 +219,7 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
     # grid of 24 or more blocks, a block each in attention_mma
     for grid, spread in ((4, MMA_TILE_WARPS), (8, 3), (23, 2), (24, None), (100, None)):
         shared = item_unit(int(tiles[2].sum()), a["kv_heads"], grid)
-        units = tile_units(tiles, tile, a["kv_heads"], grid)
+        units = tile_units(tiles, solo_tiles(tiles, tile, a["kv_heads"], grid), a["kv_heads"], grid)
         assert units.tolist() == [spread or shared] * 2 + [shared] * 3, grid
         items = attention_items(tiles, units)
         ordered, alone = step_items(positions, chunks, tile, 0, a["kv_heads"], grid)
@@ -229,7 +229,8 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
         else:
             assert alone == len(items[items[:, 1] <= 4])
             assert ordered[:alone, 1].max() <= 4 and ordered[alone:, 1].min() > 4
-    decode = attention_items(tiles, tile_units(tiles, tile, a["kv_heads"], 4))
+    alone = solo_tiles(tiles, tile, a["kv_heads"], 4)
+    decode = attention_items(tiles, tile_units(tiles, alone, a["kv_heads"], 4))
     decode = decode[decode[:, 0] == 0]
     assert decode[:, 2].tolist() == [0, 4] and decode[:, 3].tolist() == [4, 8]
 
