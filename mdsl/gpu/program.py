@@ -1,16 +1,17 @@
 """What a code generator hands the runtime, and what its compiler reports.
 
 A *program* is a code generator's output for one kernel graph: `source` (the text it compiles), `launches`
-(`KernelLaunch`, in execution order), `aliases` ((value name, aliased value name): views that need no
-kernel, such as reshape) and `graph` (the kernel graph it implements). A launch with a `library` GEMM
-(`LibraryGemm`: a plain matmul) is run by cuBLAS where the runtime can load it (mdsl.gpu.cublas), else by
-its kernel, which the program has all the same; a library GEMM may read an operand from the buffer of its
-transpose (`LibraryGemm.trans_b`, `KernelLaunch.library_args`), and a transpose that only such GEMMs read
-is then not launched (`mdsl.gpu.executable.elided_launches`). Every pointer a kernel takes is a
-contiguous row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte
-aligned; a launch with `counters` takes one more, its group counters (a buffer of the runtime's, not a value of
-the graph). A *module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object
-whose `load()` gives the driver's module handle (PTX that the driver compiles as it loads it).
+(`KernelLaunch`, in execution order), `aliases` ((value name, aliased value name): views that need no kernel, such
+as reshape) and `graph` (the kernel graph it implements). A launch with a `library` GEMM (`LibraryGemm`: a plain
+matmul) is run by cuBLAS where the runtime can load it (mdsl.gpu.cublas), else by its kernel, which the program has
+all the same; a library GEMM may read an operand from the buffer of its transpose (`LibraryGemm.trans_b`,
+`KernelLaunch.library_args`), and a transpose that only such GEMMs read is then not launched
+(`mdsl.gpu.executable.elided_launches`). Every pointer a kernel takes is a contiguous row-major device tensor named
+by `KernelLaunch.args` (inputs first, then outputs), 16-byte aligned (a kernel that reads a split's part or writes
+a concat's piece in place takes the tensor the value lies in, and adds the offset itself: `mdsl.lowering.views`); a
+launch with `counters` takes one more, its group counters (a buffer of the runtime's, not a value of the graph). A
+*module* is the compiled program: a cubin with ptxas's report (`CompiledModule`), or an object whose `load()` gives
+the driver's module handle (PTX that the driver compiles as it loads it).
 """
 from __future__ import annotations
 

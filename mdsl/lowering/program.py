@@ -5,16 +5,18 @@ recorded as the launches (mdsl.gpu.program) the runtime makes; a plain matmul's 
 GEMM the runtime runs in its place where it can (`gemm`)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from mdsl.gpu.program import KernelLaunch
 from mdsl.ir.graph import KernelGraph, Node
 from mdsl.ir.ops import BLOCK, KERNEL, THREAD, OpDef
 from mdsl.ir.rules import RuleTable
 from mdsl.lowering.gemm import library_gemm, swaps_last_two
+from mdsl.lowering.grid import KERNEL_THREADS, kernel_grid
 from mdsl.lowering.names import Namer
 from mdsl.lowering.onelaunch import SplitPair, one_launch_pairs
 from mdsl.lowering.options import CudaOptions
+from mdsl.lowering.views import layout_copies, strided_views
 from mdsl.passes.fusion import fuse_kernel_graph
 from mdsl.passes.schedule import REGISTER_ACCUMULATORS
 
@@ -54,6 +56,9 @@ class ProgramBuilder:
         self.kernel_names = Namer()
         self.launches: list = []
         self.aliases: dict = {}
+        #: value name -> the `StridedView` its kernels address it through (a split's part read in place, a concat's
+        #: piece written in place)
+        self.views: dict = strided_views(graph)
         #: value name -> the input of the transpose of its last two dims that makes it (`swaps_last_two`)
         self._transposed = {node.output.name: node.inputs[0] for node in graph.nodes if swaps_last_two(node)}
 
@@ -64,9 +69,10 @@ class ProgramBuilder:
     def record_launch(self, name: str, index: int, node: Node, grid: tuple, threads: int, smem: int,
                       overlap: bool, values: Optional[tuple] = None, counters: int = 0) -> None:
         """The launch of kernel `name` implementing `node` (index `index`); `values`: its parameters' (default
-        the node's inputs, then its outputs); `counters`: the group counters it takes after them."""
+        the node's inputs, then its outputs; a strided view's is the value whose buffer it lies in); `counters`:
+        the group counters it takes after them."""
         values = (*node.inputs, *node.outputs) if values is None else values
-        args = tuple(v.name for v in values)
+        args = tuple(self.views[v.name].of if v.name in self.views else v.name for v in values)
         library = library_gemm(node, lambda v: self._transposed.get(v.name)) \
             if self.options.library_gemm and not counters else None
         library_args = (args[0], self._transposed[args[1]].name, args[2]) if library and library.trans_b else ()
@@ -92,3 +98,15 @@ class ProgramBuilder:
 
     def write_pair(self, pair: SplitPair) -> None:
         raise NotImplementedError
+
+    def copy_kernel(self, index: int, node: Node, copy: Callable) -> None:
+        """The kernel of kernel-level split or concat `node` (index `index`), where it copies anything
+        (`mdsl.lowering.views.layout_copies`): copy(scope, c) writes the loop of each `Copy` c over the grid's
+        threads, in the backend's `function` scope."""
+        lowered = layout_copies(node, self.views)
+        if lowered is None:
+            return
+        with self.function(self.kernel_name(node), index, node, lowered.inputs, lowered.outputs, (node,),
+                           grid=kernel_grid(lowered.elements), threads=KERNEL_THREADS, smem=0, overlap=False) as scope:
+            for c in lowered.copies:
+                copy(scope, c)

@@ -18,7 +18,7 @@ from mdsl.ir.validate import SMEM_LIMIT_BYTES, shared_memory_peak
 from mdsl.lowering.gemm import library_read_transposes
 from mdsl.lowering.grid import ROW_OPS, row_kernel_grid
 from mdsl.lowering.onelaunch import one_launch_pairs
-from mdsl.lowering.views import is_view
+from mdsl.lowering.views import launches_nothing, layout_copies, strided_views
 from mdsl.search.chain import tile_loop
 
 
@@ -189,10 +189,15 @@ def _custom_cost(node: Node, device: Device) -> KernelCost:
     return KernelCost(node.op, dram, l2, flops, graph.num_blocks, smem, seconds + device.launch_s)
 
 
-def _library_cost(node: Node, device: Device) -> KernelCost:
+def _library_cost(node: Node, device: Device, views: dict) -> KernelCost:
     """A kernel-level op's standard kernel: a reduction or norm on the grid the lowering gives it (a block
-    per row at least for few rows: `row_kernel_grid`), any other sized to fill the device."""
-    dram = sum(v.type.nbytes for v in node.inputs) + sum(v.type.nbytes for v in node.outputs)
+    per row at least for few rows: `row_kernel_grid`), any other sized to fill the device. A split moves only
+    its parts that are not strided views, a concat its pieces not written in place (`mdsl.lowering.views`)."""
+    if node.op in ("split", "concat"):
+        copies = layout_copies(node, views)
+        dram = 2 * copies.elements * node.inputs[0].dtype.itemsize if copies is not None else 0
+    else:
+        dram = sum(v.type.nbytes for v in node.inputs) + sum(v.type.nbytes for v in node.outputs)
     flops = _node_flops(node)
     blocks = min(row_kernel_grid(node)[0], device.sms) if node.op in ROW_OPS else device.sms
     return KernelCost(node.op, dram, dram, flops, blocks, 0, _kernel_time(device, dram, flops, blocks))
@@ -213,18 +218,22 @@ def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
     return _kernel_costs(graph, device, combined(graph))
 
 
-def launched(graph: KernelGraph) -> list:
-    """Indices of the nodes that launch a kernel: not views (`mdsl.lowering.views`), nor transposes that cuBLAS
-    reads in place (`mdsl.lowering.gemm.library_read_transposes`)."""
+def launched(graph: KernelGraph, views: Optional[dict] = None) -> list:
+    """Indices of the nodes that launch a kernel: not views, nor splits and concats left with nothing to copy
+    (`mdsl.lowering.views`), nor transposes that cuBLAS reads in place
+    (`mdsl.lowering.gemm.library_read_transposes`). `views`: the graph's `strided_views`, where known."""
     in_place = library_read_transposes(graph)
-    return [index for index, node in enumerate(graph.nodes) if not is_view(node) and index not in in_place]
+    views = strided_views(graph) if views is None else views
+    return [index for index, node in enumerate(graph.nodes)
+            if not launches_nothing(node, views) and index not in in_place]
 
 
 def _kernel_costs(graph: KernelGraph, device: Device, combines: frozenset) -> list:
     out = []
-    for index in launched(graph):
+    views = strided_views(graph)
+    for index in launched(graph, views):
         node = graph.nodes[index]
-        cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device)
+        cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device, views)
         if index in combines:
             cost = attrs.evolve(cost, seconds=cost.seconds - device.launch_s)
         out.append(cost)
@@ -442,11 +451,11 @@ def gpu_estimate(graph: KernelGraph, device: Device = H200, stages: int = 3,
     the graph's node at that index, where a compiled kernel is at hand (None: `estimate_registers`).
     `skinny`: a kernel with a skinny loop (`mdsl.ir.skinny`) counts as the faster of its two lowerings
     (the autotuner times both: `CudaOptions.skinny`)."""
-    fits, seconds, combines = [], 0.0, combined(graph)
-    for index in launched(graph):
+    fits, seconds, combines, views = [], 0.0, combined(graph), strided_views(graph)
+    for index in launched(graph, views):
         node = graph.nodes[index]
         if node.body is None or not isinstance(node.body, BlockGraph):
-            seconds += _library_cost(node, device).seconds
+            seconds += _library_cost(node, device, views).seconds
             continue
         fit = _tile_fit(node, device, stages, registers(index) if registers is not None else None)
         streamed = _skinny_fit(node, device) if skinny else None

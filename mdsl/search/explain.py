@@ -16,7 +16,7 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.gemm import library_read_transposes
-from mdsl.lowering.views import is_view
+from mdsl.lowering.views import copy_reasons, is_view, launches_nothing, strided_views
 from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
@@ -35,10 +35,12 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     n = len(original.nodes)
     runs = _runs(original, chosen, record, unchanged)
     out = []
-    # the plan's transposes that cuBLAS reads in place launch nothing, as views (mdsl.search.cost)
+    # the plan's transposes that cuBLAS reads in place launch nothing, as views and splits of strided views
+    # do (mdsl.search.cost)
     in_place = {chosen.nodes[k].outputs[0].name for k in library_read_transposes(chosen)}
-    kernels = [(i, j) for i, j in runs
-               if any(not is_view(node) and node.outputs[0].name not in in_place for node in original.nodes[i:j])]
+    views = strided_views(chosen)
+    kernels = [(i, j) for i, j in runs if any(not launches_nothing(node, views) and node.outputs[0].name not in in_place
+                                              for node in original.nodes[i:j])]
     for i, j in kernels:
         launches = 1 if unchanged else _launches(original, chosen, (i, j), record)
         for _ in range(launches - 1):
@@ -46,10 +48,28 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
                                 "", "a split loop: the blocks of the first kernel each reduce a slice of the loop's "
                                     "dimension in parallel, the second adds up their partial results (the cost "
                                     "model prefers this to one kernel walking the whole dimension)"))
-    for (a, b), (c, d) in zip(kernels, kernels[1:]):
-        out.append(Boundary(_ops(original, a, b), _ops(original, c, d), _crossing(original, (a, b), (c, d)),
-                            _reason(record, outcomes, stats, (a, b), (c, d), n)))
+    copies = copy_reasons(chosen)
+    for k, ((a, b), (c, d)) in enumerate(zip(kernels, kernels[1:])):
+        sides = ((a, b), (c, d)) if k == 0 else ((c, d),)   # (a run's copies said once, where it is reached)
+        reason = _reason(record, outcomes, stats, (a, b), (c, d), n) + _copies(original, sides, copies)
+        out.append(Boundary(_ops(original, a, b), _ops(original, c, d), _crossing(original, (a, b), (c, d)), reason))
     return tuple(out)
+
+
+def _copies(graph: KernelGraph, runs: tuple, reasons: dict) -> str:
+    """For a split or concat that is one of `runs` and still launches a kernel: what it copies, and why its
+    kernels could not address that in place (`mdsl.lowering.views.copy_reasons`)."""
+    said = []
+    for i, j in runs:
+        node = graph.nodes[i]
+        if j - i != 1 or node.op not in ("split", "concat"):
+            continue
+        values = node.outputs if node.op == "split" else node.inputs
+        copied = {v.name: reasons[v.name] for v in values if v.name in reasons}
+        if copied:
+            said.append(f"{node.op} %{node.outputs[0].name} copies " +
+                        ", ".join(f"%{name} ({why})" for name, why in copied.items()))
+    return "".join(f"; {s}" for s in said)
 
 
 def _runs(original: KernelGraph, chosen: KernelGraph, record: dict, unchanged: bool) -> list:

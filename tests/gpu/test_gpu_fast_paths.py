@@ -2,7 +2,9 @@
 reference, each switched on and off: the
 fast-path programs (ragged and batched tensor-core matmuls, sums in registers, pipelines of every
 depth, other block sizes, hoisting and streamed combines off) under every option set, their loaded modules
-reporting no spills, and every example program (as written, and the
+reporting no spills, the same programs reading each input from and writing each output into a wider tensor
+in place (mdsl.lowering.views),
+and every example program (as written, and the
 guided plan of each specification) with each fast path off, so that a run shows both settings of
 every switch correct (the default settings run in test_gpu_examples and test_gpu_coverage); and split plans
 with their combine in the split's launch (mdsl.lowering.onelaunch): repeated calls against the reference,
@@ -14,6 +16,7 @@ import pytest
 import mdsl
 from mdsl.search.guided import generate
 from tests.backend.cuda.fast_paths import EVERY_OPTION_SET, FALLBACKS, fast_path_graphs, options_env
+from tests.backend.cuda.views import read_in_place, write_in_place
 from tests.examples_util import EXAMPLES, load_example
 from tests.gpu.harness import check_graph
 
@@ -32,6 +35,19 @@ def test_fast_path_program_on_the_gpu(name, options, monkeypatch):
     executable = check_graph(fast_path_graphs()[name], f"fast-path:{name}:{options}", what=what)
     for kernel, r in executable.module.resources.items():   # as the loaded module reports them
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{what}: {kernel}: {r}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", (-1, 0))
+@pytest.mark.parametrize("name", sorted(fast_path_graphs()))
+def test_fast_path_program_in_place_on_the_gpu(name, dim):
+    """Each input read in place as the middle part of a wider tensor and each output written in place as the
+    middle piece of one (mdsl.lowering.views), under the default fast paths: the same kernels through the wider
+    tensors' strides from an offset."""
+    graph = write_in_place(read_in_place(fast_path_graphs()[name], dim), dim)
+    executable = check_graph(graph, f"fast-path-in-place:{name}:{dim}", what=f"{name} read in place along {dim}")
+    for kernel, r in executable.module.resources.items():
+        assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, f"{name}: {kernel}: {r}"
 
 
 def _examples() -> list:

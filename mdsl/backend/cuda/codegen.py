@@ -4,7 +4,9 @@
 
 The interface with the runtime is `CudaProgram`. Every pointer a kernel takes is a contiguous
 row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte aligned
-(the kernels read and write up to 16 bytes at a time). A value named in `CudaProgram.aliases` is a
+(the kernels read and write up to 16 bytes at a time); a value that lies in another's buffer (a split's part
+read in place, a concat's piece written in place: `mdsl.lowering.views`) is passed as that buffer, the
+offset added in the kernel. A value named in `CudaProgram.aliases` is a
 view of another value (its buffer, reinterpreted): no kernel writes it. A kernel that asks for more than 48 KB of
 dynamic shared memory needs its limit raised before launch
 (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
@@ -42,8 +44,8 @@ class CudaProgram:
 @attrs.define
 class KernelScope:
     """A `__global__` function being written: the writer, the names taken in it, its parameters as
-    operands (contiguous device tensors) and, for a split and its combine in one launch, the parameter
-    pointing at the group counters."""
+    operands (contiguous device tensors, or strided views of them: `mdsl.lowering.views`) and, for a split and
+    its combine in one launch, the parameter pointing at the group counters."""
 
     w: CodeWriter
     namer: Namer
@@ -69,18 +71,26 @@ class ProgramBuilder(lowering_program.ProgramBuilder):
 
     @contextlib.contextmanager
     def function(self, name: str, index: int, node: Node, inputs: tuple, outputs: tuple, nodes: tuple, *,
-                 grid: tuple, threads: int, smem: int, comment: Optional[list], overlap: bool,
+                 grid: tuple, threads: int, smem: int, overlap: bool, comment: Optional[list] = None,
                  counters: int = 0) -> Iterator[KernelScope]:
         """Write the `__global__` function `name` taking `inputs` (read only) and `outputs`, and `counters`
         group counters after them, preceded by the op markers of `nodes`; its launch is `node`'s (index
         `index`)."""
         namer = Namer()
         scope = KernelScope(self.w, namer, [], [])
-        params = []
+        params, views = [], []
         for var, writable in [(v, False) for v in inputs] + [(v, True) for v in outputs]:
             c, ptr = ctype(var.dtype), namer(f"g_{var.name}")
-            params.append(f"{'' if writable else 'const '}{c}* __restrict__ {ptr}")
-            (scope.outputs if writable else scope.inputs).append(Operand.contiguous(ptr, c, var.shape))
+            const = "" if writable else "const "
+            view = self.views.get(var.name)
+            if view is None:
+                params.append(f"{const}{c}* __restrict__ {ptr}")
+                (scope.outputs if writable else scope.inputs).append(Operand.contiguous(ptr, c, var.shape))
+                continue
+            param = namer(f"g_{view.of}")   # a strided view: its value's pointer, the offset added in the kernel
+            params.append(f"{const}{c}* __restrict__ {param}")
+            views.append(f"{const}{c}* const {ptr} = {param} + {view.offset};   // %{var.name}: in %{view.of}")
+            (scope.outputs if writable else scope.inputs).append(Operand(ptr, c, tuple(var.shape), view.strides))
         if counters:
             scope.counters = namer("g_counters")
             params.append(f"unsigned* __restrict__ {scope.counters}")
@@ -89,6 +99,7 @@ class ProgramBuilder(lowering_program.ProgramBuilder):
         w(*(f"//{line}" for line in comment or ()))
         w(f'extern "C" __global__ void __launch_bounds__({threads}, 1)')
         with w.block(f"{name}({', '.join(params)})"):
+            w(*views)
             yield scope
         self.record_launch(name, index, node, grid, threads, smem, overlap, (*inputs, *outputs), counters)
 

@@ -261,20 +261,25 @@ class Concat(CudaRule):
         self._emit(b.w, b.threads, node, [b.tile(v) for v in node.inputs], b.tile(node.output))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
-            self._emit(k.w, _grid_threads(), node, k.inputs, k.outputs[0])
+        _copy_kernel(program, index, node)
 
 
 class Split(CudaRule):
     def kernel(self, program, index: int, node: Node) -> None:
-        src = node.inputs[0]
-        dim = node.attr("dim") % src.type.rank
-        with program.kernel(index, node, grid=kernel_grid(src.type.numel), threads=KERNEL_THREADS) as k:
-            x = k.inputs[0]
-            with _grid_threads().each(k.w, src.type.numel):
-                k.w(f"const int c = {_coordinate(x.shape, dim)};")
-                _pieces(k.w, k.outputs, dim, lambda piece, start:
-                        f"{piece.at(_shifted(x.shape, piece, dim, start))} = {x.at('i')};")
+        _copy_kernel(program, index, node)
+
+
+def _copy_kernel(program, index: int, node: Node) -> None:
+    """A kernel-level split's or concat's kernel (`ProgramBuilder.copy_kernel`): a loop of each copy."""
+    def copy(k, c) -> None:
+        src, dst = k.inputs[c.source], k.outputs[c.target]
+        src = Operand(f"({src.ptr} + {c.source_offset})", src.ctype, c.shape, src.strides)
+        dst = Operand(f"({dst.ptr} + {c.target_offset})", dst.ctype, c.shape, dst.strides)
+        with _grid_threads().each(k.w, math.prod(c.shape)):
+            value = f"mdsl::convert<{dst.ctype}>({src.at(offset('i', c.shape, src))})"
+            k.w(f"{dst.at(offset('i', c.shape, dst))} = {value};")
+
+    program.copy_kernel(index, node, copy)
 
 
 class Transpose(CudaRule):

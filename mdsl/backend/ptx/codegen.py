@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 import attrs
 
-from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder
+from mdsl.backend.ptx.llvm import Array, KernelFunction, ModuleBuilder, i32
 from mdsl.backend.ptx.onelaunch import emit_one_launch
 from mdsl.backend.ptx.rules import PTX_RULES   # the table, filled by that module
 from mdsl.ir.graph import KernelGraph, Node
@@ -39,7 +39,8 @@ class PtxProgram:
 
 @attrs.define
 class KernelScope:
-    """A kernel being written: its function, its parameters as Arrays (contiguous device tensors) and, for
+    """A kernel being written: its function, its parameters as Arrays (contiguous device tensors, or strided
+    views of them: `mdsl.lowering.views`) and, for
     a split and its combine in one launch, the parameter pointing at the group counters."""
 
     fn: KernelFunction
@@ -70,13 +71,24 @@ class ProgramBuilder(lowering_program.ProgramBuilder):
         after them, its code starting with the op markers of `nodes`; its launch is `node`'s (index `index`)."""
         values = list(inputs) + list(outputs)
         fn = KernelFunction(self.mb, name, len(values) + (1 if counters else 0), threads, read_only=len(inputs))
-        arrays = [Array.contiguous(p, v.dtype.name, v.shape) for p, v in zip(fn.params, values)]
+        arrays = [self._array(fn, p, v) for p, v in zip(fn.params, values)]
         scope = KernelScope(fn, arrays[:len(inputs)], arrays[len(inputs):], fn.params[-1] if counters else None)
         for n in nodes:
             fn.marker_for(n)
         yield scope
         fn.finish()
         self.record_launch(name, index, node, grid, threads, smem, overlap, tuple(values), counters)
+
+    def _array(self, fn: KernelFunction, param, var) -> Array:
+        """The parameter's array: the value, contiguous; or, for a value that lies in another's buffer (a split's
+        part read in place, a concat's piece written in place: `mdsl.lowering.views`), a strided view, the
+        parameter then pointing at that buffer."""
+        view = self.views.get(var.name)
+        if view is None:
+            return Array.contiguous(param, var.dtype.name, var.shape)
+        array = Array(param, var.dtype.name, tuple(var.shape), view.strides)
+        start = fn.b.gep(param, [i32(view.offset)], inbounds=True, source_etype=array.etype) if view.offset else param
+        return attrs.evolve(array, ptr=start)
 
     def write_pair(self, pair) -> None:
         emit_one_launch(self, pair)

@@ -463,21 +463,31 @@ class Concat(PtxRule):
         self._emit(bk.fn, bk.threads, node, [bk.tile(v) for v in node.inputs], bk.tile(node.output))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        with program.kernel(index, node, grid=kernel_grid(node.output.type.numel), threads=KERNEL_THREADS) as k:
-            self._emit(k.fn, _grid_threads(), node, k.inputs, k.outputs[0])
+        _copy_kernel(program, index, node)
 
 
 class Split(PtxRule):
     def kernel(self, program, index: int, node: Node) -> None:
-        src = node.inputs[0]
-        dim = node.attr("dim") % src.type.rank
-        with program.kernel(index, node, grid=kernel_grid(src.type.numel), threads=KERNEL_THREADS) as k:
-            fn, x = k.fn, k.inputs[0]
-            with _grid_threads().each(fn, src.type.numel) as i:
-                c = _coordinate(fn, i, x.shape, dim)
-                value = fn.load(x, i)
-                _pieces(fn, c, k.outputs, dim, lambda piece, start: fn.b.store(
-                    value, fn.address(piece, _shifted(fn, i, x.shape, piece, dim, start))))
+        _copy_kernel(program, index, node)
+
+
+def _copy_kernel(program, index: int, node: Node) -> None:
+    """A kernel-level split's or concat's kernel (`ProgramBuilder.copy_kernel`): a loop of each copy."""
+    def copy(k, c) -> None:
+        fn = k.fn
+        src, dst = _from(fn, k.inputs[c.source], c.source_offset, c.shape), \
+            _from(fn, k.outputs[c.target], c.target_offset, c.shape)
+        with _grid_threads().each(fn, math.prod(c.shape)) as i:
+            value = fn.convert(fn.load(src, fn.offset(i, c.shape, src)), src.dtype, dst.dtype)
+            fn.b.store(value, fn.address(dst, fn.offset(i, c.shape, dst)))
+
+    program.copy_kernel(index, node, copy)
+
+
+def _from(fn: KernelFunction, array: Array, at: int, shape: tuple) -> Array:
+    """The elements of `shape` of `array` from `at` on, by its strides."""
+    base = fn.b.gep(array.ptr, [i32(at)], inbounds=True, source_etype=array.etype) if at else array.ptr
+    return Array(base, array.dtype, shape, array.strides)
 
 
 class Transpose(PtxRule):
