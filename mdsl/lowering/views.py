@@ -121,6 +121,8 @@ def copy_reasons(graph: KernelGraph) -> dict:
 
 
 def _decide(graph: KernelGraph) -> tuple:
+    if not any(node.op in ("split", "concat") and node.body is None for node in graph.nodes):
+        return {}, {}   # (the cost model asks of every candidate: most have neither)
     users = graph.users()
     producers = graph.producers()
     results, inputs = {v.name for v in graph.outputs}, {v.name for v in graph.inputs}

@@ -112,6 +112,14 @@ def test_the_plan_of_a_program_reads_split_parts_in_place():
     assert [launch.args[0] for launch in launches[:2]] == ["x", "x"]
     assert estimate(gated.graph).launches == 3
 
+    @mdsl.kernel
+    def projected(x: Tensor[4, 512, f16], w: Tensor[512, 768, f16]):   # (the README's example)
+        q, k, v = mdsl.split(x @ w, [512, 128, 128], dim=-1)
+        return mdsl.rms_norm(q), mdsl.silu(k) * v
+
+    graph = lower_graph(projected.graph)
+    assert "split" not in [graph.nodes[launch.node_index].op for launch in emit_llvm(graph).launches]
+
 
 @pytest.mark.parametrize("backend", ("cuda", "ptx"))
 @pytest.mark.parametrize("name", ("ragged_matmuls_f16", "flash_decoding_f16", "prologue_matmuls_f16",
