@@ -8,7 +8,9 @@ Strided views: a split's part is its operand's elements from an offset on, with 
 concat's piece is its output's elements from an offset on. Where a split's part is not a result of the program
 and every reader of it reads its operands through their strides (`reads_in_place`: every kernel but a
 kernel-level matmul's), the part is a `StridedView` of the operand: its readers' kernels take the operand's
-pointer and add the offset, and the split writes only its other parts. Where a concat's piece is computed by a
+pointer and add the offset, and the split writes only its other parts. An alias between the part and its
+readers (a reshape into heads, a transpose of size-1 dims) is a strided view too where its dims keep to the
+part's rows (`_aliased_strides`). Where a concat's piece is computed by a
 kernel that writes through the strides (`writes_in_place`), is not a result, and every other reader reads in
 place, the piece is a view of the concat's output: its producer writes it where the concat would have copied
 it, and the concat copies only its other pieces. A split or concat left with nothing to copy launches nothing
@@ -132,6 +134,28 @@ def _decide(graph: KernelGraph) -> tuple:
         bad = [r for r in users.get(value, []) if r is not but and not reads_in_place(r)]
         return f"{bad[0].op} %{bad[0].outputs[0].name} takes contiguous operands" if bad else None
 
+    def through(var, view: StridedView) -> tuple:
+        """(the views of the aliases between `var`, a value at `view`, and the kernels that read it, or None
+        for the first reason it cannot be read in place), looking through reshapes and size-1 transposes."""
+        beyond = {}
+        if var.name in users and _misaligned(view, var):
+            return {}, _misaligned(view, var)
+        for r in users.get(var.name, []):
+            if reads_in_place(r):
+                continue
+            if is_view(r) and r.output.name in results:
+                return {}, f"{r.op} %{r.output.name}, a result of the program, is a view of it"
+            strides = _aliased_strides(r, view.strides) if is_view(r) else None
+            if strides is None:
+                what = "views it across a gap between rows" if is_view(r) else "takes contiguous operands"
+                return {}, f"{r.op} %{r.outputs[0].name} {what}"
+            aliased = StridedView(view.of, view.offset, strides)
+            more, reason = through(r.output, aliased)
+            if reason is not None:
+                return {}, reason
+            beyond.update({r.output.name: aliased, **more})
+        return beyond, None
+
     for node in graph.nodes:
         if node.op != "concat" or node.body is not None:
             continue
@@ -156,13 +180,43 @@ def _decide(graph: KernelGraph) -> tuple:
         dim = node.attr("dim") % src.type.rank
         for part, start in zip(node.outputs, split_starts(node).values()):
             view = StridedView(base.of, base.offset + start * base.strides[dim], base.strides)
-            reason = "a result of the program" if part.name in results else contiguous_reader(part.name) \
-                or (_misaligned(view, part) if part.name in users else None)   # (a part nothing reads: never written)
+            beyond, reason = ({}, "a result of the program") if part.name in results else through(part, view)
             if reason is None:
                 views[part.name] = view
+                views.update(beyond)
             else:
                 reasons[part.name] = reason
     return views, reasons
+
+
+def _aliased_strides(node: Node, strides: tuple) -> Optional[tuple]:
+    """The strides of alias `node`'s output (a reshape, or a transpose that moves only size-1 dims) over its
+    input's elements laid out by `strides`; None where a dim of the output would straddle a gap between rows
+    (a reshape that merges a strided dim with its neighbour)."""
+    if node.op == "transpose":
+        return tuple(strides[p] for p in node.attr("perm"))
+    chunks = []   # runs of the input's dims contiguous with each other: (elements, the innermost's stride)
+    for n, s in zip(node.inputs[0].shape, strides):
+        if n == 1:
+            continue
+        if chunks and chunks[-1][1] == s * n:
+            chunks[-1] = (chunks[-1][0] * n, s)
+        else:
+            chunks.append((n, s))
+    out, left = [], 1
+    stride = 1
+    for n in reversed(node.output.shape):
+        if n != 1:
+            if left == 1:
+                if not chunks:
+                    return None
+                left, stride = chunks.pop()
+            if left % n:
+                return None
+            left //= n
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out)) if left == 1 and not chunks else None
 
 
 def _misaligned(view: StridedView, var) -> Optional[str]:

@@ -35,8 +35,8 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     n = len(original.nodes)
     runs = _runs(original, chosen, record, unchanged)
     out = []
-    # the plan's transposes that cuBLAS reads in place launch nothing, as views and splits of strided views
-    # do (mdsl.search.cost)
+    # the plan's transposes that cuBLAS reads in place launch nothing, as views do, and splits and concats left
+    # with nothing to copy (mdsl.search.cost)
     in_place = {chosen.nodes[k].outputs[0].name for k in library_read_transposes(chosen)}
     views = strided_views(chosen)
     kernels = [(i, j) for i, j in runs if any(not launches_nothing(node, views) and node.outputs[0].name not in in_place

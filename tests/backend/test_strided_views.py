@@ -10,6 +10,8 @@ import pytest
 from mdsl.backend.cuda import emit_cuda
 from mdsl.backend.ptx.codegen import emit_llvm
 from mdsl.ir.dtypes import f16, f32
+from mdsl.ir.graph import Node
+from mdsl.ir.types import TensorType, Var
 from mdsl.lowering.program import lower_graph
 from mdsl.lowering.views import (StridedView, copied_pieces, copy_reasons, launches_nothing, strided_views,
                                 written_parts)
@@ -186,3 +188,38 @@ def test_copy_reasons_say_why_a_value_is_not_addressed_in_place():
     assert "16 bytes" in copy_reasons(_split_then("map", sizes=(4, 508)))["split_1"]
     reasons = copy_reasons(_into_concat("matmul"))
     assert reasons == {"matmul": "matmul %matmul does not write in place", "y": "an input of the program"}
+
+
+def _heads(shape: tuple, norm_dim: int = -1):
+    """q, k = split(x @ w) with q reshaped to `shape` (heads of its columns, or its rows merged) and normalised."""
+    g = Graph("heads")
+    x = g.input("x", (4, 256), f16)
+    q, k = g.ops("split", g.op("matmul", x, g.input("w", (256, 384), f16)), sizes=(256, 128), dim=1)
+    heads = g.op("reshape", q, shape=shape)
+    return g.build([g.op("rms_norm", heads, dim=norm_dim, eps=1e-6), g.op("exp", k)])
+
+
+def test_a_reshape_of_a_part_is_read_in_place_where_its_dims_keep_to_rows():
+    views = strided_views(_heads((4, 4, 64)))
+    assert views["reshape"] == StridedView("matmul", 0, (384, 64, 1)) and "split" in views
+    assert [launch.name.rsplit("_", 1)[-1] for launch in emit_llvm(_heads((4, 4, 64))).launches] == \
+        ["matmul", "norm", "exp"]
+    merged = _heads((1024,))                   # the part's rows merged into one: they are not 512 bytes apart
+    assert "split" not in strided_views(merged)
+    assert copy_reasons(merged)["split"] == "reshape %reshape views it across a gap between rows"
+
+
+def test_the_strides_of_a_reshape_over_strided_rows():
+    from mdsl.lowering.views import _aliased_strides
+
+    g = Graph("r")
+    x = g.input("x", (4, 6, 8), f16)
+    for shape, strides, want in [((4, 48), (96, 8, 1), (96, 1)),        # 6 rows of 8, contiguous: merged
+                                 ((24, 8), (48, 8, 1), (8, 1)),         # contiguous throughout
+                                 ((24, 8), (96, 8, 1), None),           # 4 x 6 rows: a gap after every 6th
+                                 ((4, 6, 2, 4), (100, 8, 1), (100, 8, 4, 1)),   # a dim split: always a view
+                                 ((4, 3, 2, 8), (100, 16, 1), (100, 32, 16, 1)),
+                                 ((24, 8), (100, 16, 1), None)]:
+        node = Node("reshape", (x,), (Var("y", TensorType(shape, f16)),), (("shape", shape),))
+        got = _aliased_strides(node, strides)
+        assert got == want, (shape, strides, got)

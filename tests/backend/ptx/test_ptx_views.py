@@ -131,3 +131,25 @@ def test_kernel_level_ops_write_in_place():
     graph = write_in_place(_kernel_level(f16))
     assert _viewed(graph) == ["add", "exp", "max", "mean", "mul", "rms_norm", "rms_norm_1", "split", "split_1", "sum"]
     check_simulated(graph, seed=27)
+
+
+def _heads(rows: int):
+    """q, k, v = split(x @ w) at `rows` tokens, q's and k's heads made by a reshape (and at one token a transpose
+    that moves the token dim: an alias), each normalised, v negated: every part read in place."""
+    g = Graph(f"heads_{rows}")
+    x = g.input("x", (rows, 64), f16)
+    q, k, v = g.ops("split", g.op("matmul", x, g.input("w", (64, 192), f16)), sizes=(128, 32, 32), dim=1)
+    qh = g.op("reshape", q, shape=(rows, 4, 32))
+    if rows == 1:
+        qh = g.op("transpose", qh, perm=(1, 0, 2))
+    kh = g.op("reshape", k, shape=(rows, 1, 32))
+    return g.build([g.op("rms_norm", qh, dim=-1, eps=1e-6), g.op("rms_norm", kh, dim=-1, eps=1e-6), g.op("neg", v)])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rows", (1, 5))
+def test_heads_of_a_part_read_in_place_through_reshapes(rows):
+    graph = _heads(rows)
+    views = strided_views(lower_graph(graph))
+    assert {"split", "split_1", "split_2", "reshape", "reshape_1"} <= set(views)
+    check_simulated(graph, seed=28)
