@@ -8,15 +8,15 @@ Strided views: a split's part is its operand's elements from an offset on, with 
 concat's piece is its output's elements from an offset on. Where a split's part is not a result of the program
 and every reader of it reads its operands through their strides (`reads_in_place`: every kernel but a
 kernel-level matmul's), the part is a `StridedView` of the operand: its readers' kernels take the operand's
-pointer and add the offset, and the split writes only its other parts. An alias between the part and its
-readers (a reshape into heads, a transpose of size-1 dims) is a strided view too where its dims keep to the
-part's rows (`_aliased_strides`). Where a concat's piece is computed by a
-kernel that writes through the strides (`writes_in_place`), is not a result, and every other reader reads in
-place, the piece is a view of the concat's output: its producer writes it where the concat would have copied
-it, and the concat copies only its other pieces. A split or concat left with nothing to copy launches nothing
-(`launches_nothing`). A view that is read or written keeps 16-byte alignment: its offset and its strides across
-rows are whole 16-byte units (the kernels move up to 16 bytes at a time); a split's part nothing reads is never
-written. The cost model counts what is left (`written_parts`, `copied_pieces`)."""
+pointer and add the offset, and the split writes only its other parts. An alias between the part and its readers
+(a reshape into heads, a transpose of size-1 dims) is a strided view too where its dims keep to the part's rows
+(`_aliased_strides`). Where a concat's piece is computed by a kernel that writes through the strides
+(`writes_in_place`), is not a result, and every other reader reads in place, the piece is a view of the concat's
+output: its producer writes it where the concat would have copied it, and the concat copies only its other
+pieces. A split or concat left with nothing to copy launches nothing (`launches_nothing`). A view that is read
+or written keeps 16-byte alignment: its offset and its strides across rows are whole 16-byte units (the kernels
+move up to 16 bytes at a time); a split's part nothing reads is never written. What is left is copied as
+`layout_copies` says, which the backends print and the cost model counts."""
 from __future__ import annotations
 
 import math
@@ -123,6 +123,7 @@ def copy_reasons(graph: KernelGraph) -> dict:
 
 
 def _decide(graph: KernelGraph) -> tuple:
+    """(`strided_views`, `copy_reasons`) of `graph`."""
     if not any(node.op in ("split", "concat") and node.body is None for node in graph.nodes):
         return {}, {}   # (the cost model asks of every candidate: most have neither)
     users = graph.users()
@@ -135,8 +136,8 @@ def _decide(graph: KernelGraph) -> tuple:
         return f"{bad[0].op} %{bad[0].outputs[0].name} takes contiguous operands" if bad else None
 
     def through(var, view: StridedView) -> tuple:
-        """(the views of the aliases between `var`, a value at `view`, and the kernels that read it, or None
-        for the first reason it cannot be read in place), looking through reshapes and size-1 transposes."""
+        """Whether `var`, put at `view`, can be read in place: (the views of the aliases between it and the
+        kernels that read it, None), else ({}, why not). Reshapes and size-1 transposes are looked through."""
         beyond = {}
         if var.name in users and _misaligned(view, var):
             return {}, _misaligned(view, var)
