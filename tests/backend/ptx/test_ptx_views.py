@@ -1,16 +1,17 @@
 """Strided views (mdsl.lowering.views) computed on the CPU by the PTX backend's kernels (the simulator of
-test_ptx_simulated.py): every fast-path program, kernel-level ops and the row kernels with each input read
-in place as the middle part of a wider tensor, split along its last dim or its first (tests/backend/cuda/views.py),
-against the reference; the simulator fails any access that is not aligned to its width."""
+test_ptx_simulated.py), against the reference: every fast-path program, kernel-level ops and the row kernels
+with each input read in place as the middle part of a wider tensor and each output written in place as the
+middle piece of one, along the last dim or the first (tests/backend/cuda/views.py); heads reshaped from a
+split's parts. The simulator fails any access that is not aligned to its width."""
 from __future__ import annotations
 
 import pytest
 
+from mdsl.ir import f16, f32
+from mdsl.lowering.index import contiguous_strides
 from mdsl.lowering.options import CudaOptions
 from mdsl.lowering.program import lower_graph
 from mdsl.lowering.views import strided_views
-from mdsl.ir import f16, f32
-from mdsl.lowering.index import contiguous_strides
 from tests.backend.cuda.builder import Graph
 from tests.backend.cuda.fast_paths import OPTION_SETS, fast_path_graphs
 from tests.backend.cuda.views import read_in_place, write_in_place
@@ -18,9 +19,8 @@ from tests.backend.ptx.test_ptx_simulated import _row_kernels, check_simulated
 from tests.backend.ptx.test_ptx_simulated import pytestmark   # noqa: F401 (the simulator's host requirement)
 
 
-
 def _viewed(graph) -> list:
-    """The original inputs that the program's kernels read in place, and the outputs they write in place."""
+    """The program's original inputs that its kernels read in place, and outputs they write in place."""
     views = strided_views(lower_graph(graph))
     return sorted(name for name in views if not name.endswith(("_before", "_after")))
 
