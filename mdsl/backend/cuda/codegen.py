@@ -6,8 +6,8 @@ The interface with the runtime is `CudaProgram`. Every pointer a kernel takes is
 row-major device tensor named by `KernelLaunch.args` (inputs first, then outputs), 16-byte aligned
 (the kernels read and write up to 16 bytes at a time); a value that lies in another's buffer (a split's part
 read in place, a concat's piece written in place: `mdsl.lowering.views`) is passed as that buffer, the
-offset added in the kernel. A value named in `CudaProgram.aliases` is a
-view of another value (its buffer, reinterpreted): no kernel writes it. A kernel that asks for more than 48 KB of
+offset added in the kernel. A value named in `CudaProgram.aliases` is a view of another value (its buffer,
+reinterpreted): no kernel writes it. A kernel that asks for more than 48 KB of
 dynamic shared memory needs its limit raised before launch
 (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
 

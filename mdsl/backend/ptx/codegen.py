@@ -40,8 +40,8 @@ class PtxProgram:
 @attrs.define
 class KernelScope:
     """A kernel being written: its function, its parameters as Arrays (contiguous device tensors, or strided
-    views of them: `mdsl.lowering.views`) and, for
-    a split and its combine in one launch, the parameter pointing at the group counters."""
+    views of them: `mdsl.lowering.views`) and, for a split and its combine in one launch, the parameter
+    pointing at the group counters."""
 
     fn: KernelFunction
     inputs: list
