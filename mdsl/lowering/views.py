@@ -19,6 +19,7 @@ move up to 16 bytes at a time); a split's part nothing reads is never written. W
 `layout_copies` says, which the backends print and the cost model counts."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -58,15 +59,11 @@ class StridedView:
 
 def reads_in_place(node: Node) -> bool:
     """Whether `node`'s kernel reads a strided view of an input as it reads a contiguous one, every address
-    following the operand's strides: a custom kernel's block graph (a block's part of a device tensor and its
-    tile copies), a chain of element-wise operators (one element a thread), a kernel-level reduction or norm
-    (its rows found by the strides), a split, a concat, a transpose that moves elements. Not a kernel-level
-    matmul (a library GEMM, or the GEMM tile's copies, take contiguous operands) nor an alias."""
-    if isinstance(node.body, (BlockGraph, ThreadGraph)):
-        return True
-    if node.body is not None or is_view(node):
-        return False
-    return node.opdef.category in ("elementwise", "reduction", "norm") or node.op in ("split", "concat", "transpose")
+    following the operand's strides: every kernel (a custom kernel's block graph: a block's part of a device
+    tensor and its tile copies; a chain of element-wise operators; a kernel-level reduction or norm, its rows
+    found by the strides; a split's or concat's copies; a transpose that moves elements) but a kernel-level
+    matmul's (a library GEMM, and the GEMM tile's copies, take contiguous operands). An alias reads nothing."""
+    return node.opdef.category != "matmul" and not is_view(node)
 
 
 def writes_in_place(node: Node) -> bool:
@@ -84,11 +81,7 @@ def _aligned(offset: int, strides: tuple, shape: tuple, itemsize: int) -> bool:
 
 
 def _starts(sizes) -> list:
-    out, start = [], 0
-    for size in sizes:
-        out.append(start)
-        start += size
-    return out
+    return [0, *itertools.accumulate(sizes)][:-1]
 
 
 def split_starts(node: Node) -> dict:
