@@ -88,11 +88,17 @@ HF_MODELS = {
     "gemma2": ("Gemma2", dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=128,
                               query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=8.0,
                               hidden_activation="gelu_pytorch_tanh", pad_token_id=0, eos_token_id=2)),
+    # the same with a window of SLIDING_WINDOW positions on layers 0 and 2, shorter than the KV cache: each layer's
+    # window read from the kernel's LAYER_WINDOW table
+    "gemma2_short_window": ("Gemma2", dict(rope_theta=10000.0, tie_word_embeddings=False,
+                                           sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24,
+                                           attn_logit_softcapping=4.0, final_logit_softcapping=8.0,
+                                           hidden_activation="gelu_pytorch_tanh", pad_token_id=0, eos_token_id=2)),
 }
 # transformers soft-caps attention scores in its eager attention only (sdpa drops the soft-cap)
-HF_ATTENTION = {"gemma2": "eager"}
+HF_ATTENTION = {"gemma2": "eager", "gemma2_short_window": "eager"}
 # the architectures whose RMSNorm scales by 1 + weight (their random norm weights lie around 0, not 1)
-UNIT_OFFSET_NORMS = ("gemma2",)
+UNIT_OFFSET_NORMS = ("gemma2", "gemma2_short_window")
 
 
 def hf_model(torch, transformers, arch: str, dtype, seed: int, hidden_act: str = "silu"):
@@ -242,7 +248,7 @@ def test_mistral_with_its_sliding_window_is_token_identical_to_transformers(torc
     engine, model = tiny_engines(arch, dtype_name)
     windowed = arch == "mistral"
     assert engine.plan.attention_window == (SLIDING_WINDOW if windowed else 0)
-    assert ("constexpr int WINDOW = " in engine.source) == windowed
+    assert ("__constant__ int LAYER_WINDOW[L] = " in engine.source) == windowed
     assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
 
 
@@ -355,19 +361,22 @@ def test_qwen3_30b_a3b_shaped_logits_agree_with_transformers(torch, transformers
 
 
 @pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
-def test_gemma2_is_token_identical_to_transformers(torch, tiny_engines, dtype_name):
+@pytest.mark.parametrize("arch", ["gemma2", "gemma2_short_window"])
+def test_gemma2_is_token_identical_to_transformers(torch, tiny_engines, arch, dtype_name):
     """Gemma-2 on the device by its ops' rules: the sampler's scaled embedding row (EMBED_SCALE), (1 + weight) norms
     (NORM_1P, LM_HEAD_1P), the o-proj's and down-proj's rows normalised by their last tile before the residual add
     (ROW_NORM), GeGLU in the gate/up epilogue, soft-capped scores rounded as eager attention rounds them (SOFTCAP)
-    under the model's query scale, the LM head's soft-capped logits; against transformers' eager attention."""
-    engine, model = tiny_engines("gemma2", dtype_name)
+    under the model's query scale, the LM head's soft-capped logits; its sliding layers' window as long as the KV
+    cache, or shorter (each layer's in the WINDOW section's table); against transformers' eager attention."""
+    engine, model = tiny_engines(arch, dtype_name)
     ops = {k.kind: k.op for k in engine.plan.kind_ops}
     assert (ops[Kind.QKV], ops[Kind.OPROJ], ops[Kind.GATEUP], ops[Kind.DOWN], ops[Kind.LMHEAD]) == \
         ("norm_1p_linear", "linear_norm_residual", "norm_geglu", "linear_norm_residual", "lm_head_1p_argmax")
-    assert engine.plan.attention_window == 0 and engine.plan.embedding_scale == TINY["hidden_size"] ** 0.5
+    assert engine.plan.windows == ((SLIDING_WINDOW, 0, SLIDING_WINDOW) if arch == "gemma2_short_window" else ())
+    assert engine.plan.embedding_scale == TINY["hidden_size"] ** 0.5
     for constant in ("SOFTCAP = 4.0f", "SCALE = 0.2041241452319315f", "EMBED_SCALE = 8.0f"):
         assert f"constexpr float {constant};" in engine.source, constant
-    ours = assert_token_identical(torch, engine, model, f"gemma2 {dtype_name}", dtype_name == "bf16")
+    ours = assert_token_identical(torch, engine, model, f"{arch} {dtype_name}", dtype_name == "bf16")
     assert engine.generate(PROMPT, NEW_TOKENS, eos_token_ids=()) == ours   # (the last tiles' counters restart)
 
 

@@ -124,14 +124,14 @@ def test_mistral_without_a_window_is_the_llama_decoder():
 
 
 def test_mistral_lowers_to_the_gpu_reading_only_its_window():
-    """The device's attention reads the window's positions (the kernel's WINDOW section); a window as long
-    as the KV cache is plain causal attention, the kernel of a model without one."""
+    """The device's attention reads the window's positions (the kernel's WINDOW section, each layer's window in
+    its table); a window as long as the KV cache is plain causal attention, the kernel of a model without one."""
     config, graph, weights = _mistral()
     plan = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
     check_plan(plan)
     assert plan.op_of(Kind.ATTN).op == "rope_scaled_attention" and plan.attention_window == config.sliding_window == 5
     text = generate_source(plan).text
-    assert "constexpr int WINDOW = 5;" in text and "pos + 1 - WINDOW" in text
+    assert "__constant__ int LAYER_WINDOW[L] = {5, 5};" in text and "pos + 1 - window" in text
     with pytest.raises(NoGPUError):   # lowered on any machine; then it needs the GPU
         compile_model(step_function(config), config, weights)
     sources = []
@@ -275,10 +275,10 @@ def test_gemma2_config_errors(change, message):
 
 
 def test_gemma2_lowers_to_the_gpu_by_its_ops_rules():
-    """Every Gemma-2 op has its device body where its window is at least the KV cache (every layer's attention
-    one device body): the scaled embedding (EMBED_SCALE), (1 + weight) norms (NORM_1P, LM_HEAD_1P), the o-proj's and
-    down-proj's rows normalised before their residual adds (ROW_NORM), soft-capped scores (SOFTCAP) and logits,
-    GeGLU; windows shorter than the KV cache on every other layer are refused naming the attention."""
+    """Every Gemma-2 op has its device body: the scaled embedding (EMBED_SCALE), (1 + weight) norms (NORM_1P,
+    LM_HEAD_1P), the o-proj's and down-proj's rows normalised before their residual adds (ROW_NORM), soft-capped
+    scores (SOFTCAP) and logits, GeGLU; its attention one device body whether its window is at least the KV cache
+    (no WINDOW section) or shorter on every other layer (each layer's window in the WINDOW section's table)."""
     config, graph, _ = _gemma2()
     short = step_function(config).trace(config, max_positions=4)   # (the window: 4)
     plan = plan_model(short, decoder_shape(config), workers=4, max_seq=4)
@@ -292,10 +292,13 @@ def test_gemma2_lowers_to_the_gpu_by_its_ops_rules():
     for constant in ("SOFTCAP = 2.0f", f"EMBED_SCALE = {float(np.float32(config.hidden_size ** 0.5))!r}f",
                      f"SCALE = {12 ** -0.5!r}f"):
         assert f"constexpr float {constant};" in text, constant
-    assert "norm_residual_row<NormedRow1p<H>>" in text and "StreamRow1p row" in text
-    with pytest.raises(UnsupportedError, match="cannot run rope_scaled_attention .*share one device body") as e:
-        plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
-    assert e.value.loc.file.endswith("architectures.py") and "m.scaled_attention(" in str(e.value)
+    assert "norm_residual_row<NormedRow1p<H>>" in text and "StreamRow1p row" in text and "LAYER_WINDOW" not in text
+    long = plan_model(graph, decoder_shape(config), workers=4, max_seq=24)
+    check_plan(long)
+    assert long.windows == (4, 0) and long.op_of(Kind.ATTN).attr_dict["window"] == 0
+    assert "__constant__ int LAYER_WINDOW[L] = {4, 0};" in generate_source(long).text
+    with pytest.raises(UnsupportedError, match="windows differ"):
+        long.attention_window
 
 
 # ---------------------------------------------------------------------------------------------

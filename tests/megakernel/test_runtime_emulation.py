@@ -2,11 +2,11 @@
 worker loop: worker w of W takes the task indices w, w + W, ... in order, a task runs only once its events
 reach producers * (step + 1), and the next worker to run is picked at random among those whose task is
 ready. The tokens and logits must equal the numpy reference forward (mdsl.megakernel.modelgraph.reference) of
-the same tiny Llama-3, Qwen3, Qwen2 (q|k|v biases), Mistral (a sliding window) and Phi-3 (fused weights, a
-sliding window) models, with the prompt prefilled as steps of the same launch (and of a user's parallel block:
-tests/megakernel/test_parallel_block.py); a
-deadlock (no worker's task ever ready) fails the test. This checks the tables and the bodies' index
-arithmetic (tiles, attention splits and the split that appends to the KV cache, the merge of a kv head's
+the same tiny Llama-3, Qwen3, Qwen2 (q|k|v biases), Mistral (a sliding window), Phi-3 (fused weights, a
+sliding window) and Gemma-2 (windows on alternate layers) models, with the prompt prefilled as steps of the
+same launch (and of a user's parallel block: tests/megakernel/test_parallel_block.py); a deadlock (no
+worker's task ever ready) fails the test. This checks the tables and the bodies' index arithmetic (tiles,
+attention splits of each layer's window and the split that appends to the KV cache, the merge of a kv head's
 splits by the last one, the fused norms and residuals, the step bookkeeping) without a GPU; the GPU tests
 check the CUDA."""
 import math
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from mdsl.ir.dtypes import bf16, round_to_dtype
+from mdsl.megakernel.modelgraph.model import parse_model_graph, print_model_graph
 from mdsl.megakernel.modelgraph.reference import ReferenceModel
 from mdsl.megakernel.runtime.shape import QKV_BIASES, decoder_shape, expert_slot, rope_tables
-from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan
+from mdsl.megakernel.runtime.task_plan import Kind, build_plan, check_plan, plan_model
 from tests.megakernel.emulation import Slots, run_workers
 from tests.megakernel.tiny import tiny_model
 
@@ -180,7 +181,7 @@ class Emulator(Slots):
         s, b = self.s, self.buf
         d, group = s.head_dim, s.group
         qkv = b["qkv"][layer]
-        lo, hi = self.plan.attention_range(pos, split)
+        lo, hi = self.plan.attention_range(pos, split, layer)
         qn, kn = self.layer(layer, "q_norm"), self.layer(layer, "k_norm")
         q = np.stack([self.prepare_head(qkv[h * d:(h + 1) * d], qn, pos) for h in range(g * group, (g + 1) * group)])
         if lo <= pos < hi:   # the split holding the newest position appends it to the cache
@@ -298,18 +299,27 @@ def test_attention_splits_cover_the_positions_once(monkeypatch, min_chunk, expli
     assert plan.attention_window == config.sliding_window
     text = generate_source(plan).text
     assert f"constexpr int MIN_CHUNK = {min_chunk};" in text
-    assert ("constexpr int WINDOW = 5;" in text) == (arch == "mistral")
-    for position in range(config.max_positions):
-        ranges = [plan.attention_range(position, k) for k in range(plan.splits)]
-        first = max(0, position + 1 - plan.attention_window) if plan.attention_window else 0
-        assert ranges[0][0] == first and max(hi for _, hi in ranges) == position + 1
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert sum(lo <= position < hi for lo, hi in ranges) == 1
-        assert all(hi - lo <= plan.max_chunk for lo, hi in ranges)
+    assert ("__constant__ int LAYER_WINDOW[L] = {5, 5};" in text) == (arch == "mistral")
+    _assert_splits_cover_the_positions(plan, config)
     prompt = [1, 2]
     want = ReferenceModel(graph, weights).generate(prompt, 12)
     got, _ = Emulator(plan, config, weights, 5, np.random.default_rng(0)).run(prompt, 12)
     assert tuple(got) == want.tokens
+
+
+def _assert_splits_cover_the_positions(plan, config):
+    """At every position, each layer's splits cut its window (or every position) into adjacent ranges, the
+    newest position in exactly one of them, none longer than the plan's max_chunk."""
+    for layer in range(config.num_layers):
+        window = config.window(layer)
+        assert plan.window(layer) == (window if window < plan.max_seq else 0)
+        for position in range(plan.max_seq):
+            ranges = [plan.attention_range(position, k, layer) for k in range(plan.splits)]
+            first = max(0, position + 1 - plan.window(layer)) if plan.window(layer) else 0
+            assert ranges[0][0] == first and max(hi for _, hi in ranges) == position + 1
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert sum(lo <= position < hi for lo, hi in ranges) == 1
+            assert all(hi - lo <= plan.max_chunk for lo, hi in ranges)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3_moe"])
@@ -357,3 +367,46 @@ def test_gemma2_bf16_rounding_follows_the_tables_without_nan():
         got, logits = Emulator(plan, config, rounded, 9, np.random.default_rng(1)).run([4, 8], 6)
         assert len(got) == 6 and np.isfinite(logits).all() and np.abs(logits).max() <= 3.0
         assert np.array_equal(logits, round_to_dtype(logits, config.dtype))
+
+
+@pytest.mark.parametrize(("layer_types", "splits", "workers"), [
+    (None, None, 5),                                                                   # every other layer, from the first
+    (["full_attention", "sliding_attention", "sliding_attention"], 3, 7),
+    (["sliding_attention", "full_attention", "sliding_attention"], 5, 1)])
+def test_gemma2_windows_shorter_than_the_kv_cache_are_read_per_layer(layer_types, splits, workers):
+    """Gemma-2's sliding layers over the last 4 positions of a 24-position KV cache, its full layers over every
+    position, in one kernel (the WINDOW section's LAYER_WINDOW table), decoding well past the window: the tables
+    give the reference forward's tokens and last logits."""
+    overrides = {"sliding_window": 4} if layer_types is None else \
+        {"sliding_window": 4, "num_hidden_layers": 3, "layer_types": layer_types}
+    config, graph, weights = tiny_model("gemma2", seed=5, **overrides)
+    plan = build_plan(decoder_shape(config), workers=workers, max_seq=config.max_positions,
+                      **({"splits": splits, "min_chunk": 1} if splits else {}))
+    check_plan(plan)
+    assert plan.windows == tuple(config.window(layer) for layer in range(config.num_layers))
+    assert len(set(plan.windows)) == 2 and plan.op_of(Kind.ATTN).attr_dict["window"] == 0
+    _assert_splits_cover_the_positions(plan, config)
+    prompt, new = [3, 17, 42, 5, 9, 1], 14
+    want = ReferenceModel(graph, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, workers, np.random.default_rng(workers)).run(prompt, new)
+    assert tuple(got) == want.tokens
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+    # the same model whose window covers the cache: other logits (the window mattered)
+    wide = ReferenceModel(*tiny_model("gemma2", seed=5, **{**overrides, "sliding_window": 24})[1:])
+    assert not np.allclose(wide.generate(prompt, new).logits[-1], want.logits[-1], rtol=0.05)
+
+
+def test_the_windows_are_the_graphs_own_per_layer():
+    """A step function's attention windows are the device's, layer by layer, whatever the config says: a Mistral
+    graph whose first layer reads every position (its window 0) and whose second reads the last 5."""
+    config, graph, weights = tiny_model("mistral", seed=6)
+    mixed = parse_model_graph(print_model_graph(graph).replace("window=5", "window=0", 1))
+    plan = plan_model(mixed, decoder_shape(config), workers=6, max_seq=config.max_positions, splits=4, min_chunk=1)
+    check_plan(plan)
+    assert plan.windows == (0, 5)
+    prompt, new = [7, 3, 11], 16
+    want = ReferenceModel(mixed, weights).generate(prompt, new)
+    got, last_logits = Emulator(plan, config, weights, 6, np.random.default_rng(6)).run(prompt, new)
+    assert tuple(got) == want.tokens
+    np.testing.assert_allclose(last_logits, want.logits[-1], rtol=0, atol=2e-5 * np.abs(want.logits[-1]).max())
+    assert not np.allclose(ReferenceModel(graph, weights).generate(prompt, new).logits[-1], want.logits[-1], rtol=0.05)

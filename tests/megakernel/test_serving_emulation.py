@@ -18,6 +18,7 @@ import pytest
 from mdsl import LLM, SamplingParams
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, round_to_dtype
+from mdsl.megakernel.modelgraph.model import parse_model_graph, print_model_graph
 from mdsl.megakernel.runtime.serving_plan import (ATTN_ITEM, SCHEDULE_EVENT, SERVING_LAYOUTS, STEP, check_serving_plan,
                                                   plan_serving)
 from mdsl.megakernel.runtime.shape import decoder_shape
@@ -228,6 +229,16 @@ def test_the_checker_catches_a_missing_wait_and_a_task_that_leads_nowhere():
 def test_graphs_the_tables_cannot_run_are_refused(arch, overrides, what):
     with pytest.raises(UnsupportedError, match=what):
         _plan(arch, **overrides)
+
+
+def test_layers_with_different_windows_are_refused_naming_the_attention():
+    """The serving tables cut a row's range by one window for every layer: a graph whose layers' windows differ
+    (a Mistral whose first layer reads every position) is refused at its attention's line."""
+    config, graph, _ = tiny_model("mistral", max_position_embeddings=POSITIONS)
+    mixed = parse_model_graph(print_model_graph(graph).replace("window=5", "window=0", 1))
+    with pytest.raises(UnsupportedError, match=r"windows differ \(\[0, 5\]") as e:
+        plan_serving(mixed, decoder_shape(config), SHAPE, workers=9)
+    assert e.value.loc.file.endswith("architectures.py") and "mdsl.LLM" in e.value.hint
 
 
 def test_the_c_declarations_compile_with_the_hosts_sizes_and_offsets():

@@ -53,19 +53,21 @@ __device__ void prepare_head(const T* x, const T* norm, const Params& p, long lo
   __syncwarp();
 }
 
-// Positions [lo, hi) of split `split` at position `pos` (task_plan.attention_range): at least MIN_CHUNK
-// positions a split, so a short context is one split, whose softmax weights are relative to the true
+// Positions [lo, hi) of split `split` of layer `layer` at position `pos` (task_plan.attention_range): at least
+// MIN_CHUNK positions a split, so a short context is one split, whose softmax weights are relative to the true
 // maximum as in transformers' fused attention. lo > hi for a split past the end (it has no positions).
 #if MK_WINDOW
-// The positions are the last WINDOW up to pos (a sliding window), chunked from the window's first.
-__device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
-  const long long first = pos + 1 > WINDOW ? pos + 1 - WINDOW : 0, n = pos + 1 - first;
+// The positions are the last LAYER_WINDOW[layer] up to pos (the layer's sliding window; 0: every position),
+// chunked from the window's first.
+__device__ __forceinline__ void split_positions(long long pos, int split, int layer, long long& lo, long long& hi) {
+  const long long window = LAYER_WINDOW[layer];
+  const long long first = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - first;
   const long long even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
   lo = first + split * chunk;
   hi = lo + chunk < pos + 1 ? lo + chunk : pos + 1;
 }
 #else
-__device__ __forceinline__ void split_positions(long long pos, int split, long long& lo, long long& hi) {
+__device__ __forceinline__ void split_positions(long long pos, int split, int layer, long long& lo, long long& hi) {
   const long long n = pos + 1, even = (n + SPLITS - 1) / SPLITS, chunk = even > MIN_CHUNK ? even : MIN_CHUNK;
   lo = split * chunk;
   hi = lo + chunk < n ? lo + chunk : n;
@@ -148,7 +150,7 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
   const LayerWeights& w = p.layers[t.layer];
   const T* qkv = p.qkvs + (long long)t.layer * QKV;
   long long lo, hi;
-  split_positions(pos, split, lo, hi);
+  split_positions(pos, split, t.layer, lo, hi);
   const bool owner = lo <= pos && pos < hi;
   float* qs = sm;                      // [G][Q_STRIDE]: each head's score lanes' spans Q_PAD floats apart
   float* knew = qs + G * Q_STRIDE;     // [D]
@@ -354,9 +356,10 @@ __device__ void attention_task(const Params& p, const Task& t, int ready, long l
 // An attention split's cached keys and values (the positions before `pos`: the newest one this task writes)
 // into L2, by the scheduler warp's lanes as it takes the task, before its inputs are complete: one
 // prefetch.global.L2 per 128-byte line.
-__device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int g, int split, long long pos, int lane) {
+__device__ __forceinline__ void prefetch_kv_rows(const LayerWeights& w, int layer, int g, int split, long long pos,
+                                                 int lane) {
   long long lo, hi;
-  split_positions(pos, split, lo, hi);
+  split_positions(pos, split, layer, lo, hi);
   hi = hi < pos ? hi : pos;
   // streamed rows: those of the ring's first pass only (the ring keeps ahead of the rest itself; a long split's
   // every row would take the scheduler warp thousands of prefetches before it hands the task over)

@@ -305,11 +305,11 @@ CUDA_TASK_RULES.register("norm_linear_bias", CudaTaskRule(_norm_linear_bias, lam
 # a mixture of experts (the MOE section: LayerWeights' expert table and routing, moe.cuh)
 for _op, _rule in {"norm_moe_router": _norm_moe_router, "norm_moe_experts_residual": _norm_moe_experts_residual}.items():
     CUDA_TASK_RULES.register(_op, CudaTaskRule(_rule, lambda plan: frozenset({"MOE"})))
-# attention.cuh's attention_task over the last WINDOW positions, where the window is shorter than the KV cache,
-# its scores soft-capped (SOFTCAP) where the op says so
+# attention.cuh's attention_task over the last LAYER_WINDOW[layer] positions, where some layer's window is shorter
+# than the KV cache, its scores soft-capped (SOFTCAP) where the op says so
 CUDA_TASK_RULES.register("rope_scaled_attention", CudaTaskRule(
     lambda k, epilogue: None,
-    lambda plan: frozenset({"WINDOW"} if plan.attention_window else ()) |
+    lambda plan: frozenset({"WINDOW"} if plan.windows else ()) |
     frozenset({"SOFTCAP"} if plan.op_of(Kind.ATTN).attr_dict["softcap"] else ())))
 # Gemma-2's: its GeGLU MLP (the gate/up body, its epilogue GELU's tanh approximation), the norms of the o-proj's and
 # down-proj's output rows (the last tile's: ROW_NORM); its embedding's tasks are absorbed as the embedding's (the

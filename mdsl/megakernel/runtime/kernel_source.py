@@ -65,7 +65,8 @@ SERVE_PARAMS = (("char*", "host"), ("char*", "device_state"), ("char*", "workspa
 # no section is the runtime's text without them, byte for byte (the golden digests of Llama-3's and Qwen3's).
 SECTIONS = {
     "QKV_BIAS": "LayerWeights' pointers to the q, k and v projections' biases (Qwen2)",
-    "WINDOW": "attention over the last WINDOW positions only (a sliding window shorter than the KV cache)",
+    "WINDOW": "attention over the last LAYER_WINDOW[layer] positions only where that is not 0 (sliding windows "
+              "shorter than the KV cache, per layer)",
     "MOE": "a mixture of experts' layers: LayerWeights' router, expert table and routing buffers, moe.cuh",
     "SOFTCAP": "attention's scores soft-capped to SOFTCAP * tanh(score / SOFTCAP), rounded as eager attention rounds "
                "them (Gemma-2)",
@@ -359,11 +360,11 @@ def model_lines(plan: TaskPlan, options: MegakernelOptions, layout: KernelLayout
         **{f"KIND_{kind.name}": int(kind) for kind in Kind if kind not in MOE_KINDS + SERVING_KINDS},
     }
     sections = runtime_sections(plan)
-    if "WINDOW" in sections:
-        constants["WINDOW"] = plan.attention_window
     attention = dict(plan.op_of(Kind.ATTN).attrs)
     scale = attention.get("scale") or s.head_dim ** -0.5   # (scaled_attention's own scale, else 1/sqrt(head_dim))
     section_constants = []
+    if "WINDOW" in sections:   # (constant memory: a task's layer is the same on every lane, a broadcast read)
+        section_constants.append(f"__constant__ int LAYER_WINDOW[L] = {{{', '.join(map(str, plan.windows))}}};")
     if "SOFTCAP" in sections:
         cap = attention["softcap"]
         section_constants += [f"constexpr float SOFTCAP = {_float_literal(cap)};",

@@ -299,6 +299,13 @@ def _refuse_unserved(graph: ModelGraph, base: TaskPlan) -> None:
                 hint=f"the serving tables run the decoders' fused ops ({', '.join(sorted(SERVED_OPS))}): Llama-3, "
                      "Qwen2, Qwen3, Mistral and Phi-3; mdsl.LLM serves every built-in architecture on the CPU and "
                      "GPU devices")
+    if len(set(base.windows)) > 1:
+        node = next((n for n in fuse(graph).nodes if n.op == base.op_of(Kind.ATTN).op), None)
+        raise UnsupportedError(
+            f"the megakernel's serving tables cannot run attention whose layers' sliding windows differ "
+            f"({list(base.windows)}; 0: every position): a step's attention items cut each row's range by one "
+            "window for every layer", loc=node.loc if node is not None else None,
+            hint="serve the model with mdsl.LLM's devices (device='cpu' or 'gpu'), which read each layer's window")
     if base.embedding_scale:
         raise UnsupportedError("the megakernel's serving tables cannot run a scaled embedding (SCHEDULE writes the "
                                "table's rows as they are)", hint="serve the model with mdsl.LLM's devices")

@@ -177,6 +177,9 @@ class TaskPlan:
     min_chunk: int = MIN_CHUNK   # attention positions per split at least
     weights: tuple = ()          # BoundWeight per device weight slot its rows read: what the engine uploads
     embedding_scale: float = 0.0   # the embedding row times this (0: the table's row as it is; Gemma's sqrt(hidden))
+    # per layer, the positions its attention reads back where that is fewer than the KV cache holds (a sliding
+    # window: the device's WINDOW section), 0 where it reads every position; () where no layer has a window
+    windows: tuple = ()
 
     def weight(self, slot: str, layer: Optional[int] = None) -> Optional["BoundWeight"]:
         """The graph weight that fills a device weight slot (of `layer`; None: the kernel's own), or None."""
@@ -188,24 +191,31 @@ class TaskPlan:
                 return k
         raise KeyError(f"the plan has no {kind.name} tasks")
 
+    def window(self, layer: int) -> int:
+        """The positions layer `layer`'s attention reads back (its sliding window), 0: every position."""
+        return self.windows[layer] if self.windows else 0
+
     @property
     def attention_window(self) -> int:
-        """The positions attention reads back where that is fewer than the KV cache holds (a sliding window:
-        the device's WINDOW section), else 0: every position."""
-        window = dict(self.op_of(Kind.ATTN).attrs).get("window", 0) if any(k.kind is Kind.ATTN for k in self.kind_ops) \
-            else 0
-        return window if 0 < window < self.max_seq else 0
+        """The one window every layer's attention reads back (0: every position), for the tables that take one
+        for all layers (the serving tables'); refused where the layers' windows differ (Gemma-2's alternate
+        layers: `window(layer)` is each one's)."""
+        if len(set(self.windows)) > 1:
+            raise UnsupportedError(f"the layers' attention windows differ ({list(self.windows)}): no one window "
+                                   "serves every layer", hint="read TaskPlan.window(layer)")
+        return self.windows[0] if self.windows else 0
 
     @property
     def max_chunk(self) -> int:
-        """The most positions one attention split covers (device.cu's chunk rule)."""
-        return max(self.min_chunk, -(-(self.attention_window or self.max_seq) // self.splits))
+        """The most positions one attention split covers (device.cu's chunk rule), over the layers."""
+        return max(self.min_chunk, *(-(-(w or self.max_seq) // self.splits) for w in set(self.windows) or {0}))
 
-    def attention_range(self, position: int, split: int) -> tuple:
-        """Positions [lo, hi) of a split at `position`: equal chunks of at least min_chunk from the first
-        position attention reads (0, or the window's first), so that the split holding `position` (the one
-        that appends it to the KV cache) is the last non-empty one."""
-        first = max(0, position + 1 - self.attention_window) if self.attention_window else 0
+    def attention_range(self, position: int, split: int, layer: int) -> tuple:
+        """Positions [lo, hi) of a split of layer `layer` at `position`: equal chunks of at least min_chunk from
+        the first position attention reads (0, or the layer's window's first), so that the split holding
+        `position` (the one that appends it to the KV cache) is the last non-empty one."""
+        window = self.window(layer)
+        first = max(0, position + 1 - window) if window else 0
         n = position + 1 - first
         chunk = max(self.min_chunk, -(-n // self.splits))
         return first + min(split * chunk, n), first + min(split * chunk + chunk, n)
@@ -356,7 +366,9 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     return attrs.evolve(_link_rows(task_graph, binding, rows, row_of, workers, max_seq, splits),
                         kind_ops=tuple(kind_ops[k] for k in sorted(kind_ops)),
                         min_chunk=binding.min_chunk, weights=tuple(binding.bound.values()),
-                        embedding_scale=binding.embedding_scale)
+                        embedding_scale=binding.embedding_scale,
+                        windows=tuple(binding.windows.get(layer, 0) for layer in range(shape.layers))
+                        if binding.windows else ())
 
 
 _CROSS = "previous step's token"
@@ -455,6 +467,7 @@ class _Binding:
         self.streams: list = []      # of the node being lowered: (role, stream, layer offset) its body reads, writes
         self.kind_attrs = None       # ... and its attributes as its kind's body reads them (None: the node's)
         self.embedding_scale = 0.0   # the embedding row's factor (scaled_embedding)
+        self.windows: dict = {}      # layer -> its attention's window shorter than the KV cache
 
     def refuse(self, node, why: str) -> UnsupportedError:
         return UnsupportedError(
@@ -656,14 +669,17 @@ def _attention_rows(node, tasks, bind, options: dict):
 
 
 def _rope_scaled_attention_rows(node, tasks, bind):
-    """rope_attention's rows over the last `window` positions (TaskPlan.attention_window: the WINDOW section
-    of the device's attention), the scores scaled by `scale` (kernel_source's SCALE) and soft-capped by `softcap`
-    (the SOFTCAP section). A window at least as long as the KV cache is every position: the kind's body reads
-    window 0, so that layers with and without such a window share it (Gemma-2's alternate layers)."""
+    """rope_attention's rows over the last `window` positions of the layer (TaskPlan.window: the WINDOW section
+    of the device's attention, a window per layer), the scores scaled by `scale` (kernel_source's SCALE) and
+    soft-capped by `softcap` (the SOFTCAP section). The window is the layer's, not the kind's: the kind's body
+    reads window 0, so that layers with different windows, or none (a window at least as long as the KV cache
+    is every position), share it (Gemma-2's alternate layers)."""
     layer = bind.layer(node, node.inputs[0], ("qkv",))
-    rows = _attention_rows(node, tasks, bind, {"window": bind.shape.config.window(layer)})
-    if node.attr_dict["window"] >= bind.max_seq:
-        bind.kind_attrs = tuple((name, 0 if name == "window" else value) for name, value in node.attrs)
+    rows = _attention_rows(node, tasks, bind, {})
+    window = node.attr_dict["window"]
+    if 0 < window < bind.max_seq:
+        bind.windows[layer] = window
+    bind.kind_attrs = tuple((name, 0 if name == "window" else value) for name, value in node.attrs)
     return rows
 
 

@@ -106,7 +106,7 @@ __device__ void schedule(const Params& p, Slot* slots) {
       // (an ATTN task's keys are found through the page tables of the step's rows: its items prefetch them)
       (void)pos;
 #else
-      if (t.kind == KIND_ATTN) prefetch_kv_rows(p.layers[t.layer], t.begin, t.end, pos, lane);
+      if (t.kind == KIND_ATTN) prefetch_kv_rows(p.layers[t.layer], t.layer, t.begin, t.end, pos, lane);
 #endif
       early = early_kind(t.kind) && step == running_step;
       if (early) {
