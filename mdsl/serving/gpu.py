@@ -475,6 +475,11 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
     GPU_STEP_RULES.register(_op, _rule)
 
 
+#: the ops the CPU device serves that have no step kernels here, and what they are
+CPU_DEVICE_ONLY = {"moe_router": "a mixture of experts' router: each row picks its own experts",
+                   "moe_experts": "a mixture of experts: each row's picked experts' gated MLPs"}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source() -> str:
     return SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text()
@@ -497,8 +502,9 @@ class GpuDevice(CpuDevice):
         require_gpu("the GPU serving device (device='gpu')")
         for n in self.nodes:
             if n.op not in GPU_STEP_RULES:
-                raise UnsupportedError(f"the GPU serving device has no kernel for layer op {n.op}",
-                                       hint="serve the model on device='cpu'")
+                why = f" ({CPU_DEVICE_ONLY[n.op]})" if n.op in CPU_DEVICE_ONLY else ""
+                raise UnsupportedError(f"the GPU serving device has no kernel for layer op {n.op}{why}",
+                                       loc=n.loc, hint="serve the model on device='cpu'")
         self._driver, self._check = driver, check
         self._device = get_device(self.ordinal)
         self.sms = self._device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

@@ -13,6 +13,8 @@ shares its steps:
   first rounds its input to that dtype (`operand_dtype`), as the GPU's tensor cores take it;
 - element-wise ops and the norms work along each row (numpy reduces a row the same whatever rows lie
   beside it), and RoPE takes each row's cos and sin at its own position;
+- a mixture of experts' router and experts run the reference on each row alone (each row's router picks its
+  own experts, whose products are that row's gemvs);
 - attention appends the keys and values of a chunk's rows to the request's pages at once (rounded to the
   checkpoint's dtype, as transformers' cache and the reference with that kv_dtype hold them), then gives each
   query row the softmax over exactly its causal range (the cached prefix and the chunk's keys up to its
@@ -30,7 +32,7 @@ import numpy as np
 
 from mdsl.ir.dtypes import DType, f32
 from mdsl.ir.rules import RuleTable
-from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, attend, attention_options, cached, operand,
+from mdsl.megakernel.modelgraph.layers import (LAYER_OPS, StepContext, attend, attention_options, cached, operand,
                                               rms_normalize, rope_cos_sin, rotate_heads, window_start)
 
 
@@ -139,10 +141,26 @@ def _rms_norm(xs, a, batch):
     return [rms_normalize(xs[0], xs[1], a["eps"])]
 
 
+def _row_by_row(name: str, rows_operands: int):
+    """An op whose reference takes one row: the reference of each row alone (its first `rows_operands` operands
+    that row's, the others whole), with the step's operand dtype, so that a row gets its bits whatever shares the
+    step (a mixture of experts: each row's router picks its own experts)."""
+    reference = LAYER_OPS[name].reference
+
+    def rule(xs, a, batch):
+        ctx = StepContext(0, operand_dtype=batch.operand_dtype)
+        rows, rest = xs[:rows_operands], list(xs[rows_operands:])
+        return [np.concatenate([reference([x[r:r + 1] for x in rows] + rest, a, ctx)[0]
+                                for r in range(rows[0].shape[0])], axis=0)]
+
+    return rule
+
+
 for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _linear,
                    "add_bias": _as_reference("add_bias"), "head_rms_norm": _head_rms_norm, "rope": _rope,
                    "attention": _attention, "scaled_attention": _attention, "act_mul": _as_reference("act_mul"),
                    "add": _as_reference("add"), "rms_norm_1p": _as_reference("rms_norm_1p"),
                    "geglu": _as_reference("geglu"), "scale": _as_reference("scale"),
-                   "softcap": _as_reference("softcap")}.items():
+                   "softcap": _as_reference("softcap"), "moe_router": _row_by_row("moe_router", 1),
+                   "moe_experts": _row_by_row("moe_experts", 2)}.items():
     STEP_RULES.register(_op, _rule)

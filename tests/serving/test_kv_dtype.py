@@ -19,7 +19,7 @@ DTYPES = {"bfloat16": bf16, "float16": f16}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("arch", ["llama3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma2", "qwen3_moe"])
 def test_a_16_bit_checkpoints_requests_give_the_bits_of_the_reference_with_its_kv_dtype(tmp_path, arch, dtype):
     ckpt = write_checkpoint(tmp_path, arch, positions=48, torch_dtype=dtype)
     assert kv_dtype(ckpt.graph) is DTYPES[dtype]
@@ -78,3 +78,29 @@ def test_a_byte_budget_counts_the_pools_16_bit_rows(tmp_path):
     assert kv_bytes_per_token(ckpt.graph) == per_token
     with LLM(ckpt.folder, page_size=4, kv_cache_bytes=per_token * 4 * 10 + 7) as llm:
         assert llm.shape.num_pages == 10
+
+
+def test_a_mixture_of_experts_rounds_its_products_inputs_to_the_operand_dtype():
+    """The router's and each expert's products take their inputs (the row, the expert's hidden row) rounded to the
+    operand dtype, as a linear's."""
+    rng = np.random.default_rng(5)
+    h, e, inter = 24, 4, 8
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    router = round_to_dtype(rng.standard_normal((e, h)).astype(np.float32), bf16)
+    ws = [round_to_dtype(rng.standard_normal(shape).astype(np.float32), bf16)
+          for shape in [(inter, h)] * (2 * e) + [(h, inter)] * e]
+    attrs = {"top_k": 2, "norm_topk_prob": True}
+    for dtype in (f32, bf16):
+        ctx = StepContext(0, operand_dtype=dtype)
+        (routing,) = get_layer_op("moe_router").reference([x, router], attrs, ctx)
+        xr = round_to_dtype(x, dtype).astype(np.float64)
+        logits = xr @ router.astype(np.float64).T
+        p = np.exp(logits - logits.max())
+        assert set(np.flatnonzero(routing)) == set(np.argsort(-p.reshape(-1))[:2])
+        (out,) = get_layer_op("moe_experts").reference([x, routing, *ws], {"act": "relu"}, ctx)
+        want = np.zeros(h)
+        for k in np.flatnonzero(routing):
+            hidden = np.maximum(xr @ ws[k].astype(np.float64).T, 0) * (xr @ ws[e + k].astype(np.float64).T)
+            want += routing[0, k] * (round_to_dtype(hidden.astype(np.float32), dtype).astype(np.float64) @
+                                     ws[2 * e + k].astype(np.float64).T).reshape(-1)
+        np.testing.assert_allclose(out.reshape(-1), want, rtol=1e-5, atol=1e-5)

@@ -460,9 +460,15 @@ def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> np.ndarray:
     return out[None, :].astype(np.float32)
 
 
+def _operand_dtype(ctx) -> DType:
+    """The dtype a product's input is rounded to (StepContext.operand_dtype; float32 without a step)."""
+    return ctx.operand_dtype if ctx is not None else f32
+
+
 def _moe_router_ref(xs, a, ctx):
     x, router = xs
-    return [route(x.astype(np.float32) @ router.astype(np.float32).T, a["top_k"], a["norm_topk_prob"])]
+    x = operand(x.astype(np.float32), _operand_dtype(ctx))
+    return [route(x @ router.astype(np.float32).T, a["top_k"], a["norm_topk_prob"])]
 
 
 def expert_weights(weights, experts: int) -> tuple:
@@ -485,10 +491,12 @@ def _moe_experts_infer(types, a):
     return (_row(h),)
 
 
-def expert_output(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: str) -> np.ndarray:
-    x = x.reshape(-1).astype(np.float32)
+def expert_output(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: str,
+                  operand_dtype: DType = f32) -> np.ndarray:
+    """One expert's gated MLP of the row x, each product's input rounded to `operand_dtype` as a linear's."""
+    x = operand(x.reshape(-1).astype(np.float32), operand_dtype)
     hidden = activation(act, x @ gate.astype(np.float32).T) * (x @ up.astype(np.float32).T)
-    return (hidden @ down.astype(np.float32).T).astype(np.float32)
+    return (operand(hidden.astype(np.float32), operand_dtype) @ down.astype(np.float32).T).astype(np.float32)
 
 
 def _moe_experts_ref(xs, a, ctx):
@@ -496,7 +504,7 @@ def _moe_experts_ref(xs, a, ctx):
     gates, ups, downs = expert_weights(ws, routing.shape[1])
     out = np.zeros(x.shape[1], np.float32)
     for e in np.flatnonzero(routing.reshape(-1)):
-        out += routing[0, e] * expert_output(x, gates[e], ups[e], downs[e], a["act"])
+        out += routing[0, e] * expert_output(x, gates[e], ups[e], downs[e], a["act"], _operand_dtype(ctx))
     return [out[None, :]]
 
 
