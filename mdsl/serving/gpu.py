@@ -477,7 +477,8 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
 
 #: the ops the CPU device serves that have no step kernels here, and what they are
 CPU_DEVICE_ONLY = {"moe_router": "a mixture of experts' router: each row picks its own experts",
-                   "moe_experts": "a mixture of experts: each row's picked experts' gated MLPs"}
+                   "moe_experts": "a mixture of experts: each row's picked experts' gated MLPs",
+                   "gated_scale": "a row scaled by an activation of its one-value gate (a shared expert's)"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -162,5 +162,5 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
                    "add": _as_reference("add"), "rms_norm_1p": _as_reference("rms_norm_1p"),
                    "geglu": _as_reference("geglu"), "scale": _as_reference("scale"),
                    "softcap": _as_reference("softcap"), "moe_router": _row_by_row("moe_router", 1),
-                   "moe_experts": _row_by_row("moe_experts", 2)}.items():
+                   "moe_experts": _row_by_row("moe_experts", 2), "gated_scale": _as_reference("gated_scale")}.items():
     STEP_RULES.register(_op, _rule)

@@ -440,3 +440,42 @@ def test_an_architectures_sampling_model_is_its_greedy_model_up_to_the_last_op(a
     assert [n.op for n in sampling.nodes[:-1]] == [n.op for n in greedy.nodes[:-1]]
     assert (greedy.nodes[-1].op, sampling.nodes[-1].op) == ("argmax", "sample")
     assert sampling.weights == greedy.weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen2-MoE: Qwen2's attention (q|k|v biases), routed experts and a shared expert scaled by sigmoid of its gate
+
+def test_qwen2_moe_runs_in_the_simulator_with_its_shared_expert():
+    config, graph, weights = tiny_model("qwen2_moe", seed=6)
+    assert config.shared_expert_size == 24 and config.dense_layers == (1,)
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("moe_experts") == ops.count("gated_scale") == 2 and ops.count("add_bias") == 3
+    want = _simulated_equals_reference(graph, weights, seed=3)
+    # the shared expert matters: without it (its gate's weights 0 scale it by sigmoid(0) = 1/2) other logits
+    halved = {**weights, **{n: np.zeros_like(w) for n, w in weights.items() if n.endswith("shared_expert_gate.weight")}}
+    assert not np.allclose(ReferenceModel(graph, halved).generate(PROMPT, STEPS).logits, want.logits, rtol=1e-3)
+
+
+def test_a_qwen2_moe_checkpoint_round_trips(tmp_path):
+    _, graph, weights = tiny_model("qwen2_moe", seed=6)
+    _round_trip(tmp_path, "qwen2_moe", graph, weights)
+
+
+def test_qwen2_moe_is_refused_for_the_gpu_naming_its_shared_experts_gate_and_over_ranks():
+    """The device has no body for the shared expert's gated output (gated_scale): refused at its line before any other
+    op; tensor parallelism refuses the mixture of experts."""
+    config, graph, weights = tiny_model("qwen2_moe", seed=6)
+    _refused(config, graph, weights, "gated_scale", "no device lowering: the device has no body scaling a row",
+             "m.gated_scale(shared, gate")
+    with pytest.raises(UnsupportedError, match="not split over ranks"):
+        tensor_parallel(graph, 2)
+
+
+def test_qwen2_moe_config_errors():
+    from mdsl.errors import MdslError
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    for change, message in (({"qkv_bias": False}, "qkv_bias"), ({"shared_expert_intermediate_size": 0},
+                                                                "shared_expert_intermediate_size")):
+        with pytest.raises(MdslError, match=message) as e:
+            config_from_dict(tiny_config_dict("qwen2_moe", **change))
+        assert e.value.hint

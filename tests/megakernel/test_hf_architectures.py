@@ -110,3 +110,13 @@ def _per_expert_tensors(model) -> dict:
 def test_qwen3_moe_matches_transformers(tmp_path, norm_topk_prob):
     loaded = _compare(tmp_path, tiny_config_dict("qwen3_moe", norm_topk_prob=norm_topk_prob), _per_expert_tensors)
     assert loaded.config.num_experts == 6 and loaded.config.experts_per_token == 2
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen2_moe_with_its_shared_expert_matches_transformers(tmp_path, norm_topk_prob):
+    """Qwen2-MoE: Qwen2's q|k|v biases, routed experts beside a wider shared expert scaled by sigmoid of its gate,
+    a dense layer between the sparse ones."""
+    loaded = _compare(tmp_path, tiny_config_dict("qwen2_moe", norm_topk_prob=norm_topk_prob), _per_expert_tensors)
+    config = loaded.config
+    assert (config.num_experts, config.shared_expert_size, config.dense_layers) == (6, 24, (1,))
+    assert config.qkv_bias and [n.op for n in loaded.graph.nodes].count("gated_scale") == 2

@@ -73,9 +73,10 @@ def _task_graphs():
     sampling = sampling_decode("gemma2", temperature=0.7, seed=1).trace(config)
     for g in (graph, fuse(graph), tensor_parallel(graph, 2).graph, fuse(sampling)):
         yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
-    config, graph, _ = tiny_model("qwen3_moe")   # (not split over ranks)
-    for g in (graph, fuse(graph)):
-        yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
+    for arch in ("qwen3_moe", "qwen2_moe"):   # (not split over ranks)
+        config, graph, _ = tiny_model(arch)
+        for g in (graph, fuse(graph)):
+            yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))
     _, graph, _ = parallel_block_example().build(layers=2, positions=24)   # a user's: linear_add_residual
     for g in (graph, fuse(graph)):
         yield build_task_graph(g, PartitionConfig(num_sms=5, column_align=4, kv_splits=2))

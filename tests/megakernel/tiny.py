@@ -11,7 +11,7 @@ from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
 ARCHITECTURES = {"llama3": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
@@ -30,6 +30,9 @@ def tiny_config_dict(arch: str = "llama3", **overrides) -> dict:
     if arch == "qwen3_moe":
         raw.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
                    mlp_only_layers=[], decoder_sparse_step=1)
+    if arch == "qwen2_moe":   # (its shared expert wider than the routed ones, as Qwen1.5-MoE's; a dense layer)
+        raw.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=3)
     raw.update(overrides)
     return raw
 

@@ -1,7 +1,8 @@
 """The serving engine on the architectures besides Llama-3 and Qwen3 whose layer ops have step rules:
 Qwen2 (q/k/v biases), Mistral and Phi-3 (sliding-window attention), Gemma-2 (its (1 + weight) norms,
 tanh-GELU gate, scaled embeddings, attention with its own query scale, soft-capped scores and logits, a
-window on alternate layers), Qwen3-MoE (each row's router picking its own experts). Requests arriving at random steps, their prompts chunked across steps (so
+window on alternate layers), Qwen3-MoE (each row's router picking its own experts) and Qwen2-MoE (its shared
+expert beside the routed ones). Requests arriving at random steps, their prompts chunked across steps (so
 windows cross chunk boundaries), give the reference's tokens and logits bit for bit."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.serving.conftest import drive, write_checkpoint
 VOCAB = 96
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3", "gemma2", "qwen3_moe", "qwen2_moe"])
 def test_requests_of_every_architecture_match_the_reference_bit_for_bit(tmp_path, arch):
     ckpt = write_checkpoint(tmp_path, arch, positions=48)
     rng = np.random.default_rng(11)

@@ -1,5 +1,5 @@
 """Built-in step functions: Llama-3 (LlamaForCausalLM), Mistral (MistralForCausalLM), Phi-3 (Phi3ForCausalLM),
-Gemma-2 (Gemma2ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Qwen2 / Qwen2.5
+Gemma-2 (Gemma2ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM), Qwen2 / Qwen2.5
 (Qwen2ForCausalLM) and Qwen3 (Qwen3ForCausalLM), one decode step each, with the weights named as in their Hugging Face checkpoints.
 They are step functions like a user's: the megakernel lowers their traced graphs by the layer ops' rules."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ def _decoder(m, cfg: ModelConfig):
     """The decoder shared by Llama-3, Mistral, Phi-3, Qwen2 and Qwen3; Mistral's (and Phi-3's) attention reads a
     sliding window of positions, Phi-3's checkpoint holds the q|k|v and gate|up projections as one weight each
     (the fused rows are the q|k|v and gate|up rows), Qwen2 adds biases to the q|k|v projection, Qwen3 an rms_norm
-    of each query and key head, Qwen3-MoE a mixture of experts for the MLP of its sparse layers."""
+    of each query and key head, Qwen3-MoE a mixture of experts for the MLP of its sparse layers, Qwen2-MoE Qwen2's
+    attention and a mixture of experts with a shared expert."""
     h, d = cfg.hidden_size, cfg.head_dim
     heads = {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": d}
     embed = m.weight("model.embed_tokens.weight", [cfg.vocab_size, h])
@@ -61,13 +62,21 @@ def _decoder(m, cfg: ModelConfig):
 
 
 def _experts(m, cfg: ModelConfig, normed, p: str):
-    """Qwen3-MoE's sparse MLP: the router picks experts_per_token of num_experts; only their weights are read."""
+    """A sparse MLP: the router picks experts_per_token of num_experts; only their weights are read. Qwen2-MoE's
+    adds a shared expert, a gated MLP of every token scaled by sigmoid of its own one-row gate projection."""
     h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     routing = m.moe_router(normed, m.weight(p + "mlp.gate.weight", [e, h]), top_k=cfg.experts_per_token,
                            norm_topk_prob=cfg.norm_topk_prob)
     weights = [m.weight(p + f"mlp.experts.{k}.{proj}.weight", shape) for proj, shape in
                (("gate_proj", [inter, h]), ("up_proj", [inter, h]), ("down_proj", [h, inter])) for k in range(e)]
-    return m.moe_experts(normed, routing, *weights, act=cfg.hidden_act)
+    out = m.moe_experts(normed, routing, *weights, act=cfg.hidden_act)
+    if cfg.shared_expert_size:
+        s, q = cfg.shared_expert_size, p + "mlp.shared_expert."
+        gate_up = m.linear(normed, m.weight(q + "gate_proj.weight", [s, h]), m.weight(q + "up_proj.weight", [s, h]))
+        shared = m.linear(m.act_mul(gate_up, cfg.hidden_act), m.weight(q + "down_proj.weight", [h, s]))
+        gate = m.linear(normed, m.weight(p + "mlp.shared_expert_gate.weight", [1, h]))
+        out = m.add(out, m.gated_scale(shared, gate, "sigmoid"))
+    return out
 
 
 def _gemma2(m, cfg: ModelConfig):
@@ -102,7 +111,7 @@ def _gemma2(m, cfg: ModelConfig):
 
 #: each built-in architecture's logits of one decode step
 _LOGITS = {"llama3": _decoder, "mistral": _decoder, "phi3": _decoder, "qwen2": _decoder, "qwen3": _decoder,
-           "qwen3_moe": _decoder, "gemma2": _gemma2}
+           "qwen3_moe": _decoder, "qwen2_moe": _decoder, "gemma2": _gemma2}
 
 
 def _logits_of(architecture: str):

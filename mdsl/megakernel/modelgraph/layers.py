@@ -395,6 +395,18 @@ def _add_ref(xs, a, ctx):
 # Gemma-2's ops: rms_norm_1p (its norm scales by 1 + weight), geglu (its MLP's tanh-approximate GELU gate), and
 # two element-wise ops of a row: scale (its embeddings times sqrt(hidden)) and softcap (its final logits capped)
 
+def _gated_scale_infer(types, a):
+    x, gate = types
+    n = _require_row("gated_scale", x, "the row")
+    _require_row("gated_scale", gate, "the gate", 1)
+    return (_row(n),)
+
+
+def _gated_scale_ref(xs, a, ctx):
+    x, gate = (v.astype(np.float32) for v in xs)
+    return [(activation(a["act"], gate) * x).astype(np.float32)]
+
+
 def _rms_norm_1p_ref(xs, a, ctx):
     x, w = xs
     return [rms_normalize(x, np.float32(1.0) + w.astype(np.float32), a["eps"])]
@@ -642,6 +654,9 @@ _layer("scale", 1, _row_infer("scale"), lambda xs, a, ctx: [scale_row(xs[0], a)]
        doc="x * factor (Gemma's embeddings times sqrt(hidden))")
 _layer("softcap", 1, _row_infer("softcap"), lambda xs, a, ctx: [softcap_row(xs[0], a)],
        (AttrSpec("cap", "float", minimum=1e-30),), doc="cap * tanh(x / cap) (Gemma-2's logit soft-capping)")
+_layer("gated_scale", 2, _gated_scale_infer, _gated_scale_ref, (AttrSpec("act", "op", "sigmoid"),),
+       doc="act(gate) * x: a row scaled by an element-wise operator of its one-value gate row (Qwen2-MoE's shared "
+           "expert times sigmoid of its gate)")
 _layer("moe_router", 2, _moe_router_infer, _moe_router_ref,
        (AttrSpec("top_k", "int"), AttrSpec("norm_topk_prob", "bool", False)),
        doc="the routing row [1, E]: softmax of x @ router.T, its top_k kept (renormalised with norm_topk_prob)")

@@ -344,6 +344,10 @@ class ModelBuilder:
         """cap * tanh(x / cap)."""
         return self.apply("softcap", x, cap=cap)[0]
 
+    def gated_scale(self, x: Var, gate: Var, act: str = "sigmoid") -> Var:
+        """act(gate) * x, `gate` a row of one value (a shared expert's gate: sigmoid of a [1, 1] linear)."""
+        return self.apply("gated_scale", x, gate, act=act)[0]
+
     def moe_router(self, x: Var, router: Var, *, top_k: int, norm_topk_prob: bool = False) -> Var:
         """The routing row [1, E]: the top_k of softmax(x @ router.T), zero elsewhere."""
         return self.apply("moe_router", x, router, top_k=top_k, norm_topk_prob=norm_topk_prob)[0]

@@ -1,5 +1,6 @@
 """Model configurations read from a Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
-Phi3ForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM).
+Phi3ForCausalLM, Gemma2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+Qwen2MoeForCausalLM).
 
 Every field mdsl reads is type- and range-checked: a wrong one is a CheckpointError naming the file and
 the field, never a Python exception from deep inside the model's construction."""
@@ -18,7 +19,7 @@ from mdsl.megakernel.modelgraph.safetensors import json_kind, read_json_file, sh
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama3", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                  "Gemma2ForCausalLM": "gemma2", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 # the architectures whose config's sliding_window applies to every layer (Qwen2's only with use_sliding_window)
 _SLIDING_WINDOW = ("mistral", "phi3", "gemma2")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -78,6 +79,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple = ()                 # the layers with a dense MLP in a mixture-of-experts model
+    shared_expert_size: int = 0              # its shared expert's intermediate size (0: none; Qwen2-MoE's)
 
     @property
     def qk_norm(self) -> bool:
@@ -89,8 +91,9 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        """Biases on the query, key and value projections (Qwen2's, which its config.json does not flag)."""
-        return self.architecture == "qwen2"
+        """Biases on the query, key and value projections (Qwen2's and Qwen2-MoE's, which Qwen2's config.json does
+        not flag)."""
+        return self.architecture in ("qwen2", "qwen2_moe")
 
     @property
     def fused_projections(self) -> bool:
@@ -237,7 +240,7 @@ def config_from_dict(raw: Any, source: str = "config.json") -> ModelConfig:
     if head_dim % 2:
         raise f.error("head_dim", "even (rotary embeddings turn pairs of dims)", head_dim)
     layers = f.integer("num_hidden_layers")
-    gemma = _gemma2(f, layers) if arch == "gemma2" else _moe(f, layers) if arch == "qwen3_moe" else {}
+    gemma = _gemma2(f, layers) if arch == "gemma2" else _moe(f, layers, arch) if arch.endswith("_moe") else {}
     return ModelConfig(
         architecture=arch, vocab_size=f.integer("vocab_size"), hidden_size=hidden,
         intermediate_size=f.integer("intermediate_size"), num_layers=layers,
@@ -263,9 +266,11 @@ def _gemma2(f: _Fields, layers: int) -> dict:
             "attn_softcap": cap("attn_logit_softcapping"), "final_softcap": cap("final_logit_softcapping")}
 
 
-def _moe(f: _Fields, layers: int) -> dict:
-    """Qwen3-MoE's fields: E experts, top_k of them per token, their intermediate size, whether the top_k
-    probabilities are renormalised, and which layers keep a dense MLP (mlp_only_layers, decoder_sparse_step)."""
+def _moe(f: _Fields, layers: int, arch: str) -> dict:
+    """Qwen3-MoE's and Qwen2-MoE's fields: E experts, top_k of them per token, their intermediate size, whether the
+    top_k probabilities are renormalised, and which layers keep a dense MLP (mlp_only_layers, decoder_sparse_step);
+    Qwen2-MoE's shared expert's intermediate size (and its q|k|v biases: qkv_bias, true unless the config says
+    otherwise)."""
     # (transformers 5 writes the experts as num_local_experts; the Hub's Qwen3-MoE configs as num_experts)
     experts = f.integer("num_local_experts" if "num_experts" not in f.raw and "num_local_experts" in f.raw
                         else "num_experts")
@@ -276,8 +281,14 @@ def _moe(f: _Fields, layers: int) -> dict:
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise f.error("mlp_only_layers", "a list of layer indices", only)
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = {}
+    if arch == "qwen2_moe":
+        if not f.flag("qkv_bias", True):
+            raise UnsupportedError(f"{f.source}: qkv_bias=false is not supported for Qwen2-MoE",
+                                   hint="mdsl's Qwen2-MoE has Qwen2's q|k|v biases")
+        shared = {"shared_expert_size": f.integer("shared_expert_intermediate_size")}
     return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": f.flag("norm_topk_prob"),
-            "moe_intermediate_size": f.integer("moe_intermediate_size"), "dense_layers": dense}
+            "moe_intermediate_size": f.integer("moe_intermediate_size"), "dense_layers": dense, **shared}
 
 
 def load_config(path: str, max_positions: Optional[int] = None) -> ModelConfig:

@@ -310,6 +310,8 @@ for _op in ("norm_linear", "norm_linear_bias", "norm_gate_up", "linear_residual"
 for _op in ("moe_router", "moe_experts"):
     SHARD_RULES.register(_op, NotSharded("a mixture of experts is not split over ranks (neither by expert nor "
                                          "within each expert's projections)"))
+SHARD_RULES.register("gated_scale", NotSharded("a shared expert's gated output is not split over ranks (a mixture of "
+                                               "experts is not)"))
 for _op in ("norm_moe_router", "norm_moe_experts_residual"):
     SHARD_RULES.register(_op, NotSharded("tensor parallelism splits the unfused graph (a mixture of experts is not "
                                          "split over ranks)"))

@@ -345,10 +345,12 @@ def lower_task_graph(task_graph: TaskGraph, shape: DecoderShape, *, workers: int
     rows: list = []
     row_of: dict = {}     # task id -> row index; absent: absorbed
     kind_ops: dict = {}   # Kind -> the KindOp its rows come from
-    for index, node in enumerate(graph.nodes):
+    for node in graph.nodes:   # (an op without a device lowering first: it says what the device lacks)
         rule = DEVICE_RULES.get(node.op)
         if not isinstance(rule, DeviceRule):
             raise binding.refuse(node, "it has no device lowering" + (f": {rule.reason}" if rule is not None else ""))
+    for index, node in enumerate(graph.nodes):
+        rule = DEVICE_RULES[node.op]
         binding.streams = []
         binding.kind_attrs = None
         made = rule.rows(node, by_node.get(index, []), binding)
@@ -884,6 +886,8 @@ for _op, _reason in {
     "moe_router": "the device routes only a normalised row of the residual stream (fused into norm_moe_router)",
     "moe_experts": "the device runs a mixture of experts only over a normalised row of the residual stream, routed "
                    "by a moe_router, its output added to the stream (fused into norm_moe_experts_residual)",
+    "gated_scale": "the device has no body scaling a row by its gate (a shared expert's: Qwen2-MoE runs on the CPU "
+                   "simulator and the serving engine's CPU device)",
     "add_bias": "the device adds biases only to the q|k|v projection of a normalised row, in its epilogue "
                 "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "

@@ -139,6 +139,12 @@ def _elementwise(task, node, buf, ctx):
     buf[node.output.name][0, a:b] = ROW_FUNCTIONS[node.op](buf[node.inputs[0].name][0, a:b], node.attr_dict)
 
 
+def _gated_scale(task, node, buf, ctx):
+    a, b = _cols(task)
+    x, gate = node.inputs
+    buf[node.output.name][0, a:b] = node.opdef.reference([buf[x.name][:, a:b], buf[gate.name]], node.attr_dict, ctx)[0]
+
+
 def _by_reference(task, node, buf, ctx):
     """A one-task op: its reference on the whole operands."""
     outs = node.opdef.reference([buf[v.name] for v in node.inputs], node.attr_dict, ctx)
@@ -385,6 +391,7 @@ for _op, _bodies in {
     "attention": {"attention.partial": _attention_partial, "attention.combine": _attention_combine},
     "act_mul": {"act_mul": _act_mul}, "add": {"add": _add}, "rms_norm_1p": {"rms_norm_1p": _by_reference},
     "moe_router": {"moe_router": _by_reference}, "moe_experts": {"moe.up": _moe_up, "moe.down": _moe_down},
+    "gated_scale": {"gated_scale": _gated_scale},
     "geglu": {"geglu": _geglu}, "scale": {"scale": _elementwise}, "softcap": {"softcap": _elementwise},
     "argmax": {"argmax.partial": _argmax_partial, "argmax.reduce": argmax_reduce}, "sample": {"sample": _sample},
     "norm_linear": {"norm_linear": _norm_linear}, "norm_linear_bias": {"norm_linear_bias": _norm_linear_bias},

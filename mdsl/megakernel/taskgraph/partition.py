@@ -208,6 +208,13 @@ def _elementwise_tasks(node, config):
             for a, b in column_tiles(node.output.shape[1], config)], []
 
 
+def _gated_scale_tasks(node, config):
+    """Column tiles of the row, each reading the one-value gate whole."""
+    x, gate = node.inputs
+    return [TaskSpec(node.op, _col_tile(a, b), (columns(x, a, b), full(gate)), (columns(node.output, a, b),))
+            for a, b in column_tiles(node.output.shape[1], config)], []
+
+
 def moe_scratch(node) -> str:
     """The scratch buffer of a moe_experts node: each expert's hidden row act(gate x) * up x, [E, inter]."""
     return f"{node.output.name}.expert_hidden"
@@ -455,7 +462,7 @@ for _name, _rule in {
     "embedding": _embedding_tasks, "rms_norm": _row_tasks, "linear": _linear_tasks,
     "add_bias": _add_bias_tasks, "head_rms_norm": _per_head_tasks, "rope": _per_head_tasks, "attention": _attention_tasks,
     "scaled_attention": _attention_tasks, "rope_scaled_attention": _rope_scaled_attention_tasks,
-    "moe_router": _row_tasks, "moe_experts": _moe_experts_tasks,
+    "moe_router": _row_tasks, "moe_experts": _moe_experts_tasks, "gated_scale": _gated_scale_tasks,
     "rms_norm_1p": _row_tasks, "geglu": _act_mul_tasks, "scale": _elementwise_tasks, "softcap": _elementwise_tasks,
     "act_mul": _act_mul_tasks, "add": _add_tasks, "argmax": _argmax_tasks, "sample": _sample_tasks,
     "norm_linear": _norm_linear_tasks, "norm_linear_bias": _norm_linear_bias_tasks, "norm_gate_up": _norm_gate_up_tasks, "linear_residual": _linear_residual_tasks,
