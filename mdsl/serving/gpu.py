@@ -433,16 +433,52 @@ def _attention(xs, outs, a, b):
                    [_p(outs[0]), partials, ctypes.c_void_p(dev.attention_arrivals), _p(qkv), *pools])
 
 
-_ACTIVATIONS = {"silu": 0, "gelu": 2}   # step_kernels.cu's act_mul codes (1: geglu's tanh GELU)
+_ACTIVATIONS = {"silu": 0, "gelu": 2, "sigmoid": 3}   # step_kernels.cu's `activate` codes (1: geglu's tanh GELU)
+MOE_WARPS = 8                    # step_kernels.cu's mixture of experts: a block's warps, a column a warp ...
+MOE_MAX_EXPERTS = 1024           # ... a router's experts ...
+MOE_MAX_K = 32                   # ... and the most it picks
+
+
+def _activation(act: str, op: str) -> int:
+    code = _ACTIVATIONS.get(act)
+    if code is None:
+        raise UnsupportedError(f"the GPU serving device has no kernel for {op}'s activation {act!r}",
+                               hint=f"its kernels compute {sorted(_ACTIVATIONS)}")
+    return code
 
 
 def _act_mul(xs, outs, a, b):
-    act = _ACTIVATIONS.get(a["act"])
-    if act is None:
-        raise UnsupportedError(f"the GPU serving device has no kernel for the activation {a['act']!r}",
-                               hint=f"its act_mul kernel computes {sorted(_ACTIVATIONS)}")
     b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS,
-                    [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, act)])
+                    [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, _activation(a["act"], "act_mul"))])
+
+
+def _gated_scale(xs, outs, a, b):
+    x, gate = xs
+    b.device.launch("gated_scale", _spread(b.rows, x.width), THREADS,
+                    [_p(outs[0]), _p(x), _p(gate), *_ints(x.width, _activation(a["act"], "gated_scale"))])
+
+
+def _moe_router(xs, outs, a, b):
+    """The routing rows: each row's router logits, softmax and top_k (step_kernels.cu's moe_router)."""
+    x, router = xs
+    b.device.launch(_weighted("moe_router", router), (b.rows,), MOE_WARPS * 32,
+                    [_p(outs[0]), _p(x), _p(router),
+                     *_ints(router.shape[0], a["top_k"], x.width, a["norm_topk_prob"])])
+
+
+def _moe_experts(xs, outs, a, b):
+    """Each row's picked experts' gated MLPs (moe_up: a (row, slot)'s hidden columns, into the device's scratch of
+    the expert table; moe_down: the output columns, the slots summed in expert order)."""
+    x, routing, *ws = xs
+    dev, inter = b.device, int(ws[0].shape[0])
+    table, top_k = dev.expert_tables[ws[0].name]
+    experts, act = routing.width, _activation(a["act"], "moe_experts")
+    dev.launch(_weighted("moe_up", ws[0]), (b.rows * top_k, min(-(-inter // MOE_WARPS), 4 * dev.sms)),
+               MOE_WARPS * 32, [ctypes.c_void_p(dev.expert_hidden), _p(x), _p(routing), ctypes.c_void_p(table),
+                                *_ints(experts, top_k, x.width, inter, act)])
+    dev.launch(_weighted("moe_down", ws[0]), (b.rows, min(-(-x.width // MOE_WARPS), 4 * dev.sms)), MOE_WARPS * 32,
+               [_p(outs[0]), ctypes.c_void_p(dev.expert_hidden), _p(routing), ctypes.c_void_p(table),
+                *_ints(experts, top_k, x.width, inter)])
 
 
 def _geglu(xs, outs, a, b):
@@ -471,14 +507,9 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
                    "head_rms_norm": _head_rms_norm, "rope": _rope, "attention": _attention,
                    "scaled_attention": _attention, "act_mul": _act_mul, "add": _add,
                    "rms_norm_1p": lambda xs, outs, a, b: _rms_norm(xs, outs, a, b, one_plus=1), "geglu": _geglu,
-                   "scale": _mapped(0, "factor"), "softcap": _mapped(1, "cap")}.items():
+                   "scale": _mapped(0, "factor"), "softcap": _mapped(1, "cap"), "gated_scale": _gated_scale,
+                   "moe_router": _moe_router, "moe_experts": _moe_experts}.items():
     GPU_STEP_RULES.register(_op, _rule)
-
-
-#: the ops the CPU device serves that have no step kernels here, and what they are
-CPU_DEVICE_ONLY = {"moe_router": "a mixture of experts' router: each row picks its own experts",
-                   "moe_experts": "a mixture of experts: each row's picked experts' gated MLPs",
-                   "gated_scale": "a row scaled by an activation of its one-value gate (a shared expert's)"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -503,9 +534,9 @@ class GpuDevice(CpuDevice):
         require_gpu("the GPU serving device (device='gpu')")
         for n in self.nodes:
             if n.op not in GPU_STEP_RULES:
-                why = f" ({CPU_DEVICE_ONLY[n.op]})" if n.op in CPU_DEVICE_ONLY else ""
-                raise UnsupportedError(f"the GPU serving device has no kernel for layer op {n.op}{why}",
+                raise UnsupportedError(f"the GPU serving device has no kernel for layer op {n.op}",
                                        loc=n.loc, hint="serve the model on device='cpu'")
+        self._check_experts()
         self._driver, self._check = driver, check
         self._device = get_device(self.ordinal)
         self.sms = self._device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -603,6 +634,15 @@ class GpuDevice(CpuDevice):
         self.attention_grid = self.sms * min(
             self._blocks_per_sm(f"attention_{kind}_{MMA_GROUPS[-1]}_bf16", ATTENTION_THREADS, smem)
             for kind, smem in (("mma", MMA_SMEM), ("solo", MMA_SOLO_SMEM))) if self.attention_work else 1
+        # a mixture of experts: per moe_experts node (by its first gate weight's name) the device array of its 3E
+        # weights' addresses and its router's top_k; one scratch of hidden rows for the widest
+        self.expert_tables: dict = {}
+        hidden = 1
+        for n, top_k in self._experts():
+            addresses = np.array([self.values[v.name].ptr for v in n.inputs[2:]], np.uint64).view(np.int32)
+            self.expert_tables[n.inputs[2].name] = (array(addresses, addresses.shape, i32), top_k)
+            hidden = max(hidden, rows * top_k * int(n.inputs[2].shape[0]))
+        self.expert_hidden = array(None, (hidden,), f32)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
@@ -615,6 +655,28 @@ class GpuDevice(CpuDevice):
         self.replays = 0                 # steps run as graph replays
         self._profile: Optional[dict] = None   # op -> [seconds, steps] while profile_ops runs
         self._profiled: dict = {}        # (rows, kept rows) -> (graph with an event after each op, its events)
+
+    def _experts(self) -> list:
+        """(moe_experts node, its router's top_k) of each mixture of experts."""
+        routers = {n.outputs[0].name: n for n in self.nodes if n.op == "moe_router"}
+        return [(n, routers[n.inputs[1].name].attr_dict["top_k"]) for n in self.nodes if n.op == "moe_experts"]
+
+    def _check_experts(self) -> None:
+        """Refuse, before any memory is taken, a mixture of experts the step kernels cannot run."""
+        for n in self.nodes:
+            problem = None
+            if n.op == "moe_router" and int(n.inputs[1].shape[0]) > MOE_MAX_EXPERTS:
+                problem = f"its {n.inputs[1].shape[0]} experts (at most {MOE_MAX_EXPERTS})"
+            elif n.op == "moe_router" and n.attr_dict["top_k"] > MOE_MAX_K:
+                problem = f"its top_k {n.attr_dict['top_k']} (at most {MOE_MAX_K})"
+            elif n.op == "moe_experts" and not any(m.op == "moe_router" and m.outputs[0].name == n.inputs[1].name
+                                                   for m in self.nodes):
+                problem = "its routing row, which no moe_router of the step makes (the kernels take its top_k)"
+            elif n.op == "moe_experts" and len({v.dtype for v in n.inputs[2:]}) > 1:
+                problem = "its experts' weights of different dtypes"
+            if problem:
+                raise UnsupportedError(f"the GPU serving device cannot run {n.op} with {problem}", loc=n.loc,
+                                       hint="serve the model on device='cpu'")
 
     def _lower(self) -> list:
         """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and

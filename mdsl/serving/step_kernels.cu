@@ -784,23 +784,28 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]; act 0: silu, 1: GELU's tanh approximation (geglu),
-// 2: exact (erf) GELU
+// act 0: silu, 1: GELU's tanh approximation (geglu), 2: exact (erf) GELU, 3: sigmoid
+__device__ __forceinline__ float activate(float g, int act) {
+  if (act == 0) return silu(g);
+  if (act == 1) {
+    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanhf(inner));
+  }
+  if (act == 2) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+  return 1.0f / (1.0f + __expf(-g));
+}
+
+// act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]
 __device__ void act_mul(float* out, const float* gu, int half, int act) {
   const long long in = (long long)blockIdx.x * 2 * half, o = (long long)blockIdx.x * half;
-  for (int i = ELEMENT; i < half; i += ELEMENTS) {
-    const float g = gu[in + i];
-    float a;
-    if (act == 0) {
-      a = silu(g);
-    } else if (act == 1) {
-      const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      a = 0.5f * g * (1.0f + tanhf(inner));
-    } else {
-      a = 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
-    }
-    out[o + i] = __fmul_rn(a, gu[in + half + i]);
-  }
+  for (int i = ELEMENT; i < half; i += ELEMENTS) out[o + i] = __fmul_rn(activate(gu[in + i], act), gu[in + half + i]);
+}
+
+// gated_scale: out[r, i] = act(gate[r]) * x[r, i] (a shared expert's output times sigmoid of its gate)
+__device__ void gated_scale(float* out, const float* x, const float* gate, int width, int act) {
+  const long long base = (long long)blockIdx.x * width;
+  const float a = activate(gate[blockIdx.x], act);
+  for (int i = ELEMENT; i < width; i += ELEMENTS) out[base + i] = __fmul_rn(a, x[base + i]);
 }
 
 // an element-wise function of a row: kind 0, x * param (scaled embeddings); 1, param * tanh(x / param)
@@ -814,6 +819,148 @@ __device__ void map_rows(float* out, const float* x, int width, int kind, float 
 __device__ void add(float* out, const float* x, const float* y, int width) {
   const long long base = (long long)blockIdx.x * width;
   for (int i = ELEMENT; i < width; i += ELEMENTS) out[base + i] = __fadd_rn(x[base + i], y[base + i]);
+}
+
+// ---- a mixture of experts (moe_router, moe_experts): each row's router picks its own top_k experts, whose gated
+// MLPs alone are read for the row. A row's logits, probabilities and products are its own warps' fixed orders
+// (lane-strided sums, the xor tree, lane 0's result), so its experts and its output do not depend on the other
+// rows of the step.
+
+constexpr int MOE_WARPS = 8;
+constexpr int MOE_MAX_EXPERTS = 1024;   // a row's probabilities in shared memory
+constexpr int MOE_MAX_K = 32;
+
+// sum_k w[k] * operand<W>(x[k]) by one warp, every lane given lane 0's: lane l takes the 16-byte vectors l, l + 32,
+// ... of w in order (k a multiple of a vector; else a value a lane), then the warp's xor tree
+template <typename W>
+__device__ __forceinline__ float warp_dot(const W* w, const float* x, int k) {
+  constexpr int VEC = 16 / sizeof(W);
+  const int lane = threadIdx.x % WARP;
+  float acc = 0.0f;
+  if (k % VEC == 0) {
+    for (int v0 = lane * VEC; v0 < k; v0 += WARP * VEC) {
+      float wv[VEC];
+      load_vec<W>(w + v0, wv);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc = fmaf(wv[j], operand<W>(x[v0 + j]), acc);
+    }
+  } else {
+    for (int j = lane; j < k; j += WARP) acc = fmaf(to_f(w[j]), operand<W>(x[j]), acc);
+  }
+  return __shfl_sync(0xffffffffu, warp_sum(acc), 0);
+}
+
+// moe_router: routing[r] = the top_k of softmax(router x[r]) (the lower expert on ties), renormalised to sum to 1
+// with norm_topk_prob, zero elsewhere (mdsl.megakernel.modelgraph.layers.route). One block of MOE_WARPS warps a
+// row: warp w the logits of experts w, w + MOE_WARPS, ...; then warp 0 the softmax (the maximum, the exponentials'
+// lane-strided sums, each probability divided by the sum) and top_k rounds of the largest probability left, the
+// picked ones summed in top-k order.
+template <typename W>
+__device__ void moe_router(float* routing, const float* x, const W* router, int experts, int top_k, int k,
+                           int norm_topk_prob) {
+  __shared__ float p[MOE_MAX_EXPERTS];
+  __shared__ int picked[MOE_MAX_K];
+  __shared__ float value[MOE_MAX_K];
+  const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const float* xr = x + (long long)r * k;
+  for (int e = warp; e < experts; e += MOE_WARPS) {
+    const float z = warp_dot<W>(router + (long long)e * k, xr, k);
+    if (lane == 0) p[e] = z;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  float top = -INF;
+  for (int e = lane; e < experts; e += WARP) top = fmaxf(top, p[e]);
+  top = __shfl_sync(0xffffffffu, warp_max(top), 0);
+  float total = 0.0f;
+  for (int e = lane; e < experts; e += WARP) {
+    p[e] = expf(p[e] - top);
+    total += p[e];
+  }
+  total = __shfl_sync(0xffffffffu, warp_sum(total), 0);
+  float* out = routing + (long long)r * experts;
+  for (int e = lane; e < experts; e += WARP) {
+    p[e] = __fdiv_rn(p[e], total);
+    out[e] = 0.0f;
+  }
+  __syncwarp();
+  for (int j = 0; j < top_k; ++j) {
+    float best = -1.0f;   // (probabilities are >= 0; a picked one is set to -1)
+    int at = experts;
+    for (int e = lane; e < experts; e += WARP)
+      if (p[e] > best) {   // (a lane's experts in increasing order: its first largest)
+        best = p[e];
+        at = e;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, o);
+      const int where = __shfl_xor_sync(0xffffffffu, at, o);
+      if (other > best || (other == best && where < at)) {
+        best = other;
+        at = where;
+      }
+    }
+    if (lane == 0) {
+      picked[j] = at;
+      value[j] = best;
+      p[at] = -1.0f;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    float sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) sum = __fadd_rn(sum, value[j]);
+    for (int j = 0; j < top_k; ++j) out[picked[j]] = norm_topk_prob ? __fdiv_rn(value[j], sum) : value[j];
+  }
+}
+
+// the expert of slot j of a routing row: its j-th nonzero entry in expert order (-1: fewer are nonzero)
+__device__ __forceinline__ int slot_expert(const float* route, int experts, int j) {
+  for (int e = 0; e < experts; ++e)
+    if (route[e] != 0.0f && j-- == 0) return e;
+  return -1;
+}
+
+// moe_experts' first half: hidden[r, j, c] = act((gate_e x[r])[c]) * (up_e x[r])[c] for the expert e of slot j of
+// the row's routing row; grid (rows * top_k, column blocks), a column one warp's. `weights`: the E gate, E up and
+// E down weights' addresses.
+template <typename W>
+__device__ void moe_up(float* hidden, const float* x, const float* routing, const void* const* weights, int experts,
+                       int top_k, int k, int inter, int act) {
+  const int r = blockIdx.x / top_k, j = blockIdx.x % top_k, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int e = slot_expert(routing + (long long)r * experts, experts, j);
+  if (e < 0) return;
+  const W* gate = static_cast<const W*>(weights[e]);
+  const W* up = static_cast<const W*>(weights[experts + e]);
+  const float* xr = x + (long long)r * k;
+  for (int c = blockIdx.y * MOE_WARPS + warp; c < inter; c += gridDim.y * MOE_WARPS) {
+    const float g = warp_dot<W>(gate + (long long)c * k, xr, k);
+    const float u = warp_dot<W>(up + (long long)c * k, xr, k);
+    if (lane == 0) hidden[((long long)r * top_k + j) * inter + c] = __fmul_rn(activate(g, act), u);
+  }
+}
+
+// moe_experts' second half: out[r, c] = the sum over the row's picked experts e, in expert order, of routing[r, e]
+// times (down_e hidden[r, slot of e])[c], in float32 (the reference's order); grid (rows, column blocks), a column
+// one warp's
+template <typename W>
+__device__ void moe_down(float* out, const float* hidden, const float* routing, const void* const* weights,
+                         int experts, int top_k, int h, int inter) {
+  const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const float* route = routing + (long long)r * experts;
+  for (int c = blockIdx.y * MOE_WARPS + warp; c < h; c += gridDim.y * MOE_WARPS) {
+    float acc = 0.0f;
+    for (int e = 0, j = 0; e < experts && j < top_k; ++e) {
+      const float weight = route[e];
+      if (weight == 0.0f) continue;
+      const W* down = static_cast<const W*>(weights[2 * experts + e]);
+      const float s = warp_dot<W>(down + (long long)c * inter, hidden + ((long long)r * top_k + j) * inter, inter);
+      acc = __fadd_rn(acc, __fmul_rn(weight, s));
+      ++j;
+    }
+    if (lane == 0) out[(long long)r * h + c] = acc;
+  }
 }
 
 // the rows `keep` of x, in order (past the last KV write only the rows that sample go on)
@@ -891,7 +1038,19 @@ ATTENTION(16, 1)
 ATTENTION(1, 2)
 ATTENTION(2, 2)
 ATTENTION(4, 2)
+EVERY_DTYPE(moe_router, (float* routing, const float* x, const void* router, int experts, int top_k, int k,
+                         int norm_topk_prob),
+            (routing, x, static_cast<const W*>(router), experts, top_k, k, norm_topk_prob))
+EVERY_DTYPE(moe_up, (float* hidden, const float* x, const float* routing, const void* const* weights, int experts,
+                     int top_k, int k, int inter, int act),
+            (hidden, x, routing, weights, experts, top_k, k, inter, act))
+EVERY_DTYPE(moe_down, (float* out, const float* hidden, const float* routing, const void* const* weights, int experts,
+                       int top_k, int h, int inter),
+            (out, hidden, routing, weights, experts, top_k, h, inter))
 extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
+extern "C" __global__ void gated_scale(float* out, const float* x, const float* gate, int width, int act) {
+  serve::gated_scale(out, x, gate, width, act);
+}
 extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
 extern "C" __global__ void map_rows(float* out, const float* x, int width, int kind, float param) {
   serve::map_rows(out, x, width, kind, param);

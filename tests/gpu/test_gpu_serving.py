@@ -1,5 +1,5 @@
 """The GPU serving device (`LLM(..., device="gpu")`) on tiny checkpoints (float32 and bfloat16 weights):
-for Llama-3, Qwen3, Qwen2, Mistral, Phi-3 and Gemma-2, its logits agree with the CPU device's (the
+for Llama-3, Qwen3, Qwen2, Mistral, Phi-3, Gemma-2, Qwen3-MoE and Qwen2-MoE, its logits agree with the CPU device's (the
 reference's bits, which match transformers) within float32 rounding, and within the 16-bit roundings of the
 keys, values and linears' inputs for 16-bit checkpoints, and its greedy tokens equal them up to a near-tie; its
 16-bit pools hold the CPU device's values; a request's logits are bit-identical whatever shares its steps,
@@ -88,7 +88,7 @@ def agree(gpu: tuple, cpu: tuple, prompts: list, dtype: str = "float32") -> None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2", "mistral", "phi3", "gemma2", "qwen3_moe", "qwen2_moe"])
 def test_32_requests_agree_with_the_cpu_device(checkpoints, arch, dtype):
     ckpt = checkpoints[arch, dtype]
     rng = np.random.default_rng(3)

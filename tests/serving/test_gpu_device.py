@@ -1,6 +1,6 @@
-"""The GPU serving device's parts that need no GPU: its rule table covers the ops the CPU device serves (but
-a mixture of experts'), its step kernels compile for the H200 without spills, and without a GPU
-`device="gpu"` says so. Its behaviour on a GPU is tests/gpu/test_gpu_serving.py's."""
+"""The GPU serving device's parts that need no GPU: its rule table covers the ops the CPU device serves,
+its step kernels compile for the H200 without spills, and without a GPU `device="gpu"` says so. Its
+behaviour on a GPU is tests/gpu/test_gpu_serving.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,20 +9,20 @@ import pytest
 from mdsl import LLM, SamplingParams
 from mdsl.gpu import has_gpu
 from mdsl.gpu.driver import NoGPUError
-from mdsl.serving.gpu import CPU_DEVICE_ONLY, GPU_STEP_RULES, GROUPS, MMA_GROUPS, kernel_source
+from mdsl.serving.gpu import GPU_STEP_RULES, GROUPS, MMA_GROUPS, kernel_source
 from mdsl.serving.steprules import STEP_RULES
 
 
 def test_the_gpu_rules_cover_the_ops_the_cpu_device_serves():
-    assert set(GPU_STEP_RULES) == set(STEP_RULES) - set(CPU_DEVICE_ONLY)
-    assert set(CPU_DEVICE_ONLY) <= set(STEP_RULES)
+    assert set(GPU_STEP_RULES) == set(STEP_RULES)
 
 
 def test_the_step_kernels_compile_for_sm_90a_without_spills():
     from mdsl.backend.cuda.nvrtc import compile_cuda
 
     resources = compile_cuda(kernel_source(), arch="sm_90a").resources
-    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append")
+    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append",
+                "moe_router", "moe_up", "moe_down")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
@@ -30,7 +30,7 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
     expected |= {f"attention_{kind}_{g}_{s}" for kind in ("mma", "solo") for g in MMA_GROUPS
                  for s in ("bf16", "f16")}   # (16-bit pools)
     expected |= {f"attention_fold_{g}" for g in MMA_GROUPS}
-    expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows"}
+    expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows", "gated_scale"}
     assert set(resources) == expected
     for name, r in resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
@@ -297,3 +297,39 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
         handles = drive(llm, arrivals_of(rng, prompts, params, 20))
         assert all(h.result().token_ids for h in handles.values())
     assert max(steps) > 1 and len(steps) > 20
+
+
+def _bare_device(graph):
+    """A GPU device's host side without a GPU: its nodes only (what its checks read)."""
+    from mdsl.serving.gpu import GpuDevice
+
+    device = object.__new__(GpuDevice)
+    device.nodes = list(graph.nodes)
+    return device
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_of_experts_pairs_each_experts_op_with_its_routers_top_k(arch):
+    from tests.megakernel.tiny import tiny_model
+
+    config, graph, _ = tiny_model(arch)
+    device = _bare_device(graph)
+    device._check_experts()
+    pairs = device._experts()
+    assert [top_k for _, top_k in pairs] == [config.experts_per_token] * sum(map(config.sparse, range(config.num_layers)))
+    assert all(n.inputs[2].name.endswith("experts.0.gate_proj.weight") for n, _ in pairs)
+
+
+@pytest.mark.parametrize(("overrides", "what"), [({"num_experts": 1100, "num_experts_per_tok": 2}, "1100 experts"),
+                                                  ({"num_experts": 40, "num_experts_per_tok": 33}, "top_k 33")])
+def test_a_mixture_of_experts_beyond_the_kernels_is_refused_by_name(overrides, what):
+    from mdsl.errors import UnsupportedError
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from tests.megakernel.tiny import tiny_config_dict
+
+    config = config_from_dict(tiny_config_dict("qwen3_moe", **overrides))
+    device = _bare_device(step_function(config).trace(config))
+    with pytest.raises(UnsupportedError, match=f"cannot run moe_router with its {what}") as e:
+        device._check_experts()
+    assert e.value.loc.file.endswith("architectures.py") and "device='cpu'" in e.value.hint
