@@ -28,7 +28,7 @@ import attrs
 from mdsl.ir.graph import BlockGraph, KernelGraph, Node, ThreadGraph
 from mdsl.lowering.index import contiguous_strides
 
-_ALIGNMENT = 16   # bytes: the widest load or store the kernels make
+ALIGNMENT = 16   # bytes: the widest load or store the kernels make
 
 
 def is_view(node: Node) -> bool:
@@ -77,7 +77,7 @@ def writes_in_place(node: Node) -> bool:
 
 def _aligned(offset: int, strides: tuple, shape: tuple, itemsize: int) -> bool:
     across = [s for d, s in enumerate(strides[:-1]) if shape[d] > 1]
-    return (offset * itemsize) % _ALIGNMENT == 0 and all((s * itemsize) % _ALIGNMENT == 0 for s in across)
+    return (offset * itemsize) % ALIGNMENT == 0 and all((s * itemsize) % ALIGNMENT == 0 for s in across)
 
 
 def _starts(sizes) -> list:
@@ -106,17 +106,17 @@ def _placed(node: Node, k: int) -> StridedView:
 def strided_views(graph: KernelGraph) -> dict:
     """Value name -> its `StridedView` (see the module's text): each concat piece its producer writes in place,
     then each split part read in place (a part of a piece lies in the concat's output)."""
-    return _decide(graph)[0]
+    return views_and_copy_reasons(graph)[0]
 
 
 def copy_reasons(graph: KernelGraph) -> dict:
     """Value name -> why a split copies that part of its operand, or a concat that piece into its output,
     rather than have its kernels address it in place (`mdsl.search.explain` says so of a boundary)."""
-    return _decide(graph)[1]
+    return views_and_copy_reasons(graph)[1]
 
 
-def _decide(graph: KernelGraph) -> tuple:
-    """(`strided_views`, `copy_reasons`) of `graph`."""
+def views_and_copy_reasons(graph: KernelGraph) -> tuple:
+    """(`strided_views`, `copy_reasons`) of `graph`, decided together."""
     if not any(node.op in ("split", "concat") and node.body is None for node in graph.nodes):
         return {}, {}   # (the cost model asks of every candidate: most have neither)
     users = graph.users()

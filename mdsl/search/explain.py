@@ -16,7 +16,7 @@ from typing import Optional
 
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.gemm import library_read_transposes
-from mdsl.lowering.views import copy_reasons, is_view, launches_nothing, strided_views
+from mdsl.lowering.views import is_view, launches_nothing, views_and_copy_reasons
 from mdsl.search.cost import estimate
 from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
 from mdsl.search.records import Boundary
@@ -38,7 +38,7 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     # the plan's transposes that cuBLAS reads in place launch nothing, as views do, and splits and concats left
     # with nothing to copy (mdsl.search.cost)
     in_place = {chosen.nodes[k].outputs[0].name for k in library_read_transposes(chosen)}
-    views = strided_views(chosen)
+    views, copies = views_and_copy_reasons(chosen)
     kernels = [(i, j) for i, j in runs if any(not launches_nothing(node, views) and node.outputs[0].name not in in_place
                                               for node in original.nodes[i:j])]
     for i, j in kernels:
@@ -48,7 +48,6 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
                                 "", "a split loop: the blocks of the first kernel each reduce a slice of the loop's "
                                     "dimension in parallel, the second adds up their partial results (the cost "
                                     "model prefers this to one kernel walking the whole dimension)"))
-    copies = copy_reasons(chosen)
     for k, ((a, b), (c, d)) in enumerate(zip(kernels, kernels[1:])):
         sides = ((a, b), (c, d)) if k == 0 else ((c, d),)   # (a run's copies said once, where it is reached)
         reason = _reason(record, outcomes, stats, (a, b), (c, d), n) + _copies(original, sides, copies)

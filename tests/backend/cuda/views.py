@@ -7,15 +7,14 @@ from __future__ import annotations
 from mdsl.ir import KernelGraph, Node, validate_kernel_graph
 from mdsl.ir.ops import get_op
 from mdsl.ir.types import TensorType, Var
-
-_ALIGN_BYTES = 16
+from mdsl.lowering.views import ALIGNMENT
 
 
 def _padded(x: Var, dim: int) -> tuple:
     """(dim, before, after, wide): the Vars of x's padding along `dim` (16 bytes of its rows before it, 16 bytes
     or more after it, so that the wide tensor's rows keep 16-byte alignment) and of the wide tensor."""
     d = dim % x.type.rank
-    lead = max(1, _ALIGN_BYTES // x.dtype.itemsize)
+    lead = max(1, ALIGNMENT // x.dtype.itemsize)
     trail = lead + (-x.shape[d]) % lead
 
     def var(name: str, size: int) -> Var:
