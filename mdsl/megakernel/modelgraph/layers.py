@@ -395,18 +395,6 @@ def _add_ref(xs, a, ctx):
 # Gemma-2's ops: rms_norm_1p (its norm scales by 1 + weight), geglu (its MLP's tanh-approximate GELU gate), and
 # two element-wise ops of a row: scale (its embeddings times sqrt(hidden)) and softcap (its final logits capped)
 
-def _gated_scale_infer(types, a):
-    x, gate = types
-    n = _require_row("gated_scale", x, "the row")
-    _require_row("gated_scale", gate, "the gate", 1)
-    return (_row(n),)
-
-
-def _gated_scale_ref(xs, a, ctx):
-    x, gate = (v.astype(np.float32) for v in xs)
-    return [(activation(a["act"], gate) * x).astype(np.float32)]
-
-
 def _rms_norm_1p_ref(xs, a, ctx):
     x, w = xs
     return [rms_normalize(x, np.float32(1.0) + w.astype(np.float32), a["eps"])]
@@ -556,6 +544,21 @@ def routing_slots(routing: np.ndarray) -> np.ndarray:
     row = routing.reshape(-1)
     picked = np.flatnonzero(row)
     return picked[np.argsort(-row[picked], kind="stable")]
+
+
+# gated_scale: a row times an element-wise operator of a one-value row (Qwen2-MoE's shared expert's output times
+# sigmoid of its gate projection)
+
+def _gated_scale_infer(types, a):
+    x, gate = types
+    n = _require_row("gated_scale", x, "the row")
+    _require_row("gated_scale", gate, "the gate", 1)
+    return (_row(n),)
+
+
+def _gated_scale_ref(xs, a, ctx):
+    x, gate = (v.astype(np.float32) for v in xs)
+    return [(activation(a["act"], gate) * x).astype(np.float32)]
 
 
 # argmax and sample: the next token, also written into the token history after the current position

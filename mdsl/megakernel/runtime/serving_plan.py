@@ -297,8 +297,8 @@ def _refuse_unserved(graph: ModelGraph, base: TaskPlan) -> None:
                 f"the megakernel's serving tables cannot run {k.op} ({k.kind.name}): {why}",
                 loc=node.loc if node is not None else None,
                 hint=f"the serving tables run the decoders' fused ops ({', '.join(sorted(SERVED_OPS))}): Llama-3, "
-                     "Qwen2, Qwen3, Mistral and Phi-3; mdsl.LLM serves every built-in architecture on its CPU "
-                     "device, and all but a mixture of experts on its GPU device")
+                     "Qwen2, Qwen3, Mistral and Phi-3; mdsl.LLM serves every built-in architecture on its CPU and "
+                     "GPU devices")
     if len(set(base.windows)) > 1:
         node = next((n for n in fuse(graph).nodes if n.op == base.op_of(Kind.ATTN).op), None)
         raise UnsupportedError(

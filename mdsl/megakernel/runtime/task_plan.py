@@ -887,7 +887,7 @@ for _op, _reason in {
     "moe_experts": "the device runs a mixture of experts only over a normalised row of the residual stream, routed "
                    "by a moe_router, its output added to the stream (fused into norm_moe_experts_residual)",
     "gated_scale": "the device has no body scaling a row by its gate (a shared expert's: Qwen2-MoE runs on the CPU "
-                   "simulator and the serving engine's CPU device)",
+                   "simulator and on mdsl.LLM's CPU and GPU devices)",
     "add_bias": "the device adds biases only to the q|k|v projection of a normalised row, in its epilogue "
                 "(norm_linear_bias: one bias per weight); this add_bias follows no such projection",
     "act_mul": "the device applies a gated activation only to the gate|up projection of a normalised row "
