@@ -915,51 +915,159 @@ __device__ void moe_router(float* routing, const float* x, const W* router, int 
   }
 }
 
-// the expert of slot j of a routing row: its j-th nonzero entry in expert order (-1: fewer are nonzero)
-__device__ __forceinline__ int slot_expert(const float* route, int experts, int j) {
-  for (int e = 0; e < experts; ++e)
-    if (route[e] != 0.0f && j-- == 0) return e;
-  return -1;
-}
-
-// moe_experts' first half: hidden[r, j, c] = act((gate_e x[r])[c]) * (up_e x[r])[c] for the expert e of slot j of
-// the row's routing row; grid (rows * top_k, column blocks), a column one warp's. `weights`: the E gate, E up and
-// E down weights' addresses.
-template <typename W>
-__device__ void moe_up(float* hidden, const float* x, const float* routing, const void* const* weights, int experts,
-                       int top_k, int k, int inter, int act) {
-  const int r = blockIdx.x / top_k, j = blockIdx.x % top_k, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const int e = slot_expert(routing + (long long)r * experts, experts, j);
-  if (e < 0) return;
-  const W* gate = static_cast<const W*>(weights[e]);
-  const W* up = static_cast<const W*>(weights[experts + e]);
-  const float* xr = x + (long long)r * k;
-  for (int c = blockIdx.y * MOE_WARPS + warp; c < inter; c += gridDim.y * MOE_WARPS) {
-    const float g = warp_dot<W>(gate + (long long)c * k, xr, k);
-    const float u = warp_dot<W>(up + (long long)c * k, xr, k);
-    if (lane == 0) hidden[((long long)r * top_k + j) * inter + c] = __fmul_rn(activate(g, act), u);
+// The experts any row of the step picked, in expert order: active[0] their count, active[1 + i] the i-th. One block
+// of MOE_MAX_EXPERTS threads, thread e expert e's (the warps' ballots, counted in warp order).
+__device__ void moe_active(int* active, const float* routing, int rows, int experts) {
+  __shared__ int counts[MOE_MAX_EXPERTS / WARP];
+  const int e = threadIdx.x, warp = e / WARP, lane = e % WARP;
+  bool used = false;
+  for (int r = 0; e < experts && r < rows && !used; ++r) used = routing[(long long)r * experts + e] != 0.0f;
+  const unsigned mask = __ballot_sync(0xffffffffu, used);
+  if (lane == 0) counts[warp] = __popc(mask);
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += counts[w];
+  if (used) active[1 + before + __popc(mask & ((1u << lane) - 1u))] = e;
+  if (e == 0) {
+    int total = 0;
+    for (int w = 0; w < MOE_MAX_EXPERTS / WARP; ++w) total += counts[w];
+    active[0] = total;
   }
 }
 
-// moe_experts' second half: out[r, c] = the sum over the row's picked experts e, in expert order, of routing[r, e]
-// times (down_e hidden[r, slot of e])[c], in float32 (the reference's order); grid (rows, column blocks), a column
-// one warp's
+// The rows of the step that picked expert e (routing[r, e] nonzero) and each one's slot (the row's picks before e:
+// its j-th pick in expert order), listed in shared memory (rows[0 .. count), slots[0 .. count): dynamic shared
+// memory of 2 ints a step row); their order is the atomics', which no row's arithmetic depends on.
+__device__ int expert_rows(const float* routing, int rows, int experts, int e, int* listed, int* slots) {
+  __shared__ int count;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const float* route = routing + (long long)r * experts;
+    if (route[e] != 0.0f) {
+      int j = 0;
+      for (int f = 0; f < e; ++f) j += route[f] != 0.0f;
+      const int at = atomicAdd(&count, 1);
+      listed[at] = r;
+      slots[at] = j;
+    }
+  }
+  __syncthreads();
+  return count;
+}
+
+// ROWS rows' dot products with one weight row w (k values), the row vectors of each from its own input row xs[i]
+// (`n` of them in use): every weight vector loaded once for the rows, each row summed as warp_dot sums it (lane l
+// the vectors l, l + 32, ... in order, then the xor tree, lane 0's), so a row's bits are the same however many
+// rows share the expert
 template <typename W>
-__device__ void moe_down(float* out, const float* hidden, const float* routing, const void* const* weights,
-                         int experts, int top_k, int h, int inter) {
-  const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const float* route = routing + (long long)r * experts;
+__device__ __forceinline__ void rows_dot(const W* w, const float* const (&xs)[ROWS], int n, int k, float (&out)[ROWS]) {
+  constexpr int VEC = 16 / sizeof(W);
+  const int lane = threadIdx.x % WARP;
+  float acc[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+  if (k % VEC == 0) {
+    for (int v0 = lane * VEC; v0 < k; v0 += WARP * VEC) {
+      float wv[VEC];
+      load_vec<W>(w + v0, wv);
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i)
+        if (i < n) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], operand<W>(xs[i][v0 + j]), acc[i]);
+        }
+    }
+  } else {
+    for (int j = lane; j < k; j += WARP) {
+      const float wv = to_f(w[j]);
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i)
+        if (i < n) acc[i] = fmaf(wv, operand<W>(xs[i][j]), acc[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) out[i] = __shfl_sync(0xffffffffu, warp_sum(acc[i]), 0);
+}
+
+// moe_experts' first part: hidden[r, j, c] = act((gate_e x[r])[c]) * (up_e x[r])[c] for every row r that picked
+// expert e, j its slot; grid (the most experts a step can pick, column blocks): block x takes the x-th picked
+// expert's columns (moe_active's list; past its count a block exits), a warp one column, every weight row read once
+// a step for all the rows that picked its expert. `weights`: the E gate, E up and E down weights' addresses.
+template <typename W>
+__device__ void moe_up(float* hidden, const float* x, const float* routing, const int* active,
+                       const void* const* weights, int rows, int experts, int top_k, int k, int inter, int act) {
+  extern __shared__ int listed[];   // [rows] rows, then [rows] slots
+  if (int(blockIdx.x) >= active[0]) return;
+  const int e = active[1 + blockIdx.x], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int n = expert_rows(routing, rows, experts, e, listed, listed + rows);
+  if (n == 0) return;
+  const W* gate = static_cast<const W*>(weights[e]);
+  const W* up = static_cast<const W*>(weights[experts + e]);
+  for (int c = blockIdx.y * MOE_WARPS + warp; c < inter; c += gridDim.y * MOE_WARPS) {
+    for (int i0 = 0; i0 < n; i0 += ROWS) {
+      const float* xs[ROWS];
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) xs[i] = x + (long long)listed[i0 + i < n ? i0 + i : i0] * k;
+      float g[ROWS], u[ROWS];
+      rows_dot<W>(gate + (long long)c * k, xs, n - i0, k, g);
+      rows_dot<W>(up + (long long)c * k, xs, n - i0, k, u);
+      if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+          if (i0 + i < n) {
+            const long long slot = (long long)listed[i0 + i] * top_k + listed[rows + i0 + i];
+            hidden[slot * inter + c] = __fmul_rn(activate(g[i], act), u[i]);
+          }
+      }
+    }
+  }
+}
+
+// moe_experts' second part: products[r, j, c] = (down_e hidden[r, j])[c] for every row r that picked expert e, j
+// its slot; grid and blocks as moe_up's
+template <typename W>
+__device__ void moe_down(float* products, const float* hidden, const float* routing, const int* active,
+                         const void* const* weights, int rows, int experts, int top_k, int h, int inter) {
+  extern __shared__ int listed[];
+  if (int(blockIdx.x) >= active[0]) return;
+  const int e = active[1 + blockIdx.x], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int n = expert_rows(routing, rows, experts, e, listed, listed + rows);
+  if (n == 0) return;
+  const W* down = static_cast<const W*>(weights[2 * experts + e]);
   for (int c = blockIdx.y * MOE_WARPS + warp; c < h; c += gridDim.y * MOE_WARPS) {
+    for (int i0 = 0; i0 < n; i0 += ROWS) {
+      const float* xs[ROWS];
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        const int at = i0 + i < n ? i0 + i : i0;
+        xs[i] = hidden + ((long long)listed[at] * top_k + listed[rows + at]) * inter;
+      }
+      float s[ROWS];
+      rows_dot<W>(down + (long long)c * inter, xs, n - i0, inter, s);
+      if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i)
+          if (i0 + i < n) products[((long long)listed[i0 + i] * top_k + listed[rows + i0 + i]) * h + c] = s[i];
+      }
+    }
+  }
+}
+
+// moe_experts' output: out[r, c] = the sum over the row's picked experts e, in expert order (its slots' order), of
+// routing[r, e] * products[r, slot, c], in float32 (the reference's order); a thread a column of a row
+__device__ void moe_sum(float* out, const float* products, const float* routing, int experts, int top_k, int h) {
+  const int r = blockIdx.x;
+  const float* route = routing + (long long)r * experts;
+  for (int c = ELEMENT; c < h; c += ELEMENTS) {
     float acc = 0.0f;
     for (int e = 0, j = 0; e < experts && j < top_k; ++e) {
       const float weight = route[e];
       if (weight == 0.0f) continue;
-      const W* down = static_cast<const W*>(weights[2 * experts + e]);
-      const float s = warp_dot<W>(down + (long long)c * inter, hidden + ((long long)r * top_k + j) * inter, inter);
-      acc = __fadd_rn(acc, __fmul_rn(weight, s));
+      acc = __fadd_rn(acc, __fmul_rn(weight, products[((long long)r * top_k + j) * h + c]));
       ++j;
     }
-    if (lane == 0) out[(long long)r * h + c] = acc;
+    out[(long long)r * h + c] = acc;
   }
 }
 
@@ -1041,12 +1149,20 @@ ATTENTION(4, 2)
 EVERY_DTYPE(moe_router, (float* routing, const float* x, const void* router, int experts, int top_k, int k,
                          int norm_topk_prob),
             (routing, x, static_cast<const W*>(router), experts, top_k, k, norm_topk_prob))
-EVERY_DTYPE(moe_up, (float* hidden, const float* x, const float* routing, const void* const* weights, int experts,
-                     int top_k, int k, int inter, int act),
-            (hidden, x, routing, weights, experts, top_k, k, inter, act))
-EVERY_DTYPE(moe_down, (float* out, const float* hidden, const float* routing, const void* const* weights, int experts,
-                       int top_k, int h, int inter),
-            (out, hidden, routing, weights, experts, top_k, h, inter))
+EVERY_DTYPE(moe_up, (float* hidden, const float* x, const float* routing, const int* active, const void* const* weights,
+                     int rows, int experts, int top_k, int k, int inter, int act),
+            (hidden, x, routing, active, weights, rows, experts, top_k, k, inter, act))
+EVERY_DTYPE(moe_down, (float* products, const float* hidden, const float* routing, const int* active,
+                       const void* const* weights, int rows, int experts, int top_k, int h, int inter),
+            (products, hidden, routing, active, weights, rows, experts, top_k, h, inter))
+extern "C" __global__ void __launch_bounds__(serve::MOE_MAX_EXPERTS) moe_active(int* active, const float* routing,
+                                                                             int rows, int experts) {
+  serve::moe_active(active, routing, rows, experts);
+}
+extern "C" __global__ void moe_sum(float* out, const float* products, const float* routing, int experts, int top_k,
+                                   int h) {
+  serve::moe_sum(out, products, routing, experts, top_k, h);
+}
 extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
 extern "C" __global__ void gated_scale(float* out, const float* x, const float* gate, int width, int act) {
   serve::gated_scale(out, x, gate, width, act);
