@@ -106,13 +106,18 @@ def rel_error(value: np.ndarray, reference: np.ndarray, where: np.ndarray) -> fl
 
 def judged_elements(reference: np.ndarray, own: np.ndarray, dtype) -> np.ndarray:
     """The elements of an output a candidate is judged on: where the original is finite in float64 and at
-    the target precision (`own`), and its exact value lies the dtype's error bound below the dtype's
-    largest value. Within that band an error the bound allows may round a value either side of the
-    overflow (an exact 65371 is 65472 in an f16 program that rounds a sum to f16 and inf in a candidate
-    that keeps it in float32): neither rounding is wrong, so neither is held to the other."""
+    the target precision (`own`), and its exact value lies below the dtype's largest value by more than the
+    error a candidate is allowed there: the dtype's bound, or ORIGINAL_SLACK times the original's own error
+    at that element, whichever is larger. Within that band an allowed error may round a value either side
+    of the overflow (an exact 65371 is 65472 in an f16 program that rounds a sum to f16 and inf in a
+    candidate that keeps it in float32; an exact 64231 that the f16 original itself computes as 63744, the
+    exp of a sum rounded to f16 a few units away, may be inf in a candidate that sums in another order):
+    neither rounding is wrong, so neither is held to the other."""
     with np.errstate(all="ignore"):
-        roomy = np.abs(np.where(np.isfinite(reference), reference, 0.0)) * (1.0 + FLOAT_BOUNDS[dtype.name]) \
-            <= dtype.largest
+        exact = np.abs(np.where(np.isfinite(reference), reference, 0.0))
+        own_error = np.abs(np.where(np.isfinite(own), own, 0.0) - np.where(np.isfinite(reference), reference, 0.0))
+        allowed = np.maximum(FLOAT_BOUNDS[dtype.name], ORIGINAL_SLACK * np.where(exact > 0, own_error / exact, 0.0))
+        roomy = exact * (1.0 + allowed) <= dtype.largest
     return np.isfinite(reference) & np.isfinite(own) & roomy
 
 
