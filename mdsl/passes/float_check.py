@@ -129,9 +129,9 @@ class FloatRun:
     original's input variables `variables`.
 
     Elements where the original itself is not finite, in float64 or at the target precision, are not
-    judged (`judged_elements`), nor those within the error bound of the dtype's overflow: a candidate
-    must never overflow where the original does not by more than its error allows, and cannot be
-    blamed where the original does too."""
+    judged (`judged_elements`), nor those within the error allowed there of the dtype's overflow: a
+    candidate must never overflow where the original does not by more than its error allows, and cannot
+    be blamed where the original does too."""
 
     variables: tuple
     state: dict
