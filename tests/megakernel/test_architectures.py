@@ -451,7 +451,7 @@ def test_qwen2_moe_runs_in_the_simulator_with_its_shared_expert():
     ops = [n.op for n in graph.nodes]
     assert ops.count("moe_experts") == ops.count("gated_scale") == 2 and ops.count("add_bias") == 3
     want = _simulated_equals_reference(graph, weights, seed=3)
-    # the shared expert matters: without it (its gate's weights 0 scale it by sigmoid(0) = 1/2) other logits
+    # the shared expert's gate matters: with its weights 0 (sigmoid(0) = 1/2 scales the shared expert) other logits
     halved = {**weights, **{n: np.zeros_like(w) for n, w in weights.items() if n.endswith("shared_expert_gate.weight")}}
     assert not np.allclose(ReferenceModel(graph, halved).generate(PROMPT, STEPS).logits, want.logits, rtol=1e-3)
 
