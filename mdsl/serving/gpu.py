@@ -437,7 +437,6 @@ _ACTIVATIONS = {"silu": 0, "gelu": 2, "sigmoid": 3}   # step_kernels.cu's `activ
 MOE_WARPS = 8                    # step_kernels.cu's mixture of experts: a block's warps, a column a warp ...
 MOE_MAX_EXPERTS = 1024           # ... a router's experts ...
 MOE_MAX_K = 32                   # ... and the most it picks
-MOE_MAX_LISTED = 227 * 1024      # moe_up's and moe_down's shared memory (a step row's index and slot: 8 bytes)
 
 
 def _activation(act: str, op: str) -> int:
@@ -469,23 +468,22 @@ def _moe_router(xs, outs, a, b):
 
 def _moe_experts(xs, outs, a, b):
     """Each row's picked experts' gated MLPs, each expert's weights read once for the rows that picked it
-    (step_kernels.cu: moe_active lists the step's picked experts; moe_up and moe_down a block per (picked expert,
-    columns), into the device's scratch of hidden rows and of products; moe_sum each row's slots in expert order)."""
+    (step_kernels.cu: moe_plan lists the step's picked experts and the rows that picked each; moe_up and moe_down
+    a block per (picked expert, columns), into the device's scratch of hidden rows and of products; moe_sum each
+    row's slots in expert order)."""
     x, routing, *ws = xs
     dev, inter, h = b.device, int(ws[0].shape[0]), x.width
     table, top_k = dev.expert_tables[ws[0].name]
     experts, act = routing.width, _activation(a["act"], "moe_experts")
     picked = min(experts, b.rows * top_k)   # (the most experts the step's rows can pick)
-    listed = 2 * dev.shape.max_tokens_per_step * 4   # (moe_up's and moe_down's shared memory: rows and slots)
-    common = [ctypes.c_void_p(dev.expert_active), ctypes.c_void_p(table)]
-    dev.launch("moe_active", (1,), MOE_MAX_EXPERTS, [ctypes.c_void_p(dev.expert_active), _p(routing),
-                                                     *_ints(b.rows, experts)])
+    plan = ctypes.c_void_p(dev.expert_plan)
+    dev.launch("moe_plan", (1,), MOE_MAX_EXPERTS, [plan, _p(routing), *_ints(b.rows, experts)])
     dev.launch(_weighted("moe_up", ws[0]), (picked, -(-inter // MOE_WARPS)), MOE_WARPS * 32,
-               [ctypes.c_void_p(dev.expert_hidden), _p(x), _p(routing), *common,
-                *_ints(b.rows, experts, top_k, h, inter, act)], smem=listed)
+               [ctypes.c_void_p(dev.expert_hidden), _p(x), plan, ctypes.c_void_p(table),
+                *_ints(experts, top_k, h, inter, act)])
     dev.launch(_weighted("moe_down", ws[0]), (picked, -(-h // MOE_WARPS)), MOE_WARPS * 32,
-               [ctypes.c_void_p(dev.expert_products), ctypes.c_void_p(dev.expert_hidden), _p(routing), *common,
-                *_ints(b.rows, experts, top_k, h, inter)], smem=listed)
+               [ctypes.c_void_p(dev.expert_products), ctypes.c_void_p(dev.expert_hidden), plan,
+                ctypes.c_void_p(table), *_ints(experts, top_k, h, inter)])
     dev.launch("moe_sum", _spread(b.rows, h), THREADS,
                [_p(outs[0]), ctypes.c_void_p(dev.expert_products), _p(routing), *_ints(experts, top_k, h)])
 
@@ -646,15 +644,16 @@ class GpuDevice(CpuDevice):
         # a mixture of experts: per moe_experts node (by its first gate weight's name) the device array of its 3E
         # weights' addresses and its router's top_k; one scratch of hidden rows for the widest
         self.expert_tables: dict = {}
-        hidden = products = 1
+        hidden = products = pairs = 1
         for n, top_k in self._experts():
             addresses = np.array([self.values[v.name].ptr for v in n.inputs[2:]], np.uint64).view(np.int32)
             self.expert_tables[n.inputs[2].name] = (array(addresses, addresses.shape, i32), top_k)
             hidden = max(hidden, rows * top_k * int(n.inputs[2].shape[0]))
             products = max(products, rows * top_k * int(n.inputs[0].shape[-1]))
+            pairs = max(pairs, 2 * rows * top_k)
         self.expert_hidden = array(None, (hidden,), f32)
         self.expert_products = array(None, (products,), f32)
-        self.expert_active = array(None, (1 + MOE_MAX_EXPERTS,), i32)
+        self.expert_plan = array(None, (1 + 3 * MOE_MAX_EXPERTS + pairs,), i32)   # (step_kernels.cu's moe_plan)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
         for name in sorted(self._read_past_narrowing & before):
@@ -686,9 +685,6 @@ class GpuDevice(CpuDevice):
                 problem = "its routing row, which no moe_router of the step makes (the kernels take its top_k)"
             elif n.op == "moe_experts" and len({v.dtype for v in n.inputs[2:]}) > 1:
                 problem = "its experts' weights of different dtypes"
-            elif n.op == "moe_experts" and 8 * self.shape.max_tokens_per_step > MOE_MAX_LISTED:
-                problem = (f"max_tokens_per_step {self.shape.max_tokens_per_step} (its kernels list a step's rows in "
-                           f"shared memory: at most {MOE_MAX_LISTED // 8} rows)")
             if problem:
                 raise UnsupportedError(f"the GPU serving device cannot run {n.op} with {problem}", loc=n.loc,
                                        hint="serve the model on device='cpu'")

@@ -830,24 +830,98 @@ constexpr int MOE_WARPS = 8;
 constexpr int MOE_MAX_EXPERTS = 1024;   // a row's probabilities in shared memory
 constexpr int MOE_MAX_K = 32;
 
-// sum_k w[k] * operand<W>(x[k]) by one warp, every lane given lane 0's: lane l takes the 16-byte vectors l, l + 32,
-// ... of w in order (k a multiple of a vector; else a value a lane), then the warp's xor tree
+// The step's plan of its mixture of experts: the experts its rows picked and, for each, the rows that picked it.
+// plan[0]: their count; plan[1 + 3i .. 3 + 3i]: the i-th picked expert (in expert order), the first of its (row,
+// slot) pairs and their count; the pairs from plan + MOE_PAIRS (row, then the row's slot of the expert: its picks
+// before it), each expert's in row order. One block of MOE_MAX_EXPERTS threads, thread e expert e's (counts and
+// their prefix sums by warp shuffles, then the warps' totals in warp order), so the lists are made once a step
+// rather than by every block of moe_up and moe_down.
+constexpr int MOE_PAIRS = 1 + 3 * MOE_MAX_EXPERTS;
+__device__ void moe_plan(int* plan, const float* routing, int rows, int experts) {
+  __shared__ int pairs_of[MOE_MAX_EXPERTS / WARP], picked_of[MOE_MAX_EXPERTS / WARP];
+  const int e = threadIdx.x, warp = e / WARP, lane = e % WARP;
+  int mine = 0;
+  for (int r = 0; e < experts && r < rows; ++r) mine += routing[(long long)r * experts + e] != 0.0f;
+  int upto = mine;   // (the warp's inclusive prefix sum of the counts)
+#pragma unroll
+  for (int o = 1; o < WARP; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, upto, o);
+    if (lane >= o) upto += v;
+  }
+  const unsigned used = __ballot_sync(0xffffffffu, mine > 0);
+  if (lane == WARP - 1) pairs_of[warp] = upto;
+  if (lane == 0) picked_of[warp] = __popc(used);
+  __syncthreads();
+  int first = upto - mine, index = __popc(used & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) {
+    first += pairs_of[w];
+    index += picked_of[w];
+  }
+  if (mine > 0) {
+    plan[1 + 3 * index] = e;
+    plan[2 + 3 * index] = first;
+    plan[3 + 3 * index] = mine;
+    int* pair = plan + MOE_PAIRS + 2 * first;
+    for (int r = 0; r < rows; ++r) {
+      const float* route = routing + (long long)r * experts;
+      if (route[e] == 0.0f) continue;
+      int j = 0;
+      for (int f = 0; f < e; ++f) j += route[f] != 0.0f;
+      pair[0] = r;
+      pair[1] = j;
+      pair += 2;
+    }
+  }
+  if (e == 0) {
+    int total = 0;
+    for (int w = 0; w < MOE_MAX_EXPERTS / WARP; ++w) total += picked_of[w];
+    plan[0] = total;
+  }
+}
+
+// ROWS rows' dot products with one weight row w (k values), the row vectors of each from its own input row xs[i]
+// (`n` of them in use): every weight vector loaded once for the rows, each row summed alone (lane l the vectors l,
+// l + 32, ... in order, then the xor tree, lane 0's), so a row's bits are the same however many rows share the
+// weight
 template <typename W>
-__device__ __forceinline__ float warp_dot(const W* w, const float* x, int k) {
+__device__ __forceinline__ void rows_dot(const W* w, const float* const (&xs)[ROWS], int n, int k, float (&out)[ROWS]) {
   constexpr int VEC = 16 / sizeof(W);
   const int lane = threadIdx.x % WARP;
-  float acc = 0.0f;
+  float acc[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
   if (k % VEC == 0) {
     for (int v0 = lane * VEC; v0 < k; v0 += WARP * VEC) {
       float wv[VEC];
       load_vec<W>(w + v0, wv);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc = fmaf(wv[j], operand<W>(x[v0 + j]), acc);
+      for (int i = 0; i < ROWS; ++i)
+        if (i < n) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], operand<W>(xs[i][v0 + j]), acc[i]);
+        }
     }
   } else {
-    for (int j = lane; j < k; j += WARP) acc = fmaf(to_f(w[j]), operand<W>(x[j]), acc);
+    for (int j = lane; j < k; j += WARP) {
+      const float wv = to_f(w[j]);
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i)
+        if (i < n) acc[i] = fmaf(wv, operand<W>(xs[i][j]), acc[i]);
+    }
   }
-  return __shfl_sync(0xffffffffu, warp_sum(acc), 0);
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) out[i] = __shfl_sync(0xffffffffu, warp_sum(acc[i]), 0);
+}
+
+// sum_k w[k] * operand<W>(x[k]) by one warp, every lane given lane 0's: rows_dot of one row
+template <typename W>
+__device__ __forceinline__ float warp_dot(const W* w, const float* x, int k) {
+  const float* xs[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) xs[i] = x;
+  float out[ROWS];
+  rows_dot<W>(w, xs, 1, k, out);
+  return out[0];
 }
 
 // moe_router: routing[r] = the top_k of softmax(router x[r]) (the lower expert on ties), renormalised to sum to 1
@@ -915,100 +989,25 @@ __device__ void moe_router(float* routing, const float* x, const W* router, int 
   }
 }
 
-// The experts any row of the step picked, in expert order: active[0] their count, active[1 + i] the i-th. One block
-// of MOE_MAX_EXPERTS threads, thread e expert e's (the warps' ballots, counted in warp order).
-__device__ void moe_active(int* active, const float* routing, int rows, int experts) {
-  __shared__ int counts[MOE_MAX_EXPERTS / WARP];
-  const int e = threadIdx.x, warp = e / WARP, lane = e % WARP;
-  bool used = false;
-  for (int r = 0; e < experts && r < rows && !used; ++r) used = routing[(long long)r * experts + e] != 0.0f;
-  const unsigned mask = __ballot_sync(0xffffffffu, used);
-  if (lane == 0) counts[warp] = __popc(mask);
-  __syncthreads();
-  int before = 0;
-  for (int w = 0; w < warp; ++w) before += counts[w];
-  if (used) active[1 + before + __popc(mask & ((1u << lane) - 1u))] = e;
-  if (e == 0) {
-    int total = 0;
-    for (int w = 0; w < MOE_MAX_EXPERTS / WARP; ++w) total += counts[w];
-    active[0] = total;
-  }
-}
-
-// The rows of the step that picked expert e (routing[r, e] nonzero) and each one's slot (the row's picks before e:
-// its j-th pick in expert order), listed in shared memory (rows[0 .. count), slots[0 .. count): dynamic shared
-// memory of 2 ints a step row); their order is the atomics', which no row's arithmetic depends on.
-__device__ int expert_rows(const float* routing, int rows, int experts, int e, int* listed, int* slots) {
-  __shared__ int count;
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-    const float* route = routing + (long long)r * experts;
-    if (route[e] != 0.0f) {
-      int j = 0;
-      for (int f = 0; f < e; ++f) j += route[f] != 0.0f;
-      const int at = atomicAdd(&count, 1);
-      listed[at] = r;
-      slots[at] = j;
-    }
-  }
-  __syncthreads();
-  return count;
-}
-
-// ROWS rows' dot products with one weight row w (k values), the row vectors of each from its own input row xs[i]
-// (`n` of them in use): every weight vector loaded once for the rows, each row summed as warp_dot sums it (lane l
-// the vectors l, l + 32, ... in order, then the xor tree, lane 0's), so a row's bits are the same however many
-// rows share the expert
-template <typename W>
-__device__ __forceinline__ void rows_dot(const W* w, const float* const (&xs)[ROWS], int n, int k, float (&out)[ROWS]) {
-  constexpr int VEC = 16 / sizeof(W);
-  const int lane = threadIdx.x % WARP;
-  float acc[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-  if (k % VEC == 0) {
-    for (int v0 = lane * VEC; v0 < k; v0 += WARP * VEC) {
-      float wv[VEC];
-      load_vec<W>(w + v0, wv);
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i)
-        if (i < n) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) acc[i] = fmaf(wv[j], operand<W>(xs[i][v0 + j]), acc[i]);
-        }
-    }
-  } else {
-    for (int j = lane; j < k; j += WARP) {
-      const float wv = to_f(w[j]);
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i)
-        if (i < n) acc[i] = fmaf(wv, operand<W>(xs[i][j]), acc[i]);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) out[i] = __shfl_sync(0xffffffffu, warp_sum(acc[i]), 0);
-}
-
 // moe_experts' first part: hidden[r, j, c] = act((gate_e x[r])[c]) * (up_e x[r])[c] for every row r that picked
-// expert e, j its slot; grid (the most experts a step can pick, column blocks): block x takes the x-th picked
-// expert's columns (moe_active's list; past its count a block exits), a warp one column, every weight row read once
-// a step for all the rows that picked its expert. `weights`: the E gate, E up and E down weights' addresses.
+// expert e, j its slot; grid (the most experts a step can pick, column blocks): block x takes the plan's x-th picked
+// expert's columns (past the plan's count a block exits), a warp one column, every weight row read once a step for
+// all the rows that picked its expert, ROWS of them a pass. `weights`: the E gate, E up and E down weights'
+// addresses.
 template <typename W>
-__device__ void moe_up(float* hidden, const float* x, const float* routing, const int* active,
-                       const void* const* weights, int rows, int experts, int top_k, int k, int inter, int act) {
-  extern __shared__ int listed[];   // [rows] rows, then [rows] slots
-  if (int(blockIdx.x) >= active[0]) return;
-  const int e = active[1 + blockIdx.x], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const int n = expert_rows(routing, rows, experts, e, listed, listed + rows);
-  if (n == 0) return;
+__device__ void moe_up(float* hidden, const float* x, const int* plan, const void* const* weights, int experts,
+                       int top_k, int k, int inter, int act) {
+  if (int(blockIdx.x) >= plan[0]) return;
+  const int* entry = plan + 1 + 3 * blockIdx.x;
+  const int e = entry[0], n = entry[2], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int* pairs = plan + MOE_PAIRS + 2 * entry[1];   // (row, slot) of each row that picked e
   const W* gate = static_cast<const W*>(weights[e]);
   const W* up = static_cast<const W*>(weights[experts + e]);
   for (int c = blockIdx.y * MOE_WARPS + warp; c < inter; c += gridDim.y * MOE_WARPS) {
     for (int i0 = 0; i0 < n; i0 += ROWS) {
       const float* xs[ROWS];
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i) xs[i] = x + (long long)listed[i0 + i < n ? i0 + i : i0] * k;
+      for (int i = 0; i < ROWS; ++i) xs[i] = x + (long long)pairs[2 * (i0 + i < n ? i0 + i : i0)] * k;
       float g[ROWS], u[ROWS];
       rows_dot<W>(gate + (long long)c * k, xs, n - i0, k, g);
       rows_dot<W>(up + (long long)c * k, xs, n - i0, k, u);
@@ -1016,7 +1015,7 @@ __device__ void moe_up(float* hidden, const float* x, const float* routing, cons
 #pragma unroll
         for (int i = 0; i < ROWS; ++i)
           if (i0 + i < n) {
-            const long long slot = (long long)listed[i0 + i] * top_k + listed[rows + i0 + i];
+            const long long slot = (long long)pairs[2 * (i0 + i)] * top_k + pairs[2 * (i0 + i) + 1];
             hidden[slot * inter + c] = __fmul_rn(activate(g[i], act), u[i]);
           }
       }
@@ -1027,13 +1026,12 @@ __device__ void moe_up(float* hidden, const float* x, const float* routing, cons
 // moe_experts' second part: products[r, j, c] = (down_e hidden[r, j])[c] for every row r that picked expert e, j
 // its slot; grid and blocks as moe_up's
 template <typename W>
-__device__ void moe_down(float* products, const float* hidden, const float* routing, const int* active,
-                         const void* const* weights, int rows, int experts, int top_k, int h, int inter) {
-  extern __shared__ int listed[];
-  if (int(blockIdx.x) >= active[0]) return;
-  const int e = active[1 + blockIdx.x], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-  const int n = expert_rows(routing, rows, experts, e, listed, listed + rows);
-  if (n == 0) return;
+__device__ void moe_down(float* products, const float* hidden, const int* plan, const void* const* weights,
+                         int experts, int top_k, int h, int inter) {
+  if (int(blockIdx.x) >= plan[0]) return;
+  const int* entry = plan + 1 + 3 * blockIdx.x;
+  const int e = entry[0], n = entry[2], warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int* pairs = plan + MOE_PAIRS + 2 * entry[1];
   const W* down = static_cast<const W*>(weights[2 * experts + e]);
   for (int c = blockIdx.y * MOE_WARPS + warp; c < h; c += gridDim.y * MOE_WARPS) {
     for (int i0 = 0; i0 < n; i0 += ROWS) {
@@ -1041,14 +1039,14 @@ __device__ void moe_down(float* products, const float* hidden, const float* rout
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) {
         const int at = i0 + i < n ? i0 + i : i0;
-        xs[i] = hidden + ((long long)listed[at] * top_k + listed[rows + at]) * inter;
+        xs[i] = hidden + ((long long)pairs[2 * at] * top_k + pairs[2 * at + 1]) * inter;
       }
       float s[ROWS];
       rows_dot<W>(down + (long long)c * inter, xs, n - i0, inter, s);
       if (lane == 0) {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i)
-          if (i0 + i < n) products[((long long)listed[i0 + i] * top_k + listed[rows + i0 + i]) * h + c] = s[i];
+          if (i0 + i < n) products[((long long)pairs[2 * (i0 + i)] * top_k + pairs[2 * (i0 + i) + 1]) * h + c] = s[i];
       }
     }
   }
@@ -1149,15 +1147,15 @@ ATTENTION(4, 2)
 EVERY_DTYPE(moe_router, (float* routing, const float* x, const void* router, int experts, int top_k, int k,
                          int norm_topk_prob),
             (routing, x, static_cast<const W*>(router), experts, top_k, k, norm_topk_prob))
-EVERY_DTYPE(moe_up, (float* hidden, const float* x, const float* routing, const int* active, const void* const* weights,
-                     int rows, int experts, int top_k, int k, int inter, int act),
-            (hidden, x, routing, active, weights, rows, experts, top_k, k, inter, act))
-EVERY_DTYPE(moe_down, (float* products, const float* hidden, const float* routing, const int* active,
-                       const void* const* weights, int rows, int experts, int top_k, int h, int inter),
-            (products, hidden, routing, active, weights, rows, experts, top_k, h, inter))
-extern "C" __global__ void __launch_bounds__(serve::MOE_MAX_EXPERTS) moe_active(int* active, const float* routing,
-                                                                             int rows, int experts) {
-  serve::moe_active(active, routing, rows, experts);
+EVERY_DTYPE(moe_up, (float* hidden, const float* x, const int* plan, const void* const* weights, int experts, int top_k,
+                     int k, int inter, int act),
+            (hidden, x, plan, weights, experts, top_k, k, inter, act))
+EVERY_DTYPE(moe_down, (float* products, const float* hidden, const int* plan, const void* const* weights, int experts,
+                       int top_k, int h, int inter),
+            (products, hidden, plan, weights, experts, top_k, h, inter))
+extern "C" __global__ void __launch_bounds__(serve::MOE_MAX_EXPERTS) moe_plan(int* plan, const float* routing,
+                                                                           int rows, int experts) {
+  serve::moe_plan(plan, routing, rows, experts);
 }
 extern "C" __global__ void moe_sum(float* out, const float* products, const float* routing, int experts, int top_k,
                                    int h) {
