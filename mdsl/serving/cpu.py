@@ -23,6 +23,7 @@ from mdsl.megakernel.modelgraph.model import TOKENS, ModelGraph
 from mdsl.serving.protocol import (FAILED, FINISHED, FREE, HAS_TOKEN, MAX_STOP, PREEMPTED, REASON_CANCELLED,
                                    REASON_LENGTH, REASON_NONE, REASON_STOP, RUNNING, SERVING, STOPPED,
                                    WAS_PREEMPTED, ServingShape, device_region, kv_pool_shape)
+from mdsl.serving.prefix_cache import PrefixCache
 from mdsl.serving.sampling import sample
 from mdsl.serving.scheduler import broken_request, damaged_pool
 from mdsl.serving.steprules import STEP_RULES, StepBatch
@@ -92,7 +93,7 @@ class CpuDevice:
         return region.allocate()
 
     def __init__(self, graph: ModelGraph, weights: dict, shape: ServingShape, host: dict,
-                 notify_host: Callable[[], None]):
+                 notify_host: Callable[[], None], prefix_caching: bool = False):
         self.graph, self.shape, self.host = graph, shape, host
         self.nodes, caches = serving_nodes(graph)
         # the checkpoint's dtype: the pools' values, and a linear's input as its product reads it
@@ -109,6 +110,10 @@ class CpuDevice:
         self.state["free_pages"][:] = np.arange(shape.num_pages, dtype=np.int32)[::-1]   # page 0 on top
         self.state["page_table"][:] = -1
         host["control"]["free_pages"] = shape.num_pages
+        # full pages kept for later requests that start with the same tokens (mdsl.serving.prefix_cache), and
+        # each admitted entry's page keys computed so far
+        self.prefix = PrefixCache(shape.num_pages, shape.page_size) if prefix_caching else None
+        self._keys: dict = {}
         self._written = 0                 # ring records written
         self._cancels_seen = 0            # the host's count of cancel flags at the last scan (_cancel)
         self._requests: dict = {}         # entry -> (arrival, request id, stop ids, max_new_tokens)
@@ -248,6 +253,8 @@ class CpuDevice:
         chunks, rows = self.state["chunks"][:int(step["num_chunks"])], int(step["num_rows"])
         for c, (e, first, n, _, sampled, _) in enumerate(chunks.tolist()):
             entries["context"][e] = first + n
+            if self.prefix is not None:
+                self._name_pages(e, first, first + n)
             if sampled:
                 self._choose(e, tokens[c], first + n - 1)
         control["running"], control["step_tokens"] = len(chunks), rows
@@ -255,7 +262,7 @@ class CpuDevice:
             control["steps"] += 1
             control["tokens"] += rows
             control["peak_running"] = max(int(control["peak_running"][0]), len(chunks))
-        control["free_pages"] = self.state["pool"]["free_count"][0]
+        control["free_pages"] = self._available()
         self._check_pool()
 
     def _flush_host(self) -> None:
@@ -311,7 +318,7 @@ class CpuDevice:
                 room = int(entries["num_pages"][e]) * ps - int(entries["context"][e])
                 if room >= n:
                     break
-                if pool["free_count"][0]:
+                if self._available():
                     self._take_page(e)
                 elif room or not may_preempt:
                     n = room
@@ -327,7 +334,7 @@ class CpuDevice:
         """Preempted requests (oldest first), then the queue in order, while an entry is free and the free
         pages cover the request's known tokens; the first that cannot be admitted stops admission. Each
         admitted request's first chunk joins `plan` within what the step's budget leaves."""
-        entries, pool = self.state["entries"], self.state["pool"]
+        entries = self.state["entries"]
         budget = self.shape.max_tokens_per_step - sum(n for _, n in plan)
         admitted = False
 
@@ -340,8 +347,10 @@ class CpuDevice:
             admitted = True
 
         for e in self._by_age(PREEMPTED):
-            if pool["free_count"][0] < self._pages_for(self._known(e)):
+            cached = self._cached_prefix(self.state["history"][e], self._known(e))
+            if not self._fits(self._known(e), cached):
                 return admitted
+            self._map_prefix(e, cached)
             start(e)
         control, queue = self.host["control"], self.host["queue"]
         while True:
@@ -357,15 +366,18 @@ class CpuDevice:
                 admitted = True
                 continue
             free = np.flatnonzero(entries["state"] == FREE)
-            if not len(free) or pool["free_count"][0] < self._pages_for(req["prompt_len"]):
+            n = int(req["prompt_len"])
+            cached = self._cached_prefix(self.host["prompts"][req["handle"]], n) if len(free) else []
+            if not len(free) or not self._fits(n, cached):
                 return admitted
             e = int(free[0])
             entries["request"][e] = req
             entries["arrival"][e], entries["context"][e], entries["generated"][e] = k, 0, 0
-            n = int(req["prompt_len"])
             self.state["history"][e, :n] = self.host["prompts"][req["handle"], :n]
             control["queue_taken"] = k + 1             # the slot is copied: the host may reuse it
             self._tell_host = True
+            self._keys.pop(e, None)
+            self._map_prefix(e, cached)
             start(e)
 
     def _write_step(self, plan: list) -> int:
@@ -467,21 +479,71 @@ class CpuDevice:
     def _pages_for(self, tokens) -> int:
         return -(-int(tokens) // self.shape.page_size)
 
+    def _available(self) -> int:
+        """Pages a request can take: the free ones, and the cached ones no request holds."""
+        free = int(self.state["pool"]["free_count"][0])
+        return free + (len(self.prefix.evictable) if self.prefix is not None else 0)
+
     def _take_page(self, e: int) -> None:
+        """A free page for entry e's next page, else the least recently released cached one."""
         pool, entries = self.state["pool"], self.state["entries"]
         top = int(pool["free_count"][0]) - 1
         k = int(entries["num_pages"][e])
-        self.state["page_table"][e, k] = self.state["free_pages"][top]
-        pool["free_count"] = top
+        if top >= 0:
+            page = int(self.state["free_pages"][top])
+            pool["free_count"] = top
+        else:
+            page = self.prefix.evict()
+        if self.prefix is not None:
+            self.prefix.hold(page)
+        self.state["page_table"][e, k] = page
         entries["num_pages"][e] = k + 1
 
     def _free_pages(self, e: int) -> None:
         pool, entries = self.state["pool"], self.state["entries"]
         k, top = int(entries["num_pages"][e]), int(pool["free_count"][0])
-        self.state["free_pages"][top:top + k] = self.state["page_table"][e, k - 1::-1] if k else []
+        released = self.state["page_table"][e, k - 1::-1] if k else self.state["page_table"][e, :0]
+        if self.prefix is not None:   # (a cached page stays with its key, evictable once no request holds it)
+            released = np.array([p for p in released.tolist() if self.prefix.release(p)], np.int32)
+        self.state["free_pages"][top:top + len(released)] = released
         self.state["page_table"][e, :k] = -1
-        pool["free_count"] = top + k
+        pool["free_count"] = top + len(released)
         entries["num_pages"][e] = 0
+
+    # ---- the prefix cache (mdsl.serving.prefix_cache)
+
+    def _cached_prefix(self, tokens: np.ndarray, known: int) -> list:
+        """The cached pages of the longest prefix of tokens[:known] that the cache names, in full pages
+        short of the last known token (which the request computes: its logits choose its next token)."""
+        if self.prefix is None:
+            return []
+        return self.prefix.lookup(self.prefix.keys(tokens, (known - 1) // self.shape.page_size, []))
+
+    def _fits(self, known: int, cached: list) -> bool:
+        """Whether the pages a request's known tokens need beside its `cached` ones can be had."""
+        taken = sum(1 for p in cached if self.prefix.refs[p] == 0)   # (they leave the evictable pages)
+        return self._available() - taken >= self._pages_for(known) - len(cached)
+
+    def _map_prefix(self, e: int, cached: list) -> None:
+        """Entry e (holding no page) starts with the `cached` pages: their positions are cached."""
+        if not cached:
+            return
+        for j, page in enumerate(cached):
+            self.prefix.hold(page)
+            self.state["page_table"][e, j] = page
+        entries = self.state["entries"]
+        entries["num_pages"][e], entries["context"][e] = len(cached), len(cached) * self.shape.page_size
+        self.prefix.hits += len(cached) * self.shape.page_size
+
+    def _name_pages(self, e: int, start: int, end: int) -> None:
+        """Name the pages entry e's positions start .. end - 1 completed (its keys and values written)."""
+        ps = self.shape.page_size
+        first, last = start // ps, end // ps
+        if first == last:
+            return
+        keys = self._keys[e] = self.prefix.keys(self.state["history"][e], last, self._keys.get(e, []))
+        for j in range(first, last):
+            self.prefix.register(keys[j], int(self.state["page_table"][e, j]))
 
     def _preempt(self, e: int) -> None:
         """Free e's pages; it keeps its entry and history, and recomputes its tokens when re-admitted."""
@@ -494,6 +556,7 @@ class CpuDevice:
 
     def _release(self, e: int) -> None:
         self._free_pages(e)
+        self._keys.pop(e, None)
         self.state["entries"]["state"][e] = FREE
 
     def _emit(self, request_id, token, position, flags: int, reason: int) -> None:
@@ -519,12 +582,18 @@ class CpuDevice:
             raise broken_request(req)
 
     def _check_pool(self) -> None:
-        """Every page is either free or in exactly one admitted request's page table."""
+        """Every page is either free or in exactly one admitted request's page table (with the prefix
+        cache: free, cached and held by none, or in as many page tables as hold it)."""
         entries, pool = self.state["entries"], self.state["pool"]
         table = self.state["page_table"]
         held = table[np.arange(table.shape[1])[None, :] < entries["num_pages"][:, None]]
-        pages = np.concatenate([self.state["free_pages"][:pool["free_count"][0]], held])
+        free = self.state["free_pages"][:pool["free_count"][0]]
+        pages = np.concatenate([free, held])
         n = self.shape.num_pages     # (a count per page: linear time, where sorting them took most of a step)
-        if len(pages) != n or pages.min(initial=0) < 0 or pages.max(initial=0) >= n or \
-                not np.all(np.bincount(pages, minlength=n) == 1):
+        if pages.min(initial=0) < 0 or pages.max(initial=0) >= n:
+            raise damaged_pool()
+        if self.prefix is not None:
+            if not self.prefix.check(free, held):
+                raise damaged_pool()
+        elif len(pages) != n or not np.all(np.bincount(pages, minlength=n) == 1):
             raise damaged_pool()

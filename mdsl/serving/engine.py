@@ -51,8 +51,9 @@ class RequestOutput:
 class ServingStats:
     """The device's control words (its status, steps run, preemptions, running requests in the last step
     and at the peak, free pages, token rows run in all steps and in the last), the requests published in
-    the queue that the device has not taken yet, and the requests the host holds back until the queue has
-    room."""
+    the queue that the device has not taken yet, the requests the host holds back until the queue has
+    room, and the known tokens whose keys and values requests found in the prefix cache instead of
+    computing them. free_pages counts the pages a request can take: free, or cached and held by none."""
 
     status: str
 
@@ -66,6 +67,7 @@ class ServingStats:
     queued: int
     tokens: int
     step_tokens: int
+    cached_tokens: int = 0
 
 
 class RequestHandle:
@@ -217,17 +219,33 @@ class LLM:
     step does 2 FLOP per token on each 2-byte bf16 weight, i.e. as many FLOP per weight byte as it has
     tokens, and an H200's bf16 FLOP/s over its HBM bytes/s is about 200. Fewer tokens leave the tensor
     cores idle while a prompt is read; more lengthen every step that decode requests share with a prompt
-    chunk. It also exceeds the default max_batch, so every decode token runs at every step."""
+    chunk. It also exceeds the default max_batch, so every decode token runs at every step.
+
+    prefix_caching (the cpu and gpu devices; on by default there): a request whose known tokens start with
+    the tokens of full KV-cache pages that an earlier request computed reads them instead of computing them
+    again (mdsl.serving.prefix_cache): a shared system prompt, few-shot examples or an earlier turn of a
+    conversation costs its prompt steps once. Pages no request holds stay cached until a request needs them.
+    A request's tokens and logits are the same bits with or without it (a position's keys and values do not
+    depend on the step that computed them). The megakernel's scheduler runs on the GPU without it."""
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
-                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, gpu_memory_fraction: Optional[float] = None):
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, gpu_memory_fraction: Optional[float] = None,
+                 prefix_caching: Optional[bool] = None):
         if device not in DEVICES:
             raise ServingError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
         _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
         _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
         _positive("max_tokens_per_step", max_tokens_per_step,
                   f"the tokens a step runs (decode tokens plus prompt chunks), e.g. {DEFAULT_MAX_TOKENS_PER_STEP}")
+        if prefix_caching is None:
+            prefix_caching = device != "megakernel"
+        elif not isinstance(prefix_caching, bool):
+            raise ServingError(f"prefix_caching must be True, False or None, got {prefix_caching!r}")
+        elif prefix_caching and device == "megakernel":
+            raise ServingError("the megakernel device has no prefix cache: its scheduler runs on the GPU",
+                               hint="serve with device='gpu' or 'cpu' for the prefix cache, or pass "
+                                    "prefix_caching=False")
         config = load_config(model_dir)
         if max_seq is None:
             max_seq = min(config.max_positions, DEFAULT_MAX_SEQ)
@@ -272,7 +290,8 @@ class LLM:
             self.device = device_class(loaded.config, loaded.graph, loaded.weights, self.shape, self._host,
                                        self._pump_bell.ring)
         else:
-            self.device = device_class(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring)
+            self.device = device_class(loaded.graph, loaded.weights, self.shape, self._host, self._pump_bell.ring,
+                                       prefix_caching=prefix_caching)
         self._pump = threading.Thread(target=self._serve, name="mdsl-serving-host", daemon=True)
         self.device.start()
         self._pump.start()
@@ -331,9 +350,10 @@ class LLM:
         c = self._host["control"][0]
         with self._lock:
             pending, queued = len(self._pending), self._published - int(c["queue_taken"])
+        prefix = getattr(self.device, "prefix", None)
         return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]),
                             int(c["peak_running"]), int(c["free_pages"]), self.shape.num_pages, pending, queued,
-                            int(c["tokens"]), int(c["step_tokens"]))
+                            int(c["tokens"]), int(c["step_tokens"]), prefix.hits if prefix is not None else 0)
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what is unfinished, stop the device and the host thread."""

@@ -294,3 +294,30 @@ def test_steps_replayed_as_graphs_give_the_bits_of_launched_steps(checkpoints):
         assert replayed[i].token_ids == launched[i].token_ids
         for pos, rows in launched_logits[i].items():
             assert all(np.array_equal(a, b) for a, b in zip(rows, replayed_logits[i][pos])), (i, pos)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_prefix_cache_keeps_every_requests_bits(checkpoints, dtype):
+    """Requests sharing a system prompt, arriving at random steps in steps of a few tokens: with the prefix
+    cache they read its full pages from the pool where an earlier request computed them, and their tokens
+    and every logits row they compute are the run's without the cache bit for bit (the GPU device's keys and
+    values do not depend on the step that wrote them); and they agree with the CPU device's."""
+    ckpt = checkpoints["qwen3", dtype]
+    rng = np.random.default_rng(14)
+    system = random_prompts(rng, 1, 37, 37)[0]
+    prompts = [system + p for p in random_prompts(rng, 12, 1, 9)]
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 8, 12)]
+    arrivals = arrivals_of(rng, prompts, params, 30)
+    engine = dict(max_batch=6, page_size=4, max_tokens_per_step=16)
+    fresh = served(ckpt.folder, "gpu", arrivals, prefix_caching=False, **engine)
+    with LLM(ckpt.folder, device="gpu", **engine) as llm:
+        llm.device.record_logits = True
+        handles = drive(llm, arrivals)
+        outputs = {k: h.result() for k, h in handles.items()}
+        logits = {k: llm.device.logits.pop(out.request_id) for k, out in outputs.items()}
+        assert llm.stats().cached_tokens >= 36
+    for i in range(12):
+        assert outputs[i].token_ids == fresh[0][i].token_ids, i
+        for pos, rows in logits[i].items():
+            assert all(np.array_equal(row, fresh[1][i][pos][0]) for row in rows), (i, pos)
+    agree(fresh, served(ckpt.folder, "cpu", arrivals, **engine), prompts, dtype)

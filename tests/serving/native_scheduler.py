@@ -130,6 +130,7 @@ class NativeSchedulerDevice(CpuDevice):
     CpuDevice._emit waits."""
 
     def __init__(self, *args, **kwargs):
+        kwargs["prefix_caching"] = False   # (the C++ scheduler has no prefix cache)
         super().__init__(*args, **kwargs)
         self.scheduler = NativeScheduler(host_library(), self.shape, self.host, self.state)
 

@@ -21,8 +21,11 @@ def alone(folder: str, requests: list) -> list:
 
 
 def assert_pool_full(llm) -> None:
-    stats = llm.stats()
-    assert stats.free_pages == stats.num_pages == llm.device.state["pool"]["free_count"][0]
+    """No page held: each free, or cached and evictable (the prefix cache's)."""
+    stats, prefix = llm.stats(), llm.device.prefix
+    cached = len(prefix.evictable) if prefix is not None else 0
+    assert stats.free_pages == stats.num_pages == llm.device.state["pool"]["free_count"][0] + cached
+    assert prefix is None or not prefix.refs.any()
     assert np.all(llm.device.state["entries"]["state"] == FREE)
 
 
@@ -35,7 +38,9 @@ def test_32_requests_arriving_at_random_steps_match_alone_and_the_reference_bit_
     arrivals: dict = {}
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         arrivals.setdefault(int(rng.integers(0, 40)), []).append((i, prompt, SamplingParams(max_new_tokens=n)))
-    with LLM(ckpt.folder, max_batch=32, page_size=4) as llm:
+    # (no prefix cache: each request computes every position, batched and alone, and the logits of each are
+    # compared; test_prefix_cache.py compares runs with the cache and without)
+    with LLM(ckpt.folder, max_batch=32, page_size=4, prefix_caching=False) as llm:
         llm.device.record_logits = True
         handles = drive(llm, arrivals)
         batched = {i: h.result() for i, h in handles.items()}
