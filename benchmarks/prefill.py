@@ -165,7 +165,8 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     config = config_from_dict(raw)
     rng = np.random.default_rng(args.seed)
     prompts = {p: [int(t) for t in rng.integers(0, raw["vocab_size"], p)] for p in args.prompts}
-    engine = dict(max_batch=1, max_seq=max(args.prompts) + 16)
+    # (no prefix cache: each run of a prompt reads all of it, as a prompt seen for the first time)
+    engine = dict(max_batch=1, max_seq=max(args.prompts) + 16, prefix_caching=False)
     if args.max_tokens_per_step:
         engine["max_tokens_per_step"] = args.max_tokens_per_step
     rows = []

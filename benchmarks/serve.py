@@ -637,8 +637,10 @@ def main(argv=None) -> int:
             whole.append(args.mixed_batch * mixed + args.mixed_prompt + 1)
             max_seq = max(max_seq, mixed, args.mixed_prompt + 1)
         held = max([b * s for b, s in spans] + whole)
+        # (no prefix cache: the offline and online runs submit the same seeded prompts one run after another,
+        # and each run reads them as prompts seen for the first time)
         engine = dict(max_batch=args.max_batch, max_seq=max_seq, max_tokens_per_step=per_step,
-                      kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE)
+                      kv_pages=-(-held // PAGE_SIZE) + args.max_batch, page_size=PAGE_SIZE, prefix_caching=False)
         for device in args.device:
             result["devices"][device] = {"incomplete": INCOMPLETE}   # (until measure records its launches)
             try:

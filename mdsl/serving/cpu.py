@@ -114,6 +114,7 @@ class CpuDevice:
         # each admitted entry's page keys computed so far
         self.prefix = PrefixCache(shape.num_pages, shape.page_size) if prefix_caching else None
         self._keys: dict = {}
+        self._cached_of: dict = {}        # request id -> its prompt's tokens found cached at admission
         self._written = 0                 # ring records written
         self._cancels_seen = 0            # the host's count of cancel flags at the last scan (_cancel)
         self._requests: dict = {}         # entry -> (arrival, request id, stop ids, max_new_tokens)
@@ -378,6 +379,8 @@ class CpuDevice:
             self._tell_host = True
             self._keys.pop(e, None)
             self._map_prefix(e, cached)
+            if cached:
+                self._cached_of[int(req["request_id"])] = len(cached) * self.shape.page_size
             start(e)
 
     def _write_step(self, plan: list) -> int:
@@ -534,6 +537,11 @@ class CpuDevice:
         entries = self.state["entries"]
         entries["num_pages"][e], entries["context"][e] = len(cached), len(cached) * self.shape.page_size
         self.prefix.hits += len(cached) * self.shape.page_size
+
+    def take_cached_tokens(self, request_id: int) -> int:
+        """The prompt tokens request `request_id` found cached at its admission (0: none), forgotten (the
+        host asks once, when the request ends)."""
+        return self._cached_of.pop(request_id, 0)
 
     def _name_pages(self, e: int, start: int, end: int) -> None:
         """Name the pages entry e's positions start .. end - 1 completed (its keys and values written)."""

@@ -36,8 +36,9 @@ _log = logging.getLogger(__name__)
 @attrs.frozen
 class RequestOutput:
     """A finished request: its tokens (the stop token last when it stopped on one), their text when the
-    checkpoint has a tokenizer, why it finished ("stop", "length" or "cancelled"), and how many times the
-    device preempted it (its streamed tokens never repeat)."""
+    checkpoint has a tokenizer, why it finished ("stop", "length" or "cancelled"), how many times the
+    device preempted it (its streamed tokens never repeat), and how many of its prompt's tokens it read
+    from the prefix cache when it was admitted."""
 
     request_id: int
     prompt_token_ids: tuple
@@ -45,6 +46,7 @@ class RequestOutput:
     finish_reason: str
     text: Optional[str] = None
     preemptions: int = 0
+    cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -84,6 +86,7 @@ class RequestHandle:
         self._reason: Optional[str] = None
         self._error: Optional[BaseException] = None
         self._preemptions = 0
+        self._cached = 0                       # its prompt's tokens read from the prefix cache (known once done)
         self._handle: Optional[int] = None     # its prompt row / cancel flag once published
         self._listeners: list = []
 
@@ -135,7 +138,7 @@ class RequestHandle:
                 raise self._failure()
             tokens, reason = tuple(self._tokens), self._reason
         return RequestOutput(self.request_id, self.prompt_token_ids, tokens, reason,
-                             self._engine.tokenizer.decode(tokens), self._preemptions)
+                             self._engine.tokenizer.decode(tokens), self._preemptions, self._cached)
 
     def _failure(self) -> ServingError:
         return ServingError(f"request {self.request_id} failed: {self._error}",
@@ -350,7 +353,7 @@ class LLM:
         c = self._host["control"][0]
         with self._lock:
             pending, queued = len(self._pending), self._published - int(c["queue_taken"])
-        prefix = getattr(self.device, "prefix", None)
+        prefix = self.device.prefix
         return ServingStats(STATUSES[int(c["status"])], int(c["steps"]), int(c["preemptions"]), int(c["running"]),
                             int(c["peak_running"]), int(c["free_pages"]), self.shape.num_pages, pending, queued,
                             int(c["tokens"]), int(c["step_tokens"]), prefix.hits if prefix is not None else 0)
@@ -483,6 +486,7 @@ class LLM:
             if flags & FINISHED:
                 del self._handles[rid]
                 self._free_handles.append(handle._handle)
+                handle._cached = self.device.take_cached_tokens(rid)
                 handle._finish(REASONS[reason])
         if self._ring_read != start:
             self.device.wake()                  # it may be waiting for room in the ring

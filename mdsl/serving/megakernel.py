@@ -152,6 +152,12 @@ class MegakernelDevice:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    prefix = None   # (no prefix cache: the kernel's scheduler has none)
+
+    def take_cached_tokens(self, request_id: int) -> int:
+        """The prompt tokens a request found in the prefix cache: none here (the kernel's scheduler has none)."""
+        return 0
+
     def queued(self) -> int:
         """Requests published in the queue and not yet taken."""
         queue, taken = self.host["queue"], int(self.host["control"]["queue_taken"][0])

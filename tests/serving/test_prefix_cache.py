@@ -115,8 +115,8 @@ def test_a_conversations_next_turn_reads_the_earlier_turns_pages(checkpoints):
         reply = llm.submit(first, SamplingParams(max_new_tokens=7, ignore_eos=True)).result()
         # the first turn computed positions 0 .. 15 (its last token's keys and values are never needed)
         second = first + list(reply.token_ids) + tokens(rng, 3)
-        llm.submit(second, SamplingParams(max_new_tokens=2)).result()
-        assert llm.stats().cached_tokens == 16
+        answer = llm.submit(second, SamplingParams(max_new_tokens=2)).result()
+        assert llm.stats().cached_tokens == 16 and (reply.cached_tokens, answer.cached_tokens) == (0, 16)
     fresh = served(checkpoints["qwen3"].folder, [(first, SamplingParams(max_new_tokens=7, ignore_eos=True)),
                                                  (second, SamplingParams(max_new_tokens=2))],
                    max_batch=2, page_size=4, prefix_caching=False)
