@@ -35,6 +35,9 @@ class PrefixCache:
         self._page_of: dict = {}                    # key -> page
         self._key_of: dict = {}                     # page -> key
         self.evictable: OrderedDict = OrderedDict()   # cached pages no request holds, least recently released first
+        # the same as masks over the pages, for the pool check at every step (linear numpy time, however many)
+        self._named = np.zeros(num_pages, bool)
+        self._idle = np.zeros(num_pages, bool)
         self.hits = 0                               # tokens whose keys and values a request found here
 
     def keys(self, tokens: np.ndarray, pages: int, known: list) -> list:
@@ -64,11 +67,13 @@ class PrefixCache:
         if key not in self._page_of and page not in self._key_of:
             self._page_of[key] = page
             self._key_of[page] = key
+            self._named[page] = True
 
     def hold(self, page: int) -> None:
         """A request's page table takes `page` (a cached one leaves the evictable pages)."""
         if self.refs[page] == 0:
             self.evictable.pop(page, None)
+            self._idle[page] = False
         self.refs[page] += 1
 
     def release(self, page: int) -> bool:
@@ -79,6 +84,7 @@ class PrefixCache:
             return False
         if page in self._key_of:
             self.evictable[page] = None
+            self._idle[page] = True
             return False
         return True
 
@@ -86,6 +92,7 @@ class PrefixCache:
         """The least recently released cached page, forgotten, for a request to take."""
         page, _ = self.evictable.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
+        self._named[page] = self._idle[page] = False
         return page
 
     def check(self, free: np.ndarray, held: np.ndarray) -> bool:
@@ -95,7 +102,7 @@ class PrefixCache:
         counts = np.bincount(held, minlength=n) if len(held) else np.zeros(n, np.int64)
         if len(counts) != n or not np.array_equal(counts, self.refs):
             return False
-        status = (self.refs > 0).astype(np.int64)
-        status[np.asarray(list(self.evictable), np.int64)] += 1
+        status = (self.refs > 0).astype(np.int64) + self._idle
         status += np.bincount(free, minlength=n)[:n] if len(free) else 0
-        return bool(np.all(status == 1)) and all(self.refs[p] == 0 and p in self._key_of for p in self.evictable)
+        return bool(np.all(status == 1) and np.all(self._named[self._idle]) and np.all(self.refs[self._idle] == 0)
+                    and np.count_nonzero(self._idle) == len(self.evictable))
