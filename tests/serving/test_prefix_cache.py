@@ -11,12 +11,9 @@ import pytest
 from mdsl import LLM, SamplingParams
 from mdsl.serving.params import ServingError
 from mdsl.serving.prefix_cache import PrefixCache
-from tests.serving.conftest import VOCAB, drive
+from tests.serving.conftest import drive
 from tests.serving.test_batching import assert_pool_full
-
-
-def tokens(rng, n: int) -> list:
-    return [int(t) for t in rng.integers(0, VOCAB, n)]
+from tests.serving.test_prefill import prompt_of as tokens
 
 
 # ---- the cache alone
