@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens-per-step", type=int, default=None,
                     help="the engine's step budget (default: the engine's)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the models' first N layers only (a quicker checkpoint for profiling an op: its time a "
+                         "layer is the same; time to first token is not the model's)")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="leave PyTorch's forward out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=".", help="folder for prefill.json and prefill.md")
@@ -161,7 +164,7 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     from mdsl.megakernel.runtime.models import MODELS
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
-    raw = MODELS[name]
+    raw = MODELS[name] if args.layers is None else {**MODELS[name], "num_hidden_layers": args.layers}
     config = config_from_dict(raw)
     rng = np.random.default_rng(args.seed)
     prompts = {p: [int(t) for t in rng.integers(0, raw["vocab_size"], p)] for p in args.prompts}
@@ -172,13 +175,14 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     rows = []
     with scratch_folder("mdsl-weights-") as folder:
         print(f"writing random weights at {name}'s shapes", flush=True)
-        random_checkpoint(name, folder)
+        random_checkpoint(name, folder, layers=args.layers)
         llm = LLM(folder, device=args.device, **engine)
         with llm:
             graph = llm.device.graph
             budget = llm.shape.max_tokens_per_step
             for p in args.prompts:
-                row = {"model": name, "prompt": p, "device": args.device, "max_tokens_per_step": budget,
+                row = {"model": name if args.layers is None else f"{name} ({args.layers} layers)", "prompt": p,
+                       "device": args.device, "max_tokens_per_step": budget,
                        "floor_s": max(prompt_flops(graph, config, p) / FLOPS, weight_bytes(graph) / BANDWIDTH),
                        **engine_ttft(llm, prompts[p], args.repeats, profile=args.device == "gpu")}
                 rows.append(row)

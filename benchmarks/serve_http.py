@@ -109,10 +109,11 @@ def scratch_folder(prefix: str):
             signal.signal(signal.SIGTERM, previous)
 
 
-def random_checkpoint(name: str, folder: str, seed: int = 0) -> None:
-    """Random weights at the shapes of a model of mdsl.megakernel.runtime.models, saved in its dtype. Made
-    as bit patterns (a matrix entry: random sign and mantissa, magnitude in [2^-8, 2^-4); a norm weight
-    near 1), which takes seconds where normal samples of Qwen3-8B's 8 G weights take minutes."""
+def random_checkpoint(name: str, folder: str, seed: int = 0, layers: Optional[int] = None) -> None:
+    """Random weights at the shapes of a model of mdsl.megakernel.runtime.models, saved in its dtype (its
+    first `layers` layers where given). Made as bit patterns (a matrix entry: random sign and mantissa,
+    magnitude in [2^-8, 2^-4); a norm weight near 1), which takes seconds where normal samples of Qwen3-8B's
+    8 G weights take minutes."""
     import numpy as np
 
     from mdsl.ir.dtypes import bf16, round_to_dtype
@@ -121,7 +122,7 @@ def random_checkpoint(name: str, folder: str, seed: int = 0) -> None:
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
     from mdsl.megakernel.runtime.models import MODELS
 
-    raw = MODELS[name]
+    raw = MODELS[name] if layers is None else {**MODELS[name], "num_hidden_layers": layers}
     config = config_from_dict(raw)
     rng = np.random.default_rng(seed)
     weights = {}
