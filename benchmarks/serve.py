@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mixed-prompt", type=int, default=4096, help="(d) the arriving prompt's tokens")
     ap.add_argument("--mixed-window", type=int, default=32, help="(d) the decoders' tokens timed before it arrives")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the model's first N layers only (a quicker checkpoint for profiling an op, whose time a "
+                         "layer is the same; with --no-torch: PyTorch's step is the whole model's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=".", help="folder for serve.json and serve.md")
     return ap.parse_args(argv)
@@ -614,13 +617,15 @@ def main(argv=None) -> int:
     if "d" in parts and args.mixed_batch + 1 > args.max_batch:
         raise SystemExit(f"--mixed-batch {args.mixed_batch} and the arriving prompt need --max-batch of at least "
                          f"{args.mixed_batch + 1} (it is {args.max_batch})")
+    if args.layers is not None and args.torch:
+        raise SystemExit("--layers times a part of the model: pass --no-torch (PyTorch's step is the whole model's)")
     raw = MODELS[args.model]
     out = Path(args.out)
     result = {"meta": provenance("serve.py", sys.argv[1:] if argv is None else argv, gpu=True), "model": args.model,
-              "devices": {}, "decode": [], "runs": []}
+              **({"layers": args.layers} if args.layers is not None else {}), "devices": {}, "decode": [], "runs": []}
     with scratch_folder("mdsl-weights-") as folder:
         print(f"writing random weights at {args.model}'s shapes", flush=True)
-        random_checkpoint(args.model, folder)
+        random_checkpoint(args.model, folder, layers=args.layers)
         requests = workload(args, raw["vocab_size"])
         # (batch, prompt length) of each decode measurement: the batches at --context, batch 1 at the long ones
         points = [(int(b), args.context) for b in args.batches.split(",")] + \

@@ -52,6 +52,7 @@ constexpr int AMMA_SOLO_SMEM = AMMA_WARPS * AMMA_RING * AMMA_HALF * 2;   // ... 
 constexpr int AMMA_SPLIT_KEYS = 128;
 constexpr int AMMA_UNIT = 8;                       // the most splits of a block's item (a tile's consecutive
                                                    // splits, one softmax after another, the queries loaded once)
+constexpr float AMMA_LOG2E = 1.4426950408889634f;   // 1 / ln 2: scores in base 2 (one MUFU a weight)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool live) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -60,19 +61,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void ldsm4_trans(unsigned (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
 
 template <typename W>
 __device__ __forceinline__ float low_of(unsigned packed, int half) {
@@ -87,39 +75,54 @@ __device__ __forceinline__ void split2(float a, float b, unsigned& hi, unsigned&
   lo = pack2<W>(a - low_of<W>(hi, 0), b - low_of<W>(hi, 1));
 }
 
+// j / d for 0 <= j < 2^31 by a multiply and a shift (d >= 1, the page size, fixed for the kernel; as CUTLASS's
+// FastDivmod): a key's page without a division per key
+struct FastDiv {
+  int d;
+  unsigned mul, shift;
+  __device__ explicit FastDiv(int divisor) : d(divisor), mul(0), shift(0) {
+    if (divisor > 1) {
+      const unsigned p = 31 + (32 - __clz(divisor - 1));   // 31 + ceil(log2 d)
+      mul = static_cast<unsigned>(((1ull << p) + divisor - 1) / divisor);
+      shift = p - 32;
+    }
+  }
+  __device__ __forceinline__ int of(int j) const {
+    return d == 1 ? j : static_cast<int>(__umulhi(static_cast<unsigned>(j), mul) >> shift);
+  }
+};
+
 // the 16-byte copies of block b's keys (or values, or both: POOLS) from the pages into shared memory, chunks
 // c0 .. c0 + CHUNKS - 1 of each key (all 16 of its 128 dims, padded rows of AMMA_STRIDE, or a half's 8,
 // swizzled rows of 64: HALF), by THREADS threads of which this is thread idx: keys of [lo, hi) of the block,
 // zeros elsewhere (past the head dim too), so a masked key's value is finite and its zero weight adds exactly
-// zero. Thread idx copies chunk idx % CHUNKS of keys idx / CHUNKS, + THREADS / CHUNKS, ... of the block: its
-// chunk is fixed and its keys' pages follow one from the next by adding to an offset (no division a chunk),
-// and it reads the page table for a batch of its keys (eight; four of a half) before their copies
+// zero. Thread idx copies chunk idx % CHUNKS of keys idx / CHUNKS, + THREADS / CHUNKS, ... of the block, a
+// batch of them at a time: their pages' table entries read first (L1 holds a block's few), then the copies
 template <int THREADS, int CHUNKS, int POOLS, typename W>
 __device__ __forceinline__ void copy_block(W* const (&dst)[POOLS], const W* const (&src)[POOLS], int idx, int b,
-                                           int c0, int lo, int hi, const int* table, int page_size,
+                                           int c0, int lo, int hi, const int* table, const FastDiv& page,
                                            long long stride, long long head, int kd, int dim) {
   constexpr bool HALF = CHUNKS == 8;
-  constexpr int KEY_STEP = THREADS / CHUNKS, PER = AMMA_KEYS / KEY_STEP, BATCH = HALF ? 4 : PER < 8 ? PER : 8;
+  constexpr int KEY_STEP = THREADS / CHUNKS, PER = AMMA_KEYS / KEY_STEP, BATCH = PER < 8 ? PER : 8;
   static_assert((CHUNKS == 8 || CHUNKS == AMMA_DIM / 8) && THREADS % CHUNKS == 0 && AMMA_KEYS % KEY_STEP == 0 &&
                 PER % BATCH == 0, "a thread's chunk is fixed");
   const int ch = idx % CHUNKS, key0 = idx / CHUNKS, c = c0 + ch;
   if (c < 2 * kd) {   // (the chunks past 2 kd: never read)
     const bool inside = 8 * c < dim;
     const int j0 = b * AMMA_KEYS + key0;
-    int page = j0 / page_size, offset = j0 - page * page_size;
+    const long long offset = head + 8 * c;
 #pragma unroll 1
     for (int i0 = 0; i0 < PER; i0 += BATCH) {
       int at[BATCH];   // (a key's place in the pool)
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) {
-        const int j = j0 + KEY_STEP * (i0 + i);
-        at[i] = inside && j >= lo && j < hi ? table[page] * page_size + offset : -1;
-        for (offset += KEY_STEP; offset >= page_size; offset -= page_size) ++page;
+        const int j = j0 + KEY_STEP * (i0 + i), q = page.of(j);
+        at[i] = inside && j >= lo && j < hi ? __ldg(table + q) * page.d + (j - q * page.d) : -1;
       }
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) {
         const int key = key0 + KEY_STEP * (i0 + i);
-        const long long from = at[i] < 0 ? 0 : (long long)at[i] * stride + head + 8 * c;
+        const long long from = at[i] < 0 ? 0 : (long long)at[i] * stride + offset;
         const int to = HALF ? key * 64 + 8 * (ch ^ (key % 8)) : key * AMMA_STRIDE + 8 * ch;
 #pragma unroll
         for (int p = 0; p < POOLS; ++p) cp_async16(dst[p] + to, src[p] + from, at[i] >= 0);
@@ -127,6 +130,17 @@ __device__ __forceinline__ void copy_block(W* const (&dst)[POOLS], const W* cons
     }
   }
   cp_async_commit();
+}
+
+__device__ __forceinline__ void ldsm4_at(unsigned (&r)[4], unsigned s) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void ldsm4_trans_at(unsigned (&r)[4], unsigned s) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
 }
 
 template <int G, typename W, bool SOLO>
@@ -139,8 +153,12 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
   W* const keys = reinterpret_cast<W*>(amma_smem);   // [stage][key][AMMA_STRIDE]
   W* const values = keys + 2 * AMMA_STAGE;
   // the unit's splits: each row's keys of each (first, end; empty where the row has fewer splits), the keys
-  // any row takes (lo_key, hi_key)
+  // any row takes (lo_key, hi_key), and the blocks of 64 keys holding some row's keys: bit k of block_bits
+  // for block block_base + k (block_base -1: a split over more than 64 blocks, its blocks found by a scan)
   __shared__ int first_of[AMMA_UNIT][R], end_of[AMMA_UNIT][R], lo_key[AMMA_UNIT], hi_key[AMMA_UNIT];
+  __shared__ unsigned long long block_bits[AMMA_UNIT];
+  __shared__ int block_base[AMMA_UNIT];
+  __shared__ __align__(16) int pool_rows[2][8][AMMA_KEYS / 8];   // (a shared tile's: its stages' keys' places)
   // a solo tile's query fragments (hi, lo; a lane's registers of each k16 step), read by all its warps (held
   // here, not in registers, so that a warp has room for its ring's copies beside its values and weights)
   __shared__ unsigned q_solo[2][AMMA_DIM / 16][4][WARP];
@@ -148,6 +166,27 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
   const int kd = (dim + 15) / 16;            // k16 steps of the head dim (its chunks past dim are zeros)
   const int heads = q_heads + 2 * kv_heads;
   const long long stride = (long long)kv_heads * dim;
+  const FastDiv page(page_size);
+  // the scores in base 2: a row's weights are 2^(x - max) of x = its scores times scale / ln 2 (soft-capped:
+  // cap tanh(score scale / cap) / ln 2), its max and the split's partial max likewise (attention_fold)
+  const float scale2 = scale * AMMA_LOG2E, capped = softcap > 0.0f ? scale / softcap : 0.0f;
+  const float cap2 = softcap * AMMA_LOG2E;
+  // this lane's ldmatrix rows, as byte offsets in a block's keys (the scores' B fragments: key 16n + kr,
+  // chunk 2kk + kc) and values (the weights' B fragments: key 16j + vr, chunk 2n + vc): in a shared stage's
+  // padded rows (pad_k, pad_v: + a constant a step), or in a solo warp's swizzled half (the chunk's slot
+  // (chunk % 8) ^ (key % 8), key % 8 = lane % 8: one offset for each chunk % 8 / 2, the half's k16 step)
+  const int kr = lane % 8 + 8 * (lane / 16), kc = (lane / 8) % 2, vr = lane % 8 + 8 * ((lane / 8) % 2),
+            vc = lane / 16;
+  const unsigned pad_k = 2 * (kr * AMMA_STRIDE + 8 * kc), pad_v = 2 * (vr * AMMA_STRIDE + 8 * vc);
+  unsigned swz_k[4], swz_v[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    swz_k[q] = 2 * (kr * 64 + 8 * ((2 * q + kc) ^ (lane % 8)));
+    swz_v[q] = 2 * (vr * 64 + 8 * ((2 * q + vc) ^ (lane % 8)));
+  }
+  // (through an opaque move: the compiler would rebuild the address before each ldmatrix, a dozen instructions)
+  unsigned smem = static_cast<unsigned>(__cvta_generic_to_shared(amma_smem));
+  asm volatile("mov.b32 %0, %0;" : "+r"(smem));
   const int first_item = item_range[0], total = (item_range[1] - first_item) * kv_heads;
   for (int v = blockIdx.x; v < total; v += gridDim.x) {
     const int4 item = items[first_item + v / kv_heads];
@@ -186,15 +225,36 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
         }
       lo_key[u] = hi > 0 ? lo : 0;
       hi_key[u] = hi;
+      const int base = lo_key[u] / AMMA_KEYS;
+      unsigned long long bits = 0;
+      if (hi > 0 && (hi - 1) / AMMA_KEYS - base < 64) {
+        for (int i = 0; i < rows; ++i)
+          if (end_of[u][i] > first_of[u][i]) {
+            const int a = first_of[u][i] / AMMA_KEYS - base, z = (end_of[u][i] - 1) / AMMA_KEYS - base;
+            bits |= (~0ull >> (63 - (z - a))) << a;
+          }
+        block_base[u] = base;
+      } else {
+        block_base[u] = hi > 0 ? -1 : 0;
+      }
+      block_bits[u] = bits;
     }
     __syncthreads();
     // the blocks of 64 keys of split u that hold a key of some row: the first at or after block b (-1: none)
     auto block_from = [&](int u, int b) {
-      for (b = max(b, lo_key[u] / AMMA_KEYS); b * AMMA_KEYS < hi_key[u]; ++b)
-        for (int i = 0; i < rows; ++i)
-          if (end_of[u][i] > first_of[u][i] && first_of[u][i] < (b + 1) * AMMA_KEYS && end_of[u][i] > b * AMMA_KEYS)
-            return b;
-      return -1;
+      const int base = block_base[u];
+      if (base < 0) {
+        for (b = max(b, lo_key[u] / AMMA_KEYS); b * AMMA_KEYS < hi_key[u]; ++b)
+          for (int i = 0; i < rows; ++i)
+            if (end_of[u][i] > first_of[u][i] && first_of[u][i] < (b + 1) * AMMA_KEYS &&
+                end_of[u][i] > b * AMMA_KEYS)
+              return b;
+        return -1;
+      }
+      const int k = max(b - base, 0);
+      if (k >= 64) return -1;
+      const unsigned long long bits = block_bits[u] >> k;
+      return bits ? base + k + __ffsll(static_cast<long long>(bits)) - 1 : -1;
     };
     // the unit's steps in order (shared): each split's blocks; the first at or after block b of split u
     // ((units, 0) past the last)
@@ -252,33 +312,33 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
     };
-    // where key r's chunk c (16 bytes, dims 8c ..) of a block lies: a shared stage's padded rows, or a solo
-    // warp's half (chunks 8 .. 15 in the second) with its swizzle
-    auto at_key = [&](const W* base, bool half, int r, int c) {
-      return half ? base + r * 64 + 8 * ((c % 8) ^ (r % 8)) : base + r * AMMA_STRIDE + 8 * c;
-    };
-    // S += Q K^T over the k16 steps k0 .. k1 - 1 of the block's keys ks (half: a solo warp's ring half, its
-    // queries in q_solo; else a shared stage, the queries in registers): n8 tiles of keys; ldmatrix's four
-    // matrices are keys 16u .. + 7 and 16u + 8 .. + 7, dims 16kk .. + 7 and + 8 .. + 15 (B fragments of n
-    // tiles 2u and 2u + 1)
-    auto scores_of = [&](const W* ks, bool half, int k0, int k1) {
+    // S += Q K^T over the k16 steps k0 .. k1 - 1 of the block's keys at shared address ks (half: a solo warp's
+    // ring half, its queries in q_solo; else a shared stage, the queries in registers): n8 tiles of keys;
+    // ldmatrix's four matrices are keys 16n .. + 7 and 16n + 8 .. + 7, dims 16kk .. + 7 and + 8 .. + 15 (B
+    // fragments of n tiles 2n and 2n + 1). Each k16 step's four ldmatrix first, then the hi products of
+    // the eight tiles, then the lo ones (each tile's sum in the order hi, lo, a step after another)
+    auto scores_of = [&](unsigned ks, bool half, int k0, int k1) {
 #pragma unroll
       for (int kk = 0; kk < AMMA_DIM / 16; ++kk) {
         if (kk < k0 || kk >= k1 || kk >= kd) continue;
-        unsigned a[4], b[4];   // (a solo tile's from shared memory)
+        unsigned a[4], b[4], kb[AMMA_KEYS / 16][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           a[r] = half ? q_solo[0][kk][r][lane] : qh[kk][r];
           b[r] = half ? q_solo[1][kk][r][lane] : ql[kk][r];
         }
 #pragma unroll
+        for (int n = 0; n < AMMA_KEYS / 16; ++n)
+          ldsm4_at(kb[n], half ? ks + swz_k[kk % 4] + 2 * 16 * n * 64 : ks + pad_k + 2 * (16 * n * AMMA_STRIDE + 16 * kk));
+#pragma unroll
         for (int n = 0; n < AMMA_KEYS / 16; ++n) {
-          unsigned kb[4];
-          ldsm4(kb, at_key(ks, half, 16 * n + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
-          mma_16816<W>(sc[2 * n], a[0], a[1], a[2], a[3], kb[0], kb[1]);
-          mma_16816<W>(sc[2 * n], b[0], b[1], b[2], b[3], kb[0], kb[1]);
-          mma_16816<W>(sc[2 * n + 1], a[0], a[1], a[2], a[3], kb[2], kb[3]);
-          mma_16816<W>(sc[2 * n + 1], b[0], b[1], b[2], b[3], kb[2], kb[3]);
+          mma_16816<W>(sc[2 * n], a[0], a[1], a[2], a[3], kb[n][0], kb[n][1]);
+          mma_16816<W>(sc[2 * n + 1], a[0], a[1], a[2], a[3], kb[n][2], kb[n][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < AMMA_KEYS / 16; ++n) {
+          mma_16816<W>(sc[2 * n], b[0], b[1], b[2], b[3], kb[n][0], kb[n][1]);
+          mma_16816<W>(sc[2 * n + 1], b[0], b[1], b[2], b[3], kb[n][2], kb[n][3]);
         }
       }
     };
@@ -288,10 +348,24 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
 #pragma unroll
         for (int r = 0; r < 4; ++r) sc[nt][r] = 0.0f;
     };
-    // block b's scores S: each M row's online softmax; sc becomes the block's weights, and the max, the sum
-    // and the values so far are rescaled to the block's max. Masked scores, the block's max (the quad's four
-    // lanes hold a row), weights, their sum in a fixed order, and the rescale of what came before
-    auto softmax = [&](int b) {
+    // block b's scores S: each M row's online softmax in base 2; sc becomes the block's weights, and the max,
+    // the sum and the values so far are rescaled to the block's max. The scores in base 2, masked (a block
+    // where some row of the warp has keys outside its range), the block's max (the quad's four lanes
+    // hold a row), weights, their sum in a fixed order (four running sums, added pairwise), and the rescale
+    // of what came before. A block inside every range of the warp skips the masks: the same weights and sums,
+    // bit for bit, as the masked arithmetic gives its keys (no key is masked there)
+    auto softmax_of = [&](bool masked, int b) {   // (inlined twice, masked a constant)
+      if (softcap > 0.0f) {
+#pragma unroll
+        for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sc[nt][r] = tanhf(sc[nt][r] * capped) * cap2;
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sc[nt][r] *= scale2;
+      }
       float rescale[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -300,44 +374,59 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
         for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int j = b * AMMA_KEYS + 8 * nt + 2 * t + c;
-            float x = sc[nt][2 * e + c] * scale;
-            if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
-            x = j >= first[e] && j < end[e] ? x : -INF;
-            sc[nt][2 * e + c] = x;
+            float x = sc[nt][2 * e + c];
+            if (masked) {
+              const int j = b * AMMA_KEYS + 8 * nt + 2 * t + c;
+              x = j >= first[e] && j < end[e] ? x : -INF;
+              sc[nt][2 * e + c] = x;
+            }
             top = fmaxf(top, x);
           }
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-        rescale[e] = top == m[e] ? 1.0f : m[e] == -INF ? 0.0f : __expf(m[e] - top);
-        float sum = 0.0f;
+        rescale[e] = top == m[e] ? 1.0f : m[e] == -INF ? 0.0f : ex2(m[e] - top);
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < AMMA_KEYS / 8; ++nt)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const float x = sc[nt][2 * e + c];
-            const float p = x == -INF ? 0.0f : __expf(x - top);
+            const float p = masked && x == -INF ? 0.0f : ex2(x - top);
             sc[nt][2 * e + c] = p;
-            sum += p;
+            sum[nt % 4] += p;
           }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l[e] = fmaf(l[e], rescale[e], sum);
+        float total = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        l[e] = fmaf(l[e], rescale[e], total);
         m[e] = top;
       }
+      // (a rescale by exactly 1 changes no value: skipped where the warp has no other)
+      if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
-      for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
-        acc[nt][0] *= rescale[0];
-        acc[nt][1] *= rescale[0];
-        acc[nt][2] *= rescale[1];
-        acc[nt][3] *= rescale[1];
+        for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
+          acc[nt][0] *= rescale[0];
+          acc[nt][1] *= rescale[0];
+          acc[nt][2] *= rescale[1];
+          acc[nt][3] *= rescale[1];
+        }
       }
     };
-    // the values += P V over the block's values vs, output dims 16 n0 .. 16 n1 - 1 (each dim's sum over the
-    // block's keys in the same order whatever the range); the weights' C fragments are the A fragments of
-    // k16 steps of keys; ldmatrix.trans's four matrices are keys 16j .. + 7 and + 8 .. + 15, dims 16n .. + 7
-    // and + 8 .. + 15
-    auto weigh = [&](const W* vs, bool half, int n0, int n1) {
+    auto softmax = [&](int b) {
+      bool inside = true;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        inside = inside && (end[e] <= first[e] || (first[e] <= b * AMMA_KEYS && (b + 1) * AMMA_KEYS <= end[e]));
+      if (__all_sync(0xffffffffu, inside))
+        softmax_of(false, b);
+      else
+        softmax_of(true, b);
+    };
+    // the values += P V over the block's values at shared address vs, output dims 16 n0 .. 16 n1 - 1 (each
+    // dim's sum over the block's keys in the same order whatever the range); the weights' C fragments are
+    // the A fragments of k16 steps of keys; ldmatrix.trans's four matrices are keys 16j .. + 7 and + 8 ..
+    // + 15, dims 16n .. + 7 and + 8 .. + 15. Two n steps at a time: their hi products, then their lo ones
+    auto weigh = [&](unsigned vs, bool half, int n0, int n1) {
 #pragma unroll
       for (int j = 0; j < AMMA_KEYS / 16; ++j) {
         unsigned ph[4], pl[4];
@@ -346,19 +435,33 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
         split2<W>(sc[2 * j + 1][0], sc[2 * j + 1][1], ph[2], pl[2]);
         split2<W>(sc[2 * j + 1][2], sc[2 * j + 1][3], ph[3], pl[3]);
 #pragma unroll
-        for (int n = 0; n < AMMA_DIM / 16; ++n) {
-          if (n < n0 || n >= n1 || n >= kd) continue;
-          unsigned vb[4];
-          ldsm4_trans(vb, at_key(vs, half, 16 * j + lane % 8 + 8 * ((lane / 8) % 2), 2 * n + lane / 16));
-          mma_16816<W>(acc[2 * n], ph[0], ph[1], ph[2], ph[3], vb[0], vb[1]);
-          mma_16816<W>(acc[2 * n], pl[0], pl[1], pl[2], pl[3], vb[0], vb[1]);
-          mma_16816<W>(acc[2 * n + 1], ph[0], ph[1], ph[2], ph[3], vb[2], vb[3]);
-          mma_16816<W>(acc[2 * n + 1], pl[0], pl[1], pl[2], pl[3], vb[2], vb[3]);
+        for (int n = 0; n < AMMA_DIM / 16; n += 2) {
+          if (n + 1 < n0 || n >= n1 || n >= kd) continue;
+          const bool second = n + 1 >= n0 && n + 1 < n1 && n + 1 < kd;
+          unsigned vb[2][4];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (i == 0 ? n < n0 : !second) continue;
+            ldsm4_trans_at(vb[i], half ? vs + swz_v[(n + i) % 4] + 2 * 16 * j * 64
+                                       : vs + pad_v + 2 * (16 * j * AMMA_STRIDE + 16 * (n + i)));
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (i == 0 ? n < n0 : !second) continue;
+            mma_16816<W>(acc[2 * (n + i)], ph[0], ph[1], ph[2], ph[3], vb[i][0], vb[i][1]);
+            mma_16816<W>(acc[2 * (n + i) + 1], ph[0], ph[1], ph[2], ph[3], vb[i][2], vb[i][3]);
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (i == 0 ? n < n0 : !second) continue;
+            mma_16816<W>(acc[2 * (n + i)], pl[0], pl[1], pl[2], pl[3], vb[i][0], vb[i][1]);
+            mma_16816<W>(acc[2 * (n + i) + 1], pl[0], pl[1], pl[2], pl[3], vb[i][2], vb[i][3]);
+          }
         }
       }
     };
     // a split's last block: its partial for each M row with keys in it, [row, q head, split] of (dim
-    // values, max, sum, pad)
+    // values, max (base 2), sum, pad)
     auto record = [&](int u) {
       const int size = dim + 4;
 #pragma unroll
@@ -380,6 +483,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       // the warp's splits; each block's parts (its keys' halves, then its values': one of each where the head
       // dim is 64 or less) stream through the warp's ring, AMMA_RING - 1 parts loading while one is used
       W* const ring = keys + warp * AMMA_RING * AMMA_HALF;
+      const unsigned ring_at = smem + 2 * warp * AMMA_RING * AMMA_HALF;
       const int halves = kd > 4 ? 2 : 1;
       if (warp == 0) load_queries(true);
       __syncthreads();
@@ -393,7 +497,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
           }
           W* const to[1] = {ring + issued % AMMA_RING * AMMA_HALF};
           const W* const from[1] = {ip < halves ? k_pool : v_pool};
-          copy_block<WARP, 8, 1, W>(to, from, lane, ib, 8 * (ip % halves), lo_key[u], hi_key[u], table, page_size,
+          copy_block<WARP, 8, 1, W>(to, from, lane, ib, 8 * (ip % halves), lo_key[u], hi_key[u], table, page,
                                     stride, head, kd, dim);
           ++issued;
           if (++ip == 2 * halves) {
@@ -409,7 +513,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
           issue();
           cp_async_wait<AMMA_RING - 1>();
           __syncwarp();
-          return ring + used++ % AMMA_RING * AMMA_HALF;
+          return ring_at + 2 * (used++ % AMMA_RING) * AMMA_HALF;
         };
         for (int b = block_from(u, 0); b >= 0;) {
           const int next = block_from(u, b + 1);
@@ -425,37 +529,73 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
     } else {
       const bool working = 16 * warp < rows * G;   // the warp has M rows of the tile's rows
       load_queries(false);
-      const W* const from[2] = {k_pool, v_pool};
-      auto load = [&](int2 step, int st) {
-        W* const to[2] = {keys + st * AMMA_STAGE, values + st * AMMA_STAGE};
-        copy_block<ATT_THREADS, AMMA_DIM / 8, 2, W>(to, from, threadIdx.x, step.y, 0, lo_key[step.x], hi_key[step.x],
-                                                    table, page_size, stride, head, kd, dim);
+      // a step's keys' places in the pool (their pages' table entries read once a block, by thread k for key
+      // k, a step ahead of their copies: the reads are in flight while a block runs), -1 outside the split's
+      // keys; key k at pool_rows[stage][k % 8][k / 8], so a thread's eight keys (k0, k0 + 8, ..) lie together
+      auto row_of = [&](int2 s) {   // (the table entry, -1 outside, and the key's place in its page)
+        const int j = s.y * AMMA_KEYS + threadIdx.x, q = page.of(j);
+        const bool live = threadIdx.x < AMMA_KEYS && s.x < units && j >= lo_key[min(s.x, units - 1)] &&
+                          j < hi_key[min(s.x, units - 1)];
+        return make_int2(live ? __ldg(table + q) : -1, j - q * page.d);
+      };
+      auto keep_row = [&](int st, int2 row) {
+        if (threadIdx.x < AMMA_KEYS)
+          pool_rows[st][threadIdx.x % 8][threadIdx.x / 8] = row.x < 0 ? -1 : row.x * page.d + row.y;
+      };
+      // stage st's keys and values: thread i copies chunk i % 16 of keys i / 16, + 8, .. (zeros for a key
+      // outside the split's keys and past the head dim, so a masked key's value is finite and its zero weight
+      // adds exactly zero; the chunks past 2 kd are never read)
+      auto load = [&](int st) {
+        const int ch = threadIdx.x % 16, key0 = threadIdx.x / 16;
+        if (ch < 2 * kd) {
+          const int4 r0 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][0]);
+          const int4 r1 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][4]);
+          const int at[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+          const bool inside = 8 * ch < dim;
+          const long long offset = head + 8 * ch;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const bool live = inside && at[i] >= 0;
+            const long long from = live ? (long long)at[i] * stride + offset : 0;
+            const int to = st * AMMA_STAGE + (key0 + 8 * i) * AMMA_STRIDE + 8 * ch;
+            cp_async16(keys + to, k_pool + from, live);
+            cp_async16(values + to, v_pool + from, live);
+          }
+        }
+        cp_async_commit();
       };
       int2 step = step_from(0, 0);
-      if (step.x < units) load(step, 0);
+      int2 next = step.x < units ? step_from(step.x, step.y + 1) : make_int2(units, 0);
+      keep_row(0, row_of(step));
+      keep_row(1, row_of(next));
+      __syncthreads();
+      if (step.x < units) load(0);
       for (int st = 0, u_before = -1; step.x < units; st ^= 1) {
         const int u = step.x, b = step.y;
-        const int2 next = step_from(u, b + 1);
+        const int2 after = next.x < units ? step_from(next.x, next.y + 1) : make_int2(units, 0);
         if (u != u_before) {
           u_before = u;
           fresh(u);
         }
         if (next.x < units) {
-          load(next, st ^ 1);
+          load(st ^ 1);
           cp_async_wait<1>();
         } else {
           cp_async_wait<0>();
         }
+        const int2 row = row_of(after);
         __syncthreads();
         if (working) {
           clear_scores();
-          scores_of(keys + st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
+          scores_of(smem + 2 * st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
           softmax(b);
-          weigh(values + st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
+          weigh(smem + 2 * (2 + st) * AMMA_STAGE, false, 0, AMMA_DIM / 16);
           if (next.x != u) record(u);
         }
-        __syncthreads();   // (the stage is read: the next load may overwrite it)
+        keep_row(st, row);   // (stage st's rows were read by its copies before the barrier above)
+        __syncthreads();     // (the stage is read: the next load may overwrite it)
         step = next;
+        next = after;
       }
     }
     __syncthreads();   // (every thread is past the item's steps: the next item may rewrite its ranges)
@@ -471,7 +611,7 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const int n = pos - lo + 1, most = AMMA_SPLIT_KEYS * ATT_MAX_SPLITS;
   const int split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
-  fold_splits<G>(out, part, r, h, q_heads, dim, (n + split - 1) / split, max_splits);
+  fold_splits<G, true>(out, part, r, h, q_heads, dim, (n + split - 1) / split, max_splits);
 }
 
 }  // namespace serve

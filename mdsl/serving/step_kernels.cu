@@ -575,11 +575,19 @@ constexpr int ATT_SPLIT_KEYS = 64;   // a split's keys where the range allows (a
 constexpr int ATT_MAX_SPLITS = 64;
 constexpr float SKIPPED = -1.0f;     // the fold's weight of a split without scores (a weight is never negative)
 
+// 2^x, a subnormal result flushed to zero: one MUFU.EX2 (exp2f without fast math adds five instructions)
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The fold of a row's splits for the G query heads h * G .. of KV head h, by the block's ATT_WARPS warps, once
 // every split's partial is in `part` (records of (dim values, max, sum, padding) per row, query head and split
-// of max_splits): out = the sum of the splits' values by their weights exp(max_k - top) in split order, over
-// the sum of their sums likewise. Both attention kernels end with it, so a row's fold is one arithmetic.
-template <int G>
+// of max_splits): out = the sum of the splits' values by their weights exp(max_k - top) in split order (BASE2:
+// 2^(max_k - top), the maxima of scores in base 2), over the sum of their sums likewise. Both attention
+// kernels end with it, so a row's fold is one arithmetic.
+template <int G, bool BASE2 = false>
 __device__ void fold_splits(float* out, const float* part, int r, int h, int q_heads, int dim, int splits,
                             int max_splits) {
   __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];
@@ -595,7 +603,7 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
     top = warp_max(top);
     for (int k = lane; k < splits; k += WARP) {
       const float mk = __ldcg(recs + k * record + dim);
-      weight[g][k] = mk == -INF ? SKIPPED : __expf(mk - top);
+      weight[g][k] = mk == -INF ? SKIPPED : BASE2 ? ex2(mk - top) : __expf(mk - top);
       split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
     }
     __syncwarp();

@@ -140,7 +140,7 @@ def test_the_run_measures_each_device_records_an_unsupported_one_and_writes_both
     def torch_baseline(model):
         return lambda batch, context: torch_points.append((batch, context)) or 0.005
 
-    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder: None)
+    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder, layers=None: None)
     monkeypatch.setattr(S, "measure", measure)
     monkeypatch.setattr(S, "torch_baseline", torch_baseline)
     assert S.main(["--batches", "1,8", "--long-contexts", "", "--requests", "4", "--out", str(tmp_path)]) == 0
@@ -162,7 +162,7 @@ def test_both_devices_rows_share_one_pytorch_step_per_point(tmp_path, monkeypatc
         result["devices"][device] = ({"steps": 10, "launches": 1, "steps_per_launch": 99} if device == "megakernel"
                                      else {"steps": 10, "replayed": 9})
 
-    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder: None)
+    monkeypatch.setattr(S, "random_checkpoint", lambda name, folder, layers=None: None)
     monkeypatch.setattr(S, "measure", measure)
     monkeypatch.setattr(S, "torch_baseline", lambda model: lambda b, c: torch_points.append((b, c)) or 0.004)
     S.main(["--batches", "4", "--long-contexts", "", "--requests", "2", "--out", str(tmp_path)])
