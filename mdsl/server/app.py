@@ -90,11 +90,21 @@ class Generation:
                 if self.text.stopped:          # a stop string: the rest of the engine's tokens are not wanted
                     self.handle.cancel()
                     yield Piece(token, text)
+                    await self._ended()
                     yield self._end("stop")
                     return
                 yield Piece(token, text)
             if reason is not None:
                 yield self._end(reason)
+                return
+            await self._wake.wait()
+
+    async def _ended(self) -> None:
+        """Wait for the engine to end the request (a cancelled one ends at its next step): what it reports
+        at the end (the prompt's cached tokens) is then known."""
+        while True:
+            self._wake.clear()
+            if self.handle.done():
                 return
             await self._wake.wait()
 
@@ -114,8 +124,11 @@ class Generation:
         self.server.metrics.end(reason, self.submitted, self._first, self._last, len(self.tokens), time.monotonic())
 
     def usage(self) -> dict:
+        """OpenAI's usage: the prompt's tokens (of which `cached_tokens` read from the prefix cache) and
+        the tokens generated."""
         return {"prompt_tokens": len(self.job.prompt), "completion_tokens": len(self.tokens),
-                "total_tokens": len(self.job.prompt) + len(self.tokens)}
+                "total_tokens": len(self.job.prompt) + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens}}
 
 
 class _GenerationResponse:

@@ -87,6 +87,8 @@ def kv_bytes_per_token(graph: ModelGraph) -> int:
 class CpuDevice:
     """Serves requests from the host views (protocol.host_region) with the model graph and weights."""
 
+    PREFIX_CACHE = True   # its scheduler, on the host, can keep a prefix cache (mdsl.serving.prefix_cache)
+
     @staticmethod
     def host_memory(region) -> np.ndarray:
         """The host region's memory (this device's thread shares the engine's address space)."""
@@ -114,6 +116,7 @@ class CpuDevice:
         # each admitted entry's page keys computed so far
         self.prefix = PrefixCache(shape.num_pages, shape.page_size) if prefix_caching else None
         self._keys: dict = {}
+        self._queued_keys: tuple = (-1, [])    # (queue position, page keys) of the request at the queue's head
         self._cached_of: dict = {}        # request id -> its prompt's tokens found cached at admission
         self._written = 0                 # ring records written
         self._cancels_seen = 0            # the host's count of cancel flags at the last scan (_cancel)
@@ -348,7 +351,7 @@ class CpuDevice:
             admitted = True
 
         for e in self._by_age(PREEMPTED):
-            cached = self._cached_prefix(self.state["history"][e], self._known(e))
+            cached = self._cached_prefix(self.state["history"][e], self._known(e), e)
             if not self._fits(self._known(e), cached):
                 return admitted
             self._map_prefix(e, cached)
@@ -368,7 +371,9 @@ class CpuDevice:
                 continue
             free = np.flatnonzero(entries["state"] == FREE)
             n = int(req["prompt_len"])
-            cached = self._cached_prefix(self.host["prompts"][req["handle"]], n) if len(free) else []
+            if self._queued_keys[0] != k:          # (the head's page keys, once however long it waits)
+                self._queued_keys = (k, [])
+            cached = self._cached_prefix(self.host["prompts"][req["handle"]], n, None) if len(free) else []
             if not len(free) or not self._fits(n, cached):
                 return admitted
             e = int(free[0])
@@ -377,7 +382,7 @@ class CpuDevice:
             self.state["history"][e, :n] = self.host["prompts"][req["handle"], :n]
             control["queue_taken"] = k + 1             # the slot is copied: the host may reuse it
             self._tell_host = True
-            self._keys.pop(e, None)
+            self._keys[e], self._queued_keys = self._queued_keys[1], (-1, [])   # (its history's page keys)
             self._map_prefix(e, cached)
             if cached:
                 self._cached_of[int(req["request_id"])] = len(cached) * self.shape.page_size
@@ -515,12 +520,21 @@ class CpuDevice:
 
     # ---- the prefix cache (mdsl.serving.prefix_cache)
 
-    def _cached_prefix(self, tokens: np.ndarray, known: int) -> list:
+    def _cached_prefix(self, tokens: np.ndarray, known: int, e: Optional[int]) -> list:
         """The cached pages of the longest prefix of tokens[:known] that the cache names, in full pages
-        short of the last known token (which the request computes: its logits choose its next token)."""
+        short of the last known token (which the request computes: its logits choose its next token). The
+        pages' keys extend those kept for the tokens (entry e's history, or the queue's head where e is None),
+        so a request that waits to be admitted names its pages once, not at every step."""
         if self.prefix is None:
             return []
-        return self.prefix.lookup(self.prefix.keys(tokens, (known - 1) // self.shape.page_size, []))
+        kept = self._keys.get(e, []) if e is not None else self._queued_keys[1]
+        keys = self.prefix.keys(tokens, (known - 1) // self.shape.page_size, kept)
+        if len(keys) > len(kept):
+            if e is not None:
+                self._keys[e] = keys
+            else:
+                self._queued_keys = (self._queued_keys[0], keys)
+        return self.prefix.lookup(keys)
 
     def _fits(self, known: int, cached: list) -> bool:
         """Whether the pages a request's known tokens need beside its `cached` ones can be had."""

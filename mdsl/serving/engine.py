@@ -110,6 +110,11 @@ class RequestHandle:
     def done(self) -> bool:
         return self._reason is not None or self._error is not None
 
+    @property
+    def cached_tokens(self) -> int:
+        """Its prompt's tokens read from the prefix cache instead of computed (known once it ends; 0 before)."""
+        return self._cached
+
     def poll(self, start: int = 0) -> tuple:
         """Without waiting: (the tokens from index `start` produced so far, the finish reason or None while
         it runs). Raises the request's failure."""
@@ -241,12 +246,13 @@ class LLM:
         _positive("page_size", page_size, "tokens per KV-cache page, e.g. 16")
         _positive("max_tokens_per_step", max_tokens_per_step,
                   f"the tokens a step runs (decode tokens plus prompt chunks), e.g. {DEFAULT_MAX_TOKENS_PER_STEP}")
+        device_class = _device_class(device)
         if prefix_caching is None:
-            prefix_caching = device != "megakernel"
+            prefix_caching = device_class.PREFIX_CACHE
         elif not isinstance(prefix_caching, bool):
             raise ServingError(f"prefix_caching must be True, False or None, got {prefix_caching!r}")
-        elif prefix_caching and device == "megakernel":
-            raise ServingError("the megakernel device has no prefix cache: its scheduler runs on the GPU",
+        elif prefix_caching and not device_class.PREFIX_CACHE:
+            raise ServingError(f"the {device} device has no prefix cache (its scheduler keeps none)",
                                hint="serve with device='gpu' or 'cpu' for the prefix cache, or pass "
                                     "prefix_caching=False")
         config = load_config(model_dir)
@@ -276,7 +282,6 @@ class LLM:
         self.eos_token_ids = tuple(eos_token_ids(model_dir))
         num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
         self.shape = ServingShape(max_batch, page_size, num_pages, max_seq, max_tokens_per_step)
-        device_class = _device_class(device)
         region = host_region(self.shape)
         self._host = region.views(device_class.host_memory(region))
         self.tokenizer = Tokenizer(model_dir)

@@ -74,6 +74,8 @@ class MegakernelDevice:
     """Serves requests from the host views (protocol.host_region, in pinned_memory) with one resident kernel of
     the model (config, graph, weights by the graph's names) on GPU `device`."""
 
+    PREFIX_CACHE = False   # (its scheduler, in the kernel, has none)
+
     @staticmethod
     def host_memory(region: Region) -> np.ndarray:
         return pinned_memory(region)

@@ -67,6 +67,18 @@ def test_token_id_prompts_and_the_usage_chunk(client, offline):
     assert _streamed(chunks[:-1]) == (list(ref.token_ids), ref.text, "length")
 
 
+def test_the_usage_counts_the_prompts_tokens_read_from_the_prefix_cache(client, offline):
+    """A prompt of 40 token ids sent twice: the second reads its first two full pages (16 tokens each) from
+    the prefix cache, streamed or not."""
+    prompt = [int(t) for t in np.random.default_rng(41).integers(10, 90, 40)]
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    cached = [u.prompt_tokens_details.cached_tokens for u in (first.usage, again.usage, chunks[-1].usage)]
+    assert cached == [0, 32, 32] and again.choices[0].token_ids == first.choices[0].token_ids
+
+
 def test_chat_completions_render_the_template_and_carry_the_engines_tokens(client, offline):
     messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": [{"type": "text", "text": "w3"}]}]
     prompt = offline.tokenizer.encode("<s><|system|> w1 w2 <|user|> w3 <|assistant|> ", add_special_tokens=False)

@@ -129,8 +129,9 @@ class NativeSchedulerDevice(CpuDevice):
     CpuDevice, end_step, then the records into the ring, waiting for the host where it is full as
     CpuDevice._emit waits."""
 
+    PREFIX_CACHE = False   # (the C++ scheduler has none)
+
     def __init__(self, *args, **kwargs):
-        kwargs["prefix_caching"] = False   # (the C++ scheduler has no prefix cache)
         super().__init__(*args, **kwargs)
         self.scheduler = NativeScheduler(host_library(), self.shape, self.host, self.state)
 

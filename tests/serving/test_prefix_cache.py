@@ -182,3 +182,27 @@ def test_a_page_is_found_only_once_every_position_of_it_is_computed(checkpoints)
     later = served(checkpoints["qwen3"].folder, requests, [0, 6], **engine)   # the first has read 12 by then
     assert_same_bits(later, fresh)
     assert later[2].cached_tokens == 12 and min(later[1][1]) == 12
+
+
+def test_a_request_waiting_at_the_queues_head_names_its_pages_once(checkpoints, monkeypatch):
+    """One batch slot: the second request waits at the queue's head while the first decodes 30 tokens. Its
+    prompt's page keys are computed once, and kept for naming its pages once admitted: the run computes a
+    page's key once for each request's pages (no more than both requests' full pages), not at every step."""
+    import hashlib
+
+    import mdsl.serving.prefix_cache as prefix_cache
+
+    digests = []
+
+    class Counting:
+        @staticmethod
+        def blake2b(*args, **kwargs):
+            digests.append(1)
+            return hashlib.blake2b(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_cache, "hashlib", Counting)
+    rng = np.random.default_rng(10)
+    requests = [(tokens(rng, 30), SamplingParams(max_new_tokens=30, ignore_eos=True)) for _ in range(2)]
+    out = served(checkpoints["llama3"].folder, requests, [0, 0], max_batch=1, page_size=4, max_seq=64)
+    assert out[2].steps > 50 and all(len(o.token_ids) == 30 for o in out[0])
+    assert len(digests) <= 2 * (30 + 30) // 4
