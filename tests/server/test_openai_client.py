@@ -68,8 +68,8 @@ def test_token_id_prompts_and_the_usage_chunk(client, offline):
 
 
 def test_the_usage_counts_the_prompts_tokens_read_from_the_prefix_cache(client, offline):
-    """A prompt of 40 token ids sent twice: the second reads its first two full pages (16 tokens each) from
-    the prefix cache, streamed or not."""
+    """A prompt of 40 token ids sent three times: the second and the third (streamed) read its first two
+    full pages (16 tokens each) from the prefix cache, and the usage says so."""
     prompt = [int(t) for t in np.random.default_rng(41).integers(10, 90, 40)]
     first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
     again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
