@@ -34,7 +34,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import provenance, write_outputs  # noqa: E402
-from benchmarks.serve_http import random_checkpoint, scratch_folder  # noqa: E402
+from benchmarks.serve_http import model_dict, random_checkpoint, scratch_folder  # noqa: E402
 
 FLOPS = 750e12          # bf16 dense tensor-core rate of the H200 (METHOD.md)
 BANDWIDTH = 4.25e12     # measured copy bandwidth of the H200, bytes/s
@@ -161,10 +161,9 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     import numpy as np
 
     from mdsl import LLM
-    from mdsl.megakernel.runtime.models import MODELS
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
 
-    raw = MODELS[name] if args.layers is None else {**MODELS[name], "num_hidden_layers": args.layers}
+    raw = model_dict(name, args.layers)
     config = config_from_dict(raw)
     rng = np.random.default_rng(args.seed)
     prompts = {p: [int(t) for t in rng.integers(0, raw["vocab_size"], p)] for p in args.prompts}

@@ -109,6 +109,14 @@ def scratch_folder(prefix: str):
             signal.signal(signal.SIGTERM, previous)
 
 
+def model_dict(name: str, layers: Optional[int] = None) -> dict:
+    """The config.json of a model of mdsl.megakernel.runtime.models, cut to its first `layers` layers where
+    given."""
+    from mdsl.megakernel.runtime.models import MODELS
+
+    return MODELS[name] if layers is None else {**MODELS[name], "num_hidden_layers": layers}
+
+
 def random_checkpoint(name: str, folder: str, seed: int = 0, layers: Optional[int] = None) -> None:
     """Random weights at the shapes of a model of mdsl.megakernel.runtime.models, saved in its dtype (its
     first `layers` layers where given). Made as bit patterns (a matrix entry: random sign and mantissa,
@@ -120,9 +128,8 @@ def random_checkpoint(name: str, folder: str, seed: int = 0, layers: Optional[in
     from mdsl.megakernel.modelgraph.architectures import step_function
     from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
-    from mdsl.megakernel.runtime.models import MODELS
 
-    raw = MODELS[name] if layers is None else {**MODELS[name], "num_hidden_layers": layers}
+    raw = model_dict(name, layers)
     config = config_from_dict(raw)
     rng = np.random.default_rng(seed)
     weights = {}

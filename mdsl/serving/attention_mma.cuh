@@ -92,21 +92,17 @@ struct FastDiv {
   }
 };
 
-// the 16-byte copies of block b's keys (or values, or both: POOLS) from the pages into shared memory, chunks
-// c0 .. c0 + CHUNKS - 1 of each key (all 16 of its 128 dims, padded rows of AMMA_STRIDE, or a half's 8,
-// swizzled rows of 64: HALF), by THREADS threads of which this is thread idx: keys of [lo, hi) of the block,
-// zeros elsewhere (past the head dim too), so a masked key's value is finite and its zero weight adds exactly
-// zero. Thread idx copies chunk idx % CHUNKS of keys idx / CHUNKS, + THREADS / CHUNKS, ... of the block, a
-// batch of them at a time: their pages' table entries read first (L1 holds a block's few), then the copies
-template <int THREADS, int CHUNKS, int POOLS, typename W>
-__device__ __forceinline__ void copy_block(W* const (&dst)[POOLS], const W* const (&src)[POOLS], int idx, int b,
-                                           int c0, int lo, int hi, const int* table, const FastDiv& page,
-                                           long long stride, long long head, int kd, int dim) {
-  constexpr bool HALF = CHUNKS == 8;
-  constexpr int KEY_STEP = THREADS / CHUNKS, PER = AMMA_KEYS / KEY_STEP, BATCH = PER < 8 ? PER : 8;
-  static_assert((CHUNKS == 8 || CHUNKS == AMMA_DIM / 8) && THREADS % CHUNKS == 0 && AMMA_KEYS % KEY_STEP == 0 &&
-                PER % BATCH == 0, "a thread's chunk is fixed");
-  const int ch = idx % CHUNKS, key0 = idx / CHUNKS, c = c0 + ch;
+// a solo warp's copy of a half of block b's keys (or values) from the pages into its ring slot `dst`: chunks
+// c0 .. c0 + 7 of each key (8 of its 16 dims' chunks), swizzled rows of 64 (chunk c of key r at c ^ (r % 8)):
+// keys of [lo, hi) of the block, zeros elsewhere (past the head dim too), so a masked key's value is finite
+// and its zero weight adds exactly zero. Lane l copies chunk l % 8 of keys l / 8, + 4, ... of the block, eight
+// at a time: their pages' table entries read first (L1 holds a block's few), then the copies
+template <typename W>
+__device__ __forceinline__ void copy_half(W* dst, const W* src, int lane, int b, int c0, int lo, int hi,
+                                          const int* table, const FastDiv& page, long long stride, long long head,
+                                          int kd, int dim) {
+  constexpr int KEY_STEP = WARP / 8, PER = AMMA_KEYS / KEY_STEP, BATCH = 8;
+  const int ch = lane % 8, key0 = lane / 8, c = c0 + ch;
   if (c < 2 * kd) {   // (the chunks past 2 kd: never read)
     const bool inside = 8 * c < dim;
     const int j0 = b * AMMA_KEYS + key0;
@@ -123,9 +119,7 @@ __device__ __forceinline__ void copy_block(W* const (&dst)[POOLS], const W* cons
       for (int i = 0; i < BATCH; ++i) {
         const int key = key0 + KEY_STEP * (i0 + i);
         const long long from = at[i] < 0 ? 0 : (long long)at[i] * stride + offset;
-        const int to = HALF ? key * 64 + 8 * (ch ^ (key % 8)) : key * AMMA_STRIDE + 8 * ch;
-#pragma unroll
-        for (int p = 0; p < POOLS; ++p) cp_async16(dst[p] + to, src[p] + from, at[i] >= 0);
+        cp_async16(dst + key * 64 + 8 * (ch ^ (key % 8)), src + from, at[i] >= 0);
       }
     }
   }
@@ -495,10 +489,8 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
             cp_async_commit();
             return;
           }
-          W* const to[1] = {ring + issued % AMMA_RING * AMMA_HALF};
-          const W* const from[1] = {ip < halves ? k_pool : v_pool};
-          copy_block<WARP, 8, 1, W>(to, from, lane, ib, 8 * (ip % halves), lo_key[u], hi_key[u], table, page,
-                                    stride, head, kd, dim);
+          copy_half<W>(ring + issued % AMMA_RING * AMMA_HALF, ip < halves ? k_pool : v_pool, lane, ib,
+                       8 * (ip % halves), lo_key[u], hi_key[u], table, page, stride, head, kd, dim);
           ++issued;
           if (++ip == 2 * halves) {
             ip = 0;
