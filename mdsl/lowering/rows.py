@@ -262,7 +262,8 @@ def plan_rows(bg: BlockGraph, schedule, tile_shapes: dict, mma: dict) -> Optiona
     accepts it given the values already in registers; a value read by anything else than the chain (a
     node lowered on tiles, the code after the loop, a block output) keeps its tile, so its producer
     leaves the chain, and so on until nothing changes. Accumulators are the exception: their running
-    values are stored to their tiles after the loop."""
+    values are stored to their tiles after the loop. A chain whose live values need more than
+    ROW_REGISTERS registers a thread stays on tiles."""
     geometry = _geometry(bg, schedule, mma)
     if geometry is None or bg.threads % 32:
         return None
@@ -295,7 +296,44 @@ def plan_rows(bg: BlockGraph, schedule, tile_shapes: dict, mma: dict) -> Optiona
         candidates -= leaving
     if not any(bg.nodes[i].op == "matmul" for i in chosen) or not _worth_it(bg, chosen, geometry):
         return None
+    if peak_registers(bg, loop, chosen, values, geometry) > ROW_REGISTERS:
+        return None
     return RowPlan(geometry, frozenset(chosen), values)
+
+
+#: the most 32-bit registers per thread the chain's live values may take: past it ptxas spills the chain to
+#: local memory. A thread has 255; the mma fragments, addresses and loop state take about 80 of them (attention
+#: chains of 166-172 compile to 249-253 registers, none spilled; one of 204 spills 36 bytes). Beyond it the
+#: tile lowering holds the values in shared memory: a 1 x 8192 row held by one warp is 4,096 floats a thread,
+#: which compiles to a 49 KB stack frame after minutes in NVRTC.
+ROW_REGISTERS = 192
+
+
+def value_registers(cols, geometry: RowGeometry) -> int:
+    """Registers per thread of one row-resident value: each of the warp's row tiles holds 4 elements of each
+    8-column group (a matrix), or its two rows (a row vector)."""
+    return geometry.rt * (2 if cols is VECTOR else 4 * -(-cols // 8))
+
+
+def peak_registers(bg: BlockGraph, loop: list, chosen: set, values: dict, geometry: RowGeometry) -> int:
+    """The most registers per thread the chain's values hold at once: a value lives from its node to the
+    last chain node reading it, an accumulator's running value for the whole loop."""
+    order = [i for i in loop if i in chosen]
+    position = {i: k for k, i in enumerate(order)}
+    last = {}
+    for i in order:
+        for v in bg.nodes[i].inputs:
+            if v.name in values:
+                last[v.name] = position[i]
+    live = [0] * (len(order) + 1)
+    for i in order:
+        node = bg.nodes[i]
+        name = node.output.name
+        start, end = (0, len(order)) if node.opdef.is_accumulator else (position[i], last.get(name, position[i]))
+        size = value_registers(values[name], geometry)
+        for k in range(start, end + 1):
+            live[k] += size
+    return max(live)
 
 
 def _worth_it(bg: BlockGraph, chosen: set, geometry: RowGeometry) -> bool:

@@ -83,3 +83,43 @@ def test_a_streamed_and_a_skinny_kernel_s_steps():
     assert skinny.overlap and not skinny.waits_first   # the skinny loop prefetches before it waits
     tile = _kernel(rms_norm_linear_skinny(2, 4, columns=128, blocks=2, k=512), CudaOptions(overlap=True))
     assert tile.overlap and tile.waits_first
+
+
+def _row_chain(columns: int) -> str:
+    """One block: a softmax over x @ w's 8 columns scales x (1 x `columns`), a mean of the result scales it
+    again: the row-resident chain holds each 1 x `columns` value on one warp."""
+    return f"""kernel chain(%x: f16[1, {columns}], %w: f16[{columns}, 8], %g: f16[1, {columns}]) {{
+  %out: f16[1, {columns}] = custom(%x, %w, %g) block(grid=[1, 1, 1], threads=128, forloop=1) {{
+    in %x: f16[1, {columns}] imap=[-, -, -] fmap=-
+    in %w: f16[{columns}, 8] imap=[-, -, -] fmap=-
+    in %g: f16[1, {columns}] imap=[-, -, -] fmap=-
+    %matmul: f16[1, 8] = matmul(%x, %w)
+    %max: f16[1, 1] = max(%matmul) {{dim=1, keepdim=true}}
+    %sub: f16[1, 8] = sub(%matmul, %max)
+    %exp: f16[1, 8] = exp(%sub)
+    %sum: f16[1, 1] = sum(%exp) {{dim=1, keepdim=true}}
+    %div: f16[1, 8] = div(%exp, %sum)
+    %top: f16[1, 1] = max(%div) {{dim=1, keepdim=true}}
+    %mul: f16[1, {columns}] = mul(%x, %top)
+    %sub_1: f16[1, {columns}] = sub(%mul, %g)
+    %mul_1: f16[1, {columns}] = mul(%x, %sub_1)
+    %mean: f16[1, 1] = mean(%mul_1) {{dim=1, keepdim=true}}
+    %mul_2: f16[1, {columns}] = mul(%sub_1, %mean)
+    %accum: f16[1, {columns}] = accum(%mul_2)
+    out %accum omap=[-, -, -]
+  }}
+  return %out
+}}
+"""
+
+
+@pytest.mark.parametrize("columns, in_rows", [(64, True), (8192, False)])
+def test_a_row_chain_stays_in_registers_only_where_its_live_values_fit_them(columns, in_rows):
+    # at 8192 columns a warp's row is 4,096 floats a thread: held in registers, ptxas spent minutes on it and
+    # spilled it to a 49 KB stack frame; on tiles it is an ordinary block
+    from mdsl.ir.text import parse_graph
+
+    kernel = _kernel(parse_graph(_row_chain(columns)), CudaOptions())
+    rows = {how == steps.ROWS for step in kernel.steps if isinstance(step, steps.Loop)
+            for stage in step.stages for _, how in stage.nodes}
+    assert (True in rows) is in_rows
