@@ -6,14 +6,15 @@ shapes (mdsl.megakernel.runtime.models).
     python3 benchmarks/prefill.py --out $OUT
     python3 benchmarks/prefill.py --models qwen3-8b --prompts 1024,4096 --device gpu --out $OUT
 
-Per model and prompt length P: the engine (`LLM(device=...)`, one request at a time, the default step budget
-unless --max-tokens-per-step) reads a seeded random prompt of P tokens and samples one greedy token; the time
-to first token is the wall time from `submit` to that token, the median of --repeats runs after one unmeasured
-run of the same length (its kernels loaded and its step shapes captured). On the GPU device one more run
-is timed op by op (`GpuDevice.profile_ops`: each layer op's µs summed over the prompt's steps). PyTorch's is
-the wall time of `model(ids, logits_to_keep=1)` and the argmax read back, the median of --repeats after two
-warm-up passes; its first token is compared with the engine's (`same token`: random weights can tie; `no (2nd)`:
-the engine's token is PyTorch's runner-up).
+Per model and prompt length P: the engine (`LLM(device=...)`, one request at a time, the default step budgets
+unless --max-tokens-per-step or --max-prefill-tokens: a prompt alone is read max_prefill_tokens a step) reads
+a seeded random prompt of P tokens and samples one greedy token; the time to first token is the wall time
+from `submit` to that token, the median of --repeats runs after one unmeasured run of the same length (its
+kernels loaded and its step shapes captured). On the GPU device one more run is timed op by op
+(`GpuDevice.profile_ops`: each layer op's µs summed over the prompt's steps). PyTorch's is the wall time of
+`model(ids, logits_to_keep=1)` and the argmax read back, the median of --repeats after two warm-up passes;
+its first token is compared with the engine's (`same token`: random weights can tie; `no (2nd)`: the
+engine's token is PyTorch's runner-up).
 
 The floor is the prompt's arithmetic over 750 TFLOP/s: 2 FLOP per weight of every linear layer per token (the
 embedding table is a lookup, the LM head runs for the last token only) plus causal attention's 4 x head_dim
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="gpu", choices=DEVICES, help="the serving device that reads the prompts")
     ap.add_argument("--max-tokens-per-step", type=int, default=None,
                     help="the engine's step budget (default: the engine's)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="the engine's budget of a step of prompt chunks alone (default: the engine's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None,
                     help="the models' first N layers only (a quicker checkpoint for profiling an op: its time a "
@@ -171,6 +174,8 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
     engine = dict(max_batch=1, max_seq=max(args.prompts) + 16, prefix_caching=False)
     if args.max_tokens_per_step:
         engine["max_tokens_per_step"] = args.max_tokens_per_step
+    if args.max_prefill_tokens:
+        engine["max_prefill_tokens"] = args.max_prefill_tokens
     rows = []
     with scratch_folder("mdsl-weights-") as folder:
         print(f"writing random weights at {name}'s shapes", flush=True)
@@ -178,10 +183,10 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
         llm = LLM(folder, device=args.device, **engine)
         with llm:
             graph = llm.device.graph
-            budget = llm.shape.max_tokens_per_step
+            budget, prefill_budget = llm.shape.max_tokens_per_step, llm.shape.max_prefill_tokens
             for p in args.prompts:
                 row = {"model": name if args.layers is None else f"{name} ({args.layers} layers)", "prompt": p,
-                       "device": args.device, "max_tokens_per_step": budget,
+                       "device": args.device, "max_tokens_per_step": budget, "max_prefill_tokens": prefill_budget,
                        "floor_s": max(prompt_flops(graph, config, p) / FLOPS, weight_bytes(graph) / BANDWIDTH),
                        **engine_ttft(llm, prompts[p], args.repeats, profile=args.device == "gpu")}
                 rows.append(row)

@@ -228,11 +228,21 @@ class CpuDevice:
         """The scheduler's half before the forward: cancel, plan, pages, admit, and write the step's tables
         (its header, chunks and rows). Returns (whether a request was admitted or retired, the step's rows)."""
         worked = self._cancel()
-        plan, preempted = self._give_pages(self._plan(self._by_age(RUNNING), self.shape.max_tokens_per_step),
-                                           may_preempt=True)
+        running = self._by_age(RUNNING)
+        budget = self._budget(running)
+        plan, preempted = self._give_pages(self._plan(running, budget), may_preempt=True)
         if not preempted:              # a step that had to preempt admits nothing
-            worked = self._admit(plan) or worked
+            worked = self._admit(plan, budget) or worked
         return worked, self._write_step(plan)
+
+    def _budget(self, running: list) -> int:
+        """The step's token budget: max_tokens_per_step while a running entry decodes (its one token to run
+        is the one it sampled last: a long prompt's chunks must not stall it), else max_prefill_tokens (the
+        step reads prompts alone, their linears at the tensor cores' rate)."""
+        entries, shape = self.state["entries"], self.shape
+        if any(self._known(e) - int(entries["context"][e]) == 1 for e in running):
+            return shape.max_tokens_per_step
+        return shape.step_rows
 
     def _run_chunks(self) -> dict:
         """The step the scheduler wrote, run: the forward over its rows, then the token each chunk that
@@ -334,12 +344,12 @@ class CpuDevice:
                 granted[e] = n
         return [(e, granted[e]) for e, _ in plan if e in granted], preempted
 
-    def _admit(self, plan: list) -> bool:
+    def _admit(self, plan: list, budget: int) -> bool:
         """Preempted requests (oldest first), then the queue in order, while an entry is free and the free
         pages cover the request's known tokens; the first that cannot be admitted stops admission. Each
-        admitted request's first chunk joins `plan` within what the step's budget leaves."""
+        admitted request's first chunk joins `plan` within what the step's `budget` leaves."""
         entries = self.state["entries"]
-        budget = self.shape.max_tokens_per_step - sum(n for _, n in plan)
+        budget -= sum(n for _, n in plan)
         admitted = False
 
         def start(e: int) -> None:

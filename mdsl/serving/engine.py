@@ -24,7 +24,7 @@ from mdsl.megakernel.modelgraph.checkpoint import load_model
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
-from mdsl.serving.protocol import (DEFAULT_MAX_TOKENS_PER_STEP, FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS,
+from mdsl.serving.protocol import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_TOKENS_PER_STEP, FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS,
                                    STATUSES, STOPPED, WAS_PREEMPTED, ServingShape, host_region)
 from mdsl.serving.tokenizer import Tokenizer
 
@@ -229,6 +229,13 @@ class LLM:
     cores idle while a prompt is read; more lengthen every step that decode requests share with a prompt
     chunk. It also exceeds the default max_batch, so every decode token runs at every step.
 
+    max_prefill_tokens: the tokens of a step in which no request decodes (prompt chunks alone: no decode
+    token waits on it), at least max_tokens_per_step. On the GPU device the default, 1024, lets such a step's
+    linears run as GEMMs of 1024 rows, near the tensor cores' rate, where 256-row chunks re-read every weight
+    four times as often and leave the GPU's last wave of tiles half full; the activation buffers grow with it
+    (each layer op's output has rows x width floats). Elsewhere it defaults to max_tokens_per_step: the CPU
+    device gains nothing from longer chunks, and the megakernel's scheduler on the GPU has one budget.
+
     prefix_caching (the cpu and gpu devices; on by default there): a request whose known tokens start with
     the tokens of full KV-cache pages that an earlier request computed reads them instead of computing them
     again (mdsl.serving.prefix_cache): a shared system prompt, few-shot examples or an earlier turn of a
@@ -238,8 +245,8 @@ class LLM:
 
     def __init__(self, model_dir: str, *, max_batch: int = 64, page_size: int = 16, max_seq: Optional[int] = None,
                  kv_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None, device: str = "cpu",
-                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, gpu_memory_fraction: Optional[float] = None,
-                 prefix_caching: Optional[bool] = None):
+                 max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP, max_prefill_tokens: Optional[int] = None,
+                 gpu_memory_fraction: Optional[float] = None, prefix_caching: Optional[bool] = None):
         if device not in DEVICES:
             raise ServingError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
         _positive("max_batch", max_batch, "the number of requests decoded together, e.g. 64")
@@ -247,6 +254,18 @@ class LLM:
         _positive("max_tokens_per_step", max_tokens_per_step,
                   f"the tokens a step runs (decode tokens plus prompt chunks), e.g. {DEFAULT_MAX_TOKENS_PER_STEP}")
         device_class = _device_class(device)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = max(max_tokens_per_step, DEFAULT_MAX_PREFILL_TOKENS) if device == "gpu" else \
+                max_tokens_per_step
+        _positive("max_prefill_tokens", max_prefill_tokens,
+                  f"the tokens of a step of prompt chunks alone, e.g. {DEFAULT_MAX_PREFILL_TOKENS}")
+        if max_prefill_tokens < max_tokens_per_step:
+            raise ServingError(f"max_prefill_tokens ({max_prefill_tokens}) is below max_tokens_per_step "
+                               f"({max_tokens_per_step}): a step of prompts alone runs at least as many tokens as "
+                               "one with decode tokens", hint=f"pass max_prefill_tokens >= {max_tokens_per_step}")
+        if device == "megakernel" and max_prefill_tokens != max_tokens_per_step:
+            raise ServingError("the megakernel device's scheduler (on the GPU) has one token budget a step: "
+                               "max_tokens_per_step", hint="leave max_prefill_tokens out on device='megakernel'")
         if prefix_caching is None:
             prefix_caching = device_class.PREFIX_CACHE
         elif not isinstance(prefix_caching, bool):
@@ -273,7 +292,7 @@ class LLM:
                                    hint="e.g. gpu_memory_fraction=0.9 for nine tenths of the GPU's memory")
             from mdsl.serving.gpu import kv_cache_budget
 
-            kv_cache_bytes = kv_cache_budget(loaded.graph, gpu_memory_fraction, max_tokens_per_step)
+            kv_cache_bytes = kv_cache_budget(loaded.graph, gpu_memory_fraction, max_prefill_tokens)
             if kv_cache_bytes <= 0:
                 raise ServingError(f"gpu_memory_fraction {gpu_memory_fraction} leaves no memory for the KV cache "
                                    "after what is in use, the weights and the activations",
@@ -281,7 +300,7 @@ class LLM:
         self.config, self.model_dir = loaded.config, model_dir
         self.eos_token_ids = tuple(eos_token_ids(model_dir))
         num_pages = self._pool_pages(loaded.graph, max_batch, page_size, max_seq, kv_pages, kv_cache_bytes)
-        self.shape = ServingShape(max_batch, page_size, num_pages, max_seq, max_tokens_per_step)
+        self.shape = ServingShape(max_batch, page_size, num_pages, max_seq, max_tokens_per_step, max_prefill_tokens)
         region = host_region(self.shape)
         self._host = region.views(device_class.host_memory(region))
         self.tokenizer = Tokenizer(model_dir)

@@ -559,7 +559,7 @@ class GpuDevice(CpuDevice):
             return a.ptr
 
         self._new_array = array
-        rows, shape = self.shape.max_tokens_per_step, self.shape
+        rows, shape = self.shape.step_rows, self.shape
         self.values: dict = {}
         self._vectors: dict = {}         # host copies of the 1-d weights (norms, biases)
         for w in self.graph.weights:
@@ -572,7 +572,7 @@ class GpuDevice(CpuDevice):
             pool = kv_pool_shape(shape, *s.shape[1:])
             self.values[s.name] = Operand(array(None, pool, self.kv_dtype), pool, self.kv_dtype, s.name)
             self._pools[s.name] = self._arrays[-1]
-        # every value a node produces: a [max_tokens_per_step, width] float32 buffer, and its copy of the rows
+        # every value a node produces: a [step rows, width] float32 buffer, and its copy of the rows
         # that go on past the narrowing (gathered there)
         self._buffers: dict = {}
         self._narrowed: dict = {}
@@ -971,7 +971,7 @@ class GpuDevice(CpuDevice):
         return logits
 
 
-def kv_cache_budget(graph, fraction: float, max_tokens_per_step: int, ordinal: int = 0) -> int:
+def kv_cache_budget(graph, fraction: float, step_rows: int, ordinal: int = 0) -> int:
     """The KV pool's bytes when the GPU device may take `fraction` of the GPU's memory: that share, less
     the memory already in use, the weights, the step's activation buffers and attention's partials."""
     from mdsl.gpu.driver import check, driver, get_device, require_gpu
@@ -980,6 +980,6 @@ def kv_cache_budget(graph, fraction: float, max_tokens_per_step: int, ordinal: i
     get_device(ordinal)
     free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
     weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
-    activations = 2 * 4 * max_tokens_per_step * sum(int(v.shape[-1]) for n in graph.nodes for v in n.outputs)
-    partials = 4 * attention_partials(attention_heads(graph.nodes), max_tokens_per_step, graph.max_positions)
+    activations = 2 * 4 * step_rows * sum(int(v.shape[-1]) for n in graph.nodes for v in n.outputs)
+    partials = 4 * attention_partials(attention_heads(graph.nodes), step_rows, graph.max_positions)
     return int(fraction * total) - (total - free) - weights - activations - partials

@@ -164,7 +164,7 @@ class WgmmaLinears:
                                            smem_bytes(rn)), f"allowing {kernel_name(name, rn)} its shared memory")
                 self.functions[kernel_name(name, rn)] = f
         # the input rows rounded, [rows, k] at any k up to the widest (2 bytes a value)
-        self.rows = device.shape.max_tokens_per_step
+        self.rows = device.shape.step_rows
         self.rounded = device._new_array(None, (self.rows * widest,), bf16)
         self._maps: dict = {}
         self._blank = (ctypes.c_ubyte * 128)()
@@ -225,7 +225,7 @@ class Standalone:
         device = get_device(0)
         self._driver, self._check, self._arrays = driver, check, []
         self.sms = device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        self.shape = types.SimpleNamespace(max_tokens_per_step=rows)
+        self.shape = types.SimpleNamespace(step_rows=rows)
         self._stream = cu_stream(stream) if stream else check(driver.cuStreamCreate(0), "cuStreamCreate")
         partials, arrivals = scratch(linears, rows, self.sms)
         self.partials = self._new_array(None, (partials,), f32)

@@ -25,6 +25,7 @@ REGION_ALIGN = 128               # every array of a region starts on its own 128
 
 MAX_STOP = 16                    # stop token ids per request (the user's, plus the checkpoint's EOS)
 DEFAULT_MAX_TOKENS_PER_STEP = 256   # the LLM's default token budget of a step (its docstring says why)
+DEFAULT_MAX_PREFILL_TOKENS = 1024   # ... and of a step of prompt chunks alone on the GPU device (likewise)
 
 # entry states (ENTRY.state)
 FREE, RUNNING, PREEMPTED = 0, 1, 2
@@ -209,6 +210,13 @@ class ServingShape:
     num_pages: int
     max_seq: int
     max_tokens_per_step: int = DEFAULT_MAX_TOKENS_PER_STEP
+    max_prefill_tokens: int = 0      # the tokens of a step no request decodes in (0: max_tokens_per_step)
+
+    @property
+    def step_rows(self) -> int:
+        """The most token rows a step has: a step with decode tokens runs at most max_tokens_per_step, one
+        of prompt chunks alone at most max_prefill_tokens."""
+        return max(self.max_tokens_per_step, self.max_prefill_tokens)
 
     @property
     def queue_slots(self) -> int:
@@ -309,7 +317,7 @@ def device_region(shape: ServingShape) -> Region:
         Array("free_pages", I32, (shape.num_pages,)),
         Array("step", STEP, (1,)),
         Array("chunks", CHUNK, (shape.max_batch,)),
-        Array("rows", STEP_ROW, (shape.max_tokens_per_step,)),
+        Array("rows", STEP_ROW, (shape.step_rows,)),
     ])
 
 

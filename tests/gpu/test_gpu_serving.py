@@ -194,14 +194,15 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
 
 def chunked_runs(folder: str, prompts: list, params: list, seed: int, steps: int) -> dict:
     """max_tokens_per_step -> served(...) of the requests arriving at random steps below `steps` (another
-    arrival order for each budget), at budgets of 256, 64, 7 and 1 tokens a step; at 7 and 1 on a tensor-core
-    attention grid of 2 blocks, so that its decode rows and short chunks run solo (one split a warp) where the
-    others' run in a block each."""
+    arrival order for each budget), at budgets of 256, 64, 7 and 1 tokens a step (prompts alone too); at 7 and
+    1 on a tensor-core attention grid of 2 blocks, so that its decode rows and short chunks run solo (one split
+    a warp) where the others' run in a block each."""
     runs = {}
     for k, budget in enumerate((256, 64, 7, 1)):
         arrivals = arrivals_of(np.random.default_rng(seed + k), prompts, params, steps)
         runs[budget] = served(folder, "gpu", arrivals, max_batch=len(prompts), page_size=16,
-                              max_tokens_per_step=budget, attention_grid=2 if budget < 64 else 0)
+                              max_tokens_per_step=budget, max_prefill_tokens=budget,
+                              attention_grid=2 if budget < 64 else 0)
     return runs
 
 

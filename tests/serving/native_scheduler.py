@@ -133,6 +133,7 @@ class NativeSchedulerDevice(CpuDevice):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        assert self.shape.step_rows == self.shape.max_tokens_per_step, "the C++ scheduler has one token budget"
         self.scheduler = NativeScheduler(host_library(), self.shape, self.host, self.state)
 
     def _step(self) -> bool:

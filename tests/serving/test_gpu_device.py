@@ -274,7 +274,7 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
             items, alone = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
             can = 4 * items[:, 1] <= tile_rows(a)   # (solo tiles first, or none solo)
             assert can[:alone].all() and (alone == 0 or not can[alone:].any())
-            assert len(items) <= most_items(a, self.shape.max_tokens_per_step, self.shape.max_batch,
+            assert len(items) <= most_items(a, self.shape.step_rows, self.shape.max_batch,
                                             self.shape.max_seq)
             chunk_of = np.repeat(np.arange(len(chunks)), chunks["count"])
             seen: dict = {}

@@ -189,6 +189,55 @@ def test_a_budget_below_the_decoding_requests_runs_the_oldest_first_and_stalls_n
     assert [h.result().token_ids for h in handles] == [reference.generate(p, 6).tokens for p in prompts]
 
 
+def test_a_step_of_prompts_alone_takes_max_prefill_tokens_and_one_with_decode_tokens_max_tokens_per_step(
+        long_checkpoints):
+    ckpt = long_checkpoints["llama3"]
+    rng = np.random.default_rng(27)
+    first, second = prompt_of(rng, 300), prompt_of(rng, 200)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with LLM(ckpt.folder, max_batch=4, max_tokens_per_step=64, max_prefill_tokens=128, prefix_caching=False) as llm:
+        assert llm.shape.step_rows == 128 and llm.device.state["rows"].shape == (128,)
+        llm.device.hold()
+        steps = []     # (the step's rows, whether it ran a decode token)
+
+        def step():
+            if llm.device.step():
+                header = llm.device.state["step"][0]
+                chunks = llm.device.state["chunks"][:header["num_chunks"]]
+                steps.append((int(header["num_rows"]), bool(np.any(chunks["count"] == 1))))
+
+        a = llm.submit(first, params)
+        wait_until(lambda: llm.stats().host_pending == 0, what="publication")
+        while not a._tokens:
+            step()
+        b = llm.submit(second, params)
+        wait_until(lambda: llm.stats().host_pending == 0, what="publication")
+        while not (a.done() and b.done()):
+            step()
+        llm.device.resume()
+        outs = [a.result(), b.result()]
+    # the first prompt alone: 128 + 128 + 44; then the second's chunks of 63 beside the first's decode
+    # tokens, and 128 at a time alone once the first has finished
+    assert steps[:3] == [(128, False), (128, False), (44, False)]
+    decoding = [i for i, (_, decode) in enumerate(steps) if decode]
+    assert all(steps[i][0] <= 64 for i in decoding) and any(n == 64 for n, _ in steps)
+    assert any(n == 128 and not decode for n, decode in steps[decoding[0]:])
+    reference = ckpt.reference()
+    assert [out.token_ids for out in outs] == [reference.generate(p, 3).tokens for p in (first, second)]
+
+
+@pytest.mark.parametrize("engine", [dict(max_tokens_per_step=64, max_prefill_tokens=32), dict(max_prefill_tokens=0),
+                                    dict(max_prefill_tokens=2.5), dict(device="megakernel", max_prefill_tokens=1024)])
+def test_a_bad_prefill_budget_raises_an_mdsl_error(checkpoints, engine):
+    with pytest.raises(MdslError, match="max_prefill_tokens"):
+        LLM(checkpoints["llama3"].folder, **engine)
+
+
+def test_the_cpu_device_reads_prompts_in_steps_of_max_tokens_per_step_by_default(checkpoints):
+    with LLM(checkpoints["llama3"].folder, max_tokens_per_step=48) as llm:
+        assert (llm.shape.max_prefill_tokens, llm.shape.step_rows) == (48, 48)
+
+
 def test_the_step_layouts_are_the_documented_records():
     assert CHUNK.size == 24 and STEP_ROW.size == 12
     assert list(CHUNK.offsets) == ["entry", "start", "count", "row", "sample", "pad"]
