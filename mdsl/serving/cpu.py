@@ -50,6 +50,13 @@ class _Stop(Exception):
     """The host stopped the device while it waited for room in the ring."""
 
 
+def narrowing(nodes: list, caches: list) -> int:
+    """The index of the first node past the last that writes a KV cache: from there on only the rows whose
+    logits are wanted are computed."""
+    names = {s.name for s in caches}
+    return 1 + max((i for i, n in enumerate(nodes) if any(v.name in names for v in n.inputs)), default=-1)
+
+
 def serving_nodes(graph: ModelGraph) -> tuple:
     """(the nodes that compute the logits, the KV-cache states): every node but the one choosing the
     token; the caches are the states other than the token history."""
@@ -102,10 +109,7 @@ class CpuDevice:
         self.kv_dtype = self.operand_dtype = kv_dtype(graph)
         region = device_region(shape)
         self.state = region.views(region.allocate())
-        # past the last node that writes a KV cache only the rows whose logits are wanted are computed
-        names = {s.name for s in caches}
-        self._narrow_at = 1 + max((i for i, n in enumerate(self.nodes) if any(v.name in names for v in n.inputs)),
-                                  default=-1)
+        self._narrow_at = narrowing(self.nodes, caches)
         self._prepare(weights, caches)
         pool = self.state["pool"]
         pool["num_pages"], pool["page_size"], pool["free_count"] = shape.num_pages, shape.page_size, shape.num_pages

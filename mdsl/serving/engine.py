@@ -233,7 +233,7 @@ class LLM:
     token waits on it), at least max_tokens_per_step. On the GPU device the default, 1024, lets such a step's
     linears run as GEMMs of 1024 rows, near the tensor cores' rate, where 256-row chunks re-read every weight
     four times as often and leave the GPU's last wave of tiles half full; the activation buffers grow with it
-    (each layer op's output has rows x width floats). Elsewhere it defaults to max_tokens_per_step: the CPU
+    (a few of rows x width floats for each width of the layers' values, shared by the layers). Elsewhere it defaults to max_tokens_per_step: the CPU
     device gains nothing from longer chunks, and the megakernel's scheduler on the GPU has one budget.
 
     prefix_caching (the cpu and gpu devices; on by default there): a request whose known tokens start with

@@ -39,7 +39,7 @@ from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope_cos_sin
 from mdsl.megakernel.modelgraph.model import TOKENS
-from mdsl.serving.cpu import CpuDevice
+from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
@@ -203,6 +203,78 @@ def _linear_add(xs, outs, a, b):
     """A linear and the add right after it that alone reads its result: the add's other operand (last of
     xs) is the linear's residual."""
     _linear(xs[:-1], outs, a, b, residual=xs[-1])
+
+
+def lower_program(nodes: list, narrow_at: int, logits: str) -> list:
+    """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and the
+    add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs; the
+    second node's entry is None)."""
+    kept = {logits}
+    fused = residual_adds(nodes, narrow_at, kept)
+    norm_ropes = set(fusible_pairs(nodes, narrow_at, kept, "head_rms_norm", "rope"))
+    program: list = []
+    for i, n in enumerate(nodes):
+        names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
+        after = [v.name for v in nodes[i + 1].outputs] if i + 1 < len(nodes) else []
+        if i in fused:
+            program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
+        elif i in norm_ropes:
+            program.append((_head_norm_rope, (n.attr_dict, nodes[i + 1].attr_dict), names, after,
+                            "head_rms_norm+rope"))
+        elif i - 1 in fused or i - 1 in norm_ropes:
+            program.append(None)
+        else:
+            program.append((GPU_STEP_RULES[n.op], n.attr_dict, names, results, n.op))
+    return program
+
+
+def step_slots(graph) -> tuple:
+    """(program, narrowing index, the values gathered at it, value name -> slot, each slot's width) of the
+    GPU device's steps over `graph` (lower_program, activation_slots)."""
+    nodes, caches = serving_nodes(graph)
+    narrow_at = narrowing(nodes, caches)
+    program = lower_program(nodes, narrow_at, graph.logits.name)
+    narrowed = {v.name for n in nodes[narrow_at:] for v in n.inputs} & \
+        {v.name for n in nodes[:narrow_at] for v in n.outputs}
+    widths = {v.name: int(v.shape[-1]) for n in nodes for v in n.outputs}
+    return (program, narrow_at, narrowed, *activation_slots(program, narrow_at, narrowed, {graph.logits.name}, widths))
+
+
+def activation_slots(program: list, narrow_at: int, narrowed: set, kept: set, widths: dict) -> tuple:
+    """The step's activation buffers by liveness: (value name -> slot, each slot's width) for the values the
+    entries of `program` write (lower_program's: (rule, attributes, names read, names written, op), None
+    for an op run by the entry before it), `widths` each value's. A value is live from the entry that writes
+    it to the last that reads it (the gather at `narrow_at` for the `narrowed` ones, the step's end for the
+    `kept` ones, read by the host); an entry's results take slots of their width that no live value holds,
+    and a value read at an entry is live through it, so no entry writes over what it reads. A model's layers
+    then share a few buffers of each width instead of one a value (its depth times fewer bytes)."""
+    last: dict = {}
+    for i, entry in enumerate(program):
+        if entry is not None:
+            for name in entry[2]:
+                last[name] = i
+    for name in narrowed:
+        last[name] = max(last.get(name, -1), narrow_at)
+    for name in kept:
+        last[name] = len(program)
+    free: dict = {}          # width -> slots no live value holds
+    live: dict = {}          # name -> slot
+    slot_of: dict = {}
+    slot_widths: list = []
+    for i, entry in enumerate(program):
+        if entry is None:
+            continue
+        for name in [n for n, k in live.items() if last.get(n, -1) < i]:
+            free.setdefault(slot_widths[live[name]], []).append(live.pop(name))
+        for name in entry[3]:
+            width = widths[name]
+            if free.get(width):
+                slot = free[width].pop()
+            else:
+                slot = len(slot_widths)
+                slot_widths.append(width)
+            slot_of[name] = live[name] = slot
+    return slot_of, slot_widths
 
 
 def fusible_pairs(nodes: list, narrow_at: int, kept: set, producer: str, consumer: str) -> list:
@@ -572,14 +644,13 @@ class GpuDevice(CpuDevice):
             pool = kv_pool_shape(shape, *s.shape[1:])
             self.values[s.name] = Operand(array(None, pool, self.kv_dtype), pool, self.kv_dtype, s.name)
             self._pools[s.name] = self._arrays[-1]
-        # every value a node produces: a [step rows, width] float32 buffer, and its copy of the rows
-        # that go on past the narrowing (gathered there)
-        self._buffers: dict = {}
+        # every value the step's program writes: a [step rows, width] float32 buffer shared with the values
+        # of its width that are no longer read when it is written (activation_slots), and its copy of the
+        # rows that go on past the narrowing (gathered there)
+        self._program, _, narrowed, slot_of, slot_widths = step_slots(self.graph)
+        slots = [Operand(array(None, (rows, w), f32), (rows, w), f32) for w in slot_widths]
+        self._buffers: dict = {name: slots[k] for name, k in slot_of.items()}
         self._narrowed: dict = {}
-        for n in self.nodes:
-            for v in n.outputs:
-                width = int(v.shape[-1])
-                self._buffers[v.name] = Operand(array(None, (rows, width), f32), (rows, width), f32)
         self._tokens = array(None, (rows,), i32)
         self._positions = array(None, (rows,), i32)
         self._row_entries = array(None, (rows,), i32)
@@ -587,8 +658,6 @@ class GpuDevice(CpuDevice):
         self._page_table = array(None, (shape.max_batch, shape.pages_per_request), i32)
         self._ropes: dict = {}
         self._joined: dict = {}
-        self._read_past_narrowing = {v.name for n in self.nodes[self._narrow_at:] for v in n.inputs}
-        self._program = self._lower()
         module = compile_source(kernel_source(), self.arch)
         self._module = check(driver.cuModuleLoadData(module.cubin), "cuModuleLoadData")
         self._functions: dict = {}
@@ -601,7 +670,6 @@ class GpuDevice(CpuDevice):
                 self.rope_tables(n.attr_dict)
             elif n.op == "add_bias":
                 self.joined([self.values[v.name] for v in n.inputs[1:]])
-        before = {v.name for n in self.nodes[:self._narrow_at] for v in n.outputs}
         partials, tiles, tensor_core = 1, 1, []
         for n in self.nodes:
             if n.op == "linear":
@@ -656,7 +724,7 @@ class GpuDevice(CpuDevice):
         self.expert_plan = array(None, (1 + 3 * MOE_MAX_EXPERTS + pairs,), i32)   # (step_kernels.cu's moe_plan)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
         self._device_tokens: dict = {}
-        for name in sorted(self._read_past_narrowing & before):
+        for name in sorted(narrowed & set(self._buffers)):
             b = self._buffers[name]
             self._narrowed[name] = Operand(array(None, b.shape, f32), b.shape, f32)
         check(driver.cuCtxSynchronize(), "uploading the weights")   # (copied on the default stream)
@@ -688,28 +756,6 @@ class GpuDevice(CpuDevice):
             if problem:
                 raise UnsupportedError(f"the GPU serving device cannot run {n.op} with {problem}", loc=n.loc,
                                        hint="serve the model on device='cpu'")
-
-    def _lower(self) -> list:
-        """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and
-        the add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs;
-        the second node's entry is None)."""
-        kept = {self.graph.logits.name}
-        fused = residual_adds(self.nodes, self._narrow_at, kept)
-        norm_ropes = set(fusible_pairs(self.nodes, self._narrow_at, kept, "head_rms_norm", "rope"))
-        program: list = []
-        for i, n in enumerate(self.nodes):
-            names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
-            after = [v.name for v in self.nodes[i + 1].outputs] if i + 1 < len(self.nodes) else []
-            if i in fused:
-                program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
-            elif i in norm_ropes:
-                program.append((_head_norm_rope, (n.attr_dict, self.nodes[i + 1].attr_dict), names, after,
-                                "head_rms_norm+rope"))
-            elif i - 1 in fused or i - 1 in norm_ropes:
-                program.append(None)
-            else:
-                program.append((GPU_STEP_RULES[n.op], n.attr_dict, names, results, n.op))
-        return program
 
     # ---- what the rules use
 
@@ -980,6 +1026,8 @@ def kv_cache_budget(graph, fraction: float, step_rows: int, ordinal: int = 0) ->
     get_device(ordinal)
     free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
     weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
-    activations = 2 * 4 * step_rows * sum(int(v.shape[-1]) for n in graph.nodes for v in n.outputs)
+    _, _, narrowed, _, slot_widths = step_slots(graph)
+    widths = {v.name: int(v.shape[-1]) for n in graph.nodes for v in n.outputs}
+    activations = 4 * step_rows * (sum(slot_widths) + sum(widths[name] for name in narrowed))
     partials = 4 * attention_partials(attention_heads(graph.nodes), step_rows, graph.max_positions)
     return int(fraction * total) - (total - free) - weights - activations - partials

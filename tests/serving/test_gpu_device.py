@@ -77,6 +77,45 @@ def test_each_residual_add_runs_in_the_linear_before_it(arch):
         assert first not in residual_adds(nodes, first + 1, {graph.logits.name})
 
 
+def _slots(arch: str, layers: int) -> tuple:
+    """step_slots of a tiny checkpoint of `layers` layers, and its logits' name and its values' widths."""
+    from mdsl.megakernel.modelgraph.architectures import step_function
+    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+    from mdsl.serving.gpu import step_slots
+    from tests.megakernel.tiny import tiny_config_dict
+
+    config = config_from_dict(tiny_config_dict(arch, num_hidden_layers=layers))
+    graph = step_function(config).trace(config)
+    widths = {v.name: int(v.shape[-1]) for n in graph.nodes for v in n.outputs}
+    return (*step_slots(graph), graph.logits.name, widths)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "qwen3_moe"])
+def test_the_step_values_share_buffers_only_where_their_lives_do_not_meet(arch):
+    """step_slots (activation_slots): every value the program writes has a slot of its width; two values
+    share one only where one is last read before the other is written (an entry's results never take what
+    it reads; the values gathered at the narrowing live to it, the logits to the end); and deeper models
+    take no more slots (the layers reuse them)."""
+    program, narrow_at, narrowed, slot_of, slot_widths, logits, widths = _slots(arch, 3)
+    written = {name: i for i, entry in enumerate(program) if entry is not None for name in entry[3]}
+    last = {}
+    for i, entry in enumerate(program):
+        if entry is not None:
+            last.update((name, i) for name in entry[2])
+    for name in narrowed:
+        last[name] = max(last.get(name, -1), narrow_at)
+    last[logits] = len(program)
+    assert set(slot_of) == set(written)
+    assert all(slot_widths[slot_of[name]] == widths[name] for name in written)
+    for a in written:
+        for b in written:
+            if a < b and slot_of[a] == slot_of[b]:
+                first, second = sorted((a, b), key=written.get)
+                assert last.get(first, -1) < written[second], (first, second)
+    assert len(slot_widths) < len(written) / 2
+    assert len(_slots(arch, 6)[4]) == len(slot_widths)
+
+
 def test_a_linears_weights_run_side_by_side_in_launches_of_one_dtype():
     import attrs
 
