@@ -492,12 +492,16 @@ def _attention(xs, outs, a, b):
              ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), scale, softcap, *_ints(window)]
     partials = ctypes.c_void_p(dev.attention_partials)
     if on_tensor_cores(a, k_pool.dtype, dev.arch):
-        # the solo tiles' items (ranges[0] .. ranges[1]) and the shared tiles' (ranges[1] .. ranges[2])
-        items, ranges, _ = dev.attention_work[(tile_rows(a), window, hkv)]
-        for name, at, smem in ((kernel.replace("_mma_", "_solo_"), 0, MMA_SOLO_SMEM), (kernel, 4, MMA_SMEM)):
-            dev.launch(name, (dev.attention_grid,), ATTENTION_THREADS,
-                       [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(ranges + at),
-                        *_ints(blocks)], smem=smem)
+        # the solo tiles' items (ranges[0] .. ranges[1]) and the shared tiles' (ranges[1] .. ranges[2]), each
+        # kernel launched where the step has items for it (the step's graph is keyed by which: _forward)
+        work = (tile_rows(a), window, hkv)
+        items, ranges, _ = dev.attention_work[work]
+        for name, at, smem, used in zip((kernel.replace("_mma_", "_solo_"), kernel), (0, 4), (MMA_SOLO_SMEM, MMA_SMEM),
+                                        dev.attention_kinds[work]):
+            if used:
+                dev.launch(name, (dev.attention_grid,), ATTENTION_THREADS,
+                           [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(ranges + at),
+                            *_ints(blocks)], smem=smem)
         dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
                    [_p(outs[0]), partials, ctypes.c_void_p(b.positions), *_ints(hq, d, window, blocks)])
     else:
@@ -697,6 +701,7 @@ class GpuDevice(CpuDevice):
         # attention_mma's work of each step, per (tile rows, window, KV heads) of the attention ops on tensor
         # cores: its items and their count, written by the step before its program runs
         self.attention_work: dict = {}
+        self.attention_kinds: dict = {}   # ... and whether the step has solo items, and shared ones
         for a in heads:
             key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
             if on_tensor_cores(a, self.kv_dtype, self.arch) and key not in self.attention_work:
@@ -841,7 +846,9 @@ class GpuDevice(CpuDevice):
             assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
             self._upload(items, work)
             self._upload(count, np.array([0, alone, len(work)], np.int32))
-        key = (n, len(keep))
+            self.attention_kinds[tile, window, kv_heads] = (alone > 0, len(work) > alone)
+        # (a step's program launches the attention kernels its items need: steps of other kinds, other graphs)
+        key = (n, len(keep), tuple(self.attention_kinds.values()))
         graph = self._graphs.get(key)
         profile = self._profile   # (read once: profile_ops, on the host's thread, may stop it meanwhile)
         if profile is not None and key in self._graphs:
@@ -855,7 +862,7 @@ class GpuDevice(CpuDevice):
             logits = self._capture(key)
         else:
             self._seen.add(key)
-            logits = self._run_program(*key)
+            logits = self._run_program(*key[:2])
         self._device_tokens = {}
         if logits is None:
             self._sync()
@@ -951,7 +958,7 @@ class GpuDevice(CpuDevice):
                     check(d.cuEventRecordWithFlags(start, self._stream,
                                                    d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
                           "cuEventRecordWithFlags")
-                    self._run_program(*key, mark=mark)
+                    self._run_program(*key[:2], mark=mark)
                 finally:          # (the stream leaves capture whatever failed)
                     ended = d.cuStreamEndCapture(self._stream)
             finally:
@@ -992,7 +999,7 @@ class GpuDevice(CpuDevice):
             check(d.cuStreamBeginCapture(self._stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
                   "cuStreamBeginCapture")
             try:
-                logits, failure = self._run_program(*key), None
+                logits, failure = self._run_program(*key[:2]), None
             except CudaError as e:
                 logits, failure = None, e
             err, captured = d.cuStreamEndCapture(self._stream)
@@ -1006,7 +1013,7 @@ class GpuDevice(CpuDevice):
             self._uncaptured.add(key)
             _log.warning("the GPU serving device could not capture a step of %d rows as a CUDA graph (%s); its "
                          "steps run launched", key[0], failure or error_text(err))
-            return self._run_program(*key)
+            return self._run_program(*key[:2])
         graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
         check(d.cuGraphDestroy(captured), "cuGraphDestroy")
         self._graphs[key] = graph
