@@ -290,6 +290,7 @@ class KernelFunction:
         runtime.require_gpu()
         self._check_arity(args)
         handle = runtime.launch_stream(args, stream)
+        runtime.release_pending(handle)
         views = [runtime.device_view(a, label, handle) for a, label in zip(args, self._arg_labels)]
         for view, label in zip(views, self._arg_labels):
             if view.device != views[0].device:

@@ -5,6 +5,7 @@ why one is not. Streams: the stream a call runs on, and the ordering of producer
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import NamedTuple, Optional, Sequence
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from mdsl.errors import DTypeError, MdslError
 from mdsl.gpu import dlpack
-from mdsl.gpu.driver import check, cu_stream, current_ordinal, driver, get_device
+from mdsl.gpu.driver import check, cu_stream, current_ordinal, driver, get_device, release_later, release_pending
 from mdsl.ir.dtypes import DType, bf16, dtype_from_name, dtype_of_array, f16, f32, i32
 from mdsl.ir.types import TensorType
 
@@ -231,6 +232,15 @@ _DL_CODES = {"f16": (dlpack.FLOAT, 16, 1), "bf16": (dlpack.BFLOAT, 16, 1), "f32"
              "i32": (dlpack.INT, 32, 1)}
 
 
+def _free(drv, ptr: int, stream: int) -> None:
+    """A collected DeviceArray's memory, back to the pool in its stream's order (`release_later`), through the
+    driver `drv` that allocated it."""
+    try:
+        check(drv.cuMemFreeAsync(ptr, cu_stream(stream)), "cuMemFreeAsync")
+    except Exception:  # the stream is gone: free synchronously
+        drv.cuMemFree(ptr)
+
+
 class DeviceArray:
     """A compact row-major array in GPU memory, allocated from the device's stream-ordered pool.
 
@@ -250,6 +260,7 @@ class DeviceArray:
         self.stream = stream_handle(stream)
         self.nbytes = TensorType(self.shape, dtype).nbytes
         get_device(device)
+        release_pending(self.stream)
         if self.nbytes:
             self.ptr = int(check(driver.cuMemAllocAsync(self.nbytes, cu_stream(self.stream)), "cuMemAllocAsync"))
 
@@ -319,11 +330,5 @@ class DeviceArray:
 
     def __del__(self):
         if self.ptr and driver is not None:
-            try:
-                check(driver.cuMemFreeAsync(self.ptr, cu_stream(self.stream)), "cuMemFreeAsync")
-            except Exception:  # the stream is gone, or the interpreter is shutting down: free synchronously
-                try:
-                    driver.cuMemFree(self.ptr)
-                except Exception:
-                    pass
+            release_later(functools.partial(_free, driver, self.ptr, self.stream))
             self.ptr = 0

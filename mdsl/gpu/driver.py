@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable, Optional
 
 from mdsl.errors import MdslError
 
@@ -155,3 +156,45 @@ def cu_stream(handle: int):
             _STREAMS.clear()
         stream = _STREAMS[handle] = driver.CUstream(handle)
     return stream
+
+
+# ---------------------------------------------------------------------------------------------
+# releases a collection makes
+
+_PENDING: list = []   # driver calls that free, queued by finalizers (`release_later`)
+
+
+def release_later(free: Callable[[], object]) -> None:
+    """Queue `free` (a driver call that frees memory or unloads a module) for `release_pending`. Finalizers
+    queue their frees instead of making them: Python runs a finalizer whenever it collects the object (the
+    cyclic collector at any allocation of any thread), which may be while a stream of the process is being
+    captured into a CUDA graph (torch.cuda.graph, a server's step graphs), and cuMemFree or cuModuleUnload
+    there invalidates that capture (cudaErrorStreamCaptureInvalidated)."""
+    _PENDING.append(free)   # (one list operation: atomic under the GIL, whatever thread collects)
+
+
+def release_pending(stream: Optional[int] = None) -> None:
+    """Make the queued frees, where mdsl is about to call the driver itself (allocating, loading a module, a
+    kernel's checked call): not while `stream` (the handle of the stream that call uses) is being captured,
+    where they wait for a later point. A free that fails (its context gone) is dropped."""
+    if not _PENDING or not has_gpu() or (stream is not None and capturing(stream)):
+        return
+    while _PENDING:
+        try:
+            free = _PENDING.pop(0)
+        except IndexError:   # another thread took the last one
+            return
+        try:
+            free()
+        except Exception:   # noqa: BLE001 (the context or stream is gone: nothing left to free)
+            pass
+
+
+def capturing(stream: int) -> bool:
+    """Whether the stream of handle `stream` is being captured into a CUDA graph (or cannot be asked: the
+    legacy stream while another stream captures)."""
+    try:
+        err, status = driver.cuStreamIsCapturing(cu_stream(stream))
+    except Exception:   # noqa: BLE001 (a stream handle the driver does not know: ask again later)
+        return True
+    return bool(err) or status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE

@@ -9,6 +9,7 @@ cuLaunchKernel through cuda.bindings per kernel (and cuBLAS, for a library GEMM:
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from typing import Callable, Optional, Sequence
@@ -18,7 +19,8 @@ import attrs
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu import launcher
 from mdsl.gpu.arrays import ArgumentError, DeviceArray, View, device_view, is_torch_tensor, launch_stream
-from mdsl.gpu.driver import CudaError, check, cu_stream, driver, error_text, get_device, require_gpu
+from mdsl.gpu.driver import (CudaError, check, cu_stream, driver, error_text, get_device, release_later, release_pending,
+                             require_gpu)
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.types import TensorType
 
@@ -182,6 +184,7 @@ class Executable:
         self._bindings = plan.bindings
         self._copies = plan.copies
         self._ptrs = (ctypes.c_uint64 * max(1, plan.slots))()
+        release_pending()   # (loading a module is no call to make while a capture runs either)
         load = getattr(module, "load", None)   # a PTX module is JIT-compiled by the driver as it loads
         self._module_handle = load() if load is not None else \
             check(driver.cuModuleLoadData(module.cubin), f"loading the cubin of {self.name}")
@@ -404,7 +407,8 @@ class Executable:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the intermediates and unload the module (also done when the Executable is collected)."""
+        """Free the intermediates and unload the module (also done, at mdsl's next call of the driver, once the
+        Executable is collected: `release_later`)."""
         if driver is None:
             return
         for ptr in self._scratch:
@@ -421,10 +425,9 @@ class Executable:
         self.close()
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:  # the interpreter is shutting down
-            pass
+        if driver is not None and (self._scratch or self._module_handle is not None):
+            release_later(functools.partial(_release, driver, tuple(self._scratch), self._module_handle))
+            self._scratch, self._module_handle = [], None
 
     def __repr__(self) -> str:
         return (f"<mdsl Executable {self.name}: {len(self._launches)} launch(es) on GPU {self.device}, "
@@ -445,6 +448,15 @@ def overlapping_launch(grid: tuple, block: tuple, smem: int):
     config.attrs = [attribute]
     config.numAttrs = 1
     return config
+
+
+def _release(drv, scratch: tuple, module) -> None:
+    """A collected Executable's intermediates and module (`release_later`), through the driver `drv` that
+    allocated and loaded them."""
+    for ptr in scratch:
+        drv.cuMemFree(ptr)
+    if module is not None:
+        drv.cuModuleUnload(module)
 
 
 #: an empty kernel as PTX (ISA 7.0, any GPU since sm_50): the driver compiles it as it loads it

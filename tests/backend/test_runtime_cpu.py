@@ -393,6 +393,73 @@ def test_a_call_fills_each_launch_s_parameters_and_launches_in_order_on_its_stre
     exe.close()
 
 
+class ReleaseRecorder(RecordingDriver):
+    """Records frees and unloads too; `captured`: the stream handles cuStreamIsCapturing says are capturing."""
+
+    class CUstreamCaptureStatus:
+        CU_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_CAPTURE_STATUS_ACTIVE = 0, 1
+
+    def __init__(self, arity: dict):
+        super().__init__(arity)
+        self.captured = set()
+
+    def cuMemFree(self, ptr):
+        self.calls.append(("free", ptr))
+        return (0,)
+
+    def cuModuleUnload(self, module):
+        self.calls.append(("unload", module))
+        return (0,)
+
+    def cuStreamIsCapturing(self, stream):
+        return 0, int(stream[1] in self.captured)
+
+
+def test_a_collected_executable_frees_at_mdsl_s_next_driver_call_never_inside_a_capture(monkeypatch):
+    """An Executable collected by Python (at any allocation, while some stream may be captured into a CUDA
+    graph: cuMemFree there invalidates the capture) queues its frees; the next safe point makes them, unless
+    the stream it is about to use is being captured. close() frees at once."""
+    from mdsl.backend.cuda import emit_cuda
+    from mdsl.gpu import driver as driver_module
+    from mdsl.gpu import executable
+
+    x = make_var("x", (4, 8), f32)
+    n1, e = node("exp", [x], "e")
+    n2, y = node("exp", [e], "y")
+    program = emit_cuda(KernelGraph("g", [x], [n1, n2], [y]), arch="sm_90a")
+    fake = ReleaseRecorder({launch.name: len(launch.args) for launch in program.launches})
+    use_launch_path(monkeypatch, "bindings", fake)
+    for module in (executable, driver_module):
+        monkeypatch.setattr(module, "driver", fake)
+        monkeypatch.setattr(module, "cu_stream", lambda handle: ("stream", handle))
+    monkeypatch.setattr(executable, "get_device", lambda device: fake_device())
+    monkeypatch.setattr(driver_module, "has_gpu", lambda: True)
+    monkeypatch.setattr(driver_module, "_PENDING", [])
+    frees = lambda: [call for call in fake.calls if call[0] in ("free", "unload")]   # noqa: E731
+
+    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
+    (scratch,) = [call[1] for call in fake.calls if call[0] == "alloc"]
+    scratch_ptr = fake.next_pointer
+    del exe
+    gc.collect()
+    assert frees() == [] and len(driver_module._PENDING) == 1
+    fake.captured.add(7)
+    driver_module.release_pending(7)   # stream 7 is being captured: not now
+    assert frees() == [] and len(driver_module._PENDING) == 1
+    driver_module.release_pending(8)
+    assert frees() == [("free", scratch_ptr), ("unload", "module")] and driver_module._PENDING == []
+    assert scratch == 4 * 8 * 4
+
+    fake.calls.clear()   # loading a module is a safe point; close() frees at once
+    first = executable.Executable(program, SimpleNamespace(load=lambda: "first"))
+    del first
+    gc.collect()
+    second = executable.Executable(program, SimpleNamespace(load=lambda: "second"))
+    assert ("unload", "first") in frees() and driver_module._PENDING == []
+    second.close()
+    assert frees()[-1] == ("unload", "second")
+
+
 @pytest.mark.parametrize("path", LAUNCH_PATHS)
 def test_a_split_and_its_combine_in_one_launch_get_their_counters_zeroed_once(monkeypatch, path):
     """The counters of a split and its combine in one launch (mdsl.lowering.onelaunch): allocated once with

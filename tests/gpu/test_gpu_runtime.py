@@ -136,6 +136,37 @@ def test_axpy_with_torch_tensors_on_a_side_stream(torch):
     torch.testing.assert_close(out, 2 * x + y)
 
 
+def test_collected_executables_and_arrays_leave_a_cuda_graph_capture_intact(torch):
+    """An Executable and a DeviceArray collected while torch captures a CUDA graph (the cyclic collector runs
+    at any allocation) free nothing there, which would invalidate the capture; their frees wait for mdsl's
+    next driver call outside it."""
+    import gc
+
+    from mdsl.gpu import driver as driver_module
+
+    n = 4096
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        z = x * 2 + y   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    doomed = [load(handwritten.axpy(n)), DeviceArray.from_numpy(np.ones(n, np.float32))]
+    doomed.append(doomed)   # a cycle: only the cyclic collector frees it
+    del doomed
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        z = x * 2 + y
+        gc.collect()
+        z = z + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(z, x * 2 + y + 1)
+    assert driver_module._PENDING, "the collected objects freed nothing"
+    kept = DeviceArray.from_numpy(np.ones(4, np.float32))   # an allocation outside the capture makes the frees
+    assert not driver_module._PENDING and kept.ptr
+
+
 def test_run_pointers_is_the_unchecked_fast_path(torch):
     n = 512
     exe = load(handwritten.axpy(n))

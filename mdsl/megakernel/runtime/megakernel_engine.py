@@ -14,6 +14,7 @@ Nothing here touches the CUDA driver before `has_gpu()` says there is a GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Mapping, Optional, Sequence
 
@@ -23,7 +24,7 @@ import numpy as np
 from mdsl.backend.cuda import runtime
 from mdsl.errors import MdslError, ShapeError
 from mdsl.gpu.arrays import DeviceArray
-from mdsl.gpu.driver import CudaError, NoGPUError, driver
+from mdsl.gpu.driver import CudaError, NoGPUError, driver, release_later
 from mdsl.gpu.driver import check as _check
 from mdsl.gpu.driver import cu_stream as _cu_stream
 from mdsl.ir.dtypes import f32, i32, round_to_dtype
@@ -519,17 +520,18 @@ class MegakernelEngine:
         return self._copy_out(self._logits, self.shape.vocab, np.float32)
 
     def close(self) -> None:
-        """Free the device memory and unload the kernel (also done when the engine is collected)."""
+        """Free the device memory and unload the kernel (also done, at mdsl's next call of the driver, once the
+        engine is collected: `release_later`)."""
         self._arrays, self._keep = [], []
         if getattr(self, "_module_handle", None) is not None and driver is not None:
             driver.cuModuleUnload(self._module_handle)
             self._module_handle = None
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:   # the interpreter is shutting down
-            pass
+        self._arrays, self._keep = [], []   # (each DeviceArray queues its own free)
+        if getattr(self, "_module_handle", None) is not None and driver is not None:
+            release_later(functools.partial(driver.cuModuleUnload, self._module_handle))
+            self._module_handle = None
 
 
 def compile_model(model_fn: ModelFunction, config: ModelConfig, weights, *, max_seq: Optional[int] = None,
