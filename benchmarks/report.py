@@ -29,6 +29,7 @@ table):
     docs/results/serve_linears_prefill.json
                                      benchmarks/serve_linears.py --rows 256,512 --out DIR  (DIR/serve_linears.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
+    docs/results/prefill_h100.json   benchmarks/prefill.py --models qwen3-8b --prompts 1024,4096 --out DIR, on an H100
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
@@ -65,7 +66,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
-            "decode_moe", "prefill", "serve_linears", "serve_linears_prefill")
+            "decode_moe", "prefill", "prefill_h100", "serve_linears", "serve_linears_prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -300,13 +301,13 @@ def serve_linears_section(data: dict, title: str = "Serving: the GPU device's li
     return lines
 
 
-def prefill_section(data: dict) -> list:
+def prefill_section(data: dict, title: str = "Time to first token") -> list:
     """Time to first token: the serving engine reading one prompt, against PyTorch's forward pass of it (a long
     prompt read while requests decode: the serving sections' mixed runs)."""
     rows = data.get("rows") or []
     device = rows[0]["device"] if rows else "gpu"
     repeats = len(rows[0]["runs_s"]) if rows else "?"
-    lines = ["## Time to first token", "", run_line(data.get("meta")), "",
+    lines = [f"## {title}", "", run_line(data.get("meta")), "",
              f"`LLM(device=\"{device}\")` reading one prompt of random tokens (random bf16 weights at each model's "
              "shapes) in steps of its token budget (`steps`: the prompt's steps), then sampling one greedy token: "
              f"the wall time from `submit` to that token, median of {repeats} after one unmeasured run; PyTorch: "
@@ -318,6 +319,13 @@ def prefill_section(data: dict) -> list:
              "4.25 TB/s where that is more). Below, each layer op's time over the prompt's steps.", ""]
     lines += prefill_tables(data).splitlines() + [""]
     return lines
+
+
+def prefill_h100_section(data: dict) -> list:
+    """The time to first token of a run on an H100 with prompt-only steps of max_prefill_tokens: its table alone."""
+    table = prefill_tables(data).split("\n\n")[0]
+    return ["## Time to first token on an H100", "", run_line(data.get("meta")), "",
+            "As above, with prompt-only steps of `max_prefill_tokens` (1,024 tokens).", "", *table.splitlines(), ""]
 
 
 def _load(meta: dict) -> str:
@@ -852,8 +860,9 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
-    for r in (results.get("prefill") or {}).get("rows") or []:   # time to first token, by model and prompt length
-        key = f"prefill_{r['model']}_{r['prompt']}"
+    ttft = [(name, r) for name in ("prefill", "prefill_h100") for r in (results.get(name) or {}).get("rows") or []]
+    for name, r in ttft:   # time to first token, by run, model and prompt length
+        key = f"{name}_{r['model']}_{r['prompt']}"
         h[f"{key}_ms"] = f"{r['ttft_s'] * 1e3:.1f} ms"
         h[f"{key}_floor"] = _percent(r["floor_s"] / r["ttft_s"])
         if r.get("torch_s"):
@@ -912,7 +921,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                 ("serve_linears_prefill", functools.partial(
                     serve_linears_section, title="Serving: the GPU device's linears at a prompt chunk's rows")),
                 ("serve_http", serve_http_section),
-                ("prefill", prefill_section))
+                ("prefill", prefill_section),
+                ("prefill_h100", prefill_h100_section))
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
