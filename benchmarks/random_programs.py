@@ -534,34 +534,54 @@ def measure_on_gpu(program: RandomProgram, reps: int = 100, batch: int = 10, l2_
         index = {id(inputs[0]): i for i, inputs in enumerate(device)}
         return lambda *inputs: graphs[index[id(inputs[0])]].replay()
 
-    contenders = {"mdsl": lambda *a: kernel(*a), "eager": eager}
-    out = {}
-    for name, fn in contenders.items():
-        start = time.perf_counter()
+    def checked_and_timed(fn) -> float:
         problem = correct(fn)
-        if name == "mdsl":   # the first call: compile, and tune where it does (kernel.tunings)
-            out["first_call_s"] = round(time.perf_counter() - start, 2)
-            if kernel.tunings:
-                out["mdsl_choice"] = kernel.tunings[-1].variant.describe()
-        out[f"{name}_us"] = None if problem else timed(fn)
         if problem:
-            out[f"{name}_error"] = problem
-    out["cuda_graph_us"] = timed(graphed(eager))   # the same computation as eager, checked above
+            raise ContenderError(problem)
+        return timed(fn)
+
+    out = {}
+    start = time.perf_counter()
+    attempt(out, "mdsl", lambda: checked_and_timed(lambda *a: kernel(*a)))
+    out["first_call_s"] = round(time.perf_counter() - start, 2)   # (compiles, and tunes where it does)
+    if kernel.tunings:
+        out["mdsl_choice"] = kernel.tunings[-1].variant.describe()
+    attempt(out, "eager", lambda: checked_and_timed(eager))
+    attempt(out, "cuda_graph", lambda: timed(graphed(eager)))   # the same computation as eager, checked above
     if out["mdsl_us"] is not None:   # where the public call's time goes: the GPU's part, and each kernel's
-        try:
-            out["mdsl_graph_us"] = timed(graphed(kernel))
-        except Exception as e:   # noqa: BLE001 (a call that cannot be captured: reported, not fatal)
-            out["mdsl_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        attempt(out, "mdsl_graph", lambda: timed(graphed(kernel)))
         out["mdsl_kernels_us"] = kernel_times(kernel, device)
     if compile_baseline:
-        compiled = torch.compile(eager)
-        problem = correct(compiled)
-        out["compile_us"] = None if problem else timed(compiled)
-    baselines = [out[k] for k in ("eager_us", "cuda_graph_us", "compile_us") if out.get(k)]
-    if out["mdsl_us"] and baselines:
-        out["speedup_vs_best"] = min(baselines) / out["mdsl_us"]
-        out["speedup_vs_eager"] = out["eager_us"] / out["mdsl_us"] if out.get("eager_us") else None
+        attempt(out, "compile", lambda: checked_and_timed(torch.compile(eager)))
+    out.update(speedups(out, compile_baseline))
     return out
+
+
+class ContenderError(Exception):
+    """A contender's output is off (the reason is the message)."""
+
+
+def attempt(out: dict, name: str, run) -> None:
+    """out[name + "_us"]: what `run()` measures, or None with out[name + "_error"] saying why it could not (its
+    output is off, it raised: a capture the driver refused, a compile that failed): one contender's failure is
+    the program's row, not the end of the run."""
+    try:
+        out[f"{name}_us"] = run()
+    except ContenderError as e:
+        out[f"{name}_us"], out[f"{name}_error"] = None, str(e)
+    except Exception as e:   # noqa: BLE001 (reported in the row)
+        out[f"{name}_us"], out[f"{name}_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def speedups(out: dict, compile_baseline: bool = True) -> dict:
+    """mdsl's speed-up over the best PyTorch baseline and over eager, where mdsl and every baseline the run times
+    were measured: against the baselines that happened to run, a failed one (possibly the fastest) would flatter
+    mdsl. None otherwise (the summary counts such programs as not compared)."""
+    names = ("eager", "cuda_graph") + (("compile",) if compile_baseline else ())
+    baselines = [out.get(f"{name}_us") for name in names]
+    if not out.get("mdsl_us") or not all(baselines):
+        return {"speedup_vs_best": None, "speedup_vs_eager": None}
+    return {"speedup_vs_best": min(baselines) / out["mdsl_us"], "speedup_vs_eager": out["eager_us"] / out["mdsl_us"]}
 
 
 def kernel_times(kernel, device: list, calls: int = 20) -> dict:
@@ -627,10 +647,12 @@ def summarise(rows: list, budget_s: float) -> dict:
         "search_s_max": max((r["search_s"] for r in rows), default=None),
         "budget_s": budget_s,
     }
-    speedups = [r["gpu"]["speedup_vs_best"] for r in rows if r.get("gpu", {}).get("speedup_vs_best")]
-    if speedups:
-        summary["gpu_geomean_speedup_vs_best"] = math.exp(statistics.mean(math.log(s) for s in speedups))
+    compared = [r["gpu"]["speedup_vs_best"] for r in rows if r.get("gpu", {}).get("speedup_vs_best")]
+    if compared:
+        summary["gpu_geomean_speedup_vs_best"] = math.exp(statistics.mean(math.log(s) for s in compared))
         summary["gpu_slower_than_eager"] = sum(1 for r in rows if (r["gpu"].get("speedup_vs_eager") or 1) < 1)
+    if any("gpu" in r for r in rows):
+        summary["gpu_not_compared"] = sum(1 for r in rows if "gpu" in r and not r["gpu"].get("speedup_vs_best"))
     return summary
 
 
@@ -655,7 +677,8 @@ def markdown(meta: dict, rows: list, summary: dict) -> str:
                      f"{', '.join(s['same_as']['differ']) or 'none'}")
     if "gpu_geomean_speedup_vs_best" in s:
         lines.append(f"- GPU: geomean speed-up over the best PyTorch baseline {s['gpu_geomean_speedup_vs_best']:.2f}x; "
-                     f"slower than eager: {s['gpu_slower_than_eager']}")
+                     f"slower than eager: {s['gpu_slower_than_eager']}; not compared (a contender failed: its row "
+                     f"says why): {s.get('gpu_not_compared', 0)}")
     gpu = any("gpu" in r for r in rows)
     head = "| program | rows | ops | kernels | est. us | search s | float | provisional |"
     rule = "|---|---:|---:|---:|---:|---:|---|---|"

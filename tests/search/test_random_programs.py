@@ -69,6 +69,30 @@ def test_the_summary_counts_fusions_failures_and_overruns():
     assert summary["boundary_reasons"] == {"layout op": 1, "time cap": 1}
 
 
+def test_a_contender_that_fails_is_its_row_s_error_and_leaves_the_program_uncompared():
+    out = {}
+    rp.attempt(out, "mdsl", lambda: 10.0)
+    rp.attempt(out, "eager", lambda: 30.0)
+
+    def refused():
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    rp.attempt(out, "cuda_graph", refused)
+    assert out["mdsl_us"] == 10.0 and out["cuda_graph_us"] is None and "capture" in out["cuda_graph_error"]
+    rp.attempt(out, "compile", lambda: (_ for _ in ()).throw(rp.ContenderError("relative error 1e-1 over 3e-3")))
+    assert out["compile_error"] == "relative error 1e-1 over 3e-3"
+    # against the baselines that ran, the missing CUDA graph (maybe the fastest) would flatter mdsl
+    assert rp.speedups(out, compile_baseline=False) == {"speedup_vs_best": None, "speedup_vs_eager": None}
+    out["cuda_graph_us"] = 20.0
+    assert rp.speedups(out, compile_baseline=False) == {"speedup_vs_best": 2.0, "speedup_vs_eager": 3.0}
+    assert rp.speedups(out)["speedup_vs_best"] is None   # torch.compile's output was off
+    row = {"kernels_before": 2, "kernels_after": 1, "estimate_before_us": 2.0, "estimate_after_us": 1.0,
+           "search_s": 1.0, "over_cap_s": 0.0, "provisional": False, "float_ok": True, "fused": True, "boundaries": []}
+    summary = rp.summarise([{**row, "gpu": {"speedup_vs_best": 2.0, "speedup_vs_eager": 3.0}},
+                            {**row, "gpu": {"speedup_vs_best": None, "speedup_vs_eager": None}}], 120.0)
+    assert summary["gpu_geomean_speedup_vs_best"] == pytest.approx(2.0) and summary["gpu_not_compared"] == 1
+
+
 @pytest.mark.parametrize("index", range(24))
 def test_the_partition_combination_never_costs_more_than_the_original(index):
     graph = rp.draw(5, index, **SMALL).kernel().graph
