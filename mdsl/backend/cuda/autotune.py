@@ -449,6 +449,7 @@ def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, devi
     (its host time counts: a program whose library GEMMs launch from Python costs it more)."""
     from mdsl.backend.cuda import runtime
 
+    executable = None
     try:
         executable = runtime.compile_graph(graph, arch=arch, device=device, options=variant.options)
         inputs = [runtime.DeviceArray.from_numpy(x, v.dtype, device=device) for x, v in zip(host, graph.inputs)]
@@ -466,6 +467,9 @@ def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, devi
                                           samples, calls))
     except MdslError as e:
         return Timing(variant, None, f"failed: {e}")
+    finally:   # (the chosen variant is compiled again from the cubin cache: each timed one is freed here)
+        if executable is not None:
+            executable.close()
 
 
 def _median_us(call, samples: int, calls: int) -> float:
