@@ -13,7 +13,7 @@ import numpy as np
 
 from mdsl.errors import DTypeError, MdslError
 from mdsl.gpu import dlpack
-from mdsl.gpu.driver import check, cu_stream, current_ordinal, driver, get_device, release_later, release_pending
+from mdsl.gpu.driver import check, cu_stream, current_ordinal, driver, get_device, release, release_pending
 from mdsl.ir.dtypes import DType, bf16, dtype_from_name, dtype_of_array, f16, f32, i32
 from mdsl.ir.types import TensorType
 
@@ -233,7 +233,7 @@ _DL_CODES = {"f16": (dlpack.FLOAT, 16, 1), "bf16": (dlpack.BFLOAT, 16, 1), "f32"
 
 
 def _free(drv, ptr: int, stream: int) -> None:
-    """A collected DeviceArray's memory, back to the pool in its stream's order (`release_later`), through the
+    """A collected DeviceArray's memory, back to the pool in its stream's order (`release`), through the
     driver `drv` that allocated it."""
     try:
         check(drv.cuMemFreeAsync(ptr, cu_stream(stream)), "cuMemFreeAsync")
@@ -330,5 +330,5 @@ class DeviceArray:
 
     def __del__(self):
         if self.ptr and driver is not None:
-            release_later(functools.partial(_free, driver, self.ptr, self.stream))
+            release(functools.partial(_free, driver, self.ptr, self.stream))
             self.ptr = 0

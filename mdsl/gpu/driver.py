@@ -7,6 +7,7 @@ failed driver call can make every later driver call in the process hang.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 from typing import Callable, Optional
 
@@ -161,16 +162,31 @@ def cu_stream(handle: int):
 # ---------------------------------------------------------------------------------------------
 # releases a collection makes
 
-_PENDING: list = []   # driver calls that free, queued by finalizers (`release_later`)
+_PENDING: list = []   # driver calls that free, queued by finalizers that ran inside a collection (`release`)
+_COLLECTING = [False]  # whether Python's cyclic collector is running (set by `_collector_phase`)
 
 
-def release_later(free: Callable[[], object]) -> None:
-    """Queue `free` (a driver call that frees memory or unloads a module) for `release_pending`. Finalizers
-    queue their frees instead of making them: Python runs a finalizer whenever it collects the object (the
-    cyclic collector at any allocation of any thread), which may be while a stream of the process is being
-    captured into a CUDA graph (torch.cuda.graph, a server's step graphs), and cuMemFree or cuModuleUnload
-    there invalidates that capture (cudaErrorStreamCaptureInvalidated)."""
-    _PENDING.append(free)   # (one list operation: atomic under the GIL, whatever thread collects)
+def _collector_phase(phase: str, info: dict) -> None:
+    _COLLECTING[0] = phase == "start"
+
+
+gc.callbacks.append(_collector_phase)
+
+
+def release(free: Callable[[], object]) -> None:
+    """What a finalizer does with `free` (a driver call that frees memory or unloads a module): make it now
+    where the object's last reference went (a del, a scope's end: a point of the caller's own code), or queue it
+    for `release_pending` where Python's cyclic collector is collecting the object. The collector runs at any
+    allocation of any thread, which may be while a stream of the process is being captured into a CUDA graph
+    (torch.cuda.graph, a server's step graphs), and cuMemFree or cuModuleUnload there invalidates that capture
+    (cudaErrorStreamCaptureInvalidated)."""
+    if _COLLECTING[0]:
+        _PENDING.append(free)   # (one list operation: atomic under the GIL, whatever thread collects)
+        return
+    try:
+        free()
+    except Exception:   # noqa: BLE001 (the interpreter is shutting down, the context is gone)
+        pass
 
 
 def release_pending(stream: Optional[int] = None) -> None:

@@ -19,7 +19,7 @@ import attrs
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu import launcher
 from mdsl.gpu.arrays import ArgumentError, DeviceArray, View, device_view, is_torch_tensor, launch_stream
-from mdsl.gpu.driver import (CudaError, check, cu_stream, driver, error_text, get_device, release_later, release_pending,
+from mdsl.gpu.driver import (CudaError, check, cu_stream, driver, error_text, get_device, release, release_pending,
                              require_gpu)
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.types import TensorType
@@ -407,8 +407,7 @@ class Executable:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the intermediates and unload the module (also done, at mdsl's next call of the driver, once the
-        Executable is collected: `release_later`)."""
+        """Free the intermediates and unload the module (also done when the Executable is collected: `release`)."""
         if driver is None:
             return
         for ptr in self._scratch:
@@ -426,7 +425,7 @@ class Executable:
 
     def __del__(self):
         if driver is not None and (self._scratch or self._module_handle is not None):
-            release_later(functools.partial(_release, driver, tuple(self._scratch), self._module_handle))
+            release(functools.partial(_release, driver, tuple(self._scratch), self._module_handle))
             self._scratch, self._module_handle = [], None
 
     def __repr__(self) -> str:
@@ -451,7 +450,7 @@ def overlapping_launch(grid: tuple, block: tuple, smem: int):
 
 
 def _release(drv, scratch: tuple, module) -> None:
-    """A collected Executable's intermediates and module (`release_later`), through the driver `drv` that
+    """A collected Executable's intermediates and module (`release`), through the driver `drv` that
     allocated and loaded them."""
     for ptr in scratch:
         drv.cuMemFree(ptr)

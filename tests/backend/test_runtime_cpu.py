@@ -415,10 +415,11 @@ class ReleaseRecorder(RecordingDriver):
         return 0, int(stream[1] in self.captured)
 
 
-def test_a_collected_executable_frees_at_mdsl_s_next_driver_call_never_inside_a_capture(monkeypatch):
-    """An Executable collected by Python (at any allocation, while some stream may be captured into a CUDA
-    graph: cuMemFree there invalidates the capture) queues its frees; the next safe point makes them, unless
-    the stream it is about to use is being captured. close() frees at once."""
+def test_an_executable_the_collector_collects_frees_at_mdsl_s_next_driver_call_never_inside_a_capture(monkeypatch):
+    """An Executable whose last reference goes frees at once; one that Python's cyclic collector collects (at
+    any allocation, while some stream may be captured into a CUDA graph: cuMemFree there invalidates the
+    capture) queues its frees, and the next safe point makes them, unless the stream it is about to use is being
+    captured."""
     from mdsl.backend.cuda import emit_cuda
     from mdsl.gpu import driver as driver_module
     from mdsl.gpu import executable
@@ -437,10 +438,16 @@ def test_a_collected_executable_frees_at_mdsl_s_next_driver_call_never_inside_a_
     monkeypatch.setattr(driver_module, "_PENDING", [])
     frees = lambda: [call for call in fake.calls if call[0] in ("free", "unload")]   # noqa: E731
 
-    exe = executable.Executable(program, SimpleNamespace(load=lambda: "module"))
+    dropped = executable.Executable(program, SimpleNamespace(load=lambda: "dropped"))
+    del dropped   # its last reference: freed at once
+    assert ("unload", "dropped") in frees() and driver_module._PENDING == []
+
+    fake.calls.clear()
+    cycle = [executable.Executable(program, SimpleNamespace(load=lambda: "module"))]
+    cycle.append(cycle)   # only the cyclic collector frees it
     (scratch,) = [call[1] for call in fake.calls if call[0] == "alloc"]
     scratch_ptr = fake.next_pointer
-    del exe
+    del cycle
     gc.collect()
     assert frees() == [] and len(driver_module._PENDING) == 1
     fake.captured.add(7)
@@ -450,14 +457,13 @@ def test_a_collected_executable_frees_at_mdsl_s_next_driver_call_never_inside_a_
     assert frees() == [("free", scratch_ptr), ("unload", "module")] and driver_module._PENDING == []
     assert scratch == 4 * 8 * 4
 
-    fake.calls.clear()   # loading a module is a safe point; close() frees at once
-    first = executable.Executable(program, SimpleNamespace(load=lambda: "first"))
-    del first
+    fake.calls.clear()   # loading a module is a safe point too
+    cycle = [executable.Executable(program, SimpleNamespace(load=lambda: "first"))]
+    cycle.append(cycle)
+    del cycle
     gc.collect()
-    second = executable.Executable(program, SimpleNamespace(load=lambda: "second"))
-    assert ("unload", "first") in frees() and driver_module._PENDING == []
-    second.close()
-    assert frees()[-1] == ("unload", "second")
+    executable.Executable(program, SimpleNamespace(load=lambda: "second")).close()
+    assert frees().index(("unload", "first")) < frees().index(("unload", "second")) and driver_module._PENDING == []
 
 
 @pytest.mark.parametrize("path", LAUNCH_PATHS)

@@ -24,7 +24,7 @@ import numpy as np
 from mdsl.backend.cuda import runtime
 from mdsl.errors import MdslError, ShapeError
 from mdsl.gpu.arrays import DeviceArray
-from mdsl.gpu.driver import CudaError, NoGPUError, driver, release_later
+from mdsl.gpu.driver import CudaError, NoGPUError, driver, release
 from mdsl.gpu.driver import check as _check
 from mdsl.gpu.driver import cu_stream as _cu_stream
 from mdsl.ir.dtypes import f32, i32, round_to_dtype
@@ -520,8 +520,7 @@ class MegakernelEngine:
         return self._copy_out(self._logits, self.shape.vocab, np.float32)
 
     def close(self) -> None:
-        """Free the device memory and unload the kernel (also done, at mdsl's next call of the driver, once the
-        engine is collected: `release_later`)."""
+        """Free the device memory and unload the kernel (also done when the engine is collected: `release`)."""
         self._arrays, self._keep = [], []
         if getattr(self, "_module_handle", None) is not None and driver is not None:
             driver.cuModuleUnload(self._module_handle)
@@ -530,7 +529,7 @@ class MegakernelEngine:
     def __del__(self):
         self._arrays, self._keep = [], []   # (each DeviceArray queues its own free)
         if getattr(self, "_module_handle", None) is not None and driver is not None:
-            release_later(functools.partial(driver.cuModuleUnload, self._module_handle))
+            release(functools.partial(driver.cuModuleUnload, self._module_handle))
             self._module_handle = None
 
 
