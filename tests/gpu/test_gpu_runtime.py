@@ -151,14 +151,18 @@ def test_collected_executables_and_arrays_leave_a_cuda_graph_capture_intact(torc
     with torch.cuda.stream(stream):
         z = x * 2 + y   # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
-    doomed = [load(handwritten.axpy(n)), DeviceArray.from_numpy(np.ones(n, np.float32))]
-    doomed.append(doomed)   # a cycle: only the cyclic collector frees it
-    del doomed
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        z = x * 2 + y
-        gc.collect()
-        z = z + 1
+    gc.disable()   # (the cycle below is collected inside the capture, not before it)
+    try:
+        doomed = [load(handwritten.axpy(n)), DeviceArray.from_numpy(np.ones(n, np.float32))]
+        doomed.append(doomed)   # a cycle: only the cyclic collector frees it
+        del doomed
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            z = x * 2 + y
+            gc.collect()
+            z = z + 1
+    finally:
+        gc.enable()
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(z, x * 2 + y + 1)
