@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -35,7 +36,7 @@ WATCH_S = 1e-4     # the device thread's look at the ring and the queue while th
 def pinned_memory(region: Region, device: int = 0) -> np.ndarray:
     """A zeroed buffer of the region's size in page-locked host memory mapped into the GPU's address space (the
     kernel reads and writes it over PCIe), freed once no view of it is left."""
-    from mdsl.gpu.driver import check, driver, get_device, require_gpu
+    from mdsl.gpu.driver import check, driver, get_device, release, require_gpu
 
     require_gpu("the megakernel serving device (device='megakernel')")
     get_device(device)
@@ -43,7 +44,7 @@ def pinned_memory(region: Region, device: int = 0) -> np.ndarray:
     pointer = int(check(driver.cuMemHostAlloc(region.size, flags), "cuMemHostAlloc"))
     ctypes.memset(pointer, 0, region.size)
     raw = (ctypes.c_uint8 * region.size).from_address(pointer)
-    weakref.finalize(raw, driver.cuMemFreeHost, pointer)
+    weakref.finalize(raw, release, functools.partial(driver.cuMemFreeHost, pointer))   # (`release`: never inside a capture)
     return np.frombuffer(raw, np.uint8)
 
 
