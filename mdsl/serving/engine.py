@@ -24,8 +24,8 @@ from mdsl.megakernel.modelgraph.checkpoint import load_model
 from mdsl.megakernel.modelgraph.model_config import DEFAULT_MAX_SEQ, eos_token_ids, load_config
 from mdsl.serving.cpu import CpuDevice, Doorbell, kv_bytes_per_token, serving_nodes
 from mdsl.serving.params import SamplingParams, ServingError
-from mdsl.serving.protocol import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_TOKENS_PER_STEP, FAILED, FINISHED, HAS_TOKEN, MAX_STOP, REASONS,
-                                   STATUSES, STOPPED, WAS_PREEMPTED, ServingShape, host_region)
+from mdsl.serving.protocol import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_TOKENS_PER_STEP, FAILED, FINISHED, HAS_TOKEN,
+                                   MAX_STOP, REASONS, STATUSES, STOPPED, WAS_PREEMPTED, ServingShape, host_region)
 from mdsl.serving.tokenizer import Tokenizer
 
 PUMP_WAIT_S = 0.05      # the longest the host thread sleeps between looks at the ring
@@ -233,8 +233,9 @@ class LLM:
     token waits on it), at least max_tokens_per_step. On the GPU device the default, 1024, lets such a step's
     linears run as GEMMs of 1024 rows, near the tensor cores' rate, where 256-row chunks re-read every weight
     four times as often and leave the GPU's last wave of tiles half full; the activation buffers grow with it
-    (a few of rows x width floats for each width of the layers' values, shared by the layers). Elsewhere it defaults to max_tokens_per_step: the CPU
-    device gains nothing from longer chunks, and the megakernel's scheduler on the GPU has one budget.
+    (a few of rows x width floats for each width of the layers' values, shared by the layers). Elsewhere it
+    defaults to max_tokens_per_step: the CPU device gains nothing from longer chunks, and the megakernel's
+    scheduler on the GPU has one budget.
 
     prefix_caching (the cpu and gpu devices; on by default there): a request whose known tokens start with
     the tokens of full KV-cache pages that an earlier request computed reads them instead of computing them

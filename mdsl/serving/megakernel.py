@@ -44,7 +44,7 @@ def pinned_memory(region: Region, device: int = 0) -> np.ndarray:
     pointer = int(check(driver.cuMemHostAlloc(region.size, flags), "cuMemHostAlloc"))
     ctypes.memset(pointer, 0, region.size)
     raw = (ctypes.c_uint8 * region.size).from_address(pointer)
-    weakref.finalize(raw, release, functools.partial(driver.cuMemFreeHost, pointer))   # (`release`: never inside a capture)
+    weakref.finalize(raw, release, functools.partial(driver.cuMemFreeHost, pointer))   # (never inside a capture)
     return np.frombuffer(raw, np.uint8)
 
 

@@ -17,6 +17,6 @@ from mdsl.gpu.generators import BACKENDS, check_backend, compile_graph
 
 __all__ = ["compile_source", "hopper_gemm", "ALIGNMENT", "ArgumentError", "DeviceArray", "View", "device_view", "is_torch_tensor",
            "launch_stream", "stream_handle", "CudaError", "NoGPUError", "driver", "has_gpu", "l2_bytes",
-           "release_pending", "require_gpu", "target_arch", "BufferPlan", "EmptyKernel", "Executable", "overlapping_launch",
-           "plan_buffers", "BACKENDS", "check_backend", "compile_graph", "_check", "_cu_stream", "_error_text",
+           "release_pending", "require_gpu", "target_arch", "BufferPlan", "EmptyKernel", "Executable",
+           "overlapping_launch", "plan_buffers", "BACKENDS", "check_backend", "compile_graph", "_check", "_cu_stream", "_error_text",
            "_device"]
