@@ -17,7 +17,10 @@
 // values are the pool's W. The split's partial (values, max, sum) goes to the records
 // the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits) in a launch of its
 // own, every row and KV head a block (the block of a tile's last split folding them would fold the tile's
-// rows one after another).
+// rows one after another). A shared tile's item of all its splits (a whole item: the host's choice where a
+// step has tiles enough to fill the grid, a prompt's chunk) folds each split into its rows' output as the
+// split ends, by fold_splits' arithmetic, and writes the output itself: no partials, and no fold for its
+// rows (the host tells attention_fold which rows are done).
 //
 // The items of a step come from the host (mdsl/serving/gpu.py attention_items): a tile and up to AMMA_UNIT of
 // its consecutive splits; the grid is persistent, each block taking items x KV heads in turn, so a step's
@@ -43,14 +46,18 @@ constexpr int AMMA_STAGE = AMMA_KEYS * AMMA_STRIDE;   // W of one block's keys (
 // 16-byte chunks of key r at chunk c ^ (r % 8), so an ldmatrix's 8 rows fall in 8 bank groups)
 constexpr int AMMA_HALF = AMMA_KEYS * 64;
 constexpr int AMMA_RING = 3;
-constexpr int AMMA_SMEM = 2 * 2 * AMMA_STAGE * 2;             // bytes, shared: keys and values, two stages
+// a shared tile's folded values (an item of all its splits: its M rows' values so far, floats, each thread's
+// own, at [warp][n8 tile][register][lane])
+constexpr int AMMA_FOLD = AMMA_ROWS * AMMA_DIM;
+constexpr int AMMA_SMEM = 2 * 2 * AMMA_STAGE * 2 + AMMA_FOLD * 4;   // bytes, shared: keys and values, two
+                                                                     // stages, and the folded values
 constexpr int AMMA_SOLO_SMEM = AMMA_WARPS * AMMA_RING * AMMA_HALF * 2;   // ... solo: four warps' rings
 // A row's splits: attention_split's rule with splits of 128 keys where that makes ATT_MAX_SPLITS or fewer.
 // Longer splits mean fewer partials to write and fold over a prompt (the CUDA-core kernel's 64 keys write
 // and fold twice as many), shorter ones more blocks at once for a short context at batch 1 (each split a
 // block's chain of key blocks); a long range keeps ATT_MAX_SPLITS splits to spread over the SMs.
 constexpr int AMMA_SPLIT_KEYS = 128;
-constexpr int AMMA_UNIT = 8;                       // the most splits of a block's item (a tile's consecutive
+constexpr int AMMA_UNIT = ATT_MAX_SPLITS;          // the most splits of a block's item (a tile's consecutive
                                                    // splits, one softmax after another, the queries loaded once)
 constexpr float AMMA_LOG2E = 1.4426950408889634f;   // 1 / ln 2: scores in base 2 (one MUFU a weight)
 
@@ -138,18 +145,20 @@ __device__ __forceinline__ void ldsm4_trans_at(unsigned (&r)[4], unsigned s) {
 }
 
 template <int G, typename W, bool SOLO>
-__device__ void attention_mma(float* part, const float* qkv, const W* k_pool, const W* v_pool, const int* positions,
-                              const int* entries, const int* page_table, int pages_per_request, int page_size,
-                              int q_heads, int kv_heads, int dim, float scale, float softcap, int window,
-                              const int4* items, const int* item_range, int max_splits) {
+__device__ void attention_mma(float* out, float* part, const float* qkv, const W* k_pool, const W* v_pool,
+                              const int* positions, const int* entries, const int* page_table,
+                              int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
+                              float softcap, int window, const int4* items, const int* item_range, int max_splits) {
   constexpr int R = AMMA_ROWS / G;   // rows of a tile
   extern __shared__ __align__(16) unsigned char amma_smem[];
   W* const keys = reinterpret_cast<W*>(amma_smem);   // [stage][key][AMMA_STRIDE]
   W* const values = keys + 2 * AMMA_STAGE;
-  // the unit's splits: each row's keys of each (first, end; empty where the row has fewer splits), the keys
-  // any row takes (lo_key, hi_key), and the blocks of 64 keys holding some row's keys: bit k of block_bits
-  // for block block_base + k (block_base -1: a split over more than 64 blocks, its blocks found by a scan)
-  __shared__ int first_of[AMMA_UNIT][R], end_of[AMMA_UNIT][R], lo_key[AMMA_UNIT], hi_key[AMMA_UNIT];
+  float* const folded = reinterpret_cast<float*>(values + 2 * AMMA_STAGE);   // [warp][n8 tile][4][lane]
+  // the item's splits: each row's range (its first key, its splits' keys, its splits, past its last key),
+  // the keys any row takes of each split (lo_key, hi_key), and the blocks of 64 keys holding some row's keys:
+  // bit k of block_bits for block block_base + k (block_base -1: a split over more than 64 blocks, its blocks
+  // found by a scan)
+  __shared__ int row_lo[R], row_split[R], row_splits[R], row_end[R], lo_key[AMMA_UNIT], hi_key[AMMA_UNIT];
   __shared__ unsigned long long block_bits[AMMA_UNIT];
   __shared__ int block_base[AMMA_UNIT];
   __shared__ __align__(16) int pool_rows[2][8][AMMA_KEYS / 8];   // (a shared tile's: its stages' keys' places)
@@ -191,7 +200,7 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
     // once for all of them, two stages deep. A split's arithmetic is the same in both, so a row's bits do not
     // depend on which runs its tile. (Two kernels, not one with both: together they spill.)
     constexpr bool solo = SOLO;
-    // each row's keys of splits s0 .. s0 + units - 1 (attention_split of its own range)
+    // each row's range (attention_split of its own range)
     if (threadIdx.x < R) {
       const int i = threadIdx.x;
       int lo = 0, split = 1, splits = 0, pos = -1;
@@ -202,20 +211,29 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
         split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
         splits = (n + split - 1) / split;
       }
-      for (int u = 0; u < units; ++u) {
-        const bool live = s0 + u < splits;
-        first_of[u][i] = live ? lo + (s0 + u) * split : 0;
-        end_of[u][i] = live ? min(pos + 1, lo + (s0 + u + 1) * split) : 0;
-      }
+      row_lo[i] = lo;
+      row_split[i] = split;
+      row_splits[i] = splits;
+      row_end[i] = pos + 1;
     }
     __syncthreads();
+    // row i's keys of the item's split u: [first_of, end_of), empty where the row has fewer splits
+    auto first_of = [&](int u, int i) {
+      return s0 + u < row_splits[i] ? row_lo[i] + (s0 + u) * row_split[i] : 0;
+    };
+    auto end_of = [&](int u, int i) {
+      return s0 + u < row_splits[i] ? min(row_end[i], row_lo[i] + (s0 + u + 1) * row_split[i]) : 0;
+    };
+    // the item holds all of its tile's splits (a shared tile's: it folds them itself, fold_splits' arithmetic)
+    bool whole = !solo && s0 == 0;
+    for (int i = 0; i < rows; ++i) whole = whole && row_splits[i] <= units;
     if (threadIdx.x < units) {
       const int u = threadIdx.x;
       int lo = 0x7fffffff, hi = 0;
       for (int i = 0; i < rows; ++i)
-        if (end_of[u][i] > first_of[u][i]) {
-          lo = min(lo, first_of[u][i]);
-          hi = max(hi, end_of[u][i]);
+        if (end_of(u, i) > first_of(u, i)) {
+          lo = min(lo, first_of(u, i));
+          hi = max(hi, end_of(u, i));
         }
       lo_key[u] = hi > 0 ? lo : 0;
       hi_key[u] = hi;
@@ -223,8 +241,8 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       unsigned long long bits = 0;
       if (hi > 0 && (hi - 1) / AMMA_KEYS - base < 64) {
         for (int i = 0; i < rows; ++i)
-          if (end_of[u][i] > first_of[u][i]) {
-            const int a = first_of[u][i] / AMMA_KEYS - base, z = (end_of[u][i] - 1) / AMMA_KEYS - base;
+          if (end_of(u, i) > first_of(u, i)) {
+            const int a = first_of(u, i) / AMMA_KEYS - base, z = (end_of(u, i) - 1) / AMMA_KEYS - base;
             bits |= (~0ull >> (63 - (z - a))) << a;
           }
         block_base[u] = base;
@@ -240,8 +258,8 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       if (base < 0) {
         for (b = max(b, lo_key[u] / AMMA_KEYS); b * AMMA_KEYS < hi_key[u]; ++b)
           for (int i = 0; i < rows; ++i)
-            if (end_of[u][i] > first_of[u][i] && first_of[u][i] < (b + 1) * AMMA_KEYS &&
-                end_of[u][i] > b * AMMA_KEYS)
+            if (end_of(u, i) > first_of(u, i) && first_of(u, i) < (b + 1) * AMMA_KEYS &&
+                end_of(u, i) > b * AMMA_KEYS)
               return b;
         return -1;
       }
@@ -298,8 +316,8 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
       for (int e = 0; e < 2; ++e) {
         m[e] = -INF;
         l[e] = 0.0f;
-        first[e] = mrow[e] < rows ? first_of[u][mrow[e]] : 0;
-        end[e] = mrow[e] < rows ? end_of[u][mrow[e]] : 0;
+        first[e] = mrow[e] < rows ? first_of(u, mrow[e]) : 0;
+        end[e] = mrow[e] < rows ? end_of(u, mrow[e]) : 0;
       }
 #pragma unroll
       for (int nt = 0; nt < AMMA_DIM / 8; ++nt)
@@ -473,6 +491,25 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
         }
       }
     };
+    // a whole item's fold (fold_splits' arithmetic): each M row's running max and sum, its values in the
+    // shared memory (each thread's own: no barrier), split u folded in as it ends, for rows with keys in it
+    float fold_top[2] = {-INF, -INF}, fold_sum[2] = {0.0f, 0.0f};
+    float* const mine = folded + warp * (AMMA_DIM / 8) * 4 * WARP + lane;   // [n8 tile][register] at WARP apart
+    auto fold = [&]() {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (end[e] <= first[e] || m[e] == -INF) continue;   // (as fold_splits leaves a split without scores)
+        const FoldWeights w = fold_weights<true>(fold_top[e], m[e]);
+        fold_sum[e] = fold_in(fold_sum[e], l[e], w);
+#pragma unroll
+        for (int nt = 0; nt < AMMA_DIM / 8; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float* at = mine + (4 * nt + 2 * e + c) * WARP;
+            *at = fold_in(*at, acc[nt][2 * e + c], w);
+          }
+      }
+    };
     if (solo) {
       // the warp's splits; each block's parts (its keys' halves, then its values': one of each where the head
       // dim is 64 or less) stream through the warp's ring, AMMA_RING - 1 parts loading while one is used
@@ -521,6 +558,9 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
     } else {
       const bool working = 16 * warp < rows * G;   // the warp has M rows of the tile's rows
       load_queries(false);
+      if (whole)
+#pragma unroll
+        for (int i = 0; i < AMMA_DIM / 8 * 4; ++i) mine[i * WARP] = 0.0f;
       // a step's keys' places in the pool (their pages' table entries read once a block, by thread k for key
       // k, a step ahead of their copies: the reads are in flight while a block runs), -1 outside the split's
       // keys; key k at pool_rows[stage][k % 8][k / 8], so a thread's eight keys (k0, k0 + 8, ..) lie together
@@ -582,24 +622,44 @@ __device__ void attention_mma(float* part, const float* qkv, const W* k_pool, co
           scores_of(smem + 2 * st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
           softmax(b);
           weigh(smem + 2 * (2 + st) * AMMA_STAGE, false, 0, AMMA_DIM / 16);
-          if (next.x != u) record(u);
+          if (next.x != u) {
+            if (whole)
+              fold();
+            else
+              record(u);
+          }
         }
         keep_row(st, row);   // (stage st's rows were read by its copies before the barrier above)
         __syncthreads();     // (the stage is read: the next load may overwrite it)
         step = next;
         next = after;
       }
+      // a whole item's output: each M row's folded values over its sum (fold_splits' last step)
+      if (whole && working)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (mrow[e] >= rows) continue;
+          float* o = out + ((long long)(row0 + mrow[e]) * q_heads + h * G + mhead[e]) * dim;
+#pragma unroll
+          for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
+            const int d = 8 * nt + 2 * t;
+            if (d < dim)
+              *reinterpret_cast<float2*>(o + d) = make_float2(mine[(4 * nt + 2 * e) * WARP] / fold_sum[e],
+                                                              mine[(4 * nt + 2 * e + 1) * WARP] / fold_sum[e]);
+          }
+        }
     }
     __syncthreads();   // (every thread is past the item's steps: the next item may rewrite its ranges)
   }
 }
 
 // the fold of each row's splits once attention_mma's partials are all written: grid (rows, kv heads), a
-// block of ATT_THREADS (fold_splits)
+// block of ATT_THREADS (fold_splits); a row of `done` is its tile's whole item's, folded there
 template <int G>
-__device__ void attention_fold(float* out, const float* part, const int* positions, int q_heads, int dim, int window,
-                               int max_splits) {
+__device__ void attention_fold(float* out, const float* part, const int* positions, const int* done, int q_heads,
+                               int dim, int window, int max_splits) {
   const int r = blockIdx.x, h = blockIdx.y, pos = positions[r];
+  if (done[r]) return;   // (its tile's whole item folded it)
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const int n = pos - lo + 1, most = AMMA_SPLIT_KEYS * ATT_MAX_SPLITS;
   const int split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
@@ -613,11 +673,11 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
 // item_range[1] - 1 of the step's
 #define ATTENTION_MMA_OF(G, SUFFIX, TYPE, SOLO, NAME)                                                          \
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) NAME##_##G##_##SUFFIX(                      \
-      float* part, const float* qkv, const void* k_pool, const void* v_pool,                                   \
+      float* out, float* part, const float* qkv, const void* k_pool, const void* v_pool,                       \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,   \
       int q_heads, int kv_heads, int dim, float scale, float softcap, int window, const int4* items,           \
       const int* item_range, int max_splits) {                                                                 \
-    serve::attention_mma<G, TYPE, SOLO>(part, qkv, static_cast<const TYPE*>(k_pool),                           \
+    serve::attention_mma<G, TYPE, SOLO>(out, part, qkv, static_cast<const TYPE*>(k_pool),                           \
                                         static_cast<const TYPE*>(v_pool), positions, entries, page_table,      \
                                         pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap,  \
                                         window, items, item_range, max_splits);                                \
@@ -628,8 +688,9 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
   ATTENTION_MMA_OF(G, bf16, __nv_bfloat16, true, attention_solo)                                             \
   ATTENTION_MMA_OF(G, f16, __half, true, attention_solo)                                                     \
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_fold_##G(                        \
-      float* out, const float* part, const int* positions, int q_heads, int dim, int window, int max_splits) { \
-    serve::attention_fold<G>(out, part, positions, q_heads, dim, window, max_splits);                        \
+      float* out, const float* part, const int* positions, const int* done, int q_heads, int dim, int window,  \
+      int max_splits) {                                                                                        \
+    serve::attention_fold<G>(out, part, positions, done, q_heads, dim, window, max_splits);                  \
   }
 ATTENTION_MMA(1)
 ATTENTION_MMA(2)

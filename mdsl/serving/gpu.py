@@ -52,10 +52,10 @@ GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head
 MMA_DIM = 128                    # attention_mma.cuh: head dims (a multiple of 8) up to AMMA_DIM ...
 MMA_GROUPS = (1, 2, 4, 8, 16)    # ... query heads per KV head (dividing its 64 M rows) ...
 MMA_ROWS = 64                    # ... the (row, query head) pairs of a tile (AMMA_ROWS) ...
-MMA_SMEM = 69632                 # ... its shared memory (AMMA_SMEM; a solo tile's kernel AMMA_SOLO_SMEM) ...
+MMA_SMEM = 102400                # ... its shared memory (AMMA_SMEM; a solo tile's kernel AMMA_SOLO_SMEM) ...
 MMA_SOLO_SMEM = 98304
 MMA_SPLIT_KEYS = 128             # ... a split's keys where the range allows (AMMA_SPLIT_KEYS) ...
-MMA_UNIT = 8                     # ... the most splits of an item (AMMA_UNIT) ...
+MMA_UNIT = 64                    # ... the most splits of an item (AMMA_UNIT) ...
 MMA_TILE_WARPS = 4               # ... and its warps (AMMA_WARPS)
 SPLIT_KEYS = 64                  # attention: a split's keys where the range allows (step_kernels.cu's ATT_SPLIT_KEYS)
 MAX_SPLITS = 64                  # ... and the most splits of a row's range (its ATT_MAX_SPLITS, which says why 64)
@@ -426,8 +426,10 @@ def attention_items(tiles: tuple, unit=1) -> np.ndarray:
 
 def item_unit(splits: int, kv_heads: int, grid: int) -> int:
     """The splits an item of a shared tile takes (attention_items' unit) for a step of `splits` tile splits:
-    as many as leave about two items a block of the persistent grid, from 1 to MMA_UNIT."""
-    return int(min(MMA_UNIT, max(1, splits * kv_heads // (2 * grid))))
+    about a block's share of the persistent grid's work, from 1 to MMA_UNIT. A tile of that many splits or
+    fewer is one item, whole: it folds its splits itself, with no partials written and read again (a prompt
+    chunk's tiles, where they fill the grid); a longer one's splits spread over more blocks."""
+    return int(min(MMA_UNIT, max(1, -(-splits * kv_heads // grid))))
 
 
 def solo(size, tile: int):
@@ -456,16 +458,18 @@ def tile_units(tiles: tuple, alone: np.ndarray, kv_heads: int, grid: int) -> np.
 
 def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int, kv_heads: int,
                grid: int) -> tuple:
-    """(items, solo items) of attention's kernels for a step of rows at `positions` in `chunks` (the
+    """(items, solo items, done) of attention's kernels for a step of rows at `positions` in `chunks` (the
     scheduler's records: each chunk's first row and row count), for tiles of `tile` rows, a sliding `window`
     (0: none), `kv_heads` KV heads and a persistent grid of `grid` blocks: the solo tiles' items first
-    (attention_solo's), then the shared tiles' (attention_mma's)."""
+    (attention_solo's), then the shared tiles' (attention_mma's); done: int32 per row, 1 where its tile is a
+    shared one of one item (whole: attention_mma folds its splits, attention_fold leaves the row)."""
     tiles = attention_tiles(positions, chunks["row"], chunks["count"], tile, window)
     alone = solo_tiles(tiles, tile, kv_heads, grid)
     units = tile_units(tiles, alone, kv_heads, grid)
     items = attention_items(tiles, units)
     routed = np.repeat(alone, -(-tiles[2] // units))   # (attention_items' items of each tile, in tile order)
-    return np.concatenate([items[routed], items[~routed]]), int(routed.sum())
+    done = np.repeat(~alone & (tiles[2] <= units), tiles[1]).astype(np.int32)   # (tiles in row order)
+    return np.concatenate([items[routed], items[~routed]]), int(routed.sum()), done
 
 
 def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
@@ -493,17 +497,21 @@ def _attention(xs, outs, a, b):
     partials = ctypes.c_void_p(dev.attention_partials)
     if on_tensor_cores(a, k_pool.dtype, dev.arch):
         # the solo tiles' items (ranges[0] .. ranges[1]) and the shared tiles' (ranges[1] .. ranges[2]), each
-        # kernel launched where the step has items for it (the step's graph is keyed by which: _forward)
+        # kernel launched where the step has items for it, and the fold where some row's tile leaves partials
+        # (the step's graph is keyed by which: _forward)
         work = (tile_rows(a), window, hkv)
-        items, ranges, _ = dev.attention_work[work]
+        items, ranges, done, _ = dev.attention_work[work]
+        solo_used, shared_used, fold_used = dev.attention_kinds[work]
         for name, at, smem, used in zip((kernel.replace("_mma_", "_solo_"), kernel), (0, 4), (MMA_SOLO_SMEM, MMA_SMEM),
-                                        dev.attention_kinds[work]):
+                                        (solo_used, shared_used)):
             if used:
                 dev.launch(name, (dev.attention_grid,), ATTENTION_THREADS,
-                           [partials, _p(qkv), *pools, ctypes.c_void_p(items), ctypes.c_void_p(ranges + at),
-                            *_ints(blocks)], smem=smem)
-        dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
-                   [_p(outs[0]), partials, ctypes.c_void_p(b.positions), *_ints(hq, d, window, blocks)])
+                           [_p(outs[0]), partials, _p(qkv), *pools, ctypes.c_void_p(items),
+                            ctypes.c_void_p(ranges + at), *_ints(blocks)], smem=smem)
+        if fold_used:
+            dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
+                       [_p(outs[0]), partials, ctypes.c_void_p(b.positions), ctypes.c_void_p(done),
+                        *_ints(hq, d, window, blocks)])
     else:
         dev.launch(kernel, (b.rows, hkv, blocks), ATTENTION_THREADS,
                    [_p(outs[0]), partials, ctypes.c_void_p(dev.attention_arrivals), _p(qkv), *pools])
@@ -706,7 +714,8 @@ class GpuDevice(CpuDevice):
             key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
             if on_tensor_cores(a, self.kv_dtype, self.arch) and key not in self.attention_work:
                 most = most_items(a, rows, shape.max_batch, shape.max_seq)
-                self.attention_work[key] = (array(None, (most, 4), i32), array(None, (3,), i32), most)
+                self.attention_work[key] = (array(None, (most, 4), i32), array(None, (3,), i32),
+                                            array(None, (rows,), i32), most)
         self.attention_partials = array(None, (attention_partials(heads, rows, shape.max_seq),), f32)
         self.attention_arrivals = array(None, (max([rows * a["kv_heads"] for a in heads] or [1]),), i32)
         # the persistent grid: the blocks an SM holds (of each G alike; the fewer of attention_mma and
@@ -841,12 +850,13 @@ class GpuDevice(CpuDevice):
         self._upload(self._row_entries, np.repeat(chunks["entry"].astype(np.int32), chunks["count"].astype(np.int64)))
         self._upload(self._page_table, self.state["page_table"])
         self._upload(self._keep, keep)
-        for (tile, window, kv_heads), (items, count, most) in self.attention_work.items():
-            work, alone = step_items(rows["position"], chunks, tile, window, kv_heads, self.attention_grid)
+        for (tile, window, kv_heads), (items, count, done, most) in self.attention_work.items():
+            work, alone, folded = step_items(rows["position"], chunks, tile, window, kv_heads, self.attention_grid)
             assert len(work) <= most, (len(work), most)   # (most_items bounds every step's)
             self._upload(items, work)
             self._upload(count, np.array([0, alone, len(work)], np.int32))
-            self.attention_kinds[tile, window, kv_heads] = (alone > 0, len(work) > alone)
+            self._upload(done, folded)
+            self.attention_kinds[tile, window, kv_heads] = (alone > 0, len(work) > alone, not folded.all())
         # (a step's program launches the attention kernels its items need: steps of other kinds, other graphs)
         key = (n, len(keep), tuple(self.attention_kinds.values()))
         graph = self._graphs.get(key)

@@ -582,35 +582,74 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-// The fold of a row's splits for the G query heads h * G .. of KV head h, by the block's ATT_WARPS warps, once
-// every split's partial is in `part` (records of (dim values, max, sum, padding) per row, query head and split
-// of max_splits): out = the sum of the splits' values by their weights exp(max_k - top) in split order (BASE2:
-// 2^(max_k - top), the maxima of scores in base 2), over the sum of their sums likewise. Both attention
-// kernels end with it, so a row's fold is one arithmetic.
+// The fold of a row's splits, one split after another in split order: a running (max, sum, values) meets
+// split k's partial (max m_k, sum l_k, values v_k) as top' = max(top, m_k), sum = l_k w + sum u and
+// values = v_k w + values u, of weights u = exp(top - top') (0 while nothing is folded) and w = exp(m_k - top')
+// (BASE2: 2^(..), the maxima of scores in base 2); a split without scores (max -inf) is left out. The output
+// is values / sum. Each step depends on the splits before it alone, so a block that walks a row's splits in
+// order folds them as it goes (attention_mma.cuh, a tile's item of all its splits) to the same bits as
+// fold_splits over their written partials.
+struct FoldWeights {
+  float kept, added;   // u and w
+};
+template <bool BASE2>
+__device__ __forceinline__ FoldWeights fold_weights(float& top, float mk) {
+  const float next = fmaxf(top, mk);
+  const FoldWeights w{top == -INF ? 0.0f : BASE2 ? ex2(top - next) : __expf(top - next),
+                      BASE2 ? ex2(mk - next) : __expf(mk - next)};
+  top = next;
+  return w;
+}
+// (rounded products and sums, never contracted otherwise: the one arithmetic wherever a fold runs)
+__device__ __forceinline__ float fold_in(float sofar, float x, FoldWeights w) {
+  return __fmaf_rn(x, w.added, __fmul_rn(sofar, w.kept));
+}
+
+// fold_splits: the fold of a row's splits for the G query heads h * G .. of KV head h, by the block's
+// ATT_WARPS warps, once every split's partial is in `part` (records of (dim values, max, sum, padding) per
+// row, query head and split of max_splits). Both attention kernels end with it (attention_mma's through
+// attention_fold, where its items leave partials), so a row's fold is one arithmetic. Per query head, the
+// splits' weights once: the running max before and after split k is a prefix maximum (a maximum is the same
+// in any order), so lane k % 32 takes split k's weights, fold_weights of those two; lane 0 then folds the
+// sums in split order. Then each value's fold over the splits by those weights
 template <int G, bool BASE2 = false>
 __device__ void fold_splits(float* out, const float* part, int r, int h, int q_heads, int dim, int splits,
                             int max_splits) {
-  __shared__ float weight[G][ATT_MAX_SPLITS], split_sum[G][ATT_MAX_SPLITS], head_sum[G];
+  __shared__ float kept[G][ATT_MAX_SPLITS], added_weight[G][ATT_MAX_SPLITS], added[G][ATT_MAX_SPLITS];
+  __shared__ float head_sum[G];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, record = dim + 4;
-  // the fold, per query head: the splits' max (the lanes' maxima, then the warp's: a maximum is the same in
-  // any order), each split's weight exp(max_k - top) (SKIPPED: a split without scores) and the sum of
-  // the splits' sums by their weights in split order; then each value's sum of the splits' values by their
-  // weights in split order, over its head's sum: the weights computed once a head, not once a value
   for (int g = warp; g < G; g += ATT_WARPS) {
     const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
-    float top = -INF;
-    for (int k = lane; k < splits; k += WARP) top = fmaxf(top, __ldcg(recs + k * record + dim));
-    top = warp_max(top);
-    for (int k = lane; k < splits; k += WARP) {
-      const float mk = __ldcg(recs + k * record + dim);
-      weight[g][k] = mk == -INF ? SKIPPED : BASE2 ? ex2(mk - top) : __expf(mk - top);
-      split_sum[g][k] = __ldcg(recs + k * record + dim + 1);
+    float carry = -INF;   // (the maximum of the splits before this round's)
+    for (int k0 = 0; k0 < splits; k0 += WARP) {
+      const int k = k0 + lane;
+      const float mk = k < splits ? __ldcg(recs + k * record + dim) : -INF;
+      float top = mk;   // (the inclusive prefix maximum over the round's lanes)
+#pragma unroll
+      for (int o = 1; o < WARP; o *= 2) {
+        const float y = __shfl_up_sync(0xffffffffu, top, o);
+        if (lane >= o) top = fmaxf(top, y);
+      }
+      top = fmaxf(top, carry);
+      float before = __shfl_up_sync(0xffffffffu, top, 1);
+      if (lane == 0) before = carry;
+      carry = __shfl_sync(0xffffffffu, top, WARP - 1);
+      if (k < splits) {
+        added[g][k] = __ldcg(recs + k * record + dim + 1);   // (the sum, until lane 0 folds it)
+        if (mk == -INF) {
+          kept[g][k] = SKIPPED;
+        } else {
+          const FoldWeights w = fold_weights<BASE2>(before, mk);
+          kept[g][k] = w.kept;
+          added_weight[g][k] = w.added;
+        }
+      }
     }
     __syncwarp();
     if (lane == 0) {
       float sum = 0.0f;
       for (int k = 0; k < splits; ++k)
-        if (weight[g][k] != SKIPPED) sum = fmaf(split_sum[g][k], weight[g][k], sum);
+        if (kept[g][k] != SKIPPED) sum = fold_in(sum, added[g][k], FoldWeights{kept[g][k], added_weight[g][k]});
       head_sum[g] = sum;
     }
   }
@@ -621,7 +660,8 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
     float total = 0.0f;
 #pragma unroll 8
     for (int k = 0; k < splits; ++k)
-      if (weight[g][k] != SKIPPED) total = fmaf(__ldcg(recs + k * record), weight[g][k], total);
+      if (kept[g][k] != SKIPPED)
+        total = fold_in(total, __ldcg(recs + k * record), FoldWeights{kept[g][k], added_weight[g][k]});
     out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
   }
   __syncthreads();   // (the shared weights are free for the next fold)

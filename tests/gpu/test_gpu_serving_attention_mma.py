@@ -37,3 +37,39 @@ def test_tensor_core_attention_agrees_and_keeps_a_requests_bits(tmp_path, arch, 
     with LLM(ckpt.folder, device="gpu", max_batch=1, page_size=16) as llm:
         assert llm.device.attention_work, "the tensor-core attention is not in use"
     same_bits_alone(ckpt.folder, prompts, params, runs, (0, 3, 6))
+
+
+def test_a_tile_folding_its_own_splits_gives_the_bits_of_their_partials_folded(tmp_path, monkeypatch):
+    """A prompt chunk's tile whose one item holds all its splits folds them as they end and writes its rows'
+    output (attention_mma's whole item: every shared tile's on a grid of one block); the same splits written
+    as partials and folded by attention_fold (the GPU's grid: items of one split) give the same bits."""
+    from mdsl.serving import gpu
+
+    ckpt = write_checkpoint(tmp_path, "qwen3", positions=1100, torch_dtype="bfloat16", head_dim=128,
+                            num_attention_heads=8, num_key_value_heads=2)
+    rng = np.random.default_rng(8)
+    prompts = random_prompts(rng, 3, 700, 1000)
+    params = [SamplingParams(max_new_tokens=4)] * 3
+    arrivals = {0: [(i, p, params[i]) for i, p in enumerate(prompts)]}
+    splits = {True: 0, False: 0}   # the most splits of a tile folded in its item, and of one left to the fold
+    step_items = gpu.step_items
+
+    def recorded(*args):
+        items, alone, done = step_items(*args)
+        for first, size, s0, s1 in items[alone:].tolist():
+            whole = bool(done[first])
+            assert (s0 == 0) >= whole and done[first:first + size].tolist() == [whole] * size
+            splits[whole] = max(splits[whole], s1)
+        return items, alone, done
+
+    monkeypatch.setattr(gpu, "step_items", recorded)
+    whole = served(ckpt.folder, "gpu", arrivals, attention_grid=1, max_batch=3, page_size=16)
+    assert splits[True] > 1
+    splits[False] = 0
+    parts = served(ckpt.folder, "gpu", arrivals, max_batch=3, page_size=16)
+    assert splits[False] > 1
+    for i in range(len(prompts)):
+        assert whole[0][i].token_ids == parts[0][i].token_ids, i
+        assert sorted(whole[1][i]) == sorted(parts[1][i])
+        for pos, rows in whole[1][i].items():
+            assert all(np.array_equal(a, b) for a, b in zip(rows, parts[1][i][pos])), (i, pos)

@@ -181,20 +181,22 @@ def test_the_kernels_split_constants_are_the_hosts():
 def test_the_tensor_core_attentions_constants_are_the_hosts():
     import re
 
-    from mdsl.serving.gpu import MMA_DIM, MMA_ROWS, MMA_SMEM, MMA_SOLO_SMEM, MMA_SPLIT_KEYS, MMA_TILE_WARPS, \
-        MMA_UNIT
+    from mdsl.serving.gpu import MAX_SPLITS, MMA_DIM, MMA_ROWS, MMA_SMEM, MMA_SOLO_SMEM, MMA_SPLIT_KEYS, \
+        MMA_TILE_WARPS, MMA_UNIT
 
     source = kernel_source()
 
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+)", source).group(1))
 
+    assert re.search(r"constexpr int AMMA_UNIT = ATT_MAX_SPLITS;", source)   # (an item can hold a whole tile)
     assert 16 * constant("AMMA_WARPS") == MMA_ROWS and constant("AMMA_WARPS") == MMA_TILE_WARPS
     assert constant("AMMA_DIM") == MMA_DIM
     keys, stride = constant("AMMA_KEYS"), MMA_DIM + 8
-    assert MMA_SMEM == 2 * 2 * keys * stride * 2   # keys and values, two stages, 16-bit
+    # keys and values, two stages, 16-bit; and a float of folded values for each M row's dim
+    assert MMA_SMEM == 2 * 2 * keys * stride * 2 + MMA_ROWS * MMA_DIM * 4
     assert MMA_SOLO_SMEM == MMA_TILE_WARPS * constant("AMMA_RING") * keys * 64 * 2   # a ring of halves a warp
-    assert constant("AMMA_SPLIT_KEYS") == MMA_SPLIT_KEYS and constant("AMMA_UNIT") == MMA_UNIT
+    assert constant("AMMA_SPLIT_KEYS") == MMA_SPLIT_KEYS and MMA_UNIT == MAX_SPLITS
 
 
 def _step(rng, max_batch: int, rows: int, max_seq: int):
@@ -262,7 +264,7 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
         units = tile_units(tiles, solo_tiles(tiles, tile, a["kv_heads"], grid), a["kv_heads"], grid)
         assert units.tolist() == [spread or shared] * 2 + [shared] * 3, grid
         items = attention_items(tiles, units)
-        ordered, alone = step_items(positions, chunks, tile, 0, a["kv_heads"], grid)
+        ordered, alone, _ = step_items(positions, chunks, tile, 0, a["kv_heads"], grid)
         assert sorted(map(tuple, ordered.tolist())) == sorted(map(tuple, items.tolist()))
         if spread is None:
             assert alone == 0
@@ -296,21 +298,22 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
                                                                                      budget):
     """The tensor-core attention's work list (step_items) of every step the scheduler runs (requests of up to
     300 tokens arriving at random steps, chunked prompts beside decode rows, Mistral's sliding window): its
-    tiles lie within one chunk each, every row has each of its splits once, and no step has more items than
-    the device buffer holds (most_items)."""
+    tiles lie within one chunk each, every row has each of its splits once, no step has more items than
+    the device buffer holds (most_items), and a row is done (left by attention_fold) exactly where its shared
+    tile is one item of all its splits."""
     from mdsl.serving.cpu import CpuDevice
     from mdsl.serving.gpu import MMA_SPLIT_KEYS, attention_heads, attention_split, most_items, step_items, tile_rows
     from tests.serving.conftest import arrivals_of, drive, random_prompts, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path, arch, positions=320, sliding_window=150) if arch == "mistral" else \
         write_checkpoint(tmp_path, arch, positions=320)
-    steps = []
+    steps, wholes = [], []
     forward = CpuDevice._forward
 
     def checked(self, step, chunks, rows):
         for a in attention_heads(self.nodes):
             window = a.get("window", 0)
-            items, alone = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
+            items, alone, done = step_items(rows["position"], chunks, tile_rows(a), window, a["kv_heads"], grid=4)
             can = 4 * items[:, 1] <= tile_rows(a)   # (solo tiles first, or none solo)
             assert can[:alone].all() and (alone == 0 or not can[alone:].any())
             assert len(items) <= most_items(a, self.shape.step_rows, self.shape.max_batch,
@@ -322,9 +325,16 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
                 for r in range(first, first + size):
                     assert not seen.setdefault(r, set()) & set(range(s0, s1)), r
                     seen[r] |= set(range(s0, s1))
+            whole = {r for first, size, s0, s1 in items[alone:].tolist() for r in range(first, first + size)
+                     if s0 == 0 and s1 - s0 >= attention_split(_range(rows["position"], first, size, window),
+                                                               MMA_SPLIT_KEYS)[1]}
             for r, pos in enumerate(rows["position"].tolist()):
                 lo = max(0, pos - window + 1) if window else 0
-                assert set(range(attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1])) <= seen[r], (r, pos)
+                splits = attention_split(pos - lo + 1, MMA_SPLIT_KEYS)[1]
+                assert set(range(splits)) <= seen[r], (r, pos)
+                # done: the row's tile is shared and one item holds all its splits (attention_mma folds them)
+                assert done[r] == (r in whole), (r, pos)
+            wholes.append(int(done.sum()))
             steps.append(len(rows))
         return forward(self, step, chunks, rows)
 
@@ -335,7 +345,13 @@ def test_the_work_lists_of_the_schedulers_steps_cover_each_rows_splits_within_th
     with LLM(ckpt.folder, device="cpu", max_batch=6, page_size=16, max_tokens_per_step=budget) as llm:
         handles = drive(llm, arrivals_of(rng, prompts, params, 20))
         assert all(h.result().token_ids for h in handles.values())
-    assert max(steps) > 1 and len(steps) > 20
+    assert max(steps) > 1 and len(steps) > 20 and max(wholes) > 0
+
+
+def _range(positions, first: int, size: int, window: int) -> int:
+    """The most keys of the ranges of rows first .. first + size - 1 (their tile's splits are its longest's)."""
+    top = int(positions[first:first + size].max())
+    return top + 1 - (max(0, top - window + 1) if window else 0)
 
 
 def _bare_device(graph, max_tokens_per_step: int = 256):
