@@ -29,7 +29,7 @@ table):
     docs/results/serve_linears_prefill.json
                                      benchmarks/serve_linears.py --rows 256,512 --out DIR  (DIR/serve_linears.json)
     docs/results/prefill.json        benchmarks/prefill.py --out DIR          (DIR/prefill.json)
-    docs/results/prefill_h100.json   benchmarks/prefill.py --models qwen3-8b --prompts 1024,4096 --out DIR, on an H100
+    docs/results/prefill_steps.json  benchmarks/prefill.py --models qwen3-8b --prompts 1024,4096 --out DIR
     docs/results/random_programs_seed<S>.json
                                      benchmarks/random_programs.py --seed S --out DIR  (DIR/random_programs.json)
     docs/tried*.md                   tables `| idea | measured effect |` of ideas measured and rejected
@@ -66,7 +66,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
-            "decode_moe", "prefill", "prefill_h100", "serve_linears", "serve_linears_prefill")
+            "decode_moe", "prefill", "prefill_steps", "serve_linears", "serve_linears_prefill")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -321,10 +321,10 @@ def prefill_section(data: dict, title: str = "Time to first token") -> list:
     return lines
 
 
-def prefill_h100_section(data: dict) -> list:
-    """The time to first token of a run on an H100 with prompt-only steps of max_prefill_tokens: its table alone."""
+def prefill_steps_section(data: dict) -> list:
+    """The time to first token of a run with prompt-only steps of max_prefill_tokens: its table alone."""
     table = prefill_tables(data).split("\n\n")[0]
-    return ["## Time to first token on an H100", "", run_line(data.get("meta")), "",
+    return ["## Time to first token in prompt-only steps", "", run_line(data.get("meta")), "",
             "As above, with prompt-only steps of `max_prefill_tokens` (1,024 tokens).", "", *table.splitlines(), ""]
 
 
@@ -860,7 +860,7 @@ def headlines(results: dict) -> dict:
     if prefill:
         shares = [r["torch_us"] / r["wgmma_us"] for r in prefill]
         h["hopper_gemm_share"] = f"{_percent(min(shares))[:-1]}–{_percent(max(shares))}"
-    ttft = [(name, r) for name in ("prefill", "prefill_h100") for r in (results.get(name) or {}).get("rows") or []]
+    ttft = [(name, r) for name in ("prefill", "prefill_steps") for r in (results.get(name) or {}).get("rows") or []]
     for name, r in ttft:   # time to first token, by run, model and prompt length
         key = f"{name}_{r['model']}_{r['prompt']}"
         h[f"{key}_ms"] = f"{r['ttft_s'] * 1e3:.1f} ms"
@@ -922,7 +922,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                     serve_linears_section, title="Serving: the GPU device's linears at a prompt chunk's rows")),
                 ("serve_http", serve_http_section),
                 ("prefill", prefill_section),
-                ("prefill_h100", prefill_h100_section))
+                ("prefill_steps", prefill_steps_section))
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
