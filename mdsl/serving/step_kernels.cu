@@ -615,7 +615,7 @@ __device__ __forceinline__ float fold_in(float sofar, float x, FoldWeights w) {
 template <int G, bool BASE2 = false>
 __device__ void fold_splits(float* out, const float* part, int r, int h, int q_heads, int dim, int splits,
                             int max_splits) {
-  __shared__ float kept[G][ATT_MAX_SPLITS], added_weight[G][ATT_MAX_SPLITS], added[G][ATT_MAX_SPLITS];
+  __shared__ float kept[G][ATT_MAX_SPLITS], added[G][ATT_MAX_SPLITS], sums[G][ATT_MAX_SPLITS];
   __shared__ float head_sum[G];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, record = dim + 4;
   for (int g = warp; g < G; g += ATT_WARPS) {
@@ -635,13 +635,13 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
       if (lane == 0) before = carry;
       carry = __shfl_sync(0xffffffffu, top, WARP - 1);
       if (k < splits) {
-        added[g][k] = __ldcg(recs + k * record + dim + 1);   // (the sum, until lane 0 folds it)
+        sums[g][k] = __ldcg(recs + k * record + dim + 1);
         if (mk == -INF) {
           kept[g][k] = SKIPPED;
         } else {
           const FoldWeights w = fold_weights<BASE2>(before, mk);
           kept[g][k] = w.kept;
-          added_weight[g][k] = w.added;
+          added[g][k] = w.added;
         }
       }
     }
@@ -649,7 +649,7 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
     if (lane == 0) {
       float sum = 0.0f;
       for (int k = 0; k < splits; ++k)
-        if (kept[g][k] != SKIPPED) sum = fold_in(sum, added[g][k], FoldWeights{kept[g][k], added_weight[g][k]});
+        if (kept[g][k] != SKIPPED) sum = fold_in(sum, sums[g][k], FoldWeights{kept[g][k], added[g][k]});
       head_sum[g] = sum;
     }
   }
@@ -661,7 +661,7 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
 #pragma unroll 8
     for (int k = 0; k < splits; ++k)
       if (kept[g][k] != SKIPPED)
-        total = fold_in(total, __ldcg(recs + k * record), FoldWeights{kept[g][k], added_weight[g][k]});
+        total = fold_in(total, __ldcg(recs + k * record), FoldWeights{kept[g][k], added[g][k]});
     out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
   }
   __syncthreads();   // (the shared weights are free for the next fold)
