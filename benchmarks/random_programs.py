@@ -670,7 +670,7 @@ def markdown(meta: dict, rows: list, summary: dict) -> str:
              f"- provisional (cut short by the cap): {s['provisional']}; searches over their cap by more than "
              f"{OVER_CAP_S:g} s: {s['over_cap']}",
              f"- search seconds: median {s['search_s_median']}, max {s['search_s_max']}",
-             f"- kernels removed (before - after): "
+             "- kernels removed (before - after): "
              + ", ".join(f"{k}: {v}" for k, v in s["kernels_removed_histogram"].items()),
              "- kernel boundaries left, by reason: " + ", ".join(f"{k} {v}" for k, v in s["boundary_reasons"].items())]
     if "same_as" in s:

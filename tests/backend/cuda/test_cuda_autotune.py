@@ -238,3 +238,51 @@ def test_a_variant_is_judged_where_the_program_as_written_is_finite_as_the_verif
     broken = as_f16.copy()
     broken[np.flatnonzero(judged)[0]] = np.nan
     assert "relative error inf" in expected.problem([broken])
+
+
+@pytest.mark.parametrize("outcome", ["timed", "checked", "wrong output", "launch failed"])
+def test_a_timed_variant_closes_its_executable_whatever_its_timing_gives(monkeypatch, outcome):
+    """_measure closes the executable it compiled once its timing ends: timed (unchecked or checked launches),
+    refused for a wrong output, or failed with mdsl's error (the chosen variant is compiled again from the
+    cubin cache, so no timed executable waits for the collector)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mdsl.backend.cuda import runtime
+    from mdsl.errors import MdslError
+
+    closed, launches = [], []
+    array = SimpleNamespace(ptr=0, to_numpy=lambda: np.zeros(2, np.float32))
+
+    class Executable:
+        def __call__(self, inputs, outputs=None):
+            if outcome == "launch failed":
+                raise MdslError("the launch failed")
+            launches.append("checked")
+            return [array]
+
+        def run_pointers(self, inputs, outputs, stream):
+            launches.append("unchecked")
+
+        def close(self):
+            closed.append(self)
+
+    def median_us(call, samples, calls):   # (the events' timing needs a GPU: the calls alone here)
+        for _ in range(samples * calls):
+            call()
+        return 1.0
+
+    monkeypatch.setattr(autotune, "_median_us", median_us)
+    monkeypatch.setattr(runtime, "compile_graph", lambda *args, **kwargs: Executable())
+    monkeypatch.setattr(runtime.DeviceArray, "from_numpy", staticmethod(lambda x, dtype, device=0: array))
+    graph = SimpleNamespace(inputs=[SimpleNamespace(dtype="f32")])
+    want = SimpleNamespace(problem=lambda outputs: "wrong output" if outcome == "wrong output" else "")
+    variant = Variant(0, CudaOptions())
+    timing = autotune._measure(graph, variant, [np.zeros(2, np.float32)], want, [[array]], "sm_90a", 0,
+                               samples=2, calls=3, checked=outcome == "checked")
+    assert len(closed) == 1
+    assert (timing.us is not None) == (outcome in ("timed", "checked"))
+    assert outcome in timing.problem or timing.us is not None
+    if timing.us is not None:
+        assert launches.count("checked" if outcome == "checked" else "unchecked") == 2 * 3 + (outcome == "checked")
