@@ -410,12 +410,9 @@ class Executable:
         """Free the intermediates and unload the module (also done when the Executable is collected: `release`)."""
         if driver is None:
             return
-        for ptr in self._scratch:
-            driver.cuMemFree(ptr)
-        self._scratch = []
-        if self._module_handle is not None:
-            driver.cuModuleUnload(self._module_handle)
-            self._module_handle = None
+        scratch, module = tuple(self._scratch), self._module_handle
+        self._scratch, self._module_handle = [], None
+        _release(driver, scratch, module)
 
     def __enter__(self) -> "Executable":
         return self

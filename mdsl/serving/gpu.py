@@ -709,7 +709,7 @@ class GpuDevice(CpuDevice):
         # attention_mma's work of each step, per (tile rows, window, KV heads) of the attention ops on tensor
         # cores: its items and their count, written by the step before its program runs
         self.attention_work: dict = {}
-        self.attention_kinds: dict = {}   # ... and whether the step has solo items, and shared ones
+        self.attention_kinds: dict = {}   # ... whether it has solo items, shared ones, rows to fold
         for a in heads:
             key = (tile_rows(a), a.get("window", 0), a["kv_heads"])
             if on_tensor_cores(a, self.kv_dtype, self.arch) and key not in self.attention_work:
