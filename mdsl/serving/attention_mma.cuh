@@ -437,7 +437,10 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
     // the values += P V over the block's values at shared address vs, output dims 16 n0 .. 16 n1 - 1 (each
     // dim's sum over the block's keys in the same order whatever the range); the weights' C fragments are
     // the A fragments of k16 steps of keys; ldmatrix.trans's four matrices are keys 16j .. + 7 and + 8 ..
-    // + 15, dims 16n .. + 7 and + 8 .. + 15. Two n steps at a time: their hi products, then their lo ones
+    // + 15, dims 16n .. + 7 and + 8 .. + 15. NG n steps at a time, their hi products and then their lo ones,
+    // so that an accumulator's two products of a k16 step lie 2 NG mma apart (the tensor pipe's latency
+    // passes on the others'): four in a shared tile, two in a solo warp, whose ring leaves fewer registers
+    constexpr int NG = SOLO ? 2 : 4;
     auto weigh = [&](unsigned vs, bool half, int n0, int n1) {
 #pragma unroll
       for (int j = 0; j < AMMA_KEYS / 16; ++j) {
@@ -447,28 +450,32 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
         split2<W>(sc[2 * j + 1][0], sc[2 * j + 1][1], ph[2], pl[2]);
         split2<W>(sc[2 * j + 1][2], sc[2 * j + 1][3], ph[3], pl[3]);
 #pragma unroll
-        for (int n = 0; n < AMMA_DIM / 16; n += 2) {
-          if (n + 1 < n0 || n >= n1 || n >= kd) continue;
-          const bool second = n + 1 >= n0 && n + 1 < n1 && n + 1 < kd;
-          unsigned vb[2][4];
+        for (int n = 0; n < AMMA_DIM / 16; n += NG) {
+          bool live[NG], any = false;
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (i == 0 ? n < n0 : !second) continue;
-            ldsm4_trans_at(vb[i], half ? vs + swz_v[(n + i) % 4] + 2 * 16 * j * 64
-                                       : vs + pad_v + 2 * (16 * j * AMMA_STRIDE + 16 * (n + i)));
+          for (int i = 0; i < NG; ++i) {
+            live[i] = n + i >= n0 && n + i < n1 && n + i < kd;
+            any = any || live[i];
           }
+          if (!any) continue;
+          unsigned vb[NG][4];
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (i == 0 ? n < n0 : !second) continue;
-            mma_16816<W>(acc[2 * (n + i)], ph[0], ph[1], ph[2], ph[3], vb[i][0], vb[i][1]);
-            mma_16816<W>(acc[2 * (n + i) + 1], ph[0], ph[1], ph[2], ph[3], vb[i][2], vb[i][3]);
-          }
+          for (int i = 0; i < NG; ++i)
+            if (live[i])
+              ldsm4_trans_at(vb[i], half ? vs + swz_v[(n + i) % 4] + 2 * 16 * j * 64
+                                         : vs + pad_v + 2 * (16 * j * AMMA_STRIDE + 16 * (n + i)));
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (i == 0 ? n < n0 : !second) continue;
-            mma_16816<W>(acc[2 * (n + i)], pl[0], pl[1], pl[2], pl[3], vb[i][0], vb[i][1]);
-            mma_16816<W>(acc[2 * (n + i) + 1], pl[0], pl[1], pl[2], pl[3], vb[i][2], vb[i][3]);
-          }
+          for (int i = 0; i < NG; ++i)
+            if (live[i]) {
+              mma_16816<W>(acc[2 * (n + i)], ph[0], ph[1], ph[2], ph[3], vb[i][0], vb[i][1]);
+              mma_16816<W>(acc[2 * (n + i) + 1], ph[0], ph[1], ph[2], ph[3], vb[i][2], vb[i][3]);
+            }
+#pragma unroll
+          for (int i = 0; i < NG; ++i)
+            if (live[i]) {
+              mma_16816<W>(acc[2 * (n + i)], pl[0], pl[1], pl[2], pl[3], vb[i][0], vb[i][1]);
+              mma_16816<W>(acc[2 * (n + i) + 1], pl[0], pl[1], pl[2], pl[3], vb[i][2], vb[i][3]);
+            }
         }
       }
     };

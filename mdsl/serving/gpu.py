@@ -114,6 +114,12 @@ def _spread(rows: int, width: int) -> tuple:
     return rows, max(1, -(-width // (2 * THREADS)))
 
 
+def act_mul_grid(rows: int, half: int) -> tuple:
+    """act_mul's grid for rows of `half` outputs: four elements a thread where half is a multiple of 4 (its
+    16-byte vectors; rows on 16 bytes), else _spread's."""
+    return (rows, max(1, -(-half // (4 * THREADS)))) if half % 4 == 0 else _spread(rows, half)
+
+
 def _ints(*values) -> list:
     return [ctypes.c_int(int(v)) for v in values]
 
@@ -532,7 +538,7 @@ def _activation(act: str, op: str) -> int:
 
 
 def _act_mul(xs, outs, a, b):
-    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS,
+    b.device.launch("act_mul", act_mul_grid(b.rows, outs[0].width), THREADS,
                     [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, _activation(a["act"], "act_mul"))])
 
 
@@ -573,7 +579,7 @@ def _moe_experts(xs, outs, a, b):
 
 
 def _geglu(xs, outs, a, b):
-    b.device.launch("act_mul", _spread(b.rows, outs[0].width), THREADS,
+    b.device.launch("act_mul", act_mul_grid(b.rows, outs[0].width), THREADS,
                     [_p(outs[0]), _p(xs[0]), *_ints(outs[0].width, 1)])
 
 

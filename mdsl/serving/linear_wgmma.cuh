@@ -21,7 +21,7 @@
 //
 // A block: a producer warpgroup and two consumer warpgroups (64 weight columns each). For each 64-wide k
 // step the producer's first thread loads the weight tile (128 x 64) with TMA, which fills columns past the
-// weight's rows and k past its width with zeros, into a ring of STAGES stages, and the rows' tile (RN x 64)
+// weight's rows and k past its width with zeros, into a ring of stages, and the rows' tile (RN x 64)
 // comes beside it: up to 32 rows the producer's 128 threads round and store them in the 128-byte swizzled
 // layout TMA writes (no launch before the linear's, which a decode step would pay in every linear); from 64
 // rows `round_rows` has written them to memory beforehand and TMA loads them (staging 128 rows by the
@@ -67,20 +67,26 @@ template <int RN> struct Ring {
   static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
   // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages (registers for them
-  // beside the accumulators would spill at RN = 128); only a step of several row tiles runs splits in-block
+  // beside the accumulators would spill at RN = 128); only a step of several row tiles runs splits in-block,
+  // and a block without them takes their space for more stages (at 128 rows a stage's wgmmas last about as
+  // long as a quarter of a TMA load's latency from memory)
   static constexpr int TOTAL_BYTES = PAIRED ? 0 : RN * FEATURES * 4;
-  static constexpr int FIT = ((PAIRED ? PAIRED_SPACE : STAGE_SPACE) - TOTAL_BYTES) / STAGE_BYTES;
-  static constexpr int STAGES = FIT < 8 ? FIT : 8;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + TOTAL_BYTES + 1024;
+  static constexpr int SPACE = PAIRED ? PAIRED_SPACE : STAGE_SPACE;
+  static constexpr int FIT = (SPACE - TOTAL_BYTES) / STAGE_BYTES, FREE_FIT = SPACE / STAGE_BYTES;
+  static constexpr int SPLIT_STAGES = FIT < 8 ? FIT : 8, FREE_STAGES = FREE_FIT < 8 ? FREE_FIT : 8;
+  static constexpr int SPLIT_BYTES = SPLIT_STAGES * STAGE_BYTES + 16 * SPLIT_STAGES + TOTAL_BYTES + 1024;
+  static constexpr int FREE_BYTES = FREE_STAGES * STAGE_BYTES + 16 * FREE_STAGES + 1024;
+  static constexpr int SMEM_BYTES = SPLIT_BYTES > FREE_BYTES ? SPLIT_BYTES : FREE_BYTES;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
   static_assert(RN % 8 == 0 && RN <= 256 && X_BYTES % 1024 == 0, "RN: a multiple of 8 rows, 1024-byte tiles");
 
   unsigned base;
+  int stages;   // SPLIT_STAGES where the block runs splits in-block, else FREE_STAGES
   __device__ __forceinline__ unsigned w_tile(int s) const { return base + s * STAGE_BYTES; }
   __device__ __forceinline__ unsigned x_tile(int s) const { return w_tile(s) + W_BYTES; }
-  __device__ __forceinline__ unsigned full(int s) const { return base + STAGES * STAGE_BYTES + 8 * s; }
-  __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * STAGES; }
-  __device__ __forceinline__ unsigned totals() const { return base + STAGES * STAGE_BYTES + 16 * STAGES; }
+  __device__ __forceinline__ unsigned full(int s) const { return base + stages * STAGE_BYTES + 8 * s; }
+  __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * stages; }
+  __device__ __forceinline__ unsigned totals() const { return base + stages * STAGE_BYTES + 16 * stages; }
 };
 
 __device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
@@ -129,7 +135,6 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
                                        int offset, int splits) {
   using R = Ring<RN>;
-  const R ring{(smem_address(smem) + 1023u) & ~1023u};
   __shared__ int last;
   // this block's weight (constant indices: the parts' fields stay in the parameter space)
   int p = 0, first_tile = 0, start = 0, end = parts.start[1];
@@ -151,8 +156,9 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   const int v0 = in_block ? 0 : blockIdx.z, v1 = in_block ? splits : blockIdx.z + 1;
   const int s0 = v0 * per, s1 = v1 * per < steps ? v1 * per : steps;
   const int warpgroup = threadIdx.x / 128;
+  const R ring{(smem_address(smem) + 1023u) & ~1023u, in_block ? R::SPLIT_STAGES : R::FREE_STAGES};
   if (threadIdx.x == 0) {
-    for (int s = 0; s < R::STAGES; ++s) {
+    for (int s = 0; s < ring.stages; ++s) {
       // the expect-tx arrival of the stage's TMA bytes, and each producer thread's once it stored its rows
       barrier_init(ring.full(s), R::TMA_ROWS ? 1 : 1 + 128);
       barrier_init(ring.empty(s), 2 * 4);   // each consumer warp, once its wgmmas have read the stage
@@ -174,7 +180,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
         tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
         tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
-        if (++stage == R::STAGES) stage = 0, phase ^= 1;
+        if (++stage == ring.stages) stage = 0, phase ^= 1;
       }
     }
   } else if (warpgroup == 0) {
@@ -189,7 +195,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       staged.template store<W>(ring.x_tile(stage));
       barrier_arrive(ring.full(stage));
       if (s + 1 < s1) staged.load(x, r0, rows, (s + 1) * BK, k);
-      if (++stage == R::STAGES) stage = 0, phase ^= 1;
+      if (++stage == ring.stages) stage = 0, phase ^= 1;
     }
   } else {
     const unsigned columns = (warpgroup - 1) * 64 * BK * 2;   // this warpgroup's 64 rows of the weight tile
@@ -216,7 +222,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           if (signals) barrier_arrive(ring.empty(previous));
         }
         previous = stage;
-        if (++stage == R::STAGES) stage = 0, phase ^= 1;
+        if (++stage == ring.stages) stage = 0, phase ^= 1;
       }
       wgmma_wait<0>();
       fence_registers(acc);
@@ -234,19 +240,33 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     const int t = threadIdx.x % 128, lane = t % 32;
     const int c = (warpgroup - 1) * 64 + (t / 32) * 16 + lane / 4, q = 2 * (lane % 4);
     const int width = parts.tile[MAX_PARTS] * FEATURES;   // a partial's row: every tile's columns
+    if (in_block)
 #pragma unroll
-    for (int j = 0; j < RN / 8; ++j) {
+      for (int i = 0; i < R::ACC; ++i) acc[i] = total[i * 256];
+    // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores: `out` may be
+    // `residual` (added in place), so a load is not moved above an earlier store, and a load, add and store
+    // one value after another would wait out a memory latency per value
+    constexpr int BATCH = R::ACC < 16 ? R::ACC : 16;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+    for (int b0 = 0; b0 < R::ACC; b0 += BATCH) {
+      float add[BATCH];
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        const int j = (b0 + b) / 4, e = (b0 + b) % 4;
+        const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
+        add[b] = residual && f0 + cc < n && r < rows
+                     ? residual[static_cast<long long>(r) * out_width + offset + col0 + cc] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        const int j = (b0 + b) / 4, e = (b0 + b) % 4;
         const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
         if (f0 + cc < n && r < rows) {
-          const float v = in_block ? total[(4 * j + e) * 256] : acc[4 * j + e];
-          if (splits == 1 || in_block) {
-            const long long at = static_cast<long long>(r) * out_width + offset + col0 + cc;
-            out[at] = residual ? residual[at] + v : v;
-          } else {
+          const float v = acc[b0 + b];
+          if (splits == 1 || in_block)
+            out[static_cast<long long>(r) * out_width + offset + col0 + cc] = residual ? add[b] + v : v;
+          else
             part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.y * FEATURES + cc] = v;
-          }
         }
       }
     }
@@ -292,16 +312,26 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       total[i].w += more[i].w;
     }
   }
+  // (each residual value loaded before any store, as in the consumers' stores above)
+  if (residual)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      if (!held(i)) continue;
+      const long long at = static_cast<long long>(r1 + ROWS_APART * i) * out_width + offset + col0 + cc;
+      float* const sums = &total[i].x;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (f0 + cc + j < n) sums[j] = residual[at + j] + sums[j];
+    }
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     if (!held(i)) continue;
-    const int r = r1 + ROWS_APART * i;
+    const long long at = static_cast<long long>(r1 + ROWS_APART * i) * out_width + offset + col0 + cc;
     const float sums[4] = {total[i].x, total[i].y, total[i].z, total[i].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (f0 + cc + j >= n) break;
-      const long long at = static_cast<long long>(r) * out_width + offset + col0 + cc + j;
-      out[at] = residual ? residual[at] + sums[j] : sums[j];
+      out[at + j] = sums[j];
     }
   }
 }

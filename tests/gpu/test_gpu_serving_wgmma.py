@@ -1,8 +1,8 @@
 """The GPU serving device's wgmma linear (mdsl/serving/linear_wgmma.cuh, mdsl.serving.gpu_wgmma) on the H200:
-out = x @ [weights side by side].T (+ residual), x rounded to the weights' bf16, agrees with float64 within
-float32 summation, for ragged column counts, k not a multiple of the 64-wide stage, every row tile and split;
-and a row's result is bit-identical whatever the step's row count and the row's place in it, its k splits in
-blocks of their own or one after another in one block (the batch invariance the serving
+out = x @ [weights side by side].T (+ residual, also in place), x rounded to the weights' bf16, agrees with
+float64 within float32 summation, for ragged column counts, k not a multiple of the 64-wide stage, every row
+tile and split; and a row's result is bit-identical whatever the step's row count and the row's place in it,
+its k splits in blocks of their own or one after another in one block (the batch invariance the serving
 device promises, which rests on wgmma's sums not depending on the instruction's n)."""
 from __future__ import annotations
 
@@ -52,9 +52,14 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
     expected = round_to_dtype(x, bf16).astype(np.float64) @ np.concatenate(weights).astype(np.float64).T
     results = {}
     for rows in (1, 7, 8, 9, 33, 100, 128, 129, 256):
-        for with_residual in (False, True):
+        for with_residual in (False, True, "in place"):
             check(driver.cuMemsetD8(out.ptr, 0, max_rows * width * 4), "cuMemsetD8")
-            linears.launch(out, x_op, w_ops, r_op if with_residual else None, rows, offset=4)
+            if with_residual == "in place":   # (out is the residual: each value read before it is written)
+                start = np.zeros_like(residual)
+                start[:rows, 4:4 + sum(sizes)] = residual[:rows, 4:4 + sum(sizes)]
+                check(driver.cuMemcpyHtoD(out.ptr, start.ctypes.data, start.nbytes), "cuMemcpyHtoD")
+            source = out if with_residual == "in place" else r_op if with_residual else None
+            linears.launch(out, x_op, w_ops, source, rows, offset=4)
             check(driver.cuStreamSynchronize(dev._stream), "the linear")
             got = np.empty((max_rows, width), np.float32)
             check(driver.cuMemcpyDtoH(got.ctypes.data, out.ptr, got.nbytes), "cuMemcpyDtoH")

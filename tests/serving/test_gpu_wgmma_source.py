@@ -38,7 +38,7 @@ def test_every_kernel_compiles_for_sm_90a_without_spills_and_its_resident_blocks
             assert blocks * r.registers * G.THREADS <= SM_REGISTERS, (name, r)
             assert G.smem_bytes(rn) + r.smem_bytes <= H200_SMEM, (name, r)
             assert blocks * (G.smem_bytes(rn) + r.smem_bytes + 1024) <= SM_SMEM, (name, r)
-            assert G.stages(rn) >= 4, (name, G.stages(rn))   # a few stages of each block in flight
+            assert min(G.stages(rn, b) for b in (True, False)) >= 4, (name, rn)   # a few stages in flight
     # ptxas serializes wgmmas it cannot prove independent of the code around them, and warns
     assert "warning" not in module.log.lower() and "Performance" not in module.log, module.log
 
