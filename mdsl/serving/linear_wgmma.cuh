@@ -243,10 +243,12 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     if (in_block)
 #pragma unroll
       for (int i = 0; i < R::ACC; ++i) acc[i] = total[i * 256];
-    // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores: `out` may be
-    // `residual` (added in place), so a load is not moved above an earlier store, and a load, add and store
-    // one value after another would wait out a memory latency per value
+    // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores:
+    // `out` may be `residual` (added in place), so a load is not moved above an earlier store, and a load, add
+    // and store one value after another would wait out a memory latency per value (a grid of splits writes
+    // partials: the tile's last block adds the residual)
     constexpr int BATCH = R::ACC < 16 ? R::ACC : 16;
+    const bool adds = residual && (splits == 1 || in_block);
 #pragma unroll
     for (int b0 = 0; b0 < R::ACC; b0 += BATCH) {
       float add[BATCH];
@@ -254,7 +256,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       for (int b = 0; b < BATCH; ++b) {
         const int j = (b0 + b) / 4, e = (b0 + b) % 4;
         const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
-        add[b] = residual && f0 + cc < n && r < rows
+        add[b] = adds && f0 + cc < n && r < rows
                      ? residual[static_cast<long long>(r) * out_width + offset + col0 + cc] : 0.0f;
       }
 #pragma unroll

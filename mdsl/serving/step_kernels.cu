@@ -848,11 +848,14 @@ __device__ __forceinline__ float activate(float g, int act) {
 // gives such a row a quarter of the threads: act_mul_grid)
 __device__ void act_mul(float* out, const float* gu, int half, int act) {
   const long long in = (long long)blockIdx.x * 2 * half, o = (long long)blockIdx.x * half;
-  if (half % 4 == 0 && ((reinterpret_cast<unsigned long long>(out) | reinterpret_cast<unsigned long long>(gu)) & 15) == 0) {
+  const unsigned long long bases = reinterpret_cast<unsigned long long>(out) | reinterpret_cast<unsigned long long>(gu);
+  if (half % 4 == 0 && (bases & 15) == 0) {
     for (int i = 4 * ELEMENT; i < half; i += 4 * ELEMENTS) {
-      const float4 g = *reinterpret_cast<const float4*>(gu + in + i), u = *reinterpret_cast<const float4*>(gu + in + half + i);
-      *reinterpret_cast<float4*>(out + o + i) = make_float4(__fmul_rn(activate(g.x, act), u.x), __fmul_rn(activate(g.y, act), u.y),
-                                                            __fmul_rn(activate(g.z, act), u.z), __fmul_rn(activate(g.w, act), u.w));
+      const float4 g = *reinterpret_cast<const float4*>(gu + in + i);
+      const float4 u = *reinterpret_cast<const float4*>(gu + in + half + i);
+      *reinterpret_cast<float4*>(out + o + i) =
+          make_float4(__fmul_rn(activate(g.x, act), u.x), __fmul_rn(activate(g.y, act), u.y),
+                      __fmul_rn(activate(g.z, act), u.z), __fmul_rn(activate(g.w, act), u.w));
     }
     return;
   }

@@ -134,6 +134,16 @@ def test_a_linears_weights_run_side_by_side_in_launches_of_one_dtype():
     assert [(len(g), d) for g, d, _ in linear_launches(64, mixed)] == [(1, bf16), (1, None), (1, bf16)]
 
 
+@pytest.mark.parametrize("half", [1, 3, 4, 96, 1023, 1024, 12288])
+def test_act_muls_grid_gives_every_output_a_thread(half):
+    # (act_mul: four consecutive elements a thread where half is a multiple of 4, else _spread's one or two)
+    from mdsl.serving.gpu import THREADS, act_mul_grid
+
+    rows, blocks = act_mul_grid(5, half)
+    per = 4 if half % 4 == 0 else 2
+    assert rows == 5 and blocks * THREADS * per >= half and (blocks - 1) * THREADS * per < half
+
+
 def test_a_head_norm_and_the_rope_after_it_run_as_one_in_every_layer():
     from mdsl.serving.gpu import fusible_pairs
 

@@ -73,6 +73,21 @@ def test_the_host_constants_are_the_kernels():
     assert f"constexpr int ROW_TILE_MAX = {G.ROW_TILES[-1]};" in source
 
 
+@pytest.mark.timeout(180)
+def test_the_hosts_shared_memory_and_stages_are_the_rings():
+    # (the launch asks for smem_bytes(rn): less than the ring lays out would let its stages run past it)
+    from mdsl.backend.cuda.nvrtc import compile_cuda
+
+    ring = "mdsl::serve_tc::Ring"
+    checks = "".join(f'static_assert({ring}<{rn}>::SMEM_BYTES == {G.smem_bytes(rn)}, "smem {rn}");\n'
+                     f'static_assert({ring}<{rn}>::SPLIT_STAGES == {G.stages(rn, True)}, "split {rn}");\n'
+                     f'static_assert({ring}<{rn}>::FREE_STAGES == {G.stages(rn, False)}, "free {rn}");\n'
+                     for rn in G.ROW_TILES)
+    compile_cuda(G.kernel_source() + checks, arch="sm_90a")
+    # the largest row tile gives its splits' running sums' space to stages where it has none
+    assert G.stages(G.ROW_TILES[-1], False) > G.stages(G.ROW_TILES[-1], True)
+
+
 def test_a_row_tile_holds_the_steps_rows_up_to_the_largest():
     assert [G.row_tile(r) for r in (1, 8, 9, 16, 17, 64, 65, 128, 129, 256)] == \
         [8, 8, 16, 16, 32, 64, 128, 128, 128, 128]
