@@ -7,6 +7,7 @@
 #   3. the kernel benchmark of the ten cases, each plan autotuned over its candidates and variants;
 #   3b. (STAGES=profile) Nsight Compute reports of mdsl's kernel of each PROFILE_CASES case;
 #   3c. (STAGES=tpprobe) one-way latency between two GPUs: put-with-signal against flagged words (scripts/tp_probe.py);
+#   3d. (STAGES=mmabits) whether wgmma's f32 sums are mma.sync's bits (scripts/mma_bits_probe.cu);
 #   4. the megakernel decode benchmark (quick mode) and one profiler trace; on a machine with 2 or more GPUs
 #      also Qwen3-8B over 2 GPUs (tensor parallelism) under each runtime variant, with a trace of both ranks;
 #   4b. (STAGES=rank) the decode benchmark on one rank's shapes of two GPUs, on one GPU;
@@ -122,6 +123,12 @@ stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR=
 # (STAGES=tpprobe, 2 GPUs or more) one-way latency between two GPUs of the megakernel's put-with-signal
 # against flagged words (scripts/tp_probe.py)
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
+
+# (STAGES=mmabits) mma.sync m16n8k16 against wgmma m64n64k16 (A from shared memory and from registers) over the
+# same k16 chains: the bits of a row computed by either (scripts/mma_bits_probe.cu)
+stage mmabits "${MMABITS_LIMIT:-120}" "$OUT/all/mma_bits.log" bash -c \
+    'nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$0/mma_bits" scripts/mma_bits_probe.cu && "$0/mma_bits"' \
+    "$(mktemp -d)"
 
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 # the engine's default options only; DECODE_ARGS="--variants ..." adds the kept options' other values
