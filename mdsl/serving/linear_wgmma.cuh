@@ -68,8 +68,8 @@ template <int RN> struct Ring {
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
   // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages (registers for them
   // beside the accumulators would spill at RN = 128); only a step of several row tiles runs splits in-block,
-  // and a block without them takes their space for more stages (at 128 rows a stage's wgmmas last about as
-  // long as a quarter of a TMA load's latency from memory)
+  // and a block without them takes their space for more stages (at 128 rows a stage's wgmmas take about
+  // 0.26 us at the tensor cores' peak, 512 cycles: only several stages in flight cover a load from memory)
   static constexpr int TOTAL_BYTES = PAIRED ? 0 : RN * FEATURES * 4;
   static constexpr int SPACE = PAIRED ? PAIRED_SPACE : STAGE_SPACE;
   static constexpr int FIT = (SPACE - TOTAL_BYTES) / STAGE_BYTES, FREE_FIT = SPACE / STAGE_BYTES;
@@ -266,7 +266,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         if (f0 + cc < n && r < rows) {
           const float v = acc[b0 + b];
           if (splits == 1 || in_block)
-            out[static_cast<long long>(r) * out_width + offset + col0 + cc] = residual ? add[b] + v : v;
+            out[static_cast<long long>(r) * out_width + offset + col0 + cc] = adds ? add[b] + v : v;
           else
             part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.y * FEATURES + cc] = v;
         }
