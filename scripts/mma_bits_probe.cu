@@ -2,7 +2,9 @@
 // same chain of k16 steps from the same accumulator: the premise of running a prompt chunk's attention tiles on
 // wgmma while a decode row's tile runs on mma.sync (a row's bits must not depend on which kernel ran it). Both
 // of wgmma's forms are checked: A from shared memory (SS) and A from registers (RS, as attention's queries and
-// weights would be), B K-major in the 128-byte swizzle TMA writes.
+// weights would be), B K-major in the 128-byte swizzle TMA writes (as attention's keys would be), and RS with B
+// MN-major (B's transpose, N contiguous, in the same swizzle: as attention's values would be, read with the
+// instruction's transpose flag).
 // For 2,048 blocks of random 64 x 64 operands (normal; exponents spread over 2^-12 .. 2^12; B non-negative, as
 // softmax weights are) and accumulators, chains of 1, 2 and 8 k16 steps: how many outputs differ in bits from
 // mma.sync's, and each instruction's worst error against a float64 sum.
@@ -15,10 +17,14 @@
 #include <random>
 #include <cmath>
 
-constexpr int M = 64, N = 64, K = 64, KS = K / 16, NT = N / 8, OUT = 3;   // outputs: mma.sync, SS, RS
+constexpr int M = 64, N = 64, K = 64, KS = K / 16, NT = N / 8, OUT = 4;   // mma.sync, SS, RS, RS B MN-major
 
-__device__ __forceinline__ unsigned long long descriptor(unsigned address) {
-  return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+// 128-byte swizzle, 1024 bytes between groups of 8 rows (SBO), `lbo` bytes between an MN-major operand's blocks
+// of 64 elements along N (as attention's values in two halves of 64 dims, 8192 bytes apart; unused at N = 64)
+// and 16 for a K-major one (which ignores it)
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo = 16) {
+  return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
+         (64ull << 32) | (1ull << 62);
 }
 __device__ __forceinline__ unsigned pack(const __nv_bfloat16* p) { return *reinterpret_cast<const unsigned*>(p); }
 
@@ -35,6 +41,7 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
                                              float* d, int steps) {
   __shared__ __align__(1024) __nv_bfloat16 sa[M * K];
   __shared__ __align__(1024) __nv_bfloat16 sb[N * K];
+  __shared__ __align__(1024) __nv_bfloat16 st[K * N];   // B's transpose: row k holds B[0..63][k]
   const __nv_bfloat16* A = a + (size_t)blockIdx.x * M * K;
   const __nv_bfloat16* B = b + (size_t)blockIdx.x * N * K;
   const float* C = c + (size_t)blockIdx.x * M * N;
@@ -47,6 +54,10 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
         *reinterpret_cast<const uint4*>(A + r * K + 8 * q);
     *reinterpret_cast<uint4*>(reinterpret_cast<char*>(sb) + r * 128 + 16 * (q ^ (r % 8))) =
         *reinterpret_cast<const uint4*>(B + r * K + 8 * q);
+  }
+  for (int i = tid; i < K * N; i += 128) {   // element (k, n) of the transpose at k * 128 + 16 ((n / 8) ^ k % 8) + n % 8
+    const int k = i / N, n = i % N;
+    st[k * 64 + 8 * ((n / 8) ^ (k % 8)) + n % 8] = B[n * K + k];
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
@@ -62,6 +73,7 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
     }
   const unsigned as = static_cast<unsigned>(__cvta_generic_to_shared(sa));
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(sb));
+  const unsigned ts = static_cast<unsigned>(__cvta_generic_to_shared(st));
   for (int s = 0; s < steps; ++s) {
     const int kk = s % KS, k0 = 16 * kk;
     // this warp's A fragment of the k16 step (mma.sync's, and wgmma's register A of the warp's 16 rows)
@@ -81,6 +93,9 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
                  : D32(acc[1]) : "l"(da), "l"(db));
     asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " R32 ", {%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
                  : D32(acc[2]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+    // (the transpose's k16 step: 16 rows of 128 bytes further)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " R32 ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;"
+                 : D32(acc[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(descriptor(ts + 2048 * kk, 8192)));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
@@ -96,7 +111,7 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
 
 int main() {
   const int blocks = 2048;
-  const char* names[OUT] = {"mma.sync", "wgmma SS", "wgmma RS"};
+  const char* names[OUT] = {"mma.sync", "wgmma SS", "wgmma RS", "wgmma RS, B MN-major"};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_int_distribution<int> ex(-12, 12);
@@ -125,8 +140,8 @@ int main() {
       }
       std::vector<float> h(c.size() * OUT);
       cudaMemcpy(h.data(), dd, h.size() * 4, cudaMemcpyDeviceToHost);
-      long long differ[OUT] = {0, 0, 0};
-      double worst[OUT] = {0, 0, 0};
+      long long differ[OUT] = {0, 0, 0, 0};
+      double worst[OUT] = {0, 0, 0, 0};
       for (size_t i = 0; i < c.size(); ++i) {
         const size_t blk = i / (M * N), r = (i % (M * N)) / N, n = i % N;
         double ref = c[i];   // the chain's sum in float64
@@ -143,7 +158,7 @@ int main() {
       printf("mode %d, %d k16 steps:", mode, steps);
       for (int o = 0; o < OUT; ++o) printf("  %s: %lld differ, worst rel err %.2g;", names[o], differ[o], worst[o]);
       printf("\n");
-      failures += differ[1] != 0 || differ[2] != 0;
+      failures += differ[1] != 0 || differ[2] != 0 || differ[3] != 0;
       cudaFree(da);
       cudaFree(db);
       cudaFree(dc);
