@@ -124,8 +124,8 @@ stage profile "${PROFILE_LIMIT:-240}" "$OUT/all/profile.log" env MDSL_CACHE_DIR=
 # against flagged words (scripts/tp_probe.py)
 stage tpprobe "${TPPROBE_LIMIT:-90}" "$OUT/all/tp_probe.log" $PY scripts/tp_probe.py --world 2
 
-# (STAGES=mmabits) mma.sync m16n8k16 against wgmma m64n64k16 (A from shared memory and from registers) over the
-# same k16 chains: the bits of a row computed by either (scripts/mma_bits_probe.cu)
+# (STAGES=mmabits) mma.sync m16n8k16 against wgmma m64n64k16 (A from shared memory and from registers; B K-major
+# and MN-major) over the same k16 chains: the bits of a row computed by either (scripts/mma_bits_probe.cu)
 stage mmabits "${MMABITS_LIMIT:-120}" "$OUT/all/mma_bits.log" bash -c \
     'nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o "$0/mma_bits" scripts/mma_bits_probe.cu && "$0/mma_bits"' \
     "$(mktemp -d)"
