@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(128) probe(const __nv_bfloat16* a, const __nv_
     *reinterpret_cast<uint4*>(reinterpret_cast<char*>(sb) + r * 128 + 16 * (q ^ (r % 8))) =
         *reinterpret_cast<const uint4*>(B + r * K + 8 * q);
   }
-  for (int i = tid; i < K * N; i += 128) {   // element (k, n) of the transpose at k * 128 + 16 ((n / 8) ^ k % 8) + n % 8
+  // element (k, n) of the transpose at byte k * 128 + 16 ((n / 8) ^ k % 8) + 2 (n % 8): B MN-major, the swizzle
+  for (int i = tid; i < K * N; i += 128) {
     const int k = i / N, n = i % N;
     st[k * 64 + 8 * ((n / 8) ^ (k % 8)) + n % 8] = B[n * K + k];
   }
