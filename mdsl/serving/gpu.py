@@ -44,6 +44,7 @@ from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 ATTENTION_MMA_SOURCE = Path(__file__).with_name("attention_mma.cuh")   # (appended to SOURCE)
+ACTIVATIONS_SOURCE = Path(__file__).with_name("activations.cuh")      # (prepended; gpu_wgmma's module has it too)
 THREADS = 256                    # threads of a row-wise kernel's block
 NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
@@ -131,9 +132,14 @@ def _embedding(xs, outs, a, b):
 
 
 def _rms_norm(xs, outs, a, b, one_plus: int = 0):
+    """(With `hand` in a, where the linear after it loads its rows by TMA: the rows rounded for it instead,
+    handed_rows.)"""
     x, w = xs
-    b.device.launch(_weighted("rms_norm", w), (b.rows,), NORM_THREADS,
-                    [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus)])
+    dev = b.device
+    rounded = dev.wgmma.hand(outs[0].ptr) if a.get("hand") and dev.wgmma.loads_rows(b.rows) else None
+    dev.launch(_weighted("rms_norm", w), (b.rows,), NORM_THREADS,
+               [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus),
+                ctypes.c_void_p(rounded)])
 
 
 def tensor_core_dtype(k: int, weights) -> Optional[object]:
@@ -211,35 +217,43 @@ def _linear_add(xs, outs, a, b):
     _linear(xs[:-1], outs, a, b, residual=xs[-1])
 
 
-def lower_program(nodes: list, narrow_at: int, logits: str) -> list:
+def lower_program(nodes: list, narrow_at: int, logits: str, gates: bool = False) -> list:
     """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and the
     add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs; the
-    second node's entry is None)."""
+    second node's entry is None), and with `gates` (a Hopper GPU's wgmma linears) a gate|up linear and the
+    act_mul or geglu after it (gated_linears)."""
     kept = {logits}
     fused = residual_adds(nodes, narrow_at, kept)
     norm_ropes = set(fusible_pairs(nodes, narrow_at, kept, "head_rms_norm", "rope"))
+    gated = gated_linears(nodes, narrow_at, kept) if gates else {}
+    handing = handed_rows(nodes, narrow_at, kept, gated) if gates else set()
     program: list = []
     for i, n in enumerate(nodes):
         names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
         after = [v.name for v in nodes[i + 1].outputs] if i + 1 < len(nodes) else []
         if i in fused:
             program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
+        elif i in gated:
+            program.append((_gated_linear, {"act": gated[i], "hand": i in handing}, names, after,
+                            f"linear+{nodes[i + 1].op}"))
+        elif i in handing:
+            program.append((GPU_STEP_RULES[n.op], dict(n.attr_dict, hand=True), names, results, n.op))
         elif i in norm_ropes:
             program.append((_head_norm_rope, (n.attr_dict, nodes[i + 1].attr_dict), names, after,
                             "head_rms_norm+rope"))
-        elif i - 1 in fused or i - 1 in norm_ropes:
+        elif i - 1 in fused or i - 1 in norm_ropes or i - 1 in gated:
             program.append(None)
         else:
             program.append((GPU_STEP_RULES[n.op], n.attr_dict, names, results, n.op))
     return program
 
 
-def step_slots(graph) -> tuple:
+def step_slots(graph, gates: bool = False) -> tuple:
     """(program, narrowing index, the values gathered at it, value name -> slot, each slot's width) of the
-    GPU device's steps over `graph` (lower_program, activation_slots)."""
+    GPU device's steps over `graph` (lower_program, activation_slots; `gates`: lower_program's)."""
     nodes, caches = serving_nodes(graph)
     narrow_at = narrowing(nodes, caches)
-    program = lower_program(nodes, narrow_at, graph.logits.name)
+    program = lower_program(nodes, narrow_at, graph.logits.name, gates)
     narrowed = {v.name for n in nodes[narrow_at:] for v in n.inputs} & \
         {v.name for n in nodes[:narrow_at] for v in n.outputs}
     widths = {v.name: int(v.shape[-1]) for n in nodes for v in n.outputs}
@@ -305,6 +319,58 @@ def residual_adds(nodes: list, narrow_at: int, kept: set) -> dict:
         names = [v.name for v in nodes[i + 1].inputs]
         fused[i] = names[1 - names.index(nodes[i].outputs[0].name)]
     return fused
+
+
+def gated_linears(nodes: list, narrow_at: int, kept: set) -> dict:
+    """linear node index -> the activation code (step_kernels.cu's `activate`) of the act_mul or geglu right
+    after it, for each linear of two 16-bit weights of one shape (gate, up) and an input width that is a
+    multiple of 32 (a tensor-core linear: tensor_core_dtype) whose result only that op reads
+    (fusible_pairs): the pair runs as one wgmma launch (linear_wgmma.cuh's gated form), so the gate|up
+    values are never written and read back."""
+    found = {}
+    for i in fusible_pairs(nodes, narrow_at, kept, "linear", "act_mul") + \
+            fusible_pairs(nodes, narrow_at, kept, "linear", "geglu"):
+        n, m = nodes[i], nodes[i + 1]
+        code = 1 if m.op == "geglu" else _ACTIVATIONS.get(m.attr_dict.get("act"))
+        weights = n.inputs[1:]
+        if code is None or len(weights) != 2 or tuple(weights[0].shape) != tuple(weights[1].shape) or \
+                tensor_core_dtype(int(n.inputs[0].shape[-1]), weights) is None:
+            continue
+        found[i] = code
+    return found
+
+
+def _gated_linear(xs, outs, a, b):
+    """A gate|up linear and the act_mul (or geglu) that alone reads it, as one launch (gated_linears)."""
+    x, gate, up = xs
+    b.device.wgmma.launch(outs[0], x, [gate, up], None, b.rows, 0, act=a["act"], hand=a["hand"])
+
+
+def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> set:
+    """The node indices whose rows the next op, a linear on wgmma that alone reads them (its input rows, one
+    launch: up to MAX_PARTS 16-bit weights of the producer's dtype), takes rounded: an rms_norm's (or
+    rms_norm_1p's) right before it, and a gated linear's (`gated`: its products) two nodes before it. Where
+    that linear loads its rows by TMA (a step of TMA_ROWS rows or more) the producer writes them rounded to
+    the weights' dtype into a buffer the linear reads (gpu_wgmma's `hand`), which is what the linear's own
+    round_rows kernel would write from the float32 rows; those are then never written, nor read back."""
+    def takes(linear, dtype) -> bool:
+        weights = linear.inputs[1:]
+        return (1 <= len(weights) <= MAX_PARTS and all(w.dtype is dtype for w in weights)
+                and tensor_core_dtype(int(linear.inputs[0].shape[-1]), weights) is not None)
+
+    found = set()
+    for op in ("rms_norm", "rms_norm_1p"):
+        for i in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
+            norm, linear = nodes[i], nodes[i + 1]
+            if linear.inputs[0].name == norm.outputs[0].name and takes(linear, norm.inputs[1].dtype):
+                found.add(i)
+    for op in ("act_mul", "geglu"):
+        for j in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
+            linear = nodes[j + 1]
+            if j - 1 in gated and linear.inputs[0].name == nodes[j].outputs[0].name and \
+                    takes(linear, nodes[j - 1].inputs[1].dtype):
+                found.add(j - 1)
+    return found
 
 
 def _head_norm_rope(xs, outs, a, b):
@@ -611,7 +677,7 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
 
 @functools.lru_cache(maxsize=None)
 def kernel_source() -> str:
-    return SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text()
+    return ACTIVATIONS_SOURCE.read_text() + "\n" + SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text()
 
 
 class GpuDevice(CpuDevice):
@@ -665,7 +731,8 @@ class GpuDevice(CpuDevice):
         # every value the step's program writes: a [step rows, width] float32 buffer shared with the values
         # of its width that are no longer read when it is written (activation_slots), and its copy of the
         # rows that go on past the narrowing (gathered there)
-        self._program, _, narrowed, slot_of, slot_widths = step_slots(self.graph)
+        # (a Hopper GPU runs its tensor-core linears on wgmma, which fuses a gated MLP's activation)
+        self._program, _, narrowed, slot_of, slot_widths = step_slots(self.graph, gates=self.arch == "sm_90a")
         slots = [Operand(array(None, (rows, w), f32), (rows, w), f32) for w in slot_widths]
         self._buffers: dict = {name: slots[k] for name, k in slot_of.items()}
         self._narrowed: dict = {}
@@ -1043,13 +1110,13 @@ class GpuDevice(CpuDevice):
 def kv_cache_budget(graph, fraction: float, step_rows: int, ordinal: int = 0) -> int:
     """The KV pool's bytes when the GPU device may take `fraction` of the GPU's memory: that share, less
     the memory already in use, the weights, the step's activation buffers and attention's partials."""
-    from mdsl.gpu.driver import check, driver, get_device, require_gpu
+    from mdsl.gpu.driver import check, driver, get_device, require_gpu, target_arch
 
     require_gpu("sizing the KV cache by gpu_memory_fraction")
     get_device(ordinal)
     free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
     weights = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in graph.weights)
-    _, _, narrowed, _, slot_widths = step_slots(graph)
+    _, _, narrowed, _, slot_widths = step_slots(graph, gates=target_arch(ordinal) == "sm_90a")
     widths = {v.name: int(v.shape[-1]) for n in graph.nodes for v in n.outputs}
     activations = 4 * step_rows * (sum(slot_widths) + sum(widths[name] for name in narrowed))
     partials = 4 * attention_partials(attention_heads(graph.nodes), step_rows, graph.max_positions)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Optional
 
 from mdsl.backend.cuda.hopper_gemm import encode_tensor_map, header_source, tensor_map_arguments, wgmma_source
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f16
 
 SOURCE = Path(__file__).with_name("linear_wgmma.cuh")
+ACTIVATIONS = Path(__file__).with_name("activations.cuh")   # (the gated epilogue's: step_kernels.cu's act_mul's)
 ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
 FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
 BK = 64                           # k a stage
@@ -85,11 +87,14 @@ def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
     return splits if row_tiles == 1 or 2 * tiles * row_tiles <= sms else 1
 
 
-def launch_grid(rows: int, sizes: list, k: int, sms: int) -> tuple:
+def launch_grid(rows: int, sizes: list, k: int, sms: int, gated: bool = False) -> tuple:
     """((row tiles, weight tiles, split blocks), k splits) of a launch over `rows` rows of weights of `sizes`
-    columns side by side, with k wide inputs."""
+    columns side by side, with k wide inputs; `gated`: a gate|up pair in tiles of 64 columns of each (its k
+    splits the plain launch's, so its gate and up sums are that launch's bits)."""
     tiles, rn = tiles_of(sizes), row_tile(rows)
     splits, row_tiles = wgmma_splits(tiles, k, sms), -(-rows // rn)
+    if gated:
+        tiles = gated_tiles(sizes[0])
     return (row_tiles, tiles, split_blocks(tiles, row_tiles, splits, sms)), splits
 
 
@@ -108,12 +113,14 @@ def kernel_source() -> str:
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
-                "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset, int splits) {\n"
+                "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset, int splits, int act,\n"
+                "    void* handed) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
-                "parts, rows, k, out_width, offset, splits);\n}\n"
+                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed));\n}}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
-    return INCLUDES + PRELUDE + header_source(instructions) + "\n" + SOURCE.read_text() + "\n" + "".join(kernels)
+    return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + ACTIVATIONS.read_text() + "\n" + SOURCE.read_text() +
+            "\n" + "".join(kernels))
 
 
 class _Parts(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Parts
@@ -130,6 +137,12 @@ def _cumulative(sizes: list) -> list:
 
 def tiles_of(sizes: list) -> int:
     return sum(-(-n // FEATURES) for n in sizes)
+
+
+def gated_tiles(half: int) -> int:
+    """A gated launch's weight tiles: 64 columns of the gate and the same 64 of the up weight each (no more
+    than the plain launch's tiles of the pair, so its partials and arrival counters fit `scratch`'s)."""
+    return -(-half // (FEATURES // 2))
 
 
 def scratch(linears: list, rows: int, sms: int) -> tuple:
@@ -165,9 +178,14 @@ class WgmmaLinears:
                 check(d.cuFuncSetAttribute(f, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                            smem_bytes(rn)), f"allowing {kernel_name(name, rn)} its shared memory")
                 self.functions[kernel_name(name, rn)] = f
-        # the input rows rounded, [rows, k] at any k up to the widest (2 bytes a value)
+        # the input rows rounded, [rows, k] at any k up to the widest (2 bytes a value), and a second such buffer
+        # for rows handed over while a launch reads the first (a gated launch's products for the next linear)
         self.rows = device.shape.step_rows
         self.rounded = device._new_array(None, (self.rows * widest,), bf16)
+        self._second = device._new_array(None, (self.rows * widest,), bf16)
+        #: (the float32 rows' address, the buffer that holds them rounded) where the op before the next launch
+        #: wrote its rows rounded instead (`hand`), for that launch, which alone reads them, to load by TMA
+        self.handed: Optional[tuple] = None
         self._maps: dict = {}
         self._blank = (ctypes.c_ubyte * 128)()
 
@@ -178,31 +196,59 @@ class WgmmaLinears:
             found = self._maps[key] = encode_tensor_map(tensor_map_arguments(rows, k, dtype, box), address)
         return found
 
-    def launch(self, out, x, weights: list, residual, rows: int, offset: int) -> None:
-        """out[:, offset + ...] = x @ [weights side by side].T (+ residual) over the step's `rows` rows."""
+    @staticmethod
+    def loads_rows(rows: int) -> bool:
+        """Whether a launch over `rows` rows loads them rounded by TMA (else its producer stores them from the
+        float32 rows): rows a producer may hand over rounded."""
+        return row_tile(rows) >= TMA_ROWS
+
+    def hand(self, address: int, avoid: Optional[int] = None) -> int:
+        """The buffer (not `avoid`) into which the op before the next launch writes its rows rounded instead of
+        into their float32 buffer at `address`, recorded for that launch."""
+        buffer = self._second if avoid == self.rounded else self.rounded
+        self.handed = (address, buffer)
+        return buffer
+
+    def launch(self, out, x, weights: list, residual, rows: int, offset: int, act: int = -1, hand: bool = False) -> None:
+        """out[:, offset + ...] = x @ [weights side by side].T (+ residual) over the step's `rows` rows; with an
+        activation code `act` (step_kernels.cu's `activate`), weights = [gate, up] of one shape and out =
+        act(x @ gate.T) * (x @ up.T), linear_wgmma.cuh's gated form, with `hand` handed to the next launch
+        rounded (where it loads its rows by TMA). x's rows come rounded from the op before where it handed them."""
         dev = self.device
         name = _NAMES[weights[0].dtype]
         k = x.width
         rn = row_tile(rows)
         sizes = [int(w.shape[0]) for w in weights]
+        gated = act >= 0
         maps = (ctypes.c_ubyte * (128 * MAX_PARTS))()
         for i, w in enumerate(weights):
             ctypes.memmove(ctypes.addressof(maps) + 128 * i,
-                           self._map(w.ptr, int(w.shape[0]), k, name, FEATURES).getPtr(), 128)
-        # the rows' map, read from TMA_ROWS rows a tile (below, the kernel takes an unused blank one)
+                           self._map(w.ptr, int(w.shape[0]), k, name, FEATURES // 2 if gated else FEATURES).getPtr(),
+                           128)
+        # the rows' map, read from TMA_ROWS rows a tile (below, the kernel takes an unused blank one): the rows
+        # handed over rounded, else rounded here
+        handed, self.handed = self.handed, None
+        source, products = None, None
         if rn >= TMA_ROWS:
-            rounded = ctypes.c_ubyte.from_address(self._map(self.rounded, self.rows, k, name, rn).getPtr())
-            self._launch(f"round_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
-                         [ctypes.c_void_p(self.rounded), ctypes.c_void_p(x.ptr), ctypes.c_int(k)])
+            if handed is not None and handed[0] == x.ptr:
+                source = handed[1]
+            else:
+                source = self.rounded
+                self._launch(f"round_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
+                             [ctypes.c_void_p(source), ctypes.c_void_p(x.ptr), ctypes.c_int(k)])
+            rounded = ctypes.c_ubyte.from_address(self._map(source, self.rows, k, name, rn).getPtr())
+            if gated and hand:
+                products = self.hand(out.ptr, avoid=source)
         else:
             rounded = self._blank
-        parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(sizes)),
-                       (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative([-(-n // FEATURES) for n in sizes])),
-                       len(weights))
-        grid, splits = launch_grid(rows, sizes, k, dev.sms)
+        # gated: the gate's columns alone as the block's part (the kernel takes the up's from map 1)
+        columns, tiles = ([sizes[0]], [gated_tiles(sizes[0])]) if gated else (sizes, [-(-n // FEATURES) for n in sizes])
+        parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(columns)),
+                       (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(tiles)), len(columns))
+        grid, splits = launch_grid(rows, sizes, k, dev.sms, gated)
         args = [maps, rounded, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
-                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits))]
+                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits, act)), ctypes.c_void_p(products)]
         self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:

@@ -16,6 +16,16 @@
 // they fill more (many rows) one block runs a tile's splits one after another and adds each as it ends,
 // with no partials to write and read back: the same f32 additions either way (the host's split_blocks).
 //
+// Gated (act >= 0): the linear of a gate|up pair of equal weights whose only reader is act_mul, out[r, c] =
+// act(x[r] . gate[c]) * (x[r] . up[c]) (activations.cuh's `gated`, the act_mul kernel's arithmetic): a block's
+// 128 weight rows are 64 of the gate (the first consumer warpgroup's) and the same 64 of the up weight (the
+// second's), two TMA loads a stage of 64-row boxes, so a thread of each holds the same outputs' sums; the
+// second hands its sums to the first through shared memory, which writes the products. The gate and up sums
+// are the plain linear's (the same k splits: by the plain launch's tiles), and the [rows, 2 x half] values
+// between the linear and act_mul are never written. With `handed` the products go there instead, rounded to W:
+// the rows the next linear, which alone reads them, loads by TMA (gpu_wgmma.py's handed rows: its round_rows
+// launch, and the float32 rows, skipped).
+//
 // Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
 // run together and its bytes come from memory once a step, not once a row tile.
 //
@@ -34,6 +44,7 @@ using namespace mdsl::hopper;
 
 constexpr int MAX_PARTS = 4;
 constexpr int FEATURES = 128;   // output columns a block: 64 a consumer warpgroup
+constexpr int HALF = FEATURES / 2;   // ... of each weight, gated
 constexpr int BK = 64;          // k a stage: one 128-byte swizzled row of 16-bit values
 constexpr int THREADS = 384;
 constexpr int ROW_TILE_MAX = 128;     // the largest row tile (the host's ROW_TILES[-1])
@@ -89,6 +100,9 @@ template <int RN> struct Ring {
   __device__ __forceinline__ unsigned totals() const { return base + stages * STAGE_BYTES + 16 * stages; }
 };
 
+// the consumer warpgroups' (threads 128 .. 383) barrier: the producer's warpgroup does not wait on it
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
 __device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
 }
@@ -129,11 +143,91 @@ template <int RN> struct StagedRows {
   }
 };
 
+// The splits' partials of one tile (rows r0 .., the tile's FEATURES columns of each row's `width` partials)
+// summed in split order and written from output column `first_out` on (`cols` of the tile's columns lie in
+// the weight), with the residual added, or gated: the tile's first HALF columns (the gate's) and last HALF
+// (the up's) taken together into `act`'s products. Each thread holds float4s of 4 columns of the written
+// ones, VECS / THREADS or so: every load of one split in flight before any is added (the splits one after
+// another would wait out an L2 latency per value).
+template <typename W, int RN, bool GATED>
+__device__ __forceinline__ void fold_splits(float* out, W* handed, const float* part, const float* residual, int rows,
+                                            int width, int splits, int r0, int cols, long long first_out,
+                                            int out_width, int act) {
+  constexpr int COLS = GATED ? HALF : FEATURES;   // the tile's written columns
+  constexpr int SOURCES = GATED ? 2 : 1;          // ... each the sum of these partial columns (gate, up)
+  constexpr int VECS = RN * COLS / 4, PER = (VECS + THREADS - 1) / THREADS;
+  constexpr int ROWS_APART = THREADS * 4 / COLS;   // between a thread's consecutive float4s
+  const long long step = static_cast<long long>(rows) * width;
+  // thread t's i-th float4: row r0 + t / (COLS / 4) + ROWS_APART i, columns 4 (t % (COLS / 4)) .. + 3 of the
+  // written ones (recomputed where used: registers for every offset beside the sums spill at RN = 64)
+  const int r1 = r0 + threadIdx.x / (COLS / 4), cc = 4 * (threadIdx.x % (COLS / 4));
+  const float* const first = part + static_cast<long long>(r1) * width + blockIdx.y * FEATURES + cc;
+  auto held = [&](int i) { return threadIdx.x + i * THREADS < VECS && r1 + ROWS_APART * i < rows; };
+  auto at = [&](int i, int source) { return static_cast<long long>(ROWS_APART * i) * width + source * HALF; };
+  float4 total[SOURCES][PER];
+#pragma unroll
+  for (int u = 0; u < SOURCES; ++u)
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      total[u][i] = held(i) ? __ldcg(reinterpret_cast<const float4*>(first + at(i, u))) : make_float4(0, 0, 0, 0);
+  for (int v = 1; v < splits; ++v) {
+    float4 more[SOURCES][PER];
+#pragma unroll
+    for (int u = 0; u < SOURCES; ++u)
+#pragma unroll
+      for (int i = 0; i < PER; ++i)
+        more[u][i] =
+            held(i) ? __ldcg(reinterpret_cast<const float4*>(first + v * step + at(i, u))) : make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < SOURCES; ++u)
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        total[u][i].x += more[u][i].x;
+        total[u][i].y += more[u][i].y;
+        total[u][i].z += more[u][i].z;
+        total[u][i].w += more[u][i].w;
+      }
+  }
+  if (GATED)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      float* const g = &total[0][i].x;
+      const float* const u = &total[SOURCES - 1][i].x;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) g[j] = mdsl_act::gated(g[j], u[j], act);
+    }
+  // (each residual value loaded before any store, as in the consumers' stores)
+  if (!GATED && residual)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      if (!held(i)) continue;
+      const long long o = static_cast<long long>(r1 + ROWS_APART * i) * out_width + first_out + cc;
+      float* const sums = &total[0][i].x;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (cc + j < cols) sums[j] = residual[o + j] + sums[j];
+    }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    if (!held(i)) continue;
+    const long long o = static_cast<long long>(r1 + ROWS_APART * i) * out_width + first_out + cc;
+    const float sums[4] = {total[0][i].x, total[0][i].y, total[0][i].z, total[0][i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (cc + j >= cols) break;
+      if (GATED && handed)
+        handed[o + j] = from_float<W>(sums[j]);
+      else
+        out[o + j] = sums[j];
+    }
+  }
+}
+
 template <typename W, int RN>
 __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
                                        const float* x, float* out, float* part, int* arrivals,
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
-                                       int offset, int splits) {
+                                       int offset, int splits, int act, W* handed) {
   using R = Ring<RN>;
   __shared__ int last;
   // this block's weight (constant indices: the parts' fields stay in the parameter space)
@@ -146,7 +240,8 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       start = parts.start[i];
       end = parts.start[i + 1];
     }
-  const int f0 = (blockIdx.y - first_tile) * FEATURES;   // the tile's first column in the weight
+  const bool gated = act >= 0;   // (parts: the gate's columns alone, in tiles of HALF; map[1] the up weight's)
+  const int f0 = (blockIdx.y - first_tile) * (gated ? HALF : FEATURES);   // the tile's first column in the weight
   const int n = end - start;                              // the weight's columns
   const int col0 = start + f0;                            // ... the tile's first in the output
   const int r0 = blockIdx.x * RN;
@@ -165,6 +260,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     }
     barrier_init_fence();
     tma_prefetch(&weights.map[p]);
+    if (gated) tma_prefetch(&weights.map[1]);
     if (R::TMA_ROWS) tma_prefetch(rounded);
   }
   __syncthreads();
@@ -173,12 +269,21 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   for (int i = 0; i < R::ACC; ++i) acc[i] = 0.0f;
   int stage = 0;
   unsigned phase = 0;
+  // a stage's weight tile: 128 rows of the block's weight, or gated 64 of the gate's and the same 64 of the up's
+  auto load_weights = [&](int s) {
+    if (gated) {
+      tma_load(ring.w_tile(stage), &weights.map[0], ring.full(stage), s * BK, f0);
+      tma_load(ring.w_tile(stage) + R::W_BYTES / 2, &weights.map[1], ring.full(stage), s * BK, f0);
+    } else {
+      tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+    }
+  };
   if (warpgroup == 0 && R::TMA_ROWS) {
     if (threadIdx.x == 0) {
       for (int s = s0; s < s1; ++s) {
         barrier_wait(ring.empty(stage), phase ^ 1);
         barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
-        tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+        load_weights(s);
         tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
         if (++stage == ring.stages) stage = 0, phase ^= 1;
       }
@@ -190,7 +295,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       barrier_wait(ring.empty(stage), phase ^ 1);
       if (threadIdx.x == 0) {
         barrier_expect_bytes(ring.full(stage), R::W_BYTES);
-        tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+        load_weights(s);
       }
       staged.template store<W>(ring.x_tile(stage));
       barrier_arrive(ring.full(stage));
@@ -243,6 +348,19 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     if (in_block)
 #pragma unroll
       for (int i = 0; i < R::ACC; ++i) acc[i] = total[i * 256];
+    if (gated && (splits == 1 || in_block)) {
+      // the up sums to the gate's threads through the ring (every stage read: both warpgroups' wgmmas are done)
+      static_assert(R::SPLIT_STAGES * R::STAGE_BYTES >= R::ACC * 128 * 4, "a warpgroup's sums fit the stages");
+      float* const handed = reinterpret_cast<float*>(smem + (ring.base - smem_address(smem))) + t;
+      consumers_sync();
+      if (warpgroup == 2)
+#pragma unroll
+        for (int i = 0; i < R::ACC; ++i) handed[i * 128] = acc[i];
+      consumers_sync();
+      if (warpgroup == 2) return;
+#pragma unroll
+      for (int i = 0; i < R::ACC; ++i) acc[i] = mdsl_act::gated(acc[i], handed[i * 128], act);
+    }
     // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores:
     // `out` may be `residual` (added in place), so a load is not moved above an earlier store, and a load, add
     // and store one value after another would wait out a memory latency per value (a grid of splits writes
@@ -263,9 +381,11 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       for (int b = 0; b < BATCH; ++b) {
         const int j = (b0 + b) / 4, e = (b0 + b) % 4;
         const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
-        if (f0 + cc < n && r < rows) {
+        if (f0 + (gated ? cc % HALF : cc) < n && r < rows) {   // (gated: the up's partials at HALF on)
           const float v = acc[b0 + b];
-          if (splits == 1 || in_block)
+          if ((splits == 1 || in_block) && gated && handed)
+            handed[static_cast<long long>(r) * out_width + offset + col0 + cc] = from_float<W>(v);
+          else if (splits == 1 || in_block)
             out[static_cast<long long>(r) * out_width + offset + col0 + cc] = adds ? add[b] + v : v;
           else
             part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.y * FEATURES + cc] = v;
@@ -285,57 +405,13 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   __syncthreads();
   if (!last) return;
   __threadfence();
-  // the tile's RN x 128 sums as float4s of 4 columns, VECS / THREADS or so a thread: every load of one split
-  // in flight before any is added (the splits one after another would wait out an L2 latency per value)
-  constexpr int VECS = RN * FEATURES / 4, PER = (VECS + THREADS - 1) / THREADS;
-  constexpr int ROWS_APART = THREADS * 4 / FEATURES;   // between a thread's consecutive float4s
-  const int width = parts.tile[MAX_PARTS] * FEATURES;
-  const long long step = static_cast<long long>(rows) * width;
-  // thread t's i-th float4: row r0 + t / 32 + ROWS_APART i, columns 4 (t % 32) .. + 3 of the tile (recomputed
-  // where used: registers for every offset beside the sums spill at RN = 64)
-  const int r1 = r0 + threadIdx.x / (FEATURES / 4), cc = 4 * (threadIdx.x % (FEATURES / 4));
-  const float* const first = part + static_cast<long long>(r1) * width + blockIdx.y * FEATURES + cc;
-  auto held = [&](int i) { return threadIdx.x + i * THREADS < VECS && r1 + ROWS_APART * i < rows; };
-  auto at = [&](int i) { return static_cast<long long>(ROWS_APART * i) * width; };
-  float4 total[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i)
-    total[i] = held(i) ? __ldcg(reinterpret_cast<const float4*>(first + at(i))) : make_float4(0, 0, 0, 0);
-  for (int v = 1; v < splits; ++v) {
-    float4 more[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i)
-      more[i] = held(i) ? __ldcg(reinterpret_cast<const float4*>(first + v * step + at(i))) : make_float4(0, 0, 0, 0);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      total[i].x += more[i].x;
-      total[i].y += more[i].y;
-      total[i].z += more[i].z;
-      total[i].w += more[i].w;
-    }
-  }
-  // (each residual value loaded before any store, as in the consumers' stores above)
-  if (residual)
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      if (!held(i)) continue;
-      const long long at = static_cast<long long>(r1 + ROWS_APART * i) * out_width + offset + col0 + cc;
-      float* const sums = &total[i].x;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (f0 + cc + j < n) sums[j] = residual[at + j] + sums[j];
-    }
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    if (!held(i)) continue;
-    const long long at = static_cast<long long>(r1 + ROWS_APART * i) * out_width + offset + col0 + cc;
-    const float sums[4] = {total[i].x, total[i].y, total[i].z, total[i].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (f0 + cc + j >= n) break;
-      out[at + j] = sums[j];
-    }
-  }
+  const long long first_out = static_cast<long long>(offset) + col0;
+  if (gated)
+    fold_splits<W, RN, true>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, splits, r0, n - f0,
+                             first_out, out_width, act);
+  else
+    fold_splits<W, RN, false>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, splits, r0, n - f0,
+                              first_out, out_width, act);
 }
 
 }  // namespace serve_tc

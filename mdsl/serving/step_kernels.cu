@@ -33,6 +33,16 @@ __device__ __forceinline__ float operand<__nv_bfloat16>(float x) { return __bflo
 template <>
 __device__ __forceinline__ float operand<__half>(float x) { return __half2float(__float2half_rn(x)); }
 
+// a float32 value rounded to W (to nearest, ties to even) and stored as W
+template <typename W>
+__device__ __forceinline__ W from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
 constexpr int WARP = 32;
 constexpr int NORM_ROPE_WARPS = 8;   // head_norm_rope: heads a block
 constexpr int MAX_HEAD_DIM = 256;
@@ -77,10 +87,12 @@ __device__ void embedding(float* out, const int* tokens, const W* table, int wid
   for (int i = ELEMENT; i < width; i += ELEMENTS) out[(long long)r * width + i] = to_f(row[i]);
 }
 
-// ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block (NORM_THREADS) a row
+// ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block (NORM_THREADS) a row.
+// With `rounded` the values go there instead, rounded to W: the rows a Hopper linear that alone reads them
+// loads by TMA (gpu_wgmma.py's handed rows: its round_rows kernel, and the float32 rows, skipped)
 
 template <typename W>
-__device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus) {
+__device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus, W* rounded) {
   __shared__ float red[32];
   const long long base = (long long)blockIdx.x * width;
   float ss = 0.0f;
@@ -90,7 +102,11 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
 #pragma unroll 4
   for (int i = threadIdx.x; i < width; i += blockDim.x) {
     const float scale = one_plus ? 1.0f + to_f(w[i]) : to_f(w[i]);
-    out[base + i] = __fmul_rn(__fmul_rn(x[base + i], inv), scale);
+    const float v = __fmul_rn(__fmul_rn(x[base + i], inv), scale);
+    if (rounded)
+      rounded[base + i] = from_f<W>(v);
+    else
+      out[base + i] = v;
   }
 }
 
@@ -486,15 +502,6 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
 // nearest, ties to even, as torch's cache in the model's dtype holds them and the CPU device's pools do)
 
 template <typename W>
-__device__ __forceinline__ W from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-
-template <typename W>
 __device__ void kv_append(W* k_pool, W* v_pool, const float* qkv, const int* positions, const int* entries,
                           const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
                           int dim) {
@@ -830,18 +837,8 @@ __device__ void attention(float* out, float* part, int* arrivals, const float* q
 
 // ---- element-wise ops of a row
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
-// act 0: silu, 1: GELU's tanh approximation (geglu), 2: exact (erf) GELU, 3: sigmoid
-__device__ __forceinline__ float activate(float g, int act) {
-  if (act == 0) return silu(g);
-  if (act == 1) {
-    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    return 0.5f * g * (1.0f + tanhf(inner));
-  }
-  if (act == 2) return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
-  return 1.0f / (1.0f + __expf(-g));
-}
+using mdsl_act::activate;   // (activations.cuh, prepended to this source)
+using mdsl_act::gated;
 
 // act_mul: out[r, i] = act(gu[r, i]) * gu[r, half + i]; where half is a multiple of 4 and the rows lie on 16
 // bytes, a thread's elements are four consecutive ones, read and written as 16-byte vectors (the host's grid
@@ -854,12 +851,11 @@ __device__ void act_mul(float* out, const float* gu, int half, int act) {
       const float4 g = *reinterpret_cast<const float4*>(gu + in + i);
       const float4 u = *reinterpret_cast<const float4*>(gu + in + half + i);
       *reinterpret_cast<float4*>(out + o + i) =
-          make_float4(__fmul_rn(activate(g.x, act), u.x), __fmul_rn(activate(g.y, act), u.y),
-                      __fmul_rn(activate(g.z, act), u.z), __fmul_rn(activate(g.w, act), u.w));
+          make_float4(gated(g.x, u.x, act), gated(g.y, u.y, act), gated(g.z, u.z, act), gated(g.w, u.w, act));
     }
     return;
   }
-  for (int i = ELEMENT; i < half; i += ELEMENTS) out[o + i] = __fmul_rn(activate(gu[in + i], act), gu[in + half + i]);
+  for (int i = ELEMENT; i < half; i += ELEMENTS) out[o + i] = gated(gu[in + i], gu[in + half + i], act);
 }
 
 // gated_scale: out[r, i] = act(gate[r]) * x[r, i] (a shared expert's output times sigmoid of its gate)
@@ -1077,7 +1073,7 @@ __device__ void moe_up(float* hidden, const float* x, const int* plan, const voi
         for (int i = 0; i < ROWS; ++i)
           if (i0 + i < n) {
             const long long slot = (long long)pairs[2 * (i0 + i)] * top_k + pairs[2 * (i0 + i) + 1];
-            hidden[slot * inter + c] = __fmul_rn(activate(g[i], act), u[i]);
+            hidden[slot * inter + c] = gated(g[i], u[i], act);
           }
       }
     }
@@ -1151,8 +1147,8 @@ __device__ void gather(float* out, const float* x, const int* keep, int width) {
 
 EVERY_DTYPE(embedding, (float* out, const int* tokens, const void* table, int width),
             (out, tokens, static_cast<const W*>(table), width))
-EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus),
-            (out, x, static_cast<const W*>(w), width, eps, one_plus))
+EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus, void* rounded),
+            (out, x, static_cast<const W*>(w), width, eps, one_plus, static_cast<W*>(rounded)))
 EVERY_DTYPE(linear, (float* out, const float* x, serve::Parts parts, const float* residual, int rows, int k,
                      int out_width, int offset),
             (out, x, parts, residual, rows, k, out_width, offset))

@@ -42,12 +42,12 @@ def test_without_a_gpu_the_gpu_device_says_so(checkpoints):
         LLM(checkpoints["llama3"].folder, device="gpu")
 
 
-def _graph(arch: str):
+def _graph(arch: str, **overrides):
     from mdsl.megakernel.modelgraph.architectures import step_function
     from mdsl.megakernel.modelgraph.model_config import config_from_dict
     from tests.megakernel.tiny import tiny_config_dict
 
-    config = config_from_dict(tiny_config_dict(arch))
+    config = config_from_dict(tiny_config_dict(arch, **overrides))
     return step_function(config).trace(config)
 
 
@@ -77,26 +77,99 @@ def test_each_residual_add_runs_in_the_linear_before_it(arch):
         assert first not in residual_adds(nodes, first + 1, {graph.logits.name})
 
 
-def _slots(arch: str, layers: int) -> tuple:
-    """step_slots of a tiny checkpoint of `layers` layers, and its logits' name and its values' widths."""
-    from mdsl.megakernel.modelgraph.architectures import step_function
-    from mdsl.megakernel.modelgraph.model_config import config_from_dict
+@pytest.mark.parametrize("arch,dtype,act", [("llama3", "bfloat16", 0), ("qwen3", "float16", 0),
+                                            ("gemma2", "bfloat16", 1), ("llama3", "float32", None),
+                                            ("qwen3_moe", "bfloat16", None)])
+def test_a_gate_up_linear_of_16_bit_weights_runs_with_the_activation_after_it(arch, dtype, act):
+    """gated_linears: each dense MLP's gate|up linear and the act_mul (silu) or geglu (GELU's tanh form)
+    after it, with 16-bit weights (tensor cores); nothing with float32 weights, nor a mixture of experts'
+    (whose experts run in moe_experts); the program runs the pair as one entry (with gates: a Hopper GPU),
+    and the gate|up values then have no buffer."""
+    from mdsl.serving.cpu import narrowing, serving_nodes
+    from mdsl.serving.gpu import gated_linears, lower_program, step_slots
+
+    graph = _graph(arch, torch_dtype=dtype)
+    nodes, caches = serving_nodes(graph)
+    narrow_at = narrowing(nodes, caches)
+    found = gated_linears(nodes, narrow_at, {graph.logits.name})
+    layers = sum(n.op in ("attention", "scaled_attention") for n in nodes)
+    if act is None:
+        assert not found
+        return
+    assert len(found) == layers and set(found.values()) == {act}
+    for i in found:
+        linear, gate = nodes[i], nodes[i + 1]
+        assert linear.op == "linear" and gate.op in ("act_mul", "geglu") and len(linear.inputs) == 3
+        assert linear.inputs[1].shape == linear.inputs[2].shape
+    program = lower_program(nodes, narrow_at, graph.logits.name, gates=True)
+    for i, code in found.items():
+        rule, attrs, reads, writes, op = program[i]
+        assert program[i + 1] is None and attrs["act"] == code and op == f"linear+{nodes[i + 1].op}"
+        assert reads == [v.name for v in nodes[i].inputs] and writes == [nodes[i + 1].outputs[0].name]
+    assert lower_program(nodes, narrow_at, graph.logits.name)[min(found) + 1] is not None   # (without gates)
+    gate_up = {nodes[i].outputs[0].name for i in found}
+    assert not gate_up & set(step_slots(graph, gates=True)[3]) and gate_up <= set(step_slots(graph)[3])
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama3", "bfloat16"), ("qwen3", "float16"), ("gemma2", "bfloat16"),
+                                        ("qwen3_moe", "bfloat16"), ("llama3", "float32")])
+def test_the_rows_of_a_linear_that_alone_reads_a_norm_or_gated_product_come_rounded_from_it(arch, dtype):
+    """handed_rows: with 16-bit weights, every rms_norm (Gemma's rms_norm_1p) whose only reader is the
+    linear right after it as its input rows (the q|k|v and gate|up projections' norms, the final norm before
+    the LM head where the narrowing does not lie between), and every gated linear whose product only the
+    down projection reads, hands its rows rounded (the program's entry says `hand`); none with float32
+    weights; never a norm whose result anything else reads (Gemma's post-norms, read by adds)."""
+    from mdsl.serving.cpu import narrowing, serving_nodes
+    from mdsl.serving.gpu import gated_linears, handed_rows, lower_program
+
+    graph = _graph(arch, torch_dtype=dtype, intermediate_size=64)   # (the down projection's k a multiple of 32)
+    nodes, caches = serving_nodes(graph)
+    narrow_at = narrowing(nodes, caches)
+    kept = {graph.logits.name}
+    gated = gated_linears(nodes, narrow_at, kept)
+    handing = handed_rows(nodes, narrow_at, kept, gated)
+    layers = sum(n.op in ("attention", "scaled_attention") for n in nodes)
+    if dtype == "float32":
+        assert not handing
+        return
+    readers = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers.setdefault(v.name, []).append(n)
+    for i in handing:
+        value = nodes[i + 1 if i in gated else i].outputs[0].name
+        (reader,) = readers[value]
+        assert reader.op == "linear" and reader.inputs[0].name == value
+        assert nodes[i].op in ("rms_norm", "rms_norm_1p") or i in gated
+    norms = [i for i in handing if i not in gated]
+    assert len(norms) >= 2 * layers if arch != "qwen3_moe" else len(norms) >= layers   # (MoE: the experts' norm no)
+    assert set(gated) <= handing   # every gated product goes to a down projection
+    program = lower_program(nodes, narrow_at, graph.logits.name, gates=True)
+    def hands(entry) -> bool:
+        return entry is not None and isinstance(entry[1], dict) and bool(entry[1].get("hand"))
+
+    assert {i for i, e in enumerate(program) if hands(e)} == handing
+    assert not any(hands(e) for e in lower_program(nodes, narrow_at, graph.logits.name))
+
+
+def _slots(arch: str, layers: int, gates: bool = False) -> tuple:
+    """step_slots of a tiny checkpoint of `layers` layers (bf16 where `gates`, so that its gated linears fuse),
+    and its logits' name and its values' widths."""
     from mdsl.serving.gpu import step_slots
-    from tests.megakernel.tiny import tiny_config_dict
 
-    config = config_from_dict(tiny_config_dict(arch, num_hidden_layers=layers))
-    graph = step_function(config).trace(config)
+    graph = _graph(arch, num_hidden_layers=layers, torch_dtype="bfloat16" if gates else "float32")
     widths = {v.name: int(v.shape[-1]) for n in graph.nodes for v in n.outputs}
-    return (*step_slots(graph), graph.logits.name, widths)
+    return (*step_slots(graph, gates), graph.logits.name, widths)
 
 
+@pytest.mark.parametrize("gates", [False, True])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "qwen3_moe"])
-def test_the_step_values_share_buffers_only_where_their_lives_do_not_meet(arch):
+def test_the_step_values_share_buffers_only_where_their_lives_do_not_meet(arch, gates):
     """step_slots (activation_slots): every value the program writes has a slot of its width; two values
     share one only where one is last read before the other is written (an entry's results never take what
     it reads; the values gathered at the narrowing live to it, the logits to the end); and deeper models
     take no more slots (the layers reuse them)."""
-    program, narrow_at, narrowed, slot_of, slot_widths, logits, widths = _slots(arch, 3)
+    program, narrow_at, narrowed, slot_of, slot_widths, logits, widths = _slots(arch, 3, gates)
     written = {name: i for i, entry in enumerate(program) if entry is not None for name in entry[3]}
     last = {}
     for i, entry in enumerate(program):
@@ -113,7 +186,7 @@ def test_the_step_values_share_buffers_only_where_their_lives_do_not_meet(arch):
                 first, second = sorted((a, b), key=written.get)
                 assert last.get(first, -1) < written[second], (first, second)
     assert len(slot_widths) < len(written) / 2
-    assert len(_slots(arch, 6)[4]) == len(slot_widths)
+    assert len(_slots(arch, 6, gates)[4]) == len(slot_widths)
 
 
 def test_a_linears_weights_run_side_by_side_in_launches_of_one_dtype():

@@ -56,11 +56,14 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         body = sass.split(f".text.{name}:")[1].split(".text.")[0]
         wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
         assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16), (rn, wgmmas)   # one per k16 step
-        if rn >= G.TMA_ROWS:   # the weight tile and the rows' tile by TMA
-            assert len(re.findall(r"UTMALDG\.2D", body)) == 2, rn
-        else:                  # the weight tile by TMA, the rows' chunks stored and made visible to wgmma
-            assert len(re.findall(r"UTMALDG\.2D", body)) == 1, rn
+        # the weight tile by TMA: one load of the block's weight, or gated two (the gate's and the up's halves)
+        if rn >= G.TMA_ROWS:   # ... and the rows' tile
+            assert len(re.findall(r"UTMALDG\.2D", body)) == 3 + 1, rn
+        else:                  # ... the rows' chunks stored and made visible to wgmma
+            assert len(re.findall(r"UTMALDG\.2D", body)) == 3, rn
             assert len(re.findall(r"STS\.64", body)) >= 1 and "FENCE.VIEW.ASYNC.S" in body, rn
+        # the gated epilogue's hand-over between the consumer warpgroups: their own barrier (1), twice
+        assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 2, rn
 
 
 def test_the_host_constants_are_the_kernels():
