@@ -61,6 +61,26 @@ constexpr int AMMA_UNIT = ATT_MAX_SPLITS;          // the most splits of a block
                                                    // splits, one softmax after another, the queries loaded once)
 constexpr float AMMA_LOG2E = 1.4426950408889634f;   // 1 / ln 2: scores in base 2 (one MUFU a weight)
 
+// On Hopper (sm_90a) a shared tile runs on wgmma: its 64 M rows are one warpgroup's m64, the queries and weights
+// its A operand from registers (the warps' mma.sync A fragments, unchanged), a stage's keys and values its B
+// operand from shared memory, each in two halves (dims 0-63, 64-127) of 64 rows of 128 bytes in the 128-byte
+// swizzle (chunk c of row r at c ^ (r % 8)), 1024-byte aligned: S = Q K^T one m64n64k16 a k16 step of dims (the
+// keys K-major), P V one m64n64k16 a k16 step of keys and half of the dims (the values MN-major). Each
+// accumulator takes the products of mma.sync's sequence, hi then lo a k16 step, so a row's bits are those of
+// the mma.sync tiles (scripts/mma_bits_probe.cu checks the instructions' bits agree) and do not depend on the
+// kernel that runs its tile.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define AMMA_WGMMA 1
+#else
+#define AMMA_WGMMA 0
+#endif
+constexpr int AMMA_WG_HALF = AMMA_KEYS * 128;            // bytes of a half (64 rows of 64 dims)
+constexpr int AMMA_WG_STAGE = 2 * AMMA_WG_HALF;          // ... of a stage's keys (or values)
+constexpr int AMMA_WG_SMEM = 4 * AMMA_WG_STAGE + AMMA_ROWS * AMMA_DIM * 4 + 1024;   // two stages of keys and
+                                                         // values, the folded values, the alignment's slack
+static_assert(AMMA_WG_SMEM <= AMMA_SMEM, "a shared tile's kernel has AMMA_SMEM bytes on any GPU");
+
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool live) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(global), "r"(live ? 16 : 0));
@@ -81,6 +101,94 @@ __device__ __forceinline__ void split2(float a, float b, unsigned& hi, unsigned&
   hi = pack2<W>(a, b);
   lo = pack2<W>(a - low_of<W>(hi, 0), b - low_of<W>(hi, 1));
 }
+
+#if AMMA_WGMMA
+// a shared-memory operand's descriptor: 128-byte swizzle, 1024 bytes between groups of 8 rows (SBO), `lbo`
+// between 64-element blocks along M / N of an MN-major operand (unused by a K-major one)
+__device__ __forceinline__ unsigned long long amma_desc(unsigned address, unsigned lbo) {
+  return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>(lbo >> 4) << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void amma_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void amma_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void amma_wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+#define AMMA_D32(d)                                                                                            \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
+      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), \
+      "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), \
+      "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define AMMA_R36                                                                                               \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
+  "%29,%30,%31}, {%32,%33,%34,%35}, %36"
+// d (m64n64, this thread's n8 tiles' C fragments) = a (registers, the warp's m16n8k16 A fragment) b (shared
+// memory at descriptor b: K-major, TRANS 0; MN-major, TRANS 1), + d where `add` (else d's registers are not
+// read: a fresh sum needs no zeroing, which between a wgmma and its wait would serialize them)
+template <typename W, int TRANS>
+__device__ __forceinline__ void amma_wgmma(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b,
+                                           bool add = true);
+#define AMMA_WGMMA_OF(TYPE, NAME, TRANS)                                                                       \
+  template <>                                                                                                  \
+  __device__ __forceinline__ void amma_wgmma<TYPE, TRANS>(float (&d)[8][4], const unsigned (&a)[4],          \
+                                                          unsigned long long b, bool add) {                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                  \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." NAME "." NAME " " AMMA_R36 ", p, 1, 1, " #TRANS ";\n}" \
+                 : AMMA_D32(d)                                                                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(add)));            \
+  }
+AMMA_WGMMA_OF(__nv_bfloat16, "bf16", 0)
+AMMA_WGMMA_OF(__nv_bfloat16, "bf16", 1)
+AMMA_WGMMA_OF(__half, "f16", 0)
+AMMA_WGMMA_OF(__half, "f16", 1)
+
+// A shared tile's products on wgmma over H halves of the dims (H = 2 past 64 dims; the loads' chunks past the
+// head dim and the queries' dims past it are zeros, whose products add exactly nothing). S += Q K^T over a
+// stage's keys at ks: a k16 step of dims an instruction, hi then lo (q: the warp's A fragments of each step).
+// S is a fresh sum: the first product does not read sc (0 + x as x: the sign of a zero sum aside, which no
+// weight sees). Each waits for its products (softmax reads the scores and rescales the values; the next load
+// overwrites the stage), and no branch lies between a wgmma and its wait (ptxas would serialize them)
+template <typename W, int H>
+__device__ __forceinline__ void amma_wg_scores(float (&sc)[8][4], const unsigned (&qh)[AMMA_DIM / 16][4],
+                                               const unsigned (&ql)[AMMA_DIM / 16][4], unsigned ks) {
+  amma_wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4 * H; ++kk) {
+    const unsigned long long k = amma_desc(ks + (kk / 4) * AMMA_WG_HALF + 32 * (kk % 4), 16);
+    amma_wgmma<W, 0>(sc, qh[kk], k, kk > 0);
+    amma_wgmma<W, 0>(sc, ql[kk], k);
+  }
+  amma_wg_commit();
+  amma_wg_wait();
+}
+// values += P V over a stage's values at vs, P the block's weights (sc, C fragments, split hi + lo into A
+// fragments as weigh does): a k16 step of keys and a half of the dims an instruction, the halves' hi products
+// then their lo ones
+template <typename W, int H>
+__device__ __forceinline__ void amma_wg_weigh(float (&acc)[AMMA_DIM / 8][4], const float (&sc)[8][4], unsigned vs) {
+  unsigned ph[AMMA_KEYS / 16][4], pl[AMMA_KEYS / 16][4];
+#pragma unroll
+  for (int j = 0; j < AMMA_KEYS / 16; ++j) {
+    split2<W>(sc[2 * j][0], sc[2 * j][1], ph[j][0], pl[j][0]);
+    split2<W>(sc[2 * j][2], sc[2 * j][3], ph[j][1], pl[j][1]);
+    split2<W>(sc[2 * j + 1][0], sc[2 * j + 1][1], ph[j][2], pl[j][2]);
+    split2<W>(sc[2 * j + 1][2], sc[2 * j + 1][3], ph[j][3], pl[j][3]);
+  }
+  float(&lo_dims)[8][4] = *reinterpret_cast<float(*)[8][4]>(&acc[0]);
+  float(&hi_dims)[8][4] = *reinterpret_cast<float(*)[8][4]>(&acc[8]);
+  amma_wg_fence();
+#pragma unroll
+  for (int j = 0; j < AMMA_KEYS / 16; ++j) {
+    const unsigned long long v0 = amma_desc(vs + 16 * j * 128, AMMA_WG_HALF);
+    const unsigned long long v1 = amma_desc(vs + AMMA_WG_HALF + 16 * j * 128, AMMA_WG_HALF);
+    amma_wgmma<W, 1>(lo_dims, ph[j], v0);
+    if constexpr (H == 2) amma_wgmma<W, 1>(hi_dims, ph[j], v1);
+    amma_wgmma<W, 1>(lo_dims, pl[j], v0);
+    if constexpr (H == 2) amma_wgmma<W, 1>(hi_dims, pl[j], v1);
+  }
+  amma_wg_commit();
+  amma_wg_wait();
+}
+#endif
 
 // j / d for 0 <= j < 2^31 by a multiply and a shift (d >= 1, the page size, fixed for the kernel; as CUTLASS's
 // FastDivmod): a key's page without a division per key
@@ -151,9 +259,17 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
                               float softcap, int window, const int4* items, const int* item_range, int max_splits) {
   constexpr int R = AMMA_ROWS / G;   // rows of a tile
   extern __shared__ __align__(16) unsigned char amma_smem[];
+  // (through an opaque move: the compiler would rebuild the address before each ldmatrix, a dozen instructions)
+  unsigned smem = static_cast<unsigned>(__cvta_generic_to_shared(amma_smem));
+  asm volatile("mov.b32 %0, %0;" : "+r"(smem));
+  constexpr bool WG = AMMA_WGMMA && !SOLO;   // a shared tile on wgmma (Hopper)
+  // wgmma's stages from the first 1024-byte boundary: [key or value][stage][half][key][128 bytes]
+  const unsigned wg_at = WG ? (smem + 1023) & ~1023u : smem;
   W* const keys = reinterpret_cast<W*>(amma_smem);   // [stage][key][AMMA_STRIDE]
   W* const values = keys + 2 * AMMA_STAGE;
-  float* const folded = reinterpret_cast<float*>(values + 2 * AMMA_STAGE);   // [warp][n8 tile][4][lane]
+  float* const folded = reinterpret_cast<float*>(WG ? amma_smem + (wg_at - smem) + 4 * AMMA_WG_STAGE
+                                                    : reinterpret_cast<unsigned char*>(values + 2 * AMMA_STAGE));
+  // ([warp][n8 tile][4][lane])
   // the item's splits: each row's range (its first key, its splits' keys, its splits, past its last key),
   // the keys any row takes of each split (lo_key, hi_key), and the blocks of 64 keys holding some row's keys:
   // bit k of block_bits for block block_base + k (block_base -1: a split over more than 64 blocks, its blocks
@@ -187,9 +303,6 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
     swz_k[q] = 2 * (kr * 64 + 8 * ((2 * q + kc) ^ (lane % 8)));
     swz_v[q] = 2 * (vr * 64 + 8 * ((2 * q + vc) ^ (lane % 8)));
   }
-  // (through an opaque move: the compiler would rebuild the address before each ldmatrix, a dozen instructions)
-  unsigned smem = static_cast<unsigned>(__cvta_generic_to_shared(amma_smem));
-  asm volatile("mov.b32 %0, %0;" : "+r"(smem));
   const int first_item = item_range[0], total = (item_range[1] - first_item) * kv_heads;
   for (int v = blockIdx.x; v < total; v += gridDim.x) {
     const int4 item = items[first_item + v / kv_heads];
@@ -517,7 +630,7 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
           }
       }
     };
-    if (solo) {
+    if constexpr (SOLO) {
       // the warp's splits; each block's parts (its keys' halves, then its values': one of each where the head
       // dim is 64 or less) stream through the warp's ring, AMMA_RING - 1 parts loading while one is used
       W* const ring = keys + warp * AMMA_RING * AMMA_HALF;
@@ -563,7 +676,8 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
         cp_async_wait<0>();
       }
     } else {
-      const bool working = 16 * warp < rows * G;   // the warp has M rows of the tile's rows
+      // the warp has M rows of the tile's rows (on wgmma every warp of the warpgroup takes part)
+      const bool working = WG || 16 * warp < rows * G;
       load_queries(false);
       if (whole)
 #pragma unroll
@@ -586,7 +700,25 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
       // adds exactly zero; the chunks past 2 kd are never read)
       auto load = [&](int st) {
         const int ch = threadIdx.x % 16, key0 = threadIdx.x / 16;
-        if (ch < 2 * kd) {
+        if constexpr (WG) {   // (each half wgmma reads whole: its chunks past the head dim zeros)
+          if (ch < 8 * (kd > 4 ? 2 : 1)) {
+            const int4 r0 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][0]);
+            const int4 r1 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][4]);
+            const int at[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+            const bool inside = 8 * ch < dim;
+            const long long offset = head + 8 * ch;
+            // key key0 + 8 i's chunk ch: half ch / 8, row key0 + 8 i, slot (ch % 8) ^ key0
+            unsigned char* const to = amma_smem + (wg_at - smem) + st * AMMA_WG_STAGE + (ch / 8) * AMMA_WG_HALF +
+                                      key0 * 128 + 16 * ((ch % 8) ^ key0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const bool live = inside && at[i] >= 0;
+              const long long from = live ? (long long)at[i] * stride + offset : 0;
+              cp_async16(to + i * 8 * 128, k_pool + from, live);
+              cp_async16(to + 2 * AMMA_WG_STAGE + i * 8 * 128, v_pool + from, live);
+            }
+          }
+        } else if (ch < 2 * kd) {
           const int4 r0 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][0]);
           const int4 r1 = *reinterpret_cast<const int4*>(&pool_rows[st][key0][4]);
           const int at[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
@@ -623,12 +755,29 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
           cp_async_wait<0>();
         }
         const int2 row = row_of(after);
+        // (the stage's copies, made through the generic proxy, visible to wgmma's reads through the async one)
+        if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
         if (working) {
-          clear_scores();
-          scores_of(smem + 2 * st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
-          softmax(b);
-          weigh(smem + 2 * (2 + st) * AMMA_STAGE, false, 0, AMMA_DIM / 16);
+          if constexpr (WG) {
+#if AMMA_WGMMA
+            const unsigned ks = wg_at + st * AMMA_WG_STAGE, vs = wg_at + (2 + st) * AMMA_WG_STAGE;
+            if (kd > 4)
+              amma_wg_scores<W, 2>(sc, qh, ql, ks);
+            else
+              amma_wg_scores<W, 1>(sc, qh, ql, ks);
+            softmax(b);
+            if (kd > 4)
+              amma_wg_weigh<W, 2>(acc, sc, vs);
+            else
+              amma_wg_weigh<W, 1>(acc, sc, vs);
+#endif
+          } else {
+            clear_scores();
+            scores_of(smem + 2 * st * AMMA_STAGE, false, 0, AMMA_DIM / 16);
+            softmax(b);
+            weigh(smem + 2 * (2 + st) * AMMA_STAGE, false, 0, AMMA_DIM / 16);
+          }
           if (next.x != u) {
             if (whole)
               fold();

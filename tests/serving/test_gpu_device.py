@@ -36,6 +36,31 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
 
 
+def test_a_shared_attention_tile_runs_on_wgmma_on_hopper_and_a_solo_one_on_mma_sync():
+    """On sm_90a attention_mma's products are wgmmas (m64n64k16, A from registers): S's a k16 step of dims
+    (hi and lo) and P V's a k16 step of keys and half of the dims (hi and lo), in a variant of each for head
+    dims up to 64 (one half) and up to 128 (two), none serialized by ptxas; attention_solo stays on mma.sync."""
+    import re
+
+    from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
+    from tests.shared import disassembled
+
+    module = compile_cuda(kernel_source(), arch="sm_90a")
+    assert "C7515" not in module.log and "serialized" not in module.log, module.log
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = disassembled(module.cubin)
+    for g in MMA_GROUPS:
+        for s, t in (("bf16", "BF16"), ("f16", "F16")):
+            shared = sass.split(f".text.attention_mma_{g}_{s}:")[1].split(".text.")[0]
+            wgmmas = re.findall(r"HGMMA\.(\w+)\.F32(?:\.(\w+))? R\d+, R\d+, gdesc\[", shared)
+            halves = (1 + 2) * 2 * 4   # (variants of one and two halves; hi and lo; k16 steps of a half's dims)
+            assert len(wgmmas) == 2 * halves and {w[0] for w in wgmmas} == {"64x64x16"}, (g, s, wgmmas)
+            assert "HMMA" not in shared, (g, s)
+            solo = sass.split(f".text.attention_solo_{g}_{s}:")[1].split(".text.")[0]
+            assert "HGMMA" not in solo and "HMMA.16816.F32" in solo, (g, s)
+
+
 @pytest.mark.skipif(has_gpu(), reason="a GPU is present")
 def test_without_a_gpu_the_gpu_device_says_so(checkpoints):
     with pytest.raises(NoGPUError):
