@@ -11,10 +11,10 @@ unless --max-tokens-per-step or --max-prefill-tokens: a prompt alone is read max
 a seeded random prompt of P tokens and samples one greedy token; the time to first token is the wall time
 from `submit` to that token, the median of --repeats runs after one unmeasured run of the same length (its
 kernels loaded and its step shapes captured). On the GPU device one more run is timed op by op
-(`GpuDevice.profile_ops`: each layer op's µs summed over the prompt's steps). PyTorch's is the wall time of
-`model(ids, logits_to_keep=1)` and the argmax read back, the median of --repeats after two warm-up passes;
-its first token is compared with the engine's (`same token`: random weights can tie; `no (2nd)`: the
-engine's token is PyTorch's runner-up).
+(`GpuDevice.profile_ops`: each layer op's µs, and each of its kernels', summed over the prompt's steps).
+PyTorch's is the wall time of `model(ids, logits_to_keep=1)` and the argmax read back, the median of
+--repeats after two warm-up passes; its first token is compared with the engine's (`same token`: random
+weights can tie; `no (2nd)`: the engine's token is PyTorch's runner-up).
 
 The floor is the prompt's arithmetic over 750 TFLOP/s: 2 FLOP per weight of every linear layer per token (the
 embedding table is a lookup, the LM head runs for the last token only) plus causal attention's 4 x head_dim
@@ -35,6 +35,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.provenance import provenance, write_outputs  # noqa: E402
+from benchmarks.serve import op_times  # noqa: E402
 from benchmarks.serve_http import model_dict, random_checkpoint, scratch_folder  # noqa: E402
 
 FLOPS = 750e12          # bf16 dense tensor-core rate of the H200 (METHOD.md)
@@ -115,10 +116,10 @@ def engine_ttft(llm, prompt: list, repeats: int, profile: bool) -> dict:
     out = {"ttft_s": statistics.median(s for s, _ in runs), "runs_s": [s for s, _ in runs], "token": runs[0][1],
            "steps": steps}
     if profile:
-        llm.device.profile_ops(True)
+        llm.device.profile_ops(True, kernels=True)
         once()
-        out["ops_us"] = {op: round(us * n, 1) for op, (us, n) in
-                         sorted(llm.device.profile_ops(False).items(), key=lambda kv: -kv[1][0] * kv[1][1])}
+        out["ops_us"], out["kernels_us"] = op_times({name: (us * n, 1) for name, (us, n) in
+                                                     llm.device.profile_ops(False).items()})
     return out
 
 
@@ -191,7 +192,7 @@ def measure_model(name: str, args, result: dict, out: Path) -> None:
                        **engine_ttft(llm, prompts[p], args.repeats, profile=args.device == "gpu")}
                 rows.append(row)
                 result["rows"].append(row)
-                print({k: v for k, v in row.items() if k != "ops_us"}, flush=True)
+                print({k: v for k, v in row.items() if k not in ("ops_us", "kernels_us")}, flush=True)
                 write(result, out)
         del llm
         gc.collect()

@@ -132,11 +132,22 @@ def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
     return -(-batch * context // per_step) + batch + 2 * tokens + SPARE_STEPS + PROFILED_STEPS
 
 
+def op_times(kernels: dict) -> tuple:
+    """(µs per op, µs per "op: kernel") from GpuDevice.profile_ops(..., kernels=True)'s answer, each sorted
+    slowest first: an op's time is its kernels'."""
+    per_kernel = {name: round(us, 2) for name, (us, _) in sorted(kernels.items(), key=lambda kv: -kv[1][0])}
+    ops: dict = {}
+    for name, (us, _) in kernels.items():
+        op = name.split(": ")[0]
+        ops[op] = ops.get(op, 0.0) + us
+    return {op: round(us, 2) for op, us in sorted(ops.items(), key=lambda kv: -kv[1])}, per_kernel
+
+
 def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int,
                  trace: Optional[Path] = None) -> dict:
     """(a): the step time while `batch` requests decode together, prompts of `context` tokens, from the moment
     the last prompt is read: on the GPU device over `tokens` steps, then over as many more the time of each
-    layer op in a step (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its step
+    layer op in a step and of each op's kernels (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its step
     counter (step_counter_slope), then a profile of its tasks (kernel_profile; its trace into `trace`). Every request runs until both are over (then it is cancelled), so every
     timed step has `batch` rows; the requests read first are further on, and `mean_context` (at the timed
     steps' middle) is what the bandwidth floor counts."""
@@ -175,12 +186,11 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         return any(h.poll()[1] is not None for h in handles)
 
     if device != "megakernel":
-        llm.device.profile_ops(True)
+        llm.device.profile_ops(True, kernels=True)
         steps1 = llm.stats().steps
         while llm.stats().steps < steps1 + tokens:
             time.sleep(0.0002)
-        ops = llm.device.profile_ops(False)
-        timed["ops_us"] = {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}
+        timed["ops_us"], timed["kernels_us"] = op_times(llm.device.profile_ops(False))
     if short():
         raise RuntimeError(f"a request of batch {batch} ended before the timed steps did (decode_budget is short)")
     if device == "megakernel":

@@ -820,7 +820,10 @@ class GpuDevice(CpuDevice):
         self._uncaptured: set = set()    # the shapes whose capture failed
         self.replays = 0                 # steps run as graph replays
         self._profile: Optional[dict] = None   # op -> [seconds, steps] while profile_ops runs
-        self._profiled: dict = {}        # (rows, kept rows) -> (graph with an event after each op, its events)
+        self._profiled: dict = {}        # ((rows, kept rows, ...), by kernel) -> (graph with events, its events)
+        self._profile_kernels = False    # profile_ops' events after each kernel, not each op
+        #: called with each kernel's name after its launch (profile_ops' kernel events), where set
+        self.on_launch: Optional[Callable] = None
 
     def _experts(self) -> list:
         """(moe_experts node, its router's top_k) of each mixture of experts."""
@@ -869,6 +872,8 @@ class GpuDevice(CpuDevice):
         self._check(self._driver.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, smem, self._stream,
                                                 ctypes.addressof(params), 0),
                     f"launching {name}")
+        if self.on_launch is not None:
+            self.on_launch(name)
 
     def rope_tables(self, a: dict) -> tuple:
         """Device tables of cos and sin [max_seq, head_dim] for the rope attributes `a`, as the reference
@@ -1010,26 +1015,40 @@ class GpuDevice(CpuDevice):
 
     # ---- where a step's time goes
 
-    def profile_ops(self, on: bool) -> dict:
+    def profile_ops(self, on: bool, kernels: bool = False) -> dict:
         """Start (on) or stop timing each layer op of the steps that replay a CUDA graph: such a step then
-        replays a twin of its graph with an event recorded after each op's kernels, so the times are
-        those of the replayed program (no launch gaps of the host). Returns op -> (microseconds per step,
-        steps timed) of the steps timed since the start; the greedy argmax and the copies are not in it."""
+        replays a twin of its graph with an event recorded after each op's kernels (with `kernels`, after
+        each kernel: the times are keyed "op: kernel"), so the times are those of the replayed program (no
+        launch gaps of the host). Returns op -> (microseconds per step, steps timed) of the steps timed
+        since the start; the greedy argmax and the copies are not in it."""
         times, self._profile = self._profile or {}, ({} if on else None)
+        self._profile_kernels = kernels
         return {op: (1e6 * seconds / steps, steps) for op, (seconds, steps) in times.items()}
 
     def _run_profiled(self, key: tuple, profile: dict) -> Optional[Operand]:
         """Replay `key`'s graph with its events, adding each op's time to `profile` (the dict profile_ops
         started: stopped meanwhile, its times are simply not returned)."""
         d, check = self._driver, self._check
-        if key not in self._profiled:
+        kernels = self._profile_kernels
+        if (key, kernels) not in self._profiled:
             events: list = []
+            launched: list = []   # (kernel, its event) since the last op's end, with `kernels`
 
-            def mark(op):
+            def record():
                 event = check(d.cuEventCreate(0), "cuEventCreate")
                 check(d.cuEventRecordWithFlags(event, self._stream, d.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL),
                       "cuEventRecordWithFlags")
-                events.append((op, event))
+                return event
+
+            def mark(op):
+                if kernels:
+                    events.extend((f"{op}: {name}", event) for name, event in launched)
+                    launched.clear()
+                else:
+                    events.append((op, record()))
+
+            if kernels:
+                self.on_launch = lambda name: launched.append((name, record()))
 
             start = check(d.cuEventCreate(0), "cuEventCreate")
             collecting = gc.isenabled()
@@ -1043,6 +1062,7 @@ class GpuDevice(CpuDevice):
                           "cuEventRecordWithFlags")
                     self._run_program(*key[:2], mark=mark)
                 finally:          # (the stream leaves capture whatever failed)
+                    self.on_launch = None
                     ended = d.cuStreamEndCapture(self._stream)
             finally:
                 if collecting:
@@ -1050,8 +1070,8 @@ class GpuDevice(CpuDevice):
             captured = check(ended, "cuStreamEndCapture")
             graph = check(d.cuGraphInstantiate(captured, 0), "cuGraphInstantiate")
             check(d.cuGraphDestroy(captured), "cuGraphDestroy")
-            self._profiled[key] = (graph, start, events)
-        graph, start, events = self._profiled[key]
+            self._profiled[key, kernels] = (graph, start, events)
+        graph, start, events = self._profiled[key, kernels]
         check(d.cuGraphLaunch(graph, self._stream), "cuGraphLaunch")
         self._sync()
         before = start

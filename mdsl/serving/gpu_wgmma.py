@@ -256,6 +256,8 @@ class WgmmaLinears:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         dev._check(dev._driver.cuLaunchKernel(self.functions[name], *grid, block, 1, 1, smem, dev._stream,
                                               ctypes.addressof(params), 0), f"launching {name}")
+        if dev.on_launch is not None:
+            dev.on_launch(name)
 
 
 class Standalone:
@@ -272,6 +274,7 @@ class Standalone:
 
         device = get_device(0)
         self._driver, self._check, self._arrays = driver, check, []
+        self.on_launch = None   # (the serving device's profiling hook: none here)
         self.sms = device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.shape = types.SimpleNamespace(step_rows=rows)
         self._stream = cu_stream(stream) if stream else check(driver.cuStreamCreate(0), "cuStreamCreate")

@@ -185,11 +185,18 @@ def test_the_op_profile_times_every_op_and_leaves_the_tokens_alone(checkpoints):
         llm.device.profile_ops(True)
         profiled = [h.result().token_ids for h in [llm.submit(p, params) for p in prompts]]
         ops = llm.device.profile_ops(False)
+        llm.device.profile_ops(True, kernels=True)
+        by_kernel = [h.result().token_ids for h in [llm.submit(p, params) for p in prompts]]
+        kernels = llm.device.profile_ops(False)
         nodes = {n.op for n in llm.device.nodes}
-    assert profiled == plain
+    assert profiled == plain and by_kernel == plain
     # (ops fused with the one after them are timed together, as "a+b")
     assert nodes == {op for name in ops if name != "gather" for op in name.split("+")}
     assert all(us > 0 and steps > 0 for us, steps in ops.values())
+    # by kernel: "op: kernel" for every op that launches (an op's kernels named as launched)
+    assert {name.split(": ")[0] for name in kernels} == set(ops)
+    assert all(": " in name and us > 0 and steps > 0 for name, (us, steps) in kernels.items())
+    assert any(name.startswith("attention: attention") for name in kernels)
 
 
 def chunked_runs(folder: str, prompts: list, params: list, seed: int, steps: int) -> dict:
