@@ -66,7 +66,8 @@ def test_a_whole_run_on_the_cpu_device(tmp_path, monkeypatch):
     class OnTheCpu(mdsl.LLM):
         def __init__(self, folder, device, **engine):
             super().__init__(folder, device="cpu", **engine)
-            self.device.profile_ops = lambda on: profiled.append(on) or {"linear": (10.0, 3)}
+            self.device.profile_ops = lambda on, kernels=False: profiled.append((on, kernels)) or {
+                "linear: linear_wgmma_bf16_16": (8.0, 3), "linear: round_rows_bf16": (2.0, 3)}
 
     monkeypatch.setitem(models.MODELS, "tiny-qwen3", tiny_config_dict("qwen3", max_position_embeddings=512))
     monkeypatch.setattr(mdsl, "LLM", OnTheCpu)
@@ -74,8 +75,11 @@ def test_a_whole_run_on_the_cpu_device(tmp_path, monkeypatch):
                    "--no-torch", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "prefill.json").read_text())
     assert [(r["prompt"], r["steps"], r["max_tokens_per_step"]) for r in result["rows"]] == [(5, 1, 16), (40, 3, 16)]
+    # (an op's time is its kernels')
     assert all(r["ops_us"] == {"linear": 30.0} and r["ttft_s"] > 0 for r in result["rows"])
-    assert profiled == [True, False, True, False]
+    assert all(r["kernels_us"] == {"linear: linear_wgmma_bf16_16": 24.0, "linear: round_rows_bf16": 6.0}
+               for r in result["rows"])
+    assert profiled == [(True, True), (False, False)] * 2
     assert "| tiny-qwen3 | 40 | 3 |" in (tmp_path / "prefill.md").read_text()
 
 

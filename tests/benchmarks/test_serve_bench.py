@@ -189,7 +189,9 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
                 self.device.kernel = type("Kernel", (), {"steps_per_launch": 99})()
                 self.device.close = lambda: closed.append(self.device.alive)
             else:
-                self.device.replays, self.device.profile_ops = 0, lambda on: {"linear": (12.5, 3)}
+                self.device.replays = 0
+                self.device.profile_ops = lambda on, kernels=False: {"linear: linear_bf16": (10.0, 3),
+                                                                     "linear: add": (2.5, 3)}
 
     monkeypatch.setitem(models.MODELS, "tiny-qwen3", tiny_config_dict("qwen3", max_position_embeddings=512))
     monkeypatch.setattr(mdsl, "LLM", OnTheCpu)
@@ -200,7 +202,9 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "serve.json").read_text())
     assert [(d["device"], d["batch"], d["context"]) for d in result["decode"]] == [
         (device, b, c) for device in ("gpu", "megakernel") for b, c in ((1, 20), (3, 20), (1, 40))]
+    # (an op's time is its kernels')
     assert all(d["ops_us"] == {"linear": 12.5} and d["steps"] >= 3 for d in result["decode"][:3])
+    assert all(d["kernels_us"] == {"linear: linear_bf16": 10.0, "linear: add": 2.5} for d in result["decode"][:3])
     assert all(d["launches"] == 0 and d["steps"] >= 6 for d in result["decode"][3:])
     assert [(r["device"], r["run"], r["output_tokens"], r["short"]) for r in result["runs"]] == [
         (device, run, sum(n for _, n in S.workload(S.parse_args(["--requests", "5", "--prompt-len", "4:9",
@@ -216,6 +220,7 @@ def test_a_whole_run_of_both_devices_on_the_cpu_device(tmp_path, monkeypatch):
                and r["ttft_s"] > 0 for r in mixed)
     # the GPU device's op profile of the steps that read the prompt again (the stub's), none of the megakernel's
     assert mixed[0]["ops_us"] == {"linear": 12.5} and "ops_us" not in mixed[1]
+    assert mixed[0]["kernels_us"] == {"linear: linear_bf16": 10.0, "linear: add": 2.5}
     assert "| device | decoders | their prompts | prompt | steps | TPOT before" in (tmp_path / "serve.md").read_text()
     assert "Where a step that reads the prompt goes (gpu, the prompt read again, µs a step): linear 12." in \
         (tmp_path / "serve.md").read_text()
@@ -232,7 +237,7 @@ def test_every_timed_decode_step_has_the_whole_batch(tmp_path, device):
     ckpt = write_checkpoint(tmp_path, "qwen3", positions=400, torch_dtype="float32")
     batch, context, tokens = 6, 40, 5
     with LLM(ckpt.folder, device="cpu", max_batch=8, max_seq=400, max_tokens_per_step=32) as llm:
-        llm.device.profile_ops = lambda on: {}
+        llm.device.profile_ops = lambda on, kernels=False: {}
         llm.device.replays = 0
         llm.device.launches = 1
         llm.device.profile, llm.device.profile_records = (lambda on: None), (lambda: {})
@@ -357,7 +362,7 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     class OnTheCpu(mdsl.LLM):
         def __init__(self, folder, device, **engine):
             super().__init__(folder, device="cpu", **engine)
-            self.device.replays, self.device.profile_ops = 0, lambda on: {"linear": (12.5, 3)}
+            self.device.replays, self.device.profile_ops = 0, lambda on, kernels=False: {"linear: linear": (12.5, 3)}
 
     calls = []
 
