@@ -265,7 +265,7 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
         steps = llm.stats().steps - steps0
         ops = {}
         if device != "megakernel":   # (its decoders' SPARE_STEPS outlast a second reading of the prompt)
-            llm.device.profile_ops(True)
+            llm.device.profile_ops(True, kernels=True)
             again = llm.submit([int(t) for t in rng.integers(0, vocab, prompt)],
                                SamplingParams(max_new_tokens=1, ignore_eos=True))
             next(iter(again))
@@ -287,8 +287,7 @@ def mixed_run(llm, device: str, batch: int, decode_prompt: int, prompt: int, win
             "tpot_before_s": undisturbed, "tpot_mixed_s": mixed, "tpot_mixed_worst_s": max(during),
             "ratio": mixed / undisturbed, "ratio_worst": max(during) / undisturbed, "ttft_s": first - submitted,
             "steps": steps,
-            **({"ops_us": {op: round(us, 2) for op, (us, _) in sorted(ops.items(), key=lambda kv: -kv[1][0])}}
-               if ops else {})}
+            **(dict(zip(("ops_us", "kernels_us"), op_times(ops))) if ops else {})}
 
 
 def kernel_profile(device, trace: Optional[Path]) -> dict:

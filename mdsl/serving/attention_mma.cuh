@@ -833,6 +833,7 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,   \
       int q_heads, int kv_heads, int dim, float scale, float softcap, int window, const int4* items,           \
       const int* item_range, int max_splits) {                                                                 \
+    mdsl_pdl::step_wait();                                                                                     \
     serve::attention_mma<G, TYPE, SOLO>(out, part, qkv, static_cast<const TYPE*>(k_pool),                           \
                                         static_cast<const TYPE*>(v_pool), positions, entries, page_table,      \
                                         pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap,  \
@@ -846,6 +847,7 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_fold_##G(                        \
       float* out, const float* part, const int* positions, const int* done, int q_heads, int dim, int window,  \
       int max_splits) {                                                                                        \
+    mdsl_pdl::step_wait();                                                                                     \
     serve::attention_fold<G>(out, part, positions, done, q_heads, dim, window, max_splits);                  \
   }
 ATTENTION_MMA(1)

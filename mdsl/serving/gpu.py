@@ -26,7 +26,6 @@ import ctypes
 import functools
 import gc
 import logging
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,11 +39,13 @@ from mdsl.ir.rules import RuleTable
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope_cos_sin
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
+from mdsl.serving.gpu_launch import compute_capability, dependent_launch, launch_kernel
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 ATTENTION_MMA_SOURCE = Path(__file__).with_name("attention_mma.cuh")   # (appended to SOURCE)
 ACTIVATIONS_SOURCE = Path(__file__).with_name("activations.cuh")      # (prepended; gpu_wgmma's module has it too)
+DEPENDENT_LAUNCH_SOURCE = Path(__file__).with_name("dependent_launch.cuh")   # (prepended, as in gpu_wgmma's)
 THREADS = 256                    # threads of a row-wise kernel's block
 NORM_THREADS = 1024              # rms_norm's block (one a row)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
@@ -441,7 +442,7 @@ def on_tensor_cores(a: dict, kv_dtype, arch: str) -> bool:
     model's steps runs the one arithmetic."""
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
     return (kv_dtype in (bf16, f16) and d % 8 == 0 and d <= MMA_DIM and hq % hkv == 0
-            and hq // hkv in MMA_GROUPS and int(re.match(r"sm_(\d+)", arch).group(1)) >= 80)
+            and hq // hkv in MMA_GROUPS and compute_capability(arch) >= 80)
 
 
 def _attention_kernel(a: dict, kv_dtype=f32, arch: str = "sm_90a") -> str:
@@ -677,7 +678,8 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
 
 @functools.lru_cache(maxsize=None)
 def kernel_source() -> str:
-    return ACTIVATIONS_SOURCE.read_text() + "\n" + SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text()
+    return (DEPENDENT_LAUNCH_SOURCE.read_text() + "\n" + ACTIVATIONS_SOURCE.read_text() + "\n" + SOURCE.read_text() +
+            "\n" + ATTENTION_MMA_SOURCE.read_text())
 
 
 class GpuDevice(CpuDevice):
@@ -748,6 +750,9 @@ class GpuDevice(CpuDevice):
         self._functions: dict = {}
         self._stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
                              "cuStreamCreate")
+        #: the launch of every kernel of a step on sm_90 or later: allowed to start while the one before it
+        #: ends (dependent_launch.cuh); None before sm_90, where each waits for the one before
+        self.dependent_launch = dependent_launch(driver, self._stream) if compute_capability(self.arch) >= 90 else None
         # what the rules read besides the values, made before any capture: the rope tables, the joined
         # biases, and the narrowed copies of the values read past the narrowing
         for n in self.nodes:
@@ -866,12 +871,7 @@ class GpuDevice(CpuDevice):
             self._function(name, smem), block, smem), f"the occupancy of {name}"))
 
     def launch(self, name: str, grid: tuple, block: int, args: list, smem: int = 0) -> None:
-        function = self._function(name, smem)
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        gx, gy, gz = (grid + (1, 1))[:3]
-        self._check(self._driver.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, smem, self._stream,
-                                                ctypes.addressof(params), 0),
-                    f"launching {name}")
+        launch_kernel(self, self._function(name, smem), name, grid, block, smem, args)
         if self.on_launch is not None:
             self.on_launch(name)
 

@@ -18,9 +18,11 @@ from typing import Optional
 from mdsl.backend.cuda.hopper_gemm import encode_tensor_map, header_source, tensor_map_arguments, wgmma_source
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
 from mdsl.ir.dtypes import bf16, f16
+from mdsl.serving.gpu_launch import launch_kernel
 
 SOURCE = Path(__file__).with_name("linear_wgmma.cuh")
 ACTIVATIONS = Path(__file__).with_name("activations.cuh")   # (the gated epilogue's: step_kernels.cu's act_mul's)
+DEPENDENT_LAUNCH = Path(__file__).with_name("dependent_launch.cuh")   # (every kernel's step_wait)
 ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
 FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
 BK = 64                           # k a stage
@@ -108,7 +110,7 @@ def kernel_source() -> str:
     and its kernels for bf16 and f16 weights at each row tile, with `round_rows`."""
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
     kernels = [f'extern "C" __global__ void round_rows_{d}({ctype}* rounded, const float* x, int k) '
-               f"{{ mdsl::serve_tc::round_rows(rounded, x, k); }}\n" for d, ctype in _CTYPES.items()]
+               f"{{\n  mdsl_pdl::step_wait();\n  mdsl::serve_tc::round_rows(rounded, x, k);\n}}\n" for d, ctype in _CTYPES.items()]
     kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, {resident(rn)}) {kernel_name(d, rn)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
@@ -119,8 +121,8 @@ def kernel_source() -> str:
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
                 f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed));\n}}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
-    return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + ACTIVATIONS.read_text() + "\n" + SOURCE.read_text() +
-            "\n" + "".join(kernels))
+    return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + DEPENDENT_LAUNCH.read_text() + "\n" +
+            ACTIVATIONS.read_text() + "\n" + SOURCE.read_text() + "\n" + "".join(kernels))
 
 
 class _Parts(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Parts
@@ -252,12 +254,7 @@ class WgmmaLinears:
         self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:
-        dev = self.device
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        dev._check(dev._driver.cuLaunchKernel(self.functions[name], *grid, block, 1, 1, smem, dev._stream,
-                                              ctypes.addressof(params), 0), f"launching {name}")
-        if dev.on_launch is not None:
-            dev.on_launch(name)
+        launch_kernel(self.device, self.functions[name], name, grid, block, smem, args)
 
 
 class Standalone:
@@ -274,7 +271,7 @@ class Standalone:
 
         device = get_device(0)
         self._driver, self._check, self._arrays = driver, check, []
-        self.on_launch = None   # (the serving device's profiling hook: none here)
+        self.on_launch = self.dependent_launch = None   # (the serving device's profiling hook and launch)
         self.sms = device._attribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.shape = types.SimpleNamespace(step_rows=rows)
         self._stream = cu_stream(stream) if stream else check(driver.cuStreamCreate(0), "cuStreamCreate")

@@ -269,21 +269,33 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   for (int i = 0; i < R::ACC; ++i) acc[i] = 0.0f;
   int stage = 0;
   unsigned phase = 0;
-  // a stage's weight tile: 128 rows of the block's weight, or gated 64 of the gate's and the same 64 of the up's
-  auto load_weights = [&](int s) {
+  // k step s's weight tile into stage `at`: 128 rows of the block's weight, or gated 64 of the gate's and the
+  // same 64 of the up's
+  auto load_weights = [&](int at, int s) {
     if (gated) {
-      tma_load(ring.w_tile(stage), &weights.map[0], ring.full(stage), s * BK, f0);
-      tma_load(ring.w_tile(stage) + R::W_BYTES / 2, &weights.map[1], ring.full(stage), s * BK, f0);
+      tma_load(ring.w_tile(at), &weights.map[0], ring.full(at), s * BK, f0);
+      tma_load(ring.w_tile(at) + R::W_BYTES / 2, &weights.map[1], ring.full(at), s * BK, f0);
     } else {
-      tma_load(ring.w_tile(stage), &weights.map[p], ring.full(stage), s * BK, f0);
+      tma_load(ring.w_tile(at), &weights.map[p], ring.full(at), s * BK, f0);
     }
   };
+  // the first stages' weight tiles (no kernel writes the weights) are on their way before the step's wait
+  // (dependent_launch.cuh), while the kernel before this one ends; their stages are empty, as at every start
+  const int prefetched = s1 - s0 < ring.stages ? s1 - s0 : ring.stages;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < prefetched; ++i) {
+      barrier_expect_bytes(ring.full(i), R::TMA_ROWS ? R::STAGE_BYTES : R::W_BYTES);
+      load_weights(i, s0 + i);
+    }
+  mdsl_pdl::step_wait();
   if (warpgroup == 0 && R::TMA_ROWS) {
     if (threadIdx.x == 0) {
       for (int s = s0; s < s1; ++s) {
-        barrier_wait(ring.empty(stage), phase ^ 1);
-        barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
-        load_weights(s);
+        if (s - s0 >= prefetched) {
+          barrier_wait(ring.empty(stage), phase ^ 1);
+          barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
+          load_weights(stage, s);
+        }
         tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
         if (++stage == ring.stages) stage = 0, phase ^= 1;
       }
@@ -293,9 +305,9 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     if (s0 < s1) staged.load(x, r0, rows, s0 * BK, k);
     for (int s = s0; s < s1; ++s) {
       barrier_wait(ring.empty(stage), phase ^ 1);
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && s - s0 >= prefetched) {
         barrier_expect_bytes(ring.full(stage), R::W_BYTES);
-        load_weights(s);
+        load_weights(stage, s);
       }
       staged.template store<W>(ring.x_tile(stage));
       barrier_arrive(ring.full(stage));

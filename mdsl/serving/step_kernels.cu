@@ -1138,6 +1138,7 @@ __device__ void gather(float* out, const float* x, const int* keep, int width) {
 #define WEIGHTED(NAME, SUFFIX, TYPE, PARAMS, ARGS) \
   extern "C" __global__ void NAME##_##SUFFIX PARAMS {  \
     using W = TYPE;                                    \
+    mdsl_pdl::step_wait();                             \
     serve::NAME<W> ARGS;                               \
   }
 #define EVERY_DTYPE(NAME, PARAMS, ARGS)         \
@@ -1171,6 +1172,7 @@ EVERY_DTYPE(head_norm_rope, (float* out, const float* x, const void* wq, const v
              kv_heads, dim, eps))
 extern "C" __global__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
                                 const int* positions, int q_heads, int kv_heads, int dim) {
+  mdsl_pdl::step_wait();
   serve::rope(out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim);
 }
 EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int* positions, const int* entries,
@@ -1185,6 +1187,7 @@ EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int*
       float* out, float* part, int* arrivals, const float* qkv, const void* k_pool, const void* v_pool,          \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
       int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {                              \
+    mdsl_pdl::step_wait();                                                                                       \
     serve::attention<G, DV, TYPE>(out, part, arrivals, qkv, static_cast<const TYPE*>(k_pool),                    \
                                   static_cast<const TYPE*>(v_pool), positions, entries, page_table,              \
                                   pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window); \
@@ -1212,21 +1215,35 @@ EVERY_DTYPE(moe_down, (float* products, const float* hidden, const int* plan, co
             (products, hidden, plan, weights, experts, top_k, h, inter))
 extern "C" __global__ void __launch_bounds__(serve::MOE_MAX_EXPERTS) moe_plan(int* plan, const float* routing,
                                                                            int rows, int experts) {
+  mdsl_pdl::step_wait();
   serve::moe_plan(plan, routing, rows, experts);
 }
 extern "C" __global__ void moe_sum(float* out, const float* products, const float* routing, int experts, int top_k,
                                    int h) {
+  mdsl_pdl::step_wait();
   serve::moe_sum(out, products, routing, experts, top_k, h);
 }
-extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) { serve::act_mul(out, gu, half, act); }
+extern "C" __global__ void act_mul(float* out, const float* gu, int half, int act) {
+  mdsl_pdl::step_wait();
+  serve::act_mul(out, gu, half, act);
+}
 extern "C" __global__ void gated_scale(float* out, const float* x, const float* gate, int width, int act) {
+  mdsl_pdl::step_wait();
   serve::gated_scale(out, x, gate, width, act);
 }
-extern "C" __global__ void add(float* out, const float* x, const float* y, int width) { serve::add(out, x, y, width); }
+extern "C" __global__ void add(float* out, const float* x, const float* y, int width) {
+  mdsl_pdl::step_wait();
+  serve::add(out, x, y, width);
+}
 extern "C" __global__ void map_rows(float* out, const float* x, int width, int kind, float param) {
+  mdsl_pdl::step_wait();
   serve::map_rows(out, x, width, kind, param);
 }
-extern "C" __global__ void argmax_rows(int* best, const float* x, int width) { serve::argmax_rows(best, x, width); }
+extern "C" __global__ void argmax_rows(int* best, const float* x, int width) {
+  mdsl_pdl::step_wait();
+  serve::argmax_rows(best, x, width);
+}
 extern "C" __global__ void gather(float* out, const float* x, const int* keep, int width) {
+  mdsl_pdl::step_wait();
   serve::gather(out, x, keep, width);
 }

@@ -61,6 +61,24 @@ def test_a_shared_attention_tile_runs_on_wgmma_on_hopper_and_a_solo_one_on_mma_s
             assert "HGMMA" not in solo and "HMMA.16816.F32" in solo, (g, s)
 
 
+def test_every_step_kernel_waits_for_the_kernel_before_it_before_it_touches_memory():
+    """Launched allowed to start while the kernel before them ends (dependent_launch.cuh), the step kernels
+    each wait for it (griddepcontrol.wait: ACQBULK) before their first load or store of global memory."""
+    import re
+
+    from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
+    from tests.shared import disassembled
+
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    module = compile_cuda(kernel_source(), arch="sm_90a")
+    sass = disassembled(module.cubin)
+    for name in module.resources:
+        body = sass.split(f".text.{name}:")[1].split(".text.")[0]
+        first = re.search(r"\b(LDG|STG|ATOMG|RED|LD\.E|ST\.E|LDGSTS|UTMALDG)\b|\bACQBULK\b", body)
+        assert first is not None and first.group(0) == "ACQBULK", (name, first and first.group(0))
+
+
 @pytest.mark.skipif(has_gpu(), reason="a GPU is present")
 def test_without_a_gpu_the_gpu_device_says_so(checkpoints):
     with pytest.raises(NoGPUError):

@@ -56,14 +56,23 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         body = sass.split(f".text.{name}:")[1].split(".text.")[0]
         wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
         assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16), (rn, wgmmas)   # one per k16 step
-        # the weight tile by TMA: one load of the block's weight, or gated two (the gate's and the up's halves)
+        # the weight tile by TMA: one load of the block's weight, or gated two (the gate's and the up's halves),
+        # the first stages' before the wait for the kernel before this one (ACQBULK: dependent_launch.cuh) and
+        # the others' in the producer's loop after it, as every other access to memory
+        before, wait, after = body.partition("ACQBULK")
+        assert wait and "ACQBULK" not in after, rn
+        assert len(re.findall(r"UTMALDG\.2D", before)) == 3, rn
+        assert not re.search(r"\b(LDG|STG|ATOMG|RED|LD\.E|ST\.E)\b", before), rn
         if rn >= G.TMA_ROWS:   # ... and the rows' tile
-            assert len(re.findall(r"UTMALDG\.2D", body)) == 3 + 1, rn
+            assert len(re.findall(r"UTMALDG\.2D", after)) == 3 + 1, rn
         else:                  # ... the rows' chunks stored and made visible to wgmma
-            assert len(re.findall(r"UTMALDG\.2D", body)) == 3, rn
-            assert len(re.findall(r"STS\.64", body)) >= 1 and "FENCE.VIEW.ASYNC.S" in body, rn
+            assert len(re.findall(r"UTMALDG\.2D", after)) == 3, rn
+            assert len(re.findall(r"STS\.64", after)) >= 1 and "FENCE.VIEW.ASYNC.S" in after, rn
         # the gated epilogue's hand-over between the consumer warpgroups: their own barrier (1), twice
         assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 2, rn
+    for d in ("bf16", "f16"):   # round_rows waits for the kernel before it as well
+        body = sass.split(f".text.round_rows_{d}:")[1].split(".text.")[0]
+        assert body.index("ACQBULK") < body.index("LDG"), d
 
 
 def test_the_host_constants_are_the_kernels():
