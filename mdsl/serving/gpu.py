@@ -1019,8 +1019,10 @@ class GpuDevice(CpuDevice):
         """Start (on) or stop timing each layer op of the steps that replay a CUDA graph: such a step then
         replays a twin of its graph with an event recorded after each op's kernels (with `kernels`, after
         each kernel: the times are keyed "op: kernel"), so the times are those of the replayed program (no
-        launch gaps of the host). Returns op -> (microseconds per step, steps timed) of the steps timed
-        since the start; the greedy argmax and the copies are not in it."""
+        launch gaps of the host; but an event between two kernels keeps the second from starting before the
+        first ends, as dependent launches otherwise let it: the times sum to more than the step). Returns op
+        -> (microseconds per step, steps timed) of the steps timed since the start; the greedy argmax and the
+        copies are not in it."""
         times, self._profile = self._profile or {}, ({} if on else None)
         self._profile_kernels = kernels
         return {op: (1e6 * seconds / steps, steps) for op, (seconds, steps) in times.items()}
