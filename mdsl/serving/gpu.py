@@ -872,8 +872,6 @@ class GpuDevice(CpuDevice):
 
     def launch(self, name: str, grid: tuple, block: int, args: list, smem: int = 0) -> None:
         launch_kernel(self, self._function(name, smem), name, grid, block, smem, args)
-        if self.on_launch is not None:
-            self.on_launch(name)
 
     def rope_tables(self, a: dict) -> tuple:
         """Device tables of cos and sin [max_seq, head_dim] for the rope attributes `a`, as the reference

@@ -110,7 +110,8 @@ def kernel_source() -> str:
     and its kernels for bf16 and f16 weights at each row tile, with `round_rows`."""
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
     kernels = [f'extern "C" __global__ void round_rows_{d}({ctype}* rounded, const float* x, int k) '
-               f"{{\n  mdsl_pdl::step_wait();\n  mdsl::serve_tc::round_rows(rounded, x, k);\n}}\n" for d, ctype in _CTYPES.items()]
+               "{\n  mdsl_pdl::step_wait();\n  mdsl::serve_tc::round_rows(rounded, x, k);\n}\n"
+               for d, ctype in _CTYPES.items()]
     kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, {resident(rn)}) {kernel_name(d, rn)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
