@@ -17,10 +17,20 @@ def test_the_gpu_rules_cover_the_ops_the_cpu_device_serves():
     assert set(GPU_STEP_RULES) == set(STEP_RULES)
 
 
-def test_the_step_kernels_compile_for_sm_90a_without_spills():
-    from mdsl.backend.cuda.nvrtc import compile_cuda
+@pytest.mark.timeout(300)
+def test_the_step_kernels_compile_for_sm_90a_and_run_their_products_on_wgmma_and_wait_before_memory():
+    """Every step kernel compiles for sm_90a without spills (one compile of the module, the slowest of the
+    suite's, for all these checks). attention_mma's products are wgmmas (m64n64k16, A from registers): S's a
+    k16 step of dims (hi and lo) and P V's a k16 step of keys and half of the dims (hi and lo), in a variant of
+    each for head dims up to 64 (one half) and up to 128 (two), none serialized by ptxas; attention_solo stays
+    on mma.sync. And every step kernel, launched allowed to start while the kernel before it ends (dependent_launch.cuh),
+    waits for it (griddepcontrol.wait: ACQBULK) before its first load or store of global memory."""
+    import re
 
-    resources = compile_cuda(kernel_source(), arch="sm_90a").resources
+    from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
+    from tests.shared import disassembled
+
+    module = compile_cuda(kernel_source(), arch="sm_90a")
     weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append",
                 "moe_router", "moe_up", "moe_down")
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
@@ -31,21 +41,9 @@ def test_the_step_kernels_compile_for_sm_90a_without_spills():
                  for s in ("bf16", "f16")}   # (16-bit pools)
     expected |= {f"attention_fold_{g}" for g in MMA_GROUPS}
     expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows", "gated_scale", "moe_plan", "moe_sum"}
-    assert set(resources) == expected
-    for name, r in resources.items():
+    assert set(module.resources) == expected
+    for name, r in module.resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
-
-
-def test_a_shared_attention_tile_runs_on_wgmma_on_hopper_and_a_solo_one_on_mma_sync():
-    """On sm_90a attention_mma's products are wgmmas (m64n64k16, A from registers): S's a k16 step of dims
-    (hi and lo) and P V's a k16 step of keys and half of the dims (hi and lo), in a variant of each for head
-    dims up to 64 (one half) and up to 128 (two), none serialized by ptxas; attention_solo stays on mma.sync."""
-    import re
-
-    from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
-    from tests.shared import disassembled
-
-    module = compile_cuda(kernel_source(), arch="sm_90a")
     assert "C7515" not in module.log and "serialized" not in module.log, module.log
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
@@ -59,23 +57,10 @@ def test_a_shared_attention_tile_runs_on_wgmma_on_hopper_and_a_solo_one_on_mma_s
             assert "HMMA" not in shared, (g, s)
             solo = sass.split(f".text.attention_solo_{g}_{s}:")[1].split(".text.")[0]
             assert "HGMMA" not in solo and "HMMA.16816.F32" in solo, (g, s)
-
-
-def test_every_step_kernel_waits_for_the_kernel_before_it_before_it_touches_memory():
-    """Launched allowed to start while the kernel before them ends (dependent_launch.cuh), the step kernels
-    each wait for it (griddepcontrol.wait: ACQBULK) before their first load or store of global memory."""
-    import re
-
-    from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
-    from tests.shared import disassembled
-
-    if nvdisasm_path() is None:
-        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    module = compile_cuda(kernel_source(), arch="sm_90a")
-    sass = disassembled(module.cubin)
+    parts = re.split(r"\n\s*\.text\.(\w+):", sass)
+    bodies = dict(zip(parts[1::2], parts[2::2]))
     for name in module.resources:
-        body = sass.split(f".text.{name}:")[1].split(".text.")[0]
-        first = re.search(r"\b(LDG|STG|ATOMG|RED|LD\.E|ST\.E|LDGSTS|UTMALDG)\b|\bACQBULK\b", body)
+        first = re.search(r"\b(LDG|STG|ATOMG|RED|LD\.E|ST\.E|LDGSTS|UTMALDG)\b|\bACQBULK\b", bodies[name])
         assert first is not None and first.group(0) == "ACQBULK", (name, first and first.group(0))
 
 
