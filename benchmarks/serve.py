@@ -145,12 +145,12 @@ def op_times(kernels: dict) -> tuple:
 
 def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab: int, seed: int,
                  trace: Optional[Path] = None) -> dict:
-    """(a): the step time while `batch` requests decode together, prompts of `context` tokens, from the moment
-    the last prompt is read: on the GPU device over `tokens` steps, then over as many more the time of each
-    layer op in a step and of each op's kernels (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its step
-    counter (step_counter_slope), then a profile of its tasks (kernel_profile; its trace into `trace`). Every request runs until both are over (then it is cancelled), so every
-    timed step has `batch` rows; the requests read first are further on, and `mean_context` (at the timed
-    steps' middle) is what the bandwidth floor counts."""
+    """(a): the step time while `batch` requests decode together, prompts of `context` tokens, from the moment the
+    last prompt is read: on the GPU device over `tokens` steps, then over as many more the time of each layer op in
+    a step and of each op's kernels (GpuDevice.profile_ops); on the megakernel over 2 x `tokens` steps, from its
+    step counter (step_counter_slope), then a profile of its tasks (kernel_profile; its trace into `trace`). Every
+    request runs until both are over (then it is cancelled), so every timed step has `batch` rows; the requests
+    read first are further on, and `mean_context` (at the timed steps' middle) is what the bandwidth floor counts."""
     import numpy as np
 
     from mdsl import SamplingParams

@@ -212,7 +212,8 @@ class WgmmaLinears:
         self.handed = (address, buffer)
         return buffer
 
-    def launch(self, out, x, weights: list, residual, rows: int, offset: int, act: int = -1, hand: bool = False) -> None:
+    def launch(self, out, x, weights: list, residual, rows: int, offset: int, act: int = -1,
+               hand: bool = False) -> None:
         """out[:, offset + ...] = x @ [weights side by side].T (+ residual) over the step's `rows` rows; with an
         activation code `act` (step_kernels.cu's `activate`), weights = [gate, up] of one shape and out =
         act(x @ gate.T) * (x @ up.T), linear_wgmma.cuh's gated form, with `hand` handed to the next launch

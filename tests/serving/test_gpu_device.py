@@ -23,8 +23,9 @@ def test_the_step_kernels_compile_for_sm_90a_and_run_their_products_on_wgmma_and
     suite's, for all these checks). attention_mma's products are wgmmas (m64n64k16, A from registers): S's a
     k16 step of dims (hi and lo) and P V's a k16 step of keys and half of the dims (hi and lo), in a variant of
     each for head dims up to 64 (one half) and up to 128 (two), none serialized by ptxas; attention_solo stays
-    on mma.sync. And every step kernel, launched allowed to start while the kernel before it ends (dependent_launch.cuh),
-    waits for it (griddepcontrol.wait: ACQBULK) before its first load or store of global memory."""
+    on mma.sync. And every step kernel, launched allowed to start while the kernel before it ends
+    (dependent_launch.cuh), waits for it (griddepcontrol.wait: ACQBULK) before its first load or store of
+    global memory."""
     import re
 
     from mdsl.backend.cuda.nvrtc import compile_cuda, nvdisasm_path
