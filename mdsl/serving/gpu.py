@@ -36,10 +36,11 @@ import numpy as np
 from mdsl.errors import UnsupportedError
 from mdsl.ir.dtypes import bf16, f16, f32, i32
 from mdsl.ir.rules import RuleTable
+from mdsl.lowering.options import arch_number
 from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope_cos_sin
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
-from mdsl.serving.gpu_launch import compute_capability, dependent_launch, launch_kernel
+from mdsl.serving.gpu_launch import dependent_launch, launch_kernel
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
@@ -442,7 +443,7 @@ def on_tensor_cores(a: dict, kv_dtype, arch: str) -> bool:
     model's steps runs the one arithmetic."""
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
     return (kv_dtype in (bf16, f16) and d % 8 == 0 and d <= MMA_DIM and hq % hkv == 0
-            and hq // hkv in MMA_GROUPS and compute_capability(arch) >= 80)
+            and hq // hkv in MMA_GROUPS and arch_number(arch) >= 80)
 
 
 def _attention_kernel(a: dict, kv_dtype=f32, arch: str = "sm_90a") -> str:
@@ -752,7 +753,7 @@ class GpuDevice(CpuDevice):
                              "cuStreamCreate")
         #: the launch of every kernel of a step on sm_90 or later: allowed to start while the one before it
         #: ends (dependent_launch.cuh); None before sm_90, where each waits for the one before
-        self.dependent_launch = dependent_launch(driver, self._stream) if compute_capability(self.arch) >= 90 else None
+        self.dependent_launch = dependent_launch(driver, self._stream) if arch_number(self.arch) >= 90 else None
         # what the rules read besides the values, made before any capture: the rope tables, the joined
         # biases, and the narrowed copies of the values read past the narrowing
         for n in self.nodes:

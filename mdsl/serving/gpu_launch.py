@@ -4,12 +4,6 @@ on sm_90 and later each kernel of a step is launched allowed to start while the 
 from __future__ import annotations
 
 import ctypes
-import re
-
-
-def compute_capability(arch: str) -> int:
-    """10 x major + minor of an `sm_XY` or `sm_XYa` architecture name."""
-    return int(re.match(r"sm_(\d+)", arch).group(1))
 
 
 def dependent_launch(driver, stream):

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from mdsl.serving.gpu_launch import compute_capability, dependent_launch, launch_kernel
+from mdsl.serving.gpu_launch import dependent_launch, launch_kernel
 
 
 def _device(config):
@@ -27,10 +27,6 @@ def _device(config):
     dev = types.SimpleNamespace(_driver=driver, _stream=7, dependent_launch=config, on_launch=hooked.append,
                                 _check=lambda result, what: checked.append((result, what)))
     return dev, launched, checked, hooked
-
-
-def test_compute_capability_reads_the_architecture_name():
-    assert [compute_capability(a) for a in ("sm_80", "sm_86", "sm_90", "sm_90a", "sm_100a")] == [80, 86, 90, 90, 100]
 
 
 def test_without_a_configuration_a_kernel_is_launched_plainly_and_hooked_once():
