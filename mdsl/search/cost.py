@@ -37,6 +37,9 @@ class Device:
     memory_latency_s: float      # one global-memory round trip
     sm_bytes_per_s: float        # what one SM can pull from L2 (about 64 B per clock)
     pipeline_stages: int = 2     # loads in flight per block (double buffering)
+    # a load that hits in L2: taken as 0.4 of `memory_latency_s` (an L2 hit takes well under half of a DRAM
+    # access on Hopper); a combine run in its split's launch reads the partials the split just wrote there
+    l2_latency_s: float = 0.4e-6
     # occupancy and loop latency, for `gpu_estimate` (the ranking of tuning variants)
     smem_per_sm: int = 228 * 1024
     threads_per_sm: int = 2048
@@ -172,7 +175,9 @@ def _traffic(node: Node, device: Device, run_bytes: int = 64) -> _Traffic:
     return _Traffic(dram + out_bytes, l2 + out_bytes, useful, out_bytes, per_iteration, loop_inputs)
 
 
-def _custom_cost(node: Node, device: Device) -> KernelCost:
+def _custom_cost(node: Node, device: Device, in_l2: frozenset = frozenset()) -> KernelCost:
+    """`in_l2`: names of the inputs that lie in L2 when the kernel starts (a combine's partials, which its
+    split wrote in the same launch): a kernel that reads only such inputs waits an L2 hit per round trip."""
     graph: BlockGraph = node.body
     t = _traffic(node, device)
     dram, l2, useful, out_bytes, per_iteration = t.dram, t.l2, t.useful, t.out_bytes, t.per_iteration
@@ -181,7 +186,8 @@ def _custom_cost(node: Node, device: Device) -> KernelCost:
     # Little's law: a block keeps `pipeline_stages` iterations of loads in flight per memory latency
     resident = max(1, min(-(-graph.num_blocks // device.sms), device.smem_per_block // max(smem, 1), 8))
     active = min(device.sms, graph.num_blocks)
-    latency_bw = active * resident * device.pipeline_stages * per_iteration / device.memory_latency_s
+    latency = device.l2_latency_s if all(v.name in in_l2 for v in node.inputs) else device.memory_latency_s
+    latency_bw = active * resident * device.pipeline_stages * per_iteration / latency
     bandwidth = min(device.dram_bytes_per_s * active / device.sms, latency_bw)
     seconds = max(useful + out_bytes, 0) / bandwidth
     l2_rate = min(device.l2_bytes_per_s, active * device.sm_bytes_per_s)
@@ -214,7 +220,8 @@ def kernel_costs(graph: KernelGraph, device: Device = H200) -> list:
     its kernel's time without a launch: the last block of each of the split's groups runs the combine's
     block as soon as it arrives, after the group's slowest block, so that the last group's combine starts
     when the split's slowest block ends (the split's time) and the combines take, spread over the SMs as the
-    groups complete, what the combine's grid takes."""
+    groups complete, what the combine's grid takes. The partials it reads, written by its group moments
+    before, are L2 hits (`Device.l2_latency_s`)."""
     return _kernel_costs(graph, device, combined(graph))
 
 
@@ -233,7 +240,8 @@ def _kernel_costs(graph: KernelGraph, device: Device, combines: frozenset) -> li
     views = strided_views(graph)
     for index in launched(graph, views):
         node = graph.nodes[index]
-        cost = _custom_cost(node, device) if node.body is not None else _library_cost(node, device, views)
+        in_l2 = frozenset(v.name for v in graph.nodes[index - 1].outputs) if index in combines else frozenset()
+        cost = _custom_cost(node, device, in_l2) if node.body is not None else _library_cost(node, device, views)
         if index in combines:
             cost = attrs.evolve(cost, seconds=cost.seconds - device.launch_s)
         out.append(cost)

@@ -43,6 +43,9 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
                                               for node in original.nodes[i:j])]
     for i, j in kernels:
         launches = 1 if unchanged else _launches(original, chosen, (i, j), record)
+        for copy in _boundary_copies(original, (i, j), record, copies) if j - i > 1 else ():
+            launches -= 1
+            out.append(Boundary(copy[0], _ops(original, i, j, "the kernel of "), "", copy[1]))
         for _ in range(launches - 1):
             out.append(Boundary(_ops(original, i, j, "partial results of "), _ops(original, i, j, "the combine of "),
                                 "", "a split loop: the blocks of the first kernel each reduce a slice of the loop's "
@@ -69,6 +72,15 @@ def _copies(graph: KernelGraph, runs: tuple, reasons: dict) -> str:
             said.append(f"{node.op} %{node.outputs[0].name} copies " +
                         ", ".join(f"%{name} ({why})" for name, why in copied.items()))
     return "".join(f"; {s}" for s in said)
+
+
+def _boundary_copies(graph: KernelGraph, run: tuple, record: dict, reasons: dict) -> list:
+    """A fused run's splits and concats at its boundary (`mdsl.search.layout`) that still copy, as (the
+    operator, what it copies and why), as many as the part's candidate launches for them."""
+    count = int((record.get("parts", {}).get(f"{run[0]}:{run[1]}") or {}).get("copies") or 0)
+    said = [(f"{node.op} %{node.outputs[0].name}", _copies(graph, ((k, k + 1),), reasons)[2:])
+            for k, node in enumerate(graph.nodes[run[0]:run[1]], run[0]) if node.op in ("split", "concat")]
+    return [s for s in said if s[1]][:count]
 
 
 def _runs(original: KernelGraph, chosen: KernelGraph, record: dict, unchanged: bool) -> list:

@@ -11,6 +11,10 @@ leaves the part as it was:
   forward past the element-wise operators that read its result, toward the outputs. The other operands
   of a moved operator are reshaped with it: one of the same shape as a whole, a broadcast one (a bias
   row, a per-row scalar) where it has all of the dims the reshape regroups or none of them.
+* **A split at the boundary is a view too.** A split that reads a part's input stays before the kernel: its
+  parts are strided views of the input that the kernel reads in place (`mdsl.lowering.views`), so siblings
+  reading its parts (a gate and an up half, q, k and v) share one kernel. A split whose parts only leave
+  the part stays after it: its parts are views of the value the kernel writes, for the kernels after it.
 * **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
@@ -33,6 +37,11 @@ from mdsl.lowering.views import keeps_order
 
 #: The layout operators these rewrites move or cancel.
 MOVABLE = frozenset({"reshape", "transpose"})
+#: The layout operators that stay at a part's boundary, views around its kernel: a reshape reading one of its
+#: inputs or returning one of its outputs, and a split there.
+AT_BOUNDARY = frozenset({"reshape", "split"})
+#: The layout operators that `boundary_views` takes out of a part.
+HANDLED = MOVABLE | AT_BOUNDARY
 _ROUNDS = 64   # rewrites per part at most (each moves one operator one step or cancels a pair)
 
 
@@ -40,9 +49,9 @@ _ROUNDS = 64   # rewrites per part at most (each moves one operator one step or 
 class Wrapped:
     """A part as views on its inputs, a core without layout operators and views of the core's results."""
 
-    leading: tuple    # reshape nodes reading the part's inputs
+    leading: tuple    # reshape and split nodes reading the part's inputs
     core: KernelGraph
-    trailing: tuple   # reshape nodes whose results the part returns
+    trailing: tuple   # reshape and split nodes whose results the part returns
 
     def around(self, lifted: KernelGraph) -> list:
         """The part's nodes with the core replaced by `lifted` (a candidate for the core)."""
@@ -273,15 +282,16 @@ def boundary_views(graph: KernelGraph, lift_rules) -> Optional[Wrapped]:
     docstring), or None where a layout operator stays inside (or there was none to move). `lift_rules`:
     the block-level rules (`guided.LIFT_RULES`, which the caller passes: guided reads this module), which
     every operator of the core must have."""
-    if not any(n.op in MOVABLE for n in graph.nodes):
+    if not any(n.op in HANDLED for n in graph.nodes):
         return None
     r = _Rewrite(graph)
     r.run()
     inputs = {v.name for v in graph.inputs}
-    leading = [n for n in r.nodes if n.op == "reshape" and n.inputs[0].name in inputs]
+    leading = [n for n in r.nodes if n.op in AT_BOUNDARY and n.inputs[0].name in inputs]
     trailing = []
-    for n in reversed(r.nodes):   # reshapes whose results only the part returns (or other such reshapes read)
-        if n.op == "reshape" and n not in leading and all(m in trailing for m in r.readers(n.outputs[0].name)):
+    for n in reversed(r.nodes):   # views whose results only the part returns (or other such views read)
+        if n.op in AT_BOUNDARY and n not in leading \
+                and all(m in trailing for v in n.outputs for m in r.readers(v.name)):
             trailing.append(n)
     trailing.reverse()
     core = [n for n in r.nodes if n not in leading and n not in trailing]

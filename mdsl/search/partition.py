@@ -70,7 +70,7 @@ from mdsl.lowering.gemm import library_read_transposes
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.guided import LIFT_RULES, lift_all
-from mdsl.search.layout import MOVABLE, Wrapped, boundary_views
+from mdsl.search.layout import HANDLED, Wrapped, boundary_views
 from mdsl.search.records import Assembly
 from mdsl.search.screen import screen
 from mdsl.search.stats import SearchStats
@@ -243,7 +243,7 @@ class Partition:
         part = _Part(start, stop, program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
-            if blocked is not None and blocked.op in MOVABLE:
+            if blocked is not None and blocked.op in HANDLED:
                 part.wrapped = boundary_views(program, LIFT_RULES)
             if blocked is not None and part.wrapped is None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
@@ -363,6 +363,8 @@ class Partition:
             parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
                                 "fused_s": option[1].seconds if option is not None else None,
                                 "launches": option[1].launches if option is not None else None,
+                                "copies": sum(k.name != "custom" for k in option[1].kernels) if option is not None
+                                else None,
                                 "apart_s": self._apart(part)}
         return {"nodes": [_describe(n) for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
                 "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,

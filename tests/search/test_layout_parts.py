@@ -109,6 +109,38 @@ def test_broadcast_operands_move_with_a_reshape_that_regroups_all_or_none_of_the
                                              wrapped.around(wrapped.core), scaled.graph.outputs))
 
 
+def _halves():
+    @mdsl.kernel
+    def halves(x: Tensor[8, 64, f16], w: Tensor[8, 32, f16]):
+        a, b = mdsl.split(x, [32, 32], dim=-1)               # parts of an input: views the kernel reads
+        c, d = mdsl.split(mdsl.silu(a) * b + w, [16, 16], dim=-1)   # parts that only leave: views of its result
+        return c, d
+    return halves.graph
+
+
+def test_a_split_of_an_input_stays_before_the_kernel_and_one_of_its_result_after():
+    graph = _halves()
+    wrapped = boundary_views(graph, LIFT_RULES)
+    assert wrapped is not None and _ops(wrapped.core) == ["silu", "mul", "add"]
+    assert [(n.op, n.inputs[0].name) for n in wrapped.leading] == [("split", "x")]
+    assert [n.op for n in wrapped.trailing] == ["split"]
+    assert [v.name for v in wrapped.trailing[0].outputs] == [v.name for v in graph.outputs]
+    _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
+
+
+@pytest.mark.timeout(120)
+def test_siblings_reading_the_parts_of_a_split_input_share_one_verified_kernel():
+    @mdsl.kernel
+    def siblings(x: Tensor[8, 64, f16]):
+        a, b = mdsl.split(x, [32, 32], dim=-1)
+        return mdsl.silu(a) * 2.0, b + 1.0                    # no tensor shared but through the split
+
+    plan = search(siblings.graph, CONFIG).plan()
+    assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
+    assert sum(n.body is not None for n in plan.graph.nodes) == 1 and plan.evidence.equivalent
+    _same_function(siblings.graph, plan.graph)
+
+
 def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():
     from mdsl.search import guided
 
