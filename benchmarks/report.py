@@ -759,16 +759,21 @@ def compile_section(data: Optional[dict]) -> list:
     return lines
 
 
-def tried_section(rows: list) -> list:
+def tried_section(rows: list, docs: Path = DOCS) -> list:
+    """An index of the ideas measured and rejected: each docs/tried*.md with its title and its count of rows
+    (the tables themselves stay there: copied here they would outgrow the page)."""
     lines = ["## Tried and rejected", ""]
     if not rows:
         return lines + ["No `docs/tried*.md` table found.", ""]
-    files = sorted({f for _, _, f in rows})
-    lines += ["Ideas built, measured on the H200 and removed, each with its effect (before -> after, in one run): "
-              "decode figures are Qwen3-8B's ms per token unless a model is named (\"2 GPUs\": over two H200s; "
-              "\"a rank's shapes\": one rank's kernel of two, run on one GPU), kernel figures µs per call. "
-              "Gathered from " + ", ".join(f"`docs/{f}`" for f in files) + ".", ""]
-    return lines + _table(list(TRIED_HEADER), [(idea, effect) for idea, effect, _ in rows], right=2) + [""]
+    counts = {}
+    for _, _, f in rows:
+        counts[f] = counts.get(f, 0) + 1
+    lines += [f"{len(rows)} ideas were built, measured and removed, each with its effect (before -> after, in one "
+              "run, on the H200 unless the row names another GPU):", ""]
+    for f in sorted(counts):
+        title = next((l[2:].strip() for l in (docs / f).read_text().splitlines() if l.startswith("# ")), f)
+        lines.append(f"- [`docs/{f}`]({f}): {title}, {counts[f]} ideas")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -926,7 +931,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
     for name, section in sections:
         if results.get(name) is not None:   # (an optional benchmark that has not run has no section)
             lines += section(results[name])
-    lines += tried_section(tried_rows(docs))
+    lines += tried_section(tried_rows(docs), docs)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
