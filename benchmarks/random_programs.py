@@ -645,7 +645,7 @@ def summarise(rows: list, budget_s: float) -> dict:
                      for r in rows),
         "kernels_removed_histogram": {str(k): removed[k] for k in sorted(removed)},
         "boundary_reasons": dict(reasons.most_common()),
-        "search_s_median": statistics.median(r["search_s"] for r in rows) if rows else None,
+        "search_s_median": round(statistics.median(r["search_s"] for r in rows), 2) if rows else None,
         "search_s_max": max((r["search_s"] for r in rows), default=None),
         "budget_s": budget_s,
     }
