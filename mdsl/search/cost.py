@@ -37,8 +37,8 @@ class Device:
     memory_latency_s: float      # one global-memory round trip
     sm_bytes_per_s: float        # what one SM can pull from L2 (about 64 B per clock)
     pipeline_stages: int = 2     # loads in flight per block (double buffering)
-    # a load that hits in L2: taken as 0.4 of `memory_latency_s` (an L2 hit takes well under half of a DRAM
-    # access on Hopper); a combine run in its split's launch reads the partials the split just wrote there
+    # a load that hits in L2, which a combine run in its split's launch makes (it reads the partials the split
+    # just wrote): a round number under half of `memory_latency_s`, not fitted to a measurement
     l2_latency_s: float = 0.4e-6
     # occupancy and loop latency, for `gpu_estimate` (the ranking of tuning variants)
     smem_per_sm: int = 228 * 1024

@@ -363,8 +363,8 @@ class Partition:
             parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
                                 "fused_s": option[1].seconds if option is not None else None,
                                 "launches": option[1].launches if option is not None else None,
-                                "copies": sum(k.name != "custom" for k in option[1].kernels) if option is not None
-                                else None,
+                                "copies": sum(k.name in ("split", "concat") for k in option[1].kernels)
+                                if option is not None else None,
                                 "apart_s": self._apart(part)}
         return {"nodes": [_describe(n) for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
                 "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,
