@@ -3,7 +3,7 @@ TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend 
 mma.sync linear of step_kernels.cu runs them.
 
 A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
-side by side, k split blocks: 1 past one row tile once the tiles fill over half the GPU, `split_blocks`), after
+side by side, k split blocks: past one row tile as many as fill one wave, `split_blocks`), after
 `round_rows` (the input rows rounded to 16 bits, read by TMA) where RN is 64 or more. RN is the smallest of
 ROW_TILES that holds the step's rows (a decode step of one row computes 8 padded rows, not 64 or 128); the k
 splits come from the weights alone (`wgmma_splits`).
@@ -80,13 +80,19 @@ def wgmma_splits(tiles: int, k: int, sms: int) -> int:
 
 
 def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
-    """The grid's blocks a tile's k splits run in: one each (the tile's last block adds their partials) at one
-    row tile, where the weights' bytes bound the step and the splits spread them over the SMs, or while the
-    step's tiles fill at most half the SMs (the splits at least double the blocks at work); else 1, the
-    splits one after another in the tile's block (no partials to write and read back: the same additions in
-    the same order, so the same bits). Between half and all of the SMs, writing and folding the partials
-    costs more than the idle SMs (as Qwen3-8B's q|k|v at 256 rows: 96 tiles; docs/tried.md)."""
-    return splits if row_tiles == 1 or 2 * tiles * row_tiles <= sms else 1
+    """The grid's blocks a tile's k splits run in, each a run of consecutive splits (linear_wgmma.cuh: the
+    first block adds its own as they end, the others write each one's partials, the tile's last block adds
+    them in split order, so the same bits whatever the blocks): one a split at one row tile, where the
+    weights' bytes bound the step and the splits spread them over the SMs; past it (row tile 128, one block
+    an SM), where the tensor cores bound it, as many as fill one wave: 1 where the tiles fill the SMs alone
+    (no partials to write and read back), else the splits in the fewest runs whose blocks fit the SMs
+    (Qwen3-8B's o and down at 256 rows: 64 tiles, 2 blocks of 4 splits, where a block a split would make
+    four waves of short blocks, each writing partials)."""
+    if row_tiles == 1:
+        return splits
+    fit = max(1, min(splits, sms // (tiles * row_tiles)))
+    runs = -(-splits // fit)
+    return -(-splits // runs)
 
 
 def launch_grid(rows: int, sizes: list, k: int, sms: int, gated: bool = False) -> tuple:

@@ -11,10 +11,14 @@
 // tile and the other rows (wgmma's f32 sums of one output do not depend on the instruction's n, nor on the
 // row's position: checked on the H200 by tests/gpu/test_gpu_serving_wgmma.py); k splits into `splits`
 // contiguous ranges of 64-wide k steps by the weights alone (the host's wgmma_splits), each summed from zero,
-// and the splits' sums are added in split order. Where the step's tiles fill half the GPU or less the
-// splits run in blocks of their own (grid z) and the tile's last block to finish adds their partials; where
-// they fill more (many rows) one block runs a tile's splits one after another and adds each as it ends,
-// with no partials to write and read back: the same f32 additions either way (the host's split_blocks).
+// and the splits' sums are added in split order. A tile's splits run in `blocks` blocks (grid z, the host's
+// split_blocks), each a run of consecutive splits: every split in a block of its own at one row tile (the
+// weights' bytes bound the step), as many blocks as fill one wave past it (many rows: the tensor cores bound
+// it), one block where the tiles fill the wave alone. The first block adds its splits' sums as each ends (a
+// running total in shared memory: the prefix of the split-order additions) and writes that total; every other
+// block writes each split's sums (a float cannot be added ahead of the splits before it); the tile's last
+// block to finish adds those partials in order. One block writes no partials. The same f32 additions
+// whatever the blocks.
 //
 // Gated (act >= 0): the linear of a gate|up pair of equal weights whose only reader is act_mul, out[r, c] =
 // act(x[r] . gate[c]) * (x[r] . up[c]) (activations.cuh's `gated`, the act_mul kernel's arithmetic): a block's
@@ -245,10 +249,14 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   const int n = end - start;                              // the weight's columns
   const int col0 = start + f0;                            // ... the tile's first in the output
   const int r0 = blockIdx.x * RN;
-  // the block's splits: one (blockIdx.z) of a grid of `splits`, or every one in order (`in_block`)
-  const bool in_block = gridDim.z == 1 && splits > 1;
+  // the block's splits: `runs` consecutive ones (the last block fewer) of a grid of gridDim.z split blocks;
+  // the first block sums its own as they end (`in_block`); partial `slot` of split v past the first block's
+  // (its total at slot 0)
+  const int runs = (splits + gridDim.z - 1) / gridDim.z;
+  const bool whole = gridDim.z == 1, in_block = blockIdx.z == 0 && runs > 1;
   const int steps = (k + BK - 1) / BK, per = (steps + splits - 1) / splits;
-  const int v0 = in_block ? 0 : blockIdx.z, v1 = in_block ? splits : blockIdx.z + 1;
+  const int v0 = blockIdx.z * runs, v1 = v0 + runs < splits ? v0 + runs : splits;
+  auto slot = [&](int v) { return v < runs ? 0 : v - runs + 1; };
   const int s0 = v0 * per, s1 = v1 * per < steps ? v1 * per : steps;
   const int warpgroup = threadIdx.x / 128;
   const R ring{(smem_address(smem) + 1023u) & ~1023u, in_block ? R::SPLIT_STAGES : R::FREE_STAGES};
@@ -321,6 +329,21 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     // f32 additions of the last block's fold below, so the same bits as a grid of splits; consumer thread t's
     // i-th sum at total[i * 256 + t] (consecutive threads, consecutive banks)
     float* const total = reinterpret_cast<float*>(smem + (ring.totals() - smem_address(smem))) + threadIdx.x - 128;
+    // wgmma's f32 layout: per 8-row group j, thread (warp w, g = lane / 4, q = lane % 4) of the warpgroup holds
+    // columns 16 w + g and 16 w + g + 8 of its 64, rows 8 j + 2 q and 8 j + 2 q + 1
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const int c = (warpgroup - 1) * 64 + (t / 32) * 16 + lane / 4, q = 2 * (lane % 4);
+    const int width = parts.tile[MAX_PARTS] * FEATURES;   // a partial's row: every tile's columns
+    // the sums as partial `at` (gated: the up's partials at HALF on)
+    auto store_partial = [&](int at) {
+#pragma unroll
+      for (int i = 0; i < R::ACC; ++i) {
+        const int j = i / 4, e = i % 4;
+        const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
+        if (f0 + (gated ? cc % HALF : cc) < n && r < rows)
+          part[(static_cast<long long>(at) * rows + r) * width + blockIdx.y * FEATURES + cc] = acc[i];
+      }
+    };
     for (int v = v0; v < v1; ++v) {
       int previous = -1;
       const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
@@ -344,74 +367,73 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       wgmma_wait<0>();
       fence_registers(acc);
       if (previous >= 0 && signals) barrier_arrive(ring.empty(previous));
-      if (in_block) {
+      if (in_block || blockIdx.z > 0) {
+        if (in_block)
 #pragma unroll
-        for (int i = 0; i < R::ACC; ++i) {
-          total[i * 256] = v == 0 ? acc[i] : total[i * 256] + acc[i];
-          acc[i] = 0.0f;
-        }
+          for (int i = 0; i < R::ACC; ++i) total[i * 256] = v == 0 ? acc[i] : total[i * 256] + acc[i];
+        else
+          store_partial(slot(v));
+#pragma unroll
+        for (int i = 0; i < R::ACC; ++i) acc[i] = 0.0f;
       }
     }
-    // wgmma's f32 layout: per 8-row group j, thread (warp w, g = lane / 4, q = lane % 4) of the warpgroup holds
-    // columns 16 w + g and 16 w + g + 8 of its 64, rows 8 j + 2 q and 8 j + 2 q + 1
-    const int t = threadIdx.x % 128, lane = t % 32;
-    const int c = (warpgroup - 1) * 64 + (t / 32) * 16 + lane / 4, q = 2 * (lane % 4);
-    const int width = parts.tile[MAX_PARTS] * FEATURES;   // a partial's row: every tile's columns
     if (in_block)
 #pragma unroll
       for (int i = 0; i < R::ACC; ++i) acc[i] = total[i * 256];
-    if (gated && (splits == 1 || in_block)) {
-      // the up sums to the gate's threads through the ring (every stage read: both warpgroups' wgmmas are done)
-      static_assert(R::SPLIT_STAGES * R::STAGE_BYTES >= R::ACC * 128 * 4, "a warpgroup's sums fit the stages");
-      float* const handed = reinterpret_cast<float*>(smem + (ring.base - smem_address(smem))) + t;
-      consumers_sync();
-      if (warpgroup == 2)
+    if (!whole) {   // the first block's total (a later block wrote its splits' sums as each ended)
+      if (blockIdx.z == 0) store_partial(0);
+    } else {
+      if (gated) {
+        // the up sums to the gate's threads through the ring (every stage read: both warpgroups' wgmmas done)
+        static_assert(R::SPLIT_STAGES * R::STAGE_BYTES >= R::ACC * 128 * 4, "a warpgroup's sums fit the stages");
+        float* const handed = reinterpret_cast<float*>(smem + (ring.base - smem_address(smem))) + t;
+        consumers_sync();
+        if (warpgroup == 2)
 #pragma unroll
-        for (int i = 0; i < R::ACC; ++i) handed[i * 128] = acc[i];
-      consumers_sync();
-      if (warpgroup == 2) return;
+          for (int i = 0; i < R::ACC; ++i) handed[i * 128] = acc[i];
+        consumers_sync();
+        if (warpgroup == 2) return;
 #pragma unroll
-      for (int i = 0; i < R::ACC; ++i) acc[i] = mdsl_act::gated(acc[i], handed[i * 128], act);
-    }
-    // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores:
-    // `out` may be `residual` (added in place), so a load is not moved above an earlier store, and a load, add
-    // and store one value after another would wait out a memory latency per value (a grid of splits writes
-    // partials: the tile's last block adds the residual)
-    constexpr int BATCH = R::ACC < 16 ? R::ACC : 16;
-    const bool adds = residual && (splits == 1 || in_block);
-#pragma unroll
-    for (int b0 = 0; b0 < R::ACC; b0 += BATCH) {
-      float add[BATCH];
-#pragma unroll
-      for (int b = 0; b < BATCH; ++b) {
-        const int j = (b0 + b) / 4, e = (b0 + b) % 4;
-        const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
-        add[b] = adds && f0 + cc < n && r < rows
-                     ? residual[static_cast<long long>(r) * out_width + offset + col0 + cc] : 0.0f;
+        for (int i = 0; i < R::ACC; ++i) acc[i] = mdsl_act::gated(acc[i], handed[i * 128], act);
       }
+      // the sums stored 16 (or ACC) at a time, each batch's residual values loaded before any of its stores:
+      // `out` may be `residual` (added in place), so a load is not moved above an earlier store, and a load, add
+      // and store one value after another would wait out a memory latency per value (a grid of splits writes
+      // partials: the tile's last block adds the residual)
+      constexpr int BATCH = R::ACC < 16 ? R::ACC : 16;
+      const bool adds = residual != nullptr;
 #pragma unroll
-      for (int b = 0; b < BATCH; ++b) {
-        const int j = (b0 + b) / 4, e = (b0 + b) % 4;
-        const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
-        if (f0 + (gated ? cc % HALF : cc) < n && r < rows) {   // (gated: the up's partials at HALF on)
-          const float v = acc[b0 + b];
-          if ((splits == 1 || in_block) && gated && handed)
-            handed[static_cast<long long>(r) * out_width + offset + col0 + cc] = from_float<W>(v);
-          else if (splits == 1 || in_block)
-            out[static_cast<long long>(r) * out_width + offset + col0 + cc] = adds ? add[b] + v : v;
-          else
-            part[(static_cast<long long>(blockIdx.z) * rows + r) * width + blockIdx.y * FEATURES + cc] = v;
+      for (int b0 = 0; b0 < R::ACC; b0 += BATCH) {
+        float add[BATCH];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+          const int j = (b0 + b) / 4, e = (b0 + b) % 4;
+          const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
+          add[b] = adds && f0 + cc < n && r < rows
+                       ? residual[static_cast<long long>(r) * out_width + offset + col0 + cc] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+          const int j = (b0 + b) / 4, e = (b0 + b) % 4;
+          const int cc = c + 8 * (e / 2), r = r0 + 8 * j + q + e % 2;
+          if (f0 + cc < n && r < rows) {
+            const float v = acc[b0 + b];
+            if (gated && handed)
+              handed[static_cast<long long>(r) * out_width + offset + col0 + cc] = from_float<W>(v);
+            else
+              out[static_cast<long long>(r) * out_width + offset + col0 + cc] = adds ? add[b] + v : v;
+          }
         }
       }
     }
   }
-  if (splits == 1 || in_block) return;
-  // the tile's last block to finish sums the splits' partials in split order
+  if (whole) return;
+  // the tile's last block to finish sums the partials in split order
   __threadfence();
   __syncthreads();
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   if (threadIdx.x == 0) {
-    last = atomicAdd(arrivals + tile, 1) == splits - 1;
+    last = atomicAdd(arrivals + tile, 1) == gridDim.z - 1;
     if (last) arrivals[tile] = 0;   // ready for the next launch
   }
   __syncthreads();
@@ -419,11 +441,11 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   __threadfence();
   const long long first_out = static_cast<long long>(offset) + col0;
   if (gated)
-    fold_splits<W, RN, true>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, splits, r0, n - f0,
-                             first_out, out_width, act);
+    fold_splits<W, RN, true>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, slot(splits - 1) + 1,
+                             r0, n - f0, first_out, out_width, act);
   else
-    fold_splits<W, RN, false>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, splits, r0, n - f0,
-                              first_out, out_width, act);
+    fold_splits<W, RN, false>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES,
+                              slot(splits - 1) + 1, r0, n - f0, first_out, out_width, act);
 }
 
 }  // namespace serve_tc

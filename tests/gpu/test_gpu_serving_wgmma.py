@@ -2,8 +2,8 @@
 out = x @ [weights side by side].T (+ residual, also in place), x rounded to the weights' bf16, agrees with
 float64 within float32 summation, for ragged column counts, k not a multiple of the 64-wide stage, every row
 tile and split; and a row's result is bit-identical whatever the step's row count and the row's place in it,
-its k splits in blocks of their own or one after another in one block (the batch invariance the serving
-device promises, which rests on wgmma's sums not depending on the instruction's n)."""
+its k splits in blocks of their own, in runs of several a block or one after another in one block (the batch
+invariance the serving device promises, which rests on wgmma's sums not depending on the instruction's n)."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,7 +28,7 @@ def _operand(ptr, shape, dtype):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k,sizes", [(352, [200, 72, 72]), (1024, [512]), (64, [40, 130]), (4096, [384, 128]),
-                                     (1024, [4096, 4096, 2048])])
+                                     (1024, [4096, 4096, 2048]), (4096, [4096]), (4096, [2560])])
 def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_step(k, sizes):
     if not _hopper():
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
@@ -76,6 +76,8 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
     if sum(sizes) > 8192:   # (the splits in blocks of their own at a few rows, in one block at 256: same bits)
         assert splits > 1 and split_blocks(tiles, 1, splits, dev.sms) == splits
         assert split_blocks(tiles, -(-256 // row_tile(256)), splits, dev.sms) == 1
+    if sizes in ([4096], [2560]):   # (past one row tile, runs of splits in 2 and 3 blocks: same bits)
+        assert 1 < split_blocks(tiles, 2, splits, dev.sms) < splits
     for rows, got in results.items():   # bit for bit: row r alike in every step that holds it
         assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows
 
@@ -106,7 +108,7 @@ def test_the_gated_form_is_the_activated_product_of_the_plain_ones_and_each_row_
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     from mdsl.gpu.driver import check, driver
     from mdsl.ir.dtypes import bf16, f32, round_to_dtype
-    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears
+    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, launch_grid
 
     rng = np.random.default_rng(k + half)
     max_rows = 256
@@ -138,6 +140,9 @@ def test_the_gated_form_is_the_activated_product_of_the_plain_ones_and_each_row_
         results[rows] = got[:rows, :half].copy()
     for rows, got in results.items():
         assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows
+    if (k, half) == (4096, 1536):   # (past one row tile, runs of splits in two blocks: the same bits)
+        (_, _, blocks), splits = launch_grid(256, [half, half], k, dev.sms, gated=True)
+        assert 1 < blocks < splits
 
     # handed over: where the next launch loads its rows by TMA, the products go rounded to bf16 into the
     # buffer it reads instead (the float32 rows untouched), and it computes the bits it computes from the

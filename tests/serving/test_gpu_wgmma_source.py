@@ -123,25 +123,34 @@ def test_the_scratch_covers_the_partials_and_arrivals_of_the_largest_step():
     assert partials == max(qkv, down) and arrivals == 2 * 48
 
 
-def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_or_few_tiles_else_in_one_block():
-    # (8B's o, qkv and gate|up projections: 32, 48 and 192 tiles, k 4096)
-    for tiles in (32, 48, 192):
-        splits = G.wgmma_splits(tiles, 4096, H200_SMS)
-        assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                      # a decode step
-        assert G.split_blocks(tiles, 8, splits, H200_SMS) == (1 if 2 * 8 * tiles > H200_SMS else splits)
-    # at 256 rows (two row tiles): o's 64 tiles fill under half the SMs, q|k|v's 96 more
-    assert G.split_blocks(32, 2, 8, H200_SMS) == 8 and G.split_blocks(48, 2, 5, H200_SMS) == 1
+def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_and_past_it_in_as_many_as_fill_a_wave():
+    for tiles in range(1, 400, 3):
+        for k in (64, 1024, 4096, 12288):
+            splits = G.wgmma_splits(tiles, k, H200_SMS)
+            assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                  # a decode step
+            for row_tiles in (2, 3, 8):
+                blocks = G.split_blocks(tiles, row_tiles, splits, H200_SMS)
+                runs = -(-splits // blocks)
+                # no block without a split, one wave (or one block), and no fewer runs would fit the wave
+                assert 1 <= blocks <= splits and (blocks - 1) * runs < splits, (tiles, k, row_tiles)
+                assert blocks == 1 or blocks * tiles * row_tiles <= H200_SMS, (tiles, k, row_tiles)
+                fewer = runs - 1
+                assert fewer < 1 or -(-splits // fewer) * tiles * row_tiles > H200_SMS, (tiles, k, row_tiles)
+    # at 256 rows (two row tiles, k 4096): Qwen3-8B's o (and down) 64 tiles in two blocks of four of its 8
+    # splits; q|k|v's 96 and gate|up's 384 fill the SMs alone
+    assert G.split_blocks(32, 2, 8, H200_SMS) == 2 and G.split_blocks(48, 2, 5, H200_SMS) == 1
     assert G.split_blocks(192, 2, 2, H200_SMS) == 1 and G.split_blocks(66, 1, 4, H200_SMS) == 4
+    assert G.split_blocks(20, 2, 13, H200_SMS) == 3 and G.split_blocks(4, 2, 16, H200_SMS) == 16
 
 
-def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
+def test_only_an_unpaired_row_tile_runs_several_splits_in_one_block():
     # a ring of two blocks an SM has no room for the in-block splits' running sums (Ring::TOTAL_BYTES = 0): the
-    # host must never ask a paired row tile for them
+    # host must never give a paired row tile's first block a run of several splits
     for rows in (1, 8, 9, 32, 33, 64, 65, 128, 129, 256, 512):
         rn = G.row_tile(rows)
         for tiles, k in ((1, 64), (32, 4096), (48, 4096), (192, 4096), (32, 12288), (1187, 4096)):
             splits = G.wgmma_splits(tiles, k, H200_SMS)
-            if splits > 1 and G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) == 1:
+            if G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) < splits:
                 assert G.resident(rn) == 1 and G._totals(rn) == rn * G.FEATURES * 4, (rows, tiles, k)
 
 
@@ -149,7 +158,7 @@ def test_only_an_unpaired_row_tile_runs_its_splits_in_one_block():
     (1, 4096, [4096, 1024, 1024], (1, 48, 5), 5),            # Qwen3-8B's q|k|v at a decode step: one wave
     (1, 4096, [12288, 12288], (1, 192, 1), 1),               # gate|up: its tiles fill the wave alone
     (256, 4096, [4096, 1024, 1024], (2, 48, 1), 5),          # two row tiles, over half the SMs: in the block
-    (256, 4096, [4096], (2, 32, 8), 8),                      # o's: half the SMs or fewer: grid splits
+    (256, 4096, [4096], (2, 32, 2), 8),                      # o's: two blocks of four splits fill the wave
     (256, 1024, [4096, 4096, 2048], (2, 80, 1), 3),          # ... enough: the splits in the tile's block
 ])
 def test_a_launchs_grid_is_row_tiles_by_weight_tiles_by_split_blocks(rows, k, sizes, grid, splits):
