@@ -431,7 +431,9 @@ def _reshape_infer(types, a):
     return (x.with_shape(shape),)
 
 
-register(OpDef("reshape", "layout", frozenset({KERNEL}), 1, (AttrSpec("shape", "ints"),), _reshape_infer,
+# At the block level a reshape regroups a tile (the guided lifting places one where a tile holds whole groups:
+# mdsl.search.guided); a kernel-level one is a view of its operand.
+register(OpDef("reshape", "layout", KERNEL_AND_BLOCK, 1, (AttrSpec("shape", "ints"),), _reshape_infer,
                lambda xs, a: [np.reshape(xs[0], a["shape"])], doc="same elements in row-major order, new shape"))
 
 

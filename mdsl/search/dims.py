@@ -82,6 +82,35 @@ def _split(node: Node) -> DimFacts:
     return DimFacts(tuple(((0, k), (j, k)) for j in range(len(node.outputs)) for k in range(rank) if k != d))
 
 
+def reshape_ties(before: tuple, after: tuple) -> tuple:
+    """(dim of `before`, dim of `after`) pairs that a reshape from `before` to `after` splits alike: the dims
+    it keeps (a common prefix and a common suffix) and, where it splits one dim into several or merges
+    several into one, that one with the outermost of the several (of size over 1): n = g * s splits into
+    p contiguous parts of n exactly where g's p parts are whole groups of s (p divides g)."""
+    before, after = tuple(before), tuple(after)
+    head = 0
+    while head < min(len(before), len(after)) and before[head] == after[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(before), len(after)) - head and before[-1 - tail] == after[-1 - tail]:
+        tail += 1
+    ties = [(d, d) for d in range(head)]
+    ties += [(len(before) - 1 - t, len(after) - 1 - t) for t in range(tail)]
+    middle_before, middle_after = range(head, len(before) - tail), range(head, len(after) - tail)
+    one, several, flip = (middle_before, middle_after, False) if len(middle_before) == 1 else \
+        (middle_after, middle_before, True)
+    shape = after if not flip else before
+    outer = next((d for d in several if shape[d] > 1), None)
+    if len(one) == 1 and outer is not None:
+        ties.append((outer, one[0]) if flip else (one[0], outer))
+    return tuple(sorted(ties))
+
+
+def _reshape(node: Node) -> DimFacts:
+    ties = reshape_ties(node.inputs[0].shape, node.outputs[0].shape)
+    return DimFacts(tuple(((0, d), (0, e)) for d, e in ties))
+
+
 def _opaque(node: Node) -> DimFacts:
     return DimFacts()
 
@@ -100,7 +129,7 @@ def _accumulator(node: Node) -> DimFacts:
 
 
 _RULES = {"matmul": _matmul, "sum": _reduction, "mean": _reduction, "max": _reduction, "rms_norm": _rms_norm,
-          "transpose": _transpose, "concat": _concat, "split": _split, "reshape": _opaque}
+          "transpose": _transpose, "concat": _concat, "split": _split, "reshape": _reshape}
 #: op -> node -> its DimFacts; an op without its own rule: aligned if element-wise, an accumulator's rule if
 #: an accumulator, else opaque
 DIMS_RULES: RuleTable[Callable] = RuleTable(
@@ -143,6 +172,7 @@ class Labels(UnionFind):
     def __init__(self, graph: KernelGraph):
         self.parent: dict = {}
         self.sizes: dict = {}
+        self._gcd: Optional[dict] = None   # label -> the gcd of its dims' sizes (`size`), once labelling is done
         self.contractions: list = []  # (node, label, kind)
         for v in graph.inputs:
             self._add(v)
@@ -166,10 +196,16 @@ class Labels(UnionFind):
         return self._find((var_name, dim))
 
     def size(self, label) -> int:
-        """A label's size; a Zip's, the greatest common divisor of its members' (what a grid may split)."""
+        """A label's size; where its dims differ in size (a reshape's dim n and the outermost g of the dims
+        it splits n into) or for a Zip, the greatest common divisor of theirs (what a grid may split)."""
         if isinstance(label, Zip):
-            return math.gcd(*(self.sizes[member] for member in label.labels))
-        return self.sizes[label]
+            return math.gcd(*(self.size(member) for member in label.labels))
+        if self._gcd is None:
+            self._gcd = {}
+            for key, size in self.sizes.items():
+                root = self._find(key)
+                self._gcd[root] = math.gcd(self._gcd.get(root, 0), size)
+        return self._gcd[label]
 
     def dim_of(self, var, label) -> Optional[int]:
         """The dim of `var` that carries `label` (for a Zip: one of its members; None if none; the first if

@@ -40,7 +40,7 @@ from mdsl.ir.types import TensorType, Var, fresh_name
 from mdsl.ir.validate import input_tile_type, validate_kernel_graph
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
-from mdsl.search.dims import Labels, Zip
+from mdsl.search.dims import Labels, Zip, reshape_ties
 
 LOOP, POST = "loop", "post"
 _LOOPABLE = frozenset({"matmul", "sum", "mean", "max", "rms_norm"})
@@ -307,12 +307,37 @@ def _lift_concat(b: _Builder, node: Node) -> Lifted:
     return Lifted(b.emit("concat", [lv.var for lv in lvs], dim=dim), phase)
 
 
+def _lift_reshape(b: _Builder, node: Node) -> Lifted:
+    """A reshape of tiles that each hold whole groups: every dim the grid splits is one the reshape splits
+    alike (`dims.reshape_ties`: a dim it keeps, or a dim n of g * s elements and its groups' dim g, which
+    the grid splits into whole groups where its parts divide g), and the loop walks none of them. A block's
+    tile is then a contiguous run of the groups, and its reshape to the result's tile is the tile of the
+    result: the norm of a projection regrouped into heads runs on the product's tile."""
+    (x,) = (b.value(v) for v in node.inputs)
+    if not x.plain:
+        raise CannotLift("reshape of a value with a pending rescale or division")
+    src, out = node.inputs[0], node.outputs[0]
+    if b.has_loop_label(src) or b.has_loop_label(out):
+        raise CannotLift("reshape of a value along the loop label")
+    ties = reshape_ties(src.shape, out.shape)
+    tile = list(out.shape)
+    for label, parts in b.choice.grid:
+        d, e = b.labels.dim_of(src, label), b.labels.dim_of(out, label)
+        if parts == 1 or (d is None and e is None):
+            continue
+        if (d, e) not in ties or out.shape[e] % parts:
+            raise CannotLift("reshape of tiles that do not hold whole groups")
+        tile[e] //= parts
+    return Lifted(b.emit("reshape", [x.var], shape=tuple(tile)), x.phase)
+
+
 _CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
                    "norm": _lift_rms_norm}
 #: op -> (builder, node) -> Lifted, by the op's category
 LIFT_RULES: RuleTable[Callable] = RuleTable("guided lifting", Callable, "mdsl.search.guided (LIFT_RULES)",
                                             by_category=lambda op: _CATEGORY_RULES.get(op.category))
 LIFT_RULES.register("concat", _lift_concat)
+LIFT_RULES.register("reshape", _lift_reshape)
 
 
 # ---------------------------------------------------------------------------------------------

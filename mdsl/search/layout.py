@@ -1,8 +1,10 @@
 """Layout changes inside a part: moved to its boundary or cancelled, so that the rest lifts into one kernel.
 
-A layout operator has no block-level rule (`guided.LIFT_RULES`), so a part that contains one does not
-lift as it is. Two rewrites take most of them out of a part's interior, and what they cannot take out
-leaves the part as it was:
+A layout operator has no block-level rule (`guided.LIFT_RULES`) but a concat of whole rows and a reshape of
+tiles that hold whole groups, so a part that contains one mostly does not lift as it is. Two rewrites take
+most of them out of a part's interior; a reshape they cannot take out stays in the core (the lifting
+decides whether its tiles hold whole groups: a projection regrouped into heads and normalised per head),
+and any other leaves the part as it was:
 
 * **A view moves to the boundary.** A reshape launches nothing (`mdsl.lowering.views`): one that reads a part's
   input, or whose result only leaves the part, is a view around the kernel, not in it. Element-wise
@@ -19,8 +21,8 @@ leaves the part as it was:
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
 
-The result (`boundary_views`) is the part's views on its inputs, a *core* without layout operators,
-and the views of the core's results that the part returns; the core is what the lifting rules see. Each
+The result (`boundary_views`) is the part's views on its inputs, a *core* whose layout operators all
+lift (a concat of whole rows, a reshape that regroups whole tiles), and the views of the core's results that the part returns; the core is what the lifting rules see. Each
 rewrite computes the same function as the sub-program it came from (reshapes and transposes only move
 elements); the verifier checks the assembled candidate against the sub-program regardless.
 """
@@ -47,7 +49,7 @@ _ROUNDS = 64   # rewrites per part at most (each moves one operator one step or 
 
 @attrs.frozen
 class Wrapped:
-    """A part as views on its inputs, a core without layout operators and views of the core's results."""
+    """A part as views on its inputs, a core whose operators all lift and views of the core's results."""
 
     leading: tuple    # reshape and split nodes reading the part's inputs
     core: KernelGraph
@@ -278,10 +280,10 @@ def _carried(shape: tuple, full: tuple, target: tuple, node: Node, forward: bool
 
 
 def boundary_views(graph: KernelGraph, lift_rules) -> Optional[Wrapped]:
-    """The sub-program `graph` as views, a core without layout operators and views (see the module
-    docstring), or None where a layout operator stays inside (or there was none to move). `lift_rules`:
-    the block-level rules (`guided.LIFT_RULES`, which the caller passes: guided reads this module), which
-    every operator of the core must have."""
+    """The sub-program `graph` as views, a core without the layout operators they take out and views (see
+    the module docstring), or None where one without a block-level rule stays inside (or none moved).
+    `lift_rules`: the block-level rules (`guided.LIFT_RULES`, which the caller passes: guided reads this
+    module), which every operator of the core must have."""
     if not any(n.op in HANDLED for n in graph.nodes):
         return None
     r = _Rewrite(graph)
@@ -297,6 +299,8 @@ def boundary_views(graph: KernelGraph, lift_rules) -> Optional[Wrapped]:
     core = [n for n in r.nodes if n not in leading and n not in trailing]
     if not core or any(lift_rules.get(n.op) is None for n in core):
         return None
+    if not leading and not trailing and all(any(n is m for m in graph.nodes) for n in core):
+        return None   # nothing moved: the part lifts as it is, or not at all
     defined = {v.name for n in core for v in n.outputs}
     ins: dict = {}
     for n in core:

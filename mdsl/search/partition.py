@@ -5,8 +5,9 @@ rules, and the cheapest combination kept.
 together (`ordered`: a consumer right after its producer where it can be): a contiguous run is
 convex (no path leaves it and comes back), so it can be replaced by kernels that read what it reads and
 write what the rest of the program reads of it. A part has 2 to MAX_PART_NODES operators, all with a
-block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a layout
-op such as split, concat, transpose or reshape ends a part), connected through the tensors they pass
+block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a concat of
+whole rows, a reshape of tiles that hold whole groups) once its views move to its boundary
+(`mdsl.search.layout`), connected through the tensors they pass
 or share (a shared input joins independent products of it into one kernel: q, k and v). Each part is
 a program of its own, the *sub-program*, whose inputs are the values it reads from outside and whose
 outputs are the values read after it (or returned).
@@ -143,7 +144,7 @@ def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGrap
 def ordered(graph: KernelGraph) -> KernelGraph:
     """The program's nodes in a topological order that keeps chains together, so that a producer and
     its consumers can be one run: next comes a ready node with a block-level rule before one without
-    (a layout change waits while it can), then the one that reads the most recently computed value,
+    (a layout change that may move to a part's boundary waits while it can), then the one that reads the most recently computed value,
     then a sibling of the last node placed (an operator of its category reading a value it reads: two
     element-wise ops of one input, one kernel between them), then the program's own order. A program
     traced breadth first (a value used by a layout change and by an element-wise op, or by two
@@ -161,7 +162,8 @@ def ordered(graph: KernelGraph) -> KernelGraph:
 
     while len(order) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
-        pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None,
+        pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None
+                                         and graph.nodes[i].op not in HANDLED,
                                          max((done[p] for p in needs[i]), default=-1), sibling(i), -i))
         done[pick] = len(order)
         order.append(pick)
@@ -243,7 +245,9 @@ class Partition:
         part = _Part(start, stop, program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
-            if blocked is not None and blocked.op in HANDLED:
+            # layout changes move to the boundary where they can (views cost nothing); a reshape that
+            # stays inside lifts where the tiles hold whole groups (`guided`)
+            if (blocked is None or blocked.op in HANDLED) and any(n.op in HANDLED for n in nodes):
                 part.wrapped = boundary_views(program, LIFT_RULES)
             if blocked is not None and part.wrapped is None:
                 part.status, part.reason = UNLIFTABLE, _unliftable(blocked)

@@ -12,7 +12,8 @@ from mdsl.gpu import BACKENDS, has_gpu
 _ORDER = ("test_gpu_runtime", "test_gpu_ops", "test_gpu_coverage", "test_gpu_examples")
 #: The modules whose programs are built by harness.build: each of their tests runs once per backend
 #: (MDSL_GPU_BACKENDS=cuda or =ptx runs one of them).
-_PER_BACKEND = ("test_gpu_ops", "test_gpu_coverage", "test_gpu_examples", "test_gpu_fast_paths")
+_PER_BACKEND = ("test_gpu_ops", "test_gpu_coverage", "test_gpu_examples", "test_gpu_fast_paths",
+                "test_gpu_regrouped")
 
 
 def pytest_configure(config):

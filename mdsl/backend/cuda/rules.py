@@ -296,7 +296,14 @@ class Transpose(CudaRule):
 
 
 class Reshape(CudaRule):
-    """A view of the same row-major elements: no kernel, an alias."""
+    """A view of the same row-major elements: no kernel, an alias. On tiles, the elements copied in row-major
+    order into the result's tile (a tile's rows may be padded, so a regrouped tile is not a view of it)."""
+
+    def block(self, b, node: Node) -> None:
+        x, out = b.tile(node.inputs[0]), b.tile(node.output)
+        with b.threads.each(b.w, node.output.type.numel):
+            b.w(f"{out.at(offset('i', out.shape, out))} = "
+                f"mdsl::convert<{out.ctype}>({x.at(offset('i', x.shape, x))});")
 
     def kernel(self, program, index: int, node: Node) -> None:
         program.alias(node.output.name, node.inputs[0].name)

@@ -504,7 +504,17 @@ class Transpose(PtxRule):
 
 
 class Reshape(PtxRule):
-    """A view of the same row-major elements: no kernel, an alias."""
+    """A view of the same row-major elements: no kernel, an alias. On tiles, the elements copied in row-major
+    order into the result's tile (a tile's rows may be padded, so a regrouped tile is not a view of it)."""
+
+    def block(self, bk, node: Node) -> None:
+        fn, x, out = bk.fn, bk.tile(node.inputs[0]), bk.tile(node.output)
+
+        def element(i) -> None:
+            value = fn.load(x, fn.offset(i, x.shape, x))
+            fn.b.store(fn.convert(value, x.dtype, out.dtype), fn.address(out, fn.offset(i, out.shape, out)))
+
+        bk.threads.for_each(fn, node.output.type.numel, element)
 
     def kernel(self, program, index: int, node: Node) -> None:
         program.alias(node.output.name, node.inputs[0].name)

@@ -283,3 +283,11 @@ def test_warps_that_lack_their_last_mma_tile(name):
     graph = lora_tuned(k=64, columns=32) if name == "lora_tuned" else _some_warps_lack_a_tile()
     for options in (CudaOptions(), CudaOptions(register_accumulators=False)):
         check_simulated(graph, seed=10, options=options)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["groups-grid", "rows-and-groups-loop", "split-loop-combine"])
+def test_a_tile_regrouped_into_heads(name):
+    from tests.search.regrouped_plans import regrouped_candidates
+
+    check_simulated(regrouped_candidates()[name], seed=2)
