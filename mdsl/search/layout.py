@@ -22,9 +22,10 @@ and any other leaves the part as it was:
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
 
 The result (`boundary_views`) is the part's views on its inputs, a *core* whose layout operators all
-lift (a concat of whole rows, a reshape that regroups whole tiles), and the views of the core's results that the part returns; the core is what the lifting rules see. Each
-rewrite computes the same function as the sub-program it came from (reshapes and transposes only move
-elements); the verifier checks the assembled candidate against the sub-program regardless.
+lift (a concat of whole rows, a reshape that regroups whole tiles), and the views of the core's results
+that the part returns; the core is what the lifting rules see. Each rewrite computes the same function as
+the sub-program it came from (reshapes and transposes only move elements); the verifier checks the
+assembled candidate against the sub-program regardless.
 """
 from __future__ import annotations
 

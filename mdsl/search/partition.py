@@ -144,9 +144,10 @@ def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGrap
 def ordered(graph: KernelGraph) -> KernelGraph:
     """The program's nodes in a topological order that keeps chains together, so that a producer and
     its consumers can be one run: next comes a ready node with a block-level rule before one without
-    (a layout change that may move to a part's boundary waits while it can), then the one that reads the most recently computed value,
-    then a sibling of the last node placed (an operator of its category reading a value it reads: two
-    element-wise ops of one input, one kernel between them), then the program's own order. A program
+    (a layout change that may move to a part's boundary waits while it can), then the one that reads the
+    most recently computed value, then a sibling of the last node placed (an operator of its category
+    reading a value it reads: two element-wise ops of one input, one kernel between them), then the
+    program's own order. A program
     traced breadth first (a value used by a layout change and by an element-wise op, or by two
     products) then has its fusible consumers beside their producer."""
     producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
