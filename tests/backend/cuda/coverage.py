@@ -63,7 +63,7 @@ def elementwise(dtype, every_op: bool) -> Graph:
 
 def reductions(dtype, every_op: bool) -> Graph:
     """Block-level reductions over every dim, keepdim or not (`every_op`; else one), rms_norm and
-    concat over every dim, matmul (2-D, batched, broadcast batch), a rank-0 tile and an i32 tile."""
+    concat over every dim, a tile regrouped and back (`every_op`), matmul (2-D, batched, broadcast batch), a rank-0 tile and an i32 tile."""
     g = Graph(f"reductions_{dtype.name}")
     x = g.input("x", (4, 16, 64), dtype)
     w = g.input("w", (64, 32), dtype)
@@ -79,6 +79,9 @@ def reductions(dtype, every_op: bool) -> Graph:
     for dim in (0, 1, 2):
         b.output(b.op("accum", b.op("rms_norm", xt, dim=dim, eps=1e-5)), omap=(0,))
         b.output(b.op("accum", b.op("concat", xt, b.op("neg", xt), xt, dim=dim)), omap=(0,))
+    if every_op:   # a tile regrouped into groups of 16, normalised per group and regrouped back
+        groups = b.op("reshape", b.op("accum", xt), shape=(1, 16, 4, 16))
+        b.output(b.op("reshape", b.op("rms_norm", groups, dim=3, eps=1e-5), shape=(1, 16, 64)), omap=(0,))
     b.done()
     b = g.block(grid=(2,), forloop=2)
     a3, b2 = b.input(x, imap=(0,), fmap=2), b.input(w, fmap=0)
