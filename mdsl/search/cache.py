@@ -94,13 +94,16 @@ class PlanCache:
 
     def family_key(self, graph: KernelGraph, config: SearchConfig, searcher: Optional[dict] = None) -> str:
         """The key of the program's family: its plan key's material with every shape left out (ranks and
-        dtypes kept), so that the program at any size of any dim has it; a member is a program only once
+        dtypes kept; a reshape's target shape likewise), so that the program at any size of any dim has it; a member is a program only once
         its resized original equals the requested one (`family.retarget`)."""
         def shapeless(v) -> list:
             return [v.name, v.type.rank, v.dtype.name]
 
+        def attribute(name: str, value) -> list:   # a reshape's shape is a shape too: its rank kept
+            return [name, len(value)] if name == "shape" else [name, repr(value)]
+
         structure = {"inputs": [shapeless(v) for v in graph.inputs], "outputs": [shapeless(v) for v in graph.outputs],
-                     "nodes": [[n.op, [[k, repr(a)] for k, a in n.attrs], [shapeless(v) for v in n.inputs],
+                     "nodes": [[n.op, [attribute(k, a) for k, a in n.attrs], [shapeless(v) for v in n.inputs],
                                 [shapeless(v) for v in n.outputs], n.body is not None] for n in graph.nodes]}
         material = {"schema": SCHEMA, "family": structure, "config": config.cache_fields(), "arch": config.arch,
                     "mdsl_version": mdsl_version(), "searcher": searcher or {}}

@@ -13,8 +13,8 @@ from mdsl.search.guided import LIFT_RULES, Choice, lift
 from mdsl.search.layout import boundary_views
 
 
-def regrouped_candidates(rows: int = 4, k: int = 256, n: int = 256, group: int = 64) -> dict:
-    """name -> the whole program with its core lifted under one choice (the views around it kept)."""
+def regrouped_program(rows: int = 4, k: int = 256, n: int = 256, group: int = 64) -> KernelGraph:
+    """x @ w regrouped into heads of `group` columns, normalised per head, weighted by g and regrouped back."""
     heads = n // group
 
     @mdsl.kernel(name="regrouped_heads")
@@ -22,7 +22,13 @@ def regrouped_candidates(rows: int = 4, k: int = 256, n: int = 256, group: int =
         h = mdsl.reshape(x @ w, rows, heads, group)
         return mdsl.reshape(mdsl.rms_norm(h, eps=1e-6) * g, rows, n)
 
-    graph: KernelGraph = program.graph
+    return program.graph
+
+
+def regrouped_candidates(rows: int = 4, k: int = 256, n: int = 256, group: int = 64) -> dict:
+    """name -> the whole program with its core lifted under one choice (the views around it kept)."""
+    heads = n // group
+    graph = regrouped_program(rows, k, n, group)
     wrapped = boundary_views(graph, LIFT_RULES)
     labels = Labels(wrapped.core)
     row, column = (labels.label(wrapped.core.nodes[0].outputs[0].name, d) for d in (0, 1))

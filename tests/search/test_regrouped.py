@@ -4,6 +4,8 @@ reshape's dim ties (mdsl/search/dims.py), its block-level lifting where a tile h
 verified kernel, or leaving it apart where tiles cannot hold whole groups."""
 from __future__ import annotations
 
+import json
+
 import attrs
 import numpy as np
 import pytest
@@ -17,9 +19,12 @@ from mdsl.ir.types import TensorType, Var
 from mdsl.passes.verify import verify
 from mdsl.search.config import SearchConfig
 from mdsl.search.dims import Labels, reshape_ties
-from mdsl.search.engine import search
+from mdsl.search.cache import PlanCache
+from mdsl.search.engine import optimize, search
 from mdsl.search.guided import LIFT_RULES, CannotLift, Choice, lift
 from mdsl.search.layout import boundary_views
+from mdsl.search.resize import JointLabels
+from tests.search.regrouped_plans import regrouped_candidates, regrouped_program
 
 CONFIG = SearchConfig(budget_s=120, workers=1, exhaustive=False)
 
@@ -146,3 +151,45 @@ def test_a_regrouped_norm_too_small_to_pay_for_its_split_is_left_apart_by_the_co
     plan = search(graph, CONFIG).plan()
     assert plan.cost.launches == plan.original_cost.launches == 2
     assert "the cost model estimates them faster apart" in plan.explain(), plan.explain()
+
+
+@pytest.mark.parametrize("name", ["groups-grid", "rows-and-groups-loop", "split-loop-combine"])
+def test_a_regrouped_candidate_resizes_with_its_rows_its_reshapes_with_them(name):
+    original, candidate = regrouped_program(rows=4), regrouped_candidates(rows=4)[name]
+    labels = JointLabels([original, candidate])
+    rows = labels.original_label(original.outputs[0], 0)
+    (resized_original, resized), fixed = labels.resized(lambda label, n: 2 * n if label == rows else n)
+    assert rows not in fixed
+    assert resized_original == regrouped_program(rows=8)
+    def shapes(graph):   # the reshapes' shapes: the program's, then those of the blocks' tiles
+        return ([n.attr("shape") for n in graph.nodes if n.op == "reshape"],
+                [m.attr("shape") for n in graph.nodes if n.body is not None for m in n.body.nodes if m.op == "reshape"])
+
+    (views, tiles), (views_before, tiles_before) = shapes(resized), shapes(candidate)
+    assert views and all(s[0] == 8 for s in views), views
+    assert tiles and [s[0] for s in tiles] == [2 * s[0] for s in tiles_before], (tiles, tiles_before)   # the grid kept
+    _same_function(resized_original, resized)
+
+
+def test_a_reshape_whose_result_dims_are_not_its_operands_keeps_the_resize_from_its_rows():
+    @mdsl.kernel(name="rows_into_columns")
+    def program(x: Tensor[4, 64, f16]):
+        return mdsl.reshape(x, 2, 128) * 2.0   # rows merged into columns: no dim of the result is x's rows
+
+    labels = JointLabels([program.graph])
+    rows = labels.label((0,), program.graph.inputs[0].name, 0)
+    (resized,), fixed = labels.resized(lambda label, n: 2 * n if label == rows else n)
+    assert rows in fixed and resized == program.graph
+
+
+@pytest.mark.timeout(300)
+def test_a_fused_regrouped_norm_serves_other_row_counts_without_a_search(tmp_path):
+    config = SearchConfig(budget_s=120, workers=1, exhaustive=False, work=2000)
+    cache = PlanCache(tmp_path / "cache")
+    searched = optimize(_heads(rows=8), config, cache=cache)
+    assert searched.cost.launches == 1 and searched.family is not None and 16 in searched.family.sizes, str(searched)
+    log = tmp_path / "sixteen.jsonl"
+    member = optimize(_heads(rows=16), config, cache=cache, log_path=log)
+    assert [json.loads(line)["event"] for line in log.read_text().splitlines()] == ["family_hit"]   # no search
+    assert member.original == _heads(rows=16) and member.cost.launches == 1 and member.evidence.equivalent
+    _same_function(_heads(rows=16), member.graph)
