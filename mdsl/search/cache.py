@@ -94,8 +94,8 @@ class PlanCache:
 
     def family_key(self, graph: KernelGraph, config: SearchConfig, searcher: Optional[dict] = None) -> str:
         """The key of the program's family: its plan key's material with every shape left out (ranks and
-        dtypes kept; a reshape's target shape likewise), so that the program at any size of any dim has it; a member is a program only once
-        its resized original equals the requested one (`family.retarget`)."""
+        dtypes kept; a reshape's target shape likewise), so that the program at any size of any dim has it;
+        a member is a program only once its resized original equals the requested one (`family.retarget`)."""
         def shapeless(v) -> list:
             return [v.name, v.type.rank, v.dtype.name]
 

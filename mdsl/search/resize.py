@@ -18,14 +18,13 @@ of its dims: a tensor's, and its tiles' (the tensor divided by the grid parts an
 split it).
 
 **Resizing.** Multiplying every extent of a label by one factor keeps each tile the same fraction of its
-tensor, so grids, loops and maps stay as they are and each node computes the same function of its
-(smaller or larger) operands. Every node's types are inferred again at every level (a reshape's shape
-taken from its result's resized dims); a node that disagrees (a reshape whose element counts no longer
-match, a split's sizes, a concat's sum, a grid that no longer divides) fixes the labels it touches at
-their sizes and the resize is tried again. Labels whose size a float constant may
-encode (n, 1/n, √n, 1/√n: a mean's 1/n, an attention scale; `sizes_in_constants`) keep their size,
-since a candidate that reads the size through a constant would differ from an original that reads it
-through its shape.
+tensor, so grids, loops and maps stay as they are and each node computes the same function of its (smaller or
+larger) operands. Every node's types are inferred again at every level (a reshape's shape taken from its
+result's resized dims); a node that disagrees (a reshape whose element counts no longer match, a split's
+sizes, a concat's sum, a grid that no longer divides) fixes the labels it touches at their sizes and the
+resize is tried again. Labels whose size a float constant may encode (n, 1/n, √n, 1/√n: a mean's 1/n, an
+attention scale; `sizes_in_constants`) keep their size, since a candidate that reads the size through a
+constant would differ from an original that reads it through its shape.
 """
 from __future__ import annotations
 
@@ -194,8 +193,8 @@ class JointLabels(UnionFind):
         if node.body is None:
             # a reshape's shape is its result's, each dim resized with its label (a result dim its rule does not
             # tie to an operand's keeps its size: the element counts then disagree and the resize fixes them)
-            node_attrs = tuple((name, tuple(want[0].shape) if name == "shape" else value) for name, value in node.attrs) \
-                if node.op == "reshape" else node.attrs
+            node_attrs = node.attrs if node.op != "reshape" else \
+                tuple((name, tuple(want[0].shape) if name == "shape" else value) for name, value in node.attrs)
             try:
                 got = list(node.opdef.infer_types(tuple(a.type for a in args), node_attrs))
             except (MdslError, ValueError):

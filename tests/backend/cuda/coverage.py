@@ -63,7 +63,8 @@ def elementwise(dtype, every_op: bool) -> Graph:
 
 def reductions(dtype, every_op: bool) -> Graph:
     """Block-level reductions over every dim, keepdim or not (`every_op`; else one), rms_norm and
-    concat over every dim, a tile regrouped and back (`every_op`), matmul (2-D, batched, broadcast batch), a rank-0 tile and an i32 tile."""
+    concat over every dim, a tile regrouped and back (`every_op`), matmul (2-D, batched, broadcast
+    batch), a rank-0 tile and an i32 tile."""
     g = Graph(f"reductions_{dtype.name}")
     x = g.input("x", (4, 16, 64), dtype)
     w = g.input("w", (64, 32), dtype)
