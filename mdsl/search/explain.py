@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
+
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.gemm import library_read_transposes
 from mdsl.lowering.views import is_view, launches_nothing, views_and_copy_reasons
 from mdsl.search.cost import estimate
-from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE, ordered
+from mdsl.search.partition import DEAR, DISCONNECTED, FUSED, NO_LIFT, NOT_TRIED, SCREENED_OUT, UNLIFTABLE
 from mdsl.search.records import Boundary
 from mdsl.search.stats import SearchStats
 
@@ -31,7 +33,7 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     record = stats.partition or {}
     unchanged = chosen.key == original.key
     if record:   # the partition's spans index its order of the nodes
-        original = ordered(original)
+        original = attrs.evolve(original, nodes=[original.nodes[k] for k in record["order"]])
     n = len(original.nodes)
     runs = _runs(original, chosen, record, unchanged)
     out = []

@@ -1,16 +1,18 @@
 """Partial fusion: a program cut into parts, each part superoptimized by the guided generator's lifting
 rules, and the cheapest combination kept.
 
-**Parts** are runs of consecutive operators in a topological order of the program that keeps chains
-together (`ordered`: a consumer right after its producer where it can be): a contiguous run is
-convex (no path leaves it and comes back), so it can be replaced by kernels that read what it reads and
-write what the rest of the program reads of it. A part has 2 to MAX_PART_NODES operators, all with a
-block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a concat of
-whole rows, a reshape of tiles that hold whole groups) once its views move to its boundary
-(`mdsl.search.layout`), connected through the tensors they pass
-or share (a shared input joins independent products of it into one kernel: q, k and v). Each part is
-a program of its own, the *sub-program*, whose inputs are the values it reads from outside and whose
-outputs are the values read after it (or returned).
+**Parts** are runs of consecutive operators in a topological order of the program that keeps chains together
+(`order`: a consumer right after its producer where it can be): a contiguous run is convex (no path leaves
+it and comes back), so it can be replaced by kernels that read what it reads and write what the rest of the
+program reads of it. Where a value has both a reader of the newest value and a sibling reader ready (a norm
+read by two products, one of which feeds a third), a second order puts the sibling first (`orders`); the
+program is partitioned in each, a set of operators that is a run of both is one part lifted once, and the
+order whose best combination costs less is kept (`analysed`). A part has 2 to MAX_PART_NODES operators, all
+with a block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a concat
+of whole rows, a reshape of tiles that hold whole groups) once its views move to its boundary
+(`mdsl.search.layout`), connected through the tensors they pass or share (a shared input joins independent
+products of it into one kernel: q, k and v). Each part is a program of its own, the *sub-program*, whose
+inputs are the values it reads from outside and whose outputs are the values read after it (or returned).
 
 **Superoptimizing a part**: `guided.lift_all` lifts the sub-program under each structure's smallest tiles
 (a probe), and the parts the best combination uses under every grid/loop choice (`Partition.analyse`), so
@@ -104,8 +106,6 @@ FUSED, UNLIFTABLE, DISCONNECTED, NO_LIFT, SCREENED_OUT, NOT_TRIED, DEAR = (
 
 @attrs.define
 class _Part:
-    start: int
-    stop: int
     program: KernelGraph
     status: str = NOT_TRIED
     reason: str = ""
@@ -113,10 +113,6 @@ class _Part:
     refined: bool = False         # lifted under every choice, not only each structure's probe
     wrapped: Optional[Wrapped] = None   # its layout changes moved to its boundary (`layout.boundary_views`)
     options: list = attrs.field(factory=list)   # [graph, cost, screened: None | True | failure reason]
-
-    @property
-    def span(self) -> str:
-        return f"{self.start}:{self.stop}"
 
     def current(self) -> Optional[list]:
         """The cheapest candidate that has neither failed its screen nor been left unscreened."""
@@ -141,34 +137,50 @@ def subprogram(graph: KernelGraph, start: int, stop: int) -> Optional[KernelGrap
     return KernelGraph(f"{graph.name}_part{start}_{stop}", list(inputs.values()), nodes, outputs)
 
 
-def ordered(graph: KernelGraph) -> KernelGraph:
-    """The program's nodes in a topological order that keeps chains together, so that a producer and
-    its consumers can be one run: next comes a ready node with a block-level rule before one without
+def ordered(graph: KernelGraph, siblings_first: bool = False) -> KernelGraph:
+    """The program with its nodes in `order`."""
+    return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order(graph, siblings_first)])
+
+
+def order(graph: KernelGraph, siblings_first: bool = False) -> list:
+    """The program's nodes (their indices) in a topological order that keeps chains together, so that a
+    producer and its consumers can be one run: next comes a ready node with a block-level rule before one without
     (a layout change that may move to a part's boundary waits while it can), then the one that reads the
     most recently computed value, then a sibling of the last node placed (an operator of its category
     reading a value it reads: two element-wise ops of one input, one kernel between them), then the
-    program's own order. A program
-    traced breadth first (a value used by a layout change and by an element-wise op, or by two
-    products) then has its fusible consumers beside their producer."""
+    program's own order. A program traced breadth first (a value used by a layout change and by an
+    element-wise op, or by two products) then has its fusible consumers beside their producer.
+    `siblings_first` puts a sibling before the reader of the newest value: a norm read by two products,
+    one of which feeds a third, then has the norm and both products in one run (the chain's order has the
+    norm, the first product and its consumer)."""
     producer = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     needs = [{producer[v.name] for v in n.inputs if v.name in producer} for n in graph.nodes]
     done: dict = {}   # node index -> its position in the new order
-    order = []
+    placed = []
 
     def sibling(i: int) -> bool:
-        last = graph.nodes[order[-1]] if order else None
+        last = graph.nodes[placed[-1]] if placed else None
         node = graph.nodes[i]
         return last is not None and last.opdef.category == node.opdef.category and \
             bool({v.name for v in last.inputs} & {v.name for v in node.inputs})
 
-    while len(order) < len(graph.nodes):
+    def key(i: int) -> tuple:
+        liftable = LIFT_RULES.get(graph.nodes[i].op) is not None and graph.nodes[i].op not in HANDLED
+        recent = max((done[p] for p in needs[i]), default=-1)
+        return (liftable, sibling(i), recent, -i) if siblings_first else (liftable, recent, sibling(i), -i)
+
+    while len(placed) < len(graph.nodes):
         ready = [i for i in range(len(graph.nodes)) if i not in done and needs[i] <= done.keys()]
-        pick = max(ready, key=lambda i: (LIFT_RULES.get(graph.nodes[i].op) is not None
-                                         and graph.nodes[i].op not in HANDLED,
-                                         max((done[p] for p in needs[i]), default=-1), sibling(i), -i))
-        done[pick] = len(order)
-        order.append(pick)
-    return attrs.evolve(graph, nodes=[graph.nodes[i] for i in order])
+        pick = max(ready, key=key)
+        done[pick] = len(placed)
+        placed.append(pick)
+    return placed
+
+
+def orders(graph: KernelGraph) -> list:
+    """The orders a partition cuts into runs: chains first, and siblings first where that differs."""
+    first, second = order(graph), order(graph, siblings_first=True)
+    return [first] if first == second else [first, second]
 
 
 def _connected(nodes) -> bool:
@@ -192,15 +204,21 @@ def _connected(nodes) -> bool:
 
 
 class Partition:
-    """One program's parts, their candidates and the best combination (see the module docstring)."""
+    """One program's parts in one order of its nodes, their candidates and the best combination (see the
+    module docstring). Partitions of the same program in other orders share `lifted`: a part is one set of
+    operators, whichever order makes it a run, and is lifted once."""
 
     def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats, *,
-                 max_flops: Optional[int] = None, work: str = "partition"):
+                 max_flops: Optional[int] = None, work: str = "partition", nodes: Optional[list] = None,
+                 lifted: Optional[dict] = None):
         """`max_flops`: parts of more floating-point work are left out (`generate_cheap`); `work`: the
-        work allowance its liftings spend (its screens spend `work` + " screens")."""
-        graph = ordered(graph)
+        work allowance its liftings spend (its screens spend `work` + " screens"); `nodes`: the order (node
+        indices of `graph`; default `order`); `lifted`: the parts already found in other orders."""
+        self.order = order(graph) if nodes is None else list(nodes)
+        graph = attrs.evolve(graph, nodes=[graph.nodes[i] for i in self.order])
         self.graph, self.config, self.stats = graph, config, stats
         self.max_flops, self.work, self.screen_work = max_flops, work, f"{work} screens"
+        self.lifted = {} if lifted is None else lifted   # frozenset of node indices (the program's) -> _Part
         self.n = len(graph.nodes)
         single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
         # A transpose that cuBLAS reads in place (its readers are library GEMMs: mdsl.lowering.gemm) costs
@@ -215,15 +233,22 @@ class Partition:
     # -- the parts -------------------------------------------------------------------------------
 
     def analyse(self) -> None:
-        """Every part probed, shortest first (each fusion of two operators before the longer ones), then
-        refined: the parts of the best combination lifted under every choice, the combination solved
-        again, until it uses refined parts only; then the other parts that lift, those whose probes save
-        the most against their operators apart first."""
+        """`probe`, `refine`, then `refine_rest`."""
+        self.probe()
+        self.refine()
+        self.refine_rest()
+
+    def probe(self) -> None:
+        """Every part probed, shortest first (each fusion of two operators before the longer ones)."""
         for length in range(2, min(MAX_PART_NODES, self.n) + 1):
             for start in range(0, self.n - length + 1):
                 part = self._part(start, start + length)
                 if part is not None and part.status == NOT_TRIED and not self.stopped:
                     self._lift(part, refine=False)
+
+    def refine(self) -> None:
+        """The parts of the best combination lifted under every choice, the combination solved again, until
+        it uses refined parts only."""
         while not self.stopped:
             pending = [self.parts[i, j] for i, j, option in self.best()
                        if option is not None and not self.parts[i, j].refined]
@@ -232,18 +257,28 @@ class Partition:
             for part in pending:
                 if not self.stopped:
                     self._lift(part, refine=True)
-        rest = sorted((p for p in self.parts.values() if p is not None and p.status == FUSED and not p.refined),
-                      key=lambda p: (self._apart(p) - p.options[0][1].seconds, p.stop - p.start), reverse=True)
-        for part in rest:
-            if not self.stopped:
-                self._lift(part, refine=True)
+
+    def refine_rest(self) -> None:
+        """The other parts that lift, under every choice, those whose probes save the most against their
+        operators apart first."""
+        rest = sorted(((i, j) for (i, j), p in self.parts.items()
+                       if p is not None and p.status == FUSED and not p.refined),
+                      key=lambda s: (self._apart(*s) - self.parts[s].options[0][1].seconds, s[1] - s[0]),
+                      reverse=True)
+        for span in rest:
+            if not self.stopped and not self.parts[span].refined:
+                self._lift(self.parts[span], refine=True)
 
     def _part(self, start: int, stop: int) -> Optional[_Part]:
         if (start, stop) in self.parts:
             return self.parts[start, stop]
+        key = frozenset(self.order[start:stop])
+        if key in self.lifted:
+            self.parts[start, stop] = self.lifted[key]
+            return self.lifted[key]
         nodes = self.graph.nodes[start:stop]
         program = subprogram(self.graph, start, stop)
-        part = _Part(start, stop, program) if program is not None else None
+        part = _Part(program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
             # layout changes move to the boundary where they can (views cost nothing); a reshape that
@@ -258,12 +293,12 @@ class Partition:
                 part.status = DEAR
                 part.reason = (f"it is dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP), so it comes "
                                "after the cheap parts")
-        self.parts[start, stop] = part
+        self.parts[start, stop] = self.lifted[key] = part
         return part
 
-    def _apart(self, part: _Part) -> float:
-        """The part's operators' estimated seconds, each a kernel of its own."""
-        return sum(s.seconds for s in self.single[part.start:part.stop])
+    def _apart(self, start: int, stop: int) -> float:
+        """The estimated seconds of the operators start..stop-1, each a kernel of its own."""
+        return sum(s.seconds for s in self.single[start:stop])
 
     def _lift(self, part: _Part, refine: bool) -> None:
         """Lift the part under each structure's probe (`guided.lift_all`'s probes_only), or, to `refine`
@@ -315,6 +350,15 @@ class Partition:
             j = i
         return out[::-1]
 
+    def total(self, combination: list) -> tuple:
+        """A combination's estimated (seconds, launches)."""
+        seconds, launches = 0.0, 0
+        for i, j, option in combination:
+            costs = [self.single[i]] if option is None else [option[1], *self._made(i, j)]
+            seconds += sum(c.seconds for c in costs)
+            launches += sum(c.launches for c in costs)
+        return seconds, launches
+
     def _made(self, i: int, j: int) -> list:
         """The costs of the transposes cuBLAS would read in place (`made_cost`) that nodes i .. j - 1 read:
         fused into a part's kernel, they read the transpose's value, which must then be made."""
@@ -365,13 +409,14 @@ class Partition:
             if part is None:
                 continue
             option = part.current()
-            parts[part.span] = {"status": part.status, "reason": part.reason, "complete": part.complete,
+            parts[f"{i}:{j}"] = {"status": part.status, "reason": part.reason, "complete": part.complete,
                                 "fused_s": option[1].seconds if option is not None else None,
                                 "launches": option[1].launches if option is not None else None,
                                 "copies": sum(k.name in ("split", "concat") for k in option[1].kernels)
                                 if option is not None else None,
-                                "apart_s": self._apart(part)}
-        return {"nodes": [_describe(n) for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
+                                "apart_s": self._apart(i, j)}
+        return {"nodes": [_describe(n) for n in self.graph.nodes], "order": list(self.order), "parts": parts,
+                "stopped": self.stopped,
                 "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,
                 "single_s": [s.seconds for s in self.single]}
 
@@ -438,7 +483,7 @@ def generate(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: O
     stats = stats if stats is not None else SearchStats()
     if len(graph.nodes) < 2:
         return
-    yield from _assemblies(Partition(graph, config, stats), stats)
+    yield from _assemblies(graph, config, stats)
 
 
 def generate_cheap(graph: KernelGraph, config: SearchConfig = SearchConfig(), stats: Optional[SearchStats] = None
@@ -448,13 +493,28 @@ def generate_cheap(graph: KernelGraph, config: SearchConfig = SearchConfig(), st
     stats = stats if stats is not None else SearchStats()
     if len(graph.nodes) < 2 or estimate(graph).flops <= DEAR_FLOPS:
         return
-    yield from _assemblies(Partition(graph, config, stats, max_flops=CHEAP_PART_FLOPS, work="cheap parts"), stats)
+    yield from _assemblies(graph, config, stats, max_flops=CHEAP_PART_FLOPS, work="cheap parts")
 
 
-def _assemblies(partition: Partition, stats: SearchStats) -> Iterator[KernelGraph]:
+def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> Partition:
+    """The program partitioned in each of its `orders` (sharing the parts they have in common: probed in
+    every order before any is refined), the one whose screened best combination costs least."""
+    lifted: dict = {}
+    partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in orders(graph)]
+    for step in (Partition.probe, Partition.refine, Partition.refine_rest):
+        for partition in partitions:
+            step(partition)
+    costs = [partition.total(partition.screened_best()) for partition in partitions]
+    chosen = partitions[costs.index(min(costs))]
+    chosen.stopped = next((p.stopped for p in partitions if p.stopped), "")
+    return chosen
+
+
+def _assemblies(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> Iterator[KernelGraph]:
     assemblies: dict = {}
+    partition: Optional[Partition] = None
     try:
-        partition.analyse()
+        partition = analysed(graph, config, stats, **options)
         combination = partition.screened_best()
         fused = [(i, j) for i, j, o in combination if o is not None]
         plans = [combination] if fused else []
@@ -472,20 +532,40 @@ def _assemblies(partition: Partition, stats: SearchStats) -> Iterator[KernelGrap
                 primary = candidates[0].graph.key if candidates else None
                 candidates.append(Assembly(candidate, parts, primary))
     finally:   # also when the search stops it early: the explanation reads what it learned
-        stats.partition = _merged_record(partition.record(assemblies), stats.partition)
+        if partition is not None:
+            stats.partition = _merged_record(partition.record(assemblies), stats.partition)
     yield from candidates
 
 
 def _merged_record(record: dict, earlier: Optional[dict]) -> dict:
     """`record` with what an earlier analysis of the same program (`generate_cheap`'s) found that it does
     not have: that one's assemblies after its own (the first is the analysis' best), and its parts where
-    this one has none or did not try them."""
+    this one has none or did not try them (an earlier span that is no run of this record's order is left
+    out)."""
     if not earlier:
         return record
-    assemblies = {**record["assemblies"], **{k: v for k, v in earlier["assemblies"].items()
-                                             if k not in record["assemblies"]}}
+    moved = _span_mover(earlier["order"], record["order"])
+    assemblies = {**record["assemblies"]}
+    for key, spans in earlier["assemblies"].items():
+        runs = [moved(i, j) for i, j in spans]
+        if key not in assemblies and None not in runs:
+            assemblies[key] = [list(run) for run in runs]
     parts = dict(record["parts"])
     for span, part in earlier["parts"].items():
+        run = moved(*map(int, span.split(":")))
+        if run is None:
+            continue
+        span = f"{run[0]}:{run[1]}"
         if span not in parts or (parts[span]["status"] == NOT_TRIED and part["status"] != DEAR):
             parts[span] = part
     return {**record, "assemblies": assemblies, "parts": parts}
+
+
+def _span_mover(before: list, after: list):
+    """(i, j) -> the run of the `after` order holding the nodes before[i:j], or None where they are no run."""
+    at = {node: k for k, node in enumerate(after)}
+
+    def moved(i: int, j: int) -> Optional[tuple]:
+        places = sorted(at[node] for node in before[i:j])
+        return (places[0], places[-1] + 1) if places[-1] - places[0] == j - i - 1 else None
+    return moved

@@ -303,3 +303,52 @@ def test_with_work_to_spare_every_part_that_lifts_is_lifted_under_every_choice()
     lifted = [p for p in part.parts.values() if p is not None and p.status == partition.FUSED]
     assert lifted and all(p.refined and p.complete for p in lifted)
     assert all(p.complete for p in part.parts.values() if p is not None and p.status == partition.NO_LIFT)
+
+
+def _norm_siblings_and_chain():
+    @mdsl.kernel
+    def siblings_and_chain(x: Tensor[8, 8192, f16], w0: Tensor[8192, 2048, f16], w1: Tensor[8192, 8192, f16],
+                           w2: Tensor[2048, 2048, f16]):
+        h = mdsl.rms_norm(x)      # (too large for one kernel with all three products)
+        a = h @ w0                # read by a third product: the chain's order places it right after a
+        return h @ w1, a @ w2
+    return siblings_and_chain.graph
+
+
+def test_siblings_first_is_a_second_order_whose_runs_hold_a_norm_and_both_products():
+    graph = _norm_siblings_and_chain()
+    chains, siblings = partition.orders(graph)
+    names = lambda nodes: [graph.nodes[k].op for k in nodes]
+    assert names(chains) == ["rms_norm", "matmul", "matmul", "matmul"]
+    first = {graph.nodes[k].outputs[0].name for k in chains[:3]}
+    second = {graph.nodes[k].outputs[0].name for k in siblings[:3]}
+    assert first != second and all(graph.nodes[k].inputs[0].name == graph.nodes[siblings[0]].outputs[0].name
+                                   for k in siblings[1:3])   # both products of the norm, then the chained one
+    # a program with no such choice has one order
+    assert len(partition.orders(_norm_matmul())) == 1
+
+
+def test_the_partition_keeps_the_order_whose_best_combination_costs_least_and_lifts_shared_parts_once():
+    graph = _norm_siblings_and_chain()
+    stats = SearchStats()
+    chosen = partition.analysed(graph, CONFIG, stats)
+    chains, siblings = partition.orders(graph)
+    assert chosen.order == siblings
+    combination = chosen.screened_best()
+    (fused,) = [(i, j) for i, j, o in combination if o is not None]
+    assert fused == (0, 3)   # the norm and both of its products: one kernel
+    # in the chains' order no run holds them, and no part of it fuses for less than its operators apart
+    other = partition.Partition(graph, CONFIG, SearchStats(), nodes=chains, lifted=chosen.lifted)
+    assert other._part(0, 2) is chosen.parts[0, 2]   # {norm, first product}: a run of both orders, one part
+    other.analyse()
+    assert all(o is None for _, _, o in other.screened_best())
+    assert chosen.total(combination) < other.total(other.screened_best())
+    # the plan's explanation reads the spans in the chosen order
+    best, *_ = partition.generate(graph, CONFIG, stats)
+    assert stats.partition["order"] == siblings and stats.partition["assemblies"][best.graph.key] == [[0, 3]]
+
+
+def test_an_earlier_records_spans_move_to_the_later_order_or_are_left_out():
+    moved = partition._span_mover([0, 1, 2, 3], [0, 2, 1, 3])
+    assert moved(0, 1) == (0, 1) and moved(1, 3) == (1, 3) and moved(0, 2) is None and moved(2, 4) is None
+    assert moved(0, 3) == (0, 3)
