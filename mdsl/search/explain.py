@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import attrs
-
 from mdsl.ir.graph import KernelGraph
 from mdsl.lowering.gemm import library_read_transposes
 from mdsl.lowering.views import is_view, launches_nothing, views_and_copy_reasons
@@ -32,8 +30,10 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     -> what the search did with it (verified, rejected and why, skipped and why)."""
     record = stats.partition or {}
     unchanged = chosen.key == original.key
-    if record:   # the partition's spans index its order of the nodes
-        original = attrs.evolve(original, nodes=[original.nodes[k] for k in record["order"]])
+    if chosen.key in record.get("copies", {}).get("assemblies", {}):
+        record = record["copies"]   # an assembly of the program with its values computed once per reader
+    if record:   # the partition's spans index its program's nodes, in its order
+        original = record["program"]
     n = len(original.nodes)
     runs = _runs(original, chosen, record, unchanged)
     out = []

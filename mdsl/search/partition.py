@@ -7,12 +7,17 @@ it and comes back), so it can be replaced by kernels that read what it reads and
 program reads of it. Where a value has both a reader of the newest value and a sibling reader ready (a norm
 read by two products, one of which feeds a third), a second order puts the sibling first (`orders`); the
 program is partitioned in each, a set of operators that is a run of both is one part lifted once, and the
-order whose best combination costs less is kept (`analysed`). A part has 2 to MAX_PART_NODES operators, all
-with a block-level rule (element-wise, matmul, reduction, norm: the guided generator's categories; a concat
-of whole rows, a reshape of tiles that hold whole groups) once its views move to its boundary
-(`mdsl.search.layout`), connected through the tensors they pass or share (a shared input joins independent
-products of it into one kernel: q, k and v). Each part is a program of its own, the *sub-program*, whose
-inputs are the values it reads from outside and whose outputs are the values read after it (or returned).
+order whose best combination costs less is kept (`analysed`). **Copies**: a value that several operators
+read, computed by an element-wise operator, can be the reason no kernel holds a fusion (writing it once for
+all its readers needs a tile no block holds: a scaled input that is returned and also read by a product);
+the program's `duplicated` form computes it once per reader, and is partitioned too, after the program as
+written, its best combination yielded before the program's where it is cheaper. A part has 2 to
+MAX_PART_NODES operators, all with a block-level rule (element-wise, matmul, reduction, norm: the guided
+generator's categories; a concat of whole rows, a reshape of tiles that hold whole groups) once its views
+move to its boundary (`mdsl.search.layout`), connected through the tensors they pass or share (a shared
+input joins independent products of it into one kernel: q, k and v). Each part is a program of its own, the
+*sub-program*, whose inputs are the values it reads from outside and whose outputs are the values read after
+it (or returned).
 
 **Superoptimizing a part**: `guided.lift_all` lifts the sub-program under each structure's smallest tiles
 (a probe), and the parts the best combination uses under every grid/loop choice (`Partition.analyse`), so
@@ -37,7 +42,8 @@ one kernel, or two for a split loop, from at least two operators).
 engine as an `Assembly`, which the verifier checks part by part at full size: each replacement
 against the sub-program it replaces, on inputs of the sub-program's own, with the finite-field and
 float tests of any candidate. The whole is then equivalent by substitution: every operator outside
-the parts is the original's, and a replacement equal to its sub-program as a function of the values
+the parts is the original's (or a copy of one, in the duplicated form, which computes the same values
+from the same inputs), and a replacement equal to its sub-program as a function of the values
 it reads leaves every later value unchanged. A part's tests pass a wrong replacement with probability
 at most its bound, so the assembly's bound is the sum of its parts' (a union bound). The operators
 left apart (often the largest products) are not evaluated at all, and the original's runs are the
@@ -67,7 +73,7 @@ from typing import Iterator, Optional
 import attrs
 
 from mdsl.ir.graph import KernelGraph, Node
-from mdsl.ir.types import Var
+from mdsl.ir.types import Var, fresh_name
 from mdsl.ir.validate import SMEM_LIMIT_BYTES, validate_kernel_graph
 from mdsl.lowering.gemm import library_read_transposes
 from mdsl.search.config import SearchConfig
@@ -183,6 +189,39 @@ def orders(graph: KernelGraph) -> list:
     return [first] if first == second else [first, second]
 
 
+def duplicated(graph: KernelGraph) -> Optional[KernelGraph]:
+    """The program with each element-wise operator that several operators read computed once per reader
+    (a copy for each reader after the first, placed before it; the original serves the first reader and the
+    program's outputs), producers before their consumers' copies are counted, so a chain of element-wise
+    steps is copied whole; None where no operator has two readers. Each copy computes the same values, so
+    the program is the same function; a part can then fuse a copy into its reader's kernel (a scaled input
+    in a product's prologue) where writing the value once for all its readers would need a tile no block
+    holds, and a value no longer read needs no kernel. At most as many copies as the program has operators."""
+    nodes = list(graph.nodes)
+    taken = {v.name for v in graph.inputs} | {v.name for n in nodes for v in n.outputs}
+    copied = 0
+    k = len(nodes) - 1
+    while k >= 0:
+        node = nodes[k]
+        if node.opdef.category != "elementwise" or len(node.outputs) != 1:
+            k -= 1
+            continue
+        name = node.outputs[0].name
+        readers = [r for r in range(k + 1, len(nodes)) if any(v.name == name for v in nodes[r].inputs)]
+        if len(readers) < 2 or copied + len(readers) - 1 > len(graph.nodes):
+            k -= 1
+            continue
+        for r in reversed(readers[1:]):   # the later readers first: earlier indices stay put
+            copy = Var(fresh_name(name, taken), node.outputs[0].type)
+            taken.add(copy.name)
+            reader = nodes[r]
+            nodes[r] = attrs.evolve(reader, inputs=[copy if v.name == name else v for v in reader.inputs])
+            nodes.insert(r, attrs.evolve(node, outputs=[copy]))
+            copied += 1
+        k -= 1   # (the node's own producers, before it, now have its copies among their readers)
+    return attrs.evolve(graph, nodes=nodes) if copied else None
+
+
 def _connected(nodes) -> bool:
     """Whether the nodes form one group through the values they pass or share."""
     group = list(range(len(nodes)))
@@ -218,7 +257,7 @@ class Partition:
         graph = attrs.evolve(graph, nodes=[graph.nodes[i] for i in self.order])
         self.graph, self.config, self.stats = graph, config, stats
         self.max_flops, self.work, self.screen_work = max_flops, work, f"{work} screens"
-        self.lifted = {} if lifted is None else lifted   # frozenset of node indices (the program's) -> _Part
+        self.lifted = {} if lifted is None else lifted   # (its operators, inputs, outputs: names) -> _Part
         self.n = len(graph.nodes)
         single = [estimate(subprogram(graph, i, i + 1) or _lone(graph, i)) for i in range(self.n)]
         # A transpose that cuBLAS reads in place (its readers are library GEMMs: mdsl.lowering.gemm) costs
@@ -272,12 +311,14 @@ class Partition:
     def _part(self, start: int, stop: int) -> Optional[_Part]:
         if (start, stop) in self.parts:
             return self.parts[start, stop]
-        key = frozenset(self.order[start:stop])
+        nodes = self.graph.nodes[start:stop]
+        program = subprogram(self.graph, start, stop)
+        # the same operators reading and returning the same values: the same part in any order or form
+        key = program and (frozenset(n.outputs[0].name for n in nodes), frozenset(v.name for v in program.inputs),
+                           frozenset(v.name for v in program.outputs))
         if key in self.lifted:
             self.parts[start, stop] = self.lifted[key]
             return self.lifted[key]
-        nodes = self.graph.nodes[start:stop]
-        program = subprogram(self.graph, start, stop)
         part = _Part(program) if program is not None else None
         if part is not None:
             blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
@@ -415,8 +456,8 @@ class Partition:
                                 "copies": sum(k.name in ("split", "concat") for k in option[1].kernels)
                                 if option is not None else None,
                                 "apart_s": self._apart(i, j)}
-        return {"nodes": [_describe(n) for n in self.graph.nodes], "order": list(self.order), "parts": parts,
-                "stopped": self.stopped,
+        return {"nodes": [_describe(n) for n in self.graph.nodes], "program": self.graph,
+                "order": [n.outputs[0].name for n in self.graph.nodes], "parts": parts, "stopped": self.stopped,
                 "max_part_nodes": MAX_PART_NODES, "assemblies": assemblies,
                 "single_s": [s.seconds for s in self.single]}
 
@@ -496,45 +537,74 @@ def generate_cheap(graph: KernelGraph, config: SearchConfig = SearchConfig(), st
     yield from _assemblies(graph, config, stats, max_flops=CHEAP_PART_FLOPS, work="cheap parts")
 
 
-def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> Partition:
-    """The program partitioned in each of its `orders` (sharing the parts they have in common: probed in
-    every order before any is refined), the one whose screened best combination costs least."""
+def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> list:
+    """The program partitioned in each of its `orders`, then its `duplicated` form in each of that one's and
+    its own (the program's partitions are probed, refined and their other parts refined before the copies'
+    form spends any work; a part is lifted once whichever partition has it), cheapest screened best combination first (ties: the
+    program as written, chains first)."""
     lifted: dict = {}
     partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in orders(graph)]
-    for step in (Partition.probe, Partition.refine, Partition.refine_rest):
-        for partition in partitions:
-            step(partition)
+    groups = [partitions]
+    copies = duplicated(graph)
+    if copies is not None:   # (its own order has each copy right before its reader)
+        own = list(range(len(copies.nodes)))
+        copies_orders = orders(copies) + ([own] if own not in orders(copies) else [])
+        groups.append([Partition(copies, config, stats, nodes=nodes, lifted=lifted, **options)
+                       for nodes in copies_orders])
+    for group in groups:
+        for step in (Partition.probe, Partition.refine, Partition.refine_rest):
+            for partition in group:
+                if not any(p.stopped for p in (*partitions, *group)):
+                    step(partition)
+        partitions = partitions if group is partitions else partitions + group
     costs = [partition.total(partition.screened_best()) for partition in partitions]
-    chosen = partitions[costs.index(min(costs))]
-    chosen.stopped = next((p.stopped for p in partitions if p.stopped), "")
-    return chosen
+    stopped = next((p.stopped for p in partitions if p.stopped), "")
+    for partition in partitions:
+        partition.stopped = stopped
+    return [partitions[k] for k in sorted(range(len(partitions)), key=lambda k: (costs[k], k))]
 
 
 def _assemblies(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> Iterator[KernelGraph]:
-    assemblies: dict = {}
-    partition: Optional[Partition] = None
+    """The best partition of the program as written: its best combination, then its fallbacks; before
+    them, where a partition of the `duplicated` form has a cheaper best combination, that one (verified
+    whatever becomes of the others: the finer model that orders the verified candidates may prefer either)."""
+    partitions: list = []
+    found: list = []   # (partition, {candidate key: spans}, its candidates)
     try:
-        partition = analysed(graph, config, stats, **options)
-        combination = partition.screened_best()
-        fused = [(i, j) for i, j, o in combination if o is not None]
-        plans = [combination] if fused else []
-        for span in fused[:FALLBACKS] if len(fused) > 1 else ():
-            other = partition.screened_best(frozenset({span}))
-            if any(o is not None for _, _, o in other):
-                plans.append(other)
-        candidates = []
-        for plan in plans:
-            candidate = partition.assemble(plan)
-            validate_kernel_graph(candidate)
-            if candidate.key not in assemblies:
-                assemblies[candidate.key] = [[i, j] for i, j, o in plan if o is not None]
-                parts = tuple((partition.parts[i, j].program, o[0]) for i, j, o in plan if o is not None)
-                primary = candidates[0].graph.key if candidates else None
-                candidates.append(Assembly(candidate, parts, primary))
+        partitions = analysed(graph, config, stats, **options)
+        written = next(p for p in partitions if len(p.graph.nodes) == len(graph.nodes))
+        chosen = [partitions[0], written] if partitions[0] is not written else [written]
+        taken: set = set()
+        for partition in chosen:
+            combination = partition.screened_best()
+            fused = [(i, j) for i, j, o in combination if o is not None]
+            plans = [combination] if fused else []
+            for span in (fused[:FALLBACKS] if len(fused) > 1 and partition is written else ()):
+                other = partition.screened_best(frozenset({span}))
+                if any(o is not None for _, _, o in other):
+                    plans.append(other)
+            assemblies, candidates = {}, []
+            for plan in plans:
+                candidate = partition.assemble(plan)
+                validate_kernel_graph(candidate)
+                if candidate.key not in taken:
+                    taken.add(candidate.key)
+                    assemblies[candidate.key] = [[i, j] for i, j, o in plan if o is not None]
+                    parts = tuple((partition.parts[i, j].program, o[0]) for i, j, o in plan if o is not None)
+                    primary = candidates[0].graph.key if candidates else None
+                    candidates.append(Assembly(candidate, parts, primary))
+            found.append((partition, assemblies, candidates))
     finally:   # also when the search stops it early: the explanation reads what it learned
-        if partition is not None:
-            stats.partition = _merged_record(partition.record(assemblies), stats.partition)
-    yield from candidates
+        if partitions:
+            written = next(p for p in partitions if len(p.graph.nodes) == len(graph.nodes))
+            mine = next((a for p, a, _ in found if p is written), {})
+            record = written.record(mine)
+            copies = [(p, a) for p, a, _ in found if p is not written]
+            if copies:
+                record["copies"] = copies[0][0].record(copies[0][1])
+            stats.partition = _merged_record(record, stats.partition)
+    for _, _, candidates in found:
+        yield from candidates
 
 
 def _merged_record(record: dict, earlier: Optional[dict]) -> dict:
@@ -562,10 +632,13 @@ def _merged_record(record: dict, earlier: Optional[dict]) -> dict:
 
 
 def _span_mover(before: list, after: list):
-    """(i, j) -> the run of the `after` order holding the nodes before[i:j], or None where they are no run."""
+    """(i, j) -> the run of the `after` order holding the nodes before[i:j], or None where they are no run
+    (or not all in it: a copy of the other's `duplicated` form)."""
     at = {node: k for k, node in enumerate(after)}
 
     def moved(i: int, j: int) -> Optional[tuple]:
+        if any(node not in at for node in before[i:j]):
+            return None
         places = sorted(at[node] for node in before[i:j])
         return (places[0], places[-1] + 1) if places[-1] - places[0] == j - i - 1 else None
     return moved

@@ -10,7 +10,7 @@ import mdsl
 from mdsl import Tensor, f16
 from mdsl.backend.reference import run_kernel_graph
 from mdsl.ir.graph import KernelGraph
-from mdsl.search import partition
+from mdsl.search import explain, partition
 from mdsl.search.config import SearchConfig
 from mdsl.search.cost import estimate
 from mdsl.search.engine import search
@@ -331,7 +331,7 @@ def test_siblings_first_is_a_second_order_whose_runs_hold_a_norm_and_both_produc
 def test_the_partition_keeps_the_order_whose_best_combination_costs_least_and_lifts_shared_parts_once():
     graph = _norm_siblings_and_chain()
     stats = SearchStats()
-    chosen = partition.analysed(graph, CONFIG, stats)
+    chosen = partition.analysed(graph, CONFIG, stats)[0]
     chains, siblings = partition.orders(graph)
     assert chosen.order == siblings
     combination = chosen.screened_best()
@@ -345,10 +345,72 @@ def test_the_partition_keeps_the_order_whose_best_combination_costs_least_and_li
     assert chosen.total(combination) < other.total(other.screened_best())
     # the plan's explanation reads the spans in the chosen order
     best, *_ = partition.generate(graph, CONFIG, stats)
-    assert stats.partition["order"] == siblings and stats.partition["assemblies"][best.graph.key] == [[0, 3]]
+    assert stats.partition["order"] == [graph.nodes[k].outputs[0].name for k in siblings]
+    assert stats.partition["assemblies"][best.graph.key] == [[0, 3]]
 
 
 def test_an_earlier_records_spans_move_to_the_later_order_or_are_left_out():
     moved = partition._span_mover([0, 1, 2, 3], [0, 2, 1, 3])
     assert moved(0, 1) == (0, 1) and moved(1, 3) == (1, 3) and moved(0, 2) is None and moved(2, 4) is None
     assert moved(0, 3) == (0, 3)
+
+
+def _scaled_and_returned():
+    @mdsl.kernel
+    def scaled_and_returned(x: Tensor[2, 1024, f16], w: Tensor[1024, 2048, f16]):
+        s = x * 0.125                                     # read by a product and by a layout round trip
+        t = mdsl.transpose(mdsl.transpose(s, 0, 1) * 0.5, 0, 1)
+        return t, s @ w
+    return scaled_and_returned.graph
+
+
+def test_the_duplicated_form_computes_an_element_wise_value_once_per_reader():
+    graph = _scaled_and_returned()
+    copies = partition.duplicated(graph)
+    assert [n.op for n in copies.nodes].count("mul_scalar") == 3 and len(copies.nodes) == len(graph.nodes) + 1
+    scaled = {n.outputs[0].name for n in copies.nodes if n.op == "mul_scalar" and n.inputs[0].name == "x"}
+    readers = [n for n in copies.nodes if any(v.name in scaled for v in n.inputs)]
+    assert len(scaled) == 2 and len(readers) == 2   # one copy per reader
+    assert {v.name for r in readers for v in r.inputs} & scaled == scaled
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    for got, want in zip(run_kernel_graph(copies, inputs), run_kernel_graph(graph, inputs)):
+        np.testing.assert_array_equal(got, want)
+    assert partition.duplicated(_norm_matmul()) is None   # no value with two readers
+
+
+def test_a_chain_of_element_wise_steps_is_copied_whole_and_copies_are_bounded():
+    @mdsl.kernel
+    def chain(x: Tensor[4, 64, f16], w: Tensor[64, 64, f16], v: Tensor[64, 64, f16]):
+        s = mdsl.silu(x) * 2.0                        # two steps, read by three products
+        return s @ w, s @ v, mdsl.exp(s)
+
+    copies = partition.duplicated(chain.graph)
+    ops = [n.op for n in copies.nodes]
+    assert ops.count("mul_scalar") == 3 and ops.count("silu") == 3   # each reader's own silu and scale
+    assert len(copies.nodes) <= 2 * len(chain.graph.nodes)
+
+
+def test_a_copy_fused_into_its_readers_kernel_removes_a_kernel_the_program_as_written_cannot():
+    graph = _scaled_and_returned()
+    stats = SearchStats()
+    ranked = partition.analysed(graph, CONFIG, stats)
+    written = next(p for p in ranked if len(p.graph.nodes) == len(graph.nodes))
+    best = ranked[0]
+    assert len(best.graph.nodes) == len(graph.nodes) + 1     # the copies' form
+    assert best.total(best.screened_best())[1] < written.total(written.screened_best())[1]
+    first, *rest = partition.generate(graph, CONFIG, SearchStats())
+    assert isinstance(first, Assembly) and first.primary is None
+    assert estimate(first.graph).launches == 2
+    assert any(isinstance(c, Assembly) and len(c.parts) and c.primary is None for c in rest)   # the program's own
+    # the search verifies the two kernels and keeps them (the finer GPU model orders the kept ones), and
+    # explains them in the copies' form's terms
+    result = search(graph, CONFIG)
+    (two,) = [c for c in result.candidates if c.cost.launches == 2]
+    assert two.evidence.equivalent and two.graph.key in result.stats.partition["copies"]["assemblies"]
+    (boundary,) = explain.boundaries(graph, two.graph, result.stats, {})
+    assert "mul_scalar" in boundary.before and "matmul" in boundary.after
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    for got, want in zip(run_kernel_graph(two.graph, inputs), run_kernel_graph(graph, inputs)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
