@@ -30,8 +30,8 @@ def boundaries(original: KernelGraph, chosen: KernelGraph, stats: SearchStats, o
     -> what the search did with it (verified, rejected and why, skipped and why)."""
     record = stats.partition or {}
     unchanged = chosen.key == original.key
-    if chosen.key in record.get("copies", {}).get("assemblies", {}):
-        record = record["copies"]   # an assembly of the program with its values computed once per reader
+    # an assembly of another partition's (another order, or the program with values computed once per reader)
+    record = next((r for r in record.get("others", ()) if chosen.key in r["assemblies"]), record)
     if record:   # the partition's spans index its program's nodes, in its order
         original = record["program"]
     n = len(original.nodes)

@@ -6,12 +6,13 @@ rules, and the cheapest combination kept.
 it and comes back), so it can be replaced by kernels that read what it reads and write what the rest of the
 program reads of it. Where a value has both a reader of the newest value and a sibling reader ready (a norm
 read by two products, one of which feeds a third), a second order puts the sibling first (`orders`); the
-program is partitioned in each, a set of operators that is a run of both is one part lifted once, and the
-order whose best combination costs less is kept (`analysed`). **Copies**: a value that several operators
-read, computed by an element-wise operator, can be the reason no kernel holds a fusion (writing it once for
-all its readers needs a tile no block holds: a scaled input that is returned and also read by a product);
-the program's `duplicated` form computes it once per reader, and is partitioned too, after the program as
-written, its best combination yielded before the program's where it is cheaper. A part has 2 to
+program is partitioned in each (`analysed`: one partition after the other, the chains' order first, so that
+it finds what it finds alone; a set of operators that is a run of two is one part, lifted once), and the
+best combination of each partition cheaper than the chains' order's is yielded before that one's.
+**Copies**: a value that several operators read, computed by an element-wise operator, can be the reason no
+kernel holds a fusion (writing it once for all its readers needs a tile no block holds: a scaled input that
+is returned and also read by a product); the program's `duplicated` form computes it once per reader, and is
+partitioned too, in its orders and its own (each copy right before its reader). A part has 2 to
 MAX_PART_NODES operators, all with a block-level rule (element-wise, matmul, reduction, norm: the guided
 generator's categories; a concat of whole rows, a reshape of tiles that hold whole groups) once its views
 move to its boundary (`mdsl.search.layout`), connected through the tensors they pass or share (a shared
@@ -539,47 +540,43 @@ def generate_cheap(graph: KernelGraph, config: SearchConfig = SearchConfig(), st
 
 def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> list:
     """The program partitioned in each of its `orders`, then its `duplicated` form in each of that one's and
-    its own (the program's partitions are probed, refined and their other parts refined before the copies'
-    form spends any work; a part is lifted once whichever partition has it), cheapest screened best combination first (ties: the
-    program as written, chains first)."""
+    its own, one partition after the other (each probed, refined and its other parts refined before the next
+    spends any work: the first, the program in the chains' order, finds what it finds alone; a part is
+    lifted once whichever partition has it)."""
     lifted: dict = {}
     partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in orders(graph)]
-    groups = [partitions]
     copies = duplicated(graph)
     if copies is not None:   # (its own order has each copy right before its reader)
         own = list(range(len(copies.nodes)))
         copies_orders = orders(copies) + ([own] if own not in orders(copies) else [])
-        groups.append([Partition(copies, config, stats, nodes=nodes, lifted=lifted, **options)
-                       for nodes in copies_orders])
-    for group in groups:
-        for step in (Partition.probe, Partition.refine, Partition.refine_rest):
-            for partition in group:
-                if not any(p.stopped for p in (*partitions, *group)):
-                    step(partition)
-        partitions = partitions if group is partitions else partitions + group
-    costs = [partition.total(partition.screened_best()) for partition in partitions]
+        partitions += [Partition(copies, config, stats, nodes=nodes, lifted=lifted, **options)
+                       for nodes in copies_orders]
+    for partition in partitions:
+        if not any(p.stopped for p in partitions):
+            partition.analyse()
     stopped = next((p.stopped for p in partitions if p.stopped), "")
     for partition in partitions:
         partition.stopped = stopped
-    return [partitions[k] for k in sorted(range(len(partitions)), key=lambda k: (costs[k], k))]
+    return partitions
 
 
 def _assemblies(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **options) -> Iterator[KernelGraph]:
-    """The best partition of the program as written: its best combination, then its fallbacks; before
-    them, where a partition of the `duplicated` form has a cheaper best combination, that one (verified
-    whatever becomes of the others: the finer model that orders the verified candidates may prefer either)."""
+    """The best combination of the program in the chains' order, then its fallbacks; before them, the best
+    combination of each other partition (`analysed`) that is cheaper, cheapest first (each verified whatever
+    becomes of the others: the finer model that orders the verified candidates may prefer any of them)."""
     partitions: list = []
     found: list = []   # (partition, {candidate key: spans}, its candidates)
     try:
         partitions = analysed(graph, config, stats, **options)
-        written = next(p for p in partitions if len(p.graph.nodes) == len(graph.nodes))
-        chosen = [partitions[0], written] if partitions[0] is not written else [written]
+        first = partitions[0]
+        bests = [(p.total(p.screened_best()), k) for k, p in enumerate(partitions)]
+        cheaper = [partitions[k] for cost, k in sorted(bests) if cost < bests[0][0]]
         taken: set = set()
-        for partition in chosen:
+        for partition in (*cheaper, first):
             combination = partition.screened_best()
             fused = [(i, j) for i, j, o in combination if o is not None]
             plans = [combination] if fused else []
-            for span in (fused[:FALLBACKS] if len(fused) > 1 and partition is written else ()):
+            for span in (fused[:FALLBACKS] if len(fused) > 1 and partition is first else ()):
                 other = partition.screened_best(frozenset({span}))
                 if any(o is not None for _, _, o in other):
                     plans.append(other)
@@ -596,12 +593,11 @@ def _assemblies(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **
             found.append((partition, assemblies, candidates))
     finally:   # also when the search stops it early: the explanation reads what it learned
         if partitions:
-            written = next(p for p in partitions if len(p.graph.nodes) == len(graph.nodes))
-            mine = next((a for p, a, _ in found if p is written), {})
-            record = written.record(mine)
-            copies = [(p, a) for p, a, _ in found if p is not written]
-            if copies:
-                record["copies"] = copies[0][0].record(copies[0][1])
+            mine = next((a for p, a, _ in found if p is partitions[0]), {})
+            record = partitions[0].record(mine)
+            others = [p.record(a) for p, a, _ in found if p is not partitions[0]]
+            if others:
+                record["others"] = others
             stats.partition = _merged_record(record, stats.partition)
     for _, _, candidates in found:
         yield from candidates
