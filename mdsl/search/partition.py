@@ -272,11 +272,12 @@ class Partition:
 
     # -- the parts -------------------------------------------------------------------------------
 
-    def analyse(self) -> None:
-        """`probe`, `refine`, then `refine_rest`."""
+    def analyse(self, rest: bool = True) -> None:
+        """`probe`, `refine`, then (`rest`) `refine_rest`."""
         self.probe()
         self.refine()
-        self.refine_rest()
+        if rest:
+            self.refine_rest()
 
     def probe(self) -> None:
         """Every part probed, shortest first (each fusion of two operators before the longer ones)."""
@@ -542,7 +543,9 @@ def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **opt
     """The program partitioned in each of its `orders`, then its `duplicated` form in each of that one's and
     its own, one partition after the other (each probed, refined and its other parts refined before the next
     spends any work: the first, the program in the chains' order, finds what it finds alone; a part is
-    lifted once whichever partition has it)."""
+    lifted once whichever partition has it). The copies' form refines only the parts its best combination
+    uses: its other parts are mostly the program's with a copy added, whose refinement costs a search as
+    much again for what the program's own parts mostly give."""
     lifted: dict = {}
     partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in orders(graph)]
     copies = duplicated(graph)
@@ -551,9 +554,10 @@ def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **opt
         copies_orders = orders(copies) + ([own] if own not in orders(copies) else [])
         partitions += [Partition(copies, config, stats, nodes=nodes, lifted=lifted, **options)
                        for nodes in copies_orders]
-    for partition in partitions:
+    written = len(orders(graph))
+    for k, partition in enumerate(partitions):   # (the copies' form: only the parts its best combination uses)
         if not any(p.stopped for p in partitions):
-            partition.analyse()
+            partition.analyse(rest=k < written)
     stopped = next((p.stopped for p in partitions if p.stopped), "")
     for partition in partitions:
         partition.stopped = stopped
