@@ -206,6 +206,9 @@ class Executable:
         self.library_launches = tuple(launch.name for launch, step in launches if type(step) is not tuple)
         #: the launches as the C launcher runs them, or None: they go through cuda.bindings
         self.native = self._native_program()
+        #: (CUgraph, CUgraphExec) the C launcher launches the kernels as, or None (`_graph_of_launches`)
+        self._graph = None
+        self._graphable = self._may_graph()
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
         """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
@@ -228,6 +231,90 @@ class Executable:
         return launcher.NativeProgram(lib, entries, context=int(self._dev.context), slots=self._ptrs,
                                       bindings=self._bindings, launches=launches, copies=self._copies,
                                       arguments=len(self.input_types) + len(self.output_types))
+
+    def _may_graph(self) -> bool:
+        """Whether the C launcher may launch the kernels as one CUDA graph (`_graph_of_launches`): two or more
+        kernels, each a function of its own, no cuBLAS GEMM (whose kernels' parameters are cuBLAS's), and a
+        driver with the entry points a graph's launch needs."""
+        steps = self._launches
+        if self.native is None or len(steps) < 2 or any(type(step) is not tuple for step in steps):
+            return False
+        entries = launcher.driver_entries()
+        return len({int(step[0]) for step in steps}) == len(steps) and all(
+            entries.get(name) for name in ("cuGraphExecKernelNodeSetParams", "cuGraphLaunch", "cuStreamIsCapturing"))
+
+    def _graph_of_launches(self, stream: int) -> Optional[tuple]:
+        """The kernels as one CUDA graph, which the C launcher launches in their place, their parameters set
+        from the slots before each launch (`NativeProgram.use_graph`): a call then costs the host one graph
+        launch and a parameter update a kernel, where each kernel's own launch costs it several µs. Made at
+        the first run on a stream that is not being captured (a caller's capture is left alone: its calls
+        launch the kernels one by one), captured from one run of the program on a stream of its own (an
+        overlapping launch becomes a programmatic edge), each kernel node matched to its launch by its
+        function. None, with the kernels launched one by one, where any of it fails."""
+        native = self.native
+        try:
+            err, status = driver.cuStreamIsCapturing(cu_stream(stream))
+        except Exception:   # a driver without it: each kernel launched
+            err = True
+        if err:
+            self._graphable = False
+            return None
+        if status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            return None   # (made at a later run)
+        self._graphable = False
+        try:
+            return self._captured_graph(native, [int(step[0]) for step in self._launches])
+        except Exception:   # a driver that refuses this capture: each kernel launched
+            native.use_graph(None, ())
+            return None
+
+    def _captured_graph(self, native: launcher.NativeProgram, functions: list) -> Optional[tuple]:
+        steps = self._launches
+        self._dev.make_current()
+        err, stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        if err:
+            return None
+        graph = graph_exec = None
+        try:
+            (err,) = driver.cuStreamBeginCapture(stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+            if err:
+                return None
+            with self._lock:
+                call = native.call
+                call[1] = int(stream)
+                call[2:] = [0] * (len(call) - 2)   # (any pointers: each launch sets its own)
+                ran = native.run(call)
+            err, graph = driver.cuStreamEndCapture(stream)
+            if ran or err:
+                return None
+            err, count = driver.cuGraphGetNodes(graph, 0)[::2]
+            err, nodes, _ = driver.cuGraphGetNodes(graph, count) if not err else (err, None, None)
+            if err or len(nodes) != len(steps):
+                return None
+            by_function = {}
+            for node in nodes:
+                err, kind = driver.cuGraphNodeGetType(node)
+                if err or kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                    return None
+                err, params = driver.cuGraphKernelNodeGetParams(node)
+                if err:
+                    return None
+                by_function[int(params.func)] = node
+            if sorted(by_function) != sorted(functions):
+                return None
+            err, graph_exec = driver.cuGraphInstantiate(graph, 0)
+            if err:
+                graph_exec = None
+                return None
+            native.use_graph(int(graph_exec), [int(by_function[f]) for f in functions])
+            made, graph, graph_exec = (graph, graph_exec), None, None
+            return made
+        finally:
+            if graph_exec is not None:
+                driver.cuGraphExecDestroy(graph_exec)
+            if graph is not None:
+                driver.cuGraphDestroy(graph)
+            driver.cuStreamDestroy(stream)
 
     def _prepare(self, launch, slots: tuple, library_slots: tuple = ()):
         """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
@@ -373,6 +460,8 @@ class Executable:
         handle's lock is held too (calls on the handle from other threads wait), and its stream is set first
         where it is not the call's (the launcher has run nothing then)."""
         ctx, native = self._library, self.native
+        if self._graphable:
+            self._graph = self._graph_of_launches(stream)
         with self._lock:
             call = native.call
             call[1] = stream
@@ -410,9 +499,11 @@ class Executable:
         """Free the intermediates and unload the module (also done when the Executable is collected: `release`)."""
         if driver is None:
             return
-        scratch, module = tuple(self._scratch), self._module_handle
-        self._scratch, self._module_handle = [], None
-        _release(driver, scratch, module)
+        scratch, module, graph = tuple(self._scratch), self._module_handle, self._graph
+        self._scratch, self._module_handle, self._graph = [], None, None
+        if graph is not None and self.native is not None:
+            self.native.use_graph(None, ())
+        _release(driver, scratch, module, graph)
 
     def __enter__(self) -> "Executable":
         return self
@@ -421,9 +512,10 @@ class Executable:
         self.close()
 
     def __del__(self):
-        if driver is not None and (self._scratch or self._module_handle is not None):
-            release(functools.partial(_release, driver, tuple(self._scratch), self._module_handle))
-            self._scratch, self._module_handle = [], None
+        graph = getattr(self, "_graph", None)
+        if driver is not None and (self._scratch or self._module_handle is not None or graph is not None):
+            release(functools.partial(_release, driver, tuple(self._scratch), self._module_handle, graph))
+            self._scratch, self._module_handle, self._graph = [], None, None
 
     def __repr__(self) -> str:
         return (f"<mdsl Executable {self.name}: {len(self._launches)} launch(es) on GPU {self.device}, "
@@ -446,9 +538,12 @@ def overlapping_launch(grid: tuple, block: tuple, smem: int):
     return config
 
 
-def _release(drv, scratch: tuple, module) -> None:
-    """A collected Executable's intermediates and module (`release`), through the driver `drv` that
-    allocated and loaded them."""
+def _release(drv, scratch: tuple, module, graph: Optional[tuple] = None) -> None:
+    """A collected Executable's intermediates, module and graph of its launches (`release`), through the
+    driver `drv` that allocated, loaded and made them."""
+    if graph is not None:
+        drv.cuGraphExecDestroy(graph[1])
+        drv.cuGraphDestroy(graph[0])
     for ptr in scratch:
         drv.cuMemFree(ptr)
     if module is not None:

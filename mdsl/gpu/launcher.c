@@ -42,11 +42,25 @@ typedef struct {
 
 enum { PROGRAMMATIC_STREAM_SERIALIZATION = 6 };   /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
 
+/* cuda.h's CUDA_KERNEL_NODE_PARAMS (its v2, CUDA 12.0's): a kernel node's launch, set anew on the instantiated
+   graph before each of its launches */
+typedef struct {
+    void *function;
+    uint32_t grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+    void **params;
+    void **extra;
+    void *kernel;            /* CUkernel: unused (the function is given) */
+    void *context;           /* CUcontext: ignored where the function is given */
+} KernelNodeParams;
+
 typedef Result (*LaunchKernel)(void *function, uint32_t gx, uint32_t gy, uint32_t gz, uint32_t bx, uint32_t by,
                                  uint32_t bz, uint32_t shared_bytes, void *stream, void **params, void **extra);
 typedef Result (*LaunchKernelEx)(const LaunchConfig *config, void *function, void **params, void **extra);
 typedef Result (*MemcpyDtoDAsync)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
 typedef Result (*CtxGetCurrent)(void **context);
+typedef Result (*GraphExecKernelNodeSetParams)(void *exec, void *node, const KernelNodeParams *params);
+typedef Result (*GraphLaunch)(void *exec, void *stream);
+typedef Result (*StreamIsCapturing)(void *stream, int *status);   /* status: CUstreamCaptureStatus */
 
 /* cublas_api.h's cublasGemmEx and cublasGemmStridedBatchedEx (enums as int, cublasStatus_t as int) */
 typedef int (*GemmEx)(void *handle, int transa, int transb, int m, int n, int k, const void *alpha,
@@ -99,6 +113,13 @@ typedef struct {
     const Launch *launches;
     int64_t n_copies;
     const Copy *copies;
+    /* with `graph`: the launches (kernels only) as one instantiated CUDA graph, a kernel node per launch in
+       `nodes`, whose parameters are set from the slots before the graph is launched: one launch of the
+       driver for the program, where launching each kernel costs the host a launch each (on a stream that is
+       not being captured: a graph launch is no node of a caller's capture) */
+    uint64_t graph_set_params, graph_launch, stream_is_capturing;
+    uint64_t graph;          /* CUgraphExec, or 0 */
+    const uint64_t *nodes;   /* n_launches CUgraphNodes */
 } Program;
 
 /* what mdsl_run returns besides 0 (success) and a positive CUresult (the failing call's); a cuBLAS call's
@@ -115,6 +136,7 @@ int64_t mdsl_launcher_sizes(int64_t which) {
     case 3: return sizeof(LaunchConfig);
     case 4: return sizeof(LaunchAttribute);
     case 5: return sizeof(Gemm);
+    case 6: return sizeof(KernelNodeParams);
     default: return -1;
     }
 }
@@ -133,7 +155,25 @@ int64_t mdsl_run(const uint64_t *call) {
     }
     for (int64_t i = 0; i < p->n_bindings; i++)
         p->slots[p->bindings[2 * i]] = args[p->bindings[2 * i + 1]];
-    for (int64_t i = 0; i < p->n_launches; i++) {
+    int graphed = p->graph != 0;
+    if (graphed) {   /* a stream being captured into a graph of the caller's takes the kernels one by one */
+        int status = 1;
+        graphed = !((StreamIsCapturing)(uintptr_t)p->stream_is_capturing)(stream, &status) && status == 0;
+    }
+    if (graphed) {   /* the driver reads each node's parameters (the slots' values) as they are set */
+        void *graph = (void *)(uintptr_t)p->graph;
+        for (int64_t i = 0; i < p->n_launches; i++) {
+            const Launch *l = &p->launches[i];
+            KernelNodeParams node = {(void *)(uintptr_t)l->function, l->grid[0], l->grid[1], l->grid[2], l->block[0],
+                                     l->block[1], l->block[2], l->shared_bytes, (void **)(uintptr_t)l->params, NULL,
+                                     NULL, NULL};
+            err = ((GraphExecKernelNodeSetParams)(uintptr_t)p->graph_set_params)(graph, (void *)(uintptr_t)p->nodes[i],
+                                                                                 &node);
+            if (err) return err;
+        }
+        err = ((GraphLaunch)(uintptr_t)p->graph_launch)(graph, stream);
+        if (err) return err;
+    } else for (int64_t i = 0; i < p->n_launches; i++) {
         const Launch *l = &p->launches[i];
         if (l->gemm) {
             const Gemm *g = (const Gemm *)(uintptr_t)l->gemm;

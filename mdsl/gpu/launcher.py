@@ -59,13 +59,22 @@ class Copy(ctypes.Structure):
 class Program(ctypes.Structure):
     _fields_ = [("launch_kernel", _u64), ("launch_kernel_ex", _u64), ("memcpy_async", _u64),
                 ("ctx_get_current", _u64), ("context", _u64), ("slots", _u64), ("n_bindings", _i64),
-                ("bindings", _u64), ("n_launches", _i64), ("launches", _u64), ("n_copies", _i64), ("copies", _u64)]
+                ("bindings", _u64), ("n_launches", _i64), ("launches", _u64), ("n_copies", _i64), ("copies", _u64),
+                ("graph_set_params", _u64), ("graph_launch", _u64), ("stream_is_capturing", _u64), ("graph", _u64),
+                ("nodes", _u64)]
+
+
+class KernelNodeParams(ctypes.Structure):
+    """cuda.h's CUDA_KERNEL_NODE_PARAMS (v2), as launcher.c sets a graph's kernel node."""
+    _fields_ = [("function", _u64), ("grid", _u32 * 3), ("block", _u32 * 3), ("shared_bytes", _u32),
+                ("params", _u64), ("extra", _u64), ("kernel", _u64), ("context", _u64)]
 
 
 #: (which, the ctypes structure) for mdsl_launcher_sizes: the layouts both sides must agree on
-_LAYOUTS = ((0, Launch), (1, Copy), (2, Program), (5, Gemm))
+_LAYOUTS = ((0, Launch), (1, Copy), (2, Program), (5, Gemm), (6, KernelNodeParams))
 #: the driver's entry points a Program holds, by their cuda.h names
-ENTRY_POINTS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyDtoDAsync", "cuCtxGetCurrent")
+ENTRY_POINTS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemcpyDtoDAsync", "cuCtxGetCurrent",
+                "cuGraphExecKernelNodeSetParams", "cuGraphLaunch", "cuStreamIsCapturing")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,10 +244,26 @@ class NativeProgram:
         self._program = Program(entries["cuLaunchKernel"], entries["cuLaunchKernelEx"], entries["cuMemcpyDtoDAsync"],
                                 entries["cuCtxGetCurrent"], context, ctypes.addressof(slots), len(bindings),
                                 ctypes.addressof(self._bindings), len(launches), ctypes.addressof(self._launches),
-                                len(copies), ctypes.addressof(self._copies))
+                                len(copies), ctypes.addressof(self._copies),
+                                entries.get("cuGraphExecKernelNodeSetParams", 0), entries.get("cuGraphLaunch", 0),
+                                entries.get("cuStreamIsCapturing", 0))
+        self._nodes = None
+        self.graph = None   # the instantiated graph the program launches, once `use_graph` gave it one
         self.call = (_u64 * (2 + arguments))()
         self.call[0] = ctypes.addressof(self._program)
         self.run: Callable = lib.mdsl_run
+
+    def use_graph(self, graph, nodes: Sequence[int]) -> None:
+        """Launch the kernels as the instantiated CUDA graph `graph` (its handle: the caller keeps the graph
+        alive while the program runs), whose kernel node `nodes[i]` is launch i; None: each kernel again."""
+        if graph is None:
+            self._program.graph, self._program.nodes, self._nodes, self.graph = 0, 0, None, None
+            return
+        p = self._program
+        if len(nodes) != p.n_launches or not (p.graph_set_params and p.graph_launch and p.stream_is_capturing):
+            raise ValueError("a graph needs a kernel node per launch and the driver's graph entry points")
+        self._nodes = (_u64 * len(nodes))(*nodes)
+        self._program.nodes, self._program.graph, self.graph = ctypes.addressof(self._nodes), int(graph), graph
 
     @staticmethod
     def supports(entries: dict, overlap: bool, copies: bool) -> bool:

@@ -65,6 +65,9 @@ _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, _V, _U, _U, _U, _U, _U, _U, _U, _V, _V,
 _LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Config), _V, _V, _V)
 _COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _V)
 _CURRENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_V))
+_SET_NODE = ctypes.CFUNCTYPE(ctypes.c_int, _V, _V, ctypes.POINTER(launcher.KernelNodeParams))
+_GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, _V, _V)
+_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, _V, ctypes.POINTER(ctypes.c_int))
 
 
 class NativeDriver:
@@ -75,8 +78,13 @@ class NativeDriver:
     a callback cannot cross the C launcher: it is kept in `failures` (`check()` raises it) and the call
     answers CUDA_ERROR_UNKNOWN."""
 
-    def __init__(self, fake):
+    def __init__(self, fake, *, graphs: bool = False):
+        """`graphs`: the driver has the entry points of a graph's launch too (cuGraphExecKernelNodeSetParams,
+        cuGraphLaunch, cuStreamIsCapturing: `capturing` holds the streams being captured), which record into
+        `fake.calls` as ("node", graph, node, kernel name, grid, block, shared bytes, the parameters' values)
+        and ("graph", graph, stream)."""
         self.fake, self.current, self.errors, self.overlapped, self.failures = fake, CONTEXT, {}, [], []
+        self.capturing = set()   # the streams cuStreamIsCapturing says are being captured
 
         def launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
             name = FakeFunction.by_id[function]
@@ -97,6 +105,22 @@ class NativeDriver:
             out[0] = self.current
             return 0
 
+        def set_node(graph, node, params):
+            p = params.contents
+            name = FakeFunction.by_id[p.function]
+            block = ctypes.cast(p.params, ctypes.POINTER(ctypes.c_void_p))
+            values = [ctypes.cast(block[k], ctypes.POINTER(ctypes.c_uint64))[0] for k in range(fake.arity[name])]
+            fake.calls.append(("node", graph, node, name, tuple(p.grid), tuple(p.block), p.shared_bytes, values))
+            return self.errors.get(name, 0)
+
+        def graph_launch(graph, stream):
+            fake.calls.append(("graph", graph, ("stream", stream or 0)))
+            return 0
+
+        def capturing(stream, status):
+            status[0] = 1 if (stream or 0) in self.capturing else 0   # CU_STREAM_CAPTURE_STATUS_ACTIVE, _NONE
+            return 0
+
         def kept(fn):
             def call(*args):
                 try:
@@ -106,8 +130,9 @@ class NativeDriver:
                     return 999
             return call
 
-        self._callbacks = tuple(kind(kept(fn)) for kind, fn in ((_LAUNCH, launch), (_LAUNCH_EX, launch_ex),
-                                                                 (_COPY, copy), (_CURRENT, current)))
+        kinds = ((_LAUNCH, launch), (_LAUNCH_EX, launch_ex), (_COPY, copy), (_CURRENT, current),
+                 (_SET_NODE, set_node), (_GRAPH_LAUNCH, graph_launch), (_CAPTURING, capturing))
+        self._callbacks = tuple(kind(kept(fn)) for kind, fn in kinds[:len(kinds) if graphs else 4])
         self.entries = {name: ctypes.cast(cb, ctypes.c_void_p).value
                         for name, cb in zip(launcher.ENTRY_POINTS, self._callbacks)}
 

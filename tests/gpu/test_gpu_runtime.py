@@ -331,3 +331,43 @@ def test_the_empty_kernel_launches_on_a_stream_and_closes():
     assert not err, f"the empty kernel's launches failed: {err}"
     kernel.close()
     kernel.close()
+
+
+@mdsl.kernel(name="chain")
+def chain(x: Tensor[64, 1024, f16], b: Tensor[1, 1024, f16]):
+    return mdsl.silu(mdsl.rms_norm(mdsl.softmax(x, dim=-1) + b, eps=1e-6)) * 2.0
+
+
+def test_a_program_of_several_kernels_launches_as_one_graph_with_each_kernel_s_results(torch):
+    """Nine kernels (the program as written) launched as one CUDA graph by the C launcher, their parameters
+    set from each call's pointers: the bits of the kernels launched one by one, for every call, on another
+    stream, with out=; and inside a caller's capture, where the kernels go one by one into its graph."""
+    graphed, plain = runtime.compile_graph(chain.graph), runtime.compile_graph(chain.graph)
+    if graphed.native is None:
+        pytest.skip("mdsl's C launcher is not available here")
+    plain._graphable = False
+    assert len(graphed.program.launches) == 9 and graphed._graphable
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    xs = [torch.randn(64, 1024, device="cuda", generator=g).half() for _ in range(3)]
+    b = torch.randn(1, 1024, device="cuda", generator=g).half()
+    got = [graphed([x, b])[0] for x in xs]
+    assert graphed._graph is not None and graphed.native.graph is not None
+    for x, y in zip(xs, got):
+        assert torch.equal(y, plain([x, b])[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = torch.empty_like(got[0])
+        graphed([xs[1], b], [out])
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, got[1])
+    static = xs[2].clone()
+    capture = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(capture):
+        captured = graphed([static, b])[0]
+    static.copy_(xs[0])
+    capture.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got[0])
+    want = expected(chain, xs[0].float().cpu().numpy(), b.float().cpu().numpy())
+    assert relative_error(got[0].float().cpu().numpy(), want) < 3e-3

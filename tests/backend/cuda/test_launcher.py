@@ -95,11 +95,19 @@ def test_without_the_library_executables_launch_through_cuda_bindings_with_a_war
 # ---------------------------------------------------------------------------------------------
 # the structures
 
+#: launcher.c's KernelNodeParams fields and cuda.h's CUDA_KERNEL_NODE_PARAMS_v2 fields at the same offsets
+_KERNEL_NODE_FIELDS = (("grid_x", "gridDimX"), ("block_z", "blockDimZ"), ("shared_bytes", "sharedMemBytes"),
+                       ("params", "kernelParams"), ("extra", "extra"), ("kernel", "kern"), ("context", "ctx"))
+_KERNEL_NODE_OFFSETS = "".join(f"SAME(offsetof(KernelNodeParams, {ours}), "
+                               f"offsetof(CUDA_KERNEL_NODE_PARAMS_v2, {theirs}));\n"
+                               for ours, theirs in _KERNEL_NODE_FIELDS)
+
+
 @needs_compiler
 @pytest.mark.skipif(not CUDA_H.exists(), reason="no cuda.h here")
 def test_the_structures_are_cuda_h_s(tmp_path):
     """The launch configuration and attribute the launcher passes to cuLaunchKernelEx, byte for byte, and
-    the attribute's id."""
+    the attribute's id; the kernel node parameters it passes to cuGraphExecKernelNodeSetParams."""
     check = tmp_path / "check.c"
     check.write_text(f'''#include <stddef.h>
 #include <cuda.h>
@@ -119,6 +127,8 @@ SAME(sizeof(((LaunchAttribute *)0)->value), sizeof(CUlaunchAttributeValue));
 SAME(offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed), 0);
 SAME(PROGRAMMATIC_STREAM_SERIALIZATION, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
 SAME(sizeof(Result), sizeof(CUresult));
+SAME(sizeof(KernelNodeParams), sizeof(CUDA_KERNEL_NODE_PARAMS_v2));
+{_KERNEL_NODE_OFFSETS}
 ''')
     result = subprocess.run([*launcher._compiler(), "-fsyntax-only", f"-I{CUDA_H.parent}", str(check)],
                             capture_output=True, text=True)
@@ -175,6 +185,49 @@ def test_a_program_writes_the_parameters_launches_in_order_and_copies(lib):
         ("launch", "k1", (2, 2, 1), (64, 2, 1), 50000, ("stream", 0), [0xABC000, 0x5000]),
         ("copy", 0x6000, 0x4000, 4096, ("stream", 0))]
     assert not native.overlapped
+
+
+def test_a_program_with_a_graph_sets_each_kernel_node_from_the_slots_then_launches_the_graph(lib):
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder, graphs=True)
+    slots = (ctypes.c_uint64 * 3)(0, 0, 0xABC000)
+    params = _blocks(slots, [(0, 2), (2, 1)])
+    program = _program(lib, native, slots, params, overlap=(False, True))
+    program.use_graph(0xF00, [0xA1, 0xA2])
+    assert _run(program, 0x77, [0x1000, 0x2000, 0x3000]) == 0
+    assert _run(program, 0, [0x4000, 0x5000, 0x6000]) == 0
+    native.check()
+    assert recorder.calls == [
+        ("node", 0xF00, 0xA1, "k0", (3, 1, 1), (128, 1, 1), 0, [0x1000, 0xABC000]),
+        ("node", 0xF00, 0xA2, "k1", (2, 2, 1), (64, 2, 1), 50000, [0xABC000, 0x2000]),
+        ("graph", 0xF00, ("stream", 0x77)),
+        ("copy", 0x3000, 0x1000, 4096, ("stream", 0x77)),
+        ("node", 0xF00, 0xA1, "k0", (3, 1, 1), (128, 1, 1), 0, [0x4000, 0xABC000]),
+        ("node", 0xF00, 0xA2, "k1", (2, 2, 1), (64, 2, 1), 50000, [0xABC000, 0x5000]),
+        ("graph", 0xF00, ("stream", 0)),
+        ("copy", 0x6000, 0x4000, 4096, ("stream", 0))]
+    assert not native.overlapped   # (the graph's edge, made when it was captured, lets k1 overlap k0)
+    native.capturing.add(0x99)   # a stream being captured into a graph of the caller's: the kernels one by one
+    assert _run(program, 0x99, [0x1000, 0x2000, 0x3000]) == 0
+    assert [c[0] for c in recorder.calls[8:]] == ["launch", "launch", "copy"]
+    del recorder.calls[8:]
+    program.use_graph(None, ())   # each kernel launched again
+    assert _run(program, 5, [0x1000, 0x2000, 0x3000]) == 0
+    assert [c[0] for c in recorder.calls[8:]] == ["launch", "launch", "copy"]
+
+
+def test_a_graph_node_the_driver_refuses_stops_the_program_and_is_answered(lib):
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder, graphs=True)
+    native.errors["k1"] = 1   # CUDA_ERROR_INVALID_VALUE
+    slots = (ctypes.c_uint64 * 3)()
+    params = _blocks(slots, [(0, 2), (2, 1)])
+    program = _program(lib, native, slots, params)
+    program.use_graph(0xF00, [0xA1, 0xA2])
+    assert _run(program, 0, [0x1000, 0x2000, 0x3000]) == 1
+    assert [c[0] for c in recorder.calls] == ["node", "node"]   # no graph launch, no copy
+    with pytest.raises(ValueError, match="a kernel node per launch"):
+        program.use_graph(0xF00, [0xA1])
 
 
 def test_an_overlapping_launch_asks_for_programmatic_stream_serialization(lib):
