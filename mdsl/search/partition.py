@@ -214,7 +214,6 @@ def duplicated(graph: KernelGraph) -> Optional[KernelGraph]:
             continue
         for r in reversed(readers[1:]):   # the later readers first: earlier indices stay put
             copy = Var(fresh_name(name, taken), node.outputs[0].type)
-            taken.add(copy.name)
             reader = nodes[r]
             nodes[r] = attrs.evolve(reader, inputs=[copy if v.name == name else v for v in reader.inputs])
             nodes.insert(r, attrs.evolve(node, outputs=[copy]))
@@ -245,8 +244,9 @@ def _connected(nodes) -> bool:
 
 class Partition:
     """One program's parts in one order of its nodes, their candidates and the best combination (see the
-    module docstring). Partitions of the same program in other orders share `lifted`: a part is one set of
-    operators, whichever order makes it a run, and is lifted once."""
+    module docstring). Partitions of the same program in other orders, or of its duplicated form, share
+    `lifted`: a part is one set of operators reading and returning the same values, whichever partition
+    makes it a run, and is lifted once."""
 
     def __init__(self, graph: KernelGraph, config: SearchConfig, stats: SearchStats, *,
                  max_flops: Optional[int] = None, work: str = "partition", nodes: Optional[list] = None,
@@ -315,27 +315,29 @@ class Partition:
             return self.parts[start, stop]
         nodes = self.graph.nodes[start:stop]
         program = subprogram(self.graph, start, stop)
+        if program is None:
+            self.parts[start, stop] = None
+            return None
         # the same operators reading and returning the same values: the same part in any order or form
-        key = program and (frozenset(n.outputs[0].name for n in nodes), frozenset(v.name for v in program.inputs),
-                           frozenset(v.name for v in program.outputs))
+        key = (frozenset(n.outputs[0].name for n in nodes), frozenset(v.name for v in program.inputs),
+               frozenset(v.name for v in program.outputs))
         if key in self.lifted:
             self.parts[start, stop] = self.lifted[key]
             return self.lifted[key]
-        part = _Part(program) if program is not None else None
-        if part is not None:
-            blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
-            # layout changes move to the boundary where they can (views cost nothing); a reshape that
-            # stays inside lifts where the tiles hold whole groups (`guided`)
-            if (blocked is None or blocked.op in HANDLED) and any(n.op in HANDLED for n in nodes):
-                part.wrapped = boundary_views(program, LIFT_RULES)
-            if blocked is not None and part.wrapped is None:
-                part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
-            elif not _connected(nodes):
-                part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
-            elif self.max_flops is not None and estimate(program).flops > self.max_flops:
-                part.status = DEAR
-                part.reason = (f"it is dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP), so it comes "
-                               "after the cheap parts")
+        part = _Part(program)
+        blocked = next((n for n in nodes if LIFT_RULES.get(n.op) is None), None)
+        # layout changes move to the boundary where they can (views cost nothing); a reshape that
+        # stays inside lifts where the tiles hold whole groups (`guided`)
+        if (blocked is None or blocked.op in HANDLED) and any(n.op in HANDLED for n in nodes):
+            part.wrapped = boundary_views(program, LIFT_RULES)
+        if blocked is not None and part.wrapped is None:
+            part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
+        elif not _connected(nodes):
+            part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
+        elif self.max_flops is not None and estimate(program).flops > self.max_flops:
+            part.status = DEAR
+            part.reason = (f"it is dear to verify ({estimate(program).flops / 1e9:.3g} GFLOP), so it comes "
+                           "after the cheap parts")
         self.parts[start, stop] = self.lifted[key] = part
         return part
 
@@ -628,7 +630,8 @@ def _merged_record(record: dict, earlier: Optional[dict]) -> dict:
         span = f"{run[0]}:{run[1]}"
         if span not in parts or (parts[span]["status"] == NOT_TRIED and part["status"] != DEAR):
             parts[span] = part
-    return {**record, "assemblies": assemblies, "parts": parts}
+    others = [*record.get("others", ()), *earlier.get("others", ())]
+    return {**record, "assemblies": assemblies, "parts": parts, **({"others": others} if others else {})}
 
 
 def _span_mover(before: list, after: list):
