@@ -50,6 +50,8 @@ def test_fast_path_programs_read_in_place(name, dim):
     viewed = _viewed(graph)
     if name.startswith("kernel_matmuls"):
         assert viewed == []
+        if dim == 0:
+            return   # nothing read in place along either dim: dim -1's simulation runs the copies and products
     elif dim == -1:
         assert viewed == sorted(v.name for v in fast_path_graphs()[name].inputs)
     else:
@@ -92,9 +94,12 @@ def test_kernel_level_ops_read_in_place(dim):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape", ((8, 8190), (512, 128), (40, 33)), ids=str)
-def test_row_kernels_read_in_place(shape):
-    for dtype in (f16, f32):
+@pytest.mark.parametrize("shape, dtypes", (((8, 8190), (f16, f32)), ((512, 128), (f16,)), ((40, 33), (f16, f32))),
+                         ids=str)
+def test_row_kernels_read_in_place(shape, dtypes):
+    """(Many short rows in f16 only: in f32 they take the simulator half a minute; f32 rows are read in place
+    in the other shapes.)"""
+    for dtype in dtypes:
         graph = read_in_place(_row_kernels(shape, dtype))
         assert _viewed(graph) == ["x"]
         check_simulated(graph, seed=24)
