@@ -11,7 +11,10 @@ For each case (CASES: small kernels, where the host side of a call matters most)
   later runs), compiles and checks; the calls timed are the repeated ones, with the same signature.
 * launcher: how the executable launches: "c" (mdsl's C launcher, mdsl.gpu.launcher: every kernel in one call)
   or "cuda.bindings" (where the launcher cannot be built); with "c", public_bindings is the public path with
-  the executable made to launch through cuda.bindings instead, for comparison.
+  the executable made to launch through cuda.bindings instead, for comparison. "c, graph": the launcher
+  launches the kernels as one CUDA graph (a program of two or more kernels without a cuBLAS GEMM), and
+  public_kernels is the public path with the graph set aside (each kernel launched), for comparison; the
+  launch floor stays the kernels launched one by one, so such a case's overhead can come out below zero.
 * unchecked: `Executable.run_pointers` on the same executable, the launch benchmarks/kernels.py times as
   its mdsl contender (no argument checks, no allocation).
 * launch floor: host time of as many empty kernels as the case launches, launched the way the executable
@@ -76,7 +79,13 @@ def _cases() -> dict:
     def axpy_f32(a: Tensor[4096, f32], b: Tensor[4096, f32]):
         return a * 2.0 + b
 
-    kernels = (rms_norm_linear_bs1, silu_mul_add_bs8, axpy_f32)
+    @mdsl.kernel
+    def mlp_block_bs8(x: Tensor[8, 2048, f16], wg: Tensor[2048, 2816, f16], wu: Tensor[2048, 2816, f16],
+                      wd: Tensor[2816, 2048, f16]):
+        h = mdsl.rms_norm(x)
+        return (mdsl.silu(h @ wg) * (h @ wu)) @ wd + x
+
+    kernels = (rms_norm_linear_bs1, silu_mul_add_bs8, axpy_f32, mlp_block_bs8)
     return {k.name: (k, [(tuple(v.type.shape), v.type.dtype.long_name) for v in k.graph.inputs]) for k in kernels}
 
 
@@ -228,8 +237,17 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     (exe,) = kernel._executables.values()
     rec["launches"] = len(exe.program.launches)
     rec["launcher"] = "c" if exe.native is not None else "cuda.bindings"
+    graph = exe.native.graph if exe.native is not None else None
+    rec["graph"] = graph is not None
     out = torch.empty_like(first)
     rec["public"] = host_time(lambda: kernel(*tensors), args.calls, args.samples, sync)
+    if graph is not None:   # the same calls with the kernels launched one by one
+        nodes = list(exe.native._nodes)
+        exe.native.use_graph(None, ())
+        try:
+            rec["public_kernels"] = host_time(lambda: kernel(*tensors), args.calls, args.samples, sync)
+        finally:
+            exe.native.use_graph(graph, nodes)
     rec["public_out"] = host_time(lambda: kernel(*tensors, out=out), args.calls, args.samples, sync)
     if exe.native is not None:   # the same calls through cuda.bindings: prepared again without the launcher
         native, exe.native = exe.native, None
@@ -276,15 +294,18 @@ def render_markdown(results: dict) -> str:
              f"{gpu}, torch {meta.get('torch', '?')}, mdsl {meta.get('mdsl_commit') or '?'}. Host overhead: the "
              f"public call's host time minus the launch floor (as many empty kernels launched the same way); "
              f"target <= {TARGET_US:g} µs.", "",
-             "| case | launches | launcher | public `k(*x)` | public `out=` | public, cuda.bindings | unchecked "
-             "`run_pointers` | launch floor | host overhead | overhead, `out=` | GPU (kernel alone) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | launches | launcher | public `k(*x)` | public `out=` | public, kernels one by one | "
+             "public, cuda.bindings | unchecked `run_pointers` | launch floor | host overhead | overhead, `out=` | "
+             "GPU (kernel alone) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rec in results["cases"].items():
         if "error" in rec:
-            lines.append(f"| {name} | failed: {rec['error']} | | | | | | | | | |")
+            lines.append(f"| {name} | failed: {rec['error']} | | | | | | | | | | |")
             continue
-        lines.append(f"| {name} | {rec['launches']} | {rec.get('launcher', '?')} | {_us(rec['public'])} | "
-                     f"{_us(rec['public_out'])} | {_us(rec.get('public_bindings'))} | {_us(rec['unchecked'])} | "
+        launcher = rec.get("launcher", "?") + (", graph" if rec.get("graph") else "")
+        lines.append(f"| {name} | {rec['launches']} | {launcher} | {_us(rec['public'])} | "
+                     f"{_us(rec['public_out'])} | {_us(rec.get('public_kernels'))} | "
+                     f"{_us(rec.get('public_bindings'))} | {_us(rec['unchecked'])} | "
                      f"{_us(rec.get('launch_floor'))} | {_overhead(rec.get('overhead_us'))} | "
                      f"{_overhead(rec.get('overhead_out_us'))} | {_us(rec['gpu'])} |")
     fl = results.get("floors") or {}

@@ -209,6 +209,7 @@ class Executable:
         #: (CUgraph, CUgraphExec) the C launcher launches the kernels as, or None (`_graph_of_launches`)
         self._graph = None
         self._graphable = self._may_graph()
+        self._graph_lock = threading.Lock()
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
         """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
@@ -265,7 +266,8 @@ class Executable:
         try:
             return self._captured_graph(native, [int(step[0]) for step in self._launches])
         except Exception:   # a driver that refuses this capture: each kernel launched
-            native.use_graph(None, ())
+            with self._lock:
+                native.use_graph(None, ())
             return None
 
     def _captured_graph(self, native: launcher.NativeProgram, functions: list) -> Optional[tuple]:
@@ -306,7 +308,8 @@ class Executable:
             if err:
                 graph_exec = None
                 return None
-            native.use_graph(int(graph_exec), [int(by_function[f]) for f in functions])
+            with self._lock:   # (a run on another thread holds it: the program changes between runs)
+                native.use_graph(int(graph_exec), [int(by_function[f]) for f in functions])
             made, graph, graph_exec = (graph, graph_exec), None, None
             return made
         finally:
@@ -461,7 +464,9 @@ class Executable:
         where it is not the call's (the launcher has run nothing then)."""
         ctx, native = self._library, self.native
         if self._graphable:
-            self._graph = self._graph_of_launches(stream)
+            with self._graph_lock:   # one thread captures; the others find the graph made
+                if self._graphable:
+                    self._graph = self._graph_of_launches(stream)
         with self._lock:
             call = native.call
             call[1] = stream

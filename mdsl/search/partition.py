@@ -549,14 +549,16 @@ def analysed(graph: KernelGraph, config: SearchConfig, stats: SearchStats, **opt
     uses: its other parts are mostly the program's with a copy added, whose refinement costs a search as
     much again for what the program's own parts mostly give."""
     lifted: dict = {}
-    partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in orders(graph)]
+    program_orders = orders(graph)
+    partitions = [Partition(graph, config, stats, nodes=nodes, lifted=lifted, **options) for nodes in program_orders]
     copies = duplicated(graph)
     if copies is not None:   # (its own order has each copy right before its reader)
         own = list(range(len(copies.nodes)))
-        copies_orders = orders(copies) + ([own] if own not in orders(copies) else [])
+        copies_orders = orders(copies)
+        copies_orders += [own] if own not in copies_orders else []
         partitions += [Partition(copies, config, stats, nodes=nodes, lifted=lifted, **options)
                        for nodes in copies_orders]
-    written = len(orders(graph))
+    written = len(program_orders)
     for k, partition in enumerate(partitions):   # (the copies' form: only the parts its best combination uses)
         if not any(p.stopped for p in partitions):
             partition.analyse(rest=k < written)

@@ -62,9 +62,14 @@ VARIANT_STAGES = (2, 3)             # the trimmed space of tuning variants (they
 _TOLERANCE = {"f16": 3e-3, "bf16": 1e-2, "f32": 1e-3}   # ||got - ref|| / ||ref||, loosest dtype of the program
 #: the lowering options a kernel's first GPU call times for each candidate (`first_call_set`): the tile loop
 #: with the default pipeline, and the skinny loop (where it qualifies) overlapping its predecessor, with L2
-#: prefetches and without them with X in 16-byte loads: few, since that call compiles each
-FIRST_CALL_SPACE = (CudaOptions(), CudaOptions(skinny=True, overlap=True),
-                    CudaOptions(skinny=True, overlap=True, lead=0, wide_x=True))
+#: prefetches and without them with X in 16-byte loads: few, since that call compiles each. Each again with
+#: mdsl's own GEMM kernels in place of cuBLAS's (a candidate without a library GEMM lowers the same and is
+#: dropped as a repeat): a library GEMM's call costs the host far more than a kernel's launch, and a program
+#: of own kernels alone launches as one CUDA graph (mdsl.gpu.executable), so where the host bounds a call the
+#: own kernels win; where the GPU does, cuBLAS's tiles mostly do. Only the call's time decides.
+_FIRST_CALL_LOOPS = (CudaOptions(), CudaOptions(skinny=True, overlap=True),
+                     CudaOptions(skinny=True, overlap=True, lead=0, wide_x=True))
+FIRST_CALL_SPACE = _FIRST_CALL_LOOPS + tuple(attrs.evolve(o, library_gemm=False) for o in _FIRST_CALL_LOOPS)
 #: seconds a first call's tuning measures for: past them the candidates' remaining options are not timed
 #: (each candidate's first option always is), so that a program of many candidates costs bounded time
 FIRST_CALL_BUDGET_S = 30.0
@@ -89,6 +94,8 @@ class Variant:
             loop += " (X in 16-byte loads)"
         if o.overlap:
             loop += ", overlapping its predecessor"
+        if not o.library_gemm:
+            loop += ", own GEMM kernels"
         return f"candidate {self.candidate}{name}, {loop}, {threads}"
 
 
@@ -231,14 +238,16 @@ def emitted_variants(candidates, space, arch: str, spaces=None, names=None) -> l
         for options in (spaces[k] if spaces is not None else space):
             variant = Variant(k, options, names[k] if names else "")
             try:
-                source = emit_cuda(graph, arch=arch, options=options).source
+                program = emit_cuda(graph, arch=arch, options=options)
             except MdslError as e:  # a lowering the backend refuses: reported, never timed
                 out.append((variant, f"does not emit: {e}"))
                 continue
-            if options.threads in UNPREFETCHED_THREADS and SKINNY_LOOP not in source:
+            if options.threads in UNPREFETCHED_THREADS and SKINNY_LOOP not in program.source:
                 continue   # tried for the skinny loop only: dropped like a repeated source
-            if source not in seen:
-                seen.add(source)
+            # (the same source with other launches in cuBLAS is another variant)
+            lowered = (program.source, tuple(launch.library is not None for launch in program.launches))
+            if lowered not in seen:
+                seen.add(lowered)
                 out.append((variant, ""))
     return out
 

@@ -132,6 +132,21 @@ def test_a_first_call_times_the_plans_candidates_and_the_program_as_written():
     assert autotune.first_call_set(kept_as_written).graphs == (plan.original,)   # timed once, not twice
 
 
+def test_a_first_call_also_times_own_gemm_kernels_where_the_library_would_run_a_gemm():
+    """The program as written keeps its matmul kernel-level: cuBLAS runs it, or with library_gemm off mdsl's
+    own GEMM kernel (the same source, another launch): both are timed. A fused candidate without a
+    kernel-level matmul lowers the same either way, so its own-GEMM options are dropped as repeats."""
+    plan = _small_plan()
+    space = autotune.FIRST_CALL_SPACE
+    assert {o.library_gemm for o in space} == {True, False}
+    as_written = [v for v, problem in autotune.emitted_variants([plan.original], space, "sm_90a") if not problem]
+    assert {v.options.library_gemm for v in as_written} == {True, False}
+    assert any("own GEMM kernels" in v.describe() for v in as_written)
+    fused = [v for v, problem in autotune.emitted_variants([plan.graph], space, "sm_90a") if not problem]
+    assert plan.graph != plan.original and all(n.op != "matmul" or n.body is not None for n in plan.graph.nodes)
+    assert fused and all(v.options.library_gemm for v in fused)
+
+
 def _fake_gpu(monkeypatch, clock: list, seconds_per_variant: float) -> list:
     """autotune's GPU steps replaced: each measured variant advances `clock` and is recorded in order."""
     from mdsl.backend.cuda import runtime
