@@ -269,7 +269,9 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["unchecked"] = host_time(lambda: exe.run_pointers(ins, outs, stream), args.calls, args.samples, sync)
     rec["gpu"] = gpu_time(torch, lambda: exe.run_pointers(ins, outs, torch.cuda.current_stream().cuda_stream),
                           args.graph_calls)
-    torch.testing.assert_close(kernel(*tensors), out)   # the timed paths compute the same thing
+    # the timed paths compute the same thing (a library GEMM captured in a CUDA graph may take another of
+    # cuBLAS's kernels, whose sums round differently)
+    torch.testing.assert_close(kernel(*tensors), out, **({} if not exe.library_launches else {"rtol": 1e-2, "atol": 1e-2}))
     return rec
 
 

@@ -74,3 +74,19 @@ def _plan_cache_in_tmp(tmp_path_factory, monkeypatch, request):
             shared = os.path.join(os.environ[SHARED_DIR_ENV], name)
             os.makedirs(shared, exist_ok=True)
             os.symlink(shared, root / name)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules whose tests may run longest first (a module's largest `timeout` mark; its tests stay
+    together and in order, so module fixtures are made once): pytest-xdist hands tests out in this order,
+    so the long ones start early and neither worker ends the run alone on one of them."""
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("timeout")
+        return 0 if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", 0))
+
+    module = {id(item): getattr(item, "module", None) or item.path for item in items}
+    longest: dict = {}
+    for item in items:
+        longest[module[id(item)]] = max(longest.get(module[id(item)], 0.0), seconds(item))
+    first = {m: k for k, m in enumerate(dict.fromkeys(module[id(item)] for item in items))}
+    items.sort(key=lambda item: (-longest[module[id(item)]], first[module[id(item)]]))

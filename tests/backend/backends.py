@@ -22,7 +22,7 @@ EMITTERS = ["cuda", "ptx"]
 BACKENDS = ["cuda", pytest.param("ptx", marks=needs_assembler)]
 
 #: what each backend's code has where a kernel runs a block matmul on tensor cores
-MMA_CODE = {"cuda": ("BlockMma<", "RowMma<", "gemm_tile_mma<"), "ptx": ("mma.sync",)}
+MMA_CODE = {"cuda": ("BlockMma<", "RowMma<", "gemm_tile_mma<", "gemm_rows_mma<"), "ptx": ("mma.sync",)}
 
 
 def emit(backend: str, graph, options=None, arch=None):

@@ -102,6 +102,25 @@ def test_the_option_off_runs_mdsl_s_kernels():
     assert executable.library_launches == ()
 
 
+#: few rows (mdsl::gemm_rows_mma: K shared by a block's warps, 16 columns a block) at its bounds: 1 and 16
+#: rows, 17 (the 64x64 tile), K of many steps and not a multiple of 16, N not a multiple of 16, batches
+ROWS_PRODUCTS = [((1, 2000), (2000, 1000)), ((16, 1030), (1030, 200)), ((17, 300), (300, 90)),
+                 ((2, 4, 513), (2, 513, 24)), ((5, 7), (7, 9))]
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16], ids=lambda d: d.name)
+def test_few_rows_run_mdsl_s_row_kernel(dtype):
+    g = Graph(f"rows_{dtype.name}")
+    for k, (a_shape, b_shape) in enumerate(ROWS_PRODUCTS):
+        g.outputs.append(g.op("matmul", g.input(f"a{k}", a_shape, dtype), g.input(f"b{k}", b_shape, dtype)))
+    graph = g.build(g.outputs)
+    executable = check(graph, f"rows-{dtype.name}", options=CudaOptions(library_gemm=False))
+    assert executable.library_launches == ()
+    again = run(executable, random_inputs(graph, rng_for(f"rows-{dtype.name}")))   # the same bits every run
+    first = run(executable, random_inputs(graph, rng_for(f"rows-{dtype.name}")))
+    assert all(np.array_equal(a, b) for a, b in zip(again, first))
+
+
 def test_a_torch_stream_gets_its_own_workspace(torch):
     graph = products(f16)
     inputs = random_inputs(graph, rng_for("cublas-stream"))

@@ -40,6 +40,7 @@ from mdsl.backend.cuda.codegen import emit_cuda
 from mdsl.errors import MdslError
 from mdsl.gpu.cache import write_atomic
 from mdsl.gpu.cache import cache_dir as _cache_dir
+from mdsl.gpu.calls import PreparedCall
 from mdsl.ir.graph import KernelGraph
 from mdsl.ir.text import print_graph
 from mdsl.lowering.options import CudaOptions
@@ -454,8 +455,10 @@ def _rotated_inputs(graph: KernelGraph, host: list, device: int) -> list:
 def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, device: int, samples: int,
              calls: int, checked: bool = False) -> Timing:
     """Checked on fresh inputs (the checked call), then timed over the rotated copies in turn: through the
-    unchecked launch (`run_pointers`, as the kernel benchmark launches), or with `checked` the checked call
-    (its host time counts: a program whose library GEMMs launch from Python costs it more)."""
+    unchecked launch (`run_pointers`, as the kernel benchmark launches), or with `checked` the call a kernel
+    repeats (`mdsl.gpu.calls.PreparedCall`: its host time counts, so a program of library GEMMs, each a
+    library call, or of kernels launched one by one costs what it costs a user, where a program of own
+    kernels launches as one CUDA graph)."""
     from mdsl.backend.cuda import runtime
 
     executable = None
@@ -467,9 +470,15 @@ def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, devi
         if problem:
             return Timing(variant, None, problem)
         turn = itertools.count()
-        if checked:   # as a kernel's call runs it: arguments checked, the executable's own launch path
-            return Timing(variant, _median_us(lambda: executable(rotated[next(turn) % len(rotated)], outputs),
-                                              samples, calls))
+        if checked:   # as a kernel's repeated call runs it: the call prepared for the arguments' signature
+            prepared = PreparedCall.of(executable, rotated[0], outputs, stream_given=False, torch_outputs=False)
+
+            def call():
+                args = rotated[next(turn) % len(rotated)]
+                if prepared is None or prepared(args, outputs) is None:
+                    executable(args, outputs)
+
+            return Timing(variant, _median_us(call, samples, calls))
         pointers = [[a.ptr for a in copy] for copy in rotated]
         out = [o.ptr for o in outputs]
         return Timing(variant, _median_us(lambda: executable.run_pointers(pointers[next(turn) % len(pointers)], out, 0),

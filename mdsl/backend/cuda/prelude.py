@@ -741,6 +741,73 @@ __device__ __forceinline__ void gemm_tile_mma(const E* __restrict__ A, const E* 
   });
 }
 
+// ---- 16 columns of C = A B on tensor cores for few rows (M <= ROWS_GEMM_MAX_M; A, B of the 16-bit type E,
+// row-major, A is M x K, B is K x N) for a block of 256 threads. The product streams B, and a 64x64 tile would
+// leave most SMs idle and each block a long walk over K, so a block takes 16 columns and its 8 warps share
+// K: warp w takes the 16-row steps w, w + 8, ... of B (neighbouring warps read neighbouring rows), each lane
+// loading its fragments' 16-bit values straight from global memory, UNROLL steps' loads issued before their
+// products. The warps' sums are added in warp order through shared memory: C's bits depend on (M, N, K) alone.
+template <typename E, int M, int N, int K, typename TC>
+__device__ __forceinline__ void gemm_rows_mma(const E* __restrict__ A, const E* __restrict__ B, TC* __restrict__ C) {
+  constexpr int WARPS = 8, BN = 16, TM = (M + 15) / 16, STEPS = (K + 15) / 16, UNROLL = 4;
+  static_assert(TM <= 4, "gemm_rows_mma takes at most 64 rows");
+  using Tile = BlockMma<E, 1, M, N, K, WARPS>;
+  __shared__ float part[WARPS][TM * 16][BN + 1];
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+  const int n0 = blockIdx.x * BN;
+  float acc[TM][2][4];
+#pragma unroll
+  for (int mt = 0; mt < TM; ++mt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.0f;
+  for (int s0 = warp; s0 < STEPS; s0 += WARPS * UNROLL) {
+    unsigned fb[UNROLL][2][2];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {   // (rows past K read as zeros)
+      const int k0 = (s0 + u * WARPS) * 16;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        fb[u][j][0] = Tile::template along_column<K, N, N>(B, k0 + 2 * t, n0 + j * 8 + g);
+        fb[u][j][1] = Tile::template along_column<K, N, N>(B, k0 + 2 * t + 8, n0 + j * 8 + g);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int k0 = (s0 + u * WARPS) * 16;
+      if (k0 < K) {   // the same on the whole warp, as mma.sync needs
+#pragma unroll
+        for (int mt = 0; mt < TM; ++mt) {
+          const int m0 = mt * 16;
+          const unsigned fa[4] = {Tile::template along_row<M, K, K>(A, m0 + g, k0 + 2 * t),
+                                  Tile::template along_row<M, K, K>(A, m0 + g + 8, k0 + 2 * t),
+                                  Tile::template along_row<M, K, K>(A, m0 + g, k0 + 2 * t + 8),
+                                  Tile::template along_row<M, K, K>(A, m0 + g + 8, k0 + 2 * t + 8)};
+          Mma<E>::run(acc[mt][0], fa, fb[u][0]);
+          Mma<E>::run(acc[mt][1], fa, fb[u][1]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < TM; ++mt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[warp][mt * 16 + g + (e / 2) * 8][j * 8 + 2 * t + e % 2] = acc[mt][j][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * BN; i += 32 * WARPS) {
+    const int m = i / BN, n = i % BN;
+    if (n0 + n < N) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += part[w][m][n];
+      C[m * N + n0 + n] = from_float<TC>(sum);
+    }
+  }
+}
+
 // ---- one 64x64 tile of C = A B (row-major; A is M x K, B is K x N) for a block of 256 threads:
 // K is walked in steps of 16 through shared memory, each thread keeps a 4x4 piece of C in registers
 template <int M, int N, int K, typename TA, typename TB, typename TC>

@@ -22,6 +22,8 @@ from mdsl.lowering.mma import kernel_mma_dtype
 from mdsl.lowering.views import is_view
 
 GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
+ROWS_GEMM_MAX_M = 16  # the most rows mdsl::gemm_rows_mma takes a kernel-level matmul with (past them, the tile)
+ROWS_GEMM_COLUMNS = 16   # the columns of C a block of mdsl::gemm_rows_mma computes
 
 
 def _grid_threads() -> Threads:
@@ -134,14 +136,17 @@ class Matmul(CudaRule):
             b.w(store_float(out, offset("i", out.shape, out), "acc"))
 
     def kernel(self, program, index: int, node: Node) -> None:
-        """A GEMM_TILE x GEMM_TILE tile of the product per block (`mdsl::gemm_tile`), a batch per grid z."""
+        """A GEMM_TILE x GEMM_TILE tile of the product per block (`mdsl::gemm_tile`), or on tensor cores for at
+        most ROWS_GEMM_MAX_M rows ROWS_GEMM_COLUMNS columns of it (`mdsl::gemm_rows_mma`), a batch per grid z."""
         (m, k_len), n = node.inputs[0].shape[-2:], node.output.shape[-1]
         batch = node.output.shape[:-2]
         batches = math.prod(batch)
         if batches > 65535:
             raise UnsupportedError(f"matmul over {batches} batches: at most 65535 (the grid's z dim)",
                                    hint="reshape the batch dims into the rows of the left operand")
-        grid = (-(-n // GEMM_TILE), -(-m // GEMM_TILE), batches)
+        element = kernel_mma_dtype(node, program.options, program.arch)
+        rows = element is not None and m <= ROWS_GEMM_MAX_M
+        grid = (-(-n // ROWS_GEMM_COLUMNS), 1, batches) if rows else (-(-n // GEMM_TILE), -(-m // GEMM_TILE), batches)
         with program.kernel(index, node, grid=grid, threads=KERNEL_THREADS) as k:
             a, w, out = k.inputs[0], k.inputs[1], k.outputs[0]
             ptrs = []
@@ -151,8 +156,9 @@ class Matmul(CudaRule):
                 ptrs.append(op.ptr if start == "0" else f"{op.ptr} + {start}")
             if batch:
                 k.w("const int batch = blockIdx.z;")
-            element = kernel_mma_dtype(node, program.options, program.arch)
-            if element is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile below)
+            if rows:   # few rows: the product streams B over many blocks
+                k.w(f"mdsl::gemm_rows_mma<{element_ctype(element)}, {m}, {n}, {k_len}>({', '.join(ptrs)});")
+            elif element is not None:   # tensor cores (MDSL_CUDA_MMA=0: the scalar tile below)
                 k.w(f"mdsl::gemm_tile_mma<{element_ctype(element)}, {m}, {n}, {k_len}>({', '.join(ptrs)});")
             else:
                 k.w(f"mdsl::gemm_tile<{m}, {n}, {k_len}>({', '.join(ptrs)});")

@@ -9,7 +9,7 @@ import pytest
 
 from mdsl.backend.cuda import emit_cuda
 from mdsl.errors import UnsupportedError
-from mdsl.ir.dtypes import bf16, f32
+from mdsl.ir.dtypes import bf16, f16, f32
 from mdsl.lowering.block import lower
 from mdsl.lowering.options import CudaOptions
 from tests.backend.acceptance import assert_compiles_clean
@@ -46,6 +46,26 @@ def test_kernel_level_matmuls_take_the_tensor_core_tile_only_when_asked():
                   for mma in (True, False))
     assert fast.count("mdsl::gemm_tile_mma<__nv_bfloat16,") == 3 and "gemm_tile_mma" not in slow
     assert "gemm_tile_mma" not in emit_cuda(with_dtype(graph, bf16, f32)).source.split("}  // namespace mdsl")[1]
+
+
+def test_kernel_level_matmuls_of_few_rows_take_the_row_kernel():
+    """At most ROWS_GEMM_MAX_M rows: 16 columns a block (mdsl::gemm_rows_mma), a batch per grid z; past them
+    the 64x64 tile; without tensor cores the scalar tile."""
+    from mdsl.backend.cuda.rules import ROWS_GEMM_COLUMNS, ROWS_GEMM_MAX_M
+    from tests.backend.cuda.builder import Graph
+
+    g = Graph("few_rows")
+    g.op("matmul", g.input("a", (ROWS_GEMM_MAX_M, 300), f16), g.input("b", (300, 1000), f16))
+    g.op("matmul", g.input("c", (2, 1, 40), bf16), g.input("d", (2, 40, 33), bf16))
+    g.op("matmul", g.input("e", (ROWS_GEMM_MAX_M + 1, 40), f16), g.input("f", (40, 33), f16))
+    graph = g.build()
+    program = emit_cuda(graph, options=CudaOptions(library_gemm=False))
+    code = program.source.split("}  // namespace mdsl")[1]
+    assert code.count("mdsl::gemm_rows_mma<") == 2 and code.count("mdsl::gemm_tile_mma<") == 1
+    assert [launch.grid for launch in program.launches] == [(-(-1000 // ROWS_GEMM_COLUMNS), 1, 1),
+                                                             (-(-33 // ROWS_GEMM_COLUMNS), 1, 2), (1, 1, 1)]
+    scalar = emit_cuda(graph, options=CudaOptions(library_gemm=False, mma=False)).source
+    assert "mdsl::gemm_rows_mma<" not in scalar.split("}  // namespace mdsl")[1]
 
 
 def test_the_pipeline_keeps_stage_copies_of_each_per_iteration_input():
