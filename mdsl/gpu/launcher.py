@@ -265,6 +265,11 @@ class NativeProgram:
         self._nodes = (_u64 * len(nodes))(*nodes)
         self._program.nodes, self._program.graph, self.graph = ctypes.addressof(self._nodes), int(graph), graph
 
+    @property
+    def graph_nodes(self) -> tuple:
+        """The kernel nodes of the graph it launches (`use_graph`'s, launch i's at i); () without one."""
+        return tuple(self._nodes) if self._nodes is not None else ()
+
     @staticmethod
     def supports(entries: dict, overlap: bool, copies: bool) -> bool:
         """Whether the driver has the entry points such a program calls."""

@@ -194,6 +194,7 @@ def test_a_program_with_a_graph_sets_each_kernel_node_from_the_slots_then_launch
     params = _blocks(slots, [(0, 2), (2, 1)])
     program = _program(lib, native, slots, params, overlap=(False, True))
     program.use_graph(0xF00, [0xA1, 0xA2])
+    assert program.graph == 0xF00 and program.graph_nodes == (0xA1, 0xA2)
     assert _run(program, 0x77, [0x1000, 0x2000, 0x3000]) == 0
     assert _run(program, 0, [0x4000, 0x5000, 0x6000]) == 0
     native.check()
@@ -212,6 +213,7 @@ def test_a_program_with_a_graph_sets_each_kernel_node_from_the_slots_then_launch
     assert [c[0] for c in recorder.calls[8:]] == ["launch", "launch", "copy"]
     del recorder.calls[8:]
     program.use_graph(None, ())   # each kernel launched again
+    assert program.graph is None and program.graph_nodes == ()
     assert _run(program, 5, [0x1000, 0x2000, 0x3000]) == 0
     assert [c[0] for c in recorder.calls[8:]] == ["launch", "launch", "copy"]
 
