@@ -3,6 +3,8 @@
     python benchmarks/random_programs.py --seed 0 [--count 100] [--budget 120] [--workers 2] [--out DIR]
     python benchmarks/random_programs.py --seed 0 --count 20 --budget 20          # a quick sample
     python benchmarks/random_programs.py --seed 0 --count 30 --gpu                # on a GPU: time them too
+    python benchmarks/random_programs.py --merge A/random_programs.json B/random_programs.json --out DIR
+                                                                   # parts of one run (--first, --count) as one
 
 Each program (`draw(seed, index)`: the seed and its index decide it, nothing else) is a chain or DAG of
 3 to 12 registry operators over the shapes of an LLM layer (rows 1-64, hidden 1,024-8,192, f16):
@@ -658,6 +660,37 @@ def summarise(rows: list, budget_s: float) -> dict:
     return summary
 
 
+def merged(runs: Sequence[dict]) -> dict:
+    """The runs of parts of one seed's programs (each its --first and --count: a device's time limit per
+    command splits a GPU run) as one run, rows in program order, the summary made again from them. The parts
+    must be of the same seed, budgets, commit and GPU, and no program may be in two. Its meta is the first
+    part's, with `first` and `count` covering the programs and each part's command, date and programs under
+    `parts`."""
+    if not runs:
+        raise ValueError("no runs to merge")
+    metas = [run["meta"] for run in runs]
+    for key in ("seed", "budget_s", "work", "mdsl_commit"):
+        values = {json.dumps(m.get(key)) for m in metas}
+        if len(values) > 1:
+            raise ValueError(f"the runs differ in {key}: {', '.join(sorted(values))}")
+    gpus = {(m.get("gpu") or {}).get("name") for m in metas}
+    if len(gpus) > 1:
+        raise ValueError(f"the runs were timed on different GPUs: {', '.join(sorted(map(str, gpus)))}")
+    rows = [row for run in runs for row in run["rows"]]
+    names = [row["program"] for row in rows]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"programs in more than one run: {', '.join(twice)}")
+    rows.sort(key=lambda row: int(row["program"].rsplit("_", 1)[1]))
+    meta = dict(metas[0])
+    meta["parts"] = [{"command": m.get("command"), "date": m.get("date"), "first": m.get("first"),
+                      "count": m.get("count")} for m in metas]
+    meta["command"] = " and ".join(str(m.get("command")) for m in metas)
+    meta["first"] = min(m.get("first", 0) for m in metas)
+    meta["count"] = len(rows)
+    return {"schema": SCHEMA, "meta": meta, "summary": summarise(rows, meta["budget_s"]), "rows": rows}
+
+
 def markdown(meta: dict, rows: list, summary: dict) -> str:
     s = summary
     lines = [f"# Random programs (seed {meta['seed']}, {s['programs']} programs)", "",
@@ -703,7 +736,7 @@ def markdown(meta: dict, rows: list, summary: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, required=True, help="the run's seed: it decides every program")
+    parser.add_argument("--seed", type=int, help="the run's seed: it decides every program (required but with --merge)")
     parser.add_argument("--count", type=int, default=100, help="programs to draw (default 100)")
     parser.add_argument("--first", type=int, default=0, help="index of the first program (to split a run)")
     parser.add_argument("--budget", type=float, default=120.0, help="each search's wall-clock cap (default 120 s)")
@@ -717,7 +750,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--print", dest="show", action="store_true", help="print the programs' sources and stop")
     parser.add_argument("--same-as", help="another run's random_programs.json (same seed and budgets, another "
                                           "machine load): report the finished programs whose plans differ")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="write the runs of parts of one seed's "
+                        "programs (random_programs.json files) as one run under --out, and stop")
     args = parser.parse_args(argv)
+    if args.merge:
+        try:
+            run = merged([json.loads(Path(f).read_text()) for f in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"--merge: {e}")
+        out_dir = Path(args.out or os.environ.get("OUT") or "bench_out")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "random_programs.json").write_text(json.dumps(run, indent=1))
+        (out_dir / "random_programs.md").write_text(markdown(run["meta"], run["rows"], run["summary"]))
+        print(markdown(run["meta"], run["rows"], run["summary"]))
+        return 0
+    if args.seed is None:
+        parser.error("--seed is required (but with --merge)")
     if args.count < 1:
         parser.error("--count must be at least 1")
     programs = [draw(args.seed, i) for i in range(args.first, args.first + args.count)]

@@ -131,6 +131,39 @@ def test_two_runs_compare_the_plans_of_the_programs_both_finished():
     assert rp.same_plans(quiet, loaded) == {"compared": 2, "differ": ["b"]}
 
 
+def test_parts_of_a_run_merge_into_the_run(tmp_path):
+    """A stored GPU run cut in two parts (as --first and --count cut one) merges back into its rows and
+    summary; parts of other seeds, commits or GPUs, or with a program twice, are refused."""
+    import copy
+    import json
+    from pathlib import Path
+
+    whole = json.loads((Path(rp.__file__).parents[1] / "docs/results/random_programs_gpu_seed97.json").read_text())
+    first, second = copy.deepcopy(whole), copy.deepcopy(whole)
+    first["rows"], second["rows"] = whole["rows"][:4], whole["rows"][4:]
+    first["meta"].update(first=0, count=4, command="part one")
+    second["meta"].update(first=4, count=len(whole["rows"]) - 4, command="part two")
+    run = rp.merged([second, first])
+    assert [r["program"] for r in run["rows"]] == [r["program"] for r in whole["rows"]]
+    summary = dict(run["summary"])
+    assert summary.pop("gpu_geomean_speedup_vs_best") == pytest.approx(whole["summary"]["gpu_geomean_speedup_vs_best"])
+    assert summary == {k: v for k, v in whole["summary"].items() if k != "gpu_geomean_speedup_vs_best"}
+    assert run["meta"]["first"] == 0 and run["meta"]["count"] == len(whole["rows"])
+    assert [p["command"] for p in run["meta"]["parts"]] == ["part two", "part one"]
+    other = copy.deepcopy(first)
+    other["meta"]["mdsl_commit"] = "0000000"
+    with pytest.raises(ValueError, match="mdsl_commit"):
+        rp.merged([other, second])
+    with pytest.raises(ValueError, match="more than one run: random_s97_0"):
+        rp.merged([first, first, second])
+    for k, part in enumerate((first, second)):
+        (tmp_path / f"{k}.json").write_text(json.dumps(part))
+    assert rp.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m/random_programs.json").read_text())["rows"] == run["rows"]
+    with pytest.raises(SystemExit):
+        rp.main(["--count", "3"])   # no seed, no --merge
+
+
 def test_a_plans_digest_is_its_graphs_text():
     program = rp.draw(0, 0)
     graph = program.kernel().graph
