@@ -241,6 +241,8 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["graph"] = graph is not None
     out = torch.empty_like(first)
     rec["public"] = host_time(lambda: kernel(*tensors), args.calls, args.samples, sync)
+    # a program with cuBLAS GEMMs: the graphs captured for its repeated pointers (Executable._graph_for)
+    rec["graphs_by_pointers"] = len(exe._by_pointers or ())
     if graph is not None:   # the same calls with the kernels launched one by one
         nodes = exe.native.graph_nodes
         exe.native.use_graph(None, ())

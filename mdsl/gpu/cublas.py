@@ -15,6 +15,8 @@ an executable runs its own kernel for each such launch instead, after one warnin
   WORKSPACE_BYTES, so that GEMMs on different streams never share scratch memory (none on a stream being
   captured into a CUDA graph before it ran a GEMM: allocating would end the capture); a GEMM on another
   stream than the last sets the stream and then the workspace again (cublasSetStream_v2 resets it).
+  A program captured as a graph for one stream (mdsl.gpu.executable's graphs by pointers) is captured with
+  that stream's workspace (`Context.capture_on`).
 * A call passes prebuilt ctypes objects (`gemm_arguments`), the operands' pointers as views of the
   executable's parameter slots: nothing is converted or allocated per call.
   Handles and workspaces live as long as the process.
@@ -178,6 +180,24 @@ class Context:
                                                               else 0), "cublasSetWorkspace_v2")
         self.stream = stream
         self.stream_word.value = stream
+
+    def capture_on(self, capture: int, like: int) -> None:
+        """Make `capture`, a stream about to be captured into a graph that will be launched on `like`, the
+        handle's stream, with `like`'s workspace (allocated here if it has none: `capture` is not yet being
+        captured): the graph's GEMMs then run the algorithms, and use the scratch memory, of the same GEMMs
+        launched on `like` (call with the lock held; `forget_stream` after the capture)."""
+        self.use_stream(like)
+        check_status(self.lib, self.lib.cublasSetStream_v2(self.handle, capture), "cublasSetStream_v2")
+        check_status(self.lib, self.lib.cublasSetWorkspace_v2(self.handle, self.workspaces[like], WORKSPACE_BYTES),
+                     "cublasSetWorkspace_v2")
+        self.stream = capture
+        self.stream_word.value = capture
+
+    def forget_stream(self) -> None:
+        """No stream recorded as the handle's (the next call sets its own): after a capture, whose stream is
+        destroyed and whose handle value a later stream may have."""
+        self.stream = None
+        self.stream_word.value = NO_STREAM
 
 
 def _capturing(stream: int) -> bool:

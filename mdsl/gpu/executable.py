@@ -25,6 +25,12 @@ from mdsl.ir.graph import KernelGraph
 from mdsl.ir.types import TensorType
 
 _STATIC_SMEM_LIMIT = 48 * 1024   # dynamic shared memory beyond this needs the kernel's opt-in
+#: the sets of (stream, pointers) an executable with cuBLAS GEMMs keeps a graph for: a caller's steady state
+#: repeats a few (a layer's buffers from torch's caching allocator; rotating inputs); the bound caps the capture
+#: time and the driver's memory spent on callers whose pointers never settle
+POINTER_GRAPHS = 256
+#: the sets seen once that are remembered (forgotten all at once past it)
+SIGHTINGS = 4 * POINTER_GRAPHS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +216,10 @@ class Executable:
         self._graph = None
         self._graphable = self._may_graph()
         self._graph_lock = threading.Lock()
+        #: (stream, *pointers) -> (CUgraph, CUgraphExec, its handle as a c_uint64): the program captured whole
+        #: for a set of pointers that repeats (`_graph_for`), or None where it is not captured so
+        self._by_pointers: Optional[dict] = {} if self._may_graph_by_pointers() else None
+        self._sightings: dict = {}   # (stream, *pointers) seen once, not yet captured
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
         """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
@@ -243,6 +253,15 @@ class Executable:
         entries = launcher.driver_entries()
         return len({int(step[0]) for step in steps}) == len(steps) and all(
             entries.get(name) for name in ("cuGraphExecKernelNodeSetParams", "cuGraphLaunch", "cuStreamIsCapturing"))
+
+    def _may_graph_by_pointers(self) -> bool:
+        """Whether a set of pointers that repeats gets the program captured whole as a graph (`_graph_for`):
+        where it has cuBLAS GEMMs (whose kernels' parameters cannot be set per call, so the graph of
+        `_graph_of_launches` is not made) and the driver has the entry points of a graph's launch."""
+        if self.native is None or self._library is None or self._graphable:
+            return False
+        entries = launcher.driver_entries()
+        return all(entries.get(name) for name in ("cuGraphLaunch", "cuStreamIsCapturing"))
 
     def _graph_of_launches(self, stream: int) -> Optional[tuple]:
         """The kernels as one CUDA graph, which the C launcher launches in their place, their parameters set
@@ -318,6 +337,80 @@ class Executable:
             if graph is not None:
                 driver.cuGraphDestroy(graph)
             driver.cuStreamDestroy(stream)
+
+    def _sighted(self, stream: int, arguments: Sequence[int], key: tuple) -> None:
+        """After a run launched launch by launch on these pointers: the second run on the same stream and
+        pointers captures the program for them (`_graph_for`), up to POINTER_GRAPHS sets; later runs on them
+        launch that graph. A set seen once is remembered among the last SIGHTINGS sets."""
+        sightings = self._sightings
+        if key not in sightings:
+            if len(sightings) >= SIGHTINGS:
+                sightings.clear()
+            sightings[key] = True
+            return
+        del sightings[key]
+        graphs = self._by_pointers
+        if graphs is None or len(graphs) >= POINTER_GRAPHS:
+            return
+        with self._graph_lock:   # one thread captures
+            if self._by_pointers is not None and key not in graphs:
+                made = self._graph_for(stream, arguments)
+                if made is False:   # the driver refuses: launched launch by launch from now on
+                    self._by_pointers = None
+                    _release_graphs(driver, tuple(graphs.values()))
+                elif made is not None:
+                    graphs[key] = made
+
+    def _graph_for(self, stream: int, arguments: Sequence[int]):
+        """The program captured whole (its kernels, cuBLAS's GEMMs and the copies) for `stream` and the
+        pointers `arguments`, instantiated: (CUgraph, CUgraphExec, the exec's handle as a c_uint64). None where
+        `stream` is being captured by the caller (its run left alone); False where the driver refuses it.
+        cuBLAS captures with the handle set to `stream`'s workspace (`Context.capture_on`), so the graph's
+        GEMMs are those a launch on `stream` runs."""
+        try:
+            err, status = driver.cuStreamIsCapturing(cu_stream(stream))
+            if err or status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                return None if not err else False
+            self._dev.make_current()
+            err, capture = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        except Exception:   # noqa: BLE001 (a driver without these: launched launch by launch)
+            return False
+        if err:
+            return False
+        native, ctx = self.native, self._library
+        graph = graph_exec = None
+        try:
+            with ctx.lock:
+                try:
+                    ctx.capture_on(int(capture), stream)
+                    (err,) = driver.cuStreamBeginCapture(capture,
+                                                         driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+                    if err:
+                        return False
+                    with self._lock:
+                        call = native.call
+                        call[1] = int(capture)
+                        call[2:] = arguments
+                        ran = native.run(call)
+                    err, graph = driver.cuStreamEndCapture(capture)
+                finally:
+                    ctx.forget_stream()
+            if ran or err:
+                return False
+            err, graph_exec = driver.cuGraphInstantiate(graph, 0)
+            if err:
+                graph_exec = None
+                return False
+            made, graph, graph_exec = (graph, graph_exec, ctypes.c_uint64(int(graph_exec))), None, None
+            return made
+        except Exception:   # noqa: BLE001 (a driver or library that refuses this capture)
+            return False
+        finally:
+            if graph_exec is not None:
+                driver.cuGraphExecDestroy(graph_exec)
+            if graph is not None:
+                driver.cuGraphDestroy(graph)
+            driver.cuStreamDestroy(capture)
 
     def _prepare(self, launch, slots: tuple, library_slots: tuple = ()):
         """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
@@ -467,6 +560,17 @@ class Executable:
             with self._graph_lock:   # one thread captures; the others find the graph made
                 if self._graphable:
                     self._graph = self._graph_of_launches(stream)
+        graphs = self._by_pointers
+        if graphs is not None:
+            key = (stream, *arguments)
+            made = graphs.get(key)
+            if made is not None:
+                with self._lock:
+                    call = native.call
+                    call[1] = stream
+                    err = native.run_graph(call, made[2])
+                if err != launcher.CAPTURING:
+                    return err
         with self._lock:
             call = native.call
             call[1] = stream
@@ -478,7 +582,9 @@ class Executable:
                 if err == launcher.LIBRARY_STREAM:
                     ctx.use_stream(stream)
                     err = native.run(call)
-                return err
+        if graphs is not None and not err and made is None:
+            self._sighted(stream, arguments, key)
+        return err
 
     def _native_failed(self, err: int, arguments: Sequence[int], stream: int) -> None:
         """After the C launcher's error `err`: launch again once the executable's context is made current
@@ -504,11 +610,11 @@ class Executable:
         """Free the intermediates and unload the module (also done when the Executable is collected: `release`)."""
         if driver is None:
             return
-        scratch, module, graph = tuple(self._scratch), self._module_handle, self._graph
-        self._scratch, self._module_handle, self._graph = [], None, None
-        if graph is not None and self.native is not None:
+        scratch, module, graphs = tuple(self._scratch), self._module_handle, self._graphs()
+        if self._graph is not None and self.native is not None:
             self.native.use_graph(None, ())
-        _release(driver, scratch, module, graph)
+        self._scratch, self._module_handle, self._graph, self._by_pointers = [], None, None, None
+        _release(driver, scratch, module, graphs)
 
     def __enter__(self) -> "Executable":
         return self
@@ -516,11 +622,16 @@ class Executable:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _graphs(self) -> tuple:
+        """The (CUgraph, CUgraphExec, ...) this executable made: its graph of launches, its graphs by pointers."""
+        graph, by_pointers = getattr(self, "_graph", None), getattr(self, "_by_pointers", None)
+        return ((graph,) if graph is not None else ()) + (tuple(by_pointers.values()) if by_pointers else ())
+
     def __del__(self):
-        graph = getattr(self, "_graph", None)
-        if driver is not None and (self._scratch or self._module_handle is not None or graph is not None):
-            release(functools.partial(_release, driver, tuple(self._scratch), self._module_handle, graph))
-            self._scratch, self._module_handle, self._graph = [], None, None
+        graphs = self._graphs()
+        if driver is not None and (self._scratch or self._module_handle is not None or graphs):
+            release(functools.partial(_release, driver, tuple(self._scratch), self._module_handle, graphs))
+            self._scratch, self._module_handle, self._graph, self._by_pointers = [], None, None, None
 
     def __repr__(self) -> str:
         return (f"<mdsl Executable {self.name}: {len(self._launches)} launch(es) on GPU {self.device}, "
@@ -543,12 +654,18 @@ def overlapping_launch(grid: tuple, block: tuple, smem: int):
     return config
 
 
-def _release(drv, scratch: tuple, module, graph: Optional[tuple] = None) -> None:
-    """A collected Executable's intermediates, module and graph of its launches (`release`), through the
-    driver `drv` that allocated, loaded and made them."""
-    if graph is not None:
+def _release_graphs(drv, graphs: tuple) -> None:
+    """Graphs made by an executable ((CUgraph, CUgraphExec, ...) each): an exec still running is freed by the
+    driver when it completes."""
+    for graph in graphs:
         drv.cuGraphExecDestroy(graph[1])
         drv.cuGraphDestroy(graph[0])
+
+
+def _release(drv, scratch: tuple, module, graphs: tuple = ()) -> None:
+    """A collected Executable's intermediates, module and graphs (`release`), through the driver `drv` that
+    allocated, loaded and made them."""
+    _release_graphs(drv, graphs)
     for ptr in scratch:
         drv.cuMemFree(ptr)
     if module is not None:

@@ -122,9 +122,9 @@ typedef struct {
     const uint64_t *nodes;   /* n_launches CUgraphNodes */
 } Program;
 
-/* what mdsl_run returns besides 0 (success) and a positive CUresult (the failing call's); a cuBLAS call's
-   failure is LIBRARY_FAILED - its cublasStatus_t */
-enum { WRONG_CONTEXT = -1, LIBRARY_STREAM = -2, LIBRARY_FAILED = -1000 };
+/* what mdsl_run and mdsl_run_graph return besides 0 (success) and a positive CUresult (the failing call's); a
+   cuBLAS call's failure is LIBRARY_FAILED - its cublasStatus_t */
+enum { WRONG_CONTEXT = -1, LIBRARY_STREAM = -2, CAPTURING = -3, LIBRARY_FAILED = -1000 };
 
 const char *mdsl_launcher_id(void) { return MDSL_LAUNCHER_ID; }
 
@@ -213,4 +213,22 @@ int64_t mdsl_run(const uint64_t *call) {
         if (err) return err;
     }
     return 0;
+}
+
+/* the whole program captured for one stream and one set of pointers (`exec`, a CUgraphExec: the executable's
+   graphs by pointers, mdsl.gpu.executable) launched as it is, on call[1]: one launch of the driver where
+   cuBLAS's GEMMs cost the host tens of µs each. CAPTURING, having launched nothing, where that stream is being
+   captured into a graph of the caller's (Python runs the program instead: its launches join that capture). */
+int64_t mdsl_run_graph(const uint64_t *call, uint64_t exec) {
+    const Program *p = (const Program *)(uintptr_t)call[0];
+    void *stream = (void *)(uintptr_t)call[1];
+    void *current = NULL;
+    Result err = ((CtxGetCurrent)(uintptr_t)p->ctx_get_current)(&current);
+    if (err) return err;
+    if ((uint64_t)(uintptr_t)current != p->context) return WRONG_CONTEXT;
+    int status = 1;
+    err = ((StreamIsCapturing)(uintptr_t)p->stream_is_capturing)(stream, &status);
+    if (err) return err;
+    if (status) return CAPTURING;
+    return ((GraphLaunch)(uintptr_t)p->graph_launch)((void *)(uintptr_t)exec, stream);
 }

@@ -31,6 +31,7 @@ from mdsl.gpu.cache import cache_dir
 SOURCE = Path(__file__).with_name("launcher.c")
 WRONG_CONTEXT = -1   # mdsl_run's answer where the executable's context is not current on this thread
 LIBRARY_STREAM = -2  # ... where the cuBLAS handle's stream is not the call's (nothing has run)
+CAPTURING = -3       # mdsl_run_graph's, where the call's stream is being captured (nothing has run)
 LIBRARY_FAILED = -1000   # ... minus a cublasStatus_t: a cuBLAS call failed
 _BUILD_TIMEOUT_S = 120
 _HINT = "install a C compiler (cc, gcc or clang), or name one in $CC"
@@ -165,6 +166,7 @@ def _load(path: Path, ident: str):
             raise RuntimeError(f"{path} lays out {structure.__name__} in {lib.mdsl_launcher_sizes(which)} bytes, "
                                f"Python in {ctypes.sizeof(structure)}")
     lib.mdsl_run.restype = _i64
+    lib.mdsl_run_graph.restype = _i64
     return lib
 
 
@@ -252,6 +254,9 @@ class NativeProgram:
         self.call = (_u64 * (2 + arguments))()
         self.call[0] = ctypes.addressof(self._program)
         self.run: Callable = lib.mdsl_run
+        #: `run_graph(call, exec)`: the program captured whole as the CUgraphExec `exec` (a c_uint64), launched
+        #: on call[1] (0, a CUresult, WRONG_CONTEXT, or CAPTURING where that stream is being captured)
+        self.run_graph: Callable = lib.mdsl_run_graph
 
     def use_graph(self, graph, nodes: Sequence[int]) -> None:
         """Launch the kernels as the instantiated CUDA graph `graph` (its handle: the caller keeps the graph

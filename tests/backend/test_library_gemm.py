@@ -375,6 +375,24 @@ def test_a_stream_being_captured_gets_no_workspace_until_it_runs_uncaptured(fake
     assert fake.driver.allocated == [cublas.WORKSPACE_BYTES] * 2
 
 
+def test_a_capture_s_stream_gets_the_workspace_of_the_stream_its_graph_will_run_on(fake):
+    step = cublas.gemm_step(LibraryGemm("f16", 3, 9, 7), 0, (ctypes.c_uint64 * 3)(), (0, 1, 2), "mm")
+    ctx = cublas.context(0)
+    with ctx.lock:
+        ctx.capture_on(50, 7)
+    assert ctx.stream == 50 and ctx.stream_word.value == 50
+    ctx.forget_stream()
+    assert ctx.stream is None and ctx.stream_word.value == cublas.NO_STREAM
+    fake.gemm_status = 13   # the product itself is not what this test is about
+    with pytest.raises(cublas.CublasError):
+        step(7)
+    calls = [c[:2] for c in fake.calls if c[0] in ("stream", "workspace")]
+    workspace = calls[1][1]
+    assert calls == [("stream", 7), ("workspace", workspace), ("stream", 50), ("workspace", workspace),
+                     ("stream", 7), ("workspace", workspace)]   # (a stream forgotten is set again)
+    assert fake.driver.allocated == [cublas.WORKSPACE_BYTES]
+
+
 def test_a_failed_gemm_is_an_error_naming_the_call(fake):
     fake.gemm_status = 13
     step = cublas.gemm_step(LibraryGemm("f16", 3, 9, 7, 5, 0, 63, 27), 0, (ctypes.c_uint64 * 3)(), (0, 1, 2),

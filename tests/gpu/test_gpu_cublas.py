@@ -203,3 +203,59 @@ def test_two_streams_alternating_through_the_c_launcher_each_set_before_its_gemm
         compare(executable, [g.float().cpu().numpy().astype(np.float64) for g in got], want, TOLERANCES["f16"],
                 "alternating streams")
     assert {s.cuda_stream for s in streams} <= set(cublas.context(0).workspaces)
+
+
+def test_a_repeated_call_launches_the_program_captured_for_its_pointers(torch):
+    """A program with cuBLAS GEMMs (products(f16), and a few-row product of long K that cuBLAS splits over its
+    workspace) called again on the same stream and pointers is captured whole for them, and later calls on
+    them launch that graph: the bits of the program launched launch by launch, for two sets of pointers in
+    turn, new values under the same pointers, on a side stream (a graph of its own), and inside a caller's
+    capture (the launches go into its graph)."""
+    g = Graph("graphed_gemms")
+    for k, (a_shape, b_shape) in enumerate(PRODUCTS):
+        g.outputs.append(g.op("matmul", g.input(f"a{k}", a_shape, f16), g.input(f"b{k}", b_shape, f16)))
+    x, w = g.input("xs", (4, 8192), f16), g.input("ws", (8192, 512), f16)
+    g.outputs.append(g.op("silu", g.op("matmul", x, w)))
+    graph = g.build(g.outputs)
+    graphed, plain = compile_graph(graph), compile_graph(graph)
+    if graphed.native is None:
+        pytest.skip("mdsl's C launcher is not available here")
+    assert graphed._by_pointers == {} and graphed.library_launches
+    plain._by_pointers = None
+    sets = [[torch.from_numpy(a).to("cuda", torch.float16) for a in random_inputs(graph, rng_for(f"graphed-{s}"))]
+            for s in range(2)]
+    outs = [[torch.full(v.type.shape, float("nan"), dtype=torch.float16, device="cuda") for v in graph.outputs]
+            for _ in sets]
+
+    def same(inputs, outputs):
+        want = plain(inputs)
+        torch.cuda.synchronize()
+        return all(torch.equal(o, w) for o, w in zip(outputs, want))
+
+    for _ in range(3):
+        for inputs, outputs in zip(sets, outs):
+            graphed(inputs, outputs)
+    torch.cuda.synchronize()
+    assert len(graphed._by_pointers) == 2
+    assert all(same(inputs, outputs) for inputs, outputs in zip(sets, outs))
+    compare(graphed, [o.float().cpu().numpy().astype(np.float64) for o in outs[0]],
+            reference(graph, [a.float().cpu().numpy() for a in sets[0]]), TOLERANCES["f16"], "graphed")
+    for a in sets[0]:   # new values under the same pointers
+        a.copy_(torch.randn_like(a.float()).half())
+    graphed(sets[0], outs[0])
+    assert same(sets[0], outs[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            graphed(sets[1], outs[1])
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(graphed._by_pointers) == 3 and same(sets[1], outs[1])
+    captured = [torch.full_like(o, float("nan")) for o in outs[1]]
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        graphed(sets[1], captured)
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, o) for c, o in zip(captured, outs[1]))
+    graphed.close()

@@ -218,6 +218,25 @@ def test_a_program_with_a_graph_sets_each_kernel_node_from_the_slots_then_launch
     assert [c[0] for c in recorder.calls[8:]] == ["launch", "launch", "copy"]
 
 
+def test_a_program_captured_whole_is_launched_as_it_is_unless_its_stream_is_being_captured(lib):
+    recorder = LaunchRecorder({"k0": 2, "k1": 2})
+    native = NativeDriver(recorder, graphs=True)
+    slots = (ctypes.c_uint64 * 3)()
+    params = _blocks(slots, [(0, 2), (2, 1)])
+    program = _program(lib, native, slots, params)
+    call = program.call
+    call[1] = 0x77
+    assert program.run_graph(call, ctypes.c_uint64(0xE0E0)) == 0
+    native.capturing.add(0x99)
+    call[1] = 0x99
+    assert program.run_graph(call, ctypes.c_uint64(0xE0E0)) == launcher.CAPTURING
+    native.current = 0xBAD
+    call[1] = 0x77
+    assert program.run_graph(call, ctypes.c_uint64(0xE0E0)) == launcher.WRONG_CONTEXT
+    native.check()
+    assert recorder.calls == [("graph", 0xE0E0, ("stream", 0x77))]   # no kernel, no parameter, no copy
+
+
 def test_a_graph_node_the_driver_refuses_stops_the_program_and_is_answered(lib):
     recorder = LaunchRecorder({"k0": 2, "k1": 2})
     native = NativeDriver(recorder, graphs=True)
