@@ -93,8 +93,10 @@ class PreparedCall:
                  "current_stream": self._current_stream, "stream_handle": stream_handle, "ArgumentError": ArgumentError,
                  "empty_like": self._empty_like, "launch": exe.launch}
         # inlined where the C launcher runs kernels only (with cuBLAS's GEMMs, Executable.launch takes the
-        # handle's lock and sets its stream)
-        native = exe.native if exe._library is None else None
+        # handle's lock and sets its stream, and launches the graph made for repeated pointers) and the graph
+        # of the launches is made or refused (a first run on a stream the caller was capturing left it to a
+        # later run, which Executable.launch makes)
+        native = exe.native if exe._library is None and not exe._graphable else None
         if native is not None:
             names.update(lock=exe._lock, call=native.call, run=native.run, failed=exe._native_failed)
         for prefix, signature in (("A", self._signature), ("O", self._out_signature or ())):

@@ -371,3 +371,24 @@ def test_a_program_of_several_kernels_launches_as_one_graph_with_each_kernel_s_r
     assert torch.equal(captured, got[0])
     want = expected(chain, xs[0].float().cpu().numpy(), b.float().cpu().numpy())
     assert relative_error(got[0].float().cpu().numpy(), want) < 3e-3
+
+
+def test_a_first_run_inside_a_caller_s_capture_leaves_the_graph_to_the_next_prepared_call(torch):
+    """The graph of the launches is made at a run on a stream that is not being captured: where the first
+    run was inside a caller's capture, the call prepared next (the public path's) makes it."""
+    from mdsl.gpu.calls import PreparedCall
+
+    exe, plain = runtime.compile_graph(chain.graph), runtime.compile_graph(chain.graph)
+    if exe.native is None:
+        pytest.skip("mdsl's C launcher is not available here")
+    plain._graphable = False
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    x, b = torch.randn(64, 1024, device="cuda", generator=g).half(), torch.randn(1, 1024, device="cuda", generator=g).half()
+    capture = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(capture):
+        exe([x, b])
+    assert exe._graphable and exe._graph is None
+    prepared = PreparedCall.of(exe, [x, b], None, stream_given=False, torch_outputs=True)
+    got = prepared.fast([x, b], None, None, "cuda")
+    assert exe._graph is not None and not exe._graphable
+    assert torch.equal(got, plain([x, b])[0])

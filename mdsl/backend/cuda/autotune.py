@@ -478,11 +478,11 @@ def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, devi
                 if prepared is None or prepared(args, outputs) is None:
                     executable(args, outputs)
 
-            return Timing(variant, _median_us(call, samples, calls))
+            return Timing(variant, _median_us(call, samples, calls, warm=2 * len(rotated)))
         pointers = [[a.ptr for a in copy] for copy in rotated]
         out = [o.ptr for o in outputs]
         return Timing(variant, _median_us(lambda: executable.run_pointers(pointers[next(turn) % len(pointers)], out, 0),
-                                          samples, calls))
+                                          samples, calls, warm=2 * len(rotated)))
     except MdslError as e:
         return Timing(variant, None, f"failed: {e}")
     finally:   # (the chosen variant is compiled again from the cubin cache: each timed one is freed here)
@@ -490,14 +490,16 @@ def _measure(graph, variant: Variant, host, want, rotated: list, arch: str, devi
             executable.close()
 
 
-def _median_us(call, samples: int, calls: int) -> float:
+def _median_us(call, samples: int, calls: int, warm: int = 0) -> float:
     """Median over `samples` of the time per call of `calls` back-to-back calls (CUDA events on the
-    legacy default stream, where the calls launch), after warm-up."""
+    legacy default stream, where the calls launch), after at least `warm` calls of warm-up (each rotated set
+    of inputs twice: an executable with cuBLAS GEMMs captures a set's graph at its second run, as a repeated
+    call reaches its steady state)."""
     from cuda.bindings import driver
 
     from mdsl.backend.cuda.check import _ok
 
-    for _ in range(max(3, calls)):
+    for _ in range(max(3, calls, warm)):
         call()
     start, end = _ok(driver.cuEventCreate(0)), _ok(driver.cuEventCreate(0))
     try:

@@ -283,7 +283,8 @@ def test_a_timed_variant_closes_its_executable_whatever_its_timing_gives(monkeyp
         def close(self):
             closed.append(self)
 
-    def median_us(call, samples, calls):   # (the events' timing needs a GPU: the calls alone here)
+    def median_us(call, samples, calls, warm=0):   # (the events' timing needs a GPU: the calls alone here)
+        assert warm == 2   # each rotated set twice (one here)
         for _ in range(samples * calls):
             call()
         return 1.0
