@@ -741,7 +741,7 @@ __device__ __forceinline__ void gemm_tile_mma(const E* __restrict__ A, const E* 
   });
 }
 
-// ---- 16 columns of C = A B on tensor cores for few rows (M <= ROWS_GEMM_MAX_M; A, B of the 16-bit type E,
+// ---- 16 columns of C = A B on tensor cores for few rows (M <= ROWS_GEMM_MAX_M, 64; A, B of the 16-bit type E,
 // row-major, A is M x K, B is K x N) for a block of 256 threads. The product streams B, and a 64x64 tile would
 // leave most SMs idle and each block a long walk over K, so a block takes 16 columns and its 8 warps share
 // K: warp w takes the 16-row steps w, w + 8, ... of B (neighbouring warps read neighbouring rows), each lane

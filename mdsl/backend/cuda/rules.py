@@ -22,7 +22,7 @@ from mdsl.lowering.mma import kernel_mma_dtype
 from mdsl.lowering.views import is_view
 
 GEMM_TILE = 64        # the output tile of mdsl::gemm_tile (prelude)
-ROWS_GEMM_MAX_M = 16  # the most rows mdsl::gemm_rows_mma takes a kernel-level matmul with (past them, the tile)
+ROWS_GEMM_MAX_M = 64  # the most rows mdsl::gemm_rows_mma takes a kernel-level matmul with (past them, the tile)
 ROWS_GEMM_COLUMNS = 16   # the columns of C a block of mdsl::gemm_rows_mma computes
 
 

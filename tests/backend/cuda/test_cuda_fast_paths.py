@@ -44,7 +44,8 @@ def test_kernel_level_matmuls_take_the_tensor_core_tile_only_when_asked():
     graph = fast_path_graphs()["kernel_matmuls_bf16"]
     fast, slow = (emit_cuda(graph, options=CudaOptions(mma=mma)).source.split("}  // namespace mdsl")[1]
                   for mma in (True, False))
-    assert fast.count("mdsl::gemm_tile_mma<__nv_bfloat16,") == 3 and "gemm_tile_mma" not in slow
+    tensor_cores = fast.count("mdsl::gemm_tile_mma<__nv_bfloat16,") + fast.count("mdsl::gemm_rows_mma<__nv_bfloat16,")
+    assert tensor_cores == 3 and "gemm_tile_mma" not in slow and "gemm_rows_mma<" not in slow
     assert "gemm_tile_mma" not in emit_cuda(with_dtype(graph, bf16, f32)).source.split("}  // namespace mdsl")[1]
 
 
@@ -63,7 +64,8 @@ def test_kernel_level_matmuls_of_few_rows_take_the_row_kernel():
     code = program.source.split("}  // namespace mdsl")[1]
     assert code.count("mdsl::gemm_rows_mma<") == 2 and code.count("mdsl::gemm_tile_mma<") == 1
     assert [launch.grid for launch in program.launches] == [(-(-1000 // ROWS_GEMM_COLUMNS), 1, 1),
-                                                             (-(-33 // ROWS_GEMM_COLUMNS), 1, 2), (1, 1, 1)]
+                                                             (-(-33 // ROWS_GEMM_COLUMNS), 1, 2),
+                                                             (1, -(-(ROWS_GEMM_MAX_M + 1) // 64), 1)]
     scalar = emit_cuda(graph, options=CudaOptions(library_gemm=False, mma=False)).source
     assert "mdsl::gemm_rows_mma<" not in scalar.split("}  // namespace mdsl")[1]
 
