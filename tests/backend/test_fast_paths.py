@@ -115,15 +115,18 @@ def test_tensor_cores_in_exactly_the_kernels_the_lowering_chose(backend, name):
 
 def pipelined_kernels(program, options: CudaOptions) -> set:
     """The kernels that copy asynchronously by the lowering's plan: custom kernels whose inputs have a
-    ring of copies, and kernel-level matmuls on tensor cores (a ring of four) with rows of A or B that
-    16-byte copies can take."""
+    ring of copies, and kernel-level matmuls on the tensor-core tile (a ring of four; fewer rows take the row
+    kernel, which loads its fragments from global memory) with rows of A or B that 16-byte copies can take."""
+    from mdsl.backend.cuda.rules import ROWS_GEMM_MAX_M
+
     on_tensor_cores = tensor_core_kernels(program, options)
     out = set()
     for launch, node, lowered in _kernel_plans(program, options):
         if lowered is not None:
             if lowered.memory.slot_bytes:
                 out.add(launch.name)
-        elif launch.name in on_tensor_cores and (node.inputs[0].shape[-1] % 8 == 0 or node.output.shape[-1] % 8 == 0):
+        elif launch.name in on_tensor_cores and node.inputs[0].shape[-2] > ROWS_GEMM_MAX_M and \
+                (node.inputs[0].shape[-1] % 8 == 0 or node.output.shape[-1] % 8 == 0):
             out.add(launch.name)   # rows of 16 bytes in A or in B
     return out
 
