@@ -220,6 +220,8 @@ class Executable:
         #: for a set of pointers that repeats (`_graph_for`), or None where it is not captured so
         self._by_pointers: Optional[dict] = {} if self._may_graph_by_pointers() else None
         self._sightings: dict = {}   # (stream, *pointers) seen once, not yet captured
+        #: why the driver refused a capture for pointers (the program then launches launch by launch), or None
+        self.graph_refusal: Optional[str] = None
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
         """The program of the C launcher (mdsl.gpu.launcher), or None where it cannot run this one: the
@@ -364,19 +366,29 @@ class Executable:
     def _graph_for(self, stream: int, arguments: Sequence[int]):
         """The program captured whole (its kernels, cuBLAS's GEMMs and the copies) for `stream` and the
         pointers `arguments`, instantiated: (CUgraph, CUgraphExec, the exec's handle as a c_uint64). None where
-        `stream` is being captured by the caller (its run left alone); False where the driver refuses it.
-        cuBLAS captures with the handle set to `stream`'s workspace (`Context.capture_on`), so the graph's
-        GEMMs are those a launch on `stream` runs."""
+        `stream` is being captured by the caller (its run left alone); False where the driver refuses it
+        (`graph_refusal` says how). cuBLAS captures with the handle set to `stream`'s workspace
+        (`Context.capture_on`), so the graph's GEMMs are those a launch on `stream` runs."""
+        def refused(why: str) -> bool:
+            self.graph_refusal = why
+            return False
+
+        def text(err) -> str:
+            try:
+                return error_text(err)
+            except Exception:   # noqa: BLE001 (a driver that cannot name it)
+                return f"CUresult {int(err)}"
+
         try:
             err, status = driver.cuStreamIsCapturing(cu_stream(stream))
             if err or status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                return None if not err else False
+                return None if not err else refused(f"cuStreamIsCapturing: {text(err)}")
             self._dev.make_current()
             err, capture = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        except Exception:   # noqa: BLE001 (a driver without these: launched launch by launch)
-            return False
+        except Exception as e:   # noqa: BLE001 (a driver without these: launched launch by launch)
+            return refused(f"{type(e).__name__}: {e}")
         if err:
-            return False
+            return refused(f"cuStreamCreate: {text(err)}")
         native, ctx = self.native, self._library
         graph = graph_exec = None
         try:
@@ -386,7 +398,7 @@ class Executable:
                     (err,) = driver.cuStreamBeginCapture(capture,
                                                          driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
                     if err:
-                        return False
+                        return refused(f"cuStreamBeginCapture: {text(err)}")
                     with self._lock:
                         call = native.call
                         call[1] = int(capture)
@@ -395,16 +407,18 @@ class Executable:
                     err, graph = driver.cuStreamEndCapture(capture)
                 finally:
                     ctx.forget_stream()
-            if ran or err:
-                return False
+            if ran:
+                return refused(f"the run under capture answered {ran}")
+            if err:
+                return refused(f"cuStreamEndCapture: {text(err)}")
             err, graph_exec = driver.cuGraphInstantiate(graph, 0)
             if err:
                 graph_exec = None
-                return False
+                return refused(f"cuGraphInstantiate: {text(err)}")
             made, graph, graph_exec = (graph, graph_exec, ctypes.c_uint64(int(graph_exec))), None, None
             return made
-        except Exception:   # noqa: BLE001 (a driver or library that refuses this capture)
-            return False
+        except Exception as e:   # noqa: BLE001 (a driver or library that refuses this capture)
+            return refused(f"{type(e).__name__}: {e}")
         finally:
             if graph_exec is not None:
                 driver.cuGraphExecDestroy(graph_exec)

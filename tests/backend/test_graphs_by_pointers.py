@@ -172,6 +172,7 @@ def test_a_driver_that_refuses_a_capture_ends_the_graphs_by_pointers(exe):
     for _ in range(2):
         _run(t, 0x1000, 0x3000, 7)
     assert t.exe._by_pointers is None   # launched launch by launch from now on, the graph made before destroyed
+    assert t.exe.graph_refusal.startswith("cuStreamBeginCapture: ")
     assert [c[0] for c in t.fake.calls if c[0].startswith("destroy ")] == \
         ["destroy stream", "destroy stream", "destroy exec", "destroy graph"]
     assert _launched(t, _run(t, 0x1000, 0x2000, 7), 7, 0x1000, 0x2000)
