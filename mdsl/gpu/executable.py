@@ -220,7 +220,7 @@ class Executable:
         #: for a set of pointers that repeats (`_graph_for`), or None where it is not captured so
         self._by_pointers: Optional[dict] = {} if self._may_graph_by_pointers() else None
         self._sightings: dict = {}   # (stream, *pointers) seen once, not yet captured
-        #: why the driver refused a capture for pointers (the program then launches launch by launch), or None
+        #: why the driver refused a capture for pointers (no other set is captured then), or None
         self.graph_refusal: Optional[str] = None
 
     def _native_program(self) -> Optional[launcher.NativeProgram]:
@@ -352,15 +352,12 @@ class Executable:
             return
         del sightings[key]
         graphs = self._by_pointers
-        if graphs is None or len(graphs) >= POINTER_GRAPHS:
+        if graphs is None or len(graphs) >= POINTER_GRAPHS or self.graph_refusal is not None:
             return
         with self._graph_lock:   # one thread captures
-            if self._by_pointers is not None and key not in graphs:
+            if self.graph_refusal is None and key not in graphs:
                 made = self._graph_for(stream, arguments)
-                if made is False:   # the driver refuses: launched launch by launch from now on
-                    self._by_pointers = None
-                    _release_graphs(driver, tuple(graphs.values()))
-                elif made is not None:
+                if made:   # (False: the driver refused, and no other set is captured; the graphs made stay)
                     graphs[key] = made
 
     def _graph_for(self, stream: int, arguments: Sequence[int]):
