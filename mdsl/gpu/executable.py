@@ -334,11 +334,7 @@ class Executable:
             made, graph, graph_exec = (graph, graph_exec), None, None
             return made
         finally:
-            if graph_exec is not None:
-                driver.cuGraphExecDestroy(graph_exec)
-            if graph is not None:
-                driver.cuGraphDestroy(graph)
-            driver.cuStreamDestroy(stream)
+            _discard_capture(graph, graph_exec, stream)
 
     def _sighted(self, stream: int, arguments: Sequence[int], key: tuple) -> None:
         """After a run launched launch by launch on these pointers: the second run on the same stream and
@@ -417,11 +413,7 @@ class Executable:
         except Exception as e:   # noqa: BLE001 (a driver or library that refuses this capture)
             return refused(f"{type(e).__name__}: {e}")
         finally:
-            if graph_exec is not None:
-                driver.cuGraphExecDestroy(graph_exec)
-            if graph is not None:
-                driver.cuGraphDestroy(graph)
-            driver.cuStreamDestroy(capture)
+            _discard_capture(graph, graph_exec, capture)
 
     def _prepare(self, launch, slots: tuple, library_slots: tuple = ()):
         """The fixed arguments of cuLaunchKernel for one launch (everything but the stream), or for a
@@ -663,6 +655,16 @@ def overlapping_launch(grid: tuple, block: tuple, smem: int):
     config.attrs = [attribute]
     config.numAttrs = 1
     return config
+
+
+def _discard_capture(graph, graph_exec, stream) -> None:
+    """What a capture made that no executable keeps (a graph, its exec: None where not made), and the stream it
+    was captured on."""
+    if graph_exec is not None:
+        driver.cuGraphExecDestroy(graph_exec)
+    if graph is not None:
+        driver.cuGraphDestroy(graph)
+    driver.cuStreamDestroy(stream)
 
 
 def _release_graphs(drv, graphs: tuple) -> None:
