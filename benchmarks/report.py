@@ -891,6 +891,10 @@ def headlines(results: dict) -> dict:
         if "gpu_geomean_speedup_vs_best" in summary:
             h["random_gpu_geomean"] = _times(summary["gpu_geomean_speedup_vs_best"])
             h["random_gpu_fused"] = f"{summary['fused']} of {summary['programs']}"
+            speedups = [r["gpu"]["speedup_vs_best"] for r in run.get("rows") or []
+                        if (r.get("gpu") or {}).get("speedup_vs_best")]
+            if speedups:
+                h["random_gpu_speedups"] = _span(speedups, lambda x: f"{x:.2f}", "×")
     return h
 
 
