@@ -387,6 +387,7 @@ def test_a_first_run_inside_a_caller_s_capture_leaves_the_graph_to_the_next_prep
     capture = torch.cuda.CUDAGraph()
     with torch.cuda.graph(capture):
         exe([x, b])
+    capture.reset()   # (not left to the collector, which may run inside another test's capture)
     assert exe._graphable and exe._graph is None
     prepared = PreparedCall.of(exe, [x, b], None, stream_given=False, torch_outputs=True)
     got = prepared.fast([x, b], None, None, "cuda")
