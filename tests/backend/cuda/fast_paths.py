@@ -148,11 +148,12 @@ def split_combine(dtype) -> Graph:
 
 def kernel_matmuls(dtype) -> Graph:
     """Kernel-level matmuls past the row kernel's rows (mdsl::gemm_tile_mma): a batch against a matrix,
-    rows too ragged for 16-byte copies (N = 70), and a long K that is no multiple of the 32-step."""
+    rows too ragged for 16-byte copies (N = 70), and a K of many steps (the copy ring wraps) that is no multiple
+    of the 32-step."""
     g = Graph(f"kernel_matmuls_{dtype.name}")
-    g.op("matmul", g.input("a", (3, 80, 96), dtype), g.input("b", (96, 72), dtype))
+    g.op("matmul", g.input("a", (2, 72, 96), dtype), g.input("b", (96, 72), dtype))
     g.op("matmul", g.input("c", (130, 20), dtype), g.input("d", (20, 70), dtype))
-    g.op("matmul", g.input("e", (96, 1000), dtype), g.input("f", (1000, 64), dtype))
+    g.op("matmul", g.input("e", (65, 200), dtype), g.input("f", (200, 64), dtype))
     return g
 
 
