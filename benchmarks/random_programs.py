@@ -760,9 +760,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--merge: {e}")
         out_dir = Path(args.out or os.environ.get("OUT") or "bench_out")
         out_dir.mkdir(parents=True, exist_ok=True)
+        text = markdown(run["meta"], run["rows"], run["summary"])
         (out_dir / "random_programs.json").write_text(json.dumps(run, indent=1))
-        (out_dir / "random_programs.md").write_text(markdown(run["meta"], run["rows"], run["summary"]))
-        print(markdown(run["meta"], run["rows"], run["summary"]))
+        (out_dir / "random_programs.md").write_text(text)
+        print(text)
         return 0
     if args.seed is None:
         parser.error("--seed is required (but with --merge)")

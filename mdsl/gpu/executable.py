@@ -340,6 +340,9 @@ class Executable:
         """After a run launched launch by launch on these pointers: the second run on the same stream and
         pointers captures the program for them (`_graph_for`), up to POINTER_GRAPHS sets; later runs on them
         launch that graph. A set seen once is remembered among the last SIGHTINGS sets."""
+        graphs = self._by_pointers
+        if graphs is None or len(graphs) >= POINTER_GRAPHS or self.graph_refusal is not None:
+            return   # (no set is captured any more: none is remembered)
         sightings = self._sightings
         if key not in sightings:
             if len(sightings) >= SIGHTINGS:
@@ -347,9 +350,6 @@ class Executable:
             sightings[key] = True
             return
         del sightings[key]
-        graphs = self._by_pointers
-        if graphs is None or len(graphs) >= POINTER_GRAPHS or self.graph_refusal is not None:
-            return
         with self._graph_lock:   # one thread captures
             if self.graph_refusal is None and key not in graphs:
                 made = self._graph_for(stream, arguments)
