@@ -49,24 +49,16 @@ def resident(rn: int) -> int:
     return 2 if rn < ROW_TILES[-1] else 1
 
 
-def _totals(rn: int) -> int:
-    """Ring<RN>::TOTAL_BYTES: the in-block splits' running sums, which only a step of several row tiles has."""
-    return 0 if resident(rn) == 2 else rn * FEATURES * 4
-
-
-def stages(rn: int, in_block: bool = False) -> int:
-    """Ring<RN>'s stages: of a weight tile and the rows' tile, as many as fit the block's share of shared
-    memory (8 at most), beside the tile's running sums where the block runs its k splits (`in_block`:
-    SPLIT_STAGES), else in their space too (FREE_STAGES)."""
+def stages(rn: int) -> int:
+    """Ring<RN>::STAGES: of a weight tile and the rows' tile, as many as fit the block's share of shared memory
+    (8 at most)."""
     space = PAIRED_SPACE if resident(rn) == 2 else STAGE_SPACE
-    return min(8, (space - (_totals(rn) if in_block else 0)) // (FEATURES * BK * 2 + rn * BK * 2))
+    return min(8, space // (FEATURES * BK * 2 + rn * BK * 2))
 
 
 def smem_bytes(rn: int) -> int:
-    """Ring<RN>::SMEM_BYTES: the larger of its two layouts, each the stages, their two mbarriers each (and the
-    tile's running sums where the block runs its splits), and the slack that aligns them to 1024."""
-    return max(stages(rn, b) * (FEATURES * BK * 2 + rn * BK * 2) + 16 * stages(rn, b) + (_totals(rn) if b else 0)
-               for b in (True, False)) + 1024
+    """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, and the slack that aligns them to 1024."""
+    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2 + 16) + 1024
 
 
 def wgmma_splits(tiles: int, k: int, sms: int) -> int:

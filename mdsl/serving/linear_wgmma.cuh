@@ -15,7 +15,7 @@
 // split_blocks), each a run of consecutive splits: every split in a block of its own at one row tile (the
 // weights' bytes bound the step), as many blocks as fill one wave past it (many rows: the tensor cores bound
 // it), one block where the tiles fill the wave alone. The first block adds its splits' sums as each ends (a
-// running total in shared memory: the prefix of the split-order additions) and writes that total; every other
+// running total in registers: the prefix of the split-order additions) and writes that total; every other
 // block writes each split's sums (a float cannot be added ahead of the splits before it); the tile's last
 // block to finish adds those partials in order. One block writes no partials. The same f32 additions
 // whatever the blocks.
@@ -81,27 +81,28 @@ template <int RN> struct Ring {
   static constexpr bool PAIRED = RN < ROW_TILE_MAX;
   static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
-  // the in-block splits' running sums of the tile (RN x 128 floats) beside the stages (registers for them
-  // beside the accumulators would spill at RN = 128); only a step of several row tiles runs splits in-block,
-  // and a block without them takes their space for more stages (at 128 rows a stage's wgmmas take about
-  // 0.26 us at the tensor cores' peak, 512 cycles: only several stages in flight cover a load from memory)
-  static constexpr int TOTAL_BYTES = PAIRED ? 0 : RN * FEATURES * 4;
+  // as many stages as fit the block's share of shared memory (8 at most): at 128 rows a stage's wgmmas take
+  // about 0.26 us at the tensor cores' peak, 512 cycles, and only several stages in flight cover a load from
+  // memory
   static constexpr int SPACE = PAIRED ? PAIRED_SPACE : STAGE_SPACE;
-  static constexpr int FIT = (SPACE - TOTAL_BYTES) / STAGE_BYTES, FREE_FIT = SPACE / STAGE_BYTES;
-  static constexpr int SPLIT_STAGES = FIT < 8 ? FIT : 8, FREE_STAGES = FREE_FIT < 8 ? FREE_FIT : 8;
-  static constexpr int SPLIT_BYTES = SPLIT_STAGES * STAGE_BYTES + 16 * SPLIT_STAGES + TOTAL_BYTES + 1024;
-  static constexpr int FREE_BYTES = FREE_STAGES * STAGE_BYTES + 16 * FREE_STAGES + 1024;
-  static constexpr int SMEM_BYTES = SPLIT_BYTES > FREE_BYTES ? SPLIT_BYTES : FREE_BYTES;
+  static constexpr int STAGES = SPACE / STAGE_BYTES < 8 ? SPACE / STAGE_BYTES : 8;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
+  // the largest row tile's block runs a tile's k splits one after another (a step of several row tiles), the
+  // running total of their sums in registers beside the accumulators (in shared memory it took two of six
+  // stages' space, and each split's end read and wrote 128 KB of it): the producer warpgroup, whose one thread
+  // issues TMA loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the kernel's count
+  // before the split fold that all of them run
+  static constexpr int REGISTERS = 65536 / (3 * 128) / 8 * 8;   // the kernel's count (one block an SM): 168
+  static constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
+  static_assert(PAIRED || PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS, "the block's registers");
   static_assert(RN % 8 == 0 && RN <= 256 && X_BYTES % 1024 == 0, "RN: a multiple of 8 rows, 1024-byte tiles");
 
   unsigned base;
-  int stages;   // SPLIT_STAGES where the block runs splits in-block, else FREE_STAGES
   __device__ __forceinline__ unsigned w_tile(int s) const { return base + s * STAGE_BYTES; }
   __device__ __forceinline__ unsigned x_tile(int s) const { return w_tile(s) + W_BYTES; }
-  __device__ __forceinline__ unsigned full(int s) const { return base + stages * STAGE_BYTES + 8 * s; }
-  __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * stages; }
-  __device__ __forceinline__ unsigned totals() const { return base + stages * STAGE_BYTES + 16 * stages; }
+  __device__ __forceinline__ unsigned full(int s) const { return base + STAGES * STAGE_BYTES + 8 * s; }
+  __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * STAGES; }
 };
 
 // the consumer warpgroups' (threads 128 .. 383) barrier: the producer's warpgroup does not wait on it
@@ -253,15 +254,22 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   // the first block sums its own as they end (`in_block`); partial `slot` of split v past the first block's
   // (its total at slot 0)
   const int runs = (splits + gridDim.z - 1) / gridDim.z;
-  const bool whole = gridDim.z == 1, in_block = blockIdx.z == 0 && runs > 1;
+  // (a step of one row tile, any RN below the largest, has a block a split: never runs of them)
+  const bool whole = gridDim.z == 1, in_block = !R::PAIRED && blockIdx.z == 0 && runs > 1;
   const int steps = (k + BK - 1) / BK, per = (steps + splits - 1) / splits;
   const int v0 = blockIdx.z * runs, v1 = v0 + runs < splits ? v0 + runs : splits;
   auto slot = [&](int v) { return v < runs ? 0 : v - runs + 1; };
-  const int s0 = v0 * per, s1 = v1 * per < steps ? v1 * per : steps;
+  // the block's k steps s0 .. s1 - 1 from its index z in the grid's split blocks (the producer computes them
+  // again after its setmaxnreg, from z read again: ptxas spills a value a thread carries across setmaxnreg)
+  auto k_steps = [&](int z, int& s0, int& s1) {
+    const int a = z * runs, b = a + runs < splits ? a + runs : splits;
+    s0 = a * per;
+    s1 = b * per < steps ? b * per : steps;
+  };
   const int warpgroup = threadIdx.x / 128;
-  const R ring{(smem_address(smem) + 1023u) & ~1023u, in_block ? R::SPLIT_STAGES : R::FREE_STAGES};
+  const R ring{(smem_address(smem) + 1023u) & ~1023u};
   if (threadIdx.x == 0) {
-    for (int s = 0; s < ring.stages; ++s) {
+    for (int s = 0; s < R::STAGES; ++s) {
       // the expect-tx arrival of the stage's TMA bytes, and each producer thread's once it stored its rows
       barrier_init(ring.full(s), R::TMA_ROWS ? 1 : 1 + 128);
       barrier_init(ring.empty(s), 2 * 4);   // each consumer warp, once its wgmmas have read the stage
@@ -289,46 +297,60 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   };
   // the first stages' weight tiles (no kernel writes the weights) are on their way before the step's wait
   // (dependent_launch.cuh), while the kernel before this one ends; their stages are empty, as at every start
-  const int prefetched = s1 - s0 < ring.stages ? s1 - s0 : ring.stages;
-  if (threadIdx.x == 0)
-    for (int i = 0; i < prefetched; ++i) {
+  if (threadIdx.x == 0) {
+    int s0, s1;
+    k_steps(blockIdx.z, s0, s1);
+    for (int i = 0; i < s1 - s0 && i < R::STAGES; ++i) {
       barrier_expect_bytes(ring.full(i), R::TMA_ROWS ? R::STAGE_BYTES : R::W_BYTES);
       load_weights(i, s0 + i);
     }
+  }
   mdsl_pdl::step_wait();
-  if (warpgroup == 0 && R::TMA_ROWS) {
-    if (threadIdx.x == 0) {
+  if (warpgroup == 0) {
+    if constexpr (!R::PAIRED) registers_down<R::PRODUCER_REGISTERS>();
+    unsigned z;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    int s0, s1;
+    k_steps(z, s0, s1);
+    const int prefetched = s1 - s0 < R::STAGES ? s1 - s0 : R::STAGES;
+    if constexpr (R::TMA_ROWS) {
+      if (threadIdx.x == 0) {
+        for (int s = s0; s < s1; ++s) {
+          if (s - s0 >= prefetched) {
+            barrier_wait(ring.empty(stage), phase ^ 1);
+            barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
+            load_weights(stage, s);
+          }
+          tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
+          if (++stage == R::STAGES) stage = 0, phase ^= 1;
+        }
+      }
+    } else {
+      StagedRows<RN> staged;
+      if (s0 < s1) staged.load(x, r0, rows, s0 * BK, k);
       for (int s = s0; s < s1; ++s) {
-        if (s - s0 >= prefetched) {
-          barrier_wait(ring.empty(stage), phase ^ 1);
-          barrier_expect_bytes(ring.full(stage), R::STAGE_BYTES);
+        barrier_wait(ring.empty(stage), phase ^ 1);
+        if (threadIdx.x == 0 && s - s0 >= prefetched) {
+          barrier_expect_bytes(ring.full(stage), R::W_BYTES);
           load_weights(stage, s);
         }
-        tma_load(ring.x_tile(stage), rounded, ring.full(stage), s * BK, r0);
-        if (++stage == ring.stages) stage = 0, phase ^= 1;
+        staged.template store<W>(ring.x_tile(stage));
+        barrier_arrive(ring.full(stage));
+        if (s + 1 < s1) staged.load(x, r0, rows, (s + 1) * BK, k);
+        if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
     }
-  } else if (warpgroup == 0) {
-    StagedRows<RN> staged;
-    if (s0 < s1) staged.load(x, r0, rows, s0 * BK, k);
-    for (int s = s0; s < s1; ++s) {
-      barrier_wait(ring.empty(stage), phase ^ 1);
-      if (threadIdx.x == 0 && s - s0 >= prefetched) {
-        barrier_expect_bytes(ring.full(stage), R::W_BYTES);
-        load_weights(stage, s);
-      }
-      staged.template store<W>(ring.x_tile(stage));
-      barrier_arrive(ring.full(stage));
-      if (s + 1 < s1) staged.load(x, r0, rows, (s + 1) * BK, k);
-      if (++stage == ring.stages) stage = 0, phase ^= 1;
+    if constexpr (!R::PAIRED) {
+      if (whole) return;
+      registers_up<R::REGISTERS>();
     }
   } else {
+    if constexpr (!R::PAIRED) registers_up<R::CONSUMER_REGISTERS>();
     const unsigned columns = (warpgroup - 1) * 64 * BK * 2;   // this warpgroup's 64 rows of the weight tile
     const bool signals = threadIdx.x % 32 == 0;
     // in_block: the splits' sums folded in split order as they complete, total = ((p0 + p1) + p2) ..., the
-    // f32 additions of the last block's fold below, so the same bits as a grid of splits; consumer thread t's
-    // i-th sum at total[i * 256 + t] (consecutive threads, consecutive banks)
-    float* const total = reinterpret_cast<float*>(smem + (ring.totals() - smem_address(smem))) + threadIdx.x - 128;
+    // f32 additions of the last block's fold below, so the same bits as a grid of splits
+    float total[R::PAIRED ? 1 : R::ACC];
     // wgmma's f32 layout: per 8-row group j, thread (warp w, g = lane / 4, q = lane % 4) of the warpgroup holds
     // columns 16 w + g and 16 w + g + 8 of its 64, rows 8 j + 2 q and 8 j + 2 q + 1
     const int t = threadIdx.x % 128, lane = t % 32;
@@ -362,7 +384,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           if (signals) barrier_arrive(ring.empty(previous));
         }
         previous = stage;
-        if (++stage == ring.stages) stage = 0, phase ^= 1;
+        if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
       wgmma_wait<0>();
       fence_registers(acc);
@@ -370,7 +392,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       if (in_block || blockIdx.z > 0) {
         if (in_block)
 #pragma unroll
-          for (int i = 0; i < R::ACC; ++i) total[i * 256] = v == 0 ? acc[i] : total[i * 256] + acc[i];
+          for (int i = 0; i < (R::PAIRED ? 0 : R::ACC); ++i) total[i] = v == 0 ? acc[i] : total[i] + acc[i];
         else
           store_partial(slot(v));
 #pragma unroll
@@ -379,13 +401,13 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     }
     if (in_block)
 #pragma unroll
-      for (int i = 0; i < R::ACC; ++i) acc[i] = total[i * 256];
+      for (int i = 0; i < (R::PAIRED ? 0 : R::ACC); ++i) acc[i] = total[i];
     if (!whole) {   // the first block's total (a later block wrote its splits' sums as each ended)
       if (blockIdx.z == 0) store_partial(0);
     } else {
       if (gated) {
         // the up sums to the gate's threads through the ring (every stage read: both warpgroups' wgmmas done)
-        static_assert(R::SPLIT_STAGES * R::STAGE_BYTES >= R::ACC * 128 * 4, "a warpgroup's sums fit the stages");
+        static_assert(R::STAGES * R::STAGE_BYTES >= R::ACC * 128 * 4, "a warpgroup's sums fit the stages");
         float* const handed = reinterpret_cast<float*>(smem + (ring.base - smem_address(smem))) + t;
         consumers_sync();
         if (warpgroup == 2)
@@ -425,6 +447,10 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           }
         }
       }
+    }
+    if constexpr (!R::PAIRED) {
+      if (whole) return;
+      registers_down<R::REGISTERS>();
     }
   }
   if (whole) return;

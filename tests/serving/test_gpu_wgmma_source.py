@@ -38,7 +38,7 @@ def test_every_kernel_compiles_for_sm_90a_without_spills_and_its_resident_blocks
             assert blocks * r.registers * G.THREADS <= SM_REGISTERS, (name, r)
             assert G.smem_bytes(rn) + r.smem_bytes <= H200_SMEM, (name, r)
             assert blocks * (G.smem_bytes(rn) + r.smem_bytes + 1024) <= SM_SMEM, (name, r)
-            assert min(G.stages(rn, b) for b in (True, False)) >= 4, (name, rn)   # a few stages in flight
+            assert G.stages(rn) >= 4, (name, rn)   # a few stages in flight
     # ptxas serializes wgmmas it cannot prove independent of the code around them, and warns
     assert "warning" not in module.log.lower() and "Performance" not in module.log, module.log
 
@@ -92,12 +92,9 @@ def test_the_hosts_shared_memory_and_stages_are_the_rings():
 
     ring = "mdsl::serve_tc::Ring"
     checks = "".join(f'static_assert({ring}<{rn}>::SMEM_BYTES == {G.smem_bytes(rn)}, "smem {rn}");\n'
-                     f'static_assert({ring}<{rn}>::SPLIT_STAGES == {G.stages(rn, True)}, "split {rn}");\n'
-                     f'static_assert({ring}<{rn}>::FREE_STAGES == {G.stages(rn, False)}, "free {rn}");\n'
+                     f'static_assert({ring}<{rn}>::STAGES == {G.stages(rn)}, "stages {rn}");\n'
                      for rn in G.ROW_TILES)
     compile_cuda(G.kernel_source() + checks, arch="sm_90a")
-    # the largest row tile gives its splits' running sums' space to stages where it has none
-    assert G.stages(G.ROW_TILES[-1], False) > G.stages(G.ROW_TILES[-1], True)
 
 
 def test_a_row_tile_holds_the_steps_rows_up_to_the_largest():
@@ -144,14 +141,15 @@ def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_and_past_it_i
 
 
 def test_only_an_unpaired_row_tile_runs_several_splits_in_one_block():
-    # a ring of two blocks an SM has no room for the in-block splits' running sums (Ring::TOTAL_BYTES = 0): the
-    # host must never give a paired row tile's first block a run of several splits
+    # only the largest row tile's block (one an SM, its consumers holding the splits' running total in the
+    # registers its producer gives them) runs a run of several splits: the host must never give a paired row
+    # tile's first block one
     for rows in (1, 8, 9, 32, 33, 64, 65, 128, 129, 256, 512):
         rn = G.row_tile(rows)
         for tiles, k in ((1, 64), (32, 4096), (48, 4096), (192, 4096), (32, 12288), (1187, 4096)):
             splits = G.wgmma_splits(tiles, k, H200_SMS)
             if G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) < splits:
-                assert G.resident(rn) == 1 and G._totals(rn) == rn * G.FEATURES * 4, (rows, tiles, k)
+                assert G.resident(rn) == 1 and rn == G.ROW_TILES[-1], (rows, tiles, k)
 
 
 @pytest.mark.parametrize("rows,k,sizes,grid,splits", [

@@ -75,6 +75,15 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// setmaxnreg: the registers a thread of this warpgroup holds from here on (a multiple of 8, 24 .. 256), given
+// back to the block's pool (`registers_down`) or taken from it (`registers_up`, which waits until the pool has
+// them); the kernel's own count (its launch bounds') is where every warpgroup starts
+template <int N> __device__ __forceinline__ void registers_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void registers_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
 // pins the accumulators between the asynchronous wgmmas and the code around them: the compiler may not move
 // their reads or writes across this point (the wgmma asm alone does not tell it when the hardware writes them)
 template <int R> __device__ __forceinline__ void fence_registers(float (&acc)[R]) {
