@@ -89,10 +89,10 @@ template <int RN> struct Ring {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
   // the largest row tile's block runs a tile's k splits one after another (a step of several row tiles), the
-  // running total of their sums in registers beside the accumulators (in shared memory it took two of six
-  // stages' space, and each split's end read and wrote 128 KB of it): the producer warpgroup, whose one thread
-  // issues TMA loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the kernel's count
-  // before the split fold that all of them run
+  // running total of their sums in registers beside the accumulators (in shared memory it would take two of
+  // six stages' space, and each split's end would read and write 128 KB of it): the producer warpgroup, whose
+  // one thread issues TMA loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the
+  // kernel's count before the split fold that all of them run
   static constexpr int REGISTERS = 65536 / (3 * 128) / 8 * 8;   // the kernel's count (one block an SM): 168
   static constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
   static_assert(PAIRED || PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS, "the block's registers");
