@@ -70,6 +70,14 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
             assert len(re.findall(r"STS\.64", after)) >= 1 and "FENCE.VIEW.ASYNC.S" in after, rn
         # the gated epilogue's hand-over between the consumer warpgroups: their own barrier (1), twice
         assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 2, rn
+        # the largest row tile's producer gives registers to the consumers (their splits' running total beside
+        # the accumulators) and each returns to the kernel's count before the split fold: two deallocations,
+        # two allocations; a paired tile keeps the kernel's count throughout
+        if rn == G.ROW_TILES[-1]:
+            assert len(re.findall(r"USETMAXREG\.DEALLOC", body)) == 2, rn
+            assert len(re.findall(r"USETMAXREG\.TRY_ALLOC", body)) == 2, rn
+        else:
+            assert "USETMAXREG" not in body, rn
     for d in ("bf16", "f16"):   # round_rows waits for the kernel before it as well
         body = sass.split(f".text.round_rows_{d}:")[1].split(".text.")[0]
         assert body.index("ACQBULK") < body.index("LDG"), d
