@@ -667,18 +667,13 @@ def _discard_capture(graph, graph_exec, stream) -> None:
     driver.cuStreamDestroy(stream)
 
 
-def _release_graphs(drv, graphs: tuple) -> None:
-    """Graphs made by an executable ((CUgraph, CUgraphExec, ...) each): an exec still running is freed by the
-    driver when it completes."""
+def _release(drv, scratch: tuple, module, graphs: tuple = ()) -> None:
+    """A collected Executable's intermediates, module and graphs ((CUgraph, CUgraphExec, ...) each: an exec
+    still running is freed by the driver when it completes) (`release`), through the driver `drv` that
+    allocated, loaded and made them."""
     for graph in graphs:
         drv.cuGraphExecDestroy(graph[1])
         drv.cuGraphDestroy(graph[0])
-
-
-def _release(drv, scratch: tuple, module, graphs: tuple = ()) -> None:
-    """A collected Executable's intermediates, module and graphs (`release`), through the driver `drv` that
-    allocated, loaded and made them."""
-    _release_graphs(drv, graphs)
     for ptr in scratch:
         drv.cuMemFree(ptr)
     if module is not None:

@@ -208,8 +208,8 @@ def test_two_streams_alternating_through_the_c_launcher_each_set_before_its_gemm
 
 def test_a_repeated_call_launches_the_program_captured_for_its_pointers(torch):
     """A program with cuBLAS GEMMs (the products of PRODUCTS, and silu of a few-row product of long K that cuBLAS
-    splits over its workspace) called again on the same stream and pointers is captured whole for them, and later calls on
-    them launch that graph: the bits of the program launched launch by launch, for two sets of pointers in
+    splits over its workspace) called again on the same stream and pointers is captured whole for them, and
+    later calls on them launch that graph: the bits of the program launched launch by launch, for two sets of pointers in
     turn, new values under the same pointers, on a side stream (a graph of its own), and inside a caller's
     capture (the launches go into its graph)."""
     g = Graph("graphed_gemms")
