@@ -92,6 +92,10 @@ def bench_model(torch, name: str, config: dict, rows_list: list, samples: int) -
         torch.cuda.synchronize()   # (the linear's stream does not wait for the default stream's initialisation)
         for rows in rows_list:
             def ours(i, rows=rows):
+                # the rows handed over rounded by the op before, as the serving device's norms, attention and
+                # gated gate|up hand them to the linear after them (handed_rows in mdsl/serving/gpu.py): x's,
+                # rounded to bf16 as the device rounds them
+                wgmma.handed = (x_op.ptr, xb.data_ptr())
                 wgmma.launch(out_op, x_op, w_ops[i], r_op, rows, 0)
 
             with torch.cuda.stream(stream):

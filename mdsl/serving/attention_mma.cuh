@@ -253,7 +253,7 @@ __device__ __forceinline__ void ldsm4_trans_at(unsigned (&r)[4], unsigned s) {
 }
 
 template <int G, typename W, bool SOLO>
-__device__ void attention_mma(float* out, float* part, const float* qkv, const W* k_pool, const W* v_pool,
+__device__ void attention_mma(RowsOut out, float* part, const float* qkv, const W* k_pool, const W* v_pool,
                               const int* positions, const int* entries, const int* page_table,
                               int pages_per_request, int page_size, int q_heads, int kv_heads, int dim, float scale,
                               float softcap, int window, const int4* items, const int* item_range, int max_splits) {
@@ -795,13 +795,13 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (mrow[e] >= rows) continue;
-          float* o = out + ((long long)(row0 + mrow[e]) * q_heads + h * G + mhead[e]) * dim;
+          const long long o = ((long long)(row0 + mrow[e]) * q_heads + h * G + mhead[e]) * dim;
 #pragma unroll
           for (int nt = 0; nt < AMMA_DIM / 8; ++nt) {
             const int d = 8 * nt + 2 * t;
             if (d < dim)
-              *reinterpret_cast<float2*>(o + d) = make_float2(mine[(4 * nt + 2 * e) * WARP] / fold_sum[e],
-                                                              mine[(4 * nt + 2 * e + 1) * WARP] / fold_sum[e]);
+              out.put2(o + d, make_float2(mine[(4 * nt + 2 * e) * WARP] / fold_sum[e],
+                                          mine[(4 * nt + 2 * e + 1) * WARP] / fold_sum[e]));
           }
         }
     }
@@ -812,7 +812,7 @@ __device__ void attention_mma(float* out, float* part, const float* qkv, const W
 // the fold of each row's splits once attention_mma's partials are all written: grid (rows, kv heads), a
 // block of ATT_THREADS (fold_splits); a row of `done` is its tile's whole item's, folded there
 template <int G>
-__device__ void attention_fold(float* out, const float* part, const int* positions, const int* done, int q_heads,
+__device__ void attention_fold(RowsOut out, const float* part, const int* positions, const int* done, int q_heads,
                                int dim, int window, int max_splits) {
   const int r = blockIdx.x, h = blockIdx.y, pos = positions[r];
   if (done[r]) return;   // (its tile's whole item folded it)
@@ -832,9 +832,10 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
       float* out, float* part, const float* qkv, const void* k_pool, const void* v_pool,                       \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,   \
       int q_heads, int kv_heads, int dim, float scale, float softcap, int window, const int4* items,           \
-      const int* item_range, int max_splits) {                                                                 \
+      const int* item_range, int max_splits, void* rounded, int kind) {                                        \
     mdsl_pdl::step_wait();                                                                                     \
-    serve::attention_mma<G, TYPE, SOLO>(out, part, qkv, static_cast<const TYPE*>(k_pool),                           \
+    serve::attention_mma<G, TYPE, SOLO>(serve::RowsOut{out, rounded, kind}, part, qkv,                        \
+                                        static_cast<const TYPE*>(k_pool),                                      \
                                         static_cast<const TYPE*>(v_pool), positions, entries, page_table,      \
                                         pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap,  \
                                         window, items, item_range, max_splits);                                \
@@ -846,9 +847,10 @@ __device__ void attention_fold(float* out, const float* part, const int* positio
   ATTENTION_MMA_OF(G, f16, __half, true, attention_solo)                                                     \
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_fold_##G(                        \
       float* out, const float* part, const int* positions, const int* done, int q_heads, int dim, int window,  \
-      int max_splits) {                                                                                        \
+      int max_splits, void* rounded, int kind) {                                                               \
     mdsl_pdl::step_wait();                                                                                     \
-    serve::attention_fold<G>(out, part, positions, done, q_heads, dim, window, max_splits);                  \
+    serve::attention_fold<G>(serve::RowsOut{out, rounded, kind}, part, positions, done, q_heads, dim, window,  \
+                             max_splits);                                                                      \
   }
 ATTENTION_MMA(1)
 ATTENTION_MMA(2)

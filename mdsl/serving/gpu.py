@@ -134,11 +134,11 @@ def _embedding(xs, outs, a, b):
 
 
 def _rms_norm(xs, outs, a, b, one_plus: int = 0):
-    """(With `hand` in a, where the linear after it loads its rows by TMA: the rows rounded for it instead,
+    """(With `hand` in a: the rows rounded for the linear after it, which loads them by TMA, instead;
     handed_rows.)"""
     x, w = xs
     dev = b.device
-    rounded = dev.wgmma.hand(outs[0].ptr) if a.get("hand") and dev.wgmma.loads_rows(b.rows) else None
+    rounded = dev.wgmma.hand(outs[0].ptr) if a.get("hand") else None
     dev.launch(_weighted("rms_norm", w), (b.rows,), NORM_THREADS,
                [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus),
                 ctypes.c_void_p(rounded)])
@@ -223,23 +223,33 @@ def lower_program(nodes: list, narrow_at: int, logits: str, gates: bool = False)
     """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and the
     add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs; the
     second node's entry is None), and with `gates` (a Hopper GPU's wgmma linears) a gate|up linear and the
-    act_mul or geglu after it (gated_linears)."""
+    act_mul or geglu after it (gated_linears); a rope appends the keys and values its attention reads
+    (kv_appends: the attention's entry says `appended`)."""
     kept = {logits}
     fused = residual_adds(nodes, narrow_at, kept)
     norm_ropes = set(fusible_pairs(nodes, narrow_at, kept, "head_rms_norm", "rope"))
     gated = gated_linears(nodes, narrow_at, kept) if gates else {}
-    handing = handed_rows(nodes, narrow_at, kept, gated) if gates else set()
+    handing = handed_rows(nodes, narrow_at, kept, gated) if gates else {}
+    appends = kv_appends(nodes, narrow_at, kept)
+    appended = set(appends.values())
     program: list = []
     for i, n in enumerate(nodes):
         names, results = [v.name for v in n.inputs], [v.name for v in n.outputs]
+        # the entry of a rope that appends the keys and values (its own, or its head norm's with it) reads the
+        # attention's pools too
+        rope = i + 1 if i in norm_ropes else i if i - 1 not in norm_ropes else None
+        if rope in appends:
+            names += [v.name for v in nodes[appends[rope]].inputs[1:3]]
         after = [v.name for v in nodes[i + 1].outputs] if i + 1 < len(nodes) else []
         if i in fused:
             program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
         elif i in gated:
-            program.append((_gated_linear, {"act": gated[i], "hand": i in handing}, names, after,
+            program.append((_gated_linear, {"act": gated[i], "hand": handing.get(i)}, names, after,
                             f"linear+{nodes[i + 1].op}"))
-        elif i in handing:
-            program.append((GPU_STEP_RULES[n.op], dict(n.attr_dict, hand=True), names, results, n.op))
+        elif i in handing or i in appended:
+            attrs = dict(n.attr_dict, **({"hand": handing[i]} if i in handing else {}),
+                         **({"appended": True} if i in appended else {}))
+            program.append((GPU_STEP_RULES[n.op], attrs, names, results, n.op))
         elif i in norm_ropes:
             program.append((_head_norm_rope, (n.attr_dict, nodes[i + 1].attr_dict), names, after,
                             "head_rms_norm+rope"))
@@ -299,6 +309,28 @@ def activation_slots(program: list, narrow_at: int, narrowed: set, kept: set, wi
     return slot_of, slot_widths
 
 
+def kv_appends(nodes: list, narrow_at: int, kept: set) -> dict:
+    """rope node index -> the attention node index whose q|k|v rows only it writes and only that attention
+    reads (nothing past the step does: `kept`), the two on one side of the narrowing: the rope's kernel (or
+    the head norm's with it: fusible_pairs) appends the rows' keys and values to the attention's pools, which
+    the attention's own KV append launch would write from those rows (step_kernels.cu's Append)."""
+    readers: dict = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers[v.name] = readers.get(v.name, 0) + 1
+    found = {}
+    for i, n in enumerate(nodes):
+        if n.op != "rope" or n.outputs[0].name in kept or readers.get(n.outputs[0].name) != 1:
+            continue
+        for j in range(i + 1, len(nodes)):
+            m = nodes[j]
+            if m.op in ("attention", "scaled_attention") and m.inputs[0].name == n.outputs[0].name and \
+                    (i < narrow_at) == (j < narrow_at):
+                found[i] = j
+                break
+    return found
+
+
 def fusible_pairs(nodes: list, narrow_at: int, kept: set, producer: str, consumer: str) -> list:
     """The indices i where node i (op `producer`) and node i + 1 (op `consumer`) can run as one: the
     consumer alone reads the producer's result (once; nothing past the step does: `kept`) and the two lie
@@ -345,45 +377,77 @@ def gated_linears(nodes: list, narrow_at: int, kept: set) -> dict:
 def _gated_linear(xs, outs, a, b):
     """A gate|up linear and the act_mul (or geglu) that alone reads it, as one launch (gated_linears)."""
     x, gate, up = xs
-    b.device.wgmma.launch(outs[0], x, [gate, up], None, b.rows, 0, act=a["act"], hand=a["hand"])
+    b.device.wgmma.launch(outs[0], x, [gate, up], None, b.rows, 0, act=a["act"], hand=a["hand"] is not None)
 
 
-def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> set:
-    """The node indices whose rows the next op, a linear on wgmma that alone reads them (its input rows, one
-    launch: up to MAX_PARTS 16-bit weights of the producer's dtype), takes rounded: an rms_norm's (or
-    rms_norm_1p's) right before it, and a gated linear's (`gated`: its products) two nodes before it. Where
-    that linear loads its rows by TMA (a step of TMA_ROWS rows or more) the producer writes them rounded to
-    the weights' dtype into a buffer the linear reads (gpu_wgmma's `hand`), which is what the linear's own
-    round_rows kernel would write from the float32 rows; those are then never written, nor read back."""
+def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> dict:
+    """node index -> the 16-bit dtype in which the next op, a linear on wgmma that alone reads the node's rows
+    (its input rows, one launch: up to MAX_PARTS 16-bit weights of one dtype), takes them rounded: an
+    rms_norm's (or rms_norm_1p's) right before it (the norm's weight of that dtype), an attention's (any pools:
+    it rounds to the linear's dtype) and a gated linear's (`gated`: its products) two nodes before it. The
+    producer writes them rounded to the weights' dtype into a buffer the linear loads by TMA at any row count
+    (gpu_wgmma's `hand`): what the linear's own round_rows kernel would write from the float32 rows, or its
+    producer warpgroup store in shared memory below TMA_ROWS rows; those are then never written, nor read back."""
     def takes(linear, dtype) -> bool:
         weights = linear.inputs[1:]
         return (1 <= len(weights) <= MAX_PARTS and all(w.dtype is dtype for w in weights)
                 and tensor_core_dtype(int(linear.inputs[0].shape[-1]), weights) is not None)
 
-    found = set()
+    found = {}
     for op in ("rms_norm", "rms_norm_1p"):
         for i in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
             norm, linear = nodes[i], nodes[i + 1]
             if linear.inputs[0].name == norm.outputs[0].name and takes(linear, norm.inputs[1].dtype):
-                found.add(i)
+                found[i] = norm.inputs[1].dtype
+    for op in ("attention", "scaled_attention"):
+        for i in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
+            linear = nodes[i + 1]
+            dtype = linear.inputs[1].dtype if len(linear.inputs) > 1 else None
+            if linear.inputs[0].name == nodes[i].outputs[0].name and dtype in (bf16, f16) and takes(linear, dtype):
+                found[i] = dtype
     for op in ("act_mul", "geglu"):
         for j in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
             linear = nodes[j + 1]
             if j - 1 in gated and linear.inputs[0].name == nodes[j].outputs[0].name and \
                     takes(linear, nodes[j - 1].inputs[1].dtype):
-                found.add(j - 1)
+                found[j - 1] = nodes[j - 1].inputs[1].dtype
     return found
 
 
+def _append_args(pools: tuple, dtype, b) -> tuple:
+    """(the KV append's kernel arguments, whether the kernel appends): the pools (kv_appends: the attention's,
+    of the attention that alone reads the rows), where they hold `dtype` (the kernel's W), else null ones."""
+    dev = b.device
+    fused = bool(pools) and pools[0].dtype is dtype
+    k_pool, v_pool = (_p(pools[0]), _p(pools[1])) if fused else (ctypes.c_void_p(None), ctypes.c_void_p(None))
+    return [k_pool, v_pool, ctypes.c_void_p(b.entries), ctypes.c_void_p(b.page_table),
+            *_ints(dev.shape.pages_per_request, dev.shape.page_size)], fused
+
+
+def _kv_append(pools: tuple, qkv: Operand, a: dict, b) -> None:
+    """Each row's key and value heads of `qkv` into its request's page at its position (attributes `a`: an
+    attention's or rope's heads)."""
+    k_pool, v_pool = pools
+    hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
+    b.device.launch(_weighted("kv_append", k_pool), _spread(b.rows, hkv * d), THREADS,
+                    [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
+                     ctypes.c_void_p(b.page_table), *_ints(b.device.shape.pages_per_request, b.device.shape.page_size,
+                                                           hq, hkv, d)])
+
+
 def _head_norm_rope(xs, outs, a, b):
-    """head_rms_norm then rope (attributes a = (the norm's, the rope's)) as one kernel."""
-    (norm, rope), (x, wq, wk) = a, xs
+    """head_rms_norm then rope (attributes a = (the norm's, the rope's)) as one kernel; with the pools of the
+    attention after it (xs' last two: kv_appends) the KV append too."""
+    (norm, rope), (x, wq, wk), pools = a, xs[:3], tuple(xs[3:])
     cos, sin = b.device.rope_tables(rope)
     heads = rope["q_heads"] + 2 * rope["kv_heads"]
+    append, fused = _append_args(pools, wq.dtype, b)
     b.device.launch(_weighted("head_norm_rope", wq), (b.rows, -(-heads // HEADS_PER_BLOCK)), HEADS_PER_BLOCK * 32,
                     [_p(outs[0]), _p(x), _p(wq), _p(wk), ctypes.c_void_p(cos), ctypes.c_void_p(sin),
                      ctypes.c_void_p(b.positions), *_ints(rope["q_heads"], rope["kv_heads"], rope["head_dim"]),
-                     ctypes.c_float(norm["eps"])])
+                     ctypes.c_float(norm["eps"]), *append])
+    if pools and not fused:
+        _kv_append(pools, outs[0], rope, b)
 
 
 def _add_bias(xs, outs, a, b):
@@ -402,10 +466,13 @@ def _head_rms_norm(xs, outs, a, b):
 
 
 def _rope(xs, outs, a, b):
+    """(With the pools of the attention after it, xs' last two: kv_appends, the KV append too.)"""
     cos, sin = b.device.rope_tables(a)
-    b.device.launch("rope", _spread(b.rows, xs[0].width), THREADS,
+    pools = tuple(xs[1:])
+    append, _ = _append_args(pools, pools[0].dtype if pools else f32, b)
+    b.device.launch(_weighted("rope", pools[0]) if pools else "rope_f32", _spread(b.rows, xs[0].width), THREADS,
                     [_p(outs[0]), _p(xs[0]), ctypes.c_void_p(cos), ctypes.c_void_p(sin), ctypes.c_void_p(b.positions),
-                     *_ints(a["q_heads"], a["kv_heads"], a["head_dim"])])
+                     *_ints(a["q_heads"], a["kv_heads"], a["head_dim"]), *append])
 
 
 def attention_split(n: int, keys: int = SPLIT_KEYS) -> tuple:
@@ -554,21 +621,27 @@ def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
     return tiles * attention_blocks(max_seq)
 
 
+ROUNDED_KINDS = {bf16: 1, f16: 2}   # step_kernels.cu's RowsOut kinds: the 16-bit dtype of rows handed over
+
+
 def _attention(xs, outs, a, b):
     qkv, k_pool, v_pool = xs
     hq, hkv, d = a["q_heads"], a["kv_heads"], a["head_dim"]
     dev = b.device
     kernel = _weighted(_attention_kernel(a, k_pool.dtype, dev.arch), k_pool)
     ps, pages = dev.shape.page_size, dev.shape.pages_per_request
-    dev.launch(_weighted("kv_append", k_pool), _spread(b.rows, hkv * d), THREADS,
-               [_p(k_pool), _p(v_pool), _p(qkv), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
-                ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d)])
+    if not a.get("appended"):   # (else the rope before it appended the rows' keys and values: kv_appends)
+        _kv_append((k_pool, v_pool), qkv, a, b)
     options = attention_options(a)
     scale, softcap = ctypes.c_float(options["scale"] or 1.0 / np.sqrt(d)), ctypes.c_float(options["softcap"])
     window, blocks = a.get("window", 0), attention_blocks(dev.shape.max_seq)
     pools = [_p(k_pool), _p(v_pool), ctypes.c_void_p(b.positions), ctypes.c_void_p(b.entries),
              ctypes.c_void_p(b.page_table), *_ints(pages, ps, hq, hkv, d), scale, softcap, *_ints(window)]
     partials = ctypes.c_void_p(dev.attention_partials)
+    # (with `hand`: the rows rounded to its dtype for the o linear after it, which loads them by TMA, instead;
+    # handed_rows)
+    rounded = [ctypes.c_void_p(dev.wgmma.hand(outs[0].ptr)), *_ints(ROUNDED_KINDS[a["hand"]])] if a.get("hand") \
+        else [ctypes.c_void_p(None), *_ints(0)]
     if on_tensor_cores(a, k_pool.dtype, dev.arch):
         # the solo tiles' items (ranges[0] .. ranges[1]) and the shared tiles' (ranges[1] .. ranges[2]), each
         # kernel launched where the step has items for it, and the fold where some row's tile leaves partials
@@ -581,14 +654,14 @@ def _attention(xs, outs, a, b):
             if used:
                 dev.launch(name, (dev.attention_grid,), ATTENTION_THREADS,
                            [_p(outs[0]), partials, _p(qkv), *pools, ctypes.c_void_p(items),
-                            ctypes.c_void_p(ranges + at), *_ints(blocks)], smem=smem)
+                            ctypes.c_void_p(ranges + at), *_ints(blocks), *rounded], smem=smem)
         if fold_used:
             dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
                        [_p(outs[0]), partials, ctypes.c_void_p(b.positions), ctypes.c_void_p(done),
-                        *_ints(hq, d, window, blocks)])
+                        *_ints(hq, d, window, blocks), *rounded])
     else:
         dev.launch(kernel, (b.rows, hkv, blocks), ATTENTION_THREADS,
-                   [_p(outs[0]), partials, ctypes.c_void_p(dev.attention_arrivals), _p(qkv), *pools])
+                   [_p(outs[0]), partials, ctypes.c_void_p(dev.attention_arrivals), _p(qkv), *pools, *rounded])
 
 
 _ACTIVATIONS = {"silu": 0, "gelu": 2, "sigmoid": 3}   # step_kernels.cu's `activate` codes (1: geglu's tanh GELU)

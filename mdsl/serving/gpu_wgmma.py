@@ -3,8 +3,9 @@ TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend 
 mma.sync linear of step_kernels.cu runs them.
 
 A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
-side by side, k split blocks: past one row tile as many as fill one wave, `split_blocks`), after
-`round_rows` (the input rows rounded to 16 bits, read by TMA) where RN is 64 or more. RN is the smallest of
+side by side, k split blocks: past one row tile as many as fill one wave, `split_blocks`). Its input rows come
+rounded to 16 bits, read by TMA, where the op before handed them over so (`hand`: at any RN), else from
+`round_rows` launched before it where RN is 64 or more; below that its producer stages them. RN is the smallest of
 ROW_TILES that holds the step's rows (a decode step of one row computes 8 padded rows, not 64 or 128); the k
 splits come from the weights alone (`wgmma_splits`).
 """
@@ -27,7 +28,7 @@ ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
 FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
 BK = 64                           # k a stage
 THREADS = 384                     # a producer warpgroup and two consumers
-TMA_ROWS = 64                     # linear_wgmma.cuh's Ring::TMA_ROWS: from this RN the rows come through TMA
+TMA_ROWS = 64                     # linear_wgmma.cuh's Ring::TMA_ROWS: from this RN the rows always come by TMA
 SPLIT_THREADS = 256
 MAX_PARTS = 4                     # linear_wgmma.cuh's: weights side by side in one launch
 STAGE_SPACE = 196608              # linear_wgmma.cuh's: shared memory for a block's stages, one block an SM
@@ -115,10 +116,10 @@ def kernel_source() -> str:
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
                 "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset, int splits, int act,\n"
-                "    void* handed) {\n"
+                "    void* handed, int rows_rounded) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
-                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed));\n}}\n"
+                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded);\n}}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
     return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + DEPENDENT_LAUNCH.read_text() + "\n" +
             ACTIVATIONS.read_text() + "\n" + SOURCE.read_text() + "\n" + "".join(kernels))
@@ -197,12 +198,6 @@ class WgmmaLinears:
             found = self._maps[key] = encode_tensor_map(tensor_map_arguments(rows, k, dtype, box), address)
         return found
 
-    @staticmethod
-    def loads_rows(rows: int) -> bool:
-        """Whether a launch over `rows` rows loads them rounded by TMA (else its producer stores them from the
-        float32 rows): rows a producer may hand over rounded."""
-        return row_tile(rows) >= TMA_ROWS
-
     def hand(self, address: int, avoid: Optional[int] = None) -> int:
         """The buffer (not `avoid`) into which the op before the next launch writes its rows rounded instead of
         into their float32 buffer at `address`, recorded for that launch."""
@@ -227,22 +222,19 @@ class WgmmaLinears:
             ctypes.memmove(ctypes.addressof(maps) + 128 * i,
                            self._map(w.ptr, int(w.shape[0]), k, name, FEATURES // 2 if gated else FEATURES).getPtr(),
                            128)
-        # the rows' map, read from TMA_ROWS rows a tile (below, the kernel takes an unused blank one): the rows
-        # handed over rounded, else rounded here
+        # the rows' map: the rows handed over rounded, else from TMA_ROWS rows a tile rounded here; without
+        # either (fewer rows, not handed) the kernel's producer stages the float32 rows and takes a blank map
         handed, self.handed = self.handed, None
-        source, products = None, None
-        if rn >= TMA_ROWS:
-            if handed is not None and handed[0] == x.ptr:
-                source = handed[1]
-            else:
-                source = self.rounded
-                self._launch(f"round_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
-                             [ctypes.c_void_p(source), ctypes.c_void_p(x.ptr), ctypes.c_int(k)])
-            rounded = ctypes.c_ubyte.from_address(self._map(source, self.rows, k, name, rn).getPtr())
-            if gated and hand:
-                products = self.hand(out.ptr, avoid=source)
-        else:
-            rounded = self._blank
+        source = None
+        if handed is not None and handed[0] == x.ptr:
+            source = handed[1]
+        elif rn >= TMA_ROWS:
+            source = self.rounded
+            self._launch(f"round_rows_{name}", (rows, max(1, -(-k // (2 * SPLIT_THREADS))), 1), SPLIT_THREADS, 0,
+                         [ctypes.c_void_p(source), ctypes.c_void_p(x.ptr), ctypes.c_int(k)])
+        rounded = self._blank if source is None else \
+            ctypes.c_ubyte.from_address(self._map(source, self.rows, k, name, rn).getPtr())
+        products = self.hand(out.ptr, avoid=source) if gated and hand else None
         # gated: the gate's columns alone as the block's part (the kernel takes the up's from map 1)
         columns, tiles = ([sizes[0]], [gated_tiles(sizes[0])]) if gated else (sizes, [-(-n // FEATURES) for n in sizes])
         parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(columns)),
@@ -250,7 +242,8 @@ class WgmmaLinears:
         grid, splits = launch_grid(rows, sizes, k, dev.sms, gated)
         args = [maps, rounded, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
-                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits, act)), ctypes.c_void_p(products)]
+                parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits, act)), ctypes.c_void_p(products),
+                ctypes.c_int(source is not None)]
         self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:

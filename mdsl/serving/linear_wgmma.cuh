@@ -36,10 +36,11 @@
 // A block: a producer warpgroup and two consumer warpgroups (64 weight columns each). For each 64-wide k
 // step the producer's first thread loads the weight tile (128 x 64) with TMA, which fills columns past the
 // weight's rows and k past its width with zeros, into a ring of stages, and the rows' tile (RN x 64)
-// comes beside it: up to 32 rows the producer's 128 threads round and store them in the 128-byte swizzled
-// layout TMA writes (no launch before the linear's, which a decode step would pay in every linear); from 64
-// rows `round_rows` has written them to memory beforehand and TMA loads them (staging 128 rows by the
-// producer's threads is slower than the tensor cores).
+// comes beside it, rounded to W, by TMA where the rows are in memory rounded: handed over by the op before
+// (gpu_wgmma.py's `hand`: a norm, attention or a gated linear writes its rows rounded for this launch), or
+// from 64 rows written by `round_rows` beforehand (staging 128 rows by the producer's threads is slower than
+// the tensor cores); else, up to 32 rows, the producer's 128 threads round and store them in the 128-byte
+// swizzled layout TMA writes (no launch before the linear's, which a decode step would pay in every linear).
 
 namespace mdsl {
 namespace serve_tc {
@@ -75,7 +76,7 @@ __device__ __forceinline__ void round_rows(W* rounded, const float* x, int k) {
 }
 
 template <int RN> struct Ring {
-  static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles loaded by TMA (else stored by the producer)
+  static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles always loaded by TMA (below: where handed)
   // below ROW_TILE_MAX rows a step holds one row tile, its weights' bytes bound it, and two blocks an SM keep
   // its splits (2 x SMs blocks at most: the host's wgmma_splits) in one wave: half the shared memory each
   static constexpr bool PAIRED = RN < ROW_TILE_MAX;
@@ -232,8 +233,11 @@ template <typename W, int RN>
 __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
                                        const float* x, float* out, float* part, int* arrivals,
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
-                                       int offset, int splits, int act, W* handed) {
+                                       int offset, int splits, int act, W* handed, int rows_rounded) {
   using R = Ring<RN>;
+  // the rows' tiles by TMA from the rounded rows' map (`rows_rounded`: the host's; always from 64 rows), else
+  // stored by the producer's threads from the float32 rows x
+  const bool tma_rows = R::TMA_ROWS || rows_rounded;
   __shared__ int last;
   // this block's weight (constant indices: the parts' fields stay in the parameter space)
   int p = 0, first_tile = 0, start = 0, end = parts.start[1];
@@ -271,13 +275,13 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   if (threadIdx.x == 0) {
     for (int s = 0; s < R::STAGES; ++s) {
       // the expect-tx arrival of the stage's TMA bytes, and each producer thread's once it stored its rows
-      barrier_init(ring.full(s), R::TMA_ROWS ? 1 : 1 + 128);
+      barrier_init(ring.full(s), tma_rows ? 1 : 1 + 128);
       barrier_init(ring.empty(s), 2 * 4);   // each consumer warp, once its wgmmas have read the stage
     }
     barrier_init_fence();
     tma_prefetch(&weights.map[p]);
     if (gated) tma_prefetch(&weights.map[1]);
-    if (R::TMA_ROWS) tma_prefetch(rounded);
+    if (tma_rows) tma_prefetch(rounded);
   }
   __syncthreads();
   float acc[R::ACC];
@@ -301,7 +305,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     int s0, s1;
     k_steps(blockIdx.z, s0, s1);
     for (int i = 0; i < s1 - s0 && i < R::STAGES; ++i) {
-      barrier_expect_bytes(ring.full(i), R::TMA_ROWS ? R::STAGE_BYTES : R::W_BYTES);
+      barrier_expect_bytes(ring.full(i), tma_rows ? R::STAGE_BYTES : R::W_BYTES);
       load_weights(i, s0 + i);
     }
   }
@@ -313,7 +317,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     int s0, s1;
     k_steps(z, s0, s1);
     const int prefetched = s1 - s0 < R::STAGES ? s1 - s0 : R::STAGES;
-    if constexpr (R::TMA_ROWS) {
+    if (tma_rows) {
       if (threadIdx.x == 0) {
         for (int s = s0; s < s1; ++s) {
           if (s - s0 >= prefetched) {

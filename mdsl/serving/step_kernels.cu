@@ -426,6 +426,30 @@ __device__ void add_bias(float* out, const float* x, const W* b, int width) {
   for (int i = ELEMENT; i < width; i += ELEMENTS) out[base + i] = __fadd_rn(x[base + i], to_f(b[i]));
 }
 
+// The KV append (kv_append's arithmetic) done by the op that writes the q|k|v rows the attention reads (rope,
+// head_norm_rope), where nothing else reads them: each row's key and value heads also go into its request's
+// page at its position, rounded to the pools' P, so the kv_append launch is gone. k_pool null: none.
+template <typename P>
+struct Append {
+  P* k_pool;
+  P* v_pool;
+  const int* entries;
+  const int* page_table;
+  int pages_per_request, page_size;
+
+  // head h's value d (of the q|k|v row r at position pos) into the pools, if h is a key or value head
+  __device__ __forceinline__ void put(int r, int pos, int h, int d, float v, int q_heads, int kv_heads,
+                                      int dim) const {
+    if (!k_pool || h < q_heads) return;
+    const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
+    const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
+    if (h < q_heads + kv_heads)
+      k_pool[slot + (long long)(h - q_heads) * dim + d] = from_f<P>(v);
+    else
+      v_pool[slot + (long long)(h - q_heads - kv_heads) * dim + d] = from_f<P>(v);
+  }
+};
+
 // ---- head_rms_norm: an rms_norm over each query head (weight wq) and key head (weight wk) of the q|k|v row;
 // value heads are copied. One warp a head: grid (rows, heads / NORM_ROPE_WARPS). With ROPE the normalised
 // head goes through shared memory and is rotated from there as the rope kernel rotates it (head_norm_rope:
@@ -434,14 +458,17 @@ __device__ void add_bias(float* out, const float* x, const W* b, int width) {
 template <typename W, bool ROPE>
 __device__ __forceinline__ void head_norm(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
                                           const float* sin_table, const int* positions, int q_heads, int kv_heads,
-                                          int dim, float eps) {
+                                          int dim, float eps, Append<W> append = {}) {
   __shared__ float y[ROPE ? NORM_ROPE_WARPS : 1][ROPE ? MAX_HEAD_DIM : 1];
   const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int h = blockIdx.y * NORM_ROPE_WARPS + warp;
   if (h >= heads) return;
   const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
   if (h >= q_heads + kv_heads) {
-    for (int d = lane; d < dim; d += WARP) out[base + d] = x[base + d];
+    for (int d = lane; d < dim; d += WARP) {
+      out[base + d] = x[base + d];
+      if (ROPE) append.put(blockIdx.x, positions[blockIdx.x], h, d, x[base + d], q_heads, kv_heads, dim);
+    }
     return;
   }
   const W* w = h < q_heads ? wq : wk;
@@ -460,7 +487,9 @@ __device__ __forceinline__ void head_norm(float* out, const float* x, const W* w
   const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
   for (int d = lane; d < dim; d += WARP) {
     const float rotated = d < half ? -y[warp][d + half] : y[warp][d - half];
-    out[base + d] = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
+    const float v = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
+    out[base + d] = v;
+    append.put(blockIdx.x, positions[blockIdx.x], h, d, v, q_heads, kv_heads, dim);
   }
 }
 
@@ -473,27 +502,31 @@ __device__ void head_rms_norm(float* out, const float* x, const W* wq, const W* 
 template <typename W>
 __device__ void head_norm_rope(float* out, const float* x, const W* wq, const W* wk, const float* cos_table,
                                const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
-                               float eps) {
-  head_norm<W, true>(out, x, wq, wk, cos_table, sin_table, positions, q_heads, kv_heads, dim, eps);
+                               float eps, Append<W> append) {
+  head_norm<W, true>(out, x, wq, wk, cos_table, sin_table, positions, q_heads, kv_heads, dim, eps, append);
 }
 
 // ---- rope: the query and key heads rotated (rotate-half form) by the row's position's cos and sin (tables
 // [positions, dim] computed on the host as the reference computes them); value heads copied
 
+template <typename P>
 __device__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
-                     const int* positions, int q_heads, int kv_heads, int dim) {
-  const int heads = q_heads + 2 * kv_heads, half = dim / 2;
+                     const int* positions, int q_heads, int kv_heads, int dim, Append<P> append) {
+  const int heads = q_heads + 2 * kv_heads, half = dim / 2, pos = positions[blockIdx.x];
   const long long base = (long long)blockIdx.x * heads * dim;
-  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
-  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
+  const float* c = cos_table + (long long)pos * dim;
+  const float* s = sin_table + (long long)pos * dim;
   for (int i = ELEMENT; i < heads * dim; i += ELEMENTS) {
     const int h = i / dim, d = i % dim;
+    float v;
     if (h >= q_heads + kv_heads) {
-      out[base + i] = x[base + i];
+      v = x[base + i];
     } else {
       const float rotated = d < half ? -x[base + i + half] : x[base + i - half];
-      out[base + i] = __fadd_rn(__fmul_rn(x[base + i], c[d]), __fmul_rn(rotated, s[d]));
+      v = __fadd_rn(__fmul_rn(x[base + i], c[d]), __fmul_rn(rotated, s[d]));
     }
+    out[base + i] = v;
+    append.put(blockIdx.x, pos, h, d, v, q_heads, kv_heads, dim);
   }
 }
 
@@ -505,14 +538,11 @@ template <typename W>
 __device__ void kv_append(W* k_pool, W* v_pool, const float* qkv, const int* positions, const int* entries,
                           const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
                           int dim) {
+  const Append<W> append{k_pool, v_pool, entries, page_table, pages_per_request, page_size};
   const int r = blockIdx.x, pos = positions[r];
-  const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
-  const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
   const long long base = (long long)r * (q_heads + 2 * kv_heads) * dim;
-  for (int i = ELEMENT; i < kv_heads * dim; i += ELEMENTS) {
-    k_pool[slot + i] = from_f<W>(qkv[base + q_heads * dim + i]);
-    v_pool[slot + i] = from_f<W>(qkv[base + (q_heads + kv_heads) * dim + i]);
-  }
+  for (int i = q_heads * dim + ELEMENT; i < (q_heads + 2 * kv_heads) * dim; i += ELEMENTS)
+    append.put(r, pos, i / dim, i % dim, qkv[base + i], q_heads, kv_heads, dim);
 }
 
 // a lane's four values of a key or value (dims d .. d + 3) as attention loads them from pools of W: a float4
@@ -612,6 +642,33 @@ __device__ __forceinline__ float fold_in(float sofar, float x, FoldWeights w) {
   return __fmaf_rn(x, w.added, __fmul_rn(sofar, w.kept));
 }
 
+// Where attention writes a row's values: its float32 output, or, with `rounded`, the same places of a buffer of
+// 16-bit values rounded to the o linear's dtype (1: bf16, 2: f16), the rows that linear alone reads and
+// loads by TMA (gpu_wgmma.py's handed rows: the float32 rows are then never written, nor read back)
+struct RowsOut {
+  float* out;
+  void* rounded;
+  int kind;
+
+  __device__ __forceinline__ void put(long long i, float v) const {
+    if (!rounded)
+      out[i] = v;
+    else if (kind == 1)
+      static_cast<__nv_bfloat16*>(rounded)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<__half*>(rounded)[i] = __float2half_rn(v);
+  }
+  // values i and i + 1 (i even), as one store
+  __device__ __forceinline__ void put2(long long i, float2 v) const {
+    if (!rounded)
+      *reinterpret_cast<float2*>(out + i) = v;
+    else if (kind == 1)
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(rounded) + i) = __floats2bfloat162_rn(v.x, v.y);
+    else
+      *reinterpret_cast<__half2*>(static_cast<__half*>(rounded) + i) = __floats2half2_rn(v.x, v.y);
+  }
+};
+
 // fold_splits: the fold of a row's splits for the G query heads h * G .. of KV head h, by the block's
 // ATT_WARPS warps, once every split's partial is in `part` (records of (dim values, max, sum, padding) per
 // row, query head and split of max_splits). Both attention kernels end with it (attention_mma's through
@@ -620,7 +677,7 @@ __device__ __forceinline__ float fold_in(float sofar, float x, FoldWeights w) {
 // in any order), so lane k % 32 takes split k's weights, fold_weights of those two; lane 0 then folds the
 // sums in split order. Then each value's fold over the splits by those weights
 template <int G, bool BASE2 = false>
-__device__ void fold_splits(float* out, const float* part, int r, int h, int q_heads, int dim, int splits,
+__device__ void fold_splits(RowsOut out, const float* part, int r, int h, int q_heads, int dim, int splits,
                             int max_splits) {
   __shared__ float kept[G][ATT_MAX_SPLITS], added[G][ATT_MAX_SPLITS], sums[G][ATT_MAX_SPLITS];
   __shared__ float head_sum[G];
@@ -669,14 +726,14 @@ __device__ void fold_splits(float* out, const float* part, int r, int h, int q_h
     for (int k = 0; k < splits; ++k)
       if (kept[g][k] != SKIPPED)
         total = fold_in(total, __ldcg(recs + k * record), FoldWeights{kept[g][k], added[g][k]});
-    out[((long long)r * q_heads + h * G + g) * dim + d] = total / head_sum[g];
+    out.put(((long long)r * q_heads + h * G + g) * dim + d, total / head_sum[g]);
   }
   __syncthreads();   // (the shared weights are free for the next fold)
 }
 
 // G query heads per KV head; DV float4s a lane holds of a head (dim <= 128 * DV); pools of W
 template <int G, int DV, typename W>
-__device__ void attention(float* out, float* part, int* arrivals, const float* qkv, const W* k_pool, const W* v_pool,
+__device__ void attention(RowsOut out, float* part, int* arrivals, const float* qkv, const W* k_pool, const W* v_pool,
                           const int* positions, const int* entries, const int* page_table, int pages_per_request,
                           int page_size, int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {
   // keys (and values) a warp has in flight, as registers allow: twice as many of 16-bit pools (a key's
@@ -1165,16 +1222,21 @@ EVERY_DTYPE(head_rms_norm, (float* out, const float* x, const void* wq, const vo
                             int dim, float eps),
             (out, x, static_cast<const W*>(wq), static_cast<const W*>(wk), q_heads, kv_heads, dim, eps))
 
+// (head_norm_rope_W and rope_W with the KV append into pools of W where k_pool is not null: serve::Append)
 EVERY_DTYPE(head_norm_rope, (float* out, const float* x, const void* wq, const void* wk, const float* cos_table,
                              const float* sin_table, const int* positions, int q_heads, int kv_heads, int dim,
-                             float eps),
+                             float eps, void* k_pool, void* v_pool, const int* entries, const int* page_table,
+                             int pages_per_request, int page_size),
             (out, x, static_cast<const W*>(wq), static_cast<const W*>(wk), cos_table, sin_table, positions, q_heads,
-             kv_heads, dim, eps))
-extern "C" __global__ void rope(float* out, const float* x, const float* cos_table, const float* sin_table,
-                                const int* positions, int q_heads, int kv_heads, int dim) {
-  mdsl_pdl::step_wait();
-  serve::rope(out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim);
-}
+             kv_heads, dim, eps,
+             serve::Append<W>{static_cast<W*>(k_pool), static_cast<W*>(v_pool), entries, page_table,
+                              pages_per_request, page_size}))
+EVERY_DTYPE(rope, (float* out, const float* x, const float* cos_table, const float* sin_table, const int* positions,
+                   int q_heads, int kv_heads, int dim, void* k_pool, void* v_pool, const int* entries,
+                   const int* page_table, int pages_per_request, int page_size),
+            (out, x, cos_table, sin_table, positions, q_heads, kv_heads, dim,
+             serve::Append<W>{static_cast<W*>(k_pool), static_cast<W*>(v_pool), entries, page_table,
+                              pages_per_request, page_size}))
 EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int* positions, const int* entries,
                          const int* page_table, int pages_per_request, int page_size, int q_heads, int kv_heads,
                          int dim),
@@ -1186,9 +1248,10 @@ EVERY_DTYPE(kv_append, (void* k_pool, void* v_pool, const float* qkv, const int*
   extern "C" __global__ void __launch_bounds__(serve::ATT_THREADS) attention_##G##_##DV##_##SUFFIX(                \
       float* out, float* part, int* arrivals, const float* qkv, const void* k_pool, const void* v_pool,          \
       const int* positions, const int* entries, const int* page_table, int pages_per_request, int page_size,     \
-      int q_heads, int kv_heads, int dim, float scale, float softcap, int window) {                              \
+      int q_heads, int kv_heads, int dim, float scale, float softcap, int window, void* rounded, int kind) {     \
     mdsl_pdl::step_wait();                                                                                       \
-    serve::attention<G, DV, TYPE>(out, part, arrivals, qkv, static_cast<const TYPE*>(k_pool),                    \
+    serve::attention<G, DV, TYPE>(serve::RowsOut{out, rounded, kind}, part, arrivals, qkv,                       \
+                                  static_cast<const TYPE*>(k_pool),                                              \
                                   static_cast<const TYPE*>(v_pool), positions, entries, page_table,              \
                                   pages_per_request, page_size, q_heads, kv_heads, dim, scale, softcap, window); \
   }

@@ -3,7 +3,8 @@ out = x @ [weights side by side].T (+ residual, also in place), x rounded to the
 float64 within float32 summation, for ragged column counts, k not a multiple of the 64-wide stage, every row
 tile and split; and a row's result is bit-identical whatever the step's row count and the row's place in it,
 its k splits in blocks of their own, in runs of several a block or one after another in one block (the batch
-invariance the serving device promises, which rests on wgmma's sums not depending on the instruction's n)."""
+invariance the serving device promises, which rests on wgmma's sums not depending on the instruction's n), and
+whether its rows come rounded from the op before (handed over, loaded by TMA) or from their float32 values."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,6 +49,8 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
     x_op = _operand(dev._new_array(x, x.shape, f32), x.shape, f32)
     r_op = _operand(dev._new_array(residual, residual.shape, f32), residual.shape, f32)
     out = _operand(dev._new_array(None, (max_rows, width), f32), (max_rows, width), f32)
+    # x rounded to bf16, as a norm before the linear hands its rows over
+    rounded = _operand(dev._new_array(round_to_dtype(x, bf16), x.shape, bf16), x.shape, bf16)
     # the product's operand: x rounded to the weights' dtype (a value on the other side would be off by 2^-8)
     expected = round_to_dtype(x, bf16).astype(np.float64) @ np.concatenate(weights).astype(np.float64).T
     results = {}
@@ -71,6 +74,17 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
             assert not got[:, :4].any() and not got[:, 4 + sum(sizes):].any() and not got[rows:].any()
             if not with_residual:
                 results[rows] = got[:rows, 4:4 + sum(sizes)].copy()
+            # the rows handed over rounded by the op before (loaded by TMA at every row tile): the same bits
+            check(driver.cuMemsetD8(out.ptr, 0, max_rows * width * 4), "cuMemsetD8")
+            if with_residual == "in place":
+                check(driver.cuMemcpyHtoD(out.ptr, start.ctypes.data, start.nbytes), "cuMemcpyHtoD")
+            linears.handed = (x_op.ptr, rounded.ptr)
+            linears.launch(out, x_op, w_ops, source, rows, offset=4)
+            assert linears.handed is None
+            check(driver.cuStreamSynchronize(dev._stream), "the linear")
+            again = np.empty((max_rows, width), np.float32)
+            check(driver.cuMemcpyDtoH(again.ctypes.data, out.ptr, again.nbytes), "cuMemcpyDtoH")
+            assert np.array_equal(again.view(np.uint32), got.view(np.uint32)), (rows, with_residual)
     tiles = -(-sum(sizes) // 128)
     splits = wgmma_splits(tiles, k, dev.sms)
     if sum(sizes) > 8192:   # (the splits in blocks of their own at a few rows, in one block at 256: same bits)
@@ -144,15 +158,14 @@ def test_the_gated_form_is_the_activated_product_of_the_plain_ones_and_each_row_
         (_, _, blocks), splits = launch_grid(256, [half, half], k, dev.sms, gated=True)
         assert 1 < blocks < splits
 
-    # handed over: where the next launch loads its rows by TMA, the products go rounded to bf16 into the
-    # buffer it reads instead (the float32 rows untouched), and it computes the bits it computes from the
-    # float32 products (its own rounding of them)
+    # handed over: the products go rounded to bf16 into the buffer the next launch loads by TMA instead (the
+    # float32 rows untouched), and it computes the bits it computes from the float32 products (its own
+    # rounding of them: staged by its producer below 64 rows, round_rows from 64)
     down = round_to_dtype(rng.standard_normal((136, half)).astype(np.float32) / np.sqrt(half), bf16)
     d_op = [_operand(dev._new_array(down, down.shape, bf16), down.shape, bf16)]
     products = _operand(dev._new_array(None, (max_rows, half), f32), (max_rows, half), f32)
     after = _operand(dev._new_array(None, (max_rows, 136), f32), (max_rows, 136), f32)
-    for rows in (64, 100, 129, 256):
-        assert linears.loads_rows(rows)
+    for rows in (1, 7, 8, 33, 64, 100, 129, 256):
         check(driver.cuMemcpyHtoD(products.ptr, results[256].ctypes.data, results[256][:rows].nbytes), "cuMemcpyHtoD")
         linears.launch(after, products, d_op, None, rows, 0)        # from the float32 products
         check(driver.cuStreamSynchronize(dev._stream), "the linear")

@@ -32,8 +32,8 @@ def test_the_step_kernels_compile_for_sm_90a_and_run_their_products_on_wgmma_and
     from tests.shared import disassembled
 
     module = compile_cuda(kernel_source(), arch="sm_90a")
-    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "kv_append",
-                "moe_router", "moe_up", "moe_down")
+    weighted = ("embedding", "rms_norm", "linear", "add_bias", "head_rms_norm", "head_norm_rope", "rope",
+                "kv_append", "moe_router", "moe_up", "moe_down")   # (rope_W: its KV append into pools of W)
     expected = {f"{name}_{s}" for name in weighted for s in ("f32", "bf16", "f16")}
     expected |= {f"{name}_{s}" for name in ("linear_mma",) for s in ("bf16", "f16")}
     expected |= {f"attention_{g}_{dv}_{s}" for dv, groups in GROUPS.items() for g in groups
@@ -41,7 +41,7 @@ def test_the_step_kernels_compile_for_sm_90a_and_run_their_products_on_wgmma_and
     expected |= {f"attention_{kind}_{g}_{s}" for kind in ("mma", "solo") for g in MMA_GROUPS
                  for s in ("bf16", "f16")}   # (16-bit pools)
     expected |= {f"attention_fold_{g}" for g in MMA_GROUPS}
-    expected |= {"rope", "act_mul", "add", "gather", "argmax_rows", "map_rows", "gated_scale", "moe_plan", "moe_sum"}
+    expected |= {"act_mul", "add", "gather", "argmax_rows", "map_rows", "gated_scale", "moe_plan", "moe_sum"}
     assert set(module.resources) == expected
     for name, r in module.resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
@@ -142,12 +142,13 @@ def test_a_gate_up_linear_of_16_bit_weights_runs_with_the_activation_after_it(ar
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "bfloat16"), ("qwen3", "float16"), ("gemma2", "bfloat16"),
                                         ("qwen3_moe", "bfloat16"), ("llama3", "float32")])
-def test_the_rows_of_a_linear_that_alone_reads_a_norm_or_gated_product_come_rounded_from_it(arch, dtype):
+def test_the_rows_of_a_linear_that_alone_reads_a_norm_attention_or_gated_product_come_rounded_from_it(arch, dtype):
     """handed_rows: with 16-bit weights, every rms_norm (Gemma's rms_norm_1p) whose only reader is the
     linear right after it as its input rows (the q|k|v and gate|up projections' norms, the final norm before
-    the LM head where the narrowing does not lie between), and every gated linear whose product only the
-    down projection reads, hands its rows rounded (the program's entry says `hand`); none with float32
-    weights; never a norm whose result anything else reads (Gemma's post-norms, read by adds)."""
+    the LM head where the narrowing does not lie between), every attention (read by the o projection alone)
+    and every gated linear whose product only the down projection reads, hands its rows rounded to the
+    linear's dtype (the program's entry says `hand`, that dtype); none with float32 weights; never a norm
+    whose result anything else reads (Gemma's post-norms, read by adds)."""
     from mdsl.serving.cpu import narrowing, serving_nodes
     from mdsl.serving.gpu import gated_linears, handed_rows, lower_program
 
@@ -169,16 +170,44 @@ def test_the_rows_of_a_linear_that_alone_reads_a_norm_or_gated_product_come_roun
         value = nodes[i + 1 if i in gated else i].outputs[0].name
         (reader,) = readers[value]
         assert reader.op == "linear" and reader.inputs[0].name == value
-        assert nodes[i].op in ("rms_norm", "rms_norm_1p") or i in gated
-    norms = [i for i in handing if i not in gated]
+        assert nodes[i].op in ("rms_norm", "rms_norm_1p", "attention", "scaled_attention") or i in gated
+        assert handing[i] is reader.inputs[1].dtype and handing[i].long_name == dtype
+    attentions = [i for i in handing if nodes[i].op in ("attention", "scaled_attention")]
+    assert len(attentions) >= layers - 1   # (the last layer's where the narrowing lies between it and o)
+    norms = [i for i in handing if i not in gated and i not in attentions]
     assert len(norms) >= 2 * layers if arch != "qwen3_moe" else len(norms) >= layers   # (MoE: the experts' norm no)
-    assert set(gated) <= handing   # every gated product goes to a down projection
+    assert set(gated) <= set(handing)   # every gated product goes to a down projection
     program = lower_program(nodes, narrow_at, graph.logits.name, gates=True)
     def hands(entry) -> bool:
         return entry is not None and isinstance(entry[1], dict) and bool(entry[1].get("hand"))
 
-    assert {i for i, e in enumerate(program) if hands(e)} == handing
+    assert {i: e[1]["hand"] for i, e in enumerate(program) if hands(e)} == handing
     assert not any(hands(e) for e in lower_program(nodes, narrow_at, graph.logits.name))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "qwen3_moe"])
+def test_the_rope_before_an_attention_appends_its_keys_and_values(arch):
+    """kv_appends: the rope that alone writes an attention's q|k|v rows (Qwen3's with its head norm, as one
+    entry) reads that attention's pools too and appends the rows' keys and values; the attention's entry
+    says `appended` (no KV append launch of its own). Every layer's, on the GPU device's program with or
+    without wgmma."""
+    from mdsl.serving.cpu import narrowing, serving_nodes
+    from mdsl.serving.gpu import kv_appends, lower_program
+
+    graph = _graph(arch, torch_dtype="bfloat16", intermediate_size=64)
+    nodes, caches = serving_nodes(graph)
+    narrow_at = narrowing(nodes, caches)
+    appends = kv_appends(nodes, narrow_at, {graph.logits.name})
+    attentions = [j for j, n in enumerate(nodes) if n.op in ("attention", "scaled_attention")]
+    assert sorted(appends.values()) == attentions
+    for gates in (False, True):
+        program = lower_program(nodes, narrow_at, graph.logits.name, gates=gates)
+        for i, j in appends.items():
+            assert nodes[i].op == "rope" and nodes[j].inputs[0].name == nodes[i].outputs[0].name
+            entry = program[i] if program[i] is not None else program[i - 1]   # (a head norm's pair: its entry)
+            pools = [v.name for v in nodes[j].inputs[1:3]]
+            assert entry[2][-2:] == pools and entry[4] in ("rope", "head_rms_norm+rope")
+            assert program[j][1].get("appended") is True and program[j][2][1:3] == pools
 
 
 def _slots(arch: str, layers: int, gates: bool = False) -> tuple:
