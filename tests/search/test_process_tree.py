@@ -102,11 +102,23 @@ def test_a_signal_ends_the_whole_process_tree_and_removes_its_files(tmp_path, mo
         process = start_mdsl(["optimize", f"{example}:rms_norm_linear", "--budget", "100", "--workers", "2",
                               "--no-cache", "--log", str(log)], tmp_path, tmpdir)
         status, err, ended, left = _signalled(process, log, MOMENTS[moment], signum)
-        temporary = list(tmpdir.iterdir())
+        temporary = _listing(tmpdir)
     assert (status, err.decode().rsplit("\n", 2)[-2]) == (expected_status, f"mdsl: {said}")
     assert ended <= 2.0, f"the command's output streams were held for {ended:.1f} s after the signal"
     assert left == [], f"still running 2 s after the signal: {left}"
-    assert temporary == []
+    assert temporary == [], f"left in TMPDIR (path, bytes): {temporary}"
+
+
+def _listing(folder: Path, most: int = 40) -> list:
+    """(path relative to `folder`, bytes or None for a folder) of what lies under it, the first `most`: what a
+    leftover holds says who made it."""
+    found = []
+    for path in sorted(folder.rglob("*"))[:most]:
+        try:
+            found.append((str(path.relative_to(folder)), None if path.is_dir() else path.stat().st_size))
+        except OSError:   # (removed meanwhile)
+            continue
+    return found
 
 
 def _signalled(process: subprocess.Popen, log: Path, moment: tuple, signum: int) -> tuple:
