@@ -1,0 +1,108 @@
+"""The serving scheduler's host time a decode step: what the GPU device's steps spend on the host beside the
+GPU's forward (the CPU device's scheduler, which the GPU device runs between its steps' CUDA graphs, and the
+engine's thread that streams the tokens), on any machine, no GPU needed.
+
+    python3 benchmarks/serve_host.py [--model qwen3-0.6b] [--batches 1,8,32,64] [--context 1024] [--out DIR]
+
+The engine serves a one-layer checkpoint of the model's shapes (random weights) on the CPU device whose
+forward is a wait of --forward-ms (a sleep, which lets the engine's thread run, as the GPU device's wait for
+its stream does) and whose every request samples token 1 (the GPU device's greedy tokens come from the GPU).
+`batch` requests with prompts of `context` tokens decode together; the step time less the forward's is the
+host's share of a step, µs (the scheduler's planning, pages, tables, its pool check, the tokens' ring records).
+Files: serve_host.json (with the run's provenance) and serve_host.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:   # run as a script from anywhere
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.provenance import provenance, write_outputs   # noqa: E402
+from benchmarks.serve_http import random_checkpoint, scratch_folder   # noqa: E402
+
+
+def host_device(forward_s: float):
+    """The CPU device with its forward replaced by a wait of `forward_s` and token 1 for every sampling row."""
+    from mdsl.serving.cpu import CpuDevice
+
+    class HostOnly(CpuDevice):
+        def _forward(self, step, chunks, rows) -> dict:
+            time.sleep(forward_s)
+            keep = (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1]
+            return {int(r): None for r in keep.tolist()}
+
+        def _samples(self, logits: dict) -> dict:
+            chunks = self.state["chunks"][:int(self.state["step"]["num_chunks"][0])]
+            return {c: 1 for c, sampled in enumerate(chunks["sample"].tolist()) if sampled}
+
+    return HostOnly
+
+
+def host_us(folder: str, vocab: int, batch: int, context: int, forward_s: float, seconds: float) -> dict:
+    """One point: µs a step beside the forward, over `seconds` of steps once every request decodes."""
+    import numpy as np
+
+    from mdsl import LLM, SamplingParams
+    from mdsl.serving import engine
+
+    new = 4096   # (more tokens than the run produces: every timed step has `batch` rows)
+    engine.CpuDevice, original = host_device(forward_s), engine.CpuDevice
+    try:
+        llm = LLM(folder, device="cpu", max_batch=batch, page_size=16, max_seq=context + new,
+                  kv_pages=batch * -(-(context + new) // 16), prefix_caching=False)
+    finally:
+        engine.CpuDevice = original
+    with llm:
+        rng = np.random.default_rng(batch)
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        handles = [llm.submit([int(t) for t in rng.integers(0, vocab, context)], params) for _ in range(batch)]
+        while min(len(h.poll()[0]) for h in handles) < 2:
+            time.sleep(0.001)
+        s0, t0 = llm.stats().steps, time.perf_counter()
+        time.sleep(seconds)
+        s1, t1 = llm.stats().steps, time.perf_counter()
+        for h in handles:
+            h.cancel()
+    step = (t1 - t0) / (s1 - s0)
+    return {"batch": batch, "context": context, "steps": s1 - s0, "step_us": 1e6 * step,
+            "host_us": 1e6 * (step - forward_s)}
+
+
+HEADER = "| batch | context | steps | step µs | host µs a step |\n| ---: | ---: | ---: | ---: | ---: |"
+
+
+def main(argv=None) -> int:
+    from mdsl.megakernel.runtime.models import MODELS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--forward-ms", type=float, default=3.0)
+    ap.add_argument("--seconds", type=float, default=3.0, help="of steps timed at each batch")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    result = {"meta": provenance("serve_host.py", sys.argv[1:] if argv is None else argv), "model": args.model,
+              "forward_ms": args.forward_ms, "rows": []}
+    print(HEADER, flush=True)
+    with scratch_folder("mdsl-weights-") as folder:
+        random_checkpoint(args.model, folder, layers=1)
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = host_us(folder, MODELS[args.model]["vocab_size"], batch, args.context, args.forward_ms / 1e3,
+                        args.seconds)
+            result["rows"].append(r)
+            print(f"| {r['batch']} | {r['context']} | {r['steps']} | {r['step_us']:.0f} | {r['host_us']:.0f} |",
+                  flush=True)
+    if args.out is not None:
+        text = HEADER + "\n" + "\n".join(f"| {r['batch']} | {r['context']} | {r['steps']} | {r['step_us']:.0f} | "
+                                         f"{r['host_us']:.0f} |" for r in result["rows"])
+        write_outputs(args.out, "serve_host", result, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

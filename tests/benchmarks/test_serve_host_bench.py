@@ -1,0 +1,28 @@
+"""benchmarks/serve_host.py on a tiny checkpoint: the engine's steps around a forward that only waits, every
+request decoding, timed as the host's share of a step."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import serve_host
+from tests.serving.conftest import VOCAB, write_checkpoint
+
+
+@pytest.mark.timeout(120)
+def test_the_host_share_of_a_step_is_the_step_less_the_forwards_wait(tmp_path):
+    write_checkpoint(tmp_path, "qwen3", positions=4096 + 64)
+    row = serve_host.host_us(str(tmp_path), VOCAB, batch=3, context=20, forward_s=0.002, seconds=0.3)
+    assert row["batch"] == 3 and row["context"] == 20 and row["steps"] > 10
+    # each step waits out the forward's 2 ms: the step is longer, the host's share what is left
+    assert row["step_us"] > 2000 and row["host_us"] == pytest.approx(row["step_us"] - 2000)
+    assert 0 < row["host_us"] < row["step_us"]
+
+
+def test_the_devices_forward_is_a_wait_and_every_sampling_row_takes_token_1():
+    import numpy as np
+
+    device = serve_host.host_device(0.0)
+    chunks = np.array([(0, 0, 3, 0, 1, 0), (1, 5, 1, 3, 0, 0), (2, 9, 1, 4, 1, 0)],
+                      dtype=[("entry", "i4"), ("start", "i4"), ("count", "i4"), ("row", "i4"), ("sample", "i4"),
+                             ("pad", "i4")])
+    assert sorted(device._forward(None, None, chunks, None)) == [2, 4]   # (each sampling chunk's last row)
