@@ -185,7 +185,9 @@ class CpuDevice:
     def step(self) -> bool:
         """One scheduler step; whether anything happened (a request ran, was admitted or retired)."""
         with self._step_lock:
-            return self._step()
+            worked = self._step(tell_early=False)
+            self._flush_host()
+            return worked
 
     def kv_pools(self) -> dict:
         """Cache name -> a copy of its KV pool's values (float32), between steps."""
@@ -209,10 +211,11 @@ class CpuDevice:
                 worked = False
                 if not self._held:
                     with self._step_lock:
-                        worked = self._step()
+                        worked = self._step(tell_early=True)
                 if control["shutdown"][0] and not np.any(self.state["entries"]["state"] != FREE):
                     break
                 if not worked:
+                    self._flush_host()
                     self._bell.wait(IDLE_WAIT_S)
             control["status"] = STOPPED
         except _Stop:
@@ -222,10 +225,15 @@ class CpuDevice:
             control["status"] = FAILED
         self._notify_host()
 
-    def _step(self) -> bool:
+    def _step(self, tell_early: bool) -> bool:
+        """One step; with `tell_early` (the thread's loop) the records of the step before (its tokens) and the
+        queue slots this one took are told to the host as the forward starts, so that the host's thread
+        streams them while the forward runs (the GPU device's waits for its stream let it), not beside the
+        planning, whose every numpy call would wait for it; else (a step by hand) once the step is done."""
         worked, rows = self._begin_step()
+        if tell_early:
+            self._flush_host()
         self._end_step(self._run_chunks() if rows else {})
-        self._flush_host()
         return worked or rows > 0
 
     def _begin_step(self) -> tuple:

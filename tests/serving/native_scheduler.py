@@ -136,7 +136,7 @@ class NativeSchedulerDevice(CpuDevice):
         assert self.shape.step_rows == self.shape.max_tokens_per_step, "the C++ scheduler has one token budget"
         self.scheduler = NativeScheduler(host_library(), self.shape, self.host, self.state)
 
-    def _step(self) -> bool:
+    def _step(self, tell_early: bool = False) -> bool:
         scheduler = self.scheduler
         scheduler.begin()
         scheduler.flush()            # what the ring has room for now: the host reads it during the forward
