@@ -25,6 +25,7 @@ table):
     docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a
                                      --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json)
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
+    docs/results/serve_host.json     benchmarks/serve_host.py --out DIR       (DIR/serve_host.json)
     docs/results/serve_linears.json  benchmarks/serve_linears.py --out DIR    (DIR/serve_linears.json)
     docs/results/serve_linears_prefill.json
                                      benchmarks/serve_linears.py --rows 256,512 --out DIR  (DIR/serve_linears.json)
@@ -66,7 +67,7 @@ OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
 OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
-            "decode_moe", "prefill", "prefill_steps", "serve_linears", "serve_linears_prefill")
+            "decode_moe", "prefill", "prefill_steps", "serve_linears", "serve_linears_prefill", "serve_host")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
                "qwen3-30b-a3b": "Qwen3-30B-A3B"}
@@ -275,6 +276,20 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "share of torch", "tile",
                      "Hopper GEMM % of floor"], rows, right=0) + [""]
     return lines
+
+
+def serve_host_section(data: dict) -> list:
+    """The serving scheduler's host time a decode step, by batch."""
+    model = MODEL_NAMES.get(data.get("model"), data.get("model"))
+    lines = ["## Serving: the scheduler's host time a step", "", run_line(data.get("meta")), "",
+             f"The engine on the CPU device over one layer of {model}'s shapes, its forward replaced by a wait of "
+             f"{data.get('forward_ms', '?'):g} ms (a sleep, which lets the engine's thread run, as the GPU device's "
+             "wait for its stream does) and every request decoding (`benchmarks/serve_host.py`): the step less "
+             "that wait is the host's share of a step (the scheduler's planning, pages and tables, its pool check, "
+             "the tokens' ring records and their streaming), which the GPU device adds to each step's kernels.", ""]
+    rows = [[r["batch"], r["context"], r["steps"], f"{r['step_us']:.0f}", f"{r['host_us']:.0f}"]
+            for r in data.get("rows") or []]
+    return lines + _table(["batch", "context", "steps", "step µs", "host µs a step"], rows, right=0) + [""]
 
 
 def serve_linears_section(data: dict, title: str = "Serving: the GPU device's linears") -> list:
@@ -931,6 +946,7 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                 ("serve_linears_prefill", functools.partial(
                     serve_linears_section, title="Serving: the GPU device's linears at a prompt chunk's rows")),
                 ("serve_http", serve_http_section),
+                ("serve_host", serve_host_section),
                 ("prefill", prefill_section),
                 ("prefill_steps", prefill_steps_section))
     for name, section in sections:

@@ -402,8 +402,8 @@ def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> dict:
     for op in ("attention", "scaled_attention"):
         for i in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
             linear = nodes[i + 1]
-            dtype = linear.inputs[1].dtype if len(linear.inputs) > 1 else None
-            if linear.inputs[0].name == nodes[i].outputs[0].name and dtype in (bf16, f16) and takes(linear, dtype):
+            dtype = tensor_core_dtype(int(linear.inputs[0].shape[-1]), linear.inputs[1:])
+            if linear.inputs[0].name == nodes[i].outputs[0].name and dtype is not None and takes(linear, dtype):
                 found[i] = dtype
     for op in ("act_mul", "geglu"):
         for j in fusible_pairs(nodes, narrow_at, kept, op, "linear"):
