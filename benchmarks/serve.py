@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mixed-prompt", type=int, default=4096, help="(d) the arriving prompt's tokens")
     ap.add_argument("--mixed-window", type=int, default=32, help="(d) the decoders' tokens timed before it arrives")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-tokens-per-step", type=int, default=None,
+                    help="the LLM's token budget of a step (default: the LLM's own default)")
     ap.add_argument("--layers", type=int, default=None,
                     help="the model's first N layers only (a quicker checkpoint for profiling an op, whose time a "
                          "layer is the same; with --no-torch: PyTorch's step is the whole model's)")
@@ -639,7 +641,7 @@ def main(argv=None) -> int:
         # (batch, prompt length) of each decode measurement: the batches at --context, batch 1 at the long ones
         points = [(int(b), args.context) for b in args.batches.split(",")] + \
                  [(1, int(c)) for c in args.long_contexts.split(",") if c]
-        per_step = DEFAULT_MAX_TOKENS_PER_STEP
+        per_step = args.max_tokens_per_step or DEFAULT_MAX_TOKENS_PER_STEP
         spans = [(b, c + decode_budget(per_step, b, c, args.decode_tokens)) for b, c in points] if "a" in parts else []
         max_seq = max([s for _, s in spans] + [len(p) + n for p, n in requests])
         # pages for the most tokens any part holds at once (not every slot at max_seq: 64 x 32k would not fit)

@@ -7,8 +7,9 @@ engine's thread that streams the tokens), on any machine, no GPU needed.
 The engine serves a one-layer checkpoint of the model's shapes (random weights) on the CPU device whose
 forward is a wait of --forward-ms (a sleep, which lets the engine's thread run, as the GPU device's wait for
 its stream does) and whose every request samples token 1 (the GPU device's greedy tokens come from the GPU).
-`batch` requests with prompts of `context` tokens decode together; the step time less the forward's is the
-host's share of a step, µs (the scheduler's planning, pages, tables, its pool check, the tokens' ring records).
+`batch` requests with prompts of `context` tokens decode together; the step time less the forward's (the
+time its sleeps took, measured: a sleep outlasts its request by tens of µs) is the host's share of a step, µs
+(the scheduler's planning, pages, tables, its pool check, the tokens' ring records).
 Files: serve_host.json (with the run's provenance) and serve_host.md.
 """
 from __future__ import annotations
@@ -30,8 +31,12 @@ def host_device(forward_s: float):
     from mdsl.serving.cpu import CpuDevice
 
     class HostOnly(CpuDevice):
+        forward_spent = [0.0]   # seconds its forwards took (a sleep overshoots its time: not the host's share)
+
         def _forward(self, step, chunks, rows) -> dict:
+            start = time.perf_counter()
             time.sleep(forward_s)
+            HostOnly.forward_spent[0] += time.perf_counter() - start
             keep = (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1]
             return {int(r): None for r in keep.tolist()}
 
@@ -50,7 +55,8 @@ def host_us(folder: str, vocab: int, batch: int, context: int, forward_s: float,
     from mdsl.serving import engine
 
     new = 4096   # (more tokens than the run produces: every timed step has `batch` rows)
-    engine.CpuDevice, original = host_device(forward_s), engine.CpuDevice
+    device = host_device(forward_s)
+    engine.CpuDevice, original = device, engine.CpuDevice
     try:
         llm = LLM(folder, device="cpu", max_batch=batch, page_size=16, max_seq=context + new,
                   kv_pages=batch * -(-(context + new) // 16), prefix_caching=False)
@@ -62,17 +68,24 @@ def host_us(folder: str, vocab: int, batch: int, context: int, forward_s: float,
         handles = [llm.submit([int(t) for t in rng.integers(0, vocab, context)], params) for _ in range(batch)]
         while min(len(h.poll()[0]) for h in handles) < 2:
             time.sleep(0.001)
-        s0, t0 = llm.stats().steps, time.perf_counter()
+        s0, f0, t0 = llm.stats().steps, device.forward_spent[0], time.perf_counter()
         time.sleep(seconds)
-        s1, t1 = llm.stats().steps, time.perf_counter()
+        s1, f1, t1 = llm.stats().steps, device.forward_spent[0], time.perf_counter()
         for h in handles:
             h.cancel()
-    step = (t1 - t0) / (s1 - s0)
-    return {"batch": batch, "context": context, "steps": s1 - s0, "step_us": 1e6 * step,
-            "host_us": 1e6 * (step - forward_s)}
+    steps = s1 - s0
+    step, forward = (t1 - t0) / steps, (f1 - f0) / steps
+    return {"batch": batch, "context": context, "steps": steps, "step_us": 1e6 * step, "forward_us": 1e6 * forward,
+            "host_us": 1e6 * (step - forward)}
 
 
-HEADER = "| batch | context | steps | step µs | host µs a step |\n| ---: | ---: | ---: | ---: | ---: |"
+HEADER = ("| batch | context | steps | step µs | forward µs | host µs a step |\n"
+          "| ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+def row(r: dict) -> str:
+    return (f"| {r['batch']} | {r['context']} | {r['steps']} | {r['step_us']:.0f} | {r['forward_us']:.0f} | "
+            f"{r['host_us']:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -95,11 +108,9 @@ def main(argv=None) -> int:
             r = host_us(folder, MODELS[args.model]["vocab_size"], batch, args.context, args.forward_ms / 1e3,
                         args.seconds)
             result["rows"].append(r)
-            print(f"| {r['batch']} | {r['context']} | {r['steps']} | {r['step_us']:.0f} | {r['host_us']:.0f} |",
-                  flush=True)
+            print(row(r), flush=True)
     if args.out is not None:
-        text = HEADER + "\n" + "\n".join(f"| {r['batch']} | {r['context']} | {r['steps']} | {r['step_us']:.0f} | "
-                                         f"{r['host_us']:.0f} |" for r in result["rows"])
+        text = HEADER + "\n" + "\n".join(row(r) for r in result["rows"])
         write_outputs(args.out, "serve_host", result, text)
     return 0
 

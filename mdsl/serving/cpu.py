@@ -125,6 +125,23 @@ class CpuDevice:
         self._written = 0                 # ring records written
         self._cancels_seen = 0            # the host's count of cancel flags at the last scan (_cancel)
         self._requests: dict = {}         # entry -> (arrival, request id, stop ids, max_new_tokens)
+        # ... the same per entry as arrays, for a decode step's entries at once (_request_arrays): the arrival
+        # they were read at, request id, max_new_tokens, stop ids (-1 past num_stop)
+        self._request_table = (np.full(shape.max_batch, -1, np.int64), np.zeros(shape.max_batch, np.uint64),
+                               np.zeros(shape.max_batch, np.int64), np.full((shape.max_batch, MAX_STOP), -1, np.int64))
+        self._decoding: Optional[np.ndarray] = None   # the entries of a decode step begun by _begin_decode
+        # field views taken once for the decode steps over arrays (a structured array's field costs about a
+        # microsecond a look, a fixed cost of every step)
+        entries = self.state["entries"]
+        self._entry_fields = {name: entries[name] for name in ("state", "context", "generated", "num_pages", "arrival")}
+        self._entry_fields["prompt_len"] = entries["request"]["prompt_len"]
+        self._step_fields = {name: self.state["chunks"][name] for name in ("entry", "start", "count", "row", "sample",
+                                                                            "pad")}
+        self._row_fields = {name: self.state["rows"][name] for name in ("token", "position", "chunk")}
+        self._queue_seq = host["queue"]["seq"]
+        self._order = np.arange(shape.max_batch)
+        # a page table's columns, in its entries' page count's type (compared without a conversion: _check_pool)
+        self._page_columns = np.arange(self.state["page_table"].shape[1], dtype=entries["num_pages"].dtype)
         self._tell_host = False
         self._notify_host = notify_host
         self._bell = Doorbell()
@@ -241,6 +258,11 @@ class CpuDevice:
         (its header, chunks and rows). Returns (whether a request was admitted or retired, the step's rows)."""
         worked = self._cancel()
         running = self._by_age(RUNNING)
+        self._decoding = None
+        if self.vector_decode:
+            decoding = self._plain_decode(running)
+            if decoding is not None:
+                return worked, self._begin_decode(*decoding)
         budget = self._budget(running)
         plan, preempted = self._give_pages(self._plan(running, budget), may_preempt=True)
         if not preempted:              # a step that had to preempt admits nothing
@@ -277,14 +299,18 @@ class CpuDevice:
         update the control words."""
         control, entries, step = self.host["control"], self.state["entries"], self.state["step"][0]
         chunks, rows = self.state["chunks"][:int(step["num_chunks"])], int(step["num_rows"])
-        context, records = entries["context"], []
-        for c, (e, first, n, _, sampled, _) in enumerate(chunks.tolist()):
-            context[e] = first + n
-            if self.prefix is not None:
-                self._name_pages(e, first, first + n)
-            if sampled:
-                records.append(self._choose(e, tokens[c], first + n - 1))
-        self._emit_all(records)
+        decoding, self._decoding = self._decoding, None
+        if decoding is not None and len(decoding) == len(chunks):
+            self._end_decode(decoding, tokens)
+        else:
+            context, records = entries["context"], []
+            for c, (e, first, n, _, sampled, _) in enumerate(chunks.tolist()):
+                context[e] = first + n
+                if self.prefix is not None:
+                    self._name_pages(e, first, first + n)
+                if sampled:
+                    records.append(self._choose(e, tokens[c], first + n - 1))
+            self._emit_all(records)
         control["running"], control["step_tokens"] = len(chunks), rows
         if len(chunks):
             control["steps"] += 1
@@ -411,6 +437,100 @@ class CpuDevice:
             if cached:
                 self._cached_of[int(req["request_id"])] = len(cached) * self.shape.page_size
             start(e)
+
+    #: a plain decode step (_plain_decode) planned, written and ended over arrays of its entries, with the
+    #: general path's results (a test turns it off to compare every step's state)
+    vector_decode = True
+    #: ... of at least this many entries: the arrays' numpy calls cost a step a fixed 40-50 µs more than the
+    #: general path's and save 4-5 µs an entry (benchmarks/serve_host.py: even at 8)
+    VECTOR_DECODE_ENTRIES = 8
+
+    def _plain_decode(self, running: list) -> Optional[tuple]:
+        """(the running entries oldest first, their contexts, which have their pages full) where the step is a
+        plain decode step, else None: every running entry's one token to run is the one it sampled last, the
+        budget holds them all, the next position of each entry whose pages are full finds a page (no
+        preemption), and nothing waits to be admitted (no preempted entry, the queue's next slot unpublished).
+        The general path then plans one token for each entry and takes a page for each full one, oldest first,
+        and admits nothing: what _begin_decode does."""
+        if not self.VECTOR_DECODE_ENTRIES <= len(running) <= self.shape.max_tokens_per_step:
+            return None
+        f = self._entry_fields
+        if PREEMPTED in f["state"]:
+            return None
+        k = int(self.host["control"]["queue_taken"][0])
+        seq = self._queue_seq
+        if int(seq[k % len(seq)]) == k + 1:
+            return None
+        e = np.array(running, np.int64)
+        context = f["context"][e].astype(np.int64)
+        if np.any(f["prompt_len"][e] + f["generated"][e] - context != 1):
+            return None
+        full = f["num_pages"][e] * self.shape.page_size <= context
+        if full.any() and int(np.count_nonzero(full)) > self._available():
+            return None
+        return e, context, full
+
+    def _begin_decode(self, e: np.ndarray, context: np.ndarray, full: np.ndarray) -> int:
+        """The decode step of entries e (_plain_decode's): a page for each whose pages are full, oldest first,
+        then the step's tables: chunk c is entry e[c]'s next position, row c, sampling. Returns its rows."""
+        if full.any():
+            for f in e[full].tolist():
+                self._take_page(f)
+        b = len(e)
+        order = self._order[:b]
+        chunks, rows, step = self._step_fields, self._row_fields, self.state["step"]
+        chunks["entry"][:b], chunks["start"][:b], chunks["count"][:b] = e, context, 1
+        chunks["row"][:b], chunks["sample"][:b], chunks["pad"][:b] = order, 1, 0
+        rows["token"][:b], rows["position"][:b], rows["chunk"][:b] = self.state["history"][e, context], context, order
+        step["num_chunks"], step["num_rows"], step["num_samples"] = b, b, b
+        self._decoding = e
+        return b
+
+    def _end_decode(self, e: np.ndarray, tokens: dict) -> None:
+        """_end_step's chunks for the decode step of entries e: each entry's context one further, its token
+        `tokens[c]` in its history and its record (the entry retired on a stop token or at max_new_tokens), the
+        pages it completed named (prefix cache); the retirements and namings in chunk order, as the general
+        path's, the records in chunk order."""
+        f = self._entry_fields
+        b = len(e)
+        token = np.fromiter((tokens[c] for c in range(b)), np.int64, b)
+        position = f["context"][e].astype(np.int64) + 1      # (the sampled token's)
+        f["context"][e] = position
+        self.state["history"][e, position] = token
+        generated = f["generated"][e] + 1
+        f["generated"][e] = generated
+        request_id, max_new, stops = self._request_arrays(e)
+        stopped = (stops == token[:, None]).any(axis=1)
+        reason = (generated >= max_new) * REASON_LENGTH
+        reason[stopped] = REASON_STOP
+        special = reason != REASON_NONE
+        named = None
+        if self.prefix is not None:
+            named = position % self.shape.page_size == 0
+            special |= named
+        if special.any():
+            for c in np.flatnonzero(special).tolist():
+                if named is not None and named[c]:
+                    self._name_pages(int(e[c]), int(position[c]) - 1, int(position[c]))
+                if reason[c]:
+                    self._release(int(e[c]))
+        flags = HAS_TOKEN + FINISHED * (reason != REASON_NONE)
+        self._emit_columns((request_id, token, position, flags, reason))
+
+    def _request_arrays(self, e: np.ndarray) -> tuple:
+        """(request ids, max_new_tokens, stop ids [len(e), MAX_STOP], -1 past each request's num_stop) of the
+        requests in entries e, read from an entry once per request (as _request_of)."""
+        arrival_of, request_id, max_new, stops = self._request_table
+        arrival = self._entry_fields["arrival"][e].astype(np.int64)
+        stale = arrival_of[e] != arrival
+        if stale.any():
+            for f, a in zip(e[stale].tolist(), arrival[stale].tolist()):
+                req = self.state["entries"]["request"][f]
+                n = int(req["num_stop"])
+                arrival_of[f], request_id[f], max_new[f] = a, int(req["request_id"]), int(req["max_new_tokens"])
+                stops[f] = -1
+                stops[f, :n] = req["stop_ids"][:n]
+        return request_id[e], max_new[e], stops[e]
 
     def _write_step(self, plan: list) -> int:
         """Write the step's header, chunks and rows for `plan` ((entry, tokens) pairs); a chunk samples where
@@ -616,12 +736,19 @@ class CpuDevice:
         self._emit_all([(request_id, token, position, flags, reason)])
 
     def _emit_all(self, records: list) -> None:
-        """Ring records n, n + 1, ... of (request id, token, position, flags, reason), in order, each once the
-        host has read record n - R (a full ring waits), as many at once as the ring has room for: their fields,
-        then their sequence words (a field a look for them all: a decode step has a record per request, and
-        five looks a record cost a step of many requests hundreds of microseconds)."""
+        """Ring records n, n + 1, ... of (request id, token, position, flags, reason), in order (_emit_columns)."""
+        if records:
+            self._emit_columns(tuple(zip(*records)))
+
+    def _emit_columns(self, columns: tuple) -> None:
+        """Ring records n, n + 1, ... from `columns` (request ids, tokens, positions, flags, reasons: sequences of
+        one length), in order, each once the host has read record n - R (a full ring waits), as many at once as
+        the ring has room for: their fields, then their sequence words (a field a look for them all: a decode
+        step has a record per request, and five looks a record cost a step of many requests hundreds of
+        microseconds)."""
         ring, control = self.host["ring"], self.host["control"]
-        while records:
+        done, count = 0, len(columns[0])
+        while done < count:
             room = len(ring) - (self._written - int(control["ring_read"][0]))
             if room <= 0:
                 if self._stop:
@@ -629,12 +756,13 @@ class CpuDevice:
                 self._notify_host()
                 self._bell.wait(IDLE_WAIT_S)
                 continue
-            now, records = records[:room], records[room:]
-            at = (self._written + np.arange(len(now))) % len(ring)
-            for name, values in zip(("request_id", "token", "position", "flags", "reason"), zip(*now)):
-                ring[name][at] = values
-            ring["seq"][at] = self._written + 1 + np.arange(len(now))
-            self._written += len(now)
+            now = min(room, count - done)
+            at = (self._written + np.arange(now)) % len(ring)
+            for name, values in zip(("request_id", "token", "position", "flags", "reason"), columns):
+                ring[name][at] = values[done:done + now]
+            ring["seq"][at] = self._written + 1 + np.arange(now)
+            self._written += now
+            done += now
             self._tell_host = True
 
     def _check_request(self, req) -> None:
@@ -647,11 +775,10 @@ class CpuDevice:
     def _check_pool(self) -> None:
         """Every page is either free or in exactly one admitted request's page table (with the prefix
         cache: free, cached and held by none, or in as many page tables as hold it)."""
-        entries, pool = self.state["entries"], self.state["pool"]
-        table = self.state["page_table"]
-        held = table[np.arange(table.shape[1])[None, :] < entries["num_pages"][:, None]]
+        pool, table = self.state["pool"], self.state["page_table"]
+        held = table[self._page_columns[None, :] < self._entry_fields["num_pages"][:, None]]
         free = self.state["free_pages"][:pool["free_count"][0]]
-        pages = np.concatenate([free, held])
+        pages = np.concatenate([free, held]).astype(np.intp)   # (an index array's own type scatters fastest)
         n = self.shape.num_pages
         if pages.min(initial=0) < 0 or pages.max(initial=0) >= n:
             raise damaged_pool()

@@ -9,12 +9,13 @@ from tests.serving.conftest import VOCAB, write_checkpoint
 
 
 @pytest.mark.timeout(120)
-def test_the_host_share_of_a_step_is_the_step_less_the_forwards_wait(tmp_path):
+def test_the_host_share_of_a_step_is_the_step_less_the_time_its_forwards_wait(tmp_path):
     write_checkpoint(tmp_path, "qwen3", positions=4096 + 64)
     row = serve_host.host_us(str(tmp_path), VOCAB, batch=3, context=20, forward_s=0.002, seconds=0.3)
     assert row["batch"] == 3 and row["context"] == 20 and row["steps"] > 10
-    # each step waits out the forward's 2 ms: the step is longer, the host's share what is left
-    assert row["step_us"] > 2000 and row["host_us"] == pytest.approx(row["step_us"] - 2000)
+    # each step waits out the forward's 2 ms (at least: a sleep overshoots), the host's share what is left
+    assert row["forward_us"] >= 2000 and row["step_us"] > row["forward_us"]
+    assert row["host_us"] == pytest.approx(row["step_us"] - row["forward_us"])
     assert 0 < row["host_us"] < row["step_us"]
 
 
