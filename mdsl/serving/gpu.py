@@ -605,12 +605,30 @@ def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int
     (attention_solo's), then the shared tiles' (attention_mma's); done: int32 per row, 1 where its tile is a
     shared one of one item (whole: attention_mma folds its splits, attention_fold leaves the row)."""
     tiles = attention_tiles(positions, chunks["row"], chunks["count"], tile, window)
+    # (what follows depends on the tiles and the grid alone: a decode step's are its step before's until a
+    # row's range passes a split's end or the batch changes, so it is computed once for them)
+    key = (tile, kv_heads, grid, *(t.tobytes() for t in tiles))
+    found = _STEP_ITEMS.get(key)
+    if found is not None:
+        return found
     alone = solo_tiles(tiles, tile, kv_heads, grid)
     units = tile_units(tiles, alone, kv_heads, grid)
     items = attention_items(tiles, units)
     routed = np.repeat(alone, -(-tiles[2] // units))   # (attention_items' items of each tile, in tile order)
     done = np.repeat(~alone & (tiles[2] <= units), tiles[1]).astype(np.int32)   # (tiles in row order)
-    return np.concatenate([items[routed], items[~routed]]), int(routed.sum()), done
+    found = (np.concatenate([items[routed], items[~routed]]), int(routed.sum()), done)
+    for array in (found[0], done):
+        array.flags.writeable = False   # (shared by the steps that find them)
+    if len(_STEP_ITEMS) >= STEP_ITEMS_KEPT:
+        _STEP_ITEMS.pop(next(iter(_STEP_ITEMS)))
+    _STEP_ITEMS[key] = found
+    return found
+
+
+#: step_items' answers of the last steps, by their tiles, grid and heads (a decode step's repeat for up to a split's
+#: keys, 128 steps); a few, for the attention kinds of a model and the devices of a process
+STEP_ITEMS_KEPT = 16
+_STEP_ITEMS: dict = {}
 
 
 def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:

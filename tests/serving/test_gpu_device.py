@@ -418,6 +418,38 @@ def test_solo_tiles_take_a_split_a_warp_where_their_splits_outnumber_the_grid_an
     assert decode[:, 2].tolist() == [0, 4] and decode[:, 3].tolist() == [4, 8]
 
 
+def test_a_decode_steps_work_lists_are_its_step_befores_until_a_rows_range_passes_a_splits_end():
+    """step_items answers a step whose tiles (rows, counts, splits), grid and heads it met before with the
+    same read-only arrays, and a step that differs in any of them (a row's range one key past a split's end,
+    another grid, a row more) with what it computes afresh."""
+    from mdsl.serving import gpu as G
+
+    def chunks_of(n: int) -> np.ndarray:
+        chunks = np.zeros(n, [("row", np.int64), ("count", np.int64)])
+        chunks["row"], chunks["count"] = np.arange(n), 1
+        return chunks
+
+    def fresh(*args) -> tuple:
+        G._STEP_ITEMS.clear()
+        return G.step_items(*args)
+
+    def same(x: tuple, y: tuple) -> bool:
+        return np.array_equal(x[0], y[0]) and x[1] == y[1] and np.array_equal(x[2], y[2])
+
+    rows = np.array([5, 300, 1000, 126])
+    G._STEP_ITEMS.clear()
+    first = G.step_items(rows, chunks_of(4), 16, 0, 2, 8)
+    assert not first[0].flags.writeable and not first[2].flags.writeable
+    again = G.step_items(rows + 1, chunks_of(4), 16, 0, 2, 8)      # (every range within its splits)
+    assert again[0] is first[0] and again[2] is first[2]
+    for args in ((rows + 2, chunks_of(4), 16, 0, 2, 8),              # row 3's range: 129 keys, a second split
+                 (rows, chunks_of(4), 16, 0, 2, 64), (rows, chunks_of(4), 16, 0, 4, 8),
+                 (np.append(rows, 7), chunks_of(5), 16, 0, 2, 8)):
+        met = G.step_items(*args)
+        assert met[0] is not first[0] and same(met, fresh(*args))
+    assert same(G.step_items(rows, chunks_of(4), 16, 0, 2, 8), first)
+
+
 def test_attention_runs_on_tensor_cores_for_16_bit_pools_of_head_dims_up_to_128_from_sm_80():
     from mdsl.ir.dtypes import bf16, f16, f32
     from mdsl.serving.gpu import _attention_kernel, on_tensor_cores
