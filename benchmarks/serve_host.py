@@ -8,7 +8,7 @@ The engine serves a one-layer checkpoint of the model's shapes (random weights) 
 forward is a wait of --forward-ms (a sleep, which lets the engine's thread run, as the GPU device's wait for
 its stream does) and whose every request samples token 1 (the GPU device's greedy tokens come from the GPU).
 `batch` requests with prompts of `context` tokens decode together; the step time less the forward's (the
-time its sleeps took, measured: a sleep outlasts its request by tens of µs) is the host's share of a step, µs
+time its sleeps took, measured: a sleep outlasts the time it asks for) is the host's share of a step, µs
 (the scheduler's planning, pages, tables, its pool check, the tokens' ring records).
 Files: serve_host.json (with the run's provenance) and serve_host.md.
 """

@@ -620,13 +620,14 @@ def step_items(positions: np.ndarray, chunks: np.ndarray, tile: int, window: int
     for array in (found[0], done):
         array.flags.writeable = False   # (shared by the steps that find them)
     if len(_STEP_ITEMS) >= STEP_ITEMS_KEPT:
-        _STEP_ITEMS.pop(next(iter(_STEP_ITEMS)))
+        _STEP_ITEMS.clear()   # (one call: devices on other threads may use it meanwhile)
     _STEP_ITEMS[key] = found
     return found
 
 
-#: step_items' answers of the last steps, by their tiles, grid and heads (a decode step's repeat for up to a split's
-#: keys, 128 steps); a few, for the attention kinds of a model and the devices of a process
+#: step_items' answers of the last steps, by their tiles, grid and heads (a decode step's repeat for as many
+#: steps as its rows' splits have keys, 128 or more); a few, for the attention kinds of a model and the devices
+#: of a process
 STEP_ITEMS_KEPT = 16
 _STEP_ITEMS: dict = {}
 
