@@ -442,7 +442,8 @@ class CpuDevice:
     #: general path's results (a test turns it off to compare every step's state)
     vector_decode = True
     #: ... of at least this many entries: the arrays' numpy calls cost a step a fixed 40-50 µs more than the
-    #: general path's and save 4-5 µs an entry (benchmarks/serve_host.py: even at 8)
+    #: general path's and save about 5 µs an entry (steps by hand on a 2-core machine: 50 µs slower at one
+    #: entry, 10-40 µs faster at 8, 300 µs at 64)
     VECTOR_DECODE_ENTRIES = 8
 
     def _plain_decode(self, running: list) -> Optional[tuple]:
