@@ -4,6 +4,8 @@ ring records exactly as the general path's do: two engines, one with it and one 
 on the same arrivals, cancellations, stop tokens, length limits, page pressure and prefix cache."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -81,7 +83,7 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
     try:
         for llm in engines:
             llm.device.hold()
-        for step in range(600):
+        for step in range(5000):
             for i in arrivals.get(step, ()):
                 for llm, h in zip(engines, handles):
                     h[i] = llm.submit(prompts[i], params[i])
@@ -94,6 +96,8 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
                 break
             worked = [llm.device.step() for llm in engines]
             assert worked[0] == worked[1], step
+            if not worked[0]:
+                time.sleep(0.001)     # nothing ran: the host threads are still reading the last records
             for name, value in engines[1].device.state.items():
                 assert np.array_equal(_anonymous(engines[0].device.state[name]), _anonymous(value)), (step, name)
             assert _keyed(records[0], handles[0]) == _keyed(records[1], handles[1]), step
