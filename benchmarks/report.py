@@ -285,11 +285,10 @@ def serve_host_section(data: dict) -> list:
              f"The engine on the CPU device over one layer of {model}'s shapes, its forward replaced by a wait of "
              f"{data.get('forward_ms', '?'):g} ms (a sleep, which lets the engine's thread run, as the GPU device's "
              "wait for its stream does) and every request decoding (`benchmarks/serve_host.py`): the step less "
-             "the time the waits took (`forward µs`, measured where the run has it, else the wait asked for) is the "
-             "host's share of a step (the scheduler's planning, pages and tables, its pool check, the tokens' ring "
-             "records and their streaming), which the GPU device adds to each step's kernels.", ""]
-    forward = data.get("forward_ms", 0.0) * 1e3
-    rows = [[r["batch"], r["context"], r["steps"], f"{r['step_us']:.0f}", f"{r.get('forward_us', forward):.0f}",
+             "the time the waits took (`forward µs`, measured) is the host's share of a step (the scheduler's "
+             "planning, pages and tables, its pool check, the tokens' ring records and their streaming), which "
+             "the GPU device adds to each step's kernels.", ""]
+    rows = [[r["batch"], r["context"], r["steps"], f"{r['step_us']:.0f}", f"{r['forward_us']:.0f}",
              f"{r['host_us']:.0f}"] for r in data.get("rows") or []]
     return lines + _table(["batch", "context", "steps", "step µs", "forward µs", "host µs a step"], rows,
                           right=0) + [""]

@@ -259,10 +259,9 @@ class CpuDevice:
         worked = self._cancel()
         running = self._by_age(RUNNING)
         self._decoding = None
-        if self.vector_decode:
-            decoding = self._plain_decode(running)
-            if decoding is not None:
-                return worked, self._begin_decode(*decoding)
+        decoding = self._plain_decode(running)
+        if decoding is not None:
+            return worked, self._begin_decode(*decoding)
         budget = self._budget(running)
         plan, preempted = self._give_pages(self._plan(running, budget), may_preempt=True)
         if not preempted:              # a step that had to preempt admits nothing
@@ -438,12 +437,10 @@ class CpuDevice:
                 self._cached_of[int(req["request_id"])] = len(cached) * self.shape.page_size
             start(e)
 
-    #: a plain decode step (_plain_decode) planned, written and ended over arrays of its entries, with the
-    #: general path's results (a test turns it off to compare every step's state)
-    vector_decode = True
-    #: ... of at least this many entries: the arrays' numpy calls cost a step a fixed 40-50 µs more than the
-    #: general path's and save about 5 µs an entry (steps by hand on a 2-core machine: 50 µs slower at one
-    #: entry, 10-40 µs faster at 8, 300 µs at 64)
+    #: a plain decode step (_plain_decode) of at least this many entries is planned, written and ended over
+    #: arrays of its entries, with the general path's results: the arrays' numpy calls cost a step a fixed
+    #: 40-50 µs more than the general path's and save about 5 µs an entry (steps by hand on a 2-core machine:
+    #: 50 µs slower at one entry, 10-40 µs faster at 8, 300 µs at 64)
     VECTOR_DECODE_ENTRIES = 8
 
     def _plain_decode(self, running: list) -> Optional[tuple]:
@@ -525,13 +522,22 @@ class CpuDevice:
         arrival = self._entry_fields["arrival"][e].astype(np.int64)
         stale = arrival_of[e] != arrival
         if stale.any():
-            for f, a in zip(e[stale].tolist(), arrival[stale].tolist()):
-                req = self.state["entries"]["request"][f]
-                n = int(req["num_stop"])
-                arrival_of[f], request_id[f], max_new[f] = a, int(req["request_id"]), int(req["max_new_tokens"])
-                stops[f] = -1
-                stops[f, :n] = req["stop_ids"][:n]
+            for f in e[stale].tolist():
+                self._read_request(f)
         return request_id[e], max_new[e], stops[e]
+
+    def _read_request(self, e: int) -> tuple:
+        """Entry e's request's (arrival, request id, stop ids, max_new_tokens), read from the entry into both
+        caches (_request_of's, _request_arrays')."""
+        req, arrival = self.state["entries"]["request"][e], int(self._entry_fields["arrival"][e])
+        stop_ids = req["stop_ids"][:int(req["num_stop"])]
+        known = self._requests[e] = (arrival, int(req["request_id"]), frozenset(int(t) for t in stop_ids),
+                                     int(req["max_new_tokens"]))
+        arrival_of, request_id, max_new, stops = self._request_table
+        arrival_of[e], request_id[e], max_new[e] = arrival, known[1], known[3]
+        stops[e] = -1
+        stops[e, :len(stop_ids)] = stop_ids
+        return known
 
     def _write_step(self, plan: list) -> int:
         """Write the step's header, chunks and rows for `plan` ((entry, tokens) pairs); a chunk samples where
@@ -590,14 +596,9 @@ class CpuDevice:
     def _request_of(self, e: int) -> tuple:
         """(request id, stop ids, max_new_tokens) of the request in entry e, read from its entry once per
         request (a numpy record's fields cost microseconds each, at every token of every request)."""
-        entries = self.state["entries"]
-        arrival = int(entries["arrival"][e])
         known = self._requests.get(e)
-        if known is None or known[0] != arrival:
-            req = entries["request"][e]
-            known = self._requests[e] = (arrival, int(req["request_id"]),
-                                         frozenset(int(t) for t in req["stop_ids"][:int(req["num_stop"])]),
-                                         int(req["max_new_tokens"]))
+        if known is None or known[0] != int(self._entry_fields["arrival"][e]):
+            known = self._read_request(e)
         return known[1:]
 
     def _forward(self, step, chunks, rows) -> dict:

@@ -309,15 +309,21 @@ def activation_slots(program: list, narrow_at: int, narrowed: set, kept: set, wi
     return slot_of, slot_widths
 
 
+def _readers(nodes: list) -> dict:
+    """value name -> how many of the nodes' operands it is."""
+    readers: dict = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers[v.name] = readers.get(v.name, 0) + 1
+    return readers
+
+
 def kv_appends(nodes: list, narrow_at: int, kept: set) -> dict:
     """rope node index -> the attention node index whose q|k|v rows only it writes and only that attention
     reads (nothing past the step does: `kept`), the two on one side of the narrowing: the rope's kernel (or
     the head norm's with it: fusible_pairs) appends the rows' keys and values to the attention's pools, which
     the attention's own KV append launch would write from those rows (step_kernels.cu's Append)."""
-    readers: dict = {}
-    for n in nodes:
-        for v in n.inputs:
-            readers[v.name] = readers.get(v.name, 0) + 1
+    readers = _readers(nodes)
     found = {}
     for i, n in enumerate(nodes):
         if n.op != "rope" or n.outputs[0].name in kept or readers.get(n.outputs[0].name) != 1:
@@ -335,10 +341,7 @@ def fusible_pairs(nodes: list, narrow_at: int, kept: set, producer: str, consume
     """The indices i where node i (op `producer`) and node i + 1 (op `consumer`) can run as one: the
     consumer alone reads the producer's result (once; nothing past the step does: `kept`) and the two lie
     on one side of the narrowing."""
-    readers: dict = {}
-    for n in nodes:
-        for v in n.inputs:
-            readers[v.name] = readers.get(v.name, 0) + 1
+    readers = _readers(nodes)
     return [i for i, (n, m) in enumerate(zip(nodes, nodes[1:]))
             if n.op == producer and m.op == consumer and i + 1 != narrow_at and n.outputs[0].name not in kept
             and readers.get(n.outputs[0].name) == 1 and [v.name for v in m.inputs].count(n.outputs[0].name) == 1]

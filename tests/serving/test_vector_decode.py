@@ -1,6 +1,6 @@
 """The CPU device's plain decode steps (every running entry decodes one token, nothing to admit or preempt),
-planned, written and ended over arrays of entries (CpuDevice.vector_decode), leave every step's state and
-ring records exactly as the general path's do: two engines, one with it and one without, stepped in lockstep
+planned, written and ended over arrays of entries (from CpuDevice.VECTOR_DECODE_ENTRIES entries), leave every
+step's state and ring records exactly as the general path's do: two engines, one with it and one without, stepped in lockstep
 on the same arrivals, cancellations, stop tokens, length limits, page pressure and prefix cache."""
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
     engines = [LLM(ckpt.folder, max_batch=12, page_size=4, kv_pages=kv_pages, prefix_caching=prefix_caching)
                for _ in range(2)]
     engines[0].device.VECTOR_DECODE_ENTRIES = 1     # (over arrays at any batch: the equality is what is tested)
-    engines[1].device.vector_decode = False
+    engines[1].device.VECTOR_DECODE_ENTRIES = 13    # (never: more than max_batch)
     records = [_recording(llm.device) for llm in engines]
     counts = {"vector": 0}
     begin = engines[0].device._begin_decode
