@@ -15,9 +15,10 @@
 // step. The float32 queries and weights are split as x = hi + lo, both in W, and each product runs twice, hi
 // then lo (they keep about 16 bits of their mantissa, as attention's float32 reference needs); the keys and
 // values are the pool's W. The split's partial (values, max, sum) goes to the records
-// the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits) in a launch of its
-// own, every row and KV head a block (the block of a tile's last split folding them would fold the tile's
-// rows one after another). A shared tile's item of all its splits (a whole item: the host's choice where a
+// the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits' arithmetic) in a
+// launch of its own, every row and query head a block (fold_head: the block of a tile's last split folding
+// them would fold the tile's rows one after another, and a block a KV head would fold its G heads' values
+// one after another, each a memory latency). A shared tile's item of all its splits (a whole item: the host's choice where a
 // step has tiles enough to fill the grid, a prompt's chunk) folds each split into its rows' output as the
 // split ends, by fold_splits' arithmetic, and writes the output itself: no partials, and no fold for its
 // rows (the host tells attention_fold which rows are done).
@@ -809,8 +810,9 @@ __device__ void attention_mma(RowsOut out, float* part, const float* qkv, const 
   }
 }
 
-// the fold of each row's splits once attention_mma's partials are all written: grid (rows, kv heads), a
-// block of ATT_THREADS (fold_splits); a row of `done` is its tile's whole item's, folded there
+// the fold of each row's splits once attention_mma's partials are all written: grid (rows, kv heads, G), a
+// block of ATT_THREADS a query head (fold_head: fold_splits' arithmetic); a row of `done` is its tile's whole
+// item's, folded there
 template <int G>
 __device__ void attention_fold(RowsOut out, const float* part, const int* positions, const int* done, int q_heads,
                                int dim, int window, int max_splits) {
@@ -819,7 +821,7 @@ __device__ void attention_fold(RowsOut out, const float* part, const int* positi
   const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const int n = pos - lo + 1, most = AMMA_SPLIT_KEYS * ATT_MAX_SPLITS;
   const int split = AMMA_SPLIT_KEYS * max(1, (n + most - 1) / most);
-  fold_splits<G, true>(out, part, r, h, q_heads, dim, (n + split - 1) / split, max_splits);
+  fold_head<true>(out, part, r, h * G + blockIdx.z, q_heads, dim, (n + split - 1) / split, max_splits);
 }
 
 }  // namespace serve

@@ -643,6 +643,17 @@ def most_items(a: dict, rows: int, max_batch: int, max_seq: int) -> int:
     return tiles * attention_blocks(max_seq)
 
 
+#: argmax_rows' values a block (its THREADS threads' eight each) and the most blocks a row
+ARGMAX_SPAN = 8 * THREADS
+ARGMAX_MOST_PARTS = 256
+
+
+def argmax_parts(width: int) -> int:
+    """The blocks of argmax_rows a row of `width` values: a block every ARGMAX_SPAN values, at most
+    ARGMAX_MOST_PARTS (a vocabulary's row over several SMs, each thread's values all loading at once)."""
+    return max(1, min(ARGMAX_MOST_PARTS, -(-width // ARGMAX_SPAN)))
+
+
 ROUNDED_KINDS = {bf16: 1, f16: 2}   # step_kernels.cu's RowsOut kinds: the 16-bit dtype of rows handed over
 
 
@@ -678,7 +689,7 @@ def _attention(xs, outs, a, b):
                            [_p(outs[0]), partials, _p(qkv), *pools, ctypes.c_void_p(items),
                             ctypes.c_void_p(ranges + at), *_ints(blocks), *rounded], smem=smem)
         if fold_used:
-            dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv), ATTENTION_THREADS,
+            dev.launch(f"attention_fold_{hq // hkv}", (b.rows, hkv, hq // hkv), ATTENTION_THREADS,
                        [_p(outs[0]), partials, ctypes.c_void_p(b.positions), ctypes.c_void_p(done),
                         *_ints(hq, d, window, blocks), *rounded])
     else:
@@ -911,6 +922,9 @@ class GpuDevice(CpuDevice):
         self.expert_products = array(None, (products,), f32)
         self.expert_plan = array(None, (1 + 3 * MOE_MAX_EXPERTS + pairs,), i32)   # (step_kernels.cu's moe_plan)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
+        # argmax_rows' first maximum of each part of a row (value, index) and each row's count of parts done
+        self._argmax_parts = array(None, (rows, ARGMAX_MOST_PARTS, 2), i32)
+        self._argmax_counts = array(None, (rows,), i32)
         self._device_tokens: dict = {}
         for name in sorted(narrowed & set(self._buffers)):
             b = self._buffers[name]
@@ -1055,8 +1069,9 @@ class GpuDevice(CpuDevice):
         greedy = self.state["entries"]["request"]["temperature"][row_entries] == 0
         best = np.empty(len(keep), np.int32)
         if greedy.any():
-            self.launch("argmax_rows", (len(keep),), 1024,
-                        [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width)])
+            self.launch("argmax_rows", (len(keep), argmax_parts(logits.width)), THREADS,
+                        [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width),
+                         ctypes.c_void_p(self._argmax_parts), ctypes.c_void_p(self._argmax_counts)])
             self._check(self._driver.cuMemcpyDtoHAsync(best.ctypes.data, self._best, best.nbytes, self._stream),
                         "reading the greedy tokens")
         wanted = np.arange(len(keep)) if self.record_logits else np.flatnonzero(~greedy)

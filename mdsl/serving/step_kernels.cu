@@ -91,11 +91,39 @@ __device__ void embedding(float* out, const int* tokens, const W* table, int wid
 // With `rounded` the values go there instead, rounded to W: the rows a Hopper linear that alone reads them
 // loads by TMA (gpu_wgmma.py's handed rows: its round_rows kernel, and the float32 rows, skipped)
 
+constexpr int NORM_PER = 4;   // a thread's values of a row held in registers (rows up to NORM_PER blocks wide)
+
 template <typename W>
 __device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus, W* rounded) {
   __shared__ float red[32];
   const long long base = (long long)blockIdx.x * width;
   float ss = 0.0f;
+  if (width <= NORM_PER * int(blockDim.x)) {
+    // the row's values and the weights load together (one memory latency, not one and then another), and
+    // the sums are the loop's below: a thread's values in ascending order
+    float xv[NORM_PER], scale[NORM_PER];
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      xv[j] = i < width ? x[base + i] : 0.0f;
+      scale[j] = i < width ? (one_plus ? 1.0f + to_f(w[i]) : to_f(w[i])) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j)
+      if (threadIdx.x + j * blockDim.x < width) ss = fmaf(xv[j], xv[j], ss);
+    const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i >= width) break;
+      const float v = __fmul_rn(__fmul_rn(xv[j], inv), scale[j]);
+      if (rounded)
+        rounded[base + i] = from_f<W>(v);
+      else
+        out[base + i] = v;
+    }
+    return;
+  }
 #pragma unroll 4
   for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(x[base + i], x[base + i], ss);
   const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
@@ -393,17 +421,18 @@ __device__ __forceinline__ void linear_mma(float* out, float* part, int* arrival
   }
 }
 
-// ---- argmax of each row (the first maximum): the greedy requests' tokens, chosen on the device
+// ---- argmax of each row (the first maximum): the greedy requests' tokens, chosen on the device. A row's
+// values are cut into gridDim.y parts of consecutive values, a block each (one block a row would read a
+// vocabulary's logits with one SM's loads); each block writes its part's first maximum (value, index) to
+// `parts`, and the row's last block to finish (counted in `counts`, which it resets for the next launch)
+// takes the first maximum of the parts: the same answer in any order of the blocks, since the first maximum
+// of a row is the first maximum of its parts' first maxima
 
-__device__ void argmax_rows(int* best, const float* x, int width) {
+// the first maximum of the block's (v, at) pairs, at thread 0 (the lower index of equal values; a NaN never
+// wins, as `x > v` never holds for it)
+__device__ __forceinline__ void block_first_max(float& v, int& at) {
   __shared__ float value[32];
   __shared__ int index[32];
-  const long long base = (long long)blockIdx.x * width;
-  float v = -INF;
-  int at = 0x7fffffff;
-#pragma unroll 8
-  for (int i = threadIdx.x; i < width; i += blockDim.x)
-    if (x[base + i] > v) { v = x[base + i]; at = i; }   // (a thread's indices ascend: its first maximum)
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, o);
     const int oat = __shfl_xor_sync(0xffffffffu, at, o);
@@ -411,11 +440,41 @@ __device__ void argmax_rows(int* best, const float* x, int width) {
   }
   if (threadIdx.x % WARP == 0) { value[threadIdx.x / WARP] = v; index[threadIdx.x / WARP] = at; }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0)
     for (int w = 1; w < int(blockDim.x) / WARP; ++w)
       if (value[w] > v || (value[w] == v && index[w] < at)) { v = value[w]; at = index[w]; }
-    best[blockIdx.x] = at;
+  __syncthreads();   // (the shared pairs are free for another reduction)
+}
+
+__device__ void argmax_rows(int* best, const float* x, int width, int2* parts, int* counts) {
+  __shared__ bool last;
+  const int row = blockIdx.x, part = blockIdx.y, n = gridDim.y;
+  const int span = (width + n - 1) / n, lo = part * span, hi = min(width, lo + span);
+  const long long base = (long long)row * width;
+  float v = -INF;
+  int at = 0x7fffffff;
+#pragma unroll 8
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
+    if (x[base + i] > v) { v = x[base + i]; at = i; }   // (a thread's indices ascend: its first maximum)
+  block_first_max(v, at);
+  if (threadIdx.x == 0) {
+    parts[(long long)row * n + part] = make_int2(__float_as_int(v), at);
+    __threadfence();   // (the part is visible before the count says so)
+    last = atomicAdd(counts + row, 1) == n - 1;
+    if (last) counts[row] = 0;   // ready for the next launch
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  v = -INF;
+  at = 0x7fffffff;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int2 p = __ldcg(parts + (long long)row * n + i);
+    const float pv = __int_as_float(p.x);
+    if (pv > v || (pv == v && p.y < at)) { v = pv; at = p.y; }
+  }
+  block_first_max(v, at);
+  if (threadIdx.x == 0) best[row] = at;
 }
 
 // ---- add_bias: out[r, c] = x[r, c] + b[c]
@@ -437,16 +496,27 @@ struct Append {
   const int* page_table;
   int pages_per_request, page_size;
 
+  // where row r's keys and values at position pos go: the first value's index in its page's slot (read the
+  // row's entry and page once, before its values are ready, so that those reads are not on their path)
+  __device__ __forceinline__ long long slot(int r, int pos, int kv_heads, int dim) const {
+    if (!k_pool) return 0;
+    const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
+    return ((long long)page * page_size + pos % page_size) * kv_heads * dim;
+  }
+  // head h's value d into the pools at `at` (slot's), if h is a key or value head
+  __device__ __forceinline__ void put_at(long long at, int h, int d, float v, int q_heads, int kv_heads,
+                                         int dim) const {
+    if (!k_pool || h < q_heads) return;
+    if (h < q_heads + kv_heads)
+      k_pool[at + (long long)(h - q_heads) * dim + d] = from_f<P>(v);
+    else
+      v_pool[at + (long long)(h - q_heads - kv_heads) * dim + d] = from_f<P>(v);
+  }
   // head h's value d (of the q|k|v row r at position pos) into the pools, if h is a key or value head
   __device__ __forceinline__ void put(int r, int pos, int h, int d, float v, int q_heads, int kv_heads,
                                       int dim) const {
     if (!k_pool || h < q_heads) return;
-    const int page = page_table[(long long)entries[r] * pages_per_request + pos / page_size];
-    const long long slot = ((long long)page * page_size + pos % page_size) * kv_heads * dim;
-    if (h < q_heads + kv_heads)
-      k_pool[slot + (long long)(h - q_heads) * dim + d] = from_f<P>(v);
-    else
-      v_pool[slot + (long long)(h - q_heads - kv_heads) * dim + d] = from_f<P>(v);
+    put_at(slot(r, pos, kv_heads, dim), h, d, v, q_heads, kv_heads, dim);
   }
 };
 
@@ -460,36 +530,67 @@ __device__ __forceinline__ void head_norm(float* out, const float* x, const W* w
                                           const float* sin_table, const int* positions, int q_heads, int kv_heads,
                                           int dim, float eps, Append<W> append = {}) {
   __shared__ float y[ROPE ? NORM_ROPE_WARPS : 1][ROPE ? MAX_HEAD_DIM : 1];
+  constexpr int PER = MAX_HEAD_DIM / WARP;   // a lane's values of a head: dims lane, lane + 32, ...
   const int heads = q_heads + 2 * kv_heads, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int h = blockIdx.y * NORM_ROPE_WARPS + warp;
   if (h >= heads) return;
   const long long base = (long long)blockIdx.x * heads * dim + (long long)h * dim;
-  if (h >= q_heads + kv_heads) {
-    for (int d = lane; d < dim; d += WARP) {
-      out[base + d] = x[base + d];
-      if (ROPE) append.put(blockIdx.x, positions[blockIdx.x], h, d, x[base + d], q_heads, kv_heads, dim);
+  const bool copied = h >= q_heads + kv_heads;   // (a value head)
+  const W* w = h < q_heads ? wq : wk;
+  // every read of the head's work in flight before any is used: its values and weights, and with ROPE the
+  // row's position, its page (Append::slot) and the position's cos and sin (two memory latencies, where
+  // reading each where it is first used made five)
+  float xv[PER], wv[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + WARP * j;
+    xv[j] = d < dim ? x[base + d] : 0.0f;
+    wv[j] = d < dim && !copied ? to_f(w[d]) : 0.0f;
+  }
+  const int pos = ROPE ? positions[blockIdx.x] : 0;
+  const long long at = ROPE ? append.slot(blockIdx.x, pos, kv_heads, dim) : 0;
+  if (copied) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + WARP * j;
+      if (d >= dim) break;
+      out[base + d] = xv[j];
+      if (ROPE) append.put_at(at, h, d, xv[j], q_heads, kv_heads, dim);
     }
     return;
   }
-  const W* w = h < q_heads ? wq : wk;
+  float cv[ROPE ? PER : 1], sv[ROPE ? PER : 1];
+  if (ROPE)
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + WARP * j;
+      cv[j] = d < dim ? cos_table[(long long)pos * dim + d] : 0.0f;
+      sv[j] = d < dim ? sin_table[(long long)pos * dim + d] : 0.0f;
+    }
   float ss = 0.0f;
-  for (int d = lane; d < dim; d += WARP) ss = fmaf(x[base + d], x[base + d], ss);
+#pragma unroll
+  for (int j = 0; j < PER; ++j)
+    if (lane + WARP * j < dim) ss = fmaf(xv[j], xv[j], ss);
   const float inv = 1.0f / sqrtf(__shfl_sync(0xffffffffu, warp_sum(ss), 0) / float(dim) + eps);
-  for (int d = lane; d < dim; d += WARP) {
-    const float normed = __fmul_rn(__fmul_rn(x[base + d], inv), to_f(w[d]));
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + WARP * j;
+    if (d >= dim) break;
+    const float normed = __fmul_rn(__fmul_rn(xv[j], inv), wv[j]);
     if (ROPE) y[warp][d] = normed;
     else out[base + d] = normed;
   }
   if (!ROPE) return;
   __syncwarp();
   const int half = dim / 2;
-  const float* c = cos_table + (long long)positions[blockIdx.x] * dim;
-  const float* s = sin_table + (long long)positions[blockIdx.x] * dim;
-  for (int d = lane; d < dim; d += WARP) {
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + WARP * j;
+    if (d >= dim) break;
     const float rotated = d < half ? -y[warp][d + half] : y[warp][d - half];
-    const float v = __fadd_rn(__fmul_rn(y[warp][d], c[d]), __fmul_rn(rotated, s[d]));
+    const float v = __fadd_rn(__fmul_rn(y[warp][d], cv[j]), __fmul_rn(rotated, sv[j]));
     out[base + d] = v;
-    append.put(blockIdx.x, positions[blockIdx.x], h, d, v, q_heads, kv_heads, dim);
+    append.put_at(at, h, d, v, q_heads, kv_heads, dim);
   }
 }
 
@@ -516,6 +617,7 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
   const long long base = (long long)blockIdx.x * heads * dim;
   const float* c = cos_table + (long long)pos * dim;
   const float* s = sin_table + (long long)pos * dim;
+  const long long at = append.slot(blockIdx.x, pos, kv_heads, dim);   // (the row's page read once, up front)
   for (int i = ELEMENT; i < heads * dim; i += ELEMENTS) {
     const int h = i / dim, d = i % dim;
     float v;
@@ -526,7 +628,7 @@ __device__ void rope(float* out, const float* x, const float* cos_table, const f
       v = __fadd_rn(__fmul_rn(x[base + i], c[d]), __fmul_rn(rotated, s[d]));
     }
     out[base + i] = v;
-    append.put(blockIdx.x, pos, h, d, v, q_heads, kv_heads, dim);
+    append.put_at(at, h, d, v, q_heads, kv_heads, dim);
   }
 }
 
@@ -669,66 +771,121 @@ struct RowsOut {
   }
 };
 
+// The weights of one query head's splits (records `recs`: (dim values, max, sum, padding) per split), by the
+// lanes of one warp: the running max before and after split k is a prefix maximum (a maximum is the same in
+// any order), so lane k % 32 takes split k's weights, fold_weights of those two, into kept[k] and added[k]
+// (kept SKIPPED for a split without scores); lane 0 then folds the sums in split order and returns the head's
+// sum (the other lanes' answer is unused)
+template <bool BASE2>
+__device__ float split_weights(const float* recs, int dim, int splits, float* kept, float* added, float* sums) {
+  const int lane = threadIdx.x % WARP, record = dim + 4;
+  float carry = -INF;   // (the maximum of the splits before this round's)
+  for (int k0 = 0; k0 < splits; k0 += WARP) {
+    const int k = k0 + lane;
+    const float mk = k < splits ? __ldcg(recs + k * record + dim) : -INF;
+    float top = mk;   // (the inclusive prefix maximum over the round's lanes)
+#pragma unroll
+    for (int o = 1; o < WARP; o *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, top, o);
+      if (lane >= o) top = fmaxf(top, y);
+    }
+    top = fmaxf(top, carry);
+    float before = __shfl_up_sync(0xffffffffu, top, 1);
+    if (lane == 0) before = carry;
+    carry = __shfl_sync(0xffffffffu, top, WARP - 1);
+    if (k < splits) {
+      sums[k] = __ldcg(recs + k * record + dim + 1);
+      if (mk == -INF) {
+        kept[k] = SKIPPED;
+      } else {
+        const FoldWeights w = fold_weights<BASE2>(before, mk);
+        kept[k] = w.kept;
+        added[k] = w.added;
+      }
+    }
+  }
+  __syncwarp();
+  float sum = 0.0f;
+  if (lane == 0)
+    for (int k = 0; k < splits; ++k)
+      if (kept[k] != SKIPPED) sum = fold_in(sum, sums[k], FoldWeights{kept[k], added[k]});
+  return sum;
+}
+
+// One value's fold over the splits (`at`: its place in split 0's record, `record` floats a split), by the
+// weights split_weights left: FOLD_LOADS splits' values loaded at once (load_values), then folded in split
+// order; `v` holds the first batch, loaded by the caller (which may have other work in flight meanwhile). The
+// fold's order and arithmetic are one value's whatever the batch
+constexpr int FOLD_LOADS = 16;
+__device__ __forceinline__ void load_values(float (&v)[FOLD_LOADS], const float* at, int record, int k0, int splits) {
+#pragma unroll
+  for (int i = 0; i < FOLD_LOADS; ++i) v[i] = k0 + i < splits ? __ldcg(at + (k0 + i) * record) : 0.0f;
+}
+__device__ __forceinline__ float fold_value(float (&v)[FOLD_LOADS], const float* at, int record, int splits,
+                                            const float* kept, const float* added) {
+  float total = 0.0f;
+  for (int k0 = 0; k0 < splits; k0 += FOLD_LOADS) {
+    if (k0 > 0) load_values(v, at, record, k0, splits);
+#pragma unroll
+    for (int i = 0; i < FOLD_LOADS; ++i)
+      if (k0 + i < splits && kept[k0 + i] != SKIPPED)
+        total = fold_in(total, v[i], FoldWeights{kept[k0 + i], added[k0 + i]});
+  }
+  return total;
+}
+
 // fold_splits: the fold of a row's splits for the G query heads h * G .. of KV head h, by the block's
 // ATT_WARPS warps, once every split's partial is in `part` (records of (dim values, max, sum, padding) per
-// row, query head and split of max_splits). Both attention kernels end with it (attention_mma's through
-// attention_fold, where its items leave partials), so a row's fold is one arithmetic. Per query head, the
-// splits' weights once: the running max before and after split k is a prefix maximum (a maximum is the same
-// in any order), so lane k % 32 takes split k's weights, fold_weights of those two; lane 0 then folds the
-// sums in split order. Then each value's fold over the splits by those weights
+// row, query head and split of max_splits): per query head, the splits' weights once (split_weights, a warp
+// a head), then each value's fold over the splits by those weights (fold_value). The CUDA-core kernel ends
+// with it; attention_mma's partials are folded by fold_head, a block a query head, to the same bits.
 template <int G, bool BASE2 = false>
 __device__ void fold_splits(RowsOut out, const float* part, int r, int h, int q_heads, int dim, int splits,
                             int max_splits) {
   __shared__ float kept[G][ATT_MAX_SPLITS], added[G][ATT_MAX_SPLITS], sums[G][ATT_MAX_SPLITS];
   __shared__ float head_sum[G];
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, record = dim + 4;
+  const int warp = threadIdx.x / WARP, record = dim + 4;
   for (int g = warp; g < G; g += ATT_WARPS) {
     const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record;
-    float carry = -INF;   // (the maximum of the splits before this round's)
-    for (int k0 = 0; k0 < splits; k0 += WARP) {
-      const int k = k0 + lane;
-      const float mk = k < splits ? __ldcg(recs + k * record + dim) : -INF;
-      float top = mk;   // (the inclusive prefix maximum over the round's lanes)
-#pragma unroll
-      for (int o = 1; o < WARP; o *= 2) {
-        const float y = __shfl_up_sync(0xffffffffu, top, o);
-        if (lane >= o) top = fmaxf(top, y);
-      }
-      top = fmaxf(top, carry);
-      float before = __shfl_up_sync(0xffffffffu, top, 1);
-      if (lane == 0) before = carry;
-      carry = __shfl_sync(0xffffffffu, top, WARP - 1);
-      if (k < splits) {
-        sums[g][k] = __ldcg(recs + k * record + dim + 1);
-        if (mk == -INF) {
-          kept[g][k] = SKIPPED;
-        } else {
-          const FoldWeights w = fold_weights<BASE2>(before, mk);
-          kept[g][k] = w.kept;
-          added[g][k] = w.added;
-        }
-      }
-    }
-    __syncwarp();
-    if (lane == 0) {
-      float sum = 0.0f;
-      for (int k = 0; k < splits; ++k)
-        if (kept[g][k] != SKIPPED) sum = fold_in(sum, sums[g][k], FoldWeights{kept[g][k], added[g][k]});
-      head_sum[g] = sum;
-    }
+    const float sum = split_weights<BASE2>(recs, dim, splits, kept[g], added[g], sums[g]);
+    if (threadIdx.x % WARP == 0) head_sum[g] = sum;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < G * dim; e += ATT_THREADS) {
     const int g = e / dim, d = e % dim;
-    const float* recs = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
-    float total = 0.0f;
-#pragma unroll 8
-    for (int k = 0; k < splits; ++k)
-      if (kept[g][k] != SKIPPED)
-        total = fold_in(total, __ldcg(recs + k * record), FoldWeights{kept[g][k], added[g][k]});
-    out.put(((long long)r * q_heads + h * G + g) * dim + d, total / head_sum[g]);
+    const float* at = part + ((long long)r * q_heads + h * G + g) * max_splits * record + d;
+    float v[FOLD_LOADS];
+    load_values(v, at, record, 0, splits);
+    out.put(((long long)r * q_heads + h * G + g) * dim + d, fold_value(v, at, record, splits, kept[g], added[g]) /
+                                                            head_sum[g]);
   }
   __syncthreads();   // (the shared weights are free for the next fold)
+}
+
+// The fold of query head q's splits of row r by a block of its own: fold_splits' arithmetic for one head, its
+// values' first loads issued before the weights are computed (the two latencies overlap), a value a thread
+// (a head dim up to ATT_THREADS: one round)
+template <bool BASE2>
+__device__ void fold_head(RowsOut out, const float* part, int r, int q, int q_heads, int dim, int splits,
+                          int max_splits) {
+  __shared__ float kept[ATT_MAX_SPLITS], added[ATT_MAX_SPLITS], sums[ATT_MAX_SPLITS];
+  __shared__ float head_sum;
+  const int record = dim + 4;
+  const float* recs = part + ((long long)r * q_heads + q) * max_splits * record;
+  for (int d0 = 0; d0 < dim; d0 += ATT_THREADS) {
+    const int d = d0 + threadIdx.x;
+    const float* at = recs + (d < dim ? d : 0);
+    float v[FOLD_LOADS];   // (the first batch of this value's splits, loading while the weights are made)
+    load_values(v, at, record, 0, d < dim ? splits : 0);
+    if (d0 == 0) {
+      if (threadIdx.x < WARP) {
+        const float sum = split_weights<BASE2>(recs, dim, splits, kept, added, sums);
+        if (threadIdx.x == 0) head_sum = sum;
+      }
+      __syncthreads();
+    }
+    if (d < dim) out.put(((long long)r * q_heads + q) * dim + d, fold_value(v, at, record, splits, kept, added) / head_sum);
+  }
 }
 
 // G query heads per KV head; DV float4s a lane holds of a head (dim <= 128 * DV); pools of W
@@ -1302,9 +1459,9 @@ extern "C" __global__ void map_rows(float* out, const float* x, int width, int k
   mdsl_pdl::step_wait();
   serve::map_rows(out, x, width, kind, param);
 }
-extern "C" __global__ void argmax_rows(int* best, const float* x, int width) {
+extern "C" __global__ void argmax_rows(int* best, const float* x, int width, int2* parts, int* counts) {
   mdsl_pdl::step_wait();
-  serve::argmax_rows(best, x, width);
+  serve::argmax_rows(best, x, width, parts, counts);
 }
 extern "C" __global__ void gather(float* out, const float* x, const int* keep, int width) {
   mdsl_pdl::step_wait();

@@ -329,3 +329,45 @@ def test_the_prefix_cache_keeps_every_requests_bits(checkpoints, dtype):
         for pos, rows in logits[i].items():
             assert all(np.array_equal(row, fresh[1][i][pos][0]) for row in rows), (i, pos)
     agree(fresh, served(ckpt.folder, "cpu", arrivals, **engine), prompts, dtype)
+
+
+def first_maximum(row: np.ndarray) -> int:
+    """The index argmax_rows gives a row: its first largest value above -inf, NaN never (2^31 - 1 for none)."""
+    ok = ~np.isnan(row) & (row > -np.inf)
+    return int(np.flatnonzero(ok & (row == row[ok].max()))[0]) if ok.any() else 0x7FFFFFFF
+
+
+def test_the_greedy_tokens_are_each_rows_first_maximum(checkpoints):
+    """argmax_rows (a row's values cut into parts, a block each, the parts' first maxima taken by the row's
+    last block) gives each row's first maximum: the lower index of a tie across parts and within one, NaN
+    never, a row of -inf none; at widths of one part, of many and past the most parts a row takes, launched
+    twice at each (the count of a row's parts done is ready again after a launch)."""
+    import ctypes
+
+    from mdsl.gpu.arrays import DeviceArray
+    from mdsl.gpu.driver import get_device
+    from mdsl.ir.dtypes import f32, i32
+    from mdsl.serving.gpu import ARGMAX_MOST_PARTS, ARGMAX_SPAN, THREADS, argmax_parts
+
+    rng = np.random.default_rng(5)
+    with LLM(checkpoints["qwen3", "float32"].folder, device="gpu", max_batch=4) as llm:
+        dev = llm.device
+        get_device(dev.ordinal)
+        for width in (1, 7, ARGMAX_SPAN, ARGMAX_SPAN + 1, 151936, ARGMAX_SPAN * ARGMAX_MOST_PARTS * 3 + 5):
+            x = rng.standard_normal((5, width)).astype(np.float32)
+            if width > 1:
+                x[0, [width // 3, width - 1]] = 50.0                  # a tie, the second in a later part
+                x[1, : width // 2] = np.nan                           # NaN before the largest value
+                x[1, width - 1] = 9.0
+                x[3, [width // 2, width // 2 + 1]] = 7.0              # a tie of neighbours
+            x[2] = -np.inf
+            x[4, 0] = np.nan
+            expected = [first_maximum(row) for row in x]
+            values = DeviceArray.from_numpy(x, f32, device=dev.ordinal)
+            for _ in range(2):
+                best = DeviceArray((5,), i32, device=dev.ordinal)
+                dev.launch("argmax_rows", (5, argmax_parts(width)), THREADS,
+                           [ctypes.c_void_p(best.ptr), ctypes.c_void_p(values.ptr), ctypes.c_int(width),
+                            ctypes.c_void_p(dev._argmax_parts), ctypes.c_void_p(dev._argmax_counts)])
+                dev._sync()
+                assert best.to_numpy().tolist() == expected, width
