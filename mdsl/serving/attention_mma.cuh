@@ -18,10 +18,10 @@
 // the CUDA-core kernel writes; attention_fold then folds each row's splits (fold_splits' arithmetic) in a
 // launch of its own, every row and query head a block (fold_head: the block of a tile's last split folding
 // them would fold the tile's rows one after another, and a block a KV head would fold its G heads' values
-// one after another, each a memory latency). A shared tile's item of all its splits (a whole item: the host's choice where a
-// step has tiles enough to fill the grid, a prompt's chunk) folds each split into its rows' output as the
-// split ends, by fold_splits' arithmetic, and writes the output itself: no partials, and no fold for its
-// rows (the host tells attention_fold which rows are done).
+// one after another, each a memory latency). A shared tile's item of all its splits (a whole item: the
+// host's choice where a step has tiles enough to fill the grid, a prompt's chunk) folds each split into its
+// rows' output as the split ends, by fold_splits' arithmetic, and writes the output itself: no partials, and
+// no fold for its rows (the host tells attention_fold which rows are done).
 //
 // The items of a step come from the host (mdsl/serving/gpu.py attention_items): a tile and up to AMMA_UNIT of
 // its consecutive splits; the grid is persistent, each block taking items x KV heads in turn, so a step's

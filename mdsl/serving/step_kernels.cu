@@ -884,7 +884,8 @@ __device__ void fold_head(RowsOut out, const float* part, int r, int q, int q_he
       }
       __syncthreads();
     }
-    if (d < dim) out.put(((long long)r * q_heads + q) * dim + d, fold_value(v, at, record, splits, kept, added) / head_sum);
+    if (d < dim)
+      out.put(((long long)r * q_heads + q) * dim + d, fold_value(v, at, record, splits, kept, added) / head_sum);
   }
 }
 
