@@ -26,7 +26,9 @@ decoded further meanwhile: the floor counts each request's cached keys and value
 timed steps. Greedy, `ignore_eos`.
 
 The GPU device runs each step from the host: its step time is the wall time of --decode-tokens steps (the
-engine's step counter, `LLM.stats().steps`), then as many more are profiled op by op (GpuDevice.profile_ops).
+engine's step counter, `LLM.stats().steps`) from the step after the batch's first replayed one (a step shape's
+first step runs launched and its second is captured as a CUDA graph, once per shape, both slower than a
+replay), then as many more are profiled op by op (GpuDevice.profile_ops).
 The megakernel device has no per-step host call to time. Its kernel writes the step counter (the control block's
 `steps`, in pinned host memory mapped into the GPU) at every step boundary; this process polls it without a
 lock every POLL_S, notes the time it first sees each value over 2 x --decode-tokens steps, and the step time is
@@ -66,6 +68,7 @@ POLL_S = 2e-5           # (a) the megakernel's step counter polled this often
 INCOMPLETE = "the run ended before this device's measurements did: its rows so far"
 PROFILED_STEPS = 16     # (a) the megakernel's steps run with its profile on (more than its ring holds)
 SPARE_STEPS = 256       # (a) steps a request has beyond the timed and profiled ones
+WARM_STEPS = 4          # (a) the GPU device's steps before the timing, at most: until one is replayed
 STALL_S = 60.0          # (a) a step counter that does not move for this long fails the measurement
 
 
@@ -128,10 +131,10 @@ def workload(args, vocab: int) -> list:
 def decode_budget(per_step: int, batch: int, context: int, tokens: int) -> int:
     """Tokens each request of (a) may produce: enough that none ends before the last one's prompt is read
     (prompts are read oldest first, so the first request decodes while the others' prompts are read) and
-    the timed and profiled steps are over, with SPARE_STEPS to spare for the host's late looks (at the first
-    tokens, between the timing and the profile: a megakernel's step may be a fraction of a millisecond) and
-    PROFILED_STEPS more for the megakernel's profile."""
-    return -(-batch * context // per_step) + batch + 2 * tokens + SPARE_STEPS + PROFILED_STEPS
+    the GPU device's WARM_STEPS, the timed and profiled steps are over, with SPARE_STEPS to spare for the host's
+    late looks (at the first tokens, between the timing and the profile: a megakernel's step may be a fraction
+    of a millisecond) and PROFILED_STEPS more for the megakernel's profile."""
+    return -(-batch * context // per_step) + batch + 2 * tokens + WARM_STEPS + SPARE_STEPS + PROFILED_STEPS
 
 
 def op_times(kernels: dict) -> tuple:
@@ -175,6 +178,15 @@ def decode_steps(llm, device: str, batch: int, context: int, tokens: int, vocab:
         after = produced()
         timed = {"steps": steps, "step_s": step_s, "launches": llm.device.launches - launches0}
     else:
+        # a step shape's first step runs launched and its second is captured (milliseconds for a model's
+        # hundreds of launches), once per shape: the timing starts at the step after the first replayed one
+        # (the steady state), or after WARM_STEPS steps where none is replayed
+        steps_w, replays_w = llm.stats().steps, llm.device.replays
+        while llm.device.replays == replays_w and llm.stats().steps < steps_w + WARM_STEPS:
+            time.sleep(0.0002)
+        boundary = llm.stats().steps
+        while llm.stats().steps == boundary:
+            time.sleep(0.0002)
         start, steps0, replays0 = time.perf_counter(), llm.stats().steps, llm.device.replays
         while llm.stats().steps < steps0 + tokens:
             time.sleep(0.0002)
