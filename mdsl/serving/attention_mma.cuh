@@ -36,7 +36,7 @@
 
 namespace serve {
 
-constexpr int AMMA_WARPS = 4;                      // (ATT_THREADS: fold_splits runs on the same block)
+constexpr int AMMA_WARPS = 4;                      // (ATT_THREADS: attention_fold's block too)
 constexpr int AMMA_ROWS = 16 * AMMA_WARPS;         // M rows (row, query head) of a tile
 constexpr int AMMA_KEYS = 64;                      // keys of a block
 constexpr int AMMA_DIM = 128;                      // the largest head dim
