@@ -142,6 +142,7 @@ class CpuDevice:
         self._order = np.arange(shape.max_batch)
         # a page table's columns, in its entries' page count's type (compared without a conversion: _check_pool)
         self._page_columns = np.arange(self.state["page_table"].shape[1], dtype=entries["num_pages"].dtype)
+        self._pool_unchecked = False     # a step ended since the pool was last checked (_check_pool_now)
         self._tell_host = False
         self._notify_host = notify_host
         self._bell = Doorbell()
@@ -284,6 +285,7 @@ class CpuDevice:
         step = self.state["step"][0]
         chunks = self.state["chunks"][:int(step["num_chunks"])]
         logits = self._forward(step, chunks, self.state["rows"][:int(step["num_rows"])])
+        self._check_pool_now()   # (where the forward did not: a device whose forward runs elsewhere checks it there)
         if self.record_logits:
             entries = self.state["entries"]
             for e, first, n, row, _, _ in chunks.tolist():
@@ -308,7 +310,7 @@ class CpuDevice:
                 if self.prefix is not None:
                     self._name_pages(e, first, first + n)
                 if sampled:
-                    records.append(self._choose(e, tokens[c], first + n - 1))
+                    records.append(self._choose(e, int(tokens[c]), first + n - 1))
             self._emit_all(records)
         control["running"], control["step_tokens"] = len(chunks), rows
         if len(chunks):
@@ -316,7 +318,12 @@ class CpuDevice:
             control["tokens"] += rows
             control["peak_running"] = max(int(control["peak_running"][0]), len(chunks))
         control["free_pages"] = self._available()
-        self._check_pool()
+        # the pool as the step leaves it is checked at once where no rows ran, else by the next step's forward
+        # (_run_chunks), beside its work: its planning only takes and frees pages, each of which leaves the
+        # pool whole, so a damage is found there as here, and a GPU's forward checks while its kernels run
+        self._pool_unchecked = True
+        if not len(chunks):
+            self._check_pool_now()
 
     def _flush_host(self) -> None:
         """Wake the host if a record was written or a queue slot taken since the last time."""
@@ -484,14 +491,15 @@ class CpuDevice:
         self._decoding = e
         return b
 
-    def _end_decode(self, e: np.ndarray, tokens: dict) -> None:
+    def _end_decode(self, e: np.ndarray, tokens) -> None:
         """_end_step's chunks for the decode step of entries e: each entry's context one further, its token
         `tokens[c]` in its history and its record (the entry retired on a stop token or at max_new_tokens), the
         pages it completed named (prefix cache); the retirements and namings in chunk order, as the general
-        path's, the records in chunk order."""
+        path's, the records in chunk order. `tokens`: chunk -> token, or an array of them in chunk order."""
         f = self._entry_fields
         b = len(e)
-        token = np.fromiter((tokens[c] for c in range(b)), np.int64, b)
+        token = tokens.astype(np.int64) if isinstance(tokens, np.ndarray) else \
+            np.fromiter((tokens[c] for c in range(b)), np.int64, b)
         position = f["context"][e].astype(np.int64) + 1      # (the sampled token's)
         f["context"][e] = position
         self.state["history"][e, position] = token
@@ -773,6 +781,12 @@ class CpuDevice:
         if not (0 < n and 0 < new and n + new <= self.shape.max_seq and req["handle"] < self.shape.handles
                 and req["num_stop"] <= MAX_STOP and self._pages_for(n + new - 1) <= self.shape.num_pages):
             raise broken_request(req)
+
+    def _check_pool_now(self) -> None:
+        """The pool's check (_check_pool), where a step ended since the last one."""
+        if self._pool_unchecked:
+            self._pool_unchecked = False
+            self._check_pool()
 
     def _check_pool(self) -> None:
         """Every page is either free or in exactly one admitted request's page table (with the prefix

@@ -922,6 +922,7 @@ class GpuDevice(CpuDevice):
         self.expert_products = array(None, (products,), f32)
         self.expert_plan = array(None, (1 + 3 * MOE_MAX_EXPERTS + pairs,), i32)   # (step_kernels.cu's moe_plan)
         self._best = array(None, (rows,), i32)            # the device's greedy tokens of the kept rows
+        self._greedy_tokens: Optional[np.ndarray] = None   # ... where they are every chunk's (_forward)
         # argmax_rows' first maximum of each part of a row (value, index) and each row's count of parts done
         self._argmax_parts = array(None, (rows, ARGMAX_MOST_PARTS, 2), i32)
         self._argmax_counts = array(None, (rows,), i32)
@@ -1059,8 +1060,9 @@ class GpuDevice(CpuDevice):
         else:
             self._seen.add(key)
             logits = self._run_program(*key[:2])
-        self._device_tokens = {}
+        self._device_tokens, self._greedy_tokens = {}, None
         if logits is None:
+            self._check_pool_beside()
             self._sync()
             return {}
         # greedy requests' tokens are chosen on the device; the logits come back for the rows sampled on the
@@ -1072,6 +1074,8 @@ class GpuDevice(CpuDevice):
             self.launch("argmax_rows", (len(keep), argmax_parts(logits.width)), THREADS,
                         [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width),
                          ctypes.c_void_p(self._argmax_parts), ctypes.c_void_p(self._argmax_counts)])
+        self._check_pool_beside()
+        if greedy.any():
             self._check(self._driver.cuMemcpyDtoHAsync(best.ctypes.data, self._best, best.nbytes, self._stream),
                         "reading the greedy tokens")
         wanted = np.arange(len(keep)) if self.record_logits else np.flatnonzero(~greedy)
@@ -1081,8 +1085,28 @@ class GpuDevice(CpuDevice):
             self._check(self._driver.cuMemcpyDtoHAsync(out[i].ctypes.data, logits.ptr + i * row_bytes, row_bytes,
                                                        self._stream), "reading the logits")
         self._sync()
+        if len(keep) == len(chunks) and not len(wanted):
+            # every chunk samples (keep: their last rows, in chunk order) and every one greedily: the device's
+            # tokens are the step's, in chunk order (_samples), with no per-row dict
+            self._greedy_tokens = best
+            return {}
         self._device_tokens = {int(r): int(t) for r, t, g in zip(keep.tolist(), best.tolist(), greedy) if g}
         return {int(keep[i]): out[i] for i in wanted.tolist()}
+
+    def _samples(self, logits: dict):
+        """The step's tokens: the device's greedy ones as an array in chunk order where _forward left them
+        (every chunk samples, greedily), else CpuDevice's chunk -> token."""
+        return self._greedy_tokens if self._greedy_tokens is not None else super()._samples(logits)
+
+    def _check_pool_beside(self) -> None:
+        """The pool's check (_check_pool_now) while the step's kernels run, where it costs the step nothing (the
+        host waits for them next; at a pool of 100,000 pages the check takes about 200 µs of a host's time); a
+        damaged pool stops the device once its stream is idle."""
+        try:
+            self._check_pool_now()
+        except BaseException:
+            self._sync()
+            raise
 
     def _token(self, e: int, logits: dict, row: int, pos: int) -> int:
         token = self._device_tokens.get(row)

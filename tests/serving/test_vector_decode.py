@@ -1,7 +1,8 @@
 """The CPU device's plain decode steps (every running entry decodes one token, nothing to admit or preempt),
 planned, written and ended over arrays of entries (from CpuDevice.VECTOR_DECODE_ENTRIES entries), leave every
 step's state and ring records exactly as the general path's do: two engines, one with it and one without, stepped in lockstep
-on the same arrivals, cancellations, stop tokens, length limits, page pressure and prefix cache."""
+on the same arrivals, cancellations, stop tokens, length limits, page pressure and prefix cache; the first takes
+its tokens as an array in chunk order where every chunk samples (as the GPU device's greedy tokens come)."""
 from __future__ import annotations
 
 import time
@@ -71,7 +72,7 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
     engines[0].device.VECTOR_DECODE_ENTRIES = 1     # (over arrays at any batch: the equality is what is tested)
     engines[1].device.VECTOR_DECODE_ENTRIES = 13    # (never: more than max_batch)
     records = [_recording(llm.device) for llm in engines]
-    counts = {"vector": 0}
+    counts = {"vector": 0, "array": 0}
     begin = engines[0].device._begin_decode
 
     def counted(*decoding):
@@ -79,6 +80,18 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
         return begin(*decoding)
 
     engines[0].device._begin_decode = counted
+    samples = engines[0].device._samples
+
+    def as_array(logits):
+        # the tokens as the GPU device gives them where every chunk samples greedily: an array in chunk order
+        tokens = samples(logits)
+        n = int(engines[0].device.state["step"]["num_chunks"][0])
+        if n and len(tokens) == n:
+            counts["array"] += 1
+            return np.array([tokens[c] for c in range(n)], np.int32)
+        return tokens
+
+    engines[0].device._samples = as_array
     handles: list = [{}, {}]
     try:
         for llm in engines:
@@ -113,6 +126,7 @@ def test_plain_decode_steps_over_arrays_leave_the_state_and_records_of_the_gener
         for llm in engines:
             llm.close()
     assert counts["vector"] >= 20          # the plain decode steps ran over arrays
+    assert counts["array"] >= 20           # ... and steps ended from an array of tokens
     assert stats.preemptions > 0 if kv_pages else stats.preemptions == 0     # (a small pool preempts)
     assert stats.cached_tokens > 0 if prefix_caching else stats.cached_tokens == 0
     reasons = {o.finish_reason for o in outputs[0].values()}
