@@ -41,14 +41,17 @@ from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
 from mdsl.serving.gpu_launch import dependent_launch, launch_kernel
+from mdsl.serving.gpu_wgmma import TMA_ROWS, row_tile
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 ATTENTION_MMA_SOURCE = Path(__file__).with_name("attention_mma.cuh")   # (appended to SOURCE)
 ACTIVATIONS_SOURCE = Path(__file__).with_name("activations.cuh")      # (prepended; gpu_wgmma's module has it too)
 DEPENDENT_LAUNCH_SOURCE = Path(__file__).with_name("dependent_launch.cuh")   # (prepended, as in gpu_wgmma's)
+ROW_NORMS_SOURCE = Path(__file__).with_name("row_norms.cuh")   # (prepended, as in gpu_wgmma's)
 THREADS = 256                    # threads of a row-wise kernel's block
 NORM_THREADS = 1024              # rms_norm's block (one a row)
+NORM_TILE = 128                  # row_norms.cuh's TILE: the columns of a row's sum of squares (norm_squares)
 ATTENTION_THREADS = 128          # step_kernels.cu's ATT_THREADS
 MAX_DIM = 256                    # step_kernels.cu's attention kernels: head dim (a multiple of 4) ...
 GROUPS = {1: (1, 2, 4, 8, 16), 2: (1, 2, 4)}   # ... and query heads per KV head, by float4s a lane (DV)
@@ -135,13 +138,18 @@ def _embedding(xs, outs, a, b):
 
 def _rms_norm(xs, outs, a, b, one_plus: int = 0):
     """(With `hand` in a: the rows rounded for the linear after it, which loads them by TMA, instead;
-    handed_rows.)"""
+    handed_rows. With `squares`: the row's mean square from the sums of squares beside x, and below
+    TMA_ROWS rows no launch: that linear normalises the rows itself; norm_squares.)"""
     x, w = xs
     dev = b.device
+    squares = dev.squares_of(a["squares"]) if a.get("squares") else None
+    if squares is not None and row_tile(b.rows) < TMA_ROWS:
+        dev.wgmma.normalise(outs[0].ptr, x.ptr, squares, w.ptr, a["eps"], one_plus)
+        return
     rounded = dev.wgmma.hand(outs[0].ptr) if a.get("hand") else None
     dev.launch(_weighted("rms_norm", w), (b.rows,), NORM_THREADS,
                [_p(outs[0]), _p(x), _p(w), *_ints(x.width), ctypes.c_float(a["eps"]), *_ints(one_plus),
-                ctypes.c_void_p(rounded)])
+                ctypes.c_void_p(rounded), ctypes.c_void_p(squares)])
 
 
 def tensor_core_dtype(k: int, weights) -> Optional[object]:
@@ -194,13 +202,14 @@ def linear_launches(k: int, weights: list) -> list:
 def _linear(xs, outs, a, b, residual: Optional[Operand] = None):
     x, *ws = xs
     dev, offset = b.device, 0
+    squares = dev.squares_of(a["squares"]) if a.get("squares") else None   # (norm_squares: one wgmma launch)
     res = ctypes.c_void_p(residual.ptr if residual is not None else None)
     for group, mma, tiles in linear_launches(x.width, ws):
         sizes = [int(w.shape[0]) for w in group]
         parts = _Parts((ctypes.c_void_p * MAX_PARTS)(*[w.ptr for w in group]),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_starts(sizes)), len(group))
         if mma is not None and dev.wgmma is not None:
-            dev.wgmma.launch(outs[0], x, group, residual, b.rows, offset)
+            dev.wgmma.launch(outs[0], x, group, residual, b.rows, offset, squares=squares)
         elif mma is not None:
             starts = _TileStarts((ctypes.c_int * (MAX_PARTS + 1))(*_starts([-(-n // 16) for n in sizes])))
             dev.launch(_weighted("linear_mma", group[0]), (tiles, mma_splits(tiles, x.width, dev.sms)), MMA_WARPS * 32,
@@ -223,13 +232,17 @@ def lower_program(nodes: list, narrow_at: int, logits: str, gates: bool = False)
     """The step's program: per node, (rule, attributes, operand names, result names, op); a linear and the
     add after it, and a head norm and the rope after it, run as one (residual_adds, fusible_pairs; the
     second node's entry is None), and with `gates` (a Hopper GPU's wgmma linears) a gate|up linear and the
-    act_mul or geglu after it (gated_linears); a rope appends the keys and values its attention reads
-    (kv_appends: the attention's entry says `appended`)."""
+    act_mul or geglu after it (gated_linears), and the norm whose rows such a linear takes from the rows'
+    sums of squares that the wgmma linear+add before it writes (norm_squares: both entries say `squares`, the
+    rows' name); a rope appends the keys and values its attention reads (kv_appends: the attention's entry
+    says `appended`)."""
     kept = {logits}
     fused = residual_adds(nodes, narrow_at, kept)
     norm_ropes = set(fusible_pairs(nodes, narrow_at, kept, "head_rms_norm", "rope"))
     gated = gated_linears(nodes, narrow_at, kept) if gates else {}
     handing = handed_rows(nodes, narrow_at, kept, gated) if gates else {}
+    squares = norm_squares(nodes, narrow_at, fused, handing) if gates else {}
+    summed = {j: nodes[i].inputs[0].name for i, j in squares.items()}   # (the linears that write the sums)
     appends = kv_appends(nodes, narrow_at, kept)
     appended = set(appends.values())
     program: list = []
@@ -242,12 +255,14 @@ def lower_program(nodes: list, narrow_at: int, logits: str, gates: bool = False)
             names += [v.name for v in nodes[appends[rope]].inputs[1:3]]
         after = [v.name for v in nodes[i + 1].outputs] if i + 1 < len(nodes) else []
         if i in fused:
-            program.append((_linear_add, n.attr_dict, names + [fused[i]], after, "linear+add"))
+            program.append((_linear_add, dict(n.attr_dict, **({"squares": summed[i]} if i in summed else {})),
+                            names + [fused[i]], after, "linear+add"))
         elif i in gated:
             program.append((_gated_linear, {"act": gated[i], "hand": handing.get(i)}, names, after,
                             f"linear+{nodes[i + 1].op}"))
         elif i in handing or i in appended:
             attrs = dict(n.attr_dict, **({"hand": handing[i]} if i in handing else {}),
+                         **({"squares": names[0]} if i in squares else {}),
                          **({"appended": True} if i in appended else {}))
             program.append((GPU_STEP_RULES[n.op], attrs, names, results, n.op))
         elif i in norm_ropes:
@@ -414,6 +429,30 @@ def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> dict:
             if j - 1 in gated and linear.inputs[0].name == nodes[j].outputs[0].name and \
                     takes(linear, nodes[j - 1].inputs[1].dtype):
                 found[j - 1] = nodes[j - 1].inputs[1].dtype
+    return found
+
+
+def norm_squares(nodes: list, narrow_at: int, fused: dict, handing: dict) -> dict:
+    """norm node index -> the linear node index whose residual sum (a linear and the add after it as one wgmma
+    launch: `fused`, residual_adds) is the norm's input rows, for each rms_norm (or rms_norm_1p) that hands its
+    rows to the wgmma linear after it (`handing`, handed_rows) where that linear's weights are one launch of
+    16-bit weights and the rows' width a multiple of 128, the two on one side of the narrowing: the linear
+    writes each row's sum of squares a 128-column tile beside the rows (row_norms.cuh), and the norm reads them
+    instead of summing the row again. Below TMA_ROWS rows the norm then launches nothing: the next linear's
+    producer normalises the rows as it stages them (`_rms_norm`), the same bits as the norm's kernel writes at
+    more rows."""
+    producers = {nodes[j + 1].outputs[0].name: j for j in fused}
+    found = {}
+    for i, dtype in handing.items():
+        norm = nodes[i]
+        j = producers.get(norm.inputs[0].name) if norm.op in ("rms_norm", "rms_norm_1p") else None
+        if j is None or (j < narrow_at) != (i < narrow_at):
+            continue
+        linear = nodes[j]
+        weights = linear.inputs[1:]
+        if len(weights) == 1 and tensor_core_dtype(int(linear.inputs[0].shape[-1]), weights) is not None and \
+                int(weights[0].shape[0]) % NORM_TILE == 0:
+            found[i] = j
     return found
 
 
@@ -785,8 +824,8 @@ for _op, _rule in {"embedding": _embedding, "rms_norm": _rms_norm, "linear": _li
 
 @functools.lru_cache(maxsize=None)
 def kernel_source() -> str:
-    return (DEPENDENT_LAUNCH_SOURCE.read_text() + "\n" + ACTIVATIONS_SOURCE.read_text() + "\n" + SOURCE.read_text() +
-            "\n" + ATTENTION_MMA_SOURCE.read_text())
+    return (DEPENDENT_LAUNCH_SOURCE.read_text() + "\n" + ACTIVATIONS_SOURCE.read_text() + "\n" +
+            ROW_NORMS_SOURCE.read_text() + "\n" + SOURCE.read_text() + "\n" + ATTENTION_MMA_SOURCE.read_text())
 
 
 class GpuDevice(CpuDevice):
@@ -844,6 +883,12 @@ class GpuDevice(CpuDevice):
         self._program, _, narrowed, slot_of, slot_widths = step_slots(self.graph, gates=self.arch == "sm_90a")
         slots = [Operand(array(None, (rows, w), f32), (rows, w), f32) for w in slot_widths]
         self._buffers: dict = {name: slots[k] for name, k in slot_of.items()}
+        # the rows' sums of squares a 128-column tile (norm_squares) beside each slot of values a norm reads so
+        # (a slot's values are its sums' too: whatever writes the one writes the other)
+        summed = {e[1]["squares"] for e in self._program if e is not None and isinstance(e[1], dict)
+                  and e[1].get("squares")}
+        sums = {k: array(None, (rows, slot_widths[k] // NORM_TILE), f32) for k in {slot_of[v] for v in summed}}
+        self._squares: dict = {name: sums[slot_of[name]] for name in summed}
         self._narrowed: dict = {}
         self._tokens = array(None, (rows,), i32)
         self._positions = array(None, (rows,), i32)
@@ -940,6 +985,10 @@ class GpuDevice(CpuDevice):
         self._profile_kernels = False    # profile_ops' events after each kernel, not each op
         #: called with each kernel's name after its launch (profile_ops' kernel events), where set
         self.on_launch: Optional[Callable] = None
+
+    def squares_of(self, name: str) -> int:
+        """The device address of the sums of squares beside value `name`'s rows (norm_squares)."""
+        return self._squares[name]
 
     def _experts(self) -> list:
         """(moe_experts node, its router's top_k) of each mixture of experts."""

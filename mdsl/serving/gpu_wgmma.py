@@ -24,6 +24,7 @@ from mdsl.serving.gpu_launch import launch_kernel
 SOURCE = Path(__file__).with_name("linear_wgmma.cuh")
 ACTIVATIONS = Path(__file__).with_name("activations.cuh")   # (the gated epilogue's: step_kernels.cu's act_mul's)
 DEPENDENT_LAUNCH = Path(__file__).with_name("dependent_launch.cuh")   # (every kernel's step_wait)
+ROW_NORMS = Path(__file__).with_name("row_norms.cuh")   # (the norms' sums of squares, step_kernels.cu's too)
 ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
 FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
 BK = 64                           # k a stage
@@ -116,18 +117,25 @@ def kernel_source() -> str:
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
                 "    mdsl::serve_tc::Parts parts, int rows, int k, int out_width, int offset, int splits, int act,\n"
-                "    void* handed, int rows_rounded) {\n"
+                "    void* handed, int rows_rounded, const __grid_constant__ mdsl::serve_tc::Norm norm, float* squares) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
-                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded);\n}}\n"
+                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded, norm, "
+                "squares);\n}\n"
                 for d, ctype in _CTYPES.items() for rn in ROW_TILES]
     return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + DEPENDENT_LAUNCH.read_text() + "\n" +
-            ACTIVATIONS.read_text() + "\n" + SOURCE.read_text() + "\n" + "".join(kernels))
+            ACTIVATIONS.read_text() + "\n" + ROW_NORMS.read_text() + "\n" + SOURCE.read_text() + "\n" +
+            "".join(kernels))
 
 
 class _Parts(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Parts
     _fields_ = [("start", ctypes.c_int * (MAX_PARTS + 1)), ("tile", ctypes.c_int * (MAX_PARTS + 1)),
                 ("count", ctypes.c_int)]
+
+
+class _Norm(ctypes.Structure):   # linear_wgmma.cuh's serve_tc::Norm
+    _fields_ = [("squares", ctypes.c_void_p), ("w", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("one_plus", ctypes.c_int)]
 
 
 def _cumulative(sizes: list) -> list:
@@ -188,6 +196,9 @@ class WgmmaLinears:
         #: (the float32 rows' address, the buffer that holds them rounded) where the op before the next launch
         #: wrote its rows rounded instead (`hand`), for that launch, which alone reads them, to load by TMA
         self.handed: Optional[tuple] = None
+        #: (the normalised rows' address, the norm's input rows' address, its _Norm) where the norm before the
+        #: next launch left its rows to that launch (`normalise`)
+        self.normed: Optional[tuple] = None
         self._maps: dict = {}
         self._blank = (ctypes.c_ubyte * 128)()
 
@@ -205,12 +216,20 @@ class WgmmaLinears:
         self.handed = (address, buffer)
         return buffer
 
+    def normalise(self, address: int, x: int, squares: int, w: int, eps: float, one_plus: int) -> None:
+        """The next launch, whose input rows at `address` are the rms_norm of the float32 rows at `x` (weights at
+        `w`, of the launch's dtype), computes them itself from the rows' sums of squares at `squares` as its
+        producer stages the rows (below TMA_ROWS rows): linear_wgmma.cuh's Norm, gpu.py's norm_squares."""
+        self.normed = (address, x, _Norm(squares, w, eps, one_plus))
+
     def launch(self, out, x, weights: list, residual, rows: int, offset: int, act: int = -1,
-               hand: bool = False) -> None:
+               hand: bool = False, squares: Optional[int] = None) -> None:
         """out[:, offset + ...] = x @ [weights side by side].T (+ residual) over the step's `rows` rows; with an
         activation code `act` (step_kernels.cu's `activate`), weights = [gate, up] of one shape and out =
         act(x @ gate.T) * (x @ up.T), linear_wgmma.cuh's gated form, with `hand` handed to the next launch
-        rounded (where it loads its rows by TMA). x's rows come rounded from the op before where it handed them."""
+        rounded (where it loads its rows by TMA). x's rows come rounded from the op before where it handed them,
+        or as the float32 rows of a norm that left them to this launch (`normalise`); with `squares` the launch
+        writes the sums of squares of its output rows there (row_norms.cuh; one weight, no activation)."""
         dev = self.device
         name = _NAMES[weights[0].dtype]
         k = x.width
@@ -225,8 +244,12 @@ class WgmmaLinears:
         # the rows' map: the rows handed over rounded, else from TMA_ROWS rows a tile rounded here; without
         # either (fewer rows, not handed) the kernel's producer stages the float32 rows and takes a blank map
         handed, self.handed = self.handed, None
-        source = None
-        if handed is not None and handed[0] == x.ptr:
+        normed, self.normed = self.normed, None
+        source, rows_at, norm = None, x.ptr, _Norm()
+        if normed is not None and normed[0] == x.ptr:
+            assert rn < TMA_ROWS and handed is None, (rn, handed)   # (_rms_norm leaves its rows only so)
+            _, rows_at, norm = normed
+        elif handed is not None and handed[0] == x.ptr:
             source = handed[1]
         elif rn >= TMA_ROWS:
             source = self.rounded
@@ -240,10 +263,11 @@ class WgmmaLinears:
         parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(columns)),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(tiles)), len(columns))
         grid, splits = launch_grid(rows, sizes, k, dev.sms, gated)
-        args = [maps, rounded, ctypes.c_void_p(x.ptr), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
+        assert squares is None or (len(weights) == 1 and not gated), "sums of squares: one weight, no activation"
+        args = [maps, rounded, ctypes.c_void_p(rows_at), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
                 parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits, act)), ctypes.c_void_p(products),
-                ctypes.c_int(source is not None)]
+                ctypes.c_int(source is not None), norm, ctypes.c_void_p(squares)]
         self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:

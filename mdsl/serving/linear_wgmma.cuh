@@ -30,6 +30,11 @@
 // the rows the next linear, which alone reads them, loads by TMA (gpu_wgmma.py's handed rows: its round_rows
 // launch, and the float32 rows, skipped).
 //
+// An rms_norm's two ends (row_norms.cuh, gpu.py's norm_squares): with `squares` the launch writes each output
+// row's sum of squares of its 128-column tile beside the rows (a residual sum that a norm reads next), and with
+// a Norm the producer normalises the float32 rows it stages (the norm's input, below TMA_ROWS rows) from their
+// tiles' sums, so that the norm runs no kernel of its own.
+//
 // Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
 // run together and its bytes come from memory once a step, not once a row tile.
 //
@@ -65,6 +70,16 @@ struct Parts {
   int start[MAX_PARTS + 1];
   int tile[MAX_PARTS + 1];
   int count;
+};
+// the rms_norm of the rows, where the launch runs it (gpu.py's norm_squares: below TMA_ROWS rows, the norm's
+// input rows x staged by the producer): each row's tiles' sums of squares (`squares`, [rows][k / 128], written
+// by the linear that wrote x) and the norm's weights `w` (W), eps and whether it scales by 1 + w; squares null:
+// the rows as they are
+struct Norm {
+  const float* squares;
+  const void* w;
+  float eps;
+  int one_plus;
 };
 
 // x rounded to W: grid (rows, blocks a row), one row of k values a blockIdx.x
@@ -120,28 +135,40 @@ __device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
 template <int RN> struct StagedRows {
   static constexpr int VECS = RN * BK / 4, PER = (VECS + 127) / 128;
   float4 v[PER];
+  uint2 scale[PER];   // normalised: the norm's four weights (W) of each float4's columns
 
   // rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63 (zeros past the step's rows and past k: k is a multiple of
-  // 32, so a float4 lies wholly inside or outside it)
-  __device__ __forceinline__ void load(const float* x, int r0, int rows, int k0, int k) {
+  // 32, so a float4 lies wholly inside or outside it), and where `w` (the norm's weights, W) their weights
+  template <typename W>
+  __device__ __forceinline__ void load(const float* x, const W* w, int r0, int rows, int k0, int k) {
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int f = threadIdx.x + 128 * i, r = f / (BK / 4), kk = k0 + 4 * (f % (BK / 4));
-      v[i] = f < VECS && r0 + r < rows && kk < k
-                 ? *reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk)
-                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const bool live = f < VECS && r0 + r < rows && kk < k;
+      v[i] = live ? *reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk)
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (w) scale[i] = live ? *reinterpret_cast<const uint2*>(w + kk) : make_uint2(0u, 0u);
     }
   }
 
   // rounded to W into an RN x 64 tile: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's
-  // 128-byte swizzle; a float4 is half a chunk
-  template <typename W> __device__ __forceinline__ void store(unsigned tile) const {
+  // 128-byte swizzle; a float4 is half a chunk. `inverse` (shared memory, a float a row of the tile), where the
+  // rows are normalised: each value first becomes the norm's (row_norms.cuh's `normed`) of its row's inverse
+  template <typename W> __device__ __forceinline__ void store(unsigned tile, const float* inverse, int one_plus) const {
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int f = threadIdx.x + 128 * i, r = f / (BK / 4), q = f % (BK / 4);
       if (f >= VECS) break;
-      __align__(8) W h[4] = {from_float<W>(v[i].x), from_float<W>(v[i].y), from_float<W>(v[i].z),
-                             from_float<W>(v[i].w)};
+      float4 x = v[i];
+      if (inverse) {
+        const float inv = inverse[r];
+        const W* const w = reinterpret_cast<const W*>(&scale[i]);
+        x = make_float4(mdsl_norm::normed(x.x, inv, to_float(w[0]), one_plus),
+                        mdsl_norm::normed(x.y, inv, to_float(w[1]), one_plus),
+                        mdsl_norm::normed(x.z, inv, to_float(w[2]), one_plus),
+                        mdsl_norm::normed(x.w, inv, to_float(w[3]), one_plus));
+      }
+      __align__(8) W h[4] = {from_float<W>(x.x), from_float<W>(x.y), from_float<W>(x.z), from_float<W>(x.w)};
       store_shared(tile + r * 128 + 16 * ((q / 2) ^ (r % 8)) + 8 * (q % 2), *reinterpret_cast<const uint2*>(h));
     }
     // the generic proxy's stores made visible to wgmma's reads (the async proxy) before the stage is full
@@ -154,11 +181,13 @@ template <int RN> struct StagedRows {
 // the weight), with the residual added, or gated: the tile's first HALF columns (the gate's) and last HALF
 // (the up's) taken together into `act`'s products. Each thread holds float4s of 4 columns of the written
 // ones, VECS / THREADS or so: every load of one split in flight before any is added (the splits one after
-// another would wait out an L2 latency per value).
+// another would wait out an L2 latency per value). With `squares`, each row's sum of squares of the tile's
+// columns goes to squares[row][first_out / 128] (row_norms.cuh: a warp holds a row's 128 columns, lane l
+// columns 4l .. 4l + 3, the layout of tile_squares).
 template <typename W, int RN, bool GATED>
 __device__ __forceinline__ void fold_splits(float* out, W* handed, const float* part, const float* residual, int rows,
                                             int width, int splits, int r0, int cols, long long first_out,
-                                            int out_width, int act) {
+                                            int out_width, int act, float* squares) {
   constexpr int COLS = GATED ? HALF : FEATURES;   // the tile's written columns
   constexpr int SOURCES = GATED ? 2 : 1;          // ... each the sum of these partial columns (gate, up)
   constexpr int VECS = RN * COLS / 4, PER = (VECS + THREADS - 1) / THREADS;
@@ -213,6 +242,20 @@ __device__ __forceinline__ void fold_splits(float* out, W* handed, const float* 
       for (int j = 0; j < 4; ++j)
         if (cc + j < cols) sums[j] = residual[o + j] + sums[j];
     }
+  static_assert(GATED || COLS == 4 * 32, "a warp's float4s: one row's tile");
+  if (!GATED && squares)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      if (!held(i)) continue;   // (the same for a warp's threads: one row)
+      float v[4] = {total[0][i].x, total[0][i].y, total[0][i].z, total[0][i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (cc + j >= cols) v[j] = 0.0f;
+      const float sum = mdsl_norm::tile_squares(v[0], v[1], v[2], v[3]);
+      if (cc == 0)
+        squares[static_cast<long long>(r1 + ROWS_APART * i) * (out_width / mdsl_norm::TILE) +
+                first_out / mdsl_norm::TILE] = sum;
+    }
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     if (!held(i)) continue;
@@ -233,12 +276,14 @@ template <typename W, int RN>
 __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
                                        const float* x, float* out, float* part, int* arrivals,
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
-                                       int offset, int splits, int act, W* handed, int rows_rounded) {
+                                       int offset, int splits, int act, W* handed, int rows_rounded,
+                                       const Norm& norm, float* squares) {
   using R = Ring<RN>;
   // the rows' tiles by TMA from the rounded rows' map (`rows_rounded`: the host's; always from 64 rows), else
   // stored by the producer's threads from the float32 rows x
   const bool tma_rows = R::TMA_ROWS || rows_rounded;
   __shared__ int last;
+  __shared__ float inverse[RN];   // normalised rows: each row's 1 / rms (the producer's)
   // this block's weight (constant indices: the parts' fields stay in the parameter space)
   int p = 0, first_tile = 0, start = 0, end = parts.start[1];
 #pragma unroll
@@ -331,16 +376,27 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       }
     } else {
       StagedRows<RN> staged;
-      if (s0 < s1) staged.load(x, r0, rows, s0 * BK, k);
+      const W* const scale = norm.squares ? static_cast<const W*>(norm.w) : nullptr;
+      if (s0 < s1) staged.load(x, scale, r0, rows, s0 * BK, k);
+      // normalised rows: each row's 1 / rms (row_norms.cuh) from its tiles' sums of squares, a thread a row,
+      // its loads in flight with the first stage's rows (0 for the tile's rows past the step's: their zeros stay)
+      if (norm.squares) {
+        if (threadIdx.x < RN)
+          inverse[threadIdx.x] = r0 + int(threadIdx.x) < rows
+              ? mdsl_norm::inverse_rms(norm.squares + static_cast<long long>(r0 + threadIdx.x) * (k / mdsl_norm::TILE),
+                                       k, norm.eps)
+              : 0.0f;
+        asm volatile("bar.sync 2, 128;" ::: "memory");   // (the producer warpgroup's threads alone)
+      }
       for (int s = s0; s < s1; ++s) {
         barrier_wait(ring.empty(stage), phase ^ 1);
         if (threadIdx.x == 0 && s - s0 >= prefetched) {
           barrier_expect_bytes(ring.full(stage), R::W_BYTES);
           load_weights(stage, s);
         }
-        staged.template store<W>(ring.x_tile(stage));
+        staged.template store<W>(ring.x_tile(stage), norm.squares ? inverse : nullptr, norm.one_plus);
         barrier_arrive(ring.full(stage));
-        if (s + 1 < s1) staged.load(x, r0, rows, (s + 1) * BK, k);
+        if (s + 1 < s1) staged.load(x, scale, r0, rows, (s + 1) * BK, k);
         if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
     }
@@ -427,7 +483,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       // and store one value after another would wait out a memory latency per value (a grid of splits writes
       // partials: the tile's last block adds the residual)
       constexpr int BATCH = R::ACC < 16 ? R::ACC : 16;
-      const bool adds = residual != nullptr;
+      const bool adds = residual != nullptr, summed = squares != nullptr && !gated;
 #pragma unroll
       for (int b0 = 0; b0 < R::ACC; b0 += BATCH) {
         float add[BATCH];
@@ -449,6 +505,34 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
             else
               out[static_cast<long long>(r) * out_width + offset + col0 + cc] = adds ? add[b] + v : v;
           }
+        }
+        if (summed)   // (the values written, kept for the rows' sums of squares below)
+#pragma unroll
+          for (int b = 0; b < BATCH; ++b) {
+            const float v = acc[b0 + b];
+            acc[b0 + b] = f0 + c + 8 * ((b0 + b) % 4 / 2) < n ? (adds ? add[b] + v : v) : 0.0f;
+          }
+      }
+      if (summed) {
+        // each row's sum of squares of the tile's columns (row_norms.cuh's layout: a warp a row, lane l its
+        // columns 4l .. 4l + 3), the values through the ring's first bytes as [RN][128] floats: both consumer
+        // warpgroups' wgmmas have read every stage once both pass the barrier
+        static_assert(R::STAGES * R::STAGE_BYTES >= RN * FEATURES * 4, "a tile's values fit the stages");
+        float* const values = reinterpret_cast<float*>(smem + (ring.base - smem_address(smem)));
+        consumers_sync();
+#pragma unroll
+        for (int i = 0; i < R::ACC; ++i) {
+          const int j = i / 4, e = i % 4;
+          values[(8 * j + q + e % 2) * FEATURES + c + 8 * (e / 2)] = acc[i];
+        }
+        consumers_sync();
+        const int warp = (threadIdx.x - 128) / 32;
+        for (int rr = warp; rr < RN && r0 + rr < rows; rr += 8) {
+          const float4 v = *reinterpret_cast<const float4*>(values + rr * FEATURES + 4 * lane);
+          const float sum = mdsl_norm::tile_squares(v.x, v.y, v.z, v.w);
+          if (lane == 0)
+            squares[static_cast<long long>(r0 + rr) * (out_width / mdsl_norm::TILE) + (offset + col0) / mdsl_norm::TILE] =
+                sum;
         }
       }
     }
@@ -472,10 +556,10 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   const long long first_out = static_cast<long long>(offset) + col0;
   if (gated)
     fold_splits<W, RN, true>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES, slot(splits - 1) + 1,
-                             r0, n - f0, first_out, out_width, act);
+                             r0, n - f0, first_out, out_width, act, nullptr);
   else
     fold_splits<W, RN, false>(out, handed, part, residual, rows, parts.tile[MAX_PARTS] * FEATURES,
-                              slot(splits - 1) + 1, r0, n - f0, first_out, out_width, act);
+                              slot(splits - 1) + 1, r0, n - f0, first_out, out_width, act, squares);
 }
 
 }  // namespace serve_tc

@@ -6,7 +6,7 @@
 // Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
-// tree, and attention splits the row's own causal range (window start .. position, n keys) into key ranges
+// tree (or the row's tiles' sums of squares in tile order: row_norms.cuh), and attention splits the row's own causal range (window start .. position, n keys) into key ranges
 // anchored at the range's first position, of 64 keys, or of the multiple of 64 that makes ATT_MAX_SPLITS of
 // them or fewer where n is longer (split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS)))): a function of n
 // alone, never of max_seq or of the step; it folds them in order. So a request's logits are bit-identical
@@ -89,14 +89,24 @@ __device__ void embedding(float* out, const int* tokens, const W* table, int wid
 
 // ---- rms_norm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w or 1 + w); one block (NORM_THREADS) a row.
 // With `rounded` the values go there instead, rounded to W: the rows a Hopper linear that alone reads them
-// loads by TMA (gpu_wgmma.py's handed rows: its round_rows kernel, and the float32 rows, skipped)
+// loads by TMA (gpu_wgmma.py's handed rows: its round_rows kernel, and the float32 rows, skipped). With
+// `squares` the row's mean square comes from its tiles' sums of squares, which the linear that wrote x wrote
+// beside it (row_norms.cuh: the arithmetic of the wgmma linear that runs this norm itself at fewer rows)
 
 constexpr int NORM_PER = 4;   // a thread's values of a row held in registers (rows up to NORM_PER blocks wide)
 
 template <typename W>
-__device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus, W* rounded) {
+__device__ void rms_norm(float* out, const float* x, const W* w, int width, float eps, int one_plus, W* rounded,
+                         const float* squares) {
   __shared__ float red[32];
   const long long base = (long long)blockIdx.x * width;
+  const float* const tiles = squares ? squares + (long long)blockIdx.x * (width / mdsl_norm::TILE) : nullptr;
+  auto put = [&](int i, float v) {
+    if (rounded)
+      rounded[base + i] = from_f<W>(v);
+    else
+      out[base + i] = v;
+  };
   float ss = 0.0f;
   if (width <= NORM_PER * int(blockDim.x)) {
     // the row's values and the weights load together (one memory latency, not one and then another), and
@@ -106,36 +116,29 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
     for (int j = 0; j < NORM_PER; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       xv[j] = i < width ? x[base + i] : 0.0f;
-      scale[j] = i < width ? (one_plus ? 1.0f + to_f(w[i]) : to_f(w[i])) : 0.0f;
+      scale[j] = i < width ? to_f(w[i]) : 0.0f;
     }
+    if (!tiles)
 #pragma unroll
-    for (int j = 0; j < NORM_PER; ++j)
-      if (threadIdx.x + j * blockDim.x < width) ss = fmaf(xv[j], xv[j], ss);
-    const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
+      for (int j = 0; j < NORM_PER; ++j)
+        if (threadIdx.x + j * blockDim.x < width) ss = fmaf(xv[j], xv[j], ss);
+    const float inv = tiles ? mdsl_norm::inverse_rms(tiles, width, eps)
+                            : 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
 #pragma unroll
     for (int j = 0; j < NORM_PER; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i >= width) break;
-      const float v = __fmul_rn(__fmul_rn(xv[j], inv), scale[j]);
-      if (rounded)
-        rounded[base + i] = from_f<W>(v);
-      else
-        out[base + i] = v;
+      put(i, mdsl_norm::normed(xv[j], inv, scale[j], one_plus));
     }
     return;
   }
+  if (!tiles)
 #pragma unroll 4
-  for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(x[base + i], x[base + i], ss);
-  const float inv = 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(x[base + i], x[base + i], ss);
+  const float inv = tiles ? mdsl_norm::inverse_rms(tiles, width, eps)
+                          : 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
 #pragma unroll 4
-  for (int i = threadIdx.x; i < width; i += blockDim.x) {
-    const float scale = one_plus ? 1.0f + to_f(w[i]) : to_f(w[i]);
-    const float v = __fmul_rn(__fmul_rn(x[base + i], inv), scale);
-    if (rounded)
-      rounded[base + i] = from_f<W>(v);
-    else
-      out[base + i] = v;
-  }
+  for (int i = threadIdx.x; i < width; i += blockDim.x) put(i, mdsl_norm::normed(x[base + i], inv, to_f(w[i]), one_plus));
 }
 
 // ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (+ residual[r, offset + c]) for the columns c of up
@@ -1363,8 +1366,9 @@ __device__ void gather(float* out, const float* x, const int* keep, int width) {
 
 EVERY_DTYPE(embedding, (float* out, const int* tokens, const void* table, int width),
             (out, tokens, static_cast<const W*>(table), width))
-EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus, void* rounded),
-            (out, x, static_cast<const W*>(w), width, eps, one_plus, static_cast<W*>(rounded)))
+EVERY_DTYPE(rms_norm, (float* out, const float* x, const void* w, int width, float eps, int one_plus, void* rounded,
+                       const float* squares),
+            (out, x, static_cast<const W*>(w), width, eps, one_plus, static_cast<W*>(rounded), squares))
 EVERY_DTYPE(linear, (float* out, const float* x, serve::Parts parts, const float* residual, int rows, int k,
                      int out_width, int offset),
             (out, x, parts, residual, rows, k, out_width, offset))

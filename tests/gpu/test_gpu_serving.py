@@ -32,8 +32,10 @@ class Checkpoints(dict):
         self.factory = factory
 
     def __missing__(self, key):
-        arch, dtype = key
-        self[key] = write_checkpoint(self.factory.mktemp(f"{arch}-{dtype}"), arch, positions=320, torch_dtype=dtype)
+        arch, dtype, *wide = key   # (wide: rows of that many values, a multiple of 128: norm_squares)
+        shape = dict(hidden_size=wide[0], intermediate_size=64) if wide else {}
+        self[key] = write_checkpoint(self.factory.mktemp(f"{arch}-{dtype}"), arch, positions=320, torch_dtype=dtype,
+                                     **shape)
         return self[key]
 
 
@@ -237,6 +239,38 @@ def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoint
     runs = chunked_runs(ckpt.folder, prompts, params, 10, 30)
     assert runs[256][2] >= 4
     same_bits_alone(ckpt.folder, prompts, params, runs, range(0, 24, 3))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_a_norm_run_by_the_linear_after_it_agrees_and_keeps_every_requests_bits(checkpoints, arch):
+    """Rows 128 wide, bfloat16 (gpu.py's norm_squares): the linear that writes a norm's rows writes their sums
+    of squares, and the norm then runs inside the next linear in steps below 64 rows (no rms_norm launch but
+    the first layer's) and as its kernel from 64. 32 requests agree with the CPU device, and a request's
+    logits are the same bits alone as in steps of 256, 64, 7 and 1 tokens (its prompt's rows normalised by the
+    kernel in the first two, by the linears in the others, as in every decode step)."""
+    ckpt = checkpoints[arch, "bfloat16", 128]
+    layers = ckpt.raw["num_hidden_layers"]
+    with LLM(ckpt.folder, device="gpu", max_batch=2, page_size=16) as llm:
+        dev, launched = llm.device, []
+        dev.capture = False
+        dev.on_launch = launched.append
+        out = llm.submit(list(range(1, 81)), SamplingParams(max_new_tokens=3)).result()   # (80 rows, then 1)
+        dev.on_launch = None
+    # the prompt's step: its 80 rows' norms up to the narrowing by the kernel (the first layer's two and the
+    # second's first), the sampled row's two after it by the linears; each decode step: the first layer's input
+    # norm alone (the embedding writes its rows, no sums of squares)
+    norms = [name for name in launched if name.startswith("rms_norm")]
+    assert layers == 2 and len(out.token_ids) == 3 and len(norms) == 3 + 2, norms
+    rng = np.random.default_rng(13)
+    prompts = random_prompts(rng, 32)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(3, 13, 32)]
+    arrivals = arrivals_of(rng, prompts, params, 40)
+    agree(served(ckpt.folder, "gpu", arrivals, max_batch=32, page_size=4),
+          served(ckpt.folder, "cpu", arrivals, max_batch=32, page_size=4), prompts, "bfloat16")
+    prompts = random_prompts(rng, 16, 1, 300)
+    params = [SamplingParams(max_new_tokens=int(n)) for n in rng.integers(2, 9, 16)]
+    runs = chunked_runs(ckpt.folder, prompts, params, 20, 30)
+    same_bits_alone(ckpt.folder, prompts, params, runs, range(0, 16, 3))
 
 
 def test_seeded_sampling_repeats_whatever_shares_the_steps(checkpoints):

@@ -565,3 +565,49 @@ def test_a_mixture_of_experts_beyond_the_kernels_is_refused_by_name(overrides, t
     with pytest.raises(UnsupportedError, match=f"cannot run moe_router with {what}") as e:
         device._check_experts()
     assert e.value.loc.file.endswith("architectures.py") and "device='cpu'" in e.value.hint
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama3", "bfloat16"), ("qwen3", "float16"), ("gemma2", "bfloat16"),
+                                        ("qwen3_moe", "bfloat16"), ("llama3", "float32")])
+@pytest.mark.parametrize("hidden", [128, 32])
+def test_a_norm_after_a_residual_linear_takes_its_sums_of_squares_from_it(arch, dtype, hidden):
+    """norm_squares: with 16-bit weights and rows a multiple of 128 wide, every rms_norm that hands its rows to
+    the wgmma linear after it and whose input is a wgmma linear's residual sum (Llama's and Qwen3's norms but the
+    first layer's, which the embedding writes) takes the rows' sums of
+    squares from that linear: both entries of the program say `squares`, the rows' name. None for Gemma-2 (its
+    pre-norms read an add of a post-norm), float32 weights, rows of another width or without wgmma."""
+    from mdsl.serving.cpu import narrowing, serving_nodes
+    from mdsl.serving.gpu import gated_linears, handed_rows, lower_program, norm_squares, residual_adds
+
+    graph = _graph(arch, torch_dtype=dtype, hidden_size=hidden, intermediate_size=64)
+    nodes, caches = serving_nodes(graph)
+    narrow_at = narrowing(nodes, caches)
+    kept = {graph.logits.name}
+    fused = residual_adds(nodes, narrow_at, kept)
+    handing = handed_rows(nodes, narrow_at, kept, gated_linears(nodes, narrow_at, kept))
+    squares = norm_squares(nodes, narrow_at, fused, handing)
+    layers = sum(n.op in ("attention", "scaled_attention") for n in nodes)
+    if arch in ("llama3", "qwen3") and dtype != "float32" and hidden == 128:
+        norms = [i for i, n in enumerate(nodes) if n.op == "rms_norm"]
+        assert set(squares) == set(norms[1:]) and len(norms) == 2 * layers + 1
+    elif arch != "qwen3_moe":
+        assert not squares
+    for i, j in squares.items():
+        norm, linear, add = nodes[i], nodes[j], nodes[j + 1]
+        assert norm.op in ("rms_norm", "rms_norm_1p") and i in handing and j in fused
+        assert (linear.op, add.op) == ("linear", "add") and add.outputs[0].name == norm.inputs[0].name
+        assert (j < narrow_at) == (i < narrow_at) and len(linear.inputs) == 2
+    program = lower_program(nodes, narrow_at, graph.logits.name, gates=True)
+    said = {i: e[1]["squares"] for i, e in enumerate(program)
+            if e is not None and isinstance(e[1], dict) and e[1].get("squares")}
+    assert said == {**{i: nodes[i].inputs[0].name for i in squares},
+                    **{j: nodes[i].inputs[0].name for i, j in squares.items()}}
+    assert all(not (isinstance(e[1], dict) and e[1].get("squares"))
+               for e in lower_program(nodes, narrow_at, graph.logits.name) if e is not None)
+
+
+def test_the_norms_tile_is_the_wgmma_linears_columns_a_block():
+    from mdsl.serving import gpu, gpu_wgmma
+
+    assert gpu.NORM_TILE == gpu_wgmma.FEATURES
+    assert f"constexpr int TILE = {gpu.NORM_TILE};" in gpu.ROW_NORMS_SOURCE.read_text()

@@ -69,8 +69,11 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         staged = rn < G.TMA_ROWS
         assert len(re.findall(r"UTMALDG\.2D", after)) == 3 + 1 + 3 * staged, rn
         assert (len(re.findall(r"STS\.64", after)) >= 1 and "FENCE.VIEW.ASYNC.S" in after) == staged, rn
-        # the gated epilogue's hand-over between the consumer warpgroups: their own barrier (1), twice
-        assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 2, rn
+        # the consumer warpgroups' own barrier (1) twice in the gated epilogue's hand-over between them and twice
+        # around the tile's values for its rows' sums of squares; the producer's (2) once, where it stages rows,
+        # after each row's 1 / rms of a norm it runs
+        assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 4, rn
+        assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x2, 0x80 ", body)) == staged, rn
         # the largest row tile's producer gives registers to the consumers (their splits' running total beside
         # the accumulators) and each returns to the kernel's count before the split fold: two deallocations,
         # two allocations; a paired tile keeps the kernel's count throughout
