@@ -443,7 +443,7 @@ def norm_squares(nodes: list, narrow_at: int, fused: dict, handing: dict) -> dic
     more rows."""
     producers = {nodes[j + 1].outputs[0].name: j for j in fused}
     found = {}
-    for i, dtype in handing.items():
+    for i in handing:
         norm = nodes[i]
         j = producers.get(norm.inputs[0].name) if norm.op in ("rms_norm", "rms_norm_1p") else None
         if j is None or (j < narrow_at) != (i < narrow_at):
@@ -883,8 +883,9 @@ class GpuDevice(CpuDevice):
         self._program, _, narrowed, slot_of, slot_widths = step_slots(self.graph, gates=self.arch == "sm_90a")
         slots = [Operand(array(None, (rows, w), f32), (rows, w), f32) for w in slot_widths]
         self._buffers: dict = {name: slots[k] for name, k in slot_of.items()}
-        # the rows' sums of squares a 128-column tile (norm_squares) beside each slot of values a norm reads so
-        # (a slot's values are its sums' too: whatever writes the one writes the other)
+        # the rows' sums of squares a 128-column tile (norm_squares), a buffer beside each slot that holds rows a
+        # norm reads so: the linear writes a value's rows and their sums together, and the norm reads both while
+        # the value holds the slot
         summed = {e[1]["squares"] for e in self._program if e is not None and isinstance(e[1], dict)
                   and e[1].get("squares")}
         sums = {k: array(None, (rows, slot_widths[k] // NORM_TILE), f32) for k in {slot_of[v] for v in summed}}

@@ -531,8 +531,8 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           const float4 v = *reinterpret_cast<const float4*>(values + rr * FEATURES + 4 * lane);
           const float sum = mdsl_norm::tile_squares(v.x, v.y, v.z, v.w);
           if (lane == 0)
-            squares[static_cast<long long>(r0 + rr) * (out_width / mdsl_norm::TILE) + (offset + col0) / mdsl_norm::TILE] =
-                sum;
+            squares[static_cast<long long>(r0 + rr) * (out_width / mdsl_norm::TILE) +
+                    (offset + col0) / mdsl_norm::TILE] = sum;
         }
       }
     }

@@ -6,11 +6,12 @@
 // Batch invariance: a row's value never depends on the other rows of its step. Every reduction of a row
 // runs in an order fixed by the row's own sizes (its width, its position): a linear's dot product is the
 // same lane partition and shuffle tree for every row whatever the row count, a norm is one block's fixed
-// tree (or the row's tiles' sums of squares in tile order: row_norms.cuh), and attention splits the row's own causal range (window start .. position, n keys) into key ranges
-// anchored at the range's first position, of 64 keys, or of the multiple of 64 that makes ATT_MAX_SPLITS of
-// them or fewer where n is longer (split = 64 * max(1, ceil(n / (64 * ATT_MAX_SPLITS)))): a function of n
-// alone, never of max_seq or of the step; it folds them in order. So a request's logits are bit-identical
-// whatever shares its steps and however its prompt is chunked.
+// tree (or the row's tiles' sums of squares in tile order: row_norms.cuh), and attention splits the row's own
+// causal range (window start .. position, n keys) into key ranges anchored at the range's first position, of
+// 64 keys, or of the multiple of 64 that makes ATT_MAX_SPLITS of them or fewer where n is longer (split = 64 *
+// max(1, ceil(n / (64 * ATT_MAX_SPLITS)))): a function of n alone, never of max_seq or of the step; it folds
+// them in order. So a request's logits are bit-identical whatever shares its steps and however its prompt is
+// chunked.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -138,7 +139,8 @@ __device__ void rms_norm(float* out, const float* x, const W* w, int width, floa
   const float inv = tiles ? mdsl_norm::inverse_rms(tiles, width, eps)
                           : 1.0f / sqrtf(block_sum(ss, red) / float(width) + eps);
 #pragma unroll 4
-  for (int i = threadIdx.x; i < width; i += blockDim.x) put(i, mdsl_norm::normed(x[base + i], inv, to_f(w[i]), one_plus));
+  for (int i = threadIdx.x; i < width; i += blockDim.x)
+    put(i, mdsl_norm::normed(x[base + i], inv, to_f(w[i]), one_plus));
 }
 
 // ---- linear: out[r, offset + c] = sum_k x[r, k] * w[c, k] (+ residual[r, offset + c]) for the columns c of up
