@@ -41,7 +41,7 @@ from mdsl.megakernel.modelgraph.layers import LAYER_OPS, attention_options, rope
 from mdsl.megakernel.modelgraph.model import TOKENS
 from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
 from mdsl.serving.gpu_launch import dependent_launch, launch_kernel
-from mdsl.serving.gpu_wgmma import TMA_ROWS, row_tile
+from mdsl.serving.gpu_wgmma import NORMED_ROWS, row_tile
 from mdsl.serving.protocol import kv_pool_shape
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
@@ -139,11 +139,11 @@ def _embedding(xs, outs, a, b):
 def _rms_norm(xs, outs, a, b, one_plus: int = 0):
     """(With `hand` in a: the rows rounded for the linear after it, which loads them by TMA, instead;
     handed_rows. With `squares`: the row's mean square from the sums of squares beside x, and below
-    TMA_ROWS rows no launch: that linear normalises the rows itself; norm_squares.)"""
+    NORMED_ROWS rows no launch: that linear normalises the rows itself; norm_squares.)"""
     x, w = xs
     dev = b.device
     squares = dev.squares_of(a["squares"]) if a.get("squares") else None
-    if squares is not None and row_tile(b.rows) < TMA_ROWS:
+    if squares is not None and row_tile(b.rows) < NORMED_ROWS:
         dev.wgmma.normalise(outs[0].ptr, x.ptr, squares, w.ptr, a["eps"], one_plus)
         return
     rounded = dev.wgmma.hand(outs[0].ptr) if a.get("hand") else None
@@ -405,7 +405,7 @@ def handed_rows(nodes: list, narrow_at: int, kept: set, gated: dict) -> dict:
     it rounds to the linear's dtype) and a gated linear's (`gated`: its products) two nodes before it. The
     producer writes them rounded to the weights' dtype into a buffer the linear loads by TMA at any row count
     (gpu_wgmma's `hand`): what the linear's own round_rows kernel would write from the float32 rows, or its
-    producer warpgroup store in shared memory below TMA_ROWS rows; those are then never written, nor read back."""
+    producer warpgroup store in shared memory below 64 rows; those are then never written, nor read back."""
     def takes(linear, dtype) -> bool:
         weights = linear.inputs[1:]
         return (1 <= len(weights) <= MAX_PARTS and all(w.dtype is dtype for w in weights)
@@ -438,7 +438,7 @@ def norm_squares(nodes: list, narrow_at: int, fused: dict, handing: dict) -> dic
     rows to the wgmma linear after it (`handing`, handed_rows) where that linear's weights are one launch of
     16-bit weights and the rows' width a multiple of 128, the two on one side of the narrowing: the linear
     writes each row's sum of squares a 128-column tile beside the rows (row_norms.cuh), and the norm reads them
-    instead of summing the row again. Below TMA_ROWS rows the norm then launches nothing: the next linear's
+    instead of summing the row again. Below NORMED_ROWS rows the norm then launches nothing: the next linear's
     producer normalises the rows as it stages them (`_rms_norm`), the same bits as the norm's kernel writes at
     more rows."""
     producers = {nodes[j + 1].outputs[0].name: j for j in fused}

@@ -30,6 +30,10 @@ FEATURES = 128                    # weight columns a block (two consumer warpgro
 BK = 64                           # k a stage
 THREADS = 384                     # a producer warpgroup and two consumers
 TMA_ROWS = 64                     # linear_wgmma.cuh's Ring::TMA_ROWS: from this RN the rows always come by TMA
+NORMED_ROWS = 32                  # below this RN a norm runs in the next linear's producer (Norm); from it the
+                                  # norm's kernel hands its rows rounded: at 32 rows every block's copies of
+                                  # the float32 rows (twice the rounded rows' bytes) and its rounding cost more
+                                  # than the kernel
 SPLIT_THREADS = 256
 MAX_PARTS = 4                     # linear_wgmma.cuh's: weights side by side in one launch
 STAGE_SPACE = 196608              # linear_wgmma.cuh's: shared memory for a block's stages, one block an SM
@@ -51,16 +55,25 @@ def resident(rn: int) -> int:
     return 2 if rn < ROW_TILES[-1] else 1
 
 
+def floats(rn: int) -> tuple:
+    """(Ring<RN>::FLOATS, FLOAT_BYTES): below TMA_ROWS rows, the slots the producer copies the float32 rows and
+    the norm's weights into ahead of rounding them into a stage."""
+    return (0 if rn >= TMA_ROWS else 3), rn * BK * 4 + 4 * 128
+
+
 def stages(rn: int) -> int:
     """Ring<RN>::STAGES: of a weight tile and the rows' tile, as many as fit the block's share of shared memory
-    (8 at most)."""
+    beside the float slots (8 at most)."""
     space = PAIRED_SPACE if resident(rn) == 2 else STAGE_SPACE
-    return min(8, space // (FEATURES * BK * 2 + rn * BK * 2))
+    count, size = floats(rn)
+    return min(8, (space - count * size) // (FEATURES * BK * 2 + rn * BK * 2))
 
 
 def smem_bytes(rn: int) -> int:
-    """Ring<RN>::SMEM_BYTES: the stages, their two mbarriers each, and the slack that aligns them to 1024."""
-    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2 + 16) + 1024
+    """Ring<RN>::SMEM_BYTES: the stages, the float slots, the stages' two mbarriers each, and the slack that
+    aligns them to 1024."""
+    count, size = floats(rn)
+    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2 + 16) + count * size + 1024
 
 
 def wgmma_splits(tiles: int, k: int, sms: int) -> int:
@@ -220,7 +233,7 @@ class WgmmaLinears:
     def normalise(self, address: int, x: int, squares: int, w: int, eps: float, one_plus: int) -> None:
         """The next launch, whose input rows at `address` are the rms_norm of the float32 rows at `x` (weights at
         `w`, of the launch's dtype), computes them itself from the rows' sums of squares at `squares` as its
-        producer stages the rows (below TMA_ROWS rows): linear_wgmma.cuh's Norm, gpu.py's norm_squares."""
+        producer stages the rows (below NORMED_ROWS rows): linear_wgmma.cuh's Norm, gpu.py's norm_squares."""
         self.normed = (address, x, _Norm(squares, w, eps, one_plus))
 
     def launch(self, out, x, weights: list, residual, rows: int, offset: int, act: int = -1,

@@ -32,7 +32,7 @@
 //
 // An rms_norm's two ends (row_norms.cuh, gpu.py's norm_squares): with `squares` the launch writes each output
 // row's sum of squares of its 128-column tile beside the rows (a residual sum that a norm reads next), and with
-// a Norm the producer normalises the float32 rows it stages (the norm's input, below TMA_ROWS rows) from their
+// a Norm the producer normalises the float32 rows it stages (the norm's input, below the host's NORMED_ROWS) from their
 // tiles' sums, so that the norm runs no kernel of its own.
 //
 // Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
@@ -71,7 +71,7 @@ struct Parts {
   int tile[MAX_PARTS + 1];
   int count;
 };
-// the rms_norm of the rows, where the launch runs it (gpu.py's norm_squares: below TMA_ROWS rows, the norm's
+// the rms_norm of the rows, where the launch runs it (gpu.py's norm_squares: below NORMED_ROWS rows, the norm's
 // input rows x staged by the producer): each row's tiles' sums of squares (`squares`, [rows][k / 128], written
 // by the linear that wrote x) and the norm's weights `w` (W), eps and whether it scales by 1 + w; squares null:
 // the rows as they are
@@ -101,8 +101,15 @@ template <int RN> struct Ring {
   // about 0.26 us at the tensor cores' peak, 512 cycles, and only several stages in flight cover a load from
   // memory
   static constexpr int SPACE = PAIRED ? PAIRED_SPACE : STAGE_SPACE;
-  static constexpr int STAGES = SPACE / STAGE_BYTES < 8 ? SPACE / STAGE_BYTES : 8;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 16 * STAGES + 1024;
+  // below TMA_ROWS rows, a ring of FLOATS slots where the producer's threads copy (cp.async) the float32 rows
+  // and the norm's weights a stage needs, FLOATS - 1 stages ahead of rounding them into the stage: a copy's
+  // latency (an L2 one, while every SM streams weights) paid once a stage would bound a block's run of k
+  // steps, where the weights' bytes should
+  static constexpr int FLOATS = TMA_ROWS ? 0 : 3;
+  static constexpr int FLOAT_BYTES = RN * BK * 4 + 4 * 128;   // a slot: the rows' tile, each warp's 64 weights
+  static constexpr int STAGES = (SPACE - FLOATS * FLOAT_BYTES) / STAGE_BYTES < 8
+                                    ? (SPACE - FLOATS * FLOAT_BYTES) / STAGE_BYTES : 8;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + FLOATS * FLOAT_BYTES + 16 * STAGES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
   // the largest row tile's block runs a tile's k splits one after another (a step of several row tiles), the
   // running total of their sums in registers beside the accumulators (in shared memory it would take two of
@@ -117,7 +124,8 @@ template <int RN> struct Ring {
   unsigned base;
   __device__ __forceinline__ unsigned w_tile(int s) const { return base + s * STAGE_BYTES; }
   __device__ __forceinline__ unsigned x_tile(int s) const { return w_tile(s) + W_BYTES; }
-  __device__ __forceinline__ unsigned full(int s) const { return base + STAGES * STAGE_BYTES + 8 * s; }
+  __device__ __forceinline__ unsigned floats(int i) const { return base + STAGES * STAGE_BYTES + i * FLOAT_BYTES; }
+  __device__ __forceinline__ unsigned full(int s) const { return floats(FLOATS) + 8 * s; }
   __device__ __forceinline__ unsigned empty(int s) const { return full(s) + 8 * STAGES; }
 };
 
@@ -128,41 +136,69 @@ __device__ __forceinline__ void store_shared(unsigned address, uint2 v) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(address), "r"(v.x), "r"(v.y) : "memory");
 }
 
+__device__ __forceinline__ void cp_async(unsigned smem, const void* global, bool live) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(global), "r"(live ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(unsigned smem, const void* global, bool live) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(global), "r"(live ? 8 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // a producer thread's share of one stage's rows (RN x 64 values of x as float4s, float4 f of the tile to
-// thread f % 128: a warp's loads cover whole 128-byte lines, so that the blocks, which all read the same rows
-// at about the same time, ask the L2 for each line as few times as possible), loaded from memory a stage ahead
-// of its store, so that the load's latency passes while the producer waits for the stage to be free
+// thread f % 128: a warp's copies cover whole 128-byte lines, so that the blocks, which all read the same rows
+// at about the same time, ask the L2 for each line as few times as possible). A thread's float4s are all of
+// one group of 4 columns (128 threads, 16 float4s a row), so that the 4 norm weights of those columns serve
+// them all: a warp's first 16 lanes copy the stage's 64 weights, which its lanes read after a __syncwarp.
+// Otherwise each thread reads back only what it copied itself: no barrier between the producer's warps.
 template <int RN> struct StagedRows {
   static constexpr int VECS = RN * BK / 4, PER = (VECS + 127) / 128;
-  float4 v[PER];
-  uint2 scale[PER];   // normalised: the norm's four weights (W) of each float4's columns
+  static constexpr int WEIGHTS = RN * BK * 4;   // the slot's weights, 128 bytes a warp
 
-  // rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63 (zeros past the step's rows and past k: k is a multiple of
-  // 32, so a float4 lies wholly inside or outside it), and where `w` (the norm's weights, W) their weights
+  // copies rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63 (zeros past the step's rows and past k: k is a
+  // multiple of 32, so a float4 lies wholly inside or outside it), and where `w` (the norm's weights, W)
+  // this thread's 4 weights, into the slot at `slot`; one cp.async group
   template <typename W>
-  __device__ __forceinline__ void load(const float* x, const W* w, int r0, int rows, int k0, int k) {
+  static __device__ __forceinline__ void copy(unsigned slot, const float* x, const W* w, int r0, int rows, int k0,
+                                              int k) {
+    const int kk = k0 + 4 * (threadIdx.x % (BK / 4));
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      const int f = threadIdx.x + 128 * i, r = f / (BK / 4), kk = k0 + 4 * (f % (BK / 4));
-      const bool live = f < VECS && r0 + r < rows && kk < k;
-      v[i] = live ? *reinterpret_cast<const float4*>(x + static_cast<long long>(r0 + r) * k + kk)
-                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (w) scale[i] = live ? *reinterpret_cast<const uint2*>(w + kk) : make_uint2(0u, 0u);
+      const int f = threadIdx.x + 128 * i, r = f / (BK / 4);
+      const bool live = r0 + r < rows && kk < k;
+      if (f < VECS) cp_async(slot + 16 * f, live ? x + static_cast<long long>(r0 + r) * k + kk : x, live);
     }
+    if (w && threadIdx.x % 32 < BK / 4)
+      cp_async8(slot + WEIGHTS + 128 * (threadIdx.x / 32) + 8 * (threadIdx.x % 32), kk < k ? w + kk : w, kk < k);
+    cp_async_commit();
   }
 
-  // rounded to W into an RN x 64 tile: row r's 16-byte chunk c (8 values) at r * 128 + 16 (c ^ r % 8), TMA's
-  // 128-byte swizzle; a float4 is half a chunk. `inverse` (shared memory, a float a row of the tile), where the
-  // rows are normalised: each value first becomes the norm's (row_norms.cuh's `normed`) of its row's inverse
-  template <typename W> __device__ __forceinline__ void store(unsigned tile, const float* inverse, int one_plus) const {
+  // the slot's rows rounded to W into an RN x 64 tile: row r's 16-byte chunk c (8 values) at r * 128 +
+  // 16 (c ^ r % 8), TMA's 128-byte swizzle; a float4 is half a chunk. `inverse` (shared memory, a float a row of
+  // the tile), where the rows are normalised: each value first becomes the norm's (row_norms.cuh's `normed`) of
+  // its row's inverse
+  template <typename W>
+  static __device__ __forceinline__ void store(unsigned tile, unsigned slot, const float* inverse, int one_plus) {
+    uint2 scale = make_uint2(0u, 0u);
+    if (inverse) {
+      __syncwarp();   // (the warp's copied weights, each lane's copy complete: cp.async.wait_group)
+      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(scale.x), "=r"(scale.y)
+                   : "r"(slot + WEIGHTS + 128 * (threadIdx.x / 32) + 8 * (threadIdx.x % (BK / 4))) : "memory");
+    }
+    const W* const w = reinterpret_cast<const W*>(&scale);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int f = threadIdx.x + 128 * i, r = f / (BK / 4), q = f % (BK / 4);
       if (f >= VECS) break;
-      float4 x = v[i];
+      float4 x;
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                   : "r"(slot + 16 * f) : "memory");
       if (inverse) {
         const float inv = inverse[r];
-        const W* const w = reinterpret_cast<const W*>(&scale[i]);
         x = make_float4(mdsl_norm::normed(x.x, inv, to_float(w[0]), one_plus),
                         mdsl_norm::normed(x.y, inv, to_float(w[1]), one_plus),
                         mdsl_norm::normed(x.z, inv, to_float(w[2]), one_plus),
@@ -374,12 +410,16 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           if (++stage == R::STAGES) stage = 0, phase ^= 1;
         }
       }
-    } else {
-      StagedRows<RN> staged;
+    } else if constexpr (R::FLOATS > 0) {   // (from TMA_ROWS rows, tma_rows always)
+      using Staged = StagedRows<RN>;
       const W* const scale = norm.squares ? static_cast<const W*>(norm.w) : nullptr;
-      if (s0 < s1) staged.load(x, scale, r0, rows, s0 * BK, k);
+      // the first FLOATS - 1 stages' rows on their way (a group each, empty past s1: wait_group counts groups)
+      for (int i = 0; i < R::FLOATS - 1; ++i) {
+        if (s0 + i < s1) Staged::copy(ring.floats(i), x, scale, r0, rows, (s0 + i) * BK, k);
+        else cp_async_commit();
+      }
       // normalised rows: each row's 1 / rms (row_norms.cuh) from its tiles' sums of squares, a thread a row,
-      // its loads in flight with the first stage's rows (0 for the tile's rows past the step's: their zeros stay)
+      // its loads in flight with the first stages' rows (0 for the tile's rows past the step's: their zeros stay)
       if (norm.squares) {
         if (threadIdx.x < RN)
           inverse[threadIdx.x] = r0 + int(threadIdx.x) < rows
@@ -388,15 +428,21 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
               : 0.0f;
         asm volatile("bar.sync 2, 128;" ::: "memory");   // (the producer warpgroup's threads alone)
       }
-      for (int s = s0; s < s1; ++s) {
+      for (int s = s0, slot = 0; s < s1; ++s) {
+        // the slot this stage's copy leaves is the one the stage before read (this thread's reads, done)
+        const int ahead = s + R::FLOATS - 1, into = slot == 0 ? R::FLOATS - 1 : slot - 1;
+        if (ahead < s1) Staged::copy(ring.floats(into), x, scale, r0, rows, ahead * BK, k);
+        else cp_async_commit();
+        cp_async_wait<R::FLOATS - 1>();   // this stage's group
         barrier_wait(ring.empty(stage), phase ^ 1);
         if (threadIdx.x == 0 && s - s0 >= prefetched) {
           barrier_expect_bytes(ring.full(stage), R::W_BYTES);
           load_weights(stage, s);
         }
-        staged.template store<W>(ring.x_tile(stage), norm.squares ? inverse : nullptr, norm.one_plus);
+        Staged::template store<W>(ring.x_tile(stage), ring.floats(slot), norm.squares ? inverse : nullptr,
+                                  norm.one_plus);
         barrier_arrive(ring.full(stage));
-        if (s + 1 < s1) staged.load(x, scale, r0, rows, (s + 1) * BK, k);
+        if (++slot == R::FLOATS) slot = 0;
         if (++stage == R::STAGES) stage = 0, phase ^= 1;
       }
     }

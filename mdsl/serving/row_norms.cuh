@@ -22,19 +22,20 @@ __device__ __forceinline__ float tile_squares(float a, float b, float c, float d
 }
 
 // 1 / rms of a row of `width` values from its tiles' sums of squares `squares` (width / TILE of them), added in
-// tile order, the loads all in flight before the first addition
+// tile order, the loads of 32 tiles (a row of 4,096) all in flight before the first addition: where the next
+// linear normalises its rows, a thread a row, each round of loads is an L2 latency before its first stage
 __device__ __forceinline__ float inverse_rms(const float* squares, int width, float eps) {
+  constexpr int FLIGHT = 32;
   const int tiles = width / TILE;
   float total = 0.0f;
-  int i = 0;
-  for (; i + 8 <= tiles; i += 8) {
-    float v[8];
+  for (int i = 0; i < tiles; i += FLIGHT) {
+    float v[FLIGHT];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = squares[i + j];
+    for (int j = 0; j < FLIGHT; ++j) v[j] = i + j < tiles ? squares[i + j] : 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) total += v[j];
+    for (int j = 0; j < FLIGHT; ++j)
+      if (i + j < tiles) total += v[j];
   }
-  for (; i < tiles; ++i) total += squares[i];
   return 1.0f / sqrtf(total / float(width) + eps);
 }
 

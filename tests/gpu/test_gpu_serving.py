@@ -244,8 +244,8 @@ def test_a_requests_logits_do_not_depend_on_the_batch_or_the_chunking(checkpoint
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_a_norm_run_by_the_linear_after_it_agrees_and_keeps_every_requests_bits(checkpoints, arch):
     """Rows 128 wide, bfloat16 (gpu.py's norm_squares): the linear that writes a norm's rows writes their sums
-    of squares, and the norm then runs inside the next linear in steps below 64 rows (no rms_norm launch but
-    the first layer's) and as its kernel from 64. 32 requests agree with the CPU device, and a request's
+    of squares, and the norm then runs inside the next linear in steps below 32 rows (no rms_norm launch but
+    the first layer's) and as its kernel from 32. 32 requests agree with the CPU device, and a request's
     logits are the same bits alone as in steps of 256, 64, 7 and 1 tokens (its prompt's rows normalised by the
     kernel in the first two, by the linears in the others, as in every decode step)."""
     ckpt = checkpoints[arch, "bfloat16", 128]
