@@ -69,6 +69,12 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         staged = rn < G.TMA_ROWS
         assert len(re.findall(r"UTMALDG\.2D", after)) == 3 + 1 + 3 * staged, rn
         assert (len(re.findall(r"STS\.64", after)) >= 1 and "FENCE.VIEW.ASYNC.S" in after) == staged, rn
+        # ... its float32 rows and norm weights copied (cp.async: LDGSTS) into the float slots stages ahead,
+        # its first stages' copies before the row's 1 / rms and its barrier (2), the others' in the loop
+        assert ("LDGSTS" in after) == staged, rn
+        if staged:
+            barrier = after.index("BAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ")
+            assert "LDGSTS" in after[:barrier] and "LDGSTS" in after[barrier:], rn
         # the consumer warpgroups' own barrier (1) twice in the gated epilogue's hand-over between them and twice
         # around the tile's values for its rows' sums of squares; the producer's (2) once, where it stages rows,
         # after each row's 1 / rms of a norm it runs
