@@ -17,6 +17,10 @@ and any other leaves the part as it was:
   parts are strided views of the input that the kernel reads in place (`mdsl.lowering.views`), so siblings
   reading its parts (a gate and an up half, q, k and v) share one kernel. A split whose parts only leave
   the part stays after it: its parts are views of the value the kernel writes, for the kernels after it.
+  A split inside the part (a part read there) of an element-wise operator's result moves back past it toward
+  the inputs, as a reshape does: the operator runs once a part, on the parts of its operands (split alike;
+  one broadcast along the split dim is read whole by each), so a split inside a chain (an activation's
+  value cut into halves that later steps read) becomes views of the part's inputs.
 * **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
@@ -184,8 +188,11 @@ class _Rewrite:
         return before, ins
 
     def _back(self) -> bool:
-        """R(E(a, b)) = E(R(a), R(b)) for a reshape R of an element-wise E's private result."""
+        """R(E(a, b)) = E(R(a), R(b)) for a reshape R of an element-wise E's private result; a split's
+        parts likewise (`_split_back`)."""
         for node in self.nodes:
+            if node.op == "split" and self._split_back(node):
+                return True
             if node.op != "reshape":
                 continue
             v = node.inputs[0]
@@ -209,6 +216,36 @@ class _Rewrite:
                 self.replace(node, [*before, moved])
                 return True
         return False
+
+    def _split_back(self, node: Node) -> bool:
+        """S(E(a, b))_i = E(S(a)_i, S(b)_i) for a split S of an element-wise E's private result: E once a part,
+        each operand that has the split dim split as the result is (a bias row along columns too), one
+        broadcast along it (size 1 there: a per-row scalar) read whole by every part; False (nothing changed)
+        for an operand of another rank, and for a split whose parts only leave the part (a view of the
+        kernel's result already)."""
+        v = node.inputs[0]
+        source = self.producer(v.name)
+        if source is None or not _elementwise(source) or not self.private(v.name) or \
+                not any(self.readers(out.name) for out in node.outputs):
+            return False
+        dim = node.attr("dim") % len(v.shape)
+        before, operands = [], []   # operands: per operand of E, its value for each part
+        for w in source.inputs:
+            if len(w.shape) != len(v.shape) or any(a not in (1, b) for a, b in zip(w.shape, v.shape)):
+                return False
+            if w.shape[dim] == 1 and v.shape[dim] != 1:
+                operands.append([w] * len(node.outputs))
+                continue
+            parts = [Var(self.fresh(f"{w.name}_{k}"),
+                         w.type.with_shape([out.shape[d] if d == dim else n for d, n in enumerate(w.shape)]))
+                     for k, out in enumerate(node.outputs)]
+            before.append(attrs.evolve(node, inputs=[w], outputs=parts))
+            operands.append(parts)
+        moved = [attrs.evolve(source, inputs=[ins[k] for ins in operands], outputs=[out])
+                 for k, out in enumerate(node.outputs)]
+        self.nodes.remove(source)
+        self.replace(node, [*before, *moved])
+        return True
 
     # -- tidying -----------------------------------------------------------------------------------
 

@@ -141,6 +141,47 @@ def test_siblings_reading_the_parts_of_a_split_input_share_one_verified_kernel()
     _same_function(siblings.graph, plan.graph)
 
 
+def _cut_chain():
+    @mdsl.kernel
+    def cut_chain(x: Tensor[8, 64, f16], s: Tensor[8, 1, f16], b: Tensor[1, 64, f16]):
+        a, c = mdsl.split(mdsl.sigmoid(x * s + b), [32, 32], dim=-1)   # an activation cut in two inside
+        return a, c + 1.0
+    return cut_chain.graph
+
+
+def test_a_split_inside_a_chain_moves_to_the_inputs_past_its_elementwise_producers():
+    graph = _cut_chain()
+    wrapped = boundary_views(graph, LIFT_RULES)
+    assert wrapped is not None and not wrapped.trailing
+    # each step once a part: the per-row scalar read whole by both, x and the bias row split as the value was
+    assert _ops(wrapped.core) == ["mul", "mul", "add", "add", "sigmoid", "sigmoid", "add_scalar"]
+    assert sorted((n.inputs[0].name, n.outputs[0].shape) for n in wrapped.leading) == [("b", (1, 32)),
+                                                                                      ("x", (8, 32))]
+    assert all(n.op == "split" and len(n.outputs) == 2 for n in wrapped.leading)
+    assert {v.name for v in wrapped.core.inputs} >= {"s"}
+    assert [v.name for v in wrapped.core.outputs] == [v.name for v in graph.outputs]
+    _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
+
+
+def test_a_split_of_a_value_read_elsewhere_stays_and_the_part_is_left_alone():
+    @mdsl.kernel
+    def kept(x: Tensor[8, 64, f16]):
+        h = mdsl.sigmoid(x)
+        a, c = mdsl.split(h, [32, 32], dim=-1)   # h is returned too: computed whole, not a part at a time
+        return h, a * c
+
+    assert boundary_views(kept.graph, LIFT_RULES) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_chain_cut_by_a_split_becomes_one_verified_kernel():
+    graph = _cut_chain()
+    plan = search(graph, CONFIG).plan()
+    assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
+    assert sum(n.body is not None for n in plan.graph.nodes) == 1 and plan.evidence.equivalent
+    _same_function(graph, plan.graph)
+
+
 def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():
     from mdsl.search import guided
 
