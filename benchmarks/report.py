@@ -286,8 +286,9 @@ def serve_host_section(data: dict) -> list:
              f"{data.get('forward_ms', '?'):g} ms (a sleep, which lets the engine's thread run, as the GPU device's "
              "wait for its stream does) and every request decoding (`benchmarks/serve_host.py`): the step less "
              "the time the waits took (`forward µs`, measured) is the host's share of a step (the scheduler's "
-             "planning, pages and tables, its pool check, the tokens' ring records and their streaming), which "
-             "the GPU device adds to each step's kernels.", ""]
+             "planning, pages and tables, the tokens' ring records and their streaming), which the GPU device adds "
+             "to each step's kernels. As on the GPU device, the pool's check runs inside the forward's time (beside "
+             "the step's kernels there) and greedy tokens come as an array in chunk order.", ""]
     rows = [[r["batch"], r["context"], r["steps"], f"{r['step_us']:.0f}", f"{r['forward_us']:.0f}",
              f"{r['host_us']:.0f}"] for r in data.get("rows") or []]
     return lines + _table(["batch", "context", "steps", "step µs", "forward µs", "host µs a step"], rows,

@@ -9,7 +9,8 @@ forward is a wait of --forward-ms (a sleep, which lets the engine's thread run, 
 its stream does) and whose every request samples token 1 (the GPU device's greedy tokens come from the GPU).
 `batch` requests with prompts of `context` tokens decode together; the step time less the forward's (the
 time its sleeps took, measured: a sleep outlasts the time it asks for) is the host's share of a step, µs
-(the scheduler's planning, pages, tables, its pool check, the tokens' ring records).
+(the scheduler's planning, pages, tables and the tokens' ring records: the pool's check, which the GPU
+device runs beside its kernels, is inside the forward's time, and greedy tokens come as the GPU device's array).
 Files: serve_host.json (with the run's provenance) and serve_host.md.
 """
 from __future__ import annotations
@@ -27,7 +28,12 @@ from benchmarks.serve_http import random_checkpoint, scratch_folder   # noqa: E4
 
 
 def host_device(forward_s: float):
-    """The CPU device with its forward replaced by a wait of `forward_s` and token 1 for every sampling row."""
+    """The CPU device with its forward replaced by a wait of `forward_s` and token 1 for every sampling row, its
+    host work shaped as the GPU device's: the pool's check inside the forward's time (the GPU device checks it
+    while the step's kernels run), and where every chunk samples the tokens as an array in chunk order (the
+    GPU device's greedy tokens), else a chunk -> token dict."""
+    import numpy as np
+
     from mdsl.serving.cpu import CpuDevice
 
     class HostOnly(CpuDevice):
@@ -35,13 +41,16 @@ def host_device(forward_s: float):
 
         def _forward(self, step, chunks, rows) -> dict:
             start = time.perf_counter()
+            self._check_pool_now()
             time.sleep(forward_s)
             HostOnly.forward_spent[0] += time.perf_counter() - start
             keep = (chunks["row"] + chunks["count"] - 1)[chunks["sample"] == 1]
             return {int(r): None for r in keep.tolist()}
 
-        def _samples(self, logits: dict) -> dict:
+        def _samples(self, logits: dict):
             chunks = self.state["chunks"][:int(self.state["step"]["num_chunks"][0])]
+            if (chunks["sample"] == 1).all():
+                return np.ones(len(chunks), np.int32)
             return {c: 1 for c, sampled in enumerate(chunks["sample"].tolist()) if sampled}
 
     return HostOnly
