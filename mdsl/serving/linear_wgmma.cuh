@@ -32,8 +32,8 @@
 //
 // An rms_norm's two ends (row_norms.cuh, gpu.py's norm_squares): with `squares` the launch writes each output
 // row's sum of squares of its 128-column tile beside the rows (a residual sum that a norm reads next), and with
-// a Norm the producer normalises the float32 rows it stages (the norm's input, below the host's NORMED_ROWS) from their
-// tiles' sums, so that the norm runs no kernel of its own.
+// a Norm the producer normalises the float32 rows it stages (the norm's input, below the host's NORMED_ROWS)
+// from their tiles' sums, so that the norm runs no kernel of its own.
 //
 // Grid: (row tiles, weight tiles, split blocks), the row tiles fastest, so that the blocks of one weight tile
 // run together and its bytes come from memory once a step, not once a row tile.
@@ -160,8 +160,8 @@ template <int RN> struct StagedRows {
   static constexpr int WEIGHTS = RN * BK * 4;   // the slot's weights, 128 bytes a warp
 
   // copies rows r0 .. r0 + RN - 1 of x, k k0 .. k0 + 63 (zeros past the step's rows and past k: k is a
-  // multiple of 32, so a float4 lies wholly inside or outside it), and where `w` (the norm's weights, W)
-  // this thread's 4 weights, into the slot at `slot`; one cp.async group
+  // multiple of 32, so a float4 lies wholly inside or outside it), and where `w` (the norm's weights, W) the
+  // weights of its columns (a warp's first 16 lanes), into the slot at `slot`; one cp.async group
   template <typename W>
   static __device__ __forceinline__ void copy(unsigned slot, const float* x, const W* w, int r0, int rows, int k0,
                                               int k) {
