@@ -20,7 +20,12 @@ and any other leaves the part as it was:
   A split inside the part (a part read there) of an element-wise operator's result moves back past it toward
   the inputs, as a reshape does: the operator runs once a part, on the parts of its operands (split alike;
   one broadcast along the split dim is read whole by each), so a split inside a chain (an activation's
-  value cut into halves that later steps read) becomes views of the part's inputs.
+  value cut into halves that later steps read) becomes views of the part's inputs. A split of a product's
+  columns moves to its weight: one product a part, sharing their input (a gate and an up cut from one
+  weight's product, as Phi-3 stores them, become the gated pair the lifting fuses).
+* **A split joined again is its operand.** A concat of a split's parts, all of them in order along its dim,
+  is the split's operand: its readers read that (before anything moves, so that the split does not move
+  apart what the concat joins).
 * **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
@@ -105,8 +110,12 @@ class _Rewrite:
     # -- the rewrites ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Reshapes back toward the inputs first, then layout changes forward toward the outputs (a
-        reshape already on an input stays there), cancelling the pairs that meet."""
+        """Splits that a concat joins again removed first, then reshapes and splits back toward the inputs, then
+        layout changes forward toward the outputs (a reshape already on an input stays there), cancelling the
+        pairs that meet."""
+        for _ in range(_ROUNDS):
+            if not self._rejoined():
+                break
         for _ in range(_ROUNDS):
             if not self._back():
                 break
@@ -117,7 +126,10 @@ class _Rewrite:
         self._drop_dead()
 
     def _cancel(self) -> bool:
-        """L2(L1(x)) = x: the pair removed, x's producer renamed to L2's result (its only reader is L1)."""
+        """L2(L1(x)) = x: the pair removed, x's producer renamed to L2's result (its only reader is L1); a concat
+        of a split's parts in order, along its dim, is x too (`_rejoined`)."""
+        if self._rejoined():
+            return True
         for second in self.nodes:
             if second.op not in MOVABLE:
                 continue
@@ -138,6 +150,25 @@ class _Rewrite:
             self.nodes.remove(first)
             self.replace(second, [])
             self.nodes = [attrs.evolve(n, inputs=[x if v.name == out.name else v for v in n.inputs]) for n in self.nodes]
+            return True
+        return False
+
+    def _rejoined(self) -> bool:
+        """concat(split(x)) = x, the parts all in order along the split's dim: the concat's readers read x (the
+        split stays where another reads its parts); not where the part returns the concat's result by name."""
+        for node in self.nodes:
+            if node.op != "concat" or node.outputs[0].name in self.outputs:
+                continue
+            split = self.producer(node.inputs[0].name)
+            if split is None or split.op != "split" or \
+                    [v.name for v in node.inputs] != [v.name for v in split.outputs]:
+                continue
+            rank = len(split.inputs[0].shape)
+            if node.attr("dim") % rank != split.attr("dim") % rank:
+                continue
+            x, out = split.inputs[0], node.outputs[0].name
+            self.nodes.remove(node)
+            self.nodes = [attrs.evolve(n, inputs=[x if v.name == out else v for v in n.inputs]) for n in self.nodes]
             return True
         return False
 
@@ -225,10 +256,13 @@ class _Rewrite:
         kernel's result already)."""
         v = node.inputs[0]
         source = self.producer(v.name)
-        if source is None or not _elementwise(source) or not self.private(v.name) or \
-                not any(self.readers(out.name) for out in node.outputs):
+        if source is None or not self.private(v.name) or not any(self.readers(out.name) for out in node.outputs):
             return False
         dim = node.attr("dim") % len(v.shape)
+        if source.op == "matmul":
+            return self._split_product(node, source, dim)
+        if not _elementwise(source):
+            return False
         before, operands = [], []   # operands: per operand of E, its value for each part
         for w in source.inputs:
             if len(w.shape) != len(v.shape) or any(a not in (1, b) for a, b in zip(w.shape, v.shape)):
@@ -245,6 +279,22 @@ class _Rewrite:
                  for k, out in enumerate(node.outputs)]
         self.nodes.remove(source)
         self.replace(node, [*before, *moved])
+        return True
+
+    def _split_product(self, node: Node, product: Node, dim: int) -> bool:
+        """S(x @ w)_i = x @ S(w)_i for a split S of a product's columns (its last dim): the weight's columns split
+        alike (a view of an input, where the weight is one), one product a part, which share x (one kernel of
+        them: horizontal fusion), as q, k and v do from one weight; False for a split along another dim."""
+        if dim != len(node.inputs[0].shape) - 1:
+            return False
+        x, w = product.inputs
+        parts = [Var(self.fresh(f"{w.name}_{k}"), w.type.with_shape([*w.shape[:-1], out.shape[-1]]))
+                 for k, out in enumerate(node.outputs)]
+        cut = attrs.evolve(node, inputs=[w], outputs=parts,
+                           attrs=get_op("split").normalize_attrs({"sizes": node.attr("sizes"), "dim": len(w.shape) - 1}))
+        moved = [attrs.evolve(product, inputs=[x, part], outputs=[out]) for part, out in zip(parts, node.outputs)]
+        self.nodes.remove(product)
+        self.replace(node, [cut, *moved])
         return True
 
     # -- tidying -----------------------------------------------------------------------------------

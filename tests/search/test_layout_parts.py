@@ -73,9 +73,10 @@ def test_a_reshape_a_contraction_reads_stays_and_the_part_is_left_alone():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("make", [_transposed_scale, _heads], ids=["transposes", "heads"])
-def test_a_part_with_layout_changes_becomes_one_verified_kernel(make):
-    graph = make()
+@pytest.mark.parametrize("name", ["transposes", "heads", "cut_chain", "fused_gate_up"])
+def test_a_part_with_layout_changes_becomes_one_verified_kernel(name):
+    graph = {"transposes": _transposed_scale, "heads": _heads, "cut_chain": _cut_chain,
+             "fused_gate_up": _fused_gate_up}[name]()
     plan = search(graph, CONFIG).plan()
     assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
     assert plan.evidence.equivalent and plan.evidence.finite_field_tests == CONFIG.verify_tests
@@ -173,13 +174,51 @@ def test_a_split_of_a_value_read_elsewhere_stays_and_the_part_is_left_alone():
     assert boundary_views(kept.graph, LIFT_RULES) is None
 
 
-@pytest.mark.timeout(120)
-def test_a_chain_cut_by_a_split_becomes_one_verified_kernel():
-    graph = _cut_chain()
-    plan = search(graph, CONFIG).plan()
-    assert plan.cost.launches == 1 < plan.original_cost.launches, str(plan)
-    assert sum(n.body is not None for n in plan.graph.nodes) == 1 and plan.evidence.equivalent
-    _same_function(graph, plan.graph)
+def _fused_gate_up():
+    @mdsl.kernel
+    def fused_gate_up(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16]):
+        gate, up = mdsl.split(x @ w, [32, 32], dim=-1)    # one weight holds the gate's and the up's columns
+        return mdsl.silu(gate) * up
+    return fused_gate_up.graph
+
+
+def test_a_split_of_a_products_columns_moves_to_its_weight():
+    graph = _fused_gate_up()
+    wrapped = boundary_views(graph, LIFT_RULES)
+    assert wrapped is not None and not wrapped.trailing
+    assert _ops(wrapped.core) == ["matmul", "matmul", "silu", "mul"]
+    ((cut, shapes),) = [(n.inputs[0].name, [v.shape for v in n.outputs]) for n in wrapped.leading]
+    assert cut == "w" and shapes == [(64, 32), (64, 32)]                   # the weight's columns, views
+    assert {n.inputs[0].name for n in wrapped.core.nodes if n.op == "matmul"} == {"x"}
+    _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
+
+
+def test_a_split_of_a_products_rows_stays_and_the_part_is_left_alone():
+    @mdsl.kernel
+    def rows(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
+        a, b = mdsl.split(x @ w, [4, 4], dim=0)
+        return a * b
+
+    assert boundary_views(rows.graph, LIFT_RULES) is None
+
+
+def test_a_concat_of_a_splits_parts_in_order_is_its_operand():
+    @mdsl.kernel
+    def rejoined(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16]):
+        a, b = mdsl.split(x @ w, [16, 48], dim=-1)
+        return mdsl.concat([a, b], dim=-1) * 2.0
+
+    @mdsl.kernel
+    def swapped(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16]):
+        a, b = mdsl.split(x @ w, [16, 48], dim=-1)
+        return mdsl.concat([b, a], dim=-1) * 2.0           # not in order: the pieces stay
+
+    for program, ops in ((rejoined, ["matmul", "mul_scalar"]), (swapped, ["matmul", "matmul", "concat", "mul_scalar"])):
+        graph = program.graph
+        wrapped = boundary_views(graph, LIFT_RULES)
+        assert wrapped is not None and _ops(wrapped.core) == ops, program
+        assert [n.op for n in wrapped.leading] == ([] if program is rejoined else ["split"]) and not wrapped.trailing
+        _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
 
 
 def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():

@@ -71,8 +71,8 @@ FAMILIES = {"epilogue": (_layout_epilogue, {"silu", "add", "matmul"}),
             "norm_matmul": (_norm_matmul, {"matmul"}),
             "horizontal": (_horizontal, {"matmul"}),
             "row_scalar": (_row_scalar, {"max", "matmul"}),
-            "softmax": (_softmax, {"exp", "matmul"}),
-            "split_gate": (_split_gate, {"silu", "mul"})}
+            "softmax": (_softmax, {"exp", "matmul"})}
+# (_split_gate is one kernel now, its split moved to the weight: tests/search/test_layout_parts.py)
 
 
 def _fused_ops(graph: KernelGraph) -> set:
