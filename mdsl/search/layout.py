@@ -107,6 +107,10 @@ class _Rewrite:
         at = self.nodes.index(old)
         self.nodes[at:at + 1] = new
 
+    def read_instead(self, name: str, x: Var) -> None:
+        """Every reader of value `name` reads x instead."""
+        self.nodes = [attrs.evolve(n, inputs=[x if v.name == name else v for v in n.inputs]) for n in self.nodes]
+
     # -- the rewrites ------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -149,7 +153,7 @@ class _Rewrite:
                 continue   # x is an input or read elsewhere, and the part returns the pair's result by its name
             self.nodes.remove(first)
             self.replace(second, [])
-            self.nodes = [attrs.evolve(n, inputs=[x if v.name == out.name else v for v in n.inputs]) for n in self.nodes]
+            self.read_instead(out.name, x)
             return True
         return False
 
@@ -166,9 +170,8 @@ class _Rewrite:
             rank = len(split.inputs[0].shape)
             if node.attr("dim") % rank != split.attr("dim") % rank:
                 continue
-            x, out = split.inputs[0], node.outputs[0].name
             self.nodes.remove(node)
-            self.nodes = [attrs.evolve(n, inputs=[x if v.name == out else v for v in n.inputs]) for n in self.nodes]
+            self.read_instead(node.outputs[0].name, split.inputs[0])
             return True
         return False
 
@@ -290,8 +293,8 @@ class _Rewrite:
         x, w = product.inputs
         parts = [Var(self.fresh(f"{w.name}_{k}"), w.type.with_shape([*w.shape[:-1], out.shape[-1]]))
                  for k, out in enumerate(node.outputs)]
-        cut = attrs.evolve(node, inputs=[w], outputs=parts,
-                           attrs=get_op("split").normalize_attrs({"sizes": node.attr("sizes"), "dim": len(w.shape) - 1}))
+        columns = {"sizes": node.attr("sizes"), "dim": len(w.shape) - 1}
+        cut = attrs.evolve(node, inputs=[w], outputs=parts, attrs=get_op("split").normalize_attrs(columns))
         moved = [attrs.evolve(product, inputs=[x, part], outputs=[out]) for part, out in zip(parts, node.outputs)]
         self.nodes.remove(product)
         self.replace(node, [cut, *moved])
