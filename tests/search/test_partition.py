@@ -72,7 +72,7 @@ FAMILIES = {"epilogue": (_layout_epilogue, {"silu", "add", "matmul"}),
             "horizontal": (_horizontal, {"matmul"}),
             "row_scalar": (_row_scalar, {"max", "matmul"}),
             "softmax": (_softmax, {"exp", "matmul"})}
-# (_split_gate is one kernel now, its split moved to the weight: tests/search/test_layout_parts.py)
+# (_split_gate is one kernel: its split moves to the weight, tests/search/test_layout_parts.py)
 
 
 def _fused_ops(graph: KernelGraph) -> set:
