@@ -261,7 +261,7 @@ class WgmmaLinears:
         normed, self.normed = self.normed, None
         source, rows_at, norm = None, x.ptr, _Norm()
         if normed is not None and normed[0] == x.ptr:
-            assert rn < TMA_ROWS and handed is None, (rn, handed)   # (_rms_norm leaves its rows only so)
+            assert rn < NORMED_ROWS and handed is None, (rn, handed)   # (_rms_norm leaves its rows only so)
             _, rows_at, norm = normed
         elif handed is not None and handed[0] == x.ptr:
             source = handed[1]
