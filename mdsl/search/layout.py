@@ -25,7 +25,8 @@ and any other leaves the part as it was:
   weight's product, as Phi-3 stores them, become the gated pair the lifting fuses).
 * **A split joined again is its operand.** A concat of a split's parts, all of them in order along its dim,
   is the split's operand: its readers read that (before anything moves, so that the split does not move
-  apart what the concat joins).
+  apart what the concat joins); where the part returns the concat by name, the operand's producer writes
+  it under that name.
 * **Inverse pairs cancel.** A transpose forward past element-wise operators meets its inverse
   transpose (or a reshape its inverse reshape); the pair is removed, and the value it restored takes its
   name. A transpose of a value whose moved dims all have size 1 is a reshape.
@@ -159,9 +160,11 @@ class _Rewrite:
 
     def _rejoined(self) -> bool:
         """concat(split(x)) = x, the parts all in order along the split's dim: the concat's readers read x (the
-        split stays where another reads its parts); not where the part returns the concat's result by name."""
+        split stays where another reads its parts). Where the part returns the concat's result by name, x's
+        producer writes it under that name instead (x's readers read it so); an x that is an input of the
+        part, or a result of its own, has no producer to rename, and the concat stays."""
         for node in self.nodes:
-            if node.op != "concat" or node.outputs[0].name in self.outputs:
+            if node.op != "concat":
                 continue
             split = self.producer(node.inputs[0].name)
             if split is None or split.op != "split" or \
@@ -170,8 +173,18 @@ class _Rewrite:
             rank = len(split.inputs[0].shape)
             if node.attr("dim") % rank != split.attr("dim") % rank:
                 continue
+            x, out = split.inputs[0], node.outputs[0]
+            if out.name in self.outputs:
+                source = self.producer(x.name)
+                if source is None or x.name in self.outputs or len(source.outputs) != 1:
+                    continue
+                renamed = Var(out.name, x.type)
+                self.nodes.remove(node)
+                self.replace(source, [attrs.evolve(source, outputs=[renamed])])
+                self.read_instead(x.name, renamed)
+                return True
             self.nodes.remove(node)
-            self.read_instead(node.outputs[0].name, split.inputs[0])
+            self.read_instead(out.name, x)
             return True
         return False
 

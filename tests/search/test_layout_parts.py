@@ -221,6 +221,27 @@ def test_a_concat_of_a_splits_parts_in_order_is_its_operand():
         _same_function(graph, KernelGraph(graph.name, graph.inputs, wrapped.around(wrapped.core), graph.outputs))
 
 
+def test_a_rejoined_split_returned_by_name_is_its_operand_under_that_name():
+    @mdsl.kernel
+    def returned(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16]):
+        a, b = mdsl.split(mdsl.silu(x @ w), [16, 48], dim=-1)
+        return mdsl.concat([a, b], dim=-1)
+
+    @mdsl.kernel
+    def of_input(x: Tensor[8, 64, f16]):
+        a, b = mdsl.split(x, [16, 48], dim=-1)
+        return mdsl.concat([a, b], dim=-1), mdsl.sigmoid(a)   # x has no producer to rename: the concat stays
+
+    graph = returned.graph
+    wrapped = boundary_views(graph, LIFT_RULES)
+    assert wrapped is not None and not wrapped.leading and not wrapped.trailing
+    assert _ops(wrapped.core) == ["matmul", "silu"]
+    assert [v.name for v in wrapped.core.outputs] == [v.name for v in graph.outputs]   # silu writes %concat
+    _same_function(graph, wrapped.core)
+    kept = boundary_views(of_input.graph, LIFT_RULES)
+    assert kept is not None and _ops(kept.core) == ["concat", "sigmoid"]
+
+
 def test_the_guided_generator_lifts_a_whole_program_whose_views_move_to_its_boundary():
     from mdsl.search import guided
 
