@@ -43,6 +43,7 @@ from mdsl.serving.cpu import CpuDevice, narrowing, serving_nodes
 from mdsl.serving.gpu_launch import dependent_launch, launch_kernel
 from mdsl.serving.gpu_wgmma import NORMED_ROWS, row_tile
 from mdsl.serving.protocol import kv_pool_shape
+from mdsl.serving.sampling import NoMaximum
 
 SOURCE = Path(__file__).with_name("step_kernels.cu")
 ATTENTION_MMA_SOURCE = Path(__file__).with_name("attention_mma.cuh")   # (appended to SOURCE)
@@ -1135,6 +1136,8 @@ class GpuDevice(CpuDevice):
             self._check(self._driver.cuMemcpyDtoHAsync(out[i].ctypes.data, logits.ptr + i * row_bytes, row_bytes,
                                                        self._stream), "reading the logits")
         self._sync()
+        if greedy.any() and int(best[greedy].max()) >= logits.width:
+            raise NoMaximum()   # (argmax_rows' 2^31 - 1: no value above -inf, as first_maximum says)
         if len(keep) == len(chunks) and not len(wanted):
             # every chunk samples (keep: their last rows, in chunk order) and every one greedily: the device's
             # tokens are the step's, in chunk order (_samples), with no per-row dict

@@ -28,6 +28,7 @@ from mdsl.megakernel.runtime.serving_engine import (ERROR_BAD_LOGITS, HOST_STOP,
                                                     STATE_WORDS, ServingKernel)
 from mdsl.megakernel.runtime.serving_plan import ServingPlan
 from mdsl.serving.protocol import FAILED, SERVING, STOPPED, Region, ServingShape, device_region
+from mdsl.serving.sampling import NoMaximum
 from mdsl.serving.scheduler import STATE, scheduler_error
 
 WATCH_S = 1e-4     # the device thread's look at the ring and the queue while the kernel runs
@@ -64,8 +65,7 @@ def launch_ended(plan: ServingPlan, state: np.ndarray, scheduler_state: np.ndarr
                         "stopped", hint="a bug in mdsl's serving tables or runtime: please report it with this message")
     error = int(state[STATE_SERVE_ERROR])
     if error == ERROR_BAD_LOGITS or state[STATE_BAD_TOKEN]:
-        raise MdslError("the serving megakernel's logits of a sampling row had no maximum (NaN)",
-                        hint="check the weights for NaN or inf values")
+        raise NoMaximum()
     if error:
         raise scheduler_error(error, scheduler_state["bad_request"])
     return bool(state[STATE_LAUNCH_END]) and int(state[STATE_STOP]) != HOST_STOP

@@ -7,10 +7,14 @@ and a Gumbel draw; the token is the Gumbel-max over the allowed tokens of logit 
 (ties to the lower token id, as `better` does). Greedy is the logits' argmax. Top-k allows the k largest
 logits (ties to the lower id); top-p then allows the most likely tokens whose probability (softmax of
 logit / temperature over the tokens top-k allows) first reaches top_p, and every token whose logit ties
-the last of them (the device's threshold rule)."""
+the last of them (the device's threshold rule). A NaN logit never wins and is never allowed (the devices'
+comparisons never hold for it); a row with no logit above -inf has no token to choose: `NoMaximum`, on every
+device."""
 from __future__ import annotations
 
 import numpy as np
+
+from mdsl.errors import MdslError
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -39,10 +43,34 @@ def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     return -np.log(-np.log(u))
 
 
+class NoMaximum(MdslError):
+    """A sampling row's logits hold no value above -inf (all NaN or -inf): no token can be chosen."""
+
+    def __init__(self):
+        super().__init__("the logits of a sampling row had no maximum (NaN or -inf everywhere)",
+                         hint="check the weights for NaN or inf values")
+
+
+def first_maximum(values: np.ndarray) -> int:
+    """The index of the first largest value above -inf, NaN never (NoMaximum where there is none): the GPU
+    devices' argmax. np.argmax stops at the first NaN, so one pass answers a row without NaN."""
+    i = int(np.argmax(values))
+    if np.isnan(values[i]):
+        values = np.where(np.isnan(values), -np.inf, values)
+        i = int(np.argmax(values))
+    if not values[i] > -np.inf:
+        raise NoMaximum()
+    return i
+
+
 def allowed_tokens(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The token ids that top-k and top-p allow (all of them when both are off), ascending."""
+    """The token ids that top-k and top-p allow (all of them when both are off, NaN logits never), ascending."""
     logits = np.asarray(logits, np.float32).reshape(-1)
+    if np.isnan(logits).any():
+        logits = np.where(np.isnan(logits), np.float32(-np.inf), logits)
     order = np.argsort(-logits, kind="stable")           # descending, ties to the lower id
+    if not logits[order[0]] > -np.inf:
+        raise NoMaximum()
     if 0 < top_k < order.size:
         order = order[:top_k]
     if top_p < 1.0:
@@ -59,7 +87,7 @@ def sample(logits: np.ndarray, *, temperature: float, top_k: int, top_p: float, 
     """The token chosen at `position` (the position whose logits these are)."""
     logits = np.asarray(logits, np.float32).reshape(-1)
     if temperature == 0.0:
-        return int(np.argmax(logits))
+        return first_maximum(logits)
     allowed = allowed_tokens(logits, temperature, top_k, top_p)
     keys = logits[allowed] / np.float32(temperature) + gumbel_noise(seed, position, logits.size)[allowed]
-    return int(allowed[int(np.argmax(keys))])
+    return int(allowed[first_maximum(keys)])

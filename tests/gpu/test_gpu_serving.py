@@ -405,3 +405,23 @@ def test_the_greedy_tokens_are_each_rows_first_maximum(checkpoints):
                             ctypes.c_void_p(dev._argmax_parts), ctypes.c_void_p(dev._argmax_counts)])
                 dev._sync()
                 assert best.to_numpy().tolist() == expected, width
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_nan_weights_fail_every_request_with_no_maximum(checkpoints, tmp_path, temperature):
+    """Logits without a maximum (NaN everywhere) stop the device with NoMaximum on every request, as on the
+    CPU device: the greedy rows' argmax_rows answer (2^31 - 1) is never taken for a token."""
+    from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
+    from mdsl.serving import ServingError
+
+    ckpt = checkpoints["qwen3", "bfloat16"]
+    weights = dict(ckpt.weights)
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+    save_checkpoint(str(tmp_path), ckpt.raw, weights)
+    with LLM(str(tmp_path), device="gpu", max_batch=4) as llm:
+        handles = [llm.submit([1, 2, 3 + i], SamplingParams(max_new_tokens=4, temperature=temperature))
+                   for i in range(3)]
+        for h in handles:
+            with pytest.raises(ServingError, match="no maximum"):
+                h.result(timeout=120)
+        assert llm.stats().status == "failed"

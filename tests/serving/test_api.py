@@ -1,5 +1,6 @@
 """The engine's API: parameters checked with MdslErrors, EOS and stop tokens, text prompts through a
-checkpoint's tokenizer.json, offline generate, and a device failure reaching every request."""
+checkpoint's tokenizer.json, offline generate, a device failure reaching every request, and logits without a
+maximum."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from mdsl.errors import MdslError
 from mdsl.serving import ServingError
 from mdsl.serving.cpu import CpuDevice
 from mdsl.serving.protocol import MAX_STOP
+from mdsl.serving.sampling import NoMaximum, sample
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -151,6 +153,35 @@ def test_a_device_failure_reaches_every_request(checkpoints, monkeypatch):
                 h.result(timeout=60)
             with pytest.raises(ServingError, match="the forward broke"):
                 list(h)
+        assert llm.stats().status == "failed"
+
+
+def test_a_nan_logit_never_wins_and_a_row_without_a_maximum_is_an_error():
+    """Every device's rule: the first largest logit above -inf, NaN never chosen nor allowed; a row with no
+    such logit raises NoMaximum, greedy or sampled."""
+    row = np.array([1.0, np.nan, 3.0, 3.0, np.nan, -np.inf], np.float32)
+    assert sample(row, temperature=0.0, top_k=0, top_p=1.0, seed=0, position=0) == 2
+    for top_k, top_p in ((0, 1.0), (3, 1.0), (0, 0.5)):
+        tokens = {sample(row, temperature=0.8, top_k=top_k, top_p=top_p, seed=s, position=7) for s in range(40)}
+        assert tokens and tokens <= {0, 2, 3}, (top_k, top_p)
+    for bad in (np.full(6, np.nan, np.float32), np.full(6, -np.inf, np.float32)):
+        for temperature in (0.0, 0.8):
+            with pytest.raises(NoMaximum, match="no maximum"):
+                sample(bad, temperature=temperature, top_k=0, top_p=0.9, seed=0, position=0)
+
+
+def test_nan_weights_fail_every_request_with_no_maximum(checkpoints, tmp_path):
+    from mdsl.megakernel.modelgraph.checkpoint import save_checkpoint
+
+    ckpt = checkpoints["llama3"]
+    weights = dict(ckpt.weights)
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+    save_checkpoint(str(tmp_path), ckpt.raw, weights)
+    with LLM(str(tmp_path), max_batch=2) as llm:
+        handles = [llm.submit([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=t)) for t in (0.0, 0.7)]
+        for h in handles:
+            with pytest.raises(ServingError, match="no maximum"):
+                h.result(timeout=60)
         assert llm.stats().status == "failed"
 
 
