@@ -40,12 +40,18 @@ class BlockKernel:
     block's threads, the shared-memory tile of every value and the lowering's choices (which matmuls
     run on tensor cores, which accumulators live in their registers)."""
 
-    def __init__(self, scope, bg: BlockGraph, lowered: Lowered, arch: int, block_index: Optional[tuple] = None):
+    def __init__(self, scope, bg: BlockGraph, lowered: Lowered, arch: int, block_index: Optional[tuple] = None,
+                 task: bool = False):
         self.w: CodeWriter = scope.w
         self._block_index = block_index   # per grid axis, a C expression; None: blockIdx
         self.namer = scope.namer
         self.bg = bg
-        self.threads = Threads(bg.threads, unroll=lowered.options.unroll)
+        # a task's body (mdsl.backend.cuda.task): the barrier is block_sync<BAR, threads> of the function's
+        # template parameter BAR, and the shared memory the function's `smem` parameter
+        self.task = task
+        self.sync = f"mdsl::block_sync<BAR, {bg.threads}>();" if task else "__syncthreads();"
+        self.threads = Threads(bg.threads, unroll=lowered.options.unroll,
+                               barrier=f", BAR, {bg.threads}" if task else "")
         self.loop_counter = LOOP_COUNTER
         self.layout = lowered.layout
         self.lowered = lowered
@@ -71,7 +77,8 @@ class BlockKernel:
         return self.lowered.mma.get(node.output.name)
 
     def _declare_tiles(self, memory) -> None:
-        self.w("extern __shared__ __align__(16) unsigned char smem[];")
+        if not self.task:
+            self.w("extern __shared__ __align__(16) unsigned char smem[];")
         for t in memory.lifetimes:
             layout = self.layout.tiles[t.name]
             c = ctype(layout.dtype)
@@ -94,12 +101,13 @@ def emit_custom(program, index: int, node: Node) -> None:
         emit_body(program, kernel, scope)
 
 
-def emit_body(program, kernel: CustomKernel, scope, block_index: Optional[tuple] = None) -> None:
+def emit_body(program, kernel: CustomKernel, scope, block_index: Optional[tuple] = None, task: bool = False) -> None:
     """A custom kernel's body on the operands of `scope` (its node's inputs and outputs). `block_index`: the
     block's coordinates (C expressions) where the kernel is the combine of a split in one launch, which
-    waits for no previous kernel (the split did); None: blockIdx."""
+    waits for no previous kernel (the split did), or a task's (`task`: the body of mdsl.backend.cuda.task's
+    device function, whose caller orders it after its inputs); None: blockIdx."""
     bg = kernel.body
-    b = BlockKernel(scope, bg, kernel.lowered, arch_number(program.arch), block_index)
+    b = BlockKernel(scope, bg, kernel.lowered, arch_number(program.arch), block_index, task)
     if kernel.waits_first and block_index is None:
         b.w("mdsl::wait_for_previous_kernel();   // launched to overlap it: no global memory touched before",
             "mdsl::let_next_kernel_launch();")
@@ -120,7 +128,7 @@ def _streamed(b: BlockKernel, kernel: CustomKernel, scope, step: steps.StreamedL
 
 
 def _barrier(b: BlockKernel, kernel: CustomKernel, scope, step: steps.Barrier) -> None:
-    b.w("__syncthreads();")
+    b.w(b.sync)
 
 
 def _init_accumulators(b: BlockKernel, kernel: CustomKernel, scope, step: steps.InitAccumulators) -> None:
@@ -153,7 +161,7 @@ def _load_once(b: BlockKernel, kernel: CustomKernel, scope, step: steps.LoadOnce
 
 def _hoisted(b: BlockKernel, kernel: CustomKernel, scope, step: steps.Hoisted) -> None:
     b.w("// loop-invariant nodes, once before the loop")
-    b.w("__syncthreads();")
+    b.w(b.sync)
     for stage in step.stages:
         _stage(b, stage)
 
@@ -179,7 +187,7 @@ def _loop(b: BlockKernel, kernel: CustomKernel, scope, step: steps.Loop) -> None
         else:
             for inp in step.inputs:
                 _load(b, inp, b.parts[inp.var.name], b.tile(inp.var), LOOP_COUNTER)
-        w("__syncthreads();")
+        w(b.sync)
         if step.issue_late:
             _issue(b, step.inputs, rings, f"{LOOP_COUNTER} + {depth - 1}")
         for name, ring in rings.items():
@@ -207,7 +215,7 @@ def _finish(b: BlockKernel, kernel: CustomKernel, scope, step: steps.Finish) -> 
         w("// its registers to its tile")
         b.rows.store(bg.nodes[i].output, b.tile(bg.nodes[i].output))
     if step.barrier:
-        w("__syncthreads();")
+        w(b.sync)
 
 
 def _store_outputs(b: BlockKernel, kernel: CustomKernel, scope, step: steps.StoreOutputs) -> None:
@@ -243,7 +251,7 @@ def _stage(b: BlockKernel, stage: steps.Stage) -> None:
         rule = _rule(node)
         (rule.update if node.opdef.is_accumulator else rule.block)(b, node)
     if stage.barrier:
-        b.w("__syncthreads();")
+        b.w(b.sync)
 
 
 def _rings(b: BlockKernel, inputs: tuple) -> dict:

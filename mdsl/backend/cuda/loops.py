@@ -34,6 +34,8 @@ class Threads:
     block: int
     grid: bool = False
     unroll: int = BLOCK_UNROLL   # a block's loops (CudaOptions.unroll)
+    barrier: str = ""            # the block's barrier as block_sync's template arguments (", BAR, THREADS": a
+                                 # block run as a task, mdsl.backend.cuda.task); "" its kernel's __syncthreads
 
     @property
     def first(self) -> str:
@@ -195,7 +197,7 @@ def emit_row_reduce(w: CodeWriter, threads: Threads, src: Operand, dim: int, fol
                 with _each_element(w, loop, "row", _scaled("c", vector * stride), read=True):
                     w(f"v = {fold.step};")
         if lanes > WARP:
-            w(f"v = mdsl::warps_reduce<{lanes}>(v, {fold.combine}, part);")
+            w(f"v = mdsl::warps_reduce<{lanes}{threads.barrier}>(v, {fold.combine}, part);")
         elif lanes > 1:
             w(f"v = mdsl::group_reduce<{lanes}>(v, {fold.combine});")
         finish(w)

@@ -64,6 +64,17 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 // exp(m - top) for online softmax; an empty running maximum (-inf) weighs nothing
 __device__ __forceinline__ float rescale(float m, float top) { return m == neg_inf() ? 0.0f : expf(m - top); }
 
+// The barrier of a block's threads: __syncthreads where the block is a kernel's own (BAR 0), else named barrier
+// BAR over the THREADS threads (the first ones of the CUDA block) that run it as a task of a persistent worker,
+// whose other warps (its scheduler) go on meanwhile (mdsl.backend.cuda.task)
+template <int BAR, int THREADS>
+__device__ __forceinline__ void block_sync() {
+  if constexpr (BAR == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(THREADS) : "memory");
+}
+
 // ---- reductions across the G consecutive lanes of a group (G a power of two, at most 32);
 // every lane of the warp takes part, and every lane of a group ends with the group's result
 struct Sum { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
@@ -78,18 +89,18 @@ __device__ __forceinline__ float group_reduce(float v, Op op) {
 
 // the same over a group of G consecutive threads that are G / 32 whole warps: each warp's result through
 // `part` (shared, a float per warp of the block), combined in warp order on every thread of the group;
-// every thread of the block takes part (two barriers)
-template <int G, typename Op>
+// every thread of the block takes part (two barriers: block_sync's)
+template <int G, int BAR = 0, int THREADS = 0, typename Op>
 __device__ __forceinline__ float warps_reduce(float v, Op op, float* part) {
   constexpr int WARPS = G / 32;
   v = group_reduce<32>(v, op);
   const int warp = threadIdx.x / 32, first = warp / WARPS * WARPS;
   if (threadIdx.x % 32 == 0) part[warp] = v;
-  __syncthreads();
+  block_sync<BAR, THREADS>();
   v = part[first];
 #pragma unroll
   for (int k = 1; k < WARPS; ++k) v = op(v, part[first + k]);
-  __syncthreads();  // every group has read `part` before it is written again
+  block_sync<BAR, THREADS>();  // every group has read `part` before it is written again
   return v;
 }
 

@@ -63,15 +63,15 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
               "const int row = mt * 8 + (threadIdx.x % 32) / 4;")
             w(f"if (threadIdx.x % 4 == 0 && row < {plan.m}) "
               f"{part}[{skinny.row_folds_at(r, warps)} + threadIdx.x / 32 * {MAX_ROWS} + row] = v;")
-    w("__syncthreads();")
+    w(b.sync)
     _sums_into_tiles(b, bg, skinny, part, warps)
-    w("__syncthreads();")
+    w(b.sync)
     finishing = [i for i in plan.rows if bg.nodes[i].op in FINALIZED]
     for i in finishing:
         w.op(bg.nodes[i])
         CUDA_RULES[bg.nodes[i].op].finalize(b, bg.nodes[i])
     if finishing:
-        w("__syncthreads();")
+        w(b.sync)
 
 
 def _prologue(b, bg: BlockGraph, plan) -> str:
