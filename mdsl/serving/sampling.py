@@ -64,7 +64,8 @@ def first_maximum(values: np.ndarray) -> int:
 
 
 def allowed_tokens(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The token ids that top-k and top-p allow (all of them when both are off, NaN logits never), ascending."""
+    """The token ids that top-k and top-p allow (all of them when both are off; a NaN logit counts as -inf),
+    ascending."""
     logits = np.asarray(logits, np.float32).reshape(-1)
     if np.isnan(logits).any():
         logits = np.where(np.isnan(logits), np.float32(-np.inf), logits)

@@ -15,8 +15,9 @@ differences:
   a little static shared memory of their own, as in the kernel.
 
 The caller runs it on the first `threads` threads of its CUDA block (threadIdx.x below that), every one of
-them, and orders it after the writes of its inputs and before the reads of its outputs (the worker's events):
-a task body waits for nothing itself. It is lowered without what only a kernel launch has: no programmatic
+them, orders it after the writes of its inputs and before the reads of its outputs (the worker's events), and
+passes a barrier of those threads between two tasks on the same shared memory: a task body waits for nothing
+itself (it ends with its cp.async copies all done, as the kernel's block does). It is lowered without what only a kernel launch has: no programmatic
 dependent launch (`CudaOptions.overlap`) and no skinny loop staggered by the grid's block index (`stagger`).
 Otherwise the arithmetic is the kernel's, in the same order, so a task computes the bits the kernel's block at
 the same coordinates computes.
