@@ -37,14 +37,17 @@ def test_a_blocks_tasks_compute_the_kernels_bits(name, skinny):
     runner = check(driver.cuModuleGetFunction(module, b"runner"), "cuModuleGetFunction")
     check(driver.cuFuncSetAttribute(runner, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     body.smem_bytes), "allowing the runner its shared memory")
-    arrays = upload(inputs, graph) + poisoned(graph)
+    # the body's parameters: its node's inputs and outputs, found among the graph's by name
+    ins, outs = upload(inputs, graph), poisoned(graph)
+    by_name = {v.name: a for v, a in zip((*graph.inputs, *graph.outputs), (*ins, *outs))}
+    arrays = [by_name[v.name] for v in (*body.inputs, *body.outputs)]
     pointers = [ctypes.c_void_p(a.ptr) for a in arrays]
     params = (ctypes.c_void_p * len(pointers))(*[ctypes.addressof(p) for p in pointers])
     workers = min(3, body.tasks)
     check(driver.cuLaunchKernel(runner, workers, 1, 1, body.threads + 32, 1, 1, body.smem_bytes, 0,
                                 ctypes.addressof(params), 0), "launching the runner")
     check(driver.cuCtxSynchronize(), "running the runner")
-    for got, expected, var in zip(arrays[len(inputs):], want, graph.outputs):
+    for got, expected, var in zip(outs, want, graph.outputs):
         g, w = got.to_numpy(), expected.to_numpy()
         assert not np.isnan(w.astype(np.float64)).any(), var.name
         assert np.array_equal(g, w), f"{name}: %{var.name} differs at {np.argwhere(g != w)[:4].tolist()}"
