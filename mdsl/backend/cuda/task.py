@@ -17,10 +17,10 @@ differences:
 The caller runs it on the first `threads` threads of its CUDA block (threadIdx.x below that), every one of
 them, orders it after the writes of its inputs and before the reads of its outputs (the worker's events), and
 passes a barrier of those threads between two tasks on the same shared memory: a task body waits for nothing
-itself (it ends with its cp.async copies all done, as the kernel's block does). It is lowered without what only a kernel launch has: no programmatic
-dependent launch (`CudaOptions.overlap`) and no skinny loop staggered by the grid's block index (`stagger`).
-Otherwise the arithmetic is the kernel's, in the same order, so a task computes the bits the kernel's block at
-the same coordinates computes.
+itself (it ends with its cp.async copies all done, as the kernel's block does). It is lowered without what
+only a kernel launch has: no programmatic dependent launch (`CudaOptions.overlap`) and no skinny loop
+staggered by the grid's block index (`stagger`). Otherwise the arithmetic is the kernel's, in the same order,
+so a task computes the bits the kernel's block at the same coordinates computes.
 """
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def emit_task(graph: KernelGraph, *, arch: str = "sm_90a", options: Optional[Cud
     if len(launched) != 1 or not isinstance(launched[0].body, BlockGraph) or len(lowered.nodes) != 1:
         ops = ", ".join(f"{n.op} %{n.outputs[0].name}" for n in lowered.nodes)
         raise UnsupportedError(f"a task body is one custom kernel's block; {graph.name}'s plan runs {ops}",
-                               hint="make a task of each custom kernel of the plan: one kernel-level node "
-                                    "with a block graph a graph")
+                               hint="a task body comes from a plan whose launches are one custom kernel: "
+                                    "search the ops that one kernel runs as a program of their own")
     node = launched[0]
     kernel = lower_custom(node, options, arch)
     name = f"{graph.name}_task"
