@@ -1120,13 +1120,14 @@ class GpuDevice(CpuDevice):
         # host (and every row while record_logits)
         row_entries = np.repeat(chunks["entry"], chunks["count"])[keep]
         greedy = self.state["entries"]["request"]["temperature"][row_entries] == 0
+        any_greedy = bool(greedy.any())
         best = np.empty(len(keep), np.int32)
-        if greedy.any():
+        if any_greedy:
             self.launch("argmax_rows", (len(keep), argmax_parts(logits.width)), THREADS,
                         [ctypes.c_void_p(self._best), _p(logits), *_ints(logits.width),
                          ctypes.c_void_p(self._argmax_parts), ctypes.c_void_p(self._argmax_counts)])
         self._check_pool_beside()
-        if greedy.any():
+        if any_greedy:
             self._check(self._driver.cuMemcpyDtoHAsync(best.ctypes.data, self._best, best.nbytes, self._stream),
                         "reading the greedy tokens")
         wanted = np.arange(len(keep)) if self.record_logits else np.flatnonzero(~greedy)
@@ -1136,7 +1137,7 @@ class GpuDevice(CpuDevice):
             self._check(self._driver.cuMemcpyDtoHAsync(out[i].ctypes.data, logits.ptr + i * row_bytes, row_bytes,
                                                        self._stream), "reading the logits")
         self._sync()
-        if greedy.any() and int(best[greedy].max()) >= logits.width:
+        if any_greedy and int(best[greedy].max()) >= logits.width:
             raise NoMaximum()   # (argmax_rows' 2^31 - 1: no value above -inf, as first_maximum says)
         if len(keep) == len(chunks) and not len(wanted):
             # every chunk samples (keep: their last rows, in chunk order) and every one greedily: the device's

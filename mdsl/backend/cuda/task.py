@@ -38,7 +38,6 @@ from mdsl.lowering.kernel import lower_custom
 from mdsl.lowering.names import OP_MARKER, Namer, describe
 from mdsl.lowering.options import CudaOptions
 from mdsl.lowering.program import lower_graph
-from mdsl.lowering.views import is_view
 
 
 @attrs.frozen
@@ -66,13 +65,12 @@ def emit_task(graph: KernelGraph, *, arch: str = "sm_90a", options: Optional[Cud
     device function for `arch`, with the fast paths `options` allows but those only a launch has."""
     options = attrs.evolve(options if options is not None else CudaOptions(), overlap=False, stagger=False)
     lowered = lower_graph(graph)
-    launched = [n for n in lowered.nodes if not is_view(n)]
-    if len(launched) != 1 or not isinstance(launched[0].body, BlockGraph) or len(lowered.nodes) != 1:
+    if len(lowered.nodes) != 1 or not isinstance(lowered.nodes[0].body, BlockGraph):
         ops = ", ".join(f"{n.op} %{n.outputs[0].name}" for n in lowered.nodes)
         raise UnsupportedError(f"a task body is one custom kernel's block; {graph.name}'s plan runs {ops}",
                                hint="a task body comes from a plan whose launches are one custom kernel: "
                                     "search the ops that one kernel runs as a program of their own")
-    node = launched[0]
+    node = lowered.nodes[0]
     kernel = lower_custom(node, options, arch)
     name = f"{graph.name}_task"
     w, namer = CodeWriter(), Namer({"bx", "by", "bz", "smem", "BAR"})
