@@ -67,7 +67,7 @@ def bench_model(torch, name: str, config: dict, rows_list: list, samples: int) -
     from mdsl.gpu.driver import l2_bytes
     from mdsl.ir.dtypes import bf16, f32
     from mdsl.serving.gpu import Operand
-    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, launch_grid, row_tile
+    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, launch_grid
 
     linears = layer_linears(config)
     most = max(rows_list)
@@ -103,10 +103,10 @@ def bench_model(torch, name: str, config: dict, rows_list: list, samples: int) -
             torch.cuda.synchronize()
             want = xb[:rows].double() @ joined[0].double().T + (residual[:rows].double() if with_residual else 0)
             error = (out[:rows].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-            grid, splits = launch_grid(rows, sizes, k, dev.sms)
+            (rn, _), grid, splits = launch_grid(rows, sizes, k, dev.sms)
             row = {"model": name, "op": op, "rows": rows, "k": k, "n": n, "residual": with_residual,
                    "floor_us": floor_us(rows, k, n, with_residual), "error": error,
-                   "row_tile": row_tile(rows), "splits": splits, "blocks": grid[0] * grid[1] * grid[2]}
+                   "row_tile": rn, "splits": splits, "blocks": grid[0] * grid[1] * grid[2]}
             if error > 1e-4:
                 row["failed"] = f"max error {error:.2e} of the largest value (float64 on the rounded rows)"
             else:

@@ -3,11 +3,12 @@ TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend 
 mma.sync linear of step_kernels.cu runs them.
 
 A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
-side by side, k split blocks: past one row tile as many as fill one wave, `split_blocks`). Its input rows come
-rounded to 16 bits, read by TMA, where the op before handed them over so (`hand`: at any RN), else from
-`round_rows` launched before it where RN is 64 or more; below that its producer stages them. RN is the smallest of
-ROW_TILES that holds the step's rows (a decode step of one row computes 8 padded rows, not 64 or 128); the k
-splits come from the weights alone (`wgmma_splits`).
+side by side, k split blocks: a block a split at one row tile, past it one block running them all,
+`split_blocks`). Its input rows come rounded to 16 bits, read by TMA, where the op before handed them over so
+(`hand`: at any RN), else from `round_rows` launched before it where RN is 64 or more; below that its producer
+stages them. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row computes 8
+padded rows, not 64 or 128), past the largest the largest or 64 (`launch_tile`); the k splits come from the
+weights alone (`wgmma_splits`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ACTIVATIONS = Path(__file__).with_name("activations.cuh")   # (the gated epilogu
 DEPENDENT_LAUNCH = Path(__file__).with_name("dependent_launch.cuh")   # (every kernel's step_wait)
 ROW_NORMS = Path(__file__).with_name("row_norms.cuh")   # (the norms' sums of squares, step_kernels.cu's too)
 ROW_TILES = (8, 16, 32, 64, 128)  # RN: rows a block (wgmma's n)
+SHAPES = ((8, 2), (16, 2), (32, 2), (64, 2), (64, 1), (128, 1))   # the kernels' (RN, blocks an SM): launch_shape
 FEATURES = 128                    # weight columns a block (two consumer warpgroups of 64)
 BK = 64                           # k a stage
 THREADS = 384                     # a producer warpgroup and two consumers
@@ -37,43 +39,51 @@ NORMED_ROWS = 32                  # below this RN a norm runs in the next linear
 SPLIT_THREADS = 256
 MAX_PARTS = 4                     # linear_wgmma.cuh's: weights side by side in one launch
 STAGE_SPACE = 196608              # linear_wgmma.cuh's: shared memory for a block's stages, one block an SM
-PAIRED_SPACE = 113664             # ... two blocks an SM (below the largest row tile: `resident`)
+PAIRED_SPACE = 113664             # ... two blocks an SM (`launch_shape`)
 MIN_STEPS = 4                     # k steps a split runs at least (its ring's pipeline needs a few)
 _NAMES = {bf16: "bf16", f16: "f16"}
 _CTYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 
 def row_tile(rows: int) -> int:
-    """RN for a step of `rows` rows: the smallest row tile that holds them, else the largest."""
+    """The smallest row tile that holds `rows` rows, else the largest."""
     return next((rn for rn in ROW_TILES if rn >= rows), ROW_TILES[-1])
 
 
-def resident(rn: int) -> int:
-    """Blocks of row tile RN an SM holds (Ring<RN>::PAIRED): two below the largest row tile, where a step has
-    one row tile and the weights' bytes bound it, so that a linear's blocks (at most 2 x SMs: wgmma_splits)
-    run in one wave; one at the largest, whose steps' many row tiles are bound by the tensor cores."""
-    return 2 if rn < ROW_TILES[-1] else 1
+def launch_shape(rows: int, tiles: int, sms: int) -> tuple:
+    """(RN, blocks an SM) of a launch over `rows` rows of `tiles` weight tiles on `sms` SMs. At one row tile
+    (`row_tile`) a step is bound by its weights' bytes, and two blocks an SM below the largest tile keep a
+    linear's split blocks (at most 2 x SMs: wgmma_splits) in one wave; the largest runs one. Past it, a block a
+    row tile and weight tile, its splits one after another in registers (one block an SM: `split_blocks`),
+    of 64 rows where that grid is one block an SM at most, else of 128. Where the weight tiles are few, blocks
+    of 128 rows would leave SMs idle, and 64 rows give them twice the blocks (Qwen3-8B's o at 256 rows: 64
+    blocks of 128 rows, 128 of 64); where 64-row blocks would stack two on an SM, that SM does the work of a
+    128-row block and the weights are read twice as often."""
+    if rows <= ROW_TILES[-1]:
+        rn = row_tile(rows)
+        return rn, (2 if rn < ROW_TILES[-1] else 1)
+    return (64 if tiles * -(-rows // 64) <= sms else ROW_TILES[-1]), 1
 
 
 def floats(rn: int) -> tuple:
-    """(Ring<RN>::FLOATS, FLOAT_BYTES): below TMA_ROWS rows, the slots the producer copies the float32 rows and
+    """(Ring::FLOATS, FLOAT_BYTES): below TMA_ROWS rows, the slots the producer copies the float32 rows and
     the norm's weights into ahead of rounding them into a stage."""
     return (0 if rn >= TMA_ROWS else 3), rn * BK * 4 + 4 * 128
 
 
-def stages(rn: int) -> int:
-    """Ring<RN>::STAGES: of a weight tile and the rows' tile, as many as fit the block's share of shared memory
-    beside the float slots (8 at most)."""
-    space = PAIRED_SPACE if resident(rn) == 2 else STAGE_SPACE
+def stages(rn: int, blocks: int) -> int:
+    """Ring<RN, blocks>::STAGES: of a weight tile and the rows' tile, as many as fit the block's share of
+    shared memory beside the float slots (8 at most)."""
+    space = PAIRED_SPACE if blocks == 2 else STAGE_SPACE
     count, size = floats(rn)
     return min(8, (space - count * size) // (FEATURES * BK * 2 + rn * BK * 2))
 
 
-def smem_bytes(rn: int) -> int:
-    """Ring<RN>::SMEM_BYTES: the stages, the float slots, the stages' two mbarriers each, and the slack that
-    aligns them to 1024."""
+def smem_bytes(rn: int, blocks: int) -> int:
+    """Ring<RN, blocks>::SMEM_BYTES: the stages, the float slots, the stages' two mbarriers each, and the slack
+    that aligns them to 1024."""
     count, size = floats(rn)
-    return stages(rn) * (FEATURES * BK * 2 + rn * BK * 2 + 16) + count * size + 1024
+    return stages(rn, blocks) * (FEATURES * BK * 2 + rn * BK * 2 + 16) + count * size + 1024
 
 
 def wgmma_splits(tiles: int, k: int, sms: int) -> int:
@@ -86,46 +96,43 @@ def wgmma_splits(tiles: int, k: int, sms: int) -> int:
     return -(-steps // per)
 
 
-def split_blocks(tiles: int, row_tiles: int, splits: int, sms: int) -> int:
-    """The grid's blocks a tile's k splits run in, each a run of consecutive splits (linear_wgmma.cuh: the
-    first block adds its own as they end, the others write each one's partials, the tile's last block adds
-    them in split order, so the same bits whatever the blocks): one a split at one row tile, where the
-    weights' bytes bound the step and the splits spread them over the SMs; past it (row tile 128, one block
-    an SM), where the tensor cores bound it, as many as fill one wave: 1 where the tiles fill the SMs alone
-    (no partials to write and read back), else the splits in the fewest runs whose blocks fit the SMs
-    (Qwen3-8B's o and down at 256 rows: 64 tiles, 2 blocks of 4 splits, where a block a split would make
-    four waves of short blocks, each writing partials)."""
-    if row_tiles == 1:
-        return splits
-    fit = max(1, min(splits, sms // (tiles * row_tiles)))
-    runs = -(-splits // fit)
-    return -(-splits // runs)
+def split_blocks(row_tiles: int, splits: int) -> int:
+    """The grid's blocks a tile's k splits run in (linear_wgmma.cuh: a block runs a run of consecutive
+    splits, the first block adds its own as they end, the others write each one's partials, the tile's last
+    block adds them in split order, so the same bits whatever the blocks): one a split at one row tile, where
+    the weights' bytes bound the step and the splits spread them over the SMs; past it one, whose block adds
+    its splits' sums in registers: `launch_shape` gives the grid enough blocks without them, and split blocks
+    would write and read back a partial of the tile a split (Qwen3-0.6B's o at 1,024 rows: 39.8 us in two
+    blocks of 128 rows a tile, 15.9 in one of 64 rows; docs/tried.md)."""
+    return splits if row_tiles == 1 else 1
 
 
 def launch_grid(rows: int, sizes: list, k: int, sms: int, gated: bool = False) -> tuple:
-    """((row tiles, weight tiles, split blocks), k splits) of a launch over `rows` rows of weights of `sizes`
-    columns side by side, with k wide inputs; `gated`: a gate|up pair in tiles of 64 columns of each (its k
-    splits the plain launch's, so its gate and up sums are that launch's bits)."""
-    tiles, rn = tiles_of(sizes), row_tile(rows)
-    splits, row_tiles = wgmma_splits(tiles, k, sms), -(-rows // rn)
+    """((RN, blocks an SM), (row tiles, weight tiles, split blocks), k splits) of a launch over `rows` rows of
+    weights of `sizes` columns side by side, with k wide inputs; `gated`: a gate|up pair in tiles of 64
+    columns of each (its k splits the plain launch's, so its gate and up sums are that launch's bits)."""
+    tiles = tiles_of(sizes)
+    splits = wgmma_splits(tiles, k, sms)
     if gated:
         tiles = gated_tiles(sizes[0])
-    return (row_tiles, tiles, split_blocks(tiles, row_tiles, splits, sms)), splits
+    shape = launch_shape(rows, tiles, sms)
+    row_tiles = -(-rows // shape[0])
+    return shape, (row_tiles, tiles, split_blocks(row_tiles, splits)), splits
 
 
-def kernel_name(dtype: str, rn: int) -> str:
-    return f"linear_wgmma_{dtype}_{rn}"
+def kernel_name(dtype: str, rn: int, blocks: int) -> str:
+    return f"linear_wgmma_{dtype}_{rn}x{blocks}"
 
 
 @functools.cache
 def kernel_source() -> str:
     """The module: the prelude, hopper_gemm.cuh with the wgmma instructions of every row tile, this linear,
-    and its kernels for bf16 and f16 weights at each row tile, with `round_rows`."""
+    and its kernels for bf16 and f16 weights at each of SHAPES, with `round_rows`."""
     instructions = "".join(wgmma_source(d, rn) for d in _CTYPES for rn in ROW_TILES)
     kernels = [f'extern "C" __global__ void round_rows_{d}({ctype}* rounded, const float* x, int k) '
                "{\n  mdsl_pdl::step_wait();\n  mdsl::serve_tc::round_rows(rounded, x, k);\n}\n"
                for d, ctype in _CTYPES.items()]
-    kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, {resident(rn)}) {kernel_name(d, rn)}(\n'
+    kernels += [f'extern "C" __global__ void __launch_bounds__({THREADS}, {blocks}) {kernel_name(d, rn, blocks)}(\n'
                 "    const __grid_constant__ mdsl::serve_tc::WeightMaps weights,\n"
                 "    const __grid_constant__ mdsl::hopper::TensorMap rounded,\n"
                 "    const float* x, float* out, float* part, int* arrivals, const float* residual,\n"
@@ -133,10 +140,10 @@ def kernel_source() -> str:
                 "    void* handed, int rows_rounded, const __grid_constant__ mdsl::serve_tc::Norm norm,\n"
                 "    float* squares) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
-                f"  mdsl::serve_tc::linear<{ctype}, {rn}>(smem, weights, &rounded, x, out, part, arrivals, residual, "
-                f"parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded, norm, "
+                f"  mdsl::serve_tc::linear<{ctype}, {rn}, {blocks}>(smem, weights, &rounded, x, out, part, arrivals, "
+                f"residual, parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded, norm, "
                 "squares);\n}\n"
-                for d, ctype in _CTYPES.items() for rn in ROW_TILES]
+                for d, ctype in _CTYPES.items() for rn, blocks in SHAPES]
     return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + DEPENDENT_LAUNCH.read_text() + "\n" +
             ACTIVATIONS.read_text() + "\n" + ROW_NORMS.read_text() + "\n" + SOURCE.read_text() + "\n" +
             "".join(kernels))
@@ -172,13 +179,13 @@ def gated_tiles(half: int) -> int:
 def scratch(linears: list, rows: int, sms: int) -> tuple:
     """(partial floats, arrival counters) the linears [(k, [weight columns, ...]), ...] need at `rows` rows."""
     partials, arrivals = 1, 1
-    row_tiles = -(-rows // ROW_TILES[-1])
+    split_rows = min(rows, ROW_TILES[-1])   # (split blocks only at one row tile: split_blocks)
     for k, sizes in linears:
         tiles = tiles_of(sizes)
         splits = wgmma_splits(tiles, k, sms)
         if splits > 1:
-            partials = max(partials, splits * rows * tiles * FEATURES)
-        arrivals = max(arrivals, row_tiles * tiles)
+            partials = max(partials, splits * split_rows * tiles * FEATURES)
+        arrivals = max(arrivals, tiles)
     return partials, arrivals
 
 
@@ -197,11 +204,12 @@ class WgmmaLinears:
         for name in _CTYPES:
             self.functions[f"round_rows_{name}"] = check(
                 d.cuModuleGetFunction(self.module, f"round_rows_{name}".encode()), "cuModuleGetFunction")
-            for rn in ROW_TILES:
-                f = check(d.cuModuleGetFunction(self.module, kernel_name(name, rn).encode()), "cuModuleGetFunction")
+            for rn, blocks in SHAPES:
+                kernel = kernel_name(name, rn, blocks)
+                f = check(d.cuModuleGetFunction(self.module, kernel.encode()), "cuModuleGetFunction")
                 check(d.cuFuncSetAttribute(f, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                           smem_bytes(rn)), f"allowing {kernel_name(name, rn)} its shared memory")
-                self.functions[kernel_name(name, rn)] = f
+                                           smem_bytes(rn, blocks)), f"allowing {kernel} its shared memory")
+                self.functions[kernel] = f
         # the input rows rounded, [rows, k] at any k up to the widest (2 bytes a value), and a second such buffer
         # for rows handed over while a launch reads the first (a gated launch's products for the next linear)
         self.rows = device.shape.step_rows
@@ -247,9 +255,9 @@ class WgmmaLinears:
         dev = self.device
         name = _NAMES[weights[0].dtype]
         k = x.width
-        rn = row_tile(rows)
         sizes = [int(w.shape[0]) for w in weights]
         gated = act >= 0
+        (rn, blocks), grid, splits = launch_grid(rows, sizes, k, dev.sms, gated)
         maps = (ctypes.c_ubyte * (128 * MAX_PARTS))()
         for i, w in enumerate(weights):
             ctypes.memmove(ctypes.addressof(maps) + 128 * i,
@@ -276,13 +284,12 @@ class WgmmaLinears:
         columns, tiles = ([sizes[0]], [gated_tiles(sizes[0])]) if gated else (sizes, [-(-n // FEATURES) for n in sizes])
         parts = _Parts((ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(columns)),
                        (ctypes.c_int * (MAX_PARTS + 1))(*_cumulative(tiles)), len(columns))
-        grid, splits = launch_grid(rows, sizes, k, dev.sms, gated)
         assert squares is None or (len(weights) == 1 and not gated), "sums of squares: one weight, no activation"
         args = [maps, rounded, ctypes.c_void_p(rows_at), ctypes.c_void_p(out.ptr), ctypes.c_void_p(dev.partials),
                 ctypes.c_void_p(dev.linear_arrivals), ctypes.c_void_p(residual.ptr if residual is not None else None),
                 parts, *(ctypes.c_int(v) for v in (rows, k, out.width, offset, splits, act)), ctypes.c_void_p(products),
                 ctypes.c_int(source is not None), norm, ctypes.c_void_p(squares)]
-        self._launch(kernel_name(name, rn), grid, THREADS, smem_bytes(rn), args)
+        self._launch(kernel_name(name, rn, blocks), grid, THREADS, smem_bytes(rn, blocks), args)
 
     def _launch(self, name: str, grid: tuple, block: int, smem: int, args: list) -> None:
         launch_kernel(self.device, self.functions[name], name, grid, block, smem, args)

@@ -13,8 +13,8 @@
 // contiguous ranges of 64-wide k steps by the weights alone (the host's wgmma_splits), each summed from zero,
 // and the splits' sums are added in split order. A tile's splits run in `blocks` blocks (grid z, the host's
 // split_blocks), each a run of consecutive splits: every split in a block of its own at one row tile (the
-// weights' bytes bound the step), as many blocks as fill one wave past it (many rows: the tensor cores bound
-// it), one block where the tiles fill the wave alone. The first block adds its splits' sums as each ends (a
+// weights' bytes bound the step), one block past it (many rows: the host's launch_tile gives the grid its
+// blocks by the row tile). The first block adds its splits' sums as each ends (a
 // running total in registers: the prefix of the split-order additions) and writes that total; every other
 // block writes each split's sums (a float cannot be added ahead of the splits before it); the tile's last
 // block to finish adds those partials in order. One block writes no partials. The same f32 additions
@@ -57,7 +57,6 @@ constexpr int FEATURES = 128;   // output columns a block: 64 a consumer warpgro
 constexpr int HALF = FEATURES / 2;   // ... of each weight, gated
 constexpr int BK = 64;          // k a stage: one 128-byte swizzled row of 16-bit values
 constexpr int THREADS = 384;
-constexpr int ROW_TILE_MAX = 128;     // the largest row tile (the host's ROW_TILES[-1])
 constexpr int STAGE_SPACE = 196608;   // shared memory for a block's stages, one block an SM
 constexpr int PAIRED_SPACE = 113664;  // ... two blocks an SM (each block's 1 KB reserve and alignment slack left)
 
@@ -90,11 +89,13 @@ __device__ __forceinline__ void round_rows(W* rounded, const float* x, int k) {
     rounded[base + i] = from_float<W>(x[base + i]);
 }
 
-template <int RN> struct Ring {
+// BLOCKS: the blocks an SM holds. Two where a step holds one row tile: its weights' bytes bound it, and two
+// blocks an SM keep its splits (2 x SMs blocks at most: the host's wgmma_splits) in one wave, half the shared
+// memory each; one past it (the host's launch_tile), where a block runs its tile's splits one after another
+template <int RN, int BLOCKS> struct Ring {
   static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles always loaded by TMA (below: where handed)
-  // below ROW_TILE_MAX rows a step holds one row tile, its weights' bytes bound it, and two blocks an SM keep
-  // its splits (2 x SMs blocks at most: the host's wgmma_splits) in one wave: half the shared memory each
-  static constexpr bool PAIRED = RN < ROW_TILE_MAX;
+  static constexpr bool PAIRED = BLOCKS == 2;
+  static_assert(BLOCKS == 2 || (BLOCKS == 1 && TMA_ROWS), "one block an SM from TMA_ROWS rows, else two");
   static constexpr int W_BYTES = FEATURES * BK * 2, X_BYTES = RN * BK * 2;
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES;
   // as many stages as fit the block's share of shared memory (8 at most): at 128 rows a stage's wgmmas take
@@ -111,11 +112,12 @@ template <int RN> struct Ring {
                                     ? (SPACE - FLOATS * FLOAT_BYTES) / STAGE_BYTES : 8;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + FLOATS * FLOAT_BYTES + 16 * STAGES + 1024;
   static constexpr int ACC = RN / 2;   // f32 sums a consumer thread holds (64 x RN / 128)
-  // the largest row tile's block runs a tile's k splits one after another (a step of several row tiles), the
-  // running total of their sums in registers beside the accumulators (in shared memory it would take two of
-  // six stages' space, and each split's end would read and write 128 KB of it): the producer warpgroup, whose
-  // one thread issues TMA loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the
-  // kernel's count before the split fold that all of them run
+  // a block alone on its SM runs a tile's k splits one after another (a step of several row tiles), the
+  // running total of their sums in registers beside the accumulators (in shared memory at 128 rows it would
+  // take two of six stages' space, and each split's end would read and write 128 KB of it; in the 80
+  // registers of a paired block some would spill): the producer warpgroup, whose one thread issues TMA
+  // loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the kernel's count before
+  // the split fold that all of them run
   static constexpr int REGISTERS = 65536 / (3 * 128) / 8 * 8;   // the kernel's count (one block an SM): 168
   static constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
   static_assert(PAIRED || PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS, "the block's registers");
@@ -308,13 +310,13 @@ __device__ __forceinline__ void fold_splits(float* out, W* handed, const float* 
   }
 }
 
-template <typename W, int RN>
+template <typename W, int RN, int BLOCKS>
 __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& weights, const TensorMap* rounded,
                                        const float* x, float* out, float* part, int* arrivals,
                                        const float* residual, const Parts& parts, int rows, int k, int out_width,
                                        int offset, int splits, int act, W* handed, int rows_rounded,
                                        const Norm& norm, float* squares) {
-  using R = Ring<RN>;
+  using R = Ring<RN, BLOCKS>;
   // the rows' tiles by TMA from the rounded rows' map (`rows_rounded`: the host's; always from 64 rows), else
   // stored by the producer's threads from the float32 rows x
   const bool tma_rows = R::TMA_ROWS || rows_rounded;
@@ -339,7 +341,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
   // the first block sums its own as they end (`in_block`); partial `slot` of split v past the first block's
   // (its total at slot 0)
   const int runs = (splits + gridDim.z - 1) / gridDim.z;
-  // (a step of one row tile, any RN below the largest, has a block a split: never runs of them)
+  // (a paired block, at a step of one row tile, runs one split: never runs of them)
   const bool whole = gridDim.z == 1, in_block = !R::PAIRED && blockIdx.z == 0 && runs > 1;
   const int steps = (k + BK - 1) / BK, per = (steps + splits - 1) / splits;
   const int v0 = blockIdx.z * runs, v1 = v0 + runs < splits ? v0 + runs : splits;

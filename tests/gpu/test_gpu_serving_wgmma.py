@@ -35,7 +35,7 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
         pytest.skip("wgmma needs a compute capability 9.0 GPU")
     from mdsl.gpu.driver import check, driver
     from mdsl.ir.dtypes import bf16, f32, round_to_dtype
-    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, row_tile, split_blocks, wgmma_splits
+    from mdsl.serving.gpu_wgmma import Standalone, WgmmaLinears, launch_grid
 
     rng = np.random.default_rng(k)
     max_rows = 256
@@ -69,7 +69,8 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
             block = got[:rows, 4:4 + sum(sizes)].astype(np.float64)
             want = expected[:rows] + (residual[:rows, 4:4 + sum(sizes)] if with_residual else 0.0)
             scale = np.abs(expected[:rows]).max()
-            assert np.abs(block - want).max() <= 2e-5 * scale, (rows, with_residual, row_tile(rows))
+            grid = launch_grid(rows, sizes, k, dev.sms)
+            assert np.abs(block - want).max() <= 2e-5 * scale, (rows, with_residual, grid)
             # the columns the linear does not own, and the rows past the step's, are untouched
             assert not got[:, :4].any() and not got[:, 4 + sum(sizes):].any() and not got[rows:].any()
             if not with_residual:
@@ -85,13 +86,14 @@ def test_the_product_agrees_with_float64_and_each_row_is_the_same_whatever_the_s
             again = np.empty((max_rows, width), np.float32)
             check(driver.cuMemcpyDtoH(again.ctypes.data, out.ptr, again.nbytes), "cuMemcpyDtoH")
             assert np.array_equal(again.view(np.uint32), got.view(np.uint32)), (rows, with_residual)
-    tiles = -(-sum(sizes) // 128)
-    splits = wgmma_splits(tiles, k, dev.sms)
-    if sum(sizes) > 8192:   # (the splits in blocks of their own at a few rows, in one block at 256: same bits)
-        assert splits > 1 and split_blocks(tiles, 1, splits, dev.sms) == splits
-        assert split_blocks(tiles, -(-256 // row_tile(256)), splits, dev.sms) == 1
-    if sizes in ([4096], [2560]):   # (past one row tile, runs of splits in 2 and 3 blocks: same bits)
-        assert 1 < split_blocks(tiles, 2, splits, dev.sms) < splits
+    # the splits in blocks of their own at a few rows, in one block of 128 rows (many weight tiles) or of 64
+    # (few) at 256: the same bits
+    splits = launch_grid(1, sizes, k, dev.sms)[2]
+    if sum(sizes) > 8192:
+        assert splits > 1 and launch_grid(256, sizes, k, dev.sms)[:2] == ((128, 1), (2, 80, 1))
+    if sizes in ([4096], [2560]):
+        assert splits > 1 and launch_grid(256, sizes, k, dev.sms)[0] == (64, 1)
+        assert launch_grid(256, sizes, k, dev.sms)[1][2] == 1
     for rows, got in results.items():   # bit for bit: row r alike in every step that holds it
         assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows
 
@@ -154,9 +156,9 @@ def test_the_gated_form_is_the_activated_product_of_the_plain_ones_and_each_row_
         results[rows] = got[:rows, :half].copy()
     for rows, got in results.items():
         assert np.array_equal(got.view(np.uint32), results[256][:rows].view(np.uint32)), rows
-    if (k, half) == (4096, 1536):   # (past one row tile, runs of splits in two blocks: the same bits)
-        (_, _, blocks), splits = launch_grid(256, [half, half], k, dev.sms, gated=True)
-        assert 1 < blocks < splits
+    if (k, half) == (4096, 1536):   # (at 256 rows, every split in the block of 64 rows: the same bits)
+        shape, (_, _, blocks), splits = launch_grid(256, [half, half], k, dev.sms, gated=True)
+        assert shape == (64, 1) and blocks == 1 < splits
 
     # handed over: the products go rounded to bf16 into the buffer the next launch loads by TMA instead (the
     # float32 rows untouched), and it computes the bits it computes from the float32 products (its own

@@ -1,8 +1,9 @@
 """The GPU serving device's wgmma linear without a GPU: every kernel compiles for sm_90a without spills and
-fits an SM, its SASS runs one wgmma of each row tile's width a k16 step on stages of a TMA-loaded weight tile
-and the rows' rounded tile (stored by the producer up to 32 rows, loaded by TMA from 64), the host's constants are the
-kernel's, and the row tiles and k splits are the ones batch invariance needs (splits from the weights alone,
-never empty). Running it: tests/gpu/test_gpu_serving_wgmma.py, and the serving device's tests on an H200."""
+fits an SM, its SASS runs one wgmma of each row tile's width a k16 step on stages of a
+TMA-loaded weight tile and the rows' rounded tile (stored by the producer up to 32 rows, loaded by TMA from 64),
+the host's constants are the kernel's, and the row tiles and k splits are the ones batch invariance needs
+(splits from the weights alone, never empty). Running it: tests/gpu/test_gpu_serving_wgmma.py, and the serving
+device's tests on an H200."""
 from __future__ import annotations
 
 import re
@@ -26,19 +27,18 @@ def module():
 
 @pytest.mark.timeout(180)
 def test_every_kernel_compiles_for_sm_90a_without_spills_and_its_resident_blocks_fit_an_sm(module):
-    expected = {G.kernel_name(d, rn) for d in ("bf16", "f16") for rn in G.ROW_TILES}
-    expected |= {"round_rows_bf16", "round_rows_f16"}
-    assert set(module.resources) == expected
+    # every row tile, two blocks an SM below the largest, and one of 64 rows and one of 128 rows past it
+    assert G.SHAPES == tuple((rn, 2) for rn in G.ROW_TILES[:-1]) + ((64, 1), (G.ROW_TILES[-1], 1))
+    shapes = {G.kernel_name(d, rn, blocks): (rn, blocks) for d in ("bf16", "f16") for rn, blocks in G.SHAPES}
+    assert set(module.resources) == set(shapes) | {"round_rows_bf16", "round_rows_f16"}
     for name, r in module.resources.items():
         assert r.spill_store_bytes == r.spill_load_bytes == r.stack_bytes == 0, (name, r)
-        if name.startswith("linear_wgmma"):
-            rn = int(name.rsplit("_", 1)[1])
-            blocks = G.resident(rn)
-            assert blocks == (2 if rn < G.ROW_TILES[-1] else 1)
+        if name in shapes:
+            rn, blocks = shapes[name]
             assert blocks * r.registers * G.THREADS <= SM_REGISTERS, (name, r)
-            assert G.smem_bytes(rn) + r.smem_bytes <= H200_SMEM, (name, r)
-            assert blocks * (G.smem_bytes(rn) + r.smem_bytes + 1024) <= SM_SMEM, (name, r)
-            assert G.stages(rn) >= 4, (name, rn)   # a few stages in flight
+            assert G.smem_bytes(rn, blocks) + r.smem_bytes <= H200_SMEM, (name, r)
+            assert blocks * (G.smem_bytes(rn, blocks) + r.smem_bytes + 1024) <= SM_SMEM, (name, r)
+            assert G.stages(rn, blocks) >= 4, (name, rn)   # a few stages in flight
     # ptxas serializes wgmmas it cannot prove independent of the code around them, and warns
     assert "warning" not in module.log.lower() and "Performance" not in module.log, module.log
 
@@ -51,8 +51,8 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
     sass = disassembled(module.cubin)
-    for rn in G.ROW_TILES:
-        name = G.kernel_name("bf16", rn)
+    for rn, blocks in G.SHAPES:
+        name = G.kernel_name("bf16", rn, blocks)
         body = sass.split(f".text.{name}:")[1].split(".text.")[0]
         wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
         assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16), (rn, wgmmas)   # one per k16 step
@@ -80,10 +80,10 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         # after each row's 1 / rms of a norm it runs
         assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100 ", body)) == 4, rn
         assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x2, 0x80 ", body)) == staged, rn
-        # the largest row tile's producer gives registers to the consumers (their splits' running total beside
-        # the accumulators) and each returns to the kernel's count before the split fold: two deallocations,
-        # two allocations; a paired tile keeps the kernel's count throughout
-        if rn == G.ROW_TILES[-1]:
+        # a block alone on its SM: the producer gives registers to the consumers (their splits' running total
+        # beside the accumulators) and each returns to the kernel's count before the split fold: two
+        # deallocations, two allocations; a paired block keeps the kernel's count throughout
+        if blocks == 1:
             assert len(re.findall(r"USETMAXREG\.DEALLOC", body)) == 2, rn
             assert len(re.findall(r"USETMAXREG\.TRY_ALLOC", body)) == 2, rn
         else:
@@ -100,24 +100,35 @@ def test_the_host_constants_are_the_kernels():
     assert f"constexpr bool TMA_ROWS = RN >= {G.TMA_ROWS};" in source
     assert f"constexpr int STAGE_SPACE = {G.STAGE_SPACE};" in source
     assert f"constexpr int PAIRED_SPACE = {G.PAIRED_SPACE};" in source
-    assert f"constexpr int ROW_TILE_MAX = {G.ROW_TILES[-1]};" in source
 
 
 @pytest.mark.timeout(180)
 def test_the_hosts_shared_memory_and_stages_are_the_rings():
-    # (the launch asks for smem_bytes(rn): less than the ring lays out would let its stages run past it)
+    # (the launch asks for smem_bytes: less than the ring lays out would let its stages run past it)
     from mdsl.backend.cuda.nvrtc import compile_cuda
 
     ring = "mdsl::serve_tc::Ring"
-    checks = "".join(f'static_assert({ring}<{rn}>::SMEM_BYTES == {G.smem_bytes(rn)}, "smem {rn}");\n'
-                     f'static_assert({ring}<{rn}>::STAGES == {G.stages(rn)}, "stages {rn}");\n'
-                     for rn in G.ROW_TILES)
+    checks = "".join(f'static_assert({ring}<{rn}, {b}>::SMEM_BYTES == {G.smem_bytes(rn, b)}, "smem {rn}");\n'
+                     f'static_assert({ring}<{rn}, {b}>::STAGES == {G.stages(rn, b)}, "stages {rn}");\n'
+                     for rn, b in G.SHAPES)
     compile_cuda(G.kernel_source() + checks, arch="sm_90a")
 
 
-def test_a_row_tile_holds_the_steps_rows_up_to_the_largest():
+def test_a_row_tile_holds_the_steps_rows_up_to_the_largest_and_past_it_gives_the_sms_a_block_each():
     assert [G.row_tile(r) for r in (1, 8, 9, 16, 17, 64, 65, 128, 129, 256)] == \
         [8, 8, 16, 16, 32, 64, 128, 128, 128, 128]
+    for rows in range(1, 129):   # one row tile: two blocks an SM below the largest
+        rn = G.row_tile(rows)
+        for tiles in (1, 48, 1000):
+            assert G.launch_shape(rows, tiles, H200_SMS) == (rn, 2 if rn < 128 else 1)
+    # past 128 rows one block an SM, of 64 rows while they are one an SM at most (the weight tiles few), else 128
+    for rows in (129, 200, 256, 300, 512, 1024, 4096):
+        for tiles in range(1, 300):
+            shape = G.launch_shape(rows, tiles, H200_SMS)
+            assert shape == ((64 if tiles * -(-rows // 64) <= H200_SMS else 128), 1), (rows, tiles)
+            assert shape in G.SHAPES
+    # Qwen3-8B at 256 rows: o's and down's 32 tiles in 128 blocks of 64 rows, q|k|v's 48 in 96 of 128 rows
+    assert G.launch_shape(256, 32, H200_SMS) == (64, 1) and G.launch_shape(256, 48, H200_SMS) == (128, 1)
 
 
 @pytest.mark.parametrize("tiles,k", [(1, 64), (3, 328), (4, 1024), (48, 4096), (192, 4096), (32, 12288), (8, 100)])
@@ -132,50 +143,47 @@ def test_the_k_splits_are_never_empty_and_each_runs_enough_steps(tiles, k):
 
 
 def test_the_scratch_covers_the_partials_and_arrivals_of_the_largest_step():
-    partials, arrivals = G.scratch([(4096, [4096, 1024, 1024]), (12288, [4096])], 256, H200_SMS)
-    qkv = G.wgmma_splits(48, 4096, H200_SMS) * 256 * 48 * G.FEATURES
-    down = G.wgmma_splits(32, 12288, H200_SMS) * 256 * 32 * G.FEATURES
-    assert partials == max(qkv, down) and arrivals == 2 * 48
+    # split blocks write partials only at one row tile (128 rows at most): every launch up to 256 rows fits
+    linears = [(4096, [4096, 1024, 1024]), (12288, [4096]), (1024, [64])]
+    partials, arrivals = G.scratch(linears, 256, H200_SMS)
+    qkv = G.wgmma_splits(48, 4096, H200_SMS) * 128 * 48 * G.FEATURES
+    down = G.wgmma_splits(32, 12288, H200_SMS) * 128 * 32 * G.FEATURES
+    assert partials == max(qkv, down) and arrivals == 48
+    for rows in range(1, 257, 7):
+        for k, sizes in linears:
+            _, (row_tiles, tiles, blocks), splits = G.launch_grid(rows, sizes, k, H200_SMS)
+            if blocks > 1:
+                assert row_tiles == 1 and splits * rows * tiles * G.FEATURES <= partials, (rows, sizes)
+                assert row_tiles * tiles <= arrivals, (rows, sizes)
 
 
-def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_and_past_it_in_as_many_as_fill_a_wave():
+def test_a_tiles_splits_run_in_blocks_of_their_own_at_one_row_tile_and_past_it_in_the_tiles_block():
     for tiles in range(1, 400, 3):
         for k in (64, 1024, 4096, 12288):
             splits = G.wgmma_splits(tiles, k, H200_SMS)
-            assert G.split_blocks(tiles, 1, splits, H200_SMS) == splits                  # a decode step
-            for row_tiles in (2, 3, 8):
-                blocks = G.split_blocks(tiles, row_tiles, splits, H200_SMS)
-                runs = -(-splits // blocks)
-                # no block without a split, one wave (or one block), and no fewer runs would fit the wave
-                assert 1 <= blocks <= splits and (blocks - 1) * runs < splits, (tiles, k, row_tiles)
-                assert blocks == 1 or blocks * tiles * row_tiles <= H200_SMS, (tiles, k, row_tiles)
-                fewer = runs - 1
-                assert fewer < 1 or -(-splits // fewer) * tiles * row_tiles > H200_SMS, (tiles, k, row_tiles)
-    # at 256 rows (two row tiles, k 4096): Qwen3-8B's o (and down) 64 tiles in two blocks of four of its 8
-    # splits; q|k|v's 96 and gate|up's 384 fill the SMs alone
-    assert G.split_blocks(32, 2, 8, H200_SMS) == 2 and G.split_blocks(48, 2, 5, H200_SMS) == 1
-    assert G.split_blocks(192, 2, 2, H200_SMS) == 1 and G.split_blocks(66, 1, 4, H200_SMS) == 4
-    assert G.split_blocks(20, 2, 13, H200_SMS) == 3 and G.split_blocks(4, 2, 16, H200_SMS) == 16
+            assert G.split_blocks(1, splits) == splits                  # a step of one row tile
+            assert all(G.split_blocks(row_tiles, splits) == 1 for row_tiles in (2, 3, 8))
 
 
-def test_only_an_unpaired_row_tile_runs_several_splits_in_one_block():
-    # only the largest row tile's block (one an SM, its consumers holding the splits' running total in the
-    # registers its producer gives them) runs a run of several splits: the host must never give a paired row
-    # tile's first block one
-    for rows in (1, 8, 9, 32, 33, 64, 65, 128, 129, 256, 512):
-        rn = G.row_tile(rows)
+def test_only_a_block_alone_on_its_sm_runs_several_splits():
+    # a block runs a run of several splits only where its producer gives the consumers the registers that hold
+    # the splits' running total (one block an SM): a paired block runs one split
+    for rows in (1, 8, 9, 32, 33, 64, 65, 128, 129, 256, 512, 4096):
         for tiles, k in ((1, 64), (32, 4096), (48, 4096), (192, 4096), (32, 12288), (1187, 4096)):
-            splits = G.wgmma_splits(tiles, k, H200_SMS)
-            if G.split_blocks(tiles, -(-rows // rn), splits, H200_SMS) < splits:
-                assert G.resident(rn) == 1 and rn == G.ROW_TILES[-1], (rows, tiles, k)
+            (rn, per_sm), (row_tiles, _, blocks), splits = G.launch_grid(rows, [tiles * G.FEATURES], k, H200_SMS)
+            assert blocks in (1, splits) and rn * row_tiles >= rows, (rows, tiles, k)
+            if blocks < splits:
+                assert per_sm == 1 and rn >= G.TMA_ROWS, (rows, tiles, k)
 
 
-@pytest.mark.parametrize("rows,k,sizes,grid,splits", [
-    (1, 4096, [4096, 1024, 1024], (1, 48, 5), 5),            # Qwen3-8B's q|k|v at a decode step: one wave
-    (1, 4096, [12288, 12288], (1, 192, 1), 1),               # gate|up: its tiles fill the wave alone
-    (256, 4096, [4096, 1024, 1024], (2, 48, 1), 5),          # two row tiles, over half the SMs: in the block
-    (256, 4096, [4096], (2, 32, 2), 8),                      # o's: two blocks of four splits fill the wave
-    (256, 1024, [4096, 4096, 2048], (2, 80, 1), 3),          # ... enough: the splits in the tile's block
+@pytest.mark.parametrize("rows,k,sizes,shape,grid,splits", [
+    (1, 4096, [4096, 1024, 1024], (8, 2), (1, 48, 5), 5),      # Qwen3-8B's q|k|v at a decode step: one wave
+    (1, 4096, [12288, 12288], (8, 2), (1, 192, 1), 1),         # gate|up: its tiles fill the wave alone
+    (256, 4096, [4096, 1024, 1024], (128, 1), (2, 48, 1), 5),  # two tiles of 128 rows: 96 blocks, the splits in each
+    (256, 4096, [4096], (64, 1), (4, 32, 1), 8),               # o's: 128 blocks of 64 rows
+    (256, 1024, [4096, 4096, 2048], (128, 1), (2, 80, 1), 3),  # 80 tiles: 64-row blocks would stack two an SM
+    (100, 4096, [4096], (128, 1), (1, 32, 8), 8),              # one row tile of 128: a block a split
+    (1024, 3072, [1024], (64, 1), (16, 8, 1), 12),             # Qwen3-0.6B's down: 8 tiles, 128 blocks of 64 rows
 ])
-def test_a_launchs_grid_is_row_tiles_by_weight_tiles_by_split_blocks(rows, k, sizes, grid, splits):
-    assert G.launch_grid(rows, sizes, k, H200_SMS) == (grid, splits)
+def test_a_launchs_grid_is_row_tiles_by_weight_tiles_by_split_blocks(rows, k, sizes, shape, grid, splits):
+    assert G.launch_grid(rows, sizes, k, H200_SMS) == (shape, grid, splits)
