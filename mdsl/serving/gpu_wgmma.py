@@ -2,13 +2,13 @@
 TMA (mdsl/serving/linear_wgmma.cuh says how, and why a row's sums do not depend on the step). Elsewhere the
 mma.sync linear of step_kernels.cu runs them.
 
-A linear launch is `linear_wgmma_{dtype}_{RN}` on a grid of (tiles of RN rows, 128-column tiles of the weights
-side by side, k split blocks: a block a split at one row tile, past it one block running them all,
-`split_blocks`). Its input rows come rounded to 16 bits, read by TMA, where the op before handed them over so
-(`hand`: at any RN), else from `round_rows` launched before it where RN is 64 or more; below that its producer
-stages them. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row computes 8
-padded rows, not 64 or 128), past the largest the largest or 64 (`launch_tile`); the k splits come from the
-weights alone (`wgmma_splits`).
+A linear launch is `linear_wgmma_{dtype}_{RN}x{blocks an SM}` on a grid of (tiles of RN rows, 128-column
+tiles of the weights side by side, k split blocks: a block a split at one row tile, past it one block running
+them all, `split_blocks`). Its input rows come rounded to 16 bits, read by TMA, where the op before handed them
+over so (`hand`: at any RN), else from `round_rows` launched before it where RN is 64 or more; below that its
+producer stages them. RN is the smallest of ROW_TILES that holds the step's rows (a decode step of one row
+computes 8 padded rows, not 64 or 128), past the largest the largest or 64 (`launch_shape`); the k splits come
+from the weights alone (`wgmma_splits`).
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def split_blocks(row_tiles: int, splits: int) -> int:
     block adds them in split order, so the same bits whatever the blocks): one a split at one row tile, where
     the weights' bytes bound the step and the splits spread them over the SMs; past it one, whose block adds
     its splits' sums in registers: `launch_shape` gives the grid enough blocks without them, and split blocks
-    would write and read back a partial of the tile a split (Qwen3-0.6B's o at 1,024 rows: 39.8 us in two
-    blocks of 128 rows a tile, 15.9 in one of 64 rows; docs/tried.md)."""
+    would write and read back a partial of the tile a split (Qwen3-0.6B's o at 1,024 rows on an H100: 39.5 µs
+    in two blocks of 128 rows a tile, 15.3 in one of 64 rows; docs/tried.md)."""
     return splits if row_tiles == 1 else 1
 
 
@@ -141,8 +141,8 @@ def kernel_source() -> str:
                 "    float* squares) {\n"
                 "  extern __shared__ __align__(1024) unsigned char smem[];\n"
                 f"  mdsl::serve_tc::linear<{ctype}, {rn}, {blocks}>(smem, weights, &rounded, x, out, part, arrivals, "
-                f"residual, parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), rows_rounded, norm, "
-                "squares);\n}\n"
+                f"residual, parts, rows, k, out_width, offset, splits, act, static_cast<{ctype}*>(handed), "
+                "rows_rounded, norm, squares);\n}\n"
                 for d, ctype in _CTYPES.items() for rn, blocks in SHAPES]
     return (INCLUDES + PRELUDE + header_source(instructions) + "\n" + DEPENDENT_LAUNCH.read_text() + "\n" +
             ACTIVATIONS.read_text() + "\n" + ROW_NORMS.read_text() + "\n" + SOURCE.read_text() + "\n" +

@@ -13,7 +13,7 @@
 // contiguous ranges of 64-wide k steps by the weights alone (the host's wgmma_splits), each summed from zero,
 // and the splits' sums are added in split order. A tile's splits run in `blocks` blocks (grid z, the host's
 // split_blocks), each a run of consecutive splits: every split in a block of its own at one row tile (the
-// weights' bytes bound the step), one block past it (many rows: the host's launch_tile gives the grid its
+// weights' bytes bound the step), one block past it (many rows: the host's launch_shape gives the grid its
 // blocks by the row tile). The first block adds its splits' sums as each ends (a
 // running total in registers: the prefix of the split-order additions) and writes that total; every other
 // block writes each split's sums (a float cannot be added ahead of the splits before it); the tile's last
@@ -91,7 +91,7 @@ __device__ __forceinline__ void round_rows(W* rounded, const float* x, int k) {
 
 // BLOCKS: the blocks an SM holds. Two where a step holds one row tile: its weights' bytes bound it, and two
 // blocks an SM keep its splits (2 x SMs blocks at most: the host's wgmma_splits) in one wave, half the shared
-// memory each; one past it (the host's launch_tile), where a block runs its tile's splits one after another
+// memory each; one past it (the host's launch_shape), where a block runs its tile's splits one after another
 template <int RN, int BLOCKS> struct Ring {
   static constexpr bool TMA_ROWS = RN >= 64;   // the rows' tiles always loaded by TMA (below: where handed)
   static constexpr bool PAIRED = BLOCKS == 2;
