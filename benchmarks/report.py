@@ -171,6 +171,8 @@ def run_line(meta: Optional[dict]) -> str:
     line = f"Run: {date}, {machine}, commit `{str(commit)[:7]}`, `python {meta.get('command', '?')}`."
     if meta.get("source"):
         line += f" Figures copied from {meta['source']}."
+    if meta.get("background"):
+        line += f" Beside it: {meta['background']}."
     return line
 
 
