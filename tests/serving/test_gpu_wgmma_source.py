@@ -1,9 +1,8 @@
-"""The GPU serving device's wgmma linear without a GPU: every kernel compiles for sm_90a without spills and
-fits an SM, its SASS runs one wgmma of each row tile's width a k16 step on stages of a
-TMA-loaded weight tile and the rows' rounded tile (stored by the producer up to 32 rows, loaded by TMA from 64),
-the host's constants are the kernel's, and the row tiles and k splits are the ones batch invariance needs
-(splits from the weights alone, never empty). Running it: tests/gpu/test_gpu_serving_wgmma.py, and the serving
-device's tests on an H200."""
+"""The GPU serving device's wgmma linear without a GPU: every kernel compiles for sm_90a without spills and fits an
+SM, its SASS runs one wgmma of each row tile's width a k16 step on stages of a TMA-loaded weight tile and the
+rows' rounded tile (stored by the producer up to 32 rows, loaded by TMA from 64), the host's constants are the
+kernel's, and the row tiles and k splits are the ones batch invariance needs (splits from the weights alone,
+never empty). Running it: tests/gpu/test_gpu_serving_wgmma.py, and the serving device's tests on an H200."""
 from __future__ import annotations
 
 import re
