@@ -196,3 +196,18 @@ def test_the_gpu_section_lists_the_programs_that_lose_with_their_slowest_kernel_
     assert "Correct on the GPU: 2 of 3" in text and "geometric mean 0.90x" in text
     assert "| slow |" in text and "| fast |" not in text and "slow_matmul 7.5" in text
     assert "median 4.0 s, longest 6.0 s" in text
+
+
+def test_the_section_names_the_run_compared_against_and_a_runs_background_load():
+    from benchmarks import report
+
+    quiet = {"meta": {"seed": 5, "host": "vm", "cpus": 2, "load": [0.1], "command": "q"},
+             "summary": {"programs": 2, "fused": 2, "fused_fraction": 1.0}}
+    loaded = {"meta": {"seed": 5, "host": "vm", "cpus": 2, "load": [0.3], "load_end": [3.9], "command": "l",
+                       "background": "two busy processes"},
+              "summary": {"programs": 2, "fused": 2, "fused_fraction": 1.0,
+                          "same_as": {"file": "docs/results/random_programs_seed5_quiet.json", "compared": 2,
+                                      "differ": ["random_s5_1"]}}}
+    text = "\n".join(report.random_programs_section([quiet, loaded]))
+    assert "| 0.3 -> 3.9 | 1 of 2 the same (random_programs_seed5_quiet.json) |" in text
+    assert text.count("Beside it: two busy processes.") == 1
