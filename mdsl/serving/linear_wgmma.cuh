@@ -115,9 +115,10 @@ template <int RN, int BLOCKS> struct Ring {
   // a block alone on its SM runs a tile's k splits one after another (a step of several row tiles), the
   // running total of their sums in registers beside the accumulators (in shared memory at 128 rows it would
   // take two of six stages' space, and each split's end would read and write 128 KB of it; in the 80
-  // registers of a paired block some would spill): the producer warpgroup, whose one thread issues TMA
-  // loads, gives registers to the consumers (setmaxnreg), each warpgroup back at the kernel's count before
-  // the split fold that all of them run
+  // registers of a paired block some would spill, the 168 of a block alone hold them). The producer
+  // warpgroup, whose one thread issues TMA loads, gives registers to the consumers (setmaxnreg), each
+  // warpgroup back at the kernel's count before the split fold that all of them run; ptxas allocates within
+  // the kernel's count whatever setmaxnreg says (the same registers and no spills without it)
   static constexpr int REGISTERS = 65536 / (3 * 128) / 8 * 8;   // the kernel's count (one block an SM): 168
   static constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
   static_assert(PAIRED || PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS, "the block's registers");
