@@ -65,6 +65,12 @@ def launch_shape(rows: int, tiles: int, sms: int) -> tuple:
     return (64 if tiles * -(-rows // 64) <= sms else ROW_TILES[-1]), 1
 
 
+def two_sets(rn: int, blocks: int) -> bool:
+    """Ring<RN, blocks>::TWO_SETS: a block alone on its SM runs its splits in two sets of sums taken in turn
+    where three sets (the two and the total) fit its 168 registers beside the loop's own."""
+    return blocks == 1 and 3 * (rn // 2) + 48 <= 168
+
+
 def floats(rn: int) -> tuple:
     """(Ring::FLOATS, FLOAT_BYTES): below TMA_ROWS rows, the slots the producer copies the float32 rows and
     the norm's weights into ahead of rounding them into a stage."""

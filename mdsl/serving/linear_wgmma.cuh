@@ -120,6 +120,9 @@ template <int RN, int BLOCKS> struct Ring {
   // warpgroup back at the kernel's count before the split fold that all of them run; ptxas allocates within
   // the kernel's count whatever setmaxnreg says (the same registers and no spills without it)
   static constexpr int REGISTERS = 65536 / (3 * 128) / 8 * 8;   // the kernel's count (one block an SM): 168
+  // a run of splits in two sets of sums taken in turn, each split's set folded into the total while the next
+  // split's first wgmmas run (no drain of the pipeline at a split's end), where three sets fit the registers
+  static constexpr bool TWO_SETS = !PAIRED && 3 * ACC + 48 <= REGISTERS;
   static constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
   static_assert(PAIRED || PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS <= 3 * REGISTERS, "the block's registers");
   static_assert(RN % 8 == 0 && RN <= 256 && X_BYTES % 1024 == 0, "RN: a multiple of 8 rows, 1024-byte tiles");
@@ -475,7 +478,60 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           part[(static_cast<long long>(at) * rows + r) * width + blockIdx.y * FEATURES + cc] = acc[i];
       }
     };
-    for (int v = v0; v < v1; ++v) {
+    // split v's k steps into the sums d (each stage's wgmmas, then the stage before released once at most this
+    // one's are in flight); at the split's first step past the block's first split, the split before's sums
+    // `done` are then complete: folded into the total while this split's first wgmmas run
+    auto run_split = [&](float (&d)[R::ACC], float (&done)[R::ACC], int v, int& previous) {
+      const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
+      for (int s = v * per; s < end; ++s) {
+        barrier_wait(ring.full(stage), phase);
+        const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dx = descriptor(ring.x_tile(stage));
+        fence_registers(d);
+        wgmma_fence();
+        Wgmma<W, RN>::mma(d, dw, dx, s != v * per);   // (a split's sums start from zero)
+#pragma unroll
+        for (int j = 1; j < BK / 16; ++j) Wgmma<W, RN>::mma(d, dw + 2 * j, dx + 2 * j);
+        wgmma_commit();
+        fence_registers(d);
+        if (previous >= 0) {
+          wgmma_wait<1>();
+          fence_registers(d);
+          if (signals) barrier_arrive(ring.empty(previous));
+          if (s == v * per && v > v0) {
+            fence_registers(done);
+#pragma unroll
+            for (int i = 0; i < R::ACC; ++i) total[i] = v - 1 == 0 ? done[i] : total[i] + done[i];
+          }
+        }
+        previous = stage;
+        if (++stage == R::STAGES) stage = 0, phase ^= 1;
+      }
+    };
+    if constexpr (R::TWO_SETS) {
+      if (in_block) {
+        float other[R::ACC];
+#pragma unroll
+        for (int i = 0; i < R::ACC; ++i) other[i] = 0.0f;   // (before any wgmma: each split's first clears it)
+        int previous = -1;
+        for (int v = v0; v < v1; v += 2) {
+          run_split(acc, other, v, previous);
+          if (v + 1 < v1) run_split(other, acc, v + 1, previous);
+        }
+        wgmma_wait<0>();
+        fence_registers(acc);
+        fence_registers(other);
+        if (signals) barrier_arrive(ring.empty(previous));
+        // the last split's sums: `acc` after an odd count of the block's splits, else `other`
+        if ((v1 - v0) % 2) {
+#pragma unroll
+          for (int i = 0; i < R::ACC; ++i) total[i] = v1 - 1 == 0 ? acc[i] : total[i] + acc[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < R::ACC; ++i) total[i] = v1 - 1 == 0 ? other[i] : total[i] + other[i];
+        }
+      }
+    }
+    for (int v = v0; v < v1 && !(R::TWO_SETS && in_block); ++v) {
       int previous = -1;
       const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
       for (int s = v * per; s < end; ++s) {
@@ -483,8 +539,9 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dx = descriptor(ring.x_tile(stage));
         fence_registers(acc);
         wgmma_fence();
+        Wgmma<W, RN>::mma(acc, dw, dx, s != v * per);   // (a split's sums start from zero)
 #pragma unroll
-        for (int j = 0; j < BK / 16; ++j) Wgmma<W, RN>::mma(acc, dw + 2 * j, dx + 2 * j);
+        for (int j = 1; j < BK / 16; ++j) Wgmma<W, RN>::mma(acc, dw + 2 * j, dx + 2 * j);
         wgmma_commit();
         fence_registers(acc);
         if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
@@ -504,8 +561,6 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
           for (int i = 0; i < (R::PAIRED ? 0 : R::ACC); ++i) total[i] = v == 0 ? acc[i] : total[i] + acc[i];
         else
           store_partial(slot(v));
-#pragma unroll
-        for (int i = 0; i < R::ACC; ++i) acc[i] = 0.0f;
       }
     }
     if (in_block)

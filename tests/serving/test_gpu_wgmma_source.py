@@ -54,7 +54,10 @@ def test_the_sass_runs_one_wgmma_a_k16_step_on_staged_rows_and_a_tma_loaded_weig
         name = G.kernel_name("bf16", rn, blocks)
         body = sass.split(f".text.{name}:")[1].split(".text.")[0]
         wgmmas = re.findall(r"HGMMA\.(\w+)\.F32\.BF16 R\d+, gdesc\[", body)
-        assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16), (rn, wgmmas)   # one per k16 step
+        # one per k16 step: in the loop of a split, and where two sets of sums are taken in turn, in its copy
+        # for each set
+        copies = 3 if G.two_sets(rn, blocks) else 1
+        assert wgmmas == [f"64x{rn}x16"] * (G.BK // 16) * copies, (rn, wgmmas)
         # the weight tile by TMA: one load of the block's weight, or gated two (the gate's and the up's halves),
         # the first stages' before the wait for the kernel before this one (ACQBULK: dependent_launch.cuh) and
         # the others' in the producer's loop after it, as every other access to memory
@@ -109,6 +112,7 @@ def test_the_hosts_shared_memory_and_stages_are_the_rings():
     ring = "mdsl::serve_tc::Ring"
     checks = "".join(f'static_assert({ring}<{rn}, {b}>::SMEM_BYTES == {G.smem_bytes(rn, b)}, "smem {rn}");\n'
                      f'static_assert({ring}<{rn}, {b}>::STAGES == {G.stages(rn, b)}, "stages {rn}");\n'
+                     f'static_assert({ring}<{rn}, {b}>::TWO_SETS == {str(G.two_sets(rn, b)).lower()}, "sets");\n'
                      for rn, b in G.SHAPES)
     compile_cuda(G.kernel_source() + checks, arch="sm_90a")
 

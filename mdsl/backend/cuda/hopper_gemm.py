@@ -66,17 +66,27 @@ def kernel_name(dtype: str, out_dtype: str, bn: int) -> str:
 
 def wgmma_source(dtype: str, n: int) -> str:
     """`Wgmma<E, n>::mma(d, a, b)`: d (64 x n f32, n / 2 a thread) += A B^T over one k16 step, both operands
-    K-major in shared memory (descriptors a and b), as one asm statement with an operand per accumulator."""
+    K-major in shared memory (descriptors a and b), as one asm statement with an operand per accumulator;
+    `mma(d, a, b, keep)`: d = A B^T + (keep ? d : 0) (wgmma's scale-d as a predicate: a split's first step
+    starts its sums from zero with no instruction that clears d while other wgmmas are in flight, and no
+    branch)."""
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
     operands = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    instruction = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} {{{acc}}}, %{regs}, %{regs + 1}"
+    head = (f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], unsigned long long a, "
+            "unsigned long long b")
     return (f"template <> struct Wgmma<{_CTYPES[dtype]}, {n}> {{\n"
-            f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], unsigned long long a, "
-            "unsigned long long b) {\n"
-            f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} {{{acc}}}, '
-            f'%{regs}, %{regs + 1}, 1, 1, 1, 0, 0;"\n'
+            f"{head}) {{\n"
+            f'    asm volatile("{instruction}, 1, 1, 1, 0, 0;"\n'
             f'                 : {operands}\n'
             '                 : "l"(a), "l"(b));\n'
+            "  }\n"
+            f"{head}, int keep) {{\n"
+            f'    asm volatile("{{\\n.reg .pred keep;\\nsetp.ne.b32 keep, %{regs + 2}, 0;\\n'
+            f'{instruction}, keep, 1, 1, 0, 0;\\n}}"\n'
+            f'                 : {operands}\n'
+            '                 : "l"(a), "l"(b), "r"(keep));\n'
             "  }\n};\n")
 
 

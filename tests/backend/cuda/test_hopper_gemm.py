@@ -94,7 +94,9 @@ def test_the_stages_fill_the_shared_memory_an_h200_block_gets():
 def test_the_wgmma_instruction_names_every_accumulator():
     text = hg.wgmma_source("f16", 192)
     assert "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16" in text
-    assert text.count('"+f"(d[') == 96 and "%95}, %96, %97, 1, 1, 1, 0, 0;" in text
+    # mma(d, a, b) adds to d; mma(d, a, b, keep) adds to d where keep, else starts from zero (scale-d)
+    assert text.count('"+f"(d[') == 2 * 96 and "%95}, %96, %97, 1, 1, 1, 0, 0;" in text
+    assert "setp.ne.b32 keep, %98, 0;" in text and "%95}, %96, %97, keep, 1, 1, 0, 0;" in text
     assert "struct Wgmma<__half, 192>" in text
 
 
