@@ -24,6 +24,8 @@ table):
                                      benchmarks/serve.py --device megakernel --parts a --out DIR  (DIR/serve.json)
     docs/results/serve_qwen3-8b.json benchmarks/serve.py --model qwen3-8b --device gpu --parts d,a
                                      --batches 1,8,32,64 --long-contexts '' --no-torch --out DIR  (DIR/serve.json)
+    docs/results/serve_mixed_qwen3-8b.json
+                                     benchmarks/serve.py --model qwen3-8b --device gpu --parts d --no-torch --out DIR
     docs/results/serve_http.json     benchmarks/serve_http.py --out DIR       (DIR/serve_http.json)
     docs/results/serve_host.json     benchmarks/serve_host.py --out DIR       (DIR/serve_host.json)
     docs/results/serve_linears.json  benchmarks/serve_linears.py --out DIR    (DIR/serve_linears.json)
@@ -66,7 +68,7 @@ RESULTS = DOCS / "results"
 OUTPUT = DOCS / "performance.md"
 INPUTS = ("kernels", "decode", "decode_tp", "search_times", "compile_times", "gemm", "call_overhead")
 #: inputs whose section says so while their benchmark has not run yet
-OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_http", "gemm_prefill",
+OPTIONAL = ("serve", "serve_megakernel", "serve_qwen3-8b", "serve_mixed_qwen3-8b", "serve_http", "gemm_prefill",
             "decode_moe", "prefill", "prefill_steps", "serve_linears", "serve_linears_prefill", "serve_host")
 TRIED_HEADER = ("idea", "measured effect")
 MODEL_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B",
@@ -514,7 +516,10 @@ DEVICE_TEXT = {"gpu": "`LLM(device=\"gpu\")` (the host scheduler, one kernel per
                              "requests through a pinned, mapped queue, tokens through a ring)"}
 
 
-def serve_section(data: Optional[dict], title: str = "Serving many requests on the GPU", plot: str = "serve") -> list:
+def serve_section(data: Optional[dict], title: str = "Serving many requests on the GPU", plot: str = "serve",
+                  mixed: Optional[dict] = None) -> list:
+    """A serve.py run's section; `mixed`: a later run of its mixed part alone (part d), whose table replaces the
+    run's own."""
     lines = [f"## {title}", ""]
     if data is None:
         return lines + ["No results: `benchmarks/serve.py` has not run into docs/results/ yet.", ""]
@@ -586,7 +591,10 @@ def serve_section(data: Optional[dict], title: str = "Serving many requests on t
                         [[name, next(iter(rs.values()))["requests"], next(iter(rs.values()))["output_tokens"],
                           *(c for n in ran for c in cells(rs.get(n)))] for name, rs in by_run.items()],
                         right=1) + [""]
-    lines += mixed_lines(data.get("mixed") or [])
+    if mixed is not None:
+        lines += ["The mixed run, on its own: " + run_line(mixed.get("meta")), ""] + mixed_lines(mixed.get("mixed") or [])
+    else:
+        lines += mixed_lines(data.get("mixed") or [])
     return lines
 
 
@@ -894,7 +902,8 @@ def headlines(results: dict) -> dict:
         if r.get("torch_s"):
             h[f"{key}_torch_ms"] = f"{r['torch_s'] * 1e3:.1f} ms"
             h[f"{key}_over_torch"] = _times(r["ttft_s"] / r["torch_s"])
-    for r in (results.get("serve_qwen3-8b") or {}).get("mixed") or []:   # a long prompt read while requests decode
+    mixed = [r for name in ("serve_qwen3-8b", "serve_mixed_qwen3-8b") for r in (results.get(name) or {}).get("mixed") or []]
+    for r in mixed:   # a long prompt read while requests decode: the mixed run's own file, where it has one
         h["mixed_tpot_before"] = f"{r['tpot_before_s'] * 1e3:.1f} ms"
         h["mixed_tpot_while"] = f"{r['tpot_mixed_s'] * 1e3:.1f} ms"
         h["mixed_ratio"] = _times(r["ratio_worst"], 2)
@@ -946,7 +955,8 @@ def render(results: Optional[dict] = None, docs: Path = DOCS) -> str:
                 ("serve_megakernel", functools.partial(serve_section, plot="serve_megakernel",
                                                        title="Serving: the megakernel device's decode steps, its own run")),
                 ("serve_qwen3-8b", functools.partial(serve_section, plot="serve_qwen3-8b",
-                                                     title="Serving Qwen3-8B: the GPU device's decode steps")),
+                                                     title="Serving Qwen3-8B: the GPU device's decode steps",
+                                                     mixed=results.get("serve_mixed_qwen3-8b"))),
                 ("serve_linears", serve_linears_section),
                 ("serve_linears_prefill", functools.partial(
                     serve_linears_section, title="Serving: the GPU device's linears at a prompt chunk's rows")),
