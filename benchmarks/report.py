@@ -592,7 +592,7 @@ def serve_section(data: Optional[dict], title: str = "Serving many requests on t
                           *(c for n in ran for c in cells(rs.get(n)))] for name, rs in by_run.items()],
                         right=1) + [""]
     if mixed is not None:
-        lines += ["The mixed run, on its own: " + run_line(mixed.get("meta")), ""] + mixed_lines(mixed.get("mixed") or [])
+        lines += ["The mixed run, on its own:", run_line(mixed.get("meta")), ""] + mixed_lines(mixed.get("mixed") or [])
     else:
         lines += mixed_lines(data.get("mixed") or [])
     return lines
@@ -907,6 +907,12 @@ def headlines(results: dict) -> dict:
         h["mixed_tpot_before"] = f"{r['tpot_before_s'] * 1e3:.1f} ms"
         h["mixed_tpot_while"] = f"{r['tpot_mixed_s'] * 1e3:.1f} ms"
         h["mixed_ratio"] = _times(r["ratio_worst"], 2)
+        if (r.get("ops_us") or {}).get("attention"):
+            h["mixed_attention"] = f"{r['ops_us']['attention'] / 1e3:.1f} ms"
+    chunk = [r for r in (results.get("serve_linears_prefill") or {}).get("rows") or []
+             if r.get("model") == "qwen3-8b" and r.get("rows") == 256 and r.get("torch_us") and r.get("mdsl_us")]
+    if chunk:   # Qwen3-8B's linears at a mixed step's 256 rows: cuBLAS's time over mdsl's
+        h["chunk_linears_over_torch"] = _span([r["torch_us"] / r["mdsl_us"] for r in chunk], lambda x: f"{x:.2f}", "×")
     for run in results.get("torch_compile") or []:   # mdsl over Inductor's default in one run, each one's ms: the latest
         for workload, w in (run.get("workloads") or {}).items():
             ms = {name: c.get("ms") for name, c in (w.get("contenders") or {}).items()}
