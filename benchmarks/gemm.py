@@ -13,6 +13,8 @@ contenders are:
 * `wgmma` (bf16 and f16 on compute capability 9.0): the Hopper GEMM (mdsl.backend.cuda.hopper_gemm: wgmma and
   TMA), `hopper_gemm(x, w_t)` on the weight as checkpoints store it, [N, K] (each set's w transposed once,
   before timing);
+* `wgmma_ptx`: the same kernel from the PTX backend (mdsl.backend.ptx.hopper_gemm: LLVM IR through llvmlite's
+  NVPTX target), `hopper_gemm(x, w_t, backend="ptx")`;
 * `torch`: torch.matmul.
 
 The issue's shapes, Qwen3-8B's linear layers at M = 1024:
@@ -42,7 +44,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere, with or without
 
 from benchmarks.provenance import provenance  # noqa: E402 - needs ROOT on sys.path
 
-CONTENDERS = ("cublas", "kernel", "public", "wgmma", "torch")
+CONTENDERS = ("cublas", "kernel", "public", "wgmma", "wgmma_ptx", "torch")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -82,8 +84,8 @@ def markdown(meta: dict, rows: list) -> str:
             f"µs per call, host time included (median of {meta.get('reps')} samples of {meta.get('batch')} "
             "calls); speed-up = torch / cublas; wgmma / torch = torch's time over wgmma's (the share of torch's "
             "throughput the Hopper GEMM reaches).\n\n"
-            "| M | K | N | cublas | kernel | public | wgmma | torch | speed-up | wgmma / torch | notes |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| M | K | N | cublas | kernel | public | wgmma | wgmma ptx | torch | speed-up | wgmma / torch | notes |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         speedup = f"{r['torch_us'] / r['cublas_us']:.2f}×" if r.get("torch_us") and r.get("cublas_us") else "—"
@@ -132,12 +134,13 @@ def measure(m: int, k: int, n: int, args: argparse.Namespace) -> dict:
     contenders = {"cublas": lambda x, w: cublas([x, w])[0], "kernel": lambda x, w: kernel([x, w])[0]}
     why_not = _wgmma_missing(torch, dtype)
     if why_not:
-        row["wgmma_error"] = why_not
+        row["wgmma_error"] = row["wgmma_ptx_error"] = why_not
     else:
         from mdsl.backend.cuda import hopper_gemm
 
         transposed = {id(w): w.t().contiguous() for _, w in inputs}   # [N, K], as checkpoints store weights
         contenders["wgmma"] = lambda x, w: runtime.hopper_gemm(x, transposed[id(w)])
+        contenders["wgmma_ptx"] = lambda x, w: runtime.hopper_gemm(x, transposed[id(w)], backend="ptx")
         row["wgmma_tile"] = f"{hopper_gemm.BM}x{hopper_gemm.tile_n(m, n, hopper_gemm._sms(0))}"
     contenders["torch"] = torch.matmul
     if args.public:

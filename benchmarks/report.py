@@ -267,17 +267,19 @@ def gemm_prefill_section(data: Optional[dict]) -> list:
     lines += [run_line(data.get("meta")), "",
               f"µs per call of [M, K] @ [K, N] in {dtype}, host time included (20 back-to-back calls between CUDA "
               "events, inputs rotated past the L2): mdsl's Hopper GEMM (`hopper_gemm`: TMA loads into a ring of "
-              "shared memory, wgmma, the tile width it picks) and torch.matmul (cuBLAS); floor: flops / 750 "
-              "TFLOP/s; share: torch's time over the Hopper GEMM's.", ""]
+              "shared memory, wgmma, the tile width it picks; `PTX backend`: the same kernel from the PTX backend's "
+              "LLVM IR, where the run has it) and torch.matmul (cuBLAS); floor: flops / 750 TFLOP/s; share: torch's "
+              "time over the Hopper GEMM's.", ""]
     rows = []
     for r in data.get("rows") or []:
         if not (r.get("wgmma_us") and r.get("torch_us")):
             continue
         floor = 2 * r["m"] * r["k"] * r["n"] / H200.matmul_flops_per_s
         rows.append([r["m"], r["k"], r["n"], _us(floor), f"{r['torch_us']:.1f}", f"{r['wgmma_us']:.1f}",
+                     f"{r['wgmma_ptx_us']:.1f}" if r.get("wgmma_ptx_us") else "-",
                      _percent(r["torch_us"] / r["wgmma_us"]), r.get("wgmma_tile", "-"),
                      _percent(floor * 1e6 / r["wgmma_us"])])
-    lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "share of torch", "tile",
+    lines += _table(["M", "K", "N", "floor µs", "torch", "Hopper GEMM", "PTX backend", "share of torch", "tile",
                      "Hopper GEMM % of floor"], rows, right=0) + [""]
     return lines
 

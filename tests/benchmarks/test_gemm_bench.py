@@ -22,11 +22,11 @@ def test_the_table_shows_times_speed_ups_and_what_went_wrong():
              "torch_us": 12.5},
             {"m": 16, "k": 4096, "n": 8192, "cublas_library": False, "cublas_us": None,
              "cublas_error": "relative error 1.00e+00 over 4e-02", "kernel_us": 50.0, "torch_us": 20.0,
-             "public_us": 21.0, "public_plan": "custom", "wgmma_us": 25.0,
+             "public_us": 21.0, "public_plan": "custom", "wgmma_us": 25.0, "wgmma_ptx_us": 24.0,
              "wgmma_tile": "128x256"}]
     table = gemm.markdown({"dtype": "bf16", "reps": 5, "batch": 2}, rows)
-    assert "| 1 | 4096 | 4096 | 10.0 | 40.0 | — | — | 12.5 | 1.25× | — |  |" in table
+    assert "| 1 | 4096 | 4096 | 10.0 | 40.0 | — | — | — | 12.5 | 1.25× | — |  |" in table
     line = table.splitlines()[-1]
-    assert line.startswith("| 16 | 4096 | 8192 | — | 50.0 | 21.0 | 25.0 | 20.0 | — | 0.80× |")
+    assert line.startswith("| 16 | 4096 | 8192 | — | 50.0 | 21.0 | 25.0 | 24.0 | 20.0 | — | 0.80× |")
     assert "cublas: relative error" in line and "cuBLAS did not load" in line and "public plan: custom" in line
     assert "wgmma tile 128x256" in line

@@ -5,7 +5,8 @@ no multiple of 8) and K (multiples of 8 down to 8, tails shorter than a stage); 
 and followed by a guard that must stay untouched; f32 products with bias and residual (the residual also
 the output itself); Qwen3-8B's linear shapes at M = 1024 with the width the host picks; on a side stream
 and replayed from a CUDA graph; and the refusals (K not a multiple of 8, f32 or mixed operands, a
-misaligned operand).
+misaligned operand). The PTX backend's kernel (mdsl/backend/ptx/hopper_gemm.py) runs the tile widths and
+epilogues too, and gives the CUDA kernel's bits.
 
     pytest tests/gpu/test_gpu_hopper_gemm.py -m gpu
 """
@@ -85,32 +86,53 @@ def reference(a, w, bias=None, residual=None):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bn", hg.TILE_NS)
 @pytest.mark.parametrize("dtype", hg.INPUT_DTYPES)
-def test_each_tile_width_computes_the_product(torch, monkeypatch, dtype, bn, m, n, k):
+@pytest.mark.parametrize("backend", hg.BACKENDS)
+def test_each_tile_width_computes_the_product(torch, monkeypatch, backend, dtype, bn, m, n, k):
     monkeypatch.setattr(hg, "tile_n", lambda *args: bn)
     a, w = operands(torch, m, n, k, dtype, "tiles")
     out, buffer = poisoned(torch, m, n, dtype)
-    assert hg.hopper_gemm(a, w, out) is out
+    assert hg.hopper_gemm(a, w, out, backend=backend) is out
     torch.cuda.synchronize()
     expect_close(torch, out, reference(a, w), dtype, f"{dtype} M={m} N={n} K={k}, {bn}-column tiles")
     assert bool(torch.isnan(buffer[m * n:]).all()), "the kernel wrote past the end of C"
 
 
 @pytest.mark.parametrize("dtype", hg.INPUT_DTYPES)
-def test_f32_products_with_bias_and_residual(torch, dtype):
+@pytest.mark.parametrize("backend", hg.BACKENDS)
+def test_f32_products_with_bias_and_residual(torch, backend, dtype):
     m, n, k = 1000, 1000, 200
     a, w = operands(torch, m, n, k, dtype, "epilogue")
     bias = torch.randn(n, device="cuda").to(_dtype(torch, dtype))
     residual = torch.randn(m, n, device="cuda")
-    c = hg.hopper_gemm(a, w, out_dtype="f32")
+    c = hg.hopper_gemm(a, w, out_dtype="f32", backend=backend)
     assert c.dtype == torch.float32 and c.shape == (m, n)
     expect_close(torch, c, reference(a, w), "f32", f"{dtype} -> f32")
-    c = hg.hopper_gemm(a, w, bias=bias, residual=residual, out_dtype="f32")
+    c = hg.hopper_gemm(a, w, bias=bias, residual=residual, out_dtype="f32", backend=backend)
     expect_close(torch, c, reference(a, w, bias, residual), "f32", f"{dtype} -> f32 + bias + residual")
     # the residual stream updated in place: the output is the residual
     stream = torch.randn(m, n, device="cuda").to(_dtype(torch, dtype))
     want = reference(a, w, residual=stream)
-    assert hg.hopper_gemm(a, w, stream, residual=stream) is stream
+    assert hg.hopper_gemm(a, w, stream, residual=stream, backend=backend) is stream
     expect_close(torch, stream, want, dtype, f"{dtype} + residual, in place")
+
+
+def _bits(torch, x):
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("bn", hg.TILE_NS)
+@pytest.mark.parametrize("dtype, out_dtype", [("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f16", "f32")])
+def test_the_ptx_backend_s_kernel_gives_the_cuda_kernel_s_bits(torch, monkeypatch, dtype, out_dtype, bn):
+    monkeypatch.setattr(hg, "tile_n", lambda *args: bn)
+    for m, n, k in ((1000, 1000, 4104), (17, 129, 72), (1024, 6144, 4096)):
+        a, w = operands(torch, m, n, k, dtype, "bits")
+        bias = torch.randn(n, device="cuda").to(_dtype(torch, dtype))
+        residual = torch.randn(m, n, device="cuda").to(_dtype(torch, out_dtype))
+        for extra in ({}, {"bias": bias}, {"bias": bias, "residual": residual}):
+            c = hg.hopper_gemm(a, w, out_dtype=out_dtype, **extra)
+            p = hg.hopper_gemm(a, w, out_dtype=out_dtype, backend="ptx", **extra)
+            differ = int((_bits(torch, c) != _bits(torch, p)).sum())
+            assert differ == 0, f"M={m} N={n} K={k} {sorted(extra)}: {differ} elements' bits differ"
 
 
 @pytest.mark.parametrize("k, n", QWEN3_8B)

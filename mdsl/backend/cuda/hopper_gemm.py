@@ -186,10 +186,15 @@ def check_operands(a_shape: tuple, a_dtype: str, w_shape: tuple, w_dtype: str) -
 # on the GPU
 
 
-class _Kernel:
-    """One configuration's function, loaded on one device, with its dynamic shared memory allowed."""
+BACKENDS = ("cuda", "ptx")       # whose kernel runs: hopper_gemm.cuh by NVRTC, or mdsl.backend.ptx.hopper_gemm
 
-    def __init__(self, ordinal: int, dtype: str, out_dtype: str, bn: int):
+
+class _Kernel:
+    """One configuration's function, loaded on one device, with its dynamic shared memory allowed: the CUDA
+    source compiled by NVRTC, or the same kernel written as LLVM IR by the PTX backend (the same parameters,
+    launch and bits)."""
+
+    def __init__(self, ordinal: int, dtype: str, out_dtype: str, bn: int, backend: str = "cuda"):
         from mdsl.backend.cuda.nvrtc import compile_source
         from mdsl.gpu.driver import check, driver, get_device
 
@@ -199,22 +204,28 @@ class _Kernel:
             raise UnsupportedError(f"the Hopper GEMM's {bn}-column tile needs {self.smem} bytes of shared memory; "
                                    f"GPU {ordinal} allows {device.max_smem}")
         name = kernel_name(dtype, out_dtype, bn)
-        module = compile_source(kernel_source(dtype, out_dtype, bn), "sm_90a")
-        self.module = check(driver.cuModuleLoadData(module.cubin), f"loading {name}")
+        if backend == "ptx":
+            from mdsl.backend.ptx.compile import compile_ptx
+            from mdsl.backend.ptx.hopper_gemm import llvm_source
+
+            self.module = compile_ptx(llvm_source(dtype, out_dtype, bn), "sm_90a", specific=True).load()
+        else:
+            module = compile_source(kernel_source(dtype, out_dtype, bn), "sm_90a")
+            self.module = check(driver.cuModuleLoadData(module.cubin), f"loading {name}")
         self.function = check(driver.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         check(driver.cuFuncSetAttribute(self.function,
                                         driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         self.smem), f"allowing {name} {self.smem} bytes of dynamic shared memory")
 
 
-_KERNELS: dict = {}              # (device, dtype, out dtype, bn) -> _Kernel
+_KERNELS: dict = {}              # (device, dtype, out dtype, bn, backend) -> _Kernel
 _MAPS: dict = {}                 # (device, address, TensorMapArguments) -> CUtensorMap
 _MAPS_LIMIT = 1024
 _LOCK = threading.Lock()
 
 
-def _kernel(ordinal: int, dtype: str, out_dtype: str, bn: int) -> _Kernel:
-    key = (ordinal, dtype, out_dtype, bn)
+def _kernel(ordinal: int, dtype: str, out_dtype: str, bn: int, backend: str = "cuda") -> _Kernel:
+    key = (ordinal, dtype, out_dtype, bn, backend)
     found = _KERNELS.get(key)
     if found is None:
         with _LOCK:
@@ -265,15 +276,20 @@ def _tensor_map(ordinal: int, address: int, args: TensorMapArguments):
     return found
 
 
-def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional[str] = None, stream=None):
+def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional[str] = None, stream=None,
+                backend: str = "cuda"):
     """C = A @ W^T (+ bias) (+ residual) on Hopper's wgmma and TMA: A [M, K] and W [N, K] (an nn.Linear weight),
     both bf16 or both f16, K a multiple of 8; bias [N] in their dtype; C and residual [M, N] in `out_dtype`
     (bf16, f16 or f32; default: the operands' dtype, or `out`'s where it is given). Returns C: `out`, or a new
-    torch tensor (torch inputs) or DeviceArray. Sums in f32, rounded once. Needs a compute capability 9.0 GPU."""
+    torch tensor (torch inputs) or DeviceArray. Sums in f32, rounded once. Needs a compute capability 9.0 GPU.
+    `backend`: whose kernel runs, "cuda" (hopper_gemm.cuh) or "ptx" (the same kernel from the PTX backend's
+    LLVM IR: the same bits)."""
     from mdsl.gpu.arrays import ArgumentError, DeviceArray, device_view, is_torch_tensor, launch_stream
     from mdsl.gpu.driver import CudaError, cu_stream, driver, error_text, get_device, require_gpu
     from mdsl.ir.dtypes import dtype_from_name
 
+    if backend not in BACKENDS:
+        raise UnsupportedError(f"the Hopper GEMM has no {backend!r} backend", hint=f"pass one of {BACKENDS}")
     require_gpu("the Hopper GEMM")
     handle = launch_stream([a, w], stream)
     va, vw = device_view(a, "A", handle), device_view(w, "W", handle)
@@ -316,7 +332,7 @@ def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional
     if -(-n // bn) > 65535:
         raise UnsupportedError(f"N = {n}: the Hopper GEMM's grid walks N's tiles in its y dimension, at most 65535",
                                hint="split W into parts of fewer rows")
-    kernel = _kernel(ordinal, dtype, out_dtype, bn)
+    kernel = _kernel(ordinal, dtype, out_dtype, bn, backend)
     map_a = _tensor_map(ordinal, va.ptr, tensor_map_arguments(m, k, dtype, BM))
     map_w = _tensor_map(ordinal, vw.ptr, tensor_map_arguments(n, k, dtype, bn))
     scalars = (ctypes.c_void_p(vc.ptr), ctypes.c_void_p(vb.ptr if vb else 0), ctypes.c_void_p(vr.ptr if vr else 0),

@@ -4,7 +4,9 @@ resource report the tests check), and loading on the GPU.
 * `llvm_to_ptx`: parse and verify the module, optimise it (`optimization()`: SROA turns the
   kernels' allocas into registers), emit PTX for `sm_90` at PTX ISA 8.0 (the CUDA 13.0 driver and ptxas
   accept up to 9.0; llvmlite 0.50 knows up to 9.0). An `sm_90a` target is compiled as `sm_90`: the
-  kernels use no arch-specific feature, and plain sm_90 PTX also loads on the `a` device.
+  lowered kernels use no arch-specific feature, and plain sm_90 PTX also loads on the `a` device. A module
+  that does (wgmma, setmaxnreg: the Hopper GEMM, mdsl.backend.ptx.hopper_gemm) is compiled with
+  `specific=True`, for the arch as named; `assemble` reads the arch from the PTX's `.target`.
 * `compile_ptx`: the same, cached under `$MDSL_CACHE_DIR/ptx` (default ~/.cache/mdsl/ptx) by the IR,
   target, features and LLVM version; each entry carries the SHA-256 of its text and is written
   atomically, and one that fails the check is compiled again with a warning.
@@ -84,10 +86,11 @@ class PtxModule:
                               "say where)", text=self.ptx)
 
 
-def ptx_target(arch: Optional[str] = None) -> str:
-    """The NVPTX cpu for an arch: sm_90a and the like lose their `a` (see the module docstring)."""
+def ptx_target(arch: Optional[str] = None, specific: bool = False) -> str:
+    """The NVPTX cpu for an arch: sm_90a and the like lose their `a` (see the module docstring) unless the
+    module uses the arch-specific instructions (`specific`)."""
     arch = arch or os.environ.get("MDSL_CUDA_ARCH") or DEFAULT_ARCH
-    return arch[:-1] if arch.endswith("a") else arch
+    return arch[:-1] if arch.endswith("a") and not specific else arch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,11 +122,13 @@ def _target_machine(cpu: str, level: str):
                                                                  opt=3 if level == "O3" else 0)
 
 
-def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None, passes: Optional[tuple] = None) -> str:
+def llvm_to_ptx(llvm_ir: str, arch: Optional[str] = None, passes: Optional[tuple] = None,
+                specific: bool = False) -> str:
     """PTX for the module (not cached: see `compile_ptx`); `passes`: the IR passes of the 'fast' level
-    instead of `LEAN_PIPELINE` (benchmarks/compile_time.py --sass compares pipelines)."""
+    instead of `LEAN_PIPELINE` (benchmarks/compile_time.py --sass compares pipelines); `specific`: for the
+    arch as named, `a` and all (`ptx_target`)."""
     llvm = _llvm()
-    cpu = ptx_target(arch)
+    cpu = ptx_target(arch, specific)
     level = optimization()
     tm = _target_machine(cpu, level)
     try:
@@ -193,13 +198,14 @@ def _optimize_legacy(llvm, module, level: str) -> None:
     passes.run(module)
 
 
-def compile_ptx(llvm_ir: str, arch: Optional[str] = None) -> PtxModule:
-    """The PTX of an LLVM module, from the disk cache when it holds a valid entry."""
-    cpu = ptx_target(arch)
+def compile_ptx(llvm_ir: str, arch: Optional[str] = None, specific: bool = False) -> PtxModule:
+    """The PTX of an LLVM module, from the disk cache when it holds a valid entry (`specific`: see
+    `ptx_target`)."""
+    cpu = ptx_target(arch, specific)
     key = _cache_key(llvm_ir, cpu)
     ptx = _read_cache(key)
     if ptx is None:
-        ptx = llvm_to_ptx(llvm_ir, cpu)
+        ptx = llvm_to_ptx(llvm_ir, cpu, specific=specific)
         _write_cache(key, ptx)
     return PtxModule(ptx, cpu)
 
@@ -238,8 +244,8 @@ def assembler() -> Optional[str]:
 
 def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None) -> CompiledModule:
     """The PTX assembled for `arch` with ptxas's resource report (by `tool`, default `assembler()`),
-    or PtxCompileError."""
-    cpu = ptx_target(arch)
+    or PtxCompileError. PTX for an arch-specific target (`.target sm_90a`) is assembled for that arch."""
+    cpu = _target_of(ptx) or ptx_target(arch)
     tool = tool or assembler()
     if tool == "nvJitLink" and _nvjitlink() is not None:
         ok, cubin, log = _run_nvjitlink(_nvjitlink(), ptx, cpu)
@@ -252,6 +258,12 @@ def assemble(ptx: str, arch: Optional[str] = None, *, tool: Optional[str] = None
     if not ok:
         raise error_from_log(f"{tool} rejected the generated PTX", log, ptx, "PTX")
     return CompiledModule(cubin, log, parse_resources(log), cpu)
+
+
+def _target_of(ptx: str) -> Optional[str]:
+    """The arch-specific target a PTX module names (`.target sm_90a`), or None."""
+    found = re.search(r"^\.target (sm_\d+a)\b", ptx, flags=re.M)
+    return found.group(1) if found else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,8 @@
-"""The Hopper GEMM (mdsl/backend/cuda/hopper_gemm.cuh and .py) without a GPU: each configuration compiles
-for sm_90a without spills, its SASS issues wgmma (HGMMA) from TMA-loaded stages (UTMALDG) guarded by
-mbarriers (SYNCS), the host's constants agree with the device's, and the tensor maps, tile widths and
-errors are the ones the kernel needs. Running it: tests/gpu/test_gpu_hopper_gemm.py."""
+"""The Hopper GEMM (mdsl/backend/cuda/hopper_gemm.cuh and .py, and the same kernel as the PTX backend's LLVM IR,
+mdsl/backend/ptx/hopper_gemm.py) without a GPU: each configuration of each backend compiles for sm_90a without
+spills, its SASS issues wgmma (HGMMA) from TMA-loaded stages (UTMALDG) guarded by mbarriers (SYNCS), the
+host's constants agree with the device's, and the tensor maps, tile widths and errors are the ones the kernel
+needs. Running it: tests/gpu/test_gpu_hopper_gemm.py."""
 from __future__ import annotations
 
 import re
@@ -11,6 +12,8 @@ import pytest
 
 from mdsl.backend.cuda import hopper_gemm as hg
 from mdsl.backend.cuda.nvrtc import compile_cuda, compile_ptx, nvdisasm_path, sass_instructions
+from mdsl.backend.ptx import hopper_gemm as ptx_gemm
+from mdsl.backend.ptx.compile import assemble, assembler, llvm_to_ptx, ptx_target
 from mdsl.errors import DTypeError, ShapeError, UnsupportedError
 from tests.shared import disassembled
 
@@ -20,11 +23,17 @@ H200_SMS = 132
 SM_REGISTERS = 65536
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.fixture(scope="module", params=[(backend, c) for backend in hg.BACKENDS for c in CONFIGS],
+                ids=lambda p: "-".join(map(str, (p[0], *p[1]))))
 def compiled(request):
-    dtype, out_dtype, bn = request.param
-    module = compile_cuda(hg.kernel_source(dtype, out_dtype, bn), arch="sm_90a")
-    return request.param, module
+    backend, (dtype, out_dtype, bn) = request.param
+    if backend == "cuda":
+        return request.param[1], compile_cuda(hg.kernel_source(dtype, out_dtype, bn), arch="sm_90a")
+    if assembler() is None:
+        pytest.skip("no PTX assembler here (nvJitLink or ptxas)")
+    ptx = llvm_to_ptx(ptx_gemm.llvm_source(dtype, out_dtype, bn), "sm_90a", specific=True)
+    assert ".target sm_90a" in ptx   # wgmma and setmaxnreg exist only for the arch-specific target
+    return request.param[1], assemble(ptx)
 
 
 @pytest.mark.timeout(120)
@@ -104,6 +113,28 @@ def test_unsupported_configurations_are_refused():
     for args in (("f32", "f32", 256), ("bf16", "i32", 256), ("bf16", "bf16", 64)):
         with pytest.raises(UnsupportedError):
             hg.kernel_source(*args)
+        with pytest.raises(UnsupportedError):
+            ptx_gemm.llvm_source(*args)
+
+
+def test_an_unknown_backend_is_refused_before_any_gpu_work():
+    with pytest.raises(UnsupportedError, match="no 'triton' backend"):
+        hg.hopper_gemm(None, None, backend="triton")
+
+
+def test_the_ptx_kernel_has_the_cuda_kernel_s_name_parameters_and_bounds():
+    ptx = llvm_to_ptx(ptx_gemm.llvm_source("f16", "f32", 128), "sm_90a", specific=True)
+    name = hg.kernel_name("f16", "f32", 128)
+    params = re.search(rf"\.entry {name}\((.*?)\)", ptx, flags=re.S).group(1)
+    # two 128-byte tensor maps by value (64-byte aligned, as `const __grid_constant__ TensorMap`), then C, bias,
+    # residual, M, N, K: the CUDA kernel's launch parameters
+    kinds = re.findall(r"\.param (\.align 64 \.b8|\.u64|\.u32)", params)
+    assert kinds == [".align 64 .b8"] * 2 + [".u64"] * 3 + [".u32"] * 3, params
+    assert params.count("[128]") == 2
+    assert "cvta.param" in ptx   # TMA reads the maps where they are, not a local copy
+    assert f".maxntid {hg.THREADS}" in ptx and ".minnctapersm 1" in ptx
+    # the lowered kernels' PTX stays plain sm_90, which loads on the `a` device too
+    assert ptx_target("sm_90a") == "sm_90" and ptx_target("sm_90a", specific=True) == "sm_90a"
 
 
 @pytest.mark.parametrize("rows, k, dtype, box_rows", [(1024, 4096, "bf16", 128), (6144, 4096, "bf16", 192),
