@@ -157,19 +157,20 @@ def test_device_arrays_and_numpy_inputs_through_the_runtime(torch):
     np.testing.assert_allclose(c.to_numpy().astype(np.float64), want, rtol=2.0 ** -10, atol=1e-3)
 
 
-def test_on_a_side_stream_and_replayed_from_a_cuda_graph(torch):
+@pytest.mark.parametrize("backend", hg.BACKENDS)
+def test_on_a_side_stream_and_replayed_from_a_cuda_graph(torch, backend):
     m, n, k = 300, 520, 264
     a, w = operands(torch, m, n, k, "bf16", "graph")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        c = hg.hopper_gemm(a, w)   # on torch's current stream: the side one
+        c = hg.hopper_gemm(a, w, backend=backend)   # on torch's current stream: the side one
     side.synchronize()
     expect_close(torch, c, reference(a, w), "bf16", "on a side stream")
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        hg.hopper_gemm(a, w, out)
+        hg.hopper_gemm(a, w, out, backend=backend)
     for tag in ("first", "second"):   # new operands in the captured buffers
         fresh_a, fresh_w = operands(torch, m, n, k, "bf16", tag)
         a.copy_(fresh_a)
