@@ -320,9 +320,9 @@ def llvm_source(dtype: str, out_dtype: str, bn: int) -> str:
         flipped = w.value(f"xor i32 {p}, 1")
         w(f"store i32 {w.value(f'select i1 {wrap}, i32 {flipped}, i32 {p}')}, ptr {phase}")
 
-    def loop(body, k_tiles: str, start: int = 0) -> None:   # for (kt = start; kt < k_tiles; ++kt) body(kt)
+    def loop(body, k_tiles: str) -> None:   # for (kt = 0; kt < k_tiles; ++kt) body(kt)
         head, run, end = w.labels("head", "run", "end")
-        w(f"store i32 {start}, ptr {kt}")
+        w(f"store i32 0, ptr {kt}")
         w(f"br label %{head}")
         w.label(head)
         at = w.value(f"load i32, ptr {kt}")
