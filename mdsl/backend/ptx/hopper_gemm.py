@@ -5,26 +5,26 @@ It is that kernel written in a second language, step for step: one 128 x BN tile
 thread loading 64-wide K steps of A and W with TMA (`cp.async.bulk.tensor`, 128-byte swizzle) into a ring of
 stages guarded by full and empty mbarriers, two consumer warpgroups issuing four `wgmma.mma_async` m64nBNk16
 a stage from shared-memory descriptors (one stage in flight while the next is awaited), and the epilogue's
-masked stores. The configuration is the CUDA module's (`BM`, `BK`, `stages`, `smem_bytes`, `tile_n`, the
-tensor maps, the parameters and the launch), so `hopper_gemm(..., backend="ptx")` launches this kernel where
-the CUDA backend's would run, and the two compute the same bits: the same wgmma sequence over the same stages,
-the epilogue's additions in the same order, rounded once the same way.
+masked stores. The configuration is the one both kernels share (mdsl.lowering.hopper_gemm: the tile,
+stages, shared memory, name, tile width and tensor maps), and the parameters and launch are the CUDA
+kernel's, so `mdsl.backend.cuda.hopper_gemm.hopper_gemm(..., backend="ptx")` launches this kernel where the
+CUDA one would run, and the two compute the same bits: the same wgmma sequence over the same stages, the
+epilogue's additions in the same order, rounded once the same way.
 
 The asynchronous instructions (mbarriers, TMA, wgmma and its fences) are inline PTX, which the NVPTX back-end
 passes through; the tensor maps are `nvvm.grid_constant` parameters (the generic address TMA reads is the
 parameter's own, `cvta.param`, as for `const __grid_constant__` in CUDA). The module targets `sm_90a` (wgmma
-and setmaxnreg exist only there), the one PTX backend module that keeps the arch's `a`
-(`compile_ptx(..., specific=True)`). Loops keep their counters in allocas, which SROA makes registers, and the
-accumulators are one alloca of BN / 2 floats indexed by constants only, so they are registers too: the
-kernel's resources are ptxas's report, which the tests check (no spills, within the launch bounds' count).
+exists only there), the one PTX backend module that keeps the arch's `a` (`compile_ptx(..., specific=True)`).
+The consumers' loop over K is one asm statement (`consumer_loop` says why); the producer's loop keeps its
+counters in allocas, which SROA makes registers. The kernel's resources are ptxas's report, which the tests
+check (no spills, within the launch bounds' count, no serialized wgmma).
 """
 from __future__ import annotations
 
 import functools
 
-from mdsl.backend.cuda import hopper_gemm as _cuda
-from mdsl.backend.cuda.hopper_gemm import BK, BM, INPUT_DTYPES, OUTPUT_DTYPES, THREADS, TILE_NS, kernel_name, stages
 from mdsl.errors import UnsupportedError
+from mdsl.lowering.hopper_gemm import BK, BM, INPUT_DTYPES, OUTPUT_DTYPES, THREADS, TILE_NS, kernel_name, stages
 
 #: each dtype's LLVM type and size in bytes
 _TYPES = {"bf16": ("bfloat", 2), "f16": ("half", 2), "f32": ("float", 4)}
@@ -424,8 +424,3 @@ def llvm_source(dtype: str, out_dtype: str, bn: int) -> str:
     return ('target triple = "nvptx64-nvidia-cuda"\n' + _PRELUDE + "\n" + _store_pair(out_dtype, dtype) + "\n"
             + kernel + "\n" + annotations)
 
-
-def hopper_gemm(a, w, out=None, **kw):
-    """`mdsl.backend.cuda.hopper_gemm.hopper_gemm` (its arguments, checks and launch) running this module's
-    kernel."""
-    return _cuda.hopper_gemm(a, w, out, backend="ptx", **kw)
