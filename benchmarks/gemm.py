@@ -14,7 +14,7 @@ contenders are:
   TMA), `hopper_gemm(x, w_t)` on the weight as checkpoints store it, [N, K] (each set's w transposed once,
   before timing);
 * `wgmma_ptx`: the same kernel from the PTX backend (mdsl.backend.ptx.hopper_gemm: LLVM IR through llvmlite's
-  NVPTX target), `hopper_gemm(x, w_t, backend="ptx")`;
+  NVPTX target), its `hopper_gemm(x, w_t)`;
 * `torch`: torch.matmul.
 
 The issue's shapes, Qwen3-8B's linear layers at M = 1024:
@@ -136,11 +136,12 @@ def measure(m: int, k: int, n: int, args: argparse.Namespace) -> dict:
     if why_not:
         row["wgmma_error"] = row["wgmma_ptx_error"] = why_not
     else:
-        from mdsl.backend.cuda import hopper_gemm
+        from mdsl.backend.ptx.hopper_gemm import hopper_gemm as ptx_hopper_gemm
+        from mdsl.gpu import hopper_gemm
 
         transposed = {id(w): w.t().contiguous() for _, w in inputs}   # [N, K], as checkpoints store weights
         contenders["wgmma"] = lambda x, w: runtime.hopper_gemm(x, transposed[id(w)])
-        contenders["wgmma_ptx"] = lambda x, w: runtime.hopper_gemm(x, transposed[id(w)], backend="ptx")
+        contenders["wgmma_ptx"] = lambda x, w: ptx_hopper_gemm(x, transposed[id(w)])
         row["wgmma_tile"] = f"{hopper_gemm.BM}x{hopper_gemm.tile_n(m, n, hopper_gemm._sms(0))}"
     contenders["torch"] = torch.matmul
     if args.public:

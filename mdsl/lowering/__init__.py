@@ -7,8 +7,6 @@ and the PTX backend (mdsl.backend.ptx, LLVM IR) write them, decided once.
 * `block`: a block graph's lowering (`Lowered`: schedule, layout, memory plan and the choices on them),
   with the plans of `mma` (tensor cores), `rows` (row-resident chains), `streamed` (folds from device
   memory) and `skinny` (weights streamed into registers);
-* `hopper_gemm`: the Hopper GEMM's configuration (tile, stages, tile width, tensor maps), which the CUDA
-  kernel and the PTX backend's share;
 * `kernel`: a custom kernel's lowered form (`CustomKernel`): what it does, in order, step by step; a split
   and its combine as one kernel (`OneLaunchKernel`), where `onelaunch` says they qualify.
 """

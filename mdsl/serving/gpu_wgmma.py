@@ -17,8 +17,9 @@ import functools
 from pathlib import Path
 from typing import Optional
 
-from mdsl.backend.cuda.hopper_gemm import encode_tensor_map, header_source, tensor_map_arguments, wgmma_source
+from mdsl.backend.cuda.hopper_gemm import header_source, wgmma_source
 from mdsl.backend.cuda.prelude import INCLUDES, PRELUDE
+from mdsl.gpu.hopper_gemm import encode_tensor_map, tensor_map_arguments
 from mdsl.ir.dtypes import bf16, f16
 from mdsl.serving.gpu_launch import launch_kernel
 

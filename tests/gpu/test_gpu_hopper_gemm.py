@@ -17,11 +17,16 @@ import math
 import pytest
 
 from mdsl.backend.cuda import hopper_gemm as hg
+from mdsl.backend.ptx import hopper_gemm as ptx_gemm
+from mdsl.gpu import hopper_gemm as host
 from mdsl.errors import DTypeError, ShapeError
 from mdsl.gpu.arrays import ArgumentError
 from tests.gpu.harness import SEED
 
 pytestmark = pytest.mark.gpu
+
+#: each backend's kernel, launched alike
+GEMMS = {"cuda": hg.hopper_gemm, "ptx": ptx_gemm.hopper_gemm}
 
 ROWS = (1, 17, 64, 1000, 1024)
 #: (N, K): one stage of K and less (8, 16), tails of 8 past a stage (72, 4104), N below, at and past a tile,
@@ -86,33 +91,33 @@ def reference(a, w, bias=None, residual=None):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bn", hg.TILE_NS)
 @pytest.mark.parametrize("dtype", hg.INPUT_DTYPES)
-@pytest.mark.parametrize("backend", hg.BACKENDS)
+@pytest.mark.parametrize("backend", GEMMS)
 def test_each_tile_width_computes_the_product(torch, monkeypatch, backend, dtype, bn, m, n, k):
-    monkeypatch.setattr(hg, "tile_n", lambda *args: bn)
+    monkeypatch.setattr(host, "tile_n", lambda *args: bn)
     a, w = operands(torch, m, n, k, dtype, "tiles")
     out, buffer = poisoned(torch, m, n, dtype)
-    assert hg.hopper_gemm(a, w, out, backend=backend) is out
+    assert GEMMS[backend](a, w, out) is out
     torch.cuda.synchronize()
     expect_close(torch, out, reference(a, w), dtype, f"{dtype} M={m} N={n} K={k}, {bn}-column tiles")
     assert bool(torch.isnan(buffer[m * n:]).all()), "the kernel wrote past the end of C"
 
 
 @pytest.mark.parametrize("dtype", hg.INPUT_DTYPES)
-@pytest.mark.parametrize("backend", hg.BACKENDS)
+@pytest.mark.parametrize("backend", GEMMS)
 def test_f32_products_with_bias_and_residual(torch, backend, dtype):
     m, n, k = 1000, 1000, 200
     a, w = operands(torch, m, n, k, dtype, "epilogue")
     bias = torch.randn(n, device="cuda").to(_dtype(torch, dtype))
     residual = torch.randn(m, n, device="cuda")
-    c = hg.hopper_gemm(a, w, out_dtype="f32", backend=backend)
+    c = GEMMS[backend](a, w, out_dtype="f32")
     assert c.dtype == torch.float32 and c.shape == (m, n)
     expect_close(torch, c, reference(a, w), "f32", f"{dtype} -> f32")
-    c = hg.hopper_gemm(a, w, bias=bias, residual=residual, out_dtype="f32", backend=backend)
+    c = GEMMS[backend](a, w, bias=bias, residual=residual, out_dtype="f32")
     expect_close(torch, c, reference(a, w, bias, residual), "f32", f"{dtype} -> f32 + bias + residual")
     # the residual stream updated in place: the output is the residual
     stream = torch.randn(m, n, device="cuda").to(_dtype(torch, dtype))
     want = reference(a, w, residual=stream)
-    assert hg.hopper_gemm(a, w, stream, residual=stream, backend=backend) is stream
+    assert GEMMS[backend](a, w, stream, residual=stream) is stream
     expect_close(torch, stream, want, dtype, f"{dtype} + residual, in place")
 
 
@@ -123,14 +128,14 @@ def _bits(torch, x):
 @pytest.mark.parametrize("bn", hg.TILE_NS)
 @pytest.mark.parametrize("dtype, out_dtype", [("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f16", "f32")])
 def test_the_ptx_backend_s_kernel_gives_the_cuda_kernel_s_bits(torch, monkeypatch, dtype, out_dtype, bn):
-    monkeypatch.setattr(hg, "tile_n", lambda *args: bn)
+    monkeypatch.setattr(host, "tile_n", lambda *args: bn)
     for m, n, k in ((1000, 1000, 4104), (17, 129, 72), (1024, 6144, 4096)):
         a, w = operands(torch, m, n, k, dtype, "bits")
         bias = torch.randn(n, device="cuda").to(_dtype(torch, dtype))
         residual = torch.randn(m, n, device="cuda").to(_dtype(torch, out_dtype))
         for extra in ({}, {"bias": bias}, {"bias": bias, "residual": residual}):
             c = hg.hopper_gemm(a, w, out_dtype=out_dtype, **extra)
-            p = hg.hopper_gemm(a, w, out_dtype=out_dtype, backend="ptx", **extra)
+            p = ptx_gemm.hopper_gemm(a, w, out_dtype=out_dtype, **extra)
             differ = int((_bits(torch, c) != _bits(torch, p)).sum())
             assert differ == 0, f"M={m} N={n} K={k} {sorted(extra)}: {differ} elements' bits differ"
 
@@ -140,7 +145,7 @@ def test_qwen3_8b_s_linear_shapes_at_1024_rows(torch, k, n):
     a, w = operands(torch, 1024, n, k, "bf16", "qwen3")
     want = reference(a, w)
     expect_close(torch, hg.hopper_gemm(a, w), want, "bf16", f"Qwen3-8B [1024, {k}] x [{n}, {k}]^T, "
-                 f"{hg.tile_n(1024, n, hg._sms(0))}-column tiles")
+                 f"{hg.tile_n(1024, n, host._sms(0))}-column tiles")
 
 
 def test_device_arrays_and_numpy_inputs_through_the_runtime(torch):
@@ -157,20 +162,20 @@ def test_device_arrays_and_numpy_inputs_through_the_runtime(torch):
     np.testing.assert_allclose(c.to_numpy().astype(np.float64), want, rtol=2.0 ** -10, atol=1e-3)
 
 
-@pytest.mark.parametrize("backend", hg.BACKENDS)
+@pytest.mark.parametrize("backend", GEMMS)
 def test_on_a_side_stream_and_replayed_from_a_cuda_graph(torch, backend):
     m, n, k = 300, 520, 264
     a, w = operands(torch, m, n, k, "bf16", "graph")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        c = hg.hopper_gemm(a, w, backend=backend)   # on torch's current stream: the side one
+        c = GEMMS[backend](a, w)   # on torch's current stream: the side one
     side.synchronize()
     expect_close(torch, c, reference(a, w), "bf16", "on a side stream")
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        hg.hopper_gemm(a, w, out, backend=backend)
+        GEMMS[backend](a, w, out)
     for tag in ("first", "second"):   # new operands in the captured buffers
         fresh_a, fresh_w = operands(torch, m, n, k, "bf16", tag)
         a.copy_(fresh_a)

@@ -5,11 +5,11 @@ It is that kernel written in a second language, step for step: one 128 x BN tile
 thread loading 64-wide K steps of A and W with TMA (`cp.async.bulk.tensor`, 128-byte swizzle) into a ring of
 stages guarded by full and empty mbarriers, two consumer warpgroups issuing four `wgmma.mma_async` m64nBNk16
 a stage from shared-memory descriptors (one stage in flight while the next is awaited), and the epilogue's
-masked stores. The configuration is the one both kernels share (mdsl.lowering.hopper_gemm: the tile,
-stages, shared memory, name, tile width and tensor maps), and the parameters and launch are the CUDA
-kernel's, so `mdsl.backend.cuda.hopper_gemm.hopper_gemm(..., backend="ptx")` launches this kernel where the
-CUDA one would run, and the two compute the same bits: the same wgmma sequence over the same stages, the
-epilogue's additions in the same order, rounded once the same way.
+masked stores. The configuration, parameters and launch are the ones both kernels share
+(mdsl.gpu.hopper_gemm: the tile, stages, shared memory, name, tile width and tensor maps), so this module's
+`hopper_gemm` launches this kernel where the CUDA backend's would run, and the two compute the same bits: the
+same wgmma sequence over the same stages, the epilogue's additions in the same order, rounded once the same
+way.
 
 The asynchronous instructions (mbarriers, TMA, wgmma and its fences) are inline PTX, which the NVPTX back-end
 passes through; the tensor maps are `nvvm.grid_constant` parameters (the generic address TMA reads is the
@@ -22,9 +22,11 @@ check (no spills, within the launch bounds' count, no serialized wgmma).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 from mdsl.errors import UnsupportedError
-from mdsl.lowering.hopper_gemm import BK, BM, INPUT_DTYPES, OUTPUT_DTYPES, THREADS, TILE_NS, kernel_name, stages
+from mdsl.gpu.hopper_gemm import (BK, BM, INPUT_DTYPES, OUTPUT_DTYPES, THREADS, TILE_NS, kernel_name, launch_gemm,
+                                  stages)
 
 #: each dtype's LLVM type and size in bytes
 _TYPES = {"bf16": ("bfloat", 2), "f16": ("half", 2), "f32": ("float", 4)}
@@ -81,7 +83,7 @@ declare i32 @llvm.nvvm.read.ptx.sreg.ctaid.x()
 declare i32 @llvm.nvvm.read.ptx.sreg.ctaid.y()
 declare void @llvm.nvvm.barrier0()
 
-@mdsl_smem = external addrspace(3) global [0 x i8], align 1024
+@mdsl_smem = external addrspace(3) global [0 x i8], align 16
 
 ; waits until the mbarrier's phase of parity `parity` has completed; 2^30 failed tries (tens of seconds) trap,
 ; so that the launch fails instead of hanging (hopper_gemm.cuh's barrier_wait)
@@ -289,7 +291,9 @@ def llvm_source(dtype: str, out_dtype: str, bn: int) -> str:
     stage_bytes = a_bytes + w_bytes
     w = _Writer()
     w.lines.append("entry:")
-    # the ring's stages, then the full and empty barriers (GemmTile's layout), from the 1024-aligned start
+    # the ring's stages, then the full and empty barriers (GemmTile's layout), from the dynamic shared memory's
+    # start rounded up to the swizzle's 1024-byte period (declared 16-byte aligned: the rounding is done, not
+    # assumed; smem_bytes has the slack)
     stage = w.value("alloca i32, align 4", "stage")
     phase = w.value("alloca i32, align 4", "phase")
     kt = w.value("alloca i32, align 4", "kt")
@@ -424,3 +428,16 @@ def llvm_source(dtype: str, out_dtype: str, bn: int) -> str:
     return ('target triple = "nvptx64-nvidia-cuda"\n' + _PRELUDE + "\n" + _store_pair(out_dtype, dtype) + "\n"
             + kernel + "\n" + annotations)
 
+
+def load_module(dtype: str, out_dtype: str, bn: int):
+    """The configuration's kernel: its LLVM IR compiled to PTX for sm_90a (cached) and loaded by the driver."""
+    from mdsl.backend.ptx.compile import compile_ptx
+
+    return compile_ptx(llvm_source(dtype, out_dtype, bn), "sm_90a", specific=True).load()
+
+
+def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional[str] = None, stream=None):
+    """C = A @ W^T (+ bias) (+ residual) on this module's kernel: `mdsl.gpu.hopper_gemm.launch_gemm` says what it
+    takes and returns (the CUDA backend's `hopper_gemm` takes the same and gives the same bits)."""
+    return launch_gemm(a, w, out, bias=bias, residual=residual, out_dtype=out_dtype, stream=stream, backend="ptx",
+                       load=load_module)
