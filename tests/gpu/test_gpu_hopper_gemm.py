@@ -18,8 +18,8 @@ import pytest
 
 from mdsl.backend.cuda import hopper_gemm as hg
 from mdsl.backend.ptx import hopper_gemm as ptx_gemm
-from mdsl.gpu import hopper_gemm as host
 from mdsl.errors import DTypeError, ShapeError
+from mdsl.gpu import hopper_gemm as host
 from mdsl.gpu.arrays import ArgumentError
 from tests.gpu.harness import SEED
 
