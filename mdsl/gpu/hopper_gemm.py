@@ -6,7 +6,8 @@ operands), the checks of a call's operands, and the launch (`launch_gemm`).
 The kernels: mdsl/backend/cuda/hopper_gemm.cuh (compiled by NVRTC) and the same kernel as the PTX backend's
 LLVM IR (mdsl/backend/ptx/hopper_gemm.py); each backend's `hopper_gemm(a, w, ...)` is `launch_gemm` with the
 function that loads its kernel's module. Decided here once, the two are one kernel written twice: the same
-launch, the same parameters, the same bits.
+launch and parameters, and the same arithmetic in the same order (tests/gpu/test_gpu_hopper_gemm.py compares
+their bits).
 
 * Configuration: the tile's width BN (128, 192 or 256; BM = 128, BK = 64) is the one that covers the product
   in the fewest waves of blocks over the GPU's SMs, weighted by how fast a tile of that width runs

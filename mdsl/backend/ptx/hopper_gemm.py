@@ -7,9 +7,9 @@ stages guarded by full and empty mbarriers, two consumer warpgroups issuing four
 a stage from shared-memory descriptors (one stage in flight while the next is awaited), and the epilogue's
 masked stores. The configuration, parameters and launch are the ones both kernels share
 (mdsl.gpu.hopper_gemm: the tile, stages, shared memory, name, tile width and tensor maps), so this module's
-`hopper_gemm` launches this kernel where the CUDA backend's would run, and the two compute the same bits: the
-same wgmma sequence over the same stages, the epilogue's additions in the same order, rounded once the same
-way.
+`hopper_gemm` launches this kernel where the CUDA backend's would run, and the two are written to compute the
+same bits (tests/gpu/test_gpu_hopper_gemm.py compares them): the same wgmma sequence over the same stages,
+the epilogue's additions in the same order, rounded once the same way.
 
 The asynchronous instructions (mbarriers, TMA, wgmma and its fences) are inline PTX, which the NVPTX back-end
 passes through; the tensor maps are `nvvm.grid_constant` parameters (the generic address TMA reads is the
@@ -134,46 +134,33 @@ def _store_pair(out_dtype: str, dtype: str) -> str:
     w("%at = add i64 %line, %col64")
     w("%col1 = add i32 %col, 1")
     w("%pair = icmp slt i32 %col1, %n")
-    w("%has_bias = icmp ne ptr addrspace(1) %bias, null")
-    w("br i1 %has_bias, label %add_bias, label %after_bias")
-    w.label("add_bias")
-    w("%b0p = getelementptr inbounds " + te + ", ptr addrspace(1) %bias, i64 %col64")
-    w(f"%b0 = load {te}, ptr addrspace(1) %b0p, align 2")
-    w("%b0f = " + to_f32[te].format("%b0"))
-    w("%vb0 = fadd float %v0, %b0f")
-    w("br i1 %pair, label %bias1, label %after_bias1")
-    w.label("bias1")
-    w("%b1p = getelementptr inbounds " + te + ", ptr addrspace(1) %b0p, i64 1")
-    w(f"%b1 = load {te}, ptr addrspace(1) %b1p, align 2")
-    w("%b1f = " + to_f32[te].format("%b1"))
-    w("br label %after_bias1")
-    w.label("after_bias1")
-    w("%b1v = phi float [ %b1f, %bias1 ], [ 0.0, %add_bias ]")
-    w("%vb1 = fadd float %v1, %b1v")
-    w("br label %after_bias")
-    w.label("after_bias")
-    w("%u0 = phi float [ %vb0, %after_bias1 ], [ %v0, %body ]")
-    w("%u1 = phi float [ %vb1, %after_bias1 ], [ %v1, %body ]")
-    w("%has_residual = icmp ne ptr addrspace(1) %residual, null")
-    w("br i1 %has_residual, label %add_residual, label %after_residual")
-    w.label("add_residual")
-    w(f"%r0p = getelementptr inbounds {tc}, ptr addrspace(1) %residual, i64 %at")
-    w(f"%r0 = load {tc}, ptr addrspace(1) %r0p, align {size}")
-    w("%r0f = " + to_f32[tc].format("%r0"))
-    w("%ur0 = fadd float %u0, %r0f")
-    w("br i1 %pair, label %residual1, label %after_residual1")
-    w.label("residual1")
-    w(f"%r1p = getelementptr inbounds {tc}, ptr addrspace(1) %r0p, i64 1")
-    w(f"%r1 = load {tc}, ptr addrspace(1) %r1p, align {size}")
-    w("%r1f = " + to_f32[tc].format("%r1"))
-    w("br label %after_residual1")
-    w.label("after_residual1")
-    w("%r1v = phi float [ %r1f, %residual1 ], [ 0.0, %add_residual ]")
-    w("%ur1 = fadd float %u1, %r1v")
-    w("br label %after_residual")
-    w.label("after_residual")
-    w("%s0 = phi float [ %ur0, %after_residual1 ], [ %u0, %after_bias ]")
-    w("%s1 = phi float [ %ur1, %after_residual1 ], [ %u1, %after_bias ]")
+    def add_where_given(what: str, index: str, etype: str, align: int, x: str, came_from: str, y: str) -> None:
+        """%{y}0, %{y}1 = %{x}0, %{x}1 + what[index], what[index + 1] where `what` is not null (the second
+        element only where the pair is)."""
+        t, s = what[0], {"bias": "v", "residual": "u"}[what]
+        w(f"%has_{what} = icmp ne ptr addrspace(1) %{what}, null")
+        w(f"br i1 %has_{what}, label %add_{what}, label %after_{what}")
+        w.label(f"add_{what}")
+        w(f"%{t}0p = getelementptr inbounds {etype}, ptr addrspace(1) %{what}, i64 {index}")
+        w(f"%{t}0 = load {etype}, ptr addrspace(1) %{t}0p, align {align}")
+        w(f"%{t}0f = " + to_f32[etype].format(f"%{t}0"))
+        w(f"%{s}{t}0 = fadd float %{x}0, %{t}0f")
+        w(f"br i1 %pair, label %{what}1, label %after_{what}1")
+        w.label(f"{what}1")
+        w(f"%{t}1p = getelementptr inbounds {etype}, ptr addrspace(1) %{t}0p, i64 1")
+        w(f"%{t}1 = load {etype}, ptr addrspace(1) %{t}1p, align {align}")
+        w(f"%{t}1f = " + to_f32[etype].format(f"%{t}1"))
+        w(f"br label %after_{what}1")
+        w.label(f"after_{what}1")
+        w(f"%{t}1v = phi float [ %{t}1f, %{what}1 ], [ 0.0, %add_{what} ]")
+        w(f"%{s}{t}1 = fadd float %{x}1, %{t}1v")
+        w(f"br label %after_{what}")
+        w.label(f"after_{what}")
+        for i in (0, 1):
+            w(f"%{y}{i} = phi float [ %{s}{t}{i}, %after_{what}1 ], [ %{x}{i}, %{came_from} ]")
+
+    add_where_given("bias", "%col64", te, 2, "v", "body", "u")
+    add_where_given("residual", "%at", tc, size, "u", "after_bias", "s")
     w("%c0 = " + from_f32[tc].format("%s0"))
     w("%c1 = " + from_f32[tc].format("%s1"))
     w(f"%cp = getelementptr inbounds {tc}, ptr addrspace(1) %c, i64 %at")
@@ -438,6 +425,6 @@ def load_module(dtype: str, out_dtype: str, bn: int):
 
 def hopper_gemm(a, w, out=None, *, bias=None, residual=None, out_dtype: Optional[str] = None, stream=None):
     """C = A @ W^T (+ bias) (+ residual) on this module's kernel: `mdsl.gpu.hopper_gemm.launch_gemm` says what it
-    takes and returns (the CUDA backend's `hopper_gemm` takes the same and gives the same bits)."""
+    takes and returns (the CUDA backend's `hopper_gemm` takes the same)."""
     return launch_gemm(a, w, out, bias=bias, residual=residual, out_dtype=out_dtype, stream=stream, backend="ptx",
                        load=load_module)
