@@ -479,9 +479,10 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
       }
     };
     // split v's k steps into the sums d (each stage's wgmmas, then the stage before released once at most this
-    // one's are in flight); at the split's first step past the block's first split, the split before's sums
-    // `done` are then complete: folded into the total while this split's first wgmmas run
-    auto run_split = [&](float (&d)[R::ACC], float (&done)[R::ACC], int v, int& previous) {
+    // one's are in flight). With `folds` (two sets of sums taken in turn), at the split's first step past the
+    // block's first split the split before's sums `done` are complete, and are folded into the total while this
+    // split's first wgmmas run (one set: the caller folds a split's sums once its last wgmmas are done)
+    auto run_split = [&](bool folds, float (&d)[R::ACC], float (&done)[R::ACC], int v, int& previous) {
       const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
       for (int s = v * per; s < end; ++s) {
         barrier_wait(ring.full(stage), phase);
@@ -493,11 +494,11 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         for (int j = 1; j < BK / 16; ++j) Wgmma<W, RN>::mma(d, dw + 2 * j, dx + 2 * j);
         wgmma_commit();
         fence_registers(d);
-        if (previous >= 0) {
+        if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
           wgmma_wait<1>();
           fence_registers(d);
           if (signals) barrier_arrive(ring.empty(previous));
-          if (s == v * per && v > v0) {
+          if (folds && s == v * per && v > v0) {
             fence_registers(done);
 #pragma unroll
             for (int i = 0; i < R::ACC; ++i) total[i] = v - 1 == 0 ? done[i] : total[i] + done[i];
@@ -514,8 +515,8 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
         for (int i = 0; i < R::ACC; ++i) other[i] = 0.0f;   // (before any wgmma: each split's first clears it)
         int previous = -1;
         for (int v = v0; v < v1; v += 2) {
-          run_split(acc, other, v, previous);
-          if (v + 1 < v1) run_split(other, acc, v + 1, previous);
+          run_split(true, acc, other, v, previous);
+          if (v + 1 < v1) run_split(true, other, acc, v + 1, previous);
         }
         wgmma_wait<0>();
         fence_registers(acc);
@@ -533,25 +534,7 @@ __device__ __forceinline__ void linear(unsigned char* smem, const WeightMaps& we
     }
     for (int v = v0; v < v1 && !(R::TWO_SETS && in_block); ++v) {
       int previous = -1;
-      const int end = (v + 1) * per < steps ? (v + 1) * per : steps;
-      for (int s = v * per; s < end; ++s) {
-        barrier_wait(ring.full(stage), phase);
-        const unsigned long long dw = descriptor(ring.w_tile(stage) + columns), dx = descriptor(ring.x_tile(stage));
-        fence_registers(acc);
-        wgmma_fence();
-        Wgmma<W, RN>::mma(acc, dw, dx, s != v * per);   // (a split's sums start from zero)
-#pragma unroll
-        for (int j = 1; j < BK / 16; ++j) Wgmma<W, RN>::mma(acc, dw + 2 * j, dx + 2 * j);
-        wgmma_commit();
-        fence_registers(acc);
-        if (previous >= 0) {   // the previous stage's wgmmas are done once at most this stage's are in flight
-          wgmma_wait<1>();
-          fence_registers(acc);
-          if (signals) barrier_arrive(ring.empty(previous));
-        }
-        previous = stage;
-        if (++stage == R::STAGES) stage = 0, phase ^= 1;
-      }
+      run_split(false, acc, acc, v, previous);
       wgmma_wait<0>();
       fence_registers(acc);
       if (previous >= 0 && signals) barrier_arrive(ring.empty(previous));
