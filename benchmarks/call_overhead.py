@@ -3,10 +3,12 @@ kernel benchmark times and the kernel's own GPU time; and the public path's host
 asks to be <= 5 µs.
 
     python benchmarks/call_overhead.py [--cases rms_norm_linear_bs1,...] [--calls 200] [--samples 40]
-                                       [--budget 30] [--out DIR]
+                                       [--sets 8] [--budget 30] [--out DIR]
 
 For each case (CASES: small kernels, where the host side of a call matters most):
-* public: `k(*tensors)` back to back, the outputs allocated by the call (torch tensors); and
+* public: `k(*tensors)` back to back, the outputs allocated by the call (torch tensors); the same call on
+  --sets input sets in turn (public_sets: how benchmarks/random_programs.py calls a program, its inputs rotated
+  past the L2; an executable with cuBLAS GEMMs keeps a graph for each set of pointers that repeats); and
   `k(*tensors, out=out)`. A case's opening call searches a plan (--budget seconds at most; the plan cache answers
   later runs), compiles and checks; the calls timed are the repeated ones, with the same signature.
 * launcher: how the executable launches: "c" (mdsl's C launcher, mdsl.gpu.launcher: every kernel in one call)
@@ -85,7 +87,21 @@ def _cases() -> dict:
         h = mdsl.rms_norm(x)
         return (mdsl.silu(h @ wg) * (h @ wu)) @ wd + x
 
-    kernels = (rms_norm_linear_bs1, silu_mul_add_bs8, axpy_f32, mlp_block_bs8)
+    # two programs of benchmarks/random_programs.py's seed 97 (programs 28 and 24), two outputs each: one kernel
+    # of mdsl's own, and a cuBLAS GEMM beside mdsl's kernels (the executable's graphs for repeated pointers)
+    @mdsl.kernel
+    def matmul_two_activations_bs2(x: Tensor[2, 2048, f16], w: Tensor[2048, 1024, f16], g: Tensor[2, 1024, f16]):
+        v = x @ w
+        return mdsl.silu(v), mdsl.gelu(v - g)
+
+    @mdsl.kernel
+    def exp_linear_bs4(x: Tensor[4, 4096, f16], w: Tensor[4096, 1024, f16]):
+        s = mdsl.silu(x)
+        e = mdsl.exp(s)
+        return e @ w, e - s
+
+    kernels = (rms_norm_linear_bs1, silu_mul_add_bs8, axpy_f32, mlp_block_bs8, matmul_two_activations_bs2,
+               exp_linear_bs4)
     return {k.name: (k, [(tuple(v.type.shape), v.type.dtype.long_name) for v in k.graph.inputs]) for k in kernels}
 
 
@@ -96,6 +112,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per timed batch")
     p.add_argument("--samples", type=int, default=40, help="timed batches per measurement")
     p.add_argument("--graph-calls", type=int, default=20, help="launches per CUDA graph for the GPU time")
+    p.add_argument("--sets", type=int, default=8, help="input sets the rotated public calls take in turn")
     p.add_argument("--budget", type=float, default=30.0, help="search budget (s) of a case's opening call")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"),
                    help="output directory (default: $OUT when set, else ./bench_out)")
@@ -225,8 +242,9 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     kernel.optimize = bounded
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    tensors = [torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(getattr(torch, dtype))
-               for shape, dtype in specs]
+    sets = [[torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(getattr(torch, dtype))
+             for shape, dtype in specs] for _ in range(max(1, args.sets))]
+    tensors = sets[0]
     rec: dict = {"inputs": [[list(shape), dtype] for shape, dtype in specs]}
     start = time.perf_counter()
     with warnings.catch_warnings():   # where the search cannot run, the opening call says so once
@@ -239,8 +257,13 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["launcher"] = "c" if exe.native is not None else "cuda.bindings"
     graph = exe.native.graph if exe.native is not None else None
     rec["graph"] = graph is not None
-    out = torch.empty_like(first)
+    first = first if isinstance(first, tuple) else (first,)
+    out = tuple(torch.empty_like(f) for f in first)
+    out = out if len(out) > 1 else out[0]
+    rec["outputs"] = len(first)
     rec["public"] = host_time(lambda: kernel(*tensors), args.calls, args.samples, sync)
+    turn = iter(range(1 << 62))   # the input sets in turn, as benchmarks/random_programs.py calls a program
+    rec["public_sets"] = host_time(lambda: kernel(*sets[next(turn) % len(sets)]), args.calls, args.samples, sync)
     # a program with cuBLAS GEMMs: the graphs captured for its repeated pointers (Executable._graph_for)
     rec["graphs_by_pointers"] = len(exe._by_pointers or ())
     if graph is not None:   # the same calls with the kernels launched one by one
@@ -266,7 +289,7 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["launch_floor"] = launch_floor(args, torch, runtime, exe)
     rec["overhead_us"] = overhead(rec["public"], rec["launch_floor"])
     rec["overhead_out_us"] = overhead(rec["public_out"], rec["launch_floor"])
-    ins, outs = [t.data_ptr() for t in tensors], [out.data_ptr()]
+    ins, outs = [t.data_ptr() for t in tensors], [o.data_ptr() for o in (out if isinstance(out, tuple) else (out,))]
     stream = torch.cuda.current_stream().cuda_stream
     rec["unchecked"] = host_time(lambda: exe.run_pointers(ins, outs, stream), args.calls, args.samples, sync)
     rec["gpu"] = gpu_time(torch, lambda: exe.run_pointers(ins, outs, torch.cuda.current_stream().cuda_stream),
@@ -299,17 +322,17 @@ def render_markdown(results: dict) -> str:
              f"{gpu}, torch {meta.get('torch', '?')}, mdsl {meta.get('mdsl_commit') or '?'}. Host overhead: the "
              f"public call's host time minus the launch floor (as many empty kernels launched the same way); "
              f"target <= {TARGET_US:g} µs.", "",
-             "| case | launches | launcher | public `k(*x)` | public `out=` | public, kernels one by one | "
-             "public, cuda.bindings | unchecked `run_pointers` | launch floor | host overhead | overhead, `out=` | "
-             "GPU (kernel alone) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | launches | launcher | public `k(*x)` | public `out=` | public, input sets in turn | "
+             "public, kernels one by one | public, cuda.bindings | unchecked `run_pointers` | launch floor | "
+             "host overhead | overhead, `out=` | GPU (kernel alone) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rec in results["cases"].items():
         if "error" in rec:
-            lines.append(f"| {name} | failed: {rec['error']} | | | | | | | | | | |")
+            lines.append(f"| {name} | failed: {rec['error']} | | | | | | | | | | | |")
             continue
         launcher = rec.get("launcher", "?") + (", graph" if rec.get("graph") else "")
         lines.append(f"| {name} | {rec['launches']} | {launcher} | {_us(rec['public'])} | "
-                     f"{_us(rec['public_out'])} | {_us(rec.get('public_kernels'))} | "
+                     f"{_us(rec['public_out'])} | {_us(rec.get('public_sets'))} | {_us(rec.get('public_kernels'))} | "
                      f"{_us(rec.get('public_bindings'))} | {_us(rec['unchecked'])} | "
                      f"{_us(rec.get('launch_floor'))} | {_overhead(rec.get('overhead_us'))} | "
                      f"{_overhead(rec.get('overhead_out_us'))} | {_us(rec['gpu'])} |")

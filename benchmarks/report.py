@@ -434,7 +434,8 @@ def call_section(data: Optional[dict]) -> list:
         return lines + _missing("call_overhead")
     lines += [run_line(data.get("meta")), "",
               "µs of host time per call, back to back (median of batches of calls): the public path "
-              "`k(*torch_tensors)` (outputs allocated by the call) and with `out=`, the public path with the "
+              "`k(*torch_tensors)` (outputs allocated by the call), with `out=` and on input sets in turn (as "
+              "the random programs are timed; where the run has it), the public path with the "
               "kernels launched one by one where the launcher launches them as one CUDA graph (`c, graph`), the "
               "unchecked launch of the same executable, the launch floor (as many empty kernels, launched one by "
               "one as the launcher does without a graph), the host overhead (public minus the launch floor; issue "
@@ -444,10 +445,12 @@ def call_section(data: Optional[dict]) -> list:
         overheads = [f"{c[k]:.1f}" if c.get(k) is not None else "-" for k in ("overhead_us", "overhead_out_us")]
         rows.append([name, c.get("launches", "-"), c.get("launcher", "-") + (", graph" if c.get("graph") else ""),
                      *(f"{c[k]['median_us']:.1f}" if c.get(k) and "median_us" in c[k] else "-"
-                       for k in ("public", "public_out", "public_kernels", "unchecked", "launch_floor")),
+                       for k in ("public", "public_out", "public_sets", "public_kernels", "unchecked",
+                                 "launch_floor")),
                      *overheads, f"{c['gpu']['median_us']:.1f}" if c.get("gpu") else "-"])
-    lines += _table(["case", "launches", "launcher", "public", "public, out=", "public, one by one", "unchecked",
-                     "launch floor", "host overhead", "overhead, out=", "GPU"], rows) + [""]
+    lines += _table(["case", "launches", "launcher", "public", "public, out=", "public, sets in turn",
+                     "public, one by one", "unchecked", "launch floor", "host overhead", "overhead, out=", "GPU"],
+                    rows) + [""]
     labels = {"empty_launch_cuda_bindings": "an empty kernel, cuLaunchKernel through cuda.bindings",
               "empty_launch_mdsl_c": "an empty kernel, through mdsl's C launcher",
               "empty_launch_ctypes": "an empty kernel, cuLaunchKernel through ctypes",
