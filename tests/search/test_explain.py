@@ -46,6 +46,27 @@ def test_a_layout_change_is_a_boundary_of_its_own():
     assert any("%matmul" in b.tensors for b in plan.explanation)
 
 
+@pytest.mark.timeout(120)
+def test_a_weight_read_transposed_is_told_how_to_pass_it():
+    """A product of an input stored [out, in] (torch.nn.Linear's layout) read through a transpose keeps the norm
+    before it in a kernel of its own, and the boundary says how to pass the weight; stored [in, out], the same
+    program is one kernel. A transpose of anything else gets no such advice."""
+    @mdsl.kernel
+    def linear_t(x: Tensor[4, 256, f16], w: Tensor[64, 256, f16]):
+        return mdsl.rms_norm(x) @ mdsl.transpose(w, 0, 1)
+
+    @mdsl.kernel
+    def linear(x: Tensor[4, 256, f16], w: Tensor[256, 64, f16]):
+        return mdsl.rms_norm(x) @ w
+
+    plan = search(linear_t.graph, CONFIG).plan()
+    assert plan.cost.launches == 2 and len(plan.explanation) == 1
+    assert "a product reads input %w transposed; with %w passed as stored for `x @ w`, [256, 64]" in \
+        plan.explanation[0].reason
+    assert search(linear.graph, CONFIG).plan().cost.launches == 1
+    assert not any("passed as stored" in b.reason for b in search(_layout(), CONFIG).plan().explanation)
+
+
 @pytest.mark.timeout(60)
 def test_a_split_that_still_copies_says_what_and_why():
     """A split's part that is a result is copied (mdsl.lowering.views); the boundary says so, also where the split
