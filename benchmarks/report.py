@@ -405,12 +405,13 @@ def random_programs_gpu_section(runs: list) -> list:
                   f"alone. Correct on the GPU: {len(speedups)} of {len(rows)}. Speed-up over the best PyTorch baseline: "
                   f"geometric mean {summary.get('gpu_geomean_speedup_vs_best', float('nan')):.2f}x (issue 31's target: "
                   f"1.3x), median {statistics.median(speedups):.2f}x, from {speedups[0]:.2f}x to {speedups[-1]:.2f}x; "
-                  f"slower than eager: {summary.get('gpu_slower_than_eager', '-')}. The programs slower than the best "
-                  "baseline by more than 20%, in µs:", ""]
+                  f"slower than eager: {summary.get('gpu_slower_than_eager', '-')}."]
         first_calls = [r["gpu"]["first_call_s"] for r in rows if (r.get("gpu") or {}).get("first_call_s") is not None]
         if first_calls:   # compile and, where the call tunes, its tuning (`kernel.tunings`)
-            lines += [f"A program's first call (compiling, tuning): median {statistics.median(first_calls):.1f} s, "
-                      f"longest {max(first_calls):.1f} s.", ""]
+            lines[-1] += (f" A program's first call (compiling, tuning): median {statistics.median(first_calls):.1f} "
+                          f"s, longest {max(first_calls):.1f} s.")
+        lines[-1] += " The programs slower than the best baseline by more than 20%, in µs:"
+        lines += [""]
         table = []
         for r in rows:
             g = r.get("gpu") or {}
