@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import statistics
@@ -257,13 +258,12 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["launcher"] = "c" if exe.native is not None else "cuda.bindings"
     graph = exe.native.graph if exe.native is not None else None
     rec["graph"] = graph is not None
-    first = first if isinstance(first, tuple) else (first,)
-    out = tuple(torch.empty_like(f) for f in first)
-    out = out if len(out) > 1 else out[0]
-    rec["outputs"] = len(first)
+    outputs = tuple(torch.empty_like(f) for f in (first if isinstance(first, tuple) else (first,)))
+    out = outputs if len(outputs) > 1 else outputs[0]   # out= as the call takes it
+    rec["outputs"] = len(outputs)
     rec["public"] = host_time(lambda: kernel(*tensors), args.calls, args.samples, sync)
-    turn = iter(range(1 << 62))   # the input sets in turn, as benchmarks/random_programs.py calls a program
-    rec["public_sets"] = host_time(lambda: kernel(*sets[next(turn) % len(sets)]), args.calls, args.samples, sync)
+    turn = itertools.cycle(sets)   # the input sets in turn, as benchmarks/random_programs.py calls a program
+    rec["public_sets"] = host_time(lambda: kernel(*next(turn)), args.calls, args.samples, sync)
     # a program with cuBLAS GEMMs: the graphs captured for its repeated pointers (Executable._graph_for)
     rec["graphs_by_pointers"] = len(exe._by_pointers or ())
     if graph is not None:   # the same calls with the kernels launched one by one
@@ -289,7 +289,7 @@ def measure_case(args, torch, kernel, specs: list) -> dict:
     rec["launch_floor"] = launch_floor(args, torch, runtime, exe)
     rec["overhead_us"] = overhead(rec["public"], rec["launch_floor"])
     rec["overhead_out_us"] = overhead(rec["public_out"], rec["launch_floor"])
-    ins, outs = [t.data_ptr() for t in tensors], [o.data_ptr() for o in (out if isinstance(out, tuple) else (out,))]
+    ins, outs = [t.data_ptr() for t in tensors], [o.data_ptr() for o in outputs]
     stream = torch.cuda.current_stream().cuda_stream
     rec["unchecked"] = host_time(lambda: exe.run_pointers(ins, outs, stream), args.calls, args.samples, sync)
     rec["gpu"] = gpu_time(torch, lambda: exe.run_pointers(ins, outs, torch.cuda.current_stream().cuda_stream),
