@@ -30,7 +30,9 @@ GPU columns (`--gpu`, where torch sees a GPU): `measure_on_gpu` times each progr
 `kernel(*torch_cuda_tensors)` through the public call path with the plan from the plan cache (so
 search with the default --budget and --work, which the call path's config has, and carry --cache),
 inputs rotated over sets larger than twice the L2, against PyTorch eager, eager captured in a CUDA
-graph and torch.compile, after checking every contender's output against the float64 reference.
+graph and torch.compile, after checking every contender's output against the float64 reference, once every
+program's search is done, in passes over the programs (PASSES: no contender is timed in a process that another's
+torch.compile or profiler has slowed).
 """
 from __future__ import annotations
 
@@ -467,63 +469,115 @@ def same_plans(rows: list, other: list) -> dict:
 # ---------------------------------------------------------------------------------------------
 # GPU timing (the lead's H200 run): as a user calls the kernel
 
-def measure_on_gpu(program: RandomProgram, reps: int = 100, batch: int = 10, l2_bytes: int = 60 * 2**20,
-                   compile_baseline: bool = True) -> dict:
-    """Microseconds per call of the plan (`kernel(*tensors)`: the public call path, host time included,
-    the plan from the plan cache under the default search config) and of PyTorch eager, eager captured
-    in a CUDA graph and torch.compile, each checked first against the float64 reference (a contender
-    whose output is off is reported, not timed). Inputs rotate over sets that together exceed twice the
-    L2, a batch of `batch` back-to-back calls between two CUDA events per sample, the median of `reps`
-    samples."""
-    import torch
+#: the contenders in the order of the passes over the programs: every program's public call and eager run are timed
+#: before any program's CUDA graphs are captured, and those before torch.compile and torch's profiler run, since a
+#: process that has run them is slower at every torch call after (on an H100 host: torch.empty_like 1.95 -> 3.3 µs,
+#: and a public call of two outputs 11.8 -> 15.5 µs), which would charge one program's host time to another's
+#: baselines
+PASSES = (("mdsl", "eager"), ("cuda_graph", "mdsl_graph"), ("compile",), ("kernels",))
 
-    from mdsl.backend.reference import run_kernel_graph
 
-    kernel = program.kernel()
-    graph = kernel.graph
-    scope: dict = {}
-    exec(compile(program.torch_source(), f"<torch {program.name}>", "exec"), scope)   # noqa: S102
-    eager = scope["program"]
-    per_call = sum(v.type.nbytes for v in (*graph.inputs, *graph.outputs))
-    sets = max(2, min(256, math.ceil(2 * l2_bytes / max(per_call, 1))))
-    host = [float_inputs(program, graph, seed) for seed in range(sets)]
-    device = [[torch.from_numpy(a).to("cuda", torch.float16) for a in inputs] for inputs in host]
-    want = run_kernel_graph(graph, host[0], precision="float64")
-    bounds = _float_bounds(graph, host[0], want)
+def measure_on_gpu(programs: Sequence[RandomProgram], reps: int = 100, batch: int = 10, l2_bytes: int = 60 * 2**20,
+                   compile_baseline: bool = True, progress=None) -> list:
+    """Per program, microseconds per call of the plan (`kernel(*tensors)`: the public call path, host time
+    included, the plan from the plan cache under the default search config) and of PyTorch eager, eager captured
+    in a CUDA graph and torch.compile, each checked first against the float64 reference (a contender whose output
+    is off is reported, not timed); the plan replayed in a CUDA graph (its GPU time) and each of its kernels'
+    times. Inputs rotate over sets that together exceed twice the L2, a batch of `batch` back-to-back calls
+    between two CUDA events per sample, the median of `reps` samples. The contenders are timed in PASSES over
+    the programs. `progress(index, pass, out)` is called after each program's pass with what it has so far."""
+    outs: list = [{} for _ in programs]
+    kernels = [program.kernel() for program in programs]
+    for step, names in enumerate(PASSES):
+        if names == ("compile",) and not compile_baseline:
+            continue
+        for index, (program, kernel, out) in enumerate(zip(programs, kernels, outs)):
+            bench = _Contenders(program, kernel, l2_bytes, reps, batch)
+            for name in names:
+                bench.run(name, out)
+            out.update(speedups(out, compile_baseline))
+            if progress is not None:
+                progress(index, step, out)
+    return outs
 
-    def correct(fn) -> Optional[str]:
+
+class _Contenders:
+    """One program's contenders on the GPU: its input sets, the float64 reference and the timing method."""
+
+    def __init__(self, program: RandomProgram, kernel, l2_bytes: int, reps: int, batch: int):
+        import torch
+
+        from mdsl.backend.reference import run_kernel_graph
+
+        self.torch, self.kernel, self.reps, self.batch = torch, kernel, reps, batch
+        graph = kernel.graph
+        scope: dict = {}
+        exec(compile(program.torch_source(), f"<torch {program.name}>", "exec"), scope)   # noqa: S102
+        self.eager = scope["program"]
+        per_call = sum(v.type.nbytes for v in (*graph.inputs, *graph.outputs))
+        sets = max(2, min(256, math.ceil(2 * l2_bytes / max(per_call, 1))))
+        host = [float_inputs(program, graph, seed) for seed in range(sets)]
+        self.device = [[torch.from_numpy(a).to("cuda", torch.float16) for a in inputs] for inputs in host]
+        self.want = run_kernel_graph(graph, host[0], precision="float64")
+        self.bounds = _float_bounds(graph, host[0], self.want)
+
+    def run(self, name: str, out: dict) -> None:
+        """Time contender `name` into `out` (as `attempt` records it)."""
+        kernel = self.kernel
+        if name == "mdsl":
+            attempt(out, "mdsl", lambda: self.checked_and_timed(lambda *a: kernel(*a), out, "first_call_s"))
+            if kernel.tunings:
+                out["mdsl_choice"] = kernel.tunings[-1].variant.describe()
+        elif name == "eager":
+            attempt(out, "eager", lambda: self.checked_and_timed(self.eager, out))
+        elif name == "cuda_graph":
+            attempt(out, "cuda_graph", lambda: self.timed(self.graphed(self.eager)))   # (checked as eager)
+        elif name == "mdsl_graph":   # where the public call's time goes: the GPU's part
+            if out.get("mdsl_us") is not None:
+                attempt(out, "mdsl_graph", lambda: self.timed(self.graphed(kernel)))
+        elif name == "compile":
+            attempt(out, "compile", lambda: self.checked_and_timed(self.torch.compile(self.eager), out))
+        elif name == "kernels":   # and each kernel's
+            if out.get("mdsl_us") is not None:
+                out["mdsl_kernels_us"] = kernel_times(kernel, self.device)
+        else:
+            raise ValueError(f"no contender {name!r}")
+
+    def correct(self, fn) -> Optional[str]:
         """Why the contender's outputs on the first input set are off (None: within the verifier's
         bound for f16, or the original's own error at that precision times ORIGINAL_SLACK)."""
-        with torch.no_grad():
-            got = fn(*device[0])
+        with self.torch.no_grad():
+            got = fn(*self.device[0])
         got = got if isinstance(got, (tuple, list)) else (got,)
-        for g, w, bound in zip(got, want, bounds):
+        for g, w, bound in zip(got, self.want, self.bounds):
             g = g.float().cpu().numpy().astype(np.float64)
             error = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300))
             if not np.all(np.isfinite(g[np.isfinite(w)])) or error > bound:
                 return f"relative error {error:.2e} over {bound:.1e}"
         return None
 
-    def timed(fn) -> float:
+    def timed(self, fn) -> float:
+        torch, device = self.torch, self.device
         for inputs in device * 2:   # warm-up: every set twice (a call's steady state: mdsl captures a graph for
             fn(*inputs)             # a set of pointers at its second run where cuBLAS runs its GEMMs)
         torch.cuda.synchronize()
         samples = []
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         k = 0
-        for _ in range(reps):
+        for _ in range(self.reps):
             start.record()
-            for _ in range(batch):
-                fn(*device[k % sets])
+            for _ in range(self.batch):
+                fn(*device[k % len(device)])
                 k += 1
             stop.record()
             stop.synchronize()
-            samples.append(start.elapsed_time(stop) * 1e3 / batch)
+            samples.append(start.elapsed_time(stop) * 1e3 / self.batch)
         return statistics.median(samples)
 
-    def graphed(fn):
+    def graphed(self, fn):
+        torch = self.torch
         graphs = []
-        for inputs in device:
+        for inputs in self.device:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -533,32 +587,17 @@ def measure_on_gpu(program: RandomProgram, reps: int = 100, batch: int = 10, l2_
             with torch.cuda.graph(g):
                 fn(*inputs)
             graphs.append(g)
-        index = {id(inputs[0]): i for i, inputs in enumerate(device)}
+        index = {id(inputs[0]): i for i, inputs in enumerate(self.device)}
         return lambda *inputs: graphs[index[id(inputs[0])]].replay()
 
-    out = {}
-
-    def checked_and_timed(fn, first_call: Optional[str] = None) -> float:
+    def checked_and_timed(self, fn, out: dict, first_call: Optional[str] = None) -> float:
         start = time.perf_counter()
-        problem = correct(fn)
+        problem = self.correct(fn)
         if first_call:   # the first call's seconds: mdsl's compiles, and tunes where it does (kernel.tunings)
             out[first_call] = round(time.perf_counter() - start, 2)
         if problem:
             raise ContenderError(problem)
-        return timed(fn)
-
-    attempt(out, "mdsl", lambda: checked_and_timed(lambda *a: kernel(*a), first_call="first_call_s"))
-    if kernel.tunings:
-        out["mdsl_choice"] = kernel.tunings[-1].variant.describe()
-    attempt(out, "eager", lambda: checked_and_timed(eager))
-    attempt(out, "cuda_graph", lambda: timed(graphed(eager)))   # the same computation as eager, checked above
-    if out["mdsl_us"] is not None:   # where the public call's time goes: the GPU's part, and each kernel's
-        attempt(out, "mdsl_graph", lambda: timed(graphed(kernel)))
-        out["mdsl_kernels_us"] = kernel_times(kernel, device)
-    if compile_baseline:
-        attempt(out, "compile", lambda: checked_and_timed(torch.compile(eager)))
-    out.update(speedups(out, compile_baseline))
-    return out
+        return self.timed(fn)
 
 
 class ContenderError(Exception):
@@ -789,15 +828,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta.update(seed=args.seed, count=args.count, first=args.first, budget_s=args.budget, work=config.work,
                 workers=args.workers)
     rows = []
-    for program in programs:
-        row = run_one(program, config, args.seed)
-        if args.gpu:
-            row["gpu"] = measure_on_gpu(program, compile_baseline=args.compile)
-        rows.append(row)
-        print(f"{row['program']}: {row['ops']} ops, kernels {row['kernels_before']} -> {row['kernels_after']}, "
-              f"{row['estimate_before_us']} -> {row['estimate_after_us']} us est., search {row['search_s']} s"
-              f"{' (provisional)' if row['provisional'] else ''}, float {'ok' if row['float_ok'] else 'FAIL'}",
-              flush=True)
+
+    def write() -> None:   # after each program: a run cut short keeps what it measured
         summary = summarise(rows, args.budget)
         if args.same_as:
             summary["same_as"] = {"file": args.same_as, **same_plans(rows, json.loads(Path(args.same_as).read_text())["rows"])}
@@ -805,6 +837,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (out_dir / "random_programs.json").write_text(json.dumps({"schema": SCHEMA, "meta": meta, "summary": summary,
                                                                   "rows": rows}, indent=1))
         (out_dir / "random_programs.md").write_text(markdown(meta, rows, summary))
+
+    for program in programs:
+        row = run_one(program, config, args.seed)
+        rows.append(row)
+        print(f"{row['program']}: {row['ops']} ops, kernels {row['kernels_before']} -> {row['kernels_after']}, "
+              f"{row['estimate_before_us']} -> {row['estimate_after_us']} us est., search {row['search_s']} s"
+              f"{' (provisional)' if row['provisional'] else ''}, float {'ok' if row['float_ok'] else 'FAIL'}",
+              flush=True)
+        write()
+    if args.gpu:
+        def progress(index: int, step: int, out: dict) -> None:
+            rows[index]["gpu"] = out
+            print(f"{rows[index]['program']}: {', '.join(PASSES[step])} timed", flush=True)
+            write()
+
+        measure_on_gpu(programs, compile_baseline=args.compile, progress=progress)
     print(markdown(meta, rows, summarise(rows, args.budget)))
     return 0
 

@@ -211,3 +211,35 @@ def test_the_section_names_the_run_compared_against_and_a_runs_background_load()
     text = "\n".join(report.random_programs_section([quiet, loaded]))
     assert "| 0.3 -> 3.9 | 1 of 2 the same (random_programs_seed5_quiet.json) |" in text
     assert text.count("Beside it: two busy processes.") == 1
+
+
+@pytest.mark.parametrize("compile_baseline", [True, False])
+def test_every_program_s_public_call_is_timed_before_any_graph_compile_or_profile(monkeypatch, compile_baseline):
+    """measure_on_gpu's passes: a program's call and eager run are timed before any program's CUDA graphs are
+    captured, and those before torch.compile and the profiler run (which slow every later torch call)."""
+    timed = []
+
+    class Program:
+        def __init__(self, name):
+            self.name = name
+
+        def kernel(self):
+            return f"kernel {self.name}"
+
+    class Contenders:
+        def __init__(self, program, kernel, l2_bytes, reps, batch):
+            assert kernel == f"kernel {program.name}"
+            self.name = program.name
+
+        def run(self, name, out):
+            timed.append((self.name, name))
+            out[f"{name}_us"] = {"mdsl": 5.0, "eager": 20.0, "cuda_graph": 10.0, "compile": 15.0}.get(name)
+
+    monkeypatch.setattr(rp, "_Contenders", Contenders)
+    seen = []
+    outs = rp.measure_on_gpu([Program("a"), Program("b")], compile_baseline=compile_baseline,
+                             progress=lambda index, step, out: seen.append((index, step)))
+    passes = [("mdsl", "eager"), ("cuda_graph", "mdsl_graph")] + [("compile",)] * compile_baseline + [("kernels",)]
+    assert timed == [(p, name) for names in passes for p in "ab" for name in names]
+    assert len(seen) == 2 * len(passes) and seen[:2] == [(0, 0), (1, 0)]
+    assert all(out["speedup_vs_best"] == 2.0 and out["speedup_vs_eager"] == 4.0 for out in outs)
