@@ -471,9 +471,9 @@ def same_plans(rows: list, other: list) -> dict:
 
 #: the contenders in the order of the passes over the programs: every program's public call and eager run are timed
 #: before any program's CUDA graphs are captured, and those before torch.compile and torch's profiler run, since a
-#: process that has run them is slower at every torch call after (on an H100 host: torch.empty_like 1.95 -> 3.3 µs,
-#: and a public call of two outputs 11.8 -> 15.5 µs), which would charge one program's host time to another's
-#: baselines
+#: process that has run them is slower at torch calls after (on an H100 host, a public call of two outputs took
+#: 11.8 µs of host time, and 15.5 µs in the same process once six programs' contenders had run), which would
+#: charge other programs' baselines to a program's host time
 PASSES = (("mdsl", "eager"), ("cuda_graph", "mdsl_graph"), ("compile",), ("kernels",))
 
 
