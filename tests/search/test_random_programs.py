@@ -216,7 +216,7 @@ def test_the_section_names_the_run_compared_against_and_a_runs_background_load()
 @pytest.mark.parametrize("compile_baseline", [True, False])
 def test_every_program_s_public_call_is_timed_before_any_graph_compile_or_profile(monkeypatch, compile_baseline):
     """measure_on_gpu's passes: a program's call and eager run are timed before any program's CUDA graphs are
-    captured, and those before torch.compile and the profiler run (which slow every later torch call)."""
+    captured, and those before torch.compile and the profiler run (which slow later torch calls)."""
     timed = []
 
     class Program:
