@@ -13,7 +13,7 @@ Values are numpy arrays whose leading dims are the tensor's dims; a semantics ma
 Inside a block graph every value has one more leading axis, the *block axis* (one entry per block), so that an
 operator runs once per iteration for all blocks rather than once per block. Rules need not know: the walk
 hands them nodes whose non-negative `dim` attributes count past the block axis (and whose `shape` attribute, a
-reshape's, has the block axis in front), and operands of one rank (size-1 axes inserted after the block axis,
+reshape's, has the block axis in front, as has a transpose's `perm`), and operands of one rank (size-1 axes inserted after the block axis,
 where numpy's broadcasting would put them before it). A tile that every block reads whole is read once, with a
 block axis of size 1 that broadcasts, so that what derives from it alone is computed once, not once per block.
 Accumulators get, for each iteration, their inputs with the block axis; they stack the iterations on a new
@@ -129,9 +129,11 @@ def _eval_nodes(sem: Semantics, nodes: Sequence[Node], env: Env, lead: tuple = (
 def _per_block(node: Node) -> Node:
     """`node` as it runs on values with a block axis: a non-negative `dim` attribute (the one attribute
     operators use to name a tensor dim) counts past that axis, a `shape` attribute (a reshape's) keeps it
-    (-1: the blocks, or 1 for a value equal in every block); a thread-graph body's nodes likewise."""
+    (-1: the blocks, or 1 for a value equal in every block), a `perm` (a transpose's) leaves it in front; a
+    thread-graph body's nodes likewise."""
     shifted = tuple((name, value + 1 if name == "dim" and value >= 0 else
-                     (-1, *value) if name == "shape" else value) for name, value in node.attrs)
+                     (-1, *value) if name == "shape" else
+                     (0, *(p + 1 for p in value)) if name == "perm" else value) for name, value in node.attrs)
     body = node.body
     if isinstance(body, ThreadGraph):
         body = attrs.evolve(body, nodes=tuple(_per_block(n) for n in body.nodes))

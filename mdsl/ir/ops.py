@@ -445,7 +445,9 @@ def _transpose_infer(types, a):
     return (x.with_shape([x.shape[p] for p in perm]),)
 
 
-register(OpDef("transpose", "layout", frozenset({KERNEL}), 1, (AttrSpec("perm", "ints"),), _transpose_infer,
+# At the block level a transpose permutes a tile's dims (the guided lifting places one where a program reads a
+# tensor transposed: a linear layer's weight stored [out, in], read in place by the kernel that multiplies by it).
+register(OpDef("transpose", "layout", KERNEL_AND_BLOCK, 1, (AttrSpec("perm", "ints"),), _transpose_infer,
                lambda xs, a: [np.transpose(xs[0], a["perm"]).copy()], doc="permute dims"))
 
 

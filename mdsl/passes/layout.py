@@ -139,8 +139,12 @@ def vector_width(tile: TileLayout, tensor: TensorType) -> int:
     return width
 
 
-def storage_dtype(var, node: Node, wide: bool) -> DType:
-    """How a tile computed by `node` is stored."""
+def storage_dtype(var, node: Node, wide: bool, operands: tuple = ()) -> DType:
+    """How a tile computed by `node` is stored; `operands`: how its operands' tiles are. A transpose moves
+    elements and rounds none: its tile is stored as its operand's (a weight's tile stays 16-bit, as the
+    tensor-core fragments take it)."""
+    if node.op == "transpose" and operands:
+        return operands[0]
     if node.opdef.is_accumulator or (wide and var.dtype.is_float):
         return f32
     return var.dtype
@@ -149,10 +153,13 @@ def storage_dtype(var, node: Node, wide: bool) -> DType:
 def select_layout(bg: BlockGraph, tensor_types: tuple, *, wide: bool = True) -> LayoutPlan:
     """Layouts for the tiles of `bg`, whose inputs are tiles of device tensors of `tensor_types`."""
     tiles: dict = {}
-    stored = [(i.var, i.var.dtype) for i in bg.inputs] + [(v, storage_dtype(v, n, wide)) for n in bg.nodes
-                                                          for v in n.outputs]
-    for var, dtype in stored:
-        tiles[var.name] = TileLayout(var.shape, dtype, padded_row_stride(var.shape, dtype))
+    for i in bg.inputs:
+        tiles[i.var.name] = TileLayout(i.var.shape, i.var.dtype, padded_row_stride(i.var.shape, i.var.dtype))
+    for n in bg.nodes:
+        operands = tuple(tiles[v.name].dtype for v in n.inputs if v.name in tiles)
+        for var in n.outputs:
+            dtype = storage_dtype(var, n, wide, operands)
+            tiles[var.name] = TileLayout(var.shape, dtype, padded_row_stride(var.shape, dtype))
     for name, (_, ttype) in scratch_tiles(bg).items():
         tiles[name] = TileLayout(ttype.shape, ttype.dtype, ttype.shape[-1])  # read by flat index: no padding
     vectors = {i.var.name: vector_width(tiles[i.var.name], t) for i, t in zip(bg.inputs, tensor_types)}

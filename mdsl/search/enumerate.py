@@ -247,8 +247,9 @@ def _commutative(op: OpDef) -> bool:
 
 
 #: Block-level operators the enumeration leaves out: a block-level reshape's shape is a tile's, which no
-#: attribute of the program gives (the guided lifting places it, where tiles hold whole groups).
-NOT_ENUMERATED = frozenset({"reshape"})
+#: attribute of the program gives (the guided lifting places it, where tiles hold whole groups), and a
+#: transpose only moves a tile's elements (the guided lifting places it where the program transposes).
+NOT_ENUMERATED = frozenset({"reshape", "transpose"})
 
 
 def _operators() -> list:

@@ -331,6 +331,17 @@ def _lift_reshape(b: _Builder, node: Node) -> Lifted:
     return Lifted(b.emit("reshape", [x.var], shape=tuple(tile)), x.phase)
 
 
+def _lift_transpose(b: _Builder, node: Node) -> Lifted:
+    """A transpose of a tile: the grid and the loop split its dims as they split the operand's (the labels
+    move with the dims), so the block's transpose of the operand's tile is the tile of the result. A weight
+    stored [out, in] is then read in place, its tiles as stored, where a kernel of its own would write the
+    transposed copy first."""
+    (x,) = (b.value(v) for v in node.inputs)
+    if not x.plain:
+        raise CannotLift("transpose of a value with a pending rescale or division")
+    return Lifted(b.emit("transpose", [x.var], perm=tuple(node.attr("perm"))), x.phase)
+
+
 _CATEGORY_RULES = {"elementwise": _lift_elementwise, "matmul": _lift_matmul, "reduction": _lift_reduction,
                    "norm": _lift_rms_norm}
 #: op -> (builder, node) -> Lifted, by the op's category
@@ -338,6 +349,7 @@ LIFT_RULES: RuleTable[Callable] = RuleTable("guided lifting", Callable, "mdsl.se
                                             by_category=lambda op: _CATEGORY_RULES.get(op.category))
 LIFT_RULES.register("concat", _lift_concat)
 LIFT_RULES.register("reshape", _lift_reshape)
+LIFT_RULES.register("transpose", _lift_transpose)
 
 
 # ---------------------------------------------------------------------------------------------

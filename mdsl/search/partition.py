@@ -475,22 +475,7 @@ def _lone(graph: KernelGraph, i: int) -> KernelGraph:
 
 def _unliftable(node: Node, graph: KernelGraph) -> str:
     what = "a layout change" if node.opdef.category == "layout" else f"a {node.opdef.category} operator"
-    reason = f"{node.op} %{node.outputs[0].name} is {what} without a block-level rule: it runs as a kernel of its own"
-    return reason + _stored_transposed(node, graph)
-
-
-def _stored_transposed(node: Node, graph: KernelGraph) -> str:
-    """How to lift the boundary where `node` transposes an input of the program that a product reads as its right
-    operand (a weight stored [out, in], as torch.nn.Linear stores it): the same weight passed stored [in, out]."""
-    (source,) = node.inputs if node.op == "transpose" else (None,)
-    if source is None or source.name not in {v.name for v in graph.inputs} or tuple(node.attr("perm")) != (1, 0):
-        return ""
-    readers = graph.users().get(node.outputs[0].name, [])
-    if not readers or not all(r.op == "matmul" and r.inputs[1].name == node.outputs[0].name for r in readers):
-        return ""
-    return (f" (a product reads input %{source.name} transposed; with %{source.name} passed as stored for "
-            f"`x @ {source.name}`, [{source.shape[1]}, {source.shape[0]}], transposed once outside the kernel, "
-            "the product reads its tiles in place and can fuse with the operators around it)")
+    return f"{node.op} %{node.outputs[0].name} is {what} without a block-level rule: it runs as a kernel of its own"
 
 
 def _no_lift_reason(failures: dict) -> str:

@@ -199,6 +199,41 @@ def test_a_weighted_norm_before_the_matmul_still_fuses_into_the_loop():
         assert np.allclose(run_kernel_graph(c, inputs)[0], want, rtol=1e-10)
 
 
+def _linear_transposed(rows: int, k: int, n: int):
+    """(rms_norm(x) * g) @ transpose(W), W stored [out, in] as torch.nn.Linear stores it."""
+    import mdsl
+    from mdsl import Tensor, f16
+
+    @mdsl.kernel
+    def linear_t(x: Tensor[rows, k, f16], g: Tensor[1, k, f16], w: Tensor[n, k, f16]):
+        return (mdsl.rms_norm(x) * g) @ mdsl.transpose(w, 0, 1)
+    return linear_t.graph
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows,k,n", [(4, 256, 64), (1, 1024, 64)])
+def test_a_weight_stored_out_in_is_read_in_place_and_transposed_per_tile(rows, k, n):
+    """The transpose lifts into the block: the weight's tiles are read as stored, the loop walking its last
+    dim (K), and a block-level transpose turns each into the product's operand; every candidate computes
+    the program."""
+    graph = _linear_transposed(rows, k, n)
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal(v.shape) for v in graph.inputs]
+    want = run_kernel_graph(graph, inputs)[0]
+    candidates = list(generate(graph, SearchConfig(min_blocks=1), limit=20))
+    whole = [c for c in candidates if len(c.nodes) == 1]
+    assert whole
+    for c in candidates:
+        assert np.linalg.norm(run_kernel_graph(c, inputs)[0] - want) / np.linalg.norm(want) < 1e-10
+    looped = [c.nodes[0].body for c in whole if c.nodes[0].body.forloop > 1]
+    assert looped
+    for body in looped:
+        transpose = next(node for node in body.nodes if node.op == "transpose")
+        (weight,) = [i for i in body.inputs if i.var.name == transpose.inputs[0].name]
+        assert weight.fmap == 1 and transpose.attr("perm") == (1, 0)   # its tiles along K, as stored
+        assert {"matmul", "accum_rms"} <= set(ops_of(body))
+
+
 def test_the_search_deadline_stops_the_lifting():
     graph = example("rms_norm_linear").make_rms_norm_linear(1).graph
     assert list(generate(graph, SearchConfig(), SearchStats()))   # in time: candidates

@@ -21,18 +21,32 @@ from mdsl.search.stats import SearchStats
 CONFIG = SearchConfig(budget_s=90, workers=1, exhaustive=False, min_blocks=1)
 
 
+def _cut(y):
+    """A kernel boundary: a split of a norm's row has no block-level rule (the split cannot move past the norm)."""
+    half = y.shape[-1] // 2
+    a, b = mdsl.split(mdsl.rms_norm(y), [half, half], dim=-1)
+    return a * b
+
+
 def _layout_epilogue():
     @mdsl.kernel
     def epilogue(x: Tensor[16, 8, f16], w: Tensor[16, 64, f16], b: Tensor[1, 64, f16]):
-        t = mdsl.transpose(x, 0, 1)                      # a layout change: a kernel of its own
+        t = mdsl.transpose(x, 0, 1)                      # a layout change
         return mdsl.silu(t @ w + b) * 2.0                # the bias, silu and scale: the product's epilogue
+    return epilogue.graph
+
+
+def _epilogue():
+    @mdsl.kernel
+    def epilogue(x: Tensor[16, 8, f16], w: Tensor[4, 64, f16], b: Tensor[1, 64, f16]):
+        return mdsl.silu(_cut(x) @ w + b) * 2.0          # the bias, silu and scale: the product's epilogue
     return epilogue.graph
 
 
 def _norm_matmul():
     @mdsl.kernel
     def norm_matmul(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
-        return mdsl.transpose(mdsl.rms_norm(x) @ w, 0, 1)   # the rms folds into the product's loop
+        return _cut(mdsl.rms_norm(x) @ w)                # the rms folds into the product's loop
     return norm_matmul.graph
 
 
@@ -40,7 +54,7 @@ def _horizontal():
     @mdsl.kernel
     def qk(x: Tensor[8, 64, f16], wq: Tensor[64, 32, f16], wk: Tensor[64, 16, f16]):
         h = mdsl.rms_norm(x)
-        return mdsl.transpose(h @ wq, 0, 1), h @ wk          # two products of one input: one kernel
+        return _cut(h @ wq), h @ wk                      # two products of one input: one kernel
     return qk.graph
 
 
@@ -48,14 +62,14 @@ def _row_scalar():
     @mdsl.kernel
     def row_scalar(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
         s = mdsl.max(x, dim=-1, keepdim=True)                # a per-row scalar scaling the product
-        return mdsl.transpose((x @ w) * s, 0, 1)
+        return _cut((x @ w) * s)
     return row_scalar.graph
 
 
 def _softmax():
     @mdsl.kernel
     def scores(x: Tensor[8, 64, f16], w: Tensor[64, 32, f16]):
-        return mdsl.transpose(mdsl.softmax((x @ w) * 0.125, dim=-1), 0, 1)
+        return _cut(mdsl.softmax((x @ w) * 0.125, dim=-1))
     return scores.graph
 
 
@@ -67,7 +81,7 @@ def _split_gate():
     return split_gate.graph
 
 
-FAMILIES = {"epilogue": (_layout_epilogue, {"silu", "add", "matmul"}),
+FAMILIES = {"epilogue": (_epilogue, {"silu", "add", "matmul"}),
             "norm_matmul": (_norm_matmul, {"matmul"}),
             "horizontal": (_horizontal, {"matmul"}),
             "row_scalar": (_row_scalar, {"max", "matmul"}),
@@ -104,8 +118,9 @@ def test_horizontal_fusion_computes_both_products_in_one_kernel():
     graph = _horizontal()
     stats = SearchStats()
     best, *_ = partition.generate(graph, CONFIG, stats)
-    (fused,) = [n for n in best.graph.nodes if n.body is not None]
-    assert [n.op for n in fused.body.nodes].count("matmul") == 2 and len(fused.outputs) == 2
+    (fused,) = [n for n in best.graph.nodes if n.body is not None and
+                [m.op for m in n.body.nodes].count("matmul") == 2]
+    assert len(fused.outputs) == 2
 
 
 def test_a_subprogram_reads_what_its_nodes_read_and_returns_what_later_nodes_read():
@@ -144,10 +159,9 @@ def test_the_combination_never_costs_more_than_the_operators_apart():
 
 def test_fallbacks_leave_out_one_fused_part_each_and_wait_for_the_best():
     @mdsl.kernel
-    def two_parts(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], v: Tensor[8, 32, f16]):
+    def two_parts(x: Tensor[8, 64, f16], w: Tensor[64, 64, f16], v: Tensor[32, 32, f16]):
         h = mdsl.silu(x @ w) * 2.0
-        t = mdsl.transpose(h, 0, 1)                      # a transpose no other one undoes: a kernel between
-        return mdsl.relu(t @ v) + 1.0
+        return mdsl.relu(_cut(h) @ v) + 1.0              # a kernel between
 
     stats = SearchStats()
     best, *fallbacks = partition.generate(two_parts.graph, CONFIG, stats)
@@ -174,7 +188,9 @@ def test_a_part_that_fails_its_screen_gives_way_to_its_next_candidate(monkeypatc
     part.analyse()
     combination = part.screened_best()
     used = [option for _, _, option in combination if option is not None]
-    assert len(calls) == 2 and used and used[0][0].key == calls[1] != calls[0]
+    # one screen a part, and one more for the part whose first candidate failed: its next one is used instead
+    keys = {option[0].key for option in used}
+    assert len(calls) == len(used) + 1 and calls[0] not in keys and keys == set(calls[1:])
 
 
 def test_an_analysis_cut_short_by_its_work_allowance_still_screens_and_combines_what_it_found():

@@ -289,6 +289,17 @@ def _copy_kernel(program, index: int, node: Node) -> None:
 
 
 class Transpose(CudaRule):
+    """On tiles, the elements copied into the result's tile, the operand read through its strides permuted (a
+    weight's tile as stored, [n][k], becomes the [k][n] tile a matmul takes); at the kernel level, a kernel
+    of that copy, or an alias where only dims of size 1 move."""
+
+    def block(self, b, node: Node) -> None:
+        x, out = b.tile(node.inputs[0]), b.tile(node.output)
+        permuted = x.viewed(out.shape, tuple(x.strides[p] for p in node.attr("perm")))
+        with b.threads.each(b.w, node.output.type.numel):
+            b.w(f"{out.at(offset('i', out.shape, out))} = "
+                f"mdsl::convert<{out.ctype}>({x.at(offset('i', out.shape, permuted))});")
+
     def kernel(self, program, index: int, node: Node) -> None:
         if is_view(node):   # (only size-1 dims move: the same row-major elements)
             program.alias(node.output.name, node.inputs[0].name)

@@ -491,6 +491,20 @@ def _from(fn: KernelFunction, array: Array, at: int, shape: tuple) -> Array:
 
 
 class Transpose(PtxRule):
+    """On tiles, the elements copied into the result's tile, the operand read through its strides permuted (a
+    weight's tile as stored, [n][k], becomes the [k][n] tile a matmul takes); at the kernel level, a kernel
+    of that copy, or an alias where only dims of size 1 move."""
+
+    def block(self, bk, node: Node) -> None:
+        fn, x, out = bk.fn, bk.tile(node.inputs[0]), bk.tile(node.output)
+        permuted = x.viewed(out.shape, tuple(x.strides[p] for p in node.attr("perm")))
+
+        def element(i) -> None:
+            value = fn.load(x, fn.offset(i, out.shape, permuted))
+            fn.b.store(fn.convert(value, x.dtype, out.dtype), fn.address(out, fn.offset(i, out.shape, out)))
+
+        bk.threads.for_each(fn, node.output.type.numel, element)
+
     def kernel(self, program, index: int, node: Node) -> None:
         if is_view(node):   # (only size-1 dims move: the same row-major elements)
             program.alias(node.output.name, node.inputs[0].name)

@@ -63,8 +63,8 @@ def elementwise(dtype, every_op: bool) -> Graph:
 
 def reductions(dtype, every_op: bool) -> Graph:
     """Block-level reductions over every dim, keepdim or not (`every_op`; else one), rms_norm and
-    concat over every dim, a tile regrouped and back (`every_op`), matmul (2-D, batched, broadcast
-    batch), a rank-0 tile and an i32 tile."""
+    concat over every dim, a tile regrouped and back and one transposed (`every_op`), matmul (2-D, batched,
+    broadcast batch, a weight tile transposed), a rank-0 tile and an i32 tile."""
     g = Graph(f"reductions_{dtype.name}")
     x = g.input("x", (4, 16, 64), dtype)
     w = g.input("w", (64, 32), dtype)
@@ -83,11 +83,16 @@ def reductions(dtype, every_op: bool) -> Graph:
     if every_op:   # a tile regrouped into groups of 16, normalised per group and regrouped back
         groups = b.op("reshape", b.op("accum", xt), shape=(1, 16, 4, 16))
         b.output(b.op("reshape", b.op("rms_norm", groups, dim=3, eps=1e-5), shape=(1, 16, 64)), omap=(0,))
+        b.output(b.op("transpose", b.op("accum", b.op("exp", xt)), perm=(2, 0, 1)), omap=(1,))   # [64, 4, 16]
     b.done()
     b = g.block(grid=(2,), forloop=2)
     a3, b2 = b.input(x, imap=(0,), fmap=2), b.input(w, fmap=0)
     b.output(b.op("accum", b.op("matmul", a3, b2)), omap=(0,))  # [2, 16, 32]: a batch against a matrix
     b.output(b.op("accum", b.op("matmul", b.op("sum", a3, dim=0, keepdim=True), b2)), omap=(1,))  # [1,16,32]
+    b.done()
+    b = g.block(grid=(2,), forloop=2)   # a weight stored [out, in] (its tiles along K as stored), transposed
+    a3, stored = b.input(x, imap=(0,), fmap=2), b.input(g.input("w_t", (32, 64), dtype), fmap=1)
+    b.output(b.op("accum", b.op("matmul", a3, b.op("transpose", stored, perm=(1, 0)))), omap=(0,))
     b.done()
     b = g.block(grid=(1,))
     flat = b.input(g.input("v", (64,), dtype))
