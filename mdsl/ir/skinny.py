@@ -42,6 +42,15 @@ class SkinnyShape:
     # the inputs of one value per element of K ([1, K] or [K], broadcast along X's rows) the prologue reads,
     # each loaded at the K of X's fragments (`b` of `(x - b) @ w`)
     vectors: tuple = ()
+    # node indices of the block-level transposes through which the matmuls read weights stored [N, K] (a
+    # linear layer's [out, in], its loop dim its last): each lane's loads of them run along K; () where
+    # every weight is stored [K, N]
+    transposes: tuple = ()
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the weights are stored [N, K] (read through `transposes`)."""
+        return bool(self.transposes)
 
     @property
     def left(self) -> str:
@@ -91,10 +100,11 @@ def _chunks_fit(chunks: int) -> bool:
 def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     """The block graph's skinny loop, or None: every loop node (before the accumulators close it) is a
     2-D matmul of one operand (at most 16 rows, along K its last dim) by a 2-D input weight (fmap along K,
-    its first dim) read by nothing but one `accum`; that accum; an accumulator of the operand giving one
-    value per row; or an element-wise node of the prologue, which computes the operand from the input X
-    (fmap along K) and vectors along K (`prologue_of`). Every input is X, a weight or such a vector; the
-    block's K is whole 16-row slabs; the weights' columns whole 8-column chunks."""
+    its first dim), or by the transpose of one stored [N, K] (fmap along K, its last dim; every weight
+    alike), read by nothing but one `accum`; that accum; such a transpose; an accumulator of the operand
+    giving one value per row; or an element-wise node of the prologue, which computes the operand from the
+    input X (fmap along K) and vectors along K (`prologue_of`). Every input is X, a weight or such a
+    vector; the block's K is whole 16-row slabs; the weights' columns whole 8-column chunks."""
     post = bg.post_loop_vars()
     inputs = {i.var.name: i for i in bg.inputs}
     readers: dict = {}
@@ -106,16 +116,29 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     if not matmuls:
         return None
     left = bg.nodes[matmuls[0]].inputs[0]
-    weights, sums, covered = [], [], set()
+    made = {n.outputs[0].name: j for j, n in enumerate(bg.nodes) if j in loop}
+    weights, sums, transposes, covered = [], [], [], set()
     for i in matmuls:
         a, w = bg.nodes[i].inputs
         sum_of = readers.get(bg.nodes[i].output.name, [])
-        if a.name != left.name or not _streamed(inputs.get(w.name), 0) or len(sum_of) != 1 \
-                or bg.nodes[sum_of[0]].op != "accum":
+        if a.name == w.name or a.name != left.name or len(sum_of) != 1 or bg.nodes[sum_of[0]].op != "accum":
+            return None
+        t = made.get(w.name)
+        if t is not None:   # a weight stored [N, K], transposed for the product and read by it alone
+            node = bg.nodes[t]
+            if node.op != "transpose" or tuple(node.attr("perm")) != (1, 0) or readers[w.name] != [i] \
+                    or not _streamed(inputs.get(node.inputs[0].name), 1):
+                return None
+            transposes.append(t)
+            covered.add(t)
+            w = node.inputs[0]
+        elif not _streamed(inputs.get(w.name), 0):
             return None
         weights.append(w.name)
         sums.append(sum_of[0])
         covered |= {i, sum_of[0]}
+    if transposes and len(transposes) != len(matmuls):   # one layout for all the weights
+        return None
     others = [i for i in loop if i not in covered]
     prologue = [i for i in others if not bg.nodes[i].opdef.is_accumulator]
     found = prologue_of(bg, prologue, left.name) if prologue else (left.name, ())
@@ -131,10 +154,11 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
         return None
     m, kt = left.shape
     n = bg.nodes[matmuls[0]].output.shape[-1]
-    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or any(tuple(inputs[w].var.shape) != (kt, n) for w in weights):
+    stored = (n, kt) if transposes else (kt, n)
+    if m > MAX_ROWS or (kt * bg.forloop) % SLAB or any(tuple(inputs[w].var.shape) != stored for w in weights):
         return None
     shape = SkinnyShape(x, tuple(weights), tuple(sums), tuple(rows), m, n, kt * bg.forloop, tuple(prologue),
-                        left.name if prologue else "", vectors)
+                        left.name if prologue else "", vectors, tuple(transposes))
     return shape if shape.columns_per_load() is not None else None
 
 

@@ -17,10 +17,15 @@ dealt to the warps along K, `step` of them a register buffer, two buffers in tur
 flight while the other's mmas run); the rows of the steps `lead` iterations ahead are sent to L2
 (`prefetch.global.L2`). Each warp's sums go to shared memory (`part_row` floats a row of X); the row
 accumulators of X (accum_rms's sum of squares) are folded from the X fragments the mmas read, by the
-warps of the first column group, each row's folds met over the quad, then over the warps.
+warps of the first column group, each row's folds met over the quad, then over the warps. A weight stored
+[N, K] (a linear layer's [out, in], read through a block-level transpose: `SkinnyShape.transposed`) is
+loaded along K instead: lane (g, t) loads each of its chunk's `columns_per_load` rows of N at K
+`lane_rows` t .. (8 bytes, 16 with wide_x), whose words are the mma's A fragments as they come (no byte
+permutes), and no row of it is sent to L2 ahead.
 
 `skinny_plan` says whether a block graph qualifies: every loop node is a matmul of the one operand
-(at most 16 rows) by a weight input (fmap along K) whose only reader is its `accum`, that accum, a row
+(at most 16 rows) by a weight input (fmap along K), or by the transpose of one stored [N, K], whose only
+reader is its `accum`, that accum, a row
 accumulator of the operand with a fold in `ROW_FOLDS` (accum_rms of RMSNorm+Linear), or an element-wise
 node of the *prologue*, which computes the operand from the X input (fmap along K) and from *vectors*,
 inputs of one value per element of K broadcast along X's rows ([1, K] or [K]: `x * 2.0 @ w`,
@@ -140,9 +145,10 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overla
             return None
     if len(dtypes) != 1 or not dtypes <= set(ELEMENTS):
         return None
-    fragments = (shape.x, *shape.vectors)   # loaded 8 (wide_x: 16) bytes at a time from each row
-    if any(types[name].shape[-1] % 4 for name in fragments) or \
-            any(types[w].shape[-1] % shape.columns_per_load() for w in shape.weights):
+    # loaded 8 (wide_x: 16) bytes at a time from each row; so are weights stored [N, K], along K
+    fragments = (shape.x, *shape.vectors) + (shape.weights if shape.transposed else ())
+    if any(types[name].shape[-1] % 4 for name in fragments) or (not shape.transposed and any(
+            types[w].shape[-1] % shape.columns_per_load() for w in shape.weights)):
         return None
     if any(bg.nodes[i].op not in ROW_FOLDS for i in shape.rows):
         return None
@@ -151,11 +157,12 @@ def skinny_plan(bg: BlockGraph, schedule, tensor_types: tuple, arch: int, overla
 
 
 def in_registers(bg: BlockGraph, plan: SkinnyPlan) -> frozenset:
-    """The tiles the skinny loop does not need: its inputs', the prologue's values and the matmuls' products."""
+    """The tiles the skinny loop does not need: its inputs', the prologue's values, the weights' transposes and
+    the matmuls' products."""
     shape = plan.shape
     products = {bg.nodes[i].inputs[0].name for i in shape.sums}
-    prologue = {bg.nodes[i].output.name for i in shape.prologue}
-    return frozenset({shape.x, *shape.weights, *shape.vectors} | products | prologue)
+    made = {bg.nodes[i].output.name for i in (*shape.prologue, *shape.transposes)}
+    return frozenset({shape.x, *shape.weights, *shape.vectors} | products | made)
 
 
 def scratch_bytes(plan: SkinnyPlan, warps: int) -> int:

@@ -467,8 +467,12 @@ template <typename L> __device__ __forceinline__ Prologue<L> prologue(L f) { ret
 // instructions, and of the lines each touches: one per row of X), the weights' in 8 loads of rows 8t + i.
 // VECS: vectors along K the prologue reads (`(x - b) @ w`), each broadcast along X's rows: a fragment of
 // each at X's k in every slab, loaded as a row fragment of X is.
+// WT: the weights are stored N x K (a linear layer's [out, in]; LDW: a row of N): lane (g, t) loads each of
+// its chunk's VEC rows of N at K = ROWS t .. ROWS t + ROWS - 1 (8 bytes, 16 with WIDE_X), whose words are its
+// A fragments as they come (no byte permutes); their rows are not sent to L2 ahead (the prefetches walk a
+// K x N weight's lines).
 template <typename E, int M, int N, int K, int LDX, int LDW, int WARPS, int MATS, int VEC, bool STAGGER = false,
-          int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false, int VECS = 0>
+          int LEAD = 2, bool STRADDLE = false, bool WIDE_X = false, int VECS = 0, bool WT = false>
 struct Skinny {
   static constexpr int MT = (M + 7) / 8;            // 8-row tiles of X: mmas per A fragment
   static constexpr int CHUNKS = N / VEC;            // VEC-column chunks of W
@@ -482,15 +486,17 @@ struct Skinny {
   static constexpr int STEP = 16 / (VEC * MATS * SPAN) > 0 ? 16 / (VEC * MATS * SPAN) : 1;   // steps a warp loads at once
   static constexpr int PART_LD = N + 1;             // a row of the partial sums: odd, no bank conflicts (SkinnyPlan.part_row)
   static constexpr int VS = VECS > 0 ? VECS : 1;    // the vectors' arrays (of VECS 0: one, never loaded)
+  static constexpr int WROWS = WT ? VEC : ROWS;     // rows of a weight a lane loads a step (of K; WT: of N)
+  static constexpr int WLOAD = WT ? ROWS : VEC;     // ... and the elements of each load
   static_assert(VEC == 4 || VEC == 8, "skinny: 8- or 16-byte loads");
   static_assert(M >= 1 && M <= 16 && N % VEC == 0 && K % (16 * SPAN) == 0, "skinny: M <= 16, N % VEC == 0, K whole steps");
   static_assert(!WIDE_X || LDX % 8 == 0, "skinny: rows of X aligned to 16 bytes for WIDE_X");
   static_assert(CHUNKS % GROUP == 0 && WARPS % GROUPS == 0, "skinny: column groups and warps do not divide");
-  static_assert(LDW % VEC == 0 && LDX % 4 == 0, "skinny: rows of W aligned to a load, of X to 8 bytes");
+  static_assert(LDW % WLOAD == 0 && LDX % 4 == 0, "skinny: rows of W aligned to a load, of X to 8 bytes");
   using Acc = float[MATS][MT][WORDS][4];   // [weight][X tile][mma j][fragment element]
 
   struct Slab {
-    unsigned w[MATS][ROWS][WORDS];
+    unsigned w[MATS][WROWS][WLOAD / 2];
     unsigned x[MT][2 * SPAN];   // X's row fragments: 4 (WIDE_X: 8) elements
     unsigned v[VS][2 * SPAN];   // each vector's fragment at the same k
   };
@@ -518,9 +524,9 @@ struct Skinny {
     const int k = walked(CLAMP && slab >= SLABS ? SLABS - 1 : slab) * 16 * SPAN;
 #pragma unroll
     for (int mat = 0; mat < MATS; ++mat) {
-      const E* const row = w[mat] + k * LDW;   // the next rows at constant offsets (immediates)
+      const E* const row = w[mat] + (WT ? k : k * LDW);   // the next rows at constant offsets (immediates)
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i) Streamed<VEC>::load(s.w[mat][i], row + i * LDW);
+      for (int i = 0; i < WROWS; ++i) Streamed<WLOAD>::load(s.w[mat][i], row + i * LDW);
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) load_x(s.x[mt], x[mt] + k);
@@ -559,7 +565,8 @@ struct Skinny {
   // first column (p: row ROWS t there): a group's row is at most 128 bytes, a line, or two where it STRADDLEs them
   template <bool START = false>
   static __device__ __forceinline__ void prefetch(const E* const (&p)[MATS], int first) {
-    if constexpr (LEAD == 0 && !START) return;   // no L2 prefetches in the loop: the register buffers' loads alone
+    // no L2 prefetches in the loop (the register buffers' loads alone), nor of an N x K weight's rows
+    if constexpr (WT || (LEAD == 0 && !START)) return;
     const int slab = first + (threadIdx.x % 32 / 4) % (2 * STEP) * KW;
     const int k = walked(slab < SLABS ? slab : SLABS - 1) * 16 * SPAN;
 #pragma unroll
@@ -578,11 +585,19 @@ struct Skinny {
       for (int h = 0; h < SPAN; ++h)   // WIDE_X: the step's two slabs, rows 4h .. 4h + 3 of the lane's
 #pragma unroll
       for (int j = 0; j < WORDS; ++j) {
-        const unsigned (&w)[ROWS][WORDS] = s.w[mat];
-        const unsigned a[4] = {__byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x5410),
-                               __byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x7632),
-                               __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x5410),
-                               __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x7632)};
+        const unsigned (&w)[WROWS][WLOAD / 2] = s.w[mat];
+        // rows g and g + 8 of the mma's A: columns 2j and 2j + 1 of the lane's chunk; its k: rows 4h .. 4h + 3
+        // of the lane's (WT: words 2h, 2h + 1 of its loads of those columns' rows)
+        unsigned a[4];
+        if constexpr (WT) {
+          a[0] = w[2 * j][2 * h], a[1] = w[2 * j + 1][2 * h];
+          a[2] = w[2 * j][2 * h + 1], a[3] = w[2 * j + 1][2 * h + 1];
+        } else {
+          a[0] = __byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x5410);
+          a[1] = __byte_perm(w[4 * h][j], w[4 * h + 1][j], 0x7632);
+          a[2] = __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x5410);
+          a[3] = __byte_perm(w[4 * h + 2][j], w[4 * h + 3][j], 0x7632);
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const unsigned b[2] = {x[mt][2 * h], x[mt][2 * h + 1]};   // rows past M: a copy of row M - 1, never stored
@@ -672,7 +687,8 @@ struct Skinny {
     const E* lines[MATS];
     group_rows(lines, W);
 #pragma unroll
-    for (int mat = 0; mat < MATS; ++mat) ws[mat] = W[mat] + ROWS * t * LDW + chunk() * VEC;
+    for (int mat = 0; mat < MATS; ++mat)
+      ws[mat] = WT ? W[mat] + chunk() * VEC * LDW + ROWS * t : W[mat] + ROWS * t * LDW + chunk() * VEC;
     // two register buffers in turn: one's loads in flight while the other's mmas run. The steady state
     // has no branch (every slab of both buffers exists), so that the loads stay where they are written
     // (ptxas sank them below branchy mma blocks, next to their use); the last slabs follow, each checked

@@ -28,7 +28,7 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     element = element_ctype(skinny.element)
     cls = (f"mdsl::Skinny<{element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
            f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}"
-           f"{_tail_arguments(skinny, straddles(plan, parts[plan.weights[0]].strides[0]))}>")
+           f"{_tail_arguments(skinny, not plan.transposed and straddles(plan, parts[plan.weights[0]].strides[0]))}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     for i in plan.rows:
@@ -106,13 +106,14 @@ def _rounded(value: str, dtype: str) -> str:
 
 
 def _tail_arguments(skinny: SkinnyPlan, straddle: bool) -> str:
-    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, WIDE_X, VECS), up to the last
+    """mdsl::Skinny's defaulted template arguments (STAGGER, LEAD, STRADDLE, WIDE_X, VECS, WT), up to the last
     that differs from its default (so that the sources of plans without them stay as they were, and their
     cached kernels)."""
-    vectors = len(skinny.shape.vectors)
+    vectors, transposed = len(skinny.shape.vectors), skinny.shape.transposed
     tail = [("true" if skinny.stagger else "false", skinny.stagger), (str(skinny.lead), skinny.lead != 2),
             ("true" if straddle else "false", straddle),
-            ("true" if skinny.wide_x else "false", skinny.wide_x), (str(vectors), vectors > 0)]
+            ("true" if skinny.wide_x else "false", skinny.wide_x), (str(vectors), vectors > 0),
+            ("true" if transposed else "false", transposed)]
     while tail and not tail[-1][1]:
         tail.pop()
     return "".join(f", {text}" for text, _ in tail)

@@ -22,7 +22,10 @@ same order:
   8t + 7: 8 weight rows a weight, X's fragments of both slabs in one 16-byte load (words 2h, 2h + 1 for the
   mmas of slab h, which take weight rows 4h .. 4h + 3 of the lane's);
 * with a prologue reading vectors along K (`(x - b) @ w`): each vector's fragment at X's k (loaded as a
-  row of X is, one for all its rows) in every slab of the register buffers beside X's.
+  row of X is, one for all its rows) in every slab of the register buffers beside X's;
+* with weights stored [N, K] (`SkinnyShape.transposed`): lane (g, t) loads each of its chunk's VEC rows of N
+  at K = rows t .. rows t + rows - 1 (8 bytes, wide_x 16), whose words are its A fragments as they come (no
+  byte permutes), and no weight row is sent to L2 ahead.
 """
 from __future__ import annotations
 
@@ -93,6 +96,9 @@ class SkinnyLoop:
         self.ws, self.lines = [], []
         for name in shape.weights:
             w = parts[name]
+            if shape.transposed:   # the chunk's first row of N, at K = rows t
+                self.ws.append(fn.address(w, b.add(b.mul(self.chunk, i32(self.vec * self.ldw)), rows_t)))
+                continue
             self.ws.append(fn.address(w, b.add(first_row, b.mul(self.chunk, i32(self.vec)))))
             self.lines.append(fn.address(w, b.add(first_row, b.mul(group_of_warp, i32(self.group * self.vec)))))
 
@@ -105,9 +111,9 @@ class SkinnyLoop:
             return ptr if offset == 0 else b.gep(ptr, [i32(offset)], inbounds=True, source_etype=self.etype)
         return b.gep(ptr, [b.zext(offset, I64)], inbounds=True, source_etype=self.etype)
 
-    def _streamed(self, ptr) -> list:
-        """A weight row's VEC columns: `ld.global.nc.L1::no_allocate` (the prelude's Streamed<VEC>)."""
-        n = self.words
+    def _streamed(self, ptr, n: int) -> list:
+        """`n` words of a weight's row (VEC columns, or with the weights stored [N, K] a lane's rows of K):
+        `ld.global.nc.L1::no_allocate` (the prelude's Streamed)."""
         regs = ",".join(f"${k}" for k in range(n))
         words = self.fn.b.asm(ir.FunctionType(_WORD_STRUCTS[n], [ptr.type]),
                               f"ld.global.nc.L1::no_allocate.v{n}.u32 {{{regs}}}, [${n}];",
@@ -132,8 +138,12 @@ class SkinnyLoop:
         k = self._k(slab)
         w = []
         for ws in self.ws:
+            if self.shape.transposed:   # the chunk's VEC rows of N, each at the step's K
+                row = self._at(ws, k)
+                w.append([self._streamed(self._at(row, i * self.ldw), self.rows // 2) for i in range(self.vec)])
+                continue
             row = self._at(ws, b.mul(k, i32(self.ldw)))   # the next rows at constant offsets (immediates)
-            w.append([self._streamed(self._at(row, i * self.ldw)) for i in range(self.rows)])
+            w.append([self._streamed(self._at(row, i * self.ldw), self.words) for i in range(self.rows)])
         words = 2 * self.span
 
         def fragment(at) -> tuple:   # read-only: ld.global.nc.v2 (wide_x: .v4, both slabs' fragments)
@@ -146,7 +156,8 @@ class SkinnyLoop:
         """The weight rows of the 2 STEP slabs first, first + KW, ... sent to L2: lane (g, t) takes rows
         rows t .. rows t + rows - 1 of slab g % (2 STEP), from its column group's first column (a line)."""
         fn, b = self.fn, self.fn.b
-        if self.skinny.lead == 0 and not start:   # no L2 prefetches in the loop (CudaOptions.lead 0)
+        # no L2 prefetches in the loop (CudaOptions.lead 0), nor of a weight stored [N, K]
+        if (self.skinny.lead == 0 and not start) or self.shape.transposed:
             return
         slab = b.add(first, b.mul(b.urem(self.g, i32(2 * self.step)), i32(self.kw_warps)))
         k = self._k(b.select(b.icmp_unsigned("<", slab, i32(self.slabs)), slab, i32(self.slabs - 1)))
@@ -170,9 +181,14 @@ class SkinnyLoop:
         for mat in range(self.mats):
             for h in range(self.span):   # wide_x: the step's two slabs, rows 4h .. 4h + 3 of the lane's
                 for j in range(self.words):
-                    rows = [w[mat][4 * h + i][j] for i in range(4)]
-                    a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
-                         self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
+                    # rows g and g + 8 of the mma's A: columns 2j, 2j + 1 of the lane's chunk, k its rows 4h ..
+                    if self.shape.transposed:   # words 2h, 2h + 1 of its loads of those columns' rows
+                        a = [w[mat][2 * j][2 * h], w[mat][2 * j + 1][2 * h],
+                             w[mat][2 * j][2 * h + 1], w[mat][2 * j + 1][2 * h + 1]]
+                    else:
+                        rows = [w[mat][4 * h + i][j] for i in range(4)]
+                        a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
+                             self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
                     for mt in range(self.mt):   # X's words 2h, 2h + 1 (rows past M: a copy of row M - 1)
                         d = acc[mat][mt][j]
                         out = self.fn.mma_m16n8k16(self.dtype, a, list(x[mt][2 * h:2 * h + 2]), [v.get() for v in d])

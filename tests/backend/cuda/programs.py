@@ -84,7 +84,8 @@ _SEARCHED = {
 SKINNY_PROGRAMS = ("gated_mlp", "gated_mlp_split", "rms_norm_linear_48_columns", "rms_norm_linear_5_rows_65_slabs",
                    "rms_norm_linear_bs1", "rms_norm_linear_bs8", "rms_norm_linear_bs8_24_columns",
                    "rms_norm_linear_bs8_64_columns", "rms_norm_linear_bs8_bf16", "prologue_rms_norm_linear_bs8",
-                   "vector_prologue_linear_bs1", "vector_prologue_rms_norm_linear_bs16_bf16")
+                   "vector_prologue_linear_bs1", "vector_prologue_rms_norm_linear_bs16_bf16",
+                   "transposed_rms_norm_linear_bs4", "transposed_gated_mlp_bs8")
 
 
 @functools.cache
@@ -93,6 +94,7 @@ def skinny_program(name: str) -> KernelGraph:
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
     from tests.gpu.harness import with_dtype
+    from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny
     from tests.ir.skinny_texts import prologue_linear, rms_norm_linear, vector_prologue_linear
 
     if name in _SEARCHED:
@@ -107,6 +109,10 @@ def skinny_program(name: str) -> KernelGraph:
         return parse_graph(vector_prologue_linear(1, 32, blocks=256, k=8192, forloop=64))
     if name == "vector_prologue_rms_norm_linear_bs16_bf16":   # rms_norm(x * g) @ w, g [4096]
         return parse_graph(vector_prologue_linear(16, 32, body="mul_rms", dtype="bf16", rank=1))
+    if name == "transposed_rms_norm_linear_bs4":   # rms_norm(x) @ transpose(w), w stored [4096, 4096] ([out, in])
+        return rms_norm_linear_skinny(4, 8, columns=4096, blocks=64, k=4096, transposed=True)
+    if name == "transposed_gated_mlp_bs8":   # two weights stored [2048, 2048], K split over 2 blocks, combined
+        return gated_mlp_skinny(rows=8, k=2048, columns=2048, blocks=32, splits=2, forloop=8, transposed=True)
     if name == "rms_norm_linear_48_columns":
         return parse_graph(rms_norm_linear(16, 48, blocks=128, k=1024, forloop=16))
     return guided_plan({"rms_norm_linear_bs1": "rms_norm_linear.rms_norm_linear", "rms_norm_linear_bs8": _RNL8,

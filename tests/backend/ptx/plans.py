@@ -94,19 +94,21 @@ def split_attention(qknorm: bool, heads: int = 1, queries: int = 32, kv_len: int
 
 
 def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks: int = 96, k: int = 4096,
-                           dtype=None) -> KernelGraph:
+                           dtype=None, transposed: bool = False) -> KernelGraph:
     """RMSNorm + Linear as one kernel of `blocks` blocks, each a slice of the weight's columns over a loop of
     `forloop` K tiles: the tuning variants the autotuner runs the skinny loop on in the
     kernel benchmark (rms_norm_linear_bs1: 2 rows, 96 blocks x 8 iterations; bs8: 16 rows, 96 x 64), op
-    for op; smaller shapes for the CPU simulator."""
+    for op; smaller shapes for the CPU simulator. `transposed`: the weight stored [columns, k] (a linear
+    layer's [out, in]), its tiles transposed in the block."""
     from mdsl.ir.dtypes import f16
     from tests.backend.cuda.builder import Graph
 
     dtype = dtype or f16
     g = Graph(f"rms_norm_linear_skinny_{rows}x{k}x{columns}_{dtype.name}")
-    x, w = g.input("x", (rows, k), dtype), g.input("w", (k, columns), dtype)
+    x, w = g.input("x", (rows, k), dtype), g.input("w", (columns, k) if transposed else (k, columns), dtype)
     b = g.block(grid=(blocks,), forloop=forloop, threads=128)
-    xt, wt = b.input(x, imap=(None,), fmap=1), b.input(w, imap=(1,), fmap=0)
+    xt = b.input(x, imap=(None,), fmap=1)
+    wt = b.op("transpose", b.input(w, imap=(0,), fmap=1), perm=(1, 0)) if transposed else b.input(w, imap=(1,), fmap=0)
     norm = b.op("accum_rms", xt, eps=1e-6)
     b.output(b.op("div", b.op("accum", b.op("matmul", xt, wt)), norm), omap=(1,))
     b.done()
@@ -114,20 +116,27 @@ def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks:
 
 
 def gated_mlp_skinny(rows: int = 8, k: int = 4096, columns: int = 4096, blocks: int = 64, splits: int = 2,
-                     forloop: int = 32, dtype=None) -> KernelGraph:
+                     forloop: int = 32, dtype=None, transposed: bool = False) -> KernelGraph:
     """Gated MLP as the autotuner's tuned variant (64 x 2 blocks x 32 iterations, then 128 blocks
     combining the 2 K splits with silu and the gate's product), op for op: the first kernel is a skinny
-    loop of two weights."""
+    loop of two weights (`transposed`: stored [columns, k])."""
     from mdsl.ir.dtypes import f16, f32
     from tests.backend.cuda.builder import Graph
 
     dtype = dtype or f16
     g = Graph(f"gated_mlp_skinny_{rows}x{k}x{columns}_{dtype.name}")
     x = g.input("x", (rows, k), dtype)
-    w1, w2 = g.input("w1", (k, columns), dtype), g.input("w2", (k, columns), dtype)
+    stored = (columns, k) if transposed else (k, columns)
+    w1, w2 = g.input("w1", stored, dtype), g.input("w2", stored, dtype)
     b = g.block(grid=(blocks, splits), forloop=forloop, threads=128)
     xt = b.input(x, imap=(None, 1), fmap=1)
-    sums = [b.op("accum", b.op("matmul", xt, b.input(w, imap=(1, 0), fmap=0))) for w in (w1, w2)]
+
+    def weight(w):
+        if transposed:
+            return b.op("transpose", b.input(w, imap=(0, 1), fmap=1), perm=(1, 0))
+        return b.input(w, imap=(1, 0), fmap=0)
+
+    sums = [b.op("accum", b.op("matmul", xt, weight(w))) for w in (w1, w2)]
     for s in sums:
         b.output(b.op("cast", s, dtype=f32), omap=(1, 0))
     gate, up = b.done()

@@ -115,6 +115,12 @@ SIMULATED = {
     "vector-sub-bf16": (_vector_prologue(3, 384, 64, 2, 3, "sub", dtype=bf16), None),
     "vector-mul": (_vector_prologue(4, 512, 64, 2, 4, "mul", rank=1), None),
     "vector-mul-bf16-norm": (_vector_prologue(16, 384, 64, 2, 3, "mul", dtype=bf16, rank=1, norm=True), None),
+    # weights stored [N, K] (a linear layer's [out, in]), loaded along K: 16- and 8-byte chunks, two weights
+    "transposed-rows-2-tail": (rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640, transposed=True), None),
+    "transposed-8-byte-loads-bf16": (rms_norm_linear_skinny(4, 2, columns=64, blocks=2, k=384, dtype=bf16,
+                                                            transposed=True), None),
+    "transposed-two-weights": (gated_mlp_skinny(rows=8, k=512, columns=128, blocks=2, splits=2, forloop=4,
+                                                transposed=True), None),
 }
 
 
@@ -208,11 +214,13 @@ def test_a_longer_prefetch_lead_on_the_simulator(name):
 #: what else changes its code: (program, options beside wide_x). M > 8; two weights (one step a buffer)
 #: with staggered walks; 8-byte loads (two steps a buffer) with a lead of 4; the row accumulators folding
 #: all 4 words of X's fragments, overlapping; lead 0 at an overlapping start (its prefetches alone); a
-#: prologue's vectors along K in 16-byte loads, overlapping, and staggered with a row fold
+#: prologue's vectors along K in 16-byte loads, overlapping, and staggered with a row fold; weights stored
+#: [N, K], each lane's loads of them 16 bytes along K, overlapping and staggered
 WIDE = [("rows-2-tail", {}), ("rows-16-bf16-threads-256", {}), ("two-weights", {"stagger": True}),
         ("8-byte-loads", {"lead": 4}), ("row-sums", {"overlap": True}),
         ("rows-3-two-groups", {"lead": 0, "overlap": True}), ("vector-sub", {"overlap": True}),
-        ("vector-mul-bf16-norm", {"stagger": True})]
+        ("vector-mul-bf16-norm", {"stagger": True}), ("transposed-8-byte-loads-bf16", {"overlap": True}),
+        ("transposed-two-weights", {"stagger": True, "lead": 0})]
 
 
 @needs_simulator
