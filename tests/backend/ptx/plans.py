@@ -108,7 +108,10 @@ def rms_norm_linear_skinny(rows: int, forloop: int, columns: int = 6144, blocks:
     x, w = g.input("x", (rows, k), dtype), g.input("w", (columns, k) if transposed else (k, columns), dtype)
     b = g.block(grid=(blocks,), forloop=forloop, threads=128)
     xt = b.input(x, imap=(None,), fmap=1)
-    wt = b.op("transpose", b.input(w, imap=(0,), fmap=1), perm=(1, 0)) if transposed else b.input(w, imap=(1,), fmap=0)
+    if transposed:
+        wt = b.op("transpose", b.input(w, imap=(0,), fmap=1), perm=(1, 0))
+    else:
+        wt = b.input(w, imap=(1,), fmap=0)
     norm = b.op("accum_rms", xt, eps=1e-6)
     b.output(b.op("div", b.op("accum", b.op("matmul", xt, wt)), norm), omap=(1,))
     b.done()

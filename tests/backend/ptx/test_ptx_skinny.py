@@ -303,3 +303,23 @@ def test_overlap_and_stagger_match_the_cuda_kernels(name, overlap, stagger, lead
         for pattern in SKINNY_LOOP if wide_x else (r"CCTL\.E\.PF2",):
             assert count_matching(ours, pattern) == count_matching(theirs, pattern), \
                 f"{where}: {count_matching(ours, pattern)} {pattern}, CUDA {count_matching(theirs, pattern)}"
+
+
+@needs_tools
+def test_weights_stored_n_by_k_load_as_the_cuda_kernel_does():
+    """A weight stored [N, K] (its rows streamed along K), in steps of two slabs (which leave no slab to the
+    tail here): the PTX kernel, whose numbers the simulator checks above, has the CUDA kernel's weight and X
+    loads, mmas and permutes (none for the weight's fragments), and neither sends a weight row to L2 ahead."""
+    graph = rms_norm_linear_skinny(2, 8, columns=6144, blocks=96, k=4096, transposed=True)
+    options = CudaOptions(skinny=True, overlap=True, wide_x=True)
+    cuda_program = emit_cuda(graph, arch=ARCH, options=options)
+    assert re.search(r"mdsl::Skinny<[^<>]*, true>", cuda_program.source), "WT (mdsl::Skinny's last argument) not set"
+    theirs_by_kernel = kernel_instructions(compile_cuda(cuda_program.source, arch=ARCH).cubin)
+    ours_by_kernel = kernel_instructions(
+        assembled_module(emit_llvm(graph, arch=ARCH, options=options).llvm_ir)[1].cubin)
+    for kernel, theirs in theirs_by_kernel.items():
+        ours = ours_by_kernel[kernel]
+        for pattern in SKINNY_LOOP:
+            mine, cuda = count_matching(ours, pattern), count_matching(theirs, pattern)
+            assert mine == cuda, f"{kernel}: {mine} {pattern}, CUDA {cuda}"
+        assert count_matching(theirs, r"HMMA\.16816\.F32") > 0 and count_matching(theirs, r"CCTL\.E\.PF2") == 0
