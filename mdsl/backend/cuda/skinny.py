@@ -26,9 +26,9 @@ def emit_skinny(b, bg: BlockGraph, skinny: SkinnyPlan, parts: dict, scratch_offs
     x_part = parts[plan.x]
     x_ptr, w_ptrs = x_part.ptr, [parts[name].ptr for name in plan.weights]
     element = element_ctype(skinny.element)
-    cls = (f"mdsl::Skinny<{element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, "
-           f"{parts[plan.weights[0]].strides[0]}, {warps}, {mats}, {plan.columns_per_load()}"
-           f"{_tail_arguments(skinny, not plan.transposed and straddles(plan, parts[plan.weights[0]].strides[0]))}>")
+    ldw = parts[plan.weights[0]].strides[0]
+    cls = (f"mdsl::Skinny<{element}, {plan.m}, {plan.n}, {k}, {x_part.strides[0]}, {ldw}, {warps}, {mats}, "
+           f"{plan.columns_per_load()}{_tail_arguments(skinny, not plan.transposed and straddles(plan, ldw))}>")
     w(f"// skinny loop: X %{plan.x} ({plan.m} rows) times {mats} weight(s) streamed from device memory, "
       f"K = {k} split over {kw} warp(s) along K")
     for i in plan.rows:
