@@ -121,7 +121,7 @@ def skinny_shape(bg: BlockGraph) -> Optional[SkinnyShape]:
     for i in matmuls:
         a, w = bg.nodes[i].inputs
         sum_of = readers.get(bg.nodes[i].output.name, [])
-        if a.name == w.name or a.name != left.name or len(sum_of) != 1 or bg.nodes[sum_of[0]].op != "accum":
+        if a.name != left.name or len(sum_of) != 1 or bg.nodes[sum_of[0]].op != "accum":
             return None
         t = made.get(w.name)
         if t is not None:   # a weight stored [N, K], transposed for the product and read by it alone

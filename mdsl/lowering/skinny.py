@@ -25,10 +25,10 @@ permutes), and no row of it is sent to L2 ahead.
 
 `skinny_plan` says whether a block graph qualifies: every loop node is a matmul of the one operand
 (at most 16 rows) by a weight input (fmap along K), or by the transpose of one stored [N, K], whose only
-reader is its `accum`, that accum, a row
-accumulator of the operand with a fold in `ROW_FOLDS` (accum_rms of RMSNorm+Linear), or an element-wise
-node of the *prologue*, which computes the operand from the X input (fmap along K) and from *vectors*,
-inputs of one value per element of K broadcast along X's rows ([1, K] or [K]: `x * 2.0 @ w`,
+reader is its `accum`, that accum, such a transpose, a row accumulator of the operand with a fold in
+`ROW_FOLDS` (accum_rms of RMSNorm+Linear), or an element-wise node of the *prologue*, which computes
+the operand from the X input (fmap along K) and from *vectors*, inputs of one value per element of K
+broadcast along X's rows ([1, K] or [K]: `x * 2.0 @ w`,
 `rms_norm(silu(x)) @ w`, `(x - b) @ w`, `(x * g) @ w`). Nothing is hoisted, every input is X, a weight or
 a vector. A vector's fragment is loaded beside X's, at the same K (lane t's elements ROWS t .. of the
 step, one load for all of X's rows), into the same register buffer. The prologue runs on X's fragments

@@ -331,7 +331,7 @@ class Partition:
         if (blocked is None or blocked.op in HANDLED) and any(n.op in HANDLED for n in nodes):
             part.wrapped = boundary_views(program, LIFT_RULES)
         if blocked is not None and part.wrapped is None:
-            part.status, part.reason = UNLIFTABLE, _unliftable(blocked, self.graph)
+            part.status, part.reason = UNLIFTABLE, _unliftable(blocked)
         elif not _connected(nodes):
             part.status, part.reason = DISCONNECTED, "the kernels share no tensor"
         elif self.max_flops is not None and estimate(program).flops > self.max_flops:
@@ -473,7 +473,7 @@ def _lone(graph: KernelGraph, i: int) -> KernelGraph:
     return KernelGraph(f"{graph.name}_node{i}", ins, [node], list(node.outputs))
 
 
-def _unliftable(node: Node, graph: KernelGraph) -> str:
+def _unliftable(node: Node) -> str:
     what = "a layout change" if node.opdef.category == "layout" else f"a {node.opdef.category} operator"
     return f"{node.op} %{node.outputs[0].name} is {what} without a block-level rule: it runs as a kernel of its own"
 
