@@ -14,8 +14,9 @@ Inside a block graph every value has one more leading axis, the *block axis* (on
 operator runs once per iteration for all blocks rather than once per block. Rules need not know: the walk
 hands them nodes whose non-negative `dim` attributes count past the block axis (and whose `shape` attribute, a
 reshape's, has the block axis in front, as has a transpose's `perm`), and operands of one rank (size-1 axes
-inserted after the block axis, where numpy's broadcasting would put them before it). A tile that every block reads whole is read once, with a
-block axis of size 1 that broadcasts, so that what derives from it alone is computed once, not once per block.
+inserted after the block axis, where numpy's broadcasting would put them before it). A tile that every block
+reads whole is read once, with a block axis of size 1 that broadcasts, so that what derives from it alone is
+computed once, not once per block.
 Accumulators get, for each iteration, their inputs with the block axis; they stack the iterations on a new
 axis 0 and reduce it and axes counted from the end, which the block axis does not move.
 """

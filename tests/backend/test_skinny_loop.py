@@ -16,10 +16,11 @@ SKINNY = CudaOptions(skinny=True)
 #: weight loads that bypass L1
 MARKER = {"cuda": "Skinny<", "ptx": "ld.global.nc.L1::no_allocate"}
 #: programs whose first kernel qualifies: the benchmark plan of RMSNorm + Linear at batch 8, and a small
-#: one (2 rows, 64 columns a block, K = 640)
+#: one (2 rows, 64 columns a block, K = 640), its weight stored [K, N] and [N, K]
 QUALIFYING = {"rms_norm_linear_bs8": lambda: skinny_program("rms_norm_linear_bs8"),
               "small": lambda: rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640),
-              "small-transposed": lambda: rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640, transposed=True)}
+              "small-transposed": lambda: rms_norm_linear_skinny(2, 2, columns=128, blocks=2, k=640,
+                                                                 transposed=True)}
 
 
 @pytest.mark.parametrize("name", sorted(QUALIFYING))
@@ -54,7 +55,8 @@ def test_weights_of_both_layouts_in_one_loop_keep_the_tile_loop():
         xt = b.input(x, imap=(None,), fmap=1)
         for k, transposed in enumerate(layouts):
             if transposed:
-                w = b.op("transpose", b.input(g.input(f"w{k}", (128, 256), mdsl.f16), imap=(0,), fmap=1), perm=(1, 0))
+                stored = b.input(g.input(f"w{k}", (128, 256), mdsl.f16), imap=(0,), fmap=1)
+                w = b.op("transpose", stored, perm=(1, 0))
             else:
                 w = b.input(g.input(f"w{k}", (256, 128), mdsl.f16), imap=(1,), fmap=0)
             b.output(b.op("accum", b.op("matmul", xt, w)), omap=(1,))

@@ -187,8 +187,8 @@ class SkinnyLoop:
                              w[mat][2 * j][2 * h + 1], w[mat][2 * j + 1][2 * h + 1]]
                     else:
                         rows = [w[mat][4 * h + i][j] for i in range(4)]
-                        a = [self._permute(rows[0], rows[1], LOW_HALVES), self._permute(rows[0], rows[1], HIGH_HALVES),
-                             self._permute(rows[2], rows[3], LOW_HALVES), self._permute(rows[2], rows[3], HIGH_HALVES)]
+                        a = [self._permute(rows[r], rows[r + 1], selector)
+                             for r in (0, 2) for selector in (LOW_HALVES, HIGH_HALVES)]
                     for mt in range(self.mt):   # X's words 2h, 2h + 1 (rows past M: a copy of row M - 1)
                         d = acc[mat][mt][j]
                         out = self.fn.mma_m16n8k16(self.dtype, a, list(x[mt][2 * h:2 * h + 2]), [v.get() for v in d])

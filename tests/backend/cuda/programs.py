@@ -93,8 +93,8 @@ def skinny_program(name: str) -> KernelGraph:
     """One of SKINNY_PROGRAMS, built on first use (most are searched: tests/shared.py)."""
     from mdsl.ir.dtypes import bf16, f16
     from mdsl.ir.text import parse_graph
-    from tests.gpu.harness import with_dtype
     from tests.backend.ptx.plans import gated_mlp_skinny, rms_norm_linear_skinny
+    from tests.gpu.harness import with_dtype
     from tests.ir.skinny_texts import prologue_linear, rms_norm_linear, vector_prologue_linear
 
     if name in _SEARCHED:
